@@ -1,0 +1,428 @@
+"""Triton paged attention for a mixed prefill/decode batch (one unified kernel).
+
+Work decomposition
+------------------
+Program ``(tile, kv_head, segment)`` handles ``BLOCK_Q`` consecutive new tokens of ONE sequence
+times the ``QPK = num_heads // num_kv_heads`` query heads that share ``kv_head``: its
+``BLOCK_M = BLOCK_Q * QPK`` (rounded up to a power of two) query rows all read the same K/V
+tiles, so grouped-query attention costs one KV read per group.  Tiles are numbered per sequence
+from ``query_start_loc[i] // BLOCK_Q + i``, which upper-bounds every sequence's tile count without a
+host sync; a program finds its sequence with a binary search over ``query_start_loc`` and exits
+if it lies past its sequence's last tile.
+
+Each program walks the sequence's keys ``TILE_N`` at a time, translating key position ``j`` into
+``block_tables[seq, j // BLOCK_SIZE]`` and slot ``j % BLOCK_SIZE`` (a scalar lookup per tile when
+``TILE_N <= BLOCK_SIZE``), with an fp32 online softmax in base 2.  Only keys up to the tile's
+causal horizon are visited; tiles entirely below the horizon of every row skip all masking.
+
+For decode-heavy batches with few ``(sequence, kv_head)`` pairs the key range is further split
+into ``NUM_SEGMENTS`` parts (flash-decoding): each writes an unnormalised partial result plus its
+running max and sum to fp32 scratch, and ``_merge_segments_kernel`` combines them.
+
+All pointer offsets are int64.  Masked loads never touch slots outside ``[0, seq_len)`` of the
+sequence's own blocks, so stale or NaN data in the pool cannot leak into the output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import MAX_BLOCK_SIZE, SUPPORTED_DTYPES, is_power_of_two, next_power_of_two
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    tile,
+    BLOCK_Q: tl.constexpr,
+):
+    """Largest i < num_seqs with query_start_loc[i] // BLOCK_Q + i <= tile (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i,  # running state: [BLOCK_M, HEAD_PAD], [BLOCK_M], [BLOCK_M] fp32
+    q,  # [BLOCK_M, HEAD_PAD] query rows (cast for the dot already)
+    k_base, v_base,  # cache pointers advanced to this kv head
+    bt_row_ptr,  # [max_blocks_per_seq] block table of this sequence
+    t,  # key tile index
+    seq_len, row_pos,  # scalar; [BLOCK_M] causal horizon of each row (last key it may see)
+    qk_scale,  # softmax scale * log2(e)
+    stride_c_blk, stride_c_slot,  # cache strides (same for K and V)
+    offs_d,  # [HEAD_PAD]
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    offs_n = tl.arange(0, TILE_N).to(tl.int64)
+    key_pos = t * TILE_N + offs_n  # [TILE_N] int64 (t < 2**31 / TILE_N since seq_len is int32)
+    if TILE_N <= BLOCK_SIZE:
+        # the whole tile sits inside one cache block: one scalar table lookup
+        blk = tl.load(bt_row_ptr + (t * TILE_N) // BLOCK_SIZE).to(tl.int64)
+        slot_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot  # [TILE_N]
+    else:
+        if MASKED:
+            blk = tl.load(bt_row_ptr + key_pos // BLOCK_SIZE, mask=key_pos < seq_len, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row_ptr + key_pos // BLOCK_SIZE).to(tl.int64)
+        slot_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
+
+    k_ptrs = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
+    v_ptrs = v_base + slot_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
+    if MASKED:
+        key_ok = key_pos < seq_len
+        if HEAD_PAD != HEAD_SIZE:
+            k = tl.load(k_ptrs, mask=key_ok[None, :] & (offs_d[:, None] < HEAD_SIZE), other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        if HEAD_PAD != HEAD_SIZE:
+            k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_SIZE, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_SIZE, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
+    if MASKED:
+        visible = key_pos[None, :] <= row_pos[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_size] (written when NUM_SEGMENTS == 1)
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_PAD] fp32 (NUM_SEGMENTS > 1)
+    part_ml_ptr,  # [2, num_tokens, num_heads, NUM_SEGMENTS] fp32: running max (log2), sum
+    q_ptr,  # [num_tokens, num_heads, head_size]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    qk_scale,  # float: scale * log2(e)
+    num_seqs, num_tokens, num_heads,
+    stride_q_tok, stride_q_head,
+    stride_o_tok, stride_o_head,
+    stride_c_blk, stride_c_slot, stride_c_head,  # shared by K and V caches (checked by the launcher)
+    stride_bt_seq,
+    QPK: tl.constexpr,  # query heads per kv head
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    segment = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    tok_in_chunk = q_tile * BLOCK_Q + offs_m // QPK  # [BLOCK_M]
+    head = kv_head * QPK + offs_m % QPK  # [BLOCK_M] int64
+    row_ok = (offs_m < BLOCK_Q * QPK) & (tok_in_chunk < q_len)
+    tok = (q_start + tok_in_chunk).to(tl.int64)
+    row_pos = context_len + tok_in_chunk  # last key position each row may attend to
+
+    q_ptrs = q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # keys this tile needs: [0, kv_end); tiles below `full` need no mask for any row
+    last_tok = tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    kv_end = context_len + last_tok
+    num_kv_tiles = tl.cdiv(kv_end, TILE_N)
+    full = (context_len + q_tile * BLOCK_Q + 1) // TILE_N
+    if NUM_SEGMENTS > 1:
+        per_seg = tl.cdiv(num_kv_tiles, NUM_SEGMENTS)
+        t_lo = segment * per_seg
+        t_hi = tl.minimum(t_lo + per_seg, num_kv_tiles)
+    else:
+        t_lo = 0
+        t_hi = num_kv_tiles
+    t_mid = tl.maximum(tl.minimum(full, t_hi), t_lo)
+
+    k_base = k_cache_ptr + kv_head * stride_c_head
+    v_base = v_cache_ptr + kv_head * stride_c_head
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(t_lo, t_mid):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+            stride_c_blk, stride_c_slot, offs_d,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC,
+        )
+    for t in range(t_mid, t_hi):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+            stride_c_blk, stride_c_slot, offs_d,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC,
+        )
+
+    if NUM_SEGMENTS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_SIZE))
+    else:
+        part_row = (tok * num_heads + head) * NUM_SEGMENTS + segment  # [BLOCK_M] int64
+        tl.store(part_acc_ptr + part_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        ml_plane = num_tokens.to(tl.int64) * num_heads * NUM_SEGMENTS
+        tl.store(part_ml_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ml_plane + part_row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_PAD] fp32
+    part_ml_ptr,  # [2, num_tokens, num_heads, NUM_SEGMENTS] fp32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs, num_tokens, num_heads,
+    stride_o_tok, stride_o_head,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding token past the last sequence: no partials were written
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row = (tok * num_heads + head) * NUM_SEGMENTS + offs_s  # [NUM_SEGMENTS]
+    ml_plane = num_tokens.to(tl.int64) * num_heads * NUM_SEGMENTS
+    m = tl.load(part_ml_ptr + row)
+    l = tl.load(part_ml_ptr + ml_plane + row)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # empty segments: exp2(-inf) = 0
+    total = tl.sum(l * w, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :])  # [NUM_SEGMENTS, HEAD_PAD]
+    o = tl.sum(acc * w[:, None], 0) / total
+    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_SIZE)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile choices of one launch (all powers of two)."""
+
+    block_m: int  # query rows per program (BLOCK_Q tokens x QPK heads, padded)
+    tile_n: int  # keys per inner iteration
+    num_segments: int  # KV splits (1 = no split, no merge kernel)
+    num_warps: int
+    num_stages: int
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def choose_config(
+    *,
+    qpk: int,
+    head_pad: int,
+    elem_size: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_sms: int,
+) -> AttentionConfig:
+    """Heuristic tile choice: small query tiles + KV splitting for decode, big tiles for prefill."""
+    min_m = max(16, next_power_of_two(qpk))
+    if max_query_len * qpk <= min_m:
+        # decode (or tiny chunks): memory bound; split the keys until the GPU is full
+        block_m = min_m
+        tile_n = 64 if elem_size <= 2 else 32
+        programs = num_seqs * num_kv_heads
+        kv_tiles = max(1, math.ceil(max_seq_len / tile_n))
+        segments = 1
+        while segments < 64 and programs * segments < 2 * num_sms and kv_tiles >= 4 * segments * 2:
+            segments *= 2
+        return AttentionConfig(block_m, tile_n, segments, num_warps=4, num_stages=3)
+    if max_query_len * qpk <= 64:
+        return AttentionConfig(max(min_m, 64), 64 if elem_size <= 2 else 32, 1, num_warps=4, num_stages=3)
+    if elem_size > 2 or head_pad > 128:
+        return AttentionConfig(max(min_m, 64), 32, 1, num_warps=4, num_stages=2)
+    return AttentionConfig(max(min_m, 128), 64, 1, num_warps=8, num_stages=3)
+
+
+def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache/value_cache must both be [num_blocks, block_size, num_kv_heads, head_size], "
+            f"got {tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        )
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key_cache and value_cache strides differ: {key_cache.stride()} vs {value_cache.stride()}")
+    _, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, cache_head_size = key_cache.shape
+    if cache_head_size != head_size:
+        raise ValueError(f"cache head_size {cache_head_size} != query head_size {head_size}")
+    if head_size < 16:
+        raise ValueError(f"head_size must be >= 16, got {head_size}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if not is_power_of_two(block_size) or block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be a power of two <= {MAX_BLOCK_SIZE}, got {block_size}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} not supported (use one of {SUPPORTED_DTYPES})")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(f"cache dtypes {key_cache.dtype}/{value_cache.dtype} must equal query dtype {query.dtype}")
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride {t.stride(-1)})")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be a contiguous 1-D tensor, got shape {tuple(seq_lens.shape)}")
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1 or not query_start_loc.is_contiguous():
+        raise ValueError(f"query_start_loc must be contiguous [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks] with stride 1 rows, got {tuple(block_tables.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:
+            raise ValueError(f"out must match query's shape/dtype/device with stride-1 last dim, got {tuple(out.shape)} {out.dtype}")
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
+    config: AttentionConfig | None = None,
+    num_segments: int | None = None,
+) -> torch.Tensor:
+    """Launch the unified paged-attention kernel; semantics as ``ref_paged_attention``.
+
+    ``max_query_len``/``max_seq_len`` only steer the tile heuristic; pass them to avoid a
+    device-to-host sync.  ``config``/``num_segments`` override the heuristic (tests, benchmarks).
+    Output rows of tokens past ``query_start_loc[-1]`` (batch padding) are left unwritten.
+    """
+    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    qpk = num_heads // num_kv_heads
+    head_pad = max(16, next_power_of_two(head_size))
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    if config is None:
+        config = choose_config(
+            qpk=qpk, head_pad=head_pad, elem_size=query.element_size(), num_seqs=num_seqs,
+            num_kv_heads=num_kv_heads, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            num_sms=_num_sms(query.device),
+        )
+    if num_segments is not None:
+        config = replace(config, num_segments=num_segments)
+    if not (is_power_of_two(config.block_m) and is_power_of_two(config.tile_n) and is_power_of_two(config.num_segments)):
+        raise ValueError(f"config sizes must be powers of two: {config}")
+    if config.block_m < qpk or config.tile_n < 16 or config.block_m < 16:
+        raise ValueError(f"config too small for qpk={qpk}: {config}")
+    block_q = config.block_m // qpk
+    segs = config.num_segments
+
+    interp = _interpreting()
+    dot_fp32 = query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16)
+    dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
+    if segs > 1:
+        part_acc = torch.empty((num_tokens, num_heads, segs, head_pad), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((2, num_tokens, num_heads, segs), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, segs)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        float(scale) * LOG2E, num_seqs, num_tokens, num_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=config.tile_n,
+        BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs, DOT_FP32=dot_fp32, DOT_PREC=dot_prec,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if segs > 1:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, query_start_loc, num_seqs, num_tokens, num_heads,
+            out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, num_warps=4,
+        )
+    return out
