@@ -1,0 +1,265 @@
+"""The canonical trace schema: one row per request, validated, sorted stably by arrival time.
+
+Columns (parquet or CSV):
+  required  arrival_time_s (float, seconds from trace start, finite, >= 0),
+            prompt_tokens (int >= 1), output_tokens (int >= 1)
+  optional  request_id (str; default the file's row number), block_hashes (list<int64>; in CSV a
+            space-separated or JSON-list string) with hash_block_tokens (int column or parquet
+            metadata key), cache_salt (str or null), priority (int), n (int >= 1, default 1).
+
+Prefix rule: prompt position p carries content (block_hashes[p // H], p % H) with H =
+hash_block_tokens; positions past the hash list carry content unique to the request. A hash list
+may not be longer than ceil(prompt_tokens / H). Rows without hashes may carry H = 0 or null.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from simkv.traces import _columns as col
+from simkv.traces._frames import frame_to_table
+from simkv.traces._tableio import read_table, write_table
+from simkv.traces.errors import TraceError
+
+__all__ = [
+    "Trace",
+    "TraceError",
+    "read_trace",
+    "trace_from_frame",
+    "trace_from_table",
+    "trace_to_frame",
+    "trace_to_table",
+    "write_trace",
+]
+
+REQUIRED_COLUMNS = ("arrival_time_s", "prompt_tokens", "output_tokens")
+HASH_META_KEY = b"hash_block_tokens"
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """A validated trace. Rows are sorted by arrival (stable: ties keep file order).
+
+    Row i's block hashes are ``hash_ids[hash_offsets[i]:hash_offsets[i + 1]]`` (CSR layout);
+    ``hash_block_tokens[i]`` is 0 for rows without hashes. Optional columns are None when absent.
+    """
+
+    arrival_time_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    request_id: np.ndarray
+    hash_ids: np.ndarray | None = None
+    hash_offsets: np.ndarray | None = None
+    hash_block_tokens: np.ndarray | None = None
+    cache_salt: np.ndarray | None = None
+    priority: np.ndarray | None = None
+    n: np.ndarray | None = None
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.arrival_time_s)
+
+    def block_hashes(self, i: int) -> np.ndarray:
+        """Row i's hash ids (an empty int64 array when the row or the trace has none)."""
+        if self.hash_ids is None or self.hash_offsets is None:
+            return np.zeros(0, np.int64)
+        return self.hash_ids[self.hash_offsets[i] : self.hash_offsets[i + 1]]
+
+    def __eq__(self, other: object) -> bool:
+        """Same rows and columns (``source`` is ignored)."""
+        if not isinstance(other, Trace):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self) if f.name != "source")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.all(a == b))
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """Read and validate a .parquet / .csv / .csv.gz trace; raises TraceError."""
+    table = read_table(path)
+    meta = table.schema.metadata or {}
+    scalar = _meta_block_tokens(meta, str(path))
+    return trace_from_table(table, source=str(path), hash_block_tokens=scalar)
+
+
+def _meta_block_tokens(meta: dict, source: str) -> int | None:
+    raw = meta.get(HASH_META_KEY)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise TraceError(f"{source}: metadata 'hash_block_tokens' is not an integer") from None
+
+
+def trace_from_frame(df: pd.DataFrame, source: str = "<frame>", hash_block_tokens: int | None = None) -> Trace:
+    """Validate a pandas frame in the canonical schema (same rules as ``read_trace``)."""
+    return trace_from_table(frame_to_table(df, source), source=source, hash_block_tokens=hash_block_tokens)
+
+
+def trace_from_table(
+    table: pa.Table, source: str = "<table>", hash_block_tokens: int | None = None, row_offset: int = 0
+) -> Trace:
+    """Validate an Arrow table (file order) and return the Trace sorted stably by arrival."""
+    if table.num_rows == 0:
+        raise TraceError(f"{source}: the trace has no rows")
+    for name in REQUIRED_COLUMNS:
+        if name not in table.column_names:
+            raise TraceError(f"{source}: missing required column '{name}'")
+    if len(set(table.column_names)) != len(table.column_names):
+        raise TraceError(f"{source}: duplicate column names")
+    parts = _validated_columns(table, source, hash_block_tokens, row_offset)
+    return _sorted(Trace(source=source, **parts))
+
+
+def _validated_columns(table: pa.Table, source: str, scalar_h: int | None, row_offset: int) -> dict:
+    get = table.column
+    prompt = col.int_column(get("prompt_tokens"), source, "prompt_tokens", row_offset)
+    parts = dict(
+        arrival_time_s=col.float_column(get("arrival_time_s"), source, "arrival_time_s", row_offset),
+        prompt_tokens=prompt,
+        output_tokens=col.int_column(get("output_tokens"), source, "output_tokens", row_offset),
+        request_id=_request_ids(table, source, row_offset),
+    )
+    if "block_hashes" in table.column_names:
+        parts.update(_hashes(table, prompt, source, scalar_h, row_offset))
+    if "cache_salt" in table.column_names:
+        parts["cache_salt"] = col.string_column(get("cache_salt"), source, "cache_salt", row_offset, nullable=True)
+    if "priority" in table.column_names:
+        parts["priority"] = col.int_column(get("priority"), source, "priority", row_offset, minimum=None)
+    if "n" in table.column_names:
+        parts["n"] = col.int_column(get("n"), source, "n", row_offset, minimum=1)
+    return parts
+
+
+def _request_ids(table: pa.Table, source: str, row_offset: int) -> np.ndarray:
+    if "request_id" not in table.column_names:
+        ids = np.arange(row_offset, row_offset + table.num_rows).astype(str).astype(object)
+        return ids
+    ids = col.string_column(table.column("request_id"), source, "request_id", row_offset)
+    duplicate = col.first_duplicate(ids)
+    if duplicate is not None:
+        col.fail(source, "request_id", row_offset + duplicate, f"duplicate request id {str(ids[duplicate])[:40]!r}")
+    return ids
+
+
+def _hashes(table: pa.Table, prompt: np.ndarray, source: str, scalar_h: int | None, row_offset: int) -> dict:
+    values, offsets = col.hash_lists(table.column("block_hashes"), source, row_offset)
+    if len(values) == 0:
+        return {}
+    counts = np.diff(offsets)
+    per_row = _block_tokens(table, source, scalar_h, row_offset)
+    missing = (counts > 0) & (per_row < 1)
+    if missing.any():
+        row = int(np.argmax(missing))
+        col.fail(source, "hash_block_tokens", row_offset + row, "block_hashes given without hash_block_tokens >= 1")
+    per_row = np.where(counts > 0, per_row, 0)
+    allowed = -(-prompt // np.maximum(per_row, 1))
+    too_long = counts > allowed
+    if too_long.any():
+        row = int(np.argmax(too_long))
+        col.fail(
+            source, "block_hashes", row_offset + row,
+            f"{counts[row]} hash ids, but {prompt[row]} prompt tokens at {per_row[row]} tokens per block "
+            f"need at most {allowed[row]}",
+        )
+    return dict(hash_ids=values, hash_offsets=offsets, hash_block_tokens=per_row.astype(np.int64))
+
+
+def _block_tokens(table: pa.Table, source: str, scalar_h: int | None, row_offset: int) -> np.ndarray:
+    fill = scalar_h if scalar_h is not None else 0
+    if scalar_h is not None and scalar_h < 1:
+        raise TraceError(f"{source}: hash_block_tokens must be >= 1, got {scalar_h}")
+    if "hash_block_tokens" not in table.column_names:
+        return np.full(table.num_rows, fill, np.int64)
+    arr = col._flat(table.column("hash_block_tokens"))
+    if arr.null_count:
+        import pyarrow.compute as pc
+
+        arr = pc.fill_null(arr, str(fill) if pa.types.is_string(arr.type) else fill)
+    return col.int_column(arr, source, "hash_block_tokens", row_offset, minimum=0)
+
+
+def _sorted(trace: Trace) -> Trace:
+    arrival = trace.arrival_time_s
+    if len(arrival) < 2 or bool(np.all(arrival[1:] >= arrival[:-1])):
+        return trace
+    order = np.argsort(arrival, kind="stable")
+    return take_rows(trace, order)
+
+
+def take_rows(trace: Trace, rows: np.ndarray) -> Trace:
+    """A new Trace with the given rows (an index array) in the given order."""
+    parts = {}
+    for f in fields(trace):
+        value = getattr(trace, f.name)
+        if f.name in ("hash_ids", "hash_offsets", "source") or value is None:
+            continue
+        parts[f.name] = value[rows]
+    if trace.hash_ids is not None and trace.hash_offsets is not None:
+        parts["hash_ids"], parts["hash_offsets"] = _take_csr(trace.hash_ids, trace.hash_offsets, rows)
+    return Trace(source=trace.source, **parts)
+
+
+def _take_csr(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.diff(offsets)[rows]
+    new_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    gather = np.repeat(offsets[:-1][rows] - new_offsets[:-1], lengths) + np.arange(new_offsets[-1], dtype=np.int64)
+    return values[gather], new_offsets
+
+
+def trace_to_table(trace: Trace) -> pa.Table:
+    """The canonical Arrow table of a Trace (no metadata: stable bytes when written)."""
+    columns = {
+        "arrival_time_s": pa.array(trace.arrival_time_s, pa.float64()),
+        "prompt_tokens": pa.array(trace.prompt_tokens, pa.int64()),
+        "output_tokens": pa.array(trace.output_tokens, pa.int64()),
+        "request_id": pa.array(trace.request_id, pa.string()),
+    }
+    if trace.hash_ids is not None and trace.hash_offsets is not None:
+        columns["block_hashes"] = _list_array(trace.hash_ids, trace.hash_offsets)
+        columns["hash_block_tokens"] = pa.array(trace.hash_block_tokens, pa.int64())
+    if trace.cache_salt is not None:
+        columns["cache_salt"] = pa.array(trace.cache_salt, pa.string())
+    if trace.priority is not None:
+        columns["priority"] = pa.array(trace.priority, pa.int64())
+    if trace.n is not None:
+        columns["n"] = pa.array(trace.n, pa.int64())
+    return pa.table(columns)
+
+
+def _list_array(values: np.ndarray, offsets: np.ndarray) -> pa.Array:
+    if offsets[-1] < 2**31 - 1:
+        return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int64()))
+    return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(values, pa.int64()))
+
+
+def trace_to_frame(trace: Trace) -> pd.DataFrame:
+    """A pandas frame in the canonical schema (block_hashes as lists of int)."""
+    return trace_to_table(trace).to_pandas()
+
+
+def write_trace(trace: Trace | pd.DataFrame, path: str | os.PathLike) -> None:
+    """Validate (frames) and write atomically: parquet, or CSV for .csv / .csv.gz."""
+    if isinstance(trace, pd.DataFrame):
+        trace = trace_from_frame(trace)
+    table = trace_to_table(trace)
+    if not str(path).lower().endswith((".parquet", ".pq")) and "block_hashes" in table.column_names:
+        table = _hashes_as_text(table, trace)
+    write_table(table, path)
+
+
+def _hashes_as_text(table: pa.Table, trace: Trace) -> pa.Table:
+    texts = [" ".join(map(str, trace.block_hashes(i).tolist())) or None for i in range(len(trace))]
+    index = table.column_names.index("block_hashes")
+    return table.set_column(index, "block_hashes", pa.array(texts, pa.string()))
