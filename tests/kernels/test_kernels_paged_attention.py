@@ -1,0 +1,149 @@
+"""Paged attention: Triton kernel vs the fp32 torch reference on small mixed batches.
+
+Every batch lives in a shuffled, NaN-filled pool (see ``kernel_cases.make_batch``): the
+reference never sees a NaN, so a NaN in the kernel output proves it read outside a sequence's
+blocks.  CPU cases run under the Triton interpreter (fp32/fp16, plus bf16 with the dots
+upcast to fp32); the CUDA cases repeat them compiled.
+"""
+import pytest
+import torch
+from kernel_cases import assert_close_to_reference, device_params, make_batch
+
+from kernels import ref_paged_attention
+from kernels.triton_attention import AttentionConfig, triton_paged_attention
+
+
+def scenarios(bs: int) -> dict[str, list[tuple[int, int]]]:
+    """(cached context, new tokens) per sequence, for cache block size ``bs``."""
+    return {
+        "single_token": [(0, 1)],  # a sequence of length 1
+        "one_block": [(bs - 1, 1), (0, bs)],  # exactly one block: decode / prefill
+        "past_boundary": [(bs, 1), (0, bs + 1), (bs + 1, 2)],  # one token past a block boundary
+        "mixed": [(0, 5), (2 * bs + 3, 1), (bs - 2, 6)],  # prefill + decode + chunked prefill
+    }
+
+
+def _check(batch, dtype, **kwargs):
+    ref = ref_paged_attention(*batch.args())
+    out = triton_paged_attention(*batch.args(), max_query_len=batch.max_query_len,
+                                 max_seq_len=batch.max_seq_len, **kwargs)
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    assert_close_to_reference(out, ref, dtype)
+    return out
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qpk", [1, 4, 8])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 32)])
+@pytest.mark.parametrize("scenario", ["single_token", "one_block", "past_boundary", "mixed"])
+def test_paged_attention_matches_reference(device, dtype, qpk, head_size, block_size, scenario):
+    num_kv_heads = 2 if qpk == 1 else 1
+    batch = make_batch(scenarios(block_size)[scenario], num_heads=num_kv_heads * qpk, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=block_size, dtype=dtype, device=device)
+    _check(batch, dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("head_size", [96, 128])
+def test_paged_attention_other_head_sizes(device, head_size):
+    batch = make_batch([(20, 1), (3, 9)], num_heads=4, num_kv_heads=2, head_size=head_size, block_size=16,
+                       dtype=torch.float16, device=device, seed=1)
+    _check(batch, torch.float16)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("block_size,tile_n", [(8, 16), (16, 64), (32, 16), (64, 32), (128, 16)])
+def test_paged_attention_tile_vs_block_size(device, block_size, tile_n):
+    """Tiles spanning several cache blocks (per-key table lookup) and tiles inside one block."""
+    batch = make_batch([(block_size + 5, 1), (3, 4)], num_heads=4, num_kv_heads=1, head_size=64,
+                       block_size=block_size, dtype=torch.float16, device=device, seed=2)
+    cfg = AttentionConfig(block_m=16, tile_n=tile_n, num_segments=1, num_warps=4, num_stages=2)
+    _check(batch, torch.float16, config=cfg)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("num_segments", [2, 4])
+@pytest.mark.parametrize("seqs", [[(40, 1), (5, 1), (0, 1)], [(30, 3), (0, 6)]], ids=["decode", "mixed"])
+def test_paged_attention_split_kv(device, num_segments, seqs):
+    """Flash-decoding split of the key range (some segments empty) merges to the same result."""
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float32, device=device, seed=3)
+    cfg = AttentionConfig(block_m=16, tile_n=16, num_segments=num_segments, num_warps=4, num_stages=2)
+    _check(batch, torch.float32, config=cfg)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_attention_multi_token_query_tiles(device):
+    """A long chunk spans several query tiles; causal masking differs per tile."""
+    batch = make_batch([(7, 37), (0, 20)], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                       dtype=torch.float16, device=device, seed=4)
+    cfg = AttentionConfig(block_m=16, tile_n=16, num_segments=1, num_warps=4, num_stages=2)  # BLOCK_Q = 8
+    _check(batch, torch.float16, config=cfg)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_attention_non_power_of_two_group(device):
+    """3 query heads per KV head: query rows are padded to a power of two and masked."""
+    batch = make_batch([(9, 2), (0, 3)], num_heads=6, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float16, device=device, seed=5)
+    _check(batch, torch.float16)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_attention_bf16(device):
+    """bf16 (on CPU the interpreter's bf16 dot is wrong, so the launcher upcasts the dots)."""
+    batch = make_batch([(17, 1), (0, 5)], num_heads=4, num_kv_heads=1, head_size=80, block_size=16,
+                       dtype=torch.bfloat16, device=device, seed=6)
+    _check(batch, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_attention_out_argument_strided_query_and_padding(device):
+    """``out=`` is filled in place; query may be a strided view; padding tokens are ignored."""
+    batch = make_batch([(4, 3), (16, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float16, device=device, seed=7)
+    n, h, d = batch.query.shape
+    fused = torch.zeros((n + 2, 2 * h, d), dtype=torch.float16, device=device)  # 2 padding tokens
+    fused[:n, :h] = batch.query
+    query = fused[:, :h]
+    out = torch.full((n + 2, h, d), 7.0, dtype=torch.float16, device=device)
+    res = triton_paged_attention(query, *batch.args()[1:], out=out)
+    assert res is out
+    ref = ref_paged_attention(*batch.args())
+    assert_close_to_reference(out[:n], ref, torch.float16)
+    assert (out[n:] == 7.0).all(), "rows of padding tokens must not be written"
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_attention_empty_query(device):
+    batch = make_batch([(3, 1)], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                       dtype=torch.float16, device=device)
+    q = batch.query[:0]
+    qsl = torch.zeros(2, dtype=torch.int32, device=device)
+    out = triton_paged_attention(q, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, qsl,
+                                 batch.scale, max_query_len=0, max_seq_len=3)
+    assert out.shape == (0, 2, 64)
+
+
+def test_paged_attention_rejects_bad_arguments():
+    batch = make_batch([(3, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float16, device="cpu")
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        triton_paged_attention(q[:, :3], kc, vc, bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="must equal query dtype"):
+        triton_paged_attention(q.float(), kc, vc, bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        triton_paged_attention(q, kc, vc, bt, sl, qsl[:1], scale)
+    with pytest.raises(ValueError, match="int32"):
+        triton_paged_attention(q, kc, vc, bt.float(), sl, qsl, scale)
+    with pytest.raises(ValueError, match="head_size"):
+        triton_paged_attention(q[..., :32], kc, vc, bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="block_size"):
+        triton_paged_attention(q, kc[:, :12], vc[:, :12], bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        triton_paged_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="powers of two"):
+        triton_paged_attention(q, kc, vc, bt, sl, qsl, scale,
+                               config=AttentionConfig(block_m=24, tile_n=16, num_segments=1, num_warps=4, num_stages=2))
