@@ -1,0 +1,138 @@
+"""Engine configuration: one frozen dataclass per concern, validated with vLLM's error texts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from simkv.specs import get_gpu_spec, get_model_spec
+
+
+class ConfigError(ValueError):
+    """An invalid option or combination of options."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: derived from GPU memory like vLLM
+    gpu_memory_utilization: float = 0.92
+    enable_prefix_caching: bool = True
+    watermark: float = 0.0
+    num_lookahead_tokens: int = 0
+    kv_cache_dtype: str = "auto"  # auto (= model dtype, bf16) or fp8
+    prefix_caching_hash_bits: int = 63
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ConfigError(f"num_gpu_blocks must be >= 2 (block 0 is the null block), got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"GPU memory utilization must be within (0, 1]. Got {self.gpu_memory_utilization}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.num_lookahead_tokens < 0:
+            raise ConfigError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "fp16", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be one of auto, bfloat16, fp16, fp8; got '{self.kv_cache_dtype}'")
+        if not 1 <= self.prefix_caching_hash_bits <= 63:
+            raise ConfigError(f"prefix_caching_hash_bits must be in [1, 63], got {self.prefix_caching_hash_bits}")
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return 1 if self.kv_cache_dtype == "fp8" else 2
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
+    scheduling_policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got '{self.scheduling_policy}'")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+    def verify_max_model_len(self, max_model_len: int) -> None:
+        """vLLM's SchedulerConfig checks, with its texts."""
+        if self.max_num_batched_tokens < max_model_len and not self.enable_chunked_prefill:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}). This effectively limits the maximum sequence length to "
+                "max_num_batched_tokens and makes vLLM reject longer sequences. Please increase "
+                "max_num_batched_tokens or decrease max_model_len.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal "
+                f"to max_num_seqs ({self.max_num_seqs}).")
+        if self.long_prefill_token_threshold > max_model_len:
+            raise ConfigError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot be greater "
+                f"than the max_model_len ({max_model_len}).")
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareConfig:
+    model: str = "llama-3-8b"
+    gpu: str = "H100-SXM"
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        get_model_spec(self.model)  # raise on unknown names
+        get_gpu_spec(self.gpu)
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        spec = get_model_spec(self.model)
+        if spec.num_heads % self.tensor_parallel_size:
+            raise ConfigError(
+                f"Total number of attention heads ({spec.num_heads}) must be divisible by tensor "
+                f"parallel size ({self.tensor_parallel_size}).")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+    def __post_init__(self) -> None:
+        self.scheduler.verify_max_model_len(self.max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        if self.scheduler.max_model_len is not None:
+            return self.scheduler.max_model_len
+        return get_model_spec(self.hardware.model).max_position_embeddings
+
+    def to_dict(self) -> dict:
+        """Every engine option in force, flat, with vLLM's names."""
+        out: dict = {}
+        for part in (self.cache, self.scheduler, self.hardware):
+            out.update(dataclasses.asdict(part))
+        out["max_model_len"] = self.max_model_len
+        return out
+
+    @classmethod
+    def from_flat(cls, options: dict) -> "EngineConfig":
+        """Build from a flat {option: value} mapping (CLI, --config files). Unknown keys raise."""
+        groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}}
+        names = {f.name: klass for klass in groups for f in fields(klass)}
+        for key, value in options.items():
+            norm = key.replace("-", "_")
+            if norm not in names:
+                raise ConfigError(f"unknown option '{key}'")
+            groups[names[norm]][norm] = value
+        return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
+                   HardwareConfig(**groups[HardwareConfig]))

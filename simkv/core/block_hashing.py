@@ -1,0 +1,81 @@
+"""Content keys of KV blocks, derived from a trace's hash ids at any block size.
+
+A block's key stands for its content and, through chaining, for everything before it, as
+vLLM's block hash does (hash(parent hash, block tokens, extra keys such as cache_salt)).
+Two kinds of key, in disjoint integer ranges:
+- shared-content blocks (entirely inside a prompt's hashed region): a non-negative chained
+  hash of (parent key, the hash ids the block covers); the root folds in cache_salt and the
+  trace's hash_block_tokens. Equal keys <=> equal content chains (up to 64-bit collisions).
+- blocks holding any request-unique position: -(request index * 2**32 + block index) - 1.
+  Only the same request (after a preemption) can ever look such a block up.
+Python's hash of ints and tuples is not randomised, so keys are deterministic across runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from simkv.core.request import Request
+
+_MASK63 = (1 << 63) - 1
+_UNIQUE_SHIFT = 32
+
+
+def salt_root(cache_salt: str | None, hash_block_tokens: int) -> int:
+    """Root of a request's chain: folds in cache_salt so only equal salts share blocks."""
+    salt = 0
+    if cache_salt is not None:
+        salt = int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+    return hash((0x5EED, salt, hash_block_tokens)) & _MASK63
+
+
+def unique_block_key(request_index: int, block_index: int) -> int:
+    return -((request_index << _UNIQUE_SHIFT) | block_index) - 1
+
+
+class BlockHasher:
+    """Computes and memoises a request's block keys at one block size."""
+
+    def __init__(self, block_size: int, hash_bits: int = 63) -> None:
+        self.block_size = block_size
+        self.hash_mask = (1 << hash_bits) - 1 if hash_bits < 63 else _MASK63
+
+    def num_shared_blocks(self, request: Request) -> int:
+        """Blocks lying entirely inside the request's shared (hashed) prompt region."""
+        return request.num_shared_tokens // self.block_size
+
+    def block_key(self, request: Request, block_index: int) -> int:
+        """Key of the request's `block_index`-th block (which must be full)."""
+        hashes = request.block_hashes
+        if block_index < len(hashes):
+            return hashes[block_index]
+        self._extend(request, block_index + 1)
+        return hashes[block_index]
+
+    def _extend(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        n_shared = request.num_shared_tokens // bs
+        i = len(hashes)
+        if i < n_shared:
+            ids = request.shared_hash_ids
+            h = request.hash_block_tokens
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt, h)
+            mask = self.hash_mask
+            stop = min(num_blocks, n_shared)
+            if bs <= h and h % bs == 0:
+                per = h // bs
+                while i < stop:
+                    parent = hash((parent, int(ids[i // per]))) & mask
+                    hashes.append(parent)
+                    i += 1
+            else:
+                while i < stop:
+                    first, last = (i * bs) // h, ((i + 1) * bs - 1) // h
+                    parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h)) & mask
+                    hashes.append(parent)
+                    i += 1
+        base = request.index << _UNIQUE_SHIFT
+        while i < num_blocks:
+            hashes.append(-(base | i) - 1)
+            i += 1

@@ -1,0 +1,248 @@
+"""Block pool: owns every KV block, the free queue and the prefix-cache hash map.
+
+Invariants (checked by `BlockPool.check_invariants` in tests):
+- block 0 is the null block; it is never in the free queue and never handed out.
+- a block with ref_cnt > 0 is never in the free queue; a block with ref_cnt == 0 always is.
+- a block's `block_hash` is set only while the block holds a full, cached block of content;
+  it is dropped lazily, when the block is popped from the free queue for reuse (eviction).
+- used + free == usable (num_gpu_blocks - 1) at all times.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class KVCacheBlock:
+    """One physical KV block. Carries its own free-queue links so removal is O(1)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks with fake head and tail nodes.
+
+    Allocation pops from the head; `remove` takes a block out of the middle in O(1);
+    `prepend_n` / `append_n` put released blocks at the front (reused first) or the back.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_head = KVCacheBlock(-1)
+        self.fake_tail = KVCacheBlock(-1)
+        prev = self.fake_head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self.fake_tail
+        self.fake_tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self.fake_head.next_free_block
+        if block is self.fake_tail:
+            raise ValueError("No free blocks available")
+        nxt = block.next_free_block
+        self.fake_head.next_free_block = nxt
+        nxt.prev_free_block = self.fake_head
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the front, keeping their order (blocks[0] becomes the head)."""
+        if not blocks:
+            return
+        first = self.fake_head.next_free_block
+        prev = self.fake_head
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the back, keeping their order (blocks[-1] becomes the tail)."""
+        if not blocks:
+            return
+        prev = self.fake_tail.prev_free_block
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = self.fake_tail
+        self.fake_tail.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from head to tail (for tests and debugging; O(n))."""
+        out = []
+        block = self.fake_head.next_free_block
+        while block is not self.fake_tail:
+            out.append(block.block_id)
+            block = block.next_free_block
+        return out
+
+
+class BlockHashToBlockMap:
+    """Prefix cache: block hash -> one block, or {block_id: block} when duplicates exist.
+
+    Identical content computed by two requests at once yields two blocks with one hash;
+    both stay cached (block tables are append-only), and a lookup returns the first.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get_one_block(self, key: int) -> KVCacheBlock | None:
+        blocks = self._cache.get(key)
+        if blocks is None or type(blocks) is KVCacheBlock:
+            return blocks
+        return next(iter(blocks.values()))
+
+    def insert(self, key: int, block: KVCacheBlock) -> None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif type(blocks) is KVCacheBlock:
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+
+    def pop(self, key: int, block_id: int) -> None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return
+        if type(blocks) is KVCacheBlock:
+            if blocks.block_id == block_id:
+                del self._cache[key]
+            return
+        blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[key]
+        elif len(blocks) == 1:
+            self._cache[key] = next(iter(blocks.values()))
+
+
+class BlockPool:
+    """All KV blocks of one pool: allocation, release, prefix-cache insertion and lookup."""
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be at least 2 (one is the null block), got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # never freed, never handed out
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.num_usable_blocks = num_gpu_blocks - 1
+        # Counters the replay reports.
+        self.num_evictions = 0
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.free_block_queue.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the head of the free queue, evicting any cached content."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        popleft = self.free_block_queue.popleft
+        out = []
+        for _ in range(num_blocks):
+            block = popleft()
+            if block.block_hash is not None:
+                self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def get_new_block(self) -> KVCacheBlock:
+        """Pop one block from the head of the free queue (the hot path of decode)."""
+        block = self.free_block_queue.popleft()
+        if block.block_hash is not None:
+            self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+            block.block_hash = None
+            self.num_evictions += 1
+        block.ref_cnt = 1
+        return block
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int, insert: bool = True) -> None:
+        """Mark a full block as cached. `insert=False` records the hash without making the
+        block findable: used for content no request can ever look up again."""
+        block.block_hash = block_hash
+        if insert:
+            self.cached_block_hash_to_block.insert(block_hash, block)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, first block = first to be evicted.
+
+        Blocks reaching ref_cnt 0 without a hash (or with caching off) go to the FRONT of
+        the free queue; hashed blocks go to the BACK, in LRU order.
+        """
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        caching = self.enable_caching
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not caching:
+                    evict_first.append(block)
+                else:
+                    evict_last.append(block)
+        self.free_block_queue.prepend_n(evict_first)
+        self.free_block_queue.append_n(evict_last)
+
+    def check_invariants(self) -> None:
+        """Assert the pool invariants (O(num blocks); tests only)."""
+        free_ids = self.free_block_queue.block_ids()
+        assert len(free_ids) == self.free_block_queue.num_free_blocks, "free count drifted"
+        assert len(set(free_ids)) == len(free_ids), "block twice in free queue"
+        free_set = set(free_ids)
+        assert 0 not in free_set, "null block in free queue"
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"negative ref count on {block}"
+            if block.ref_cnt > 0:
+                assert block.block_id not in free_set, f"referenced block in free queue: {block}"
+            else:
+                assert block.block_id in free_set, f"unreferenced block not free: {block}"
+        assert self.get_num_used_blocks() + self.get_num_free_blocks() == self.num_usable_blocks

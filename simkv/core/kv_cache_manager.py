@@ -1,0 +1,207 @@
+"""KV-cache manager: each request's block list, prefix-cache lookups and `allocate_slots`.
+
+Invariants:
+- a request's block table is append-only while it runs; it is released whole (tail first)
+  when the request finishes or is preempted.
+- after scheduling, a request holds cdiv(num_computed_tokens + num_new_tokens + lookahead,
+  block_size) blocks (capped at max_model_len); nothing is reserved for future output.
+- only full blocks are cached; a prefix hit never covers the last token of the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simkv.core.block_hashing import BlockHasher
+from simkv.core.block_pool import BlockPool, KVCacheBlock
+from simkv.core.request import Request, RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """vLLM's prefix-cache counters: queries and hits in tokens, new and resumed apart."""
+
+    queries_new: int = 0
+    hits_new: int = 0
+    queries_preempted: int = 0
+    hits_preempted: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.queries_preempted += num_tokens
+            self.hits_preempted += num_hits
+        else:
+            self.queries_new += num_tokens
+            self.hits_new += num_hits
+
+    @property
+    def queries(self) -> int:
+        return self.queries_new + self.queries_preempted
+
+    @property
+    def hits(self) -> int:
+        return self.hits_new + self.hits_preempted
+
+
+@dataclass(slots=True)
+class ComputedBlocks:
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVCacheManager:
+    """Owns per-request block lists; answers `allocate_slots(...) -> blocks | None`."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        watermark: float = 0.0,
+        hash_bits: int = 63,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.hasher = BlockHasher(block_size, hash_bits)
+        self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[int, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.num_frees = 0  # bumps on every release: admission checks may change only then
+
+    # ---- lookups -------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest run of cached full blocks from the start, capped so that at least one
+        token is left to compute. Only blocks this request could share are probed: its
+        shared-content blocks, plus its own unique blocks once it has cached some."""
+        if not self.enable_caching:
+            return ComputedBlocks()
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if not request.has_own_cached_blocks:
+            max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
+        blocks: list[KVCacheBlock] = []
+        block_key = self.hasher.block_key
+        get_cached = self.block_pool.get_cached_block
+        for i in range(max_blocks):
+            block = get_cached(block_key(request, i))
+            if block is None:
+                break
+            blocks.append(block)
+        return ComputedBlocks(blocks, len(blocks) * self.block_size)
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def num_blocks_of(self, request: Request) -> int:
+        blocks = self.req_to_blocks.get(request.index)
+        return len(blocks) if blocks is not None else 0
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request slots for `num_new_tokens` more tokens (plus lookahead).
+
+        `num_computed_tokens` is the request's count before this step (the scheduler owns
+        it); `computed` holds fresh prefix hits at admission. Returns the new blocks, or
+        None (and changes nothing) when the pool cannot cover them plus the watermark.
+        """
+        bs = self.block_size
+        pool = self.block_pool
+        hit_blocks = computed.blocks if computed is not None else ()
+        num_local = num_computed_tokens + (computed.num_tokens if computed is not None else 0)
+        watermark = 0
+        if has_scheduled_reqs and request.status != RequestStatus.RUNNING:
+            watermark = self.watermark_blocks
+        req_blocks = self.req_to_blocks.get(request.index)
+        num_req_blocks = len(req_blocks) if req_blocks is not None else 0
+        num_evictable = 0
+        for block in hit_blocks:
+            if block.ref_cnt == 0:
+                num_evictable += 1
+        num_free = pool.free_block_queue.num_free_blocks
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            need = max(cdiv(full, bs) - len(hit_blocks) - num_req_blocks, 0) + num_evictable
+            if need + watermark > num_free:
+                return None
+        need_slots = min(num_local + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_new_blocks = max(cdiv(need_slots, bs) - len(hit_blocks) - num_req_blocks, 0)
+        if num_new_blocks + num_evictable + watermark > num_free:
+            return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.index] = []
+            self.num_cached_block[request.index] = 0
+        if hit_blocks:
+            pool.touch(hit_blocks)
+            req_blocks.extend(hit_blocks)
+            self.num_cached_block[request.index] = len(req_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        if self.enable_caching and request.num_shared_tokens:
+            # Shared-content blocks become findable at schedule time (an identical prompt
+            # admitted in the same step already hits). Unique blocks wait for release.
+            end = min(num_local + num_new_tokens, request.num_tokens) // bs
+            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)), True)
+        return new_blocks
+
+    def append_decode_block(self, request: Request) -> KVCacheBlock:
+        """Hot path of a steady decoder crossing a block boundary: one block from the head
+        of the free queue (the caller checked that one is free). Its content is unique to
+        the request, so caching it waits until the request releases its blocks."""
+        block = self.block_pool.get_new_block()
+        self.req_to_blocks[request.index].append(block)
+        return block
+
+    def _cache_full_blocks(self, request: Request, end: int, findable: bool) -> None:
+        """Hash the request's blocks [num_cached_block, end) that are not hashed yet."""
+        index = request.index
+        start = self.num_cached_block[index]
+        if end <= start:
+            return
+        blocks = self.req_to_blocks[index]
+        key = self.hasher.block_key
+        cache_block = self.block_pool.cache_block
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is None:
+                k = key(request, i)
+                cache_block(block, k, insert=findable or k >= 0)
+        self.num_cached_block[index] = end
+        if end > self.hasher.num_shared_blocks(request) and findable:
+            request.has_own_cached_blocks = True
+
+    def free(self, request: Request, num_computed_tokens: int, finished: bool) -> None:
+        """Release all of a request's blocks, tail first. Full blocks not hashed yet (unique
+        content, hashed lazily) are hashed first. A finished request's unique blocks keep
+        their hash (so they go to the back of the free queue, as in vLLM) but are not made
+        findable: no request can ever hit them."""
+        index = request.index
+        if index not in self.req_to_blocks:
+            return
+        if self.enable_caching:
+            end = min(num_computed_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, end, findable=not finished)
+        blocks = self.req_to_blocks.pop(index)
+        del self.num_cached_block[index]
+        blocks.reverse()
+        self.block_pool.free_blocks(blocks)
+        self.num_frees += 1
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request.index, ())]

@@ -1,0 +1,81 @@
+"""What the scheduler hands a backend: the contract between engine core and execution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simkv.core.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """A prefill chunk: `num_new_tokens` tokens after `num_computed_tokens` cached ones.
+
+    Covers new requests, resumed (recomputing) requests and continuing chunked prefills.
+    `block_ids` is the request's whole block table after this step's allocation.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    is_resumed: bool = False
+    block_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class ScheduledDecode:
+    """One decode token (detail mode only): the request has `num_computed_tokens` cached."""
+
+    request: Request
+    num_computed_tokens: int
+    block_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One engine step. Decodes are summarised (count and attended context); the
+    per-request list is filled only when the scheduler runs in detail mode."""
+
+    step: int
+    chunks: list[ScheduledChunk]
+    num_decode_reqs: int
+    decode_context_tokens: int  # sum over decodes of tokens attended (cached + the new one)
+    decodes: list[ScheduledDecode] | None
+    preempted: list[Request]
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_reqs
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and self.num_decode_reqs == 0
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """`num_steps` consecutive pure-decode steps in which the same `num_decodes` requests
+    each decode one token. Step j attends `first_context_tokens + j * num_decodes` tokens.
+    Nothing else happens in them except block-boundary allocations (one block each, at the
+    step offsets in `allocation_offsets`, ascending) and, after the last step, the requests
+    in `finished` finishing."""
+
+    start_step: int
+    num_steps: int
+    num_decodes: int
+    first_context_tokens: int
+    num_running: int
+    num_waiting: int
+    first_num_blocks_used: int
+    allocation_offsets: list[int]
+    finished: list[Request]

@@ -1,0 +1,92 @@
+"""A request as the engine core sees it: token counts chasing each other, never token ids."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+    REJECTED = 4
+
+
+class Request:
+    """One request. `num_computed_tokens` chases `num_tokens` (prompt + outputs so far).
+
+    Prompt content is described, not materialised: prompt position p carries the content
+    (shared_hash_ids[p // hash_block_tokens], p % hash_block_tokens) while p is inside the
+    hashed region; every other position (and every output token) is unique to this request.
+
+    While the scheduler runs a request as a steady decoder it does not update
+    `num_computed_tokens` every step: `decode_base` is set and the true value is
+    `scheduler.current_step + decode_base`. Use `Scheduler.num_computed_tokens(req)` to read it.
+    """
+
+    __slots__ = (
+        "request_id", "index", "arrival_time", "num_prompt_tokens", "max_tokens", "priority",
+        "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
+        "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
+        "block_hashes", "seq", "decode_base", "epoch", "has_own_cached_blocks", "last_token_step",
+        # metrics, filled by the scheduler (step indices) and the driver (times)
+        "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
+        "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        arrival_time: float,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        shared_hash_ids: np.ndarray | None = None,
+        hash_block_tokens: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.arrival_time = arrival_time
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.cache_salt = cache_salt
+        if shared_hash_ids is not None and len(shared_hash_ids) and hash_block_tokens > 0:
+            self.shared_hash_ids = shared_hash_ids
+            self.hash_block_tokens = hash_block_tokens
+            self.num_shared_tokens = min(len(shared_hash_ids) * hash_block_tokens, num_prompt_tokens)
+        else:
+            self.shared_hash_ids = None
+            self.hash_block_tokens = 0
+            self.num_shared_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self.seq = -1
+        self.decode_base: int | None = None
+        self.epoch = 0
+        self.has_own_cached_blocks = False
+        self.last_token_step = -1
+        self.first_scheduled_step = -1
+        self.first_token_step = -1
+        self.finish_step = -1
+        self.num_prefix_hit_tokens = 0
+        self.num_total_prefix_hit_tokens = 0
+        self.first_scheduled_time = float("nan")
+        self.first_token_time = float("nan")
+        self.finish_time = float("nan")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}/{self.max_tokens}, status={self.status.name})")

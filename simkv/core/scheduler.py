@@ -1,0 +1,466 @@
+"""vLLM-v1 scheduler: a token budget per step, running requests first, then waiting ones.
+
+Semantics follow vLLM 0.33's synchronous `Scheduler` (see docs/semantics.md): running
+requests are served in list order (one token for a decode, the rest of a prefill up to the
+budget), then waiting requests from the head until one does not fit; an allocation failure
+preempts the newest running request (RECOMPUTE) and blocks admissions for the step.
+
+Speed: steady decoders are not touched every step. A running request whose prompt is done
+decodes exactly one token per step, so its `num_computed_tokens` is `step + decode_base`
+and the steps at which it needs a block or finishes are known in advance; they sit in
+heaps. A step costs O(events + log running), not O(running). `decode_run_limit` and
+`advance_decode_run` jump over many event-free decode steps at once; the results are
+identical to stepping one by one (tests/core/test_decode_runs.py checks this).
+
+Invariants: `running` is ordered by `seq` (admission order); a request is in `_prefilling`
+iff it is running and not a steady decoder; steady decoders have `decode_base` set.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections import deque
+from operator import attrgetter
+
+from simkv.config import EngineConfig
+from simkv.core.kv_cache_manager import KVCacheManager
+from simkv.core.outputs import DecodeRun, ScheduledChunk, ScheduledDecode, SchedulerOutput
+from simkv.core.request import Request, RequestStatus
+
+_seq_of = attrgetter("seq")
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False) -> None:
+        sc, cc = config.scheduler, config.cache
+        self.config = config
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        self.adaptive_threshold = sc.long_prefill_token_threshold_adaptive
+        self.policy = sc.scheduling_policy
+        self.reserve_full_isl = sc.scheduler_reserve_full_isl
+        self.num_lookahead_tokens = cc.num_lookahead_tokens
+        self.block_size = cc.block_size
+        self.detail = detail
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
+            cc.watermark, cc.prefix_caching_hash_bits)
+        self.waiting: deque[Request] = deque()
+        self._waiting_heap: list[tuple] = []  # priority policy
+        self.running: list[Request] = []
+        self.current_step = 0
+        self._next_seq = 0
+        self._prefilling: list[Request] = []
+        self._num_decoders = 0
+        self._sum_decode_base = 0
+        self._boundary_heap: list[tuple] = []
+        self._finish_heap: list[tuple] = []
+        self._victim_heap: list[tuple] = []  # priority policy: (-priority, -arrival, seq, req)
+        self._blocked_marker: tuple | None = None
+        # Counters.
+        self.num_preemptions = 0
+        self.num_preempted_requests = 0
+        self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
+        self.num_regular_gaps = 0
+
+    # ---- queues ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        if self.policy == "priority":
+            heapq.heappush(self._waiting_heap, (request.priority, request.arrival_time, request.index, request))
+        else:
+            self.waiting.append(request)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting_heap) if self.policy == "priority" else len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or self.num_waiting() > 0
+
+    def _peek_waiting(self) -> Request:
+        return self._waiting_heap[0][3] if self.policy == "priority" else self.waiting[0]
+
+    def _pop_waiting(self) -> Request:
+        return heapq.heappop(self._waiting_heap)[3] if self.policy == "priority" else self.waiting.popleft()
+
+    def _requeue_preempted(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._waiting_heap, (request.priority, request.arrival_time, request.index, request))
+        else:
+            self.waiting.appendleft(request)
+
+    def _position(self, request: Request) -> int:
+        return bisect_left(self.running, request.seq, key=_seq_of)
+
+    def _append_running(self, request: Request) -> None:
+        request.seq = self._next_seq
+        self._next_seq += 1
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._prefilling.append(request)
+        if self.policy == "priority":
+            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, request.seq, request))
+
+    def _remove_running(self, request: Request) -> None:
+        del self.running[self._position(request)]
+
+    # ---- steady decoders ---------------------------------------------------------------------
+    def num_computed_tokens(self, request: Request) -> int:
+        """The request's computed tokens before the next step is scheduled."""
+        if request.decode_base is not None:
+            return self.current_step + request.decode_base
+        return request.num_computed_tokens
+
+    def _enroll_decoder(self, request: Request, next_step: int) -> None:
+        self._prefilling.remove(request)  # small list: prefilling requests only
+        request.decode_base = request.num_computed_tokens - next_step
+        request.epoch += 1
+        self._num_decoders += 1
+        self._sum_decode_base += request.decode_base
+        self._push_decoder_events(request, next_step)
+
+    def _finish_step_of(self, request: Request) -> int:
+        target = min(request.max_tokens + request.num_prompt_tokens - 1, self.max_model_len - 1)
+        return target - 1 - request.decode_base
+
+    def _push_decoder_events(self, request: Request, from_step: int) -> None:
+        finish_step = self._finish_step_of(request)
+        heapq.heappush(self._finish_heap, (finish_step, request.seq, request.epoch, request))
+        self._push_boundary(request, from_step, finish_step)
+
+    def _push_boundary(self, request: Request, from_step: int, finish_step: int) -> None:
+        held = self.kv_cache_manager.num_blocks_of(request) * self.block_size
+        if held >= self.max_model_len:
+            return
+        step = max(held - self.num_lookahead_tokens - request.decode_base, from_step)
+        if step <= finish_step:
+            heapq.heappush(self._boundary_heap, (step, request.seq, request.epoch, request))
+
+    def _leave_decoding(self, request: Request, step: int) -> int:
+        """Materialise a steady decoder's counters at `step`; returns its computed tokens."""
+        computed = step + request.decode_base
+        self._num_decoders -= 1
+        self._sum_decode_base -= request.decode_base
+        request.decode_base = None
+        request.epoch += 1
+        request.num_computed_tokens = computed
+        request.num_output_tokens = computed + 1 - request.num_prompt_tokens
+        return computed
+
+    def _stall(self, requests: list[Request], step: int) -> tuple[int, int]:
+        """Requests left unscheduled by an exhausted budget. Decoders slip one step."""
+        num, base_sum = 0, 0
+        for request in requests:
+            if request.decode_base is None:
+                continue
+            num += 1
+            base_sum += request.decode_base
+            request.decode_base -= 1
+            self._sum_decode_base -= 1
+            request.epoch += 1
+            self._push_decoder_events(request, step + 1)
+        return num, base_sum
+
+    def _pop_due(self, heap: list[tuple], step: int) -> list[Request]:
+        due = []
+        while heap and heap[0][0] <= step:
+            at, _, epoch, request = heapq.heappop(heap)
+            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
+                assert at == step, f"missed event of {request} at step {at} (now {step})"
+                due.append(request)
+        return due
+
+    # ---- preemption --------------------------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        if self.policy != "priority":
+            return self.running[-1]
+        heap = self._victim_heap
+        while True:
+            request = heap[0][3]
+            if request.status == RequestStatus.RUNNING and request.seq == heap[0][2]:
+                return request
+            heapq.heappop(heap)
+
+    def _preempt(self, request: Request, step: int, scheduled_tokens: int) -> None:
+        if request.decode_base is not None:
+            computed = self._leave_decoding(request, step)
+            request.last_token_step = step - 1
+        else:
+            computed = request.num_computed_tokens
+            self._prefilling.remove(request)
+        self.kv_cache_manager.free(request, computed + scheduled_tokens, finished=False)
+        self._remove_running(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        if request.num_preemptions == 0:
+            self.num_preempted_requests += 1
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue_preempted(request)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = self.current_step
+        self.current_step += 1
+        budget = self.max_num_batched_tokens
+        threshold = self._prefill_threshold()
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        scheduled_now: dict[int, int] = {}  # seq -> tokens, for priority-victim undo
+        active = self._prefilling + self._pop_due(self._boundary_heap, step)
+        active.sort(key=_seq_of)
+        prev_pos, stall_pos = -1, -1
+        kv = self.kv_cache_manager
+        for request in active:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            pos = self._position(request)
+            quiet = pos - prev_pos - 1
+            if quiet >= budget:
+                stall_pos, budget = prev_pos + 1 + budget, 0
+                break
+            budget -= quiet
+            prev_pos = pos
+            is_decoder = request.decode_base is not None
+            if is_decoder:
+                computed, num_new = step + request.decode_base, 1
+            else:
+                computed = request.num_computed_tokens
+                num_new = request.num_tokens - computed
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                num_new = min(num_new, budget)
+            num_new = min(num_new, self.max_model_len - computed - 1)
+            if num_new <= 0:
+                continue
+            while kv.allocate_slots(request, computed, num_new,
+                                    num_lookahead_tokens=self.num_lookahead_tokens) is None:
+                victim = self._pick_victim()
+                undo = 0
+                if victim.seq < request.seq:  # priority policy: already scheduled this step
+                    undo = scheduled_now.pop(victim.seq, 1)
+                    budget += undo
+                    chunks = [c for c in chunks if c.request is not victim]
+                self._preempt(victim, step, undo)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                prev_pos = self._position(request) - 1
+                if self.policy == "priority":
+                    continue
+                break
+            prev_pos = self._position(request)
+            budget -= num_new
+            scheduled_now[request.seq] = num_new
+            if is_decoder:
+                self._push_boundary(request, step + 1, self._finish_step_of(request))
+            else:
+                chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
+        else:
+            quiet = len(self.running) - prev_pos - 1
+            if quiet > budget:
+                stall_pos, budget = prev_pos + 1 + budget, 0
+            else:
+                budget -= quiet
+        num_stalled, stalled_base = (0, 0)
+        if stall_pos >= 0:
+            num_stalled, stalled_base = self._stall(self.running[stall_pos:], step)
+        num_decodes = self._num_decoders - num_stalled
+        decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
+        decode_context = num_decodes * (step + 1) + decode_base_sum
+        self.num_regular_gaps += num_decodes
+        query = hit = 0
+        if not preempted:
+            query, hit = self._schedule_waiting(step, budget, threshold, chunks)
+        if self.detail:
+            self._fill_block_ids(chunks)
+        decodes = self._list_decodes(step, stall_pos) if self.detail else None
+        return SchedulerOutput(
+            step=step, chunks=chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
+            decodes=decodes, preempted=preempted, num_running=len(self.running),
+            num_waiting=self.num_waiting(), num_blocks_used=kv.block_pool.get_num_used_blocks(),
+            prefix_query_tokens=query, prefix_hit_tokens=hit)
+
+    def _prefill_threshold(self) -> int:
+        threshold = self.long_prefill_token_threshold
+        num_eligible = len(self.running) + self.num_waiting()
+        if num_eligible <= 1:
+            return 0
+        if threshold > 0 and self.adaptive_threshold:
+            threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
+        return threshold
+
+    def _schedule_waiting(self, step: int, budget: int, threshold: int,
+                          chunks: list[ScheduledChunk]) -> tuple[int, int]:
+        kv = self.kv_cache_manager
+        query = hit = 0
+        while budget > 0 and self.num_waiting():
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self._peek_waiting()
+            computed = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - computed.num_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if not self.enable_chunked_prefill and num_new > budget:
+                self._blocked_marker = (request, kv.num_frees, budget)
+                break
+            num_new = min(num_new, budget)
+            new_blocks = kv.allocate_slots(
+                request, 0, num_new, computed, self.num_lookahead_tokens,
+                full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
+            if new_blocks is None:
+                self._blocked_marker = (request, kv.num_frees, budget)
+                break
+            kv.record_prefix_cache_stats(request, computed.num_tokens)
+            query += request.num_tokens
+            hit += computed.num_tokens
+            self._pop_waiting()
+            is_resumed = request.status == RequestStatus.PREEMPTED
+            self._append_running(request)
+            if request.first_scheduled_step < 0:
+                request.first_scheduled_step = step
+                request.num_prefix_hit_tokens = computed.num_tokens
+            request.num_total_prefix_hit_tokens += computed.num_tokens
+            chunks.append(ScheduledChunk(request, computed.num_tokens, num_new, is_resumed))
+            budget -= num_new
+        return query, hit
+
+    def _fill_block_ids(self, chunks: list[ScheduledChunk]) -> None:
+        for chunk in chunks:
+            chunk.block_ids = self.kv_cache_manager.get_block_ids(chunk.request)
+
+    def _list_decodes(self, step: int, stall_pos: int) -> list[ScheduledDecode]:
+        stop = stall_pos if stall_pos >= 0 else len(self.running)
+        kv = self.kv_cache_manager
+        out = []
+        for request in self.running[:stop]:
+            if request.decode_base is not None:
+                computed = step + request.decode_base
+                out.append(ScheduledDecode(request, computed, kv.get_block_ids(request)))
+        return out
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput) -> list[Request]:
+        """Apply the step's sampled tokens: prefills that reached their end sample a token,
+        every decode samples one; requests at their length limit finish and free blocks."""
+        step = output.step
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            request.num_output_tokens += 1
+            if request.first_token_step < 0:
+                request.first_token_step = step
+            else:
+                self.irregular_gaps.append((request.last_token_step, step))
+            if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+                finished.append(request)
+            else:
+                self._enroll_decoder(request, step + 1)
+        for request in self._pop_due(self._finish_heap, step):
+            self._leave_decoding(request, step + 1)
+            finished.append(request)
+        if finished:
+            finished.sort(key=_seq_of)
+            self._finish(finished, step)
+        output.finished = finished
+        return finished
+
+    def _finish(self, finished: list[Request], step: int) -> None:
+        kv = self.kv_cache_manager
+        for request in finished:
+            if request in self._prefilling:
+                self._prefilling.remove(request)
+            kv.free(request, request.num_computed_tokens, finished=True)
+            self._remove_running(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_step = step
+
+    # ---- many decode steps at once -------------------------------------------------------------
+    def decode_run_limit(self) -> int:
+        """Number of upcoming steps guaranteed to be plain decode steps (the last one may
+        finish requests), or 0 when the next step must be scheduled normally."""
+        if self._prefilling or not self.running or self.detail:
+            return 0
+        if self.num_waiting() and not self._admission_stuck():
+            return 0
+        heap = self._finish_heap
+        while heap:
+            at, _, epoch, request = heap[0]
+            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
+                return at - self.current_step + 1
+            heapq.heappop(heap)
+        return 0
+
+    def _admission_stuck(self) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return True
+        budget = self.max_num_batched_tokens - self._num_decoders
+        if budget <= 0:
+            return True
+        marker = self._blocked_marker
+        return (marker is not None and marker[0] is self._peek_waiting()
+                and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget)
+
+    def decode_run_shape(self) -> tuple[int, int]:
+        """(decodes per step, attended context tokens in the first step) of a decode run."""
+        n = self._num_decoders
+        return n, n * (self.current_step + 1) + self._sum_decode_base
+
+    def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
+        """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
+        cut before the first step whose block allocations the pool cannot cover (that step
+        must be scheduled normally, since it preempts). Returns None if no step can run."""
+        start = self.current_step
+        end = start + num_steps
+        kv = self.kv_cache_manager
+        free_queue = kv.block_pool.free_block_queue
+        heap = self._boundary_heap
+        n, first_context = self.decode_run_shape()
+        first_used = kv.block_pool.get_num_used_blocks()
+        offsets = []
+        # Allocations happen in (step, running order), exactly as stepping would make them.
+        # If the pool runs dry at step t, the run ends before t; allocations already made
+        # for step t are the ones step t makes first anyway (the rest of it runs normally).
+        while heap and heap[0][0] < end:
+            event = heapq.heappop(heap)
+            at, _, epoch, request = event
+            if epoch != request.epoch or request.status != RequestStatus.RUNNING:
+                continue
+            if free_queue.num_free_blocks == 0:
+                heapq.heappush(heap, event)
+                end = at
+                break
+            kv.append_decode_block(request)
+            offsets.append(at - start)
+            self._push_boundary(request, at + 1, self._finish_step_of(request))
+        if end <= start:
+            return None
+        if offsets and offsets[-1] >= end - start:
+            offsets = [o for o in offsets if o < end - start]
+        self.current_step = end
+        self.num_regular_gaps += n * (end - start)
+        finished: list[Request] = []
+        for request in self._pop_due(self._finish_heap, end - 1):
+            self._leave_decoding(request, end)
+            finished.append(request)
+        run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
+                        first_used, offsets, finished)
+        if finished:
+            finished.sort(key=_seq_of)
+            self._finish(finished, end - 1)
+        return run
+
+    # ---- checks --------------------------------------------------------------------------------
+    def reject(self, request: Request) -> None:
+        request.status = RequestStatus.REJECTED

@@ -1,0 +1,79 @@
+"""Model and GPU specs shipped with simkv (YAML beside this file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+_HERE = Path(__file__).parent
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of a Llama-architecture decoder (attention + gated MLP + embeddings)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
+        mlp = 3 * h * self.intermediate_size
+        norms = 2 * h
+        return self.num_layers * (attn + mlp + norms) + 2 * self.vocab_size * h + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+        """K and V of one token over all layers, per GPU under tensor parallelism."""
+        kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
+        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    name: str
+    memory_gib: float
+    mem_bandwidth_gbs: float
+    bf16_tflops: float
+    interconnect_gbs: float
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * (1 << 30))
+
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> dict:
+    with open(_HERE / name) as f:
+        return yaml.safe_load(f)
+
+
+def model_names() -> list[str]:
+    return sorted(_load("models.yaml"))
+
+
+def gpu_names() -> list[str]:
+    return sorted(_load("gpus.yaml"))
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    table = _load("models.yaml")
+    if name not in table:
+        raise ValueError(f"unknown model '{name}'; known models: {', '.join(sorted(table))}")
+    return ModelSpec(name=name, **table[name])
+
+
+def get_gpu_spec(name: str) -> GPUSpec:
+    table = _load("gpus.yaml")
+    if name not in table:
+        raise ValueError(f"unknown GPU '{name}'; known GPUs: {', '.join(sorted(table))}")
+    return GPUSpec(name=name, **table[name])
