@@ -174,6 +174,7 @@ class ParquetBatchWriter:
     """Stream record batches into one parquet file; use inside ``atomic_path``."""
 
     def __init__(self, temp_path: str, schema: pa.Schema) -> None:
+        self.schema = schema
         self._writer = pq.ParquetWriter(temp_path, schema, **PARQUET_OPTIONS)
 
     def write(self, batch: pa.RecordBatch | pa.Table) -> None:

@@ -1,0 +1,124 @@
+"""``simkv trace inspect`` statistics.
+
+Percentiles use linear interpolation (numpy's default); the text report rounds them half to
+even, which is how the README figures of the shared traces are written. Peak rates count
+arrivals in fixed windows [k*w, (k+1)*w) from t = 0.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from simkv.traces.reuse import prefix_reuse
+from simkv.traces.schema import Trace
+
+
+@dataclass(frozen=True)
+class Spread:
+    """p50/p90/p99 (linear interpolation) and max of a length column."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: int
+    mean: float
+
+    @staticmethod
+    def of(values: np.ndarray) -> "Spread":
+        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        return Spread(float(p50), float(p90), float(p99), int(values.max()), float(values.mean()))
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    """Everything ``inspect`` prints; rates are None when the trace spans no time."""
+
+    rows: int
+    first_arrival_s: float
+    time_span_s: float
+    mean_rate_per_s: float | None
+    mean_rate_per_min: float | None
+    peak_per_s: int
+    peak_per_min: int
+    prompt: Spread
+    output: Spread
+    total_prompt_tokens: int
+    total_output_tokens: int
+    total_tokens: int
+    mean_tokens_per_request: float
+    longest_request_tokens: int
+    block_size: int
+    reuse_ratio: float | None
+    prompt_blocks: int | None
+    reused_blocks: int | None
+    distinct_first_blocks: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _peak(times: np.ndarray, window_s: float) -> int:
+    _, counts = np.unique(np.floor(times / window_s), return_counts=True)
+    return int(counts.max())
+
+
+def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
+    """Compute the inspect statistics (reuse fields are None for traces without block hashes)."""
+    times = trace.arrival_time_s
+    span = float(times[-1] - times[0])
+    rate = len(trace) / span if span > 0 else None
+    totals = trace.prompt_tokens + trace.output_tokens
+    reuse = prefix_reuse(trace, block_size)
+    return TraceStats(
+        rows=len(trace),
+        first_arrival_s=float(times[0]),
+        time_span_s=span,
+        mean_rate_per_s=rate,
+        mean_rate_per_min=rate * 60 if rate is not None else None,
+        peak_per_s=_peak(times, 1.0),
+        peak_per_min=_peak(times, 60.0),
+        prompt=Spread.of(trace.prompt_tokens),
+        output=Spread.of(trace.output_tokens),
+        total_prompt_tokens=int(trace.prompt_tokens.sum()),
+        total_output_tokens=int(trace.output_tokens.sum()),
+        total_tokens=int(totals.sum()),
+        mean_tokens_per_request=float(totals.mean()),
+        longest_request_tokens=int(totals.max()),
+        block_size=block_size,
+        reuse_ratio=reuse.ratio if reuse else None,
+        prompt_blocks=reuse.total_blocks if reuse else None,
+        reused_blocks=reuse.reused_blocks if reuse else None,
+        distinct_first_blocks=reuse.distinct_first_blocks if reuse else None,
+    )
+
+
+def format_stats(stats: TraceStats, source: str = "") -> str:
+    """A short human-readable report."""
+    def spread(s: Spread) -> str:
+        return f"p50 {s.p50:.0f}  p90 {s.p90:.0f}  p99 {s.p99:.0f}  max {s.max:,}  mean {s.mean:.1f}"
+
+    def rate(value: float | None, unit: str) -> str:
+        return f"{value:,.2f} {unit}" if value is not None else "- (all at one time)"
+
+    lines = [
+        f"trace          {source}",
+        f"rows           {stats.rows:,}",
+        f"time span      {stats.time_span_s:,.3f} s (first arrival {stats.first_arrival_s:,.3f} s)",
+        f"mean rate      {rate(stats.mean_rate_per_s, 'req/s')}, {rate(stats.mean_rate_per_min, 'req/min')}",
+        f"peak rate      {stats.peak_per_s:,} req in one second, {stats.peak_per_min:,} req in one minute",
+        f"prompt tokens  {spread(stats.prompt)}",
+        f"output tokens  {spread(stats.output)}",
+        f"total tokens   {stats.total_tokens:,} (prompt {stats.total_prompt_tokens:,} + output "
+        f"{stats.total_output_tokens:,}); mean {stats.mean_tokens_per_request:.1f} per request, "
+        f"longest request {stats.longest_request_tokens:,}",
+    ]
+    if stats.reuse_ratio is None:
+        lines.append("prefix reuse   - (no block_hashes)")
+    else:
+        lines.append(
+            f"prefix reuse   {stats.reuse_ratio:.4f} at {stats.block_size}-token blocks "
+            f"({stats.reused_blocks:,} of {stats.prompt_blocks:,} blocks); "
+            f"{stats.distinct_first_blocks:,} distinct first blocks"
+        )
+    return "\n".join(lines)
