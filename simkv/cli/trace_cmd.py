@@ -1,0 +1,163 @@
+"""``simkv trace``: import, synth, inspect, transform. Parses options; the work is in simkv.traces."""
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from simkv.traces.arrivals import ARRIVAL_KINDS, ArrivalProcess
+from simkv.traces.errors import TraceError
+from simkv.traces.importers import FORMATS, ColumnMap, ConversationStarts, import_to_file
+from simkv.traces.importers.tabular import TIME_UNITS
+from simkv.traces.schema import read_trace, write_trace
+from simkv.traces.stats import format_stats, trace_stats
+from simkv.traces.synth import ClippedLognormal, REQ400_REQUESTS, REQ400_SEED
+from simkv.traces.synth_cli import KINDS, SynthOptions, generate, parse_int_list
+from simkv.traces.transform import Edits, transform
+
+
+def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn every failure into click's one-line ``Error: ...`` and a non-zero exit, no traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except (TraceError, OSError) as exc:
+            raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        except MemoryError:
+            raise click.ClickException("out of memory") from None
+        except Exception as exc:  # noqa: BLE001 - the CLI promises no tracebacks
+            raise click.ClickException(f"unexpected {type(exc).__name__}: {str(exc)[:200]}") from None
+
+    return wrapper
+
+
+@click.group()
+def trace() -> None:
+    """Import, generate, inspect and edit request traces (canonical schema: docs/traces.md)."""
+
+
+@trace.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(FORMATS))
+@click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
+@click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
+@click.option("--block-tokens", default=512, show_default=True, help="mooncake: tokens per hash block.")
+@click.option("--time-col", help="csv: column with the request time.")
+@click.option("--prompt-col", help="csv: column with prompt tokens.")
+@click.option("--output-col", help="csv: column with output tokens.")
+@click.option("--id-col", help="csv: optional column with request ids.")
+@click.option("--time-unit", type=click.Choice(list(TIME_UNITS)), default="s", show_default=True,
+              help="csv: unit of the time column ('datetime' = wall-clock strings).")
+@click.option("--time-origin", type=click.Choice(["first", "zero"]), default="first", show_default=True,
+              help="csv: arrival = time - first row's time, or the time itself.")
+@click.option("--conversation-gap", default=0.0, show_default=True,
+              help="kvcache-tester: seconds between conversation starts.")
+@click.option("--conversation-rate", type=float, help="kvcache-tester: Poisson conversation starts per second.")
+@click.option("--seed", default=0, show_default=True, help="kvcache-tester: seed of the Poisson starts.")
+@clean_errors
+def import_cmd(fmt: str, sources: tuple[str, ...], out: str, block_tokens: int, time_col: str | None,
+               prompt_col: str | None, output_col: str | None, id_col: str | None, time_unit: str,
+               time_origin: str, conversation_gap: float, conversation_rate: float | None, seed: int) -> None:
+    """Import a raw public trace (FORMAT: mooncake, azure, kvcache-tester, csv) into OUT."""
+    mapping = None
+    if fmt == "csv":
+        if not (time_col and prompt_col and output_col):
+            raise TraceError("format csv needs --time-col, --prompt-col and --output-col")
+        mapping = ColumnMap(time_col, prompt_col, output_col, id_col, time_unit, time_origin)
+    starts = ConversationStarts(conversation_gap, conversation_rate, seed)
+    report = import_to_file(fmt, list(sources), out, block_tokens=block_tokens, mapping=mapping, starts=starts)
+    click.echo(f"{report.summary()}; wrote {out}")
+
+
+def _lognormal_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for name, default in reversed(
+        [("prompt-mu", 6.0), ("prompt-sigma", 0.7), ("prompt-min", 8), ("prompt-max", 1800),
+         ("output-mu", 4.8), ("output-sigma", 0.9), ("output-min", 8), ("output-max", 900),
+         ("user-mu", 4.0), ("user-sigma", 0.8), ("user-min", 4), ("user-max", 1024)]
+    ):
+        command = click.option(f"--{name}", default=default, show_default=True)(command)
+    return command
+
+
+@trace.command("synth")
+@click.argument("kind", type=click.Choice(KINDS))
+@click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
+@click.option("--n-requests", default=REQ400_REQUESTS, show_default=True)
+@click.option("--seed", default=REQ400_SEED, show_default=True)
+@click.option("--fast", is_flag=True, help="numpy draws (vectorised; not bit-identical to Python random).")
+@click.option("--arrival", type=click.Choice(ARRIVAL_KINDS), default="all-at-once", show_default=True)
+@click.option("--rate", type=float, help="Requests (multi-turn: sessions) per second for poisson/gamma.")
+@click.option("--cv", default=1.0, show_default=True, help="gamma: coefficient of variation of the gaps.")
+@click.option("--groups", default=10, show_default=True, help="shared-prefix: number of groups/tenants.")
+@click.option("--prefix-tokens", default="1000", show_default=True, help="shared-prefix: one length or one per group.")
+@click.option("--hash-block-tokens", type=int, help="Tokens per hash block (shared-prefix default: 16/8/4/2/1 dividing all prefixes; multi-turn 16).")
+@click.option("--assign", type=click.Choice(["round-robin", "random"]), default="round-robin", show_default=True)
+@click.option("--salt-per-group", is_flag=True, help="shared-prefix: cache_salt 'group-<g>' per group.")
+@click.option("--base", default="lognormal", show_default=True, help="shared-prefix: how own tokens are drawn.")
+@click.option("--sessions", default=100, show_default=True, help="multi-turn: number of chat sessions.")
+@click.option("--turns", default=4, show_default=True, help="multi-turn: turns per session.")
+@click.option("--think-time", default=10.0, show_default=True, help="multi-turn: mean seconds between turns.")
+@click.option("--max-prompt-tokens", default=32768, show_default=True, help="multi-turn: end a session beyond this.")
+@_lognormal_options
+@clean_errors
+def synth_cmd(kind: str, out: str, n_requests: int, seed: int, fast: bool, arrival: str, rate: float | None,
+              cv: float, groups: int, prefix_tokens: str, hash_block_tokens: int | None, assign: str,
+              salt_per_group: bool, base: str, sessions: int, turns: int, think_time: float,
+              max_prompt_tokens: int, **sizes: float) -> None:
+    """Generate a seeded, deterministic trace (KIND: lognormal, shared-prefix, multi-turn)."""
+    options = SynthOptions(
+        kind=kind, n_requests=n_requests, seed=seed, fast=fast,
+        prompt=_dist(sizes, "prompt"), output=_dist(sizes, "output"),
+        arrival=ArrivalProcess(arrival, rate, cv), groups=groups, prefix_tokens=parse_int_list(prefix_tokens),
+        hash_block_tokens=hash_block_tokens, assign=assign, salt_per_group=salt_per_group, base=base,
+        sessions=sessions, turns=turns, user_tokens=_dist(sizes, "user"), think_time_s=think_time,
+        max_prompt_tokens=max_prompt_tokens,
+    )
+    result = generate(options)
+    write_trace(result, out)
+    click.echo(f"wrote {len(result):,} requests ({kind}) to {out}")
+
+
+def _dist(sizes: dict[str, float], prefix: str) -> ClippedLognormal:
+    return ClippedLognormal(
+        float(sizes[f"{prefix}_mu"]), float(sizes[f"{prefix}_sigma"]), int(sizes[f"{prefix}_min"]), int(sizes[f"{prefix}_max"])
+    )
+
+
+@trace.command("inspect")
+@click.argument("path")
+@click.option("--block-size", default=16, show_default=True, help="KV block size for the prefix reuse ratio.")
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
+@clean_errors
+def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
+    """Rows, rates, length percentiles, token totals and prefix reuse of a trace."""
+    stats = trace_stats(read_trace(path), block_size)
+    if as_json:
+        click.echo(json.dumps({"path": path, **stats.to_dict()}, indent=2))
+    else:
+        click.echo(format_stats(stats, path))
+
+
+@trace.command("transform")
+@click.argument("path")
+@click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
+@click.option("--head", type=int, help="Keep the first N requests.")
+@click.option("--window", type=(float, float), help="Keep arrivals in [T0, T1), shifted to start at 0.")
+@click.option("--time-scale", type=float, help="Multiply arrival times by F.")
+@click.option("--rate", type=float, help="Re-time to Poisson arrivals at R req/s (order kept).")
+@click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
+@click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
+@clean_errors
+def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
+                  time_scale: float | None, rate: float | None, sample: float | None, seed: int) -> None:
+    """Edit a trace before a replay (order: window, head, sample, time-scale, rate)."""
+    edits = Edits(window=window, head=head, sample=sample, time_scale=time_scale, rate=rate, seed=seed)
+    result = transform(read_trace(path), edits)
+    write_trace(result, out)
+    click.echo(f"wrote {len(result):,} requests to {out}")

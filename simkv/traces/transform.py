@@ -1,0 +1,74 @@
+"""``simkv trace transform``: the edits users make before a replay.
+
+Edits apply in this fixed order, whatever the order of the options: window -> head -> sample ->
+time-scale -> rate. Every edit keeps the request order (the trace is sorted by arrival).
+  window T0 T1   keep arrivals in [T0, T1) and shift them so that T0 becomes 0
+  head N         keep the first N requests
+  sample F       keep each request with probability F (numpy Generator, ``seed``)
+  time-scale F   multiply every arrival time by F (F < 1 compresses, F > 1 stretches)
+  rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from simkv.traces.arrivals import ArrivalProcess, arrival_rng
+from simkv.traces.errors import TraceError
+from simkv.traces.schema import Trace, take_rows
+
+
+@dataclass(frozen=True)
+class Edits:
+    """Which edits to apply (None = not requested)."""
+
+    window: tuple[float, float] | None = None
+    head: int | None = None
+    sample: float | None = None
+    time_scale: float | None = None
+    rate: float | None = None
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.window is not None and not (0 <= self.window[0] < self.window[1]):
+            raise TraceError(f"--window needs 0 <= T0 < T1, got {self.window[0]} {self.window[1]}")
+        if self.head is not None and self.head < 1:
+            raise TraceError(f"--head must be >= 1, got {self.head}")
+        if self.sample is not None and not (0 < self.sample <= 1):
+            raise TraceError(f"--sample must be in (0, 1], got {self.sample}")
+        if self.time_scale is not None and not (0 < self.time_scale < float("inf")):
+            raise TraceError(f"--time-scale must be > 0, got {self.time_scale}")
+        if self.rate is not None and not (0 < self.rate < float("inf")):
+            raise TraceError(f"--rate must be > 0, got {self.rate}")
+
+
+def transform(trace: Trace, edits: Edits) -> Trace:
+    """Apply ``edits``; TraceError if no request is left."""
+    edits.check()
+    if edits.window is not None:
+        trace = _window(trace, *edits.window)
+    if edits.head is not None:
+        trace = take_rows(trace, np.arange(min(edits.head, len(trace))))
+    if edits.sample is not None:
+        keep = np.random.default_rng([edits.seed, 5]).random(len(trace)) < edits.sample
+        trace = _nonempty(take_rows(trace, np.flatnonzero(keep)), "--sample")
+    if edits.time_scale is not None:
+        trace = replace(trace, arrival_time_s=trace.arrival_time_s * edits.time_scale)
+    if edits.rate is not None:
+        times = ArrivalProcess("poisson", edits.rate).times(len(trace), arrival_rng(edits.seed, stream=6))
+        trace = replace(trace, arrival_time_s=times)
+    return trace
+
+
+def _window(trace: Trace, start: float, end: float) -> Trace:
+    times = trace.arrival_time_s
+    rows = np.flatnonzero((times >= start) & (times < end))
+    trace = _nonempty(take_rows(trace, rows), "--window")
+    return replace(trace, arrival_time_s=trace.arrival_time_s - start)
+
+
+def _nonempty(trace: Trace, edit: str) -> Trace:
+    if len(trace) == 0:
+        raise TraceError(f"{trace.source}: {edit} left no requests")
+    return trace
