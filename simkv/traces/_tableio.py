@@ -42,7 +42,13 @@ def read_table(path: str | os.PathLike) -> pa.Table:
         raise TraceError(f"{path}: no such file")
     if os.path.getsize(path) == 0:
         raise TraceError(f"{path}: empty file")
-    return _read_parquet(path) if kind == "parquet" else _read_csv(path)
+    table = _read_parquet(path) if kind == "parquet" else _read_csv(path)
+    try:
+        table.column_names  # noqa: B018 - Arrow decodes the names lazily
+    except UnicodeDecodeError:
+        problem = locate_csv_problem(path) if kind == "csv" else None
+        raise TraceError(f"{path}: {problem or 'column names that are not UTF-8'}") from None
+    return table
 
 
 def _read_parquet(path: str | os.PathLike) -> pa.Table:
@@ -114,7 +120,10 @@ def _scan_lines(handle: io.BufferedIOBase) -> str | None:
             return f"line {number}: bytes that are not UTF-8 at position {exc.start}"
         if not text.strip():
             continue
-        fields = next(csv.reader([text]), [])
+        try:
+            fields = next(csv.reader([text]), [])
+        except csv.Error as exc:
+            return f"line {number}: {exc}"
         if width is None:
             width = len(fields)
         elif len(fields) != width:

@@ -1,0 +1,99 @@
+"""Inspect statistics (reuse ratio semantics) and transform edits."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.traces import TraceError, trace_from_frame
+from simkv.traces.arrivals import ArrivalProcess
+from simkv.traces.reuse import prefix_reuse
+from simkv.traces.stats import format_stats, trace_stats
+from simkv.traces.synth import lognormal
+from simkv.traces.transform import Edits, transform
+
+
+def hashed(prompts: list[int], hashes: list[list[int]], block: int = 4, salts: list | None = None):
+    frame = pd.DataFrame({
+        "arrival_time_s": np.arange(len(prompts), dtype=float),
+        "prompt_tokens": prompts,
+        "output_tokens": 1,
+        "block_hashes": hashes,
+        "hash_block_tokens": block,
+    })
+    if salts is not None:
+        frame["cache_salt"] = salts
+    return trace_from_frame(frame)
+
+
+def test_reuse_counts_partial_last_blocks_by_content_and_length() -> None:
+    # Row 1 repeats row 0 exactly (3 blocks at size 4, last one partial): all reused.
+    # Row 2 has the same ids but one token more: its partial block (9 tokens) differs, 2 of 3 reused.
+    trace = hashed([10, 10, 11], [[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    reuse = prefix_reuse(trace, 4)
+    assert (reuse.total_blocks, reuse.reused_blocks, reuse.distinct_first_blocks) == (9, 5, 1)
+
+
+def test_reuse_needs_the_whole_chain_not_just_the_id() -> None:
+    # Block id 2 at level 1 after different first blocks is different content.
+    trace = hashed([8, 8, 8], [[1, 2], [7, 2], [1, 2]])
+    reuse = prefix_reuse(trace, 4)
+    assert reuse.reused_blocks == 2 and reuse.distinct_first_blocks == 2
+
+
+def test_reuse_at_a_block_size_other_than_the_hash_block() -> None:
+    trace = hashed([16, 12, 16], [[1, 2, 3, 4], [1, 2, 3], [1, 2, 9, 9]])
+    # at 8-token blocks: row0 (1,2)(1,2,3,4); row1 (1,2)[reused] (1,2,3 L=12)[new]; row2 (1,2)[reused] (1,2,9,9)
+    assert prefix_reuse(trace, 8).reused_blocks == 2
+    # positions past a hash list are unique: 20 tokens with 2 ids at 4 -> only the first 8 tokens are shareable
+    short = hashed([20, 20], [[1, 2], [1, 2]])
+    assert prefix_reuse(short, 4).reused_blocks == 2 and prefix_reuse(short, 4).total_blocks == 10
+
+
+def test_cache_salt_separates_equal_content() -> None:
+    trace = hashed([8, 8, 8], [[1, 2], [1, 2], [1, 2]], salts=["a", "b", "a"])
+    assert prefix_reuse(trace, 4).reused_blocks == 2
+
+
+def test_stats_of_req400_and_rates() -> None:
+    stats = trace_stats(lognormal())
+    assert stats.total_tokens == 276_007 and stats.longest_request_tokens == 2_219
+    assert stats.mean_rate_per_s is None and stats.peak_per_s == 400 and stats.reuse_ratio is None
+    timed = trace_stats(lognormal(arrival=ArrivalProcess("poisson", 2.0)))
+    assert timed.mean_rate_per_min == pytest.approx(timed.mean_rate_per_s * 60)
+    assert 1.5 < timed.mean_rate_per_s < 2.5 and timed.peak_per_min >= timed.peak_per_s
+    assert "276,007" in format_stats(stats) and "longest request 2,219" in format_stats(stats)
+
+
+def test_transform_edits_keep_order_and_are_seeded() -> None:
+    trace = lognormal(arrival=ArrivalProcess("poisson", 4.0))
+    window = transform(trace, Edits(window=(10.0, 20.0)))
+    inside = trace.arrival_time_s[(trace.arrival_time_s >= 10) & (trace.arrival_time_s < 20)]
+    assert np.allclose(window.arrival_time_s, inside - 10.0)
+    assert len(transform(trace, Edits(head=7))) == 7
+    scaled = transform(trace, Edits(time_scale=0.5))
+    assert np.allclose(scaled.arrival_time_s, trace.arrival_time_s / 2)
+    retimed = transform(trace, Edits(rate=100.0, seed=1))
+    assert retimed.request_id.tolist() == trace.request_id.tolist()
+    assert 3.0 < retimed.arrival_time_s[-1] < 5.0
+    sample_a = transform(trace, Edits(sample=0.25, seed=9))
+    sample_b = transform(trace, Edits(sample=0.25, seed=9))
+    assert sample_a == sample_b and 60 < len(sample_a) < 140
+    positions = [int(r) for r in sample_a.request_id]
+    assert positions == sorted(positions)
+
+
+@pytest.mark.parametrize(
+    ("edits", "expected"),
+    [
+        (Edits(window=(5.0, 1.0)), "--window"),
+        (Edits(head=0), "--head"),
+        (Edits(sample=1.5), "--sample"),
+        (Edits(time_scale=0.0), "--time-scale"),
+        (Edits(rate=-1.0), "--rate"),
+        (Edits(window=(1e9, 2e9)), "left no requests"),
+    ],
+)
+def test_transform_rejects_bad_edits(edits: Edits, expected: str) -> None:
+    with pytest.raises(TraceError, match=expected):
+        transform(lognormal(arrival=ArrivalProcess("poisson", 4.0)), edits)
