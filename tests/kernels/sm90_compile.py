@@ -1,0 +1,125 @@
+"""Ahead-of-time compilation of the kernels for sm_90 (H100/H200) on a machine without a GPU.
+
+Triton wheels bundle LLVM and ptxas, so the full compiled path (AST -> TTIR -> TTGIR -> LLVM ->
+PTX -> cubin) can run on CPU.  This catches errors the interpreter cannot (constexpr-specialized
+scalar arguments, loop-carried types, unsupported layouts) and reports registers/spills.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+INT_ARGS_PTRS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "slot_mapping_ptr")
+
+
+def ptxas_path() -> str | None:
+    base = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):
+        p = os.path.join(base, name)
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def compile_sm90(fn, dtype: str, constexprs: dict, *, ones: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 2):
+    """Compile ``fn`` for sm_90 with the given constexprs; int args named in ``ones`` are specialized to 1
+    (as Triton does at launch for an argument equal to 1).  Pointers and strides are assumed 16-aligned."""
+    sig, attrs, const = {}, {}, dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ones:
+            sig[name], const[name] = "constexpr", 1
+        elif name.endswith("_ptr"):
+            if name.startswith("part"):
+                sig[name] = "*fp32"
+            elif name in INT_ARGS_PTRS:
+                sig[name] = "*i64" if name == "slot_mapping_ptr" else "*i32"
+            else:
+                sig[name] = "*" + dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resource_usage(compiled) -> dict:
+    """Registers / spill bytes from ``ptxas -v`` plus shared memory from Triton's metadata."""
+    info = {"shared": compiled.metadata.shared}
+    ptxas = ptxas_path()
+    if ptxas is None:
+        return info
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=False)
+    m = re.search(r"Used (\d+) registers", r.stderr)
+    s = re.search(r"(\d+) bytes spill stores", r.stderr)
+    if m:
+        info["registers"] = int(m.group(1))
+    if s:
+        info["spill_bytes"] = int(s.group(1))
+    return info
+
+
+# name: (kernel, dtype, constexprs, int args specialized to 1, num_warps, num_stages)
+VARIANTS = {
+    "attn_prefill_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=32,
+                                                        BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False, DOT_PREC="tf32"), (), 8, 3),
+    "attn_decode_split_bf16_d128": ("attention", "bf16", dict(QPK=8, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=2,
+                                                             BLOCK_M=16, NUM_SEGMENTS=16, DOT_FP32=False, DOT_PREC="tf32"), (), 4, 3),
+    "attn_decode_scalars_eq_1": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=4,
+                                                          BLOCK_M=16, NUM_SEGMENTS=8, DOT_FP32=False, DOT_PREC="tf32"),
+                                 ("num_seqs", "num_heads", "ml_plane", "stride_bt_seq"), 4, 3),
+    "attn_short_chunks_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=64,
+                                                             BLOCK_Q=16, BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False,
+                                                             DOT_PREC="tf32"), (), 4, 3),
+    "attn_mixed_bf16_d80_bs32": ("attention", "bf16", dict(QPK=1, HEAD_SIZE=80, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=16, BLOCK_Q=64,
+                                                          BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False, DOT_PREC="tf32"), (), 4, 3),
+    "attn_fp32_ieee_d96": ("attention", "fp32", dict(QPK=3, HEAD_SIZE=96, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=16, BLOCK_Q=10,
+                                                    BLOCK_M=32, NUM_SEGMENTS=1, DOT_FP32=True, DOT_PREC="ieee"), (), 4, 2),
+    "merge_bf16_d80": ("merge", "bf16", dict(HEAD_SIZE=80, HEAD_PAD=128, NUM_SEGMENTS=16), (), 4, 2),
+    "merge_scalars_eq_1": ("merge", "fp16", dict(HEAD_SIZE=128, HEAD_PAD=128, NUM_SEGMENTS=4), ("num_seqs", "num_heads", "ml_plane"), 4, 2),
+    "cache_write_fp16": ("cache", "fp16", dict(ROW=1024, HEAD_SIZE=128, BLOCK_SIZE=16, BLOCK_E=1024), (), 4, 2),
+    "cache_write_scalars_eq_1": ("cache", "bf16", dict(ROW=80, HEAD_SIZE=80, BLOCK_SIZE=32, BLOCK_E=128),
+                                 ("stride_k_head", "stride_v_head"), 1, 2),
+}
+
+
+def compile_all() -> dict:
+    """Compile every variant; {name: {"ok": bool, "error"?: str, "registers"?, "spill_bytes"?, "shared"?}}."""
+    from kernels.triton_attention import _merge_segments_kernel, _paged_attention_kernel
+    from kernels.triton_cache import _reshape_and_cache_kernel
+
+    kernels = {"attention": _paged_attention_kernel, "merge": _merge_segments_kernel, "cache": _reshape_and_cache_kernel}
+    results = {}
+    for name, (kernel, dtype, const, ones, warps, stages) in VARIANTS.items():
+        try:
+            compiled = compile_sm90(kernels[kernel], dtype, const, ones=ones, num_warps=warps, num_stages=stages)
+            results[name] = {"ok": True, **resource_usage(compiled)}
+        except Exception as exc:  # reported per variant by the test
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    return results
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+    print("SM90_RESULTS=" + json.dumps(compile_all()))
