@@ -149,11 +149,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     os.close(handle)
     try:
         yield temp
+        os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the usual file mode
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_table(table: pa.Table, path: str | os.PathLike) -> None:

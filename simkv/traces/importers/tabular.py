@@ -96,7 +96,7 @@ def _parquet_batches(path: str | Path, mapping: ColumnMap) -> Iterator[pa.Record
 def _csv_batches(path: str | Path, mapping: ColumnMap) -> Iterator[pa.RecordBatch]:
     delimiter = "\t" if str(path).lower().endswith(".tsv") else ","
     options = dict(
-        read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+        read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES, use_threads=False),
         parse_options=pacsv.ParseOptions(delimiter=delimiter),
         convert_options=pacsv.ConvertOptions(
             include_columns=mapping.names(),

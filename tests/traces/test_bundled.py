@@ -1,0 +1,44 @@
+"""The sample traces shipped in traces/: small, valid, attributed and reproducible."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from simkv.traces import read_trace, write_trace
+from simkv.traces.stats import trace_stats
+from simkv.traces.synth import lognormal
+from simkv.traces.synth_prefix import PrefixGroups, shared_prefix
+
+TRACES = Path(__file__).resolve().parents[2] / "traces"
+BUNDLED = {
+    "azure_conv_slice.parquet": ("azure_LICENSE", 2000),
+    "mooncake_synthetic_slice.parquet": ("mooncake_LICENSE-APACHE", 1000),
+    "kvcache_coding_sample.parquet": ("kvcache_tester_LICENSE", 115),
+    "req400.parquet": (None, 400),
+    "req400_prefix10.parquet": (None, 400),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_trace_is_small_valid_and_licensed(name: str) -> None:
+    license_file, rows = BUNDLED[name]
+    path = TRACES / name
+    assert path.stat().st_size < 1_000_000
+    assert len(read_trace(path)) == rows
+    readme = (TRACES / "README.md").read_text()
+    assert f"`{name}`" in readme
+    if license_file:
+        assert (TRACES / "licenses" / license_file).is_file() and f"licenses/{license_file}" in readme
+
+
+def test_bundled_generated_traces_are_byte_reproducible(tmp_path: Path) -> None:
+    write_trace(lognormal(), tmp_path / "req400.parquet")
+    assert (tmp_path / "req400.parquet").read_bytes() == (TRACES / "req400.parquet").read_bytes()
+    write_trace(shared_prefix(PrefixGroups(groups=10, prefix_tokens=(1000,))), tmp_path / "p.parquet")
+    assert (tmp_path / "p.parquet").read_bytes() == (TRACES / "req400_prefix10.parquet").read_bytes()
+
+
+def test_azure_slice_is_the_start_of_the_conversation_trace() -> None:
+    stats = trace_stats(read_trace(TRACES / "azure_conv_slice.parquet"))
+    assert stats.first_arrival_s == 0.0 and 300 < stats.time_span_s < 480
