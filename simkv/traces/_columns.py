@@ -25,7 +25,7 @@ def fail(source: str, column: str, row: int, what: str) -> NoReturn:
     raise TraceError(f"{source}: column '{column}', row {row}: {what}")
 
 
-def _flat(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+def flat_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(arr, pa.ChunkedArray):
         return arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
     return arr
@@ -75,7 +75,7 @@ def _numeric(arr: pa.Array, source: str, column: str, row_offset: int) -> np.nda
 
 def float_column(arr: pa.Array | pa.ChunkedArray, source: str, column: str, row_offset: int = 0) -> np.ndarray:
     """A required, finite, non-negative float64 column (arrival times)."""
-    flat = _flat(arr)
+    flat = flat_array(arr)
     _reject_nulls(flat, source, column, row_offset)
     values = _numeric(flat, source, column, row_offset).astype(np.float64, copy=False)
     bad = ~np.isfinite(values)
@@ -91,7 +91,7 @@ def int_column(
     arr: pa.Array | pa.ChunkedArray, source: str, column: str, row_offset: int = 0, minimum: int | None = 1
 ) -> np.ndarray:
     """A required integer column; floats must be integral; values must be >= ``minimum``."""
-    flat = _flat(arr)
+    flat = flat_array(arr)
     _reject_nulls(flat, source, column, row_offset)
     values = _numeric(flat, source, column, row_offset)
     if values.dtype.kind == "f":
@@ -123,7 +123,7 @@ def string_column(
     arr: pa.Array | pa.ChunkedArray, source: str, column: str, row_offset: int = 0, nullable: bool = False
 ) -> np.ndarray:
     """A string column as an object array of ``str`` (or ``None`` where allowed)."""
-    flat = _flat(arr)
+    flat = flat_array(arr)
     if not nullable:
         _reject_nulls(flat, source, column, row_offset)
     kind = flat.type
@@ -145,7 +145,7 @@ def hash_lists(
     arr: pa.Array | pa.ChunkedArray, source: str, row_offset: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Parse ``block_hashes`` into CSR (values int64, offsets int64 of len n+1). Null = no hashes."""
-    flat = _flat(arr)
+    flat = flat_array(arr)
     kind = flat.type
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
         return _arrow_lists(flat, source, row_offset)
@@ -163,7 +163,7 @@ def _arrow_lists(flat: pa.Array, source: str, row_offset: int) -> tuple[np.ndarr
         lengths = np.diff(offsets)
         lengths[pc.is_null(flat).to_numpy(zero_copy_only=False)] = 0
         starts = offsets[:-1]
-        keep = np.repeat(starts, lengths) + _ranges(lengths)
+        keep = np.repeat(starts, lengths) + concat_ranges(lengths)
         values_all = flat.values
         values = values_all.take(pa.array(keep)) if len(keep) else values_all.slice(0, 0)
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
@@ -185,7 +185,7 @@ def _arrow_lists(flat: pa.Array, source: str, row_offset: int) -> tuple[np.ndarr
     return numbers.astype(np.int64, copy=False), offsets
 
 
-def _ranges(lengths: np.ndarray) -> np.ndarray:
+def concat_ranges(lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(l) for each l in lengths (vectorised)."""
     total = int(lengths.sum())
     if total == 0:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from simkv.traces._columns import _ranges
+from simkv.traces._columns import concat_ranges
 from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
 
@@ -85,7 +85,7 @@ def _block_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.nd
     all_blocks = -(-prompt // block_size)
     valid = np.where(prompt <= covered, all_blocks, covered // block_size)
     row = np.repeat(np.arange(len(trace)), valid)
-    ends = np.minimum((_ranges(valid) + 1) * block_size, prompt[row])
+    ends = np.minimum((concat_ranges(valid) + 1) * block_size, prompt[row])
     levels = -(-ends // per_block[row]) - 1
     node = nodes[trace.hash_offsets[row] + levels]
     keys = node * (int(prompt.max()) + 1) + ends

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from simkv.traces import _columns as col
 from simkv.traces._frames import frame_to_table
@@ -182,10 +183,8 @@ def _block_tokens(table: pa.Table, source: str, scalar_h: int | None, row_offset
         raise TraceError(f"{source}: hash_block_tokens must be >= 1, got {scalar_h}")
     if "hash_block_tokens" not in table.column_names:
         return np.full(table.num_rows, fill, np.int64)
-    arr = col._flat(table.column("hash_block_tokens"))
+    arr = col.flat_array(table.column("hash_block_tokens"))
     if arr.null_count:
-        import pyarrow.compute as pc
-
         arr = pc.fill_null(arr, str(fill) if pa.types.is_string(arr.type) else fill)
     return col.int_column(arr, source, "hash_block_tokens", row_offset, minimum=0)
 

@@ -166,7 +166,7 @@ def _times(arr: pa.Array, source: str, mapping: ColumnMap, row: int) -> tuple[np
 
 def _wall_clock(arr: pa.Array, source: str, name: str, row: int) -> np.ndarray:
     """Wall-clock strings (e.g. '2023-11-16 18:15:46.6805900') -> int64 nanoseconds since the epoch."""
-    flat = col._flat(arr)
+    flat = col.flat_array(arr)
     if flat.null_count:
         col.fail(source, name, row + int(np.argmax(pc.is_null(flat).to_numpy(zero_copy_only=False))), "missing value")
     if pa.types.is_timestamp(flat.type):
