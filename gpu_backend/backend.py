@@ -1,0 +1,119 @@
+"""`GpuBackend`: the StepBackend that runs each step for real and returns its measured duration.
+
+The scheduler, KV-cache manager and block pool are the simulator's own objects (the replay
+engine builds them; this backend only reads `SchedulerOutput`). Timing covers the whole step:
+input preparation, host-to-device copies, forward, greedy sampling and the final
+synchronisation. On CUDA it is measured with a pair of events around all of it (the start
+event is recorded on an idle stream before input preparation, so host time counts); on CPU
+with `time.perf_counter`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from gpu_backend.env import device_info, library_versions
+from gpu_backend.runner import ModelRunner, dtype_name
+from simkv.backends.base import prefill_work
+from simkv.core.outputs import SchedulerOutput
+
+
+class DeviceOOMError(RuntimeError):
+    """The device ran out of memory on a step; carries the step's shape and a setting that fits."""
+
+    def __init__(self, message: str, shape: dict, suggestion: str) -> None:
+        super().__init__(message)
+        self.shape = shape
+        self.suggestion = suggestion
+
+
+def step_shape(output: SchedulerOutput) -> dict:
+    p_tokens, p_pairs, p_read = prefill_work(output)
+    return {"step": output.step, "num_prefill_chunks": len(output.chunks), "num_prefill_tokens": p_tokens,
+            "prefill_pairs": p_pairs, "prefill_kv_read": p_read, "num_decodes": output.num_decode_reqs,
+            "decode_context_tokens": output.decode_context_tokens}
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1) if n > 1 else 1
+
+
+def oom_suggestion(shape: dict) -> str:
+    tokens = shape["num_prefill_tokens"] + shape["num_decodes"]
+    fit = _prev_pow2(max(tokens - 1, 1))
+    return (f"--max-num-batched-tokens {fit} (this step scheduled {tokens} tokens), or a smaller KV pool "
+            f"(--num-gpu-blocks / --gpu-memory-utilization) to leave room for activations")
+
+
+def is_oom(exc: BaseException) -> bool:
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    return isinstance(exc, oom_types) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+class StepTimer:
+    """Times a callable: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+
+    def time(self, fn, *args):
+        if self.cuda:
+            self.start.record()
+            result = fn(*args)
+            self.end.record()
+            self.end.synchronize()
+            return result, self.start.elapsed_time(self.end) / 1000.0
+        t0 = time.perf_counter()
+        result = fn(*args)
+        return result, time.perf_counter() - t0
+
+
+class GpuBackend:
+    """Executes scheduler outputs on a `ModelRunner`; `execute` returns seconds."""
+
+    name = "gpu"
+    supports_decode_runs = False
+    needs_request_detail = True
+
+    def __init__(self, runner: ModelRunner, warmup_steps: int = 3) -> None:
+        self.runner = runner
+        self.timer = StepTimer(runner.device)
+        self.measured: list[dict] = []  # one row per executed step (kept for partial saves)
+        if warmup_steps:
+            from gpu_backend.synthetic import warm_up
+
+            warm_up(runner, warmup_steps)
+
+    def execute(self, output: SchedulerOutput) -> float:
+        try:
+            _, seconds = self.timer.time(self.runner.run, output)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            shape = step_shape(output)
+            suggestion = oom_suggestion(shape)
+            if self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise DeviceOOMError(f"out of memory on {self.runner.device} at step {output.step} "
+                                 f"({shape}); nearest setting that fits: {suggestion}", shape, suggestion) from exc
+        row = step_shape(output)
+        row["duration_s"] = seconds
+        self.measured.append(row)
+        return seconds
+
+    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
+        raise NotImplementedError("the GPU backend executes steps one by one (supports_decode_runs=False)")
+
+    def describe(self) -> dict:
+        r = self.runner
+        return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
+                "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
+                "timing": "cuda events" if r.device.type == "cuda" else "perf_counter wall clock",
+                "versions": library_versions()}

@@ -1,0 +1,51 @@
+"""What ran where: device, GPU name and library versions (for summary.json and calib.json)."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+import torch
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def library_versions() -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "simkv": _version("simkv"),
+    }
+
+
+def device_info(device: str | torch.device) -> dict:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        return {"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / (1 << 30), 2),
+                "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads()}
+
+
+def canonical_gpu(name: str | None) -> str | None:
+    """A CUDA device name mapped onto simkv's GPU spec names (None when unknown)."""
+    if not name:
+        return None
+    n = name.upper()
+    if "H200" in n:
+        return "H200"
+    if "H100" in n:
+        return "H100-SXM"
+    if "A100" in n and "80" in n:
+        return "A100-80GB"
+    return None

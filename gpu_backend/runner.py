@@ -1,0 +1,217 @@
+"""The model runner: turn one `SchedulerOutput` into a forward pass over the paged KV pool.
+
+Each scheduled request contributes a contiguous run of query tokens: a prefill chunk computes
+positions [num_computed_tokens, num_computed_tokens + num_new_tokens), a decode computes the
+one position num_computed_tokens. Every request attends to all its earlier positions through
+its block table, which is the scheduler's list of physical block ids, used unchanged as
+indices into the pool (one K and one V tensor per layer, `kernels/layout.py`).
+
+Token ids: traces carry lengths, not text. A prompt position gets a deterministic id derived
+from its content key (the shared prefix hash block and offset when the trace has block
+hashes, else the request and position), so prefix-cache hits reuse K/V that really is the
+same. Output positions hold the tokens this runner sampled (greedy argmax); output length
+comes from the trace, EOS is ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_backend.model import AttentionInputs, LeanLlama
+from simkv.core.outputs import SchedulerOutput
+from simkv.specs import get_model_spec
+
+_M64 = (1 << 64) - 1
+
+
+def _mix(a: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays."""
+    with np.errstate(over="ignore"):
+        z = a.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"unknown dtype '{name}'; use one of fp32, fp16, bf16")
+    return table[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def default_dtype(device: str) -> str:
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
+
+
+@dataclass
+class StepBatch:
+    """Host-side arrays of one step, before they go to the device."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    logits_indices: np.ndarray
+    samplers: list  # (request, position of the sampled token) per logits row
+    max_query_len: int
+    max_seq_len: int
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pool; executes scheduler outputs."""
+
+    def __init__(self, model: str, num_gpu_blocks: int, block_size: int = 16, device: str = "cpu",
+                 dtype: str | None = None, seed: int = 0, max_model_len: int | None = None,
+                 kernel_backend: str | None = None) -> None:
+        self.spec = get_model_spec(model)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+        self.dtype = dtype_from_name(dtype or default_dtype(device))
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        max_positions = max_model_len or self.spec.max_position_embeddings
+        self.model = LeanLlama(self.spec, self.dtype, self.device, seed=seed, max_positions=max_positions + 1)
+        self.kernel_backend = kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self._write_cache, self._attention = self._kernels(self.kernel_backend)
+        from kernels import allocate_kv_cache
+
+        self.kv_caches = [allocate_kv_cache(num_gpu_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim,
+                                            dtype=self.dtype, device=self.device)
+                          for _ in range(self.spec.num_layers)]
+        self.outputs: dict[int, list[int]] = {}  # request index -> sampled token ids (output positions)
+        self.vocab = self.spec.vocab_size
+
+    @staticmethod
+    def _kernels(backend: str):
+        if backend == "torch":
+            from kernels import ref_paged_attention, ref_reshape_and_cache
+
+            return ref_reshape_and_cache, ref_paged_attention
+        if backend == "triton":
+            from kernels.triton_attention import triton_paged_attention
+            from kernels.triton_cache import triton_reshape_and_cache
+
+            return triton_reshape_and_cache, triton_paged_attention
+        raise ValueError(f"unknown kernel backend '{backend}' (torch or triton)")
+
+    # ---- token content ------------------------------------------------------------------------
+    def prompt_token_ids(self, request, start: int, stop: int) -> np.ndarray:
+        pos = np.arange(start, stop, dtype=np.uint64)
+        ids = _mix(pos ^ (np.uint64(request.index + 1) << np.uint64(32)))
+        shared = min(request.num_shared_tokens, stop)
+        if request.shared_hash_ids is not None and shared > start:
+            k = shared - start
+            hb = request.hash_block_tokens
+            p = np.arange(start, shared, dtype=np.int64)
+            keys = np.asarray(request.shared_hash_ids, dtype=np.int64)[p // hb].astype(np.uint64)
+            ids[:k] = _mix(_mix(keys) ^ (p % hb).astype(np.uint64))
+        return (ids % np.uint64(self.vocab)).astype(np.int64)
+
+    def token_ids(self, request, start: int, stop: int) -> np.ndarray:
+        """Ids of positions [start, stop) of a request: prompt content, then sampled outputs."""
+        prompt = request.num_prompt_tokens
+        if stop <= prompt:
+            return self.prompt_token_ids(request, start, stop)
+        head = self.prompt_token_ids(request, start, prompt) if start < prompt else np.zeros(0, np.int64)
+        outs = self.outputs.get(request.index, [])
+        tail = []
+        for p in range(max(start, prompt), stop):
+            j = p - prompt
+            # A missing output (never sampled here) gets a deterministic filler id.
+            tail.append(outs[j] if j < len(outs) else int((request.index * 7919 + p) % self.vocab))
+        return np.concatenate([head, np.asarray(tail, dtype=np.int64)])
+
+    def _record_sample(self, request, position: int, token: int) -> None:
+        j = position - request.num_prompt_tokens
+        if j < 0:
+            return
+        outs = self.outputs.setdefault(request.index, [])
+        if j < len(outs):
+            outs[j] = token
+        else:
+            outs.extend([0] * (j - len(outs)))
+            outs.append(token)
+
+    def forget(self, request) -> None:
+        self.outputs.pop(request.index, None)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def prepare(self, output: SchedulerOutput) -> StepBatch:
+        bs = self.block_size
+        ids, poss, slots, lens, qsl, tables, logits_idx, samplers = [], [], [], [], [0], [], [], []
+        t = 0
+        work = [(c.request, c.num_computed_tokens, c.num_new_tokens, c.block_ids, False) for c in output.chunks]
+        work += [(d.request, d.num_computed_tokens, 1, d.block_ids, True) for d in (output.decodes or ())]
+        max_blocks = max((len(w[3] or ()) for w in work), default=1) or 1
+        for request, computed, new, block_ids, is_decode in work:
+            if block_ids is None:
+                raise ValueError("the GPU backend needs block ids: run the scheduler with detail=True")
+            end = computed + new
+            pos = np.arange(computed, end, dtype=np.int64)
+            table = np.asarray(block_ids, dtype=np.int64)
+            ids.append(self.token_ids(request, computed, end))
+            poss.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            row = np.zeros(max_blocks, dtype=np.int32)
+            row[:len(table)] = table
+            tables.append(row)
+            lens.append(end)
+            t += new
+            qsl.append(t)
+            # A chunk that reaches the end of the request's known tokens samples the next one.
+            if is_decode or end >= request.num_prompt_tokens + request.num_output_tokens:
+                logits_idx.append(t - 1)
+                samplers.append((request, end))
+        q_lens = np.diff(np.asarray(qsl))
+        return StepBatch(
+            input_ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
+            positions=np.concatenate(poss) if poss else np.zeros(0, np.int64),
+            slot_mapping=np.concatenate(slots) if slots else np.zeros(0, np.int64),
+            block_tables=np.stack(tables) if tables else np.zeros((0, 1), np.int32),
+            seq_lens=np.asarray(lens, dtype=np.int32), query_start_loc=np.asarray(qsl, dtype=np.int32),
+            logits_indices=np.asarray(logits_idx, dtype=np.int64), samplers=samplers,
+            max_query_len=int(q_lens.max()) if q_lens.size else 0, max_seq_len=max(lens, default=0))
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def run(self, output: SchedulerOutput) -> list[int]:
+        """Prepare, forward, sample greedily; returns the sampled ids (host ints)."""
+        return self._step(output)[0]
+
+    def forward_logits(self, output: SchedulerOutput) -> torch.Tensor:
+        """Logits of the sampling rows (tests); samples like `run`."""
+        return self._step(output)[1]
+
+    def _step(self, output: SchedulerOutput):
+        batch = self.prepare(output)
+        if batch.input_ids.size == 0:
+            return [], None
+        dev = self._to_device
+        attn = AttentionInputs(dev(batch.slot_mapping), dev(batch.block_tables), dev(batch.seq_lens),
+                               dev(batch.query_start_loc), batch.max_query_len, batch.max_seq_len)
+        logits = self.model.forward(dev(batch.input_ids), dev(batch.positions), attn, self.kv_caches,
+                                    dev(batch.logits_indices), self._write_cache, self._attention)
+        sampled = torch.argmax(logits, dim=-1).tolist()  # the host copy synchronises the device
+        for (request, position), token in zip(batch.samplers, sampled):
+            self._record_sample(request, position, token)
+        return sampled, logits
+
+    def kv_pool_bytes(self) -> int:
+        per = self.kv_caches[0][0].element_size() * self.kv_caches[0][0].numel() * 2
+        return per * len(self.kv_caches)

@@ -1,0 +1,67 @@
+"""Synthetic steps of a given shape (calibration grid points, warm-up), built from the engine's
+own `Request` / `SchedulerOutput` types so the runner executes them exactly like replay steps."""
+
+from __future__ import annotations
+
+from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
+from simkv.core.request import Request
+
+SYNTHETIC_INDEX = -1
+
+
+class BlockCursor:
+    """Hands out distinct physical blocks 1.. of the pool, wrapping around when exhausted."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_usable = max(num_blocks - 1, 1)
+        self.next = 0
+        self.wrapped = False
+
+    def take(self, n: int) -> list[int]:
+        if n > self.num_usable:
+            self.wrapped = True
+        out = []
+        for _ in range(n):
+            out.append(1 + self.next)
+            self.next += 1
+            if self.next >= self.num_usable:
+                self.next = 0
+                self.wrapped = True
+        return out
+
+
+def blocks_needed(prefills: list[tuple[int, int]], decodes: list[int], block_size: int) -> int:
+    total = sum(-(-(c + n) // block_size) for c, n in prefills)
+    return total + sum(-(-(ctx + 1) // block_size) for ctx in decodes)
+
+
+def synthetic_output(prefills: list[tuple[int, int]], decodes: list[int], block_size: int,
+                     num_blocks: int, step: int = 0) -> SchedulerOutput:
+    """One step: prefill chunks of (cached, new) tokens and decodes at the given contexts."""
+    cursor = BlockCursor(num_blocks)
+    chunks, decs = [], []
+    for cached, new in prefills:
+        req = Request("synthetic", SYNTHETIC_INDEX, 0.0, cached + new, 1)
+        chunks.append(ScheduledChunk(req, cached, new, False, cursor.take(-(-(cached + new) // block_size))))
+    for ctx in decodes:
+        req = Request("synthetic", SYNTHETIC_INDEX, 0.0, max(ctx, 1), 2)
+        decs.append(ScheduledDecode(req, ctx, cursor.take(-(-(ctx + 1) // block_size))))
+    ctx_tokens = sum(c + 1 for c in decodes)
+    return SchedulerOutput(step=step, chunks=chunks, num_decode_reqs=len(decodes), decode_context_tokens=ctx_tokens,
+                           decodes=decs, preempted=[], num_running=len(prefills) + len(decodes), num_waiting=0,
+                           num_blocks_used=0, prefix_query_tokens=0, prefix_hit_tokens=0)
+
+
+def run_synthetic(runner, output: SchedulerOutput) -> None:
+    runner.run(output)
+    runner.outputs.pop(SYNTHETIC_INDEX, None)
+
+
+def warm_up(runner, steps: int = 3) -> None:
+    """Compile/JIT every kernel variant a replay meets (decode-only, prefill, mixed) before timing."""
+    bs, nb = runner.block_size, runner.num_gpu_blocks
+    shapes = [([], [bs]), ([(0, 2 * bs)], []), ([(bs, bs)], [bs, 2 * bs]), ([(0, 300)], [64] * 8),
+              ([], [200] * 16)]
+    for _ in range(max(steps, 1)):
+        for prefills, decodes in shapes:
+            run_synthetic(runner, synthetic_output(prefills, decodes, bs, nb))
