@@ -79,19 +79,37 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
         self.dtype = dtype_from_name(dtype or default_dtype(device))
+        if self.device.type == "cpu":
+            # One intra-op thread: tiny-model steps are too small to gain from more, and on a
+            # shared 2-core host extra threads turn every contention into a long stall.
+            import os
+
+            torch.set_num_threads(int(os.environ.get("SIMKV_CPU_THREADS", "1")))
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         max_positions = max_model_len or self.spec.max_position_embeddings
         self.model = LeanLlama(self.spec, self.dtype, self.device, seed=seed, max_positions=max_positions + 1)
         self.kernel_backend = kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
         self._write_cache, self._attention = self._kernels(self.kernel_backend)
-        from kernels import allocate_kv_cache
-
-        self.kv_caches = [allocate_kv_cache(num_gpu_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim,
-                                            dtype=self.dtype, device=self.device)
-                          for _ in range(self.spec.num_layers)]
+        self.kv_caches: list = []
+        if num_gpu_blocks:
+            self.allocate_pool(num_gpu_blocks)
         self.outputs: dict[int, list[int]] = {}  # request index -> sampled token ids (output positions)
         self.vocab = self.spec.vocab_size
+
+    def allocate_pool(self, num_gpu_blocks: int) -> None:
+        """One K and one V tensor per layer, `num_gpu_blocks` blocks each (block ids index them)."""
+        from kernels import allocate_kv_cache
+
+        self.kv_caches = []
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_caches = [allocate_kv_cache(num_gpu_blocks, self.block_size, self.spec.num_kv_heads,
+                                            self.spec.head_dim, dtype=self.dtype, device=self.device)
+                          for _ in range(self.spec.num_layers)]
+
+    def bytes_per_block(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     @staticmethod
     def _kernels(backend: str):

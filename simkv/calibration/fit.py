@@ -1,0 +1,110 @@
+"""Fit the cost model: non-negative least squares on relative error, hinge knee by search,
+quality reported on held-out grid points (numpy only; no scipy)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simkv.calibration.costmodel import COEFFICIENTS, FORM, CalibratedCostModel, design_matrix
+
+
+def nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
+    """Lawson-Hanson non-negative least squares: argmin ||Ax - b|| subject to x >= 0."""
+    m, n = A.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = A.T @ (b - A @ x)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(A, 1) * max(m, n)
+    for _ in range(max_iter):
+        if passive.all() or w[~passive].max(initial=-np.inf) <= tol:
+            break
+        j = np.argmax(np.where(passive, -np.inf, w))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(A[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= ~(np.abs(x) < tol)
+            x[~passive] = 0.0
+        w = A.T @ (b - A @ x)
+    return x
+
+
+def _fit_fixed_knee(features: np.ndarray, y: np.ndarray, knee: float) -> np.ndarray:
+    A = design_matrix(features, knee)
+    wgt = 1.0 / np.maximum(y, 1e-9)  # minimise relative error
+    scale = np.maximum(np.abs(A * wgt[:, None]).max(axis=0), 1e-30)
+    coef = nnls(A * wgt[:, None] / scale, y * wgt) / scale
+    return coef
+
+
+def errors(pred: np.ndarray, y: np.ndarray) -> dict:
+    if len(y) == 0:
+        return {"n": 0, "mape": None, "max_ape": None, "r2": None}
+    ape = np.abs(pred - y) / np.maximum(y, 1e-12)
+    ss_res = float(((pred - y) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return {"n": int(len(y)), "mape": float(ape.mean()), "p90_ape": float(np.percentile(ape, 90)),
+            "max_ape": float(ape.max()), "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else None}
+
+
+def _knee_candidates(features: np.ndarray) -> list[float]:
+    tokens = np.unique(features[:, 0])
+    cands = [float(t) for t in tokens if t > tokens.min()]
+    return [float(tokens.max() + 1)] + cands  # first candidate: no hinge at all
+
+
+def fit_points(features: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Coefficients and knee minimising mean relative error on (features, y)."""
+    best = None
+    for knee in _knee_candidates(features):
+        coef = _fit_fixed_knee(features, y, knee)
+        pred = design_matrix(features, knee) @ coef
+        err = float((np.abs(pred - y) / np.maximum(y, 1e-12)).mean())
+        if best is None or err < best[0] - 1e-12:
+            best = (err, coef, knee)
+    return best[1], best[2]
+
+
+def holdout_mask(n: int, fraction: float = 0.2, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    k = max(1, int(round(n * fraction))) if n >= 5 else 0
+    mask = np.zeros(n, dtype=bool)
+    mask[rng.choice(n, size=k, replace=False)] = True
+    return mask
+
+
+def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float = 0.2, seed: int = 0) -> dict:
+    """Fit on the training points, report held-out error, then refit on all points for use.
+
+    Returns the `fit` section of calib.json."""
+    features = np.asarray(features, dtype=np.int64)
+    y = np.asarray(y, dtype=np.float64)
+    if len(y) < 3:
+        raise ValueError(f"need at least 3 measured grid points to fit, got {len(y)}")
+    mask = holdout_mask(len(y), holdout_fraction, seed)
+    coef_tr, knee_tr = fit_points(features[~mask], y[~mask])
+    pred_tr = design_matrix(features, knee_tr) @ coef_tr
+    coef, knee = fit_points(features, y)
+    model = CalibratedCostModel(dict(zip(COEFFICIENTS, coef)), knee)
+    pred_all = model.predict_features(features)
+    return {
+        "form": FORM,
+        "features": {"T": "prefill tokens + decodes", "S": "prefill chunks + decodes",
+                     "Pp": "prefill query-key pairs", "Kp": "prefill KV tokens read",
+                     "Kd": "decode context tokens attended"},
+        "coefficients": {k: float(v) for k, v in zip(COEFFICIENTS, coef)},
+        "knee": float(knee),
+        "method": "non-negative least squares on relative error; knee by exhaustive search over grid T values",
+        "holdout_fraction": holdout_fraction,
+        "train": errors(pred_tr[~mask], y[~mask]),
+        "holdout": errors(pred_tr[mask], y[mask]),
+        "holdout_indices": [int(i) for i in np.flatnonzero(mask)],
+        "train_fit": {"coefficients": {k: float(v) for k, v in zip(COEFFICIENTS, coef_tr)}, "knee": float(knee_tr)},
+        "all_points": errors(pred_all, y),
+    }

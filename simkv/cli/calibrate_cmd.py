@@ -1,0 +1,78 @@
+"""`simkv calibrate --model M [--device cuda] --out calib.json`: measure, fit, record."""
+
+from __future__ import annotations
+
+import click
+
+from simkv.specs import model_names
+
+
+@click.command("calibrate")
+@click.option("--model", type=click.Choice(model_names()), required=True)
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="[default: cuda if present]")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="[default: bf16 on cuda, fp32 on cpu]")
+@click.option("--out", "out_path", default="calib.json", show_default=True)
+@click.option("--grid", "preset", type=click.Choice(["tiny", "default"]), default=None,
+              help="Grid of step shapes [default: tiny on cpu, default on cuda].")
+@click.option("--budget-s", type=float, default=None, help="Stop measuring after this many seconds (fit what was measured).")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed runs per grid point.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed runs per grid point (median kept).")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True, help="Largest step measured.")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True,
+              help="Per-point value fitted: the median of the repeats, or their mean (closer to what a long replay sums on a noisy host).")
+@click.option("--holdout", type=float, default=0.2, show_default=True, help="Fraction of grid points held out.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quiet", is_flag=True)
+def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repeats, block_size,
+                  max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, quiet) -> None:
+    """Profile a designed grid of step shapes on the real backend (decode batches, prefill chunks,
+    mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`)."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gpu_backend.backend import is_oom
+    from simkv.calibration.profile import calibrate
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: torch sees no CUDA device")
+    preset = preset or ("default" if device == "cuda" else "tiny")
+    columns = [TextColumn("calibrating {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, disable=quiet, transient=True) as progress:
+        task = progress.add_task(model, total=None)
+
+        def on_progress(done, total, row):
+            progress.update(task, completed=done, total=total,
+                            description=f"{model}: {row.get('label', 'oom')}")
+
+        try:
+            record = calibrate(model, out_path, device, dtype, preset, warmup, repeats, budget_s, block_size,
+                               max_num_batched_tokens, max_num_seqs, seed, holdout, on_progress,
+                               log=lambda s: progress.console.print(s), statistic=statistic)
+        except Exception as exc:
+            if is_oom(exc):
+                raise click.ClickException(f"out of memory while loading the model or the KV pool: {exc}. "
+                                           f"Partial record in {out_path}") from None
+            raise
+    n = len(record["grid"]["measured"])
+    fit = record.get("fit")
+    if fit is None:
+        raise click.ClickException(f"only {n} grid points measured: too few to fit (raise --budget-s). "
+                                   f"Measurements kept in {out_path}")
+    if not quiet:
+        h = fit["holdout"]
+        click.echo(f"measured {n} of {record['grid']['num_points']} grid points ({record['rounds']} rounds) "
+                   f"in {record['measure_time_s']:.1f} s"
+                   + (" (stopped by the time budget)" if record.get("stopped_by_budget") else ""))
+        for o in record.get("oom", []):
+            click.echo(f"out of memory at {o['shape']}; nearest shape that fits: {o['nearest_fitting']}")
+        click.echo(f"fit: {fit['form']}")
+        click.echo("     " + ", ".join(f"{k}={v:.4g}" for k, v in fit["coefficients"].items()) + f", knee={fit['knee']:.0f}")
+        if h["n"]:
+            click.echo(f"held-out points: {h['n']}, mean |rel error| {100 * h['mape']:.1f} %, max {100 * h['max_ape']:.1f} %")
+        click.echo(f"wrote {out_path}")

@@ -1,0 +1,231 @@
+"""`simkv compare SIM_DIR MEASURED_DIR`: a simulated replay against a measured one.
+
+Relative error is (simulated - measured) / measured; a metric whose measured value is 0 gets
+an absolute difference instead (`rel_error` None). Requests are matched by request_id, steps
+by step index (two replays diverge as soon as one step's duration moves an arrival to the
+other side of a step boundary, so per-step errors are reported for steps whose shape, i.e.
+prefill and decode token counts, is the same in both).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from simkv.compare.run_report import expand_weighted, load_run, token_itl
+from simkv.compare.svg import cdf_chart, line_chart, page, scatter_chart
+
+SCALAR_METRICS = ("duration_s", "request_throughput_req_s", "output_throughput_tok_s", "num_steps", "peak_running",
+                  "mean_running", "num_preemptions", "prefix_cache_hit_rate", "num_finished")
+DIST_METRICS = ("ttft_s", "itl_s", "e2e_s", "queue_s")
+STATS = ("mean", "p50", "p90", "p99")
+
+#: Targets of the issue: metric -> max |relative error|.
+TARGETS = {
+    "gpu": {"duration_s": 0.03, "request_throughput_req_s": 0.03, "output_throughput_tok_s": 0.03,
+            "ttft_s.p50": 0.05, "itl_s.p50": 0.05, "ttft_s.p99": 0.10, "itl_s.p99": 0.10},
+    "cpu": {"duration_s": 0.15, "request_throughput_req_s": 0.15, "output_throughput_tok_s": 0.15},
+}
+
+
+def _rel(sim, meas):
+    if sim is None or meas is None:
+        return None
+    if meas == 0:
+        return None
+    return (sim - meas) / abs(meas)
+
+
+def metric_rows(sim: dict, meas: dict) -> list[dict]:
+    rows = []
+    for key in SCALAR_METRICS:
+        s, m = sim.get(key), meas.get(key)
+        rows.append({"metric": key, "simulated": s, "measured": m, "rel_error": _rel(s, m),
+                     "abs_error": None if s is None or m is None else s - m})
+    for key in DIST_METRICS:
+        for stat in STATS:
+            s, m = (sim.get(key) or {}).get(stat), (meas.get(key) or {}).get(stat)
+            rows.append({"metric": f"{key}.{stat}", "simulated": s, "measured": m, "rel_error": _rel(s, m),
+                         "abs_error": None if s is None or m is None else s - m})
+    return rows
+
+
+def request_comparison(sim_req: pd.DataFrame, meas_req: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    cols = ["request_id", "ttft_s", "e2e_s", "queue_s", "status"]
+    j = sim_req[cols].merge(meas_req[cols], on="request_id", suffixes=("_sim", "_meas"))
+    both = j[(j["status_sim"] == "finished") & (j["status_meas"] == "finished")]
+    out = {"matched_requests": int(len(both)), "requests_sim": int(len(sim_req)), "requests_measured": int(len(meas_req))}
+    for key in ("ttft_s", "e2e_s"):
+        s, m = both[f"{key}_sim"].to_numpy(), both[f"{key}_meas"].to_numpy()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.abs(s - m) / np.abs(m)
+        rel = rel[np.isfinite(rel)]
+        out[key] = {"median_abs_rel_error": float(np.median(rel)) if rel.size else None,
+                    "p90_abs_rel_error": float(np.percentile(rel, 90)) if rel.size else None,
+                    "correlation": float(np.corrcoef(s, m)[0, 1]) if len(s) > 2 and np.std(s) > 0 and np.std(m) > 0 else None}
+    return both, out
+
+
+def step_comparison(sim_steps: pd.DataFrame, meas_steps: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    cols = ["step", "duration_s", "num_prefill_tokens", "num_decode_tokens"]
+    j = sim_steps[cols].merge(meas_steps[cols], on="step", suffixes=("_sim", "_meas"))
+    same = j[(j["num_prefill_tokens_sim"] == j["num_prefill_tokens_meas"])
+             & (j["num_decode_tokens_sim"] == j["num_decode_tokens_meas"])]
+    s, m = same["duration_s_sim"].to_numpy(), same["duration_s_meas"].to_numpy()
+    rel = (s - m) / np.maximum(m, 1e-12)
+    out = {"steps_sim": int(len(sim_steps)), "steps_measured": int(len(meas_steps)),
+           "steps_same_shape": int(len(same)),
+           "same_shape_fraction": float(len(same) / max(len(meas_steps), 1)),
+           "duration_mean_rel_error": float(rel.mean()) if rel.size else None,
+           "duration_mean_abs_rel_error": float(np.abs(rel).mean()) if rel.size else None,
+           "duration_p90_abs_rel_error": float(np.percentile(np.abs(rel), 90)) if rel.size else None,
+           "sum_duration_rel_error": float((s.sum() - m.sum()) / m.sum()) if m.size and m.sum() > 0 else None}
+    return same, out
+
+
+def calibration_check(sim: dict, meas: dict) -> dict:
+    """When the simulated run used a calib.json: was it fitted for the measured run's model/device?"""
+    cm = sim.get("cost_model") or {}
+    if cm.get("cost_model") != "calibrated":
+        return {"used": False}
+    from simkv.calibration.costmodel import CalibrationError, check_calibration
+
+    calib = {"model": cm.get("calibrated_model"), "device": cm.get("device"), "versions": cm.get("calibration_versions"),
+             "_path": cm.get("calibration_file")}
+    mdev = meas.get("device_info")
+    try:
+        warnings = check_calibration(calib, model=(meas.get("config") or {}).get("model"), device=mdev,
+                                     versions=meas.get("versions"))
+        return {"used": True, "ok": True, "warnings": warnings + list(cm.get("warnings", []))}
+    except CalibrationError as exc:
+        return {"used": True, "ok": False, "error": str(exc)}
+
+
+def config_differences(sim: dict, meas: dict) -> dict:
+    a, b = sim.get("config") or {}, meas.get("config") or {}
+    return {k: {"simulated": a.get(k), "measured": b.get(k)} for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k != "gpu"}
+
+
+def evaluate_targets(rows: list[dict], which: str | None) -> dict | None:
+    if not which:
+        return None
+    by = {r["metric"]: r for r in rows}
+    out = {}
+    for metric, limit in TARGETS[which].items():
+        r = by.get(metric) or {}
+        err = r.get("rel_error")
+        out[metric] = {"limit": limit, "rel_error": err, "pass": err is not None and abs(err) <= limit}
+    return {"set": which, "all_pass": all(v["pass"] for v in out.values()), "metrics": out}
+
+
+def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None = None) -> dict:
+    sim, sim_req, sim_steps = load_run(sim_dir)
+    meas, meas_req, meas_steps = load_run(meas_dir)
+    if sim.get("trace") != meas.get("trace"):
+        raise ValueError(f"the two runs replayed different traces: {sim.get('trace')} vs {meas.get('trace')}")
+    rows = metric_rows(sim, meas)
+    _, req = request_comparison(sim_req, meas_req)
+    _, st = step_comparison(sim_steps, meas_steps)
+    return {"simulated_dir": str(sim_dir), "measured_dir": str(meas_dir), "trace": sim.get("trace"),
+            "simulated_backend": sim.get("backend"), "measured_backend": meas.get("backend"),
+            "simulated_cost_model": (sim.get("cost_model") or {}).get("cost_model"),
+            "measured_device": meas.get("device_name") or meas.get("device"),
+            "metrics": rows, "requests": req, "steps": st, "calibration_check": calibration_check(sim, meas),
+            "config_differences": config_differences(sim, meas), "targets": evaluate_targets(rows, targets)}
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:+.2f} %"
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"# simkv compare", "", f"- trace: `{result['trace']}`",
+             f"- simulated: `{result['simulated_dir']}` (cost model: {result['simulated_cost_model']})",
+             f"- measured: `{result['measured_dir']}` (backend {result['measured_backend']}, device {result['measured_device']})", ""]
+    cc = result["calibration_check"]
+    if cc.get("used"):
+        lines.append(f"- calibration check: {'ok' if cc.get('ok') else 'REFUSED: ' + cc.get('error', '')}")
+        lines += [f"  - warning: {w}" for w in cc.get("warnings", [])]
+    if result["config_differences"]:
+        lines.append(f"- WARNING, engine settings differ: {result['config_differences']}")
+    lines += ["", "| metric | simulated | measured | relative error |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['metric']} | {_num(r['simulated'])} | {_num(r['measured'])} | {_pct(r['rel_error'])} |"
+              for r in result["metrics"]]
+    rq, st = result["requests"], result["steps"]
+    lines += ["", "## Per request", "", f"{rq['matched_requests']} requests finished in both runs.", ""]
+    for key in ("ttft_s", "e2e_s"):
+        d = rq[key]
+        lines.append(f"- {key}: median |rel error| {_pct(d['median_abs_rel_error'])}, p90 {_pct(d['p90_abs_rel_error'])}, "
+                     f"correlation {_num(d['correlation'])}")
+    lines += ["", "## Per step", "",
+              f"- {st['steps_same_shape']} of {st['steps_measured']} measured steps have the same shape in the simulation "
+              f"({100 * st['same_shape_fraction']:.1f} %)",
+              f"- duration error on those: mean {_pct(st['duration_mean_rel_error'])}, mean |.| "
+              f"{_pct(st['duration_mean_abs_rel_error'])}, p90 |.| {_pct(st['duration_p90_abs_rel_error'])}; "
+              f"sum {_pct(st['sum_duration_rel_error'])}"]
+    t = result.get("targets")
+    if t:
+        lines += ["", f"## Targets ({t['set']}): {'all pass' if t['all_pass'] else 'NOT all pass'}", ""]
+        lines += [f"- {m}: {_pct(v['rel_error'])} (limit {100 * v['limit']:.0f} %) {'pass' if v['pass'] else 'FAIL'}"
+                  for m, v in t["metrics"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def to_html(result: dict, sim_dir, meas_dir) -> str:
+    sim, sim_req, sim_steps = load_run(sim_dir)
+    meas, meas_req, meas_steps = load_run(meas_dir)
+    both, _ = request_comparison(sim_req, meas_req)
+    same, _ = step_comparison(sim_steps, meas_steps)
+    rows = "".join(
+        f"<tr><td>{html.escape(r['metric'])}</td><td>{_num(r['simulated'])}</td><td>{_num(r['measured'])}</td>"
+        f"<td class='{'bad' if r['rel_error'] is not None and abs(r['rel_error']) > 0.15 else 'ok'}'>{_pct(r['rel_error'])}</td></tr>"
+        for r in result["metrics"])
+    table = f"<table><tr><th>metric</th><th>simulated</th><th>measured</th><th>rel. error</th></tr>{rows}</table>"
+    sf, mf = sim_req[sim_req["status"] == "finished"], meas_req[meas_req["status"] == "finished"]
+    si_v, si_w = token_itl(sim_steps)
+    me_v, me_w = token_itl(meas_steps)
+    rel = 100 * (same["duration_s_sim"] - same["duration_s_meas"]) / same["duration_s_meas"].clip(lower=1e-12)
+    charts = [
+        scatter_chart(1e3 * both["ttft_s_meas"].to_numpy(), 1e3 * both["ttft_s_sim"].to_numpy(),
+                      "TTFT per request", "measured (ms)", "simulated (ms)"),
+        scatter_chart(both["e2e_s_meas"].to_numpy(), both["e2e_s_sim"].to_numpy(),
+                      "E2E per request", "measured (s)", "simulated (s)"),
+        cdf_chart([("measured", 1e3 * mf["ttft_s"].to_numpy()), ("simulated", 1e3 * sf["ttft_s"].to_numpy())],
+                  "TTFT CDF", "TTFT (ms)"),
+        cdf_chart([("measured", 1e3 * expand_weighted(me_v, me_w)), ("simulated", 1e3 * expand_weighted(si_v, si_w))],
+                  "ITL CDF", "ITL (ms)"),
+        cdf_chart([("measured", mf["e2e_s"].to_numpy()), ("simulated", sf["e2e_s"].to_numpy())], "E2E CDF", "E2E (s)"),
+        scatter_chart(1e3 * same["duration_s_meas"].to_numpy(), 1e3 * same["duration_s_sim"].to_numpy(),
+                      "Step duration (same-shape steps)", "measured (ms)", "simulated (ms)"),
+        line_chart([("step duration error %", same["step"].to_numpy(), rel.to_numpy())],
+                   "Per-step duration error", "step", "% (sim - measured) / measured"),
+        line_chart([("measured", (meas_steps["start_time_s"] + meas_steps["duration_s"]).to_numpy(), meas_steps["num_running"].to_numpy()),
+                    ("simulated", (sim_steps["start_time_s"] + sim_steps["duration_s"]).to_numpy(), sim_steps["num_running"].to_numpy())],
+                   "Running requests", "time (s)", "requests", step=True),
+    ]
+    md = html.escape(to_markdown(result))
+    body = [table, "<div class='charts'>" + "".join(charts) + "</div>", f"<details><summary>compare.md</summary><pre>{md}</pre></details>"]
+    return page("simkv compare: simulated vs measured", body)
+
+
+def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = compare_runs(sim_dir, meas_dir, targets)
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "compare.md").write_text(to_markdown(result))
+    (out / "report.html").write_text(to_html(result, sim_dir, meas_dir))
+    return result

@@ -1,0 +1,104 @@
+"""report.html for one replay: KV usage, running/waiting over time, preemptions, prefix hits,
+TTFT/ITL CDFs. Reads only the replay's output folder (summary.json, requests/steps.parquet)."""
+
+from __future__ import annotations
+
+import html
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from simkv.compare.svg import cdf_chart, line_chart, page
+
+
+def load_run(run_dir: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    run_dir = Path(run_dir)
+    missing = [f for f in ("summary.json", "requests.parquet", "steps.parquet") if not (run_dir / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{run_dir} is not a replay output folder (missing {', '.join(missing)})")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary, pd.read_parquet(run_dir / "requests.parquet"), pd.read_parquet(run_dir / "steps.parquet")
+
+
+def token_itl(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Inter-token gaps as (value, weight): each step's duration counts once per decode token in it."""
+    w = steps["num_decode_tokens"].to_numpy()
+    return steps["duration_s"].to_numpy(), w
+
+
+def expand_weighted(values: np.ndarray, weights: np.ndarray, limit: int = 20000) -> np.ndarray:
+    """Samples of a weighted distribution (for CDF plots), at most `limit` of them."""
+    weights = np.asarray(weights, dtype=np.int64)
+    total = int(weights.sum())
+    if total == 0:
+        return np.zeros(0)
+    if total <= limit:
+        return np.repeat(values, weights)
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    q = (np.arange(limit) + 0.5) / limit * total
+    return values[order][np.searchsorted(cum, q, side="right").clip(max=len(order) - 1)]
+
+
+def _summary_table(summary: dict) -> str:
+    rows = [("backend", summary.get("backend")), ("cost model", (summary.get("cost_model") or {}).get("cost_model")),
+            ("device", summary.get("device_name") or summary.get("device") or "-"),
+            ("requests finished", summary.get("num_finished")), ("duration (s)", summary.get("duration_s")),
+            ("steps", summary.get("num_steps")), ("throughput (req/s)", summary.get("request_throughput_req_s")),
+            ("output throughput (tok/s)", summary.get("output_throughput_tok_s")),
+            ("peak running", summary.get("peak_running")), ("preemptions", summary.get("num_preemptions")),
+            ("prefix cache hit rate", summary.get("prefix_cache_hit_rate"))]
+    for key in ("ttft_s", "itl_s", "e2e_s", "queue_s"):
+        d = summary.get(key) or {}
+        if d.get("mean") is not None:
+            rows.append((f"{key[:-2]} mean / p50 / p99 (ms)",
+                         f"{1e3 * d['mean']:.2f} / {1e3 * d['p50']:.2f} / {1e3 * d['p99']:.2f}"))
+
+    def fmt(v):
+        return f"{v:,.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{fmt(v)}</td></tr>" for k, v in rows) + "</table>"
+
+
+def run_report_html(run_dir: str | Path) -> str:
+    summary, requests, steps = load_run(run_dir)
+    t = (steps["start_time_s"] + steps["duration_s"]).to_numpy()
+    blocks = max(int(summary.get("num_gpu_blocks") or 1) - 1, 1)
+    kv = 100.0 * steps["num_blocks_used"].to_numpy() / blocks
+    charts = [
+        line_chart([("KV blocks used %", t, kv)], "KV cache usage", "time (s)", "% of blocks", step=True),
+        line_chart([("running", t, steps["num_running"].to_numpy()), ("waiting", t, steps["num_waiting"].to_numpy())],
+                   "Running and waiting requests", "time (s)", "requests", step=True),
+        line_chart([("preemptions", t, np.cumsum(steps["num_preemptions"].to_numpy()))],
+                   "Preemptions (cumulative)", "time (s)", "preemptions", step=True),
+        line_chart([("prefix hit tokens", t, np.cumsum(steps["prefix_hit_tokens"].to_numpy())),
+                    ("prefix query tokens", t, np.cumsum(steps["prefix_query_tokens"].to_numpy()))],
+                   "Prefix cache (cumulative tokens)", "time (s)", "tokens", step=True),
+    ]
+    fin = requests[requests["status"] == "finished"]
+    itl_v, itl_w = token_itl(steps)
+    charts += [cdf_chart([("TTFT", 1e3 * fin["ttft_s"].to_numpy())], "TTFT CDF", "TTFT (ms)"),
+               cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
+               line_chart([("step duration", steps["start_time_s"].to_numpy(), 1e3 * steps["duration_s"].to_numpy())],
+                          "Step durations", "time (s)", "ms")]
+    body = [f"<p>trace: {html.escape(str(summary.get('trace')))}</p>", _summary_table(summary),
+            "<div class='charts'>" + "".join(charts) + "</div>"]
+    return page(f"simkv replay report ({summary.get('backend')})", body)
+
+
+def write_run_report(run_dir: str | Path) -> Path:
+    path = Path(run_dir) / "report.html"
+    path.write_text(run_report_html(run_dir))
+    return path
+
+
+def write_run_report_safely(run_dir: str | Path) -> Path | None:
+    """For `simkv replay`: a report failure must not fail the replay whose outputs are saved."""
+    try:
+        return write_run_report(run_dir)
+    except Exception as exc:  # noqa: BLE001
+        print(f"warning: report.html not written: {exc}", file=sys.stderr)
+        return None
