@@ -2,7 +2,7 @@
 
 Work decomposition
 ------------------
-Program ``(tile, kv_head, segment)`` handles ``BLOCK_Q`` consecutive new tokens of ONE sequence
+Program ``(tile * num_kv_heads + kv_head, segment)`` handles ``BLOCK_Q`` consecutive new tokens of ONE sequence
 times the ``QPK = num_heads // num_kv_heads`` query heads that share ``kv_head``: its
 ``BLOCK_M = BLOCK_Q * QPK`` (rounded up to a power of two) query rows all read the same K/V
 tiles, so grouped-query attention costs one KV read per group.  Tiles are numbered per sequence
@@ -133,7 +133,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     qk_scale,  # float: scale * log2(e)
-    num_seqs, num_heads,
+    num_seqs, num_heads, num_kv_heads,
     ml_plane,  # num_tokens * num_heads * NUM_SEGMENTS (offset of the sums in part_ml)
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
@@ -146,16 +146,22 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
-    segment = tl.program_id(2)
+    # axis 0 enumerates (query tile, kv head) with the kv head fastest, so all heads of the
+    # heaviest tiles start together; axis 1 is the KV segment
+    pid = tl.program_id(0)
+    tile = pid // num_kv_heads
+    kv_head = (pid % num_kv_heads).to(tl.int64)
+    segment = tl.program_id(1)
 
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= q_len:
+    n_q_tiles = tl.cdiv(q_len, BLOCK_Q)
+    local = tile - (q_start // BLOCK_Q + seq)
+    if local >= n_q_tiles:
         return
+    # causal work grows with the tile index: hand the last (longest) tiles to the first programs
+    q_tile = n_q_tiles - 1 - local
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
@@ -295,14 +301,14 @@ def choose_config(
         programs = num_seqs * num_kv_heads
         kv_tiles = max(1, math.ceil(max_seq_len / tile_n))
         segments = 1
-        while segments < 64 and programs * segments < 2 * num_sms and kv_tiles >= 4 * segments * 2:
+        while segments < 64 and programs * segments < 4 * num_sms and kv_tiles >= 4 * segments * 2:
             segments *= 2
         return AttentionConfig(block_m, tile_n, segments, num_warps=4, num_stages=3)
     if max_query_len * qpk <= 64:
         return AttentionConfig(max(min_m, 64), 64 if elem_size <= 2 else 32, 1, num_warps=4, num_stages=3)
     if elem_size > 2 or head_pad > 128:
         # fp32 (exact-math path used by tests) or very wide heads: smaller tiles so nothing spills
-        return AttentionConfig(max(min_m, 32), 16, 1, num_warps=4, num_stages=2)
+        return AttentionConfig(max(min_m, 32), 16, 1, num_warps=8, num_stages=2)
     return AttentionConfig(max(min_m, 128), 64, 1, num_warps=8, num_stages=3)
 
 
@@ -410,10 +416,10 @@ def triton_paged_attention(
         part_ml = torch.empty((2, num_tokens, num_heads, segs), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, segs)
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads, segs)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        float(scale) * LOG2E, num_seqs, num_heads, num_tokens * num_heads * segs,
+        float(scale) * LOG2E, num_seqs, num_heads, num_kv_heads, num_tokens * num_heads * segs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=config.tile_n,
