@@ -44,8 +44,8 @@ def _find_sequence(
     BLOCK_Q: tl.constexpr,
 ):
     """Largest i < num_seqs with query_start_loc[i] // BLOCK_Q + i <= tile (binary search)."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0  # annotated: loop-carried int32 tensors even when num_seqs is a constexpr 1
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
