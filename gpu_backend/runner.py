@@ -87,7 +87,7 @@ class ModelRunner:
             torch.set_num_threads(int(os.environ.get("SIMKV_CPU_THREADS", "1")))
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
-        max_positions = max_model_len or self.spec.max_position_embeddings
+        max_positions = max(max_model_len or 0, self.spec.max_position_embeddings)
         self.model = LeanLlama(self.spec, self.dtype, self.device, seed=seed, max_positions=max_positions + 1)
         self.kernel_backend = kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
         self._write_cache, self._attention = self._kernels(self.kernel_backend)

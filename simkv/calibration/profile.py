@@ -134,6 +134,7 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
               holdout_fraction: float = 0.2, progress: Callable | None = None, log: Callable[[str], None] = print,
               statistic: str = "median") -> dict:
     """The whole calibration: build the runner, measure the grid, fit, write `out`. Returns the record."""
+    from gpu_backend.backend import timing_label
     from gpu_backend.env import canonical_gpu, device_info, library_versions
     from gpu_backend.runner import ModelRunner, default_dtype
     from simkv.specs import get_model_spec
@@ -158,6 +159,7 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": model, "device": dev,
         "gpu": canonical_gpu(dev["name"]) if dev["type"] == "cuda" else None,
         "dtype": dtype, "kernel_backend": runner.kernel_backend, "versions": library_versions(),
+        "timing": timing_label(runner.device),
         "block_size": block_size, "kv_pool_blocks": num_blocks,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": {"preset": preset, "warmup": warmup, "repeats": repeats, "statistic": statistic, "budget_s": budget_s, "seed": seed,

@@ -1,0 +1,122 @@
+"""GpuBackend inside the lead's replay: same scheduler objects, same schedule, gpu summary, OOM."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gpu_backend.backend import DeviceOOMError, GpuBackend
+from gpu_backend.replay import run_gpu_replay
+from gpu_backend.runner import ModelRunner
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.core.block_pool import BlockPool
+from simkv.core.kv_cache_manager import KVCacheManager
+from simkv.core.scheduler import Scheduler
+from simkv.replay.api import replay
+from simkv.traces.schema import trace_from_frame, write_trace
+
+OPTS = {"model": "tiny-llama", "num_gpu_blocks": 64, "max_num_batched_tokens": 96, "max_num_seqs": 8,
+        "block_size": 16, "max_model_len": 256}
+
+
+def _trace(n=12, at_zero=True, seed=1, out=(2, 12)):
+    rng = np.random.default_rng(seed)
+    arr = np.zeros(n) if at_zero else np.sort(rng.uniform(0, 0.05, n))
+    return trace_from_frame(pd.DataFrame({"arrival_time_s": arr, "prompt_tokens": rng.integers(8, 90, n),
+                                          "output_tokens": rng.integers(out[0], out[1], n)}))
+
+
+def test_same_engine_objects_and_same_schedule_as_simulation():
+    trace = _trace(out=(20, 60))
+    config = EngineConfig.from_flat(OPTS | {"num_gpu_blocks": 20})  # small pool: preemptions happen
+    result = run_gpu_replay(trace, config, device="cpu", warmup_steps=1)
+    sched = result.run.scheduler
+    assert type(sched) is Scheduler
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    assert type(sched.kv_cache_manager.block_pool) is BlockPool
+    sim = replay(trace, config, "unit", use_decode_runs=False)
+    # All arrivals at t=0: the schedule cannot depend on durations, so it must be identical.
+    for col in ("num_prefill_tokens", "num_decode_tokens", "num_blocks_used", "num_preemptions", "num_running"):
+        assert np.array_equal(result.steps[col], sim.steps[col]), col
+    assert result.summary["num_preemptions"] == sim.summary["num_preemptions"] > 0
+    s = result.summary
+    assert s["backend"] == "gpu" and s["device"] == "cpu" and s["versions"]["torch"] == torch.__version__
+    assert s["num_finished"] == len(trace)
+    assert np.all(result.steps["duration_s"] > 0)
+
+
+def test_oom_reports_shape_and_keeps_partial_results(tmp_path, monkeypatch):
+    trace_path = tmp_path / "t.parquet"
+    write_trace(_trace(8, at_zero=False), trace_path)
+    calls = {"n": 0}
+    orig = ModelRunner.run
+
+    def flaky(self, output):
+        calls["n"] += 1
+        if calls["n"] > 4 and output.num_prefill_tokens > 0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return orig(self, output)
+
+    monkeypatch.setattr(ModelRunner, "run", flaky)
+    monkeypatch.setattr("gpu_backend.synthetic.warm_up", lambda runner, steps=3: None)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["replay", str(trace_path), "--backend", "gpu", "--device", "cpu",
+                                    "--model", "tiny-llama", "--num-gpu-blocks", "64", "--max-model-len", "256", "--out", str(out)])
+    assert res.exit_code != 0
+    assert "out of memory" in res.output and "--max-num-batched-tokens" in res.output
+    err = json.loads((out / "error.json").read_text())
+    assert err["shape"]["num_prefill_tokens"] > 0 and "suggestion" in err
+    partial = pd.read_parquet(out / "partial_steps.parquet")
+    assert len(partial) == err["steps_measured"] >= 1 and (partial["duration_s"] > 0).all()
+
+
+def test_backend_direct_oom_error_type(monkeypatch):
+    runner = ModelRunner("tiny-llama", 16, 16, "cpu")
+    backend = GpuBackend(runner, warmup_steps=0)
+    monkeypatch.setattr(runner, "run", lambda out: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")))
+    from gpu_backend.synthetic import synthetic_output
+
+    with pytest.raises(DeviceOOMError) as info:
+        backend.execute(synthetic_output([(0, 40)], [10, 20], 16, 16))
+    assert info.value.shape["num_prefill_tokens"] == 40 and info.value.shape["num_decodes"] == 2
+
+
+def test_cli_gpu_replay_writes_outputs_and_report(tmp_path):
+    trace_path = tmp_path / "t.parquet"
+    write_trace(_trace(6, at_zero=False), trace_path)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["replay", str(trace_path), "--backend", "gpu", "--device", "cpu", "--quiet",
+                                    "--model", "tiny-llama", "--num-gpu-blocks", "64", "--max-model-len", "256", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    for f in ("summary.json", "requests.parquet", "steps.parquet", "report.html", "measured_steps.parquet"):
+        assert (out / f).is_file(), f
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "gpu" and summary["cost_model"]["cost_model"] == "gpu"
+    html = (out / "report.html").read_text()
+    assert "<svg" in html and "src=\"http" not in html
+
+
+@pytest.mark.cuda
+def test_cuda_runner_matches_cpu_reference():
+    from simkv.core.request import Request
+
+    config = EngineConfig.from_flat(OPTS)
+    outs = {}
+    for device, dtype in (("cpu", "fp32"), ("cuda", "bf16")):
+        sched = Scheduler(config, 64, detail=True)
+        runner = ModelRunner("tiny-llama", 64, 16, device, dtype, seed=5)
+        for i, p in enumerate((20, 37, 70)):
+            sched.add_request(Request(str(i), i, 0.0, p, 4))
+        logits = []
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            logits.append(runner.forward_logits(out).float().cpu())
+            sched.update_from_output(out)
+        outs[device] = torch.cat(logits)
+    torch.testing.assert_close(outs["cuda"], outs["cpu"], rtol=0.05, atol=0.05)
