@@ -1,0 +1,73 @@
+"""simkv compare on known runs, and the whole CPU loop: calibrate -> gpu replay -> sim replay -> compare."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from simkv.cli.main import main
+
+TRACE = "tests/gpu_backend/data/ci80.parquet"
+OPTS = ["--model", "tiny-llama", "--num-gpu-blocks", "512", "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+
+
+def _invoke(args):
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def test_compare_identical_runs_zero_error(tmp_path):
+    _invoke(["replay", TRACE, "--cost-model", "roofline", *OPTS, "--out", str(tmp_path / "a"), "--quiet"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    _invoke(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c"), "--quiet"])
+    result = json.loads((tmp_path / "c" / "compare.json").read_text())
+    errs = [r["rel_error"] for r in result["metrics"] if r["rel_error"] is not None]
+    assert errs and all(e == 0 for e in errs)
+    assert result["steps"]["same_shape_fraction"] == 1.0
+    assert result["requests"]["ttft_s"]["median_abs_rel_error"] == 0
+    html = (tmp_path / "c" / "report.html").read_text()
+    assert html.count("<svg") >= 6 and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert (tmp_path / "a" / "report.html").is_file()
+
+
+def test_compare_refuses_different_traces(tmp_path):
+    _invoke(["replay", TRACE, "--cost-model", "unit", *OPTS, "--out", str(tmp_path / "a"), "--quiet"])
+    _invoke(["replay", "traces/req400.parquet", "--cost-model", "unit", "--model", "tiny-llama", "--num-gpu-blocks",
+             "4096", "--out", str(tmp_path / "b"), "--quiet"])
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")])
+    assert res.exit_code != 0 and "different traces" in res.output
+
+
+def test_cpu_loop_calibrate_replay_compare(tmp_path, monkeypatch):
+    """The loop of the issue, on CPU with the tiny model. Times use the process CPU clock: this
+    host is shared, and wall-clock steps swing by 2x with other processes' load (docs/gpu_backend.md)."""
+    monkeypatch.setenv("SIMKV_CPU_CLOCK", "process")
+    t0 = time.perf_counter()
+    calib = tmp_path / "calib.json"
+    _invoke(["calibrate", "--model", "tiny-llama", "--device", "cpu", "--out", str(calib), "--repeats", "5",
+             "--max-num-batched-tokens", "256", "--max-num-seqs", "32", "--budget-s", "60", "--quiet"])
+    rec = json.loads(calib.read_text())
+    assert rec["fit"]["holdout"]["n"] > 0 and rec["timing"] == "process_time cpu clock"
+    _invoke(["replay", TRACE, "--backend", "gpu", "--device", "cpu", *OPTS, "--out", str(tmp_path / "measured"), "--quiet"])
+    _invoke(["replay", TRACE, "--cost-model", str(calib), *OPTS, "--out", str(tmp_path / "sim"), "--quiet"])
+    _invoke(["compare", str(tmp_path / "sim"), str(tmp_path / "measured"), "--out", str(tmp_path / "cmp"),
+             "--targets", "cpu", "--quiet"])
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    by = {r["metric"]: r for r in result["metrics"]}
+    assert result["calibration_check"]["ok"], result["calibration_check"]
+    assert by["num_finished"]["rel_error"] == 0 and by["prefix_cache_hit_rate"]["rel_error"] == 0
+    # Loose sanity bound (units, factor-of-two biases); the 15 % target is reported, not asserted,
+    # because other processes on this 2-core host move CPU step times by tens of percent.
+    assert abs(by["duration_s"]["rel_error"]) < 0.6, (by["duration_s"], result["targets"])
+    for f in ("compare.json", "compare.md", "report.html"):
+        assert (tmp_path / "cmp" / f).is_file()
+    out = Path("out/ci_loop")
+    out.mkdir(parents=True, exist_ok=True)  # keep the figures of the last CI run (git-ignored)
+    (out / "compare.md").write_text((tmp_path / "cmp" / "compare.md").read_text())
+    assert time.perf_counter() - t0 < 240

@@ -1,0 +1,136 @@
+"""Cost-model fit, exact decode runs, calibration runs (budget, OOM) and refusal of bad files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
+
+from simkv.calibration.costmodel import (COEFFICIENTS, CalibratedCostModel, CalibrationError, check_calibration,
+                                         cost_model_from_file, design_matrix, load_calibration)
+from simkv.calibration.fit import fit_calibration, nnls
+from simkv.calibration.grid import build_grid
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.replay.api import replay
+
+TRUE = {"c0": 2e-3, "cT": 3e-5, "cH": 5e-5, "cS": 4e-4, "cP": 1e-7, "cKp": 2e-6, "cKd": 1e-6}
+
+
+def _calib_record(model="tiny-llama", device=None, gpu=None, versions=None):
+    return {"format": "simkv-calibration", "format_version": 1, "model": model,
+            "device": device or {"type": "cpu", "name": "x86_64"}, "gpu": gpu, "dtype": "fp32",
+            "versions": versions or {"torch": torch.__version__}, "block_size": 16,
+            "fit": {"coefficients": TRUE, "knee": 200.0, "holdout": {"mape": 0.01}}}
+
+
+def test_nnls_matches_lstsq_when_unconstrained_and_respects_bounds():
+    rng = np.random.default_rng(0)
+    A = rng.uniform(0, 1, (40, 4))
+    x = np.array([1.0, 2.0, 0.5, 3.0])
+    assert np.allclose(nnls(A, A @ x), x)
+    b = A @ np.array([1.0, -2.0, 0.5, 3.0])
+    assert (nnls(A, b) >= 0).all()
+
+
+def test_fit_recovers_known_model_on_grid():
+    points, _ = build_grid("tiny", max_num_batched_tokens=512)
+    feats = np.array([p.features for p in points], dtype=np.int64)
+    model = CalibratedCostModel(TRUE, 176.0)
+    y = model.predict_features(feats)
+    fit = fit_calibration(feats, y)
+    assert fit["holdout"]["mape"] < 1e-3 and fit["all_points"]["max_ape"] < 1e-3
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), ctx=st.integers(1, 10**6), steps=st.integers(1, 500), knee=st.floats(1, 1000))
+def test_decode_runs_equal_step_by_step_bit_for_bit(n, ctx, steps, knee):
+    from gpu_backend.synthetic import synthetic_output  # noqa: F401  (import check only)
+    from simkv.core.outputs import SchedulerOutput
+
+    m = CalibratedCostModel(TRUE, knee)
+    run = m.decode_run_durations(n, ctx, steps)
+    for j in (0, steps // 2, steps - 1):
+        out = SchedulerOutput(step=j, chunks=[], num_decode_reqs=n, decode_context_tokens=ctx + j * n, decodes=None,
+                              preempted=[], num_running=n, num_waiting=0, num_blocks_used=0,
+                              prefix_query_tokens=0, prefix_hit_tokens=0)
+        assert run[j] == m.execute(out)
+
+
+def test_calibrated_replay_decode_runs_identical(tmp_path):
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(_calib_record()))
+    from simkv.traces.schema import read_trace
+    from tests.gpu_backend.conftest import CI_TRACE
+
+    trace = read_trace(CI_TRACE)
+    config = EngineConfig.from_flat({"model": "tiny-llama", "num_gpu_blocks": 512, "max_num_batched_tokens": 256,
+                                     "max_num_seqs": 32})
+    a = replay(trace, config, str(path), use_decode_runs=True)
+    b = replay(trace, config, str(path), use_decode_runs=False)
+    assert a.summary["duration_s"] == b.summary["duration_s"]
+    assert np.array_equal(a.steps["duration_s"], b.steps["duration_s"])
+    assert a.summary["cost_model"]["cost_model"] == "calibrated"
+
+
+def test_bad_calibration_files_refused(tmp_path):
+    def write(name, data):
+        p = tmp_path / name
+        p.write_text(data if isinstance(data, str) else json.dumps(data))
+        return p
+
+    with pytest.raises(CalibrationError, match="not 'llama-3-8b'"):
+        cost_model_from_file(write("m.json", _calib_record()), model="llama-3-8b")
+    h200 = _calib_record("llama-3-8b", {"type": "cuda", "name": "NVIDIA H200"}, gpu="H200")
+    with pytest.raises(CalibrationError, match="--gpu H200"):
+        cost_model_from_file(write("g.json", h200), model="llama-3-8b", gpu="H100-SXM")
+    assert cost_model_from_file(write("g2.json", h200), model="llama-3-8b", gpu="H200").knee == 200.0
+    with pytest.raises(CalibrationError, match="not valid JSON"):
+        load_calibration(write("bad.json", "{nope"))
+    with pytest.raises(CalibrationError, match="format version"):
+        load_calibration(write("v.json", _calib_record() | {"format_version": 99}))
+    with pytest.raises(CalibrationError, match="not a simkv calibration"):
+        load_calibration(write("x.json", {"hello": 1}))
+    with pytest.raises(CalibrationError, match="no fitted model"):
+        load_calibration(write("nofit.json", {k: v for k, v in _calib_record().items() if k != "fit"}))
+    calib = load_calibration(write("ok.json", _calib_record(versions={"torch": "2.0.0", "triton": "3.0"})))
+    with pytest.raises(CalibrationError, match="calibrated on cpu"):
+        check_calibration(calib, device={"type": "cuda", "name": "NVIDIA H200"})
+    warnings = check_calibration(calib, model="tiny-llama", device=calib["device"],
+                                 versions={"torch": torch.__version__, "triton": "3.0"})
+    assert len(warnings) == 1 and "versions differ" in warnings[0] and "torch 2.0.0" in warnings[0]
+    # through the CLI: a clear message, no traceback
+    res = CliRunner().invoke(main, ["replay", "tests/gpu_backend/data/ci80.parquet", "--model", "llama-3-8b",
+                                    "--cost-model", str(tmp_path / "m.json"), "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0 and "calibrated for model 'tiny-llama'" in res.output
+    res = CliRunner().invoke(main, ["replay", "--cost-model", str(tmp_path / "missing.json")])
+    assert res.exit_code != 0 and "does not exist" in res.output
+
+
+def test_calibrate_budget_and_oom_keep_partial_results(tmp_path, monkeypatch):
+    import gpu_backend.synthetic as syn
+    from simkv.calibration.profile import calibrate
+
+    orig = syn.run_synthetic
+
+    def oom_on_big(runner, output):
+        if output.total_num_scheduled_tokens > 200:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return orig(runner, output)
+
+    monkeypatch.setattr(syn, "run_synthetic", oom_on_big)
+    out = tmp_path / "calib.json"
+    rec = calibrate("tiny-llama", out, "cpu", preset="tiny", warmup=1, repeats=2, budget_s=6.0,
+                    max_num_batched_tokens=512, log=lambda s: None)
+    saved = json.loads(out.read_text())
+    assert saved["grid"]["measured"] and saved["oom"]
+    oom = saved["oom"][0]
+    assert oom["features"][0] > 200 and oom["nearest_fitting"]["family"] == oom["shape"]["family"]
+    assert not saved["complete"]
+    assert rec["measure_time_s"] < 6.0 + 3.0
+    if len(saved["grid"]["measured"]) >= 3:
+        assert "fit" in saved
