@@ -303,9 +303,9 @@ def choose_config(
         segments = 1
         while segments < 64 and programs * segments < 4 * num_sms and kv_tiles >= 4 * segments * 2:
             segments *= 2
-        return AttentionConfig(block_m, tile_n, segments, num_warps=4, num_stages=3)
+        return AttentionConfig(block_m, tile_n, segments, num_warps=8, num_stages=3)
     if max_query_len * qpk <= 64:
-        return AttentionConfig(max(min_m, 64), 64 if elem_size <= 2 else 32, 1, num_warps=4, num_stages=3)
+        return AttentionConfig(max(min_m, 64), 64 if elem_size <= 2 else 32, 1, num_warps=8, num_stages=3)
     if elem_size > 2 or head_pad > 128:
         # fp32 (exact-math path used by tests) or very wide heads: smaller tiles so nothing spills
         return AttentionConfig(max(min_m, 32), 16, 1, num_warps=8, num_stages=2)

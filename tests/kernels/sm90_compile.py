@@ -80,13 +80,13 @@ VARIANTS = {
     "attn_prefill_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=32,
                                                         BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False, DOT_PREC="tf32"), (), 8, 3),
     "attn_decode_split_bf16_d128": ("attention", "bf16", dict(QPK=8, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=2,
-                                                             BLOCK_M=16, NUM_SEGMENTS=16, DOT_FP32=False, DOT_PREC="tf32"), (), 4, 3),
+                                                             BLOCK_M=16, NUM_SEGMENTS=16, DOT_FP32=False, DOT_PREC="tf32"), (), 8, 3),
     "attn_decode_scalars_eq_1": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=4,
                                                           BLOCK_M=16, NUM_SEGMENTS=8, DOT_FP32=False, DOT_PREC="tf32"),
-                                 ("num_seqs", "num_heads", "num_kv_heads", "ml_plane", "stride_bt_seq"), 4, 3),
+                                 ("num_seqs", "num_heads", "num_kv_heads", "ml_plane", "stride_bt_seq"), 8, 3),
     "attn_short_chunks_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=64,
                                                              BLOCK_Q=16, BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False,
-                                                             DOT_PREC="tf32"), (), 4, 3),
+                                                             DOT_PREC="tf32"), (), 8, 3),
     "attn_mixed_bf16_d80_bs32": ("attention", "bf16", dict(QPK=1, HEAD_SIZE=80, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=16, BLOCK_Q=64,
                                                           BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False, DOT_PREC="tf32"), (), 4, 3),
     "attn_fp32_ieee_d96": ("attention", "fp32", dict(QPK=3, HEAD_SIZE=96, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=16, BLOCK_Q=10,
@@ -122,4 +122,11 @@ if __name__ == "__main__":
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-    print("SM90_RESULTS=" + json.dumps(compile_all()))
+    results = compile_all()
+    if "--table" in sys.argv:
+        print(f"triton {triton.__version__}")
+        print("| variant | warps | registers | spill bytes | shared KiB |\n|---|---:|---:|---:|---:|")
+        for name, r in results.items():
+            print(f"| {name} | {VARIANTS[name][4]} | {r.get('registers', '?')} | {r.get('spill_bytes', '?')} | "
+                  f"{r['shared'] / 1024:.1f} |" if r["ok"] else f"| {name} | FAILED: {r['error'][:80]} |||")
+    print("SM90_RESULTS=" + json.dumps(results))
