@@ -75,3 +75,38 @@ step bench $(( BUDGET + 60 )) $PY bench/kernels.py "${BENCH_ARGS[@]}"
     echo "Total time: $(( $(date +%s) - START ))s"
 } >"$OUT/summary.md"
 echo "wrote $OUT/summary.md"
+
+# >>>>>>>>>> gpu_backend loop (GPU BACKEND issue; owner: gpu_backend/, simkv/calibration, simkv/compare) >>>>>>>>>>
+# The full loop for llama-3-8b in bf16, bounded to at most 9 minutes on its own:
+#   calibrate within a fixed budget -> replay a trace slice on the GPU backend -> replay it simulated
+#   with the fitted calib.json -> compare (targets: duration/throughput 3 %, TTFT/ITL p50 5 %, p99 10 %).
+# Results: OUTDIR/gpu_loop/ (loop_summary.md, calib.json, measured/, sim/, compare/). Copy that folder to
+# reports/gpu/<YYYY-MM-DD>_<GPU>/ and commit it (reports/gpu/README.md).
+# Skip it with GPU_CHECK_SKIP_LOOP=1. To run ONLY the loop (the kernel part above takes ~8 minutes):
+#   PYTHONPATH=$PWD:/tmp/site python3 -m gpu_backend.loop OUTDIR/gpu_loop --total-s 520
+# after installing the wheels as below.
+# The GPU host has no simpy (and maybe no rich): both are pure Python; their py3-none-any wheels are carried
+# in the git-ignored .whl/ folder, made on a networked machine with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl simpy==4.1.2 rich markdown-it-py mdurl pygments
+# and installed here with `pip install --no-deps --no-index --target /tmp/site .whl/*.whl` + PYTHONPATH.
+gpu_backend_loop() {
+    local out="$1/gpu_loop"
+    mkdir -p "$out"
+    local site=/tmp/site
+    if ! $PY -c "import simpy, rich" 2>/dev/null; then
+        if ls .whl/*.whl >/dev/null 2>&1; then
+            $PY -m pip install -q --no-deps --no-index --target "$site" .whl/*.whl >"$out/wheels.log" 2>&1 \
+                || { echo "pip --target failed; importing the wheels as zips" >>"$out/wheels.log"; site="$(ls -d "$PWD"/.whl/*.whl | paste -sd:)"; }
+        else
+            echo "   -> gpu_backend loop: simpy/rich missing and no .whl/ folder; see the comment above" | tee "$out/wheels.log"
+        fi
+    fi
+    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop 540 $PY -m gpu_backend.loop "$out" --model llama-3-8b --total-s 520 ${GPU_LOOP_ARGS:-}
+    cat "$out/loop_summary.md" 2>/dev/null >>"$OUT/summary.md" || true
+}
+if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ]; then
+    gpu_backend_loop "$OUT" || true
+    echo "wrote $OUT/gpu_loop/loop_summary.md"
+fi
+# <<<<<<<<<< gpu_backend loop <<<<<<<<<<

@@ -1,0 +1,126 @@
+"""The full calibrate -> measure -> simulate -> compare loop as one bounded command.
+
+    python -m gpu_backend.loop OUTDIR [--model llama-3-8b] [--device cuda] [--total-s 540]
+
+Stages (each a `simkv` CLI call in a subprocess with its own time limit, logged to OUTDIR):
+  1. slice the trace (first --requests requests of --trace)
+  2. simkv calibrate   (grid measured within --calib-budget-s)
+  3. simkv replay --backend gpu          -> OUTDIR/measured
+  4. simkv replay --cost-model calib.json -> OUTDIR/sim
+  5. simkv compare --targets gpu|cpu     -> OUTDIR/compare
+A stage that fails or times out is recorded in OUTDIR/loop_summary.md; later stages that need
+its output are skipped. Nothing here needs the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIMKV = [sys.executable, "-c", "import sys; from simkv.cli.main import main; sys.exit(main())"]
+
+
+def _run(name: str, cmd: list[str], limit_s: float, out: Path, status: dict) -> bool:
+    t0 = time.perf_counter()
+    log = out / f"{name}.log"
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(limit_s, 1)).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    took = time.perf_counter() - t0
+    status[name] = {"rc": rc, "seconds": round(took, 1), "limit_s": round(limit_s, 1),
+                    "timed_out": rc == 124}
+    print(f"== {name}: exit {rc} after {took:.0f}s (limit {limit_s:.0f}s)", flush=True)
+    return rc == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out")
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--device", default=None, help="cuda or cpu [default: cuda if present]")
+    p.add_argument("--trace", default="traces/azure_conv_slice.parquet")
+    p.add_argument("--requests", type=int, default=400, help="trace slice: the first N requests")
+    p.add_argument("--total-s", type=float, default=520.0, help="wall-clock limit of the whole loop")
+    p.add_argument("--calib-budget-s", type=float, default=150.0)
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV pool of both replays [default: 16384 on cuda, 512 on cpu]")
+    p.add_argument("--engine", nargs="*", default=[], help="extra engine flags for both replays")
+    args = p.parse_args(argv)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    def left() -> float:
+        return args.total_s - (time.perf_counter() - t_start)
+
+    status: dict = {}
+    gpu_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    from gpu_backend.env import canonical_gpu
+
+    gpu_spec = canonical_gpu(gpu_name) if device == "cuda" else None
+    blocks = args.num_gpu_blocks or (16384 if device == "cuda" else 512)
+    engine = ["--model", args.model, "--num-gpu-blocks", str(blocks), *args.engine]
+    if gpu_spec:
+        engine += ["--gpu", gpu_spec]
+    if device == "cpu":
+        engine += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+
+    # 1. the trace slice
+    from simkv.traces.schema import read_trace, take_rows, write_trace
+    import numpy as np
+
+    trace = read_trace(args.trace)
+    n = min(args.requests, len(trace))
+    slice_path = out / f"trace_head{n}.parquet"
+    write_trace(take_rows(trace, np.arange(n)), slice_path)
+    status["slice"] = {"rc": 0, "requests": n, "source": args.trace}
+
+    calib = out / "calib.json"
+    cal_cmd = [*SIMKV, "calibrate", "--model", args.model, "--device", device, "--out", str(calib), "--quiet",
+               "--budget-s", str(args.calib_budget_s)]
+    if device == "cpu":
+        cal_cmd += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+    ok_cal = _run("calibrate", cal_cmd, min(args.calib_budget_s + 120, left() - 60), out, status)
+    ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
+                                  *engine, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
+    ok_sim = ok_cal and _run("replay_sim", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib), *engine,
+                                            "--out", str(out / "sim"), "--quiet"], min(120, left() - 15), out, status)
+    ok_cmp = ok_meas and ok_sim and _run("compare", [*SIMKV, "compare", str(out / "sim"), str(out / "measured"),
+                                                      "--out", str(out / "compare"), "--quiet", "--targets",
+                                                      "gpu" if device == "cuda" else "cpu"], max(left(), 10), out, status)
+    lines = [f"# simkv GPU backend loop ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"- device: {device} ({gpu_name}); model {args.model}; trace slice: first {n} requests of {args.trace}",
+             f"- engine flags of both replays: `{' '.join(engine)}`",
+             f"- torch {torch.__version__}, cuda {torch.version.cuda}", "", "## Stages", ""]
+    lines += [f"- **{k}**: {json.dumps(v)}" for k, v in status.items()]
+    if calib.is_file():
+        rec = json.loads(calib.read_text())
+        fit = rec.get("fit") or {}
+        lines += ["", "## Calibration", "",
+                  f"- {len(rec['grid']['measured'])} of {rec['grid']['num_points']} grid points measured"
+                  f"{' (stopped by the time budget)' if rec.get('stopped_by_budget') else ''}; OOM: {len(rec.get('oom') or [])}",
+                  f"- fit: {fit.get('form')}", f"- coefficients: {fit.get('coefficients')} knee {fit.get('knee')}",
+                  f"- held-out: {fit.get('holdout')}"]
+    if ok_cmp:
+        lines += ["", (out / "compare" / "compare.md").read_text().replace("# simkv compare", "## Comparison", 1)]
+    lines += ["", f"Total loop time: {time.perf_counter() - t_start:.0f}s"]
+    (out / "loop_summary.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}/loop_summary.md", flush=True)
+    return 0 if ok_cmp else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
