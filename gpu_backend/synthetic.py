@@ -57,11 +57,45 @@ def run_synthetic(runner, output: SchedulerOutput) -> None:
     runner.outputs.pop(SYNTHETIC_INDEX, None)
 
 
+def attention_variant_shapes(runner, max_seqs: int = 256) -> list[tuple[list, list]]:
+    """On Triton, one decode step per distinct attention-kernel configuration (tile sizes and
+    KV split count depend on batch size and context), so no compilation happens mid-replay."""
+    if runner.kernel_backend != "triton":
+        return []
+    from kernels.layout import next_power_of_two
+    from kernels.triton_attention import _num_sms, choose_config
+
+    spec = runner.spec
+    qpk = spec.num_heads // spec.num_kv_heads
+    elem = runner.kv_caches[0][0].element_size()
+    max_ctx = runner.model.cos_cache.shape[0] - 2
+    seen, shapes = set(), []
+    b = 1
+    while b <= max_seqs:
+        ctx = 16
+        while ctx <= max_ctx:
+            cfg = choose_config(qpk=qpk, head_pad=max(16, next_power_of_two(spec.head_dim)), elem_size=elem,
+                                num_seqs=b, num_kv_heads=spec.num_kv_heads, max_query_len=1, max_seq_len=ctx + 1,
+                                num_sms=_num_sms(runner.device))
+            if cfg not in seen:
+                seen.add(cfg)
+                shapes.append(([], [ctx] * b))
+            ctx *= 2
+        b *= 2
+    for n in (2, 8, 64):  # prefill tile variants: tiny chunks, mid, large
+        shapes.append(([(0, n)], [32]))
+    return shapes
+
+
 def warm_up(runner, steps: int = 3) -> None:
     """Compile/JIT every kernel variant a replay meets (decode-only, prefill, mixed) before timing."""
     bs, nb = runner.block_size, runner.num_gpu_blocks
     shapes = [([], [bs]), ([(0, 2 * bs)], []), ([(bs, bs)], [bs, 2 * bs]), ([(0, 300)], [64] * 8),
               ([], [200] * 16)]
+    try:
+        shapes += attention_variant_shapes(runner)
+    except (ImportError, AttributeError, TypeError):  # kernels changed: fall back to the basic shapes
+        pass
     from gpu_backend.backend import is_oom
 
     for _ in range(max(steps, 1)):
