@@ -75,7 +75,6 @@ class BlockHasher:
                     parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h)) & mask
                     hashes.append(parent)
                     i += 1
-        base = request.index << _UNIQUE_SHIFT
-        while i < num_blocks:
-            hashes.append(-(base | i) - 1)
-            i += 1
+        if i < num_blocks:
+            top = -(request.index << _UNIQUE_SHIFT) - 1  # unique_block_key(index, i) == top - i
+            hashes.extend(range(top - i, top - num_blocks, -1))

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+#: Hash of a cached block whose content no request can ever look up again (a finished
+#: request's unique tokens). It orders the free queue like any hash but is in no map.
+UNFINDABLE_HASH = -(1 << 63) - 1
+
 
 class KVCacheBlock:
     """One physical KV block. Carries its own free-queue links so removal is O(1)."""
@@ -171,27 +175,42 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` from the head of the free queue, evicting any cached content."""
-        if num_blocks > self.free_block_queue.num_free_blocks:
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        popleft = self.free_block_queue.popleft
         out = []
+        append = out.append
+        block = queue.fake_head.next_free_block
+        cache = self.cached_block_hash_to_block
         for _ in range(num_blocks):
-            block = popleft()
-            if block.block_hash is not None:
-                self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if block_hash != UNFINDABLE_HASH:
+                    cache.pop(block_hash, block.block_id)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
-            out.append(block)
+            block.prev_free_block = None
+            append(block)
+            nxt = block.next_free_block
+            block.next_free_block = None
+            block = nxt
+        queue.fake_head.next_free_block = block
+        block.prev_free_block = queue.fake_head
+        queue.num_free_blocks -= num_blocks
         return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash != UNFINDABLE_HASH:
+            self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+        block.block_hash = None
+        self.num_evictions += 1
 
     def get_new_block(self) -> KVCacheBlock:
         """Pop one block from the head of the free queue (the hot path of decode)."""
         block = self.free_block_queue.popleft()
         if block.block_hash is not None:
-            self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
-            block.block_hash = None
-            self.num_evictions += 1
+            self._evict(block)
         block.ref_cnt = 1
         return block
 
@@ -213,22 +232,29 @@ class BlockPool:
                 remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], unfindable: tuple[int, int] = (0, 0)) -> None:
         """Drop one reference from each block, first block = first to be evicted.
 
         Blocks reaching ref_cnt 0 without a hash (or with caching off) go to the FRONT of
-        the free queue; hashed blocks go to the BACK, in LRU order.
+        the free queue; hashed blocks go to the BACK, in LRU order. Blocks at positions
+        [unfindable[0], unfindable[1]) get UNFINDABLE_HASH on the way (full blocks of a
+        finished request whose content nobody can look up).
         """
         evict_first: list[KVCacheBlock] = []
         evict_last: list[KVCacheBlock] = []
         caching = self.enable_caching
-        for block in ordered_blocks:
+        first, last = evict_first.append, evict_last.append
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        lo, hi = unfindable
+        for i, block in enumerate(blocks):
             block.ref_cnt -= 1
+            if lo <= i < hi and block.block_hash is None:
+                block.block_hash = UNFINDABLE_HASH
             if block.ref_cnt == 0:
                 if block.block_hash is None or not caching:
-                    evict_first.append(block)
+                    first(block)
                 else:
-                    evict_last.append(block)
+                    last(block)
         self.free_block_queue.prepend_n(evict_first)
         self.free_block_queue.append_n(evict_last)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from simkv.core.block_hashing import BlockHasher
-from simkv.core.block_pool import BlockPool, KVCacheBlock
+from simkv.core.block_pool import UNFINDABLE_HASH, BlockPool, KVCacheBlock
 from simkv.core.request import Request, RequestStatus
 
 
@@ -157,7 +157,7 @@ class KVCacheManager:
             # Shared-content blocks become findable at schedule time (an identical prompt
             # admitted in the same step already hits). Unique blocks wait for release.
             end = min(num_local + num_new_tokens, request.num_tokens) // bs
-            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)), True)
+            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
         return new_blocks
 
     def append_decode_block(self, request: Request) -> KVCacheBlock:
@@ -168,8 +168,8 @@ class KVCacheManager:
         self.req_to_blocks[request.index].append(block)
         return block
 
-    def _cache_full_blocks(self, request: Request, end: int, findable: bool) -> None:
-        """Hash the request's blocks [num_cached_block, end) that are not hashed yet."""
+    def _cache_full_blocks(self, request: Request, end: int) -> None:
+        """Hash and make findable the request's blocks [num_cached_block, end)."""
         index = request.index
         start = self.num_cached_block[index]
         if end <= start:
@@ -180,27 +180,37 @@ class KVCacheManager:
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is None:
-                k = key(request, i)
-                cache_block(block, k, insert=findable or k >= 0)
+                cache_block(block, key(request, i))
         self.num_cached_block[index] = end
-        if end > self.hasher.num_shared_blocks(request) and findable:
+        if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True
 
     def free(self, request: Request, num_computed_tokens: int, finished: bool) -> None:
-        """Release all of a request's blocks, tail first. Full blocks not hashed yet (unique
-        content, hashed lazily) are hashed first. A finished request's unique blocks keep
-        their hash (so they go to the back of the free queue, as in vLLM) but are not made
-        findable: no request can ever hit them."""
+        """Release all of a request's blocks, tail first.
+
+        Full blocks are hashed first where not yet done (unique content is hashed lazily).
+        A preempted request's blocks become findable: it will look them up on resume. A
+        finished request's shared blocks are already cached; its unique full blocks get a
+        hash that orders the free queue like vLLM's but sits in no map: nobody can hit them.
+        """
         index = request.index
-        if index not in self.req_to_blocks:
+        blocks = self.req_to_blocks.get(index)
+        if blocks is None:
             return
+        unfindable = (0, 0)
         if self.enable_caching:
             end = min(num_computed_tokens, request.num_tokens) // self.block_size
-            self._cache_full_blocks(request, end, findable=not finished)
-        blocks = self.req_to_blocks.pop(index)
+            if finished:
+                self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
+                cached = self.num_cached_block[index]
+                if end > cached:  # reversed below: original [cached, end) -> [len-end, len-cached)
+                    unfindable = (len(blocks) - end, len(blocks) - cached)
+            else:
+                self._cache_full_blocks(request, end)
+        del self.req_to_blocks[index]
         del self.num_cached_block[index]
         blocks.reverse()
-        self.block_pool.free_blocks(blocks)
+        self.block_pool.free_blocks(blocks, unfindable)
         self.num_frees += 1
 
     def get_block_ids(self, request: Request) -> list[int]:

@@ -1,0 +1,72 @@
+"""Replay speed and memory on this machine (issue: >= 8,000 simulated requests per wall-second
+on the Azure 2023 conversation trace with the roofline model; 1,000,000 synthetic requests
+within 3 minutes at <= 2 GB peak memory).
+
+    .venv/bin/python bench/replay_speed.py azure        # full Azure conv trace (19,366 requests)
+    .venv/bin/python bench/replay_speed.py synth-1m     # 1,000,000 lognormal requests, Poisson arrivals
+    .venv/bin/python bench/replay_speed.py all
+
+Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own.
+Prints wall time of the replay itself (trace loading excluded, shown apart), simulated
+requests per wall-second, simulated steps, and peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AZURE = ROOT.parent / "shared" / "traces" / "azure" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def load(case: str):
+    from simkv.traces.arrivals import ArrivalProcess
+    from simkv.traces.importers import import_trace
+    from simkv.traces.synth import lognormal
+
+    if case == "azure":
+        return import_trace("azure", [AZURE])[0]
+    if case == "synth-1m":
+        # ~1M requests at 60 req/s: a saturated H100 serving llama-3-8b.
+        return lognormal(1_000_000, seed=1, arrival=ArrivalProcess(kind="poisson", rate=60.0), fast=True)
+    raise SystemExit(f"unknown case {case}")
+
+
+def run_case(case: str) -> dict:
+    from simkv.config import EngineConfig
+    from simkv.replay.api import replay
+
+    t0 = time.perf_counter()
+    trace = load(case)
+    t_load = time.perf_counter() - t0
+    res = replay(trace, EngineConfig())
+    s = res.summary
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"case": case, "requests": s["num_requests"], "steps": s["num_steps"], "load_s": round(t_load, 2),
+            "replay_wall_s": round(s["wall_time_s"], 2),
+            "requests_per_wall_s": round(s["num_requests"] / s["wall_time_s"]),
+            "simulated_duration_s": round(s["duration_s"], 1), "peak_rss_mb": round(rss_mb)}
+
+
+def main() -> None:
+    cases = sys.argv[1:] or ["all"]
+    if cases == ["all"]:
+        cases = ["azure", "synth-1m"]
+    if len(cases) == 1 and cases[0].startswith("--child="):
+        print(json.dumps(run_case(cases[0].split("=", 1)[1])))
+        return
+    for case in cases:
+        out = subprocess.run([sys.executable, __file__, f"--child={case}"], capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            print(out.stderr, file=sys.stderr)
+            raise SystemExit(out.returncode)
+        print(out.stdout.strip())
+
+
+if __name__ == "__main__":
+    main()

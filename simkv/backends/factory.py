@@ -1,0 +1,26 @@
+"""Build a cost-model backend by name."""
+
+from __future__ import annotations
+
+from simkv.backends.cost_models import LinearCostModel, UnitCostModel
+from simkv.backends.roofline import RooflineCostModel
+from simkv.config import EngineConfig
+from simkv.specs import get_gpu_spec, get_model_spec
+
+COST_MODELS = ("unit", "linear", "roofline")
+
+
+def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, step_per_token_s: float = 2e-5):
+    if name == "unit":
+        return UnitCostModel()
+    if name == "linear":
+        return LinearCostModel(step_base_s, step_per_token_s)
+    if name == "roofline":
+        hw = config.hardware
+        return RooflineCostModel(get_model_spec(hw.model), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
+                                 config.cache.kv_dtype_bytes)
+    if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
+        from simkv.calibration.costmodel import cost_model_from_file
+
+        return cost_model_from_file(name, model=config.hardware.model, gpu=config.hardware.gpu)
+    raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")

@@ -1,0 +1,83 @@
+"""Roofline cost model: a step takes the longer of its compute and its memory traffic.
+
+Per GPU under tensor parallelism (TP), for a step with T scheduled tokens over S sequences:
+  FLOPs = 2 * P_layers * T + 2 * hidden * vocab * S            (matmuls; logits for one token per sequence)
+        + 4 * layers * heads * head_dim * A                      (attention; A = query-key pairs)
+  bytes = dtype_bytes * (P_layers + hidden * vocab)              (weights, read once per step)
+        + kv_bytes_per_token * (K + T)                           (K/V read for attended context K, written for T)
+  time  = max(FLOPs / (peak_flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
+        + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
+All quantities are divided by TP except the overheads. Efficiencies and overheads are
+defaults until `simkv calibrate` fits them on real hardware.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simkv.backends.base import prefill_work
+from simkv.core.outputs import SchedulerOutput
+from simkv.specs import GPUSpec, ModelSpec
+
+
+class RooflineCostModel:
+    name = "roofline"
+    supports_decode_runs = True
+    needs_request_detail = False
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GPUSpec,
+        tensor_parallel_size: int = 1,
+        kv_dtype_bytes: int = 2,
+        compute_efficiency: float = 0.6,
+        memory_efficiency: float = 0.8,
+        step_overhead_s: float = 1.0e-3,
+        seq_overhead_s: float = 5.0e-6,
+        allreduce_latency_s: float = 8.0e-6,
+    ) -> None:
+        tp = tensor_parallel_size
+        self.model, self.gpu, self.tp = model, gpu, tp
+        self.params = dict(compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
+                           step_overhead_s=step_overhead_s, seq_overhead_s=seq_overhead_s,
+                           allreduce_latency_s=allreduce_latency_s)
+        h, v = model.hidden_size, model.vocab_size
+        layer_params = model.num_params - 2 * v * h - h
+        self.flops_per_token = 2.0 * layer_params / tp
+        self.flops_per_seq = 2.0 * h * v / tp
+        self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
+        self.weight_bytes = 2.0 * (layer_params + h * v) / tp
+        self.kv_bytes_per_token = float(model.kv_bytes_per_token(kv_dtype_bytes, tp))
+        self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
+        self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
+        if tp > 1:
+            ring = 2.0 * (tp - 1) / tp
+            self.comm_per_token = 2 * model.num_layers * ring * h * 2 / (gpu.interconnect_gbs * 1e9)
+            self.comm_fixed = 2 * model.num_layers * allreduce_latency_s
+        else:
+            self.comm_per_token = 0.0
+            self.comm_fixed = 0.0
+        self.fixed_s = step_overhead_s + self.comm_fixed
+        self.seq_overhead_s = seq_overhead_s
+
+    def _time(self, tokens, num_seqs, pairs, kv_read):
+        """Works on Python numbers and on numpy arrays with identical float results."""
+        flops = self.flops_per_token * tokens + self.flops_per_seq * num_seqs + self.flops_per_pair * pairs
+        traffic = self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)
+        busy = np.maximum(flops / self.flop_rate, traffic / self.byte_rate)
+        return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
+
+    def execute(self, output: SchedulerOutput) -> float:
+        p_tokens, p_pairs, p_read = prefill_work(output)
+        n = output.num_decode_reqs
+        ctx = output.decode_context_tokens
+        return float(self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx))
+
+    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
+        ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
+        return self._time(0 + num_decodes, 0 + num_decodes, ctx, ctx)
+
+    def describe(self) -> dict:
+        return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
+                "tensor_parallel_size": self.tp, **self.params}

@@ -1,0 +1,79 @@
+"""KV-cache capacity: bytes per token, number of GPU blocks, and vLLM's start-up checks.
+
+num_gpu_blocks = (GPU memory * gpu_memory_utilization - weights/TP - activation reserve)
+                 // (block_size * KV bytes per token per GPU)
+The activation reserve stands in for vLLM's profiling run: activations of one
+max_num_batched_tokens forward pass plus a fixed 1 GiB for CUDA graphs and the allocator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.specs import get_gpu_spec, get_model_spec
+
+GIB = 1 << 30
+_FIXED_RESERVE_BYTES = 1 * GIB
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    kv_bytes_per_token: int
+    num_gpu_blocks: int
+    available_kv_bytes: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def startup_lines(self) -> list[str]:
+        """The two lines vLLM logs at start-up."""
+        return [f"GPU KV cache size: {self.kv_cache_tokens:,} tokens",
+                f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
+                f"{self.kv_cache_tokens / self.max_model_len:.2f}x"]
+
+
+def activation_reserve_bytes(config: EngineConfig) -> int:
+    spec = get_model_spec(config.hardware.model)
+    tp = config.hardware.tensor_parallel_size
+    per_token = 2 * (2 * spec.intermediate_size // tp + 4 * spec.hidden_size)
+    return config.scheduler.max_num_batched_tokens * per_token + _FIXED_RESERVE_BYTES
+
+
+def compute_capacity(config: EngineConfig) -> Capacity:
+    """Blocks of the KV cache, given (`num_gpu_blocks`) or derived from memory like vLLM."""
+    spec = get_model_spec(config.hardware.model)
+    gpu = get_gpu_spec(config.hardware.gpu)
+    cc = config.cache
+    tp = config.hardware.tensor_parallel_size
+    per_token = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp)
+    block_bytes = per_token * cc.block_size
+    mml = config.max_model_len
+    if cc.num_gpu_blocks is not None:
+        available = cc.num_gpu_blocks * block_bytes
+        num_blocks = cc.num_gpu_blocks
+    else:
+        weights = 2 * spec.num_params / tp
+        available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config))
+        if available <= 0:
+            raise ConfigError(
+                "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                "when initializing the engine.")
+        num_blocks = available // block_bytes
+    needed = -(-mml // cc.block_size) * block_bytes
+    usable_bytes = (num_blocks - 1) * block_bytes  # block 0 is the null block
+    if needed > usable_bytes:
+        estimated = (usable_bytes // block_bytes) * cc.block_size
+        msg = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated > 0 else ""
+        raise ConfigError(
+            f"To serve at least one request with the model's max seq len ({mml}), ({_gib(needed)} GiB KV "
+            f"cache is needed, which is larger than the available KV cache memory ({_gib(usable_bytes)} GiB). "
+            f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+    return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml)

@@ -1,0 +1,119 @@
+"""`simkv replay TRACE`: replay a trace through the engine model and report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from simkv.backends.factory import COST_MODELS
+from simkv.calibration.cli_support import CostModelChoice
+from simkv.config import ConfigError, EngineConfig
+from simkv.specs import gpu_names, model_names
+
+# CLI flag -> engine option (vLLM's names).
+_ENGINE_FLAGS = {
+    "block_size": "block_size", "num_gpu_blocks": "num_gpu_blocks",
+    "gpu_memory_utilization": "gpu_memory_utilization", "enable_prefix_caching": "enable_prefix_caching",
+    "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
+    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
+    "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
+    "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
+}
+DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
+
+
+def load_config_file(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) if not path.endswith(".json") else json.load(f)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint="--config") from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected a mapping of option: value", param_hint="--config")
+    return data
+
+
+def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
+    options = load_config_file(config_file) if config_file else {}
+    options = {k.replace("-", "_"): v for k, v in options.items()}
+    for flag, name in _ENGINE_FLAGS.items():
+        if cli_values.get(flag) is not None:
+            options[name] = cli_values[flag]
+    return EngineConfig.from_flat(options)
+
+
+@click.command("replay")
+@click.argument("trace", required=False, default=DEFAULT_TRACE)
+@click.option("--out", "out_dir", default="out/replay", show_default=True, help="Output folder.")
+@click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
+@click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
+              help="A cost model name, or a calib.json fitted by `simkv calibrate`.")
+@click.option("--backend", type=click.Choice(["sim", "gpu"]), default="sim", show_default=True,
+              help="sim: step durations from --cost-model; gpu: run every step on the model runner (gpu_backend/).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="gpu backend [default: cuda if present]")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="gpu backend [default: bf16 on cuda, fp32 on cpu]")
+@click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
+@click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
+@click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]")
+@click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=None)
+@click.option("--block-size", type=int, default=None, help="[default: 16]")
+@click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
+@click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
+@click.option("--max-num-seqs", type=int, default=None, help="[default: 256]")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]")
+@click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]")
+@click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="[default: on]")
+@click.option("--long-prefill-token-threshold", type=int, default=None, help="[default: 0]")
+@click.option("--watermark", type=float, default=None, help="[default: 0.0]")
+@click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None)
+@click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None)
+@click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
+@click.option("--quiet", is_flag=True, help="No progress bar or table.")
+def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
+               step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
+               dtype: str | None, **flags) -> None:
+    """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
+    requests.parquet and steps.parquet into --out."""
+    from simkv.replay.api import replay, save
+    from simkv.replay.report import print_summary
+    from simkv.traces.schema import read_trace
+
+    try:
+        config = build_config(flags, config_file)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        data = read_trace(trace)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    from rich.progress import Progress
+
+    with Progress(disable=quiet or len(data) < 5000, transient=True) as progress:
+        task = progress.add_task("replaying", total=len(data))
+        try:
+            if backend == "gpu":
+                from gpu_backend.replay import run_gpu_replay_cli
+
+                result = run_gpu_replay_cli(data, config, out_dir, device, dtype, lambda k: progress.advance(task, k))
+            else:
+                result = replay(data, config, cost_model,
+                                {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s},
+                                use_decode_runs=not no_decode_runs,
+                                on_progress=lambda k: progress.advance(task, k))
+        except (ConfigError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+    save(result, out_dir)
+    from simkv.compare.run_report import write_run_report_safely
+
+    write_run_report_safely(out_dir)
+    if not quiet:
+        print_summary(result.summary, Path(out_dir))

@@ -1,0 +1,41 @@
+"""`replay()`: the library entry point that the CLI and the studies call."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from simkv.backends.factory import make_backend
+from simkv.capacity import compute_capacity
+from simkv.config import EngineConfig
+from simkv.replay.engine import ReplayEngine, ReplayRun
+from simkv.replay.results import request_table, summarize, write_outputs
+
+
+@dataclass
+class ReplayResult:
+    summary: dict
+    requests: pd.DataFrame
+    steps: dict
+    run: ReplayRun
+
+
+def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
+           use_decode_runs: bool = True, on_progress=None, backend=None) -> ReplayResult:
+    capacity = compute_capacity(config)
+    if backend is None:
+        backend = make_backend(cost_model, config, **(cost_options or {}))
+    engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, on_progress)
+    t0 = time.perf_counter()
+    run = engine.run()
+    wall = time.perf_counter() - t0
+    requests = request_table(run, trace)
+    summary = summarize(run, trace, config, backend, capacity.num_gpu_blocks, wall, requests)
+    return ReplayResult(summary, requests, run.steps.columns(), run)
+
+
+def save(result: ReplayResult, out_dir: str | Path) -> None:
+    write_outputs(Path(out_dir), result.summary, result.requests, result.steps)

@@ -1,0 +1,220 @@
+"""The SimPy model: an arrival process feeds requests; an engine process runs steps.
+
+Time follows the engine: a step starts when the previous one ends or, when nothing is
+runnable, at the next arrival. A request arriving during a step (or exactly when it ends)
+joins at the next step. A request's first token exists at the end of the step that sampled
+it. The engine keeps its own float clock (each step's end = its start + its duration, summed
+in step order), so jumping over a decode run gives the same times as stepping through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import simpy
+
+from simkv.backends.base import StepBackend
+from simkv.config import EngineConfig
+from simkv.core.request import Request
+from simkv.core.scheduler import Scheduler
+from simkv.replay.step_log import RequestLog, StepLog
+
+
+class ReplayError(RuntimeError):
+    """The replay cannot make progress (reported with its cause)."""
+
+
+class ArrivalFeed:
+    """Turns trace rows into Requests, in arrival order, when the clock reaches them."""
+
+    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, max_model_len: int) -> None:
+        self.trace = trace
+        self.arrivals = trace.arrival_time_s
+        self.prompt = trace.prompt_tokens
+        self.output = trace.output_tokens
+        self.scheduler = scheduler
+        self.request_log = request_log
+        self.max_model_len = max_model_len
+        self.next_index = 0
+        self.num_rejected = 0
+        self._ids = trace.request_id
+        self._salt = trace.cache_salt
+        self._priority = trace.priority
+        self._has_hashes = trace.hash_ids is not None
+
+    @property
+    def exhausted(self) -> bool:
+        return self.next_index >= len(self.arrivals)
+
+    def next_arrival_time(self) -> float | None:
+        return None if self.exhausted else float(self.arrivals[self.next_index])
+
+    def deliver_until(self, now: float) -> None:
+        arrivals = self.arrivals
+        n = len(arrivals)
+        i = self.next_index
+        while i < n and arrivals[i] <= now:
+            self._deliver(i)
+            i += 1
+        self.next_index = i
+
+    def _deliver(self, i: int) -> None:
+        prompt = int(self.prompt[i])
+        if prompt >= self.max_model_len:
+            self.num_rejected += 1
+            self.request_log.reject(i)
+            return
+        trace = self.trace
+        hashes = trace.block_hashes(i) if self._has_hashes else None
+        request = Request(
+            str(self._ids[i]), i, float(self.arrivals[i]), prompt, int(self.output[i]),
+            priority=int(self._priority[i]) if self._priority is not None else 0,
+            cache_salt=self._salt[i] if self._salt is not None else None,
+            shared_hash_ids=hashes,
+            hash_block_tokens=int(trace.hash_block_tokens[i]) if self._has_hashes else 0)
+        self.scheduler.add_request(request)
+
+
+@dataclass
+class ReplayRun:
+    scheduler: Scheduler
+    steps: StepLog
+    requests: RequestLog
+    feed: ArrivalFeed
+    duration_s: float
+
+
+class ReplayEngine:
+    def __init__(self, trace, config: EngineConfig, backend: StepBackend, num_gpu_blocks: int,
+                 use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail)
+        self.steps = StepLog()
+        self.requests = RequestLog(len(trace))
+        self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
+        self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
+        self.on_progress = on_progress
+        self.now = 0.0
+        self.env = simpy.Environment()
+        self._idle: simpy.Event | None = None
+        self._num_done = 0
+        self._num_rejected_reported = 0
+
+    def run(self) -> ReplayRun:
+        self.env.process(self._arrivals())
+        engine = self.env.process(self._engine())
+        self.env.run(until=engine)
+        return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now)
+
+    def _arrivals(self):
+        """Wakes the engine when a request arrives while it is idle."""
+        arrivals = self.feed.arrivals
+        env = self.env
+        i, n = 0, len(arrivals)
+        while i < n:
+            t = float(arrivals[i])
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            while i < n and arrivals[i] <= t:
+                i += 1
+            if self._idle is not None and not self._idle.triggered:
+                self._idle.succeed(t)
+
+    def _engine(self):
+        sched = self.scheduler
+        feed = self.feed
+        env = self.env
+        while True:
+            feed.deliver_until(self.now)
+            self._report_rejected()
+            if not sched.has_unfinished_requests():
+                if feed.exhausted:
+                    return
+                self._idle = env.event()
+                arrival = yield self._idle
+                self._idle = None
+                self.now = max(self.now, arrival)
+                continue
+            if self.use_decode_runs:
+                advanced = yield from self._try_decode_run()
+                if advanced:
+                    continue
+            out = sched.schedule()
+            if out.is_empty:
+                raise ReplayError(self._stuck_message())
+            start = self.now
+            duration = self.backend.execute(out)
+            self.now = start + duration
+            yield env.timeout(duration)
+            finished = sched.update_from_output(out)
+            self.steps.add_step(out, start, duration)
+            self._record_finished(finished)
+
+    def _try_decode_run(self):
+        sched = self.scheduler
+        limit = sched.decode_run_limit()
+        if limit < 2:
+            return False
+        n, first_context = sched.decode_run_shape()
+        durations, starts = self._run_times(n, first_context, limit)
+        if len(durations) < 2:
+            return False
+        run = sched.advance_decode_run(len(durations))
+        if run is None:
+            return False
+        k = run.num_steps
+        self.steps.add_run(run, starts[:k], durations[:k])
+        end = float(starts[k - 1] + durations[k - 1])
+        yield self.env.timeout(end - self.now)
+        self.now = end
+        self._record_finished(run.finished)
+        return True
+
+    def _run_times(self, n: int, first_context: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Durations and start times of up to `limit` decode steps, stopping after the step
+        during which (or at whose end) the next request arrives. Computed in growing chunks,
+        summed strictly in step order like single steps are."""
+        next_arrival = self.feed.next_arrival_time()
+        start, done, chunk = self.now, 0, 32
+        parts_d, parts_s = [], []
+        while done < limit:
+            m = min(chunk, limit - done)
+            d = self.backend.decode_run_durations(n, first_context + done * n, m)
+            acc = np.add.accumulate(np.concatenate(([start], d)))
+            if next_arrival is not None and acc[-1] >= next_arrival:
+                j = int(np.searchsorted(acc[1:], next_arrival, side="left")) + 1
+                parts_d.append(d[:j])
+                parts_s.append(acc[:j])
+                break
+            parts_d.append(d)
+            parts_s.append(acc[:-1])
+            start = float(acc[-1])
+            done += m
+            chunk *= 4
+        if len(parts_d) == 1:
+            return parts_d[0], parts_s[0]
+        return np.concatenate(parts_d), np.concatenate(parts_s)
+
+    def _record_finished(self, finished: list[Request]) -> None:
+        for request in finished:
+            self.requests.finish(request)
+        if finished:
+            self._num_done += len(finished)
+            if self.on_progress is not None:
+                self.on_progress(len(finished))
+
+    def _report_rejected(self) -> None:
+        new = self.feed.num_rejected - self._num_rejected_reported
+        if new and self.on_progress is not None:
+            self.on_progress(new)
+        self._num_rejected_reported = self.feed.num_rejected
+
+    def _stuck_message(self) -> str:
+        sched = self.scheduler
+        head = sched._peek_waiting() if sched.num_waiting() else None
+        return (f"the engine cannot make progress at step {sched.current_step}: {len(sched.running)} running, "
+                f"{sched.num_waiting()} waiting (head: {head}), "
+                f"{sched.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks")

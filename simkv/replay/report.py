@@ -1,0 +1,45 @@
+"""The terminal summary table of a replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt_dist(d: dict, scale: float = 1000.0) -> str:
+    if d["mean"] is None:
+        return "-"
+    return f"{d['mean'] * scale:,.1f} / {d['p50'] * scale:,.1f} / {d['p99'] * scale:,.1f}"
+
+
+def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None) -> None:
+    console = console or Console()
+    cfg = summary["config"]
+    table = Table(title=f"simkv replay: {summary['trace']}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
+        ("cost model", summary["cost_model"]["cost_model"]),
+        ("requests (finished / rejected)", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})"),
+        ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} steps"),
+        ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
+        ("running (peak / mean)", f"{summary['peak_running']:,} / {summary['mean_running']:,.1f}"),
+        ("waiting (peak)", f"{summary['peak_waiting']:,}"),
+        ("KV blocks (peak used / total)", f"{summary['peak_blocks_used']:,} / {summary['num_gpu_blocks']:,} of {cfg['block_size']} tokens"),
+        ("internal fragmentation", f"{summary['internal_fragmentation_pct']:.2f} %"),
+        ("preemptions (events / requests)", f"{summary['num_preemptions']:,} / {summary['num_preempted_requests']:,}"),
+        ("prefix cache hit rate", f"{100 * summary['prefix_cache_hit_rate']:.2f} % ({summary['prefix_cache_hits_tokens']:,} of {summary['prefix_cache_queries_tokens']:,} tokens)"),
+        ("TTFT ms (mean / p50 / p99)", _fmt_dist(summary["ttft_s"])),
+        ("ITL ms (mean / p50 / p99)", _fmt_dist(summary["itl_s"])),
+        ("E2E s (mean / p50 / p99)", _fmt_dist(summary["e2e_s"], 1.0)),
+        ("queue ms (mean / p50 / p99)", _fmt_dist(summary["queue_s"])),
+        ("wall time", f"{summary['wall_time_s']:.2f} s ({summary['num_requests'] / max(summary['wall_time_s'], 1e-9):,.0f} req/s)"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    if out_dir is not None:
+        console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet")

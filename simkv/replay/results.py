@@ -1,0 +1,173 @@
+"""Turn a finished replay into summary.json, requests.parquet and steps.parquet."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from simkv.replay.engine import ReplayRun
+from simkv.replay.step_log import RequestLog
+
+
+def dist(values: np.ndarray) -> dict:
+    """mean/p50/p90/p99 (numpy linear percentiles); NaN-free, None when empty."""
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def weighted_dist(values: np.ndarray, weights: np.ndarray) -> dict:
+    """Like `dist` for samples given as (value, count) pairs (inverted-CDF quantiles)."""
+    mask = weights > 0
+    values, weights = values[mask], weights[mask]
+    if values.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    order = np.argsort(values, kind="stable")
+    values, weights = values[order], weights[order]
+    cum = np.cumsum(weights)
+    total = cum[-1]
+    q = [float(values[np.searchsorted(cum, p * total, side="left")]) for p in (0.5, 0.9, 0.99)]
+    return {"mean": float(np.dot(values, weights) / total), "p50": q[0], "p90": q[1], "p99": q[2]}
+
+
+def request_table(run: ReplayRun, trace) -> pd.DataFrame:
+    steps = run.steps.columns()
+    starts, durations = steps["start_time_s"], steps["duration_s"]
+    ends = starts + durations
+    log: RequestLog = run.requests
+    ints = log.ints
+    finished = log.status == 1
+
+    def at(step_col: np.ndarray, times: np.ndarray) -> np.ndarray:
+        out = np.full(step_col.shape, np.nan)
+        ok = finished & (step_col >= 0)
+        out[ok] = times[step_col[ok]]
+        return out
+
+    arrival = trace.arrival_time_s
+    first_sched = at(ints["first_scheduled_step"], starts)
+    first_token = at(ints["first_token_step"], ends)
+    finish = at(ints["finish_step"], ends)
+    out_tokens = ints["num_output_tokens"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_itl = np.where(out_tokens > 1, (finish - first_token) / (out_tokens - 1), np.nan)
+    status = np.asarray(RequestLog.STATUS_NAMES, dtype=object)[log.status]
+    return pd.DataFrame({
+        "request_id": trace.request_id.astype(str),
+        "arrival_time_s": arrival,
+        "first_scheduled_time_s": first_sched,
+        "first_token_time_s": first_token,
+        "finish_time_s": finish,
+        "status": status.astype(str),
+        "prompt_tokens": trace.prompt_tokens,
+        "output_tokens": np.where(finished, out_tokens, 0),
+        "prefix_hit_tokens": np.where(finished, ints["prefix_hit_tokens"], 0),
+        "num_preemptions": np.where(finished, ints["num_preemptions"], 0),
+        "queue_s": first_sched - arrival,
+        "ttft_s": first_token - arrival,
+        "e2e_s": finish - arrival,
+        "mean_itl_s": mean_itl,
+    })
+
+
+def itl_distribution(run: ReplayRun) -> dict:
+    """Inter-token latency over every token gap: a decode token's gap is its step's duration;
+    a recomputed request's first new token counts from its last token before preemption."""
+    steps = run.steps.columns()
+    durations = steps["duration_s"]
+    weights = steps["num_decode_tokens"].astype(np.float64)
+    gaps = run.scheduler.irregular_gaps
+    if gaps:
+        ends = steps["start_time_s"] + durations
+        pairs = np.asarray(gaps, dtype=np.int64)
+        extra = ends[pairs[:, 1]] - np.where(pairs[:, 0] >= 0, ends[np.maximum(pairs[:, 0], 0)], 0.0)
+        durations = np.concatenate([durations, extra])
+        weights = np.concatenate([weights, np.ones(len(extra))])
+    return weighted_dist(durations, weights)
+
+
+def summarize(run: ReplayRun, trace, config, backend, num_gpu_blocks: int, wall_time_s: float,
+              requests: pd.DataFrame) -> dict:
+    steps = run.steps.columns()
+    sched = run.scheduler
+    kv = sched.kv_cache_manager
+    finished = requests["status"].to_numpy() == "finished"
+    stored = run.requests.ints["num_computed_tokens"][finished]
+    bs = config.cache.block_size
+    lookahead = config.cache.num_lookahead_tokens
+    slots = np.minimum(stored + lookahead, config.max_model_len)
+    held = -(-slots // bs)
+    frag = float(100.0 * (held * bs - stored).sum() / stored.sum()) if stored.size else 0.0
+    duration = float(steps["start_time_s"][-1] + steps["duration_s"][-1]) if run.steps.num_steps else 0.0
+    out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
+    stats = kv.prefix_cache_stats
+    return {
+        "backend": "sim",
+        "cost_model": backend.describe(),
+        "config": config.to_dict() | {"num_gpu_blocks": num_gpu_blocks},
+        "trace": str(trace.source),
+        "num_requests": int(len(trace)),
+        "num_finished": int(finished.sum()),
+        "num_rejected": int((requests["status"].to_numpy() == "rejected").sum()),
+        "duration_s": duration,
+        "num_steps": int(run.steps.num_steps),
+        "peak_running": int(steps["num_running"].max(initial=0)),
+        "mean_running": float(steps["num_running"].mean()) if run.steps.num_steps else 0.0,
+        "peak_waiting": int(steps["num_waiting"].max(initial=0)),
+        "num_gpu_blocks": int(num_gpu_blocks),
+        "peak_blocks_used": int(steps["num_blocks_used"].max(initial=0)),
+        "num_preemptions": int(sched.num_preemptions),
+        "num_preempted_requests": int(sched.num_preempted_requests),
+        "prefix_cache_queries_tokens": int(stats.queries),
+        "prefix_cache_hits_tokens": int(stats.hits),
+        "prefix_cache_hit_rate": float(stats.hits / stats.queries) if stats.queries else 0.0,
+        "prefix_cache": {"queries_new": stats.queries_new, "hits_new": stats.hits_new,
+                         "queries_preempted": stats.queries_preempted, "hits_preempted": stats.hits_preempted},
+        "num_evictions": int(kv.block_pool.num_evictions),
+        "internal_fragmentation_pct": frag,
+        "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
+        "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
+        "ttft_s": dist(requests["ttft_s"].to_numpy()),
+        "itl_s": itl_distribution(run),
+        "tpot_s": dist(requests["mean_itl_s"].to_numpy()),
+        "e2e_s": dist(requests["e2e_s"].to_numpy()),
+        "queue_s": dist(requests["queue_s"].to_numpy()),
+        "output_throughput_tok_s": out_tokens / duration if duration > 0 else 0.0,
+        "request_throughput_req_s": float(finished.sum()) / duration if duration > 0 else 0.0,
+        "wall_time_s": wall_time_s,
+    }
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
+    table = pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def write_outputs(out_dir: Path, summary: dict, requests: pd.DataFrame, steps: dict) -> None:
+    """All three files, each written to a temporary name and renamed into place."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_parquet(requests, out_dir / "requests.parquet")
+    _write_parquet(pd.DataFrame(steps), out_dir / "steps.parquet")
+    text = json.dumps(summary, indent=2, sort_keys=False) + "\n"
+    _atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))

@@ -1,0 +1,133 @@
+"""Per-step and per-request records of a replay, kept as numpy columns."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simkv.core.outputs import DecodeRun, SchedulerOutput
+from simkv.core.request import Request
+
+STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waiting",
+                "num_prefill_tokens", "num_decode_tokens", "num_blocks_used", "num_preemptions",
+                "prefix_query_tokens", "prefix_hit_tokens", "num_finished")
+_FLOAT_COLUMNS = {"start_time_s", "duration_s"}
+
+
+_SEGMENT_COLUMNS = ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens",
+                    "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished")
+
+
+class StepLog:
+    """Steps recorded as segments: a single step, or a decode run of k identical steps.
+
+    Per segment only scalars are kept (plus the run's allocation offsets); per-step
+    columns are expanded with numpy when asked for. Times arrive as arrays for runs.
+    """
+
+    def __init__(self) -> None:
+        self._seg: dict[str, list[int]] = {c: [] for c in _SEGMENT_COLUMNS}
+        self._seg_len: list[int] = []
+        self._seg_first_step: list[int] = []
+        self._seg_blocks: list[int] = []
+        self._alloc_rows: list[int] = []
+        self._starts: list = []
+        self._durations: list = []
+        self._pending_starts: list[float] = []
+        self._pending_durations: list[float] = []
+        self.num_steps = 0
+        self._columns: dict[str, np.ndarray] | None = None
+
+    def _segment(self, first_step: int, length: int, blocks: int, values: tuple) -> None:
+        self._seg_first_step.append(first_step)
+        self._seg_len.append(length)
+        self._seg_blocks.append(blocks)
+        for c, v in zip(_SEGMENT_COLUMNS, values):
+            self._seg[c].append(v)
+        self._columns = None
+
+    def add_step(self, out: SchedulerOutput, start: float, duration: float) -> None:
+        self._segment(out.step, 1, out.num_blocks_used,
+                      (out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
+                       len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished)))
+        self._pending_starts.append(start)
+        self._pending_durations.append(duration)
+        self.num_steps += 1
+
+    def add_run(self, run: DecodeRun, starts: np.ndarray, durations: np.ndarray) -> None:
+        self._flush_times()
+        row0 = self.num_steps
+        self._segment(run.start_step, run.num_steps, run.first_num_blocks_used,
+                      (run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished)))
+        self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
+        self._starts.append(starts)
+        self._durations.append(durations)
+        self.num_steps += run.num_steps
+
+    def _flush_times(self) -> None:
+        if self._pending_starts:
+            self._starts.append(np.asarray(self._pending_starts, dtype=np.float64))
+            self._durations.append(np.asarray(self._pending_durations, dtype=np.float64))
+            self._pending_starts, self._pending_durations = [], []
+
+    def columns(self) -> dict[str, np.ndarray]:
+        if self._columns is not None:
+            return self._columns
+        self._flush_times()
+        lengths = np.asarray(self._seg_len, dtype=np.int64)
+        n = int(lengths.sum())
+        seg_start_row = np.cumsum(lengths) - lengths
+        within = np.arange(n, dtype=np.int64) - np.repeat(seg_start_row, lengths)
+        out: dict[str, np.ndarray] = {
+            "step": np.repeat(np.asarray(self._seg_first_step, dtype=np.int64), lengths) + within}
+        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0))
+        out["start_time_s"] = cat(self._starts).astype(np.float64)
+        out["duration_s"] = cat(self._durations).astype(np.float64)
+        for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens"):
+            out[c] = np.repeat(np.asarray(self._seg[c], dtype=np.int64), lengths)
+        allocs = np.cumsum(np.bincount(np.asarray(self._alloc_rows, dtype=np.int64), minlength=n)[:n])
+        before = np.concatenate(([0], allocs))[np.repeat(seg_start_row, lengths)]
+        out["num_blocks_used"] = np.repeat(np.asarray(self._seg_blocks, dtype=np.int64), lengths) + allocs - before
+        last_row = np.zeros(n, dtype=bool)
+        if n:
+            last_row[seg_start_row + lengths - 1] = True
+        first_row = np.zeros(n, dtype=bool)
+        first_row[seg_start_row[lengths > 0]] = True
+        for c in ("num_preemptions", "prefix_query_tokens", "prefix_hit_tokens"):
+            col = np.zeros(n, dtype=np.int64)
+            col[first_row] = np.asarray(self._seg[c], dtype=np.int64)[lengths > 0]
+            out[c] = col
+        finished = np.zeros(n, dtype=np.int64)
+        finished[last_row] = np.asarray(self._seg["num_finished"], dtype=np.int64)[lengths > 0]
+        out["num_finished"] = finished
+        self._columns = {c: out[c] for c in STEP_COLUMNS}
+        return self._columns
+
+
+REQUEST_INT_COLUMNS = ("first_scheduled_step", "first_token_step", "finish_step", "num_output_tokens",
+                       "num_computed_tokens", "prefix_hit_tokens", "total_prefix_hit_tokens", "num_preemptions")
+
+
+class RequestLog:
+    """One slot per trace row, filled when the request finishes (or is rejected)."""
+
+    STATUS_NAMES = ("unfinished", "finished", "rejected")
+
+    def __init__(self, num_requests: int) -> None:
+        self.status = np.zeros(num_requests, dtype=np.int8)
+        self.ints = {c: np.full(num_requests, -1, dtype=np.int64) for c in REQUEST_INT_COLUMNS}
+
+    def finish(self, request: Request) -> None:
+        i = request.index
+        self.status[i] = 1
+        ints = self.ints
+        ints["first_scheduled_step"][i] = request.first_scheduled_step
+        ints["first_token_step"][i] = request.first_token_step
+        ints["finish_step"][i] = request.finish_step
+        ints["num_output_tokens"][i] = request.num_output_tokens
+        ints["num_computed_tokens"][i] = request.num_computed_tokens
+        ints["prefix_hit_tokens"][i] = request.num_prefix_hit_tokens
+        ints["total_prefix_hit_tokens"][i] = request.num_total_prefix_hit_tokens
+        ints["num_preemptions"][i] = request.num_preemptions
+
+    def reject(self, index: int) -> None:
+        self.status[index] = 2

@@ -1,0 +1,62 @@
+"""Drive the engine core directly, as the replay does, for tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from simkv.core.request import Request
+from simkv.core.scheduler import Scheduler
+
+
+def make_config(num_gpu_blocks: int = 6250, block_size: int = 16, max_num_seqs: int = 256,
+                max_num_batched_tokens: int = 8192, max_model_len: int = 4096, **kw) -> EngineConfig:
+    cache_keys = {"enable_prefix_caching", "watermark", "num_lookahead_tokens", "prefix_caching_hash_bits"}
+    cache = {k: v for k, v in kw.items() if k in cache_keys}
+    sched = {k: v for k, v in kw.items() if k not in cache_keys}
+    return EngineConfig(CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, **cache),
+                        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                        max_model_len=max_model_len, **sched))
+
+
+def make_request(i: int, prompt: int, output: int, hashes=None, h: int = 0, salt=None, priority: int = 0,
+                 arrival: float = 0.0) -> Request:
+    ids = None if hashes is None else np.asarray(hashes, dtype=np.int64)
+    return Request(f"r{i}", i, arrival, prompt, output, priority=priority, cache_salt=salt,
+                   shared_hash_ids=ids, hash_block_tokens=h)
+
+
+def drive(scheduler: Scheduler, use_runs: bool = True, check=None, max_steps: int = 1_000_000) -> dict:
+    """Step (or jump over decode runs) until every request finished; collect vLLM-style counts."""
+    steps = peak = query = hit = prefill = decode = 0
+    log = []
+    while scheduler.has_unfinished_requests():
+        if use_runs:
+            k = scheduler.decode_run_limit()
+            if k >= 2:
+                run = scheduler.advance_decode_run(k)
+                if run is not None:
+                    steps += run.num_steps
+                    peak = max(peak, run.num_running)
+                    decode += run.num_decodes * run.num_steps
+                    for j in range(run.num_steps):
+                        log.append((run.start_step + j, 0, run.num_decodes, run.num_running))
+                    if check:
+                        check(scheduler)
+                    continue
+        out = scheduler.schedule()
+        assert not out.is_empty, "engine stuck"
+        steps += 1
+        peak = max(peak, out.num_running)
+        query += out.prefix_query_tokens
+        hit += out.prefix_hit_tokens
+        prefill += out.num_prefill_tokens
+        decode += out.num_decode_reqs
+        log.append((out.step, out.num_prefill_tokens, out.num_decode_reqs, out.num_running))
+        scheduler.update_from_output(out)
+        if check:
+            check(scheduler)
+        assert steps < max_steps
+    return {"steps": steps, "peak_running": peak, "preemptions": scheduler.num_preemptions,
+            "preempted_requests": scheduler.num_preempted_requests, "hits": hit, "queries": query,
+            "prefill_tokens": prefill, "decode_tokens": decode, "log": log}

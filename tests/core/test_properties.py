@@ -1,0 +1,135 @@
+"""Property tests on random small traces and configs: invariants hold after every step,
+nothing leaks, every request finishes, and jumping over decode runs changes nothing."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simkv.core.request import RequestStatus
+from simkv.core.scheduler import Scheduler
+from tests.core.helpers import drive, make_config, make_request
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    max_model_len = draw(st.integers(16, 160))
+    chunked = draw(st.booleans())
+    max_num_seqs = draw(st.integers(1, 6))
+    budget = draw(st.integers(max(max_num_seqs, 1), 256))
+    if not chunked:
+        budget = max(budget, max_model_len)
+    min_blocks = -(-max_model_len // block_size) + 1
+    num_gpu_blocks = draw(st.integers(min_blocks + 1, min_blocks + 40))
+    options = dict(
+        num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, max_model_len=max_model_len, enable_chunked_prefill=chunked,
+        enable_prefix_caching=draw(st.booleans()), watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 8, 15])) if chunked else 0,
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        num_lookahead_tokens=draw(st.sampled_from([0, 0, 3])),
+    )
+    prefixes = [[draw(st.integers(0, 5)) for _ in range(6)] for _ in range(3)]
+    n = draw(st.integers(1, 25))
+    reqs = []
+    for i in range(n):
+        prompt = draw(st.integers(1, max_model_len - 1))
+        output = draw(st.integers(1, 60))
+        hashes, h, salt = None, 0, None
+        if draw(st.booleans()):
+            h = draw(st.sampled_from([4, 8, 12]))
+            k = -(-prompt // h)
+            hashes = (prefixes[draw(st.integers(0, 2))] * 40)[:k]
+            salt = draw(st.sampled_from([None, None, "a", "b"]))
+        reqs.append(make_request(i, prompt, output, hashes, h, salt, priority=draw(st.integers(0, 2))))
+    waves = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    return options, reqs, waves
+
+
+def _fresh(reqs):
+    return [make_request(r.index, r.num_prompt_tokens, r.max_tokens, r.shared_hash_ids, r.hash_block_tokens,
+                         r.cache_salt, r.priority) for r in reqs]
+
+
+def _run(options, reqs, waves, use_runs, check=None):
+    """Requests join in waves between steps (arrivals), then the engine drains."""
+    sched = Scheduler(make_config(**options), options["num_gpu_blocks"])
+    pending = list(reqs)
+    log = []
+    for wave in waves:
+        for _ in range(wave):
+            if pending:
+                sched.add_request(pending.pop(0))
+        for _ in range(wave):
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            sched.update_from_output(out)
+            log.append((out.step, out.num_prefill_tokens, out.num_decode_reqs, out.num_running, out.num_waiting,
+                        out.num_blocks_used, len(out.preempted), out.prefix_hit_tokens))
+            if check:
+                check(sched)
+    for r in pending:
+        sched.add_request(r)
+    result = drive(sched, use_runs, check)
+    return sched, log, result
+
+
+def _check(sched):
+    pool = sched.kv_cache_manager.block_pool
+    pool.check_invariants()
+    in_use = sum(len(b) for b in sched.kv_cache_manager.req_to_blocks.values())
+    assert in_use >= pool.get_num_used_blocks() or pool.enable_caching
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_invariants_and_no_leaks(scenario):
+    options, reqs, waves = scenario
+    sched, _, _ = _run(options, reqs, waves, use_runs=False, check=_check)
+    pool = sched.kv_cache_manager.block_pool
+    assert all(r.status == RequestStatus.FINISHED for r in reqs)
+    assert pool.get_num_used_blocks() == 0, "blocks leaked"
+    assert not sched.kv_cache_manager.req_to_blocks
+    for r in reqs:
+        assert r.num_output_tokens == min(r.max_tokens, options["max_model_len"] - r.num_prompt_tokens)
+        assert r.num_computed_tokens == r.num_tokens - 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_decode_runs_change_nothing(scenario):
+    options, reqs, waves = scenario
+    a_sched, a_log, a = _run(options, _fresh(reqs), waves, use_runs=False)
+    b_sched, b_log, b = _run(options, _fresh(reqs), waves, use_runs=True, check=_check)
+    assert a_log == b_log
+    for key in ("steps", "preemptions", "preempted_requests", "hits", "queries", "prefill_tokens", "decode_tokens"):
+        assert a[key] == b[key], key
+    assert [x[:3] for x in a["log"]] == [x[:3] for x in b["log"]]
+    pool_a = a_sched.kv_cache_manager.block_pool
+    pool_b = b_sched.kv_cache_manager.block_pool
+    assert pool_a.free_block_queue.block_ids() == pool_b.free_block_queue.block_ids()
+    assert pool_a.num_evictions == pool_b.num_evictions
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios())
+def test_salts_never_share_blocks(scenario):
+    options, reqs, waves = scenario
+    options = dict(options, enable_prefix_caching=True)
+    owners: dict[int, set] = {}
+
+    def check(sched):
+        kv = sched.kv_cache_manager
+        by_index = {r.index: r for r in sched.running}
+        for index, blocks in kv.req_to_blocks.items():
+            r = by_index.get(index)
+            if r is None:
+                continue
+            for b in blocks:
+                owners.setdefault(b.block_id, set())
+                if b.ref_cnt > 1:
+                    salts = {x.cache_salt for x in sched.running
+                             if any(bb is b for bb in kv.req_to_blocks.get(x.index, ()))}
+                    assert len(salts) == 1, f"block {b.block_id} shared across salts {salts}"
+
+    _run(options, reqs, waves, use_runs=False, check=check)
