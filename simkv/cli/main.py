@@ -3,8 +3,10 @@
 import click
 
 from simkv.cli.calibrate_cmd import calibrate_cmd
+from simkv.cli.capacity_cmd import capacity_cmd
 from simkv.cli.compare_cmd import compare_cmd
 from simkv.cli.replay_cmd import replay_cmd
+from simkv.cli.sweep_cmd import sweep_cmd
 from simkv.cli.trace_cmd import trace
 
 
@@ -18,3 +20,5 @@ main.add_command(replay_cmd)
 main.add_command(trace)
 main.add_command(calibrate_cmd)
 main.add_command(compare_cmd)
+main.add_command(capacity_cmd)
+main.add_command(sweep_cmd)

@@ -1,0 +1,103 @@
+"""`simkv capacity`: KV bytes per token, number of blocks and vLLM's start-up lines for one setup."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from simkv.capacity import GIB, compute_capacity
+from simkv.cli.replay_cmd import build_config
+from simkv.config import ConfigError, EngineConfig
+from simkv.specs import get_model_spec
+
+
+def capacity_report(config: EngineConfig) -> dict:
+    """Every figure `simkv capacity` shows; raises ConfigError with vLLM's text when nothing fits."""
+    spec = get_model_spec(config.hardware.model)
+    cc = config.cache
+    tp = config.hardware.tensor_parallel_size
+    mml = config.max_model_len
+    model_per_token = spec.kv_bytes_per_token(cc.kv_dtype_bytes, 1)
+    cap = compute_capacity(config)
+    gpu_per_token = cap.kv_bytes_per_token
+    return {
+        "model": config.hardware.model,
+        "gpu": config.hardware.gpu,
+        "tensor_parallel_size": tp,
+        "kv_cache_dtype": cc.kv_cache_dtype,
+        "block_size": cc.block_size,
+        "gpu_memory_utilization": cc.gpu_memory_utilization,
+        "max_model_len": mml,
+        "kv_bytes_per_token": model_per_token,  # the whole model, over all GPUs
+        "kv_bytes_per_token_per_gpu": gpu_per_token,
+        "kv_bytes_per_request": model_per_token * mml,  # one max_model_len request, all GPUs
+        "kv_bytes_per_request_per_gpu": gpu_per_token * mml,
+        "block_bytes_per_gpu": gpu_per_token * cc.block_size,
+        "available_kv_bytes_per_gpu": cap.available_kv_bytes,
+        "num_gpu_blocks": cap.num_gpu_blocks,
+        "num_gpu_blocks_given": cc.num_gpu_blocks is not None,
+        "kv_cache_tokens": cap.kv_cache_tokens,
+        "max_concurrency": cap.kv_cache_tokens / mml,
+        "startup_lines": cap.startup_lines(),
+    }
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} B ({n / GIB:.2f} GiB)" if n >= GIB // 16 else f"{n:,} B"
+
+
+def print_report(rep: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tp = rep["tensor_parallel_size"]
+    table = Table(title=f"KV cache capacity: {rep['model']} on {tp} x {rep['gpu']}", show_header=True)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    rows = [
+        ("kv_cache_dtype / block_size", f"{rep['kv_cache_dtype']} / {rep['block_size']}"),
+        ("gpu_memory_utilization", f"{rep['gpu_memory_utilization']:.2f}"),
+        ("KV bytes per token (model, all GPUs)", f"{rep['kv_bytes_per_token']:,} B"),
+        (f"KV bytes per token per GPU (TP={tp})", f"{rep['kv_bytes_per_token_per_gpu']:,} B"),
+        (f"KV per {rep['max_model_len']:,}-token request (all GPUs)", _bytes(rep["kv_bytes_per_request"])),
+        (f"KV per {rep['max_model_len']:,}-token request per GPU", _bytes(rep["kv_bytes_per_request_per_gpu"])),
+        ("bytes per block per GPU", f"{rep['block_bytes_per_gpu']:,} B"),
+        ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
+        ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    for line in rep["startup_lines"]:
+        console.print(line, highlight=False, markup=False)
+
+
+@click.command("capacity")
+@click.option("--model", default=None, help="A model of simkv/specs/models.yaml [default: llama-3-8b]")
+@click.option("--gpu", default=None, help="A GPU of simkv/specs/gpus.yaml [default: H100-SXM]")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
+@click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
+@click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None, help="[default: auto]")
+@click.option("--block-size", type=int, default=None, help="[default: 16]")
+@click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Sizes the activation reserve [default: 8192]")
+@click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def capacity_cmd(config_file: str | None, as_json: bool, **flags) -> None:
+    """KV bytes per token, number of KV blocks and vLLM's start-up lines
+    (`GPU KV cache size`, `Maximum concurrency`) for a model, GPU and cache options."""
+    try:
+        config = build_config(flags, config_file)
+        rep = capacity_report(config)
+    except click.BadParameter as exc:
+        raise click.ClickException(exc.format_message()) from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+    else:
+        print_report(rep)
