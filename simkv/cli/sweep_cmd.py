@@ -1,7 +1,101 @@
-"""`simkv sweep`: placeholder until the sweep command lands."""
+"""`simkv sweep TRACE... --grid KEY=V1,V2 --out DIR`: the cross product of options over traces."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
 import click
+
+from simkv.backends.factory import COST_MODELS
+from simkv.calibration.cli_support import CostModelChoice
+from simkv.cli.replay_cmd import load_config_file
+
+
+def _check_cost_model(value) -> None:
+    from simkv.sweep import SweepError
+
+    if value in COST_MODELS or (isinstance(value, str) and value.endswith(".json") and os.path.isfile(value)):
+        return
+    raise SweepError(f"cost_model: '{value}' is neither one of {', '.join(COST_MODELS)} nor an existing calib.json")
+
+
+def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
+         cost_model: str):
+    """Cells and swept keys from the command line; raises SweepError / click.BadParameter."""
+    from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
+    from simkv.sweep.grid import normalize_key
+
+    fixed = {normalize_key(k, "--config"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    for text in sets:
+        key, value = parse_assignment(text, "--set")
+        fixed[key] = value
+    grid = parse_grid(list(grids))
+    for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
+        _check_cost_model(value)
+    for trace in traces:
+        if not os.path.isfile(trace):
+            raise SweepError(f"TRACE: no such file '{trace}'")
+    if len(set(map(os.path.normpath, traces))) != len(traces):
+        raise SweepError("TRACE: a trace is given twice")
+    return make_cells(list(traces), grid, fixed, cost_model), list(grid)
 
 
 @click.command("sweep")
-def sweep_cmd() -> None:
-    """Sweep engine options over traces."""
+@click.argument("traces", nargs=-1, required=True)
+@click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
+              help="Swept option (engine option names, cost_model, step_base_s, step_per_token_s); repeatable.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Fixed option; repeatable.")
+@click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
+@click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
+              help="Cost model of every cell unless swept.")
+@click.option("--out", "out_dir", required=True, help="Sweep folder (resumable: finished cells are kept).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Local processes [default: CPU count, at most the number of cells]")
+@click.option("--ray-address", default=None, help="Ray cluster to join [default: RAY_ADDRESS, else a local one]")
+@click.option("--quiet", is_flag=True, help="No progress bar or summary line.")
+def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
+              cost_model: str, out_dir: str, executor: str, workers: int | None, ray_address: str | None,
+              quiet: bool) -> None:
+    """Replay every TRACE under every combination of the --grid options; write DIR/sweep.parquet,
+    DIR/sweep.md and DIR/plots.html. Exits 1 when a cell failed (the table is still written)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from simkv.sweep import SweepError, run_sweep
+
+    try:
+        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model)
+    except click.BadParameter as exc:
+        raise click.ClickException(exc.format_message()) from None
+    except SweepError as exc:
+        raise click.ClickException(str(exc)) from None
+    workers = workers or min(os.cpu_count() or 1, max(len(cells), 1))
+    columns = (TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=quiet, transient=True) as progress:
+        task = progress.add_task("sweep", total=len(cells), failed=0)
+        failed = 0
+
+        def on_start(total: int, resumed: int) -> None:
+            progress.update(task, completed=resumed)
+
+        def on_done(outcome: dict) -> None:
+            nonlocal failed
+            failed += outcome["status"] != "ok"
+            progress.update(task, advance=1, failed=failed)
+
+        try:
+            result = run_sweep(cells, swept_keys, out_dir, executor, workers, ray_address, on_done, on_start)
+        except SweepError as exc:
+            raise click.ClickException(str(exc)) from None
+    out = Path(out_dir)
+    if not quiet:
+        click.echo(f"{result.num_cells} cells: {result.num_resumed} already done, {result.num_run} run, "
+                   f"{len(result.failed)} failed ({result.wall_time_s:.1f} s). "
+                   f"Wrote {out / 'sweep.parquet'}, {out / 'sweep.md'}, {out / 'plots.html'}")
+    if result.failed:
+        for row in result.failed:
+            click.echo(f"cell {row['cell']} failed ({out / 'cells' / row['cell_id'] / 'error.txt'}): {row['error']}",
+                       err=True)
+        raise SystemExit(1)

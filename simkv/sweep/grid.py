@@ -1,0 +1,108 @@
+"""Grid parsing and the cells of a sweep (trace x option combination), with stable cell ids."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from dataclasses import dataclass, fields
+
+from simkv.config import CacheConfig, HardwareConfig, SchedulerConfig
+
+COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
+ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig) for f in fields(klass))
+SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS
+
+
+class SweepError(ValueError):
+    """A bad grid, option or value: one line that names it."""
+
+
+def parse_value(text: str):
+    """'16' -> 16, '0.01' -> 0.01, 'true'/'false' -> bool, 'none'/'null' -> None, anything else -> str."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def normalize_key(key: str, flag: str) -> str:
+    norm = key.strip().replace("-", "_")
+    if norm not in SWEEPABLE_KEYS:
+        raise SweepError(f"{flag}: unknown option '{key}'; known options: {', '.join(sorted(SWEEPABLE_KEYS))}")
+    return norm
+
+
+def parse_assignment(text: str, flag: str = "--set") -> tuple[str, object]:
+    """'KEY=VALUE' -> (key, typed value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise SweepError(f"{flag}: expected KEY=VALUE, got '{text}'")
+    return normalize_key(key, flag), parse_value(value)
+
+
+def parse_grid(specs: list[str]) -> dict[str, list]:
+    """['block_size=8,16', 'watermark=0,0.01'] -> {'block_size': [8, 16], 'watermark': [0, 0.01]} (order kept)."""
+    grid: dict[str, list] = {}
+    for text in specs:
+        key, sep, values = text.partition("=")
+        if not sep or not key.strip():
+            raise SweepError(f"--grid: expected KEY=V1,V2,..., got '{text}'")
+        norm = normalize_key(key, "--grid")
+        if norm in grid:
+            raise SweepError(f"--grid: option '{norm}' is given twice")
+        parts = [v for v in values.split(",")]
+        if any(not v.strip() for v in parts):
+            raise SweepError(f"--grid: empty value in '{text}'")
+        typed = [parse_value(v) for v in parts]
+        if len({json.dumps(v) for v in typed}) != len(typed):
+            raise SweepError(f"--grid: repeated value in '{text}'")
+        grid[norm] = typed
+    return grid
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One replay of a sweep: a trace and every option in force (fixed options + this combination)."""
+
+    index: int
+    trace: str
+    swept: tuple[tuple[str, object], ...]  # the swept keys' values, in grid order
+    options: tuple[tuple[str, object], ...]  # engine options (fixed + swept), sorted by name
+    cost_model: str
+    cost_options: tuple[tuple[str, object], ...]
+
+    @property
+    def cell_id(self) -> str:
+        """Stable across runs and machines: a hash of the trace path and every option."""
+        key = json.dumps({"trace": self.trace, "options": dict(self.options), "cost_model": self.cost_model,
+                          "cost_options": dict(self.cost_options)}, sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def task(self) -> dict:
+        """What a worker needs (plain data, picklable)."""
+        return {"cell_id": self.cell_id, "trace": self.trace, "options": dict(self.options),
+                "cost_model": self.cost_model, "cost_options": dict(self.cost_options)}
+
+
+def make_cells(traces: list[str], grid: dict[str, list], fixed: dict, cost_model: str) -> list[Cell]:
+    """Traces outermost, then the grid's keys in the order given (the last key varies fastest)."""
+    cells = []
+    keys = list(grid)
+    for trace in traces:
+        trace = os.path.normpath(trace)
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            merged = dict(fixed) | dict(zip(keys, combo))
+            model = merged.pop("cost_model", cost_model)
+            cost_opts = {k: merged.pop(k) for k in COST_KEYS if k in merged}
+            cells.append(Cell(len(cells), trace, tuple(zip(keys, combo)), tuple(sorted(merged.items())),
+                              str(model), tuple(sorted(cost_opts.items()))))
+    return cells

@@ -1,0 +1,79 @@
+"""run_sweep(): resume what is finished, run the rest on an executor, store each cell as it lands,
+then write the table (sweep.parquet, sweep.md) and plots.html."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from simkv.sweep import store
+from simkv.sweep.grid import Cell, SweepError
+from simkv.sweep.plots import plots_html
+from simkv.sweep.table import build_rows, markdown, parquet_bytes, to_arrow
+
+
+@dataclass
+class SweepResult:
+    rows: list[dict]
+    num_cells: int
+    num_resumed: int  # finished by an earlier run, not recomputed
+    num_run: int
+    failed: list[dict]  # rows of failed cells
+    wall_time_s: float
+    out_dir: Path
+
+
+def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, executor: str = "local",
+              workers: int = 1, ray_address: str | None = None,
+              on_cell_done: Callable[[dict], None] | None = None,
+              on_start: Callable[[int, int], None] | None = None) -> SweepResult:
+    """Run every cell not finished yet in `out_dir`; a failed cell is recorded and the others go on.
+    `on_start(total, resumed)` is called once, `on_cell_done(outcome)` once per cell run."""
+    if executor not in ("local", "ray"):
+        raise SweepError(f"--executor: unknown executor '{executor}'; choose local or ray")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    specs = {c.cell_id: c.task() for c in cells}
+    outcomes: dict[str, dict] = {}
+    for cell in cells:
+        summary = store.load_finished(out, cell.cell_id)
+        if summary is not None:
+            outcomes[cell.cell_id] = {"cell_id": cell.cell_id, "status": "ok", "summary": summary}
+    resumed = len(outcomes)
+    todo = [specs[c.cell_id] for c in cells if c.cell_id not in outcomes]
+    todo = list({t["cell_id"]: t for t in todo}.values())  # a cell listed twice runs once
+    _write_manifest(out, cells, swept_keys)
+    if on_start:
+        on_start(len(cells), resumed)
+    if todo:
+        if executor == "ray":
+            from simkv.sweep.executors import run_ray
+            stream = run_ray(todo, ray_address)
+        else:
+            from simkv.sweep.executors import run_local
+            stream = run_local(todo, workers)
+        for outcome in stream:
+            store.record(out, outcome, specs[outcome["cell_id"]])
+            outcomes[outcome["cell_id"]] = outcome
+            if on_cell_done:
+                on_cell_done(outcome)
+    rows = build_rows(cells, outcomes, swept_keys)
+    write_table(out, rows, swept_keys)
+    return SweepResult(rows, len(cells), resumed, len(todo), [r for r in rows if r["status"] != "ok"],
+                       time.perf_counter() - t0, out)
+
+
+def _write_manifest(out: Path, cells: list[Cell], swept_keys: list[str]) -> None:
+    manifest = {"swept_keys": swept_keys, "cells": [c.task() | {"index": c.index} for c in cells]}
+    store.atomic_write_text(out / "sweep.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def write_table(out: Path, rows: list[dict], swept_keys: list[str]) -> None:
+    """sweep.parquet, sweep.md and plots.html, each written whole or not at all."""
+    store.atomic_write_bytes(out / "sweep.parquet", parquet_bytes(to_arrow(rows, swept_keys)))
+    store.atomic_write_text(out / "sweep.md", markdown(rows, "simkv sweep"))
+    store.atomic_write_text(out / "plots.html", plots_html(rows, swept_keys, "simkv sweep"))

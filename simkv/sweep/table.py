@@ -1,0 +1,122 @@
+"""The sweep table: one row per cell (cell order), the swept keys and the key summary metrics.
+No wall-clock times, so the same sweep gives byte-identical files on any executor."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from simkv.sweep.grid import Cell
+
+# column -> path into summary.json
+METRICS: dict[str, tuple[str, ...]] = {
+    "num_requests": ("num_requests",),
+    "num_finished": ("num_finished",),
+    "num_gpu_blocks": ("num_gpu_blocks",),
+    "num_steps": ("num_steps",),
+    "duration_s": ("duration_s",),
+    "peak_running": ("peak_running",),
+    "num_preemptions": ("num_preemptions",),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate",),
+    "internal_fragmentation_pct": ("internal_fragmentation_pct",),
+    "ttft_p50_s": ("ttft_s", "p50"),
+    "ttft_p99_s": ("ttft_s", "p99"),
+    "itl_p50_s": ("itl_s", "p50"),
+    "itl_p99_s": ("itl_s", "p99"),
+    "e2e_p50_s": ("e2e_s", "p50"),
+    "e2e_p99_s": ("e2e_s", "p99"),
+    "output_throughput_tok_s": ("output_throughput_tok_s",),
+    "request_throughput_req_s": ("request_throughput_req_s",),
+}
+INT_METRICS = {"num_requests", "num_finished", "num_gpu_blocks", "num_steps", "peak_running", "num_preemptions"}
+
+
+def _get(summary: dict, path: tuple[str, ...]):
+    value = summary
+    for part in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[str]) -> list[dict]:
+    rows = []
+    for cell in cells:
+        out = outcomes.get(cell.cell_id, {"status": "failed", "error": "not run"})
+        row = {"cell": cell.index, "cell_id": cell.cell_id, "trace": cell.trace}
+        row |= {k: v for k, v in cell.swept if k in swept_keys}
+        row["status"] = "ok" if out["status"] == "ok" else "failed"
+        row["error"] = None if out["status"] == "ok" else out["error"]
+        summary = out.get("summary") or {}
+        for col, path in METRICS.items():
+            row[col] = _get(summary, path)
+        rows.append(row)
+    return rows
+
+
+def _key_type(values: list) -> pa.DataType:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return pa.bool_()
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return pa.int64()
+    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return pa.float64()
+    return pa.string()
+
+
+def to_arrow(rows: list[dict], swept_keys: list[str]) -> pa.Table:
+    columns = list(rows[0]) if rows else ["cell", "cell_id", "trace", *swept_keys, "status", "error", *METRICS]
+    arrays, names = [], []
+    for col in columns:
+        values = [r.get(col) for r in rows]
+        if col in ("cell",) or col in INT_METRICS:
+            typ = pa.int64()
+        elif col in swept_keys:
+            typ = _key_type(values)
+        elif col in METRICS:
+            typ = pa.float64()
+        else:
+            typ = pa.string()
+        if typ == pa.string():
+            values = [None if v is None else str(v) for v in values]
+        elif typ == pa.float64():
+            values = [None if v is None else float(v) for v in values]
+        arrays.append(pa.array(values, type=typ))
+        names.append(col)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def _cell_text(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    return str(value).replace("|", "\\|")
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    if not rows:
+        return f"# {title}\n\n(no cells)\n"
+    cols = list(rows[0])
+    lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell_text(r.get(c)) for c in cols) + " |")
+    failed = sum(r["status"] != "ok" for r in rows)
+    lines += ["", f"{len(rows)} cells, {len(rows) - failed} ok, {failed} failed. "
+              "Cell folders: cells/<cell_id>/ (summary.json or error.txt)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,54 @@
+"""One cell's replay, run in a worker process (local pool or Ray task). Never raises: a failure
+comes back as the cell's error text, so one bad cell does not stop the others."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+EXPECTED_ERRORS = (ValueError, TypeError, OSError)  # ConfigError and TraceError are ValueErrors
+
+
+def _read(trace_path: str, trace_bytes: bytes | None):
+    """Read the trace from its path, or from its bytes shipped to a remote worker."""
+    from simkv.traces.schema import read_trace
+
+    if trace_bytes is None:
+        return read_trace(trace_path)
+    suffix = ".csv.gz" if trace_path.endswith(".csv.gz") else os.path.splitext(trace_path)[1]
+    fd, tmp = tempfile.mkstemp(suffix=suffix, prefix="simkv-sweep-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(trace_bytes)
+        try:
+            return read_trace(tmp)
+        except ValueError as exc:
+            raise type(exc)(str(exc).replace(tmp, trace_path)) from None
+    finally:
+        os.unlink(tmp)
+
+
+def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
+    """Replay one cell; returns {'cell_id', 'status': 'ok', 'summary'} or {'cell_id', 'status': 'failed', 'error'}."""
+    try:
+        from simkv.config import EngineConfig
+        from simkv.replay.api import replay
+
+        config = EngineConfig.from_flat(task["options"])
+        trace = _read(task["trace"], trace_bytes)
+        result = replay(trace, config, task["cost_model"], task["cost_options"])
+        summary = dict(result.summary)
+        summary["trace"] = task["trace"]
+        summary["sweep_cell"] = {k: task[k] for k in ("cell_id", "trace", "options", "cost_model", "cost_options")}
+        return {"cell_id": task["cell_id"], "status": "ok", "summary": summary}
+    except EXPECTED_ERRORS as exc:
+        return {"cell_id": task["cell_id"], "status": "failed", "error": _one_line(exc), "detail": ""}
+    except Exception as exc:  # noqa: BLE001 - any bug in one cell must not lose the others
+        return {"cell_id": task["cell_id"], "status": "failed", "error": _one_line(exc),
+                "detail": traceback.format_exc()}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
