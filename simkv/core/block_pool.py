@@ -189,12 +189,9 @@ class BlockPool:
                     cache.pop(block_hash, block.block_id)
                 block.block_hash = None
                 self.num_evictions += 1
-            block.ref_cnt = 1
-            block.prev_free_block = None
+            block.ref_cnt = 1  # its stale free-queue links are never read while referenced
             append(block)
-            nxt = block.next_free_block
-            block.next_free_block = None
-            block = nxt
+            block = block.next_free_block
         queue.fake_head.next_free_block = block
         block.prev_free_block = queue.fake_head
         queue.num_free_blocks -= num_blocks
@@ -208,7 +205,15 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """Pop one block from the head of the free queue (the hot path of decode)."""
-        block = self.free_block_queue.popleft()
+        queue = self.free_block_queue
+        head = queue.fake_head
+        block = head.next_free_block
+        if block is queue.fake_tail:
+            raise ValueError("No free blocks available")
+        nxt = block.next_free_block
+        head.next_free_block = nxt
+        nxt.prev_free_block = head
+        queue.num_free_blocks -= 1
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
@@ -240,27 +245,57 @@ class BlockPool:
         [unfindable[0], unfindable[1]) get UNFINDABLE_HASH on the way (full blocks of a
         finished request whose content nobody can look up).
         """
-        evict_first: list[KVCacheBlock] = []
-        evict_last: list[KVCacheBlock] = []
+        queue = self.free_block_queue
         caching = self.enable_caching
-        first, last = evict_first.append, evict_last.append
-        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         lo, hi = unfindable
-        for i, block in enumerate(blocks):
+        # Build the two chains in place: front chain (to prepend) and back chain (to append).
+        front_head = front_tail = back_head = back_tail = None
+        num_front = num_back = 0
+        for i, block in enumerate(ordered_blocks):
             block.ref_cnt -= 1
             if lo <= i < hi and block.block_hash is None:
                 block.block_hash = UNFINDABLE_HASH
-            if block.ref_cnt == 0:
-                if block.block_hash is None or not caching:
-                    first(block)
+            if block.ref_cnt:
+                continue
+            if block.block_hash is None or not caching:
+                if front_tail is None:
+                    front_head = block
                 else:
-                    last(block)
-        self.free_block_queue.prepend_n(evict_first)
-        self.free_block_queue.append_n(evict_last)
+                    front_tail.next_free_block = block
+                    block.prev_free_block = front_tail
+                front_tail = block
+                num_front += 1
+            else:
+                if back_tail is None:
+                    back_head = block
+                else:
+                    back_tail.next_free_block = block
+                    block.prev_free_block = back_tail
+                back_tail = block
+                num_back += 1
+        if num_front:
+            first = queue.fake_head.next_free_block
+            queue.fake_head.next_free_block = front_head
+            front_head.prev_free_block = queue.fake_head
+            front_tail.next_free_block = first
+            first.prev_free_block = front_tail
+        if num_back:
+            last = queue.fake_tail.prev_free_block
+            last.next_free_block = back_head
+            back_head.prev_free_block = last
+            back_tail.next_free_block = queue.fake_tail
+            queue.fake_tail.prev_free_block = back_tail
+        queue.num_free_blocks += num_front + num_back
 
     def check_invariants(self) -> None:
         """Assert the pool invariants (O(num blocks); tests only)."""
-        free_ids = self.free_block_queue.block_ids()
+        queue = self.free_block_queue
+        prev, block = queue.fake_head, queue.fake_head.next_free_block
+        while block is not None:
+            assert block.prev_free_block is prev, f"broken back link at {block}"
+            prev, block = block, block.next_free_block
+        assert prev is queue.fake_tail, "free queue does not end at its tail"
+        free_ids = queue.block_ids()
         assert len(free_ids) == self.free_block_queue.num_free_blocks, "free count drifted"
         assert len(set(free_ids)) == len(free_ids), "block twice in free queue"
         free_set = set(free_ids)

@@ -59,7 +59,9 @@ class Scheduler:
         self._sum_decode_base = 0
         self._boundary_heap: list[tuple] = []
         self._finish_heap: list[tuple] = []
-        self._victim_heap: list[tuple] = []  # priority policy: (-priority, -arrival, seq, req)
+        # priority policy: the victim is the max (priority, arrival) running request; equal
+        # arrival times count as arriving in trace order (vLLM stamps wall-clock arrivals).
+        self._victim_heap: list[tuple] = []  # (-priority, -arrival, -index, seq, request)
         self._blocked_marker: tuple | None = None
         # Counters.
         self.num_preemptions = 0
@@ -82,10 +84,10 @@ class Scheduler:
         return bool(self.running) or self.num_waiting() > 0
 
     def _peek_waiting(self) -> Request:
-        return self._waiting_heap[0][3] if self.policy == "priority" else self.waiting[0]
+        return self._waiting_heap[0][-1] if self.policy == "priority" else self.waiting[0]
 
     def _pop_waiting(self) -> Request:
-        return heapq.heappop(self._waiting_heap)[3] if self.policy == "priority" else self.waiting.popleft()
+        return heapq.heappop(self._waiting_heap)[-1] if self.policy == "priority" else self.waiting.popleft()
 
     def _requeue_preempted(self, request: Request) -> None:
         if self.policy == "priority":
@@ -103,7 +105,7 @@ class Scheduler:
         self.running.append(request)
         self._prefilling.append(request)
         if self.policy == "priority":
-            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, request.seq, request))
+            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.index, request.seq, request))
 
     def _remove_running(self, request: Request) -> None:
         del self.running[self._position(request)]
@@ -180,8 +182,8 @@ class Scheduler:
             return self.running[-1]
         heap = self._victim_heap
         while True:
-            request = heap[0][3]
-            if request.status == RequestStatus.RUNNING and request.seq == heap[0][2]:
+            request = heap[0][4]
+            if request.status == RequestStatus.RUNNING and request.seq == heap[0][3]:
                 return request
             heapq.heappop(heap)
 

@@ -1,0 +1,137 @@
+"""Compare simkv with the real vLLM scheduler (../shared/tools/vllm_oracle) on several scenarios.
+
+A development aid, not a test dependency. Needs the oracle's venv:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_compare.py --oracle-python /tmp/vllm-oracle-venv/bin/python --out docs/vllm_comparison.md
+Each scenario runs the oracle (about a minute each) and simkv on the same trace and flags, and
+the table lists both values of every compared metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from simkv.config import EngineConfig
+from simkv.replay.api import replay
+from simkv.traces.schema import read_trace, trace_to_frame, write_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE = ROOT.parent / "shared" / "tools" / "vllm_oracle" / "oracle.py"
+BASE = dict(block_size=16, num_gpu_blocks=6250, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+LINEAR = dict(step_base_s=0.015, step_per_token_s=2e-5)
+
+
+def _with_priorities(src: Path, dst: Path) -> Path:
+    frame = trace_to_frame(read_trace(src))
+    frame["priority"] = np.random.default_rng(7).integers(0, 4, len(frame))
+    write_trace(frame, dst)
+    return dst
+
+
+def scenarios(tmp: Path) -> list[dict]:
+    t = ROOT / "traces"
+    head = tmp / "azure300.parquet"
+    frame = trace_to_frame(read_trace(t / "azure_conv_slice.parquet")).head(300)
+    write_trace(frame, head)
+    return [
+        dict(name="req400, budget 1024, long_prefill_token_threshold 256", trace=t / "req400.parquet",
+             opts=BASE | dict(max_num_batched_tokens=1024, long_prefill_token_threshold=256)),
+        dict(name="req400, chunked prefill off", trace=t / "req400.parquet",
+             opts=BASE | dict(enable_chunked_prefill=False)),
+        dict(name="req400, priority policy (random priorities 0-3)",
+             trace=_with_priorities(t / "req400.parquet", tmp / "req400_prio.parquet"),
+             opts=BASE | dict(scheduling_policy="priority")),
+        dict(name="req400, block size 32, 3125 blocks", trace=t / "req400.parquet",
+             opts=BASE | dict(block_size=32, num_gpu_blocks=3125)),
+        dict(name="req400 + 10 prefix groups, watermark 0.05", trace=t / "req400_prefix10.parquet",
+             opts=BASE | dict(watermark=0.05)),
+        dict(name="Azure conv first 300 requests, time mode, 600 blocks, max_model_len 8192", trace=head, time=True,
+             opts=BASE | dict(num_gpu_blocks=600, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192)),
+        dict(name="kv-cache-tester coding sample, time mode, 10000 blocks", trace=t / "kvcache_coding_sample.parquet",
+             time=True, opts=BASE | dict(num_gpu_blocks=10000, max_model_len=131072, max_num_batched_tokens=16384)),
+        dict(name="Mooncake slice (first 200), time mode, 9000 blocks", trace=tmp / "mooncake200.parquet", time=True,
+             opts=BASE | dict(num_gpu_blocks=9000, max_model_len=131072, max_num_batched_tokens=16384),
+             make=lambda p: write_trace(trace_to_frame(read_trace(t / "mooncake_synthetic_slice.parquet")).head(200), p)),
+    ]
+
+
+def run_oracle(py: str, sc: dict, prefix: Path) -> dict:
+    o = sc["opts"]
+    cmd = [py, str(ORACLE), "run", "--input", str(sc["trace"]), "--out-prefix", str(prefix),
+           "--block-size", str(o["block_size"]), "--num-gpu-blocks", str(o["num_gpu_blocks"]),
+           "--max-num-seqs", str(o["max_num_seqs"]), "--max-num-batched-tokens", str(o["max_num_batched_tokens"]),
+           "--max-model-len", str(o["max_model_len"]), "--no-count-cached-free"]
+    if not o.get("enable_chunked_prefill", True):
+        cmd.append("--no-enable-chunked-prefill")
+    if o.get("long_prefill_token_threshold"):
+        cmd += ["--long-prefill-token-threshold", str(o["long_prefill_token_threshold"])]
+    if o.get("watermark"):
+        cmd += ["--watermark", str(o["watermark"])]
+    if o.get("scheduling_policy") == "priority":
+        cmd += ["--policy", "priority"]
+    if sc.get("time"):
+        cmd += ["--step-time-base-s", str(LINEAR["step_base_s"]), "--step-time-per-token-s", str(LINEAR["step_per_token_s"])]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return json.loads(Path(f"{prefix}.summary.json").read_text())
+
+
+def compare(sc: dict, oracle: dict) -> list[tuple]:
+    config = EngineConfig.from_flat(sc["opts"])
+    timed = bool(sc.get("time"))
+    res = replay(read_trace(sc["trace"]), config, "linear" if timed else "unit", LINEAR)
+    s = res.summary
+    rows = [
+        ("steps", oracle["total_steps"], s["num_steps"]),
+        ("peak running", oracle["peak_running"], s["peak_running"]),
+        ("preemptions", oracle["total_preemptions"], s["num_preemptions"]),
+        ("requests preempted", oracle["requests_preempted_at_least_once"], s["num_preempted_requests"]),
+        ("prefix hit tokens", oracle["prefix_cache"]["hits_all"], s["prefix_cache_hits_tokens"]),
+        ("prefix queried tokens", oracle["prefix_cache"]["queries_all"], s["prefix_cache_queries_tokens"]),
+        ("prefill tokens", oracle["total_prefill_tokens"], s["num_prefill_tokens"]),
+        ("decode tokens", oracle["total_decode_tokens"], s["num_decode_tokens"]),
+    ]
+    if timed:
+        for key in ("ttft_s", "e2e_s"):
+            for q in ("mean", "p50", "p99"):
+                rows.append((f"{key} {q}", round(oracle[key][q], 6), round(s[key][q], 6)))
+        rows.append(("duration_s", round(oracle["duration_s"], 6), round(s["duration_s"], 6)))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--oracle-python", required=True)
+    ap.add_argument("--out", default="docs/vllm_comparison.md")
+    args = ap.parse_args()
+    lines = ["# simkv versus the real vLLM 0.33 scheduler", "",
+             "Made by `scripts/oracle_compare.py` (see its docstring for the command). Step-mode scenarios use simkv's",
+             "`unit` cost model; time-mode scenarios use `linear` with the oracle's step time",
+             f"({LINEAR['step_base_s']} s + {LINEAR['step_per_token_s']} s per scheduled token).", ""]
+    all_match = True
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for i, sc in enumerate(scenarios(tmp)):
+            if "make" in sc:
+                sc["make"](sc["trace"])
+            oracle = run_oracle(args.oracle_python, sc, tmp / f"o{i}")
+            rows = compare(sc, oracle)
+            lines += [f"## {sc['name']}", "", "| metric | vLLM | simkv | same |", "|---|---|---|---|"]
+            for name, a, b in rows:
+                same = a == b
+                all_match &= same
+                lines.append(f"| {name} | {a} | {b} | {'yes' if same else '**no**'} |")
+            lines.append("")
+            print(sc["name"], "all equal" if all(a == b for _, a, b in rows) else "DIFFERENCES", flush=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("wrote", args.out, "(every value equal)" if all_match else "(some values differ)")
+
+
+if __name__ == "__main__":
+    main()
