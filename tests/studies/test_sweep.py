@@ -1,0 +1,207 @@
+"""`simkv sweep`: grid parsing, cell ids, local and Ray executors (identical tables), resume, failures."""
+
+import json
+import os
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.replay.api import replay
+from simkv.sweep import SweepError, make_cells, parse_grid, parse_value
+from simkv.sweep.table import METRICS
+from simkv.traces.schema import read_trace
+
+TRACE = "traces/req400.parquet"
+GRID = ["--grid", "block_size=8,16,32", "--grid", "watermark=0,0.01,0.05"]
+FIXED = ["--set", "num_gpu_blocks=3000", "--set", "max_model_len=4096", "--cost-model", "unit"]
+OUTPUTS = ("sweep.parquet", "sweep.md", "plots.html")
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def sweep(*args: str):
+    return CliRunner().invoke(main, ["sweep", *args, "--quiet"])
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path_factory.mktemp("local") / "sweep"
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        res = sweep(TRACE, *GRID, *FIXED, "--workers", "2", "--out", str(out))
+    finally:
+        os.chdir(cwd)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+# --- grid and cells -------------------------------------------------------------------------------
+
+def test_parse_value_types():
+    assert [parse_value(v) for v in ("16", "0.01", "1e-5", "True", "false", "none", "fcfs")] == \
+        [16, 0.01, 1e-5, True, False, None, "fcfs"]
+    assert isinstance(parse_value("16"), int) and isinstance(parse_value("0.5"), float)
+
+
+def test_parse_grid_keeps_order_and_normalizes_names():
+    grid = parse_grid(["max-num-seqs=64,128", "enable_prefix_caching=true,false", "cost_model=unit,linear"])
+    assert grid == {"max_num_seqs": [64, 128], "enable_prefix_caching": [True, False], "cost_model": ["unit", "linear"]}
+    assert list(grid) == ["max_num_seqs", "enable_prefix_caching", "cost_model"]
+
+
+@pytest.mark.parametrize("specs, text", [
+    (["blok_size=8,16"], "unknown option 'blok_size'"),
+    (["block_size"], "expected KEY=V1,V2"),
+    (["block_size=8,,16"], "empty value"),
+    (["block_size=8,8"], "repeated value"),
+    (["block_size=8", "block-size=16"], "given twice"),
+])
+def test_parse_grid_errors(specs, text):
+    with pytest.raises(SweepError, match=text):
+        parse_grid(specs)
+
+
+def test_cells_order_and_stable_ids():
+    grid = {"block_size": [8, 16], "watermark": [0.0, 0.01]}
+    cells = make_cells(["a.parquet", "b.parquet"], grid, {"num_gpu_blocks": 100}, "unit")
+    assert [(c.trace, dict(c.swept)) for c in cells[:3]] == [
+        ("a.parquet", {"block_size": 8, "watermark": 0.0}), ("a.parquet", {"block_size": 8, "watermark": 0.01}),
+        ("a.parquet", {"block_size": 16, "watermark": 0.0})]
+    assert [c.index for c in cells] == list(range(8))
+    assert len({c.cell_id for c in cells}) == 8
+    again = make_cells(["./a.parquet", "b.parquet"], grid, {"num_gpu_blocks": 100}, "unit")
+    assert [c.cell_id for c in again] == [c.cell_id for c in cells]
+    # Any fixed option, and the cost model, is part of the id: a changed setup is not "finished".
+    assert make_cells(["a.parquet"], grid, {"num_gpu_blocks": 101}, "unit")[0].cell_id != cells[0].cell_id
+    assert make_cells(["a.parquet"], grid, {"num_gpu_blocks": 100}, "linear")[0].cell_id != cells[0].cell_id
+    swept_model = make_cells(["a.parquet"], {"cost_model": ["unit"]}, {"num_gpu_blocks": 100}, "roofline")[0]
+    assert swept_model.cost_model == "unit" and "cost_model" not in dict(swept_model.options)
+
+
+# --- local sweep ----------------------------------------------------------------------------------
+
+def test_local_sweep_table(local_sweep):
+    table = pq.read_table(local_sweep / "sweep.parquet").to_pylist()
+    assert len(table) == 9
+    assert [r["cell"] for r in table] == list(range(9))
+    assert [(r["block_size"], r["watermark"]) for r in table] == [
+        (b, w) for b in (8, 16, 32) for w in (0.0, 0.01, 0.05)]
+    assert all(r["status"] == "ok" and r["error"] is None for r in table)
+    assert set(METRICS) <= set(table[0])
+    assert not any("wall" in name for name in table[0])
+    for b in (8, 16, 32):
+        pre = [r["num_preemptions"] for r in table if r["block_size"] == b]
+        assert pre[0] > 0 and pre[-1] == 0 and pre == sorted(pre, reverse=True)  # watermark holds blocks back
+    frag = [r["internal_fragmentation_pct"] for r in table if r["watermark"] == 0]
+    assert frag == sorted(frag) and frag[0] < frag[-1]  # bigger blocks, more waste in the last block
+    md = (local_sweep / "sweep.md").read_text()
+    assert md.count("\n| ") == 10 and "9 cells, 9 ok, 0 failed" in md
+
+
+def test_cell_matches_a_direct_replay(local_sweep):
+    row = pq.read_table(local_sweep / "sweep.parquet").to_pylist()[4]  # block_size 16, watermark 0.01
+    config = EngineConfig.from_flat({"block_size": 16, "watermark": 0.01, "num_gpu_blocks": 3000,
+                                     "max_model_len": 4096})
+    direct = replay(read_trace(TRACE), config, "unit").summary
+    assert (row["num_steps"], row["num_preemptions"], row["peak_running"]) == \
+        (direct["num_steps"], direct["num_preemptions"], direct["peak_running"])
+    assert row["ttft_p99_s"] == direct["ttft_s"]["p99"]
+    cell = json.loads((local_sweep / "cells" / row["cell_id"] / "summary.json").read_text())
+    assert cell["wall_time_s"] > 0 and cell["sweep_cell"]["options"]["watermark"] == 0.01
+
+
+def test_plots_one_chart_per_metric_and_key(local_sweep):
+    page = (local_sweep / "plots.html").read_text()
+    from simkv.sweep.plots import PLOT_METRICS
+
+    assert page.count("<svg") == 2 * len(PLOT_METRICS)
+    assert "num_preemptions vs watermark" in page and "ttft_p99_s vs block_size" in page
+    assert "watermark=0.05" in page  # legend: one line per other key's value
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "<script" not in page
+
+
+def test_resume_skips_finished_cells(local_sweep, tmp_path):
+    out = tmp_path / "sweep"
+    shutil.copytree(local_sweep, out)
+    before = {p: p.stat().st_mtime_ns for p in out.glob("cells/*/summary.json")}
+    victim = sorted(before)[0]
+    victim.unlink()
+    res = CliRunner().invoke(main, ["sweep", TRACE, *GRID, *FIXED, "--workers", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "9 cells: 8 already done, 1 run, 0 failed" in res.output
+    assert victim.exists()
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items() if p != victim)
+    for name in OUTPUTS:
+        assert (out / name).read_bytes() == (local_sweep / name).read_bytes()
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_failed_cell_is_reported_and_others_kept(tmp_path):
+    out = tmp_path / "sweep"
+    res = sweep(TRACE, "--grid", "watermark=0,1.5", "--grid", "max_num_seqs=32", *FIXED, "--workers", "2",
+                "--out", str(out))
+    assert res.exit_code == 1
+    assert "cell 1 failed" in res.output and "watermark must be in [0, 1), got 1.5" in res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "failed"]
+    assert rows[0]["num_steps"] > 0 and rows[1]["num_steps"] is None
+    assert "watermark must be in [0, 1)" in (out / "cells" / rows[1]["cell_id"] / "error.txt").read_text()
+    assert "1 failed" in (out / "sweep.md").read_text()
+    # Resuming retries only the failed cell (and it fails again).
+    again = CliRunner().invoke(main, ["sweep", TRACE, "--grid", "watermark=0,1.5", "--grid", "max_num_seqs=32",
+                                      *FIXED, "--out", str(out)])
+    assert again.exit_code == 1 and "1 already done, 1 run, 1 failed" in again.output
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--grid", "blok_size=8"], "--grid: unknown option 'blok_size'"),
+    (["--grid", "cost_model=unit,nope"], "cost_model: 'nope'"),
+    (["--set", "block_size"], "--set: expected KEY=VALUE"),
+])
+def test_cli_errors_are_one_line(tmp_path, args, text):
+    res = sweep(TRACE, *args, "--out", str(tmp_path / "s"))
+    assert res.exit_code == 1 and res.output.startswith("Error: ") and text in res.output
+    assert res.output.count("\n") == 1
+    assert not (tmp_path / "s").exists()
+
+
+def test_missing_trace_is_one_line(tmp_path):
+    res = sweep("traces/nope.parquet", "--grid", "block_size=16", "--out", str(tmp_path / "s"))
+    assert res.exit_code == 1 and res.output == "Error: TRACE: no such file 'traces/nope.parquet'\n"
+
+
+# --- Ray ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'simkv[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_sweep_identical_to_local(local_sweep, ray_instance, tmp_path):
+    out = tmp_path / "ray"
+    res = sweep(TRACE, *GRID, *FIXED, "--executor", "ray", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    for name in OUTPUTS:
+        assert (out / name).read_bytes() == (local_sweep / name).read_bytes(), name
+    local_ids = sorted(p.name for p in (local_sweep / "cells").iterdir())
+    assert sorted(p.name for p in (out / "cells").iterdir()) == local_ids
+
+
+def test_ray_failed_cell(ray_instance, tmp_path):
+    out = tmp_path / "ray_fail"
+    res = sweep(TRACE, "--grid", "block_size=16,0", *FIXED, "--executor", "ray", "--out", str(out))
+    assert res.exit_code == 1 and "block_size must be >= 1, got 0" in res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "failed"]
