@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment in .venv.
 #   scripts/setup.sh          core simulator only (simpy, numpy, pandas, pyarrow, click, rich, pyyaml)
-#   scripts/setup.sh full     + the GPU side (torch CPU build, triton, transformers) and the test tools
+#   scripts/setup.sh full     + the GPU side (torch CPU build, triton, transformers), the test tools and ray
 # torch is installed FIRST and pinned to the CPU build lying on this disk; a looser requirement
 # would make pip fetch a multi-GB CUDA build.
 set -euo pipefail
@@ -18,7 +18,7 @@ if [ -e "$STAMP" ]; then
 fi
 if [ "$MODE" = "full" ]; then
     "${PIP[@]}" -c requirements/constraints.txt "torch==2.13.0"
-    "${PIP[@]}" -c requirements/constraints.txt -e ".[gpu,test]"
+    "${PIP[@]}" -c requirements/constraints.txt -e ".[gpu,test,ray]"
 else
     "${PIP[@]}" -c requirements/constraints.txt -e .
 fi
