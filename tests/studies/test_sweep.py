@@ -162,6 +162,25 @@ def test_failed_cell_is_reported_and_others_kept(tmp_path):
     assert again.exit_code == 1 and "1 already done, 1 run, 1 failed" in again.output
 
 
+def test_two_traces_and_config_file(tmp_path):
+    cfg = tmp_path / "fixed.yaml"
+    cfg.write_text("num_gpu_blocks: 3000\nmax_model_len: 4096\nmax_num_seqs: 64\n")
+    out = tmp_path / "sweep"
+    res = sweep(TRACE, "traces/req400_prefix10.parquet", "--grid", "enable_prefix_caching=true,false",
+                "--config", str(cfg), "--cost-model", "unit", "--workers", "2", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [(r["trace"], r["enable_prefix_caching"]) for r in rows] == [
+        (TRACE, True), (TRACE, False), ("traces/req400_prefix10.parquet", True),
+        ("traces/req400_prefix10.parquet", False)]
+    assert all(r["peak_running"] <= 64 for r in rows)
+    hit = {(r["trace"], r["enable_prefix_caching"]): r["prefix_cache_hit_rate"] for r in rows}
+    assert hit[("traces/req400_prefix10.parquet", True)] > 0.3 > hit[(TRACE, True)]
+    assert hit[("traces/req400_prefix10.parquet", False)] == 0.0
+    page = (out / "plots.html").read_text()
+    assert "trace=traces/req400_prefix10.parquet" in page  # one line per trace
+
+
 @pytest.mark.parametrize("args, text", [
     (["--grid", "blok_size=8"], "--grid: unknown option 'blok_size'"),
     (["--grid", "cost_model=unit,nope"], "cost_model: 'nope'"),
