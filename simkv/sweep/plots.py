@@ -7,7 +7,7 @@ import html
 
 import numpy as np
 
-from simkv.compare.svg import line_chart, page
+from simkv.compare.svg import COLORS, W, H, _Frame, _svg, page
 from simkv.sweep.table import METRICS
 
 PLOT_METRICS = [m for m in METRICS if m not in ("num_requests", "num_finished")]
@@ -32,7 +32,24 @@ def chart(rows: list[dict], metric: str, key: str, other_keys: list[str]) -> str
         label = ", ".join(f"{k}={v}" for k, v in zip(other_keys, group)) or metric
         series.append((label, np.array([p[0] for p in points]), np.array([p[1] for p in points])))
     xlabel = key if numeric else f"{key} (" + ", ".join(f"{i}={v}" for i, v in enumerate(levels)) + ")"
-    return line_chart(series, f"{metric} vs {key}", xlabel, metric)
+    return points_chart(series, f"{metric} vs {key}", xlabel, metric)
+
+
+def points_chart(series: list[tuple[str, np.ndarray, np.ndarray]], title: str, xlabel: str, ylabel: str) -> str:
+    """Lines with a marker at every cell, so one-value grids and overlapping lines stay visible."""
+    if not series:
+        return _svg([f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle">{html.escape(title)}: no data</text>'], [])
+    frame = _Frame([s[1] for s in series], [s[2] for s in series])
+    parts = frame.axes(title, xlabel, ylabel)
+    for i, (_, x, y) in enumerate(series):
+        color = COLORS[i % len(COLORS)]
+        px, py = frame.px(x), frame.py(y)
+        if len(x) > 1:
+            pts = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py))
+            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.4" points="{pts}"/>')
+        parts.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="{3.5 - 0.4 * (i % 4):.1f}" fill="{color}"/>'
+                     for a, b in zip(px, py))
+    return _svg(parts, [s[0] for s in series] if len(series) > 1 else [])
 
 
 def plots_html(rows: list[dict], swept_keys: list[str], title: str) -> str:
