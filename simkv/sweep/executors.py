@@ -43,8 +43,12 @@ def run_ray(tasks: list[dict], address: str | None) -> Iterator[dict]:
     if not tasks:
         return
     if not ray.is_initialized():
+        import os
+
+        joining = bool(address or os.environ.get("RAY_ADDRESS"))
+        kwargs = {} if joining else {"include_dashboard": False}  # a new local instance: no dashboard
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, **kwargs)
         except Exception as exc:  # noqa: BLE001 - ConnectionError and friends: one line for the user
             raise SweepError(f"--ray-address {address}: cannot connect to Ray ({exc})") from None
     remote = ray.remote(num_cpus=1, max_retries=0)(run_cell)

@@ -224,3 +224,18 @@ def test_ray_failed_cell(ray_instance, tmp_path):
     assert res.exit_code == 1 and "block_size must be >= 1, got 0" in res.output
     rows = pq.read_table(out / "sweep.parquet").to_pylist()
     assert [r["status"] for r in rows] == ["ok", "failed"]
+
+
+def test_ray_address_joins_an_existing_cluster(local_sweep, ray_instance, tmp_path):
+    """A separate `simkv sweep` process joins the running instance by --ray-address."""
+    import subprocess
+    import sys
+
+    address = ray_instance.get_runtime_context().gcs_address
+    out = tmp_path / "joined"
+    cmd = [sys.executable, "-c", "from simkv.cli.main import main; main()", "sweep", TRACE, *GRID, *FIXED, "--executor", "ray",
+           "--ray-address", address, "--out", str(out), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Started a local Ray instance" not in proc.stderr
+    assert (out / "sweep.parquet").read_bytes() == (local_sweep / "sweep.parquet").read_bytes()
