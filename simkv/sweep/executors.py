@@ -11,9 +11,10 @@ from simkv.sweep.worker import run_cell
 
 
 def _crashed(task: dict, exc: BaseException) -> dict:
+    """The outcome of a cell whose worker process died (the worker itself never raises)."""
+    lines = str(exc).strip().splitlines()
     return {"cell_id": task["cell_id"], "status": "failed",
-            "error": f"worker died: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
-            "detail": ""}
+            "error": f"worker died: {type(exc).__name__}" + (f": {lines[0]}" if lines else ""), "detail": ""}
 
 
 def run_local(tasks: list[dict], workers: int) -> Iterator[dict]:

@@ -145,6 +145,17 @@ def test_resume_skips_finished_cells(local_sweep, tmp_path):
     assert not list(out.rglob("*.tmp"))
 
 
+def test_unreadable_summary_is_recomputed(local_sweep, tmp_path):
+    out = tmp_path / "sweep"
+    shutil.copytree(local_sweep, out)
+    broken = sorted(out.glob("cells/*/summary.json"))[3]
+    broken.write_text('{"num_steps": 12')  # e.g. written by hand or by another tool, cut short
+    res = CliRunner().invoke(main, ["sweep", TRACE, *GRID, *FIXED, "--out", str(out)])
+    assert res.exit_code == 0 and "8 already done, 1 run" in res.output
+    assert json.loads(broken.read_text())["num_steps"] > 0
+    assert (out / "sweep.parquet").read_bytes() == (local_sweep / "sweep.parquet").read_bytes()
+
+
 def test_failed_cell_is_reported_and_others_kept(tmp_path):
     out = tmp_path / "sweep"
     res = sweep(TRACE, "--grid", "watermark=0,1.5", "--grid", "max_num_seqs=32", *FIXED, "--workers", "2",
@@ -233,8 +244,8 @@ def test_ray_address_joins_an_existing_cluster(local_sweep, ray_instance, tmp_pa
 
     address = ray_instance.get_runtime_context().gcs_address
     out = tmp_path / "joined"
-    cmd = [sys.executable, "-c", "from simkv.cli.main import main; main()", "sweep", TRACE, *GRID, *FIXED, "--executor", "ray",
-           "--ray-address", address, "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-c", "from simkv.cli.main import main; main()", "sweep", TRACE, *GRID, *FIXED,
+           "--executor", "ray", "--ray-address", address, "--out", str(out), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Started a local Ray instance" not in proc.stderr
