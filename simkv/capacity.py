@@ -68,7 +68,8 @@ def compute_capacity(config: EngineConfig) -> Capacity:
                 "when initializing the engine.")
         num_blocks = available // block_bytes
     needed = -(-mml // cc.block_size) * block_bytes
-    usable_bytes = (num_blocks - 1) * block_bytes  # block 0 is the null block
+    usable_blocks = num_blocks - 1 if cc.reserve_null_block else num_blocks  # block 0: the null block
+    usable_bytes = usable_blocks * block_bytes
     if needed > usable_bytes:
         estimated = (usable_bytes // block_bytes) * cc.block_size
         msg = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated > 0 else ""

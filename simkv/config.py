@@ -22,8 +22,12 @@ class CacheConfig:
     num_lookahead_tokens: int = 0
     kv_cache_dtype: str = "auto"  # auto (= model dtype, bf16) or fp8
     prefix_caching_hash_bits: int = 63
+    reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
+    allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
 
     def __post_init__(self) -> None:
+        if self.allocator not in ("paged", "contiguous"):
+            raise ConfigError(f"allocator must be 'paged' or 'contiguous', got '{self.allocator}'")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
@@ -54,8 +58,21 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False
     scheduling_policy: str = "fcfs"
     scheduler_reserve_full_isl: bool = True
+    # Policy knobs beyond vLLM (defaults = vLLM's behaviour), for other engines' step models:
+    max_num_admissions_per_step: int | None = None  # None: as many as fit
+    admission_order: str = "after_running"  # or "before_running"
+    preemption_victim: str = "newest"  # vLLM: the newest running request; or "requester"
+    preemption_mode: str = "recompute"  # keep outputs and recompute them; "restart": drop them
 
     def __post_init__(self) -> None:
+        if self.admission_order not in ("after_running", "before_running"):
+            raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
+        if self.preemption_victim not in ("newest", "requester"):
+            raise ConfigError(f"preemption_victim must be 'newest' or 'requester', got '{self.preemption_victim}'")
+        if self.preemption_mode not in ("recompute", "restart"):
+            raise ConfigError(f"preemption_mode must be 'recompute' or 'restart', got '{self.preemption_mode}'")
+        if self.max_num_admissions_per_step is not None and self.max_num_admissions_per_step < 1:
+            raise ConfigError(f"max_num_admissions_per_step must be >= 1, got {self.max_num_admissions_per_step}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -10,6 +10,7 @@ import click
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.config import ConfigError, EngineConfig
+from simkv.replay.engine import ReplayError
 from simkv.specs import gpu_names, model_names
 
 # CLI flag -> engine option (vLLM's names).
@@ -109,7 +110,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s},
                                 use_decode_runs=not no_decode_runs,
                                 on_progress=lambda k: progress.advance(task, k))
-        except (ConfigError, ValueError) as exc:
+        except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)
     from simkv.compare.run_report import write_run_report_safely

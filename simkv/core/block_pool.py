@@ -153,17 +153,19 @@ class BlockHashToBlockMap:
 class BlockPool:
     """All KV blocks of one pool: allocation, release, prefix-cache insertion and lookup."""
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
-        if num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be at least 2 (one is the null block), got {num_gpu_blocks}")
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, reserve_null_block: bool = True) -> None:
+        first = 1 if reserve_null_block else 0
+        if num_gpu_blocks < first + 1:
+            raise ValueError(f"num_gpu_blocks must be at least {first + 1}, got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.null_block = self.blocks[0]
-        self.null_block.ref_cnt = 1  # never freed, never handed out
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[first:])
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        if self.null_block is not None:
+            self.null_block.ref_cnt = 1  # never freed, never handed out
         self.cached_block_hash_to_block = BlockHashToBlockMap()
-        self.num_usable_blocks = num_gpu_blocks - 1
+        self.num_usable_blocks = num_gpu_blocks - first
         # Counters the replay reports.
         self.num_evictions = 0
 
@@ -299,8 +301,9 @@ class BlockPool:
         assert len(free_ids) == self.free_block_queue.num_free_blocks, "free count drifted"
         assert len(set(free_ids)) == len(free_ids), "block twice in free queue"
         free_set = set(free_ids)
-        assert 0 not in free_set, "null block in free queue"
-        for block in self.blocks[1:]:
+        first = 0 if self.null_block is None else 1
+        assert first == 0 or 0 not in free_set, "null block in free queue"
+        for block in self.blocks[first:]:
             assert block.ref_cnt >= 0, f"negative ref count on {block}"
             if block.ref_cnt > 0:
                 assert block.block_id not in free_set, f"referenced block in free queue: {block}"

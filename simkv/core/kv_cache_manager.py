@@ -64,11 +64,12 @@ class KVCacheManager:
         enable_caching: bool = True,
         watermark: float = 0.0,
         hash_bits: int = 63,
+        reserve_null_block: bool = True,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, reserve_null_block)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hasher = BlockHasher(block_size, hash_bits)
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
@@ -212,6 +213,9 @@ class KVCacheManager:
         blocks.reverse()
         self.block_pool.free_blocks(blocks, unfindable)
         self.num_frees += 1
+
+    def allocator_stats(self) -> dict:
+        return {"allocator": "paged"}
 
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.index, ())]

@@ -48,6 +48,7 @@ class SchedulerOutput:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     finished: list[Request] = field(default_factory=list)
+    num_blocks_used_end: int = -1  # after update_from_output (finished requests released)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -79,3 +80,4 @@ class DecodeRun:
     first_num_blocks_used: int
     allocation_offsets: list[int]
     finished: list[Request]
+    last_num_blocks_used_end: int = -1  # after the run's finished requests released their blocks

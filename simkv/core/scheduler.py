@@ -24,11 +24,16 @@ from collections import deque
 from operator import attrgetter
 
 from simkv.config import EngineConfig
+from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.kv_cache_manager import KVCacheManager
 from simkv.core.outputs import DecodeRun, ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.request import Request, RequestStatus
 
 _seq_of = attrgetter("seq")
+
+
+class LivelockError(RuntimeError):
+    """Requests keep being preempted and none finishes: the configuration cannot make progress."""
 
 
 class Scheduler:
@@ -44,11 +49,19 @@ class Scheduler:
         self.policy = sc.scheduling_policy
         self.reserve_full_isl = sc.scheduler_reserve_full_isl
         self.num_lookahead_tokens = cc.num_lookahead_tokens
+        # Policy knobs (vLLM's behaviour by default; other engines' step models otherwise).
+        self.max_num_admissions_per_step = sc.max_num_admissions_per_step or (1 << 62)
+        self.admit_before_running = sc.admission_order == "before_running"
+        self.preemption_victim = sc.preemption_victim
+        self.preemption_mode = sc.preemption_mode
         self.block_size = cc.block_size
         self.detail = detail
-        self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
-            cc.watermark, cc.prefix_caching_hash_bits)
+        if cc.allocator == "contiguous":
+            self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
+                cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block)
         self.waiting: deque[Request] = deque()
         self._waiting_heap: list[tuple] = []  # priority policy
         self.running: list[Request] = []
@@ -66,6 +79,7 @@ class Scheduler:
         # Counters.
         self.num_preemptions = 0
         self.num_preempted_requests = 0
+        self._preemptions_since_finish = 0
         self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
         self.num_regular_gaps = 0
 
@@ -177,7 +191,9 @@ class Scheduler:
         return due
 
     # ---- preemption --------------------------------------------------------------------------
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, requester: Request) -> Request:
+        if self.preemption_victim == "requester":
+            return requester
         if self.policy != "priority":
             return self.running[-1]
         heap = self._victim_heap
@@ -198,77 +214,33 @@ class Scheduler:
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if self.preemption_mode == "restart":
+            request.num_output_tokens = 0
         if request.num_preemptions == 0:
             self.num_preempted_requests += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue_preempted(request)
+        self._preemptions_since_finish += 1
+        if self._preemptions_since_finish > 1000 + 100 * (len(self.running) + self.num_waiting()):
+            raise LivelockError(
+                f"{self._preemptions_since_finish} preemptions in a row without any request finishing "
+                f"(last victim {request.request_id}, preempted {request.num_preemptions} times; "
+                f"preemption_mode={self.preemption_mode}, preemption_victim={self.preemption_victim}): "
+                "the KV cache is too small for the requests running together; raise num_gpu_blocks or "
+                "lower max_num_seqs")
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = self.current_step
         self.current_step += 1
-        budget = self.max_num_batched_tokens
-        threshold = self._prefill_threshold()
-        chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
-        scheduled_now: dict[int, int] = {}  # seq -> tokens, for priority-victim undo
+        plan = _StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
         active = self._prefilling + self._pop_due(self._boundary_heap, step)
         active.sort(key=_seq_of)
-        prev_pos, stall_pos = -1, -1
-        kv = self.kv_cache_manager
-        for request in active:
-            if request.status != RequestStatus.RUNNING:
-                continue
-            pos = self._position(request)
-            quiet = pos - prev_pos - 1
-            if quiet >= budget:
-                stall_pos, budget = prev_pos + 1 + budget, 0
-                break
-            budget -= quiet
-            prev_pos = pos
-            is_decoder = request.decode_base is not None
-            if is_decoder:
-                computed, num_new = step + request.decode_base, 1
-            else:
-                computed = request.num_computed_tokens
-                num_new = request.num_tokens - computed
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                num_new = min(num_new, budget)
-            num_new = min(num_new, self.max_model_len - computed - 1)
-            if num_new <= 0:
-                continue
-            while kv.allocate_slots(request, computed, num_new,
-                                    num_lookahead_tokens=self.num_lookahead_tokens) is None:
-                victim = self._pick_victim()
-                undo = 0
-                if victim.seq < request.seq:  # priority policy: already scheduled this step
-                    undo = scheduled_now.pop(victim.seq, 1)
-                    budget += undo
-                    chunks = [c for c in chunks if c.request is not victim]
-                self._preempt(victim, step, undo)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                prev_pos = self._position(request) - 1
-                if self.policy == "priority":
-                    continue
-                break
-            prev_pos = self._position(request)
-            budget -= num_new
-            scheduled_now[request.seq] = num_new
-            if is_decoder:
-                self._push_boundary(request, step + 1, self._finish_step_of(request))
-            else:
-                chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
-        else:
-            quiet = len(self.running) - prev_pos - 1
-            if quiet > budget:
-                stall_pos, budget = prev_pos + 1 + budget, 0
-            else:
-                budget -= quiet
+        if self.admit_before_running:
+            plan.first_new_seq = self._next_seq
+            self._schedule_waiting(step, plan)
+        stall_pos = self._schedule_running(step, active, plan)
         num_stalled, stalled_base = (0, 0)
         if stall_pos >= 0:
             num_stalled, stalled_base = self._stall(self.running[stall_pos:], step)
@@ -276,17 +248,78 @@ class Scheduler:
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
         decode_context = num_decodes * (step + 1) + decode_base_sum
         self.num_regular_gaps += num_decodes
-        query = hit = 0
-        if not preempted:
-            query, hit = self._schedule_waiting(step, budget, threshold, chunks)
+        if not plan.preempted and not self.admit_before_running:
+            self._schedule_waiting(step, plan)
         if self.detail:
-            self._fill_block_ids(chunks)
+            self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         return SchedulerOutput(
-            step=step, chunks=chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
-            decodes=decodes, preempted=preempted, num_running=len(self.running),
-            num_waiting=self.num_waiting(), num_blocks_used=kv.block_pool.get_num_used_blocks(),
-            prefix_query_tokens=query, prefix_hit_tokens=hit)
+            step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
+            decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
+            num_waiting=self.num_waiting(), num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
+            prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit)
+
+    def _schedule_running(self, step: int, active: list[Request], plan: "_StepPlan") -> int:
+        """Serve running requests in list order; returns the position from which requests were
+        left unscheduled by an exhausted budget (-1 if none). Steady decoders between the
+        `active` ones (prefills, decoders crossing a block boundary) each take one token."""
+        prev_pos = -1
+        kv = self.kv_cache_manager
+        for request in active:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            pos = self._position(request)
+            quiet = pos - prev_pos - 1
+            if quiet >= plan.budget:
+                return prev_pos + 1 + plan.budget if self._stall_budget(plan) else -1
+            plan.budget -= quiet
+            prev_pos = pos
+            is_decoder = request.decode_base is not None
+            if is_decoder:
+                computed, num_new = step + request.decode_base, 1
+            else:
+                computed = request.num_computed_tokens
+                num_new = request.num_tokens - computed
+                if 0 < plan.threshold < num_new:
+                    num_new = plan.threshold
+                num_new = min(num_new, plan.budget)
+            num_new = min(num_new, self.max_model_len - computed - 1)
+            if num_new <= 0:
+                continue
+            while kv.allocate_slots(request, computed, num_new,
+                                    num_lookahead_tokens=self.num_lookahead_tokens) is None:
+                victim = self._pick_victim(request)
+                # A steady decoder ahead of `request` already took its token implicitly.
+                implicit = victim.seq < request.seq and victim.decode_base is not None
+                self._preempt(victim, step, plan.unschedule(victim, implicit))
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                prev_pos = self._position(request) - 1
+                if self.policy == "priority" or self.preemption_victim == "requester":
+                    continue
+                return -1
+            prev_pos = self._position(request)
+            plan.schedule(request, num_new)
+            if is_decoder:
+                self._push_boundary(request, step + 1, self._finish_step_of(request))
+            else:
+                plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
+        end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
+        quiet = end - prev_pos - 1
+        if quiet > plan.budget:
+            return prev_pos + 1 + plan.budget if self._stall_budget(plan) else -1
+        plan.budget -= quiet
+        return -1
+
+    @staticmethod
+    def _stall_budget(plan: "_StepPlan") -> bool:
+        plan.budget = 0
+        return True
+
+    def _position_of_seq(self, seq: int) -> int:
+        return bisect_left(self.running, seq, key=_seq_of)
 
     def _prefill_threshold(self) -> int:
         threshold = self.long_prefill_token_threshold
@@ -297,31 +330,30 @@ class Scheduler:
             threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
         return threshold
 
-    def _schedule_waiting(self, step: int, budget: int, threshold: int,
-                          chunks: list[ScheduledChunk]) -> tuple[int, int]:
+    def _schedule_waiting(self, step: int, plan: "_StepPlan") -> None:
         kv = self.kv_cache_manager
-        query = hit = 0
-        while budget > 0 and self.num_waiting():
-            if len(self.running) >= self.max_num_seqs:
+        admitted = 0
+        while plan.budget > 0 and self.num_waiting():
+            if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
                 break
             request = self._peek_waiting()
             computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - computed.num_tokens
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if not self.enable_chunked_prefill and num_new > budget:
-                self._blocked_marker = (request, kv.num_frees, budget)
+            if 0 < plan.threshold < num_new:
+                num_new = plan.threshold
+            if not self.enable_chunked_prefill and num_new > plan.budget:
+                self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, plan.budget)
             new_blocks = kv.allocate_slots(
                 request, 0, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
-                self._blocked_marker = (request, kv.num_frees, budget)
+                self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
             kv.record_prefix_cache_stats(request, computed.num_tokens)
-            query += request.num_tokens
-            hit += computed.num_tokens
+            plan.query += request.num_tokens
+            plan.hit += computed.num_tokens
             self._pop_waiting()
             is_resumed = request.status == RequestStatus.PREEMPTED
             self._append_running(request)
@@ -329,9 +361,9 @@ class Scheduler:
                 request.first_scheduled_step = step
                 request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
-            chunks.append(ScheduledChunk(request, computed.num_tokens, num_new, is_resumed))
-            budget -= num_new
-        return query, hit
+            plan.chunks.append(ScheduledChunk(request, computed.num_tokens, num_new, is_resumed))
+            plan.schedule(request, num_new)
+            admitted += 1
 
     def _fill_block_ids(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
@@ -376,9 +408,11 @@ class Scheduler:
             finished.sort(key=_seq_of)
             self._finish(finished, step)
         output.finished = finished
+        output.num_blocks_used_end = self.kv_cache_manager.block_pool.get_num_used_blocks()
         return finished
 
     def _finish(self, finished: list[Request], step: int) -> None:
+        self._preemptions_since_finish = 0
         kv = self.kv_cache_manager
         for request in finished:
             if request in self._prefilling:
@@ -407,7 +441,9 @@ class Scheduler:
     def _admission_stuck(self) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return True
-        budget = self.max_num_batched_tokens - self._num_decoders
+        budget = self.max_num_batched_tokens
+        if not self.admit_before_running:
+            budget -= self._num_decoders
         if budget <= 0:
             return True
         marker = self._blocked_marker
@@ -448,8 +484,11 @@ class Scheduler:
             self._push_boundary(request, at + 1, self._finish_step_of(request))
         if end <= start:
             return None
+        early = 0  # allocations made for step `end`, which is not part of the run
         if offsets and offsets[-1] >= end - start:
-            offsets = [o for o in offsets if o < end - start]
+            kept = [o for o in offsets if o < end - start]
+            early = len(offsets) - len(kept)
+            offsets = kept
         self.current_step = end
         self.num_regular_gaps += n * (end - start)
         finished: list[Request] = []
@@ -461,8 +500,41 @@ class Scheduler:
         if finished:
             finished.sort(key=_seq_of)
             self._finish(finished, end - 1)
+        run.last_num_blocks_used_end = kv.block_pool.get_num_used_blocks() - early
         return run
 
     # ---- checks --------------------------------------------------------------------------------
     def reject(self, request: Request) -> None:
         request.status = RequestStatus.REJECTED
+
+
+class _StepPlan:
+    """What one schedule() call has handed out so far."""
+
+    __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq")
+
+    def __init__(self, budget: int, threshold: int) -> None:
+        self.budget = budget
+        self.threshold = threshold
+        self.chunks: list[ScheduledChunk] = []
+        self.preempted: list[Request] = []
+        self.scheduled_now: dict[int, int] = {}  # seq -> tokens scheduled this step (explicitly)
+        self.query = 0
+        self.hit = 0
+        self.first_new_seq = -1
+
+    def schedule(self, request: Request, num_new: int) -> None:
+        self.budget -= num_new
+        self.scheduled_now[request.seq] = num_new
+
+    def unschedule(self, victim: Request, implicit: bool) -> int:
+        """A victim scheduled earlier in this step gives its tokens back (`implicit`: a steady
+        decoder counted in bulk, one token). Returns those tokens."""
+        tokens = self.scheduled_now.pop(victim.seq, None)
+        if tokens is None:
+            if not implicit:
+                return 0
+            tokens = 1
+        self.budget += tokens
+        self.chunks = [c for c in self.chunks if c.request is not victim]
+        return tokens

@@ -18,7 +18,7 @@ import simpy
 from simkv.backends.base import StepBackend
 from simkv.config import EngineConfig
 from simkv.core.request import Request
-from simkv.core.scheduler import Scheduler
+from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.step_log import RequestLog, StepLog
 
 
@@ -142,7 +142,10 @@ class ReplayEngine:
                 advanced = yield from self._try_decode_run()
                 if advanced:
                     continue
-            out = sched.schedule()
+            try:
+                out = sched.schedule()
+            except LivelockError as exc:
+                raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
             if out.is_empty:
                 raise ReplayError(self._stuck_message())
             start = self.now

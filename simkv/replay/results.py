@@ -101,11 +101,10 @@ def summarize(run: ReplayRun, trace, config, backend, num_gpu_blocks: int, wall_
     sched = run.scheduler
     kv = sched.kv_cache_manager
     finished = requests["status"].to_numpy() == "finished"
-    stored = run.requests.ints["num_computed_tokens"][finished]
     bs = config.cache.block_size
-    lookahead = config.cache.num_lookahead_tokens
-    slots = np.minimum(stored + lookahead, config.max_model_len)
-    held = -(-slots // bs)
+    stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.cache.num_lookahead_tokens,
+                        config.max_model_len)  # slots the engine holds tokens for (lookahead included)
+    held = -(-stored // bs)
     frag = float(100.0 * (held * bs - stored).sum() / stored.sum()) if stored.size else 0.0
     duration = float(steps["start_time_s"][-1] + steps["duration_s"][-1]) if run.steps.num_steps else 0.0
     out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
@@ -134,6 +133,7 @@ def summarize(run: ReplayRun, trace, config, backend, num_gpu_blocks: int, wall_
                          "queries_preempted": stats.queries_preempted, "hits_preempted": stats.hits_preempted},
         "num_evictions": int(kv.block_pool.num_evictions),
         "internal_fragmentation_pct": frag,
+        "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
         "ttft_s": dist(requests["ttft_s"].to_numpy()),

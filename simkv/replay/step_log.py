@@ -8,8 +8,8 @@ from simkv.core.outputs import DecodeRun, SchedulerOutput
 from simkv.core.request import Request
 
 STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waiting",
-                "num_prefill_tokens", "num_decode_tokens", "num_blocks_used", "num_preemptions",
-                "prefix_query_tokens", "prefix_hit_tokens", "num_finished")
+                "num_prefill_tokens", "num_decode_tokens", "num_blocks_used", "num_blocks_used_end",
+                "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 
 
@@ -29,6 +29,7 @@ class StepLog:
         self._seg_len: list[int] = []
         self._seg_first_step: list[int] = []
         self._seg_blocks: list[int] = []
+        self._seg_blocks_end: list[int] = []
         self._alloc_rows: list[int] = []
         self._starts: list = []
         self._durations: list = []
@@ -37,16 +38,17 @@ class StepLog:
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
-    def _segment(self, first_step: int, length: int, blocks: int, values: tuple) -> None:
+    def _segment(self, first_step: int, length: int, blocks: int, blocks_end: int, values: tuple) -> None:
         self._seg_first_step.append(first_step)
         self._seg_len.append(length)
         self._seg_blocks.append(blocks)
+        self._seg_blocks_end.append(blocks_end)
         for c, v in zip(_SEGMENT_COLUMNS, values):
             self._seg[c].append(v)
         self._columns = None
 
     def add_step(self, out: SchedulerOutput, start: float, duration: float) -> None:
-        self._segment(out.step, 1, out.num_blocks_used,
+        self._segment(out.step, 1, out.num_blocks_used, out.num_blocks_used_end,
                       (out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
                        len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished)))
         self._pending_starts.append(start)
@@ -56,7 +58,7 @@ class StepLog:
     def add_run(self, run: DecodeRun, starts: np.ndarray, durations: np.ndarray) -> None:
         self._flush_times()
         row0 = self.num_steps
-        self._segment(run.start_step, run.num_steps, run.first_num_blocks_used,
+        self._segment(run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
                       (run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished)))
         self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
         self._starts.append(starts)
@@ -96,6 +98,9 @@ class StepLog:
             col = np.zeros(n, dtype=np.int64)
             col[first_row] = np.asarray(self._seg[c], dtype=np.int64)[lengths > 0]
             out[c] = col
+        used_end = out["num_blocks_used"].copy()
+        used_end[last_row] = np.asarray(self._seg_blocks_end, dtype=np.int64)[lengths > 0]
+        out["num_blocks_used_end"] = used_end
         finished = np.zeros(n, dtype=np.int64)
         finished[last_row] = np.asarray(self._seg["num_finished"], dtype=np.int64)[lengths > 0]
         out["num_finished"] = finished

@@ -11,7 +11,8 @@ from simkv.core.scheduler import Scheduler
 
 def make_config(num_gpu_blocks: int = 6250, block_size: int = 16, max_num_seqs: int = 256,
                 max_num_batched_tokens: int = 8192, max_model_len: int = 4096, **kw) -> EngineConfig:
-    cache_keys = {"enable_prefix_caching", "watermark", "num_lookahead_tokens", "prefix_caching_hash_bits"}
+    cache_keys = {"enable_prefix_caching", "watermark", "num_lookahead_tokens", "prefix_caching_hash_bits",
+                  "reserve_null_block", "allocator"}
     cache = {k: v for k, v in kw.items() if k in cache_keys}
     sched = {k: v for k, v in kw.items() if k not in cache_keys}
     return EngineConfig(CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, **cache),

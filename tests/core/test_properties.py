@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simkv.core.request import RequestStatus
-from simkv.core.scheduler import Scheduler
+from simkv.core.scheduler import LivelockError, Scheduler
 from tests.core.helpers import drive, make_config, make_request
 
 
@@ -28,6 +28,18 @@ def scenarios(draw):
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 3])),
     )
+    if draw(st.integers(0, 2)) == 0:  # the policy knobs of other engines' step models
+        options.update(
+            max_num_admissions_per_step=draw(st.sampled_from([None, 1, 2])),
+            admission_order=draw(st.sampled_from(["after_running", "before_running"])),
+            preemption_victim=draw(st.sampled_from(["newest", "requester"])),
+            preemption_mode=draw(st.sampled_from(["recompute", "restart"])),
+            reserve_null_block=draw(st.booleans()),
+            scheduler_reserve_full_isl=draw(st.booleans()),
+            allocator=draw(st.sampled_from(["paged", "paged", "contiguous"])),
+        )
+        if options["allocator"] == "contiguous":
+            options["num_gpu_blocks"] = max(options["num_gpu_blocks"], 2 * min_blocks)
     prefixes = [[draw(st.integers(0, 5)) for _ in range(6)] for _ in range(3)]
     n = draw(st.integers(1, 25))
     reqs = []
@@ -77,15 +89,20 @@ def _run(options, reqs, waves, use_runs, check=None):
 def _check(sched):
     pool = sched.kv_cache_manager.block_pool
     pool.check_invariants()
-    in_use = sum(len(b) for b in sched.kv_cache_manager.req_to_blocks.values())
-    assert in_use >= pool.get_num_used_blocks() or pool.enable_caching
+    assert 0 <= pool.get_num_used_blocks() <= pool.num_usable_blocks
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_invariants_and_no_leaks(scenario):
     options, reqs, waves = scenario
-    sched, _, _ = _run(options, reqs, waves, use_runs=False, check=_check)
+    try:
+        sched, _, _ = _run(options, reqs, waves, use_runs=False, check=_check)
+    except LivelockError:
+        # Dropping outputs on preemption can livelock (two requests restarting each other);
+        # it must be reported, never hang. vLLM's own recompute mode always makes progress.
+        assert options.get("preemption_mode") == "restart"
+        return
     pool = sched.kv_cache_manager.block_pool
     assert all(r.status == RequestStatus.FINISHED for r in reqs)
     assert pool.get_num_used_blocks() == 0, "blocks leaked"
@@ -93,12 +110,16 @@ def test_invariants_and_no_leaks(scenario):
     for r in reqs:
         assert r.num_output_tokens == min(r.max_tokens, options["max_model_len"] - r.num_prompt_tokens)
         assert r.num_computed_tokens == r.num_tokens - 1
+    if options.get("allocator") == "contiguous":
+        assert pool.num_free_slots == pool.num_slots and len(pool.starts) == 1  # fully coalesced
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_decode_runs_change_nothing(scenario):
     options, reqs, waves = scenario
+    if options.get("preemption_mode") == "restart":
+        options = dict(options, preemption_mode="recompute")  # restart may livelock (see above)
     a_sched, a_log, a = _run(options, _fresh(reqs), waves, use_runs=False)
     b_sched, b_log, b = _run(options, _fresh(reqs), waves, use_runs=True, check=_check)
     assert a_log == b_log
@@ -107,7 +128,8 @@ def test_decode_runs_change_nothing(scenario):
     assert [x[:3] for x in a["log"]] == [x[:3] for x in b["log"]]
     pool_a = a_sched.kv_cache_manager.block_pool
     pool_b = b_sched.kv_cache_manager.block_pool
-    assert pool_a.free_block_queue.block_ids() == pool_b.free_block_queue.block_ids()
+    if options.get("allocator", "paged") == "paged":
+        assert pool_a.free_block_queue.block_ids() == pool_b.free_block_queue.block_ids()
     assert pool_a.num_evictions == pool_b.num_evictions
 
 
@@ -115,7 +137,7 @@ def test_decode_runs_change_nothing(scenario):
 @given(scenarios())
 def test_salts_never_share_blocks(scenario):
     options, reqs, waves = scenario
-    options = dict(options, enable_prefix_caching=True)
+    options = dict(options, enable_prefix_caching=True, allocator="paged", preemption_mode="recompute")
     owners: dict[int, set] = {}
 
     def check(sched):

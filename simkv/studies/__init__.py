@@ -1,0 +1,1 @@
+"""Studies built from simkv's general options (seed-article tables, allocator comparisons)."""
