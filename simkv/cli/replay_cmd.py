@@ -22,6 +22,7 @@ _ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
+    "prefix_caching_hash_bits": "prefix_caching_hash_bits",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -76,6 +77,8 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--watermark", type=float, default=None, help="[default: 0.0]")
 @click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None)
+@click.option("--prefix-caching-hash-bits", type=int, default=None,
+              help="Use a deliberately weak K-bit block hash and count false prefix hits [default: 63, no collisions modelled]")
 @click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None)
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")

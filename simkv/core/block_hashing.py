@@ -36,6 +36,8 @@ def unique_block_key(request_index: int, block_index: int) -> int:
 class BlockHasher:
     """Computes and memoises a request's block keys at one block size."""
 
+    weak = False
+
     def __init__(self, block_size: int, hash_bits: int = 63) -> None:
         self.block_size = block_size
         self.hash_mask = (1 << hash_bits) - 1 if hash_bits < 63 else _MASK63
@@ -78,3 +80,50 @@ class BlockHasher:
         if i < num_blocks:
             top = -(request.index << _UNIQUE_SHIFT) - 1  # unique_block_key(index, i) == top - i
             hashes.extend(range(top - i, top - num_blocks, -1))
+
+
+class WeakBlockHasher(BlockHasher):
+    """A deliberately weak block hash (`prefix_caching_hash_bits` < 63), to show what it costs.
+
+    Every block, unique content included, gets a chained key of only `hash_bits` bits, so blocks
+    of different content collide; the true 63-bit chain is kept beside it to detect the false hits
+    that a real engine would serve silently (another request's KV for this request's tokens).
+    """
+
+    weak = True
+
+    def __init__(self, block_size: int, hash_bits: int) -> None:
+        super().__init__(block_size, 63)
+        self.weak_mask = (1 << hash_bits) - 1
+        self._true: dict[int, list[int]] = {}
+
+    def num_shared_blocks(self, request: Request) -> int:
+        return 1 << 62  # any block may collide with any other: all are looked up and cached
+
+    def true_key(self, request: Request, block_index: int) -> int:
+        self.block_key(request, block_index)
+        return self._true[request.index][block_index]
+
+    def forget(self, request: Request) -> None:
+        self._true.pop(request.index, None)
+
+    def _content(self, request: Request, i: int) -> tuple:
+        bs = self.block_size
+        if (i + 1) * bs <= request.num_shared_tokens:
+            h = request.hash_block_tokens
+            first, last = (i * bs) // h, ((i + 1) * bs - 1) // h
+            return tuple(request.shared_hash_ids[first:last + 1].tolist()) + ((i * bs) % h,)
+        return (-1 - request.index, i)
+
+    def _extend(self, request: Request, num_blocks: int) -> None:
+        weak = request.block_hashes
+        true = self._true.setdefault(request.index, [])
+        root = salt_root(request.cache_salt, request.hash_block_tokens)
+        tp = true[-1] if true else root
+        wp = weak[-1] if weak else root & self.weak_mask
+        for i in range(len(weak), num_blocks):
+            content = self._content(request, i)
+            tp = hash((tp, content)) & _MASK63
+            wp = hash((wp, content)) & self.weak_mask
+            true.append(tp)
+            weak.append(wp)

@@ -20,10 +20,11 @@ UNFINDABLE_HASH = -(1 << 63) - 1
 class KVCacheBlock:
     """One physical KV block. Carries its own free-queue links so removal is O(1)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "content_id")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        self.content_id = 0  # true content key, kept only under a weak block hash
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.prev_free_block: KVCacheBlock | None = None

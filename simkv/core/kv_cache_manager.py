@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from simkv.core.block_hashing import BlockHasher
+from simkv.core.block_hashing import BlockHasher, WeakBlockHasher
 from simkv.core.block_pool import UNFINDABLE_HASH, BlockPool, KVCacheBlock
 from simkv.core.request import Request, RequestStatus
 
@@ -71,7 +71,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, reserve_null_block)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.hasher = BlockHasher(block_size, hash_bits)
+        self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size)
+        self.num_false_prefix_hits = 0  # hit blocks whose content differs (weak hash only)
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -95,6 +96,9 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.hasher.weak:
+            true_key = self.hasher.true_key
+            self.num_false_prefix_hits += sum(b.content_id != true_key(request, i) for i, b in enumerate(blocks))
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
@@ -154,7 +158,7 @@ class KVCacheManager:
             self.num_cached_block[request.index] = len(req_blocks)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
-        if self.enable_caching and request.num_shared_tokens:
+        if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
             # Shared-content blocks become findable at schedule time (an identical prompt
             # admitted in the same step already hits). Unique blocks wait for release.
             end = min(num_local + num_new_tokens, request.num_tokens) // bs
@@ -182,6 +186,8 @@ class KVCacheManager:
             block = blocks[i]
             if block.block_hash is None:
                 cache_block(block, key(request, i))
+                if self.hasher.weak:
+                    block.content_id = self.hasher.true_key(request, i)
         self.num_cached_block[index] = end
         if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True
@@ -199,6 +205,9 @@ class KVCacheManager:
         if blocks is None:
             return
         unfindable = (0, 0)
+        forget = self.hasher.weak and finished
+        if self.hasher.weak:
+            finished = False  # colliding keys can hit anything: keep every block findable
         if self.enable_caching:
             end = min(num_computed_tokens, request.num_tokens) // self.block_size
             if finished:
@@ -213,6 +222,8 @@ class KVCacheManager:
         blocks.reverse()
         self.block_pool.free_blocks(blocks, unfindable)
         self.num_frees += 1
+        if forget:
+            self.hasher.forget(request)
 
     def allocator_stats(self) -> dict:
         return {"allocator": "paged"}

@@ -132,6 +132,7 @@ def summarize(run: ReplayRun, trace, config, backend, num_gpu_blocks: int, wall_
         "prefix_cache": {"queries_new": stats.queries_new, "hits_new": stats.hits_new,
                          "queries_preempted": stats.queries_preempted, "hits_preempted": stats.hits_preempted},
         "num_evictions": int(kv.block_pool.num_evictions),
+        "false_prefix_hits": int(getattr(kv, "num_false_prefix_hits", 0)),
         "internal_fragmentation_pct": frag,
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),

@@ -1,0 +1,43 @@
+"""A weak block hash serves other requests' KV: simkv counts those false prefix hits."""
+
+import numpy as np
+import pandas as pd
+from click.testing import CliRunner
+
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.replay.api import replay
+from simkv.traces.schema import trace_from_frame
+
+
+def _tenants_trace(n: int = 200) -> object:
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(0, 1 << 40, 16) for _ in range(n)]  # every request: its own 256-token prompt
+    frame = pd.DataFrame({"arrival_time_s": np.arange(n) * 0.5, "prompt_tokens": [256] * n,
+                          "output_tokens": [8] * n, "block_hashes": ids})
+    return trace_from_frame(frame, hash_block_tokens=16)
+
+
+def _run(bits: int) -> dict:
+    config = EngineConfig.from_flat(dict(block_size=16, num_gpu_blocks=4000, max_model_len=1024,
+                                         prefix_caching_hash_bits=bits))
+    return replay(_tenants_trace(), config, "unit").summary
+
+
+def test_full_hash_has_no_false_hits_and_no_hits_between_distinct_prompts():
+    s = _run(63)
+    assert s["false_prefix_hits"] == 0 and s["prefix_cache_hits_tokens"] == 0
+
+
+def test_weak_hash_serves_wrong_blocks():
+    s = _run(6)  # 64 possible first-block keys for 200 distinct prompts: collisions are certain
+    assert s["false_prefix_hits"] > 0
+    # every prompt is distinct, so every hit served another request's KV
+    assert s["prefix_cache_hits_tokens"] == 16 * s["false_prefix_hits"]
+
+
+def test_cli_flag(tmp_path):
+    r = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--prefix-caching-hash-bits", "4",
+                                  "--num-gpu-blocks", "6250", "--max-model-len", "4096", "--cost-model", "unit",
+                                  "--quiet", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
