@@ -186,8 +186,9 @@ class KVCacheManager:
             block = blocks[i]
             if block.block_hash is None:
                 cache_block(block, key(request, i))
-                if self.hasher.weak:
-                    block.content_id = self.hasher.true_key(request, i)
+        if self.hasher.weak:
+            for i in range(start, end):
+                blocks[i].content_id = self.hasher.true_key(request, i)
         self.num_cached_block[index] = end
         if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True

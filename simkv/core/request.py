@@ -31,7 +31,8 @@ class Request:
         "request_id", "index", "arrival_time", "num_prompt_tokens", "max_tokens", "priority",
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
-        "block_hashes", "seq", "decode_base", "epoch", "has_own_cached_blocks", "last_token_step",
+        "block_hashes", "seq", "decode_base", "decode_last_step", "epoch", "has_own_cached_blocks",
+        "last_token_step",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -71,6 +72,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.seq = -1
         self.decode_base: int | None = None
+        self.decode_last_step = -1  # while decoding steadily: the step after which it finishes
         self.epoch = 0
         self.has_own_cached_blocks = False
         self.last_token_step = -1

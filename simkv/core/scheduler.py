@@ -144,16 +144,19 @@ class Scheduler:
         return target - 1 - request.decode_base
 
     def _push_decoder_events(self, request: Request, from_step: int) -> None:
-        finish_step = self._finish_step_of(request)
-        heapq.heappush(self._finish_heap, (finish_step, request.seq, request.epoch, request))
-        self._push_boundary(request, from_step, finish_step)
+        request.decode_last_step = self._finish_step_of(request)
+        heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
+        self._push_boundary(request, from_step)
 
-    def _push_boundary(self, request: Request, from_step: int, finish_step: int) -> None:
+    def _push_boundary(self, request: Request, from_step: int) -> None:
+        """Schedule the step at which the steady decoder needs its next block, if before it ends."""
         held = self.kv_cache_manager.num_blocks_of(request) * self.block_size
         if held >= self.max_model_len:
             return
-        step = max(held - self.num_lookahead_tokens - request.decode_base, from_step)
-        if step <= finish_step:
+        step = held - self.num_lookahead_tokens - request.decode_base
+        if step < from_step:
+            step = from_step
+        if step <= request.decode_last_step:
             heapq.heappush(self._boundary_heap, (step, request.seq, request.epoch, request))
 
     def _leave_decoding(self, request: Request, step: int) -> int:
@@ -303,7 +306,7 @@ class Scheduler:
             prev_pos = self._position(request)
             plan.schedule(request, num_new)
             if is_decoder:
-                self._push_boundary(request, step + 1, self._finish_step_of(request))
+                self._push_boundary(request, step + 1)
             else:
                 plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
@@ -467,6 +470,7 @@ class Scheduler:
         n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
         offsets = []
+        append_block, push_boundary = kv.append_decode_block, self._push_boundary
         # Allocations happen in (step, running order), exactly as stepping would make them.
         # If the pool runs dry at step t, the run ends before t; allocations already made
         # for step t are the ones step t makes first anyway (the rest of it runs normally).
@@ -479,9 +483,9 @@ class Scheduler:
                 heapq.heappush(heap, event)
                 end = at
                 break
-            kv.append_decode_block(request)
+            append_block(request)
             offsets.append(at - start)
-            self._push_boundary(request, at + 1, self._finish_step_of(request))
+            push_boundary(request, at + 1)
         if end <= start:
             return None
         early = 0  # allocations made for step `end`, which is not part of the run
