@@ -28,6 +28,7 @@ class Capacity:
     available_kv_bytes: int
     block_size: int
     max_model_len: int
+    num_cpu_blocks: int = 0  # swap space, in blocks
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -77,4 +78,5 @@ def compute_capacity(config: EngineConfig) -> Capacity:
             f"To serve at least one request with the model's max seq len ({mml}), ({_gib(needed)} GiB KV "
             f"cache is needed, which is larger than the available KV cache memory ({_gib(usable_bytes)} GiB). "
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
-    return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml)
+    num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
+    return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml, num_cpu_blocks)

@@ -24,8 +24,12 @@ class CacheConfig:
     prefix_caching_hash_bits: int = 63
     reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
     allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
+    swap_space: float = 4.0  # GiB of CPU swap space per GPU (vLLM v0's --swap-space), used by preemption_mode=swap
+    pcie_bandwidth_gbs: float = 63.0  # host<->GPU bytes per second (GB/s) for swapping (PCIe Gen5 x16)
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0 or self.pcie_bandwidth_gbs <= 0:
+            raise ConfigError(f"swap_space must be >= 0 and pcie_bandwidth_gbs > 0, got {self.swap_space}, {self.pcie_bandwidth_gbs}")
         if self.allocator not in ("paged", "contiguous"):
             raise ConfigError(f"allocator must be 'paged' or 'contiguous', got '{self.allocator}'")
         if self.block_size < 1:
@@ -62,15 +66,16 @@ class SchedulerConfig:
     max_num_admissions_per_step: int | None = None  # None: as many as fit
     admission_order: str = "after_running"  # or "before_running"
     preemption_victim: str = "newest"  # vLLM: the newest running request; or "requester"
-    preemption_mode: str = "recompute"  # keep outputs and recompute them; "restart": drop them
+    preemption_mode: str = "recompute"  # keep outputs and recompute them; "restart": drop them;
+    # "swap": copy the victim's KV to CPU swap space (vLLM v0), recompute when the space is full
 
     def __post_init__(self) -> None:
         if self.admission_order not in ("after_running", "before_running"):
             raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
         if self.preemption_victim not in ("newest", "requester"):
             raise ConfigError(f"preemption_victim must be 'newest' or 'requester', got '{self.preemption_victim}'")
-        if self.preemption_mode not in ("recompute", "restart"):
-            raise ConfigError(f"preemption_mode must be 'recompute' or 'restart', got '{self.preemption_mode}'")
+        if self.preemption_mode not in ("recompute", "restart", "swap"):
+            raise ConfigError(f"preemption_mode must be 'recompute', 'restart' or 'swap', got '{self.preemption_mode}'")
         if self.max_num_admissions_per_step is not None and self.max_num_admissions_per_step < 1:
             raise ConfigError(f"max_num_admissions_per_step must be >= 1, got {self.max_num_admissions_per_step}")
         if self.max_num_seqs < 1:

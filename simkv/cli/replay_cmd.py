@@ -22,7 +22,8 @@ _ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
-    "prefix_caching_hash_bits": "prefix_caching_hash_bits",
+    "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
+    "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -77,6 +78,10 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--watermark", type=float, default=None, help="[default: 0.0]")
 @click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None)
+@click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
+              help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]")
+@click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]")
+@click.option("--pcie-bandwidth-gbs", type=float, default=None, help="swap bandwidth, GB/s [default: 63]")
 @click.option("--prefix-caching-hash-bits", type=int, default=None,
               help="Use a deliberately weak K-bit block hash and count false prefix hits [default: 63, no collisions modelled]")
 @click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None)

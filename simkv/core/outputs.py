@@ -47,6 +47,9 @@ class SchedulerOutput:
     num_blocks_used: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    num_swapped: int = 0  # requests whose KV sits in CPU swap space after this step's scheduling
+    num_swap_out_blocks: int = 0
+    num_swap_in_blocks: int = 0
     finished: list[Request] = field(default_factory=list)
     num_blocks_used_end: int = -1  # after update_from_output (finished requests released)
 
@@ -80,4 +83,5 @@ class DecodeRun:
     first_num_blocks_used: int
     allocation_offsets: list[int]
     finished: list[Request]
-    last_num_blocks_used_end: int = -1  # after the run's finished requests released their blocks
+    last_num_blocks_used_end: int = -1
+    num_swapped: int = 0  # after the run's finished requests released their blocks

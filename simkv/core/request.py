@@ -32,7 +32,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "epoch", "has_own_cached_blocks",
-        "last_token_step",
+        "last_token_step", "swapped_blocks",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -76,6 +76,7 @@ class Request:
         self.epoch = 0
         self.has_own_cached_blocks = False
         self.last_token_step = -1
+        self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
         self.first_scheduled_step = -1
         self.first_token_step = -1
         self.finish_step = -1

@@ -25,11 +25,14 @@ from operator import attrgetter
 
 from simkv.config import EngineConfig
 from simkv.core.contiguous import ContiguousKVCacheManager
-from simkv.core.kv_cache_manager import KVCacheManager
+from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import DecodeRun, ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.request import Request, RequestStatus
 
 _seq_of = attrgetter("seq")
+
+
+_SWAPPED_IN = ComputedBlocks()  # a swapped-in request does no prefix lookup
 
 
 class LivelockError(RuntimeError):
@@ -37,7 +40,8 @@ class LivelockError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False) -> None:
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
+                 num_cpu_blocks: int = 0) -> None:
         sc, cc = config.scheduler, config.cache
         self.config = config
         self.max_num_seqs = sc.max_num_seqs
@@ -80,6 +84,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preempted_requests = 0
         self._preemptions_since_finish = 0
+        # Swap preemption (vLLM v0): CPU blocks in use, and counters.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_blocks_used = 0
+        self.num_swapped = 0
+        self.num_swap_outs = 0
+        self.total_swap_out_blocks = 0
+        self.total_swap_in_blocks = 0
         self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
         self.num_regular_gaps = 0
 
@@ -206,17 +217,32 @@ class Scheduler:
                 return request
             heapq.heappop(heap)
 
-    def _preempt(self, request: Request, step: int, scheduled_tokens: int) -> None:
+    def _preempt(self, request: Request, step: int, scheduled_tokens: int, plan: "_StepPlan | None" = None) -> None:
         if request.decode_base is not None:
             computed = self._leave_decoding(request, step)
             request.last_token_step = step - 1
         else:
             computed = request.num_computed_tokens
             self._prefilling.remove(request)
-        self.kv_cache_manager.free(request, computed + scheduled_tokens, finished=False)
+        kv = self.kv_cache_manager
+        held = kv.num_blocks_of(request)
+        swap = self.preemption_mode == "swap" and self.cpu_blocks_used + held <= self.num_cpu_blocks
+        # A swapped request keeps its computed tokens (its KV waits in CPU memory); the GPU
+        # blocks are released like a finished request's. Otherwise RECOMPUTE (or restart).
+        kv.free(request, computed + scheduled_tokens, finished=swap)
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        if swap:
+            request.num_computed_tokens = computed
+            request.swapped_blocks = held
+            self.cpu_blocks_used += held
+            self.num_swapped += 1
+            self.num_swap_outs += 1
+            self.total_swap_out_blocks += held
+            if plan is not None:
+                plan.swap_out_blocks += held
+        else:
+            request.num_computed_tokens = 0
         if self.preemption_mode == "restart":
             request.num_output_tokens = 0
         if request.num_preemptions == 0:
@@ -260,7 +286,8 @@ class Scheduler:
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
             num_waiting=self.num_waiting(), num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
-            prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit)
+            prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
+            num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks)
 
     def _schedule_running(self, step: int, active: list[Request], plan: "_StepPlan") -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -294,7 +321,7 @@ class Scheduler:
                 victim = self._pick_victim(request)
                 # A steady decoder ahead of `request` already took its token implicitly.
                 implicit = victim.seq < request.seq and victim.decode_base is not None
-                self._preempt(victim, step, plan.unschedule(victim, implicit))
+                self._preempt(victim, step, plan.unschedule(victim, implicit), plan)
                 plan.preempted.append(victim)
                 if victim is request:
                     break
@@ -340,8 +367,10 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
                 break
             request = self._peek_waiting()
-            computed = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - computed.num_tokens
+            swapped = request.swapped_blocks
+            computed = kv.get_computed_blocks(request) if not swapped else _SWAPPED_IN
+            base = request.num_computed_tokens if swapped else 0  # a swapped request keeps its KV
+            num_new = request.num_tokens - base - computed.num_tokens
             if 0 < plan.threshold < num_new:
                 num_new = plan.threshold
             if not self.enable_chunked_prefill and num_new > plan.budget:
@@ -349,14 +378,21 @@ class Scheduler:
                 break
             num_new = min(num_new, plan.budget)
             new_blocks = kv.allocate_slots(
-                request, 0, num_new, computed, self.num_lookahead_tokens,
+                request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
-            kv.record_prefix_cache_stats(request, computed.num_tokens)
-            plan.query += request.num_tokens
-            plan.hit += computed.num_tokens
+            if swapped:  # swap-in: its KV comes back from CPU memory into the new blocks
+                self.cpu_blocks_used -= swapped
+                self.num_swapped -= 1
+                self.total_swap_in_blocks += swapped
+                plan.swap_in_blocks += swapped
+                request.swapped_blocks = 0
+            else:
+                kv.record_prefix_cache_stats(request, computed.num_tokens)
+                plan.query += request.num_tokens
+                plan.hit += computed.num_tokens
             self._pop_waiting()
             is_resumed = request.status == RequestStatus.PREEMPTED
             self._append_running(request)
@@ -364,7 +400,7 @@ class Scheduler:
                 request.first_scheduled_step = step
                 request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
-            plan.chunks.append(ScheduledChunk(request, computed.num_tokens, num_new, is_resumed))
+            plan.chunks.append(ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed))
             plan.schedule(request, num_new)
             admitted += 1
 
@@ -500,7 +536,7 @@ class Scheduler:
             self._leave_decoding(request, end)
             finished.append(request)
         run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
-                        first_used, offsets, finished)
+                        first_used, offsets, finished, num_swapped=self.num_swapped)
         if finished:
             finished.sort(key=_seq_of)
             self._finish(finished, end - 1)
@@ -515,7 +551,8 @@ class Scheduler:
 class _StepPlan:
     """What one schedule() call has handed out so far."""
 
-    __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq")
+    __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
+                 "swap_out_blocks", "swap_in_blocks")
 
     def __init__(self, budget: int, threshold: int) -> None:
         self.budget = budget
@@ -526,6 +563,8 @@ class _StepPlan:
         self.query = 0
         self.hit = 0
         self.first_new_seq = -1
+        self.swap_out_blocks = 0
+        self.swap_in_blocks = 0
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new

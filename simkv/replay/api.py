@@ -28,12 +28,13 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     capacity = compute_capacity(config)
     if backend is None:
         backend = make_backend(cost_model, config, **(cost_options or {}))
-    engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, on_progress)
+    engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, on_progress,
+                          capacity=capacity)
     t0 = time.perf_counter()
     run = engine.run()
     wall = time.perf_counter() - t0
     requests = request_table(run, trace)
-    summary = summarize(run, trace, config, backend, capacity.num_gpu_blocks, wall, requests)
+    summary = summarize(run, trace, config, backend, capacity, wall, requests)
     return ReplayResult(summary, requests, run.steps.columns(), run)
 
 

@@ -88,10 +88,17 @@ class ReplayRun:
 
 class ReplayEngine:
     def __init__(self, trace, config: EngineConfig, backend: StepBackend, num_gpu_blocks: int,
-                 use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None) -> None:
+                 use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None,
+                 capacity=None) -> None:
         self.config = config
         self.backend = backend
-        self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail)
+        num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
+        self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail,
+                                   num_cpu_blocks=num_cpu_blocks)
+        # Swapping delays the step by its bytes over PCIe (not under the step-counting unit model).
+        block_bytes = capacity.kv_bytes_per_token * config.cache.block_size if capacity is not None else 0
+        self.swap_seconds_per_block = (0.0 if backend.name == "unit" else
+                                       block_bytes / (config.cache.pcie_bandwidth_gbs * 1e9))
         self.steps = StepLog()
         self.requests = RequestLog(len(trace))
         self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
@@ -150,6 +157,8 @@ class ReplayEngine:
                 raise ReplayError(self._stuck_message())
             start = self.now
             duration = self.backend.execute(out)
+            if out.num_swap_out_blocks or out.num_swap_in_blocks:
+                duration += (out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block
             self.now = start + duration
             yield env.timeout(duration)
             finished = sched.update_from_output(out)

@@ -95,8 +95,10 @@ def itl_distribution(run: ReplayRun) -> dict:
     return weighted_dist(durations, weights)
 
 
-def summarize(run: ReplayRun, trace, config, backend, num_gpu_blocks: int, wall_time_s: float,
+def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: float,
               requests: pd.DataFrame) -> dict:
+    num_gpu_blocks = capacity if isinstance(capacity, int) else capacity.num_gpu_blocks
+    block_bytes = 0 if isinstance(capacity, int) else capacity.kv_bytes_per_token * config.cache.block_size
     steps = run.steps.columns()
     sched = run.scheduler
     kv = sched.kv_cache_manager
@@ -132,6 +134,10 @@ def summarize(run: ReplayRun, trace, config, backend, num_gpu_blocks: int, wall_
         "prefix_cache": {"queries_new": stats.queries_new, "hits_new": stats.hits_new,
                          "queries_preempted": stats.queries_preempted, "hits_preempted": stats.hits_preempted},
         "num_evictions": int(kv.block_pool.num_evictions),
+        "num_swap_outs": int(sched.num_swap_outs),
+        "peak_requests_swapped": int(steps["num_swapped"].max(initial=0)),
+        "swap_out_bytes": int(sched.total_swap_out_blocks * block_bytes),
+        "swap_in_bytes": int(sched.total_swap_in_blocks * block_bytes),
         "false_prefix_hits": int(getattr(kv, "num_false_prefix_hits", 0)),
         "internal_fragmentation_pct": frag,
         "allocator_stats": kv.allocator_stats(),

@@ -9,12 +9,14 @@ from simkv.core.request import Request
 
 STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waiting",
                 "num_prefill_tokens", "num_decode_tokens", "num_blocks_used", "num_blocks_used_end",
-                "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished")
+                "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
+                "num_swapped", "num_swap_blocks")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 
 
 _SEGMENT_COLUMNS = ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens",
-                    "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished")
+                    "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
+                    "num_swapped", "num_swap_blocks")
 
 
 class StepLog:
@@ -50,7 +52,8 @@ class StepLog:
     def add_step(self, out: SchedulerOutput, start: float, duration: float) -> None:
         self._segment(out.step, 1, out.num_blocks_used, out.num_blocks_used_end,
                       (out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
-                       len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished)))
+                       len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
+                       out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._pending_starts.append(start)
         self._pending_durations.append(duration)
         self.num_steps += 1
@@ -59,7 +62,8 @@ class StepLog:
         self._flush_times()
         row0 = self.num_steps
         self._segment(run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
-                      (run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished)))
+                      (run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
+                       run.num_swapped, 0))
         self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
         self._starts.append(starts)
         self._durations.append(durations)
@@ -84,7 +88,7 @@ class StepLog:
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0))
         out["start_time_s"] = cat(self._starts).astype(np.float64)
         out["duration_s"] = cat(self._durations).astype(np.float64)
-        for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens"):
+        for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
             out[c] = np.repeat(np.asarray(self._seg[c], dtype=np.int64), lengths)
         allocs = np.cumsum(np.bincount(np.asarray(self._alloc_rows, dtype=np.int64), minlength=n)[:n])
         before = np.concatenate(([0], allocs))[np.repeat(seg_start_row, lengths)]
@@ -94,7 +98,7 @@ class StepLog:
             last_row[seg_start_row + lengths - 1] = True
         first_row = np.zeros(n, dtype=bool)
         first_row[seg_start_row[lengths > 0]] = True
-        for c in ("num_preemptions", "prefix_query_tokens", "prefix_hit_tokens"):
+        for c in ("num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_swap_blocks"):
             col = np.zeros(n, dtype=np.int64)
             col[first_row] = np.asarray(self._seg[c], dtype=np.int64)[lengths > 0]
             out[c] = col
