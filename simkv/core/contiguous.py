@@ -111,8 +111,17 @@ class ContiguousKVCacheManager:
         self.regions[request.index] = start
         return []
 
-    def append_decode_block(self, request: Request) -> None:
+    num_cow_pending = 0
+    num_cow_copies = 0
+
+    def decode_block_need(self, request: Request, num_computed_tokens: int, num_lookahead_tokens: int) -> bool:
+        return False  # a reservation holds max_model_len slots
+
+    def decode_write(self, request: Request, num_computed_tokens: int) -> None:
         raise AssertionError("a contiguous reservation never needs another block")
+
+    def fork(self, parent: Request, child: Request) -> None:
+        raise ValueError("parallel sampling (n > 1) is not supported with allocator=contiguous")
 
     def free(self, request: Request, num_computed_tokens: int, finished: bool) -> None:
         start = self.regions.pop(request.index, None)

@@ -73,6 +73,8 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size)
         self.num_false_prefix_hits = 0  # hit blocks whose content differs (weak hash only)
+        self.num_cow_copies = 0  # first writes into a partial block shared by forked sequences
+        self.num_forks = 0
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -140,6 +142,9 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 num_evictable += 1
         num_free = pool.free_block_queue.num_free_blocks
+        cow = self._shared_write_block(req_blocks, num_computed_tokens) if req_blocks else -1
+        if cow >= 0:
+            num_free -= 1  # the copy-on-write block
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
             need = max(cdiv(full, bs) - len(hit_blocks) - num_req_blocks, 0) + num_evictable
@@ -156,6 +161,8 @@ class KVCacheManager:
             pool.touch(hit_blocks)
             req_blocks.extend(hit_blocks)
             self.num_cached_block[request.index] = len(req_blocks)
+        if cow >= 0:
+            self._copy_on_write(req_blocks, cow)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
         if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
@@ -165,13 +172,52 @@ class KVCacheManager:
             self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
         return new_blocks
 
-    def append_decode_block(self, request: Request) -> KVCacheBlock:
-        """Hot path of a steady decoder crossing a block boundary: one block from the head
-        of the free queue (the caller checked that one is free). Its content is unique to
-        the request, so caching it waits until the request releases its blocks."""
-        block = self.block_pool.get_new_block()
-        self.req_to_blocks[request.index].append(block)
-        return block
+    def _shared_write_block(self, req_blocks: list[KVCacheBlock], num_computed_tokens: int) -> int:
+        """Index of the partly filled block the next token goes into, if other sequences still
+        share it (it must be copied first), else -1."""
+        if num_computed_tokens % self.block_size == 0:
+            return -1
+        i = num_computed_tokens // self.block_size
+        return i if i < len(req_blocks) and req_blocks[i].ref_cnt > 1 else -1
+
+    def _copy_on_write(self, req_blocks: list[KVCacheBlock], i: int) -> None:
+        shared = req_blocks[i]
+        req_blocks[i] = self.block_pool.get_new_block()
+        shared.ref_cnt -= 1  # stays >= 1: another sequence still holds it
+        self.num_cow_copies += 1
+
+    @property
+    def num_cow_pending(self) -> int:
+        """Forked sequences exist (only then can a partial block be shared)."""
+        return self.num_forks
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Parallel sampling: the child sequence shares every block of the parent's prompt."""
+        self.num_forks += 1
+        blocks = self.req_to_blocks[parent.index]
+        for block in blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child.index] = list(blocks)
+        self.num_cached_block[child.index] = self.num_cached_block[parent.index]
+        child.block_hashes = parent.block_hashes[:parent.num_prompt_tokens // self.block_size]
+
+    def decode_block_need(self, request: Request, num_computed_tokens: int, num_lookahead_tokens: int) -> bool:
+        """Whether a steady decoder's next token needs a block: a copy of a shared partial
+        block, or a new block at a boundary."""
+        blocks = self.req_to_blocks[request.index]
+        if self._shared_write_block(blocks, num_computed_tokens) >= 0:
+            return True
+        need = min(num_computed_tokens + 1 + num_lookahead_tokens, self.max_model_len)
+        return cdiv(need, self.block_size) > len(blocks)
+
+    def decode_write(self, request: Request, num_computed_tokens: int) -> None:
+        """Give a steady decoder the block its next token needs (decode_block_need was True)."""
+        blocks = self.req_to_blocks[request.index]
+        cow = self._shared_write_block(blocks, num_computed_tokens)
+        if cow >= 0:
+            self._copy_on_write(blocks, cow)
+        else:
+            blocks.append(self.block_pool.get_new_block())
 
     def _cache_full_blocks(self, request: Request, end: int) -> None:
         """Hash and make findable the request's blocks [num_cached_block, end)."""

@@ -32,7 +32,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "epoch", "has_own_cached_blocks",
-        "last_token_step", "swapped_blocks",
+        "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -49,6 +49,7 @@ class Request:
         cache_salt: str | None = None,
         shared_hash_ids: np.ndarray | None = None,
         hash_block_tokens: int = 0,
+        num_samples: int = 1,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -77,6 +78,13 @@ class Request:
         self.has_own_cached_blocks = False
         self.last_token_step = -1
         self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
+        # Parallel sampling: the request forks into `num_samples` sequences after its prefill;
+        # the extra ones point at it as `parent`. The group finishes when all sequences have.
+        self.num_samples = num_samples
+        self.parent: Request | None = None
+        self.forked = False
+        self.group_remaining = num_samples
+        self.group_output_tokens = 0
         self.first_scheduled_step = -1
         self.first_token_step = -1
         self.finish_step = -1

@@ -84,6 +84,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preempted_requests = 0
         self._preemptions_since_finish = 0
+        self._next_child_index = 1 << 40  # parallel-sampling sequences: beyond any trace row
         # Swap preemption (vLLM v0): CPU blocks in use, and counters.
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_blocks_used = 0
@@ -157,7 +158,13 @@ class Scheduler:
     def _push_decoder_events(self, request: Request, from_step: int) -> None:
         request.decode_last_step = self._finish_step_of(request)
         heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
-        self._push_boundary(request, from_step)
+        kv = self.kv_cache_manager
+        computed = from_step + request.decode_base
+        if kv.num_cow_pending and kv.decode_block_need(request, computed, self.num_lookahead_tokens):
+            # a forked sequence whose next token goes into a shared partial block: copy first
+            heapq.heappush(self._boundary_heap, (from_step, request.seq, request.epoch, request))
+        else:
+            self._push_boundary(request, from_step)
 
     def _push_boundary(self, request: Request, from_step: int) -> None:
         """Schedule the step at which the steady decoder needs its next block, if before it ends."""
@@ -436,23 +443,31 @@ class Scheduler:
                 request.first_token_step = step
             else:
                 self.irregular_gaps.append((request.last_token_step, step))
-            if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-                finished.append(request)
-            else:
-                self._enroll_decoder(request, step + 1)
+            sequences = [request]
+            if request.num_samples > 1 and not request.forked:
+                sequences += self._fork(request, step)
+            for seq_request in sequences:
+                if (seq_request.num_output_tokens >= seq_request.max_tokens
+                        or seq_request.num_tokens >= self.max_model_len):
+                    finished.append(seq_request)
+                else:
+                    self._enroll_decoder(seq_request, step + 1)
         for request in self._pop_due(self._finish_heap, step):
             self._leave_decoding(request, step + 1)
             finished.append(request)
         if finished:
             finished.sort(key=_seq_of)
-            self._finish(finished, step)
+            finished = self._finish(finished, step)
         output.finished = finished
         output.num_blocks_used_end = self.kv_cache_manager.block_pool.get_num_used_blocks()
         return finished
 
-    def _finish(self, finished: list[Request], step: int) -> None:
+    def _finish(self, finished: list[Request], step: int) -> list[Request]:
+        """Release finished sequences; returns the requests that are now complete (a parallel
+        sampling group completes with its last sequence)."""
         self._preemptions_since_finish = 0
         kv = self.kv_cache_manager
+        complete = []
         for request in finished:
             if request in self._prefilling:
                 self._prefilling.remove(request)
@@ -460,6 +475,34 @@ class Scheduler:
             self._remove_running(request)
             request.status = RequestStatus.FINISHED
             request.finish_step = step
+            root = request.parent or request
+            root.group_remaining -= 1
+            root.group_output_tokens += request.num_output_tokens
+            if root.group_remaining == 0:
+                root.finish_step = step
+                complete.append(root)
+        return complete
+
+    def _fork(self, request: Request, step: int) -> list[Request]:
+        """Parallel sampling: after the prompt, n-1 more sequences share its blocks; each has
+        sampled its own first token."""
+        request.forked = True
+        children = []
+        for k in range(1, request.num_samples):
+            child = Request(f"{request.request_id}#{k}", self._next_child_index, request.arrival_time,
+                            request.num_prompt_tokens, request.max_tokens, request.priority, request.cache_salt,
+                            request.shared_hash_ids, request.hash_block_tokens)
+            self._next_child_index += 1
+            child.parent = request
+            child.num_samples = 1
+            child.num_output_tokens = 1
+            child.num_computed_tokens = request.num_computed_tokens
+            child.first_scheduled_step = request.first_scheduled_step
+            child.first_token_step = step
+            self.kv_cache_manager.fork(request, child)
+            self._append_running(child)
+            children.append(child)
+        return children
 
     # ---- many decode steps at once -------------------------------------------------------------
     def decode_run_limit(self) -> int:
@@ -506,7 +549,8 @@ class Scheduler:
         n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
         offsets = []
-        append_block, push_boundary = kv.append_decode_block, self._push_boundary
+        block_need, write, push_boundary = kv.decode_block_need, kv.decode_write, self._push_boundary
+        lookahead = self.num_lookahead_tokens
         # Allocations happen in (step, running order), exactly as stepping would make them.
         # If the pool runs dry at step t, the run ends before t; allocations already made
         # for step t are the ones step t makes first anyway (the rest of it runs normally).
@@ -515,12 +559,14 @@ class Scheduler:
             at, _, epoch, request = event
             if epoch != request.epoch or request.status != RequestStatus.RUNNING:
                 continue
-            if free_queue.num_free_blocks == 0:
-                heapq.heappush(heap, event)
-                end = at
-                break
-            append_block(request)
-            offsets.append(at - start)
+            computed = at + request.decode_base
+            if block_need(request, computed, lookahead):
+                if free_queue.num_free_blocks == 0:
+                    heapq.heappush(heap, event)
+                    end = at
+                    break
+                write(request, computed)
+                offsets.append(at - start)
             push_boundary(request, at + 1)
         if end <= start:
             return None
@@ -539,7 +585,7 @@ class Scheduler:
                         first_used, offsets, finished, num_swapped=self.num_swapped)
         if finished:
             finished.sort(key=_seq_of)
-            self._finish(finished, end - 1)
+            run.finished = self._finish(finished, end - 1)
         run.last_num_blocks_used_end = kv.block_pool.get_num_used_blocks() - early
         return run
 

@@ -73,7 +73,8 @@ class ArrivalFeed:
             priority=int(self._priority[i]) if self._priority is not None else 0,
             cache_salt=self._salt[i] if self._salt is not None else None,
             shared_hash_ids=hashes,
-            hash_block_tokens=int(trace.hash_block_tokens[i]) if self._has_hashes else 0)
+            hash_block_tokens=int(trace.hash_block_tokens[i]) if self._has_hashes else 0,
+            num_samples=int(trace.n[i]) if trace.n is not None else 1)
         self.scheduler.add_request(request)
 
 

@@ -134,6 +134,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "prefix_cache": {"queries_new": stats.queries_new, "hits_new": stats.hits_new,
                          "queries_preempted": stats.queries_preempted, "hits_preempted": stats.hits_preempted},
         "num_evictions": int(kv.block_pool.num_evictions),
+        "num_cow_copies": int(getattr(kv, "num_cow_copies", 0)),
         "num_swap_outs": int(sched.num_swap_outs),
         "peak_requests_swapped": int(steps["num_swapped"].max(initial=0)),
         "swap_out_bytes": int(sched.total_swap_out_blocks * block_bytes),

@@ -132,7 +132,7 @@ class RequestLog:
         ints["first_scheduled_step"][i] = request.first_scheduled_step
         ints["first_token_step"][i] = request.first_token_step
         ints["finish_step"][i] = request.finish_step
-        ints["num_output_tokens"][i] = request.num_output_tokens
+        ints["num_output_tokens"][i] = request.group_output_tokens  # all sequences of the request
         ints["num_computed_tokens"][i] = request.num_computed_tokens
         ints["prefix_hit_tokens"][i] = request.num_prefix_hit_tokens
         ints["total_prefix_hit_tokens"][i] = request.num_total_prefix_hit_tokens
