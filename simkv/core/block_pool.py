@@ -35,10 +35,11 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks with fake head and tail nodes.
+    """Doubly linked list of free blocks with fake head and tail nodes (part of BlockPool).
 
-    Allocation pops from the head; `remove` takes a block out of the middle in O(1);
-    `prepend_n` / `append_n` put released blocks at the front (reused first) or the back.
+    Allocation pops from the head; `remove` takes a block out of the middle in O(1); released
+    blocks arrive as linked chains at the front (reused first) or the back. BlockPool's hot
+    loops (`get_new_blocks`, `free_blocks`) walk and link the nodes directly.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -71,32 +72,23 @@ class FreeKVCacheBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        """Put `blocks` at the front, keeping their order (blocks[0] becomes the head)."""
-        if not blocks:
-            return
+    def prepend_chain(self, head: KVCacheBlock, tail: KVCacheBlock, count: int) -> None:
+        """Put a linked chain head..tail of `count` blocks at the front (head becomes first)."""
         first = self.fake_head.next_free_block
-        prev = self.fake_head
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        self.fake_head.next_free_block = head
+        head.prev_free_block = self.fake_head
+        tail.next_free_block = first
+        first.prev_free_block = tail
+        self.num_free_blocks += count
 
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        """Put `blocks` at the back, keeping their order (blocks[-1] becomes the tail)."""
-        if not blocks:
-            return
-        prev = self.fake_tail.prev_free_block
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+    def append_chain(self, head: KVCacheBlock, tail: KVCacheBlock, count: int) -> None:
+        """Put a linked chain head..tail of `count` blocks at the back (tail becomes last)."""
+        last = self.fake_tail.prev_free_block
+        last.next_free_block = head
+        head.prev_free_block = last
+        tail.next_free_block = self.fake_tail
+        self.fake_tail.prev_free_block = tail
+        self.num_free_blocks += count
 
     def block_ids(self) -> list[int]:
         """Free block ids from head to tail (for tests and debugging; O(n))."""
@@ -208,15 +200,7 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """Pop one block from the head of the free queue (the hot path of decode)."""
-        queue = self.free_block_queue
-        head = queue.fake_head
-        block = head.next_free_block
-        if block is queue.fake_tail:
-            raise ValueError("No free blocks available")
-        nxt = block.next_free_block
-        head.next_free_block = nxt
-        nxt.prev_free_block = head
-        queue.num_free_blocks -= 1
+        block = self.free_block_queue.popleft()
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
@@ -277,18 +261,9 @@ class BlockPool:
                 back_tail = block
                 num_back += 1
         if num_front:
-            first = queue.fake_head.next_free_block
-            queue.fake_head.next_free_block = front_head
-            front_head.prev_free_block = queue.fake_head
-            front_tail.next_free_block = first
-            first.prev_free_block = front_tail
+            queue.prepend_chain(front_head, front_tail, num_front)
         if num_back:
-            last = queue.fake_tail.prev_free_block
-            last.next_free_block = back_head
-            back_head.prev_free_block = last
-            back_tail.next_free_block = queue.fake_tail
-            queue.fake_tail.prev_free_block = back_tail
-        queue.num_free_blocks += num_front + num_back
+            queue.append_chain(back_head, back_tail, num_back)
 
     def check_invariants(self) -> None:
         """Assert the pool invariants (O(num blocks); tests only)."""

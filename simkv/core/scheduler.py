@@ -308,7 +308,7 @@ class Scheduler:
             pos = self._position(request)
             quiet = pos - prev_pos - 1
             if quiet >= plan.budget:
-                return prev_pos + 1 + plan.budget if self._stall_budget(plan) else -1
+                return self._exhaust_budget(plan, prev_pos)
             plan.budget -= quiet
             prev_pos = pos
             is_decoder = request.decode_base is not None
@@ -346,14 +346,17 @@ class Scheduler:
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
         quiet = end - prev_pos - 1
         if quiet > plan.budget:
-            return prev_pos + 1 + plan.budget if self._stall_budget(plan) else -1
+            return self._exhaust_budget(plan, prev_pos)
         plan.budget -= quiet
         return -1
 
     @staticmethod
-    def _stall_budget(plan: "_StepPlan") -> bool:
+    def _exhaust_budget(plan: "_StepPlan", prev_pos: int) -> int:
+        """The quiet decoders after `prev_pos` take the rest of the budget; the first one
+        left without a token is at the returned position."""
+        stall_pos = prev_pos + 1 + plan.budget
         plan.budget = 0
-        return True
+        return stall_pos
 
     def _position_of_seq(self, seq: int) -> int:
         return bisect_left(self.running, seq, key=_seq_of)

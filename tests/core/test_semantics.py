@@ -156,3 +156,21 @@ def test_priority_policy_preempts_lowest_priority():
     out = step(s)
     # victims: max (priority, arrival): r0 (priority 5) first, then r2 (priority 1)
     assert [r.request_id for r in out.preempted] == ["r0", "r2"]
+
+
+def test_exhausted_budget_leaves_later_decoders_unscheduled():
+    """Admissions before the running requests (a policy knob) can use up the token budget:
+    the decoders that find no budget left do not advance in that step and catch up later."""
+    s = Scheduler(make_config(num_gpu_blocks=101, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64,
+                              admission_order="before_running"), 101)
+    d1, d2, d3 = make_request(0, 2, 20), make_request(1, 2, 20), make_request(2, 2, 20)
+    for r in (d1, d2, d3):
+        s.add_request(r)
+    step(s)  # all three prefill (6 tokens)
+    s.add_request(make_request(3, 8, 3))
+    out = step(s)  # the newcomer takes 8 of 10 tokens first: d1, d2 decode, d3 waits a step
+    assert out.num_prefill_tokens == 8 and out.num_decode_reqs == 2
+    assert [s.num_computed_tokens(r) for r in (d1, d2, d3)] == [3, 3, 2]
+    out = step(s)
+    assert out.num_decode_reqs == 4
+    assert [s.num_computed_tokens(r) for r in (d1, d2, d3)] == [4, 4, 3]
