@@ -258,7 +258,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._requeue_preempted(request)
         self._preemptions_since_finish += 1
-        if self._preemptions_since_finish > 1000 + 100 * (len(self.running) + self.num_waiting()):
+        if self._preemptions_since_finish > 200 + 20 * (len(self.running) + self.num_waiting()):
             raise LivelockError(
                 f"{self._preemptions_since_finish} preemptions in a row without any request finishing "
                 f"(last victim {request.request_id}, preempted {request.num_preemptions} times; "
