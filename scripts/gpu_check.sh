@@ -8,7 +8,11 @@
 # step is recorded, not fatal.  Writes OUTDIR/summary.md plus raw logs, JUnit XML and the
 # benchmark's JSON/CSV/markdown.  Paste the tables of summary.md into reports/kernels.md.
 set -euo pipefail
-OUT="${1:?usage: bash scripts/gpu_check.sh OUTDIR}"
+OUT="${1:?usage: bash scripts/gpu_check.sh OUTDIR   (GPU_CHECK_MODE=all|kernels|loop, default all)}"
+# all (default): kernel tests + a short benchmark + the gpu_backend loop, about 8.5 minutes in all, to
+#                fit one 10-minute device command; kernels / loop: one part with its full budget.
+MODE="${GPU_CHECK_MODE:-all}"
+case "$MODE" in all|kernels|loop) ;; *) echo "GPU_CHECK_MODE must be all, kernels or loop" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
@@ -32,14 +36,16 @@ step() {  # step NAME SECONDS CMD...  -> runs CMD with a timeout, logs to OUT/NA
     echo "   -> $name: $(cat "$OUT/$name.status")"
 }
 
+if [ "$MODE" != loop ]; then
+TEST_LIMIT=$([ "$MODE" = all ] && echo 180 || echo 240)
 step env 60 bash -c "date -u; nvidia-smi || true; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA DEVICE\")'"
 
 if $PY -c "import pytest" 2>/dev/null; then
     # three shards in parallel: kernel compilation (CPU-bound) dominates the test time
     PYTEST=($PY -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels --continue-on-collection-errors -rfEs -o addopts="")
-    step tests_attention 240 "${PYTEST[@]}" tests/kernels/test_kernels_paged_attention.py --junitxml="$OUT/tests_attention.xml" &
-    step tests_cuda 240 "${PYTEST[@]}" tests/kernels/test_kernels_cuda.py --junitxml="$OUT/tests_cuda.xml" &
-    step tests_other 240 "${PYTEST[@]}" tests/kernels -k "not sm90" --ignore=tests/kernels/test_kernels_paged_attention.py \
+    step tests_attention "$TEST_LIMIT" "${PYTEST[@]}" tests/kernels/test_kernels_paged_attention.py --junitxml="$OUT/tests_attention.xml" &
+    step tests_cuda "$TEST_LIMIT" "${PYTEST[@]}" tests/kernels/test_kernels_cuda.py --junitxml="$OUT/tests_cuda.xml" &
+    step tests_other "$TEST_LIMIT" "${PYTEST[@]}" tests/kernels -k "not sm90" --ignore=tests/kernels/test_kernels_paged_attention.py \
         --ignore=tests/kernels/test_kernels_cuda.py --junitxml="$OUT/tests_other.xml" &
     wait
 else
@@ -48,7 +54,8 @@ fi
 
 ELAPSED=$(( $(date +%s) - START ))
 BUDGET=$(( 400 - ELAPSED ))            # keep the whole run under ~8 minutes
-if [ "$BUDGET" -lt 90 ]; then BUDGET=90; fi
+if [ "$MODE" = all ]; then BUDGET=$(( 240 - ELAPSED )); fi   # leave ~4.5 minutes for the loop
+if [ "$BUDGET" -lt 60 ]; then BUDGET=60; fi
 BENCH_ARGS=(--out "$OUT/bench" --budget "$BUDGET")
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then BENCH_ARGS+=(--dry-run); fi   # CPU smoke test of this script
 step bench $(( BUDGET + 60 )) $PY bench/kernels.py "${BENCH_ARGS[@]}"
@@ -75,6 +82,7 @@ step bench $(( BUDGET + 60 )) $PY bench/kernels.py "${BENCH_ARGS[@]}"
     echo "Total time: $(( $(date +%s) - START ))s"
 } >"$OUT/summary.md"
 echo "wrote $OUT/summary.md"
+fi  # MODE != loop
 
 # >>>>>>>>>> gpu_backend loop (GPU BACKEND issue; owner: gpu_backend/, simkv/calibration, simkv/compare) >>>>>>>>>>
 # The full loop for llama-3-8b in bf16, bounded to at most 9 minutes on its own:
@@ -85,27 +93,28 @@ echo "wrote $OUT/summary.md"
 # Skip it with GPU_CHECK_SKIP_LOOP=1. To run ONLY the loop (the kernel part above takes ~8 minutes):
 #   PYTHONPATH=$PWD:/tmp/site python3 -m gpu_backend.loop OUTDIR/gpu_loop --total-s 520
 # after installing the wheels as below.
-# The GPU host has no simpy (and maybe no rich): both are pure Python; their py3-none-any wheels are carried
-# in the git-ignored .whl/ folder, made on a networked machine with
+# The GPU host has no simpy (and maybe no rich): both are pure Python; their py3-none-any wheels are
+# committed in scripts/gpu_wheels/ (1.7 MB), made on a networked machine with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl simpy==4.1.2 rich markdown-it-py mdurl pygments
-# and installed here with `pip install --no-deps --no-index --target /tmp/site .whl/*.whl` + PYTHONPATH.
+#       -d scripts/gpu_wheels simpy==4.1.2 rich markdown-it-py mdurl pygments
+# and installed there with `pip install --no-deps --no-index --target /tmp/site scripts/gpu_wheels/*.whl` + PYTHONPATH.
 gpu_backend_loop() {
     local out="$1/gpu_loop"
     mkdir -p "$out"
     local site=/tmp/site
     if ! $PY -c "import simpy, rich" 2>/dev/null; then
-        if ls .whl/*.whl >/dev/null 2>&1; then
-            $PY -m pip install -q --no-deps --no-index --target "$site" .whl/*.whl >"$out/wheels.log" 2>&1 \
-                || { echo "pip --target failed; importing the wheels as zips" >>"$out/wheels.log"; site="$(ls -d "$PWD"/.whl/*.whl | paste -sd:)"; }
+        if ls scripts/gpu_wheels/*.whl >/dev/null 2>&1; then
+            $PY -m pip install -q --no-deps --no-index --target "$site" scripts/gpu_wheels/*.whl >"$out/wheels.log" 2>&1 \
+                || { echo "pip --target failed; importing the wheels as zips" >>"$out/wheels.log"; site="$(ls -d "$PWD"/scripts/gpu_wheels/*.whl | paste -sd:)"; }
         else
             echo "   -> gpu_backend loop: simpy/rich missing and no .whl/ folder; see the comment above" | tee "$out/wheels.log"
         fi
     fi
-    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop 540 $PY -m gpu_backend.loop "$out" --model llama-3-8b --total-s 520 ${GPU_LOOP_ARGS:-}
+    local total=$([ "$MODE" = all ] && echo 250 || echo 520)
+    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop $(( total + 20 )) $PY -m gpu_backend.loop "$out" --model llama-3-8b --total-s "$total" ${GPU_LOOP_ARGS:-}
     cat "$out/loop_summary.md" 2>/dev/null >>"$OUT/summary.md" || true
 }
-if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ]; then
+if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ] && [ "$MODE" != kernels ]; then
     gpu_backend_loop "$OUT" || true
     echo "wrote $OUT/gpu_loop/loop_summary.md"
 fi
