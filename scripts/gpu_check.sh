@@ -107,7 +107,7 @@ gpu_backend_loop() {
             $PY -m pip install -q --no-deps --no-index --target "$site" scripts/gpu_wheels/*.whl >"$out/wheels.log" 2>&1 \
                 || { echo "pip --target failed; importing the wheels as zips" >>"$out/wheels.log"; site="$(ls -d "$PWD"/scripts/gpu_wheels/*.whl | paste -sd:)"; }
         else
-            echo "   -> gpu_backend loop: simpy/rich missing and no .whl/ folder; see the comment above" | tee "$out/wheels.log"
+            echo "   -> gpu_backend loop: simpy/rich missing and no scripts/gpu_wheels/; see the comment above" | tee "$out/wheels.log"
         fi
     fi
     local total=$([ "$MODE" = all ] && echo 250 || echo 520)
