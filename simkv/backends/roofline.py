@@ -61,18 +61,19 @@ class RooflineCostModel:
         self.fixed_s = step_overhead_s + self.comm_fixed
         self.seq_overhead_s = seq_overhead_s
 
-    def _time(self, tokens, num_seqs, pairs, kv_read):
-        """Works on Python numbers and on numpy arrays with identical float results."""
+    def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum):
+        """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
+        operation is the same IEEE operation in the same order, so results are identical."""
         flops = self.flops_per_token * tokens + self.flops_per_seq * num_seqs + self.flops_per_pair * pairs
         traffic = self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)
-        busy = np.maximum(flops / self.flop_rate, traffic / self.byte_rate)
+        busy = maximum(flops / self.flop_rate, traffic / self.byte_rate)
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
     def execute(self, output: SchedulerOutput) -> float:
         p_tokens, p_pairs, p_read = prefill_work(output)
         n = output.num_decode_reqs
         ctx = output.decode_context_tokens
-        return float(self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx))
+        return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
 
     def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
         ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
