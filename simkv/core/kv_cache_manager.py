@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from simkv.core.block_hashing import BlockHasher, WeakBlockHasher
-from simkv.core.block_pool import UNFINDABLE_HASH, BlockPool, KVCacheBlock
+from simkv.core.block_pool import BlockPool, KVCacheBlock
 from simkv.core.request import Request, RequestStatus
 
 

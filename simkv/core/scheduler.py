@@ -5,12 +5,9 @@ requests are served in list order (one token for a decode, the rest of a prefill
 budget), then waiting requests from the head until one does not fit; an allocation failure
 preempts the newest running request (RECOMPUTE) and blocks admissions for the step.
 
-Speed: steady decoders are not touched every step. A running request whose prompt is done
-decodes exactly one token per step, so its `num_computed_tokens` is `step + decode_base`
-and the steps at which it needs a block or finishes are known in advance; they sit in
-heaps. A step costs O(events + log running), not O(running). `decode_run_limit` and
-`advance_decode_run` jump over many event-free decode steps at once; the results are
-identical to stepping one by one (tests/core/test_decode_runs.py checks this).
+Speed: steady decoders are not touched every step (steady_decoders.py): a step costs
+O(events + log running), not O(running), and runs of event-free decode steps are jumped over
+with results identical to stepping one by one.
 
 Invariants: `running` is ordered by `seq` (admission order); a request is in `_prefilling`
 iff it is running and not a steady decoder; steady decoders have `decode_base` set.
@@ -20,14 +17,16 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections import deque
 from operator import attrgetter
 
 from simkv.config import EngineConfig
 from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
-from simkv.core.outputs import DecodeRun, ScheduledChunk, ScheduledDecode, SchedulerOutput
+from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.request import Request, RequestStatus
+from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from simkv.core.steady_decoders import SteadyDecoders
+from simkv.core.step_plan import StepPlan
 
 _seq_of = attrgetter("seq")
 
@@ -39,7 +38,7 @@ class LivelockError(RuntimeError):
     """Requests keep being preempted and none finishes: the configuration cannot make progress."""
 
 
-class Scheduler:
+class Scheduler(SteadyDecoders):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0) -> None:
         sc, cc = config.scheduler, config.cache
@@ -66,8 +65,7 @@ class Scheduler:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block)
-        self.waiting: deque[Request] = deque()
-        self._waiting_heap: list[tuple] = []  # priority policy
+        self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -98,28 +96,13 @@ class Scheduler:
     # ---- queues ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        if self.policy == "priority":
-            heapq.heappush(self._waiting_heap, (request.priority, request.arrival_time, request.index, request))
-        else:
-            self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def num_waiting(self) -> int:
-        return len(self._waiting_heap) if self.policy == "priority" else len(self.waiting)
+        return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or self.num_waiting() > 0
-
-    def _peek_waiting(self) -> Request:
-        return self._waiting_heap[0][-1] if self.policy == "priority" else self.waiting[0]
-
-    def _pop_waiting(self) -> Request:
-        return heapq.heappop(self._waiting_heap)[-1] if self.policy == "priority" else self.waiting.popleft()
-
-    def _requeue_preempted(self, request: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._waiting_heap, (request.priority, request.arrival_time, request.index, request))
-        else:
-            self.waiting.appendleft(request)
+        return bool(self.running) or len(self.waiting) > 0
 
     def _position(self, request: Request) -> int:
         return bisect_left(self.running, request.seq, key=_seq_of)
@@ -136,81 +119,6 @@ class Scheduler:
     def _remove_running(self, request: Request) -> None:
         del self.running[self._position(request)]
 
-    # ---- steady decoders ---------------------------------------------------------------------
-    def num_computed_tokens(self, request: Request) -> int:
-        """The request's computed tokens before the next step is scheduled."""
-        if request.decode_base is not None:
-            return self.current_step + request.decode_base
-        return request.num_computed_tokens
-
-    def _enroll_decoder(self, request: Request, next_step: int) -> None:
-        self._prefilling.remove(request)  # small list: prefilling requests only
-        request.decode_base = request.num_computed_tokens - next_step
-        request.epoch += 1
-        self._num_decoders += 1
-        self._sum_decode_base += request.decode_base
-        self._push_decoder_events(request, next_step)
-
-    def _finish_step_of(self, request: Request) -> int:
-        target = min(request.max_tokens + request.num_prompt_tokens - 1, self.max_model_len - 1)
-        return target - 1 - request.decode_base
-
-    def _push_decoder_events(self, request: Request, from_step: int) -> None:
-        request.decode_last_step = self._finish_step_of(request)
-        heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
-        kv = self.kv_cache_manager
-        computed = from_step + request.decode_base
-        if kv.num_cow_pending and kv.decode_block_need(request, computed, self.num_lookahead_tokens):
-            # a forked sequence whose next token goes into a shared partial block: copy first
-            heapq.heappush(self._boundary_heap, (from_step, request.seq, request.epoch, request))
-        else:
-            self._push_boundary(request, from_step)
-
-    def _push_boundary(self, request: Request, from_step: int) -> None:
-        """Schedule the step at which the steady decoder needs its next block, if before it ends."""
-        held = self.kv_cache_manager.num_blocks_of(request) * self.block_size
-        if held >= self.max_model_len:
-            return
-        step = held - self.num_lookahead_tokens - request.decode_base
-        if step < from_step:
-            step = from_step
-        if step <= request.decode_last_step:
-            heapq.heappush(self._boundary_heap, (step, request.seq, request.epoch, request))
-
-    def _leave_decoding(self, request: Request, step: int) -> int:
-        """Materialise a steady decoder's counters at `step`; returns its computed tokens."""
-        computed = step + request.decode_base
-        self._num_decoders -= 1
-        self._sum_decode_base -= request.decode_base
-        request.decode_base = None
-        request.epoch += 1
-        request.num_computed_tokens = computed
-        request.num_output_tokens = computed + 1 - request.num_prompt_tokens
-        return computed
-
-    def _stall(self, requests: list[Request], step: int) -> tuple[int, int]:
-        """Requests left unscheduled by an exhausted budget. Decoders slip one step."""
-        num, base_sum = 0, 0
-        for request in requests:
-            if request.decode_base is None:
-                continue
-            num += 1
-            base_sum += request.decode_base
-            request.decode_base -= 1
-            self._sum_decode_base -= 1
-            request.epoch += 1
-            self._push_decoder_events(request, step + 1)
-        return num, base_sum
-
-    def _pop_due(self, heap: list[tuple], step: int) -> list[Request]:
-        due = []
-        while heap and heap[0][0] <= step:
-            at, _, epoch, request = heapq.heappop(heap)
-            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
-                assert at == step, f"missed event of {request} at step {at} (now {step})"
-                due.append(request)
-        return due
-
     # ---- preemption --------------------------------------------------------------------------
     def _pick_victim(self, requester: Request) -> Request:
         if self.preemption_victim == "requester":
@@ -224,7 +132,7 @@ class Scheduler:
                 return request
             heapq.heappop(heap)
 
-    def _preempt(self, request: Request, step: int, scheduled_tokens: int, plan: "_StepPlan | None" = None) -> None:
+    def _preempt(self, request: Request, step: int, scheduled_tokens: int, plan: StepPlan | None = None) -> None:
         if request.decode_base is not None:
             computed = self._leave_decoding(request, step)
             request.last_token_step = step - 1
@@ -256,7 +164,7 @@ class Scheduler:
             self.num_preempted_requests += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._requeue_preempted(request)
+        self.waiting.prepend_request(request)
         self._preemptions_since_finish += 1
         if self._preemptions_since_finish > 200 + 20 * (len(self.running) + self.num_waiting()):
             raise LivelockError(
@@ -270,7 +178,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = self.current_step
         self.current_step += 1
-        plan = _StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
+        plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
         active = self._prefilling + self._pop_due(self._boundary_heap, step)
         active.sort(key=_seq_of)
         if self.admit_before_running:
@@ -296,7 +204,7 @@ class Scheduler:
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks)
 
-    def _schedule_running(self, step: int, active: list[Request], plan: "_StepPlan") -> int:
+    def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
         left unscheduled by an exhausted budget (-1 if none). Steady decoders between the
         `active` ones (prefills, decoders crossing a block boundary) each take one token."""
@@ -351,7 +259,7 @@ class Scheduler:
         return -1
 
     @staticmethod
-    def _exhaust_budget(plan: "_StepPlan", prev_pos: int) -> int:
+    def _exhaust_budget(plan: StepPlan, prev_pos: int) -> int:
         """The quiet decoders after `prev_pos` take the rest of the budget; the first one
         left without a token is at the returned position."""
         stall_pos = prev_pos + 1 + plan.budget
@@ -370,13 +278,13 @@ class Scheduler:
             threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
         return threshold
 
-    def _schedule_waiting(self, step: int, plan: "_StepPlan") -> None:
+    def _schedule_waiting(self, step: int, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         admitted = 0
         while plan.budget > 0 and self.num_waiting():
             if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
                 break
-            request = self._peek_waiting()
+            request = self.waiting.peek_request()
             swapped = request.swapped_blocks
             computed = kv.get_computed_blocks(request) if not swapped else _SWAPPED_IN
             base = request.num_computed_tokens if swapped else 0  # a swapped request keeps its KV
@@ -403,7 +311,7 @@ class Scheduler:
                 kv.record_prefix_cache_stats(request, computed.num_tokens)
                 plan.query += request.num_tokens
                 plan.hit += computed.num_tokens
-            self._pop_waiting()
+            self.waiting.pop_request()
             is_resumed = request.status == RequestStatus.PREEMPTED
             self._append_running(request)
             if request.first_scheduled_step < 0:
@@ -507,126 +415,6 @@ class Scheduler:
             children.append(child)
         return children
 
-    # ---- many decode steps at once -------------------------------------------------------------
-    def decode_run_limit(self) -> int:
-        """Number of upcoming steps guaranteed to be plain decode steps (the last one may
-        finish requests), or 0 when the next step must be scheduled normally."""
-        if self._prefilling or not self.running or self.detail:
-            return 0
-        if self.num_waiting() and not self._admission_stuck():
-            return 0
-        heap = self._finish_heap
-        while heap:
-            at, _, epoch, request = heap[0]
-            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
-                return at - self.current_step + 1
-            heapq.heappop(heap)
-        return 0
-
-    def _admission_stuck(self) -> bool:
-        if len(self.running) >= self.max_num_seqs:
-            return True
-        budget = self.max_num_batched_tokens
-        if not self.admit_before_running:
-            budget -= self._num_decoders
-        if budget <= 0:
-            return True
-        marker = self._blocked_marker
-        return (marker is not None and marker[0] is self._peek_waiting()
-                and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget)
-
-    def decode_run_shape(self) -> tuple[int, int]:
-        """(decodes per step, attended context tokens in the first step) of a decode run."""
-        n = self._num_decoders
-        return n, n * (self.current_step + 1) + self._sum_decode_base
-
-    def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
-        """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
-        cut before the first step whose block allocations the pool cannot cover (that step
-        must be scheduled normally, since it preempts). Returns None if no step can run."""
-        start = self.current_step
-        end = start + num_steps
-        kv = self.kv_cache_manager
-        free_queue = kv.block_pool.free_block_queue
-        heap = self._boundary_heap
-        n, first_context = self.decode_run_shape()
-        first_used = kv.block_pool.get_num_used_blocks()
-        offsets = []
-        block_need, write, push_boundary = kv.decode_block_need, kv.decode_write, self._push_boundary
-        lookahead = self.num_lookahead_tokens
-        # Allocations happen in (step, running order), exactly as stepping would make them.
-        # If the pool runs dry at step t, the run ends before t; allocations already made
-        # for step t are the ones step t makes first anyway (the rest of it runs normally).
-        while heap and heap[0][0] < end:
-            event = heapq.heappop(heap)
-            at, _, epoch, request = event
-            if epoch != request.epoch or request.status != RequestStatus.RUNNING:
-                continue
-            computed = at + request.decode_base
-            if block_need(request, computed, lookahead):
-                if free_queue.num_free_blocks == 0:
-                    heapq.heappush(heap, event)
-                    end = at
-                    break
-                write(request, computed)
-                offsets.append(at - start)
-            push_boundary(request, at + 1)
-        if end <= start:
-            return None
-        early = 0  # allocations made for step `end`, which is not part of the run
-        if offsets and offsets[-1] >= end - start:
-            kept = [o for o in offsets if o < end - start]
-            early = len(offsets) - len(kept)
-            offsets = kept
-        self.current_step = end
-        self.num_regular_gaps += n * (end - start)
-        finished: list[Request] = []
-        for request in self._pop_due(self._finish_heap, end - 1):
-            self._leave_decoding(request, end)
-            finished.append(request)
-        run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
-                        first_used, offsets, finished, num_swapped=self.num_swapped)
-        if finished:
-            finished.sort(key=_seq_of)
-            run.finished = self._finish(finished, end - 1)
-        run.last_num_blocks_used_end = kv.block_pool.get_num_used_blocks() - early
-        return run
-
     # ---- checks --------------------------------------------------------------------------------
     def reject(self, request: Request) -> None:
         request.status = RequestStatus.REJECTED
-
-
-class _StepPlan:
-    """What one schedule() call has handed out so far."""
-
-    __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
-                 "swap_out_blocks", "swap_in_blocks")
-
-    def __init__(self, budget: int, threshold: int) -> None:
-        self.budget = budget
-        self.threshold = threshold
-        self.chunks: list[ScheduledChunk] = []
-        self.preempted: list[Request] = []
-        self.scheduled_now: dict[int, int] = {}  # seq -> tokens scheduled this step (explicitly)
-        self.query = 0
-        self.hit = 0
-        self.first_new_seq = -1
-        self.swap_out_blocks = 0
-        self.swap_in_blocks = 0
-
-    def schedule(self, request: Request, num_new: int) -> None:
-        self.budget -= num_new
-        self.scheduled_now[request.seq] = num_new
-
-    def unschedule(self, victim: Request, implicit: bool) -> int:
-        """A victim scheduled earlier in this step gives its tokens back (`implicit`: a steady
-        decoder counted in bulk, one token). Returns those tokens."""
-        tokens = self.scheduled_now.pop(victim.seq, None)
-        if tokens is None:
-            if not implicit:
-                return 0
-            tokens = 1
-        self.budget += tokens
-        self.chunks = [c for c in self.chunks if c.request is not victim]
-        return tokens

@@ -1,0 +1,182 @@
+"""Steady decoders: the scheduler's O(events) bookkeeping and its jumps over decode runs.
+
+A running request whose prompt is done decodes exactly one token per step, so its computed
+tokens are `current_step + decode_base`; the step at which it needs its next block (or a
+copy-on-write of a shared partial block) and the step after which it finishes sit in heaps.
+`decode_run_limit` / `advance_decode_run` apply many event-free decode steps at once, with the
+same block allocations in the same order as stepping one by one would make them
+(tests/core/test_properties.py compares the two).
+"""
+
+from __future__ import annotations
+
+import heapq
+from operator import attrgetter
+
+from simkv.core.outputs import DecodeRun
+from simkv.core.request import Request, RequestStatus
+
+_seq_of = attrgetter("seq")
+
+
+class SteadyDecoders:
+    """Mixed into Scheduler: uses its queues, its KV-cache manager and its counters."""
+
+    def num_computed_tokens(self, request: Request) -> int:
+        """The request's computed tokens before the next step is scheduled."""
+        if request.decode_base is not None:
+            return self.current_step + request.decode_base
+        return request.num_computed_tokens
+
+    def _enroll_decoder(self, request: Request, next_step: int) -> None:
+        self._prefilling.remove(request)  # small list: prefilling requests only
+        request.decode_base = request.num_computed_tokens - next_step
+        request.epoch += 1
+        self._num_decoders += 1
+        self._sum_decode_base += request.decode_base
+        self._push_decoder_events(request, next_step)
+
+    def _finish_step_of(self, request: Request) -> int:
+        target = min(request.max_tokens + request.num_prompt_tokens - 1, self.max_model_len - 1)
+        return target - 1 - request.decode_base
+
+    def _push_decoder_events(self, request: Request, from_step: int) -> None:
+        request.decode_last_step = self._finish_step_of(request)
+        heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
+        kv = self.kv_cache_manager
+        computed = from_step + request.decode_base
+        if kv.num_cow_pending and kv.decode_block_need(request, computed, self.num_lookahead_tokens):
+            # a forked sequence whose next token goes into a shared partial block: copy first
+            heapq.heappush(self._boundary_heap, (from_step, request.seq, request.epoch, request))
+        else:
+            self._push_boundary(request, from_step)
+
+    def _push_boundary(self, request: Request, from_step: int) -> None:
+        """Schedule the step at which the steady decoder needs its next block, if before it ends."""
+        held = self.kv_cache_manager.num_blocks_of(request) * self.block_size
+        if held >= self.max_model_len:
+            return
+        step = held - self.num_lookahead_tokens - request.decode_base
+        if step < from_step:
+            step = from_step
+        if step <= request.decode_last_step:
+            heapq.heappush(self._boundary_heap, (step, request.seq, request.epoch, request))
+
+    def _leave_decoding(self, request: Request, step: int) -> int:
+        """Materialise a steady decoder's counters at `step`; returns its computed tokens."""
+        computed = step + request.decode_base
+        self._num_decoders -= 1
+        self._sum_decode_base -= request.decode_base
+        request.decode_base = None
+        request.epoch += 1
+        request.num_computed_tokens = computed
+        request.num_output_tokens = computed + 1 - request.num_prompt_tokens
+        return computed
+
+    def _stall(self, requests: list[Request], step: int) -> tuple[int, int]:
+        """Requests left unscheduled by an exhausted budget. Decoders slip one step."""
+        num, base_sum = 0, 0
+        for request in requests:
+            if request.decode_base is None:
+                continue
+            num += 1
+            base_sum += request.decode_base
+            request.decode_base -= 1
+            self._sum_decode_base -= 1
+            request.epoch += 1
+            self._push_decoder_events(request, step + 1)
+        return num, base_sum
+
+    def _pop_due(self, heap: list[tuple], step: int) -> list[Request]:
+        due = []
+        while heap and heap[0][0] <= step:
+            at, _, epoch, request = heapq.heappop(heap)
+            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
+                assert at == step, f"missed event of {request} at step {at} (now {step})"
+                due.append(request)
+        return due
+
+    def decode_run_limit(self) -> int:
+        """Number of upcoming steps guaranteed to be plain decode steps (the last one may
+        finish requests), or 0 when the next step must be scheduled normally."""
+        if self._prefilling or not self.running or self.detail:
+            return 0
+        if self.num_waiting() and not self._admission_stuck():
+            return 0
+        heap = self._finish_heap
+        while heap:
+            at, _, epoch, request = heap[0]
+            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
+                return at - self.current_step + 1
+            heapq.heappop(heap)
+        return 0
+
+    def _admission_stuck(self) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return True
+        budget = self.max_num_batched_tokens
+        if not self.admit_before_running:
+            budget -= self._num_decoders
+        if budget <= 0:
+            return True
+        marker = self._blocked_marker
+        return (marker is not None and marker[0] is self.waiting.peek_request()
+                and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget)
+
+    def decode_run_shape(self) -> tuple[int, int]:
+        """(decodes per step, attended context tokens in the first step) of a decode run."""
+        n = self._num_decoders
+        return n, n * (self.current_step + 1) + self._sum_decode_base
+
+    def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
+        """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
+        cut before the first step whose block allocations the pool cannot cover (that step
+        must be scheduled normally, since it preempts). Returns None if no step can run."""
+        start = self.current_step
+        end = start + num_steps
+        kv = self.kv_cache_manager
+        free_queue = kv.block_pool.free_block_queue
+        heap = self._boundary_heap
+        n, first_context = self.decode_run_shape()
+        first_used = kv.block_pool.get_num_used_blocks()
+        offsets = []
+        block_need, write, push_boundary = kv.decode_block_need, kv.decode_write, self._push_boundary
+        lookahead = self.num_lookahead_tokens
+        # Allocations happen in (step, running order), exactly as stepping would make them.
+        # If the pool runs dry at step t, the run ends before t; allocations already made
+        # for step t are the ones step t makes first anyway (the rest of it runs normally).
+        while heap and heap[0][0] < end:
+            event = heapq.heappop(heap)
+            at, _, epoch, request = event
+            if epoch != request.epoch or request.status != RequestStatus.RUNNING:
+                continue
+            computed = at + request.decode_base
+            if block_need(request, computed, lookahead):
+                if free_queue.num_free_blocks == 0:
+                    heapq.heappush(heap, event)
+                    end = at
+                    break
+                write(request, computed)
+                offsets.append(at - start)
+            push_boundary(request, at + 1)
+        if end <= start:
+            return None
+        early = 0  # allocations made for step `end`, which is not part of the run
+        if offsets and offsets[-1] >= end - start:
+            kept = [o for o in offsets if o < end - start]
+            early = len(offsets) - len(kept)
+            offsets = kept
+        self.current_step = end
+        self.num_regular_gaps += n * (end - start)
+        finished: list[Request] = []
+        for request in self._pop_due(self._finish_heap, end - 1):
+            self._leave_decoding(request, end)
+            finished.append(request)
+        run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
+                        first_used, offsets, finished, num_swapped=self.num_swapped)
+        if finished:
+            finished.sort(key=_seq_of)
+            run.finished = self._finish(finished, end - 1)
+        run.last_num_blocks_used_end = kv.block_pool.get_num_used_blocks() - early
+        return run
+
