@@ -142,6 +142,8 @@ class SteadyDecoders:
         offsets = []
         block_need, write, push_boundary = kv.decode_block_need, kv.decode_write, self._push_boundary
         lookahead = self.num_lookahead_tokens
+        # Without forked sequences every event is a block boundary (it was pushed for one).
+        always = not kv.num_cow_pending
         # Allocations happen in (step, running order), exactly as stepping would make them.
         # If the pool runs dry at step t, the run ends before t; allocations already made
         # for step t are the ones step t makes first anyway (the rest of it runs normally).
@@ -151,7 +153,7 @@ class SteadyDecoders:
             if epoch != request.epoch or request.status != RequestStatus.RUNNING:
                 continue
             computed = at + request.decode_base
-            if block_need(request, computed, lookahead):
+            if always or block_need(request, computed, lookahead):
                 if free_queue.num_free_blocks == 0:
                     heapq.heappush(heap, event)
                     end = at
