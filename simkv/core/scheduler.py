@@ -91,7 +91,6 @@ class Scheduler(SteadyDecoders):
         self.total_swap_out_blocks = 0
         self.total_swap_in_blocks = 0
         self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
-        self.num_regular_gaps = 0
 
     # ---- queues ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -191,7 +190,6 @@ class Scheduler(SteadyDecoders):
         num_decodes = self._num_decoders - num_stalled
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
         decode_context = num_decodes * (step + 1) + decode_base_sum
-        self.num_regular_gaps += num_decodes
         if not plan.preempted and not self.admit_before_running:
             self._schedule_waiting(step, plan)
         if self.detail:
@@ -414,7 +412,3 @@ class Scheduler(SteadyDecoders):
             self._append_running(child)
             children.append(child)
         return children
-
-    # ---- checks --------------------------------------------------------------------------------
-    def reject(self, request: Request) -> None:
-        request.status = RequestStatus.REJECTED

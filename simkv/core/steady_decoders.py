@@ -169,7 +169,6 @@ class SteadyDecoders:
             early = len(offsets) - len(kept)
             offsets = kept
         self.current_step = end
-        self.num_regular_gaps += n * (end - start)
         finished: list[Request] = []
         for request in self._pop_due(self._finish_heap, end - 1):
             self._leave_decoding(request, end)
