@@ -227,7 +227,7 @@ class ReplayEngine:
 
     def _stuck_message(self) -> str:
         sched = self.scheduler
-        head = sched._peek_waiting() if sched.num_waiting() else None
+        head = sched.waiting.peek_request() if sched.num_waiting() else None
         return (f"the engine cannot make progress at step {sched.current_step}: {len(sched.running)} running, "
                 f"{sched.num_waiting()} waiting (head: {head}), "
                 f"{sched.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks")
