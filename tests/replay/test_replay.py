@@ -138,3 +138,15 @@ def test_config_file_and_unknown_option(tmp_path):
     cfg.write_text("blok_size: 32\n")
     r = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--config", str(cfg), "--out", str(out)])
     assert r.exit_code != 0 and "unknown option 'blok_size'" in r.output
+
+
+def test_engine_that_cannot_progress_reports_instead_of_hanging():
+    """A pool too small for one request (normally refused before the run by the capacity
+    check, bypassed here) is reported with its cause."""
+    from simkv.backends.cost_models import UnitCostModel
+    from simkv.replay.engine import ReplayEngine, ReplayError
+
+    trace = frame([(0.0, 100, 3)])
+    engine = ReplayEngine(trace, config(), UnitCostModel(), num_gpu_blocks=4)
+    with pytest.raises(ReplayError, match=r"cannot make progress at step 0: 0 running, 1 waiting .* 3 free blocks"):
+        engine.run()
