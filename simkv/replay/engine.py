@@ -155,7 +155,7 @@ class ReplayEngine:
             except LivelockError as exc:
                 raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
             if out.is_empty:
-                raise ReplayError(self._stuck_message())
+                raise ReplayError(self._stuck_message(out.step))
             start = self.now
             duration = self.backend.execute(out)
             if out.num_swap_out_blocks or out.num_swap_in_blocks:
@@ -225,9 +225,9 @@ class ReplayEngine:
             self.on_progress(new)
         self._num_rejected_reported = self.feed.num_rejected
 
-    def _stuck_message(self) -> str:
+    def _stuck_message(self, step: int) -> str:
         sched = self.scheduler
         head = sched.waiting.peek_request() if sched.num_waiting() else None
-        return (f"the engine cannot make progress at step {sched.current_step}: {len(sched.running)} running, "
+        return (f"the engine cannot make progress at step {step}: {len(sched.running)} running, "
                 f"{sched.num_waiting()} waiting (head: {head}), "
                 f"{sched.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks")
