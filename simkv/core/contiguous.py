@@ -120,6 +120,9 @@ class ContiguousKVCacheManager:
     def decode_write(self, request: Request, num_computed_tokens: int) -> None:
         raise AssertionError("a contiguous reservation never needs another block")
 
+    def append_block(self, request: Request) -> None:
+        raise AssertionError("a contiguous reservation never needs another block")
+
     def fork(self, parent: Request, child: Request) -> None:
         raise ValueError("parallel sampling (n > 1) is not supported with allocator=contiguous")
 

@@ -210,6 +210,11 @@ class KVCacheManager:
         need = min(num_computed_tokens + 1 + num_lookahead_tokens, self.max_model_len)
         return cdiv(need, self.block_size) > len(blocks)
 
+    def append_block(self, request: Request) -> None:
+        """A steady decoder crossing a block boundary takes the head of the free queue. Its
+        content is unique to it, so hashing waits until the request releases its blocks."""
+        self.req_to_blocks[request.index].append(self.block_pool.get_new_block())
+
     def decode_write(self, request: Request, num_computed_tokens: int) -> None:
         """Give a steady decoder the block its next token needs (decode_block_need was True)."""
         blocks = self.req_to_blocks[request.index]

@@ -217,44 +217,77 @@ class Scheduler(SteadyDecoders):
                 return self._exhaust_budget(plan, prev_pos)
             plan.budget -= quiet
             prev_pos = pos
-            is_decoder = request.decode_base is not None
-            if is_decoder:
-                computed, num_new = step + request.decode_base, 1
-            else:
-                computed = request.num_computed_tokens
-                num_new = request.num_tokens - computed
-                if 0 < plan.threshold < num_new:
-                    num_new = plan.threshold
-                num_new = min(num_new, plan.budget)
-            num_new = min(num_new, self.max_model_len - computed - 1)
+            plan.moved_ahead = False
+            if request.decode_base is not None:  # a steady decoder due for a block (or a copy)
+                if not self._decode_slot(request, step + request.decode_base, step, plan):
+                    prev_pos = self._position(request) - 1
+                    if self.policy == "priority" or self.preemption_victim == "requester":
+                        continue
+                    return -1
+                if plan.moved_ahead:
+                    prev_pos = self._position(request)
+                plan.schedule(request, 1)
+                self._push_boundary(request, step + 1)
+                continue
+            computed = request.num_computed_tokens
+            num_new = request.num_tokens - computed
+            if 0 < plan.threshold < num_new:
+                num_new = plan.threshold
+            num_new = min(num_new, plan.budget, self.max_model_len - computed - 1)
             if num_new <= 0:
                 continue
             while kv.allocate_slots(request, computed, num_new,
                                     num_lookahead_tokens=self.num_lookahead_tokens) is None:
-                victim = self._pick_victim(request)
-                # A steady decoder ahead of `request` already took its token implicitly.
-                implicit = victim.seq < request.seq and victim.decode_base is not None
-                self._preempt(victim, step, plan.unschedule(victim, implicit), plan)
-                plan.preempted.append(victim)
-                if victim is request:
+                if self._preempt_for(request, step, plan):
                     break
             if request.status != RequestStatus.RUNNING:
                 prev_pos = self._position(request) - 1
                 if self.policy == "priority" or self.preemption_victim == "requester":
                     continue
                 return -1
-            prev_pos = self._position(request)
+            if plan.moved_ahead:
+                prev_pos = self._position(request)
             plan.schedule(request, num_new)
-            if is_decoder:
-                self._push_boundary(request, step + 1)
-            else:
-                plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
+            plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
         quiet = end - prev_pos - 1
         if quiet > plan.budget:
             return self._exhaust_budget(plan, prev_pos)
         plan.budget -= quiet
         return -1
+
+    def _decode_slot(self, request: Request, computed: int, step: int, plan: StepPlan) -> bool:
+        """A steady decoder's next token needs a block (a new one at a boundary, or a copy of a
+        shared partial block): preempt until one is free, as allocate_slots would. Returns False
+        if the request preempted itself."""
+        kv = self.kv_cache_manager
+        free_queue = kv.block_pool.free_block_queue
+        if not kv.num_cow_pending:  # no forked sequences: the event is a block boundary
+            while free_queue.num_free_blocks == 0:
+                if self._preempt_for(request, step, plan):
+                    return False
+            kv.append_block(request)
+            return True
+        lookahead = self.num_lookahead_tokens
+        need = kv.decode_block_need(request, computed, lookahead)
+        while need and free_queue.num_free_blocks == 0:
+            if self._preempt_for(request, step, plan):
+                return False
+            need = kv.decode_block_need(request, computed, lookahead)
+        if need:
+            kv.decode_write(request, computed)
+        return True
+
+    def _preempt_for(self, request: Request, step: int, plan: StepPlan) -> bool:
+        """Preempt one victim so that `request` may get blocks; True if it was `request` itself."""
+        victim = self._pick_victim(request)
+        # A steady decoder ahead of `request` already took its token implicitly.
+        implicit = victim.seq < request.seq and victim.decode_base is not None
+        if victim.seq < request.seq:
+            plan.moved_ahead = True  # the running list shifted before `request`
+        self._preempt(victim, step, plan.unschedule(victim, implicit), plan)
+        plan.preempted.append(victim)
+        return victim is request
 
     @staticmethod
     def _exhaust_budget(plan: StepPlan, prev_pos: int) -> int:

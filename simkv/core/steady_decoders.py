@@ -140,7 +140,8 @@ class SteadyDecoders:
         n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
         offsets = []
-        block_need, write, push_boundary = kv.decode_block_need, kv.decode_write, self._push_boundary
+        block_need, write, append, push_boundary = (kv.decode_block_need, kv.decode_write, kv.append_block,
+                                                    self._push_boundary)
         lookahead = self.num_lookahead_tokens
         # Without forked sequences every event is a block boundary (it was pushed for one).
         always = not kv.num_cow_pending
@@ -158,7 +159,10 @@ class SteadyDecoders:
                     heapq.heappush(heap, event)
                     end = at
                     break
-                write(request, computed)
+                if always:
+                    append(request)
+                else:
+                    write(request, computed)
                 offsets.append(at - start)
             push_boundary(request, at + 1)
         if end <= start:
