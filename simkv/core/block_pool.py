@@ -200,7 +200,15 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """Pop one block from the head of the free queue (the hot path of decode)."""
-        block = self.free_block_queue.popleft()
+        queue = self.free_block_queue  # popleft, inlined: this is the decode hot path
+        head = queue.fake_head
+        block = head.next_free_block
+        if block is queue.fake_tail:
+            raise ValueError("No free blocks available")
+        nxt = block.next_free_block
+        head.next_free_block = nxt
+        nxt.prev_free_block = head
+        queue.num_free_blocks -= 1
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1

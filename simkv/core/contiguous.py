@@ -83,7 +83,7 @@ class ContiguousKVCacheManager:
         self.enable_caching = False
         self.prefix_cache_stats = PrefixCacheStats()
         self.regions: dict[int, int] = {}  # request index -> start slot
-        self.req_to_blocks = self.regions  # for code that counts requests holding memory
+        self.req_to_blocks: dict[int, range] = {}  # request index -> its reservation's block ids
         self.num_frees = 0
         self.reserved_unwritten_slots = 0
         self.reserved_slots = 0
@@ -109,6 +109,8 @@ class ContiguousKVCacheManager:
             self.max_unusable_free_slots = max(self.max_unusable_free_slots, pool.unusable_free_slots(self.reservation))
             return None
         self.regions[request.index] = start
+        first = start // self.block_size
+        self.req_to_blocks[request.index] = range(first, first + self.reservation // self.block_size)
         return []
 
     num_cow_pending = 0
@@ -130,6 +132,7 @@ class ContiguousKVCacheManager:
         start = self.regions.pop(request.index, None)
         if start is None:
             return
+        del self.req_to_blocks[request.index]
         self.block_pool.release(start, self.reservation)
         self.num_frees += 1
         if finished:
@@ -138,10 +141,7 @@ class ContiguousKVCacheManager:
             self.reserved_unwritten_slots += self.reservation - stored
 
     def get_block_ids(self, request: Request) -> list[int]:
-        start = self.regions.get(request.index)
-        if start is None:
-            return []
-        return list(range(start // self.block_size, (start + self.reservation) // self.block_size))
+        return list(self.req_to_blocks.get(request.index, ()))
 
     def allocator_stats(self) -> dict:
         pool = self.block_pool

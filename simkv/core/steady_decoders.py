@@ -53,7 +53,7 @@ class SteadyDecoders:
 
     def _push_boundary(self, request: Request, from_step: int) -> None:
         """Schedule the step at which the steady decoder needs its next block, if before it ends."""
-        held = self.kv_cache_manager.num_blocks_of(request) * self.block_size
+        held = len(self.kv_cache_manager.req_to_blocks[request.index]) * self.block_size
         if held >= self.max_model_len:
             return
         step = held - self.num_lookahead_tokens - request.decode_base
