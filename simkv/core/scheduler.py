@@ -218,29 +218,24 @@ class Scheduler(SteadyDecoders):
             plan.budget -= quiet
             prev_pos = pos
             plan.moved_ahead = False
-            if request.decode_base is not None:  # a steady decoder due for a block (or a copy)
-                if not self._decode_slot(request, step + request.decode_base, step, plan):
-                    prev_pos = self._position(request) - 1
-                    if self.policy == "priority" or self.preemption_victim == "requester":
-                        continue
-                    return -1
-                if plan.moved_ahead:
-                    prev_pos = self._position(request)
-                plan.schedule(request, 1)
-                self._push_boundary(request, step + 1)
-                continue
-            computed = request.num_computed_tokens
-            num_new = request.num_tokens - computed
-            if 0 < plan.threshold < num_new:
-                num_new = plan.threshold
-            num_new = min(num_new, plan.budget, self.max_model_len - computed - 1)
-            if num_new <= 0:
-                continue
-            while kv.allocate_slots(request, computed, num_new,
-                                    num_lookahead_tokens=self.num_lookahead_tokens) is None:
-                if self._preempt_for(request, step, plan):
-                    break
-            if request.status != RequestStatus.RUNNING:
+            is_decoder = request.decode_base is not None  # a steady decoder due for a block (or a copy)
+            if is_decoder:
+                num_new = 1
+                scheduled = self._decode_slot(request, step + request.decode_base, step, plan)
+            else:
+                computed = request.num_computed_tokens
+                num_new = request.num_tokens - computed
+                if 0 < plan.threshold < num_new:
+                    num_new = plan.threshold
+                num_new = min(num_new, plan.budget, self.max_model_len - computed - 1)
+                if num_new <= 0:
+                    continue
+                while kv.allocate_slots(request, computed, num_new,
+                                        num_lookahead_tokens=self.num_lookahead_tokens) is None:
+                    if self._preempt_for(request, step, plan):
+                        break
+                scheduled = request.status == RequestStatus.RUNNING
+            if not scheduled:  # it preempted itself
                 prev_pos = self._position(request) - 1
                 if self.policy == "priority" or self.preemption_victim == "requester":
                     continue
@@ -248,7 +243,10 @@ class Scheduler(SteadyDecoders):
             if plan.moved_ahead:
                 prev_pos = self._position(request)
             plan.schedule(request, num_new)
-            plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
+            if is_decoder:
+                self._push_boundary(request, step + 1)
+            else:
+                plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
         quiet = end - prev_pos - 1
         if quiet > plan.budget:
