@@ -29,6 +29,10 @@ class StepBackend(Protocol):
         `first_context_tokens + j * num_decodes` tokens. Must equal calling `execute` on each
         step one by one, bit for bit."""
 
+    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
+        """The same durations as Python floats, for short runs (numpy's per-call overhead
+        dominates below a few dozen steps). Bit for bit equal to `decode_run_durations`."""
+
     def describe(self) -> dict:
         """What the backend is, for summary.json."""
 

@@ -20,6 +20,9 @@ class UnitCostModel:
     def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
         return np.ones(num_steps)
 
+    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
+        return [1.0] * num_steps
+
     def describe(self) -> dict:
         return {"cost_model": "unit"}
 
@@ -42,6 +45,9 @@ class LinearCostModel:
 
     def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
         return np.full(num_steps, self.step_base_s + self.step_per_token_s * num_decodes)
+
+    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
+        return [self.step_base_s + self.step_per_token_s * num_decodes] * num_steps
 
     def describe(self) -> dict:
         return {"cost_model": "linear", "step_base_s": self.step_base_s, "step_per_token_s": self.step_per_token_s}

@@ -79,6 +79,21 @@ class RooflineCostModel:
         ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
         return self._time(0 + num_decodes, 0 + num_decodes, ctx, ctx)
 
+    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
+        # `_time` unrolled with the step-invariant terms hoisted; the operations on each step's
+        # context, and their order, are those of `_time` (so the floats are identical).
+        n = num_decodes
+        flops0 = self.flops_per_token * n + self.flops_per_seq * n
+        fpp, w, kvb, fr, br = self.flops_per_pair, self.weight_bytes, self.kv_bytes_per_token, self.flop_rate, self.byte_rate
+        comm, fixed, seq = self.comm_per_token * n, self.fixed_s, self.seq_overhead_s * n
+        out = []
+        ctx = first_context_tokens
+        for _ in range(num_steps):
+            busy = max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br)
+            out.append(busy + comm + fixed + seq)
+            ctx += n
+        return out
+
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
                 "tensor_parallel_size": self.tp, **self.params}

@@ -96,6 +96,13 @@ class CalibratedCostModel:
         ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
         return self._time(num_decodes, num_decodes, 0, 0, ctx) + np.zeros(num_steps)
 
+    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
+        n = num_decodes  # `_time` with the step-invariant terms hoisted, same operation order
+        fixed = (self.c0 + self.cT * n + self.cH * max(n - self.knee, 0.0) + self.cS * n
+                 + self.cP * 0 + self.cKp * 0)
+        cKd = self.cKd
+        return [fixed + cKd * (first_context_tokens + n * k) for k in range(num_steps)]
+
     def describe(self) -> dict:
         out = {"cost_model": "calibrated", "form": FORM, "knee": self.knee, **self.coefficients, **self.info}
         if self.warnings:

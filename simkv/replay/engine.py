@@ -180,24 +180,38 @@ class ReplayEngine:
             return False
         k = run.num_steps
         self.steps.add_run(run, starts[:k], durations[:k])
-        end = float(starts[k - 1] + durations[k - 1])
+        end = float(starts[k - 1] + durations[k - 1])  # the same sum the next start got
         yield self.env.timeout(end - self.now)
         self.now = end
         self._record_finished(run.finished)
         return True
 
-    def _run_times(self, n: int, first_context: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    def _run_times(self, n: int, first_context: int, limit: int) -> tuple[list | np.ndarray, list | np.ndarray]:
         """Durations and start times of up to `limit` decode steps, stopping after the step
-        during which (or at whose end) the next request arrives. Computed in growing chunks,
-        summed strictly in step order like single steps are."""
+        during which (or at whose end) the next request arrives. Summed strictly in step
+        order like single steps are: the first steps in Python floats (most runs are short),
+        then in growing numpy chunks."""
         next_arrival = self.feed.next_arrival_time()
-        start, done, chunk = self.now, 0, 32
-        parts_d, parts_s = [], []
+        if next_arrival is None:
+            next_arrival = float("inf")
+        m = min(limit, 32)
+        durations = self.backend.decode_run_durations_list(n, first_context, m)
+        starts = []
+        t = self.now
+        for j, d in enumerate(durations):
+            starts.append(t)
+            t += d
+            if t >= next_arrival:
+                return durations[:j + 1], starts
+        if m == limit:
+            return durations, starts
+        parts_d, parts_s = [np.asarray(durations)], [np.asarray(starts)]
+        start, done, chunk = t, m, 128
         while done < limit:
             m = min(chunk, limit - done)
             d = self.backend.decode_run_durations(n, first_context + done * n, m)
             acc = np.add.accumulate(np.concatenate(([start], d)))
-            if next_arrival is not None and acc[-1] >= next_arrival:
+            if acc[-1] >= next_arrival:
                 j = int(np.searchsorted(acc[1:], next_arrival, side="left")) + 1
                 parts_d.append(d[:j])
                 parts_s.append(acc[:j])
@@ -207,8 +221,6 @@ class ReplayEngine:
             start = float(acc[-1])
             done += m
             chunk *= 4
-        if len(parts_d) == 1:
-            return parts_d[0], parts_s[0]
         return np.concatenate(parts_d), np.concatenate(parts_s)
 
     def _record_finished(self, finished: list[Request]) -> None:

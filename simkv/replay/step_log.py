@@ -23,7 +23,7 @@ class StepLog:
     """Steps recorded as segments: a single step, or a decode run of k identical steps.
 
     Per segment only scalars are kept (plus the run's allocation offsets); per-step
-    columns are expanded with numpy when asked for. Times arrive as arrays for runs.
+    columns are expanded with numpy when asked for. Run times arrive as lists (short runs) or arrays.
     """
 
     def __init__(self) -> None:
@@ -58,15 +58,19 @@ class StepLog:
         self._pending_durations.append(duration)
         self.num_steps += 1
 
-    def add_run(self, run: DecodeRun, starts: np.ndarray, durations: np.ndarray) -> None:
-        self._flush_times()
+    def add_run(self, run: DecodeRun, starts, durations) -> None:
         row0 = self.num_steps
         self._segment(run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
                       (run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
                        run.num_swapped, 0))
         self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
-        self._starts.append(starts)
-        self._durations.append(durations)
+        if type(starts) is list:  # a short run, timed in Python floats
+            self._pending_starts.extend(starts)
+            self._pending_durations.extend(durations)
+        else:
+            self._flush_times()
+            self._starts.append(starts)
+            self._durations.append(durations)
         self.num_steps += run.num_steps
 
     def _flush_times(self) -> None:
