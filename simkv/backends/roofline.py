@@ -80,19 +80,25 @@ class RooflineCostModel:
         return self._time(0 + num_decodes, 0 + num_decodes, ctx, ctx)
 
     def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
-        # `_time` unrolled with the step-invariant terms hoisted; the operations on each step's
-        # context, and their order, are those of `_time` (so the floats are identical).
+        # `_time` with the step-invariant terms hoisted; each step's operations on its context,
+        # and their order, are those of `_time`, so the floats are identical. Compute and
+        # memory time are both affine in the context: when one exceeds the other by a wide
+        # margin at both ends of the run, it does so at every step and `max` can be skipped.
         n = num_decodes
         flops0 = self.flops_per_token * n + self.flops_per_seq * n
         fpp, w, kvb, fr, br = self.flops_per_pair, self.weight_bytes, self.kv_bytes_per_token, self.flop_rate, self.byte_rate
         comm, fixed, seq = self.comm_per_token * n, self.fixed_s, self.seq_overhead_s * n
-        out = []
-        ctx = first_context_tokens
-        for _ in range(num_steps):
-            busy = max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br)
-            out.append(busy + comm + fixed + seq)
-            ctx += n
-        return out
+        first, stop = first_context_tokens, first_context_tokens + n * num_steps
+        last = stop - n
+        margin = 1.0 + 1e-9
+        if min((w + kvb * (first + n)) / br - (flops0 + fpp * first) / fr * margin,
+               (w + kvb * (last + n)) / br - (flops0 + fpp * last) / fr * margin) > 0:
+            return [(w + kvb * (ctx + n)) / br + comm + fixed + seq for ctx in range(first, stop, n)]
+        if min((flops0 + fpp * first) / fr - (w + kvb * (first + n)) / br * margin,
+               (flops0 + fpp * last) / fr - (w + kvb * (last + n)) / br * margin) > 0:
+            return [(flops0 + fpp * ctx) / fr + comm + fixed + seq for ctx in range(first, stop, n)]
+        return [max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br) + comm + fixed + seq
+                for ctx in range(first, stop, n)]
 
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,

@@ -128,6 +128,73 @@ class SteadyDecoders:
         n = self._num_decoders
         return n, n * (self.current_step + 1) + self._sum_decode_base
 
+    def _run_events(self, start: int, end: int, offsets: list[int]) -> int:
+        """Apply the boundary (or copy-on-write) events of decode steps [start, end), the
+        general way. Allocations happen in (step, running order), exactly as stepping would
+        make them. If the pool runs dry at step t, the run ends before t (returned); the
+        allocations already made for step t are the ones step t makes first anyway."""
+        kv = self.kv_cache_manager
+        free_queue = kv.block_pool.free_block_queue
+        heap = self._boundary_heap
+        block_need, write, push_boundary = kv.decode_block_need, kv.decode_write, self._push_boundary
+        lookahead = self.num_lookahead_tokens
+        while heap and heap[0][0] < end:
+            event = heapq.heappop(heap)
+            at, _, epoch, request = event
+            if epoch != request.epoch or request.status != RequestStatus.RUNNING:
+                continue
+            computed = at + request.decode_base
+            if block_need(request, computed, lookahead):
+                if free_queue.num_free_blocks == 0:
+                    heapq.heappush(heap, event)
+                    return at
+                write(request, computed)
+                offsets.append(at - start)
+            push_boundary(request, at + 1)
+        return end
+
+    def _run_boundaries(self, start: int, end: int, offsets: list[int]) -> int:
+        """`_run_events` when every event is a block boundary: the same allocations, with the
+        block pop and the next boundary's push written out (the hot loop of light loads)."""
+        heap = self._boundary_heap
+        if not heap or heap[0][0] >= end:
+            return end  # (a contiguous allocator never has boundary events)
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        free_queue = pool.free_block_queue
+        fake_head, fake_tail = free_queue.fake_head, free_queue.fake_tail
+        tables = kv.req_to_blocks
+        heappop, heappush = heapq.heappop, heapq.heappush
+        bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
+        running = RequestStatus.RUNNING
+        while heap and heap[0][0] < end:
+            event = heappop(heap)
+            at, seq, epoch, request = event
+            if epoch != request.epoch or request.status != running:
+                continue
+            block = fake_head.next_free_block
+            if block is fake_tail:  # the pool is dry: step `at` must be scheduled normally
+                heappush(heap, event)
+                return at
+            nxt = block.next_free_block
+            fake_head.next_free_block = nxt
+            nxt.prev_free_block = fake_head
+            free_queue.num_free_blocks -= 1
+            if block.block_hash is not None:
+                pool._evict(block)
+            block.ref_cnt = 1
+            blocks = tables[request.index]
+            blocks.append(block)
+            offsets.append(at - start)
+            held = len(blocks) * bs  # the next boundary, as _push_boundary computes it
+            if held < max_model_len:
+                step = held - lookahead - request.decode_base
+                if step <= at:
+                    step = at + 1
+                if step <= request.decode_last_step:
+                    heappush(heap, (step, seq, epoch, request))
+        return end
+
     def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
         """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
         cut before the first step whose block allocations the pool cannot cover (that step
@@ -135,36 +202,14 @@ class SteadyDecoders:
         start = self.current_step
         end = start + num_steps
         kv = self.kv_cache_manager
-        free_queue = kv.block_pool.free_block_queue
-        heap = self._boundary_heap
         n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
-        offsets = []
-        block_need, write, append, push_boundary = (kv.decode_block_need, kv.decode_write, kv.append_block,
-                                                    self._push_boundary)
-        lookahead = self.num_lookahead_tokens
-        # Without forked sequences every event is a block boundary (it was pushed for one).
-        always = not kv.num_cow_pending
-        # Allocations happen in (step, running order), exactly as stepping would make them.
-        # If the pool runs dry at step t, the run ends before t; allocations already made
-        # for step t are the ones step t makes first anyway (the rest of it runs normally).
-        while heap and heap[0][0] < end:
-            event = heapq.heappop(heap)
-            at, _, epoch, request = event
-            if epoch != request.epoch or request.status != RequestStatus.RUNNING:
-                continue
-            computed = at + request.decode_base
-            if always or block_need(request, computed, lookahead):
-                if free_queue.num_free_blocks == 0:
-                    heapq.heappush(heap, event)
-                    end = at
-                    break
-                if always:
-                    append(request)
-                else:
-                    write(request, computed)
-                offsets.append(at - start)
-            push_boundary(request, at + 1)
+        offsets: list[int] = []
+        if not kv.num_cow_pending:
+            # Without forked sequences every event is a block boundary (it was pushed for one).
+            end = self._run_boundaries(start, end, offsets)
+        else:
+            end = self._run_events(start, end, offsets)
         if end <= start:
             return None
         early = 0  # allocations made for step `end`, which is not part of the run

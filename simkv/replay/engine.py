@@ -9,7 +9,9 @@ in step order), so jumping over a decode run gives the same times as stepping th
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import numpy as np
@@ -196,13 +198,12 @@ class ReplayEngine:
             next_arrival = float("inf")
         m = min(limit, 32)
         durations = self.backend.decode_run_durations_list(n, first_context, m)
-        starts = []
-        t = self.now
-        for j, d in enumerate(durations):
-            starts.append(t)
-            t += d
-            if t >= next_arrival:
-                return durations[:j + 1], starts
+        ends = list(accumulate(durations, initial=self.now))  # ends[j] = start of step j + 1
+        j = bisect_left(ends, next_arrival, 1)
+        if j <= m:  # step j - 1 is the one during which (or at whose end) the next arrival comes
+            return durations[:j], ends[:j]
+        starts = ends[:m]
+        t = ends[m]
         if m == limit:
             return durations, starts
         parts_d, parts_s = [np.asarray(durations)], [np.asarray(starts)]
