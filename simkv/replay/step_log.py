@@ -14,9 +14,11 @@ STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waitin
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 
 
-_SEGMENT_COLUMNS = ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens",
-                    "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
-                    "num_swapped", "num_swap_blocks")
+# One tuple per segment: its first step, its length, blocks used at its start and at its end,
+# then the per-step values (counts that happen once per segment sit on its first or last row).
+_ROW_COLUMNS = ("first_step", "length", "blocks", "blocks_end", "num_running", "num_waiting",
+                "num_prefill_tokens", "num_decode_tokens", "num_preemptions", "prefix_query_tokens",
+                "prefix_hit_tokens", "num_finished", "num_swapped", "num_swap_blocks")
 
 
 class StepLog:
@@ -27,11 +29,7 @@ class StepLog:
     """
 
     def __init__(self) -> None:
-        self._seg: dict[str, list[int]] = {c: [] for c in _SEGMENT_COLUMNS}
-        self._seg_len: list[int] = []
-        self._seg_first_step: list[int] = []
-        self._seg_blocks: list[int] = []
-        self._seg_blocks_end: list[int] = []
+        self._rows: list[tuple] = []  # per segment: _ROW_COLUMNS
         self._alloc_rows: list[int] = []
         self._starts: list = []
         self._durations: list = []
@@ -40,29 +38,22 @@ class StepLog:
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
-    def _segment(self, first_step: int, length: int, blocks: int, blocks_end: int, values: tuple) -> None:
-        self._seg_first_step.append(first_step)
-        self._seg_len.append(length)
-        self._seg_blocks.append(blocks)
-        self._seg_blocks_end.append(blocks_end)
-        for c, v in zip(_SEGMENT_COLUMNS, values):
-            self._seg[c].append(v)
-        self._columns = None
-
     def add_step(self, out: SchedulerOutput, start: float, duration: float) -> None:
-        self._segment(out.step, 1, out.num_blocks_used, out.num_blocks_used_end,
-                      (out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
-                       len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
-                       out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
+        self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end,
+                           out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
+                           len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
+                           out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
+        self._columns = None
         self._pending_starts.append(start)
         self._pending_durations.append(duration)
         self.num_steps += 1
 
     def add_run(self, run: DecodeRun, starts, durations) -> None:
         row0 = self.num_steps
-        self._segment(run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
-                      (run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
-                       run.num_swapped, 0))
+        self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
+                           run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
+                           run.num_swapped, 0))
+        self._columns = None
         self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
         if type(starts) is list:  # a short run, timed in Python floats
             self._pending_starts.extend(starts)
@@ -83,20 +74,22 @@ class StepLog:
         if self._columns is not None:
             return self._columns
         self._flush_times()
-        lengths = np.asarray(self._seg_len, dtype=np.int64)
+        rows = np.asarray(self._rows, dtype=np.int64).reshape(-1, len(_ROW_COLUMNS))
+        seg = dict(zip(_ROW_COLUMNS, rows.T))
+        lengths = seg["length"]
         n = int(lengths.sum())
         seg_start_row = np.cumsum(lengths) - lengths
         within = np.arange(n, dtype=np.int64) - np.repeat(seg_start_row, lengths)
         out: dict[str, np.ndarray] = {
-            "step": np.repeat(np.asarray(self._seg_first_step, dtype=np.int64), lengths) + within}
+            "step": np.repeat(seg["first_step"], lengths) + within}
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0))
         out["start_time_s"] = cat(self._starts).astype(np.float64)
         out["duration_s"] = cat(self._durations).astype(np.float64)
         for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
-            out[c] = np.repeat(np.asarray(self._seg[c], dtype=np.int64), lengths)
+            out[c] = np.repeat(seg[c], lengths)
         allocs = np.cumsum(np.bincount(np.asarray(self._alloc_rows, dtype=np.int64), minlength=n)[:n])
         before = np.concatenate(([0], allocs))[np.repeat(seg_start_row, lengths)]
-        out["num_blocks_used"] = np.repeat(np.asarray(self._seg_blocks, dtype=np.int64), lengths) + allocs - before
+        out["num_blocks_used"] = np.repeat(seg["blocks"], lengths) + allocs - before
         last_row = np.zeros(n, dtype=bool)
         if n:
             last_row[seg_start_row + lengths - 1] = True
@@ -104,13 +97,13 @@ class StepLog:
         first_row[seg_start_row[lengths > 0]] = True
         for c in ("num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_swap_blocks"):
             col = np.zeros(n, dtype=np.int64)
-            col[first_row] = np.asarray(self._seg[c], dtype=np.int64)[lengths > 0]
+            col[first_row] = seg[c][lengths > 0]
             out[c] = col
         used_end = out["num_blocks_used"].copy()
-        used_end[last_row] = np.asarray(self._seg_blocks_end, dtype=np.int64)[lengths > 0]
+        used_end[last_row] = seg["blocks_end"][lengths > 0]
         out["num_blocks_used_end"] = used_end
         finished = np.zeros(n, dtype=np.int64)
-        finished[last_row] = np.asarray(self._seg["num_finished"], dtype=np.int64)[lengths > 0]
+        finished[last_row] = seg["num_finished"][lengths > 0]
         out["num_finished"] = finished
         self._columns = {c: out[c] for c in STEP_COLUMNS}
         return self._columns
