@@ -178,12 +178,24 @@ class Scheduler(SteadyDecoders):
         step = self.current_step
         self.current_step += 1
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
-        active = self._prefilling + self._pop_due(self._boundary_heap, step)
-        active.sort(key=_seq_of)
-        if self.admit_before_running:
-            plan.first_new_seq = self._next_seq
-            self._schedule_waiting(step, plan)
-        stall_pos = self._schedule_running(step, active, plan)
+        due = self._pop_due(self._boundary_heap, step)
+        kv = self.kv_cache_manager
+        if (not self._prefilling and not self.admit_before_running and not kv.num_cow_pending
+                and plan.budget >= len(self.running)
+                and (not due or len(due) <= kv.block_pool.get_num_free_blocks())):
+            # Only steady decoders run, all fit the budget and every one due for a block gets
+            # one: nothing can preempt, so they are served in bulk (same blocks, same order).
+            if due:
+                self._take_boundary_blocks(due, step)
+            plan.budget -= len(self.running)
+            stall_pos = -1
+        else:
+            active = self._prefilling + due
+            active.sort(key=_seq_of)
+            if self.admit_before_running:
+                plan.first_new_seq = self._next_seq
+                self._schedule_waiting(step, plan)
+            stall_pos = self._schedule_running(step, active, plan)
         num_stalled, stalled_base = (0, 0)
         if stall_pos >= 0:
             num_stalled, stalled_base = self._stall(self.running[stall_pos:], step)
