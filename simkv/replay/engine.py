@@ -34,8 +34,10 @@ class ArrivalFeed:
     def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, max_model_len: int) -> None:
         self.trace = trace
         self.arrivals = trace.arrival_time_s
-        self.prompt = trace.prompt_tokens
-        self.output = trace.output_tokens
+        # Python numbers: scalar access to numpy arrays costs more than the rest of a delivery.
+        self._arrival_list = trace.arrival_time_s.tolist()
+        self._prompt_list = trace.prompt_tokens.tolist()
+        self._output_list = trace.output_tokens.tolist()
         self.scheduler = scheduler
         self.request_log = request_log
         self.max_model_len = max_model_len
@@ -51,10 +53,10 @@ class ArrivalFeed:
         return self.next_index >= len(self.arrivals)
 
     def next_arrival_time(self) -> float | None:
-        return None if self.exhausted else float(self.arrivals[self.next_index])
+        return None if self.exhausted else self._arrival_list[self.next_index]
 
     def deliver_until(self, now: float) -> None:
-        arrivals = self.arrivals
+        arrivals = self._arrival_list
         n = len(arrivals)
         i = self.next_index
         while i < n and arrivals[i] <= now:
@@ -63,7 +65,7 @@ class ArrivalFeed:
         self.next_index = i
 
     def _deliver(self, i: int) -> None:
-        prompt = int(self.prompt[i])
+        prompt = self._prompt_list[i]
         if prompt >= self.max_model_len:
             self.num_rejected += 1
             self.request_log.reject(i)
@@ -71,7 +73,7 @@ class ArrivalFeed:
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
         request = Request(
-            str(self._ids[i]), i, float(self.arrivals[i]), prompt, int(self.output[i]),
+            str(self._ids[i]), i, self._arrival_list[i], prompt, self._output_list[i],
             priority=int(self._priority[i]) if self._priority is not None else 0,
             cache_salt=self._salt[i] if self._salt is not None else None,
             shared_hash_ids=hashes,
@@ -121,11 +123,11 @@ class ReplayEngine:
 
     def _arrivals(self):
         """Wakes the engine when a request arrives while it is idle."""
-        arrivals = self.feed.arrivals
+        arrivals = self.feed._arrival_list
         env = self.env
         i, n = 0, len(arrivals)
         while i < n:
-            t = float(arrivals[i])
+            t = arrivals[i]
             if t > env.now:
                 yield env.timeout(t - env.now)
             while i < n and arrivals[i] <= t:
@@ -149,8 +151,12 @@ class ReplayEngine:
                 self.now = max(self.now, arrival)
                 continue
             if self.use_decode_runs:
-                advanced = yield from self._try_decode_run()
-                if advanced:
+                run = self._decode_run()
+                if run is not None:
+                    end = run[0]
+                    yield env.timeout(end - self.now)
+                    self.now = end
+                    self._record_finished(run[1])
                     continue
             try:
                 out = sched.schedule()
@@ -168,25 +174,24 @@ class ReplayEngine:
             self.steps.add_step(out, start, duration)
             self._record_finished(finished)
 
-    def _try_decode_run(self):
+    def _decode_run(self) -> tuple[float, list[Request]] | None:
+        """Jump over the decode run ahead, if any: (its end time, the requests it finished)."""
         sched = self.scheduler
         limit = sched.decode_run_limit()
         if limit < 2:
-            return False
+            return None
         n, first_context = sched.decode_run_shape()
         durations, starts = self._run_times(n, first_context, limit)
         if len(durations) < 2:
-            return False
+            return None
         run = sched.advance_decode_run(len(durations))
         if run is None:
-            return False
+            return None
         k = run.num_steps
-        self.steps.add_run(run, starts[:k], durations[:k])
-        end = float(starts[k - 1] + durations[k - 1])  # the same sum the next start got
-        yield self.env.timeout(end - self.now)
-        self.now = end
-        self._record_finished(run.finished)
-        return True
+        if k < len(durations):
+            starts, durations = starts[:k], durations[:k]
+        self.steps.add_run(run, starts, durations)
+        return float(starts[k - 1] + durations[k - 1]), run.finished  # the sum the next start gets
 
     def _run_times(self, n: int, first_context: int, limit: int) -> tuple[list | np.ndarray, list | np.ndarray]:
         """Durations and start times of up to `limit` decode steps, stopping after the step
