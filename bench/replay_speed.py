@@ -5,10 +5,13 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure        # full Azure conv trace (19,366 requests)
     .venv/bin/python bench/replay_speed.py synth-1m     # 1,000,000 lognormal requests, Poisson arrivals
     .venv/bin/python bench/replay_speed.py all
+    .venv/bin/python bench/replay_speed.py azure --repeat 5
 
 Each case runs in a fresh subprocess so that its peak RSS (ru_maxrss) is its own.
 Prints wall time of the replay itself (trace loading excluded, shown apart), simulated
-requests per wall-second, simulated steps, and peak RSS.
+requests per wall-second, simulated steps, and peak RSS. This VM's speed drifts by 25 % and
+more between runs: with `--repeat N` (default 3 for azure, 1 for synth-1m) every run is printed,
+then a line with the best and the median.
 """
 
 from __future__ import annotations
@@ -53,19 +56,38 @@ def run_case(case: str) -> dict:
             "simulated_duration_s": round(s["duration_s"], 1), "peak_rss_mb": round(rss_mb)}
 
 
+def run_child(case: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, f"--child={case}"], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        print(out.stderr, file=sys.stderr)
+        raise SystemExit(out.returncode)
+    return json.loads(out.stdout)
+
+
 def main() -> None:
-    cases = sys.argv[1:] or ["all"]
+    args = sys.argv[1:]
+    if len(args) == 1 and args[0].startswith("--child="):
+        print(json.dumps(run_case(args[0].split("=", 1)[1])))
+        return
+    repeat = None
+    if "--repeat" in args:
+        i = args.index("--repeat")
+        repeat = int(args[i + 1])
+        del args[i:i + 2]
+    cases = args or ["all"]
     if cases == ["all"]:
         cases = ["azure", "synth-1m"]
-    if len(cases) == 1 and cases[0].startswith("--child="):
-        print(json.dumps(run_case(cases[0].split("=", 1)[1])))
-        return
     for case in cases:
-        out = subprocess.run([sys.executable, __file__, f"--child={case}"], capture_output=True, text=True, cwd=ROOT)
-        if out.returncode:
-            print(out.stderr, file=sys.stderr)
-            raise SystemExit(out.returncode)
-        print(out.stdout.strip())
+        runs = [run_child(case) for _ in range(repeat or (3 if case == "azure" else 1))]
+        for r in runs:
+            print(json.dumps(r))
+        if len(runs) > 1:
+            walls = sorted(r["replay_wall_s"] for r in runs)
+            best, median = walls[0], walls[len(walls) // 2]
+            n = runs[0]["requests"]
+            print(json.dumps({"case": case, "runs": len(runs), "best_wall_s": best, "median_wall_s": median,
+                              "best_requests_per_wall_s": round(n / best),
+                              "median_requests_per_wall_s": round(n / median)}))
 
 
 if __name__ == "__main__":
