@@ -3,6 +3,9 @@
 Invariants (checked by `BlockPool.check_invariants` in tests):
 - block 0 is the null block; it is never in the free queue and never handed out.
 - a block with ref_cnt > 0 is never in the free queue; a block with ref_cnt == 0 always is.
+  Exception: blocks inside a `BlockChunk` of the free queue (a released request's private
+  blocks, see below) are free while their ref_cnt still reads 1: the chunk, not the block,
+  says they are free, so that handing them out and taking them back touches no block.
 - a block's `block_hash` is set only while the block holds a full, cached block of content;
   it is dropped lazily, when the block is popped from the free queue for reuse (eviction).
 - used + free == usable (num_gpu_blocks - 1) at all times.
@@ -34,12 +37,36 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
+class BlockChunk:
+    """Free blocks that nobody can look up, released together, as ONE node of the free queue.
+
+    A finished request's private blocks (its unique content; no other sequence holds them)
+    keep their order in the queue but are linked, handed out and counted as a list slice
+    instead of one by one. Inside the chunk every block has ref_cnt 1 and no hash, exactly
+    what it must have when handed out. `hashed`: the blocks count as cached content (vLLM
+    hashed them; handing one out is an eviction), else as never-cached blocks.
+    """
+
+    __slots__ = ("blocks", "pos", "hashed", "prev_free_block", "next_free_block")
+
+    def __init__(self, blocks: list[KVCacheBlock], hashed: bool) -> None:
+        self.blocks = blocks
+        self.pos = 0  # blocks[:pos] have been handed out
+        self.hashed = hashed
+        self.prev_free_block = None
+        self.next_free_block = None
+
+    def __len__(self) -> int:
+        return len(self.blocks) - self.pos
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks with fake head and tail nodes (part of BlockPool).
 
     Allocation pops from the head; `remove` takes a block out of the middle in O(1); released
-    blocks arrive as linked chains at the front (reused first) or the back. BlockPool's hot
-    loops (`get_new_blocks`, `free_blocks`) walk and link the nodes directly.
+    blocks arrive as linked chains at the front (reused first) or the back. A node is a block
+    or a `BlockChunk` of blocks. BlockPool's hot loops (`get_new_blocks`, `free_blocks`) walk
+    and link the nodes directly.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -54,18 +81,8 @@ class FreeKVCacheBlockQueue:
         prev.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = prev
 
-    def popleft(self) -> KVCacheBlock:
-        block = self.fake_head.next_free_block
-        if block is self.fake_tail:
-            raise ValueError("No free blocks available")
-        nxt = block.next_free_block
-        self.fake_head.next_free_block = nxt
-        nxt.prev_free_block = self.fake_head
-        block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
-        return block
-
     def remove(self, block: KVCacheBlock) -> None:
+        """Take a free block out of the queue (a prefix hit; never a chunk's block)."""
         prev, nxt = block.prev_free_block, block.next_free_block
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
@@ -90,14 +107,28 @@ class FreeKVCacheBlockQueue:
         self.fake_tail.prev_free_block = tail
         self.num_free_blocks += count
 
-    def block_ids(self) -> list[int]:
-        """Free block ids from head to tail (for tests and debugging; O(n))."""
+    def nodes(self) -> list:
+        """The queue's nodes (blocks and chunks) from head to tail (tests, debugging; O(n))."""
         out = []
-        block = self.fake_head.next_free_block
-        while block is not self.fake_tail:
-            out.append(block.block_id)
-            block = block.next_free_block
+        node = self.fake_head.next_free_block
+        while node is not self.fake_tail:
+            out.append(node)
+            node = node.next_free_block
         return out
+
+    def blocks(self) -> list[KVCacheBlock]:
+        """Free blocks from head to tail, chunks expanded (tests, debugging; O(n))."""
+        out = []
+        for node in self.nodes():
+            if type(node) is BlockChunk:
+                out.extend(node.blocks[node.pos:])
+            else:
+                out.append(node)
+        return out
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from head to tail (tests, debugging; O(n))."""
+        return [block.block_id for block in self.blocks()]
 
 
 class BlockHashToBlockMap:
@@ -173,22 +204,37 @@ class BlockPool:
         queue = self.free_block_queue
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        out = []
+        out: list[KVCacheBlock] = []
         append = out.append
-        block = queue.fake_head.next_free_block
+        node = queue.fake_head.next_free_block
         cache = self.cached_block_hash_to_block
-        for _ in range(num_blocks):
-            block_hash = block.block_hash
+        need = num_blocks
+        while need:
+            if type(node) is BlockChunk:
+                pos, chunk_blocks = node.pos, node.blocks
+                left = len(chunk_blocks) - pos
+                take = need if need < left else left
+                out += chunk_blocks[pos:pos + take] if pos or take < left else chunk_blocks
+                if node.hashed:
+                    self.num_evictions += take
+                need -= take
+                if take < left:
+                    node.pos = pos + take
+                    break  # the chunk stays at the head
+                node = node.next_free_block
+                continue
+            block_hash = node.block_hash
             if block_hash is not None:
                 if block_hash != UNFINDABLE_HASH:
-                    cache.pop(block_hash, block.block_id)
-                block.block_hash = None
+                    cache.pop(block_hash, node.block_id)
+                node.block_hash = None
                 self.num_evictions += 1
-            block.ref_cnt = 1  # its stale free-queue links are never read while referenced
-            append(block)
-            block = block.next_free_block
-        queue.fake_head.next_free_block = block
-        block.prev_free_block = queue.fake_head
+            node.ref_cnt = 1  # its stale free-queue links are never read while referenced
+            append(node)
+            need -= 1
+            node = node.next_free_block
+        queue.fake_head.next_free_block = node
+        node.prev_free_block = queue.fake_head
         queue.num_free_blocks -= num_blocks
         return out
 
@@ -200,19 +246,32 @@ class BlockPool:
 
     def get_new_block(self) -> KVCacheBlock:
         """Pop one block from the head of the free queue (the hot path of decode)."""
-        queue = self.free_block_queue  # popleft, inlined: this is the decode hot path
+        queue = self.free_block_queue
         head = queue.fake_head
-        block = head.next_free_block
-        if block is queue.fake_tail:
+        node = head.next_free_block
+        if node is queue.fake_tail:
             raise ValueError("No free blocks available")
-        nxt = block.next_free_block
+        queue.num_free_blocks -= 1
+        if type(node) is BlockChunk:
+            pos = node.pos
+            block = node.blocks[pos]
+            pos += 1
+            if pos == len(node.blocks):
+                nxt = node.next_free_block
+                head.next_free_block = nxt
+                nxt.prev_free_block = head
+            else:
+                node.pos = pos
+            if node.hashed:
+                self.num_evictions += 1
+            return block
+        nxt = node.next_free_block
         head.next_free_block = nxt
         nxt.prev_free_block = head
-        queue.num_free_blocks -= 1
-        if block.block_hash is not None:
-            self._evict(block)
-        block.ref_cnt = 1
-        return block
+        if node.block_hash is not None:
+            self._evict(node)
+        node.ref_cnt = 1
+        return node
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
@@ -232,13 +291,19 @@ class BlockPool:
                 remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], unfindable: tuple[int, int] = (0, 0)) -> None:
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock], unfindable: tuple[int, int] = (0, 0),
+                    private: tuple[int, int, bool] | None = None) -> None:
         """Drop one reference from each block, first block = first to be evicted.
 
         Blocks reaching ref_cnt 0 without a hash (or with caching off) go to the FRONT of
         the free queue; hashed blocks go to the BACK, in LRU order. Blocks at positions
         [unfindable[0], unfindable[1]) get UNFINDABLE_HASH on the way (full blocks of a
         finished request whose content nobody can look up).
+
+        `private` = (lo, hi, hashed): the blocks at [lo, hi) are held by this request alone
+        and have no findable content; they go into the queue as one BlockChunk, at the back
+        if `hashed` (they count as cached, unfindable content) else at the front. Same queue
+        order as one by one, without touching them.
         """
         queue = self.free_block_queue
         caching = self.enable_caching
@@ -246,28 +311,55 @@ class BlockPool:
         # Build the two chains in place: front chain (to prepend) and back chain (to append).
         front_head = front_tail = back_head = back_tail = None
         num_front = num_back = 0
-        for i, block in enumerate(ordered_blocks):
-            block.ref_cnt -= 1
-            if lo <= i < hi and block.block_hash is None:
-                block.block_hash = UNFINDABLE_HASH
-            if block.ref_cnt:
+        n = len(ordered_blocks)
+        if private is not None and private[1] > private[0]:
+            plo, phi, hashed = private
+            segments = ((0, plo, False), (plo, phi, True), (phi, n, False))
+        else:
+            segments = ((0, n, False),)
+        for seg_start, seg_end, is_chunk in segments:
+            if is_chunk:
+                node = BlockChunk(ordered_blocks[plo:phi] if plo or phi < n else ordered_blocks, hashed)
+                if hashed and caching:
+                    if back_tail is None:
+                        back_head = node
+                    else:
+                        back_tail.next_free_block = node
+                        node.prev_free_block = back_tail
+                    back_tail = node
+                    num_back += phi - plo
+                else:
+                    if front_tail is None:
+                        front_head = node
+                    else:
+                        front_tail.next_free_block = node
+                        node.prev_free_block = front_tail
+                    front_tail = node
+                    num_front += phi - plo
                 continue
-            if block.block_hash is None or not caching:
-                if front_tail is None:
-                    front_head = block
+            for i in range(seg_start, seg_end):
+                block = ordered_blocks[i]
+                block.ref_cnt -= 1
+                if lo <= i < hi and block.block_hash is None:
+                    block.block_hash = UNFINDABLE_HASH
+                if block.ref_cnt:
+                    continue
+                if block.block_hash is None or not caching:
+                    if front_tail is None:
+                        front_head = block
+                    else:
+                        front_tail.next_free_block = block
+                        block.prev_free_block = front_tail
+                    front_tail = block
+                    num_front += 1
                 else:
-                    front_tail.next_free_block = block
-                    block.prev_free_block = front_tail
-                front_tail = block
-                num_front += 1
-            else:
-                if back_tail is None:
-                    back_head = block
-                else:
-                    back_tail.next_free_block = block
-                    block.prev_free_block = back_tail
-                back_tail = block
-                num_back += 1
+                    if back_tail is None:
+                        back_head = block
+                    else:
+                        back_tail.next_free_block = block
+                        block.prev_free_block = back_tail
+                    back_tail = block
+                    num_back += 1
         if num_front:
             queue.prepend_chain(front_head, front_tail, num_front)
         if num_back:
@@ -276,19 +368,28 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert the pool invariants (O(num blocks); tests only)."""
         queue = self.free_block_queue
-        prev, block = queue.fake_head, queue.fake_head.next_free_block
-        while block is not None:
-            assert block.prev_free_block is prev, f"broken back link at {block}"
-            prev, block = block, block.next_free_block
+        prev, node = queue.fake_head, queue.fake_head.next_free_block
+        while node is not None:
+            assert node.prev_free_block is prev, f"broken back link at {node}"
+            assert type(node) is not BlockChunk or len(node) > 0, "empty chunk in free queue"
+            prev, node = node, node.next_free_block
         assert prev is queue.fake_tail, "free queue does not end at its tail"
         free_ids = queue.block_ids()
         assert len(free_ids) == self.free_block_queue.num_free_blocks, "free count drifted"
         assert len(set(free_ids)) == len(free_ids), "block twice in free queue"
         free_set = set(free_ids)
+        in_chunk = set()
+        for node in queue.nodes():
+            if type(node) is BlockChunk:
+                for block in node.blocks[node.pos:]:
+                    assert block.ref_cnt == 1 and block.block_hash is None, f"chunk block in a wrong state: {block}"
+                    in_chunk.add(block.block_id)
         first = 0 if self.null_block is None else 1
         assert first == 0 or 0 not in free_set, "null block in free queue"
         for block in self.blocks[first:]:
             assert block.ref_cnt >= 0, f"negative ref count on {block}"
+            if block.block_id in in_chunk:
+                continue
             if block.ref_cnt > 0:
                 assert block.block_id not in free_set, f"referenced block in free queue: {block}"
             else:

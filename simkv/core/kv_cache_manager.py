@@ -56,6 +56,10 @@ class ComputedBlocks:
 class KVCacheManager:
     """Owns per-request block lists; answers `allocate_slots(...) -> blocks | None`."""
 
+    #: Release a request's private blocks as one free-queue chunk (same queue order as one
+    #: by one; tests switch it off to compare).
+    release_private_as_chunk = True
+
     def __init__(
         self,
         num_gpu_blocks: int,
@@ -272,7 +276,17 @@ class KVCacheManager:
         del self.req_to_blocks[index]
         del self.num_cached_block[index]
         blocks.reverse()
-        self.block_pool.free_blocks(blocks, unfindable)
+        # Without forked sequences a request's unhashed blocks are its alone (nobody can find
+        # them): they are released as one chunk. Finished: its unfindable full blocks.
+        # Caching off: all of them. (Weak hashes keep every block findable: no chunk.)
+        private = None
+        if self.release_private_as_chunk and not self.num_forks:
+            if not self.enable_caching:
+                private = (0, len(blocks), False)
+            elif unfindable[1] > unfindable[0]:
+                private = (unfindable[0], unfindable[1], True)
+                unfindable = (0, 0)
+        self.block_pool.free_blocks(blocks, unfindable, private)
         self.num_frees += 1
         if forget:
             self.hasher.forget(request)

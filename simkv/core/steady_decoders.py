@@ -154,44 +154,49 @@ class SteadyDecoders:
         return end
 
     def _run_boundaries(self, start: int, end: int, offsets: list[int]) -> int:
-        """`_run_events` when every event is a block boundary, a step at a time: if the pool
-        cannot give every decoder due at step t its block, the run ends before t (returned)
-        and step t is scheduled normally (it preempts)."""
+        """`_run_events` when every event is a block boundary, with the next boundary's push
+        written out (the hot loop of light loads; see _take_boundary_blocks)."""
         heap = self._boundary_heap
-        free_queue = self.kv_cache_manager.block_pool.free_block_queue if heap else None
+        if not heap or heap[0][0] >= end:
+            return end  # (a contiguous allocator never has boundary events)
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        free_queue = pool.free_block_queue
+        get_new_block = pool.get_new_block
+        tables = kv.req_to_blocks
+        heappop, heappush = heapq.heappop, heapq.heappush
+        bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
+        running = RequestStatus.RUNNING
         while heap and heap[0][0] < end:
-            at = heap[0][0]
-            events = []
-            while heap and heap[0][0] == at:
-                event = heapq.heappop(heap)
-                request = event[3]
-                if event[2] == request.epoch and request.status == RequestStatus.RUNNING:
-                    events.append(event)
-            if len(events) > free_queue.num_free_blocks:
-                for event in events:
-                    heapq.heappush(heap, event)
+            event = heappop(heap)
+            at, seq, epoch, request = event
+            if epoch != request.epoch or request.status != running:
+                continue
+            if not free_queue.num_free_blocks:  # the pool is dry: step `at` must be scheduled normally
+                heappush(heap, event)
                 return at
-            self._take_boundary_blocks([event[3] for event in events], at)
-            offsets.extend([at - start] * len(events))
+            blocks = tables[request.index]
+            blocks.append(get_new_block())
+            offsets.append(at - start)
+            held = len(blocks) * bs  # the next boundary, as _push_boundary computes it
+            if held < max_model_len:
+                step = held - lookahead - request.decode_base
+                if step <= at:
+                    step = at + 1
+                if step <= request.decode_last_step:
+                    heappush(heap, (step, seq, epoch, request))
         return end
 
     def _take_boundary_blocks(self, requests: list[Request], at: int) -> None:
         """Steady decoders due at step `at` (in running order; the pool has a block for each)
-        take the head of the free queue, and their next boundaries are pushed. Written out:
-        this is the hot loop of decoding (BlockPool.get_new_blocks and _push_boundary)."""
+        take the head of the free queue, and their next boundaries are pushed (as
+        KVCacheManager.append_block and _push_boundary would, one by one)."""
         kv = self.kv_cache_manager
-        pool = kv.block_pool
-        free_queue = pool.free_block_queue
-        fake_head = free_queue.fake_head
         tables = kv.req_to_blocks
         heap = self._boundary_heap
         heappush = heapq.heappush
         bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
-        block = fake_head.next_free_block
-        for request in requests:
-            if block.block_hash is not None:
-                pool._evict(block)
-            block.ref_cnt = 1
+        for request, block in zip(requests, kv.block_pool.get_new_blocks(len(requests))):
             blocks = tables[request.index]
             blocks.append(block)
             held = len(blocks) * bs
@@ -201,10 +206,6 @@ class SteadyDecoders:
                     step = at + 1
                 if step <= request.decode_last_step:
                     heappush(heap, (step, request.seq, request.epoch, request))
-            block = block.next_free_block
-        fake_head.next_free_block = block
-        block.prev_free_block = fake_head
-        free_queue.num_free_blocks -= len(requests)
 
     def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
         """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is

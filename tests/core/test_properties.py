@@ -62,9 +62,11 @@ def _fresh(reqs):
                          r.cache_salt, r.priority) for r in reqs]
 
 
-def _run(options, reqs, waves, use_runs, check=None):
+def _run(options, reqs, waves, use_runs, check=None, setup=None):
     """Requests join in waves between steps (arrivals), then the engine drains."""
     sched = Scheduler(make_config(**options), options["num_gpu_blocks"])
+    if setup:
+        setup(sched)
     pending = list(reqs)
     log = []
     for wave in waves:
@@ -132,6 +134,36 @@ def test_decode_runs_change_nothing(scenario):
     if options.get("allocator", "paged") == "paged":
         assert pool_a.free_block_queue.block_ids() == pool_b.free_block_queue.block_ids()
     assert pool_a.num_evictions == pool_b.num_evictions
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.booleans())
+def test_private_block_chunks_change_nothing(scenario, use_runs):
+    """Releasing a request's private blocks as one free-queue chunk gives, after every step,
+    the same free queue (block ids in order), the same block tables and the same evictions as
+    releasing them one by one."""
+    options, reqs, waves = scenario
+    if options.get("preemption_mode") == "restart" or options.get("preemption_victim") == "requester":
+        options = dict(options, preemption_mode="recompute", preemption_victim="newest")  # may livelock
+    if options.get("allocator") == "contiguous":
+        return  # no blocks to chunk
+
+    def snapshots(into):
+        def check(sched):
+            _check(sched)
+            kv = sched.kv_cache_manager
+            into.append((kv.block_pool.free_block_queue.block_ids(), kv.block_pool.num_evictions,
+                         sorted((i, [b.block_id for b in t]) for i, t in kv.req_to_blocks.items())))
+        return check
+
+    def one_by_one(sched):
+        sched.kv_cache_manager.release_private_as_chunk = False
+
+    chunked, single = [], []
+    _, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(chunked))
+    _, b_log, b = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(single), setup=one_by_one)
+    assert a_log == b_log and a == b
+    assert chunked == single
 
 
 @settings(max_examples=60, deadline=None)
