@@ -196,37 +196,47 @@ class ReplayEngine:
     def _run_times(self, n: int, first_context: int, limit: int) -> tuple[list | np.ndarray, list | np.ndarray]:
         """Durations and start times of up to `limit` decode steps, stopping after the step
         during which (or at whose end) the next request arrives. Summed strictly in step
-        order like single steps are: the first steps in Python floats (most runs are short),
-        then in growing numpy chunks."""
+        order like single steps are. Computed in chunks: Python floats for short ones (most
+        runs are short), numpy for long ones; after the first chunk each is sized by the time
+        left to the next arrival over the last step's duration (durations grow with context,
+        so that many steps reach it; the size is only a guess: correctness does not rest on it)."""
         next_arrival = self.feed.next_arrival_time()
         if next_arrival is None:
             next_arrival = float("inf")
-        m = min(limit, 32)
-        durations = self.backend.decode_run_durations_list(n, first_context, m)
-        ends = list(accumulate(durations, initial=self.now))  # ends[j] = start of step j + 1
-        j = bisect_left(ends, next_arrival, 1)
-        if j <= m:  # step j - 1 is the one during which (or at whose end) the next arrival comes
-            return durations[:j], ends[:j]
-        starts = ends[:m]
-        t = ends[m]
-        if m == limit:
-            return durations, starts
-        parts_d, parts_s = [np.asarray(durations)], [np.asarray(starts)]
-        start, done, chunk = t, m, 128
-        while done < limit:
-            m = min(chunk, limit - done)
-            d = self.backend.decode_run_durations(n, first_context + done * n, m)
-            acc = np.add.accumulate(np.concatenate(([start], d)))
-            if acc[-1] >= next_arrival:
-                j = int(np.searchsorted(acc[1:], next_arrival, side="left")) + 1
+        backend = self.backend
+        t = self.now
+        done = 0
+        chunk = limit if limit <= 8 else 8
+        parts_d: list = []
+        parts_s: list = []
+        while True:
+            if chunk <= 64:
+                d = backend.decode_run_durations_list(n, first_context + done * n, chunk)
+                ends = list(accumulate(d, initial=t))  # ends[j] = start of step j + 1
+                j = bisect_left(ends, next_arrival, 1)
+                last = d[-1]
+            else:
+                d = backend.decode_run_durations(n, first_context + done * n, chunk)
+                ends = np.add.accumulate(np.concatenate(([t], d)))
+                j = int(np.searchsorted(ends[1:], next_arrival, side="left")) + 1
+                last = float(d[-1])
+            if j <= chunk:  # step j - 1 is the one during which (or at whose end) the next arrival comes
                 parts_d.append(d[:j])
-                parts_s.append(acc[:j])
+                parts_s.append(ends[:j])
                 break
             parts_d.append(d)
-            parts_s.append(acc[:-1])
-            start = float(acc[-1])
-            done += m
-            chunk *= 4
+            parts_s.append(ends[:chunk])
+            t = float(ends[chunk])
+            done += chunk
+            if done == limit:
+                break
+            chunk = limit - done
+            if next_arrival != float("inf"):
+                chunk = min(chunk, int((next_arrival - t) / last) + 2)
+        if len(parts_d) == 1:
+            return parts_d[0], parts_s[0]
+        if all(type(p) is list for p in parts_d):
+            return [x for p in parts_d for x in p], [x for p in parts_s for x in p]
         return np.concatenate(parts_d), np.concatenate(parts_s)
 
     def _record_finished(self, finished: list[Request]) -> None:
