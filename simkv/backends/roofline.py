@@ -59,6 +59,7 @@ class RooflineCostModel:
             self.comm_per_token = 0.0
             self.comm_fixed = 0.0
         self.fixed_s = step_overhead_s + self.comm_fixed
+        self._decode_consts: dict[int, tuple[float, float, float, float]] = {}
         self.seq_overhead_s = seq_overhead_s
 
     def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum):
@@ -81,24 +82,42 @@ class RooflineCostModel:
 
     def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
         # `_time` with the step-invariant terms hoisted; each step's operations on its context,
-        # and their order, are those of `_time`, so the floats are identical. Compute and
-        # memory time are both affine in the context: when one exceeds the other by a wide
-        # margin at both ends of the run, it does so at every step and `max` can be skipped.
+        # and their order, are those of `_time`, so the floats are identical. A pure-decode
+        # step is memory-bound from some context on (see _decode_constants): there `max` is
+        # skipped.
         n = num_decodes
+        consts = self._decode_consts.get(n)
+        if consts is None:
+            consts = self._decode_consts[n] = self._decode_constants(n)
+        flops0, comm, seq, memory_bound_from = consts
+        w, kvb, br, fixed = self.weight_bytes, self.kv_bytes_per_token, self.byte_rate, self.fixed_s
+        stop = first_context_tokens + n * num_steps
+        if first_context_tokens >= memory_bound_from:
+            return [(w + kvb * (ctx + n)) / br + comm + fixed + seq for ctx in range(first_context_tokens, stop, n)]
+        fpp, fr = self.flops_per_pair, self.flop_rate
+        return [max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br) + comm + fixed + seq
+                for ctx in range(first_context_tokens, stop, n)]
+
+    def _decode_constants(self, n: int) -> tuple[float, float, float, float]:
+        """Per decode count n: the hoisted terms, and a context from which memory time exceeds
+        compute time by a margin far above rounding at every larger context (both are affine
+        in the context; memory grows faster), or +inf if there is none."""
         flops0 = self.flops_per_token * n + self.flops_per_seq * n
         fpp, w, kvb, fr, br = self.flops_per_pair, self.weight_bytes, self.kv_bytes_per_token, self.flop_rate, self.byte_rate
-        comm, fixed, seq = self.comm_per_token * n, self.fixed_s, self.seq_overhead_s * n
-        first, stop = first_context_tokens, first_context_tokens + n * num_steps
-        last = stop - n
         margin = 1.0 + 1e-9
-        if min((w + kvb * (first + n)) / br - (flops0 + fpp * first) / fr * margin,
-               (w + kvb * (last + n)) / br - (flops0 + fpp * last) / fr * margin) > 0:
-            return [(w + kvb * (ctx + n)) / br + comm + fixed + seq for ctx in range(first, stop, n)]
-        if min((flops0 + fpp * first) / fr - (w + kvb * (first + n)) / br * margin,
-               (flops0 + fpp * last) / fr - (w + kvb * (last + n)) / br * margin) > 0:
-            return [(flops0 + fpp * ctx) / fr + comm + fixed + seq for ctx in range(first, stop, n)]
-        return [max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br) + comm + fixed + seq
-                for ctx in range(first, stop, n)]
+
+        def memory_ahead(ctx: int) -> bool:
+            return (w + kvb * (ctx + n)) / br > (flops0 + fpp * ctx) / fr * margin
+
+        memory_bound_from = float("inf")
+        if kvb / br > fpp / fr * margin * margin:  # the gap grows with the context
+            slope = kvb / br - fpp / fr * margin
+            gap0 = (w + kvb * n) / br - flops0 / fr * margin
+            start = max(0, int(-gap0 / slope) + 1)
+            while not memory_ahead(start):
+                start += 1 + start // 1000
+            memory_bound_from = start
+        return flops0, self.comm_per_token * n, self.seq_overhead_s * n, memory_bound_from
 
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,

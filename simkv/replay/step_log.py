@@ -25,7 +25,8 @@ class StepLog:
     """Steps recorded as segments: a single step, or a decode run of k identical steps.
 
     Per segment only scalars are kept (plus the run's allocation offsets); per-step
-    columns are expanded with numpy when asked for. Run times arrive as lists (short runs) or arrays.
+    columns are expanded with numpy when asked for. Times are kept as Python
+    lists until the columns are asked for.
     """
 
     def __init__(self) -> None:
@@ -55,13 +56,10 @@ class StepLog:
                            run.num_swapped, 0))
         self._columns = None
         self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
-        if type(starts) is list:  # a short run, timed in Python floats
-            self._pending_starts.extend(starts)
-            self._pending_durations.extend(durations)
-        else:
-            self._flush_times()
-            self._starts.append(starts)
-            self._durations.append(durations)
+        if type(starts) is not list:  # a long run, timed with numpy
+            starts, durations = starts.tolist(), durations.tolist()
+        self._pending_starts.extend(starts)
+        self._pending_durations.extend(durations)
         self.num_steps += run.num_steps
 
     def _flush_times(self) -> None:
