@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from simkv.core.outputs import DecodeRun, SchedulerOutput
@@ -72,7 +74,9 @@ class StepLog:
         if self._columns is not None:
             return self._columns
         self._flush_times()
-        rows = np.asarray(self._rows, dtype=np.int64).reshape(-1, len(_ROW_COLUMNS))
+        width = len(_ROW_COLUMNS)
+        rows = np.fromiter(chain.from_iterable(self._rows), dtype=np.int64,
+                           count=len(self._rows) * width).reshape(-1, width)
         seg = dict(zip(_ROW_COLUMNS, rows.T))
         lengths = seg["length"]
         n = int(lengths.sum())
