@@ -139,9 +139,12 @@ class ReplayEngine:
         sched = self.scheduler
         feed = self.feed
         env = self.env
+        arrivals, num_arrivals = feed._arrival_list, len(feed._arrival_list)
         while True:
-            feed.deliver_until(self.now)
-            self._report_rejected()
+            if feed.next_index < num_arrivals and arrivals[feed.next_index] <= self.now:
+                feed.deliver_until(self.now)
+                if feed.num_rejected != self._num_rejected_reported:
+                    self._report_rejected()
             if not sched.has_unfinished_requests():
                 if feed.exhausted:
                     return

@@ -57,7 +57,7 @@ class StepLog:
                            run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
                            run.num_swapped, 0))
         self._columns = None
-        self._alloc_rows.extend([row0 + o for o in run.allocation_offsets])
+        self._alloc_rows.extend(map(row0.__add__, run.allocation_offsets))
         if type(starts) is not list:  # a long run, timed with numpy
             starts, durations = starts.tolist(), durations.tolist()
         self._pending_starts.extend(starts)
