@@ -1,4 +1,4 @@
-"""The SimPy model: an arrival process feeds requests; an engine process runs steps.
+"""The SimPy model: an engine process runs steps; an arrival process wakes it when it idles.
 
 Time follows the engine: a step starts when the previous one ends or, when nothing is
 runnable, at the next arrival. A request arriving during a step (or exactly when it ends)
@@ -112,6 +112,7 @@ class ReplayEngine:
         self.now = 0.0
         self.env = simpy.Environment()
         self._idle: simpy.Event | None = None
+        self._engine_idle: simpy.Event | None = None
         self._num_done = 0
         self._num_rejected_reported = 0
 
@@ -122,18 +123,19 @@ class ReplayEngine:
         return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now)
 
     def _arrivals(self):
-        """Wakes the engine when a request arrives while it is idle."""
-        arrivals = self.feed._arrival_list
+        """The arrival process. A busy engine takes the requests that arrived from the feed at
+        each step boundary; when it runs out of work it says so, and this process sleeps until
+        the next request arrives and wakes it."""
         env = self.env
-        i, n = 0, len(arrivals)
-        while i < n:
-            t = arrivals[i]
+        while True:
+            self._engine_idle = env.event()
+            yield self._engine_idle
+            t = self.feed.next_arrival_time()
+            if t is None:
+                return
             if t > env.now:
                 yield env.timeout(t - env.now)
-            while i < n and arrivals[i] <= t:
-                i += 1
-            if self._idle is not None and not self._idle.triggered:
-                self._idle.succeed(t)
+            self._idle.succeed(t)
 
     def _engine(self):
         sched = self.scheduler
@@ -149,6 +151,7 @@ class ReplayEngine:
                 if feed.exhausted:
                     return
                 self._idle = env.event()
+                self._engine_idle.succeed()
                 arrival = yield self._idle
                 self._idle = None
                 self.now = max(self.now, arrival)
