@@ -174,6 +174,15 @@ class BlockHashToBlockMap:
             self._cache[key] = next(iter(blocks.values()))
 
 
+def _chain_append(head, tail, node):
+    """Link `node` after `tail` of a chain being built; returns the chain's (head, tail)."""
+    if tail is None:
+        return node, node
+    tail.next_free_block = node
+    node.prev_free_block = tail
+    return head, node
+
+
 class BlockPool:
     """All KV blocks of one pool: allocation, release, prefix-cache insertion and lookup."""
 
@@ -321,20 +330,10 @@ class BlockPool:
             if is_chunk:
                 node = BlockChunk(ordered_blocks[plo:phi] if plo or phi < n else ordered_blocks, hashed)
                 if hashed and caching:
-                    if back_tail is None:
-                        back_head = node
-                    else:
-                        back_tail.next_free_block = node
-                        node.prev_free_block = back_tail
-                    back_tail = node
+                    back_head, back_tail = _chain_append(back_head, back_tail, node)
                     num_back += phi - plo
                 else:
-                    if front_tail is None:
-                        front_head = node
-                    else:
-                        front_tail.next_free_block = node
-                        node.prev_free_block = front_tail
-                    front_tail = node
+                    front_head, front_tail = _chain_append(front_head, front_tail, node)
                     num_front += phi - plo
                 continue
             for i in range(seg_start, seg_end):
