@@ -8,29 +8,16 @@ from collections import deque
 from simkv.core.request import Request
 
 
-class FCFSRequestQueue:
-    """Arrival order; preempted requests go back to the front."""
+class FCFSRequestQueue(deque):
+    """Arrival order; preempted requests go back to the front. A deque itself, so that `len`
+    (asked several times per step) costs no Python call."""
 
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def add_request(self, request: Request) -> None:
-        self._queue.append(request)
-
-    def prepend_request(self, request: Request) -> None:
-        self._queue.appendleft(request)
+    add_request = deque.append
+    prepend_request = deque.appendleft
+    pop_request = deque.popleft
 
     def peek_request(self) -> Request:
-        return self._queue[0]
-
-    def pop_request(self) -> Request:
-        return self._queue.popleft()
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self):
-        return iter(self._queue)
+        return self[0]
 
 
 class PriorityRequestQueue:

@@ -165,7 +165,7 @@ class Scheduler(SteadyDecoders):
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
         self._preemptions_since_finish += 1
-        if self._preemptions_since_finish > 200 + 20 * (len(self.running) + self.num_waiting()):
+        if self._preemptions_since_finish > 200 + 20 * (len(self.running) + len(self.waiting)):
             raise LivelockError(
                 f"{self._preemptions_since_finish} preemptions in a row without any request finishing "
                 f"(last victim {request.request_id}, preempted {request.num_preemptions} times; "
@@ -210,7 +210,7 @@ class Scheduler(SteadyDecoders):
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
-            num_waiting=self.num_waiting(), num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
+            num_waiting=len(self.waiting), num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks)
 
@@ -312,7 +312,7 @@ class Scheduler(SteadyDecoders):
 
     def _prefill_threshold(self) -> int:
         threshold = self.long_prefill_token_threshold
-        num_eligible = len(self.running) + self.num_waiting()
+        num_eligible = len(self.running) + len(self.waiting)
         if num_eligible <= 1:
             return 0
         if threshold > 0 and self.adaptive_threshold:
@@ -322,7 +322,7 @@ class Scheduler(SteadyDecoders):
     def _schedule_waiting(self, step: int, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         admitted = 0
-        while plan.budget > 0 and self.num_waiting():
+        while plan.budget > 0 and self.waiting:
             if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
                 break
             request = self.waiting.peek_request()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from operator import attrgetter
 
+from simkv.core.block_pool import BlockChunk
 from simkv.core.outputs import DecodeRun
 from simkv.core.request import Request, RequestStatus
 
@@ -101,7 +102,7 @@ class SteadyDecoders:
         finish requests), or 0 when the next step must be scheduled normally."""
         if self._prefilling or not self.running or self.detail:
             return 0
-        if self.num_waiting() and not self._admission_stuck():
+        if self.waiting and not self._admission_stuck():
             return 0
         heap = self._finish_heap
         while heap:
@@ -163,6 +164,7 @@ class SteadyDecoders:
         pool = kv.block_pool
         free_queue = pool.free_block_queue
         get_new_block = pool.get_new_block
+        fake_head = free_queue.fake_head
         tables = kv.req_to_blocks
         heappop, heappush = heapq.heappop, heapq.heappush
         bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
@@ -176,7 +178,15 @@ class SteadyDecoders:
                 heappush(heap, event)
                 return at
             blocks = tables[request.index]
-            blocks.append(get_new_block())
+            node = fake_head.next_free_block
+            if type(node) is BlockChunk and node.pos < len(node.blocks) - 1:
+                blocks.append(node.blocks[node.pos])  # get_new_block, its commonest case written out
+                node.pos += 1
+                free_queue.num_free_blocks -= 1
+                if node.hashed:
+                    pool.num_evictions += 1
+            else:
+                blocks.append(get_new_block())
             offsets.append(at - start)
             held = len(blocks) * bs  # the next boundary, as _push_boundary computes it
             if held < max_model_len:
@@ -234,7 +244,7 @@ class SteadyDecoders:
         for request in self._pop_due(self._finish_heap, end - 1):
             self._leave_decoding(request, end)
             finished.append(request)
-        run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
+        run = DecodeRun(start, end - start, n, first_context, len(self.running), len(self.waiting),
                         first_used, offsets, finished, num_swapped=self.num_swapped)
         if finished:
             finished.sort(key=_seq_of)
