@@ -224,7 +224,8 @@ class SteadyDecoders:
         start = self.current_step
         end = start + num_steps
         kv = self.kv_cache_manager
-        n, first_context = self.decode_run_shape()
+        n = self._num_decoders  # decode_run_shape(), written out
+        first_context = n * (start + 1) + self._sum_decode_base
         first_used = kv.block_pool.get_num_used_blocks()
         offsets: list[int] = []
         if not kv.num_cow_pending:

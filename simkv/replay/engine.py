@@ -24,6 +24,9 @@ from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.step_log import RequestLog, StepLog
 
 
+_INF = float("inf")
+
+
 class ReplayError(RuntimeError):
     """The replay cannot make progress (reported with its cause)."""
 
@@ -115,6 +118,7 @@ class ReplayEngine:
         self._engine_idle: simpy.Event | None = None
         self._num_done = 0
         self._num_rejected_reported = 0
+        self._last_step_duration = 1.0  # sizes the first chunk of decode-run times (a guess only)
 
     def run(self) -> ReplayRun:
         self.env.process(self._arrivals())
@@ -162,7 +166,8 @@ class ReplayEngine:
                     end = run[0]
                     yield env.timeout(end - self.now)
                     self.now = end
-                    self._record_finished(run[1])
+                    if run[1]:
+                        self._record_finished(run[1])
                     continue
             try:
                 out = sched.schedule()
@@ -178,7 +183,8 @@ class ReplayEngine:
             yield env.timeout(duration)
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)
-            self._record_finished(finished)
+            if finished:
+                self._record_finished(finished)
 
     def _decode_run(self) -> tuple[float, list[Request]] | None:
         """Jump over the decode run ahead, if any: (its end time, the requests it finished)."""
@@ -203,16 +209,19 @@ class ReplayEngine:
         """Durations and start times of up to `limit` decode steps, stopping after the step
         during which (or at whose end) the next request arrives. Summed strictly in step
         order like single steps are. Computed in chunks: Python floats for short ones (most
-        runs are short), numpy for long ones; after the first chunk each is sized by the time
-        left to the next arrival over the last step's duration (durations grow with context,
-        so that many steps reach it; the size is only a guess: correctness does not rest on it)."""
-        next_arrival = self.feed.next_arrival_time()
-        if next_arrival is None:
-            next_arrival = float("inf")
+        runs are short), numpy for long ones. Each chunk is sized by the time left to the next
+        arrival over the duration of the last step computed (durations grow with context, so
+        that many steps about reach it; the size is only a guess: correctness does not rest on
+        it, a short chunk is followed by another)."""
+        feed = self.feed
+        arrivals = feed._arrival_list
+        next_arrival = arrivals[feed.next_index] if feed.next_index < len(arrivals) else _INF
         backend = self.backend
         t = self.now
         done = 0
-        chunk = limit if limit <= 8 else 8
+        chunk = limit
+        if next_arrival != _INF:  # guess from the last step's duration how many steps reach it
+            chunk = min(limit, max(2, int((next_arrival - t) / self._last_step_duration) + 2))
         parts_d: list = []
         parts_s: list = []
         while True:
@@ -226,6 +235,7 @@ class ReplayEngine:
                 ends = np.add.accumulate(np.concatenate(([t], d)))
                 j = int(np.searchsorted(ends[1:], next_arrival, side="left")) + 1
                 last = float(d[-1])
+            self._last_step_duration = last
             if j <= chunk:  # step j - 1 is the one during which (or at whose end) the next arrival comes
                 parts_d.append(d[:j])
                 parts_s.append(ends[:j])
@@ -237,7 +247,7 @@ class ReplayEngine:
             if done == limit:
                 break
             chunk = limit - done
-            if next_arrival != float("inf"):
+            if next_arrival != _INF:
                 chunk = min(chunk, int((next_arrival - t) / last) + 2)
         if len(parts_d) == 1:
             return parts_d[0], parts_s[0]
