@@ -93,8 +93,6 @@ class RooflineCostModel:
         w, kvb, br, fixed = self.weight_bytes, self.kv_bytes_per_token, self.byte_rate, self.fixed_s
         stop = first_context_tokens + n * num_steps
         if first_context_tokens >= memory_bound_from:
-            if comm == 0.0:  # one GPU: adding +0.0 to a positive duration changes no bit
-                return [(w + kvb * (ctx + n)) / br + fixed + seq for ctx in range(first_context_tokens, stop, n)]
             return [(w + kvb * (ctx + n)) / br + comm + fixed + seq for ctx in range(first_context_tokens, stop, n)]
         fpp, fr = self.flops_per_pair, self.flop_rate
         return [max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br) + comm + fixed + seq

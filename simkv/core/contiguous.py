@@ -113,7 +113,7 @@ class ContiguousKVCacheManager:
         self.req_to_blocks[request.index] = range(first, first + self.reservation // self.block_size)
         return []
 
-    num_cow_pending = 0
+    num_forks = 0
     num_cow_copies = 0
 
     def decode_block_need(self, request: Request, num_computed_tokens: int, num_lookahead_tokens: int) -> bool:

@@ -78,8 +78,7 @@ class KVCacheManager:
         self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size)
         self.num_false_prefix_hits = 0  # hit blocks whose content differs (weak hash only)
         self.num_cow_copies = 0  # first writes into a partial block shared by forked sequences
-        self.num_forks = 0
-        self.num_cow_pending = 0  # forked sequences exist (only then can a partial block be shared)
+        self.num_forks = 0  # forked sequences exist: only then can a partial block be shared
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -191,11 +190,9 @@ class KVCacheManager:
         shared.ref_cnt -= 1  # stays >= 1: another sequence still holds it
         self.num_cow_copies += 1
 
-
     def fork(self, parent: Request, child: Request) -> None:
         """Parallel sampling: the child sequence shares every block of the parent's prompt."""
         self.num_forks += 1
-        self.num_cow_pending = self.num_forks
         blocks = self.req_to_blocks[parent.index]
         for block in blocks:
             block.ref_cnt += 1

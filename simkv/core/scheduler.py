@@ -180,7 +180,7 @@ class Scheduler(SteadyDecoders):
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
         due = self._pop_due(self._boundary_heap, step)
         kv = self.kv_cache_manager
-        if (not self._prefilling and not self.admit_before_running and not kv.num_cow_pending
+        if (not self._prefilling and not self.admit_before_running and not kv.num_forks
                 and plan.budget >= len(self.running)
                 and (not due or len(due) <= kv.block_pool.get_num_free_blocks())):
             # Only steady decoders run, all fit the budget and every one due for a block gets
@@ -272,7 +272,7 @@ class Scheduler(SteadyDecoders):
         if the request preempted itself."""
         kv = self.kv_cache_manager
         free_queue = kv.block_pool.free_block_queue
-        if not kv.num_cow_pending:  # no forked sequences: the event is a block boundary
+        if not kv.num_forks:  # no forked sequences: the event is a block boundary
             while free_queue.num_free_blocks == 0:
                 if self._preempt_for(request, step, plan):
                     return False

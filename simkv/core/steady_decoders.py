@@ -46,7 +46,7 @@ class SteadyDecoders:
         heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
         kv = self.kv_cache_manager
         computed = from_step + request.decode_base
-        if kv.num_cow_pending and kv.decode_block_need(request, computed, self.num_lookahead_tokens):
+        if kv.num_forks and kv.decode_block_need(request, computed, self.num_lookahead_tokens):
             # a forked sequence whose next token goes into a shared partial block: copy first
             heapq.heappush(self._boundary_heap, (from_step, request.seq, request.epoch, request))
         else:
@@ -155,8 +155,8 @@ class SteadyDecoders:
         return end
 
     def _run_boundaries(self, start: int, end: int, offsets: list[int]) -> int:
-        """`_run_events` when every event is a block boundary, with the next boundary's push
-        written out (the hot loop of light loads; see _take_boundary_blocks)."""
+        """`_run_events` when every event is a block boundary, with the block pop (from a chunk)
+        and the next boundary's push (`_push_boundary`) written out: the hot loop of light loads."""
         heap = self._boundary_heap
         if not heap or heap[0][0] >= end:
             return end  # (a contiguous allocator never has boundary events)
@@ -199,23 +199,12 @@ class SteadyDecoders:
 
     def _take_boundary_blocks(self, requests: list[Request], at: int) -> None:
         """Steady decoders due at step `at` (in running order; the pool has a block for each)
-        take the head of the free queue, and their next boundaries are pushed (as
-        KVCacheManager.append_block and _push_boundary would, one by one)."""
+        take the head of the free queue in one pop, and their next boundaries are pushed."""
         kv = self.kv_cache_manager
         tables = kv.req_to_blocks
-        heap = self._boundary_heap
-        heappush = heapq.heappush
-        bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
         for request, block in zip(requests, kv.block_pool.get_new_blocks(len(requests))):
-            blocks = tables[request.index]
-            blocks.append(block)
-            held = len(blocks) * bs
-            if held < max_model_len:
-                step = held - lookahead - request.decode_base
-                if step <= at:
-                    step = at + 1
-                if step <= request.decode_last_step:
-                    heappush(heap, (step, request.seq, request.epoch, request))
+            tables[request.index].append(block)
+            self._push_boundary(request, at + 1)
 
     def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
         """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
@@ -224,11 +213,10 @@ class SteadyDecoders:
         start = self.current_step
         end = start + num_steps
         kv = self.kv_cache_manager
-        n = self._num_decoders  # decode_run_shape(), written out
-        first_context = n * (start + 1) + self._sum_decode_base
+        n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
         offsets: list[int] = []
-        if not kv.num_cow_pending:
+        if not kv.num_forks:
             # Without forked sequences every event is a block boundary (it was pushed for one).
             end = self._run_boundaries(start, end, offsets)
         else:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable
 
-import numpy as np
 import simpy
 
 from simkv.backends.base import StepBackend
@@ -145,12 +144,10 @@ class ReplayEngine:
         sched = self.scheduler
         feed = self.feed
         env = self.env
-        arrivals, num_arrivals = feed._arrival_list, len(feed._arrival_list)
         while True:
-            if feed.next_index < num_arrivals and arrivals[feed.next_index] <= self.now:
-                feed.deliver_until(self.now)
-                if feed.num_rejected != self._num_rejected_reported:
-                    self._report_rejected()
+            feed.deliver_until(self.now)
+            if feed.num_rejected != self._num_rejected_reported:
+                self._report_rejected()
             if not sched.has_unfinished_requests():
                 if feed.exhausted:
                     return
@@ -203,57 +200,48 @@ class ReplayEngine:
         if k < len(durations):
             starts, durations = starts[:k], durations[:k]
         self.steps.add_run(run, starts, durations)
-        return float(starts[k - 1] + durations[k - 1]), run.finished  # the sum the next start gets
+        return starts[k - 1] + durations[k - 1], run.finished  # the sum the next start gets
 
-    def _run_times(self, n: int, first_context: int, limit: int) -> tuple[list | np.ndarray, list | np.ndarray]:
+    def _run_times(self, n: int, first_context: int, limit: int) -> tuple[list[float], list[float]]:
         """Durations and start times of up to `limit` decode steps, stopping after the step
         during which (or at whose end) the next request arrives. Summed strictly in step
-        order like single steps are. Computed in chunks: Python floats for short ones (most
-        runs are short), numpy for long ones. Each chunk is sized by the time left to the next
-        arrival over the duration of the last step computed (durations grow with context, so
-        that many steps about reach it; the size is only a guess: correctness does not rest on
-        it, a short chunk is followed by another)."""
-        feed = self.feed
-        arrivals = feed._arrival_list
-        next_arrival = arrivals[feed.next_index] if feed.next_index < len(arrivals) else _INF
+        order like single steps are. Computed in chunks (Python floats for short ones, most
+        runs being short; numpy for long ones), each sized by the time left to the next
+        arrival over the duration of the last step computed: durations grow with context, so
+        about that many steps reach it. The size is only a guess; a short chunk is followed by
+        another."""
+        next_arrival = self.feed.next_arrival_time()
+        if next_arrival is None:
+            next_arrival = _INF
         backend = self.backend
         t = self.now
         done = 0
         chunk = limit
-        if next_arrival != _INF:  # guess from the last step's duration how many steps reach it
+        if next_arrival != _INF:
             chunk = min(limit, max(2, int((next_arrival - t) / self._last_step_duration) + 2))
-        parts_d: list = []
-        parts_s: list = []
+        durations: list[float] = []
+        starts: list[float] = []
         while True:
             if chunk <= 64:
                 d = backend.decode_run_durations_list(n, first_context + done * n, chunk)
-                ends = list(accumulate(d, initial=t))  # ends[j] = start of step j + 1
-                j = bisect_left(ends, next_arrival, 1)
-                last = d[-1]
             else:
-                d = backend.decode_run_durations(n, first_context + done * n, chunk)
-                ends = np.add.accumulate(np.concatenate(([t], d)))
-                j = int(np.searchsorted(ends[1:], next_arrival, side="left")) + 1
-                last = float(d[-1])
-            self._last_step_duration = last
+                d = backend.decode_run_durations(n, first_context + done * n, chunk).tolist()
+            ends = list(accumulate(d, initial=t))  # ends[j] = start of step j + 1
+            j = bisect_left(ends, next_arrival, 1)
+            self._last_step_duration = d[-1]
             if j <= chunk:  # step j - 1 is the one during which (or at whose end) the next arrival comes
-                parts_d.append(d[:j])
-                parts_s.append(ends[:j])
-                break
-            parts_d.append(d)
-            parts_s.append(ends[:chunk])
-            t = float(ends[chunk])
+                durations += d[:j]
+                starts += ends[:j]
+                return durations, starts
+            durations += d
+            starts += ends[:chunk]
+            t = ends[chunk]
             done += chunk
             if done == limit:
-                break
+                return durations, starts
             chunk = limit - done
             if next_arrival != _INF:
-                chunk = min(chunk, int((next_arrival - t) / last) + 2)
-        if len(parts_d) == 1:
-            return parts_d[0], parts_s[0]
-        if all(type(p) is list for p in parts_d):
-            return [x for p in parts_d for x in p], [x for p in parts_s for x in p]
-        return np.concatenate(parts_d), np.concatenate(parts_s)
+                chunk = min(chunk, int((next_arrival - t) / d[-1]) + 2)
 
     def _record_finished(self, finished: list[Request]) -> None:
         for request in finished:

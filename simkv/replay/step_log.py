@@ -27,17 +27,15 @@ class StepLog:
     """Steps recorded as segments: a single step, or a decode run of k identical steps.
 
     Per segment only scalars are kept (plus the run's allocation offsets); per-step
-    columns are expanded with numpy when asked for. Times are kept as Python
-    lists until the columns are asked for.
+    columns are expanded with numpy when asked for. Step times are kept as Python floats
+    until then.
     """
 
     def __init__(self) -> None:
         self._rows: list[tuple] = []  # per segment: _ROW_COLUMNS
         self._alloc_rows: list[int] = []
-        self._starts: list = []
-        self._durations: list = []
-        self._pending_starts: list[float] = []
-        self._pending_durations: list[float] = []
+        self._starts: list[float] = []
+        self._durations: list[float] = []
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
@@ -47,33 +45,24 @@ class StepLog:
                            len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
-        self._pending_starts.append(start)
-        self._pending_durations.append(duration)
+        self._starts.append(start)
+        self._durations.append(duration)
         self.num_steps += 1
 
-    def add_run(self, run: DecodeRun, starts, durations) -> None:
+    def add_run(self, run: DecodeRun, starts: list[float], durations: list[float]) -> None:
         row0 = self.num_steps
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
                            run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
                            run.num_swapped, 0))
         self._columns = None
         self._alloc_rows.extend(map(row0.__add__, run.allocation_offsets))
-        if type(starts) is not list:  # a long run, timed with numpy
-            starts, durations = starts.tolist(), durations.tolist()
-        self._pending_starts.extend(starts)
-        self._pending_durations.extend(durations)
+        self._starts += starts
+        self._durations += durations
         self.num_steps += run.num_steps
-
-    def _flush_times(self) -> None:
-        if self._pending_starts:
-            self._starts.append(np.asarray(self._pending_starts, dtype=np.float64))
-            self._durations.append(np.asarray(self._pending_durations, dtype=np.float64))
-            self._pending_starts, self._pending_durations = [], []
 
     def columns(self) -> dict[str, np.ndarray]:
         if self._columns is not None:
             return self._columns
-        self._flush_times()
         width = len(_ROW_COLUMNS)
         rows = np.fromiter(chain.from_iterable(self._rows), dtype=np.int64,
                            count=len(self._rows) * width).reshape(-1, width)
@@ -84,9 +73,8 @@ class StepLog:
         within = np.arange(n, dtype=np.int64) - np.repeat(seg_start_row, lengths)
         out: dict[str, np.ndarray] = {
             "step": np.repeat(seg["first_step"], lengths) + within}
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0))
-        out["start_time_s"] = cat(self._starts).astype(np.float64)
-        out["duration_s"] = cat(self._durations).astype(np.float64)
+        out["start_time_s"] = np.asarray(self._starts, dtype=np.float64)
+        out["duration_s"] = np.asarray(self._durations, dtype=np.float64)
         for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
             out[c] = np.repeat(seg[c], lengths)
         allocs = np.cumsum(np.bincount(np.asarray(self._alloc_rows, dtype=np.int64), minlength=n)[:n])
