@@ -10,6 +10,7 @@ with `time.perf_counter`.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -18,6 +19,7 @@ import torch
 
 from gpu_backend.env import device_info, library_versions
 from gpu_backend.runner import ModelRunner, dtype_name
+from kernels.jit_stats import compiled_variant_count
 from simkv.backends.base import prefill_work
 from simkv.core.outputs import SchedulerOutput
 
@@ -71,7 +73,13 @@ def timing_label(device: torch.device) -> str:
 
 
 class StepTimer:
-    """Times a callable: CUDA events on a GPU, a host clock on CPU (see `cpu_clock_name`)."""
+    """Times a callable: CUDA events on a GPU, a host clock on CPU (see `cpu_clock_name`).
+
+    Python's garbage collector is paused while the callable runs: a collection walks the
+    whole heap of this process (the simulator's requests and logs included), and charging
+    that to whichever step happened to trigger it would add spikes no real server step has.
+    Collections run between steps instead, outside the timed region. Calibration and replay
+    share this timer, so both measure steps the same way."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -81,16 +89,22 @@ class StepTimer:
             self.end = torch.cuda.Event(enable_timing=True)
 
     def time(self, fn, *args):
-        if self.cuda:
-            self.start.record()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            if self.cuda:
+                self.start.record()
+                result = fn(*args)
+                self.end.record()
+                self.end.synchronize()
+                return result, self.start.elapsed_time(self.end) / 1000.0
+            clock = self.clock
+            t0 = clock()
             result = fn(*args)
-            self.end.record()
-            self.end.synchronize()
-            return result, self.start.elapsed_time(self.end) / 1000.0
-        clock = self.clock
-        t0 = clock()
-        result = fn(*args)
-        return result, clock() - t0
+            return result, clock() - t0
+        finally:
+            if collecting:
+                gc.enable()
 
 
 class GpuBackend:
@@ -104,12 +118,14 @@ class GpuBackend:
         self.runner = runner
         self.timer = StepTimer(runner.device)
         self.measured: list[dict] = []  # one row per executed step (kept for partial saves)
+        self.count_compiles = runner.kernel_backend == "triton"
         if warmup_steps:
             from gpu_backend.synthetic import warm_up
 
             warm_up(runner, warmup_steps)
 
     def execute(self, output: SchedulerOutput) -> float:
+        variants = compiled_variant_count() if self.count_compiles else None
         try:
             _, seconds = self.timer.time(self.runner.run, output)
         except Exception as exc:
@@ -123,6 +139,12 @@ class GpuBackend:
                                  f"({shape}); nearest setting that fits: {suggestion}", shape, suggestion) from exc
         row = step_shape(output)
         row["duration_s"] = seconds
+        # where the time went on the host: input preparation, and the forward call (on CUDA the
+        # time to enqueue its kernels: close to duration_s means the step is bound by the host)
+        row["host_prepare_s"], row["host_forward_s"] = self.runner.last_host_times
+        if variants is not None:
+            after = compiled_variant_count()
+            row["jit_compiles"] = (after - variants) if after is not None else -1
         self.measured.append(row)
         return seconds
 

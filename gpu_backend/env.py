@@ -7,6 +7,8 @@ from importlib import metadata
 
 import torch
 
+from simkv.specs import canonical_gpu  # noqa: F401 (re-exported: loop, calibration)
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -35,17 +37,3 @@ def device_info(device: str | torch.device) -> dict:
                 "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count}
     return {"type": "cpu", "name": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads()}
-
-
-def canonical_gpu(name: str | None) -> str | None:
-    """A CUDA device name mapped onto simkv's GPU spec names (None when unknown)."""
-    if not name:
-        return None
-    n = name.upper()
-    if "H200" in n:
-        return "H200"
-    if "H100" in n:
-        return "H100-SXM"
-    if "A100" in n and "80" in n:
-        return "A100-80GB"
-    return None

@@ -8,6 +8,10 @@ Stages (each a `simkv` CLI call in a subprocess with its own time limit, logged 
   3. simkv replay --backend gpu          -> OUTDIR/measured
   4. simkv replay --cost-model calib.json -> OUTDIR/sim
   5. simkv compare --targets gpu|cpu     -> OUTDIR/compare
+With --train-requests M (and time left), also:
+  6. simkv replay --backend gpu on the NEXT M requests -> OUTDIR/measured_train
+  7. simkv calibrate --from-steps measured_train --with-grid calib.json -> OUTDIR/calib_steps.json
+  8. replay + compare of the first slice with it -> OUTDIR/sim_steps, OUTDIR/compare_steps
 A stage that fails or times out is recorded in OUTDIR/loop_summary.md; later stages that need
 its output are skipped. Nothing here needs the network.
 """
@@ -45,10 +49,13 @@ def _run(name: str, cmd: list[str], limit_s: float, out: Path, status: dict) -> 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
-    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--model", default=None, help="[default: llama-3-8b on cuda, tiny-llama on cpu]")
     p.add_argument("--device", default=None, help="cuda or cpu [default: cuda if present]")
     p.add_argument("--trace", default="traces/azure_conv_slice.parquet")
     p.add_argument("--requests", type=int, default=400, help="trace slice: the first N requests")
+    p.add_argument("--train-requests", type=int, default=0,
+                   help="also replay the next M requests on the real backend and fit a second calibration on "
+                        "those steps (plus the grid): `simkv calibrate --from-steps`; the first N stay unseen")
     p.add_argument("--total-s", type=float, default=520.0, help="wall-clock limit of the whole loop")
     p.add_argument("--calib-budget-s", type=float, default=150.0)
     p.add_argument("--num-gpu-blocks", type=int, default=None,
@@ -59,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.model = args.model or ("llama-3-8b" if device == "cuda" else "tiny-llama")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -87,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     slice_path = out / f"trace_head{n}.parquet"
     write_trace(take_rows(trace, np.arange(n)), slice_path)
     status["slice"] = {"rc": 0, "requests": n, "source": args.trace}
+    m = max(0, min(args.train_requests, len(trace) - n))
+    train_path = out / f"trace_train{m}.parquet"
+    if m:
+        import dataclasses
+
+        train = take_rows(trace, np.arange(n, n + m))
+        train = dataclasses.replace(train, arrival_time_s=train.arrival_time_s - train.arrival_time_s[0])
+        write_trace(train, train_path)
+        status["train_slice"] = {"rc": 0, "requests": m, "rows": [n, n + m]}
 
     calib = out / "calib.json"
     cal_cmd = [*SIMKV, "calibrate", "--model", args.model, "--device", device, "--out", str(calib), "--quiet",
@@ -96,11 +113,28 @@ def main(argv: list[str] | None = None) -> int:
     ok_cal = _run("calibrate", cal_cmd, min(args.calib_budget_s + 120, left() - 60), out, status)
     ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
                                   *engine, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
+    targets = "gpu" if device == "cuda" else "cpu"
     ok_sim = ok_cal and _run("replay_sim", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib), *engine,
                                             "--out", str(out / "sim"), "--quiet"], min(120, left() - 15), out, status)
     ok_cmp = ok_meas and ok_sim and _run("compare", [*SIMKV, "compare", str(out / "sim"), str(out / "measured"),
-                                                      "--out", str(out / "compare"), "--quiet", "--targets",
-                                                      "gpu" if device == "cuda" else "cpu"], max(left(), 10), out, status)
+                                                      "--out", str(out / "compare"), "--quiet", "--targets", targets],
+                                         max(left(), 10), out, status)
+    ok_steps_cmp = False
+    calib_steps = out / "calib_steps.json"
+    if m and ok_cal and ok_meas and left() > 60:
+        # a second calibration: the grid plus the steps of a replay of OTHER requests (the next m)
+        ok_train = _run("replay_gpu_train", [*SIMKV, "replay", str(train_path), "--backend", "gpu", "--device", device,
+                                             *engine, "--out", str(out / "measured_train"), "--quiet"],
+                        left() - 25, out, status)
+        ok_fit = ok_train and _run("calibrate_steps", [*SIMKV, "calibrate", "--from-steps", str(out / "measured_train"),
+                                                       "--with-grid", str(calib), "--out", str(calib_steps), "--quiet"],
+                                   max(min(60, left() - 15), 5), out, status)
+        ok_sim2 = ok_fit and _run("replay_sim_steps", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib_steps),
+                                                       *engine, "--out", str(out / "sim_steps"), "--quiet"],
+                                  max(min(120, left() - 8), 5), out, status)
+        ok_steps_cmp = ok_sim2 and _run("compare_steps", [*SIMKV, "compare", str(out / "sim_steps"), str(out / "measured"),
+                                                          "--out", str(out / "compare_steps"), "--quiet", "--targets",
+                                                          targets], max(left(), 8), out, status)
     lines = [f"# simkv GPU backend loop ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"- device: {device} ({gpu_name}); model {args.model}; trace slice: first {n} requests of {args.trace}",
              f"- engine flags of both replays: `{' '.join(engine)}`",
@@ -116,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"- held-out: {fit.get('holdout')}"]
     if ok_cmp:
         lines += ["", (out / "compare" / "compare.md").read_text().replace("# simkv compare", "## Comparison", 1)]
+    if ok_steps_cmp:
+        rec = json.loads(calib_steps.read_text())
+        fit = rec["fit"]
+        lines += ["", f"## Second calibration: grid + the measured steps of requests {n}..{n + m - 1}", "",
+                  f"- {rec['source']}", f"- coefficients: {fit['coefficients']} knee {fit['knee']}",
+                  f"- held-out: {fit['holdout']}", "",
+                  (out / "compare_steps" / "compare.md").read_text().replace("# simkv compare",
+                                                                             "### Comparison (same test slice)", 1)
+                  .replace("\n## ", "\n#### ")]
     lines += ["", f"Total loop time: {time.perf_counter() - t_start:.0f}s"]
     (out / "loop_summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}/loop_summary.md", flush=True)

@@ -141,10 +141,14 @@ class LeanLlama:
                     rope_theta=self.rope_theta, attention_bias=self.has_qkv_bias, tie_word_embeddings=False)
 
     # ---- forward ------------------------------------------------------------------------------
-    def _rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's position, [T, 1, d] in the model dtype (once per step)."""
+        return (self.cos_cache[positions].to(self.dtype)[:, None, :],
+                self.sin_cache[positions].to(self.dtype)[:, None, :])
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
@@ -158,17 +162,17 @@ class LeanLlama:
         num_tokens = input_ids.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope_tables(positions)
         for lw, (key_cache, value_cache) in zip(self.layers, kv_caches):
             residual = hidden
             x = rms_norm(hidden, lw.input_norm, self.eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, nh, d)
-            k = k.view(num_tokens, nkv, d)
-            v = v.view(num_tokens, nkv, d)
-            q, k = self._rope(q, k, positions)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, nh + 2 * nkv, d)
+            # q and k rotated together (one set of element-wise kernels); both kernels take
+            # strided q/k/v views, so nothing is copied to make them contiguous
+            qk = self._rope(qkv[:, :nh + nkv], cos, sin)
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
             write_cache(k, v, key_cache, value_cache, attn.slot_mapping)
-            o = attention(q.contiguous(), key_cache, value_cache, attn.block_tables, attn.seq_lens,
+            o = attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
                           attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
                           max_seq_len=attn.max_seq_len)
             hidden = residual + F.linear(o.reshape(num_tokens, nh * d), lw.o)

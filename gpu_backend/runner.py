@@ -15,6 +15,7 @@ comes from the trace, EOS is ignored.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,7 @@ class ModelRunner:
         if num_gpu_blocks:
             self.allocate_pool(num_gpu_blocks)
         self.outputs: dict[int, list[int]] = {}  # request index -> sampled token ids (output positions)
+        self.last_host_times = (0.0, 0.0)  # last step: (input preparation, forward call) host seconds
         self.vocab = self.spec.vocab_size
 
     def allocate_pool(self, num_gpu_blocks: int) -> None:
@@ -217,14 +219,19 @@ class ModelRunner:
         return self._step(output)[1]
 
     def _step(self, output: SchedulerOutput):
+        t0 = time.perf_counter()
         batch = self.prepare(output)
         if batch.input_ids.size == 0:
+            self.last_host_times = (time.perf_counter() - t0, 0.0)
             return [], None
         dev = self._to_device
         attn = AttentionInputs(dev(batch.slot_mapping), dev(batch.block_tables), dev(batch.seq_lens),
                                dev(batch.query_start_loc), batch.max_query_len, batch.max_seq_len)
-        logits = self.model.forward(dev(batch.input_ids), dev(batch.positions), attn, self.kv_caches,
-                                    dev(batch.logits_indices), self._write_cache, self._attention)
+        input_ids, positions, logits_indices = dev(batch.input_ids), dev(batch.positions), dev(batch.logits_indices)
+        t1 = time.perf_counter()
+        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices,
+                                    self._write_cache, self._attention)
+        self.last_host_times = (t1 - t0, time.perf_counter() - t1)
         sampled = torch.argmax(logits, dim=-1).tolist()  # the host copy synchronises the device
         for (request, position), token in zip(batch.samplers, sampled):
             self._record_sample(request, position, token)

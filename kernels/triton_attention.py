@@ -121,7 +121,11 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised: Triton would otherwise
+# compile a new variant whenever one of them is 1 or a multiple of 16 (a replay would meet
+# those mid-run and time a compilation as a step). Strides of the cache and query stay
+# specialised: they are fixed per model and their divisibility enables vector loads.
+@triton.jit(do_not_specialize=["num_seqs", "ml_plane", "stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size] (written when NUM_SEGMENTS == 1)
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_PAD] fp32 (NUM_SEGMENTS > 1)
@@ -224,7 +228,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + ml_plane + part_row, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "ml_plane"])
 def _merge_segments_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_PAD] fp32

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # GPU check of the paged-attention kernels: CUDA kernel tests + benchmark, in ~8 minutes.
 #
-#   bash scripts/gpu_check.sh OUTDIR
+#   bash scripts/gpu_check.sh OUTDIR [BUNDLE_DIR]
+#
+# With BUNDLE_DIR (e.g. the device tool's $OUT, which returns at most 8 files): at the end,
+# BUNDLE_DIR gets summary.md plus gpu_check.tgz holding all of OUTDIR (logs, bench JSON,
+# calib.json, the replays' summary.json / measured_steps.parquet / steps.parquet, compare.md):
+#   bash scripts/gpu_check.sh /tmp/gc "$OUT"
 #
 # Needs only torch + triton (+ pytest if present; otherwise a standalone checker runs) on a
 # CUDA host; no network, no simulator dependencies.  Every step is time-bounded and a failing
@@ -12,6 +17,7 @@ OUT="${1:?usage: bash scripts/gpu_check.sh OUTDIR   (GPU_CHECK_MODE=all|kernels|
 # all (default): kernel tests + a short benchmark + the gpu_backend loop, about 8.5 minutes in all, to
 #                fit one 10-minute device command; kernels / loop: one part with its full budget.
 MODE="${GPU_CHECK_MODE:-all}"
+BUNDLE="${2:-}"
 case "$MODE" in all|kernels|loop) ;; *) echo "GPU_CHECK_MODE must be all, kernels or loop" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -111,7 +117,10 @@ gpu_backend_loop() {
         fi
     fi
     local total=$([ "$MODE" = all ] && echo 250 || echo 520)
-    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop $(( total + 20 )) $PY -m gpu_backend.loop "$out" --model llama-3-8b --total-s "$total" ${GPU_LOOP_ARGS:-}
+    # a second calibration from the measured steps of the next requests (run only if time is left)
+    local train=$([ "$MODE" = all ] && echo 150 || echo 400)
+    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop $(( total + 20 )) $PY -m gpu_backend.loop "$out" --model llama-3-8b \
+        --total-s "$total" --train-requests "$train" ${GPU_LOOP_ARGS:-}
     cat "$out/loop_summary.md" 2>/dev/null >>"$OUT/summary.md" || true
 }
 if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ] && [ "$MODE" != kernels ]; then
@@ -119,3 +128,9 @@ if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ] && [ "$MODE" != kernels ]; then
     echo "wrote $OUT/gpu_loop/loop_summary.md"
 fi
 # <<<<<<<<<< gpu_backend loop <<<<<<<<<<
+
+if [ -n "$BUNDLE" ]; then
+    mkdir -p "$BUNDLE"
+    cp "$OUT/summary.md" "$BUNDLE/" 2>/dev/null || true
+    tar czf "$BUNDLE/gpu_check.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "wrote $BUNDLE/gpu_check.tgz"
+fi

@@ -8,7 +8,8 @@ from simkv.specs import model_names
 
 
 @click.command("calibrate")
-@click.option("--model", type=click.Choice(model_names()), required=True)
+@click.option("--model", type=click.Choice(model_names()), default=None,
+              help="Model to profile (required unless --from-steps).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="[default: cuda if present]")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="[default: bf16 on cuda, fp32 on cpu]")
@@ -25,11 +26,26 @@ from simkv.specs import model_names
               help="Per-point value fitted: the median of the repeats, or their mean (closer to what a long replay sums on a noisy host).")
 @click.option("--holdout", type=float, default=0.2, show_default=True, help="Fraction of grid points held out.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--from-steps", "from_steps", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Fit on the steps of a measured replay folder (simkv replay --backend gpu --out DIR) instead of "
+                   "profiling a grid; repeatable. Measures nothing, needs no GPU.")
+@click.option("--with-grid", "with_grid", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --from-steps: also fit the grid points of this calib.json.")
 @click.option("--quiet", is_flag=True)
 def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repeats, block_size,
-                  max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, quiet) -> None:
+                  max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, from_steps, with_grid, quiet) -> None:
     """Profile a designed grid of step shapes on the real backend (decode batches, prefill chunks,
-    mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`)."""
+    mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`).
+
+    With --from-steps, fit the same formula on the steps a measured replay executed (ragged
+    contexts, the traffic's own mix of shapes); check it on another trace slice."""
+    if from_steps:
+        _from_steps(list(from_steps), with_grid, out_path, model, holdout, seed, quiet)
+        return
+    if with_grid:
+        raise click.UsageError("--with-grid only goes with --from-steps")
+    if model is None:
+        raise click.UsageError("Missing option '--model' (or give --from-steps DIR)")
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -75,4 +91,30 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
         click.echo("     " + ", ".join(f"{k}={v:.4g}" for k, v in fit["coefficients"].items()) + f", knee={fit['knee']:.0f}")
         if h["n"]:
             click.echo(f"held-out points: {h['n']}, mean |rel error| {100 * h['mape']:.1f} %, max {100 * h['max_ape']:.1f} %")
+        click.echo(f"wrote {out_path}")
+
+
+def _from_steps(dirs: list[str], with_grid: str | None, out_path: str, model: str | None, holdout: float, seed: int,
+                quiet: bool) -> None:
+    from simkv.calibration.costmodel import CalibrationError
+    from simkv.calibration.from_steps import calibrate_from_steps
+
+    try:
+        record = calibrate_from_steps(dirs, out_path, with_grid, holdout, seed)
+    except CalibrationError as exc:
+        raise click.ClickException(str(exc)) from None
+    if model is not None and record["model"] != model:
+        raise click.ClickException(f"--model {model}, but the measured steps are of model '{record['model']}'")
+    if not quiet:
+        fit, src = record["fit"], record["source"]
+        steps = sum(s["steps"] for s in src["measured_steps"])
+        dropped = sum(s["left_out_compiling"] for s in src["measured_steps"])
+        click.echo(f"fitted on {steps} measured steps from {len(dirs)} replay(s)"
+                   + (f" and {src['grid_points']} grid points" if src["grid_points"] else "")
+                   + (f"; {dropped} steps that compiled kernels left out" if dropped else ""))
+        click.echo(f"fit: {fit['form']}")
+        click.echo("     " + ", ".join(f"{k}={v:.4g}" for k, v in fit["coefficients"].items()) + f", knee={fit['knee']:.0f}")
+        h = fit["holdout"]
+        if h["n"]:
+            click.echo(f"held-out steps: {h['n']}, mean |rel error| {100 * h['mape']:.1f} %, max {100 * h['max_ape']:.1f} %")
         click.echo(f"wrote {out_path}")

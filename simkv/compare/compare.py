@@ -17,6 +17,8 @@ import numpy as np
 import pandas as pd
 
 from simkv.compare.run_report import expand_weighted, load_run, token_itl
+from simkv.compare.step_model import cost_model_on_measured, measured_step_profile, profile_markdown_lines
+from simkv.compare.step_model import to_markdown_lines as step_model_lines
 from simkv.compare.svg import cdf_chart, line_chart, page, scatter_chart
 
 SCALAR_METRICS = ("duration_s", "request_throughput_req_s", "output_throughput_tok_s", "num_steps", "peak_running",
@@ -136,6 +138,8 @@ def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None 
             "simulated_cost_model": (sim.get("cost_model") or {}).get("cost_model"),
             "measured_device": meas.get("device_name") or meas.get("device"),
             "metrics": rows, "requests": req, "steps": st, "calibration_check": calibration_check(sim, meas),
+            "cost_model_on_measured_steps": cost_model_on_measured(sim, meas_dir),
+            "measured_step_profile": measured_step_profile(meas_dir),
             "config_differences": config_differences(sim, meas), "targets": evaluate_targets(rows, targets)}
 
 
@@ -176,6 +180,10 @@ def to_markdown(result: dict) -> str:
               f"- duration error on those: mean {_pct(st['duration_mean_rel_error'])}, mean |.| "
               f"{_pct(st['duration_mean_abs_rel_error'])}, p90 |.| {_pct(st['duration_p90_abs_rel_error'])}; "
               f"sum {_pct(st['sum_duration_rel_error'])}"]
+    if "cost_model_on_measured_steps" in result:
+        lines += step_model_lines(result["cost_model_on_measured_steps"])
+    if "measured_step_profile" in result:
+        lines += profile_markdown_lines(result["measured_step_profile"])
     t = result.get("targets")
     if t:
         lines += ["", f"## Targets ({t['set']}): {'all pass' if t['all_pass'] else 'NOT all pass'}", ""]

@@ -77,3 +77,17 @@ def get_gpu_spec(name: str) -> GPUSpec:
     if name not in table:
         raise ValueError(f"unknown GPU '{name}'; known GPUs: {', '.join(sorted(table))}")
     return GPUSpec(name=name, **table[name])
+
+
+def canonical_gpu(name: str | None) -> str | None:
+    """A CUDA device name mapped onto simkv's GPU spec names (None when unknown)."""
+    if not name:
+        return None
+    n = name.upper()
+    if "H200" in n:
+        return "H200"
+    if "H100" in n:
+        return "H100-SXM"
+    if "A100" in n and "80" in n:
+        return "A100-80GB"
+    return None

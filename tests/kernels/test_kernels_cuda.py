@@ -114,3 +114,27 @@ def test_cache_write_large_batch(dtype):
     triton_reshape_and_cache(key, value, kc, vc, slots)
     ref_reshape_and_cache(key, value, kc_ref, vc_ref, slots)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_step_varying_integers_compile_no_new_variant():
+    """Batch size and block-table width change every replay step; once a configuration is
+    compiled, a batch of 1, of 16, or a table 16 blocks wide must not compile another variant
+    (a compilation inside a timed step would be measured as step time)."""
+    from kernels.jit_stats import compiled_variant_count
+
+    cfg = AttentionConfig(block_m=16, tile_n=64, num_segments=1, num_warps=8, num_stages=3)
+
+    def run(seqs):
+        batch = make_batch(seqs, num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                           dtype=torch.bfloat16, device="cuda", seed=len(seqs))
+        out = triton_paged_attention(*batch.args(), config=cfg)
+        assert_close_to_reference(out, ref_paged_attention(*batch.args()), torch.bfloat16)
+
+    run([(40, 1), (70, 1), (5, 1)])  # 3 sequences, 5-block table: compiles the configuration
+    before = compiled_variant_count()
+    assert before is not None
+    run([(40, 1)])  # one sequence
+    run([(100, 1)] * 16)  # 16 sequences
+    run([(16 * 16 - 1, 1), (3, 1)])  # a table exactly 16 blocks wide
+    run([(15, 1)])  # a one-block table
+    assert compiled_variant_count() == before
