@@ -304,9 +304,12 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     qpk = m.num_heads // m.num_kv_heads
     plans = [
         ("decode", Case(8, 32768, 1), [AttentionConfig(max(16, qpk), n, s, w, st) for n, s, w, st in
-                                       [(64, 16, 8, 3), (64, 16, 4, 3), (64, 16, 4, 2), (32, 16, 4, 3), (128, 16, 8, 3), (64, 32, 8, 3), (64, 8, 8, 3)]]),
+                                       [(64, 16, 4, 2), (64, 16, 8, 3), (64, 16, 4, 1), (32, 16, 4, 2), (128, 16, 4, 2), (64, 32, 4, 2), (64, 8, 4, 2)]]),
+        # large batch: where SDPA on contiguous KV was 1.3x faster in the first run
+        ("decode", Case(128, 16384, 1), [AttentionConfig(max(16, qpk), n, s, w, st) for n, s, w, st in
+                                         [(64, 1, 4, 2), (64, 1, 8, 3), (32, 1, 4, 2), (128, 1, 4, 2), (64, 2, 4, 2), (16, 1, 4, 2)]]),
         ("prefill", Case(2, 0, 4096), [AttentionConfig(bm, n, 1, w, st) for bm, n, w, st in
-                                       [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3)]]),
+                                       [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 3)]]),
     ]
     for kind, case, cfgs in plans:
         case.sets = rotation(kv_bytes(case, m), l2)

@@ -307,7 +307,9 @@ def choose_config(
         segments = 1
         while segments < 64 and programs * segments < 4 * num_sms and kv_tiles >= 4 * segments * 2:
             segments *= 2
-        return AttentionConfig(block_m, tile_n, segments, num_warps=8, num_stages=3)
+        # 4 warps / 2 stages: 0.276 ms against 0.344 ms with 8 warps / 3 stages on an H200 (8 x 32k
+        # decodes, 16 segments; reports/gpu/2026-11-30_H200/summary.md, config sweep)
+        return AttentionConfig(block_m, tile_n, segments, num_warps=4, num_stages=2)
     if max_query_len * qpk <= 64:
         return AttentionConfig(max(min_m, 64), 64 if elem_size <= 2 else 32, 1, num_warps=8, num_stages=3)
     if elem_size > 2 or head_pad > 128:

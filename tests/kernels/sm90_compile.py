@@ -84,6 +84,13 @@ VARIANTS = {
     "attn_decode_scalars_eq_1": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=4,
                                                           BLOCK_M=16, NUM_SEGMENTS=8, DOT_FP32=False, DOT_PREC="tf32"),
                                  ("num_seqs", "num_heads", "num_kv_heads", "ml_plane", "stride_bt_seq"), 8, 3),
+    # the launcher's decode default since the first H200 sweep (4 warps, 2 stages; 24 % faster at 8 x 32k). The
+    # sweep's best prefill tile (128 x 32, 4 warps) spills 36 bytes here (triton 3.9), so prefill keeps 128 x 64, 8 warps.
+    "attn_decode_bf16_w4s2": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=4,
+                                                        BLOCK_M=16, NUM_SEGMENTS=1, DOT_FP32=False, DOT_PREC="tf32"), (), 4, 2),
+    "attn_decode_split_bf16_w4s2": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
+                                                              BLOCK_Q=4, BLOCK_M=16, NUM_SEGMENTS=16, DOT_FP32=False,
+                                                              DOT_PREC="tf32"), (), 4, 2),
     "attn_short_chunks_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=64,
                                                              BLOCK_Q=16, BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False,
                                                              DOT_PREC="tf32"), (), 8, 3),
