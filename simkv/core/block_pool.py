@@ -230,7 +230,9 @@ class BlockPool:
                 if take < left:
                     node.pos = pos + take
                     break  # the chunk stays at the head
-                node = node.next_free_block
+                nxt = node.next_free_block
+                node.next_free_block = None  # a used-up chunk links to nothing: freed without the GC
+                node = nxt
                 continue
             block_hash = node.block_hash
             if block_hash is not None:
@@ -269,6 +271,7 @@ class BlockPool:
                 nxt = node.next_free_block
                 head.next_free_block = nxt
                 nxt.prev_free_block = head
+                node.next_free_block = None  # see get_new_blocks
             else:
                 node.pos = pos
             if node.hashed:

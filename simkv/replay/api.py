@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,19 +25,38 @@ class ReplayResult:
     run: ReplayRun
 
 
+@contextmanager
+def collector_paused(pause: bool = True):
+    """Pause Python's cyclic garbage collector. The engine creates no reference cycles per
+    step (tests/replay/test_replay.py checks), so reference counting frees what a replay
+    drops, and the collector would only walk the pool's blocks and the logs over and over."""
+    collecting = pause and gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None) -> ReplayResult:
     capacity = compute_capacity(config)
     if backend is None:
         backend = make_backend(cost_model, config, **(cost_options or {}))
-    engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, on_progress,
-                          capacity=capacity)
-    t0 = time.perf_counter()
-    run = engine.run()
-    wall = time.perf_counter() - t0
-    requests = request_table(run, trace)
-    summary = summarize(run, trace, config, backend, capacity, wall, requests)
-    return ReplayResult(summary, requests, run.steps.columns(), run)
+    # A real backend (torch) is left with the collector on: its steps are not ours to vouch
+    # for, and its own timer pauses the collector inside each timed step.
+    with collector_paused(backend.name != "gpu"):
+        engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, on_progress,
+                              capacity=capacity)
+        t0 = time.perf_counter()
+        run = engine.run()
+        wall = time.perf_counter() - t0
+        requests = request_table(run, trace)
+        summary = summarize(run, trace, config, backend, capacity, wall, requests)
+        steps = run.steps.columns()
+    return ReplayResult(summary, requests, steps, run)
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:
