@@ -107,6 +107,20 @@ class StepTimer:
                 gc.enable()
 
 
+def prepare_for_timing(runner: ModelRunner, warmup_steps: int, max_num_seqs: int, enforce_eager: bool) -> str:
+    """Before any timed step (replay and calibration alike): compile every kernel variant, then
+    on CUDA capture the decode graphs up to `max_num_seqs` (unless `enforce_eager`, vLLM's
+    name for running without them). Returns the graphs' status."""
+    if warmup_steps:
+        from gpu_backend.synthetic import warm_up
+
+        warm_up(runner, warmup_steps)
+    if runner.device.type == "cuda" and not enforce_eager:
+        return runner.enable_decode_graphs(max_num_seqs)
+    runner.decode_graphs_status = "off: --enforce-eager" if enforce_eager else "off: not on CUDA"
+    return runner.decode_graphs_status
+
+
 class GpuBackend:
     """Executes scheduler outputs on a `ModelRunner`; `execute` returns seconds."""
 
@@ -114,15 +128,13 @@ class GpuBackend:
     supports_decode_runs = False
     needs_request_detail = True
 
-    def __init__(self, runner: ModelRunner, warmup_steps: int = 3) -> None:
+    def __init__(self, runner: ModelRunner, warmup_steps: int = 3, max_num_seqs: int = 256,
+                 enforce_eager: bool = False) -> None:
         self.runner = runner
         self.timer = StepTimer(runner.device)
         self.measured: list[dict] = []  # one row per executed step (kept for partial saves)
         self.count_compiles = runner.kernel_backend == "triton"
-        if warmup_steps:
-            from gpu_backend.synthetic import warm_up
-
-            warm_up(runner, warmup_steps)
+        prepare_for_timing(runner, warmup_steps, max_num_seqs, enforce_eager)
 
     def execute(self, output: SchedulerOutput) -> float:
         variants = compiled_variant_count() if self.count_compiles else None
@@ -155,5 +167,5 @@ class GpuBackend:
         r = self.runner
         return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
                 "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
-                "timing": timing_label(r.device),
+                "timing": timing_label(r.device), "cuda_graphs": r.decode_graphs_status,
                 "versions": library_versions()}

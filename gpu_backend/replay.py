@@ -48,7 +48,7 @@ def gpu_summary_fields(backend) -> dict:
     d = backend.describe()
     return {"backend": "gpu", "device": d["device"]["type"], "device_name": d["device"]["name"],
             "device_info": d["device"], "dtype": d["dtype"], "kernel_backend": d["kernel_backend"],
-            "timing": d["timing"], "versions": d["versions"]}
+            "timing": d["timing"], "cuda_graphs": d["cuda_graphs"], "versions": d["versions"]}
 
 
 def save_partial(out_dir: Path, backend, error: BaseException) -> None:
@@ -68,7 +68,7 @@ def save_partial(out_dir: Path, backend, error: BaseException) -> None:
 
 def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = None, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0, warmup_steps: int = 3, on_progress=None,
-                   save_outputs: bool = False):
+                   save_outputs: bool = False, enforce_eager: bool = False):
     """Replay `trace` on the real backend; returns the lead's ReplayResult (summary marked gpu).
 
     `out_dir` receives partial results on failure (and the outputs when `save_outputs`)."""
@@ -82,7 +82,8 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     num_blocks = plan_num_gpu_blocks(config, runner)
     config = with_num_gpu_blocks(config, num_blocks)
     runner.allocate_pool(num_blocks)
-    backend = GpuBackend(runner, warmup_steps=warmup_steps)
+    backend = GpuBackend(runner, warmup_steps=warmup_steps, max_num_seqs=config.scheduler.max_num_seqs,
+                         enforce_eager=enforce_eager)
     try:
         result = replay(trace, config, backend=backend, use_decode_runs=False, on_progress=on_progress)
     except BaseException as exc:
@@ -100,7 +101,8 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     return result
 
 
-def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None, dtype: str | None, on_progress=None):
+def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None, dtype: str | None, on_progress=None,
+                       enforce_eager: bool = False):
     """`simkv replay --backend gpu`: device defaults to cuda when present; failures become
     click errors naming the step shape and the setting that fits (partial results saved)."""
     import click
@@ -111,7 +113,8 @@ def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None,
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return run_gpu_replay(trace, config, out_dir, device, dtype, on_progress=on_progress)
+        return run_gpu_replay(trace, config, out_dir, device, dtype, on_progress=on_progress,
+                              enforce_eager=enforce_eager)
     except DeviceOOMError as exc:
         raise click.ClickException(f"{exc}\nPartial results (steps measured so far) are in {out_dir}/"
                                    "partial_steps.parquet and error.json") from None

@@ -89,6 +89,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         max_positions = max(max_model_len or 0, self.spec.max_position_embeddings)
+        self.max_positions = max_positions
         self.model = LeanLlama(self.spec, self.dtype, self.device, seed=seed, max_positions=max_positions + 1)
         self.kernel_backend = kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
         self._write_cache, self._attention = self._kernels(self.kernel_backend)
@@ -97,7 +98,33 @@ class ModelRunner:
             self.allocate_pool(num_gpu_blocks)
         self.outputs: dict[int, list[int]] = {}  # request index -> sampled token ids (output positions)
         self.last_host_times = (0.0, 0.0)  # last step: (input preparation, forward call) host seconds
+        self.decode_graphs = None  # DecodeGraphs once enable_decode_graphs ran (CUDA)
+        self.decode_graphs_status = "off"
         self.vocab = self.spec.vocab_size
+
+    def enable_decode_graphs(self, max_batch: int, capture: bool | None = None) -> str:
+        """Capture CUDA graphs of decode-only steps up to `max_batch` sequences (vLLM's default;
+        `--enforce-eager` skips this). Without CUDA, or if capture fails, steps stay eager and
+        the returned status says why."""
+        from gpu_backend.decode_graphs import DecodeGraphs
+
+        if capture is None:
+            capture = self.device.type == "cuda"
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        try:
+            self.decode_graphs = DecodeGraphs(self, max_batch, capture=capture)
+        except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
+            self.decode_graphs = None
+            self.decode_graphs_status = f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            return self.decode_graphs_status
+        sizes = self.decode_graphs.sizes
+        self.decode_graphs_status = (f"{'captured' if capture else 'static buffers, eager'}: "
+                                     f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")
+        return self.decode_graphs_status
 
     def allocate_pool(self, num_gpu_blocks: int) -> None:
         """One K and one V tensor per layer, `num_gpu_blocks` blocks each (block ids index them)."""
@@ -215,8 +242,10 @@ class ModelRunner:
         return self._step(output)[0]
 
     def forward_logits(self, output: SchedulerOutput) -> torch.Tensor:
-        """Logits of the sampling rows (tests); samples like `run`."""
-        return self._step(output)[1]
+        """Logits of the sampling rows (tests); samples like `run`. A copy: a decode graph's
+        output buffer is overwritten by its next replay."""
+        logits = self._step(output)[1]
+        return None if logits is None else logits.clone()
 
     def _step(self, output: SchedulerOutput):
         t0 = time.perf_counter()
@@ -224,13 +253,18 @@ class ModelRunner:
         if batch.input_ids.size == 0:
             self.last_host_times = (time.perf_counter() - t0, 0.0)
             return [], None
-        dev = self._to_device
-        attn = AttentionInputs(dev(batch.slot_mapping), dev(batch.block_tables), dev(batch.seq_lens),
-                               dev(batch.query_start_loc), batch.max_query_len, batch.max_seq_len)
-        input_ids, positions, logits_indices = dev(batch.input_ids), dev(batch.positions), dev(batch.logits_indices)
-        t1 = time.perf_counter()
-        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices,
-                                    self._write_cache, self._attention)
+        graphs = self.decode_graphs
+        if graphs is not None and not output.chunks and graphs.fits(batch):
+            t1 = time.perf_counter()
+            logits = graphs.run(batch)  # decode-only: copied into static buffers, graph replayed
+        else:
+            dev = self._to_device
+            attn = AttentionInputs(dev(batch.slot_mapping), dev(batch.block_tables), dev(batch.seq_lens),
+                                   dev(batch.query_start_loc), batch.max_query_len, batch.max_seq_len)
+            input_ids, positions, logits_indices = dev(batch.input_ids), dev(batch.positions), dev(batch.logits_indices)
+            t1 = time.perf_counter()
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices,
+                                        self._write_cache, self._attention)
         self.last_host_times = (t1 - t0, time.perf_counter() - t1)
         sampled = torch.argmax(logits, dim=-1).tolist()  # the host copy synchronises the device
         for (request, position), token in zip(batch.samplers, sampled):

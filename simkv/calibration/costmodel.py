@@ -181,7 +181,7 @@ def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | 
     fit = calib["fit"]
     info = {"calibration_file": str(path), "calibrated_model": calib.get("model"), "device": calib.get("device"),
             "dtype": calib.get("dtype"), "calibration_versions": calib.get("versions"),
-            "holdout": (fit.get("holdout") or {}).get("mape")}
+            "holdout": (fit.get("holdout") or {}).get("mape"), "cuda_graphs": calib.get("cuda_graphs")}
     cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info)
     cm.warnings.extend(warnings)
     return cm

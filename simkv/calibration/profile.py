@@ -132,7 +132,7 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
               warmup: int = 2, repeats: int = 5, budget_s: float | None = None, block_size: int = 16,
               max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, seed: int = 0,
               holdout_fraction: float = 0.2, progress: Callable | None = None, log: Callable[[str], None] = print,
-              statistic: str = "median") -> dict:
+              statistic: str = "median", enforce_eager: bool = False) -> dict:
     """The whole calibration: build the runner, measure the grid, fit, write `out`. Returns the record."""
     from gpu_backend.backend import timing_label
     from gpu_backend.env import canonical_gpu, device_info, library_versions
@@ -167,10 +167,11 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
         "grid": {"design": PRESETS[preset], "num_points": len(points), "dropped": dropped, "measured": []},
         "complete": False,
     }
-    write_json_atomic(out, record)  # the file exists from the start; filled as points come in
-    from gpu_backend.synthetic import warm_up
+    from gpu_backend.backend import prepare_for_timing
 
-    warm_up(runner, 2)
+    # the same preparation as a replay: kernels compiled, decode graphs captured (CUDA)
+    record["cuda_graphs"] = prepare_for_timing(runner, 2, max_num_seqs, enforce_eager)
+    write_json_atomic(out, record)  # the file exists from the start; filled as points come in
     last_save = [time.perf_counter()]
 
     def on_point(row: dict, done: int, total: int) -> None:

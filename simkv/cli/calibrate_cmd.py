@@ -25,6 +25,7 @@ from simkv.specs import model_names
 @click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True,
               help="Per-point value fitted: the median of the repeats, or their mean (closer to what a long replay sums on a noisy host).")
 @click.option("--holdout", type=float, default=0.2, show_default=True, help="Fraction of grid points held out.")
+@click.option("--enforce-eager", is_flag=True, help="Measure decode steps without CUDA graphs (as replay --enforce-eager).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--from-steps", "from_steps", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Fit on the steps of a measured replay folder (simkv replay --backend gpu --out DIR) instead of "
@@ -33,7 +34,8 @@ from simkv.specs import model_names
               help="With --from-steps: also fit the grid points of this calib.json.")
 @click.option("--quiet", is_flag=True)
 def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repeats, block_size,
-                  max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, from_steps, with_grid, quiet) -> None:
+                  max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, enforce_eager, from_steps, with_grid,
+                  quiet) -> None:
     """Profile a designed grid of step shapes on the real backend (decode batches, prefill chunks,
     mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`).
 
@@ -69,7 +71,7 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
         try:
             record = calibrate(model, out_path, device, dtype, preset, warmup, repeats, budget_s, block_size,
                                max_num_batched_tokens, max_num_seqs, seed, holdout, on_progress,
-                               log=lambda s: progress.console.print(s), statistic=statistic)
+                               log=lambda s: progress.console.print(s), statistic=statistic, enforce_eager=enforce_eager)
         except Exception as exc:
             if is_oom(exc):
                 raise click.ClickException(f"out of memory while loading the model or the KV pool: {exc}. "

@@ -59,6 +59,8 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--backend", type=click.Choice(["sim", "gpu"]), default="sim", show_default=True,
               help="sim: step durations from --cost-model; gpu: run every step on the model runner (gpu_backend/).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="gpu backend [default: cuda if present]")
+@click.option("--enforce-eager", is_flag=True,
+              help="gpu backend: run decode steps without CUDA graphs (vLLM's flag; by default they are captured).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="gpu backend [default: bf16 on cuda, fp32 on cpu]")
 @click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
@@ -89,7 +91,7 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
-               dtype: str | None, **flags) -> None:
+               dtype: str | None, enforce_eager: bool, **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -112,7 +114,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
             if backend == "gpu":
                 from gpu_backend.replay import run_gpu_replay_cli
 
-                result = run_gpu_replay_cli(data, config, out_dir, device, dtype, lambda k: progress.advance(task, k))
+                result = run_gpu_replay_cli(data, config, out_dir, device, dtype, lambda k: progress.advance(task, k),
+                                            enforce_eager=enforce_eager)
             else:
                 result = replay(data, config, cost_model,
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s},

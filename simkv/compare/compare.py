@@ -102,6 +102,9 @@ def calibration_check(sim: dict, meas: dict) -> dict:
     try:
         warnings = check_calibration(calib, model=(meas.get("config") or {}).get("model"), device=mdev,
                                      versions=meas.get("versions"))
+        graphs_cal, graphs_meas = cm.get("cuda_graphs"), meas.get("cuda_graphs")
+        if graphs_cal and graphs_meas and graphs_cal.split(":")[0] != graphs_meas.split(":")[0]:
+            warnings.append(f"decode CUDA graphs differ: calibration '{graphs_cal}', measured run '{graphs_meas}'")
         return {"used": True, "ok": True, "warnings": warnings + list(cm.get("warnings", []))}
     except CalibrationError as exc:
         return {"used": True, "ok": False, "error": str(exc)}
