@@ -116,6 +116,12 @@ gpu_backend_loop() {
             echo "   -> gpu_backend loop: simpy/rich missing and no scripts/gpu_wheels/; see the comment above" | tee "$out/wheels.log"
         fi
     fi
+    # the GPU backend's own CUDA tests (decode graphs against the eager forward, CUDA vs CPU runner)
+    if $PY -c "import pytest" 2>/dev/null; then
+        PYTHONPATH="$site:$PYTHONPATH" step tests_gpu_backend 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+            -m cuda tests/gpu_backend --junitxml="$OUT/tests_gpu_backend.xml"
+        echo "- **tests_gpu_backend**: $(cat "$OUT/tests_gpu_backend.status")" >>"$OUT/summary.md"
+    fi
     local total=$([ "$MODE" = all ] && echo 250 || echo 520)
     # a second calibration from the measured steps of the next requests (run only if time is left)
     local train=$([ "$MODE" = all ] && echo 150 || echo 400)
