@@ -2,15 +2,21 @@
 a tile configuration chosen for the longest context (more KV segments than the batch needs).
 Runs under the interpreter on CPU (the CUDA-graph capture itself is tested on CUDA in
 tests/gpu_backend/test_decode_graphs.py)."""
+import pytest
 import torch
+from kernel_cases import interpreting
 
-from gpu_backend.runner import ModelRunner
-from simkv.config import EngineConfig
-from simkv.core.request import Request
-from simkv.core.scheduler import Scheduler
+# CPU tensors through the Triton kernels: the interpreter only (on a GPU host the compiled
+# kernels run this path inside captured graphs: tests/gpu_backend/test_decode_graphs.py)
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
 
 
 def test_triton_kernels_on_padded_static_decode_buffers_match_reference_runner():
+    from gpu_backend.runner import ModelRunner
+    from simkv.config import EngineConfig
+    from simkv.core.request import Request
+    from simkv.core.scheduler import Scheduler
+
     config = EngineConfig.from_flat({"model": "tiny-llama", "num_gpu_blocks": 40, "block_size": 16,
                                      "max_num_batched_tokens": 64, "max_num_seqs": 6})
     sched = Scheduler(config, 40, detail=True)
