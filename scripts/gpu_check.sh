@@ -128,6 +128,11 @@ gpu_backend_loop() {
             echo "   -> gpu_backend loop: simpy/rich missing and no scripts/gpu_wheels/; see the comment above" | tee "$out/wheels.log"
         fi
     fi
+    # step time eager vs decode CUDA graphs, and the host's share (bench/gpu_step.py)
+    if [ "$(left_s)" -gt 360 ]; then
+        PYTHONPATH="$site:$PYTHONPATH" step gpu_step 120 $PY bench/gpu_step.py --model llama-3-8b --out "$OUT/gpu_step" --budget-s 80
+        { echo; cat "$OUT/gpu_step/gpu_step.md" 2>/dev/null || echo "gpu_step: no report (see gpu_step.log)"; } >>"$OUT/summary.md"
+    fi
     # the GPU backend's own CUDA tests (decode graphs against the eager forward, CUDA vs CPU runner)
     if $PY -c "import pytest" 2>/dev/null && [ "$(left_s)" -gt 300 ]; then
         PYTHONPATH="$site:$PYTHONPATH" step tests_gpu_backend 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -1,0 +1,101 @@
+"""Where a GPU-backend step's time goes: eager kernel launches against decode CUDA graphs.
+
+    python bench/gpu_step.py --model llama-3-8b --out DIR        # on a CUDA host
+    python bench/gpu_step.py --model tiny-llama --device cpu --out DIR   # checks the script
+
+For decode batches (batch size x context) and a few prefill chunks, runs the model runner's
+step (`ModelRunner.run`, exactly what a replay times) eagerly and, for decodes, from the
+captured graphs, and reports per shape the median step time (CUDA events around the whole
+step, as `GpuBackend` measures it), the host time spent inside the forward call (on CUDA the
+time to enqueue its kernels), and the ratio eager / graphs. A step whose forward-call host
+time is close to its duration is bound by kernel launches, not by the GPU. Writes
+DIR/gpu_step.json and DIR/gpu_step.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--budget-s", type=float, default=90.0)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from gpu_backend.backend import StepTimer
+    from gpu_backend.runner import ModelRunner
+    from gpu_backend.synthetic import run_synthetic, synthetic_output, warm_up
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    t_start = time.perf_counter()
+    batches = [1, 8, 32, 64, 128] if cuda else [1, 4, 8]
+    contexts = [1024, 4096] if cuda else [64]
+    prefills = [512, 2048] if cuda else [32]
+    block = 16
+    need = max(batches) * (-(-(max(contexts) + 1) // block)) + 2 * (-(-max(prefills) // block)) + 2
+    runner = ModelRunner(args.model, need, block, device, seed=0)
+    warm_up(runner, 1)
+    timer = StepTimer(runner.device)
+
+    def measure(prefill, decodes) -> dict:
+        out = synthetic_output(prefill, decodes, block, need)
+        for _ in range(2):
+            run_synthetic(runner, out)
+        times, hosts = [], []
+        for _ in range(args.repeats):
+            times.append(timer.time(run_synthetic, runner, out)[1])
+            hosts.append(sum(runner.last_host_times))
+        return {"step_ms": 1e3 * statistics.median(times), "host_ms": 1e3 * statistics.median(hosts)}
+
+    rows = []
+    shapes = [("decode", [], [c] * b, f"B{b}@{c}") for c in contexts for b in batches]
+    shapes += [("prefill", [(0, n)], [], f"chunk {n}") for n in prefills]
+    for kind, prefill, decodes, label in shapes:  # eager first, every shape
+        if time.perf_counter() - t_start > args.budget_s * 0.5:
+            break
+        rows.append({"kind": kind, "shape": label, "eager": measure(prefill, decodes)})
+        print(label, rows[-1], flush=True)
+    graphs_status = runner.enable_decode_graphs(max(batches)) if cuda else "off: not on CUDA"
+    if runner.decode_graphs is not None:
+        for row, (kind, prefill, decodes, label) in zip(rows, shapes):
+            if kind != "decode" or time.perf_counter() - t_start > args.budget_s:
+                continue
+            row["graphs"] = measure(prefill, decodes)
+            row["eager_over_graphs"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
+            print(label, row, flush=True)
+    result = {"model": args.model, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+              "torch": torch.__version__, "cuda_graphs": graphs_status, "repeats": args.repeats, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_step.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"## GPU-backend step time ({result['device']}, {args.model}, torch {result['torch']})", "",
+             f"Decode CUDA graphs: {graphs_status}. Median of {args.repeats} steps; host = time inside input "
+             "preparation and the forward call (on CUDA: enqueueing).", "",
+             "| step | eager ms | eager host ms | graphs ms | graphs host ms | eager / graphs |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        g = r.get("graphs")
+        lines.append(f"| {r['kind']} {r['shape']} | {r['eager']['step_ms']:.2f} | {r['eager']['host_ms']:.2f} | "
+                     + (f"{g['step_ms']:.2f} | {g['host_ms']:.2f} | {r['eager_over_graphs']:.2f} |" if g else "- | - | - |"))
+    (out / "gpu_step.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
