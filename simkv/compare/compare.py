@@ -223,6 +223,7 @@ def to_html(result: dict, sim_dir, meas_dir) -> str:
                       "Step duration (same-shape steps)", "measured (ms)", "simulated (ms)"),
         line_chart([("step duration error %", same["step"].to_numpy(), rel.to_numpy())],
                    "Per-step duration error", "step", "% (sim - measured) / measured"),
+        *_cost_model_charts(sim, meas_dir),
         line_chart([("measured", (meas_steps["start_time_s"] + meas_steps["duration_s"]).to_numpy(), meas_steps["num_running"].to_numpy()),
                     ("simulated", (sim_steps["start_time_s"] + sim_steps["duration_s"]).to_numpy(), sim_steps["num_running"].to_numpy())],
                    "Running requests", "time (s)", "requests", step=True),
@@ -230,6 +231,19 @@ def to_html(result: dict, sim_dir, meas_dir) -> str:
     md = html.escape(to_markdown(result))
     body = [table, "<div class='charts'>" + "".join(charts) + "</div>", f"<details><summary>compare.md</summary><pre>{md}</pre></details>"]
     return page("simkv compare: simulated vs measured", body)
+
+
+def _cost_model_charts(sim: dict, meas_dir) -> list[str]:
+    """Predicted against measured duration of every measured step (when both are known)."""
+    from simkv.compare.step_model import features_of, load_measured_steps, step_predictor
+
+    predict = step_predictor(sim)
+    steps = load_measured_steps(meas_dir)
+    if predict is None or steps is None or not len(steps):
+        return []
+    measured = 1e3 * steps["duration_s"].to_numpy()
+    return [scatter_chart(measured, 1e3 * predict(features_of(steps)), "Cost model on every measured step",
+                          "measured (ms)", "predicted (ms)")]
 
 
 def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None) -> dict:

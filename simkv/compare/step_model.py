@@ -3,8 +3,8 @@
 A simulated and a measured replay drift apart after a few steps, so comparing them step by
 step says little about the cost model. The measured run records every step's shape
 (`measured_steps.parquet`: prefill chunks and tokens, query-key pairs, KV read, decodes and
-their context) with its measured duration; when the simulation used a calibrated model, its
-formula can predict each of those steps. The residual then separates the two causes of a
+their context) with its measured duration, and the simulation's cost model (calibrated,
+roofline, linear or unit, rebuilt from its summary.json) can predict each of those steps. The residual then separates the two causes of a
 latency error: a cost model that is wrong about steps (the residual is biased), or dynamics
 that diverge although each step is predicted well (the residual is centred).
 """
@@ -58,22 +58,52 @@ def _stats(rel: np.ndarray, pred: np.ndarray, meas: np.ndarray) -> dict:
             "measured_mean_s": float(meas.mean()), "predicted_mean_s": float(pred.mean())}
 
 
-def cost_model_on_measured(sim_summary: dict, meas_dir: str | Path, slowest: int = 8) -> dict:
-    """Residual of the simulation's calibrated model on every measured step (see module doc)."""
+def step_predictor(sim_summary: dict):
+    """The simulated run's cost model as a function of step features [N, 5] -> seconds [N],
+    rebuilt from its summary.json (calibrated, roofline, linear or unit); None if unknown."""
     cm = sim_summary.get("cost_model") or {}
-    if cm.get("cost_model") != "calibrated":
-        return {"available": False, "reason": "the simulated run did not use a calibrated cost model"}
+    name = cm.get("cost_model")
+    if name == "calibrated":
+        from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel
+
+        return CalibratedCostModel({k: cm[k] for k in COEFFICIENTS}, cm["knee"]).predict_features
+    if name == "roofline":
+        from simkv.backends.roofline import RooflineCostModel
+        from simkv.config import EngineConfig
+        from simkv.specs import get_gpu_spec, get_model_spec
+
+        config = EngineConfig.from_flat(sim_summary.get("config") or {})
+        params = {k: cm[k] for k in ("compute_efficiency", "memory_efficiency", "step_overhead_s", "seq_overhead_s",
+                                     "allreduce_latency_s") if k in cm}
+        roof = RooflineCostModel(get_model_spec(cm["model"]), get_gpu_spec(cm["gpu"]), cm["tensor_parallel_size"],
+                                 config.cache.kv_dtype_bytes, **params)
+
+        def roofline(f):  # as RooflineCostModel.execute: decode context counts as pairs and KV read
+            f = np.asarray(f, dtype=np.int64)
+            return roof._time(f[:, 0], f[:, 1], f[:, 2] + f[:, 4], f[:, 3] + f[:, 4], np.maximum)
+
+        return roofline
+    if name == "linear":
+        return lambda f: cm["step_base_s"] + cm["step_per_token_s"] * np.asarray(f)[:, 0]
+    if name == "unit":
+        return lambda f: np.ones(len(f))
+    return None
+
+
+def cost_model_on_measured(sim_summary: dict, meas_dir: str | Path, slowest: int = 8) -> dict:
+    """Residual of the simulation's cost model on every measured step (see module doc)."""
+    predict = step_predictor(sim_summary)
+    if predict is None:
+        return {"available": False, "reason": "the simulated run's cost model is not known to compare"}
     steps = load_measured_steps(meas_dir)
     if steps is None:
         return {"available": False, "reason": f"the measured run has no {MEASURED_STEPS}"}
-    from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel
-
-    model = CalibratedCostModel({k: cm[k] for k in COEFFICIENTS}, cm["knee"])
-    pred = model.predict_features(features_of(steps))
+    pred = predict(features_of(steps))
     meas = steps["duration_s"].to_numpy(np.float64)
     rel = (pred - meas) / np.maximum(meas, 1e-12)
     fam = step_family(steps)
-    out = {"available": True, "all": _stats(rel, pred, meas), "by_family": {}, "decode_by_batch": []}
+    out = {"available": True, "cost_model": (sim_summary.get("cost_model") or {}).get("cost_model"),
+           "all": _stats(rel, pred, meas), "by_family": {}, "decode_by_batch": []}
     for name in ("decode", "prefill", "mixed"):
         m = fam == name
         out["by_family"][name] = _stats(rel[m], pred[m], meas[m])
@@ -138,8 +168,8 @@ def to_markdown_lines(check: dict) -> list[str]:
     lines = ["", "## Cost model on the measured steps", ""]
     if not check.get("available"):
         return lines + [f"Not available: {check.get('reason')}."]
-    lines += ["The simulation's calibrated formula applied to each step the measured run executed "
-              "(error = (predicted - measured) / measured):", "",
+    lines += [f"The simulation's cost model ({check.get('cost_model')}) applied to each step the measured run "
+              "executed (error = (predicted - measured) / measured):", "",
               "| steps | count | mean error | median error | p90 abs error | error of the sum | measured mean ms |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     rows = [("all", check["all"])] + [(k, v) for k, v in check["by_family"].items()]

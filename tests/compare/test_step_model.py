@@ -67,8 +67,36 @@ def test_cost_model_on_measured_steps_reports_the_bias(tmp_path):
     exact = tmp_path / "exact"
     _measured_dir(exact, _steps())
     assert abs(cost_model_on_measured(_sim_summary(), exact)["all"]["mean_rel_error"]) < 1e-12
-    # a roofline simulation cannot be asked
-    assert not cost_model_on_measured({"cost_model": {"cost_model": "roofline"}}, exact)["available"]
+    # an unknown cost model cannot be asked
+    assert not cost_model_on_measured({"cost_model": {"cost_model": "gpu"}}, exact)["available"]
+
+
+def test_roofline_on_measured_steps_equals_its_execute(tmp_path):
+    """The roofline rebuilt from a simulated run's summary predicts each step as its `execute` does."""
+    from simkv.backends.factory import make_backend
+    from simkv.compare.step_model import step_predictor
+    from simkv.config import EngineConfig
+    from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+    from simkv.core.request import Request
+
+    config = EngineConfig.from_flat({"model": "llama-3-70b", "gpu": "H200", "tensor_parallel_size": 4,
+                                     "kv_cache_dtype": "fp8"})
+    roof = make_backend("roofline", config)
+    summary = {"config": config.to_dict(), "cost_model": roof.describe()}
+    predict = step_predictor(summary)
+    steps = _steps(40, seed=5)
+    expected = []
+    for _, r in steps.iterrows():
+        chunks = [ScheduledChunk(Request("x", 0, 0.0, 9999, 1), int(r.prefill_kv_read // max(r.num_prefill_chunks, 1))
+                                 - int(r.num_prefill_tokens // max(r.num_prefill_chunks, 1)),
+                                 int(r.num_prefill_tokens // max(r.num_prefill_chunks, 1)), False)
+                  for _ in range(int(r.num_prefill_chunks))]
+        out = SchedulerOutput(step=0, chunks=chunks, num_decode_reqs=int(r.num_decodes),
+                              decode_context_tokens=int(r.decode_context_tokens), decodes=None, preempted=[],
+                              num_running=0, num_waiting=0, num_blocks_used=0, prefix_query_tokens=0,
+                              prefix_hit_tokens=0)
+        expected.append(roof.execute(out))
+    np.testing.assert_allclose(predict(features_of(steps)), expected, rtol=1e-12)
 
 
 def test_measured_step_profile(tmp_path):
