@@ -94,15 +94,6 @@ class ReplayRun:
 
 
 class ReplayEngine:
-    """The engine process and the arrival process on one SimPy environment.
-
-    While the engine is busy nothing else can happen: arrivals are read from the feed at step
-    boundaries, and the arrival process sleeps until the engine runs out of work. So a busy
-    period's steps (and decode runs) advance the engine's own clock without a SimPy event
-    each; SimPy's clock catches up in one timeout when the period ends, and the arrival
-    process then sleeps until the next arrival and wakes the engine. Step times are the same
-    as with one timeout per step (they are the engine clock's sums either way)."""
-
     def __init__(self, trace, config: EngineConfig, backend: StepBackend, num_gpu_blocks: int,
                  use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None,
                  capacity=None) -> None:
@@ -158,10 +149,6 @@ class ReplayEngine:
             if feed.num_rejected != self._num_rejected_reported:
                 self._report_rejected()
             if not sched.has_unfinished_requests():
-                # The busy period ends: SimPy's clock catches up with the engine's, in one
-                # timeout for the whole period (see the class docstring).
-                if self.now > env.now:
-                    yield env.timeout(self.now - env.now)
                 if feed.exhausted:
                     return
                 self._idle = env.event()
@@ -173,7 +160,9 @@ class ReplayEngine:
             if self.use_decode_runs:
                 run = self._decode_run()
                 if run is not None:
-                    self.now = run[0]
+                    end = run[0]
+                    yield env.timeout(end - self.now)
+                    self.now = end
                     if run[1]:
                         self._record_finished(run[1])
                     continue
@@ -188,6 +177,7 @@ class ReplayEngine:
             if out.num_swap_out_blocks or out.num_swap_in_blocks:
                 duration += (out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block
             self.now = start + duration
+            yield env.timeout(duration)
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)
             if finished:
