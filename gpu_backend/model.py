@@ -108,6 +108,20 @@ class LeanLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache, self.sin_cache = emb.cos(), emb.sin()  # fp32 [n, d]; cast per use
 
+    def copy_weights_from(self, other: "LeanLlama") -> None:
+        """Take another instance's weights (cast to this one's dtype and device). Weights drawn on
+        different devices differ (each device has its own generator); tests that compare devices
+        copy them."""
+        def take(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> None:
+            if mine is not None:
+                mine.copy_(theirs.to(device=mine.device, dtype=mine.dtype))
+
+        for name in ("embed", "final_norm", "lm_head"):
+            take(getattr(self, name), getattr(other, name))
+        for mine, theirs in zip(self.layers, other.layers):
+            for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down"):
+                take(getattr(mine, name), getattr(theirs, name))
+
     # ---- weights exchange with transformers (tests) --------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under `LlamaForCausalLM`'s parameter names."""

@@ -107,16 +107,18 @@ def test_cuda_runner_matches_cpu_reference():
     from simkv.core.request import Request
 
     config = EngineConfig.from_flat(OPTS)
-    outs = {}
-    for device, dtype in (("cpu", "fp32"), ("cuda", "bf16")):
-        sched = Scheduler(config, 64, detail=True)
-        runner = ModelRunner("tiny-llama", 64, 16, device, dtype, seed=5)
-        for i, p in enumerate((20, 37, 70)):
-            sched.add_request(Request(str(i), i, 0.0, p, 4))
-        logits = []
-        while sched.has_unfinished_requests():
-            out = sched.schedule()
-            logits.append(runner.forward_logits(out).float().cpu())
-            sched.update_from_output(out)
-        outs[device] = torch.cat(logits)
-    torch.testing.assert_close(outs["cuda"], outs["cpu"], rtol=0.05, atol=0.05)
+    sched = Scheduler(config, 64, detail=True)
+    cpu = ModelRunner("tiny-llama", 64, 16, "cpu", "fp32", seed=5)
+    cuda = ModelRunner("tiny-llama", 64, 16, "cuda", "bf16", seed=5)
+    cuda.model.copy_weights_from(cpu.model)  # each device draws its own random weights
+    for i, p in enumerate((20, 37, 70)):
+        sched.add_request(Request(str(i), i, 0.0, p, 4))
+    steps = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        a, b = cpu.forward_logits(out), cuda.forward_logits(out).float().cpu()
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+        cuda.outputs = {k: list(v) for k, v in cpu.outputs.items()}  # bf16 near-ties: feed the same tokens
+        sched.update_from_output(out)
+        steps += 1
+    assert steps >= 4

@@ -77,3 +77,17 @@ def test_corrupted_pool_changes_logits():
     request, position = batch.samplers[0]
     ref = _plain_logits(hf, runner.token_ids(request, 0, position))
     assert not torch.allclose(logits[0], ref, atol=1e-3)
+
+
+def test_copy_weights_from_makes_runners_agree():
+    """Two runners with different seeds disagree until one takes the other's weights (what the
+    CUDA-vs-CPU test relies on: each device draws its own random weights)."""
+    config = EngineConfig.from_flat({"model": "tiny-llama", "num_gpu_blocks": 16, "block_size": 4})
+    a = ModelRunner("tiny-llama", 16, block_size=4, device="cpu", dtype="fp32", seed=1)
+    b = ModelRunner("tiny-llama", 16, block_size=4, device="cpu", dtype="fp32", seed=2)
+    sched = Scheduler(config, 16, detail=True)
+    sched.add_request(Request("a", 0, 0.0, 9, 2))
+    out = sched.schedule()
+    assert not torch.allclose(a.forward_logits(out), b.forward_logits(out))
+    b.model.copy_weights_from(a.model)
+    torch.testing.assert_close(b.forward_logits(out), a.forward_logits(out))
