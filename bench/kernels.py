@@ -184,6 +184,9 @@ def build(case: Case, m: Model, device: torch.device, gen: torch.Generator) -> d
         query=query, key_cache=k_cache, value_cache=v_cache, block_tables=tables, seq_lens=seq_lens,
         query_start_loc=qsl, out=torch.empty_like(query),
         k_hnd=k_contig.transpose(1, 2).contiguous(), v_hnd=v_contig.transpose(1, 2).contiguous(),
+        # the new tokens' K/V in token order (what config.new_kv reads instead of the cache)
+        k_new=k_contig[:, case.context:].reshape(n_tok, m.num_kv_heads, m.head_size).contiguous(),
+        v_new=v_contig[:, case.context:].reshape(n_tok, m.num_kv_heads, m.head_size).contiguous(),
     )
     if HAVE_FLASH_ATTN:  # [b, s, hkv, d], flash-attn's layout
         t.update(k_nhd=k_contig.contiguous(), v_nhd=v_contig.contiguous())
@@ -194,7 +197,9 @@ def paged_call(t: dict, case: Case, m: Model, config: AttentionConfig | None = N
     scale = m.head_size ** -0.5
     return lambda: triton_paged_attention(
         t["query"], t["key_cache"], t["value_cache"], t["block_tables"], t["seq_lens"], t["query_start_loc"], scale,
-        max_query_len=case.q_len, max_seq_len=case.seq_len, out=t["out"], config=config)
+        max_query_len=case.q_len, max_seq_len=case.seq_len, out=t["out"], config=config,
+        key=t["k_new"] if config is not None and config.new_kv else None,
+        value=t["v_new"] if config is not None and config.new_kv else None)
 
 
 def sdpa_call(t: dict, case: Case, m: Model) -> Callable[[], object]:
@@ -298,8 +303,9 @@ def cache_write_row(m: Model, timer: Timer, gen, n: int = 8192) -> dict:
     return dict(kind="reshape_and_cache", num_tokens=n, ms=ms, gbps=moved / (ms * 1e-3) / 1e9)
 
 
-def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: Deadline) -> list[dict]:
-    """A few alternative tile configs on two representative cases (to retune the heuristic)."""
+def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: Deadline, dry: bool = False) -> list[dict]:
+    """A few alternative tile configs on representative cases (to retune the heuristic).
+    `dry`: tiny versions of the cases and two configs each (checks the script on CPU)."""
     rows = []
     qpk = m.num_heads // m.num_kv_heads
     plans = [
@@ -308,19 +314,34 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
         # large batch: where SDPA on contiguous KV was 1.3x faster in the first run
         ("decode", Case(128, 16384, 1), [AttentionConfig(max(16, qpk), n, s, w, st) for n, s, w, st in
                                          [(64, 1, 4, 2), (64, 1, 8, 3), (32, 1, 4, 2), (128, 1, 4, 2), (64, 2, 4, 2), (16, 1, 4, 2)]]),
-        ("prefill", Case(2, 0, 4096), [AttentionConfig(bm, n, 1, w, st) for bm, n, w, st in
-                                       [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 3)]]),
+        ("prefill", Case(2, 0, 4096), [AttentionConfig(bm, n, 1, w, st, nk) for bm, n, w, st, nk in
+                                       [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True),
+                                        (128, 32, 8, 3, False), (128, 32, 4, 3, False), (128, 128, 8, 3, False),
+                                        (128, 64, 8, 4, False), (128, 32, 8, 4, False), (64, 64, 4, 3, False)]]),
+        # a chunk after a long context: new_kv only helps the chunk's own (diagonal) tiles
+        ("prefill", Case(2, 8192, 2048), [AttentionConfig(128, n, 1, 8, 3, nk) for n, nk in
+                                          [(64, False), (64, True)]]),
     ]
+    if dry:
+        tiny = [Case(2, 47, 1), Case(2, 47, 1), Case(1, 0, 64), Case(1, 32, 32)]
+        plans = [(kind, t, [c for c in cfgs if c.new_kv] + [c for c in cfgs if not c.new_kv][:1])
+                 for (kind, _, cfgs), t in zip(plans, tiny)]
     for kind, case, cfgs in plans:
         case.sets = rotation(kv_bytes(case, m), l2)
         sets = [build(case, m, timer.device, gen) for _ in range(case.sets)]
+        baseline = None  # the first config's output: every other config must agree with it
         for cfg in cfgs:
             if deadline.left() < 20:
                 return rows
             try:
+                paged_call(sets[0], case, m, cfg)()
+                result = sets[0]["out"].float().clone()
+                if baseline is None:
+                    baseline = result
+                diff = float((result - baseline).abs().max())
                 ms = timer.median_ms([paged_call(t, case, m, cfg) for t in sets])
                 rows.append(dict(kind=kind, num_seqs=case.num_seqs, context=case.context, q_len=case.q_len,
-                                 config=asdict(cfg), ms=ms,
+                                 config=asdict(cfg), ms=ms, max_diff_vs_first=diff,
                                  pct_copy_bw=100 * kv_bytes(case, m) / (ms * 1e-3) / roofs["copy_bytes_per_s"],
                                  pct_matmul=100 * attention_flops(case, m) / (ms * 1e-3) / roofs["matmul_flops"]))
             except Exception as exc:
@@ -362,15 +383,18 @@ def markdown(result: dict) -> str:
         cw = result["cache_write"]
         out += ["", f"reshape_and_cache: {cw['num_tokens']} tokens in {cw['ms'] * 1e3:.1f} us ({cw['gbps']:.0f} GB/s moved)."]
     if result.get("sweep"):
-        out += ["", "## Config sweep", "", "| case | block_m | tile_n | segments | warps | stages | ms | % copy BW | % matmul |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += ["", "## Config sweep", "", "new K/V: key tiles of new tokens read from the step's K/V, not the cache.", "",
+                "| case | block_m | tile_n | segments | warps | stages | new K/V | ms | % copy BW | % matmul | max diff vs first |",
+                "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for r in result["sweep"]:
             c = r["config"]
+            nk = "yes" if c.get("new_kv") else "no"
             if "error" in r:
-                out.append(f"| {r['kind']} | {c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | error: {r['error'][:60]} | | |")
+                out.append(f"| {r['kind']} | {c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | {nk} | error: {r['error'][:60]} | | | |")
             else:
                 out.append(f"| {r['kind']} {r['num_seqs']}x({r['context']}+{r['q_len']}) | {c['block_m']} | {c['tile_n']} | {c['num_segments']} | "
-                           f"{c['num_warps']} | {c['num_stages']} | {r['ms']:.3f} | {r['pct_copy_bw']:.1f} | {r['pct_matmul']:.1f} |")
+                           f"{c['num_warps']} | {c['num_stages']} | {nk} | {r['ms']:.3f} | {r['pct_copy_bw']:.1f} | {r['pct_matmul']:.1f} | "
+                           f"{r.get('max_diff_vs_first', float('nan')):.1e} |")
     out += ["", "## Targets", ""] + [f"- {t}" for t in result["targets"]]
     if result.get("skipped"):
         out += ["", "Skipped (time budget): " + ", ".join(result["skipped"])]
@@ -462,8 +486,8 @@ def main(argv=None) -> int:
         result["cache_write"] = cache_write_row(m, timer, gen, n=32 if dry else 8192)
     except Exception as exc:
         result["cache_write_error"] = str(exc)[:200]
-    if not args.no_sweep and not dry:
-        result["sweep"] = sweep_configs(m, timer, l2, gen, roofs, deadline)
+    if not args.no_sweep:
+        result["sweep"] = sweep_configs(m, timer, l2, gen, roofs, deadline, dry)
     result["targets"] = check_targets(result)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

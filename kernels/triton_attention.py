@@ -67,13 +67,19 @@ def _attend_tile(
     qk_scale,  # softmax scale * log2(e)
     stride_c_blk, stride_c_slot,  # cache strides (same for K and V)
     offs_d,  # [HEAD_PAD]
+    kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,  # the step's new K/V (CONTIG tiles only)
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+    CONTIG: tl.constexpr = False,  # the tile's keys are all new tokens: read them from the step's K/V
 ):
     offs_n = tl.arange(0, TILE_N).to(tl.int64)
     key_pos = t * TILE_N + offs_n  # [TILE_N] int64 (t < 2**31 / TILE_N since seq_len is int32)
-    if TILE_N <= BLOCK_SIZE:
+    if CONTIG:
+        tok = tok0 + key_pos  # token index of each key in this step's batch
+        k_ptrs = kn_base + tok[None, :] * stride_kn_tok + offs_d[:, None]  # [HEAD_PAD, TILE_N]
+        v_ptrs = vn_base + tok[:, None] * stride_vn_tok + offs_d[None, :]  # [TILE_N, HEAD_PAD]
+    elif TILE_N <= BLOCK_SIZE:
         # the whole tile sits inside one cache block: one scalar table lookup
         blk = tl.load(bt_row_ptr + (t * TILE_N) // BLOCK_SIZE).to(tl.int64)
         slot_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot  # [TILE_N]
@@ -83,9 +89,9 @@ def _attend_tile(
         else:
             blk = tl.load(bt_row_ptr + key_pos // BLOCK_SIZE).to(tl.int64)
         slot_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
-
-    k_ptrs = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
-    v_ptrs = v_base + slot_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
+    if not CONTIG:
+        k_ptrs = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
+        v_ptrs = v_base + slot_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
     if MASKED:
         key_ok = key_pos < seq_len
         if HEAD_PAD != HEAD_SIZE:
@@ -143,12 +149,15 @@ def _paged_attention_kernel(
     stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head,  # shared by K and V caches (checked by the launcher)
     stride_bt_seq,
+    k_new_ptr, v_new_ptr,  # [num_tokens, num_kv_heads, head_size]: this step's K/V (NEW_KV only)
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     QPK: tl.constexpr,  # query heads per kv head
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+    NEW_KV: tl.constexpr = False,  # key tiles wholly among the new tokens are read from k_new/v_new
 ):
     # axis 0 enumerates (query tile, kv head) with the kv head fastest, so all heads of the
     # heaviest tiles start together; axis 1 is the KV segment
@@ -203,18 +212,41 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for t in range(t_lo, t_mid):
+    # NEW_KV: tiles from t_new on hold only this step's new tokens, which are also in k_new/v_new
+    # in token order: read there, without the block table (tiles before stay on the cache)
+    kn_base = k_new_ptr + kv_head * stride_kn_head
+    vn_base = v_new_ptr + kv_head * stride_vn_head
+    tok0 = q_start.to(tl.int64) - context_len  # batch token index of key position 0's successors
+    if NEW_KV:
+        t_new = tl.cdiv(context_len, TILE_N)
+    else:
+        t_new = t_hi
+    for t in range(t_lo, tl.minimum(t_mid, t_new)):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-            stride_c_blk, stride_c_slot, offs_d,
+            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
             HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC,
         )
-    for t in range(t_mid, t_hi):
+    if NEW_KV:
+        for t in range(tl.maximum(t_lo, t_new), t_mid):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, True,
+            )
+    for t in range(t_mid, tl.maximum(t_mid, tl.minimum(t_hi, t_new))):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-            stride_c_blk, stride_c_slot, offs_d,
+            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
             HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC,
         )
+    if NEW_KV:
+        for t in range(tl.maximum(t_mid, t_new), t_hi):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, True,
+            )
 
     if NUM_SEGMENTS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -271,6 +303,7 @@ class AttentionConfig:
     num_segments: int  # KV splits (1 = no split, no merge kernel)
     num_warps: int
     num_stages: int
+    new_kv: bool = False  # read key tiles of new tokens from the step's K/V (pass key=, value=)
 
 
 def _interpreting() -> bool:
@@ -378,6 +411,8 @@ def triton_paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
     config: AttentionConfig | None = None,
     num_segments: int | None = None,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]: this step's new K (config.new_kv)
+    value: torch.Tensor | None = None,  # the same for V
 ) -> torch.Tensor:
     """Launch the unified paged-attention kernel; semantics as ``ref_paged_attention``.
 
@@ -413,6 +448,15 @@ def triton_paged_attention(
         raise ValueError(f"config too small for qpk={qpk}: {config}")
     block_q = config.block_m // qpk
     segs = config.num_segments
+    if config.new_kv:
+        for name, t in (("key", key), ("value", value)):
+            if t is None or t.shape != (num_tokens, num_kv_heads, head_size) or t.stride(-1) != 1 \
+                    or t.dtype != query.dtype or t.device != query.device:
+                raise ValueError(f"config.new_kv needs {name} [num_tokens={num_tokens}, {num_kv_heads}, {head_size}] "
+                                 f"of the query's dtype and device with a contiguous last dimension")
+        k_new, v_new = key, value
+    else:
+        k_new = v_new = query  # unused
 
     interp = _interpreting()
     dot_fp32 = query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16)
@@ -428,9 +472,10 @@ def triton_paged_attention(
         float(scale) * LOG2E, num_seqs, num_heads, num_kv_heads, num_tokens * num_heads * segs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=config.tile_n,
         BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs, DOT_FP32=dot_fp32, DOT_PREC=dot_prec,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        NEW_KV=config.new_kv, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if segs > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](

@@ -31,6 +31,11 @@ def compile_sm90(fn, dtype: str, constexprs: dict, *, ones: tuple[str, ...] = ()
     """Compile ``fn`` for sm_90 with the given constexprs; int args named in ``ones`` are specialized to 1
     (as Triton does at launch for an argument equal to 1).  Pointers and strides are assumed 16-aligned."""
     sig, attrs, const = {}, {}, dict(constexprs)
+    import inspect
+
+    for name, param in inspect.signature(fn.fn).parameters.items():  # constexprs left at their defaults
+        if name not in const and param.default is not inspect.Parameter.empty and "constexpr" in str(param.annotation):
+            const[name] = param.default
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
@@ -91,6 +96,10 @@ VARIANTS = {
     "attn_decode_split_bf16_w4s2": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                                                               BLOCK_Q=4, BLOCK_M=16, NUM_SEGMENTS=16, DOT_FP32=False,
                                                               DOT_PREC="tf32"), (), 4, 2),
+    # key tiles of new tokens read from the step's K/V instead of the paged cache (bench sweep option)
+    "attn_prefill_new_kv_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
+                                                                BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False,
+                                                                DOT_PREC="tf32", NEW_KV=True), (), 8, 3),
     "attn_short_chunks_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=64,
                                                              BLOCK_Q=16, BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False,
                                                              DOT_PREC="tf32"), (), 8, 3),

@@ -147,3 +147,57 @@ def test_paged_attention_rejects_bad_arguments():
     with pytest.raises(ValueError, match="powers of two"):
         triton_paged_attention(q, kc, vc, bt, sl, qsl, scale,
                                config=AttentionConfig(block_m=24, tile_n=16, num_segments=1, num_warps=4, num_stages=2))
+
+
+def _new_kv(batch, seqs, fused_heads: int = 0):
+    """The new tokens' K and V of each sequence, in query order (gathered from the cache), as
+    strided views of a wider tensor when `fused_heads` > 0 (as a fused QKV projection gives)."""
+    bs = batch.key_cache.shape[1]
+    ks, vs = [], []
+    for i, (ctx, q) in enumerate(seqs):
+        for pos in range(ctx, ctx + q):
+            blk = int(batch.block_tables[i, pos // bs])
+            ks.append(batch.key_cache[blk, pos % bs])
+            vs.append(batch.value_cache[blk, pos % bs])
+    k, v = torch.stack(ks), torch.stack(vs)
+    if fused_heads:
+        n, hkv, d = k.shape
+        wide = torch.zeros((n, fused_heads + 2 * hkv, d), dtype=k.dtype, device=k.device)
+        wide[:, fused_heads:fused_heads + hkv], wide[:, fused_heads + hkv:] = k, v
+        k, v = wide[:, fused_heads:fused_heads + hkv], wide[:, fused_heads + hkv:]
+    return k, v
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype,tile_n", [(torch.float32, 16), (torch.float16, 32)])
+def test_paged_attention_new_kv_tiles_match_reference(device, dtype, tile_n):
+    """config.new_kv: key tiles lying wholly among the new tokens come from the step's K/V (here
+    strided views of a fused tensor); tiles with cached keys, and the one crossing into the new
+    tokens, from the cache. Fresh prefills, chunks after a context, and decodes together."""
+    seqs = [(0, 33), (23, 17), (32, 16), (50, 1), (7, 9)]
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype,
+                       device=device, seed=tile_n)
+    key, value = _new_kv(batch, seqs, fused_heads=8)
+    for block_m, segments in ((64, 1), (16, 2)):
+        cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=2,
+                              new_kv=True)
+        out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
+        assert_close_to_reference(out, ref_paged_attention(*batch.args()), dtype)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_attention_new_kv_fresh_prefill_never_reads_the_cache(device):
+    """A fresh prefill (no cached context) has every key tile among its new tokens: with new_kv
+    the cache is not read at all, so poisoning it with NaN changes nothing."""
+    seqs = [(0, 37), (0, 64)]
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=1, head_size=64, block_size=16, dtype=torch.float16,
+                       device=device, seed=3)
+    key, value = _new_kv(batch, seqs)
+    ref = ref_paged_attention(*batch.args())
+    batch.key_cache.fill_(float("nan"))
+    batch.value_cache.fill_(float("nan"))
+    cfg = AttentionConfig(block_m=64, tile_n=32, num_segments=1, num_warps=4, num_stages=2, new_kv=True)
+    out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
+    assert_close_to_reference(out, ref, torch.float16)
+    with pytest.raises(ValueError, match="new_kv needs key"):
+        triton_paged_attention(*batch.args(), config=cfg)
