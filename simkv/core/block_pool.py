@@ -69,17 +69,41 @@ class FreeKVCacheBlockQueue:
     and link the nodes directly.
     """
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+    def __init__(self, blocks: list[KVCacheBlock], as_chunk: bool = False) -> None:
+        """`as_chunk`: the blocks (never used, so nobody can look them up) form one BlockChunk
+        node, in order; else one node each."""
         self.num_free_blocks = len(blocks)
         self.fake_head = KVCacheBlock(-1)
         self.fake_tail = KVCacheBlock(-1)
         prev = self.fake_head
+        if as_chunk and blocks:
+            for block in blocks:
+                block.ref_cnt = 1  # a chunk's blocks carry the state they are handed out in
+            blocks = [BlockChunk(blocks, hashed=False)]
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
         prev.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = prev
+
+    def expand_chunks(self) -> None:
+        """Relink every chunk's remaining blocks as single nodes, in place, in the state a one
+        by one release leaves them in (tests compare the two representations)."""
+        node = self.fake_head.next_free_block
+        while node is not self.fake_tail:
+            nxt = node.next_free_block
+            if type(node) is BlockChunk:
+                prev = node.prev_free_block
+                for block in node.blocks[node.pos:]:
+                    block.ref_cnt = 0
+                    block.block_hash = UNFINDABLE_HASH if node.hashed else None
+                    prev.next_free_block = block
+                    block.prev_free_block = prev
+                    prev = block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+            node = nxt
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take a free block out of the queue (a prefix hit; never a chunk's block)."""
@@ -193,7 +217,8 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[first:])
+        # the never-used blocks start as one chunk: the first pass over the pool slices it
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[first:], as_chunk=True)
         self.null_block = self.blocks[0] if reserve_null_block else None
         if self.null_block is not None:
             self.null_block.ref_cnt = 1  # never freed, never handed out

@@ -14,6 +14,26 @@ def test_initial_queue_and_null_block():
     pool.check_invariants()
 
 
+def test_never_used_blocks_start_as_one_chunk_and_expand_to_the_same_queue():
+    from simkv.core.block_pool import BlockChunk
+
+    chunked, single = BlockPool(11, enable_caching=True), BlockPool(11, enable_caching=True)
+    assert [type(n) for n in chunked.free_block_queue.nodes()] == [BlockChunk]
+    single.free_block_queue.expand_chunks()
+    assert len(single.free_block_queue.nodes()) == 10 and all(b.ref_cnt == 0 for b in single.blocks[1:])
+    for pool in (chunked, single):
+        pool.check_invariants()
+    # the same blocks come out in the same order, one at a time or several, and go back alike
+    for pool in (chunked, single):
+        a = pool.get_new_block()
+        b, c = pool.get_new_blocks(2)
+        assert [x.block_id for x in (a, b, c)] == [1, 2, 3] and all(x.ref_cnt == 1 for x in (a, b, c))
+        pool.cache_block(b, 222)
+        pool.free_blocks([c, b, a])
+        pool.check_invariants()
+    assert chunked.free_block_queue.block_ids() == single.free_block_queue.block_ids() == [3, 1, 4, 5, 6, 7, 8, 9, 10, 2]
+
+
 def test_free_order_unhashed_front_hashed_back():
     pool = BlockPool(11, enable_caching=True)
     a, b, c = pool.get_new_blocks(3)

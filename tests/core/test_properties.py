@@ -139,9 +139,9 @@ def test_decode_runs_change_nothing(scenario):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.booleans())
 def test_private_block_chunks_change_nothing(scenario, use_runs):
-    """Releasing a request's private blocks as one free-queue chunk gives, after every step,
-    the same free queue (block ids in order), the same block tables and the same evictions as
-    releasing them one by one."""
+    """Releasing a request's private blocks as one free-queue chunk (and starting with the
+    never-used blocks as one chunk) gives, after every step, the same free queue (block ids in
+    order), the same block tables and the same evictions as one node per block."""
     options, reqs, waves = scenario
     if options.get("preemption_mode") == "restart" or options.get("preemption_victim") == "requester":
         options = dict(options, preemption_mode="recompute", preemption_victim="newest")  # may livelock
@@ -158,6 +158,7 @@ def test_private_block_chunks_change_nothing(scenario, use_runs):
 
     def one_by_one(sched):
         sched.kv_cache_manager.release_private_as_chunk = False
+        sched.kv_cache_manager.block_pool.free_block_queue.expand_chunks()  # the never-used blocks too
 
     chunked, single = [], []
     _, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(chunked))
