@@ -1,7 +1,9 @@
 """The designed grid of step shapes that `simkv calibrate` measures.
 
-Three families, each a full factorial over two axes:
+Four families, each a full factorial over two axes:
   decode   B decodes at context C                       (batch size x context length)
+  ragged   B decodes with contexts spread evenly over [C/4, 7C/4] (mean C): a replay's
+           decodes have every length, and a kernel may care about more than their sum
   prefill  one chunk of n new tokens after c cached      (chunk size x cached context)
   mixed    k chunks of n tokens + B decodes at context C (the steps chunked prefill makes)
 Points beyond `max_num_batched_tokens` (a step never schedules more) or beyond the KV pool
@@ -21,12 +23,14 @@ PRESETS = {
     # CPU / tiny model: small steps, a CI run takes well under two minutes.
     "tiny": {
         "decode": {"batch": [1, 2, 4, 8, 16, 24, 32], "context": [16, 64, 160, 320]},
+        "ragged": {"batch": [8, 32], "context": [64, 256]},
         "prefill": {"chunk": [8, 16, 32, 64, 128, 256], "cached": [0, 64, 256]},
         "mixed": {"chunks": [1, 2], "chunk": [16, 64, 160], "batch": [2, 8, 16], "context": [64, 256]},
     },
     # GPU / 7-8B models.
     "default": {
         "decode": {"batch": [1, 4, 16, 32, 64, 128, 256], "context": [128, 512, 1024, 2048, 4096]},
+        "ragged": {"batch": [16, 64, 256], "context": [512, 2048]},
         "prefill": {"chunk": [16, 64, 256, 512, 1024, 2048, 4096, 8192], "cached": [0, 1024, 4096]},
         "mixed": {"chunks": [1, 2], "chunk": [64, 512, 2048], "batch": [8, 32, 128], "context": [512, 2048]},
     },
@@ -55,7 +59,7 @@ class GridPoint:
             d["cached_tokens"] = self.prefills[0][0]
         if self.decodes:
             d["batch"] = len(self.decodes)
-            d["context"] = self.decodes[0]
+            d["context"] = self.decodes[0] if self.family != "ragged" else sum(self.decodes) // len(self.decodes)
         return d
 
     def label(self) -> str:
@@ -66,6 +70,14 @@ class GridPoint:
         if "batch" in d:
             parts.append(f"B{d['batch']}@{d['context']}")
         return " ".join(parts)
+
+
+def ragged_contexts(batch: int, context: int) -> list[int]:
+    """`batch` contexts spread evenly over [context/4, 7*context/4], mean `context` (one if batch is 1)."""
+    if batch == 1:
+        return [context]
+    lo, hi = context // 4, (7 * context) // 4
+    return [lo + (hi - lo) * i // (batch - 1) for i in range(batch)]
 
 
 def blocks_for(point: GridPoint, block_size: int) -> int:
@@ -83,6 +95,9 @@ def build_grid(preset: str | dict = "default", max_num_batched_tokens: int = 819
     for b in d["batch"]:
         for c in d["context"]:
             points.append(GridPoint("decode", [], [c] * b))
+    for b in spec.get("ragged", {}).get("batch", []):
+        for c in spec["ragged"]["context"]:
+            points.append(GridPoint("ragged", [], ragged_contexts(b, c)))
     for n in p["chunk"]:
         for c in p["cached"]:
             points.append(GridPoint("prefill", [(c, n)], []))
@@ -115,7 +130,7 @@ def order_points(points: list[GridPoint], seed: int = 0) -> list[GridPoint]:
     """Extremes of each family first (they pin the fit), the rest shuffled."""
     rng = np.random.default_rng(seed)
     first, rest = [], []
-    for fam in ("decode", "prefill", "mixed"):
+    for fam in ("decode", "ragged", "prefill", "mixed"):
         fam_pts = [p for p in points if p.family == fam]
         if not fam_pts:
             continue

@@ -134,3 +134,17 @@ def test_calibrate_budget_and_oom_keep_partial_results(tmp_path, monkeypatch):
     assert rec["measure_time_s"] < 6.0 + 3.0
     if len(saved["grid"]["measured"]) >= 3:
         assert "fit" in saved
+
+
+def test_grid_has_ragged_decode_points():
+    """The ragged family: the same batch sizes and mean contexts as decode points, but every
+    decode at its own length (as in a replay), spread over [C/4, 7C/4]."""
+    from simkv.calibration.grid import build_grid, ragged_contexts
+
+    points, _ = build_grid("default", 8192, 256, 8192, None, 16, 0)
+    ragged = [p for p in points if p.family == "ragged"]
+    assert len(ragged) == 6
+    for p in ragged:
+        b, c = len(p.decodes), p.describe()["context"]
+        assert abs(sum(p.decodes) / b - c) <= 1 and max(p.decodes) >= 6 * min(p.decodes)
+    assert ragged_contexts(1, 300) == [300] and ragged_contexts(3, 400) == [100, 400, 700]
