@@ -25,8 +25,9 @@ import torch
 
 from gpu_backend.model import AttentionInputs
 
-#: Batch sizes captured (vLLM's default ladder: 1, 2, 4, then every 8 up to the largest).
 def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes captured: vLLM's default ladder (1, 2, 4, then every 8) up to the first size
+    that holds `max_batch` decodes."""
     ladder = [1, 2, 4] + list(range(8, max(max_batch, 8) + 8, 8))
     out = [s for s in ladder if s < max_batch]
     return out + [next(s for s in ladder if s >= max_batch)]

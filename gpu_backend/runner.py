@@ -118,8 +118,11 @@ class ModelRunner:
             self.decode_graphs = None
             self.decode_graphs_status = f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
+                try:
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()
+                except Exception:  # noqa: BLE001 - the status already says what failed
+                    pass
             return self.decode_graphs_status
         sizes = self.decode_graphs.sizes
         self.decode_graphs_status = (f"{'captured' if capture else 'static buffers, eager'}: "
@@ -130,6 +133,9 @@ class ModelRunner:
         """One K and one V tensor per layer, `num_gpu_blocks` blocks each (block ids index them)."""
         from kernels import allocate_kv_cache
 
+        if getattr(self, "decode_graphs", None) is not None:  # graphs hold the old pool's addresses
+            self.decode_graphs = None
+            self.decode_graphs_status = "off: KV pool reallocated after capture"
         self.kv_caches = []
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_caches = [allocate_kv_cache(num_gpu_blocks, self.block_size, self.spec.num_kv_heads,
