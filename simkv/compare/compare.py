@@ -128,6 +128,14 @@ def evaluate_targets(rows: list[dict], which: str | None) -> dict | None:
     return {"set": which, "all_pass": all(v["pass"] for v in out.values()), "metrics": out}
 
 
+def _diagnostic(fn, *args) -> dict:
+    """A diagnostic section: its failure (an older run's files, say) is reported, not raised."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+
+
 def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None = None) -> dict:
     sim, sim_req, sim_steps = load_run(sim_dir)
     meas, meas_req, meas_steps = load_run(meas_dir)
@@ -141,8 +149,8 @@ def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None 
             "simulated_cost_model": (sim.get("cost_model") or {}).get("cost_model"),
             "measured_device": meas.get("device_name") or meas.get("device"),
             "metrics": rows, "requests": req, "steps": st, "calibration_check": calibration_check(sim, meas),
-            "cost_model_on_measured_steps": cost_model_on_measured(sim, meas_dir),
-            "measured_step_profile": measured_step_profile(meas_dir),
+            "cost_model_on_measured_steps": _diagnostic(cost_model_on_measured, sim, meas_dir),
+            "measured_step_profile": _diagnostic(measured_step_profile, meas_dir),
             "config_differences": config_differences(sim, meas), "targets": evaluate_targets(rows, targets)}
 
 
@@ -237,8 +245,11 @@ def _cost_model_charts(sim: dict, meas_dir) -> list[str]:
     """Predicted against measured duration of every measured step (when both are known)."""
     from simkv.compare.step_model import features_of, load_measured_steps, step_predictor
 
-    predict = step_predictor(sim)
-    steps = load_measured_steps(meas_dir)
+    try:
+        predict = step_predictor(sim)
+        steps = load_measured_steps(meas_dir)
+    except Exception:  # noqa: BLE001 - reported in compare.md; the chart is left out
+        return []
     if predict is None or steps is None or not len(steps):
         return []
     measured = 1e3 * steps["duration_s"].to_numpy()
