@@ -47,11 +47,12 @@ class BlockChunk:
     hashed them; handing one out is an eviction), else as never-cached blocks.
     """
 
-    __slots__ = ("blocks", "pos", "hashed", "prev_free_block", "next_free_block")
+    __slots__ = ("blocks", "pos", "last", "hashed", "prev_free_block", "next_free_block")
 
     def __init__(self, blocks: list[KVCacheBlock], hashed: bool) -> None:
         self.blocks = blocks
         self.pos = 0  # blocks[:pos] have been handed out
+        self.last = len(blocks) - 1  # the index of the last block (the list never changes)
         self.hashed = hashed
         self.prev_free_block = None
         self.next_free_block = None

@@ -169,6 +169,7 @@ class SteadyDecoders:
         heappop, heappush = heapq.heappop, heapq.heappush
         bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
         running = RequestStatus.RUNNING
+        evicted = 0
         while heap and heap[0][0] < end:
             event = heappop(heap)
             at, seq, epoch, request = event
@@ -176,15 +177,16 @@ class SteadyDecoders:
                 continue
             if not free_queue.num_free_blocks:  # the pool is dry: step `at` must be scheduled normally
                 heappush(heap, event)
+                pool.num_evictions += evicted
                 return at
             blocks = tables[request.index]
             node = fake_head.next_free_block
-            if type(node) is BlockChunk and node.pos < len(node.blocks) - 1:
-                blocks.append(node.blocks[node.pos])  # get_new_block, its commonest case written out
-                node.pos += 1
+            if type(node) is BlockChunk and (pos := node.pos) < node.last:
+                blocks.append(node.blocks[pos])  # get_new_block, its commonest case written out
+                node.pos = pos + 1
                 free_queue.num_free_blocks -= 1
                 if node.hashed:
-                    pool.num_evictions += 1
+                    evicted += 1
             else:
                 blocks.append(get_new_block())
             offsets.append(at - start)
@@ -195,6 +197,7 @@ class SteadyDecoders:
                     step = at + 1
                 if step <= request.decode_last_step:
                     heappush(heap, (step, seq, epoch, request))
+        pool.num_evictions += evicted
         return end
 
     def _take_boundary_blocks(self, requests: list[Request], at: int) -> None:
