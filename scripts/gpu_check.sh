@@ -17,6 +17,7 @@ OUT="${1:?usage: bash scripts/gpu_check.sh OUTDIR   (GPU_CHECK_MODE=all|kernels|
 # all (default): kernel tests + a short benchmark + the gpu_backend loop, about 8.5 minutes in all, to
 #                fit one 10-minute device command; kernels / loop: one part with its full budget.
 MODE="${GPU_CHECK_MODE:-all}"
+MODEL="${GPU_CHECK_MODEL:-llama-3-8b}"   # the GPU-backend parts; tiny-llama + GPU_LOOP_ARGS="--device cpu" smoke-tests them on CPU
 BUNDLE="${2:-}"
 case "$MODE" in all|kernels|loop) ;; *) echo "GPU_CHECK_MODE must be all, kernels or loop" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
@@ -130,7 +131,7 @@ gpu_backend_loop() {
     fi
     # step time eager vs decode CUDA graphs, and the host's share (bench/gpu_step.py)
     if [ "$(left_s)" -gt 360 ]; then
-        PYTHONPATH="$site:$PYTHONPATH" step gpu_step 120 $PY bench/gpu_step.py --model llama-3-8b --out "$OUT/gpu_step" --budget-s 80
+        PYTHONPATH="$site:$PYTHONPATH" step gpu_step 120 $PY bench/gpu_step.py --model "$MODEL" --out "$OUT/gpu_step" --budget-s 80
         { echo; cat "$OUT/gpu_step/gpu_step.md" 2>/dev/null || echo "gpu_step: no report (see gpu_step.log)"; } >>"$OUT/summary.md"
     fi
     # the GPU backend's own CUDA tests (decode graphs against the eager forward, CUDA vs CPU runner)
@@ -145,7 +146,7 @@ gpu_backend_loop() {
     if [ "$total" -lt 60 ]; then echo "   -> gpu_backend loop skipped: ${room}s left" | tee -a "$OUT/summary.md"; return 0; fi
     # a second calibration from the measured steps of the next requests (run only if time is left)
     local train=$([ "$MODE" = all ] && echo 150 || echo 400)
-    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop $(( total + 20 )) $PY -m gpu_backend.loop "$out" --model llama-3-8b \
+    PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop $(( total + 20 )) $PY -m gpu_backend.loop "$out" --model "$MODEL" \
         --total-s "$total" --train-requests "$train" ${GPU_LOOP_ARGS:-}
     cat "$out/loop_summary.md" 2>/dev/null >>"$OUT/summary.md" || true
 }
