@@ -94,8 +94,11 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     if out_dir is not None and backend.measured:  # per-step shapes and measured durations
         import pandas as pd
 
+        from simkv.replay.results import atomic_write
+
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(backend.measured).to_parquet(Path(out_dir) / "measured_steps.parquet", index=False)
+        frame = pd.DataFrame(backend.measured)
+        atomic_write(Path(out_dir) / "measured_steps.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
     if save_outputs and out_dir is not None:
         save(result, out_dir)
     return result

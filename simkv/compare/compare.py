@@ -261,7 +261,10 @@ def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None) -> 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = compare_runs(sim_dir, meas_dir, targets)
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "compare.md").write_text(to_markdown(result))
-    (out / "report.html").write_text(to_html(result, sim_dir, meas_dir))
+    texts = {"compare.json": json.dumps(result, indent=2) + "\n", "compare.md": to_markdown(result),
+             "report.html": to_html(result, sim_dir, meas_dir)}  # all made before any is written
+    from simkv.replay.results import atomic_write
+
+    for name, text in texts.items():
+        atomic_write(out / name, lambda tmp, text=text: Path(tmp).write_text(text))
     return result

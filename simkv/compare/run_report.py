@@ -90,8 +90,11 @@ def run_report_html(run_dir: str | Path) -> str:
 
 
 def write_run_report(run_dir: str | Path) -> Path:
+    from simkv.replay.results import atomic_write
+
     path = Path(run_dir) / "report.html"
-    path.write_text(run_report_html(run_dir))
+    text = run_report_html(run_dir)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     return path
 
 

@@ -155,7 +155,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
     }
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -169,7 +169,7 @@ def _atomic_write(path: Path, write) -> None:
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
     table = pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
-    _atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
 def write_outputs(out_dir: Path, summary: dict, requests: pd.DataFrame, steps: dict) -> None:
@@ -178,4 +178,4 @@ def write_outputs(out_dir: Path, summary: dict, requests: pd.DataFrame, steps: d
     _write_parquet(requests, out_dir / "requests.parquet")
     _write_parquet(pd.DataFrame(steps), out_dir / "steps.parquet")
     text = json.dumps(summary, indent=2, sort_keys=False) + "\n"
-    _atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))
+    atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))
