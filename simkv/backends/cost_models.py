@@ -23,6 +23,10 @@ class UnitCostModel:
     def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
         return [1.0] * num_steps
 
+    def predict_features(self, features: np.ndarray) -> np.ndarray:
+        """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd): measured steps."""
+        return np.ones(len(features))
+
     def describe(self) -> dict:
         return {"cost_model": "unit"}
 
@@ -48,6 +52,10 @@ class LinearCostModel:
 
     def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
         return [self.step_base_s + self.step_per_token_s * num_decodes] * num_steps
+
+    def predict_features(self, features: np.ndarray) -> np.ndarray:
+        """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd): measured steps."""
+        return self.step_base_s + self.step_per_token_s * np.asarray(features, dtype=np.int64)[:, 0]
 
     def describe(self) -> dict:
         return {"cost_model": "linear", "step_base_s": self.step_base_s, "step_per_token_s": self.step_per_token_s}

@@ -76,6 +76,12 @@ class RooflineCostModel:
         ctx = output.decode_context_tokens
         return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
 
+    def predict_features(self, features: np.ndarray) -> np.ndarray:
+        """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd), as
+        `simkv.calibration.costmodel.step_features` gives them: measured steps."""
+        f = np.asarray(features, dtype=np.int64)
+        return self._time(f[:, 0], f[:, 1], f[:, 2] + f[:, 4], f[:, 3] + f[:, 4], np.maximum)
+
     def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
         ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
         return self._time(0 + num_decodes, 0 + num_decodes, ctx, ctx)

@@ -59,34 +59,21 @@ def _stats(rel: np.ndarray, pred: np.ndarray, meas: np.ndarray) -> dict:
 
 
 def step_predictor(sim_summary: dict):
-    """The simulated run's cost model as a function of step features [N, 5] -> seconds [N],
-    rebuilt from its summary.json (calibrated, roofline, linear or unit); None if unknown."""
+    """The simulated run's cost model as a function of step features [N, 5] -> seconds [N]
+    (its `predict_features`), rebuilt from its summary.json; None if it has no such model."""
     cm = sim_summary.get("cost_model") or {}
     name = cm.get("cost_model")
     if name == "calibrated":
         from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel
 
         return CalibratedCostModel({k: cm[k] for k in COEFFICIENTS}, cm["knee"]).predict_features
-    if name == "roofline":
-        from simkv.backends.roofline import RooflineCostModel
+    if name in ("roofline", "linear", "unit"):
+        from simkv.backends.factory import make_backend
         from simkv.config import EngineConfig
-        from simkv.specs import get_gpu_spec, get_model_spec
 
+        options = {k: cm[k] for k in ("step_base_s", "step_per_token_s") if k in cm}
         config = EngineConfig.from_flat(sim_summary.get("config") or {})
-        params = {k: cm[k] for k in ("compute_efficiency", "memory_efficiency", "step_overhead_s", "seq_overhead_s",
-                                     "allreduce_latency_s") if k in cm}
-        roof = RooflineCostModel(get_model_spec(cm["model"]), get_gpu_spec(cm["gpu"]), cm["tensor_parallel_size"],
-                                 config.cache.kv_dtype_bytes, **params)
-
-        def roofline(f):  # as RooflineCostModel.execute: decode context counts as pairs and KV read
-            f = np.asarray(f, dtype=np.int64)
-            return roof._time(f[:, 0], f[:, 1], f[:, 2] + f[:, 4], f[:, 3] + f[:, 4], np.maximum)
-
-        return roofline
-    if name == "linear":
-        return lambda f: cm["step_base_s"] + cm["step_per_token_s"] * np.asarray(f)[:, 0]
-    if name == "unit":
-        return lambda f: np.ones(len(f))
+        return make_backend(name, config, **options).predict_features
     return None
 
 
