@@ -85,7 +85,8 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     backend = GpuBackend(runner, warmup_steps=warmup_steps, max_num_seqs=config.scheduler.max_num_seqs,
                          enforce_eager=enforce_eager)
     try:
-        result = replay(trace, config, backend=backend, use_decode_runs=False, on_progress=on_progress)
+        result = replay(trace, config, backend=backend, use_decode_runs=False, on_progress=on_progress,
+                        pause_collector=False)  # torch may make cycles holding device memory
     except BaseException as exc:
         if out_dir is not None:
             save_partial(Path(out_dir), backend, exc)

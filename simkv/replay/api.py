@@ -41,13 +41,14 @@ def collector_paused(pause: bool = True):
 
 
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
-           use_decode_runs: bool = True, on_progress=None, backend=None) -> ReplayResult:
+           use_decode_runs: bool = True, on_progress=None, backend=None,
+           pause_collector: bool = True) -> ReplayResult:
+    """`pause_collector=False` keeps Python's cyclic collector running (a real backend, whose
+    steps are not ours to vouch for, passes it; its timer pauses the collector per step)."""
     capacity = compute_capacity(config)
     if backend is None:
         backend = make_backend(cost_model, config, **(cost_options or {}))
-    # A real backend (torch) is left with the collector on: its steps are not ours to vouch
-    # for, and its own timer pauses the collector inside each timed step.
-    with collector_paused(backend.name != "gpu"):
+    with collector_paused(pause_collector):
         engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, on_progress,
                               capacity=capacity)
         t0 = time.perf_counter()
