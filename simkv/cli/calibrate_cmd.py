@@ -103,7 +103,7 @@ def _from_steps(dirs: list[str], with_grid: str | None, out_path: str, model: st
 
     try:
         record = calibrate_from_steps(dirs, out_path, with_grid, holdout, seed)
-    except CalibrationError as exc:
+    except (CalibrationError, ValueError, OSError) as exc:  # bad folders, columns or parquet files
         raise click.ClickException(str(exc)) from None
     if model is not None and record["model"] != model:
         raise click.ClickException(f"--model {model}, but the measured steps are of model '{record['model']}'")

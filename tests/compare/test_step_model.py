@@ -153,6 +153,11 @@ def test_calibrate_cli_from_steps_and_option_errors(tmp_path):
     r = CliRunner().invoke(main, ["calibrate", "--from-steps", str(tmp_path / "m"), "--model", "llama-2-7b",
                                   "--out", str(tmp_path / "d.json")])
     assert r.exit_code != 0 and "llama-3-8b" in r.output
+    pd.read_parquet(tmp_path / "m" / "measured_steps.parquet").drop(columns=["prefill_pairs"]).to_parquet(
+        tmp_path / "m" / "measured_steps.parquet")
+    r = CliRunner().invoke(main, ["calibrate", "--from-steps", str(tmp_path / "m"), "--out", str(tmp_path / "e.json")])
+    assert r.exit_code == 1 and "lacks columns ['prefill_pairs']" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "e.json").exists()
     r = CliRunner().invoke(main, ["calibrate", "--with-grid", str(tmp_path / "c.json")])
     assert r.exit_code != 0 and "only goes with --from-steps" in r.output
     r = CliRunner().invoke(main, ["calibrate"])
