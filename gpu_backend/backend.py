@@ -14,7 +14,6 @@ import gc
 import os
 import time
 
-import numpy as np
 import torch
 
 from gpu_backend.env import device_info, library_versions
@@ -159,9 +158,6 @@ class GpuBackend:
             row["jit_compiles"] = (after - variants) if after is not None else -1
         self.measured.append(row)
         return seconds
-
-    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
-        raise NotImplementedError("the GPU backend executes steps one by one (supports_decode_runs=False)")
 
     def describe(self) -> dict:
         r = self.runner

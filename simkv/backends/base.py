@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import numpy as np
-
 from simkv.core.outputs import SchedulerOutput
 
 
 class StepBackend(Protocol):
     name: str
-    #: True if `decode_run_durations` is available: the replay may then jump over runs of
+    #: True if `decode_step_line` is available: the replay may then jump over runs of
     #: identical pure-decode steps. Backends that execute steps for real say False.
     supports_decode_runs: bool
     #: True if the backend needs every request of a step listed (block ids included).
@@ -24,14 +22,13 @@ class StepBackend(Protocol):
     def execute(self, output: SchedulerOutput) -> float:
         """Run (or cost) one step; return its duration in seconds."""
 
-    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
-        """Durations of `num_steps` pure-decode steps of `num_decodes` requests; step j attends
-        `first_context_tokens + j * num_decodes` tokens. Must equal calling `execute` on each
-        step one by one, bit for bit."""
-
-    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
-        """The same durations as Python floats, for short runs (numpy's per-call overhead
-        dominates below a few dozen steps). Bit for bit equal to `decode_run_durations`."""
+    def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
+        """(a0, a1, b0, b1), integers in clock ticks (simkv.clock): a pure-decode step of
+        `num_decodes` requests attending `ctx` context tokens in all lasts
+        max(a0 + a1 * ctx, b0 + b1 * ctx) ticks (two lines: the roofline's compute and memory
+        time; other models give one line twice). The replay times every pure-decode step with
+        it, single steps and runs alike; it equals `execute` to within the clock's resolution
+        (half a tick per coefficient)."""
 
     def describe(self) -> dict:
         """What the backend is, for summary.json."""

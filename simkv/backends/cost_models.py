@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from simkv.core.outputs import SchedulerOutput
+from simkv.clock import TICKS_PER_SECOND, to_ticks
 
 
 class UnitCostModel:
@@ -17,11 +18,8 @@ class UnitCostModel:
     def execute(self, output: SchedulerOutput) -> float:
         return 1.0
 
-    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
-        return np.ones(num_steps)
-
-    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
-        return [1.0] * num_steps
+    def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
+        return TICKS_PER_SECOND, 0, TICKS_PER_SECOND, 0
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd): measured steps."""
@@ -47,11 +45,9 @@ class LinearCostModel:
     def execute(self, output: SchedulerOutput) -> float:
         return self.step_base_s + self.step_per_token_s * output.total_num_scheduled_tokens
 
-    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
-        return np.full(num_steps, self.step_base_s + self.step_per_token_s * num_decodes)
-
-    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
-        return [self.step_base_s + self.step_per_token_s * num_decodes] * num_steps
+    def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
+        step = to_ticks(self.step_base_s + self.step_per_token_s * num_decodes)
+        return step, 0, step, 0
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd): measured steps."""

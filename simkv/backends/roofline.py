@@ -17,6 +17,7 @@ import numpy as np
 
 from simkv.backends.base import prefill_work
 from simkv.core.outputs import SchedulerOutput
+from simkv.clock import per_token_ticks, to_ticks
 from simkv.specs import GPUSpec, ModelSpec
 
 
@@ -59,7 +60,7 @@ class RooflineCostModel:
             self.comm_per_token = 0.0
             self.comm_fixed = 0.0
         self.fixed_s = step_overhead_s + self.comm_fixed
-        self._decode_consts: dict[int, tuple[float, float, float, float]] = {}
+        self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
 
     def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum):
@@ -82,48 +83,19 @@ class RooflineCostModel:
         f = np.asarray(features, dtype=np.int64)
         return self._time(f[:, 0], f[:, 1], f[:, 2] + f[:, 4], f[:, 3] + f[:, 4], np.maximum)
 
-    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
-        ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
-        return self._time(0 + num_decodes, 0 + num_decodes, ctx, ctx)
-
-    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
-        # `_time` with the step-invariant terms hoisted; each step's operations on its context,
-        # and their order, are those of `_time`, so the floats are identical. A pure-decode
-        # step is memory-bound from some context on (see _decode_constants): there `max` is
-        # skipped.
-        n = num_decodes
-        consts = self._decode_consts.get(n)
-        if consts is None:
-            consts = self._decode_consts[n] = self._decode_constants(n)
-        flops0, comm, seq, memory_bound_from = consts
-        w, kvb, br, fixed = self.weight_bytes, self.kv_bytes_per_token, self.byte_rate, self.fixed_s
-        stop = first_context_tokens + n * num_steps
-        if first_context_tokens >= memory_bound_from:
-            return [(w + kvb * (ctx + n)) / br + comm + fixed + seq for ctx in range(first_context_tokens, stop, n)]
-        fpp, fr = self.flops_per_pair, self.flop_rate
-        return [max((flops0 + fpp * ctx) / fr, (w + kvb * (ctx + n)) / br) + comm + fixed + seq
-                for ctx in range(first_context_tokens, stop, n)]
-
-    def _decode_constants(self, n: int) -> tuple[float, float, float, float]:
-        """Per decode count n: the hoisted terms, and a context from which memory time exceeds
-        compute time by a margin far above rounding at every larger context (both are affine
-        in the context; memory grows faster), or +inf if there is none."""
-        flops0 = self.flops_per_token * n + self.flops_per_seq * n
-        fpp, w, kvb, fr, br = self.flops_per_pair, self.weight_bytes, self.kv_bytes_per_token, self.flop_rate, self.byte_rate
-        margin = 1.0 + 1e-9
-
-        def memory_ahead(ctx: int) -> bool:
-            return (w + kvb * (ctx + n)) / br > (flops0 + fpp * ctx) / fr * margin
-
-        memory_bound_from = float("inf")
-        if kvb / br > fpp / fr * margin * margin:  # the gap grows with the context
-            slope = kvb / br - fpp / fr * margin
-            gap0 = (w + kvb * n) / br - flops0 / fr * margin
-            start = max(0, int(-gap0 / slope) + 1)
-            while not memory_ahead(start):
-                start += 1 + start // 1000
-            memory_bound_from = start
-        return flops0, self.comm_per_token * n, self.seq_overhead_s * n, memory_bound_from
+    def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
+        """A pure-decode step in ticks: max(compute, memory) + overheads, both affine in the
+        context attended (attention FLOPs per query-key pair; K/V bytes per token)."""
+        line = self._decode_lines.get(num_decodes)
+        if line is None:
+            n = num_decodes
+            overhead = self.comm_per_token * n + self.fixed_s + self.seq_overhead_s * n
+            compute = (self.flops_per_token * n + self.flops_per_seq * n) / self.flop_rate
+            memory = (self.weight_bytes + self.kv_bytes_per_token * n) / self.byte_rate
+            line = self._decode_lines[n] = (
+                to_ticks(compute + overhead), per_token_ticks(self.flops_per_pair / self.flop_rate),
+                to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / self.byte_rate))
+        return line
 
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,

@@ -14,7 +14,8 @@ with every coefficient >= 0. The hinge at `knee` tokens is the roofline's bend: 
 step is bound by reading the weights (cost nearly flat in T), above it by matmul FLOPs
 (steeper). cS carries per-sequence host work (input preparation, the per-sequence attention
 launch or loop). The formula is written once in `_time`, so Python integers and numpy arrays
-give the same floats: `decode_run_durations` equals `execute` step by step, bit for bit.
+give the same floats. The replay times pure-decode steps with `decode_step_line`, the same
+formula in clock ticks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from simkv.backends.base import prefill_work
 from simkv.core.outputs import SchedulerOutput
+from simkv.clock import per_token_ticks, to_ticks
 
 FORMAT = "simkv-calibration"
 FORMAT_VERSION = 1
@@ -92,16 +94,11 @@ class CalibratedCostModel:
     def execute(self, output: SchedulerOutput) -> float:
         return float(self._time(*step_features(output)))
 
-    def decode_run_durations(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> np.ndarray:
-        ctx = first_context_tokens + num_decodes * np.arange(num_steps, dtype=np.int64)
-        return self._time(num_decodes, num_decodes, 0, 0, ctx) + np.zeros(num_steps)
-
-    def decode_run_durations_list(self, num_decodes: int, first_context_tokens: int, num_steps: int) -> list[float]:
-        n = num_decodes  # `_time` with the step-invariant terms hoisted, same operation order
-        fixed = (self.c0 + self.cT * n + self.cH * max(n - self.knee, 0.0) + self.cS * n
-                 + self.cP * 0 + self.cKp * 0)
-        cKd = self.cKd
-        return [fixed + cKd * (first_context_tokens + n * k) for k in range(num_steps)]
+    def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
+        n = num_decodes  # `_time` of a pure-decode step: the step-invariant terms, and Kd's
+        fixed = to_ticks(self.c0 + self.cT * n + self.cH * max(n - self.knee, 0.0) + self.cS * n)
+        per_token = per_token_ticks(self.cKd)
+        return fixed, per_token, fixed, per_token
 
     def describe(self) -> dict:
         out = {"cost_model": "calibrated", "form": FORM, "knee": self.knee, **self.coefficients, **self.info}

@@ -3,27 +3,24 @@
 Time follows the engine: a step starts when the previous one ends or, when nothing is
 runnable, at the next arrival. A request arriving during a step (or exactly when it ends)
 joins at the next step. A request's first token exists at the end of the step that sampled
-it. The engine keeps its own float clock (each step's end = its start + its duration, summed
-in step order), so jumping over a decode run gives the same times as stepping through it.
+it. Time is counted in integer ticks (simkv/clock.py), SimPy's included: a run of pure-decode
+steps, whose durations are affine in the step index, ends at a closed-form time that equals
+stepping through it, and costs the same whatever its length.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Callable
 
 import simpy
 
 from simkv.backends.base import StepBackend
+from simkv.clock import TICKS_PER_SECOND, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.step_log import RequestLog, StepLog
-
-
-_INF = float("inf")
 
 
 class ReplayError(RuntimeError):
@@ -38,6 +35,7 @@ class ArrivalFeed:
         self.arrivals = trace.arrival_time_s
         # Python numbers: scalar access to numpy arrays costs more than the rest of a delivery.
         self._arrival_list = trace.arrival_time_s.tolist()
+        self._arrival_ticks = [to_ticks(a) for a in self._arrival_list]
         self._prompt_list = trace.prompt_tokens.tolist()
         self._output_list = trace.output_tokens.tolist()
         self.scheduler = scheduler
@@ -54,11 +52,12 @@ class ArrivalFeed:
     def exhausted(self) -> bool:
         return self.next_index >= len(self.arrivals)
 
-    def next_arrival_time(self) -> float | None:
-        return None if self.exhausted else self._arrival_list[self.next_index]
+    def next_arrival_ticks(self) -> int | None:
+        return None if self.exhausted else self._arrival_ticks[self.next_index]
 
-    def deliver_until(self, now: float) -> None:
-        arrivals = self._arrival_list
+    def deliver_until(self, now: int) -> None:
+        """Deliver the requests that arrived by tick `now`."""
+        arrivals = self._arrival_ticks
         n = len(arrivals)
         i = self.next_index
         while i < n and arrivals[i] <= now:
@@ -90,7 +89,7 @@ class ReplayRun:
     steps: StepLog
     requests: RequestLog
     feed: ArrivalFeed
-    duration_s: float
+    duration_s: float  # the end of the last step
 
 
 class ReplayEngine:
@@ -106,24 +105,25 @@ class ReplayEngine:
         block_bytes = capacity.kv_bytes_per_token * config.cache.block_size if capacity is not None else 0
         self.swap_seconds_per_block = (0.0 if backend.name == "unit" else
                                        block_bytes / (config.cache.pcie_bandwidth_gbs * 1e9))
+        # Pure-decode steps are timed by the backend's decode line (runs and single steps alike).
+        self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
         self.steps = StepLog()
         self.requests = RequestLog(len(trace))
         self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress
-        self.now = 0.0
-        self.env = simpy.Environment()
+        self.now = 0  # ticks
+        self.env = simpy.Environment()  # in ticks too
         self._idle: simpy.Event | None = None
         self._engine_idle: simpy.Event | None = None
         self._num_done = 0
         self._num_rejected_reported = 0
-        self._last_step_duration = 1.0  # sizes the first chunk of decode-run times (a guess only)
 
     def run(self) -> ReplayRun:
         self.env.process(self._arrivals())
         engine = self.env.process(self._engine())
         self.env.run(until=engine)
-        return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now)
+        return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND)
 
     def _arrivals(self):
         """The arrival process. A busy engine takes the requests that arrived from the feed at
@@ -133,7 +133,7 @@ class ReplayEngine:
         while True:
             self._engine_idle = env.event()
             yield self._engine_idle
-            t = self.feed.next_arrival_time()
+            t = self.feed.next_arrival_ticks()
             if t is None:
                 return
             if t > env.now:
@@ -173,9 +173,14 @@ class ReplayEngine:
             if out.is_empty:
                 raise ReplayError(self._stuck_message(out.step))
             start = self.now
-            duration = self.backend.execute(out)
+            if self._decode_line is not None and not out.chunks:
+                a0, a1, b0, b1 = self._decode_line(out.num_decode_reqs)
+                ctx = out.decode_context_tokens
+                duration = max(a0 + a1 * ctx, b0 + b1 * ctx)
+            else:
+                duration = to_ticks(self.backend.execute(out))
             if out.num_swap_out_blocks or out.num_swap_in_blocks:
-                duration += (out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block
+                duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
             self.now = start + duration
             yield env.timeout(duration)
             finished = sched.update_from_output(out)
@@ -183,65 +188,26 @@ class ReplayEngine:
             if finished:
                 self._record_finished(finished)
 
-    def _decode_run(self) -> tuple[float, list[Request]] | None:
-        """Jump over the decode run ahead, if any: (its end time, the requests it finished)."""
+    def _decode_run(self) -> tuple[int, list[Request]] | None:
+        """Jump over the decode run ahead, if any: (its end tick, the requests it finished).
+        The run stops after the step during which (or at whose end) the next request arrives."""
         sched = self.scheduler
         limit = sched.decode_run_limit()
         if limit < 2:
             return None
-        n, first_context = sched.decode_run_shape()
-        durations, starts = self._run_times(n, first_context, limit)
-        if len(durations) < 2:
-            return None
-        run = sched.advance_decode_run(len(durations))
+        n, ctx = sched.decode_run_shape()
+        a0, a1, b0, b1 = self._decode_line(n)
+        shape = run_shape(a0 + a1 * ctx, a1 * n, b0 + b1 * ctx, b1 * n)  # per step of the run
+        next_arrival = self.feed.next_arrival_ticks()
+        if next_arrival is not None:
+            limit = steps_to_reach(shape, next_arrival - self.now, limit)
+            if limit < 2:
+                return None
+        run = sched.advance_decode_run(limit)
         if run is None:
             return None
-        k = run.num_steps
-        if k < len(durations):
-            starts, durations = starts[:k], durations[:k]
-        self.steps.add_run(run, starts, durations)
-        return starts[k - 1] + durations[k - 1], run.finished  # the sum the next start gets
-
-    def _run_times(self, n: int, first_context: int, limit: int) -> tuple[list[float], list[float]]:
-        """Durations and start times of up to `limit` decode steps, stopping after the step
-        during which (or at whose end) the next request arrives. Summed strictly in step
-        order like single steps are. Computed in chunks (Python floats for short ones, most
-        runs being short; numpy for long ones), each sized by the time left to the next
-        arrival over the duration of the last step computed: durations grow with context, so
-        about that many steps reach it. The size is only a guess; a short chunk is followed by
-        another."""
-        next_arrival = self.feed.next_arrival_time()
-        if next_arrival is None:
-            next_arrival = _INF
-        backend = self.backend
-        t = self.now
-        done = 0
-        chunk = limit
-        if next_arrival != _INF:
-            chunk = min(limit, max(2, int((next_arrival - t) / self._last_step_duration) + 2))
-        durations: list[float] = []
-        starts: list[float] = []
-        while True:
-            if chunk <= 64:
-                d = backend.decode_run_durations_list(n, first_context + done * n, chunk)
-            else:
-                d = backend.decode_run_durations(n, first_context + done * n, chunk).tolist()
-            ends = list(accumulate(d, initial=t))  # ends[j] = start of step j + 1
-            j = bisect_left(ends, next_arrival, 1)
-            self._last_step_duration = d[-1]
-            if j <= chunk:  # step j - 1 is the one during which (or at whose end) the next arrival comes
-                durations += d[:j]
-                starts += ends[:j]
-                return durations, starts
-            durations += d
-            starts += ends[:chunk]
-            t = ends[chunk]
-            done += chunk
-            if done == limit:
-                return durations, starts
-            chunk = limit - done
-            if next_arrival != _INF:
-                chunk = min(chunk, int((next_arrival - t) / d[-1]) + 2)
+        self.steps.add_run(run, self.now, shape)
+        return self.now + run_ticks(shape, run.num_steps), run.finished
 
     def _record_finished(self, finished: list[Request]) -> None:
         for request in finished:

@@ -6,6 +6,7 @@ from itertools import chain
 
 import numpy as np
 
+from simkv.clock import TICKS_PER_SECOND
 from simkv.core.outputs import DecodeRun, SchedulerOutput
 from simkv.core.request import Request
 
@@ -17,47 +18,44 @@ _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 
 
 # One tuple per segment: its first step, its length, blocks used at its start and at its end,
-# then the per-step values (counts that happen once per segment sit on its first or last row).
-_ROW_COLUMNS = ("first_step", "length", "blocks", "blocks_end", "num_running", "num_waiting",
-                "num_prefill_tokens", "num_decode_tokens", "num_preemptions", "prefix_query_tokens",
-                "prefix_hit_tokens", "num_finished", "num_swapped", "num_swap_blocks")
+# its timing (start tick; step j lasts c0 + c1 * j ticks before step `cross`, d0 + d1 * j from
+# it on: simkv.clock.run_shape), then the per-step
+# values (counts that happen once per segment sit on its first or last row).
+_ROW_COLUMNS = ("first_step", "length", "blocks", "blocks_end", "start_tick", "c0", "c1", "cross", "d0", "d1",
+                "num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
+                "prefix_query_tokens", "prefix_hit_tokens", "num_finished", "num_swapped", "num_swap_blocks")
 
 
 class StepLog:
     """Steps recorded as segments: a single step, or a decode run of k identical steps.
 
     Per segment only scalars are kept (plus the run's allocation offsets); per-step
-    columns are expanded with numpy when asked for. Step times are kept as Python floats
-    until then.
+    columns, times included, are expanded with numpy when asked for.
     """
 
     def __init__(self) -> None:
         self._rows: list[tuple] = []  # per segment: _ROW_COLUMNS
         self._alloc_rows: list[int] = []
-        self._starts: list[float] = []
-        self._durations: list[float] = []
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
-    def add_step(self, out: SchedulerOutput, start: float, duration: float) -> None:
-        self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end,
+    def add_step(self, out: SchedulerOutput, start: int, duration: int) -> None:
+        """One step, from tick `start`, lasting `duration` ticks."""
+        self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end, start, duration, 0, 1, duration, 0,
                            out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
                            len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
-        self._starts.append(start)
-        self._durations.append(duration)
         self.num_steps += 1
 
-    def add_run(self, run: DecodeRun, starts: list[float], durations: list[float]) -> None:
+    def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int]) -> None:
+        """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape)."""
         row0 = self.num_steps
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
-                           run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0, len(run.finished),
-                           run.num_swapped, 0))
+                           start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0,
+                           len(run.finished), run.num_swapped, 0))
         self._columns = None
         self._alloc_rows.extend(map(row0.__add__, run.allocation_offsets))
-        self._starts += starts
-        self._durations += durations
         self.num_steps += run.num_steps
 
     def columns(self) -> dict[str, np.ndarray]:
@@ -73,8 +71,13 @@ class StepLog:
         within = np.arange(n, dtype=np.int64) - np.repeat(seg_start_row, lengths)
         out: dict[str, np.ndarray] = {
             "step": np.repeat(seg["first_step"], lengths) + within}
-        out["start_time_s"] = np.asarray(self._starts, dtype=np.float64)
-        out["duration_s"] = np.asarray(self._durations, dtype=np.float64)
+        second = within >= np.repeat(seg["cross"], lengths)
+        ticks = np.where(second, np.repeat(seg["d0"], lengths) + np.repeat(seg["d1"], lengths) * within,
+                         np.repeat(seg["c0"], lengths) + np.repeat(seg["c1"], lengths) * within)
+        before = np.cumsum(ticks) - ticks  # ticks of all earlier steps
+        since_seg_start = before - np.repeat(np.append(before, 0)[seg_start_row], lengths)
+        out["start_time_s"] = (np.repeat(seg["start_tick"], lengths) + since_seg_start) / TICKS_PER_SECOND
+        out["duration_s"] = ticks / TICKS_PER_SECOND
         for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
             out[c] = np.repeat(seg[c], lengths)
         allocs = np.cumsum(np.bincount(np.asarray(self._alloc_rows, dtype=np.int64), minlength=n)[:n])

@@ -1,10 +1,12 @@
-"""Decode-run durations (numpy and Python-float paths) equal stepping one by one, bit for bit:
-the replay jumps over decode runs only because of this."""
+"""Pure-decode steps are timed by each backend's decode line (in clock ticks), which equals its
+`execute` to within the clock's resolution; the clock's closed forms equal summing step by
+step: the replay jumps over decode runs only because of this."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simkv.backends.factory import make_backend
+from simkv.clock import TICKS_PER_SECOND, run_shape, run_ticks, steps_to_reach
 from simkv.calibration.costmodel import CalibratedCostModel
 from simkv.config import EngineConfig
 from simkv.core.outputs import SchedulerOutput
@@ -31,25 +33,48 @@ def _backends():
 BACKENDS = _backends()
 
 
+def _line_seconds(backend, n: int, context: int) -> float:
+    a0, a1, b0, b1 = backend.decode_step_line(n)
+    return max(a0 + a1 * context, b0 + b1 * context) / TICKS_PER_SECOND
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, len(BACKENDS) - 1), st.integers(1, 1024), st.integers(1, 2_000_000), st.integers(1, 80))
-def test_run_durations_equal_steps(which, n, first_context, steps):
+@given(st.integers(0, len(BACKENDS) - 1), st.integers(1, 1024), st.integers(1, 2_000_000))
+def test_decode_line_equals_execute(which, n, context):
     backend = BACKENDS[which]
-    as_list = backend.decode_run_durations_list(n, first_context, steps)
-    as_array = backend.decode_run_durations(n, first_context, steps).tolist()
-    one_by_one = [backend.execute(_decode_step(n, first_context + j * n)) for j in range(steps)]
-    assert as_list == as_array == one_by_one
-    assert all(type(x) is float for x in as_list)
+    line = backend.decode_step_line(n)
+    assert all(type(x) is int and x >= 0 for x in line)
+    exact = backend.execute(_decode_step(n, context))
+    # rounding: half a tick for each fixed part and half a tick per context token
+    slack = (1 + 0.5 * context) / TICKS_PER_SECOND + 1e-12 * exact
+    assert abs(_line_seconds(backend, n, context) - exact) <= slack
 
 
-def test_roofline_crosses_from_compute_to_memory_bound():
-    """Large batches at short context are compute-bound, long contexts memory-bound: a run that
-    spans the crossover still matches step by step."""
+def test_roofline_decode_line_crosses_from_compute_to_memory_bound():
+    """Large batches at short context are compute-bound, long contexts memory-bound: a run over
+    the crossover still sums to its steps."""
     backend = make_backend("roofline", EngineConfig())
     n = 1024
-    crossover = backend._decode_constants(n)[3]
-    assert 0 < crossover < float("inf")
-    first = max(1, int(crossover) - 50 * n)
-    steps = 100
-    one_by_one = [backend.execute(_decode_step(n, first + j * n)) for j in range(steps)]
-    assert backend.decode_run_durations_list(n, first, steps) == one_by_one
+    a0, a1, b0, b1 = backend.decode_step_line(n)
+    assert a0 > b0 and b1 > a1  # compute-bound at no context, memory grows faster
+    crossover = (a0 - b0) // (b1 - a1)
+    first = crossover - 50 * n
+    steps = [max(a0 + a1 * (first + j * n), b0 + b1 * (first + j * n)) for j in range(100)]
+    assert steps[0] == a0 + a1 * first and steps[-1] == b0 + b1 * (first + 99 * n)
+    shape = run_shape(a0 + a1 * first, a1 * n, b0 + b1 * first, b1 * n)
+    assert run_ticks(shape, 100) == sum(steps)
+    assert steps_to_reach(shape, sum(steps[:60]), 100) == 60
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.tuples(st.integers(0, 10**12), st.integers(0, 10**9), st.integers(0, 10**12), st.integers(0, 10**9)),
+       st.integers(1, 300), st.integers(1, 10**14))
+def test_clock_closed_forms_equal_step_by_step(lines, limit, ticks):
+    a0, a1, b0, b1 = lines
+    steps = [max(a0 + a1 * j, b0 + b1 * j) for j in range(limit)]
+    totals = [sum(steps[:k]) for k in range(limit + 1)]
+    shape = run_shape(*lines)
+    for k in (0, 1, limit // 2, limit):
+        assert run_ticks(shape, k) == totals[k]
+    reach = next((k for k in range(1, limit + 1) if totals[k] >= ticks), limit)
+    assert steps_to_reach(shape, ticks, limit) == reach
