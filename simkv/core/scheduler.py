@@ -74,6 +74,12 @@ class Scheduler(SteadyDecoders):
         self._sum_decode_base = 0
         self._boundary_heap: list[tuple] = []
         self._finish_heap: list[tuple] = []
+        # The block calendar (steady_decoders.py) serves a paged pool without lookahead slots
+        # until the first forked sequence: per residue of the step modulo block_size, the
+        # decoders due for a block then, and their block tables, in seq order.
+        periodic = isinstance(self.kv_cache_manager, KVCacheManager) and self.num_lookahead_tokens == 0
+        self._calendar: list[list[Request]] | None = [[] for _ in range(self.block_size)] if periodic else None
+        self._calendar_tables: list[list[list]] | None = [[] for _ in range(self.block_size)] if periodic else None
         # priority policy: the victim is the max (priority, arrival) running request; equal
         # arrival times count as arriving in trace order (vLLM stamps wall-clock arrivals).
         self._victim_heap: list[tuple] = []  # (-priority, -arrival, -index, seq, request)
@@ -178,7 +184,7 @@ class Scheduler(SteadyDecoders):
         step = self.current_step
         self.current_step += 1
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
-        due = self._pop_due(self._boundary_heap, step)
+        due = self._due_at(step)
         kv = self.kv_cache_manager
         if (not self._prefilling and not self.admit_before_running and not kv.num_forks
                 and plan.budget >= len(self.running)
@@ -256,7 +262,8 @@ class Scheduler(SteadyDecoders):
                 prev_pos = self._position(request)
             plan.schedule(request, num_new)
             if is_decoder:
-                self._push_boundary(request, step + 1)
+                if self._calendar is None:  # (in the calendar it stays in its bucket)
+                    self._push_boundary(request, step + 1)
             else:
                 plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
@@ -439,6 +446,8 @@ class Scheduler(SteadyDecoders):
         """Parallel sampling: after the prompt, n-1 more sequences share its blocks; each has
         sampled its own first token."""
         request.forked = True
+        if self._calendar is not None:
+            self._calendar_to_heap(step + 1)
         children = []
         for k in range(1, request.num_samples):
             child = Request(f"{request.request_id}#{k}", self._next_child_index, request.arrival_time,

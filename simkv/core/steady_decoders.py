@@ -1,8 +1,15 @@
 """Steady decoders: the scheduler's O(events) bookkeeping and its jumps over decode runs.
 
 A running request whose prompt is done decodes exactly one token per step, so its computed
-tokens are `current_step + decode_base`; the step at which it needs its next block (or a
-copy-on-write of a shared partial block) and the step after which it finishes sit in heaps.
+tokens are `current_step + decode_base`; the step after which it finishes sits in a heap.
+The steps at which it needs its next block are kept one of two ways:
+- the block calendar (the common case: a paged pool, no lookahead slots, no forked sequences):
+  a steady decoder needs a block every `block_size` steps, at the steps where
+  `step % block_size == -decode_base % block_size`. The calendar holds, per residue, the
+  decoders due then, in running order, with their block tables: a step's boundary
+  allocations are one bucket, with no per-allocation heap work.
+- the boundary heap otherwise (lookahead slots, copy-on-write of blocks shared by forked
+  sequences): one event per decoder, its next boundary or copy.
 `decode_run_limit` / `advance_decode_run` apply many event-free decode steps at once, with the
 same block allocations in the same order as stepping one by one would make them
 (tests/core/test_properties.py compares the two).
@@ -11,6 +18,7 @@ same block allocations in the same order as stepping one by one would make them
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from operator import attrgetter
 
 from simkv.core.block_pool import BlockChunk
@@ -29,6 +37,42 @@ class SteadyDecoders:
             return self.current_step + request.decode_base
         return request.num_computed_tokens
 
+    # ---- the block calendar --------------------------------------------------------------
+    def _calendar_add(self, request: Request, from_step: int) -> None:
+        """File a new (or slipped) steady decoder under its boundary residue, in seq order."""
+        bs = self.block_size
+        blocks = self.kv_cache_manager.req_to_blocks[request.index]
+        first = len(blocks) * bs - request.decode_base  # its first boundary step
+        # Prefills allocate ceil(tokens / block_size) blocks, so the first boundary comes
+        # within one block's worth of steps: the calendar's first visit is that boundary.
+        assert from_step <= first < from_step + bs, (request, from_step, first)
+        residue = first % bs
+        members = self._calendar[residue]
+        i = bisect_left(members, request.seq, key=_seq_of)
+        members.insert(i, request)
+        self._calendar_tables[residue].insert(i, blocks)
+
+    def _calendar_remove(self, request: Request) -> None:
+        residue = -request.decode_base % self.block_size
+        members = self._calendar[residue]
+        i = bisect_left(members, request.seq, key=_seq_of)
+        del members[i]
+        del self._calendar_tables[residue][i]
+
+    def _calendar_to_heap(self, from_step: int) -> None:
+        """At the first forked sequence: copy-on-write events are not periodic. Every steady
+        decoder's next boundary moves to the heap, which serves from then on."""
+        calendar, self._calendar, self._calendar_tables = self._calendar, None, None
+        for members in calendar:
+            for request in members:
+                self._push_boundary(request, from_step)
+
+    def _due_at(self, step: int) -> list[Request]:
+        """Steady decoders that need a block (or a copy) at `step`, in running order."""
+        if self._calendar is not None:
+            return list(self._calendar[step % self.block_size])
+        return self._pop_due(self._boundary_heap, step)
+
     def _enroll_decoder(self, request: Request, next_step: int) -> None:
         self._prefilling.remove(request)  # small list: prefilling requests only
         request.decode_base = request.num_computed_tokens - next_step
@@ -44,6 +88,9 @@ class SteadyDecoders:
     def _push_decoder_events(self, request: Request, from_step: int) -> None:
         request.decode_last_step = self._finish_step_of(request)
         heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
+        if self._calendar is not None:
+            self._calendar_add(request, from_step)
+            return
         kv = self.kv_cache_manager
         computed = from_step + request.decode_base
         if kv.num_forks and kv.decode_block_need(request, computed, self.num_lookahead_tokens):
@@ -66,6 +113,8 @@ class SteadyDecoders:
     def _leave_decoding(self, request: Request, step: int) -> int:
         """Materialise a steady decoder's counters at `step`; returns its computed tokens."""
         computed = step + request.decode_base
+        if self._calendar is not None:
+            self._calendar_remove(request)
         self._num_decoders -= 1
         self._sum_decode_base -= request.decode_base
         request.decode_base = None
@@ -82,6 +131,8 @@ class SteadyDecoders:
                 continue
             num += 1
             base_sum += request.decode_base
+            if self._calendar is not None:
+                self._calendar_remove(request)  # it slips to the next residue
             request.decode_base -= 1
             self._sum_decode_base -= 1
             request.epoch += 1
@@ -200,12 +251,52 @@ class SteadyDecoders:
         pool.num_evictions += evicted
         return end
 
+    def _run_calendar(self, start: int, end: int, offsets: list[int]) -> int:
+        """The decode steps [start, end) take their boundary blocks from the calendar: step t
+        gives one block to each decoder of bucket t % block_size, in running order. If the
+        pool cannot cover step t, the run ends before t (returned); step t is then scheduled
+        normally: its first decoders take the blocks left and the next one preempts, as
+        stepping one by one does."""
+        bs = self.block_size
+        tables = self._calendar_tables
+        visits = [tables[t % bs] for t in range(start, end)]
+        need = sum(map(len, visits))
+        if not need:
+            return end
+        pool = self.kv_cache_manager.block_pool
+        free = pool.free_block_queue.num_free_blocks
+        if need > free:
+            need = 0
+            for i, bucket in enumerate(visits):
+                if need + len(bucket) > free:
+                    break
+                need += len(bucket)
+            end = start + i
+            del visits[i:]
+            if not need:
+                return end
+        blocks = pool.get_new_blocks(need)
+        p = 0
+        for offset, bucket in enumerate(visits):
+            if bucket:
+                m = len(bucket)
+                for table, block in zip(bucket, blocks[p:p + m]):
+                    table.append(block)
+                p += m
+                offsets += [offset] * m
+        return end
+
     def _take_boundary_blocks(self, requests: list[Request], at: int) -> None:
         """Steady decoders due at step `at` (in running order; the pool has a block for each)
         take the head of the free queue in one pop, and their next boundaries are pushed."""
         kv = self.kv_cache_manager
+        blocks = kv.block_pool.get_new_blocks(len(requests))
+        if self._calendar is not None:  # `requests` is the bucket; they stay in it
+            for table, block in zip(self._calendar_tables[at % self.block_size], blocks):
+                table.append(block)
+            return
         tables = kv.req_to_blocks
-        for request, block in zip(requests, kv.block_pool.get_new_blocks(len(requests))):
+        for request, block in zip(requests, blocks):
             tables[request.index].append(block)
             self._push_boundary(request, at + 1)
 
@@ -219,7 +310,9 @@ class SteadyDecoders:
         n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
         offsets: list[int] = []
-        if not kv.num_forks:
+        if self._calendar is not None:
+            end = self._run_calendar(start, end, offsets)
+        elif not kv.num_forks:
             # Without forked sequences every event is a block boundary (it was pushed for one).
             end = self._run_boundaries(start, end, offsets)
         else:

@@ -167,6 +167,37 @@ def test_private_block_chunks_change_nothing(scenario, use_runs):
     assert chunked == single
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.booleans())
+def test_block_calendar_equals_boundary_heap(scenario, use_runs):
+    """The block calendar (periodic boundaries, per residue of the step) and the boundary heap
+    (one event per decoder) give, after every step, the same free queue, the same block
+    tables and the same evictions. (After a decode run cut short by a dry pool, the heap has
+    already given step `end` its first blocks, which the calendar leaves to that step: so with
+    runs, the states are compared at the end.)"""
+    options, reqs, waves = scenario
+    if options.get("preemption_mode") == "restart" or options.get("preemption_victim") == "requester":
+        options = dict(options, preemption_mode="recompute", preemption_victim="newest")  # may livelock
+    # where the calendar serves: a paged pool without lookahead slots
+    options = dict(options, allocator="paged", num_lookahead_tokens=0)
+
+    def snapshots(into):
+        def check(sched):
+            _check(sched)
+            kv = sched.kv_cache_manager
+            into.append((kv.block_pool.free_block_queue.block_ids(), kv.block_pool.num_evictions,
+                         sorted((i, [b.block_id for b in t]) for i, t in kv.req_to_blocks.items())))
+        return check
+
+    calendar, heap = [], []
+    a_sched, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(calendar))
+    b_sched, b_log, b = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(heap),
+                             setup=lambda sched: sched._calendar is not None and sched._calendar_to_heap(0))
+    assert a_sched._calendar is not None and b_sched._calendar is None
+    assert a_log == b_log and a == b
+    assert calendar == heap if not use_runs else calendar[-1:] == heap[-1:]
+
+
 @settings(max_examples=60, deadline=None)
 @given(scenarios())
 def test_salts_never_share_blocks(scenario):
