@@ -71,7 +71,7 @@ class DecodeRun:
     """`num_steps` consecutive pure-decode steps in which the same `num_decodes` requests
     each decode one token. Step j attends `first_context_tokens + j * num_decodes` tokens.
     Nothing else happens in them except block-boundary allocations (one block each, at the
-    step offsets in `allocation_offsets`, ascending) and, after the last step, the requests
+    step counts in `allocation_counts`, one per step) and, after the last step, the requests
     in `finished` finishing."""
 
     start_step: int
@@ -81,7 +81,7 @@ class DecodeRun:
     num_running: int
     num_waiting: int
     first_num_blocks_used: int
-    allocation_offsets: list[int]
+    allocation_counts: list[int]
     finished: list[Request]
     last_num_blocks_used_end: int = -1
     num_swapped: int = 0  # after the run's finished requests released their blocks

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from itertools import chain
 from operator import attrgetter
 
 from simkv.core.block_pool import BlockChunk
@@ -251,39 +252,35 @@ class SteadyDecoders:
         pool.num_evictions += evicted
         return end
 
-    def _run_calendar(self, start: int, end: int, offsets: list[int]) -> int:
+    def _run_calendar(self, start: int, end: int, counts: list[int]) -> int:
         """The decode steps [start, end) take their boundary blocks from the calendar: step t
         gives one block to each decoder of bucket t % block_size, in running order. If the
         pool cannot cover step t, the run ends before t (returned); step t is then scheduled
         normally: its first decoders take the blocks left and the next one preempts, as
-        stepping one by one does."""
+        stepping one by one does. `counts` gets the allocations of each step."""
         bs = self.block_size
         tables = self._calendar_tables
-        visits = [tables[t % bs] for t in range(start, end)]
-        need = sum(map(len, visits))
+        first = start % bs
+        last = first + end - start
+        visits = tables[first:last] if last <= bs else (tables * (last // bs + 1))[first:last]
+        counts += map(len, visits)
+        need = sum(counts)
         if not need:
             return end
         pool = self.kv_cache_manager.block_pool
         free = pool.free_block_queue.num_free_blocks
         if need > free:
             need = 0
-            for i, bucket in enumerate(visits):
-                if need + len(bucket) > free:
+            for i, count in enumerate(counts):
+                if need + count > free:
                     break
-                need += len(bucket)
+                need += count
             end = start + i
-            del visits[i:]
+            del visits[i:], counts[i:]
             if not need:
                 return end
-        blocks = pool.get_new_blocks(need)
-        p = 0
-        for offset, bucket in enumerate(visits):
-            if bucket:
-                m = len(bucket)
-                for table, block in zip(bucket, blocks[p:p + m]):
-                    table.append(block)
-                p += m
-                offsets += [offset] * m
+        for table, block in zip(chain.from_iterable(visits), pool.get_new_blocks(need)):
+            table.append(block)
         return end
 
     def _take_boundary_blocks(self, requests: list[Request], at: int) -> None:
@@ -309,28 +306,32 @@ class SteadyDecoders:
         kv = self.kv_cache_manager
         n, first_context = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
-        offsets: list[int] = []
+        counts: list[int] = []  # block allocations per step of the run
+        early = 0  # allocations made for step `end`, which is not part of the run
         if self._calendar is not None:
-            end = self._run_calendar(start, end, offsets)
-        elif not kv.num_forks:
-            # Without forked sequences every event is a block boundary (it was pushed for one).
-            end = self._run_boundaries(start, end, offsets)
+            end = self._run_calendar(start, end, counts)
         else:
-            end = self._run_events(start, end, offsets)
+            offsets: list[int] = []
+            if not kv.num_forks:
+                # Without forked sequences every event is a block boundary (it was pushed for one).
+                end = self._run_boundaries(start, end, offsets)
+            else:
+                end = self._run_events(start, end, offsets)
+            counts = [0] * max(end - start, 0)
+            for offset in offsets:
+                if offset < end - start:
+                    counts[offset] += 1
+                else:
+                    early += 1
         if end <= start:
             return None
-        early = 0  # allocations made for step `end`, which is not part of the run
-        if offsets and offsets[-1] >= end - start:
-            kept = [o for o in offsets if o < end - start]
-            early = len(offsets) - len(kept)
-            offsets = kept
         self.current_step = end
         finished: list[Request] = []
         for request in self._pop_due(self._finish_heap, end - 1):
             self._leave_decoding(request, end)
             finished.append(request)
         run = DecodeRun(start, end - start, n, first_context, len(self.running), len(self.waiting),
-                        first_used, offsets, finished, num_swapped=self.num_swapped)
+                        first_used, counts, finished, num_swapped=self.num_swapped)
         if finished:
             finished.sort(key=_seq_of)
             run.finished = self._finish(finished, end - 1)

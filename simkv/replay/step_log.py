@@ -29,13 +29,13 @@ _ROW_COLUMNS = ("first_step", "length", "blocks", "blocks_end", "start_tick", "c
 class StepLog:
     """Steps recorded as segments: a single step, or a decode run of k identical steps.
 
-    Per segment only scalars are kept (plus the run's allocation offsets); per-step
+    Per segment only scalars are kept (plus block allocations per step); per-step
     columns, times included, are expanded with numpy when asked for.
     """
 
     def __init__(self) -> None:
         self._rows: list[tuple] = []  # per segment: _ROW_COLUMNS
-        self._alloc_rows: list[int] = []
+        self._alloc_counts: list[int] = []  # per step: blocks allocated in runs (0 in single steps)
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
@@ -46,16 +46,16 @@ class StepLog:
                            len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
+        self._alloc_counts.append(0)
         self.num_steps += 1
 
     def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int]) -> None:
         """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape)."""
-        row0 = self.num_steps
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
                            start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0,
                            len(run.finished), run.num_swapped, 0))
         self._columns = None
-        self._alloc_rows.extend(map(row0.__add__, run.allocation_offsets))
+        self._alloc_counts += run.allocation_counts
         self.num_steps += run.num_steps
 
     def columns(self) -> dict[str, np.ndarray]:
@@ -80,7 +80,7 @@ class StepLog:
         out["duration_s"] = ticks / TICKS_PER_SECOND
         for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
             out[c] = np.repeat(seg[c], lengths)
-        allocs = np.cumsum(np.bincount(np.asarray(self._alloc_rows, dtype=np.int64), minlength=n)[:n])
+        allocs = np.cumsum(np.asarray(self._alloc_counts, dtype=np.int64))
         before = np.concatenate(([0], allocs))[np.repeat(seg_start_row, lengths)]
         out["num_blocks_used"] = np.repeat(seg["blocks"], lengths) + allocs - before
         last_row = np.zeros(n, dtype=bool)
