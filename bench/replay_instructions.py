@@ -6,7 +6,7 @@ change to compare code versions.
 
     .venv/bin/python bench/replay_instructions.py              # first 2,000 Azure requests
     .venv/bin/python bench/replay_instructions.py --requests 5000 --tree /path/to/other/checkout
-    .venv/bin/python bench/replay_instructions.py --double run_times   # one function's share
+    .venv/bin/python bench/replay_instructions.py --double steps_to_reach   # one function's share
 
 It runs `valgrind --tool=cachegrind --cache-sim=no` twice: once replaying the first N requests of
 the Azure 2023 conversation trace (roofline, default engine) and once stopping before the replay
@@ -47,7 +47,8 @@ if double:
     import simkv.backends.roofline as R, simkv.core.kv_cache_manager as K, simkv.core.steady_decoders as SD
     import simkv.replay.engine as E, simkv.replay.step_log as L
     cls, name, scratch = {{
-        "run_times": (E.ReplayEngine, "_run_times", None),
+        "steps_to_reach": (E, "steps_to_reach", None),  # a function the engine module imported
+        "decode_step_line": (R.RooflineCostModel, "decode_step_line", None),
         "decode_run_limit": (SD.SteadyDecoders, "decode_run_limit", None),
         "execute": (R.RooflineCostModel, "execute", None),
         "get_computed_blocks": (K.KVCacheManager, "get_computed_blocks", None),
@@ -55,9 +56,14 @@ if double:
         "add_step": (L.StepLog, "add_step", L.StepLog),
     }}[double]
     once = getattr(cls, name)
-    def twice(self, *args, once=once, scratch=scratch):
-        once(scratch() if scratch else self, *args)
-        return once(self, *args)
+    if cls is E:
+        def twice(*args, once=once):
+            once(*args)
+            return once(*args)
+    else:
+        def twice(self, *args, once=once, scratch=scratch):
+            once(scratch() if scratch else self, *args)
+            return once(self, *args)
     setattr(cls, name, twice)
 trace = import_trace("azure", [{azure!r}])[0]
 n = {n}
@@ -66,7 +72,8 @@ if n:
 """
 
 
-DOUBLES = ("run_times", "decode_run_limit", "execute", "get_computed_blocks", "add_run", "add_step")
+DOUBLES = ("steps_to_reach", "decode_step_line", "decode_run_limit", "execute", "get_computed_blocks", "add_run",
+           "add_step")
 
 
 def count(tree: Path, n: int, double: str = "") -> int:

@@ -239,6 +239,14 @@ class BlockPool:
         queue = self.free_block_queue
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        node = queue.fake_head.next_free_block
+        if type(node) is BlockChunk and (pos := node.pos) + num_blocks <= node.last:
+            # the commonest case: a slice of the chunk at the head, which stays there
+            node.pos = pos + num_blocks
+            queue.num_free_blocks -= num_blocks
+            if node.hashed:
+                self.num_evictions += num_blocks
+            return node.blocks[pos:pos + num_blocks]
         out: list[KVCacheBlock] = []
         append = out.append
         node = queue.fake_head.next_free_block
@@ -341,7 +349,8 @@ class BlockPool:
         `private` = (lo, hi, hashed): the blocks at [lo, hi) are held by this request alone
         and have no findable content; they go into the queue as one BlockChunk, at the back
         if `hashed` (they count as cached, unfindable content) else at the front. Same queue
-        order as one by one, without touching them.
+        order as one by one, without touching them. The chunk takes `ordered_blocks` itself
+        (cut to [lo, hi)): the caller gives the list up.
         """
         queue = self.free_block_queue
         caching = self.enable_caching
@@ -349,15 +358,17 @@ class BlockPool:
         # Build the two chains in place: front chain (to prepend) and back chain (to append).
         front_head = front_tail = back_head = back_tail = None
         num_front = num_back = 0
-        n = len(ordered_blocks)
         if private is not None and private[1] > private[0]:
             plo, phi, hashed = private
-            segments = ((0, plo, False), (plo, phi, True), (phi, n, False))
+            # the chunk keeps the list itself, cut down to [plo, phi) in place: no block is touched
+            head, tail = ordered_blocks[:plo], ordered_blocks[phi:]
+            del ordered_blocks[phi:], ordered_blocks[:plo]
+            segments = ((head, 0, False), (ordered_blocks, plo, True), (tail, phi, False))
         else:
-            segments = ((0, n, False),)
-        for seg_start, seg_end, is_chunk in segments:
+            segments = ((ordered_blocks, 0, False),)
+        for seg_blocks, offset, is_chunk in segments:
             if is_chunk:
-                node = BlockChunk(ordered_blocks[plo:phi] if plo or phi < n else ordered_blocks, hashed)
+                node = BlockChunk(seg_blocks, hashed)
                 if hashed and caching:
                     back_head, back_tail = _chain_append(back_head, back_tail, node)
                     num_back += phi - plo
@@ -365,8 +376,7 @@ class BlockPool:
                     front_head, front_tail = _chain_append(front_head, front_tail, node)
                     num_front += phi - plo
                 continue
-            for i in range(seg_start, seg_end):
-                block = ordered_blocks[i]
+            for i, block in enumerate(seg_blocks, offset):
                 block.ref_cnt -= 1
                 if lo <= i < hi and block.block_hash is None:
                     block.block_hash = UNFINDABLE_HASH

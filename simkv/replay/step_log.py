@@ -107,26 +107,50 @@ REQUEST_INT_COLUMNS = ("first_scheduled_step", "first_token_step", "finish_step"
 
 
 class RequestLog:
-    """One slot per trace row, filled when the request finishes (or is rejected)."""
+    """One slot per trace row, filled when the request finishes (or is rejected). Finished
+    requests are kept as tuples until the columns are asked for."""
 
     STATUS_NAMES = ("unfinished", "finished", "rejected")
 
     def __init__(self, num_requests: int) -> None:
-        self.status = np.zeros(num_requests, dtype=np.int8)
-        self.ints = {c: np.full(num_requests, -1, dtype=np.int64) for c in REQUEST_INT_COLUMNS}
+        self.num_requests = num_requests
+        self._finished: list[tuple] = []  # (index, *REQUEST_INT_COLUMNS)
+        self._rejected: list[int] = []
+        self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def finish(self, request: Request) -> None:
-        i = request.index
-        self.status[i] = 1
-        ints = self.ints
-        ints["first_scheduled_step"][i] = request.first_scheduled_step
-        ints["first_token_step"][i] = request.first_token_step
-        ints["finish_step"][i] = request.finish_step
-        ints["num_output_tokens"][i] = request.group_output_tokens  # all sequences of the request
-        ints["num_computed_tokens"][i] = request.num_computed_tokens
-        ints["prefix_hit_tokens"][i] = request.num_prefix_hit_tokens
-        ints["total_prefix_hit_tokens"][i] = request.num_total_prefix_hit_tokens
-        ints["num_preemptions"][i] = request.num_preemptions
+        self._finished.append((
+            request.index, request.first_scheduled_step, request.first_token_step, request.finish_step,
+            request.group_output_tokens,  # all sequences of the request
+            request.num_computed_tokens, request.num_prefix_hit_tokens, request.num_total_prefix_hit_tokens,
+            request.num_preemptions))
+        self._columns = None
 
     def reject(self, index: int) -> None:
-        self.status[index] = 2
+        self._rejected.append(index)
+        self._columns = None
+
+    @property
+    def status(self) -> np.ndarray:
+        """Per trace row: 0 unfinished, 1 finished, 2 rejected (STATUS_NAMES)."""
+        return self._build()[0]
+
+    @property
+    def ints(self) -> dict[str, np.ndarray]:
+        """Per trace row, the REQUEST_INT_COLUMNS of finished requests (-1 elsewhere)."""
+        return self._build()[1]
+
+    def _build(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        if self._columns is None:
+            n = self.num_requests
+            status = np.zeros(n, dtype=np.int8)
+            status[np.asarray(self._rejected, dtype=np.int64)] = 2
+            ints = {c: np.full(n, -1, dtype=np.int64) for c in REQUEST_INT_COLUMNS}
+            width = len(REQUEST_INT_COLUMNS) + 1
+            rows = np.fromiter(chain.from_iterable(self._finished), dtype=np.int64,
+                               count=len(self._finished) * width).reshape(-1, width)
+            status[rows[:, 0]] = 1
+            for j, c in enumerate(REQUEST_INT_COLUMNS, start=1):
+                ints[c][rows[:, 0]] = rows[:, j]
+            self._columns = (status, ints)
+        return self._columns
