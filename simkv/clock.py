@@ -76,9 +76,9 @@ def _fewest(first: int, slope: int, rest: int) -> int:
     if slope == 0:
         return max(1, -(-rest // first))
     half = first - slope / 2
-    m = max(1, int((-half + math.sqrt(half * half + 2.0 * slope * rest)) / slope))
-    while m * first + slope * (m * (m - 1) // 2) < rest:
-        m += 1
+    m = int((-half + math.sqrt(half * half + 2.0 * slope * rest)) / slope) + 1  # the root, rounded up
     while m > 1 and (m - 1) * first + slope * ((m - 1) * (m - 2) // 2) >= rest:
         m -= 1
+    while m * first + slope * (m * (m - 1) // 2) < rest:
+        m += 1
     return m

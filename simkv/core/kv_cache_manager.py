@@ -129,7 +129,8 @@ class KVCacheManager:
         """Give the request slots for `num_new_tokens` more tokens (plus lookahead).
 
         `num_computed_tokens` is the request's count before this step (the scheduler owns
-        it); `computed` holds fresh prefix hits at admission. Returns the new blocks, or
+        it); `computed` holds fresh prefix hits at admission. Returns the new blocks (on a
+        first allocation without hits, the list is the request's block table itself), or
         None (and changes nothing) when the pool cannot cover them plus the watermark.
         """
         bs = self.block_size
@@ -158,17 +159,23 @@ class KVCacheManager:
         num_new_blocks = max(cdiv(need_slots, bs) - len(hit_blocks) - num_req_blocks, 0)
         if num_new_blocks + num_evictable + watermark > num_free:
             return None
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[request.index] = []
+        if req_blocks is None and not hit_blocks:
+            # a first allocation without prefix hits: the new blocks' list becomes the table
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+            req_blocks = self.req_to_blocks[request.index] = new_blocks
             self.num_cached_block[request.index] = 0
-        if hit_blocks:
-            pool.touch(hit_blocks)
-            req_blocks.extend(hit_blocks)
-            self.num_cached_block[request.index] = len(req_blocks)
-        if cow >= 0:
-            self._copy_on_write(req_blocks, cow)
-        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        req_blocks.extend(new_blocks)
+        else:
+            if req_blocks is None:
+                req_blocks = self.req_to_blocks[request.index] = []
+                self.num_cached_block[request.index] = 0
+            if hit_blocks:
+                pool.touch(hit_blocks)
+                req_blocks.extend(hit_blocks)
+                self.num_cached_block[request.index] = len(req_blocks)
+            if cow >= 0:
+                self._copy_on_write(req_blocks, cow)
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+            req_blocks.extend(new_blocks)
         if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
             # Shared-content blocks become findable at schedule time (an identical prompt
             # admitted in the same step already hits). Unique blocks wait for release.
