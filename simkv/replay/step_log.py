@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from itertools import chain
 
 import numpy as np
@@ -108,18 +109,18 @@ REQUEST_INT_COLUMNS = ("first_scheduled_step", "first_token_step", "finish_step"
 
 class RequestLog:
     """One slot per trace row, filled when the request finishes (or is rejected). Finished
-    requests are kept as tuples until the columns are asked for."""
+    requests are kept as a flat int64 array (9 values each) until the columns are asked for."""
 
     STATUS_NAMES = ("unfinished", "finished", "rejected")
 
     def __init__(self, num_requests: int) -> None:
         self.num_requests = num_requests
-        self._finished: list[tuple] = []  # (index, *REQUEST_INT_COLUMNS)
+        self._finished = array("q")  # per finished request: index, *REQUEST_INT_COLUMNS
         self._rejected: list[int] = []
         self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def finish(self, request: Request) -> None:
-        self._finished.append((
+        self._finished.extend((
             request.index, request.first_scheduled_step, request.first_token_step, request.finish_step,
             request.group_output_tokens,  # all sequences of the request
             request.num_computed_tokens, request.num_prefix_hit_tokens, request.num_total_prefix_hit_tokens,
@@ -146,9 +147,7 @@ class RequestLog:
             status = np.zeros(n, dtype=np.int8)
             status[np.asarray(self._rejected, dtype=np.int64)] = 2
             ints = {c: np.full(n, -1, dtype=np.int64) for c in REQUEST_INT_COLUMNS}
-            width = len(REQUEST_INT_COLUMNS) + 1
-            rows = np.fromiter(chain.from_iterable(self._finished), dtype=np.int64,
-                               count=len(self._finished) * width).reshape(-1, width)
+            rows = np.array(self._finished, dtype=np.int64).reshape(-1, len(REQUEST_INT_COLUMNS) + 1)
             status[rows[:, 0]] = 1
             for j, c in enumerate(REQUEST_INT_COLUMNS, start=1):
                 ints[c][rows[:, 0]] = rows[:, j]
