@@ -53,6 +53,9 @@ class ComputedBlocks:
     num_tokens: int = 0
 
 
+_NO_HITS = ComputedBlocks()  # shared, never mutated
+
+
 class KVCacheManager:
     """Owns per-request block lists; answers `allocate_slots(...) -> blocks | None`."""
 
@@ -90,10 +93,12 @@ class KVCacheManager:
         token is left to compute. Only blocks this request could share are probed: its
         shared-content blocks, plus its own unique blocks once it has cached some."""
         if not self.enable_caching:
-            return ComputedBlocks()
+            return _NO_HITS
         max_blocks = (request.num_tokens - 1) // self.block_size
         if not request.has_own_cached_blocks:
             max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
+            if max_blocks <= 0:
+                return _NO_HITS  # nothing it could share (no block hashes), nothing of its own cached
         blocks: list[KVCacheBlock] = []
         block_key = self.hasher.block_key
         get_cached = self.block_pool.get_cached_block

@@ -55,7 +55,10 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+        chunks = self.chunks
+        if len(chunks) == 1:
+            return chunks[0].num_new_tokens
+        return sum(c.num_new_tokens for c in chunks)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
