@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 
 TICKS_PER_SECOND = 1 << 40
+#: The step table keeps ticks in int64: simulated time must stay below 2**62 ticks (48 days).
+MAX_TICKS = 1 << 62
 
 
 def to_ticks(seconds: float) -> int:

@@ -16,7 +16,7 @@ from typing import Callable
 import simpy
 
 from simkv.backends.base import StepBackend
-from simkv.clock import TICKS_PER_SECOND, run_shape, run_ticks, steps_to_reach, to_ticks
+from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
@@ -51,6 +51,9 @@ class ArrivalFeed:
     @property
     def exhausted(self) -> bool:
         return self.next_index >= len(self.arrivals)
+
+    def last_arrival_ticks(self) -> int:
+        return self._arrival_ticks[-1] if self._arrival_ticks else 0
 
     def next_arrival_ticks(self) -> int | None:
         return None if self.exhausted else self._arrival_ticks[self.next_index]
@@ -120,9 +123,16 @@ class ReplayEngine:
         self._num_rejected_reported = 0
 
     def run(self) -> ReplayRun:
+        last_arrival = self.feed.last_arrival_ticks()
+        if last_arrival >= MAX_TICKS:
+            raise ReplayError(f"the trace spans {last_arrival / TICKS_PER_SECOND / 86400:.0f} days; simkv's "
+                              f"clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days of simulated time")
         self.env.process(self._arrivals())
         engine = self.env.process(self._engine())
         self.env.run(until=engine)
+        if self.now >= MAX_TICKS:
+            raise ReplayError(f"the replay ran {self.now / TICKS_PER_SECOND / 86400:.0f} days of simulated time; "
+                              f"simkv's clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days")
         return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND)
 
     def _arrivals(self):

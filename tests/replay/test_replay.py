@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from simkv.cli.main import main
 from simkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from simkv.replay.api import replay, save
+from simkv.replay.engine import ReplayError
 from simkv.traces.schema import trace_from_frame
 
 REQUIRED_KEYS = {
@@ -177,3 +178,9 @@ def test_replay_makes_no_reference_cycles():
     # what stays is SimPy's environment and processes of this replay (a cycle, once per run)
     assert found < 50, (found, kinds)
     assert not kinds & {"BlockChunk", "KVCacheBlock", "Request", "DecodeRun", "SchedulerOutput"}, kinds
+
+
+def test_trace_beyond_the_clock_range_is_refused():
+    trace = frame([(0.0, 10, 3), (60 * 86400.0, 10, 2)])  # a request 60 days in
+    with pytest.raises(ReplayError, match="spans 60 days"):
+        replay(trace, config(), "unit")
