@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 TICKS_PER_SECOND = 1 << 40
-#: The step table keeps ticks in int64: simulated time must stay below 2**62 ticks (48 days).
+#: The step table keeps ticks in int64: simulated time must stay below 2**62 ticks (48.5 days).
 MAX_TICKS = 1 << 62
 
 
