@@ -170,11 +170,18 @@ class ReplayEngine:
             if self.use_decode_runs:
                 run = self._decode_run()
                 if run is not None:
-                    end = run[0]
-                    yield env.timeout(end - self.now)
-                    self.now = end
-                    if run[1]:
-                        self._record_finished(run[1])
+                    # Decode runs back to back (split only by finishing requests) pass as one
+                    # timeout: in between, nothing arrives and the loop would only start the next.
+                    start = self.now
+                    while run is not None:
+                        self.now, finished = run
+                        if finished:
+                            self._record_finished(finished)
+                        nxt = feed.next_arrival_ticks()
+                        if (nxt is not None and nxt <= self.now) or not sched.has_unfinished_requests():
+                            break
+                        run = self._decode_run()
+                    yield env.timeout(self.now - start)
                     continue
             try:
                 out = sched.schedule()
