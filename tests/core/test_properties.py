@@ -136,6 +136,16 @@ def test_decode_runs_change_nothing(scenario):
     assert pool_a.num_evictions == pool_b.num_evictions
 
 
+def _snapshots(into):
+    """A step check that also records the free queue, the evictions and every block table."""
+    def check(sched):
+        _check(sched)
+        kv = sched.kv_cache_manager
+        into.append((kv.block_pool.free_block_queue.block_ids(), kv.block_pool.num_evictions,
+                     sorted((i, [b.block_id for b in t]) for i, t in kv.req_to_blocks.items())))
+    return check
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.booleans())
 def test_private_block_chunks_change_nothing(scenario, use_runs):
@@ -148,21 +158,13 @@ def test_private_block_chunks_change_nothing(scenario, use_runs):
     if options.get("allocator") == "contiguous":
         return  # no blocks to chunk
 
-    def snapshots(into):
-        def check(sched):
-            _check(sched)
-            kv = sched.kv_cache_manager
-            into.append((kv.block_pool.free_block_queue.block_ids(), kv.block_pool.num_evictions,
-                         sorted((i, [b.block_id for b in t]) for i, t in kv.req_to_blocks.items())))
-        return check
-
     def one_by_one(sched):
         sched.kv_cache_manager.release_private_as_chunk = False
         sched.kv_cache_manager.block_pool.free_block_queue.expand_chunks()  # the never-used blocks too
 
     chunked, single = [], []
-    _, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(chunked))
-    _, b_log, b = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(single), setup=one_by_one)
+    _, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=_snapshots(chunked))
+    _, b_log, b = _run(options, _fresh(reqs), waves, use_runs, check=_snapshots(single), setup=one_by_one)
     assert a_log == b_log and a == b
     assert chunked == single
 
@@ -181,17 +183,9 @@ def test_block_calendar_equals_boundary_heap(scenario, use_runs):
     # where the calendar serves: a paged pool without lookahead slots
     options = dict(options, allocator="paged", num_lookahead_tokens=0)
 
-    def snapshots(into):
-        def check(sched):
-            _check(sched)
-            kv = sched.kv_cache_manager
-            into.append((kv.block_pool.free_block_queue.block_ids(), kv.block_pool.num_evictions,
-                         sorted((i, [b.block_id for b in t]) for i, t in kv.req_to_blocks.items())))
-        return check
-
     calendar, heap = [], []
-    a_sched, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(calendar))
-    b_sched, b_log, b = _run(options, _fresh(reqs), waves, use_runs, check=snapshots(heap),
+    a_sched, a_log, a = _run(options, _fresh(reqs), waves, use_runs, check=_snapshots(calendar))
+    b_sched, b_log, b = _run(options, _fresh(reqs), waves, use_runs, check=_snapshots(heap),
                              setup=lambda sched: sched._calendar is not None and sched._calendar_to_heap(0))
     assert a_sched._calendar is not None and b_sched._calendar is None
     assert a_log == b_log and a == b
