@@ -33,6 +33,12 @@ def per_token_ticks(seconds: float) -> int:
     return round(seconds * TICKS_PER_SECOND)
 
 
+def line_ticks(line: tuple[int, int, int, int], context_tokens: int) -> int:
+    """A pure-decode step's ticks from its backend's decode line (a0, a1, b0, b1)."""
+    a0, a1, b0, b1 = line
+    return max(a0 + a1 * context_tokens, b0 + b1 * context_tokens)
+
+
 # A decode run's step j lasts max(a0 + a1 * j, b0 + b1 * j) ticks, integers >= 0 (the roofline's
 # compute and memory time; other models give one line twice). `run_shape` puts it in the form
 # the two functions below take: (c0, c1, cross, d0, d1), meaning c0 + c1 * j for j < cross and

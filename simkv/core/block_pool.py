@@ -249,7 +249,6 @@ class BlockPool:
             return node.blocks[pos:pos + num_blocks]
         out: list[KVCacheBlock] = []
         append = out.append
-        node = queue.fake_head.next_free_block
         cache = self.cached_block_hash_to_block
         need = num_blocks
         while need:

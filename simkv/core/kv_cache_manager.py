@@ -164,22 +164,18 @@ class KVCacheManager:
         num_new_blocks = max(cdiv(need_slots, bs) - len(hit_blocks) - num_req_blocks, 0)
         if num_new_blocks + num_evictable + watermark > num_free:
             return None
-        if req_blocks is None and not hit_blocks:
-            # a first allocation without prefix hits: the new blocks' list becomes the table
-            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-            req_blocks = self.req_to_blocks[request.index] = new_blocks
-            self.num_cached_block[request.index] = 0
+        if hit_blocks:
+            pool.touch(hit_blocks)
+        if cow >= 0:
+            self._copy_on_write(req_blocks, cow)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if req_blocks is None:  # a first allocation: hits, then new blocks (without hits, that list itself)
+            req_blocks = self.req_to_blocks[request.index] = hit_blocks + new_blocks if hit_blocks else new_blocks
+            self.num_cached_block[request.index] = len(hit_blocks)
         else:
-            if req_blocks is None:
-                req_blocks = self.req_to_blocks[request.index] = []
-                self.num_cached_block[request.index] = 0
             if hit_blocks:
-                pool.touch(hit_blocks)
                 req_blocks.extend(hit_blocks)
                 self.num_cached_block[request.index] = len(req_blocks)
-            if cow >= 0:
-                self._copy_on_write(req_blocks, cow)
-            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
             req_blocks.extend(new_blocks)
         if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
             # Shared-content blocks become findable at schedule time (an identical prompt

@@ -182,8 +182,8 @@ class SteadyDecoders:
         return n, n * (self.current_step + 1) + self._sum_decode_base
 
     def _run_events(self, start: int, end: int, offsets: list[int]) -> int:
-        """Apply the boundary (or copy-on-write) events of decode steps [start, end), the
-        general way. Allocations happen in (step, running order), exactly as stepping would
+        """Apply the boundary (or copy-on-write) events of decode steps [start, end) from the
+        heap (lookahead slots, forked sequences; the calendar serves the rest). Allocations happen in (step, running order), exactly as stepping would
         make them. If the pool runs dry at step t, the run ends before t (returned); the
         allocations already made for step t are the ones step t makes first anyway."""
         kv = self.kv_cache_manager
@@ -204,52 +204,6 @@ class SteadyDecoders:
                 write(request, computed)
                 offsets.append(at - start)
             push_boundary(request, at + 1)
-        return end
-
-    def _run_boundaries(self, start: int, end: int, offsets: list[int]) -> int:
-        """`_run_events` when every event is a block boundary, with the block pop (from a chunk)
-        and the next boundary's push (`_push_boundary`) written out: the hot loop of light loads."""
-        heap = self._boundary_heap
-        if not heap or heap[0][0] >= end:
-            return end  # (a contiguous allocator never has boundary events)
-        kv = self.kv_cache_manager
-        pool = kv.block_pool
-        free_queue = pool.free_block_queue
-        get_new_block = pool.get_new_block
-        fake_head = free_queue.fake_head
-        tables = kv.req_to_blocks
-        heappop, heappush = heapq.heappop, heapq.heappush
-        bs, max_model_len, lookahead = self.block_size, self.max_model_len, self.num_lookahead_tokens
-        running = RequestStatus.RUNNING
-        evicted = 0
-        while heap and heap[0][0] < end:
-            event = heappop(heap)
-            at, seq, epoch, request = event
-            if epoch != request.epoch or request.status != running:
-                continue
-            if not free_queue.num_free_blocks:  # the pool is dry: step `at` must be scheduled normally
-                heappush(heap, event)
-                pool.num_evictions += evicted
-                return at
-            blocks = tables[request.index]
-            node = fake_head.next_free_block
-            if type(node) is BlockChunk and (pos := node.pos) < node.last:
-                blocks.append(node.blocks[pos])  # get_new_block, its commonest case written out
-                node.pos = pos + 1
-                free_queue.num_free_blocks -= 1
-                if node.hashed:
-                    evicted += 1
-            else:
-                blocks.append(get_new_block())
-            offsets.append(at - start)
-            held = len(blocks) * bs  # the next boundary, as _push_boundary computes it
-            if held < max_model_len:
-                step = held - lookahead - request.decode_base
-                if step <= at:
-                    step = at + 1
-                if step <= request.decode_last_step:
-                    heappush(heap, (step, seq, epoch, request))
-        pool.num_evictions += evicted
         return end
 
     def _run_calendar(self, start: int, end: int, counts: list[int]) -> int:
@@ -312,11 +266,7 @@ class SteadyDecoders:
             end = self._run_calendar(start, end, counts)
         else:
             offsets: list[int] = []
-            if not kv.num_forks:
-                # Without forked sequences every event is a block boundary (it was pushed for one).
-                end = self._run_boundaries(start, end, offsets)
-            else:
-                end = self._run_events(start, end, offsets)
+            end = self._run_events(start, end, offsets)
             counts = [0] * max(end - start, 0)
             for offset in offsets:
                 if offset < end - start:

@@ -16,7 +16,7 @@ from typing import Callable
 import simpy
 
 from simkv.backends.base import StepBackend
-from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, run_shape, run_ticks, steps_to_reach, to_ticks
+from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, line_ticks, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
@@ -191,9 +191,7 @@ class ReplayEngine:
                 raise ReplayError(self._stuck_message(out.step))
             start = self.now
             if self._decode_line is not None and not out.chunks:
-                a0, a1, b0, b1 = self._decode_line(out.num_decode_reqs)
-                ctx = out.decode_context_tokens
-                duration = max(a0 + a1 * ctx, b0 + b1 * ctx)
+                duration = line_ticks(self._decode_line(out.num_decode_reqs), out.decode_context_tokens)
             else:
                 duration = to_ticks(self.backend.execute(out))
             if out.num_swap_out_blocks or out.num_swap_in_blocks:

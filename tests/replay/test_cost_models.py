@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simkv.backends.factory import make_backend
-from simkv.clock import TICKS_PER_SECOND, run_shape, run_ticks, steps_to_reach
+from simkv.clock import TICKS_PER_SECOND, line_ticks, run_shape, run_ticks, steps_to_reach
 from simkv.calibration.costmodel import CalibratedCostModel
 from simkv.config import EngineConfig
 from simkv.core.outputs import SchedulerOutput
@@ -34,8 +34,7 @@ BACKENDS = _backends()
 
 
 def _line_seconds(backend, n: int, context: int) -> float:
-    a0, a1, b0, b1 = backend.decode_step_line(n)
-    return max(a0 + a1 * context, b0 + b1 * context) / TICKS_PER_SECOND
+    return line_ticks(backend.decode_step_line(n), context) / TICKS_PER_SECOND
 
 
 @settings(max_examples=300, deadline=None)
