@@ -153,6 +153,7 @@ class GpuBackend:
         # where the time went on the host: input preparation, and the forward call (on CUDA the
         # time to enqueue its kernels: close to duration_s means the step is bound by the host)
         row["host_prepare_s"], row["host_forward_s"] = self.runner.last_host_times
+        row["graph_batch"] = self.runner.last_graph_batch  # the decode graph's size, 0 if run eagerly
         if variants is not None:
             after = compiled_variant_count()
             row["jit_compiles"] = (after - variants) if after is not None else -1
@@ -164,4 +165,5 @@ class GpuBackend:
         return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
                 "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
                 "timing": timing_label(r.device), "cuda_graphs": r.decode_graphs_status,
+                "cuda_graph_sizes": list(r.graph_sizes),
                 "versions": library_versions()}

@@ -48,7 +48,8 @@ def gpu_summary_fields(backend) -> dict:
     d = backend.describe()
     return {"backend": "gpu", "device": d["device"]["type"], "device_name": d["device"]["name"],
             "device_info": d["device"], "dtype": d["dtype"], "kernel_backend": d["kernel_backend"],
-            "timing": d["timing"], "cuda_graphs": d["cuda_graphs"], "versions": d["versions"]}
+            "timing": d["timing"], "cuda_graphs": d["cuda_graphs"],
+            "cuda_graph_sizes": d["cuda_graph_sizes"], "versions": d["versions"]}
 
 
 def save_partial(out_dir: Path, backend, error: BaseException) -> None:

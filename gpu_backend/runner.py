@@ -100,6 +100,9 @@ class ModelRunner:
         self.last_host_times = (0.0, 0.0)  # last step: (input preparation, forward call) host seconds
         self.decode_graphs = None  # DecodeGraphs once enable_decode_graphs ran (CUDA)
         self.decode_graphs_status = "off"
+        # batch sizes of the captured graphs (empty: every step eager; the cost model's E term)
+        self.graph_sizes: list[int] = []
+        self.last_graph_batch = 0  # last step: the graph size it ran as (0: eager)
         self.vocab = self.spec.vocab_size
 
     def enable_decode_graphs(self, max_batch: int, capture: bool | None = None) -> str:
@@ -125,6 +128,7 @@ class ModelRunner:
                     pass
             return self.decode_graphs_status
         sizes = self.decode_graphs.sizes
+        self.graph_sizes = list(sizes) if capture else []
         self.decode_graphs_status = (f"{'captured' if capture else 'static buffers, eager'}: "
                                      f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")
         return self.decode_graphs_status
@@ -135,6 +139,7 @@ class ModelRunner:
 
         if getattr(self, "decode_graphs", None) is not None:  # graphs hold the old pool's addresses
             self.decode_graphs = None
+            self.graph_sizes = []
             self.decode_graphs_status = "off: KV pool reallocated after capture"
         self.kv_caches = []
         self.num_gpu_blocks = num_gpu_blocks
@@ -260,9 +265,11 @@ class ModelRunner:
             self.last_host_times = (time.perf_counter() - t0, 0.0)
             return [], None
         graphs = self.decode_graphs
+        self.last_graph_batch = 0
         if graphs is not None and not output.chunks and graphs.fits(batch):
             t1 = time.perf_counter()
             logits = graphs.run(batch)  # decode-only: copied into static buffers, graph replayed
+            self.last_graph_batch = graphs.bucket(len(batch.seq_lens))
         else:
             dev = self._to_device
             attn = AttentionInputs(dev(batch.slot_mapping), dev(batch.block_tables), dev(batch.seq_lens),

@@ -8,19 +8,29 @@ A step is described by five counts (`step_features`):
   Kd  decode context tokens attended (cached + the new one, summed over decodes)
 and its duration is
 
-  t = c0 + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd
+  t = c0 + cE*E + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd
 
 with every coefficient >= 0. The hinge at `knee` tokens is the roofline's bend: below it a
 step is bound by reading the weights (cost nearly flat in T), above it by matmul FLOPs
 (steeper). cS carries per-sequence host work (input preparation, the per-sequence attention
-launch or loop). The formula is written once in `_time`, so Python integers and numpy arrays
-give the same floats. The replay times pure-decode steps with `decode_step_line`, the same
-formula in clock ticks.
+launch or loop).
+
+CUDA graphs. When the measured backend replays decode-only steps from CUDA graphs captured
+for a ladder of batch sizes (`graph_sizes`, as vLLM does), a step of n decodes (n no larger
+than the largest size) runs as the next captured size b >= n: T and S count b rows, and each
+pad row attends one slot (Kd grows by b - n). Every other step runs eagerly, launching its
+kernels one by one from the host: E = 1 marks it, and cE is what the launches cost on top.
+Without graphs every step is eager and E is left out (cE = 0): c0 is the eager intercept.
+
+The formula is written once in `_time`, so Python integers and numpy arrays give the same
+floats. The replay times pure-decode steps with `decode_step_line`, the same formula in
+clock ticks.
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +41,12 @@ from simkv.clock import per_token_ticks, to_ticks
 
 FORMAT = "simkv-calibration"
 FORMAT_VERSION = 1
-COEFFICIENTS = ("c0", "cT", "cH", "cS", "cP", "cKp", "cKd")
-FORM = "t = c0 + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd  (all c >= 0)"
+COEFFICIENTS = ("c0", "cE", "cT", "cH", "cS", "cP", "cKp", "cKd")
+#: coefficients a calibration written before decode graphs were modelled lacks (read as 0)
+OPTIONAL_COEFFICIENTS = ("cE",)
+FORM = ("t = c0 + cE*E + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd  (all c >= 0; "
+        "E = 1 for a step run eagerly, 0 for a decode-only step run from a CUDA graph, whose T and S "
+        "count the padded batch)")
 
 
 class CalibrationError(ValueError):
@@ -54,11 +68,38 @@ def shape_features(prefills: list[tuple[int, int]], decodes: list[int]) -> tuple
     return tokens, len(prefills) + len(decodes), pairs, read, ctx
 
 
-def design_matrix(features: np.ndarray, knee: float) -> np.ndarray:
-    """Columns in COEFFICIENTS order for an [N, 5] array of (T, S, Pp, Kp, Kd)."""
-    f = np.asarray(features, dtype=np.float64)
-    t = f[:, 0]
-    return np.column_stack([np.ones(len(f)), t, np.maximum(t - knee, 0.0), f[:, 1], f[:, 2], f[:, 3], f[:, 4]])
+def normalise_graph_sizes(graph_sizes) -> tuple[int, ...]:
+    sizes = tuple(sorted(int(b) for b in (graph_sizes or ())))
+    if sizes and sizes[0] < 1:
+        raise CalibrationError(f"CUDA graph sizes must be positive, got {list(sizes)}")
+    return sizes
+
+
+def effective_features(features: np.ndarray, graph_sizes=()) -> tuple[np.ndarray, ...]:
+    """(E, T, S, Pp, Kp, Kd) as the formula reads them for an [N, 5] array of (T, S, Pp, Kp, Kd):
+    decode-only steps that fit a captured graph are padded to its size and have E = 0."""
+    f = np.asarray(features, dtype=np.int64).reshape(-1, 5)
+    t, s, pp, kp, kd = (f[:, i].copy() for i in range(5))
+    sizes = normalise_graph_sizes(graph_sizes)
+    eager = np.ones(len(f), dtype=np.int64)
+    if sizes:
+        graph = (kp == 0) & (t >= 1) & (t <= sizes[-1])  # decode-only (a prefill chunk reads Kp >= 1)
+        ladder = np.asarray(sizes, dtype=np.int64)
+        padded = ladder[np.searchsorted(ladder, np.where(graph, t, 1))]
+        kd = np.where(graph, kd + padded - t, kd)
+        t = np.where(graph, padded, t)
+        s = np.where(graph, padded, s)
+        eager = (~graph).astype(np.int64)
+    return eager, t, s, pp, kp, kd
+
+
+def design_matrix(features: np.ndarray, knee: float, graph_sizes=()) -> np.ndarray:
+    """Columns in COEFFICIENTS order for an [N, 5] array of (T, S, Pp, Kp, Kd). Without graphs
+    the E column is zero (every step is eager; c0 is their intercept)."""
+    e, t, s, pp, kp, kd = (a.astype(np.float64) for a in effective_features(features, graph_sizes))
+    if not normalise_graph_sizes(graph_sizes):
+        e = np.zeros_like(e)
+    return np.column_stack([np.ones(len(t)), e, t, np.maximum(t - knee, 0.0), s, pp, kp, kd])
 
 
 class CalibratedCostModel:
@@ -68,40 +109,57 @@ class CalibratedCostModel:
     supports_decode_runs = True
     needs_request_detail = False
 
-    def __init__(self, coefficients: dict, knee: float, info: dict | None = None) -> None:
-        missing = [k for k in COEFFICIENTS if k not in coefficients]
+    def __init__(self, coefficients: dict, knee: float, info: dict | None = None, graph_sizes=()) -> None:
+        missing = [k for k in COEFFICIENTS if k not in coefficients and k not in OPTIONAL_COEFFICIENTS]
         if missing:
             raise CalibrationError(f"calibration fit lacks coefficients {missing}")
-        c = {k: float(coefficients[k]) for k in COEFFICIENTS}
+        c = {k: float(coefficients.get(k, 0.0)) for k in COEFFICIENTS}
         if any(not np.isfinite(v) for v in c.values()) or not np.isfinite(knee):
             raise CalibrationError("calibration fit has non-finite coefficients")
-        self.c0, self.cT, self.cH, self.cS = c["c0"], c["cT"], c["cH"], c["cS"]
+        self.c0, self.cE, self.cT, self.cH, self.cS = c["c0"], c["cE"], c["cT"], c["cH"], c["cS"]
         self.cP, self.cKp, self.cKd = c["cP"], c["cKp"], c["cKd"]
         self.knee = float(knee)
+        self.graph_sizes = normalise_graph_sizes(graph_sizes)
+        if not self.graph_sizes:
+            self.cE = c["cE"] = 0.0  # every step is eager: the intercept is c0's
         self.coefficients = c
         self.info = info or {}
         self.warnings: list[str] = []
 
-    def _time(self, T, S, Pp, Kp, Kd):
+    def _time(self, E, T, S, Pp, Kp, Kd):
         """The formula, once; works on Python numbers and numpy arrays with identical floats."""
-        return (self.c0 + self.cT * T + self.cH * np.maximum(T - self.knee, 0.0) + self.cS * S
+        return (self.c0 + self.cE * E + self.cT * T + self.cH * np.maximum(T - self.knee, 0.0) + self.cS * S
                 + self.cP * Pp + self.cKp * Kp + self.cKd * Kd)
 
+    def graph_batch(self, num_decodes: int) -> int:
+        """The captured size a decode-only step of `num_decodes` runs as (0: eager)."""
+        sizes = self.graph_sizes
+        if not sizes or num_decodes < 1 or num_decodes > sizes[-1]:
+            return 0
+        return sizes[bisect_left(sizes, num_decodes)]
+
     def predict_features(self, features: np.ndarray) -> np.ndarray:
-        f = np.asarray(features, dtype=np.int64)
-        return self._time(f[:, 0], f[:, 1], f[:, 2], f[:, 3], f[:, 4])
+        return self._time(*effective_features(features, self.graph_sizes))
 
     def execute(self, output: SchedulerOutput) -> float:
-        return float(self._time(*step_features(output)))
+        T, S, Pp, Kp, Kd = step_features(output)
+        b = self.graph_batch(T) if Kp == 0 else 0
+        if b:
+            return float(self._time(0, b, b, Pp, Kp, Kd + b - T))
+        return float(self._time(1, T, S, Pp, Kp, Kd))
 
     def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
         n = num_decodes  # `_time` of a pure-decode step: the step-invariant terms, and Kd's
-        fixed = to_ticks(self.c0 + self.cT * n + self.cH * max(n - self.knee, 0.0) + self.cS * n)
+        b = self.graph_batch(n)
+        e, rows = (0, b) if b else (1, n)
+        fixed = to_ticks(self.c0 + self.cE * e + self.cT * rows + self.cH * max(rows - self.knee, 0.0)
+                         + self.cS * rows + self.cKd * (rows - n))
         per_token = per_token_ticks(self.cKd)
         return fixed, per_token, fixed, per_token
 
     def describe(self) -> dict:
-        out = {"cost_model": "calibrated", "form": FORM, "knee": self.knee, **self.coefficients, **self.info}
+        out = {"cost_model": "calibrated", "form": FORM, "knee": self.knee, **self.coefficients,
+               "graph_sizes": list(self.graph_sizes), **self.info}
         if self.warnings:
             out["warnings"] = list(self.warnings)
         return out
@@ -179,6 +237,6 @@ def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | 
     info = {"calibration_file": str(path), "calibrated_model": calib.get("model"), "device": calib.get("device"),
             "dtype": calib.get("dtype"), "calibration_versions": calib.get("versions"),
             "holdout": (fit.get("holdout") or {}).get("mape"), "cuda_graphs": calib.get("cuda_graphs")}
-    cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info)
+    cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info, graph_sizes=fit.get("graph_sizes", ()))
     cm.warnings.extend(warnings)
     return cm

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from simkv.calibration.costmodel import COEFFICIENTS, FORM, CalibratedCostModel, design_matrix
+from simkv.calibration.costmodel import (COEFFICIENTS, FORM, CalibratedCostModel, design_matrix, effective_features,
+                                         normalise_graph_sizes)
 
 
 def nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
@@ -35,8 +36,10 @@ def nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
     return x
 
 
-def _fit_fixed_knee(features: np.ndarray, y: np.ndarray, knee: float) -> np.ndarray:
-    A = design_matrix(features, knee)
+def _fit_fixed_knee(features: np.ndarray, y: np.ndarray, knee: float, graph_sizes=()) -> np.ndarray:
+    A = design_matrix(features, knee, graph_sizes)
+    if A[:, 1].min() == 1.0:  # every step eager although graphs exist: E is c0's column again
+        A[:, 1] = 0.0
     wgt = 1.0 / np.maximum(y, 1e-9)  # minimise relative error
     scale = np.maximum(np.abs(A * wgt[:, None]).max(axis=0), 1e-30)
     coef = nnls(A * wgt[:, None] / scale, y * wgt) / scale
@@ -53,18 +56,18 @@ def errors(pred: np.ndarray, y: np.ndarray) -> dict:
             "max_ape": float(ape.max()), "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else None}
 
 
-def _knee_candidates(features: np.ndarray) -> list[float]:
-    tokens = np.unique(features[:, 0])
+def _knee_candidates(tokens: np.ndarray) -> list[float]:
+    tokens = np.unique(tokens)
     cands = [float(t) for t in tokens if t > tokens.min()]
     return [float(tokens.max() + 1)] + cands  # first candidate: no hinge at all
 
 
-def fit_points(features: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+def fit_points(features: np.ndarray, y: np.ndarray, graph_sizes=()) -> tuple[np.ndarray, float]:
     """Coefficients and knee minimising mean relative error on (features, y)."""
     best = None
-    for knee in _knee_candidates(features):
-        coef = _fit_fixed_knee(features, y, knee)
-        pred = design_matrix(features, knee) @ coef
+    for knee in _knee_candidates(effective_features(features, graph_sizes)[1]):
+        coef = _fit_fixed_knee(features, y, knee, graph_sizes)
+        pred = design_matrix(features, knee, graph_sizes) @ coef
         err = float((np.abs(pred - y) / np.maximum(y, 1e-12)).mean())
         if best is None or err < best[0] - 1e-12:
             best = (err, coef, knee)
@@ -79,25 +82,31 @@ def holdout_mask(n: int, fraction: float = 0.2, seed: int = 0) -> np.ndarray:
     return mask
 
 
-def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float = 0.2, seed: int = 0) -> dict:
+def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float = 0.2, seed: int = 0,
+                    graph_sizes=()) -> dict:
     """Fit on the training points, report held-out error, then refit on all points for use.
+    `graph_sizes`: the batch sizes of the CUDA graphs decode-only steps ran from (none: all eager).
 
     Returns the `fit` section of calib.json."""
+    graph_sizes = list(normalise_graph_sizes(graph_sizes))
     features = np.asarray(features, dtype=np.int64)
     y = np.asarray(y, dtype=np.float64)
     if len(y) < 3:
         raise ValueError(f"need at least 3 measured grid points to fit, got {len(y)}")
     mask = holdout_mask(len(y), holdout_fraction, seed)
-    coef_tr, knee_tr = fit_points(features[~mask], y[~mask])
-    pred_tr = design_matrix(features, knee_tr) @ coef_tr
-    coef, knee = fit_points(features, y)
-    model = CalibratedCostModel(dict(zip(COEFFICIENTS, coef)), knee)
+    coef_tr, knee_tr = fit_points(features[~mask], y[~mask], graph_sizes)
+    pred_tr = design_matrix(features, knee_tr, graph_sizes) @ coef_tr
+    coef, knee = fit_points(features, y, graph_sizes)
+    model = CalibratedCostModel(dict(zip(COEFFICIENTS, coef)), knee, graph_sizes=graph_sizes)
     pred_all = model.predict_features(features)
     return {
         "form": FORM,
+        "graph_sizes": graph_sizes,
         "features": {"T": "prefill tokens + decodes", "S": "prefill chunks + decodes",
                      "Pp": "prefill query-key pairs", "Kp": "prefill KV tokens read",
-                     "Kd": "decode context tokens attended"},
+                     "Kd": "decode context tokens attended",
+                     "E": "1 if the step ran eagerly, 0 if from a CUDA graph (a decode-only step of at most "
+                          "max(graph_sizes) decodes, counted as the next graph size)"},
         "coefficients": {k: float(v) for k, v in zip(COEFFICIENTS, coef)},
         "knee": float(knee),
         "method": "non-negative least squares on relative error; knee by exhaustive search over grid T values",

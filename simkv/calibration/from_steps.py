@@ -30,7 +30,8 @@ def _run_identity(summary: dict) -> dict:
     return {"model": (summary.get("config") or {}).get("model"), "device": summary.get("device_info"),
             "dtype": summary.get("dtype"), "kernel_backend": summary.get("kernel_backend"),
             "versions": summary.get("versions"), "timing": summary.get("timing"),
-            "block_size": (summary.get("config") or {}).get("block_size")}
+            "block_size": (summary.get("config") or {}).get("block_size"),
+            "cuda_graphs": summary.get("cuda_graphs"), "graph_sizes": list(summary.get("cuda_graph_sizes") or [])}
 
 
 def load_step_rows(run_dir: str | Path) -> tuple[dict, np.ndarray, np.ndarray, int]:
@@ -59,6 +60,11 @@ def _same_target(a: dict, b: dict, what_a: str, what_b: str) -> None:
         if a.get(key) != b.get(key):
             raise CalibrationError(f"{what_a} has {key} '{a.get(key)}' but {what_b} has '{b.get(key)}': "
                                    "their steps cannot be fitted together")
+    if a.get("graph_sizes") != b.get("graph_sizes"):
+        def graphs(x: dict) -> str:
+            return f"CUDA graphs of sizes {x['graph_sizes']}" if x.get("graph_sizes") else "no CUDA graphs"
+        raise CalibrationError(f"{what_a} ran decode steps with {graphs(a)} but {what_b} with {graphs(b)}: "
+                               "fit them separately (or run both with the same --max-num-seqs / --enforce-eager)")
     da, db = a.get("device") or {}, b.get("device") or {}
     if (da.get("type"), da.get("name")) != (db.get("type"), db.get("name")):
         raise CalibrationError(f"{what_a} ran on {da.get('type')} ({da.get('name')}) but {what_b} on "
@@ -85,7 +91,8 @@ def calibrate_from_steps(step_dirs: list[str | Path], out: str | Path, grid_cali
     if grid_calibration is not None:
         base = load_calibration(grid_calibration)
         _same_target({"model": base.get("model"), "dtype": base.get("dtype"), "block_size": base.get("block_size"),
-                      "device": base.get("device")}, ident, str(grid_calibration), str(step_dirs[0]))
+                      "device": base.get("device"), "graph_sizes": list(base.get("cuda_graph_sizes") or [])},
+                     ident, str(grid_calibration), str(step_dirs[0]))
         grid_rows = base["grid"]["measured"]
         feats.append(np.array([m["features"] for m in grid_rows], dtype=np.int64).reshape(-1, 5))
         ys.append(np.array([m["value_s"] for m in grid_rows], dtype=np.float64))
@@ -103,12 +110,13 @@ def calibrate_from_steps(step_dirs: list[str | Path], out: str | Path, grid_cali
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": ident["model"], "device": dev, "gpu": gpu,
         "dtype": ident["dtype"], "kernel_backend": ident["kernel_backend"], "versions": ident["versions"],
         "timing": ident["timing"], "block_size": ident["block_size"],
+        "cuda_graphs": ident["cuda_graphs"], "cuda_graph_sizes": ident["graph_sizes"],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {"measured_steps": sources, "grid_calibration": str(grid_calibration) if grid_calibration else None,
                    "grid_points": len(grid_rows)},
         "grid": {"measured": grid_rows, "num_points": len(grid_rows)},
         "complete": True,
-        "fit": fit_calibration(features, y, holdout_fraction, seed),
+        "fit": fit_calibration(features, y, holdout_fraction, seed, graph_sizes=ident["graph_sizes"]),
     }
     write_json_atomic(Path(out), record)
     return record

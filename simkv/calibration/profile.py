@@ -171,6 +171,7 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
 
     # the same preparation as a replay: kernels compiled, decode graphs captured (CUDA)
     record["cuda_graphs"] = prepare_for_timing(runner, 2, max_num_seqs, enforce_eager)
+    record["cuda_graph_sizes"] = list(runner.graph_sizes)
     write_json_atomic(out, record)  # the file exists from the start; filled as points come in
     last_save = [time.perf_counter()]
 
@@ -202,7 +203,7 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
     if len(measured) >= 3:
         feats = np.array([m["features"] for m in measured], dtype=np.int64)
         y = np.array([m["value_s"] for m in measured])
-        record["fit"] = fit_calibration(feats, y, holdout_fraction, seed)
+        record["fit"] = fit_calibration(feats, y, holdout_fraction, seed, graph_sizes=runner.graph_sizes)
     record["complete"] = not result["stopped_by_budget"] and not result["oom"]
     record["total_time_s"] = time.perf_counter() - t0
     write_json_atomic(out, record)

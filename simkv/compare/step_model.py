@@ -66,7 +66,8 @@ def step_predictor(sim_summary: dict):
     if name == "calibrated":
         from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel
 
-        return CalibratedCostModel({k: cm[k] for k in COEFFICIENTS}, cm["knee"]).predict_features
+        return CalibratedCostModel({k: cm[k] for k in COEFFICIENTS if k in cm}, cm["knee"],
+                                   graph_sizes=cm.get("graph_sizes", ())).predict_features
     if name in ("roofline", "linear", "unit"):
         from simkv.backends.factory import make_backend
         from simkv.config import EngineConfig
@@ -94,6 +95,11 @@ def cost_model_on_measured(sim_summary: dict, meas_dir: str | Path, slowest: int
     for name in ("decode", "prefill", "mixed"):
         m = fam == name
         out["by_family"][name] = _stats(rel[m], pred[m], meas[m])
+    if "graph_batch" in steps.columns:  # decode steps replayed from CUDA graphs against eager ones
+        graph = steps["graph_batch"].to_numpy() > 0
+        out["by_path"] = {"decode from a CUDA graph": _stats(rel[graph], pred[graph], meas[graph]),
+                          "decode, eager": _stats(rel[~graph & (fam == "decode")], pred[~graph & (fam == "decode")],
+                                                  meas[~graph & (fam == "decode")])}
     batch = steps["num_decodes"].to_numpy()
     edges = list(BATCH_BINS) + [np.iinfo(np.int64).max]
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -160,6 +166,7 @@ def to_markdown_lines(check: dict) -> list[str]:
               "| steps | count | mean error | median error | p90 abs error | error of the sum | measured mean ms |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     rows = [("all", check["all"])] + [(k, v) for k, v in check["by_family"].items()]
+    rows += list(check.get("by_path", {}).items())
     rows += [(f"decode, batch {r['batch']}", r) for r in check["decode_by_batch"]]
     for name, s in rows:
         if not s.get("steps"):

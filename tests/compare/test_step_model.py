@@ -34,8 +34,9 @@ def _steps(n: int = 300, seed: int = 0) -> pd.DataFrame:
                          "decode_context_tokens": ctx})
 
 
-def _measured_dir(path, steps: pd.DataFrame, scale: float = 1.0, device=DEVICE, backend="gpu"):
-    model = CalibratedCostModel(TRUE, KNEE)
+def _measured_dir(path, steps: pd.DataFrame, scale: float = 1.0, device=DEVICE, backend="gpu", graph_sizes=(),
+                  coefs=TRUE):
+    model = CalibratedCostModel(coefs, KNEE, graph_sizes=graph_sizes)
     steps = steps.copy()
     steps["duration_s"] = scale * model.predict_features(features_of(steps))
     steps["host_prepare_s"] = 0.1 * steps["duration_s"]
@@ -45,7 +46,8 @@ def _measured_dir(path, steps: pd.DataFrame, scale: float = 1.0, device=DEVICE, 
     steps.to_parquet(path / "measured_steps.parquet", index=False)
     (path / "summary.json").write_text(json.dumps({
         "backend": backend, "config": {"model": "llama-3-8b", "block_size": 16}, "device_info": device,
-        "dtype": "bf16", "kernel_backend": "triton", "versions": {"torch": "2.11.0"}, "timing": "cuda events"}))
+        "dtype": "bf16", "kernel_backend": "triton", "versions": {"torch": "2.11.0"}, "timing": "cuda events",
+        "cuda_graph_sizes": list(graph_sizes)}))
     return steps
 
 
@@ -143,6 +145,34 @@ def test_from_steps_refuses_mismatched_or_simulated_runs(tmp_path):
     with pytest.raises(CalibrationError, match="not a replay output folder"):
         calibrate_from_steps([tmp_path], tmp_path / "c.json")
     assert not (tmp_path / "c.json").exists()
+
+
+GRAPHS = [1, 2, 4] + list(range(8, 65, 8))
+TRUE_GRAPHS = {**TRUE, "c0": 1e-3, "cE": 5e-3}
+
+
+def test_from_steps_with_decode_graphs(tmp_path):
+    """Steps measured with decode graphs fit the graph-aware formula (both intercepts), the
+    simulation's model rebuilt from summary.json predicts them exactly, and runs with and
+    without graphs are not fitted together."""
+    _measured_dir(tmp_path / "g", _steps(400), graph_sizes=GRAPHS, coefs=TRUE_GRAPHS)
+    rec = calibrate_from_steps([tmp_path / "g"], tmp_path / "calib.json")
+    assert rec["cuda_graph_sizes"] == GRAPHS and rec["fit"]["graph_sizes"] == GRAPHS
+    assert rec["fit"]["holdout"]["mape"] < 5e-3
+    assert rec["fit"]["coefficients"]["cE"] == pytest.approx(TRUE_GRAPHS["cE"], rel=2e-2)
+    from simkv.calibration.costmodel import cost_model_from_file
+
+    sim = {"cost_model": cost_model_from_file(tmp_path / "calib.json").describe()}
+    df = pd.read_parquet(tmp_path / "g" / "measured_steps.parquet")
+    model = CalibratedCostModel(TRUE_GRAPHS, KNEE, graph_sizes=GRAPHS)
+    df["graph_batch"] = [model.graph_batch(d) if c == 0 else 0 for c, d in zip(df["num_prefill_chunks"], df["num_decodes"])]
+    df.to_parquet(tmp_path / "g" / "measured_steps.parquet", index=False)
+    res = cost_model_on_measured(sim, tmp_path / "g")
+    assert abs(res["all"]["mean_rel_error"]) < 5e-3
+    assert res["by_path"]["decode from a CUDA graph"]["steps"] == int((df["graph_batch"] > 0).sum()) > 0
+    _measured_dir(tmp_path / "e", _steps(50))
+    with pytest.raises(CalibrationError, match="fit them separately"):
+        calibrate_from_steps([tmp_path / "g", tmp_path / "e"], tmp_path / "c.json")
 
 
 def test_calibrate_cli_from_steps_and_option_errors(tmp_path):

@@ -151,3 +151,79 @@ def test_grid_has_ragged_decode_points():
         b, c = len(p.decodes), p.describe()["context"]
         assert abs(sum(p.decodes) / b - c) <= 1 and max(p.decodes) >= 6 * min(p.decodes)
     assert ragged_contexts(1, 300) == [300] and ragged_contexts(3, 400) == [100, 400, 700]
+
+
+# ---- decode steps run from CUDA graphs -------------------------------------------------------
+GRAPHS = [1, 2, 4] + list(range(8, 65, 8))  # vLLM's ladder up to 64 (capture_sizes(64))
+TRUE_GRAPHS = {**TRUE, "c0": 1e-3, "cE": 6e-3}  # eager steps pay 6 ms of kernel launches on top
+
+
+def test_graph_padding_of_decode_steps():
+    """A decode-only step of n <= max(graph_sizes) decodes counts as the next captured size with
+    E = 0 (each pad row attends one slot); larger decode batches and any step with a prefill
+    chunk are eager and counted as they are."""
+    from simkv.calibration.costmodel import effective_features
+
+    feats = np.array([[5, 5, 0, 0, 500],  # 5 decodes -> graph of 8
+                      [8, 8, 0, 0, 800],  # on the ladder: no padding
+                      [65, 65, 0, 0, 650],  # above the largest graph: eager
+                      [37, 2, 500, 40, 1],  # 36-token chunk + 1 decode: eager
+                      [16, 1, 136, 16, 0]], dtype=np.int64)  # a lone chunk: eager
+    e, t, s, pp, kp, kd = effective_features(feats, GRAPHS)
+    assert e.tolist() == [0, 0, 1, 1, 1]
+    assert t.tolist() == [8, 8, 65, 37, 16] and s.tolist() == [8, 8, 65, 2, 1]
+    assert kd.tolist() == [503, 800, 650, 1, 0] and pp.tolist() == feats[:, 2].tolist()
+    m = CalibratedCostModel(TRUE_GRAPHS, 176.0, graph_sizes=GRAPHS)
+    assert [m.graph_batch(n) for n in (1, 3, 5, 8, 9, 64, 65)] == [1, 4, 8, 8, 16, 64, 0]
+    # without graphs every step is eager and E has no coefficient of its own
+    plain = CalibratedCostModel(TRUE_GRAPHS, 176.0)
+    assert plain.cE == 0.0 and plain.graph_batch(5) == 0
+    assert np.array_equal(design_matrix(feats, 176.0)[:, 1], np.zeros(len(feats)))
+
+
+def test_fit_separates_graph_and_eager_intercepts():
+    """On a grid whose decode points ran from graphs, the fit recovers both intercepts; a model
+    fitted without knowing the graphs cannot (one intercept for both kinds of step)."""
+    points, _ = build_grid("tiny", max_num_batched_tokens=512, max_num_seqs=64)
+    feats = np.array([p.features for p in points], dtype=np.int64)
+    true = CalibratedCostModel(TRUE_GRAPHS, 176.0, graph_sizes=GRAPHS)
+    y = true.predict_features(feats)
+    fit = fit_calibration(feats, y, graph_sizes=GRAPHS)
+    assert fit["graph_sizes"] == GRAPHS and set(fit["coefficients"]) == set(COEFFICIENTS)
+    assert fit["holdout"]["mape"] < 1e-3 and fit["all_points"]["max_ape"] < 1e-3
+    assert fit["coefficients"]["cE"] == pytest.approx(TRUE_GRAPHS["cE"], rel=1e-3)
+    blind = fit_calibration(feats, y)
+    assert blind["coefficients"]["cE"] == 0.0 and blind["all_points"]["mape"] > 0.05
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 80), ctx=st.integers(1, 10**6), knee=st.floats(1, 1000))
+def test_graph_decode_line_equals_execute_and_features(n, ctx, knee):
+    from simkv.clock import TICKS_PER_SECOND
+    from simkv.calibration.costmodel import step_features
+    from simkv.core.outputs import SchedulerOutput
+
+    m = CalibratedCostModel(TRUE_GRAPHS, knee, graph_sizes=GRAPHS)
+    out = SchedulerOutput(step=0, chunks=[], num_decode_reqs=n, decode_context_tokens=ctx, decodes=None,
+                          preempted=[], num_running=n, num_waiting=0, num_blocks_used=0,
+                          prefix_query_tokens=0, prefix_hit_tokens=0)
+    exact = m.execute(out)
+    assert exact == m.predict_features(np.array([step_features(out)]))[0]
+    a0, a1, _, _ = m.decode_step_line(n)
+    assert abs((a0 + a1 * ctx) / TICKS_PER_SECOND - exact) <= (1 + 0.5 * ctx) / TICKS_PER_SECOND + 1e-12 * exact
+    eager = m._time(1, n, n, 0, 0, ctx)  # the same step run eagerly
+    assert (exact < eager) == (n <= GRAPHS[-1])  # a graph saves the launches (worth more than 7 pad rows here)
+
+
+def test_calibration_without_ce_still_loads(tmp_path):
+    """calib.json files written before graphs were modelled have no cE and no graph sizes."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(_calib_record()))
+    cm = cost_model_from_file(path)
+    assert cm.cE == 0.0 and cm.graph_sizes == () and cm.describe()["graph_sizes"] == []
+    rec = _calib_record()
+    rec["fit"]["graph_sizes"] = GRAPHS
+    rec["fit"]["coefficients"] = TRUE_GRAPHS
+    path.write_text(json.dumps(rec))
+    cm = cost_model_from_file(path)
+    assert cm.graph_sizes == tuple(GRAPHS) and cm.cE == TRUE_GRAPHS["cE"]

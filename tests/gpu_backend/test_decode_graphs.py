@@ -27,6 +27,7 @@ def _run_both(device: str, dtype: str, capture: bool, max_batch: int = 8, share_
     eager = ModelRunner("tiny-llama", 64, block_size=4, device=device, dtype=dtype, seed=7)
     graphed = ModelRunner("tiny-llama", 64, block_size=4, device=device, dtype=dtype, seed=7)
     status = graphed.enable_decode_graphs(max_batch, capture=capture)
+    graphed.step_graph_batches = []
     assert graphed.decode_graphs is not None, status
     used = []
     run = graphed.decode_graphs.run
@@ -37,6 +38,7 @@ def _run_both(device: str, dtype: str, capture: bool, max_batch: int = 8, share_
     while sched.has_unfinished_requests():
         out = sched.schedule()
         pairs.append((eager.forward_logits(out), graphed.forward_logits(out), bool(out.chunks)))
+        graphed.step_graph_batches.append((out.num_decode_reqs, bool(out.chunks), graphed.last_graph_batch))
         if share_tokens:  # bf16 near-ties may sample differently; feed both the eager runner's tokens
             graphed.outputs = {k: list(v) for k, v in eager.outputs.items()}
         sched.update_from_output(out)
@@ -50,6 +52,20 @@ def test_static_padded_decode_matches_eager_forward():
     for a, b, _ in pairs:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert graphed.outputs == eager.outputs  # the same greedy tokens were fed back
+
+
+def test_graph_batch_of_each_step_is_what_the_cost_model_assumes():
+    """The runner records the graph size each step ran as; the calibrated cost model, given the
+    captured sizes, infers the same from the step's shape alone."""
+    from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel
+
+    _, used, eager, graphed = _run_both("cpu", "fp32", capture=False)
+    assert graphed.graph_sizes == [] and eager.last_graph_batch == 0  # static buffers save no launches
+    model = CalibratedCostModel(dict.fromkeys(COEFFICIENTS, 1.0), 1.0, graph_sizes=capture_sizes(8))
+    rows = graphed.step_graph_batches
+    assert [b for _, _, b in rows if b] == [model.graph_batch(n) for n in used]
+    for decodes, mixed, batch in rows:
+        assert batch == (0 if mixed else model.graph_batch(decodes))
 
 
 def test_graphs_need_cuda():
