@@ -127,6 +127,24 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, k_base, v_base, bt_row_ptr,
+    t_begin, t_end,  # key tiles [t_begin, t_end), all read the same way
+    seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d,
+    kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, CONTIG: tl.constexpr,
+):
+    for t in range(t_begin, t_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG,
+        )
+    return acc, m_i, l_i
+
+
 # Integer arguments that change from step to step are not specialised: Triton would otherwise
 # compile a new variant whenever one of them is 1 or a multiple of 16 (a replay would meet
 # those mid-run and time a compilation as a step). Strides of the cache and query stay
@@ -221,32 +239,30 @@ def _paged_attention_kernel(
         t_new = tl.cdiv(context_len, TILE_N)
     else:
         t_new = t_hi
-    for t in range(t_lo, tl.minimum(t_mid, t_new)):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC,
-        )
+    # four key ranges, each with its own constexpr specialisation: unmasked then masked tiles,
+    # each read through the block table and then (NEW_KV) from the step's K/V
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_lo, tl.minimum(t_mid, t_new), seq_len, row_pos, qk_scale,
+        stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, False,
+    )
     if NEW_KV:
-        for t in range(tl.maximum(t_lo, t_new), t_mid):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, True,
-            )
-    for t in range(t_mid, tl.maximum(t_mid, tl.minimum(t_hi, t_new))):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_lo, t_new), t_mid, seq_len, row_pos, qk_scale,
             stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, True,
         )
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_mid, tl.maximum(t_mid, tl.minimum(t_hi, t_new)), seq_len,
+        row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, False,
+    )
     if NEW_KV:
-        for t in range(tl.maximum(t_mid, t_new), t_hi):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, True,
-            )
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_mid, t_new), t_hi, seq_len, row_pos, qk_scale,
+            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, True,
+        )
 
     if NUM_SEGMENTS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
