@@ -308,24 +308,34 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     `dry`: tiny versions of the cases and two configs each (checks the script on CPU)."""
     rows = []
     qpk = m.num_heads // m.num_kv_heads
+    # (tile_n, segments, warps, stages, block ids prefetched): prefetching lets Triton pipeline the
+    # gathered K/V loads num_stages - 1 deep (sm_90 PTX), so its configs try 3 and 4 stages
+    decode = lambda rows: [AttentionConfig(max(16, qpk), n, s, w, st, False, pf) for n, s, w, st, pf in rows]
     plans = [
-        ("decode", Case(8, 32768, 1), [AttentionConfig(max(16, qpk), n, s, w, st) for n, s, w, st in
-                                       [(64, 16, 4, 2), (64, 16, 8, 3), (64, 16, 4, 1), (32, 16, 4, 2), (128, 16, 4, 2), (64, 32, 4, 2), (64, 8, 4, 2)]]),
+        ("decode", Case(8, 32768, 1), decode([(64, 16, 4, 2, False), (64, 16, 8, 3, False), (64, 16, 4, 1, False),
+                                              (32, 16, 4, 2, False), (128, 16, 4, 2, False), (64, 32, 4, 2, False),
+                                              (64, 8, 4, 2, False), (64, 16, 4, 3, True), (64, 16, 4, 4, True),
+                                              (64, 16, 8, 3, True)])),
         # large batch: where SDPA on contiguous KV was 1.3x faster in the first run
-        ("decode", Case(128, 16384, 1), [AttentionConfig(max(16, qpk), n, s, w, st) for n, s, w, st in
-                                         [(64, 1, 4, 2), (64, 1, 8, 3), (32, 1, 4, 2), (128, 1, 4, 2), (64, 2, 4, 2), (16, 1, 4, 2)]]),
-        ("prefill", Case(2, 0, 4096), [AttentionConfig(bm, n, 1, w, st, nk) for bm, n, w, st, nk in
-                                       [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 128, 8, 3, True),
-                                        (128, 32, 8, 3, False), (128, 32, 4, 3, False), (128, 128, 8, 3, False),
-                                        (128, 64, 8, 4, False), (128, 32, 8, 4, False), (64, 64, 4, 3, False)]]),
+        ("decode", Case(128, 16384, 1), decode([(64, 1, 4, 2, False), (64, 1, 8, 3, False), (32, 1, 4, 2, False),
+                                                (128, 1, 4, 2, False), (64, 2, 4, 2, False), (16, 1, 4, 2, False),
+                                                (64, 1, 4, 3, True), (64, 1, 4, 4, True), (64, 1, 8, 3, True)])),
+        # (block_m, tile_n, warps, stages, new K/V, block ids prefetched)
+        ("prefill", Case(2, 0, 4096), [AttentionConfig(bm, n, 1, w, st, nk, pf) for bm, n, w, st, nk, pf in
+                                       [(128, 64, 8, 3, False, False), (128, 64, 8, 3, True, False),
+                                        (128, 128, 8, 3, True, False), (128, 32, 8, 3, False, False),
+                                        (128, 32, 4, 3, False, False), (128, 128, 8, 3, False, False),
+                                        (128, 64, 8, 4, False, False), (128, 32, 8, 4, False, False),
+                                        (64, 64, 4, 3, False, False), (128, 64, 8, 3, False, True),
+                                        (128, 64, 8, 4, False, True), (128, 64, 8, 3, True, True)]]),
         # a chunk after a long context: new_kv only helps the chunk's own (diagonal) tiles
-        ("prefill", Case(2, 8192, 2048), [AttentionConfig(128, n, 1, 8, 3, nk) for n, nk in
-                                          [(64, False), (64, True)]]),
+        ("prefill", Case(2, 8192, 2048), [AttentionConfig(128, n, 1, 8, 3, nk, pf) for n, nk, pf in
+                                          [(64, False, False), (64, True, False), (64, False, True), (64, True, True)]]),
     ]
     if dry:
         tiny = [Case(2, 47, 1), Case(2, 47, 1), Case(1, 0, 64), Case(1, 32, 32)]
-        plans = [(kind, t, [c for c in cfgs if c.new_kv] + [c for c in cfgs if not c.new_kv][:1])
-                 for (kind, _, cfgs), t in zip(plans, tiny)]
+        plans = [(kind, t, [c for c in cfgs if not (c.new_kv or c.prefetch_ids)][:1]
+                  + [c for c in cfgs if c.new_kv or c.prefetch_ids][:2]) for (kind, _, cfgs), t in zip(plans, tiny)]
     for kind, case, cfgs in plans:
         case.sets = rotation(kv_bytes(case, m), l2)
         sets = [build(case, m, timer.device, gen) for _ in range(case.sets)]
@@ -383,18 +393,19 @@ def markdown(result: dict) -> str:
         cw = result["cache_write"]
         out += ["", f"reshape_and_cache: {cw['num_tokens']} tokens in {cw['ms'] * 1e3:.1f} us ({cw['gbps']:.0f} GB/s moved)."]
     if result.get("sweep"):
-        out += ["", "## Config sweep", "", "new K/V: key tiles of new tokens read from the step's K/V, not the cache.", "",
-                "| case | block_m | tile_n | segments | warps | stages | new K/V | ms | % copy BW | % matmul | max diff vs first |",
-                "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+        out += ["", "## Config sweep", "", "new K/V: key tiles of new tokens read from the step's K/V, not the cache. "
+                "ids ahead: each tile's block ids loaded while the previous tile is attended.", "",
+                "| case | block_m | tile_n | segments | warps | stages | new K/V | ids ahead | ms | % copy BW | % matmul | max diff vs first |",
+                "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
         for r in result["sweep"]:
             c = r["config"]
-            nk = "yes" if c.get("new_kv") else "no"
+            flags = f"{'yes' if c.get('new_kv') else 'no'} | {'yes' if c.get('prefetch_ids') else 'no'}"
+            head = f"{c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | {flags}"
             if "error" in r:
-                out.append(f"| {r['kind']} | {c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | {nk} | error: {r['error'][:60]} | | | |")
+                out.append(f"| {r['kind']} | {head} | error: {r['error'][:60]} | | | |")
             else:
-                out.append(f"| {r['kind']} {r['num_seqs']}x({r['context']}+{r['q_len']}) | {c['block_m']} | {c['tile_n']} | {c['num_segments']} | "
-                           f"{c['num_warps']} | {c['num_stages']} | {nk} | {r['ms']:.3f} | {r['pct_copy_bw']:.1f} | {r['pct_matmul']:.1f} | "
-                           f"{r.get('max_diff_vs_first', float('nan')):.1e} |")
+                out.append(f"| {r['kind']} {r['num_seqs']}x({r['context']}+{r['q_len']}) | {head} | {r['ms']:.3f} | "
+                           f"{r['pct_copy_bw']:.1f} | {r['pct_matmul']:.1f} | {r.get('max_diff_vs_first', float('nan')):.1e} |")
     out += ["", "## Targets", ""] + [f"- {t}" for t in result["targets"]]
     if result.get("skipped"):
         out += ["", "Skipped (time budget): " + ", ".join(result["skipped"])]

@@ -72,6 +72,8 @@ def _attend_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
     CONTIG: tl.constexpr = False,  # the tile's keys are all new tokens: read them from the step's K/V
+    blk_ids=None,  # [TILE_N] int64 block of each key, loaded one tile ahead (PREFETCHED only)
+    PREFETCHED: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, TILE_N).to(tl.int64)
     key_pos = t * TILE_N + offs_n  # [TILE_N] int64 (t < 2**31 / TILE_N since seq_len is int32)
@@ -79,6 +81,8 @@ def _attend_tile(
         tok = tok0 + key_pos  # token index of each key in this step's batch
         k_ptrs = kn_base + tok[None, :] * stride_kn_tok + offs_d[:, None]  # [HEAD_PAD, TILE_N]
         v_ptrs = vn_base + tok[:, None] * stride_vn_tok + offs_d[None, :]  # [TILE_N, HEAD_PAD]
+    elif PREFETCHED:
+        slot_off = blk_ids * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
     elif TILE_N <= BLOCK_SIZE:
         # the whole tile sits inside one cache block: one scalar table lookup
         blk = tl.load(bt_row_ptr + (t * TILE_N) // BLOCK_SIZE).to(tl.int64)
@@ -128,6 +132,13 @@ def _attend_tile(
 
 
 @triton.jit
+def _tile_block_ids(bt_row_ptr, t, seq_len, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """[TILE_N] int64: the cache block of each key of tile t (0 past the sequence's end)."""
+    key_pos = t * TILE_N + tl.arange(0, TILE_N).to(tl.int64)
+    return tl.load(bt_row_ptr + key_pos // BLOCK_SIZE, mask=key_pos < seq_len, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attend_range(
     acc, m_i, l_i, q, k_base, v_base, bt_row_ptr,
     t_begin, t_end,  # key tiles [t_begin, t_end), all read the same way
@@ -135,13 +146,30 @@ def _attend_range(
     kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, CONTIG: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
-    for t in range(t_begin, t_end):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG,
-        )
+    if PREFETCH_IDS and not CONTIG:
+        # The block ids of tile t + 1 are loaded while tile t is attended. A K/V address then
+        # depends on a value carried from the previous iteration, not on a load of its own
+        # iteration, and Triton's pipeliner keeps num_stages - 1 tiles of K/V in flight; with
+        # the ids loaded in-iteration it keeps one (sm_90 PTX: cp.async.wait_group 2 instead of
+        # 0 at 3 stages; tests/kernels/test_kernels_compile_sm90.py).
+        next_ids = _tile_block_ids(bt_row_ptr, t_begin, seq_len, BLOCK_SIZE, TILE_N)
+        for t in range(t_begin, t_end):
+            ids = next_ids
+            next_ids = _tile_block_ids(bt_row_ptr, t + 1, seq_len, BLOCK_SIZE, TILE_N)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, ids, True,
+            )
+    else:
+        for t in range(t_begin, t_end):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG,
+            )
     return acc, m_i, l_i
 
 
@@ -176,6 +204,7 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
     NEW_KV: tl.constexpr = False,  # key tiles wholly among the new tokens are read from k_new/v_new
+    PREFETCH_IDS: tl.constexpr = False,  # load each tile's block ids one tile ahead (see _attend_range)
 ):
     # axis 0 enumerates (query tile, kv head) with the kv head fastest, so all heads of the
     # heaviest tiles start together; axis 1 is the KV segment
@@ -244,24 +273,24 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_lo, tl.minimum(t_mid, t_new), seq_len, row_pos, qk_scale,
         stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, False,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, False, PREFETCH_IDS,
     )
     if NEW_KV:
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_lo, t_new), t_mid, seq_len, row_pos, qk_scale,
             stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, True,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, True, PREFETCH_IDS,
         )
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_mid, tl.maximum(t_mid, tl.minimum(t_hi, t_new)), seq_len,
         row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, False,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, False, PREFETCH_IDS,
     )
     if NEW_KV:
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_mid, t_new), t_hi, seq_len, row_pos, qk_scale,
             stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, True,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, True, PREFETCH_IDS,
         )
 
     if NUM_SEGMENTS == 1:
@@ -320,6 +349,7 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     new_kv: bool = False  # read key tiles of new tokens from the step's K/V (pass key=, value=)
+    prefetch_ids: bool = False  # load block ids a tile ahead, so K/V pipeline num_stages - 1 deep
 
 
 def _interpreting() -> bool:
@@ -491,7 +521,8 @@ def triton_paged_attention(
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=config.tile_n,
         BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs, DOT_FP32=dot_fp32, DOT_PREC=dot_prec,
-        NEW_KV=config.new_kv, num_warps=config.num_warps, num_stages=config.num_stages,
+        NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if segs > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](

@@ -60,8 +60,10 @@ def compile_sm90(fn, dtype: str, constexprs: dict, *, ones: tuple[str, ...] = ()
 
 
 def resource_usage(compiled) -> dict:
-    """Registers / spill bytes from ``ptxas -v`` plus shared memory from Triton's metadata."""
-    info = {"shared": compiled.metadata.shared}
+    """Registers / spill bytes from ``ptxas -v`` plus shared memory from Triton's metadata, and
+    how many async-copy groups a wait leaves in flight at most (the depth of load pipelining)."""
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", compiled.asm["ptx"])]
+    info = {"shared": compiled.metadata.shared, "max_groups_in_flight": max(waits, default=0)}
     ptxas = ptxas_path()
     if ptxas is None:
         return info
@@ -100,6 +102,13 @@ VARIANTS = {
     "attn_prefill_new_kv_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                                                                 BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False,
                                                                 DOT_PREC="tf32", NEW_KV=True), (), 8, 3),
+    # block ids loaded a tile ahead (config.prefetch_ids): K/V loads pipeline num_stages - 1 deep
+    "attn_prefill_prefetch_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
+                                                                  BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False,
+                                                                  DOT_PREC="tf32", PREFETCH_IDS=True), (), 8, 3),
+    "attn_decode_prefetch_bf16_w4s3": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
+                                                                 BLOCK_Q=4, BLOCK_M=16, NUM_SEGMENTS=16, DOT_FP32=False,
+                                                                 DOT_PREC="tf32", PREFETCH_IDS=True), (), 4, 3),
     "attn_short_chunks_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=32, TILE_N=64,
                                                              BLOCK_Q=16, BLOCK_M=64, NUM_SEGMENTS=1, DOT_FP32=False,
                                                              DOT_PREC="tf32"), (), 8, 3),
@@ -141,8 +150,10 @@ if __name__ == "__main__":
     results = compile_all()
     if "--table" in sys.argv:
         print(f"triton {triton.__version__}")
-        print("| variant | warps | registers | spill bytes | shared KiB |\n|---|---:|---:|---:|---:|")
+        print("| variant | warps | stages | registers | spill bytes | shared KiB | copy groups in flight |\n"
+              "|---|---:|---:|---:|---:|---:|---:|")
         for name, r in results.items():
-            print(f"| {name} | {VARIANTS[name][4]} | {r.get('registers', '?')} | {r.get('spill_bytes', '?')} | "
-                  f"{r['shared'] / 1024:.1f} |" if r["ok"] else f"| {name} | FAILED: {r['error'][:80]} |||")
+            print(f"| {name} | {VARIANTS[name][4]} | {VARIANTS[name][5]} | {r.get('registers', '?')} | "
+                  f"{r.get('spill_bytes', '?')} | {r['shared'] / 1024:.1f} | {r['max_groups_in_flight']} |"
+                  if r["ok"] else f"| {name} | FAILED: {r['error'][:80]} |||||")
     print("SM90_RESULTS=" + json.dumps(results))

@@ -33,3 +33,12 @@ def test_kernel_compiles_for_sm90(variant, sm90_results):
     assert res["ok"], res.get("error")
     assert res["shared"] <= 227 * 1024, res
     assert res.get("spill_bytes", 0) == 0, res
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if "prefetch" in v])
+def test_prefetched_block_ids_pipeline_the_paged_loads(variant, sm90_results):
+    """With block ids loaded a tile ahead, the loop waits for the oldest of num_stages - 1 tiles'
+    K/V copies, not for all of them: the gathered loads are pipelined like contiguous ones."""
+    res = sm90_results[variant]
+    assert res["ok"], res.get("error")
+    assert res["max_groups_in_flight"] >= VARIANTS[variant][5] - 1, res

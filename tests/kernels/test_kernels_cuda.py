@@ -48,12 +48,15 @@ def test_decode_batch_uses_split_kv(dtype):
     assert_close_to_reference(out, ref_paged_attention(*batch.args()), dtype)
 
 
-@pytest.mark.parametrize("tile_n,block_m,segments", [(16, 16, 1), (32, 64, 1), (128, 128, 1), (64, 16, 8)])
-def test_explicit_configs(tile_n, block_m, segments):
+@pytest.mark.parametrize("tile_n,block_m,segments,stages,prefetch", [
+    (16, 16, 1, 2, False), (32, 64, 1, 2, False), (128, 128, 1, 2, False), (64, 16, 8, 2, False),
+    (64, 16, 8, 3, True), (64, 128, 1, 3, True), (16, 64, 1, 4, True)])
+def test_explicit_configs(tile_n, block_m, segments, stages, prefetch):
     seqs = [(0, 200), (1000, 1), (77, 50)]
     batch = make_batch(seqs, num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                        dtype=torch.float16, device="cuda", seed=tile_n)
-    cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=2)
+    cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=stages,
+                          prefetch_ids=prefetch)
     out = triton_paged_attention(*batch.args(), config=cfg)
     assert_close_to_reference(out, ref_paged_attention(*batch.args()), torch.float16)
 

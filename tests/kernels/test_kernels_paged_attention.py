@@ -201,3 +201,22 @@ def test_paged_attention_new_kv_fresh_prefill_never_reads_the_cache(device):
     assert_close_to_reference(out, ref, torch.float16)
     with pytest.raises(ValueError, match="new_kv needs key"):
         triton_paged_attention(*batch.args(), config=cfg)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("block_size,tile_n", [(16, 16), (8, 32), (32, 16)])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_paged_attention_prefetched_block_ids(device, block_size, tile_n, new_kv):
+    """config.prefetch_ids: each tile's block ids are loaded while the previous tile is attended
+    (the load for the tile past a range's end is masked to the sequence). Decodes, a long chunk
+    over several query tiles, a chunk after a context, split and unsplit key ranges."""
+    seqs = [(0, 37), (2 * block_size + 3, 1), (tile_n + 5, 9), (3 * tile_n, 1)]
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=64, block_size=block_size,
+                       dtype=torch.float32, device=device, seed=block_size + tile_n)
+    ref = ref_paged_attention(*batch.args())
+    kv = dict(zip(("key", "value"), _new_kv(batch, seqs))) if new_kv else {}
+    for block_m, segments in ((16, 1), (16, 4), (32, 1)):
+        cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=2,
+                              new_kv=new_kv, prefetch_ids=True)
+        out = triton_paged_attention(*batch.args(), config=cfg, **kv)
+        assert_close_to_reference(out, ref, torch.float32)
