@@ -64,9 +64,14 @@ def test_decode_line_equals_execute(n, ctx, knee):
     assert abs((a0 + a1 * ctx) / TICKS_PER_SECOND - exact) <= (1 + 0.5 * ctx) / TICKS_PER_SECOND + 1e-12 * exact
 
 
-def test_calibrated_replay_decode_runs_identical(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_calibrated_replay_decode_runs_identical(tmp_path, graphs):
     path = tmp_path / "calib.json"
-    path.write_text(json.dumps(_calib_record()))
+    rec = _calib_record()
+    if graphs:  # decode steps padded to the captured sizes, eager steps pay cE
+        rec["fit"]["coefficients"] = {**TRUE, "cE": 3e-3}
+        rec["fit"]["graph_sizes"] = [1, 2, 4, 8, 16, 24]
+    path.write_text(json.dumps(rec))
     from simkv.traces.schema import read_trace
     from tests.gpu_backend.conftest import CI_TRACE
 
@@ -78,6 +83,7 @@ def test_calibrated_replay_decode_runs_identical(tmp_path):
     assert a.summary["duration_s"] == b.summary["duration_s"]
     assert np.array_equal(a.steps["duration_s"], b.steps["duration_s"])
     assert a.summary["cost_model"]["cost_model"] == "calibrated"
+    assert a.summary["cost_model"]["graph_sizes"] == ([1, 2, 4, 8, 16, 24] if graphs else [])
 
 
 def test_bad_calibration_files_refused(tmp_path):
