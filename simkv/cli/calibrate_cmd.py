@@ -32,15 +32,23 @@ from simkv.specs import model_names
                    "profiling a grid; repeatable. Measures nothing, needs no GPU.")
 @click.option("--with-grid", "with_grid", type=click.Path(exists=True, dir_okay=False), default=None,
               help="With --from-steps: also fit the grid points of this calib.json.")
+@click.option("--refit", "refit", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Fit this calib.json's measured grid points again (with --statistic and this simkv's formula); "
+                   "measures nothing, needs no GPU.")
 @click.option("--quiet", is_flag=True)
 def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repeats, block_size,
                   max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, enforce_eager, from_steps, with_grid,
-                  quiet) -> None:
+                  refit, quiet) -> None:
     """Profile a designed grid of step shapes on the real backend (decode batches, prefill chunks,
     mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`).
 
     With --from-steps, fit the same formula on the steps a measured replay executed (ragged
     contexts, the traffic's own mix of shapes); check it on another trace slice."""
+    if refit and from_steps:
+        raise click.UsageError("--refit and --from-steps are separate modes: give one")
+    if refit:
+        _refit(refit, out_path, statistic, model, holdout, seed, quiet)
+        return
     if from_steps:
         _from_steps(list(from_steps), with_grid, out_path, model, holdout, seed, quiet)
         return
@@ -96,6 +104,28 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
         click.echo(f"wrote {out_path}")
 
 
+def _echo_fit(fit: dict, what: str, out_path: str) -> None:
+    click.echo(f"fit: {fit['form']}")
+    click.echo("     " + ", ".join(f"{k}={v:.4g}" for k, v in fit["coefficients"].items()) + f", knee={fit['knee']:.0f}")
+    h = fit["holdout"]
+    if h["n"]:
+        click.echo(f"held-out {what}: {h['n']}, mean |rel error| {100 * h['mape']:.1f} %, max {100 * h['max_ape']:.1f} %")
+    click.echo(f"wrote {out_path}")
+
+
+def _refit(path: str, out_path: str, statistic: str, model: str | None, holdout: float, seed: int, quiet: bool) -> None:
+    from simkv.calibration.costmodel import CalibrationError
+    from simkv.calibration.refit import refit_calibration
+
+    try:
+        record = refit_calibration(path, out_path, statistic, holdout, seed, model=model)
+    except (CalibrationError, ValueError, KeyError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if not quiet:
+        click.echo(f"refitted {len(record['grid']['measured'])} grid points of {path} on the {statistic} of their samples")
+        _echo_fit(record["fit"], "points", out_path)
+
+
 def _from_steps(dirs: list[str], with_grid: str | None, out_path: str, model: str | None, holdout: float, seed: int,
                 quiet: bool) -> None:
     from simkv.calibration.costmodel import CalibrationError
@@ -114,9 +144,4 @@ def _from_steps(dirs: list[str], with_grid: str | None, out_path: str, model: st
         click.echo(f"fitted on {steps} measured steps from {len(dirs)} replay(s)"
                    + (f" and {src['grid_points']} grid points" if src["grid_points"] else "")
                    + (f"; {dropped} steps that compiled kernels left out" if dropped else ""))
-        click.echo(f"fit: {fit['form']}")
-        click.echo("     " + ", ".join(f"{k}={v:.4g}" for k, v in fit["coefficients"].items()) + f", knee={fit['knee']:.0f}")
-        h = fit["holdout"]
-        if h["n"]:
-            click.echo(f"held-out steps: {h['n']}, mean |rel error| {100 * h['mape']:.1f} %, max {100 * h['max_ape']:.1f} %")
-        click.echo(f"wrote {out_path}")
+        _echo_fit(fit, "steps", out_path)

@@ -233,3 +233,32 @@ def test_calibration_without_ce_still_loads(tmp_path):
     path.write_text(json.dumps(rec))
     cm = cost_model_from_file(path)
     assert cm.graph_sizes == tuple(GRAPHS) and cm.cE == TRUE_GRAPHS["cE"]
+
+
+def test_refit_changes_the_statistic_without_measuring(tmp_path):
+    """`simkv calibrate --refit`: the grid points' samples valued by another statistic and fitted
+    again (graph sizes kept); bad files and another model are refused, nothing is written."""
+    points, _ = build_grid("tiny", max_num_batched_tokens=512, max_num_seqs=64)
+    true = CalibratedCostModel(TRUE_GRAPHS, 176.0, graph_sizes=GRAPHS)
+    base = true.predict_features(np.array([p.features for p in points], dtype=np.int64))
+    # each point: four samples at the model's time and one 3x outlier, so median != mean
+    measured = [{"label": p.label(), "features": list(p.features), "samples_s": [t, t, t, t, 3 * t], "value_s": t}
+                for p, t in zip(points, base)]
+    rec = {**_calib_record(), "cuda_graph_sizes": GRAPHS, "grid": {"measured": measured, "num_points": len(measured)}}
+    src = tmp_path / "calib.json"
+    src.write_text(json.dumps(rec))
+    res = CliRunner().invoke(main, ["calibrate", "--refit", str(src), "--statistic", "mean", "--out", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    mean = json.loads((tmp_path / "m.json").read_text())
+    assert mean["refit"]["statistic"] == "mean" and mean["fit"]["graph_sizes"] == GRAPHS
+    assert mean["fit"]["coefficients"]["c0"] == pytest.approx(1.4 * TRUE_GRAPHS["c0"], rel=1e-3)  # mean = 1.4 x
+    res = CliRunner().invoke(main, ["calibrate", "--refit", str(src), "--out", str(tmp_path / "med.json"), "--quiet"])
+    med = json.loads((tmp_path / "med.json").read_text())
+    assert med["fit"]["coefficients"]["cE"] == pytest.approx(TRUE_GRAPHS["cE"], rel=1e-3)
+    assert cost_model_from_file(tmp_path / "med.json").graph_sizes == tuple(GRAPHS)
+    res = CliRunner().invoke(main, ["calibrate", "--refit", str(src), "--model", "llama-3-8b", "--out", str(tmp_path / "x.json")])
+    assert res.exit_code != 0 and "is a calibration of 'tiny-llama'" in res.output
+    measured[3]["samples_s"] = []
+    src.write_text(json.dumps(rec))
+    res = CliRunner().invoke(main, ["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json")])
+    assert res.exit_code != 0 and "grid point 3" in res.output and not (tmp_path / "x.json").exists()
