@@ -260,12 +260,12 @@ class ModelRunner:
 
     def _step(self, output: SchedulerOutput):
         t0 = time.perf_counter()
+        self.last_graph_batch = 0
         batch = self.prepare(output)
         if batch.input_ids.size == 0:
             self.last_host_times = (time.perf_counter() - t0, 0.0)
             return [], None
         graphs = self.decode_graphs
-        self.last_graph_batch = 0
         if graphs is not None and not output.chunks and graphs.fits(batch):
             t1 = time.perf_counter()
             logits = graphs.run(batch)  # decode-only: copied into static buffers, graph replayed
