@@ -3,7 +3,7 @@
     python bench/gpu_step.py --model llama-3-8b --out DIR        # on a CUDA host
     python bench/gpu_step.py --model tiny-llama --device cpu --out DIR   # checks the script
 
-For decode batches (batch size x context) and a few prefill chunks, runs the model runner's
+For decode batches (batch size x context), a few prefill chunks and one mixed step, runs the model runner's
 step (`ModelRunner.run`, exactly what a replay times) eagerly and, for decodes, from the
 captured graphs, and reports per shape the median step time (CUDA events around the whole
 step, as `GpuBackend` measures it), the host time spent inside the forward call (on CUDA the
@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     shapes = [("decode", [], [c] * b, f"B{b}@{c}") for c in contexts for b in batches]
     shapes += [("prefill", [(0, n)], [], f"chunk {n}") for n in prefills]
+    # a small chunk riding with decodes: eager in this backend (vLLM runs it from piecewise
+    # graphs), so its host time is what a calibration's eager-step term cE measures
+    mixed_chunk, mixed_batch = (64, 32) if cuda else (16, 4)
+    shapes += [("mixed", [(0, mixed_chunk)], [contexts[0]] * mixed_batch, f"chunk {mixed_chunk} + B{mixed_batch}@{contexts[0]}")]
     for kind, prefill, decodes, label in shapes:  # eager first, every shape
         if time.perf_counter() - t_start > args.budget_s * 0.5:
             break
