@@ -132,6 +132,7 @@ class GpuBackend:
         self.runner = runner
         self.timer = StepTimer(runner.device)
         self.measured: list[dict] = []  # one row per executed step (kept for partial saves)
+        self.after_step = None  # called after each step, outside its timing (interleaved calibration)
         self.count_compiles = runner.kernel_backend == "triton"
         prepare_for_timing(runner, warmup_steps, max_num_seqs, enforce_eager)
 
@@ -158,6 +159,8 @@ class GpuBackend:
             after = compiled_variant_count()
             row["jit_compiles"] = (after - variants) if after is not None else -1
         self.measured.append(row)
+        if self.after_step is not None:
+            self.after_step()
         return seconds
 
     def describe(self) -> dict:

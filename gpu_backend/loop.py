@@ -12,6 +12,9 @@ With --train-requests M (and time left), also:
   6. simkv replay --backend gpu on the NEXT M requests -> OUTDIR/measured_train
   7. simkv calibrate --from-steps measured_train --with-grid calib.json -> OUTDIR/calib_steps.json
   8. replay + compare of the first slice with it -> OUTDIR/sim_steps, OUTDIR/compare_steps
+With --interleaved, stages 2 and 3 are one: the replay times the calibration grid between its
+steps (`simkv replay --calibrate-alongside`), so both see the same phases of a host whose
+speed drifts (this project's CPU machine); the grid is still synthetic shapes only.
 A stage that fails or times out is recorded in OUTDIR/loop_summary.md; later stages that need
 its output are skipped. Nothing here needs the network.
 """
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV pool of both replays [default: 16384 on cuda, 512 on cpu]")
     p.add_argument("--engine", nargs="*", default=[], help="extra engine flags for both replays")
+    p.add_argument("--interleaved", action="store_true",
+                   help="calibrate during the measured replay, between its steps (for hosts whose speed drifts)")
     args = p.parse_args(argv)
 
     import torch
@@ -110,9 +115,14 @@ def main(argv: list[str] | None = None) -> int:
                "--budget-s", str(args.calib_budget_s)]
     if device == "cpu":
         cal_cmd += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
-    ok_cal = _run("calibrate", cal_cmd, min(args.calib_budget_s + 120, left() - 60), out, status)
-    ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
-                                  *engine, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
+    if args.interleaved:
+        ok_meas = ok_cal = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
+                                               *engine, "--out", str(out / "measured"), "--calibrate-alongside",
+                                               str(calib), "--quiet"], left() - 30, out, status)
+    else:
+        ok_cal = _run("calibrate", cal_cmd, min(args.calib_budget_s + 120, left() - 60), out, status)
+        ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
+                                      *engine, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
     targets = "gpu" if device == "cuda" else "cpu"
     ok_sim = ok_cal and _run("replay_sim", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib), *engine,
                                             "--out", str(out / "sim"), "--quiet"], min(120, left() - 15), out, status)
@@ -158,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "## Calibration", "",
                   f"- {len(rec['grid']['measured'])} of {rec['grid']['num_points']} grid points measured"
                   f"{' (stopped by the time budget)' if rec.get('stopped_by_budget') else ''}; OOM: {len(rec.get('oom') or [])}",
+                  f"- protocol: {(rec.get('settings') or {}).get('protocol', 'simkv calibrate, before the replay')}",
                   f"- fit: {fit.get('form')}", f"- coefficients: {fit.get('coefficients')} knee {fit.get('knee')}",
                   f"- held-out: {fit.get('holdout')}"]
     if ok_cmp:

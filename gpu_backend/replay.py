@@ -69,10 +69,12 @@ def save_partial(out_dir: Path, backend, error: BaseException) -> None:
 
 def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = None, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0, warmup_steps: int = 3, on_progress=None,
-                   save_outputs: bool = False, enforce_eager: bool = False):
+                   save_outputs: bool = False, enforce_eager: bool = False, calibrate_alongside: str | None = None):
     """Replay `trace` on the real backend; returns the lead's ReplayResult (summary marked gpu).
 
-    `out_dir` receives partial results on failure (and the outputs when `save_outputs`)."""
+    `out_dir` receives partial results on failure (and the outputs when `save_outputs`).
+    `calibrate_alongside`: a calib.json path; grid points are timed between the steps
+    (`gpu_backend/interleaved.py`) and fitted there after the replay."""
     from gpu_backend.backend import GpuBackend
     from gpu_backend.runner import ModelRunner
     from simkv.replay.api import replay, save
@@ -85,6 +87,12 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     runner.allocate_pool(num_blocks)
     backend = GpuBackend(runner, warmup_steps=warmup_steps, max_num_seqs=config.scheduler.max_num_seqs,
                          enforce_eager=enforce_eager)
+    grid = None
+    if calibrate_alongside:
+        from gpu_backend.interleaved import InterleavedGrid
+
+        grid = InterleavedGrid(runner, config, seed=seed, enforce_eager=enforce_eager)
+        backend.after_step = grid.after_step
     try:
         result = replay(trace, config, backend=backend, use_decode_runs=False, on_progress=on_progress,
                         pause_collector=False)  # torch may make cycles holding device memory
@@ -93,6 +101,10 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
             save_partial(Path(out_dir), backend, exc)
         raise
     result.summary.update(gpu_summary_fields(backend))
+    if grid is not None:
+        grid.write(calibrate_alongside, hw.model)
+        result.summary["calibrated_alongside"] = {"file": str(calibrate_alongside), "grid_points": len(grid.points),
+                                                  "points_per_step": grid.points_per_step}
     if out_dir is not None and backend.measured:  # per-step shapes and measured durations
         import pandas as pd
 
@@ -107,7 +119,7 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
 
 
 def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None, dtype: str | None, on_progress=None,
-                       enforce_eager: bool = False):
+                       enforce_eager: bool = False, calibrate_alongside: str | None = None):
     """`simkv replay --backend gpu`: device defaults to cuda when present; failures become
     click errors naming the step shape and the setting that fits (partial results saved)."""
     import click
@@ -119,7 +131,7 @@ def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         return run_gpu_replay(trace, config, out_dir, device, dtype, on_progress=on_progress,
-                              enforce_eager=enforce_eager)
+                              enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside)
     except DeviceOOMError as exc:
         raise click.ClickException(f"{exc}\nPartial results (steps measured so far) are in {out_dir}/"
                                    "partial_steps.parquet and error.json") from None

@@ -133,6 +133,20 @@ class ModelRunner:
                                      f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")
         return self.decode_graphs_status
 
+    def sibling(self, num_gpu_blocks: int) -> "ModelRunner":
+        """Another runner on the same weights and kernels with a KV pool of its own and no decode
+        graphs (capture them with `enable_decode_graphs`): calibration steps timed alongside a
+        replay write only into this pool, never into the replay's requests' blocks."""
+        import copy
+
+        other = copy.copy(self)
+        other.outputs = {}
+        other.decode_graphs, other.graph_sizes, other.decode_graphs_status = None, [], "off"
+        other.last_host_times, other.last_graph_batch = (0.0, 0.0), 0
+        other.kv_caches = []
+        other.allocate_pool(num_gpu_blocks)
+        return other
+
     def allocate_pool(self, num_gpu_blocks: int) -> None:
         """One K and one V tensor per layer, `num_gpu_blocks` blocks each (block ids index them)."""
         from kernels import allocate_kv_cache

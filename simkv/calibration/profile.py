@@ -62,10 +62,7 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
         return budget_s is not None and time.perf_counter() - t_start + next_cost > budget_s
 
     def summarise(row: dict) -> None:
-        xs = row["samples_s"]
-        row["median_s"] = statistics.median(xs)
-        row["mean_s"] = statistics.fmean(xs)
-        row["value_s"] = row["mean_s"] if statistic == "mean" else row["median_s"]
+        summarise_samples(row, statistic)
 
     for i, point in enumerate(points):
         elapsed = time.perf_counter() - t_start
@@ -128,14 +125,38 @@ def plan_pool_blocks(points: list[GridPoint], block_size: int, runner_bytes_per_
     return need
 
 
+def new_record(model: str, runner, dtype: str, preset: str, points: list[GridPoint], dropped: list, num_blocks: int,
+               settings: dict) -> dict:
+    """The head of a calib.json (no measured points, no fit yet)."""
+    from gpu_backend.backend import timing_label
+    from gpu_backend.env import canonical_gpu, device_info, library_versions
+
+    dev = device_info(runner.device)
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "model": model, "device": dev,
+        "gpu": canonical_gpu(dev["name"]) if dev["type"] == "cuda" else None,
+        "dtype": dtype, "kernel_backend": runner.kernel_backend, "versions": library_versions(),
+        "timing": timing_label(runner.device), "block_size": runner.block_size, "kv_pool_blocks": num_blocks,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": settings,
+        "grid": {"design": PRESETS[preset], "num_points": len(points), "dropped": dropped, "measured": []},
+        "complete": False,
+    }
+
+
+def summarise_samples(row: dict, statistic: str) -> None:
+    """A grid point's median, mean and fitted value (`statistic` of its samples)."""
+    xs = row["samples_s"]
+    row["median_s"] = statistics.median(xs)
+    row["mean_s"] = statistics.fmean(xs)
+    row["value_s"] = row["mean_s"] if statistic == "mean" else row["median_s"]
+
+
 def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | None = None, preset: str = "tiny",
               warmup: int = 2, repeats: int = 5, budget_s: float | None = None, block_size: int = 16,
               max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, seed: int = 0,
               holdout_fraction: float = 0.2, progress: Callable | None = None, log: Callable[[str], None] = print,
               statistic: str = "median", enforce_eager: bool = False) -> dict:
     """The whole calibration: build the runner, measure the grid, fit, write `out`. Returns the record."""
-    from gpu_backend.backend import timing_label
-    from gpu_backend.env import canonical_gpu, device_info, library_versions
     from gpu_backend.runner import ModelRunner, default_dtype
     from simkv.specs import get_model_spec
 
@@ -154,19 +175,10 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
     points, more_dropped = build_grid(preset, max_num_batched_tokens, max_num_seqs, spec.max_position_embeddings,
                                       num_blocks, block_size, seed)
     dropped = more_dropped
-    dev = device_info(runner.device)
-    record = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "model": model, "device": dev,
-        "gpu": canonical_gpu(dev["name"]) if dev["type"] == "cuda" else None,
-        "dtype": dtype, "kernel_backend": runner.kernel_backend, "versions": library_versions(),
-        "timing": timing_label(runner.device),
-        "block_size": block_size, "kv_pool_blocks": num_blocks,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settings": {"preset": preset, "warmup": warmup, "repeats": repeats, "statistic": statistic, "budget_s": budget_s, "seed": seed,
-                     "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs},
-        "grid": {"design": PRESETS[preset], "num_points": len(points), "dropped": dropped, "measured": []},
-        "complete": False,
-    }
+    record = new_record(model, runner, dtype, preset, points, dropped, num_blocks,
+                        {"preset": preset, "warmup": warmup, "repeats": repeats, "statistic": statistic,
+                         "budget_s": budget_s, "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
+                         "max_num_seqs": max_num_seqs})
     from gpu_backend.backend import prepare_for_timing
 
     # the same preparation as a replay: kernels compiled, decode graphs captured (CUDA)

@@ -63,6 +63,9 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
               help="gpu backend: run decode steps without CUDA graphs (vLLM's flag; by default they are captured).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="gpu backend [default: bf16 on cuda, fp32 on cpu]")
+@click.option("--calibrate-alongside", "calibrate_alongside", type=click.Path(dir_okay=False), default=None,
+              help="gpu backend: also time calibration grid points between the replay's steps and write their "
+                   "fit to this calib.json (for hosts whose speed drifts; the replay takes about twice as long).")
 @click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
 @click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
 @click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]")
@@ -91,13 +94,15 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
-               dtype: str | None, enforce_eager: bool, **flags) -> None:
+               dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
     from simkv.replay.report import print_summary
     from simkv.traces.schema import read_trace
 
+    if calibrate_alongside and backend != "gpu":
+        raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
     try:
         config = build_config(flags, config_file)
     except (ConfigError, TypeError, ValueError) as exc:
@@ -115,7 +120,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                 from gpu_backend.replay import run_gpu_replay_cli
 
                 result = run_gpu_replay_cli(data, config, out_dir, device, dtype, lambda k: progress.advance(task, k),
-                                            enforce_eager=enforce_eager)
+                                            enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside)
             else:
                 result = replay(data, config, cost_model,
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s},

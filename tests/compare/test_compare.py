@@ -71,3 +71,36 @@ def test_cpu_loop_calibrate_replay_compare(tmp_path, monkeypatch):
     out.mkdir(parents=True, exist_ok=True)  # keep the figures of the last CI run (git-ignored)
     (out / "compare.md").write_text((tmp_path / "cmp" / "compare.md").read_text())
     assert time.perf_counter() - t0 < 240
+
+
+def test_cpu_loop_with_calibration_alongside_the_replay(tmp_path):
+    """The issue's CPU loop with the grid timed between the measured replay's steps
+    (`--calibrate-alongside`): both see the same phases of this host's drifting speed, so the
+    duration error shows the cost model, not the drift. Issue target 15 %; 14 manual runs on this
+    host stayed within 7.2 % (docs/gpu_backend.md); the gate is 20 % for a CI host under more load."""
+    calib = tmp_path / "calib.json"
+    _invoke(["replay", TRACE, "--backend", "gpu", "--device", "cpu", *OPTS, "--out", str(tmp_path / "measured"),
+             "--calibrate-alongside", str(calib), "--quiet"])
+    rec = json.loads(calib.read_text())
+    assert rec["settings"]["protocol"].startswith("interleaved") and rec["rounds"] >= 3
+    assert len(rec["grid"]["measured"]) == rec["grid"]["num_points"] and rec["fit"]["holdout"]["n"] > 0
+    meas = json.loads((tmp_path / "measured" / "summary.json").read_text())
+    assert meas["calibrated_alongside"]["file"] == str(calib)
+    _invoke(["replay", TRACE, "--cost-model", str(calib), *OPTS, "--out", str(tmp_path / "sim"), "--quiet"])
+    _invoke(["compare", str(tmp_path / "sim"), str(tmp_path / "measured"), "--out", str(tmp_path / "cmp"),
+             "--targets", "cpu", "--quiet"])
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    by = {r["metric"]: r for r in result["metrics"]}
+    assert result["calibration_check"]["ok"], result["calibration_check"]
+    assert abs(by["duration_s"]["rel_error"]) < 0.20, (by["duration_s"], result["targets"])
+    assert abs(by["request_throughput_req_s"]["rel_error"]) < 0.25, by["request_throughput_req_s"]
+    out = Path("out/ci_loop")
+    out.mkdir(parents=True, exist_ok=True)  # the figures of the last CI run (git-ignored)
+    (out / "compare_interleaved.md").write_text((tmp_path / "cmp" / "compare.md").read_text())
+
+
+def test_calibrate_alongside_needs_the_gpu_backend(tmp_path):
+    res = CliRunner().invoke(main, ["replay", TRACE, *OPTS, "--calibrate-alongside", str(tmp_path / "c.json"),
+                                    "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "--calibrate-alongside needs --backend gpu" in res.output
+    assert not (tmp_path / "c.json").exists()

@@ -81,3 +81,25 @@ def test_captured_decode_graphs_match_eager_forward():
     assert graphed.decode_graphs.captured and used
     for a, b, _ in pairs:
         torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=0.02)
+
+
+def test_sibling_runner_shares_weights_not_the_kv_pool():
+    """Calibration steps timed alongside a replay run on a sibling: same weights and kernels, a
+    pool of its own, so they never write into the replay's requests' blocks."""
+    from gpu_backend.synthetic import run_synthetic, synthetic_output
+
+    runner = ModelRunner("tiny-llama", 32, 16, "cpu", "fp32", seed=2)
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    sib = runner.sibling(24)
+    assert sib.model is runner.model and sib.num_gpu_blocks == 24 and runner.num_gpu_blocks == 32
+    for k, v in sib.kv_caches:
+        k.zero_()
+        v.zero_()
+    run_synthetic(sib, synthetic_output([(0, 20)], [30, 5], 16, 24))
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert any(k.abs().sum() > 0 for k, _ in sib.kv_caches)  # the sibling's own pool was written
+    assert sib.outputs is not runner.outputs and sib.decode_graphs is None
