@@ -12,6 +12,9 @@ With --train-requests M (and time left), also:
   6. simkv replay --backend gpu on the NEXT M requests -> OUTDIR/measured_train
   7. simkv calibrate --from-steps measured_train --with-grid calib.json -> OUTDIR/calib_steps.json
   8. replay + compare of the first slice with it -> OUTDIR/sim_steps, OUTDIR/compare_steps
+After stage 5, two more simulations of the same slice are compared (seconds, no device time):
+the grid refitted on each point's mean (`simkv calibrate --refit`), and the fit with step-time
+variation drawn from the calibration's repeats (`--step-noise empirical`).
 With --interleaved, stages 2 and 3 are one: the replay times the calibration grid between its
 steps (`simkv replay --calibrate-alongside`), so both see the same phases of a host whose
 speed drifts (this project's CPU machine); the grid is still synthetic shapes only.
@@ -141,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ok_mean_cmp = ok_mean_cmp and _run("compare_mean", [*SIMKV, "compare", str(out / "sim_mean"), str(out / "measured"),
                                                         "--out", str(out / "compare_mean"), "--quiet", "--targets",
                                                         targets], max(min(60, left() - 5), 5), out, status)
+    # the same fit with step-time variation drawn from the calibration's repeats (seconds)
+    ok_noise_cmp = ok_cal and ok_meas and left() > 15 and _run(
+        "replay_sim_noise", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib), "--step-noise", "empirical",
+                             *engine, "--out", str(out / "sim_noise"), "--quiet"], max(min(120, left() - 8), 5), out, status)
+    ok_noise_cmp = ok_noise_cmp and _run("compare_noise", [*SIMKV, "compare", str(out / "sim_noise"), str(out / "measured"),
+                                                          "--out", str(out / "compare_noise"), "--quiet", "--targets",
+                                                          targets], max(min(60, left() - 5), 5), out, status)
     ok_steps_cmp = False
     calib_steps = out / "calib_steps.json"
     if m and ok_cal and ok_meas and left() > 60:
@@ -179,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"- coefficients: {fit['coefficients']} knee {fit['knee']}", f"- held-out: {fit['holdout']}", "",
                   (out / "compare_mean" / "compare.md").read_text().replace("# simkv compare",
                                                                             "### Comparison (same test slice)", 1)
+                  .replace("\n## ", "\n#### ")]
+    if ok_noise_cmp:
+        noise = json.loads((out / "sim_noise" / "summary.json").read_text())["cost_model"].get("step_noise")
+        lines += ["", "## The same fit with step-time variation (`--step-noise empirical`)", "",
+                  f"- drawn from the calibration's repeats: {noise}", "",
+                  (out / "compare_noise" / "compare.md").read_text().replace("# simkv compare",
+                                                                             "### Comparison (same test slice)", 1)
                   .replace("\n## ", "\n#### ")]
     if ok_steps_cmp:
         rec = json.loads(calib_steps.read_text())

@@ -10,7 +10,11 @@ from simkv.specs import get_gpu_spec, get_model_spec
 COST_MODELS = ("unit", "linear", "roofline")
 
 
-def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, step_per_token_s: float = 2e-5):
+def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, step_per_token_s: float = 2e-5,
+                 step_noise: str = "none", noise_seed: int = 0):
+    if step_noise != "none" and not name.endswith(".json"):
+        raise ValueError("--step-noise needs a calibrated cost model (--cost-model calib.json): its variation "
+                         "comes from the calibration's repeated samples")
     if name == "unit":
         return UnitCostModel()
     if name == "linear":
@@ -22,5 +26,6 @@ def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, st
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
-        return cost_model_from_file(name, model=config.hardware.model, gpu=config.hardware.gpu)
+        return cost_model_from_file(name, model=config.hardware.model, gpu=config.hardware.gpu,
+                                    step_noise=step_noise, noise_seed=noise_seed)
     raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")

@@ -25,6 +25,13 @@ Without graphs every step is eager and E is left out (cE = 0): c0 is the eager i
 The formula is written once in `_time`, so Python integers and numpy arrays give the same
 floats. The replay times pure-decode steps with `decode_step_line`, the same formula in
 clock ticks.
+
+Step-time variation (`step_noise="empirical"`). The formula gives a step's typical time; a real
+engine's steps scatter around it, and queues grow with that scatter, so a deterministic replay
+predicts latencies too short. With the option, each simulated step's time is the formula's
+times a ratio drawn (seeded) from the calibration's own repeats: every grid point's samples
+divided by that point's median, pooled. Decode runs are then off (each step draws its own
+ratio), and `predict_features` stays the formula.
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ class CalibratedCostModel:
     supports_decode_runs = True
     needs_request_detail = False
 
-    def __init__(self, coefficients: dict, knee: float, info: dict | None = None, graph_sizes=()) -> None:
+    def __init__(self, coefficients: dict, knee: float, info: dict | None = None, graph_sizes=(),
+                 noise_log_ratios=None, noise_seed: int = 0) -> None:
         missing = [k for k in COEFFICIENTS if k not in coefficients and k not in OPTIONAL_COEFFICIENTS]
         if missing:
             raise CalibrationError(f"calibration fit lacks coefficients {missing}")
@@ -125,6 +133,15 @@ class CalibratedCostModel:
         self.coefficients = c
         self.info = info or {}
         self.warnings: list[str] = []
+        self.noise = None
+        if noise_log_ratios is not None:
+            ratios = np.asarray(noise_log_ratios, dtype=np.float64)
+            if ratios.size == 0 or not np.isfinite(ratios).all():
+                raise CalibrationError("step-time variation needs finite samples from the calibration's repeats")
+            self.noise = ratios
+            self.noise_seed = int(noise_seed)
+            self._rng = np.random.default_rng(self.noise_seed)
+            self.supports_decode_runs = False  # every step draws its own ratio
 
     def _time(self, E, T, S, Pp, Kp, Kd):
         """The formula, once; works on Python numbers and numpy arrays with identical floats."""
@@ -144,9 +161,10 @@ class CalibratedCostModel:
     def execute(self, output: SchedulerOutput) -> float:
         T, S, Pp, Kp, Kd = step_features(output)
         b = self.graph_batch(T) if Kp == 0 else 0
-        if b:
-            return float(self._time(0, b, b, Pp, Kp, Kd + b - T))
-        return float(self._time(1, T, S, Pp, Kp, Kd))
+        t = float(self._time(0, b, b, Pp, Kp, Kd + b - T)) if b else float(self._time(1, T, S, Pp, Kp, Kd))
+        if self.noise is not None:
+            t *= float(np.exp(self.noise[self._rng.integers(self.noise.size)]))
+        return t
 
     def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
         n = num_decodes  # `_time` of a pure-decode step: the step-invariant terms, and Kd's
@@ -160,6 +178,11 @@ class CalibratedCostModel:
     def describe(self) -> dict:
         out = {"cost_model": "calibrated", "form": FORM, "knee": self.knee, **self.coefficients,
                "graph_sizes": list(self.graph_sizes), **self.info}
+        if self.noise is not None:
+            q = np.exp(np.percentile(self.noise, [10, 50, 90]))
+            out["step_noise"] = {"kind": "empirical", "samples": int(self.noise.size), "seed": self.noise_seed,
+                                 "ratio_p10_p50_p90": [float(x) for x in q],
+                                 "mean_ratio": float(np.exp(self.noise).mean())}
         if self.warnings:
             out["warnings"] = list(self.warnings)
         return out
@@ -230,13 +253,34 @@ def check_calibration(calib: dict, model: str | None = None, device: dict | None
     return warnings
 
 
-def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | None = None) -> CalibratedCostModel:
+def step_noise_log_ratios(calib: dict) -> np.ndarray:
+    """log(sample / median of its point) over every grid point with at least 3 samples."""
+    out = []
+    for row in (calib.get("grid") or {}).get("measured") or []:
+        xs = np.asarray(row.get("samples_s") or [], dtype=np.float64)
+        if xs.size >= 3 and (xs > 0).all():
+            out.append(np.log(xs / np.median(xs)))
+    if not out:
+        raise CalibrationError(f"{calib.get('_path', 'calib.json')} has no grid point with 3 or more samples: "
+                               "no step-time variation to draw from (calibrate with --repeats 3 or more)")
+    return np.concatenate(out)
+
+
+STEP_NOISE = ("none", "empirical")
+
+
+def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | None = None,
+                         step_noise: str = "none", noise_seed: int = 0) -> CalibratedCostModel:
+    if step_noise not in STEP_NOISE:
+        raise CalibrationError(f"step noise '{step_noise}' is not one of {', '.join(STEP_NOISE)}")
     calib = load_calibration(path)
     warnings = check_calibration(calib, model=model, gpu=gpu)
     fit = calib["fit"]
     info = {"calibration_file": str(path), "calibrated_model": calib.get("model"), "device": calib.get("device"),
             "dtype": calib.get("dtype"), "calibration_versions": calib.get("versions"),
             "holdout": (fit.get("holdout") or {}).get("mape"), "cuda_graphs": calib.get("cuda_graphs")}
-    cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info, graph_sizes=fit.get("graph_sizes", ()))
+    noise = step_noise_log_ratios(calib) if step_noise == "empirical" else None
+    cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info, graph_sizes=fit.get("graph_sizes", ()),
+                             noise_log_ratios=noise, noise_seed=noise_seed)
     cm.warnings.extend(warnings)
     return cm

@@ -66,6 +66,10 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--calibrate-alongside", "calibrate_alongside", type=click.Path(dir_okay=False), default=None,
               help="gpu backend: also time calibration grid points between the replay's steps and write their "
                    "fit to this calib.json (for hosts whose speed drifts; the replay takes about twice as long).")
+@click.option("--step-noise", type=click.Choice(["none", "empirical"]), default="none", show_default=True,
+              help="calib.json cost model: multiply each step's time by a ratio drawn from the calibration's own "
+                   "repeats (real steps scatter, and queues grow with the scatter); turns decode runs off.")
+@click.option("--noise-seed", type=int, default=0, show_default=True, help="Seed of --step-noise (same seed, same output).")
 @click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
 @click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
 @click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]")
@@ -94,13 +98,16 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
-               dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, **flags) -> None:
+               dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
+               noise_seed: int, **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
     from simkv.replay.report import print_summary
     from simkv.traces.schema import read_trace
 
+    if step_noise != "none" and backend == "gpu":
+        raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
     try:
@@ -123,7 +130,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                             enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside)
             else:
                 result = replay(data, config, cost_model,
-                                {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s},
+                                {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s,
+                                 "step_noise": step_noise, "noise_seed": noise_seed},
                                 use_decode_runs=not no_decode_runs,
                                 on_progress=lambda k: progress.advance(task, k))
         except (ConfigError, ValueError, ReplayError) as exc:

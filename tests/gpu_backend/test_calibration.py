@@ -262,3 +262,54 @@ def test_refit_changes_the_statistic_without_measuring(tmp_path):
     src.write_text(json.dumps(rec))
     res = CliRunner().invoke(main, ["calibrate", "--refit", str(src), "--out", str(tmp_path / "x.json")])
     assert res.exit_code != 0 and "grid point 3" in res.output and not (tmp_path / "x.json").exists()
+
+
+def test_step_noise_draws_from_the_calibrations_repeats(tmp_path):
+    """--step-noise empirical: each step's time is the formula's times a ratio drawn (seeded)
+    from the grid samples over their point's median; the formula itself is unchanged."""
+    from simkv.calibration.costmodel import step_noise_log_ratios
+    from simkv.core.outputs import SchedulerOutput
+
+    rec = _calib_record()
+    rec["grid"] = {"measured": [{"samples_s": [1.0, 1.0, 2.0]}, {"samples_s": [0.5, 1.0, 1.0, 1.0]},
+                                {"samples_s": [3.0, 3.0]}]}  # too few samples: left out
+    logs = step_noise_log_ratios(rec)
+    assert sorted(np.round(np.exp(logs), 6)) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0]
+    m = CalibratedCostModel(TRUE, 200.0, noise_log_ratios=logs, noise_seed=5)
+    plain = CalibratedCostModel(TRUE, 200.0)
+    assert not m.supports_decode_runs and plain.supports_decode_runs
+    out = SchedulerOutput(step=0, chunks=[], num_decode_reqs=4, decode_context_tokens=400, decodes=None,
+                          preempted=[], num_running=4, num_waiting=0, num_blocks_used=0,
+                          prefix_query_tokens=0, prefix_hit_tokens=0)
+    ratios = [m.execute(out) / plain.execute(out) for _ in range(700)]
+    assert set(np.round(ratios, 9)) == {0.5, 1.0, 2.0}
+    assert abs(ratios.count(min(ratios)) / 700 - 1 / 7) < 0.05  # drawn uniformly from the pooled samples
+    again = CalibratedCostModel(TRUE, 200.0, noise_log_ratios=logs, noise_seed=5)
+    assert [again.execute(out) / plain.execute(out) for _ in range(700)] == ratios  # seeded
+    feats = np.array([[4, 4, 0, 0, 400]])
+    assert m.predict_features(feats)[0] == plain.predict_features(feats)[0]
+    assert m.describe()["step_noise"]["samples"] == 7
+    with pytest.raises(CalibrationError, match="3 or more samples"):
+        step_noise_log_ratios({**rec, "grid": {"measured": [{"samples_s": [1.0, 2.0]}]}})
+
+
+def test_step_noise_cli(tmp_path):
+    from tests.gpu_backend.conftest import CI_TRACE
+
+    rec = _calib_record()
+    rec["grid"] = {"measured": [{"samples_s": [1.0, 1.1, 1.5, 0.9]}]}
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(rec))
+    opts = ["--model", "tiny-llama", "--num-gpu-blocks", "512", "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+    outs = []
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        res = CliRunner().invoke(main, ["replay", str(CI_TRACE), "--cost-model", str(path), "--step-noise", "empirical",
+                                        "--noise-seed", seed, *opts, "--out", str(tmp_path / name), "--quiet"])
+        assert res.exit_code == 0, res.output
+        outs.append((tmp_path / name / "requests.parquet").read_bytes())
+    assert outs[0] == outs[1] and outs[0] != outs[2]  # the same seed gives the same bytes
+    res = CliRunner().invoke(main, ["replay", str(CI_TRACE), "--step-noise", "empirical", *opts, "--out", str(tmp_path / "d")])
+    assert res.exit_code != 0 and "needs a calibrated cost model" in res.output
+    res = CliRunner().invoke(main, ["replay", str(CI_TRACE), "--backend", "gpu", "--device", "cpu", "--step-noise", "empirical",
+                                    *opts, "--out", str(tmp_path / "e")])
+    assert res.exit_code != 0 and "for simulated replays" in res.output
