@@ -171,7 +171,7 @@ def _num(v) -> str:
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"# simkv compare", "", f"- trace: `{result['trace']}`",
+    lines = ["# simkv compare", "", f"- trace: `{result['trace']}`",
              f"- simulated: `{result['simulated_dir']}` (cost model: {result['simulated_cost_model']})",
              f"- measured: `{result['measured_dir']}` (backend {result['measured_backend']}, device {result['measured_device']})", ""]
     cc = result["calibration_check"]

@@ -7,7 +7,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
 from simkv.cli.main import main
