@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from simkv.config import EngineConfig
 from simkv.replay.api import replay

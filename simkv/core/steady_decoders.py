@@ -22,7 +22,6 @@ from bisect import bisect_left
 from itertools import chain
 from operator import attrgetter
 
-from simkv.core.block_pool import BlockChunk
 from simkv.core.outputs import DecodeRun
 from simkv.core.request import Request, RequestStatus
 

@@ -1,6 +1,4 @@
 """The torch reference itself, the public dispatch API, and a randomized property check."""
-import os
-
 import pytest
 import torch
 from kernel_cases import assert_close_to_reference, interpreting, make_batch
