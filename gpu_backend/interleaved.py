@@ -29,15 +29,22 @@ class InterleavedGrid:
                  points_per_step: int = POINTS_PER_STEP) -> None:
         from gpu_backend.backend import StepTimer, prepare_for_timing
         from gpu_backend.synthetic import synthetic_output
-        from simkv.calibration.grid import blocks_for, build_grid
+        from simkv.calibration.grid import build_grid
+        from simkv.calibration.profile import activation_reserve, plan_pool_blocks
 
         sched = config.scheduler
         self.preset = preset or ("default" if runner.device.type == "cuda" else "tiny")
         self.seed = seed
         args = (self.preset, sched.max_num_batched_tokens, sched.max_num_seqs, runner.spec.max_position_embeddings)
         points, _ = build_grid(*args, None, runner.block_size, seed)
-        num_blocks = max((blocks_for(p, runner.block_size) for p in points), default=1) + 1
+        # the largest point's blocks, capped by what the device has left beside the replay's pool;
+        # points that do not fit are dropped (and listed), as `simkv calibrate` does
+        cuda = runner.device.type == "cuda"
+        num_blocks = plan_pool_blocks(points, runner.block_size, runner.bytes_per_block(), runner.device.type,
+                                      activation_reserve(runner.spec, sched.max_num_batched_tokens) if cuda else 0)
         self.points, self.dropped = build_grid(*args, num_blocks, runner.block_size, seed)
+        if not self.points:
+            raise ValueError(f"no calibration grid point fits the {num_blocks} KV blocks left beside the replay's pool")
         self.runner = runner.sibling(num_blocks)
         self.num_blocks = num_blocks
         self.graphs_status = prepare_for_timing(self.runner, 2, sched.max_num_seqs, enforce_eager)

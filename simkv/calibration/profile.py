@@ -112,6 +112,12 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
             "rounds": rounds, "measure_time_s": time.perf_counter() - t_start}
 
 
+def activation_reserve(spec, max_num_batched_tokens: int) -> int:
+    """Bytes left free for a step's activations when sizing a calibration pool (bf16 MLP and
+    attention buffers of the largest step, plus 1 GiB)."""
+    return max_num_batched_tokens * 2 * (2 * spec.intermediate_size + 4 * spec.hidden_size) + (1 << 30)
+
+
 def plan_pool_blocks(points: list[GridPoint], block_size: int, runner_bytes_per_block: int, device: str,
                      activation_reserve: int) -> int:
     """Blocks for the calibration KV pool: the largest point's, capped by free device memory."""
@@ -168,9 +174,8 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
                                  None, block_size, seed)
     # Weights first (they are resident whatever the pool), then the pool sized to what is left.
     runner = ModelRunner(model, 0, block_size, device, dtype, seed=seed)
-    reserve = max_num_batched_tokens * 2 * (2 * spec.intermediate_size + 4 * spec.hidden_size) + (1 << 30)
     num_blocks = plan_pool_blocks(points, block_size, runner.bytes_per_block(), device,
-                                  reserve if device.startswith("cuda") else 0)
+                                  activation_reserve(spec, max_num_batched_tokens) if device.startswith("cuda") else 0)
     runner.allocate_pool(num_blocks)
     points, more_dropped = build_grid(preset, max_num_batched_tokens, max_num_seqs, spec.max_position_embeddings,
                                       num_blocks, block_size, seed)
