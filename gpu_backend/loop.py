@@ -126,30 +126,35 @@ def main(argv: list[str] | None = None) -> int:
         ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
                                       *engine, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
     targets = "gpu" if device == "cuda" else "cpu"
-    ok_sim = ok_cal and _run("replay_sim", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib), *engine,
-                                            "--out", str(out / "sim"), "--quiet"], min(120, left() - 15), out, status)
-    ok_cmp = ok_meas and ok_sim and _run("compare", [*SIMKV, "compare", str(out / "sim"), str(out / "measured"),
-                                                      "--out", str(out / "compare"), "--quiet", "--targets", targets],
-                                         max(left(), 10), out, status)
+
+    def simulate_and_compare(suffix: str, cost_model: list[str], sim_limit, cmp_limit, measured_ok: bool = True) -> bool:
+        """Stage replay_sim{suffix}: the slice simulated with `cost_model` flags into OUTDIR/sim{suffix};
+        then, if it and the measured replay succeeded, stage compare{suffix} into OUTDIR/compare{suffix}.
+        The limits are callables: each is evaluated when its stage starts."""
+        ok_sim = _run(f"replay_sim{suffix}", [*SIMKV, "replay", str(slice_path), *cost_model, *engine,
+                                              "--out", str(out / f"sim{suffix}"), "--quiet"], sim_limit(), out, status)
+        return ok_sim and measured_ok and _run(
+            f"compare{suffix}", [*SIMKV, "compare", str(out / f"sim{suffix}"), str(out / "measured"),
+                                 "--out", str(out / f"compare{suffix}"), "--quiet", "--targets", targets],
+            cmp_limit(), out, status)
+
+    def short_sim_limit() -> float:
+        return max(min(120, left() - 8), 5)
+
+    ok_cmp = ok_cal and simulate_and_compare("", ["--cost-model", str(calib)], lambda: min(120, left() - 15),
+                                             lambda: max(left(), 10), measured_ok=ok_meas)
     # the same grid fitted on the mean of each point's samples (no measuring: seconds), checked on
     # the same slice: a replay sums every step, so a skewed step time favours the mean
     calib_mean = out / "calib_mean.json"
     ok_mean_cmp = ok_cal and ok_meas and left() > 20 and _run(
         "calibrate_mean", [*SIMKV, "calibrate", "--refit", str(calib), "--statistic", "mean", "--out", str(calib_mean),
                            "--quiet"], max(min(30, left() - 10), 5), out, status)
-    ok_mean_cmp = ok_mean_cmp and _run("replay_sim_mean", [*SIMKV, "replay", str(slice_path), "--cost-model",
-                                                           str(calib_mean), *engine, "--out", str(out / "sim_mean"),
-                                                           "--quiet"], max(min(120, left() - 8), 5), out, status)
-    ok_mean_cmp = ok_mean_cmp and _run("compare_mean", [*SIMKV, "compare", str(out / "sim_mean"), str(out / "measured"),
-                                                        "--out", str(out / "compare_mean"), "--quiet", "--targets",
-                                                        targets], max(min(60, left() - 5), 5), out, status)
+    ok_mean_cmp = ok_mean_cmp and simulate_and_compare("_mean", ["--cost-model", str(calib_mean)], short_sim_limit,
+                                                       lambda: max(min(60, left() - 5), 5))
     # the same fit with step-time variation drawn from the calibration's repeats (seconds)
-    ok_noise_cmp = ok_cal and ok_meas and left() > 15 and _run(
-        "replay_sim_noise", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib), "--step-noise", "empirical",
-                             *engine, "--out", str(out / "sim_noise"), "--quiet"], max(min(120, left() - 8), 5), out, status)
-    ok_noise_cmp = ok_noise_cmp and _run("compare_noise", [*SIMKV, "compare", str(out / "sim_noise"), str(out / "measured"),
-                                                          "--out", str(out / "compare_noise"), "--quiet", "--targets",
-                                                          targets], max(min(60, left() - 5), 5), out, status)
+    ok_noise_cmp = ok_cal and ok_meas and left() > 15 and simulate_and_compare(
+        "_noise", ["--cost-model", str(calib), "--step-noise", "empirical"], short_sim_limit,
+        lambda: max(min(60, left() - 5), 5))
     ok_steps_cmp = False
     calib_steps = out / "calib_steps.json"
     if m and ok_cal and ok_meas and left() > 60:
@@ -160,12 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         ok_fit = ok_train and _run("calibrate_steps", [*SIMKV, "calibrate", "--from-steps", str(out / "measured_train"),
                                                        "--with-grid", str(calib), "--out", str(calib_steps), "--quiet"],
                                    max(min(60, left() - 15), 5), out, status)
-        ok_sim2 = ok_fit and _run("replay_sim_steps", [*SIMKV, "replay", str(slice_path), "--cost-model", str(calib_steps),
-                                                       *engine, "--out", str(out / "sim_steps"), "--quiet"],
-                                  max(min(120, left() - 8), 5), out, status)
-        ok_steps_cmp = ok_sim2 and _run("compare_steps", [*SIMKV, "compare", str(out / "sim_steps"), str(out / "measured"),
-                                                          "--out", str(out / "compare_steps"), "--quiet", "--targets",
-                                                          targets], max(left(), 8), out, status)
+        ok_steps_cmp = ok_fit and simulate_and_compare("_steps", ["--cost-model", str(calib_steps)], short_sim_limit,
+                                                       lambda: max(left(), 8))
     lines = [f"# simkv GPU backend loop ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"- device: {device} ({gpu_name}); model {args.model}; trace slice: first {n} requests of {args.trace}",
              f"- engine flags of both replays: `{' '.join(engine)}`",
@@ -182,29 +183,28 @@ def main(argv: list[str] | None = None) -> int:
                   f"- held-out: {fit.get('holdout')}"]
     if ok_cmp:
         lines += ["", (out / "compare" / "compare.md").read_text().replace("# simkv compare", "## Comparison", 1)]
+
+    def comparison_section(suffix: str, title: str, facts: list[str]) -> list[str]:
+        """A further simulation's section: its facts, then its compare.md one heading level down."""
+        md = (out / f"compare{suffix}" / "compare.md").read_text()
+        return ["", f"## {title}", "", *facts, "",
+                md.replace("# simkv compare", "### Comparison (same test slice)", 1).replace("\n## ", "\n#### ")]
+
     if ok_mean_cmp:
         fit = json.loads(calib_mean.read_text())["fit"]
-        lines += ["", "## The same grid fitted on the mean of each point's samples", "",
-                  f"- coefficients: {fit['coefficients']} knee {fit['knee']}", f"- held-out: {fit['holdout']}", "",
-                  (out / "compare_mean" / "compare.md").read_text().replace("# simkv compare",
-                                                                            "### Comparison (same test slice)", 1)
-                  .replace("\n## ", "\n#### ")]
+        lines += comparison_section("_mean", "The same grid fitted on the mean of each point's samples",
+                                    [f"- coefficients: {fit['coefficients']} knee {fit['knee']}",
+                                     f"- held-out: {fit['holdout']}"])
     if ok_noise_cmp:
         noise = json.loads((out / "sim_noise" / "summary.json").read_text())["cost_model"].get("step_noise")
-        lines += ["", "## The same fit with step-time variation (`--step-noise empirical`)", "",
-                  f"- drawn from the calibration's repeats: {noise}", "",
-                  (out / "compare_noise" / "compare.md").read_text().replace("# simkv compare",
-                                                                             "### Comparison (same test slice)", 1)
-                  .replace("\n## ", "\n#### ")]
+        lines += comparison_section("_noise", "The same fit with step-time variation (`--step-noise empirical`)",
+                                    [f"- drawn from the calibration's repeats: {noise}"])
     if ok_steps_cmp:
         rec = json.loads(calib_steps.read_text())
         fit = rec["fit"]
-        lines += ["", f"## Second calibration: grid + the measured steps of requests {n}..{n + m - 1}", "",
-                  f"- {rec['source']}", f"- coefficients: {fit['coefficients']} knee {fit['knee']}",
-                  f"- held-out: {fit['holdout']}", "",
-                  (out / "compare_steps" / "compare.md").read_text().replace("# simkv compare",
-                                                                             "### Comparison (same test slice)", 1)
-                  .replace("\n## ", "\n#### ")]
+        lines += comparison_section("_steps", f"Second calibration: grid + the measured steps of requests {n}..{n + m - 1}",
+                                    [f"- {rec['source']}", f"- coefficients: {fit['coefficients']} knee {fit['knee']}",
+                                     f"- held-out: {fit['holdout']}"])
     lines += ["", f"Total loop time: {time.perf_counter() - t_start:.0f}s"]
     (out / "loop_summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}/loop_summary.md", flush=True)
