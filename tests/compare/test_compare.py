@@ -43,6 +43,23 @@ def test_compare_refuses_different_traces(tmp_path):
     assert res.exit_code != 0 and "different traces" in res.output
 
 
+def _simulate_and_compare(tmp_path: Path, calib: Path) -> tuple[dict, dict]:
+    """Replay TRACE simulated with `calib`, compare it with tmp_path/measured (CPU targets);
+    returns compare.json and its metrics by name, the calibration check already asserted."""
+    _invoke(["replay", TRACE, "--cost-model", str(calib), *OPTS, "--out", str(tmp_path / "sim"), "--quiet"])
+    _invoke(["compare", str(tmp_path / "sim"), str(tmp_path / "measured"), "--out", str(tmp_path / "cmp"),
+             "--targets", "cpu", "--quiet"])
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert result["calibration_check"]["ok"], result["calibration_check"]
+    return result, {r["metric"]: r for r in result["metrics"]}
+
+
+def _keep_figures(tmp_path: Path, name: str) -> None:
+    out = Path("out/ci_loop")
+    out.mkdir(parents=True, exist_ok=True)  # keep the figures of the last CI run (git-ignored)
+    (out / name).write_text((tmp_path / "cmp" / "compare.md").read_text())
+
+
 def test_cpu_loop_calibrate_replay_compare(tmp_path, monkeypatch):
     """The loop of the issue, on CPU with the tiny model. Times use the process CPU clock: this
     host is shared, and wall-clock steps swing by 2x with other processes' load (docs/gpu_backend.md)."""
@@ -54,21 +71,14 @@ def test_cpu_loop_calibrate_replay_compare(tmp_path, monkeypatch):
     rec = json.loads(calib.read_text())
     assert rec["fit"]["holdout"]["n"] > 0 and rec["timing"] == "process_time cpu clock"
     _invoke(["replay", TRACE, "--backend", "gpu", "--device", "cpu", *OPTS, "--out", str(tmp_path / "measured"), "--quiet"])
-    _invoke(["replay", TRACE, "--cost-model", str(calib), *OPTS, "--out", str(tmp_path / "sim"), "--quiet"])
-    _invoke(["compare", str(tmp_path / "sim"), str(tmp_path / "measured"), "--out", str(tmp_path / "cmp"),
-             "--targets", "cpu", "--quiet"])
-    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    by = {r["metric"]: r for r in result["metrics"]}
-    assert result["calibration_check"]["ok"], result["calibration_check"]
+    result, by = _simulate_and_compare(tmp_path, calib)
     assert by["num_finished"]["rel_error"] == 0 and by["prefix_cache_hit_rate"]["rel_error"] == 0
     # Loose sanity bound (units, factor-of-two biases); the 15 % target is reported, not asserted,
     # because other processes on this 2-core host move CPU step times by tens of percent.
     assert abs(by["duration_s"]["rel_error"]) < 0.6, (by["duration_s"], result["targets"])
     for f in ("compare.json", "compare.md", "report.html"):
         assert (tmp_path / "cmp" / f).is_file()
-    out = Path("out/ci_loop")
-    out.mkdir(parents=True, exist_ok=True)  # keep the figures of the last CI run (git-ignored)
-    (out / "compare.md").write_text((tmp_path / "cmp" / "compare.md").read_text())
+    _keep_figures(tmp_path, "compare.md")
     assert time.perf_counter() - t0 < 240
 
 
@@ -85,17 +95,10 @@ def test_cpu_loop_with_calibration_alongside_the_replay(tmp_path):
     assert len(rec["grid"]["measured"]) == rec["grid"]["num_points"] and rec["fit"]["holdout"]["n"] > 0
     meas = json.loads((tmp_path / "measured" / "summary.json").read_text())
     assert meas["calibrated_alongside"]["file"] == str(calib)
-    _invoke(["replay", TRACE, "--cost-model", str(calib), *OPTS, "--out", str(tmp_path / "sim"), "--quiet"])
-    _invoke(["compare", str(tmp_path / "sim"), str(tmp_path / "measured"), "--out", str(tmp_path / "cmp"),
-             "--targets", "cpu", "--quiet"])
-    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    by = {r["metric"]: r for r in result["metrics"]}
-    assert result["calibration_check"]["ok"], result["calibration_check"]
+    result, by = _simulate_and_compare(tmp_path, calib)
     assert abs(by["duration_s"]["rel_error"]) < 0.20, (by["duration_s"], result["targets"])
     assert abs(by["request_throughput_req_s"]["rel_error"]) < 0.25, by["request_throughput_req_s"]
-    out = Path("out/ci_loop")
-    out.mkdir(parents=True, exist_ok=True)  # the figures of the last CI run (git-ignored)
-    (out / "compare_interleaved.md").write_text((tmp_path / "cmp" / "compare.md").read_text())
+    _keep_figures(tmp_path, "compare_interleaved.md")
 
 
 def test_calibrate_alongside_needs_the_gpu_backend(tmp_path):
