@@ -16,8 +16,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
-
 #: grid points timed after each replay step
 POINTS_PER_STEP = 2
 #: samples every point has before the fit (topped up after the replay if the replay was short)
@@ -75,7 +73,7 @@ class InterleavedGrid:
 
     def record(self, model: str, statistic: str = "median", holdout_fraction: float = 0.2) -> dict:
         """The calib.json record: every point's samples (topped up to MIN_SAMPLES), and the fit."""
-        from simkv.calibration.fit import fit_calibration
+        from simkv.calibration.fit import fit_rows
         from simkv.calibration.profile import new_record, summarise_samples
 
         while min(len(s) for s in self.samples) < MIN_SAMPLES:
@@ -92,9 +90,7 @@ class InterleavedGrid:
             summarise_samples(row, statistic)
             rec["grid"]["measured"].append(row)
         rec["rounds"] = min(len(s) for s in self.samples)
-        feats = np.array([p.features for p in self.points], dtype=np.int64)
-        y = np.array([row["value_s"] for row in rec["grid"]["measured"]])
-        rec["fit"] = fit_calibration(feats, y, holdout_fraction, self.seed, graph_sizes=r.graph_sizes)
+        rec["fit"] = fit_rows(rec["grid"]["measured"], holdout_fraction, self.seed, graph_sizes=r.graph_sizes)
         rec["complete"] = True
         rec["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         return rec

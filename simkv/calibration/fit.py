@@ -117,3 +117,11 @@ def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float
         "train_fit": {"coefficients": {k: float(v) for k, v in zip(COEFFICIENTS, coef_tr)}, "knee": float(knee_tr)},
         "all_points": errors(pred_all, y),
     }
+
+
+def fit_rows(rows: list[dict], holdout_fraction: float = 0.2, seed: int = 0, graph_sizes=()) -> dict:
+    """`fit_calibration` of measured grid rows (calib.json's `grid.measured`: each has its
+    `features` and its fitted `value_s`)."""
+    features = np.array([row["features"] for row in rows], dtype=np.int64).reshape(-1, 5)
+    y = np.array([row["value_s"] for row in rows], dtype=np.float64)
+    return fit_calibration(features, y, holdout_fraction, seed, graph_sizes)

@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from simkv.calibration.costmodel import FORMAT, FORMAT_VERSION
-from simkv.calibration.fit import fit_calibration
+from simkv.calibration.fit import fit_rows
 from simkv.calibration.grid import PRESETS, GridPoint, blocks_for, build_grid
 
 
@@ -61,9 +59,6 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
     def over_budget(next_cost: float) -> bool:
         return budget_s is not None and time.perf_counter() - t_start + next_cost > budget_s
 
-    def summarise(row: dict) -> None:
-        summarise_samples(row, statistic)
-
     for i, point in enumerate(points):
         elapsed = time.perf_counter() - t_start
         if measured and over_budget(elapsed / max(len(measured) + len(ooms), 1)):
@@ -93,7 +88,7 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
                 on_point({"oom": ooms[-1]}, i + 1, len(points))
             continue
         row = {"label": point.label(), "shape": point.describe(), "features": list(point.features), "samples_s": samples}
-        summarise(row)
+        summarise_samples(row, statistic)
         measured.append(row)
         outputs.append(out)
         if on_point:
@@ -106,7 +101,7 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
             break
         for row, out in zip(measured, outputs):
             row["samples_s"].append(timer.time(run_synthetic, runner, out)[1])
-            summarise(row)
+            summarise_samples(row, statistic)
         rounds += 1
     return {"measured": measured, "oom": ooms, "skipped": skipped, "stopped_by_budget": stopped_by_budget,
             "rounds": rounds, "measure_time_s": time.perf_counter() - t_start}
@@ -218,9 +213,7 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
     record["measure_time_s"] = result["measure_time_s"]
     measured = result["measured"]
     if len(measured) >= 3:
-        feats = np.array([m["features"] for m in measured], dtype=np.int64)
-        y = np.array([m["value_s"] for m in measured])
-        record["fit"] = fit_calibration(feats, y, holdout_fraction, seed, graph_sizes=runner.graph_sizes)
+        record["fit"] = fit_rows(measured, holdout_fraction, seed, graph_sizes=runner.graph_sizes)
     record["complete"] = not result["stopped_by_budget"] and not result["oom"]
     record["total_time_s"] = time.perf_counter() - t0
     write_json_atomic(out, record)

@@ -8,16 +8,16 @@ Needs numpy only.
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
 from simkv.calibration.costmodel import CalibrationError, load_calibration
-from simkv.calibration.fit import fit_calibration
+from simkv.calibration.fit import fit_rows
+from simkv.calibration.profile import summarise_samples, write_json_atomic
 
-STATISTICS = {"median": statistics.median, "mean": statistics.fmean}
+STATISTICS = ("median", "mean")
 
 
 def refit_calibration(path: str | Path, out: str | Path, statistic: str = "median", holdout_fraction: float = 0.2,
@@ -44,15 +44,11 @@ def refit_calibration(path: str | Path, out: str | Path, statistic: str = "media
         samples = row.get("samples_s")
         if not samples or any(not np.isfinite(x) or x <= 0 for x in samples):
             raise CalibrationError(f"{path}: grid point {i} ({row.get('label')}) has no valid samples_s")
-        row["value_s"] = STATISTICS[statistic](samples)
-    features = np.array([row["features"] for row in measured], dtype=np.int64).reshape(-1, 5)
-    y = np.array([row["value_s"] for row in measured], dtype=np.float64)
+        summarise_samples(row, statistic)
     record["settings"] = {**(record.get("settings") or {}), "statistic": statistic}
     record["refit"] = {"of": str(path), "statistic": statistic,
                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    record["fit"] = fit_calibration(features, y, holdout_fraction, seed,
-                                    graph_sizes=record.get("cuda_graph_sizes") or ())
-    from simkv.calibration.profile import write_json_atomic
+    record["fit"] = fit_rows(measured, holdout_fraction, seed, graph_sizes=record.get("cuda_graph_sizes") or ())
 
     write_json_atomic(Path(out), record)
     return record
