@@ -13,8 +13,9 @@ is the normal path.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+
+from gpu_backend.runner import dtype_name
 
 #: grid points timed after each replay step
 POINTS_PER_STEP = 2
@@ -74,25 +75,20 @@ class InterleavedGrid:
     def record(self, model: str, statistic: str = "median", holdout_fraction: float = 0.2) -> dict:
         """The calib.json record: every point's samples (topped up to MIN_SAMPLES), and the fit."""
         from simkv.calibration.fit import fit_rows
-        from simkv.calibration.profile import new_record, summarise_samples
+        from simkv.calibration.profile import grid_row, new_record
 
         while min(len(s) for s in self.samples) < MIN_SAMPLES:
             self._time_next()
         r = self.runner
-        rec = new_record(model, r, _dtype_name(r.dtype), self.preset, self.points, self.dropped, self.num_blocks,
+        rec = new_record(model, r, dtype_name(r.dtype), self.preset, self.points, self.dropped, self.num_blocks,
                          {"preset": self.preset, "statistic": statistic, "seed": self.seed,
                           "protocol": f"interleaved: {self.points_per_step} grid points timed after each of the "
                                       f"{self.steps} steps of a measured replay, in turn"})
         rec["cuda_graphs"], rec["cuda_graph_sizes"] = self.graphs_status, list(r.graph_sizes)
-        for point, samples in zip(self.points, self.samples):
-            row = {"label": point.label(), "shape": point.describe(), "features": list(point.features),
-                   "samples_s": samples}
-            summarise_samples(row, statistic)
-            rec["grid"]["measured"].append(row)
+        rec["grid"]["measured"] = [grid_row(p, samples, statistic) for p, samples in zip(self.points, self.samples)]
         rec["rounds"] = min(len(s) for s in self.samples)
         rec["fit"] = fit_rows(rec["grid"]["measured"], holdout_fraction, self.seed, graph_sizes=r.graph_sizes)
         rec["complete"] = True
-        rec["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         return rec
 
     def write(self, path: str | Path, model: str, statistic: str = "median") -> dict:
@@ -101,9 +97,3 @@ class InterleavedGrid:
         rec = self.record(model, statistic)
         write_json_atomic(Path(path), rec)
         return rec
-
-
-def _dtype_name(dtype) -> str:
-    from gpu_backend.runner import dtype_name
-
-    return dtype_name(dtype)

@@ -87,8 +87,7 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
             if on_point:
                 on_point({"oom": ooms[-1]}, i + 1, len(points))
             continue
-        row = {"label": point.label(), "shape": point.describe(), "features": list(point.features), "samples_s": samples}
-        summarise_samples(row, statistic)
+        row = grid_row(point, samples, statistic)
         measured.append(row)
         outputs.append(out)
         if on_point:
@@ -142,6 +141,13 @@ def new_record(model: str, runner, dtype: str, preset: str, points: list[GridPoi
         "grid": {"design": PRESETS[preset], "num_points": len(points), "dropped": dropped, "measured": []},
         "complete": False,
     }
+
+
+def grid_row(point: GridPoint, samples: list[float], statistic: str) -> dict:
+    """A measured point as calib.json records it (`grid.measured`)."""
+    row = {"label": point.label(), "shape": point.describe(), "features": list(point.features), "samples_s": samples}
+    summarise_samples(row, statistic)
+    return row
 
 
 def summarise_samples(row: dict, statistic: str) -> None:
