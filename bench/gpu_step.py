@@ -8,8 +8,11 @@ step (`ModelRunner.run`, exactly what a replay times) eagerly and, for decodes, 
 captured graphs, and reports per shape the median step time (CUDA events around the whole
 step, as `GpuBackend` measures it), the host time spent inside the forward call (on CUDA the
 time to enqueue its kernels), and the ratio eager / graphs. A step whose forward-call host
-time is close to its duration is bound by kernel launches, not by the GPU. Writes
-DIR/gpu_step.json and DIR/gpu_step.md.
+time is close to its duration is bound by kernel launches, not by the GPU. With the Triton
+kernels, the eager steps are timed a second time with the layers' element-wise work done by
+torch operators instead of the fused kernels of `kernels/triton_layer_ops.py` (column
+"unfused"), and the GPU kernels one step launches are counted both ways (CUDA profiler).
+Writes DIR/gpu_step.json and DIR/gpu_step.md.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--budget-s", type=float, default=90.0)
+    p.add_argument("--kernel-backend", choices=["torch", "triton"], default=None,
+                   help="default: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
 
     import torch
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     prefills = [512, 2048] if cuda else [32]
     block = 16
     need = max(batches) * (-(-(max(contexts) + 1) // block)) + 2 * (-(-max(prefills) // block)) + 2
-    runner = ModelRunner(args.model, need, block, device, seed=0)
+    runner = ModelRunner(args.model, need, block, device, seed=0, kernel_backend=args.kernel_backend)
     warm_up(runner, 1)
     timer = StepTimer(runner.device)
 
@@ -73,6 +78,24 @@ def main(argv: list[str] | None = None) -> int:
             break
         rows.append({"kind": kind, "shape": label, "eager": measure(prefill, decodes)})
         print(label, rows[-1], flush=True)
+    if runner.kernel_backend == "triton":  # what the fused element-wise kernels save, eager steps
+        from kernels.layer_ops import layer_ops
+
+        fused_ops = runner.ops
+        for row, (kind, prefill, decodes, label) in zip(rows, shapes):
+            if time.perf_counter() - t_start > args.budget_s * 0.6:
+                break
+            if kind == "decode" and decodes[0] != contexts[0]:
+                continue
+            row["launches"] = kernel_launches(runner, synthetic_output(prefill, decodes, block, need))
+            runner.ops = layer_ops("triton", fused=False)
+            try:
+                row["unfused"] = measure(prefill, decodes)
+                row["launches_unfused"] = kernel_launches(runner, synthetic_output(prefill, decodes, block, need))
+            finally:
+                runner.ops = fused_ops
+            row["unfused_over_fused"] = row["unfused"]["step_ms"] / row["eager"]["step_ms"]
+            print(label, row, flush=True)
     graphs_status = runner.enable_decode_graphs(max(batches)) if cuda else "off: not on CUDA"
     if runner.decode_graphs is not None:
         for row, (kind, prefill, decodes, label) in zip(rows, shapes):
@@ -81,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             row["graphs"] = measure(prefill, decodes)
             row["eager_over_graphs"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
             print(label, row, flush=True)
-    result = {"model": args.model, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    result = {"model": args.model, "layer_ops": runner.ops.name, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               "torch": torch.__version__, "cuda_graphs": graphs_status, "repeats": args.repeats, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,15 +112,46 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"## GPU-backend step time ({result['device']}, {args.model}, torch {result['torch']})", "",
              f"Decode CUDA graphs: {graphs_status}. Median of {args.repeats} steps; host = time inside input "
              "preparation and the forward call (on CUDA: enqueueing).", "",
-             "| step | eager ms | eager host ms | graphs ms | graphs host ms | eager / graphs |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"Kernels: {runner.ops.name}. Unfused: the same eager step with torch operators for the "
+             "element-wise work; launches: GPU operations (kernels and copies) one step issues, fused / unfused.", "",
+             "| step | eager ms | eager host ms | unfused ms | unfused / fused | launches | graphs ms | graphs host ms | eager / graphs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(value, fmt) -> str:
+        return "-" if value is None else format(value, fmt)
+
     for r in rows:
-        g = r.get("graphs")
+        g, u = r.get("graphs") or {}, r.get("unfused") or {}
+        launches = (f"{r['launches']} / {r['launches_unfused']}"
+                    if r.get("launches") is not None and r.get("launches_unfused") is not None else "-")
         lines.append(f"| {r['kind']} {r['shape']} | {r['eager']['step_ms']:.2f} | {r['eager']['host_ms']:.2f} | "
-                     + (f"{g['step_ms']:.2f} | {g['host_ms']:.2f} | {r['eager_over_graphs']:.2f} |" if g else "- | - | - |"))
+                     f"{cell(u.get('step_ms'), '.2f')} | {cell(r.get('unfused_over_fused'), '.2f')} | {launches} | "
+                     f"{cell(g.get('step_ms'), '.2f')} | {cell(g.get('host_ms'), '.2f')} | "
+                     f"{cell(r.get('eager_over_graphs'), '.2f')} |")
     (out / "gpu_step.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def kernel_launches(runner, output) -> int | None:
+    """GPU kernels one step launches (CUDA profiler); None off CUDA or where profiling fails."""
+    import torch
+
+    from gpu_backend.synthetic import run_synthetic
+
+    if runner.device.type != "cuda":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_synthetic(runner, output)
+            torch.cuda.synchronize(runner.device)
+        kinds = [getattr(e, "device_type", None) for e in prof.events()]
+        return sum(1 for k in kinds if k is not None and "CUDA" in str(k))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic
+        print(f"kernel count failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
 
 
 if __name__ == "__main__":

@@ -167,6 +167,6 @@ class GpuBackend:
         r = self.runner
         return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
                 "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
-                "timing": timing_label(r.device), "cuda_graphs": r.decode_graphs_status,
+                "layer_ops": r.ops.name, "timing": timing_label(r.device), "cuda_graphs": r.decode_graphs_status,
                 "cuda_graph_sizes": list(r.graph_sizes),
                 "versions": library_versions()}

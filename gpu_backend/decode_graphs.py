@@ -67,8 +67,7 @@ class DecodeGraphs:
         r = self.runner
         attn = AttentionInputs(self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b],
                                self.query_start_loc[:b + 1], 1, self.max_seq_len)
-        return r.model.forward(self.input_ids[:b], self.positions[:b], attn, r.kv_caches, self.logits_indices[:b],
-                               r._write_cache, r._attention)
+        return r.model.forward(self.input_ids[:b], self.positions[:b], attn, r.kv_caches, self.logits_indices[:b], r.ops)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.layer_ops import LayerOps
 from simkv.specs import ModelSpec
 
 #: Per-model details that the shape table does not carry: (rope_theta, qkv_bias, rms_norm_eps).
@@ -56,18 +57,6 @@ class AttentionInputs:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanLlama:
@@ -156,43 +145,41 @@ class LeanLlama:
 
     # ---- forward ------------------------------------------------------------------------------
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of each token's position, [T, 1, d] in the model dtype (once per step)."""
-        return (self.cos_cache[positions].to(self.dtype)[:, None, :],
-                self.sin_cache[positions].to(self.dtype)[:, None, :])
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
+        """cos and sin of each token's position, [T, d] in the model dtype (once per step)."""
+        return self.cos_cache[positions].to(self.dtype), self.sin_cache[positions].to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                write_cache, attention) -> torch.Tensor:
+                ops: LayerOps) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] of the selected rows of a flat batch.
 
-        `write_cache(k, v, key_cache, value_cache, slot_mapping)` and `attention(q, kc, vc,
-        block_tables, seq_lens, query_start_loc, scale, max_query_len=, max_seq_len=)` are the
-        kernels (Triton on CUDA, torch reference on CPU)."""
+        `ops` is the set of kernels (`kernels.layer_ops.layer_ops`): the paged KV write and
+        attention, and the element-wise work, torch operators or fused Triton kernels. The
+        residual stream is added inside the next norm (`fused_add_rms_norm`), as vLLM does;
+        the fused kernels overwrite their inputs, so every tensor is used once."""
         num_tokens = input_ids.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = F.embedding(input_ids, self.embed)
+        residual = None
         cos, sin = self.rope_tables(positions)
         for lw, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            residual = hidden
-            x = rms_norm(hidden, lw.input_norm, self.eps)
+            if residual is None:
+                residual, x = hidden, ops.rms_norm(hidden, lw.input_norm, self.eps)
+            else:
+                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.input_norm, self.eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, nh + 2 * nkv, d)
-            # q and k rotated together (one set of element-wise kernels); both kernels take
-            # strided q/k/v views, so nothing is copied to make them contiguous
-            qk = self._rope(qkv[:, :nh + nkv], cos, sin)
-            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
-            write_cache(k, v, key_cache, value_cache, attn.slot_mapping)
-            o = attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
-                          attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
-                          max_seq_len=attn.max_seq_len)
-            hidden = residual + F.linear(o.reshape(num_tokens, nh * d), lw.o)
-            residual = hidden
-            x = rms_norm(hidden, lw.post_norm, self.eps)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, lw.down)
-        last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)
+            # q and k rotated together; both kernels take strided q/k/v views, so nothing is
+            # copied to make them contiguous
+            qk, v = ops.rotary_embedding(qkv, cos, sin, nh + nkv)
+            q, k = qk[:, :nh], qk[:, nh:]
+            ops.write_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+            o = ops.attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
+                              attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
+                              max_seq_len=attn.max_seq_len)
+            hidden = F.linear(o.reshape(num_tokens, nh * d), lw.o)
+            x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, self.eps)
+            hidden = F.linear(ops.silu_and_mul(F.linear(x, lw.gate_up)), lw.down)
+        last, _ = ops.fused_add_rms_norm(hidden.index_select(0, logits_indices),
+                                         residual.index_select(0, logits_indices), self.final_norm, self.eps)
         return F.linear(last, self.lm_head)

@@ -48,7 +48,7 @@ def gpu_summary_fields(backend) -> dict:
     d = backend.describe()
     return {"backend": "gpu", "device": d["device"]["type"], "device_name": d["device"]["name"],
             "device_info": d["device"], "dtype": d["dtype"], "kernel_backend": d["kernel_backend"],
-            "timing": d["timing"], "cuda_graphs": d["cuda_graphs"],
+            "layer_ops": d["layer_ops"], "timing": d["timing"], "cuda_graphs": d["cuda_graphs"],
             "cuda_graph_sizes": d["cuda_graph_sizes"], "versions": d["versions"]}
 
 

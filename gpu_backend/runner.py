@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gpu_backend.model import AttentionInputs, LeanLlama
+from kernels.layer_ops import layer_ops
 from simkv.core.outputs import SchedulerOutput
 from simkv.specs import get_model_spec
 
@@ -74,7 +75,7 @@ class ModelRunner:
 
     def __init__(self, model: str, num_gpu_blocks: int, block_size: int = 16, device: str = "cpu",
                  dtype: str | None = None, seed: int = 0, max_model_len: int | None = None,
-                 kernel_backend: str | None = None) -> None:
+                 kernel_backend: str | None = None, fused_ops: bool | None = None) -> None:
         self.spec = get_model_spec(model)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -92,7 +93,7 @@ class ModelRunner:
         self.max_positions = max_positions
         self.model = LeanLlama(self.spec, self.dtype, self.device, seed=seed, max_positions=max_positions + 1)
         self.kernel_backend = kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self._write_cache, self._attention = self._kernels(self.kernel_backend)
+        self.ops = layer_ops(self.kernel_backend, fused_ops)
         self.kv_caches: list = []
         if num_gpu_blocks:
             self.allocate_pool(num_gpu_blocks)
@@ -164,19 +165,6 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         s = self.spec
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=self.dtype).element_size()
-
-    @staticmethod
-    def _kernels(backend: str):
-        if backend == "torch":
-            from kernels import ref_paged_attention, ref_reshape_and_cache
-
-            return ref_reshape_and_cache, ref_paged_attention
-        if backend == "triton":
-            from kernels.triton_attention import triton_paged_attention
-            from kernels.triton_cache import triton_reshape_and_cache
-
-            return triton_reshape_and_cache, triton_paged_attention
-        raise ValueError(f"unknown kernel backend '{backend}' (torch or triton)")
 
     # ---- token content ------------------------------------------------------------------------
     def prompt_token_ids(self, request, start: int, stop: int) -> np.ndarray:
@@ -290,8 +278,7 @@ class ModelRunner:
                                    dev(batch.query_start_loc), batch.max_query_len, batch.max_seq_len)
             input_ids, positions, logits_indices = dev(batch.input_ids), dev(batch.positions), dev(batch.logits_indices)
             t1 = time.perf_counter()
-            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices,
-                                        self._write_cache, self._attention)
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, self.ops)
         self.last_host_times = (t1 - t0, time.perf_counter() - t1)
         sampled = torch.argmax(logits, dim=-1).tolist()  # the host copy synchronises the device
         for (request, position), token in zip(batch.samplers, sampled):

@@ -12,8 +12,10 @@ from __future__ import annotations
 def _kernels() -> list:
     from .triton_attention import _merge_segments_kernel, _paged_attention_kernel
     from .triton_cache import _reshape_and_cache_kernel
+    from .triton_layer_ops import _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
 
-    return [_paged_attention_kernel, _merge_segments_kernel, _reshape_and_cache_kernel]
+    return [_paged_attention_kernel, _merge_segments_kernel, _reshape_and_cache_kernel,
+            _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel]
 
 
 def compiled_variant_count() -> int | None:

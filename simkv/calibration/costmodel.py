@@ -278,7 +278,8 @@ def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | 
     fit = calib["fit"]
     info = {"calibration_file": str(path), "calibrated_model": calib.get("model"), "device": calib.get("device"),
             "dtype": calib.get("dtype"), "calibration_versions": calib.get("versions"),
-            "holdout": (fit.get("holdout") or {}).get("mape"), "cuda_graphs": calib.get("cuda_graphs")}
+            "holdout": (fit.get("holdout") or {}).get("mape"), "cuda_graphs": calib.get("cuda_graphs"),
+            "layer_ops": calib.get("layer_ops")}
     noise = step_noise_log_ratios(calib) if step_noise == "empirical" else None
     cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info, graph_sizes=fit.get("graph_sizes", ()),
                              noise_log_ratios=noise, noise_seed=noise_seed)

@@ -29,6 +29,7 @@ from simkv.compare.step_model import features_of, load_measured_steps
 def _run_identity(summary: dict) -> dict:
     return {"model": (summary.get("config") or {}).get("model"), "device": summary.get("device_info"),
             "dtype": summary.get("dtype"), "kernel_backend": summary.get("kernel_backend"),
+            "layer_ops": summary.get("layer_ops"),
             "versions": summary.get("versions"), "timing": summary.get("timing"),
             "block_size": (summary.get("config") or {}).get("block_size"),
             "cuda_graphs": summary.get("cuda_graphs"), "graph_sizes": list(summary.get("cuda_graph_sizes") or [])}
@@ -60,6 +61,9 @@ def _same_target(a: dict, b: dict, what_a: str, what_b: str) -> None:
         if a.get(key) != b.get(key):
             raise CalibrationError(f"{what_a} has {key} '{a.get(key)}' but {what_b} has '{b.get(key)}': "
                                    "their steps cannot be fitted together")
+    if a.get("layer_ops") and b.get("layer_ops") and a["layer_ops"] != b["layer_ops"]:  # older files lack it
+        raise CalibrationError(f"{what_a} ran {a['layer_ops']} but {what_b} ran {b['layer_ops']}: "
+                               "their steps cannot be fitted together")
     if a.get("graph_sizes") != b.get("graph_sizes"):
         def graphs(x: dict) -> str:
             return f"CUDA graphs of sizes {x['graph_sizes']}" if x.get("graph_sizes") else "no CUDA graphs"
@@ -91,7 +95,8 @@ def calibrate_from_steps(step_dirs: list[str | Path], out: str | Path, grid_cali
     if grid_calibration is not None:
         base = load_calibration(grid_calibration)
         _same_target({"model": base.get("model"), "dtype": base.get("dtype"), "block_size": base.get("block_size"),
-                      "device": base.get("device"), "graph_sizes": list(base.get("cuda_graph_sizes") or [])},
+                      "device": base.get("device"), "graph_sizes": list(base.get("cuda_graph_sizes") or []),
+                      "layer_ops": base.get("layer_ops")},
                      ident, str(grid_calibration), str(step_dirs[0]))
         grid_rows = base["grid"]["measured"]
         feats.append(np.array([m["features"] for m in grid_rows], dtype=np.int64).reshape(-1, 5))
@@ -108,7 +113,8 @@ def calibrate_from_steps(step_dirs: list[str | Path], out: str | Path, grid_cali
     gpu = canonical_gpu(dev.get("name")) if dev.get("type") == "cuda" else None
     record = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": ident["model"], "device": dev, "gpu": gpu,
-        "dtype": ident["dtype"], "kernel_backend": ident["kernel_backend"], "versions": ident["versions"],
+        "dtype": ident["dtype"], "kernel_backend": ident["kernel_backend"],
+        "layer_ops": ident["layer_ops"], "versions": ident["versions"],
         "timing": ident["timing"], "block_size": ident["block_size"],
         "cuda_graphs": ident["cuda_graphs"], "cuda_graph_sizes": ident["graph_sizes"],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -135,7 +135,8 @@ def new_record(model: str, runner, dtype: str, preset: str, points: list[GridPoi
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": model, "device": dev,
         "gpu": canonical_gpu(dev["name"]) if dev["type"] == "cuda" else None,
-        "dtype": dtype, "kernel_backend": runner.kernel_backend, "versions": library_versions(),
+        "dtype": dtype, "kernel_backend": runner.kernel_backend, "layer_ops": runner.ops.name,
+        "versions": library_versions(),
         "timing": timing_label(runner.device), "block_size": runner.block_size, "kv_pool_blocks": num_blocks,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": settings,
         "grid": {"design": PRESETS[preset], "num_points": len(points), "dropped": dropped, "measured": []},

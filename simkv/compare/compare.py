@@ -105,6 +105,9 @@ def calibration_check(sim: dict, meas: dict) -> dict:
         graphs_cal, graphs_meas = cm.get("cuda_graphs"), meas.get("cuda_graphs")
         if graphs_cal and graphs_meas and graphs_cal.split(":")[0] != graphs_meas.split(":")[0]:
             warnings.append(f"decode CUDA graphs differ: calibration '{graphs_cal}', measured run '{graphs_meas}'")
+        ops_cal, ops_meas = cm.get("layer_ops"), meas.get("layer_ops")
+        if ops_cal and ops_meas and ops_cal != ops_meas:
+            warnings.append(f"kernels differ: calibration ran {ops_cal}, the measured run {ops_meas}")
         sizes_cal, sizes_meas = cm.get("graph_sizes"), meas.get("cuda_graph_sizes")
         if sizes_cal is not None and sizes_meas is not None and list(sizes_cal) != list(sizes_meas):
             warnings.append(f"the cost model pads decode steps to CUDA graph sizes {list(sizes_cal) or 'none'}, "

@@ -70,6 +70,7 @@ def test_cpu_loop_calibrate_replay_compare(tmp_path, monkeypatch):
              "--max-num-batched-tokens", "256", "--max-num-seqs", "32", "--budget-s", "60", "--quiet"])
     rec = json.loads(calib.read_text())
     assert rec["fit"]["holdout"]["n"] > 0 and rec["timing"] == "process_time cpu clock"
+    assert rec["layer_ops"] == "torch attention, torch element-wise ops"
     _invoke(["replay", TRACE, "--backend", "gpu", "--device", "cpu", *OPTS, "--out", str(tmp_path / "measured"), "--quiet"])
     result, by = _simulate_and_compare(tmp_path, calib)
     assert by["num_finished"]["rel_error"] == 0 and by["prefix_cache_hit_rate"]["rel_error"] == 0

@@ -35,7 +35,7 @@ def _steps(n: int = 300, seed: int = 0) -> pd.DataFrame:
 
 
 def _measured_dir(path, steps: pd.DataFrame, scale: float = 1.0, device=DEVICE, backend="gpu", graph_sizes=(),
-                  coefs=TRUE):
+                  coefs=TRUE, layer_ops=None):
     model = CalibratedCostModel(coefs, KNEE, graph_sizes=graph_sizes)
     steps = steps.copy()
     steps["duration_s"] = scale * model.predict_features(features_of(steps))
@@ -47,7 +47,7 @@ def _measured_dir(path, steps: pd.DataFrame, scale: float = 1.0, device=DEVICE, 
     (path / "summary.json").write_text(json.dumps({
         "backend": backend, "config": {"model": "llama-3-8b", "block_size": 16}, "device_info": device,
         "dtype": "bf16", "kernel_backend": "triton", "versions": {"torch": "2.11.0"}, "timing": "cuda events",
-        "cuda_graph_sizes": list(graph_sizes)}))
+        "cuda_graph_sizes": list(graph_sizes), "layer_ops": layer_ops}))
     return steps
 
 
@@ -192,3 +192,27 @@ def test_calibrate_cli_from_steps_and_option_errors(tmp_path):
     assert r.exit_code != 0 and "only goes with --from-steps" in r.output
     r = CliRunner().invoke(main, ["calibrate"])
     assert r.exit_code != 0 and "--model" in r.output
+
+
+def test_runs_with_different_layer_ops_are_not_mixed(tmp_path):
+    """Steps timed with the fused element-wise kernels and with torch operators cost differently:
+    --from-steps refuses to fit them together, and compare warns when the calibration's kernels
+    are not the measured run's."""
+    from simkv.compare.compare import calibration_check
+
+    fused, plain = "triton attention, fused Triton element-wise ops", "triton attention, torch element-wise ops"
+    _measured_dir(tmp_path / "f", _steps(60), layer_ops=fused)
+    _measured_dir(tmp_path / "p", _steps(60), layer_ops=plain)
+    _measured_dir(tmp_path / "old", _steps(60))  # a summary from before layer_ops was recorded
+    with pytest.raises(CalibrationError, match="torch element-wise ops"):
+        calibrate_from_steps([tmp_path / "f", tmp_path / "p"], tmp_path / "c.json")
+    rec = calibrate_from_steps([tmp_path / "f", tmp_path / "old"], tmp_path / "c.json")
+    assert rec["layer_ops"] == fused
+    from simkv.calibration.costmodel import cost_model_from_file
+
+    sim = {"cost_model": cost_model_from_file(tmp_path / "c.json").describe()}
+    meas = json.loads((tmp_path / "p" / "summary.json").read_text())
+    check = calibration_check(sim, meas)
+    assert check["ok"] and any("kernels differ" in w for w in check["warnings"]), check
+    same = calibration_check(sim, json.loads((tmp_path / "f" / "summary.json").read_text()))
+    assert not any("kernels differ" in w for w in same["warnings"]), same

@@ -16,8 +16,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    for _name in ("kernels.triton_cache", "kernels.triton_attention"):
+    for _name, _kernel in (("kernels.triton_cache", "_reshape_and_cache_kernel"),
+                           ("kernels.triton_attention", "_paged_attention_kernel"),
+                           ("kernels.triton_layer_ops", "_rms_norm_kernel")):
         _mod = sys.modules.get(_name)
-        if _mod is not None and type(getattr(_mod, "_reshape_and_cache_kernel", None) or
-                                     getattr(_mod, "_paged_attention_kernel")).__name__ != "InterpretedFunction":
+        if _mod is not None and type(getattr(_mod, _kernel)).__name__ != "InterpretedFunction":
             importlib.reload(_mod)

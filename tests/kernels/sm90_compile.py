@@ -49,7 +49,7 @@ def compile_sm90(fn, dtype: str, constexprs: dict, *, ones: tuple[str, ...] = ()
             else:
                 sig[name] = "*" + dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "eps"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -121,6 +121,11 @@ VARIANTS = {
     "cache_write_fp16": ("cache", "fp16", dict(ROW=1024, HEAD_SIZE=128, BLOCK_SIZE=16, BLOCK_E=1024), (), 4, 2),
     "cache_write_scalars_eq_1": ("cache", "bf16", dict(ROW=80, HEAD_SIZE=80, BLOCK_SIZE=32, BLOCK_E=128),
                                  ("stride_k_head", "stride_v_head"), 1, 2),
+    # the element-wise layer ops at llama-3-8b's sizes (kernels/triton_layer_ops.py)
+    "rms_norm_add_bf16_h4096": ("rms_norm", "bf16", dict(HIDDEN=4096, BLOCK_H=4096, HAS_RESIDUAL=True), (), 8, 2),
+    "rms_norm_bf16_h4096": ("rms_norm", "bf16", dict(HIDDEN=4096, BLOCK_H=4096, HAS_RESIDUAL=False), (), 8, 2),
+    "rotary_bf16_d128": ("rotary", "bf16", dict(NUM_ROTATED=40, HALF=64, HALF_PAD=64, HEADS_PER_PROGRAM=8), (), 4, 2),
+    "silu_and_mul_bf16": ("silu_and_mul", "bf16", dict(INTER=14336, BLOCK=1024), (), 4, 2),
 }
 
 
@@ -128,8 +133,10 @@ def compile_all() -> dict:
     """Compile every variant; {name: {"ok": bool, "error"?: str, "registers"?, "spill_bytes"?, "shared"?}}."""
     from kernels.triton_attention import _merge_segments_kernel, _paged_attention_kernel
     from kernels.triton_cache import _reshape_and_cache_kernel
+    from kernels.triton_layer_ops import _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
 
-    kernels = {"attention": _paged_attention_kernel, "merge": _merge_segments_kernel, "cache": _reshape_and_cache_kernel}
+    kernels = {"attention": _paged_attention_kernel, "merge": _merge_segments_kernel, "cache": _reshape_and_cache_kernel,
+               "rms_norm": _rms_norm_kernel, "rotary": _rotary_kernel, "silu_and_mul": _silu_and_mul_kernel}
     results = {}
     for name, (kernel, dtype, const, ones, warps, stages) in VARIANTS.items():
         try:

@@ -1,0 +1,104 @@
+"""The element-wise work of a decoder layer: RMSNorm (with the residual add fused in), rotary
+embedding, SiLU-and-multiply. Torch references here; fused Triton kernels in
+``kernels/triton_layer_ops.py``.
+
+Why fused kernels: written with torch operators, a Llama layer issues about thirty kernels
+besides its four matmuls and attention (an RMSNorm alone is seven: cast, square, mean, add,
+rsqrt, multiply, cast-and-scale), each a pass over the activations and a launch from the host.
+vLLM runs one custom kernel for each of these operations (``fused_add_rms_norm``,
+``rotary_embedding``, ``silu_and_mul``); with them a layer is ten launches. The references
+define the semantics; both implementations compute in fp32 and round to the activations'
+dtype where the torch code rounds (the residual sum, the normalised row, the rotated q/k,
+the activation).
+
+Each operation takes the same arguments in both implementations:
+
+* ``rms_norm(x, weight, eps)`` -> ``weight * (x / rms(x))``, ``x`` of shape ``[T, H]``.
+* ``fused_add_rms_norm(x, residual, weight, eps)`` -> ``(rms_norm(x + residual), x + residual)``.
+  The Triton version writes both results into its inputs' memory (``x`` and ``residual`` are
+  consumed, as in vLLM): callers use only the returned tensors.
+* ``rotary_embedding(qkv, cos, sin, num_rotated_heads)`` -> ``(q_and_k, v)`` where ``qkv`` is
+  ``[T, heads, head_size]``, its first ``num_rotated_heads`` heads are rotated (neox style,
+  ``x * cos + rotate_half(x) * sin``) and the rest returned untouched; ``cos``/``sin`` are
+  ``[T, head_size]`` tables of each token's position (both halves equal). The Triton version
+  rotates in place and returns views of ``qkv``.
+* ``silu_and_mul(gate_up)`` -> ``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[T, 2 I]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x
+    return ref_rms_norm(residual, weight, eps), residual
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def ref_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         num_rotated_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = qkv[:, :num_rotated_heads]
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :], qkv[:, num_rotated_heads:]
+
+
+def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The kernels one forward pass calls, as a set: torch operators or fused Triton kernels for
+    the element-wise work, and the paged KV write and attention of ``kernels/``."""
+
+    name: str
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    rotary_embedding: Callable
+    silu_and_mul: Callable
+    write_cache: Callable
+    attention: Callable
+
+
+def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
+    """The op set for a kernel backend (``"torch"`` or ``"triton"``). ``fused`` picks the
+    element-wise kernels: the Triton ones by default with the Triton backend, the torch
+    operators otherwise (``fused=False`` with Triton attention measures what fusing saves)."""
+    if kernel_backend == "torch":
+        from .reference import ref_paged_attention, ref_reshape_and_cache
+
+        write_cache, attention = ref_reshape_and_cache, ref_paged_attention
+    elif kernel_backend == "triton":
+        from .triton_attention import triton_paged_attention
+        from .triton_cache import triton_reshape_and_cache
+
+        write_cache, attention = triton_reshape_and_cache, triton_paged_attention
+    else:
+        raise ValueError(f"unknown kernel backend '{kernel_backend}' (torch or triton)")
+    if fused is None:
+        fused = kernel_backend == "triton"
+    if fused:
+        from .triton_layer_ops import (triton_fused_add_rms_norm, triton_rms_norm, triton_rotary_embedding,
+                                       triton_silu_and_mul)
+
+        elementwise = (triton_rms_norm, triton_fused_add_rms_norm, triton_rotary_embedding, triton_silu_and_mul)
+    else:
+        elementwise = (ref_rms_norm, ref_fused_add_rms_norm, ref_rotary_embedding, ref_silu_and_mul)
+    name = f"{kernel_backend} attention, {'fused Triton' if fused else 'torch'} element-wise ops"
+    return LayerOps(name, *elementwise, write_cache, attention)
