@@ -155,13 +155,14 @@ class LeanLlama:
         """Logits [len(logits_indices), vocab] of the selected rows of a flat batch.
 
         `ops` is the set of kernels (`kernels.layer_ops.layer_ops`): the paged KV write and
-        attention, and the element-wise work, torch operators or fused Triton kernels. The
+        attention (planned once per step: every layer shares the step's block tables, lengths
+        and shapes), and the element-wise work, torch operators or fused Triton kernels. The
         residual stream is added inside the next norm (`fused_add_rms_norm`), as vLLM does;
         the fused kernels overwrite their inputs, so every tensor is used once."""
         num_tokens = input_ids.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = F.embedding(input_ids, self.embed)
-        residual = None
+        residual = write_cache = attention = None
         cos, sin = self.rope_tables(positions)
         for lw, (key_cache, value_cache) in zip(self.layers, kv_caches):
             if residual is None:
@@ -173,10 +174,13 @@ class LeanLlama:
             # copied to make them contiguous
             qk, v = ops.rotary_embedding(qkv, cos, sin, nh + nkv)
             q, k = qk[:, :nh], qk[:, nh:]
-            ops.write_cache(k, v, key_cache, value_cache, attn.slot_mapping)
-            o = ops.attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
-                              attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
-                              max_seq_len=attn.max_seq_len)
+            if attention is None:  # checked and configured at the first layer; the others only launch
+                write_cache = ops.plan_write_cache(k, v, key_cache, value_cache, attn.slot_mapping)
+                attention = ops.plan_attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
+                                               attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
+                                               max_seq_len=attn.max_seq_len)
+            write_cache(k, v, key_cache, value_cache)
+            o = attention(q, key_cache, value_cache)
             hidden = F.linear(o.reshape(num_tokens, nh * d), lw.o)
             x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, self.eps)
             hidden = F.linear(ops.silu_and_mul(F.linear(x, lw.gate_up)), lw.down)

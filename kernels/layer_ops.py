@@ -32,6 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .reference import ref_paged_attention, ref_reshape_and_cache
+
 
 def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
@@ -62,18 +64,40 @@ def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def ref_plan_write_cache(key, value, key_cache, value_cache, slot_mapping) -> Callable:
+    """The reference has nothing to plan: bind the step's slots, write each layer."""
+    def write(k, v, kc, vc) -> None:
+        ref_reshape_and_cache(k, v, kc, vc, slot_mapping)
+    return write
+
+
+def ref_plan_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
+                       max_query_len=None, max_seq_len=None) -> Callable:
+    """The reference has nothing to plan: bind the step's metadata, attend for each layer."""
+    def attend(q, kc, vc):
+        return ref_paged_attention(q, kc, vc, block_tables, seq_lens, query_start_loc, scale,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return attend
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The kernels one forward pass calls, as a set: torch operators or fused Triton kernels for
-    the element-wise work, and the paged KV write and attention of ``kernels/``."""
+    the element-wise work, and the paged KV write and attention of ``kernels/``.
+
+    The KV write and attention are planned once per step: ``plan_write_cache(k, v, key_cache,
+    value_cache, slot_mapping)`` and ``plan_attention(q, key_cache, value_cache, block_tables,
+    seq_lens, query_start_loc, scale, max_query_len=, max_seq_len=)`` check the first layer's
+    arguments and return a launch that every layer calls with its own ``(k, v, key_cache,
+    value_cache)`` or ``(q, key_cache, value_cache)``."""
 
     name: str
     rms_norm: Callable
     fused_add_rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
-    write_cache: Callable
-    attention: Callable
+    plan_write_cache: Callable
+    plan_attention: Callable
 
 
 def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
@@ -81,14 +105,12 @@ def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
     element-wise kernels: the Triton ones by default with the Triton backend, the torch
     operators otherwise (``fused=False`` with Triton attention measures what fusing saves)."""
     if kernel_backend == "torch":
-        from .reference import ref_paged_attention, ref_reshape_and_cache
-
-        write_cache, attention = ref_reshape_and_cache, ref_paged_attention
+        plans = (ref_plan_write_cache, ref_plan_attention)
     elif kernel_backend == "triton":
-        from .triton_attention import triton_paged_attention
-        from .triton_cache import triton_reshape_and_cache
+        from .triton_attention import plan_paged_attention
+        from .triton_cache import plan_reshape_and_cache
 
-        write_cache, attention = triton_reshape_and_cache, triton_paged_attention
+        plans = (plan_reshape_and_cache, plan_paged_attention)
     else:
         raise ValueError(f"unknown kernel backend '{kernel_backend}' (torch or triton)")
     if fused is None:
@@ -101,4 +123,4 @@ def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
     else:
         elementwise = (ref_rms_norm, ref_fused_add_rms_norm, ref_rotary_embedding, ref_silu_and_mul)
     name = f"{kernel_backend} attention, {'fused Triton' if fused else 'torch'} element-wise ops"
-    return LayerOps(name, *elementwise, write_cache, attention)
+    return LayerOps(name, *elementwise, *plans)

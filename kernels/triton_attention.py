@@ -443,6 +443,140 @@ def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
             raise ValueError(f"out must match query's shape/dtype/device with stride-1 last dim, got {tuple(out.shape)} {out.dtype}")
 
 
+class PagedAttentionLaunch:
+    """One step's attention, validated and configured once, launched for every layer.
+
+    Every layer of a step attends with the same block tables, sequence lengths and query offsets,
+    and its query and caches have the same shapes and strides; only the tensors differ. vLLM
+    builds its attention metadata once per step for the same reason. Checking the arguments and
+    choosing tiles costs about as much host time as the launch itself, so a forward plans the
+    step at its first layer (``plan_paged_attention``) and later layers only compare shapes and
+    strides with the plan and launch. The split-KV scratch is allocated once and reused layer
+    after layer (stream order keeps them apart, also inside a CUDA graph).
+    """
+
+    def __init__(self, query, key_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                 config: AttentionConfig) -> None:
+        num_tokens, num_heads, head_size = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        num_seqs = seq_lens.shape[0]
+        self.config = config
+        self.query_shape, self.query_stride, self.dtype = query.shape, query.stride(), query.dtype
+        self.cache_shape, self.cache_stride, self.device = key_cache.shape, key_cache.stride(), query.device
+        self.empty = num_tokens == 0 or num_seqs == 0
+        qpk = num_heads // num_kv_heads
+        head_pad = max(16, next_power_of_two(head_size))
+        block_q = config.block_m // qpk
+        segs = config.num_segments
+        interp = _interpreting()
+        if segs > 1 and not self.empty:
+            self.part_acc = torch.empty((num_tokens, num_heads, segs, head_pad), dtype=torch.float32, device=query.device)
+            self.part_ml = torch.empty((2, num_tokens, num_heads, segs), dtype=torch.float32, device=query.device)
+        else:
+            self.part_acc = self.part_ml = None
+        self.grid = ((num_tokens // block_q + num_seqs) * num_kv_heads, segs)
+        self.merge_grid = (num_tokens, num_heads)
+        self.metadata = (block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, num_seqs, num_heads,
+                         num_kv_heads, num_tokens * num_heads * segs)
+        self.strides = (query.stride(0), query.stride(1))
+        self.cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0))
+        self.constexprs = dict(
+            QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=config.tile_n,
+            BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs,
+            DOT_FP32=query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16),
+            DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+            NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        self.merge_args = (query_start_loc, num_seqs, num_heads, num_tokens * num_heads * segs)
+        self.merge_constexprs = dict(HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, num_warps=4)
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+                 out: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                 value: torch.Tensor | None = None) -> torch.Tensor:
+        if (query.shape != self.query_shape or query.stride() != self.query_stride or query.dtype != self.dtype
+                or query.device != self.device or key_cache.shape != self.cache_shape
+                or key_cache.stride() != self.cache_stride or value_cache.shape != self.cache_shape
+                or value_cache.stride() != self.cache_stride or key_cache.dtype != self.dtype
+                or value_cache.dtype != self.dtype or key_cache.device != self.device or value_cache.device != self.device):
+            raise ValueError(
+                f"this attention launch was planned for query {tuple(self.query_shape)} strides {self.query_stride} "
+                f"{self.dtype} and caches {tuple(self.cache_shape)} strides {self.cache_stride}; got query "
+                f"{tuple(query.shape)} strides {query.stride()} {query.dtype}, caches {tuple(key_cache.shape)} "
+                f"strides {key_cache.stride()} / {value_cache.stride()}")
+        if out is None:
+            out = torch.empty_like(query)
+        elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:
+            raise ValueError(f"out must match query's shape/dtype/device with stride-1 last dim, got {tuple(out.shape)} {out.dtype}")
+        if self.empty:
+            return out
+        num_tokens, _, head_size = self.query_shape
+        if self.config.new_kv:
+            num_kv_heads = self.cache_shape[2]
+            for name, t in (("key", key), ("value", value)):
+                if t is None or t.shape != (num_tokens, num_kv_heads, head_size) or t.stride(-1) != 1 \
+                        or t.dtype != query.dtype or t.device != query.device:
+                    raise ValueError(f"config.new_kv needs {name} [num_tokens={num_tokens}, {num_kv_heads}, {head_size}] "
+                                     f"of the query's dtype and device with a contiguous last dimension")
+            k_new, v_new = key, value
+        else:
+            k_new = v_new = query  # unused
+        part_acc = self.part_acc if self.part_acc is not None else out  # unused without a split
+        part_ml = self.part_ml if self.part_ml is not None else out
+        _paged_attention_kernel[self.grid](
+            out, part_acc, part_ml, query, key_cache, value_cache, *self.metadata,
+            *self.strides, out.stride(0), out.stride(1), *self.cache_strides,
+            k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            **self.constexprs,
+        )
+        if self.part_acc is not None:
+            _merge_segments_kernel[self.merge_grid](
+                out, part_acc, part_ml, *self.merge_args, out.stride(0), out.stride(1), **self.merge_constexprs,
+            )
+        return out
+
+
+def plan_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    config: AttentionConfig | None = None,
+    num_segments: int | None = None,
+) -> PagedAttentionLaunch:
+    """Check the arguments and choose the tiles once; the returned launch runs any layer whose
+    query and caches have these shapes and strides (see ``PagedAttentionLaunch``)."""
+    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, None)
+    _, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    qpk = num_heads // num_kv_heads
+    if query.shape[0] and num_seqs:
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())
+    if config is None:
+        config = choose_config(
+            qpk=qpk, head_pad=max(16, next_power_of_two(head_size)), elem_size=query.element_size(),
+            num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len or 1,
+            max_seq_len=max_seq_len or 1, num_sms=_num_sms(query.device),
+        )
+    if num_segments is not None:
+        config = replace(config, num_segments=num_segments)
+    if not (is_power_of_two(config.block_m) and is_power_of_two(config.tile_n) and is_power_of_two(config.num_segments)):
+        raise ValueError(f"config sizes must be powers of two: {config}")
+    if config.block_m < qpk or config.tile_n < 16 or config.block_m < 16:
+        raise ValueError(f"config too small for qpk={qpk}: {config}")
+    return PagedAttentionLaunch(query, key_cache, block_tables, seq_lens, query_start_loc, scale, config)
+
+
 def triton_paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -465,69 +599,9 @@ def triton_paged_attention(
     ``max_query_len``/``max_seq_len`` only steer the tile heuristic; pass them to avoid a
     device-to-host sync.  ``config``/``num_segments`` override the heuristic (tests, benchmarks).
     Output rows of tokens past ``query_start_loc[-1]`` (batch padding) are left unwritten.
+    One call plans and launches; a forward over many layers plans once (``plan_paged_attention``).
     """
-    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
-    num_tokens, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(query)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    qpk = num_heads // num_kv_heads
-    head_pad = max(16, next_power_of_two(head_size))
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item())
-    if config is None:
-        config = choose_config(
-            qpk=qpk, head_pad=head_pad, elem_size=query.element_size(), num_seqs=num_seqs,
-            num_kv_heads=num_kv_heads, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            num_sms=_num_sms(query.device),
-        )
-    if num_segments is not None:
-        config = replace(config, num_segments=num_segments)
-    if not (is_power_of_two(config.block_m) and is_power_of_two(config.tile_n) and is_power_of_two(config.num_segments)):
-        raise ValueError(f"config sizes must be powers of two: {config}")
-    if config.block_m < qpk or config.tile_n < 16 or config.block_m < 16:
-        raise ValueError(f"config too small for qpk={qpk}: {config}")
-    block_q = config.block_m // qpk
-    segs = config.num_segments
-    if config.new_kv:
-        for name, t in (("key", key), ("value", value)):
-            if t is None or t.shape != (num_tokens, num_kv_heads, head_size) or t.stride(-1) != 1 \
-                    or t.dtype != query.dtype or t.device != query.device:
-                raise ValueError(f"config.new_kv needs {name} [num_tokens={num_tokens}, {num_kv_heads}, {head_size}] "
-                                 f"of the query's dtype and device with a contiguous last dimension")
-        k_new, v_new = key, value
-    else:
-        k_new = v_new = query  # unused
-
-    interp = _interpreting()
-    dot_fp32 = query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16)
-    dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
-    if segs > 1:
-        part_acc = torch.empty((num_tokens, num_heads, segs, head_pad), dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((2, num_tokens, num_heads, segs), dtype=torch.float32, device=query.device)
-    else:
-        part_acc = part_ml = out  # unused
-    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads, segs)
-    _paged_attention_kernel[grid](
-        out, part_acc, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        float(scale) * LOG2E, num_seqs, num_heads, num_kv_heads, num_tokens * num_heads * segs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        QPK=qpk, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=config.tile_n,
-        BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs, DOT_FP32=dot_fp32, DOT_PREC=dot_prec,
-        NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if segs > 1:
-        _merge_segments_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_ml, query_start_loc, num_seqs, num_heads, num_tokens * num_heads * segs,
-            out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, num_warps=4,
-        )
-    return out
+    launch = plan_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                  max_query_len=max_query_len, max_seq_len=max_seq_len, config=config,
+                                  num_segments=num_segments)
+    return launch(query, key_cache, value_cache, out=out, key=key, value=value)

@@ -77,6 +77,46 @@ def _check_cache_args(key, value, key_cache, value_cache, slot_mapping) -> None:
         raise ValueError("slot_mapping must be contiguous")
 
 
+class CacheWriteLaunch:
+    """One step's KV write, checked once and launched for every layer (as ``PagedAttentionLaunch``):
+    every layer writes the same slots from K/V views of the same shape and strides."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n, hkv, d = key.shape
+        self.signature = (key.shape, key.stride(), value.stride(), key.dtype, key_cache.shape, key_cache.stride(),
+                          key_cache.dtype)
+        row = hkv * d
+        block_e = min(next_power_of_two(row), 2048)
+        self.grid = (n, triton.cdiv(row, block_e))
+        self.slot_mapping = slot_mapping
+        self.strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
+        self.constexprs = dict(ROW=row, HEAD_SIZE=d, BLOCK_SIZE=key_cache.shape[1], BLOCK_E=block_e,
+                               num_warps=4 if block_e >= 512 else 1)
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        got = (key.shape, key.stride(), value.stride(), key.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype)
+        if (got != self.signature or value.shape != key.shape or value.dtype != key.dtype
+                or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride()
+                or value_cache.dtype != key_cache.dtype):
+            raise ValueError(f"this KV write was planned for key/value/cache shapes, strides and dtypes {self.signature}, "
+                             f"got {got} (value {tuple(value.shape)} {value.stride()}, value_cache {value_cache.stride()})")
+        if self.grid[0] == 0:
+            return
+        _reshape_and_cache_kernel[self.grid](
+            key, value, key_cache, value_cache, self.slot_mapping,
+            *self.strides, *self.strides[4:],  # value_cache has key_cache's strides (checked above)
+            **self.constexprs,
+        )
+
+
+def plan_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> CacheWriteLaunch:
+    """Check the arguments once; the launch writes any layer's K/V of these shapes and strides."""
+    _check_cache_args(key, value, key_cache, value_cache, slot_mapping)
+    return CacheWriteLaunch(key, value, key_cache, slot_mapping)
+
+
 def triton_reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -85,19 +125,4 @@ def triton_reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
     """Launch the cache-write kernel (in place); see ``ref_reshape_and_cache`` for semantics."""
-    _check_cache_args(key, value, key_cache, value_cache, slot_mapping)
-    n, hkv, d = key.shape
-    if n == 0:
-        return
-    row = hkv * d
-    block_e = min(next_power_of_two(row), 2048)
-    grid = (n, triton.cdiv(row, block_e))
-    _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        ROW=row, HEAD_SIZE=d, BLOCK_SIZE=key_cache.shape[1], BLOCK_E=block_e,
-        num_warps=4 if block_e >= 512 else 1,
-    )
+    plan_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)(key, value, key_cache, value_cache)

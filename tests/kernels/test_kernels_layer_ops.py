@@ -2,7 +2,7 @@
 against their torch references (`kernels/layer_ops.py`): interpreter on CPU, compiled on CUDA."""
 import pytest
 import torch
-from kernel_cases import device_params
+from kernel_cases import assert_close_to_reference, device_params, make_batch
 
 from kernels.layer_ops import (layer_ops, ref_fused_add_rms_norm, ref_rms_norm, ref_rotary_embedding,
                                ref_silu_and_mul)
@@ -114,6 +114,53 @@ def test_layer_op_sets():
     fused = layer_ops("triton")
     assert fused.silu_and_mul.__name__ == "triton_silu_and_mul" and "fused Triton" in fused.name
     plain = layer_ops("triton", fused=False)
-    assert plain.silu_and_mul is ref_silu_and_mul and plain.attention.__name__ == "triton_paged_attention"
+    assert plain.silu_and_mul is ref_silu_and_mul and plain.plan_attention.__name__ == "plan_paged_attention"
     with pytest.raises(ValueError, match="unknown kernel backend"):
         layer_ops("cuda")
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("seqs", [[(0, 5), (17, 1), (30, 3)], [(40, 1), (9, 1)]], ids=["mixed", "split-KV decode"])
+def test_one_plan_serves_every_layer_of_a_step(device, seqs):
+    """A step's attention and KV write are planned at the first layer and launched for each
+    layer's own query and caches (the split-KV scratch reused): every layer's output equals
+    the reference's, and a layer whose shapes or strides differ from the plan is refused."""
+    from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+    from kernels.triton_attention import plan_paged_attention
+    from kernels.triton_cache import plan_reshape_and_cache
+
+    import dataclasses
+
+    b0 = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32, device=device)
+    gen = torch.Generator().manual_seed(7)
+
+    def other(t):  # another layer's contents: unowned slots stay NaN
+        return t + torch.randn(t.shape, generator=gen).to(device)
+
+    layers = [b0] + [dataclasses.replace(b0, query=other(b0.query), key_cache=other(b0.key_cache),
+                                         value_cache=other(b0.value_cache)) for _ in range(2)]
+    segments = 2 if len(seqs) == 2 else None
+    launch = plan_paged_attention(*b0.args(), max_query_len=b0.max_query_len, max_seq_len=b0.max_seq_len,
+                                  num_segments=segments)
+    assert launch.config.num_segments == (segments or launch.config.num_segments)
+    for b in layers:
+        # a layer's new K/V go into the slots of its last new tokens before it attends
+        n = b.query.shape[0]
+        gen = torch.Generator().manual_seed(n)
+        k = torch.randn(n, 2, 64, generator=gen).to(device)
+        v = torch.randn(n, 2, 64, generator=gen).to(device)
+        slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        last = int(b.query_start_loc[1]) - 1  # the first sequence's last new token
+        pos = int(b.seq_lens[0]) - 1
+        slots[last] = int(b.block_tables[0, pos // 16]) * 16 + pos % 16
+        ref_k, ref_v = b.key_cache.clone(), b.value_cache.clone()
+        ref_reshape_and_cache(k, v, ref_k, ref_v, slots)
+        write = plan_reshape_and_cache(k, v, b0.key_cache, b0.value_cache, slots)
+        write(k, v, b.key_cache, b.value_cache)
+        torch.testing.assert_close(b.key_cache, ref_k, equal_nan=True, atol=0, rtol=0)
+        ref = ref_paged_attention(*b.args())
+        assert_close_to_reference(launch(b.query, b.key_cache, b.value_cache), ref, torch.float32)
+    with pytest.raises(ValueError, match="planned for query"):
+        launch(b0.query[:-1], b0.key_cache, b0.value_cache)
+    with pytest.raises(ValueError, match="planned for query"):
+        launch(b0.query, b0.key_cache[:-1], b0.value_cache[:-1])
