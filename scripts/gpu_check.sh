@@ -129,7 +129,10 @@ gpu_backend_loop() {
             echo "   -> gpu_backend loop: simpy/rich missing and no scripts/gpu_wheels/; see the comment above" | tee "$out/wheels.log"
         fi
     fi
-    # step time eager vs decode CUDA graphs, and the host's share (bench/gpu_step.py)
+    # this host's Python time in our kernel wrappers per call, one-call vs planned (no GPU work; seconds)
+    step launch_overhead 40 $PY bench/launch_overhead.py --calls 1000 --rounds 3
+    { echo; echo '```'; cat "$OUT/launch_overhead.log"; echo '```'; } >>"$OUT/summary.md"
+    # step time eager vs decode CUDA graphs, fused vs unfused element-wise ops, and the host's share (bench/gpu_step.py)
     if [ "$(left_s)" -gt 360 ]; then
         PYTHONPATH="$site:$PYTHONPATH" step gpu_step 120 $PY bench/gpu_step.py --model "$MODEL" --out "$OUT/gpu_step" --budget-s 80
         { echo; cat "$OUT/gpu_step/gpu_step.md" 2>/dev/null || echo "gpu_step: no report (see gpu_step.log)"; } >>"$OUT/summary.md"
