@@ -334,6 +334,49 @@ def cache_write_row(m: Model, timer: Timer, gen, n: int = 8192) -> dict:
     return dict(kind="reshape_and_cache", num_tokens=n, ms=ms, gbps=moved / (ms * 1e-3) / 1e9)
 
 
+def layer_ops_rows(timer: Timer, gen, dtype: torch.dtype, roofs: dict, n: int = 8192, hidden: int = 4096,
+                   inter: int = 14336, heads: int = 48, rotated: int = 40, head_size: int = 128) -> list[dict]:
+    """The fused element-wise kernels of a llama-3-8b layer (`kernels/triton_layer_ops.py`) against
+    the torch operators they replace, on n tokens: time, bytes that must move / time, and the
+    torch / fused time ratio. Inputs are not rotated (n = 8192 puts each over 64 MiB)."""
+    from kernels import layer_ops as ref
+    from kernels import triton_layer_ops as fused
+
+    dev = timer.device
+
+    def rand(*shape):
+        return torch.randn(shape, device=dev, generator=gen).to(dtype)
+
+    x, res, w = rand(n, hidden), rand(n, hidden), rand(hidden)
+    qkv = rand(n, heads, head_size)
+    angles = torch.rand((n, head_size // 2), device=dev, generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    gate_up = rand(n, 2 * inter)
+    e = x.element_size()
+    ops = [  # name, fused call, torch call, bytes that must move
+        ("fused_add_rms_norm", lambda: fused.triton_fused_add_rms_norm(x, res, w, 1e-5),
+         lambda: ref.ref_fused_add_rms_norm(x, res, w, 1e-5), 4 * n * hidden * e),
+        ("rms_norm", lambda: fused.triton_rms_norm(x, w, 1e-5), lambda: ref.ref_rms_norm(x, w, 1e-5), 2 * n * hidden * e),
+        ("rotary_embedding", lambda: fused.triton_rotary_embedding(qkv, cos, sin, rotated),
+         lambda: ref.ref_rotary_embedding(qkv, cos, sin, rotated), 2 * n * rotated * head_size * e + 2 * n * head_size * e),
+        ("silu_and_mul", lambda: fused.triton_silu_and_mul(gate_up), lambda: ref.ref_silu_and_mul(gate_up), 3 * n * inter * e),
+    ]
+    rows = []
+    for name, fused_call, torch_call, moved in ops:
+        row = dict(kind=name, num_tokens=n)
+        try:
+            row["fused_us"] = timer.median_ms([fused_call]) * 1e3
+            row["torch_us"] = timer.median_ms([torch_call]) * 1e3
+            row["gbps"] = moved / (row["fused_us"] * 1e-6) / 1e9
+            row["pct_copy_bw"] = 100 * moved / (row["fused_us"] * 1e-6) / roofs["copy_bytes_per_s"]
+            row["torch_over_fused"] = row["torch_us"] / row["fused_us"]
+        except Exception as exc:  # one failing op must not lose the others
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(row)
+    return rows
+
+
 def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: Deadline, dry: bool = False) -> list[dict]:
     """A few alternative tile configs on representative cases (to retune the heuristic).
     `dry`: tiny versions of the cases and two configs each (checks the script on CPU)."""
@@ -444,6 +487,17 @@ def markdown(result: dict) -> str:
     if result.get("cache_write"):
         cw = result["cache_write"]
         out += ["", f"reshape_and_cache: {cw['num_tokens']} tokens in {cw['ms'] * 1e3:.1f} us ({cw['gbps']:.0f} GB/s moved)."]
+    if result.get("layer_ops"):
+        out += ["", "## Layer ops (fused element-wise kernels of the GPU backend)", "",
+                "bytes that must move / time, against the copy roof; torch/fused: the torch operators they replace "
+                "(kernels/layer_ops.py) over the fused kernel's time.", "",
+                "| op | tokens | fused us | GB/s | % copy BW | torch us | torch/fused |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in result["layer_ops"]:
+            if "error" in r:
+                out.append(f"| {r['kind']} | {r['num_tokens']} | error: {r['error'][:80]} | | | | |")
+            else:
+                out.append(f"| {r['kind']} | {r['num_tokens']} | {fmt(r['fused_us'])} | {fmt(r['gbps'], 0)} | "
+                           f"{fmt(r['pct_copy_bw'])} | {fmt(r['torch_us'])} | {fmt(r['torch_over_fused'], 2)} |")
     if result.get("sweep"):
         out += ["", "## Config sweep", "", "new K/V: key tiles of new tokens read from the step's K/V, not the cache. "
                 "ids ahead: each tile's block ids loaded while the previous tile is attended.", "",
@@ -563,6 +617,8 @@ def main(argv=None) -> int:
         result["cache_write"] = cache_write_row(m, timer, gen, n=32 if dry else 8192)
     except Exception as exc:
         result["cache_write_error"] = str(exc)[:200]
+    result["layer_ops"] = (layer_ops_rows(timer, gen, dtype, roofs, n=4, hidden=64, inter=96, heads=6, rotated=5, head_size=16)
+                           if dry else layer_ops_rows(timer, gen, m.dtype, roofs))
     if not args.no_sweep:
         result["sweep"] = sweep_configs(m, timer, l2, gen, roofs, deadline, dry)
     result["targets"] = check_targets(result)
