@@ -95,7 +95,8 @@ class LeanLlama:
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=self.device).float() / d))
         freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()  # fp32 [n, d]; cast per use
+        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()  # fp32 [n, d]
+        self.cos_table, self.sin_table = self.cos_cache.to(dtype), self.sin_cache.to(dtype)  # what steps gather
 
     def copy_weights_from(self, other: "LeanLlama") -> None:
         """Take another instance's weights (cast to this one's dtype and device). Weights drawn on
@@ -144,9 +145,65 @@ class LeanLlama:
                     rope_theta=self.rope_theta, attention_bias=self.has_qkv_bias, tie_word_embeddings=False)
 
     # ---- forward ------------------------------------------------------------------------------
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of each token's position, [T, d] in the model dtype (once per step)."""
-        return self.cos_cache[positions].to(self.dtype), self.sin_cache[positions].to(self.dtype)
+    def new_activations(self, num_tokens: int) -> "Activations":
+        """Zeroed activation tensors for `num_tokens` rows."""
+        h, nh, nkv, d = self.spec.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return Activations(zeros(num_tokens, h), zeros(num_tokens, h), zeros(num_tokens, nh + 2 * nkv, d),
+                           zeros(num_tokens, nh, d), zeros(num_tokens, d), zeros(num_tokens, d))
+
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, act: "Activations") -> None:
+        """The token embeddings into `act.residual`, each token's cos/sin rows into `act.cos/sin`."""
+        torch.index_select(self.embed, 0, input_ids, out=act.residual)
+        torch.index_select(self.cos_table, 0, positions, out=act.cos)
+        torch.index_select(self.sin_table, 0, positions, out=act.sin)
+
+    def attention_inputs(self, lw: LayerWeights, act: "Activations", ops: LayerOps, first: bool) -> None:
+        """A layer up to its attention: the previous sub-layer's output added to the residual
+        stream (the first layer has none), the input norm, the q/k/v projection into `act.qkv`,
+        and q and k rotated there."""
+        if first:
+            x = ops.rms_norm(act.residual, lw.input_norm, self.eps)
+        else:
+            x, _ = ops.fused_add_rms_norm(act.hidden, act.residual, lw.input_norm, self.eps)
+        qkv = act.qkv.view(act.qkv.shape[0], -1)
+        if lw.qkv_bias is None:
+            torch.mm(x, lw.qkv.t(), out=qkv)
+        else:
+            torch.addmm(lw.qkv_bias, x, lw.qkv.t(), out=qkv)
+        ops.rotary_embedding(act.qkv, act.cos, act.sin, self.num_heads + self.num_kv_heads)
+
+    def after_attention(self, lw: LayerWeights, act: "Activations", ops: LayerOps) -> None:
+        """A layer after its attention: o-projection, residual add + post norm, the SwiGLU MLP,
+        whose output goes to `act.hidden` (added to the residual by the next norm)."""
+        hidden = F.linear(act.attn_out.view(act.attn_out.shape[0], -1), lw.o)
+        x, _ = ops.fused_add_rms_norm(hidden, act.residual, lw.post_norm, self.eps)
+        torch.mm(ops.silu_and_mul(F.linear(x, lw.gate_up)), lw.down.t(), out=act.hidden)
+
+    def logits(self, act: "Activations", logits_indices: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """Final residual add + norm and the lm_head, on the sampling rows only."""
+        last, _ = ops.fused_add_rms_norm(act.hidden.index_select(0, logits_indices),
+                                         act.residual.index_select(0, logits_indices), self.final_norm, self.eps)
+        return F.linear(last, self.lm_head)
+
+    def attend(self, i: int, act: "Activations", attn: AttentionInputs, kv_caches, ops: LayerOps, plan=None):
+        """Layer i's KV write and attention (`act.qkv` -> `act.attn_out`). `plan` is the step's
+        (write, attention) launch pair; None plans it here (once per step: every layer shares
+        the step's block tables, lengths and shapes). Returns the plan."""
+        nh, nkv = self.num_heads, self.num_kv_heads
+        q, k, v = act.qkv[:, :nh], act.qkv[:, nh:nh + nkv], act.qkv[:, nh + nkv:]
+        key_cache, value_cache = kv_caches[i]
+        if plan is None:
+            plan = (ops.plan_write_cache(k, v, key_cache, value_cache, attn.slot_mapping),
+                    ops.plan_attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
+                                       attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
+                                       max_seq_len=attn.max_seq_len))
+        plan[0](k, v, key_cache, value_cache)
+        plan[1](q, key_cache, value_cache, out=act.attn_out)
+        return plan
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
@@ -155,35 +212,34 @@ class LeanLlama:
         """Logits [len(logits_indices), vocab] of the selected rows of a flat batch.
 
         `ops` is the set of kernels (`kernels.layer_ops.layer_ops`): the paged KV write and
-        attention (planned once per step: every layer shares the step's block tables, lengths
-        and shapes), and the element-wise work, torch operators or fused Triton kernels. The
-        residual stream is added inside the next norm (`fused_add_rms_norm`), as vLLM does;
-        the fused kernels overwrite their inputs, so every tensor is used once."""
-        num_tokens = input_ids.shape[0]
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        hidden = F.embedding(input_ids, self.embed)
-        residual = write_cache = attention = None
-        cos, sin = self.rope_tables(positions)
-        for lw, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            if residual is None:
-                residual, x = hidden, ops.rms_norm(hidden, lw.input_norm, self.eps)
-            else:
-                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.input_norm, self.eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(num_tokens, nh + 2 * nkv, d)
-            # q and k rotated together; both kernels take strided q/k/v views, so nothing is
-            # copied to make them contiguous
-            qk, v = ops.rotary_embedding(qkv, cos, sin, nh + nkv)
-            q, k = qk[:, :nh], qk[:, nh:]
-            if attention is None:  # checked and configured at the first layer; the others only launch
-                write_cache = ops.plan_write_cache(k, v, key_cache, value_cache, attn.slot_mapping)
-                attention = ops.plan_attention(q, key_cache, value_cache, attn.block_tables, attn.seq_lens,
-                                               attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
-                                               max_seq_len=attn.max_seq_len)
-            write_cache(k, v, key_cache, value_cache)
-            o = attention(q, key_cache, value_cache)
-            hidden = F.linear(o.reshape(num_tokens, nh * d), lw.o)
-            x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, self.eps)
-            hidden = F.linear(ops.silu_and_mul(F.linear(x, lw.gate_up)), lw.down)
-        last, _ = ops.fused_add_rms_norm(hidden.index_select(0, logits_indices),
-                                         residual.index_select(0, logits_indices), self.final_norm, self.eps)
-        return F.linear(last, self.lm_head)
+        attention, and the element-wise work, torch operators or fused Triton kernels. The
+        residual stream is added inside the next norm (`fused_add_rms_norm`), as vLLM does.
+        The pieces between attentions (`embed_tokens` + `attention_inputs`, `after_attention`
+        + `attention_inputs`, ...) read and write only `Activations`, so piecewise CUDA graphs
+        (`gpu_backend/piecewise_graphs.py`) can replay them around eager attention."""
+        act = self.new_activations(input_ids.shape[0])
+        self.embed_tokens(input_ids, positions, act)
+        plan = None
+        for i, lw in enumerate(self.layers):
+            self.attention_inputs(lw, act, ops, first=i == 0)
+            plan = self.attend(i, act, attn, kv_caches, ops, plan)
+            self.after_attention(lw, act, ops)
+        return self.logits(act, logits_indices, ops)
+
+
+@dataclass
+class Activations:
+    """What a forward passes from layer to layer, one row per token. The eager forward makes
+    them per step; piecewise CUDA graphs keep one set of the largest size and run a batch of
+    any size on its leading rows (`Activations.head`)."""
+
+    hidden: torch.Tensor  # [T, H] the last sub-layer's output, not yet added to the residual stream
+    residual: torch.Tensor  # [T, H] the residual stream
+    qkv: torch.Tensor  # [T, nh + 2 nkv, d] this layer's q, k (rotated) and v
+    attn_out: torch.Tensor  # [T, nh, d]
+    cos: torch.Tensor  # [T, d] each token's rotary tables
+    sin: torch.Tensor  # [T, d]
+
+    def head(self, n: int) -> "Activations":
+        """Views of the first n rows."""
+        return Activations(*(t[:n] for t in (self.hidden, self.residual, self.qkv, self.attn_out, self.cos, self.sin)))

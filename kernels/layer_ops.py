@@ -14,14 +14,14 @@ the activation).
 Each operation takes the same arguments in both implementations:
 
 * ``rms_norm(x, weight, eps)`` -> ``weight * (x / rms(x))``, ``x`` of shape ``[T, H]``.
-* ``fused_add_rms_norm(x, residual, weight, eps)`` -> ``(rms_norm(x + residual), x + residual)``.
-  The Triton version writes both results into its inputs' memory (``x`` and ``residual`` are
-  consumed, as in vLLM): callers use only the returned tensors.
-* ``rotary_embedding(qkv, cos, sin, num_rotated_heads)`` -> ``(q_and_k, v)`` where ``qkv`` is
-  ``[T, heads, head_size]``, its first ``num_rotated_heads`` heads are rotated (neox style,
-  ``x * cos + rotate_half(x) * sin``) and the rest returned untouched; ``cos``/``sin`` are
-  ``[T, head_size]`` tables of each token's position (both halves equal). The Triton version
-  rotates in place and returns views of ``qkv``.
+* ``fused_add_rms_norm(x, residual, weight, eps)`` -> ``(rms_norm(x + residual), x + residual)``;
+  the sum is written into ``residual`` (both versions, as in vLLM) and the Triton version
+  writes the normalised rows into ``x`` (``x`` is consumed).
+* ``rotary_embedding(qkv, cos, sin, num_rotated_heads)`` rotates the first ``num_rotated_heads``
+  heads of ``qkv [T, heads, head_size]`` in place (neox style, ``x * cos + rotate_half(x) * sin``)
+  and returns the views ``(q_and_k, v)``; ``cos``/``sin`` are ``[T, head_size]`` tables of each
+  token's position (both halves equal). The torch version computes out of place and copies back
+  (one more pass than the fused kernel).
 * ``silu_and_mul(gate_up)`` -> ``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[T, 2 I]``.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = residual + x
+    residual.add_(x)  # in place, as the fused kernel
     return ref_rms_norm(residual, weight, eps), residual
 
 
@@ -56,7 +56,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def ref_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          num_rotated_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = qkv[:, :num_rotated_heads]
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :], qkv[:, num_rotated_heads:]
+    x.copy_(x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :])  # in place, as the fused kernel
+    return x, qkv[:, num_rotated_heads:]
 
 
 def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -74,9 +75,9 @@ def ref_plan_write_cache(key, value, key_cache, value_cache, slot_mapping) -> Ca
 def ref_plan_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                        max_query_len=None, max_seq_len=None) -> Callable:
     """The reference has nothing to plan: bind the step's metadata, attend for each layer."""
-    def attend(q, kc, vc):
+    def attend(q, kc, vc, out=None):
         return ref_paged_attention(q, kc, vc, block_tables, seq_lens, query_start_loc, scale,
-                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len, out=out)
     return attend
 
 

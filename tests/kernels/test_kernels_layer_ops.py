@@ -34,7 +34,7 @@ def test_rms_norm_and_fused_add_match_reference(device, dtype, rows, hidden):
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(_ops().triton_rms_norm(x, w, eps), ref_rms_norm(x, w, eps), atol=atol, rtol=rtol)
 
-    want_out, want_res = ref_fused_add_rms_norm(x, res, w, eps)
+    want_out, want_res = ref_fused_add_rms_norm(x.clone(), res.clone(), w, eps)
     x_in, res_in = x.clone(), res.clone()
     out, new_res = _ops().triton_fused_add_rms_norm(x_in, res_in, w, eps)
     # the residual sum is rounded exactly as torch's add rounds it (compiled; the interpreter's
@@ -69,8 +69,8 @@ def test_rotary_embedding_rotates_q_and_k_in_place(device, dtype, heads, rotated
     angles = torch.rand(t, head_size // 2, generator=gen) * 50
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype=dtype, device=device)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype=dtype, device=device)
-    want_qk, want_v = ref_rotary_embedding(qkv, cos, sin, rotated)
     original = qkv.clone()
+    want_qk, want_v = ref_rotary_embedding(qkv.clone(), cos, sin, rotated)
     qk, v = _ops().triton_rotary_embedding(qkv, cos, sin, rotated)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(qk, want_qk, atol=atol, rtol=rtol)
