@@ -104,6 +104,10 @@ class ModelRunner:
         # batch sizes of the captured graphs (empty: every step eager; the cost model's E term)
         self.graph_sizes: list[int] = []
         self.last_graph_batch = 0  # last step: the graph size it ran as (0: eager)
+        self.piecewise_graphs = None  # PiecewiseGraphs once enable_piecewise_graphs ran
+        self.piecewise_status = "off"
+        self.piecewise_sizes: list[int] = []  # token counts of the captured piecewise graphs
+        self.last_piecewise_tokens = 0  # last step: the token count it was padded to (0: not piecewise)
         self.vocab = self.spec.vocab_size
 
     def enable_decode_graphs(self, max_batch: int, capture: bool | None = None) -> str:
@@ -134,6 +138,35 @@ class ModelRunner:
                                      f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")
         return self.decode_graphs_status
 
+    def enable_piecewise_graphs(self, max_tokens: int, capture: bool | None = None,
+                                sizes: list[int] | None = None) -> str:
+        """Capture piecewise CUDA graphs for steps of up to `max_tokens` tokens that are not
+        decode-only (vLLM's FULL_AND_PIECEWISE mode; `gpu_backend/piecewise_graphs.py`). Without
+        CUDA, or if capture fails, those steps stay eager and the returned status says why."""
+        from gpu_backend.piecewise_graphs import PiecewiseGraphs
+
+        if capture is None:
+            capture = self.device.type == "cuda"
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        try:
+            self.piecewise_graphs = PiecewiseGraphs(self, max_tokens, capture=capture, sizes=sizes)
+        except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
+            self.piecewise_graphs, self.piecewise_sizes = None, []
+            self.piecewise_status = f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
+            if self.device.type == "cuda":
+                try:
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()
+                except Exception:  # noqa: BLE001 - the status already says what failed
+                    pass
+            return self.piecewise_status
+        sizes = self.piecewise_graphs.sizes
+        self.piecewise_sizes = list(sizes) if capture else []
+        self.piecewise_status = (f"{'captured' if capture else 'static buffers, eager'}: "
+                                 f"{len(sizes)} token counts {sizes[0]}..{sizes[-1]}")
+        return self.piecewise_status
+
     def sibling(self, num_gpu_blocks: int) -> "ModelRunner":
         """Another runner on the same weights and kernels with a KV pool of its own and no decode
         graphs (capture them with `enable_decode_graphs`): calibration steps timed alongside a
@@ -143,6 +176,8 @@ class ModelRunner:
         other = copy.copy(self)
         other.outputs = {}
         other.decode_graphs, other.graph_sizes, other.decode_graphs_status = None, [], "off"
+        other.piecewise_graphs, other.piecewise_sizes, other.piecewise_status = None, [], "off"
+        other.last_piecewise_tokens = 0
         other.last_host_times, other.last_graph_batch = (0.0, 0.0), 0
         other.kv_caches = []
         other.allocate_pool(num_gpu_blocks)
@@ -156,6 +191,7 @@ class ModelRunner:
             self.decode_graphs = None
             self.graph_sizes = []
             self.decode_graphs_status = "off: KV pool reallocated after capture"
+        # piecewise graphs hold no KV addresses (attention runs between them): they stay valid
         self.kv_caches = []
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_caches = [allocate_kv_cache(num_gpu_blocks, self.block_size, self.spec.num_kv_heads,
@@ -262,7 +298,7 @@ class ModelRunner:
 
     def _step(self, output: SchedulerOutput):
         t0 = time.perf_counter()
-        self.last_graph_batch = 0
+        self.last_graph_batch = self.last_piecewise_tokens = 0
         batch = self.prepare(output)
         if batch.input_ids.size == 0:
             self.last_host_times = (time.perf_counter() - t0, 0.0)
@@ -276,9 +312,16 @@ class ModelRunner:
             dev = self._to_device
             attn = AttentionInputs(dev(batch.slot_mapping), dev(batch.block_tables), dev(batch.seq_lens),
                                    dev(batch.query_start_loc), batch.max_query_len, batch.max_seq_len)
-            input_ids, positions, logits_indices = dev(batch.input_ids), dev(batch.positions), dev(batch.logits_indices)
-            t1 = time.perf_counter()
-            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, self.ops)
+            logits_indices = dev(batch.logits_indices)
+            pieces = self.piecewise_graphs
+            if pieces is not None and pieces.fits(batch):
+                t1 = time.perf_counter()
+                logits = pieces.run(batch, attn, logits_indices)  # pieces replayed, attention eager between
+                self.last_piecewise_tokens = pieces.bucket(len(batch.input_ids))
+            else:
+                input_ids, positions = dev(batch.input_ids), dev(batch.positions)
+                t1 = time.perf_counter()
+                logits = self.model.forward(input_ids, positions, attn, self.kv_caches, logits_indices, self.ops)
         self.last_host_times = (t1 - t0, time.perf_counter() - t1)
         sampled = torch.argmax(logits, dim=-1).tolist()  # the host copy synchronises the device
         for (request, position), token in zip(batch.samplers, sampled):

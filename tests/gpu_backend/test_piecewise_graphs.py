@@ -1,0 +1,82 @@
+"""Steps with prefill chunks on piecewise, padded buffers (the piecewise-CUDA-graph path) compute
+what the eager forward does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_backend.piecewise_graphs import piecewise_sizes
+from gpu_backend.runner import ModelRunner
+from simkv.config import EngineConfig
+from simkv.core.request import Request
+from simkv.core.scheduler import Scheduler
+
+SIZES = [1, 2, 4, 8, 16]  # small ladder: the test's steps (up to 20 tokens) meet padding and the eager fallback
+
+
+def test_piecewise_sizes_follow_vllm_ladder():
+    assert piecewise_sizes(512) == [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    assert piecewise_sizes(100) == [1, 2, 4] + list(range(8, 105, 8))
+    assert piecewise_sizes(1) == [1]
+    assert piecewise_sizes(300)[-1] == 304
+
+
+def _run_both(device: str, dtype: str, capture: bool, kernel_backend: str | None = None, share_tokens: bool = False,
+              decode_graphs: bool = False):
+    """The same schedule on an eager runner and on one with piecewise graphs (or their buffers run eagerly)."""
+    config = EngineConfig.from_flat({"model": "tiny-llama", "num_gpu_blocks": 64, "block_size": 4,
+                                     "max_num_batched_tokens": 20, "max_num_seqs": 8})
+    sched = Scheduler(config, 64, detail=True)
+    eager = ModelRunner("tiny-llama", 64, block_size=4, device=device, dtype=dtype, seed=7, kernel_backend=kernel_backend)
+    pieces = ModelRunner("tiny-llama", 64, block_size=4, device=device, dtype=dtype, seed=7, kernel_backend=kernel_backend)
+    if decode_graphs:
+        pieces.enable_decode_graphs(8, capture=capture)
+    status = pieces.enable_piecewise_graphs(16, capture=capture, sizes=SIZES)
+    assert pieces.piecewise_graphs is not None, status
+    for i, (prompt, out_len) in enumerate([(5, 9), (9, 6), (13, 11), (3, 4), (17, 3), (40, 2)]):
+        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
+    rows = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        a, b = eager.forward_logits(out), pieces.forward_logits(out)
+        tokens = out.num_prefill_tokens + out.num_decode_reqs
+        rows.append((a, b, tokens, bool(out.chunks), pieces.last_piecewise_tokens, pieces.last_graph_batch))
+        if share_tokens:  # bf16 near-ties may sample differently; feed both the eager runner's tokens
+            pieces.outputs = {k: list(v) for k, v in eager.outputs.items()}
+        sched.update_from_output(out)
+    return rows, eager, pieces
+
+
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["piecewise only", "with decode graphs"])
+def test_piecewise_buffers_match_eager_forward(decode_graphs):
+    rows, eager, pieces = _run_both("cpu", "fp32", capture=False, decode_graphs=decode_graphs)
+    for a, b, *_ in rows:
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert pieces.outputs == eager.outputs  # the same greedy tokens were fed back
+    for _, _, tokens, mixed, padded_to, graph_batch in rows:
+        if decode_graphs and not mixed:
+            assert padded_to == 0 and graph_batch > 0  # decode-only steps take the full graphs first
+        elif tokens <= SIZES[-1]:
+            assert padded_to == next(s for s in SIZES if s >= tokens)
+        else:
+            assert padded_to == 0  # too many tokens for the largest piecewise size: eager
+    padded = [(t, p) for _, _, t, _, p, _ in rows if p]
+    assert any(p > t for t, p in padded) and any(p == 0 for *_, p, _ in rows), rows  # both paths met
+    assert pieces.piecewise_sizes == [] and "static buffers" in pieces.piecewise_status
+
+
+def test_piecewise_graphs_need_cuda():
+    runner = ModelRunner("tiny-llama", 16, block_size=4, device="cpu", dtype="fp32")
+    with pytest.raises(ValueError, match="CUDA"):
+        runner.enable_piecewise_graphs(16, capture=True)
+    assert runner.piecewise_status == "off"
+
+
+@pytest.mark.cuda
+def test_captured_piecewise_graphs_match_eager_forward():
+    rows, eager, pieces = _run_both("cuda", "bf16", capture=True, share_tokens=True, decode_graphs=True)
+    assert pieces.piecewise_graphs.captured and pieces.piecewise_sizes == SIZES
+    assert any(p for *_, p, _ in rows)
+    for a, b, *_ in rows:
+        torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=0.02)
