@@ -104,14 +104,34 @@ def main(argv: list[str] | None = None) -> int:
             row["graphs"] = measure(prefill, decodes)
             row["eager_over_graphs"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
             print(label, row, flush=True)
+    # steps with prefill chunks from piecewise graphs (vLLM's FULL_AND_PIECEWISE), captured only for
+    # the token counts these shapes need (on CPU: the same pieces on static buffers, run eagerly)
+    from gpu_backend.piecewise_graphs import piecewise_sizes
+
+    ladder = piecewise_sizes(512)
+    tokens = {label: sum(n for _, n in prefill) + len(decodes) for kind, prefill, decodes, label in shapes}
+    wanted = sorted({next(s for s in ladder if s >= t) for kind, _, _, label in shapes[:len(rows)]
+                     if kind != "decode" and (t := tokens[label]) <= ladder[-1]})
+    pieces_status = "off: no step with prefill chunks of at most 512 tokens"
+    if wanted and time.perf_counter() - t_start < args.budget_s:
+        pieces_status = runner.enable_piecewise_graphs(wanted[-1], capture=cuda, sizes=wanted)
+    if runner.piecewise_graphs is not None:
+        for row, (kind, prefill, decodes, label) in zip(rows, shapes):
+            if kind == "decode" or tokens[label] > wanted[-1] or time.perf_counter() - t_start > args.budget_s:
+                continue
+            row["graphs"] = measure(prefill, decodes)
+            row["eager_over_graphs"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
+            print(label, row, flush=True)
     result = {"model": args.model, "layer_ops": runner.ops.name, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "torch": torch.__version__, "cuda_graphs": graphs_status, "repeats": args.repeats, "rows": rows}
+              "torch": torch.__version__, "cuda_graphs": graphs_status, "piecewise_graphs": pieces_status,
+              "repeats": args.repeats, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_step.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"## GPU-backend step time ({result['device']}, {args.model}, torch {result['torch']})", "",
-             f"Decode CUDA graphs: {graphs_status}. Median of {args.repeats} steps; host = time inside input "
-             "preparation and the forward call (on CUDA: enqueueing).", "",
+             f"Decode CUDA graphs: {graphs_status}. Piecewise graphs: {pieces_status}. Median of {args.repeats} "
+             "steps; host = time inside input preparation and the forward call (on CUDA: enqueueing). The graphs "
+             "columns are the full decode graphs for decode rows and the piecewise graphs for the others.", "",
              f"Kernels: {runner.ops.name}. Unfused: the same eager step with torch operators for the "
              "element-wise work; launches: GPU operations (kernels and copies) one step issues, fused / unfused.", "",
              "| step | eager ms | eager host ms | unfused ms | unfused / fused | launches | graphs ms | graphs host ms | eager / graphs |",

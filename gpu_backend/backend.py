@@ -106,17 +106,37 @@ class StepTimer:
                 gc.enable()
 
 
-def prepare_for_timing(runner: ModelRunner, warmup_steps: int, max_num_seqs: int, enforce_eager: bool) -> str:
+#: vLLM's `cudagraph_mode` values this backend runs: decode-only steps from full graphs (and
+#: every other step eagerly), or in addition steps with prefill chunks from piecewise graphs
+CUDAGRAPH_MODES = ("full_decode_only", "full_and_piecewise")
+
+
+def piecewise_max_tokens(max_num_seqs: int) -> int:
+    """vLLM's default largest capture size: min(2 * max_num_seqs, 512)."""
+    return min(2 * max_num_seqs, 512)
+
+
+def prepare_for_timing(runner: ModelRunner, warmup_steps: int, max_num_seqs: int, enforce_eager: bool,
+                       cudagraph_mode: str = "full_decode_only") -> str:
     """Before any timed step (replay and calibration alike): compile every kernel variant, then
-    on CUDA capture the decode graphs up to `max_num_seqs` (unless `enforce_eager`, vLLM's
-    name for running without them). Returns the graphs' status."""
+    on CUDA capture the decode graphs up to `max_num_seqs` and, with `full_and_piecewise`, the
+    piecewise graphs up to `piecewise_max_tokens` (unless `enforce_eager`, vLLM's name for
+    running without graphs). Returns the decode graphs' status."""
+    if cudagraph_mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"cudagraph mode '{cudagraph_mode}' is not one of {', '.join(CUDAGRAPH_MODES)}")
     if warmup_steps:
         from gpu_backend.synthetic import warm_up
 
         warm_up(runner, warmup_steps)
     if runner.device.type == "cuda" and not enforce_eager:
-        return runner.enable_decode_graphs(max_num_seqs)
-    runner.decode_graphs_status = "off: --enforce-eager" if enforce_eager else "off: not on CUDA"
+        status = runner.enable_decode_graphs(max_num_seqs)
+        if cudagraph_mode == "full_and_piecewise":
+            runner.enable_piecewise_graphs(piecewise_max_tokens(max_num_seqs))
+        return status
+    why = "off: --enforce-eager" if enforce_eager else "off: not on CUDA"
+    runner.decode_graphs_status = why
+    if cudagraph_mode == "full_and_piecewise":
+        runner.piecewise_status = why
     return runner.decode_graphs_status
 
 
@@ -128,13 +148,13 @@ class GpuBackend:
     needs_request_detail = True
 
     def __init__(self, runner: ModelRunner, warmup_steps: int = 3, max_num_seqs: int = 256,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, cudagraph_mode: str = "full_decode_only") -> None:
         self.runner = runner
         self.timer = StepTimer(runner.device)
         self.measured: list[dict] = []  # one row per executed step (kept for partial saves)
         self.after_step = None  # called after each step, outside its timing (interleaved calibration)
         self.count_compiles = runner.kernel_backend == "triton"
-        prepare_for_timing(runner, warmup_steps, max_num_seqs, enforce_eager)
+        prepare_for_timing(runner, warmup_steps, max_num_seqs, enforce_eager, cudagraph_mode)
 
     def execute(self, output: SchedulerOutput) -> float:
         variants = compiled_variant_count() if self.count_compiles else None
@@ -155,6 +175,7 @@ class GpuBackend:
         # time to enqueue its kernels: close to duration_s means the step is bound by the host)
         row["host_prepare_s"], row["host_forward_s"] = self.runner.last_host_times
         row["graph_batch"] = self.runner.last_graph_batch  # the decode graph's size, 0 if run eagerly
+        row["graph_tokens"] = self.runner.last_piecewise_tokens  # the piecewise graphs' size, 0 if not
         if variants is not None:
             after = compiled_variant_count()
             row["jit_compiles"] = (after - variants) if after is not None else -1
@@ -168,5 +189,6 @@ class GpuBackend:
         return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
                 "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
                 "layer_ops": r.ops.name, "timing": timing_label(r.device), "cuda_graphs": r.decode_graphs_status,
-                "cuda_graph_sizes": list(r.graph_sizes),
+                "cuda_graph_sizes": list(r.graph_sizes), "cuda_piecewise_graphs": r.piecewise_status,
+                "cuda_piecewise_sizes": list(r.piecewise_sizes),
                 "versions": library_versions()}

@@ -49,7 +49,8 @@ def gpu_summary_fields(backend) -> dict:
     return {"backend": "gpu", "device": d["device"]["type"], "device_name": d["device"]["name"],
             "device_info": d["device"], "dtype": d["dtype"], "kernel_backend": d["kernel_backend"],
             "layer_ops": d["layer_ops"], "timing": d["timing"], "cuda_graphs": d["cuda_graphs"],
-            "cuda_graph_sizes": d["cuda_graph_sizes"], "versions": d["versions"]}
+            "cuda_graph_sizes": d["cuda_graph_sizes"], "cuda_piecewise_graphs": d["cuda_piecewise_graphs"],
+            "cuda_piecewise_sizes": d["cuda_piecewise_sizes"], "versions": d["versions"]}
 
 
 def save_partial(out_dir: Path, backend, error: BaseException) -> None:
@@ -69,7 +70,8 @@ def save_partial(out_dir: Path, backend, error: BaseException) -> None:
 
 def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = None, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0, warmup_steps: int = 3, on_progress=None,
-                   save_outputs: bool = False, enforce_eager: bool = False, calibrate_alongside: str | None = None):
+                   save_outputs: bool = False, enforce_eager: bool = False, calibrate_alongside: str | None = None,
+                   cudagraph_mode: str = "full_decode_only"):
     """Replay `trace` on the real backend; returns the lead's ReplayResult (summary marked gpu).
 
     `out_dir` receives partial results on failure (and the outputs when `save_outputs`).
@@ -86,12 +88,12 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     config = with_num_gpu_blocks(config, num_blocks)
     runner.allocate_pool(num_blocks)
     backend = GpuBackend(runner, warmup_steps=warmup_steps, max_num_seqs=config.scheduler.max_num_seqs,
-                         enforce_eager=enforce_eager)
+                         enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode)
     grid = None
     if calibrate_alongside:
         from gpu_backend.interleaved import InterleavedGrid
 
-        grid = InterleavedGrid(runner, config, seed=seed, enforce_eager=enforce_eager)
+        grid = InterleavedGrid(runner, config, seed=seed, enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode)
         backend.after_step = grid.after_step
     try:
         result = replay(trace, config, backend=backend, use_decode_runs=False, on_progress=on_progress,
@@ -119,7 +121,8 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
 
 
 def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None, dtype: str | None, on_progress=None,
-                       enforce_eager: bool = False, calibrate_alongside: str | None = None):
+                       enforce_eager: bool = False, calibrate_alongside: str | None = None,
+                       cudagraph_mode: str = "full_decode_only"):
     """`simkv replay --backend gpu`: device defaults to cuda when present; failures become
     click errors naming the step shape and the setting that fits (partial results saved)."""
     import click
@@ -131,7 +134,8 @@ def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         return run_gpu_replay(trace, config, out_dir, device, dtype, on_progress=on_progress,
-                              enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside)
+                              enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside,
+                              cudagraph_mode=cudagraph_mode)
     except DeviceOOMError as exc:
         raise click.ClickException(f"{exc}\nPartial results (steps measured so far) are in {out_dir}/"
                                    "partial_steps.parquet and error.json") from None

@@ -8,7 +8,7 @@ A step is described by five counts (`step_features`):
   Kd  decode context tokens attended (cached + the new one, summed over decodes)
 and its duration is
 
-  t = c0 + cE*E + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd
+  t = c0 + cE*E + cW*W + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd
 
 with every coefficient >= 0. The hinge at `knee` tokens is the roofline's bend: below it a
 step is bound by reading the weights (cost nearly flat in T), above it by matmul FLOPs
@@ -21,6 +21,13 @@ than the largest size) runs as the next captured size b >= n: T and S count b ro
 pad row attends one slot (Kd grows by b - n). Every other step runs eagerly, launching its
 kernels one by one from the host: E = 1 marks it, and cE is what the launches cost on top.
 Without graphs every step is eager and E is left out (cE = 0): c0 is the eager intercept.
+
+Piecewise graphs (vLLM's FULL_AND_PIECEWISE mode; `piecewise_sizes`, a ladder of token
+counts). A step that is not served by a decode graph and has at most the largest piecewise
+size of tokens runs its layers from graphs captured for the next size p >= T, attention eager
+between them: T counts p rows (the matmuls compute the pad rows; S and the attention terms
+count only real work), E = 0 and W = 1, with cW the cost of its replays and attention launches.
+Without piecewise graphs W is left out (cW = 0).
 
 The formula is written once in `_time`, so Python integers and numpy arrays give the same
 floats. The replay times pure-decode steps with `decode_step_line`, the same formula in
@@ -48,12 +55,13 @@ from simkv.clock import per_token_ticks, to_ticks
 
 FORMAT = "simkv-calibration"
 FORMAT_VERSION = 1
-COEFFICIENTS = ("c0", "cE", "cT", "cH", "cS", "cP", "cKp", "cKd")
-#: coefficients a calibration written before decode graphs were modelled lacks (read as 0)
-OPTIONAL_COEFFICIENTS = ("cE",)
-FORM = ("t = c0 + cE*E + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd  (all c >= 0; "
+COEFFICIENTS = ("c0", "cE", "cW", "cT", "cH", "cS", "cP", "cKp", "cKd")
+#: coefficients a calibration written before CUDA graphs were modelled lacks (read as 0)
+OPTIONAL_COEFFICIENTS = ("cE", "cW")
+FORM = ("t = c0 + cE*E + cW*W + cT*T + cH*max(T - knee, 0) + cS*S + cP*Pp + cKp*Kp + cKd*Kd  (all c >= 0; "
         "E = 1 for a step run eagerly, 0 for a decode-only step run from a CUDA graph, whose T and S "
-        "count the padded batch)")
+        "count the padded batch; W = 1 for a step run from piecewise graphs, whose T counts the padded "
+        "token count)")
 
 
 class CalibrationError(ValueError):
@@ -82,31 +90,42 @@ def normalise_graph_sizes(graph_sizes) -> tuple[int, ...]:
     return sizes
 
 
-def effective_features(features: np.ndarray, graph_sizes=()) -> tuple[np.ndarray, ...]:
-    """(E, T, S, Pp, Kp, Kd) as the formula reads them for an [N, 5] array of (T, S, Pp, Kp, Kd):
-    decode-only steps that fit a captured graph are padded to its size and have E = 0."""
+def effective_features(features: np.ndarray, graph_sizes=(), piecewise_sizes=()) -> tuple[np.ndarray, ...]:
+    """(E, W, T, S, Pp, Kp, Kd) as the formula reads them for an [N, 5] array of (T, S, Pp, Kp, Kd):
+    decode-only steps that fit a captured graph are padded to its size and have E = 0; other
+    steps that fit a piecewise size have T padded to it, E = 0 and W = 1."""
     f = np.asarray(features, dtype=np.int64).reshape(-1, 5)
     t, s, pp, kp, kd = (f[:, i].copy() for i in range(5))
     sizes = normalise_graph_sizes(graph_sizes)
+    pieces = normalise_graph_sizes(piecewise_sizes)
     eager = np.ones(len(f), dtype=np.int64)
+    piecewise = np.zeros(len(f), dtype=np.int64)
+    graph = np.zeros(len(f), dtype=bool)
     if sizes:
         graph = (kp == 0) & (t >= 1) & (t <= sizes[-1])  # decode-only (a prefill chunk reads Kp >= 1)
         ladder = np.asarray(sizes, dtype=np.int64)
         padded = ladder[np.searchsorted(ladder, np.where(graph, t, 1))]
         kd = np.where(graph, kd + padded - t, kd)
-        t = np.where(graph, padded, t)
         s = np.where(graph, padded, s)
+        t = np.where(graph, padded, t)
         eager = (~graph).astype(np.int64)
-    return eager, t, s, pp, kp, kd
+    if pieces:
+        fits = ~graph & (t >= 1) & (t <= pieces[-1])
+        ladder = np.asarray(pieces, dtype=np.int64)
+        t = np.where(fits, ladder[np.searchsorted(ladder, np.where(fits, t, 1))], t)
+        eager = np.where(fits, 0, eager)
+        piecewise = fits.astype(np.int64)
+    return eager, piecewise, t, s, pp, kp, kd
 
 
-def design_matrix(features: np.ndarray, knee: float, graph_sizes=()) -> np.ndarray:
+def design_matrix(features: np.ndarray, knee: float, graph_sizes=(), piecewise_sizes=()) -> np.ndarray:
     """Columns in COEFFICIENTS order for an [N, 5] array of (T, S, Pp, Kp, Kd). Without graphs
-    the E column is zero (every step is eager; c0 is their intercept)."""
-    e, t, s, pp, kp, kd = (a.astype(np.float64) for a in effective_features(features, graph_sizes))
-    if not normalise_graph_sizes(graph_sizes):
+    of any kind the E column is zero (every step is eager; c0 is their intercept)."""
+    e, w, t, s, pp, kp, kd = (a.astype(np.float64)
+                              for a in effective_features(features, graph_sizes, piecewise_sizes))
+    if not (normalise_graph_sizes(graph_sizes) or normalise_graph_sizes(piecewise_sizes)):
         e = np.zeros_like(e)
-    return np.column_stack([np.ones(len(t)), e, t, np.maximum(t - knee, 0.0), s, pp, kp, kd])
+    return np.column_stack([np.ones(len(t)), e, w, t, np.maximum(t - knee, 0.0), s, pp, kp, kd])
 
 
 class CalibratedCostModel:
@@ -117,19 +136,22 @@ class CalibratedCostModel:
     needs_request_detail = False
 
     def __init__(self, coefficients: dict, knee: float, info: dict | None = None, graph_sizes=(),
-                 noise_log_ratios=None, noise_seed: int = 0) -> None:
+                 noise_log_ratios=None, noise_seed: int = 0, piecewise_sizes=()) -> None:
         missing = [k for k in COEFFICIENTS if k not in coefficients and k not in OPTIONAL_COEFFICIENTS]
         if missing:
             raise CalibrationError(f"calibration fit lacks coefficients {missing}")
         c = {k: float(coefficients.get(k, 0.0)) for k in COEFFICIENTS}
         if any(not np.isfinite(v) for v in c.values()) or not np.isfinite(knee):
             raise CalibrationError("calibration fit has non-finite coefficients")
-        self.c0, self.cE, self.cT, self.cH, self.cS = c["c0"], c["cE"], c["cT"], c["cH"], c["cS"]
-        self.cP, self.cKp, self.cKd = c["cP"], c["cKp"], c["cKd"]
+        self.c0, self.cE, self.cW, self.cT, self.cH = c["c0"], c["cE"], c["cW"], c["cT"], c["cH"]
+        self.cS, self.cP, self.cKp, self.cKd = c["cS"], c["cP"], c["cKp"], c["cKd"]
         self.knee = float(knee)
         self.graph_sizes = normalise_graph_sizes(graph_sizes)
-        if not self.graph_sizes:
+        self.piecewise_sizes = normalise_graph_sizes(piecewise_sizes)
+        if not (self.graph_sizes or self.piecewise_sizes):
             self.cE = c["cE"] = 0.0  # every step is eager: the intercept is c0's
+        if not self.piecewise_sizes:
+            self.cW = c["cW"] = 0.0
         self.coefficients = c
         self.info = info or {}
         self.warnings: list[str] = []
@@ -143,10 +165,10 @@ class CalibratedCostModel:
             self._rng = np.random.default_rng(self.noise_seed)
             self.supports_decode_runs = False  # every step draws its own ratio
 
-    def _time(self, E, T, S, Pp, Kp, Kd):
+    def _time(self, E, W, T, S, Pp, Kp, Kd):
         """The formula, once; works on Python numbers and numpy arrays with identical floats."""
-        return (self.c0 + self.cE * E + self.cT * T + self.cH * np.maximum(T - self.knee, 0.0) + self.cS * S
-                + self.cP * Pp + self.cKp * Kp + self.cKd * Kd)
+        return (self.c0 + self.cE * E + self.cW * W + self.cT * T + self.cH * np.maximum(T - self.knee, 0.0)
+                + self.cS * S + self.cP * Pp + self.cKp * Kp + self.cKd * Kd)
 
     def graph_batch(self, num_decodes: int) -> int:
         """The captured size a decode-only step of `num_decodes` runs as (0: eager)."""
@@ -155,13 +177,28 @@ class CalibratedCostModel:
             return 0
         return sizes[bisect_left(sizes, num_decodes)]
 
+    def piecewise_tokens(self, num_tokens: int) -> int:
+        """The piecewise size a step of `num_tokens` not served by a decode graph runs as (0: eager)."""
+        sizes = self.piecewise_sizes
+        if not sizes or num_tokens < 1 or num_tokens > sizes[-1]:
+            return 0
+        return sizes[bisect_left(sizes, num_tokens)]
+
+    def _step_time(self, T, S, Pp, Kp, Kd) -> float:
+        """The formula for one step, its path decided as `effective_features` decides it."""
+        b = self.graph_batch(T) if Kp == 0 else 0
+        if b:
+            return float(self._time(0, 0, b, b, Pp, Kp, Kd + b - T))
+        p = self.piecewise_tokens(T)
+        if p:
+            return float(self._time(0, 1, p, S, Pp, Kp, Kd))
+        return float(self._time(1, 0, T, S, Pp, Kp, Kd))
+
     def predict_features(self, features: np.ndarray) -> np.ndarray:
-        return self._time(*effective_features(features, self.graph_sizes))
+        return self._time(*effective_features(features, self.graph_sizes, self.piecewise_sizes))
 
     def execute(self, output: SchedulerOutput) -> float:
-        T, S, Pp, Kp, Kd = step_features(output)
-        b = self.graph_batch(T) if Kp == 0 else 0
-        t = float(self._time(0, b, b, Pp, Kp, Kd + b - T)) if b else float(self._time(1, T, S, Pp, Kp, Kd))
+        t = self._step_time(*step_features(output))
         if self.noise is not None:
             t *= float(np.exp(self.noise[self._rng.integers(self.noise.size)]))
         return t
@@ -169,15 +206,21 @@ class CalibratedCostModel:
     def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
         n = num_decodes  # `_time` of a pure-decode step: the step-invariant terms, and Kd's
         b = self.graph_batch(n)
-        e, rows = (0, b) if b else (1, n)
-        fixed = to_ticks(self.c0 + self.cE * e + self.cT * rows + self.cH * max(rows - self.knee, 0.0)
-                         + self.cS * rows + self.cKd * (rows - n))
+        p = 0 if b else self.piecewise_tokens(n)
+        if b:
+            e, w, rows, seqs = 0, 0, b, b
+        elif p:
+            e, w, rows, seqs = 0, 1, p, n
+        else:
+            e, w, rows, seqs = 1, 0, n, n
+        fixed = to_ticks(self.c0 + self.cE * e + self.cW * w + self.cT * rows + self.cH * max(rows - self.knee, 0.0)
+                         + self.cS * seqs + self.cKd * (b - n if b else 0))
         per_token = per_token_ticks(self.cKd)
         return fixed, per_token, fixed, per_token
 
     def describe(self) -> dict:
         out = {"cost_model": "calibrated", "form": FORM, "knee": self.knee, **self.coefficients,
-               "graph_sizes": list(self.graph_sizes), **self.info}
+               "graph_sizes": list(self.graph_sizes), "piecewise_sizes": list(self.piecewise_sizes), **self.info}
         if self.noise is not None:
             q = np.exp(np.percentile(self.noise, [10, 50, 90]))
             out["step_noise"] = {"kind": "empirical", "samples": int(self.noise.size), "seed": self.noise_seed,
@@ -282,6 +325,7 @@ def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | 
             "layer_ops": calib.get("layer_ops")}
     noise = step_noise_log_ratios(calib) if step_noise == "empirical" else None
     cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info, graph_sizes=fit.get("graph_sizes", ()),
-                             noise_log_ratios=noise, noise_seed=noise_seed)
+                             noise_log_ratios=noise, noise_seed=noise_seed,
+                             piecewise_sizes=fit.get("piecewise_sizes", ()))
     cm.warnings.extend(warnings)
     return cm

@@ -36,10 +36,11 @@ def nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
     return x
 
 
-def _fit_fixed_knee(features: np.ndarray, y: np.ndarray, knee: float, graph_sizes=()) -> np.ndarray:
-    A = design_matrix(features, knee, graph_sizes)
-    if A[:, 1].min() == 1.0:  # every step eager although graphs exist: E is c0's column again
-        A[:, 1] = 0.0
+def _fit_fixed_knee(features: np.ndarray, y: np.ndarray, knee: float, graph_sizes=(), piecewise_sizes=()) -> np.ndarray:
+    A = design_matrix(features, knee, graph_sizes, piecewise_sizes)
+    for col in (1, 2):  # every step eager (E) or every step piecewise (W): that column is c0's again
+        if A[:, col].min() == 1.0:
+            A[:, col] = 0.0
     wgt = 1.0 / np.maximum(y, 1e-9)  # minimise relative error
     scale = np.maximum(np.abs(A * wgt[:, None]).max(axis=0), 1e-30)
     coef = nnls(A * wgt[:, None] / scale, y * wgt) / scale
@@ -62,12 +63,12 @@ def _knee_candidates(tokens: np.ndarray) -> list[float]:
     return [float(tokens.max() + 1)] + cands  # first candidate: no hinge at all
 
 
-def fit_points(features: np.ndarray, y: np.ndarray, graph_sizes=()) -> tuple[np.ndarray, float]:
+def fit_points(features: np.ndarray, y: np.ndarray, graph_sizes=(), piecewise_sizes=()) -> tuple[np.ndarray, float]:
     """Coefficients and knee minimising mean relative error on (features, y)."""
     best = None
-    for knee in _knee_candidates(effective_features(features, graph_sizes)[1]):
-        coef = _fit_fixed_knee(features, y, knee, graph_sizes)
-        pred = design_matrix(features, knee, graph_sizes) @ coef
+    for knee in _knee_candidates(effective_features(features, graph_sizes, piecewise_sizes)[2]):
+        coef = _fit_fixed_knee(features, y, knee, graph_sizes, piecewise_sizes)
+        pred = design_matrix(features, knee, graph_sizes, piecewise_sizes) @ coef
         err = float((np.abs(pred - y) / np.maximum(y, 1e-12)).mean())
         if best is None or err < best[0] - 1e-12:
             best = (err, coef, knee)
@@ -83,30 +84,36 @@ def holdout_mask(n: int, fraction: float = 0.2, seed: int = 0) -> np.ndarray:
 
 
 def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float = 0.2, seed: int = 0,
-                    graph_sizes=()) -> dict:
+                    graph_sizes=(), piecewise_sizes=()) -> dict:
     """Fit on the training points, report held-out error, then refit on all points for use.
-    `graph_sizes`: the batch sizes of the CUDA graphs decode-only steps ran from (none: all eager).
+    `graph_sizes`: the batch sizes of the CUDA graphs decode-only steps ran from (none: all eager);
+    `piecewise_sizes`: the token counts of the piecewise graphs other steps ran from (none: eager).
 
     Returns the `fit` section of calib.json."""
     graph_sizes = list(normalise_graph_sizes(graph_sizes))
+    piecewise_sizes = list(normalise_graph_sizes(piecewise_sizes))
     features = np.asarray(features, dtype=np.int64)
     y = np.asarray(y, dtype=np.float64)
     if len(y) < 3:
         raise ValueError(f"need at least 3 measured grid points to fit, got {len(y)}")
     mask = holdout_mask(len(y), holdout_fraction, seed)
-    coef_tr, knee_tr = fit_points(features[~mask], y[~mask], graph_sizes)
-    pred_tr = design_matrix(features, knee_tr, graph_sizes) @ coef_tr
-    coef, knee = fit_points(features, y, graph_sizes)
-    model = CalibratedCostModel(dict(zip(COEFFICIENTS, coef)), knee, graph_sizes=graph_sizes)
+    coef_tr, knee_tr = fit_points(features[~mask], y[~mask], graph_sizes, piecewise_sizes)
+    pred_tr = design_matrix(features, knee_tr, graph_sizes, piecewise_sizes) @ coef_tr
+    coef, knee = fit_points(features, y, graph_sizes, piecewise_sizes)
+    model = CalibratedCostModel(dict(zip(COEFFICIENTS, coef)), knee, graph_sizes=graph_sizes,
+                                piecewise_sizes=piecewise_sizes)
     pred_all = model.predict_features(features)
     return {
         "form": FORM,
         "graph_sizes": graph_sizes,
+        "piecewise_sizes": piecewise_sizes,
         "features": {"T": "prefill tokens + decodes", "S": "prefill chunks + decodes",
                      "Pp": "prefill query-key pairs", "Kp": "prefill KV tokens read",
                      "Kd": "decode context tokens attended",
                      "E": "1 if the step ran eagerly, 0 if from a CUDA graph (a decode-only step of at most "
-                          "max(graph_sizes) decodes, counted as the next graph size)"},
+                          "max(graph_sizes) decodes, counted as the next graph size)",
+                     "W": "1 if the step ran from piecewise CUDA graphs (not decode-only in a full graph, at most "
+                          "max(piecewise_sizes) tokens; T counted as the next piecewise size)"},
         "coefficients": {k: float(v) for k, v in zip(COEFFICIENTS, coef)},
         "knee": float(knee),
         "method": "non-negative least squares on relative error; knee by exhaustive search over grid T values",
@@ -119,9 +126,9 @@ def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float
     }
 
 
-def fit_rows(rows: list[dict], holdout_fraction: float = 0.2, seed: int = 0, graph_sizes=()) -> dict:
+def fit_rows(rows: list[dict], holdout_fraction: float = 0.2, seed: int = 0, graph_sizes=(), piecewise_sizes=()) -> dict:
     """`fit_calibration` of measured grid rows (calib.json's `grid.measured`: each has its
     `features` and its fitted `value_s`)."""
     features = np.array([row["features"] for row in rows], dtype=np.int64).reshape(-1, 5)
     y = np.array([row["value_s"] for row in rows], dtype=np.float64)
-    return fit_calibration(features, y, holdout_fraction, seed, graph_sizes)
+    return fit_calibration(features, y, holdout_fraction, seed, graph_sizes, piecewise_sizes)

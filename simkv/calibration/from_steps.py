@@ -32,7 +32,8 @@ def _run_identity(summary: dict) -> dict:
             "layer_ops": summary.get("layer_ops"),
             "versions": summary.get("versions"), "timing": summary.get("timing"),
             "block_size": (summary.get("config") or {}).get("block_size"),
-            "cuda_graphs": summary.get("cuda_graphs"), "graph_sizes": list(summary.get("cuda_graph_sizes") or [])}
+            "cuda_graphs": summary.get("cuda_graphs"), "graph_sizes": list(summary.get("cuda_graph_sizes") or []),
+            "piecewise_sizes": list(summary.get("cuda_piecewise_sizes") or [])}
 
 
 def load_step_rows(run_dir: str | Path) -> tuple[dict, np.ndarray, np.ndarray, int]:
@@ -69,6 +70,10 @@ def _same_target(a: dict, b: dict, what_a: str, what_b: str) -> None:
             return f"CUDA graphs of sizes {x['graph_sizes']}" if x.get("graph_sizes") else "no CUDA graphs"
         raise CalibrationError(f"{what_a} ran decode steps with {graphs(a)} but {what_b} with {graphs(b)}: "
                                "fit them separately (or run both with the same --max-num-seqs / --enforce-eager)")
+    if list(a.get("piecewise_sizes") or []) != list(b.get("piecewise_sizes") or []):
+        raise CalibrationError(f"{what_a} ran piecewise CUDA graphs of {a.get('piecewise_sizes') or 'no'} token counts "
+                               f"but {what_b} of {b.get('piecewise_sizes') or 'no'}: fit them separately (or run both "
+                               "with the same --cudagraph-mode and --max-num-seqs)")
     da, db = a.get("device") or {}, b.get("device") or {}
     if (da.get("type"), da.get("name")) != (db.get("type"), db.get("name")):
         raise CalibrationError(f"{what_a} ran on {da.get('type')} ({da.get('name')}) but {what_b} on "
@@ -96,6 +101,7 @@ def calibrate_from_steps(step_dirs: list[str | Path], out: str | Path, grid_cali
         base = load_calibration(grid_calibration)
         _same_target({"model": base.get("model"), "dtype": base.get("dtype"), "block_size": base.get("block_size"),
                       "device": base.get("device"), "graph_sizes": list(base.get("cuda_graph_sizes") or []),
+                      "piecewise_sizes": list(base.get("cuda_piecewise_sizes") or []),
                       "layer_ops": base.get("layer_ops")},
                      ident, str(grid_calibration), str(step_dirs[0]))
         grid_rows = base["grid"]["measured"]
@@ -117,12 +123,14 @@ def calibrate_from_steps(step_dirs: list[str | Path], out: str | Path, grid_cali
         "layer_ops": ident["layer_ops"], "versions": ident["versions"],
         "timing": ident["timing"], "block_size": ident["block_size"],
         "cuda_graphs": ident["cuda_graphs"], "cuda_graph_sizes": ident["graph_sizes"],
+        "cuda_piecewise_sizes": ident["piecewise_sizes"],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {"measured_steps": sources, "grid_calibration": str(grid_calibration) if grid_calibration else None,
                    "grid_points": len(grid_rows)},
         "grid": {"measured": grid_rows, "num_points": len(grid_rows)},
         "complete": True,
-        "fit": fit_calibration(features, y, holdout_fraction, seed, graph_sizes=ident["graph_sizes"]),
+        "fit": fit_calibration(features, y, holdout_fraction, seed, graph_sizes=ident["graph_sizes"],
+                               piecewise_sizes=ident["piecewise_sizes"]),
     }
     write_json_atomic(Path(out), record)
     return record

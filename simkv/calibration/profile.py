@@ -163,7 +163,8 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
               warmup: int = 2, repeats: int = 5, budget_s: float | None = None, block_size: int = 16,
               max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, seed: int = 0,
               holdout_fraction: float = 0.2, progress: Callable | None = None, log: Callable[[str], None] = print,
-              statistic: str = "median", enforce_eager: bool = False) -> dict:
+              statistic: str = "median", enforce_eager: bool = False,
+              cudagraph_mode: str = "full_decode_only") -> dict:
     """The whole calibration: build the runner, measure the grid, fit, write `out`. Returns the record."""
     from gpu_backend.runner import ModelRunner, default_dtype
     from simkv.specs import get_model_spec
@@ -188,9 +189,10 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
                          "max_num_seqs": max_num_seqs})
     from gpu_backend.backend import prepare_for_timing
 
-    # the same preparation as a replay: kernels compiled, decode graphs captured (CUDA)
-    record["cuda_graphs"] = prepare_for_timing(runner, 2, max_num_seqs, enforce_eager)
+    # the same preparation as a replay: kernels compiled, CUDA graphs captured
+    record["cuda_graphs"] = prepare_for_timing(runner, 2, max_num_seqs, enforce_eager, cudagraph_mode)
     record["cuda_graph_sizes"] = list(runner.graph_sizes)
+    record["cuda_piecewise_graphs"], record["cuda_piecewise_sizes"] = runner.piecewise_status, list(runner.piecewise_sizes)
     write_json_atomic(out, record)  # the file exists from the start; filled as points come in
     last_save = [time.perf_counter()]
 
@@ -220,7 +222,8 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
     record["measure_time_s"] = result["measure_time_s"]
     measured = result["measured"]
     if len(measured) >= 3:
-        record["fit"] = fit_rows(measured, holdout_fraction, seed, graph_sizes=runner.graph_sizes)
+        record["fit"] = fit_rows(measured, holdout_fraction, seed, graph_sizes=runner.graph_sizes,
+                                 piecewise_sizes=runner.piecewise_sizes)
     record["complete"] = not result["stopped_by_budget"] and not result["oom"]
     record["total_time_s"] = time.perf_counter() - t0
     write_json_atomic(out, record)

@@ -48,7 +48,8 @@ def refit_calibration(path: str | Path, out: str | Path, statistic: str = "media
     record["settings"] = {**(record.get("settings") or {}), "statistic": statistic}
     record["refit"] = {"of": str(path), "statistic": statistic,
                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    record["fit"] = fit_rows(measured, holdout_fraction, seed, graph_sizes=record.get("cuda_graph_sizes") or ())
+    record["fit"] = fit_rows(measured, holdout_fraction, seed, graph_sizes=record.get("cuda_graph_sizes") or (),
+                             piecewise_sizes=record.get("cuda_piecewise_sizes") or ())
 
     write_json_atomic(Path(out), record)
     return record

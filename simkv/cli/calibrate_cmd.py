@@ -26,6 +26,10 @@ from simkv.specs import model_names
               help="Per-point value fitted: the median of the repeats, or their mean (closer to what a long replay sums on a noisy host).")
 @click.option("--holdout", type=float, default=0.2, show_default=True, help="Fraction of grid points held out.")
 @click.option("--enforce-eager", is_flag=True, help="Measure decode steps without CUDA graphs (as replay --enforce-eager).")
+@click.option("--cudagraph-mode", type=click.Choice(["full_decode_only", "full_and_piecewise"]), default="full_decode_only",
+              show_default=True, help="As replay --cudagraph-mode (vLLM's cudagraph_mode): decode-only steps from full CUDA graphs, "
+                                      "and with full_and_piecewise also steps with prefill chunks of up to "
+                                      "min(2 * max_num_seqs, 512) tokens from piecewise graphs (attention eager between).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--from-steps", "from_steps", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Fit on the steps of a measured replay folder (simkv replay --backend gpu --out DIR) instead of "
@@ -38,7 +42,7 @@ from simkv.specs import model_names
 @click.option("--quiet", is_flag=True)
 def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repeats, block_size,
                   max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, enforce_eager, from_steps, with_grid,
-                  refit, quiet) -> None:
+                  refit, quiet, cudagraph_mode) -> None:
     """Profile a designed grid of step shapes on the real backend (decode batches, prefill chunks,
     mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`).
 
@@ -79,7 +83,8 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
         try:
             record = calibrate(model, out_path, device, dtype, preset, warmup, repeats, budget_s, block_size,
                                max_num_batched_tokens, max_num_seqs, seed, holdout, on_progress,
-                               log=lambda s: progress.console.print(s), statistic=statistic, enforce_eager=enforce_eager)
+                               log=lambda s: progress.console.print(s), statistic=statistic, enforce_eager=enforce_eager,
+                               cudagraph_mode=cudagraph_mode)
         except Exception as exc:
             if is_oom(exc):
                 raise click.ClickException(f"out of memory while loading the model or the KV pool: {exc}. "

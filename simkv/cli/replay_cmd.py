@@ -61,6 +61,10 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="gpu backend [default: cuda if present]")
 @click.option("--enforce-eager", is_flag=True,
               help="gpu backend: run decode steps without CUDA graphs (vLLM's flag; by default they are captured).")
+@click.option("--cudagraph-mode", type=click.Choice(["full_decode_only", "full_and_piecewise"]), default="full_decode_only",
+              show_default=True, help="gpu backend (vLLM's cudagraph_mode): decode-only steps from full CUDA graphs, "
+                                      "and with full_and_piecewise also steps with prefill chunks of up to "
+                                      "min(2 * max_num_seqs, 512) tokens from piecewise graphs (attention eager between).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="gpu backend [default: bf16 on cuda, fp32 on cpu]")
 @click.option("--calibrate-alongside", "calibrate_alongside", type=click.Path(dir_okay=False), default=None,
@@ -99,7 +103,7 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
-               noise_seed: int, **flags) -> None:
+               noise_seed: int, cudagraph_mode: str, **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -127,7 +131,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                 from gpu_backend.replay import run_gpu_replay_cli
 
                 result = run_gpu_replay_cli(data, config, out_dir, device, dtype, lambda k: progress.advance(task, k),
-                                            enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside)
+                                            enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside,
+                                            cudagraph_mode=cudagraph_mode)
             else:
                 result = replay(data, config, cost_model,
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s,

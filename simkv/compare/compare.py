@@ -112,6 +112,10 @@ def calibration_check(sim: dict, meas: dict) -> dict:
         if sizes_cal is not None and sizes_meas is not None and list(sizes_cal) != list(sizes_meas):
             warnings.append(f"the cost model pads decode steps to CUDA graph sizes {list(sizes_cal) or 'none'}, "
                             f"the measured run captured {list(sizes_meas) or 'none'}")
+        pieces_cal, pieces_meas = cm.get("piecewise_sizes"), meas.get("cuda_piecewise_sizes")
+        if pieces_cal is not None and (list(pieces_cal) or pieces_meas) and list(pieces_cal) != list(pieces_meas or []):
+            warnings.append(f"the cost model runs steps with prefill chunks from piecewise graphs of "
+                            f"{list(pieces_cal) or 'no'} token counts, the measured run captured {list(pieces_meas or []) or 'none'}")
         return {"used": True, "ok": True, "warnings": warnings + list(cm.get("warnings", []))}
     except CalibrationError as exc:
         return {"used": True, "ok": False, "error": str(exc)}

@@ -67,7 +67,8 @@ def step_predictor(sim_summary: dict):
         from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel
 
         return CalibratedCostModel({k: cm[k] for k in COEFFICIENTS if k in cm}, cm["knee"],
-                                   graph_sizes=cm.get("graph_sizes", ())).predict_features
+                                   graph_sizes=cm.get("graph_sizes", ()),
+                                   piecewise_sizes=cm.get("piecewise_sizes", ())).predict_features
     if name in ("roofline", "linear", "unit"):
         from simkv.backends.factory import make_backend
         from simkv.config import EngineConfig
@@ -97,9 +98,14 @@ def cost_model_on_measured(sim_summary: dict, meas_dir: str | Path, slowest: int
         out["by_family"][name] = _stats(rel[m], pred[m], meas[m])
     if "graph_batch" in steps.columns:  # decode steps replayed from CUDA graphs against eager ones
         graph = steps["graph_batch"].to_numpy() > 0
+        pieces = (steps["graph_tokens"].to_numpy() > 0) if "graph_tokens" in steps.columns else np.zeros_like(graph)
+        eager_decode = ~graph & ~pieces & (fam == "decode")
         out["by_path"] = {"decode from a CUDA graph": _stats(rel[graph], pred[graph], meas[graph]),
-                          "decode, eager": _stats(rel[~graph & (fam == "decode")], pred[~graph & (fam == "decode")],
-                                                  meas[~graph & (fam == "decode")])}
+                          "decode, eager": _stats(rel[eager_decode], pred[eager_decode], meas[eager_decode])}
+        if pieces.any():
+            eager_rest = ~graph & ~pieces & (fam != "decode")
+            out["by_path"]["from piecewise graphs"] = _stats(rel[pieces], pred[pieces], meas[pieces])
+            out["by_path"]["prefill or mixed, eager"] = _stats(rel[eager_rest], pred[eager_rest], meas[eager_rest])
     batch = steps["num_decodes"].to_numpy()
     edges = list(BATCH_BINS) + [np.iinfo(np.int64).max]
     for lo, hi in zip(edges[:-1], edges[1:]):

@@ -175,8 +175,8 @@ def test_graph_padding_of_decode_steps():
                       [65, 65, 0, 0, 650],  # above the largest graph: eager
                       [37, 2, 500, 40, 1],  # 36-token chunk + 1 decode: eager
                       [16, 1, 136, 16, 0]], dtype=np.int64)  # a lone chunk: eager
-    e, t, s, pp, kp, kd = effective_features(feats, GRAPHS)
-    assert e.tolist() == [0, 0, 1, 1, 1]
+    e, w, t, s, pp, kp, kd = effective_features(feats, GRAPHS)
+    assert e.tolist() == [0, 0, 1, 1, 1] and w.tolist() == [0] * 5
     assert t.tolist() == [8, 8, 65, 37, 16] and s.tolist() == [8, 8, 65, 2, 1]
     assert kd.tolist() == [503, 800, 650, 1, 0] and pp.tolist() == feats[:, 2].tolist()
     m = CalibratedCostModel(TRUE_GRAPHS, 176.0, graph_sizes=GRAPHS)
@@ -217,8 +217,66 @@ def test_graph_decode_line_equals_execute_and_features(n, ctx, knee):
     assert exact == m.predict_features(np.array([step_features(out)]))[0]
     a0, a1, _, _ = m.decode_step_line(n)
     assert abs((a0 + a1 * ctx) / TICKS_PER_SECOND - exact) <= (1 + 0.5 * ctx) / TICKS_PER_SECOND + 1e-12 * exact
-    eager = m._time(1, n, n, 0, 0, ctx)  # the same step run eagerly
+    eager = m._time(1, 0, n, n, 0, 0, ctx)  # the same step run eagerly
     assert (exact < eager) == (n <= GRAPHS[-1])  # a graph saves the launches (worth more than 7 pad rows here)
+
+
+PIECES = [1, 2, 4] + list(range(8, 129, 8))  # piecewise_sizes(128)
+TRUE_PIECES = {**TRUE_GRAPHS, "cW": 1.5e-3}  # piecewise steps: 1.5 ms of replays and attention launches
+
+
+def test_piecewise_padding_of_steps_with_chunks():
+    """With piecewise graphs, a step that no decode graph serves and has at most max(piecewise)
+    tokens counts the next piecewise size of tokens (S and the attention terms unpadded), with
+    E = 0 and W = 1; larger steps stay eager."""
+    from simkv.calibration.costmodel import effective_features
+
+    feats = np.array([[5, 5, 0, 0, 500],  # 5 decodes -> decode graph of 8
+                      [37, 2, 500, 40, 1],  # 36-token chunk + 1 decode -> piecewise 40
+                      [16, 1, 136, 16, 0],  # a lone chunk, on the ladder
+                      [65, 65, 0, 0, 650],  # 65 decodes: above the decode graphs, piecewise 72
+                      [300, 1, 45150, 300, 0]], dtype=np.int64)  # above the largest piece: eager
+    e, w, t, s, pp, kp, kd = effective_features(feats, GRAPHS, PIECES)
+    assert e.tolist() == [0, 0, 0, 0, 1] and w.tolist() == [0, 1, 1, 1, 0]
+    assert t.tolist() == [8, 40, 16, 72, 300] and s.tolist() == [8, 2, 1, 65, 1]
+    assert kd.tolist() == [503, 1, 0, 650, 0] and pp.tolist() == feats[:, 2].tolist()
+    m = CalibratedCostModel(TRUE_PIECES, 176.0, graph_sizes=GRAPHS, piecewise_sizes=PIECES)
+    assert [m.piecewise_tokens(n) for n in (1, 3, 37, 128, 129)] == [1, 4, 40, 128, 0]
+    assert m.describe()["piecewise_sizes"] == PIECES
+    # without piecewise graphs W has no coefficient and such steps are eager
+    plain = CalibratedCostModel(TRUE_PIECES, 176.0, graph_sizes=GRAPHS)
+    assert plain.cW == 0.0 and plain.piecewise_tokens(5) == 0
+    assert np.array_equal(design_matrix(feats, 176.0, GRAPHS)[:, 2], np.zeros(len(feats)))
+
+
+def test_fit_recovers_the_piecewise_term():
+    points, _ = build_grid("tiny", max_num_batched_tokens=512, max_num_seqs=64)
+    feats = np.array([p.features for p in points], dtype=np.int64)
+    true = CalibratedCostModel(TRUE_PIECES, 176.0, graph_sizes=GRAPHS, piecewise_sizes=PIECES)
+    y = true.predict_features(feats)
+    fit = fit_calibration(feats, y, graph_sizes=GRAPHS, piecewise_sizes=PIECES)
+    assert fit["piecewise_sizes"] == PIECES and fit["all_points"]["max_ape"] < 1e-3
+    assert fit["coefficients"]["cW"] == pytest.approx(TRUE_PIECES["cW"], rel=1e-3)
+    assert fit["coefficients"]["cE"] == pytest.approx(TRUE_PIECES["cE"], rel=1e-3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(prefill=st.integers(0, 200), cached=st.integers(0, 500), n=st.integers(0, 80), ctx=st.integers(0, 10**5))
+def test_piecewise_scalar_path_equals_vectorised_features(prefill, cached, n, ctx):
+    """The replay's per-step path (`execute`) and the array path (`predict_features`) agree on
+    every step shape, and a decode run's line equals `execute` for pure decodes."""
+    from simkv.calibration.costmodel import shape_features
+
+    if prefill == 0 and n == 0:
+        return
+    m = CalibratedCostModel(TRUE_PIECES, 176.0, graph_sizes=GRAPHS, piecewise_sizes=PIECES)
+    feats = shape_features([(cached, prefill)] if prefill else [], [ctx // max(n, 1)] * n)
+    assert m._step_time(*feats) == pytest.approx(m.predict_features(np.array([feats]))[0], rel=1e-12)
+    if prefill == 0:
+        from simkv.clock import TICKS_PER_SECOND
+
+        a0, a1, _, _ = m.decode_step_line(n)
+        assert abs((a0 + a1 * feats[4]) / TICKS_PER_SECOND - m._step_time(*feats)) <= (1 + 0.5 * feats[4]) / TICKS_PER_SECOND + 1e-9
 
 
 def test_calibration_without_ce_still_loads(tmp_path):

@@ -80,3 +80,24 @@ def test_captured_piecewise_graphs_match_eager_forward():
     assert any(p for *_, p, _ in rows)
     for a, b, *_ in rows:
         torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=0.02)
+
+
+def test_path_of_each_step_is_what_the_cost_model_assumes():
+    """The runner records, per step, the decode-graph size or the piecewise token count it ran
+    as; the calibrated cost model, given the two ladders, infers both from the step's shape."""
+    from gpu_backend.decode_graphs import capture_sizes
+    from simkv.calibration.costmodel import COEFFICIENTS, CalibratedCostModel, effective_features
+
+    rows, _, _ = _run_both("cpu", "fp32", capture=False, decode_graphs=True)
+    model = CalibratedCostModel(dict.fromkeys(COEFFICIENTS, 1.0), 1.0, graph_sizes=capture_sizes(8),
+                                piecewise_sizes=SIZES)
+    for _, _, tokens, mixed, padded_to, graph_batch in rows:
+        expect_graph = 0 if mixed else model.graph_batch(tokens)
+        assert graph_batch == expect_graph
+        assert padded_to == (0 if expect_graph else model.piecewise_tokens(tokens))
+    # the vectorised features agree: a decode step (Kp = 0) and a chunk step (Kp > 0) of each size
+    feats = [[t, 1, 0 if not mixed else t, 1 if mixed else 0, 0] for _, _, t, mixed, _, _ in rows]
+    e, w, t, *_ = effective_features(feats, capture_sizes(8), SIZES)
+    for (_, _, tokens, mixed, padded_to, graph_batch), ei, wi, ti in zip(rows, e, w, t):
+        assert (wi == 1) == (padded_to > 0) and (ei == 1) == (padded_to == 0 and graph_batch == 0)
+        assert ti == (padded_to or graph_batch or tokens)
