@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", nargs="*", default=[], help="extra engine flags for both replays")
     p.add_argument("--interleaved", action="store_true",
                    help="calibrate during the measured replay, between its steps (for hosts whose speed drifts)")
+    p.add_argument("--cudagraph-mode", choices=["full_decode_only", "full_and_piecewise"], default="full_decode_only",
+                   help="CUDA graphs of the calibration and the measured replays (simkv replay --cudagraph-mode)")
     args = p.parse_args(argv)
 
     import torch
@@ -113,18 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         status["train_slice"] = {"rc": 0, "requests": m, "rows": [n, n + m]}
 
     calib = out / "calib.json"
+    graphs = ["--cudagraph-mode", args.cudagraph_mode]
     cal_cmd = [*SIMKV, "calibrate", "--model", args.model, "--device", device, "--out", str(calib), "--quiet",
-               "--budget-s", str(args.calib_budget_s)]
+               "--budget-s", str(args.calib_budget_s), *graphs]
     if device == "cpu":
         cal_cmd += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
     if args.interleaved:
         ok_meas = ok_cal = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
-                                               *engine, "--out", str(out / "measured"), "--calibrate-alongside",
+                                               *engine, *graphs, "--out", str(out / "measured"), "--calibrate-alongside",
                                                str(calib), "--quiet"], left() - 30, out, status)
     else:
         ok_cal = _run("calibrate", cal_cmd, min(args.calib_budget_s + 120, left() - 60), out, status)
         ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
-                                      *engine, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
+                                      *engine, *graphs, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
     targets = "gpu" if device == "cuda" else "cpu"
 
     def simulate_and_compare(suffix: str, cost_model: list[str], sim_limit, cmp_limit, measured_ok: bool = True) -> bool:
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if m and ok_cal and ok_meas and left() > 60:
         # a second calibration: the grid plus the steps of a replay of OTHER requests (the next m)
         ok_train = _run("replay_gpu_train", [*SIMKV, "replay", str(train_path), "--backend", "gpu", "--device", device,
-                                             *engine, "--out", str(out / "measured_train"), "--quiet"],
+                                             *engine, *graphs, "--out", str(out / "measured_train"), "--quiet"],
                         left() - 25, out, status)
         ok_fit = ok_train and _run("calibrate_steps", [*SIMKV, "calibrate", "--from-steps", str(out / "measured_train"),
                                                        "--with-grid", str(calib), "--out", str(calib_steps), "--quiet"],
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        lambda: max(left(), 8))
     lines = [f"# simkv GPU backend loop ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"- device: {device} ({gpu_name}); model {args.model}; trace slice: first {n} requests of {args.trace}",
-             f"- engine flags of both replays: `{' '.join(engine)}`",
+             f"- engine flags of both replays: `{' '.join(engine)}`; CUDA graphs of the measured ones: `{args.cudagraph_mode}`",
              f"- torch {torch.__version__}, cuda {torch.version.cuda}", "", "## Stages", ""]
     lines += [f"- **{k}**: {json.dumps(v)}" for k, v in status.items()]
     if calib.is_file():
