@@ -87,19 +87,28 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        import gc
+
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):  # largest first: smaller sizes reuse its memory
-            pieces = self._pieces(b)
-            for piece in pieces:  # compiles this size's kernels outside the capture
-                piece()
-            torch.cuda.synchronize(self.runner.device)
-            graphs = []
-            for piece in pieces:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+        # some torch releases run gc.collect() at every capture; over about 1,700 captures (51
+        # sizes x 33 pieces for llama-3-8b) that costs minutes with a replay's heap, so it is
+        # skipped here, as vLLM does during its own captures
+        collect, gc.collect = gc.collect, (lambda *args, **kwargs: 0)
+        try:
+            for b in reversed(self.sizes):  # largest first: smaller sizes reuse its memory
+                pieces = self._pieces(b)
+                for piece in pieces:  # compiles this size's kernels outside the capture
                     piece()
-                graphs.append(graph)
-            self.graphs[b] = graphs
+                torch.cuda.synchronize(self.runner.device)
+                graphs = []
+                for piece in pieces:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        piece()
+                    graphs.append(graph)
+                self.graphs[b] = graphs
+        finally:
+            gc.collect = collect
         for graphs in self.graphs.values():  # the first replay of a graph uploads it: not in a timed step
             for graph in graphs:
                 graph.replay()

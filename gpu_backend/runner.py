@@ -149,6 +149,7 @@ class ModelRunner:
             capture = self.device.type == "cuda"
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        t0 = time.perf_counter()
         try:
             self.piecewise_graphs = PiecewiseGraphs(self, max_tokens, capture=capture, sizes=sizes)
         except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
@@ -164,7 +165,8 @@ class ModelRunner:
         sizes = self.piecewise_graphs.sizes
         self.piecewise_sizes = list(sizes) if capture else []
         self.piecewise_status = (f"{'captured' if capture else 'static buffers, eager'}: "
-                                 f"{len(sizes)} token counts {sizes[0]}..{sizes[-1]}")
+                                 f"{len(sizes)} token counts {sizes[0]}..{sizes[-1]}"
+                                 + (f" in {time.perf_counter() - t0:.1f} s" if capture else ""))
         return self.piecewise_status
 
     def sibling(self, num_gpu_blocks: int) -> "ModelRunner":
