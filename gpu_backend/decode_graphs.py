@@ -20,6 +20,8 @@ themselves need CUDA (tests marked cuda compare their logits with the eager forw
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import numpy as np
 import torch
 
@@ -31,6 +33,12 @@ def capture_sizes(max_batch: int) -> list[int]:
     ladder = [1, 2, 4] + list(range(8, max(max_batch, 8) + 8, 8))
     out = [s for s in ladder if s < max_batch]
     return out + [next(s for s in ladder if s >= max_batch)]
+
+
+def next_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds n (None: larger than any)."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 class DecodeGraphs:
@@ -58,10 +66,7 @@ class DecodeGraphs:
 
     def bucket(self, n: int) -> int | None:
         """The captured size a batch of n decodes is padded to (None: larger than any)."""
-        for s in self.sizes:
-            if s >= n:
-                return s
-        return None
+        return next_size(self.sizes, n)
 
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner

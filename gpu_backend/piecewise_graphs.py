@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_backend.decode_graphs import next_size
 from gpu_backend.model import AttentionInputs
 
 
@@ -56,10 +57,7 @@ class PiecewiseGraphs:
 
     def bucket(self, n: int) -> int | None:
         """The captured size a batch of n tokens is padded to (None: larger than any)."""
-        for s in self.sizes:
-            if s >= n:
-                return s
-        return None
+        return next_size(self.sizes, n)
 
     def fits(self, batch) -> bool:
         return 0 < len(batch.input_ids) <= self.sizes[-1]

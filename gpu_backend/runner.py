@@ -110,63 +110,48 @@ class ModelRunner:
         self.last_piecewise_tokens = 0  # last step: the token count it was padded to (0: not piecewise)
         self.vocab = self.spec.vocab_size
 
-    def enable_decode_graphs(self, max_batch: int, capture: bool | None = None) -> str:
-        """Capture CUDA graphs of decode-only steps up to `max_batch` sequences (vLLM's default;
-        `--enforce-eager` skips this). Without CUDA, or if capture fails, steps stay eager and
-        the returned status says why."""
-        from gpu_backend.decode_graphs import DecodeGraphs
-
-        if capture is None:
-            capture = self.device.type == "cuda"
-        if capture and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        try:
-            self.decode_graphs = DecodeGraphs(self, max_batch, capture=capture)
-        except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
-            self.decode_graphs = None
-            self.decode_graphs_status = f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
-            if self.device.type == "cuda":
-                try:
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.empty_cache()
-                except Exception:  # noqa: BLE001 - the status already says what failed
-                    pass
-            return self.decode_graphs_status
-        sizes = self.decode_graphs.sizes
-        self.graph_sizes = list(sizes) if capture else []
-        self.decode_graphs_status = (f"{'captured' if capture else 'static buffers, eager'}: "
-                                     f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")
-        return self.decode_graphs_status
-
-    def enable_piecewise_graphs(self, max_tokens: int, capture: bool | None = None,
-                                sizes: list[int] | None = None) -> str:
-        """Capture piecewise CUDA graphs for steps of up to `max_tokens` tokens that are not
-        decode-only (vLLM's FULL_AND_PIECEWISE mode; `gpu_backend/piecewise_graphs.py`). Without
-        CUDA, or if capture fails, those steps stay eager and the returned status says why."""
-        from gpu_backend.piecewise_graphs import PiecewiseGraphs
-
+    def _capture_graphs(self, build, capture: bool | None, unit: str):
+        """`build(capture)` makes a graph set (decode or piecewise); returns (the set or None, the
+        captured sizes, a status). Without CUDA, or if capture fails, those steps stay eager and
+        the status says why."""
         if capture is None:
             capture = self.device.type == "cuda"
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         t0 = time.perf_counter()
         try:
-            self.piecewise_graphs = PiecewiseGraphs(self, max_tokens, capture=capture, sizes=sizes)
+            graphs = build(capture)
         except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
-            self.piecewise_graphs, self.piecewise_sizes = None, []
-            self.piecewise_status = f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
             if self.device.type == "cuda":
                 try:
                     torch.cuda.synchronize(self.device)
                     torch.cuda.empty_cache()
                 except Exception:  # noqa: BLE001 - the status already says what failed
                     pass
-            return self.piecewise_status
-        sizes = self.piecewise_graphs.sizes
-        self.piecewise_sizes = list(sizes) if capture else []
-        self.piecewise_status = (f"{'captured' if capture else 'static buffers, eager'}: "
-                                 f"{len(sizes)} token counts {sizes[0]}..{sizes[-1]}"
-                                 + (f" in {time.perf_counter() - t0:.1f} s" if capture else ""))
+            return None, [], f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
+        sizes = graphs.sizes
+        status = (f"{'captured' if capture else 'static buffers, eager'}: {len(sizes)} {unit} {sizes[0]}..{sizes[-1]}"
+                  + (f" in {time.perf_counter() - t0:.1f} s" if capture else ""))
+        return graphs, (list(sizes) if capture else []), status
+
+    def enable_decode_graphs(self, max_batch: int, capture: bool | None = None) -> str:
+        """Capture CUDA graphs of decode-only steps up to `max_batch` sequences (vLLM's default;
+        `--enforce-eager` skips this); returns the status."""
+        from gpu_backend.decode_graphs import DecodeGraphs
+
+        self.decode_graphs, self.graph_sizes, self.decode_graphs_status = self._capture_graphs(
+            lambda c: DecodeGraphs(self, max_batch, capture=c), capture, "sizes")
+        return self.decode_graphs_status
+
+    def enable_piecewise_graphs(self, max_tokens: int, capture: bool | None = None,
+                                sizes: list[int] | None = None) -> str:
+        """Capture piecewise CUDA graphs for steps of up to `max_tokens` tokens that no decode
+        graph serves (vLLM's FULL_AND_PIECEWISE mode; `gpu_backend/piecewise_graphs.py`);
+        returns the status."""
+        from gpu_backend.piecewise_graphs import PiecewiseGraphs
+
+        self.piecewise_graphs, self.piecewise_sizes, self.piecewise_status = self._capture_graphs(
+            lambda c: PiecewiseGraphs(self, max_tokens, capture=c, sizes=sizes), capture, "token counts")
         return self.piecewise_status
 
     def sibling(self, num_gpu_blocks: int) -> "ModelRunner":
