@@ -536,22 +536,13 @@ class PagedAttentionLaunch:
         return out
 
 
-def plan_paged_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    config: AttentionConfig | None = None,
-    num_segments: int | None = None,
-) -> PagedAttentionLaunch:
-    """Check the arguments and choose the tiles once; the returned launch runs any layer whose
-    query and caches have these shapes and strides (see ``PagedAttentionLaunch``)."""
+def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         scale: float, *, max_query_len: int | None = None, max_seq_len: int | None = None,
+                         config: AttentionConfig | None = None, num_segments: int | None = None) -> PagedAttentionLaunch:
+    """Check the arguments (as ``triton_paged_attention`` takes them) and choose the tiles once;
+    the returned launch runs any layer whose query and caches have these shapes and strides
+    (see ``PagedAttentionLaunch``)."""
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, None)
     _, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
