@@ -139,7 +139,7 @@ gpu_backend_loop() {
     fi
     # the GPU backend's own CUDA tests (decode graphs against the eager forward, CUDA vs CPU runner)
     if $PY -c "import pytest" 2>/dev/null && [ "$(left_s)" -gt 300 ]; then
-        PYTHONPATH="$site:$PYTHONPATH" step tests_gpu_backend 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+        PYTHONPATH="$site:$PYTHONPATH" step tests_gpu_backend 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
             -m cuda tests/gpu_backend --junitxml="$OUT/tests_gpu_backend.xml"
         echo "- **tests_gpu_backend**: $(cat "$OUT/tests_gpu_backend.status")" >>"$OUT/summary.md"
     fi
