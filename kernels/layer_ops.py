@@ -19,8 +19,8 @@ Each operation takes the same arguments in both implementations:
   writes the normalised rows into ``x`` (``x`` is consumed).
 * ``rotary_embedding(qkv, cos, sin, num_rotated_heads)`` rotates the first ``num_rotated_heads``
   heads of ``qkv [T, heads, head_size]`` in place (neox style, ``x * cos + rotate_half(x) * sin``)
-  and returns the views ``(q_and_k, v)``; ``cos``/``sin`` are ``[T, head_size]`` tables of each
-  token's position (both halves equal). The torch version computes out of place and copies back
+  and returns nothing; ``cos``/``sin`` are ``[T, head_size]`` tables of each token's position
+  (both halves equal). The torch version computes out of place and copies back
   (one more pass than the fused kernel).
 * ``silu_and_mul(gate_up)`` -> ``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[T, 2 I]``.
 """
@@ -53,11 +53,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def ref_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         num_rotated_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ref_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotated_heads: int) -> None:
     x = qkv[:, :num_rotated_heads]
     x.copy_(x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :])  # in place, as the fused kernel
-    return x, qkv[:, num_rotated_heads:]
 
 
 def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -148,10 +148,8 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def triton_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            num_rotated_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate the first ``num_rotated_heads`` heads of ``qkv [T, heads, d]`` in place (neox
-    style); returns the views ``(qkv[:, :num_rotated_heads], qkv[:, num_rotated_heads:])``."""
+def triton_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotated_heads: int) -> None:
+    """Rotate the first ``num_rotated_heads`` heads of ``qkv [T, heads, d]`` in place (neox style)."""
     if qkv.dim() != 3:
         raise ValueError(f"qkv must be [num_tokens, heads, head_size], got shape {tuple(qkv.shape)}")
     t, heads, d = qkv.shape
@@ -174,4 +172,3 @@ def triton_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
             NUM_ROTATED=num_rotated_heads, HALF=half, HALF_PAD=half_pad, HEADS_PER_PROGRAM=per_program,
             num_warps=4 if per_program * half_pad >= 512 else 1,
         )
-    return qkv[:, :num_rotated_heads], qkv[:, num_rotated_heads:]
