@@ -44,6 +44,21 @@ bundle() {  # refresh BUNDLE (if given) with summary.md and a tarball of OUT: wh
         && mv "$BUNDLE/gpu_check.tgz.tmp" "$BUNDLE/gpu_check.tgz" && echo "bundled into $BUNDLE/gpu_check.tgz"
 }
 
+# The GPU host has no simpy (and maybe no rich): both are pure Python; their py3-none-any wheels are
+# committed in scripts/gpu_wheels/ (see the gpu_backend loop section below); SITE is where they go.
+SITE=/tmp/site
+install_wheels() {
+    if ! $PY -c "import simpy, rich" 2>/dev/null; then
+        if ls scripts/gpu_wheels/*.whl >/dev/null 2>&1; then
+            $PY -m pip install -q --no-deps --no-index --target "$SITE" scripts/gpu_wheels/*.whl >"$OUT/wheels.log" 2>&1 \
+                || { echo "pip --target failed; importing the wheels as zips" >>"$OUT/wheels.log"; SITE="$(ls -d "$PWD"/scripts/gpu_wheels/*.whl | paste -sd:)"; }
+        else
+            echo "   -> simpy/rich missing and no scripts/gpu_wheels/: the GPU-backend parts will fail" | tee "$OUT/wheels.log"
+        fi
+    fi
+}
+install_wheels
+
 step() {  # step NAME SECONDS CMD...  -> runs CMD with a timeout, logs to OUT/NAME.log, records its status
     local name="$1" secs="$2"; shift 2
     local t0=$(date +%s) rc=0
@@ -65,6 +80,12 @@ if $PY -c "import pytest" 2>/dev/null; then
     step tests_cuda "$TEST_LIMIT" "${PYTEST[@]}" tests/kernels/test_kernels_cuda.py --junitxml="$OUT/tests_cuda.xml" &
     step tests_other "$TEST_LIMIT" "${PYTEST[@]}" tests/kernels -k "not sm90" --ignore=tests/kernels/test_kernels_paged_attention.py \
         --ignore=tests/kernels/test_kernels_cuda.py --junitxml="$OUT/tests_other.xml" &
+    # the GPU backend's own CUDA tests (CUDA vs CPU logits, fused vs unfused ops, captured decode and
+    # piecewise graphs vs the eager forward), alongside: they compile kernels too
+    if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ]; then
+        PYTHONPATH="$SITE:$PYTHONPATH" step tests_gpu_backend "$TEST_LIMIT" $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+            -m cuda tests/gpu_backend --junitxml="$OUT/tests_gpu_backend.xml" &
+    fi
     wait
 else
     step tests_standalone 300 $PY tests/kernels/standalone_check.py --device cuda --json "$OUT/tests_standalone.json"
@@ -72,7 +93,7 @@ fi
 
 ELAPSED=$(( $(date +%s) - START ))
 BUDGET=$(( 400 - ELAPSED ))            # keep the whole run under ~8 minutes
-if [ "$MODE" = all ]; then BUDGET=$(( 240 - ELAPSED )); fi   # leave ~4.5 minutes for the loop
+if [ "$MODE" = all ]; then BUDGET=$(( 220 - ELAPSED )); fi   # leave ~5.5 minutes for the step benchmark and the loop
 if [ "$BUDGET" -lt 60 ]; then BUDGET=60; fi
 BENCH_ARGS=(--out "$OUT/bench" --budget "$BUDGET")
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then BENCH_ARGS+=(--dry-run); fi   # CPU smoke test of this script
@@ -120,25 +141,17 @@ fi  # MODE != loop
 gpu_backend_loop() {
     local out="$1/gpu_loop"
     mkdir -p "$out"
-    local site=/tmp/site
-    if ! $PY -c "import simpy, rich" 2>/dev/null; then
-        if ls scripts/gpu_wheels/*.whl >/dev/null 2>&1; then
-            $PY -m pip install -q --no-deps --no-index --target "$site" scripts/gpu_wheels/*.whl >"$out/wheels.log" 2>&1 \
-                || { echo "pip --target failed; importing the wheels as zips" >>"$out/wheels.log"; site="$(ls -d "$PWD"/scripts/gpu_wheels/*.whl | paste -sd:)"; }
-        else
-            echo "   -> gpu_backend loop: simpy/rich missing and no scripts/gpu_wheels/; see the comment above" | tee "$out/wheels.log"
-        fi
-    fi
+    local site="$SITE"   # the wheels, installed at the start (install_wheels)
     # this host's Python time in our kernel wrappers per call, one-call vs planned (no GPU work; seconds)
     step launch_overhead 40 $PY bench/launch_overhead.py --calls 1000 --rounds 3
     { echo; echo '```'; cat "$OUT/launch_overhead.log"; echo '```'; } >>"$OUT/summary.md"
     # step time eager vs decode CUDA graphs, fused vs unfused element-wise ops, and the host's share (bench/gpu_step.py)
-    if [ "$(left_s)" -gt 360 ]; then
-        PYTHONPATH="$site:$PYTHONPATH" step gpu_step 120 $PY bench/gpu_step.py --model "$MODEL" --out "$OUT/gpu_step" --budget-s 80
+    if [ "$(left_s)" -gt 300 ]; then
+        PYTHONPATH="$site:$PYTHONPATH" step gpu_step 100 $PY bench/gpu_step.py --model "$MODEL" --out "$OUT/gpu_step" --budget-s 60
         { echo; cat "$OUT/gpu_step/gpu_step.md" 2>/dev/null || echo "gpu_step: no report (see gpu_step.log)"; } >>"$OUT/summary.md"
     fi
-    # the GPU backend's own CUDA tests (decode graphs against the eager forward, CUDA vs CPU runner)
-    if $PY -c "import pytest" 2>/dev/null && [ "$(left_s)" -gt 300 ]; then
+    # the GPU backend's own CUDA tests, unless they ran beside the kernel tests
+    if [ ! -f "$OUT/tests_gpu_backend.status" ] && $PY -c "import pytest" 2>/dev/null && [ "$(left_s)" -gt 300 ]; then
         PYTHONPATH="$site:$PYTHONPATH" step tests_gpu_backend 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
             -m cuda tests/gpu_backend --junitxml="$OUT/tests_gpu_backend.xml"
         echo "- **tests_gpu_backend**: $(cat "$OUT/tests_gpu_backend.status")" >>"$OUT/summary.md"
