@@ -145,15 +145,18 @@ class LeanLlama:
                     rope_theta=self.rope_theta, attention_bias=self.has_qkv_bias, tie_word_embeddings=False)
 
     # ---- forward ------------------------------------------------------------------------------
-    def new_activations(self, num_tokens: int) -> "Activations":
-        """Zeroed activation tensors for `num_tokens` rows."""
+    def new_activations(self, num_tokens: int, zeroed: bool = False) -> "Activations":
+        """Activation tensors for `num_tokens` rows. A forward writes every row before reading
+        it, so they start uninitialised; `zeroed` for buffers whose pad rows are read stale
+        (piecewise graphs), so that they hold finite values from the start."""
         h, nh, nkv, d = self.spec.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        make = torch.zeros if zeroed else torch.empty
 
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        def new(*shape: int) -> torch.Tensor:
+            return make(shape, dtype=self.dtype, device=self.device)
 
-        return Activations(zeros(num_tokens, h), zeros(num_tokens, h), zeros(num_tokens, nh + 2 * nkv, d),
-                           zeros(num_tokens, nh, d), zeros(num_tokens, d), zeros(num_tokens, d))
+        return Activations(new(num_tokens, h), new(num_tokens, h), new(num_tokens, nh + 2 * nkv, d),
+                           new(num_tokens, nh, d), new(num_tokens, d), new(num_tokens, d))
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, act: "Activations") -> None:
         """The token embeddings into `act.residual`, each token's cos/sin rows into `act.cos/sin`."""

@@ -49,7 +49,7 @@ class PiecewiseGraphs:
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=dev)
-        self.act = runner.model.new_activations(size)
+        self.act = runner.model.new_activations(size, zeroed=True)
         self.captured = capture
         self.graphs: dict[int, list] = {}
         if capture:

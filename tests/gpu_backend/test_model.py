@@ -91,3 +91,34 @@ def test_copy_weights_from_makes_runners_agree():
     assert not torch.allclose(a.forward_logits(out), b.forward_logits(out))
     b.model.copy_weights_from(a.model)
     torch.testing.assert_close(b.forward_logits(out), a.forward_logits(out))
+
+
+def test_forward_writes_every_activation_before_reading_it():
+    """The eager forward starts from uninitialised activation buffers (no memsets per step):
+    with every buffer filled with NaN instead, the logits are unchanged and finite."""
+    from gpu_backend.model import Activations
+
+    config = EngineConfig.from_flat({"model": "tiny-llama", "num_gpu_blocks": 32, "block_size": 4,
+                                     "max_num_batched_tokens": 24, "max_num_seqs": 4})
+    sched = Scheduler(config, 32, detail=True)
+    clean = ModelRunner("tiny-llama", 32, block_size=4, device="cpu", dtype="fp32", seed=4)
+    poisoned = ModelRunner("tiny-llama", 32, block_size=4, device="cpu", dtype="fp32", seed=4)
+    make = poisoned.model.new_activations
+
+    def nan_activations(num_tokens, zeroed=False):
+        act = make(num_tokens, zeroed)
+        return Activations(*(t.fill_(float("nan")) for t in (act.hidden, act.residual, act.qkv, act.attn_out,
+                                                               act.cos, act.sin)))
+
+    poisoned.model.new_activations = nan_activations
+    for i, (prompt, out_len) in enumerate([(9, 3), (14, 2), (5, 3)]):
+        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
+    steps = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        a, b = clean.forward_logits(out), poisoned.forward_logits(out)
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        sched.update_from_output(out)
+        steps += 1
+    assert steps >= 3
