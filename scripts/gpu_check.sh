@@ -162,8 +162,21 @@ gpu_backend_loop() {
     if [ "$total" -lt 60 ]; then echo "   -> gpu_backend loop skipped: ${room}s left" | tee -a "$OUT/summary.md"; return 0; fi
     # a second calibration from the measured steps of the next requests (run only if time is left)
     local train=$([ "$MODE" = all ] && echo 150 || echo 400)
+    # CUDA graphs of the loop's calibration and measured replays: vLLM's default (decode steps from
+    # full graphs, steps with prefill chunks from piecewise ones) once this host's CUDA test of the
+    # piecewise graphs passed, else decode graphs only; GPU_CHECK_CUDAGRAPH_MODE forces one
+    local mode="${GPU_CHECK_CUDAGRAPH_MODE:-}"
+    if [ -z "$mode" ]; then
+        mode=$($PY - "$OUT/tests_gpu_backend.xml" <<'PYEOF' 2>/dev/null || echo full_decode_only
+import sys, xml.etree.ElementTree as ET
+case = [c for c in ET.parse(sys.argv[1]).iter("testcase") if c.get("name") == "test_captured_piecewise_graphs_match_eager_forward"]
+print("full_and_piecewise" if case and len(list(case[0])) == 0 else "full_decode_only")
+PYEOF
+)
+    fi
+    echo "   -> loop CUDA graphs: $mode"
     PYTHONPATH="$site:$PYTHONPATH" step gpu_backend_loop $(( total + 20 )) $PY -m gpu_backend.loop "$out" --model "$MODEL" \
-        --total-s "$total" --train-requests "$train" ${GPU_LOOP_ARGS:-}
+        --total-s "$total" --train-requests "$train" --cudagraph-mode "$mode" ${GPU_LOOP_ARGS:-}
     cat "$out/loop_summary.md" 2>/dev/null >>"$OUT/summary.md" || true
 }
 if [ "${GPU_CHECK_SKIP_LOOP:-0}" != 1 ] && [ "$MODE" != kernels ]; then
