@@ -11,6 +11,12 @@ Public API (see docs/kernels.md):
 * ``ref_reshape_and_cache`` / ``ref_paged_attention`` - pure-torch fp32 references, same signatures.
 * ``select_backend(device)`` - ``"triton"`` or ``"torch"``.
 
+Also, imported from their modules: ``triton_attention.plan_paged_attention`` and
+``triton_cache.plan_reshape_and_cache`` (checked and configured once per step, launched per
+layer); ``layer_ops.layer_ops(backend)``, the set of kernels a forward calls, with the fused
+element-wise kernels of ``triton_layer_ops`` (RMSNorm with the residual add, rotary, SiLU-and-mul)
+and their torch references.
+
 Triton is imported lazily, so this package works (with the torch backend) where Triton is absent.
 """
 from .backend import paged_attention, reshape_and_cache, select_backend, triton_available
