@@ -20,6 +20,7 @@ themselves need CUDA (tests marked cuda compare their logits with the eager forw
 
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left
 
 import numpy as np
@@ -39,6 +40,34 @@ def next_size(sizes: list[int], n: int) -> int | None:
     """The smallest of the ascending `sizes` that holds n (None: larger than any)."""
     i = bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
+
+
+def capture_graph(fn, pool):
+    """(graph, what `fn` returned): `fn` captured into a CUDA graph drawing on memory `pool`.
+    Python's gc.collect is suspended meanwhile: some torch releases call it at every capture,
+    which costs minutes over the ~1,700 captures of piecewise graphs with a replay's heap (vLLM
+    suspends it during its captures too)."""
+    collect, gc.collect = gc.collect, (lambda *args, **kwargs: 0)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            result = fn()
+    finally:
+        gc.collect = collect
+    return graph, result
+
+
+def upload(graphs, device) -> None:
+    """Replay each graph once (the first replay uploads it: not in a timed step)."""
+    for graph in graphs:
+        graph.replay()
+    torch.cuda.synchronize(device)
+
+
+def load_static(pairs) -> None:
+    """Copy host arrays into the leading rows of static device buffers: (buffer, array) pairs."""
+    for static, host in pairs:
+        static[:len(host)].copy_(torch.from_numpy(np.ascontiguousarray(host)), non_blocking=True)
 
 
 class DecodeGraphs:
@@ -79,13 +108,8 @@ class DecodeGraphs:
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self._forward(b)  # compiles the kernels of this size outside the capture
             torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
-        for graph in self.graphs.values():  # the first replay of a graph uploads it: not in a timed step
-            graph.replay()
-        torch.cuda.synchronize(self.runner.device)
+            self.graphs[b], self.outputs[b] = capture_graph(lambda: self._forward(b), pool)
+        upload(self.graphs.values(), self.runner.device)
 
     def fits(self, batch) -> bool:
         return (batch.max_query_len == 1 and len(batch.seq_lens) <= self.sizes[-1]
@@ -106,9 +130,8 @@ class DecodeGraphs:
         qsl = np.arange(b + 1, dtype=np.int32)  # one query token per row, pads included
         tables = np.zeros((b, self.max_blocks), dtype=np.int32)
         tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
-        for static, host in ((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
-                             (self.seq_lens, lens), (self.query_start_loc, qsl), (self.block_tables, tables)):
-            static[:len(host)].copy_(torch.from_numpy(host), non_blocking=True)
+        load_static(((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
+                     (self.seq_lens, lens), (self.query_start_loc, qsl), (self.block_tables, tables)))
         if self.captured:
             self.graphs[b].replay()
             return self.outputs[b][:n]

@@ -95,8 +95,8 @@ class LeanLlama:
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=self.device).float() / d))
         freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()  # fp32 [n, d]
-        self.cos_table, self.sin_table = self.cos_cache.to(dtype), self.sin_cache.to(dtype)  # what steps gather
+        # each position's rotary cos/sin rows, [n, d], computed in fp32 and kept in the model dtype
+        self.cos_table, self.sin_table = emb.cos().to(dtype), emb.sin().to(dtype)
 
     def copy_weights_from(self, other: "LeanLlama") -> None:
         """Take another instance's weights (cast to this one's dtype and device). Weights drawn on

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_backend.decode_graphs import next_size
+from gpu_backend.decode_graphs import capture_graph, load_static, next_size, upload
 from gpu_backend.model import AttentionInputs
 
 
@@ -85,32 +85,14 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        import gc
-
         pool = torch.cuda.graph_pool_handle()
-        # some torch releases run gc.collect() at every capture; over about 1,700 captures (51
-        # sizes x 33 pieces for llama-3-8b) that costs minutes with a replay's heap, so it is
-        # skipped here, as vLLM does during its own captures
-        collect, gc.collect = gc.collect, (lambda *args, **kwargs: 0)
-        try:
-            for b in reversed(self.sizes):  # largest first: smaller sizes reuse its memory
-                pieces = self._pieces(b)
-                for piece in pieces:  # compiles this size's kernels outside the capture
-                    piece()
-                torch.cuda.synchronize(self.runner.device)
-                graphs = []
-                for piece in pieces:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        piece()
-                    graphs.append(graph)
-                self.graphs[b] = graphs
-        finally:
-            gc.collect = collect
-        for graphs in self.graphs.values():  # the first replay of a graph uploads it: not in a timed step
-            for graph in graphs:
-                graph.replay()
-        torch.cuda.synchronize(self.runner.device)
+        for b in reversed(self.sizes):  # largest first: smaller sizes reuse its memory
+            pieces = self._pieces(b)
+            for piece in pieces:  # compiles this size's kernels outside the capture
+                piece()
+            torch.cuda.synchronize(self.runner.device)
+            self.graphs[b] = [capture_graph(piece, pool)[0] for piece in pieces]
+        upload([g for graphs in self.graphs.values() for g in graphs], self.runner.device)
 
     @torch.inference_mode()
     def run(self, batch, attn: AttentionInputs, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -121,9 +103,7 @@ class PiecewiseGraphs:
         b = self.bucket(n)
         slots = np.full(b, -1, dtype=np.int64)
         slots[:n] = batch.slot_mapping
-        for static, host in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
-                             (self.slot_mapping, slots)):
-            static[:len(host)].copy_(torch.from_numpy(np.ascontiguousarray(host)), non_blocking=True)
+        load_static(((self.input_ids, batch.input_ids), (self.positions, batch.positions), (self.slot_mapping, slots)))
         padded = AttentionInputs(self.slot_mapping[:b], attn.block_tables, attn.seq_lens, attn.query_start_loc,
                                  attn.max_query_len, attn.max_seq_len)
         act = self.act.head(b)
