@@ -188,7 +188,5 @@ class GpuBackend:
         r = self.runner
         return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
                 "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
-                "layer_ops": r.ops.name, "timing": timing_label(r.device), "cuda_graphs": r.decode_graphs_status,
-                "cuda_graph_sizes": list(r.graph_sizes), "cuda_piecewise_graphs": r.piecewise_status,
-                "cuda_piecewise_sizes": list(r.piecewise_sizes),
+                "layer_ops": r.ops.name, "timing": timing_label(r.device), **r.graph_fields(),
                 "versions": library_versions()}

@@ -46,7 +46,7 @@ class InterleavedGrid:
             raise ValueError(f"no calibration grid point fits the {num_blocks} KV blocks left beside the replay's pool")
         self.runner = runner.sibling(num_blocks)
         self.num_blocks = num_blocks
-        self.graphs_status = prepare_for_timing(self.runner, 2, sched.max_num_seqs, enforce_eager, cudagraph_mode)
+        prepare_for_timing(self.runner, 2, sched.max_num_seqs, enforce_eager, cudagraph_mode)
         self.outputs = [synthetic_output(p.prefills, p.decodes, runner.block_size, num_blocks) for p in self.points]
         self.samples: list[list[float]] = [[] for _ in self.points]
         self.timer = StepTimer(self.runner.device)
@@ -84,8 +84,7 @@ class InterleavedGrid:
                          {"preset": self.preset, "statistic": statistic, "seed": self.seed,
                           "protocol": f"interleaved: {self.points_per_step} grid points timed after each of the "
                                       f"{self.steps} steps of a measured replay, in turn"})
-        rec["cuda_graphs"], rec["cuda_graph_sizes"] = self.graphs_status, list(r.graph_sizes)
-        rec["cuda_piecewise_graphs"], rec["cuda_piecewise_sizes"] = r.piecewise_status, list(r.piecewise_sizes)
+        rec.update(r.graph_fields())
         rec["grid"]["measured"] = [grid_row(p, samples, statistic) for p, samples in zip(self.points, self.samples)]
         rec["rounds"] = min(len(s) for s in self.samples)
         rec["fit"] = fit_rows(rec["grid"]["measured"], holdout_fraction, self.seed, graph_sizes=r.graph_sizes,

@@ -48,9 +48,8 @@ def gpu_summary_fields(backend) -> dict:
     d = backend.describe()
     return {"backend": "gpu", "device": d["device"]["type"], "device_name": d["device"]["name"],
             "device_info": d["device"], "dtype": d["dtype"], "kernel_backend": d["kernel_backend"],
-            "layer_ops": d["layer_ops"], "timing": d["timing"], "cuda_graphs": d["cuda_graphs"],
-            "cuda_graph_sizes": d["cuda_graph_sizes"], "cuda_piecewise_graphs": d["cuda_piecewise_graphs"],
-            "cuda_piecewise_sizes": d["cuda_piecewise_sizes"], "versions": d["versions"]}
+            "layer_ops": d["layer_ops"], "timing": d["timing"], **backend.runner.graph_fields(),
+            "versions": d["versions"]}
 
 
 def save_partial(out_dir: Path, backend, error: BaseException) -> None:

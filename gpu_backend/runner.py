@@ -154,6 +154,11 @@ class ModelRunner:
             lambda c: PiecewiseGraphs(self, max_tokens, capture=c, sizes=sizes), capture, "token counts")
         return self.piecewise_status
 
+    def graph_fields(self) -> dict:
+        """What summary.json and calib.json record of the CUDA graphs steps run from."""
+        return {"cuda_graphs": self.decode_graphs_status, "cuda_graph_sizes": list(self.graph_sizes),
+                "cuda_piecewise_graphs": self.piecewise_status, "cuda_piecewise_sizes": list(self.piecewise_sizes)}
+
     def sibling(self, num_gpu_blocks: int) -> "ModelRunner":
         """Another runner on the same weights and kernels with a KV pool of its own and no decode
         graphs (capture them with `enable_decode_graphs`): calibration steps timed alongside a

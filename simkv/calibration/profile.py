@@ -190,9 +190,8 @@ def calibrate(model: str, out: str | Path, device: str = "cpu", dtype: str | Non
     from gpu_backend.backend import prepare_for_timing
 
     # the same preparation as a replay: kernels compiled, CUDA graphs captured
-    record["cuda_graphs"] = prepare_for_timing(runner, 2, max_num_seqs, enforce_eager, cudagraph_mode)
-    record["cuda_graph_sizes"] = list(runner.graph_sizes)
-    record["cuda_piecewise_graphs"], record["cuda_piecewise_sizes"] = runner.piecewise_status, list(runner.piecewise_sizes)
+    prepare_for_timing(runner, 2, max_num_seqs, enforce_eager, cudagraph_mode)
+    record.update(runner.graph_fields())
     write_json_atomic(out, record)  # the file exists from the start; filled as points come in
     last_save = [time.perf_counter()]
 
