@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     shapes = [("decode", [], [c] * b, f"B{b}@{c}") for c in contexts for b in batches]
     shapes += [("prefill", [(0, n)], [], f"chunk {n}") for n in prefills]
-    # a small chunk riding with decodes: eager in this backend (vLLM runs it from piecewise
-    # graphs), so its host time is what a calibration's eager-step term cE measures
+    # a small chunk riding with decodes: eager unless piecewise graphs are on (vLLM's default runs
+    # it from them), so its eager host time is what a calibration's eager-step term cE measures
     mixed_chunk, mixed_batch = (64, 32) if cuda else (16, 4)
     shapes += [("mixed", [(0, mixed_chunk)], [contexts[0]] * mixed_batch, f"chunk {mixed_chunk} + B{mixed_batch}@{contexts[0]}")]
     for kind, prefill, decodes, label in shapes:  # eager first, every shape
@@ -96,32 +96,31 @@ def main(argv: list[str] | None = None) -> int:
                 runner.ops = fused_ops
             row["unfused_over_fused"] = row["unfused"]["step_ms"] / row["eager"]["step_ms"]
             print(label, row, flush=True)
-    graphs_status = runner.enable_decode_graphs(max(batches)) if cuda else "off: not on CUDA"
-    if runner.decode_graphs is not None:
+    def time_from_graphs(takes) -> None:
+        """The "graphs" columns of the measured rows whose shape `takes(kind, tokens)` accepts."""
         for row, (kind, prefill, decodes, label) in zip(rows, shapes):
-            if kind != "decode" or time.perf_counter() - t_start > args.budget_s:
+            if not takes(kind, sum(n for _, n in prefill) + len(decodes)) or time.perf_counter() - t_start > args.budget_s:
                 continue
             row["graphs"] = measure(prefill, decodes)
             row["eager_over_graphs"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
             print(label, row, flush=True)
+
+    graphs_status = runner.enable_decode_graphs(max(batches)) if cuda else "off: not on CUDA"
+    if runner.decode_graphs is not None:
+        time_from_graphs(lambda kind, tokens: kind == "decode")
     # steps with prefill chunks from piecewise graphs (vLLM's FULL_AND_PIECEWISE), captured only for
     # the token counts these shapes need (on CPU: the same pieces on static buffers, run eagerly)
+    from gpu_backend.decode_graphs import next_size
     from gpu_backend.piecewise_graphs import piecewise_sizes
 
     ladder = piecewise_sizes(512)
-    tokens = {label: sum(n for _, n in prefill) + len(decodes) for kind, prefill, decodes, label in shapes}
-    wanted = sorted({next(s for s in ladder if s >= t) for kind, _, _, label in shapes[:len(rows)]
-                     if kind != "decode" and (t := tokens[label]) <= ladder[-1]})
+    wanted = sorted({next_size(ladder, sum(n for _, n in prefill) + len(decodes))
+                     for kind, prefill, decodes, _ in shapes[:len(rows)] if kind != "decode"} - {None})
     pieces_status = "off: no step with prefill chunks of at most 512 tokens"
     if wanted and time.perf_counter() - t_start < args.budget_s:
         pieces_status = runner.enable_piecewise_graphs(wanted[-1], capture=cuda, sizes=wanted)
     if runner.piecewise_graphs is not None:
-        for row, (kind, prefill, decodes, label) in zip(rows, shapes):
-            if kind == "decode" or tokens[label] > wanted[-1] or time.perf_counter() - t_start > args.budget_s:
-                continue
-            row["graphs"] = measure(prefill, decodes)
-            row["eager_over_graphs"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
-            print(label, row, flush=True)
+        time_from_graphs(lambda kind, tokens: kind != "decode" and tokens <= wanted[-1])
     result = {"model": args.model, "layer_ops": runner.ops.name, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               "torch": torch.__version__, "cuda_graphs": graphs_status, "piecewise_graphs": pieces_status,
               "repeats": args.repeats, "rows": rows}
