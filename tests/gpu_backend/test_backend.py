@@ -20,6 +20,7 @@ from simkv.core.kv_cache_manager import KVCacheManager
 from simkv.core.scheduler import Scheduler
 from simkv.replay.api import replay
 from simkv.traces.schema import trace_from_frame, write_trace
+from tests.gpu_backend.lockstep import lockstep
 
 OPTS = {"model": "tiny-llama", "num_gpu_blocks": 64, "max_num_batched_tokens": 96, "max_num_seqs": 8,
         "block_size": 16, "max_model_len": 256}
@@ -116,14 +117,9 @@ def test_fused_layer_ops_match_torch_operators_on_cuda():
     plain = ModelRunner("tiny-llama", 64, 16, "cuda", "bf16", seed=5, fused_ops=False)
     assert "fused Triton" in fused.ops.name and "torch element-wise" in plain.ops.name
     plain.model.copy_weights_from(fused.model)
-    for i, p in enumerate((20, 37, 70)):
-        sched.add_request(Request(str(i), i, 0.0, p, 4))
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        a, b = plain.forward_logits(out).float(), fused.forward_logits(out).float()
-        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
-        fused.outputs = {k: list(v) for k, v in plain.outputs.items()}  # bf16 near-ties: feed the same tokens
-        sched.update_from_output(out)
+    requests = [Request(str(i), i, 0.0, p, 4) for i, p in enumerate((20, 37, 70))]
+    for _, a, b in lockstep(sched, requests, plain, fused, share_tokens=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.cuda
@@ -135,14 +131,9 @@ def test_cuda_runner_matches_cpu_reference():
     cpu = ModelRunner("tiny-llama", 64, 16, "cpu", "fp32", seed=5)
     cuda = ModelRunner("tiny-llama", 64, 16, "cuda", "bf16", seed=5)
     cuda.model.copy_weights_from(cpu.model)  # each device draws its own random weights
-    for i, p in enumerate((20, 37, 70)):
-        sched.add_request(Request(str(i), i, 0.0, p, 4))
+    requests = [Request(str(i), i, 0.0, p, 4) for i, p in enumerate((20, 37, 70))]
     steps = 0
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        a, b = cpu.forward_logits(out), cuda.forward_logits(out).float().cpu()
-        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
-        cuda.outputs = {k: list(v) for k, v in cpu.outputs.items()}  # bf16 near-ties: feed the same tokens
-        sched.update_from_output(out)
+    for _, a, b in lockstep(sched, requests, cpu, cuda, share_tokens=True):
+        torch.testing.assert_close(b.float().cpu(), a, rtol=0.05, atol=0.05)
         steps += 1
     assert steps >= 4

@@ -7,6 +7,7 @@ import torch
 
 from gpu_backend.decode_graphs import capture_sizes
 from gpu_backend.runner import ModelRunner
+from tests.gpu_backend.lockstep import lockstep
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
@@ -32,16 +33,12 @@ def _run_both(device: str, dtype: str, capture: bool, max_batch: int = 8, share_
     used = []
     run = graphed.decode_graphs.run
     graphed.decode_graphs.run = lambda batch: used.append(len(batch.seq_lens)) or run(batch)
-    for i, (prompt, out_len) in enumerate([(5, 9), (9, 6), (13, 11), (3, 4), (17, 3)]):
-        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
+    requests = [Request(str(i), i, 0.0, prompt, out_len)
+                for i, (prompt, out_len) in enumerate([(5, 9), (9, 6), (13, 11), (3, 4), (17, 3)])]
     pairs = []
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        pairs.append((eager.forward_logits(out), graphed.forward_logits(out), bool(out.chunks)))
+    for out, a, b in lockstep(sched, requests, eager, graphed, share_tokens):
+        pairs.append((a, b, bool(out.chunks)))
         graphed.step_graph_batches.append((out.num_decode_reqs, bool(out.chunks), graphed.last_graph_batch))
-        if share_tokens:  # bf16 near-ties may sample differently; feed both the eager runner's tokens
-            graphed.outputs = {k: list(v) for k, v in eager.outputs.items()}
-        sched.update_from_output(out)
     return pairs, used, eager, graphed
 
 

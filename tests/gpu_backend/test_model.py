@@ -10,6 +10,7 @@ from gpu_backend.runner import ModelRunner
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
+from tests.gpu_backend.lockstep import lockstep
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,14 +112,10 @@ def test_forward_writes_every_activation_before_reading_it():
                                                                act.cos, act.sin)))
 
     poisoned.model.new_activations = nan_activations
-    for i, (prompt, out_len) in enumerate([(9, 3), (14, 2), (5, 3)]):
-        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
+    requests = [Request(str(i), i, 0.0, prompt, out_len) for i, (prompt, out_len) in enumerate([(9, 3), (14, 2), (5, 3)])]
     steps = 0
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        a, b = clean.forward_logits(out), poisoned.forward_logits(out)
+    for _, a, b in lockstep(sched, requests, clean, poisoned):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(b, a, rtol=0, atol=0)
-        sched.update_from_output(out)
         steps += 1
     assert steps >= 3

@@ -8,6 +8,7 @@ import torch
 
 from gpu_backend.piecewise_graphs import piecewise_sizes
 from gpu_backend.runner import ModelRunner
+from tests.gpu_backend.lockstep import lockstep
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
@@ -34,17 +35,12 @@ def _run_both(device: str, dtype: str, capture: bool, kernel_backend: str | None
         pieces.enable_decode_graphs(8, capture=capture)
     status = pieces.enable_piecewise_graphs(16, capture=capture, sizes=SIZES)
     assert pieces.piecewise_graphs is not None, status
-    for i, (prompt, out_len) in enumerate([(5, 9), (9, 6), (13, 11), (3, 4), (17, 3), (40, 2)]):
-        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
+    requests = [Request(str(i), i, 0.0, prompt, out_len)
+                for i, (prompt, out_len) in enumerate([(5, 9), (9, 6), (13, 11), (3, 4), (17, 3), (40, 2)])]
     rows = []
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        a, b = eager.forward_logits(out), pieces.forward_logits(out)
+    for out, a, b in lockstep(sched, requests, eager, pieces, share_tokens):
         tokens = out.num_prefill_tokens + out.num_decode_reqs
         rows.append((a, b, tokens, bool(out.chunks), pieces.last_piecewise_tokens, pieces.last_graph_batch))
-        if share_tokens:  # bf16 near-ties may sample differently; feed both the eager runner's tokens
-            pieces.outputs = {k: list(v) for k, v in eager.outputs.items()}
-        sched.update_from_output(out)
     return rows, eager, pieces
 
 

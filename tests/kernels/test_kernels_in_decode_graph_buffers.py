@@ -6,6 +6,8 @@ import pytest
 import torch
 from kernel_cases import interpreting
 
+from tests.gpu_backend.lockstep import lockstep
+
 # CPU tensors through the Triton kernels: the interpreter only (on a GPU host the compiled
 # kernels run this path inside captured graphs: tests/gpu_backend/test_decode_graphs.py)
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tensors)")
@@ -29,16 +31,11 @@ def test_triton_kernels_on_padded_static_decode_buffers_match_reference_runner()
     used = []
     run = tri.decode_graphs.run
     tri.decode_graphs.run = lambda batch: used.append(len(batch.seq_lens)) or run(batch)
-    for i, (prompt, out_len) in enumerate([(9, 5), (17, 4), (3, 6), (30, 3), (16, 4)]):
-        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
-    steps = 0
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        a, b = ref.forward_logits(out), tri.forward_logits(out)
+    requests = [Request(str(i), i, 0.0, prompt, out_len)
+                for i, (prompt, out_len) in enumerate([(9, 5), (17, 4), (3, 6), (30, 3), (16, 4)])]
+    for _, a, b in lockstep(sched, requests, ref, tri):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-        sched.update_from_output(out)
-        steps += 1
     assert used and any(n in (3, 5, 6, 7) for n in used), used  # padded batches went through the kernels
 
 
@@ -60,13 +57,9 @@ def test_triton_kernels_on_padded_piecewise_buffers_match_reference_runner():
         k.fill_(float("nan"))
         v.fill_(float("nan"))
     padded = []
-    for i, (prompt, out_len) in enumerate([(9, 3), (17, 2), (3, 3), (30, 2)]):
-        sched.add_request(Request(str(i), i, 0.0, prompt, out_len))
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        a, b = ref.forward_logits(out), tri.forward_logits(out)
+    requests = [Request(str(i), i, 0.0, prompt, out_len) for i, (prompt, out_len) in enumerate([(9, 3), (17, 2), (3, 3), (30, 2)])]
+    for out, a, b in lockstep(sched, requests, ref, tri):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         padded.append((out.num_prefill_tokens + out.num_decode_reqs, tri.last_piecewise_tokens))
-        sched.update_from_output(out)
     assert any(p > n for n, p in padded) and any(p == 0 for _, p in padded), padded
