@@ -397,7 +397,7 @@ def choose_config(
     return AttentionConfig(max(min_m, 128), 64, 1, num_warps=8, num_stages=3)
 
 
-def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out) -> None:
+def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -438,9 +438,6 @@ def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
                     ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device}, query on {query.device}")
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:
-            raise ValueError(f"out must match query's shape/dtype/device with stride-1 last dim, got {tuple(out.shape)} {out.dtype}")
 
 
 class PagedAttentionLaunch:
@@ -543,7 +540,7 @@ def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     """Check the arguments (as ``triton_paged_attention`` takes them) and choose the tiles once;
     the returned launch runs any layer whose query and caches have these shapes and strides
     (see ``PagedAttentionLaunch``)."""
-    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, None)
+    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     _, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]

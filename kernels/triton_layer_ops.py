@@ -95,12 +95,22 @@ def _norm_warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 1
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
+def _rms_norm(x, residual, weight, eps, out, residual_out) -> None:
+    """Check the arguments of either norm, then launch it (nothing to launch for no rows)."""
+    _check_rows("x", x)
+    has_res = residual is not None
+    if has_res:
+        _check_rows("residual", residual, x.shape[1])
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if not x.shape[0]:
+        return
     hidden = x.shape[1]
     block = next_power_of_two(hidden)
-    has_res = residual is not None
     _rms_norm_kernel[(x.shape[0],)](
-        x, residual if has_res else x, weight, out, residual_out if has_res else out,
+        x, residual if has_res else x, weight.contiguous(), out, residual_out if has_res else out,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
         residual_out.stride(0) if has_res else 0, float(eps),
         HIDDEN=hidden, BLOCK_H=block, HAS_RESIDUAL=has_res, num_warps=_norm_warps(block),
@@ -109,26 +119,15 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out) -> None:
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` per row of ``x [T, H]`` (new tensor)."""
-    _check_rows("x", x)
-    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     out = torch.empty_like(x)
-    if x.shape[0]:
-        _launch_rms_norm(x, None, weight.contiguous(), eps, out, None)
+    _rms_norm(x, None, weight, eps, out, None)
     return out
 
 
 def triton_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, written into ``x`` and ``residual`` (consumed)."""
-    _check_rows("x", x)
-    _check_rows("residual", residual, x.shape[1])
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
-    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
-    if x.shape[0]:
-        _launch_rms_norm(x, residual, weight.contiguous(), eps, x, residual)
+    _rms_norm(x, residual, weight, eps, x, residual)
     return x, residual
 
 
