@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         time_from_graphs(lambda kind, tokens: kind == "decode")
     # steps with prefill chunks from piecewise graphs (vLLM's FULL_AND_PIECEWISE), captured only for
     # the token counts these shapes need (on CPU: the same pieces on static buffers, run eagerly)
-    from gpu_backend.decode_graphs import next_size
     from gpu_backend.piecewise_graphs import piecewise_sizes
+    from simkv.calibration.costmodel import padded_size
 
     ladder = piecewise_sizes(512)
-    wanted = sorted({next_size(ladder, sum(n for _, n in prefill) + len(decodes))
-                     for kind, prefill, decodes, _ in shapes[:len(rows)] if kind != "decode"} - {None})
+    wanted = sorted({padded_size(ladder, sum(n for _, n in prefill) + len(decodes))
+                     for kind, prefill, decodes, _ in shapes[:len(rows)] if kind != "decode"} - {0})
     pieces_status = "off: no step with prefill chunks of at most 512 tokens"
     if wanted and time.perf_counter() - t_start < args.budget_s:
         pieces_status = runner.enable_piecewise_graphs(wanted[-1], capture=cuda, sizes=wanted)

@@ -21,12 +21,12 @@ themselves need CUDA (tests marked cuda compare their logits with the eager forw
 from __future__ import annotations
 
 import gc
-from bisect import bisect_left
 
 import numpy as np
 import torch
 
 from gpu_backend.model import AttentionInputs
+from simkv.calibration.costmodel import padded_size
 
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes captured: vLLM's default ladder (1, 2, 4, then every 8) up to the first size
@@ -34,12 +34,6 @@ def capture_sizes(max_batch: int) -> list[int]:
     ladder = [1, 2, 4] + list(range(8, max(max_batch, 8) + 8, 8))
     out = [s for s in ladder if s < max_batch]
     return out + [next(s for s in ladder if s >= max_batch)]
-
-
-def next_size(sizes: list[int], n: int) -> int | None:
-    """The smallest of the ascending `sizes` that holds n (None: larger than any)."""
-    i = bisect_left(sizes, n)
-    return sizes[i] if i < len(sizes) else None
 
 
 def capture_graph(fn, pool):
@@ -95,7 +89,7 @@ class DecodeGraphs:
 
     def bucket(self, n: int) -> int | None:
         """The captured size a batch of n decodes is padded to (None: larger than any)."""
-        return next_size(self.sizes, n)
+        return padded_size(self.sizes, n) or None
 
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner

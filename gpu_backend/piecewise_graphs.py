@@ -25,8 +25,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_backend.decode_graphs import capture_graph, load_static, next_size, upload
+from gpu_backend.decode_graphs import capture_graph, load_static, upload
 from gpu_backend.model import AttentionInputs
+from simkv.calibration.costmodel import padded_size
 
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
@@ -57,7 +58,7 @@ class PiecewiseGraphs:
 
     def bucket(self, n: int) -> int | None:
         """The captured size a batch of n tokens is padded to (None: larger than any)."""
-        return next_size(self.sizes, n)
+        return padded_size(self.sizes, n) or None
 
     def fits(self, batch) -> bool:
         return 0 < len(batch.input_ids) <= self.sizes[-1]

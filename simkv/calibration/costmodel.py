@@ -90,6 +90,12 @@ def normalise_graph_sizes(graph_sizes) -> tuple[int, ...]:
     return sizes
 
 
+def padded_size(sizes, n: int) -> int:
+    """The smallest of the ascending captured `sizes` that holds n rows (0: none does, or n < 1)."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if n >= 1 and i < len(sizes) else 0
+
+
 def effective_features(features: np.ndarray, graph_sizes=(), piecewise_sizes=()) -> tuple[np.ndarray, ...]:
     """(E, W, T, S, Pp, Kp, Kd) as the formula reads them for an [N, 5] array of (T, S, Pp, Kp, Kd):
     decode-only steps that fit a captured graph are padded to its size and have E = 0; other
@@ -172,17 +178,11 @@ class CalibratedCostModel:
 
     def graph_batch(self, num_decodes: int) -> int:
         """The captured size a decode-only step of `num_decodes` runs as (0: eager)."""
-        sizes = self.graph_sizes
-        if not sizes or num_decodes < 1 or num_decodes > sizes[-1]:
-            return 0
-        return sizes[bisect_left(sizes, num_decodes)]
+        return padded_size(self.graph_sizes, num_decodes)
 
     def piecewise_tokens(self, num_tokens: int) -> int:
         """The piecewise size a step of `num_tokens` not served by a decode graph runs as (0: eager)."""
-        sizes = self.piecewise_sizes
-        if not sizes or num_tokens < 1 or num_tokens > sizes[-1]:
-            return 0
-        return sizes[bisect_left(sizes, num_tokens)]
+        return padded_size(self.piecewise_sizes, num_tokens)
 
     def _step_time(self, T, S, Pp, Kp, Kd) -> float:
         """The formula for one step, its path decided as `effective_features` decides it."""
