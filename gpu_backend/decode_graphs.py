@@ -109,8 +109,11 @@ class DecodeGraphs:
         return (batch.max_query_len == 1 and len(batch.seq_lens) <= self.sizes[-1]
                 and batch.block_tables.shape[1] <= self.max_blocks and len(batch.logits_indices) == len(batch.seq_lens))
 
-    def run(self, batch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode-only StepBatch of n sequences (`fits(batch)`)."""
+    def stage(self, batch) -> tuple[int, int]:
+        """Copy a decode-only StepBatch of n sequences into the static buffers, padded to the
+        captured size b; returns (n, b). Block-table columns past the batch's longest table keep
+        what earlier steps left there: no sequence reads past its own blocks, and a pad row reads
+        only its column 0, which is zeroed here (the null block)."""
         n = len(batch.seq_lens)
         b = self.bucket(n)
         ids = np.zeros(b, dtype=np.int64)
@@ -122,10 +125,17 @@ class DecodeGraphs:
         lens = np.ones(b, dtype=np.int32)
         lens[:n] = batch.seq_lens
         qsl = np.arange(b + 1, dtype=np.int32)  # one query token per row, pads included
-        tables = np.zeros((b, self.max_blocks), dtype=np.int32)
-        tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+        width = batch.block_tables.shape[1]
+        tables = np.zeros((b, width), dtype=np.int32)
+        tables[:n] = batch.block_tables
         load_static(((self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
-                     (self.seq_lens, lens), (self.query_start_loc, qsl), (self.block_tables, tables)))
+                     (self.seq_lens, lens), (self.query_start_loc, qsl)))
+        self.block_tables[:b, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        return n, b
+
+    def run(self, batch) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only StepBatch of n sequences (`fits(batch)`)."""
+        n, b = self.stage(batch)
         if self.captured:
             self.graphs[b].replay()
             return self.outputs[b][:n]

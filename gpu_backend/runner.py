@@ -16,11 +16,10 @@ comes from the trace, EOS is ignored.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from gpu_backend.input_batch import BlockTableRows, StepBatch, prepare_step
 from gpu_backend.model import AttentionInputs, LeanLlama
 from kernels.layer_ops import layer_ops
 from simkv.core.outputs import SchedulerOutput
@@ -52,22 +51,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def default_dtype(device: str) -> str:
     return "bf16" if torch.device(device).type == "cuda" else "fp32"
-
-
-@dataclass
-class StepBatch:
-    """Host-side arrays of one step, before they go to the device."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
-    logits_indices: np.ndarray
-    samplers: list  # (request, position of the sampled token) per logits row
-    max_query_len: int
-    max_seq_len: int
 
 
 class ModelRunner:
@@ -109,6 +92,8 @@ class ModelRunner:
         self.piecewise_sizes: list[int] = []  # token counts of the captured piecewise graphs
         self.last_piecewise_tokens = 0  # last step: the token count it was padded to (0: not piecewise)
         self.vocab = self.spec.vocab_size
+        self.block_rows = BlockTableRows()  # each running request's block table, kept across steps
+        self._last_output = None  # its `finished` list (filled after the step) releases rows
 
     def _capture_graphs(self, build, capture: bool | None, unit: str):
         """`build(capture)` makes a graph set (decode or piecewise); returns (the set or None, the
@@ -167,6 +152,7 @@ class ModelRunner:
 
         other = copy.copy(self)
         other.outputs = {}
+        other.block_rows, other._last_output = BlockTableRows(), None
         other.decode_graphs, other.graph_sizes, other.decode_graphs_status = None, [], "off"
         other.piecewise_graphs, other.piecewise_sizes, other.piecewise_status = None, [], "off"
         other.last_piecewise_tokens = 0
@@ -237,40 +223,15 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     def prepare(self, output: SchedulerOutput) -> StepBatch:
-        bs = self.block_size
-        ids, poss, slots, lens, qsl, tables, logits_idx, samplers = [], [], [], [], [0], [], [], []
-        t = 0
-        work = [(c.request, c.num_computed_tokens, c.num_new_tokens, c.block_ids, False) for c in output.chunks]
-        work += [(d.request, d.num_computed_tokens, 1, d.block_ids, True) for d in (output.decodes or ())]
-        max_blocks = max((len(w[3] or ()) for w in work), default=1) or 1
-        for request, computed, new, block_ids, is_decode in work:
-            if block_ids is None:
-                raise ValueError("the GPU backend needs block ids: run the scheduler with detail=True")
-            end = computed + new
-            pos = np.arange(computed, end, dtype=np.int64)
-            table = np.asarray(block_ids, dtype=np.int64)
-            ids.append(self.token_ids(request, computed, end))
-            poss.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            row = np.zeros(max_blocks, dtype=np.int32)
-            row[:len(table)] = table
-            tables.append(row)
-            lens.append(end)
-            t += new
-            qsl.append(t)
-            # A chunk that reaches the end of the request's known tokens samples the next one.
-            if is_decode or end >= request.num_prompt_tokens + request.num_output_tokens:
-                logits_idx.append(t - 1)
-                samplers.append((request, end))
-        q_lens = np.diff(np.asarray(qsl))
-        return StepBatch(
-            input_ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
-            positions=np.concatenate(poss) if poss else np.zeros(0, np.int64),
-            slot_mapping=np.concatenate(slots) if slots else np.zeros(0, np.int64),
-            block_tables=np.stack(tables) if tables else np.zeros((0, 1), np.int32),
-            seq_lens=np.asarray(lens, dtype=np.int32), query_start_loc=np.asarray(qsl, dtype=np.int32),
-            logits_indices=np.asarray(logits_idx, dtype=np.int64), samplers=samplers,
-            max_query_len=int(q_lens.max()) if q_lens.size else 0, max_seq_len=max(lens, default=0))
+        """The step's host arrays (`gpu_backend/input_batch.py`). Block tables are kept from
+        step to step; the requests that finished in the previous step give theirs up here, as
+        vLLM's runner removes finished requests from its persistent batch at the next step."""
+        last = self._last_output
+        if last is not None:
+            for request in last.finished:
+                self.block_rows.drop(request)
+        self._last_output = output
+        return prepare_step(self, self.block_rows, output)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
