@@ -8,7 +8,8 @@ times the ``QPK = num_heads // num_kv_heads`` query heads that share ``kv_head``
 tiles, so grouped-query attention costs one KV read per group.  Tiles are numbered per sequence
 from ``query_start_loc[i] // BLOCK_Q + i``, which upper-bounds every sequence's tile count without a
 host sync; a program finds its sequence with a binary search over ``query_start_loc`` and exits
-if it lies past its sequence's last tile.
+if it lies past its sequence's last tile. A decode-only batch (one query token per sequence) is
+launched with one tile per sequence and no search.
 
 Each program walks the sequence's keys ``TILE_N`` at a time, translating key position ``j`` into
 ``block_tables[seq, j // BLOCK_SIZE]`` and slot ``j % BLOCK_SIZE`` (a scalar lookup per tile when
@@ -177,7 +178,7 @@ def _attend_range(
 # compile a new variant whenever one of them is 1 or a multiple of 16 (a replay would meet
 # those mid-run and time a compilation as a step). Strides of the cache and query stay
 # specialised: they are fixed per model and their divisibility enables vector loads.
-@triton.jit(do_not_specialize=["num_seqs", "ml_plane", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "ml_plane", "stride_bt_seq", "decode_only"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size] (written when NUM_SEGMENTS == 1)
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_PAD] fp32 (NUM_SEGMENTS > 1)
@@ -197,6 +198,7 @@ def _paged_attention_kernel(
     stride_bt_seq,
     k_new_ptr, v_new_ptr,  # [num_tokens, num_kv_heads, head_size]: this step's K/V (NEW_KV only)
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+    decode_only,  # 1: no sequence has more than one query token (grid: one tile per sequence)
     QPK: tl.constexpr,  # query heads per kv head
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -213,11 +215,19 @@ def _paged_attention_kernel(
     kv_head = (pid % num_kv_heads).to(tl.int64)
     segment = tl.program_id(1)
 
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    # A decode-only batch has one tile per sequence, in order: no search. A runtime flag, not a
+    # constexpr, so that decode-only and mixed steps share compiled variants (a replay meets
+    # both, and the warm-up compiles each configuration once).
+    seq = tile
+    if decode_only == 0:
+        seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     n_q_tiles = tl.cdiv(q_len, BLOCK_Q)
-    local = tile - (q_start // BLOCK_Q + seq)
+    first_tile = q_start // BLOCK_Q + seq
+    if decode_only != 0:
+        first_tile = seq
+    local = tile - first_tile
     if local >= n_q_tiles:
         return
     # causal work grows with the tile index: hand the last (longest) tiles to the first programs
@@ -453,7 +463,7 @@ class PagedAttentionLaunch:
     """
 
     def __init__(self, query, key_cache, block_tables, seq_lens, query_start_loc, scale: float,
-                 config: AttentionConfig) -> None:
+                 config: AttentionConfig, decode_only: bool = False) -> None:
         num_tokens, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         num_seqs = seq_lens.shape[0]
@@ -471,7 +481,9 @@ class PagedAttentionLaunch:
             self.part_ml = torch.empty((2, num_tokens, num_heads, segs), dtype=torch.float32, device=query.device)
         else:
             self.part_acc = self.part_ml = None
-        self.grid = ((num_tokens // block_q + num_seqs) * num_kv_heads, segs)
+        self.decode_only = decode_only
+        tiles = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        self.grid = (tiles * num_kv_heads, segs)
         self.merge_grid = (num_tokens, num_heads)
         self.metadata = (block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, num_seqs, num_heads,
                          num_kv_heads, num_tokens * num_heads * segs)
@@ -524,7 +536,7 @@ class PagedAttentionLaunch:
             out, part_acc, part_ml, query, key_cache, value_cache, *self.metadata,
             *self.strides, out.stride(0), out.stride(1), *self.cache_strides,
             k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-            **self.constexprs,
+            int(self.decode_only), **self.constexprs,
         )
         if self.part_acc is not None:
             _merge_segments_kernel[self.merge_grid](
@@ -562,7 +574,11 @@ def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         raise ValueError(f"config sizes must be powers of two: {config}")
     if config.block_m < qpk or config.tile_n < 16 or config.block_m < 16:
         raise ValueError(f"config too small for qpk={qpk}: {config}")
-    return PagedAttentionLaunch(query, key_cache, block_tables, seq_lens, query_start_loc, scale, config)
+    # no query longer than one token: one program row per sequence (a sequence without a token
+    # exits at once; tokens past the batch, e.g. graph padding, are left unwritten as before)
+    decode_only = bool(num_seqs) and max_query_len is not None and max_query_len <= 1
+    return PagedAttentionLaunch(query, key_cache, block_tables, seq_lens, query_start_loc, scale, config,
+                                decode_only)
 
 
 def triton_paged_attention(
@@ -584,8 +600,9 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """Launch the unified paged-attention kernel; semantics as ``ref_paged_attention``.
 
-    ``max_query_len``/``max_seq_len`` only steer the tile heuristic; pass them to avoid a
-    device-to-host sync.  ``config``/``num_segments`` override the heuristic (tests, benchmarks).
+    ``max_query_len``/``max_seq_len`` steer the tile heuristic; pass them to avoid a
+    device-to-host sync. ``max_query_len`` must not be below the longest query: 1 launches the
+    decode-only grid (one program row per sequence, no search for a program's sequence).  ``config``/``num_segments`` override the heuristic (tests, benchmarks).
     Output rows of tokens past ``query_start_loc[-1]`` (batch padding) are left unwritten.
     One call plans and launches; a forward over many layers plans once (``plan_paged_attention``).
     """

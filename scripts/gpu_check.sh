@@ -145,6 +145,9 @@ gpu_backend_loop() {
     # this host's Python time in our kernel wrappers per call, one-call vs planned (no GPU work; seconds)
     step launch_overhead 40 $PY bench/launch_overhead.py --calls 1000 --rounds 3
     { echo; echo '```'; cat "$OUT/launch_overhead.log"; echo '```'; } >>"$OUT/summary.md"
+    # this host's time to build a step's input arrays and stage a decode graph's buffers (seconds)
+    PYTHONPATH="$site:$PYTHONPATH" step step_inputs 40 $PY bench/step_inputs.py --rounds 3
+    { echo; echo "Step inputs on this host (bench/step_inputs.py):"; echo; grep '^|' "$OUT/step_inputs.log"; } >>"$OUT/summary.md"
     # step time eager vs decode CUDA graphs, fused vs unfused element-wise ops, and the host's share (bench/gpu_step.py)
     if [ "$(left_s)" -gt 300 ]; then
         PYTHONPATH="$site:$PYTHONPATH" step gpu_step 100 $PY bench/gpu_step.py --model "$MODEL" --out "$OUT/gpu_step" --budget-s 60

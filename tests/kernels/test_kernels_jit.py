@@ -13,7 +13,7 @@ def _unspecialised(fn) -> set[str]:
 
 
 def test_step_varying_integers_are_not_specialised():
-    assert _unspecialised(_paged_attention_kernel) == {"num_seqs", "ml_plane", "stride_bt_seq"}
+    assert _unspecialised(_paged_attention_kernel) == {"num_seqs", "ml_plane", "stride_bt_seq", "decode_only"}
     assert _unspecialised(_merge_segments_kernel) == {"num_seqs", "ml_plane"}
 
 

@@ -220,3 +220,31 @@ def test_paged_attention_prefetched_block_ids(device, block_size, tile_n, new_kv
                               new_kv=new_kv, prefetch_ids=True)
         out = triton_paged_attention(*batch.args(), config=cfg, **kv)
         assert_close_to_reference(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_paged_attention_decode_only_grid(device, num_segments):
+    """A batch with no query longer than one token runs one program row per sequence without
+    searching for it: same output as the reference, including a sequence with no query token
+    and padding tokens past the batch (left unwritten)."""
+    from kernels.triton_attention import plan_paged_attention
+
+    seqs = [(40, 1), (9, 0), (0, 1), (17, 1), (33, 1)]
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float16, device=device, seed=11)
+    n, h, d = batch.query.shape
+    query = torch.cat([batch.query, torch.randn((3, h, d), device=device).to(torch.float16)])  # 3 pad tokens
+    args = (query, *batch.args()[1:])
+    for hint in (1, None):
+        launch = plan_paged_attention(*args, max_query_len=hint, max_seq_len=batch.max_seq_len,
+                                      num_segments=num_segments)
+        assert launch.decode_only and launch.grid[0] == len(seqs) * 2
+        out = torch.full_like(query, 7.0)
+        launch(query, batch.key_cache, batch.value_cache, out=out)
+        assert_close_to_reference(out[:n], ref_paged_attention(*batch.args()), torch.float16)
+        assert (out[n:] == 7.0).all()
+    mixed = make_batch([(4, 3), (16, 1)], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float16, device=device)
+    assert not plan_paged_attention(*mixed.args(), max_query_len=3).decode_only
+    assert not plan_paged_attention(*mixed.args()).decode_only
