@@ -206,11 +206,14 @@ def build(case: Case, m: Model, device: torch.device, gen: torch.Generator) -> d
     return t
 
 
-def paged_call(t: dict, case: Case, m: Model, config: AttentionConfig | None = None) -> Callable[[], object]:
+def paged_call(t: dict, case: Case, m: Model, config: AttentionConfig | None = None,
+               max_query_len: int | None = None) -> Callable[[], object]:
+    """`max_query_len`: the hint passed to the launcher (default: the case's query length; a
+    larger one is still a valid upper bound, and for decode it launches the searched grid)."""
     scale = m.head_size ** -0.5
     return lambda: triton_paged_attention(
         t["query"], t["key_cache"], t["value_cache"], t["block_tables"], t["seq_lens"], t["query_start_loc"], scale,
-        max_query_len=case.q_len, max_seq_len=case.seq_len, out=t["out"], config=config,
+        max_query_len=max_query_len or case.q_len, max_seq_len=case.seq_len, out=t["out"], config=config,
         key=t["k_new"] if config is not None and config.new_kv else None,
         value=t["v_new"] if config is not None and config.new_kv else None)
 
@@ -288,6 +291,16 @@ def run_case(kind: str, case: Case, m: Model, timer: Timer, l2: int, gen, roofs:
         variants["newkv_prefetch"] = replace(variants["prefetch"], new_kv=True)
     paged_call(sets[0], case, m)()
     first = sets[0]["out"].float().clone()
+    if kind == "decode":
+        # the previous decode launch: grid over query tiles, each program searching for its
+        # sequence (a query-length hint of 2 is a valid bound that turns the decode-only grid off)
+        try:
+            paged_call(sets[0], case, m, None, max_query_len=2)()
+            row["search_max_diff"] = float((sets[0]["out"].float() - first).abs().max())
+            row["search_ms"] = timer.median_ms([paged_call(t, case, m, None, max_query_len=2) for t in sets])
+            row["decode_only_speedup"] = row["search_ms"] / ms
+        except Exception as exc:
+            row["search_error"] = f"{type(exc).__name__}: {exc}"[:200]
     for name, alt in variants.items():
         try:
             paged_call(sets[0], case, m, alt)()
@@ -462,16 +475,19 @@ def markdown(result: dict) -> str:
            + f"), {env['model_dtype']} matmul {roofs['matmul_flops'] / 1e12:.0f} TFLOP/s.", ""]
     out += ["## Decode (1 new token per sequence)", "",
             "ids ahead: the same launch with `prefetch_ids` (block ids loaded a tile ahead, >= 3 stages); "
-            "its speed-up is default time / its time; its diff is the largest |difference| from the default's output.", "",
+            "its speed-up is default time / its time; its diff is the largest |difference| from the default's output. "
+            "searched: the grid over query tiles whose programs search for their sequence (the launch before "
+            "session 7); gain: its time / the default's (decode-only grid).", "",
             "| batch | context | config | paged us | KV GB/s | % copy BW | SDPA us | SDPA/paged | flash-attn/paged | max diff "
-            "| ids ahead us | speed-up | SDPA/ids ahead | ids ahead diff |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| ids ahead us | speed-up | SDPA/ids ahead | ids ahead diff | searched us | gain |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["decode"]:
         out.append(f"| {r['num_seqs']} | {r['context'] + r['q_len']} | {r['config']} | {fmt(r['paged_ms'] * 1e3)} | {fmt(r['kv_gbps'], 0)} | "
                    f"{fmt(r['pct_copy_bw'])} | {fmt(r.get('sdpa_ms') and r['sdpa_ms'] * 1e3)} | {fmt(r.get('sdpa_over_paged'), 2)} | "
                    f"{fmt(r.get('flash_attn_over_paged'), 2)} | {r['max_abs_diff_vs_sdpa']:.1e} | "
                    f"{fmt(r.get('prefetch_ms') and r['prefetch_ms'] * 1e3)} | {fmt(r.get('prefetch_speedup'), 2)} | "
-                   f"{fmt(r.get('sdpa_over_prefetch'), 2)} | {fmt_e(r.get('prefetch_max_diff'))} |")
+                   f"{fmt(r.get('sdpa_over_prefetch'), 2)} | {fmt_e(r.get('prefetch_max_diff'))} | "
+                   f"{fmt(r.get('search_ms') and r['search_ms'] * 1e3)} | {fmt(r.get('decode_only_speedup'), 2)} |")
     out += ["", "## Prefill (chunks, causal; with and without cached context)", "",
             "+ new K/V: `prefetch_ids` and `new_kv` together (key tiles of the new tokens read from the step's K/V).", "",
             "| seqs x chunk | cached | config | paged ms | TFLOP/s | % matmul | SDPA ms | SDPA/paged | flash-attn/paged | max diff "
