@@ -20,9 +20,18 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     table = Table(title=f"simkv replay: {summary['trace']}", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
-    rows = [
-        ("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
-        ("cost model", summary["cost_model"]["cost_model"]),
+    cost = summary["cost_model"]
+    if summary.get("backend") == "gpu":  # every step ran for real: say where, not which GPU spec
+        dev = cost.get("device") or {}
+        where = dev.get("name") or dev.get("type") or summary.get("device", "?")
+        if dev.get("type") == "cpu" and dev.get("threads"):
+            where = f"CPU {where}, {dev['threads']} thread{'s' if dev['threads'] != 1 else ''}"
+        head = [("model / device", f"{cfg['model']} ({cost.get('dtype', '?')}) / {where}"),
+                ("step times", f"measured, {cost.get('kernel_backend', '?')} kernels")]
+    else:
+        head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
+                ("cost model", cost["cost_model"])]
+    rows = head + [
         ("requests (finished / rejected)", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})"),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} steps"),
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),

@@ -52,6 +52,15 @@ def test_same_engine_objects_and_same_schedule_as_simulation():
     assert s["cuda_piecewise_sizes"] == [] and s["cuda_piecewise_graphs"] == "off"
     assert s["num_finished"] == len(trace)
     assert np.all(result.steps["duration_s"] > 0)
+    # the terminal table says where the steps ran, not the GPU spec a simulation would assume
+    from rich.console import Console
+
+    from simkv.replay.report import print_summary
+
+    console = Console(record=True, width=120)
+    print_summary(s, console=console)
+    text = console.export_text()
+    assert "model / device" in text and "CPU" in text and "measured, torch kernels" in text and "H100" not in text
 
 
 def test_oom_reports_shape_and_keeps_partial_results(tmp_path, monkeypatch):
