@@ -52,6 +52,18 @@ def _find_sequence(
 
 
 @triton.jit
+def _block_and_slot(key_pos, BLOCK_SIZE: tl.constexpr):
+    """(index into the block table, slot within the block) of key positions, both int64. The
+    positions are non-negative and below 2**31, so the division by the power-of-two block size
+    is done unsigned: a shift and a mask. Signed, it needs a fix-up for negative values, which
+    the compiler cannot rule out once a key loop starts at a runtime tile (split KV, masked
+    ranges): about a hundred more integer instructions per tile in sm_90 code
+    (`python tests/kernels/sm90_compile.py --loops`)."""
+    kp = key_pos.to(tl.uint32)
+    return (kp // BLOCK_SIZE).to(tl.int64), (kp % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i,  # running state: [BLOCK_M, HEAD_PAD], [BLOCK_M], [BLOCK_M] fp32
     q,  # [BLOCK_M, HEAD_PAD] query rows (cast for the dot already)
@@ -77,17 +89,18 @@ def _attend_tile(
         k_ptrs = kn_base + tok[None, :] * stride_kn_tok + offs_d[:, None]  # [HEAD_PAD, TILE_N]
         v_ptrs = vn_base + tok[:, None] * stride_vn_tok + offs_d[None, :]  # [TILE_N, HEAD_PAD]
     elif PREFETCHED:
-        slot_off = blk_ids * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
+        slot_off = blk_ids * stride_c_blk + _block_and_slot(key_pos, BLOCK_SIZE)[1] * stride_c_slot
     elif TILE_N <= BLOCK_SIZE:
         # the whole tile sits inside one cache block: one scalar table lookup
         blk = tl.load(bt_row_ptr + (t * TILE_N) // BLOCK_SIZE).to(tl.int64)
-        slot_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot  # [TILE_N]
+        slot_off = blk * stride_c_blk + _block_and_slot(key_pos, BLOCK_SIZE)[1] * stride_c_slot  # [TILE_N]
     else:
+        entry, in_block = _block_and_slot(key_pos, BLOCK_SIZE)
         if MASKED:
-            blk = tl.load(bt_row_ptr + key_pos // BLOCK_SIZE, mask=key_pos < seq_len, other=0).to(tl.int64)
+            blk = tl.load(bt_row_ptr + entry, mask=key_pos < seq_len, other=0).to(tl.int64)
         else:
-            blk = tl.load(bt_row_ptr + key_pos // BLOCK_SIZE).to(tl.int64)
-        slot_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
+            blk = tl.load(bt_row_ptr + entry).to(tl.int64)
+        slot_off = blk * stride_c_blk + in_block * stride_c_slot
     if not CONTIG:
         k_ptrs = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
         v_ptrs = v_base + slot_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
@@ -110,17 +123,19 @@ def _attend_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
-    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
+    # Raw scores; the scale (positive, so it commutes with max) is applied to the row maxima and
+    # inside one fused multiply-add per score below: no separate multiply pass over the tile.
+    s = tl.dot(q, k, input_precision=DOT_PREC)  # [BLOCK_M, TILE_N] fp32
     if MASKED:
         visible = key_pos[None, :] <= row_pos[:, None]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # running max, log2 domain
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
@@ -130,7 +145,7 @@ def _attend_tile(
 def _tile_block_ids(bt_row_ptr, t, seq_len, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
     """[TILE_N] int64: the cache block of each key of tile t (0 past the sequence's end)."""
     key_pos = t * TILE_N + tl.arange(0, TILE_N).to(tl.int64)
-    return tl.load(bt_row_ptr + key_pos // BLOCK_SIZE, mask=key_pos < seq_len, other=0).to(tl.int64)
+    return tl.load(bt_row_ptr + _block_and_slot(key_pos, BLOCK_SIZE)[0], mask=key_pos < seq_len, other=0).to(tl.int64)
 
 
 @triton.jit

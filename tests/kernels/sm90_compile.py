@@ -82,6 +82,55 @@ def resource_usage(compiled) -> dict:
     return info
 
 
+def sass_loops(compiled) -> list[dict]:
+    """The loops of the kernel's sm_90a machine code (``nvdisasm``), each as its length in
+    instructions per warp and iteration and its instruction mix (opcode -> count). A loop is the
+    span from a branch target back to a branch that jumps to it. Static counts: what one
+    iteration issues, not how long it takes; they compare variants of a loop without a GPU."""
+    import collections
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return []
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=False).stdout
+    instr, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instr)
+            continue
+        op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if op:
+            instr.append(re.sub(r"^@!?U?P\w+\s+", "", op.group(1).strip()))  # drop the predicate
+    loops = []
+    for i, ins in enumerate(instr):
+        target = re.search(r"BRA.*\((\.L_x_\d+)\)", ins)
+        start = labels.get(target.group(1)) if target else None
+        if start is not None and start < i:
+            body = instr[start:i + 1]
+            mix = collections.Counter(b.split()[0].split(".")[0] for b in body)
+            loops.append({"instructions": len(body), "mix": dict(mix.most_common())})
+    return loops
+
+
+#: SASS opcodes of integer and address arithmetic (what `--loops` sums as "integer")
+INTEGER_OPS = ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "UIADD3", "UMOV", "ISETP", "SEL", "VIADD")
+
+
+def key_loops(result: dict) -> list[dict]:
+    """The key loops of a compiled attention variant (loops of at least 40 instructions: the
+    sequence search and empty spins are shorter), unmasked range first."""
+    return [loop for loop in result.get("loops", []) if loop["instructions"] >= 40]
+
+
+def integer_count(loop: dict) -> int:
+    return sum(loop["mix"].get(op, 0) for op in INTEGER_OPS)
+
+
 # name: (kernel, dtype, constexprs, int args specialized to 1, num_warps, num_stages)
 VARIANTS = {
     "attn_prefill_fp16_d128": ("attention", "fp16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=32,
@@ -129,8 +178,9 @@ VARIANTS = {
 }
 
 
-def compile_all() -> dict:
-    """Compile every variant; {name: {"ok": bool, "error"?: str, "registers"?, "spill_bytes"?, "shared"?}}."""
+def compile_all(want_loops: bool = False) -> dict:
+    """Compile every variant; {name: {"ok": bool, "error"?: str, "registers"?, "spill_bytes"?, "shared"?,
+    "loops"? (with `want_loops`: `sass_loops`)}}."""
     from kernels.triton_attention import _merge_segments_kernel, _paged_attention_kernel
     from kernels.triton_cache import _reshape_and_cache_kernel
     from kernels.triton_layer_ops import _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
@@ -142,6 +192,8 @@ def compile_all() -> dict:
         try:
             compiled = compile_sm90(kernels[kernel], dtype, const, ones=ones, num_warps=warps, num_stages=stages)
             results[name] = {"ok": True, **resource_usage(compiled)}
+            if want_loops:
+                results[name]["loops"] = sass_loops(compiled)
         except Exception as exc:  # reported per variant by the test
             results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
     return results
@@ -154,7 +206,22 @@ if __name__ == "__main__":
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-    results = compile_all()
+    results = compile_all(want_loops="--loops" in sys.argv)
+    if "--loops" in sys.argv:
+        # per loop of each attention variant: instructions per warp and iteration, and the kinds
+        # that dominate (HGMMA/HMMA tensor ops, MUFU exp2, LDGSTS async copies, integer address math)
+        kinds = ("HGMMA", "HMMA", "MUFU", "FMUL", "FFMA", "FADD", "LDGSTS", "LDG", "LDS", "LDSM")
+        integer = INTEGER_OPS
+        print(f"triton {triton.__version__}")
+        print("| variant | loop | instructions | " + " | ".join(kinds) + " | integer |\n|---|---:|---:|"
+              + "---:|" * (len(kinds) + 1))
+        for name, r in results.items():
+            if not name.startswith("attn") or not r["ok"]:
+                continue
+            for j, loop in enumerate(key_loops(r)):
+                mix = loop["mix"]
+                print(f"| {name} | {j} | {loop['instructions']} | " + " | ".join(str(mix.get(k, 0)) for k in kinds)
+                      + f" | {integer_count(loop)} |")
     if "--table" in sys.argv:
         print(f"triton {triton.__version__}")
         print("| variant | warps | stages | registers | spill bytes | shared KiB | copy groups in flight |\n"
