@@ -53,14 +53,24 @@ def _find_sequence(
 
 @triton.jit
 def _block_and_slot(key_pos, BLOCK_SIZE: tl.constexpr):
-    """(index into the block table, slot within the block) of key positions, both int64. The
+    """(index into the block table, slot within the block) of key positions, as int32. The
     positions are non-negative and below 2**31, so the division by the power-of-two block size
     is done unsigned: a shift and a mask. Signed, it needs a fix-up for negative values, which
     the compiler cannot rule out once a key loop starts at a runtime tile (split KV, masked
     ranges): about a hundred more integer instructions per tile in sm_90 code
     (`python tests/kernels/sm90_compile.py --loops`)."""
     kp = key_pos.to(tl.uint32)
-    return (kp // BLOCK_SIZE).to(tl.int64), (kp % BLOCK_SIZE).to(tl.int64)
+    return (kp // BLOCK_SIZE).to(tl.int32), (kp % BLOCK_SIZE).to(tl.int32)
+
+
+@triton.jit
+def _cache_offset(blk, in_block, stride_c_blk, stride_c_slot):
+    """int64 element offset of slot `in_block` of cache block `blk`. The block's base is the one
+    product that needs 64 bits: block id and stride are non-negative 32-bit values, so it is
+    formed as an unsigned 32 x 32 -> 64-bit multiply (a signed int64 product also multiplies
+    the sign extensions). The offset within a block is below the block stride, an int32."""
+    base = blk.to(tl.uint32).to(tl.uint64) * stride_c_blk.to(tl.uint32).to(tl.uint64)
+    return base.to(tl.int64) + (in_block * stride_c_slot).to(tl.int64)
 
 
 @triton.jit
@@ -89,18 +99,18 @@ def _attend_tile(
         k_ptrs = kn_base + tok[None, :] * stride_kn_tok + offs_d[:, None]  # [HEAD_PAD, TILE_N]
         v_ptrs = vn_base + tok[:, None] * stride_vn_tok + offs_d[None, :]  # [TILE_N, HEAD_PAD]
     elif PREFETCHED:
-        slot_off = blk_ids * stride_c_blk + _block_and_slot(key_pos, BLOCK_SIZE)[1] * stride_c_slot
+        slot_off = _cache_offset(blk_ids, _block_and_slot(key_pos, BLOCK_SIZE)[1], stride_c_blk, stride_c_slot)
     elif TILE_N <= BLOCK_SIZE:
         # the whole tile sits inside one cache block: one scalar table lookup
-        blk = tl.load(bt_row_ptr + (t * TILE_N) // BLOCK_SIZE).to(tl.int64)
-        slot_off = blk * stride_c_blk + _block_and_slot(key_pos, BLOCK_SIZE)[1] * stride_c_slot  # [TILE_N]
+        blk = tl.load(bt_row_ptr + (t * TILE_N) // BLOCK_SIZE)
+        slot_off = _cache_offset(blk, _block_and_slot(key_pos, BLOCK_SIZE)[1], stride_c_blk, stride_c_slot)
     else:
         entry, in_block = _block_and_slot(key_pos, BLOCK_SIZE)
         if MASKED:
-            blk = tl.load(bt_row_ptr + entry, mask=key_pos < seq_len, other=0).to(tl.int64)
+            blk = tl.load(bt_row_ptr + entry, mask=key_pos < seq_len, other=0)
         else:
-            blk = tl.load(bt_row_ptr + entry).to(tl.int64)
-        slot_off = blk * stride_c_blk + in_block * stride_c_slot
+            blk = tl.load(bt_row_ptr + entry)
+        slot_off = _cache_offset(blk, in_block, stride_c_blk, stride_c_slot)
     if not CONTIG:
         k_ptrs = k_base + slot_off[None, :] + offs_d[:, None]  # [HEAD_PAD, TILE_N]
         v_ptrs = v_base + slot_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_PAD]
