@@ -193,6 +193,33 @@ def _attend_range(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_span(
+    acc, m_i, l_i, q, k_base, v_base, bt_row_ptr,
+    t_begin, t_end,  # key tiles [t_begin, t_end), all masked or all unmasked
+    t_new,  # NEW_KV: the first tile holding only this step's new tokens
+    seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d,
+    kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, NEW_KV: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
+):
+    """A span of key tiles: those before `t_new` through the block table, with NEW_KV those from
+    `t_new` on from the step's own K/V (without NEW_KV, `t_new` is past the span)."""
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_begin, tl.maximum(t_begin, tl.minimum(t_end, t_new)),
+        seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok,
+        stride_vn_tok, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, False, PREFETCH_IDS,
+    )
+    if NEW_KV:
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_begin, t_new), t_end,
+            seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok,
+            stride_vn_tok, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, True, PREFETCH_IDS,
+        )
+    return acc, m_i, l_i
+
+
 # Integer arguments that change from step to step are not specialised: Triton would otherwise
 # compile a new variant whenever one of them is 1 or a multiple of 16 (a replay would meet
 # those mid-run and time a compilation as a step). Strides of the cache and query stay
@@ -297,30 +324,18 @@ def _paged_attention_kernel(
         t_new = tl.cdiv(context_len, TILE_N)
     else:
         t_new = t_hi
-    # four key ranges, each with its own constexpr specialisation: unmasked then masked tiles,
-    # each read through the block table and then (NEW_KV) from the step's K/V
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_lo, tl.minimum(t_mid, t_new), seq_len, row_pos, qk_scale,
+    # keys [t_lo, t_mid) need no mask, keys [t_mid, t_hi) do; each span is read through the
+    # block table and then (NEW_KV) from the step's K/V
+    acc, m_i, l_i = _attend_span(
+        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_lo, t_mid, t_new, seq_len, row_pos, qk_scale,
         stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, False, PREFETCH_IDS,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS,
     )
-    if NEW_KV:
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_lo, t_new), t_mid, seq_len, row_pos, qk_scale,
-            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, True, PREFETCH_IDS,
-        )
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_mid, tl.maximum(t_mid, tl.minimum(t_hi, t_new)), seq_len,
-        row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, False, PREFETCH_IDS,
+    acc, m_i, l_i = _attend_span(
+        acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_mid, t_hi, t_new, seq_len, row_pos, qk_scale,
+        stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS,
     )
-    if NEW_KV:
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_mid, t_new), t_hi, seq_len, row_pos, qk_scale,
-            stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, True, PREFETCH_IDS,
-        )
 
     if NUM_SEGMENTS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
