@@ -16,6 +16,7 @@ comes from the trace, EOS is ignored.
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import torch
 

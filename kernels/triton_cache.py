@@ -77,14 +77,18 @@ def _check_cache_args(key, value, key_cache, value_cache, slot_mapping) -> None:
         raise ValueError("slot_mapping must be contiguous")
 
 
+def _write_signature(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor) -> tuple:
+    """What a planned KV write is checked against at each layer: shapes, strides and dtypes."""
+    return key.shape, key.stride(), value.stride(), key.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype
+
+
 class CacheWriteLaunch:
     """One step's KV write, checked once and launched for every layer (as ``PagedAttentionLaunch``):
     every layer writes the same slots from K/V views of the same shape and strides."""
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n, hkv, d = key.shape
-        self.signature = (key.shape, key.stride(), value.stride(), key.dtype, key_cache.shape, key_cache.stride(),
-                          key_cache.dtype)
+        self.signature = _write_signature(key, value, key_cache)
         row = hkv * d
         block_e = min(next_power_of_two(row), 2048)
         self.grid = (n, triton.cdiv(row, block_e))
@@ -95,7 +99,7 @@ class CacheWriteLaunch:
                                num_warps=4 if block_e >= 512 else 1)
 
     def __call__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        got = (key.shape, key.stride(), value.stride(), key.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype)
+        got = _write_signature(key, value, key_cache)
         if (got != self.signature or value.shape != key.shape or value.dtype != key.dtype
                 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride()
                 or value_cache.dtype != key_cache.dtype):
