@@ -43,12 +43,14 @@ class BlockTableRows:
     """Each running request's block table as an int32 array, kept from step to step.
 
     Keyed by the request object itself, so that two requests never share a row (calibration's
-    synthetic requests share an index). `sync` appends what the handed list adds to the row;
-    a list that is shorter, or whose entry at the row's last position differs (a copy on write
-    of the last block), replaces the row. Entries below the last are trusted, not compared: the
-    engine rewrites them only by preempting the request, and `prepare_step` drops a preempted
-    request's row before it reads the new list (tests/gpu_backend/test_input_batch.py checks
-    every step of replays with each preemption mode, forks and prefix hits against a full rebuild).
+    synthetic requests share an index). `sync` appends what the handed list adds to the row. The
+    engine rewrites a running request's table in two ways only: preemption (`prepare_step` drops
+    the row before it reads the new list) and copy-on-write of a shared block when the step
+    writes into it, which is the block of the step's first new token: with lookahead slots not
+    necessarily the last. So a list that is shorter, or that differs from the row at the written
+    block's entry or at the row's last entry, replaces the row; other entries are trusted, not
+    compared (tests/gpu_backend/test_input_batch.py checks every step of replays with each
+    preemption mode, forks, lookahead slots and prefix hits against a full rebuild).
     """
 
     def __init__(self) -> None:
@@ -58,17 +60,20 @@ class BlockTableRows:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def sync(self, request, block_ids: list[int]) -> np.ndarray:
-        """The request's table, equal to `block_ids` (a view into the kept row)."""
+    def sync(self, request, block_ids: list[int], written: int) -> np.ndarray:
+        """The request's table, equal to `block_ids` (a view into the kept row); `written` is the
+        table entry of the block that receives the step's first new token."""
         n = len(block_ids)
         entry = self._rows.get(request)
         if entry is None:
             row, have = np.empty(max(n + n // 2, 16), dtype=np.int32), 0
         else:
             row, have, last = entry
-            if have == n and n and last == block_ids[n - 1]:
+            if written < have - 1 and row[written] != block_ids[written]:  # (have - 1: `last` below)
+                have = 0  # the written block was copied on write: take the whole list again
+            elif have == n and n and last == block_ids[n - 1]:
                 return row[:n]  # no new block this step (most decodes)
-            if have > n or (have and last != block_ids[have - 1]):
+            elif have > n or (have and last != block_ids[have - 1]):
                 have = 0  # not an extension of the row: take the whole list again
         if n > have:
             if n > len(row):
@@ -99,7 +104,7 @@ def prepare_step(runner, rows: BlockTableRows, output: SchedulerOutput) -> StepB
         request, computed, new = c.request, c.num_computed_tokens, c.num_new_tokens
         if c.block_ids is None:
             raise ValueError("the GPU backend needs block ids: run the scheduler with detail=True")
-        table = rows.sync(request, c.block_ids)
+        table = rows.sync(request, c.block_ids, computed // bs)
         views.append(table)
         end = computed + new
         pos = np.arange(computed, end, dtype=np.int64)
@@ -122,7 +127,7 @@ def prepare_step(runner, rows: BlockTableRows, output: SchedulerOutput) -> StepB
             request, p = d.request, d.num_computed_tokens
             if d.block_ids is None:
                 raise ValueError("the GPU backend needs block ids: run the scheduler with detail=True")
-            views.append(sync(request, d.block_ids))
+            views.append(sync(request, d.block_ids, p // bs))
             dec_pos.append(p)
             j = p - request.num_prompt_tokens
             if j < 0:

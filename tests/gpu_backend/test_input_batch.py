@@ -143,21 +143,33 @@ def test_equal_inputs_on_random_workloads(sizes, blocks, block_size, budget, mod
 def test_block_table_rows_append_and_rebuild():
     rows = BlockTableRows()
     a, b = object(), object()
-    assert rows.sync(a, [5, 6]).tolist() == [5, 6]
-    assert rows.sync(a, [5, 6, 9]).tolist() == [5, 6, 9]  # grew by one block
+    assert rows.sync(a, [5, 6], 1).tolist() == [5, 6]
+    assert rows.sync(a, [5, 6, 9], 2).tolist() == [5, 6, 9]  # grew by one block
     long = list(range(100, 160))
-    assert rows.sync(a, [5, 6, 9] + long).tolist() == [5, 6, 9] + long  # past the first capacity
-    assert rows.sync(a, [7, 8]).tolist() == [7, 8]  # shorter: rebuilt
-    assert rows.sync(a, [7, 3]).tolist() == [7, 3]  # same length, last block replaced (copy on write)
-    assert rows.sync(a, [7, 3, 4]).tolist() == [7, 3, 4]
-    assert rows.sync(a, [1, 2, 5, 6]).tolist() == [1, 2, 5, 6]  # the kept last block moved: rebuilt
-    # Only the kept row's last entry is compared (O(1) per request and step): a rewrite that keeps
-    # it goes unseen. The engine never makes one; a preemption drops the row before its new blocks.
-    assert rows.sync(a, [9, 9, 5, 6, 7]).tolist() == [1, 2, 5, 6, 7]
-    assert rows.sync(b, []).tolist() == [] and len(rows) == 2
+    assert rows.sync(a, [5, 6, 9] + long, 62).tolist() == [5, 6, 9] + long  # past the first capacity
+    assert rows.sync(a, [7, 8], 1).tolist() == [7, 8]  # shorter: rebuilt
+    assert rows.sync(a, [7, 3], 1).tolist() == [7, 3]  # same length, last block replaced (copy on write)
+    assert rows.sync(a, [7, 3, 4], 2).tolist() == [7, 3, 4]
+    assert rows.sync(a, [1, 2, 5, 6], 3).tolist() == [1, 2, 5, 6]  # the kept last block moved: rebuilt
+    # lookahead slots: the step writes into entry 1, copied on write, while the last entry stays
+    assert rows.sync(a, [1, 8, 5, 6], 1).tolist() == [1, 8, 5, 6]
+    # Only the written entry and the last are compared (O(1) per request and step): a rewrite
+    # elsewhere goes unseen. The engine never makes one; a preemption drops the row first.
+    assert rows.sync(a, [9, 9, 5, 6, 7], 4).tolist() == [1, 8, 5, 6, 7]
+    assert rows.sync(b, [], 0).tolist() == [] and len(rows) == 2
     rows.drop(a)
     rows.drop(a)
     assert len(rows) == 1
+
+
+def test_forked_sequence_with_lookahead_copies_a_block_before_its_last():
+    """The case hypothesis found: a prompt of one token, two samples, lookahead slots. After the
+    fork both sequences hold [b0, b1] (b1 for the lookahead); the first decode writes into the
+    shared b0, and the copy on write changes entry 0 of one table, not its last entry."""
+    config = make_config(num_gpu_blocks=12, block_size=2, max_num_seqs=6, max_num_batched_tokens=8,
+                         max_model_len=256, num_lookahead_tokens=3)
+    counts = replay_and_compare(Scheduler(config, 12, detail=True), _requests([(1, 2)], n=2), 2)
+    assert counts["rewritten"] > 0, counts
 
 
 def test_a_rewritten_table_without_a_preemption_signal_is_still_rebuilt():
