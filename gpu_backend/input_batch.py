@@ -6,9 +6,10 @@ lists into a numpy row again, request by request, cost more host time than a GPU
 takes at large batches (`bench/step_inputs.py`: 10 ms for 256 decodes at 4k context on this
 project's CPU host). vLLM's model runner keeps every running request's table in a persistent
 array and appends only the blocks a step added. `BlockTableRows` does the same: a request's
-table only grows while it runs (the engine core never rewrites a running request's blocks), so
+table only grows while it runs, except for a copy on write of the block a step writes into, so
 each step copies the new tail; the row is dropped when the request is preempted (its blocks were
-freed) or finishes, and rebuilt whenever the list it is handed does not end like the row it holds.
+freed) or finishes, and rebuilt when the list it is handed differs from the row at the written
+block's entry or at its last entry.
 
 Decode rows, which are most rows, are gathered without per-token Python work: positions, sequence
 lengths and the slot mapping come out of vectorised numpy over the step's table.
