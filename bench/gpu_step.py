@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "decode" and decodes[0] != contexts[0]:
                 continue
             row["launches"] = kernel_launches(runner, synthetic_output(prefill, decodes, block, need))
-            runner.ops = layer_ops("triton", fused=False)
+            runner.ops = layer_ops("triton", fused=False, tuning=runner.kernel_tuning)
             try:
                 row["unfused"] = measure(prefill, decodes)
                 row["launches_unfused"] = kernel_launches(runner, synthetic_output(prefill, decodes, block, need))

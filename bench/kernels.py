@@ -10,7 +10,9 @@ On a GPU (``python bench/kernels.py --out DIR``):
   laid out contiguously (and to flash-attn's ``flash_attn_with_kvcache`` when installed);
 * each timing is the median over many runs of a CUDA graph (no Python launch overhead in the
   number) that cycles through enough copies of the inputs to exceed 3x the L2 cache;
-* writes ``DIR/bench.json``, ``DIR/decode.csv``, ``DIR/prefill.csv`` and ``DIR/bench.md``.
+* writes ``DIR/bench.json``, ``DIR/decode.csv``, ``DIR/prefill.csv`` and ``DIR/bench.md``, and
+  from the config sweep ``DIR/kernel_tuning.json``: the tiles each launch class ran fastest with
+  (``bench/kernel_tuning.py``), which ``SIMKV_KERNEL_TUNING`` hands to the GPU backend.
 
 ``--dry-run`` runs the same code on CPU (Triton interpreter, tiny shapes, wall-clock timing) to
 check the script itself; its numbers mean nothing.
@@ -43,6 +45,7 @@ from kernels.triton_cache import triton_reshape_and_cache  # noqa: E402
 
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # after the repository root: `kernels` is the package
 from kernel_report import check_targets, markdown  # noqa: E402
+from kernel_tuning import tuning_from_sweep, tuning_markdown  # noqa: E402
 
 try:
     import flash_attn  # type: ignore  # noqa: F401
@@ -403,6 +406,12 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     # pipeline the gathered K/V loads num_stages - 1 deep in sm_90 PTX, so they try 3 and 4 stages);
     # each case gets an equal share of the time left, so a short budget still compares the first few.
     decode = lambda rows: [AttentionConfig(max(16, qpk), n, s, w, st, False, pf) for n, s, w, st, pf in rows]
+    prefill = [AttentionConfig(bm, n, 1, w, st, nk, pf) for bm, n, w, st, nk, pf in
+               [(128, 64, 8, 3, False, False), (128, 64, 8, 3, False, True), (128, 64, 8, 3, True, True),
+                (128, 32, 4, 3, False, False), (128, 32, 4, 3, False, True), (128, 32, 4, 3, True, True),
+                (128, 64, 8, 3, True, False), (128, 64, 8, 4, False, True), (128, 128, 8, 3, True, False),
+                (128, 32, 8, 3, False, False), (128, 128, 8, 3, False, False), (128, 64, 8, 4, False, False),
+                (128, 32, 8, 4, False, False), (64, 64, 4, 3, False, False)]]
     plans = [
         ("decode", Case(8, 32768, 1), decode([(64, 16, 4, 2, False), (64, 16, 4, 3, True), (64, 16, 4, 4, True),
                                               (64, 16, 8, 3, True), (64, 16, 8, 3, False), (64, 16, 4, 1, False),
@@ -412,20 +421,14 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
         ("decode", Case(128, 16384, 1), decode([(64, 1, 4, 2, False), (64, 1, 4, 3, True), (64, 1, 4, 4, True),
                                                 (64, 1, 8, 3, True), (64, 1, 8, 3, False), (32, 1, 4, 2, False),
                                                 (128, 1, 4, 2, False), (64, 2, 4, 2, False), (16, 1, 4, 2, False)])),
-        # (block_m, tile_n, warps, stages, new K/V, block ids prefetched)
-        ("prefill", Case(2, 0, 4096), [AttentionConfig(bm, n, 1, w, st, nk, pf) for bm, n, w, st, nk, pf in
-                                       [(128, 64, 8, 3, False, False), (128, 64, 8, 3, False, True),
-                                        (128, 64, 8, 3, True, True), (128, 64, 8, 4, False, True),
-                                        (128, 64, 8, 3, True, False), (128, 128, 8, 3, True, False),
-                                        (128, 32, 8, 3, False, False), (128, 32, 4, 3, False, False),
-                                        (128, 128, 8, 3, False, False), (128, 64, 8, 4, False, False),
-                                        (128, 32, 8, 4, False, False), (64, 64, 4, 3, False, False)]]),
-        # a chunk after a long context: new_kv only helps the chunk's own (diagonal) tiles
-        ("prefill", Case(2, 8192, 2048), [AttentionConfig(128, n, 1, 8, 3, nk, pf) for n, nk, pf in
-                                          [(64, False, False), (64, False, True), (64, True, True), (64, True, False)]]),
+        # (block_m, tile_n, warps, stages, new K/V, block ids prefetched): the same candidates on a
+        # fresh prompt and on a chunk after a long context (where new_kv only helps the chunk's own,
+        # diagonal tiles), so that each can be judged on both (bench/kernel_tuning.py)
+        ("prefill", Case(2, 0, 4096), prefill),
+        ("prefill", Case(2, 8192, 2048), prefill),
     ]
     if dry:
-        tiny = [Case(2, 47, 1), Case(2, 47, 1), Case(1, 0, 64), Case(1, 32, 32)]
+        tiny = [Case(2, 47, 1), Case(3, 47, 1), Case(1, 0, 64), Case(1, 32, 32)]
         plans = [(kind, t, [c for c in cfgs if not (c.new_kv or c.prefetch_ids)][:1]
                   + [c for c in cfgs if c.new_kv or c.prefetch_ids][:2]) for (kind, _, cfgs), t in zip(plans, tiny)]
     for i, (kind, case, cfgs) in enumerate(plans):
@@ -531,6 +534,14 @@ def main(argv=None) -> int:
     if not args.no_sweep:
         result["sweep"] = sweep_configs(m, timer, l2, gen, roofs, deadline, dry)
     result["targets"] = check_targets(result)
+    tuning_md = []
+    if result["sweep"]:
+        # the sweep's winners, for the launches of the GPU check's later steps (kernels/tuning.py)
+        from kernels.tuning import write_tuning
+
+        result["tuning"] = tuning_from_sweep(result["sweep"], env)
+        write_tuning(os.path.join(args.out, "kernel_tuning.json"), result["tuning"])
+        tuning_md = tuning_markdown(result["tuning"])
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     for kind in ("decode", "prefill"):
@@ -542,7 +553,7 @@ def main(argv=None) -> int:
                 w.writeheader()
                 w.writerows(rows)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(markdown(result))
+        f.write(markdown(result) + "\n".join(tuning_md))
     print("\n".join(result["targets"]))
     return 0
 

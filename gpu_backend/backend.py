@@ -17,6 +17,7 @@ import time
 import torch
 
 from gpu_backend.env import device_info, library_versions
+from kernels.tuning import describe_tuning
 from gpu_backend.runner import ModelRunner, dtype_name
 from kernels.jit_stats import compiled_variant_count
 from simkv.backends.base import prefill_work
@@ -188,5 +189,5 @@ class GpuBackend:
         r = self.runner
         return {"cost_model": "gpu", "model": r.spec.name, "device": device_info(r.device),
                 "dtype": dtype_name(r.dtype), "kernel_backend": r.kernel_backend,
-                "layer_ops": r.ops.name, "timing": timing_label(r.device), **r.graph_fields(),
-                "versions": library_versions()}
+                "layer_ops": r.ops.name, "kernel_tuning": describe_tuning(r.kernel_tuning),
+                "timing": timing_label(r.device), **r.graph_fields(), "versions": library_versions()}

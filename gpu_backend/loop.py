@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"- {len(rec['grid']['measured'])} of {rec['grid']['num_points']} grid points measured"
                   f"{' (stopped by the time budget)' if rec.get('stopped_by_budget') else ''}; OOM: {len(rec.get('oom') or [])}",
                   f"- protocol: {(rec.get('settings') or {}).get('protocol', 'simkv calibrate, before the replay')}",
+                  f"- kernels: {rec.get('layer_ops')}",
                   f"- fit: {fit.get('form')}", f"- coefficients: {fit.get('coefficients')} knee {fit.get('knee')}",
                   f"- held-out: {fit.get('holdout')}"]
     if ok_cmp:

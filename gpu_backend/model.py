@@ -205,7 +205,7 @@ class LeanLlama:
                                        attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
                                        max_seq_len=attn.max_seq_len))
         plan[0](k, v, key_cache, value_cache)
-        plan[1](q, key_cache, value_cache, out=act.attn_out)
+        plan[1](q, key_cache, value_cache, out=act.attn_out, key=k, value=v)
         return plan
 
     @torch.inference_mode()

@@ -77,7 +77,14 @@ class ModelRunner:
         self.max_positions = max_positions
         self.model = LeanLlama(self.spec, self.dtype, self.device, seed=seed, max_positions=max_positions + 1)
         self.kernel_backend = kernel_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.ops = layer_ops(self.kernel_backend, fused_ops)
+        # measured tiles for this device, if any (kernels/tuning.py: SIMKV_KERNEL_TUNING, kernels/tuned/)
+        self.kernel_tuning = None
+        if self.kernel_backend == "triton":
+            from kernels.tuning import active_tuning
+
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            self.kernel_tuning = active_tuning(name)
+        self.ops = layer_ops(self.kernel_backend, fused_ops, self.kernel_tuning)
         self.kv_caches: list = []
         if num_gpu_blocks:
             self.allocate_pool(num_gpu_blocks)

@@ -26,6 +26,7 @@ Each operation takes the same arguments in both implementations:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,7 +74,7 @@ def ref_plan_write_cache(key, value, key_cache, value_cache, slot_mapping) -> Ca
 def ref_plan_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                        max_query_len=None, max_seq_len=None) -> Callable:
     """The reference has nothing to plan: bind the step's metadata, attend for each layer."""
-    def attend(q, kc, vc, out=None):
+    def attend(q, kc, vc, out=None, key=None, value=None):  # key/value: the step's K/V, already in the cache
         return ref_paged_attention(q, kc, vc, block_tables, seq_lens, query_start_loc, scale,
                                    max_query_len=max_query_len, max_seq_len=max_seq_len, out=out)
     return attend
@@ -88,7 +89,8 @@ class LayerOps:
     value_cache, slot_mapping)`` and ``plan_attention(q, key_cache, value_cache, block_tables,
     seq_lens, query_start_loc, scale, max_query_len=, max_seq_len=)`` check the first layer's
     arguments and return a launch that every layer calls with its own ``(k, v, key_cache,
-    value_cache)`` or ``(q, key_cache, value_cache)``."""
+    value_cache)`` or ``(q, key_cache, value_cache, out=, key=k, value=v)`` (the step's own K/V,
+    which a tuned prefill launch may read instead of the cache)."""
 
     name: str
     rms_norm: Callable
@@ -99,10 +101,13 @@ class LayerOps:
     plan_attention: Callable
 
 
-def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
+def layer_ops(kernel_backend: str, fused: bool | None = None, tuning=None) -> LayerOps:
     """The op set for a kernel backend (``"torch"`` or ``"triton"``). ``fused`` picks the
     element-wise kernels: the Triton ones by default with the Triton backend, the torch
-    operators otherwise (``fused=False`` with Triton attention measures what fusing saves)."""
+    operators otherwise (``fused=False`` with Triton attention measures what fusing saves).
+    ``tuning`` (a ``kernels.tuning.KernelTuning``) steers the Triton attention's tiles; the
+    op set's name then carries its fingerprint, so runs on other tiles are told apart."""
+    tiles = ""
     if kernel_backend == "torch":
         plans = (ref_plan_write_cache, ref_plan_attention)
     elif kernel_backend == "triton":
@@ -110,6 +115,9 @@ def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
         from .triton_cache import plan_reshape_and_cache
 
         plans = (plan_reshape_and_cache, plan_paged_attention)
+        if tuning is not None:
+            plans = (plan_reshape_and_cache, functools.partial(plan_paged_attention, tuning=tuning))
+            tiles = f" ({tuning.label})"
     else:
         raise ValueError(f"unknown kernel backend '{kernel_backend}' (torch or triton)")
     if fused is None:
@@ -121,5 +129,5 @@ def layer_ops(kernel_backend: str, fused: bool | None = None) -> LayerOps:
         elementwise = (triton_rms_norm, triton_fused_add_rms_norm, triton_rotary_embedding, triton_silu_and_mul)
     else:
         elementwise = (ref_rms_norm, ref_fused_add_rms_norm, ref_rotary_embedding, ref_silu_and_mul)
-    name = f"{kernel_backend} attention, {'fused Triton' if fused else 'torch'} element-wise ops"
+    name = f"{kernel_backend} attention{tiles}, {'fused Triton' if fused else 'torch'} element-wise ops"
     return LayerOps(name, *elementwise, *plans)

@@ -13,6 +13,7 @@ import torch
 
 from .layout import MAX_BLOCK_SIZE, SUPPORTED_DTYPES, is_power_of_two, next_power_of_two
 from .triton_attention_kernel import LOG2E, _merge_segments_kernel, _paged_attention_kernel
+from .tuning import KernelTuning
 
 __all__ = ["AttentionConfig", "PagedAttentionLaunch", "choose_config", "plan_paged_attention",
            "triton_paged_attention", "_merge_segments_kernel", "_paged_attention_kernel"]
@@ -52,27 +53,35 @@ def choose_config(
     max_query_len: int,
     max_seq_len: int,
     num_sms: int,
+    tuning: KernelTuning | None = None,
 ) -> AttentionConfig:
-    """Heuristic tile choice: small query tiles + KV splitting for decode, big tiles for prefill."""
+    """Heuristic tile choice: small query tiles + KV splitting for decode, big tiles for prefill.
+    ``tuning`` (``kernels/tuning.py``) overrides the fp16/bf16 decode and prefill tiles with
+    those a benchmark measured fastest on the device; the KV split stays the heuristic's."""
     min_m = max(16, next_power_of_two(qpk))
     if max_query_len * qpk <= min_m:
         # decode (or tiny chunks): memory bound; split the keys until the GPU is full
-        block_m = min_m
-        tile_n = 64 if elem_size <= 2 else 32
+        # 4 warps / 2 stages: 0.276 ms against 0.344 ms with 8 warps / 3 stages on an H200 (8 x 32k
+        # decodes, 16 segments; reports/gpu/2026-11-30_H200/summary.md, config sweep)
+        over = dict(tile_n=64 if elem_size <= 2 else 32, num_warps=4, num_stages=2)
+        if tuning is not None and elem_size <= 2:
+            over.update(tuning.decode)
         programs = num_seqs * num_kv_heads
-        kv_tiles = max(1, math.ceil(max_seq_len / tile_n))
+        kv_tiles = max(1, math.ceil(max_seq_len / over["tile_n"]))
         segments = 1
         while segments < 64 and programs * segments < 4 * num_sms and kv_tiles >= 4 * segments * 2:
             segments *= 2
-        # 4 warps / 2 stages: 0.276 ms against 0.344 ms with 8 warps / 3 stages on an H200 (8 x 32k
-        # decodes, 16 segments; reports/gpu/2026-11-30_H200/summary.md, config sweep)
-        return AttentionConfig(block_m, tile_n, segments, num_warps=4, num_stages=2)
+        return AttentionConfig(min_m, num_segments=segments, **over)
     if max_query_len * qpk <= 64:
         return AttentionConfig(max(min_m, 64), 64 if elem_size <= 2 else 32, 1, num_warps=8, num_stages=3)
     if elem_size > 2 or head_pad > 128:
         # fp32 (exact-math path used by tests) or very wide heads: smaller tiles so nothing spills
         return AttentionConfig(max(min_m, 32), 16, 1, num_warps=8, num_stages=2)
-    return AttentionConfig(max(min_m, 128), 64, 1, num_warps=8, num_stages=3)
+    over = dict(block_m=128, tile_n=64, num_warps=8, num_stages=3)
+    if tuning is not None:
+        over.update(tuning.prefill)
+    over["block_m"] = max(min_m, over["block_m"])
+    return AttentionConfig(num_segments=1, **over)
 
 
 def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -216,10 +225,12 @@ class PagedAttentionLaunch:
 def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          scale: float, *, max_query_len: int | None = None, max_seq_len: int | None = None,
-                         config: AttentionConfig | None = None, num_segments: int | None = None) -> PagedAttentionLaunch:
+                         config: AttentionConfig | None = None, num_segments: int | None = None,
+                         tuning: KernelTuning | None = None) -> PagedAttentionLaunch:
     """Check the arguments (as ``triton_paged_attention`` takes them) and choose the tiles once;
     the returned launch runs any layer whose query and caches have these shapes and strides
-    (see ``PagedAttentionLaunch``)."""
+    (see ``PagedAttentionLaunch``). ``tuning`` steers the tile choice when ``config`` is None; a
+    tuning with ``new_kv`` needs the step's K/V passed to each launch (``key=``, ``value=``)."""
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     _, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -234,7 +245,7 @@ def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         config = choose_config(
             qpk=qpk, head_pad=max(16, next_power_of_two(head_size)), elem_size=query.element_size(),
             num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_query_len=max_query_len or 1,
-            max_seq_len=max_seq_len or 1, num_sms=_num_sms(query.device),
+            max_seq_len=max_seq_len or 1, num_sms=_num_sms(query.device), tuning=tuning,
         )
     if num_segments is not None:
         config = replace(config, num_segments=num_segments)

@@ -98,6 +98,14 @@ if [ "$BUDGET" -lt 60 ]; then BUDGET=60; fi
 BENCH_ARGS=(--out "$OUT/bench" --budget "$BUDGET")
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then BENCH_ARGS+=(--dry-run); fi   # CPU smoke test of this script
 step bench $(( BUDGET + 60 )) $PY bench/kernels.py "${BENCH_ARGS[@]}"
+# the sweep's fastest tiles (bench/kernel_tuning.py) for every later launch of this run: the step
+# benchmark, the calibration and the measured replay (GPU_CHECK_TUNING=0 keeps the heuristic)
+TUNING_LINE="kernel tiles: the launcher's heuristic"
+if [ "${GPU_CHECK_TUNING:-1}" != 0 ] && [ -f "$OUT/bench/kernel_tuning.json" ]; then
+    export SIMKV_KERNEL_TUNING="$OUT/bench/kernel_tuning.json"
+    TUNING_LINE="kernel tiles: the benchmark's sweep (bench/kernel_tuning.json) for the steps after it"
+fi
+echo "   -> $TUNING_LINE"
 
 {
     echo "# simkv kernel GPU check ($(date -u '+%Y-%m-%d %H:%M UTC'))"
@@ -109,6 +117,7 @@ step bench $(( BUDGET + 60 )) $PY bench/kernels.py "${BENCH_ARGS[@]}"
     echo "## Steps"
     echo
     for f in "$OUT"/*.status; do echo "- **$(basename "$f" .status)**: $(cat "$f")"; done
+    echo "- $TUNING_LINE"
     echo
     echo "## Test failures (if any)"
     echo

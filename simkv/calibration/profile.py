@@ -130,13 +130,14 @@ def new_record(model: str, runner, dtype: str, preset: str, points: list[GridPoi
     """The head of a calib.json (no measured points, no fit yet)."""
     from gpu_backend.backend import timing_label
     from gpu_backend.env import canonical_gpu, device_info, library_versions
+    from kernels.tuning import describe_tuning
 
     dev = device_info(runner.device)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": model, "device": dev,
         "gpu": canonical_gpu(dev["name"]) if dev["type"] == "cuda" else None,
         "dtype": dtype, "kernel_backend": runner.kernel_backend, "layer_ops": runner.ops.name,
-        "versions": library_versions(),
+        "kernel_tuning": describe_tuning(runner.kernel_tuning), "versions": library_versions(),
         "timing": timing_label(runner.device), "block_size": runner.block_size, "kv_pool_blocks": num_blocks,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": settings,
         "grid": {"design": PRESETS[preset], "num_points": len(points), "dropped": dropped, "measured": []},
