@@ -414,12 +414,14 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
                 (128, 32, 8, 4, False, False), (64, 64, 4, 3, False, False)]]
     plans = [
         ("decode", Case(8, 32768, 1), decode([(64, 16, 4, 2, False), (64, 16, 4, 3, True), (64, 16, 4, 4, True),
-                                              (64, 16, 8, 3, True), (64, 16, 8, 3, False), (64, 16, 4, 1, False),
+                                              (64, 16, 8, 3, True), (128, 16, 4, 3, True), (64, 16, 8, 3, False),
+                                              (64, 16, 4, 1, False),
                                               (32, 16, 4, 2, False), (128, 16, 4, 2, False), (64, 32, 4, 2, False),
                                               (64, 8, 4, 2, False)])),
         # large batch: where SDPA on contiguous KV was 1.3x faster in the first run
         ("decode", Case(128, 16384, 1), decode([(64, 1, 4, 2, False), (64, 1, 4, 3, True), (64, 1, 4, 4, True),
-                                                (64, 1, 8, 3, True), (64, 1, 8, 3, False), (32, 1, 4, 2, False),
+                                                (64, 1, 8, 3, True), (128, 1, 4, 3, True), (64, 1, 8, 3, False),
+                                                (32, 1, 4, 2, False),
                                                 (128, 1, 4, 2, False), (64, 2, 4, 2, False), (16, 1, 4, 2, False)])),
         # (block_m, tile_n, warps, stages, new K/V, block ids prefetched): the same candidates on a
         # fresh prompt and on a chunk after a long context (where new_kv only helps the chunk's own,

@@ -88,7 +88,8 @@ class ModelRunner:
         self.kv_caches: list = []
         if num_gpu_blocks:
             self.allocate_pool(num_gpu_blocks)
-        self.outputs: dict[int, list[int]] = {}  # request index -> sampled token ids (output positions)
+        # request index -> sampled token ids (output positions), while the request runs
+        self.outputs: dict[int, list[int]] = {}
         self.last_host_times = (0.0, 0.0)  # last step: (input preparation, forward call) host seconds
         self.decode_graphs = None  # DecodeGraphs once enable_decode_graphs ran (CUDA)
         self.decode_graphs_status = "off"
@@ -232,12 +233,14 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     def prepare(self, output: SchedulerOutput) -> StepBatch:
         """The step's host arrays (`gpu_backend/input_batch.py`). Block tables are kept from
-        step to step; the requests that finished in the previous step give theirs up here, as
-        vLLM's runner removes finished requests from its persistent batch at the next step."""
+        step to step; the requests that finished in the previous step give theirs (and their
+        sampled ids) up here, as vLLM's runner removes finished requests from its persistent
+        batch at the next step."""
         last = self._last_output
         if last is not None:
-            for request in last.finished:
+            for request in last.finished:  # their sampled ids are no longer read either
                 self.block_rows.drop(request)
+                self.forget(request)
         self._last_output = output
         return prepare_step(self, self.block_rows, output)
 

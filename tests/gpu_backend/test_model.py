@@ -41,7 +41,7 @@ def test_paged_runner_matches_plain_forward_on_mixed_batches():
             Request("d", 3, 0.0, 14, 2, shared_hash_ids=shared, hash_block_tokens=4)]
     for r in reqs:
         sched.add_request(r)
-    mixed_steps = compared = 0
+    mixed_steps = compared = sampled_a = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
         if out.chunks and out.decodes:
@@ -53,10 +53,15 @@ def test_paged_runner_matches_plain_forward_on_mixed_batches():
             ref = _plain_logits(hf, ids)
             torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
             compared += 1
+        sampled_a = max(sampled_a, len(runner.outputs.get(0, [])))
         sched.update_from_output(out)
     assert mixed_steps >= 1 and compared == sum(r.max_tokens for r in reqs)
     # greedy: the sampled token is the plain forward's argmax, and it is what decodes fed back in
-    assert len(runner.outputs[0]) == 4
+    assert sampled_a == 4
+    # a finished request's sampled ids and block table are given up at the next step
+    assert runner.outputs and len(runner.block_rows)
+    runner.prepare(sched.schedule())
+    assert runner.outputs == {} and len(runner.block_rows) == 0
 
 
 def test_corrupted_pool_changes_logits():
