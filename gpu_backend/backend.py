@@ -17,9 +17,9 @@ import time
 import torch
 
 from gpu_backend.env import device_info, library_versions
-from kernels.tuning import describe_tuning
 from gpu_backend.runner import ModelRunner, dtype_name
 from kernels.jit_stats import compiled_variant_count
+from kernels.tuning import describe_tuning
 from simkv.backends.base import prefill_work
 from simkv.core.outputs import SchedulerOutput
 

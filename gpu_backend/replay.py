@@ -48,7 +48,8 @@ def gpu_summary_fields(backend) -> dict:
     d = backend.describe()
     return {"backend": "gpu", "device": d["device"]["type"], "device_name": d["device"]["name"],
             "device_info": d["device"], "dtype": d["dtype"], "kernel_backend": d["kernel_backend"],
-            "layer_ops": d["layer_ops"], "timing": d["timing"], **backend.runner.graph_fields(),
+            "layer_ops": d["layer_ops"], "kernel_tuning": d["kernel_tuning"], "timing": d["timing"],
+            **backend.runner.graph_fields(),
             "versions": d["versions"]}
 
 

@@ -48,7 +48,7 @@ def test_same_engine_objects_and_same_schedule_as_simulation():
     assert result.summary["num_preemptions"] == sim.summary["num_preemptions"] > 0
     s = result.summary
     assert s["backend"] == "gpu" and s["device"] == "cpu" and s["versions"]["torch"] == torch.__version__
-    assert s["layer_ops"] == "torch attention, torch element-wise ops"
+    assert s["layer_ops"] == "torch attention, torch element-wise ops" and s["kernel_tuning"] is None
     assert s["cuda_piecewise_sizes"] == [] and s["cuda_piecewise_graphs"] == "off"
     assert s["num_finished"] == len(trace)
     assert np.all(result.steps["duration_s"] > 0)
