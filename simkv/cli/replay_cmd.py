@@ -50,6 +50,39 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
     return EngineConfig.from_flat(options)
 
 
+def engine_options(command):
+    """The engine's options as flags with vLLM's names (replay, goodput)."""
+    for option in reversed(_ENGINE_OPTIONS):
+        command = option(command)
+    return command
+
+
+_ENGINE_OPTIONS = [
+    click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]"),
+    click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]"),
+    click.option("--tensor-parallel-size", "-tp", type=int, default=None),
+    click.option("--block-size", type=int, default=None, help="[default: 16]"),
+    click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
+    click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),
+    click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),
+    click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]"),
+    click.option("--max-model-len", type=int, default=None, help="[default: the model's]"),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]"),
+    click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="[default: on]"),
+    click.option("--long-prefill-token-threshold", type=int, default=None, help="[default: 0]"),
+    click.option("--watermark", type=float, default=None, help="[default: 0.0]"),
+    click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]"),
+    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None),
+    click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
+                 help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]"),
+    click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]"),
+    click.option("--pcie-bandwidth-gbs", type=float, default=None, help="swap bandwidth, GB/s [default: 63]"),
+    click.option("--prefix-caching-hash-bits", type=int, default=None,
+                 help="Use a deliberately weak K-bit block hash and count false prefix hits [default: 63, no collisions modelled]"),
+    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),
+]
+
+
 @click.command("replay")
 @click.argument("trace", required=False, default=DEFAULT_TRACE)
 @click.option("--out", "out_dir", default="out/replay", show_default=True, help="Output folder.")
@@ -76,34 +109,16 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
 @click.option("--noise-seed", type=int, default=0, show_default=True, help="Seed of --step-noise (same seed, same output).")
 @click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
 @click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
-@click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]")
-@click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]")
-@click.option("--tensor-parallel-size", "-tp", type=int, default=None)
-@click.option("--block-size", type=int, default=None, help="[default: 16]")
-@click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
-@click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
-@click.option("--max-num-seqs", type=int, default=None, help="[default: 256]")
-@click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]")
-@click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]")
-@click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="[default: on]")
-@click.option("--long-prefill-token-threshold", type=int, default=None, help="[default: 0]")
-@click.option("--watermark", type=float, default=None, help="[default: 0.0]")
-@click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None)
-@click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
-              help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]")
-@click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]")
-@click.option("--pcie-bandwidth-gbs", type=float, default=None, help="swap bandwidth, GB/s [default: 63]")
-@click.option("--prefix-caching-hash-bits", type=int, default=None,
-              help="Use a deliberately weak K-bit block hash and count false prefix hits [default: 63, no collisions modelled]")
-@click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None)
+@engine_options
+@click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
+              help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms, e.g. --goodput ttft:2000 "
+                   "--goodput tpot:100; summary.json then counts the requests that met all of them.")
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
-               noise_seed: int, cudagraph_mode: str, **flags) -> None:
+               noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -114,6 +129,12 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
+    from simkv.replay.goodput import GoodputError, goodput_summary, parse_goodput
+
+    try:
+        slo = parse_goodput(goodput)
+    except GoodputError as exc:
+        raise click.UsageError(str(exc)) from None
     try:
         config = build_config(flags, config_file)
     except (ConfigError, TypeError, ValueError) as exc:
@@ -141,6 +162,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                 on_progress=lambda k: progress.advance(task, k))
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
+    if slo:
+        result.summary["goodput"] = goodput_summary(result.requests, slo, result.summary["duration_s"])
     save(result, out_dir)
     from simkv.compare.run_report import write_run_report_safely
 

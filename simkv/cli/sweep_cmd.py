@@ -21,11 +21,16 @@ def _check_cost_model(value) -> None:
 
 
 def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
-         cost_model: str):
+         cost_model: str, goodput: tuple[str, ...] = ()):
     """Cells and swept keys from the command line; raises SweepError / click.BadParameter."""
+    from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
     from simkv.sweep.grid import normalize_key
 
+    try:
+        slo = parse_goodput(goodput)
+    except GoodputError as exc:
+        raise SweepError(str(exc)) from None
     fixed = {normalize_key(k, "--config"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
     for text in sets:
         key, value = parse_assignment(text, "--set")
@@ -38,7 +43,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
             raise SweepError(f"TRACE: no such file '{trace}'")
     if len(set(map(os.path.normpath, traces))) != len(traces):
         raise SweepError("TRACE: a trace is given twice")
-    return make_cells(list(traces), grid, fixed, cost_model), list(grid)
+    return make_cells(list(traces), grid, fixed, cost_model, slo), list(grid)
 
 
 @click.command("sweep")
@@ -49,6 +54,9 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="Cost model of every cell unless swept.")
+@click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
+              help="Latency SLO judged in every cell (vLLM's --goodput: ttft, tpot or e2el and a limit in ms); "
+                   "adds the slo_attainment and goodput_req_s columns.")
 @click.option("--out", "out_dir", required=True, help="Sweep folder (resumable: finished cells are kept).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), default=None,
@@ -57,7 +65,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
 @click.option("--quiet", is_flag=True, help="No progress bar or summary line.")
 def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
               cost_model: str, out_dir: str, executor: str, workers: int | None, ray_address: str | None,
-              quiet: bool) -> None:
+              quiet: bool, goodput: tuple[str, ...]) -> None:
     """Replay every TRACE under every combination of the --grid options; write DIR/sweep.parquet,
     DIR/sweep.md and DIR/plots.html. Exits 1 when a cell failed (the table is still written)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -65,7 +73,7 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
     from simkv.sweep import SweepError, run_sweep
 
     try:
-        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model)
+        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput)
     except click.BadParameter as exc:
         raise click.ClickException(exc.format_message()) from None
     except SweepError as exc:

@@ -53,6 +53,12 @@ def metric_rows(sim: dict, meas: dict) -> list[dict]:
             s, m = (sim.get(key) or {}).get(stat), (meas.get(key) or {}).get(stat)
             rows.append({"metric": f"{key}.{stat}", "simulated": s, "measured": m, "rel_error": _rel(s, m),
                          "abs_error": None if s is None or m is None else s - m})
+    gs, gm = sim.get("goodput"), meas.get("goodput")
+    if gs and gm and gs.get("slo_ms") == gm.get("slo_ms"):  # both judged on the same SLOs (--goodput)
+        for key in ("slo_attainment", "request_goodput_req_s"):
+            s, m = gs.get(key), gm.get(key)
+            rows.append({"metric": f"goodput.{key}", "simulated": s, "measured": m, "rel_error": _rel(s, m),
+                         "abs_error": None if s is None or m is None else s - m})
     return rows
 
 

@@ -45,6 +45,14 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("ITL ms (mean / p50 / p99)", _fmt_dist(summary["itl_s"])),
         ("E2E s (mean / p50 / p99)", _fmt_dist(summary["e2e_s"], 1.0)),
         ("queue ms (mean / p50 / p99)", _fmt_dist(summary["queue_s"])),
+    ]
+    if summary.get("goodput"):
+        from simkv.replay.goodput import describe_slo
+
+        g = summary["goodput"]
+        rows.append(("goodput", f"{g['request_goodput_req_s']:,.2f} req/s: {100 * g['slo_attainment']:.1f} % of "
+                                f"requests met {describe_slo(g['slo_ms'])}"))
+    rows += [
         ("wall time", f"{summary['wall_time_s']:.2f} s ({summary['num_requests'] / max(summary['wall_time_s'], 1e-9):,.0f} req/s)"),
     ]
     for k, v in rows:

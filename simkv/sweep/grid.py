@@ -79,21 +79,28 @@ class Cell:
     options: tuple[tuple[str, object], ...]  # engine options (fixed + swept), sorted by name
     cost_model: str
     cost_options: tuple[tuple[str, object], ...]
+    goodput: tuple[tuple[str, float], ...] = ()  # latency SLOs in ms (--goodput), judged per cell
 
     @property
     def cell_id(self) -> str:
-        """Stable across runs and machines: a hash of the trace path and every option."""
-        key = json.dumps({"trace": self.trace, "options": dict(self.options), "cost_model": self.cost_model,
-                          "cost_options": dict(self.cost_options)}, sort_keys=True)
+        """Stable across runs and machines: a hash of the trace path and every option (and the
+        SLOs, when given: a cell judged on other SLOs is another cell)."""
+        spec = {"trace": self.trace, "options": dict(self.options), "cost_model": self.cost_model,
+                "cost_options": dict(self.cost_options)}
+        if self.goodput:
+            spec["goodput"] = dict(self.goodput)
+        key = json.dumps(spec, sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def task(self) -> dict:
         """What a worker needs (plain data, picklable)."""
-        return {"cell_id": self.cell_id, "trace": self.trace, "options": dict(self.options),
+        task = {"cell_id": self.cell_id, "trace": self.trace, "options": dict(self.options),
                 "cost_model": self.cost_model, "cost_options": dict(self.cost_options)}
+        return task | ({"goodput": dict(self.goodput)} if self.goodput else {})
 
 
-def make_cells(traces: list[str], grid: dict[str, list], fixed: dict, cost_model: str) -> list[Cell]:
+def make_cells(traces: list[str], grid: dict[str, list], fixed: dict, cost_model: str,
+               goodput: dict[str, float] | None = None) -> list[Cell]:
     """Traces outermost, then the grid's keys in the order given (the last key varies fastest)."""
     cells = []
     keys = list(grid)
@@ -104,5 +111,5 @@ def make_cells(traces: list[str], grid: dict[str, list], fixed: dict, cost_model
             model = merged.pop("cost_model", cost_model)
             cost_opts = {k: merged.pop(k) for k in COST_KEYS if k in merged}
             cells.append(Cell(len(cells), trace, tuple(zip(keys, combo)), tuple(sorted(merged.items())),
-                              str(model), tuple(sorted(cost_opts.items()))))
+                              str(model), tuple(sorted(cost_opts.items())), tuple((goodput or {}).items())))
     return cells

@@ -8,7 +8,7 @@ import html
 import numpy as np
 
 from simkv.compare.svg import COLORS, W, H, _Frame, _svg, page
-from simkv.sweep.table import METRICS
+from simkv.sweep.table import METRICS, metric_columns
 
 PLOT_METRICS = [m for m in METRICS if m not in ("num_requests", "num_finished")]
 
@@ -59,7 +59,7 @@ def plots_html(rows: list[dict], swept_keys: list[str], title: str) -> str:
     body.append(f"<p>{len(rows)} cells, {len(rows) - len(failed)} ok, {len(failed)} failed"
                 + (" (not plotted)" if failed else "") + ".</p>")
     keys = swept_keys or ["trace"]
-    for metric in PLOT_METRICS:
+    for metric in [m for m in metric_columns(rows) if m in PLOT_METRICS or m not in METRICS]:
         charts = []
         for key in keys:
             others = (["trace"] if multi_trace and key != "trace" else []) + [k for k in swept_keys if k != key]

@@ -32,6 +32,16 @@ METRICS: dict[str, tuple[str, ...]] = {
     "request_throughput_req_s": ("request_throughput_req_s",),
 }
 INT_METRICS = {"num_requests", "num_finished", "num_gpu_blocks", "num_steps", "peak_running", "num_preemptions"}
+# with --goodput SLOs (only then, so that other sweeps' tables keep their columns)
+GOODPUT_METRICS: dict[str, tuple[str, ...]] = {
+    "slo_attainment": ("goodput", "slo_attainment"),
+    "goodput_req_s": ("goodput", "request_goodput_req_s"),
+}
+
+
+def metric_columns(rows: list[dict]) -> list[str]:
+    """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs)."""
+    return [c for c in (*METRICS, *GOODPUT_METRICS) if rows and c in rows[0]]
 
 
 def _get(summary: dict, path: tuple[str, ...]):
@@ -45,6 +55,7 @@ def _get(summary: dict, path: tuple[str, ...]):
 
 def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[str]) -> list[dict]:
     rows = []
+    metrics = dict(METRICS) | (GOODPUT_METRICS if any(c.goodput for c in cells) else {})
     for cell in cells:
         out = outcomes.get(cell.cell_id, {"status": "failed", "error": "not run"})
         row = {"cell": cell.index, "cell_id": cell.cell_id, "trace": cell.trace}
@@ -52,7 +63,7 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         row["status"] = "ok" if out["status"] == "ok" else "failed"
         row["error"] = None if out["status"] == "ok" else out["error"]
         summary = out.get("summary") or {}
-        for col, path in METRICS.items():
+        for col, path in metrics.items():
             row[col] = _get(summary, path)
         rows.append(row)
     return rows
@@ -78,7 +89,7 @@ def to_arrow(rows: list[dict], swept_keys: list[str]) -> pa.Table:
             typ = pa.int64()
         elif col in swept_keys:
             typ = _key_type(values)
-        elif col in METRICS:
+        elif col in METRICS or col in GOODPUT_METRICS:
             typ = pa.float64()
         else:
             typ = pa.string()

@@ -107,3 +107,18 @@ def test_calibrate_alongside_needs_the_gpu_backend(tmp_path):
                                     "--out", str(tmp_path / "x")])
     assert res.exit_code != 0 and "--calibrate-alongside needs --backend gpu" in res.output
     assert not (tmp_path / "c.json").exists()
+
+
+def test_goodput_is_compared_when_both_runs_were_judged_on_the_same_slos(tmp_path):
+    from simkv.compare.compare import metric_rows
+
+    slo = ["--goodput", "ttft:100", "--goodput", "tpot:5"]
+    _invoke(["replay", TRACE, "--cost-model", "roofline", *OPTS, *slo, "--out", str(tmp_path / "a"), "--quiet"])
+    _invoke(["replay", TRACE, "--cost-model", "linear", *OPTS, *slo, "--out", str(tmp_path / "b"), "--quiet"])
+    sim, meas = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    rows = {r["metric"]: r for r in metric_rows(sim, meas)}
+    row = rows["goodput.slo_attainment"]
+    assert (row["simulated"], row["measured"]) == (sim["goodput"]["slo_attainment"], meas["goodput"]["slo_attainment"])
+    assert "goodput.request_goodput_req_s" in rows
+    meas["goodput"]["slo_ms"] = {"ttft": 200.0}  # other SLOs: nothing to compare
+    assert not [m for m in (r["metric"] for r in metric_rows(sim, meas)) if m.startswith("goodput")]

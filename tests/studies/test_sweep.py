@@ -250,3 +250,30 @@ def test_ray_address_joins_an_existing_cluster(local_sweep, ray_instance, tmp_pa
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Started a local Ray instance" not in proc.stderr
     assert (out / "sweep.parquet").read_bytes() == (local_sweep / "sweep.parquet").read_bytes()
+
+
+def test_goodput_slos_are_judged_in_every_cell(local_sweep, tmp_path):
+    """--goodput adds the attainment and goodput of each cell (as `simkv replay --goodput` counts
+    them); the SLOs are part of a cell's identity, and sweeps without them keep their columns."""
+    out = tmp_path / "g"
+    res = sweep(TRACE, "--grid", "max_num_seqs=16,128", *FIXED, "--workers", "1", "--goodput", "ttft:300000",
+                "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    for row in rows:
+        cell = json.loads((out / "cells" / row["cell_id"] / "summary.json").read_text())
+        direct = CliRunner().invoke(main, ["replay", TRACE, "--out", str(tmp_path / row["cell_id"]), "--quiet",
+                                           "--max-num-seqs", str(row["max_num_seqs"]), "--num-gpu-blocks", "3000",
+                                           "--max-model-len", "4096", "--cost-model", "unit", "--goodput", "ttft:300000"])
+        assert direct.exit_code == 0, direct.output
+        expected = json.loads((tmp_path / row["cell_id"] / "summary.json").read_text())["goodput"]
+        assert cell["goodput"] == expected
+        assert row["slo_attainment"] == expected["slo_attainment"] and row["goodput_req_s"] == expected["request_goodput_req_s"]
+    # unit steps of 1 s: 400 requests at t=0 wait their turn, longer with fewer sequences at once
+    assert 0 < rows[0]["slo_attainment"] < rows[1]["slo_attainment"]
+    plain = make_cells([TRACE], {"max_num_seqs": [16]}, {}, "unit")[0]
+    judged = make_cells([TRACE], {"max_num_seqs": [16]}, {}, "unit", {"ttft": 300000.0})[0]
+    assert plain.cell_id != judged.cell_id and "goodput" not in plain.task()
+    assert "slo_attainment" not in pq.read_table(local_sweep / "sweep.parquet").column_names
+    res = sweep(TRACE, *FIXED, "--goodput", "ttft", "--out", str(tmp_path / "bad"))
+    assert res.exit_code != 0 and "expected KEY:MILLISECONDS" in res.output

@@ -1,0 +1,126 @@
+"""The highest request rate one engine sustains within latency SLOs, found by replaying a trace
+at scaled arrival rates (``simkv goodput``).
+
+Each probe replays the whole trace with its arrival times divided by a factor (the request mix,
+the burstiness and the order stay the trace's own) and counts the requests that met every SLO
+(``simkv/replay/goodput.py``). The search doubles or halves the factor until one probe meets
+the target attainment and another misses it, then bisects between them geometrically until
+they are within ``tolerance`` of each other. The answer is the last rate that met the target.
+Attainment need not fall monotonically with the rate on a finite trace; every probe is reported
+so that a user can see where it did not.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from simkv.replay.goodput import goodput_summary
+
+MAX_FACTOR = 2.0 ** 12  # 4096x the trace's rate, and 1/4096 of it: the search's bounds
+
+
+class GoodputSearchError(ValueError):
+    """A search that cannot start (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    factor: float  # arrival rate / the trace's own
+    rate_req_s: float
+    slo_attainment: float
+    request_goodput_req_s: float
+    met: bool
+    ttft_p99_s: float | None
+    tpot_p99_s: float | None
+    e2e_p99_s: float | None
+    num_preemptions: int
+    peak_running: int
+
+
+def trace_rate(trace) -> float:
+    """Requests per second of a trace: its requests over the span of its arrivals."""
+    arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
+    span = float(arrivals.max() - arrivals.min()) if len(arrivals) else 0.0
+    if len(arrivals) < 2 or span <= 0:
+        raise GoodputSearchError("every request of the trace arrives at the same instant: there is no rate to scale "
+                                 "(re-time it first, e.g. simkv trace transform --rate R)")
+    return len(arrivals) / span
+
+
+def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model: str, cost_options: dict | None) -> Probe:
+    from simkv.replay.api import replay
+
+    scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
+    result = replay(scaled, config, cost_model, cost_options)
+    s = result.summary
+    g = goodput_summary(result.requests, slo_ms, s["duration_s"])
+    return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
+                 g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
+                 int(s["num_preemptions"]), int(s["peak_running"]))
+
+
+def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
+                    cost_model: str = "roofline", cost_options: dict | None = None, max_probes: int = 40,
+                    on_probe=None) -> dict:
+    """The search's record: ``status`` ('found', 'unbounded': met even at MAX_FACTOR x the trace's rate,
+    'unattainable': missed even at 1 / MAX_FACTOR of it), ``max_rate_req_s`` (None unless found
+    or unbounded), the bracket and every probe in the order run."""
+    if not slo_ms:
+        raise GoodputSearchError("give at least one SLO (--goodput ttft:MS, tpot:MS or e2el:MS)")
+    if not 0 < target <= 1:
+        raise GoodputSearchError(f"--attainment must be in (0, 1], got {target}")
+    if not 0 < tolerance < 1:
+        raise GoodputSearchError(f"--tolerance must be in (0, 1), got {tolerance}")
+    base_rate = trace_rate(trace)
+    probes: list[Probe] = []
+
+    def run(factor: float) -> bool:
+        p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options)
+        probes.append(p)
+        if on_probe is not None:
+            on_probe(p)
+        return p.met
+
+    lo = hi = None  # factors that met / missed the target
+    factor = 1.0
+    if run(factor):
+        lo = factor
+        while hi is None and factor < MAX_FACTOR:
+            factor *= 2
+            if run(factor):
+                lo = factor
+            else:
+                hi = factor
+    else:
+        hi = factor
+        while lo is None and factor > 1 / MAX_FACTOR:
+            factor /= 2
+            if run(factor):
+                lo = factor
+            else:
+                hi = factor
+    if lo is not None and hi is not None:
+        while hi / lo > 1 + tolerance and len(probes) < max_probes:
+            mid = math.sqrt(lo * hi)
+            if run(mid):
+                lo = mid
+            else:
+                hi = mid
+    status = "found" if lo is not None and hi is not None else ("unbounded" if hi is None else "unattainable")
+    return {
+        "status": status,
+        "slo_ms": dict(slo_ms),
+        "target_attainment": target,
+        "tolerance": tolerance,
+        "trace_rate_req_s": base_rate,
+        "max_rate_req_s": base_rate * lo if lo is not None else None,
+        "bracket_factors": [lo, hi],
+        "probes": [asdict(p) for p in probes],
+    }
+
+
+def replicas_for(target_rate: float, max_rate: float) -> int:
+    """Replicas for ``target_rate`` if each takes ``max_rate`` and requests spread evenly."""
+    return max(1, math.ceil(target_rate / max_rate - 1e-9))

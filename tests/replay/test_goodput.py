@@ -1,0 +1,133 @@
+"""Goodput under latency SLOs (simkv/replay/goodput.py) and the highest rate that keeps them
+(simkv/studies/goodput_search.py, `simkv goodput`)."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.replay.goodput import GoodputError, goodput_summary, good_requests, parse_goodput
+from simkv.studies.goodput_search import GoodputSearchError, replicas_for, search_max_rate, trace_rate
+from simkv.traces.schema import read_trace
+from simkv.traces.transform import Edits, transform
+
+AZURE = "traces/azure_conv_slice.parquet"
+LINEAR = {"step_base_s": 0.015, "step_per_token_s": 2e-5}
+
+
+def test_slos_parse_as_vllm_writes_them():
+    assert parse_goodput(["ttft:2000", "TPOT:100"]) == {"ttft": 2000.0, "tpot": 100.0}
+    assert parse_goodput(["ttft:2000,e2el:30000"]) == {"ttft": 2000.0, "e2el": 30000.0}
+    assert parse_goodput([]) == {}
+    for bad, message in [("ttfx:5", "KEY one of ttft, tpot, e2el"), ("ttft", "expected KEY:MILLISECONDS"),
+                         ("ttft:fast", "'fast' is not a number"), ("tpot:0", "positive"), ("tpot:-3", "positive")]:
+        with pytest.raises(GoodputError, match=message):
+            parse_goodput([bad])
+    with pytest.raises(GoodputError, match="names 'ttft' twice"):
+        parse_goodput(["ttft:1", "ttft:2"])
+
+
+def test_a_request_is_good_when_finished_and_within_every_limit():
+    requests = pd.DataFrame({
+        "status": ["finished", "finished", "finished", "finished", "rejected"],
+        "ttft_s": [0.5, 2.0, 0.1, 3.0, np.nan],
+        "mean_itl_s": [0.05, 0.01, np.nan, 0.01, np.nan],  # the third answered with one token
+        "e2e_s": [5.0, 4.0, 0.1, 9.0, np.nan],
+    })
+    good, each = good_requests(requests, {"ttft": 2000.0, "tpot": 40.0})
+    assert good.tolist() == [False, True, True, False, False]  # 2.0 s is within a 2000 ms limit
+    assert each["ttft"].tolist() == [True, True, True, False, False]
+    assert each["tpot"].tolist() == [False, True, True, True, False]
+    g = goodput_summary(requests, {"ttft": 2000.0, "tpot": 40.0}, duration_s=4.0)
+    assert g["num_good"] == 2 and g["slo_attainment"] == 0.4 and g["request_goodput_req_s"] == 0.5
+    assert g["attainment_by_slo"] == {"ttft": 0.6, "tpot": 0.6}
+
+
+def test_replay_records_goodput_recomputable_from_its_requests(tmp_path):
+    out = tmp_path / "r"
+    trace = tmp_path / "head.parquet"
+    r = CliRunner().invoke(main, ["trace", "transform", AZURE, "--head", "200", "--out", str(trace)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--goodput", "ttft:150", "--goodput", "tpot:12"])
+    assert r.exit_code == 0, r.output
+    assert "goodput" in r.output and "150 ms" in r.output  # the terminal table's row
+    summary = json.loads((out / "summary.json").read_text())
+    requests = pd.read_parquet(out / "requests.parquet")
+    g = summary["goodput"]
+    ttft_ok = requests["ttft_s"] <= 0.150
+    tpot_ok = requests["mean_itl_s"].fillna(0) <= 0.012
+    expected = int(((requests["status"] == "finished") & ttft_ok & tpot_ok).sum())
+    assert g["num_good"] == expected and 0 < expected < len(requests)  # the limits bite, but not on all
+    assert g["request_goodput_req_s"] == pytest.approx(expected / summary["duration_s"])
+    r = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--goodput", "itl:5"])
+    assert r.exit_code != 0 and "--goodput 'itl:5'" in r.output
+
+
+def _head(n=300):
+    return transform(read_trace(AZURE), Edits(head=n))
+
+
+def test_the_search_brackets_the_highest_rate_that_meets_the_target():
+    trace, config = _head(), EngineConfig.from_flat({"max_num_seqs": 32})
+    slo = {"ttft": 1000.0, "tpot": 40.0}
+    record = search_max_rate(trace, config, slo, target=0.95, tolerance=0.05, cost_model="linear", cost_options=LINEAR)
+    assert record["status"] == "found"
+    lo, hi = record["bracket_factors"]
+    assert lo < hi <= lo * 1.05
+    probes = {p["factor"]: p for p in record["probes"]}
+    assert probes[lo]["met"] and probes[lo]["slo_attainment"] >= 0.95
+    assert not probes[hi]["met"] and probes[hi]["slo_attainment"] < 0.95
+    assert record["max_rate_req_s"] == pytest.approx(trace_rate(trace) * lo)
+    assert probes[lo]["rate_req_s"] == pytest.approx(record["max_rate_req_s"])
+    # the same inputs give the same search, probe for probe
+    again = search_max_rate(trace, config, slo, target=0.95, tolerance=0.05, cost_model="linear", cost_options=LINEAR)
+    assert again == record
+    # a bigger engine (more sequences at once) sustains a higher rate on the same SLOs
+    bigger = search_max_rate(trace, EngineConfig.from_flat({"max_num_seqs": 128}), slo, target=0.95, tolerance=0.05,
+                             cost_model="linear", cost_options=LINEAR)
+    assert bigger["max_rate_req_s"] > record["max_rate_req_s"]
+
+
+def test_limits_no_load_can_meet_or_miss_are_reported_as_such():
+    trace, config = _head(60), EngineConfig.from_flat({})
+    never = search_max_rate(trace, config, {"ttft": 0.001}, cost_model="linear", cost_options=LINEAR)
+    assert never["status"] == "unattainable" and never["max_rate_req_s"] is None
+    assert not any(p["met"] for p in never["probes"])
+    always = search_max_rate(trace, config, {"e2el": 1e9}, cost_model="linear", cost_options=LINEAR)
+    assert always["status"] == "unbounded" and always["bracket_factors"][1] is None
+    assert all(p["met"] for p in always["probes"]) and always["max_rate_req_s"] == pytest.approx(
+        trace_rate(trace) * 4096)
+
+
+def test_bad_searches_are_refused_with_the_reason():
+    trace, config = _head(20), EngineConfig.from_flat({})
+    with pytest.raises(GoodputSearchError, match="at least one SLO"):
+        search_max_rate(trace, config, {})
+    with pytest.raises(GoodputSearchError, match="--attainment must be in"):
+        search_max_rate(trace, config, {"ttft": 100.0}, target=1.5)
+    with pytest.raises(GoodputSearchError, match="same instant"):
+        search_max_rate(read_trace("traces/req400.parquet"), config, {"ttft": 100.0})
+    assert replicas_for(50, 20.787) == 3 and replicas_for(40, 20) == 2 and replicas_for(1, 20) == 1
+
+
+def test_goodput_command_writes_its_record_and_the_replicas(tmp_path):
+    trace = tmp_path / "head.parquet"
+    assert CliRunner().invoke(main, ["trace", "transform", AZURE, "--head", "300", "--out", str(trace)]).exit_code == 0
+    out = tmp_path / "g"
+    r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:1000", "--goodput", "tpot:40",
+                                  "--max-num-seqs", "32", "--cost-model", "linear", "--attainment", "0.95",
+                                  "--tolerance", "0.05", "--target-rate", "40", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    record = json.loads((out / "goodput.json").read_text())
+    direct = search_max_rate(read_trace(str(trace)), EngineConfig.from_flat({"max_num_seqs": 32}),
+                             {"ttft": 1000.0, "tpot": 40.0}, target=0.95, tolerance=0.05, cost_model="linear",
+                             cost_options=LINEAR)
+    assert record["max_rate_req_s"] == pytest.approx(direct["max_rate_req_s"])
+    assert record["replicas"] == replicas_for(40, direct["max_rate_req_s"]) and record["config"]["max_num_seqs"] == 32
+    md = (out / "goodput.md").read_text()
+    assert f"{record['replicas']} replicas" in md and "Highest rate meeting the target" in md
+    r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft"])
+    assert r.exit_code == 2 and "expected KEY:MILLISECONDS" in r.output
