@@ -10,7 +10,7 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.replay_cmd import DEFAULT_TRACE, build_config, engine_options
+from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, read_inputs
 from simkv.config import ConfigError
 
 
@@ -72,24 +72,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
     still meets the --goodput SLOs for --attainment of the requests (and, with --target-rate,
     the replicas that rate needs)."""
-    from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.studies.goodput_search import replicas_for, search_max_rate
-    from simkv.traces.schema import read_trace
 
-    try:
-        slo = parse_goodput(goodput)
-    except GoodputError as exc:
-        raise click.UsageError(str(exc)) from None
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
-    try:
-        config = build_config(flags, config_file)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
-        data = read_trace(trace)
-    except (ValueError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
+    slo, config, data = read_inputs(trace, flags, config_file, goodput)
 
     def show(p) -> None:
         if not quiet:

@@ -50,6 +50,26 @@ def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
     return EngineConfig.from_flat(options)
 
 
+def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple[str, ...]):
+    """The --goodput SLOs, the engine config and the trace of a command, or a one-line click error."""
+    from simkv.replay.goodput import GoodputError, parse_goodput
+    from simkv.traces.schema import read_trace
+
+    try:
+        slo = parse_goodput(goodput)
+    except GoodputError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        config = build_config(flags, config_file)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        data = read_trace(trace)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    return slo, config, data
+
+
 def engine_options(command):
     """The engine's options as flags with vLLM's names (replay, goodput)."""
     for option in reversed(_ENGINE_OPTIONS):
@@ -123,26 +143,14 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
     from simkv.replay.report import print_summary
-    from simkv.traces.schema import read_trace
 
     if step_noise != "none" and backend == "gpu":
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
-    from simkv.replay.goodput import GoodputError, goodput_summary, parse_goodput
+    from simkv.replay.goodput import goodput_summary
 
-    try:
-        slo = parse_goodput(goodput)
-    except GoodputError as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
-        config = build_config(flags, config_file)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
-        data = read_trace(trace)
-    except (ValueError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
+    slo, config, data = read_inputs(trace, flags, config_file, goodput)
     from rich.progress import Progress
 
     with Progress(disable=quiet or len(data) < 5000, transient=True) as progress:
