@@ -61,12 +61,14 @@ def markdown(result: dict) -> str:
                            f"{fmt(r['pct_copy_bw'])} | {fmt(r['torch_us'])} | {fmt(r['torch_over_fused'], 2)} |")
     if result.get("sweep"):
         out += ["", "## Config sweep", "", "new K/V: key tiles of new tokens read from the step's K/V, not the cache. "
-                "ids ahead: each tile's block ids loaded while the previous tile is attended.", "",
-                "| case | block_m | tile_n | segments | warps | stages | new K/V | ids ahead | ms | % copy BW | % matmul | max diff vs first |",
-                "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+                "ids ahead: each tile's block ids loaded while the previous tile is attended. "
+                "TMA: the new K/V tiles copied by tensor descriptors.", "",
+                "| case | block_m | tile_n | segments | warps | stages | new K/V | ids ahead | TMA | ms | % copy BW | % matmul "
+                "| max diff vs first |",
+                "|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
         for r in result["sweep"]:
             c = r["config"]
-            flags = f"{'yes' if c.get('new_kv') else 'no'} | {'yes' if c.get('prefetch_ids') else 'no'}"
+            flags = " | ".join("yes" if c.get(k) else "no" for k in ("new_kv", "prefetch_ids", "tma_new_kv"))
             head = f"{c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | {flags}"
             if "error" in r:
                 out.append(f"| {r['kind']} | {head} | error: {r['error'][:60]} | | | |")

@@ -50,10 +50,10 @@ def choose_class(rows: list[dict], kind: str, min_gain: float, max_diff: float, 
                 continue
             if kind == "decode" and cfg["block_m"] != default["block_m"]:
                 continue
-            cand = tuple(cfg[k] for k in keys)
+            cand = tuple(cfg.get(k, False) for k in keys)  # flags newer than a sweep's rows are off
             ratios.setdefault(cand, {})[label] = r["ms"] / case_rows[0]["ms"]
             times.setdefault(cand, {})[label] = r["ms"]
-    default_cand = tuple(next(iter(defaults.values()))["config"][k] for k in keys)
+    default_cand = tuple(next(iter(defaults.values()))["config"].get(k, False) for k in keys)
     full = {c: v for c, v in ratios.items() if len(v) == len(cases) and max(v.values()) <= 1 + max_loss}
     if default_cand not in full:  # the cases disagree on the default: nothing to compare against
         return {"adopted": False, "why": "the cases' default tiles differ", "cases": sorted(cases)}

@@ -398,7 +398,7 @@ def layer_ops_rows(timer: Timer, gen, dtype: torch.dtype, roofs: dict, n: int = 
 
 def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: Deadline, dry: bool = False) -> list[dict]:
     """A few alternative tile configs on representative cases (to retune the heuristic).
-    `dry`: tiny versions of the cases and two configs each (checks the script on CPU)."""
+    `dry`: tiny versions of the cases and four configs each (checks the script on CPU)."""
     rows = []
     qpk = m.num_heads // m.num_kv_heads
     # (tile_n, segments, warps, stages, block ids prefetched). Each list starts with the launcher's
@@ -406,12 +406,17 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     # pipeline the gathered K/V loads num_stages - 1 deep in sm_90 PTX, so they try 3 and 4 stages);
     # each case gets an equal share of the time left, so a short budget still compares the first few.
     decode = lambda rows: [AttentionConfig(max(16, qpk), n, s, w, st, False, pf) for n, s, w, st, pf in rows]
-    prefill = [AttentionConfig(bm, n, 1, w, st, nk, pf) for bm, n, w, st, nk, pf in
-               [(128, 64, 8, 3, False, False), (128, 64, 8, 3, False, True), (128, 64, 8, 3, True, True),
-                (128, 32, 4, 3, False, False), (128, 32, 4, 3, False, True), (128, 32, 4, 3, True, True),
-                (128, 64, 8, 3, True, False), (128, 64, 8, 4, False, True), (128, 128, 8, 3, True, False),
-                (128, 32, 8, 3, False, False), (128, 128, 8, 3, False, False), (128, 64, 8, 4, False, False),
-                (128, 32, 8, 4, False, False), (64, 64, 4, 3, False, False)]]
+    # (block_m, tile_n, warps, stages, new K/V, block ids prefetched, new K/V by TMA copies)
+    prefill = [AttentionConfig(bm, n, 1, w, st, nk, pf, tma) for bm, n, w, st, nk, pf, tma in
+               [(128, 64, 8, 3, False, False, False), (128, 64, 8, 3, False, True, False),
+                (128, 64, 8, 3, True, True, False), (128, 64, 8, 3, True, True, True),
+                (128, 32, 4, 3, False, False, False), (128, 32, 4, 3, False, True, False),
+                (128, 32, 4, 3, True, True, False), (128, 32, 4, 3, True, True, True),
+                (128, 64, 8, 3, True, False, False), (128, 64, 8, 3, True, False, True),
+                (128, 64, 8, 4, False, True, False), (128, 128, 8, 3, True, False, False),
+                (128, 128, 8, 3, True, True, True), (128, 32, 8, 3, False, False, False),
+                (128, 128, 8, 3, False, False, False), (128, 64, 8, 4, False, False, False),
+                (128, 32, 8, 4, False, False, False), (64, 64, 4, 3, False, False, False)]]
     plans = [
         ("decode", Case(8, 32768, 1), decode([(64, 16, 4, 2, False), (64, 16, 4, 3, True), (64, 16, 4, 4, True),
                                               (64, 16, 8, 3, True), (128, 16, 4, 3, True), (64, 16, 8, 3, False),
@@ -432,7 +437,7 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     if dry:
         tiny = [Case(2, 47, 1), Case(3, 47, 1), Case(1, 0, 64), Case(1, 32, 32)]
         plans = [(kind, t, [c for c in cfgs if not (c.new_kv or c.prefetch_ids)][:1]
-                  + [c for c in cfgs if c.new_kv or c.prefetch_ids][:2]) for (kind, _, cfgs), t in zip(plans, tiny)]
+                  + [c for c in cfgs if c.new_kv or c.prefetch_ids][:3]) for (kind, _, cfgs), t in zip(plans, tiny)]
     for i, (kind, case, cfgs) in enumerate(plans):
         plan_end = time.monotonic() + (deadline.left() - 20) / (len(plans) - i)
         case.sets = rotation(kv_bytes(case, m), l2)

@@ -29,6 +29,7 @@ class AttentionConfig:
     num_stages: int
     new_kv: bool = False  # read key tiles of new tokens from the step's K/V (pass key=, value=)
     prefetch_ids: bool = False  # load block ids a tile ahead, so K/V pipeline num_stages - 1 deep
+    tma_new_kv: bool = False  # with new_kv: read the new tokens' K/V tiles by TMA copies (tensor descriptors)
 
 
 def _interpreting() -> bool:
@@ -82,6 +83,26 @@ def choose_config(
         over.update(tuning.prefill)
     over["block_m"] = max(min_m, over["block_m"])
     return AttentionConfig(num_segments=1, **over)
+
+
+def _install_tma_allocator() -> None:
+    """Device-side tensor descriptors (TMA) need scratch memory for the descriptors at launch;
+    Triton asks the allocator set here (torch memory, so CUDA-graph capture pools it too)."""
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+    triton.set_allocator(alloc)
+
+
+def _check_tma_rows(key: torch.Tensor, value: torch.Tensor) -> None:
+    """TMA copies rows whose start, stride and length are multiples of 16 bytes."""
+    e = key.element_size()
+    for name, t in (("key", key), ("value", value)):
+        if t.data_ptr() % 16 or (t.stride(0) * e) % 16 or (t.stride(1) * e) % 16 or (t.shape[2] * e) % 16:
+            raise ValueError(f"tma_new_kv needs {name} rows aligned to 16 bytes (address {t.data_ptr()}, strides "
+                             f"{t.stride()}, head size {t.shape[2]}, {e}-byte elements): use new_kv without TMA")
 
 
 def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -171,7 +192,7 @@ class PagedAttentionLaunch:
             BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs,
             DOT_FP32=query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16),
             DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-            NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, num_warps=config.num_warps,
+            NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, TMA_NEW=config.tma_new_kv, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         self.merge_args = (query_start_loc, num_seqs, num_heads, num_tokens * num_heads * segs)
@@ -204,6 +225,8 @@ class PagedAttentionLaunch:
                         or t.dtype != query.dtype or t.device != query.device:
                     raise ValueError(f"config.new_kv needs {name} [num_tokens={num_tokens}, {num_kv_heads}, {head_size}] "
                                      f"of the query's dtype and device with a contiguous last dimension")
+            if self.config.tma_new_kv:
+                _check_tma_rows(key, value)
             k_new, v_new = key, value
         else:
             k_new = v_new = query  # unused
@@ -253,6 +276,10 @@ def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         raise ValueError(f"config sizes must be powers of two: {config}")
     if config.block_m < qpk or config.tile_n < 16 or config.block_m < 16:
         raise ValueError(f"config too small for qpk={qpk}: {config}")
+    if config.tma_new_kv:
+        if not config.new_kv:
+            raise ValueError(f"tma_new_kv reads the new_kv tiles: it needs new_kv=True ({config})")
+        _install_tma_allocator()
     # no query longer than one token: one program row per sequence (a sequence without a token
     # exits at once; tokens past the batch, e.g. graph padding, are left unwritten as before)
     decode_only = bool(num_seqs) and max_query_len is not None and max_query_len <= 1

@@ -74,26 +74,14 @@ def _cache_offset(blk, in_block, stride_c_blk, stride_c_slot):
 
 
 @triton.jit
-def _attend_tile(
-    acc, m_i, l_i,  # running state: [BLOCK_M, HEAD_PAD], [BLOCK_M], [BLOCK_M] fp32
-    q,  # [BLOCK_M, HEAD_PAD] query rows (cast for the dot already)
-    k_base, v_base,  # cache pointers advanced to this kv head
-    bt_row_ptr,  # [max_blocks_per_seq] block table of this sequence
-    t,  # key tile index
-    seq_len, row_pos,  # scalar; [BLOCK_M] causal horizon of each row (last key it may see)
-    qk_scale,  # softmax scale * log2(e)
-    stride_c_blk, stride_c_slot,  # cache strides (same for K and V)
-    offs_d,  # [HEAD_PAD]
-    kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,  # the step's new K/V (CONTIG tiles only)
+def _load_kv_tile(
+    k_base, v_base, bt_row_ptr, t, key_pos, seq_len, stride_c_blk, stride_c_slot, offs_d,
+    kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
-    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
-    CONTIG: tl.constexpr = False,  # the tile's keys are all new tokens: read them from the step's K/V
-    blk_ids=None,  # [TILE_N] int64 block of each key, loaded one tile ahead (PREFETCHED only)
-    PREFETCHED: tl.constexpr = False,
+    MASKED: tl.constexpr, CONTIG: tl.constexpr, blk_ids, PREFETCHED: tl.constexpr,
 ):
-    offs_n = tl.arange(0, TILE_N).to(tl.int64)
-    key_pos = t * TILE_N + offs_n  # [TILE_N] int64 (t < 2**31 / TILE_N since seq_len is int32)
+    """Key tile t as [HEAD_PAD, TILE_N] and value tile as [TILE_N, HEAD_PAD], through the block
+    table (or, CONTIG, from the step's K/V rows), 0 past the sequence and past HEAD_SIZE."""
     if CONTIG:
         tok = tok0 + key_pos  # token index of each key in this step's batch
         k_ptrs = kn_base + tok[None, :] * stride_kn_tok + offs_d[:, None]  # [HEAD_PAD, TILE_N]
@@ -129,6 +117,42 @@ def _attend_tile(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i,  # running state: [BLOCK_M, HEAD_PAD], [BLOCK_M], [BLOCK_M] fp32
+    q,  # [BLOCK_M, HEAD_PAD] query rows (cast for the dot already)
+    k_base, v_base,  # cache pointers advanced to this kv head
+    bt_row_ptr,  # [max_blocks_per_seq] block table of this sequence
+    t,  # key tile index
+    seq_len, row_pos,  # scalar; [BLOCK_M] causal horizon of each row (last key it may see)
+    qk_scale,  # softmax scale * log2(e)
+    stride_c_blk, stride_c_slot,  # cache strides (same for K and V)
+    offs_d,  # [HEAD_PAD]
+    kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,  # the step's new K/V (CONTIG tiles only)
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+    CONTIG: tl.constexpr = False,  # the tile's keys are all new tokens: read them from the step's K/V
+    blk_ids=None,  # [TILE_N] int64 block of each key, loaded one tile ahead (PREFETCHED only)
+    PREFETCHED: tl.constexpr = False,
+    TMA: tl.constexpr = False,  # CONTIG tiles: kn_base / vn_base are tensor descriptors (TMA copies)
+):
+    offs_n = tl.arange(0, TILE_N).to(tl.int64)
+    key_pos = t * TILE_N + offs_n  # [TILE_N] int64 (t < 2**31 / TILE_N since seq_len is int32)
+    if CONTIG and TMA:
+        # kn_base / vn_base are tensor descriptors over the step's K/V rows of this kv head: one
+        # bulk copy per tile (rows past the step's tokens and head columns past HEAD_SIZE read 0;
+        # rows of later sequences are finite and masked like any key past the causal horizon)
+        row0 = (tok0 + t * TILE_N).to(tl.int32)
+        k = tl.trans(kn_base.load([row0, 0]))  # [HEAD_PAD, TILE_N]
+        v = vn_base.load([row0, 0])  # [TILE_N, HEAD_PAD]
+    else:
+        k, v = _load_kv_tile(k_base, v_base, bt_row_ptr, t, key_pos, seq_len, stride_c_blk, stride_c_slot, offs_d,
+                             kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                             TILE_N, MASKED, CONTIG, blk_ids, PREFETCHED)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -166,7 +190,7 @@ def _attend_range(
     kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, CONTIG: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr, TMA: tl.constexpr = False,
 ):
     if PREFETCH_IDS and not CONTIG:
         # The block ids of tile t + 1 are loaded while tile t is attended. A K/V address then
@@ -188,7 +212,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
                 stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, TMA=TMA,
             )
     return acc, m_i, l_i
 
@@ -202,10 +226,11 @@ def _attend_span(
     kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, NEW_KV: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr, TMA_NEW: tl.constexpr,
 ):
     """A span of key tiles: those before `t_new` through the block table, with NEW_KV those from
-    `t_new` on from the step's own K/V (without NEW_KV, `t_new` is past the span)."""
+    `t_new` on from the step's own K/V (without NEW_KV, `t_new` is past the span; with TMA_NEW,
+    kn_base / vn_base are tensor descriptors of it)."""
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_begin, tl.maximum(t_begin, tl.minimum(t_end, t_new)),
         seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok,
@@ -216,6 +241,7 @@ def _attend_span(
             acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, tl.maximum(t_begin, t_new), t_end,
             seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok,
             stride_vn_tok, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, True, PREFETCH_IDS,
+            TMA_NEW,
         )
     return acc, m_i, l_i
 
@@ -253,6 +279,7 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
     NEW_KV: tl.constexpr = False,  # key tiles wholly among the new tokens are read from k_new/v_new
     PREFETCH_IDS: tl.constexpr = False,  # load each tile's block ids one tile ahead (see _attend_range)
+    TMA_NEW: tl.constexpr = False,  # NEW_KV tiles by tensor-descriptor (TMA) copies (sm_90+; needs an allocator)
 ):
     # axis 0 enumerates (query tile, kv head) with the kv head fastest, so all heads of the
     # heaviest tiles start together; axis 1 is the KV segment
@@ -319,6 +346,13 @@ def _paged_attention_kernel(
     # in token order: read there, without the block table (tiles before stay on the cache)
     kn_base = k_new_ptr + kv_head * stride_kn_head
     vn_base = v_new_ptr + kv_head * stride_vn_head
+    if NEW_KV and TMA_NEW:
+        # this kv head's rows of the step's K/V as [tokens, HEAD_SIZE] tiles of [TILE_N, HEAD_PAD]
+        n_tok = tl.load(query_start_loc_ptr + num_seqs)
+        kn_base = tl.make_tensor_descriptor(kn_base, shape=[n_tok, HEAD_SIZE], strides=[stride_kn_tok, 1],
+                                            block_shape=[TILE_N, HEAD_PAD])
+        vn_base = tl.make_tensor_descriptor(vn_base, shape=[n_tok, HEAD_SIZE], strides=[stride_vn_tok, 1],
+                                            block_shape=[TILE_N, HEAD_PAD])
     tok0 = q_start.to(tl.int64) - context_len  # batch token index of key position 0's successors
     if NEW_KV:
         t_new = tl.cdiv(context_len, TILE_N)
@@ -329,12 +363,12 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_span(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_lo, t_mid, t_new, seq_len, row_pos, qk_scale,
         stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS, TMA_NEW,
     )
     acc, m_i, l_i = _attend_span(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_mid, t_hi, t_new, seq_len, row_pos, qk_scale,
         stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS, TMA_NEW,
     )
 
     if NUM_SEGMENTS == 1:

@@ -32,7 +32,7 @@ TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 # the AttentionConfig fields each launch class may override
 CLASS_KEYS = {
     "decode": ("tile_n", "num_warps", "num_stages", "prefetch_ids"),
-    "prefill": ("block_m", "tile_n", "num_warps", "num_stages", "prefetch_ids", "new_kv"),
+    "prefill": ("block_m", "tile_n", "num_warps", "num_stages", "prefetch_ids", "new_kv", "tma_new_kv"),
 }
 _BOUNDS = {"block_m": (16, 256), "tile_n": (16, 256), "num_warps": (1, 16), "num_stages": (1, 8)}
 
@@ -76,7 +76,7 @@ def _check_class(kind: str, over, where: str) -> dict:
     for key, value in over.items():
         if key not in allowed:
             raise TuningError(f"{where}: '{kind}.{key}' is not a tunable field (one of {', '.join(allowed)})")
-        if key in ("prefetch_ids", "new_kv"):
+        if key in ("prefetch_ids", "new_kv", "tma_new_kv"):
             if not isinstance(value, bool):
                 raise TuningError(f"{where}: '{kind}.{key}' must be true or false, got {value!r}")
             continue
@@ -85,6 +85,8 @@ def _check_class(kind: str, over, where: str) -> dict:
             raise TuningError(f"{where}: '{kind}.{key}' must be an integer in [{lo}, {hi}], got {value!r}")
         if key != "num_stages" and value & (value - 1):
             raise TuningError(f"{where}: '{kind}.{key}' must be a power of two, got {value}")
+    if over.get("tma_new_kv") and not over.get("new_kv"):
+        raise TuningError(f"{where}: '{kind}.tma_new_kv' reads the new_kv tiles: it needs '{kind}.new_kv' true")
     return dict(over)
 
 

@@ -151,6 +151,11 @@ VARIANTS = {
     "attn_prefill_new_kv_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                                                                 BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False,
                                                                 DOT_PREC="tf32", NEW_KV=True), (), 8, 3),
+    # new_kv tiles by tensor-descriptor (TMA) copies (config.tma_new_kv)
+    "attn_prefill_tma_new_kv_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                                                                    TILE_N=64, BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1,
+                                                                    DOT_FP32=False, DOT_PREC="tf32", NEW_KV=True,
+                                                                    TMA_NEW=True), (), 8, 3),
     # block ids loaded a tile ahead (config.prefetch_ids): K/V loads pipeline num_stages - 1 deep
     "attn_prefill_prefetch_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                                                                   BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False,

@@ -63,5 +63,5 @@ def test_prefill_candidates_are_judged_on_fresh_and_chunked_cases_together():
             row("prefill", chunk, 5.0, bm=128, w=8, st=3), row("prefill", chunk, 4.5, bm=128, n=32, w=4, st=3, nk=True)]
     rec = bt.tuning_from_sweep(rows, ENV)
     assert rec["prefill"] == {"block_m": 128, "tile_n": 32, "num_warps": 4, "num_stages": 3, "prefetch_ids": False,
-                              "new_kv": True}
+                              "new_kv": True, "tma_new_kv": False}
     assert rec["evidence"]["prefill"]["candidates"] == 2

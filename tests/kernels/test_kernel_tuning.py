@@ -28,6 +28,8 @@ def fresh_cache(monkeypatch):
     ({"decode": {"num_stages": True}}, "'decode.num_stages' must be an integer"),
     ({"prefill": {"new_kv": 1}}, "'prefill.new_kv' must be true or false"),
     ({"decode": [64]}, "'decode' must be an object"),
+    ({"prefill": {"tma_new_kv": True}}, "'prefill.tma_new_kv' reads the new_kv tiles: it needs 'prefill.new_kv' true"),
+    ({"decode": {"tma_new_kv": True}}, "'decode.tma_new_kv' is not a tunable field"),
 ])
 def test_a_bad_field_is_named_with_the_file(tmp_path, classes, message):
     path = tmp_path / "t.json"
@@ -116,9 +118,11 @@ def test_overrides_apply_to_their_class_of_half_precision_launches_only():
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, monkeypatch, tmp_path):
-    """tiny-llama steps (long chunks, prefix hits, decodes) on tuned tiles, new_kv and prefetched
-    block ids included, against the torch-reference runner; every launch took the tuned tiles."""
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, tma, monkeypatch, tmp_path):
+    """tiny-llama steps (long chunks, prefix hits, decodes) on tuned tiles, new_kv (read by
+    pointers or by TMA copies from the fused QKV output) and prefetched block ids included,
+    against the torch-reference runner; every launch took the tuned tiles."""
     import kernels.triton_attention as ta
     from gpu_backend.runner import ModelRunner
     from simkv.config import EngineConfig
@@ -129,7 +133,7 @@ def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, monkeypat
     path = tmp_path / "kernel_tuning.json"
     kt.write_tuning(path, record(decode={"tile_n": 16, "num_stages": 3, "prefetch_ids": True},
                                  prefill={"block_m": 64, "tile_n": 16, "num_warps": 4, "num_stages": 3,
-                                          "new_kv": True, "prefetch_ids": True}))
+                                          "new_kv": True, "prefetch_ids": True, "tma_new_kv": tma}))
     monkeypatch.setenv(kt.ENV_VAR, str(path))
     configs = []
 
@@ -158,6 +162,7 @@ def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, monkeypat
         steps += 1
     prefill = [c for c in configs if c.block_m == 64]
     decode = [c for c in configs if c.block_m == 16]
-    assert prefill and all(c.new_kv and c.prefetch_ids and c.tile_n == 16 and c.num_warps == 4 for c in prefill)
+    assert prefill and all(c.new_kv and c.prefetch_ids and c.tma_new_kv == tma and c.tile_n == 16 and c.num_warps == 4
+                           for c in prefill)
     assert decode and all(c.prefetch_ids and c.tile_n == 16 and c.num_stages == 3 for c in decode)
     assert requests[2].num_prefix_hit_tokens > 0  # c attended over cached context it did not compute

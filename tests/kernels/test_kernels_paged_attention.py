@@ -5,6 +5,8 @@ reference never sees a NaN, so a NaN in the kernel output proves it read outside
 blocks.  CPU cases run under the Triton interpreter (fp32/fp16, plus bf16 with the dots
 upcast to fp32); the CUDA cases repeat them compiled.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_cases import assert_close_to_reference, device_params, make_batch
@@ -170,17 +172,20 @@ def _new_kv(batch, seqs, fused_heads: int = 0):
 
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype,tile_n", [(torch.float32, 16), (torch.float16, 32)])
-def test_paged_attention_new_kv_tiles_match_reference(device, dtype, tile_n):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_paged_attention_new_kv_tiles_match_reference(device, dtype, tile_n, tma):
     """config.new_kv: key tiles lying wholly among the new tokens come from the step's K/V (here
     strided views of a fused tensor); tiles with cached keys, and the one crossing into the new
-    tokens, from the cache. Fresh prefills, chunks after a context, and decodes together."""
+    tokens, from the cache. Fresh prefills, chunks after a context, and decodes together. With
+    tma_new_kv those tiles are tensor-descriptor copies (rows past a sequence are later
+    sequences' keys or, past the last token, zeros: all masked)."""
     seqs = [(0, 33), (23, 17), (32, 16), (50, 1), (7, 9)]
     batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype,
                        device=device, seed=tile_n)
     key, value = _new_kv(batch, seqs, fused_heads=8)
     for block_m, segments in ((64, 1), (16, 2)):
         cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=2,
-                              new_kv=True)
+                              new_kv=True, tma_new_kv=tma)
         out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
         assert_close_to_reference(out, ref_paged_attention(*batch.args()), dtype)
 
@@ -197,10 +202,17 @@ def test_paged_attention_new_kv_fresh_prefill_never_reads_the_cache(device):
     batch.key_cache.fill_(float("nan"))
     batch.value_cache.fill_(float("nan"))
     cfg = AttentionConfig(block_m=64, tile_n=32, num_segments=1, num_warps=4, num_stages=2, new_kv=True)
-    out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
-    assert_close_to_reference(out, ref, torch.float16)
+    for config in (cfg, replace(cfg, tma_new_kv=True)):
+        out = triton_paged_attention(*batch.args(), config=config, key=key, value=value)
+        assert_close_to_reference(out, ref, torch.float16)
     with pytest.raises(ValueError, match="new_kv needs key"):
         triton_paged_attention(*batch.args(), config=cfg)
+    with pytest.raises(ValueError, match="tma_new_kv reads the new_kv tiles"):
+        triton_paged_attention(*batch.args(), config=replace(cfg, new_kv=False, tma_new_kv=True))
+    shifted = torch.zeros((key.shape[0], 1, 66), dtype=key.dtype, device=key.device)[:, :, 1:65]  # 2 bytes off
+    shifted.copy_(key)
+    with pytest.raises(ValueError, match="tma_new_kv needs key rows aligned to 16 bytes"):
+        triton_paged_attention(*batch.args(), config=replace(cfg, tma_new_kv=True), key=shifted, value=value)
 
 
 @pytest.mark.parametrize("device", device_params())
