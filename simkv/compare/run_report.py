@@ -56,6 +56,12 @@ def _summary_table(summary: dict) -> str:
         if d.get("mean") is not None:
             rows.append((f"{key[:-2]} mean / p50 / p99 (ms)",
                          f"{1e3 * d['mean']:.2f} / {1e3 * d['p50']:.2f} / {1e3 * d['p99']:.2f}"))
+    goodput = summary.get("goodput")
+    if goodput:
+        from simkv.replay.goodput import describe_slo
+
+        rows.append((f"goodput ({describe_slo(goodput['slo_ms'])})",
+                     f"{goodput['request_goodput_req_s']:,.3f} req/s, {100 * goodput['slo_attainment']:.1f} % of requests"))
 
     def fmt(v):
         return f"{v:,.4g}" if isinstance(v, float) else html.escape(str(v))

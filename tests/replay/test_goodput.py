@@ -62,6 +62,7 @@ def test_replay_records_goodput_recomputable_from_its_requests(tmp_path):
     expected = int(((requests["status"] == "finished") & ttft_ok & tpot_ok).sum())
     assert g["num_good"] == expected and 0 < expected < len(requests)  # the limits bite, but not on all
     assert g["request_goodput_req_s"] == pytest.approx(expected / summary["duration_s"])
+    assert "goodput (ttft &lt;= 150 ms, tpot &lt;= 12 ms)" in (out / "report.html").read_text()
     r = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--goodput", "itl:5"])
     assert r.exit_code != 0 and "--goodput 'itl:5'" in r.output
 
