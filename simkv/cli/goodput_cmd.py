@@ -10,7 +10,7 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, read_inputs
+from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, read_inputs
 from simkv.config import ConfigError
 
 
@@ -49,6 +49,39 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grid_markdown(record: dict) -> str:
+    from simkv.replay.goodput import describe_slo
+
+    keys = list(record["grid"])
+    lines = [f"# simkv goodput over a grid: {record['trace']}", "",
+             f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests meet "
+             f"all of them; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
+             f"(to {100 * record['tolerance']:g} %).", "",
+             "| " + " | ".join(keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | probes |"
+             + (" replicas |" if record.get("target_rate_req_s") else ""),
+             "|" + "---|" * len(keys) + "---:|---:|---:|---:|---:|" + ("---:|" if record.get("target_rate_req_s") else "")]
+    for c in record["cells"]:
+        head = " | ".join(str(c["swept"][k]) for k in keys)
+        if c["status"] == "failed":
+            lines.append(f"| {head} | failed: {c['error'][:80]} | | | | |" + (" |" if record.get("target_rate_req_s") else ""))
+            continue
+        p = c.get("at_max") or {}
+        rate = "none" if c["max_rate_req_s"] is None else f"{c['max_rate_req_s']:.3f}" + (" (or more)" if c["status"] == "unbounded" else "")
+        row = (f"| {head} | {rate} | {100 * p['slo_attainment']:.1f} % | {p['ttft_p99_s']:.3f} | {1e3 * (p['tpot_p99_s'] or 0):.1f} "
+               f"| {c['num_probes']} |" if p else f"| {head} | {rate} | - | - | - | {c['num_probes']} |")
+        if record.get("target_rate_req_s"):
+            row += f" {c.get('replicas') or '-'} |"
+        lines.append(row)
+    lines.append("")
+    if record["best_index"] is not None:
+        best = record["cells"][record["best_index"]]
+        lines.append("**Best: " + ", ".join(f"{k}={best['swept'][k]}" for k in keys)
+                     + f"** ({best['max_rate_req_s']:.3f} req/s).")
+    else:
+        lines.append("No combination met the target at any probed rate.")
+    return "\n".join(lines) + "\n"
+
+
 @click.command("goodput")
 @click.argument("trace", required=False, default=DEFAULT_TRACE)
 @click.option("--goodput", "goodput", multiple=True, required=True, metavar="KEY:MS",
@@ -58,6 +91,11 @@ def to_markdown(record: dict) -> str:
 @click.option("--tolerance", type=float, default=0.02, show_default=True,
               help="Stop when the highest rate that met the target and the lowest that missed it are this close (relative).")
 @click.option("--target-rate", type=float, default=None, help="Also say how many replicas this rate (req/s) needs.")
+@click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
+              help="Search every combination of these engine options (as `simkv sweep --grid`) and name the one "
+                   "that sustains the highest rate; repeatable.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Local processes for --grid searches.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="A cost model name, or a calib.json fitted by `simkv calibrate`.")
@@ -67,8 +105,8 @@ def to_markdown(record: dict) -> str:
 @click.option("--out", "out_dir", default=None, help="Also write goodput.json and goodput.md into this folder.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
-                config_file: str | None, cost_model: str, step_base_s: float, step_per_token_s: float,
-                out_dir: str | None, quiet: bool, **flags) -> None:
+                grids: tuple[str, ...], workers: int, config_file: str | None, cost_model: str, step_base_s: float,
+                step_per_token_s: float, out_dir: str | None, quiet: bool, **flags) -> None:
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
     still meets the --goodput SLOs for --attainment of the requests (and, with --target-rate,
     the replicas that rate needs)."""
@@ -77,6 +115,12 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
+    if grids:
+        record = _grid_search(trace, grids, flat_options(flags, config_file), slo, attainment, tolerance, cost_model,
+                              cost_options, workers, target_rate, quiet)
+        _write(record, grid_markdown(record), out_dir, quiet)
+        return
 
     def show(p) -> None:
         if not quiet:
@@ -85,15 +129,42 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     try:
         record = search_max_rate(data, config, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                                 cost_options={"step_base_s": step_base_s, "step_per_token_s": step_per_token_s},
-                                 on_probe=show)
+                                 cost_options=cost_options, on_probe=show)
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(), **record}
     if target_rate is not None:
         record["target_rate_req_s"] = target_rate
         record["replicas"] = replicas_for(target_rate, record["max_rate_req_s"]) if record["status"] == "found" else None
-    text = to_markdown(record)
+    _write(record, to_markdown(record), out_dir, quiet)
+
+
+def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, attainment: float, tolerance: float,
+                 cost_model: str, cost_options: dict, workers: int, target_rate: float | None, quiet: bool) -> dict:
+    from simkv.studies.goodput_search import replicas_for, search_grid
+    from simkv.sweep import SweepError, parse_grid
+
+    try:
+        grid = parse_grid(list(grids))
+    except SweepError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    def show(cell: dict) -> None:
+        if not quiet:
+            what = cell.get("error") or (f"{cell['max_rate_req_s']:.3f} req/s" if cell["max_rate_req_s"] else cell["status"])
+            click.echo("  " + ", ".join(f"{k}={v}" for k, v in cell["swept"].items()) + f": {what}", err=True)
+
+    record = search_grid(trace, base, grid, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
+                         cost_options=cost_options, workers=workers, on_cell=show)
+    record = {"trace": trace, "cost_model": cost_model, "base_options": base, **record}
+    if target_rate is not None:
+        record["target_rate_req_s"] = target_rate
+        for cell in record["cells"]:
+            cell["replicas"] = replicas_for(target_rate, cell["max_rate_req_s"]) if cell["status"] == "found" else None
+    return record
+
+
+def _write(record: dict, text: str, out_dir: str | None, quiet: bool) -> None:
     if out_dir is not None:
         from simkv.sweep.store import atomic_write_text
 

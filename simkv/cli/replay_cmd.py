@@ -41,13 +41,18 @@ def load_config_file(path: str) -> dict:
     return data
 
 
-def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
+def flat_options(cli_values: dict, config_file: str | None) -> dict:
+    """Engine options from --config, then the flags (vLLM's names, underscores)."""
     options = load_config_file(config_file) if config_file else {}
     options = {k.replace("-", "_"): v for k, v in options.items()}
     for flag, name in _ENGINE_FLAGS.items():
         if cli_values.get(flag) is not None:
             options[name] = cli_values[flag]
-    return EngineConfig.from_flat(options)
+    return options
+
+
+def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
+    return EngineConfig.from_flat(flat_options(cli_values, config_file))
 
 
 def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple[str, ...]):

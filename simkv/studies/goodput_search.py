@@ -124,3 +124,60 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
 def replicas_for(target_rate: float, max_rate: float) -> int:
     """Replicas for ``target_rate`` if each takes ``max_rate`` and requests spread evenly."""
     return max(1, math.ceil(target_rate / max_rate - 1e-9))
+
+
+def _search_cell(task: dict) -> dict:
+    """One combination of a grid search (runs in a worker process; never raises)."""
+    from simkv.config import EngineConfig
+    from simkv.traces.schema import read_trace
+
+    out = {"index": task["index"], "swept": task["swept"]}
+    try:
+        record = search_max_rate(read_trace(task["trace"]), EngineConfig.from_flat(task["options"]), task["slo_ms"],
+                                 target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
+                                 cost_options=task["cost_options"])
+    except ValueError as exc:  # ConfigError, GoodputSearchError, TraceError: this cell's, not the grid's
+        return out | {"status": "failed", "error": str(exc).splitlines()[0]}
+    best = [p for p in record["probes"] if p["factor"] == record["bracket_factors"][0]]
+    return out | {"status": record["status"], "max_rate_req_s": record["max_rate_req_s"],
+                  "at_max": best[0] if best else None, "num_probes": len(record["probes"])}
+
+
+def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_ms: dict, *, target: float = 0.99,
+                tolerance: float = 0.02, cost_model: str = "roofline", cost_options: dict | None = None,
+                workers: int = 1, on_cell=None) -> dict:
+    """``search_max_rate`` for every combination of ``grid`` (engine options, ``cost_model``, the
+    linear model's ``step_base_s`` / ``step_per_token_s``) over ``base_options``; cells in grid order
+    (the last key fastest) and the combination that sustains the highest rate."""
+    import itertools
+
+    from simkv.sweep.grid import COST_KEYS
+
+    keys = list(grid)
+    tasks = []
+    for index, combo in enumerate(itertools.product(*(grid[k] for k in keys))):
+        options = dict(base_options) | dict(zip(keys, combo))
+        model = options.pop("cost_model", cost_model)
+        costs = dict(cost_options or {}) | {k: options.pop(k) for k in COST_KEYS if k in options}
+        tasks.append({"index": index, "swept": dict(zip(keys, combo)), "trace": trace_path, "options": options,
+                      "slo_ms": dict(slo_ms), "target": target, "tolerance": tolerance, "cost_model": str(model),
+                      "cost_options": costs})
+    cells: list[dict] = []
+    if workers > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            for cell in pool.map(_search_cell, tasks):
+                cells.append(cell)
+                if on_cell is not None:
+                    on_cell(cell)
+    else:
+        for task in tasks:
+            cells.append(_search_cell(task))
+            if on_cell is not None:
+                on_cell(cells[-1])
+    found = [c for c in cells if c["status"] in ("found", "unbounded")]
+    best = max(found, key=lambda c: (c["max_rate_req_s"], -c["index"])) if found else None
+    return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance, "grid": grid,
+            "cells": cells, "best_index": best["index"] if best else None}

@@ -132,3 +132,34 @@ def test_goodput_command_writes_its_record_and_the_replicas(tmp_path):
     assert f"{record['replicas']} replicas" in md and "Highest rate meeting the target" in md
     r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft"])
     assert r.exit_code == 2 and "expected KEY:MILLISECONDS" in r.output
+
+
+def test_a_grid_search_finds_each_combinations_rate_and_the_best(tmp_path):
+    from simkv.studies.goodput_search import search_grid
+
+    trace = tmp_path / "head.parquet"
+    assert CliRunner().invoke(main, ["trace", "transform", AZURE, "--head", "300", "--out", str(trace)]).exit_code == 0
+    slo = {"ttft": 1000.0, "tpot": 40.0}
+    grid = {"max_num_seqs": [16, 64], "block_size": [16, 0]}  # block size 0 is refused: that cell fails
+    kwargs = dict(target=0.95, tolerance=0.05, cost_model="linear", cost_options=LINEAR)
+    record = search_grid(str(trace), {}, grid, slo, **kwargs)
+    cells = record["cells"]
+    assert [c["swept"] for c in cells] == [{"max_num_seqs": s, "block_size": b} for s in (16, 64) for b in (16, 0)]
+    assert [c["status"] for c in cells] == ["found", "failed", "found", "failed"] and "block_size" in cells[1]["error"]
+    for c in (cells[0], cells[2]):
+        direct = search_max_rate(read_trace(str(trace)), EngineConfig.from_flat(dict(c["swept"], block_size=16)), slo,
+                                 **kwargs)
+        assert c["max_rate_req_s"] == direct["max_rate_req_s"] and c["num_probes"] == len(direct["probes"])
+        assert c["at_max"]["met"] and c["at_max"]["rate_req_s"] == pytest.approx(c["max_rate_req_s"])
+    assert record["best_index"] == max((cells[0], cells[2]), key=lambda c: c["max_rate_req_s"])["index"]
+    assert search_grid(str(trace), {}, grid, slo, workers=2, **kwargs) == record  # processes change nothing
+    r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:1000", "--goodput", "tpot:40",
+                                  "--cost-model", "linear", "--attainment", "0.95", "--tolerance", "0.05",
+                                  "--grid", "max_num_seqs=16,64", "--target-rate", "20", "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "g" / "goodput.json").read_text())
+    assert [c["max_rate_req_s"] for c in saved["cells"]] == [cells[0]["max_rate_req_s"], cells[2]["max_rate_req_s"]]
+    assert [c["replicas"] for c in saved["cells"]] == [replicas_for(20, c["max_rate_req_s"]) for c in saved["cells"]]
+    assert "**Best: max_num_seqs=" in (tmp_path / "g" / "goodput.md").read_text()
+    r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:1000", "--grid", "max_seqs=1,2"])
+    assert r.exit_code == 2 and "unknown option 'max_seqs'" in r.output
