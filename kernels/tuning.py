@@ -137,7 +137,8 @@ _cache: dict[tuple[str, str], KernelTuning | None] = {}
 
 def active_tuning(device_name: str) -> KernelTuning | None:
     """The tuning that applies to launches on the device called ``device_name`` (see the module
-    docstring), or None for the heuristic alone. Read once per (setting, device)."""
+    docstring), or None for the heuristic alone (also when the file adopted nothing: its runs
+    then carry no tuning fingerprint, like any heuristic run). Read once per (setting, device)."""
     setting = os.environ.get(ENV_VAR, "").strip()
     key = (setting, device_name)
     if key not in _cache:
@@ -150,6 +151,8 @@ def active_tuning(device_name: str) -> KernelTuning | None:
         else:
             shipped = TUNED_DIR / f"{device_slug(device_name)}.json"
             _cache[key] = load_tuning(shipped) if shipped.is_file() else None
+        if _cache[key] is not None and not (_cache[key].decode or _cache[key].prefill):
+            _cache[key] = None
     return _cache[key]
 
 

@@ -78,6 +78,10 @@ def test_where_a_tuning_applies(tmp_path, monkeypatch):
     assert kt.active_tuning("cpu").prefill == {"tile_n": 32}  # an explicit file applies on any device
     monkeypatch.setenv(kt.ENV_VAR, "off")
     assert kt.active_tuning("NVIDIA H200") is None
+    nothing = tmp_path / "nothing.json"  # a sweep that adopted nothing: the heuristic, no fingerprint
+    nothing.write_text(json.dumps(record(evidence={"decode": {"adopted": False}})))
+    monkeypatch.setenv(kt.ENV_VAR, str(nothing))
+    assert kt.load_tuning(nothing).decode == {} and kt.active_tuning("NVIDIA H200") is None
     monkeypatch.setenv(kt.ENV_VAR, str(tmp_path / "nope.json"))
     with pytest.raises(kt.TuningError, match="SIMKV_KERNEL_TUNING=.*nope.json: no such file"):
         kt.active_tuning("NVIDIA H200")
