@@ -11,7 +11,9 @@ time to enqueue its kernels), and the ratio eager / graphs. A step whose forward
 time is close to its duration is bound by kernel launches, not by the GPU. With the Triton
 kernels, the eager steps are timed a second time with the layers' element-wise work done by
 torch operators instead of the fused kernels of `kernels/triton_layer_ops.py` (column
-"unfused"), and the GPU kernels one step launches are counted both ways (CUDA profiler).
+"unfused"), and the GPU kernels one step launches are counted both ways (CUDA profiler). With a
+kernel tuning in force (`SIMKV_KERNEL_TUNING`), the eager steps are timed again on the launcher's
+heuristic tiles (column "heuristic").
 Writes DIR/gpu_step.json and DIR/gpu_step.md.
 """
 
@@ -96,6 +98,18 @@ def main(argv: list[str] | None = None) -> int:
                 runner.ops = fused_ops
             row["unfused_over_fused"] = row["unfused"]["step_ms"] / row["eager"]["step_ms"]
             print(label, row, flush=True)
+        if runner.kernel_tuning is not None:  # what the tuned attention tiles save on whole eager steps
+            tuned_ops = runner.ops
+            for row, (kind, prefill, decodes, label) in zip(rows, shapes):
+                if time.perf_counter() - t_start > args.budget_s * 0.7:
+                    break
+                runner.ops = layer_ops("triton", fused=True)
+                try:
+                    row["heuristic"] = measure(prefill, decodes)
+                finally:
+                    runner.ops = tuned_ops
+                row["heuristic_over_tuned"] = row["heuristic"]["step_ms"] / row["eager"]["step_ms"]
+                print(label, row, flush=True)
     def time_from_graphs(takes) -> None:
         """The "graphs" columns of the measured rows whose shape `takes(kind, tokens)` accepts."""
         for row, (kind, prefill, decodes, label) in zip(rows, shapes):
@@ -132,19 +146,23 @@ def main(argv: list[str] | None = None) -> int:
              "steps; host = time inside input preparation and the forward call (on CUDA: enqueueing). The graphs "
              "columns are the full decode graphs for decode rows and the piecewise graphs for the others.", "",
              f"Kernels: {runner.ops.name}. Unfused: the same eager step with torch operators for the "
-             "element-wise work; launches: GPU operations (kernels and copies) one step issues, fused / unfused.", "",
-             "| step | eager ms | eager host ms | unfused ms | unfused / fused | launches | graphs ms | graphs host ms | eager / graphs |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "element-wise work; launches: GPU operations (kernels and copies) one step issues, fused / unfused. "
+             "Heuristic: with a kernel tuning in force (kernels/tuning.py), the same eager step on the launcher's "
+             "heuristic tiles.", "",
+             "| step | eager ms | eager host ms | unfused ms | unfused / fused | launches | heuristic ms | heuristic / tuned "
+             "| graphs ms | graphs host ms | eager / graphs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(value, fmt) -> str:
         return "-" if value is None else format(value, fmt)
 
     for r in rows:
-        g, u = r.get("graphs") or {}, r.get("unfused") or {}
+        g, u, h = r.get("graphs") or {}, r.get("unfused") or {}, r.get("heuristic") or {}
         launches = (f"{r['launches']} / {r['launches_unfused']}"
                     if r.get("launches") is not None and r.get("launches_unfused") is not None else "-")
         lines.append(f"| {r['kind']} {r['shape']} | {r['eager']['step_ms']:.2f} | {r['eager']['host_ms']:.2f} | "
                      f"{cell(u.get('step_ms'), '.2f')} | {cell(r.get('unfused_over_fused'), '.2f')} | {launches} | "
+                     f"{cell(h.get('step_ms'), '.2f')} | {cell(r.get('heuristic_over_tuned'), '.2f')} | "
                      f"{cell(g.get('step_ms'), '.2f')} | {cell(g.get('host_ms'), '.2f')} | "
                      f"{cell(r.get('eager_over_graphs'), '.2f')} |")
     (out / "gpu_step.md").write_text("\n".join(lines) + "\n")
