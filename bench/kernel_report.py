@@ -62,13 +62,13 @@ def markdown(result: dict) -> str:
     if result.get("sweep"):
         out += ["", "## Config sweep", "", "new K/V: key tiles of new tokens read from the step's K/V, not the cache. "
                 "ids ahead: each tile's block ids loaded while the previous tile is attended. "
-                "TMA: the new K/V tiles copied by tensor descriptors.", "",
-                "| case | block_m | tile_n | segments | warps | stages | new K/V | ids ahead | TMA | ms | % copy BW | % matmul "
-                "| max diff vs first |",
-                "|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
+                "TMA: the new K/V tiles copied by tensor descriptors; TMA cache: each cache block copied so.", "",
+                "| case | block_m | tile_n | segments | warps | stages | new K/V | ids ahead | TMA | TMA cache | ms "
+                "| % copy BW | % matmul | max diff vs first |",
+                "|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
         for r in result["sweep"]:
             c = r["config"]
-            flags = " | ".join("yes" if c.get(k) else "no" for k in ("new_kv", "prefetch_ids", "tma_new_kv"))
+            flags = " | ".join("yes" if c.get(k) else "no" for k in ("new_kv", "prefetch_ids", "tma_new_kv", "tma_paged"))
             head = f"{c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | {flags}"
             if "error" in r:
                 out.append(f"| {r['kind']} | {head} | error: {r['error'][:60]} | | | |")

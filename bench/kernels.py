@@ -406,6 +406,8 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     # pipeline the gathered K/V loads num_stages - 1 deep in sm_90 PTX, so they try 3 and 4 stages);
     # each case gets an equal share of the time left, so a short budget still compares the first few.
     decode = lambda rows: [AttentionConfig(max(16, qpk), n, s, w, st, False, pf) for n, s, w, st, pf in rows]
+    # one cache block a tile by TMA copies (block ids an iteration ahead): (tile_n = block, segments, warps, stages)
+    decode_tma = lambda rows: [AttentionConfig(max(16, qpk), n, s, w, st, tma_paged=True) for n, s, w, st in rows]
     # (block_m, tile_n, warps, stages, new K/V, block ids prefetched, new K/V by TMA copies)
     prefill = [AttentionConfig(bm, n, 1, w, st, nk, pf, tma) for bm, n, w, st, nk, pf, tma in
                [(128, 64, 8, 3, False, False, False), (128, 64, 8, 3, False, True, False),
@@ -418,16 +420,15 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
                 (128, 128, 8, 3, False, False, False), (128, 64, 8, 4, False, False, False),
                 (128, 32, 8, 4, False, False, False), (64, 64, 4, 3, False, False, False)]]
     plans = [
-        ("decode", Case(8, 32768, 1), decode([(64, 16, 4, 2, False), (64, 16, 4, 3, True), (64, 16, 4, 4, True),
-                                              (64, 16, 8, 3, True), (128, 16, 4, 3, True), (64, 16, 8, 3, False),
-                                              (64, 16, 4, 1, False),
-                                              (32, 16, 4, 2, False), (128, 16, 4, 2, False), (64, 32, 4, 2, False),
-                                              (64, 8, 4, 2, False)])),
+        ("decode", Case(8, 32768, 1), decode([(64, 16, 4, 2, False), (64, 16, 4, 3, True), (64, 16, 4, 4, True)])
+         + decode_tma([(m.block_size, 16, 4, 4), (m.block_size, 16, 4, 6)])
+         + decode([(64, 16, 8, 3, True), (128, 16, 4, 3, True), (64, 16, 8, 3, False), (64, 16, 4, 1, False),
+                   (32, 16, 4, 2, False), (128, 16, 4, 2, False), (64, 32, 4, 2, False), (64, 8, 4, 2, False)])),
         # large batch: where SDPA on contiguous KV was 1.3x faster in the first run
-        ("decode", Case(128, 16384, 1), decode([(64, 1, 4, 2, False), (64, 1, 4, 3, True), (64, 1, 4, 4, True),
-                                                (64, 1, 8, 3, True), (128, 1, 4, 3, True), (64, 1, 8, 3, False),
-                                                (32, 1, 4, 2, False),
-                                                (128, 1, 4, 2, False), (64, 2, 4, 2, False), (16, 1, 4, 2, False)])),
+        ("decode", Case(128, 16384, 1), decode([(64, 1, 4, 2, False), (64, 1, 4, 3, True), (64, 1, 4, 4, True)])
+         + decode_tma([(m.block_size, 1, 4, 4), (m.block_size, 1, 4, 6)])
+         + decode([(64, 1, 8, 3, True), (128, 1, 4, 3, True), (64, 1, 8, 3, False), (32, 1, 4, 2, False),
+                   (128, 1, 4, 2, False), (64, 2, 4, 2, False), (16, 1, 4, 2, False)])),
         # (block_m, tile_n, warps, stages, new K/V, block ids prefetched): the same candidates on a
         # fresh prompt and on a chunk after a long context (where new_kv only helps the chunk's own,
         # diagonal tiles), so that each can be judged on both (bench/kernel_tuning.py)
@@ -436,8 +437,8 @@ def sweep_configs(m: Model, timer: Timer, l2: int, gen, roofs: dict, deadline: D
     ]
     if dry:
         tiny = [Case(2, 47, 1), Case(3, 47, 1), Case(1, 0, 64), Case(1, 32, 32)]
-        plans = [(kind, t, [c for c in cfgs if not (c.new_kv or c.prefetch_ids)][:1]
-                  + [c for c in cfgs if c.new_kv or c.prefetch_ids][:3]) for (kind, _, cfgs), t in zip(plans, tiny)]
+        plans = [(kind, t, [c for c in cfgs if not (c.new_kv or c.prefetch_ids or c.tma_paged)][:1]
+                  + [c for c in cfgs if c.new_kv or c.prefetch_ids or c.tma_paged][:4]) for (kind, _, cfgs), t in zip(plans, tiny)]
     for i, (kind, case, cfgs) in enumerate(plans):
         plan_end = time.monotonic() + (deadline.left() - 20) / (len(plans) - i)
         case.sets = rotation(kv_bytes(case, m), l2)

@@ -30,6 +30,7 @@ class AttentionConfig:
     new_kv: bool = False  # read key tiles of new tokens from the step's K/V (pass key=, value=)
     prefetch_ids: bool = False  # load block ids a tile ahead, so K/V pipeline num_stages - 1 deep
     tma_new_kv: bool = False  # with new_kv: read the new tokens' K/V tiles by TMA copies (tensor descriptors)
+    tma_paged: bool = False  # read cache tiles by TMA copies, one block a tile (needs tile_n == block_size)
 
 
 def _interpreting() -> bool:
@@ -94,6 +95,23 @@ def _install_tma_allocator() -> None:
         return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
     triton.set_allocator(alloc)
+
+
+def _tma_paged_unfit(key_cache: torch.Tensor, config: AttentionConfig) -> str | None:
+    """Why cache tiles cannot be TMA copies here (None: they can): one tile must be one block,
+    blocks contiguous runs of slots, rows 16-byte aligned, slot rows addressable in 31 bits."""
+    num_blocks, block_size, _, head_size = key_cache.shape
+    e = key_cache.element_size()
+    s_blk, s_slot, s_head, _ = key_cache.stride()
+    if config.tile_n != block_size:
+        return f"a tile must be one cache block (tile_n {config.tile_n} != block_size {block_size})"
+    if s_blk != block_size * s_slot:
+        return "cache blocks are not contiguous runs of slots"
+    if (s_slot * e) % 16 or (s_head * e) % 16 or (head_size * e) % 16:
+        return "cache rows are not 16-byte aligned"
+    if num_blocks * block_size >= 2**31:
+        return "more than 2**31 cache slots"
+    return None
 
 
 def _check_tma_rows(key: torch.Tensor, value: torch.Tensor) -> None:
@@ -192,7 +210,8 @@ class PagedAttentionLaunch:
             BLOCK_Q=block_q, BLOCK_M=config.block_m, NUM_SEGMENTS=segs,
             DOT_FP32=query.dtype == torch.float32 or (interp and query.dtype == torch.bfloat16),
             DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-            NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, TMA_NEW=config.tma_new_kv, num_warps=config.num_warps,
+            NEW_KV=config.new_kv, PREFETCH_IDS=config.prefetch_ids, TMA_NEW=config.tma_new_kv,
+            TMA_PAGED=config.tma_paged, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         self.merge_args = (query_start_loc, num_seqs, num_heads, num_tokens * num_heads * segs)
@@ -218,6 +237,8 @@ class PagedAttentionLaunch:
         if self.empty:
             return out
         num_tokens, _, head_size = self.query_shape
+        if self.config.tma_paged and (key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16):
+            raise ValueError("tma_paged needs 16-byte aligned caches")
         if self.config.new_kv:
             num_kv_heads = self.cache_shape[2]
             for name, t in (("key", key), ("value", value)):
@@ -264,6 +285,7 @@ def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
+    tuned = config is None
     if config is None:
         config = choose_config(
             qpk=qpk, head_pad=max(16, next_power_of_two(head_size)), elem_size=query.element_size(),
@@ -276,9 +298,15 @@ def plan_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         raise ValueError(f"config sizes must be powers of two: {config}")
     if config.block_m < qpk or config.tile_n < 16 or config.block_m < 16:
         raise ValueError(f"config too small for qpk={qpk}: {config}")
-    if config.tma_new_kv:
-        if not config.new_kv:
-            raise ValueError(f"tma_new_kv reads the new_kv tiles: it needs new_kv=True ({config})")
+    if config.tma_new_kv and not config.new_kv:
+        raise ValueError(f"tma_new_kv reads the new_kv tiles: it needs new_kv=True ({config})")
+    if config.tma_paged:
+        why = _tma_paged_unfit(key_cache, config)
+        if why and tuned:  # a device's tuning is not a promise for every pool: this launch reads by pointers
+            config = replace(config, tma_paged=False)
+        elif why:
+            raise ValueError(f"tma_paged: {why} ({config})")
+    if config.tma_new_kv or config.tma_paged:
         _install_tma_allocator()
     # no query longer than one token: one program row per sequence (a sequence without a token
     # exits at once; tokens past the batch, e.g. graph padding, are left unwritten as before)

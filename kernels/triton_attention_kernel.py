@@ -139,6 +139,7 @@ def _attend_tile(
     blk_ids=None,  # [TILE_N] int64 block of each key, loaded one tile ahead (PREFETCHED only)
     PREFETCHED: tl.constexpr = False,
     TMA: tl.constexpr = False,  # CONTIG tiles: kn_base / vn_base are tensor descriptors (TMA copies)
+    TMA_PAGED: tl.constexpr = False,  # cache tiles: k_base / v_base are tensor descriptors (one block a tile)
 ):
     offs_n = tl.arange(0, TILE_N).to(tl.int64)
     key_pos = t * TILE_N + offs_n  # [TILE_N] int64 (t < 2**31 / TILE_N since seq_len is int32)
@@ -149,6 +150,20 @@ def _attend_tile(
         row0 = (tok0 + t * TILE_N).to(tl.int32)
         k = tl.trans(kn_base.load([row0, 0]))  # [HEAD_PAD, TILE_N]
         v = vn_base.load([row0, 0])  # [TILE_N, HEAD_PAD]
+    elif TMA_PAGED and not CONTIG:
+        # k_base / v_base are tensor descriptors over this kv head's cache rows (one row per slot):
+        # a tile is one cache block (TILE_N == BLOCK_SIZE), one bulk copy each for K and V. Slots
+        # past the sequence hold stale data: their scores are masked, their values zeroed.
+        tl.static_assert(TILE_N == BLOCK_SIZE)
+        if PREFETCHED:
+            blk = blk_ids  # this tile's block, loaded in the previous iteration (see _attend_range)
+        else:
+            blk = tl.load(bt_row_ptr + t)
+        row0 = (blk * BLOCK_SIZE).to(tl.int32)
+        k = tl.trans(k_base.load([row0, 0]))  # [HEAD_PAD, TILE_N]
+        v = v_base.load([row0, 0])  # [TILE_N, HEAD_PAD]
+        if MASKED:
+            v = tl.where((key_pos < seq_len)[:, None], v, 0.0)
     else:
         k, v = _load_kv_tile(k_base, v_base, bt_row_ptr, t, key_pos, seq_len, stride_c_blk, stride_c_slot, offs_d,
                              kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
@@ -190,9 +205,22 @@ def _attend_range(
     kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, CONTIG: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr, TMA: tl.constexpr = False,
+    PREFETCH_IDS: tl.constexpr, TMA: tl.constexpr = False, TMA_PAGED: tl.constexpr = False,
 ):
-    if PREFETCH_IDS and not CONTIG:
+    if TMA_PAGED and not CONTIG:
+        # one block a tile: its id is loaded an iteration ahead, so that the copy's coordinate does
+        # not wait on a load of its own iteration and the copies pipeline num_stages - 1 deep
+        nxt = tl.load(bt_row_ptr + t_begin, mask=t_begin * TILE_N < seq_len, other=0)
+        for t in range(t_begin, t_end):
+            blk = nxt
+            nxt = tl.load(bt_row_ptr + t + 1, mask=(t + 1) * TILE_N < seq_len, other=0)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
+                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, blk, True,
+                TMA_PAGED=True,
+            )
+    elif PREFETCH_IDS and not CONTIG:
         # The block ids of tile t + 1 are loaded while tile t is attended. A K/V address then
         # depends on a value carried from the previous iteration, not on a load of its own
         # iteration, and Triton's pipeliner keeps num_stages - 1 tiles of K/V in flight; with
@@ -213,6 +241,7 @@ def _attend_range(
                 acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
                 stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
                 HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, TMA=TMA,
+                TMA_PAGED=TMA_PAGED,
             )
     return acc, m_i, l_i
 
@@ -226,7 +255,7 @@ def _attend_span(
     kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, NEW_KV: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr, TMA_NEW: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr, TMA_NEW: tl.constexpr, TMA_PAGED: tl.constexpr,
 ):
     """A span of key tiles: those before `t_new` through the block table, with NEW_KV those from
     `t_new` on from the step's own K/V (without NEW_KV, `t_new` is past the span; with TMA_NEW,
@@ -235,6 +264,7 @@ def _attend_span(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_begin, tl.maximum(t_begin, tl.minimum(t_end, t_new)),
         seq_len, row_pos, qk_scale, stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok,
         stride_vn_tok, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, False, PREFETCH_IDS,
+        TMA_PAGED=TMA_PAGED,
     )
     if NEW_KV:
         acc, m_i, l_i = _attend_range(
@@ -280,6 +310,7 @@ def _paged_attention_kernel(
     NEW_KV: tl.constexpr = False,  # key tiles wholly among the new tokens are read from k_new/v_new
     PREFETCH_IDS: tl.constexpr = False,  # load each tile's block ids one tile ahead (see _attend_range)
     TMA_NEW: tl.constexpr = False,  # NEW_KV tiles by tensor-descriptor (TMA) copies (sm_90+; needs an allocator)
+    TMA_PAGED: tl.constexpr = False,  # cache tiles by TMA copies, one block a tile (TILE_N == BLOCK_SIZE)
 ):
     # axis 0 enumerates (query tile, kv head) with the kv head fastest, so all heads of the
     # heaviest tiles start together; axis 1 is the KV segment
@@ -337,6 +368,14 @@ def _paged_attention_kernel(
 
     k_base = k_cache_ptr + kv_head * stride_c_head
     v_base = v_cache_ptr + kv_head * stride_c_head
+    if TMA_PAGED:
+        # this kv head's slots as rows of [HEAD_SIZE] (blocks are contiguous runs of BLOCK_SIZE
+        # slots: the launcher checks stride_c_blk == BLOCK_SIZE * stride_c_slot); the row bound
+        # only has to cover every block a table names
+        k_base = tl.make_tensor_descriptor(k_base, shape=[2147483647, HEAD_SIZE], strides=[stride_c_slot, 1],
+                                           block_shape=[BLOCK_SIZE, HEAD_PAD])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[2147483647, HEAD_SIZE], strides=[stride_c_slot, 1],
+                                           block_shape=[BLOCK_SIZE, HEAD_PAD])
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
 
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -363,12 +402,12 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_span(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_lo, t_mid, t_new, seq_len, row_pos, qk_scale,
         stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS, TMA_NEW,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS, TMA_NEW, TMA_PAGED,
     )
     acc, m_i, l_i = _attend_span(
         acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t_mid, t_hi, t_new, seq_len, row_pos, qk_scale,
         stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS, TMA_NEW,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, DOT_FP32, DOT_PREC, NEW_KV, PREFETCH_IDS, TMA_NEW, TMA_PAGED,
     )
 
     if NUM_SEGMENTS == 1:

@@ -31,7 +31,7 @@ ENV_VAR = "SIMKV_KERNEL_TUNING"
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 # the AttentionConfig fields each launch class may override
 CLASS_KEYS = {
-    "decode": ("tile_n", "num_warps", "num_stages", "prefetch_ids"),
+    "decode": ("tile_n", "num_warps", "num_stages", "prefetch_ids", "tma_paged"),
     "prefill": ("block_m", "tile_n", "num_warps", "num_stages", "prefetch_ids", "new_kv", "tma_new_kv"),
 }
 _BOUNDS = {"block_m": (16, 256), "tile_n": (16, 256), "num_warps": (1, 16), "num_stages": (1, 8)}
@@ -76,7 +76,7 @@ def _check_class(kind: str, over, where: str) -> dict:
     for key, value in over.items():
         if key not in allowed:
             raise TuningError(f"{where}: '{kind}.{key}' is not a tunable field (one of {', '.join(allowed)})")
-        if key in ("prefetch_ids", "new_kv", "tma_new_kv"):
+        if key in ("prefetch_ids", "new_kv", "tma_new_kv", "tma_paged"):
             if not isinstance(value, bool):
                 raise TuningError(f"{where}: '{kind}.{key}' must be true or false, got {value!r}")
             continue

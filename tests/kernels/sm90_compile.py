@@ -64,6 +64,10 @@ def resource_usage(compiled) -> dict:
     how many async-copy groups a wait leaves in flight at most (the depth of load pipelining)."""
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", compiled.asm["ptx"])]
     info = {"shared": compiled.metadata.shared, "max_groups_in_flight": max(waits, default=0)}
+    ttgir = compiled.asm.get("ttgir", "")
+    if "async_tma_copy_global_to_local" in ttgir:  # TMA copies: the depth of their multi-buffered tiles
+        info["tma_buffers"] = max((int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)),
+                                  default=1)
     ptxas = ptxas_path()
     if ptxas is None:
         return info
@@ -156,6 +160,10 @@ VARIANTS = {
                                                                     TILE_N=64, BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1,
                                                                     DOT_FP32=False, DOT_PREC="tf32", NEW_KV=True,
                                                                     TMA_NEW=True), (), 8, 3),
+    # cache tiles by TMA copies, one block a tile (config.tma_paged): the decode candidate
+    "attn_decode_tma_paged_bf16_w4s4": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                                                                  TILE_N=16, BLOCK_Q=4, BLOCK_M=16, NUM_SEGMENTS=16,
+                                                                  DOT_FP32=False, DOT_PREC="tf32", TMA_PAGED=True), (), 4, 4),
     # block ids loaded a tile ahead (config.prefetch_ids): K/V loads pipeline num_stages - 1 deep
     "attn_prefill_prefetch_bf16_d128": ("attention", "bf16", dict(QPK=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                                                                   BLOCK_Q=32, BLOCK_M=128, NUM_SEGMENTS=1, DOT_FP32=False,

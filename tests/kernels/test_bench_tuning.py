@@ -31,7 +31,7 @@ def decode_rows(prefetch_small, prefetch_large, **extra):
 
 def test_a_candidate_faster_on_every_case_is_adopted():
     rec = bt.tuning_from_sweep(decode_rows(0.8, 0.9), ENV)
-    assert rec["decode"] == {"tile_n": 64, "num_warps": 4, "num_stages": 3, "prefetch_ids": True}
+    assert rec["decode"] == {"tile_n": 64, "num_warps": 4, "num_stages": 3, "prefetch_ids": True, "tma_paged": False}
     ev = rec["evidence"]["decode"]
     assert ev["adopted"] and abs(ev["ratio"] - (0.8 * 0.9) ** 0.5) < 1e-4
     assert ev["cases"]["8x(32768+1)"] == {"default_ms": 1.0, "best_ms": 0.8}

@@ -170,3 +170,23 @@ def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, tma, monk
                            for c in prefill)
     assert decode and all(c.prefetch_ids and c.tile_n == 16 and c.num_stages == 3 for c in decode)
     assert requests[2].num_prefix_hit_tokens > 0  # c attended over cached context it did not compute
+
+
+def test_tuned_tma_cache_tiles_fall_back_where_a_tile_is_not_one_block():
+    """A device's tuning may choose one-block TMA tiles (measured on block size 16); on a pool of
+    32-slot blocks that launch reads by pointers instead, while an explicit config is refused."""
+    from dataclasses import replace
+
+    from kernel_cases import make_batch
+
+    from kernels.triton_attention import plan_paged_attention
+
+    t = kt.tuning_from_dict(record(decode={"tile_n": 16, "num_stages": 4, "tma_paged": True}))
+    for block_size, expect in ((16, True), (32, False)):
+        batch = make_batch([(40, 1), (70, 1)], num_heads=8, num_kv_heads=2, head_size=64, block_size=block_size,
+                           dtype=torch.float16, device="cpu")
+        launch = plan_paged_attention(*batch.args(), max_query_len=1, max_seq_len=71, tuning=t)
+        assert launch.config.tma_paged is expect and launch.config.tile_n == 16
+        if not expect:
+            with pytest.raises(ValueError, match="a tile must be one cache block"):
+                plan_paged_attention(*batch.args(), max_query_len=1, config=replace(launch.config, tma_paged=True))

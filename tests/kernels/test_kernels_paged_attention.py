@@ -216,6 +216,27 @@ def test_paged_attention_new_kv_fresh_prefill_never_reads_the_cache(device):
 
 
 @pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype,block_size,head_size", [(torch.float32, 16, 64), (torch.float16, 32, 80)])
+def test_paged_attention_tma_paged_cache_tiles(device, dtype, block_size, head_size):
+    """config.tma_paged: each cache tile is one block copied by TMA (tile_n == block_size), its
+    id loaded an iteration ahead. Stale slots past a sequence (NaN here) are masked and their
+    values zeroed; head columns past head_size read as zeros. Decodes, chunks after a context,
+    split and unsplit key ranges, with and without new_kv."""
+    seqs = [(0, 33), (23, 17), (2 * block_size, 16), (50, 1), (7, 9), (3 * block_size + 1, 1)]
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size, dtype=dtype,
+                       device=device, seed=block_size)
+    ref = ref_paged_attention(*batch.args())
+    key, value = _new_kv(batch, seqs, fused_heads=8)
+    for block_m, segments, new_kv in ((16, 1, False), (16, 4, False), (64, 1, True)):
+        cfg = AttentionConfig(block_m=block_m, tile_n=block_size, num_segments=segments, num_warps=4, num_stages=3,
+                              new_kv=new_kv, tma_paged=True)
+        out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
+        assert_close_to_reference(out, ref, dtype)
+    with pytest.raises(ValueError, match="tma_paged: a tile must be one cache block"):
+        triton_paged_attention(*batch.args(), config=replace(cfg, tile_n=2 * block_size, new_kv=False))
+
+
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("block_size,tile_n", [(16, 16), (8, 32), (32, 16)])
 @pytest.mark.parametrize("new_kv", [False, True])
 def test_paged_attention_prefetched_block_ids(device, block_size, tile_n, new_kv):
