@@ -126,7 +126,9 @@ def test_overrides_apply_to_their_class_of_half_precision_launches_only():
 def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, tma, monkeypatch, tmp_path):
     """tiny-llama steps (long chunks, prefix hits, decodes) on tuned tiles, new_kv (read by
     pointers or by TMA copies from the fused QKV output) and prefetched block ids included,
-    against the torch-reference runner; every launch took the tuned tiles."""
+    against the torch-reference runner; every launch took the tuned tiles. With TMA, decode-only
+    steps also run from the decode graphs (captured on CUDA: the descriptors' scratch memory is
+    allocated inside the capture) with each cache block a TMA copy (tma_paged)."""
     import kernels.triton_attention as ta
     from gpu_backend.runner import ModelRunner
     from simkv.config import EngineConfig
@@ -135,7 +137,8 @@ def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, tma, monk
     from tests.gpu_backend.lockstep import lockstep
 
     path = tmp_path / "kernel_tuning.json"
-    kt.write_tuning(path, record(decode={"tile_n": 16, "num_stages": 3, "prefetch_ids": True},
+    decode_tiles = {"tile_n": 16, "num_stages": 3} | ({"tma_paged": True} if tma else {"prefetch_ids": True})
+    kt.write_tuning(path, record(decode=decode_tiles,
                                  prefill={"block_m": 64, "tile_n": 16, "num_warps": 4, "num_stages": 3,
                                           "new_kv": True, "prefetch_ids": True, "tma_new_kv": tma}))
     monkeypatch.setenv(kt.ENV_VAR, str(path))
@@ -153,6 +156,12 @@ def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, tma, monk
     ref = ModelRunner("tiny-llama", 48, 16, device, "fp16", seed=5, kernel_backend="torch")
     tri = ModelRunner("tiny-llama", 48, 16, device, "fp16", seed=5, kernel_backend="triton")
     assert tri.kernel_tuning is not None and tri.kernel_tuning.fingerprint in tri.ops.name
+    graphed = []
+    if tma:
+        tri.enable_decode_graphs(6, capture=device == "cuda")
+        assert tri.decode_graphs is not None, tri.decode_graphs_status
+        run = tri.decode_graphs.run
+        tri.decode_graphs.run = lambda batch: graphed.append(len(batch.seq_lens)) or run(batch)
     for k, v in tri.kv_caches:  # never-written slots are NaN: a read outside a table shows
         k.fill_(float("nan"))
         v.fill_(float("nan"))
@@ -168,7 +177,9 @@ def test_a_forward_on_tuned_tiles_matches_the_reference_runner(device, tma, monk
     decode = [c for c in configs if c.block_m == 16]
     assert prefill and all(c.new_kv and c.prefetch_ids and c.tma_new_kv == tma and c.tile_n == 16 and c.num_warps == 4
                            for c in prefill)
-    assert decode and all(c.prefetch_ids and c.tile_n == 16 and c.num_stages == 3 for c in decode)
+    assert decode and all(c.tile_n == 16 and c.num_stages == 3 and (c.tma_paged if tma else c.prefetch_ids)
+                          for c in decode)
+    assert bool(graphed) == tma  # decode-only steps went through the decode graphs
     assert requests[2].num_prefix_hit_tokens > 0  # c attended over cached context it did not compute
 
 
