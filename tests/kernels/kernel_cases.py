@@ -111,3 +111,22 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
     assert not torch.isnan(out).any(), "kernel output has NaN: it read a slot outside a sequence's blocks"
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+
+
+def new_kv_of(batch: PagedBatch, seqs: list[tuple[int, int]], fused_heads: int = 0):
+    """The new tokens' K and V of each sequence, in query order (gathered from the cache), as
+    strided views of a wider tensor when `fused_heads` > 0 (as a fused QKV projection gives)."""
+    bs = batch.key_cache.shape[1]
+    ks, vs = [], []
+    for i, (ctx, q) in enumerate(seqs):
+        for pos in range(ctx, ctx + q):
+            blk = int(batch.block_tables[i, pos // bs])
+            ks.append(batch.key_cache[blk, pos % bs])
+            vs.append(batch.value_cache[blk, pos % bs])
+    k, v = torch.stack(ks), torch.stack(vs)
+    if fused_heads:
+        n, hkv, d = k.shape
+        wide = torch.zeros((n, fused_heads + 2 * hkv, d), dtype=k.dtype, device=k.device)
+        wide[:, fused_heads:fused_heads + hkv], wide[:, fused_heads + hkv:] = k, v
+        k, v = wide[:, fused_heads:fused_heads + hkv], wide[:, fused_heads + hkv:]
+    return k, v

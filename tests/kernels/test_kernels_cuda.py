@@ -4,7 +4,7 @@ Skipped without a GPU.  ``scripts/gpu_check.sh`` runs them on the GPU host.
 """
 import pytest
 import torch
-from kernel_cases import assert_close_to_reference, make_batch
+from kernel_cases import assert_close_to_reference, make_batch, new_kv_of
 
 from kernels import ref_paged_attention, ref_reshape_and_cache
 from kernels.triton_attention import AttentionConfig, choose_config, triton_paged_attention
@@ -61,6 +61,22 @@ def test_explicit_configs(tile_n, block_m, segments, stages, prefetch):
     assert_close_to_reference(out, ref_paged_attention(*batch.args()), torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tma_configs_compiled(dtype):
+    """The TMA options compiled, llama-like GQA in bf16 and fp16: cache blocks by TMA for a
+    decode batch (split and not), the new tokens' K/V by TMA for prefills after a context."""
+    seqs = [(0, 300), (1000, 1), (77, 50), (4000, 1)]
+    batch = make_batch(seqs, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=dtype,
+                       device="cuda", seed=21)
+    key, value = new_kv_of(batch, seqs, fused_heads=32)
+    ref = ref_paged_attention(*batch.args())
+    for cfg in (AttentionConfig(16, 16, 1, 4, 4, tma_paged=True), AttentionConfig(16, 16, 8, 4, 6, tma_paged=True),
+                AttentionConfig(128, 64, 1, 8, 3, new_kv=True, prefetch_ids=True, tma_new_kv=True),
+                AttentionConfig(128, 16, 1, 8, 3, new_kv=True, tma_new_kv=True, tma_paged=True)):
+        out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
+        assert_close_to_reference(out, ref, dtype)
+
+
 def _huge_pool_blocks(num_kv_heads: int, head_size: int, block_size: int) -> int:
     per_block = block_size * num_kv_heads * head_size
     return (2**31 + per_block - 1) // per_block + 64  # element offsets of the last blocks exceed 2**31
@@ -80,8 +96,12 @@ def test_attention_in_pool_beyond_int32_offsets():
     batch = make_batch(seqs, num_heads=32, num_kv_heads=hkv, head_size=d, block_size=bs,
                        dtype=torch.float16, device="cuda", seed=13, first_block=first, spare_blocks=4)
     assert batch.key_cache.numel() > 2**31
+    ref = ref_paged_attention(*batch.args())
     out = triton_paged_attention(*batch.args())
-    assert_close_to_reference(out, ref_paged_attention(*batch.args()), torch.float16)
+    assert_close_to_reference(out, ref, torch.float16)
+    # cache blocks by TMA: the descriptors' byte addresses past 2**31 elements too
+    out = triton_paged_attention(*batch.args(), config=AttentionConfig(16, 16, 1, 4, 4, tma_paged=True))
+    assert_close_to_reference(out, ref, torch.float16)
     torch.cuda.synchronize()
 
 

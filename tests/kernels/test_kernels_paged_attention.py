@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_cases import assert_close_to_reference, device_params, make_batch
+from kernel_cases import assert_close_to_reference, device_params, make_batch, new_kv_of
 
 from kernels import ref_paged_attention
 from kernels.triton_attention import AttentionConfig, triton_paged_attention
@@ -151,25 +151,6 @@ def test_paged_attention_rejects_bad_arguments():
                                config=AttentionConfig(block_m=24, tile_n=16, num_segments=1, num_warps=4, num_stages=2))
 
 
-def _new_kv(batch, seqs, fused_heads: int = 0):
-    """The new tokens' K and V of each sequence, in query order (gathered from the cache), as
-    strided views of a wider tensor when `fused_heads` > 0 (as a fused QKV projection gives)."""
-    bs = batch.key_cache.shape[1]
-    ks, vs = [], []
-    for i, (ctx, q) in enumerate(seqs):
-        for pos in range(ctx, ctx + q):
-            blk = int(batch.block_tables[i, pos // bs])
-            ks.append(batch.key_cache[blk, pos % bs])
-            vs.append(batch.value_cache[blk, pos % bs])
-    k, v = torch.stack(ks), torch.stack(vs)
-    if fused_heads:
-        n, hkv, d = k.shape
-        wide = torch.zeros((n, fused_heads + 2 * hkv, d), dtype=k.dtype, device=k.device)
-        wide[:, fused_heads:fused_heads + hkv], wide[:, fused_heads + hkv:] = k, v
-        k, v = wide[:, fused_heads:fused_heads + hkv], wide[:, fused_heads + hkv:]
-    return k, v
-
-
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype,tile_n", [(torch.float32, 16), (torch.float16, 32)])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
@@ -182,7 +163,7 @@ def test_paged_attention_new_kv_tiles_match_reference(device, dtype, tile_n, tma
     seqs = [(0, 33), (23, 17), (32, 16), (50, 1), (7, 9)]
     batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype,
                        device=device, seed=tile_n)
-    key, value = _new_kv(batch, seqs, fused_heads=8)
+    key, value = new_kv_of(batch, seqs, fused_heads=8)
     for block_m, segments in ((64, 1), (16, 2)):
         cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=2,
                               new_kv=True, tma_new_kv=tma)
@@ -197,7 +178,7 @@ def test_paged_attention_new_kv_fresh_prefill_never_reads_the_cache(device):
     seqs = [(0, 37), (0, 64)]
     batch = make_batch(seqs, num_heads=4, num_kv_heads=1, head_size=64, block_size=16, dtype=torch.float16,
                        device=device, seed=3)
-    key, value = _new_kv(batch, seqs)
+    key, value = new_kv_of(batch, seqs)
     ref = ref_paged_attention(*batch.args())
     batch.key_cache.fill_(float("nan"))
     batch.value_cache.fill_(float("nan"))
@@ -226,14 +207,14 @@ def test_paged_attention_tma_paged_cache_tiles(device, dtype, block_size, head_s
     batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size, dtype=dtype,
                        device=device, seed=block_size)
     ref = ref_paged_attention(*batch.args())
-    key, value = _new_kv(batch, seqs, fused_heads=8)
+    key, value = new_kv_of(batch, seqs, fused_heads=8)
     for block_m, segments, new_kv in ((16, 1, False), (16, 4, False), (64, 1, True)):
         cfg = AttentionConfig(block_m=block_m, tile_n=block_size, num_segments=segments, num_warps=4, num_stages=3,
-                              new_kv=new_kv, tma_paged=True)
+                              new_kv=new_kv, tma_new_kv=new_kv, tma_paged=True)
         out = triton_paged_attention(*batch.args(), config=cfg, key=key, value=value)
         assert_close_to_reference(out, ref, dtype)
     with pytest.raises(ValueError, match="tma_paged: a tile must be one cache block"):
-        triton_paged_attention(*batch.args(), config=replace(cfg, tile_n=2 * block_size, new_kv=False))
+        triton_paged_attention(*batch.args(), config=replace(cfg, tile_n=2 * block_size, new_kv=False, tma_new_kv=False))
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -247,7 +228,7 @@ def test_paged_attention_prefetched_block_ids(device, block_size, tile_n, new_kv
     batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=64, block_size=block_size,
                        dtype=torch.float32, device=device, seed=block_size + tile_n)
     ref = ref_paged_attention(*batch.args())
-    kv = dict(zip(("key", "value"), _new_kv(batch, seqs))) if new_kv else {}
+    kv = dict(zip(("key", "value"), new_kv_of(batch, seqs))) if new_kv else {}
     for block_m, segments in ((16, 1), (16, 4), (32, 1)):
         cfg = AttentionConfig(block_m=block_m, tile_n=tile_n, num_segments=segments, num_warps=4, num_stages=2,
                               new_kv=new_kv, prefetch_ids=True)
