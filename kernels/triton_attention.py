@@ -86,15 +86,23 @@ def choose_config(
     return AttentionConfig(num_segments=1, **over)
 
 
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Scratch memory for device-side tensor descriptors (torch memory, so CUDA-graph capture pools it too)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+_tma_allocator_installed = False
+
+
 def _install_tma_allocator() -> None:
-    """Device-side tensor descriptors (TMA) need scratch memory for the descriptors at launch;
-    Triton asks the allocator set here (torch memory, so CUDA-graph capture pools it too)."""
-    import triton
+    """Device-side tensor descriptors (TMA) need scratch memory at launch; Triton asks the
+    allocator set here, once per process (plans run every step)."""
+    global _tma_allocator_installed
+    if not _tma_allocator_installed:
+        import triton
 
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
-
-    triton.set_allocator(alloc)
+        triton.set_allocator(_tma_scratch)
+        _tma_allocator_installed = True
 
 
 def _tma_paged_unfit(key_cache: torch.Tensor, config: AttentionConfig) -> str | None:

@@ -136,7 +136,7 @@ def _attend_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
     CONTIG: tl.constexpr = False,  # the tile's keys are all new tokens: read them from the step's K/V
-    blk_ids=None,  # [TILE_N] int64 block of each key, loaded one tile ahead (PREFETCHED only)
+    blk_ids=None,  # [TILE_N] int64 block of each key (TMA_PAGED: the tile's block), loaded one tile ahead
     PREFETCHED: tl.constexpr = False,
     TMA: tl.constexpr = False,  # CONTIG tiles: kn_base / vn_base are tensor descriptors (TMA copies)
     TMA_PAGED: tl.constexpr = False,  # cache tiles: k_base / v_base are tensor descriptors (one block a tile)
@@ -154,12 +154,8 @@ def _attend_tile(
         # k_base / v_base are tensor descriptors over this kv head's cache rows (one row per slot):
         # a tile is one cache block (TILE_N == BLOCK_SIZE), one bulk copy each for K and V. Slots
         # past the sequence hold stale data: their scores are masked, their values zeroed.
-        tl.static_assert(TILE_N == BLOCK_SIZE)
-        if PREFETCHED:
-            blk = blk_ids  # this tile's block, loaded in the previous iteration (see _attend_range)
-        else:
-            blk = tl.load(bt_row_ptr + t)
-        row0 = (blk * BLOCK_SIZE).to(tl.int32)
+        tl.static_assert(TILE_N == BLOCK_SIZE and PREFETCHED)
+        row0 = (blk_ids * BLOCK_SIZE).to(tl.int32)  # blk_ids: this tile's block, loaded an iteration ahead
         k = tl.trans(k_base.load([row0, 0]))  # [HEAD_PAD, TILE_N]
         v = v_base.load([row0, 0])  # [TILE_N, HEAD_PAD]
         if MASKED:
@@ -191,10 +187,16 @@ def _attend_tile(
 
 
 @triton.jit
-def _tile_block_ids(bt_row_ptr, t, seq_len, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """[TILE_N] int64: the cache block of each key of tile t (0 past the sequence's end)."""
-    key_pos = t * TILE_N + tl.arange(0, TILE_N).to(tl.int64)
-    return tl.load(bt_row_ptr + _block_and_slot(key_pos, BLOCK_SIZE)[0], mask=key_pos < seq_len, other=0).to(tl.int64)
+def _tile_block_ids(bt_row_ptr, t, seq_len, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                    ONE_BLOCK: tl.constexpr = False):
+    """[TILE_N] int64: the cache block of each key of tile t (0 past the sequence's end); with
+    ONE_BLOCK (a tile is one block, TMA copies) the tile's block id as a scalar."""
+    if ONE_BLOCK:
+        ids = tl.load(bt_row_ptr + t, mask=t * TILE_N < seq_len, other=0)
+    else:
+        key_pos = t * TILE_N + tl.arange(0, TILE_N).to(tl.int64)
+        ids = tl.load(bt_row_ptr + _block_and_slot(key_pos, BLOCK_SIZE)[0], mask=key_pos < seq_len, other=0).to(tl.int64)
+    return ids
 
 
 @triton.jit
@@ -207,33 +209,22 @@ def _attend_range(
     MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, CONTIG: tl.constexpr,
     PREFETCH_IDS: tl.constexpr, TMA: tl.constexpr = False, TMA_PAGED: tl.constexpr = False,
 ):
-    if TMA_PAGED and not CONTIG:
-        # one block a tile: its id is loaded an iteration ahead, so that the copy's coordinate does
-        # not wait on a load of its own iteration and the copies pipeline num_stages - 1 deep
-        nxt = tl.load(bt_row_ptr + t_begin, mask=t_begin * TILE_N < seq_len, other=0)
-        for t in range(t_begin, t_end):
-            blk = nxt
-            nxt = tl.load(bt_row_ptr + t + 1, mask=(t + 1) * TILE_N < seq_len, other=0)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
-                stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, blk, True,
-                TMA_PAGED=True,
-            )
-    elif PREFETCH_IDS and not CONTIG:
-        # The block ids of tile t + 1 are loaded while tile t is attended. A K/V address then
-        # depends on a value carried from the previous iteration, not on a load of its own
-        # iteration, and Triton's pipeliner keeps num_stages - 1 tiles of K/V in flight; with
-        # the ids loaded in-iteration it keeps one (sm_90 PTX: cp.async.wait_group 2 instead of
-        # 0 at 3 stages; tests/kernels/test_kernels_compile_sm90.py).
-        next_ids = _tile_block_ids(bt_row_ptr, t_begin, seq_len, BLOCK_SIZE, TILE_N)
+    if (PREFETCH_IDS or TMA_PAGED) and not CONTIG:
+        # The block ids of tile t + 1 are loaded while tile t is attended. A K/V address (or, with
+        # TMA_PAGED, the copy's coordinate: one block a tile) then depends on a value carried from
+        # the previous iteration, not on a load of its own iteration, and Triton's pipeliner keeps
+        # num_stages - 1 tiles of K/V in flight; with the ids loaded in-iteration it keeps one
+        # (sm_90 PTX: cp.async.wait_group 2 instead of 0 at 3 stages; three TMA buffers instead
+        # of one at 4; tests/kernels/test_kernels_compile_sm90.py).
+        next_ids = _tile_block_ids(bt_row_ptr, t_begin, seq_len, BLOCK_SIZE, TILE_N, TMA_PAGED)
         for t in range(t_begin, t_end):
             ids = next_ids
-            next_ids = _tile_block_ids(bt_row_ptr, t + 1, seq_len, BLOCK_SIZE, TILE_N)
+            next_ids = _tile_block_ids(bt_row_ptr, t + 1, seq_len, BLOCK_SIZE, TILE_N, TMA_PAGED)
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
                 stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
                 HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, ids, True,
+                TMA_PAGED=TMA_PAGED,
             )
     else:
         for t in range(t_begin, t_end):
@@ -241,7 +232,6 @@ def _attend_range(
                 acc, m_i, l_i, q, k_base, v_base, bt_row_ptr, t, seq_len, row_pos, qk_scale,
                 stride_c_blk, stride_c_slot, offs_d, kn_base, vn_base, tok0, stride_kn_tok, stride_vn_tok,
                 HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, DOT_FP32, DOT_PREC, CONTIG, TMA=TMA,
-                TMA_PAGED=TMA_PAGED,
             )
     return acc, m_i, l_i
 
