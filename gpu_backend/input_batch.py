@@ -24,6 +24,12 @@ import numpy as np
 from simkv.core.outputs import SchedulerOutput
 
 
+def filler_token_id(request, position: int, vocab: int) -> int:
+    """The id fed at an output position the runner holds no sampled id for (calibration's
+    synthetic steps, for one): deterministic, spread over the vocabulary."""
+    return (request.index * 7919 + position) % vocab
+
+
 @dataclass
 class StepBatch:
     """Host-side arrays of one step, before they go to the device."""
@@ -136,7 +142,7 @@ def prepare_step(runner, rows: BlockTableRows, output: SchedulerOutput) -> StepB
             else:
                 outs = outputs.get(request.index)
                 # the sampled token, or the runner's filler for a position never sampled here
-                dec_ids.append(outs[j] if outs is not None and j < len(outs) else (request.index * 7919 + p) % vocab)
+                dec_ids.append(outs[j] if outs is not None and j < len(outs) else filler_token_id(request, p, vocab))
             samplers.append((request, p + 1))
         dec_pos = np.asarray(dec_pos, dtype=np.int64)
         ids.append(np.asarray(dec_ids, dtype=np.int64))

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from gpu_backend.input_batch import BlockTableRows, StepBatch, prepare_step
+from gpu_backend.input_batch import BlockTableRows, StepBatch, filler_token_id, prepare_step
 from gpu_backend.model import AttentionInputs, LeanLlama
 from kernels.layer_ops import layer_ops
 from simkv.core.outputs import SchedulerOutput
@@ -213,7 +213,7 @@ class ModelRunner:
         for p in range(max(start, prompt), stop):
             j = p - prompt
             # A missing output (never sampled here) gets a deterministic filler id.
-            tail.append(outs[j] if j < len(outs) else int((request.index * 7919 + p) % self.vocab))
+            tail.append(outs[j] if j < len(outs) else filler_token_id(request, p, self.vocab))
         return np.concatenate([head, np.asarray(tail, dtype=np.int64)])
 
     def _record_sample(self, request, position: int, token: int) -> None:
