@@ -71,12 +71,13 @@ def save_partial(out_dir: Path, backend, error: BaseException) -> None:
 def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = None, device: str = "cpu",
                    dtype: str | None = None, seed: int = 0, warmup_steps: int = 3, on_progress=None,
                    save_outputs: bool = False, enforce_eager: bool = False, calibrate_alongside: str | None = None,
-                   cudagraph_mode: str = "full_decode_only"):
+                   cudagraph_mode: str = "full_decode_only", goodput: dict | None = None):
     """Replay `trace` on the real backend; returns the lead's ReplayResult (summary marked gpu).
 
     `out_dir` receives partial results on failure (and the outputs when `save_outputs`).
     `calibrate_alongside`: a calib.json path; grid points are timed between the steps
-    (`gpu_backend/interleaved.py`) and fitted there after the replay."""
+    (`gpu_backend/interleaved.py`) and fitted there after the replay. `goodput`: latency SLOs
+    in ms, judged as in a simulated replay."""
     from gpu_backend.backend import GpuBackend
     from gpu_backend.runner import ModelRunner
     from simkv.replay.api import replay, save
@@ -97,7 +98,7 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
         backend.after_step = grid.after_step
     try:
         result = replay(trace, config, backend=backend, use_decode_runs=False, on_progress=on_progress,
-                        pause_collector=False)  # torch may make cycles holding device memory
+                        pause_collector=False, goodput=goodput)  # torch may make cycles holding device memory
     except BaseException as exc:
         if out_dir is not None:
             save_partial(Path(out_dir), backend, exc)
@@ -122,7 +123,7 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
 
 def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None, dtype: str | None, on_progress=None,
                        enforce_eager: bool = False, calibrate_alongside: str | None = None,
-                       cudagraph_mode: str = "full_decode_only"):
+                       cudagraph_mode: str = "full_decode_only", goodput: dict | None = None):
     """`simkv replay --backend gpu`: device defaults to cuda when present; failures become
     click errors naming the step shape and the setting that fits (partial results saved)."""
     import click
@@ -135,7 +136,7 @@ def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None,
     try:
         return run_gpu_replay(trace, config, out_dir, device, dtype, on_progress=on_progress,
                               enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside,
-                              cudagraph_mode=cudagraph_mode)
+                              cudagraph_mode=cudagraph_mode, goodput=goodput)
     except DeviceOOMError as exc:
         raise click.ClickException(f"{exc}\nPartial results (steps measured so far) are in {out_dir}/"
                                    "partial_steps.parquet and error.json") from None

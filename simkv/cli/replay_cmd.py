@@ -153,8 +153,6 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
-    from simkv.replay.goodput import goodput_summary
-
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     from rich.progress import Progress
 
@@ -166,17 +164,15 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
 
                 result = run_gpu_replay_cli(data, config, out_dir, device, dtype, lambda k: progress.advance(task, k),
                                             enforce_eager=enforce_eager, calibrate_alongside=calibrate_alongside,
-                                            cudagraph_mode=cudagraph_mode)
+                                            cudagraph_mode=cudagraph_mode, goodput=slo)
             else:
                 result = replay(data, config, cost_model,
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s,
                                  "step_noise": step_noise, "noise_seed": noise_seed},
                                 use_decode_runs=not no_decode_runs,
-                                on_progress=lambda k: progress.advance(task, k))
+                                on_progress=lambda k: progress.advance(task, k), goodput=slo)
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
-    if slo:
-        result.summary["goodput"] = goodput_summary(result.requests, slo, result.summary["duration_s"])
     save(result, out_dir)
     from simkv.compare.run_report import write_run_report_safely
 

@@ -42,23 +42,20 @@ def _rel(sim, meas):
     return (sim - meas) / abs(meas)
 
 
+def _metric_row(metric: str, s, m) -> dict:
+    return {"metric": metric, "simulated": s, "measured": m, "rel_error": _rel(s, m),
+            "abs_error": None if s is None or m is None else s - m}
+
+
 def metric_rows(sim: dict, meas: dict) -> list[dict]:
-    rows = []
-    for key in SCALAR_METRICS:
-        s, m = sim.get(key), meas.get(key)
-        rows.append({"metric": key, "simulated": s, "measured": m, "rel_error": _rel(s, m),
-                     "abs_error": None if s is None or m is None else s - m})
+    rows = [_metric_row(key, sim.get(key), meas.get(key)) for key in SCALAR_METRICS]
     for key in DIST_METRICS:
         for stat in STATS:
-            s, m = (sim.get(key) or {}).get(stat), (meas.get(key) or {}).get(stat)
-            rows.append({"metric": f"{key}.{stat}", "simulated": s, "measured": m, "rel_error": _rel(s, m),
-                         "abs_error": None if s is None or m is None else s - m})
+            rows.append(_metric_row(f"{key}.{stat}", (sim.get(key) or {}).get(stat), (meas.get(key) or {}).get(stat)))
     gs, gm = sim.get("goodput"), meas.get("goodput")
     if gs and gm and gs.get("slo_ms") == gm.get("slo_ms"):  # both judged on the same SLOs (--goodput)
         for key in ("slo_attainment", "request_goodput_req_s"):
-            s, m = gs.get(key), gm.get(key)
-            rows.append({"metric": f"goodput.{key}", "simulated": s, "measured": m, "rel_error": _rel(s, m),
-                         "abs_error": None if s is None or m is None else s - m})
+            rows.append(_metric_row(f"goodput.{key}", gs.get(key), gm.get(key)))
     return rows
 
 

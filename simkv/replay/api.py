@@ -14,6 +14,7 @@ from simkv.backends.factory import make_backend
 from simkv.capacity import compute_capacity
 from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
+from simkv.replay.goodput import goodput_summary
 from simkv.replay.results import request_table, summarize, write_outputs
 
 
@@ -42,9 +43,11 @@ def collector_paused(pause: bool = True):
 
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None,
-           pause_collector: bool = True) -> ReplayResult:
+           pause_collector: bool = True, goodput: dict | None = None) -> ReplayResult:
     """`pause_collector=False` keeps Python's cyclic collector running (a real backend, whose
-    steps are not ours to vouch for, passes it; its timer pauses the collector per step)."""
+    steps are not ours to vouch for, passes it; its timer pauses the collector per step).
+    `goodput`: latency SLOs in ms (`simkv/replay/goodput.py`); the summary then says which
+    requests met them (`summary["goodput"]`)."""
     capacity = compute_capacity(config)
     if backend is None:
         backend = make_backend(cost_model, config, **(cost_options or {}))
@@ -56,6 +59,8 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
         wall = time.perf_counter() - t0
         requests = request_table(run, trace)
         summary = summarize(run, trace, config, backend, capacity, wall, requests)
+        if goodput:
+            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
         steps = run.steps.columns()
     return ReplayResult(summary, requests, steps, run)
 

@@ -16,8 +16,6 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from simkv.replay.goodput import goodput_summary
-
 MAX_FACTOR = 2.0 ** 12  # 4096x the trace's rate, and 1/4096 of it: the search's bounds
 
 
@@ -53,9 +51,8 @@ def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model:
     from simkv.replay.api import replay
 
     scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
-    result = replay(scaled, config, cost_model, cost_options)
-    s = result.summary
-    g = goodput_summary(result.requests, slo_ms, s["duration_s"])
+    s = replay(scaled, config, cost_model, cost_options, goodput=slo_ms).summary
+    g = s["goodput"]
     return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
                  g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
                  int(s["num_preemptions"]), int(s["peak_running"]))
@@ -131,7 +128,7 @@ def _search_cell(task: dict) -> dict:
     from simkv.config import EngineConfig
     from simkv.traces.schema import read_trace
 
-    out = {"index": task["index"], "swept": task["swept"]}
+    out = {"cell_id": task["cell_id"], "index": task["index"], "swept": task["swept"]}
     try:
         record = search_max_rate(read_trace(task["trace"]), EngineConfig.from_flat(task["options"]), task["slo_ms"],
                                  target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
@@ -147,36 +144,30 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
                 tolerance: float = 0.02, cost_model: str = "roofline", cost_options: dict | None = None,
                 workers: int = 1, on_cell=None) -> dict:
     """``search_max_rate`` for every combination of ``grid`` (engine options, ``cost_model``, the
-    linear model's ``step_base_s`` / ``step_per_token_s``) over ``base_options``; cells in grid order
-    (the last key fastest) and the combination that sustains the highest rate."""
-    import itertools
+    linear model's ``step_base_s`` / ``step_per_token_s``) over ``base_options``, the combinations
+    made and run as `simkv sweep` makes and runs its cells; cells in grid order (the last key
+    fastest) and the combination that sustains the highest rate."""
+    from simkv.sweep.executors import run_local
+    from simkv.sweep.grid import make_cells
 
-    from simkv.sweep.grid import COST_KEYS
-
-    keys = list(grid)
-    tasks = []
-    for index, combo in enumerate(itertools.product(*(grid[k] for k in keys))):
-        options = dict(base_options) | dict(zip(keys, combo))
-        model = options.pop("cost_model", cost_model)
-        costs = dict(cost_options or {}) | {k: options.pop(k) for k in COST_KEYS if k in options}
-        tasks.append({"index": index, "swept": dict(zip(keys, combo)), "trace": trace_path, "options": options,
-                      "slo_ms": dict(slo_ms), "target": target, "tolerance": tolerance, "cost_model": str(model),
-                      "cost_options": costs})
+    tasks = {}
+    for cell in make_cells([trace_path], grid, base_options, cost_model):
+        task = cell.task()
+        task.update(index=cell.index, swept=dict(cell.swept), slo_ms=dict(slo_ms), target=target, tolerance=tolerance,
+                    cost_options=dict(cost_options or {}) | task["cost_options"])
+        tasks[task["cell_id"]] = task
+    runs = (run_local(list(tasks.values()), workers, _search_cell) if workers > 1 and len(tasks) > 1
+            else map(_search_cell, tasks.values()))
     cells: list[dict] = []
-    if workers > 1 and len(tasks) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            for cell in pool.map(_search_cell, tasks):
-                cells.append(cell)
-                if on_cell is not None:
-                    on_cell(cell)
-    else:
-        for task in tasks:
-            cells.append(_search_cell(task))
-            if on_cell is not None:
-                on_cell(cells[-1])
+    for out in runs:
+        task = tasks[out["cell_id"]]
+        cell = {"index": task["index"], "swept": task["swept"]}
+        cell |= ({k: v for k, v in out.items() if k != "cell_id"} if "index" in out  # else: the worker died
+                 else {"status": "failed", "error": out["error"]})
+        cells.append(cell)
+        if on_cell is not None:
+            on_cell(cell)
+    cells.sort(key=lambda c: c["index"])
     found = [c for c in cells if c["status"] in ("found", "unbounded")]
     best = max(found, key=lambda c: (c["max_rate_req_s"], -c["index"])) if found else None
     return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance, "grid": grid,

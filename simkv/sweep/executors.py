@@ -17,8 +17,9 @@ def _crashed(task: dict, exc: BaseException) -> dict:
             "error": f"worker died: {type(exc).__name__}" + (f": {lines[0]}" if lines else ""), "detail": ""}
 
 
-def run_local(tasks: list[dict], workers: int) -> Iterator[dict]:
-    """Run every task on `workers` spawned processes."""
+def run_local(tasks: list[dict], workers: int, work=run_cell) -> Iterator[dict]:
+    """Run `work` (a module-level function: it is pickled) on every task, on `workers` spawned
+    processes; a task whose process died comes back as a failed outcome with its `cell_id`."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -26,7 +27,7 @@ def run_local(tasks: list[dict], workers: int) -> Iterator[dict]:
         return
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(tasks))), mp_context=ctx) as pool:
-        futures = {pool.submit(run_cell, task): task for task in tasks}
+        futures = {pool.submit(work, task): task for task in tasks}
         for fut in as_completed(futures):
             try:
                 yield fut.result()

@@ -37,12 +37,8 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
 
         config = EngineConfig.from_flat(task["options"])
         trace = _read(task["trace"], trace_bytes)
-        result = replay(trace, config, task["cost_model"], task["cost_options"])
+        result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"))
         summary = dict(result.summary)
-        if task.get("goodput"):
-            from simkv.replay.goodput import goodput_summary
-
-            summary["goodput"] = goodput_summary(result.requests, task["goodput"], summary["duration_s"])
         summary["trace"] = task["trace"]
         summary["sweep_cell"] = {k: task[k] for k in ("cell_id", "trace", "options", "cost_model", "cost_options")}
         return {"cell_id": task["cell_id"], "status": "ok", "summary": summary}
