@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -80,34 +81,35 @@ def main(argv: list[str] | None = None) -> int:
             break
         rows.append({"kind": kind, "shape": label, "eager": measure(prefill, decodes)})
         print(label, rows[-1], flush=True)
+    @contextmanager
+    def ops_swapped(ops):
+        """The runner's steps on another op set, meanwhile."""
+        saved, runner.ops = runner.ops, ops
+        try:
+            yield
+        finally:
+            runner.ops = saved
+
     if runner.kernel_backend == "triton":  # what the fused element-wise kernels save, eager steps
         from kernels.layer_ops import layer_ops
 
-        fused_ops = runner.ops
         for row, (kind, prefill, decodes, label) in zip(rows, shapes):
             if time.perf_counter() - t_start > args.budget_s * 0.6:
                 break
             if kind == "decode" and decodes[0] != contexts[0]:
                 continue
             row["launches"] = kernel_launches(runner, synthetic_output(prefill, decodes, block, need))
-            runner.ops = layer_ops("triton", fused=False, tuning=runner.kernel_tuning)
-            try:
+            with ops_swapped(layer_ops("triton", fused=False, tuning=runner.kernel_tuning)):
                 row["unfused"] = measure(prefill, decodes)
                 row["launches_unfused"] = kernel_launches(runner, synthetic_output(prefill, decodes, block, need))
-            finally:
-                runner.ops = fused_ops
             row["unfused_over_fused"] = row["unfused"]["step_ms"] / row["eager"]["step_ms"]
             print(label, row, flush=True)
         if runner.kernel_tuning is not None:  # what the tuned attention tiles save on whole eager steps
-            tuned_ops = runner.ops
             for row, (kind, prefill, decodes, label) in zip(rows, shapes):
                 if time.perf_counter() - t_start > args.budget_s * 0.7:
                     break
-                runner.ops = layer_ops("triton", fused=True)
-                try:
+                with ops_swapped(layer_ops("triton", fused=True)):
                     row["heuristic"] = measure(prefill, decodes)
-                finally:
-                    runner.ops = tuned_ops
                 row["heuristic_over_tuned"] = row["heuristic"]["step_ms"] / row["eager"]["step_ms"]
                 print(label, row, flush=True)
     def time_from_graphs(takes) -> None:
