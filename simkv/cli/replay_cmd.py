@@ -82,6 +82,38 @@ def engine_options(command):
     return command
 
 
+def fleet_options(command):
+    """--replicas, --router, --router-option (replay, goodput)."""
+    from simkv.replay.router import ROUTERS
+
+    for option in reversed([
+        click.option("--replicas", type=int, default=1, show_default=True,
+                     help="Engine replicas behind a router, each with the engine options below (simulated replays)."),
+        click.option("--router", type=click.Choice(ROUTERS), default="round_robin", show_default=True,
+                     help="How the fleet's router picks a replica (simkv/replay/router.py)."),
+        click.option("--router-option", "router_options", multiple=True, metavar="KEY=VALUE",
+                     help="prefix_aware's thresholds: cache_threshold (0.3), balance_abs (64), balance_rel (1.5)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def read_fleet(replicas: int, router: str, router_options: tuple[str, ...]):
+    """The FleetSpec of --replicas/--router/--router-option, None for one replica; a click error otherwise."""
+    from simkv.replay.api import FleetSpec
+    from simkv.replay.router import RouterError, RouterOptions
+
+    if replicas < 1:
+        raise click.BadParameter(f"must be at least 1, got {replicas}", param_hint="--replicas")
+    try:
+        options = RouterOptions.parse(router_options)
+    except RouterError as exc:
+        raise click.BadParameter(str(exc), param_hint="--router-option") from None
+    if router_options and router != "prefix_aware":
+        raise click.UsageError("--router-option sets prefix_aware's thresholds; add --router prefix_aware")
+    return FleetSpec(replicas, router, options) if replicas > 1 else None
+
+
 _ENGINE_OPTIONS = [
     click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]"),
     click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]"),
@@ -138,12 +170,14 @@ _ENGINE_OPTIONS = [
 @click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
               help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms, e.g. --goodput ttft:2000 "
                    "--goodput tpot:100; summary.json then counts the requests that met all of them.")
+@fleet_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
-               noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], **flags) -> None:
+               noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
+               router_options: tuple[str, ...], **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -153,6 +187,10 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
+    fleet = read_fleet(replicas, router, router_options)
+    if fleet is not None and backend == "gpu":
+        raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
+                               "with --cost-model calib.json instead")
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     from rich.progress import Progress
 
@@ -170,7 +208,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s,
                                  "step_noise": step_noise, "noise_seed": noise_seed},
                                 use_decode_runs=not no_decode_runs,
-                                on_progress=lambda k: progress.advance(task, k), goodput=slo)
+                                on_progress=lambda k: progress.advance(task, k), goodput=slo, fleet=fleet)
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)

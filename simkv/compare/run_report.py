@@ -69,19 +69,34 @@ def _summary_table(summary: dict) -> str:
     return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{fmt(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
+MAX_REPLICA_SERIES = 8
+
+
+def _per_replica(steps: pd.DataFrame, label: str, values) -> list[tuple]:
+    """Chart series: one per replica of a fleet (the first MAX_REPLICA_SERIES), or one."""
+    t = (steps["start_time_s"] + steps["duration_s"]).to_numpy()
+    y = np.asarray(values)
+    if "replica" not in steps:
+        return [(label, t, y)]
+    replica = steps["replica"].to_numpy()
+    return [(f"{label}, replica {r}", t[replica == r], y[replica == r])
+            for r in np.unique(replica)[:MAX_REPLICA_SERIES]]
+
+
 def run_report_html(run_dir: str | Path) -> str:
     summary, requests, steps = load_run(run_dir)
-    t = (steps["start_time_s"] + steps["duration_s"]).to_numpy()
     blocks = max(int(summary.get("num_gpu_blocks") or 1) - 1, 1)
     kv = 100.0 * steps["num_blocks_used"].to_numpy() / blocks
+    by_time = steps.sort_values(["start_time_s", "duration_s"], kind="stable") if "replica" in steps else steps
+    t = (by_time["start_time_s"] + by_time["duration_s"]).to_numpy()
     charts = [
-        line_chart([("KV blocks used %", t, kv)], "KV cache usage", "time (s)", "% of blocks", step=True),
-        line_chart([("running", t, steps["num_running"].to_numpy()), ("waiting", t, steps["num_waiting"].to_numpy())],
+        line_chart(_per_replica(steps, "KV blocks used %", kv), "KV cache usage", "time (s)", "% of blocks", step=True),
+        line_chart(_per_replica(steps, "running", steps["num_running"]) + _per_replica(steps, "waiting", steps["num_waiting"]),
                    "Running and waiting requests", "time (s)", "requests", step=True),
-        line_chart([("preemptions", t, np.cumsum(steps["num_preemptions"].to_numpy()))],
+        line_chart([("preemptions", t, np.cumsum(by_time["num_preemptions"].to_numpy()))],
                    "Preemptions (cumulative)", "time (s)", "preemptions", step=True),
-        line_chart([("prefix hit tokens", t, np.cumsum(steps["prefix_hit_tokens"].to_numpy())),
-                    ("prefix query tokens", t, np.cumsum(steps["prefix_query_tokens"].to_numpy()))],
+        line_chart([("prefix hit tokens", t, np.cumsum(by_time["prefix_hit_tokens"].to_numpy())),
+                    ("prefix query tokens", t, np.cumsum(by_time["prefix_query_tokens"].to_numpy()))],
                    "Prefix cache (cumulative tokens)", "time (s)", "tokens", step=True),
     ]
     fin = requests[requests["status"] == "finished"]
@@ -90,9 +105,30 @@ def run_report_html(run_dir: str | Path) -> str:
                cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
                line_chart([("step duration", steps["start_time_s"].to_numpy(), 1e3 * steps["duration_s"].to_numpy())],
                           "Step durations", "time (s)", "ms")]
-    body = [f"<p>trace: {html.escape(str(summary.get('trace')))}</p>", _summary_table(summary),
-            "<div class='charts'>" + "".join(charts) + "</div>"]
+    body = [f"<p>trace: {html.escape(str(summary.get('trace')))}</p>", _summary_table(summary)]
+    if summary.get("fleet"):
+        body.append(_replica_table(summary["fleet"]))
+    body.append("<div class='charts'>" + "".join(charts) + "</div>")
     return page(f"simkv replay report ({summary.get('backend')})", body)
+
+
+def _replica_table(fleet: dict) -> str:
+    router = fleet["router"]
+    head = (f"<p>{fleet['num_replicas']} replicas behind a {html.escape(router['policy'])} router "
+            f"(decisions: {html.escape(', '.join(f'{k} {v}' for k, v in router['decisions'].items()))}); "
+            f"charts of values per replica show the first {MAX_REPLICA_SERIES}.</p>")
+    cols = ("replica", "requests", "peak running", "mean running", "preemptions", "prefix hit %", "TTFT p50 / p99 (ms)",
+            "busy until (s)")
+
+    def ms(d):
+        return "-" if d["p50"] is None else f"{1e3 * d['p50']:.1f} / {1e3 * d['p99']:.1f}"
+
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{v}</td>" for v in (
+            r["replica"], r["num_requests"], r["peak_running"], f"{r['mean_running']:.1f}", r["num_preemptions"],
+            f"{100 * r['prefix_cache_hit_rate']:.1f}", ms(r["ttft_s"]), f"{r['duration_s']:.1f}")) + "</tr>"
+        for r in fleet["replicas"])
+    return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 
 
 def write_run_report(run_dir: str | Path) -> Path:

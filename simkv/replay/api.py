@@ -14,8 +14,18 @@ from simkv.backends.factory import make_backend
 from simkv.capacity import compute_capacity
 from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
+from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.goodput import goodput_summary
 from simkv.replay.results import request_table, summarize, write_outputs
+from simkv.replay.router import Router, RouterOptions
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """Replicas of the engine behind a router (`simkv replay --replicas N --router POLICY`)."""
+    num_replicas: int = 1
+    router: str = "round_robin"
+    options: RouterOptions = RouterOptions()
 
 
 @dataclass
@@ -43,12 +53,18 @@ def collector_paused(pause: bool = True):
 
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None,
-           pause_collector: bool = True, goodput: dict | None = None) -> ReplayResult:
+           pause_collector: bool = True, goodput: dict | None = None, fleet: FleetSpec | None = None) -> ReplayResult:
     """`pause_collector=False` keeps Python's cyclic collector running (a real backend, whose
     steps are not ours to vouch for, passes it; its timer pauses the collector per step).
     `goodput`: latency SLOs in ms (`simkv/replay/goodput.py`); the summary then says which
-    requests met them (`summary["goodput"]`)."""
+    requests met them (`summary["goodput"]`). `fleet`: replay on that many replicas behind a
+    router (simkv/replay/fleet.py); one replica is the plain replay."""
     capacity = compute_capacity(config)
+    if fleet is not None and fleet.num_replicas > 1:
+        if backend is not None:
+            raise ValueError("a fleet replays on cost models only (one backend per replica)")
+        return _replay_fleet(trace, config, cost_model, cost_options or {}, use_decode_runs, on_progress,
+                             pause_collector, goodput, fleet, capacity)
     if backend is None:
         backend = make_backend(cost_model, config, **(cost_options or {}))
     with collector_paused(pause_collector):
@@ -63,6 +79,25 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
         steps = run.steps.columns()
     return ReplayResult(summary, requests, steps, run)
+
+
+def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector, goodput,
+                  fleet: FleetSpec, capacity) -> ReplayResult:
+    router = Router(fleet.router, fleet.num_replicas, fleet.options,
+                    cache_tokens_per_replica=capacity.num_gpu_blocks * config.cache.block_size)
+    seed = cost_options.get("noise_seed", 0)  # replicas' step noise: independent draws
+    backends = [make_backend(cost_model, config, **(cost_options | {"noise_seed": seed + r}))
+                for r in range(fleet.num_replicas)]
+    with collector_paused(pause_collector):
+        t0 = time.perf_counter()
+        runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,
+                                  use_decode_runs, on_progress)
+        wall = time.perf_counter() - t0
+        requests, steps, per_replica = fleet_tables(runs, routing, trace)
+        summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica)
+        if goodput:
+            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
+    return ReplayResult(summary, requests, steps, runs[0])
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:

@@ -68,6 +68,9 @@ class ArrivalFeed:
             i += 1
         self.next_index = i
 
+    def note_finished(self, finished: list[Request], tick: int) -> None:
+        """The engine finished these requests at `tick` (a fleet's router counts them)."""
+
     def _deliver(self, i: int) -> None:
         prompt = self._prompt_list[i]
         if prompt >= self.max_model_len:
@@ -98,7 +101,9 @@ class ReplayRun:
 class ReplayEngine:
     def __init__(self, trace, config: EngineConfig, backend: StepBackend, num_gpu_blocks: int,
                  use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None,
-                 capacity=None) -> None:
+                 capacity=None, env: simpy.Environment | None = None, make_feed=None) -> None:
+        """`env` and `make_feed(scheduler, request_log)`: a fleet (simkv/replay/fleet.py) runs several
+        engines on one environment, each fed by the router; by default the engine owns both."""
         self.config = config
         self.backend = backend
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
@@ -112,24 +117,32 @@ class ReplayEngine:
         self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
         self.steps = StepLog()
         self.requests = RequestLog(len(trace))
-        self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
+        self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
+                     ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress
         self.now = 0  # ticks
-        self.env = simpy.Environment()  # in ticks too
+        self.env = env if env is not None else simpy.Environment()  # in ticks too
         self._idle: simpy.Event | None = None
         self._engine_idle: simpy.Event | None = None
         self._num_done = 0
         self._num_rejected_reported = 0
 
     def run(self) -> ReplayRun:
+        engine = self.start()
+        self.env.run(until=engine)
+        return self.result()
+
+    def start(self) -> simpy.Process:
+        """Register the engine's processes on the environment; the engine process ends with the replay."""
         last_arrival = self.feed.last_arrival_ticks()
         if last_arrival >= MAX_TICKS:
             raise ReplayError(f"the trace spans {last_arrival / TICKS_PER_SECOND / 86400:.0f} days; simkv's "
                               f"clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days of simulated time")
         self.env.process(self._arrivals())
-        engine = self.env.process(self._engine())
-        self.env.run(until=engine)
+        return self.env.process(self._engine())
+
+    def result(self) -> ReplayRun:
         if self.now >= MAX_TICKS:
             raise ReplayError(f"the replay ran {self.now / TICKS_PER_SECOND / 86400:.0f} days of simulated time; "
                               f"simkv's clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days")
@@ -228,6 +241,7 @@ class ReplayEngine:
         for request in finished:
             self.requests.finish(request)
         if finished:
+            self.feed.note_finished(finished, self.now)
             self._num_done += len(finished)
             if self.on_progress is not None:
                 self.on_progress(len(finished))

@@ -31,6 +31,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     else:
         head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
                 ("cost model", cost["cost_model"])]
+    fleet = summary.get("fleet")
+    if fleet:
+        decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
+        head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
     rows = head + [
         ("requests (finished / rejected)", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})"),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} steps"),
@@ -58,5 +62,23 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
+    if fleet:
+        console.print(replica_table(fleet))
     if out_dir is not None:
         console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet")
+
+
+def replica_table(fleet: dict) -> Table:
+    """One row per replica of a fleet (peaks are per replica; the table above takes the largest)."""
+    table = Table(title="per replica")
+    for name in ("replica", "requests", "running peak / mean", "preemptions", "prefix hit %",
+                 "TTFT ms p50 / p99", "ITL ms p50 / p99", "busy until s"):
+        table.add_column(name, justify="right")
+    for row in fleet["replicas"]:
+        def pair(d):
+            return "-" if d["p50"] is None else f"{1e3 * d['p50']:,.1f} / {1e3 * d['p99']:,.1f}"
+        table.add_row(str(row["replica"]), f"{row['num_requests']:,}",
+                      f"{row['peak_running']:,} / {row['mean_running']:,.1f}", f"{row['num_preemptions']:,}",
+                      f"{100 * row['prefix_cache_hit_rate']:.1f}", pair(row["ttft_s"]), pair(row["itl_s"]),
+                      f"{row['duration_s']:,.1f}")
+    return table

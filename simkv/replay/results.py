@@ -82,6 +82,11 @@ def request_table(run: ReplayRun, trace) -> pd.DataFrame:
 def itl_distribution(run: ReplayRun) -> dict:
     """Inter-token latency over every token gap: a decode token's gap is its step's duration;
     a recomputed request's first new token counts from its last token before preemption."""
+    return weighted_dist(*itl_samples(run))
+
+
+def itl_samples(run: ReplayRun) -> tuple[np.ndarray, np.ndarray]:
+    """The token gaps of `itl_distribution` as (value, count) pairs."""
     steps = run.steps.columns()
     durations = steps["duration_s"]
     weights = steps["num_decode_tokens"].astype(np.float64)
@@ -92,7 +97,17 @@ def itl_distribution(run: ReplayRun) -> dict:
         extra = ends[pairs[:, 1]] - np.where(pairs[:, 0] >= 0, ends[np.maximum(pairs[:, 0], 0)], 0.0)
         durations = np.concatenate([durations, extra])
         weights = np.concatenate([weights, np.ones(len(extra))])
-    return weighted_dist(durations, weights)
+    return durations, weights
+
+
+def stored_and_wasted_slots(run: ReplayRun, config, finished: np.ndarray) -> tuple[int, int]:
+    """Token slots the engine held for the finished requests at their end (lookahead included),
+    and the slots of their last blocks left empty (internal fragmentation)."""
+    bs = config.cache.block_size
+    stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.cache.num_lookahead_tokens,
+                        config.max_model_len)
+    held = -(-stored // bs)
+    return int(stored.sum()), int((held * bs - stored).sum())
 
 
 def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: float,
@@ -103,11 +118,8 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
     sched = run.scheduler
     kv = sched.kv_cache_manager
     finished = requests["status"].to_numpy() == "finished"
-    bs = config.cache.block_size
-    stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.cache.num_lookahead_tokens,
-                        config.max_model_len)  # slots the engine holds tokens for (lookahead included)
-    held = -(-stored // bs)
-    frag = float(100.0 * (held * bs - stored).sum() / stored.sum()) if stored.size else 0.0
+    stored, wasted = stored_and_wasted_slots(run, config, finished)
+    frag = 100.0 * wasted / stored if stored else 0.0
     duration = float(steps["start_time_s"][-1] + steps["duration_s"][-1]) if run.steps.num_steps else 0.0
     out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
     stats = kv.prefix_cache_stats

@@ -1,0 +1,245 @@
+"""A fleet: N identical engine replicas behind a router, on one SimPy clock.
+
+Each replica is an ordinary `ReplayEngine` (its own scheduler, KV-cache manager and block
+pool). The trace's requests are routed in arrival order, each at the first moment some replica
+needs to know (an idle replica waking at the arrival, or a busy one reaching a step boundary
+after it). A routing decision at arrival time T depends only on what the router has sent and
+on the finishes strictly before T, so it does not depend on the order in which SimPy resumes
+replicas at the same instant: the same trace and options give the same fleet, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from simkv.clock import to_ticks
+from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun
+from simkv.replay.results import (dist, itl_samples, request_table, stored_and_wasted_slots, summarize,
+                                  weighted_dist)
+from simkv.replay.router import Router
+
+
+class FleetRouting:
+    """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
+
+    def __init__(self, trace, router: Router, max_model_len: int) -> None:
+        self.trace = trace
+        self.router = router
+        n = router.num_replicas
+        self._arrival_ticks = [to_ticks(a) for a in trace.arrival_time_s.tolist()]
+        self._prompts = trace.prompt_tokens.tolist()
+        self._has_hashes = trace.hash_ids is not None
+        self.max_model_len = max_model_len
+        self.next_index = 0
+        self.queues: list[deque[int]] = [deque() for _ in range(n)]  # routed, not yet delivered
+        self.assignment = np.full(len(trace), -1, dtype=np.int32)  # -1: rejected (or never routed)
+        self.num_rejected = 0
+        self.outstanding = [0] * n
+        self._finishes: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # (tick, count)
+        self.on_reject = None
+
+    @property
+    def all_routed(self) -> bool:
+        return self.next_index >= len(self._arrival_ticks)
+
+    def arrival_ticks(self, i: int) -> int:
+        return self._arrival_ticks[i]
+
+    def next_unrouted_ticks(self) -> int | None:
+        return None if self.all_routed else self._arrival_ticks[self.next_index]
+
+    def note_finished(self, replica: int, count: int, tick: int) -> None:
+        self._finishes[replica].append((tick, count))
+
+    def route_until(self, now: int) -> None:
+        """Route every request that arrived by tick `now`."""
+        ticks, n = self._arrival_ticks, len(self._arrival_ticks)
+        i = self.next_index
+        while i < n and ticks[i] <= now:
+            self._route(i, ticks[i])
+            i += 1
+            self.next_index = i
+
+    def _route(self, i: int, tick: int) -> None:
+        if self._prompts[i] >= self.max_model_len:  # every replica would reject it: vLLM's engine does
+            self.num_rejected += 1
+            if self.on_reject is not None:
+                self.on_reject(1)
+            return
+        loads = self.outstanding
+        for r, finishes in enumerate(self._finishes):
+            while finishes and finishes[0][0] < tick:
+                loads[r] -= finishes.popleft()[1]
+        trace = self.trace
+        hashes = trace.block_hashes(i) if self._has_hashes else None
+        block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0
+        r = self.router.choose(loads, hashes, block_tokens)
+        self.assignment[i] = r
+        loads[r] += 1
+        self.queues[r].append(i)
+
+
+class ReplicaFeed(ArrivalFeed):
+    """One replica's arrivals: the requests the router sent it. Its lookahead stops at the fleet's
+    next arrival too, since that request might be sent here."""
+
+    def __init__(self, routing: FleetRouting, replica: int, trace, scheduler, request_log, max_model_len: int):
+        super().__init__(trace, scheduler, request_log, max_model_len)
+        self.routing = routing
+        self.replica = replica
+        self.queue = routing.queues[replica]
+
+    @property
+    def exhausted(self) -> bool:
+        return self.routing.all_routed and not self.queue
+
+    def next_arrival_ticks(self) -> int | None:
+        if self.queue:
+            return self.routing.arrival_ticks(self.queue[0])
+        return self.routing.next_unrouted_ticks()
+
+    def deliver_until(self, now: int) -> None:
+        self.routing.route_until(now)
+        queue = self.queue
+        while queue and self.routing.arrival_ticks(queue[0]) <= now:
+            self._deliver(queue.popleft())
+
+    def note_finished(self, finished, tick: int) -> None:
+        self.routing.note_finished(self.replica, len(finished), tick)
+
+
+def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
+              use_decode_runs: bool = True, on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
+    """Replay `trace` on len(backends) replicas (one backend each) behind `router`."""
+    env = simpy.Environment()
+    routing = FleetRouting(trace, router, config.max_model_len)
+    routing.on_reject = on_progress
+
+    def feed_of(replica):
+        return lambda scheduler, log: ReplicaFeed(routing, replica, trace, scheduler, log, config.max_model_len)
+
+    engines = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs, on_progress, capacity=capacity,
+                            env=env, make_feed=feed_of(r)) for r, backend in enumerate(backends)]
+    processes = [engine.start() for engine in engines]
+    env.run(until=simpy.AllOf(env, processes))
+    return [engine.result() for engine in engines], routing
+
+
+_MERGED_COLUMNS = ("first_scheduled_time_s", "first_token_time_s", "finish_time_s", "status", "output_tokens",
+                   "prefix_hit_tokens", "num_preemptions", "queue_s", "ttft_s", "e2e_s", "mean_itl_s")
+
+
+def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace) -> tuple[pd.DataFrame, dict, list[pd.DataFrame]]:
+    """The fleet's requests (each row from the replica that served it, plus a `replica` column)
+    and steps (every replica's, replica by replica), and each replica's own request table."""
+    assignment = routing.assignment
+    per_replica = [request_table(run, trace) for run in runs]
+    merged = per_replica[0].copy() if per_replica else request_table(runs[0], trace)
+    for column in _MERGED_COLUMNS:
+        values = merged[column].to_numpy().copy()
+        for r, frame in enumerate(per_replica[1:], start=1):
+            rows = assignment == r
+            values[rows] = frame[column].to_numpy()[rows]
+        merged[column] = values
+    rejected = assignment < 0
+    merged.loc[rejected, "status"] = "rejected"
+    merged.insert(1, "replica", assignment)
+    steps: dict[str, list] = {}
+    for r, run in enumerate(runs):
+        columns = run.steps.columns()
+        steps.setdefault("replica", []).append(np.full(run.steps.num_steps, r, dtype=np.int32))
+        for name, values in columns.items():
+            steps.setdefault(name, []).append(values)
+    return merged, {k: np.concatenate(v) for k, v in steps.items()}, per_replica
+
+
+def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, backends, capacity, wall_time_s: float,
+                  requests: pd.DataFrame, per_replica: list[pd.DataFrame]) -> dict:
+    """summary.json of a fleet: the same keys as one engine's, over the whole fleet (latencies over
+    all requests, counts summed; per-engine peaks and `num_gpu_blocks` are per replica, the
+    largest over the replicas), plus `fleet`: the router and one row per replica."""
+    replicas = []
+    for r, (run, frame) in enumerate(zip(runs, per_replica)):
+        s = summarize(run, trace, config, backends[r], capacity, 0.0, frame)
+        s["num_requests"] = int((routing.assignment == r).sum())
+        s["num_rejected"] = 0
+        replicas.append(s)
+    status = requests["status"].to_numpy()
+    finished = status == "finished"
+    duration = max((s["duration_s"] for s in replicas), default=0.0)
+    out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
+    stored = wasted = 0
+    for run, frame in zip(runs, per_replica):
+        a, b = stored_and_wasted_slots(run, config, frame["status"].to_numpy() == "finished")
+        stored, wasted = stored + a, wasted + b
+    samples = [itl_samples(run) for run in runs]
+    queries = sum(s["prefix_cache_queries_tokens"] for s in replicas)
+    hits = sum(s["prefix_cache_hits_tokens"] for s in replicas)
+
+    def total(key):
+        return sum(s[key] for s in replicas)
+
+    def largest(key):
+        return max(s[key] for s in replicas)
+
+    allocator = dict(replicas[0]["allocator_stats"])
+    for key, value in allocator.items():
+        if isinstance(value, (int, float)):
+            allocator[key] = max(s["allocator_stats"][key] for s in replicas)
+    summary = {
+        "backend": "sim",
+        "cost_model": replicas[0]["cost_model"],
+        "config": replicas[0]["config"],
+        "trace": str(trace.source),
+        "num_requests": int(len(trace)),
+        "num_finished": int(finished.sum()),
+        "num_rejected": int((status == "rejected").sum()),
+        "duration_s": duration,
+        "num_steps": total("num_steps"),
+        "peak_running": largest("peak_running"),
+        "mean_running": float(np.mean([s["mean_running"] for s in replicas])),
+        "peak_waiting": largest("peak_waiting"),
+        "num_gpu_blocks": replicas[0]["num_gpu_blocks"],
+        "peak_blocks_used": largest("peak_blocks_used"),
+        "num_preemptions": total("num_preemptions"),
+        "num_preempted_requests": total("num_preempted_requests"),
+        "prefix_cache_queries_tokens": queries,
+        "prefix_cache_hits_tokens": hits,
+        "prefix_cache_hit_rate": float(hits / queries) if queries else 0.0,
+        "prefix_cache": {k: sum(s["prefix_cache"][k] for s in replicas) for k in replicas[0]["prefix_cache"]},
+        "num_evictions": total("num_evictions"),
+        "num_cow_copies": total("num_cow_copies"),
+        "num_swap_outs": total("num_swap_outs"),
+        "peak_requests_swapped": largest("peak_requests_swapped"),
+        "swap_out_bytes": total("swap_out_bytes"),
+        "swap_in_bytes": total("swap_in_bytes"),
+        "false_prefix_hits": total("false_prefix_hits"),
+        "internal_fragmentation_pct": 100.0 * wasted / stored if stored else 0.0,
+        "allocator_stats": allocator,
+        "num_prefill_tokens": total("num_prefill_tokens"),
+        "num_decode_tokens": total("num_decode_tokens"),
+        "ttft_s": dist(requests["ttft_s"].to_numpy()),
+        "itl_s": weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples])),
+        "tpot_s": dist(requests["mean_itl_s"].to_numpy()),
+        "e2e_s": dist(requests["e2e_s"].to_numpy()),
+        "queue_s": dist(requests["queue_s"].to_numpy()),
+        "output_throughput_tok_s": out_tokens / duration if duration > 0 else 0.0,
+        "request_throughput_req_s": float(finished.sum()) / duration if duration > 0 else 0.0,
+        "wall_time_s": wall_time_s,
+        "fleet": {"num_replicas": len(runs), "router": routing.router.describe(),
+                  "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]},
+    }
+    return summary
+
+
+def _replica_row(replica: int, s: dict) -> dict:
+    return {"replica": replica, "num_requests": s["num_requests"], "num_finished": s["num_finished"],
+            "duration_s": s["duration_s"], "num_steps": s["num_steps"], "peak_running": s["peak_running"],
+            "mean_running": s["mean_running"], "peak_waiting": s["peak_waiting"],
+            "peak_blocks_used": s["peak_blocks_used"], "num_preemptions": s["num_preemptions"],
+            "prefix_cache_hit_rate": s["prefix_cache_hit_rate"], "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
+            "e2e_s": s["e2e_s"], "request_throughput_req_s": s["request_throughput_req_s"]}

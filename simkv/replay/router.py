@@ -1,0 +1,152 @@
+"""Routers of a fleet of engine replicas: which replica gets each arriving request.
+
+A router sees what a real one sees: the requests it sent to each replica, which of them have
+finished, and the prompts' block hashes. It does not read the replicas' schedulers; the
+`prefix_aware` policy keeps its own approximate index of the prefixes each replica has cached,
+as cache-aware routers (SGLang's, llm-d's) do.
+
+- `round_robin`: replica i mod N (a Kubernetes service, vLLM's production-stack default).
+- `least_outstanding`: the replica with the fewest requests in flight (sent, not yet finished).
+- `prefix_aware`: the replica holding the longest prefix of the prompt, unless loads are
+  unbalanced (then the least loaded) or no replica holds at least `cache_threshold` of it (then
+  the least loaded). Loads are unbalanced when the largest exceeds the smallest by more than
+  `balance_abs` requests and by a factor `balance_rel`.
+Ties go to the first replica after the last one chosen, so equal replicas take turns.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+ROUTERS = ("round_robin", "least_outstanding", "prefix_aware")
+
+
+class RouterError(ValueError):
+    """A router name or option that does not exist or has a bad value."""
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    cache_threshold: float = 0.3  # prefix_aware: fraction of the prompt's blocks a replica must hold
+    balance_abs: int = 64  # prefix_aware: outstanding-request gap that counts as unbalanced ...
+    balance_rel: float = 1.5  # ... when the largest load is also this many times the smallest
+
+    @classmethod
+    def parse(cls, items: tuple[str, ...] | list[str]) -> "RouterOptions":
+        """From KEY=VALUE strings (`--router-option cache_threshold=0.5`)."""
+        values: dict = {}
+        kinds = {"cache_threshold": float, "balance_abs": int, "balance_rel": float}
+        for item in items:
+            key, sep, raw = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in kinds:
+                raise RouterError(f"router option {item!r}: expected KEY=VALUE with KEY one of {', '.join(kinds)}")
+            try:
+                values[key] = kinds[key](raw)
+            except ValueError:
+                raise RouterError(f"router option {key}: {raw!r} is not a {kinds[key].__name__}") from None
+        opts = cls(**values)
+        if not 0.0 <= opts.cache_threshold <= 1.0:
+            raise RouterError(f"router option cache_threshold must be within [0, 1], got {opts.cache_threshold}")
+        if opts.balance_abs < 0 or opts.balance_rel < 1.0:
+            raise RouterError("router options balance_abs must be >= 0 and balance_rel >= 1")
+        return opts
+
+    def to_dict(self) -> dict:
+        return {"cache_threshold": self.cache_threshold, "balance_abs": self.balance_abs,
+                "balance_rel": self.balance_rel}
+
+
+class PrefixIndex:
+    """The block hashes a router has sent to one replica, least recently sent first, holding
+    at most `capacity_tokens` tokens of them (the replica's KV cache size)."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.tokens = 0
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # hash -> tokens it stands for
+
+    def matched_blocks(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: list[int], block_tokens: int) -> None:
+        blocks = self._blocks
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = block_tokens
+                self.tokens += block_tokens
+        while self.tokens > self.capacity_tokens and blocks:
+            _, tokens = blocks.popitem(last=False)
+            self.tokens -= tokens
+
+
+class Router:
+    def __init__(self, policy: str, num_replicas: int, options: RouterOptions | None = None,
+                 cache_tokens_per_replica: int = 0) -> None:
+        if policy not in ROUTERS:
+            raise RouterError(f"unknown router {policy!r}; choose one of {', '.join(ROUTERS)}")
+        if num_replicas < 1:
+            raise RouterError(f"a fleet needs at least one replica, got {num_replicas}")
+        self.policy = policy
+        self.num_replicas = num_replicas
+        self.options = options or RouterOptions()
+        self.last = num_replicas - 1  # so that the first tie goes to replica 0
+        self.num_by_reason = {"round_robin": 0, "least_loaded": 0, "prefix_match": 0, "rebalance": 0}
+        self.indexes = ([PrefixIndex(cache_tokens_per_replica) for _ in range(num_replicas)]
+                        if policy == "prefix_aware" else None)
+
+    def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int) -> int:
+        """The replica for one request, given each replica's outstanding requests."""
+        if self.policy == "round_robin":
+            choice, reason = (self.last + 1) % self.num_replicas, "round_robin"
+        elif self.policy == "least_outstanding":
+            choice, reason = self._least_loaded(loads), "least_loaded"
+        else:
+            choice, reason = self._prefix_aware(loads, hashes, block_tokens)
+        self.last = choice
+        self.num_by_reason[reason] += 1
+        return choice
+
+    def _first_after_last(self, candidates: list[int]) -> int:
+        n = self.num_replicas
+        return min(candidates, key=lambda r: (r - self.last - 1) % n)
+
+    def _least_loaded(self, loads: list[int]) -> int:
+        low = min(loads)
+        return self._first_after_last([r for r, load in enumerate(loads) if load == low])
+
+    def _prefix_aware(self, loads: list[int], hashes, block_tokens: int) -> tuple[int, str]:
+        opts = self.options
+        keys = hashes.tolist() if hashes is not None else []
+        low, high = min(loads), max(loads)
+        if high - low > opts.balance_abs and high > opts.balance_rel * low:
+            choice, reason = self._least_loaded(loads), "rebalance"
+        else:
+            choice, reason = self._least_loaded(loads), "least_loaded"
+            if keys:
+                matched = [index.matched_blocks(keys) for index in self.indexes]
+                best = max(matched)
+                if best > 0 and best >= opts.cache_threshold * len(keys):
+                    top = [r for r, m in enumerate(matched) if m == best]
+                    least = min(loads[r] for r in top)
+                    choice, reason = self._first_after_last([r for r in top if loads[r] == least]), "prefix_match"
+        if keys:
+            self.indexes[choice].insert(keys, block_tokens)
+        return choice, reason
+
+    def describe(self) -> dict:
+        out = {"policy": self.policy, "num_replicas": self.num_replicas,
+               "decisions": {k: v for k, v in self.num_by_reason.items() if v}}
+        if self.policy == "prefix_aware":
+            out["options"] = self.options.to_dict()
+        return out

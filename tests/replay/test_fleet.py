@@ -1,0 +1,179 @@
+"""A fleet of replicas behind a router: the same engines, routed requests, exact bookkeeping."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from simkv.replay.api import FleetSpec, replay, save
+from simkv.replay.fleet import fleet_tables, run_fleet
+from simkv.replay.router import PrefixIndex, Router, RouterError, RouterOptions
+from simkv.backends.factory import make_backend
+from simkv.traces.arrivals import ArrivalProcess
+from simkv.traces.schema import take_rows, trace_from_frame
+from simkv.traces.synth_prefix import PrefixGroups, shared_prefix
+from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+LATENCIES = ["first_scheduled_time_s", "first_token_time_s", "finish_time_s", "ttft_s", "e2e_s", "queue_s"]
+
+
+def config(num_gpu_blocks=300, **sched):
+    return EngineConfig(CacheConfig(num_gpu_blocks=num_gpu_blocks),
+                        SchedulerConfig(**{"max_model_len": 2048, "max_num_batched_tokens": 512, **sched}))
+
+
+def loaded_trace(n=150, seed=0):
+    rng = np.random.default_rng(seed)
+    return trace_from_frame(pd.DataFrame({
+        "arrival_time_s": np.sort(rng.uniform(0, 4, n)), "prompt_tokens": rng.integers(1, 600, n),
+        "output_tokens": rng.integers(1, 120, n)}))
+
+
+def frame(rows):
+    return trace_from_frame(pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens"]))
+
+
+def test_a_fleet_of_one_is_the_plain_replay():
+    trace, cfg = loaded_trace(), config()
+    plain = replay(trace, cfg, "roofline")
+    capacity = compute_capacity(cfg)
+    runs, routing = run_fleet(trace, cfg, [make_backend("roofline", cfg)], capacity.num_gpu_blocks,
+                              Router("least_outstanding", 1), capacity)
+    requests, steps, _ = fleet_tables(runs, routing, trace)
+    pd.testing.assert_frame_equal(requests.drop(columns="replica"), plain.requests)
+    for name, values in plain.steps.items():
+        assert np.array_equal(steps[name], values), name
+    assert plain.summary["num_preemptions"] > 0  # a loaded engine: the comparison covers preemption
+
+
+def test_round_robin_replicas_replay_exactly_their_share_of_the_trace():
+    """Round-robin routing does not look at the replicas, so each replica must behave exactly as
+    an engine replaying its own rows alone: the shared clock and the routing add nothing."""
+    trace, cfg, n = loaded_trace(240), config(), 3
+    fleet = replay(trace, cfg, "roofline", fleet=FleetSpec(n, "round_robin"))
+    assert fleet.requests["replica"].tolist() == [i % n for i in range(len(trace))]
+    for r in range(n):
+        rows = np.arange(r, len(trace), n)
+        alone = replay(take_rows(trace, rows), cfg, "roofline")
+        mine = fleet.requests.iloc[rows].reset_index(drop=True)
+        pd.testing.assert_frame_equal(mine[LATENCIES], alone.requests[LATENCIES])
+        assert fleet.summary["fleet"]["replicas"][r]["num_steps"] == alone.summary["num_steps"]
+        assert fleet.summary["fleet"]["replicas"][r]["num_preemptions"] == alone.summary["num_preemptions"]
+    s = fleet.summary
+    assert s["num_finished"] == len(trace)
+    assert s["num_steps"] == sum(row["num_steps"] for row in s["fleet"]["replicas"])
+    assert s["duration_s"] == max(row["duration_s"] for row in s["fleet"]["replicas"])
+
+
+@pytest.mark.parametrize("router", ["least_outstanding", "prefix_aware"])
+def test_decode_runs_do_not_change_routing(router, tmp_path):
+    trace = shared_prefix(PrefixGroups(groups=6), n_requests=300, seed=3, arrival=ArrivalProcess("poisson", rate=30.0))
+    cfg = config(num_gpu_blocks=400)
+    for name, runs in (("a", True), ("b", False)):
+        res = replay(trace, cfg, "roofline", use_decode_runs=runs, fleet=FleetSpec(3, router))
+        res.summary["wall_time_s"] = 0.0
+        save(res, tmp_path / name)
+    for f in ("summary.json", "requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_least_outstanding_counts_a_finish_only_strictly_before_the_arrival():
+    # unit model: every step lasts 1 s. Request 1 (one output token) finishes at t = 1 on replica 1;
+    # request 0 stays busy on replica 0 until t = 50.
+    cfg = config()
+    for arrival, expected in ((1.5, 1), (1.0, 0)):
+        trace = frame([(0.0, 10, 50), (0.0, 10, 1), (arrival, 10, 5)])
+        res = replay(trace, cfg, "unit", fleet=FleetSpec(2, "least_outstanding"))
+        # at 1.5 replica 1 is free; at exactly 1.0 its finish has not happened yet: loads tie 1-1,
+        # and the tie goes to the replica after the last one chosen (1), i.e. replica 0
+        assert res.requests["replica"].tolist() == [0, 1, expected], arrival
+    res = replay(frame([(0.0, 10, 50), (0.0, 10, 1), (1.5, 10, 5)]), cfg, "unit", fleet=FleetSpec(2, "round_robin"))
+    assert res.requests["replica"].tolist() == [0, 1, 0]
+
+
+def test_prefix_aware_keeps_conversations_on_the_replica_that_caches_them():
+    trace = multi_turn(SessionShape(sessions=120, turns=5, think_time_s=8), seed=2,
+                       arrival=ArrivalProcess("poisson", rate=3.0))
+    cfg = EngineConfig.from_flat({"num_gpu_blocks": 3000})
+    results = {router: replay(trace, cfg, fleet=FleetSpec(4, router)).summary
+               for router in ("round_robin", "prefix_aware")}
+    rr, pa = results["round_robin"], results["prefix_aware"]
+    assert pa["prefix_cache_hit_rate"] > 2 * rr["prefix_cache_hit_rate"]
+    assert pa["fleet"]["router"]["decisions"]["prefix_match"] > len(trace) / 2
+    assert pa["ttft_s"]["p50"] < rr["ttft_s"]["p50"]
+
+
+def test_prefix_aware_rebalances_a_prompt_every_request_shares():
+    # one system prompt for all: pure affinity would send everything to one replica
+    trace = shared_prefix(PrefixGroups(groups=1), n_requests=400, seed=1, arrival=ArrivalProcess("poisson", rate=200.0))
+    opts = RouterOptions(balance_abs=8, balance_rel=1.5)
+    res = replay(trace, config(num_gpu_blocks=2000, max_model_len=8192), "roofline",
+                 fleet=FleetSpec(4, "prefix_aware", opts))
+    decisions = res.summary["fleet"]["router"]["decisions"]
+    assert decisions.get("rebalance", 0) > 0 and decisions["prefix_match"] > 0
+    # once a rebalanced request has taken the prompt to every replica, all match it equally
+    counts = res.requests["replica"].value_counts()
+    assert sorted(counts.index) == [0, 1, 2, 3] and counts.max() < 0.3 * len(trace)
+
+
+def test_prefix_index_forgets_the_least_recently_sent_blocks():
+    index = PrefixIndex(capacity_tokens=64)
+    index.insert([1, 2, 3], 16)
+    index.insert([1, 4], 16)  # 1 refreshed; 4 fills the capacity
+    assert index.matched_blocks([1, 2, 3]) == 3
+    index.insert([5], 16)  # evicts 2, the least recently sent
+    assert index.matched_blocks([1, 2, 3]) == 1 and index.matched_blocks([4, 5]) == 2
+    assert index.tokens == 64
+
+
+def test_router_options_and_names_are_checked():
+    assert RouterOptions.parse(["cache_threshold=0.5", "balance-abs=10"]) == RouterOptions(0.5, 10, 1.5)
+    for bad in (["cache_threshold"], ["speed=1"], ["balance_abs=x"], ["cache_threshold=2"], ["balance_rel=0.5"]):
+        with pytest.raises(RouterError):
+            RouterOptions.parse(bad)
+    with pytest.raises(RouterError, match="unknown router"):
+        Router("random", 2)
+    with pytest.raises(RouterError, match="at least one replica"):
+        Router("round_robin", 0)
+
+
+def test_fleet_rejects_prompts_too_long_for_every_replica():
+    trace = frame([(0.0, 5000, 3), (0.0, 10, 3), (0.1, 10, 3)])
+    res = replay(trace, config(), "unit", fleet=FleetSpec(2, "round_robin"))
+    assert res.requests["status"].tolist() == ["rejected", "finished", "finished"]
+    assert res.requests["replica"].tolist() == [-1, 0, 1]
+    assert res.summary["num_rejected"] == 1 and res.summary["num_finished"] == 2
+
+
+def test_cli_fleet_replay_writes_the_usual_files_deterministically(tmp_path):
+    runner = CliRunner()
+    args = ["replay", "traces/req400_prefix10.parquet", "--quiet", "--num-gpu-blocks", "3000",
+            "--max-model-len", "4096", "--replicas", "3", "--router", "prefix_aware"]
+    for name in ("x", "y"):
+        r = runner.invoke(main, args + ["--out", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+    for f in ("requests.parquet", "steps.parquet"):
+        assert (tmp_path / "x" / f).read_bytes() == (tmp_path / "y" / f).read_bytes()
+    s = json.loads((tmp_path / "x" / "summary.json").read_text())
+    assert s["fleet"]["num_replicas"] == 3 and len(s["fleet"]["replicas"]) == 3
+    assert sum(row["num_requests"] for row in s["fleet"]["replicas"]) == s["num_requests"] == 400
+    steps = pd.read_parquet(tmp_path / "x" / "steps.parquet")
+    assert sorted(steps["replica"].unique()) == [0, 1, 2]
+    assert "3 replicas behind a prefix_aware router" in (tmp_path / "x" / "report.html").read_text()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--replicas", "0"], "--replicas"),
+    (["--replicas", "2", "--backend", "gpu"], "--replicas"),
+    (["--replicas", "2", "--router-option", "cache_threshold=0.5"], "--router prefix_aware"),
+    (["--replicas", "2", "--router", "prefix_aware", "--router-option", "nope=1"], "--router-option"),
+])
+def test_cli_fleet_errors_name_the_option(extra, message, tmp_path):
+    r = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--quiet", "--out", str(tmp_path / "o")] + extra)
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not (tmp_path / "o").exists()
