@@ -10,7 +10,7 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, read_inputs
+from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, fleet_options, read_fleet, read_inputs
 from simkv.config import ConfigError
 
 
@@ -44,8 +44,22 @@ def to_markdown(record: dict) -> str:
         lines.append(f"The target was missed even at {hi * base:.4g} req/s (1/{1 / hi:g} of the trace's rate): "
                      "the SLOs cannot be met on this engine for this request mix, whatever the load.")
     if record.get("target_rate_req_s") and record.get("replicas"):
-        lines.append(f"For {record['target_rate_req_s']:g} req/s: **{record['replicas']} replicas** of this engine, "
-                     "if requests are spread evenly over them.")
+        lines.append(f"For {record['target_rate_req_s']:g} req/s: {record['replicas']} replicas of this engine "
+                     "if requests were spread evenly over them.")
+    check = record.get("fleet_check")
+    if check:
+        lines += ["", f"Fleets replayed at {check['target_rate_req_s']:g} req/s behind a {check['router']} router:", "",
+                  "| replicas | attainment | met | TTFT p99 s | TPOT p99 ms | preemptions | peak running (per replica) |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        for p in check["probes"]:
+            lines.append(f"| {p['replicas']} | {100 * p['slo_attainment']:.1f} % | {'yes' if p['met'] else 'no'} | "
+                         f"{num(p['ttft_p99_s'], '.3f')} | {num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | "
+                         f"{p['num_preemptions']} | {p['peak_running']} |")
+        lines.append("")
+        lines.append(f"**{check['replicas']} replicas meet the target at {check['target_rate_req_s']:g} req/s.**"
+                     if check["replicas"] else
+                     f"**No fleet of up to {check['max_replicas_tried']} replicas met the target at "
+                     f"{check['target_rate_req_s']:g} req/s.**")
     return "\n".join(lines) + "\n"
 
 
@@ -102,23 +116,27 @@ def grid_markdown(record: dict) -> str:
 @click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
 @click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
 @engine_options
+@fleet_options
 @click.option("--out", "out_dir", default=None, help="Also write goodput.json and goodput.md into this folder.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
                 grids: tuple[str, ...], workers: int, config_file: str | None, cost_model: str, step_base_s: float,
-                step_per_token_s: float, out_dir: str | None, quiet: bool, **flags) -> None:
+                step_per_token_s: float, out_dir: str | None, quiet: bool, replicas: int, router: str,
+                router_options: tuple[str, ...], **flags) -> None:
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
-    still meets the --goodput SLOs for --attainment of the requests (and, with --target-rate,
-    the replicas that rate needs)."""
-    from simkv.studies.goodput_search import replicas_for, search_max_rate
+    (or --replicas of it behind --router) still meets the --goodput SLOs for --attainment of the
+    requests. With --target-rate: the replicas that rate needs, checked by replaying the trace at
+    that rate on fleets of them."""
+    from simkv.studies.goodput_search import check_replicas, replicas_for, search_max_rate
 
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
+    fleet = read_fleet(replicas, router, router_options)
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     if grids:
         record = _grid_search(trace, grids, flat_options(flags, config_file), slo, attainment, tolerance, cost_model,
-                              cost_options, workers, target_rate, quiet)
+                              cost_options, workers, target_rate, quiet, fleet)
         _write(record, grid_markdown(record), out_dir, quiet)
         return
 
@@ -127,20 +145,34 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
             click.echo(f"  {p.rate_req_s:10.3f} req/s: {100 * p.slo_attainment:5.1f} % met the SLOs "
                        f"({'meets' if p.met else 'misses'} the target)", err=True)
 
+    def show_fleet(n, p) -> None:
+        if not quiet:
+            click.echo(f"  {n:3d} replicas at {target_rate:g} req/s: {100 * p.slo_attainment:5.1f} % met the SLOs "
+                       f"({'meets' if p.met else 'misses'} the target)", err=True)
+
     try:
         record = search_max_rate(data, config, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                                 cost_options=cost_options, on_probe=show)
+                                 cost_options=cost_options, on_probe=show, fleet=fleet)
+        record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(),
+                  "fleet": {"num_replicas": replicas, "router": router}, **record}
+        if target_rate is not None:
+            record["target_rate_req_s"] = target_rate
+            if record["status"] == "found":
+                record["replicas"] = replicas_for(target_rate, record["max_rate_req_s"] / replicas)
+                record["fleet_check"] = check_replicas(
+                    data, config, slo, target_rate, record["replicas"], target=attainment, router=router,
+                    router_options=fleet.options if fleet else None, cost_model=cost_model,
+                    cost_options=cost_options, on_probe=show_fleet)
+            else:
+                record["replicas"] = None
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
-    record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(), **record}
-    if target_rate is not None:
-        record["target_rate_req_s"] = target_rate
-        record["replicas"] = replicas_for(target_rate, record["max_rate_req_s"]) if record["status"] == "found" else None
     _write(record, to_markdown(record), out_dir, quiet)
 
 
 def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, attainment: float, tolerance: float,
-                 cost_model: str, cost_options: dict, workers: int, target_rate: float | None, quiet: bool) -> dict:
+                 cost_model: str, cost_options: dict, workers: int, target_rate: float | None, quiet: bool,
+                 fleet) -> dict:
     from simkv.studies.goodput_search import replicas_for, search_grid
     from simkv.sweep import SweepError, parse_grid
 
@@ -155,12 +187,14 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
             click.echo("  " + ", ".join(f"{k}={v}" for k, v in cell["swept"].items()) + f": {what}", err=True)
 
     record = search_grid(trace, base, grid, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                         cost_options=cost_options, workers=workers, on_cell=show)
-    record = {"trace": trace, "cost_model": cost_model, "base_options": base, **record}
+                         cost_options=cost_options, workers=workers, on_cell=show, fleet=fleet)
+    n = fleet.num_replicas if fleet else 1
+    record = {"trace": trace, "cost_model": cost_model, "base_options": base,
+              "fleet": {"num_replicas": n, "router": fleet.router if fleet else "round_robin"}, **record}
     if target_rate is not None:
         record["target_rate_req_s"] = target_rate
         for cell in record["cells"]:
-            cell["replicas"] = replicas_for(target_rate, cell["max_rate_req_s"]) if cell["status"] == "found" else None
+            cell["replicas"] = replicas_for(target_rate, cell["max_rate_req_s"] / n) if cell["status"] == "found" else None
     return record
 
 

@@ -7,7 +7,9 @@ the burstiness and the order stay the trace's own) and counts the requests that 
 the target attainment and another misses it, then bisects between them geometrically until
 they are within ``tolerance`` of each other. The answer is the last rate that met the target.
 Attainment need not fall monotonically with the rate on a finite trace; every probe is reported
-so that a user can see where it did not.
+so that a user can see where it did not. ``check_replicas`` then replays the trace at a target
+rate on fleets of replicas behind a router (``simkv/replay/fleet.py``), from the count an even
+spread would need upwards.
 """
 from __future__ import annotations
 
@@ -47,11 +49,12 @@ def trace_rate(trace) -> float:
     return len(arrivals) / span
 
 
-def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model: str, cost_options: dict | None) -> Probe:
+def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model: str, cost_options: dict | None,
+          fleet=None) -> Probe:
     from simkv.replay.api import replay
 
     scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
-    s = replay(scaled, config, cost_model, cost_options, goodput=slo_ms).summary
+    s = replay(scaled, config, cost_model, cost_options, goodput=slo_ms, fleet=fleet).summary
     g = s["goodput"]
     return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
                  g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
@@ -60,8 +63,9 @@ def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model:
 
 def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
                     cost_model: str = "roofline", cost_options: dict | None = None, max_probes: int = 40,
-                    on_probe=None) -> dict:
-    """The search's record: ``status`` ('found', 'unbounded': met even at MAX_FACTOR x the trace's rate,
+                    on_probe=None, fleet=None) -> dict:
+    """`fleet` (simkv.replay.api.FleetSpec): the rate of that many replicas behind its router.
+    The search's record: ``status`` ('found', 'unbounded': met even at MAX_FACTOR x the trace's rate,
     'unattainable': missed even at 1 / MAX_FACTOR of it), ``max_rate_req_s`` (None unless found
     or unbounded), the bracket and every probe in the order run."""
     if not slo_ms:
@@ -74,7 +78,7 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
     probes: list[Probe] = []
 
     def run(factor: float) -> bool:
-        p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options)
+        p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options, fleet)
         probes.append(p)
         if on_probe is not None:
             on_probe(p)
@@ -123,16 +127,46 @@ def replicas_for(target_rate: float, max_rate: float) -> int:
     return max(1, math.ceil(target_rate / max_rate - 1e-9))
 
 
+def check_replicas(trace, config, slo_ms: dict, target_rate: float, start: int, *, target: float = 0.99,
+                   router: str = "round_robin", router_options=None, cost_model: str = "roofline",
+                   cost_options: dict | None = None, max_replicas: int | None = None, on_probe=None) -> dict:
+    """Replay the trace at ``target_rate`` on fleets of ``start``, ``start + 1``, ... replicas behind
+    ``router`` until one meets the target attainment (at most ``max_replicas``, by default
+    2 * start + 4). An even spread is the best case: bursts and unlucky routing can need more."""
+    from simkv.replay.api import FleetSpec
+    from simkv.replay.router import RouterOptions
+
+    factor = target_rate / trace_rate(trace)
+    limit = max_replicas if max_replicas is not None else 2 * start + 4
+    probes, found = [], None
+    for n in range(max(start, 1), limit + 1):
+        p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options,
+                  FleetSpec(n, router, router_options or RouterOptions()))
+        probes.append({"replicas": n} | asdict(p))
+        if on_probe is not None:
+            on_probe(n, p)
+        if p.met:
+            found = n
+            break
+    return {"router": router, "target_rate_req_s": target_rate, "even_spread_replicas": start,
+            "replicas": found, "max_replicas_tried": limit if found is None else found, "probes": probes}
+
+
 def _search_cell(task: dict) -> dict:
     """One combination of a grid search (runs in a worker process; never raises)."""
     from simkv.config import EngineConfig
     from simkv.traces.schema import read_trace
 
+    from simkv.replay.api import FleetSpec
+    from simkv.replay.router import RouterOptions
+
     out = {"cell_id": task["cell_id"], "index": task["index"], "swept": task["swept"]}
+    fleet = task.get("fleet")
+    fleet = FleetSpec(fleet["num_replicas"], fleet["router"], RouterOptions(**fleet["options"])) if fleet else None
     try:
         record = search_max_rate(read_trace(task["trace"]), EngineConfig.from_flat(task["options"]), task["slo_ms"],
                                  target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
-                                 cost_options=task["cost_options"])
+                                 cost_options=task["cost_options"], fleet=fleet)
     except ValueError as exc:  # ConfigError, GoodputSearchError, TraceError: this cell's, not the grid's
         return out | {"status": "failed", "error": str(exc).splitlines()[0]}
     best = [p for p in record["probes"] if p["factor"] == record["bracket_factors"][0]]
@@ -142,7 +176,7 @@ def _search_cell(task: dict) -> dict:
 
 def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_ms: dict, *, target: float = 0.99,
                 tolerance: float = 0.02, cost_model: str = "roofline", cost_options: dict | None = None,
-                workers: int = 1, on_cell=None) -> dict:
+                workers: int = 1, on_cell=None, fleet=None) -> dict:
     """``search_max_rate`` for every combination of ``grid`` (engine options, ``cost_model``, the
     linear model's ``step_base_s`` / ``step_per_token_s``) over ``base_options``, the combinations
     made and run as `simkv sweep` makes and runs its cells; cells in grid order (the last key
@@ -155,6 +189,9 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
         task = cell.task()
         task.update(index=cell.index, swept=dict(cell.swept), slo_ms=dict(slo_ms), target=target, tolerance=tolerance,
                     cost_options=dict(cost_options or {}) | task["cost_options"])
+        if fleet is not None and fleet.num_replicas > 1:
+            task["fleet"] = {"num_replicas": fleet.num_replicas, "router": fleet.router,
+                             "options": fleet.options.to_dict()}
         tasks[task["cell_id"]] = task
     runs = (run_local(list(tasks.values()), workers, _search_cell) if workers > 1 and len(tasks) > 1
             else map(_search_cell, tasks.values()))

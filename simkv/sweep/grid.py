@@ -12,7 +12,8 @@ from simkv.config import CacheConfig, HardwareConfig, SchedulerConfig
 
 COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
 ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig) for f in fields(klass))
-SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS
+FLEET_KEYS = ("replicas", "router")  # a fleet of the engine behind a router (simkv/replay/fleet.py)
+SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 
 class SweepError(ValueError):
@@ -80,6 +81,7 @@ class Cell:
     cost_model: str
     cost_options: tuple[tuple[str, object], ...]
     goodput: tuple[tuple[str, float], ...] = ()  # latency SLOs in ms (--goodput), judged per cell
+    fleet: tuple[tuple[str, object], ...] = ()  # replicas and router, when given
 
     @property
     def cell_id(self) -> str:
@@ -89,6 +91,8 @@ class Cell:
                 "cost_options": dict(self.cost_options)}
         if self.goodput:
             spec["goodput"] = dict(self.goodput)
+        if self.fleet:
+            spec["fleet"] = dict(self.fleet)
         key = json.dumps(spec, sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -96,7 +100,8 @@ class Cell:
         """What a worker needs (plain data, picklable)."""
         task = {"cell_id": self.cell_id, "trace": self.trace, "options": dict(self.options),
                 "cost_model": self.cost_model, "cost_options": dict(self.cost_options)}
-        return task | ({"goodput": dict(self.goodput)} if self.goodput else {})
+        return (task | ({"goodput": dict(self.goodput)} if self.goodput else {})
+                | ({"fleet": dict(self.fleet)} if self.fleet else {}))
 
 
 def make_cells(traces: list[str], grid: dict[str, list], fixed: dict, cost_model: str,
@@ -110,6 +115,8 @@ def make_cells(traces: list[str], grid: dict[str, list], fixed: dict, cost_model
             merged = dict(fixed) | dict(zip(keys, combo))
             model = merged.pop("cost_model", cost_model)
             cost_opts = {k: merged.pop(k) for k in COST_KEYS if k in merged}
+            fleet = {k: merged.pop(k) for k in FLEET_KEYS if k in merged}
             cells.append(Cell(len(cells), trace, tuple(zip(keys, combo)), tuple(sorted(merged.items())),
-                              str(model), tuple(sorted(cost_opts.items())), tuple((goodput or {}).items())))
+                              str(model), tuple(sorted(cost_opts.items())), tuple((goodput or {}).items()),
+                              tuple(sorted(fleet.items()))))
     return cells

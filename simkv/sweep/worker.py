@@ -37,16 +37,34 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
 
         config = EngineConfig.from_flat(task["options"])
         trace = _read(task["trace"], trace_bytes)
-        result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"))
+        result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"),
+                        fleet=fleet_spec(task.get("fleet")))
         summary = dict(result.summary)
         summary["trace"] = task["trace"]
-        summary["sweep_cell"] = {k: task[k] for k in ("cell_id", "trace", "options", "cost_model", "cost_options")}
+        summary["sweep_cell"] = {k: task[k] for k in ("cell_id", "trace", "options", "cost_model", "cost_options", "fleet")
+                                 if k in task}
         return {"cell_id": task["cell_id"], "status": "ok", "summary": summary}
     except EXPECTED_ERRORS as exc:
         return {"cell_id": task["cell_id"], "status": "failed", "error": _one_line(exc), "detail": ""}
     except Exception as exc:  # noqa: BLE001 - any bug in one cell must not lose the others
         return {"cell_id": task["cell_id"], "status": "failed", "error": _one_line(exc),
                 "detail": traceback.format_exc()}
+
+
+def fleet_spec(fleet: dict | None):
+    """A cell's `replicas` and `router` as a FleetSpec (None: one engine)."""
+    from simkv.replay.api import FleetSpec
+    from simkv.replay.router import ROUTERS, RouterError
+
+    if not fleet:
+        return None
+    replicas = fleet.get("replicas", 1)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise RouterError(f"replicas must be a whole number >= 1, got {replicas!r}")
+    router = fleet.get("router", "round_robin")
+    if router not in ROUTERS:
+        raise RouterError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
+    return FleetSpec(replicas, router)
 
 
 def _one_line(exc: BaseException) -> str:

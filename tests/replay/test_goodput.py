@@ -128,8 +128,13 @@ def test_goodput_command_writes_its_record_and_the_replicas(tmp_path):
                              cost_options=LINEAR)
     assert record["max_rate_req_s"] == pytest.approx(direct["max_rate_req_s"])
     assert record["replicas"] == replicas_for(40, direct["max_rate_req_s"]) and record["config"]["max_num_seqs"] == 32
+    check = record["fleet_check"]  # the even spread's count, replayed as a fleet, and more if it missed
+    assert check["even_spread_replicas"] == record["replicas"] and check["probes"][0]["replicas"] == record["replicas"]
+    assert check["replicas"] == check["probes"][-1]["replicas"] and check["probes"][-1]["met"]
+    assert not any(p["met"] for p in check["probes"][:-1])
     md = (out / "goodput.md").read_text()
     assert f"{record['replicas']} replicas" in md and "Highest rate meeting the target" in md
+    assert f"**{check['replicas']} replicas meet the target at 40 req/s.**" in md
     r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft"])
     assert r.exit_code == 2 and "expected KEY:MILLISECONDS" in r.output
 
@@ -163,3 +168,24 @@ def test_a_grid_search_finds_each_combinations_rate_and_the_best(tmp_path):
     assert "**Best: max_num_seqs=" in (tmp_path / "g" / "goodput.md").read_text()
     r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:1000", "--grid", "max_seqs=1,2"])
     assert r.exit_code == 2 and "unknown option 'max_seqs'" in r.output
+
+
+def test_fleets_sustain_about_their_replicas_times_one_engines_rate():
+    from simkv.replay.api import FleetSpec
+    from simkv.studies.goodput_search import check_replicas
+
+    trace, config = _head(), EngineConfig.from_flat({"max_num_seqs": 32})
+    slo = {"ttft": 1000.0, "tpot": 40.0}
+    kwargs = dict(target=0.95, tolerance=0.05, cost_model="linear", cost_options=LINEAR)
+    one = search_max_rate(trace, config, slo, **kwargs)["max_rate_req_s"]
+    two = search_max_rate(trace, config, slo, fleet=FleetSpec(2, "least_outstanding"), **kwargs)["max_rate_req_s"]
+    # a little over twice is possible: on a finite trace at twice the rate an overload lasts half as long
+    assert 1.6 * one < two < 3.0 * one
+    # at twice one engine's rate, one replica is not enough and the check climbs until a fleet meets it
+    kwargs.pop("tolerance")
+    check = check_replicas(trace, config, slo, 2 * one, 1, router="least_outstanding", **kwargs)
+    counts = [p["replicas"] for p in check["probes"]]
+    assert counts[0] == 1 and not check["probes"][0]["met"]
+    assert check["replicas"] == counts[-1] >= 2 and check["probes"][-1]["met"]
+    none = check_replicas(trace, config, slo, 50 * one, 1, max_replicas=3, **kwargs)
+    assert none["replicas"] is None and [p["replicas"] for p in none["probes"]] == [1, 2, 3]

@@ -277,3 +277,24 @@ def test_goodput_slos_are_judged_in_every_cell(local_sweep, tmp_path):
     assert "slo_attainment" not in pq.read_table(local_sweep / "sweep.parquet").column_names
     res = sweep(TRACE, *FIXED, "--goodput", "ttft", "--out", str(tmp_path / "bad"))
     assert res.exit_code != 0 and "expected KEY:MILLISECONDS" in res.output
+
+
+def test_fleet_cells_replay_a_fleet_and_bad_ones_fail_alone(tmp_path):
+    from simkv.replay.api import FleetSpec
+
+    out = tmp_path / "sweep"
+    res = sweep("traces/req400_prefix10.parquet", "--grid", "replicas=2,0", "--grid", "router=round_robin,prefix_aware",
+                *FIXED, "--out", str(out))
+    assert res.exit_code == 1
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [(r["replicas"], r["router"], r["status"]) for r in rows] == [
+        (2, "round_robin", "ok"), (2, "prefix_aware", "ok"), (0, "round_robin", "failed"), (0, "prefix_aware", "failed")]
+    assert "replicas must be a whole number >= 1, got 0" in rows[2]["error"]
+    config = EngineConfig.from_flat({"num_gpu_blocks": 3000, "max_model_len": 4096})
+    direct = replay(read_trace("traces/req400_prefix10.parquet"), config, "unit", fleet=FleetSpec(2, "prefix_aware")).summary
+    assert (rows[1]["num_steps"], rows[1]["prefix_cache_hit_rate"]) == (direct["num_steps"], direct["prefix_cache_hit_rate"])
+    cell = json.loads((out / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
+    assert cell["fleet"]["num_replicas"] == 2 and cell["sweep_cell"]["fleet"] == {"replicas": 2, "router": "prefix_aware"}
+    # a one-engine grid keeps its cell ids: the fleet keys enter an id only when given
+    plain = make_cells(["a.parquet"], {"block_size": [16]}, {}, "unit")[0]
+    assert plain.fleet == () and "fleet" not in plain.task()
