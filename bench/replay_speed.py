@@ -4,6 +4,8 @@ within 3 minutes at <= 2 GB peak memory).
 
     .venv/bin/python bench/replay_speed.py azure        # full Azure conv trace (19,366 requests)
     .venv/bin/python bench/replay_speed.py synth-1m     # 1,000,000 lognormal requests, Poisson arrivals
+    .venv/bin/python bench/replay_speed.py azure-fleet4 # the Azure trace at 4x its rate on 4 replicas
+                                                        # (least_outstanding router): a fleet's cost
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -35,6 +37,11 @@ def load(case: str):
 
     if case == "azure":
         return import_trace("azure", [AZURE])[0]
+    if case == "azure-fleet4":
+        from dataclasses import replace
+
+        trace = import_trace("azure", [AZURE])[0]
+        return replace(trace, arrival_time_s=trace.arrival_time_s / 4.0)
     if case == "synth-1m":
         # ~1M requests at 60 req/s: a saturated H100 serving llama-3-8b.
         return lognormal(1_000_000, seed=1, arrival=ArrivalProcess(kind="poisson", rate=60.0), fast=True)
@@ -43,13 +50,14 @@ def load(case: str):
 
 def run_case(case: str) -> dict:
     from simkv.config import EngineConfig
-    from simkv.replay.api import replay
+    from simkv.replay.api import FleetSpec, replay
 
     t0 = time.perf_counter()
     trace = load(case)
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
-    res = replay(trace, EngineConfig())
+    fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
+    res = replay(trace, EngineConfig(), fleet=fleet)
     t_call = time.perf_counter() - t1
     s = res.summary
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
