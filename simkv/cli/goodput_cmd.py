@@ -131,7 +131,8 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
-    fleet = read_fleet(replicas, router, router_options)
+    fleet = read_fleet(replicas, router, router_options, config_file)
+    replicas, router = fleet.num_replicas, fleet.router
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     if grids:
@@ -161,7 +162,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                 record["replicas"] = replicas_for(target_rate, record["max_rate_req_s"] / replicas)
                 record["fleet_check"] = check_replicas(
                     data, config, slo, target_rate, record["replicas"], target=attainment, router=router,
-                    router_options=fleet.options if fleet else None, cost_model=cost_model,
+                    router_options=fleet.options, cost_model=cost_model,
                     cost_options=cost_options, on_probe=show_fleet)
             else:
                 record["replicas"] = None
@@ -188,9 +189,9 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
 
     record = search_grid(trace, base, grid, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
                          cost_options=cost_options, workers=workers, on_cell=show, fleet=fleet)
-    n = fleet.num_replicas if fleet else 1
+    n = fleet.num_replicas
     record = {"trace": trace, "cost_model": cost_model, "base_options": base,
-              "fleet": {"num_replicas": n, "router": fleet.router if fleet else "round_robin"}, **record}
+              "fleet": {"num_replicas": n, "router": fleet.router}, **record}
     if target_rate is not None:
         record["target_rate_req_s"] = target_rate
         for cell in record["cells"]:

@@ -41,10 +41,14 @@ def load_config_file(path: str) -> dict:
     return data
 
 
+FLEET_CONFIG_KEYS = ("replicas", "router", "router_options")  # --config keys that are not engine options
+
+
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
     """Engine options from --config, then the flags (vLLM's names, underscores)."""
     options = load_config_file(config_file) if config_file else {}
     options = {k.replace("-", "_"): v for k, v in options.items()}
+    options = {k: v for k, v in options.items() if k not in FLEET_CONFIG_KEYS}
     for flag, name in _ENGINE_FLAGS.items():
         if cli_values.get(flag) is not None:
             options[name] = cli_values[flag]
@@ -83,14 +87,15 @@ def engine_options(command):
 
 
 def fleet_options(command):
-    """--replicas, --router, --router-option (replay, goodput)."""
+    """--replicas, --router, --router-option (replay, goodput); --config may give them too."""
     from simkv.replay.router import ROUTERS
 
     for option in reversed([
-        click.option("--replicas", type=int, default=1, show_default=True,
-                     help="Engine replicas behind a router, each with the engine options below (simulated replays)."),
-        click.option("--router", type=click.Choice(ROUTERS), default="round_robin", show_default=True,
-                     help="How the fleet's router picks a replica (simkv/replay/router.py)."),
+        click.option("--replicas", type=int, default=None,
+                     help="Engine replicas behind a router, each with the engine options below (simulated "
+                          "replays) [default: 1]."),
+        click.option("--router", type=click.Choice(ROUTERS), default=None,
+                     help="How the fleet's router picks a replica (simkv/replay/router.py) [default: round_robin]."),
         click.option("--router-option", "router_options", multiple=True, metavar="KEY=VALUE",
                      help="prefix_aware's thresholds: cache_threshold (0.3), balance_abs (64), balance_rel (1.5)."),
     ]):
@@ -98,11 +103,30 @@ def fleet_options(command):
     return command
 
 
-def read_fleet(replicas: int, router: str, router_options: tuple[str, ...]):
-    """The FleetSpec of --replicas/--router/--router-option, None for one replica; a click error otherwise."""
+def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
+               config_file: str | None = None):
+    """The FleetSpec of --replicas/--router/--router-option (else the --config file's `replicas`,
+    `router` and `router_options` mapping; one replica is the plain engine); a click error otherwise."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import RouterError, RouterOptions
+    from simkv.replay.router import ROUTERS, RouterError, RouterOptions
 
+    file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    if replicas is None:
+        replicas = file.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise click.BadParameter(f"{config_file}: replicas must be a whole number, got {replicas!r}",
+                                     param_hint="--config")
+    if router is None:
+        router = file.get("router", "round_robin")
+        if router not in ROUTERS:
+            raise click.BadParameter(f"{config_file}: router must be one of {', '.join(ROUTERS)}, got {router!r}",
+                                     param_hint="--config")
+    if not router_options:
+        from_file = file.get("router_options") or {}
+        if not isinstance(from_file, dict):
+            raise click.BadParameter(f"{config_file}: router_options must be a mapping of KEY: VALUE",
+                                     param_hint="--config")
+        router_options = tuple(f"{k}={v}" for k, v in from_file.items())
     if replicas < 1:
         raise click.BadParameter(f"must be at least 1, got {replicas}", param_hint="--replicas")
     try:
@@ -111,7 +135,7 @@ def read_fleet(replicas: int, router: str, router_options: tuple[str, ...]):
         raise click.BadParameter(str(exc), param_hint="--router-option") from None
     if router_options and router != "prefix_aware":
         raise click.UsageError("--router-option sets prefix_aware's thresholds; add --router prefix_aware")
-    return FleetSpec(replicas, router, options) if replicas > 1 else None
+    return FleetSpec(replicas, router, options)
 
 
 _ENGINE_OPTIONS = [
@@ -187,8 +211,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
-    fleet = read_fleet(replicas, router, router_options)
-    if fleet is not None and backend == "gpu":
+    fleet = read_fleet(replicas, router, router_options, config_file)
+    if fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")
     slo, config, data = read_inputs(trace, flags, config_file, goodput)

@@ -177,3 +177,22 @@ def test_cli_fleet_errors_name_the_option(extra, message, tmp_path):
     r = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--quiet", "--out", str(tmp_path / "o")] + extra)
     assert r.exit_code == 2 and message in r.output, r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_config_file_may_give_the_fleet_and_flags_override_it(tmp_path):
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text("num_gpu_blocks: 3000\nmax_model_len: 4096\nreplicas: 2\nrouter: prefix_aware\n"
+                   "router_options: {cache_threshold: 0.5}\n")
+    runner = CliRunner()
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--quiet", "--config", str(cfg), "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    fleet = json.loads((tmp_path / "a" / "summary.json").read_text())["fleet"]
+    assert fleet["num_replicas"] == 2 and fleet["router"]["policy"] == "prefix_aware"
+    assert fleet["router"]["options"]["cache_threshold"] == 0.5
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--quiet", "--config", str(cfg), "--replicas", "3",
+                             "--router", "prefix_aware", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["fleet"]["num_replicas"] == 3
+    cfg.write_text("replicas: 2\nrouter: fastest\n")
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--quiet", "--config", str(cfg), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 2 and "router must be one of" in r.output and "--config" in r.output
