@@ -18,8 +18,8 @@ import simpy
 
 from simkv.clock import to_ticks
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun
-from simkv.replay.results import (dist, itl_samples, request_table, stored_and_wasted_slots, summarize,
-                                  weighted_dist)
+from simkv.replay.results import (itl_samples, latencies_and_rates, request_table, stored_and_wasted_slots,
+                                  summarize, weighted_dist)
 from simkv.replay.router import Router
 
 
@@ -171,7 +171,6 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     status = requests["status"].to_numpy()
     finished = status == "finished"
     duration = max((s["duration_s"] for s in replicas), default=0.0)
-    out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
     stored = wasted = 0
     for run, frame in zip(runs, per_replica):
         a, b = stored_and_wasted_slots(run, config, frame["status"].to_numpy() == "finished")
@@ -222,17 +221,11 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-        "ttft_s": dist(requests["ttft_s"].to_numpy()),
-        "itl_s": weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples])),
-        "tpot_s": dist(requests["mean_itl_s"].to_numpy()),
-        "e2e_s": dist(requests["e2e_s"].to_numpy()),
-        "queue_s": dist(requests["queue_s"].to_numpy()),
-        "output_throughput_tok_s": out_tokens / duration if duration > 0 else 0.0,
-        "request_throughput_req_s": float(finished.sum()) / duration if duration > 0 else 0.0,
-        "wall_time_s": wall_time_s,
-        "fleet": {"num_replicas": len(runs), "router": routing.router.describe(),
-                  "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]},
     }
+    itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
+    summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
+    summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
+                        "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
     return summary
 
 

@@ -121,7 +121,6 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
     stored, wasted = stored_and_wasted_slots(run, config, finished)
     frag = 100.0 * wasted / stored if stored else 0.0
     duration = float(steps["start_time_s"][-1] + steps["duration_s"][-1]) if run.steps.num_steps else 0.0
-    out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
     stats = kv.prefix_cache_stats
     return {
         "backend": "sim",
@@ -156,8 +155,16 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
+    } | latencies_and_rates(requests, itl_distribution(run), duration, wall_time_s)
+
+
+def latencies_and_rates(requests: pd.DataFrame, itl: dict, duration: float, wall_time_s: float) -> dict:
+    """The summary's latency distributions (ITL given), throughputs over `duration`, and wall time."""
+    finished = requests["status"].to_numpy() == "finished"
+    out_tokens = int(requests["output_tokens"].to_numpy()[finished].sum())
+    return {
         "ttft_s": dist(requests["ttft_s"].to_numpy()),
-        "itl_s": itl_distribution(run),
+        "itl_s": itl,
         "tpot_s": dist(requests["mean_itl_s"].to_numpy()),
         "e2e_s": dist(requests["e2e_s"].to_numpy()),
         "queue_s": dist(requests["queue_s"].to_numpy()),
