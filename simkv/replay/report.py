@@ -32,6 +32,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
                 ("cost model", cost["cost_model"])]
     fleet = summary.get("fleet")
+    per = ", per replica" if fleet else ""
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
@@ -39,9 +40,9 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("requests (finished / rejected)", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})"),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} steps"),
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
-        ("running (peak / mean)", f"{summary['peak_running']:,} / {summary['mean_running']:,.1f}"),
-        ("waiting (peak)", f"{summary['peak_waiting']:,}"),
-        ("KV blocks (peak used / total)", f"{summary['peak_blocks_used']:,} / {summary['num_gpu_blocks']:,} of {cfg['block_size']} tokens"),
+        ("running (peak / mean)" + per, f"{summary['peak_running']:,} / {summary['mean_running']:,.1f}"),
+        ("waiting (peak)" + per, f"{summary['peak_waiting']:,}"),
+        ("KV blocks (peak used / total)" + per, f"{summary['peak_blocks_used']:,} / {summary['num_gpu_blocks']:,} of {cfg['block_size']} tokens"),
         ("internal fragmentation", f"{summary['internal_fragmentation_pct']:.2f} %"),
         ("preemptions (events / requests)", f"{summary['num_preemptions']:,} / {summary['num_preempted_requests']:,}"),
         ("prefix cache hit rate", f"{100 * summary['prefix_cache_hit_rate']:.2f} % ({summary['prefix_cache_hits_tokens']:,} of {summary['prefix_cache_queries_tokens']:,} tokens)"),
