@@ -33,7 +33,8 @@ class ReplayResult:
     summary: dict
     requests: pd.DataFrame
     steps: dict
-    run: ReplayRun
+    run: ReplayRun  # a fleet's first replica
+    fleet_runs: list[ReplayRun] | None = None  # a fleet's replicas, in order
 
 
 @contextmanager
@@ -97,7 +98,7 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica)
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
-    return ReplayResult(summary, requests, steps, runs[0])
+    return ReplayResult(summary, requests, steps, runs[0], runs)
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:
