@@ -189,3 +189,18 @@ def test_fleets_sustain_about_their_replicas_times_one_engines_rate():
     assert check["replicas"] == counts[-1] >= 2 and check["probes"][-1]["met"]
     none = check_replicas(trace, config, slo, 50 * one, 1, max_replicas=3, **kwargs)
     assert none["replicas"] is None and [p["replicas"] for p in none["probes"]] == [1, 2, 3]
+
+
+def test_a_grid_search_of_a_fleet_searches_each_combinations_fleet(tmp_path):
+    from simkv.replay.api import FleetSpec
+    from simkv.studies.goodput_search import search_grid
+
+    trace = tmp_path / "head.parquet"
+    assert CliRunner().invoke(main, ["trace", "transform", AZURE, "--head", "200", "--out", str(trace)]).exit_code == 0
+    slo, fleet = {"ttft": 1000.0, "tpot": 40.0}, FleetSpec(2, "least_outstanding")
+    kwargs = dict(target=0.95, tolerance=0.05, cost_model="linear", cost_options=LINEAR)
+    record = search_grid(str(trace), {}, {"max_num_seqs": [16, 64]}, slo, fleet=fleet, **kwargs)
+    for cell in record["cells"]:
+        direct = search_max_rate(read_trace(str(trace)), EngineConfig.from_flat(cell["swept"]), slo, fleet=fleet, **kwargs)
+        alone = search_max_rate(read_trace(str(trace)), EngineConfig.from_flat(cell["swept"]), slo, **kwargs)
+        assert cell["max_rate_req_s"] == direct["max_rate_req_s"] > alone["max_rate_req_s"]
