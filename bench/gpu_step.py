@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
-    t_start = time.perf_counter()
     batches = [1, 8, 32, 64, 128] if cuda else [1, 4, 8]
     contexts = [1024, 4096] if cuda else [64]
     prefills = [512, 2048] if cuda else [32]
@@ -58,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(args.model, need, block, device, seed=0, kernel_backend=args.kernel_backend)
     warm_up(runner, 1)
     timer = StepTimer(runner.device)
+    t_start = time.perf_counter()  # the budget is for measuring: building the model and warming up come first
+    out = Path(args.out)
+    result = {"model": args.model, "layer_ops": runner.ops.name, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+              "torch": torch.__version__, "cuda_graphs": "not reached", "piecewise_graphs": "not reached",
+              "repeats": args.repeats, "rows": []}
 
     def measure(prefill, decodes) -> dict:
         out = synthetic_output(prefill, decodes, block, need)
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             hosts.append(sum(runner.last_host_times))
         return {"step_ms": 1e3 * statistics.median(times), "host_ms": 1e3 * statistics.median(hosts)}
 
-    rows = []
+    rows = result["rows"]
     shapes = [("decode", [], [c] * b, f"B{b}@{c}") for c in contexts for b in batches]
     shapes += [("prefill", [(0, n)], [], f"chunk {n}") for n in prefills]
     # a small chunk riding with decodes: eager unless piecewise graphs are on (vLLM's default runs
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         rows.append({"kind": kind, "shape": label, "eager": measure(prefill, decodes)})
         print(label, rows[-1], flush=True)
+    write_report(out, result)  # after each phase: a step killed by its time limit keeps what it measured
+
     @contextmanager
     def ops_swapped(ops):
         """The runner's steps on another op set, meanwhile."""
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["heuristic"] = measure(prefill, decodes)
                 row["heuristic_over_tuned"] = row["heuristic"]["step_ms"] / row["eager"]["step_ms"]
                 print(label, row, flush=True)
+    write_report(out, result)
+
     def time_from_graphs(takes) -> None:
         """The "graphs" columns of the measured rows whose shape `takes(kind, tokens)` accepts."""
         for row, (kind, prefill, decodes, label) in zip(rows, shapes):
@@ -122,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             print(label, row, flush=True)
 
     graphs_status = runner.enable_decode_graphs(max(batches)) if cuda else "off: not on CUDA"
+    result["cuda_graphs"] = graphs_status
     if runner.decode_graphs is not None:
         time_from_graphs(lambda kind, tokens: kind == "decode")
+    write_report(out, result)
     # steps with prefill chunks from piecewise graphs (vLLM's FULL_AND_PIECEWISE), captured only for
     # the token counts these shapes need (on CPU: the same pieces on static buffers, run eagerly)
     from gpu_backend.piecewise_graphs import piecewise_sizes
@@ -137,17 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         pieces_status = runner.enable_piecewise_graphs(wanted[-1], capture=cuda, sizes=wanted)
     if runner.piecewise_graphs is not None:
         time_from_graphs(lambda kind, tokens: kind != "decode" and tokens <= wanted[-1])
-    result = {"model": args.model, "layer_ops": runner.ops.name, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "torch": torch.__version__, "cuda_graphs": graphs_status, "piecewise_graphs": pieces_status,
-              "repeats": args.repeats, "rows": rows}
-    out = Path(args.out)
+    result["piecewise_graphs"] = pieces_status
+    print(write_report(out, result))
+    return 0
+
+
+def write_report(out: Path, result: dict) -> str:
+    """gpu_step.json and gpu_step.md from what has been measured so far; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_step.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"## GPU-backend step time ({result['device']}, {args.model}, torch {result['torch']})", "",
-             f"Decode CUDA graphs: {graphs_status}. Piecewise graphs: {pieces_status}. Median of {args.repeats} "
-             "steps; host = time inside input preparation and the forward call (on CUDA: enqueueing). The graphs "
-             "columns are the full decode graphs for decode rows and the piecewise graphs for the others.", "",
-             f"Kernels: {runner.ops.name}. Unfused: the same eager step with torch operators for the "
+    lines = [f"## GPU-backend step time ({result['device']}, {result['model']}, torch {result['torch']})", "",
+             f"Decode CUDA graphs: {result['cuda_graphs']}. Piecewise graphs: {result['piecewise_graphs']}. Median of "
+             f"{result['repeats']} steps; host = time inside input preparation and the forward call (on CUDA: "
+             "enqueueing). The graphs columns are the full decode graphs for decode rows and the piecewise graphs for "
+             "the others.", "",
+             f"Kernels: {result['layer_ops']}. Unfused: the same eager step with torch operators for the "
              "element-wise work; launches: GPU operations (kernels and copies) one step issues, fused / unfused. "
              "Heuristic: with a kernel tuning in force (kernels/tuning.py), the same eager step on the launcher's "
              "heuristic tiles.", "",
@@ -158,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     def cell(value, fmt) -> str:
         return "-" if value is None else format(value, fmt)
 
-    for r in rows:
+    for r in result["rows"]:
         g, u, h = r.get("graphs") or {}, r.get("unfused") or {}, r.get("heuristic") or {}
         launches = (f"{r['launches']} / {r['launches_unfused']}"
                     if r.get("launches") is not None and r.get("launches_unfused") is not None else "-")
@@ -167,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{cell(h.get('step_ms'), '.2f')} | {cell(r.get('heuristic_over_tuned'), '.2f')} | "
                      f"{cell(g.get('step_ms'), '.2f')} | {cell(g.get('host_ms'), '.2f')} | "
                      f"{cell(r.get('eager_over_graphs'), '.2f')} |")
-    (out / "gpu_step.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    text = "\n".join(lines) + "\n"
+    (out / "gpu_step.md").write_text(text)
+    return text
 
 
 def kernel_launches(runner, output) -> int | None:

@@ -67,6 +67,10 @@ def markdown(result: dict) -> str:
                 "| % copy BW | % matmul | max diff vs first |",
                 "|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
         for r in result["sweep"]:
+            if "config" not in r:  # the case's inputs could not be built
+                out.append(f"| {r['kind']} {r['num_seqs']}x({r['context']}+{r['q_len']}) | {r['error'][:80]} "
+                           "| | | | | | | | | | | | |")
+                continue
             c = r["config"]
             flags = " | ".join("yes" if c.get(k) else "no" for k in ("new_kv", "prefetch_ids", "tma_new_kv", "tma_paged"))
             head = f"{c['block_m']} | {c['tile_n']} | {c['num_segments']} | {c['num_warps']} | {c['num_stages']} | {flags}"

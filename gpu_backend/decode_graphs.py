@@ -38,16 +38,18 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 def capture_graph(fn, pool):
     """(graph, what `fn` returned): `fn` captured into a CUDA graph drawing on memory `pool`.
-    Python's gc.collect is suspended meanwhile: some torch releases call it at every capture,
-    which costs minutes over the ~1,700 captures of piecewise graphs with a replay's heap (vLLM
-    suspends it during its captures too)."""
+    Python's gc.collect and torch.cuda.empty_cache are suspended meanwhile: torch's capture calls
+    both each time, which costs minutes over the ~1,700 captures of piecewise graphs with a
+    replay's heap and caches (vLLM suspends them during its captures too)."""
     collect, gc.collect = gc.collect, (lambda *args, **kwargs: 0)
+    empty_cache, torch.cuda.empty_cache = torch.cuda.empty_cache, (lambda: None)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             result = fn()
     finally:
         gc.collect = collect
+        torch.cuda.empty_cache = empty_cache
     return graph, result
 
 

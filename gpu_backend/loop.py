@@ -116,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     calib = out / "calib.json"
     graphs = ["--cudagraph-mode", args.cudagraph_mode]
+    # the grid's measuring budget, within what the stage's time limit leaves after building the model,
+    # warming up and capturing graphs (about a minute): the measured replay needs the rest
+    calib_budget = round(min(args.calib_budget_s, max(30.0, 0.35 * (left() - 60))))
     cal_cmd = [*SIMKV, "calibrate", "--model", args.model, "--device", device, "--out", str(calib), "--quiet",
-               "--budget-s", str(args.calib_budget_s), *graphs]
+               "--budget-s", str(calib_budget), *graphs]
     if device == "cpu":
         cal_cmd += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
     if args.interleaved:
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                                *engine, *graphs, "--out", str(out / "measured"), "--calibrate-alongside",
                                                str(calib), "--quiet"], left() - 30, out, status)
     else:
-        ok_cal = _run("calibrate", cal_cmd, min(args.calib_budget_s + 120, left() - 60), out, status)
+        ok_cal = _run("calibrate", cal_cmd, min(calib_budget + 120, left() - 60), out, status)
         ok_meas = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
                                       *engine, *graphs, "--out", str(out / "measured"), "--quiet"], left() - 30, out, status)
     targets = "gpu" if device == "cuda" else "cpu"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from simkv.config import EngineConfig
@@ -142,5 +143,8 @@ def run_gpu_replay_cli(trace, config: EngineConfig, out_dir, device: str | None,
                                    "partial_steps.parquet and error.json") from None
     except RuntimeError as exc:
         if "CUDA" in str(exc) or "device" in str(exc):
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)  # where it failed: a device fault is rarely reproduced
             raise click.ClickException(str(exc)) from None
         raise

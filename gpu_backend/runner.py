@@ -15,6 +15,7 @@ comes from the trace, EOS is ignored.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -116,6 +117,9 @@ class ModelRunner:
         try:
             graphs = build(capture)
         except Exception as exc:  # noqa: BLE001 - a capture failure leaves the eager path working
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)  # the status keeps 200 characters; the log keeps where
             if self.device.type == "cuda":
                 try:
                     torch.cuda.synchronize(self.device)
@@ -267,6 +271,9 @@ class ModelRunner:
         if batch.input_ids.size == 0:
             self.last_host_times = (time.perf_counter() - t0, 0.0)
             return [], None
+        if batch.max_seq_len > self.max_positions + 1:  # past the rotary tables: a device-side assert on CUDA
+            raise ValueError(f"step {output.step} reaches position {batch.max_seq_len - 1}, past the model's "
+                             f"{self.max_positions + 1} positions; raise --max-model-len")
         graphs = self.decode_graphs
         if graphs is not None and not output.chunks and graphs.fits(batch):
             t1 = time.perf_counter()

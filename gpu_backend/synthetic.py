@@ -71,16 +71,20 @@ def attention_variant_shapes(runner, max_seqs: int = 256) -> list[tuple[list, li
     max_ctx = runner.model.cos_table.shape[0] - 2
     seen, shapes = set(), []
     b = 1
+    contexts = []
+    ctx = 16
+    while ctx < max_ctx:
+        contexts.append(ctx)
+        ctx *= 2
+    contexts.append(max_ctx)  # the longest context a replay can meet splits the keys the most
     while b <= max_seqs:
-        ctx = 16
-        while ctx <= max_ctx:
+        for ctx in contexts:
             cfg = choose_config(qpk=qpk, head_pad=max(16, next_power_of_two(spec.head_dim)), elem_size=elem,
                                 num_seqs=b, num_kv_heads=spec.num_kv_heads, max_query_len=1, max_seq_len=ctx + 1,
-                                num_sms=_num_sms(runner.device))
+                                num_sms=_num_sms(runner.device), tuning=getattr(runner, "kernel_tuning", None))
             if cfg not in seen:
                 seen.add(cfg)
                 shapes.append(([], [ctx] * b))
-            ctx *= 2
         b *= 2
     for n in (2, 8, 64):  # prefill tile variants: tiny chunks, mid, large
         shapes.append(([(0, n)], [32]))

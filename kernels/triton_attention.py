@@ -91,18 +91,20 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-_tma_allocator_installed = False
-
-
 def _install_tma_allocator() -> None:
     """Device-side tensor descriptors (TMA) need scratch memory at launch; Triton asks the
-    allocator set here, once per process (plans run every step)."""
-    global _tma_allocator_installed
-    if not _tma_allocator_installed:
-        import triton
+    allocator set here. Triton keeps it per context (a ContextVar), so this checks each plan
+    (every step) and sets it where none is set; an allocator of the caller's stays."""
+    import triton
 
-        triton.set_allocator(_tma_scratch)
-        _tma_allocator_installed = True
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another triton layout: set it, as triton documents
+        pass
+    triton.set_allocator(_tma_scratch)
 
 
 def _tma_paged_unfit(key_cache: torch.Tensor, config: AttentionConfig) -> str | None:

@@ -146,3 +146,12 @@ def test_cuda_runner_matches_cpu_reference():
         torch.testing.assert_close(b.float().cpu(), a, rtol=0.05, atol=0.05)
         steps += 1
     assert steps >= 4
+
+
+def test_a_position_past_the_rotary_tables_is_refused_before_the_forward():
+    from gpu_backend.synthetic import synthetic_output
+
+    runner = ModelRunner("tiny-llama", 16, 16, "cpu")
+    with pytest.raises(ValueError, match="reaches position .* past the model's"):
+        runner.run(synthetic_output([], [runner.max_positions + 1], 16, 16))
+    runner.run(synthetic_output([], [runner.max_positions], 16, 16))  # the last position is fine
