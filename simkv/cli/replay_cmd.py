@@ -236,6 +236,11 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)
+    rejected = result.summary["num_rejected"]
+    if rejected:  # vLLM refuses these prompts the same way; say how to serve them
+        click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
+                   f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",
+                   err=True)
     from simkv.compare.run_report import write_run_report_safely
 
     write_run_report_safely(out_dir)

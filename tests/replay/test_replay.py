@@ -184,3 +184,13 @@ def test_trace_beyond_the_clock_range_is_refused():
     trace = frame([(0.0, 10, 3), (60 * 86400.0, 10, 2)])  # a request 60 days in
     with pytest.raises(ReplayError, match="spans 60 days"):
         replay(trace, config(), "unit")
+
+
+def test_cli_warns_when_prompts_are_rejected(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0.0,5000,3\n0.1,10,3\n")
+    r = CliRunner().invoke(main, ["replay", str(trace), "--out", str(tmp_path / "o"), "--quiet", "--max-model-len", "4096"])
+    assert r.exit_code == 0, r.output
+    assert "warning: 1 of 2 requests were rejected" in r.output and "max_model_len = 4,096" in r.output
+    r = CliRunner().invoke(main, ["replay", str(trace), "--out", str(tmp_path / "p"), "--quiet", "--max-model-len", "8192"])
+    assert r.exit_code == 0 and "warning" not in r.output
