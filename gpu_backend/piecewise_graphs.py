@@ -22,6 +22,9 @@ themselves need CUDA (a test marked cuda compares their logits with the eager fo
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import torch
 
@@ -39,12 +42,29 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
     return out + [next(s for s in ladder if s >= max_tokens)]
 
 
+def capture_order(sizes: list[int]) -> list[int]:
+    """The largest size, then the powers of two, then the rest, each group largest first: a
+    capture cut short by its budget still covers every step, at a coarser padding."""
+    largest = max(sizes)
+    twos = sorted((s for s in sizes if s != largest and s & (s - 1) == 0), reverse=True)
+    rest = sorted((s for s in sizes if s != largest and s & (s - 1) != 0), reverse=True)
+    return [largest] + twos + rest
+
+
 class PiecewiseGraphs:
     """The forward's pieces between attentions, replayed from CUDA graphs (or run eagerly)."""
 
-    def __init__(self, runner, max_tokens: int, capture: bool = True, sizes: list[int] | None = None) -> None:
+    def __init__(self, runner, max_tokens: int, capture: bool = True, sizes: list[int] | None = None,
+                 capture_budget_s: float | None = None) -> None:
+        """`capture_budget_s` (default: $SIMKV_GRAPH_CAPTURE_BUDGET_S, else none) stops capturing
+        once spent: the largest size first, then the powers of two, then the rest; `sizes` then
+        lists the captured ones, and a step pads to the next of them (slower, not wrong)."""
         self.runner = runner
         self.sizes = sorted(sizes) if sizes else piecewise_sizes(max_tokens)
+        if capture_budget_s is None and os.environ.get("SIMKV_GRAPH_CAPTURE_BUDGET_S"):
+            capture_budget_s = float(os.environ["SIMKV_GRAPH_CAPTURE_BUDGET_S"])
+        self.capture_budget_s = capture_budget_s
+        self.cut_short = False
         size = self.sizes[-1]
         dev = runner.device
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
@@ -87,12 +107,17 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):  # largest first: smaller sizes reuse its memory
+        t0 = time.perf_counter()
+        for b in capture_order(self.sizes):  # largest first: smaller sizes reuse its memory
+            if self.graphs and self.capture_budget_s is not None and time.perf_counter() - t0 > self.capture_budget_s:
+                break
             pieces = self._pieces(b)
             for piece in pieces:  # compiles this size's kernels outside the capture
                 piece()
             torch.cuda.synchronize(self.runner.device)
             self.graphs[b] = [capture_graph(piece, pool)[0] for piece in pieces]
+        self.cut_short = len(self.graphs) < len(self.sizes)
+        self.sizes = sorted(self.graphs)
         upload([g for graphs in self.graphs.values() for g in graphs], self.runner.device)
 
     @torch.inference_mode()

@@ -129,7 +129,8 @@ class ModelRunner:
             return None, [], f"off: capture failed ({type(exc).__name__}: {str(exc)[:200]})"
         sizes = graphs.sizes
         status = (f"{'captured' if capture else 'static buffers, eager'}: {len(sizes)} {unit} {sizes[0]}..{sizes[-1]}"
-                  + (f" in {time.perf_counter() - t0:.1f} s" if capture else ""))
+                  + (f" in {time.perf_counter() - t0:.1f} s" if capture else "")
+                  + (" (capture budget spent: other sizes pad up to these)" if getattr(graphs, "cut_short", False) else ""))
         return graphs, (list(sizes) if capture else []), status
 
     def enable_decode_graphs(self, max_batch: int, capture: bool | None = None) -> str:

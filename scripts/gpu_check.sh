@@ -162,6 +162,9 @@ fi  # MODE != loop
 gpu_backend_loop() {
     local out="$1/gpu_loop"
     mkdir -p "$out"
+    # each process of the loop stops capturing piecewise graphs after this long (the largest size and
+    # the powers of two first; later steps pad to a coarser size): captures must not eat the replays
+    export SIMKV_GRAPH_CAPTURE_BUDGET_S="${SIMKV_GRAPH_CAPTURE_BUDGET_S:-$([ "$MODE" = all ] && echo 30 || echo 90)}"
     local site="$SITE"   # the wheels, installed at the start (install_wheels)
     # this host's Python time in our kernel wrappers per call, one-call vs planned (no GPU work; seconds)
     step launch_overhead 40 $PY bench/launch_overhead.py --calls 1000 --rounds 3

@@ -97,3 +97,13 @@ def test_path_of_each_step_is_what_the_cost_model_assumes():
     for (_, _, tokens, mixed, padded_to, graph_batch), ei, wi, ti in zip(rows, e, w, t):
         assert (wi == 1) == (padded_to > 0) and (ei == 1) == (padded_to == 0 and graph_batch == 0)
         assert ti == (padded_to or graph_batch or tokens)
+
+
+def test_a_capture_cut_short_keeps_the_largest_size_then_the_powers_of_two():
+    from gpu_backend.piecewise_graphs import capture_order, piecewise_sizes
+
+    sizes = piecewise_sizes(512)
+    order = capture_order(sizes)
+    assert sorted(order) == sorted(sizes) and order[0] == 512
+    assert order[1:10] == [256, 128, 64, 32, 16, 8, 4, 2, 1]
+    assert order[10:] == sorted((s for s in sizes if s & (s - 1)), reverse=True)
