@@ -133,14 +133,26 @@ class ReplayEngine:
         self.env.run(until=engine)
         return self.result()
 
-    def start(self) -> simpy.Process:
-        """Register the engine's processes on the environment; the engine process ends with the replay."""
+    def start(self, own_arrivals: bool = True) -> simpy.Process:
+        """Register the engine's processes on the environment; the engine process ends with the replay.
+        `own_arrivals=False`: no arrival process of its own; whoever feeds the engine wakes it when
+        idle (`wake`), as a fleet's router does."""
         last_arrival = self.feed.last_arrival_ticks()
         if last_arrival >= MAX_TICKS:
             raise ReplayError(f"the trace spans {last_arrival / TICKS_PER_SECOND / 86400:.0f} days; simkv's "
                               f"clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days of simulated time")
-        self.env.process(self._arrivals())
+        if own_arrivals:
+            self.env.process(self._arrivals())
         return self.env.process(self._engine())
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for work (`wake` resumes it)."""
+        return self._idle is not None and not self._idle.triggered
+
+    def wake(self, tick: int) -> None:
+        """Resume an idle engine at `tick` (now): requests for it have arrived, or the trace ended."""
+        self._idle.succeed(tick)
 
     def result(self) -> ReplayRun:
         if self.now >= MAX_TICKS:
@@ -175,7 +187,8 @@ class ReplayEngine:
                 if feed.exhausted:
                     return
                 self._idle = env.event()
-                self._engine_idle.succeed()
+                if self._engine_idle is not None:
+                    self._engine_idle.succeed()
                 arrival = yield self._idle
                 self._idle = None
                 self.now = max(self.now, arrival)

@@ -1,11 +1,12 @@
 """A fleet: N identical engine replicas behind a router, on one SimPy clock.
 
 Each replica is an ordinary `ReplayEngine` (its own scheduler, KV-cache manager and block
-pool). The trace's requests are routed in arrival order, each at the first moment some replica
-needs to know (an idle replica waking at the arrival, or a busy one reaching a step boundary
-after it). A routing decision at arrival time T depends only on what the router has sent and
-on the finishes strictly before T, so it does not depend on the order in which SimPy resumes
-replicas at the same instant: the same trace and options give the same fleet, byte for byte.
+pool). The router's process routes the trace's requests in arrival order, each at its arrival
+(a replica reaching a step boundary at that same instant may do it first); a busy replica takes
+its requests at its next step boundary, an idle one is woken. A routing decision at arrival time
+T depends only on what the router has sent and on the finishes strictly before T, so it does not
+depend on the order in which SimPy resumes processes at one instant: the same trace and options
+give the same fleet, byte for byte.
 """
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ class FleetRouting:
 
     def note_finished(self, replica: int, count: int, tick: int) -> None:
         self._finishes[replica].append((tick, count))
+
+    def router_process(self, env, engines: list[ReplayEngine]):
+        """The router in simulated time: at each arrival it routes and wakes the idle replica that
+        got work (busy ones take it at their next step boundary); once all are routed it wakes the
+        idle ones, which then end. Idle replicas otherwise sleep, however many arrivals pass."""
+        while True:
+            t = self.next_unrouted_ticks()
+            if t is None:
+                break
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            self.route_until(env.now)
+            for r, engine in enumerate(engines):
+                if self.queues[r] and engine.idle:
+                    engine.wake(env.now)
+        for engine in engines:
+            if engine.idle:
+                engine.wake(env.now)
 
     def route_until(self, now: int) -> None:
         """Route every request that arrived by tick `now`."""
@@ -124,7 +143,8 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
 
     engines = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs, on_progress, capacity=capacity,
                             env=env, make_feed=feed_of(r)) for r, backend in enumerate(backends)]
-    processes = [engine.start() for engine in engines]
+    processes = [engine.start(own_arrivals=False) for engine in engines]
+    env.process(routing.router_process(env, engines))
     env.run(until=simpy.AllOf(env, processes))
     return [engine.result() for engine in engines], routing
 
