@@ -56,7 +56,9 @@ def to_markdown(record: dict) -> str:
                          f"{num(p['ttft_p99_s'], '.3f')} | {num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | "
                          f"{p['num_preemptions']} | {p['peak_running']} |")
         lines.append("")
-        lines.append(f"**{check['replicas']} replicas meet the target at {check['target_rate_req_s']:g} req/s.**"
+        lines.append(f"**{check['replicas']} replicas meet the target at {check['target_rate_req_s']:g} req/s"
+                     + (f"; {check['replicas'] - 1} did not.**" if any(p["replicas"] == check["replicas"] - 1
+                                                                       for p in check["probes"]) else ".**")
                      if check["replicas"] else
                      f"**No fleet of up to {check['max_replicas_tried']} replicas met the target at "
                      f"{check['target_rate_req_s']:g} req/s.**")
@@ -155,7 +157,8 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         record = search_max_rate(data, config, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
                                  cost_options=cost_options, on_probe=show, fleet=fleet)
         record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(),
-                  "fleet": {"num_replicas": replicas, "router": router}, **record}
+                  "fleet": {"num_replicas": replicas, "router": router, "router_options": fleet.options.to_dict()},
+                  **record}
         if target_rate is not None:
             record["target_rate_req_s"] = target_rate
             if record["status"] == "found":
@@ -191,11 +194,13 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
                          cost_options=cost_options, workers=workers, on_cell=show, fleet=fleet)
     n = fleet.num_replicas
     record = {"trace": trace, "cost_model": cost_model, "base_options": base,
-              "fleet": {"num_replicas": n, "router": fleet.router}, **record}
+              "fleet": {"num_replicas": n, "router": fleet.router, "router_options": fleet.options.to_dict()},
+              **record}
     if target_rate is not None:
         record["target_rate_req_s"] = target_rate
         for cell in record["cells"]:
-            cell["replicas"] = replicas_for(target_rate, cell["max_rate_req_s"] / n) if cell["status"] == "found" else None
+            per_replica = cell["max_rate_req_s"] / cell.get("num_replicas", n) if cell["status"] == "found" else None
+            cell["replicas"] = replicas_for(target_rate, per_replica) if per_replica else None
     return record
 
 

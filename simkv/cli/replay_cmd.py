@@ -105,36 +105,46 @@ def fleet_options(command):
 
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
                config_file: str | None = None):
-    """The FleetSpec of --replicas/--router/--router-option (else the --config file's `replicas`,
-    `router` and `router_options` mapping; one replica is the plain engine); a click error otherwise."""
+    """The FleetSpec of --replicas/--router/--router-option over the --config file's `replicas`,
+    `router` and `router_options` mapping (flags win, router options key by key; one replica is
+    the plain engine); a click error naming the flag or the file otherwise."""
     from simkv.replay.api import FleetSpec
     from simkv.replay.router import ROUTERS, RouterError, RouterOptions
 
     file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+
+    def bad(message: str, from_file: bool):
+        return click.BadParameter(f"{config_file}: {message}" if from_file else message,
+                                  param_hint="--config" if from_file else flag)
+
+    flag = "--replicas"
     if replicas is None:
         replicas = file.get("replicas", 1)
-        if not isinstance(replicas, int) or isinstance(replicas, bool):
-            raise click.BadParameter(f"{config_file}: replicas must be a whole number, got {replicas!r}",
-                                     param_hint="--config")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise bad(f"replicas must be a whole number >= 1, got {replicas!r}", True)
+    elif replicas < 1:
+        raise bad(f"must be at least 1, got {replicas}", False)
+    flag = "--router"
     if router is None:
         router = file.get("router", "round_robin")
         if router not in ROUTERS:
-            raise click.BadParameter(f"{config_file}: router must be one of {', '.join(ROUTERS)}, got {router!r}",
-                                     param_hint="--config")
-    if not router_options:
-        from_file = file.get("router_options") or {}
-        if not isinstance(from_file, dict):
-            raise click.BadParameter(f"{config_file}: router_options must be a mapping of KEY: VALUE",
-                                     param_hint="--config")
-        router_options = tuple(f"{k}={v}" for k, v in from_file.items())
-    if replicas < 1:
-        raise click.BadParameter(f"must be at least 1, got {replicas}", param_hint="--replicas")
-    try:
-        options = RouterOptions.parse(router_options)
-    except RouterError as exc:
-        raise click.BadParameter(str(exc), param_hint="--router-option") from None
+            raise bad(f"router must be one of {', '.join(ROUTERS)}, got {router!r}", True)
+    flag = "--router-option"
+    from_file = file.get("router_options") or {}
+    if not isinstance(from_file, dict):
+        raise bad("router_options must be a mapping of KEY: VALUE", True)
     if router_options and router != "prefix_aware":
         raise click.UsageError("--router-option sets prefix_aware's thresholds; add --router prefix_aware")
+    if router != "prefix_aware":
+        from_file = {}  # the file's thresholds were for a router the flags replaced
+    try:
+        RouterOptions.parse([f"{k}={v}" for k, v in from_file.items()])
+    except RouterError as exc:
+        raise bad(str(exc), True) from None
+    try:
+        options = RouterOptions.parse([f"{k}={v}" for k, v in from_file.items()] + list(router_options))
+    except RouterError as exc:
+        raise bad(str(exc), False) from None
     return FleetSpec(replicas, router, options)
 
 

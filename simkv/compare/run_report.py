@@ -103,7 +103,7 @@ def run_report_html(run_dir: str | Path) -> str:
     itl_v, itl_w = token_itl(steps)
     charts += [cdf_chart([("TTFT", 1e3 * fin["ttft_s"].to_numpy())], "TTFT CDF", "TTFT (ms)"),
                cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
-               line_chart([("step duration", steps["start_time_s"].to_numpy(), 1e3 * steps["duration_s"].to_numpy())],
+               line_chart(_per_replica(steps, "step duration", 1e3 * steps["duration_s"].to_numpy()),
                           "Step durations", "time (s)", "ms")]
     body = [f"<p>trace: {html.escape(str(summary.get('trace')))}</p>", _summary_table(summary)]
     if summary.get("fleet"):

@@ -27,6 +27,9 @@ class FleetSpec:
     router: str = "round_robin"
     options: RouterOptions = RouterOptions()
 
+    def __post_init__(self) -> None:
+        Router(self.router, self.num_replicas, self.options)  # RouterError (a ValueError) names what is wrong
+
 
 @dataclass
 class ReplayResult:

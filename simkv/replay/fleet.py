@@ -96,7 +96,8 @@ class FleetRouting:
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0
-        r = self.router.choose(loads, hashes, block_tokens)
+        salt = trace.cache_salt[i] if trace.cache_salt is not None else None
+        r = self.router.choose(loads, hashes, block_tokens, salt)
         self.assignment[i] = r
         loads[r] += 1
         self.queues[r].append(i)
@@ -158,7 +159,7 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace) -> tuple[p
     and steps (every replica's, replica by replica), and each replica's own request table."""
     assignment = routing.assignment
     per_replica = [request_table(run, trace) for run in runs]
-    merged = per_replica[0].copy() if per_replica else request_table(runs[0], trace)
+    merged = per_replica[0].copy()
     for column in _MERGED_COLUMNS:
         values = merged[column].to_numpy().copy()
         for r, frame in enumerate(per_replica[1:], start=1):
@@ -180,8 +181,9 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace) -> tuple[p
 def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, backends, capacity, wall_time_s: float,
                   requests: pd.DataFrame, per_replica: list[pd.DataFrame]) -> dict:
     """summary.json of a fleet: the same keys as one engine's, over the whole fleet (latencies over
-    all requests, counts summed; per-engine peaks and `num_gpu_blocks` are per replica, the
-    largest over the replicas), plus `fleet`: the router and one row per replica."""
+    all requests, counts summed, ratios pooled; per-engine peaks and `num_gpu_blocks` are per
+    replica, the largest over the replicas; `mean_running` is the mean over all replicas' steps),
+    plus `fleet`: the router and one row per replica."""
     replicas = []
     for r, (run, frame) in enumerate(zip(runs, per_replica)):
         s = summarize(run, trace, config, backends[r], capacity, 0.0, frame)
@@ -206,9 +208,14 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         return max(s[key] for s in replicas)
 
     allocator = dict(replicas[0]["allocator_stats"])
-    for key, value in allocator.items():
+    for key, value in allocator.items():  # peaks: the largest over the replicas
         if isinstance(value, (int, float)):
             allocator[key] = max(s["allocator_stats"][key] for s in replicas)
+    if "reservation_waste_pct" in allocator:  # a ratio: pooled over the replicas
+        managers = [run.scheduler.kv_cache_manager for run in runs]
+        reserved = sum(m.reserved_slots for m in managers)
+        allocator["reservation_waste_pct"] = (100.0 * sum(m.reserved_unwritten_slots for m in managers) / reserved
+                                              if reserved else 0.0)
     summary = {
         "backend": "sim",
         "cost_model": replicas[0]["cost_model"],
@@ -220,7 +227,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "duration_s": duration,
         "num_steps": total("num_steps"),
         "peak_running": largest("peak_running"),
-        "mean_running": float(np.mean([s["mean_running"] for s in replicas])),
+        "mean_running": float(sum(s["mean_running"] * s["num_steps"] for s in replicas) / max(total("num_steps"), 1)),
         "peak_waiting": largest("peak_waiting"),
         "num_gpu_blocks": replicas[0]["num_gpu_blocks"],
         "peak_blocks_used": largest("peak_blocks_used"),

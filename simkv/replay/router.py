@@ -5,12 +5,15 @@ finished, and the prompts' block hashes. It does not read the replicas' schedule
 `prefix_aware` policy keeps its own approximate index of the prefixes each replica has cached,
 as cache-aware routers (SGLang's, llm-d's) do.
 
-- `round_robin`: replica i mod N (a Kubernetes service, vLLM's production-stack default).
+- `round_robin`: the next replica in turn (a Kubernetes service, vLLM's production-stack
+  default); rejected requests take no turn.
 - `least_outstanding`: the replica with the fewest requests in flight (sent, not yet finished).
 - `prefix_aware`: the replica holding the longest prefix of the prompt, unless loads are
   unbalanced (then the least loaded) or no replica holds at least `cache_threshold` of it (then
   the least loaded). Loads are unbalanced when the largest exceeds the smallest by more than
-  `balance_abs` requests and by a factor `balance_rel`.
+  `balance_abs` requests and by a factor `balance_rel`. Block hashes are chained as the engine
+  chains them, cache salt included, so a block matches only where the whole prefix up to it
+  does, and a salted prompt only its own tenant's.
 Ties go to the first replica after the last one chosen, so equal replicas take turns.
 """
 
@@ -60,6 +63,20 @@ class RouterOptions:
                 "balance_rel": self.balance_rel}
 
 
+def chained(hashes: np.ndarray | None, salt: str | None = None) -> list[int]:
+    """Keys of a prompt's blocks that, like the engine's block hashes, each stand for the whole
+    prefix up to their block (and the request's cache salt): block i of two prompts matches
+    only where blocks 0..i all do."""
+    if hashes is None:
+        return []
+    key = hash(salt) if salt else 0
+    out = []
+    for h in hashes.tolist():
+        key = hash((key, h))
+        out.append(key)
+    return out
+
+
 class PrefixIndex:
     """The block hashes a router has sent to one replica, least recently sent first, holding
     at most `capacity_tokens` tokens of them (the replica's KV cache size)."""
@@ -95,8 +112,8 @@ class Router:
                  cache_tokens_per_replica: int = 0) -> None:
         if policy not in ROUTERS:
             raise RouterError(f"unknown router {policy!r}; choose one of {', '.join(ROUTERS)}")
-        if num_replicas < 1:
-            raise RouterError(f"a fleet needs at least one replica, got {num_replicas}")
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise RouterError(f"a fleet needs a whole number of replicas, at least one; got {num_replicas!r}")
         self.policy = policy
         self.num_replicas = num_replicas
         self.options = options or RouterOptions()
@@ -105,14 +122,15 @@ class Router:
         self.indexes = ([PrefixIndex(cache_tokens_per_replica) for _ in range(num_replicas)]
                         if policy == "prefix_aware" else None)
 
-    def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int) -> int:
-        """The replica for one request, given each replica's outstanding requests."""
+    def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int, salt: str | None = None) -> int:
+        """The replica for one request, given each replica's outstanding requests (and, for
+        prefix_aware, the prompt's block hashes and cache salt)."""
         if self.policy == "round_robin":
             choice, reason = (self.last + 1) % self.num_replicas, "round_robin"
         elif self.policy == "least_outstanding":
             choice, reason = self._least_loaded(loads), "least_loaded"
         else:
-            choice, reason = self._prefix_aware(loads, hashes, block_tokens)
+            choice, reason = self._prefix_aware(loads, chained(hashes, salt), block_tokens)
         self.last = choice
         self.num_by_reason[reason] += 1
         return choice
@@ -125,9 +143,8 @@ class Router:
         low = min(loads)
         return self._first_after_last([r for r, load in enumerate(loads) if load == low])
 
-    def _prefix_aware(self, loads: list[int], hashes, block_tokens: int) -> tuple[int, str]:
+    def _prefix_aware(self, loads: list[int], keys: list[int], block_tokens: int) -> tuple[int, str]:
         opts = self.options
-        keys = hashes.tolist() if hashes is not None else []
         low, high = min(loads), max(loads)
         if high - low > opts.balance_abs and high > opts.balance_rel * low:
             choice, reason = self._least_loaded(loads), "rebalance"

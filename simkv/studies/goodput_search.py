@@ -130,26 +130,38 @@ def replicas_for(target_rate: float, max_rate: float) -> int:
 def check_replicas(trace, config, slo_ms: dict, target_rate: float, start: int, *, target: float = 0.99,
                    router: str = "round_robin", router_options=None, cost_model: str = "roofline",
                    cost_options: dict | None = None, max_replicas: int | None = None, on_probe=None) -> dict:
-    """Replay the trace at ``target_rate`` on fleets of ``start``, ``start + 1``, ... replicas behind
-    ``router`` until one meets the target attainment (at most ``max_replicas``, by default
-    2 * start + 4). An even spread is the best case: bursts and unlucky routing can need more."""
+    """The fewest replicas behind ``router`` that meet the target attainment at ``target_rate``,
+    by replaying the trace on fleets: from ``start`` (an even spread's count) upwards until one
+    meets it (at most ``max_replicas``, by default 2 * start + 4), or downwards while they do.
+    An even spread is the best case for a router, but a finite trace's bursts can go either way."""
     from simkv.replay.api import FleetSpec
     from simkv.replay.router import RouterOptions
 
     factor = target_rate / trace_rate(trace)
+    start = max(start, 1)
     limit = max_replicas if max_replicas is not None else 2 * start + 4
-    probes, found = [], None
-    for n in range(max(start, 1), limit + 1):
+    probes, met = [], {}
+
+    def run(n: int) -> bool:
         p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options,
                   FleetSpec(n, router, router_options or RouterOptions()))
         probes.append({"replicas": n} | asdict(p))
         if on_probe is not None:
             on_probe(n, p)
-        if p.met:
-            found = n
-            break
-    return {"router": router, "target_rate_req_s": target_rate, "even_spread_replicas": start,
-            "replicas": found, "max_replicas_tried": limit if found is None else found, "probes": probes}
+        met[n] = p.met
+        return p.met
+
+    n = start
+    if run(n):
+        while n > 1 and run(n - 1):
+            n -= 1
+    else:
+        while n < limit and not run(n + 1):
+            n += 1
+        n = n + 1 if met.get(n + 1) else None
+    return {"router": router, "router_options": (router_options or RouterOptions()).to_dict(),
+            "target_rate_req_s": target_rate, "even_spread_replicas": start, "replicas": n,
+            "max_replicas_tried": max(met), "probes": probes}
 
 
 def _search_cell(task: dict) -> dict:
@@ -157,13 +169,12 @@ def _search_cell(task: dict) -> dict:
     from simkv.config import EngineConfig
     from simkv.traces.schema import read_trace
 
-    from simkv.replay.api import FleetSpec
-    from simkv.replay.router import RouterOptions
+    from simkv.sweep.worker import fleet_spec
 
-    out = {"cell_id": task["cell_id"], "index": task["index"], "swept": task["swept"]}
-    fleet = task.get("fleet")
-    fleet = FleetSpec(fleet["num_replicas"], fleet["router"], RouterOptions(**fleet["options"])) if fleet else None
+    out = {"cell_id": task["cell_id"], "index": task["index"], "swept": task["swept"],
+           "num_replicas": (task.get("fleet") or {}).get("replicas", 1)}
     try:
+        fleet = fleet_spec(task.get("fleet"))
         record = search_max_rate(read_trace(task["trace"]), EngineConfig.from_flat(task["options"]), task["slo_ms"],
                                  target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
                                  cost_options=task["cost_options"], fleet=fleet)
@@ -189,9 +200,14 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
         task = cell.task()
         task.update(index=cell.index, swept=dict(cell.swept), slo_ms=dict(slo_ms), target=target, tolerance=tolerance,
                     cost_options=dict(cost_options or {}) | task["cost_options"])
-        if fleet is not None and fleet.num_replicas > 1:
-            task["fleet"] = {"num_replicas": fleet.num_replicas, "router": fleet.router,
-                             "options": fleet.options.to_dict()}
+        # the command's fleet, under the cell's own `replicas` / `router` (grid or fixed keys)
+        cell_fleet = task.pop("fleet", {})
+        if fleet is not None:
+            cell_fleet = {"replicas": fleet.num_replicas, "router": fleet.router} | cell_fleet
+            if fleet.options != type(fleet.options)():
+                cell_fleet["router_options"] = fleet.options.to_dict()
+        if cell_fleet:
+            task["fleet"] = cell_fleet
         tasks[task["cell_id"]] = task
     runs = (run_local(list(tasks.values()), workers, _search_cell) if workers > 1 and len(tasks) > 1
             else map(_search_cell, tasks.values()))

@@ -138,7 +138,7 @@ def test_router_options_and_names_are_checked():
             RouterOptions.parse(bad)
     with pytest.raises(RouterError, match="unknown router"):
         Router("random", 2)
-    with pytest.raises(RouterError, match="at least one replica"):
+    with pytest.raises(RouterError, match="whole number of replicas, at least one"):
         Router("round_robin", 0)
 
 
@@ -196,3 +196,49 @@ def test_config_file_may_give_the_fleet_and_flags_override_it(tmp_path):
     cfg.write_text("replicas: 2\nrouter: fastest\n")
     r = runner.invoke(main, ["replay", "traces/req400.parquet", "--quiet", "--config", str(cfg), "--out", str(tmp_path / "c")])
     assert r.exit_code == 2 and "router must be one of" in r.output and "--config" in r.output
+
+
+def test_prefix_aware_matches_whole_prefixes_within_one_cache_salt():
+    from simkv.replay.router import chained
+
+    a, b = chained(np.array([1, 2, 3])), chained(np.array([9, 2, 3]))
+    assert a[0] != b[0] and a[1] != b[1]  # block 1 matches only where block 0 does too
+    assert chained(np.array([1, 2]), "tenant-a") != chained(np.array([1, 2]), "tenant-b")
+    index = PrefixIndex(capacity_tokens=1000)
+    index.insert(a, 16)
+    assert index.matched_blocks(chained(np.array([1, 2, 7]))) == 2 and index.matched_blocks(b) == 0
+    # four salted tenants with one system prompt: no tenant's prompt matches another's cache
+    rows = pd.DataFrame({"arrival_time_s": np.arange(40) * 0.05, "prompt_tokens": 64, "output_tokens": 4,
+                         "block_hashes": [[1, 2, 3, 4]] * 40, "cache_salt": [f"t{i % 4}" for i in range(40)]})
+    trace = trace_from_frame(rows, hash_block_tokens=16)
+    res = replay(trace, config(), "roofline", fleet=FleetSpec(4, "prefix_aware"))
+    by_tenant = res.requests.assign(tenant=[f"t{i % 4}" for i in range(40)]).groupby("tenant")["replica"].nunique()
+    assert (by_tenant == 1).all() and res.requests["replica"].nunique() == 4  # each tenant kept on one replica
+
+
+def test_fleet_ratios_are_pooled_and_mean_running_is_over_all_steps():
+    cfg = EngineConfig(CacheConfig(num_gpu_blocks=600, allocator="contiguous"),
+                       SchedulerConfig(max_model_len=512, max_num_batched_tokens=512))
+    trace = frame([(0.01 * i, 400 if i % 2 == 0 else 20, 60 if i % 2 == 0 else 2) for i in range(40)])
+    res = replay(trace, cfg, "roofline", fleet=FleetSpec(2, "round_robin"))  # long on 0, short on 1
+    managers = [run.scheduler.kv_cache_manager for run in res.fleet_runs]
+    pooled = 100 * sum(m.reserved_unwritten_slots for m in managers) / sum(m.reserved_slots for m in managers)
+    assert res.summary["allocator_stats"]["reservation_waste_pct"] == pytest.approx(pooled)
+    assert res.summary["mean_running"] == pytest.approx(float(np.mean(res.steps["num_running"])))
+
+
+def test_config_file_errors_name_the_file_and_flags_override_key_by_key(tmp_path):
+    from simkv.cli.replay_cmd import read_fleet
+    import click
+
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text("router: prefix_aware\nrouter_options: {cache_threshold: 0.5}\n")
+    spec = read_fleet(2, None, ("balance_abs=4",), str(cfg))
+    assert (spec.options.cache_threshold, spec.options.balance_abs) == (0.5, 4)
+    assert read_fleet(2, "least_outstanding", (), str(cfg)).router == "least_outstanding"  # the flag wins
+    for text, message in (("replicas: 0\n", "replicas must be a whole number >= 1"),
+                          ("router_options: {balance_abs: 10.5}\nrouter: prefix_aware\n", "is not a int")):
+        cfg.write_text(text)
+        with pytest.raises(click.BadParameter) as info:
+            read_fleet(None, None, (), str(cfg))
+        assert message in str(info.value) and str(cfg) in str(info.value) and info.value.param_hint == "--config"

@@ -128,13 +128,13 @@ def test_goodput_command_writes_its_record_and_the_replicas(tmp_path):
                              cost_options=LINEAR)
     assert record["max_rate_req_s"] == pytest.approx(direct["max_rate_req_s"])
     assert record["replicas"] == replicas_for(40, direct["max_rate_req_s"]) and record["config"]["max_num_seqs"] == 32
-    check = record["fleet_check"]  # the even spread's count, replayed as a fleet, and more if it missed
+    check = record["fleet_check"]  # the even spread's count replayed as a fleet, then up or down
     assert check["even_spread_replicas"] == record["replicas"] and check["probes"][0]["replicas"] == record["replicas"]
-    assert check["replicas"] == check["probes"][-1]["replicas"] and check["probes"][-1]["met"]
-    assert not any(p["met"] for p in check["probes"][:-1])
+    met = {p["replicas"]: p["met"] for p in check["probes"]}
+    assert met[check["replicas"]] and all(not ok for n, ok in met.items() if n < check["replicas"])
     md = (out / "goodput.md").read_text()
     assert f"{record['replicas']} replicas" in md and "Highest rate meeting the target" in md
-    assert f"**{check['replicas']} replicas meet the target at 40 req/s.**" in md
+    assert f"**{check['replicas']} replicas meet the target at 40 req/s" in md
     r = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft"])
     assert r.exit_code == 2 and "expected KEY:MILLISECONDS" in r.output
 
@@ -189,6 +189,11 @@ def test_fleets_sustain_about_their_replicas_times_one_engines_rate():
     assert check["replicas"] == counts[-1] >= 2 and check["probes"][-1]["met"]
     none = check_replicas(trace, config, slo, 50 * one, 1, max_replicas=3, **kwargs)
     assert none["replicas"] is None and [p["replicas"] for p in none["probes"]] == [1, 2, 3]
+    # from an estimate that is too high, the check goes down to the fewest that still meet it
+    down = check_replicas(trace, config, slo, 2 * one, check["replicas"] + 2, router="least_outstanding", **kwargs)
+    assert down["replicas"] == check["replicas"] and [p["replicas"] for p in down["probes"]] == \
+        list(range(check["replicas"] + 2, check["replicas"] - 2, -1))[:len(down["probes"])]
+    assert not down["probes"][-1]["met"] and down["probes"][-1]["replicas"] == check["replicas"] - 1
 
 
 def test_a_grid_search_of_a_fleet_searches_each_combinations_fleet(tmp_path):
@@ -204,3 +209,23 @@ def test_a_grid_search_of_a_fleet_searches_each_combinations_fleet(tmp_path):
         direct = search_max_rate(read_trace(str(trace)), EngineConfig.from_flat(cell["swept"]), slo, fleet=fleet, **kwargs)
         alone = search_max_rate(read_trace(str(trace)), EngineConfig.from_flat(cell["swept"]), slo, **kwargs)
         assert cell["max_rate_req_s"] == direct["max_rate_req_s"] > alone["max_rate_req_s"]
+
+
+def test_a_grid_may_sweep_the_fleet_itself(tmp_path):
+    from simkv.replay.api import FleetSpec
+    from simkv.studies.goodput_search import search_grid
+
+    trace = tmp_path / "head.parquet"
+    assert CliRunner().invoke(main, ["trace", "transform", AZURE, "--head", "200", "--out", str(trace)]).exit_code == 0
+    slo = {"ttft": 1000.0, "tpot": 40.0}
+    kwargs = dict(target=0.95, tolerance=0.05, cost_model="linear", cost_options=LINEAR)
+    # the command's fleet (3 replicas, least_outstanding) under each cell's own replica count
+    record = search_grid(str(trace), {"max_num_seqs": 16}, {"replicas": [1, 2]}, slo,
+                         fleet=FleetSpec(3, "least_outstanding"), **kwargs)
+    config = EngineConfig.from_flat({"max_num_seqs": 16})
+    for cell, n in zip(record["cells"], (1, 2)):
+        direct = search_max_rate(read_trace(str(trace)), config, slo, fleet=FleetSpec(n, "least_outstanding"), **kwargs)
+        assert cell["status"] == "found" and cell["num_replicas"] == n
+        assert cell["max_rate_req_s"] == direct["max_rate_req_s"]
+    bad = search_grid(str(trace), {}, {"replicas": [0]}, slo, **kwargs)
+    assert bad["cells"][0]["status"] == "failed" and "replicas" in bad["cells"][0]["error"]
