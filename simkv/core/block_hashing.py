@@ -107,6 +107,11 @@ class WeakBlockHasher(BlockHasher):
     def forget(self, request: Request) -> None:
         self._true.pop(request.index, None)
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """A forked sequence takes its parent's keys of the prompt blocks it shares: the weak
+        ones come with its block_hashes, the true ones here, aligned with them."""
+        self._true[child.index] = self._true.get(parent.index, [])[:len(child.block_hashes)]
+
     def _content(self, request: Request, i: int) -> tuple:
         bs = self.block_size
         if (i + 1) * bs <= request.num_shared_tokens:

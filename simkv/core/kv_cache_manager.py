@@ -51,6 +51,7 @@ class PrefixCacheStats:
 class ComputedBlocks:
     blocks: list[KVCacheBlock] = field(default_factory=list)
     num_tokens: int = 0
+    num_false: int = 0  # weak hash only: blocks among them holding other content (counted if admitted)
 
 
 _NO_HITS = ComputedBlocks()  # shared, never mutated
@@ -79,7 +80,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, reserve_null_block)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size)
-        self.num_false_prefix_hits = 0  # hit blocks whose content differs (weak hash only)
+        self.num_false_prefix_hits = 0  # admitted hit blocks whose content differs (weak hash only)
         self.num_cow_copies = 0  # first writes into a partial block shared by forked sequences
         self.num_forks = 0  # forked sequences exist: only then can a partial block be shared
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
@@ -107,10 +108,11 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        num_false = 0
         if self.hasher.weak:
             true_key = self.hasher.true_key
-            self.num_false_prefix_hits += sum(b.content_id != true_key(request, i) for i, b in enumerate(blocks))
-        return ComputedBlocks(blocks, len(blocks) * self.block_size)
+            num_false = sum(b.content_id != true_key(request, i) for i, b in enumerate(blocks))
+        return ComputedBlocks(blocks, len(blocks) * self.block_size, num_false)
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.enable_caching:
@@ -166,6 +168,7 @@ class KVCacheManager:
             return None
         if hit_blocks:
             pool.touch(hit_blocks)
+            self.num_false_prefix_hits += computed.num_false  # served: counted once, when admitted
         if cow >= 0:
             self._copy_on_write(req_blocks, cow)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
@@ -207,6 +210,8 @@ class KVCacheManager:
         self.req_to_blocks[child.index] = list(blocks)
         self.num_cached_block[child.index] = self.num_cached_block[parent.index]
         child.block_hashes = parent.block_hashes[:parent.num_prompt_tokens // self.block_size]
+        if self.hasher.weak:
+            self.hasher.fork(parent, child)
 
     def decode_block_need(self, request: Request, num_computed_tokens: int, num_lookahead_tokens: int) -> bool:
         """Whether a steady decoder's next token needs a block: a copy of a shared partial

@@ -41,3 +41,32 @@ def test_cli_flag(tmp_path):
                                   "--num-gpu-blocks", "6250", "--max-model-len", "4096", "--cost-model", "unit",
                                   "--quiet", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
+
+
+def _crowded_trace(seed: int, samples: bool = False):
+    rng = np.random.default_rng(seed)
+    n = 160
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 3, n)), "prompt_tokens": rng.integers(1, 600, n),
+                          "output_tokens": rng.integers(1, 80, n)})
+    if samples:
+        frame["n"] = rng.choice([1, 1, 2, 3], n)
+    return trace_from_frame(frame)
+
+
+def test_false_hits_are_counted_once_per_admission_whatever_the_stepping():
+    # a small pool: the waiting head is looked up again at every step it cannot be admitted;
+    # decode-run jumps skip those lookups, so only admissions may count
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=150, max_model_len=2048, max_num_batched_tokens=512,
+                                         prefix_caching_hash_bits=6))
+    for seed in range(3):
+        runs = [replay(_crowded_trace(seed), config, "unit", use_decode_runs=flag).summary for flag in (True, False)]
+        assert runs[0]["false_prefix_hits"] == runs[1]["false_prefix_hits"] > 0
+        assert runs[0]["false_prefix_hits"] * 16 <= runs[0]["prefix_cache_hits_tokens"]
+
+
+def test_weak_hash_with_parallel_sampling():
+    # forked sequences take their parent's true keys with its weak ones
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=150, max_model_len=2048, max_num_batched_tokens=512,
+                                         prefix_caching_hash_bits=6))
+    s = replay(_crowded_trace(1, samples=True), config, "roofline").summary
+    assert s["num_finished"] == 160 and s["num_cow_copies"] > 0
