@@ -81,7 +81,7 @@ def attention_variant_shapes(runner, max_seqs: int = 256) -> list[tuple[list, li
         for ctx in contexts:
             cfg = choose_config(qpk=qpk, head_pad=max(16, next_power_of_two(spec.head_dim)), elem_size=elem,
                                 num_seqs=b, num_kv_heads=spec.num_kv_heads, max_query_len=1, max_seq_len=ctx + 1,
-                                num_sms=_num_sms(runner.device), tuning=getattr(runner, "kernel_tuning", None))
+                                num_sms=_num_sms(runner.device), tuning=runner.kernel_tuning)
             if cfg not in seen:
                 seen.add(cfg)
                 shapes.append(([], [ctx] * b))

@@ -157,8 +157,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         record = search_max_rate(data, config, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
                                  cost_options=cost_options, on_probe=show, fleet=fleet)
         record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(),
-                  "fleet": {"num_replicas": replicas, "router": router, "router_options": fleet.options.to_dict()},
-                  **record}
+                  "fleet": fleet.to_dict(), **record}
         if target_rate is not None:
             record["target_rate_req_s"] = target_rate
             if record["status"] == "found":
@@ -194,8 +193,7 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
                          cost_options=cost_options, workers=workers, on_cell=show, fleet=fleet)
     n = fleet.num_replicas
     record = {"trace": trace, "cost_model": cost_model, "base_options": base,
-              "fleet": {"num_replicas": n, "router": fleet.router, "router_options": fleet.options.to_dict()},
-              **record}
+              "fleet": fleet.to_dict(), **record}
     if target_rate is not None:
         record["target_rate_req_s"] = target_rate
         for cell in record["cells"]:

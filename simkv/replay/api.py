@@ -30,6 +30,10 @@ class FleetSpec:
     def __post_init__(self) -> None:
         Router(self.router, self.num_replicas, self.options)  # RouterError (a ValueError) names what is wrong
 
+    def to_dict(self) -> dict:
+        """As records (goodput.json) keep it."""
+        return {"num_replicas": self.num_replicas, "router": self.router, "router_options": self.options.to_dict()}
+
 
 @dataclass
 class ReplayResult:

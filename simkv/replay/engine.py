@@ -27,17 +27,30 @@ class ReplayError(RuntimeError):
     """The replay cannot make progress (reported with its cause)."""
 
 
+class TraceRows:
+    """A trace's per-row values that every delivery reads, as Python numbers: scalar access to
+    numpy arrays costs more than the rest of a delivery. Built once per replay (a fleet's
+    replicas and router share one)."""
+
+    def __init__(self, trace) -> None:
+        self.arrival_s = trace.arrival_time_s.tolist()
+        self.arrival_ticks = [to_ticks(a) for a in self.arrival_s]
+        self.prompt_tokens = trace.prompt_tokens.tolist()
+        self.output_tokens = trace.output_tokens.tolist()
+
+
 class ArrivalFeed:
     """Turns trace rows into Requests, in arrival order, when the clock reaches them."""
 
-    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, max_model_len: int) -> None:
+    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, max_model_len: int,
+                 rows: TraceRows | None = None) -> None:
         self.trace = trace
         self.arrivals = trace.arrival_time_s
-        # Python numbers: scalar access to numpy arrays costs more than the rest of a delivery.
-        self._arrival_list = trace.arrival_time_s.tolist()
-        self._arrival_ticks = [to_ticks(a) for a in self._arrival_list]
-        self._prompt_list = trace.prompt_tokens.tolist()
-        self._output_list = trace.output_tokens.tolist()
+        rows = rows if rows is not None else TraceRows(trace)
+        self._arrival_list = rows.arrival_s
+        self._arrival_ticks = rows.arrival_ticks
+        self._prompt_list = rows.prompt_tokens
+        self._output_list = rows.output_tokens
         self.scheduler = scheduler
         self.request_log = request_log
         self.max_model_len = max_model_len

@@ -17,8 +17,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from simkv.clock import to_ticks
-from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun
+from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
 from simkv.replay.results import (itl_samples, latencies_and_rates, request_table, stored_and_wasted_slots,
                                   summarize, weighted_dist)
 from simkv.replay.router import Router
@@ -31,8 +30,9 @@ class FleetRouting:
         self.trace = trace
         self.router = router
         n = router.num_replicas
-        self._arrival_ticks = [to_ticks(a) for a in trace.arrival_time_s.tolist()]
-        self._prompts = trace.prompt_tokens.tolist()
+        self.rows = TraceRows(trace)  # the replicas' feeds read the same lists
+        self._arrival_ticks = self.rows.arrival_ticks
+        self._prompts = self.rows.prompt_tokens
         self._has_hashes = trace.hash_ids is not None
         self.max_model_len = max_model_len
         self.next_index = 0
@@ -46,9 +46,6 @@ class FleetRouting:
     @property
     def all_routed(self) -> bool:
         return self.next_index >= len(self._arrival_ticks)
-
-    def arrival_ticks(self, i: int) -> int:
-        return self._arrival_ticks[i]
 
     def next_unrouted_ticks(self) -> int | None:
         return None if self.all_routed else self._arrival_ticks[self.next_index]
@@ -81,7 +78,7 @@ class FleetRouting:
         while i < n and ticks[i] <= now:
             self._route(i, ticks[i])
             i += 1
-            self.next_index = i
+        self.next_index = i
 
     def _route(self, i: int, tick: int) -> None:
         if self._prompts[i] >= self.max_model_len:  # every replica would reject it: vLLM's engine does
@@ -108,7 +105,7 @@ class ReplicaFeed(ArrivalFeed):
     next arrival too, since that request might be sent here."""
 
     def __init__(self, routing: FleetRouting, replica: int, trace, scheduler, request_log, max_model_len: int):
-        super().__init__(trace, scheduler, request_log, max_model_len)
+        super().__init__(trace, scheduler, request_log, max_model_len, routing.rows)
         self.routing = routing
         self.replica = replica
         self.queue = routing.queues[replica]
@@ -119,13 +116,13 @@ class ReplicaFeed(ArrivalFeed):
 
     def next_arrival_ticks(self) -> int | None:
         if self.queue:
-            return self.routing.arrival_ticks(self.queue[0])
+            return self._arrival_ticks[self.queue[0]]
         return self.routing.next_unrouted_ticks()
 
     def deliver_until(self, now: int) -> None:
         self.routing.route_until(now)
-        queue = self.queue
-        while queue and self.routing.arrival_ticks(queue[0]) <= now:
+        queue, ticks = self.queue, self._arrival_ticks
+        while queue and ticks[queue[0]] <= now:
             self._deliver(queue.popleft())
 
     def note_finished(self, finished, tick: int) -> None:

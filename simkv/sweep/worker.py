@@ -54,7 +54,7 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
 def fleet_spec(fleet: dict | None):
     """A cell's `replicas`, `router` (and `router_options`) as a FleetSpec (None: one engine)."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import ROUTERS, RouterError
+    from simkv.replay.router import ROUTERS, RouterError, RouterOptions
 
     if not fleet:
         return None
@@ -64,8 +64,6 @@ def fleet_spec(fleet: dict | None):
     router = fleet.get("router", "round_robin")
     if router not in ROUTERS:
         raise RouterError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
-    from simkv.replay.router import RouterOptions
-
     options = fleet.get("router_options") or {}
     return FleetSpec(replicas, router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
 
