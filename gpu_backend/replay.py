@@ -83,6 +83,9 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     from gpu_backend.runner import ModelRunner
     from simkv.replay.api import replay, save
 
+    if config.scheduler.async_scheduling:
+        raise ValueError("async_scheduling is simulated only: the gpu backend runs each step to its end before "
+                         "scheduling the next (drop --async-scheduling, or replay with --cost-model calib.json)")
     hw = config.hardware
     runner = ModelRunner(hw.model, 0, config.cache.block_size, device, dtype, seed=seed,
                          max_model_len=config.max_model_len)

@@ -5,12 +5,19 @@ A development aid, not a test dependency. Needs the oracle's venv:
     .venv/bin/python scripts/oracle_compare.py --oracle-python /tmp/vllm-oracle-venv/bin/python --out docs/vllm_comparison.md
 Each scenario runs the oracle (about a minute each) and simkv on the same trace and flags, and
 the table lists both values of every compared metric.
+
+With `--async-scheduling` (and e.g. `--out docs/vllm_comparison_async.md`) both run vLLM's async
+scheduling. In time mode the oracle, as shipped, lets a step see the requests that arrived by its
+own start; vLLM's EngineCore schedules a step while the one before it runs, so it sees the
+arrivals up to that step's start. The script runs a copy of the oracle with that one line
+changed (`_patched_oracle`), which is what simkv models.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -61,9 +68,26 @@ def scenarios(tmp: Path) -> list[dict]:
     ]
 
 
-def run_oracle(py: str, sc: dict, prefix: Path) -> dict:
+def _patched_oracle(tmp: Path) -> Path:
+    """A copy of the oracle whose async time mode admits arrivals by the start of the step in flight."""
+    folder = tmp / "oracle"
+    shutil.copytree(ORACLE.parent, folder)
+    path = folder / "oracle.py"
+    text = path.read_text()
+    old = "            due = tr[key] <= (clock + 1e-12 if time_mode else step)"
+    new = ("            now = clock\n"
+           "            if time_mode and batch_queue and batch_queue[0][2] is not None:\n"
+           "                now = batch_queue[0][2][\"time_s\"]  # scheduled while the step in flight runs\n"
+           "            due = tr[key] <= (now + 1e-12 if time_mode else step)")
+    if text.count(old) != 1:
+        raise SystemExit(f"{path}: the arrival line to patch was not found; the oracle changed")
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def run_oracle(py: str, sc: dict, prefix: Path, oracle: Path = ORACLE) -> dict:
     o = sc["opts"]
-    cmd = [py, str(ORACLE), "run", "--input", str(sc["trace"]), "--out-prefix", str(prefix),
+    cmd = [py, str(oracle), "run", "--input", str(sc["trace"]), "--out-prefix", str(prefix),
            "--block-size", str(o["block_size"]), "--num-gpu-blocks", str(o["num_gpu_blocks"]),
            "--max-num-seqs", str(o["max_num_seqs"]), "--max-num-batched-tokens", str(o["max_num_batched_tokens"]),
            "--max-model-len", str(o["max_model_len"]), "--no-count-cached-free"]
@@ -75,6 +99,8 @@ def run_oracle(py: str, sc: dict, prefix: Path) -> dict:
         cmd += ["--watermark", str(o["watermark"])]
     if o.get("scheduling_policy") == "priority":
         cmd += ["--policy", "priority"]
+    if o.get("async_scheduling"):
+        cmd.append("--async-scheduling")
     if sc.get("time"):
         cmd += ["--step-time-base-s", str(LINEAR["step_base_s"]), "--step-time-per-token-s", str(LINEAR["step_per_token_s"])]
     subprocess.run(cmd, check=True, capture_output=True)
@@ -108,18 +134,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--oracle-python", required=True)
     ap.add_argument("--out", default="docs/vllm_comparison.md")
+    ap.add_argument("--async-scheduling", action="store_true", help="both sides schedule asynchronously")
     args = ap.parse_args()
-    lines = ["# simkv versus the real vLLM 0.33 scheduler", "",
+    title = "# simkv versus the real vLLM 0.33 scheduler" + (", async scheduling" if args.async_scheduling else "")
+    lines = [title, "",
              "Made by `scripts/oracle_compare.py` (see its docstring for the command). Step-mode scenarios use simkv's",
              "`unit` cost model; time-mode scenarios use `linear` with the oracle's step time",
              f"({LINEAR['step_base_s']} s + {LINEAR['step_per_token_s']} s per scheduled token).", ""]
     all_match = True
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        oracle_path = _patched_oracle(tmp) if args.async_scheduling else ORACLE
         for i, sc in enumerate(scenarios(tmp)):
             if "make" in sc:
                 sc["make"](sc["trace"])
-            oracle = run_oracle(args.oracle_python, sc, tmp / f"o{i}")
+            if args.async_scheduling:
+                sc["opts"] = sc["opts"] | dict(async_scheduling=True)
+            oracle = run_oracle(args.oracle_python, sc, tmp / f"o{i}", oracle_path)
             rows = compare(sc, oracle)
             lines += [f"## {sc['name']}", "", "| metric | vLLM | simkv | same |", "|---|---|---|---|"]
             for name, a, b in rows:

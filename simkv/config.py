@@ -62,6 +62,9 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False
     scheduling_policy: str = "fcfs"
     scheduler_reserve_full_isl: bool = True
+    # vLLM's --async-scheduling (its serving default): step N+1 is scheduled while step N runs,
+    # before N's sampled tokens are processed.
+    async_scheduling: bool = False
     # Policy knobs beyond vLLM (defaults = vLLM's behaviour), for other engines' step models:
     max_num_admissions_per_step: int | None = None  # None: as many as fit
     admission_order: str = "after_running"  # or "before_running"
@@ -76,6 +79,9 @@ class SchedulerConfig:
             raise ConfigError(f"preemption_victim must be 'newest' or 'requester', got '{self.preemption_victim}'")
         if self.preemption_mode not in ("recompute", "restart", "swap"):
             raise ConfigError(f"preemption_mode must be 'recompute', 'restart' or 'swap', got '{self.preemption_mode}'")
+        if self.async_scheduling and self.preemption_mode != "recompute":
+            raise ConfigError(f"async_scheduling is vLLM v1's and needs preemption_mode 'recompute', "
+                              f"got '{self.preemption_mode}'")
         if self.max_num_admissions_per_step is not None and self.max_num_admissions_per_step < 1:
             raise ConfigError(f"max_num_admissions_per_step must be >= 1, got {self.max_num_admissions_per_step}")
         if self.max_num_seqs < 1:

@@ -33,6 +33,10 @@ class StepBackend(Protocol):
     def describe(self) -> dict:
         """What the backend is, for summary.json."""
 
+    # Optional: `host_seconds(output) -> float`, the host's share of `execute(output)`, which
+    # async scheduling overlaps with the device (simkv/replay/engine.py). Without it a step
+    # lasts as long under async scheduling as without.
+
 
 def prefill_work(output: SchedulerOutput) -> tuple[int, int, int]:
     """(prefill tokens, attention query-key pairs, KV tokens read) of the step's prefill chunks.

@@ -9,6 +9,10 @@ Per GPU under tensor parallelism (TP), for a step with T scheduled tokens over S
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
 All quantities are divided by TP except the overheads. Efficiencies and overheads are
 defaults until `simkv calibrate` fits them on real hardware.
+
+The overheads are the host's share of a step (scheduling, input preparation, output
+processing): `host_seconds`. Under async scheduling the host prepares the next step while the
+device runs this one, and the engine makes a step last max(device time, host time).
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ class RooflineCostModel:
         n = output.num_decode_reqs
         ctx = output.decode_context_tokens
         return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
+
+    def host_seconds(self, output: SchedulerOutput) -> float:
+        """The part of `execute(output)` spent on the host: the per-step and per-sequence overheads."""
+        return self.params["step_overhead_s"] + self.seq_overhead_s * (len(output.chunks) + output.num_decode_reqs)
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd), as

@@ -24,6 +24,7 @@ _ENGINE_FLAGS = {
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
+    "async_scheduling": "async_scheduling",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -171,6 +172,9 @@ _ENGINE_OPTIONS = [
     click.option("--prefix-caching-hash-bits", type=int, default=None,
                  help="Use a deliberately weak K-bit block hash and count false prefix hits [default: 63, no collisions modelled]"),
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),
+    click.option("--async-scheduling/--no-async-scheduling", default=None,
+                 help="vLLM's async scheduling (its serving default): step N+1 is scheduled while step N runs; "
+                      "the roofline's host overheads overlap the device [default: off, the synchronous scheduler]"),
 ]
 
 
@@ -226,6 +230,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    if backend == "gpu" and config.scheduler.async_scheduling:
+        raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
+                               "before scheduling the next")
     from rich.progress import Progress
 
     with Progress(disable=quiet or len(data) < 5000, transient=True) as progress:

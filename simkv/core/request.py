@@ -31,7 +31,8 @@ class Request:
         "request_id", "index", "arrival_time", "num_prompt_tokens", "max_tokens", "priority",
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
-        "block_hashes", "seq", "decode_base", "decode_last_step", "epoch", "has_own_cached_blocks",
+        "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
+        "has_own_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
@@ -74,6 +75,8 @@ class Request:
         self.seq = -1
         self.decode_base: int | None = None
         self.decode_last_step = -1  # while decoding steadily: the step after which it finishes
+        self.decode_from_step = -1  # the first step of its current decoding stint
+        self.is_finishing = False  # async scheduling: its last token is in flight (core/async_scheduling.py)
         self.epoch = 0
         self.has_own_cached_blocks = False
         self.last_token_step = -1

@@ -20,6 +20,7 @@ from bisect import bisect_left
 from operator import attrgetter
 
 from simkv.config import EngineConfig
+from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
@@ -38,7 +39,7 @@ class LivelockError(RuntimeError):
     """Requests keep being preempted and none finishes: the configuration cannot make progress."""
 
 
-class Scheduler(SteadyDecoders):
+class Scheduler(SteadyDecoders, AsyncScheduling):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0) -> None:
         sc, cc = config.scheduler, config.cache
@@ -59,6 +60,8 @@ class Scheduler(SteadyDecoders):
         self.preemption_mode = sc.preemption_mode
         self.block_size = cc.block_size
         self.detail = detail
+        self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
+        self._finishing: list[Request] = []  # async: last token in flight, blocks still held
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
         else:
@@ -138,9 +141,12 @@ class Scheduler(SteadyDecoders):
             heapq.heappop(heap)
 
     def _preempt(self, request: Request, step: int, scheduled_tokens: int, plan: StepPlan | None = None) -> None:
+        decoding = request.decode_base is not None or request.is_finishing
         if request.decode_base is not None:
             computed = self._leave_decoding(request, step)
             request.last_token_step = step - 1
+        elif request.is_finishing:
+            computed = request.num_computed_tokens
         else:
             computed = request.num_computed_tokens
             self._prefilling.remove(request)
@@ -149,9 +155,16 @@ class Scheduler(SteadyDecoders):
         swap = self.preemption_mode == "swap" and self.cpu_blocks_used + held <= self.num_cpu_blocks
         # A swapped request keeps its computed tokens (its KV waits in CPU memory); the GPU
         # blocks are released like a finished request's. Otherwise RECOMPUTE (or restart).
-        kv.free(request, computed + scheduled_tokens, finished=swap)
+        cache_end = computed + scheduled_tokens
+        if self.async_scheduling and decoding:
+            cache_end = self._async_cache_end(request, computed, scheduled_tokens, step)
+        kv.free(request, cache_end, finished=swap)
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
+        if request.is_finishing:
+            # async: its last token is in flight; it finishes when that step's output is processed
+            self._count_preemption(request)
+            return
         if swap:
             request.num_computed_tokens = computed
             request.swapped_blocks = held
@@ -165,11 +178,14 @@ class Scheduler(SteadyDecoders):
             request.num_computed_tokens = 0
         if self.preemption_mode == "restart":
             request.num_output_tokens = 0
+        self._count_preemption(request)
+        self.waiting.prepend_request(request)
+
+    def _count_preemption(self, request: Request) -> None:
         if request.num_preemptions == 0:
             self.num_preempted_requests += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.prepend_request(request)
         self._preemptions_since_finish += 1
         if self._preemptions_since_finish > 200 + 20 * (len(self.running) + len(self.waiting)):
             raise LivelockError(
@@ -183,10 +199,12 @@ class Scheduler(SteadyDecoders):
     def schedule(self) -> SchedulerOutput:
         step = self.current_step
         self.current_step += 1
+        if self.async_scheduling:
+            self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
         due = self._due_at(step)
         kv = self.kv_cache_manager
-        if (not self._prefilling and not self.admit_before_running and not kv.num_forks
+        if (not self._prefilling and not self._finishing and not self.admit_before_running and not kv.num_forks
                 and plan.budget >= len(self.running)
                 and (not due or len(due) <= kv.block_pool.get_num_free_blocks())):
             # Only steady decoders run, all fit the budget and every one due for a block gets
@@ -197,6 +215,8 @@ class Scheduler(SteadyDecoders):
             stall_pos = -1
         else:
             active = self._prefilling + due
+            if self._finishing:
+                active += self._running_finishing()
             active.sort(key=_seq_of)
             if self.admit_before_running:
                 plan.first_new_seq = self._next_seq
@@ -213,10 +233,17 @@ class Scheduler(SteadyDecoders):
         if self.detail:
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
+        num_waiting = len(self.waiting)
+        if self.async_scheduling:
+            num_waiting += self._num_preempted_finishing()
+            if plan.chunks:
+                self._advance_scheduled_chunks(plan.chunks, step)
+            elif not num_decodes:
+                self.current_step = step  # nothing to run: not a step (the engine waits for the one in flight)
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
-            num_waiting=len(self.waiting), num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
+            num_waiting=num_waiting, num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks)
 
@@ -235,6 +262,8 @@ class Scheduler(SteadyDecoders):
                 return self._exhaust_budget(plan, prev_pos)
             plan.budget -= quiet
             prev_pos = pos
+            if request.is_finishing:
+                continue  # async: its last token is in flight; it needs no more
             plan.moved_ahead = False
             is_decoder = request.decode_base is not None  # a steady decoder due for a block (or a copy)
             if is_decoder:
@@ -389,37 +418,47 @@ class Scheduler(SteadyDecoders):
         """Apply the step's sampled tokens: prefills that reached their end sample a token,
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
-        finished: list[Request] = []
-        for chunk in output.chunks:
-            request = chunk.request
-            if request.status != RequestStatus.RUNNING:
-                continue
-            request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
-            if request.num_computed_tokens < request.num_tokens:
-                continue
-            request.num_output_tokens += 1
-            if request.first_token_step < 0:
-                request.first_token_step = step
-            else:
-                self.irregular_gaps.append((request.last_token_step, step))
-            sequences = [request]
-            if request.num_samples > 1 and not request.forked:
-                sequences += self._fork(request, step)
-            for seq_request in sequences:
-                if (seq_request.num_output_tokens >= seq_request.max_tokens
-                        or seq_request.num_tokens >= self.max_model_len):
-                    finished.append(seq_request)
-                else:
-                    self._enroll_decoder(seq_request, step + 1)
-        for request in self._pop_due(self._finish_heap, step):
-            self._leave_decoding(request, step + 1)
-            finished.append(request)
+        if self.async_scheduling:
+            finished = self._finish_in_flight(step)  # (the tokens were accounted for when scheduled)
+        else:
+            finished = []
+            for chunk in output.chunks:
+                request = chunk.request
+                if request.status != RequestStatus.RUNNING:
+                    continue
+                request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
+                if request.num_computed_tokens < request.num_tokens:
+                    continue
+                finished += self._sample_after_prefill(request, step)
+            for request in self._pop_due(self._finish_heap, step):
+                self._leave_decoding(request, step + 1)
+                finished.append(request)
         if finished:
             finished.sort(key=_seq_of)
             finished = self._finish(finished, step)
         output.finished = finished
         output.num_blocks_used_end = self.kv_cache_manager.block_pool.get_num_used_blocks()
         return finished
+
+    def _sample_after_prefill(self, request: Request, step: int) -> list[Request]:
+        """The request's prefill (or recompute) ended in `step`, which samples its next token:
+        it decodes from `step + 1` on, unless that token was its last (returned). A parallel
+        sampling request forks its other sequences here."""
+        request.num_output_tokens += 1
+        if request.first_token_step < 0:
+            request.first_token_step = step
+        else:
+            self.irregular_gaps.append((request.last_token_step, step))
+        sequences = [request]
+        if request.num_samples > 1 and not request.forked:
+            sequences += self._fork(request, step)
+        last = []
+        for seq_request in sequences:
+            if seq_request.num_output_tokens >= seq_request.max_tokens or seq_request.num_tokens >= self.max_model_len:
+                last.append(seq_request)
+            else:
+                self._enroll_decoder(seq_request, step + 1)
+        return last
 
     def _finish(self, finished: list[Request], step: int) -> list[Request]:
         """Release finished sequences; returns the requests that are now complete (a parallel
@@ -431,7 +470,8 @@ class Scheduler(SteadyDecoders):
             if request in self._prefilling:
                 self._prefilling.remove(request)
             kv.free(request, request.num_computed_tokens, finished=True)
-            self._remove_running(request)
+            if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
+                self._remove_running(request)
             request.status = RequestStatus.FINISHED
             request.finish_step = step
             root = request.parent or request

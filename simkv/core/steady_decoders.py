@@ -76,6 +76,7 @@ class SteadyDecoders:
     def _enroll_decoder(self, request: Request, next_step: int) -> None:
         self._prefilling.remove(request)  # small list: prefilling requests only
         request.decode_base = request.num_computed_tokens - next_step
+        request.decode_from_step = next_step
         request.epoch += 1
         self._num_decoders += 1
         self._sum_decode_base += request.decode_base
@@ -151,7 +152,7 @@ class SteadyDecoders:
     def decode_run_limit(self) -> int:
         """Number of upcoming steps guaranteed to be plain decode steps (the last one may
         finish requests), or 0 when the next step must be scheduled normally."""
-        if self._prefilling or not self.running or self.detail:
+        if self._prefilling or not self.running or self.detail or self.async_scheduling:
             return 0
         if self.waiting and not self._admission_stuck():
             return 0

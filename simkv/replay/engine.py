@@ -128,6 +128,8 @@ class ReplayEngine:
                                        block_bytes / (config.cache.pcie_bandwidth_gbs * 1e9))
         # Pure-decode steps are timed by the backend's decode line (runs and single steps alike).
         self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
+        # Async scheduling overlaps the host's share of a step with the device's work.
+        self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog()
         self.requests = RequestLog(len(trace))
         self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
@@ -156,6 +158,8 @@ class ReplayEngine:
                               f"clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days of simulated time")
         if own_arrivals:
             self.env.process(self._arrivals())
+        if self.config.scheduler.async_scheduling:
+            return self.env.process(self._engine_async())
         return self.env.process(self._engine())
 
     @property
@@ -229,18 +233,76 @@ class ReplayEngine:
             if out.is_empty:
                 raise ReplayError(self._stuck_message(out.step))
             start = self.now
-            if self._decode_line is not None and not out.chunks:
-                duration = line_ticks(self._decode_line(out.num_decode_reqs), out.decode_context_tokens)
-            else:
-                duration = to_ticks(self.backend.execute(out))
-            if out.num_swap_out_blocks or out.num_swap_in_blocks:
-                duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
+            duration = self._duration(out)
             self.now = start + duration
             yield env.timeout(duration)
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)
             if finished:
                 self._record_finished(finished)
+
+    def _duration(self, out) -> int:
+        """The step's duration in ticks."""
+        if self._host_seconds is not None:
+            total = self.backend.execute(out)
+            host = self._host_seconds(out)
+            return to_ticks(max(total - host, host))
+        if self._decode_line is not None and not out.chunks:
+            duration = line_ticks(self._decode_line(out.num_decode_reqs), out.decode_context_tokens)
+        else:
+            duration = to_ticks(self.backend.execute(out))
+        if out.num_swap_out_blocks or out.num_swap_in_blocks:
+            duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
+        return duration
+
+    def _engine_async(self):
+        """vLLM's async scheduling (EngineCore.step_with_batch_queue, two batches deep): the
+        next step is scheduled as soon as the one before it is launched, so a step sees the
+        requests that arrived by the start of the step before it, and the output of that step
+        is processed (tokens delivered, finished requests freed) only after. The device runs
+        the steps back to back; a backend that tells the host's share of a step
+        (`host_seconds`) has it overlapped: the step lasts max(device time, host time)."""
+        sched = self.scheduler
+        feed = self.feed
+        env = self.env
+        in_flight = None  # (output, start tick, duration): the step on the device
+        while True:
+            feed.deliver_until(self.now)
+            if feed.num_rejected != self._num_rejected_reported:
+                self._report_rejected()
+            queued = None
+            if sched.has_unfinished_requests():
+                try:
+                    out = sched.schedule()
+                except LivelockError as exc:
+                    raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
+                if not out.is_empty:
+                    start = self.now if in_flight is None else in_flight[1] + in_flight[2]
+                    queued = (out, start, self._duration(out))
+                    if in_flight is None:
+                        in_flight = queued
+                        continue  # the queue has room: schedule the next step at once
+                elif in_flight is None:
+                    raise ReplayError(self._stuck_message(out.step))
+            elif in_flight is None:
+                if feed.exhausted:
+                    return
+                self._idle = env.event()
+                if self._engine_idle is not None:
+                    self._engine_idle.succeed()
+                arrival = yield self._idle
+                self._idle = None
+                self.now = max(self.now, arrival)
+                continue
+            out, start, duration = in_flight
+            end = start + duration
+            yield env.timeout(end - self.now)
+            self.now = end
+            finished = sched.update_from_output(out)
+            self.steps.add_step(out, start, duration)
+            if finished:
+                self._record_finished(finished)
+            in_flight = queued
 
     def _decode_run(self) -> tuple[int, list[Request]] | None:
         """Jump over the decode run ahead, if any: (its end tick, the requests it finished).

@@ -61,3 +61,43 @@ def drive(scheduler: Scheduler, use_runs: bool = True, check=None, max_steps: in
     return {"steps": steps, "peak_running": peak, "preemptions": scheduler.num_preemptions,
             "preempted_requests": scheduler.num_preempted_requests, "hits": hit, "queries": query,
             "prefill_tokens": prefill, "decode_tokens": decode, "log": log}
+
+
+
+def drive_async(scheduler: Scheduler, check=None, max_steps: int = 1_000_000, arrivals=None) -> dict:
+    """Async scheduling's order, as vLLM's two-deep batch queue makes it: step K+1 is scheduled
+    before step K's output is processed (S0, S1, U0, S2, U1, ...). `arrivals`: (schedule call,
+    request) pairs, added before that call."""
+    steps = peak = query = hit = prefill = decode = calls = 0
+    log = []
+    pending = sorted(arrivals or [], key=lambda a: a[0])
+    in_flight = None
+    while scheduler.has_unfinished_requests() or in_flight is not None or pending:
+        while pending and (pending[0][0] <= calls or not (scheduler.has_unfinished_requests() or in_flight)):
+            scheduler.add_request(pending.pop(0)[1])
+        queued = None
+        if scheduler.has_unfinished_requests():
+            calls += 1
+            out = scheduler.schedule()
+            if not out.is_empty:
+                steps += 1
+                peak = max(peak, out.num_running)
+                query += out.prefix_query_tokens
+                hit += out.prefix_hit_tokens
+                prefill += out.num_prefill_tokens
+                decode += out.num_decode_reqs
+                log.append((out.step, out.num_prefill_tokens, out.num_decode_reqs, out.num_running))
+                if in_flight is None:
+                    in_flight = out
+                    continue
+                queued = out
+            else:
+                assert in_flight is not None, "engine stuck"
+        scheduler.update_from_output(in_flight)
+        if check:
+            check(scheduler)
+        in_flight = queued
+        assert steps < max_steps
+    return {"steps": steps, "peak_running": peak, "preemptions": scheduler.num_preemptions,
+            "preempted_requests": scheduler.num_preempted_requests, "hits": hit, "queries": query,
+            "prefill_tokens": prefill, "decode_tokens": decode, "log": log}

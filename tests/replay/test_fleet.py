@@ -38,8 +38,9 @@ def frame(rows):
     return trace_from_frame(pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens"]))
 
 
-def test_a_fleet_of_one_is_the_plain_replay():
-    trace, cfg = loaded_trace(), config()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_fleet_of_one_is_the_plain_replay(async_scheduling):
+    trace, cfg = loaded_trace(), config(async_scheduling=async_scheduling)
     plain = replay(trace, cfg, "roofline")
     capacity = compute_capacity(cfg)
     runs, routing = run_fleet(trace, cfg, [make_backend("roofline", cfg)], capacity.num_gpu_blocks,
@@ -51,10 +52,11 @@ def test_a_fleet_of_one_is_the_plain_replay():
     assert plain.summary["num_preemptions"] > 0  # a loaded engine: the comparison covers preemption
 
 
-def test_round_robin_replicas_replay_exactly_their_share_of_the_trace():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_round_robin_replicas_replay_exactly_their_share_of_the_trace(async_scheduling):
     """Round-robin routing does not look at the replicas, so each replica must behave exactly as
     an engine replaying its own rows alone: the shared clock and the routing add nothing."""
-    trace, cfg, n = loaded_trace(240), config(), 3
+    trace, cfg, n = loaded_trace(240), config(async_scheduling=async_scheduling), 3
     fleet = replay(trace, cfg, "roofline", fleet=FleetSpec(n, "round_robin"))
     assert fleet.requests["replica"].tolist() == [i % n for i in range(len(trace))]
     for r in range(n):

@@ -1,0 +1,84 @@
+"""Async scheduling (vLLM's `--async-scheduling`, its serving default): the engine schedules
+step K+1 while step K runs, before K's sampled tokens are processed.
+
+The caller (simkv/replay/engine.py) then calls `schedule()` for K+1 before
+`update_from_output(K)`. What changes, as in vLLM 0.33's AsyncScheduler:
+- a chunk's tokens count as computed when it is scheduled, and a request whose prompt ends in
+  step K decodes in K+1 already (vLLM: an output placeholder); its token is in flight;
+- a request whose last token is sampled in step K is left out of step K+1 but keeps its seat
+  (max_num_seqs) and its blocks until K's output is processed: finished requests free their
+  blocks one step later. It can still be chosen as a preemption victim; it then loses its
+  blocks at once and finishes all the same, its last token being in flight;
+- a preempted request's in-flight token is still delivered to it (vLLM: stale output);
+- the KV of a decode token is cached when its step's output is processed, so a decoder
+  preempted before that finds one token less of its own on resume (a block less when that
+  token ended a block).
+Decode-run jumps are off: every step is scheduled and updated in this order.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+from simkv.core.request import Request, RequestStatus
+
+_seq_of = attrgetter("seq")
+
+
+class AsyncScheduling:
+    """Mixed into Scheduler: the steps of async scheduling that differ from the synchronous ones."""
+
+    def _retire_finished_decoders(self, step: int) -> None:
+        """Before scheduling `step`: decoders whose last token was sampled in `step - 1` stop
+        decoding; they wait, holding their blocks, for that step's output."""
+        for request in self._pop_due(self._finish_heap, step - 1):
+            self._leave_decoding(request, step)
+            self._mark_finishing(request, step - 1)
+
+    def _mark_finishing(self, request: Request, last_step: int) -> None:
+        request.is_finishing = True
+        request.decode_last_step = last_step
+        self._finishing.append(request)
+
+    def _advance_scheduled_chunks(self, chunks, step: int) -> None:
+        """After scheduling `step`: its chunks count as computed now; a chunk that ends its
+        prompt samples a token in `step`, and its request decodes from `step + 1` (or, if that
+        token is its last, waits for the step's output to finish)."""
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            for sequence in self._sample_after_prefill(request, step):
+                self._prefilling.remove(sequence)
+                sequence.decode_from_step = step + 1  # (it would have decoded from then on)
+                self._mark_finishing(sequence, step)
+
+    def _finish_in_flight(self, step: int) -> list[Request]:
+        """`step`'s output is processed: the requests whose last token it sampled finish."""
+        done = [r for r in self._finishing if r.decode_last_step <= step]
+        if not done:
+            return []
+        self._finishing = [r for r in self._finishing if r.decode_last_step > step]
+        for request in done:
+            request.is_finishing = False
+        done.sort(key=_seq_of)
+        return done
+
+    def _running_finishing(self) -> list[Request]:
+        return [r for r in self._finishing if r.status == RequestStatus.RUNNING]
+
+    def _num_preempted_finishing(self) -> int:
+        """Preempted while their last token was in flight: vLLM keeps them in its waiting
+        queue until that token arrives (and they finish)."""
+        return sum(1 for r in self._finishing if r.status == RequestStatus.PREEMPTED)
+
+    def _async_cache_end(self, request: Request, computed: int, scheduled_tokens: int, step: int) -> int:
+        """Tokens of a preempted decoder (or finishing request) whose KV vLLM has cached: the
+        tokens known when its blocks were last allocated, or those written by processed steps.
+        One less than synchronously, except when its last step was its prompt's end and it was
+        not scheduled in this one."""
+        decoded_last_step = request.decode_from_step <= step - 1
+        if scheduled_tokens or decoded_last_step:
+            return computed + scheduled_tokens - 1
+        return computed
