@@ -6,6 +6,7 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py synth-1m     # 1,000,000 lognormal requests, Poisson arrivals
     .venv/bin/python bench/replay_speed.py azure-fleet4 # the Azure trace at 4x its rate on 4 replicas
                                                         # (least_outstanding router): a fleet's cost
+    .venv/bin/python bench/replay_speed.py azure-async  # the Azure trace with --async-scheduling
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -35,7 +36,7 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
-    if case == "azure":
+    if case in ("azure", "azure-async"):
         return import_trace("azure", [AZURE])[0]
     if case == "azure-fleet4":
         from dataclasses import replace
@@ -57,7 +58,8 @@ def run_case(case: str) -> dict:
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
     fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
-    res = replay(trace, EngineConfig(), fleet=fleet)
+    config = EngineConfig.from_flat({"async_scheduling": case.endswith("-async")})
+    res = replay(trace, config, fleet=fleet)
     t_call = time.perf_counter() - t1
     s = res.summary
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
