@@ -33,9 +33,9 @@ class StepBackend(Protocol):
     def describe(self) -> dict:
         """What the backend is, for summary.json."""
 
-    # Optional: `host_seconds(output) -> float`, the host's share of `execute(output)`, which
-    # async scheduling overlaps with the device (simkv/replay/engine.py). Without it a step
-    # lasts as long under async scheduling as without.
+    # Optional: `host_seconds(num_seqs) -> float`, the host's share of a step of `num_seqs`
+    # sequences, which async scheduling overlaps with the device (simkv/replay/engine.py).
+    # Without it a step lasts as long under async scheduling as without.
 
 
 def prefill_work(output: SchedulerOutput) -> tuple[int, int, int]:

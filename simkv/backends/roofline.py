@@ -81,9 +81,10 @@ class RooflineCostModel:
         ctx = output.decode_context_tokens
         return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
 
-    def host_seconds(self, output: SchedulerOutput) -> float:
-        """The part of `execute(output)` spent on the host: the per-step and per-sequence overheads."""
-        return self.params["step_overhead_s"] + self.seq_overhead_s * (len(output.chunks) + output.num_decode_reqs)
+    def host_seconds(self, num_seqs: int) -> float:
+        """The part of a step of `num_seqs` sequences (prefill chunks and decodes) spent on the
+        host: the per-step and per-sequence overheads."""
+        return self.params["step_overhead_s"] + self.seq_overhead_s * num_seqs
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
         """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd), as

@@ -13,7 +13,8 @@ The caller (simkv/replay/engine.py) then calls `schedule()` for K+1 before
 - the KV of a decode token is cached when its step's output is processed, so a decoder
   preempted before that finds one token less of its own on resume (a block less when that
   token ended a block).
-Decode-run jumps are off: every step is scheduled and updated in this order.
+Decode runs (steady_decoders.py) still apply, with nothing pending and short of the step that
+samples a request's last token (ReplayEngine._plan_async_run).
 """
 
 from __future__ import annotations

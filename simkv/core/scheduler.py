@@ -62,6 +62,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         self.detail = detail
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
+        self._last_schedule = (-1, 0)  # async: (step, blocks it took) of the latest schedule() call
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
         else:
@@ -200,6 +201,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         step = self.current_step
         self.current_step += 1
         if self.async_scheduling:
+            used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
         due = self._due_at(step)
@@ -234,7 +236,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         num_waiting = len(self.waiting)
+        num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         if self.async_scheduling:
+            self._last_schedule = (step, num_blocks_used - used_before)
             num_waiting += self._num_preempted_finishing()
             if plan.chunks:
                 self._advance_scheduled_chunks(plan.chunks, step)
@@ -243,7 +247,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
-            num_waiting=num_waiting, num_blocks_used=self.kv_cache_manager.block_pool.get_num_used_blocks(),
+            num_waiting=num_waiting, num_blocks_used=num_blocks_used,
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks)
 
@@ -438,6 +442,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
             finished = self._finish(finished, step)
         output.finished = finished
         output.num_blocks_used_end = self.kv_cache_manager.block_pool.get_num_used_blocks()
+        last_step, taken = self._last_schedule
+        if last_step > step:  # async: the next step was scheduled first; its blocks are not this step's
+            output.num_blocks_used_end -= taken
         return finished
 
     def _sample_after_prefill(self, request: Request, step: int) -> list[Request]:

@@ -152,7 +152,7 @@ class SteadyDecoders:
     def decode_run_limit(self) -> int:
         """Number of upcoming steps guaranteed to be plain decode steps (the last one may
         finish requests), or 0 when the next step must be scheduled normally."""
-        if self._prefilling or not self.running or self.detail or self.async_scheduling:
+        if self._prefilling or self._finishing or not self.running or self.detail:
             return 0
         if self.waiting and not self._admission_stuck():
             return 0

@@ -242,18 +242,60 @@ class ReplayEngine:
                 self._record_finished(finished)
 
     def _duration(self, out) -> int:
-        """The step's duration in ticks."""
-        if self._host_seconds is not None:
-            total = self.backend.execute(out)
-            host = self._host_seconds(out)
-            return to_ticks(max(total - host, host))
+        """The step's duration in ticks. Under async scheduling with a backend that tells the
+        host's share, max(device, host): the device's is the rest of the step."""
+        host = self._host_seconds(len(out.chunks) + out.num_decode_reqs) if self._host_seconds is not None else 0.0
         if self._decode_line is not None and not out.chunks:
-            duration = line_ticks(self._decode_line(out.num_decode_reqs), out.decode_context_tokens)
+            host_ticks = to_ticks(host) if host else 0
+            line = self._device_line(out.num_decode_reqs, host_ticks)
+            duration = max(line_ticks(line, out.decode_context_tokens), host_ticks)
+        elif host:
+            total = self.backend.execute(out)
+            duration = to_ticks(max(total - host, host))
         else:
             duration = to_ticks(self.backend.execute(out))
         if out.num_swap_out_blocks or out.num_swap_in_blocks:
             duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
         return duration
+
+    def _device_line(self, num_decodes: int, host_ticks: int) -> tuple[int, int, int, int]:
+        """The decode line less the host's share (async scheduling overlaps it), in ticks."""
+        a0, a1, b0, b1 = self._decode_line(num_decodes)
+        return a0 - host_ticks, a1, b0 - host_ticks, b1
+
+    def _plan_async_run(self, in_flight) -> tuple[int, int, tuple] | None:
+        """A decode run for async scheduling: (its first step's start, its steps, its shape) or
+        None. It starts when the step in flight ends; its steps are plain decode steps with
+        nothing pending (no request waiting for a step's output to finish) and none of them
+        samples a request's last token (that step is scheduled normally, so that the request
+        finishes as async scheduling finishes it). It ends before the next arrival: the step
+        after it is scheduled at the run's end, as it would have been at the start of the run's
+        last step, only if nothing arrived in between."""
+        sched = self.scheduler
+        if sched._finishing:
+            return None
+        limit = sched.decode_run_limit() - 1
+        if limit < 2:
+            return None
+        start = self.now if in_flight is None else in_flight[1] + in_flight[2]
+        n, ctx = sched.decode_run_shape()
+        host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
+        a0, a1, b0, b1 = self._device_line(n, host)
+        if max(a0 + a1 * ctx, b0 + b1 * ctx) < host:
+            return None  # host-bound: the steps last the host's time (stepped one by one)
+        shape = run_shape(a0 + a1 * ctx, a1 * n, b0 + b1 * ctx, b1 * n)
+        next_arrival = self.feed.next_arrival_ticks()
+        if next_arrival is not None:
+            gap = next_arrival - start
+            if gap <= 0:
+                return None
+            steps = steps_to_reach(shape, gap, limit)
+            if run_ticks(shape, steps) >= gap:
+                steps -= 1
+            limit = steps
+            if limit < 2:
+                return None
+        return start, limit, shape
 
     def _engine_async(self):
         """vLLM's async scheduling (EngineCore.step_with_batch_queue, two batches deep): the
@@ -270,6 +312,25 @@ class ReplayEngine:
             feed.deliver_until(self.now)
             if feed.num_rejected != self._num_rejected_reported:
                 self._report_rejected()
+            if self.use_decode_runs and (in_flight is not None or sched.has_unfinished_requests()):
+                plan = self._plan_async_run(in_flight)
+                if plan is not None:
+                    start, num_steps, shape = plan
+                    if in_flight is not None:  # its output changes nothing: nobody finishes in it
+                        out, step_start, duration = in_flight
+                        yield env.timeout(start - self.now)
+                        self.now = start
+                        sched.update_from_output(out)
+                        self.steps.add_step(out, step_start, duration)
+                        in_flight = None
+                    run = sched.advance_decode_run(num_steps)
+                    if run is not None:
+                        self.steps.add_run(run, start, shape)
+                        end = start + run_ticks(shape, run.num_steps)
+                        yield env.timeout(end - self.now)
+                        self.now = end
+                        continue
+                    # (no step of it fits the pool: the step is scheduled normally, and preempts)
             queued = None
             if sched.has_unfinished_requests():
                 try:

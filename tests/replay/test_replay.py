@@ -81,12 +81,14 @@ def test_summary_keys_and_counts():
     assert 0 <= s["internal_fragmentation_pct"] < 100
 
 
-def test_decode_runs_give_identical_files(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_runs_give_identical_files(tmp_path, async_scheduling):
     rng = np.random.default_rng(1)
     trace = frame([(float(t), int(p), int(o)) for t, p, o in
                    zip(np.sort(rng.uniform(0, 3, 80)), rng.integers(1, 400, 80), rng.integers(1, 200, 80))])
     for name, runs in (("a", True), ("b", False)):
-        res = replay(trace, config(num_gpu_blocks=150), "roofline", use_decode_runs=runs)
+        res = replay(trace, config(num_gpu_blocks=150, async_scheduling=async_scheduling), "roofline",
+                     use_decode_runs=runs)
         res.summary["wall_time_s"] = 0.0
         save(res, tmp_path / name)
     for f in ("summary.json", "requests.parquet", "steps.parquet"):
