@@ -203,12 +203,7 @@ class ReplayEngine:
             if not sched.has_unfinished_requests():
                 if feed.exhausted:
                     return
-                self._idle = env.event()
-                if self._engine_idle is not None:
-                    self._engine_idle.succeed()
-                arrival = yield self._idle
-                self._idle = None
-                self.now = max(self.now, arrival)
+                yield from self._wait_for_arrival()
                 continue
             if self.use_decode_runs:
                 run = self._decode_run()
@@ -226,10 +221,7 @@ class ReplayEngine:
                         run = self._decode_run()
                     yield env.timeout(self.now - start)
                     continue
-            try:
-                out = sched.schedule()
-            except LivelockError as exc:
-                raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
+            out = self._schedule()
             if out.is_empty:
                 raise ReplayError(self._stuck_message(out.step))
             start = self.now
@@ -240,6 +232,22 @@ class ReplayEngine:
             self.steps.add_step(out, start, duration)
             if finished:
                 self._record_finished(finished)
+
+    def _wait_for_arrival(self):
+        """Sleep until the arrival process (or a fleet's router) wakes the engine; `now` moves to then."""
+        self._idle = self.env.event()
+        if self._engine_idle is not None:
+            self._engine_idle.succeed()
+        arrival = yield self._idle
+        self._idle = None
+        self.now = max(self.now, arrival)
+
+    def _schedule(self):
+        sched = self.scheduler
+        try:
+            return sched.schedule()
+        except LivelockError as exc:
+            raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
 
     def _duration(self, out) -> int:
         """The step's duration in ticks. Under async scheduling with a backend that tells the
@@ -333,10 +341,7 @@ class ReplayEngine:
                     # (no step of it fits the pool: the step is scheduled normally, and preempts)
             queued = None
             if sched.has_unfinished_requests():
-                try:
-                    out = sched.schedule()
-                except LivelockError as exc:
-                    raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
+                out = self._schedule()
                 if not out.is_empty:
                     start = self.now if in_flight is None else in_flight[1] + in_flight[2]
                     queued = (out, start, self._duration(out))
@@ -348,12 +353,7 @@ class ReplayEngine:
             elif in_flight is None:
                 if feed.exhausted:
                     return
-                self._idle = env.event()
-                if self._engine_idle is not None:
-                    self._engine_idle.succeed()
-                arrival = yield self._idle
-                self._idle = None
-                self.now = max(self.now, arrival)
+                yield from self._wait_for_arrival()
                 continue
             out, start, duration = in_flight
             end = start + duration

@@ -27,6 +27,13 @@ def make_request(i: int, prompt: int, output: int, hashes=None, h: int = 0, salt
                    shared_hash_ids=ids, hash_block_tokens=h)
 
 
+def _count(out, log, steps, peak, query, hit, prefill, decode):
+    """One scheduled step added to the counts (and to `log`)."""
+    log.append((out.step, out.num_prefill_tokens, out.num_decode_reqs, out.num_running))
+    return (steps + 1, max(peak, out.num_running), query + out.prefix_query_tokens, hit + out.prefix_hit_tokens,
+            prefill + out.num_prefill_tokens, decode + out.num_decode_reqs)
+
+
 def drive(scheduler: Scheduler, use_runs: bool = True, check=None, max_steps: int = 1_000_000) -> dict:
     """Step (or jump over decode runs) until every request finished; collect vLLM-style counts."""
     steps = peak = query = hit = prefill = decode = 0
@@ -47,13 +54,7 @@ def drive(scheduler: Scheduler, use_runs: bool = True, check=None, max_steps: in
                     continue
         out = scheduler.schedule()
         assert not out.is_empty, "engine stuck"
-        steps += 1
-        peak = max(peak, out.num_running)
-        query += out.prefix_query_tokens
-        hit += out.prefix_hit_tokens
-        prefill += out.num_prefill_tokens
-        decode += out.num_decode_reqs
-        log.append((out.step, out.num_prefill_tokens, out.num_decode_reqs, out.num_running))
+        steps, peak, query, hit, prefill, decode = _count(out, log, steps, peak, query, hit, prefill, decode)
         scheduler.update_from_output(out)
         if check:
             check(scheduler)
@@ -80,13 +81,7 @@ def drive_async(scheduler: Scheduler, check=None, max_steps: int = 1_000_000, ar
             calls += 1
             out = scheduler.schedule()
             if not out.is_empty:
-                steps += 1
-                peak = max(peak, out.num_running)
-                query += out.prefix_query_tokens
-                hit += out.prefix_hit_tokens
-                prefill += out.num_prefill_tokens
-                decode += out.num_decode_reqs
-                log.append((out.step, out.num_prefill_tokens, out.num_decode_reqs, out.num_running))
+                steps, peak, query, hit, prefill, decode = _count(out, log, steps, peak, query, hit, prefill, decode)
                 if in_flight is None:
                     in_flight = out
                     continue
