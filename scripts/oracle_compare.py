@@ -16,6 +16,7 @@ changed (`_patched_oracle`), which is what simkv models.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import shutil
 import subprocess
@@ -104,7 +105,26 @@ def run_oracle(py: str, sc: dict, prefix: Path, oracle: Path = ORACLE) -> dict:
     if sc.get("time"):
         cmd += ["--step-time-base-s", str(LINEAR["step_base_s"]), "--step-time-per-token-s", str(LINEAR["step_per_token_s"])]
     subprocess.run(cmd, check=True, capture_output=True)
-    return json.loads(Path(f"{prefix}.summary.json").read_text())
+    summary = json.loads(Path(f"{prefix}.summary.json").read_text())
+    summary["prefix"] = str(prefix)
+    return summary
+
+
+def _step_by_step(oracle: dict, res) -> list[tuple]:
+    """Step mode (all requests at step 0, unit steps of 1 s): every step's tokens and every
+    request's first-token and finish step, as counts of those that differ."""
+    with open(f"{oracle['prefix']}.steps.csv") as f:
+        theirs = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)]
+    ours = list(zip(res.steps["num_prefill_tokens"].tolist(), res.steps["num_decode_tokens"].tolist()))
+    steps_differ = sum(a != b for a, b in zip(theirs, ours)) + abs(len(theirs) - len(ours))
+    with open(f"{oracle['prefix']}.requests.csv") as f:
+        theirs = {int(r["row"]): (int(r["first_token_step"]), int(r["finish_step"])) for r in csv.DictReader(f)}
+    req = res.requests
+    ours = {i: (round(a) - 1, round(b) - 1) for i, (a, b) in
+            enumerate(zip(req["first_token_time_s"].tolist(), req["finish_time_s"].tolist()))}
+    requests_differ = sum(theirs.get(i) != ours[i] for i in ours)
+    return [("steps whose prefill or decode tokens differ", 0, steps_differ),
+            ("requests whose first-token or finish step differs", 0, requests_differ)]
 
 
 def compare(sc: dict, oracle: dict) -> list[tuple]:
@@ -127,6 +147,8 @@ def compare(sc: dict, oracle: dict) -> list[tuple]:
             for q in ("mean", "p50", "p99"):
                 rows.append((f"{key} {q}", round(oracle[key][q], 6), round(s[key][q], 6)))
         rows.append(("duration_s", round(oracle["duration_s"], 6), round(s["duration_s"], 6)))
+    else:
+        rows += _step_by_step(oracle, res)
     return rows
 
 
