@@ -31,6 +31,8 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     else:
         head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
                 ("cost model", cost["cost_model"])]
+    if cfg.get("async_scheduling"):
+        head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
     fleet = summary.get("fleet")
     per = ", per replica" if fleet else ""
     if fleet:
