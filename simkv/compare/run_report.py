@@ -46,6 +46,7 @@ def expand_weighted(values: np.ndarray, weights: np.ndarray, limit: int = 20000)
 def _summary_table(summary: dict) -> str:
     rows = [("backend", summary.get("backend")), ("cost model", (summary.get("cost_model") or {}).get("cost_model")),
             ("device", summary.get("device_name") or summary.get("device") or "-"),
+            ("scheduling", "async" if (summary.get("config") or {}).get("async_scheduling") else "synchronous"),
             ("requests finished", summary.get("num_finished")), ("duration (s)", summary.get("duration_s")),
             ("steps", summary.get("num_steps")), ("throughput (req/s)", summary.get("request_throughput_req_s")),
             ("output throughput (tok/s)", summary.get("output_throughput_tok_s")),
