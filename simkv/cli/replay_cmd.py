@@ -258,6 +258,10 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
                    f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",
                    err=True)
+    if config.scheduler.async_scheduling and cost_model not in ("roofline", "unit"):
+        click.echo(f"warning: --cost-model {cost_model} gives whole step times: async scheduling changes when "
+                   "requests are scheduled and freed, but no host time is overlapped with the device "
+                   "(the roofline model's is)", err=True)
     from simkv.compare.run_report import write_run_report_safely
 
     write_run_report_safely(out_dir)

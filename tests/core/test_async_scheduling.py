@@ -217,3 +217,15 @@ def test_async_decode_runs_change_nothing(case):
     for key in ("wall_time_s", "use_decode_runs"):
         a.summary.pop(key, None), b.summary.pop(key, None)
     assert a.summary == b.summary
+
+
+def test_cli_warns_when_the_cost_model_has_no_host_share(tmp_path):
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    args = ["replay", "traces/req400.parquet", "--async-scheduling", "--quiet", "--max-model-len", "4096"]
+    res = CliRunner().invoke(main, args + ["--cost-model", "linear", "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0 and "no host time is overlapped" in res.output
+    res = CliRunner().invoke(main, args + ["--out", str(tmp_path / "b")])  # roofline: overlapped, no warning
+    assert res.exit_code == 0 and "warning" not in res.output
