@@ -298,3 +298,13 @@ def test_fleet_cells_replay_a_fleet_and_bad_ones_fail_alone(tmp_path):
     # a one-engine grid keeps its cell ids: the fleet keys enter an id only when given
     plain = make_cells(["a.parquet"], {"block_size": [16]}, {}, "unit")[0]
     assert plain.fleet == () and "fleet" not in plain.task()
+
+
+def test_async_scheduling_is_a_grid_key(tmp_path):
+    # vLLM's numbers for req400 (unit steps): 1,117 steps synchronously, 1,118 asynchronously.
+    out = tmp_path / "sweep"
+    res = sweep(TRACE, "--grid", "async_scheduling=false,true", "--set", "num_gpu_blocks=6250",
+                "--set", "max_model_len=4096", "--cost-model", "unit", "--workers", "1", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [(r["async_scheduling"], r["num_steps"]) for r in rows] == [(False, 1117), (True, 1118)]
