@@ -84,8 +84,12 @@ def differences(prefix: Path, res) -> list[str]:
     out = []
     summary = json.loads(Path(f"{prefix}.summary.json").read_text())
     s = res.summary
+    # Preemptions per request: the oracle's total counts those of executed steps only, and under
+    # async scheduling a request can preempt itself in a step that then runs nothing.
+    with open(f"{prefix}.requests.csv") as f:
+        preemptions = sum(int(r["num_preemptions"]) for r in csv.DictReader(f))
     for name, theirs, ours in [("steps", summary["total_steps"], s["num_steps"]),
-                               ("preemptions", summary["total_preemptions"], s["num_preemptions"]),
+                               ("preemptions", preemptions, s["num_preemptions"]),
                                ("prefix hits", summary["prefix_cache"]["hits_all"], s["prefix_cache_hits_tokens"])]:
         if theirs != ours:
             out.append(f"{name}: vLLM {theirs}, simkv {ours}")

@@ -42,7 +42,7 @@ def test_req400_matches_vllm_async(prefix_groups, options, expected, first_reque
 
 def _tiny(**kw):
     return make_config(num_gpu_blocks=kw.pop("num_gpu_blocks", 64), block_size=4, max_num_seqs=kw.pop("max_num_seqs", 4),
-                       max_num_batched_tokens=64, max_model_len=64, **kw)
+                       max_num_batched_tokens=64, max_model_len=kw.pop("max_model_len", 64), **kw)
 
 
 def _tiny_run(async_scheduling: bool, **kw):
@@ -85,6 +85,26 @@ def test_a_finished_request_frees_its_blocks_one_step_later():
     # B, is preempted for it although its last token is in flight. It finishes all the same.
     _, b, _, sched = _tiny_run(True, num_gpu_blocks=5)
     assert (b.first_scheduled_step, b.finish_step, b.num_preemptions, sched.num_preemptions) == (4, 4, 1, 1)
+
+
+def test_a_request_preempts_itself_while_a_finishing_one_holds_the_blocks():
+    # Real vLLM 0.33 (oracle, step mode) on this case: 10 steps both ways; asynchronously A is
+    # preempted once, in a schedule that then runs nothing, and recomputes 5 tokens in step 5.
+    # 5 usable blocks of 4 tokens: B (8 + 5) holds 3 from step 1, A (4 + 10) 2 from step 1. B
+    # samples its last token in step 4; step 5 is scheduled before that output is processed,
+    # and A, whose next token starts its third block, finds none free: it is the newest
+    # running request, so it is the victim.
+    results = {}
+    for mode in (False, True):
+        sched = Scheduler(_tiny(async_scheduling=mode, num_gpu_blocks=6, max_model_len=16), 6)
+        b, a = make_request(0, 8, 5), make_request(1, 4, 10)
+        sched.add_request(b)
+        sched.add_request(a)
+        out = drive_async(sched) if mode else drive(sched, use_runs=False)
+        results[mode] = (out["steps"], a.num_preemptions, b.finish_step, a.finish_step,
+                         [x[1:3] for x in out["log"]][4:6])
+    assert results[False] == (10, 0, 4, 9, [(0, 2), (0, 1)])
+    assert results[True] == (10, 1, 4, 9, [(0, 2), (5, 0)])
 
 
 def test_a_decoder_is_scheduled_in_the_step_after_its_prompt():
