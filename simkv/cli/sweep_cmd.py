@@ -49,7 +49,8 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
 @click.command("sweep")
 @click.argument("traces", nargs=-1, required=True)
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
-              help="Swept option (engine option names, cost_model, step_base_s, step_per_token_s); repeatable.")
+              help="Swept option (engine option names, cost_model, step_base_s, step_per_token_s, replicas, router, "
+                   "and prefix_aware's cache_threshold, balance_abs, balance_rel); repeatable.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Fixed option; repeatable.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),

@@ -12,7 +12,8 @@ from simkv.config import CacheConfig, HardwareConfig, SchedulerConfig
 
 COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
 ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig) for f in fields(klass))
-FLEET_KEYS = ("replicas", "router")  # a fleet of the engine behind a router (simkv/replay/fleet.py)
+# A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds.
+FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel")
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 

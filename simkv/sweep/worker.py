@@ -51,8 +51,12 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
                 "detail": traceback.format_exc()}
 
 
+ROUTER_OPTION_KEYS = ("cache_threshold", "balance_abs", "balance_rel")  # grid keys: prefix_aware's thresholds
+
+
 def fleet_spec(fleet: dict | None):
-    """A cell's `replicas`, `router` (and `router_options`) as a FleetSpec (None: one engine)."""
+    """A cell's `replicas`, `router` (and `router_options`, or the thresholds as keys of their
+    own) as a FleetSpec (None: one engine)."""
     from simkv.replay.api import FleetSpec
     from simkv.replay.router import ROUTERS, RouterError, RouterOptions
 
@@ -64,7 +68,12 @@ def fleet_spec(fleet: dict | None):
     router = fleet.get("router", "round_robin")
     if router not in ROUTERS:
         raise RouterError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
-    options = fleet.get("router_options") or {}
+    options = dict(fleet.get("router_options") or {})
+    thresholds = {k: fleet[k] for k in ROUTER_OPTION_KEYS if k in fleet}
+    if thresholds and router != "prefix_aware":
+        raise RouterError(f"{', '.join(thresholds)}: thresholds of the prefix_aware router; this cell's router "
+                          f"is {router} (set router=prefix_aware)")
+    options.update(thresholds)
     return FleetSpec(replicas, router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
 
 

@@ -308,3 +308,20 @@ def test_async_scheduling_is_a_grid_key(tmp_path):
     assert res.exit_code == 0, res.output
     rows = pq.read_table(out / "sweep.parquet").to_pylist()
     assert [(r["async_scheduling"], r["num_steps"]) for r in rows] == [(False, 1117), (True, 1118)]
+
+
+def test_router_thresholds_are_grid_keys(tmp_path):
+    trace = "traces/mooncake_synthetic_slice.parquet"
+    out = tmp_path / "sweep"
+    res = sweep(trace, "--grid", "cache_threshold=0.1,0.9", "--set", "router=prefix_aware", "--set", "replicas=2",
+                "--set", "max_model_len=32768", "--workers", "1", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [r["cache_threshold"] for r in rows] == [0.1, 0.9]
+    summaries = [json.loads((out / "cells" / r["cell_id"] / "summary.json").read_text()) for r in rows]
+    decisions = [s["fleet"]["router"]["decisions"] for s in summaries]
+    assert decisions[0] != decisions[1]  # the threshold changed where requests went
+    assert [s["fleet"]["router"]["options"]["cache_threshold"] for s in summaries] == [0.1, 0.9]
+    bad = sweep(trace, "--grid", "cache_threshold=0.1", "--set", "replicas=2", "--set", "max_model_len=32768",
+                "--out", str(tmp_path / "bad"))
+    assert bad.exit_code == 1 and "thresholds of the prefix_aware router; this cell's router is round_robin" in bad.output
