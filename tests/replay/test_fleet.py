@@ -72,10 +72,11 @@ def test_round_robin_replicas_replay_exactly_their_share_of_the_trace(async_sche
     assert s["duration_s"] == max(row["duration_s"] for row in s["fleet"]["replicas"])
 
 
-@pytest.mark.parametrize("router", ["least_outstanding", "prefix_aware"])
-def test_decode_runs_do_not_change_routing(router, tmp_path):
+@pytest.mark.parametrize("router, async_scheduling", [("least_outstanding", False), ("prefix_aware", False),
+                                                      ("prefix_aware", True)])
+def test_decode_runs_do_not_change_routing(router, async_scheduling, tmp_path):
     trace = shared_prefix(PrefixGroups(groups=6), n_requests=300, seed=3, arrival=ArrivalProcess("poisson", rate=30.0))
-    cfg = config(num_gpu_blocks=400)
+    cfg = config(num_gpu_blocks=400, async_scheduling=async_scheduling)
     for name, runs in (("a", True), ("b", False)):
         res = replay(trace, cfg, "roofline", use_decode_runs=runs, fleet=FleetSpec(3, router))
         res.summary["wall_time_s"] = 0.0
