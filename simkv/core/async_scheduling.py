@@ -13,12 +13,14 @@ The caller (simkv/replay/engine.py) then calls `schedule()` for K+1 before
 - the KV of a decode token is cached when its step's output is processed, so a decoder
   preempted before that finds one token less of its own on resume (a block less when that
   token ended a block).
-Decode runs (steady_decoders.py) still apply, with nothing pending and short of the step that
-samples a request's last token (ReplayEngine._plan_async_run).
+Decode runs (steady_decoders.py) still apply from a state with nothing pending; requests whose
+last token a run's last step samples stay decoders until the next schedule() retires them
+(ReplayEngine._plan_async_run, _close_async_run).
 """
 
 from __future__ import annotations
 
+import heapq
 from operator import attrgetter
 
 from simkv.core.request import Request, RequestStatus
@@ -54,6 +56,16 @@ class AsyncScheduling:
                 self._prefilling.remove(sequence)
                 sequence.decode_from_step = step + 1  # (it would have decoded from then on)
                 self._mark_finishing(sequence, step)
+
+    def finish_due(self, step: int) -> bool:
+        """Whether some decoder samples its last token in `step` (a decode run's last step)."""
+        heap = self._finish_heap
+        while heap:
+            at, _, epoch, request = heap[0]
+            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
+                return at <= step
+            heapq.heappop(heap)
+        return False
 
     def _finish_in_flight(self, step: int) -> list[Request]:
         """`step`'s output is processed: the requests whose last token it sampled finish."""

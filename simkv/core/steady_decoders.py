@@ -251,10 +251,12 @@ class SteadyDecoders:
             tables[request.index].append(block)
             self._push_boundary(request, at + 1)
 
-    def advance_decode_run(self, num_steps: int) -> DecodeRun | None:
+    def advance_decode_run(self, num_steps: int, finish: bool = True) -> DecodeRun | None:
         """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
         cut before the first step whose block allocations the pool cannot cover (that step
-        must be scheduled normally, since it preempts). Returns None if no step can run."""
+        must be scheduled normally, since it preempts). Returns None if no step can run.
+        `finish=False` (async scheduling): requests whose last token the run's last step
+        samples stay decoders; the next schedule() retires them."""
         start = self.current_step
         end = start + num_steps
         kv = self.kv_cache_manager
@@ -277,7 +279,7 @@ class SteadyDecoders:
             return None
         self.current_step = end
         finished: list[Request] = []
-        for request in self._pop_due(self._finish_heap, end - 1):
+        for request in self._pop_due(self._finish_heap, end - 1) if finish else ():
             self._leave_decoding(request, end)
             finished.append(request)
         run = DecodeRun(start, end - start, n, first_context, len(self.running), len(self.waiting),

@@ -19,6 +19,7 @@ from simkv.backends.base import StepBackend
 from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, line_ticks, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
+from simkv.core.outputs import SchedulerOutput
 from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.step_log import RequestLog, StepLog
 
@@ -273,16 +274,15 @@ class ReplayEngine:
 
     def _plan_async_run(self, in_flight) -> tuple[int, int, tuple] | None:
         """A decode run for async scheduling: (its first step's start, its steps, its shape) or
-        None. It starts when the step in flight ends; its steps are plain decode steps with
-        nothing pending (no request waiting for a step's output to finish) and none of them
-        samples a request's last token (that step is scheduled normally, so that the request
-        finishes as async scheduling finishes it). It ends before the next arrival: the step
-        after it is scheduled at the run's end, as it would have been at the start of the run's
-        last step, only if nothing arrived in between."""
+        None. It starts when the step in flight ends, with nothing pending (no request waiting
+        for a step's output to finish); its steps are plain decode steps, the last of which
+        may sample some requests' last tokens. It ends before the next arrival: the step after
+        it is scheduled at the run's end, as it would have been at the start of the run's last
+        step, only if nothing arrived in between."""
         sched = self.scheduler
         if sched._finishing:
             return None
-        limit = sched.decode_run_limit() - 1
+        limit = sched.decode_run_limit()
         if limit < 2:
             return None
         start = self.now if in_flight is None else in_flight[1] + in_flight[2]
@@ -304,6 +304,29 @@ class ReplayEngine:
             if limit < 2:
                 return None
         return start, limit, shape
+
+    def _close_async_run(self, run, start: int, shape):
+        """After a decode run (the clock at its end): its last step's output is processed after
+        the next step has been scheduled, as the batch queue orders them. Nothing arrived
+        since the last step started, so scheduling the next one now is the same. Returns the
+        step now in flight (or None) and logs the run."""
+        sched = self.scheduler
+        last = run.start_step + run.num_steps - 1
+        if not sched.finish_due(last):
+            self.steps.add_run(run, start, shape)
+            return None  # nothing to process: the loop goes on as after any step
+        out = self._schedule()
+        queued = None if out.is_empty else (out, self.now, self._duration(out))
+        done = SchedulerOutput(step=last, chunks=[], num_decode_reqs=run.num_decodes, decode_context_tokens=0,
+                               decodes=None, preempted=[], num_running=0, num_waiting=0, num_blocks_used=0,
+                               prefix_query_tokens=0, prefix_hit_tokens=0)
+        finished = sched.update_from_output(done)
+        run.finished = finished
+        run.last_num_blocks_used_end = done.num_blocks_used_end
+        self.steps.add_run(run, start, shape)
+        if finished:
+            self._record_finished(finished)
+        return queued
 
     def _engine_async(self):
         """vLLM's async scheduling (EngineCore.step_with_batch_queue, two batches deep): the
@@ -331,12 +354,12 @@ class ReplayEngine:
                         sched.update_from_output(out)
                         self.steps.add_step(out, step_start, duration)
                         in_flight = None
-                    run = sched.advance_decode_run(num_steps)
+                    run = sched.advance_decode_run(num_steps, finish=False)
                     if run is not None:
-                        self.steps.add_run(run, start, shape)
                         end = start + run_ticks(shape, run.num_steps)
                         yield env.timeout(end - self.now)
                         self.now = end
+                        in_flight = self._close_async_run(run, start, shape)
                         continue
                     # (no step of it fits the pool: the step is scheduled normally, and preempts)
             queued = None
