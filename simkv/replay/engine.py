@@ -280,9 +280,7 @@ class ReplayEngine:
         it is scheduled at the run's end, as it would have been at the start of the run's last
         step, only if nothing arrived in between."""
         sched = self.scheduler
-        if sched._finishing:
-            return None
-        limit = sched.decode_run_limit()
+        limit = sched.decode_run_limit()  # (0 while a request waits for a step's output to finish)
         if limit < 2:
             return None
         start = self.now if in_flight is None else in_flight[1] + in_flight[2]
