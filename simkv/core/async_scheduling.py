@@ -20,7 +20,6 @@ last token a run's last step samples stay decoders until the next schedule() ret
 
 from __future__ import annotations
 
-import heapq
 from operator import attrgetter
 
 from simkv.core.request import Request, RequestStatus
@@ -59,13 +58,8 @@ class AsyncScheduling:
 
     def finish_due(self, step: int) -> bool:
         """Whether some decoder samples its last token in `step` (a decode run's last step)."""
-        heap = self._finish_heap
-        while heap:
-            at, _, epoch, request = heap[0]
-            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
-                return at <= step
-            heapq.heappop(heap)
-        return False
+        at = self._next_finish_step()
+        return at is not None and at <= step
 
     def _finish_in_flight(self, step: int) -> list[Request]:
         """`step`'s output is processed: the requests whose last token it sampled finish."""

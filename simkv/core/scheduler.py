@@ -146,11 +146,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         if request.decode_base is not None:
             computed = self._leave_decoding(request, step)
             request.last_token_step = step - 1
-        elif request.is_finishing:
-            computed = request.num_computed_tokens
         else:
             computed = request.num_computed_tokens
-            self._prefilling.remove(request)
+            if not request.is_finishing:  # (a finishing request has left the prefilling list already)
+                self._prefilling.remove(request)
         kv = self.kv_cache_manager
         held = kv.num_blocks_of(request)
         swap = self.preemption_mode == "swap" and self.cpu_blocks_used + held <= self.num_cpu_blocks
@@ -423,29 +422,40 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
         if self.async_scheduling:
-            finished = self._finish_in_flight(step)  # (the tokens were accounted for when scheduled)
-        else:
-            finished = []
-            for chunk in output.chunks:
-                request = chunk.request
-                if request.status != RequestStatus.RUNNING:
-                    continue
-                request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
-                if request.num_computed_tokens < request.num_tokens:
-                    continue
-                finished += self._sample_after_prefill(request, step)
-            for request in self._pop_due(self._finish_heap, step):
-                self._leave_decoding(request, step + 1)
-                finished.append(request)
+            output.finished, output.num_blocks_used_end = self.step_output_processed(step)
+            return output.finished
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            finished += self._sample_after_prefill(request, step)
+        for request in self._pop_due(self._finish_heap, step):
+            self._leave_decoding(request, step + 1)
+            finished.append(request)
+        output.finished, output.num_blocks_used_end = self._end_step(finished, step)
+        return output.finished
+
+    def step_output_processed(self, step: int) -> tuple[list[Request], int]:
+        """Async scheduling: `step`'s output is processed (its tokens were accounted for when it
+        was scheduled): the requests whose last token it sampled finish. Returns them and the
+        blocks in use after the step (as `update_from_output`; a decode run's last step)."""
+        return self._end_step(self._finish_in_flight(step), step)
+
+    def _end_step(self, finished: list[Request], step: int) -> tuple[list[Request], int]:
+        """Release the step's finished sequences; returns the completed requests and the blocks
+        in use after the step."""
         if finished:
             finished.sort(key=_seq_of)
             finished = self._finish(finished, step)
-        output.finished = finished
-        output.num_blocks_used_end = self.kv_cache_manager.block_pool.get_num_used_blocks()
+        used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         last_step, taken = self._last_schedule
         if last_step > step:  # async: the next step was scheduled first; its blocks are not this step's
-            output.num_blocks_used_end -= taken
-        return finished
+            used -= taken
+        return finished, used
 
     def _sample_after_prefill(self, request: Request, step: int) -> list[Request]:
         """The request's prefill (or recompute) ended in `step`, which samples its next token:

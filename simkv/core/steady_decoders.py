@@ -156,13 +156,18 @@ class SteadyDecoders:
             return 0
         if self.waiting and not self._admission_stuck():
             return 0
+        at = self._next_finish_step()
+        return 0 if at is None else at - self.current_step + 1
+
+    def _next_finish_step(self) -> int | None:
+        """The step in which the next steady decoder samples its last token (None: no decoder)."""
         heap = self._finish_heap
         while heap:
             at, _, epoch, request = heap[0]
             if epoch == request.epoch and request.status == RequestStatus.RUNNING:
-                return at - self.current_step + 1
+                return at
             heapq.heappop(heap)
-        return 0
+        return None
 
     def _admission_stuck(self) -> bool:
         if len(self.running) >= self.max_num_seqs:

@@ -19,7 +19,6 @@ from simkv.backends.base import StepBackend
 from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, line_ticks, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
-from simkv.core.outputs import SchedulerOutput
 from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.step_log import RequestLog, StepLog
 
@@ -272,6 +271,13 @@ class ReplayEngine:
         a0, a1, b0, b1 = self._decode_line(num_decodes)
         return a0 - host_ticks, a1, b0 - host_ticks, b1
 
+    @staticmethod
+    def _run_shape(line: tuple[int, int, int, int], n: int, ctx: int):
+        """A decode run's per-step durations: `line` for `n` decodes attending `ctx` tokens in
+        its first step, and n more in each next one."""
+        a0, a1, b0, b1 = line
+        return run_shape(a0 + a1 * ctx, a1 * n, b0 + b1 * ctx, b1 * n)
+
     def _plan_async_run(self, in_flight) -> tuple[int, int, tuple] | None:
         """A decode run for async scheduling: (its first step's start, its steps, its shape) or
         None. It starts when the step in flight ends, with nothing pending (no request waiting
@@ -286,10 +292,10 @@ class ReplayEngine:
         start = self.now if in_flight is None else in_flight[1] + in_flight[2]
         n, ctx = sched.decode_run_shape()
         host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
-        a0, a1, b0, b1 = self._device_line(n, host)
-        if max(a0 + a1 * ctx, b0 + b1 * ctx) < host:
+        line = self._device_line(n, host)
+        if line_ticks(line, ctx) < host:
             return None  # host-bound: the steps last the host's time (stepped one by one)
-        shape = run_shape(a0 + a1 * ctx, a1 * n, b0 + b1 * ctx, b1 * n)
+        shape = self._run_shape(line, n, ctx)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             gap = next_arrival - start
@@ -315,12 +321,8 @@ class ReplayEngine:
             return None  # nothing to process: the loop goes on as after any step
         out = self._schedule()
         queued = None if out.is_empty else (out, self.now, self._duration(out))
-        done = SchedulerOutput(step=last, chunks=[], num_decode_reqs=run.num_decodes, decode_context_tokens=0,
-                               decodes=None, preempted=[], num_running=0, num_waiting=0, num_blocks_used=0,
-                               prefix_query_tokens=0, prefix_hit_tokens=0)
-        finished = sched.update_from_output(done)
+        finished, run.last_num_blocks_used_end = sched.step_output_processed(last)
         run.finished = finished
-        run.last_num_blocks_used_end = done.num_blocks_used_end
         self.steps.add_run(run, start, shape)
         if finished:
             self._record_finished(finished)
@@ -346,11 +348,7 @@ class ReplayEngine:
                 if plan is not None:
                     start, num_steps, shape = plan
                     if in_flight is not None:  # its output changes nothing: nobody finishes in it
-                        out, step_start, duration = in_flight
-                        yield env.timeout(start - self.now)
-                        self.now = start
-                        sched.update_from_output(out)
-                        self.steps.add_step(out, step_start, duration)
+                        yield from self._complete(in_flight)
                         in_flight = None
                     run = sched.advance_decode_run(num_steps, finish=False)
                     if run is not None:
@@ -376,15 +374,19 @@ class ReplayEngine:
                     return
                 yield from self._wait_for_arrival()
                 continue
-            out, start, duration = in_flight
-            end = start + duration
-            yield env.timeout(end - self.now)
-            self.now = end
-            finished = sched.update_from_output(out)
-            self.steps.add_step(out, start, duration)
-            if finished:
-                self._record_finished(finished)
+            yield from self._complete(in_flight)
             in_flight = queued
+
+    def _complete(self, in_flight):
+        """Wait for the step on the device to end, then process its output and log it."""
+        out, start, duration = in_flight
+        end = start + duration
+        yield self.env.timeout(end - self.now)
+        self.now = end
+        finished = self.scheduler.update_from_output(out)
+        self.steps.add_step(out, start, duration)
+        if finished:
+            self._record_finished(finished)
 
     def _decode_run(self) -> tuple[int, list[Request]] | None:
         """Jump over the decode run ahead, if any: (its end tick, the requests it finished).
@@ -394,8 +396,7 @@ class ReplayEngine:
         if limit < 2:
             return None
         n, ctx = sched.decode_run_shape()
-        a0, a1, b0, b1 = self._decode_line(n)
-        shape = run_shape(a0 + a1 * ctx, a1 * n, b0 + b1 * ctx, b1 * n)  # per step of the run
+        shape = self._run_shape(self._decode_line(n), n, ctx)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             limit = steps_to_reach(shape, next_arrival - self.now, limit)
