@@ -12,6 +12,22 @@ class ConfigError(ValueError):
     """An invalid option or combination of options."""
 
 
+_KINDS = {"bool": ("true or false", lambda v: isinstance(v, bool)),
+          "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+          "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+          "str": ("a string", lambda v: isinstance(v, str))}
+
+
+def _check_type(key: str, value, annotation: str) -> None:
+    """A flat option's value (from a --config file, a sweep's --set) has its field's type."""
+    base, _, optional = annotation.partition(" | ")
+    if base not in _KINDS or (optional == "None" and value is None):
+        return
+    what, ok = _KINDS[base]
+    if not ok(value):
+        raise ConfigError(f"option '{key}' must be {what}{' or null' if optional == 'None' else ''}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -157,10 +173,12 @@ class EngineConfig:
         """Build from a flat {option: value} mapping (CLI, --config files). Unknown keys raise."""
         groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}}
         names = {f.name: klass for klass in groups for f in fields(klass)}
+        types = {f.name: f.type for klass in groups for f in fields(klass)}
         for key, value in options.items():
             norm = key.replace("-", "_")
             if norm not in names:
                 raise ConfigError(f"unknown option '{key}'")
+            _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]))

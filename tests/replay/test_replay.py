@@ -143,6 +143,20 @@ def test_config_file_and_unknown_option(tmp_path):
     assert r.exit_code != 0 and "unknown option 'blok_size'" in r.output
 
 
+@pytest.mark.parametrize("text, message", [
+    ("async_scheduling: maybe\n", "option 'async_scheduling' must be true or false, got 'maybe'"),
+    ("max_num_seqs: 6.5\n", "option 'max_num_seqs' must be a whole number, got 6.5"),
+    ("watermark: low\n", "option 'watermark' must be a number, got 'low'"),
+    ("num_gpu_blocks: lots\n", "option 'num_gpu_blocks' must be a whole number or null, got 'lots'"),
+])
+def test_config_file_values_of_the_wrong_type_are_refused(tmp_path, text, message):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--config", str(cfg), "--out", str(out)])
+    assert r.exit_code == 2 and message in r.output and not out.exists()
+
+
 def test_engine_that_cannot_progress_reports_instead_of_hanging():
     """A pool too small for one request (normally refused before the run by the capacity
     check, bypassed here) is reported with its cause."""
