@@ -132,6 +132,8 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
+        delay_cache: bool = False,
+        reserved_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give the request slots for `num_new_tokens` more tokens (plus lookahead).
 
@@ -139,6 +141,9 @@ class KVCacheManager:
         it); `computed` holds fresh prefix hits at admission. Returns the new blocks (on a
         first allocation without hits, the list is the request's block table itself), or
         None (and changes nothing) when the pool cannot cover them plus the watermark.
+        `delay_cache`: P/D, the new tokens' KV is being pulled; its blocks are cached when it
+        has arrived (`cache_pulled_blocks`); `reserved_blocks` must stay free besides the
+        watermark (what prefills in flight still need).
         """
         bs = self.block_size
         pool = self.block_pool
@@ -164,7 +169,7 @@ class KVCacheManager:
                 return None
         need_slots = min(num_local + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_new_blocks = max(cdiv(need_slots, bs) - len(hit_blocks) - num_req_blocks, 0)
-        if num_new_blocks + num_evictable + watermark > num_free:
+        if num_new_blocks + num_evictable + watermark > num_free - reserved_blocks:
             return None
         if hit_blocks:
             pool.touch(hit_blocks)
@@ -180,12 +185,19 @@ class KVCacheManager:
                 req_blocks.extend(hit_blocks)
                 self.num_cached_block[request.index] = len(req_blocks)
             req_blocks.extend(new_blocks)
-        if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
+        if self.enable_caching and (request.num_shared_tokens or self.hasher.weak) and not delay_cache:
             # Shared-content blocks become findable at schedule time (an identical prompt
             # admitted in the same step already hits). Unique blocks wait for release.
             end = min(num_local + num_new_tokens, request.num_tokens) // bs
             self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
         return new_blocks
+
+    def cache_pulled_blocks(self, request: Request, num_tokens: int) -> None:
+        """P/D: the pulled KV of the first `num_tokens` tokens has arrived; its full blocks
+        become findable (shared content now, unique content at release, as for any request)."""
+        if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
+            end = min(num_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
 
     def _shared_write_block(self, req_blocks: list[KVCacheBlock], num_computed_tokens: int) -> int:
         """Index of the partly filled block the next token goes into, if other sequences still

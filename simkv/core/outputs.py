@@ -52,6 +52,7 @@ class SchedulerOutput:
     num_swap_in_blocks: int = 0
     finished: list[Request] = field(default_factory=list)
     num_blocks_used_end: int = -1  # after update_from_output (finished requests released)
+    kv_loads: list[Request] | None = None  # P/D: requests admitted to pull their KV (the step starts the pulls)
 
     @property
     def num_prefill_tokens(self) -> int:

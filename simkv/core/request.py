@@ -13,6 +13,12 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     FINISHED = 3
     REJECTED = 4
+    WAITING_FOR_REMOTE_KVS = 5  # P/D: blocks allocated, its prompt's KV being pulled (core/remote_kv.py)
+
+
+# P/D disaggregation roles (Request.kv_role; core/remote_kv.py)
+KV_SEND = 1  # prefill side: keep the blocks after finishing until the decode side has read them
+KV_PULL = 2  # decode side: pull the prompt's KV instead of computing it
 
 
 class Request:
@@ -32,7 +38,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
-        "has_own_cached_blocks",
+        "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
@@ -79,6 +85,9 @@ class Request:
         self.is_finishing = False  # async scheduling: its last token is in flight (core/async_scheduling.py)
         self.epoch = 0
         self.has_own_cached_blocks = False
+        self.kv_role = 0  # KV_SEND / KV_PULL under P/D disaggregation
+        self.kv_loaded = False  # KV_PULL: its pull has ended
+        self.kv_pull_blocks = 0  # KV_PULL: blocks it pulled (those its local prefix cache lacked)
         self.last_token_step = -1
         self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
         # Parallel sampling: the request forks into `num_samples` sequences after its prefill;

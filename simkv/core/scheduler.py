@@ -24,7 +24,8 @@ from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
-from simkv.core.request import Request, RequestStatus
+from simkv.core.remote_kv import RemoteKV
+from simkv.core.request import KV_PULL, Request, RequestStatus
 from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from simkv.core.steady_decoders import SteadyDecoders
 from simkv.core.step_plan import StepPlan
@@ -32,14 +33,14 @@ from simkv.core.step_plan import StepPlan
 _seq_of = attrgetter("seq")
 
 
-_SWAPPED_IN = ComputedBlocks()  # a swapped-in request does no prefix lookup
+_HOLDS_KV = ComputedBlocks()  # a request that holds its KV (swapped out, or pulled) does no prefix lookup
 
 
 class LivelockError(RuntimeError):
     """Requests keep being preempted and none finishes: the configuration cannot make progress."""
 
 
-class Scheduler(SteadyDecoders, AsyncScheduling):
+class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0) -> None:
         sc, cc = config.scheduler, config.cache
@@ -70,6 +71,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block)
         self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
+        # P/D (core/remote_kv.py): waiting requests that hold blocks (their KV being pulled, or
+        # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
+        self.kv_holding = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
+        self._num_kv_ready = 0  # in kv_holding with their pull ended
+        self.kv_held: dict[int, Request] = {}
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -108,10 +114,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         self.waiting.add_request(request)
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.kv_holding)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or len(self.kv_holding) > 0
 
     def _position(self, request: Request) -> int:
         return bisect_left(self.running, request.seq, key=_seq_of)
@@ -234,7 +240,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         if self.detail:
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
-        num_waiting = len(self.waiting)
+        num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         if self.async_scheduling:
             self._last_schedule = (step, num_blocks_used - used_before)
@@ -248,7 +254,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
             num_waiting=num_waiting, num_blocks_used=num_blocks_used,
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
-            num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks)
+            num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks,
+            kv_loads=plan.kv_loads or None)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -351,7 +358,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
 
     def _prefill_threshold(self) -> int:
         threshold = self.long_prefill_token_threshold
-        num_eligible = len(self.running) + len(self.waiting)
+        num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding)
         if num_eligible <= 1:
             return 0
         if threshold > 0 and self.adaptive_threshold:
@@ -361,13 +368,23 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
     def _schedule_waiting(self, step: int, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         admitted = 0
-        while plan.budget > 0 and self.waiting:
+        skipped: list[Request] = []  # P/D: set aside this step (core/remote_kv.py)
+        while plan.budget > 0 and (self.waiting or self.kv_holding):
             if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
                 break
-            request = self.waiting.peek_request()
+            if self.kv_holding or self.waiting.peek_request().kv_role == KV_PULL:
+                head = self._next_waiting(skipped, plan)
+                if head is None:
+                    break
+                queue, request, holds_kv = head
+            else:
+                queue = self.waiting
+                request = queue.peek_request()
+                holds_kv = bool(request.swapped_blocks)
             swapped = request.swapped_blocks
-            computed = kv.get_computed_blocks(request) if not swapped else _SWAPPED_IN
-            base = request.num_computed_tokens if swapped else 0  # a swapped request keeps its KV
+            # A request that holds its KV (swapped out, or pulled) does no prefix lookup.
+            computed = _HOLDS_KV if holds_kv else kv.get_computed_blocks(request)
+            base = request.num_computed_tokens if holds_kv else 0
             num_new = request.num_tokens - base - computed.num_tokens
             if 0 < plan.threshold < num_new:
                 num_new = plan.threshold
@@ -387,20 +404,25 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
                 self.total_swap_in_blocks += swapped
                 plan.swap_in_blocks += swapped
                 request.swapped_blocks = 0
-            else:
+            elif not holds_kv:
                 kv.record_prefix_cache_stats(request, computed.num_tokens)
                 plan.query += request.num_tokens
                 plan.hit += computed.num_tokens
-            self.waiting.pop_request()
+            queue.pop_request()
+            if queue is self.kv_holding:
+                self._num_kv_ready -= 1
             is_resumed = request.status == RequestStatus.PREEMPTED
             self._append_running(request)
             if request.first_scheduled_step < 0:
                 request.first_scheduled_step = step
-                request.num_prefix_hit_tokens = computed.num_tokens
+                if not holds_kv:
+                    request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
             plan.chunks.append(ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed))
             plan.schedule(request, num_new)
             admitted += 1
+        if skipped:
+            self._requeue_skipped(skipped)
 
     def _fill_block_ids(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
@@ -486,7 +508,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling):
         for request in finished:
             if request in self._prefilling:
                 self._prefilling.remove(request)
-            kv.free(request, request.num_computed_tokens, finished=True)
+            if not self._hold_for_sending(request):
+                kv.free(request, request.num_computed_tokens, finished=True)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)
             request.status = RequestStatus.FINISHED

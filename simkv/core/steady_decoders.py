@@ -152,7 +152,7 @@ class SteadyDecoders:
     def decode_run_limit(self) -> int:
         """Number of upcoming steps guaranteed to be plain decode steps (the last one may
         finish requests), or 0 when the next step must be scheduled normally."""
-        if self._prefilling or self._finishing or not self.running or self.detail:
+        if self._prefilling or self._finishing or not self.running or self.detail or self._num_kv_ready:
             return 0
         if self.waiting and not self._admission_stuck():
             return 0
@@ -287,7 +287,7 @@ class SteadyDecoders:
         for request in self._pop_due(self._finish_heap, end - 1) if finish else ():
             self._leave_decoding(request, end)
             finished.append(request)
-        run = DecodeRun(start, end - start, n, first_context, len(self.running), len(self.waiting),
+        run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
                         first_used, counts, finished, num_swapped=self.num_swapped)
         if finished:
             finished.sort(key=_seq_of)

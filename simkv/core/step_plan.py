@@ -10,7 +10,7 @@ class StepPlan:
     """What one schedule() call has handed out so far."""
 
     __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
-                 "swap_out_blocks", "swap_in_blocks", "moved_ahead")
+                 "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads")
 
     def __init__(self, budget: int, threshold: int) -> None:
         self.budget = budget
@@ -24,6 +24,7 @@ class StepPlan:
         self.swap_out_blocks = 0
         self.swap_in_blocks = 0
         self.moved_ahead = False  # a victim ahead of the current request left the running list
+        self.kv_loads: list[Request] = []  # P/D: requests whose KV pull this step starts
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new

@@ -61,12 +61,19 @@ def collector_paused(pause: bool = True):
 
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None,
-           pause_collector: bool = True, goodput: dict | None = None, fleet: FleetSpec | None = None) -> ReplayResult:
+           pause_collector: bool = True, goodput: dict | None = None, fleet: FleetSpec | None = None,
+           disaggregation=None) -> ReplayResult:
     """`pause_collector=False` keeps Python's cyclic collector running (a real backend, whose
     steps are not ours to vouch for, passes it; its timer pauses the collector per step).
     `goodput`: latency SLOs in ms (`simkv/replay/goodput.py`); the summary then says which
     requests met them (`summary["goodput"]`). `fleet`: replay on that many replicas behind a
-    router (simkv/replay/fleet.py); one replica is the plain replay."""
+    router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
+    `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
+    if disaggregation is not None:
+        if backend is not None or (fleet is not None and fleet.num_replicas > 1):
+            raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")
+        return _replay_disaggregated(trace, config, cost_model, cost_options or {}, use_decode_runs, on_progress,
+                                     pause_collector, goodput, disaggregation)
     capacity = compute_capacity(config)
     if fleet is not None and fleet.num_replicas > 1:
         if backend is not None:
@@ -106,6 +113,32 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, steps, runs[0], runs)
+
+
+def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
+                          goodput, spec) -> ReplayResult:
+    from simkv.replay.disaggregated import run_disaggregated
+    from simkv.replay.disaggregated_results import pd_summary, pd_tables
+
+    configs = spec.pool_configs(config)
+    capacities = [compute_capacity(c) for c in configs]
+    seed = cost_options.get("noise_seed", 0)
+    backends, k = [], 0
+    for pool_config, n in zip(configs, (spec.num_prefill, spec.num_decode)):
+        backends.append([make_backend(cost_model, pool_config, **(cost_options | {"noise_seed": seed + k + r}))
+                         for r in range(n)])
+        k += n
+    with collector_paused(pause_collector):
+        t0 = time.perf_counter()
+        run = run_disaggregated(trace, spec, configs[0], configs[1], backends[0], backends[1], capacities[0],
+                                capacities[1], use_decode_runs, on_progress)
+        wall = time.perf_counter() - t0
+        requests, steps, prefill_requests, per_prefill, per_decode = pd_tables(run, trace)
+        summary = pd_summary(run, trace, spec, configs, backends, capacities, wall, requests, prefill_requests,
+                             per_prefill, per_decode)
+        if goodput:
+            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
+    return ReplayResult(summary, requests, steps, run.decode_runs[0], run.decode_runs)
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:

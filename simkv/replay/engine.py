@@ -84,22 +84,32 @@ class ArrivalFeed:
     def note_finished(self, finished: list[Request], tick: int) -> None:
         """The engine finished these requests at `tick` (a fleet's router counts them)."""
 
+    def kv_loads_started(self, requests: list[Request], tick: int) -> None:
+        """P/D: a step starting at `tick` admitted these requests to pull their KV."""
+        raise ReplayError("a request pulls its KV outside a disaggregated fleet")
+
+    def holds_pending_work(self) -> bool:
+        """P/D: the engine's scheduler waits for a transfer to end (a step may then run nothing)."""
+        return False
+
     def _deliver(self, i: int) -> None:
         prompt = self._prompt_list[i]
         if prompt >= self.max_model_len:
             self.num_rejected += 1
             self.request_log.reject(i)
             return
+        self.scheduler.add_request(self.make_request(i))
+
+    def make_request(self, i: int) -> Request:
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
-        request = Request(
-            str(self._ids[i]), i, self._arrival_list[i], prompt, self._output_list[i],
+        return Request(
+            str(self._ids[i]), i, self._arrival_list[i], self._prompt_list[i], self._output_list[i],
             priority=int(self._priority[i]) if self._priority is not None else 0,
             cache_salt=self._salt[i] if self._salt is not None else None,
             shared_hash_ids=hashes,
             hash_block_tokens=int(trace.hash_block_tokens[i]) if self._has_hashes else 0,
             num_samples=int(trace.n[i]) if trace.n is not None else 1)
-        self.scheduler.add_request(request)
 
 
 @dataclass
@@ -223,7 +233,11 @@ class ReplayEngine:
                     continue
             out = self._schedule()
             if out.is_empty:
-                raise ReplayError(self._stuck_message(out.step))
+                if not feed.holds_pending_work():
+                    raise ReplayError(self._stuck_message(out.step))
+                sched.current_step = out.step  # nothing ran: not a step; a transfer's end wakes the engine
+                yield from self._wait_for_arrival()
+                continue
             start = self.now
             duration = self._duration(out)
             self.now = start + duration
@@ -245,9 +259,12 @@ class ReplayEngine:
     def _schedule(self):
         sched = self.scheduler
         try:
-            return sched.schedule()
+            out = sched.schedule()
         except LivelockError as exc:
             raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
+        if out.kv_loads is not None:
+            self.feed.kv_loads_started(out.kv_loads, self.now)
+        return out
 
     def _duration(self, out) -> int:
         """The step's duration in ticks. Under async scheduling with a backend that tells the

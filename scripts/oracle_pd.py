@@ -1,0 +1,342 @@
+"""P/D disaggregation in the engine core, step by step against the real vLLM scheduler.
+
+vLLM 0.33's `Scheduler` (../shared/tools/vllm_oracle's venv) is given a KV connector of this
+file's own (`FakePDConnector`) that behaves, towards the scheduler, as the NIXL connector does
+in pull mode: a "pull" request (decode side) gets its whole prompt's KV from outside,
+asynchronously; a "send" request (prefill side) keeps its blocks after finishing until told
+they were read. simkv's `Scheduler` runs the same random cases (mixing plain, send and pull
+requests in one engine, small pools, shared prompt content, priorities, watermarks). Each
+pull's read ends in the output of the step `latency - 1` after the one that admitted it, and
+each send is released `latency` steps after its finish, on both sides. Every step's scheduled
+tokens, running and waiting requests and blocks in use, and every request's first-token and
+finish step, must be equal.
+
+A development aid, not a test dependency:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_pd.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE_DIR = ROOT.parent / "shared" / "tools" / "vllm_oracle"
+PLAIN, SEND, PULL = 0, 1, 2
+
+
+# ---- cases ------------------------------------------------------------------------------------
+def make_case(rng) -> dict:
+    block_size = int(rng.choice([4, 8, 16]))
+    max_model_len = int(rng.choice([64, 128, 256]))
+    n = int(rng.integers(3, 50))
+    requests = []
+    prefixes = [[int(x) for x in rng.integers(0, 4, 40)] for _ in range(3)] if rng.random() < 0.6 else None
+    for i in range(n):
+        role = int(rng.choice([PLAIN, SEND, PULL, PULL]))
+        prompt = int(rng.integers(1, max_model_len))
+        r = {"row": i, "arrival_step": int(rng.integers(0, 40)), "prompt": prompt,
+             "output": 1 if role == SEND else int(rng.integers(1, 40)), "role": role,
+             "latency": int(rng.integers(1, 6)), "priority": int(rng.integers(0, 3))}
+        if prefixes is not None:
+            r["block_hashes"] = prefixes[int(rng.integers(0, 3))][:-(-prompt // 8)]
+        requests.append(r)
+    requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
+    chunked = bool(rng.random() < 0.8)
+    budget = int(rng.choice([32, 64, 128, 512]))
+    if not chunked:
+        budget = max(budget, max_model_len)
+    max_num_seqs = int(rng.choice([2, 4, 8, 32]))
+    opts = dict(block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=max(budget, max_num_seqs),
+                max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
+                num_gpu_blocks=int(max_model_len // block_size + 2 + rng.integers(0, 40)),
+                enable_prefix_caching=bool(rng.random() < 0.8), watermark=float(rng.choice([0.0, 0.0, 0.05])),
+                long_prefill_token_threshold=int(rng.choice([0, 0, 16])) if chunked else 0,
+                scheduling_policy=str(rng.choice(["fcfs", "fcfs", "priority"])),
+                reserve_full_isl=bool(rng.random() < 0.7))
+    return {"opts": opts, "requests": requests}
+
+
+def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:
+    """The shared driver: arrivals by step, then `schedule_step(k, arrived)` until all is done."""
+    pending = list(requests)
+    rows = []
+    for k in range(max_steps):
+        arrived = []
+        while pending and pending[0]["arrival_step"] <= k:
+            arrived.append(pending.pop(0))
+        row, done = schedule_step(k, arrived)
+        rows.append(row)
+        if done and not pending:
+            return {"steps": rows}
+    return {"steps": rows, "error": "max steps"}
+
+
+# ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    class FakePDConnector(KVConnectorBase_V1):
+        """Towards the scheduler, NIXL's pull mode: "pull" requests load their whole prompt
+        asynchronously; "send" requests delay freeing their blocks."""
+
+        admitted: list = []
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            params = request.kv_transfer_params or {}
+            if params.get("pull"):
+                count = len(request.prompt_token_ids) - num_computed_tokens
+                if count > 0:
+                    return count, True
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            params = request.kv_transfer_params or {}
+            if params.get("pull"):
+                if num_external_tokens > 0:
+                    FakePDConnector.admitted.append(request.request_id)
+                params["pull"] = False  # one transfer per request
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def request_finished(self, request, block_ids):
+            params = request.kv_transfer_params or {}
+            return bool(params.get("send")) and len(block_ids) > 0, None
+
+        # worker side: unused
+        def start_load_kv(self, forward_context, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            pass
+
+        def wait_for_save(self):
+            pass
+except ImportError:  # simkv's venv
+    pass
+
+
+def run_vllm(case: dict) -> dict:
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import oracle
+    o = case["opts"]
+    model_config = ModelConfig(model=oracle.ensure_fake_model(str(ORACLE_DIR / "fake_model")), dtype="float16",
+                               seed=0, skip_tokenizer_init=True, max_model_len=o["max_model_len"])
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
+        max_model_len=o["max_model_len"], enable_chunked_prefill=o["enable_chunked_prefill"],
+        long_prefill_token_threshold=o["long_prefill_token_threshold"], is_encoder_decoder=False,
+        policy=o["scheduling_policy"], watermark=o["watermark"], scheduler_reserve_full_isl=o["reserve_full_isl"],
+        disable_hybrid_kv_cache_manager=True)
+    cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"])
+    vllm_config = VllmConfig(
+        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
+                                            kv_connector_module_path="oracle_pd"))
+    for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
+        setattr(vllm_config.scheduler_config, key, o[key])
+    vllm_config.scheduler_config.async_scheduling = False
+    vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
+    vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
+    kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=o["block_size"], num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
+                      log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
+    import oracle_pd  # the connector's class as the scheduler loaded it
+    connector_cls = oracle_pd.FakePDConnector
+    connector_cls.admitted.clear()
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher(o["block_size"], hash_fn)
+    pool = sched.kv_cache_manager.block_pool
+    usable = pool.num_gpu_blocks - 1
+    info = {r["row"]: r for r in case["requests"]}
+    first_token, finish = {}, {}
+    due_recv: dict[int, set] = {}
+    due_send: dict[int, set] = {}
+
+    def make(r):
+        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
+              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
+        ids = oracle.make_prompt_ids(tr, 0, 0, {})
+        params = {"pull": True} if r["role"] == PULL else {"send": True} if r["role"] == SEND else None
+        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
+        if params is not None:
+            sp.extra_args = {"kv_transfer_params": params}
+        req = Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                      arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
+                      block_hasher=block_hasher)
+        req.kv_transfer_params = params
+        return req
+
+    def step(k, arrived):
+        for r in arrived:
+            sched.add_request(make(r))
+        so = sched.schedule()
+        if os.environ.get("ORACLE_PD_DEBUG"):
+            print(k, dict(so.num_scheduled_tokens), list(connector_cls.admitted), file=sys.stderr)
+        for rid in connector_cls.admitted:
+            due_recv.setdefault(k + info[int(rid)]["latency"] - 1, set()).add(rid)
+        connector_cls.admitted.clear()
+        n_running, n_waiting = sched.get_request_counts()
+        row = [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = sched.requests[rid]
+            sampled.append([] if req.is_prefill_chunk else [oracle.fake_output_token(int(rid), req.num_computed_tokens)])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled,
+                                kv_connector_output=KVConnectorOutput(finished_recving=due_recv.pop(k, None),
+                                                                      finished_sending=due_send.pop(k, None)))
+        for eco in sched.update_from_output(so, mro).values():
+            for out in eco.outputs:
+                if out.new_token_ids and out.request_id not in first_token:
+                    first_token[out.request_id] = k
+                if out.finish_reason is not None:
+                    finish[out.request_id] = k
+                    if info[int(out.request_id)]["role"] == SEND:
+                        due_send.setdefault(k + info[int(out.request_id)]["latency"], set()).add(out.request_id)
+        return row, not sched.has_requests() and not due_send
+
+    result = _step_loop(case["requests"], step)
+    result["requests"] = {rid: [first_token.get(rid, -1), finish.get(rid, -1)] for rid in map(str, info)}
+    return result
+
+
+# ---- simkv side -----------------------------------------------------------------------------------
+def run_simkv(case: dict) -> dict:
+    import numpy as np
+
+    from simkv.config import EngineConfig
+    from simkv.core.request import KV_PULL, KV_SEND, Request
+    from simkv.core.scheduler import Scheduler
+
+    o = dict(case["opts"])
+    reserve = o.pop("reserve_full_isl")
+    config = EngineConfig.from_flat(o | {"scheduler_reserve_full_isl": reserve})
+    sched = Scheduler(config, o["num_gpu_blocks"])
+    requests = {}
+    due_recv: dict[int, list] = {}
+    due_send: dict[int, list] = {}
+    first_token, finish = {}, {}
+
+    def step(k, arrived):
+        for r in arrived:
+            hashes = np.array(r["block_hashes"], dtype=np.int64) if r.get("block_hashes") else None
+            req = Request(str(r["row"]), r["row"], float(r["arrival_step"]), r["prompt"], r["output"],
+                          priority=r["priority"], shared_hash_ids=hashes, hash_block_tokens=8 if hashes is not None else 0)
+            req.kv_role = {PULL: KV_PULL, SEND: KV_SEND}.get(r["role"], 0)
+            requests[req.request_id] = (req, r)
+            sched.add_request(req)
+        out = sched.schedule()
+        for req in out.kv_loads or ():
+            due_recv.setdefault(k + requests[req.request_id][1]["latency"] - 1, []).append(req)
+        row = [out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used]
+        sched.update_from_output(out)
+        for req, r in requests.values():
+            if req.first_token_step == k:
+                first_token[req.request_id] = k
+            if req.finish_step == k and req.request_id not in finish:
+                finish[req.request_id] = k
+                if r["role"] == SEND:
+                    due_send.setdefault(k + r["latency"], []).append(req)
+        for req in due_recv.pop(k, ()):
+            sched.finished_recving(req)
+        for req in due_send.pop(k, ()):
+            sched.finished_sending(req)
+        return row, not sched.has_unfinished_requests() and not due_send
+
+    result = _step_loop(case["requests"], step)
+    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
+                          for r in case["requests"]}
+    return result
+
+
+def _trim(rows: list) -> list:
+    """Without the trailing idle steps (vLLM's engine steps once more to report finished requests)."""
+    end = len(rows)
+    while end and not any(rows[end - 1]):
+        end -= 1
+    return rows[:end]
+
+
+def differences(theirs: dict, ours: dict) -> list[str]:
+    out = []
+    if "error" in theirs or "error" in ours:
+        out.append(f"vLLM {theirs.get('error')}, simkv {ours.get('error')}")
+    a, b = _trim(theirs["steps"]), _trim(ours["steps"])
+    bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if bad or len(a) != len(b):
+        i = bad[0] if bad else min(len(a), len(b))
+        out.append(f"steps differ from step {i} (of {len(a)} / {len(b)}): "
+                   f"vLLM {a[i] if i < len(a) else None}, simkv {b[i] if i < len(b) else None}")
+    for rid, v in theirs["requests"].items():
+        if ours["requests"].get(rid) != v:
+            out.append(f"request {rid}: vLLM first token/finish step {v}, simkv {ours['requests'].get(rid)}")
+            break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--oracle-python", default="/tmp/vllm-oracle-venv/bin/python")
+    ap.add_argument("--cases", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.vllm_side:
+        sys.path.insert(0, str(ORACLE_DIR))
+        cases = json.loads(Path(a.vllm_side[0]).read_text())
+        Path(a.vllm_side[1]).write_text(json.dumps([run_vllm(c) for c in cases]))
+        return
+    import numpy as np
+    rng = np.random.default_rng(a.seed)
+    cases = [make_case(rng) for _ in range(a.cases)]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "cases.json"), Path(tmp, "vllm.json")
+        src.write_text(json.dumps(cases))
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_LOGGING_LEVEL="ERROR")
+        subprocess.run([a.oracle_python, __file__, "--vllm-side", str(src), str(dst)], check=True, env=env)
+        theirs = json.loads(dst.read_text())
+    failures = 0
+    totals = dict(requests=0, pulls=0, sends=0, steps=0)
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        ours = run_simkv(case)
+        totals["requests"] += len(case["requests"])
+        totals["pulls"] += sum(r["role"] == PULL for r in case["requests"])
+        totals["sends"] += sum(r["role"] == SEND for r in case["requests"])
+        totals["steps"] += len(t["steps"])
+        diff = differences(t, ours)
+        if diff:
+            failures += 1
+            print(f"case {i} {case['opts']}: " + "; ".join(diff))
+    print(f"{len(cases) - failures} of {len(cases)} cases equal "
+          f"({totals['requests']} requests: {totals['pulls']} pulls, {totals['sends']} sends; {totals['steps']} steps)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

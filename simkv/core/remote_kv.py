@@ -1,0 +1,124 @@
+"""Prefill/decode disaggregation in the engine core, as vLLM's KV connector (NIXL, pull mode)
+drives its scheduler. No clock here: the replay's P/D fleet (simkv/replay/disaggregated.py)
+says when transfers end.
+
+A request has a KV role (`Request.kv_role`):
+- KV_SEND, on a prefill engine: it runs its prompt and samples one token (max_tokens=1), then
+  finishes but keeps its blocks until the decode side has read them (`finished_sending`).
+  vLLM: the connector's `request_finished` returns delay_free_blocks for a
+  `do_remote_decode` request.
+- KV_PULL, on a decode engine: when it first reaches the head of the waiting queue it looks up
+  its local prefix hits and gets blocks for its whole prompt (the rest is "external"; blocks
+  are not cached until the data is there), takes no tokens of the step's budget, enters
+  WAITING_FOR_REMOTE_KVS and is set aside in the KV-holding queue. The step that admitted it
+  starts the pull (`SchedulerOutput.kv_loads`). Requests in that queue are looked at before
+  the waiting queue every step; one whose pull has not ended (`finished_recving`) is skipped
+  without blocking the others. Once it has, its blocks are cached, its computed tokens are the
+  prompt less one (the last prompt token is computed again so that the next one can be sampled)
+  and it is scheduled like any waiting request that holds KV: a one-token prefill, then decode.
+  A pulled request that is preempted later recomputes locally (one pull per request).
+"""
+
+from __future__ import annotations
+
+from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
+from simkv.core.request_queue import PriorityRequestQueue
+
+class RemoteKV:
+    """Mixed into Scheduler: the KV-holding queue, pulled admissions, and blocks held for sending."""
+
+    def finished_recving(self, request: Request) -> None:
+        """The pull of `request`'s KV has ended (seen at a step boundary): the next schedule promotes it."""
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not request.kv_loaded, request
+        request.kv_loaded = True
+        self._num_kv_ready += 1
+
+    def finished_sending(self, request: Request) -> None:
+        """The decode side has read the blocks of this finished `request`: release them."""
+        held = self.kv_held.pop(request.index)
+        self.kv_cache_manager.free(held, held.num_computed_tokens, finished=True)
+
+    @property
+    def num_blocks_held_for_sending(self) -> int:
+        kv = self.kv_cache_manager
+        return sum(kv.num_blocks_of(r) for r in self.kv_held.values())
+
+    def _hold_for_sending(self, request: Request) -> bool:
+        """At a finish: a KV_SEND request keeps its blocks (True) until `finished_sending`."""
+        if request.kv_role != KV_SEND:
+            return False
+        self.kv_held[request.index] = request
+        return True
+
+    def _admit_pull(self, request: Request, plan) -> bool:
+        """A KV_PULL request at the head of the waiting queue: blocks for its whole prompt (local
+        prefix hits plus the external rest), then set aside until its pull ends. False if the
+        blocks do not fit (the waiting queue stops, as for any admission)."""
+        kv = self.kv_cache_manager
+        hits = kv.get_computed_blocks(request)
+        external = request.num_prompt_tokens - hits.num_tokens
+        blocks = kv.allocate_slots(request, 0, external, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
+                                   has_scheduled_reqs=bool(self.running), delay_cache=True,
+                                   reserved_blocks=self._inflight_prefill_blocks())
+        if blocks is None:
+            return False
+        kv.record_prefix_cache_stats(request, hits.num_tokens)
+        plan.query += request.num_tokens
+        plan.hit += hits.num_tokens
+        request.num_prefix_hit_tokens = hits.num_tokens
+        request.num_total_prefix_hit_tokens += hits.num_tokens
+        request.kv_pull_blocks = kv.num_blocks_of(request) - len(hits.blocks)
+        request.kv_role = 0  # one pull per request: a later preemption recomputes locally
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = request.num_prompt_tokens
+        plan.kv_loads.append(request)
+        return True
+
+    def _inflight_prefill_blocks(self) -> int:
+        """The blocks that running prefills still need for their whole prompt: a pull is admitted
+        only if it leaves them free (it holds its blocks for the whole transfer and cannot be
+        preempted meanwhile). vLLM sums them over its in-flight prefills; every other prefilling
+        request here holds its whole prompt already."""
+        kv = self.kv_cache_manager
+        bs, cap = self.block_size, self.max_model_len
+        return sum(max(0, -(-min(r.num_tokens, cap) // bs) - kv.num_blocks_of(r)) for r in self._prefilling)
+
+    def _promote_pulled(self, request: Request) -> None:
+        """Its pull has ended: cache the blocks; the last prompt token is computed again."""
+        self.kv_cache_manager.cache_pulled_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+
+    def _next_waiting(self, skipped: list[Request], plan) -> tuple[object, Request, bool] | None:
+        """The queue to admit from (KV-holding first), its head and whether it holds KV (no prefix
+        lookup); requests whose pull is on are set aside in `skipped`, and new KV_PULL requests are
+        admitted to the KV-holding queue on the way. None: nothing (more) to admit this step."""
+        holding = self.kv_holding
+        while True:
+            if holding:
+                request = holding.peek_request()
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if not request.kv_loaded:
+                        skipped.append(holding.pop_request())
+                        continue
+                    self._promote_pulled(request)
+                return holding, request, True
+            if not self.waiting:
+                return None
+            request = self.waiting.peek_request()
+            if request.kv_role != KV_PULL:
+                return self.waiting, request, bool(request.swapped_blocks)
+            if not self._admit_pull(request, plan):
+                self._blocked_marker = (request, self.kv_cache_manager.num_frees, plan.budget)
+                return None
+            skipped.append(self.waiting.pop_request())
+
+    def _requeue_skipped(self, skipped: list[Request]) -> None:
+        """Requests set aside this step go back to the front of the KV-holding queue, in order."""
+        holding = self.kv_holding
+        if isinstance(holding, PriorityRequestQueue):
+            for request in skipped:
+                holding.add_request(request)
+        else:
+            holding.extendleft(reversed(skipped))

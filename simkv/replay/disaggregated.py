@@ -1,0 +1,420 @@
+"""Prefill/decode disaggregation: a prefill pool and a decode pool of engines, on one SimPy clock.
+
+As vLLM serves it with the NIXL connector in pull mode (its disaggregated-serving proxy):
+1. A request arrives; the prefill router sends it to a prefill replica as a one-token request
+   (max_tokens=1). That replica runs the prompt (prefix cache, chunked prefill and all), samples
+   one token, finishes, and keeps the prompt's blocks (core/remote_kv.py).
+2. `handoff_ms` later (the proxy passing the prefill's answer on), the decode router sends the
+   request, with its whole output length, to a decode replica. There it waits in line like any
+   request; when admitted it gets blocks for its whole prompt (less its local prefix hits), takes
+   no tokens of the step, and the step's start starts the pull.
+3. The pull reads the blocks the decode replica lacks over that replica's link: transfers into
+   one replica queue on its link (first come, first served) at `kv_link_gbps` each, and the
+   last byte lands `kv_link_latency_ms` after it was sent. Bytes: the pulled blocks times the
+   KV bytes of a block (one GPU's share under tensor parallelism: each GPU has its own link).
+4. The decode replica sees the pull's end at its first step boundary at or after it (an idle
+   engine polls, so at once), computes the last prompt token again and decodes. The prefill
+   replica releases the blocks at its first step boundary at or after the same moment.
+
+The client sees the decode replica's tokens: TTFT runs from arrival to the decode replica's
+first token. Both pools' routers are the fleet's (simkv/replay/router.py): the prefill router
+routes at each arrival, the decode router at each handoff, each on the finishes strictly before
+that moment, so the outcome does not depend on the order in which SimPy resumes processes at one
+instant. A decode replica's decode runs (jumps over event-free decode steps) stop before the
+earliest moment a handoff could reach it: the end of a prefill replica's step under way, plus
+the handoff delay.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from simkv.clock import TICKS_PER_SECOND, to_ticks
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.request import KV_PULL, KV_SEND, Request
+from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayError, ReplayRun
+from simkv.replay.fleet import FleetRouting, ReplicaFeed
+from simkv.replay.router import ROUTERS, Router, RouterError, RouterOptions
+
+
+@dataclass(frozen=True)
+class DisaggregationSpec:
+    """`simkv replay --prefill-replicas P --decode-replicas D ...`: the two pools, their routers,
+    the engine options each pool sets over the common ones, and the KV link."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_options: tuple = ()  # ((engine option, value), ...) for the prefill pool only
+    decode_options: tuple = ()
+    prefill_router: str = "least_outstanding"
+    decode_router: str = "least_outstanding"
+    router_options: RouterOptions = field(default_factory=RouterOptions)
+    kv_link_gbps: float = 50.0  # GB/s into each decode GPU (a 400 Gb/s NIC)
+    kv_link_latency_ms: float = 0.1  # from a transfer's last byte sent to the decode side knowing it
+    handoff_ms: float = 1.0  # from the prefill's answer to the decode replica receiving the request
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name.replace('num_', '')} replicas must be a whole number >= 1, got {value!r}")
+        for name in ("prefill_router", "decode_router"):
+            if getattr(self, name) not in ROUTERS:
+                raise ConfigError(f"{name} must be one of {', '.join(ROUTERS)}, got {getattr(self, name)!r}")
+        if not self.kv_link_gbps > 0:
+            raise ConfigError(f"kv_link_gbps must be > 0, got {self.kv_link_gbps}")
+        if not self.kv_link_latency_ms >= 0:
+            raise ConfigError(f"kv_link_latency_ms must be >= 0, got {self.kv_link_latency_ms}")
+        if not self.handoff_ms > 0:
+            raise ConfigError(f"handoff_ms must be > 0 (the proxy's hop takes time), got {self.handoff_ms}")
+
+    def pool_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+        """The prefill pool's and the decode pool's engine configs: `base` with each pool's options."""
+        configs = []
+        for pool, options in (("prefill", self.prefill_options), ("decode", self.decode_options)):
+            try:
+                config = EngineConfig.from_flat(base.to_dict() | dict(options))
+            except (ConfigError, TypeError, ValueError) as exc:
+                raise ConfigError(f"{pool} pool: {exc}") from None
+            _check_pool(pool, config)
+            configs.append(config)
+        if configs[0].max_model_len != configs[1].max_model_len:
+            raise ConfigError(f"the pools' max_model_len differ ({configs[0].max_model_len} and "
+                              f"{configs[1].max_model_len}): a prompt either pool rejects cannot be served")
+        return configs[0], configs[1]
+
+    def to_dict(self) -> dict:
+        return {"prefill_replicas": self.num_prefill, "decode_replicas": self.num_decode,
+                "prefill_options": dict(self.prefill_options), "decode_options": dict(self.decode_options),
+                "prefill_router": self.prefill_router, "decode_router": self.decode_router,
+                "router_options": self.router_options.to_dict(), "kv_link_gbps": self.kv_link_gbps,
+                "kv_link_latency_ms": self.kv_link_latency_ms, "handoff_ms": self.handoff_ms}
+
+
+def _check_pool(pool: str, config: EngineConfig) -> None:
+    sc, cc = config.scheduler, config.cache
+    if sc.async_scheduling:
+        raise ConfigError(f"{pool} pool: async scheduling with P/D disaggregation is not modelled; "
+                          "drop async_scheduling")
+    if sc.preemption_mode != "recompute":
+        raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
+                          f"got preemption_mode={sc.preemption_mode}")
+    if cc.allocator != "paged":
+        raise ConfigError(f"{pool} pool: P/D disaggregation needs the paged allocator, got {cc.allocator}")
+
+
+class PrefillRouting(FleetRouting):
+    """The prefill router: a fleet's, counting the requests it sent that are not yet handed off."""
+
+    def __init__(self, trace, router: Router, max_model_len: int) -> None:
+        super().__init__(trace, router, max_model_len)
+        self.num_in_prefill = 0
+
+    def _route(self, i: int, tick: int) -> None:
+        super()._route(i, tick)
+        if self.assignment[i] >= 0:
+            self.num_in_prefill += 1
+
+
+@dataclass
+class PoolView:
+    """One pool's routing as a fleet's tables and summary read it."""
+    assignment: np.ndarray
+    router: Router
+
+
+class PDRouting:
+    """Both routers. The prefill side is a fleet's routing (trace rows at their arrivals); the
+    decode side routes finished prefills at their handoff ticks."""
+
+    def __init__(self, trace, spec: DisaggregationSpec, prefill_router: Router, decode_router: Router,
+                 max_model_len: int) -> None:
+        self.trace = trace
+        self.spec = spec
+        self.prefill = PrefillRouting(trace, prefill_router, max_model_len)
+        self.rows = self.prefill.rows
+        self.decode_router = decode_router
+        n = decode_router.num_replicas
+        self.decode_queues: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # (tick, row)
+        self.decode_assignment = np.full(len(trace), -1, dtype=np.int32)
+        self.decode_outstanding = [0] * n
+        self._decode_finishes: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]
+        self._handoffs: list[tuple[int, int]] = []  # heap of (tick, row): finished prefills on their way
+        self.handoff_ticks = max(1, to_ticks(spec.handoff_ms / 1e3))
+        self.prefill_engines: list[ReplayEngine] = []
+        self.decode_engines: list[ReplayEngine] = []
+        self.env: simpy.Environment | None = None
+        # per trace row: the prefill's end, the pull's start and end (ticks), the bytes pulled
+        self.prefill_end = np.full(len(trace), -1, dtype=np.int64)
+        self.pull_start = np.full(len(trace), -1, dtype=np.int64)
+        self.pull_end = np.full(len(trace), -1, dtype=np.int64)
+        self.pull_bytes = np.zeros(len(trace), dtype=np.int64)
+
+    @property
+    def all_handed_off(self) -> bool:
+        return self.prefill.all_routed and self.prefill.num_in_prefill == 0 and not self._handoffs
+
+    # ---- the handoff: prefill replica -> proxy -> decode replica -------------------------------
+    def hand_off(self, row: int, tick: int) -> None:
+        """A prefill finished at `tick`: its request reaches the decode router `handoff_ms` later."""
+        at = tick + self.handoff_ticks
+        heapq.heappush(self._handoffs, (at, row))
+        self.env.process(self._route_at(at))
+
+    def next_handoff_ticks(self) -> int | None:
+        return self._handoffs[0][0] if self._handoffs else None
+
+    def route_handoffs_until(self, now: int) -> None:
+        handoffs = self._handoffs
+        while handoffs and handoffs[0][0] <= now:
+            tick, row = heapq.heappop(handoffs)
+            self._route_decode(row, tick)
+
+    def _route_decode(self, row: int, tick: int) -> None:
+        loads = self.decode_outstanding
+        for r, finishes in enumerate(self._decode_finishes):
+            while finishes and finishes[0][0] < tick:
+                loads[r] -= finishes.popleft()[1]
+        trace = self.trace
+        has_hashes = trace.hash_ids is not None
+        hashes = trace.block_hashes(row) if has_hashes else None
+        block_tokens = int(trace.hash_block_tokens[row]) if has_hashes else 0
+        salt = trace.cache_salt[row] if trace.cache_salt is not None else None
+        r = self.decode_router.choose(loads, hashes, block_tokens, salt)
+        self.decode_assignment[row] = r
+        loads[r] += 1
+        self.prefill.num_in_prefill -= 1
+        self.decode_queues[r].append((tick, row))
+
+    def _route_at(self, tick: int):
+        env = self.env
+        yield env.timeout(tick - env.now)
+        self.route_handoffs_until(env.now)
+        done = self.all_handed_off
+        for r, engine in enumerate(self.decode_engines):
+            if engine.idle and (self.decode_queues[r] or done):
+                engine.wake(env.now)
+
+    def prefill_process(self):
+        """The prefill router's process (a fleet's), then: nothing more will reach the decode pool
+        once every prefill has been handed off."""
+        yield from self.prefill.router_process(self.env, self.prefill_engines)
+        self.release_idle_decoders()
+
+    def release_idle_decoders(self) -> None:
+        if self.all_handed_off:
+            for engine in self.decode_engines:
+                if engine.idle:
+                    engine.wake(self.env.now)
+
+    def earliest_handoff_ticks(self) -> int | None:
+        """No request can reach a decode replica before this tick (None: none will): the
+        handoffs under way, and prefills that could end (a replica's step under way ends then;
+        an idle replica without requests must first get one; any other could end now)."""
+        bound = self.next_handoff_ticks()
+        now = self.env.now
+        for r, engine in enumerate(self.prefill_engines):
+            if engine.now > now:  # in a step: its end
+                earliest = engine.now
+            elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r]:
+                earliest = self.prefill.next_unrouted_ticks()
+                if earliest is None:
+                    continue
+            else:
+                earliest = now
+            earliest += self.handoff_ticks
+            if bound is None or earliest < bound:
+                bound = earliest
+        return bound
+
+    def wake_at(self, engine: ReplayEngine, tick: int):
+        """A transfer ends at `tick`: an idle engine then polls (vLLM's engine steps while a
+        connector has work), a busy one sees it at its next step boundary."""
+        env = self.env
+        yield env.timeout(tick - env.now)
+        if engine.idle:
+            engine.wake(env.now)
+
+
+class _EventFeed(ReplicaFeed):
+    """A pool replica's feed: its routed requests, and transfer events that take effect at the
+    first step boundary at or after their tick."""
+
+    def __init__(self, pd: PDRouting, replica: int, trace, scheduler, request_log, max_model_len: int):
+        ArrivalFeed.__init__(self, trace, scheduler, request_log, max_model_len, pd.rows)
+        self.routing = pd.prefill
+        self.replica = replica
+        self.queue = pd.prefill.queues[replica] if isinstance(self, PrefillFeed) else pd.decode_queues[replica]
+        self.pd = pd
+        self.engine: ReplayEngine | None = None
+        self._events: list[tuple[int, int, Request]] = []  # (tick, row, request)
+
+    def add_event(self, tick: int, request: Request) -> None:
+        heapq.heappush(self._events, (tick, request.index, request))
+        self.pd.env.process(self.pd.wake_at(self.engine, tick))
+
+    def next_event_ticks(self) -> int | None:
+        return self._events[0][0] if self._events else None
+
+    def _apply_events(self, now: int) -> None:
+        events = self._events
+        while events and events[0][0] <= now:
+            self.apply(heapq.heappop(events)[2])
+
+    def apply(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def holds_pending_work(self) -> bool:
+        return bool(self._events)
+
+
+class PrefillFeed(_EventFeed):
+    """A prefill replica: trace rows as one-token KV_SEND requests; releases their blocks when
+    the decode side has read them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held: dict[int, Request] = {}  # trace row -> its finished request, blocks held
+
+    def make_request(self, i: int) -> Request:
+        request = super().make_request(i)
+        request.max_tokens = 1
+        request.num_samples = request.group_remaining = 1  # the decode side samples the sequences
+        request.kv_role = KV_SEND
+        return request
+
+    def deliver_until(self, now: int) -> None:
+        self._apply_events(now)
+        super().deliver_until(now)
+
+    def apply(self, request: Request) -> None:
+        self.scheduler.finished_sending(request)
+
+    def holds_pending_work(self) -> bool:
+        return bool(self._events) or bool(self.scheduler.kv_held)
+
+    def note_finished(self, finished, tick: int) -> None:
+        super().note_finished(finished, tick)
+        pd = self.pd
+        for request in finished:
+            pd.prefill_end[request.index] = tick
+            pd.hand_off(request.index, tick)
+            self.held[request.index] = request
+
+
+class DecodeFeed(_EventFeed):
+    """A decode replica: handed-off requests as KV_PULL requests with their whole output; the
+    link that their pulls queue on."""
+
+    def __init__(self, *args, block_bytes: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.block_bytes = block_bytes
+        spec = self.pd.spec
+        self._ticks_per_byte = TICKS_PER_SECOND / (spec.kv_link_gbps * 1e9)
+        self._latency_ticks = to_ticks(spec.kv_link_latency_ms / 1e3)
+        self.link_free = 0  # tick at which the link has sent everything queued on it
+
+    @property
+    def exhausted(self) -> bool:
+        return self.pd.all_handed_off and not self.queue and not self._events
+
+    def next_arrival_ticks(self) -> int | None:
+        candidates = [t for t in (self.queue[0][0] if self.queue else None, self.pd.earliest_handoff_ticks(),
+                                  self.next_event_ticks()) if t is not None]
+        return min(candidates) if candidates else None
+
+    def deliver_until(self, now: int) -> None:
+        self._apply_events(now)
+        self.pd.route_handoffs_until(now)
+        queue = self.queue
+        while queue and queue[0][0] <= now:
+            self.scheduler.add_request(self.make_request(queue.popleft()[1]))
+
+    def make_request(self, i: int) -> Request:
+        request = super().make_request(i)
+        request.kv_role = KV_PULL
+        return request
+
+    def apply(self, request: Request) -> None:
+        self.scheduler.finished_recving(request)
+
+    def kv_loads_started(self, requests: list[Request], tick: int) -> None:
+        pd = self.pd
+        for request in requests:
+            num_bytes = request.kv_pull_blocks * self.block_bytes
+            begin = max(tick, self.link_free)
+            self.link_free = begin + round(num_bytes * self._ticks_per_byte)
+            end = self.link_free + self._latency_ticks
+            row = request.index
+            pd.pull_start[row], pd.pull_end[row], pd.pull_bytes[row] = tick, end, num_bytes
+            self.add_event(end, request)
+            prefill = pd.prefill.assignment[row]
+            feed = pd.prefill_engines[prefill].feed
+            feed.add_event(end, feed.held.pop(row))
+
+    def note_finished(self, finished, tick: int) -> None:
+        self.pd._decode_finishes[self.replica].append((tick, len(finished)))
+
+
+@dataclass
+class DisaggregatedRun:
+    prefill_runs: list[ReplayRun]
+    decode_runs: list[ReplayRun]
+    routing: PDRouting
+
+
+def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineConfig, decode_config: EngineConfig,
+                      prefill_backends: list, decode_backends: list, prefill_capacity, decode_capacity,
+                      use_decode_runs: bool = True, on_progress=None) -> DisaggregatedRun:
+    env = simpy.Environment()
+    max_model_len = prefill_config.max_model_len
+    prefill_router = Router(spec.prefill_router, spec.num_prefill, spec.router_options,
+                            cache_tokens_per_replica=prefill_capacity.kv_cache_tokens)
+    decode_router = Router(spec.decode_router, spec.num_decode, spec.router_options,
+                           cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
+    pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len)
+    pd.env = env
+    pd.prefill.on_reject = on_progress
+    block_bytes = decode_capacity.kv_bytes_per_token * decode_config.cache.block_size
+
+    def engines(configs_backends, make_feed_of, capacity, config, progress):
+        out = []
+        for r, backend in enumerate(configs_backends):
+            engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, progress,
+                                  capacity=capacity, env=env, make_feed=make_feed_of(r))
+            engine.feed.engine = engine
+            out.append(engine)
+        return out
+
+    def prefill_feed(r):
+        return lambda scheduler, log: PrefillFeed(pd, r, trace, scheduler, log, max_model_len)
+
+    def decode_feed(r):
+        return lambda scheduler, log: DecodeFeed(pd, r, trace, scheduler, log, max_model_len, block_bytes=block_bytes)
+
+    pd.prefill_engines = engines(prefill_backends, prefill_feed, prefill_capacity, prefill_config, None)
+    pd.decode_engines = engines(decode_backends, decode_feed, decode_capacity, decode_config, on_progress)
+    processes = [e.start(own_arrivals=False) for e in pd.prefill_engines + pd.decode_engines]
+    env.process(pd.prefill_process())
+    try:
+        env.run(until=simpy.AllOf(env, processes))
+    except RuntimeError as exc:  # SimPy: nothing left to happen, some engine still waiting
+        if "No scheduled events left" not in str(exc):
+            raise
+        raise ReplayError(_deadlock_message(pd)) from None
+    return DisaggregatedRun([e.result() for e in pd.prefill_engines], [e.result() for e in pd.decode_engines], pd)
+
+
+def _deadlock_message(pd: PDRouting) -> str:
+    def pool(name, engines):
+        return "; ".join(f"{name} {r}: {len(e.scheduler.running)} running, {e.scheduler.num_waiting()} waiting, "
+                         f"{len(e.scheduler.kv_held)} holding blocks for the decode side, "
+                         f"{e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks"
+                         for r, e in enumerate(engines))
+    return ("the disaggregated fleet cannot make progress (a prompt may need more blocks than a decode replica "
+            f"has): {pool('prefill', pd.prefill_engines)}; {pool('decode', pd.decode_engines)}")

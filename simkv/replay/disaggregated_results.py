@@ -1,0 +1,97 @@
+"""The tables and summary.json of a disaggregated replay (simkv/replay/disaggregated.py).
+
+requests.parquet: one row per request, as the client sees it (the decode replica's times: TTFT
+from arrival to the decode side's first token), plus `prefill_replica`, `decode_replica`,
+`prefill_end_time_s` (the prefill replica sampled its one token), `kv_pull_start_s` and
+`kv_pull_end_s` (the decode replica admitted the request and started its pull; the pull ended),
+and `kv_pull_bytes`.
+steps.parquet: every replica's steps, with `pool` (prefill / decode) and `replica` (within it).
+summary.json: the decode pool's engine statistics at the top level (the keys of a fleet's; it is
+where requests run, decode and get preempted), the latencies of the whole path, and
+`disaggregation`: the setup, each pool's statistics and replicas, and the KV transfers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from simkv.clock import TICKS_PER_SECOND
+from simkv.replay.disaggregated import DisaggregatedRun, PoolView
+from simkv.replay.fleet import fleet_summary, fleet_tables
+from simkv.replay.results import dist
+
+_POOL_KEYS = ("duration_s", "num_steps", "peak_running", "mean_running", "peak_waiting", "num_gpu_blocks",
+              "peak_blocks_used", "num_preemptions", "num_preempted_requests", "prefix_cache_queries_tokens",
+              "prefix_cache_hits_tokens", "prefix_cache_hit_rate", "num_prefill_tokens", "num_decode_tokens",
+              "internal_fragmentation_pct")
+
+
+def _seconds(ticks: np.ndarray) -> np.ndarray:
+    return np.where(ticks >= 0, ticks / TICKS_PER_SECOND, np.nan)
+
+
+def pd_tables(run: DisaggregatedRun, trace):
+    """(requests, steps, the prefill pool's requests, per-replica request tables of each pool)."""
+    pd_ = run.routing
+    decode_view = PoolView(pd_.decode_assignment, pd_.decode_router)
+    prefill_view = PoolView(pd_.prefill.assignment, pd_.prefill.router)
+    requests, decode_steps, per_decode = fleet_tables(run.decode_runs, decode_view, trace)
+    prefill_requests, prefill_steps, per_prefill = fleet_tables(run.prefill_runs, prefill_view, trace)
+    requests = requests.rename(columns={"replica": "decode_replica"})
+    requests.insert(1, "prefill_replica", pd_.prefill.assignment)
+    requests["prefill_end_time_s"] = _seconds(pd_.prefill_end)
+    requests["kv_pull_start_s"] = _seconds(pd_.pull_start)
+    requests["kv_pull_end_s"] = _seconds(pd_.pull_end)
+    requests["kv_pull_bytes"] = pd_.pull_bytes
+    steps = {"pool": np.concatenate([np.full(len(prefill_steps["replica"]), "prefill", dtype=object),
+                                     np.full(len(decode_steps["replica"]), "decode", dtype=object)])}
+    for name in decode_steps:
+        steps[name] = np.concatenate([prefill_steps[name], decode_steps[name]])
+    return requests, steps, prefill_requests, per_prefill, per_decode
+
+
+def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities, wall_time_s: float,
+               requests: pd.DataFrame, prefill_requests: pd.DataFrame, per_prefill, per_decode) -> dict:
+    pd_ = run.routing
+    prefill_config, decode_config = configs
+    decode = fleet_summary(run.decode_runs, PoolView(pd_.decode_assignment, pd_.decode_router), trace, decode_config,
+                           backends[1], capacities[1], wall_time_s, requests, per_decode)
+    prefill = fleet_summary(run.prefill_runs, PoolView(pd_.prefill.assignment, pd_.prefill.router), trace,
+                            prefill_config, backends[0], capacities[0], 0.0, prefill_requests, per_prefill)
+    summary = {k: v for k, v in decode.items() if k != "fleet"}
+    summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
+    pulled = pd_.pull_end >= 0
+    pull_s = (pd_.pull_end[pulled] - pd_.pull_start[pulled]) / TICKS_PER_SECOND
+    arrival = requests["arrival_time_s"].to_numpy()
+    prefill_end = requests["prefill_end_time_s"].to_numpy()
+    first_token = requests["first_token_time_s"].to_numpy()
+    total_bytes = int(pd_.pull_bytes.sum())
+    summary["disaggregation"] = {
+        **spec.to_dict(),
+        "prefill": _pool(prefill, prefill_config) | {"prefill_s": dist(prefill_end - arrival)},
+        "decode": _pool(decode, decode_config) | {"prefill_end_to_first_token_s": dist(first_token - prefill_end)},
+        "kv_transfer": {
+            "num_pulls": int(pulled.sum()),
+            "pulled_bytes": total_bytes,
+            "pull_s": dist(pull_s),
+            "handoff_to_pull_s": dist(_seconds(pd_.pull_start)[pulled] - prefill_end[pulled]),
+            "mean_link_utilization": _link_utilization(total_bytes, spec, summary["duration_s"]),
+        },
+    }
+    return summary
+
+
+def _pool(s: dict, config) -> dict:
+    return {k: s[k] for k in _POOL_KEYS} | {
+        "config": {k: v for k, v in config.to_dict().items()
+                   if k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                            "long_prefill_token_threshold", "enable_prefix_caching", "gpu_memory_utilization",
+                            "num_gpu_blocks", "block_size", "watermark", "gpu", "tensor_parallel_size")},
+        "router": s["fleet"]["router"], "replicas": s["fleet"]["replicas"]}
+
+
+def _link_utilization(total_bytes: int, spec, duration: float) -> float:
+    """Bytes pulled over the decode pool's links' capacity for the replay's duration."""
+    capacity = spec.kv_link_gbps * 1e9 * spec.num_decode * duration
+    return total_bytes / capacity if capacity > 0 else 0.0
