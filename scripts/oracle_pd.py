@@ -228,50 +228,11 @@ def run_vllm(case: dict) -> dict:
 
 # ---- simkv side -----------------------------------------------------------------------------------
 def run_simkv(case: dict) -> dict:
-    import numpy as np
+    sys.path.insert(0, str(ROOT))
+    from tests.core.helpers import drive_pd
 
-    from simkv.config import EngineConfig
-    from simkv.core.request import KV_PULL, KV_SEND, Request
-    from simkv.core.scheduler import Scheduler
-
-    o = dict(case["opts"])
-    reserve = o.pop("reserve_full_isl")
-    config = EngineConfig.from_flat(o | {"scheduler_reserve_full_isl": reserve})
-    sched = Scheduler(config, o["num_gpu_blocks"])
-    requests = {}
-    due_recv: dict[int, list] = {}
-    due_send: dict[int, list] = {}
-    first_token, finish = {}, {}
-
-    def step(k, arrived):
-        for r in arrived:
-            hashes = np.array(r["block_hashes"], dtype=np.int64) if r.get("block_hashes") else None
-            req = Request(str(r["row"]), r["row"], float(r["arrival_step"]), r["prompt"], r["output"],
-                          priority=r["priority"], shared_hash_ids=hashes, hash_block_tokens=8 if hashes is not None else 0)
-            req.kv_role = {PULL: KV_PULL, SEND: KV_SEND}.get(r["role"], 0)
-            requests[req.request_id] = (req, r)
-            sched.add_request(req)
-        out = sched.schedule()
-        for req in out.kv_loads or ():
-            due_recv.setdefault(k + requests[req.request_id][1]["latency"] - 1, []).append(req)
-        row = [out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used]
-        sched.update_from_output(out)
-        for req, r in requests.values():
-            if req.first_token_step == k:
-                first_token[req.request_id] = k
-            if req.finish_step == k and req.request_id not in finish:
-                finish[req.request_id] = k
-                if r["role"] == SEND:
-                    due_send.setdefault(k + r["latency"], []).append(req)
-        for req in due_recv.pop(k, ()):
-            sched.finished_recving(req)
-        for req in due_send.pop(k, ()):
-            sched.finished_sending(req)
-        return row, not sched.has_unfinished_requests() and not due_send
-
-    result = _step_loop(case["requests"], step)
-    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
-                          for r in case["requests"]}
+    result = drive_pd(case)
+    del result["scheduler"]
     return result
 
 

@@ -9,6 +9,7 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
+from simkv.cli.disagg_options import disaggregation_options, read_disaggregation
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.specs import gpu_names, model_names
@@ -42,7 +43,7 @@ def load_config_file(path: str) -> dict:
     return data
 
 
-FLEET_CONFIG_KEYS = ("replicas", "router", "router_options")  # --config keys that are not engine options
+FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation")  # --config keys that are not engine options
 
 
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
@@ -209,6 +210,7 @@ _ENGINE_OPTIONS = [
               help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms, e.g. --goodput ttft:2000 "
                    "--goodput tpot:100; summary.json then counts the requests that met all of them.")
 @fleet_options
+@disaggregation_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
@@ -225,11 +227,25 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
-    fleet = read_fleet(replicas, router, router_options, config_file)
-    if fleet.num_replicas > 1 and backend == "gpu":
+    disaggregation = read_disaggregation(flags, config_file, router_options)
+    if disaggregation is not None:
+        if replicas is not None or router is not None:
+            raise click.UsageError("P/D disaggregation sets its pools with --prefill-replicas/--decode-replicas and "
+                                   "--prefill-router/--decode-router; drop --replicas/--router")
+        if backend == "gpu":
+            raise click.UsageError("P/D disaggregation is simulated only (the gpu backend runs one engine)")
+        fleet = None
+    else:
+        fleet = read_fleet(replicas, router, router_options, config_file)
+    if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    if disaggregation is not None:
+        try:
+            disaggregation.pool_configs(config)
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise click.UsageError(str(exc)) from None
     if backend == "gpu" and config.scheduler.async_scheduling:
         raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
                                "before scheduling the next")
@@ -249,7 +265,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                 {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s,
                                  "step_noise": step_noise, "noise_seed": noise_seed},
                                 use_decode_runs=not no_decode_runs,
-                                on_progress=lambda k: progress.advance(task, k), goodput=slo, fleet=fleet)
+                                on_progress=lambda k: progress.advance(task, k), goodput=slo, fleet=fleet,
+                                disaggregation=disaggregation)
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)

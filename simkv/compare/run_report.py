@@ -80,6 +80,10 @@ def _per_replica(steps: pd.DataFrame, label: str, values) -> list[tuple]:
     if "replica" not in steps:
         return [(label, t, y)]
     replica = steps["replica"].to_numpy()
+    if "pool" in steps:  # P/D: each pool's replicas
+        names = steps["pool"].to_numpy().astype(str) + " " + replica.astype(str)
+        return [(f"{label}, {name}", t[names == name], y[names == name])
+                for name in list(dict.fromkeys(names))[:MAX_REPLICA_SERIES]]
     return [(f"{label}, replica {r}", t[replica == r], y[replica == r])
             for r in np.unique(replica)[:MAX_REPLICA_SERIES]]
 

@@ -233,6 +233,9 @@ class ReplayEngine:
                     continue
             out = self._schedule()
             if out.is_empty:
+                if out.preempted:  # the last running request preempted itself: schedule again
+                    sched.current_step = out.step  # (nothing ran: not a step)
+                    continue
                 if not feed.holds_pending_work():
                     raise ReplayError(self._stuck_message(out.step))
                 sched.current_step = out.step  # nothing ran: not a step; a transfer's end wakes the engine

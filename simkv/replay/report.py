@@ -34,13 +34,20 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if cfg.get("async_scheduling"):
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
     fleet = summary.get("fleet")
+    pd = summary.get("disaggregation")
     per = ", per replica" if fleet else ""
+    if pd:
+        per = ", decode pool, per replica"
+        head.append(("P/D disaggregation", f"{pd['prefill_replicas']} prefill ({pd['prefill_router']}) + "
+                                           f"{pd['decode_replicas']} decode ({pd['decode_router']}), "
+                                           f"KV link {pd['kv_link_gbps']:g} GB/s"))
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
     rows = head + [
         ("requests (finished / rejected)", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})"),
-        ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} steps"),
+        ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} "
+                               f"{'decode-pool ' if pd else ''}steps"),
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
         ("running (peak / mean)" + per, f"{summary['peak_running']:,} / {summary['mean_running']:,.1f}"),
         ("waiting (peak)" + per, f"{summary['peak_waiting']:,}"),
@@ -67,8 +74,29 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     console.print(table)
     if fleet:
         console.print(replica_table(fleet))
+    if pd:
+        console.print(pool_table(pd))
     if out_dir is not None:
         console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet")
+
+
+def pool_table(pd: dict) -> Table:
+    """P/D: one row per pool (peaks per replica, counts over the pool), and the KV pulls."""
+    table = Table(title="P/D pools")
+    for name in ("pool", "replicas", "steps", "running peak / mean", "KV blocks peak / total", "preemptions",
+                 "prefix hit %"):
+        table.add_column(name, justify="right")
+    for name in ("prefill", "decode"):
+        p = pd[name]
+        table.add_row(name, str(len(p["replicas"])), f"{p['num_steps']:,}",
+                      f"{p['peak_running']:,} / {p['mean_running']:,.1f}",
+                      f"{p['peak_blocks_used']:,} / {p['num_gpu_blocks']:,}", f"{p['num_preemptions']:,}",
+                      f"{100 * p['prefix_cache_hit_rate']:.1f}")
+    kv = pd["kv_transfer"]
+    table.caption = (f"KV pulls: {kv['num_pulls']:,}, {kv['pulled_bytes'] / 1e9:,.2f} GB; pull ms (mean / p50 / p99) "
+                     f"{_fmt_dist(kv['pull_s'])}; handoff to pull start ms {_fmt_dist(kv['handoff_to_pull_s'])}; "
+                     f"link use {100 * kv['mean_link_utilization']:.2f} %")
+    return table
 
 
 def replica_table(fleet: dict) -> Table:

@@ -96,3 +96,50 @@ def drive_async(scheduler: Scheduler, check=None, max_steps: int = 1_000_000, ar
     return {"steps": steps, "peak_running": peak, "preemptions": scheduler.num_preemptions,
             "preempted_requests": scheduler.num_preempted_requests, "hits": hit, "queries": query,
             "prefill_tokens": prefill, "decode_tokens": decode, "log": log}
+
+
+# P/D cases (scripts/oracle_pd.py): roles of a request, as the case files write them
+PD_PLAIN, PD_SEND, PD_PULL = 0, 1, 2
+
+
+def drive_pd(case: dict, max_steps: int = 5000) -> dict:
+    """Step a scheduler through a P/D case as scripts/oracle_pd.py drives vLLM's: arrivals by step;
+    a pull admitted in step k ends in the output of step k + latency - 1, a send is released
+    `latency` steps after its finish. Returns per-step [scheduled tokens, running, waiting, blocks
+    used] and per-request [first token step, finish step]."""
+    from simkv.core.request import KV_PULL, KV_SEND
+
+    opts = dict(case["opts"])
+    reserve = opts.pop("reserve_full_isl")
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"])
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    requests, rows = [], []
+    due_recv: dict[int, list] = {}
+    due_send: dict[int, list] = {}
+    for k in range(max_steps):
+        while pending and pending[0]["arrival_step"] <= k:
+            r = pending.pop(0)
+            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
+                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
+            req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
+            requests.append((req, r))
+            sched.add_request(req)
+        out = sched.schedule()
+        for req in out.kv_loads or ():
+            latency = next(r["latency"] for q, r in requests if q is req)
+            due_recv.setdefault(k + latency - 1, []).append(req)
+        rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+        for req in sched.update_from_output(out):
+            r = next(r for q, r in requests if q is req)
+            if r["role"] == PD_SEND:
+                due_send.setdefault(k + r["latency"], []).append(req)
+        for req in due_recv.pop(k, ()):
+            sched.finished_recving(req)
+        for req in due_send.pop(k, ()):
+            sched.finished_sending(req)
+        if not pending and not sched.has_unfinished_requests() and not due_send:
+            break
+    while rows and not any(rows[-1]):
+        rows.pop()
+    return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+            "scheduler": sched}

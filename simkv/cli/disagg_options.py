@@ -1,0 +1,108 @@
+"""`simkv replay`'s P/D disaggregation flags, and the --config file's `disaggregation` mapping."""
+
+from __future__ import annotations
+
+import click
+
+from simkv.config import ConfigError
+
+_PD_FLAGS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
+             "kv_link_latency_ms", "handoff_ms")
+_FILE_KEYS = set(_PD_FLAGS) | {"prefill", "decode"}
+
+
+def disaggregation_options(command):
+    from simkv.replay.router import ROUTERS
+
+    for option in reversed([
+        click.option("--prefill-replicas", type=int, default=None,
+                     help="P/D disaggregation: prefill engines (each runs prompts and hands their KV over) "
+                          "[default: 1 when --decode-replicas is given]."),
+        click.option("--decode-replicas", type=int, default=None,
+                     help="P/D disaggregation: decode engines (each pulls a prompt's KV, then decodes) "
+                          "[default: 1 when --prefill-replicas is given]."),
+        click.option("--prefill-set", "prefill_sets", multiple=True, metavar="KEY=VALUE",
+                     help="An engine option for the prefill pool only (e.g. max_num_batched_tokens=16384); repeatable."),
+        click.option("--decode-set", "decode_sets", multiple=True, metavar="KEY=VALUE",
+                     help="An engine option for the decode pool only (e.g. max_num_seqs=512); repeatable."),
+        click.option("--prefill-router", type=click.Choice(ROUTERS), default=None,
+                     help="P/D: how a prefill replica is picked [default: least_outstanding]."),
+        click.option("--decode-router", type=click.Choice(ROUTERS), default=None,
+                     help="P/D: how a decode replica is picked [default: least_outstanding]."),
+        click.option("--kv-link-gbps", type=float, default=None,
+                     help="P/D: GB/s of each decode GPU's link; pulls into one replica queue on it [default: 50]."),
+        click.option("--kv-link-latency-ms", type=float, default=None,
+                     help="P/D: from a pull's last byte sent to the decode side knowing it [default: 0.1]."),
+        click.option("--handoff-ms", type=float, default=None,
+                     help="P/D: from the prefill's answer to the decode replica getting the request [default: 1]."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _pool_options(pairs: list[tuple[str, object]]) -> tuple:
+    return tuple(sorted(dict(pairs).items()))
+
+
+def read_disaggregation(flags: dict, config_file: str | None, router_options: tuple[str, ...]):
+    """The DisaggregationSpec of the flags over the --config file's `disaggregation` mapping, or None
+    (no P/D flag and no such mapping); a click error naming the flag or the file otherwise. Takes
+    the P/D flags out of `flags`. `router_options`: --router-option, for prefix_aware pools."""
+    from simkv.cli.replay_cmd import load_config_file
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.replay.router import RouterError, RouterOptions
+    from simkv.sweep.grid import parse_value
+
+    raw = (load_config_file(config_file) if config_file else {}).get("disaggregation")
+    pd_flags = {k: flags.pop(k) for k in _PD_FLAGS}
+    sets = {"prefill": flags.pop("prefill_sets"), "decode": flags.pop("decode_sets")}
+    if raw is None and all(v is None for v in pd_flags.values()) and not any(sets.values()):
+        return None
+    file = {}
+    if raw is not None:
+        if not isinstance(raw, dict):
+            raise click.BadParameter(f"{config_file}: disaggregation must be a mapping", param_hint="--config")
+        file = {k.replace("-", "_"): v for k, v in raw.items()}
+        unknown = set(file) - _FILE_KEYS
+        if unknown:
+            raise click.BadParameter(f"{config_file}: disaggregation: unknown key(s) {', '.join(sorted(unknown))}; "
+                                     f"known: {', '.join(sorted(_FILE_KEYS))}", param_hint="--config")
+    values = {k: (pd_flags[k] if pd_flags[k] is not None else file.get(k)) for k in _PD_FLAGS}
+    if router_options and "prefix_aware" not in (values["prefill_router"], values["decode_router"]):
+        raise click.UsageError("--router-option sets prefix_aware's thresholds; add --prefill-router prefix_aware "
+                               "or --decode-router prefix_aware")
+    try:
+        parsed_router_options = RouterOptions.parse(list(router_options))
+    except RouterError as exc:
+        raise click.BadParameter(str(exc), param_hint="--router-option") from None
+    pools = {}
+    for pool in ("prefill", "decode"):
+        options = file.get(pool) or {}
+        if not isinstance(options, dict):
+            raise click.BadParameter(f"{config_file}: disaggregation.{pool} must be a mapping of engine options",
+                                     param_hint="--config")
+        pairs = [(k.replace("-", "_"), v) for k, v in options.items()]
+        for text in sets[pool]:
+            key, sep, value = text.partition("=")
+            if not sep or not key.strip() or not value.strip():
+                raise click.BadParameter(f"expected KEY=VALUE, got '{text}'", param_hint=f"--{pool}-set")
+            pairs.append((key.strip().replace("-", "_"), parse_value(value)))
+        pools[pool] = _pool_options(pairs)
+    link = {}
+    for key in ("kv_link_gbps", "kv_link_latency_ms", "handoff_ms"):
+        if values[key] is not None:
+            try:
+                link[key] = float(values[key])
+            except (TypeError, ValueError):
+                raise click.BadParameter(f"{config_file}: disaggregation.{key} must be a number, got {values[key]!r}",
+                                         param_hint="--config") from None
+    try:
+        return DisaggregationSpec(
+            num_prefill=values["prefill_replicas"] if values["prefill_replicas"] is not None else 1,
+            num_decode=values["decode_replicas"] if values["decode_replicas"] is not None else 1,
+            prefill_options=pools["prefill"], decode_options=pools["decode"],
+            prefill_router=values["prefill_router"] or "least_outstanding",
+            decode_router=values["decode_router"] or "least_outstanding",
+            router_options=parsed_router_options, **link)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise click.UsageError(f"P/D disaggregation: {exc}") from None

@@ -1,0 +1,111 @@
+"""P/D disaggregation in the engine core (core/remote_kv.py): pulled admissions, the KV-holding
+queue, blocks held for sending. The three recorded cases are real vLLM 0.33 (its Scheduler with
+a KV connector that behaves as NIXL's pull mode; scripts/oracle_pd.py, which compared 560 random
+cases step for step, all equal)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simkv.core.request import KV_PULL, KV_SEND, RequestStatus
+from simkv.core.scheduler import Scheduler
+from tests.core.helpers import drive_pd, make_config, make_request
+
+CASES = json.loads((Path(__file__).parent / "data" / "pd_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", CASES, ids=["inflight-reservation", "priority", "small-pool-sends"])
+def test_recorded_cases_match_vllm(case):
+    ours = drive_pd(case)
+    assert ours["steps"] == case["vllm_steps"]
+    assert ours["requests"] == case["vllm_requests"]
+
+
+def _sched(**kw):
+    blocks = kw.pop("num_gpu_blocks", 32)
+    return Scheduler(make_config(num_gpu_blocks=blocks, block_size=4, max_num_seqs=kw.pop("max_num_seqs", 8),
+                                 max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64), max_model_len=64,
+                                 **kw), blocks)
+
+
+def _step(sched):
+    out = sched.schedule()
+    sched.update_from_output(out)
+    return out
+
+
+def test_pull_waits_aside_and_computes_its_last_prompt_token():
+    sched = _sched()
+    pulled, plain = make_request(0, 10, 3), make_request(1, 6, 2)
+    pulled.kv_role = KV_PULL
+    sched.add_request(pulled)
+    sched.add_request(plain)
+    out = _step(sched)
+    # the pull gets blocks for its whole prompt and no tokens; the plain request behind it runs
+    assert out.kv_loads == [pulled] and pulled.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [c.request for c in out.chunks] == [plain]
+    assert sched.kv_cache_manager.num_blocks_of(pulled) == 3 and pulled.kv_pull_blocks == 3
+    assert out.num_waiting == 1 and out.num_running == 1
+    out = _step(sched)  # still loading: skipped again
+    assert out.kv_loads is None and out.num_prefill_tokens == 0 and out.num_decode_reqs == 1
+    sched.finished_recving(pulled)
+    out = _step(sched)
+    chunk = out.chunks[0]
+    assert (chunk.request, chunk.num_computed_tokens, chunk.num_new_tokens) == (pulled, 9, 1)
+    assert pulled.num_output_tokens == 1 and pulled.first_token_step == out.step
+    while sched.has_unfinished_requests():
+        _step(sched)
+    assert pulled.num_output_tokens == 3 and sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+
+
+def test_sent_blocks_stay_until_read():
+    sched = _sched()
+    sent = make_request(0, 8, 1)
+    sent.kv_role = KV_SEND
+    sched.add_request(sent)
+    out = _step(sched)
+    assert out.finished == [sent] and not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 2 == sched.num_blocks_held_for_sending
+    sched.finished_sending(sent)
+    assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0 and not sched.kv_held
+
+
+def test_pulled_blocks_are_cached_when_the_data_has_arrived():
+    """A prefix-sharing pull admitted while another one's data is on its way finds no hit; after
+    the data arrived it does, and pulls only the rest."""
+    sched = _sched()
+    first, second, third = (make_request(i, 12, 2, hashes=[7, 8, 9], h=4) for i in range(3))
+    for r in (first, second):
+        r.kv_role = KV_PULL
+        sched.add_request(r)
+    out = _step(sched)
+    assert out.kv_loads == [first, second] and second.kv_pull_blocks == 3 and out.prefix_hit_tokens == 0
+    sched.finished_recving(first)
+    _step(sched)  # first promoted: its blocks are cached now
+    third.kv_role = KV_PULL
+    sched.add_request(third)
+    out = _step(sched)
+    assert out.kv_loads == [third] and third.num_prefix_hit_tokens == 8 and third.kv_pull_blocks == 1
+
+
+def test_a_pull_leaves_running_prefills_the_blocks_they_still_need():
+    """vLLM's in-flight prefill reservation: a pull is admitted only if the blocks a chunked
+    prefill still needs for its whole prompt stay free, though the pull alone would fit."""
+    sched = _sched(num_gpu_blocks=20, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    long_prompt = make_request(0, 60, 2)  # 15 blocks in all
+    sched.add_request(long_prompt)
+    _step(sched)  # alone, so no threshold: 16 tokens, 4 blocks
+    pulled = make_request(1, 20, 2)  # 5 blocks
+    pulled.kv_role = KV_PULL
+    sched.add_request(pulled)
+    pool = sched.kv_cache_manager.block_pool
+    while long_prompt.num_computed_tokens < 60:
+        out = _step(sched)
+        assert out.kv_loads is None and pulled.status == RequestStatus.WAITING
+        held = sched.kv_cache_manager.num_blocks_of(long_prompt)
+        if long_prompt.num_computed_tokens <= 40:  # 5 blocks free, but not with the prefill's rest kept aside
+            assert pool.get_num_free_blocks() >= 5 and pool.get_num_free_blocks() - (15 - held) < 5
+    while pulled.status == RequestStatus.WAITING:
+        out = _step(sched)
+    assert out.kv_loads == [pulled] and long_prompt.status == RequestStatus.FINISHED

@@ -1,0 +1,172 @@
+"""P/D disaggregation in the replay: a prefill pool, a decode pool, KV pulls over links."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from simkv.replay.api import replay, save
+from simkv.replay.disaggregated import DisaggregationSpec
+from simkv.traces.schema import trace_from_frame
+
+STEP = 0.01  # linear cost model without a per-token term: every step lasts 10 ms
+LINEAR = {"step_base_s": STEP, "step_per_token_s": 0.0}
+
+
+def config(num_gpu_blocks=300, **sched):
+    return EngineConfig(CacheConfig(num_gpu_blocks=num_gpu_blocks),
+                        SchedulerConfig(**{"max_model_len": 2048, "max_num_batched_tokens": 512, **sched}))
+
+
+def frame(rows, hashes=None):
+    data = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens"])
+    if hashes is not None:
+        data["block_hashes"] = hashes
+        data["hash_block_tokens"] = 16
+    return trace_from_frame(data)
+
+
+def loaded_trace(n=150, seed=0, shared=False):
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1, 600, n)
+    hashes = [list(range(-(-int(p) // 16))) for p in prompts] if shared else None
+    return frame(list(zip(np.sort(rng.uniform(0, 4, n)), prompts, rng.integers(1, 120, n))), hashes)
+
+
+def test_one_request_through_both_pools_by_hand():
+    """Prefill step [0, 10 ms]; handoff 1 ms later; the idle decode replica admits it at once and
+    pulls 4 blocks (64 tokens) at 1 GB/s, plus 0.1 ms; the pull's end wakes it: the last prompt
+    token again (first token), then two decode steps."""
+    cfg = config()
+    spec = DisaggregationSpec(1, 1, kv_link_gbps=1.0, kv_link_latency_ms=0.1, handoff_ms=1.0)
+    res = replay(frame([(0.0, 64, 3)]), cfg, "linear", LINEAR, disaggregation=spec)
+    row = res.requests.iloc[0]
+    pull_bytes = 4 * 16 * compute_capacity(cfg).kv_bytes_per_token
+    pull_end = 0.011 + pull_bytes / 1e9 + 0.0001
+    assert row["kv_pull_bytes"] == pull_bytes
+    expected = {"prefill_end_time_s": 0.010, "kv_pull_start_s": 0.011, "kv_pull_end_s": pull_end,
+                "first_token_time_s": pull_end + STEP, "finish_time_s": pull_end + 3 * STEP}
+    for name, value in expected.items():
+        assert row[name] == pytest.approx(value, abs=1e-9), name
+    assert row["ttft_s"] == pytest.approx(pull_end + STEP, abs=1e-9)
+    kv = res.summary["disaggregation"]["kv_transfer"]
+    assert kv["num_pulls"] == 1 and kv["pulled_bytes"] == pull_bytes
+    steps = pd.DataFrame(res.steps)
+    assert list(steps["pool"]) == ["prefill", "decode", "decode", "decode"]
+    assert list(steps["num_prefill_tokens"]) == [64, 1, 0, 0]
+
+
+def test_pulls_into_one_replica_queue_on_its_link():
+    """Two prompts that end their prefill in the same step reach the decode replica together; it
+    admits both in one step, and the second pull starts when the first has been sent."""
+    cfg = config()
+    spec = DisaggregationSpec(1, 1, kv_link_gbps=2.0, kv_link_latency_ms=0.0)
+    res = replay(frame([(0.0, 64, 2), (0.0, 32, 2)]), cfg, "linear", LINEAR, disaggregation=spec)
+    per_block = 16 * compute_capacity(cfg).kv_bytes_per_token / 2e9
+    start, end = res.requests["kv_pull_start_s"].to_numpy(), res.requests["kv_pull_end_s"].to_numpy()
+    assert start[0] == start[1] == pytest.approx(0.011)
+    assert end[0] == pytest.approx(0.011 + 4 * per_block) and end[1] == pytest.approx(0.011 + 6 * per_block)
+
+
+def test_the_decode_side_pulls_only_what_its_prefix_cache_lacks():
+    """The second request shares the first one's first 3 blocks of 16 tokens; it reaches the
+    decode replica after the first finished there, so it pulls only its 2 other blocks."""
+    cfg = config()
+    trace = frame([(0.0, 64, 2), (1.0, 80, 2)], hashes=[[1, 2, 3, 4], [1, 2, 3, 9, 10]])
+    res = replay(trace, cfg, "linear", LINEAR, disaggregation=DisaggregationSpec(1, 1))
+    per_block = 16 * compute_capacity(cfg).kv_bytes_per_token
+    assert list(res.requests["kv_pull_bytes"]) == [4 * per_block, 2 * per_block]
+    assert res.summary["disaggregation"]["decode"]["prefix_cache_hits_tokens"] == 48
+
+
+def _identical(a, b):
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    for name, values in a.steps.items():
+        assert np.array_equal(values, b.steps[name]), name
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), num_prefill=st.integers(1, 3), num_decode=st.integers(1, 3),
+       decode_blocks=st.sampled_from([70, 300]), shared=st.booleans(),
+       routers=st.sampled_from([("round_robin", "least_outstanding"), ("least_outstanding", "prefix_aware")]))
+def test_decode_runs_change_nothing_and_every_request_is_served(seed, num_prefill, num_decode, decode_blocks, shared,
+                                                                routers):
+    """Jumps over decode runs are exact here too (they stop before any handoff could arrive), and
+    the bookkeeping holds: every request finishes, every pull ends before its first token, the
+    decode pool ends with every block free."""
+    trace = loaded_trace(120, seed, shared)
+    spec = DisaggregationSpec(num_prefill, num_decode, decode_options=(("num_gpu_blocks", decode_blocks),),
+                              prefill_router=routers[0], decode_router=routers[1])
+    cfg = config(max_model_len=1024)
+    a = replay(trace, cfg, "roofline", disaggregation=spec)
+    b = replay(trace, cfg, "roofline", disaggregation=spec, use_decode_runs=False)
+    _identical(a, b)
+    r = a.requests
+    assert (r["status"] == "finished").all()
+    assert (r["prefill_end_time_s"] + spec.handoff_ms / 1e3 <= r["kv_pull_start_s"] + 1e-9).all()
+    assert (r["kv_pull_end_s"] < r["first_token_time_s"]).all()
+    for run in a.fleet_runs:
+        assert run.scheduler.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+    assert a.summary["disaggregation"]["decode"]["num_steps"] == a.summary["num_steps"]
+
+
+def test_same_inputs_same_outputs(tmp_path):
+    trace, spec = loaded_trace(100, 3), DisaggregationSpec(2, 2)
+    for name in ("a", "b"):
+        save(replay(trace, config(), disaggregation=spec), tmp_path / name)
+    for name in ("requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_pool_options_and_bad_setups():
+    spec = DisaggregationSpec(1, 1, prefill_options=(("max_num_batched_tokens", 4096),),
+                              decode_options=(("max_num_seqs", 64),))
+    prefill, decode = spec.pool_configs(config())
+    assert (prefill.scheduler.max_num_batched_tokens, prefill.scheduler.max_num_seqs) == (4096, 256)
+    assert (decode.scheduler.max_num_batched_tokens, decode.scheduler.max_num_seqs) == (512, 64)
+    with pytest.raises(ConfigError, match="decode pool: unknown option 'max_seqs'"):
+        DisaggregationSpec(1, 1, decode_options=(("max_seqs", 4),)).pool_configs(config())
+    with pytest.raises(ConfigError, match="max_model_len differ"):
+        DisaggregationSpec(1, 1, decode_options=(("max_model_len", 1024),)).pool_configs(config())
+    with pytest.raises(ConfigError, match="async scheduling"):
+        DisaggregationSpec(1, 1).pool_configs(config(async_scheduling=True))
+    with pytest.raises(ConfigError, match="handoff_ms must be > 0"):
+        DisaggregationSpec(1, 1, handoff_ms=0)
+    with pytest.raises(ConfigError, match="decode replicas must be a whole number"):
+        DisaggregationSpec(1, 0)
+
+
+def test_cli_flags_config_file_and_report(tmp_path):
+    trace = tmp_path / "t.parquet"
+    from simkv.traces.schema import write_trace
+
+    write_trace(loaded_trace(60, 1), trace)
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text("max_model_len: 2048\nnum_gpu_blocks: 300\ndisaggregation:\n  prefill_replicas: 2\n"
+                   "  decode: {max_num_seqs: 16}\n  kv_link_gbps: 25\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--config", str(cfg),
+                                       "--decode-replicas", "3", "--decode-set", "max_num_batched_tokens=1024"])
+    assert result.exit_code == 0, result.output
+    assert "P/D pools" in result.output
+    d = json.loads((out / "summary.json").read_text())["disaggregation"]
+    assert (d["prefill_replicas"], d["decode_replicas"], d["kv_link_gbps"]) == (2, 3, 25.0)
+    assert d["decode_options"] == {"max_num_batched_tokens": 1024, "max_num_seqs": 16}
+    assert d["decode"]["config"]["max_num_seqs"] == 16 and len(d["decode"]["replicas"]) == 3
+    assert "decode 2" in (out / "report.html").read_text()
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert set(steps["pool"]) == {"prefill", "decode"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("disaggregation:\n  prefill_replica: 2\n")
+    result = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--config", str(bad)])
+    assert result.exit_code == 2 and "unknown key(s) prefill_replica" in result.output
+    result = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--decode-replicas", "2",
+                                       "--replicas", "2"])
+    assert result.exit_code == 2 and "drop --replicas/--router" in result.output
