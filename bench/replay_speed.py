@@ -7,6 +7,8 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-fleet4 # the Azure trace at 4x its rate on 4 replicas
                                                         # (least_outstanding router): a fleet's cost
     .venv/bin/python bench/replay_speed.py azure-async  # the Azure trace with --async-scheduling
+    .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
+                                                        # replicas (P/D disaggregation)
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -38,7 +40,7 @@ def load(case: str):
 
     if case in ("azure", "azure-async"):
         return import_trace("azure", [AZURE])[0]
-    if case == "azure-fleet4":
+    if case in ("azure-fleet4", "azure-pd4"):
         from dataclasses import replace
 
         trace = import_trace("azure", [AZURE])[0]
@@ -52,6 +54,7 @@ def load(case: str):
 def run_case(case: str) -> dict:
     from simkv.config import EngineConfig
     from simkv.replay.api import FleetSpec, replay
+    from simkv.replay.disaggregated import DisaggregationSpec
 
     t0 = time.perf_counter()
     trace = load(case)
@@ -59,7 +62,8 @@ def run_case(case: str) -> dict:
     t1 = time.perf_counter()
     fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
     config = EngineConfig.from_flat({"async_scheduling": case.endswith("-async")})
-    res = replay(trace, config, fleet=fleet)
+    disaggregation = DisaggregationSpec(2, 2) if case.endswith("-pd4") else None
+    res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)
     t_call = time.perf_counter() - t1
     s = res.summary
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

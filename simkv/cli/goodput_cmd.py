@@ -10,8 +10,20 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
+from simkv.cli.disagg_options import disaggregation_options, read_disaggregation
 from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, fleet_options, read_fleet, read_inputs
 from simkv.config import ConfigError
+
+
+def _setup(record: dict) -> str:
+    pd = record.get("disaggregation")
+    if pd:
+        return (f" P/D disaggregation: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode replicas, "
+                f"KV link {pd['kv_link_gbps']:g} GB/s.")
+    fleet = record.get("fleet") or {}
+    if fleet.get("num_replicas", 1) > 1:
+        return f" {fleet['num_replicas']} replicas behind a {fleet['router']} router."
+    return ""
 
 
 def to_markdown(record: dict) -> str:
@@ -20,7 +32,8 @@ def to_markdown(record: dict) -> str:
     slo = describe_slo(record["slo_ms"])
     lines = [f"# simkv goodput: {record['trace']}", "",
              f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. "
-             f"The trace's own rate: {record['trace_rate_req_s']:.3f} req/s; cost model: {record['cost_model']}.", "",
+             f"The trace's own rate: {record['trace_rate_req_s']:.3f} req/s; cost model: {record['cost_model']}."
+             + _setup(record), "",
              "| probe | rate req/s | x trace | met | attainment | goodput req/s | TTFT p99 s | TPOT p99 ms | preemptions | peak running |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -119,6 +132,7 @@ def grid_markdown(record: dict) -> str:
 @click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
 @engine_options
 @fleet_options
+@disaggregation_options
 @click.option("--out", "out_dir", default=None, help="Also write goodput.json and goodput.md into this folder.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
@@ -133,9 +147,20 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
+    disaggregation = read_disaggregation(flags, config_file, router_options)
+    if disaggregation is not None:
+        if replicas is not None or router is not None or grids or target_rate is not None:
+            raise click.UsageError("P/D disaggregation (--prefill-replicas/--decode-replicas) searches one setup: "
+                                   "drop --replicas/--router/--grid/--target-rate")
+        router_options = ()
     fleet = read_fleet(replicas, router, router_options, config_file)
     replicas, router = fleet.num_replicas, fleet.router
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    if disaggregation is not None:
+        try:
+            disaggregation.pool_configs(config)
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise click.UsageError(str(exc)) from None
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     if grids:
         record = _grid_search(trace, grids, flat_options(flags, config_file), slo, attainment, tolerance, cost_model,
@@ -155,9 +180,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     try:
         record = search_max_rate(data, config, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                                 cost_options=cost_options, on_probe=show, fleet=fleet)
+                                 cost_options=cost_options, on_probe=show, fleet=fleet, disaggregation=disaggregation)
         record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(),
                   "fleet": fleet.to_dict(), **record}
+        if disaggregation is not None:
+            record["disaggregation"] = disaggregation.to_dict()
         if target_rate is not None:
             record["target_rate_req_s"] = target_rate
             if record["status"] == "found":
