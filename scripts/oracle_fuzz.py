@@ -32,6 +32,22 @@ from simkv.traces.schema import read_trace, write_trace
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def random_engine_options(rng: np.random.Generator, block_size: int, max_model_len: int) -> dict:
+    """A small engine: pools, budgets and policies that preempt and share prefixes (also oracle_pd.py's)."""
+    chunked = bool(rng.random() < 0.8)
+    budget = int(rng.choice([32, 64, 128, 512]))
+    if not chunked:
+        budget = max(budget, max_model_len)
+    max_num_seqs = int(rng.choice([2, 4, 8, 32]))
+    return dict(block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=max(budget, max_num_seqs),
+                max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
+                num_gpu_blocks=int(max_model_len // block_size + 2 + rng.integers(0, 40)),
+                enable_prefix_caching=bool(rng.random() < 0.8),
+                watermark=float(rng.choice([0.0, 0.0, 0.05])),
+                long_prefill_token_threshold=int(rng.choice([0, 0, 16])) if chunked else 0,
+                scheduling_policy=str(rng.choice(["fcfs", "fcfs", "priority"])))
+
+
 def make_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
@@ -46,18 +62,7 @@ def make_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
         prefixes = [list(rng.integers(0, 4, 40)) for _ in range(3)]
         frame["block_hashes"] = [prefixes[int(rng.integers(0, 3))][:-(-p // 8)] for p in frame.prompt_tokens]
         frame["hash_block_tokens"] = 8
-    chunked = bool(rng.random() < 0.8)
-    budget = int(rng.choice([32, 64, 128, 512]))
-    if not chunked:
-        budget = max(budget, max_model_len)
-    max_num_seqs = int(rng.choice([2, 4, 8, 32]))
-    opts = dict(block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=max(budget, max_num_seqs),
-                max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
-                num_gpu_blocks=int(max_model_len // block_size + 2 + rng.integers(0, 40)),
-                enable_prefix_caching=bool(rng.random() < 0.8),
-                watermark=float(rng.choice([0.0, 0.0, 0.05])),
-                long_prefill_token_threshold=int(rng.choice([0, 0, 16])) if chunked else 0,
-                scheduling_policy=str(rng.choice(["fcfs", "fcfs", "priority"])))
+    opts = random_engine_options(rng, block_size, max_model_len)
     return frame, opts
 
 

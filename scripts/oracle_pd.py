@@ -48,18 +48,10 @@ def make_case(rng) -> dict:
             r["block_hashes"] = prefixes[int(rng.integers(0, 3))][:-(-prompt // 8)]
         requests.append(r)
     requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
-    chunked = bool(rng.random() < 0.8)
-    budget = int(rng.choice([32, 64, 128, 512]))
-    if not chunked:
-        budget = max(budget, max_model_len)
-    max_num_seqs = int(rng.choice([2, 4, 8, 32]))
-    opts = dict(block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=max(budget, max_num_seqs),
-                max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
-                num_gpu_blocks=int(max_model_len // block_size + 2 + rng.integers(0, 40)),
-                enable_prefix_caching=bool(rng.random() < 0.8), watermark=float(rng.choice([0.0, 0.0, 0.05])),
-                long_prefill_token_threshold=int(rng.choice([0, 0, 16])) if chunked else 0,
-                scheduling_policy=str(rng.choice(["fcfs", "fcfs", "priority"])),
-                reserve_full_isl=bool(rng.random() < 0.7))
+    from oracle_fuzz import random_engine_options  # (simkv's side only: it imports simkv)
+
+    opts = random_engine_options(rng, block_size, max_model_len)
+    opts["reserve_full_isl"] = bool(rng.random() < 0.7)
     return {"opts": opts, "requests": requests}
 
 

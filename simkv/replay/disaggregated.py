@@ -39,7 +39,7 @@ from simkv.config import ConfigError, EngineConfig
 from simkv.core.request import KV_PULL, KV_SEND, Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayError, ReplayRun
 from simkv.replay.fleet import FleetRouting, ReplicaFeed
-from simkv.replay.router import ROUTERS, Router, RouterError, RouterOptions
+from simkv.replay.router import ROUTERS, Router, RouterOptions
 
 
 @dataclass(frozen=True)

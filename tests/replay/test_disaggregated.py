@@ -170,3 +170,21 @@ def test_cli_flags_config_file_and_report(tmp_path):
     result = CliRunner().invoke(main, ["replay", str(trace), "--out", str(out), "--decode-replicas", "2",
                                        "--replicas", "2"])
     assert result.exit_code == 2 and "drop --replicas/--router" in result.output
+
+
+def test_goodput_searches_one_split(tmp_path):
+    from simkv.traces.schema import write_trace
+
+    trace = tmp_path / "t.parquet"
+    write_trace(loaded_trace(80, 2), trace)
+    out = tmp_path / "gp"
+    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--goodput", "tpot:100",
+                                       "--max-model-len", "2048", "--prefill-replicas", "1", "--decode-replicas", "2",
+                                       "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "goodput.json").read_text())
+    assert record["disaggregation"]["decode_replicas"] == 2 and record["probes"]
+    assert "P/D disaggregation: 1 prefill + 2 decode replicas" in (out / "goodput.md").read_text()
+    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--prefill-replicas", "1",
+                                       "--grid", "max_num_seqs=8,16"])
+    assert result.exit_code == 2 and "searches one setup" in result.output
