@@ -120,6 +120,9 @@ def grid_markdown(record: dict) -> str:
 @click.option("--tolerance", type=float, default=0.02, show_default=True,
               help="Stop when the highest rate that met the target and the lowest that missed it are this close (relative).")
 @click.option("--target-rate", type=float, default=None, help="Also say how many replicas this rate (req/s) needs.")
+@click.option("--pd-splits", type=int, default=None, metavar="N",
+              help="Compare every way to run N engines: all colocated (behind --router) and each split into P "
+                   "prefill + N-P decode replicas (with the P/D options below); the highest rate of each.")
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
               help="Search every combination of these engine options (as `simkv sweep --grid`) and name the one "
                    "that sustains the highest rate; repeatable.")
@@ -136,6 +139,7 @@ def grid_markdown(record: dict) -> str:
 @click.option("--out", "out_dir", default=None, help="Also write goodput.json and goodput.md into this folder.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
+                pd_splits: int | None,
                 grids: tuple[str, ...], workers: int, config_file: str | None, cost_model: str, step_base_s: float,
                 step_per_token_s: float, out_dir: str | None, quiet: bool, replicas: int, router: str,
                 router_options: tuple[str, ...], **flags) -> None:
@@ -147,6 +151,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
+    if pd_splits is not None:
+        _search_splits(trace, pd_splits, goodput, attainment, tolerance, config_file, cost_model,
+                       {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}, out_dir, quiet,
+                       replicas, router, router_options, grids, target_rate, flags)
+        return
     disaggregation = read_disaggregation(flags, config_file, router_options)
     if disaggregation is not None:
         if replicas is not None or router is not None or grids or target_rate is not None:
@@ -198,6 +207,72 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     _write(record, to_markdown(record), out_dir, quiet)
+
+
+def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_model, cost_options, out_dir, quiet,
+                   replicas, router, router_options, grids, target_rate, flags) -> None:
+    from simkv.studies.goodput_search import search_splits
+
+    if replicas is not None or grids or target_rate is not None:
+        raise click.UsageError("--pd-splits compares setups of N engines: drop --replicas/--grid/--target-rate")
+    if flags.get("prefill_replicas") is not None or flags.get("decode_replicas") is not None:
+        raise click.UsageError("--pd-splits tries every split itself: drop --prefill-replicas/--decode-replicas")
+    from dataclasses import replace
+
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.replay.router import RouterError, RouterOptions
+
+    spec = read_disaggregation(flags, config_file, ()) or DisaggregationSpec()
+    router = router or "least_outstanding"
+    if router_options and "prefix_aware" not in (router, spec.prefill_router, spec.decode_router):
+        raise click.UsageError("--router-option sets prefix_aware's thresholds; no router here is prefix_aware")
+    try:
+        spec = replace(spec, router_options=RouterOptions.parse(list(router_options)))
+    except RouterError as exc:
+        raise click.BadParameter(str(exc), param_hint="--router-option") from None
+    slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    try:
+        spec.pool_configs(config)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+    def show(row) -> None:
+        if not quiet:
+            rate = f"{row['max_rate_req_s']:.3f} req/s" if row["max_rate_req_s"] is not None else row["status"]
+            click.echo(f"  {row['setup']}: {rate}", err=True)
+
+    try:
+        record = search_splits(data, config, slo, n, spec=spec, router=router, router_options=spec.router_options,
+                               target=attainment, tolerance=tolerance, cost_model=cost_model,
+                               cost_options=cost_options, on_setup=show)
+    except (ConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(), **record}
+    _write(record, splits_markdown(record), out_dir, quiet)
+
+
+def splits_markdown(record: dict) -> str:
+    from simkv.replay.goodput import describe_slo
+
+    pd = record["disaggregation"]
+    lines = [f"# simkv goodput of {record['num_gpus']} engines, colocated or split: {record['trace']}", "",
+             f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests "
+             f"meet all of them; cost model: {record['cost_model']}. Colocated engines behind a "
+             f"{record['colocated_router']} router; split ones with a {pd['prefill_router']} prefill router, a "
+             f"{pd['decode_router']} decode router and a {pd['kv_link_gbps']:g} GB/s KV link. Per setup, the highest "
+             f"rate that met the target (to {100 * record['tolerance']:g} %).", "",
+             "| setup | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | probes |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in record["setups"]:
+        p = r["at_max"]
+        rate = "none" if r["max_rate_req_s"] is None else f"{r['max_rate_req_s']:.3f}" + (
+            " (or more)" if r["status"] == "unbounded" else "")
+        name = f"**{r['setup']}**" if r["setup"] == record["best"] else r["setup"]
+        lines.append(f"| {name} | {rate} | {100 * p['slo_attainment']:.1f} % | {p['ttft_p99_s']:.3f} | "
+                     f"{1e3 * (p['tpot_p99_s'] or 0):.1f} | {r['num_probes']} |" if p else
+                     f"| {name} | {rate} | - | - | - | {r['num_probes']} |")
+    lines += ["", f"**Best: {record['best']}.**" if record["best"] else "**No setup met the target.**"]
+    return "\n".join(lines) + "\n"
 
 
 def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, attainment: float, tolerance: float,

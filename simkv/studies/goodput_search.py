@@ -227,3 +227,38 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
     best = max(found, key=lambda c: (c["max_rate_req_s"], -c["index"])) if found else None
     return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance, "grid": grid,
             "cells": cells, "best_index": best["index"] if best else None}
+
+
+def search_splits(trace, config, slo_ms: dict, num_gpus: int, *, spec=None, router: str = "least_outstanding",
+                  router_options=None, target: float = 0.99, tolerance: float = 0.02, cost_model: str = "roofline",
+                  cost_options: dict | None = None, on_setup=None) -> dict:
+    """The highest rate within the SLOs of every way to run `num_gpus` engines: all colocated
+    behind `router`, and each split into P prefill and num_gpus - P decode replicas
+    (`spec`: the other P/D settings, simkv.replay.disaggregated.DisaggregationSpec)."""
+    from simkv.replay.api import FleetSpec
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.replay.router import RouterOptions
+
+    if num_gpus < 2:
+        raise GoodputSearchError(f"--pd-splits needs at least 2 engines to split, got {num_gpus}")
+    spec = spec or DisaggregationSpec()
+    options = router_options or RouterOptions()
+    setups = [("colocated", 0, 0, FleetSpec(num_gpus, router, options), None)]
+    setups += [(f"{p} prefill + {num_gpus - p} decode", p, num_gpus - p, None,
+                replace(spec, num_prefill=p, num_decode=num_gpus - p)) for p in range(1, num_gpus)]
+    rows = []
+    for name, p, d, fleet, pd in setups:
+        record = search_max_rate(trace, config, slo_ms, target=target, tolerance=tolerance, cost_model=cost_model,
+                                 cost_options=cost_options, fleet=fleet, disaggregation=pd)
+        at_max = [q for q in record["probes"] if q["factor"] == record["bracket_factors"][0]]
+        row = {"setup": name, "prefill_replicas": p, "decode_replicas": d, "status": record["status"],
+               "max_rate_req_s": record["max_rate_req_s"], "at_max": at_max[0] if at_max else None,
+               "num_probes": len(record["probes"])}
+        rows.append(row)
+        if on_setup is not None:
+            on_setup(row)
+    found = [r for r in rows if r["max_rate_req_s"] is not None]
+    return {"num_gpus": num_gpus, "slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance,
+            "trace_rate_req_s": trace_rate(trace), "colocated_router": router,
+            "disaggregation": spec.to_dict() | {"prefill_replicas": None, "decode_replicas": None},
+            "setups": rows, "best": max(found, key=lambda r: r["max_rate_req_s"])["setup"] if found else None}

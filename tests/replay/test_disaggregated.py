@@ -188,3 +188,23 @@ def test_goodput_searches_one_split(tmp_path):
     result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--prefill-replicas", "1",
                                        "--grid", "max_num_seqs=8,16"])
     assert result.exit_code == 2 and "searches one setup" in result.output
+
+
+def test_goodput_compares_every_split_of_n_engines(tmp_path):
+    from simkv.traces.schema import write_trace
+
+    trace = tmp_path / "t.parquet"
+    write_trace(loaded_trace(80, 2), trace)
+    out = tmp_path / "gp"
+    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--goodput", "tpot:100",
+                                       "--max-model-len", "2048", "--pd-splits", "3", "--kv-link-gbps", "10",
+                                       "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "goodput.json").read_text())
+    assert [r["setup"] for r in record["setups"]] == ["colocated", "1 prefill + 2 decode", "2 prefill + 1 decode"]
+    assert record["disaggregation"]["kv_link_gbps"] == 10.0
+    rates = {r["setup"]: r["max_rate_req_s"] for r in record["setups"]}
+    assert record["best"] == max(rates, key=lambda k: rates[k] or 0)
+    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--pd-splits", "3",
+                                       "--prefill-replicas", "1"])
+    assert result.exit_code == 2 and "tries every split itself" in result.output
