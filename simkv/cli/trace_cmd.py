@@ -152,12 +152,15 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--time-scale", type=float, help="Multiply arrival times by F.")
 @click.option("--rate", type=float, help="Re-time to Poisson arrivals at R req/s (order kept).")
 @click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
+@click.option("--max-prompt-tokens", type=int, help="Keep the requests whose prompt has at most N tokens.")
 @click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
-                  time_scale: float | None, rate: float | None, sample: float | None, seed: int) -> None:
-    """Edit a trace before a replay (order: window, head, sample, time-scale, rate)."""
-    edits = Edits(window=window, head=head, sample=sample, time_scale=time_scale, rate=rate, seed=seed)
+                  time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
+                  seed: int) -> None:
+    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate)."""
+    edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
+                  time_scale=time_scale, rate=rate, seed=seed)
     result = transform(read_trace(path), edits)
     write_trace(result, out)
     click.echo(f"wrote {len(result):,} requests to {out}")

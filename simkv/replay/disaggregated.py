@@ -191,6 +191,9 @@ class PDRouting:
         self.prefill.num_in_prefill -= 1
         self.decode_queues[r].append((tick, row))
 
+    def note_decode_finished(self, replica: int, count: int, tick: int) -> None:
+        self._decode_finishes[replica].append((tick, count))
+
     def _route_at(self, tick: int):
         env = self.env
         yield env.timeout(tick - env.now)
@@ -245,11 +248,11 @@ class _EventFeed(ReplicaFeed):
     """A pool replica's feed: its routed requests, and transfer events that take effect at the
     first step boundary at or after their tick."""
 
-    def __init__(self, pd: PDRouting, replica: int, trace, scheduler, request_log, max_model_len: int):
+    def __init__(self, pd: PDRouting, replica: int, queue: deque, trace, scheduler, request_log, max_model_len: int):
         ArrivalFeed.__init__(self, trace, scheduler, request_log, max_model_len, pd.rows)
         self.routing = pd.prefill
         self.replica = replica
-        self.queue = pd.prefill.queues[replica] if isinstance(self, PrefillFeed) else pd.decode_queues[replica]
+        self.queue = queue  # what the pool's router sent here, not yet delivered
         self.pd = pd
         self.engine: ReplayEngine | None = None
         self._events: list[tuple[int, int, Request]] = []  # (tick, row, request)
@@ -277,8 +280,8 @@ class PrefillFeed(_EventFeed):
     """A prefill replica: trace rows as one-token KV_SEND requests; releases their blocks when
     the decode side has read them."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, pd: PDRouting, replica: int, *args):
+        super().__init__(pd, replica, pd.prefill.queues[replica], *args)
         self.held: dict[int, Request] = {}  # trace row -> its finished request, blocks held
 
     def make_request(self, i: int) -> Request:
@@ -311,8 +314,8 @@ class DecodeFeed(_EventFeed):
     """A decode replica: handed-off requests as KV_PULL requests with their whole output; the
     link that their pulls queue on."""
 
-    def __init__(self, *args, block_bytes: int, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, pd: PDRouting, replica: int, *args, block_bytes: int):
+        super().__init__(pd, replica, pd.decode_queues[replica], *args)
         self.block_bytes = block_bytes
         spec = self.pd.spec
         self._ticks_per_byte = TICKS_PER_SECOND / (spec.kv_link_gbps * 1e9)
@@ -358,7 +361,7 @@ class DecodeFeed(_EventFeed):
             feed.add_event(end, feed.held.pop(row))
 
     def note_finished(self, finished, tick: int) -> None:
-        self.pd._decode_finishes[self.replica].append((tick, len(finished)))
+        self.pd.note_decode_finished(self.replica, len(finished), tick)
 
 
 @dataclass

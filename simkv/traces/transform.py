@@ -1,10 +1,13 @@
 """``simkv trace transform``: the edits users make before a replay.
 
 Edits apply in this fixed order, whatever the order of the options: window -> head -> sample ->
-time-scale -> rate. Every edit keeps the request order (the trace is sorted by arrival).
+max-prompt-tokens -> time-scale -> rate. Every edit keeps the request order (the trace is sorted
+by arrival).
   window T0 T1   keep arrivals in [T0, T1) and shift them so that T0 becomes 0
   head N         keep the first N requests
   sample F       keep each request with probability F (numpy Generator, ``seed``)
+  max-prompt-tokens N   keep the requests whose prompt has at most N tokens (e.g. below a
+                 model's context length: an engine would reject the others)
   time-scale F   multiply every arrival time by F (F < 1 compresses, F > 1 stretches)
   rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
 """
@@ -26,6 +29,7 @@ class Edits:
     window: tuple[float, float] | None = None
     head: int | None = None
     sample: float | None = None
+    max_prompt_tokens: int | None = None
     time_scale: float | None = None
     rate: float | None = None
     seed: int = 0
@@ -37,6 +41,8 @@ class Edits:
             raise TraceError(f"--head must be >= 1, got {self.head}")
         if self.sample is not None and not (0 < self.sample <= 1):
             raise TraceError(f"--sample must be in (0, 1], got {self.sample}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise TraceError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.time_scale is not None and not (0 < self.time_scale < float("inf")):
             raise TraceError(f"--time-scale must be > 0, got {self.time_scale}")
         if self.rate is not None and not (0 < self.rate < float("inf")):
@@ -53,6 +59,9 @@ def transform(trace: Trace, edits: Edits) -> Trace:
     if edits.sample is not None:
         keep = np.random.default_rng([edits.seed, 5]).random(len(trace)) < edits.sample
         trace = _nonempty(take_rows(trace, np.flatnonzero(keep)), "--sample")
+    if edits.max_prompt_tokens is not None:
+        keep = np.flatnonzero(np.asarray(trace.prompt_tokens) <= edits.max_prompt_tokens)
+        trace = _nonempty(take_rows(trace, keep), "--max-prompt-tokens")
     if edits.time_scale is not None:
         trace = replace(trace, arrival_time_s=trace.arrival_time_s * edits.time_scale)
     if edits.rate is not None:

@@ -81,6 +81,9 @@ def test_transform_edits_keep_order_and_are_seeded() -> None:
     assert sample_a == sample_b and 60 < len(sample_a) < 140
     positions = [int(r) for r in sample_a.request_id]
     assert positions == sorted(positions)
+    short = transform(trace, Edits(max_prompt_tokens=500))
+    kept = trace.prompt_tokens <= 500
+    assert short.request_id.tolist() == trace.request_id[kept].tolist() and 0 < len(short) < len(trace)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,8 @@ def test_transform_edits_keep_order_and_are_seeded() -> None:
         (Edits(sample=1.5), "--sample"),
         (Edits(time_scale=0.0), "--time-scale"),
         (Edits(rate=-1.0), "--rate"),
+        (Edits(max_prompt_tokens=0), "--max-prompt-tokens"),
+        (Edits(max_prompt_tokens=1), "left no requests"),
         (Edits(window=(1e9, 2e9)), "left no requests"),
     ],
 )
