@@ -113,6 +113,8 @@ def run_report_html(run_dir: str | Path) -> str:
     body = [f"<p>trace: {html.escape(str(summary.get('trace')))}</p>", _summary_table(summary)]
     if summary.get("fleet"):
         body.append(_replica_table(summary["fleet"]))
+    if summary.get("disaggregation"):
+        body.append(_pool_table(summary["disaggregation"]))
     body.append("<div class='charts'>" + "".join(charts) + "</div>")
     return page(f"simkv replay report ({summary.get('backend')})", body)
 
@@ -133,6 +135,30 @@ def _replica_table(fleet: dict) -> str:
             r["replica"], r["num_requests"], r["peak_running"], f"{r['mean_running']:.1f}", r["num_preemptions"],
             f"{100 * r['prefix_cache_hit_rate']:.1f}", ms(r["ttft_s"]), f"{r['duration_s']:.1f}")) + "</tr>"
         for r in fleet["replicas"])
+    return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
+
+
+def _pool_table(pd: dict) -> str:
+    """P/D: the two pools and the KV pulls (the summary above is the decode pool's, latencies the whole path's)."""
+    kv = pd["kv_transfer"]
+
+    def ms(d):
+        return "-" if d["p50"] is None else f"{1e3 * d['p50']:.1f} / {1e3 * d['p99']:.1f}"
+
+    head = (f"<p>P/D disaggregation: {pd['prefill_replicas']} prefill replicas ({html.escape(pd['prefill_router'])} "
+            f"router) and {pd['decode_replicas']} decode replicas ({html.escape(pd['decode_router'])}); KV link "
+            f"{pd['kv_link_gbps']:g} GB/s, {pd['kv_link_latency_ms']:g} ms; handoff {pd['handoff_ms']:g} ms. The table "
+            f"above is the decode pool's. {kv['num_pulls']:,} pulls, {kv['pulled_bytes'] / 1e9:,.2f} GB; pull p50 / p99 "
+            f"{ms(kv['pull_s'])} ms; handoff to pull start p50 / p99 {ms(kv['handoff_to_pull_s'])} ms; link use "
+            f"{100 * kv['mean_link_utilization']:.2f} %.</p>")
+    cols = ("pool", "replicas", "steps", "peak running", "mean running", "peak blocks / total", "preemptions",
+            "prefix hit %")
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{v}</td>" for v in (
+            name, len(p["replicas"]), f"{p['num_steps']:,}", p["peak_running"], f"{p['mean_running']:.1f}",
+            f"{p['peak_blocks_used']:,} / {p['num_gpu_blocks']:,}", p["num_preemptions"],
+            f"{100 * p['prefix_cache_hit_rate']:.1f}")) + "</tr>"
+        for name, p in (("prefill", pd["prefill"]), ("decode", pd["decode"])))
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 
 

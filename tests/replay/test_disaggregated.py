@@ -160,7 +160,8 @@ def test_cli_flags_config_file_and_report(tmp_path):
     assert (d["prefill_replicas"], d["decode_replicas"], d["kv_link_gbps"]) == (2, 3, 25.0)
     assert d["decode_options"] == {"max_num_batched_tokens": 1024, "max_num_seqs": 16}
     assert d["decode"]["config"]["max_num_seqs"] == 16 and len(d["decode"]["replicas"]) == 3
-    assert "decode 2" in (out / "report.html").read_text()
+    page = (out / "report.html").read_text()
+    assert "decode 2" in page and "P/D disaggregation: 2 prefill replicas" in page
     steps = pd.read_parquet(out / "steps.parquet")
     assert set(steps["pool"]) == {"prefill", "decode"}
     bad = tmp_path / "bad.yaml"
