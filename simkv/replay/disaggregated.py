@@ -83,6 +83,11 @@ class DisaggregationSpec:
                 raise ConfigError(f"{pool} pool: {exc}") from None
             _check_pool(pool, config)
             configs.append(config)
+        prefill, decode = configs[0].to_dict(), configs[1].to_dict()
+        for key in ("model", "block_size", "kv_cache_dtype"):
+            if prefill[key] != decode[key]:
+                raise ConfigError(f"the pools' {key} differ ({prefill[key]} and {decode[key]}): the decode side "
+                                  "reads the prefill side's blocks as they are")
         if configs[0].max_model_len != configs[1].max_model_len:
             raise ConfigError(f"the pools' max_model_len differ ({configs[0].max_model_len} and "
                               f"{configs[1].max_model_len}): a prompt either pool rejects cannot be served")

@@ -135,6 +135,10 @@ def test_pool_options_and_bad_setups():
         DisaggregationSpec(1, 1, decode_options=(("max_seqs", 4),)).pool_configs(config())
     with pytest.raises(ConfigError, match="max_model_len differ"):
         DisaggregationSpec(1, 1, decode_options=(("max_model_len", 1024),)).pool_configs(config())
+    with pytest.raises(ConfigError, match="the pools' block_size differ"):
+        DisaggregationSpec(1, 1, prefill_options=(("block_size", 32),)).pool_configs(config())
+    prefill, decode = DisaggregationSpec(1, 1, decode_options=(("gpu", "H200"),)).pool_configs(config())
+    assert (prefill.hardware.gpu, decode.hardware.gpu) == ("H100-SXM", "H200")  # pools may differ in hardware
     with pytest.raises(ConfigError, match="async scheduling"):
         DisaggregationSpec(1, 1).pool_configs(config(async_scheduling=True))
     with pytest.raises(ConfigError, match="handoff_ms must be > 0"):
