@@ -171,15 +171,17 @@ def _search_cell(task: dict) -> dict:
     from simkv.config import EngineConfig
     from simkv.traces.schema import read_trace
 
-    from simkv.sweep.worker import fleet_spec
+    from simkv.sweep.worker import pool_specs
 
     out = {"cell_id": task["cell_id"], "index": task["index"], "swept": task["swept"],
            "num_replicas": (task.get("fleet") or {}).get("replicas", 1)}
     try:
-        fleet = fleet_spec(task.get("fleet"))
+        fleet, pd = pool_specs(task.get("fleet"))
+        if pd is not None:
+            out["num_replicas"] = pd.num_prefill + pd.num_decode
         record = search_max_rate(read_trace(task["trace"]), EngineConfig.from_flat(task["options"]), task["slo_ms"],
                                  target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
-                                 cost_options=task["cost_options"], fleet=fleet)
+                                 cost_options=task["cost_options"], fleet=fleet, disaggregation=pd)
     except ValueError as exc:  # ConfigError, GoodputSearchError, TraceError: this cell's, not the grid's
         return out | {"status": "failed", "error": str(exc).splitlines()[0]}
     best = [p for p in record["probes"] if p["factor"] == record["bracket_factors"][0]]

@@ -12,8 +12,11 @@ from simkv.config import CacheConfig, HardwareConfig, SchedulerConfig
 
 COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
 ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig) for f in fields(klass))
-# A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds.
-FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel")
+# A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds;
+# or a prefill pool and a decode pool (simkv/replay/disaggregated.py).
+PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
+           "kv_link_latency_ms", "handoff_ms")
+FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + PD_KEYS
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 

@@ -37,8 +37,9 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
 
         config = EngineConfig.from_flat(task["options"])
         trace = _read(task["trace"], trace_bytes)
+        fleet, disaggregation = pool_specs(task.get("fleet"))
         result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"),
-                        fleet=fleet_spec(task.get("fleet")))
+                        fleet=fleet, disaggregation=disaggregation)
         summary = dict(result.summary)
         summary["trace"] = task["trace"]
         summary["sweep_cell"] = {k: task[k] for k in ("cell_id", "trace", "options", "cost_model", "cost_options", "fleet")
@@ -75,6 +76,27 @@ def fleet_spec(fleet: dict | None):
                           f"is {router} (set router=prefix_aware)")
     options.update(thresholds)
     return FleetSpec(replicas, router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
+
+
+def pool_specs(fleet: dict | None):
+    """A cell's engines: (FleetSpec or None, DisaggregationSpec or None). A cell with any P/D key
+    (`prefill_replicas`, `decode_replicas`, the pools' routers, the link) has two pools; prefix_aware's
+    thresholds then apply to whichever pool routes with it."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.replay.router import RouterError, RouterOptions
+    from simkv.sweep.grid import PD_KEYS
+
+    fleet = dict(fleet or {})
+    pd = {k: fleet.pop(k) for k in PD_KEYS if k in fleet}
+    if not pd:
+        return fleet_spec(fleet), None
+    if fleet.get("replicas", 1) != 1:
+        raise RouterError("replicas: a cell with P/D keys (prefill_replicas, decode_replicas, ...) sets its pools "
+                          "itself; drop replicas")
+    options = dict(fleet.get("router_options") or {}) | {k: fleet[k] for k in ROUTER_OPTION_KEYS if k in fleet}
+    return None, DisaggregationSpec(
+        num_prefill=pd.pop("prefill_replicas", 1), num_decode=pd.pop("decode_replicas", 1),
+        router_options=RouterOptions.parse([f"{k}={v}" for k, v in options.items()]), **pd)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -213,3 +213,22 @@ def test_goodput_compares_every_split_of_n_engines(tmp_path):
     result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--pd-splits", "3",
                                        "--prefill-replicas", "1"])
     assert result.exit_code == 2 and "tries every split itself" in result.output
+
+
+def test_sweep_cells_may_split_into_pools(tmp_path):
+    from simkv.traces.schema import write_trace
+
+    trace = tmp_path / "t.parquet"
+    write_trace(loaded_trace(60, 4), trace)
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(main, ["sweep", str(trace), "--grid", "decode_replicas=1,2", "--set", "prefill_replicas=1",
+                                       "--set", "kv_link_gbps=5", "--set", "max_model_len=2048", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    table = pd.read_parquet(out / "sweep.parquet")
+    assert list(table["status"]) == ["ok", "ok"]
+    for cell, decode in zip(table["cell_id"], (1, 2)):
+        d = json.loads((out / "cells" / cell / "summary.json").read_text())["disaggregation"]
+        assert (d["prefill_replicas"], d["decode_replicas"], d["kv_link_gbps"]) == (1, decode, 5.0)
+    result = CliRunner().invoke(main, ["sweep", str(trace), "--grid", "decode_replicas=2", "--set", "replicas=2",
+                                       "--set", "max_model_len=2048", "--out", str(tmp_path / "bad")])
+    assert "sets its pools itself" in result.output
