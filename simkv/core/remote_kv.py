@@ -24,6 +24,7 @@ from __future__ import annotations
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import PriorityRequestQueue
 
+
 class RemoteKV:
     """Mixed into Scheduler: the KV-holding queue, pulled admissions, and blocks held for sending."""
 
