@@ -30,6 +30,14 @@ _ENGINE_FLAGS = {
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
 
+def _splits_host_time(cost_model: str, config: EngineConfig) -> bool:
+    """Whether the cost model gives the host's share of a step (`host_seconds`), which async
+    scheduling overlaps with the device (the engine asks the backend the same way)."""
+    from simkv.backends.factory import make_backend
+
+    return getattr(make_backend(cost_model, config), "host_seconds", None) is not None
+
+
 def load_config_file(path: str) -> dict:
     import yaml
 
@@ -275,7 +283,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
                    f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",
                    err=True)
-    if config.scheduler.async_scheduling and cost_model not in ("roofline", "unit"):
+    if config.scheduler.async_scheduling and cost_model != "unit" and not _splits_host_time(cost_model, config):
         click.echo(f"warning: --cost-model {cost_model} gives whole step times: async scheduling changes when "
                    "requests are scheduled and freed, but no host time is overlapped with the device "
                    "(the roofline model's is)", err=True)
