@@ -30,7 +30,8 @@ def disaggregation_options(command):
         click.option("--decode-router", type=click.Choice(ROUTERS), default=None,
                      help="P/D: how a decode replica is picked [default: least_outstanding]."),
         click.option("--kv-link-gbps", type=float, default=None,
-                     help="P/D: GB/s of each decode GPU's link; pulls into one replica queue on it [default: 50]."),
+                     help="P/D: GB/s of each GPU's link; a pull occupies both ends' links, first come first "
+                          "served [default: 50]."),
         click.option("--kv-link-latency-ms", type=float, default=None,
                      help="P/D: from a pull's last byte sent to the decode side knowing it [default: 0.1]."),
         click.option("--handoff-ms", type=float, default=None,

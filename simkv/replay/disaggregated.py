@@ -8,10 +8,11 @@ As vLLM serves it with the NIXL connector in pull mode (its disaggregated-servin
    request, with its whole output length, to a decode replica. There it waits in line like any
    request; when admitted it gets blocks for its whole prompt (less its local prefix hits), takes
    no tokens of the step, and the step's start starts the pull.
-3. The pull reads the blocks the decode replica lacks over that replica's link: transfers into
-   one replica queue on its link (first come, first served) at `kv_link_gbps` each, and the
-   last byte lands `kv_link_latency_ms` after it was sent. Bytes: the pulled blocks times the
-   KV bytes of a block (one GPU's share under tensor parallelism: each GPU has its own link).
+3. The pull reads the blocks the decode replica lacks. Every replica has a link of
+   `kv_link_gbps`; a pull occupies the prefill replica's and the decode replica's links, and
+   pulls queue first come, first served on both (a pull starts when both are free). The last
+   byte lands `kv_link_latency_ms` after it was sent. Bytes: the pulled blocks times the KV
+   bytes of a block (one GPU's share under tensor parallelism: each GPU has its own link).
 4. The decode replica sees the pull's end at its first step boundary at or after it (an idle
    engine polls, so at once), computes the last prompt token again and decodes. The prefill
    replica releases the blocks at its first step boundary at or after the same moment.
@@ -54,7 +55,7 @@ class DisaggregationSpec:
     prefill_router: str = "least_outstanding"
     decode_router: str = "least_outstanding"
     router_options: RouterOptions = field(default_factory=RouterOptions)
-    kv_link_gbps: float = 50.0  # GB/s into each decode GPU (a 400 Gb/s NIC)
+    kv_link_gbps: float = 50.0  # GB/s of each GPU's link (a 400 Gb/s NIC)
     kv_link_latency_ms: float = 0.1  # from a transfer's last byte sent to the decode side knowing it
     handoff_ms: float = 1.0  # from the prefill's answer to the decode replica receiving the request
 
@@ -159,6 +160,7 @@ class PDRouting:
         self.pull_start = np.full(len(trace), -1, dtype=np.int64)
         self.pull_end = np.full(len(trace), -1, dtype=np.int64)
         self.pull_bytes = np.zeros(len(trace), dtype=np.int64)
+        self.prefill_link_free = [0] * prefill_router.num_replicas  # tick each prefill link has sent all by
 
     @property
     def all_handed_off(self) -> bool:
@@ -316,8 +318,8 @@ class PrefillFeed(_EventFeed):
 
 
 class DecodeFeed(_EventFeed):
-    """A decode replica: handed-off requests as KV_PULL requests with their whole output; the
-    link that their pulls queue on."""
+    """A decode replica: handed-off requests as KV_PULL requests with their whole output; its
+    link, on which (and on the prefill replica's) their pulls queue."""
 
     def __init__(self, pd: PDRouting, replica: int, *args, block_bytes: int):
         super().__init__(pd, replica, pd.decode_queues[replica], *args)
@@ -355,13 +357,13 @@ class DecodeFeed(_EventFeed):
         pd = self.pd
         for request in requests:
             num_bytes = request.kv_pull_blocks * self.block_bytes
-            begin = max(tick, self.link_free)
-            self.link_free = begin + round(num_bytes * self._ticks_per_byte)
-            end = self.link_free + self._latency_ticks
             row = request.index
+            prefill = pd.prefill.assignment[row]
+            begin = max(tick, self.link_free, pd.prefill_link_free[prefill])
+            self.link_free = pd.prefill_link_free[prefill] = begin + round(num_bytes * self._ticks_per_byte)
+            end = self.link_free + self._latency_ticks
             pd.pull_start[row], pd.pull_end[row], pd.pull_bytes[row] = tick, end, num_bytes
             self.add_event(end, request)
-            prefill = pd.prefill.assignment[row]
             feed = pd.prefill_engines[prefill].feed
             feed.add_event(end, feed.held.pop(row))
 

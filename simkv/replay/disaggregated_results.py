@@ -92,6 +92,7 @@ def _pool(s: dict, config) -> dict:
 
 
 def _link_utilization(total_bytes: int, spec, duration: float) -> float:
-    """Bytes pulled over the decode pool's links' capacity for the replay's duration."""
+    """Bytes pulled over the decode pool's links' capacity for the replay's duration (each pull
+    also occupies a prefill replica's link)."""
     capacity = spec.kv_link_gbps * 1e9 * spec.num_decode * duration
     return total_bytes / capacity if capacity > 0 else 0.0

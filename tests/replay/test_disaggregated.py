@@ -75,6 +75,18 @@ def test_pulls_into_one_replica_queue_on_its_link():
     assert end[0] == pytest.approx(0.011 + 4 * per_block) and end[1] == pytest.approx(0.011 + 6 * per_block)
 
 
+def test_pulls_from_one_prefill_replica_queue_on_its_link():
+    """One prefill replica, two decode replicas: the two pulls go to different decode replicas
+    but leave through the same prefill link, one after the other."""
+    cfg = config()
+    spec = DisaggregationSpec(1, 2, decode_router="round_robin", kv_link_gbps=2.0, kv_link_latency_ms=0.0)
+    res = replay(frame([(0.0, 64, 2), (0.0, 32, 2)]), cfg, "linear", LINEAR, disaggregation=spec)
+    per_block = 16 * compute_capacity(cfg).kv_bytes_per_token / 2e9
+    assert list(res.requests["decode_replica"]) == [0, 1]
+    end = res.requests["kv_pull_end_s"].to_numpy()
+    assert end[0] == pytest.approx(0.011 + 4 * per_block) and end[1] == pytest.approx(0.011 + 6 * per_block)
+
+
 def test_the_decode_side_pulls_only_what_its_prefix_cache_lacks():
     """The second request shares the first one's first 3 blocks of 16 tokens; it reaches the
     decode replica after the first finished there, so it pulls only its 2 other blocks."""
