@@ -115,7 +115,7 @@ def run_gpu_replay(trace, config: EngineConfig, out_dir: str | Path | None = Non
     if out_dir is not None and backend.measured:  # per-step shapes and measured durations
         import pandas as pd
 
-        from simkv.replay.results import atomic_write
+        from simkv.atomic import atomic_write
 
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         frame = pd.DataFrame(backend.measured)

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
+from simkv.atomic import atomic_write_text
 from simkv.calibration.costmodel import FORMAT, FORMAT_VERSION
 from simkv.calibration.fit import fit_rows
 from simkv.calibration.grid import PRESETS, GridPoint, blocks_for, build_grid
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def nearest_fitting(measured: list[dict], point: GridPoint) -> dict | None:

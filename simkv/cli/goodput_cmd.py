@@ -306,7 +306,7 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
 
 def _write(record: dict, text: str, out_dir: str | None, quiet: bool) -> None:
     if out_dir is not None:
-        from simkv.sweep.store import atomic_write_text
+        from simkv.atomic import atomic_write_text
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -277,7 +277,7 @@ def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None) -> 
     result = compare_runs(sim_dir, meas_dir, targets)
     texts = {"compare.json": json.dumps(result, indent=2) + "\n", "compare.md": to_markdown(result),
              "report.html": to_html(result, sim_dir, meas_dir)}  # all made before any is written
-    from simkv.replay.results import atomic_write
+    from simkv.atomic import atomic_write
 
     for name, text in texts.items():
         atomic_write(out / name, lambda tmp, text=text: Path(tmp).write_text(text))

@@ -91,6 +91,10 @@ def _per_replica(steps: pd.DataFrame, label: str, values) -> list[tuple]:
 def run_report_html(run_dir: str | Path) -> str:
     summary, requests, steps = load_run(run_dir)
     blocks = max(int(summary.get("num_gpu_blocks") or 1) - 1, 1)
+    if "pool" in steps and summary.get("disaggregation"):  # P/D: each pool's own pool of blocks
+        pools = summary["disaggregation"]
+        blocks = steps["pool"].map({name: max(int(pools[name]["num_gpu_blocks"]) - 1, 1)
+                                    for name in ("prefill", "decode")}).to_numpy()
     kv = 100.0 * steps["num_blocks_used"].to_numpy() / blocks
     by_time = steps.sort_values(["start_time_s", "duration_s"], kind="stable") if "replica" in steps else steps
     t = (by_time["start_time_s"] + by_time["duration_s"]).to_numpy()
@@ -163,7 +167,7 @@ def _pool_table(pd: dict) -> str:
 
 
 def write_run_report(run_dir: str | Path) -> Path:
-    from simkv.replay.results import atomic_write
+    from simkv.atomic import atomic_write
 
     path = Path(run_dir) / "report.html"
     text = run_report_html(run_dir)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from simkv.atomic import atomic_write
 from simkv.replay.engine import ReplayRun
 from simkv.replay.step_log import RequestLog
 
@@ -172,18 +171,6 @@ def latencies_and_rates(requests: pd.DataFrame, itl: dict, duration: float, wall
         "request_throughput_req_s": float(finished.sum()) / duration if duration > 0 else 0.0,
         "wall_time_s": wall_time_s,
     }
-
-
-def atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:

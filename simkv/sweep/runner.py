@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from simkv.atomic import atomic_write_bytes, atomic_write_text
 from simkv.sweep import store
 from simkv.sweep.grid import Cell, SweepError
 from simkv.sweep.plots import plots_html
@@ -69,11 +70,11 @@ def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, exe
 
 def _write_manifest(out: Path, cells: list[Cell], swept_keys: list[str]) -> None:
     manifest = {"swept_keys": swept_keys, "cells": [c.task() | {"index": c.index} for c in cells]}
-    store.atomic_write_text(out / "sweep.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / "sweep.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def write_table(out: Path, rows: list[dict], swept_keys: list[str]) -> None:
     """sweep.parquet, sweep.md and plots.html, each written whole or not at all."""
-    store.atomic_write_bytes(out / "sweep.parquet", parquet_bytes(to_arrow(rows, swept_keys)))
-    store.atomic_write_text(out / "sweep.md", markdown(rows, "simkv sweep"))
-    store.atomic_write_text(out / "plots.html", plots_html(rows, swept_keys, "simkv sweep"))
+    atomic_write_bytes(out / "sweep.parquet", parquet_bytes(to_arrow(rows, swept_keys)))
+    atomic_write_text(out / "sweep.md", markdown(rows, "simkv sweep"))
+    atomic_write_text(out / "plots.html", plots_html(rows, swept_keys, "simkv sweep"))

@@ -6,7 +6,6 @@ import csv
 import gzip
 import io
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from simkv import atomic
 from simkv.traces.errors import TraceError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -145,22 +145,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise TraceError(f"{path}: folder {folder} does not exist")
-    handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    os.close(handle)
-    try:
+    with atomic.atomic_path(path) as temp:
         yield temp
-        os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the usual file mode
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def write_table(table: pa.Table, path: str | os.PathLike) -> None:

@@ -189,42 +189,37 @@ def test_cli_flags_config_file_and_report(tmp_path):
     assert result.exit_code == 2 and "drop --replicas/--router" in result.output
 
 
-def test_goodput_searches_one_split(tmp_path):
+def _goodput(tmp_path, *args):
+    """`simkv goodput` on a small trace with two SLOs: (exit code, output, goodput.json or None)."""
     from simkv.traces.schema import write_trace
 
-    trace = tmp_path / "t.parquet"
-    write_trace(loaded_trace(80, 2), trace)
-    out = tmp_path / "gp"
+    trace, out = tmp_path / "t.parquet", tmp_path / "gp"
+    if not trace.exists():
+        write_trace(loaded_trace(80, 2), trace)
     result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--goodput", "tpot:100",
-                                       "--max-model-len", "2048", "--prefill-replicas", "1", "--decode-replicas", "2",
-                                       "--quiet", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    record = json.loads((out / "goodput.json").read_text())
+                                       "--max-model-len", "2048", "--quiet", "--out", str(out), *args])
+    record = json.loads((out / "goodput.json").read_text()) if result.exit_code == 0 else None
+    return result.exit_code, result.output, record
+
+
+def test_goodput_searches_one_split(tmp_path):
+    code, output, record = _goodput(tmp_path, "--prefill-replicas", "1", "--decode-replicas", "2")
+    assert code == 0, output
     assert record["disaggregation"]["decode_replicas"] == 2 and record["probes"]
-    assert "P/D disaggregation: 1 prefill + 2 decode replicas" in (out / "goodput.md").read_text()
-    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--prefill-replicas", "1",
-                                       "--grid", "max_num_seqs=8,16"])
-    assert result.exit_code == 2 and "searches one setup" in result.output
+    assert "P/D disaggregation: 1 prefill + 2 decode replicas" in (tmp_path / "gp" / "goodput.md").read_text()
+    code, output, _ = _goodput(tmp_path, "--prefill-replicas", "1", "--grid", "max_num_seqs=8,16")
+    assert code == 2 and "searches one setup" in output
 
 
 def test_goodput_compares_every_split_of_n_engines(tmp_path):
-    from simkv.traces.schema import write_trace
-
-    trace = tmp_path / "t.parquet"
-    write_trace(loaded_trace(80, 2), trace)
-    out = tmp_path / "gp"
-    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--goodput", "tpot:100",
-                                       "--max-model-len", "2048", "--pd-splits", "3", "--kv-link-gbps", "10",
-                                       "--quiet", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    record = json.loads((out / "goodput.json").read_text())
+    code, output, record = _goodput(tmp_path, "--pd-splits", "3", "--kv-link-gbps", "10")
+    assert code == 0, output
     assert [r["setup"] for r in record["setups"]] == ["colocated", "1 prefill + 2 decode", "2 prefill + 1 decode"]
     assert record["disaggregation"]["kv_link_gbps"] == 10.0
     rates = {r["setup"]: r["max_rate_req_s"] for r in record["setups"]}
     assert record["best"] == max(rates, key=lambda k: rates[k] or 0)
-    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:2000", "--pd-splits", "3",
-                                       "--prefill-replicas", "1"])
-    assert result.exit_code == 2 and "tries every split itself" in result.output
+    code, output, _ = _goodput(tmp_path, "--pd-splits", "3", "--prefill-replicas", "1")
+    assert code == 2 and "tries every split itself" in output
 
 
 def test_sweep_cells_may_split_into_pools(tmp_path):

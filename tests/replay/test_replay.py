@@ -210,3 +210,19 @@ def test_cli_warns_when_prompts_are_rejected(tmp_path):
     assert "warning: 1 of 2 requests were rejected" in r.output and "max_model_len = 4,096" in r.output
     r = CliRunner().invoke(main, ["replay", str(trace), "--out", str(tmp_path / "p"), "--quiet", "--max-model-len", "8192"])
     assert r.exit_code == 0 and "warning" not in r.output
+
+
+def test_outputs_get_the_usual_file_mode(tmp_path):
+    """Files are written under a temporary name, then renamed: with the umask's mode, not mkstemp's 0600."""
+    import os
+    import stat
+
+    from simkv.atomic import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
