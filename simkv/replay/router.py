@@ -113,7 +113,7 @@ class Router:
         if policy not in ROUTERS:
             raise RouterError(f"unknown router {policy!r}; choose one of {', '.join(ROUTERS)}")
         if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
-            raise RouterError(f"a fleet needs a whole number of replicas, at least one; got {num_replicas!r}")
+            raise RouterError(f"replicas must be a whole number >= 1, got {num_replicas!r}")
         self.policy = policy
         self.num_replicas = num_replicas
         self.options = options or RouterOptions()

@@ -59,23 +59,19 @@ def fleet_spec(fleet: dict | None):
     """A cell's `replicas`, `router` (and `router_options`, or the thresholds as keys of their
     own) as a FleetSpec (None: one engine)."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import ROUTERS, RouterError, RouterOptions
+    from simkv.replay.router import RouterError, RouterOptions
 
     if not fleet:
         return None
-    replicas = fleet.get("replicas", 1)
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        raise RouterError(f"replicas must be a whole number >= 1, got {replicas!r}")
     router = fleet.get("router", "round_robin")
-    if router not in ROUTERS:
-        raise RouterError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
     options = dict(fleet.get("router_options") or {})
     thresholds = {k: fleet[k] for k in ROUTER_OPTION_KEYS if k in fleet}
     if thresholds and router != "prefix_aware":
         raise RouterError(f"{', '.join(thresholds)}: thresholds of the prefix_aware router; this cell's router "
                           f"is {router} (set router=prefix_aware)")
     options.update(thresholds)
-    return FleetSpec(replicas, router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
+    # (FleetSpec builds the Router, which checks the replicas and the router's name)
+    return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
 
 
 def pool_specs(fleet: dict | None):

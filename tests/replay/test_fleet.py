@@ -141,7 +141,7 @@ def test_router_options_and_names_are_checked():
             RouterOptions.parse(bad)
     with pytest.raises(RouterError, match="unknown router"):
         Router("random", 2)
-    with pytest.raises(RouterError, match="whole number of replicas, at least one"):
+    with pytest.raises(RouterError, match="replicas must be a whole number >= 1"):
         Router("round_robin", 0)
 
 
