@@ -127,16 +127,10 @@ class PrefillRouting(FleetRouting):
             self.num_in_prefill += 1
 
 
-@dataclass
-class PoolView:
-    """One pool's routing as a fleet's tables and summary read it."""
-    assignment: np.ndarray
-    router: Router
-
-
 class PDRouting:
-    """Both routers. The prefill side is a fleet's routing (trace rows at their arrivals); the
-    decode side routes finished prefills at their handoff ticks."""
+    """Both routers, each a fleet's routing: the prefill side routes trace rows at their
+    arrivals, the decode side finished prefills at their handoff ticks (its queues hold rows;
+    a row reaches the decode pool at `handoff_tick(row)`)."""
 
     def __init__(self, trace, spec: DisaggregationSpec, prefill_router: Router, decode_router: Router,
                  max_model_len: int) -> None:
@@ -144,12 +138,7 @@ class PDRouting:
         self.spec = spec
         self.prefill = PrefillRouting(trace, prefill_router, max_model_len)
         self.rows = self.prefill.rows
-        self.decode_router = decode_router
-        n = decode_router.num_replicas
-        self.decode_queues: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # (tick, row)
-        self.decode_assignment = np.full(len(trace), -1, dtype=np.int32)
-        self.decode_outstanding = [0] * n
-        self._decode_finishes: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]
+        self.decode = FleetRouting(trace, decode_router, max_model_len, self.rows)
         self._handoffs: list[tuple[int, int]] = []  # heap of (tick, row): finished prefills on their way
         self.handoff_ticks = max(1, to_ticks(spec.handoff_ms / 1e3))
         self.prefill_engines: list[ReplayEngine] = []
@@ -169,9 +158,14 @@ class PDRouting:
     # ---- the handoff: prefill replica -> proxy -> decode replica -------------------------------
     def hand_off(self, row: int, tick: int) -> None:
         """A prefill finished at `tick`: its request reaches the decode router `handoff_ms` later."""
-        at = tick + self.handoff_ticks
+        self.prefill_end[row] = tick
+        at = self.handoff_tick(row)
         heapq.heappush(self._handoffs, (at, row))
         self.env.process(self._route_at(at))
+
+    def handoff_tick(self, row: int) -> int:
+        """When a finished prefill reaches the decode router (and the replica it routes it to)."""
+        return int(self.prefill_end[row]) + self.handoff_ticks
 
     def next_handoff_ticks(self) -> int | None:
         return self._handoffs[0][0] if self._handoffs else None
@@ -183,23 +177,8 @@ class PDRouting:
             self._route_decode(row, tick)
 
     def _route_decode(self, row: int, tick: int) -> None:
-        loads = self.decode_outstanding
-        for r, finishes in enumerate(self._decode_finishes):
-            while finishes and finishes[0][0] < tick:
-                loads[r] -= finishes.popleft()[1]
-        trace = self.trace
-        has_hashes = trace.hash_ids is not None
-        hashes = trace.block_hashes(row) if has_hashes else None
-        block_tokens = int(trace.hash_block_tokens[row]) if has_hashes else 0
-        salt = trace.cache_salt[row] if trace.cache_salt is not None else None
-        r = self.decode_router.choose(loads, hashes, block_tokens, salt)
-        self.decode_assignment[row] = r
-        loads[r] += 1
+        self.decode.queues[self.decode.assign(row, tick)].append(row)
         self.prefill.num_in_prefill -= 1
-        self.decode_queues[r].append((tick, row))
-
-    def note_decode_finished(self, replica: int, count: int, tick: int) -> None:
-        self._decode_finishes[replica].append((tick, count))
 
     def _route_at(self, tick: int):
         env = self.env
@@ -207,7 +186,7 @@ class PDRouting:
         self.route_handoffs_until(env.now)
         done = self.all_handed_off
         for r, engine in enumerate(self.decode_engines):
-            if engine.idle and (self.decode_queues[r] or done):
+            if engine.idle and (self.decode.queues[r] or done):
                 engine.wake(env.now)
 
     def prefill_process(self):
@@ -312,7 +291,6 @@ class PrefillFeed(_EventFeed):
         super().note_finished(finished, tick)
         pd = self.pd
         for request in finished:
-            pd.prefill_end[request.index] = tick
             pd.hand_off(request.index, tick)
             self.held[request.index] = request
 
@@ -322,7 +300,7 @@ class DecodeFeed(_EventFeed):
     link, on which (and on the prefill replica's) their pulls queue."""
 
     def __init__(self, pd: PDRouting, replica: int, *args, block_bytes: int):
-        super().__init__(pd, replica, pd.decode_queues[replica], *args)
+        super().__init__(pd, replica, pd.decode.queues[replica], *args)
         self.block_bytes = block_bytes
         spec = self.pd.spec
         self._ticks_per_byte = TICKS_PER_SECOND / (spec.kv_link_gbps * 1e9)
@@ -334,16 +312,18 @@ class DecodeFeed(_EventFeed):
         return self.pd.all_handed_off and not self.queue and not self._events
 
     def next_arrival_ticks(self) -> int | None:
-        candidates = [t for t in (self.queue[0][0] if self.queue else None, self.pd.earliest_handoff_ticks(),
+        pd = self.pd
+        candidates = [t for t in (pd.handoff_tick(self.queue[0]) if self.queue else None, pd.earliest_handoff_ticks(),
                                   self.next_event_ticks()) if t is not None]
         return min(candidates) if candidates else None
 
     def deliver_until(self, now: int) -> None:
         self._apply_events(now)
-        self.pd.route_handoffs_until(now)
+        pd = self.pd
+        pd.route_handoffs_until(now)
         queue = self.queue
-        while queue and queue[0][0] <= now:
-            self.scheduler.add_request(self.make_request(queue.popleft()[1]))
+        while queue and pd.handoff_tick(queue[0]) <= now:
+            self.scheduler.add_request(self.make_request(queue.popleft()))
 
     def make_request(self, i: int) -> Request:
         request = super().make_request(i)
@@ -368,7 +348,7 @@ class DecodeFeed(_EventFeed):
             feed.add_event(end, feed.held.pop(row))
 
     def note_finished(self, finished, tick: int) -> None:
-        self.pd.note_decode_finished(self.replica, len(finished), tick)
+        self.pd.decode.note_finished(self.replica, len(finished), tick)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from simkv.clock import TICKS_PER_SECOND
-from simkv.replay.disaggregated import DisaggregatedRun, PoolView
+from simkv.replay.disaggregated import DisaggregatedRun
 from simkv.replay.fleet import fleet_summary, fleet_tables
 from simkv.replay.results import dist
 
@@ -34,10 +34,8 @@ def _seconds(ticks: np.ndarray) -> np.ndarray:
 def pd_tables(run: DisaggregatedRun, trace):
     """(requests, steps, the prefill pool's requests, per-replica request tables of each pool)."""
     pd_ = run.routing
-    decode_view = PoolView(pd_.decode_assignment, pd_.decode_router)
-    prefill_view = PoolView(pd_.prefill.assignment, pd_.prefill.router)
-    requests, decode_steps, per_decode = fleet_tables(run.decode_runs, decode_view, trace)
-    prefill_requests, prefill_steps, per_prefill = fleet_tables(run.prefill_runs, prefill_view, trace)
+    requests, decode_steps, per_decode = fleet_tables(run.decode_runs, pd_.decode, trace)
+    prefill_requests, prefill_steps, per_prefill = fleet_tables(run.prefill_runs, pd_.prefill, trace)
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)
     requests["prefill_end_time_s"] = _seconds(pd_.prefill_end)
@@ -55,10 +53,10 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
                requests: pd.DataFrame, prefill_requests: pd.DataFrame, per_prefill, per_decode) -> dict:
     pd_ = run.routing
     prefill_config, decode_config = configs
-    decode = fleet_summary(run.decode_runs, PoolView(pd_.decode_assignment, pd_.decode_router), trace, decode_config,
-                           backends[1], capacities[1], wall_time_s, requests, per_decode)
-    prefill = fleet_summary(run.prefill_runs, PoolView(pd_.prefill.assignment, pd_.prefill.router), trace,
-                            prefill_config, backends[0], capacities[0], 0.0, prefill_requests, per_prefill)
+    decode = fleet_summary(run.decode_runs, pd_.decode, trace, decode_config, backends[1], capacities[1], wall_time_s,
+                           requests, per_decode)
+    prefill = fleet_summary(run.prefill_runs, pd_.prefill, trace, prefill_config, backends[0], capacities[0], 0.0,
+                            prefill_requests, per_prefill)
     summary = {k: v for k, v in decode.items() if k != "fleet"}
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
     pulled = pd_.pull_end >= 0

@@ -26,11 +26,11 @@ from simkv.replay.router import Router
 class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
-    def __init__(self, trace, router: Router, max_model_len: int) -> None:
+    def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None) -> None:
         self.trace = trace
         self.router = router
         n = router.num_replicas
-        self.rows = TraceRows(trace)  # the replicas' feeds read the same lists
+        self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
         self._arrival_ticks = self.rows.arrival_ticks
         self._prompts = self.rows.prompt_tokens
         self._has_hashes = trace.hash_ids is not None
@@ -86,6 +86,11 @@ class FleetRouting:
             if self.on_reject is not None:
                 self.on_reject(1)
             return
+        self.queues[self.assign(i, tick)].append(i)
+
+    def assign(self, i: int, tick: int) -> int:
+        """The replica for trace row `i` at `tick`, chosen on the finishes strictly before `tick`;
+        it counts the request as outstanding there."""
         loads = self.outstanding
         for r, finishes in enumerate(self._finishes):
             while finishes and finishes[0][0] < tick:
@@ -97,7 +102,7 @@ class FleetRouting:
         r = self.router.choose(loads, hashes, block_tokens, salt)
         self.assignment[i] = r
         loads[r] += 1
-        self.queues[r].append(i)
+        return r
 
 
 class ReplicaFeed(ArrivalFeed):
