@@ -142,7 +142,7 @@ class KVCacheManager:
         first allocation without hits, the list is the request's block table itself), or
         None (and changes nothing) when the pool cannot cover them plus the watermark.
         `delay_cache`: P/D, the new tokens' KV is being pulled; its blocks are cached when it
-        has arrived (`cache_pulled_blocks`); `reserved_blocks` must stay free besides the
+        has arrived (`cache_shared_blocks`); `reserved_blocks` must stay free besides the
         watermark (what prefills in flight still need).
         """
         bs = self.block_size
@@ -185,16 +185,14 @@ class KVCacheManager:
                 req_blocks.extend(hit_blocks)
                 self.num_cached_block[request.index] = len(req_blocks)
             req_blocks.extend(new_blocks)
-        if self.enable_caching and (request.num_shared_tokens or self.hasher.weak) and not delay_cache:
-            # Shared-content blocks become findable at schedule time (an identical prompt
-            # admitted in the same step already hits). Unique blocks wait for release.
-            end = min(num_local + num_new_tokens, request.num_tokens) // bs
-            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
+        if not delay_cache:
+            self.cache_shared_blocks(request, num_local + num_new_tokens)
         return new_blocks
 
-    def cache_pulled_blocks(self, request: Request, num_tokens: int) -> None:
-        """P/D: the pulled KV of the first `num_tokens` tokens has arrived; its full blocks
-        become findable (shared content now, unique content at release, as for any request)."""
+    def cache_shared_blocks(self, request: Request, num_tokens: int) -> None:
+        """The KV of the request's first `num_tokens` tokens is (being) written: its full
+        shared-content blocks become findable now (an identical prompt admitted in the same step
+        already hits); unique blocks wait for release. P/D: for pulled blocks, once they arrive."""
         if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
             end = min(num_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))

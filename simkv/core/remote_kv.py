@@ -86,7 +86,7 @@ class RemoteKV:
 
     def _promote_pulled(self, request: Request) -> None:
         """Its pull has ended: cache the blocks; the last prompt token is computed again."""
-        self.kv_cache_manager.cache_pulled_blocks(request, request.num_computed_tokens)
+        self.kv_cache_manager.cache_shared_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens == request.num_tokens:
             request.num_computed_tokens -= 1
         request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
