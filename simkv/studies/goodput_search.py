@@ -184,9 +184,14 @@ def _search_cell(task: dict) -> dict:
                                  cost_options=task["cost_options"], fleet=fleet, disaggregation=pd)
     except ValueError as exc:  # ConfigError, GoodputSearchError, TraceError: this cell's, not the grid's
         return out | {"status": "failed", "error": str(exc).splitlines()[0]}
-    best = [p for p in record["probes"] if p["factor"] == record["bracket_factors"][0]]
     return out | {"status": record["status"], "max_rate_req_s": record["max_rate_req_s"],
-                  "at_max": best[0] if best else None, "num_probes": len(record["probes"])}
+                  "at_max": _probe_at_max(record), "num_probes": len(record["probes"])}
+
+
+def _probe_at_max(record: dict) -> dict | None:
+    """A search's probe at the highest rate that met the target (None: none met it)."""
+    best = [p for p in record["probes"] if p["factor"] == record["bracket_factors"][0]]
+    return best[0] if best else None
 
 
 def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_ms: dict, *, target: float = 0.99,
@@ -252,9 +257,8 @@ def search_splits(trace, config, slo_ms: dict, num_gpus: int, *, spec=None, rout
     for name, p, d, fleet, pd in setups:
         record = search_max_rate(trace, config, slo_ms, target=target, tolerance=tolerance, cost_model=cost_model,
                                  cost_options=cost_options, fleet=fleet, disaggregation=pd)
-        at_max = [q for q in record["probes"] if q["factor"] == record["bracket_factors"][0]]
         row = {"setup": name, "prefill_replicas": p, "decode_replicas": d, "status": record["status"],
-               "max_rate_req_s": record["max_rate_req_s"], "at_max": at_max[0] if at_max else None,
+               "max_rate_req_s": record["max_rate_req_s"], "at_max": _probe_at_max(record),
                "num_probes": len(record["probes"])}
         rows.append(row)
         if on_setup is not None:
