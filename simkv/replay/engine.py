@@ -233,13 +233,12 @@ class ReplayEngine:
                     continue
             out = self._schedule()
             if out.is_empty:
+                sched.current_step = out.step  # nothing ran: not a step
                 if out.preempted:  # the last running request preempted itself: schedule again
-                    sched.current_step = out.step  # (nothing ran: not a step)
                     continue
                 if not feed.holds_pending_work():
                     raise ReplayError(self._stuck_message(out.step))
-                sched.current_step = out.step  # nothing ran: not a step; a transfer's end wakes the engine
-                yield from self._wait_for_arrival()
+                yield from self._wait_for_arrival()  # P/D: a transfer's end wakes the engine
                 continue
             start = self.now
             duration = self._duration(out)
