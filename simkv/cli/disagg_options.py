@@ -41,6 +41,15 @@ def disaggregation_options(command):
     return command
 
 
+def check_pools(spec, config) -> None:
+    """The pools' configs can be built on the command's engine options; a one-line click error naming
+    the pool and the option otherwise (before any replay runs)."""
+    try:
+        spec.pool_configs(config)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def _pool_options(pairs: list[tuple[str, object]]) -> tuple:
     return tuple(sorted(dict(pairs).items()))
 

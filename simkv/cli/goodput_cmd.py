@@ -10,7 +10,7 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.disagg_options import disaggregation_options, read_disaggregation
+from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
 from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, fleet_options, read_fleet, read_inputs
 from simkv.config import ConfigError
 
@@ -166,10 +166,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     replicas, router = fleet.num_replicas, fleet.router
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     if disaggregation is not None:
-        try:
-            disaggregation.pool_configs(config)
-        except (ConfigError, TypeError, ValueError) as exc:
-            raise click.UsageError(str(exc)) from None
+        check_pools(disaggregation, config)
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     if grids:
         record = _grid_search(trace, grids, flat_options(flags, config_file), slo, attainment, tolerance, cost_model,
@@ -211,16 +208,16 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
 def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_model, cost_options, out_dir, quiet,
                    replicas, router, router_options, grids, target_rate, flags) -> None:
+    from dataclasses import replace
+
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.replay.router import RouterError, RouterOptions
     from simkv.studies.goodput_search import search_splits
 
     if replicas is not None or grids or target_rate is not None:
         raise click.UsageError("--pd-splits compares setups of N engines: drop --replicas/--grid/--target-rate")
     if flags.get("prefill_replicas") is not None or flags.get("decode_replicas") is not None:
         raise click.UsageError("--pd-splits tries every split itself: drop --prefill-replicas/--decode-replicas")
-    from dataclasses import replace
-
-    from simkv.replay.disaggregated import DisaggregationSpec
-    from simkv.replay.router import RouterError, RouterOptions
 
     spec = read_disaggregation(flags, config_file, ()) or DisaggregationSpec()
     router = router or "least_outstanding"
@@ -231,10 +228,7 @@ def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_m
     except RouterError as exc:
         raise click.BadParameter(str(exc), param_hint="--router-option") from None
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
-    try:
-        spec.pool_configs(config)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise click.UsageError(str(exc)) from None
+    check_pools(spec, config)
 
     def show(row) -> None:
         if not quiet:

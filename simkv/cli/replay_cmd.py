@@ -9,7 +9,7 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.disagg_options import disaggregation_options, read_disaggregation
+from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.specs import gpu_names, model_names
@@ -250,10 +250,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                "with --cost-model calib.json instead")
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     if disaggregation is not None:
-        try:
-            disaggregation.pool_configs(config)
-        except (ConfigError, TypeError, ValueError) as exc:
-            raise click.UsageError(str(exc)) from None
+        check_pools(disaggregation, config)
     if backend == "gpu" and config.scheduler.async_scheduling:
         raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
                                "before scheduling the next")
