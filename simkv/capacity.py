@@ -2,6 +2,9 @@
 
 num_gpu_blocks = (GPU memory * gpu_memory_utilization - weights/TP - activation reserve)
                  // (block_size * KV bytes per token per GPU)
+Under speculative decoding the draft network's weights and its layers' KV count too: a draft
+model's whole spec, or one target-shaped decoder layer for the EAGLE family (which shares the
+target's embeddings and LM head).
 The activation reserve stands in for vLLM's profiling run: activations of one
 max_num_batched_tokens forward pass plus a fixed 1 GiB for CUDA graphs and the allocator.
 """
@@ -55,13 +58,19 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
     per_token = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp)
+    draft = config.speculative.draft_spec(spec)
+    draft_weights = 0.0
+    if draft is not None:
+        per_token += draft.kv_bytes_per_token(cc.kv_dtype_bytes, tp)
+        shared = 2 * draft.vocab_size * draft.hidden_size if config.speculative.is_eagle_family else 0
+        draft_weights = 2 * (draft.num_params - shared) / tp
     block_bytes = per_token * cc.block_size
     mml = config.max_model_len
     if cc.num_gpu_blocks is not None:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks
     else:
-        weights = 2 * spec.num_params / tp
+        weights = 2 * spec.num_params / tp + draft_weights
         available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config))
         if available <= 0:
             raise ConfigError(

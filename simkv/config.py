@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.specs import ModelSpec, get_gpu_spec, get_model_spec
 
 
 class ConfigError(ValueError):
@@ -145,14 +145,135 @@ class HardwareConfig:
                 f"parallel size ({self.tensor_parallel_size}).")
 
 
+SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
+_EAGLE_FAMILY = ("eagle", "eagle3", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config), as the scheduler and the KV cache see
+    it: each decode step verifies up to `num_speculative_tokens` draft tokens and keeps the
+    accepted ones (core/spec_decode.py). Which drafts are accepted is drawn per request and
+    output position from the acceptance rates and the replay's seed."""
+
+    speculative_method: str | None = None  # ngram, eagle, eagle3, mtp, draft_model; None: off
+    num_speculative_tokens: int = 0
+    # P(draft i accepted | drafts before it accepted), the same at every position ...
+    spec_acceptance_rate: float = 0.7
+    # ... or vLLM's "Per-position acceptance rate" figures (P(draft i accepted)), comma-separated
+    spec_position_acceptance_rates: str | None = None
+    spec_draft_model: str | None = None  # draft_model: its model spec; eagle family: one target layer
+    spec_draft_pass_overhead_ms: float = 0.1  # launch overhead of each draft forward pass
+    spec_ngram_us_per_request: float = 5.0  # ngram: host time to propose for one request
+    spec_seed: int = 0  # seed of the acceptance draws
+
+    def __post_init__(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if k:
+                raise ConfigError(f"num_speculative_tokens={k} needs a speculative_method "
+                                  f"({', '.join(SPEC_METHODS)})")
+            return
+        if method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_method must be one of {', '.join(SPEC_METHODS)}; got '{method}'")
+        if k < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1 with speculative_method '{method}', got {k}")
+        if not 0.0 <= self.spec_acceptance_rate <= 1.0:
+            raise ConfigError(f"spec_acceptance_rate must be in [0, 1], got {self.spec_acceptance_rate}")
+        self.conditional_acceptance_rates  # raises on a bad list
+        if method == "draft_model" and self.spec_draft_model is None:
+            raise ConfigError("speculative_method 'draft_model' needs spec_draft_model (a model name, "
+                              "e.g. llama-3.2-1b)")
+        if self.spec_draft_model is not None:
+            get_model_spec(self.spec_draft_model)
+        if self.spec_draft_pass_overhead_ms < 0 or self.spec_ngram_us_per_request < 0:
+            raise ConfigError("spec_draft_pass_overhead_ms and spec_ngram_us_per_request must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past the scheduled tokens for the drafter's own forward passes (vLLM's
+        VllmConfig.num_lookahead_tokens): methods with a draft network reserve K."""
+        if self.speculative_method in _EAGLE_FAMILY or self.speculative_method == "draft_model":
+            return self.num_speculative_tokens
+        return 0
+
+    @property
+    def draft_slots(self) -> int:
+        """Extra batch slots each scheduled request takes for drafting (vLLM's
+        max_num_new_slots_for_drafting): a separate draft model needs one."""
+        return 1 if self.speculative_method == "draft_model" else 0
+
+    def draft_spec(self, target: ModelSpec) -> ModelSpec | None:
+        """The draft network's shape: the draft model's, or for the EAGLE family one decoder
+        layer shaped like the target's (with the LM head); None for ngram."""
+        if self.spec_draft_model is not None:
+            return get_model_spec(self.spec_draft_model)
+        if self.is_eagle_family:
+            return dataclasses.replace(target, name=f"{target.name} (1 draft layer)", num_layers=1)
+        return None
+
+    @property
+    def is_eagle_family(self) -> bool:
+        return self.speculative_method in _EAGLE_FAMILY
+
+    @property
+    def conditional_acceptance_rates(self) -> tuple[float, ...]:
+        """P(draft i accepted | drafts 0..i-1 accepted), one per draft position."""
+        k = self.num_speculative_tokens
+        text = self.spec_position_acceptance_rates
+        if text is None:
+            return (self.spec_acceptance_rate,) * k
+        try:
+            rates = [float(x) for x in str(text).split(",")]
+        except ValueError:
+            raise ConfigError(f"spec_position_acceptance_rates must be comma-separated numbers, got '{text}'") from None
+        if len(rates) != k:
+            raise ConfigError(f"spec_position_acceptance_rates has {len(rates)} rates; num_speculative_tokens is {k}")
+        if any(not 0.0 <= r <= 1.0 for r in rates) or any(b > a for a, b in zip(rates, rates[1:])):
+            raise ConfigError(f"spec_position_acceptance_rates must be in [0, 1] and non-increasing "
+                              f"(draft i is accepted only after draft i-1), got '{text}'")
+        out, before = [], 1.0
+        for r in rates:
+            out.append(r / before if before > 0 else 0.0)
+            before = r
+        return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         self.scheduler.verify_max_model_len(self.max_model_len)
+        if self.speculative.enabled:
+            self._verify_speculative()
+
+    def _verify_speculative(self) -> None:
+        spec, cache, sched = self.speculative, self.cache, self.scheduler
+        unsupported = [(sched.async_scheduling, "async_scheduling"),
+                       (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
+                       (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens (speculative decoding sets it)"),
+                       (spec.is_eagle_family and cache.enable_prefix_caching and cache.prefix_caching_hash_bits < 63,
+                        "prefix_caching_hash_bits < 63 with an EAGLE-family method")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"speculative decoding is not modelled with {what}")
+        if sched.max_num_batched_tokens <= spec.num_lookahead_tokens:
+            raise ConfigError("VllmConfig does not have enough slots to schedule a token and support the "
+                              "speculative decoding settings.")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved past each request's scheduled tokens."""
+        return self.cache.num_lookahead_tokens + self.speculative.num_lookahead_tokens
 
     @property
     def max_model_len(self) -> int:
@@ -165,13 +286,15 @@ class EngineConfig:
         out: dict = {}
         for part in (self.cache, self.scheduler, self.hardware):
             out.update(dataclasses.asdict(part))
+        if self.speculative.enabled:  # (only then: configs without it read as before)
+            out.update(dataclasses.asdict(self.speculative))
         out["max_model_len"] = self.max_model_len
         return out
 
     @classmethod
     def from_flat(cls, options: dict) -> "EngineConfig":
         """Build from a flat {option: value} mapping (CLI, --config files). Unknown keys raise."""
-        groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}}
+        groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}, SpeculativeConfig: {}}
         names = {f.name: klass for klass in groups for f in fields(klass)}
         types = {f.name: f.type for klass in groups for f in fields(klass)}
         for key, value in options.items():
@@ -181,4 +304,4 @@ class EngineConfig:
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
-                   HardwareConfig(**groups[HardwareConfig]))
+                   HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]))

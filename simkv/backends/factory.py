@@ -12,6 +12,16 @@ COST_MODELS = ("unit", "linear", "roofline")
 
 def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, step_per_token_s: float = 2e-5,
                  step_noise: str = "none", noise_seed: int = 0):
+    backend = _cost_model(name, config, step_base_s, step_per_token_s, step_noise, noise_seed)
+    if config.speculative.enabled:  # the drafter's passes come on top (simkv/backends/drafting.py)
+        from simkv.backends.drafting import SpeculativeBackend
+
+        return SpeculativeBackend(backend, config)
+    return backend
+
+
+def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_token_s: float, step_noise: str,
+                noise_seed: int):
     if step_noise != "none" and not name.endswith(".json"):
         raise ValueError("--step-noise needs a calibrated cost model (--cost-model calib.json): its variation "
                          "comes from the calibration's repeated samples")

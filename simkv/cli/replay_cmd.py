@@ -26,6 +26,9 @@ _ENGINE_FLAGS = {
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "async_scheduling": "async_scheduling",
+    "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+    "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
+    "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -184,6 +187,16 @@ _ENGINE_OPTIONS = [
     click.option("--async-scheduling/--no-async-scheduling", default=None,
                  help="vLLM's async scheduling (its serving default): step N+1 is scheduled while step N runs; "
                       "the roofline's host overheads overlap the device [default: off, the synchronous scheduler]"),
+    click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
+                 default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
+    click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),
+    click.option("--spec-acceptance-rate", type=float, default=None,
+                 help="P(a draft is accepted | the drafts before it were) [default: 0.7]"),
+    click.option("--spec-position-acceptance-rates", default=None, metavar="R1,R2,...",
+                 help="Instead: vLLM's logged 'Per-position acceptance rate' figures, one per draft position."),
+    click.option("--spec-draft-model", type=click.Choice(model_names()), default=None,
+                 help="draft_model: the draft's model spec (its passes and memory) [eagle family: one target layer]"),
+    click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
 ]
 
 
@@ -251,6 +264,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     if disaggregation is not None:
         check_pools(disaggregation, config)
+    if backend == "gpu" and config.speculative.enabled:
+        raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
     if backend == "gpu" and config.scheduler.async_scheduling:
         raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
                                "before scheduling the next")

@@ -9,6 +9,10 @@ Two kinds of key, in disjoint integer ranges:
 - blocks holding any request-unique position: -(request index * 2**32 + block index) - 1.
   Only the same request (after a preemption) can ever look such a block up.
 Python's hash of ints and tuples is not randomised, so keys are deterministic across runs.
+
+With `lookahead` (vLLM's num_hash_lookahead_tokens, 1 under EAGLE-family speculative decoding
+with prefix caching), a block's key also covers the token after it, whose KV the drafter's last
+position depends on: a block is shared content only if that token is too.
 """
 
 from __future__ import annotations
@@ -38,13 +42,20 @@ class BlockHasher:
 
     weak = False
 
-    def __init__(self, block_size: int, hash_bits: int = 63) -> None:
+    def __init__(self, block_size: int, hash_bits: int = 63, lookahead: int = 0) -> None:
         self.block_size = block_size
         self.hash_mask = (1 << hash_bits) - 1 if hash_bits < 63 else _MASK63
+        self.lookahead = lookahead
 
     def num_shared_blocks(self, request: Request) -> int:
-        """Blocks lying entirely inside the request's shared (hashed) prompt region."""
-        return request.num_shared_tokens // self.block_size
+        """Blocks lying entirely inside the request's shared (hashed) prompt region (with the
+        lookahead tokens after them)."""
+        return max(request.num_shared_tokens - self.lookahead, 0) // self.block_size
+
+    def num_hashed_blocks(self, request: Request, num_tokens: int) -> int:
+        """Full blocks among the first `num_tokens` whose key exists (the lookahead tokens
+        after them known too)."""
+        return min(num_tokens, request.num_tokens - self.lookahead) // self.block_size
 
     def block_key(self, request: Request, block_index: int) -> int:
         """Key of the request's `block_index`-th block (which must be full)."""
@@ -57,7 +68,7 @@ class BlockHasher:
     def _extend(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         bs = self.block_size
-        n_shared = request.num_shared_tokens // bs
+        n_shared = self.num_shared_blocks(request)
         i = len(hashes)
         if i < n_shared:
             ids = request.shared_hash_ids
@@ -65,7 +76,14 @@ class BlockHasher:
             parent = hashes[-1] if hashes else salt_root(request.cache_salt, h)
             mask = self.hash_mask
             stop = min(num_blocks, n_shared)
-            if bs <= h and h % bs == 0:
+            if self.lookahead:  # (one token: vLLM's EAGLE family)
+                while i < stop:
+                    first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs
+                    parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h,
+                                   int(ids[nxt // h]), nxt % h)) & mask
+                    hashes.append(parent)
+                    i += 1
+            elif bs <= h and h % bs == 0:
                 per = h // bs
                 while i < stop:
                     parent = hash((parent, int(ids[i // per]))) & mask

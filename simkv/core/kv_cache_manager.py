@@ -73,13 +73,14 @@ class KVCacheManager:
         watermark: float = 0.0,
         hash_bits: int = 63,
         reserve_null_block: bool = True,
+        hash_lookahead: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, reserve_null_block)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size)
+        self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size, 63, hash_lookahead)
         self.num_false_prefix_hits = 0  # admitted hit blocks whose content differs (weak hash only)
         self.num_cow_copies = 0  # first writes into a partial block shared by forked sequences
         self.num_forks = 0  # forked sequences exist: only then can a partial block be shared
@@ -283,7 +284,7 @@ class KVCacheManager:
         if self.hasher.weak:
             finished = False  # colliding keys can hit anything: keep every block findable
         if self.enable_caching:
-            end = min(num_computed_tokens, request.num_tokens) // self.block_size
+            end = self.hasher.num_hashed_blocks(request, num_computed_tokens)
             if finished:
                 self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
                 cached = self.num_cached_block[index]

@@ -20,6 +20,8 @@ class ScheduledChunk:
     num_new_tokens: int
     is_resumed: bool = False
     block_ids: list[int] | None = None
+    num_spec_tokens: int = 0  # speculative decoding: draft tokens among the new ones, to verify
+    spec_placeholder: bool = False  # ... padding rows (vLLM's -1 drafts): none is accepted
 
 
 @dataclass(slots=True)
@@ -53,17 +55,33 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)
     num_blocks_used_end: int = -1  # after update_from_output (finished requests released)
     kv_loads: list[Request] | None = None  # P/D: requests admitted to pull their KV (the step starts the pulls)
+    # Speculative decoding: decodes are chunks of 1 + drafts tokens (they verify the drafts).
+    num_verify_tokens: int = 0  # tokens of those chunks
+    num_draft_tokens: int = 0  # drafts among them
+    num_accepted_tokens: int = 0  # after update_from_output: drafts accepted
+    num_spec_emissions: int = 0  # after update_from_output: decodes whose tokens follow the previous step's
 
     @property
-    def num_prefill_tokens(self) -> int:
+    def num_decode_tokens(self) -> int:
+        """Token gaps this step closes (the inter-token-latency weight): one per decoding
+        request, and under speculative decoding one per verifying request, however many tokens
+        it kept."""
+        return self.num_decode_reqs + self.num_spec_emissions
+
+    @property
+    def num_chunk_tokens(self) -> int:
         chunks = self.chunks
         if len(chunks) == 1:
             return chunks[0].num_new_tokens
         return sum(c.num_new_tokens for c in chunks)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_chunk_tokens - self.num_verify_tokens
+
+    @property
     def total_num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_reqs
+        return self.num_chunk_tokens + self.num_decode_reqs
 
     @property
     def is_empty(self) -> bool:

@@ -39,6 +39,7 @@ class Request:
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
+        "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
@@ -88,6 +89,12 @@ class Request:
         self.kv_role = 0  # KV_SEND / KV_PULL under P/D disaggregation
         self.kv_loaded = False  # KV_PULL: its pull has ended
         self.kv_pull_blocks = 0  # KV_PULL: blocks it pulled (those its local prefix cache lacked)
+        # Speculative decoding (core/spec_decode.py): drafts proposed after its last step, not
+        # yet verified; whether its latest scheduled chunk left prompt to compute; its totals.
+        self.spec_drafts = 0
+        self.spec_prefill_chunk = False
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.last_token_step = -1
         self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
         # Parallel sampling: the request forks into `num_samples` sequences after its prefill;

@@ -27,6 +27,7 @@ from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.remote_kv import RemoteKV
 from simkv.core.request import KV_PULL, Request, RequestStatus
 from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from simkv.core.spec_decode import SpecDecode
 from simkv.core.steady_decoders import SteadyDecoders
 from simkv.core.step_plan import StepPlan
 
@@ -40,7 +41,7 @@ class LivelockError(RuntimeError):
     """Requests keep being preempted and none finishes: the configuration cannot make progress."""
 
 
-class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
+class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0) -> None:
         sc, cc = config.scheduler, config.cache
@@ -53,7 +54,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
         self.adaptive_threshold = sc.long_prefill_token_threshold_adaptive
         self.policy = sc.scheduling_policy
         self.reserve_full_isl = sc.scheduler_reserve_full_isl
-        self.num_lookahead_tokens = cc.num_lookahead_tokens
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        self._init_spec(config.speculative)  # core/spec_decode.py; decodes are chunks under it
         # Policy knobs (vLLM's behaviour by default; other engines' step models otherwise).
         self.max_num_admissions_per_step = sc.max_num_admissions_per_step or (1 << 62)
         self.admit_before_running = sc.admission_order == "before_running"
@@ -69,7 +71,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
-                cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block)
+                cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
+                hash_lookahead=int(config.speculative.is_eagle_family))
         self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         # P/D (core/remote_kv.py): waiting requests that hold blocks (their KV being pulled, or
         # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
@@ -182,6 +185,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
                 plan.swap_out_blocks += held
         else:
             request.num_computed_tokens = 0
+        request.spec_drafts = 0
         if self.preemption_mode == "restart":
             request.num_output_tokens = 0
         self._count_preemption(request)
@@ -208,7 +212,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
         if self.async_scheduling:
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
-        plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold())
+        plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
         due = self._due_at(step)
         kv = self.kv_cache_manager
         if (not self._prefilling and not self._finishing and not self.admit_before_running and not kv.num_forks
@@ -242,6 +246,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
+        verify = drafts = 0
+        if self.num_spec_tokens:
+            verify, drafts = self._spec_after_schedule(plan.chunks)
         if self.async_scheduling:
             self._last_schedule = (step, num_blocks_used - used_before)
             num_waiting += self._num_preempted_finishing()
@@ -255,7 +262,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
             num_waiting=num_waiting, num_blocks_used=num_blocks_used,
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks,
-            kv_loads=plan.kv_loads or None)
+            kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -268,7 +275,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
                 continue
             pos = self._position(request)
             quiet = pos - prev_pos - 1
-            if quiet >= plan.budget:
+            if quiet >= plan.budget or plan.input_budget <= plan.draft_slots:
                 return self._exhaust_budget(plan, prev_pos)
             plan.budget -= quiet
             prev_pos = pos
@@ -281,10 +288,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
                 scheduled = self._decode_slot(request, step + request.decode_base, step, plan)
             else:
                 computed = request.num_computed_tokens
-                num_new = request.num_tokens - computed
+                num_new = request.num_tokens + request.spec_drafts - computed
                 if 0 < plan.threshold < num_new:
                     num_new = plan.threshold
-                num_new = min(num_new, plan.budget, self.max_model_len - computed - 1)
+                num_new = min(num_new, plan.request_budget(), self.max_model_len - computed - 1)
                 if num_new <= 0:
                     continue
                 while kv.allocate_slots(request, computed, num_new,
@@ -304,7 +311,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
                 if self._calendar is None:  # (in the calendar it stays in its bucket)
                     self._push_boundary(request, step + 1)
             else:
-                plan.chunks.append(ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0))
+                chunk = ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0)
+                plan.chunks.append(chunk)
+                if self.num_spec_tokens:
+                    self._spec_scheduled(request, chunk, plan)
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
         quiet = end - prev_pos - 1
         if quiet > plan.budget:
@@ -370,6 +380,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
         admitted = 0
         skipped: list[Request] = []  # P/D: set aside this step (core/remote_kv.py)
         while plan.budget > 0 and (self.waiting or self.kv_holding):
+            if plan.input_budget <= plan.draft_slots:
+                break
             if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
                 break
             if self.kv_holding or self.waiting.peek_request().kv_role == KV_PULL:
@@ -386,12 +398,18 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
             computed = _HOLDS_KV if holds_kv else kv.get_computed_blocks(request)
             base = request.num_computed_tokens if holds_kv else 0
             num_new = request.num_tokens - base - computed.num_tokens
+            padded = False
+            if self.num_spec_tokens and num_new == 1:
+                num_new = self._spec_padding(base + computed.num_tokens, num_new, plan)
+                if num_new == 0:  # its padded rows do not fit this step
+                    break
+                padded = num_new > 1
             if 0 < plan.threshold < num_new:
                 num_new = plan.threshold
-            if not self.enable_chunked_prefill and num_new > plan.budget:
+            if not self.enable_chunked_prefill and num_new > plan.request_budget():
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
-            num_new = min(num_new, plan.budget)
+            num_new = min(num_new, plan.request_budget())
             new_blocks = kv.allocate_slots(
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
@@ -418,7 +436,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
                 if not holds_kv:
                     request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
-            plan.chunks.append(ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed))
+            chunk = ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed)
+            if padded:
+                chunk.num_spec_tokens = num_new - 1
+                chunk.spec_placeholder = True
+            plan.chunks.append(chunk)
             plan.schedule(request, num_new)
             admitted += 1
         if skipped:
@@ -445,6 +467,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV):
         step = output.step
         if self.async_scheduling:
             output.finished, output.num_blocks_used_end = self.step_output_processed(step)
+            return output.finished
+        if self.num_spec_tokens:
+            output.finished, output.num_blocks_used_end = self._end_step(self._spec_update(output), step)
             return output.finished
         finished = []
         for chunk in output.chunks:

@@ -10,10 +10,17 @@ class StepPlan:
     """What one schedule() call has handed out so far."""
 
     __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
-                 "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads")
+                 "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads",
+                 "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled")
 
-    def __init__(self, budget: int, threshold: int) -> None:
+    def __init__(self, budget: int, threshold: int, draft_slots: int = 0) -> None:
         self.budget = budget
+        # Speculative decoding with a draft model: each scheduled request also takes
+        # `draft_slots` batch rows (vLLM's input budget beside the token budget).
+        self.input_budget = budget
+        self.draft_slots = draft_slots
+        self.prefill_scheduled = False  # a running request continuing its prompt was scheduled
+        self.num_running_scheduled = 0
         self.threshold = threshold
         self.chunks: list[ScheduledChunk] = []
         self.preempted: list[Request] = []
@@ -28,7 +35,12 @@ class StepPlan:
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new
+        self.input_budget -= num_new + self.draft_slots
         self.scheduled_now[request.seq] = num_new
+
+    def request_budget(self) -> int:
+        """Tokens the next request may take: vLLM's min(token budget, input budget - draft slots)."""
+        return min(self.budget, self.input_budget - self.draft_slots)
 
     def unschedule(self, victim: Request, implicit: bool) -> int:
         """A victim scheduled earlier in this step gives its tokens back (`implicit`: a steady
@@ -38,6 +50,9 @@ class StepPlan:
             if not implicit:
                 return 0
             tokens = 1
+        else:  # (victims are running requests: admissions come after them)
+            self.input_budget += tokens + self.draft_slots
+            self.num_running_scheduled -= 1
         self.budget += tokens
         self.chunks = [c for c in self.chunks if c.request is not victim]
         return tokens

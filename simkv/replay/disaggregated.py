@@ -112,6 +112,9 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
                           f"got preemption_mode={sc.preemption_mode}")
     if cc.allocator != "paged":
         raise ConfigError(f"{pool} pool: P/D disaggregation needs the paged allocator, got {cc.allocator}")
+    if config.speculative.enabled:
+        raise ConfigError(f"{pool} pool: speculative decoding with P/D disaggregation is not modelled; "
+                          "drop speculative_method")
 
 
 class PrefillRouting(FleetRouting):

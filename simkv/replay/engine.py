@@ -129,6 +129,10 @@ class ReplayEngine:
         engines on one environment, each fed by the router; by default the engine owns both."""
         self.config = config
         self.backend = backend
+        if config.speculative.enabled and trace.n is not None and (trace.n > 1).any():
+            row = int((trace.n > 1).argmax())
+            raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
+                             "with speculative decoding; drop the column or speculative_method")
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks)
@@ -140,8 +144,8 @@ class ReplayEngine:
         self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
         # Async scheduling overlaps the host's share of a step with the device's work.
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
-        self.steps = StepLog()
-        self.requests = RequestLog(len(trace))
+        self.steps = StepLog(config.speculative.enabled)
+        self.requests = RequestLog(len(trace), config.speculative.enabled)
         self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
                      ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs

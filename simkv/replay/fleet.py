@@ -18,9 +18,10 @@ import pandas as pd
 import simpy
 
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (itl_samples, latencies_and_rates, request_table, stored_and_wasted_slots,
+from simkv.replay.results import (itl_samples, spec_summary, latencies_and_rates, request_table, stored_and_wasted_slots,
                                   summarize, weighted_dist)
 from simkv.replay.router import Router
+from simkv.replay.step_log import SPEC_STEP_COLUMNS
 
 
 class FleetRouting:
@@ -162,7 +163,7 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace) -> tuple[p
     assignment = routing.assignment
     per_replica = [request_table(run, trace) for run in runs]
     merged = per_replica[0].copy()
-    for column in _MERGED_COLUMNS:
+    for column in _MERGED_COLUMNS + tuple(c for c in SPEC_STEP_COLUMNS if c in merged):
         values = merged[column].to_numpy().copy()
         for r, frame in enumerate(per_replica[1:], start=1):
             rows = assignment == r
@@ -250,7 +251,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    }
+    } | spec_summary(config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),

@@ -33,6 +33,12 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
                 ("cost model", cost["cost_model"])]
     if cfg.get("async_scheduling"):
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
+    spec = summary.get("speculative_decoding")
+    if spec:
+        head.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "
+                                             f"{spec['mean_acceptance_length']:.2f} tokens per verify "
+                                             f"(draft acceptance {100 * spec['draft_acceptance_rate']:.1f} %), "
+                                             f"drafter {100 * spec['drafter_time_share']:.1f} % of the time"))
     fleet = summary.get("fleet")
     pd = summary.get("disaggregation")
     per = ", per replica" if fleet else ""
@@ -57,6 +63,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("prefix cache hit rate", f"{100 * summary['prefix_cache_hit_rate']:.2f} % ({summary['prefix_cache_hits_tokens']:,} of {summary['prefix_cache_queries_tokens']:,} tokens)"),
         ("TTFT ms (mean / p50 / p99)", _fmt_dist(summary["ttft_s"])),
         ("ITL ms (mean / p50 / p99)", _fmt_dist(summary["itl_s"])),
+        *([("TPOT ms (mean / p50 / p99)", _fmt_dist(summary["tpot_s"]))] if spec else []),
         ("E2E s (mean / p50 / p99)", _fmt_dist(summary["e2e_s"], 1.0)),
         ("queue ms (mean / p50 / p99)", _fmt_dist(summary["queue_s"])),
     ]

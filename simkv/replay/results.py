@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from simkv.atomic import atomic_write
 from simkv.replay.engine import ReplayRun
-from simkv.replay.step_log import RequestLog
+from simkv.replay.step_log import SPEC_STEP_COLUMNS, RequestLog
 
 
 def dist(values: np.ndarray) -> dict:
@@ -75,7 +75,7 @@ def request_table(run: ReplayRun, trace) -> pd.DataFrame:
         "ttft_s": first_token - arrival,
         "e2e_s": finish - arrival,
         "mean_itl_s": mean_itl,
-    })
+    } | {c: np.where(finished, ints[c], 0) for c in SPEC_STEP_COLUMNS if c in ints})
 
 
 def itl_distribution(run: ReplayRun) -> dict:
@@ -154,7 +154,36 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | latencies_and_rates(requests, itl_distribution(run), duration, wall_time_s)
+    } | spec_summary(config, [sched], [backend], duration) | latencies_and_rates(
+        requests, itl_distribution(run), duration, wall_time_s)
+
+
+def spec_summary(config, schedulers, backends, duration: float) -> dict:
+    """summary.json's `speculative_decoding` section (nothing without it), over all engines.
+    vLLM's figures: mean acceptance length = 1 + accepted / drafts (tokens a verifying step
+    keeps), per-position rate = drafts accepted at position i / drafts."""
+    spec = config.speculative
+    if not spec.enabled:
+        return {}
+    k = spec.num_speculative_tokens
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_padded": 0}
+    per_position = [0] * k
+    for sched in schedulers:
+        for key in total:
+            total[key] += sched.spec_stats[key]
+        per_position = [a + b for a, b in zip(per_position, sched.spec_stats["accepted_per_position"])]
+    drafts, tokens = total["num_drafts"], total["num_draft_tokens"]
+    draft_s = sum(getattr(b, "draft_seconds", 0.0) for b in backends)
+    return {"speculative_decoding": {
+        "method": spec.speculative_method, "num_speculative_tokens": k,
+        "acceptance_rates_configured": [round(r, 6) for r in spec.conditional_acceptance_rates],
+        **total,
+        "draft_acceptance_rate": total["num_accepted_tokens"] / tokens if tokens else 0.0,
+        "mean_acceptance_length": 1.0 + total["num_accepted_tokens"] / drafts if drafts else 1.0,
+        "per_position_acceptance_rate": [a / drafts if drafts else 0.0 for a in per_position],
+        "drafter_time_s": draft_s,
+        "drafter_time_share": draft_s / (duration * len(schedulers)) if duration > 0 else 0.0,
+    }}
 
 
 def latencies_and_rates(requests: pd.DataFrame, itl: dict, duration: float, wall_time_s: float) -> dict:

@@ -16,6 +16,7 @@ STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waitin
                 "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
                 "num_swapped", "num_swap_blocks")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
+SPEC_STEP_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # under speculative decoding only
 
 
 # One tuple per segment: its first step, its length, blocks used at its start and at its end,
@@ -34,8 +35,10 @@ class StepLog:
     columns, times included, are expanded with numpy when asked for.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, speculative: bool = False) -> None:
         self._rows: list[tuple] = []  # per segment: _ROW_COLUMNS
+        # Speculative decoding (no decode runs then): per step, drafts verified and accepted.
+        self._spec: array | None = array("q") if speculative else None
         self._alloc_counts: list[int] = []  # per step: blocks allocated in runs (0 in single steps)
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
@@ -43,12 +46,14 @@ class StepLog:
     def add_step(self, out: SchedulerOutput, start: int, duration: int) -> None:
         """One step, from tick `start`, lasting `duration` ticks."""
         self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end, start, duration, 0, 1, duration, 0,
-                           out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_reqs,
+                           out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_tokens,
                            len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
         self._alloc_counts.append(0)
         self.num_steps += 1
+        if self._spec is not None:
+            self._spec.extend((out.num_draft_tokens, out.num_accepted_tokens))
 
     def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int]) -> None:
         """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape)."""
@@ -100,6 +105,10 @@ class StepLog:
         finished[last_row] = seg["num_finished"][lengths > 0]
         out["num_finished"] = finished
         self._columns = {c: out[c] for c in STEP_COLUMNS}
+        if self._spec is not None:
+            pairs = np.asarray(self._spec, dtype=np.int64).reshape(-1, 2)
+            for j, c in enumerate(SPEC_STEP_COLUMNS):
+                self._columns[c] = pairs[:, j]
         return self._columns
 
 
@@ -113,9 +122,10 @@ class RequestLog:
 
     STATUS_NAMES = ("unfinished", "finished", "rejected")
 
-    def __init__(self, num_requests: int) -> None:
+    def __init__(self, num_requests: int, speculative: bool = False) -> None:
         self.num_requests = num_requests
         self._finished = array("q")  # per finished request: index, *REQUEST_INT_COLUMNS
+        self._spec: array | None = array("q") if speculative else None  # per finished request: drafts, accepted
         self._rejected: list[int] = []
         self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
@@ -125,6 +135,8 @@ class RequestLog:
             request.group_output_tokens,  # all sequences of the request
             request.num_computed_tokens, request.num_prefix_hit_tokens, request.num_total_prefix_hit_tokens,
             request.num_preemptions))
+        if self._spec is not None:
+            self._spec.extend((request.num_draft_tokens, request.num_accepted_tokens))
         self._columns = None
 
     def reject(self, index: int) -> None:
@@ -151,5 +163,10 @@ class RequestLog:
             status[rows[:, 0]] = 1
             for j, c in enumerate(REQUEST_INT_COLUMNS, start=1):
                 ints[c][rows[:, 0]] = rows[:, j]
+            if self._spec is not None:
+                pairs = np.asarray(self._spec, dtype=np.int64).reshape(-1, 2)
+                for j, c in enumerate(SPEC_STEP_COLUMNS):
+                    ints[c] = np.full(n, -1, dtype=np.int64)
+                    ints[c][rows[:, 0]] = pairs[:, j]
             self._columns = (status, ints)
         return self._columns

@@ -143,3 +143,34 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
         rows.pop()
     return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
             "scheduler": sched}
+
+
+def drive_steps(case: dict, max_steps: int = 5000) -> dict:
+    """Step a scheduler through a case of flat engine options and requests arriving by step (the
+    step-mode oracles' format: scripts/oracle_spec.py). Returns per-step [scheduled tokens,
+    running, waiting, blocks used] and per-request [first token step, finish step]."""
+    opts = case["opts"]
+    sched = Scheduler(EngineConfig.from_flat(opts), opts["num_gpu_blocks"])
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    requests, rows = [], []
+    for _ in range(max_steps):
+        k = sched.current_step
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            r = pending.pop(0)
+            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
+                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
+            requests.append((req, r))
+            sched.add_request(req)
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+            sched.update_from_output(out)
+        else:
+            rows.append([0, 0, 0, 0])
+            sched.current_step = k + 1
+        if not pending and not sched.has_unfinished_requests():
+            break
+    while rows and not any(rows[-1]):
+        rows.pop()
+    return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+            "scheduler": sched}

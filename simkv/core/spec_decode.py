@@ -1,0 +1,157 @@
+"""Speculative decoding in the engine core, as vLLM 0.33's scheduler handles it.
+
+After every step in which a request samples, its drafter proposes `num_speculative_tokens`
+(K) draft tokens (`Request.spec_drafts`). The request's next step schedules its last sampled
+token plus the drafts (1 + K tokens, fewer if the budget or max_model_len cuts them) and the
+target model verifies them: the accepted drafts and one more token (the bonus, sampled by the
+target) are kept, and `num_computed_tokens` gives back the rejected ones. A request waiting
+with one token left (a full prefix hit, a resumed request) is padded to 1 + K rows whose drafts
+are placeholders, as vLLM pads new decodes for its CUDA graphs. Methods with their own draft
+network (EAGLE family, a draft model) reserve K lookahead KV slots; a draft model takes one
+more batch row per request (`StepPlan.draft_slots`); the EAGLE family's block hashes cover the
+token after each block (core/block_hashing.py).
+
+Which drafts are accepted is the model's business, not the scheduler's: a request's draft i
+is accepted with probability `rates[i]` given that drafts 0..i-1 were, drawn from a hash of
+(seed, request, output position, i), so a replay is deterministic and one request's draws do
+not depend on the others. Every proposal has K drafts (an n-gram proposer that finds no match
+proposes none in vLLM; fold that into a lower acceptance rate).
+"""
+
+from __future__ import annotations
+
+from simkv.config import SpeculativeConfig
+from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+from simkv.core.request import Request, RequestStatus
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class AcceptanceModel:
+    """How many of a request's drafts the target model accepts at an output position."""
+
+    def __init__(self, rates: tuple[float, ...], seed: int) -> None:
+        # Accept draft i iff its 53-bit draw is below rates[i] * 2**53 (exact integer compare).
+        self.thresholds = [int(r * (1 << 53)) for r in rates]
+        self.seed = _mix64(seed & _M64)
+
+    def num_accepted(self, request_index: int, position: int, num_drafts: int) -> int:
+        key = _mix64(self.seed ^ _mix64((request_index << 24) ^ position))
+        for i in range(num_drafts):
+            if _mix64(key + i) >> 11 >= self.thresholds[i]:
+                return i
+        return num_drafts
+
+
+class SpecDecode:
+    """Mixed into Scheduler: the verify-and-roll-back side of speculative decoding."""
+
+    def _init_spec(self, spec: SpeculativeConfig) -> None:
+        self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
+        self.spec_draft_slots = spec.draft_slots if spec.enabled else 0
+        self.acceptance = AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed) if spec.enabled else None
+        k = self.num_spec_tokens
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                           "num_padded": 0, "accepted_per_position": [0] * k}
+
+    def _spec_scheduled(self, request: Request, chunk: ScheduledChunk, plan) -> None:
+        """A running request was scheduled: vLLM's prefill flag is read before it is renewed;
+        the drafts among its new tokens are marked, and it has none left to propose."""
+        plan.prefill_scheduled |= request.spec_prefill_chunk
+        plan.num_running_scheduled += 1
+        drafts = request.spec_drafts
+        if drafts:
+            extra = chunk.num_computed_tokens + chunk.num_new_tokens - request.num_tokens
+            if extra > 0:
+                chunk.num_spec_tokens = min(extra, drafts)
+            request.spec_drafts = 0
+
+    def _spec_padding(self, num_computed: int, num_new: int, plan) -> int:
+        """vLLM pads a waiting request with one token left to 1 + K rows (new decodes keep the
+        step uniform for CUDA graphs): the padded count, 0 if it must wait for a roomier step,
+        or `num_new` unchanged."""
+        k = self.num_spec_tokens
+        if (num_new != 1 or plan.prefill_scheduled
+                or not (plan.num_running_scheduled or num_computed > 0)
+                or num_computed + 1 + k + 1 > self.max_model_len):
+            return num_new
+        return 1 + k if 1 + k <= plan.request_budget() else 0
+
+    @staticmethod
+    def _spec_after_schedule(chunks: list[ScheduledChunk]) -> tuple[int, int]:
+        """The step is scheduled: each request notes whether its chunk leaves prompt to compute
+        (vLLM's is_prefill_chunk). Returns the tokens of decodes' chunks (the last sampled token
+        and the drafts) and the drafts among them."""
+        verify = drafts = 0
+        for chunk in chunks:
+            request = chunk.request
+            end = chunk.num_computed_tokens + chunk.num_new_tokens
+            request.spec_prefill_chunk = end < request.num_tokens
+            if request.num_output_tokens and chunk.num_computed_tokens == request.num_tokens - 1:
+                verify += chunk.num_new_tokens
+                drafts += chunk.num_spec_tokens
+        return verify, drafts
+
+    def _spec_update(self, output: SchedulerOutput) -> list[Request]:
+        """Apply a step under speculative decoding: prefill chunks advance; every chunk that
+        reaches the request's end samples its bonus token plus the accepted drafts (rejected
+        drafts are given back), stopping at max_tokens / max_model_len; the request then has
+        K new drafts. Returns the requests that finished."""
+        step = output.step
+        stats = self.spec_stats
+        per_position = stats["accepted_per_position"]
+        k = self.num_spec_tokens
+        finished = []
+        accepted_total = emissions = 0
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:  # (preempted later in the step)
+                continue
+            computed = chunk.num_computed_tokens + chunk.num_new_tokens
+            if computed < request.num_tokens:
+                request.num_computed_tokens = computed
+                continue
+            drafts = chunk.num_spec_tokens
+            accepted = 0
+            if drafts:
+                if chunk.spec_placeholder:
+                    stats["num_padded"] += 1
+                else:
+                    accepted = self.acceptance.num_accepted(request.index, request.num_output_tokens, drafts)
+                    for i in range(accepted):
+                        per_position[i] += 1
+                stats["num_drafts"] += 1
+                stats["num_draft_tokens"] += drafts
+                stats["num_accepted_tokens"] += accepted
+                request.num_draft_tokens += drafts
+                request.num_accepted_tokens += accepted
+                accepted_total += accepted
+                computed -= drafts - accepted
+            if request.first_token_step < 0:
+                request.first_token_step = step
+            elif request.last_token_step == step - 1:
+                emissions += 1
+            else:
+                self.irregular_gaps.append((request.last_token_step, step))
+            request.last_token_step = step
+            new_tokens = 1 + accepted
+            for j in range(1, new_tokens + 1):
+                request.num_output_tokens += 1
+                if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+                    computed -= new_tokens - j  # the tokens after the stop are dropped
+                    finished.append(request)
+                    break
+            else:
+                request.spec_drafts = k
+            request.num_computed_tokens = computed
+        output.num_accepted_tokens = accepted_total
+        output.num_spec_emissions = emissions
+        return finished

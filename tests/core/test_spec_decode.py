@@ -1,0 +1,155 @@
+"""Speculative decoding in the engine core (simkv/core/spec_decode.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simkv.config import ConfigError, EngineConfig, SpeculativeConfig
+from simkv.core.scheduler import Scheduler
+from simkv.core.spec_decode import AcceptanceModel
+from tests.core.helpers import drive_steps, make_request
+
+DATA = Path(__file__).parent / "data" / "spec_vllm_cases.json"
+
+
+def _spec_scheduler(blocks=64, method="ngram", k=3, rate=1.0, **opts):
+    flat = dict(num_gpu_blocks=blocks, block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8,
+                speculative_method=method, num_speculative_tokens=k, spec_acceptance_rate=rate) | opts
+    if method == "draft_model":
+        flat["spec_draft_model"] = "tiny-llama"
+    return Scheduler(EngineConfig.from_flat(flat), blocks)
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py (eagle with shared prompts and preemptions, a
+    draft model, ngram under fcfs and priority): vLLM 0.33's scheduler's every step and every
+    request's first-token and finish step."""
+    case = json.loads(DATA.read_text())["cases"][index]
+    ours = drive_steps(case["case"])
+    theirs = case["vllm"]["steps"]
+    while theirs and not any(theirs[-1]):  # (vLLM's engine steps once more to report the last finish)
+        theirs.pop()
+    assert ours["steps"] == theirs
+    assert ours["requests"] == case["vllm"]["requests"]
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+def test_all_drafts_accepted_by_hand():
+    """Prompt 10, 8 outputs, K=3, every draft accepted: the prefill samples 1 token, then each
+    step schedules 1 + 3 tokens and keeps 4; the last step stops at max_tokens."""
+    sched = _spec_scheduler(rate=1.0)
+    sched.add_request(make_request(0, 10, 8))
+    scheduled, outputs = [], []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        scheduled.append(out.total_num_scheduled_tokens)
+        sched.update_from_output(out)
+        outputs.append(sched.running[0].num_output_tokens if sched.running else 8)
+    assert scheduled == [10, 4, 4]
+    assert outputs == [1, 5, 8]
+    # both verifies accepted their 3 drafts; the last one kept 3 of its 4 tokens (max_tokens)
+    assert sched.spec_stats["num_accepted_tokens"] == 3 + 3
+
+
+def test_no_draft_accepted_rolls_back():
+    """Acceptance 0: every step verifies 3 drafts and keeps only the bonus token; the computed
+    tokens fall back to one short of the request's tokens after every step."""
+    sched = _spec_scheduler(rate=0.0)
+    req = make_request(0, 10, 5)
+    sched.add_request(req)
+    computed = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert out.num_verify_tokens == (0 if out.step == 0 else 4)
+        assert out.num_draft_tokens == (0 if out.step == 0 else 3)
+        sched.update_from_output(out)
+        computed.append(req.num_computed_tokens)
+    assert computed == [10, 11, 12, 13, 14]  # prompt + outputs - 1, the last one stopped
+    assert req.finish_step == 4
+    assert sched.spec_stats["num_draft_tokens"] == 12 and sched.spec_stats["num_accepted_tokens"] == 0
+
+
+def test_budget_cuts_drafts():
+    """Two decodes of 1 + 3 tokens: an 8-token budget takes both whole, a 6-token one leaves the
+    second 2 tokens: its last sampled token and 1 draft."""
+    sched = _spec_scheduler(rate=0.0, max_num_batched_tokens=8, max_num_seqs=2)
+    for i in range(2):
+        sched.add_request(make_request(i, 3, 10))
+    sched.update_from_output(sched.schedule())  # both prefills (6 tokens)
+    out = sched.schedule()
+    assert [(c.num_new_tokens, c.num_spec_tokens) for c in out.chunks] == [(4, 3), (4, 3)]
+    sched2 = _spec_scheduler(rate=0.0, max_num_batched_tokens=6, max_num_seqs=2)
+    for i in range(2):
+        sched2.add_request(make_request(i, 3, 10))
+    sched2.update_from_output(sched2.schedule())
+    out = sched2.schedule()
+    assert [(c.num_new_tokens, c.num_spec_tokens) for c in out.chunks] == [(4, 3), (2, 1)]
+
+
+def test_draft_model_takes_a_batch_row_per_request():
+    """vLLM's input budget: a draft model's request takes its tokens plus one row; with a
+    10-token budget two 1 + 3 decodes fit (8 + 2 rows) and a third does not."""
+    sched = _spec_scheduler(method="draft_model", rate=0.0, max_num_batched_tokens=10, max_num_seqs=3)
+    for i in range(3):
+        sched.add_request(make_request(i, 2, 10))
+    sched.update_from_output(sched.schedule())  # the three prefills: 6 tokens + 3 rows
+    out = sched.schedule()
+    assert [c.num_new_tokens for c in out.chunks] == [4, 4]
+
+
+def test_acceptance_model():
+    never, always = AcceptanceModel((0.0,) * 4, 0), AcceptanceModel((1.0,) * 4, 0)
+    assert never.num_accepted(5, 7, 4) == 0 and always.num_accepted(5, 7, 4) == 4
+    alpha, k, n = 0.6, 3, 40_000
+    model = AcceptanceModel((alpha,) * k, 1)
+    mean = sum(model.num_accepted(i, 0, k) for i in range(n)) / n
+    expected = alpha + alpha ** 2 + alpha ** 3
+    assert abs(mean - expected) < 0.02
+    other = AcceptanceModel((alpha,) * k, 2)
+    assert [model.num_accepted(i, 3, k) for i in range(50)] != [other.num_accepted(i, 3, k) for i in range(50)]
+
+
+def test_position_rates_are_unconditional():
+    """vLLM logs P(draft i accepted); simkv draws P(draft i | drafts before it)."""
+    spec = SpeculativeConfig("eagle", 3, spec_position_acceptance_rates="0.8,0.6,0.3")
+    assert spec.conditional_acceptance_rates == pytest.approx((0.8, 0.75, 0.5))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_speculative_tokens=2), "needs a speculative_method"),
+    (dict(speculative_method="medusa", num_speculative_tokens=2), "speculative_method must be one of"),
+    (dict(speculative_method="ngram"), "num_speculative_tokens must be >= 1"),
+    (dict(speculative_method="draft_model", num_speculative_tokens=2), "needs spec_draft_model"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_position_acceptance_rates="0.5,0.7"),
+     "non-increasing"),
+    (dict(speculative_method="eagle", num_speculative_tokens=3, spec_position_acceptance_rates="0.5,0.4"),
+     "has 2 rates"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True), "async_scheduling"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, preemption_mode="swap"), "preemption_mode 'swap'"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_acceptance_rate=1.5), r"in \[0, 1\]"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+def test_eagle_block_keys_cover_the_next_token():
+    """EAGLE family with prefix caching: a block is shared only if the token after it is
+    (vLLM's lookahead block hashes). Two prompts sharing exactly 16 tokens (4 blocks of 4) hit
+    4 blocks... capped at 3 under ngram (one token must be computed), and 3 under eagle too,
+    but sharing 24 of 32 tokens, ngram hits 6 blocks and eagle 5."""
+    hashes = [1, 2, 3]  # 8-token hash blocks: the first 24 prompt tokens are shared
+    hits = {}
+    for method in ("ngram", "eagle"):
+        sched = _spec_scheduler(method=method, rate=0.0)
+        sched.add_request(make_request(0, 32, 2, hashes, 8))
+        while sched.has_unfinished_requests():
+            sched.update_from_output(sched.schedule())
+        sched.add_request(make_request(1, 32, 2, hashes, 8))
+        out = sched.schedule()
+        hits[method] = out.prefix_hit_tokens
+    assert hits == {"ngram": 24, "eagle": 20}

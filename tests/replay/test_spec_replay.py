@@ -1,0 +1,125 @@
+"""Replays under speculative decoding: outputs, timing of tokens, the drafter's cost, errors."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.replay.api import replay
+from simkv.traces.schema import trace_from_frame
+
+SPEC = dict(speculative_method="eagle", num_speculative_tokens=3, spec_acceptance_rate=0.7)
+
+
+def _trace(rows, **extra):
+    frame = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens"])
+    for key, values in extra.items():
+        frame[key] = values
+    return trace_from_frame(frame)
+
+
+def _config(**options):
+    return EngineConfig.from_flat(dict(num_gpu_blocks=2000, max_model_len=4096) | options)
+
+
+def test_linear_steps_and_token_times():
+    """unit cost (every step 1 s, no drafter time). One request, prompt 10, 6 outputs, every
+    draft accepted: steps of 10, 4 and 4 tokens (the last keeps 1 token of 4)."""
+    trace = _trace([(0.0, 10, 6)])
+    res = replay(trace, _config(**(SPEC | {"spec_acceptance_rate": 1.0})), "unit")
+    steps = res.steps
+    assert steps["duration_s"].tolist() == [1.0, 1.0, 1.0]
+    assert steps["num_prefill_tokens"].tolist() == [10, 0, 0]
+    assert steps["num_draft_tokens"].tolist() == [0, 3, 3]
+    assert steps["num_accepted_tokens"].tolist() == [0, 3, 3]
+    assert steps["num_decode_tokens"].tolist() == [0, 1, 1]  # one token gap closed per verifying step
+    row = res.requests.iloc[0]
+    assert (row["ttft_s"], row["e2e_s"]) == (1.0, 3.0)
+    assert row["mean_itl_s"] == pytest.approx(2 / 5)  # TPOT: 5 tokens after the first in 2 s
+    assert (row["num_draft_tokens"], row["num_accepted_tokens"]) == (6, 6)
+    assert res.summary["itl_s"]["p50"] == 1.0  # a gap per step, however many tokens it brings
+    spec = res.summary["speculative_decoding"]
+    assert spec["num_drafts"] == 2 and spec["mean_acceptance_length"] == pytest.approx(4.0)
+
+
+def test_speculation_shortens_decoding_and_is_deterministic():
+    rows = [(0.05 * i, 200 + 13 * i, 60 + 7 * (i % 5)) for i in range(40)]
+    trace = _trace(rows)
+    plain = replay(trace, _config(), "roofline")
+    spec = replay(trace, _config(**SPEC), "roofline")
+    again = replay(trace, _config(**SPEC), "roofline")
+    assert spec.summary["tpot_s"]["mean"] < 0.7 * plain.summary["tpot_s"]["mean"]
+    for key in ("num_draft_tokens", "num_accepted_tokens"):
+        assert spec.requests[key].sum() == spec.summary["speculative_decoding"][key] == spec.steps[key].sum()
+    assert spec.requests.equals(again.requests)
+    assert all(np.array_equal(spec.steps[c], again.steps[c]) for c in spec.steps)
+    assert spec.requests["output_tokens"].tolist() == plain.requests["output_tokens"].tolist()
+    other = replay(trace, _config(**SPEC, spec_seed=5), "roofline")
+    assert other.summary["speculative_decoding"]["num_accepted_tokens"] != \
+        spec.summary["speculative_decoding"]["num_accepted_tokens"]
+    assert 0 < spec.summary["speculative_decoding"]["drafter_time_share"] < 0.5
+
+
+def test_rejected_drafts_only_cost_time():
+    """Acceptance 0: every step still verifies K drafts (and runs the drafter) but keeps one
+    token, so decoding is slower than without speculation."""
+    trace = _trace([(0.0, 100, 50), (0.0, 120, 40)])
+    plain = replay(trace, _config(), "roofline")
+    spec = replay(trace, _config(**(SPEC | {"spec_acceptance_rate": 0.0})), "roofline")
+    assert spec.summary["num_steps"] == plain.summary["num_steps"]
+    assert spec.summary["speculative_decoding"]["num_accepted_tokens"] == 0
+    assert spec.summary["tpot_s"]["mean"] > plain.summary["tpot_s"]["mean"]
+
+
+def test_draft_networks_take_kv_memory():
+    base = compute_capacity(EngineConfig.from_flat({})).num_gpu_blocks
+    eagle = compute_capacity(EngineConfig.from_flat(SPEC)).num_gpu_blocks
+    draft = compute_capacity(EngineConfig.from_flat(dict(speculative_method="draft_model", num_speculative_tokens=3,
+                                                         spec_draft_model="llama-3.2-1b"))).num_gpu_blocks
+    ngram = compute_capacity(EngineConfig.from_flat(dict(speculative_method="ngram", num_speculative_tokens=3)))
+    assert ngram.num_gpu_blocks == base
+    assert draft < eagle < base
+    # eagle: one more layer of KV per token (33 instead of 32) and one layer of weights
+    assert eagle == pytest.approx(base * 32 / 33, rel=0.01)
+
+
+def test_parallel_sampling_is_refused():
+    trace = _trace([(0.0, 10, 5), (0.1, 10, 5)], n=[1, 3])
+    with pytest.raises(ValueError, match="row 1: n = 3"):
+        replay(trace, _config(**SPEC), "roofline")
+
+
+def test_cli(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "o"
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(out), "--quiet",
+                             "--speculative-method", "ngram", "--num-speculative-tokens", "4",
+                             "--spec-position-acceptance-rates", "0.6,0.4,0.25,0.1"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((out / "summary.json").read_text())
+    spec = summary["speculative_decoding"]
+    assert summary["config"]["speculative_method"] == "ngram"
+    assert spec["per_position_acceptance_rate"] == pytest.approx([0.6, 0.4, 0.25, 0.1], abs=0.03)
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert steps["num_accepted_tokens"].sum() == spec["num_accepted_tokens"]
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "x"), "--quiet",
+                             "--speculative-method", "eagle", "--num-speculative-tokens", "2", "--async-scheduling"])
+    assert r.exit_code != 0 and "not modelled with async_scheduling" in r.output
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "y"), "--quiet",
+                             "--speculative-method", "eagle", "--num-speculative-tokens", "2",
+                             "--prefill-replicas", "1", "--decode-replicas", "1"])
+    assert r.exit_code != 0 and "speculative decoding with P/D disaggregation is not modelled" in r.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_fleet_sums_its_replicas():
+    rows = [(0.02 * i, 100 + i, 30) for i in range(30)]
+    res = replay(_trace(rows), _config(**SPEC), "roofline", fleet=__import__("simkv.replay.api", fromlist=["FleetSpec"])
+                 .FleetSpec(2, "round_robin"))
+    spec = res.summary["speculative_decoding"]
+    assert spec["num_accepted_tokens"] == int(res.requests["num_accepted_tokens"].sum()) > 0
