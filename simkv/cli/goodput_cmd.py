@@ -164,7 +164,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         router_options = ()
     fleet = read_fleet(replicas, router, router_options, config_file)
     replicas, router = fleet.num_replicas, fleet.router
-    slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    slo, config, data = read_inputs(trace, flags, config_file, goodput, _first_cell(grids))
     if disaggregation is not None:
         check_pools(disaggregation, config)
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
@@ -267,6 +267,21 @@ def splits_markdown(record: dict) -> str:
                      f"| {name} | {rate} | - | - | - | {r['num_probes']} |")
     lines += ["", f"**Best: {record['best']}.**" if record["best"] else "**No setup met the target.**"]
     return "\n".join(lines) + "\n"
+
+
+def _first_cell(grids: tuple[str, ...]) -> dict:
+    """The grid's first combination (engine options only): the base options are checked with it,
+    as they may need a grid key (e.g. num_speculative_tokens for --speculative-method)."""
+    from simkv.sweep import SweepError, parse_grid
+    from simkv.sweep.grid import ENGINE_KEYS
+
+    if not grids:
+        return {}
+    try:
+        grid = parse_grid(list(grids))
+    except SweepError as exc:
+        raise click.UsageError(str(exc)) from None
+    return {key: values[0] for key, values in grid.items() if key in ENGINE_KEYS}
 
 
 def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, attainment: float, tolerance: float,

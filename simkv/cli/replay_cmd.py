@@ -68,12 +68,14 @@ def flat_options(cli_values: dict, config_file: str | None) -> dict:
     return options
 
 
-def build_config(cli_values: dict, config_file: str | None) -> EngineConfig:
-    return EngineConfig.from_flat(flat_options(cli_values, config_file))
+def build_config(cli_values: dict, config_file: str | None, overrides: dict | None = None) -> EngineConfig:
+    return EngineConfig.from_flat(flat_options(cli_values, config_file) | (overrides or {}))
 
 
-def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple[str, ...]):
-    """The --goodput SLOs, the engine config and the trace of a command, or a one-line click error."""
+def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple[str, ...],
+                overrides: dict | None = None):
+    """The --goodput SLOs, the engine config and the trace of a command, or a one-line click error.
+    `overrides`: options over the flags (a grid's first cell, so that its keys count in the checks)."""
     from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.traces.schema import read_trace
 
@@ -82,7 +84,7 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
     except GoodputError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        config = build_config(flags, config_file)
+        config = build_config(flags, config_file, overrides)
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
     try:

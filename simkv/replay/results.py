@@ -103,7 +103,7 @@ def stored_and_wasted_slots(run: ReplayRun, config, finished: np.ndarray) -> tup
     """Token slots the engine held for the finished requests at their end (lookahead included),
     and the slots of their last blocks left empty (internal fragmentation)."""
     bs = config.cache.block_size
-    stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.cache.num_lookahead_tokens,
+    stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.num_lookahead_tokens,
                         config.max_model_len)
     held = -(-stored // bs)
     return int(stored.sum()), int((held * bs - stored).sum())

@@ -173,4 +173,4 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
     while rows and not any(rows[-1]):
         rows.pop()
     return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
-            "scheduler": sched}
+            "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}

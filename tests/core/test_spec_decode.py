@@ -153,3 +153,54 @@ def test_eagle_block_keys_cover_the_next_token():
         out = sched.schedule()
         hits[method] = out.prefix_hit_tokens
     assert hits == {"ngram": 24, "eagle": 20}
+
+
+def _random_case(rng) -> dict:
+    block_size = int(rng.choice([4, 8, 16]))
+    max_model_len = int(rng.choice([64, 128]))
+    method = str(rng.choice(["ngram", "eagle", "draft_model"]))
+    k = int(rng.choice([1, 3, 5]))
+    opts = dict(block_size=block_size, max_model_len=max_model_len, max_num_seqs=int(rng.choice([2, 8])),
+                max_num_batched_tokens=int(rng.choice([16, 64, 256])), num_gpu_blocks=max_model_len // block_size + 4,
+                enable_prefix_caching=bool(rng.random() < 0.7), speculative_method=method, num_speculative_tokens=k,
+                spec_acceptance_rate=float(rng.random()), spec_seed=int(rng.integers(0, 99)),
+                scheduling_policy=str(rng.choice(["fcfs", "priority"])))
+    if method == "draft_model":
+        opts["spec_draft_model"] = "tiny-llama"
+    prefix = [int(x) for x in rng.integers(0, 3, 20)]
+    requests = []
+    for i in range(int(rng.integers(2, 25))):
+        prompt = int(rng.integers(1, max_model_len))
+        requests.append({"row": i, "arrival_step": int(rng.integers(0, 20)), "prompt": prompt,
+                         "output": int(rng.integers(1, 40)), "priority": int(rng.integers(0, 3)),
+                         "block_hashes": prefix[:-(-prompt // 8)]})
+    return {"opts": opts, "requests": requests}
+
+
+def test_random_cases_keep_the_books():
+    """Random small engines (pools that preempt, shared prompts, any acceptance): every request
+    finishes with all its output tokens, accepted drafts never exceed verified ones, and every
+    block is free at the end."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    preemptions = 0
+    for _ in range(40):
+        case = _random_case(rng)
+        result = drive_steps(case)
+        sched = result["scheduler"]
+        limit = case["opts"]["max_model_len"]
+        for r in case["requests"]:
+            first, finish = result["requests"][str(r["row"])]
+            assert 0 <= first <= finish
+            request = result["objects"][r["row"]]
+            assert request.num_output_tokens == min(r["output"], limit - r["prompt"])
+            assert request.num_accepted_tokens <= request.num_draft_tokens
+        assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+        stats = sched.spec_stats
+        assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+        assert sum(stats["accepted_per_position"]) == stats["num_accepted_tokens"]
+        assert all(a >= b for a, b in zip(stats["accepted_per_position"], stats["accepted_per_position"][1:]))
+        assert not sched.running and not sched.has_unfinished_requests()
+        preemptions += sched.num_preemptions
+    assert preemptions > 0  # the cases do exercise preemption

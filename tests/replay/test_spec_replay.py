@@ -123,3 +123,14 @@ def test_fleet_sums_its_replicas():
                  .FleetSpec(2, "round_robin"))
     spec = res.summary["speculative_decoding"]
     assert spec["num_accepted_tokens"] == int(res.requests["num_accepted_tokens"].sum()) > 0
+
+
+def test_goodput_grid_may_give_the_speculation_length(tmp_path):
+    """The base options are checked with the grid's first cell: --speculative-method alone is
+    complete once --grid gives num_speculative_tokens (the missing trace is the only error)."""
+    runner = CliRunner()
+    args = ["goodput", str(tmp_path / "missing.parquet"), "--goodput", "tpot:50", "--speculative-method", "eagle"]
+    r = runner.invoke(main, args + ["--grid", "num_speculative_tokens=2,4"])
+    assert r.exit_code != 0 and "missing.parquet" in r.output and "num_speculative_tokens" not in r.output
+    r = runner.invoke(main, args)
+    assert r.exit_code != 0 and "num_speculative_tokens must be >= 1" in r.output
