@@ -9,6 +9,8 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-async  # the Azure trace with --async-scheduling
     .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
                                                         # replicas (P/D disaggregation)
+    .venv/bin/python bench/replay_speed.py azure-spec   # the Azure trace with EAGLE-3 speculative decoding (K=3):
+                                                        # decodes are chunks, no decode runs
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -38,7 +40,7 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
-    if case in ("azure", "azure-async"):
+    if case in ("azure", "azure-async", "azure-spec"):
         return import_trace("azure", [AZURE])[0]
     if case in ("azure-fleet4", "azure-pd4"):
         from dataclasses import replace
@@ -61,7 +63,11 @@ def run_case(case: str) -> dict:
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
     fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
-    config = EngineConfig.from_flat({"async_scheduling": case.endswith("-async")})
+    options = {"async_scheduling": case.endswith("-async")}
+    if case.endswith("-spec"):
+        options |= {"speculative_method": "eagle3", "num_speculative_tokens": 3,
+                    "spec_position_acceptance_rates": "0.8,0.6,0.45"}
+    config = EngineConfig.from_flat(options)
     disaggregation = DisaggregationSpec(2, 2) if case.endswith("-pd4") else None
     res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)
     t_call = time.perf_counter() - t1

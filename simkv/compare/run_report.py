@@ -52,7 +52,12 @@ def _summary_table(summary: dict) -> str:
             ("output throughput (tok/s)", summary.get("output_throughput_tok_s")),
             ("peak running", summary.get("peak_running")), ("preemptions", summary.get("num_preemptions")),
             ("prefix cache hit rate", summary.get("prefix_cache_hit_rate"))]
-    for key in ("ttft_s", "itl_s", "e2e_s", "queue_s"):
+    spec = summary.get("speculative_decoding")
+    if spec:
+        rows.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "
+                                             f"{spec['mean_acceptance_length']:.2f} tokens per verifying step, "
+                                             f"drafter {100 * spec['drafter_time_share']:.1f} % of the time"))
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s", "queue_s") if spec else ("ttft_s", "itl_s", "e2e_s", "queue_s"):
         d = summary.get(key) or {}
         if d.get("mean") is not None:
             rows.append((f"{key[:-2]} mean / p50 / p99 (ms)",

@@ -107,6 +107,7 @@ def test_cli(tmp_path):
     assert spec["per_position_acceptance_rate"] == pytest.approx([0.6, 0.4, 0.25, 0.1], abs=0.03)
     steps = pd.read_parquet(out / "steps.parquet")
     assert steps["num_accepted_tokens"].sum() == spec["num_accepted_tokens"]
+    assert "ngram, K=4" in (out / "report.html").read_text()
     r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "x"), "--quiet",
                              "--speculative-method", "eagle", "--num-speculative-tokens", "2", "--async-scheduling"])
     assert r.exit_code != 0 and "not modelled with async_scheduling" in r.output
