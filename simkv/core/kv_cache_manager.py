@@ -147,13 +147,20 @@ class KVCacheManager:
         watermark (what prefills in flight still need).
         """
         bs = self.block_size
+        req_blocks = self.req_to_blocks.get(request.index)
+        if computed is None and req_blocks is not None and not self.num_forks and not full_sequence_must_fit:
+            # A running request (no hits, nothing shared to copy): often its blocks suffice.
+            need_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+            if -(-need_slots // bs) <= len(req_blocks) and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks:
+                if not delay_cache:
+                    self.cache_shared_blocks(request, num_computed_tokens + num_new_tokens)
+                return []
         pool = self.block_pool
         hit_blocks = computed.blocks if computed is not None else ()
         num_local = num_computed_tokens + (computed.num_tokens if computed is not None else 0)
         watermark = 0
         if has_scheduled_reqs and request.status != RequestStatus.RUNNING:
             watermark = self.watermark_blocks
-        req_blocks = self.req_to_blocks.get(request.index)
         num_req_blocks = len(req_blocks) if req_blocks is not None else 0
         num_evictable = 0
         for block in hit_blocks:

@@ -44,9 +44,15 @@ class AcceptanceModel:
         self.seed = _mix64(seed & _M64)
 
     def num_accepted(self, request_index: int, position: int, num_drafts: int) -> int:
-        key = _mix64(self.seed ^ _mix64((request_index << 24) ^ position))
+        # A splitmix64 stream per (request, output position), its start hashed from both;
+        # the mixing is inlined (a replay draws for every verifying request of every step).
+        thresholds = self.thresholds
+        z = _mix64(self.seed ^ ((request_index << 32) | position))
         for i in range(num_drafts):
-            if _mix64(key + i) >> 11 >= self.thresholds[i]:
+            z = (z + 0x9E3779B97F4A7C15) & _M64
+            x = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+            if (x ^ (x >> 31)) >> 11 >= thresholds[i]:
                 return i
         return num_drafts
 
@@ -111,12 +117,16 @@ class SpecDecode:
         k = self.num_spec_tokens
         finished = []
         accepted_total = emissions = 0
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for chunk in output.chunks:
             request = chunk.request
-            if request.status != RequestStatus.RUNNING:  # (preempted later in the step)
+            if request.status != running:  # (preempted later in the step)
                 continue
+            num_outputs = request.num_output_tokens
+            num_tokens = request.num_prompt_tokens + num_outputs
             computed = chunk.num_computed_tokens + chunk.num_new_tokens
-            if computed < request.num_tokens:
+            if computed < num_tokens:
                 request.num_computed_tokens = computed
                 continue
             drafts = chunk.num_spec_tokens
@@ -125,7 +135,7 @@ class SpecDecode:
                 if chunk.spec_placeholder:
                     stats["num_padded"] += 1
                 else:
-                    accepted = self.acceptance.num_accepted(request.index, request.num_output_tokens, drafts)
+                    accepted = self.acceptance.num_accepted(request.index, num_outputs, drafts)
                     for i in range(accepted):
                         per_position[i] += 1
                 stats["num_drafts"] += 1
@@ -142,14 +152,16 @@ class SpecDecode:
             else:
                 self.irregular_gaps.append((request.last_token_step, step))
             request.last_token_step = step
+            # The bonus token and the accepted drafts, up to the first stop (max_tokens or
+            # max_model_len, both still ahead: the request runs); the tokens after it are dropped.
             new_tokens = 1 + accepted
-            for j in range(1, new_tokens + 1):
-                request.num_output_tokens += 1
-                if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-                    computed -= new_tokens - j  # the tokens after the stop are dropped
-                    finished.append(request)
-                    break
+            until_stop = min(request.max_tokens - num_outputs, max_model_len - num_tokens)
+            if new_tokens >= until_stop:
+                computed -= new_tokens - until_stop
+                request.num_output_tokens = num_outputs + until_stop
+                finished.append(request)
             else:
+                request.num_output_tokens = num_outputs + new_tokens
                 request.spec_drafts = k
             request.num_computed_tokens = computed
         output.num_accepted_tokens = accepted_total
