@@ -7,7 +7,7 @@ tokens, and the drafter's K proposals go in through `update_draft_token_ids`, as
 does. How many drafts are accepted comes from simkv's own `AcceptanceModel` (imported on both
 sides), so both schedulers see the same acceptances. simkv's `Scheduler` runs the same random
 cases (small pools, shared prompt content, priorities, watermarks, chunked prefill on and off,
-budgets that cut drafts). Every step's scheduled tokens, running and waiting requests and
+budgets that cut drafts, dynamic speculation lengths). Every step's scheduled tokens, running and waiting requests and
 blocks in use, and every request's first-token and finish step, must be equal.
 
 A development aid, not a test dependency:
@@ -58,6 +58,12 @@ def make_case(rng) -> dict:
     if opts["speculative_method"] == "draft_model":
         opts["spec_draft_model"] = "tiny-llama"
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
+    if rng.random() < 0.3:  # dynamic speculation: drafts by the step's number of requests
+        cuts = sorted({int(x) for x in rng.integers(2, 12, 2)})
+        starts = [1] + cuts
+        ends = [c - 1 for c in cuts] + [int(rng.choice([16, 64]))]
+        opts["spec_tokens_per_batch_size"] = ",".join(
+            f"{a}-{b}:{int(rng.integers(0, 6))}" for a, b in zip(starts, ends))
     return {"opts": opts, "requests": requests}
 
 
@@ -86,6 +92,9 @@ def run_vllm(case: dict) -> dict:
                                max_model_len=o["max_model_len"])
     method = o["speculative_method"]
     spec_kw = dict(method=method, num_speculative_tokens=k)
+    if o.get("spec_tokens_per_batch_size"):
+        spec_kw["num_speculative_tokens_per_batch_size"] = [
+            [int(x) for x in part.replace(":", "-").split("-")] for part in o["spec_tokens_per_batch_size"].split(",")]
     if method == "ngram":
         spec_kw.update(prompt_lookup_max=3, prompt_lookup_min=1)
     else:
@@ -159,8 +168,9 @@ def run_vllm(case: dict) -> dict:
                     finish[out.request_id] = step_index
         # the drafter proposes K tokens for every request of the step (vLLM drops those of
         # prefill chunks and finished requests)
+        num_drafts = so.num_spec_tokens_to_schedule  # (K, or dynamic speculation's K for this batch)
         sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(int(rid), 10_000 + j)
-                                                             for j in range(k)] for rid in req_ids]))
+                                                             for j in range(num_drafts)] for rid in req_ids]))
         return row, not sched.has_requests()
 
     result = _step_loop(case["requests"], step)

@@ -163,6 +163,9 @@ class SpeculativeConfig:
     # ... or vLLM's "Per-position acceptance rate" figures (P(draft i accepted)), comma-separated
     spec_position_acceptance_rates: str | None = None
     spec_draft_model: str | None = None  # draft_model: its model spec; eagle family: one target layer
+    # Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): "1-16:5,17-64:3,65-256:1",
+    # drafts proposed after a step of that many scheduled requests (at most num_speculative_tokens)
+    spec_tokens_per_batch_size: str | None = None
     spec_draft_pass_overhead_ms: float = 0.1  # launch overhead of each draft forward pass
     spec_ngram_us_per_request: float = 5.0  # ngram: host time to propose for one request
     spec_seed: int = 0  # seed of the acceptance draws
@@ -181,6 +184,7 @@ class SpeculativeConfig:
         if not 0.0 <= self.spec_acceptance_rate <= 1.0:
             raise ConfigError(f"spec_acceptance_rate must be in [0, 1], got {self.spec_acceptance_rate}")
         self.conditional_acceptance_rates  # raises on a bad list
+        self.batch_size_ranges  # raises on a bad schedule
         if method == "draft_model" and self.spec_draft_model is None:
             raise ConfigError("speculative_method 'draft_model' needs spec_draft_model (a model name, "
                               "e.g. llama-3.2-1b)")
@@ -219,6 +223,45 @@ class SpeculativeConfig:
     @property
     def is_eagle_family(self) -> bool:
         return self.speculative_method in _EAGLE_FAMILY
+
+    @property
+    def batch_size_ranges(self) -> tuple[tuple[int, int, int], ...] | None:
+        """spec_tokens_per_batch_size as sorted (first, last, drafts) ranges, vLLM's checks."""
+        text = self.spec_tokens_per_batch_size
+        if text is None:
+            return None
+        where = f"spec_tokens_per_batch_size '{text}'"
+        ranges = []
+        for part in str(text).split(","):
+            span, sep, k = part.partition(":")
+            first, dash, last = span.partition("-")
+            try:
+                entry = (int(first), int(last) if dash else int(first), int(k))
+            except ValueError:
+                raise ConfigError(f"{where}: expected FIRST-LAST:K entries, e.g. 1-16:5,17-256:2") from None
+            if not sep or entry[0] <= 0 or entry[1] < entry[0] or entry[2] < 0:
+                raise ConfigError(f"{where}: '{part}' must be FIRST-LAST:K with 1 <= FIRST <= LAST and K >= 0")
+            ranges.append(entry)
+        ranges.sort()
+        if ranges[0][0] != 1:
+            raise ConfigError(f"{where}: the first batch-size range must start at 1")
+        if any(b[0] <= a[1] for a, b in zip(ranges, ranges[1:])):
+            raise ConfigError(f"{where}: batch-size ranges must not overlap")
+        return tuple(ranges)
+
+    def drafts_for_batch(self, num_scheduled: int) -> int:
+        """Drafts proposed after a step that scheduled `num_scheduled` requests: K, or under
+        dynamic speculation the K of the last range starting at or below it (vLLM's dense
+        lookup carries a range's K over the gap after it), at most num_speculative_tokens."""
+        ranges = self.batch_size_ranges
+        if ranges is None:
+            return self.num_speculative_tokens
+        k = ranges[0][2]
+        for first, _, drafts in ranges:
+            if first > num_scheduled:
+                break
+            k = drafts
+        return min(k, self.num_speculative_tokens)
 
     @property
     def conditional_acceptance_rates(self) -> tuple[float, ...]:

@@ -1,7 +1,7 @@
 """The drafter's share of a step under speculative decoding, added to any cost model's.
 
-After the target model's forward pass, the drafter proposes K tokens for every request that
-sampled in the step:
+After the target model's forward pass, the drafter proposes K tokens (under dynamic speculation,
+the K of the step's number of requests) for every request that sampled in the step:
 - ngram: prompt lookup on the host, `spec_ngram_us_per_request` per such request;
 - EAGLE family and draft models: K forward passes of the draft network (one target-shaped
   decoder layer and the LM head for the EAGLE family, `spec_draft_model`'s spec for a draft
@@ -27,6 +27,7 @@ class Drafter:
         spec, hw = config.speculative, config.hardware
         self.method = spec.speculative_method
         self.k = spec.num_speculative_tokens
+        self.drafts_for_batch = spec.drafts_for_batch if spec.batch_size_ranges is not None else None
         self.per_request_s = spec.spec_ngram_us_per_request * 1e-6
         self.network = None
         if self.method != "ngram":
@@ -43,7 +44,8 @@ class Drafter:
             if end >= chunk.request.num_tokens:
                 sampling += 1
                 context += end
-        if not sampling:
+        k = self.k if self.drafts_for_batch is None else self.drafts_for_batch(len(output.chunks))
+        if not sampling or not k:
             return 0.0  # (vLLM skips drafting when no request can use the drafts)
         if self.network is None:
             return sampling * self.per_request_s
@@ -51,7 +53,7 @@ class Drafter:
         net = self.network
         first = net._time(tokens + output.num_decode_reqs, sampling, pairs, kv_read, max)
         later = net._time(sampling, sampling, context + sampling, context, max)
-        return first + (self.k - 1) * later
+        return first + (k - 1) * later
 
     def describe(self) -> dict:
         out = {"method": self.method, "num_speculative_tokens": self.k}

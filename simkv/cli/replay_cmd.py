@@ -29,6 +29,7 @@ _ENGINE_FLAGS = {
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
+    "spec_tokens_per_batch_size": "spec_tokens_per_batch_size",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -198,6 +199,9 @@ _ENGINE_OPTIONS = [
                  help="Instead: vLLM's logged 'Per-position acceptance rate' figures, one per draft position."),
     click.option("--spec-draft-model", type=click.Choice(model_names()), default=None,
                  help="draft_model: the draft's model spec (its passes and memory) [eagle family: one target layer]"),
+    click.option("--spec-tokens-per-batch-size", default=None, metavar="A-B:K,...",
+                 help="Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): K drafts after steps of "
+                      "A to B requests, e.g. 1-16:5,17-64:3,65-256:1 [default: always --num-speculative-tokens]"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
 ]
 

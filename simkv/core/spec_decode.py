@@ -64,6 +64,10 @@ class SpecDecode:
         self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.spec_draft_slots = spec.draft_slots if spec.enabled else 0
         self.acceptance = AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed) if spec.enabled else None
+        # Dynamic speculation: drafts per number of requests in a step (None: always K)
+        self.spec_drafts_by_batch = None
+        if spec.enabled and spec.batch_size_ranges is not None:
+            self.spec_drafts_by_batch = [0] + [spec.drafts_for_batch(n) for n in range(1, self.max_num_seqs + 1)]
         k = self.num_spec_tokens
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "num_padded": 0, "accepted_per_position": [0] * k}
@@ -85,7 +89,7 @@ class SpecDecode:
         step uniform for CUDA graphs): the padded count, 0 if it must wait for a roomier step,
         or `num_new` unchanged."""
         k = self.num_spec_tokens
-        if (num_new != 1 or plan.prefill_scheduled
+        if (num_new != 1 or plan.prefill_scheduled or self.spec_drafts_by_batch is not None
                 or not (plan.num_running_scheduled or num_computed > 0)
                 or num_computed + 1 + k + 1 > self.max_model_len):
             return num_new
@@ -115,6 +119,8 @@ class SpecDecode:
         stats = self.spec_stats
         per_position = stats["accepted_per_position"]
         k = self.num_spec_tokens
+        if self.spec_drafts_by_batch is not None and output.chunks:
+            k = self.spec_drafts_by_batch[len(output.chunks)]
         finished = []
         accepted_total = emissions = 0
         running = RequestStatus.RUNNING

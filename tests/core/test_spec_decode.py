@@ -23,11 +23,11 @@ def _spec_scheduler(blocks=64, method="ngram", k=3, rate=1.0, **opts):
     return Scheduler(EngineConfig.from_flat(flat), blocks)
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(6))
 def test_same_steps_as_vllm(index):
     """Recorded cases of scripts/oracle_spec.py (eagle with shared prompts and preemptions, a
-    draft model, ngram under fcfs and priority): vLLM 0.33's scheduler's every step and every
-    request's first-token and finish step."""
+    draft model, ngram under fcfs and priority; eagle and a draft model with dynamic speculation
+    lengths): vLLM 0.33's scheduler's every step and every request's first-token and finish step."""
     case = json.loads(DATA.read_text())["cases"][index]
     ours = drive_steps(case["case"])
     theirs = case["vllm"]["steps"]
@@ -113,6 +113,22 @@ def test_acceptance_model():
     assert [model.num_accepted(i, 3, k) for i in range(50)] != [other.num_accepted(i, 3, k) for i in range(50)]
 
 
+def test_dynamic_speculation_lengths():
+    """vLLM's dense lookup: a range's K also covers the gap after it, and the tail; capped at K."""
+    spec = SpeculativeConfig("eagle", 4, spec_tokens_per_batch_size="17-64:2,1-8:6,100-256:0")
+    assert [spec.drafts_for_batch(n) for n in (1, 8, 9, 16, 17, 64, 99, 100, 300)] == [4, 4, 4, 4, 2, 2, 2, 0, 0]
+    sched = _spec_scheduler(rate=1.0, max_num_seqs=4, spec_tokens_per_batch_size="1-1:3,2-4:1")
+    sched.add_request(make_request(0, 8, 30))
+    out = sched.schedule()
+    sched.update_from_output(out)
+    assert sched.running[0].spec_drafts == 3  # a step of one request: 3 drafts
+    sched.add_request(make_request(1, 4, 30))
+    out = sched.schedule()  # the decode (1 + 3) and the new prompt: two requests
+    assert [c.num_new_tokens for c in out.chunks] == [4, 4]
+    sched.update_from_output(out)
+    assert [r.spec_drafts for r in sched.running] == [1, 1]
+
+
 def test_position_rates_are_unconditional():
     """vLLM logs P(draft i accepted); simkv draws P(draft i | drafts before it)."""
     spec = SpeculativeConfig("eagle", 3, spec_position_acceptance_rates="0.8,0.6,0.3")
@@ -131,6 +147,10 @@ def test_position_rates_are_unconditional():
     (dict(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True), "async_scheduling"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, preemption_mode="swap"), "preemption_mode 'swap'"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_acceptance_rate=1.5), r"in \[0, 1\]"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="2-8:1"), "start at 1"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="1-8:1,8-9:2"),
+     "must not overlap"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="1-8"), "FIRST-LAST:K"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
