@@ -5,7 +5,8 @@ file's own (`FakePDConnector`) that behaves, towards the scheduler, as the NIXL 
 in pull mode: a "pull" request (decode side) gets its whole prompt's KV from outside,
 asynchronously; a "send" request (prefill side) keeps its blocks after finishing until told
 they were read. simkv's `Scheduler` runs the same random cases (mixing plain, send and pull
-requests in one engine, small pools, shared prompt content, priorities, watermarks). Each
+requests in one engine, small pools, shared prompt content, priorities, watermarks; with
+`--speculative`, speculative decoding in 60 % of the cases, as scripts/oracle_spec.py plays it). Each
 pull's read ends in the output of the step `latency - 1` after the one that admitted it, and
 each send is released `latency` steps after its finish, on both sides. Every step's scheduled
 tokens, running and waiting requests and blocks in use, and every request's first-token and
@@ -13,7 +14,7 @@ finish step, must be equal.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
-    .venv/bin/python scripts/oracle_pd.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
+    .venv/bin/python scripts/oracle_pd.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 [--speculative]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 
 # ---- cases ------------------------------------------------------------------------------------
-def make_case(rng) -> dict:
+def make_case(rng, speculative: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
@@ -52,6 +53,14 @@ def make_case(rng) -> dict:
 
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
+    if speculative and rng.random() < 0.6:  # speculative decoding on the engine (as oracle_spec.py's)
+        opts["speculative_method"] = str(rng.choice(["ngram", "eagle", "draft_model"]))
+        opts["num_speculative_tokens"] = int(rng.choice([1, 2, 3, 5]))
+        opts["spec_acceptance_rate"] = float(rng.choice([0.0, 0.5, 0.8, 1.0]))
+        opts["spec_seed"] = int(rng.integers(0, 1000))
+        if opts["speculative_method"] == "draft_model":
+            opts["spec_draft_model"] = "tiny-llama"
+        opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
     return {"opts": opts, "requests": requests}
 
 
@@ -118,6 +127,13 @@ except ImportError:  # simkv's venv
     pass
 
 
+def _by_row(ids):
+    """Transfers ending in the same step, in row order: vLLM iterates the sets it is given, and a
+    set of strings iterates in an order that changes with PYTHONHASHSEED (the order in which
+    finished sends free their blocks decides which blocks later requests hit)."""
+    return None if ids is None else dict.fromkeys(sorted(ids, key=int))
+
+
 def run_vllm(case: dict) -> dict:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -141,9 +157,17 @@ def run_vllm(case: dict) -> dict:
         policy=o["scheduling_policy"], watermark=o["watermark"], scheduler_reserve_full_isl=o["reserve_full_isl"],
         disable_hybrid_kv_cache_manager=True)
     cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"])
+    spec = None
+    if o.get("speculative_method"):
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        fake = oracle.ensure_fake_model(str(ORACLE_DIR / "fake_model"))
+        spec_kw = dict(method=o["speculative_method"], num_speculative_tokens=o["num_speculative_tokens"])
+        spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if o["speculative_method"] == "ngram" else dict(model=fake)
+        spec = SpeculativeConfig(target_model_config=model_config, target_parallel_config=ParallelConfig(), **spec_kw)
     vllm_config = VllmConfig(
         model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-        device_config=DeviceConfig(device="cpu"),
+        device_config=DeviceConfig(device="cpu"), speculative_config=spec,
         kv_transfer_config=KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
                                             kv_connector_module_path="oracle_pd"))
     for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
@@ -161,7 +185,13 @@ def run_vllm(case: dict) -> dict:
     connector_cls.admitted.clear()
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    block_hasher = get_request_block_hasher(o["block_size"], hash_fn)
+    block_hasher = get_request_block_hasher(o["block_size"], hash_fn, vllm_config.num_hash_lookahead_tokens)
+    accept = None
+    if spec is not None:
+        sys.path.insert(0, str(ROOT))
+        from simkv.core.spec_decode import AcceptanceModel
+
+        accept = AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"])
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
     info = {r["row"]: r for r in case["requests"]}
@@ -198,11 +228,20 @@ def run_vllm(case: dict) -> dict:
         sampled = []
         for rid in req_ids:
             req = sched.requests[rid]
-            sampled.append([] if req.is_prefill_chunk else [oracle.fake_output_token(int(rid), req.num_computed_tokens)])
+            if req.is_prefill_chunk:
+                sampled.append([])
+            elif accept is None:
+                sampled.append([oracle.fake_output_token(int(rid), req.num_computed_tokens)])
+            else:  # the bonus token and the accepted drafts (as oracle_spec.py)
+                drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+                n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
+                    if drafts and drafts[0] != -1 else 0
+                base = req.num_prompt_tokens + len(req.output_token_ids)
+                sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(finished_recving=due_recv.pop(k, None),
-                                                                      finished_sending=due_send.pop(k, None)))
+                                kv_connector_output=KVConnectorOutput(finished_recving=_by_row(due_recv.pop(k, None)),
+                                                                      finished_sending=_by_row(due_send.pop(k, None))))
         for eco in sched.update_from_output(so, mro).values():
             for out in eco.outputs:
                 if out.new_token_ids and out.request_id not in first_token:
@@ -211,6 +250,12 @@ def run_vllm(case: dict) -> dict:
                     finish[out.request_id] = k
                     if info[int(out.request_id)]["role"] == SEND:
                         due_send.setdefault(k + info[int(out.request_id)]["latency"], set()).add(out.request_id)
+        if accept is not None:
+            from vllm.v1.outputs import DraftTokenIds
+
+            n = so.num_spec_tokens_to_schedule
+            sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(int(rid), 10_000 + j)
+                                                                 for j in range(n)] for rid in req_ids]))
         return row, not sched.has_requests() and not due_send
 
     result = _step_loop(case["requests"], step)
@@ -238,7 +283,7 @@ def _trim(rows: list) -> list:
 
 def differences(theirs: dict, ours: dict) -> list[str]:
     out = []
-    if "error" in theirs or "error" in ours:
+    if theirs.get("error") != ours.get("error"):
         out.append(f"vLLM {theirs.get('error')}, simkv {ours.get('error')}")
     a, b = _trim(theirs["steps"]), _trim(ours["steps"])
     bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
@@ -258,6 +303,8 @@ def main() -> None:
     ap.add_argument("--oracle-python", default="/tmp/vllm-oracle-venv/bin/python")
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--speculative", action="store_true", help="speculative decoding in 60 %% of the cases")
+    ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.vllm_side:
@@ -267,13 +314,15 @@ def main() -> None:
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp, "cases.json"), Path(tmp, "vllm.json")
         src.write_text(json.dumps(cases))
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_LOGGING_LEVEL="ERROR")
         subprocess.run([a.oracle_python, __file__, "--vllm-side", str(src), str(dst)], check=True, env=env)
         theirs = json.loads(dst.read_text())
+    if a.save:
+        a.save.write_text(json.dumps([{"case": c, "vllm": t} for c, t in zip(cases, theirs)]))
     failures = 0
     totals = dict(requests=0, pulls=0, sends=0, steps=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):

@@ -303,6 +303,8 @@ class EngineConfig:
         unsupported = [(sched.async_scheduling, "async_scheduling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
+                       (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
+                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
                        (cache.num_lookahead_tokens > 0, "num_lookahead_tokens (speculative decoding sets it)"),
                        (spec.is_eagle_family and cache.enable_prefix_caching and cache.prefix_caching_hash_bits < 63,
                         "prefix_caching_hash_bits < 63 with an EAGLE-family method")]

@@ -74,6 +74,7 @@ class KVCacheManager:
         hash_bits: int = 63,
         reserve_null_block: bool = True,
         hash_lookahead: int = 0,
+        eagle_block_drop: bool = False,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -88,6 +89,9 @@ class KVCacheManager:
         self.num_cached_block: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_frees = 0  # bumps on every release: admission checks may change only then
+        # EAGLE family without lookahead block keys (under a KV connector): a prefix hit gives
+        # back its last block, whose KV the drafter needs recomputed (vLLM's eagle block drop).
+        self.eagle_block_drop = eagle_block_drop
 
     # ---- lookups -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -109,6 +113,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.eagle_block_drop and blocks:
+            blocks.pop()
         num_false = 0
         if self.hasher.weak:
             true_key = self.hasher.true_key

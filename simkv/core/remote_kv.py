@@ -51,7 +51,7 @@ class RemoteKV:
         self.kv_held[request.index] = request
         return True
 
-    def _admit_pull(self, request: Request, plan) -> bool:
+    def _admit_pull(self, request: Request, plan, skipped: list[Request]) -> bool:
         """A KV_PULL request at the head of the waiting queue: blocks for its whole prompt (local
         prefix hits plus the external rest), then set aside until its pull ends. False if the
         blocks do not fit (the waiting queue stops, as for any admission)."""
@@ -60,7 +60,7 @@ class RemoteKV:
         external = request.num_prompt_tokens - hits.num_tokens
         blocks = kv.allocate_slots(request, 0, external, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
                                    has_scheduled_reqs=bool(self.running), delay_cache=True,
-                                   reserved_blocks=self._inflight_prefill_blocks())
+                                   reserved_blocks=self._inflight_prefill_blocks(skipped) + self._spec_step_blocks)
         if blocks is None:
             return False
         kv.record_prefix_cache_stats(request, hits.num_tokens)
@@ -75,14 +75,21 @@ class RemoteKV:
         plan.kv_loads.append(request)
         return True
 
-    def _inflight_prefill_blocks(self) -> int:
-        """The blocks that running prefills still need for their whole prompt: a pull is admitted
-        only if it leaves them free (it holds its blocks for the whole transfer and cannot be
-        preempted meanwhile). vLLM sums them over its in-flight prefills; every other prefilling
-        request here holds its whole prompt already."""
+    def _inflight_prefill_blocks(self, skipped: list[Request]) -> int:
+        """The blocks that in-flight prefills still need for their whole prompt: a pull is
+        admitted only if it leaves them free (it holds its blocks for the whole transfer and
+        cannot be preempted meanwhile). vLLM sums them over its in-flight prefills, pulls
+        included; under speculative decoding each also needs its first speculative step's
+        1 + K + lookahead slots. Without it, pulls hold their whole prompt already."""
         kv = self.kv_cache_manager
         bs, cap = self.block_size, self.max_model_len
-        return sum(max(0, -(-min(r.num_tokens, cap) // bs) - kv.num_blocks_of(r)) for r in self._prefilling)
+        if self.num_spec_tokens:
+            extra = 1 + self.num_spec_tokens + self.num_lookahead_tokens
+            prefills = [r for r in self.running if r.spec_prefill_chunk] + list(self.kv_holding) + skipped
+        else:
+            extra = 0
+            prefills = self._prefilling
+        return sum(max(0, -(-(min(r.num_tokens, cap) + extra) // bs) - kv.num_blocks_of(r)) for r in prefills)
 
     def _promote_pulled(self, request: Request) -> None:
         """Its pull has ended: cache the blocks; the last prompt token is computed again."""
@@ -110,7 +117,7 @@ class RemoteKV:
             request = self.waiting.peek_request()
             if request.kv_role != KV_PULL:
                 return self.waiting, request, bool(request.swapped_blocks)
-            if not self._admit_pull(request, plan):
+            if not self._admit_pull(request, plan, skipped):
                 self._blocked_marker = (request, self.kv_cache_manager.num_frees, plan.budget)
                 return None
             skipped.append(self.waiting.pop_request())

@@ -43,7 +43,9 @@ class LivelockError(RuntimeError):
 
 class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, kv_connector: bool = False) -> None:
+        """`kv_connector`: the engine runs under P/D disaggregation (vLLM: a kv_transfer_config),
+        which keeps EAGLE's legacy block keys (and its block drop)."""
         sc, cc = config.scheduler, config.cache
         self.config = config
         self.max_num_seqs = sc.max_num_seqs
@@ -72,7 +74,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
-                hash_lookahead=int(config.speculative.is_eagle_family))
+                hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector),
+                eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
+        # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free.
+        k = self.num_spec_tokens
+        self._spec_step_blocks = -(-(1 + k + self.num_lookahead_tokens) // cc.block_size) if k else 0
         self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         # P/D (core/remote_kv.py): waiting requests that hold blocks (their KV being pulled, or
         # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
@@ -440,6 +446,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if padded:
                 chunk.num_spec_tokens = num_new - 1
                 chunk.spec_placeholder = True
+            if self.num_spec_tokens:
+                # An in-flight prefill from now on (P/D: what pulls must leave free), or, a pulled
+                # request, until the step's end (vLLM drops it from the set after scheduling).
+                request.spec_prefill_chunk = (chunk.num_computed_tokens + num_new < request.num_tokens
+                                              or queue is self.kv_holding)
             plan.chunks.append(chunk)
             plan.schedule(request, num_new)
             admitted += 1

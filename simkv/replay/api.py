@@ -117,11 +117,12 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 
 def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
                           goodput, spec) -> ReplayResult:
-    from simkv.replay.disaggregated import run_disaggregated
+    from simkv.replay.disaggregated import check_pull_fits, run_disaggregated
     from simkv.replay.disaggregated_results import pd_summary, pd_tables
 
     configs = spec.pool_configs(config)
     capacities = [compute_capacity(c) for c in configs]
+    check_pull_fits(configs[1], capacities[1])
     seed = cost_options.get("noise_seed", 0)
     backends, k = [], 0
     for pool_config, n in zip(configs, (spec.num_prefill, spec.num_decode)):

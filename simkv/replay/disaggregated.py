@@ -89,6 +89,10 @@ class DisaggregationSpec:
             if prefill[key] != decode[key]:
                 raise ConfigError(f"the pools' {key} differ ({prefill[key]} and {decode[key]}): the decode side "
                                   "reads the prefill side's blocks as they are")
+        for key in ("speculative_method", "num_speculative_tokens", "spec_draft_model"):
+            if prefill.get(key) != decode.get(key):
+                raise ConfigError(f"the pools' {key} differ ({prefill.get(key)} and {decode.get(key)}): the pools "
+                                  "run one speculative config (the pulled blocks hold the draft layers' KV too)")
         if configs[0].max_model_len != configs[1].max_model_len:
             raise ConfigError(f"the pools' max_model_len differ ({configs[0].max_model_len} and "
                               f"{configs[1].max_model_len}): a prompt either pool rejects cannot be served")
@@ -102,6 +106,23 @@ class DisaggregationSpec:
                 "kv_link_latency_ms": self.kv_link_latency_ms, "handoff_ms": self.handoff_ms}
 
 
+def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
+    """Under speculative decoding vLLM admits a pull only if the blocks of one speculative step
+    (1 + K + lookahead slots) stay free besides the prompt's: a prompt near max_model_len whose
+    blocks and those do not fit the pool would wait forever (vLLM 0.33 does not check it)."""
+    spec, bs = decode_config.speculative, decode_config.cache.block_size
+    if not spec.enabled:
+        return
+    step_blocks = -(-(1 + spec.num_speculative_tokens + decode_config.num_lookahead_tokens) // bs)
+    usable = capacity.num_gpu_blocks - (1 if decode_config.cache.reserve_null_block else 0)
+    longest = -(-(decode_config.max_model_len - 1) // bs)  # the longest prompt a replay admits
+    if longest + step_blocks > usable:
+        raise ConfigError(
+            f"decode pool: a pulled prompt of max_model_len - 1 = {decode_config.max_model_len - 1} tokens needs "
+            f"{longest} blocks plus {step_blocks} for its first speculative step, more than the {usable} the pool "
+            "has: such a pull would never be admitted (lower max_model_len or give the pool more blocks)")
+
+
 def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
     if sc.async_scheduling:
@@ -112,9 +133,6 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
                           f"got preemption_mode={sc.preemption_mode}")
     if cc.allocator != "paged":
         raise ConfigError(f"{pool} pool: P/D disaggregation needs the paged allocator, got {cc.allocator}")
-    if config.speculative.enabled:
-        raise ConfigError(f"{pool} pool: speculative decoding with P/D disaggregation is not modelled; "
-                          "drop speculative_method")
 
 
 class PrefillRouting(FleetRouting):
@@ -379,7 +397,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
         out = []
         for r, backend in enumerate(configs_backends):
             engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, progress,
-                                  capacity=capacity, env=env, make_feed=make_feed_of(r))
+                                  capacity=capacity, env=env, make_feed=make_feed_of(r), kv_connector=True)
             engine.feed.engine = engine
             out.append(engine)
         return out

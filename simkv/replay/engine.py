@@ -124,7 +124,8 @@ class ReplayRun:
 class ReplayEngine:
     def __init__(self, trace, config: EngineConfig, backend: StepBackend, num_gpu_blocks: int,
                  use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None,
-                 capacity=None, env: simpy.Environment | None = None, make_feed=None) -> None:
+                 capacity=None, env: simpy.Environment | None = None, make_feed=None,
+                 kv_connector: bool = False) -> None:
         """`env` and `make_feed(scheduler, request_log)`: a fleet (simkv/replay/fleet.py) runs several
         engines on one environment, each fed by the router; by default the engine owns both."""
         self.config = config
@@ -135,7 +136,7 @@ class ReplayEngine:
                              "with speculative decoding; drop the column or speculative_method")
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail,
-                                   num_cpu_blocks=num_cpu_blocks)
+                                   num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector)
         # Swapping delays the step by its bytes over PCIe (not under the step-counting unit model).
         block_bytes = capacity.kv_bytes_per_token * config.cache.block_size if capacity is not None else 0
         self.swap_seconds_per_block = (0.0 if backend.name == "unit" else

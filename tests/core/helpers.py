@@ -111,7 +111,8 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
 
     opts = dict(case["opts"])
     reserve = opts.pop("reserve_full_isl")
-    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"])
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
+                      kv_connector=True)
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     requests, rows = [], []
     due_recv: dict[int, list] = {}
@@ -133,12 +134,15 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
             r = next(r for q, r in requests if q is req)
             if r["role"] == PD_SEND:
                 due_send.setdefault(k + r["latency"], []).append(req)
-        for req in due_recv.pop(k, ()):
+        for req in sorted(due_recv.pop(k, ()), key=lambda q: q.index):  # (row order, as oracle_pd.py gives vLLM)
             sched.finished_recving(req)
-        for req in due_send.pop(k, ()):
+        for req in sorted(due_send.pop(k, ()), key=lambda q: q.index):
             sched.finished_sending(req)
         if not pending and not sched.has_unfinished_requests() and not due_send:
             break
+    else:  # (as the oracle's loop reports it: a configuration in which nothing can move)
+        return {"steps": rows, "error": "max steps", "scheduler": sched,
+                "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}}
     while rows and not any(rows[-1]):
         rows.pop()
     return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},

@@ -1,7 +1,7 @@
 """P/D disaggregation in the engine core (core/remote_kv.py): pulled admissions, the KV-holding
 queue, blocks held for sending. The three recorded cases are real vLLM 0.33 (its Scheduler with
 a KV connector that behaves as NIXL's pull mode; scripts/oracle_pd.py, which compared 560 random
-cases step for step, all equal)."""
+cases step for step, all equal), and so are the three with speculative decoding."""
 
 import json
 from pathlib import Path
@@ -20,6 +20,24 @@ def test_recorded_cases_match_vllm(case):
     ours = drive_pd(case)
     assert ours["steps"] == case["vllm_steps"]
     assert ours["requests"] == case["vllm_requests"]
+
+
+SPEC_CASES = json.loads((Path(__file__).parent / "data" / "pd_spec_vllm_cases.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", SPEC_CASES, ids=["draft-model-pull-held-in-flight", "draft-model-admitted-prefill",
+                                                  "eagle-block-drop"])
+def test_recorded_speculative_cases_match_vllm(case):
+    """With speculative decoding (scripts/oracle_pd.py --speculative): a pull also leaves free the
+    blocks of one speculative step, in-flight prefills (pulls, and requests admitted earlier in
+    the step) reserve their first speculative step too, a pulled request stays one until its
+    step ends, and EAGLE under a KV connector drops a hit's last block instead of lookahead keys."""
+    ours = drive_pd(case["case"])
+    theirs = case["vllm"]["steps"]
+    while theirs and not any(theirs[-1]):
+        theirs.pop()
+    assert ours["steps"] == theirs
+    assert ours["requests"] == case["vllm"]["requests"]
 
 
 def _sched(**kw):

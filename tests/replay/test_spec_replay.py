@@ -113,9 +113,33 @@ def test_cli(tmp_path):
     assert r.exit_code != 0 and "not modelled with async_scheduling" in r.output
     r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "y"), "--quiet",
                              "--speculative-method", "eagle", "--num-speculative-tokens", "2",
-                             "--prefill-replicas", "1", "--decode-replicas", "1"])
-    assert r.exit_code != 0 and "speculative decoding with P/D disaggregation is not modelled" in r.output
+                             "--prefill-replicas", "1", "--decode-replicas", "1", "--decode-set", "num_speculative_tokens=3"])
+    assert r.exit_code != 0 and "the pools' num_speculative_tokens differ (2 and 3)" in r.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_disaggregated_pools_speculate():
+    """P/D with EAGLE on both pools: every pulled request resumes with a padded 1 + K chunk (its
+    placeholders verified, none accepted), the decode pool verifies the drafts, and the pulls
+    carry the draft layer's KV too (33 layers of 32 + 1)."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    rows = [(0.05 * i, 300 + 7 * i, 20 + i % 9) for i in range(30)]
+    plain = replay(_trace(rows), _config(), "roofline", disaggregation=DisaggregationSpec(1, 1))
+    res = replay(_trace(rows), _config(**SPEC), "roofline", disaggregation=DisaggregationSpec(1, 1))
+    spec = res.summary["speculative_decoding"]
+    assert spec["num_padded"] == 30 and spec["num_accepted_tokens"] > 0
+    assert res.summary["tpot_s"]["mean"] < plain.summary["tpot_s"]["mean"]
+    moved = res.summary["disaggregation"]["kv_transfer"]["pulled_bytes"]
+    assert moved == pytest.approx(plain.summary["disaggregation"]["kv_transfer"]["pulled_bytes"] * 33 / 32)
+
+
+def test_disaggregated_pull_that_can_never_fit_is_refused():
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=33, block_size=16, max_model_len=512, **SPEC))
+    with pytest.raises(Exception, match="would never be admitted"):
+        replay(_trace([(0.0, 100, 5)]), config, "roofline", disaggregation=DisaggregationSpec(1, 1))
 
 
 def test_fleet_sums_its_replicas():
