@@ -19,16 +19,11 @@ A development aid, not a test dependency:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORACLE_DIR = ROOT.parent / "shared" / "tools" / "vllm_oracle"
 PLAIN, SEND, PULL = 0, 1, 2
 
 
@@ -54,13 +49,9 @@ def make_case(rng, speculative: bool = False) -> dict:
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
     if speculative and rng.random() < 0.6:  # speculative decoding on the engine (as oracle_spec.py's)
-        opts["speculative_method"] = str(rng.choice(["ngram", "eagle", "draft_model"]))
-        opts["num_speculative_tokens"] = int(rng.choice([1, 2, 3, 5]))
-        opts["spec_acceptance_rate"] = float(rng.choice([0.0, 0.5, 0.8, 1.0]))
-        opts["spec_seed"] = int(rng.integers(0, 1000))
-        if opts["speculative_method"] == "draft_model":
-            opts["spec_draft_model"] = "tiny-llama"
-        opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
+        from oracle_vllm import random_spec_options
+
+        random_spec_options(rng, opts)
     return {"opts": opts, "requests": requests}
 
 
@@ -135,63 +126,22 @@ def _by_row(ids):
 
 
 def run_vllm(case: dict) -> dict:
-    import torch
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import KVTransferConfig
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
     import oracle
+    import oracle_vllm
     o = case["opts"]
-    model_config = ModelConfig(model=oracle.ensure_fake_model(str(ORACLE_DIR / "fake_model")), dtype="float16",
-                               seed=0, skip_tokenizer_init=True, max_model_len=o["max_model_len"])
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
-        max_model_len=o["max_model_len"], enable_chunked_prefill=o["enable_chunked_prefill"],
-        long_prefill_token_threshold=o["long_prefill_token_threshold"], is_encoder_decoder=False,
-        policy=o["scheduling_policy"], watermark=o["watermark"], scheduler_reserve_full_isl=o["reserve_full_isl"],
-        disable_hybrid_kv_cache_manager=True)
-    cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"])
-    spec = None
-    if o.get("speculative_method"):
-        from vllm.config import ParallelConfig, SpeculativeConfig
-
-        fake = oracle.ensure_fake_model(str(ORACLE_DIR / "fake_model"))
-        spec_kw = dict(method=o["speculative_method"], num_speculative_tokens=o["num_speculative_tokens"])
-        spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if o["speculative_method"] == "ngram" else dict(model=fake)
-        spec = SpeculativeConfig(target_model_config=model_config, target_parallel_config=ParallelConfig(), **spec_kw)
-    vllm_config = VllmConfig(
-        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-        device_config=DeviceConfig(device="cpu"), speculative_config=spec,
-        kv_transfer_config=KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
-                                            kv_connector_module_path="oracle_pd"))
-    for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
-        setattr(vllm_config.scheduler_config, key, o[key])
-    vllm_config.scheduler_config.async_scheduling = False
-    vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
-    vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
-    kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=o["block_size"], num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
-                      log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
+    connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
+                                 kv_connector_module_path="oracle_pd")
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector)
     import oracle_pd  # the connector's class as the scheduler loaded it
     connector_cls = oracle_pd.FakePDConnector
     connector_cls.admitted.clear()
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    block_hasher = get_request_block_hasher(o["block_size"], hash_fn, vllm_config.num_hash_lookahead_tokens)
-    accept = None
-    if spec is not None:
-        sys.path.insert(0, str(ROOT))
-        from simkv.core.spec_decode import AcceptanceModel
-
-        accept = AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"])
+    block_hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+    accept = oracle_vllm.acceptance(o)
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
     info = {r["row"]: r for r in case["requests"]}
@@ -225,19 +175,7 @@ def run_vllm(case: dict) -> dict:
         n_running, n_waiting = sched.get_request_counts()
         row = [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
         req_ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            req = sched.requests[rid]
-            if req.is_prefill_chunk:
-                sampled.append([])
-            elif accept is None:
-                sampled.append([oracle.fake_output_token(int(rid), req.num_computed_tokens)])
-            else:  # the bonus token and the accepted drafts (as oracle_spec.py)
-                drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-                n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
-                    if drafts and drafts[0] != -1 else 0
-                base = req.num_prompt_tokens + len(req.output_token_ids)
-                sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+        sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, accept)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled,
                                 kv_connector_output=KVConnectorOutput(finished_recving=_by_row(due_recv.pop(k, None)),
@@ -251,11 +189,7 @@ def run_vllm(case: dict) -> dict:
                     if info[int(out.request_id)]["role"] == SEND:
                         due_send.setdefault(k + info[int(out.request_id)]["latency"], set()).add(out.request_id)
         if accept is not None:
-            from vllm.v1.outputs import DraftTokenIds
-
-            n = so.num_spec_tokens_to_schedule
-            sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(int(rid), 10_000 + j)
-                                                                 for j in range(n)] for rid in req_ids]))
+            oracle_vllm.propose_drafts(sched, so, req_ids)
         return row, not sched.has_requests() and not due_send
 
     result = _step_loop(case["requests"], step)
@@ -299,30 +233,15 @@ def differences(theirs: dict, ours: dict) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--oracle-python", default="/tmp/vllm-oracle-venv/bin/python")
-    ap.add_argument("--cases", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--speculative", action="store_true", help="speculative decoding in 60 %% of the cases")
-    ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
-    ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.vllm_side:
-        sys.path.insert(0, str(ORACLE_DIR))
-        cases = json.loads(Path(a.vllm_side[0]).read_text())
-        Path(a.vllm_side[1]).write_text(json.dumps([run_vllm(c) for c in cases]))
+    import oracle_vllm
+
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True)
+    if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp, "cases.json"), Path(tmp, "vllm.json")
-        src.write_text(json.dumps(cases))
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), VLLM_LOGGING_LEVEL="ERROR")
-        subprocess.run([a.oracle_python, __file__, "--vllm-side", str(src), str(dst)], check=True, env=env)
-        theirs = json.loads(dst.read_text())
-    if a.save:
-        a.save.write_text(json.dumps([{"case": c, "vllm": t} for c, t in zip(cases, theirs)]))
+    theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, pulls=0, sends=0, steps=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):

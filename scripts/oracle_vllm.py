@@ -1,0 +1,170 @@
+"""The vLLM side that the step-mode oracles share (oracle_spec.py, oracle_pd.py): vLLM 0.33's
+`Scheduler` built from a case's flat options (speculative decoding included), and the model
+runner's part played by hand (sampled tokens, accepted drafts, the drafter's proposals).
+Runs in the oracle's venv (../shared/tools/vllm_oracle); `random_spec_options` runs on simkv's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE_DIR = ROOT.parent / "shared" / "tools" / "vllm_oracle"
+SPEC_METHODS = ("ngram", "eagle", "draft_model")
+
+
+def random_spec_options(rng, opts: dict) -> None:
+    """Speculative decoding options for a random case (`opts` gains them): any method the oracle's
+    config-only model can stand in for, K from 1 to 5, acceptance 0 to 1."""
+    opts["speculative_method"] = str(rng.choice(SPEC_METHODS))
+    opts["num_speculative_tokens"] = int(rng.choice([1, 2, 3, 5]))
+    opts["spec_acceptance_rate"] = float(rng.choice([0.0, 0.5, 0.8, 1.0]))
+    opts["spec_seed"] = int(rng.integers(0, 1000))
+    if opts["speculative_method"] == "draft_model":
+        opts["spec_draft_model"] = "tiny-llama"
+    opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
+
+
+def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
+    """vLLM's synchronous Scheduler for the case's options; returns (scheduler, vllm_config)."""
+    import torch
+    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import oracle
+    fake = oracle.ensure_fake_model(str(ORACLE_DIR / "fake_model"))
+    model_config = ModelConfig(model=fake, dtype="float16", seed=0, skip_tokenizer_init=True,
+                               max_model_len=o["max_model_len"])
+    spec = None
+    if o.get("speculative_method"):
+        spec_kw = dict(method=o["speculative_method"], num_speculative_tokens=o["num_speculative_tokens"])
+        spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if o["speculative_method"] == "ngram" else dict(model=fake)
+        if o.get("spec_tokens_per_batch_size"):
+            spec_kw["num_speculative_tokens_per_batch_size"] = [
+                [int(x) for x in part.replace(":", "-").split("-")] for part in o["spec_tokens_per_batch_size"].split(",")]
+        spec = SpeculativeConfig(target_model_config=model_config, target_parallel_config=ParallelConfig(), **spec_kw)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
+        max_model_len=o["max_model_len"], enable_chunked_prefill=o["enable_chunked_prefill"],
+        long_prefill_token_threshold=o["long_prefill_token_threshold"], is_encoder_decoder=False,
+        policy=o["scheduling_policy"], watermark=o["watermark"], scheduler_reserve_full_isl=reserve_full_isl,
+        disable_hybrid_kv_cache_manager=True)
+    cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"])
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                             cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
+                             speculative_config=spec, kv_transfer_config=kv_transfer_config)
+    for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
+        setattr(vllm_config.scheduler_config, key, o[key])
+    vllm_config.scheduler_config.async_scheduling = False
+    vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
+    vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
+    kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=o["block_size"], num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
+                      log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
+    return sched, vllm_config
+
+
+def block_hasher(vllm_config, block_size: int):
+    """vLLM's request block hasher (lookahead keys where vLLM uses them: EAGLE without a connector)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+
+
+def acceptance(o: dict):
+    """simkv's own acceptance draws (both schedulers see the same), or None without speculation."""
+    if not o.get("speculative_method"):
+        return None
+    sys.path.insert(0, str(ROOT))
+    from simkv.core.spec_decode import AcceptanceModel
+
+    return AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"])
+
+
+def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int]], int]:
+    """The model runner's sampled tokens for the step: none for a prompt chunk that leaves prompt
+    to compute; otherwise one, and under speculative decoding the accepted drafts before it (the
+    placeholders of padding are never accepted). Returns them and the drafts accepted."""
+    import oracle
+    sampled, accepted = [], 0
+    for rid in req_ids:
+        req = sched.requests[rid]
+        if req.is_prefill_chunk:
+            sampled.append([])
+        elif accept is None:
+            sampled.append([oracle.fake_output_token(int(rid), req.num_computed_tokens)])
+        else:
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
+                if drafts and drafts[0] != -1 else 0
+            accepted += n_acc
+            base = req.num_prompt_tokens + len(req.output_token_ids)
+            sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+    return sampled, accepted
+
+
+def propose_drafts(sched, so, req_ids: list[str]) -> None:
+    """The drafter proposes for every request of the step (K, or dynamic speculation's K for its
+    batch size), as the engine core hands them over; vLLM drops those of prompt chunks and
+    finished requests."""
+    import oracle
+    from vllm.v1.outputs import DraftTokenIds
+
+    n = so.num_spec_tokens_to_schedule
+    sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(int(rid), 10_000 + j)
+                                                         for j in range(n)] for rid in req_ids]))
+
+
+# ---- the two-venv dance of an oracle's main() -------------------------------------------------------
+def oracle_args(description: str, speculative_flag: bool = False):
+    """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--oracle-python", default="/tmp/vllm-oracle-venv/bin/python")
+    ap.add_argument("--cases", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1)
+    if speculative_flag:
+        ap.add_argument("--speculative", action="store_true", help="speculative decoding in 60 %% of the cases")
+    ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
+    ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def serve_vllm_side(args, run_vllm) -> bool:
+    """In vLLM's venv (--vllm-side CASES OUT): run every case there; True if this was that call."""
+    import json
+
+    if not args.vllm_side:
+        return False
+    sys.path.insert(0, str(ORACLE_DIR))
+    cases = json.loads(Path(args.vllm_side[0]).read_text())
+    Path(args.vllm_side[1]).write_text(json.dumps([run_vllm(c) for c in cases]))
+    return True
+
+
+def vllm_results(script: str, cases: list, args) -> list:
+    """Run `script` on the cases in vLLM's venv; its results (also written to --save with the cases)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "cases.json"), Path(tmp, "vllm.json")
+        src.write_text(json.dumps(cases))
+        env = dict(os.environ, PYTHONPATH=str(Path(script).parent), VLLM_LOGGING_LEVEL="ERROR")
+        subprocess.run([args.oracle_python, script, "--vllm-side", str(src), str(dst)], check=True, env=env)
+        theirs = json.loads(dst.read_text())
+    if args.save:
+        args.save.write_text(json.dumps([{"case": c, "vllm": t} for c, t in zip(cases, theirs)]))
+    return theirs
