@@ -19,6 +19,9 @@ def capacity_report(config: EngineConfig) -> dict:
     tp = config.hardware.tensor_parallel_size
     mml = config.max_model_len
     model_per_token = spec.kv_bytes_per_token(cc.kv_dtype_bytes, 1)
+    draft = config.speculative.draft_spec(spec)
+    if draft is not None:  # the draft network's layers keep their KV in the same cache
+        model_per_token += draft.kv_bytes_per_token(cc.kv_dtype_bytes, 1)
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
     return {
@@ -40,7 +43,7 @@ def capacity_report(config: EngineConfig) -> dict:
         "kv_cache_tokens": cap.kv_cache_tokens,
         "max_concurrency": cap.kv_cache_tokens / mml,
         "startup_lines": cap.startup_lines(),
-    }
+    } | ({"draft_network": draft.name} if draft is not None else {})
 
 
 def _bytes(n: int) -> str:
@@ -66,6 +69,8 @@ def print_report(rep: dict) -> None:
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
+    if rep.get("draft_network"):
+        rows.insert(0, ("draft network (its weights and KV included)", rep["draft_network"]))
     for name, value in rows:
         table.add_row(name, value)
     console = Console()
@@ -85,6 +90,10 @@ def print_report(rep: dict) -> None:
 @click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="Sizes the activation reserve [default: 8192]")
+@click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
+              default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
+@click.option("--num-speculative-tokens", type=int, default=None)
+@click.option("--spec-draft-model", default=None, help="draft_model: the draft's model spec (e.g. llama-3.2-1b)")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def capacity_cmd(config_file: str | None, as_json: bool, **flags) -> None:

@@ -159,3 +159,13 @@ def test_goodput_grid_may_give_the_speculation_length(tmp_path):
     assert r.exit_code != 0 and "missing.parquet" in r.output and "num_speculative_tokens" not in r.output
     r = runner.invoke(main, args)
     assert r.exit_code != 0 and "num_speculative_tokens must be >= 1" in r.output
+
+
+def test_capacity_counts_the_draft_network():
+    runner = CliRunner()
+    base = json.loads(runner.invoke(main, ["capacity", "--json"]).output)
+    r = runner.invoke(main, ["capacity", "--json", "--speculative-method", "eagle3", "--num-speculative-tokens", "3"])
+    eagle = json.loads(r.output)
+    assert eagle["draft_network"] == "llama-3-8b (1 draft layer)"
+    assert eagle["kv_bytes_per_token"] == base["kv_bytes_per_token"] * 33 // 32
+    assert eagle["num_gpu_blocks"] == compute_capacity(EngineConfig.from_flat(SPEC)).num_gpu_blocks < base["num_gpu_blocks"]
