@@ -7,7 +7,9 @@ preempts the newest running request (RECOMPUTE) and blocks admissions for the st
 
 Speed: steady decoders are not touched every step (steady_decoders.py): a step costs
 O(events + log running), not O(running), and runs of event-free decode steps are jumped over
-with results identical to stepping one by one.
+with results identical to stepping one by one. Under speculative decoding (spec_decode.py) a
+decode is a chunk of 1 + K tokens whose outcome varies, so there are no steady decoders: every
+running request is stepped.
 
 Invariants: `running` is ordered by `seq` (admission order); a request is in `_prefilling`
 iff it is running and not a steady decoder; steady decoders have `decode_base` set.
