@@ -157,6 +157,7 @@ class ReplayEngine:
         self._engine_idle: simpy.Event | None = None
         self._num_done = 0
         self._num_rejected_reported = 0
+        self._unlogged_preemptions = 0  # made by schedule() calls that ran nothing (the next logged step counts them)
 
     def run(self) -> ReplayRun:
         engine = self.start()
@@ -250,9 +251,13 @@ class ReplayEngine:
             self.now = start + duration
             yield env.timeout(duration)
             finished = sched.update_from_output(out)
-            self.steps.add_step(out, start, duration)
+            self._log_step(out, start, duration)
             if finished:
                 self._record_finished(finished)
+
+    def _log_step(self, out, start: int, duration: int) -> None:
+        self.steps.add_step(out, start, duration, self._unlogged_preemptions)
+        self._unlogged_preemptions = 0
 
     def _wait_for_arrival(self):
         """Sleep until the arrival process (or a fleet's router) wakes the engine; `now` moves to then."""
@@ -271,6 +276,8 @@ class ReplayEngine:
             raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
         if out.kv_loads is not None:
             self.feed.kv_loads_started(out.kv_loads, self.now)
+        if out.is_empty and out.preempted:  # (a request preempted itself and nothing ran)
+            self._unlogged_preemptions += len(out.preempted)
         return out
 
     def _duration(self, out) -> int:
@@ -408,7 +415,7 @@ class ReplayEngine:
         yield self.env.timeout(end - self.now)
         self.now = end
         finished = self.scheduler.update_from_output(out)
-        self.steps.add_step(out, start, duration)
+        self._log_step(out, start, duration)
         if finished:
             self._record_finished(finished)
 

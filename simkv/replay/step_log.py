@@ -43,11 +43,12 @@ class StepLog:
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
-    def add_step(self, out: SchedulerOutput, start: int, duration: int) -> None:
-        """One step, from tick `start`, lasting `duration` ticks."""
+    def add_step(self, out: SchedulerOutput, start: int, duration: int, earlier_preemptions: int = 0) -> None:
+        """One step, from tick `start`, lasting `duration` ticks. `earlier_preemptions`: made by
+        schedule() calls since the last logged step that ran nothing (counted on this row)."""
         self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end, start, duration, 0, 1, duration, 0,
                            out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_tokens,
-                           len(out.preempted), out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
+                           len(out.preempted) + earlier_preemptions, out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
         self._alloc_counts.append(0)

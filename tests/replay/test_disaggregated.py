@@ -127,6 +127,8 @@ def test_decode_runs_change_nothing_and_every_request_is_served(seed, num_prefil
     for run in a.fleet_runs:
         assert run.scheduler.kv_cache_manager.block_pool.get_num_used_blocks() == 0
     assert a.summary["disaggregation"]["decode"]["num_steps"] == a.summary["num_steps"]
+    pools = a.summary["disaggregation"]
+    assert a.steps["num_preemptions"].sum() == pools["decode"]["num_preemptions"] + pools["prefill"]["num_preemptions"]
 
 
 def test_same_inputs_same_outputs(tmp_path):
