@@ -321,6 +321,13 @@ class EngineConfig:
         return self.cache.num_lookahead_tokens + self.speculative.num_lookahead_tokens
 
     @property
+    def spec_step_blocks(self) -> int:
+        """Blocks of one speculative step (1 + K + lookahead slots): what a pull must leave free
+        under P/D (vLLM's _spec_decode_step_blocks); 0 without speculative decoding."""
+        k = self.speculative.num_speculative_tokens
+        return -(-(1 + k + self.num_lookahead_tokens) // self.cache.block_size) if k else 0
+
+    @property
     def max_model_len(self) -> int:
         if self.scheduler.max_model_len is not None:
             return self.scheduler.max_model_len

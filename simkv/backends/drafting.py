@@ -27,7 +27,6 @@ class Drafter:
         spec, hw = config.speculative, config.hardware
         self.method = spec.speculative_method
         self.k = spec.num_speculative_tokens
-        self.drafts_for_batch = spec.drafts_for_batch if spec.batch_size_ranges is not None else None
         self.per_request_s = spec.spec_ngram_us_per_request * 1e-6
         self.network = None
         if self.method != "ngram":
@@ -44,7 +43,7 @@ class Drafter:
             if end >= chunk.request.num_tokens:
                 sampling += 1
                 context += end
-        k = self.k if self.drafts_for_batch is None else self.drafts_for_batch(len(output.chunks))
+        k = output.num_spec_tokens_to_schedule  # (the scheduler's K for this step)
         if not sampling or not k:
             return 0.0  # (vLLM skips drafting when no request can use the drafts)
         if self.network is None:

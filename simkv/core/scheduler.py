@@ -79,8 +79,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector),
                 eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
         # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free.
-        k = self.num_spec_tokens
-        self._spec_step_blocks = -(-(1 + k + self.num_lookahead_tokens) // cc.block_size) if k else 0
+        self._spec_step_blocks = config.spec_step_blocks
         self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         # P/D (core/remote_kv.py): waiting requests that hold blocks (their KV being pulled, or
         # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
@@ -254,9 +253,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
-        verify = drafts = 0
+        verify = drafts = to_propose = 0
         if self.num_spec_tokens:
             verify, drafts = self._spec_after_schedule(plan.chunks)
+            to_propose = self._spec_tokens_to_schedule(len(plan.chunks))
         if self.async_scheduling:
             self._last_schedule = (step, num_blocks_used - used_before)
             num_waiting += self._num_preempted_finishing()
@@ -270,7 +270,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             num_waiting=num_waiting, num_blocks_used=num_blocks_used,
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks,
-            kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts)
+            kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts,
+            num_spec_tokens_to_schedule=to_propose)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were

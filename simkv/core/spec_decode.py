@@ -84,6 +84,12 @@ class SpecDecode:
                 chunk.num_spec_tokens = min(extra, drafts)
             request.spec_drafts = 0
 
+    def _spec_tokens_to_schedule(self, num_scheduled: int) -> int:
+        """Drafts proposed after a step of `num_scheduled` requests (vLLM's num_spec_tokens_to_schedule)."""
+        if self.spec_drafts_by_batch is not None and num_scheduled:
+            return self.spec_drafts_by_batch[num_scheduled]
+        return self.num_spec_tokens
+
     def _spec_padding(self, num_computed: int, num_new: int, plan) -> int:
         """vLLM pads a waiting request with one token left to 1 + K rows (new decodes keep the
         step uniform for CUDA graphs): the padded count, 0 if it must wait for a roomier step,
@@ -118,9 +124,7 @@ class SpecDecode:
         step = output.step
         stats = self.spec_stats
         per_position = stats["accepted_per_position"]
-        k = self.num_spec_tokens
-        if self.spec_drafts_by_batch is not None and output.chunks:
-            k = self.spec_drafts_by_batch[len(output.chunks)]
+        k = output.num_spec_tokens_to_schedule
         finished = []
         accepted_total = emissions = 0
         running = RequestStatus.RUNNING

@@ -110,10 +110,9 @@ def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
     """Under speculative decoding vLLM admits a pull only if the blocks of one speculative step
     (1 + K + lookahead slots) stay free besides the prompt's: a prompt near max_model_len whose
     blocks and those do not fit the pool would wait forever (vLLM 0.33 does not check it)."""
-    spec, bs = decode_config.speculative, decode_config.cache.block_size
-    if not spec.enabled:
+    step_blocks, bs = decode_config.spec_step_blocks, decode_config.cache.block_size
+    if not step_blocks:
         return
-    step_blocks = -(-(1 + spec.num_speculative_tokens + decode_config.num_lookahead_tokens) // bs)
     usable = capacity.num_gpu_blocks - (1 if decode_config.cache.reserve_null_block else 0)
     longest = -(-(decode_config.max_model_len - 1) // bs)  # the longest prompt a replay admits
     if longest + step_blocks > usable:
