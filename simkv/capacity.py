@@ -51,17 +51,28 @@ def activation_reserve_bytes(config: EngineConfig) -> int:
     return config.scheduler.max_num_batched_tokens * per_token + _FIXED_RESERVE_BYTES
 
 
+def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
+    """K and V of one token on one GPU under that tensor parallelism (1: the whole model), the
+    draft network's layers included under speculative decoding."""
+    spec = get_model_spec(config.hardware.model)
+    dtype_bytes = config.cache.kv_dtype_bytes
+    per_token = spec.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
+    draft = config.speculative.draft_spec(spec)
+    if draft is not None:
+        per_token += draft.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
+    return per_token
+
+
 def compute_capacity(config: EngineConfig) -> Capacity:
     """Blocks of the KV cache, given (`num_gpu_blocks`) or derived from memory like vLLM."""
     spec = get_model_spec(config.hardware.model)
     gpu = get_gpu_spec(config.hardware.gpu)
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
-    per_token = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp)
+    per_token = kv_bytes_per_token(config, tp)
     draft = config.speculative.draft_spec(spec)
     draft_weights = 0.0
     if draft is not None:
-        per_token += draft.kv_bytes_per_token(cc.kv_dtype_bytes, tp)
         shared = 2 * draft.vocab_size * draft.hidden_size if config.speculative.is_eagle_family else 0
         draft_weights = 2 * (draft.num_params - shared) / tp
     block_bytes = per_token * cc.block_size

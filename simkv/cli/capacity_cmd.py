@@ -6,7 +6,7 @@ import json
 
 import click
 
-from simkv.capacity import GIB, compute_capacity
+from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
 from simkv.cli.replay_cmd import build_config
 from simkv.config import ConfigError, EngineConfig
 from simkv.specs import get_model_spec
@@ -18,10 +18,8 @@ def capacity_report(config: EngineConfig) -> dict:
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
     mml = config.max_model_len
-    model_per_token = spec.kv_bytes_per_token(cc.kv_dtype_bytes, 1)
+    model_per_token = kv_bytes_per_token(config, 1)
     draft = config.speculative.draft_spec(spec)
-    if draft is not None:  # the draft network's layers keep their KV in the same cache
-        model_per_token += draft.kv_bytes_per_token(cc.kv_dtype_bytes, 1)
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
     return {

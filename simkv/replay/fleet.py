@@ -21,7 +21,7 @@ from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
 from simkv.replay.results import (itl_samples, spec_summary, latencies_and_rates, request_table, stored_and_wasted_slots,
                                   summarize, weighted_dist)
 from simkv.replay.router import Router
-from simkv.replay.step_log import SPEC_STEP_COLUMNS
+from simkv.replay.step_log import SPEC_COLUMNS
 
 
 class FleetRouting:
@@ -163,7 +163,7 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace) -> tuple[p
     assignment = routing.assignment
     per_replica = [request_table(run, trace) for run in runs]
     merged = per_replica[0].copy()
-    for column in _MERGED_COLUMNS + tuple(c for c in SPEC_STEP_COLUMNS if c in merged):
+    for column in _MERGED_COLUMNS + tuple(c for c in SPEC_COLUMNS if c in merged):
         values = merged[column].to_numpy().copy()
         for r, frame in enumerate(per_replica[1:], start=1):
             rows = assignment == r

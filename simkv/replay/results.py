@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from simkv.atomic import atomic_write
 from simkv.replay.engine import ReplayRun
-from simkv.replay.step_log import SPEC_STEP_COLUMNS, RequestLog
+from simkv.replay.step_log import SPEC_COLUMNS, RequestLog
 
 
 def dist(values: np.ndarray) -> dict:
@@ -75,7 +75,7 @@ def request_table(run: ReplayRun, trace) -> pd.DataFrame:
         "ttft_s": first_token - arrival,
         "e2e_s": finish - arrival,
         "mean_itl_s": mean_itl,
-    } | {c: np.where(finished, ints[c], 0) for c in SPEC_STEP_COLUMNS if c in ints})
+    } | {c: np.where(finished, ints[c], 0) for c in SPEC_COLUMNS if c in ints})
 
 
 def itl_distribution(run: ReplayRun) -> dict:

@@ -16,7 +16,7 @@ STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waitin
                 "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
                 "num_swapped", "num_swap_blocks")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
-SPEC_STEP_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # under speculative decoding only
+SPEC_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # steps and requests, under speculative decoding only
 
 
 # One tuple per segment: its first step, its length, blocks used at its start and at its end,
@@ -108,7 +108,7 @@ class StepLog:
         self._columns = {c: out[c] for c in STEP_COLUMNS}
         if self._spec is not None:
             pairs = np.asarray(self._spec, dtype=np.int64).reshape(-1, 2)
-            for j, c in enumerate(SPEC_STEP_COLUMNS):
+            for j, c in enumerate(SPEC_COLUMNS):
                 self._columns[c] = pairs[:, j]
         return self._columns
 
@@ -166,7 +166,7 @@ class RequestLog:
                 ints[c][rows[:, 0]] = rows[:, j]
             if self._spec is not None:
                 pairs = np.asarray(self._spec, dtype=np.int64).reshape(-1, 2)
-                for j, c in enumerate(SPEC_STEP_COLUMNS):
+                for j, c in enumerate(SPEC_COLUMNS):
                     ints[c] = np.full(n, -1, dtype=np.int64)
                     ints[c][rows[:, 0]] = pairs[:, j]
             self._columns = (status, ints)
