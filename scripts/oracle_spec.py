@@ -61,14 +61,15 @@ def run_vllm(case: dict) -> dict:
     from vllm.v1.request import Request
 
     import oracle
-    o = case["opts"]
-    sched, vllm_config = oracle_vllm.build_scheduler(o, o["scheduler_reserve_full_isl"])
+    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (oracle_hybrid.py's cases have groups)
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
     accept = oracle_vllm.acceptance(o)
     first_token, finish = {}, {}
     accepted_total = [0]
+    prefix = [0, 0]  # tokens queried, hit
 
     def make(r):
         tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
@@ -91,18 +92,24 @@ def run_vllm(case: dict) -> dict:
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         for eco in sched.update_from_output(so, mro).values():
+            stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats is not None else None
+            if stats is not None:
+                prefix[0] += stats.queries + stats.preempted_queries
+                prefix[1] += stats.hits + stats.preempted_hits
             for out in eco.outputs:
                 if out.new_token_ids and out.request_id not in first_token:
                     first_token[out.request_id] = step_index
                 if out.finish_reason is not None:
                     finish[out.request_id] = step_index
-        oracle_vllm.propose_drafts(sched, so, req_ids)
+        if accept is not None:
+            oracle_vllm.propose_drafts(sched, so, req_ids)
         return row, not sched.has_requests()
 
     result = _step_loop(case["requests"], step)
     result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
                           for r in case["requests"]}
     result["accepted"] = accepted_total[0]
+    result["prefix"] = prefix
     return result
 
 
@@ -112,7 +119,10 @@ def run_simkv(case: dict) -> dict:
     from tests.core.helpers import drive_steps
 
     result = drive_steps(case)
-    result["accepted"] = result.pop("scheduler").spec_stats["num_accepted_tokens"]
+    sched = result.pop("scheduler")
+    result["accepted"] = sched.spec_stats["num_accepted_tokens"]
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    result["prefix"] = [stats.queries, stats.hits]
     return result
 
 
@@ -136,6 +146,8 @@ def main() -> None:
         diff = differences(t, ours)
         if t["accepted"] != ours["accepted"]:
             diff.append(f"accepted drafts: vLLM {t['accepted']}, simkv {ours['accepted']}")
+        if t["prefix"] != ours["prefix"]:
+            diff.append(f"prefix cache (queried, hit tokens): vLLM {t['prefix']}, simkv {ours['prefix']}")
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))

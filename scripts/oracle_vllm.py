@@ -32,7 +32,7 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     import oracle
@@ -62,9 +62,15 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
     vllm_config.scheduler_config.async_scheduling = False
     vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
     vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
-    kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=o["block_size"], num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
+    # KV-cache groups: one full-attention group, or (`group_windows`: simkv's groups of a model with
+    # sliding-window layers, 0 = full attention) one group per entry, as vLLM's hybrid manager forms them.
+    groups = []
+    for i, window in enumerate(o.get("group_windows") or [0]):
+        kw = dict(block_size=o["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
+        spec = SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
+        groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
+    kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=groups,
+                                    prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval)
     sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
                       log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
     return sched, vllm_config

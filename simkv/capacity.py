@@ -5,6 +5,8 @@ num_gpu_blocks = (GPU memory * gpu_memory_utilization - weights/TP - activation 
 Under speculative decoding the draft network's weights and its layers' KV count too: a draft
 model's whole spec, or one target-shaped decoder layer for the EAGLE family (which shares the
 target's embeddings and LM head).
+A model with sliding-window layers under vLLM's hybrid KV-cache manager has several KV-cache
+groups (core/kv_cache_groups.py): a block then holds `layers_per_block` layers, not all of them.
 The activation reserve stands in for vLLM's profiling run: activations of one
 max_num_batched_tokens forward pass plus a fixed 1 GiB for CUDA graphs and the allocator.
 """
@@ -32,16 +34,45 @@ class Capacity:
     block_size: int
     max_model_len: int
     num_cpu_blocks: int = 0  # swap space, in blocks
+    # Sliding-window models under the hybrid KV-cache manager (0 otherwise): blocks one request
+    # of max_model_len tokens holds at most, over all KV-cache groups.
+    blocks_per_request: int = 0
+
+    @property
+    def max_concurrency(self) -> float:
+        if self.blocks_per_request:
+            return self.num_gpu_blocks / self.blocks_per_request
+        return self.kv_cache_tokens / self.max_model_len
 
     @property
     def kv_cache_tokens(self) -> int:
+        if self.blocks_per_request:  # vLLM's group-aware figure: the concurrency in tokens
+            return int(self.max_concurrency * self.max_model_len)
         return self.num_gpu_blocks * self.block_size
 
     def startup_lines(self) -> list[str]:
         """The two lines vLLM logs at start-up."""
         return [f"GPU KV cache size: {self.kv_cache_tokens:,} tokens",
                 f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
-                f"{self.kv_cache_tokens / self.max_model_len:.2f}x"]
+                f"{self.max_concurrency:.2f}x"]
+
+
+def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: bool = False) -> int:
+    """Blocks a request of `num_tokens` tokens holds at most, summed over the KV-cache groups: a
+    block per `block_size` tokens in a full-attention group; a sliding-window group of window w
+    at most ceil(min(w - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1 (vLLM's
+    SlidingWindowSpec.max_admission_blocks_per_request). `startup`: vLLM's start-up figure,
+    which counts that cap whole even where a request of `num_tokens` needs fewer."""
+    bs, mml = config.cache.block_size, config.max_model_len
+    full = -(-num_tokens // bs)
+    total = 0
+    for g in config.kv_cache_groups.groups:
+        if g.sliding_window:
+            cap = -(-min(g.sliding_window - 1 + config.scheduler.max_num_batched_tokens, mml) // bs) + 1
+            total += cap if startup else min(full, cap)
+        else:
+            total += full
+    return total
 
 
 def activation_reserve_bytes(config: EngineConfig) -> int:
@@ -75,7 +106,13 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     if draft is not None:
         shared = 2 * draft.vocab_size * draft.hidden_size if config.speculative.is_eagle_family else 0
         draft_weights = 2 * (draft.num_params - shared) / tp
-    block_bytes = per_token * cc.block_size
+    groups = config.kv_cache_groups
+    hybrid = groups.has_sliding_window
+    if hybrid:  # one block holds `layers_per_block` layers (draft layers: refused with sliding windows)
+        per_layer = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp) // spec.num_layers
+        block_bytes = per_layer * groups.layers_per_block * cc.block_size
+    else:
+        block_bytes = per_token * cc.block_size
     mml = config.max_model_len
     if cc.num_gpu_blocks is not None:
         available = cc.num_gpu_blocks * block_bytes
@@ -88,15 +125,23 @@ def compute_capacity(config: EngineConfig) -> Capacity:
                 "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
                 "when initializing the engine.")
         num_blocks = available // block_bytes
-    needed = -(-mml // cc.block_size) * block_bytes
+    per_request = group_blocks_per_request(config, mml, startup=True) if hybrid else -(-mml // cc.block_size)
+    needed = per_request * block_bytes
     usable_blocks = num_blocks - 1 if cc.reserve_null_block else num_blocks  # block 0: the null block
     usable_bytes = usable_blocks * block_bytes
     if needed > usable_bytes:
         estimated = (usable_bytes // block_bytes) * cc.block_size
+        if hybrid:  # the longest request whose blocks over all groups fit
+            lo, hi = 0, mml
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if group_blocks_per_request(config, mid) <= usable_blocks else (lo, mid - 1)
+            estimated = lo
         msg = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated > 0 else ""
         raise ConfigError(
             f"To serve at least one request with the model's max seq len ({mml}), ({_gib(needed)} GiB KV "
             f"cache is needed, which is larger than the available KV cache memory ({_gib(usable_bytes)} GiB). "
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
-    return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml, num_cpu_blocks)
+    return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml, num_cpu_blocks,
+                    per_request if hybrid else 0)

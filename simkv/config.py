@@ -145,6 +145,28 @@ class HardwareConfig:
                 f"parallel size ({self.tensor_parallel_size}).")
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Sliding-window attention: overrides of the model's layer windows, and vLLM's switch
+    for its hybrid KV-cache manager (core/kv_cache_groups.py)."""
+
+    sliding_window: int | None = None  # None: the model's (0: no sliding-window layers)
+    full_attention_interval: int | None = None  # None: the model's; every k-th layer full, 0: none
+    disable_hybrid_kv_cache_manager: bool = False  # vLLM's --disable-hybrid-kv-cache-manager
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 0:
+            raise ConfigError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.sliding_window == 1:
+            raise ConfigError("sliding_window must be >= 2 (a window of one token attends nothing before it)")
+        if self.full_attention_interval is not None and self.full_attention_interval < 0:
+            raise ConfigError(f"full_attention_interval must be >= 0, got {self.full_attention_interval}")
+
+    @property
+    def overridden(self) -> bool:
+        return self.sliding_window is not None or self.full_attention_interval is not None
+
+
 SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp")
 
@@ -292,11 +314,48 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self) -> None:
         self.scheduler.verify_max_model_len(self.max_model_len)
         if self.speculative.enabled:
             self._verify_speculative()
+        if self.has_sliding_window:
+            self._verify_sliding_window()
+
+    @property
+    def layer_windows(self) -> list[int]:
+        """Each layer's attention window (0: the whole context)."""
+        a = self.attention
+        return get_model_spec(self.hardware.model).layer_windows(a.sliding_window, a.full_attention_interval)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_windows)
+
+    @property
+    def kv_cache_groups(self):
+        """The KV-cache groups vLLM forms for the model (core/kv_cache_groups.py)."""
+        from simkv.core.kv_cache_groups import group_layers
+
+        return group_layers(self.layer_windows, self.attention.disable_hybrid_kv_cache_manager)
+
+    def _verify_sliding_window(self) -> None:
+        cache, sched = self.cache, self.scheduler
+        unsupported = [(self.speculative.enabled, "speculative decoding"),
+                       (sched.async_scheduling, "async_scheduling"),
+                       (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
+                       (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
+                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
+                       (cache.allocator != "paged", f"allocator '{cache.allocator}'")]
+        if self.kv_cache_groups.has_sliding_window:
+            unsupported += [(cache.enable_prefix_caching and cache.prefix_caching_hash_bits < 63,
+                             "prefix_caching_hash_bits < 63"),
+                            (not cache.reserve_null_block, "reserve_null_block off (freed window blocks point at it)")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"sliding-window attention (model {self.hardware.model}) is not modelled with {what}")
 
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
@@ -340,13 +399,15 @@ class EngineConfig:
             out.update(dataclasses.asdict(part))
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
+        if self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager:
+            out.update(dataclasses.asdict(self.attention))
         out["max_model_len"] = self.max_model_len
         return out
 
     @classmethod
     def from_flat(cls, options: dict) -> "EngineConfig":
         """Build from a flat {option: value} mapping (CLI, --config files). Unknown keys raise."""
-        groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}, SpeculativeConfig: {}}
+        groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}, SpeculativeConfig: {}, AttentionConfig: {}}
         names = {f.name: klass for klass in groups for f in fields(klass)}
         types = {f.name: f.type for klass in groups for f in fields(klass)}
         for key, value in options.items():
@@ -356,4 +417,5 @@ class EngineConfig:
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
-                   HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]))
+                   HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
+                   AttentionConfig(**groups[AttentionConfig]))

@@ -51,3 +51,38 @@ def prefill_work(output: SchedulerOutput) -> tuple[int, int, int]:
         pairs += n * c + n * (n + 1) // 2
         kv_read += c + n
     return tokens, pairs, kv_read
+
+
+def window_pairs_and_reads(n: int, c: int, window: int) -> tuple[int, int]:
+    """(query-key pairs, KV tokens read) of a chunk of n new tokens after c cached ones in a layer
+    whose token at position p attends the last min(p + 1, window) tokens."""
+    a, b = c + 1, c + n  # the new tokens attend a..b keys without the window
+    top = min(b, window)
+    pairs = (a + top) * (top - a + 1) // 2 if top >= a else 0
+    over = b - max(a - 1, window)
+    if over > 0:
+        pairs += over * window
+    return pairs, min(c + n, window - 1 + n)
+
+
+def windowed_prefill_work(output: SchedulerOutput, layer_windows: list[int]) -> tuple[int, float, float]:
+    """`prefill_work` for a model with sliding-window layers: pairs and KV reads are averaged over
+    the layers (each layer's window applied), so that the per-layer-summed coefficients of a cost
+    model apply unchanged."""
+    counts: dict[int, int] = {}
+    for w in layer_windows:
+        counts[w] = counts.get(w, 0) + 1
+    num_layers = len(layer_windows)
+    tokens = 0
+    pairs = kv_read = 0.0
+    for chunk in output.chunks:
+        n, c = chunk.num_new_tokens, chunk.num_computed_tokens
+        tokens += n
+        for w, k in counts.items():
+            if w:
+                p, r = window_pairs_and_reads(n, c, w)
+            else:
+                p, r = n * c + n * (n + 1) // 2, c + n
+            pairs += k * p / num_layers
+            kv_read += k * r / num_layers
+    return tokens, pairs, kv_read

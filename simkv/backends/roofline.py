@@ -7,7 +7,9 @@ Per GPU under tensor parallelism (TP), for a step with T scheduled tokens over S
         + kv_bytes_per_token * (K + T)                           (K/V read for attended context K, written for T)
   time  = max(FLOPs / (peak_flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
-All quantities are divided by TP except the overheads. Efficiencies and overheads are
+With sliding-window layers, A and K count each layer's window (averaged over the layers; the
+scheduler then hands every decode over as a one-token chunk). All quantities are divided by TP
+except the overheads. Efficiencies and overheads are
 defaults until `simkv calibrate` fits them on real hardware.
 
 The overheads are the host's share of a step (scheduling, input preparation, output
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simkv.backends.base import prefill_work
+from simkv.backends.base import prefill_work, windowed_prefill_work
 from simkv.core.outputs import SchedulerOutput
 from simkv.clock import per_token_ticks, to_ticks
 from simkv.specs import GPUSpec, ModelSpec
@@ -41,6 +43,7 @@ class RooflineCostModel:
         step_overhead_s: float = 1.0e-3,
         seq_overhead_s: float = 5.0e-6,
         allreduce_latency_s: float = 8.0e-6,
+        layer_windows: list[int] | None = None,
     ) -> None:
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
@@ -66,6 +69,8 @@ class RooflineCostModel:
         self.fixed_s = step_overhead_s + self.comm_fixed
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
+        # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
+        self.layer_windows = list(layer_windows) if layer_windows and any(layer_windows) else None
 
     def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum):
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
@@ -76,7 +81,10 @@ class RooflineCostModel:
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
     def execute(self, output: SchedulerOutput) -> float:
-        p_tokens, p_pairs, p_read = prefill_work(output)
+        if self.layer_windows is not None:
+            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.layer_windows)
+        else:
+            p_tokens, p_pairs, p_read = prefill_work(output)
         n = output.num_decode_reqs
         ctx = output.decode_context_tokens
         return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)

@@ -9,7 +9,8 @@ Speed: steady decoders are not touched every step (steady_decoders.py): a step c
 O(events + log running), not O(running), and runs of event-free decode steps are jumped over
 with results identical to stepping one by one. Under speculative decoding (spec_decode.py) a
 decode is a chunk of 1 + K tokens whose outcome varies, so there are no steady decoders: every
-running request is stepped.
+running request is stepped. The same holds for models with sliding-window layers (their decodes'
+costs are not affine in the context; their blocks come and go with the window).
 
 Invariants: `running` is ordered by `seq` (admission order); a request is in `_prefilling`
 iff it is running and not a steady decoder; steady decoders have `decode_base` set.
@@ -24,6 +25,7 @@ from operator import attrgetter
 from simkv.config import EngineConfig
 from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
+from simkv.core.kv_cache_coordinator import KVCacheCoordinator
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.remote_kv import RemoteKV
@@ -70,8 +72,16 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
         self._last_schedule = (-1, 0)  # async: (step, blocks it took) of the latest schedule() call
+        # Sliding-window layers attend a window, not the whole context: decodes are chunks of one
+        # token (their costs are not affine in the context), as under speculative decoding.
+        self.chunked_decodes = bool(self.num_spec_tokens) or config.has_sliding_window
+        groups = config.kv_cache_groups
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
+        elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
+            self.kv_cache_manager = KVCacheCoordinator(
+                num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
+                cc.watermark, sc.max_num_batched_tokens)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
@@ -254,7 +264,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
-        if self.num_spec_tokens:
+        if self.chunked_decodes:
             verify, drafts = self._spec_after_schedule(plan.chunks)
             to_propose = self._spec_tokens_to_schedule(len(plan.chunks))
         if self.async_scheduling:
@@ -482,7 +492,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if self.async_scheduling:
             output.finished, output.num_blocks_used_end = self.step_output_processed(step)
             return output.finished
-        if self.num_spec_tokens:
+        if self.chunked_decodes:
             output.finished, output.num_blocks_used_end = self._end_step(self._spec_update(output), step)
             return output.finished
         finished = []

@@ -22,6 +22,20 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
+    # Sliding-window attention (0: none): layers attend only the last `sliding_window` tokens.
+    sliding_window: int = 0
+    # With a window: every `full_attention_interval`-th layer attends everything (Gemma 3: 6,
+    # Gemma 2: 2); 0: every layer slides (Mistral 7B v0.1).
+    full_attention_interval: int = 0
+
+    def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
+        """Each decoder layer's attention window (0: full attention), in layer order; the
+        arguments override the spec's (None: the spec's own)."""
+        window = self.sliding_window if sliding_window is None else sliding_window
+        interval = self.full_attention_interval if full_attention_interval is None else full_attention_interval
+        if not window:
+            return [0] * self.num_layers
+        return [0 if interval and (i + 1) % interval == 0 else window for i in range(self.num_layers)]
 
     @property
     def num_params(self) -> int:

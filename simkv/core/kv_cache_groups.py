@@ -1,0 +1,74 @@
+"""KV-cache groups: which layers share a block table, as vLLM's hybrid KV-cache manager forms them.
+
+A model whose layers all attend the whole sequence has one group: one block holds every
+layer's K/V for `block_size` tokens. A model with sliding-window layers (Gemma 2/3, Mistral
+7B v0.1) gets a group per attention type, split so that every group has the same number of
+layers (`layers_per_block`, padded where a type has fewer): one block holds that many layers'
+K/V, every group allocates its own blocks from the one shared pool, and a sliding-window
+group gives back the blocks that fall out of its window (core/kv_cache_coordinator.py).
+
+vLLM's rule (kv_cache_planning._get_kv_cache_groups_uniform_page_size): layers are bucketed by
+type in order of first appearance; the group size is the smallest bucket's layer count, or the
+largest's if that is under 1.5 times the smallest; bucket b splits into ceil(len(b) / size)
+groups. `--disable-hybrid-kv-cache-manager` promotes sliding-window layers of a mixed model to
+full attention for allocation (they still attend only their window); a model whose layers all
+slide with one window keeps its single sliding-window group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroupSpec:
+    sliding_window: int  # 0: full attention
+    num_layers: int  # real layers (the group is padded to `layers_per_block`)
+
+    @property
+    def kind(self) -> str:
+        return f"sliding_window({self.sliding_window})" if self.sliding_window else "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroups:
+    groups: tuple[KVCacheGroupSpec, ...]
+    layers_per_block: int  # K/V of this many layers (padding included) fill one block
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Some group frees blocks outside its window: the scheduler needs KVCacheCoordinator."""
+        return any(g.sliding_window for g in self.groups)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        return tuple(g.sliding_window for g in self.groups)
+
+    @property
+    def num_padding_layers(self) -> int:
+        return len(self.groups) * self.layers_per_block - sum(g.num_layers for g in self.groups)
+
+    def describe(self) -> dict:
+        return {"groups": [g.kind for g in self.groups], "layers_per_block": self.layers_per_block,
+                "num_padding_layers": self.num_padding_layers}
+
+
+def group_layers(layer_windows: list[int], disable_hybrid: bool = False) -> KVCacheGroups:
+    """The KV-cache groups of a model whose layer i attends `layer_windows[i]` tokens (0: all)."""
+    windows = list(layer_windows)
+    if disable_hybrid and 0 in windows and any(windows):
+        windows = [0] * len(windows)  # mixed types: sliding layers allocate like full attention
+    buckets: dict[int, int] = {}
+    for w in windows:
+        buckets[w] = buckets.get(w, 0) + 1
+    if len(buckets) == 1:
+        (w, n), = buckets.items()
+        return KVCacheGroups((KVCacheGroupSpec(w, n),), n)
+    smallest, largest = min(buckets.values()), max(buckets.values())
+    size = largest if largest < smallest * 1.5 else smallest
+    groups = []
+    for w, n in buckets.items():
+        num_groups = -(-n // size)
+        # layers[i::num_groups] go to group i: sizes differ by at most one
+        groups += [KVCacheGroupSpec(w, len(range(i, n, num_groups))) for i in range(num_groups)]
+    return KVCacheGroups(tuple(groups), size)
