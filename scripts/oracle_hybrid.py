@@ -4,8 +4,9 @@ vLLM scheduler.
 vLLM 0.33's `Scheduler` (../shared/tools/vllm_oracle's venv) is built with the KV-cache groups
 simkv forms for a small model with sliding-window layers (core/kv_cache_groups.py): full
 attention and sliding-window groups over one pool, in simkv's order. simkv's `Scheduler` runs
-the same random cases (windows of 2 to 40 tokens, one to four groups, small pools, shared prompt
-content, priorities, watermarks, chunked prefill on and off). Every step's scheduled tokens,
+the same random cases (windows of 2 to 40 tokens, one to seven groups, small pools, shared prompt
+content, priorities, watermarks, chunked prefill on and off, prefix-cache retention intervals 0,
+none and periodic). Every step's scheduled tokens,
 running and waiting requests and blocks in use (all groups), every request's first-token and
 finish step, and the prefix cache's queried and hit tokens must be equal.
 
@@ -51,6 +52,9 @@ def make_case(rng) -> dict:
     opts["model"] = str(rng.choice(["tiny-llama", "llama-3-8b", "gemma-2-9b"]))
     opts["sliding_window"] = int(rng.choice([2, 3, 5, 8, 16, 17, 33, 40]))
     opts["full_attention_interval"] = int(rng.choice([0, 2, 3, 6]))
+    retention = rng.choice(["zero", "zero", "dense", "periodic"])  # vLLM's prefix_cache_retention_interval
+    opts["prefix_cache_retention_interval"] = (None if retention == "dense" else
+                                               block_size * int(rng.integers(1, 9)) if retention == "periodic" else 0)
     from simkv.capacity import group_blocks_per_request
 
     config = EngineConfig.from_flat(opts)

@@ -53,7 +53,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
         long_prefill_token_threshold=o["long_prefill_token_threshold"], is_encoder_decoder=False,
         policy=o["scheduling_policy"], watermark=o["watermark"], scheduler_reserve_full_isl=reserve_full_isl,
         disable_hybrid_kv_cache_manager=True)
-    cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"])
+    cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"],
+                               prefix_cache_retention_interval=o.get("prefix_cache_retention_interval", 0))
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                              cache_config=cache_config, device_config=DeviceConfig(device="cpu"),
                              speculative_config=spec, kv_transfer_config=kv_transfer_config)

@@ -37,6 +37,7 @@ class Capacity:
     # Sliding-window models under the hybrid KV-cache manager (0 otherwise): blocks one request
     # of max_model_len tokens holds at most, over all KV-cache groups.
     blocks_per_request: int = 0
+    block_bytes: int = 0  # one block on one GPU (all layers, or `layers_per_block` of them)
 
     @property
     def max_concurrency(self) -> float:
@@ -144,4 +145,4 @@ def compute_capacity(config: EngineConfig) -> Capacity:
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
     return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml, num_cpu_blocks,
-                    per_request if hybrid else 0)
+                    per_request if hybrid else 0, int(block_bytes))

@@ -153,6 +153,10 @@ class AttentionConfig:
     sliding_window: int | None = None  # None: the model's (0: no sliding-window layers)
     full_attention_interval: int | None = None  # None: the model's; every k-th layer full, 0: none
     disable_hybrid_kv_cache_manager: bool = False  # vLLM's --disable-hybrid-kv-cache-manager
+    # vLLM's --prefix-cache-retention-interval: sliding-window blocks cached for later hits. 0 (its
+    # default): only those a resend of the prompt or a shared-prefix junction can resume at; R > 0:
+    # also the ones before every multiple of R tokens; None: all of them.
+    prefix_cache_retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 0:
@@ -161,10 +165,13 @@ class AttentionConfig:
             raise ConfigError("sliding_window must be >= 2 (a window of one token attends nothing before it)")
         if self.full_attention_interval is not None and self.full_attention_interval < 0:
             raise ConfigError(f"full_attention_interval must be >= 0, got {self.full_attention_interval}")
+        if self.prefix_cache_retention_interval is not None and self.prefix_cache_retention_interval < 0:
+            raise ConfigError(f"prefix_cache_retention_interval must be >= 0 or null, got {self.prefix_cache_retention_interval}")
 
     @property
     def overridden(self) -> bool:
-        return self.sliding_window is not None or self.full_attention_interval is not None
+        return (self.sliding_window is not None or self.full_attention_interval is not None
+                or self.prefix_cache_retention_interval != 0)
 
 
 SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
@@ -322,6 +329,8 @@ class EngineConfig:
             self._verify_speculative()
         if self.has_sliding_window:
             self._verify_sliding_window()
+        elif self.attention.prefix_cache_retention_interval not in (0, None):
+            self._verify_retention()
 
     @property
     def layer_windows(self) -> list[int]:
@@ -356,6 +365,20 @@ class EngineConfig:
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"sliding-window attention (model {self.hardware.model}) is not modelled with {what}")
+        self._verify_retention()
+
+    def _verify_retention(self) -> None:
+        """vLLM's checks of prefix_cache_retention_interval, with its texts."""
+        interval = self.attention.prefix_cache_retention_interval
+        if interval == 0 or interval is None:
+            return
+        if not self.kv_cache_groups.has_sliding_window:
+            raise ConfigError("prefix_cache_retention_interval is set but this model has no sliding-window or Mamba "
+                              "KV cache group, so retention has no effect. Set it to 0 (it only applies to "
+                              "sliding-window and Mamba attention).")
+        if interval % self.cache.block_size:
+            raise ConfigError(f"prefix_cache_retention_interval ({interval}) must be non-negative and a multiple of "
+                              f"scheduler_block_size ({self.cache.block_size}).")
 
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler

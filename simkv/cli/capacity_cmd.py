@@ -22,6 +22,14 @@ def capacity_report(config: EngineConfig) -> dict:
     draft = config.speculative.draft_spec(spec)
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
+    groups = config.kv_cache_groups
+    hybrid = groups.has_sliding_window
+    # one max_model_len request: every layer's K/V of every token, or under the hybrid manager
+    # the blocks it holds at most over the groups (sliding-window groups keep about a window)
+    per_request_gpu = cap.blocks_per_request * cap.block_bytes if hybrid else gpu_per_token * mml
+    extra = {"draft_network": draft.name} if draft is not None else {}
+    if config.has_sliding_window:
+        extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     return {
         "model": config.hardware.model,
         "gpu": config.hardware.gpu,
@@ -32,16 +40,16 @@ def capacity_report(config: EngineConfig) -> dict:
         "max_model_len": mml,
         "kv_bytes_per_token": model_per_token,  # the whole model, over all GPUs
         "kv_bytes_per_token_per_gpu": gpu_per_token,
-        "kv_bytes_per_request": model_per_token * mml,  # one max_model_len request, all GPUs
-        "kv_bytes_per_request_per_gpu": gpu_per_token * mml,
-        "block_bytes_per_gpu": gpu_per_token * cc.block_size,
+        "kv_bytes_per_request": per_request_gpu * tp if hybrid else model_per_token * mml,  # all GPUs
+        "kv_bytes_per_request_per_gpu": per_request_gpu,
+        "block_bytes_per_gpu": cap.block_bytes,
         "available_kv_bytes_per_gpu": cap.available_kv_bytes,
         "num_gpu_blocks": cap.num_gpu_blocks,
         "num_gpu_blocks_given": cc.num_gpu_blocks is not None,
         "kv_cache_tokens": cap.kv_cache_tokens,
-        "max_concurrency": cap.kv_cache_tokens / mml,
+        "max_concurrency": cap.max_concurrency,
         "startup_lines": cap.startup_lines(),
-    } | ({"draft_network": draft.name} if draft is not None else {})
+    } | extra
 
 
 def _bytes(n: int) -> str:
@@ -67,6 +75,11 @@ def print_report(rep: dict) -> None:
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
+    if rep.get("kv_cache_groups"):
+        groups = rep["kv_cache_groups"]
+        kinds = groups["summary"] if groups["hybrid_kv_cache_manager"] else "1 (hybrid manager disabled)"
+        rows.insert(0, ("KV-cache groups", kinds))
+        rows.insert(1, ("layers per block (padding)", f"{groups['layers_per_block']} ({groups['num_padding_layers']})"))
     if rep.get("draft_network"):
         rows.insert(0, ("draft network (its weights and KV included)", rep["draft_network"]))
     for name, value in rows:
@@ -92,6 +105,12 @@ def print_report(rep: dict) -> None:
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)
 @click.option("--spec-draft-model", default=None, help="draft_model: the draft's model spec (e.g. llama-3.2-1b)")
+@click.option("--sliding-window", type=int, default=None,
+              help="Override the model's sliding-window size (0: none) [default: the model's]")
+@click.option("--full-attention-interval", type=int, default=None,
+              help="With a sliding window: every K-th layer attends everything, 0: none [default: the model's]")
+@click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
+              help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def capacity_cmd(config_file: str | None, as_json: bool, **flags) -> None:

@@ -30,8 +30,31 @@ _ENGINE_FLAGS = {
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size",
+    "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
+    "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
+    "prefix_cache_retention_interval": "prefix_cache_retention_interval",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
+
+
+class RetentionInterval(click.ParamType):
+    """A whole number of tokens, or "none" (vLLM's None: retain every block)."""
+
+    name = "retention"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        if text in ("none", "null", "dense"):
+            return _DENSE
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of tokens nor 'none'", param, ctx)
+
+
+_DENSE = "none"  # CLI spelling of a null retention interval (flat_options turns it into None)
 
 
 def _splits_host_time(cost_model: str, config: EngineConfig) -> bool:
@@ -65,7 +88,7 @@ def flat_options(cli_values: dict, config_file: str | None) -> dict:
     options = {k: v for k, v in options.items() if k not in FLEET_CONFIG_KEYS}
     for flag, name in _ENGINE_FLAGS.items():
         if cli_values.get(flag) is not None:
-            options[name] = cli_values[flag]
+            options[name] = None if cli_values[flag] is _DENSE else cli_values[flag]
     return options
 
 
@@ -203,6 +226,15 @@ _ENGINE_OPTIONS = [
                  help="Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): K drafts after steps of "
                       "A to B requests, e.g. 1-16:5,17-64:3,65-256:1 [default: always --num-speculative-tokens]"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
+    click.option("--sliding-window", type=int, default=None,
+                 help="Override the model's sliding-window size in tokens (0: no sliding-window layers) [default: the model's]"),
+    click.option("--full-attention-interval", type=int, default=None,
+                 help="With a sliding window: every K-th layer attends the whole context, 0: none [default: the model's]"),
+    click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
+                 help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention (one block table)"),
+    click.option("--prefix-cache-retention-interval", type=RetentionInterval(), default=None, metavar="N|none",
+                 help="vLLM's: sliding-window blocks cached every N tokens besides prompt ends and shared-prefix "
+                      "junctions; none: all [default: 0, junctions and prompt ends only]"),
 ]
 
 
@@ -272,6 +304,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         check_pools(disaggregation, config)
     if backend == "gpu" and config.speculative.enabled:
         raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
+    if backend == "gpu" and config.has_sliding_window:
+        raise click.UsageError(f"{config.hardware.model} has sliding-window layers: simulated only (the gpu "
+                               "backend's kernels attend the whole context)")
     if backend == "gpu" and config.scheduler.async_scheduling:
         raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
                                "before scheduling the next")

@@ -8,7 +8,8 @@ by the null block in its table (vLLM's remove_skipped_blocks). A request therefo
 w / block_size blocks per sliding-window group however long it grows, plus a whole chunk while
 a prefill chunk is in flight.
 
-Prefix caching, as vLLM 0.33 does it with its default `prefix_cache_retention_interval` 0:
+Prefix caching, as vLLM 0.33 does it with its default `prefix_cache_retention_interval` 0
+(None caches every sliding-window block too; R > 0 also the runs before every multiple of R):
 - block keys are per group (the content key and the group id);
 - full-attention groups cache every full block, as the single-group manager does;
 - sliding-window groups cache only the ceil((w - 1) / block_size) blocks that end at the
@@ -61,7 +62,8 @@ class KVCacheCoordinator:
     num_false_prefix_hits = 0
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
-                 enable_caching: bool = True, watermark: float = 0.0, max_num_batched_tokens: int = 8192) -> None:
+                 enable_caching: bool = True, watermark: float = 0.0, max_num_batched_tokens: int = 8192,
+                 retention_interval: int | None = 0) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -69,6 +71,8 @@ class KVCacheCoordinator:
         self.null_block = self.block_pool.null_block
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hasher = BlockHasher(block_size)
+        # vLLM's prefix_cache_retention_interval: which sliding-window blocks are cached (None: all)
+        self.retention_interval = retention_interval
         self.groups = []
         for gid, w in enumerate(windows):
             cap = cdiv(min(w - 1 + max_num_batched_tokens, max_model_len), block_size) + 1 if w else 0
@@ -256,17 +260,7 @@ class KVCacheCoordinator:
             if end <= start:
                 continue
             table = g.req_to_blocks[index]
-            if g.window:
-                reach = [request.num_prompt_tokens - 1]
-                if self._junction.get(index):
-                    reach.append(self._junction[index])
-                keep = set()
-                for boundary in reach:
-                    stop = boundary // bs
-                    keep.update(range(max(start, stop - g.need), min(end, stop)))
-                positions = sorted(keep)
-            else:
-                positions = range(start, end)
+            positions = self._window_positions(g, request, start, end) if g.window else range(start, end)
             null = self.null_block
             for i in positions:
                 block = table[i]
@@ -275,6 +269,29 @@ class KVCacheCoordinator:
                     if i >= shared:
                         request.has_own_cached_blocks = True
             g.num_cached_block[index] = end
+
+    def _window_positions(self, g: _Group, request: Request, start: int, end: int):
+        """The blocks in [start, end) a sliding-window group caches (vLLM's reachable_block_mask):
+        under retention interval R > 0 the `need` blocks before every multiple of R; always the
+        `need` blocks before `num_prompt_tokens - 1` and before the request's junction."""
+        retention = self.retention_interval
+        bs = self.block_size
+        if retention is None:
+            return range(start, end)
+        keep = set()
+        if retention:
+            per_segment = retention // bs
+            if g.need >= per_segment:
+                return range(start, end)
+            keep.update(i for i in range(start, end) if i % per_segment >= per_segment - g.need)
+        index = request.index
+        reach = [request.num_prompt_tokens - 1]
+        if self._junction.get(index):
+            reach.append(self._junction[index])
+        for boundary in reach:
+            stop = boundary // bs
+            keep.update(range(max(start, stop - g.need), min(end, stop)))
+        return sorted(keep)
 
     def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False) -> None:
         """Release all of a request's blocks, group by group, each group's tail first."""

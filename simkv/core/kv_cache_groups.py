@@ -52,6 +52,13 @@ class KVCacheGroups:
         return {"groups": [g.kind for g in self.groups], "layers_per_block": self.layers_per_block,
                 "num_padding_layers": self.num_padding_layers}
 
+    def summary(self) -> str:
+        """E.g. '6 x sliding_window(1024) + 1 x full_attention'."""
+        counts: dict[str, int] = {}
+        for g in self.groups:
+            counts[g.kind] = counts.get(g.kind, 0) + 1
+        return " + ".join(f"{n} x {kind}" for kind, n in counts.items())
+
 
 def group_layers(layer_windows: list[int], disable_hybrid: bool = False) -> KVCacheGroups:
     """The KV-cache groups of a model whose layer i attends `layer_windows[i]` tokens (0: all)."""

@@ -81,7 +81,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
-                cc.watermark, sc.max_num_batched_tokens)
+                cc.watermark, sc.max_num_batched_tokens, config.attention.prefix_cache_retention_interval)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,

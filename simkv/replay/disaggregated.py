@@ -132,6 +132,9 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
                           f"got preemption_mode={sc.preemption_mode}")
     if cc.allocator != "paged":
         raise ConfigError(f"{pool} pool: P/D disaggregation needs the paged allocator, got {cc.allocator}")
+    if config.has_sliding_window:
+        raise ConfigError(f"{pool} pool: P/D disaggregation is not modelled for models with sliding-window layers "
+                          f"({config.hardware.model})")
 
 
 class PrefillRouting(FleetRouting):

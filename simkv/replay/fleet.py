@@ -18,7 +18,7 @@ import pandas as pd
 import simpy
 
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (itl_samples, spec_summary, latencies_and_rates, request_table, stored_and_wasted_slots,
+from simkv.replay.results import (itl_samples, kv_cache_groups_summary, spec_summary, latencies_and_rates, request_table, stored_and_wasted_slots,
                                   summarize, weighted_dist)
 from simkv.replay.router import Router
 from simkv.replay.step_log import SPEC_COLUMNS
@@ -251,7 +251,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    } | spec_summary(config, [run.scheduler for run in runs], backends, duration)
+    } | kv_cache_groups_summary(config) | spec_summary(config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),

@@ -33,6 +33,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
                 ("cost model", cost["cost_model"])]
     if cfg.get("async_scheduling"):
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
+    groups = summary.get("kv_cache_groups")
+    if groups:
+        head.append(("KV-cache groups", groups["summary"] + f", {groups['layers_per_block']} layers per block"
+                     if groups["hybrid_kv_cache_manager"] else "one (hybrid KV-cache manager disabled)"))
     spec = summary.get("speculative_decoding")
     if spec:
         head.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "

@@ -1,0 +1,162 @@
+"""Replays of models with sliding-window layers: capacity, cost, outputs, options and errors."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.base import prefill_work, window_pairs_and_reads, windowed_prefill_work
+from simkv.backends.factory import make_backend
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+from simkv.replay.api import replay
+from simkv.specs import get_model_spec
+from simkv.traces.schema import trace_from_frame
+from tests.core.helpers import make_request
+
+
+def _trace(n=40, seed=3, long=False):
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 5, n)),
+                          "prompt_tokens": rng.integers(2000, 6000, n) if long else rng.integers(10, 900, n),
+                          "output_tokens": rng.integers(1, 200, n)})
+    return trace_from_frame(frame)
+
+
+def _step(*chunks) -> SchedulerOutput:
+    out = [ScheduledChunk(make_request(i, c + n + 1, 1), c, n) for i, (c, n) in enumerate(chunks)]
+    return SchedulerOutput(step=0, chunks=out, num_decode_reqs=0, decode_context_tokens=0, decodes=None, preempted=[],
+                           num_running=len(out), num_waiting=0, num_blocks_used=0, prefix_query_tokens=0,
+                           prefix_hit_tokens=0)
+
+
+@pytest.mark.parametrize("n, c, w", [(1, 0, 4), (5, 0, 4), (1, 100, 8), (30, 3, 8), (7, 20, 64), (100, 1000, 2)])
+def test_window_pairs_and_reads_count_each_token(n, c, w):
+    pairs = sum(min(p + 1, w) for p in range(c, c + n))
+    keys = {k for p in range(c, c + n) for k in range(max(0, p - w + 1), p + 1)}
+    assert window_pairs_and_reads(n, c, w) == (pairs, len(keys))
+
+
+def test_windowed_work_averages_the_layers():
+    """Half the layers slide (window 8): pairs and reads are the mean of the full and windowed
+    counts; without windows the figures are prefill_work's."""
+    out = _step((100, 1), (0, 20))
+    full = prefill_work(out)
+    assert windowed_prefill_work(out, [0, 0]) == full
+    tokens, pairs, reads = windowed_prefill_work(out, [8, 0])
+    w_pairs = window_pairs_and_reads(1, 100, 8)[0] + window_pairs_and_reads(20, 0, 8)[0]
+    w_reads = window_pairs_and_reads(1, 100, 8)[1] + window_pairs_and_reads(20, 0, 8)[1]
+    assert (tokens, pairs, reads) == (21, (full[1] + w_pairs) / 2, (full[2] + w_reads) / 2)
+
+
+def test_roofline_decode_reads_only_the_windows():
+    """gemma-2-9b (half its layers slide over 4,096 tokens), batch of 64 decodes at 32k context:
+    its windows make the step faster than the same model attending everything."""
+    decodes = _step(*[(32_000, 1)] * 64)
+    base = dict(model="gemma-2-9b", gpu="H100-SXM", num_gpu_blocks=1000, max_model_len=40_000)
+    windowed = make_backend("roofline", EngineConfig.from_flat(base)).execute(decodes)
+    full = make_backend("roofline", EngineConfig.from_flat(base | {"sliding_window": 0})).execute(decodes)
+    assert windowed < 0.8 * full
+
+
+def test_capacity_blocks_hold_a_group_of_layers():
+    """gemma-3-27b: 62 layers, 16 KV heads x 128 x 2 bytes x K and V = 8,192 B per layer per token.
+    The hybrid manager's blocks hold 10 layers (7 groups, 8 padding layers); disabled, all 62."""
+    base = dict(model="gemma-3-27b", gpu="H100-SXM", max_model_len=32768)
+    hybrid = compute_capacity(EngineConfig.from_flat(base))
+    plain = compute_capacity(EngineConfig.from_flat(base | {"disable_hybrid_kv_cache_manager": True}))
+    assert hybrid.block_bytes == 10 * 8192 * 16 and plain.block_bytes == 62 * 8192 * 16
+    assert hybrid.num_gpu_blocks == hybrid.available_kv_bytes // hybrid.block_bytes
+    assert plain.num_gpu_blocks == plain.available_kv_bytes // plain.block_bytes
+    # vLLM's start-up figure: a 32k request holds 2,048 blocks in the full group and the window cap
+    # ceil(min(1023 + 8192, 32768) / 16) + 1 = 577 in each of the 6 window groups
+    assert hybrid.blocks_per_request == 2048 + 6 * 577
+    assert hybrid.max_concurrency == pytest.approx(hybrid.num_gpu_blocks / (2048 + 6 * 577))
+    assert plain.max_concurrency == pytest.approx(plain.num_gpu_blocks * 16 / 32768)
+    assert hybrid.max_concurrency > 2 * plain.max_concurrency
+
+
+def test_max_model_len_check_counts_the_groups():
+    """131k tokens: the hybrid manager fits on one H100, the disabled one does not (vLLM's text)."""
+    base = dict(model="gemma-3-27b", gpu="H100-SXM")
+    compute_capacity(EngineConfig.from_flat(base))
+    with pytest.raises(ConfigError, match=r"model's max seq len \(131072\).*estimated maximum model length is 39"):
+        compute_capacity(EngineConfig.from_flat(base | {"disable_hybrid_kv_cache_manager": True}))
+
+
+def test_replay_outputs_and_determinism(tmp_path):
+    base = dict(model="gemma-3-27b", gpu="H200", max_model_len=8192)
+    first = replay(_trace(long=True), EngineConfig.from_flat(base))
+    second = replay(_trace(long=True), EngineConfig.from_flat(base))
+    groups = first.summary["kv_cache_groups"]
+    assert groups["summary"] == "6 x sliding_window(1024) + 1 x full_attention" and groups["hybrid_kv_cache_manager"]
+    assert first.summary["num_finished"] == 40
+    assert first.requests.equals(second.requests)
+    assert {k: v for k, v in first.summary.items() if k != "wall_time_s"} == \
+        {k: v for k, v in second.summary.items() if k != "wall_time_s"}
+    assert first.summary["config"]["sliding_window"] is None  # the model's own
+    assert first.summary["config"]["prefix_cache_retention_interval"] == 0
+
+
+def test_hybrid_manager_holds_fewer_blocks_than_full_allocation():
+    """The same long-prompt trace on the same number of token slots: under the hybrid manager
+    the peak KV bytes in use are well below the disabled manager's (windows give blocks back)."""
+    base = dict(model="gemma-3-27b", gpu="H200", max_model_len=8192)
+    hybrid = replay(_trace(long=True), EngineConfig.from_flat(base), "unit")
+    plain = replay(_trace(long=True), EngineConfig.from_flat(base | {"disable_hybrid_kv_cache_manager": True}), "unit")
+    hybrid_bytes = hybrid.summary["peak_blocks_used"] * 10
+    plain_bytes = plain.summary["peak_blocks_used"] * 62  # layers per block
+    assert hybrid_bytes < 0.6 * plain_bytes
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(speculative_method="ngram", num_speculative_tokens=2), "not modelled with speculative decoding"),
+    (dict(async_scheduling=True), "not modelled with async_scheduling"),
+    (dict(preemption_mode="swap"), "not modelled with preemption_mode 'swap'"),
+    (dict(prefix_cache_retention_interval=24), r"retention_interval \(24\) must be non-negative and a multiple of "
+                                               r"scheduler_block_size \(16\)"),
+    (dict(sliding_window=1), "sliding_window must be >= 2"),
+])
+def test_refused_combinations(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(dict(model="gemma-2-9b") | options)
+
+
+def test_retention_needs_a_window_group():
+    with pytest.raises(ConfigError, match="has no sliding-window or Mamba KV cache group"):
+        EngineConfig.from_flat(dict(model="llama-3-8b", prefix_cache_retention_interval=32))
+    EngineConfig.from_flat(dict(model="llama-3-8b", prefix_cache_retention_interval=None))  # (allowed, as in vLLM)
+
+
+def test_cli(tmp_path):
+    trace = tmp_path / "t.parquet"
+    pd.DataFrame({"arrival_time_s": [0.0, 0.1, 0.2], "prompt_tokens": [3000, 2000, 50],
+                  "output_tokens": [5, 5, 5]}).to_parquet(trace)
+    runner = CliRunner()
+    out = tmp_path / "out"
+    res = runner.invoke(main, ["replay", str(trace), "--out", str(out), "--model", "gemma-2-9b",
+                               "--prefix-cache-retention-interval", "none", "--quiet"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["prefix_cache_retention_interval"] is None
+    assert summary["kv_cache_groups"]["summary"] == "1 x sliding_window(4096) + 1 x full_attention"
+    res = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / "o2"), "--model", "gemma-2-9b",
+                               "--sliding-window", "0", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "kv_cache_groups" not in json.loads((tmp_path / "o2" / "summary.json").read_text())
+    res = runner.invoke(main, ["replay", str(trace), "--model", "gemma-2-9b", "--backend", "gpu"])
+    assert res.exit_code != 0 and "sliding-window layers: simulated only" in res.output
+    res = runner.invoke(main, ["capacity", "--model", "gemma-3-27b", "--max-model-len", "32768", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["kv_cache_groups"]["layers_per_block"] == 10 and rep["block_bytes_per_gpu"] == 10 * 8192 * 16
+
+
+def test_layer_windows_of_the_specs():
+    assert get_model_spec("gemma-3-27b").layer_windows().count(0) == 10  # layers 5, 11, ..., 59
+    assert get_model_spec("gemma-2-9b").layer_windows()[:2] == [4096, 0]
+    assert get_model_spec("llama-3-8b").layer_windows(sliding_window=64) == [64] * 32
