@@ -30,17 +30,7 @@ from oracle_pd import differences  # noqa: E402
 def make_case(rng) -> dict:
     block_size = int(rng.choice([2, 4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
-    n = int(rng.integers(3, 40))
-    prefixes = [[int(x) for x in rng.integers(0, 4, 40)] for _ in range(3)] if rng.random() < 0.7 else None
-    requests = []
-    for i in range(n):
-        prompt = int(rng.integers(1, max_model_len))
-        r = {"row": i, "arrival_step": int(rng.integers(0, 30)), "prompt": prompt,
-             "output": int(rng.integers(1, 50)), "priority": int(rng.integers(0, 3))}
-        if prefixes is not None:
-            r["block_hashes"] = prefixes[int(rng.integers(0, 3))][:-(-prompt // 8)]
-        requests.append(r)
-    requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
+    requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
     sys.path.insert(0, str(ROOT))
     from oracle_fuzz import random_engine_options  # (simkv's side only: it imports simkv)
     from simkv.config import EngineConfig

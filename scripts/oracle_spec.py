@@ -26,11 +26,11 @@ import oracle_vllm  # noqa: E402  (the vLLM side both step-mode oracles share)
 from oracle_pd import _step_loop, differences  # noqa: E402  (shared with the P/D oracle)
 
 
-def make_case(rng) -> dict:
-    block_size = int(rng.choice([4, 8, 16]))
-    max_model_len = int(rng.choice([64, 128, 256]))
+def random_requests(rng, max_model_len: int, share_probability: float) -> list[dict]:
+    """3 to 39 requests arriving over 30 steps; with `share_probability`, prompts drawn from three
+    shared contents (8-token hash blocks)."""
     n = int(rng.integers(3, 40))
-    prefixes = [[int(x) for x in rng.integers(0, 4, 40)] for _ in range(3)] if rng.random() < 0.6 else None
+    prefixes = [[int(x) for x in rng.integers(0, 4, 40)] for _ in range(3)] if rng.random() < share_probability else None
     requests = []
     for i in range(n):
         prompt = int(rng.integers(1, max_model_len))
@@ -40,6 +40,13 @@ def make_case(rng) -> dict:
             r["block_hashes"] = prefixes[int(rng.integers(0, 3))][:-(-prompt // 8)]
         requests.append(r)
     requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
+    return requests
+
+
+def make_case(rng) -> dict:
+    block_size = int(rng.choice([4, 8, 16]))
+    max_model_len = int(rng.choice([64, 128, 256]))
+    requests = random_requests(rng, max_model_len, 0.6)
     from oracle_fuzz import random_engine_options  # (simkv's side only: it imports simkv)
 
     opts = random_engine_options(rng, block_size, max_model_len)

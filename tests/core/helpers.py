@@ -178,3 +178,15 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
         rows.pop()
     return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
             "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
+
+
+def assert_same_steps_as_vllm(recorded: dict) -> dict:
+    """A recorded step-mode oracle case ({"case", "vllm"}): simkv's steps and requests equal vLLM's
+    (drive_steps' result is returned for further checks)."""
+    ours = drive_steps(recorded["case"])
+    theirs = recorded["vllm"]["steps"]
+    while theirs and not any(theirs[-1]):  # (vLLM's engine steps once more to report the last finish)
+        theirs.pop()
+    assert ours["steps"] == theirs
+    assert ours["requests"] == recorded["vllm"]["requests"]
+    return ours

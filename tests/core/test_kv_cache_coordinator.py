@@ -15,7 +15,7 @@ from simkv.core.kv_cache_groups import group_layers
 from simkv.core.request import RequestStatus
 from simkv.core.scheduler import Scheduler
 from simkv.specs import get_model_spec
-from tests.core.helpers import drive, drive_steps, make_request
+from tests.core.helpers import assert_same_steps_as_vllm, drive, make_request
 
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
 
@@ -27,12 +27,7 @@ def test_same_steps_as_vllm(index):
     none and periodic; caching off in one): every step's scheduled tokens, running, waiting and
     blocks in use, every request's first-token and finish step, prefix-cache queries and hits."""
     case = json.loads(DATA.read_text())["cases"][index]
-    ours = drive_steps(case["case"])
-    theirs = case["vllm"]["steps"]
-    while theirs and not any(theirs[-1]):  # (vLLM's engine steps once more to report the last finish)
-        theirs.pop()
-    assert ours["steps"] == theirs
-    assert ours["requests"] == case["vllm"]["requests"]
+    ours = assert_same_steps_as_vllm(case)
     stats = ours["scheduler"].kv_cache_manager.prefix_cache_stats
     assert [stats.queries, stats.hits] == case["vllm"]["prefix"]
 

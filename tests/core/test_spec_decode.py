@@ -10,7 +10,7 @@ import pytest
 from simkv.config import ConfigError, EngineConfig, SpeculativeConfig
 from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import AcceptanceModel
-from tests.core.helpers import drive_steps, make_request
+from tests.core.helpers import assert_same_steps_as_vllm, drive_steps, make_request
 
 DATA = Path(__file__).parent / "data" / "spec_vllm_cases.json"
 
@@ -29,12 +29,7 @@ def test_same_steps_as_vllm(index):
     draft model, ngram under fcfs and priority; eagle and a draft model with dynamic speculation
     lengths): vLLM 0.33's scheduler's every step and every request's first-token and finish step."""
     case = json.loads(DATA.read_text())["cases"][index]
-    ours = drive_steps(case["case"])
-    theirs = case["vllm"]["steps"]
-    while theirs and not any(theirs[-1]):  # (vLLM's engine steps once more to report the last finish)
-        theirs.pop()
-    assert ours["steps"] == theirs
-    assert ours["requests"] == case["vllm"]["requests"]
+    ours = assert_same_steps_as_vllm(case)
     assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
 
 
