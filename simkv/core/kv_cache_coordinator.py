@@ -35,27 +35,15 @@ from simkv.core.kv_cache_manager import ComputedBlocks, PrefixCacheStats, cdiv, 
 from simkv.core.request import Request, RequestStatus
 
 
-class _Group:
-    """One KV-cache group's block tables (vLLM's SingleTypeKVCacheManager)."""
-
-    __slots__ = ("gid", "window", "need", "admission_cap", "req_to_blocks", "num_cached_block")
-
-    def __init__(self, gid: int, window: int, block_size: int, admission_cap: int) -> None:
-        self.gid = gid
-        self.window = window
-        # sliding window: blocks a hit needs before its end (the window of the next token)
-        self.need = cdiv(window - 1, block_size) if window else 0
-        self.admission_cap = admission_cap  # sliding window only
-        self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[int, int] = {}
-
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.window + 1) if self.window else 0
-
-
 class KVCacheCoordinator:
     """The scheduler's KV-cache manager for models with sliding-window layers (same interface
-    as KVCacheManager for what the scheduler uses)."""
+    as KVCacheManager for what the scheduler uses).
+
+    Per request: one block table per group. All tables have the same length (every group
+    allocates up to the same token count), the sliding-window tables the same leading run of
+    null blocks (every window group has the same window), and all groups have cached the same
+    number of blocks: the request's state is kept once, not per group (vLLM keeps it per group).
+    """
 
     num_forks = 0  # parallel sampling is not modelled with sliding-window layers
     num_cow_copies = 0
@@ -73,30 +61,32 @@ class KVCacheCoordinator:
         self.hasher = BlockHasher(block_size)
         # vLLM's prefix_cache_retention_interval: which sliding-window blocks are cached (None: all)
         self.retention_interval = retention_interval
-        self.groups = []
-        for gid, w in enumerate(windows):
-            cap = cdiv(min(w - 1 + max_num_batched_tokens, max_model_len), block_size) + 1 if w else 0
-            self.groups.append(_Group(gid, w, block_size, cap))
+        self.windows = tuple(windows)
         self.num_groups = len(windows)
-        self.full_groups = [g for g in self.groups if not g.window]
-        self.window_groups = [g for g in self.groups if g.window]
-        if len({g.window for g in self.window_groups}) > 1:
+        sliding = {w for w in windows if w}
+        if len(sliding) != 1:
             raise ValueError("the KV-cache coordinator models one sliding-window size")
+        self.window = w = sliding.pop()
+        self.full_gids = [g for g, x in enumerate(windows) if not x]
+        self.window_gids = [g for g, x in enumerate(windows) if x]
+        self.need = cdiv(w - 1, block_size)  # blocks a hit needs before its end (the next token's window)
+        # admission (full_sequence_must_fit) counts a window group's blocks up to vLLM's cap
+        self.admission_cap = cdiv(min(w - 1 + max_num_batched_tokens, max_model_len), block_size) + 1
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_frees = 0
+        self._tables: dict[int, list[list[KVCacheBlock]]] = {}  # request index -> per group
+        self._nulls: dict[int, int] = {}  # leading null blocks of the window groups' tables
+        self._num_cached: dict[int, int] = {}  # blocks cached (or looked at for caching) per group
         self._junction: dict[int, int] = {}  # request index -> shared-prefix boundary (vLLM's shared_prefix_boundary)
 
     # ---- lookups -------------------------------------------------------------------------
-    def _key(self, request: Request, i: int, gid: int) -> int:
-        return self.hasher.block_key(request, i) * self.num_groups + gid
-
-    def _cached(self, request: Request, i: int, groups: list[_Group]) -> list[KVCacheBlock] | None:
-        """Block i of every group in `groups` if all are cached, else None."""
+    def _cached(self, request: Request, i: int, gids: list[int]) -> list[KVCacheBlock] | None:
+        """Block i of every group in `gids` if all are cached, else None."""
         key = self.hasher.block_key(request, i) * self.num_groups
         get = self.block_pool.get_cached_block
         out = []
-        for g in groups:
-            block = get(key + g.gid)
+        for gid in gids:
+            block = get(key + gid)
             if block is None:
                 return None
             out.append(block)
@@ -107,53 +97,47 @@ class KVCacheCoordinator:
         compute); `blocks` holds one list per group (null blocks below a window's reach)."""
         if not self.enable_caching:
             return _NO_HITS
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
+        max_blocks = (request.num_tokens - 1) // self.block_size
         if not request.has_own_cached_blocks:  # blocks past the shared region cannot be cached
             max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
-        per_group: list[list[KVCacheBlock] | None] = [None] * self.num_groups
-        longest = hit = max_blocks
-        if self.full_groups:
+        per_group: list[list[KVCacheBlock]] = [[] for _ in self.windows]
+        longest = max_blocks
+        if self.full_gids:
             found = []
             for i in range(max_blocks):
-                blocks = self._cached(request, i, self.full_groups)
+                blocks = self._cached(request, i, self.full_gids)
                 if blocks is None:
                     break
                 found.append(blocks)
-            hit = longest = len(found)
-            for j, g in enumerate(self.full_groups):
-                per_group[g.gid] = [b[j] for b in found]
-        if self.window_groups:
-            hit = self._window_hit(request, hit, per_group)
-            if not self.full_groups:
-                longest = hit
-            for g in self.full_groups:
-                del per_group[g.gid][hit:]
-        self._junction[request.index] = longest * bs if longest > hit else 0
+            longest = len(found)
+        hit = self._window_hit(request, longest, per_group)
+        if not self.full_gids:
+            longest = hit
+        for j, gid in enumerate(self.full_gids):
+            per_group[gid] = [b[j] for b in found[:hit]]
+        self._junction[request.index] = longest * self.block_size if longest > hit else 0
         if hit == 0:
             return _NO_HITS
-        return ComputedBlocks(tuple(per_group), hit * bs)
+        return ComputedBlocks(tuple(per_group), hit * self.block_size)
 
     def _window_hit(self, request: Request, max_blocks: int, per_group: list) -> int:
         """Sliding-window groups: scan from block `max_blocks - 1` down for `need` consecutive
         cached blocks; without such a run, the cached run from block 0 (vLLM's rule)."""
-        groups = self.window_groups
-        need = groups[0].need
         run: list[list[KVCacheBlock]] = []  # the current run, right to left
         start = 0
         for i in range(max_blocks - 1, -1, -1):
-            blocks = self._cached(request, i, groups)
+            blocks = self._cached(request, i, self.window_gids)
             if blocks is None:
                 run = []
                 continue
             run.append(blocks)
-            if len(run) >= need:
+            if len(run) >= self.need:
                 start = i
                 break
         run.reverse()
-        null = self.null_block
-        for j, g in enumerate(groups):
-            per_group[g.gid] = [null] * start + [b[j] for b in run]
+        head = [self.null_block] * start
+        for j, gid in enumerate(self.window_gids):
+            per_group[gid] = head + [b[j] for b in run]
         return start + len(run)
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
@@ -162,22 +146,30 @@ class KVCacheCoordinator:
 
     # ---- allocation ----------------------------------------------------------------------
     def num_blocks_of(self, request: Request) -> int:
-        null = self.null_block
-        return sum(sum(b is not null for b in g.req_to_blocks.get(request.index, ())) for g in self.groups)
+        tables = self._tables.get(request.index)
+        if not tables:
+            return 0
+        return len(tables[0]) * self.num_groups - self._nulls.get(request.index, 0) * len(self.window_gids)
 
-    def _blocks_to_allocate(self, g: _Group, request: Request, num_tokens: int, hits, num_computed: int,
-                            cap: bool = False) -> int:
+    def _num_skipped_blocks(self, num_computed: int) -> int:
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def _blocks_to_admit(self, num_tokens: int, hits, num_computed: int, cap: bool) -> int:
+        """Blocks a waiting request (no blocks yet) needs over all groups for `num_tokens` slots
+        (vLLM's get_num_blocks_to_allocate with the new prefix hits, per group)."""
         required = cdiv(num_tokens, self.block_size)
-        if cap and g.window:
-            required = min(required, g.admission_cap)
-        blocks = g.req_to_blocks.get(request.index)
-        held = len(blocks) if blocks is not None else 0
         if not hits:
-            return max(required - held, 0)
-        skipped = g.num_skipped_tokens(num_computed) // self.block_size
-        new = max(required - max(skipped, len(hits) + held), 0)
+            window_required = min(required, self.admission_cap) if cap else required
+            return required * len(self.full_gids) + window_required * len(self.window_gids)
+        skipped = self._num_skipped_blocks(num_computed)
         null = self.null_block
-        return new + sum(b.ref_cnt == 0 and b is not null for b in hits[max(0, skipped - held):])
+        total = 0
+        for gid, window in enumerate(self.windows):
+            group_hits = hits[gid]
+            need = min(required, self.admission_cap) if cap and window else required
+            total += max(need - max(skipped if window else 0, len(group_hits)), 0)
+            total += sum(b.ref_cnt == 0 and b is not null for b in group_hits[skipped if window else 0:])
+        return total
 
     def allocate_slots(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
                        computed: ComputedBlocks | None = None, num_lookahead_tokens: int = 0,
@@ -186,41 +178,37 @@ class KVCacheCoordinator:
         """vLLM's allocate_slots over the groups: free what left the windows, check the pool,
         take the prefix hits, allocate in group order, cache the full blocks. None: no room
         (the windows' blocks are given back all the same, as in vLLM)."""
+        index = request.index
+        pool = self.block_pool
         hits = computed.blocks if computed is not None and computed.num_tokens else None
         total = min(num_computed_tokens + (computed.num_tokens if hits else 0), self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status != RequestStatus.RUNNING else 0
-        pool = self.block_pool
-        groups = self.groups
-        if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
-            need = sum(self._blocks_to_allocate(g, request, full, hits[g.gid] if hits else None, total, cap=True)
-                       for g in groups)
-            if need + watermark > pool.get_num_free_blocks():
-                return None
         need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        for g in self.window_groups:
-            self._remove_skipped(g, request, total)
-        need = sum(self._blocks_to_allocate(g, request, need_slots, hits[g.gid] if hits else None, total)
-                   for g in groups)
-        if need + watermark > pool.get_num_free_blocks() - reserved_blocks:
-            return None
-        index = request.index
-        if hits:
-            null = self.null_block
-            for g in groups:  # every group's hits are taken before any group allocates
-                skipped = g.num_skipped_tokens(total) // self.block_size
-                real = hits[g.gid][skipped:]
-                pool.touch(real)
-                g.req_to_blocks[index] = table = [null] * skipped + list(real)
-                g.num_cached_block[index] = len(table)
+        tables = self._tables.get(index)
+        if tables is None:
+            if full_sequence_must_fit:
+                full = min(request.num_tokens, self.max_model_len)
+                if self._blocks_to_admit(full, hits, total, True) + watermark > pool.get_num_free_blocks():
+                    return None
+            if self._blocks_to_admit(need_slots, hits, total, False) + watermark > pool.get_num_free_blocks() - reserved_blocks:
+                return None
+            tables = self._tables[index] = self._take_hits(index, hits, total) if hits else [[] for _ in self.windows]
+        else:  # a running request: the window's release, then its new blocks
+            held = len(tables[0])
+            if full_sequence_must_fit:
+                full_required = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
+                need = (max(full_required - held, 0) * len(self.full_gids)
+                        + max(min(full_required, self.admission_cap) - held, 0) * len(self.window_gids))
+                if need + watermark > pool.get_num_free_blocks():
+                    return None
+            self._release_window(index, tables, total)
+            if max(cdiv(need_slots, self.block_size) - held, 0) * self.num_groups + watermark > \
+                    pool.get_num_free_blocks() - reserved_blocks:
+                return None
+        n = cdiv(need_slots, self.block_size) - len(tables[0])
         new_blocks: list[KVCacheBlock] = []
-        num_required = cdiv(need_slots, self.block_size)
-        for g in groups:
-            table = g.req_to_blocks.get(index)
-            if table is None:
-                table = g.req_to_blocks[index] = []
-            n = num_required - len(table)
-            if n > 0:
+        if n > 0:
+            for table in tables:
                 got = pool.get_new_blocks(n)
                 table.extend(got)
                 new_blocks += got
@@ -228,49 +216,69 @@ class KVCacheCoordinator:
             self._cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
 
-    def _remove_skipped(self, g: _Group, request: Request, num_computed: int) -> None:
-        """Give back the group's blocks that lie wholly outside the window of the next token."""
-        skipped = g.num_skipped_tokens(num_computed) // self.block_size
-        if skipped <= 0:
-            return
-        table = g.req_to_blocks.get(request.index)
-        if not table:
+    def _take_hits(self, index: int, hits, num_computed: int) -> list[list[KVCacheBlock]]:
+        """A waiting request's prefix hits become its tables (every group's hits are taken
+        before any group allocates); window groups keep null blocks below the window."""
+        skipped = self._num_skipped_blocks(num_computed)
+        tables = []
+        null = self.null_block
+        for gid, window in enumerate(self.windows):
+            group_hits = hits[gid]
+            if window:
+                real = group_hits[skipped:]
+                self.block_pool.touch(real)
+                tables.append([null] * skipped + list(real))
+            else:
+                self.block_pool.touch(group_hits)
+                tables.append(list(group_hits))
+        self._nulls[index] = skipped
+        self._num_cached[index] = len(tables[0])
+        return tables
+
+    def _release_window(self, index: int, tables: list[list[KVCacheBlock]], num_computed: int) -> None:
+        """Give back the window groups' blocks that lie wholly outside the window of the next
+        token (vLLM's remove_skipped_blocks: each group's, last block first, group by group)."""
+        upto = min(self._num_skipped_blocks(num_computed), len(tables[0]))
+        nulls = self._nulls.get(index, 0)
+        if upto <= nulls:
             return
         null = self.null_block
-        freed = []
-        for i in range(min(skipped, len(table)) - 1, -1, -1):
-            block = table[i]
-            if block is null:
-                break
-            freed.append(block)
-            table[i] = null
-        if freed:
-            self.block_pool.free_blocks(freed)
-            self.num_frees += 1
+        free_blocks = self.block_pool.free_blocks
+        for gid in self.window_gids:
+            table = tables[gid]
+            freed = table[nulls:upto]
+            freed.reverse()
+            table[nulls:upto] = [null] * (upto - nulls)
+            free_blocks(freed)
+        self._nulls[index] = upto
+        self.num_frees += 1
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make the request's full blocks below `num_tokens` findable: all of them in full-attention
         groups; in sliding-window groups only the runs a later hit can end at."""
-        bs = self.block_size
         index = request.index
-        end = num_tokens // bs
+        end = num_tokens // self.block_size
+        start = self._num_cached.get(index, 0)
+        if end <= start:
+            return
+        self._num_cached[index] = end
+        tables = self._tables[index]
+        key = self.hasher.block_key
+        cache_block = self.block_pool.cache_block
+        g = self.num_groups
         shared = self.hasher.num_shared_blocks(request)
-        for g in self.groups:
-            start = g.num_cached_block.get(index, 0)
-            if end <= start:
-                continue
-            table = g.req_to_blocks[index]
-            positions = self._window_positions(g, request, start, end) if g.window else range(start, end)
-            null = self.null_block
-            for i in positions:
+        window_positions = self._window_positions(request, start, end)
+        null = self.null_block
+        for gid, window in enumerate(self.windows):
+            table = tables[gid]
+            for i in (window_positions if window else range(start, end)):
                 block = table[i]
                 if block is not null and block.block_hash is None:
-                    self.block_pool.cache_block(block, self._key(request, i, g.gid))
-                    if i >= shared:
-                        request.has_own_cached_blocks = True
-            g.num_cached_block[index] = end
+                    cache_block(block, key(request, i) * g + gid)
+        if end > shared and (self.full_gids or any(i >= shared for i in window_positions)):
+            request.has_own_cached_blocks = True  # (a preempted request may hit its own blocks)
 
-    def _window_positions(self, g: _Group, request: Request, start: int, end: int):
+    def _window_positions(self, request: Request, start: int, end: int):
         """The blocks in [start, end) a sliding-window group caches (vLLM's reachable_block_mask):
         under retention interval R > 0 the `need` blocks before every multiple of R; always the
         `need` blocks before `num_prompt_tokens - 1` and before the request's junction."""
@@ -279,49 +287,43 @@ class KVCacheCoordinator:
         if retention is None:
             return range(start, end)
         keep = set()
+        need = self.need
         if retention:
             per_segment = retention // bs
-            if g.need >= per_segment:
+            if need >= per_segment:
                 return range(start, end)
-            keep.update(i for i in range(start, end) if i % per_segment >= per_segment - g.need)
-        index = request.index
-        reach = [request.num_prompt_tokens - 1]
-        if self._junction.get(index):
-            reach.append(self._junction[index])
-        for boundary in reach:
+            keep.update(i for i in range(start, end) if i % per_segment >= per_segment - need)
+        junction = self._junction.get(request.index)
+        for boundary in ((request.num_prompt_tokens - 1, junction) if junction else (request.num_prompt_tokens - 1,)):
             stop = boundary // bs
-            keep.update(range(max(start, stop - g.need), min(end, stop)))
+            keep.update(range(max(start, stop - need), min(end, stop)))
         return sorted(keep)
 
     def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False) -> None:
         """Release all of a request's blocks, group by group, each group's tail first."""
         index = request.index
-        null = self.null_block
-        released = False
-        for g in self.groups:
-            table = g.req_to_blocks.pop(index, None)
-            g.num_cached_block.pop(index, None)
-            if not table:
-                continue
-            first = 0
-            while first < len(table) and table[first] is null:
-                first += 1
-            blocks = table[first:]
-            blocks.reverse()
-            if blocks:
-                self.block_pool.free_blocks(blocks)
-                released = True
+        tables = self._tables.pop(index, None)
+        nulls = self._nulls.pop(index, 0)
+        self._num_cached.pop(index, None)
         if finished:
             self._junction.pop(index, None)
-        if released:
-            self.num_frees += 1
+        if not tables or not tables[0]:
+            return
+        free_blocks = self.block_pool.free_blocks
+        for gid, window in enumerate(self.windows):
+            blocks = tables[gid][nulls:] if window else tables[gid]
+            blocks.reverse()
+            if blocks:
+                free_blocks(blocks)
+        self.num_frees += 1
 
     def allocator_stats(self) -> dict:
-        return {"allocator": "paged", "kv_cache_groups": len(self.groups)}
+        return {"allocator": "paged", "kv_cache_groups": self.num_groups}
 
     def get_block_ids(self, request: Request) -> list[int]:
         """The first group's block table (sliding-window models run on cost models only)."""
-        return [b.block_id for b in self.groups[0].req_to_blocks.get(request.index, ())]
+        tables = self._tables.get(request.index)
+        return [b.block_id for b in tables[0]] if tables else []
 
     def get_group_block_ids(self, request: Request) -> list[list[int]]:
-        return [[b.block_id for b in g.req_to_blocks.get(request.index, ())] for g in self.groups]
+        return [[b.block_id for b in t] for t in self._tables.get(request.index, [[] for _ in self.windows])]
