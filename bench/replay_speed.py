@@ -11,6 +11,8 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # replicas (P/D disaggregation)
     .venv/bin/python bench/replay_speed.py azure-spec   # the Azure trace with EAGLE-3 speculative decoding (K=3):
                                                         # decodes are chunks, no decode runs
+    .venv/bin/python bench/replay_speed.py azure-gemma3 # the Azure trace on gemma-3-12b (5 of 6 layers slide over
+                                                        # 1,024 tokens): hybrid KV-cache manager, chunked decodes
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -40,7 +42,7 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
-    if case in ("azure", "azure-async", "azure-spec"):
+    if case in ("azure", "azure-async", "azure-spec", "azure-gemma3"):
         return import_trace("azure", [AZURE])[0]
     if case in ("azure-fleet4", "azure-pd4"):
         from dataclasses import replace
@@ -67,6 +69,8 @@ def run_case(case: str) -> dict:
     if case.endswith("-spec"):
         options |= {"speculative_method": "eagle3", "num_speculative_tokens": 3,
                     "spec_position_acceptance_rates": "0.8,0.6,0.45"}
+    if case.endswith("-gemma3"):
+        options |= {"model": "gemma-3-12b"}
     config = EngineConfig.from_flat(options)
     disaggregation = DisaggregationSpec(2, 2) if case.endswith("-pd4") else None
     res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)

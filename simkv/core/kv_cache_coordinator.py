@@ -179,12 +179,25 @@ class KVCacheCoordinator:
         take the prefix hits, allocate in group order, cache the full blocks. None: no room
         (the windows' blocks are given back all the same, as in vLLM)."""
         index = request.index
+        tables = self._tables.get(index)
+        if (tables is not None and computed is None and not full_sequence_must_fit
+                and request.status == RequestStatus.RUNNING):
+            # A running request (the common case, a decode): often it needs no block, frees none
+            # and caches none this step.
+            bs = self.block_size
+            held = len(tables[0])
+            need_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+            if (need_slots <= held * bs and (num_computed_tokens - self.window + 1) // bs <= self._nulls.get(index, 0)
+                    and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks
+                    and (not self.enable_caching or delay_cache
+                         or min(num_computed_tokens + num_new_tokens, request.num_tokens) // bs
+                         <= self._num_cached.get(index, 0))):
+                return []
         pool = self.block_pool
         hits = computed.blocks if computed is not None and computed.num_tokens else None
         total = min(num_computed_tokens + (computed.num_tokens if hits else 0), self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status != RequestStatus.RUNNING else 0
         need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        tables = self._tables.get(index)
         if tables is None:
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)

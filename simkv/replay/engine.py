@@ -134,6 +134,10 @@ class ReplayEngine:
             row = int((trace.n > 1).argmax())
             raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
                              "with speculative decoding; drop the column or speculative_method")
+        if config.has_sliding_window and trace.n is not None and (trace.n > 1).any():
+            row = int((trace.n > 1).argmax())
+            raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
+                             f"for models with sliding-window layers ({config.hardware.model}); drop the column")
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector)

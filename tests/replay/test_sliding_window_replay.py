@@ -160,3 +160,10 @@ def test_layer_windows_of_the_specs():
     assert get_model_spec("gemma-3-27b").layer_windows().count(0) == 10  # layers 5, 11, ..., 59
     assert get_model_spec("gemma-2-9b").layer_windows()[:2] == [4096, 0]
     assert get_model_spec("llama-3-8b").layer_windows(sliding_window=64) == [64] * 32
+
+
+def test_parallel_sampling_refused_with_its_row():
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.1], "prompt_tokens": [30, 20], "output_tokens": [5, 5], "n": [1, 3]})
+    with pytest.raises(ValueError, match=r"row 1: n = 3 \(parallel sampling\) is not modelled for models with "
+                                         r"sliding-window layers \(gemma-2-9b\)"):
+        replay(trace_from_frame(frame), EngineConfig.from_flat(dict(model="gemma-2-9b", max_model_len=4096)))
