@@ -8,10 +8,10 @@ import json
 import os
 from dataclasses import dataclass, fields
 
-from simkv.config import CacheConfig, HardwareConfig, SchedulerConfig, SpeculativeConfig
+from simkv.config import AttentionConfig, CacheConfig, HardwareConfig, SchedulerConfig, SpeculativeConfig
 
 COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
-ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig, SpeculativeConfig)
+ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig, SpeculativeConfig, AttentionConfig)
                     for f in fields(klass))
 # A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds;
 # or a prefill pool and a decode pool (simkv/replay/disaggregated.py).
