@@ -1,9 +1,12 @@
 """Roofline cost model: a step takes the longer of its compute and its memory traffic.
 
-Per GPU under tensor parallelism (TP), for a step with T scheduled tokens over S sequences:
+Per GPU under tensor parallelism (TP), for a step with T scheduled tokens over S sequences
+(P_layers: the layer parameters a token runs through; a mixture of experts counts k of its E
+experts in the FLOPs and the expected number of experts its T tokens touch in the bytes):
   FLOPs = 2 * P_layers * T + 2 * hidden * vocab * S            (matmuls; logits for one token per sequence)
         + 4 * layers * heads * head_dim * A                      (attention; A = query-key pairs)
   bytes = dtype_bytes * (P_layers + hidden * vocab)              (weights, read once per step)
+        + expert bytes * layers * E * (1 - (1 - k/E)^T)          (mixture of experts: the experts routed to)
         + kv_bytes_per_token * (K + T)                           (K/V read for attended context K, written for T)
   time  = max(FLOPs / (peak_flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
@@ -51,11 +54,15 @@ class RooflineCostModel:
                            step_overhead_s=step_overhead_s, seq_overhead_s=seq_overhead_s,
                            allreduce_latency_s=allreduce_latency_s)
         h, v = model.hidden_size, model.vocab_size
-        layer_params = model.num_params - 2 * v * h - h
-        self.flops_per_token = 2.0 * layer_params / tp
+        layer_params = model.num_dense_params - 2 * v * h - h  # (a dense model: every layer parameter)
+        self.flops_per_token = 2.0 * (model.num_active_params - 2 * v * h - h) / tp
         self.flops_per_seq = 2.0 * h * v / tp
         self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
         self.weight_bytes = 2.0 * (layer_params + h * v) / tp
+        # Mixture of experts: a step reads the experts its tokens were routed to (expected count
+        # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
+        self.moe = model if model.is_moe else None
+        self.expert_bytes = model.expert_weight_bytes * model.expert_params * model.num_layers / tp
         self.kv_bytes_per_token = float(model.kv_bytes_per_token(kv_dtype_bytes, tp))
         self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
@@ -76,7 +83,11 @@ class RooflineCostModel:
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
         operation is the same IEEE operation in the same order, so results are identical."""
         flops = self.flops_per_token * tokens + self.flops_per_seq * num_seqs + self.flops_per_pair * pairs
-        traffic = self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)
+        if self.moe is None:
+            traffic = self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)
+        else:
+            traffic = (self.weight_bytes + self.expert_bytes * self.moe.experts_touched(tokens)
+                       + self.kv_bytes_per_token * (kv_read + tokens))
         busy = maximum(flops / self.flop_rate, traffic / self.byte_rate)
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
@@ -108,7 +119,8 @@ class RooflineCostModel:
             n = num_decodes
             overhead = self.comm_per_token * n + self.fixed_s + self.seq_overhead_s * n
             compute = (self.flops_per_token * n + self.flops_per_seq * n) / self.flop_rate
-            memory = (self.weight_bytes + self.kv_bytes_per_token * n) / self.byte_rate
+            weights = self.weight_bytes if self.moe is None else self.weight_bytes + self.expert_bytes * self.moe.experts_touched(n)
+            memory = (weights + self.kv_bytes_per_token * n) / self.byte_rate
             line = self._decode_lines[n] = (
                 to_ticks(compute + overhead), per_token_ticks(self.flops_per_pair / self.flop_rate),
                 to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / self.byte_rate))

@@ -60,6 +60,12 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
         raise click.UsageError("--with-grid only goes with --from-steps")
     if model is None:
         raise click.UsageError("Missing option '--model' (or give --from-steps DIR)")
+    from simkv.specs import get_model_spec
+
+    spec = get_model_spec(model)
+    if spec.is_moe or spec.sliding_window:
+        raise click.UsageError(f"--model {model}: the GPU backend runs dense Llama-architecture decoders that attend "
+                               "the whole context; calibrate one of those (this model is simulated only)")
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

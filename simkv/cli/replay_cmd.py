@@ -12,7 +12,7 @@ from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
-from simkv.specs import gpu_names, model_names
+from simkv.specs import get_model_spec, gpu_names, model_names
 
 # CLI flag -> engine option (vLLM's names).
 _ENGINE_FLAGS = {
@@ -304,6 +304,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         check_pools(disaggregation, config)
     if backend == "gpu" and config.speculative.enabled:
         raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
+    if backend == "gpu" and get_model_spec(config.hardware.model).is_moe:
+        raise click.UsageError(f"{config.hardware.model} is a mixture of experts: simulated only (the gpu backend "
+                               "runs dense Llama-architecture decoders)")
     if backend == "gpu" and config.has_sliding_window:
         raise click.UsageError(f"{config.hardware.model} has sliding-window layers: simulated only (the gpu "
                                "backend's kernels attend the whole context)")

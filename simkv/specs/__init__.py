@@ -27,6 +27,13 @@ class ModelSpec:
     # With a window: every `full_attention_interval`-th layer attends everything (Gemma 3: 6,
     # Gemma 2: 2); 0: every layer slides (Mistral 7B v0.1).
     full_attention_interval: int = 0
+    # Mixture of experts (0: a dense gated MLP): every layer has `num_experts` gated MLPs of
+    # `intermediate_size` and a router; each token runs `num_experts_per_tok` of them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    # Bytes per expert weight in memory and in the step's reads: 2 (bf16), 0.53125 (MXFP4: 4 bits
+    # and one 8-bit scale per 32, gpt-oss's checkpoints). Everything else is bf16.
+    expert_weight_bytes: float = 2.0
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the
@@ -38,13 +45,50 @@ class ModelSpec:
         return [0 if interval and (i + 1) % interval == 0 else window for i in range(self.num_layers)]
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert's gated MLP (or of the dense MLP)."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
     def num_params(self) -> int:
-        """Parameters of a Llama-architecture decoder (attention + gated MLP + embeddings)."""
+        """Parameters of a Llama-architecture decoder (attention + gated MLP or experts and
+        router + embeddings), all of them (what memory holds)."""
+        return self.num_layers * self.num_layer_expert_params + self.num_dense_params
+
+    @property
+    def num_layer_expert_params(self) -> int:
+        """Expert parameters of one layer (0 for a dense model)."""
+        return self.num_experts * self.expert_params
+
+    @property
+    def num_dense_params(self) -> int:
+        """Every parameter outside the experts: attention, the dense MLP or the router, norms,
+        embeddings."""
         h, d = self.hidden_size, self.head_dim
         attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
-        mlp = 3 * h * self.intermediate_size
+        mlp = h * self.num_experts if self.is_moe else self.expert_params
         norms = 2 * h
         return self.num_layers * (attn + mlp + norms) + 2 * self.vocab_size * h + h
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through (a dense model: all of them)."""
+        return self.num_dense_params + self.num_layers * self.num_experts_per_tok * self.expert_params
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of the weights (experts at `expert_weight_bytes`, the rest bf16)."""
+        return 2.0 * self.num_dense_params + self.expert_weight_bytes * self.num_layers * self.num_layer_expert_params
+
+    def experts_touched(self, num_tokens):
+        """Expected distinct experts a layer runs for `num_tokens` tokens (routing taken as
+        uniform and independent): E * (1 - (1 - k / E) ** T). Works on numpy arrays too."""
+        e, k = self.num_experts, self.num_experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
     def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
         """K and V of one token over all layers, per GPU under tensor parallelism."""
