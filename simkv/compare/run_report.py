@@ -52,6 +52,11 @@ def _summary_table(summary: dict) -> str:
             ("output throughput (tok/s)", summary.get("output_throughput_tok_s")),
             ("peak running", summary.get("peak_running")), ("preemptions", summary.get("num_preemptions")),
             ("prefix cache hit rate", summary.get("prefix_cache_hit_rate"))]
+    groups = summary.get("kv_cache_groups")
+    if groups:
+        rows.insert(1, ("model", (summary.get("config") or {}).get("model")))
+        rows.append(("KV-cache groups", f"{groups['summary']}, {groups['layers_per_block']} layers per block"
+                     if groups["hybrid_kv_cache_manager"] else "one (hybrid KV-cache manager disabled)"))
     spec = summary.get("speculative_decoding")
     if spec:
         rows.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "
