@@ -79,10 +79,12 @@ def windowed_prefill_work(output: SchedulerOutput, layer_windows: list[int]) -> 
         n, c = chunk.num_new_tokens, chunk.num_computed_tokens
         tokens += n
         for w, k in counts.items():
-            if w:
-                p, r = window_pairs_and_reads(n, c, w)
-            else:
+            if not w:
                 p, r = n * c + n * (n + 1) // 2, c + n
+            elif n == 1:  # a decode: it attends (and reads) its window, or all it has
+                p = r = c + 1 if c < w else w
+            else:
+                p, r = window_pairs_and_reads(n, c, w)
             pairs += k * p / num_layers
             kv_read += k * r / num_layers
     return tokens, pairs, kv_read

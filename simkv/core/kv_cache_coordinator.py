@@ -220,11 +220,10 @@ class KVCacheCoordinator:
                 return None
         n = cdiv(need_slots, self.block_size) - len(tables[0])
         new_blocks: list[KVCacheBlock] = []
-        if n > 0:
-            for table in tables:
-                got = pool.get_new_blocks(n)
-                table.extend(got)
-                new_blocks += got
+        if n > 0:  # group by group from the head of the free queue: one pop for all of them
+            new_blocks = pool.get_new_blocks(n * self.num_groups)
+            for g, table in enumerate(tables):
+                table += new_blocks[g * n:(g + 1) * n]
         if self.enable_caching and not delay_cache:
             self._cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
