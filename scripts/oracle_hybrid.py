@@ -6,7 +6,7 @@ simkv forms for a small model with sliding-window layers (core/kv_cache_groups.p
 attention and sliding-window groups over one pool, in simkv's order. simkv's `Scheduler` runs
 the same random cases (windows of 2 to 40 tokens, one to seven groups, small pools, shared prompt
 content, priorities, watermarks, chunked prefill on and off, prefix-cache retention intervals 0,
-none and periodic). Every step's scheduled tokens,
+none and periodic; with --speculative, ngram speculative decoding in 60 % of them). Every step's scheduled tokens,
 running and waiting requests and blocks in use (all groups), every request's first-token and
 finish step, and the prefix cache's queried and hit tokens must be equal.
 
@@ -27,7 +27,7 @@ import oracle_vllm  # noqa: E402
 from oracle_pd import differences  # noqa: E402
 
 
-def make_case(rng) -> dict:
+def make_case(rng, speculative: bool = False) -> dict:
     block_size = int(rng.choice([2, 4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -52,32 +52,39 @@ def make_case(rng) -> dict:
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
     groups = config.kv_cache_groups
+    if speculative and rng.random() < 0.6:  # ngram speculative decoding (drafts without KV of their own)
+        oracle_vllm.random_spec_options(rng, opts)
+        opts["speculative_method"] = "ngram"
+        opts.pop("spec_draft_model", None)
     return {"opts": opts, "requests": requests, "group_windows": list(groups.windows)}
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0, hits=0)
+    totals = dict(requests=0, steps=0, hits=0, accepted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = oracle_spec.run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
         totals["hits"] += t["prefix"][1]
+        totals["accepted"] += t["accepted"]
         diff = differences(t, ours)
+        if t["accepted"] != ours["accepted"]:
+            diff.append(f"accepted drafts: vLLM {t['accepted']}, simkv {ours['accepted']}")
         if t["prefix"] != ours["prefix"]:
             diff.append(f"prefix cache (queried, hit tokens): vLLM {t['prefix']}, simkv {ours['prefix']}")
         if diff:
             failures += 1
             print(f"case {i} groups {case['group_windows']}: " + "; ".join(diff) + f" -- {case['opts']}")
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, "
-          f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens)")
+          f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens, {totals['accepted']} drafts accepted)")
     sys.exit(1 if failures else 0)
 
 

@@ -351,7 +351,8 @@ class EngineConfig:
 
     def _verify_sliding_window(self) -> None:
         cache, sched = self.cache, self.scheduler
-        unsupported = [(self.speculative.enabled, "speculative decoding"),
+        unsupported = [(self.speculative.enabled and self.speculative.speculative_method != "ngram",
+                        f"speculative_method '{self.speculative.speculative_method}' (ngram is modelled)"),
                        (sched.async_scheduling, "async_scheduling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),

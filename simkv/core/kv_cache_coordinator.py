@@ -290,6 +290,12 @@ class KVCacheCoordinator:
         if end > shared and (self.full_gids or any(i >= shared for i in window_positions)):
             request.has_own_cached_blocks = True  # (a preempted request may hit its own blocks)
 
+    def cache_verified(self, request: Request, num_computed_tokens: int) -> None:
+        """Speculative decoding: a request's sampled tokens arrived; its full blocks up to them
+        are cached now (vLLM's update_from_output does), not at its next allocation."""
+        if self.enable_caching and request.index in self._tables:
+            self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+
     def _window_positions(self, request: Request, start: int, end: int):
         """The blocks in [start, end) a sliding-window group caches (vLLM's reachable_block_mask):
         under retention interval R > 0 the `need` blocks before every multiple of R; always the

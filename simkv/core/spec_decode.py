@@ -129,6 +129,9 @@ class SpecDecode:
         accepted_total = emissions = 0
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len
+        # vLLM caches a sampling request's verified full blocks when its tokens arrive (under
+        # speculative decoding); the single-group manager's lazy hashing orders them the same.
+        cache_verified = getattr(self.kv_cache_manager, "cache_verified", None) if self.num_spec_tokens else None
         for chunk in output.chunks:
             request = chunk.request
             if request.status != running:  # (preempted later in the step)
@@ -174,6 +177,8 @@ class SpecDecode:
                 request.num_output_tokens = num_outputs + new_tokens
                 request.spec_drafts = k
             request.num_computed_tokens = computed
+            if cache_verified is not None:
+                cache_verified(request, computed)
         output.num_accepted_tokens = accepted_total
         output.num_spec_emissions = emissions
         return finished

@@ -18,6 +18,7 @@ from simkv.specs import get_model_spec
 from tests.core.helpers import assert_same_steps_as_vllm, drive, make_request
 
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
+SPEC_DATA = Path(__file__).parent / "data" / "hybrid_spec_vllm_cases.json"
 
 
 @pytest.mark.parametrize("index", range(10))
@@ -30,6 +31,18 @@ def test_same_steps_as_vllm(index):
     ours = assert_same_steps_as_vllm(case)
     stats = ours["scheduler"].kv_cache_manager.prefix_cache_stats
     assert [stats.queries, stats.hits] == case["vllm"]["prefix"]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_same_steps_as_vllm_with_ngram_drafts(index):
+    """Recorded cases of scripts/oracle_hybrid.py --speculative: ngram speculative decoding (K of
+    1 to 5, acceptance 0.5 to 1) on sliding-window groups; vLLM caches the verified blocks when the
+    tokens arrive. Steps, requests, prefix cache and accepted drafts are vLLM's."""
+    case = json.loads(SPEC_DATA.read_text())["cases"][index]
+    ours = assert_same_steps_as_vllm(case)
+    stats = ours["scheduler"].kv_cache_manager.prefix_cache_stats
+    assert [stats.queries, stats.hits] == case["vllm"]["prefix"]
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
 
 
 # (windows per group, layers per group) as vLLM 0.33's _get_kv_cache_groups_uniform_page_size forms them

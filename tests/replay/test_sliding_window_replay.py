@@ -114,7 +114,7 @@ def test_hybrid_manager_holds_fewer_blocks_than_full_allocation():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(speculative_method="ngram", num_speculative_tokens=2), "not modelled with speculative decoding"),
+    (dict(speculative_method="eagle3", num_speculative_tokens=2), "not modelled with speculative_method 'eagle3'"),
     (dict(async_scheduling=True), "not modelled with async_scheduling"),
     (dict(preemption_mode="swap"), "not modelled with preemption_mode 'swap'"),
     (dict(prefix_cache_retention_interval=24), r"retention_interval \(24\) must be non-negative and a multiple of "
@@ -167,3 +167,14 @@ def test_parallel_sampling_refused_with_its_row():
     with pytest.raises(ValueError, match=r"row 1: n = 3 \(parallel sampling\) is not modelled for models with "
                                          r"sliding-window layers \(gemma-2-9b\)"):
         replay(trace_from_frame(frame), EngineConfig.from_flat(dict(model="gemma-2-9b", max_model_len=4096)))
+
+
+def test_ngram_speculation_on_a_sliding_window_model():
+    """ngram drafts on gemma-2-9b: the replay runs, reports its drafts, and every request finishes."""
+    config = EngineConfig.from_flat(dict(model="gemma-2-9b", gpu="H100-SXM", max_model_len=8192,
+                                         speculative_method="ngram", num_speculative_tokens=3,
+                                         spec_acceptance_rate=0.5))
+    res = replay(_trace(), config)
+    assert res.summary["num_finished"] == 40
+    assert res.summary["speculative_decoding"]["num_draft_tokens"] > 0
+    assert res.summary["kv_cache_groups"]["hybrid_kv_cache_manager"]
