@@ -63,6 +63,9 @@ class SchedulerOutput:
     # drafts each request sampling in this step gets for its next one (vLLM's name): K, or under
     # dynamic speculation the K of the step's number of requests
     num_spec_tokens_to_schedule: int = 0
+    # set by the replay: preemptions made by schedule() calls that ran nothing since the previous
+    # step (a request that preempted itself); the step log counts them on this step
+    earlier_preemptions: int = 0
 
     @property
     def num_decode_tokens(self) -> int:
@@ -110,3 +113,4 @@ class DecodeRun:
     finished: list[Request]
     last_num_blocks_used_end: int = -1
     num_swapped: int = 0  # after the run's finished requests released their blocks
+    earlier_preemptions: int = 0  # as SchedulerOutput's, counted on the run's first step

@@ -161,7 +161,7 @@ class ReplayEngine:
         self._engine_idle: simpy.Event | None = None
         self._num_done = 0
         self._num_rejected_reported = 0
-        self._unlogged_preemptions = 0  # made by schedule() calls that ran nothing (the next logged step counts them)
+        self._unlogged_preemptions = 0  # made by schedule() calls that ran nothing (the next step to run counts them)
 
     def run(self) -> ReplayRun:
         engine = self.start()
@@ -260,7 +260,16 @@ class ReplayEngine:
                 self._record_finished(finished)
 
     def _log_step(self, out, start: int, duration: int) -> None:
-        self.steps.add_step(out, start, duration, self._unlogged_preemptions)
+        self.steps.add_step(out, start, duration, out.earlier_preemptions)
+
+    def _log_run(self, run, start: int, shape) -> None:
+        self.steps.add_run(run, start, shape, run.earlier_preemptions)
+
+    def _carry_preemptions(self, work) -> None:
+        """Preemptions of schedule() calls that ran nothing count on the next step that runs (or
+        the first step of the next decode run), however late it is logged (async scheduling logs
+        a step after scheduling the next)."""
+        work.earlier_preemptions = self._unlogged_preemptions
         self._unlogged_preemptions = 0
 
     def _wait_for_arrival(self):
@@ -280,8 +289,11 @@ class ReplayEngine:
             raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
         if out.kv_loads is not None:
             self.feed.kv_loads_started(out.kv_loads, self.now)
-        if out.is_empty and out.preempted:  # (a request preempted itself and nothing ran)
-            self._unlogged_preemptions += len(out.preempted)
+        if out.is_empty:
+            if out.preempted:  # (a request preempted itself and nothing ran)
+                self._unlogged_preemptions += len(out.preempted)
+        elif self._unlogged_preemptions:
+            self._carry_preemptions(out)
         return out
 
     def _duration(self, out) -> int:
@@ -352,13 +364,13 @@ class ReplayEngine:
         sched = self.scheduler
         last = run.start_step + run.num_steps - 1
         if not sched.finish_due(last):
-            self.steps.add_run(run, start, shape)
+            self._log_run(run, start, shape)
             return None  # nothing to process: the loop goes on as after any step
         out = self._schedule()
         queued = None if out.is_empty else (out, self.now, self._duration(out))
         finished, run.last_num_blocks_used_end = sched.step_output_processed(last)
         run.finished = finished
-        self.steps.add_run(run, start, shape)
+        self._log_run(run, start, shape)
         if finished:
             self._record_finished(finished)
         return queued
@@ -386,6 +398,8 @@ class ReplayEngine:
                         yield from self._complete(in_flight)
                         in_flight = None
                     run = sched.advance_decode_run(num_steps, finish=False)
+                    if run is not None and self._unlogged_preemptions:
+                        self._carry_preemptions(run)
                     if run is not None:
                         end = start + run_ticks(shape, run.num_steps)
                         yield env.timeout(end - self.now)
@@ -440,7 +454,9 @@ class ReplayEngine:
         run = sched.advance_decode_run(limit)
         if run is None:
             return None
-        self.steps.add_run(run, self.now, shape)
+        if self._unlogged_preemptions:
+            self._carry_preemptions(run)
+        self._log_run(run, self.now, shape)
         return self.now + run_ticks(shape, run.num_steps), run.finished
 
     def _record_finished(self, finished: list[Request]) -> None:

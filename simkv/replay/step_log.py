@@ -56,10 +56,12 @@ class StepLog:
         if self._spec is not None:
             self._spec.extend((out.num_draft_tokens, out.num_accepted_tokens))
 
-    def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int]) -> None:
-        """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape)."""
+    def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int],
+                earlier_preemptions: int = 0) -> None:
+        """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape).
+        `earlier_preemptions` (see add_step) are counted on its first step."""
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
-                           start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, 0, 0, 0,
+                           start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, earlier_preemptions, 0, 0,
                            len(run.finished), run.num_swapped, 0))
         self._columns = None
         self._alloc_counts += run.allocation_counts
