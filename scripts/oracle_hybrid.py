@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 import oracle_spec  # noqa: E402  (the step loop on both sides)
 import oracle_vllm  # noqa: E402
-from oracle_pd import differences  # noqa: E402
 
 
 def make_case(rng, speculative: bool = False) -> dict:
@@ -75,11 +74,7 @@ def main() -> None:
         totals["steps"] += len(t["steps"])
         totals["hits"] += t["prefix"][1]
         totals["accepted"] += t["accepted"]
-        diff = differences(t, ours)
-        if t["accepted"] != ours["accepted"]:
-            diff.append(f"accepted drafts: vLLM {t['accepted']}, simkv {ours['accepted']}")
-        if t["prefix"] != ours["prefix"]:
-            diff.append(f"prefix cache (queried, hit tokens): vLLM {t['prefix']}, simkv {ours['prefix']}")
+        diff = oracle_spec.case_differences(t, ours)
         if diff:
             failures += 1
             print(f"case {i} groups {case['group_windows']}: " + "; ".join(diff) + f" -- {case['opts']}")

@@ -133,6 +133,16 @@ def run_simkv(case: dict) -> dict:
     return result
 
 
+def case_differences(theirs: dict, ours: dict) -> list[str]:
+    """Steps and requests (oracle_pd.differences), accepted drafts and prefix-cache counts."""
+    diff = differences(theirs, ours)
+    if theirs["accepted"] != ours["accepted"]:
+        diff.append(f"accepted drafts: vLLM {theirs['accepted']}, simkv {ours['accepted']}")
+    if theirs["prefix"] != ours["prefix"]:
+        diff.append(f"prefix cache (queried, hit tokens): vLLM {theirs['prefix']}, simkv {ours['prefix']}")
+    return diff
+
+
 def main() -> None:
     import oracle_vllm
 
@@ -150,11 +160,7 @@ def main() -> None:
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
         totals["accepted"] += t["accepted"]
-        diff = differences(t, ours)
-        if t["accepted"] != ours["accepted"]:
-            diff.append(f"accepted drafts: vLLM {t['accepted']}, simkv {ours['accepted']}")
-        if t["prefix"] != ours["prefix"]:
-            diff.append(f"prefix cache (queried, hit tokens): vLLM {t['prefix']}, simkv {ours['prefix']}")
+        diff = case_differences(t, ours)
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))

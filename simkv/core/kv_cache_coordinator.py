@@ -102,8 +102,8 @@ class KVCacheCoordinator:
             max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
         per_group: list[list[KVCacheBlock]] = [[] for _ in self.windows]
         longest = max_blocks
+        found: list[list[KVCacheBlock]] = []  # per full block: that block of every full-attention group
         if self.full_gids:
-            found = []
             for i in range(max_blocks):
                 blocks = self._cached(request, i, self.full_gids)
                 if blocks is None:
