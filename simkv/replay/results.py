@@ -154,17 +154,20 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | kv_cache_groups_summary(config) | spec_summary(config, [sched], [backend], duration) | latencies_and_rates(
+    } | kv_cache_groups_summary(config, capacity) | spec_summary(config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
 
-def kv_cache_groups_summary(config) -> dict:
-    """summary.json's `kv_cache_groups` section, for models with sliding-window layers only."""
+def kv_cache_groups_summary(config, capacity=None) -> dict:
+    """summary.json's `kv_cache_groups` section, for models with sliding-window layers only
+    (`block_bytes`: one block on one GPU, to compare pools whose blocks hold different layers)."""
     if not config.has_sliding_window:
         return {}
     groups = config.kv_cache_groups
-    return {"kv_cache_groups": groups.describe() | {"summary": groups.summary(),
-                                                    "hybrid_kv_cache_manager": groups.has_sliding_window}}
+    section = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": groups.has_sliding_window}
+    if getattr(capacity, "block_bytes", 0):
+        section["block_bytes"] = capacity.block_bytes
+    return {"kv_cache_groups": section}
 
 
 def spec_summary(config, schedulers, backends, duration: float) -> dict:

@@ -94,6 +94,7 @@ def test_replay_outputs_and_determinism(tmp_path):
     second = replay(_trace(long=True), EngineConfig.from_flat(base))
     groups = first.summary["kv_cache_groups"]
     assert groups["summary"] == "6 x sliding_window(1024) + 1 x full_attention" and groups["hybrid_kv_cache_manager"]
+    assert groups["block_bytes"] == 10 * 8192 * 16  # 10 layers of gemma-3-27b's 8,192 B per token
     assert first.summary["num_finished"] == 40
     assert first.requests.equals(second.requests)
     assert {k: v for k, v in first.summary.items() if k != "wall_time_s"} == \
