@@ -43,6 +43,9 @@ def capacity_report(config: EngineConfig) -> dict:
         "kv_bytes_per_request": per_request_gpu * tp if hybrid else model_per_token * mml,  # all GPUs
         "kv_bytes_per_request_per_gpu": per_request_gpu,
         "block_bytes_per_gpu": cap.block_bytes,
+        "weight_bytes_per_gpu": int(spec.weight_bytes / tp),  # (the draft network's, if any, not included)
+        "num_params": spec.num_params,
+        "num_active_params": spec.num_active_params,  # per token (a mixture of experts: k experts)
         "available_kv_bytes_per_gpu": cap.available_kv_bytes,
         "num_gpu_blocks": cap.num_gpu_blocks,
         "num_gpu_blocks_given": cc.num_gpu_blocks is not None,
@@ -72,9 +75,13 @@ def print_report(rep: dict) -> None:
         (f"KV per {rep['max_model_len']:,}-token request (all GPUs)", _bytes(rep["kv_bytes_per_request"])),
         (f"KV per {rep['max_model_len']:,}-token request per GPU", _bytes(rep["kv_bytes_per_request_per_gpu"])),
         ("bytes per block per GPU", f"{rep['block_bytes_per_gpu']:,} B"),
+        ("weights per GPU", _bytes(rep["weight_bytes_per_gpu"])),
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
+    if rep["num_active_params"] != rep["num_params"]:
+        rows.insert(0, ("parameters (active per token)",
+                        f"{rep['num_params'] / 1e9:.1f}B ({rep['num_active_params'] / 1e9:.2f}B)"))
     if rep.get("kv_cache_groups"):
         groups = rep["kv_cache_groups"]
         kinds = groups["summary"] if groups["hybrid_kv_cache_manager"] else "1 (hybrid manager disabled)"

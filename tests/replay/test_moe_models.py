@@ -65,6 +65,12 @@ def test_capacity_counts_mxfp4_weights():
     cap = compute_capacity(EngineConfig.from_flat(dict(model="gpt-oss-120b", gpu="H100-SXM")))
     assert cap.block_bytes == 18 * 2 * 8 * 64 * 2 * 16
     assert 20_000 < cap.num_gpu_blocks < 22_000
+    res = CliRunner().invoke(main, ["capacity", "--model", "gpt-oss-120b", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    rep = json.loads(res.output)
+    assert rep["weight_bytes_per_gpu"] / 2**30 == pytest.approx(60.7, abs=0.1) and rep["num_gpu_blocks"] == cap.num_gpu_blocks
     res = CliRunner().invoke(main, ["replay", "--model", "gpt-oss-20b", "--backend", "gpu", "--device", "cpu"])
     assert res.exit_code != 0 and "simulated only" in res.output
     res = CliRunner().invoke(main, ["calibrate", "--model", "qwen3-30b-a3b", "--device", "cpu"])
