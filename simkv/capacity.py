@@ -106,7 +106,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     draft_weights = 0.0
     if draft is not None:
         shared = 2 * draft.vocab_size * draft.hidden_size if config.speculative.is_eagle_family else 0
-        draft_weights = 2 * (draft.num_params - shared) / tp
+        draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (an EAGLE layer of a mixture of experts keeps its experts)
     groups = config.kv_cache_groups
     hybrid = groups.has_sliding_window
     if hybrid:  # one block holds `layers_per_block` layers (draft layers: refused with sliding windows)
