@@ -78,6 +78,9 @@ class KVCacheCoordinator:
         self._nulls: dict[int, int] = {}  # leading null blocks of the window groups' tables
         self._num_cached: dict[int, int] = {}  # blocks cached (or looked at for caching) per group
         self._junction: dict[int, int] = {}  # request index -> shared-prefix boundary (vLLM's shared_prefix_boundary)
+        # Over finished requests, all groups: token slots their blocks held at the end (a window
+        # group: only from its first block still held), and slots of their last blocks left empty.
+        self.finished_slots = [0, 0]
 
     # ---- lookups -------------------------------------------------------------------------
     def _cached(self, request: Request, i: int, gids: list[int]) -> list[KVCacheBlock] | None:
@@ -325,6 +328,11 @@ class KVCacheCoordinator:
         self._num_cached.pop(index, None)
         if finished:
             self._junction.pop(index, None)
+            computed = min(num_computed_tokens, self.max_model_len)
+            bs = self.block_size
+            self.finished_slots[0] += (computed * len(self.full_gids)
+                                       + max(computed - nulls * bs, 0) * len(self.window_gids))
+            self.finished_slots[1] += (-(-computed // bs) * bs - computed) * self.num_groups
         if not tables or not tables[0]:
             return
         free_blocks = self.block_pool.free_blocks

@@ -101,7 +101,11 @@ def itl_samples(run: ReplayRun) -> tuple[np.ndarray, np.ndarray]:
 
 def stored_and_wasted_slots(run: ReplayRun, config, finished: np.ndarray) -> tuple[int, int]:
     """Token slots the engine held for the finished requests at their end (lookahead included),
-    and the slots of their last blocks left empty (internal fragmentation)."""
+    and the slots of their last blocks left empty (internal fragmentation). Under the hybrid
+    KV-cache manager, over all its groups (its own count: a window group holds only its window)."""
+    slots = getattr(run.scheduler.kv_cache_manager, "finished_slots", None)
+    if slots is not None:
+        return int(slots[0]), int(slots[1])
     bs = config.cache.block_size
     stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.num_lookahead_tokens,
                         config.max_model_len)

@@ -179,3 +179,17 @@ def test_ngram_speculation_on_a_sliding_window_model():
     assert res.summary["num_finished"] == 40
     assert res.summary["speculative_decoding"]["num_draft_tokens"] > 0
     assert res.summary["kv_cache_groups"]["hybrid_kv_cache_manager"]
+
+
+def test_fragmentation_counts_every_group():
+    """One request, prompt 100, 10 outputs, block 16, tiny-llama with a window of 32 on one of its
+    two layers (groups [32, full]). At its end it has 109 computed tokens: the full group holds
+    them in 7 blocks (3 slots empty); the window group gave back the blocks below
+    109 - 1 - 32 + 1 = 77, i.e. 4 of them, and holds tokens 64-108 (45 slots, 3 empty)."""
+    from simkv.traces.schema import trace_from_frame
+
+    frame = pd.DataFrame({"arrival_time_s": [0.0], "prompt_tokens": [100], "output_tokens": [10]})
+    config = EngineConfig.from_flat(dict(model="tiny-llama", sliding_window=32, full_attention_interval=2,
+                                         num_gpu_blocks=64, max_model_len=256))
+    res = replay(trace_from_frame(frame), config, "unit")
+    assert res.summary["internal_fragmentation_pct"] == pytest.approx(100 * (3 + 3) / (109 + 45))
