@@ -62,9 +62,9 @@ class ModelRunner:
                  dtype: str | None = None, seed: int = 0, max_model_len: int | None = None,
                  kernel_backend: str | None = None, fused_ops: bool | None = None) -> None:
         self.spec = get_model_spec(model)
-        if self.spec.is_moe or self.spec.sliding_window:
-            raise ValueError(f"{model}: the GPU backend runs Llama-architecture decoders that attend the whole "
-                             "context (no experts, no sliding windows); this model is simulated only")
+        if self.spec.simulated_only:
+            raise ValueError(f"{model} has {self.spec.simulated_only}: simulated only (the GPU backend runs dense "
+                             "Llama-architecture decoders that attend the whole context)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")

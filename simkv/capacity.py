@@ -131,13 +131,14 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     usable_blocks = num_blocks - 1 if cc.reserve_null_block else num_blocks  # block 0: the null block
     usable_bytes = usable_blocks * block_bytes
     if needed > usable_bytes:
-        estimated = (usable_bytes // block_bytes) * cc.block_size
         if hybrid:  # the longest request whose blocks over all groups fit
             lo, hi = 0, mml
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if group_blocks_per_request(config, mid) <= usable_blocks else (lo, mid - 1)
             estimated = lo
+        else:
+            estimated = (usable_bytes // block_bytes) * cc.block_size
         msg = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated > 0 else ""
         raise ConfigError(
             f"To serve at least one request with the model's max seq len ({mml}), ({_gib(needed)} GiB KV "

@@ -65,20 +65,25 @@ def window_pairs_and_reads(n: int, c: int, window: int) -> tuple[int, int]:
     return pairs, min(c + n, window - 1 + n)
 
 
-def windowed_prefill_work(output: SchedulerOutput, layer_windows: list[int]) -> tuple[int, float, float]:
-    """`prefill_work` for a model with sliding-window layers: pairs and KV reads are averaged over
-    the layers (each layer's window applied), so that the per-layer-summed coefficients of a cost
-    model apply unchanged."""
+def layer_window_counts(layer_windows: list[int]) -> tuple[tuple[int, int], ...]:
+    """(window, number of layers with it) in order of first appearance (0: full attention)."""
     counts: dict[int, int] = {}
     for w in layer_windows:
         counts[w] = counts.get(w, 0) + 1
-    num_layers = len(layer_windows)
+    return tuple(counts.items())
+
+
+def windowed_prefill_work(output: SchedulerOutput, window_counts: tuple[tuple[int, int], ...],
+                          num_layers: int) -> tuple[int, float, float]:
+    """`prefill_work` for a model with sliding-window layers (`window_counts`: layer_window_counts
+    of its layers): pairs and KV reads are averaged over the layers (each layer's window applied),
+    so that the per-layer-summed coefficients of a cost model apply unchanged."""
     tokens = 0
     pairs = kv_read = 0.0
     for chunk in output.chunks:
         n, c = chunk.num_new_tokens, chunk.num_computed_tokens
         tokens += n
-        for w, k in counts.items():
+        for w, k in window_counts:
             if not w:
                 p, r = n * c + n * (n + 1) // 2, c + n
             elif n == 1:  # a decode: it attends (and reads) its window, or all it has

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simkv.backends.base import prefill_work, windowed_prefill_work
+from simkv.backends.base import layer_window_counts, prefill_work, windowed_prefill_work
 from simkv.core.outputs import SchedulerOutput
 from simkv.clock import per_token_ticks, to_ticks
 from simkv.specs import GPUSpec, ModelSpec
@@ -77,7 +77,7 @@ class RooflineCostModel:
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
-        self.layer_windows = list(layer_windows) if layer_windows and any(layer_windows) else None
+        self.window_counts = layer_window_counts(layer_windows) if layer_windows and any(layer_windows) else None
 
     def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum):
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
@@ -92,8 +92,8 @@ class RooflineCostModel:
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
     def execute(self, output: SchedulerOutput) -> float:
-        if self.layer_windows is not None:
-            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.layer_windows)
+        if self.window_counts is not None:
+            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.window_counts, self.model.num_layers)
         else:
             p_tokens, p_pairs, p_read = prefill_work(output)
         n = output.num_decode_reqs

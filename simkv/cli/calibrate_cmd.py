@@ -62,10 +62,10 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
         raise click.UsageError("Missing option '--model' (or give --from-steps DIR)")
     from simkv.specs import get_model_spec
 
-    spec = get_model_spec(model)
-    if spec.is_moe or spec.sliding_window:
-        raise click.UsageError(f"--model {model}: the GPU backend runs dense Llama-architecture decoders that attend "
-                               "the whole context; calibrate one of those (this model is simulated only)")
+    why = get_model_spec(model).simulated_only
+    if why:
+        raise click.UsageError(f"--model {model} has {why}: simulated only (the GPU backend runs dense "
+                               "Llama-architecture decoders that attend the whole context); calibrate one of those")
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -304,12 +304,13 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         check_pools(disaggregation, config)
     if backend == "gpu" and config.speculative.enabled:
         raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
-    if backend == "gpu" and get_model_spec(config.hardware.model).is_moe:
-        raise click.UsageError(f"{config.hardware.model} is a mixture of experts: simulated only (the gpu backend "
-                               "runs dense Llama-architecture decoders)")
-    if backend == "gpu" and config.has_sliding_window:
-        raise click.UsageError(f"{config.hardware.model} has sliding-window layers: simulated only (the gpu "
-                               "backend's kernels attend the whole context)")
+    if backend == "gpu":
+        # (sliding windows may come from --sliding-window on any model)
+        why = get_model_spec(config.hardware.model).simulated_only or (
+            "sliding-window layers" if config.has_sliding_window else None)
+        if why:
+            raise click.UsageError(f"{config.hardware.model} has {why}: simulated only (the gpu backend runs dense "
+                                   "Llama-architecture decoders that attend the whole context)")
     if backend == "gpu" and config.scheduler.async_scheduling:
         raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
                                "before scheduling the next")

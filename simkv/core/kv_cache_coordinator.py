@@ -190,7 +190,7 @@ class KVCacheCoordinator:
             bs = self.block_size
             held = len(tables[0])
             need_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-            if (need_slots <= held * bs and (num_computed_tokens - self.window + 1) // bs <= self._nulls.get(index, 0)
+            if (need_slots <= held * bs and self._num_skipped_blocks(num_computed_tokens) <= self._nulls.get(index, 0)
                     and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks
                     and (not self.enable_caching or delay_cache
                          or min(num_computed_tokens + num_new_tokens, request.num_tokens) // bs
@@ -209,16 +209,11 @@ class KVCacheCoordinator:
             if self._blocks_to_admit(need_slots, hits, total, False) + watermark > pool.get_num_free_blocks() - reserved_blocks:
                 return None
             tables = self._tables[index] = self._take_hits(index, hits, total) if hits else [[] for _ in self.windows]
-        else:  # a running request: the window's release, then its new blocks
-            held = len(tables[0])
-            if full_sequence_must_fit:
-                full_required = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
-                need = (max(full_required - held, 0) * len(self.full_gids)
-                        + max(min(full_required, self.admission_cap) - held, 0) * len(self.window_gids))
-                if need + watermark > pool.get_num_free_blocks():
-                    return None
+        else:  # a running request (full_sequence_must_fit is asked at admission only): the window's
+            # release, then its new blocks
+            assert not full_sequence_must_fit, "full_sequence_must_fit is for requests without blocks"
             self._release_window(index, tables, total)
-            if max(cdiv(need_slots, self.block_size) - held, 0) * self.num_groups + watermark > \
+            if max(cdiv(need_slots, self.block_size) - len(tables[0]), 0) * self.num_groups + watermark > \
                     pool.get_num_free_blocks() - reserved_blocks:
                 return None
         n = cdiv(need_slots, self.block_size) - len(tables[0])

@@ -130,14 +130,12 @@ class ReplayEngine:
         engines on one environment, each fed by the router; by default the engine owns both."""
         self.config = config
         self.backend = backend
-        if config.speculative.enabled and trace.n is not None and (trace.n > 1).any():
+        if trace.n is not None and (config.speculative.enabled or config.has_sliding_window) and (trace.n > 1).any():
             row = int((trace.n > 1).argmax())
+            without = ("with speculative decoding; drop the column or speculative_method" if config.speculative.enabled
+                       else f"for models with sliding-window layers ({config.hardware.model}); drop the column")
             raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
-                             "with speculative decoding; drop the column or speculative_method")
-        if config.has_sliding_window and trace.n is not None and (trace.n > 1).any():
-            row = int((trace.n > 1).argmax())
-            raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
-                             f"for models with sliding-window layers ({config.hardware.model}); drop the column")
+                             + without)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector)
@@ -255,15 +253,9 @@ class ReplayEngine:
             self.now = start + duration
             yield env.timeout(duration)
             finished = sched.update_from_output(out)
-            self._log_step(out, start, duration)
+            self.steps.add_step(out, start, duration)
             if finished:
                 self._record_finished(finished)
-
-    def _log_step(self, out, start: int, duration: int) -> None:
-        self.steps.add_step(out, start, duration, out.earlier_preemptions)
-
-    def _log_run(self, run, start: int, shape) -> None:
-        self.steps.add_run(run, start, shape, run.earlier_preemptions)
 
     def _carry_preemptions(self, work) -> None:
         """Preemptions of schedule() calls that ran nothing count on the next step that runs (or
@@ -364,13 +356,13 @@ class ReplayEngine:
         sched = self.scheduler
         last = run.start_step + run.num_steps - 1
         if not sched.finish_due(last):
-            self._log_run(run, start, shape)
+            self.steps.add_run(run, start, shape)
             return None  # nothing to process: the loop goes on as after any step
         out = self._schedule()
         queued = None if out.is_empty else (out, self.now, self._duration(out))
         finished, run.last_num_blocks_used_end = sched.step_output_processed(last)
         run.finished = finished
-        self._log_run(run, start, shape)
+        self.steps.add_run(run, start, shape)
         if finished:
             self._record_finished(finished)
         return queued
@@ -433,7 +425,7 @@ class ReplayEngine:
         yield self.env.timeout(end - self.now)
         self.now = end
         finished = self.scheduler.update_from_output(out)
-        self._log_step(out, start, duration)
+        self.steps.add_step(out, start, duration)
         if finished:
             self._record_finished(finished)
 
@@ -456,7 +448,7 @@ class ReplayEngine:
             return None
         if self._unlogged_preemptions:
             self._carry_preemptions(run)
-        self._log_run(run, self.now, shape)
+        self.steps.add_run(run, self.now, shape)
         return self.now + run_ticks(shape, run.num_steps), run.finished
 
     def _record_finished(self, finished: list[Request]) -> None:

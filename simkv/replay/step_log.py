@@ -43,12 +43,12 @@ class StepLog:
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
 
-    def add_step(self, out: SchedulerOutput, start: int, duration: int, earlier_preemptions: int = 0) -> None:
-        """One step, from tick `start`, lasting `duration` ticks. `earlier_preemptions`: made by
-        schedule() calls since the last logged step that ran nothing (counted on this row)."""
+    def add_step(self, out: SchedulerOutput, start: int, duration: int) -> None:
+        """One step, from tick `start`, lasting `duration` ticks. Its preemptions include those of
+        schedule() calls that ran nothing before it (`out.earlier_preemptions`)."""
         self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end, start, duration, 0, 1, duration, 0,
                            out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_tokens,
-                           len(out.preempted) + earlier_preemptions, out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
+                           len(out.preempted) + out.earlier_preemptions, out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
         self._alloc_counts.append(0)
@@ -56,12 +56,11 @@ class StepLog:
         if self._spec is not None:
             self._spec.extend((out.num_draft_tokens, out.num_accepted_tokens))
 
-    def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int],
-                earlier_preemptions: int = 0) -> None:
-        """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape).
-        `earlier_preemptions` (see add_step) are counted on its first step."""
+    def add_run(self, run: DecodeRun, start: int, shape: tuple[int, int, int, int, int]) -> None:
+        """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape);
+        `run.earlier_preemptions` count on its first step."""
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
-                           start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, earlier_preemptions, 0, 0,
+                           start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, run.earlier_preemptions, 0, 0,
                            len(run.finished), run.num_swapped, 0))
         self._columns = None
         self._alloc_counts += run.allocation_counts

@@ -49,6 +49,16 @@ class ModelSpec:
         return self.num_experts > 0
 
     @property
+    def simulated_only(self) -> str | None:
+        """Why the GPU backend cannot run this model (None: it can): it runs dense
+        Llama-architecture decoders that attend the whole context."""
+        if self.is_moe:
+            return "a mixture of experts"
+        if self.sliding_window:
+            return "sliding-window layers"
+        return None
+
+    @property
     def expert_params(self) -> int:
         """Parameters of one expert's gated MLP (or of the dense MLP)."""
         return 3 * self.hidden_size * self.intermediate_size

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from simkv.backends.base import prefill_work, window_pairs_and_reads, windowed_prefill_work
+from simkv.backends.base import layer_window_counts, prefill_work, window_pairs_and_reads, windowed_prefill_work
 from simkv.backends.factory import make_backend
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
@@ -46,8 +46,8 @@ def test_windowed_work_averages_the_layers():
     counts; without windows the figures are prefill_work's."""
     out = _step((100, 1), (0, 20))
     full = prefill_work(out)
-    assert windowed_prefill_work(out, [0, 0]) == full
-    tokens, pairs, reads = windowed_prefill_work(out, [8, 0])
+    assert windowed_prefill_work(out, layer_window_counts([0, 0]), 2) == full
+    tokens, pairs, reads = windowed_prefill_work(out, layer_window_counts([8, 0]), 2)
     w_pairs = window_pairs_and_reads(1, 100, 8)[0] + window_pairs_and_reads(20, 0, 8)[0]
     w_reads = window_pairs_and_reads(1, 100, 8)[1] + window_pairs_and_reads(20, 0, 8)[1]
     assert (tokens, pairs, reads) == (21, (full[1] + w_pairs) / 2, (full[2] + w_reads) / 2)
