@@ -36,6 +36,10 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
+        if config.has_sliding_window:
+            raise ValueError(f"--cost-model {name}: a calibration is fitted on layers that attend the whole "
+                             f"context; {config.hardware.model} here has sliding-window layers (use the roofline)")
+
         return cost_model_from_file(name, model=config.hardware.model, gpu=config.hardware.gpu,
                                     step_noise=step_noise, noise_seed=noise_seed)
     raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")

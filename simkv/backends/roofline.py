@@ -98,6 +98,8 @@ class RooflineCostModel:
             p_tokens, p_pairs, p_read = prefill_work(output)
         n = output.num_decode_reqs
         ctx = output.decode_context_tokens
+        if self.window_counts is not None:  # (layer-tokens: per layer on average, as the chunks' work)
+            ctx = ctx / self.model.num_layers
         return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
 
     def host_seconds(self, num_seqs: int) -> float:
@@ -121,9 +123,11 @@ class RooflineCostModel:
             compute = (self.flops_per_token * n + self.flops_per_seq * n) / self.flop_rate
             weights = self.weight_bytes if self.moe is None else self.weight_bytes + self.expert_bytes * self.moe.experts_touched(n)
             memory = (weights + self.kv_bytes_per_token * n) / self.byte_rate
+            # per context token; with sliding-window layers per layer-token (SchedulerOutput)
+            per = self.model.num_layers if self.window_counts is not None else 1
             line = self._decode_lines[n] = (
-                to_ticks(compute + overhead), per_token_ticks(self.flops_per_pair / self.flop_rate),
-                to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / self.byte_rate))
+                to_ticks(compute + overhead), per_token_ticks(self.flops_per_pair / per / self.flop_rate),
+                to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / per / self.byte_rate))
         return line
 
     def describe(self) -> dict:

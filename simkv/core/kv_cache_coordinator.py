@@ -23,8 +23,11 @@ Prefix caching, as vLLM 0.33 does it with its default `prefix_cache_retention_in
 - admission (`full_sequence_must_fit`) caps a sliding-window group's need at
   ceil(min(w - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1 blocks.
 
-Unlike KVCacheManager (single group), blocks are hashed when scheduled, as vLLM does, not
-lazily; there are no steady decoders under it (the scheduler steps every request).
+Blocks are hashed when scheduled, as vLLM does, except a steady decoder's (the scheduler does
+not touch it every step, core/steady_decoders.py): it meets the coordinator only at its events,
+a block boundary (a block for every group) or a window release, and its full blocks are hashed
+when they leave the window or the request releases its blocks. Nobody else can hit a decoded
+block (its content is the request's own), so the cache looks the same to every lookup.
 """
 
 from __future__ import annotations
@@ -226,6 +229,37 @@ class KVCacheCoordinator:
             self._cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    # ---- steady decoders (core/steady_decoders.py) --------------------------------------------
+    def next_decode_event(self, request: Request) -> int:
+        """The computed-token count at which a steady decoder next needs the coordinator: its
+        next block boundary (before max_model_len) or its next window release, the earlier."""
+        index = request.index
+        bs = self.block_size
+        release = (self._nulls.get(index, 0) + 1) * bs + self.window - 1
+        held = len(self._tables[index][0]) * bs
+        return release if held >= self.max_model_len else min(held, release)
+
+    def decode_release(self, request: Request, num_computed_tokens: int) -> None:
+        """A steady decoder at `num_computed_tokens` is scheduled: the blocks that left its window
+        are given back (hashed first, where vLLM would have hashed them by now)."""
+        index = request.index
+        if self._num_skipped_blocks(num_computed_tokens) <= self._nulls.get(index, 0):
+            return
+        if self.enable_caching:
+            self._cache_blocks(request, num_computed_tokens)
+        self._release_window(index, self._tables[index], num_computed_tokens)
+
+    def decode_block_need(self, request: Request, num_computed_tokens: int, num_lookahead_tokens: int = 0) -> int:
+        """Blocks a steady decoder's next token needs: one per group at a block boundary, else 0."""
+        held = len(self._tables[request.index][0]) * self.block_size
+        return self.num_groups if num_computed_tokens + 1 + num_lookahead_tokens > held else 0
+
+    def decode_write(self, request: Request, num_computed_tokens: int = 0) -> None:
+        """A steady decoder at a block boundary takes a block for every group, in group order
+        from the head of the free queue (decode_block_need said so; the pool has them)."""
+        for table, block in zip(self._tables[request.index], self.block_pool.get_new_blocks(self.num_groups)):
+            table.append(block)
+
     def _take_hits(self, index: int, hits, num_computed: int) -> list[list[KVCacheBlock]]:
         """A waiting request's prefix hits become its tables (every group's hits are taken
         before any group allocates); window groups keep null blocks below the window."""
@@ -318,6 +352,8 @@ class KVCacheCoordinator:
     def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False) -> None:
         """Release all of a request's blocks, group by group, each group's tail first."""
         index = request.index
+        if self.enable_caching and index in self._tables:  # (a steady decoder's blocks: now)
+            self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
         tables = self._tables.pop(index, None)
         nulls = self._nulls.pop(index, 0)
         self._num_cached.pop(index, None)

@@ -41,7 +41,9 @@ class SchedulerOutput:
     step: int
     chunks: list[ScheduledChunk]
     num_decode_reqs: int
-    decode_context_tokens: int  # sum over decodes of tokens attended (cached + the new one)
+    # sum over decodes of tokens attended (cached + the new one); with sliding-window layers,
+    # summed over the layers too (layer-tokens: a window layer attends at most its window)
+    decode_context_tokens: int
     decodes: list[ScheduledDecode] | None
     preempted: list[Request]
     num_running: int
@@ -97,10 +99,11 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class DecodeRun:
     """`num_steps` consecutive pure-decode steps in which the same `num_decodes` requests
-    each decode one token. Step j attends `first_context_tokens + j * num_decodes` tokens.
-    Nothing else happens in them except block-boundary allocations (one block each, at the
-    step counts in `allocation_counts`, one per step) and, after the last step, the requests
-    in `finished` finishing."""
+    each decode one token. Step j attends `first_context_tokens + j * context_per_step` tokens
+    (`num_decodes` per step; layer-tokens with sliding-window layers: SchedulerOutput's unit).
+    Nothing else happens in them except block-boundary allocations (and, with sliding-window
+    layers, window releases): `allocation_counts` has each step's net change of blocks in use;
+    after the last step, the requests in `finished` finish."""
 
     start_step: int
     num_steps: int
@@ -114,3 +117,8 @@ class DecodeRun:
     last_num_blocks_used_end: int = -1
     num_swapped: int = 0  # after the run's finished requests released their blocks
     earlier_preemptions: int = 0  # as SchedulerOutput's, counted on the run's first step
+    context_per_step: int = -1  # (-1: num_decodes)
+
+    def __post_init__(self) -> None:
+        if self.context_per_step < 0:
+            self.context_per_step = self.num_decodes

@@ -38,6 +38,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
+        "window_below",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
@@ -85,6 +86,9 @@ class Request:
         self.decode_from_step = -1  # the first step of its current decoding stint
         self.is_finishing = False  # async scheduling: its last token is in flight (core/async_scheduling.py)
         self.epoch = 0
+        # a steady decoder of a model with sliding-window layers that attends fewer tokens than
+        # the window (its window layers' cost still grows with it: core/steady_decoders.py)
+        self.window_below = False
         self.has_own_cached_blocks = False
         self.kv_role = 0  # KV_SEND / KV_PULL under P/D disaggregation
         self.kv_loaded = False  # KV_PULL: its pull has ended

@@ -9,8 +9,9 @@ Speed: steady decoders are not touched every step (steady_decoders.py): a step c
 O(events + log running), not O(running), and runs of event-free decode steps are jumped over
 with results identical to stepping one by one. Under speculative decoding (spec_decode.py) a
 decode is a chunk of 1 + K tokens whose outcome varies, so there are no steady decoders: every
-running request is stepped. The same holds for models with sliding-window layers (their decodes'
-costs are not affine in the context; their blocks come and go with the window).
+running request is stepped. Models with sliding-window layers have steady decoders too: their
+window releases are events like block boundaries, and the context they attend is counted per
+layer (steady_decoders.py).
 
 Invariants: `running` is ordered by `seq` (admission order); a request is in `_prefilling`
 iff it is running and not a steady decoder; steady decoders have `decode_base` set.
@@ -72,9 +73,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
         self._last_schedule = (-1, 0)  # async: (step, blocks it took) of the latest schedule() call
-        # Sliding-window layers attend a window, not the whole context: decodes are chunks of one
-        # token (their costs are not affine in the context), as under speculative decoding.
-        self.chunked_decodes = bool(self.num_spec_tokens) or config.has_sliding_window
+        self.chunked_decodes = bool(self.num_spec_tokens)
         groups = config.kv_cache_groups
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
@@ -104,6 +103,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._sum_decode_base = 0
         self._boundary_heap: list[tuple] = []
         self._finish_heap: list[tuple] = []
+        # Sliding-window layers (steady_decoders.py): (full-attention layers, window layers,
+        # window) count the attended context in layer-tokens; decoders below the window (their
+        # number and base sum) and the steps at which they reach it. Under the coordinator a
+        # decoder's window releases are events on the boundary heap.
+        self._window_context = self._layer_split(config) if not self.chunked_decodes else None
+        self._window_releases = isinstance(self.kv_cache_manager, KVCacheCoordinator)
+        self._num_below = 0
+        self._sum_base_below = 0
+        self._crossing_heap: list[tuple] = []
         # The block calendar (steady_decoders.py) serves a paged pool without lookahead slots
         # until the first forked sequence: per residue of the step modulo block_size, the
         # decoders due for a block then, and their block tables, in seq order.
@@ -127,6 +135,20 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.total_swap_out_blocks = 0
         self.total_swap_in_blocks = 0
         self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
+
+    @staticmethod
+    def _layer_split(config: EngineConfig) -> tuple[int, int, int] | None:
+        """(full-attention layers, sliding-window layers, window) of a model with one window
+        size; None without sliding-window layers."""
+        if not config.has_sliding_window:
+            return None
+        layers = config.layer_windows
+        windows = {w for w in layers if w}
+        if len(windows) != 1:
+            raise ValueError("steady decoders model one sliding-window size")
+        window = windows.pop()
+        num_window = sum(1 for w in layers if w)
+        return len(layers) - num_window, num_window, window
 
     # ---- queues ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -230,11 +252,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
+        if self._window_context is not None:
+            self._settle_crossings(step)
         due = self._due_at(step)
         kv = self.kv_cache_manager
         if (not self._prefilling and not self._finishing and not self.admit_before_running and not kv.num_forks
                 and plan.budget >= len(self.running)
-                and (not due or len(due) <= kv.block_pool.get_num_free_blocks())):
+                and (not due or self._blocks_due(due, step) <= kv.block_pool.get_num_free_blocks())):
             # Only steady decoders run, all fit the budget and every one due for a block gets
             # one: nothing can preempt, so they are served in bulk (same blocks, same order).
             if due:
@@ -250,12 +274,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 plan.first_new_seq = self._next_seq
                 self._schedule_waiting(step, plan)
             stall_pos = self._schedule_running(step, active, plan)
-        num_stalled, stalled_base = (0, 0)
+        num_stalled = stalled_base = stalled_below = stalled_below_base = 0
         if stall_pos >= 0:
-            num_stalled, stalled_base = self._stall(self.running[stall_pos:], step)
+            num_stalled, stalled_base, stalled_below, stalled_below_base = self._stall(self.running[stall_pos:], step)
         num_decodes = self._num_decoders - num_stalled
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
-        decode_context = num_decodes * (step + 1) + decode_base_sum
+        decode_context = self._decode_context(step, num_decodes, decode_base_sum, self._num_below - stalled_below,
+                                              self._sum_base_below + stalled_below - stalled_below_base)
         if not plan.preempted and not self.admit_before_running:
             self._schedule_waiting(step, plan)
         if self.detail:
@@ -347,6 +372,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if the request preempted itself."""
         kv = self.kv_cache_manager
         free_queue = kv.block_pool.free_block_queue
+        if self._window_releases:  # the coordinator: the window's release, then a block per group
+            kv.decode_release(request, computed)
+            need = kv.decode_block_need(request, computed, 0)
+            while need > free_queue.num_free_blocks:
+                if self._preempt_for(request, step, plan):
+                    return False
+            if need:
+                kv.decode_write(request, computed)
+            return True
         if not kv.num_forks:  # no forked sequences: the event is a block boundary
             while free_queue.num_free_blocks == 0:
                 if self._preempt_for(request, step, plan):

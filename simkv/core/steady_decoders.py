@@ -13,6 +13,14 @@ The steps at which it needs its next block are kept one of two ways:
 `decode_run_limit` / `advance_decode_run` apply many event-free decode steps at once, with the
 same block allocations in the same order as stepping one by one would make them
 (tests/core/test_properties.py compares the two).
+
+Models with sliding-window layers:
+- under the KV-cache coordinator (vLLM's hybrid manager) a decoder's events are its block
+  boundaries (a block for every group) and its window releases, on the boundary heap;
+- a decoder's window layers attend min(context, window) tokens: the step's attended context is
+  counted in layer-tokens (summed over the layers), affine in the step between the steps at which
+  a decoder reaches the window (the crossing heap), where decode runs are cut;
+- while a request waits for blocks, a run stops before the next event (a release may admit it).
 """
 
 from __future__ import annotations
@@ -73,6 +81,13 @@ class SteadyDecoders:
             return list(self._calendar[step % self.block_size])
         return self._pop_due(self._boundary_heap, step)
 
+    def _blocks_due(self, due: list[Request], step: int) -> int:
+        """Blocks the steady decoders due at `step` take (before any window release)."""
+        if not self._window_releases:
+            return len(due)
+        need = self.kv_cache_manager.decode_block_need
+        return sum(need(request, step + request.decode_base, 0) for request in due)
+
     def _enroll_decoder(self, request: Request, next_step: int) -> None:
         self._prefilling.remove(request)  # small list: prefilling requests only
         request.decode_base = request.num_computed_tokens - next_step
@@ -80,6 +95,10 @@ class SteadyDecoders:
         request.epoch += 1
         self._num_decoders += 1
         self._sum_decode_base += request.decode_base
+        if self._window_context is not None and request.num_computed_tokens + 1 < self._window_context[2]:
+            request.window_below = True
+            self._num_below += 1
+            self._sum_base_below += request.decode_base
         self._push_decoder_events(request, next_step)
 
     def _finish_step_of(self, request: Request) -> int:
@@ -89,6 +108,9 @@ class SteadyDecoders:
     def _push_decoder_events(self, request: Request, from_step: int) -> None:
         request.decode_last_step = self._finish_step_of(request)
         heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
+        if request.window_below:  # the step from which it attends a whole window
+            crossing = self._window_context[2] - 1 - request.decode_base
+            heapq.heappush(self._crossing_heap, (crossing, request.seq, request.epoch, request))
         if self._calendar is not None:
             self._calendar_add(request, from_step)
             return
@@ -101,11 +123,15 @@ class SteadyDecoders:
             self._push_boundary(request, from_step)
 
     def _push_boundary(self, request: Request, from_step: int) -> None:
-        """Schedule the step at which the steady decoder needs its next block, if before it ends."""
-        held = len(self.kv_cache_manager.req_to_blocks[request.index]) * self.block_size
-        if held >= self.max_model_len:
-            return
-        step = held - self.num_lookahead_tokens - request.decode_base
+        """Schedule the step at which the steady decoder needs its next block (or, under the
+        KV-cache coordinator, its next window release), if before it ends."""
+        if self._window_releases:
+            step = self.kv_cache_manager.next_decode_event(request) - request.decode_base
+        else:
+            held = len(self.kv_cache_manager.req_to_blocks[request.index]) * self.block_size
+            if held >= self.max_model_len:
+                return
+            step = held - self.num_lookahead_tokens - request.decode_base
         if step < from_step:
             step = from_step
         if step <= request.decode_last_step:
@@ -118,15 +144,21 @@ class SteadyDecoders:
             self._calendar_remove(request)
         self._num_decoders -= 1
         self._sum_decode_base -= request.decode_base
+        if request.window_below:
+            request.window_below = False
+            self._num_below -= 1
+            self._sum_base_below -= request.decode_base
         request.decode_base = None
         request.epoch += 1
         request.num_computed_tokens = computed
         request.num_output_tokens = computed + 1 - request.num_prompt_tokens
         return computed
 
-    def _stall(self, requests: list[Request], step: int) -> tuple[int, int]:
-        """Requests left unscheduled by an exhausted budget. Decoders slip one step."""
-        num, base_sum = 0, 0
+    def _stall(self, requests: list[Request], step: int) -> tuple[int, int, int, int]:
+        """Requests left unscheduled by an exhausted budget. Decoders slip one step. Returns
+        the stalled decoders' count and base sum before the slip, and the same for those of them
+        below the window."""
+        num = base_sum = num_below = below_base_sum = 0
         for request in requests:
             if request.decode_base is None:
                 continue
@@ -134,11 +166,45 @@ class SteadyDecoders:
             base_sum += request.decode_base
             if self._calendar is not None:
                 self._calendar_remove(request)  # it slips to the next residue
+            if request.window_below:
+                num_below += 1
+                below_base_sum += request.decode_base
+                self._sum_base_below -= 1
             request.decode_base -= 1
             self._sum_decode_base -= 1
             request.epoch += 1
             self._push_decoder_events(request, step + 1)
-        return num, base_sum
+        return num, base_sum, num_below, below_base_sum
+
+    # ---- sliding-window layers: the attended context -------------------------------------------
+    def _settle_crossings(self, step: int) -> None:
+        """Decoders that attend a whole window from `step` on stop counting as below it."""
+        heap = self._crossing_heap
+        while heap and heap[0][0] <= step:
+            _, _, epoch, request = heapq.heappop(heap)
+            if epoch == request.epoch and request.window_below:
+                request.window_below = False
+                self._num_below -= 1
+                self._sum_base_below -= request.decode_base
+
+    def _next_crossing(self) -> int | None:
+        heap = self._crossing_heap
+        while heap:
+            at, _, epoch, request = heap[0]
+            if epoch == request.epoch and request.window_below:
+                return at
+            heapq.heappop(heap)
+        return None
+
+    def _decode_context(self, step: int, num: int, base_sum: int, num_below: int, below_base_sum: int) -> int:
+        """Context tokens `num` decoders (bases summing to `base_sum`; `num_below` of them below
+        the window, bases `below_base_sum`) attend at `step`: tokens, or with sliding-window
+        layers layer-tokens (each layer's attended tokens, summed over the layers)."""
+        if self._window_context is None:
+            return num * (step + 1) + base_sum
+        full_layers, window_layers, window = self._window_context
+        return (full_layers * (num * (step + 1) + base_sum)
+                + window_layers * (num_below * (step + 1) + below_base_sum + (num - num_below) * window))
 
     def _pop_due(self, heap: list[tuple], step: int) -> list[Request]:
         due = []
@@ -157,7 +223,28 @@ class SteadyDecoders:
         if self.waiting and not self._admission_stuck():
             return 0
         at = self._next_finish_step()
-        return 0 if at is None else at - self.current_step + 1
+        if at is None:
+            return 0
+        limit = at - self.current_step + 1
+        if self._window_context is not None:  # the slope of the attended context is constant in a run
+            self._settle_crossings(self.current_step)
+            crossing = self._next_crossing()
+            if crossing is not None:
+                limit = min(limit, crossing - self.current_step)
+        if self._window_releases and self.waiting:  # a window release may let the head in
+            event = self._next_event_step()
+            if event is not None:
+                limit = min(limit, event - self.current_step)
+        return limit
+
+    def _next_event_step(self) -> int | None:
+        heap = self._boundary_heap
+        while heap:
+            at, _, epoch, request = heap[0]
+            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
+                return at
+            heapq.heappop(heap)
+        return None
 
     def _next_finish_step(self) -> int | None:
         """The step in which the next steady decoder samples its last token (None: no decoder)."""
@@ -181,10 +268,18 @@ class SteadyDecoders:
         return (marker is not None and marker[0] is self.waiting.peek_request()
                 and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget)
 
-    def decode_run_shape(self) -> tuple[int, int]:
-        """(decodes per step, attended context tokens in the first step) of a decode run."""
+    def decode_run_shape(self) -> tuple[int, int, int]:
+        """(decodes per step, attended context in the first step, its growth per step) of a
+        decode run (tokens, or layer-tokens with sliding-window layers: _decode_context)."""
         n = self._num_decoders
-        return n, n * (self.current_step + 1) + self._sum_decode_base
+        if self._window_context is not None:
+            self._settle_crossings(self.current_step)
+        context = self._decode_context(self.current_step, n, self._sum_decode_base, self._num_below,
+                                       self._sum_base_below)
+        if self._window_context is None:
+            return n, context, n
+        full_layers, window_layers, _ = self._window_context
+        return n, context, full_layers * n + window_layers * self._num_below
 
     def _run_events(self, start: int, end: int, offsets: list[int]) -> int:
         """Apply the boundary (or copy-on-write) events of decode steps [start, end) from the
@@ -210,6 +305,37 @@ class SteadyDecoders:
                 offsets.append(at - start)
             push_boundary(request, at + 1)
         return end
+
+    def _run_window_events(self, start: int, end: int, counts: list[int]) -> tuple[int, int]:
+        """`_run_events` under the KV-cache coordinator: an event releases the blocks that left
+        the decoder's window, then, at a block boundary, takes a block for every group. `counts`
+        gets each step's net change of blocks in use. Returns the run's end and the net change
+        made for that step (which is not part of the run) before the pool ran dry."""
+        kv = self.kv_cache_manager
+        free_queue = kv.block_pool.free_block_queue
+        heap = self._boundary_heap
+        release, block_need, write, push_boundary = kv.decode_release, kv.decode_block_need, kv.decode_write, self._push_boundary
+        counts += [0] * (end - start)
+        while heap and heap[0][0] < end:
+            event = heapq.heappop(heap)
+            at, _, epoch, request = event
+            if epoch != request.epoch or request.status != RequestStatus.RUNNING:
+                continue
+            computed = at + request.decode_base
+            free_before = free_queue.num_free_blocks
+            release(request, computed)
+            need = block_need(request, computed, 0)
+            if need > free_queue.num_free_blocks:
+                heapq.heappush(heap, event)  # step `at` is scheduled normally: it preempts
+                counts[at - start] += free_before - free_queue.num_free_blocks
+                early = sum(counts[at - start:])
+                del counts[at - start:]
+                return at, early
+            if need:
+                write(request, computed)
+            counts[at - start] += free_before - free_queue.num_free_blocks
+            push_boundary(request, at + 1)
+        return end, 0
 
     def _run_calendar(self, start: int, end: int, counts: list[int]) -> int:
         """The decode steps [start, end) take their boundary blocks from the calendar: step t
@@ -246,6 +372,14 @@ class SteadyDecoders:
         """Steady decoders due at step `at` (in running order; the pool has a block for each)
         take the head of the free queue in one pop, and their next boundaries are pushed."""
         kv = self.kv_cache_manager
+        if self._window_releases:  # each in turn: its window's release, then its blocks
+            for request in requests:
+                computed = at + request.decode_base
+                kv.decode_release(request, computed)
+                if kv.decode_block_need(request, computed, 0):
+                    kv.decode_write(request, computed)
+                self._push_boundary(request, at + 1)
+            return
         blocks = kv.block_pool.get_new_blocks(len(requests))
         if self._calendar is not None:  # `requests` is the bucket; they stay in it
             for table, block in zip(self._calendar_tables[at % self.block_size], blocks):
@@ -265,12 +399,14 @@ class SteadyDecoders:
         start = self.current_step
         end = start + num_steps
         kv = self.kv_cache_manager
-        n, first_context = self.decode_run_shape()
+        n, first_context, per_step = self.decode_run_shape()
         first_used = kv.block_pool.get_num_used_blocks()
         counts: list[int] = []  # block allocations per step of the run
         early = 0  # allocations made for step `end`, which is not part of the run
         if self._calendar is not None:
             end = self._run_calendar(start, end, counts)
+        elif self._window_releases:
+            end, early = self._run_window_events(start, end, counts)
         else:
             offsets: list[int] = []
             end = self._run_events(start, end, offsets)
@@ -288,7 +424,7 @@ class SteadyDecoders:
             self._leave_decoding(request, end)
             finished.append(request)
         run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
-                        first_used, counts, finished, num_swapped=self.num_swapped)
+                        first_used, counts, finished, num_swapped=self.num_swapped, context_per_step=per_step)
         if finished:
             finished.sort(key=_seq_of)
             run.finished = self._finish(finished, end - 1)

@@ -311,11 +311,11 @@ class ReplayEngine:
         return a0 - host_ticks, a1, b0 - host_ticks, b1
 
     @staticmethod
-    def _run_shape(line: tuple[int, int, int, int], n: int, ctx: int):
-        """A decode run's per-step durations: `line` for `n` decodes attending `ctx` tokens in
-        its first step, and n more in each next one."""
+    def _run_shape(line: tuple[int, int, int, int], ctx: int, per_step: int):
+        """A decode run's per-step durations: `line` for its decodes attending `ctx` tokens in
+        its first step, and `per_step` more in each next one."""
         a0, a1, b0, b1 = line
-        return run_shape(a0 + a1 * ctx, a1 * n, b0 + b1 * ctx, b1 * n)
+        return run_shape(a0 + a1 * ctx, a1 * per_step, b0 + b1 * ctx, b1 * per_step)
 
     def _plan_async_run(self, in_flight) -> tuple[int, int, tuple] | None:
         """A decode run for async scheduling: (its first step's start, its steps, its shape) or
@@ -329,12 +329,12 @@ class ReplayEngine:
         if limit < 2:
             return None
         start = self.now if in_flight is None else in_flight[1] + in_flight[2]
-        n, ctx = sched.decode_run_shape()
+        n, ctx, per_step = sched.decode_run_shape()
         host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
         line = self._device_line(n, host)
         if line_ticks(line, ctx) < host:
             return None  # host-bound: the steps last the host's time (stepped one by one)
-        shape = self._run_shape(line, n, ctx)
+        shape = self._run_shape(line, ctx, per_step)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             gap = next_arrival - start
@@ -436,8 +436,8 @@ class ReplayEngine:
         limit = sched.decode_run_limit()
         if limit < 2:
             return None
-        n, ctx = sched.decode_run_shape()
-        shape = self._run_shape(self._decode_line(n), n, ctx)
+        n, ctx, per_step = sched.decode_run_shape()
+        shape = self._run_shape(self._decode_line(n), ctx, per_step)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             limit = steps_to_reach(shape, next_arrival - self.now, limit)

@@ -6,6 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from simkv.backends.base import layer_window_counts, prefill_work, window_pairs_and_reads, windowed_prefill_work
 from simkv.backends.factory import make_backend
@@ -193,3 +195,74 @@ def test_fragmentation_counts_every_group():
                                          num_gpu_blocks=64, max_model_len=256))
     res = replay(trace_from_frame(frame), config, "unit")
     assert res.summary["internal_fragmentation_pct"] == pytest.approx(100 * (3 + 3) / (109 + 45))
+
+
+def _identical(a, b):
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    for name, values in a.steps.items():
+        assert np.array_equal(values, b.steps[name]), name
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), window=st.sampled_from([2, 5, 16, 40, 300]), interval=st.sampled_from([0, 2, 6]),
+       block_size=st.sampled_from([4, 16]), blocks=st.sampled_from([0, 40, 400]), caching=st.booleans(),
+       retention=st.sampled_from([0, None]), hybrid=st.booleans())
+def test_decode_runs_change_nothing(seed, window, interval, block_size, blocks, caching, retention, hybrid):
+    """Steady decoders of sliding-window models (window releases on the boundary heap, the context
+    counted per layer): jumping over decode runs gives the very steps and requests that stepping
+    one by one gives, small pools (preemptions, requests waiting for a release) included."""
+    rng = np.random.default_rng(seed)
+    n = 40
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 2, n)), "prompt_tokens": rng.integers(1, 700, n),
+                          "output_tokens": rng.integers(1, 300, n)})
+    opts = dict(model="gemma-2-9b", gpu="H100-SXM", sliding_window=window, full_attention_interval=interval,
+                block_size=block_size, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512,
+                enable_prefix_caching=caching, disable_hybrid_kv_cache_manager=not hybrid)
+    if hybrid:
+        opts["prefix_cache_retention_interval"] = retention
+    config = EngineConfig.from_flat(opts)
+    from simkv.capacity import group_blocks_per_request
+
+    if blocks:
+        config = EngineConfig.from_flat(opts | {"num_gpu_blocks": group_blocks_per_request(config, 1024, startup=True) + blocks})
+    trace = trace_from_frame(frame)
+    a = replay(trace, config, "roofline")
+    b = replay(trace, config, "roofline", use_decode_runs=False)
+    _identical(a, b)
+    assert a.summary["num_finished"] == n
+
+
+def test_windowed_decode_context_is_counted_per_layer():
+    """A decode step's context under sliding-window layers: full-attention layers attend every
+    token, window layers at most the window, summed over the layers (the roofline divides by the
+    layer count); one token before, at and after the window."""
+    from simkv.core.scheduler import Scheduler
+
+    config = EngineConfig.from_flat(dict(model="gemma-2-9b", sliding_window=8, block_size=4, max_model_len=64,
+                                         num_gpu_blocks=200))
+    layers = config.layer_windows
+    full, sliding = layers.count(0), len(layers) - layers.count(0)
+    sched = Scheduler(config, 200)
+    sched.add_request(make_request(0, 5, 10))
+    contexts = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if out.num_decode_reqs:
+            contexts.append(out.decode_context_tokens)
+        sched.update_from_output(out)
+    # decodes at 5..13 cached tokens attend 6..14 tokens; the window layers 6, 7, 8, 8, ...
+    assert contexts == [full * (c + 1) + sliding * min(c + 1, 8) for c in range(5, 14)]
+    step = SchedulerOutput(step=0, chunks=[], num_decode_reqs=1, decode_context_tokens=contexts[-1], decodes=None,
+                           preempted=[], num_running=1, num_waiting=0, num_blocks_used=0, prefix_query_tokens=0,
+                           prefix_hit_tokens=0)
+    as_chunk = _step((13, 1))
+    backend = make_backend("roofline", config)
+    assert backend.execute(step) == pytest.approx(backend.execute(as_chunk), rel=1e-12)
+
+
+def test_calibrated_cost_models_refuse_sliding_window_layers(tmp_path):
+    """A calibration's features count every layer attending the whole context: replaying a model
+    with sliding-window layers through one is refused, naming the option."""
+    config = EngineConfig.from_flat(dict(model="tiny-llama", sliding_window=8, max_model_len=256))
+    with pytest.raises(ValueError, match=r"--cost-model .*calib\.json: .*sliding-window layers"):
+        make_backend(str(tmp_path / "calib.json"), config)
