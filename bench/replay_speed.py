@@ -12,7 +12,7 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-spec   # the Azure trace with EAGLE-3 speculative decoding (K=3):
                                                         # decodes are chunks, no decode runs
     .venv/bin/python bench/replay_speed.py azure-gemma3 # the Azure trace on gemma-3-12b (5 of 6 layers slide over
-                                                        # 1,024 tokens): hybrid KV-cache manager, chunked decodes
+                                                        # 1,024 tokens): hybrid KV-cache manager, 6 KV-cache groups
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
