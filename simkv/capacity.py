@@ -105,7 +105,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     draft = config.speculative.draft_spec(spec)
     draft_weights = 0.0
     if draft is not None:
-        shared = 2 * draft.vocab_size * draft.hidden_size if config.speculative.is_eagle_family else 0
+        shared = draft.embedding_params if config.speculative.is_eagle_family else 0
         draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (an EAGLE layer of a mixture of experts keeps its experts)
     groups = config.kv_cache_groups
     hybrid = groups.has_sliding_window

@@ -54,8 +54,9 @@ class RooflineCostModel:
                            step_overhead_s=step_overhead_s, seq_overhead_s=seq_overhead_s,
                            allreduce_latency_s=allreduce_latency_s)
         h, v = model.hidden_size, model.vocab_size
-        layer_params = model.num_dense_params - 2 * v * h - h  # (a dense model: every layer parameter)
-        self.flops_per_token = 2.0 * (model.num_active_params - 2 * v * h - h) / tp
+        embeddings = model.embedding_params + h  # (and the final norm)
+        layer_params = model.num_dense_params - embeddings  # (a dense model: every layer parameter)
+        self.flops_per_token = 2.0 * (model.num_active_params - embeddings) / tp
         self.flops_per_seq = 2.0 * h * v / tp
         self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
         self.weight_bytes = 2.0 * (layer_params + h * v) / tp

@@ -34,6 +34,9 @@ class ModelSpec:
     # Bytes per expert weight in memory and in the step's reads: 2 (bf16), 0.53125 (MXFP4: 4 bits
     # and one 8-bit scale per 32, gpt-oss's checkpoints). Everything else is bf16.
     expert_weight_bytes: float = 2.0
+    # The output projection (LM head) is the input embedding matrix (Gemma, Llama 3.2 1B/3B,
+    # Qwen2.5 up to 3B): memory holds it once.
+    tie_word_embeddings: bool = False
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the
@@ -75,6 +78,11 @@ class ModelSpec:
         return self.num_experts * self.expert_params
 
     @property
+    def embedding_params(self) -> int:
+        """The input embedding and the LM head (one matrix if tied)."""
+        return (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
+
+    @property
     def num_dense_params(self) -> int:
         """Every parameter outside the experts: attention, the dense MLP or the router, norms,
         embeddings."""
@@ -82,7 +90,7 @@ class ModelSpec:
         attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
         mlp = h * self.num_experts if self.is_moe else self.expert_params
         norms = 2 * h
-        return self.num_layers * (attn + mlp + norms) + 2 * self.vocab_size * h + h
+        return self.num_layers * (attn + mlp + norms) + self.embedding_params + h
 
     @property
     def num_active_params(self) -> int:

@@ -1,10 +1,13 @@
 """Mixture-of-experts model specs: parameters, weight bytes, the roofline's expert reads, capacity."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from simkv.backends.factory import make_backend
+from simkv.backends.roofline import RooflineCostModel
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
 from simkv.config import EngineConfig
@@ -25,6 +28,20 @@ def test_published_sizes():
     assert qwen.num_active_params / 1e9 == pytest.approx(3.35, abs=0.05)
     dense = get_model_spec("llama-3-8b")
     assert dense.num_active_params == dense.num_params and dense.weight_bytes == 2 * dense.num_params
+
+
+@pytest.mark.parametrize("model, billions", [("llama-3.2-1b", 1.24), ("qwen2.5-0.5b", 0.49), ("gemma-2-9b", 9.24),
+                                             ("gemma-3-12b", 11.77), ("gemma-3-27b", 27.01), ("llama-3-8b", 8.03)])
+def test_tied_embeddings_count_once(model, billions):
+    """Models whose LM head is their embedding matrix hold it once (the model cards' sizes; Gemma 3's
+    language model without its 0.4B vision tower); the roofline still reads the LM head every step."""
+    spec = get_model_spec(model)
+    assert spec.num_params / 1e9 == pytest.approx(billions, abs=0.01)
+    untied = dataclasses.replace(spec, tie_word_embeddings=False)
+    tied = dataclasses.replace(spec, tie_word_embeddings=True)
+    assert untied.num_params - tied.num_params == spec.vocab_size * spec.hidden_size
+    gpu = get_gpu_spec("H100-SXM")
+    assert RooflineCostModel(tied, gpu).weight_bytes == RooflineCostModel(untied, gpu).weight_bytes
 
 
 def test_experts_touched():

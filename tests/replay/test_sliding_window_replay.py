@@ -86,7 +86,7 @@ def test_max_model_len_check_counts_the_groups():
     """131k tokens: the hybrid manager fits on one H100, the disabled one does not (vLLM's text)."""
     base = dict(model="gemma-3-27b", gpu="H100-SXM")
     compute_capacity(EngineConfig.from_flat(base))
-    with pytest.raises(ConfigError, match=r"model's max seq len \(131072\).*estimated maximum model length is 39"):
+    with pytest.raises(ConfigError, match=r"model's max seq len \(131072\).*estimated maximum model length is 45024"):
         compute_capacity(EngineConfig.from_flat(base | {"disable_hybrid_kv_cache_manager": True}))
 
 
