@@ -61,15 +61,16 @@ class Capacity:
 def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: bool = False) -> int:
     """Blocks a request of `num_tokens` tokens holds at most, summed over the KV-cache groups: a
     block per `block_size` tokens in a full-attention group; a sliding-window group of window w
-    at most ceil(min(w - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1 (vLLM's
-    SlidingWindowSpec.max_admission_blocks_per_request). `startup`: vLLM's start-up figure,
+    at most ceil(min(w - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1 (vLLM's
+    SlidingWindowSpec.max_admission_blocks_per_request; the in-flight tokens are
+    max_num_batched_tokens, twice that under async scheduling). `startup`: vLLM's start-up figure,
     which counts that cap whole even where a request of `num_tokens` needs fewer."""
     bs, mml = config.cache.block_size, config.max_model_len
     full = -(-num_tokens // bs)
     total = 0
     for g in config.kv_cache_groups.groups:
         if g.sliding_window:
-            cap = -(-min(g.sliding_window - 1 + config.scheduler.max_num_batched_tokens, mml) // bs) + 1
+            cap = -(-min(g.sliding_window - 1 + config.scheduler.max_in_flight_tokens, mml) // bs) + 1
             total += cap if startup else min(full, cap)
         else:
             total += full

@@ -109,6 +109,13 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """vLLM's bound on tokens scheduled but not yet processed: a batch's budget per step in
+        flight (two under async scheduling). Sliding-window groups hold their window plus this
+        (their blocks are freed on the processed tokens)."""
+        return self.max_num_batched_tokens * (2 if self.async_scheduling else 1)
+
     def verify_max_model_len(self, max_model_len: int) -> None:
         """vLLM's SchedulerConfig checks, with its texts."""
         if self.max_num_batched_tokens < max_model_len and not self.enable_chunked_prefill:
@@ -353,7 +360,6 @@ class EngineConfig:
         cache, sched = self.cache, self.scheduler
         unsupported = [(self.speculative.enabled and self.speculative.speculative_method != "ngram",
                         f"speculative_method '{self.speculative.speculative_method}' (ngram is modelled)"),
-                       (sched.async_scheduling, "async_scheduling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),

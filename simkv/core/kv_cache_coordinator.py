@@ -21,7 +21,8 @@ Prefix caching, as vLLM 0.33 does it with its default `prefix_cache_retention_in
   a sliding-window group needs its last ceil((w - 1) / block_size) blocks before the hit's end
   cached, found by a scan from the right (or a cached run from the first block);
 - admission (`full_sequence_must_fit`) caps a sliding-window group's need at
-  ceil(min(w - 1 + max_num_batched_tokens, max_model_len) / block_size) + 1 blocks.
+  ceil(min(w - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1 blocks (the
+  in-flight tokens: max_num_batched_tokens, twice that under async scheduling).
 
 Blocks are hashed when scheduled, as vLLM does, except a steady decoder's (the scheduler does
 not touch it every step, core/steady_decoders.py): it meets the coordinator only at its events,
@@ -53,7 +54,7 @@ class KVCacheCoordinator:
     num_false_prefix_hits = 0
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
-                 enable_caching: bool = True, watermark: float = 0.0, max_num_batched_tokens: int = 8192,
+                 enable_caching: bool = True, watermark: float = 0.0, max_in_flight_tokens: int = 8192,
                  retention_interval: int | None = 0) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -74,7 +75,7 @@ class KVCacheCoordinator:
         self.window_gids = [g for g, x in enumerate(windows) if x]
         self.need = cdiv(w - 1, block_size)  # blocks a hit needs before its end (the next token's window)
         # admission (full_sequence_must_fit) counts a window group's blocks up to vLLM's cap
-        self.admission_cap = cdiv(min(w - 1 + max_num_batched_tokens, max_model_len), block_size) + 1
+        self.admission_cap = cdiv(min(w - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_frees = 0
         self._tables: dict[int, list[list[KVCacheBlock]]] = {}  # request index -> per group
@@ -180,12 +181,16 @@ class KVCacheCoordinator:
     def allocate_slots(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
                        computed: ComputedBlocks | None = None, num_lookahead_tokens: int = 0,
                        full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True,
-                       delay_cache: bool = False, reserved_blocks: int = 0) -> list[KVCacheBlock] | None:
+                       delay_cache: bool = False, reserved_blocks: int = 0,
+                       num_processed_tokens: int | None = None) -> list[KVCacheBlock] | None:
         """vLLM's allocate_slots over the groups: free what left the windows, check the pool,
         take the prefix hits, allocate in group order, cache the full blocks. None: no room
-        (the windows' blocks are given back all the same, as in vLLM)."""
+        (the windows' blocks are given back all the same, as in vLLM). `num_processed_tokens`
+        (async scheduling): the computed tokens whose step output was processed, which the
+        windows' release goes by (None: all of them)."""
         index = request.index
         tables = self._tables.get(index)
+        release_at = num_computed_tokens if num_processed_tokens is None else num_processed_tokens
         if (tables is not None and computed is None and not full_sequence_must_fit
                 and request.status == RequestStatus.RUNNING):
             # A running request (the common case, a decode): often it needs no block, frees none
@@ -193,7 +198,7 @@ class KVCacheCoordinator:
             bs = self.block_size
             held = len(tables[0])
             need_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-            if (need_slots <= held * bs and self._num_skipped_blocks(num_computed_tokens) <= self._nulls.get(index, 0)
+            if (need_slots <= held * bs and self._num_skipped_blocks(release_at) <= self._nulls.get(index, 0)
                     and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks
                     and (not self.enable_caching or delay_cache
                          or min(num_computed_tokens + num_new_tokens, request.num_tokens) // bs
@@ -215,7 +220,7 @@ class KVCacheCoordinator:
         else:  # a running request (full_sequence_must_fit is asked at admission only): the window's
             # release, then its new blocks
             assert not full_sequence_must_fit, "full_sequence_must_fit is for requests without blocks"
-            self._release_window(index, tables, total)
+            self._release_window(index, tables, release_at)
             if max(cdiv(need_slots, self.block_size) - len(tables[0]), 0) * self.num_groups + watermark > \
                     pool.get_num_free_blocks() - reserved_blocks:
                 return None
@@ -240,13 +245,15 @@ class KVCacheCoordinator:
         return release if held >= self.max_model_len else min(held, release)
 
     def decode_release(self, request: Request, num_computed_tokens: int) -> None:
-        """A steady decoder at `num_computed_tokens` is scheduled: the blocks that left its window
-        are given back (hashed first, where vLLM would have hashed them by now)."""
+        """A steady decoder at `num_computed_tokens` (async scheduling: those whose output was
+        processed) is scheduled: the blocks that left its window are given back, hashed first
+        (vLLM hashed them when their tokens were computed)."""
         index = request.index
-        if self._num_skipped_blocks(num_computed_tokens) <= self._nulls.get(index, 0):
+        skipped = self._num_skipped_blocks(num_computed_tokens)
+        if skipped <= self._nulls.get(index, 0):
             return
         if self.enable_caching:
-            self._cache_blocks(request, num_computed_tokens)
+            self._cache_blocks(request, skipped * self.block_size)
         self._release_window(index, self._tables[index], num_computed_tokens)
 
     def decode_block_need(self, request: Request, num_computed_tokens: int, num_lookahead_tokens: int = 0) -> int:

@@ -38,7 +38,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
-        "window_below",
+        "window_below", "last_chunk_step", "last_chunk_tokens", "stall_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
@@ -89,6 +89,12 @@ class Request:
         # a steady decoder of a model with sliding-window layers that attends fewer tokens than
         # the window (its window layers' cost still grows with it: core/steady_decoders.py)
         self.window_below = False
+        # async scheduling with sliding-window layers: vLLM releases a window's blocks on the
+        # tokens whose step output was processed (core/async_scheduling.py): the step and size of
+        # its latest scheduled chunk, and the latest step a budget left it out of
+        self.last_chunk_step = -1
+        self.last_chunk_tokens = 0
+        self.stall_step = -1
         self.has_own_cached_blocks = False
         self.kv_role = 0  # KV_SEND / KV_PULL under P/D disaggregation
         self.kv_loaded = False  # KV_PULL: its pull has ended

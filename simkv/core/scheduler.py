@@ -80,7 +80,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
-                cc.watermark, sc.max_num_batched_tokens, config.attention.prefix_cache_retention_interval)
+                cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
@@ -109,6 +109,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # decoder's window releases are events on the boundary heap.
         self._window_context = self._layer_split(config) if not self.chunked_decodes else None
         self._window_releases = isinstance(self.kv_cache_manager, KVCacheCoordinator)
+        self._async_releases = self._window_releases and self.async_scheduling
         self._num_below = 0
         self._sum_base_below = 0
         self._crossing_heap: list[tuple] = []
@@ -338,8 +339,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 num_new = min(num_new, plan.request_budget(), self.max_model_len - computed - 1)
                 if num_new <= 0:
                     continue
-                while kv.allocate_slots(request, computed, num_new,
-                                        num_lookahead_tokens=self.num_lookahead_tokens) is None:
+                # async with window releases: they go by the tokens whose output was processed
+                processed = {"num_processed_tokens": self._processed_tokens(request, computed, step)} \
+                    if self._async_releases else {}
+                while kv.allocate_slots(request, computed, num_new, num_lookahead_tokens=self.num_lookahead_tokens,
+                                        **processed) is None:
                     if self._preempt_for(request, step, plan):
                         break
                 scheduled = request.status == RequestStatus.RUNNING
@@ -357,6 +361,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             else:
                 chunk = ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0)
                 plan.chunks.append(chunk)
+                request.last_chunk_step, request.last_chunk_tokens = step, num_new
                 if self.num_spec_tokens:
                     self._spec_scheduled(request, chunk, plan)
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
@@ -373,7 +378,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         kv = self.kv_cache_manager
         free_queue = kv.block_pool.free_block_queue
         if self._window_releases:  # the coordinator: the window's release, then a block per group
-            kv.decode_release(request, computed)
+            kv.decode_release(request, self._decoder_release_point(request, computed, step))
             need = kv.decode_block_need(request, computed, 0)
             while need > free_queue.num_free_blocks:
                 if self._preempt_for(request, step, plan):
@@ -490,6 +495,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
             chunk = ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed)
+            request.last_chunk_step, request.last_chunk_tokens = step, num_new
             if padded:
                 chunk.num_spec_tokens = num_new - 1
                 chunk.spec_placeholder = True

@@ -81,6 +81,25 @@ class SteadyDecoders:
             return list(self._calendar[step % self.block_size])
         return self._pop_due(self._boundary_heap, step)
 
+    def _decoder_release_point(self, request: Request, computed: int, step: int) -> int:
+        """The computed tokens a steady decoder's window release goes by at `step`: all of them,
+        or under async scheduling those whose output was processed: one less than computed
+        after a step it decoded in, its last prefill chunk less in its first decode step, all
+        after a step a budget left it out of. Its release events come no later than that point
+        (they are those of the computed tokens); one that finds nothing to release waits a step."""
+        if not self.async_scheduling:
+            return computed
+        if request.stall_step == step - 1:
+            return computed
+        if request.last_chunk_step == step - 1:
+            return computed - request.last_chunk_tokens
+        return computed - 1
+
+    def _processed_tokens(self, request: Request, computed: int, step: int) -> int:
+        """Async scheduling: a running request's computed tokens less those of its chunk in the
+        step before, whose output is not processed yet (vLLM's num_in_flight_tokens)."""
+        return computed - request.last_chunk_tokens if request.last_chunk_step == step - 1 else computed
+
     def _blocks_due(self, due: list[Request], step: int) -> int:
         """Blocks the steady decoders due at `step` take (before any window release)."""
         if not self._window_releases:
@@ -166,6 +185,7 @@ class SteadyDecoders:
             base_sum += request.decode_base
             if self._calendar is not None:
                 self._calendar_remove(request)  # it slips to the next residue
+            request.stall_step = step
             if request.window_below:
                 num_below += 1
                 below_base_sum += request.decode_base
@@ -323,7 +343,7 @@ class SteadyDecoders:
                 continue
             computed = at + request.decode_base
             free_before = free_queue.num_free_blocks
-            release(request, computed)
+            release(request, self._decoder_release_point(request, computed, at))
             need = block_need(request, computed, 0)
             if need > free_queue.num_free_blocks:
                 heapq.heappush(heap, event)  # step `at` is scheduled normally: it preempts
@@ -375,7 +395,7 @@ class SteadyDecoders:
         if self._window_releases:  # each in turn: its window's release, then its blocks
             for request in requests:
                 computed = at + request.decode_base
-                kv.decode_release(request, computed)
+                kv.decode_release(request, self._decoder_release_point(request, computed, at))
                 if kv.decode_block_need(request, computed, 0):
                     kv.decode_write(request, computed)
                 self._push_boundary(request, at + 1)

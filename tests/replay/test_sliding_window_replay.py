@@ -118,7 +118,6 @@ def test_hybrid_manager_holds_fewer_blocks_than_full_allocation():
 
 @pytest.mark.parametrize("options, message", [
     (dict(speculative_method="eagle3", num_speculative_tokens=2), "not modelled with speculative_method 'eagle3'"),
-    (dict(async_scheduling=True), "not modelled with async_scheduling"),
     (dict(preemption_mode="swap"), "not modelled with preemption_mode 'swap'"),
     (dict(prefix_cache_retention_interval=24), r"retention_interval \(24\) must be non-negative and a multiple of "
                                                r"scheduler_block_size \(16\)"),
@@ -206,18 +205,19 @@ def _identical(a, b):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), window=st.sampled_from([2, 5, 16, 40, 300]), interval=st.sampled_from([0, 2, 6]),
        block_size=st.sampled_from([4, 16]), blocks=st.sampled_from([0, 40, 400]), caching=st.booleans(),
-       retention=st.sampled_from([0, None]), hybrid=st.booleans())
-def test_decode_runs_change_nothing(seed, window, interval, block_size, blocks, caching, retention, hybrid):
+       retention=st.sampled_from([0, None]), hybrid=st.booleans(), async_=st.booleans())
+def test_decode_runs_change_nothing(seed, window, interval, block_size, blocks, caching, retention, hybrid, async_):
     """Steady decoders of sliding-window models (window releases on the boundary heap, the context
     counted per layer): jumping over decode runs gives the very steps and requests that stepping
-    one by one gives, small pools (preemptions, requests waiting for a release) included."""
+    one by one gives, small pools (preemptions, requests waiting for a release) and async
+    scheduling (releases on the processed tokens) included."""
     rng = np.random.default_rng(seed)
     n = 40
     frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 2, n)), "prompt_tokens": rng.integers(1, 700, n),
                           "output_tokens": rng.integers(1, 300, n)})
     opts = dict(model="gemma-2-9b", gpu="H100-SXM", sliding_window=window, full_attention_interval=interval,
                 block_size=block_size, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512,
-                enable_prefix_caching=caching, disable_hybrid_kv_cache_manager=not hybrid)
+                enable_prefix_caching=caching, disable_hybrid_kv_cache_manager=not hybrid, async_scheduling=async_)
     if hybrid:
         opts["prefix_cache_retention_interval"] = retention
     config = EngineConfig.from_flat(opts)
