@@ -118,6 +118,8 @@ def print_report(rep: dict) -> None:
               help="With a sliding window: every K-th layer attends everything, 0: none [default: the model's]")
 @click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
               help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention")
+@click.option("--async-scheduling", is_flag=True, default=None,
+              help="vLLM's: two batches in flight, which a sliding-window group's admission cap counts")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def capacity_cmd(config_file: str | None, as_json: bool, **flags) -> None:

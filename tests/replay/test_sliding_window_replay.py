@@ -266,3 +266,18 @@ def test_calibrated_cost_models_refuse_sliding_window_layers(tmp_path):
     config = EngineConfig.from_flat(dict(model="tiny-llama", sliding_window=8, max_model_len=256))
     with pytest.raises(ValueError, match=r"--cost-model .*calib\.json: .*sliding-window layers"):
         make_backend(str(tmp_path / "calib.json"), config)
+
+
+def test_async_scheduling_admission_cap_counts_two_batches():
+    """vLLM frees window blocks on processed tokens, so under async scheduling a sliding-window
+    group's cap is ceil(min(1023 + 2 x 8192, 32768) / 16) + 1 = 1,089 blocks (577 synchronously):
+    vLLM's start-up concurrency for gemma-3-27b at 32k drops; `simkv capacity` takes the flag."""
+    base = dict(model="gemma-3-27b", gpu="H200", max_model_len=32768)
+    sync = compute_capacity(EngineConfig.from_flat(base))
+    async_ = compute_capacity(EngineConfig.from_flat(base | {"async_scheduling": True}))
+    assert async_.num_gpu_blocks == sync.num_gpu_blocks
+    assert (sync.blocks_per_request, async_.blocks_per_request) == (2048 + 6 * 577, 2048 + 6 * 1089)
+    out = CliRunner().invoke(main, ["capacity", "--model", "gemma-3-27b", "--gpu", "H200", "--max-model-len", "32768",
+                                    "--async-scheduling", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["max_concurrency"] == pytest.approx(async_.num_gpu_blocks / (2048 + 6 * 1089))
