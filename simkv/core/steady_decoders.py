@@ -252,23 +252,18 @@ class SteadyDecoders:
             if crossing is not None:
                 limit = min(limit, crossing - self.current_step)
         if self._window_releases and self.waiting:  # a window release may let the head in
-            event = self._next_event_step()
+            event = self._first_live(self._boundary_heap)
             if event is not None:
                 limit = min(limit, event - self.current_step)
         return limit
 
-    def _next_event_step(self) -> int | None:
-        heap = self._boundary_heap
-        while heap:
-            at, _, epoch, request = heap[0]
-            if epoch == request.epoch and request.status == RequestStatus.RUNNING:
-                return at
-            heapq.heappop(heap)
-        return None
-
     def _next_finish_step(self) -> int | None:
         """The step in which the next steady decoder samples its last token (None: no decoder)."""
-        heap = self._finish_heap
+        return self._first_live(self._finish_heap)
+
+    @staticmethod
+    def _first_live(heap: list[tuple]) -> int | None:
+        """The step of the heap's first event filed for a decoding stint that still runs."""
         while heap:
             at, _, epoch, request = heap[0]
             if epoch == request.epoch and request.status == RequestStatus.RUNNING:
