@@ -320,12 +320,13 @@ class KVCacheCoordinator:
         shared = self.hasher.num_shared_blocks(request)
         window_positions = self._window_positions(request, start, end)
         null = self.null_block
+        keys = [key(request, i) * g for i in range(start, end)]  # (a block's key in group 0; + gid)
         for gid, window in enumerate(self.windows):
             table = tables[gid]
             for i in (window_positions if window else range(start, end)):
                 block = table[i]
                 if block is not null and block.block_hash is None:
-                    cache_block(block, key(request, i) * g + gid)
+                    cache_block(block, keys[i - start] + gid)
         if end > shared and (self.full_gids or any(i >= shared for i in window_positions)):
             request.has_own_cached_blocks = True  # (a preempted request may hit its own blocks)
 
