@@ -15,7 +15,7 @@ from simkv.core.kv_cache_groups import group_layers
 from simkv.core.request import RequestStatus
 from simkv.core.scheduler import Scheduler
 from simkv.specs import get_model_spec
-from tests.core.helpers import assert_same_steps_as_vllm, drive, make_request
+from tests.core.helpers import assert_same_steps_as_vllm, drive, drive_async, make_request
 
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "hybrid_spec_vllm_cases.json"
@@ -209,8 +209,8 @@ def hybrid_scenarios(draw):
                 block_size=block_size, max_model_len=max_model_len,
                 max_num_batched_tokens=draw(st.sampled_from([32, 64, 256])), max_num_seqs=draw(st.sampled_from([2, 8])),
                 enable_prefix_caching=draw(st.booleans()), watermark=draw(st.sampled_from([0.0, 0.05])),
-                prefix_cache_retention_interval=draw(st.sampled_from([0, None])))
-    config = EngineConfig.from_flat(opts | {"num_gpu_blocks": 2})
+                prefix_cache_retention_interval=draw(st.sampled_from([0, None])), async_scheduling=draw(st.booleans()))
+    config = EngineConfig.from_flat(opts | {"num_gpu_blocks": 2})  # (a pool as vLLM's start-up check asks)
     from simkv.capacity import group_blocks_per_request
 
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
@@ -221,15 +221,21 @@ def hybrid_scenarios(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hybrid_scenarios())
 def test_invariants_no_leaks_and_determinism(scenario):
-    """Random sliding-window engines: the pool's invariants hold after every step, every request
-    finishes, no block leaks, and a second run takes the same steps."""
+    """Random sliding-window engines, synchronous or async (the batch queue's order): the pool's
+    invariants hold after every step, every request finishes, no block leaks, and a second run
+    takes the same steps."""
     opts, requests = scenario
+    async_ = opts["async_scheduling"]
 
     def run():
         sched = Scheduler(EngineConfig.from_flat(opts), opts["num_gpu_blocks"])
-        for i, prompt, output, hashes, arrival in requests:
-            sched.add_request(make_request(i, prompt, output, hashes, 8 if hashes else 0, arrival=float(arrival)))
-        result = drive(sched, check=lambda s: s.kv_cache_manager.block_pool.check_invariants())
+        made = [make_request(i, prompt, output, hashes, 8 if hashes else 0, arrival=float(arrival))
+                for i, prompt, output, hashes, arrival in requests]
+        for request in made:
+            sched.add_request(request)
+        check = lambda s: s.kv_cache_manager.block_pool.check_invariants()  # noqa: E731
+        result = drive_async(sched, check=check) if async_ else drive(sched, check=check)
+        assert all(r.status == RequestStatus.FINISHED for r in made)
         assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
         assert all(not g.req_to_blocks for g in getattr(sched.kv_cache_manager, "groups", ()))
         return result
