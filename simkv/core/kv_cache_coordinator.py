@@ -320,7 +320,8 @@ class KVCacheCoordinator:
         shared = self.hasher.num_shared_blocks(request)
         window_positions = self._window_positions(request, start, end)
         null = self.null_block
-        keys = [key(request, i) * g for i in range(start, end)]  # (a block's key in group 0; + gid)
+        key(request, end - 1)  # (the keys of blocks [0, end) are memoised from here on)
+        keys = [k * g for k in request.block_hashes[start:end]]  # a block's key in group 0 (+ gid)
         for gid, window in enumerate(self.windows):
             table = tables[gid]
             for i in (window_positions if window else range(start, end)):
