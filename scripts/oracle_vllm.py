@@ -26,11 +26,13 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
-def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
-    """vLLM's synchronous Scheduler for the case's options; returns (scheduler, vllm_config)."""
+def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, async_scheduling: bool = False):
+    """vLLM's Scheduler (its AsyncScheduler with `async_scheduling`) for the case's options;
+    returns (scheduler, vllm_config)."""
     import torch
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -60,7 +62,7 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
                              speculative_config=spec, kv_transfer_config=kv_transfer_config)
     for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
         setattr(vllm_config.scheduler_config, key, o[key])
-    vllm_config.scheduler_config.async_scheduling = False
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
     vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
     # KV-cache groups: one full-attention group, or (`group_windows`: simkv's groups of a model with
@@ -72,8 +74,9 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None):
         groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
     kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=groups,
                                     prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval)
-    sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
-                      log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    sched = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
+                log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
     return sched, vllm_config
 
 

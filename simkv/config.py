@@ -389,8 +389,10 @@ class EngineConfig:
 
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
-        unsupported = [(sched.async_scheduling, "async_scheduling"),
-                       (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
+        if sched.async_scheduling and spec.speculative_method == "ngram":  # (vLLM's text; its GPU n-gram works)
+            raise ConfigError("Async scheduling is not supported by the V1 model runner with ngram-based "
+                              "speculative decoding.")
+        unsupported = [(sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),

@@ -72,6 +72,8 @@ class SpeculativeBackend:
         self.name = inner.name
         self.needs_request_detail = inner.needs_request_detail
         self.draft_seconds = 0.0  # the drafter's share of all steps so far
+        if hasattr(inner, "host_seconds"):  # (async scheduling overlaps the host's share with the device)
+            self.host_seconds = inner.host_seconds
 
     def execute(self, output: SchedulerOutput) -> float:
         if self.drafter is None:

@@ -22,6 +22,7 @@ class ScheduledChunk:
     block_ids: list[int] | None = None
     num_spec_tokens: int = 0  # speculative decoding: draft tokens among the new ones, to verify
     spec_placeholder: bool = False  # ... padding rows (vLLM's -1 drafts): none is accepted
+    samples: bool = False  # ... under async scheduling: the chunk ends at the request's end (it samples)
 
 
 @dataclass(slots=True)

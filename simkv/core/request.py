@@ -41,6 +41,7 @@ class Request:
         "window_below", "last_chunk_step", "last_chunk_tokens", "stall_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
+        "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
@@ -105,6 +106,12 @@ class Request:
         self.spec_prefill_chunk = False
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # ... under async scheduling too (vLLM's counters): tokens sampled or drafted by steps
+        # scheduled but not yet processed (counted in num_computed_tokens), tokens of scheduled
+        # steps not yet processed, and the full blocks whose KV vLLM has cached.
+        self.num_output_placeholders = 0
+        self.num_in_flight_tokens = 0
+        self.num_cached_blocks = 0
         self.last_token_step = -1
         self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
         # Parallel sampling: the request forks into `num_samples` sequences after its prefill;

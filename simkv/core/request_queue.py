@@ -15,6 +15,7 @@ class FCFSRequestQueue(deque):
     add_request = deque.append
     prepend_request = deque.appendleft
     pop_request = deque.popleft
+    remove_request = deque.remove
 
     def peek_request(self) -> Request:
         return self[0]
@@ -38,6 +39,11 @@ class PriorityRequestQueue:
 
     def pop_request(self) -> Request:
         return heapq.heappop(self._heap)[-1]
+
+    def remove_request(self, request: Request) -> None:
+        """Take out a request that is not at the head (rare: a rebuild)."""
+        self._heap = [entry for entry in self._heap if entry[-1] is not request]
+        heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)

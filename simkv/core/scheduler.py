@@ -74,6 +74,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
         self._last_schedule = (-1, 0)  # async: (step, blocks it took) of the latest schedule() call
         self.chunked_decodes = bool(self.num_spec_tokens)
+        # async scheduling with speculative decoding: vLLM's placeholder counters (spec_decode.py)
+        self._spec_async = self.chunked_decodes and self.async_scheduling
         groups = config.kv_cache_groups
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
@@ -205,7 +207,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # A swapped request keeps its computed tokens (its KV waits in CPU memory); the GPU
         # blocks are released like a finished request's. Otherwise RECOMPUTE (or restart).
         cache_end = computed + scheduled_tokens
-        if self.async_scheduling and decoding:
+        if self._spec_async:
+            cache_end = self._spec_async_preempt(request)
+        elif self.async_scheduling and decoding:
             cache_end = self._async_cache_end(request, computed, scheduled_tokens, step)
         kv.free(request, cache_end, finished=swap)
         self._remove_running(request)
@@ -291,13 +295,17 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
         if self.chunked_decodes:
-            verify, drafts = self._spec_after_schedule(plan.chunks)
             to_propose = self._spec_tokens_to_schedule(len(plan.chunks))
+            if self._spec_async:
+                verify, drafts = self._spec_async_after_schedule(plan.chunks, to_propose)
+            else:
+                verify, drafts = self._spec_after_schedule(plan.chunks)
         if self.async_scheduling:
             self._last_schedule = (step, num_blocks_used - used_before)
             num_waiting += self._num_preempted_finishing()
             if plan.chunks:
-                self._advance_scheduled_chunks(plan.chunks, step)
+                if not self._spec_async:  # (under it, _spec_async_after_schedule did)
+                    self._advance_scheduled_chunks(plan.chunks, step)
             elif not num_decodes:
                 self.current_step = step  # nothing to run: not a step (the engine waits for the one in flight)
         return SchedulerOutput(
@@ -326,6 +334,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             prev_pos = pos
             if request.is_finishing:
                 continue  # async: its last token is in flight; it needs no more
+            if request.num_output_placeholders and self._spec_async_done(request):
+                continue
             plan.moved_ahead = False
             is_decoder = request.decode_base is not None  # a steady decoder due for a block (or a copy)
             if is_decoder:
@@ -333,7 +343,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 scheduled = self._decode_slot(request, step + request.decode_base, step, plan)
             else:
                 computed = request.num_computed_tokens
-                num_new = request.num_tokens + request.spec_drafts - computed
+                num_new = request.num_tokens + request.spec_drafts + request.num_output_placeholders - computed
                 if 0 < plan.threshold < num_new:
                     num_new = plan.threshold
                 num_new = min(num_new, plan.request_budget(), self.max_model_len - computed - 1)
@@ -347,6 +357,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     if self._preempt_for(request, step, plan):
                         break
                 scheduled = request.status == RequestStatus.RUNNING
+                if scheduled and self._spec_async:
+                    self._note_cached(request, computed + num_new)
             if not scheduled:  # it preempted itself
                 prev_pos = self._position(request) - 1
                 if self.policy == "priority" or self.preemption_victim == "requester":
@@ -474,6 +486,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if new_blocks is None:
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
+            if self._spec_async:
+                self._note_cached(request, base + computed.num_tokens + num_new)
             if swapped:  # swap-in: its KV comes back from CPU memory into the new blocks
                 self.cpu_blocks_used -= swapped
                 self.num_swapped -= 1
@@ -529,11 +543,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Apply the step's sampled tokens: prefills that reached their end sample a token,
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
+        if self.chunked_decodes:
+            done = self._spec_async_update(output) if self._spec_async else self._spec_update(output)
+            output.finished, output.num_blocks_used_end = self._end_step(done, step)
+            return output.finished
         if self.async_scheduling:
             output.finished, output.num_blocks_used_end = self.step_output_processed(step)
-            return output.finished
-        if self.chunked_decodes:
-            output.finished, output.num_blocks_used_end = self._end_step(self._spec_update(output), step)
             return output.finished
         finished = []
         for chunk in output.chunks:
@@ -598,7 +613,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if request in self._prefilling:
                 self._prefilling.remove(request)
             if not self._hold_for_sending(request):
-                kv.free(request, request.num_computed_tokens, finished=True)
+                cache_end = request.num_cached_blocks * self.block_size if self._spec_async else request.num_computed_tokens
+                kv.free(request, cache_end, finished=True)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)
             request.status = RequestStatus.FINISHED

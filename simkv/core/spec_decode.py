@@ -11,6 +11,12 @@ network (EAGLE family, a draft model) reserve K lookahead KV slots; a draft mode
 more batch row per request (`StepPlan.draft_slots`); the EAGLE family's block hashes cover the
 token after each block (core/block_hashing.py).
 
+Under async scheduling (vLLM's AsyncScheduler) the drafts stay on the device: a request whose
+step is in flight has `num_output_placeholders` (1 + its drafts) counted in its computed tokens,
+its next step schedules 1 + K placeholder drafts at once, and when the step's output arrives the
+rejected drafts are taken back from both counts. A request preempted with a step in flight gets
+that step's tokens all the same (stale output: its counters stay as the preemption reset them).
+
 Which drafts are accepted is the model's business, not the scheduler's: a request's draft i
 is accepted with probability `rates[i]` given that drafts 0..i-1 were, drawn from a hash of
 (seed, request, output position, i), so a replay is deterministic and one request's draws do
@@ -79,7 +85,7 @@ class SpecDecode:
         plan.num_running_scheduled += 1
         drafts = request.spec_drafts
         if drafts:
-            extra = chunk.num_computed_tokens + chunk.num_new_tokens - request.num_tokens
+            extra = chunk.num_computed_tokens + chunk.num_new_tokens - request.num_tokens - request.num_output_placeholders
             if extra > 0:
                 chunk.num_spec_tokens = min(extra, drafts)
             request.spec_drafts = 0
@@ -179,6 +185,119 @@ class SpecDecode:
             request.num_computed_tokens = computed
             if cache_verified is not None:
                 cache_verified(request, computed)
+        output.num_accepted_tokens = accepted_total
+        output.num_spec_emissions = emissions
+        return finished
+
+    # ---- async scheduling: vLLM's AsyncScheduler, drafts kept on the device ----------------------
+    def _spec_async_done(self, request: Request) -> bool:
+        """A request whose step in flight samples its last token even if every draft is rejected
+        is left out (vLLM schedules no extra step for it)."""
+        return (request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens)
+
+    def _note_cached(self, request: Request, num_tokens: int) -> None:
+        """vLLM caches the full blocks of the request's known tokens among the first `num_tokens`
+        (at an allocation, or when a step's output arrives); the single-group manager hashes
+        them lazily, at release, up to the furthest point reached."""
+        blocks = self.kv_cache_manager.hasher.num_hashed_blocks(request, num_tokens)
+        if blocks > request.num_cached_blocks:
+            request.num_cached_blocks = blocks
+
+    def _spec_async_preempt(self, request: Request) -> int:
+        """The request is preempted: returns the tokens whose blocks vLLM has cached."""
+        cache_end = request.num_cached_blocks * self.block_size
+        request.num_output_placeholders = 0
+        request.num_cached_blocks = 0
+        return cache_end
+
+    @staticmethod
+    def _spec_async_after_schedule(chunks: list[ScheduledChunk], num_to_propose: int) -> tuple[int, int]:
+        """The step is scheduled (vLLM's AsyncScheduler._update_after_schedule): its tokens count
+        as computed and in flight; a chunk that reaches the request's end samples, so the request
+        gains placeholders for its token and its drafts, and K placeholder drafts to schedule
+        next. Returns the tokens of decodes' chunks and the drafts among them."""
+        verify = drafts = 0
+        for chunk in chunks:
+            request = chunk.request
+            num_new = chunk.num_new_tokens
+            placeholders = request.num_output_placeholders
+            end = request.num_tokens + placeholders
+            if request.num_output_tokens and chunk.num_computed_tokens + 1 == end:
+                verify += num_new
+                drafts += chunk.num_spec_tokens
+            computed = chunk.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            request.num_in_flight_tokens += num_new
+            prefill = computed < end
+            request.spec_prefill_chunk = prefill
+            if not prefill:
+                chunk.samples = True
+                request.num_output_placeholders = placeholders + 1 + chunk.num_spec_tokens
+                request.spec_drafts = num_to_propose
+        return verify, drafts
+
+    def _spec_async_update(self, output: SchedulerOutput) -> list[Request]:
+        """A step's output arrives under async scheduling (vLLM's update_from_output with the
+        AsyncScheduler's placeholders): rejected drafts are taken back, the bonus token and the
+        accepted drafts are appended up to the first stop, and the blocks of the verified tokens
+        are cached. The output of a request preempted since (vLLM: stale output) is delivered
+        but changes none of the counters the preemption reset: the request waits (it cannot have
+        been admitted again, as the step that preempted it admitted none). Returns the requests
+        that finished."""
+        step = output.step
+        stats = self.spec_stats
+        per_position = stats["accepted_per_position"]
+        finished = []
+        accepted_total = emissions = 0
+        running, done = RequestStatus.RUNNING, RequestStatus.FINISHED
+        max_model_len = self.max_model_len
+        for chunk in output.chunks:
+            request = chunk.request
+            request.num_in_flight_tokens -= chunk.num_new_tokens
+            if request.status == done or not chunk.samples:
+                continue
+            live = request.status == running
+            num_outputs = request.num_output_tokens
+            drafts = chunk.num_spec_tokens
+            accepted = 0
+            if drafts:
+                if chunk.spec_placeholder:
+                    stats["num_padded"] += 1
+                else:
+                    accepted = self.acceptance.num_accepted(request.index, num_outputs, drafts)
+                    for i in range(accepted):
+                        per_position[i] += 1
+                stats["num_drafts"] += 1
+                stats["num_draft_tokens"] += drafts
+                stats["num_accepted_tokens"] += accepted
+                request.num_draft_tokens += drafts
+                request.num_accepted_tokens += accepted
+                accepted_total += accepted
+                if live:
+                    request.num_computed_tokens -= drafts - accepted
+                    request.num_output_placeholders -= drafts - accepted
+            if request.first_token_step < 0:
+                request.first_token_step = step
+            elif request.last_token_step == step - 1:
+                emissions += 1
+            else:
+                self.irregular_gaps.append((request.last_token_step, step))
+            request.last_token_step = step
+            new_tokens = 1 + accepted
+            until_stop = min(request.max_tokens - num_outputs, max_model_len - request.num_tokens)
+            stopped = new_tokens >= until_stop
+            kept = max(until_stop, 1) if stopped else new_tokens
+            request.num_output_tokens = num_outputs + kept
+            if live:
+                if stopped:
+                    request.num_computed_tokens -= new_tokens - kept
+                request.num_output_placeholders -= new_tokens  # (all of them, the dropped ones too)
+                self._note_cached(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            if stopped:
+                if not live:  # preempted: it leaves the waiting queue
+                    self.waiting.remove_request(request)
+                finished.append(request)
         output.num_accepted_tokens = accepted_total
         output.num_spec_emissions = emissions
         return finished

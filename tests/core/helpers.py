@@ -180,6 +180,51 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
             "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
 
 
+def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
+    """drive_steps under async scheduling, in the batch queue's order as scripts/oracle_spec_async.py
+    drives vLLM's AsyncScheduler: step K+1 is scheduled before step K's output is processed; a
+    schedule() that runs nothing is not a step (the engine waits for the one in flight)."""
+    opts = case["opts"]
+    sched = Scheduler(EngineConfig.from_flat(opts), opts["num_gpu_blocks"])
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    requests, rows = [], []
+    in_flight = None
+    error = None
+    while True:
+        if len(rows) >= max_steps:
+            error = "max steps"
+            break
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            r = pending.pop(0)
+            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
+                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
+            requests.append((req, r))
+            sched.add_request(req)
+        out = sched.schedule() if sched.has_unfinished_requests() else None
+        if out is None or out.is_empty:
+            if in_flight is None:
+                if sched.has_unfinished_requests():
+                    error = "stuck"
+                    break
+                if not pending:
+                    break
+                rows.append([0, 0, 0, 0])  # idle
+                sched.current_step += 1
+                continue
+            sched.update_from_output(in_flight)
+            in_flight = None
+            continue
+        rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+        if in_flight is not None:
+            sched.update_from_output(in_flight)
+        in_flight = out
+    result = {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+              "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
+    if error:
+        result["error"] = error
+    return result
+
+
 def assert_same_steps_as_vllm(recorded: dict) -> dict:
     """A recorded step-mode oracle case ({"case", "vllm"}): simkv's steps and requests equal vLLM's
     (drive_steps' result is returned for further checks)."""

@@ -10,9 +10,10 @@ import pytest
 from simkv.config import ConfigError, EngineConfig, SpeculativeConfig
 from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import AcceptanceModel
-from tests.core.helpers import assert_same_steps_as_vllm, drive_steps, make_request
+from tests.core.helpers import assert_same_steps_as_vllm, drive_steps, drive_steps_async, make_request
 
 DATA = Path(__file__).parent / "data" / "spec_vllm_cases.json"
+ASYNC_DATA = Path(__file__).parent / "data" / "spec_async_vllm_cases.json"
 
 
 def _spec_scheduler(blocks=64, method="ngram", k=3, rate=1.0, **opts):
@@ -31,6 +32,67 @@ def test_same_steps_as_vllm(index):
     case = json.loads(DATA.read_text())["cases"][index]
     ours = assert_same_steps_as_vllm(case)
     assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_same_steps_as_vllm_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py (vLLM 0.33's AsyncScheduler two batches deep:
+    eagle and draft models, fcfs and priority, chunked prefill on and off, dynamic speculation,
+    up to 20 preemptions of requests with a step in flight): every step, every request's
+    first-token and finish step, the accepted drafts and the prefix-cache counts."""
+    recorded = json.loads(ASYNC_DATA.read_text())["cases"][index]
+    ours = drive_steps_async(recorded["case"])
+    theirs = recorded["vllm"]
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
+    sched = ours["scheduler"]
+    assert sched.spec_stats["num_accepted_tokens"] == theirs["accepted"]
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert [stats.queries, stats.hits] == theirs["prefix"]
+
+
+def _drive_async_by_hand(sched) -> list[int]:
+    """Async order (S0, S1, U0, S2, U1, ...) for requests added up front: the tokens of each step."""
+    scheduled, in_flight = [], None
+    while sched.has_unfinished_requests() or in_flight is not None:
+        out = sched.schedule() if sched.has_unfinished_requests() else None
+        if out is not None and not out.is_empty:
+            scheduled.append(out.total_num_scheduled_tokens)
+        else:
+            out = None
+        if in_flight is not None:
+            sched.update_from_output(in_flight)
+        in_flight = out
+    return scheduled
+
+
+def test_async_all_drafts_accepted_by_hand():
+    """As test_all_drafts_accepted_by_hand under async scheduling: step 1 schedules 1 + 3 tokens
+    while the prefill is still running (its token and drafts are placeholders). The request
+    finishes in step 2's output as before, but step 3 was scheduled before that output arrived
+    (a step of 4 placeholders could have been needed had drafts been rejected): a wasted step."""
+    sched = _spec_scheduler(method="eagle", rate=1.0, async_scheduling=True)
+    req = make_request(0, 10, 8)
+    sched.add_request(req)
+    assert _drive_async_by_hand(sched) == [10, 4, 4, 4]
+    assert req.finish_step == 2 and req.num_output_tokens == 8
+    assert sched.spec_stats["num_accepted_tokens"] == 3 + 3
+    assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+
+
+def test_async_rejections_roll_back_on_arrival():
+    """Acceptance 0 under async scheduling: every step keeps one token; the request whose step
+    in flight is sure to sample its last token (even with every draft rejected) is not scheduled
+    again, so no step is wasted: 8 outputs in the outputs of steps 0-7."""
+    sched = _spec_scheduler(method="eagle", rate=0.0, async_scheduling=True)
+    req = make_request(0, 10, 8)
+    sched.add_request(req)
+    assert _drive_async_by_hand(sched) == [10] + [4] * 7
+    assert req.finish_step == 7 and req.num_output_tokens == 8
+    assert req.num_output_placeholders == 0 and req.num_in_flight_tokens == 0
 
 
 def test_all_drafts_accepted_by_hand():
@@ -139,7 +201,7 @@ def test_position_rates_are_unconditional():
      "non-increasing"),
     (dict(speculative_method="eagle", num_speculative_tokens=3, spec_position_acceptance_rates="0.5,0.4"),
      "has 2 rates"),
-    (dict(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True), "async_scheduling"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True), "ngram-based speculative"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, preemption_mode="swap"), "preemption_mode 'swap'"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_acceptance_rate=1.5), r"in \[0, 1\]"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="2-8:1"), "start at 1"),
@@ -192,17 +254,23 @@ def _random_case(rng) -> dict:
     return {"opts": opts, "requests": requests}
 
 
-def test_random_cases_keep_the_books():
-    """Random small engines (pools that preempt, shared prompts, any acceptance): every request
-    finishes with all its output tokens, accepted drafts never exceed verified ones, and every
-    block is free at the end."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_cases_keep_the_books(async_scheduling):
+    """Random small engines (pools that preempt, shared prompts, any acceptance), synchronous and
+    async (eagle and draft models there): every request finishes with all its output tokens,
+    accepted drafts never exceed verified ones, and every block is free at the end."""
     import numpy as np
 
     rng = np.random.default_rng(11)
     preemptions = 0
     for _ in range(40):
         case = _random_case(rng)
-        result = drive_steps(case)
+        if async_scheduling:
+            if case["opts"]["speculative_method"] == "ngram":
+                case["opts"]["speculative_method"] = "eagle"
+            case["opts"]["async_scheduling"] = True
+        result = (drive_steps_async if async_scheduling else drive_steps)(case)
+        assert "error" not in result
         sched = result["scheduler"]
         limit = case["opts"]["max_model_len"]
         for r in case["requests"]:
@@ -211,6 +279,7 @@ def test_random_cases_keep_the_books():
             request = result["objects"][r["row"]]
             assert request.num_output_tokens == min(r["output"], limit - r["prompt"])
             assert request.num_accepted_tokens <= request.num_draft_tokens
+            assert request.num_in_flight_tokens == 0  # (async: every scheduled step's output was processed)
         assert sched.kv_cache_manager.block_pool.get_num_used_blocks() == 0
         stats = sched.spec_stats
         assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]

@@ -1,0 +1,202 @@
+"""Speculative decoding under async scheduling, step by step against the real vLLM scheduler.
+
+vLLM 0.33's `AsyncScheduler` with a speculative config (eagle or draft_model: vLLM refuses async
+scheduling with the CPU n-gram drafter) is driven as `EngineCore.step_with_batch_queue` drives
+it, two batches deep: step K+1 is scheduled before step K's output is processed. Drafts stay on
+the device, so the scheduler sees placeholders: it schedules 1 + K tokens for a decoding request
+whose previous step is still running, and takes rejected drafts back from `num_computed_tokens`
+and `num_output_placeholders` when that step's output arrives. The model runner's part is
+played by hand: a step's output gives each request that sampled 1 + accepted tokens, with the
+acceptances drawn by simkv's own `AcceptanceModel` at the output's position (both schedulers
+see the same draws; padding rows of a request admitted from the queue are never accepted).
+simkv's `Scheduler` with `async_scheduling` runs the same random cases (oracle_spec.py's:
+small pools that preempt, shared prompt content, priorities, watermarks, chunked prefill on
+and off, budgets that cut drafts, dynamic speculation lengths). Every step's scheduled tokens,
+running and waiting requests and blocks in use, every request's first-token and finish step,
+the accepted drafts and the prefix-cache counts must be equal.
+
+A development aid, not a test dependency:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_spec_async.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
+from oracle_spec import case_differences  # noqa: E402
+
+
+def make_case(rng) -> dict:
+    """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter)."""
+    from oracle_spec import make_case as spec_case
+
+    case = spec_case(rng)
+    opts = case["opts"]
+    if opts["speculative_method"] == "ngram":
+        opts["speculative_method"] = "eagle"
+    opts["async_scheduling"] = True
+    return case
+
+
+def async_step_loop(requests, schedule, process, max_steps: int = 5000) -> dict:
+    """The batch queue's order, shared by both sides: arrivals by step (the steps scheduled so
+    far); `schedule()` returns the step's row, or None when it scheduled nothing (not a step:
+    the engine waits for the one in flight); `process(step)` handles a step's output; `has()`
+    says whether requests are unfinished. Idle steps (nothing to run, nothing in flight) are
+    rows of zeros."""
+    pending = sorted(requests, key=lambda r: (r["arrival_step"], r["row"]))
+    rows = []
+    in_flight = None
+    while len(rows) < max_steps:
+        arrived = []
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            arrived.append(pending.pop(0))
+        row = schedule(arrived, len(rows))
+        if row is None:
+            if in_flight is None:
+                if not pending and not schedule.has():
+                    return {"steps": rows}
+                if schedule.has():
+                    return {"steps": rows, "error": "stuck"}
+                rows.append([0, 0, 0, 0])  # idle
+                schedule.idle()
+                continue
+            process(in_flight)
+            in_flight = None
+            continue
+        rows.append(row)
+        step = len(rows) - 1
+        if in_flight is not None:
+            process(in_flight)
+        in_flight = step
+    return {"steps": rows, "error": "max steps"}
+
+
+# ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
+def run_vllm(case: dict) -> dict:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    import oracle
+    o = case["opts"]
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
+                                                     async_scheduling=True)
+    hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+    pool = sched.kv_cache_manager.block_pool
+    usable = pool.num_gpu_blocks - 1
+    accept = oracle_vllm.acceptance(o)
+    first_token, finish = {}, {}
+    accepted_total = [0]
+    prefix = [0, 0]  # tokens queried, hit
+    outputs = {}  # step -> (scheduler output, {request id: (samples, padded)})
+
+    def make(r):
+        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
+              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
+        ids = oracle.make_prompt_ids(tr, 0, 0, {})
+        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
+        return Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
+                       block_hasher=hasher)
+
+    def schedule(arrived, step):
+        for r in arrived:
+            sched.add_request(make(r))
+        if not sched.has_requests():
+            return None
+        running_before = {r.request_id for r in sched.running}
+        so = sched.schedule()
+        if so.total_num_scheduled_tokens == 0:
+            return None
+        n_running, n_waiting = sched.get_request_counts()
+        meta = {rid: (not sched.requests[rid].is_prefill_chunk,
+                      rid not in running_before and rid in so.scheduled_spec_decode_tokens)
+                for rid in so.num_scheduled_tokens}
+        outputs[step] = (so, meta)
+        return [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
+
+    schedule.has = sched.has_requests
+    schedule.idle = lambda: None
+
+    def process(step):
+        so, meta = outputs.pop(step)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            samples, padded = meta[rid]
+            req = sched.requests.get(rid)
+            if not samples or req is None:
+                sampled.append([])
+                continue
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
+                if drafts and not padded else 0
+            accepted_total[0] += n_acc
+            base = req.num_prompt_tokens + len(req.output_token_ids)
+            sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        for eco in sched.update_from_output(so, mro).values():
+            stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats is not None else None
+            if stats is not None:
+                prefix[0] += stats.queries + stats.preempted_queries
+                prefix[1] += stats.hits + stats.preempted_hits
+            for out in eco.outputs:
+                if out.new_token_ids and out.request_id not in first_token:
+                    first_token[out.request_id] = step
+                if out.finish_reason is not None:
+                    finish[out.request_id] = step
+
+    result = async_step_loop(case["requests"], schedule, process)
+    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
+                          for r in case["requests"]}
+    result["accepted"] = accepted_total[0]
+    result["prefix"] = prefix
+    return result
+
+
+# ---- simkv side -----------------------------------------------------------------------------------
+def run_simkv(case: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from tests.core.helpers import drive_steps_async
+
+    result = drive_steps_async(case)
+    sched = result.pop("scheduler")
+    result["accepted"] = sched.spec_stats["num_accepted_tokens"]
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    result["prefix"] = [stats.queries, stats.hits]
+    return result
+
+
+def main() -> None:
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    if oracle_vllm.serve_vllm_side(a, run_vllm):
+        return
+    import numpy as np
+    rng = np.random.default_rng(a.seed)
+    cases = [make_case(rng) for _ in range(a.cases)]
+    theirs = oracle_vllm.vllm_results(__file__, cases, a)
+    failures = 0
+    totals = dict(requests=0, steps=0, accepted=0)
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        ours = run_simkv(case)
+        totals["requests"] += len(case["requests"])
+        totals["steps"] += len(t["steps"])
+        totals["accepted"] += t["accepted"]
+        diff = case_differences(t, ours)
+        if diff:
+            failures += 1
+            print(f"case {i} {case['opts']}: " + "; ".join(diff))
+    print(f"{len(cases) - failures} of {len(cases)} cases equal "
+          f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
