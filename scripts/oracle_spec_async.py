@@ -169,6 +169,7 @@ def run_simkv(case: dict) -> dict:
     result = drive_steps_async(case)
     sched = result.pop("scheduler")
     result["accepted"] = sched.spec_stats["num_accepted_tokens"]
+    result["preemptions"] = sched.num_preemptions
     stats = sched.kv_cache_manager.prefix_cache_stats
     result["prefix"] = [stats.queries, stats.hits]
     return result
@@ -183,18 +184,20 @@ def main() -> None:
     cases = [make_case(rng) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0, accepted=0)
+    totals = dict(requests=0, steps=0, accepted=0, preemptions=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
         totals["accepted"] += t["accepted"]
+        totals["preemptions"] += ours["preemptions"]
         diff = case_differences(t, ours)
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal "
-          f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted)")
+          f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted, "
+          f"{totals['preemptions']} preemptions)")
     sys.exit(1 if failures else 0)
 
 
