@@ -6,7 +6,7 @@ simkv forms for a small model with sliding-window layers (core/kv_cache_groups.p
 attention and sliding-window groups over one pool, in simkv's order. simkv's `Scheduler` runs
 the same random cases (windows of 2 to 40 tokens, one to seven groups, small pools, shared prompt
 content, priorities, watermarks, chunked prefill on and off, prefix-cache retention intervals 0,
-none and periodic; with --speculative, ngram speculative decoding in 60 % of them). Every step's scheduled tokens,
+none and periodic; with --speculative, ngram or EAGLE speculative decoding in 60 % of them). Every step's scheduled tokens,
 running and waiting requests and blocks in use (all groups), every request's first-token and
 finish step, and the prefix cache's queried and hit tokens must be equal.
 
@@ -46,16 +46,16 @@ def make_case(rng, speculative: bool = False) -> dict:
                                                block_size * int(rng.integers(1, 9)) if retention == "periodic" else 0)
     from simkv.capacity import group_blocks_per_request
 
+    if speculative and rng.random() < 0.6:  # ngram drafts (no KV of their own) or an EAGLE layer
+        oracle_vllm.random_spec_options(rng, opts)
+        opts["speculative_method"] = str(rng.choice(["ngram", "eagle"]))
+        opts.pop("spec_draft_model", None)
     config = EngineConfig.from_flat(opts)
     # a pool where a max_model_len request fits (simkv refuses smaller ones at start-up, as vLLM does)
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
-    groups = config.kv_cache_groups
-    if speculative and rng.random() < 0.6:  # ngram speculative decoding (drafts without KV of their own)
-        oracle_vllm.random_spec_options(rng, opts)
-        opts["speculative_method"] = "ngram"
-        opts.pop("spec_draft_model", None)
-    return {"opts": opts, "requests": requests, "group_windows": list(groups.windows)}
+    # (with EAGLE, the groups hold its draft layer too: vLLM buckets it with the full-attention layers)
+    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows)}
 
 
 def main() -> None:

@@ -110,7 +110,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (an EAGLE layer of a mixture of experts keeps its experts)
     groups = config.kv_cache_groups
     hybrid = groups.has_sliding_window
-    if hybrid:  # one block holds `layers_per_block` layers (draft layers: refused with sliding windows)
+    if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, shaped like the target's)
         per_layer = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp) // spec.num_layers
         block_bytes = per_layer * groups.layers_per_block * cc.block_size
     else:

@@ -350,16 +350,29 @@ class EngineConfig:
         return any(self.layer_windows)
 
     @property
+    def kv_cache_layer_windows(self) -> list[int]:
+        """The windows of every layer that holds KV: the model's, then the draft network's. An
+        EAGLE-family draft layer attends the whole context (the published EAGLE heads of
+        sliding-window models, e.g. gpt-oss's, are Llama layers without a window); vLLM buckets
+        it with the target's full-attention layers."""
+        windows = self.layer_windows
+        if self.speculative.enabled and self.speculative.is_eagle_family:
+            windows = windows + [0]
+        return windows
+
+    @property
     def kv_cache_groups(self):
-        """The KV-cache groups vLLM forms for the model (core/kv_cache_groups.py)."""
+        """The KV-cache groups vLLM forms for the model and its draft layers (core/kv_cache_groups.py)."""
         from simkv.core.kv_cache_groups import group_layers
 
-        return group_layers(self.layer_windows, self.attention.disable_hybrid_kv_cache_manager)
+        return group_layers(self.kv_cache_layer_windows, self.attention.disable_hybrid_kv_cache_manager)
 
     def _verify_sliding_window(self) -> None:
         cache, sched = self.cache, self.scheduler
-        unsupported = [(self.speculative.enabled and self.speculative.speculative_method != "ngram",
-                        f"speculative_method '{self.speculative.speculative_method}' (ngram is modelled)"),
+        unsupported = [(self.speculative.speculative_method == "draft_model",
+                        "speculative_method 'draft_model' (ngram and the EAGLE family are modelled)"),
+                       (self.speculative.is_eagle_family and sched.async_scheduling,
+                        f"speculative_method '{self.speculative.speculative_method}' under async scheduling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),

@@ -55,14 +55,15 @@ class KVCacheCoordinator:
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
                  enable_caching: bool = True, watermark: float = 0.0, max_in_flight_tokens: int = 8192,
-                 retention_interval: int | None = 0) -> None:
+                 retention_interval: int | None = 0, hash_lookahead: int = 0) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         self.null_block = self.block_pool.null_block
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.hasher = BlockHasher(block_size)
+        # (EAGLE family: a block's key covers the token after it, vLLM's lookahead block hashes)
+        self.hasher = BlockHasher(block_size, lookahead=hash_lookahead)
         # vLLM's prefix_cache_retention_interval: which sliding-window blocks are cached (None: all)
         self.retention_interval = retention_interval
         self.windows = tuple(windows)
@@ -201,7 +202,8 @@ class KVCacheCoordinator:
             if (need_slots <= held * bs and self._num_skipped_blocks(release_at) <= self._nulls.get(index, 0)
                     and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks
                     and (not self.enable_caching or delay_cache
-                         or min(num_computed_tokens + num_new_tokens, request.num_tokens) // bs
+                         or self._cacheable_blocks(request, min(num_computed_tokens + num_new_tokens,
+                                                                request.num_tokens))
                          <= self._num_cached.get(index, 0))):
                 return []
         pool = self.block_pool
@@ -308,7 +310,7 @@ class KVCacheCoordinator:
         """Make the request's full blocks below `num_tokens` findable: all of them in full-attention
         groups; in sliding-window groups only the runs a later hit can end at."""
         index = request.index
-        end = num_tokens // self.block_size
+        end = self._cacheable_blocks(request, num_tokens)
         start = self._num_cached.get(index, 0)
         if end <= start:
             return
@@ -330,6 +332,15 @@ class KVCacheCoordinator:
                     cache_block(block, keys[i - start] + gid)
         if end > shared and (self.full_gids or any(i >= shared for i in window_positions)):
             request.has_own_cached_blocks = True  # (a preempted request may hit its own blocks)
+
+    def _cacheable_blocks(self, request: Request, num_tokens: int) -> int:
+        """Full blocks among the first `num_tokens` whose keys exist: with lookahead keys (EAGLE
+        family) the token after a block must be known too. (A steady decoder's num_tokens lags
+        its progress; it runs without lookahead keys, as speculative decoding has none.)"""
+        lookahead = self.hasher.lookahead
+        if lookahead:
+            num_tokens = min(num_tokens, request.num_tokens - lookahead)
+        return num_tokens // self.block_size
 
     def cache_verified(self, request: Request, num_computed_tokens: int) -> None:
         """Speculative decoding: a request's sampled tokens arrived; its full blocks up to them

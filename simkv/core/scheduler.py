@@ -82,7 +82,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
-                cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval)
+                cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
+                hash_lookahead=int(config.speculative.is_eagle_family))
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,

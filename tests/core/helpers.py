@@ -174,6 +174,9 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
             sched.current_step = k + 1
         if not pending and not sched.has_unfinished_requests():
             break
+    else:  # (vLLM livelocks too on some tiny pools: the oracle's run then ends the same way)
+        return {"steps": rows, "error": "max steps", "scheduler": sched,
+                "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}}
     while rows and not any(rows[-1]):
         rows.pop()
     return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},

@@ -20,6 +20,7 @@ from tests.core.helpers import assert_same_steps_as_vllm, drive, drive_async, ma
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "hybrid_spec_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "hybrid_async_vllm_cases.json"
+EAGLE_DATA = Path(__file__).parent / "data" / "hybrid_eagle_vllm_cases.json"
 
 
 @pytest.mark.parametrize("index", range(10))
@@ -75,8 +76,24 @@ def test_same_steps_as_vllm_with_ngram_drafts(index):
     assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
 
 
+@pytest.mark.parametrize("index", range(4))
+def test_same_steps_as_vllm_with_an_eagle_layer(index):
+    """Recorded cases of scripts/oracle_hybrid.py --speculative with EAGLE (K of 2 or 3): the
+    draft layer's KV in the full-attention groups, K lookahead slots in every group, block keys
+    that cover the token after each block (vLLM's lookahead block hashes), in every group and under
+    retention intervals 0, periodic and none. Steps, requests, prefix cache and accepted drafts
+    are vLLM's."""
+    case = json.loads(EAGLE_DATA.read_text())["cases"][index]
+    assert case["case"]["opts"]["speculative_method"] == "eagle"
+    ours = assert_same_steps_as_vllm(case)
+    stats = ours["scheduler"].kv_cache_manager.prefix_cache_stats
+    assert [stats.queries, stats.hits] == case["vllm"]["prefix"]
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+    assert ours["scheduler"].kv_cache_manager.hasher.lookahead == 1
+
+
 # (windows per group, layers per group) as vLLM 0.33's _get_kv_cache_groups_uniform_page_size forms them
-# for the same layer patterns (checked in its venv).
+# for the same layer patterns (checked in its venv; the last three on 2026-12-01).
 GROUPS_BY_VLLM = [
     (get_model_spec("gemma-3-27b").layer_windows(), [(1024, 9)] * 4 + [(1024, 8)] * 2 + [(0, 10)], 10),
     (get_model_spec("gemma-3-12b").layer_windows(), [(1024, 8)] * 5 + [(0, 8)], 8),
@@ -85,6 +102,11 @@ GROUPS_BY_VLLM = [
     ([0] * 20 + [64] * 30, [(0, 20), (64, 15), (64, 15)], 20),
     ([64, 0, 64, 64] * 6, [(64, 6)] * 3 + [(0, 6)], 6),
     ([32] * 10, [(32, 10)], 10),
+    # with an EAGLE draft layer (a full-attention spec with is_draft, which vLLM buckets with the
+    # target's full-attention layers: is_draft takes no part in the spec's equality)
+    (get_model_spec("gpt-oss-120b").layer_windows() + [0], [(128, 18), (0, 19)], 19),
+    (get_model_spec("gemma-3-27b").layer_windows() + [0], [(1024, 11)] * 2 + [(1024, 10)] * 3 + [(0, 11)], 11),
+    ([8] * 32 + [0], [(8, 1)] * 32 + [(0, 1)], 1),  # every layer slides: one-layer groups
 ]
 
 
