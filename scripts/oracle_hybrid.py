@@ -26,7 +26,7 @@ import oracle_spec  # noqa: E402  (the step loop on both sides)
 import oracle_vllm  # noqa: E402
 
 
-def make_case(rng, speculative: bool = False) -> dict:
+def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_scheduling: bool = False) -> dict:
     block_size = int(rng.choice([2, 4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -48,8 +48,10 @@ def make_case(rng, speculative: bool = False) -> dict:
 
     if speculative and rng.random() < 0.6:  # ngram drafts (no KV of their own) or an EAGLE layer
         oracle_vllm.random_spec_options(rng, opts)
-        opts["speculative_method"] = str(rng.choice(["ngram", "eagle"]))
+        opts["speculative_method"] = str(rng.choice(list(methods)))
         opts.pop("spec_draft_model", None)
+    if async_scheduling:  # (before the pool is sized: the admission cap counts two batches in flight)
+        opts["async_scheduling"] = True
     config = EngineConfig.from_flat(opts)
     # a pool where a max_model_len request fits (simkv refuses smaller ones at start-up, as vLLM does)
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1

@@ -31,8 +31,17 @@ import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
 from oracle_spec import case_differences  # noqa: E402
 
 
-def make_case(rng) -> dict:
-    """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter)."""
+def make_case(rng, hybrid: bool = False) -> dict:
+    """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter);
+    `hybrid`: oracle_hybrid.py's (KV-cache groups of a model with sliding-window layers, the
+    EAGLE layer among them), always speculating with EAGLE."""
+    if hybrid:
+        from oracle_hybrid import make_case as hybrid_case
+
+        while True:
+            case = hybrid_case(rng, True, methods=("eagle",), async_scheduling=True)
+            if case["opts"].get("speculative_method"):
+                return case
     from oracle_spec import make_case as spec_case
 
     case = spec_case(rng)
@@ -84,7 +93,7 @@ def run_vllm(case: dict) -> dict:
     from vllm.v1.request import Request
 
     import oracle
-    o = case["opts"]
+    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
                                                      async_scheduling=True)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -176,12 +185,12 @@ def run_simkv(case: dict) -> dict:
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng) for _ in range(a.cases)]
+    cases = [make_case(rng, a.hybrid) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, accepted=0, preemptions=0)

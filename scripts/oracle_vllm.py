@@ -135,7 +135,7 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
-def oracle_args(description: str, speculative_flag: bool = False):
+def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -145,6 +145,9 @@ def oracle_args(description: str, speculative_flag: bool = False):
     ap.add_argument("--seed", type=int, default=1)
     if speculative_flag:
         ap.add_argument("--speculative", action="store_true", help="speculative decoding in 60 %% of the cases")
+    if hybrid_flag:
+        ap.add_argument("--hybrid", action="store_true",
+                        help="sliding-window models' KV-cache groups (oracle_hybrid.py's cases), EAGLE in all")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

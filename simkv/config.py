@@ -371,8 +371,6 @@ class EngineConfig:
         cache, sched = self.cache, self.scheduler
         unsupported = [(self.speculative.speculative_method == "draft_model",
                         "speculative_method 'draft_model' (ngram and the EAGLE family are modelled)"),
-                       (self.speculative.is_eagle_family and sched.async_scheduling,
-                        f"speculative_method '{self.speculative.speculative_method}' under async scheduling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),

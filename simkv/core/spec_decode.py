@@ -251,6 +251,7 @@ class SpecDecode:
         finished = []
         accepted_total = emissions = 0
         running, done = RequestStatus.RUNNING, RequestStatus.FINISHED
+        cache_verified = getattr(self.kv_cache_manager, "cache_verified", None)  # (KVCacheCoordinator)
         max_model_len = self.max_model_len
         for chunk in output.chunks:
             request = chunk.request
@@ -293,7 +294,10 @@ class SpecDecode:
                 if stopped:
                     request.num_computed_tokens -= new_tokens - kept
                 request.num_output_placeholders -= new_tokens  # (all of them, the dropped ones too)
-                self._note_cached(request, request.num_computed_tokens - request.num_in_flight_tokens)
+                processed = request.num_computed_tokens - request.num_in_flight_tokens
+                self._note_cached(request, processed)
+                if cache_verified is not None:  # (the coordinator caches them now, as vLLM does)
+                    cache_verified(request, processed)
             if stopped:
                 if not live:  # preempted: it leaves the waiting queue
                     self.waiting.remove_request(request)

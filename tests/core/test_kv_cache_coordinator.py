@@ -15,12 +15,13 @@ from simkv.core.kv_cache_groups import group_layers
 from simkv.core.request import RequestStatus
 from simkv.core.scheduler import Scheduler
 from simkv.specs import get_model_spec
-from tests.core.helpers import assert_same_steps_as_vllm, drive, drive_async, make_request
+from tests.core.helpers import assert_same_steps_as_vllm, drive, drive_async, drive_steps_async, make_request
 
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "hybrid_spec_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "hybrid_async_vllm_cases.json"
 EAGLE_DATA = Path(__file__).parent / "data" / "hybrid_eagle_vllm_cases.json"
+EAGLE_ASYNC_DATA = Path(__file__).parent / "data" / "hybrid_eagle_async_vllm_cases.json"
 
 
 @pytest.mark.parametrize("index", range(10))
@@ -90,6 +91,27 @@ def test_same_steps_as_vllm_with_an_eagle_layer(index):
     assert [stats.queries, stats.hits] == case["vllm"]["prefix"]
     assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
     assert ours["scheduler"].kv_cache_manager.hasher.lookahead == 1
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_same_steps_as_vllm_with_an_eagle_layer_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py --hybrid: EAGLE under vLLM's AsyncScheduler
+    (two batches deep) on sliding-window groups. A window group frees by the tokens whose output
+    was processed (computed tokens, placeholders included, less those in flight), and verified
+    blocks are cached when a step's output arrives. Every step, every request's first-token and
+    finish step, the accepted drafts and the prefix-cache counts are vLLM's."""
+    recorded = json.loads(EAGLE_ASYNC_DATA.read_text())["cases"][index]
+    ours = drive_steps_async(recorded["case"])
+    theirs = recorded["vllm"]
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
+    sched = ours["scheduler"]
+    assert sched.spec_stats["num_accepted_tokens"] == theirs["accepted"]
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert [stats.queries, stats.hits] == theirs["prefix"]
 
 
 # (windows per group, layers per group) as vLLM 0.33's _get_kv_cache_groups_uniform_page_size forms them
