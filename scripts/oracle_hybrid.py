@@ -6,9 +6,10 @@ simkv forms for a small model with sliding-window layers (core/kv_cache_groups.p
 attention and sliding-window groups over one pool, in simkv's order. simkv's `Scheduler` runs
 the same random cases (windows of 2 to 40 tokens, one to seven groups, small pools, shared prompt
 content, priorities, watermarks, chunked prefill on and off, prefix-cache retention intervals 0,
-none and periodic; with --speculative, ngram or EAGLE speculative decoding in 60 % of them). Every step's scheduled tokens,
-running and waiting requests and blocks in use (all groups), every request's first-token and
-finish step, and the prefix cache's queried and hit tokens must be equal.
+none and periodic; with --speculative, ngram or EAGLE speculative decoding in 60 % of them, the
+EAGLE layer in the groups). Every step's scheduled tokens, running and waiting requests and
+blocks in use (all groups), every request's first-token and finish step, and the prefix cache's
+queried and hit tokens must be equal.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv

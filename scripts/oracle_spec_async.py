@@ -11,13 +11,15 @@ acceptances drawn by simkv's own `AcceptanceModel` at the output's position (bot
 see the same draws; padding rows of a request admitted from the queue are never accepted).
 simkv's `Scheduler` with `async_scheduling` runs the same random cases (oracle_spec.py's:
 small pools that preempt, shared prompt content, priorities, watermarks, chunked prefill on
-and off, budgets that cut drafts, dynamic speculation lengths). Every step's scheduled tokens,
+and off, budgets that cut drafts, dynamic speculation lengths; with --hybrid, oracle_hybrid.py's
+KV-cache groups of sliding-window models, EAGLE in every case). Every step's scheduled tokens,
 running and waiting requests and blocks in use, every request's first-token and finish step,
 the accepted drafts and the prefix-cache counts must be equal.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_spec_async.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
+    .venv/bin/python scripts/oracle_spec_async.py --hybrid --cases 150 --seed 1
 """
 
 from __future__ import annotations

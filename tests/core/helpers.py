@@ -238,3 +238,20 @@ def assert_same_steps_as_vllm(recorded: dict) -> dict:
     assert ours["steps"] == theirs
     assert ours["requests"] == recorded["vllm"]["requests"]
     return ours
+
+
+def assert_same_async_spec_steps_as_vllm(recorded: dict) -> dict:
+    """A recorded case of scripts/oracle_spec_async.py ({"case", "vllm"}): simkv's steps, requests,
+    accepted drafts and prefix-cache counts under async scheduling equal vLLM's."""
+    ours = drive_steps_async(recorded["case"])
+    theirs = recorded["vllm"]
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
+    sched = ours["scheduler"]
+    assert sched.spec_stats["num_accepted_tokens"] == theirs["accepted"]
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert [stats.queries, stats.hits] == theirs["prefix"]
+    return ours

@@ -15,7 +15,7 @@ from simkv.core.kv_cache_groups import group_layers
 from simkv.core.request import RequestStatus
 from simkv.core.scheduler import Scheduler
 from simkv.specs import get_model_spec
-from tests.core.helpers import assert_same_steps_as_vllm, drive, drive_async, drive_steps_async, make_request
+from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, drive, drive_async, make_request
 
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "hybrid_spec_vllm_cases.json"
@@ -101,17 +101,7 @@ def test_same_steps_as_vllm_with_an_eagle_layer_async(index):
     blocks are cached when a step's output arrives. Every step, every request's first-token and
     finish step, the accepted drafts and the prefix-cache counts are vLLM's."""
     recorded = json.loads(EAGLE_ASYNC_DATA.read_text())["cases"][index]
-    ours = drive_steps_async(recorded["case"])
-    theirs = recorded["vllm"]
-    steps = list(theirs["steps"])
-    while steps and not any(steps[-1]):
-        steps.pop()
-    assert ours["steps"] == steps
-    assert ours["requests"] == theirs["requests"]
-    sched = ours["scheduler"]
-    assert sched.spec_stats["num_accepted_tokens"] == theirs["accepted"]
-    stats = sched.kv_cache_manager.prefix_cache_stats
-    assert [stats.queries, stats.hits] == theirs["prefix"]
+    assert_same_async_spec_steps_as_vllm(recorded)
 
 
 # (windows per group, layers per group) as vLLM 0.33's _get_kv_cache_groups_uniform_page_size forms them

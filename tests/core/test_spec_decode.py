@@ -10,7 +10,8 @@ import pytest
 from simkv.config import ConfigError, EngineConfig, SpeculativeConfig
 from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import AcceptanceModel
-from tests.core.helpers import assert_same_steps_as_vllm, drive_steps, drive_steps_async, make_request
+from tests.core.helpers import (assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, drive_steps, drive_steps_async,
+                                make_request)
 
 DATA = Path(__file__).parent / "data" / "spec_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "spec_async_vllm_cases.json"
@@ -41,17 +42,7 @@ def test_same_steps_as_vllm_async(index):
     up to 20 preemptions of requests with a step in flight): every step, every request's
     first-token and finish step, the accepted drafts and the prefix-cache counts."""
     recorded = json.loads(ASYNC_DATA.read_text())["cases"][index]
-    ours = drive_steps_async(recorded["case"])
-    theirs = recorded["vllm"]
-    steps = list(theirs["steps"])
-    while steps and not any(steps[-1]):
-        steps.pop()
-    assert ours["steps"] == steps
-    assert ours["requests"] == theirs["requests"]
-    sched = ours["scheduler"]
-    assert sched.spec_stats["num_accepted_tokens"] == theirs["accepted"]
-    stats = sched.kv_cache_manager.prefix_cache_stats
-    assert [stats.queries, stats.hits] == theirs["prefix"]
+    assert_same_async_spec_steps_as_vllm(recorded)
 
 
 def _drive_async_by_hand(sched) -> list[int]:
