@@ -13,6 +13,8 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # decodes are chunks, no decode runs
     .venv/bin/python bench/replay_speed.py azure-gemma3 # the Azure trace on gemma-3-12b (5 of 6 layers slide over
                                                         # 1,024 tokens): hybrid KV-cache manager, 6 KV-cache groups
+    .venv/bin/python bench/replay_speed.py azure-oss-spec  # the Azure trace on gpt-oss-120b (H100) with EAGLE-3:
+                                                        # hybrid manager, the EAGLE layer in the full groups
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -42,7 +44,7 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
-    if case in ("azure", "azure-async", "azure-spec", "azure-gemma3"):
+    if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-oss-spec"):
         return import_trace("azure", [AZURE])[0]
     if case in ("azure-fleet4", "azure-pd4"):
         from dataclasses import replace
@@ -71,6 +73,8 @@ def run_case(case: str) -> dict:
                     "spec_position_acceptance_rates": "0.8,0.6,0.45"}
     if case.endswith("-gemma3"):
         options |= {"model": "gemma-3-12b"}
+    if case == "azure-oss-spec":
+        options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
     config = EngineConfig.from_flat(options)
     disaggregation = DisaggregationSpec(2, 2) if case.endswith("-pd4") else None
     res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)
