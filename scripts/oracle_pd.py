@@ -6,7 +6,10 @@ in pull mode: a "pull" request (decode side) gets its whole prompt's KV from out
 asynchronously; a "send" request (prefill side) keeps its blocks after finishing until told
 they were read. simkv's `Scheduler` runs the same random cases (mixing plain, send and pull
 requests in one engine, small pools, shared prompt content, priorities, watermarks; with
-`--speculative`, speculative decoding in 60 % of the cases, as scripts/oracle_spec.py plays it). Each
+`--speculative`, speculative decoding in 60 % of the cases, as scripts/oracle_spec.py plays it;
+with `--hybrid`, the KV-cache groups of models with sliding-window layers, as
+scripts/oracle_hybrid.py forms them, with a connector that supports vLLM's hybrid manager as
+NIXL does, and ngram as the speculative method). Each
 pull's read ends in the output of the step `latency - 1` after the one that admitted it, and
 each send is released `latency` steps after its finish, on both sides. Every step's scheduled
 tokens, running and waiting requests and blocks in use, and every request's first-token and
@@ -15,6 +18,7 @@ finish step, must be equal.
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_pd.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 [--speculative]
+    .venv/bin/python scripts/oracle_pd.py --hybrid --cases 150 --seed 1
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 
 # ---- cases ------------------------------------------------------------------------------------
-def make_case(rng, speculative: bool = False) -> dict:
+def make_case(rng, speculative: bool = False, hybrid: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
@@ -52,7 +56,27 @@ def make_case(rng, speculative: bool = False) -> dict:
         from oracle_vllm import random_spec_options
 
         random_spec_options(rng, opts)
-    return {"opts": opts, "requests": requests}
+        if hybrid:  # (EAGLE's block drop under a KV connector is not modelled with sliding windows)
+            opts["speculative_method"] = "ngram"
+            opts.pop("spec_draft_model", None)
+    if not hybrid:
+        return {"opts": opts, "requests": requests}
+    # sliding-window layers (oracle_hybrid.py's layer patterns): vLLM's hybrid manager with NIXL (HMA)
+    from simkv.capacity import group_blocks_per_request
+    from simkv.config import EngineConfig
+
+    opts["model"] = str(rng.choice(["tiny-llama", "llama-3-8b", "gemma-2-9b"]))
+    opts["sliding_window"] = int(rng.choice([2, 3, 5, 8, 16, 17, 33, 40]))
+    opts["full_attention_interval"] = int(rng.choice([2, 3, 6]))
+    retention = rng.choice(["zero", "zero", "dense", "periodic"])
+    opts["prefix_cache_retention_interval"] = (None if retention == "dense" else
+                                               block_size * int(rng.integers(1, 9)) if retention == "periodic" else 0)
+    flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
+    flat.pop("reserve_full_isl")
+    config = EngineConfig.from_flat(flat)
+    fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
+    opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
+    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows)}
 
 
 def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:
@@ -74,9 +98,16 @@ def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
-    class FakePDConnector(KVConnectorBase_V1):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    class FakePDConnector(KVConnectorBase_V1, SupportsHMA):
         """Towards the scheduler, NIXL's pull mode: "pull" requests load their whole prompt
-        asynchronously; "send" requests delay freeing their blocks."""
+        asynchronously; "send" requests delay freeing their blocks. It supports the hybrid
+        manager (HMA) as NIXL does: a send holds the blocks of every group."""
+
+        def request_finished_all_groups(self, request, block_ids):
+            params = request.kv_transfer_params or {}
+            return bool(params.get("send")) and any(len(ids) > 0 for ids in block_ids), None
 
         admitted: list = []
 
@@ -133,7 +164,7 @@ def run_vllm(case: dict) -> dict:
 
     import oracle
     import oracle_vllm
-    o = case["opts"]
+    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
     connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
                                  kv_connector_module_path="oracle_pd")
     sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector)
@@ -235,12 +266,12 @@ def differences(theirs: dict, ours: dict) -> list[str]:
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.hybrid) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, pulls=0, sends=0, steps=0)

@@ -166,14 +166,14 @@ class KVCacheCoordinator:
         """Blocks a waiting request (no blocks yet) needs over all groups for `num_tokens` slots
         (vLLM's get_num_blocks_to_allocate with the new prefix hits, per group)."""
         required = cdiv(num_tokens, self.block_size)
-        if not hits:
+        skipped = self._num_skipped_blocks(num_computed)
+        if not hits and not skipped:
             window_required = min(required, self.admission_cap) if cap else required
             return required * len(self.full_gids) + window_required * len(self.window_gids)
-        skipped = self._num_skipped_blocks(num_computed)
         null = self.null_block
         total = 0
         for gid, window in enumerate(self.windows):
-            group_hits = hits[gid]
+            group_hits = hits[gid] if hits else ()
             need = min(required, self.admission_cap) if cap and window else required
             total += max(need - max(skipped if window else 0, len(group_hits)), 0)
             total += sum(b.ref_cnt == 0 and b is not null for b in group_hits[skipped if window else 0:])
@@ -183,12 +183,15 @@ class KVCacheCoordinator:
                        computed: ComputedBlocks | None = None, num_lookahead_tokens: int = 0,
                        full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True,
                        delay_cache: bool = False, reserved_blocks: int = 0,
-                       num_processed_tokens: int | None = None) -> list[KVCacheBlock] | None:
+                       num_processed_tokens: int | None = None,
+                       num_external_tokens: int = 0) -> list[KVCacheBlock] | None:
         """vLLM's allocate_slots over the groups: free what left the windows, check the pool,
         take the prefix hits, allocate in group order, cache the full blocks. None: no room
         (the windows' blocks are given back all the same, as in vLLM). `num_processed_tokens`
         (async scheduling): the computed tokens whose step output was processed, which the
-        windows' release goes by (None: all of them)."""
+        windows' release goes by (None: all of them). `num_external_tokens` (P/D: a pull admitted
+        with its prompt's KV coming from outside): those tokens count as computed, so the window
+        groups take blocks only for the pulled tokens still inside their windows."""
         index = request.index
         tables = self._tables.get(index)
         release_at = num_computed_tokens if num_processed_tokens is None else num_processed_tokens
@@ -208,7 +211,8 @@ class KVCacheCoordinator:
                 return []
         pool = self.block_pool
         hits = computed.blocks if computed is not None and computed.num_tokens else None
-        total = min(num_computed_tokens + (computed.num_tokens if hits else 0), self.max_model_len)
+        total = min(num_computed_tokens + (computed.num_tokens if hits else 0) + num_external_tokens,
+                    self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status != RequestStatus.RUNNING else 0
         need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if tables is None:
@@ -218,10 +222,14 @@ class KVCacheCoordinator:
                     return None
             if self._blocks_to_admit(need_slots, hits, total, False) + watermark > pool.get_num_free_blocks() - reserved_blocks:
                 return None
+            if num_external_tokens:  # (a pull: every group's hits first, then each group's blocks in turn)
+                return self._allocate_pulled(request, hits, total, need_slots)
             tables = self._tables[index] = self._take_hits(index, hits, total) if hits else [[] for _ in self.windows]
-        else:  # a running request (full_sequence_must_fit is asked at admission only): the window's
+        else:  # a request holding blocks (running, or a pulled one whose KV arrived): the window's
             # release, then its new blocks
-            assert not full_sequence_must_fit, "full_sequence_must_fit is for requests without blocks"
+            if full_sequence_must_fit and self.remaining_blocks(request, min(request.num_tokens, self.max_model_len)) \
+                    + watermark > pool.get_num_free_blocks():
+                return None
             self._release_window(index, tables, release_at)
             if max(cdiv(need_slots, self.block_size) - len(tables[0]), 0) * self.num_groups + watermark > \
                     pool.get_num_free_blocks() - reserved_blocks:
@@ -235,6 +243,42 @@ class KVCacheCoordinator:
         if self.enable_caching and not delay_cache:
             self._cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _allocate_pulled(self, request: Request, hits, num_computed: int, need_slots: int) -> list[KVCacheBlock]:
+        """A pull's blocks (vLLM's allocate_new_computed_blocks with external tokens): the local
+        hits of every group are taken first; then each group in turn gets blocks up to
+        `need_slots`, a window group none below its window (null blocks there)."""
+        index = request.index
+        if hits:
+            tables = self._take_hits(index, hits, num_computed)
+        else:
+            skipped = self._num_skipped_blocks(num_computed)
+            tables = [[self.null_block] * skipped if window else [] for window in self.windows]
+            self._nulls[index] = skipped
+            self._num_cached[index] = 0
+        self._tables[index] = tables
+        required = cdiv(need_slots, self.block_size)
+        new_blocks: list[KVCacheBlock] = []
+        for table in tables:
+            if required > len(table):
+                blocks = self.block_pool.get_new_blocks(required - len(table))
+                table += blocks
+                new_blocks += blocks
+        return new_blocks
+
+    def remaining_blocks(self, request: Request, num_tokens: int) -> int:
+        """Blocks the request still needs, over all groups, to hold `num_tokens` slots (a window
+        group up to its admission cap): vLLM's get_num_blocks_to_allocate for a request that
+        holds blocks, with the admission cap (its `_request_remaining_blocks`)."""
+        held = len(self._tables[request.index][0]) if request.index in self._tables else 0
+        required = cdiv(num_tokens, self.block_size)
+        return (max(required - held, 0) * len(self.full_gids)
+                + max(min(required, self.admission_cap) - held, 0) * len(self.window_gids))
+
+    def cache_shared_blocks(self, request: Request, num_tokens: int) -> None:
+        """P/D: a pull's KV has arrived; its full blocks are cached now (vLLM's cache_blocks)."""
+        if self.enable_caching and request.index in self._tables:
+            self._cache_blocks(request, min(num_tokens, request.num_tokens))
 
     # ---- steady decoders (core/steady_decoders.py) --------------------------------------------
     def next_decode_event(self, request: Request) -> int:
@@ -285,7 +329,7 @@ class KVCacheCoordinator:
                 self.block_pool.touch(group_hits)
                 tables.append(list(group_hits))
         self._nulls[index] = skipped
-        self._num_cached[index] = len(tables[0])
+        self._num_cached[index] = len(hits[0])  # (the hit blocks: a pull's window tables may be longer)
         return tables
 
     def _release_window(self, index: int, tables: list[list[KVCacheBlock]], num_computed: int) -> None:

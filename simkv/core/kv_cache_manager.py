@@ -130,6 +130,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.index)
         return len(blocks) if blocks is not None else 0
 
+    def remaining_blocks(self, request: Request, num_tokens: int) -> int:
+        """Blocks the request still needs to hold `num_tokens` slots."""
+        return max(0, cdiv(num_tokens, self.block_size) - self.num_blocks_of(request))
+
     def allocate_slots(
         self,
         request: Request,

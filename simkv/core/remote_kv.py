@@ -58,9 +58,15 @@ class RemoteKV:
         kv = self.kv_cache_manager
         hits = kv.get_computed_blocks(request)
         external = request.num_prompt_tokens - hits.num_tokens
-        blocks = kv.allocate_slots(request, 0, external, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
-                                   has_scheduled_reqs=bool(self.running), delay_cache=True,
-                                   reserved_blocks=self._inflight_prefill_blocks(skipped) + self._spec_step_blocks)
+        reserved = self._inflight_prefill_blocks(skipped) + self._spec_step_blocks
+        if self._window_releases:  # (sliding-window groups: the pulled tokens count as computed)
+            blocks = kv.allocate_slots(request, 0, 0, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
+                                       has_scheduled_reqs=bool(self.running), delay_cache=True,
+                                       reserved_blocks=reserved, num_external_tokens=external)
+        else:
+            blocks = kv.allocate_slots(request, 0, external, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
+                                       has_scheduled_reqs=bool(self.running), delay_cache=True,
+                                       reserved_blocks=reserved)
         if blocks is None:
             return False
         kv.record_prefix_cache_stats(request, hits.num_tokens)
@@ -68,7 +74,8 @@ class RemoteKV:
         plan.hit += hits.num_tokens
         request.num_prefix_hit_tokens = hits.num_tokens
         request.num_total_prefix_hit_tokens += hits.num_tokens
-        request.kv_pull_blocks = kv.num_blocks_of(request) - len(hits.blocks)
+        # the blocks the link carries (a window group's: only those inside its window)
+        request.kv_pull_blocks = len(blocks) if self._window_releases else kv.num_blocks_of(request) - len(hits.blocks)
         request.kv_role = 0  # one pull per request: a later preemption recomputes locally
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = request.num_prompt_tokens
@@ -82,14 +89,14 @@ class RemoteKV:
         included; under speculative decoding each also needs its first speculative step's
         1 + K + lookahead slots. Without it, pulls hold their whole prompt already."""
         kv = self.kv_cache_manager
-        bs, cap = self.block_size, self.max_model_len
+        cap = self.max_model_len
         if self.num_spec_tokens:
             extra = 1 + self.num_spec_tokens + self.num_lookahead_tokens
             prefills = [r for r in self.running if r.spec_prefill_chunk] + list(self.kv_holding) + skipped
         else:
             extra = 0
             prefills = self._prefilling
-        return sum(max(0, -(-(min(r.num_tokens, cap) + extra) // bs) - kv.num_blocks_of(r)) for r in prefills)
+        return sum(kv.remaining_blocks(r, min(r.num_tokens, cap) + extra) for r in prefills)
 
     def _promote_pulled(self, request: Request) -> None:
         """Its pull has ended: cache the blocks; the last prompt token is computed again."""

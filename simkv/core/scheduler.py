@@ -83,15 +83,16 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
                 cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
-                hash_lookahead=int(config.speculative.is_eagle_family))
+                hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector))
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
                 hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector),
                 eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
-        # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free.
-        self._spec_step_blocks = config.spec_step_blocks
+        # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free
+        # (in every KV-cache group: vLLM's _spec_decode_step_blocks sums them)
+        self._spec_step_blocks = config.spec_step_blocks * (len(groups.groups) if groups.has_sliding_window else 1)
         self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         # P/D (core/remote_kv.py): waiting requests that hold blocks (their KV being pulled, or
         # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
@@ -113,6 +114,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._window_context = self._layer_split(config) if not self.chunked_decodes else None
         self._window_releases = isinstance(self.kv_cache_manager, KVCacheCoordinator)
         self._async_releases = self._window_releases and self.async_scheduling
+        # P/D with sliding-window layers: vLLM gives back a finished request's out-of-window
+        # blocks before it hands the block table to the connector (and before any other free)
+        self._release_at_finish = self._window_releases and kv_connector
         self._num_below = 0
         self._sum_base_below = 0
         self._crossing_heap: list[tuple] = []
@@ -614,6 +618,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for request in finished:
             if request in self._prefilling:
                 self._prefilling.remove(request)
+            if self._release_at_finish:
+                kv.decode_release(request, request.num_computed_tokens)
             if not self._hold_for_sending(request):
                 cache_end = request.num_cached_blocks * self.block_size if self._spec_async else request.num_computed_tokens
                 kv.free(request, cache_end, finished=True)

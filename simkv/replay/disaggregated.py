@@ -132,9 +132,10 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
                           f"got preemption_mode={sc.preemption_mode}")
     if cc.allocator != "paged":
         raise ConfigError(f"{pool} pool: P/D disaggregation needs the paged allocator, got {cc.allocator}")
-    if config.has_sliding_window:
-        raise ConfigError(f"{pool} pool: P/D disaggregation is not modelled for models with sliding-window layers "
-                          f"({config.hardware.model})")
+    if config.kv_cache_groups.has_sliding_window and config.speculative.is_eagle_family:
+        raise ConfigError(f"{pool} pool: P/D disaggregation with an EAGLE-family method is not modelled for models "
+                          f"with sliding-window layers ({config.hardware.model}): under a KV connector vLLM drops "
+                          "the last block of every prefix hit instead, which simkv models for one KV-cache group only")
 
 
 class PrefillRouting(FleetRouting):
@@ -393,7 +394,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len)
     pd.env = env
     pd.prefill.on_reject = on_progress
-    block_bytes = decode_capacity.kv_bytes_per_token * decode_config.cache.block_size
+    block_bytes = decode_capacity.block_bytes  # (one block of one KV-cache group: a pull counts each group's)
 
     def engines(configs_backends, make_feed_of, capacity, config, progress):
         out = []

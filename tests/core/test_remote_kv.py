@@ -40,6 +40,24 @@ def test_recorded_speculative_cases_match_vllm(case):
     assert ours["requests"] == case["vllm"]["requests"]
 
 
+HYBRID = json.loads((Path(__file__).parent / "data" / "pd_hybrid_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", HYBRID["cases"], ids=HYBRID["ids"])
+def test_recorded_sliding_window_cases_match_vllm(case):
+    """Sliding-window models under P/D (scripts/oracle_pd.py --hybrid): a pull's window groups
+    take blocks only inside their window of the pulled prompt, a finished request gives back its
+    out-of-window blocks before the connector holds the rest, the pulled blocks are cached when
+    the pull ends (after the local hits), and a pull leaves one speculative step free in every
+    group."""
+    ours = drive_pd(case["case"])
+    theirs = case["vllm"]["steps"]
+    while theirs and not any(theirs[-1]):
+        theirs.pop()
+    assert ours["steps"] == theirs
+    assert ours["requests"] == case["vllm"]["requests"]
+
+
 def _sched(**kw):
     blocks = kw.pop("num_gpu_blocks", 32)
     return Scheduler(make_config(num_gpu_blocks=blocks, block_size=4, max_num_seqs=kw.pop("max_num_seqs", 8),

@@ -222,6 +222,29 @@ def test_eagle_speculation_on_a_sliding_window_model():
     assert async_.summary["tpot_s"]["p50"] < spec.summary["tpot_s"]["p50"]
 
 
+def test_pd_disaggregation_pulls_only_the_windows():
+    """P/D on gpt-oss-120b (1 prefill + 1 decode replica): every request finishes, and a pull
+    carries each full-attention group's prompt blocks but a window group's only inside its
+    128-token window, so the link carries well under what the disabled hybrid manager (every
+    layer's prompt blocks) pulls: prompt tokens x 36 KiB (18 full layers) plus about ten
+    window blocks per pull, against prompt tokens x 72 KiB."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    base = dict(model="gpt-oss-120b", gpu="H100-SXM", max_model_len=8192)
+    hybrid, plain = (replay(_trace(long=True), EngineConfig.from_flat(b), disaggregation=DisaggregationSpec(1, 1))
+                     for b in (base, base | {"disable_hybrid_kv_cache_manager": True}))
+    for res in (hybrid, plain):
+        assert res.summary["num_finished"] == 40
+    prompt = int(_trace(long=True).prompt_tokens.sum())
+    per_layer_token = 2 * 8 * 64 * 2  # K and V, 8 KV heads of 64, bf16
+    pulled = hybrid.summary["disaggregation"]["kv_transfer"]["pulled_bytes"]
+    assert plain.summary["disaggregation"]["kv_transfer"]["pulled_bytes"] >= prompt * 36 * per_layer_token
+    assert prompt * 18 * per_layer_token <= pulled < prompt * 18 * per_layer_token + 40 * 10 * 16 * 18 * per_layer_token
+    with pytest.raises(ConfigError, match="P/D disaggregation with an EAGLE-family method is not modelled"):
+        replay(_trace(), EngineConfig.from_flat(base | dict(speculative_method="eagle3", num_speculative_tokens=2)),
+               disaggregation=DisaggregationSpec(1, 1))
+
+
 def test_fragmentation_counts_every_group():
     """One request, prompt 100, 10 outputs, block 16, tiny-llama with a window of 32 on one of its
     two layers (groups [32, full]). At its end it has 109 computed tokens: the full group holds
