@@ -56,8 +56,8 @@ def make_case(rng, speculative: bool = False, hybrid: bool = False) -> dict:
         from oracle_vllm import random_spec_options
 
         random_spec_options(rng, opts)
-        if hybrid:  # (EAGLE's block drop under a KV connector is not modelled with sliding windows)
-            opts["speculative_method"] = "ngram"
+        if hybrid and opts["speculative_method"] == "draft_model":  # (refused with sliding windows)
+            opts["speculative_method"] = "eagle"
             opts.pop("spec_draft_model", None)
     if not hybrid:
         return {"opts": opts, "requests": requests}

@@ -72,6 +72,9 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
         kw = dict(block_size=o["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
         spec = SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
         groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
+        # (an EAGLE layer attends the whole context: vLLM flags the full-attention group holding it)
+        groups[-1].is_eagle_group = bool(o.get("group_windows")) and not window and \
+            o.get("speculative_method") in ("eagle", "eagle3", "mtp")
     kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=groups,
                                     prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval)
     cls = AsyncScheduler if async_scheduling else Scheduler

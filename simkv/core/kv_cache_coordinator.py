@@ -55,7 +55,8 @@ class KVCacheCoordinator:
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
                  enable_caching: bool = True, watermark: float = 0.0, max_in_flight_tokens: int = 8192,
-                 retention_interval: int | None = 0, hash_lookahead: int = 0) -> None:
+                 retention_interval: int | None = 0, hash_lookahead: int = 0,
+                 eagle_block_drop: bool = False) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -64,6 +65,9 @@ class KVCacheCoordinator:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         # (EAGLE family: a block's key covers the token after it, vLLM's lookahead block hashes)
         self.hasher = BlockHasher(block_size, lookahead=hash_lookahead)
+        # EAGLE under a KV connector (legacy keys): the full-attention groups, which hold the draft
+        # layer, find one block past the candidate hit and give it back (vLLM's eagle block drop)
+        self.eagle_block_drop = eagle_block_drop
         # vLLM's prefix_cache_retention_interval: which sliding-window blocks are cached (None: all)
         self.retention_interval = retention_interval
         self.windows = tuple(windows)
@@ -106,17 +110,22 @@ class KVCacheCoordinator:
         if not self.enable_caching:
             return _NO_HITS
         max_blocks = (request.num_tokens - 1) // self.block_size
+        # (the eagle drop looks one block further, up to the request's last full block)
+        scan = request.num_tokens // self.block_size if self.eagle_block_drop else max_blocks
         if not request.has_own_cached_blocks:  # blocks past the shared region cannot be cached
             max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
+            scan = min(scan, self.hasher.num_shared_blocks(request))
         per_group: list[list[KVCacheBlock]] = [[] for _ in self.windows]
         longest = max_blocks
         found: list[list[KVCacheBlock]] = []  # per full block: that block of every full-attention group
         if self.full_gids:
-            for i in range(max_blocks):
+            for i in range(scan):
                 blocks = self._cached(request, i, self.full_gids)
                 if blocks is None:
                     break
                 found.append(blocks)
+            if self.eagle_block_drop and found:
+                found.pop()
             longest = len(found)
         hit = self._window_hit(request, longest, per_group)
         if not self.full_gids:
@@ -408,7 +417,14 @@ class KVCacheCoordinator:
                 return range(start, end)
             keep.update(i for i in range(start, end) if i % per_segment >= per_segment - need)
         junction = self._junction.get(request.index)
-        for boundary in ((request.num_prompt_tokens - 1, junction) if junction else (request.num_prompt_tokens - 1,)):
+        prompt = request.num_prompt_tokens
+        if self.eagle_block_drop:  # (vLLM's replay_boundaries under the eagle drop: a block lower)
+            boundaries = {max((prompt - 1) // bs * bs - bs, 0), max(prompt // bs * bs - bs, 0)}
+        else:
+            boundaries = {prompt - 1}
+        if junction:
+            boundaries.add(junction)
+        for boundary in sorted(boundaries):
             stop = boundary // bs
             keep.update(range(max(start, stop - need), min(end, stop)))
         return sorted(keep)

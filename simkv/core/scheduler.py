@@ -83,7 +83,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
                 cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
-                hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector))
+                hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector),
+                eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,

@@ -132,10 +132,6 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
                           f"got preemption_mode={sc.preemption_mode}")
     if cc.allocator != "paged":
         raise ConfigError(f"{pool} pool: P/D disaggregation needs the paged allocator, got {cc.allocator}")
-    if config.kv_cache_groups.has_sliding_window and config.speculative.is_eagle_family:
-        raise ConfigError(f"{pool} pool: P/D disaggregation with an EAGLE-family method is not modelled for models "
-                          f"with sliding-window layers ({config.hardware.model}): under a KV connector vLLM drops "
-                          "the last block of every prefix hit instead, which simkv models for one KV-cache group only")
 
 
 class PrefillRouting(FleetRouting):

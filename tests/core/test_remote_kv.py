@@ -49,7 +49,9 @@ def test_recorded_sliding_window_cases_match_vllm(case):
     take blocks only inside their window of the pulled prompt, a finished request gives back its
     out-of-window blocks before the connector holds the rest, the pulled blocks are cached when
     the pull ends (after the local hits), and a pull leaves one speculative step free in every
-    group."""
+    group. With EAGLE under the connector, the full-attention groups (the draft layer's) look one
+    block past the hit and drop it, and the window groups retain the runs before vLLM's two
+    replay boundaries a block lower."""
     ours = drive_pd(case["case"])
     theirs = case["vllm"]["steps"]
     while theirs and not any(theirs[-1]):
