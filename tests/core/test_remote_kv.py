@@ -22,6 +22,16 @@ def test_recorded_cases_match_vllm(case):
     assert ours["requests"] == case["vllm_requests"]
 
 
+def _assert_same_as_recorded(case: dict) -> None:
+    """A recorded case of scripts/oracle_pd.py ({"case", "vllm"}): simkv's steps and requests are vLLM's."""
+    ours = drive_pd(case["case"])
+    theirs = case["vllm"]["steps"]
+    while theirs and not any(theirs[-1]):
+        theirs.pop()
+    assert ours["steps"] == theirs
+    assert ours["requests"] == case["vllm"]["requests"]
+
+
 SPEC_CASES = json.loads((Path(__file__).parent / "data" / "pd_spec_vllm_cases.json").read_text())["cases"]
 
 
@@ -32,12 +42,7 @@ def test_recorded_speculative_cases_match_vllm(case):
     blocks of one speculative step, in-flight prefills (pulls, and requests admitted earlier in
     the step) reserve their first speculative step too, a pulled request stays one until its
     step ends, and EAGLE under a KV connector drops a hit's last block instead of lookahead keys."""
-    ours = drive_pd(case["case"])
-    theirs = case["vllm"]["steps"]
-    while theirs and not any(theirs[-1]):
-        theirs.pop()
-    assert ours["steps"] == theirs
-    assert ours["requests"] == case["vllm"]["requests"]
+    _assert_same_as_recorded(case)
 
 
 HYBRID = json.loads((Path(__file__).parent / "data" / "pd_hybrid_vllm_cases.json").read_text())
@@ -52,12 +57,7 @@ def test_recorded_sliding_window_cases_match_vllm(case):
     group. With EAGLE under the connector, the full-attention groups (the draft layer's) look one
     block past the hit and drop it, and the window groups retain the runs before vLLM's two
     replay boundaries a block lower."""
-    ours = drive_pd(case["case"])
-    theirs = case["vllm"]["steps"]
-    while theirs and not any(theirs[-1]):
-        theirs.pop()
-    assert ours["steps"] == theirs
-    assert ours["requests"] == case["vllm"]["requests"]
+    _assert_same_as_recorded(case)
 
 
 def _sched(**kw):
