@@ -258,14 +258,7 @@ class KVCacheCoordinator:
         hits of every group are taken first; then each group in turn gets blocks up to
         `need_slots`, a window group none below its window (null blocks there)."""
         index = request.index
-        if hits:
-            tables = self._take_hits(index, hits, num_computed)
-        else:
-            skipped = self._num_skipped_blocks(num_computed)
-            tables = [[self.null_block] * skipped if window else [] for window in self.windows]
-            self._nulls[index] = skipped
-            self._num_cached[index] = 0
-        self._tables[index] = tables
+        tables = self._tables[index] = self._take_hits(index, hits or [[] for _ in self.windows], num_computed)
         required = cdiv(need_slots, self.block_size)
         new_blocks: list[KVCacheBlock] = []
         for table in tables:

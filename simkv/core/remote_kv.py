@@ -58,15 +58,13 @@ class RemoteKV:
         kv = self.kv_cache_manager
         hits = kv.get_computed_blocks(request)
         external = request.num_prompt_tokens - hits.num_tokens
-        reserved = self._inflight_prefill_blocks(skipped) + self._spec_step_blocks
-        if self._window_releases:  # (sliding-window groups: the pulled tokens count as computed)
-            blocks = kv.allocate_slots(request, 0, 0, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
-                                       has_scheduled_reqs=bool(self.running), delay_cache=True,
-                                       reserved_blocks=reserved, num_external_tokens=external)
-        else:
-            blocks = kv.allocate_slots(request, 0, external, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
-                                       has_scheduled_reqs=bool(self.running), delay_cache=True,
-                                       reserved_blocks=reserved)
+        # sliding-window groups: the pulled tokens count as computed (windows take only their tail);
+        # one group: they are the new tokens, as vLLM's single-type manager sees them
+        num_new, pulled = (0, {"num_external_tokens": external}) if self._window_releases else (external, {})
+        blocks = kv.allocate_slots(request, 0, num_new, hits, 0, full_sequence_must_fit=self.reserve_full_isl,
+                                   has_scheduled_reqs=bool(self.running), delay_cache=True,
+                                   reserved_blocks=self._inflight_prefill_blocks(skipped) + self._spec_step_blocks,
+                                   **pulled)
         if blocks is None:
             return False
         kv.record_prefix_cache_stats(request, hits.num_tokens)
@@ -74,8 +72,7 @@ class RemoteKV:
         plan.hit += hits.num_tokens
         request.num_prefix_hit_tokens = hits.num_tokens
         request.num_total_prefix_hit_tokens += hits.num_tokens
-        # the blocks the link carries (a window group's: only those inside its window)
-        request.kv_pull_blocks = len(blocks) if self._window_releases else kv.num_blocks_of(request) - len(hits.blocks)
+        request.kv_pull_blocks = len(blocks)  # what the link carries (a window group's: its window only)
         request.kv_role = 0  # one pull per request: a later preemption recomputes locally
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = request.num_prompt_tokens

@@ -356,9 +356,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 if num_new <= 0:
                     continue
                 # async with window releases: they go by the tokens whose output was processed
-                processed = {} if not self._async_releases else {"num_processed_tokens": (
-                    max(computed - request.num_in_flight_tokens, 0) if self._spec_async  # (vLLM's counter)
-                    else self._processed_tokens(request, computed, step))}
+                processed = {"num_processed_tokens": self._processed_tokens(request, computed, step)} \
+                    if self._async_releases else {}
                 while kv.allocate_slots(request, computed, num_new, num_lookahead_tokens=self.num_lookahead_tokens,
                                         **processed) is None:
                     if self._preempt_for(request, step, plan):

@@ -97,7 +97,10 @@ class SteadyDecoders:
 
     def _processed_tokens(self, request: Request, computed: int, step: int) -> int:
         """Async scheduling: a running request's computed tokens less those of its chunk in the
-        step before, whose output is not processed yet (vLLM's num_in_flight_tokens)."""
+        step before, whose output is not processed yet (vLLM's num_in_flight_tokens). Under
+        speculative decoding the request counts its tokens in flight itself (drafts included)."""
+        if self._spec_async:
+            return max(computed - request.num_in_flight_tokens, 0)
         return computed - request.last_chunk_tokens if request.last_chunk_step == step - 1 else computed
 
     def _blocks_due(self, due: list[Request], step: int) -> int:
