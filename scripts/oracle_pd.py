@@ -32,7 +32,7 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 
 # ---- cases ------------------------------------------------------------------------------------
-def make_case(rng, speculative: bool = False, hybrid: bool = False) -> dict:
+def make_case(rng, speculative: bool = False, hybrid: bool = False, async_scheduling: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
@@ -59,6 +59,10 @@ def make_case(rng, speculative: bool = False, hybrid: bool = False) -> dict:
         if hybrid and opts["speculative_method"] == "draft_model":  # (refused with sliding windows)
             opts["speculative_method"] = "eagle"
             opts.pop("spec_draft_model", None)
+        if async_scheduling and opts["speculative_method"] == "ngram":  # (vLLM refuses it under async)
+            opts["speculative_method"] = "eagle"
+    if async_scheduling:
+        opts["async_scheduling"] = True
     if not hybrid:
         return {"opts": opts, "requests": requests}
     # sliding-window layers (oracle_hybrid.py's layer patterns): vLLM's hybrid manager with NIXL (HMA)
@@ -158,11 +162,8 @@ def _by_row(ids):
 
 def run_vllm(case: dict) -> dict:
     from vllm.config import KVTransferConfig
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
 
-    import oracle
     import oracle_vllm
     o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
     connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
@@ -171,7 +172,7 @@ def run_vllm(case: dict) -> dict:
     import oracle_pd  # the connector's class as the scheduler loaded it
     connector_cls = oracle_pd.FakePDConnector
     connector_cls.admitted.clear()
-    block_hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+    make = _vllm_request_maker(vllm_config, o)
     accept = oracle_vllm.acceptance(o)
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
@@ -179,20 +180,6 @@ def run_vllm(case: dict) -> dict:
     first_token, finish = {}, {}
     due_recv: dict[int, set] = {}
     due_send: dict[int, set] = {}
-
-    def make(r):
-        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
-              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
-        ids = oracle.make_prompt_ids(tr, 0, 0, {})
-        params = {"pull": True} if r["role"] == PULL else {"send": True} if r["role"] == SEND else None
-        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        if params is not None:
-            sp.extra_args = {"kv_transfer_params": params}
-        req = Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
-                      arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                      block_hasher=block_hasher)
-        req.kv_transfer_params = params
-        return req
 
     def step(k, arrived):
         for r in arrived:
@@ -228,13 +215,130 @@ def run_vllm(case: dict) -> dict:
     return result
 
 
+def run_vllm_async(case: dict) -> dict:
+    """vLLM's AsyncScheduler with the connector, driven as EngineCore.step_with_batch_queue drives
+    it, two batches deep: every call schedules a batch while the scheduler has requests (vLLM's
+    has_requests: unfinished ones, finished ones not yet reported, ones held for sending), empty
+    batches included (they carry the connector's output), and processes the oldest batch when
+    the queue is full or nothing more can be scheduled. A pull admitted by batch b ends in the
+    output of batch b + latency - 1; a send finished in the output of batch b is released in
+    that of b + latency. Rows are the batches that ran tokens (and idle steps); a request's
+    first-token and finish steps are the rows of the batches whose outputs gave them."""
+    from collections import deque
+
+    from vllm.config import KVTransferConfig
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    import oracle_vllm
+    o = case["opts"] | {"group_windows": case.get("group_windows")}
+    connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
+                                 kv_connector_module_path="oracle_pd")
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector, async_scheduling=True)
+    import oracle_pd
+    admitted = oracle_pd.FakePDConnector.admitted
+    admitted.clear()
+    make = _vllm_request_maker(vllm_config, o)
+    accept = oracle_vllm.acceptance(o)
+    pool = sched.kv_cache_manager.block_pool
+    usable = pool.num_gpu_blocks - 1
+    info = {r["row"]: r for r in case["requests"]}
+    first_token, finish = {}, {}
+    due_recv: dict[int, set] = {}
+    due_send: dict[int, set] = {}
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    rows, queue = [], deque()
+    accepted = [0]
+    num_batches = 0
+    error = None
+    while True:
+        if len(rows) >= 5000 or num_batches >= 20000:  # (drive_pd_async's limits)
+            error = "max steps"
+            break
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            sched.add_request(make(pending.pop(0)))
+        if sched.has_requests():
+            running_before = {r.request_id for r in sched.running}
+            so = sched.schedule()
+            b = num_batches
+            num_batches += 1
+            for rid in admitted:
+                due_recv.setdefault(b + info[int(rid)]["latency"] - 1, set()).add(rid)
+            admitted.clear()
+            ran = so.total_num_scheduled_tokens > 0
+            row = None
+            if ran:
+                n_running, n_waiting = sched.get_request_counts()
+                rows.append([so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()])
+                row = len(rows) - 1
+            queue.appendleft((b, row, so, oracle_vllm.async_step_meta(sched, so, running_before)))
+            if len(queue) < 2 and (ran or sched.has_requests()):
+                continue
+        elif not queue:
+            if not pending:
+                break
+            rows.append([0, 0, 0, 0])  # idle
+            continue
+        b, row, so, meta = queue.pop()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, accept)
+        accepted[0] += n_acc
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled,
+                                kv_connector_output=KVConnectorOutput(finished_recving=_by_row(due_recv.pop(b, None)),
+                                                                      finished_sending=_by_row(due_send.pop(b, None))))
+        for eco in sched.update_from_output(so, mro).values():
+            for out in eco.outputs:
+                if out.new_token_ids and out.request_id not in first_token:
+                    first_token[out.request_id] = row
+                if out.finish_reason is not None:
+                    finish[out.request_id] = row
+                    if info[int(out.request_id)]["role"] == SEND:
+                        due_send.setdefault(b + info[int(out.request_id)]["latency"], set()).add(out.request_id)
+    result = {"steps": rows, "accepted": accepted[0],
+              "requests": {rid: [first_token.get(rid, -1), finish.get(rid, -1)] for rid in map(str, info)}}
+    if error:
+        result["error"] = error
+    return result
+
+
+def _vllm_request_maker(vllm_config, o: dict):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    import oracle
+    import oracle_vllm
+    block_hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+
+    def make(r):
+        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
+              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
+        ids = oracle.make_prompt_ids(tr, 0, 0, {})
+        params = {"pull": True} if r["role"] == PULL else {"send": True} if r["role"] == SEND else None
+        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
+        if params is not None:
+            sp.extra_args = {"kv_transfer_params": params}
+        req = Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                      arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
+                      block_hasher=block_hasher)
+        req.kv_transfer_params = params
+        return req
+
+    return make
+
+
+def run_vllm_any(case: dict) -> dict:
+    return run_vllm_async(case) if case["opts"].get("async_scheduling") else run_vllm(case)
+
+
 # ---- simkv side -----------------------------------------------------------------------------------
 def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from tests.core.helpers import drive_pd
+    from tests.core.helpers import drive_pd, drive_pd_async
 
-    result = drive_pd(case)
-    del result["scheduler"]
+    result = drive_pd_async(case) if case["opts"].get("async_scheduling") else drive_pd(case)
+    sched = result.pop("scheduler")
+    if case["opts"].get("async_scheduling"):
+        result["accepted"] = sched.spec_stats["num_accepted_tokens"] if sched.num_spec_tokens else 0
     return result
 
 
@@ -260,18 +364,20 @@ def differences(theirs: dict, ours: dict) -> list[str]:
         if ours["requests"].get(rid) != v:
             out.append(f"request {rid}: vLLM first token/finish step {v}, simkv {ours['requests'].get(rid)}")
             break
+    if theirs.get("accepted", 0) != ours.get("accepted", 0):
+        out.append(f"accepted drafts: vLLM {theirs.get('accepted')}, simkv {ours.get('accepted')}")
     return out
 
 
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True)
-    if oracle_vllm.serve_vllm_side(a, run_vllm):
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True)
+    if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.hybrid) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, pulls=0, sends=0, steps=0)

@@ -126,10 +126,7 @@ def run_vllm(case: dict) -> dict:
         if so.total_num_scheduled_tokens == 0:
             return None
         n_running, n_waiting = sched.get_request_counts()
-        meta = {rid: (not sched.requests[rid].is_prefill_chunk,
-                      rid not in running_before and rid in so.scheduled_spec_decode_tokens)
-                for rid in so.num_scheduled_tokens}
-        outputs[step] = (so, meta)
+        outputs[step] = (so, oracle_vllm.async_step_meta(sched, so, running_before))
         return [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
 
     schedule.has = sched.has_requests
@@ -138,19 +135,8 @@ def run_vllm(case: dict) -> dict:
     def process(step):
         so, meta = outputs.pop(step)
         req_ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            samples, padded = meta[rid]
-            req = sched.requests.get(rid)
-            if not samples or req is None:
-                sampled.append([])
-                continue
-            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-            n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
-                if drafts and not padded else 0
-            accepted_total[0] += n_acc
-            base = req.num_prompt_tokens + len(req.output_token_ids)
-            sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+        sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, accept)
+        accepted_total[0] += n_acc
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         for eco in sched.update_from_output(so, mro).values():

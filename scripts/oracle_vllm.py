@@ -125,6 +125,35 @@ def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int
     return sampled, accepted
 
 
+def async_sampled(sched, so, meta: dict, accept) -> tuple[list[list[int]], int]:
+    """Under async scheduling, when a step's output is processed: the tokens each of its requests
+    sampled. `meta` (taken when the step was scheduled): request id -> (whether it samples, whether
+    its drafts are padding). Under speculative decoding, 1 + the accepted drafts, drawn at the
+    output's position. Returns them and the drafts accepted."""
+    import oracle
+    sampled, accepted = [], 0
+    for rid in so.num_scheduled_tokens:
+        samples, padded = meta[rid]
+        req = sched.requests.get(rid)
+        if not samples or req is None:
+            sampled.append([])
+            continue
+        drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+        n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
+            if accept is not None and drafts and not padded else 0
+        accepted += n_acc
+        base = req.num_prompt_tokens + len(req.output_token_ids)
+        sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+    return sampled, accepted
+
+
+def async_step_meta(sched, so, running_before: set) -> dict:
+    """What `async_sampled` needs to know of a step when it is scheduled."""
+    return {rid: (not sched.requests[rid].is_prefill_chunk,
+                  rid not in running_before and rid in so.scheduled_spec_decode_tokens)
+            for rid in so.num_scheduled_tokens}
+
+
 def propose_drafts(sched, so, req_ids: list[str]) -> None:
     """The drafter proposes for every request of the step (K, or dynamic speculation's K for its
     batch size), as the engine core hands them over; vLLM drops those of prompt chunks and
@@ -138,7 +167,8 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
-def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False):
+def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
+                async_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -151,6 +181,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if hybrid_flag:
         ap.add_argument("--hybrid", action="store_true",
                         help="sliding-window models' KV-cache groups (oracle_hybrid.py's cases), EAGLE in all")
+    if async_flag:
+        ap.add_argument("--async-scheduling", action="store_true",
+                        help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

@@ -80,11 +80,16 @@ class AsyncScheduling:
         queue until that token arrives (and they finish)."""
         return sum(1 for r in self._finishing if r.status == RequestStatus.PREEMPTED)
 
-    def _async_cache_end(self, request: Request, computed: int, scheduled_tokens: int, step: int) -> int:
+    def _async_cache_end(self, request: Request, computed: int, scheduled_tokens: int, step: int,
+                         in_flight: bool) -> int:
         """Tokens of a preempted decoder (or finishing request) whose KV vLLM has cached: the
         tokens known when its blocks were last allocated, or those written by processed steps.
         One less than synchronously, except when its last step was its prompt's end and it was
-        not scheduled in this one."""
+        not scheduled in this one; the same as synchronously if no step in flight ran it (a
+        budget left it out of the step before, or that step's output was processed: under P/D
+        a victim never ran in a step in flight)."""
+        if not in_flight:
+            return computed + scheduled_tokens
         decoded_last_step = request.decode_from_step <= step - 1
         if scheduled_tokens or decoded_last_step:
             return computed + scheduled_tokens - 1

@@ -422,8 +422,11 @@ class KVCacheCoordinator:
             keep.update(range(max(start, stop - need), min(end, stop)))
         return sorted(keep)
 
-    def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False) -> None:
-        """Release all of a request's blocks, group by group, each group's tail first."""
+    def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False,
+             defer: list | None = None) -> None:
+        """Release all of a request's blocks, group by group, each group's tail first. `defer`:
+        the pool gets them back at `free_deferred`, in one release from the last group's tail to
+        the first group's head (vLLM frees a deferred request's blocks as one reversed list)."""
         index = request.index
         if self.enable_caching and index in self._tables:  # (a steady decoder's blocks: now)
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
@@ -439,12 +442,22 @@ class KVCacheCoordinator:
             self.finished_slots[1] += (-(-computed // bs) * bs - computed) * self.num_groups
         if not tables or not tables[0]:
             return
+        if defer is not None:
+            held = [tables[gid][nulls:] if window else tables[gid] for gid, window in enumerate(self.windows)]
+            defer.append([block for blocks in reversed(held) for block in reversed(blocks)])
+            return
         free_blocks = self.block_pool.free_blocks
         for gid, window in enumerate(self.windows):
             blocks = tables[gid][nulls:] if window else tables[gid]
             blocks.reverse()
             if blocks:
                 free_blocks(blocks)
+        self.num_frees += 1
+
+    def free_deferred(self, blocks: list) -> None:
+        """Give the pool the blocks of a deferred `free`."""
+        if blocks:
+            self.block_pool.free_blocks(blocks)
         self.num_frees += 1
 
     def allocator_stats(self) -> dict:

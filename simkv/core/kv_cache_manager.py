@@ -284,8 +284,10 @@ class KVCacheManager:
         if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True
 
-    def free(self, request: Request, num_computed_tokens: int, finished: bool) -> None:
-        """Release all of a request's blocks, tail first.
+    def free(self, request: Request, num_computed_tokens: int, finished: bool, defer: list | None = None) -> None:
+        """Release all of a request's blocks, tail first (`defer`: the request lets them go now,
+        but the pool gets them back only when the caller passes the entry appended to `defer`
+        to `free_deferred`).
 
         Full blocks are hashed first where not yet done (unique content is hashed lazily).
         A preempted request's blocks become findable: it will look them up on resume. A
@@ -322,10 +324,18 @@ class KVCacheManager:
             elif unfindable[1] > unfindable[0]:
                 private = (unfindable[0], unfindable[1], True)
                 unfindable = (0, 0)
-        self.block_pool.free_blocks(blocks, unfindable, private)
-        self.num_frees += 1
+        if defer is not None:
+            defer.append((blocks, unfindable, private))
+        else:
+            self.block_pool.free_blocks(blocks, unfindable, private)
+            self.num_frees += 1
         if forget:
             self.hasher.forget(request)
+
+    def free_deferred(self, entry: tuple) -> None:
+        """Give the pool the blocks of a deferred `free`."""
+        self.block_pool.free_blocks(*entry)
+        self.num_frees += 1
 
     def allocator_stats(self) -> dict:
         return {"allocator": "paged"}

@@ -17,9 +17,20 @@ A request has a KV role (`Request.kv_role`):
   prompt less one (the last prompt token is computed again so that the next one can be sampled)
   and it is scheduled like any waiting request that holds KV: a one-token prefill, then decode.
   A pulled request that is preempted later recomputes locally (one pull per request).
+
+Under async scheduling a connector that consumes KV (NIXL's kv_both, on either pool) makes
+vLLM defer block frees (`defer_block_free`): a step in flight might still write a request's
+blocks while the connector fills them for another, so
+- a request that finishes while a step that ran it is in flight gives its blocks back to the
+  pool only when that step's output is processed;
+- a preemption whose victim ran in the step in flight does not happen: the requester is not
+  scheduled, nor are the running requests after it (vLLM's `_request_blocks_can_be_freed`).
+The steps here are those that ran tokens, as vLLM's fence counts them.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import PriorityRequestQueue
@@ -34,10 +45,59 @@ class RemoteKV:
         request.kv_loaded = True
         self._num_kv_ready += 1
 
+    def _init_remote_kv(self, defer_block_free: bool) -> None:
+        self.defer_block_free = defer_block_free
+        self._scheduled_through = -1  # the latest step scheduled (that runs tokens)
+        self._processed_through = -1  # the latest step whose output was processed
+        self._deferred_frees: deque[tuple[int, list]] = deque()  # (fence step, the manager's entries)
+
     def finished_sending(self, request: Request) -> None:
         """The decode side has read the blocks of this finished `request`: release them."""
         held = self.kv_held.pop(request.index)
-        self.kv_cache_manager.free(held, held.num_computed_tokens, finished=True)
+        self._free_finished(held, held.num_computed_tokens)
+
+    # ---- deferred block frees (async scheduling with a connector) ------------------------------
+    def _free_finished(self, request: Request, cache_end: int) -> None:
+        """Free a finished request's blocks, or, if a step in flight ran it, defer their return."""
+        kv = self.kv_cache_manager
+        if not (self.defer_block_free and self._ran_in_flight(request)):
+            kv.free(request, cache_end, finished=True)
+            return
+        entries: list = []
+        kv.free(request, cache_end, finished=True, defer=entries)
+        self._deferred_frees.append((self._scheduled_through, entries))
+
+    def _ran_in_flight(self, request: Request) -> bool:
+        """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
+        step = self._scheduled_through
+        if step <= self._processed_through:
+            return False
+        if request.last_sched_step == step:  # a chunk of it
+            return True
+        if request.decode_base is not None:  # a steady decoder: every step but the stalled ones
+            return request.decode_from_step <= step and request.stall_step != step
+        return request.is_finishing and request.decode_last_step == step  # (its last token's step)
+
+    def settle_run_step(self) -> bool:
+        """After an async decode run without finishes its last step counts as in flight (as it
+        would be, stepping); an engine with nothing else to wait for processes it now. False if
+        no step is in flight."""
+        if self._scheduled_through <= self._processed_through:
+            return False
+        self.output_processed(self._scheduled_through)
+        return True
+
+    def output_processed(self, step: int) -> None:
+        """`step`'s output is being processed: deferred frees whose fence it is reach the pool
+        (first thing, as in vLLM's update_from_output)."""
+        if step <= self._processed_through:
+            return
+        self._processed_through = step
+        deferred = self._deferred_frees
+        kv = self.kv_cache_manager
+        while deferred and deferred[0][0] <= step:
+            for entry in deferred.popleft()[1]:
+                kv.free_deferred(entry)
 
     @property
     def num_blocks_held_for_sending(self) -> int:

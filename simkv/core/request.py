@@ -38,7 +38,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
-        "window_below", "last_chunk_step", "last_chunk_tokens", "stall_step",
+        "window_below", "last_chunk_step", "last_chunk_tokens", "stall_step", "last_sched_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
@@ -96,6 +96,8 @@ class Request:
         self.last_chunk_step = -1
         self.last_chunk_tokens = 0
         self.stall_step = -1
+        # P/D under async scheduling (core/remote_kv.py): the latest step that ran it as a chunk
+        self.last_sched_step = -1
         self.has_own_cached_blocks = False
         self.kv_role = 0  # KV_SEND / KV_PULL under P/D disaggregation
         self.kv_loaded = False  # KV_PULL: its pull has ended

@@ -100,6 +100,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.kv_holding = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         self._num_kv_ready = 0  # in kv_holding with their pull ended
         self.kv_held: dict[int, Request] = {}
+        self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector)
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -200,6 +201,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
 
     def _preempt(self, request: Request, step: int, scheduled_tokens: int, plan: StepPlan | None = None) -> None:
         decoding = request.decode_base is not None or request.is_finishing
+        in_flight = self.async_scheduling and self._ran_in_flight(request)  # (before it leaves decoding)
         if request.decode_base is not None:
             computed = self._leave_decoding(request, step)
             request.last_token_step = step - 1
@@ -216,7 +218,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if self._spec_async:
             cache_end = self._spec_async_preempt(request)
         elif self.async_scheduling and decoding:
-            cache_end = self._async_cache_end(request, computed, scheduled_tokens, step)
+            cache_end = self._async_cache_end(request, computed, scheduled_tokens, step, in_flight)
         kv.free(request, cache_end, finished=swap)
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
@@ -286,14 +288,20 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._schedule_waiting(step, plan)
             stall_pos = self._schedule_running(step, active, plan)
         num_stalled = stalled_base = stalled_below = stalled_below_base = 0
-        if stall_pos >= 0:
-            num_stalled, stalled_base, stalled_below, stalled_below_base = self._stall(self.running[stall_pos:], step)
+        stalled = self.running[stall_pos:] if stall_pos >= 0 else None
+        if stalled:
+            num_stalled, stalled_base, stalled_below, stalled_below_base = self._stall_counts(stalled)
         num_decodes = self._num_decoders - num_stalled
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
         decode_context = self._decode_context(step, num_decodes, decode_base_sum, self._num_below - stalled_below,
                                               self._sum_base_below + stalled_below - stalled_below_base)
         if not plan.preempted and not self.admit_before_running:
             self._schedule_waiting(step, plan)
+        if num_stalled:
+            if plan.chunks or num_decodes or not self.async_scheduling:
+                self._stall(stalled, step)
+            else:  # (an async schedule() that runs nothing is no step: nobody slips)
+                self._refile(stalled, step)
         if self.detail:
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
@@ -314,6 +322,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     self._advance_scheduled_chunks(plan.chunks, step)
             elif not num_decodes:
                 self.current_step = step  # nothing to run: not a step (the engine waits for the one in flight)
+            if plan.chunks or num_decodes:
+                self._scheduled_through = step
+                for chunk in plan.chunks:
+                    chunk.request.last_sched_step = step
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
@@ -362,9 +374,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                                         **processed) is None:
                     if self._preempt_for(request, step, plan):
                         break
-                scheduled = request.status == RequestStatus.RUNNING
+                scheduled = request.status == RequestStatus.RUNNING and not plan.blocked
                 if scheduled and self._spec_async:
                     self._note_cached(request, computed + num_new)
+            if plan.blocked:  # it and the requests after it wait (the budget stays for admissions)
+                return self._position(request)
             if not scheduled:  # it preempted itself
                 prev_pos = self._position(request) - 1
                 if self.policy == "priority" or self.preemption_victim == "requester":
@@ -421,8 +435,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         return True
 
     def _preempt_for(self, request: Request, step: int, plan: StepPlan) -> bool:
-        """Preempt one victim so that `request` may get blocks; True if it was `request` itself."""
+        """Preempt one victim so that `request` may get blocks; True if it was `request` itself,
+        or if the victim's blocks cannot be freed now (`plan.blocked`: `request` waits)."""
         victim = self._pick_victim(request)
+        if self.defer_block_free and self._ran_in_flight(victim):
+            plan.blocked = True
+            return True
         # A steady decoder ahead of `request` already took its token implicitly.
         implicit = victim.seq < request.seq and victim.decode_base is not None
         if victim.seq < request.seq:
@@ -549,6 +567,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Apply the step's sampled tokens: prefills that reached their end sample a token,
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
+        if self.async_scheduling:
+            self.output_processed(step)
         if self.chunked_decodes:
             done = self._spec_async_update(output) if self._spec_async else self._spec_update(output)
             output.finished, output.num_blocks_used_end = self._end_step(done, step)
@@ -575,6 +595,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Async scheduling: `step`'s output is processed (its tokens were accounted for when it
         was scheduled): the requests whose last token it sampled finish. Returns them and the
         blocks in use after the step (as `update_from_output`; a decode run's last step)."""
+        self.output_processed(step)
         return self._end_step(self._finish_in_flight(step), step)
 
     def _end_step(self, finished: list[Request], step: int) -> tuple[list[Request], int]:
@@ -618,11 +639,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for request in finished:
             if request in self._prefilling:
                 self._prefilling.remove(request)
-            if self._release_at_finish:
-                kv.decode_release(request, request.num_computed_tokens)
+            if self._release_at_finish:  # (by the processed tokens: a step in flight may still run it)
+                computed = request.num_computed_tokens
+                kv.decode_release(request, max(computed - request.num_in_flight_tokens, 0) if self._spec_async else computed)
             if not self._hold_for_sending(request):
                 cache_end = request.num_cached_blocks * self.block_size if self._spec_async else request.num_computed_tokens
-                kv.free(request, cache_end, finished=True)
+                self._free_finished(request, cache_end)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)
             request.status = RequestStatus.FINISHED

@@ -87,8 +87,8 @@ class SteadyDecoders:
         after a step it decoded in, its last prefill chunk less in its first decode step, all
         after a step a budget left it out of. Its release events come no later than that point
         (they are those of the computed tokens); one that finds nothing to release waits a step."""
-        if not self.async_scheduling:
-            return computed
+        if not self.async_scheduling or self._processed_through >= step - 1:
+            return computed  # (nothing in flight)
         if request.stall_step == step - 1:
             return computed
         if request.last_chunk_step == step - 1:
@@ -101,7 +101,8 @@ class SteadyDecoders:
         speculative decoding the request counts its tokens in flight itself (drafts included)."""
         if self._spec_async:
             return max(computed - request.num_in_flight_tokens, 0)
-        return computed - request.last_chunk_tokens if request.last_chunk_step == step - 1 else computed
+        in_flight = request.last_chunk_step == step - 1 and self._processed_through < step - 1
+        return computed - request.last_chunk_tokens if in_flight else computed
 
     def _blocks_due(self, due: list[Request], step: int) -> int:
         """Blocks the steady decoders due at `step` take (before any window release)."""
@@ -176,28 +177,45 @@ class SteadyDecoders:
         request.num_output_tokens = computed + 1 - request.num_prompt_tokens
         return computed
 
-    def _stall(self, requests: list[Request], step: int) -> tuple[int, int, int, int]:
-        """Requests left unscheduled by an exhausted budget. Decoders slip one step. Returns
-        the stalled decoders' count and base sum before the slip, and the same for those of them
-        below the window."""
+    @staticmethod
+    def _stall_counts(requests: list[Request]) -> tuple[int, int, int, int]:
+        """Requests left unscheduled (by an exhausted budget): the decoders' count and base sum,
+        and the same for those of them below the window."""
         num = base_sum = num_below = below_base_sum = 0
         for request in requests:
             if request.decode_base is None:
                 continue
             num += 1
             base_sum += request.decode_base
+            if request.window_below:
+                num_below += 1
+                below_base_sum += request.decode_base
+        return num, base_sum, num_below, below_base_sum
+
+    def _refile(self, requests: list[Request], step: int) -> None:
+        """The decoders among requests left out by an async schedule() that ran nothing: no step
+        passed, so they do not slip; the events of theirs that `step` took are filed again."""
+        if self._calendar is not None:  # (the calendar took none)
+            return
+        for request in requests:
+            if request.decode_base is not None:
+                request.epoch += 1
+                self._push_decoder_events(request, step)
+
+    def _stall(self, requests: list[Request], step: int) -> None:
+        """The decoders among requests left unscheduled in `step` slip one step."""
+        for request in requests:
+            if request.decode_base is None:
+                continue
             if self._calendar is not None:
                 self._calendar_remove(request)  # it slips to the next residue
             request.stall_step = step
             if request.window_below:
-                num_below += 1
-                below_base_sum += request.decode_base
                 self._sum_base_below -= 1
             request.decode_base -= 1
             self._sum_decode_base -= 1
             request.epoch += 1
             self._push_decoder_events(request, step + 1)
-        return num, base_sum, num_below, below_base_sum
 
     # ---- sliding-window layers: the attended context -------------------------------------------
     def _settle_crossings(self, step: int) -> None:
@@ -408,13 +426,17 @@ class SteadyDecoders:
             tables[request.index].append(block)
             self._push_boundary(request, at + 1)
 
-    def advance_decode_run(self, num_steps: int, finish: bool = True) -> DecodeRun | None:
+    def advance_decode_run(self, num_steps: int, finish: bool = True, after_in_flight: bool = False) -> DecodeRun | None:
         """Apply up to `num_steps` (<= decode_run_limit()) decode steps at once. The run is
         cut before the first step whose block allocations the pool cannot cover (that step
         must be scheduled normally, since it preempts). Returns None if no step can run.
         `finish=False` (async scheduling): requests whose last token the run's last step
-        samples stay decoders; the next schedule() retires them."""
+        samples stay decoders; the next schedule() retires them. `after_in_flight` (async):
+        the step before the run was in flight when its first step would have been scheduled
+        (the engine processed that output first, as it changes nothing)."""
         start = self.current_step
+        if after_in_flight:
+            self._processed_through = start - 2
         end = start + num_steps
         kv = self.kv_cache_manager
         n, first_context, per_step = self.decode_run_shape()
@@ -437,6 +459,9 @@ class SteadyDecoders:
         if end <= start:
             return None
         self.current_step = end
+        if self.async_scheduling:  # (its last step is in flight when the next is scheduled)
+            self._scheduled_through = end - 1
+            self._processed_through = max(self._processed_through, end - 2)
         finished: list[Request] = []
         for request in self._pop_due(self._finish_heap, end - 1) if finish else ():
             self._leave_decoding(request, end)

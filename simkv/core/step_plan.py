@@ -11,7 +11,7 @@ class StepPlan:
 
     __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
                  "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads",
-                 "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled")
+                 "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled", "blocked")
 
     def __init__(self, budget: int, threshold: int, draft_slots: int = 0) -> None:
         self.budget = budget
@@ -32,6 +32,9 @@ class StepPlan:
         self.swap_in_blocks = 0
         self.moved_ahead = False  # a victim ahead of the current request left the running list
         self.kv_loads: list[Request] = []  # P/D: requests whose KV pull this step starts
+        # P/D under async scheduling: the running requests stopped at one that needs blocks
+        # whose victim ran in the step in flight (core/remote_kv.py)
+        self.blocked = False
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new

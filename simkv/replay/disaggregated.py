@@ -124,9 +124,6 @@ def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
 
 def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
-    if sc.async_scheduling:
-        raise ConfigError(f"{pool} pool: async scheduling with P/D disaggregation is not modelled; "
-                          "drop async_scheduling")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")

@@ -273,14 +273,16 @@ class ReplayEngine:
         self._idle = None
         self.now = max(self.now, arrival)
 
-    def _schedule(self):
+    def _schedule(self, start: int | None = None):
+        """schedule() the next step, which starts at tick `start` (now by default): the pulls it
+        admits start then (async scheduling: when the step in flight ends)."""
         sched = self.scheduler
         try:
             out = sched.schedule()
         except LivelockError as exc:
             raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
         if out.kv_loads is not None:
-            self.feed.kv_loads_started(out.kv_loads, self.now)
+            self.feed.kv_loads_started(out.kv_loads, self.now if start is None else start)
         if out.is_empty:
             if out.preempted:  # (a request preempted itself and nothing ran)
                 self._unlogged_preemptions += len(out.preempted)
@@ -386,10 +388,11 @@ class ReplayEngine:
                 plan = self._plan_async_run(in_flight)
                 if plan is not None:
                     start, num_steps, shape = plan
-                    if in_flight is not None:  # its output changes nothing: nobody finishes in it
+                    after_in_flight = in_flight is not None
+                    if after_in_flight:  # its output changes nothing: nobody finishes in it
                         yield from self._complete(in_flight)
                         in_flight = None
-                    run = sched.advance_decode_run(num_steps, finish=False)
+                    run = sched.advance_decode_run(num_steps, finish=False, after_in_flight=after_in_flight)
                     if run is not None and self._unlogged_preemptions:
                         self._carry_preemptions(run)
                     if run is not None:
@@ -401,15 +404,22 @@ class ReplayEngine:
                     # (no step of it fits the pool: the step is scheduled normally, and preempts)
             queued = None
             if sched.has_unfinished_requests():
-                out = self._schedule()
+                start = self.now if in_flight is None else in_flight[1] + in_flight[2]
+                out = self._schedule(start)
                 if not out.is_empty:
-                    start = self.now if in_flight is None else in_flight[1] + in_flight[2]
                     queued = (out, start, self._duration(out))
                     if in_flight is None:
                         in_flight = queued
                         continue  # the queue has room: schedule the next step at once
                 elif in_flight is None:
-                    raise ReplayError(self._stuck_message(out.step))
+                    if out.preempted:  # the last running request preempted itself: schedule again
+                        continue
+                    if sched.settle_run_step():  # (a decode run's last step: its output changes nothing)
+                        continue
+                    if not feed.holds_pending_work():
+                        raise ReplayError(self._stuck_message(out.step))
+                    yield from self._wait_for_arrival()  # P/D: a transfer's end wakes the engine
+                    continue
             elif in_flight is None:
                 if feed.exhausted:
                     return

@@ -149,6 +149,81 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
             "scheduler": sched}
 
 
+def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
+    """drive_pd under async scheduling, as scripts/oracle_pd.py --async-scheduling drives vLLM's
+    AsyncScheduler: its batch queue, two deep, empty batches included (they carry the
+    connector's output). A pull admitted by batch b ends in the output of batch b + latency - 1;
+    a send finished in batch b's output is released in that of b + latency."""
+    from collections import deque
+
+    from simkv.core.request import KV_PULL, KV_SEND
+
+    opts = dict(case["opts"])
+    reserve = opts.pop("reserve_full_isl")
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
+                      kv_connector=True)
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    rows, queue = [], deque()
+    by_request: dict[int, dict] = {}
+    requests = []
+    due_recv: dict[int, list] = {}
+    due_send: dict[int, list] = {}
+    unreported = False  # finished requests vLLM reports with the next schedule() (has_requests)
+    num_batches = 0
+    error = None
+
+    def has_requests() -> bool:
+        return sched.has_unfinished_requests() or bool(sched.kv_held) or unreported
+
+    while True:
+        if len(rows) >= max_steps or num_batches >= 4 * max_steps:  # (the oracle's limits)
+            error = "max steps"
+            break
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            r = pending.pop(0)
+            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
+                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
+            req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
+            requests.append((req, r))
+            by_request[id(req)] = r
+            sched.add_request(req)
+        if has_requests():
+            unreported = False
+            out = sched.schedule()
+            b = num_batches
+            num_batches += 1
+            for req in out.kv_loads or ():
+                due_recv.setdefault(b + by_request[id(req)]["latency"] - 1, []).append(req)
+            ran = not out.is_empty
+            if ran:
+                rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+            queue.appendleft((b, out if ran else None))
+            if len(queue) < 2 and (ran or has_requests()):
+                continue
+        elif not queue:
+            if not pending:
+                break
+            rows.append([0, 0, 0, 0])  # idle
+            sched.current_step += 1
+            continue
+        b, out = queue.pop()
+        if out is not None:
+            for req in sched.update_from_output(out):
+                unreported = True
+                r = by_request[id(req)]
+                if r["role"] == PD_SEND:
+                    due_send.setdefault(b + r["latency"], []).append(req)
+        for req in sorted(due_recv.pop(b, ()), key=lambda q: q.index):  # (row order, as the oracle gives vLLM)
+            sched.finished_recving(req)
+        for req in sorted(due_send.pop(b, ()), key=lambda q: q.index):
+            sched.finished_sending(req)
+    result = {"steps": rows, "requests": {str(r["row"]): [-1, -1] for r in case["requests"]}, "scheduler": sched}
+    result["requests"] |= {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}
+    if error:
+        result["error"] = error
+    return result
+
+
 def drive_steps(case: dict, max_steps: int = 5000) -> dict:
     """Step a scheduler through a case of flat engine options and requests arriving by step (the
     step-mode oracles' format: scripts/oracle_spec.py). Returns per-step [scheduled tokens,

@@ -63,6 +63,19 @@ def test_one_request_through_both_pools_by_hand():
     assert list(steps["num_prefill_tokens"]) == [64, 1, 0, 0]
 
 
+def test_one_request_through_both_pools_under_async_scheduling():
+    """The same request with the pools scheduling asynchronously (vLLM's default): a lone
+    request's times do not change (each step's output is processed at its end, before the
+    next step that needs it); the pull starts when the step that admitted it starts."""
+    spec = DisaggregationSpec(1, 1, kv_link_gbps=1.0, kv_link_latency_ms=0.1, handoff_ms=1.0)
+    sync = replay(frame([(0.0, 64, 3)]), config(), "linear", LINEAR, disaggregation=spec).requests.iloc[0]
+    res = replay(frame([(0.0, 64, 3)]), config(async_scheduling=True), "linear", LINEAR, disaggregation=spec)
+    row = res.requests.iloc[0]
+    for name in ("prefill_end_time_s", "kv_pull_start_s", "kv_pull_end_s", "first_token_time_s", "finish_time_s"):
+        assert row[name] == pytest.approx(sync[name], abs=1e-9), name
+    assert res.summary["config"]["async_scheduling"]
+
+
 def test_pulls_into_one_replica_queue_on_its_link():
     """Two prompts that end their prefill in the same step reach the decode replica together; it
     admits both in one step, and the second pull starts when the first has been sent."""
@@ -107,16 +120,17 @@ def _identical(a, b):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), num_prefill=st.integers(1, 3), num_decode=st.integers(1, 3),
        decode_blocks=st.sampled_from([70, 300]), shared=st.booleans(),
-       routers=st.sampled_from([("round_robin", "least_outstanding"), ("least_outstanding", "prefix_aware")]))
+       routers=st.sampled_from([("round_robin", "least_outstanding"), ("least_outstanding", "prefix_aware")]),
+       async_scheduling=st.booleans())
 def test_decode_runs_change_nothing_and_every_request_is_served(seed, num_prefill, num_decode, decode_blocks, shared,
-                                                                routers):
+                                                                routers, async_scheduling):
     """Jumps over decode runs are exact here too (they stop before any handoff could arrive), and
     the bookkeeping holds: every request finishes, every pull ends before its first token, the
-    decode pool ends with every block free."""
+    decode pool ends with every block free. Synchronously and under async scheduling."""
     trace = loaded_trace(120, seed, shared)
     spec = DisaggregationSpec(num_prefill, num_decode, decode_options=(("num_gpu_blocks", decode_blocks),),
                               prefill_router=routers[0], decode_router=routers[1])
-    cfg = config(max_model_len=1024)
+    cfg = config(max_model_len=1024, async_scheduling=async_scheduling)
     a = replay(trace, cfg, "roofline", disaggregation=spec)
     b = replay(trace, cfg, "roofline", disaggregation=spec, use_decode_runs=False)
     _identical(a, b)
@@ -153,8 +167,6 @@ def test_pool_options_and_bad_setups():
         DisaggregationSpec(1, 1, prefill_options=(("block_size", 32),)).pool_configs(config())
     prefill, decode = DisaggregationSpec(1, 1, decode_options=(("gpu", "H200"),)).pool_configs(config())
     assert (prefill.hardware.gpu, decode.hardware.gpu) == ("H100-SXM", "H200")  # pools may differ in hardware
-    with pytest.raises(ConfigError, match="async scheduling"):
-        DisaggregationSpec(1, 1).pool_configs(config(async_scheduling=True))
     with pytest.raises(ConfigError, match="handoff_ms must be > 0"):
         DisaggregationSpec(1, 1, handoff_ms=0)
     with pytest.raises(ConfigError, match="decode replicas must be a whole number"):
