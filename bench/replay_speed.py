@@ -9,6 +9,7 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-async  # the Azure trace with --async-scheduling
     .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
                                                         # replicas (P/D disaggregation)
+    .venv/bin/python bench/replay_speed.py azure-pd4-async  # the same with --async-scheduling in both pools
     .venv/bin/python bench/replay_speed.py azure-spec   # the Azure trace with EAGLE-3 speculative decoding (K=3):
                                                         # decodes are chunks, no decode runs
     .venv/bin/python bench/replay_speed.py azure-gemma3 # the Azure trace on gemma-3-12b (5 of 6 layers slide over
@@ -46,7 +47,7 @@ def load(case: str):
 
     if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-oss-spec"):
         return import_trace("azure", [AZURE])[0]
-    if case in ("azure-fleet4", "azure-pd4"):
+    if case in ("azure-fleet4", "azure-pd4", "azure-pd4-async"):
         from dataclasses import replace
 
         trace = import_trace("azure", [AZURE])[0]
@@ -68,6 +69,7 @@ def run_case(case: str) -> dict:
     t1 = time.perf_counter()
     fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
     options = {"async_scheduling": case.endswith("-async")}
+    case_setup = case.removesuffix("-async")
     if case.endswith("-spec"):
         options |= {"speculative_method": "eagle3", "num_speculative_tokens": 3,
                     "spec_position_acceptance_rates": "0.8,0.6,0.45"}
@@ -76,7 +78,7 @@ def run_case(case: str) -> dict:
     if case == "azure-oss-spec":
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
     config = EngineConfig.from_flat(options)
-    disaggregation = DisaggregationSpec(2, 2) if case.endswith("-pd4") else None
+    disaggregation = DisaggregationSpec(2, 2) if case_setup.endswith("-pd4") else None
     res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)
     t_call = time.perf_counter() - t1
     s = res.summary

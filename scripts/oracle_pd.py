@@ -160,20 +160,30 @@ def _by_row(ids):
     return None if ids is None else dict.fromkeys(sorted(ids, key=int))
 
 
-def run_vllm(case: dict) -> dict:
-    from vllm.config import KVTransferConfig
+def _process_output(sched, so, sampled, recving, sending, step, first_token: dict, finish: dict) -> list[str]:
+    """vLLM processes a step's output (its sampled tokens, the transfers that ended in it); each
+    request's first token and finish are noted at `step`. Returns the requests that finished."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+    req_ids = list(so.num_scheduled_tokens)
+    mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                            sampled_token_ids=sampled,
+                            kv_connector_output=KVConnectorOutput(finished_recving=_by_row(recving),
+                                                                  finished_sending=_by_row(sending)))
+    finished = []
+    for eco in sched.update_from_output(so, mro).values():
+        for out in eco.outputs:
+            if out.new_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = step
+            if out.finish_reason is not None:
+                finish[out.request_id] = step
+                finished.append(out.request_id)
+    return finished
+
+
+def run_vllm(case: dict) -> dict:
     import oracle_vllm
-    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
-    connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
-                                 kv_connector_module_path="oracle_pd")
-    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector)
-    import oracle_pd  # the connector's class as the scheduler loaded it
-    connector_cls = oracle_pd.FakePDConnector
-    connector_cls.admitted.clear()
-    make = _vllm_request_maker(vllm_config, o)
-    accept = oracle_vllm.acceptance(o)
+    sched, make, accept, admitted = _vllm_engine(case, async_scheduling=False)
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
     info = {r["row"]: r for r in case["requests"]}
@@ -186,26 +196,18 @@ def run_vllm(case: dict) -> dict:
             sched.add_request(make(r))
         so = sched.schedule()
         if os.environ.get("ORACLE_PD_DEBUG"):
-            print(k, dict(so.num_scheduled_tokens), list(connector_cls.admitted), file=sys.stderr)
-        for rid in connector_cls.admitted:
+            print(k, dict(so.num_scheduled_tokens), list(admitted), file=sys.stderr)
+        for rid in admitted:
             due_recv.setdefault(k + info[int(rid)]["latency"] - 1, set()).add(rid)
-        connector_cls.admitted.clear()
+        admitted.clear()
         n_running, n_waiting = sched.get_request_counts()
         row = [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
         req_ids = list(so.num_scheduled_tokens)
         sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, accept)
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(finished_recving=_by_row(due_recv.pop(k, None)),
-                                                                      finished_sending=_by_row(due_send.pop(k, None))))
-        for eco in sched.update_from_output(so, mro).values():
-            for out in eco.outputs:
-                if out.new_token_ids and out.request_id not in first_token:
-                    first_token[out.request_id] = k
-                if out.finish_reason is not None:
-                    finish[out.request_id] = k
-                    if info[int(out.request_id)]["role"] == SEND:
-                        due_send.setdefault(k + info[int(out.request_id)]["latency"], set()).add(out.request_id)
+        for rid in _process_output(sched, so, sampled, due_recv.pop(k, None), due_send.pop(k, None), k, first_token,
+                                   finish):
+            if info[int(rid)]["role"] == SEND:
+                due_send.setdefault(k + info[int(rid)]["latency"], set()).add(rid)
         if accept is not None:
             oracle_vllm.propose_drafts(sched, so, req_ids)
         return row, not sched.has_requests() and not due_send
@@ -226,19 +228,8 @@ def run_vllm_async(case: dict) -> dict:
     first-token and finish steps are the rows of the batches whose outputs gave them."""
     from collections import deque
 
-    from vllm.config import KVTransferConfig
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
     import oracle_vllm
-    o = case["opts"] | {"group_windows": case.get("group_windows")}
-    connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
-                                 kv_connector_module_path="oracle_pd")
-    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector, async_scheduling=True)
-    import oracle_pd
-    admitted = oracle_pd.FakePDConnector.admitted
-    admitted.clear()
-    make = _vllm_request_maker(vllm_config, o)
-    accept = oracle_vllm.acceptance(o)
+    sched, make, accept, admitted = _vllm_engine(case, async_scheduling=True)
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
     info = {r["row"]: r for r in case["requests"]}
@@ -279,21 +270,12 @@ def run_vllm_async(case: dict) -> dict:
             rows.append([0, 0, 0, 0])  # idle
             continue
         b, row, so, meta = queue.pop()
-        req_ids = list(so.num_scheduled_tokens)
         sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, accept)
         accepted[0] += n_acc
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(finished_recving=_by_row(due_recv.pop(b, None)),
-                                                                      finished_sending=_by_row(due_send.pop(b, None))))
-        for eco in sched.update_from_output(so, mro).values():
-            for out in eco.outputs:
-                if out.new_token_ids and out.request_id not in first_token:
-                    first_token[out.request_id] = row
-                if out.finish_reason is not None:
-                    finish[out.request_id] = row
-                    if info[int(out.request_id)]["role"] == SEND:
-                        due_send.setdefault(b + info[int(out.request_id)]["latency"], set()).add(out.request_id)
+        for rid in _process_output(sched, so, sampled, due_recv.pop(b, None), due_send.pop(b, None), row, first_token,
+                                   finish):
+            if info[int(rid)]["role"] == SEND:
+                due_send.setdefault(b + info[int(rid)]["latency"], set()).add(rid)
     result = {"steps": rows, "accepted": accepted[0],
               "requests": {rid: [first_token.get(rid, -1), finish.get(rid, -1)] for rid in map(str, info)}}
     if error:
@@ -301,12 +283,24 @@ def run_vllm_async(case: dict) -> dict:
     return result
 
 
-def _vllm_request_maker(vllm_config, o: dict):
+def _vllm_engine(case: dict, async_scheduling: bool):
+    """vLLM's scheduler for the case with the fake connector (kv_both, as NIXL runs on both
+    pools); returns it, the case's request maker, the acceptance draws (None without drafts) and
+    the list in which the connector notes the pulls each schedule() admits."""
+    from vllm.config import KVTransferConfig
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
     import oracle
     import oracle_vllm
+    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
+    connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
+                                 kv_connector_module_path="oracle_pd")
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
+                                                     async_scheduling=async_scheduling)
+    import oracle_pd  # the connector's class as the scheduler loaded it
+    admitted = oracle_pd.FakePDConnector.admitted
+    admitted.clear()
     block_hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
 
     def make(r):
@@ -323,7 +317,7 @@ def _vllm_request_maker(vllm_config, o: dict):
         req.kv_transfer_params = params
         return req
 
-    return make
+    return sched, make, oracle_vllm.acceptance(o), admitted
 
 
 def run_vllm_any(case: dict) -> dict:

@@ -102,13 +102,26 @@ def drive_async(scheduler: Scheduler, check=None, max_steps: int = 1_000_000, ar
 PD_PLAIN, PD_SEND, PD_PULL = 0, 1, 2
 
 
+def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: bool = False) -> None:
+    """A step-mode case's requests arriving by step `upto` (`pending` is in arrival order): to the
+    scheduler, and (request, case row) to `requests`; `roles`: with their P/D role."""
+    from simkv.core.request import KV_PULL, KV_SEND
+
+    while pending and pending[0]["arrival_step"] <= upto:
+        r = pending.pop(0)
+        req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
+                           8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
+        if roles:
+            req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
+        requests.append((req, r))
+        sched.add_request(req)
+
+
 def drive_pd(case: dict, max_steps: int = 5000) -> dict:
     """Step a scheduler through a P/D case as scripts/oracle_pd.py drives vLLM's: arrivals by step;
     a pull admitted in step k ends in the output of step k + latency - 1, a send is released
     `latency` steps after its finish. Returns per-step [scheduled tokens, running, waiting, blocks
     used] and per-request [first token step, finish step]."""
-    from simkv.core.request import KV_PULL, KV_SEND
-
     opts = dict(case["opts"])
     reserve = opts.pop("reserve_full_isl")
     sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
@@ -118,13 +131,7 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
     due_recv: dict[int, list] = {}
     due_send: dict[int, list] = {}
     for k in range(max_steps):
-        while pending and pending[0]["arrival_step"] <= k:
-            r = pending.pop(0)
-            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
-                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
-            req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
-            requests.append((req, r))
-            sched.add_request(req)
+        _deliver(pending, k, sched, requests, roles=True)
         out = sched.schedule()
         for req in out.kv_loads or ():
             latency = next(r["latency"] for q, r in requests if q is req)
@@ -156,16 +163,14 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
     a send finished in batch b's output is released in that of b + latency."""
     from collections import deque
 
-    from simkv.core.request import KV_PULL, KV_SEND
-
     opts = dict(case["opts"])
     reserve = opts.pop("reserve_full_isl")
     sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
                       kv_connector=True)
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     rows, queue = [], deque()
-    by_request: dict[int, dict] = {}
     requests = []
+    row_of: dict[int, dict] = {}  # id(request) -> its case row
     due_recv: dict[int, list] = {}
     due_send: dict[int, list] = {}
     unreported = False  # finished requests vLLM reports with the next schedule() (has_requests)
@@ -179,21 +184,15 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
         if len(rows) >= max_steps or num_batches >= 4 * max_steps:  # (the oracle's limits)
             error = "max steps"
             break
-        while pending and pending[0]["arrival_step"] <= len(rows):
-            r = pending.pop(0)
-            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
-                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
-            req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
-            requests.append((req, r))
-            by_request[id(req)] = r
-            sched.add_request(req)
+        _deliver(pending, len(rows), sched, requests, roles=True)
+        row_of.update((id(q), r) for q, r in requests[len(row_of):])
         if has_requests():
             unreported = False
             out = sched.schedule()
             b = num_batches
             num_batches += 1
             for req in out.kv_loads or ():
-                due_recv.setdefault(b + by_request[id(req)]["latency"] - 1, []).append(req)
+                due_recv.setdefault(b + row_of[id(req)]["latency"] - 1, []).append(req)
             ran = not out.is_empty
             if ran:
                 rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
@@ -210,7 +209,7 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
         if out is not None:
             for req in sched.update_from_output(out):
                 unreported = True
-                r = by_request[id(req)]
+                r = row_of[id(req)]
                 if r["role"] == PD_SEND:
                     due_send.setdefault(b + r["latency"], []).append(req)
         for req in sorted(due_recv.pop(b, ()), key=lambda q: q.index):  # (row order, as the oracle gives vLLM)
@@ -234,12 +233,7 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
     requests, rows = [], []
     for _ in range(max_steps):
         k = sched.current_step
-        while pending and pending[0]["arrival_step"] <= len(rows):
-            r = pending.pop(0)
-            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
-                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
-            requests.append((req, r))
-            sched.add_request(req)
+        _deliver(pending, len(rows), sched, requests)
         if sched.has_unfinished_requests():
             out = sched.schedule()
             rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
@@ -272,12 +266,7 @@ def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
         if len(rows) >= max_steps:
             error = "max steps"
             break
-        while pending and pending[0]["arrival_step"] <= len(rows):
-            r = pending.pop(0)
-            req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
-                               8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
-            requests.append((req, r))
-            sched.add_request(req)
+        _deliver(pending, len(rows), sched, requests)
         out = sched.schedule() if sched.has_unfinished_requests() else None
         if out is None or out.is_empty:
             if in_flight is None:
