@@ -3,8 +3,9 @@
 num_gpu_blocks = (GPU memory * gpu_memory_utilization - weights/TP - activation reserve)
                  // (block_size * KV bytes per token per GPU)
 Under speculative decoding the draft network's weights and its layers' KV count too: a draft
-model's whole spec, or one target-shaped decoder layer for the EAGLE family (which shares the
-target's embeddings and LM head).
+model's whole spec, or for the EAGLE family one decoder layer with the target's attention and
+MLP (the dense MLP of the published heads where a mixture of experts has one), which shares the
+target's embeddings and LM head.
 A model with sliding-window layers under vLLM's hybrid KV-cache manager has several KV-cache
 groups (core/kv_cache_groups.py): a block then holds `layers_per_block` layers, not all of them.
 The activation reserve stands in for vLLM's profiling run: activations of one
@@ -107,10 +108,10 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     draft_weights = 0.0
     if draft is not None:
         shared = draft.embedding_params if config.speculative.is_eagle_family else 0
-        draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (an EAGLE layer of a mixture of experts keeps its experts)
+        draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (config.py's draft_spec: the EAGLE layer's shape)
     groups = config.kv_cache_groups
     hybrid = groups.has_sliding_window
-    if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, shaped like the target's)
+    if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, its attention the target's)
         per_layer = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp) // spec.num_layers
         block_bytes = per_layer * groups.layers_per_block * cc.block_size
     else:

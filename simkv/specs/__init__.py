@@ -37,6 +37,10 @@ class ModelSpec:
     # The output projection (LM head) is the input embedding matrix (Gemma, Llama 3.2 1B/3B,
     # Qwen2.5 up to 3B): memory holds it once.
     tie_word_embeddings: bool = False
+    # A mixture of experts whose published EAGLE-3 draft heads are dense layers: the gated MLP
+    # width of that head (0: none known; the EAGLE layer is then shaped like one of the target's
+    # layers, its experts included).
+    eagle_head_intermediate_size: int = 0
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the

@@ -92,3 +92,24 @@ def test_capacity_counts_mxfp4_weights():
     assert res.exit_code != 0 and "simulated only" in res.output
     res = CliRunner().invoke(main, ["calibrate", "--model", "qwen3-30b-a3b", "--device", "cpu"])
     assert res.exit_code != 0 and "simulated only" in res.output
+
+
+def test_eagle_head_of_a_mixture_of_experts():
+    """gpt-oss-120b's published EAGLE-3 head is one dense Llama layer (MLP 17,280 wide, bf16), not
+    a layer with 128 experts: its weights are those of that layer (the embeddings and LM head are
+    the target's), it attends the whole context, and the pool loses what it holds plus the 19th
+    layer per block. A mixture of experts without a known head keeps the target-shaped layer."""
+    eagle = {"speculative_method": "eagle3", "num_speculative_tokens": 3}
+    config = EngineConfig.from_flat(dict(model="gpt-oss-120b", gpu="H100-SXM") | eagle)
+    target = get_model_spec("gpt-oss-120b")
+    head = config.speculative.draft_spec(target)
+    assert (head.num_layers, head.num_experts, head.intermediate_size, head.sliding_window) == (1, 0, 17_280, 0)
+    attention = 2880 * 64 * 64 * 2 + 2 * 2880 * 8 * 64  # q and o, k and v
+    assert head.weight_bytes - 2 * head.embedding_params == pytest.approx(2 * (attention + 3 * 2880 * 17_280), rel=0.01)
+    plain = compute_capacity(EngineConfig.from_flat(dict(model="gpt-oss-120b", gpu="H100-SXM")))
+    with_head = compute_capacity(config)
+    assert with_head.block_bytes == plain.block_bytes * 19 // 18
+    freed = plain.num_gpu_blocks * plain.block_bytes - with_head.num_gpu_blocks * with_head.block_bytes
+    assert freed == pytest.approx(head.weight_bytes - 2 * head.embedding_params, rel=0.01)
+    qwen = EngineConfig.from_flat(dict(model="qwen3-30b-a3b") | eagle)
+    assert qwen.speculative.draft_spec(get_model_spec("qwen3-30b-a3b")).num_experts == 128
