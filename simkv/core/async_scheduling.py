@@ -12,7 +12,10 @@ The caller (simkv/replay/engine.py) then calls `schedule()` for K+1 before
 - a preempted request's in-flight token is still delivered to it (vLLM: stale output);
 - the KV of a decode token is cached when its step's output is processed, so a decoder
   preempted before that finds one token less of its own on resume (a block less when that
-  token ended a block).
+  token ended a block); one that no step in flight ran (a budget left it out, or the engine
+  processed that step's output first) keeps all of them.
+The scheduler knows the latest step it scheduled and the latest whose output was processed
+(steps that ran tokens: a schedule() that runs nothing is none).
 Decode runs (steady_decoders.py) still apply from a state with nothing pending; requests whose
 last token a run's last step samples stay decoders until the next schedule() retires them
 (ReplayEngine._plan_async_run, _close_async_run).
@@ -29,6 +32,35 @@ _seq_of = attrgetter("seq")
 
 class AsyncScheduling:
     """Mixed into Scheduler: the steps of async scheduling that differ from the synchronous ones."""
+
+    def _ran_in_flight(self, request: Request) -> bool:
+        """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
+        step = self._scheduled_through
+        if step <= self._processed_through:
+            return False
+        if request.last_sched_step == step:  # a chunk of it
+            return True
+        if request.decode_base is not None:  # a steady decoder: every step but the stalled ones
+            return request.decode_from_step <= step and request.stall_step != step
+        return request.is_finishing and request.decode_last_step == step  # (its last token's step)
+
+    def output_processed(self, step: int) -> None:
+        """`step`'s output is being processed; first thing (as in vLLM's update_from_output),
+        the block frees deferred until then reach the pool (P/D: core/remote_kv.py)."""
+        if step <= self._processed_through:
+            return
+        self._processed_through = step
+        if self._deferred_frees:
+            self._drain_deferred_frees(step)
+
+    def settle_run_step(self) -> bool:
+        """After a decode run without finishes its last step counts as in flight (as it would,
+        stepping); an engine with nothing else to wait for processes it now. False if no step
+        is in flight."""
+        if self._scheduled_through <= self._processed_through:
+            return False
+        self.output_processed(self._scheduled_through)
+        return True
 
     def _retire_finished_decoders(self, step: int) -> None:
         """Before scheduling `step`: decoders whose last token was sampled in `step - 1` stop

@@ -47,8 +47,6 @@ class RemoteKV:
 
     def _init_remote_kv(self, defer_block_free: bool) -> None:
         self.defer_block_free = defer_block_free
-        self._scheduled_through = -1  # the latest step scheduled (that runs tokens)
-        self._processed_through = -1  # the latest step whose output was processed
         self._deferred_frees: deque[tuple[int, list]] = deque()  # (fence step, the manager's entries)
 
     def finished_sending(self, request: Request) -> None:
@@ -67,32 +65,8 @@ class RemoteKV:
         kv.free(request, cache_end, finished=True, defer=entries)
         self._deferred_frees.append((self._scheduled_through, entries))
 
-    def _ran_in_flight(self, request: Request) -> bool:
-        """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
-        step = self._scheduled_through
-        if step <= self._processed_through:
-            return False
-        if request.last_sched_step == step:  # a chunk of it
-            return True
-        if request.decode_base is not None:  # a steady decoder: every step but the stalled ones
-            return request.decode_from_step <= step and request.stall_step != step
-        return request.is_finishing and request.decode_last_step == step  # (its last token's step)
-
-    def settle_run_step(self) -> bool:
-        """After an async decode run without finishes its last step counts as in flight (as it
-        would be, stepping); an engine with nothing else to wait for processes it now. False if
-        no step is in flight."""
-        if self._scheduled_through <= self._processed_through:
-            return False
-        self.output_processed(self._scheduled_through)
-        return True
-
-    def output_processed(self, step: int) -> None:
-        """`step`'s output is being processed: deferred frees whose fence it is reach the pool
-        (first thing, as in vLLM's update_from_output)."""
-        if step <= self._processed_through:
-            return
-        self._processed_through = step
+    def _drain_deferred_frees(self, step: int) -> None:
+        """`step`'s output is being processed: the deferred frees whose fence it is reach the pool."""
         deferred = self._deferred_frees
         kv = self.kv_cache_manager
         while deferred and deferred[0][0] <= step:

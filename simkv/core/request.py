@@ -96,7 +96,7 @@ class Request:
         self.last_chunk_step = -1
         self.last_chunk_tokens = 0
         self.stall_step = -1
-        # P/D under async scheduling (core/remote_kv.py): the latest step that ran it as a chunk
+        # async scheduling (core/async_scheduling.py): the latest step that ran it as a chunk
         self.last_sched_step = -1
         self.has_own_cached_blocks = False
         self.kv_role = 0  # KV_SEND / KV_PULL under P/D disaggregation

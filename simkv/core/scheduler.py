@@ -73,6 +73,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
         self._last_schedule = (-1, 0)  # async: (step, blocks it took) of the latest schedule() call
+        self._scheduled_through = -1  # async: the latest step scheduled (that runs tokens)
+        self._processed_through = -1  # async: the latest step whose output was processed
         self.chunked_decodes = bool(self.num_spec_tokens)
         # async scheduling with speculative decoding: vLLM's placeholder counters (spec_decode.py)
         self._spec_async = self.chunked_decodes and self.async_scheduling
