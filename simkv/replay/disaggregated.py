@@ -225,8 +225,9 @@ class PDRouting:
         bound = self.next_handoff_ticks()
         now = self.env.now
         for r, engine in enumerate(self.prefill_engines):
-            if engine.now > now:  # in a step: its end
-                earliest = engine.now
+            busy = max(engine.now, engine.busy_until)
+            if busy > now:  # in a step: its end
+                earliest = busy
             elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r]:
                 earliest = self.prefill.next_unrouted_ticks()
                 if earliest is None:

@@ -160,6 +160,9 @@ class ReplayEngine:
         self._num_done = 0
         self._num_rejected_reported = 0
         self._unlogged_preemptions = 0  # made by schedule() calls that ran nothing (the next step to run counts them)
+        # the tick at which the engine's current step (or decode run) ends: `now` under
+        # synchronous scheduling, set before the wait; async scheduling advances `now` after it
+        self.busy_until = 0
 
     def run(self) -> ReplayRun:
         engine = self.start()
@@ -397,6 +400,7 @@ class ReplayEngine:
                         self._carry_preemptions(run)
                     if run is not None:
                         end = start + run_ticks(shape, run.num_steps)
+                        self.busy_until = end
                         yield env.timeout(end - self.now)
                         self.now = end
                         in_flight = self._close_async_run(run, start, shape)
@@ -432,6 +436,7 @@ class ReplayEngine:
         """Wait for the step on the device to end, then process its output and log it."""
         out, start, duration = in_flight
         end = start + duration
+        self.busy_until = end
         yield self.env.timeout(end - self.now)
         self.now = end
         finished = self.scheduler.update_from_output(out)
