@@ -98,7 +98,8 @@ def print_report(rep: dict) -> None:
 
 
 @click.command("capacity")
-@click.option("--model", default=None, help="A model of simkv/specs/models.yaml [default: llama-3-8b]")
+@click.option("--model", default=None,
+              help="A model of simkv/specs/models.yaml, or a Hugging Face config.json [default: llama-3-8b]")
 @click.option("--gpu", default=None, help="A GPU of simkv/specs/gpus.yaml [default: H100-SXM]")
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")

@@ -12,7 +12,8 @@ from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
-from simkv.specs import get_model_spec, gpu_names, model_names
+from simkv.cli.model_option import ModelName
+from simkv.specs import get_model_spec, gpu_names
 
 # CLI flag -> engine option (vLLM's names).
 _ENGINE_FLAGS = {
@@ -188,7 +189,8 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
 
 
 _ENGINE_OPTIONS = [
-    click.option("--model", type=click.Choice(model_names()), default=None, help="[default: llama-3-8b]"),
+    click.option("--model", type=ModelName(), default=None,
+                 help="A shipped model, or a Hugging Face config.json of your own [default: llama-3-8b]"),
     click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]"),
     click.option("--tensor-parallel-size", "-tp", type=int, default=None),
     click.option("--block-size", type=int, default=None, help="[default: 16]"),
@@ -220,7 +222,7 @@ _ENGINE_OPTIONS = [
                  help="P(a draft is accepted | the drafts before it were) [default: 0.7]"),
     click.option("--spec-position-acceptance-rates", default=None, metavar="R1,R2,...",
                  help="Instead: vLLM's logged 'Per-position acceptance rate' figures, one per draft position."),
-    click.option("--spec-draft-model", type=click.Choice(model_names()), default=None,
+    click.option("--spec-draft-model", type=ModelName(), default=None,
                  help="draft_model: the draft's model spec (its passes and memory) [eagle family: one target layer]"),
     click.option("--spec-tokens-per-batch-size", default=None, metavar="A-B:K,...",
                  help="Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): K drafts after steps of "

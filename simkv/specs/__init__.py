@@ -146,9 +146,16 @@ def gpu_names() -> list[str]:
 
 
 def get_model_spec(name: str) -> ModelSpec:
+    """A shipped model (simkv/specs/models.yaml), or the model of a Hugging Face config.json
+    given by its path (simkv/specs/hf_config.py)."""
+    from simkv.specs.hf_config import is_config_path, spec_fields_from_config
+
+    if is_config_path(name):
+        return ModelSpec(name=name, **spec_fields_from_config(name))
     table = _load("models.yaml")
     if name not in table:
-        raise ValueError(f"unknown model '{name}'; known models: {', '.join(sorted(table))}")
+        raise ValueError(f"unknown model '{name}'; known models: {', '.join(sorted(table))} "
+                         "(or the path of a Hugging Face config.json)")
     return ModelSpec(name=name, **table[name])
 
 

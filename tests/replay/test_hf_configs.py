@@ -1,0 +1,106 @@
+"""`--model path/config.json`: model specs from Hugging Face configs (simkv/specs/hf_config.py).
+The configs below carry the public configs' fields that simkv reads; each gives the spec that
+simkv ships for that model."""
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.specs import get_model_spec
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "max_position_embeddings": 8192, "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 8, "tie_word_embeddings": False, "vocab_size": 128256}
+GPT_OSS_120B = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 36,
+                "num_local_experts": 128, "num_experts_per_tok": 4, "vocab_size": 201088,
+                "max_position_embeddings": 131072, "sliding_window": 128, "tie_word_embeddings": False,
+                "layer_types": ["sliding_attention", "full_attention"] * 18,
+                "quantization_config": {"quant_method": "mxfp4"}}
+GEMMA3_27B = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "vision_config": {"hidden_size": 1152},
+              "text_config": {"model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504,
+                              "head_dim": 128, "num_attention_heads": 32, "num_key_value_heads": 16,
+                              "num_hidden_layers": 62, "vocab_size": 262208, "max_position_embeddings": 131072,
+                              "sliding_window": 1024, "sliding_window_pattern": 6}}
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "head_dim": 128, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
+                 "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                 "sliding_window": None, "use_sliding_window": False}
+QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+             "num_key_value_heads": 4, "num_hidden_layers": 28, "vocab_size": 152064,
+             "max_position_embeddings": 32768, "sliding_window": 131072, "use_sliding_window": False,
+             "max_window_layers": 28, "tie_word_embeddings": False}
+
+
+def _write(tmp_path, name, cfg) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("shipped, cfg", [("llama-3-8b", LLAMA3_8B), ("gpt-oss-120b", GPT_OSS_120B),
+                                          ("gemma-3-27b", GEMMA3_27B), ("qwen3-30b-a3b", QWEN3_30B_A3B),
+                                          ("qwen2.5-7b", QWEN25_7B)])
+def test_a_config_gives_the_shipped_spec(tmp_path, shipped, cfg):
+    spec = get_model_spec(_write(tmp_path, shipped, cfg))
+    expected = dataclasses.replace(get_model_spec(shipped), name=spec.name, eagle_head_intermediate_size=0)
+    assert spec == expected
+
+
+def test_a_replay_of_a_config_equals_the_shipped_models(tmp_path):
+    path = _write(tmp_path, "llama3", LLAMA3_8B)
+    for name, model in (("a", path), ("b", "llama-3-8b")):
+        res = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--model", model, "--quiet",
+                                        "--out", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+    for part in ("requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / part).read_bytes() == (tmp_path / "b" / part).read_bytes()
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["config"]["model"] == path
+    config = EngineConfig.from_flat({"model": path, "max_model_len": 4096})  # (a --config file's `model:` too)
+    assert config.max_model_len == 4096
+
+
+@pytest.mark.parametrize("change, field, message", [
+    ({"kv_lora_rank": 512}, "kv_lora_rank", "multi-head latent attention"),
+    ({"attention_chunk_size": 8192}, "attention_chunk_size", "chunked local attention"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config", "quant_method 'fp8' is not modelled"),
+    ({"num_hidden_layers": None}, "num_hidden_layers", "is missing"),
+    ({"hidden_size": -1}, "hidden_size", "must be a positive whole number, got -1"),
+    ({"sliding_window": 4096, "layer_types": ["full_attention", "sliding_attention"] * 16}, "layer_types",
+     "one full-attention layer every k layers"),
+    ({"sliding_window": 4096, "layer_types": ["sliding_attention"] * 31}, "layer_types", "each of the 32 layers"),
+])
+def test_configs_simkv_cannot_size_are_refused_with_the_field(tmp_path, change, field, message):
+    path = _write(tmp_path, "bad", LLAMA3_8B | change)
+    with pytest.raises(ValueError, match=f"bad.json: field '{field}'.*{message}"):
+        get_model_spec(path)
+    res = CliRunner().invoke(main, ["capacity", "--model", path])
+    assert res.exit_code != 0 and f"field '{field}'" in res.output and "bad.json" in res.output
+
+
+def test_a_file_that_is_not_a_config(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{not json")
+    res = CliRunner().invoke(main, ["capacity", "--model", str(bad)])
+    assert res.exit_code != 0 and "not readable JSON" in res.output
+    res = CliRunner().invoke(main, ["capacity", "--model", str(tmp_path / "missing.json")])
+    assert res.exit_code != 0 and "no such file" in res.output
+    res = CliRunner().invoke(main, ["capacity", "--model", "llama-9"])
+    assert res.exit_code == 1 and "(or the path of a Hugging Face config.json)" in res.output
+    res = CliRunner().invoke(main, ["replay", "--model", "llama-9"])
+    assert res.exit_code == 2 and "nor a Hugging Face config.json" in res.output
+
+
+def test_sliding_windows_from_layer_types_and_on_every_layer(tmp_path):
+    every = get_model_spec(_write(tmp_path, "mistral", LLAMA3_8B | {"sliding_window": 4096}))
+    assert (every.sliding_window, every.full_attention_interval) == (4096, 0)
+    untied_unsaid = {k: v for k, v in LLAMA3_8B.items() if k != "tie_word_embeddings"}
+    gemma2 = get_model_spec(_write(tmp_path, "gemma2", untied_unsaid | {"model_type": "gemma2", "sliding_window": 4096}))
+    assert (gemma2.sliding_window, gemma2.full_attention_interval, gemma2.tie_word_embeddings) == (4096, 2, True)
