@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
-from simkv.specs import model_names
+from simkv.cli.model_option import ModelName
 
 
 @click.command("calibrate")
-@click.option("--model", type=click.Choice(model_names()), default=None,
-              help="Model to profile (required unless --from-steps).")
+@click.option("--model", type=ModelName(), default=None,
+              help="Model to profile, shipped or a Hugging Face config.json of a dense Llama-architecture "
+                   "decoder (required unless --from-steps).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="[default: cuda if present]")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="[default: bf16 on cuda, fp32 on cpu]")
