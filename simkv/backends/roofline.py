@@ -5,7 +5,8 @@ Per GPU under tensor parallelism (TP), for a step with T scheduled tokens over S
 experts in the FLOPs and the expected number of experts its T tokens touch in the bytes):
   FLOPs = 2 * P_layers * T + 2 * hidden * vocab * S            (matmuls; logits for one token per sequence)
         + 4 * layers * heads * head_dim * A                      (attention; A = query-key pairs)
-  bytes = dtype_bytes * (P_layers + hidden * vocab)              (weights, read once per step)
+  bytes = dtype_bytes * (P_layers + hidden * vocab)              (weights, read once per step; an FP8
+                                                                 checkpoint's linear layers at 1 byte)
         + expert bytes * layers * E * (1 - (1 - k/E)^T)          (mixture of experts: the experts routed to)
         + kv_bytes_per_token * (K + T)                           (K/V read for attended context K, written for T)
   time  = max(FLOPs / (peak_flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
@@ -59,7 +60,8 @@ class RooflineCostModel:
         self.flops_per_token = 2.0 * (model.num_active_params - embeddings) / tp
         self.flops_per_seq = 2.0 * h * v / tp
         self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
-        self.weight_bytes = 2.0 * (layer_params + h * v) / tp
+        linear = model.num_layers * model.num_layer_linear_params  # (at linear_weight_bytes; norms, LM head bf16)
+        self.weight_bytes = (model.linear_weight_bytes * linear + 2.0 * (layer_params - linear + h * v)) / tp
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
         # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
         self.moe = model if model.is_moe else None

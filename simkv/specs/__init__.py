@@ -41,6 +41,9 @@ class ModelSpec:
     # width of that head (0: none known; the EAGLE layer is then shaped like one of the target's
     # layers, its experts included).
     eagle_head_intermediate_size: int = 0
+    # Bytes per weight of the decoder layers' linear layers outside the experts (attention, the
+    # dense MLP or the router): 2 (bf16), 1 (FP8 checkpoints). Embeddings, LM head and norms: bf16.
+    linear_weight_bytes: float = 2.0
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the
@@ -87,14 +90,19 @@ class ModelSpec:
         return (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
 
     @property
+    def num_layer_linear_params(self) -> int:
+        """One decoder layer's linear parameters outside the experts: attention, and the dense
+        MLP or the router."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
+        return attn + (h * self.num_experts if self.is_moe else self.expert_params)
+
+    @property
     def num_dense_params(self) -> int:
         """Every parameter outside the experts: attention, the dense MLP or the router, norms,
         embeddings."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
-        mlp = h * self.num_experts if self.is_moe else self.expert_params
-        norms = 2 * h
-        return self.num_layers * (attn + mlp + norms) + self.embedding_params + h
+        norms = 2 * self.hidden_size
+        return self.num_layers * (self.num_layer_linear_params + norms) + self.embedding_params + self.hidden_size
 
     @property
     def num_active_params(self) -> int:
@@ -103,8 +111,11 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes of the weights (experts at `expert_weight_bytes`, the rest bf16)."""
-        return 2.0 * self.num_dense_params + self.expert_weight_bytes * self.num_layers * self.num_layer_expert_params
+        """Bytes of the weights (experts at `expert_weight_bytes`, the layers' other linear
+        weights at `linear_weight_bytes`, the rest bf16)."""
+        linear = self.num_layers * self.num_layer_linear_params
+        return (self.linear_weight_bytes * linear + 2.0 * (self.num_dense_params - linear)
+                + self.expert_weight_bytes * self.num_layers * self.num_layer_expert_params)
 
     def experts_touched(self, num_tokens):
         """Expected distinct experts a layer runs for `num_tokens` tokens (routing taken as

@@ -8,14 +8,18 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   for Gemma, untied otherwise);
 - mixtures of experts: num_local_experts or num_experts, num_experts_per_tok, and each
   expert's width (moe_intermediate_size where the config has it, else intermediate_size);
-  gpt-oss's MXFP4 experts (quantization_config.quant_method "mxfp4") at 0.53125 bytes a weight;
+- quantization_config: gpt-oss's MXFP4 experts ("mxfp4") at 0.53125 bytes a weight; FP8
+  checkpoints ("fp8", or compressed-tensors with 8-bit float weights) with every linear layer
+  at 1 byte (embeddings, LM head and norms stay bf16; the roofline still computes at the bf16
+  rate);
 - sliding windows: sliding_window with layer_types (sliding_attention / full_attention), or
   sliding_window_pattern (Gemma 3: every 6th layer is full), or Gemma 2's alternation; a
   window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false.
 
 Refused with the file and field named: multi-head latent attention (kv_lora_rank: DeepSeek),
-chunked local attention (attention_chunk_size: Llama 4), other quantization methods (the
-weights would count at bf16), layer patterns other than one periodic full-attention layer.
+chunked local attention (attention_chunk_size: Llama 4), other quantization methods (INT4,
+INT8, ...: their weights would be sized wrong), layer patterns other than one periodic
+full-attention layer.
 """
 
 from __future__ import annotations
@@ -87,12 +91,25 @@ def spec_fields_from_config(path: str) -> dict:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
         if method == "mxfp4" and experts:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
+        elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)):
+            fields["linear_weight_bytes"] = 1.0  # (the scales are negligible)
+            if experts:
+                fields["expert_weight_bytes"] = 1.0
         else:
             raise ModelConfigError(f"{where}: field 'quantization_config': quant_method {method!r} is not modelled "
-                                   "(simkv counts weights at bf16, and MXFP4 experts); drop the field to size the "
+                                   "(simkv sizes bf16, FP8 and MXFP4-expert weights); drop the field to size the "
                                    "model at bf16")
     fields.update(_windows(cfg, where, fields["num_layers"]))
     return fields
+
+
+def _fp8_weights(quant: dict) -> bool:
+    """A compressed-tensors config whose weight groups are all 8-bit floats (FP8-dynamic and the like)."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return False
+    weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+    return bool(weights) and all(w.get("num_bits") == 8 and w.get("type") == "float" for w in weights)
 
 
 def _tied(cfg: dict, raw: dict) -> bool:

@@ -70,7 +70,10 @@ def test_a_replay_of_a_config_equals_the_shipped_models(tmp_path):
 @pytest.mark.parametrize("change, field, message", [
     ({"kv_lora_rank": 512}, "kv_lora_rank", "multi-head latent attention"),
     ({"attention_chunk_size": 8192}, "attention_chunk_size", "chunked local attention"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config", "quant_method 'fp8' is not modelled"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config", "quant_method 'awq' is not modelled"),
+    ({"quantization_config": {"quant_method": "compressed-tensors",
+                              "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}},
+     "quantization_config", "quant_method 'compressed-tensors' is not modelled"),
     ({"num_hidden_layers": None}, "num_hidden_layers", "is missing"),
     ({"hidden_size": -1}, "hidden_size", "must be a positive whole number, got -1"),
     ({"sliding_window": 4096, "layer_types": ["full_attention", "sliding_attention"] * 16}, "layer_types",
@@ -104,3 +107,30 @@ def test_sliding_windows_from_layer_types_and_on_every_layer(tmp_path):
     untied_unsaid = {k: v for k, v in LLAMA3_8B.items() if k != "tie_word_embeddings"}
     gemma2 = get_model_spec(_write(tmp_path, "gemma2", untied_unsaid | {"model_type": "gemma2", "sliding_window": 4096}))
     assert (gemma2.sliding_window, gemma2.full_attention_interval, gemma2.tie_word_embeddings) == (4096, 2, True)
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "activation_scheme": "dynamic"},
+                                   {"quant_method": "compressed-tensors",
+                                    "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}])
+def test_fp8_checkpoints_hold_their_linear_layers_at_one_byte(tmp_path, quant):
+    """An FP8 checkpoint (vLLM's fp8, or compressed-tensors' FP8 weights) keeps its layers' linear
+    weights at 1 byte; embeddings, LM head and norms stay bf16. Its weights take about 7.5 GB
+    of llama-3-8b's 16 GB less, which the KV cache gets, and a decode step reads half the
+    layer bytes (the roofline's compute rate stays bf16's)."""
+    from simkv.backends.roofline import RooflineCostModel
+    from simkv.capacity import compute_capacity
+    from simkv.specs import get_gpu_spec
+
+    bf16 = get_model_spec("llama-3-8b")
+    fp8 = get_model_spec(_write(tmp_path, "fp8", LLAMA3_8B | {"quantization_config": quant}))
+    assert fp8.linear_weight_bytes == 1.0 and fp8.expert_weight_bytes == 2.0
+    linear = bf16.num_layers * bf16.num_layer_linear_params
+    assert bf16.weight_bytes - fp8.weight_bytes == linear  # (one byte less per linear weight)
+    assert 6.9e9 < linear < 7.0e9
+    blocks = [compute_capacity(EngineConfig.from_flat({"model": m})).num_gpu_blocks for m in ("llama-3-8b", fp8.name)]
+    assert blocks[1] - blocks[0] == linear // (16 * bf16.kv_bytes_per_token(2))  # (the freed bytes, in blocks)
+    gpu = get_gpu_spec("H100-SXM")
+    a, b = RooflineCostModel(bf16, gpu), RooflineCostModel(fp8, gpu)
+    assert b.weight_bytes == a.weight_bytes - linear and b.flops_per_token == a.flops_per_token
+    moe = get_model_spec(_write(tmp_path, "moe", QWEN3_30B_A3B | {"quantization_config": quant}))
+    assert (moe.linear_weight_bytes, moe.expert_weight_bytes) == (1.0, 1.0)
