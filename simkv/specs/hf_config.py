@@ -54,9 +54,13 @@ def spec_fields_from_config(path: str) -> dict:
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     where = f"model config {path}" + (" (text_config)" if cfg is not raw else "")
 
+    def get(name: str):
+        value = cfg.get(name)
+        return raw.get(name) if value is None else value  # (a wrapper may hold some at its top level)
+
     def need(key: str, *alternatives: str) -> int:
         for name in (key, *alternatives):
-            value = cfg.get(name)
+            value = get(name)
             if value is not None:
                 if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                     raise ModelConfigError(f"{where}: field '{name}' must be a positive whole number, got {value!r}")
@@ -73,13 +77,13 @@ def spec_fields_from_config(path: str) -> dict:
         "num_layers": need("num_hidden_layers"),
         "hidden_size": hidden,
         "num_heads": heads,
-        "num_kv_heads": need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
-        "head_dim": need("head_dim") if cfg.get("head_dim") is not None else hidden // heads,
+        "num_kv_heads": need("num_key_value_heads") if get("num_key_value_heads") is not None else heads,
+        "head_dim": need("head_dim") if get("head_dim") is not None else hidden // heads,
         "vocab_size": need("vocab_size"),
         "max_position_embeddings": need("max_position_embeddings"),
         "tie_word_embeddings": _tied(cfg, raw),
     }
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    experts = get("num_local_experts") or get("num_experts") or 0
     if experts:
         fields["num_experts"] = need("num_local_experts", "num_experts")
         fields["num_experts_per_tok"] = need("num_experts_per_tok")

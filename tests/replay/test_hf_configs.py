@@ -101,6 +101,14 @@ def test_a_file_that_is_not_a_config(tmp_path):
     assert res.exit_code == 2 and "nor a Hugging Face config.json" in res.output
 
 
+def test_a_wrapper_may_hold_fields_at_its_top_level(tmp_path):
+    text = {k: v for k, v in GEMMA3_27B["text_config"].items() if k != "vocab_size"}
+    spec = get_model_spec(_write(tmp_path, "g", GEMMA3_27B | {"text_config": text, "vocab_size": 262208}))
+    assert spec.vocab_size == 262208
+    with pytest.raises(ValueError, match=r"g2.json \(text_config\): field 'vocab_size' is missing"):
+        get_model_spec(_write(tmp_path, "g2", GEMMA3_27B | {"text_config": text}))
+
+
 def test_sliding_windows_from_layer_types_and_on_every_layer(tmp_path):
     every = get_model_spec(_write(tmp_path, "mistral", LLAMA3_8B | {"sliding_window": 4096}))
     assert (every.sliding_window, every.full_attention_interval) == (4096, 0)
