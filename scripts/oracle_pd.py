@@ -160,60 +160,107 @@ def _by_row(ids):
     return None if ids is None else dict.fromkeys(sorted(ids, key=int))
 
 
-def _process_output(sched, so, sampled, recving, sending, step, first_token: dict, finish: dict) -> list[str]:
-    """vLLM processes a step's output (its sampled tokens, the transfers that ended in it); each
-    request's first token and finish are noted at `step`. Returns the requests that finished."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+class _VllmPD:
+    """vLLM's scheduler for a case with the fake connector (kv_both, as NIXL runs on both pools),
+    and what both drivers note about it: the transfers due in each step's (or batch's) output,
+    and each request's first-token and finish step."""
 
-    req_ids = list(so.num_scheduled_tokens)
-    mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                            sampled_token_ids=sampled,
-                            kv_connector_output=KVConnectorOutput(finished_recving=_by_row(recving),
-                                                                  finished_sending=_by_row(sending)))
-    finished = []
-    for eco in sched.update_from_output(so, mro).values():
-        for out in eco.outputs:
-            if out.new_token_ids and out.request_id not in first_token:
-                first_token[out.request_id] = step
-            if out.finish_reason is not None:
-                finish[out.request_id] = step
-                finished.append(out.request_id)
-    return finished
+    def __init__(self, case: dict, async_scheduling: bool) -> None:
+        import oracle_vllm
+        from vllm.config import KVTransferConfig
+
+        o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
+        connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
+                                     kv_connector_module_path="oracle_pd")
+        self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
+                                                              async_scheduling=async_scheduling)
+        import oracle_pd  # the connector's class as the scheduler loaded it
+        self.admitted = oracle_pd.FakePDConnector.admitted  # pulls each schedule() admits
+        self.admitted.clear()
+        self.block_hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+        self.accept = oracle_vllm.acceptance(o)  # (None without drafts)
+        self.pool = self.sched.kv_cache_manager.block_pool
+        self.info = {r["row"]: r for r in case["requests"]}
+        self.first_token, self.finish = {}, {}
+        self.due_recv: dict[int, set] = {}
+        self.due_send: dict[int, set] = {}
+
+    def make(self, r: dict):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        import oracle
+        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
+              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
+        ids = oracle.make_prompt_ids(tr, 0, 0, {})
+        params = {"pull": True} if r["role"] == PULL else {"send": True} if r["role"] == SEND else None
+        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
+        if params is not None:
+            sp.extra_args = {"kv_transfer_params": params}
+        req = Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                      arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
+                      block_hasher=self.block_hasher)
+        req.kv_transfer_params = params
+        return req
+
+    def note_pulls(self, k: int) -> None:
+        """The pulls step (or batch) `k` admitted end in the output of k + latency - 1."""
+        for rid in self.admitted:
+            self.due_recv.setdefault(k + self.info[int(rid)]["latency"] - 1, set()).add(rid)
+        self.admitted.clear()
+
+    def row(self, so) -> list[int]:
+        n_running, n_waiting = self.sched.get_request_counts()
+        used = self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()
+        return [so.total_num_scheduled_tokens, n_running, n_waiting, used]
+
+    def process(self, so, sampled, k: int, step) -> None:
+        """Step (or batch) `k`'s output: its sampled tokens and the transfers that ended in it; a
+        request's first token and finish are noted at `step`, and a finished send is released in
+        the output of k + latency."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        req_ids = list(so.num_scheduled_tokens)
+        connector = KVConnectorOutput(finished_recving=_by_row(self.due_recv.pop(k, None)),
+                                      finished_sending=_by_row(self.due_send.pop(k, None)))
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=connector)
+        for eco in self.sched.update_from_output(so, mro).values():
+            for out in eco.outputs:
+                rid = out.request_id
+                if out.new_token_ids and rid not in self.first_token:
+                    self.first_token[rid] = step
+                if out.finish_reason is not None:
+                    self.finish[rid] = step
+                    if self.info[int(rid)]["role"] == SEND:
+                        self.due_send.setdefault(k + self.info[int(rid)]["latency"], set()).add(rid)
+
+    def requests(self) -> dict:
+        return {rid: [self.first_token.get(rid, -1), self.finish.get(rid, -1)] for rid in map(str, self.info)}
 
 
 def run_vllm(case: dict) -> dict:
     import oracle_vllm
-    sched, make, accept, admitted = _vllm_engine(case, async_scheduling=False)
-    pool = sched.kv_cache_manager.block_pool
-    usable = pool.num_gpu_blocks - 1
-    info = {r["row"]: r for r in case["requests"]}
-    first_token, finish = {}, {}
-    due_recv: dict[int, set] = {}
-    due_send: dict[int, set] = {}
+    pd = _VllmPD(case, async_scheduling=False)
+    sched = pd.sched
 
     def step(k, arrived):
         for r in arrived:
-            sched.add_request(make(r))
+            sched.add_request(pd.make(r))
         so = sched.schedule()
         if os.environ.get("ORACLE_PD_DEBUG"):
-            print(k, dict(so.num_scheduled_tokens), list(admitted), file=sys.stderr)
-        for rid in admitted:
-            due_recv.setdefault(k + info[int(rid)]["latency"] - 1, set()).add(rid)
-        admitted.clear()
-        n_running, n_waiting = sched.get_request_counts()
-        row = [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
+            print(k, dict(so.num_scheduled_tokens), list(pd.admitted), file=sys.stderr)
+        pd.note_pulls(k)
+        row = pd.row(so)
         req_ids = list(so.num_scheduled_tokens)
-        sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, accept)
-        for rid in _process_output(sched, so, sampled, due_recv.pop(k, None), due_send.pop(k, None), k, first_token,
-                                   finish):
-            if info[int(rid)]["role"] == SEND:
-                due_send.setdefault(k + info[int(rid)]["latency"], set()).add(rid)
-        if accept is not None:
+        sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, pd.accept)
+        pd.process(so, sampled, k, k)
+        if pd.accept is not None:
             oracle_vllm.propose_drafts(sched, so, req_ids)
-        return row, not sched.has_requests() and not due_send
+        return row, not sched.has_requests() and not pd.due_send
 
     result = _step_loop(case["requests"], step)
-    result["requests"] = {rid: [first_token.get(rid, -1), finish.get(rid, -1)] for rid in map(str, info)}
+    result["requests"] = pd.requests()
     return result
 
 
@@ -229,13 +276,8 @@ def run_vllm_async(case: dict) -> dict:
     from collections import deque
 
     import oracle_vllm
-    sched, make, accept, admitted = _vllm_engine(case, async_scheduling=True)
-    pool = sched.kv_cache_manager.block_pool
-    usable = pool.num_gpu_blocks - 1
-    info = {r["row"]: r for r in case["requests"]}
-    first_token, finish = {}, {}
-    due_recv: dict[int, set] = {}
-    due_send: dict[int, set] = {}
+    pd = _VllmPD(case, async_scheduling=True)
+    sched = pd.sched
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     rows, queue = [], deque()
     accepted = [0]
@@ -246,20 +288,17 @@ def run_vllm_async(case: dict) -> dict:
             error = "max steps"
             break
         while pending and pending[0]["arrival_step"] <= len(rows):
-            sched.add_request(make(pending.pop(0)))
+            sched.add_request(pd.make(pending.pop(0)))
         if sched.has_requests():
             running_before = {r.request_id for r in sched.running}
             so = sched.schedule()
             b = num_batches
             num_batches += 1
-            for rid in admitted:
-                due_recv.setdefault(b + info[int(rid)]["latency"] - 1, set()).add(rid)
-            admitted.clear()
+            pd.note_pulls(b)
             ran = so.total_num_scheduled_tokens > 0
             row = None
             if ran:
-                n_running, n_waiting = sched.get_request_counts()
-                rows.append([so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()])
+                rows.append(pd.row(so))
                 row = len(rows) - 1
             queue.appendleft((b, row, so, oracle_vllm.async_step_meta(sched, so, running_before)))
             if len(queue) < 2 and (ran or sched.has_requests()):
@@ -270,54 +309,13 @@ def run_vllm_async(case: dict) -> dict:
             rows.append([0, 0, 0, 0])  # idle
             continue
         b, row, so, meta = queue.pop()
-        sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, accept)
+        sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, pd.accept)
         accepted[0] += n_acc
-        for rid in _process_output(sched, so, sampled, due_recv.pop(b, None), due_send.pop(b, None), row, first_token,
-                                   finish):
-            if info[int(rid)]["role"] == SEND:
-                due_send.setdefault(b + info[int(rid)]["latency"], set()).add(rid)
-    result = {"steps": rows, "accepted": accepted[0],
-              "requests": {rid: [first_token.get(rid, -1), finish.get(rid, -1)] for rid in map(str, info)}}
+        pd.process(so, sampled, b, row)
+    result = {"steps": rows, "accepted": accepted[0], "requests": pd.requests()}
     if error:
         result["error"] = error
     return result
-
-
-def _vllm_engine(case: dict, async_scheduling: bool):
-    """vLLM's scheduler for the case with the fake connector (kv_both, as NIXL runs on both
-    pools); returns it, the case's request maker, the acceptance draws (None without drafts) and
-    the list in which the connector notes the pulls each schedule() admits."""
-    from vllm.config import KVTransferConfig
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    import oracle
-    import oracle_vllm
-    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
-    connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
-                                 kv_connector_module_path="oracle_pd")
-    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
-                                                     async_scheduling=async_scheduling)
-    import oracle_pd  # the connector's class as the scheduler loaded it
-    admitted = oracle_pd.FakePDConnector.admitted
-    admitted.clear()
-    block_hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
-
-    def make(r):
-        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
-              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
-        ids = oracle.make_prompt_ids(tr, 0, 0, {})
-        params = {"pull": True} if r["role"] == PULL else {"send": True} if r["role"] == SEND else None
-        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        if params is not None:
-            sp.extra_args = {"kv_transfer_params": params}
-        req = Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
-                      arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                      block_hasher=block_hasher)
-        req.kv_transfer_params = params
-        return req
-
-    return sched, make, oracle_vllm.acceptance(o), admitted
 
 
 def run_vllm_any(case: dict) -> dict:
