@@ -56,12 +56,10 @@ class RooflineCostModel:
                            allreduce_latency_s=allreduce_latency_s)
         h, v = model.hidden_size, model.vocab_size
         embeddings = model.embedding_params + h  # (and the final norm)
-        layer_params = model.num_dense_params - embeddings  # (a dense model: every layer parameter)
         self.flops_per_token = 2.0 * (model.num_active_params - embeddings) / tp
         self.flops_per_seq = 2.0 * h * v / tp
         self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
-        linear = model.num_layers * model.num_layer_linear_params  # (at linear_weight_bytes; norms, LM head bf16)
-        self.weight_bytes = (model.linear_weight_bytes * linear + 2.0 * (layer_params - linear + h * v)) / tp
+        self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
         # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
         self.moe = model if model.is_moe else None

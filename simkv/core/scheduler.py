@@ -641,9 +641,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for request in finished:
             if request in self._prefilling:
                 self._prefilling.remove(request)
-            if self._release_at_finish:  # (by the processed tokens: a step in flight may still run it)
+            if self._release_at_finish:  # (async: by the processed tokens, as if scheduling the next step)
                 computed = request.num_computed_tokens
-                kv.decode_release(request, max(computed - request.num_in_flight_tokens, 0) if self._spec_async else computed)
+                kv.decode_release(request, self._processed_tokens(request, computed, step + 1)
+                                  if self.async_scheduling else computed)
             if not self._hold_for_sending(request):
                 cache_end = request.num_cached_blocks * self.block_size if self._spec_async else request.num_computed_tokens
                 self._free_finished(request, cache_end)

@@ -110,11 +110,16 @@ class ModelSpec:
         return self.num_dense_params + self.num_layers * self.num_experts_per_tok * self.expert_params
 
     @property
+    def layer_weight_bytes(self) -> float:
+        """Bytes of the decoder layers' weights outside the experts: the linear ones at
+        `linear_weight_bytes`, the norms bf16."""
+        return self.num_layers * (self.linear_weight_bytes * self.num_layer_linear_params + 2.0 * 2 * self.hidden_size)
+
+    @property
     def weight_bytes(self) -> float:
-        """Bytes of the weights (experts at `expert_weight_bytes`, the layers' other linear
-        weights at `linear_weight_bytes`, the rest bf16)."""
-        linear = self.num_layers * self.num_layer_linear_params
-        return (self.linear_weight_bytes * linear + 2.0 * (self.num_dense_params - linear)
+        """Bytes of the weights: the layers' (`layer_weight_bytes`), the experts at
+        `expert_weight_bytes`, the embeddings, LM head and final norm bf16."""
+        return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size)
                 + self.expert_weight_bytes * self.num_layers * self.num_layer_expert_params)
 
     def experts_touched(self, num_tokens):
