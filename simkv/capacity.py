@@ -81,7 +81,7 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
 def activation_reserve_bytes(config: EngineConfig) -> int:
     spec = get_model_spec(config.hardware.model)
     tp = config.hardware.tensor_parallel_size
-    per_token = 2 * (2 * spec.intermediate_size // tp + 4 * spec.hidden_size)
+    per_token = 2 * (2 * spec.widest_mlp // tp + 4 * spec.hidden_size)
     return config.scheduler.max_num_batched_tokens * per_token + _FIXED_RESERVE_BYTES
 
 

@@ -249,18 +249,19 @@ class SpeculativeConfig:
 
     def draft_spec(self, target: ModelSpec) -> ModelSpec | None:
         """The draft network's shape: the draft model's, or for the EAGLE family one decoder
-        layer shaped like the target's (with the LM head), attending the whole context, with
+        layer shaped like the target's expert layers (with the LM head), attending the whole context, with
         the dense MLP of the published heads where a mixture of experts has one
         (`eagle_head_intermediate_size`); None for ngram."""
         if self.spec_draft_model is not None:
             return get_model_spec(self.spec_draft_model)
         if self.is_eagle_family:
             layer = dataclasses.replace(target, name=f"{target.name} (1 draft layer)", num_layers=1,
-                                        sliding_window=0, full_attention_interval=0)
+                                        sliding_window=0, full_attention_interval=0, num_dense_layers=0)
             if target.eagle_head_intermediate_size:
                 layer = dataclasses.replace(layer, name=f"{target.name} (1 dense draft layer)",
                                             intermediate_size=target.eagle_head_intermediate_size,
-                                            num_experts=0, num_experts_per_tok=0, expert_weight_bytes=2.0)
+                                            num_experts=0, num_experts_per_tok=0, expert_weight_bytes=2.0,
+                                            shared_expert_intermediate_size=0)
             return layer
         return None
 

@@ -34,7 +34,7 @@ class Drafter:
             self.network = RooflineCostModel(draft, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                              config.cache.kv_dtype_bytes,
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,
-                                             seq_overhead_s=0.0)
+                                             seq_overhead_s=0.0, num_speculative_tokens=self.k)
 
     def seconds(self, output: SchedulerOutput) -> float:
         sampling = context = 0
@@ -48,11 +48,14 @@ class Drafter:
             return 0.0  # (vLLM skips drafting when no request can use the drafts)
         if self.network is None:
             return sampling * self.per_request_s
-        tokens, pairs, kv_read = prefill_work(output)
         net = self.network
-        first = net._time(tokens + output.num_decode_reqs, sampling, pairs, kv_read, max)
-        later = net._time(sampling, sampling, context + sampling, context, max)
-        return first + (k - 1) * later
+        if net.mla:
+            tokens, pairs, latent_pairs, kv_read, upproj = net.mla_chunk_work(output.chunks)
+            first = net._time(tokens + output.num_decode_reqs, sampling, pairs, kv_read, max, latent_pairs, upproj)
+        else:
+            tokens, pairs, kv_read = prefill_work(output)
+            first = net._time(tokens + output.num_decode_reqs, sampling, pairs, kv_read, max)
+        return first + (k - 1) * net.decode_pass_seconds(sampling, context)
 
     def describe(self) -> dict:
         out = {"method": self.method, "num_speculative_tokens": self.k}

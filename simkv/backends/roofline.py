@@ -13,7 +13,15 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
 With sliding-window layers, A and K count each layer's window (averaged over the layers; the
 scheduler then hands every decode over as a one-token chunk). All quantities are divided by TP
-except the overheads. Efficiencies and overheads are
+except the overheads and a latent-attention cache (below), which every GPU reads whole.
+
+Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
+MLA backends do. Decodes and chunks of up to `mla_decode_query_len` tokens (FlashAttention MLA
+on Hopper: 512; Triton MLA elsewhere: 1; at least 1 + K under speculative decoding) take the
+absorbed path: every head attends the cached latent directly, 2 * heads * (2 * kv_lora_rank +
+qk_rope_head_dim) FLOPs per query-key pair and layer. Longer chunks take the expanded path:
+2 * heads * (head_dim + v_head_dim) per pair, after the chunk's cached context is up-projected
+to keys and values (2 * kv_up_params FLOPs per cached token and layer). Efficiencies and overheads are
 defaults until `simkv calibrate` fits them on real hardware.
 
 The overheads are the host's share of a step (scheduling, input preparation, output
@@ -48,6 +56,7 @@ class RooflineCostModel:
         seq_overhead_s: float = 5.0e-6,
         allreduce_latency_s: float = 8.0e-6,
         layer_windows: list[int] | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
@@ -59,11 +68,19 @@ class RooflineCostModel:
         self.flops_per_token = 2.0 * (model.num_active_params - embeddings) / tp
         self.flops_per_seq = 2.0 * h * v / tp
         self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
+        self.mla = model.is_mla
+        if self.mla:  # (the expanded path's pairs; the absorbed path's and the up-projection below)
+            heads_layers = model.num_layers * model.num_heads
+            self.flops_per_pair = 2.0 * heads_layers * (model.head_dim + model.v_head_dim) / tp
+            self.flops_per_latent_pair = 2.0 * heads_layers * (2 * model.kv_lora_rank + model.qk_rope_head_dim) / tp
+            self.flops_per_upproj_token = 2.0 * model.num_layers * model.kv_up_params / tp
+            self.mla_decode_query_len = mla_decode_query_len(gpu, num_speculative_tokens)
+        self.flops_per_decode_pair = self.flops_per_latent_pair if self.mla else self.flops_per_pair
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
         # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
         self.moe = model if model.is_moe else None
-        self.expert_bytes = model.expert_weight_bytes * model.expert_params * model.num_layers / tp
+        self.expert_bytes = model.expert_weight_bytes * model.expert_params * model.num_moe_layers / tp
         self.kv_bytes_per_token = float(model.kv_bytes_per_token(kv_dtype_bytes, tp))
         self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
@@ -80,10 +97,14 @@ class RooflineCostModel:
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
         self.window_counts = layer_window_counts(layer_windows) if layer_windows and any(layer_windows) else None
 
-    def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum):
+    def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum, latent_pairs=0, upproj_tokens=0):
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
-        operation is the same IEEE operation in the same order, so results are identical."""
+        operation is the same IEEE operation in the same order, so results are identical.
+        Latent attention: `pairs` are the expanded path's, `latent_pairs` the absorbed path's,
+        `upproj_tokens` the cached tokens the expanded path up-projects."""
         flops = self.flops_per_token * tokens + self.flops_per_seq * num_seqs + self.flops_per_pair * pairs
+        if self.mla:
+            flops = flops + self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj_tokens
         if self.moe is None:
             traffic = self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)
         else:
@@ -93,6 +114,11 @@ class RooflineCostModel:
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
     def execute(self, output: SchedulerOutput) -> float:
+        if self.mla:
+            tokens, pairs, latent_pairs, kv_read, upproj = self.mla_chunk_work(output.chunks)
+            n, ctx = output.num_decode_reqs, output.decode_context_tokens
+            return self._time(tokens + n, len(output.chunks) + n, pairs, kv_read + ctx, max,
+                              latent_pairs + ctx, upproj)
         if self.window_counts is not None:
             p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.window_counts, self.model.num_layers)
         else:
@@ -103,6 +129,28 @@ class RooflineCostModel:
             ctx = ctx / self.model.num_layers
         return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
 
+    def mla_chunk_work(self, chunks) -> tuple[int, int, int, int, int]:
+        """Latent attention: (tokens, expanded-path pairs, absorbed-path pairs, KV tokens read,
+        cached tokens up-projected) of prefill chunks, each down the path vLLM sends it."""
+        tokens = pairs = latent_pairs = kv_read = upproj = 0
+        for chunk in chunks:
+            n, c = chunk.num_new_tokens, chunk.num_computed_tokens
+            tokens += n
+            kv_read += c + n
+            if n <= self.mla_decode_query_len:
+                latent_pairs += n * c + n * (n + 1) // 2
+            else:
+                pairs += n * c + n * (n + 1) // 2
+                upproj += c
+        return tokens, pairs, latent_pairs, kv_read, upproj
+
+    def decode_pass_seconds(self, num_seqs: int, context: int) -> float:
+        """A pass of one new token for each of `num_seqs` sequences, `context` tokens cached over
+        them all (a drafter's later passes)."""
+        if self.mla:
+            return self._time(num_seqs, num_seqs, 0, context, max, latent_pairs=context + num_seqs)
+        return self._time(num_seqs, num_seqs, context + num_seqs, context, max)
+
     def host_seconds(self, num_seqs: int) -> float:
         """The part of a step of `num_seqs` sequences (prefill chunks and decodes) spent on the
         host: the per-step and per-sequence overheads."""
@@ -112,6 +160,8 @@ class RooflineCostModel:
         """`execute` for an [N, 5] array of step features (T, S, Pp, Kp, Kd), as
         `simkv.calibration.costmodel.step_features` gives them: measured steps."""
         f = np.asarray(features, dtype=np.int64)
+        if self.mla:  # (chunk pairs taken as the expanded path's, without up-projection)
+            return self._time(f[:, 0], f[:, 1], f[:, 2], f[:, 3] + f[:, 4], np.maximum, latent_pairs=f[:, 4])
         return self._time(f[:, 0], f[:, 1], f[:, 2] + f[:, 4], f[:, 3] + f[:, 4], np.maximum)
 
     def decode_step_line(self, num_decodes: int) -> tuple[int, int, int, int]:
@@ -127,10 +177,18 @@ class RooflineCostModel:
             # per context token; with sliding-window layers per layer-token (SchedulerOutput)
             per = self.model.num_layers if self.window_counts is not None else 1
             line = self._decode_lines[n] = (
-                to_ticks(compute + overhead), per_token_ticks(self.flops_per_pair / per / self.flop_rate),
+                to_ticks(compute + overhead), per_token_ticks(self.flops_per_decode_pair / per / self.flop_rate),
                 to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / per / self.byte_rate))
         return line
 
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
                 "tensor_parallel_size": self.tp, **self.params}
+
+
+def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0) -> int:
+    """The longest query chunk vLLM's latent-attention backend runs down its decode (absorbed)
+    path: FlashAttention MLA, Hopper's first choice, takes chunks of up to 512 tokens; Triton
+    MLA (Ampere) single tokens. Both take a verification chunk of 1 + K tokens."""
+    threshold = 512 if int(gpu.compute_capability) == 9 else 1
+    return max(threshold, 1 + num_speculative_tokens) if num_speculative_tokens else threshold

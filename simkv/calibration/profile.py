@@ -103,7 +103,7 @@ def measure_grid(runner, points: list[GridPoint], warmup: int = 2, repeats: int 
 def activation_reserve(spec, max_num_batched_tokens: int) -> int:
     """Bytes left free for a step's activations when sizing a calibration pool (bf16 MLP and
     attention buffers of the largest step, plus 1 GiB)."""
-    return max_num_batched_tokens * 2 * (2 * spec.intermediate_size + 4 * spec.hidden_size) + (1 << 30)
+    return max_num_batched_tokens * 2 * (2 * spec.widest_mlp + 4 * spec.hidden_size) + (1 << 30)
 
 
 def plan_pool_blocks(points: list[GridPoint], block_size: int, runner_bytes_per_block: int, device: str,

@@ -22,12 +22,16 @@ def capacity_report(config: EngineConfig) -> dict:
     draft = config.speculative.draft_spec(spec)
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
+    if spec.is_mla:  # every GPU holds the whole latent cache: all GPUs together hold TP copies
+        model_per_token = gpu_per_token * tp
     groups = config.kv_cache_groups
     hybrid = groups.has_sliding_window
     # one max_model_len request: every layer's K/V of every token, or under the hybrid manager
     # the blocks it holds at most over the groups (sliding-window groups keep about a window)
     per_request_gpu = cap.blocks_per_request * cap.block_bytes if hybrid else gpu_per_token * mml
     extra = {"draft_network": draft.name} if draft is not None else {}
+    if spec.is_mla:
+        extra["latent_cache_on_every_gpu"] = True
     if config.has_sliding_window:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     return {
@@ -87,6 +91,8 @@ def print_report(rep: dict) -> None:
         kinds = groups["summary"] if groups["hybrid_kv_cache_manager"] else "1 (hybrid manager disabled)"
         rows.insert(0, ("KV-cache groups", kinds))
         rows.insert(1, ("layers per block (padding)", f"{groups['layers_per_block']} ({groups['num_padding_layers']})"))
+    if rep.get("latent_cache_on_every_gpu"):
+        rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):
         rows.insert(0, ("draft network (its weights and KV included)", rep["draft_network"]))
     for name, value in rows:

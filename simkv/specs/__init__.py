@@ -44,6 +44,37 @@ class ModelSpec:
     # Bytes per weight of the decoder layers' linear layers outside the experts (attention, the
     # dense MLP or the router): 2 (bf16), 1 (FP8 checkpoints). Embeddings, LM head and norms: bf16.
     linear_weight_bytes: float = 2.0
+    # DeepSeek's layout of a mixture of experts: the first `num_dense_layers` layers have a dense
+    # gated MLP of `dense_intermediate_size` instead of experts (first_k_dense_replace), and every
+    # expert layer also runs a shared gated MLP of `shared_expert_intermediate_size` (all shared
+    # experts together) for every token.
+    num_dense_layers: int = 0
+    dense_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # Multi-head latent attention (DeepSeek V2/V3, Kimi K2; 0: none). The cache holds one latent of
+    # `kv_lora_rank` plus a rotary key of `qk_rope_head_dim` per token and layer, shared by all
+    # heads and not split by tensor parallelism; `head_dim` is the query-key width
+    # (qk_nope_head_dim + qk_rope_head_dim), `v_head_dim` the value width; queries go through a
+    # low-rank projection of `q_lora_rank` (0: a direct one).
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"model '{self.name}'"
+        if self.is_mla:
+            if not 0 < self.qk_rope_head_dim < self.head_dim or self.v_head_dim <= 0:
+                raise ValueError(f"{where}: latent attention (kv_lora_rank) needs 0 < qk_rope_head_dim < head_dim "
+                                 "(the query-key width) and v_head_dim > 0")
+            if self.sliding_window:
+                raise ValueError(f"{where}: latent attention with sliding windows is not modelled")
+        if self.num_dense_layers and not (self.is_moe and self.num_dense_layers < self.num_layers
+                                          and self.dense_intermediate_size > 0):
+            raise ValueError(f"{where}: num_dense_layers needs a mixture of experts with more layers than that "
+                             "and a dense_intermediate_size")
+        if self.shared_expert_intermediate_size and not self.is_moe:
+            raise ValueError(f"{where}: shared_expert_intermediate_size needs a mixture of experts")
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the
@@ -59,9 +90,25 @@ class ModelSpec:
         return self.num_experts > 0
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with experts (the rest have a dense MLP)."""
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    @property
+    def widest_mlp(self) -> int:
+        """The widest gated MLP a token runs through (the activation reserve's)."""
+        return max(self.intermediate_size, self.dense_intermediate_size, self.shared_expert_intermediate_size)
+
+    @property
     def simulated_only(self) -> str | None:
         """Why the GPU backend cannot run this model (None: it can): it runs dense
         Llama-architecture decoders that attend the whole context."""
+        if self.is_mla:
+            return "multi-head latent attention"
         if self.is_moe:
             return "a mixture of experts"
         if self.sliding_window:
@@ -75,13 +122,13 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """Parameters of a Llama-architecture decoder (attention + gated MLP or experts and
-        router + embeddings), all of them (what memory holds)."""
-        return self.num_layers * self.num_layer_expert_params + self.num_dense_params
+        """Parameters of the decoder (attention, dense MLPs, routers, shared and routed experts,
+        norms, embeddings), all of them (what memory holds)."""
+        return self.num_moe_layers * self.num_layer_expert_params + self.num_dense_params
 
     @property
     def num_layer_expert_params(self) -> int:
-        """Expert parameters of one layer (0 for a dense model)."""
+        """Routed-expert parameters of one expert layer (0 for a dense model)."""
         return self.num_experts * self.expert_params
 
     @property
@@ -90,37 +137,63 @@ class ModelSpec:
         return (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
 
     @property
-    def num_layer_linear_params(self) -> int:
-        """One decoder layer's linear parameters outside the experts: attention, and the dense
-        MLP or the router."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
-        return attn + (h * self.num_experts if self.is_moe else self.expert_params)
+    def attention_params(self) -> int:
+        """One layer's attention projections: grouped-query (q, k, v, o), or latent (the query's
+        low-rank pair or direct projection, the joint KV down-projection with the rotary key, the
+        KV up-projection of every head's key and value, o)."""
+        h, d, heads = self.hidden_size, self.head_dim, self.num_heads
+        if not self.is_mla:
+            return h * (heads * d) + 2 * h * (self.num_kv_heads * d) + (heads * d) * h
+        q = h * self.q_lora_rank + self.q_lora_rank * heads * d if self.q_lora_rank else h * heads * d
+        kv_down = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        return q + kv_down + self.kv_up_params + heads * self.v_head_dim * h
+
+    @property
+    def kv_up_params(self) -> int:
+        """Latent attention: the up-projection of a cached latent to every head's key (without its
+        rotary part) and value (0 otherwise)."""
+        if not self.is_mla:
+            return 0
+        return self.kv_lora_rank * self.num_heads * (self.head_dim - self.qk_rope_head_dim + self.v_head_dim)
+
+    @property
+    def num_linear_params(self) -> int:
+        """The decoder layers' linear parameters outside the routed experts: attention, and the
+        dense MLP, or the router and the shared experts."""
+        h = self.hidden_size
+        dense_width = self.dense_intermediate_size if self.is_moe else self.intermediate_size
+        dense_mlps = (self.num_layers - self.num_moe_layers) * 3 * h * dense_width
+        expert_layers = self.num_moe_layers * (h * self.num_experts + 3 * h * self.shared_expert_intermediate_size)
+        return self.num_layers * self.attention_params + dense_mlps + expert_layers
+
+    @property
+    def num_norm_params(self) -> int:
+        """The decoder layers' norms (two per layer, and latent attention's two low-rank ones)."""
+        return self.num_layers * (2 * self.hidden_size + self.q_lora_rank + self.kv_lora_rank)
 
     @property
     def num_dense_params(self) -> int:
-        """Every parameter outside the experts: attention, the dense MLP or the router, norms,
-        embeddings."""
-        norms = 2 * self.hidden_size
-        return self.num_layers * (self.num_layer_linear_params + norms) + self.embedding_params + self.hidden_size
+        """Every parameter outside the routed experts: attention, dense MLPs, routers, shared
+        experts, norms, embeddings."""
+        return self.num_linear_params + self.num_norm_params + self.embedding_params + self.hidden_size
 
     @property
     def num_active_params(self) -> int:
         """Parameters one token runs through (a dense model: all of them)."""
-        return self.num_dense_params + self.num_layers * self.num_experts_per_tok * self.expert_params
+        return self.num_dense_params + self.num_moe_layers * self.num_experts_per_tok * self.expert_params
 
     @property
     def layer_weight_bytes(self) -> float:
-        """Bytes of the decoder layers' weights outside the experts: the linear ones at
+        """Bytes of the decoder layers' weights outside the routed experts: the linear ones at
         `linear_weight_bytes`, the norms bf16."""
-        return self.num_layers * (self.linear_weight_bytes * self.num_layer_linear_params + 2.0 * 2 * self.hidden_size)
+        return self.linear_weight_bytes * self.num_linear_params + 2.0 * self.num_norm_params
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes of the weights: the layers' (`layer_weight_bytes`), the experts at
+        """Bytes of the weights: the layers' (`layer_weight_bytes`), the routed experts at
         `expert_weight_bytes`, the embeddings, LM head and final norm bf16."""
         return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size)
-                + self.expert_weight_bytes * self.num_layers * self.num_layer_expert_params)
+                + self.expert_weight_bytes * self.num_moe_layers * self.num_layer_expert_params)
 
     def experts_touched(self, num_tokens):
         """Expected distinct experts a layer runs for `num_tokens` tokens (routing taken as
@@ -129,7 +202,10 @@ class ModelSpec:
         return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
     def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-        """K and V of one token over all layers, per GPU under tensor parallelism."""
+        """K and V of one token over all layers, per GPU under tensor parallelism (latent
+        attention: the latent and rotary key, which every GPU holds whole)."""
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
         return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
 
@@ -141,6 +217,7 @@ class GPUSpec:
     mem_bandwidth_gbs: float
     bf16_tflops: float
     interconnect_gbs: float
+    compute_capability: float
 
     @property
     def memory_bytes(self) -> int:

@@ -6,8 +6,13 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   attention heads), head_dim (default: hidden_size / num_attention_heads), intermediate_size,
   vocab_size, max_position_embeddings, tie_word_embeddings (default: the architecture's, tied
   for Gemma, untied otherwise);
-- mixtures of experts: num_local_experts or num_experts, num_experts_per_tok, and each
-  expert's width (moe_intermediate_size where the config has it, else intermediate_size);
+- mixtures of experts: num_local_experts, num_experts or n_routed_experts, num_experts_per_tok,
+  and each expert's width (moe_intermediate_size where the config has it, else
+  intermediate_size); DeepSeek's layout (V2, V3, Kimi K2, GLM-4.5): first_k_dense_replace
+  leading layers with a dense MLP of intermediate_size, and n_shared_experts shared experts of
+  moe_intermediate_size (Qwen2-MoE: one of shared_expert_intermediate_size) in every expert layer;
+- multi-head latent attention (kv_lora_rank: DeepSeek V2/V3, Kimi K2): kv_lora_rank,
+  qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank (null: a direct query projection);
 - quantization_config: gpt-oss's MXFP4 experts ("mxfp4") at 0.53125 bytes a weight; FP8
   checkpoints ("fp8", or compressed-tensors with 8-bit float weights) with every linear layer
   at 1 byte (embeddings, LM head and norms stay bf16; the roofline still computes at the bf16
@@ -16,9 +21,11 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   sliding_window_pattern (Gemma 3: every 6th layer is full), or Gemma 2's alternation; a
   window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false.
 
-Refused with the file and field named: multi-head latent attention (kv_lora_rank: DeepSeek),
-chunked local attention (attention_chunk_size: Llama 4), other quantization methods (INT4,
-INT8, ...: their weights would be sized wrong), layer patterns other than one periodic
+Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), chunked
+local attention (attention_chunk_size: Llama 4), layers other than attention ones (layer_types
+with linear attention or Mamba), expert layers on only some layers after the dense ones
+(moe_layer_freq, decoder_sparse_step, mlp_only_layers), other quantization methods (INT4,
+INT8, ...: their weights would be sized wrong), window patterns other than one periodic
 full-attention layer.
 """
 
@@ -67,10 +74,14 @@ def spec_fields_from_config(path: str) -> dict:
                 return value
         raise ModelConfigError(f"{where}: field '{key}' is missing")
 
-    for key, what in (("kv_lora_rank", "multi-head latent attention (DeepSeek's MLA)"),
+    for key, what in (("index_topk", "DeepSeek's sparse attention (V3.2)"),
                       ("attention_chunk_size", "chunked local attention (Llama 4)")):
         if cfg.get(key):
             raise ModelConfigError(f"{where}: field '{key}': {what} is not modelled")
+    other_layers = sorted({t for t in cfg.get("layer_types") or () if t not in ("full_attention", "sliding_attention")})
+    if other_layers:
+        raise ModelConfigError(f"{where}: field 'layer_types': layers of type {', '.join(map(str, other_layers))} "
+                               "are not modelled (simkv models attention layers, full or sliding-window)")
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
     fields = {
@@ -83,11 +94,17 @@ def spec_fields_from_config(path: str) -> dict:
         "max_position_embeddings": need("max_position_embeddings"),
         "tie_word_embeddings": _tied(cfg, raw),
     }
-    experts = get("num_local_experts") or get("num_experts") or 0
+    if get("kv_lora_rank"):  # multi-head latent attention
+        rope = need("qk_rope_head_dim")
+        fields.update(kv_lora_rank=need("kv_lora_rank"), qk_rope_head_dim=rope, v_head_dim=need("v_head_dim"),
+                      head_dim=need("qk_nope_head_dim") + rope, num_kv_heads=heads,
+                      q_lora_rank=need("q_lora_rank") if get("q_lora_rank") is not None else 0)
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
     if experts:
-        fields["num_experts"] = need("num_local_experts", "num_experts")
+        fields["num_experts"] = need("num_local_experts", "num_experts", "n_routed_experts")
         fields["num_experts_per_tok"] = need("num_experts_per_tok")
         fields["intermediate_size"] = need("moe_intermediate_size", "intermediate_size")
+        fields.update(_expert_layout(get, need, where, fields["num_layers"]))
     else:
         fields["intermediate_size"] = need("intermediate_size")
     quant = raw.get("quantization_config") or cfg.get("quantization_config")
@@ -105,6 +122,31 @@ def spec_fields_from_config(path: str) -> dict:
                                    "model at bf16")
     fields.update(_windows(cfg, where, fields["num_layers"]))
     return fields
+
+
+def _expert_layout(get, need, where: str, num_layers: int) -> dict:
+    """Leading dense layers and shared experts of a mixture of experts; refuses expert layers
+    interleaved with dense ones."""
+    for key, every_layer in (("moe_layer_freq", 1), ("decoder_sparse_step", 1)):
+        if get(key) not in (None, every_layer):
+            raise ModelConfigError(f"{where}: field '{key}': experts on only some layers are not modelled "
+                                   f"(simkv models leading dense layers, then experts on every layer)")
+    if get("mlp_only_layers"):
+        raise ModelConfigError(f"{where}: field 'mlp_only_layers': dense layers among the expert layers are not "
+                               "modelled")
+    out = {}
+    dense = get("first_k_dense_replace") or 0
+    if dense:
+        out["num_dense_layers"] = need("first_k_dense_replace")
+        if dense >= num_layers:
+            raise ModelConfigError(f"{where}: field 'first_k_dense_replace' ({dense}) leaves no expert layer of "
+                                   f"the {num_layers}")
+        out["dense_intermediate_size"] = need("intermediate_size")
+    if get("n_shared_experts"):
+        out["shared_expert_intermediate_size"] = need("n_shared_experts") * need("moe_intermediate_size")
+    elif get("shared_expert_intermediate_size"):
+        out["shared_expert_intermediate_size"] = need("shared_expert_intermediate_size")
+    return out
 
 
 def _fp8_weights(quant: dict) -> bool:

@@ -22,7 +22,8 @@ def _backends():
     out = [make_backend("unit", EngineConfig()),
            make_backend("linear", EngineConfig(), step_base_s=0.003, step_per_token_s=1.7e-5)]
     for model, gpu, tp in (("llama-3-8b", "H100-SXM", 1), ("llama-3-70b", "H200", 4), ("tiny-llama", "A100-80GB", 1),
-                           ("mistral-7b", "A100-80GB", 2)):
+                           ("mistral-7b", "A100-80GB", 2), ("deepseek-v3", "H200", 8),
+                           ("deepseek-v2-lite", "A100-80GB", 1)):  # (latent attention: the absorbed path's pairs)
         out.append(make_backend("roofline", EngineConfig.from_flat(
             {"model": model, "gpu": gpu, "tensor_parallel_size": tp})))
     out.append(CalibratedCostModel({"c0": 2e-3, "cT": 3e-6, "cH": 9e-6, "cS": 1e-6, "cP": 1e-10, "cKp": 2e-9,

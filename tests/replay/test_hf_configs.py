@@ -68,7 +68,8 @@ def test_a_replay_of_a_config_equals_the_shipped_models(tmp_path):
 
 
 @pytest.mark.parametrize("change, field, message", [
-    ({"kv_lora_rank": 512}, "kv_lora_rank", "multi-head latent attention"),
+    ({"index_topk": 2048}, "index_topk", "sparse attention"),
+    ({"layer_types": ["linear_attention", "full_attention"] * 16}, "layer_types", "linear_attention are not modelled"),
     ({"attention_chunk_size": 8192}, "attention_chunk_size", "chunked local attention"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config", "quant_method 'awq' is not modelled"),
     ({"quantization_config": {"quant_method": "compressed-tensors",
@@ -132,7 +133,7 @@ def test_fp8_checkpoints_hold_their_linear_layers_at_one_byte(tmp_path, quant):
     bf16 = get_model_spec("llama-3-8b")
     fp8 = get_model_spec(_write(tmp_path, "fp8", LLAMA3_8B | {"quantization_config": quant}))
     assert fp8.linear_weight_bytes == 1.0 and fp8.expert_weight_bytes == 2.0
-    linear = bf16.num_layers * bf16.num_layer_linear_params
+    linear = bf16.num_linear_params
     assert bf16.weight_bytes - fp8.weight_bytes == linear  # (one byte less per linear weight)
     assert 6.9e9 < linear < 7.0e9
     blocks = [compute_capacity(EngineConfig.from_flat({"model": m})).num_gpu_blocks for m in ("llama-3-8b", fp8.name)]
