@@ -16,6 +16,10 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # 1,024 tokens): hybrid KV-cache manager, 6 KV-cache groups
     .venv/bin/python bench/replay_speed.py azure-oss-spec  # the Azure trace on gpt-oss-120b (H100) with EAGLE-3:
                                                         # hybrid manager, the EAGLE layer in the full groups
+    .venv/bin/python bench/replay_speed.py azure-dsv3   # the Azure trace on deepseek-v3, 8 H200s at TP 8 (latent
+                                                        # attention: the roofline's two MLA paths)
+    .venv/bin/python bench/replay_speed.py azure-dsv3-dp8  # the same on 8 data-parallel ranks in lockstep (every
+                                                        # step of every rank stepped)
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -45,7 +49,7 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
-    if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-oss-spec"):
+    if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
         return import_trace("azure", [AZURE])[0]
     if case in ("azure-fleet4", "azure-pd4", "azure-pd4-async"):
         from dataclasses import replace
@@ -77,6 +81,9 @@ def run_case(case: str) -> dict:
         options |= {"model": "gemma-3-12b"}
     if case == "azure-oss-spec":
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
+    if case.startswith("azure-dsv3"):
+        options |= {"model": "deepseek-v3", "gpu": "H200"}
+        options |= {"data_parallel_size": 8} if case.endswith("-dp8") else {"tensor_parallel_size": 8}
     config = EngineConfig.from_flat(options)
     disaggregation = DisaggregationSpec(2, 2) if case_setup.endswith("-pd4") else None
     res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)

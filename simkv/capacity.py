@@ -121,7 +121,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks
     else:
-        weights = spec.weight_bytes / tp + draft_weights
+        weights = spec.weight_bytes_per_gpu(tp, config.hardware.data_parallel_size) + draft_weights
         available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config))
         if available <= 0:
             raise ConfigError(

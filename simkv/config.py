@@ -139,6 +139,11 @@ class HardwareConfig:
     model: str = "llama-3-8b"
     gpu: str = "H100-SXM"
     tensor_parallel_size: int = 1
+    # vLLM's --data-parallel-size for a mixture of experts: that many engine ranks (each its own
+    # scheduler and KV cache, attention and dense layers replicated over them, TP within each)
+    # whose expert layers span all ranks' GPUs and whose steps run in lockstep
+    # (simkv/replay/data_parallel.py)
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         get_model_spec(self.model)  # raise on unknown names
@@ -146,6 +151,12 @@ class HardwareConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         spec = get_model_spec(self.model)
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and not spec.is_moe:
+            raise ConfigError(f"data_parallel_size {self.data_parallel_size}: {self.model} is dense, and vLLM's "
+                              "data-parallel ranks of a dense model are independent engines: replay them as a "
+                              "fleet (--replicas N)")
         if spec.num_heads % self.tensor_parallel_size:
             raise ConfigError(
                 f"Total number of attention heads ({spec.num_heads}) must be divisible by tensor "
@@ -343,6 +354,8 @@ class EngineConfig:
         self.scheduler.verify_max_model_len(self.max_model_len)
         if self.speculative.enabled:
             self._verify_speculative()
+        if self.hardware.data_parallel_size > 1:
+            self._verify_data_parallel()
         if self.has_sliding_window:
             self._verify_sliding_window()
         elif self.attention.prefix_cache_retention_interval not in (0, None):
@@ -407,6 +420,15 @@ class EngineConfig:
             raise ConfigError(f"prefix_cache_retention_interval ({interval}) must be non-negative and a multiple of "
                               f"scheduler_block_size ({self.cache.block_size}).")
 
+    def _verify_data_parallel(self) -> None:
+        unsupported = [(self.scheduler.async_scheduling, "async scheduling"),
+                       (self.speculative.enabled, "speculative decoding"),
+                       (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
+                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"data_parallel_size > 1 is not modelled with {what}")
+
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
         if sched.async_scheduling and spec.speculative_method == "ngram":  # (vLLM's text; its GPU n-gram works)
@@ -449,6 +471,8 @@ class EngineConfig:
         out: dict = {}
         for part in (self.cache, self.scheduler, self.hardware):
             out.update(dataclasses.asdict(part))
+        if self.hardware.data_parallel_size == 1:  # (only with data parallelism: configs without it read as before)
+            del out["data_parallel_size"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager:

@@ -21,7 +21,12 @@ on Hopper: 512; Triton MLA elsewhere: 1; at least 1 + K under speculative decodi
 absorbed path: every head attends the cached latent directly, 2 * heads * (2 * kv_lora_rank +
 qk_rope_head_dim) FLOPs per query-key pair and layer. Longer chunks take the expanded path:
 2 * heads * (head_dim + v_head_dim) per pair, after the chunk's cached context is up-projected
-to keys and values (2 * kv_up_params FLOPs per cached token and layer). Efficiencies and overheads are
+to keys and values (2 * kv_up_params FLOPs per cached token and layer).
+
+Data-parallel ranks of a mixture of experts step in lockstep (`dp_step_seconds`,
+simkv/replay/data_parallel.py): each rank's time counts its own attention and dense work and
+1 / data_parallel_size of the routed experts over every rank's tokens, plus the expert layers'
+all-gather and reduce-scatter; the step lasts as long as the slowest rank. Efficiencies and overheads are
 defaults until `simkv calibrate` fits them on real hardware.
 
 The overheads are the host's share of a step (scheduling, input preparation, output
@@ -57,6 +62,7 @@ class RooflineCostModel:
         allreduce_latency_s: float = 8.0e-6,
         layer_windows: list[int] | None = None,
         num_speculative_tokens: int = 0,
+        data_parallel_size: int = 1,
     ) -> None:
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
@@ -92,6 +98,18 @@ class RooflineCostModel:
             self.comm_per_token = 0.0
             self.comm_fixed = 0.0
         self.fixed_s = step_overhead_s + self.comm_fixed
+        self.dp = data_parallel_size
+        if self.dp > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
+            g = self.dp * tp  # the GPUs the expert layers span
+            routed_flops = 2.0 * model.num_moe_layers * model.num_experts_per_tok * model.expert_params / tp
+            self.flops_per_token_local = self.flops_per_token - routed_flops
+            self.expert_flops_per_group_token = routed_flops / self.dp
+            self.expert_bytes_per_rank = self.expert_bytes / self.dp
+            # each expert layer all-gathers every rank's tokens and reduce-scatters the results
+            # (vLLM's default allgather_reducescatter), bf16 hidden states over the interconnect
+            self.dp_comm_per_token = (2 * model.num_moe_layers * (g - 1) / g * h * 2
+                                      / (gpu.interconnect_gbs * 1e9))
+            self.dp_comm_fixed = 2 * model.num_moe_layers * allreduce_latency_s
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
@@ -114,20 +132,48 @@ class RooflineCostModel:
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
     def execute(self, output: SchedulerOutput) -> float:
+        if self.dp > 1:
+            raise RuntimeError("a data-parallel roofline times lockstep steps of all ranks (dp_step_seconds)")
+        tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.step_work(output)
         if self.mla:
-            tokens, pairs, latent_pairs, kv_read, upproj = self.mla_chunk_work(output.chunks)
-            n, ctx = output.num_decode_reqs, output.decode_context_tokens
-            return self._time(tokens + n, len(output.chunks) + n, pairs, kv_read + ctx, max,
-                              latent_pairs + ctx, upproj)
-        if self.window_counts is not None:
-            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.window_counts, self.model.num_layers)
-        else:
-            p_tokens, p_pairs, p_read = prefill_work(output)
+            return self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        return self._time(tokens, seqs, pairs, kv_read, max)
+
+    def step_work(self, output: SchedulerOutput) -> tuple:
+        """(tokens, sequences, query-key pairs, KV tokens read, latent-path pairs, cached tokens
+        up-projected) of a step, as `_time` takes them (the last two: latent attention only)."""
         n = output.num_decode_reqs
         ctx = output.decode_context_tokens
-        if self.window_counts is not None:  # (layer-tokens: per layer on average, as the chunks' work)
-            ctx = ctx / self.model.num_layers
-        return self._time(p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, max)
+        if self.mla:
+            tokens, pairs, latent_pairs, kv_read, upproj = self.mla_chunk_work(output.chunks)
+            return tokens + n, len(output.chunks) + n, pairs, kv_read + ctx, latent_pairs + ctx, upproj
+        if self.window_counts is not None:
+            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.window_counts, self.model.num_layers)
+            ctx = ctx / self.model.num_layers  # (layer-tokens: per layer on average, as the chunks' work)
+        else:
+            p_tokens, p_pairs, p_read = prefill_work(output)
+        return p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, 0, 0
+
+    def dp_step_seconds(self, outputs: list[SchedulerOutput]) -> float:
+        """A lockstep step of data-parallel ranks (one output each; an empty one is a rank's dummy
+        pass): each rank's GPUs run its attention and dense layers on its own tokens, and their
+        share (1 / data_parallel_size) of the routed experts on every rank's tokens, reading the
+        experts those tokens touch; the expert layers' all-gather and reduce-scatter carry every
+        rank's tokens. The step lasts as long as its slowest rank."""
+        works = [self.step_work(out) for out in outputs]
+        total = sum(w[0] for w in works)
+        expert_flops = self.expert_flops_per_group_token * total
+        expert_traffic = self.expert_bytes_per_rank * self.moe.experts_touched(total) if total else 0.0
+        comm = self.dp_comm_per_token * total + self.dp_comm_fixed
+        longest = 0.0
+        for tokens, seqs, pairs, kv_read, latent_pairs, upproj in works:
+            flops = self.flops_per_token_local * tokens + self.flops_per_seq * seqs + self.flops_per_pair * pairs
+            if self.mla:
+                flops += self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj
+            traffic = self.weight_bytes + expert_traffic + self.kv_bytes_per_token * (kv_read + tokens)
+            busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
+            longest = max(longest, busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm)
+        return longest
 
     def mla_chunk_work(self, chunks) -> tuple[int, int, int, int, int]:
         """Latent attention: (tokens, expanded-path pairs, absorbed-path pairs, KV tokens read,

@@ -17,6 +17,7 @@ def capacity_report(config: EngineConfig) -> dict:
     spec = get_model_spec(config.hardware.model)
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
+    dp = config.hardware.data_parallel_size
     mml = config.max_model_len
     model_per_token = kv_bytes_per_token(config, 1)
     draft = config.speculative.draft_spec(spec)
@@ -32,6 +33,8 @@ def capacity_report(config: EngineConfig) -> dict:
     extra = {"draft_network": draft.name} if draft is not None else {}
     if spec.is_mla:
         extra["latent_cache_on_every_gpu"] = True
+    if dp > 1:  # every rank has its own pool of that many blocks
+        extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
     if config.has_sliding_window:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     return {
@@ -47,7 +50,7 @@ def capacity_report(config: EngineConfig) -> dict:
         "kv_bytes_per_request": per_request_gpu * tp if hybrid else model_per_token * mml,  # all GPUs
         "kv_bytes_per_request_per_gpu": per_request_gpu,
         "block_bytes_per_gpu": cap.block_bytes,
-        "weight_bytes_per_gpu": int(spec.weight_bytes / tp),  # (the draft network's, if any, not included)
+        "weight_bytes_per_gpu": int(spec.weight_bytes_per_gpu(tp, dp)),  # (the draft network's, if any, not included)
         "num_params": spec.num_params,
         "num_active_params": spec.num_active_params,  # per token (a mixture of experts: k experts)
         "available_kv_bytes_per_gpu": cap.available_kv_bytes,
@@ -68,7 +71,8 @@ def print_report(rep: dict) -> None:
     from rich.table import Table
 
     tp = rep["tensor_parallel_size"]
-    table = Table(title=f"KV cache capacity: {rep['model']} on {tp} x {rep['gpu']}", show_header=True)
+    gpus = f"{rep['data_parallel_size']} x {tp}" if rep.get("data_parallel_size") else f"{tp}"
+    table = Table(title=f"KV cache capacity: {rep['model']} on {gpus} x {rep['gpu']}", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
     rows = [
@@ -91,6 +95,9 @@ def print_report(rep: dict) -> None:
         kinds = groups["summary"] if groups["hybrid_kv_cache_manager"] else "1 (hybrid manager disabled)"
         rows.insert(0, ("KV-cache groups", kinds))
         rows.insert(1, ("layers per block (padding)", f"{groups['layers_per_block']} ({groups['num_padding_layers']})"))
+    if rep.get("data_parallel_size"):
+        rows.append(("data-parallel ranks (each its own KV cache)", f"{rep['data_parallel_size']}"))
+        rows.append(("KV cache tokens, all ranks", f"{rep['kv_cache_tokens_all_ranks']:,}"))
     if rep.get("latent_cache_on_every_gpu"):
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):
@@ -108,6 +115,8 @@ def print_report(rep: dict) -> None:
               help="A model of simkv/specs/models.yaml, or a Hugging Face config.json [default: llama-3-8b]")
 @click.option("--gpu", default=None, help="A GPU of simkv/specs/gpus.yaml [default: H100-SXM]")
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
+@click.option("--data-parallel-size", "-dp", type=int, default=None,
+              help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None, help="[default: auto]")

@@ -24,6 +24,7 @@ _ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
+    "data_parallel_size": "data_parallel_size",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "async_scheduling": "async_scheduling",
@@ -193,6 +194,9 @@ _ENGINE_OPTIONS = [
                  help="A shipped model, or a Hugging Face config.json of your own [default: llama-3-8b]"),
     click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]"),
     click.option("--tensor-parallel-size", "-tp", type=int, default=None),
+    click.option("--data-parallel-size", "-dp", type=int, default=None,
+                 help="A mixture of experts: data-parallel attention ranks in lockstep, their experts over "
+                      "all GPUs (vLLM's --data-parallel-size) [default: 1]"),
     click.option("--block-size", type=int, default=None, help="[default: 16]"),
     click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
     click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),

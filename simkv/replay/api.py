@@ -70,11 +70,19 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     if disaggregation is not None:
+        if config.hardware.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not modelled in a disaggregated replay's pools")
         if backend is not None or (fleet is not None and fleet.num_replicas > 1):
             raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")
         return _replay_disaggregated(trace, config, cost_model, cost_options or {}, use_decode_runs, on_progress,
                                      pause_collector, goodput, disaggregation)
     capacity = compute_capacity(config)
+    if config.hardware.data_parallel_size > 1:
+        if backend is not None or (fleet is not None and fleet.num_replicas > 1) or cost_model != "roofline":
+            raise ValueError("data_parallel_size > 1 replays one engine's lockstep ranks on the roofline cost model "
+                             "(not a fleet, another cost model or the GPU backend)")
+        return _replay_data_parallel(trace, config, cost_options or {}, on_progress, pause_collector, goodput,
+                                     capacity)
     if fleet is not None and fleet.num_replicas > 1:
         if backend is not None:
             raise ValueError("a fleet replays on cost models only (one backend per replica)")
@@ -110,6 +118,26 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         wall = time.perf_counter() - t0
         requests, steps, per_replica = fleet_tables(runs, routing, trace)
         summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica)
+        if goodput:
+            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
+    return ReplayResult(summary, requests, steps, runs[0], runs)
+
+
+def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector, goodput,
+                          capacity) -> ReplayResult:
+    from simkv.replay.data_parallel import run_data_parallel
+
+    backend = make_backend("roofline", config, **cost_options)
+    with collector_paused(pause_collector):
+        t0 = time.perf_counter()
+        runs, routing = run_data_parallel(trace, config, backend, capacity.num_gpu_blocks, capacity, on_progress)
+        wall = time.perf_counter() - t0
+        requests, steps, per_rank = fleet_tables(runs, routing, trace)
+        summary = fleet_summary(runs, routing, trace, config, [backend] * len(runs), capacity, wall, requests,
+                                per_rank)
+        fleet_part = summary.pop("fleet")
+        summary["data_parallel"] = {"data_parallel_size": fleet_part["num_replicas"], "router": fleet_part["router"],
+                                    "ranks": fleet_part["replicas"]}
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, steps, runs[0], runs)

@@ -89,13 +89,18 @@ class FleetRouting:
             return
         self.queues[self.assign(i, tick)].append(i)
 
-    def assign(self, i: int, tick: int) -> int:
-        """The replica for trace row `i` at `tick`, chosen on the finishes strictly before `tick`;
-        it counts the request as outstanding there."""
+    def loads_at(self, tick: int) -> list[int]:
+        """Each replica's requests in flight at `tick`: sent, less the finishes strictly before it."""
         loads = self.outstanding
         for r, finishes in enumerate(self._finishes):
             while finishes and finishes[0][0] < tick:
                 loads[r] -= finishes.popleft()[1]
+        return loads
+
+    def assign(self, i: int, tick: int) -> int:
+        """The replica for trace row `i` at `tick`, chosen on the finishes strictly before `tick`;
+        it counts the request as outstanding there."""
+        loads = self.loads_at(tick)
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0

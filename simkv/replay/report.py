@@ -31,6 +31,9 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     else:
         head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
                 ("cost model", cost["cost_model"])]
+        if cfg.get("data_parallel_size", 1) > 1:
+            head.insert(1, ("data-parallel ranks", f"{cfg['data_parallel_size']} in lockstep, experts over all "
+                                                   f"{cfg['data_parallel_size'] * cfg['tensor_parallel_size']} GPUs"))
     if cfg.get("async_scheduling"):
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
     groups = summary.get("kv_cache_groups")

@@ -195,6 +195,19 @@ class ModelSpec:
         return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size)
                 + self.expert_weight_bytes * self.num_moe_layers * self.num_layer_expert_params)
 
+    @property
+    def routed_expert_bytes(self) -> float:
+        """Bytes of the routed experts (what expert or data parallelism spreads over its GPUs)."""
+        return self.expert_weight_bytes * self.num_moe_layers * self.num_layer_expert_params
+
+    def weight_bytes_per_gpu(self, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> float:
+        """Weights on one GPU: split by TP, and under data parallelism the routed experts split over
+        every rank's GPUs (data_parallel_size x TP) while the rest is replicated on each rank."""
+        if data_parallel_size == 1:
+            return self.weight_bytes / tensor_parallel_size
+        routed = self.routed_expert_bytes
+        return (self.weight_bytes - routed) / tensor_parallel_size + routed / (tensor_parallel_size * data_parallel_size)
+
     def experts_touched(self, num_tokens):
         """Expected distinct experts a layer runs for `num_tokens` tokens (routing taken as
         uniform and independent): E * (1 - (1 - k / E) ** T). Works on numpy arrays too."""

@@ -1,0 +1,134 @@
+"""Data-parallel attention for a mixture of experts: vLLM's `--data-parallel-size N`.
+
+N engine ranks, each an ordinary `ReplayEngine` (its own scheduler, KV-cache manager and block
+pool, attention and dense layers replicated on its TP GPUs), share the expert layers, which
+span all N x TP GPUs. Their forward passes must line up: the expert layers gather every rank's
+tokens, so while any rank has work the others run dummy passes (vLLM's DP coordinator and its
+"waves"). One SimPy process therefore steps all ranks together: at each step boundary every
+rank takes its arrivals and schedules; the step lasts as long as the slowest rank
+(`RooflineCostModel.dp_step_seconds`); then every rank that ran processes its output.
+
+Requests go to ranks at their arrival as vLLM 0.33's front end sends them
+(`DPLBAsyncMPClient.get_core_engine_for_request`): to the rank of least score, the larger of
+its requests in flight and its waiting + running count in the coordinator's latest snapshot
+(published every 100 ms: here at the first step boundary 100 ms after the last), plus, when
+it has waiting requests, 6 x waiting x max(0, KV cache usage - 0.5); ties go to the lowest
+rank, and the chosen rank's snapshot counts one more waiting request until the next snapshot.
+Synchronous scheduling, the roofline cost model and no speculative decoding (config.py
+refuses the rest); every step is stepped (no decode runs).
+"""
+
+from __future__ import annotations
+
+import simpy
+
+from simkv.clock import TICKS_PER_SECOND, to_ticks
+from simkv.replay.engine import ReplayEngine, ReplayError, ReplayRun
+from simkv.replay.fleet import FleetRouting, ReplicaFeed
+
+SNAPSHOT_INTERVAL_S = 0.1  # vLLM's DP coordinator publishes the ranks' counts every 100 ms
+
+
+class DPBalancer:
+    """The policy's description and size, as a fleet's router gives them."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_replicas = num_ranks
+
+    def describe(self) -> dict:
+        return {"policy": "vllm_dp_load_balancer", "num_replicas": self.num_replicas,
+                "snapshot_interval_s": SNAPSHOT_INTERVAL_S}
+
+
+class DPRouting(FleetRouting):
+    """A fleet's routing with vLLM's data-parallel load balancer instead of a router."""
+
+    def __init__(self, trace, num_ranks: int, max_model_len: int) -> None:
+        super().__init__(trace, DPBalancer(num_ranks), max_model_len)
+        self.snapshot = [[0, 0, 0.0] for _ in range(num_ranks)]  # waiting, running, KV cache usage
+        self._snapshot_tick: int | None = None
+        self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
+
+    def publish(self, ranks: list[ReplayEngine], tick: int) -> None:
+        """The coordinator's snapshot of every rank, if 100 ms have passed since the last."""
+        if self._snapshot_tick is not None and tick - self._snapshot_tick < self._interval:
+            return
+        self._snapshot_tick = tick
+        for r, rank in enumerate(ranks):
+            sched = rank.scheduler
+            pool = sched.kv_cache_manager.block_pool
+            self.snapshot[r] = [sched.num_waiting(), len(sched.running),
+                                pool.get_num_used_blocks() / max(pool.num_usable_blocks, 1)]
+
+    def assign(self, i: int, tick: int) -> int:
+        loads = self.loads_at(tick)
+        best, least = 0, float("inf")
+        for r, (waiting, running, usage) in enumerate(self.snapshot):
+            score = max(loads[r], waiting + running)
+            if waiting:
+                score += waiting * 6.0 * max(0.0, usage - 0.5)
+            if score < least:
+                best, least = r, score
+        self.snapshot[best][0] += 1
+        self.assignment[i] = best
+        loads[best] += 1
+        return best
+
+
+def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
+                      on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
+    """Replay `trace` on config.hardware.data_parallel_size lockstep ranks of `backend` (a
+    roofline built for that data parallelism)."""
+    dp = config.hardware.data_parallel_size
+    env = simpy.Environment()
+    routing = DPRouting(trace, dp, config.max_model_len)
+    routing.on_reject = on_progress
+
+    def feed_of(rank):
+        return lambda scheduler, log: ReplicaFeed(routing, rank, trace, scheduler, log, config.max_model_len)
+
+    ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
+                          capacity=capacity, env=env, make_feed=feed_of(r)) for r in range(dp)]
+    env.run(until=env.process(_lockstep(env, ranks, backend, routing)))
+    return [rank.result() for rank in ranks], routing
+
+
+def _lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
+    now = 0
+    while True:
+        for rank in ranks:  # (the arrivals since the last boundary are routed on the snapshot before it)
+            rank.now = now
+            rank.feed.deliver_until(now)
+            if rank.feed.num_rejected != rank._num_rejected_reported:
+                rank._report_rejected()
+        routing.publish(ranks, now)
+        if not any(rank.scheduler.has_unfinished_requests() for rank in ranks):
+            upcoming = [t for t in (rank.feed.next_arrival_ticks() for rank in ranks) if t is not None]
+            if not upcoming:
+                return
+            later = min(upcoming)
+            if later > now:
+                yield env.timeout(later - now)
+                now = later
+            continue
+        outs = [rank._schedule() for rank in ranks]
+        if all(out.is_empty for out in outs):
+            for rank, out in zip(ranks, outs):
+                rank.scheduler.current_step = out.step  # nothing ran: not a step
+            if any(out.preempted for out in outs):
+                continue  # (a request preempted itself: schedule again)
+            stuck = next(rank for rank in ranks if rank.scheduler.has_unfinished_requests())
+            raise ReplayError(stuck._stuck_message(outs[ranks.index(stuck)].step))
+        duration = to_ticks(backend.dp_step_seconds(outs))
+        yield env.timeout(duration)
+        end = now + duration
+        for rank, out in zip(ranks, outs):
+            rank.now = end
+            if out.is_empty:  # a dummy pass: the rank's scheduler ran nothing
+                rank.scheduler.current_step = out.step
+                continue
+            finished = rank.scheduler.update_from_output(out)
+            rank.steps.add_step(out, now, duration)
+            if finished:
+                rank._record_finished(finished)
+        now = end

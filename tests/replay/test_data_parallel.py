@@ -1,0 +1,144 @@
+"""Data-parallel attention for a mixture of experts (vLLM's --data-parallel-size): memory per GPU,
+the lockstep ranks' steps, the roofline's share of the experts, refusals."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.roofline import RooflineCostModel
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+from simkv.replay.api import FleetSpec, replay
+from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.traces.schema import read_trace
+from tests.core.helpers import make_request
+
+DP8 = dict(model="deepseek-v3", gpu="H200", data_parallel_size=8)
+
+
+def test_ranks_replicate_attention_and_split_the_experts():
+    """Under DP 8 (TP 1) every GPU holds the attention, dense layers, shared experts and embeddings
+    whole and an eighth of the routed experts; each rank has its own pool, so the KV cache tokens
+    of all ranks are 8 times one rank's (DeepSeek-V3 on 8 H200s: 5.4 times TP 8's)."""
+    spec = get_model_spec("deepseek-v3")
+    routed = spec.routed_expert_bytes
+    assert spec.weight_bytes_per_gpu(1, 8) == pytest.approx(spec.weight_bytes - routed + routed / 8)
+    assert spec.weight_bytes_per_gpu(8) == spec.weight_bytes / 8
+    dp, tp = (compute_capacity(EngineConfig.from_flat(o)) for o in (DP8, dict(DP8, data_parallel_size=1,
+                                                                             tensor_parallel_size=8)))
+    assert dp.block_bytes == tp.block_bytes  # (the latent: whole on every GPU either way)
+    assert 8 * dp.kv_cache_tokens / tp.kv_cache_tokens == pytest.approx(5.44, abs=0.01)
+    res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "-dp", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["data_parallel_size"] == 8 and rep["kv_cache_tokens_all_ranks"] == 8 * dp.kv_cache_tokens
+    assert rep["weight_bytes_per_gpu"] == int(spec.weight_bytes_per_gpu(1, 8))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(model="llama-3-8b", data_parallel_size=2), "dense.*--replicas"),
+    (dict(DP8, async_scheduling=True), "not modelled with async scheduling"),
+    (dict(DP8, speculative_method="mtp", num_speculative_tokens=1), "not modelled with speculative decoding"),
+    (dict(DP8, data_parallel_size=0), "data_parallel_size must be >= 1"),
+])
+def test_what_data_parallelism_is_not_modelled_with(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+def _step(chunks=(), decodes=0, context=0) -> SchedulerOutput:
+    return SchedulerOutput(step=0, chunks=list(chunks), num_decode_reqs=decodes, decode_context_tokens=context,
+                           decodes=None, preempted=[], num_running=len(chunks) + decodes, num_waiting=0,
+                           num_blocks_used=0, prefix_query_tokens=0, prefix_hit_tokens=0)
+
+
+def test_a_lockstep_step_lasts_as_long_as_its_slowest_rank():
+    """A rank with nothing to do still runs a dummy pass (its weights read, its experts' share of
+    the others' tokens); a rank prefilling 4,096 tokens makes the decoding ranks wait for it; the
+    expert FLOPs of every rank's tokens are shared evenly over the ranks."""
+    spec, gpu = get_model_spec("deepseek-v3"), get_gpu_spec("H200")
+    model = RooflineCostModel(spec, gpu, 1, data_parallel_size=8)
+    routed = 2.0 * spec.num_moe_layers * spec.num_experts_per_tok * spec.expert_params
+    assert model.expert_flops_per_group_token * 8 == routed
+    assert model.flops_per_token_local == pytest.approx(model.flops_per_token - routed)
+    decode = _step(decodes=32, context=32 * 2000)
+    prefill = _step([ScheduledChunk(make_request(0, 4096, 1), 0, 4096)])
+    idle = model.dp_step_seconds([_step()] * 8)
+    assert idle > (model.weight_bytes / model.byte_rate)  # (dummy passes read the weights)
+    decodes = model.dp_step_seconds([decode] * 8)
+    mixed = model.dp_step_seconds([prefill] + [decode] * 7)
+    alone = model.dp_step_seconds([prefill] + [_step()] * 7)
+    assert idle < decodes < mixed and alone < mixed
+    assert mixed > 3 * decodes  # (the decoding ranks wait for the prefill)
+
+
+def test_requests_go_where_vllms_dp_load_balancer_sends_them(tmp_path):
+    """The rank of least max(in flight, waiting + running) plus 6 x waiting x (KV usage - 0.5)
+    when it has waiting requests; ties to the lowest rank; the chosen rank counts one more
+    waiting request until the next snapshot."""
+    from simkv.replay.data_parallel import DPRouting
+
+    routing = DPRouting(_trace(tmp_path, n=8), 3, 10_000)
+    assert [routing.assign(i, 0) for i in range(3)] == [0, 1, 2]  # (each pick adds a waiting request)
+    routing.outstanding[:] = [1, 1, 1]
+    routing.snapshot = [[0, 2, 0.9], [1, 1, 0.9], [1, 1, 0.4]]
+    # scores: max(1, 2) = 2; max(1, 2) + 6 x 1 x 0.4 = 4.4; max(1, 2) + 0 = 2: rank 0 (ties: lowest)
+    assert routing.assign(3, 0) == 0
+    assert routing.snapshot[0][0] == 1 and routing.outstanding == [2, 1, 1]
+    # now rank 0: max(2, 3) + 6 x 1 x 0.4 = 5.4; rank 2: 2
+    assert routing.assign(4, 0) == 2
+    assert routing.router.describe()["policy"] == "vllm_dp_load_balancer"
+
+
+def _trace(tmp_path, n=240, seed=3):
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({"request_id": [f"q{i}" for i in range(n)],
+                          "arrival_time_s": np.sort(rng.uniform(0, 30, n)),
+                          "prompt_tokens": rng.integers(50, 3000, n), "output_tokens": rng.integers(5, 300, n)})
+    path = tmp_path / "t.parquet"
+    frame.to_parquet(path)
+    return read_trace(str(path))
+
+
+def test_ranks_step_together_and_repeat_themselves(tmp_path):
+    """Every rank's steps start at the group's step boundaries and last the group's step; requests
+    spread over the ranks (the least outstanding); the same inputs give the same bytes."""
+    trace = _trace(tmp_path)
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=4))
+    result = replay(trace, config)
+    steps = pd.DataFrame(result.steps)
+    assert set(steps["replica"]) == {0, 1, 2, 3}
+    per_start = steps.groupby("start_time_s")["duration_s"].nunique()
+    assert (per_start == 1).all()  # one duration per boundary, whichever ranks ran
+    shared = steps.groupby("start_time_s")["replica"].transform("size") > 1
+    assert shared.mean() > 0.5  # (most steps ran alongside another rank's, from the same start)
+    ends = set(np.round(steps["start_time_s"] + steps["duration_s"], 9))
+    starts = sorted(set(np.round(steps["start_time_s"], 9)))
+    assert sum(s in ends for s in starts[1:]) > 0.5 * len(starts)  # (back to back while there is work)
+    counts = result.requests["replica"].value_counts()
+    assert len(counts) == 4 and counts.min() > 30
+    summary = result.summary
+    assert summary["num_finished"] == len(trace) and summary["data_parallel"]["data_parallel_size"] == 4
+    assert len(summary["data_parallel"]["ranks"]) == 4 and "fleet" not in summary
+    again = replay(trace, config)
+    assert again.requests.equals(result.requests)
+    assert all(np.array_equal(again.steps[k], result.steps[k]) for k in result.steps)
+
+
+def test_data_parallel_replays_refuse_fleets_and_other_cost_models(tmp_path):
+    trace = _trace(tmp_path, n=20)
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2))
+    with pytest.raises(ValueError, match="lockstep ranks on the roofline"):
+        replay(trace, config, cost_model="unit")
+    with pytest.raises(ValueError, match="lockstep ranks on the roofline"):
+        replay(trace, config, fleet=FleetSpec(num_replicas=2))
+    res = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v2-lite", "-dp", "2",
+                                    "--prefill-replicas", "1", "--decode-replicas", "1", "--out", str(tmp_path / "pd")])
+    assert res.exit_code != 0 and "disaggregated" in res.output
+    with pytest.raises(RuntimeError, match="lockstep"):
+        RooflineCostModel(get_model_spec("deepseek-v2-lite"), get_gpu_spec("H100-SXM"), data_parallel_size=2).execute(_step())
