@@ -154,13 +154,14 @@ class RooflineCostModel:
             p_tokens, p_pairs, p_read = prefill_work(output)
         return p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, 0, 0
 
-    def dp_step_seconds(self, outputs: list[SchedulerOutput]) -> float:
-        """A lockstep step of data-parallel ranks (one output each; an empty one is a rank's dummy
-        pass): each rank's GPUs run its attention and dense layers on its own tokens, and their
-        share (1 / data_parallel_size) of the routed experts on every rank's tokens, reading the
-        experts those tokens touch; the expert layers' all-gather and reduce-scatter carry every
-        rank's tokens. The step lasts as long as its slowest rank."""
-        works = [self.step_work(out) for out in outputs]
+    def dp_step_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0) -> float:
+        """A lockstep step of data-parallel ranks: the outputs of the ranks that ran, and
+        `num_dummy` ranks that run a dummy pass. Each rank's GPUs run its attention and dense
+        layers on its own tokens, and their share (1 / data_parallel_size) of the routed experts
+        on every rank's tokens, reading the experts those tokens touch; the expert layers'
+        all-gather and reduce-scatter carry every rank's tokens. The step lasts as long as its
+        slowest rank."""
+        works = [self.step_work(out) for out in outputs] + [(0, 0, 0, 0, 0, 0)] * min(num_dummy, 1)
         total = sum(w[0] for w in works)
         expert_flops = self.expert_flops_per_group_token * total
         expert_traffic = self.expert_bytes_per_rank * self.moe.experts_touched(total) if total else 0.0

@@ -111,19 +111,24 @@ def _lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routin
                 yield env.timeout(later - now)
                 now = later
             continue
-        outs = [rank._schedule() for rank in ranks]
-        if all(out.is_empty for out in outs):
+        # a rank without requests runs a dummy pass (None: its scheduler has nothing to look at)
+        outs = [rank._schedule() if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
+        ran = [out for out in outs if out is not None and not out.is_empty]
+        if not ran:
             for rank, out in zip(ranks, outs):
-                rank.scheduler.current_step = out.step  # nothing ran: not a step
-            if any(out.preempted for out in outs):
+                if out is not None:
+                    rank.scheduler.current_step = out.step  # nothing ran: not a step
+            if any(out is not None and out.preempted for out in outs):
                 continue  # (a request preempted itself: schedule again)
-            stuck = next(rank for rank in ranks if rank.scheduler.has_unfinished_requests())
-            raise ReplayError(stuck._stuck_message(outs[ranks.index(stuck)].step))
-        duration = to_ticks(backend.dp_step_seconds(outs))
+            stuck = next(r for r, out in enumerate(outs) if out is not None)
+            raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
+        duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)))
         yield env.timeout(duration)
         end = now + duration
         for rank, out in zip(ranks, outs):
             rank.now = end
+            if out is None:
+                continue
             if out.is_empty:  # a dummy pass: the rank's scheduler ran nothing
                 rank.scheduler.current_step = out.step
                 continue
