@@ -422,7 +422,6 @@ class EngineConfig:
 
     def _verify_data_parallel(self) -> None:
         unsupported = [(self.scheduler.async_scheduling, "async scheduling"),
-                       (self.speculative.enabled, "speculative decoding"),
                        (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:

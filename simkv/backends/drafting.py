@@ -34,28 +34,61 @@ class Drafter:
             self.network = RooflineCostModel(draft, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                              config.cache.kv_dtype_bytes,
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,
-                                             seq_overhead_s=0.0, num_speculative_tokens=self.k)
+                                             seq_overhead_s=0.0, num_speculative_tokens=self.k,
+                                             data_parallel_size=hw.data_parallel_size)
 
-    def seconds(self, output: SchedulerOutput) -> float:
+    @staticmethod
+    def _sampling(output: SchedulerOutput) -> tuple[int, int]:
+        """(requests sampling in the step, the tokens they have then): who gets drafts."""
         sampling = context = 0
         for chunk in output.chunks:
             end = chunk.num_computed_tokens + chunk.num_new_tokens
             if end >= chunk.request.num_tokens:
                 sampling += 1
                 context += end
+        return sampling, context
+
+    def _first_work(self, output: SchedulerOutput, sampling: int) -> tuple:
+        """The network's first pass, over every token of the step (its `step_work` tuple)."""
+        net = self.network
+        if net.mla:
+            tokens, pairs, latent_pairs, kv_read, upproj = net.mla_chunk_work(output.chunks)
+            return tokens + output.num_decode_reqs, sampling, pairs, kv_read, latent_pairs, upproj
+        tokens, pairs, kv_read = prefill_work(output)
+        return tokens + output.num_decode_reqs, sampling, pairs, kv_read, 0, 0
+
+    def seconds(self, output: SchedulerOutput) -> float:
+        sampling, context = self._sampling(output)
         k = output.num_spec_tokens_to_schedule  # (the scheduler's K for this step)
         if not sampling or not k:
             return 0.0  # (vLLM skips drafting when no request can use the drafts)
         if self.network is None:
             return sampling * self.per_request_s
         net = self.network
-        if net.mla:
-            tokens, pairs, latent_pairs, kv_read, upproj = net.mla_chunk_work(output.chunks)
-            first = net._time(tokens + output.num_decode_reqs, sampling, pairs, kv_read, max, latent_pairs, upproj)
-        else:
-            tokens, pairs, kv_read = prefill_work(output)
-            first = net._time(tokens + output.num_decode_reqs, sampling, pairs, kv_read, max)
+        tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._first_work(output, sampling)
+        first = net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
         return first + (k - 1) * net.decode_pass_seconds(sampling, context)
+
+    def dp_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0) -> float:
+        """Data-parallel ranks draft in lockstep too (the draft layer's experts span the ranks): each
+        pass lasts as long as its slowest rank; a rank with no drafts to make, or fewer passes,
+        runs dummy passes. ngram drafts on each rank's host: the slowest rank's time."""
+        rows = []
+        for out in outputs:
+            sampling, context = self._sampling(out)
+            if sampling and out.num_spec_tokens_to_schedule:
+                rows.append((out, sampling, context, out.num_spec_tokens_to_schedule))
+        if not rows:
+            return 0.0
+        if self.network is None:
+            return max(sampling for _, sampling, _, _ in rows) * self.per_request_s
+        net = self.network
+        idle = num_dummy + len(outputs) - len(rows)
+        total = net.dp_time([self._first_work(out, sampling) for out, sampling, _, _ in rows], idle)
+        for j in range(1, max(k for *_, k in rows)):
+            works = [net.decode_pass_work(sampling, context) for _, sampling, context, k in rows if k > j]
+            total += net.dp_time(works, idle + len(rows) - len(works))
+        return total
 
     def describe(self) -> dict:
         out = {"method": self.method, "num_speculative_tokens": self.k}
@@ -84,6 +117,12 @@ class SpeculativeBackend:
         draft = self.drafter.seconds(output)
         self.draft_seconds += draft
         return self.inner.execute(output) + draft
+
+    def dp_step_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0) -> float:
+        """A lockstep step of data-parallel ranks, their drafting included."""
+        draft = self.drafter.dp_seconds(outputs, num_dummy) if self.drafter is not None else 0.0
+        self.draft_seconds += draft
+        return self.inner.dp_step_seconds(outputs, num_dummy) + draft
 
     def describe(self) -> dict:
         if self.drafter is None:

@@ -161,10 +161,15 @@ class RooflineCostModel:
         on every rank's tokens, reading the experts those tokens touch; the expert layers'
         all-gather and reduce-scatter carry every rank's tokens. The step lasts as long as its
         slowest rank."""
-        works = [self.step_work(out) for out in outputs] + [(0, 0, 0, 0, 0, 0)] * min(num_dummy, 1)
+        return self.dp_time([self.step_work(out) for out in outputs], num_dummy)
+
+    def dp_time(self, works: list[tuple], num_dummy: int = 0) -> float:
+        """`dp_step_seconds` for the ranks' `step_work` tuples (a drafter's passes too)."""
+        works = works + [(0, 0, 0, 0, 0, 0)] * min(num_dummy, 1)
         total = sum(w[0] for w in works)
         expert_flops = self.expert_flops_per_group_token * total
-        expert_traffic = self.expert_bytes_per_rank * self.moe.experts_touched(total) if total else 0.0
+        touched = self.moe.experts_touched(total) if total and self.moe is not None else 0.0
+        expert_traffic = self.expert_bytes_per_rank * touched
         comm = self.dp_comm_per_token * total + self.dp_comm_fixed
         longest = 0.0
         for tokens, seqs, pairs, kv_read, latent_pairs, upproj in works:
@@ -191,12 +196,16 @@ class RooflineCostModel:
                 upproj += c
         return tokens, pairs, latent_pairs, kv_read, upproj
 
-    def decode_pass_seconds(self, num_seqs: int, context: int) -> float:
-        """A pass of one new token for each of `num_seqs` sequences, `context` tokens cached over
-        them all (a drafter's later passes)."""
+    def decode_pass_work(self, num_seqs: int, context: int) -> tuple:
+        """The `step_work` of a pass of one new token for each of `num_seqs` sequences, `context`
+        tokens cached over them all (a drafter's later passes)."""
         if self.mla:
-            return self._time(num_seqs, num_seqs, 0, context, max, latent_pairs=context + num_seqs)
-        return self._time(num_seqs, num_seqs, context + num_seqs, context, max)
+            return num_seqs, num_seqs, 0, context, context + num_seqs, 0
+        return num_seqs, num_seqs, context + num_seqs, context, 0, 0
+
+    def decode_pass_seconds(self, num_seqs: int, context: int) -> float:
+        tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.decode_pass_work(num_seqs, context)
+        return self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
 
     def host_seconds(self, num_seqs: int) -> float:
         """The part of a step of `num_seqs` sequences (prefill chunks and decodes) spent on the

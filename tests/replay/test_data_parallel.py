@@ -43,7 +43,6 @@ def test_ranks_replicate_attention_and_split_the_experts():
 @pytest.mark.parametrize("options, message", [
     (dict(model="llama-3-8b", data_parallel_size=2), "dense.*--replicas"),
     (dict(DP8, async_scheduling=True), "not modelled with async scheduling"),
-    (dict(DP8, speculative_method="mtp", num_speculative_tokens=1), "not modelled with speculative decoding"),
     (dict(DP8, data_parallel_size=0), "data_parallel_size must be >= 1"),
 ])
 def test_what_data_parallelism_is_not_modelled_with(options, message):
@@ -128,6 +127,32 @@ def test_ranks_step_together_and_repeat_themselves(tmp_path):
     again = replay(trace, config)
     assert again.requests.equals(result.requests)
     assert all(np.array_equal(again.steps[k], result.steps[k]) for k in result.steps)
+
+
+def test_ranks_draft_in_lockstep_too(tmp_path):
+    """MTP on data-parallel ranks: each draft pass lasts as long as its slowest rank and takes the
+    draft layer's expert share over every rank's tokens; a rank with no drafts to make runs a
+    dummy pass. The replay finishes every request and accepts drafts."""
+    from simkv.backends.factory import make_backend
+
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, speculative_method="mtp",
+                                         num_speculative_tokens=2))
+    backend = make_backend("roofline", config)
+    drafter, net = backend.drafter, backend.drafter.network
+    assert net.dp == 2 and net.model.num_moe_layers == 1
+    chunk = ScheduledChunk(make_request(0, 1003, 10), 1000, 3, num_spec_tokens=2)
+    busy = _step([chunk])
+    busy.num_spec_tokens_to_schedule = 2
+    sampling, context = drafter._sampling(busy)
+    first = net.dp_time([drafter._first_work(busy, sampling)], 1)
+    later = net.dp_time([net.decode_pass_work(sampling, context)], 1)
+    assert drafter.dp_seconds([busy], 1) == pytest.approx(first + later)
+    assert drafter.dp_seconds([_step()], 1) == 0.0  # (nobody samples: no drafting)
+    target = backend.inner.dp_step_seconds([busy], 1)
+    assert target > 0 and backend.dp_step_seconds([busy], 1) == pytest.approx(target + first + later)
+    result = replay(_trace(tmp_path, n=60), config)
+    spec = result.summary["speculative_decoding"]
+    assert result.summary["num_finished"] == 60 and spec["num_accepted_tokens"] > 0
 
 
 def test_data_parallel_replays_refuse_fleets_and_other_cost_models(tmp_path):
