@@ -70,8 +70,6 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     if disaggregation is not None:
-        if config.hardware.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not modelled in a disaggregated replay's pools")
         if backend is not None or (fleet is not None and fleet.num_replicas > 1):
             raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")
         return _replay_disaggregated(trace, config, cost_model, cost_options or {}, use_decode_runs, on_progress,
@@ -162,6 +160,7 @@ def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_ru
         run = run_disaggregated(trace, spec, configs[0], configs[1], backends[0], backends[1], capacities[0],
                                 capacities[1], use_decode_runs, on_progress)
         wall = time.perf_counter() - t0
+        backends[1] = backends[1] * (len(run.decode_runs) // len(backends[1]))  # (a data-parallel pool: one per rank)
         requests, steps, prefill_requests, per_prefill, per_decode = pd_tables(run, trace)
         summary = pd_summary(run, trace, spec, configs, backends, capacities, wall, requests, prefill_requests,
                              per_prefill, per_decode)

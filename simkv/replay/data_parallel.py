@@ -43,8 +43,8 @@ class DPBalancer:
 class DPRouting(FleetRouting):
     """A fleet's routing with vLLM's data-parallel load balancer instead of a router."""
 
-    def __init__(self, trace, num_ranks: int, max_model_len: int) -> None:
-        super().__init__(trace, DPBalancer(num_ranks), max_model_len)
+    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None) -> None:
+        super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows)
         self.snapshot = [[0, 0, 0.0] for _ in range(num_ranks)]  # waiting, running, KV cache usage
         self._snapshot_tick: int | None = None
         self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
@@ -89,11 +89,16 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
 
     ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
                           capacity=capacity, env=env, make_feed=feed_of(r)) for r in range(dp)]
-    env.run(until=env.process(_lockstep(env, ranks, backend, routing)))
+    group = env.process(lockstep(env, ranks, backend, routing))
+    env.process(routing.router_process(env, ranks))  # (it wakes the idle group at arrivals, as a fleet's replicas)
+    env.run(until=group)
     return [rank.result() for rank in ranks], routing
 
 
-def _lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
+def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
+    """The ranks' process. Idle, it sleeps on one event that every rank holds as its own idle
+    event, so whoever wakes an idle engine (the router at an arrival; under P/D a handoff or a
+    transfer's end) wakes the group."""
     now = 0
     while True:
         for rank in ranks:  # (the arrivals since the last boundary are routed on the snapshot before it)
@@ -103,13 +108,9 @@ def _lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routin
                 rank._report_rejected()
         routing.publish(ranks, now)
         if not any(rank.scheduler.has_unfinished_requests() for rank in ranks):
-            upcoming = [t for t in (rank.feed.next_arrival_ticks() for rank in ranks) if t is not None]
-            if not upcoming:
+            if all(rank.feed.exhausted for rank in ranks):
                 return
-            later = min(upcoming)
-            if later > now:
-                yield env.timeout(later - now)
-                now = later
+            now = yield from _sleep(env, ranks, now)
             continue
         # a rank without requests runs a dummy pass (None: its scheduler has nothing to look at)
         outs = [rank._schedule() if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
@@ -120,6 +121,9 @@ def _lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routin
                     rank.scheduler.current_step = out.step  # nothing ran: not a step
             if any(out is not None and out.preempted for out in outs):
                 continue  # (a request preempted itself: schedule again)
+            if any(rank.feed.holds_pending_work() for rank in ranks):
+                now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
+                continue
             stuck = next(r for r, out in enumerate(outs) if out is not None)
             raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
         duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)))
@@ -137,3 +141,14 @@ def _lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routin
             if finished:
                 rank._record_finished(finished)
         now = end
+
+
+def _sleep(env: simpy.Environment, ranks: list[ReplayEngine], now: int):
+    """Wait until something wakes one of the ranks; the tick it happened at (or `now`)."""
+    event = env.event()
+    for rank in ranks:
+        rank._idle = event
+    woken = yield event
+    for rank in ranks:
+        rank._idle = None
+    return max(now, woken)

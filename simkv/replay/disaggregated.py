@@ -84,6 +84,9 @@ class DisaggregationSpec:
                 raise ConfigError(f"{pool} pool: {exc}") from None
             _check_pool(pool, config)
             configs.append(config)
+        if configs[1].hardware.data_parallel_size > 1 and self.num_decode != 1:
+            raise ConfigError(f"decode pool: with data_parallel_size > 1 the pool is one data-parallel engine "
+                              f"(--decode-replicas 1), got {self.num_decode} replicas")
         prefill, decode = configs[0].to_dict(), configs[1].to_dict()
         for key in ("model", "block_size", "kv_cache_dtype"):
             if prefill[key] != decode[key]:
@@ -124,6 +127,8 @@ def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
 
 def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
+    if pool == "prefill" and config.hardware.data_parallel_size > 1:
+        raise ConfigError("prefill pool: data_parallel_size > 1 is modelled in the decode pool only")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")
@@ -150,12 +155,17 @@ class PDRouting:
     a row reaches the decode pool at `handoff_tick(row)`)."""
 
     def __init__(self, trace, spec: DisaggregationSpec, prefill_router: Router, decode_router: Router,
-                 max_model_len: int) -> None:
+                 max_model_len: int, decode_data_parallel_size: int = 1) -> None:
         self.trace = trace
         self.spec = spec
         self.prefill = PrefillRouting(trace, prefill_router, max_model_len)
         self.rows = self.prefill.rows
-        self.decode = FleetRouting(trace, decode_router, max_model_len, self.rows)
+        if decode_data_parallel_size > 1:  # one data-parallel decode engine: its ranks, its balancer
+            from simkv.replay.data_parallel import DPRouting
+
+            self.decode = DPRouting(trace, decode_data_parallel_size, max_model_len, self.rows)
+        else:
+            self.decode = FleetRouting(trace, decode_router, max_model_len, self.rows)
         self._handoffs: list[tuple[int, int]] = []  # heap of (tick, row): finished prefills on their way
         self.handoff_ticks = max(1, to_ticks(spec.handoff_ms / 1e3))
         self.prefill_engines: list[ReplayEngine] = []
@@ -385,7 +395,8 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
                             cache_tokens_per_replica=prefill_capacity.kv_cache_tokens)
     decode_router = Router(spec.decode_router, spec.num_decode, spec.router_options,
                            cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
-    pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len)
+    decode_dp = decode_config.hardware.data_parallel_size
+    pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp)
     pd.env = env
     pd.prefill.on_reject = on_progress
     block_bytes = decode_capacity.block_bytes  # (one block of one KV-cache group: a pull counts each group's)
@@ -406,8 +417,16 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
         return lambda scheduler, log: DecodeFeed(pd, r, trace, scheduler, log, max_model_len, block_bytes=block_bytes)
 
     pd.prefill_engines = engines(prefill_backends, prefill_feed, prefill_capacity, prefill_config, None)
-    pd.decode_engines = engines(decode_backends, decode_feed, decode_capacity, decode_config, on_progress)
-    processes = [e.start(own_arrivals=False) for e in pd.prefill_engines + pd.decode_engines]
+    if decode_dp > 1:  # the decode pool is one data-parallel engine: its ranks step in lockstep
+        from simkv.replay.data_parallel import lockstep
+
+        pd.decode_engines = engines(decode_backends * decode_dp, decode_feed, decode_capacity, decode_config,
+                                    on_progress)
+        processes = [e.start(own_arrivals=False) for e in pd.prefill_engines]
+        processes.append(env.process(lockstep(env, pd.decode_engines, decode_backends[0], pd.decode)))
+    else:
+        pd.decode_engines = engines(decode_backends, decode_feed, decode_capacity, decode_config, on_progress)
+        processes = [e.start(own_arrivals=False) for e in pd.prefill_engines + pd.decode_engines]
     env.process(pd.prefill_process())
     try:
         env.run(until=simpy.AllOf(env, processes))

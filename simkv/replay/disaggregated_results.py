@@ -74,7 +74,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
             "pulled_bytes": total_bytes,
             "pull_s": dist(pull_s),
             "handoff_to_pull_s": dist(_seconds(pd_.pull_start)[pulled] - prefill_end[pulled]),
-            "mean_link_utilization": _link_utilization(total_bytes, spec, summary["duration_s"]),
+            "mean_link_utilization": _link_utilization(total_bytes, spec, len(run.decode_runs), summary["duration_s"]),
         },
     }
     return summary
@@ -85,12 +85,13 @@ def _pool(s: dict, config) -> dict:
         "config": {k: v for k, v in config.to_dict().items()
                    if k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                             "long_prefill_token_threshold", "enable_prefix_caching", "gpu_memory_utilization",
-                            "num_gpu_blocks", "block_size", "watermark", "gpu", "tensor_parallel_size")},
+                            "num_gpu_blocks", "block_size", "watermark", "gpu", "tensor_parallel_size",
+                            "data_parallel_size")},
         "router": s["fleet"]["router"], "replicas": s["fleet"]["replicas"]}
 
 
-def _link_utilization(total_bytes: int, spec, duration: float) -> float:
+def _link_utilization(total_bytes: int, spec, num_links: int, duration: float) -> float:
     """Bytes pulled over the decode pool's links' capacity for the replay's duration (each pull
-    also occupies a prefill replica's link)."""
-    capacity = spec.kv_link_gbps * 1e9 * spec.num_decode * duration
+    also occupies a prefill replica's link; a data-parallel decode engine has a link per rank)."""
+    capacity = spec.kv_link_gbps * 1e9 * num_links * duration
     return total_bytes / capacity if capacity > 0 else 0.0

@@ -164,6 +164,37 @@ def test_data_parallel_replays_refuse_fleets_and_other_cost_models(tmp_path):
         replay(trace, config, fleet=FleetSpec(num_replicas=2))
     res = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v2-lite", "-dp", "2",
                                     "--prefill-replicas", "1", "--decode-replicas", "1", "--out", str(tmp_path / "pd")])
-    assert res.exit_code != 0 and "disaggregated" in res.output
+    assert res.exit_code != 0 and "prefill pool: data_parallel_size > 1 is modelled in the decode pool only" in res.output
+    res = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v2-lite",
+                                    "--prefill-replicas", "1", "--decode-replicas", "2",
+                                    "--decode-set", "data_parallel_size=2", "--out", str(tmp_path / "pd")])
+    assert res.exit_code != 0 and "one data-parallel engine (--decode-replicas 1)" in res.output
     with pytest.raises(RuntimeError, match="lockstep"):
         RooflineCostModel(get_model_spec("deepseek-v2-lite"), get_gpu_spec("H100-SXM"), data_parallel_size=2).execute(_step())
+
+
+def test_a_data_parallel_decode_pool(tmp_path):
+    """P/D with the decode pool one data-parallel engine of 3 ranks: handoffs go to ranks by vLLM's
+    balancer, each rank pulls on its own link, the ranks step in lockstep (a transfer's end or a
+    handoff wakes the idle group), every request is served, and the same inputs give the same
+    bytes."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = _trace(tmp_path)
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite"))
+    spec = DisaggregationSpec(1, 1, decode_options=(("data_parallel_size", 3),))
+    result = replay(trace, config, disaggregation=spec)
+    summary = result.summary
+    assert summary["num_finished"] == len(trace)
+    decode = summary["disaggregation"]["decode"]
+    assert len(decode["replicas"]) == 3 and decode["router"]["policy"] == "vllm_dp_load_balancer"
+    assert decode["config"]["data_parallel_size"] == 3
+    assert summary["disaggregation"]["kv_transfer"]["num_pulls"] == len(trace)
+    steps = pd.DataFrame(result.steps)
+    decode_steps = steps[steps["pool"] == "decode"]
+    assert (decode_steps.groupby("start_time_s")["duration_s"].nunique() == 1).all()
+    shared = decode_steps.groupby("start_time_s")["replica"].transform("size") > 1
+    assert shared.mean() > 0.5
+    assert result.requests["decode_replica"].nunique() == 3
+    again = replay(trace, config, disaggregation=spec)
+    assert again.requests.equals(result.requests)
