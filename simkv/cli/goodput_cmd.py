@@ -165,6 +165,9 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     fleet = read_fleet(replicas, router, router_options, config_file)
     replicas, router = fleet.num_replicas, fleet.router
     slo, config, data = read_inputs(trace, flags, config_file, goodput, _first_cell(grids))
+    if config.hardware.data_parallel_size > 1 and (replicas > 1 or target_rate is not None):
+        raise click.UsageError("a data-parallel engine (--data-parallel-size) is searched alone: fleets of them "
+                               "are not modelled; drop --replicas/--target-rate")
     if disaggregation is not None:
         check_pools(disaggregation, config)
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}

@@ -169,6 +169,9 @@ def test_data_parallel_replays_refuse_fleets_and_other_cost_models(tmp_path):
                                     "--prefill-replicas", "1", "--decode-replicas", "2",
                                     "--decode-set", "data_parallel_size=2", "--out", str(tmp_path / "pd")])
     assert res.exit_code != 0 and "one data-parallel engine (--decode-replicas 1)" in res.output
+    res = CliRunner().invoke(main, ["goodput", "traces/azure_conv_slice.parquet", "--model", "deepseek-v2-lite",
+                                    "-dp", "2", "--goodput", "ttft:2000", "--target-rate", "300"])
+    assert res.exit_code != 0 and "searched alone" in res.output
     with pytest.raises(RuntimeError, match="lockstep"):
         RooflineCostModel(get_model_spec("deepseek-v2-lite"), get_gpu_spec("H100-SXM"), data_parallel_size=2).execute(_step())
 
