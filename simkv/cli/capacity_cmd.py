@@ -136,19 +136,76 @@ def print_report(rep: dict) -> None:
               help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention")
 @click.option("--async-scheduling", is_flag=True, default=None,
               help="vLLM's: two batches in flight, which a sliding-window group's admission cap counts")
+@click.option("--layouts", "num_gpus", type=int, default=None, metavar="N",
+              help="Instead: every way to lay the model out over N GPUs (TP engines, or for a mixture of "
+                   "experts data-parallel ranks of TP), with the KV cache each gives in all.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def capacity_cmd(config_file: str | None, as_json: bool, **flags) -> None:
+def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, **flags) -> None:
     """KV bytes per token, number of KV blocks and vLLM's start-up lines
     (`GPU KV cache size`, `Maximum concurrency`) for a model, GPU and cache options."""
     try:
-        config = build_config(flags, config_file)
-        rep = capacity_report(config)
+        if num_gpus is not None:
+            rep = layouts_report(flags, config_file, num_gpus)
+        else:
+            rep = capacity_report(build_config(flags, config_file))
     except click.BadParameter as exc:
         raise click.ClickException(exc.format_message()) from None
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(rep, indent=2))
+    elif num_gpus is not None:
+        print_layouts(rep)
     else:
         print_report(rep)
+
+
+def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
+    """Every layout of `num_gpus` GPUs: engines of TP GPUs (num_gpus / TP of them, independent),
+    and for a mixture of experts one engine of num_gpus / TP data-parallel ranks; for each, the
+    weights and KV memory per GPU and the KV cache tokens in all (or why it does not fit)."""
+    if num_gpus < 1:
+        raise ConfigError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
+    if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
+        raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
+    base = build_config(flags, config_file)
+    spec = get_model_spec(base.hardware.model)
+    rows = []
+    for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0):
+        kinds = [("engines", 1)] + ([("data-parallel ranks", num_gpus // tp)] if spec.is_moe and tp < num_gpus else [])
+        for kind, dp in kinds:
+            row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "copies": num_gpus // tp,
+                   "layout": (f"{num_gpus // tp} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}")}
+            try:
+                config = build_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp})
+                cap = compute_capacity(config)
+            except ConfigError as exc:
+                rows.append(row | {"fits": False, "why": str(exc)})
+                continue
+            rows.append(row | {"fits": True, "weight_bytes_per_gpu": int(spec.weight_bytes_per_gpu(tp, dp)),
+                               "available_kv_bytes_per_gpu": cap.available_kv_bytes,
+                               "num_gpu_blocks": cap.num_gpu_blocks,
+                               "kv_cache_tokens_all": cap.kv_cache_tokens * (num_gpus // tp),
+                               "max_concurrency_all": cap.max_concurrency * (num_gpus // tp)})
+    return {"model": base.hardware.model, "gpu": base.hardware.gpu, "num_gpus": num_gpus,
+            "max_model_len": base.max_model_len, "layouts": rows}
+
+
+def print_layouts(rep: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{rep['model']} on {rep['num_gpus']} x {rep['gpu']}: KV cache by layout")
+    for name in ("layout", "weights / GPU", "KV / GPU", "blocks each", "KV tokens, all",
+                 f"x {rep['max_model_len']:,} tokens"):
+        table.add_column(name, justify="left" if name == "layout" else "right")
+    for row in rep["layouts"]:
+        if not row["fits"]:
+            memory = "memory" in row["why"] or "KV cache" in row["why"]
+            table.add_row(row["layout"], "does not fit" if memory else row["why"][:60], "", "", "", "")
+            continue
+        table.add_row(row["layout"], f"{row['weight_bytes_per_gpu'] / GIB:.1f} GiB",
+                      f"{row['available_kv_bytes_per_gpu'] / GIB:.1f} GiB", f"{row['num_gpu_blocks']:,}",
+                      f"{row['kv_cache_tokens_all']:,}", f"{row['max_concurrency_all']:.2f}x")
+    Console().print(table)

@@ -40,6 +40,24 @@ def test_ranks_replicate_attention_and_split_the_experts():
     assert rep["weight_bytes_per_gpu"] == int(spec.weight_bytes_per_gpu(1, 8))
 
 
+def test_capacity_lays_a_model_out_every_way():
+    """`simkv capacity --layouts 8`: engines of TP 1, 2, 4, 8 and, for a mixture of experts, data-
+    parallel ranks of each TP below 8; each row as `simkv capacity` with that TP and DP gives it,
+    times the engines or ranks; layouts whose weights do not fit say so."""
+    res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "--layouts", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["layout"]: r for r in json.loads(res.output)["layouts"]}
+    assert list(rows) == ["8 x TP 1", "DP 8 x TP 1", "4 x TP 2", "DP 4 x TP 2", "2 x TP 4", "DP 2 x TP 4", "1 x TP 8"]
+    assert not rows["8 x TP 1"]["fits"] and not rows["2 x TP 4"]["fits"]
+    for name, tp, dp in (("DP 8 x TP 1", 1, 8), ("DP 2 x TP 4", 4, 2), ("1 x TP 8", 8, 1)):
+        cap = compute_capacity(EngineConfig.from_flat(dict(DP8, tensor_parallel_size=tp, data_parallel_size=dp)))
+        assert rows[name]["kv_cache_tokens_all"] == cap.kv_cache_tokens * (8 // tp)
+    dense = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--layouts", "4"])
+    assert dense.exit_code == 0 and "4 x TP 1" in dense.output and "DP" not in dense.output
+    res = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--layouts", "4", "-tp", "2"])
+    assert res.exit_code != 0 and "drop -tp/-dp" in res.output
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(model="llama-3-8b", data_parallel_size=2), "dense.*--replicas"),
     (dict(DP8, async_scheduling=True), "not modelled with async scheduling"),
