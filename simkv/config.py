@@ -421,8 +421,7 @@ class EngineConfig:
                               f"scheduler_block_size ({self.cache.block_size}).")
 
     def _verify_data_parallel(self) -> None:
-        unsupported = [(self.scheduler.async_scheduling, "async scheduling"),
-                       (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
+        unsupported = [(self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:
             if bad:

@@ -154,16 +154,19 @@ class RooflineCostModel:
             p_tokens, p_pairs, p_read = prefill_work(output)
         return p_tokens + n, len(output.chunks) + n, p_pairs + ctx, p_read + ctx, 0, 0
 
-    def dp_step_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0) -> float:
+    def dp_step_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0, extra_s: float = 0.0,
+                        overlap_host: bool = False) -> float:
         """A lockstep step of data-parallel ranks: the outputs of the ranks that ran, and
         `num_dummy` ranks that run a dummy pass. Each rank's GPUs run its attention and dense
         layers on its own tokens, and their share (1 / data_parallel_size) of the routed experts
         on every rank's tokens, reading the experts those tokens touch; the expert layers'
         all-gather and reduce-scatter carry every rank's tokens. The step lasts as long as its
-        slowest rank."""
-        return self.dp_time([self.step_work(out) for out in outputs], num_dummy)
+        slowest rank. `extra_s`: device time every rank adds (a drafter's); `overlap_host`
+        (async scheduling): each rank's step lasts max(device time, host time), as one engine's."""
+        return self.dp_time([self.step_work(out) for out in outputs], num_dummy, extra_s, overlap_host)
 
-    def dp_time(self, works: list[tuple], num_dummy: int = 0) -> float:
+    def dp_time(self, works: list[tuple], num_dummy: int = 0, extra_s: float = 0.0,
+                overlap_host: bool = False) -> float:
         """`dp_step_seconds` for the ranks' `step_work` tuples (a drafter's passes too)."""
         works = works + [(0, 0, 0, 0, 0, 0)] * min(num_dummy, 1)
         total = sum(w[0] for w in works)
@@ -178,7 +181,11 @@ class RooflineCostModel:
                 flops += self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj
             traffic = self.weight_bytes + expert_traffic + self.kv_bytes_per_token * (kv_read + tokens)
             busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
-            longest = max(longest, busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm)
+            seconds = busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm
+            if overlap_host:
+                host = self.host_seconds(seqs)
+                seconds = max(seconds + extra_s - host, host)
+            longest = max(longest, seconds)
         return longest
 
     def mla_chunk_work(self, chunks) -> tuple[int, int, int, int, int]:

@@ -90,7 +90,7 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
 
     ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
                           capacity=capacity, env=env, make_feed=feed_of(r)) for r in range(dp)]
-    group = env.process(lockstep(env, ranks, backend, routing))
+    group = env.process((lockstep_async if config.scheduler.async_scheduling else lockstep)(env, ranks, backend, routing))
     env.process(routing.router_process(env, ranks))  # (it wakes the idle group at arrivals, as a fleet's replicas)
     env.run(until=group)
     return [rank.result() for rank in ranks], routing
@@ -142,6 +142,59 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
             if finished:
                 rank._record_finished(finished)
         now = end
+
+
+def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
+    """The ranks' process under async scheduling: `ReplayEngine._engine_async` (vLLM's batch
+    queue, two steps deep) for the group. The next lockstep step is scheduled on every rank as
+    soon as the one before it is launched, and the outputs of a step are processed only after;
+    a rank whose schedule is empty runs a dummy pass in that step. Each rank's step lasts
+    max(device time, host time), and the group's as long as the slowest rank's."""
+    now = 0
+    in_flight = None  # (each rank's output or None, start tick, duration): the step on the devices
+    while True:
+        for rank in ranks:
+            rank.now = now
+            rank.feed.deliver_until(now)
+            if rank.feed.num_rejected != rank._num_rejected_reported:
+                rank._report_rejected()
+        routing.publish(ranks, now)
+        queued = None
+        if any(rank.scheduler.has_unfinished_requests() for rank in ranks):
+            start = now if in_flight is None else in_flight[1] + in_flight[2]
+            outs = [rank._schedule(start) if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
+            ran = [out for out in outs if out is not None and not out.is_empty]
+            if ran:
+                queued = (outs, start, to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)))
+                if in_flight is None:
+                    in_flight = queued
+                    continue  # the queue has room: schedule the next step at once
+            elif in_flight is None:
+                if any(out is not None and out.preempted for out in outs):
+                    continue  # (a request preempted itself: schedule again)
+                if any(rank.feed.holds_pending_work() for rank in ranks):
+                    now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
+                    continue
+                stuck = next(r for r, out in enumerate(outs) if out is not None)
+                raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
+        elif in_flight is None:
+            if all(rank.feed.exhausted for rank in ranks):
+                return
+            now = yield from _sleep(env, ranks, now)
+            continue
+        outs, start, duration = in_flight
+        end = start + duration
+        yield env.timeout(end - now)
+        now = end
+        for rank, out in zip(ranks, outs):
+            rank.now = end
+            if out is None or out.is_empty:
+                continue
+            finished = rank.scheduler.update_from_output(out)
+            rank.steps.add_step(out, start, duration)
+            if finished:
+                rank._record_finished(finished)
+        in_flight = queued
 
 
 def _sleep(env: simpy.Environment, ranks: list[ReplayEngine], now: int):
