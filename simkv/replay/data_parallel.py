@@ -102,46 +102,24 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
     transfer's end) wakes the group."""
     now = 0
     while True:
-        for rank in ranks:  # (the arrivals since the last boundary are routed on the snapshot before it)
-            rank.now = now
-            rank.feed.deliver_until(now)
-            if rank.feed.num_rejected != rank._num_rejected_reported:
-                rank._report_rejected()
-        routing.publish(ranks, now)
+        _take_arrivals(ranks, routing, now)
         if not any(rank.scheduler.has_unfinished_requests() for rank in ranks):
             if all(rank.feed.exhausted for rank in ranks):
                 return
             now = yield from _sleep(env, ranks, now)
             continue
-        # a rank without requests runs a dummy pass (None: its scheduler has nothing to look at)
-        outs = [rank._schedule() if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
-        ran = [out for out in outs if out is not None and not out.is_empty]
+        outs, ran = _schedule_all(ranks)
         if not ran:
             for rank, out in zip(ranks, outs):
                 if out is not None:
                     rank.scheduler.current_step = out.step  # nothing ran: not a step
-            if any(out is not None and out.preempted for out in outs):
-                continue  # (a request preempted itself: schedule again)
-            if any(rank.feed.holds_pending_work() for rank in ranks):
-                now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
+            if _retry_or_stuck(ranks, outs):
                 continue
-            stuck = next(r for r, out in enumerate(outs) if out is not None)
-            raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
+            now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
+            continue
         duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)))
         yield env.timeout(duration)
-        end = now + duration
-        for rank, out in zip(ranks, outs):
-            rank.now = end
-            if out is None:
-                continue
-            if out.is_empty:  # a dummy pass: the rank's scheduler ran nothing
-                rank.scheduler.current_step = out.step
-                continue
-            finished = rank.scheduler.update_from_output(out)
-            rank.steps.add_step(out, now, duration)
-            if finished:
-                rank._record_finished(finished)
-        now = end
+        now = _process_outputs(ranks, outs, now, duration, sync=True)
 
 
 def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
@@ -153,48 +131,78 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
     now = 0
     in_flight = None  # (each rank's output or None, start tick, duration): the step on the devices
     while True:
-        for rank in ranks:
-            rank.now = now
-            rank.feed.deliver_until(now)
-            if rank.feed.num_rejected != rank._num_rejected_reported:
-                rank._report_rejected()
-        routing.publish(ranks, now)
+        _take_arrivals(ranks, routing, now)
         queued = None
         if any(rank.scheduler.has_unfinished_requests() for rank in ranks):
             start = now if in_flight is None else in_flight[1] + in_flight[2]
-            outs = [rank._schedule(start) if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
-            ran = [out for out in outs if out is not None and not out.is_empty]
+            outs, ran = _schedule_all(ranks, start)
             if ran:
                 queued = (outs, start, to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)))
                 if in_flight is None:
                     in_flight = queued
                     continue  # the queue has room: schedule the next step at once
             elif in_flight is None:
-                if any(out is not None and out.preempted for out in outs):
-                    continue  # (a request preempted itself: schedule again)
-                if any(rank.feed.holds_pending_work() for rank in ranks):
+                if not _retry_or_stuck(ranks, outs):
                     now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
-                    continue
-                stuck = next(r for r, out in enumerate(outs) if out is not None)
-                raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
+                continue
         elif in_flight is None:
             if all(rank.feed.exhausted for rank in ranks):
                 return
             now = yield from _sleep(env, ranks, now)
             continue
         outs, start, duration = in_flight
-        end = start + duration
-        yield env.timeout(end - now)
-        now = end
-        for rank, out in zip(ranks, outs):
-            rank.now = end
-            if out is None or out.is_empty:
-                continue
-            finished = rank.scheduler.update_from_output(out)
-            rank.steps.add_step(out, start, duration)
-            if finished:
-                rank._record_finished(finished)
+        yield env.timeout(start + duration - now)
+        now = _process_outputs(ranks, outs, start, duration, sync=False)
         in_flight = queued
+
+
+def _take_arrivals(ranks: list[ReplayEngine], routing: DPRouting, now: int) -> None:
+    """A step boundary: every rank takes what arrived (routed on the snapshot before it), then
+    the coordinator's snapshot may be taken."""
+    for rank in ranks:
+        rank.now = now
+        rank.feed.deliver_until(now)
+        if rank.feed.num_rejected != rank._num_rejected_reported:
+            rank._report_rejected()
+    routing.publish(ranks, now)
+
+
+def _schedule_all(ranks: list[ReplayEngine], start: int | None = None) -> tuple[list, list]:
+    """Every rank's output (None for a rank without requests: its scheduler has nothing to look
+    at, and it runs a dummy pass), and the outputs that run something."""
+    outs = [rank._schedule(start) if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
+    return outs, [out for out in outs if out is not None and not out.is_empty]
+
+
+def _retry_or_stuck(ranks: list[ReplayEngine], outs: list) -> bool:
+    """Nothing ran: True to schedule again at once (a request preempted itself), False to sleep
+    until a transfer ends (P/D); otherwise the group cannot make progress."""
+    if any(out is not None and out.preempted for out in outs):
+        return True
+    if any(rank.feed.holds_pending_work() for rank in ranks):
+        return False
+    stuck = next(r for r, out in enumerate(outs) if out is not None)
+    raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
+
+
+def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration: int, sync: bool) -> int:
+    """The step from `start` has ended: every rank that ran processes its output and logs the
+    step; returns the end tick. (Synchronously an empty schedule is no step: its number is
+    given back, as the single engine does.)"""
+    end = start + duration
+    for rank, out in zip(ranks, outs):
+        rank.now = end
+        if out is None:
+            continue
+        if out.is_empty:
+            if sync:
+                rank.scheduler.current_step = out.step
+            continue
+        finished = rank.scheduler.update_from_output(out)
+        rank.steps.add_step(out, start, duration)
+        if finished:
+            rank._record_finished(finished)
+    return end
 
 
 def _sleep(env: simpy.Environment, ranks: list[ReplayEngine], now: int):
