@@ -117,16 +117,21 @@ def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: 
         sched.add_request(req)
 
 
+def _pd_scheduler(case: dict):
+    """A P/D case's scheduler (with the connector) and its requests in arrival order."""
+    opts = dict(case["opts"])
+    reserve = opts.pop("reserve_full_isl")
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
+                      kv_connector=True)
+    return sched, sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+
+
 def drive_pd(case: dict, max_steps: int = 5000) -> dict:
     """Step a scheduler through a P/D case as scripts/oracle_pd.py drives vLLM's: arrivals by step;
     a pull admitted in step k ends in the output of step k + latency - 1, a send is released
     `latency` steps after its finish. Returns per-step [scheduled tokens, running, waiting, blocks
     used] and per-request [first token step, finish step]."""
-    opts = dict(case["opts"])
-    reserve = opts.pop("reserve_full_isl")
-    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
-                      kv_connector=True)
-    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    sched, pending = _pd_scheduler(case)
     requests, rows = [], []
     due_recv: dict[int, list] = {}
     due_send: dict[int, list] = {}
@@ -163,11 +168,7 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
     a send finished in batch b's output is released in that of b + latency."""
     from collections import deque
 
-    opts = dict(case["opts"])
-    reserve = opts.pop("reserve_full_isl")
-    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
-                      kv_connector=True)
-    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    sched, pending = _pd_scheduler(case)
     rows, queue = [], deque()
     requests = []
     row_of: dict[int, dict] = {}  # id(request) -> its case row
