@@ -120,7 +120,10 @@ def spec_fields_from_config(path: str) -> dict:
             raise ModelConfigError(f"{where}: field 'quantization_config': quant_method {method!r} is not modelled "
                                    "(simkv sizes bf16, FP8 and MXFP4-expert weights); drop the field to size the "
                                    "model at bf16")
-    fields.update(_windows(cfg, where, fields["num_layers"]))
+    # (a wrapper may hold the window fields at its top level too; the text config's win)
+    merged = cfg if cfg is raw else {k: v for k, v in raw.items() if k != "text_config"} | {
+        k: v for k, v in cfg.items() if v is not None}
+    fields.update(_windows(merged, where, fields["num_layers"]))
     return fields
 
 

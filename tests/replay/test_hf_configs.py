@@ -108,6 +108,13 @@ def test_a_wrapper_may_hold_fields_at_its_top_level(tmp_path):
     assert spec.vocab_size == 262208
     with pytest.raises(ValueError, match=r"g2.json \(text_config\): field 'vocab_size' is missing"):
         get_model_spec(_write(tmp_path, "g2", GEMMA3_27B | {"text_config": text}))
+    # the window fields too: the wrapper's sliding_window and pattern, the text config's layers
+    bare = {k: v for k, v in GEMMA3_27B["text_config"].items() if k not in ("sliding_window", "sliding_window_pattern",
+                                                                            "layer_types")}
+    windows = {k: GEMMA3_27B["text_config"][k] for k in ("sliding_window", "sliding_window_pattern",
+                                                          "layer_types") if k in GEMMA3_27B["text_config"]}
+    outer = get_model_spec(_write(tmp_path, "g3", GEMMA3_27B | {"text_config": bare} | windows))
+    assert (outer.sliding_window, outer.full_attention_interval) == (1024, 6)
 
 
 def test_sliding_windows_from_layer_types_and_on_every_layer(tmp_path):
