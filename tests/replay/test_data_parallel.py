@@ -242,3 +242,6 @@ def test_data_parallel_ranks_under_async_scheduling(tmp_path):
     pd_result = replay(trace, EngineConfig.from_flat(dict(model="deepseek-v2-lite", async_scheduling=True)),
                        disaggregation=spec)
     assert pd_result.summary["num_finished"] == len(trace)
+    mtp = replay(trace, EngineConfig.from_flat(dict(base, async_scheduling=True, speculative_method="mtp",
+                                                    num_speculative_tokens=2))).summary
+    assert mtp["num_finished"] == len(trace) and mtp["speculative_decoding"]["drafter_time_s"] > 0
