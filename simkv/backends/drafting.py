@@ -35,7 +35,8 @@ class Drafter:
                                              config.cache.kv_dtype_bytes,
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,
                                              seq_overhead_s=0.0, num_speculative_tokens=self.k,
-                                             data_parallel_size=hw.data_parallel_size)
+                                             data_parallel_size=hw.data_parallel_size,
+                                             block_size=config.cache.block_size)
 
     @staticmethod
     def _sampling(output: SchedulerOutput) -> tuple[int, int]:

@@ -34,7 +34,7 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
         return RooflineCostModel(get_model_spec(hw.model), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                  config.cache.kv_dtype_bytes, layer_windows=config.layer_windows,
                                  num_speculative_tokens=config.speculative.num_speculative_tokens,
-                                 data_parallel_size=hw.data_parallel_size)
+                                 data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size)
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 

@@ -17,7 +17,8 @@ except the overheads and a latent-attention cache (below), which every GPU reads
 
 Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
 MLA backends do. Decodes and chunks of up to `mla_decode_query_len` tokens (FlashAttention MLA
-on Hopper: 512; Triton MLA elsewhere: 1; at least 1 + K under speculative decoding) take the
+on Hopper: 512; FlashMLA with an fp8 cache: 128; Triton MLA elsewhere: 1; at least 1 + K under
+speculative decoding) take the
 absorbed path: every head attends the cached latent directly, 2 * heads * (2 * kv_lora_rank +
 qk_rope_head_dim) FLOPs per query-key pair and layer. Longer chunks take the expanded path:
 2 * heads * (head_dim + v_head_dim) per pair, after the chunk's cached context is up-projected
@@ -63,6 +64,7 @@ class RooflineCostModel:
         layer_windows: list[int] | None = None,
         num_speculative_tokens: int = 0,
         data_parallel_size: int = 1,
+        block_size: int = 16,
     ) -> None:
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
@@ -80,7 +82,8 @@ class RooflineCostModel:
             self.flops_per_pair = 2.0 * heads_layers * (model.head_dim + model.v_head_dim) / tp
             self.flops_per_latent_pair = 2.0 * heads_layers * (2 * model.kv_lora_rank + model.qk_rope_head_dim) / tp
             self.flops_per_upproj_token = 2.0 * model.num_layers * model.kv_up_params / tp
-            self.mla_decode_query_len = mla_decode_query_len(gpu, num_speculative_tokens)
+            self.mla_decode_query_len = mla_decode_query_len(gpu, num_speculative_tokens, kv_dtype_bytes == 1,
+                                                             block_size)
         self.flops_per_decode_pair = self.flops_per_latent_pair if self.mla else self.flops_per_pair
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
@@ -249,9 +252,17 @@ class RooflineCostModel:
                 "tensor_parallel_size": self.tp, **self.params}
 
 
-def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0) -> int:
-    """The longest query chunk vLLM's latent-attention backend runs down its decode (absorbed)
-    path: FlashAttention MLA, Hopper's first choice, takes chunks of up to 512 tokens; Triton
-    MLA (Ampere) single tokens. Both take a verification chunk of 1 + K tokens."""
-    threshold = 512 if int(gpu.compute_capability) == 9 else 1
+def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_cache: bool = False,
+                         block_size: int = 16) -> int:
+    """The longest query chunk vLLM 0.33's latent-attention backend runs down its decode
+    (absorbed) path. On Hopper: FlashAttention MLA (a bf16 cache) takes chunks of up to 512
+    tokens; with an fp8 cache FlashMLA takes over, up to 128, if the block size is a multiple of
+    64 (vLLM's default there); otherwise, as on Ampere, Triton MLA takes single tokens. All take
+    a verification chunk of 1 + K tokens."""
+    if int(gpu.compute_capability) != 9:
+        threshold = 1
+    elif not fp8_kv_cache:
+        threshold = 512
+    else:
+        threshold = 128 if block_size % 64 == 0 else 1
     return max(threshold, 1 + num_speculative_tokens) if num_speculative_tokens else threshold

@@ -144,6 +144,11 @@ def test_roofline_sends_chunks_down_vllms_two_latent_paths():
     assert model.flops_per_pair == 2 * heads_layers * (192 + 128)
     assert model.flops_per_upproj_token == 2 * 61 * 512 * 128 * (128 + 128) / 8
     assert (mla_decode_query_len(h100), mla_decode_query_len(a100), mla_decode_query_len(a100, 3)) == (512, 1, 4)
+    # an fp8 cache on Hopper: FlashMLA (64-token blocks) up to 128; with 16-token blocks Triton MLA
+    assert (mla_decode_query_len(h100, 0, True, 64), mla_decode_query_len(h100, 0, True, 16)) == (128, 1)
+    fp8 = make_backend("roofline", EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
+                                                               kv_cache_dtype="fp8", block_size=64)))
+    assert fp8.mla_decode_query_len == 128
     for new, cached in ((512, 3000), (513, 3000)):
         tokens, pairs, latent, read, upproj = model.mla_chunk_work([_chunk(new, cached)])
         all_pairs = new * cached + new * (new + 1) // 2
