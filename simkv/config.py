@@ -490,6 +490,24 @@ class EngineConfig:
                 raise ConfigError(f"unknown option '{key}'")
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
+        if "block_size" not in groups[CacheConfig]:
+            block_size = _backend_block_size(groups[HardwareConfig], groups[CacheConfig])
+            if block_size is not None:
+                groups[CacheConfig]["block_size"] = block_size
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
                    AttentionConfig(**groups[AttentionConfig]))
+
+
+def _backend_block_size(hardware: dict, cache: dict) -> int | None:
+    """The block size vLLM 0.33 picks when none is given, where its attention backend needs
+    another than 16: an fp8 latent-attention cache on Hopper runs FlashMLA, 64-token blocks."""
+    defaults = HardwareConfig()
+    try:
+        spec = get_model_spec(hardware.get("model", defaults.model))
+        gpu = get_gpu_spec(hardware.get("gpu", defaults.gpu))
+    except ValueError:
+        return None  # (HardwareConfig names the bad value)
+    if spec.is_mla and cache.get("kv_cache_dtype") == "fp8" and int(gpu.compute_capability) == 9:
+        return 64
+    return None

@@ -120,7 +120,8 @@ def print_report(rep: dict) -> None:
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None, help="[default: auto]")
-@click.option("--block-size", type=int, default=None, help="[default: 16]")
+@click.option("--block-size", type=int, default=None,
+              help="[default: 16; 64 for an fp8 latent-attention cache on Hopper, as vLLM picks it]")
 @click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="Sizes the activation reserve [default: 8192]")

@@ -197,7 +197,8 @@ _ENGINE_OPTIONS = [
     click.option("--data-parallel-size", "-dp", type=int, default=None,
                  help="A mixture of experts: data-parallel attention ranks in lockstep, their experts over "
                       "all GPUs (vLLM's --data-parallel-size) [default: 1]"),
-    click.option("--block-size", type=int, default=None, help="[default: 16]"),
+    click.option("--block-size", type=int, default=None,
+                 help="[default: 16; 64 for an fp8 latent-attention cache on Hopper, FlashMLA's, as vLLM picks it]"),
     click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
     click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),
     click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),

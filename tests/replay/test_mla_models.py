@@ -149,6 +149,14 @@ def test_roofline_sends_chunks_down_vllms_two_latent_paths():
     fp8 = make_backend("roofline", EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
                                                                kv_cache_dtype="fp8", block_size=64)))
     assert fp8.mla_decode_query_len == 128
+    # without --block-size the config takes vLLM's pick: 64 for an fp8 latent on Hopper, 16 otherwise
+    picked = {(gpu, dtype): EngineConfig.from_flat(dict(model="deepseek-v3", gpu=gpu, tensor_parallel_size=8,
+                                                        kv_cache_dtype=dtype)).cache.block_size
+              for gpu in ("H200", "A100-80GB") for dtype in ("auto", "fp8")}
+    assert picked == {("H200", "auto"): 16, ("H200", "fp8"): 64, ("A100-80GB", "auto"): 16, ("A100-80GB", "fp8"): 16}
+    assert EngineConfig.from_flat(dict(kv_cache_dtype="fp8")).cache.block_size == 16  # (the default model)
+    assert EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", kv_cache_dtype="fp8", tensor_parallel_size=8,
+                                       block_size=16)).cache.block_size == 16
     for new, cached in ((512, 3000), (513, 3000)):
         tokens, pairs, latent, read, upproj = model.mla_chunk_work([_chunk(new, cached)])
         all_pairs = new * cached + new * (new + 1) // 2
