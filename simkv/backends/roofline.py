@@ -18,17 +18,17 @@ except the overheads and a latent-attention cache (below), which every GPU reads
 Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
 MLA backends do. Decodes and chunks of up to `mla_decode_query_len` tokens (FlashAttention MLA
 on Hopper: 512; FlashMLA with an fp8 cache: 128; Triton MLA elsewhere: 1; at least 1 + K under
-speculative decoding) take the
-absorbed path: every head attends the cached latent directly, 2 * heads * (2 * kv_lora_rank +
-qk_rope_head_dim) FLOPs per query-key pair and layer. Longer chunks take the expanded path:
+speculative decoding) take the absorbed path: every head attends the cached latent directly,
+2 * heads * (2 * kv_lora_rank + qk_rope_head_dim) FLOPs per query-key pair and layer. Longer chunks take the expanded path:
 2 * heads * (head_dim + v_head_dim) per pair, after the chunk's cached context is up-projected
 to keys and values (2 * kv_up_params FLOPs per cached token and layer).
 
 Data-parallel ranks of a mixture of experts step in lockstep (`dp_step_seconds`,
 simkv/replay/data_parallel.py): each rank's time counts its own attention and dense work and
 1 / data_parallel_size of the routed experts over every rank's tokens, plus the expert layers'
-all-gather and reduce-scatter; the step lasts as long as the slowest rank. Efficiencies and overheads are
-defaults until `simkv calibrate` fits them on real hardware.
+all-gather and reduce-scatter; the step lasts as long as the slowest rank.
+
+Efficiencies and overheads are defaults until `simkv calibrate` fits them on real hardware.
 
 The overheads are the host's share of a step (scheduling, input preparation, output
 processing): `host_seconds`. Under async scheduling the host prepares the next step while the
@@ -138,9 +138,7 @@ class RooflineCostModel:
         if self.dp > 1:
             raise RuntimeError("a data-parallel roofline times lockstep steps of all ranks (dp_step_seconds)")
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.step_work(output)
-        if self.mla:
-            return self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
-        return self._time(tokens, seqs, pairs, kv_read, max)
+        return self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
 
     def step_work(self, output: SchedulerOutput) -> tuple:
         """(tokens, sequences, query-key pairs, KV tokens read, latent-path pairs, cached tokens

@@ -23,15 +23,14 @@ def capacity_report(config: EngineConfig) -> dict:
     draft = config.speculative.draft_spec(spec)
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
-    if spec.is_mla:  # every GPU holds the whole latent cache: all GPUs together hold TP copies
-        model_per_token = gpu_per_token * tp
     groups = config.kv_cache_groups
     hybrid = groups.has_sliding_window
     # one max_model_len request: every layer's K/V of every token, or under the hybrid manager
     # the blocks it holds at most over the groups (sliding-window groups keep about a window)
     per_request_gpu = cap.blocks_per_request * cap.block_bytes if hybrid else gpu_per_token * mml
     extra = {"draft_network": draft.name} if draft is not None else {}
-    if spec.is_mla:
+    if spec.is_mla:  # every GPU holds the whole latent cache: all GPUs together hold TP copies
+        model_per_token = gpu_per_token * tp
         extra["latent_cache_on_every_gpu"] = True
     if dp > 1:  # every rank has its own pool of that many blocks
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}

@@ -192,8 +192,7 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         """Bytes of the weights: the layers' (`layer_weight_bytes`), the routed experts at
         `expert_weight_bytes`, the embeddings, LM head and final norm bf16."""
-        return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size)
-                + self.expert_weight_bytes * self.num_moe_layers * self.num_layer_expert_params)
+        return self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size) + self.routed_expert_bytes
 
     @property
     def routed_expert_bytes(self) -> float:
