@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simkv.config import ConfigError, EngineConfig
-from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.specs import get_gpu_spec
 
 GIB = 1 << 30
 _FIXED_RESERVE_BYTES = 1 * GIB
@@ -79,7 +79,7 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
 
 
 def activation_reserve_bytes(config: EngineConfig) -> int:
-    spec = get_model_spec(config.hardware.model)
+    spec = config.hardware.model_spec()
     tp = config.hardware.tensor_parallel_size
     per_token = 2 * (2 * spec.widest_mlp // tp + 4 * spec.hidden_size)
     return config.scheduler.max_num_batched_tokens * per_token + _FIXED_RESERVE_BYTES
@@ -88,10 +88,10 @@ def activation_reserve_bytes(config: EngineConfig) -> int:
 def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
     """K and V of one token on one GPU under that tensor parallelism (1: the whole model), the
     draft network's layers included under speculative decoding."""
-    spec = get_model_spec(config.hardware.model)
+    spec = config.hardware.model_spec()
     dtype_bytes = config.cache.kv_dtype_bytes
     per_token = spec.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
-    draft = config.speculative.draft_spec(spec)
+    draft = config.draft_network
     if draft is not None:
         per_token += draft.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
     return per_token
@@ -99,12 +99,12 @@ def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
 
 def compute_capacity(config: EngineConfig) -> Capacity:
     """Blocks of the KV cache, given (`num_gpu_blocks`) or derived from memory like vLLM."""
-    spec = get_model_spec(config.hardware.model)
+    spec = config.hardware.model_spec()
     gpu = get_gpu_spec(config.hardware.gpu)
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
     per_token = kv_bytes_per_token(config, tp)
-    draft = config.speculative.draft_spec(spec)
+    draft = config.draft_network
     draft_weights = 0.0
     if draft is not None:
         shared = draft.embedding_params if config.speculative.is_eagle_family else 0

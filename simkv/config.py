@@ -144,10 +144,18 @@ class HardwareConfig:
     # whose expert layers span all ranks' GPUs and whose steps run in lockstep
     # (simkv/replay/data_parallel.py)
     data_parallel_size: int = 1
+    # vLLM's --quantization: None (the checkpoint's weights as they are) or "fp8" (vLLM quantizes a
+    # bf16 checkpoint's linear layers and experts to fp8 as it loads them: ModelSpec.quantized)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         get_model_spec(self.model)  # raise on unknown names
         get_gpu_spec(self.gpu)
+        if self.quantization is not None:
+            try:
+                self.model_spec()
+            except ValueError as exc:
+                raise ConfigError(f"quantization {self.quantization!r}: {exc}") from None
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         spec = get_model_spec(self.model)
@@ -161,6 +169,10 @@ class HardwareConfig:
             raise ConfigError(
                 f"Total number of attention heads ({spec.num_heads}) must be divisible by tensor "
                 f"parallel size ({self.tensor_parallel_size}).")
+
+    def model_spec(self) -> ModelSpec:
+        """The model as served: its spec under `quantization`."""
+        return get_model_spec(self.model).quantized(self.quantization)
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +380,15 @@ class EngineConfig:
         return get_model_spec(self.hardware.model).layer_windows(a.sliding_window, a.full_attention_interval)
 
     @property
+    def draft_network(self) -> ModelSpec | None:
+        """The draft network as served (SpeculativeConfig.draft_spec; None for ngram): MTP layers
+        come with the target's checkpoint and take its --quantization, as vLLM aligns them; EAGLE
+        heads and draft models are checkpoints of their own, loaded as they are."""
+        hw = self.hardware
+        target = hw.model_spec() if self.speculative.speculative_method == "mtp" else get_model_spec(hw.model)
+        return self.speculative.draft_spec(target)
+
+    @property
     def has_sliding_window(self) -> bool:
         return any(self.layer_windows)
 
@@ -471,6 +492,8 @@ class EngineConfig:
             out.update(dataclasses.asdict(part))
         if self.hardware.data_parallel_size == 1:  # (only with data parallelism: configs without it read as before)
             del out["data_parallel_size"]
+        if self.hardware.quantization is None:  # (likewise)
+            del out["quantization"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager:
@@ -501,13 +524,20 @@ class EngineConfig:
 
 def _backend_block_size(hardware: dict, cache: dict) -> int | None:
     """The block size vLLM 0.33 picks when none is given, where its attention backend needs
-    another than 16: an fp8 latent-attention cache on Hopper runs FlashMLA, 64-token blocks."""
+    another than 16 (None: 16). Latent attention only: on Hopper an fp8 cache runs FlashMLA,
+    64-token blocks; on Blackwell FlashInfer MLA takes 32 or 64 (32) where it takes the model's
+    qk_nope_head_dim (64, 128 or 192), CUTLASS MLA 128 otherwise."""
     defaults = HardwareConfig()
     try:
         spec = get_model_spec(hardware.get("model", defaults.model))
         gpu = get_gpu_spec(hardware.get("gpu", defaults.gpu))
     except ValueError:
         return None  # (HardwareConfig names the bad value)
-    if spec.is_mla and cache.get("kv_cache_dtype") == "fp8" and int(gpu.compute_capability) == 9:
+    if not spec.is_mla:
+        return None
+    major = int(gpu.compute_capability)
+    if major == 9 and cache.get("kv_cache_dtype") == "fp8":
         return 64
+    if major == 10:
+        return 32 if spec.head_dim - spec.qk_rope_head_dim in (64, 128, 192) else 128
     return None

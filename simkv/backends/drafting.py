@@ -19,7 +19,7 @@ from simkv.backends.base import prefill_work
 from simkv.backends.roofline import RooflineCostModel
 from simkv.config import EngineConfig
 from simkv.core.outputs import SchedulerOutput
-from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.specs import get_gpu_spec
 
 
 class Drafter:
@@ -30,7 +30,7 @@ class Drafter:
         self.per_request_s = spec.spec_ngram_us_per_request * 1e-6
         self.network = None
         if self.method != "ngram":
-            draft = spec.draft_spec(get_model_spec(hw.model))
+            draft = config.draft_network
             self.network = RooflineCostModel(draft, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                              config.cache.kv_dtype_bytes,
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,

@@ -10,6 +10,8 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         + expert bytes * layers * E * (1 - (1 - k/E)^T)          (mixture of experts: the experts routed to)
         + kv_bytes_per_token * (K + T)                           (K/V read for attended context K, written for T)
   time  = max(FLOPs / (peak_flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
+        (peak_flops: the bf16 peak; the matmuls of fp8 weights run at the fp8 peak on GPUs with
+        fp8 tensor cores: vLLM's W8A8 fp8 GEMMs; weight-only at the bf16 rate on Ampere)
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
 With sliding-window layers, A and K count each layer's window (averaged over the layers; the
 scheduler then hands every decode over as a one-token chunk). All quantities are divided by TP
@@ -17,9 +19,10 @@ except the overheads and a latent-attention cache (below), which every GPU reads
 
 Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
 MLA backends do. Decodes and chunks of up to `mla_decode_query_len` tokens (FlashAttention MLA
-on Hopper: 512; FlashMLA with an fp8 cache: 128; Triton MLA elsewhere: 1; at least 1 + K under
-speculative decoding) take the absorbed path: every head attends the cached latent directly,
-2 * heads * (2 * kv_lora_rank + qk_rope_head_dim) FLOPs per query-key pair and layer. Longer chunks take the expanded path:
+on Hopper: 512; FlashMLA with an fp8 cache: 128; FlashInfer MLA on Blackwell and Triton MLA
+elsewhere: 1; at least 1 + K under speculative decoding) take the absorbed path: every head
+attends the cached latent directly, 2 * heads * (2 * kv_lora_rank + qk_rope_head_dim) FLOPs per
+query-key pair and layer. Longer chunks take the expanded path:
 2 * heads * (head_dim + v_head_dim) per pair, after the chunk's cached context is up-projected
 to keys and values (2 * kv_up_params FLOPs per cached token and layer).
 
@@ -84,6 +87,13 @@ class RooflineCostModel:
             self.flops_per_upproj_token = 2.0 * model.num_layers * model.kv_up_params / tp
             self.mla_decode_query_len = mla_decode_query_len(gpu, num_speculative_tokens, kv_dtype_bytes == 1,
                                                              block_size)
+        # FLOPs are counted at the bf16 rate: a matmul vLLM runs in fp8 (ModelSpec.fp8_matmul_params,
+        # on a GPU with fp8 tensor cores) counts bf16_tflops / fp8_tflops of its FLOPs.
+        self.fp8_discount = 1.0 - gpu.bf16_tflops / gpu.fp8_tflops if gpu.runs_fp8_matmuls else 0.0
+        if self.fp8_discount and model.fp8_matmul_params:
+            self.flops_per_token -= self.fp8_discount * 2.0 * model.fp8_matmul_params / tp
+            if self.mla and model.linear_weight_bytes == 1.0:  # (kv_b_proj, an fp8 linear layer)
+                self.flops_per_upproj_token *= 1.0 - self.fp8_discount
         self.flops_per_decode_pair = self.flops_per_latent_pair if self.mla else self.flops_per_pair
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
@@ -105,6 +115,8 @@ class RooflineCostModel:
         if self.dp > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
             g = self.dp * tp  # the GPUs the expert layers span
             routed_flops = 2.0 * model.num_moe_layers * model.num_experts_per_tok * model.expert_params / tp
+            if model.expert_weight_bytes == 1.0:
+                routed_flops *= 1.0 - self.fp8_discount
             self.flops_per_token_local = self.flops_per_token - routed_flops
             self.expert_flops_per_group_token = routed_flops / self.dp
             self.expert_bytes_per_rank = self.expert_bytes / self.dp
@@ -255,8 +267,9 @@ def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_c
     """The longest query chunk vLLM 0.33's latent-attention backend runs down its decode
     (absorbed) path. On Hopper: FlashAttention MLA (a bf16 cache) takes chunks of up to 512
     tokens; with an fp8 cache FlashMLA takes over, up to 128, if the block size is a multiple of
-    64 (vLLM's default there); otherwise, as on Ampere, Triton MLA takes single tokens. All take
-    a verification chunk of 1 + K tokens."""
+    64 (vLLM's default there); otherwise, as on Ampere and Ada, Triton MLA takes single tokens.
+    Blackwell's FlashInfer MLA (and CUTLASS MLA) take single tokens too. All take a verification
+    chunk of 1 + K tokens."""
     if int(gpu.compute_capability) != 9:
         threshold = 1
     elif not fp8_kv_cache:

@@ -9,18 +9,17 @@ import click
 from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
 from simkv.cli.replay_cmd import build_config
 from simkv.config import ConfigError, EngineConfig
-from simkv.specs import get_model_spec
 
 
 def capacity_report(config: EngineConfig) -> dict:
     """Every figure `simkv capacity` shows; raises ConfigError with vLLM's text when nothing fits."""
-    spec = get_model_spec(config.hardware.model)
+    spec = config.hardware.model_spec()
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
     dp = config.hardware.data_parallel_size
     mml = config.max_model_len
     model_per_token = kv_bytes_per_token(config, 1)
-    draft = config.speculative.draft_spec(spec)
+    draft = config.draft_network
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
     groups = config.kv_cache_groups
@@ -34,6 +33,8 @@ def capacity_report(config: EngineConfig) -> dict:
         extra["latent_cache_on_every_gpu"] = True
     if dp > 1:  # every rank has its own pool of that many blocks
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
+    if config.hardware.quantization:
+        extra["quantization"] = config.hardware.quantization
     if config.has_sliding_window:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     return {
@@ -82,7 +83,8 @@ def print_report(rep: dict) -> None:
         (f"KV per {rep['max_model_len']:,}-token request (all GPUs)", _bytes(rep["kv_bytes_per_request"])),
         (f"KV per {rep['max_model_len']:,}-token request per GPU", _bytes(rep["kv_bytes_per_request_per_gpu"])),
         ("bytes per block per GPU", f"{rep['block_bytes_per_gpu']:,} B"),
-        ("weights per GPU", _bytes(rep["weight_bytes_per_gpu"])),
+        ("weights per GPU" + (f" ({rep['quantization']})" if rep.get("quantization") else ""),
+         _bytes(rep["weight_bytes_per_gpu"])),
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
@@ -116,11 +118,13 @@ def print_report(rep: dict) -> None:
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
 @click.option("--data-parallel-size", "-dp", type=int, default=None,
               help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")
+@click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
+              help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None, help="[default: auto]")
 @click.option("--block-size", type=int, default=None,
-              help="[default: 16; 64 for an fp8 latent-attention cache on Hopper, as vLLM picks it]")
+              help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache, on Blackwell 32]")
 @click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="Sizes the activation reserve [default: 8192]")
@@ -170,7 +174,7 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
     base = build_config(flags, config_file)
-    spec = get_model_spec(base.hardware.model)
+    spec = base.hardware.model_spec()
     rows = []
     for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0):
         kinds = [("engines", 1)] + ([("data-parallel ranks", num_gpus // tp)] if spec.is_moe and tp < num_gpus else [])
@@ -189,14 +193,16 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
                                "kv_cache_tokens_all": cap.kv_cache_tokens * (num_gpus // tp),
                                "max_concurrency_all": cap.max_concurrency * (num_gpus // tp)})
     return {"model": base.hardware.model, "gpu": base.hardware.gpu, "num_gpus": num_gpus,
-            "max_model_len": base.max_model_len, "layouts": rows}
+            "max_model_len": base.max_model_len, "layouts": rows} | (
+        {"quantization": base.hardware.quantization} if base.hardware.quantization else {})
 
 
 def print_layouts(rep: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{rep['model']} on {rep['num_gpus']} x {rep['gpu']}: KV cache by layout")
+    model = rep["model"] + (f" ({rep['quantization']})" if rep.get("quantization") else "")
+    table = Table(title=f"{model} on {rep['num_gpus']} x {rep['gpu']}: KV cache by layout")
     for name in ("layout", "weights / GPU", "KV / GPU", "blocks each", "KV tokens, all",
                  f"x {rep['max_model_len']:,} tokens"):
         table.add_column(name, justify="left" if name == "layout" else "right")

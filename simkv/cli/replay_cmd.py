@@ -24,7 +24,7 @@ _ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
-    "data_parallel_size": "data_parallel_size",
+    "data_parallel_size": "data_parallel_size", "quantization": "quantization",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "async_scheduling": "async_scheduling",
@@ -197,8 +197,12 @@ _ENGINE_OPTIONS = [
     click.option("--data-parallel-size", "-dp", type=int, default=None,
                  help="A mixture of experts: data-parallel attention ranks in lockstep, their experts over "
                       "all GPUs (vLLM's --data-parallel-size) [default: 1]"),
+    click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
+                 help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts as it loads them "
+                      "(half the weight memory; fp8 matmuls on GPUs with fp8 tensor cores) [default: the checkpoint's]"),
     click.option("--block-size", type=int, default=None,
-                 help="[default: 16; 64 for an fp8 latent-attention cache on Hopper, FlashMLA's, as vLLM picks it]"),
+                 help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache (FlashMLA), on "
+                      "Blackwell 32 (FlashInfer MLA)]"),
     click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
     click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),
     click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),
@@ -314,7 +318,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if backend == "gpu":
         # (sliding windows may come from --sliding-window on any model)
         why = get_model_spec(config.hardware.model).simulated_only or (
-            "sliding-window layers" if config.has_sliding_window else None)
+            "sliding-window layers" if config.has_sliding_window else None) or (
+            "--quantization" if config.hardware.quantization else None)
         if why:
             raise click.UsageError(f"{config.hardware.model} has {why}: simulated only (the gpu backend runs dense "
                                    "Llama-architecture decoders that attend the whole context)")

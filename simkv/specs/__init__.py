@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,6 +75,38 @@ class ModelSpec:
                              "and a dense_intermediate_size")
         if self.shared_expert_intermediate_size and not self.is_moe:
             raise ValueError(f"{where}: shared_expert_intermediate_size needs a mixture of experts")
+
+    def quantized(self, method: str | None) -> "ModelSpec":
+        """The model as vLLM serves it under `--quantization METHOD` (None: the checkpoint as it is).
+        fp8: vLLM quantizes a bf16 checkpoint as it loads it, every linear layer of the decoder
+        (attention, MLPs, shared and routed experts) to one byte a weight with a per-tensor
+        scale; embeddings, LM head, routers and norms stay bf16. An fp8 checkpoint is already
+        that; a checkpoint quantized another way (gpt-oss's MXFP4 experts) is refused, as vLLM
+        refuses a --quantization that differs from the checkpoint's."""
+        if method is None:
+            return self
+        if method != "fp8":
+            raise ValueError(f"quantization {method!r} is not modelled (choose fp8)")
+        experts = self.expert_weight_bytes if self.is_moe else self.linear_weight_bytes
+        if self.linear_weight_bytes == experts == 1.0:
+            return self  # (an fp8 checkpoint)
+        if self.linear_weight_bytes != 2.0 or experts != 2.0:
+            raise ValueError(f"model '{self.name}': its checkpoint is quantized already (linear layers at "
+                             f"{self.linear_weight_bytes:g}, experts at {experts:g} bytes a weight), and vLLM "
+                             "refuses a --quantization that differs from the checkpoint's")
+        return replace(self, linear_weight_bytes=1.0, expert_weight_bytes=1.0 if self.is_moe else self.expert_weight_bytes)
+
+    @property
+    def fp8_matmul_params(self) -> int:
+        """Parameters per token whose matmuls run in fp8 where the GPU has fp8 tensor cores: the
+        linear layers stored at one byte (attention, dense MLPs, shared experts; not the bf16
+        routers) and the routed experts a token runs when they are."""
+        n = 0
+        if self.linear_weight_bytes == 1.0:
+            n += self.num_linear_params - self.num_moe_layers * self.hidden_size * self.num_experts
+        if self.is_moe and self.expert_weight_bytes == 1.0:
+            n += self.num_moe_layers * self.num_experts_per_tok * self.expert_params
+        return n
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the
@@ -230,6 +262,14 @@ class GPUSpec:
     bf16_tflops: float
     interconnect_gbs: float
     compute_capability: float
+    # Dense fp8 tensor-core peak (0: none; fp8 weights then run weight-only at the bf16 rate).
+    fp8_tflops: float = 0.0
+
+    @property
+    def runs_fp8_matmuls(self) -> bool:
+        """Whether vLLM's fp8 linear layers run fp8 x fp8 matmuls here (W8A8: Ada, Hopper,
+        Blackwell) rather than dequantizing the weights to bf16 (Marlin, on Ampere)."""
+        return self.fp8_tflops > 0 and self.compute_capability >= 8.9
 
     @property
     def memory_bytes(self) -> int:
@@ -276,10 +316,10 @@ def canonical_gpu(name: str | None) -> str | None:
     if not name:
         return None
     n = name.upper()
-    if "H200" in n:
-        return "H200"
-    if "H100" in n:
-        return "H100-SXM"
+    for key, spec in (("GB200", "GB200"), ("B300", "B300"), ("B200", "B200"), ("H200", "H200"), ("H100", "H100-SXM"),
+                      ("H20", "H20"), ("L40S", "L40S")):
+        if key in n:
+            return spec
     if "A100" in n and "80" in n:
         return "A100-80GB"
     return None

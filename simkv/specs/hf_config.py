@@ -15,8 +15,8 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank (null: a direct query projection);
 - quantization_config: gpt-oss's MXFP4 experts ("mxfp4") at 0.53125 bytes a weight; FP8
   checkpoints ("fp8", or compressed-tensors with 8-bit float weights) with every linear layer
-  at 1 byte (embeddings, LM head and norms stay bf16; the roofline still computes at the bf16
-  rate);
+  at 1 byte (embeddings, LM head and norms stay bf16; the roofline multiplies them at the fp8
+  peak on GPUs with fp8 tensor cores);
 - sliding windows: sliding_window with layer_types (sliding_attention / full_attention), or
   sliding_window_pattern (Gemma 3: every 6th layer is full), or Gemma 2's alternation; a
   window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false.

@@ -1,0 +1,172 @@
+"""vLLM's --quantization fp8 (weights at one byte, fp8 matmuls where the GPU has fp8 tensor
+cores) and the GPU catalogue (Ada, Hopper, Blackwell): memory, FLOP rates and the block sizes
+vLLM's attention backends pick there."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.factory import make_backend
+from simkv.backends.roofline import RooflineCostModel
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+from simkv.specs import canonical_gpu, get_gpu_spec, get_model_spec, gpu_names
+from tests.core.helpers import make_request
+
+
+def test_fp8_quantization_halves_the_linear_weights_and_keeps_the_rest_bf16():
+    bf16 = get_model_spec("llama-3-70b")
+    fp8 = bf16.quantized("fp8")
+    assert fp8.num_params == bf16.num_params
+    assert fp8.linear_weight_bytes == 1.0
+    # the linear layers lose one byte a weight; embeddings, LM head and norms stay bf16
+    assert bf16.weight_bytes - fp8.weight_bytes == bf16.num_linear_params
+    assert fp8.fp8_matmul_params == bf16.num_linear_params
+    assert bf16.fp8_matmul_params == 0
+    moe = get_model_spec("qwen3-30b-a3b").quantized("fp8")
+    assert moe.expert_weight_bytes == 1.0
+    routers = moe.num_moe_layers * moe.hidden_size * moe.num_experts  # (bf16 in vLLM's fp8 models)
+    assert moe.fp8_matmul_params == (moe.num_linear_params - routers
+                                     + moe.num_moe_layers * moe.num_experts_per_tok * moe.expert_params)
+
+
+def test_an_fp8_checkpoint_stays_as_it_is_and_another_quantization_is_refused():
+    dsv3 = get_model_spec("deepseek-v3")
+    assert dsv3.quantized("fp8") == dsv3
+    assert dsv3.quantized(None) == dsv3
+    with pytest.raises(ConfigError, match="quantization 'fp8'.*gpt-oss-120b.*0.53125"):
+        EngineConfig.from_flat({"model": "gpt-oss-120b", "gpu": "H200", "quantization": "fp8"})
+    with pytest.raises(ConfigError, match="quantization 'int4'.*not modelled"):
+        EngineConfig.from_flat({"model": "llama-3-8b", "quantization": "int4"})
+
+
+def test_fp8_weights_leave_more_memory_for_the_kv_cache():
+    bf16 = compute_capacity(EngineConfig.from_flat({"model": "llama-3-70b", "tensor_parallel_size": 2}))
+    fp8 = compute_capacity(EngineConfig.from_flat({"model": "llama-3-70b", "tensor_parallel_size": 2,
+                                                   "quantization": "fp8"}))
+    spec = get_model_spec("llama-3-70b")
+    assert fp8.available_kv_bytes - bf16.available_kv_bytes == pytest.approx(spec.num_linear_params / 2, abs=1)
+    assert fp8.num_gpu_blocks > 5 * bf16.num_gpu_blocks
+    # 70B in fp8 fits one H200, not in bf16
+    assert compute_capacity(EngineConfig.from_flat({"model": "llama-3-70b", "gpu": "H200",
+                                                    "quantization": "fp8"})).num_gpu_blocks > 0
+    with pytest.raises(ConfigError, match="No available memory"):
+        compute_capacity(EngineConfig.from_flat({"model": "llama-3-70b", "gpu": "H200"}))
+
+
+def _prefill(tokens: int) -> SchedulerOutput:
+    chunk = ScheduledChunk(make_request(0, tokens, 1), 0, tokens)
+    return SchedulerOutput(step=0, chunks=[chunk], num_decode_reqs=0, decode_context_tokens=0, decodes=None,
+                           preempted=[], num_running=1, num_waiting=0, num_blocks_used=0, prefix_query_tokens=0,
+                           prefix_hit_tokens=0)
+
+
+@pytest.mark.parametrize("gpu", ["H100-SXM", "L40S", "B200"])
+def test_fp8_matmuls_run_at_the_fp8_peak_where_the_gpu_has_one(gpu):
+    bf16_spec = get_model_spec("llama-3-70b")
+    g = get_gpu_spec(gpu)
+    bf16 = RooflineCostModel(bf16_spec, g, 4)
+    fp8 = RooflineCostModel(bf16_spec.quantized("fp8"), g, 4)
+    saved = 2.0 * bf16_spec.num_linear_params / 4 * (1 - g.bf16_tflops / g.fp8_tflops)
+    assert bf16.flops_per_token - fp8.flops_per_token == pytest.approx(saved, rel=1e-12)
+    # a long prefill is compute-bound: its matmuls take about half the time
+    long = _prefill(8192)
+    ratio = (fp8.execute(long) - fp8.fixed_s) / (bf16.execute(long) - bf16.fixed_s)
+    assert 0.5 < ratio < 0.75
+    # a lone decode is memory-bound: it reads about half the weight bytes
+    assert fp8.weight_bytes < 0.52 * bf16.weight_bytes
+
+
+def test_on_ampere_fp8_weights_are_read_at_one_byte_but_multiplied_at_the_bf16_rate():
+    spec = get_model_spec("llama-3-8b")
+    a100 = get_gpu_spec("A100-80GB")
+    assert not a100.runs_fp8_matmuls
+    bf16, fp8 = RooflineCostModel(spec, a100), RooflineCostModel(spec.quantized("fp8"), a100)
+    assert fp8.flops_per_token == bf16.flops_per_token
+    assert fp8.weight_bytes < bf16.weight_bytes
+
+
+def test_a_data_parallel_rank_multiplies_its_fp8_experts_at_the_fp8_rate():
+    spec = get_model_spec("qwen3-30b-a3b")
+    g = get_gpu_spec("H200")
+    bf16 = RooflineCostModel(spec, g, 1, data_parallel_size=4)
+    fp8 = RooflineCostModel(spec.quantized("fp8"), g, 1, data_parallel_size=4)
+    discount = 1 - g.bf16_tflops / g.fp8_tflops
+    assert fp8.expert_flops_per_group_token == pytest.approx(bf16.expert_flops_per_group_token * (1 - discount))
+    assert fp8.flops_per_token_local < bf16.flops_per_token_local
+
+
+def test_mtp_takes_the_targets_quantization_and_an_eagle_head_its_own_weights():
+    mtp = EngineConfig.from_flat({"model": "qwen3-30b-a3b", "quantization": "fp8", "speculative_method": "mtp",
+                                  "num_speculative_tokens": 1})
+    eagle = EngineConfig.from_flat({"model": "qwen3-30b-a3b", "quantization": "fp8",
+                                    "speculative_method": "eagle3", "num_speculative_tokens": 1})
+    assert mtp.draft_network.linear_weight_bytes == 1.0 and mtp.draft_network.expert_weight_bytes == 1.0
+    assert eagle.draft_network.linear_weight_bytes == 2.0
+
+
+def test_latent_attention_block_sizes_follow_the_backend_vllm_picks():
+    def block(gpu, **extra):
+        return EngineConfig.from_flat({"model": "deepseek-v3", "gpu": gpu, "tensor_parallel_size": 8,
+                                       **extra}).cache.block_size
+
+    assert block("H200") == 16  # FlashAttention MLA
+    assert block("H200", kv_cache_dtype="fp8") == 64  # FlashMLA
+    assert block("B200") == 32  # FlashInfer MLA: 32 or 64
+    assert block("B300", kv_cache_dtype="fp8") == 32
+    assert block("B200", block_size=16) == 16  # given: Triton MLA then
+    assert block("L40S") == 16  # Triton MLA
+    # grouped-query attention keeps 16 on Blackwell (FlashInfer takes 16, 32 or 64)
+    assert EngineConfig.from_flat({"model": "llama-3-8b", "gpu": "B200"}).cache.block_size == 16
+
+
+def test_blackwell_holds_more_of_deepseek_v3s_cache_than_hopper():
+    def tokens(gpu):
+        return compute_capacity(EngineConfig.from_flat({"model": "deepseek-v3", "gpu": gpu,
+                                                        "tensor_parallel_size": 8})).kv_cache_tokens
+
+    assert tokens("B300") > tokens("B200") > tokens("H200")
+    with pytest.raises(ConfigError, match="No available memory"):
+        tokens("H100-SXM")  # 671B in fp8 over 8 x 80 GB leaves nothing
+
+
+def test_the_catalogue_and_cuda_device_names():
+    for name in gpu_names():
+        g = get_gpu_spec(name)
+        assert g.memory_gib > 0 and g.mem_bandwidth_gbs > 0 and g.bf16_tflops > 0 and g.interconnect_gbs > 0
+        assert g.fp8_tflops == 0 or g.fp8_tflops == pytest.approx(2 * g.bf16_tflops, rel=0.03)
+    assert canonical_gpu("NVIDIA H20") == "H20"
+    assert canonical_gpu("NVIDIA H200") == "H200"
+    assert canonical_gpu("NVIDIA B200") == "B200"
+    assert canonical_gpu("NVIDIA GB200") == "GB200"
+    assert canonical_gpu("NVIDIA B300 SXM6 AC") == "B300"
+    assert canonical_gpu("NVIDIA L40S") == "L40S"
+    assert canonical_gpu("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert canonical_gpu("Tesla T4") is None
+
+
+def test_replay_records_the_quantization_and_refuses_it_where_it_cannot_hold(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "fp8"
+    res = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(out), "--model", "llama-3-8b",
+                               "-q", "fp8", "--cost-model", "roofline"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["quantization"] == "fp8"
+    plain = tmp_path / "bf16"
+    res = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(plain), "--model", "llama-3-8b",
+                               "--cost-model", "roofline"])
+    assert "quantization" not in json.loads((plain / "summary.json").read_text())["config"]
+    assert json.loads((plain / "summary.json").read_text())["num_gpu_blocks"] < summary["num_gpu_blocks"]
+    res = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "g"), "--backend", "gpu",
+                               "--device", "cpu", "--model", "tiny-llama", "-q", "fp8"])
+    assert res.exit_code != 0 and "--quantization" in res.output
+
+
+def test_a_calibration_is_not_stretched_over_fp8_weights(tmp_path):
+    config = EngineConfig.from_flat({"model": "llama-3-8b", "quantization": "fp8"})
+    with pytest.raises(ValueError, match="bf16 weights.*--quantization fp8"):
+        make_backend(str(tmp_path / "calib.json"), config)
