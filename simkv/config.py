@@ -535,7 +535,7 @@ def _backend_block_size(hardware: dict, cache: dict) -> int | None:
         return None  # (HardwareConfig names the bad value)
     if not spec.is_mla:
         return None
-    major = int(gpu.compute_capability)
+    major = gpu.cuda_major
     if major == 9 and cache.get("kv_cache_dtype") == "fp8":
         return 64
     if major == 10:

@@ -268,9 +268,9 @@ def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_c
     (absorbed) path. On Hopper: FlashAttention MLA (a bf16 cache) takes chunks of up to 512
     tokens; with an fp8 cache FlashMLA takes over, up to 128, if the block size is a multiple of
     64 (vLLM's default there); otherwise, as on Ampere and Ada, Triton MLA takes single tokens.
-    Blackwell's FlashInfer MLA (and CUTLASS MLA) take single tokens too. All take a verification
-    chunk of 1 + K tokens."""
-    if int(gpu.compute_capability) != 9:
+    Blackwell's FlashInfer MLA (and CUTLASS MLA) take single tokens too, and so does Triton MLA
+    on ROCm (vLLM's default there, without AITER). All take a verification chunk of 1 + K tokens."""
+    if gpu.cuda_major != 9:
         threshold = 1
     elif not fp8_kv_cache:
         threshold = 512

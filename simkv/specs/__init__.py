@@ -264,12 +264,21 @@ class GPUSpec:
     compute_capability: float
     # Dense fp8 tensor-core peak (0: none; fp8 weights then run weight-only at the bf16 rate).
     fp8_tflops: float = 0.0
+    # "cuda" or "rocm" (AMD: compute_capability is then the gfx version torch reports, 9.4 for
+    # gfx942, and names none of vLLM's CUDA attention backends)
+    platform: str = "cuda"
+
+    @property
+    def cuda_major(self) -> int:
+        """The CUDA compute capability's major version (8 Ampere and Ada, 9 Hopper, 10 Blackwell;
+        0 on ROCm), which vLLM's attention backend priorities go by."""
+        return int(self.compute_capability) if self.platform == "cuda" else 0
 
     @property
     def runs_fp8_matmuls(self) -> bool:
         """Whether vLLM's fp8 linear layers run fp8 x fp8 matmuls here (W8A8: Ada, Hopper,
-        Blackwell) rather than dequantizing the weights to bf16 (Marlin, on Ampere)."""
-        return self.fp8_tflops > 0 and self.compute_capability >= 8.9
+        Blackwell, CDNA 3) rather than dequantizing the weights to bf16 (Marlin, on Ampere)."""
+        return self.fp8_tflops > 0 and (self.platform == "rocm" or self.compute_capability >= 8.9)
 
     @property
     def memory_bytes(self) -> int:
@@ -316,7 +325,7 @@ def canonical_gpu(name: str | None) -> str | None:
     if not name:
         return None
     n = name.upper()
-    for key, spec in (("GB200", "GB200"), ("B300", "B300"), ("B200", "B200"), ("H200", "H200"), ("H100", "H100-SXM"),
+    for key, spec in (("MI300X", "MI300X"), ("MI325X", "MI325X"), ("GB200", "GB200"), ("B300", "B300"), ("B200", "B200"), ("H200", "H200"), ("H100", "H100-SXM"),
                       ("H20", "H20"), ("L40S", "L40S")):
         if key in n:
             return spec

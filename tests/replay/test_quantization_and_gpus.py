@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from simkv.backends.factory import make_backend
-from simkv.backends.roofline import RooflineCostModel
+from simkv.backends.roofline import RooflineCostModel, mla_decode_query_len
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
 from simkv.config import ConfigError, EngineConfig
@@ -119,6 +119,7 @@ def test_latent_attention_block_sizes_follow_the_backend_vllm_picks():
     assert block("B300", kv_cache_dtype="fp8") == 32
     assert block("B200", block_size=16) == 16  # given: Triton MLA then
     assert block("L40S") == 16  # Triton MLA
+    assert block("MI300X") == block("MI300X", kv_cache_dtype="fp8") == 16  # ROCm without AITER: Triton MLA
     # grouped-query attention keeps 16 on Blackwell (FlashInfer takes 16, 32 or 64)
     assert EngineConfig.from_flat({"model": "llama-3-8b", "gpu": "B200"}).cache.block_size == 16
 
@@ -145,7 +146,17 @@ def test_the_catalogue_and_cuda_device_names():
     assert canonical_gpu("NVIDIA B300 SXM6 AC") == "B300"
     assert canonical_gpu("NVIDIA L40S") == "L40S"
     assert canonical_gpu("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert canonical_gpu("AMD Instinct MI300X") == "MI300X"
     assert canonical_gpu("Tesla T4") is None
+
+
+def test_amd_gpus_are_not_taken_for_hopper():
+    """torch reports gfx942 as capability 9.4; vLLM's CUDA backends (FlashAttention MLA's 512-token
+    decode path) are not picked on ROCm, and its fp8 matmuls run at the fp8 peak there."""
+    mi300x, h200 = get_gpu_spec("MI300X"), get_gpu_spec("H200")
+    assert (mi300x.cuda_major, h200.cuda_major) == (0, 9)
+    assert mla_decode_query_len(mi300x) == 1 and mla_decode_query_len(h200) == 512
+    assert mi300x.runs_fp8_matmuls
 
 
 def test_replay_records_the_quantization_and_refuses_it_where_it_cannot_hold(tmp_path):

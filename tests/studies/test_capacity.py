@@ -87,7 +87,7 @@ def test_memory_derived_cannot_fit_estimates_max_len():
 
 @pytest.mark.parametrize("args, text", [
     (["--model", "nope"], "unknown model 'nope'"),
-    (["--gpu", "MI300X"], "unknown GPU 'MI300X'"),
+    (["--gpu", "TPU-v5e"], "unknown GPU 'TPU-v5e'"),
     (["--model", "llama-3-70b", "-tp", "3"], "divisible by tensor parallel size (3)"),
     (["--model", "llama-3-70b"], "No available memory for the cache blocks"),
     (["--block-size", "0"], "block_size must be >= 1, got 0"),
