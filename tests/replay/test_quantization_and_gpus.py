@@ -181,3 +181,16 @@ def test_a_calibration_is_not_stretched_over_fp8_weights(tmp_path):
     config = EngineConfig.from_flat({"model": "llama-3-8b", "quantization": "fp8"})
     with pytest.raises(ValueError, match="bf16 weights.*--quantization fp8"):
         make_backend(str(tmp_path / "calib.json"), config)
+
+
+def test_capacity_shows_the_quantization_in_its_tables_and_layouts():
+    runner = CliRunner()
+    res = runner.invoke(main, ["capacity", "--model", "llama-3-70b", "-tp", "2", "-q", "fp8"])
+    assert res.exit_code == 0 and "weights per GPU (fp8)" in res.output
+    layouts = runner.invoke(main, ["capacity", "--model", "llama-3-70b", "--layouts", "2", "-q", "fp8", "--json"])
+    rep = json.loads(layouts.output)
+    assert rep["quantization"] == "fp8"
+    one, two = rep["layouts"]
+    assert one["layout"] == "2 x TP 1" and two["layout"] == "1 x TP 2"
+    # 67.7 GiB of weights leave an 80 GB H100 a few GiB of cache: TP 2 keeps 21 times as many blocks
+    assert one["fits"] and two["fits"] and two["num_gpu_blocks"] > 20 * one["num_gpu_blocks"]
