@@ -29,7 +29,7 @@ def _gib(num_bytes: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # on one GPU, per token of a request (under DCP the GPU's share)
     num_gpu_blocks: int
     available_kv_bytes: int
     block_size: int
@@ -104,6 +104,8 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
     per_token = kv_bytes_per_token(config, tp)
+    # Decode context parallelism: a block holds `bs` tokens, of which each GPU stores cc.block_size.
+    dcp, bs = config.hardware.decode_context_parallel_size, config.kv_manager_block_size
     draft = config.draft_network
     draft_weights = 0.0
     if draft is not None:
@@ -128,7 +130,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
                 "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
                 "when initializing the engine.")
         num_blocks = available // block_bytes
-    per_request = group_blocks_per_request(config, mml, startup=True) if hybrid else -(-mml // cc.block_size)
+    per_request = group_blocks_per_request(config, mml, startup=True) if hybrid else -(-mml // bs)
     needed = per_request * block_bytes
     usable_blocks = num_blocks - 1 if cc.reserve_null_block else num_blocks  # block 0: the null block
     usable_bytes = usable_blocks * block_bytes
@@ -140,12 +142,12 @@ def compute_capacity(config: EngineConfig) -> Capacity:
                 lo, hi = (mid, hi) if group_blocks_per_request(config, mid) <= usable_blocks else (lo, mid - 1)
             estimated = lo
         else:
-            estimated = (usable_bytes // block_bytes) * cc.block_size
+            estimated = (usable_bytes // block_bytes) * bs
         msg = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated > 0 else ""
         raise ConfigError(
             f"To serve at least one request with the model's max seq len ({mml}), ({_gib(needed)} GiB KV "
             f"cache is needed, which is larger than the available KV cache memory ({_gib(usable_bytes)} GiB). "
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
-    return Capacity(per_token, int(num_blocks), int(available), cc.block_size, mml, num_cpu_blocks,
+    return Capacity(per_token // dcp, int(num_blocks), int(available), bs, mml, num_cpu_blocks,
                     per_request if hybrid else 0, int(block_bytes))

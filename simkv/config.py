@@ -144,6 +144,10 @@ class HardwareConfig:
     # whose expert layers span all ranks' GPUs and whose steps run in lockstep
     # (simkv/replay/data_parallel.py)
     data_parallel_size: int = 1
+    # vLLM's --decode-context-parallel-size: groups of that many of the TP GPUs shard the KV cache
+    # by tokens (each stores block_size tokens of every block of block_size x DCP) instead of
+    # each holding every token of its heads (a latent, or KV heads duplicated when TP > KV heads)
+    decode_context_parallel_size: int = 1
     # vLLM's --quantization: None (the checkpoint's weights as they are) or "fp8" (vLLM quantizes a
     # bf16 checkpoint's linear layers and experts to fp8 as it loads them: ModelSpec.quantized)
     quantization: str | None = None
@@ -159,6 +163,14 @@ class HardwareConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         spec = get_model_spec(self.model)
+        dcp = self.decode_context_parallel_size
+        if dcp < 1:
+            raise ConfigError(f"decode_context_parallel_size must be >= 1, got {dcp}")
+        if self.tensor_parallel_size % dcp:  # (vLLM's text)
+            raise ConfigError(f"tp_size={self.tensor_parallel_size} must be divisible by dcp_size={dcp}.")
+        if dcp > 1 and not spec.is_mla:
+            raise ConfigError(f"decode_context_parallel_size {dcp}: modelled for latent attention (MLA) only; "
+                              f"{self.model} has grouped-query attention")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size > 1 and not spec.is_moe:
@@ -368,6 +380,8 @@ class EngineConfig:
             self._verify_speculative()
         if self.hardware.data_parallel_size > 1:
             self._verify_data_parallel()
+        if self.hardware.decode_context_parallel_size > 1:
+            self._verify_decode_context_parallel()
         if self.has_sliding_window:
             self._verify_sliding_window()
         elif self.attention.prefix_cache_retention_interval not in (0, None):
@@ -448,6 +462,29 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"data_parallel_size > 1 is not modelled with {what}")
 
+    def _verify_decode_context_parallel(self) -> None:
+        if self.has_sliding_window:  # (vLLM asserts it)
+            raise ConfigError("DCP not support sliding window attn now.")
+        unsupported = [(self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
+                       (self.speculative.enabled, "speculative decoding"),
+                       (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
+                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"decode_context_parallel_size > 1 is not modelled with {what}")
+
+    @property
+    def kv_manager_block_size(self) -> int:
+        """Tokens per block of the KV-cache manager: block_size, times the decode context
+        parallelism whose GPUs each store block_size of them (vLLM's manager block size)."""
+        return self.cache.block_size * self.hardware.decode_context_parallel_size
+
+    def for_kv_manager(self) -> "EngineConfig":
+        """The config the engine core runs on: its blocks are the KV-cache manager's."""
+        if self.hardware.decode_context_parallel_size == 1:
+            return self
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, block_size=self.kv_manager_block_size))
+
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
         if sched.async_scheduling and spec.speculative_method == "ngram":  # (vLLM's text; its GPU n-gram works)
@@ -494,6 +531,8 @@ class EngineConfig:
             del out["data_parallel_size"]
         if self.hardware.quantization is None:  # (likewise)
             del out["quantization"]
+        if self.hardware.decode_context_parallel_size == 1:
+            del out["decode_context_parallel_size"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager:

@@ -34,13 +34,16 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
         return RooflineCostModel(hw.model_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                  config.cache.kv_dtype_bytes, layer_windows=config.layer_windows,
                                  num_speculative_tokens=config.speculative.num_speculative_tokens,
-                                 data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size)
+                                 data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
+                                 decode_context_parallel_size=hw.decode_context_parallel_size)
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
-        if config.hardware.quantization:
-            raise ValueError(f"--cost-model {name}: a calibration times the GPU backend's bf16 weights; "
-                             f"--quantization {config.hardware.quantization} is the roofline's")
+        if config.hardware.quantization or config.hardware.decode_context_parallel_size > 1:
+            what = ("--quantization " + config.hardware.quantization if config.hardware.quantization
+                    else "decode context parallelism")
+            raise ValueError(f"--cost-model {name}: a calibration times the GPU backend's bf16 weights on one "
+                             f"GPU; {what} is the roofline's")
         if config.has_sliding_window:
             raise ValueError(f"--cost-model {name}: a calibration is fitted on layers that attend the whole "
                              f"context; {config.hardware.model} here has sliding-window layers (use the roofline)")

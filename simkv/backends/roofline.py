@@ -13,6 +13,8 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         (peak_flops: the bf16 peak; the matmuls of fp8 weights run at the fp8 peak on GPUs with
         fp8 tensor cores: vLLM's W8A8 fp8 GEMMs; weight-only at the bf16 rate on Ampere)
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
+        (+ latent attention under decode context parallelism, DCP: K/V bytes / DCP, and its
+        collectives: `dcp_seconds`)
 With sliding-window layers, A and K count each layer's window (averaged over the layers; the
 scheduler then hands every decode over as a one-token chunk). All quantities are divided by TP
 except the overheads and a latent-attention cache (below), which every GPU reads whole.
@@ -68,6 +70,7 @@ class RooflineCostModel:
         num_speculative_tokens: int = 0,
         data_parallel_size: int = 1,
         block_size: int = 16,
+        decode_context_parallel_size: int = 1,
     ) -> None:
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
@@ -101,6 +104,9 @@ class RooflineCostModel:
         self.moe = model if model.is_moe else None
         self.expert_bytes = model.expert_weight_bytes * model.expert_params * model.num_moe_layers / tp
         self.kv_bytes_per_token = float(model.kv_bytes_per_token(kv_dtype_bytes, tp))
+        dcp = decode_context_parallel_size
+        if dcp > 1:  # (each GPU of a DCP group stores, writes and reads 1 / DCP of the tokens)
+            self.kv_bytes_per_token /= dcp
         self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
         if tp > 1:
@@ -111,6 +117,18 @@ class RooflineCostModel:
             self.comm_per_token = 0.0
             self.comm_fixed = 0.0
         self.fixed_s = step_overhead_s + self.comm_fixed
+        self.dcp = dcp
+        if dcp > 1:  # (latent attention only: EngineConfig's check)
+            # The absorbed path all-gathers the DCP group's queries and reduce-scatters the partial
+            # outputs with their log-sum-exp (2 collectives a layer): a GPU runs DCP x its TP share
+            # of the heads over 1 / DCP of the context, the same FLOPs as without DCP. The
+            # expanded path all-gathers the latents of the chunk and of its cached context.
+            share = (dcp - 1) / dcp / (gpu.interconnect_gbs * 1e9)
+            latent = model.kv_lora_rank + model.qk_rope_head_dim
+            heads = model.num_heads * dcp / tp
+            self.dcp_per_query = model.num_layers * share * heads * (latent + model.kv_lora_rank) * 2
+            self.dcp_per_gathered = model.num_layers * share * latent * kv_dtype_bytes
+            self.dcp_fixed = 2 * model.num_layers * allreduce_latency_s
         self.dp = data_parallel_size
         if self.dp > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
             g = self.dp * tp  # the GPUs the expert layers span
@@ -150,7 +168,21 @@ class RooflineCostModel:
         if self.dp > 1:
             raise RuntimeError("a data-parallel roofline times lockstep steps of all ranks (dp_step_seconds)")
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.step_work(output)
-        return self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        seconds = self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        return seconds + self.dcp_seconds(output) if self.dcp > 1 else seconds
+
+    def dcp_seconds(self, output: SchedulerOutput) -> float:
+        """Decode context parallelism's collectives in a step: the absorbed path's per query token
+        (decodes, short chunks), the expanded path's per latent gathered (its chunks and their
+        cached context)."""
+        queries = output.num_decode_reqs
+        gathered = 0
+        for chunk in output.chunks:
+            if chunk.num_new_tokens <= self.mla_decode_query_len:
+                queries += chunk.num_new_tokens
+            else:
+                gathered += chunk.num_computed_tokens + chunk.num_new_tokens
+        return self.dcp_per_query * queries + self.dcp_per_gathered * gathered + self.dcp_fixed
 
     def step_work(self, output: SchedulerOutput) -> tuple:
         """(tokens, sequences, query-key pairs, KV tokens read, latent-path pairs, cached tokens
@@ -247,6 +279,8 @@ class RooflineCostModel:
         if line is None:
             n = num_decodes
             overhead = self.comm_per_token * n + self.fixed_s + self.seq_overhead_s * n
+            if self.dcp > 1:
+                overhead += self.dcp_per_query * n + self.dcp_fixed
             compute = (self.flops_per_token * n + self.flops_per_seq * n) / self.flop_rate
             weights = self.weight_bytes if self.moe is None else self.weight_bytes + self.expert_bytes * self.moe.experts_touched(n)
             memory = (weights + self.kv_bytes_per_token * n) / self.byte_rate

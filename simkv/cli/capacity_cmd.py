@@ -28,9 +28,12 @@ def capacity_report(config: EngineConfig) -> dict:
     # the blocks it holds at most over the groups (sliding-window groups keep about a window)
     per_request_gpu = cap.blocks_per_request * cap.block_bytes if hybrid else gpu_per_token * mml
     extra = {"draft_network": draft.name} if draft is not None else {}
-    if spec.is_mla:  # every GPU holds the whole latent cache: all GPUs together hold TP copies
+    dcp = config.hardware.decode_context_parallel_size
+    if spec.is_mla:  # every GPU holds the whole latent cache (DCP: its share): all GPUs hold TP / DCP copies
         model_per_token = gpu_per_token * tp
-        extra["latent_cache_on_every_gpu"] = True
+        extra["latent_cache_on_every_gpu"] = dcp == 1
+    if dcp > 1:
+        extra |= {"decode_context_parallel_size": dcp, "kv_manager_block_size": config.kv_manager_block_size}
     if dp > 1:  # every rank has its own pool of that many blocks
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
     if config.hardware.quantization:
@@ -99,6 +102,9 @@ def print_report(rep: dict) -> None:
     if rep.get("data_parallel_size"):
         rows.append(("data-parallel ranks (each its own KV cache)", f"{rep['data_parallel_size']}"))
         rows.append(("KV cache tokens, all ranks", f"{rep['kv_cache_tokens_all_ranks']:,}"))
+    if rep.get("decode_context_parallel_size"):
+        rows.insert(0, ("decode context parallelism: tokens per block (per GPU)",
+                        f"DCP {rep['decode_context_parallel_size']}: {rep['kv_manager_block_size']} ({rep['block_size']})"))
     if rep.get("latent_cache_on_every_gpu"):
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):
@@ -118,6 +124,8 @@ def print_report(rep: dict) -> None:
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
 @click.option("--data-parallel-size", "-dp", type=int, default=None,
               help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")
+@click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
+              help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens [default: 1]")
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
               help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")

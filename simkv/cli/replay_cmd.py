@@ -25,6 +25,7 @@ _ENGINE_FLAGS = {
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
     "data_parallel_size": "data_parallel_size", "quantization": "quantization",
+    "decode_context_parallel_size": "decode_context_parallel_size",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "async_scheduling": "async_scheduling",
@@ -197,6 +198,9 @@ _ENGINE_OPTIONS = [
     click.option("--data-parallel-size", "-dp", type=int, default=None,
                  help="A mixture of experts: data-parallel attention ranks in lockstep, their experts over "
                       "all GPUs (vLLM's --data-parallel-size) [default: 1]"),
+    click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
+                 help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens (a latent, or KV heads "
+                      "duplicated when TP exceeds them, is then not held whole on every GPU) [default: 1]"),
     click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
                  help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts as it loads them "
                       "(half the weight memory; fp8 matmuls on GPUs with fp8 tensor cores) [default: the checkpoint's]"),
@@ -319,7 +323,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         # (sliding windows may come from --sliding-window on any model)
         why = get_model_spec(config.hardware.model).simulated_only or (
             "sliding-window layers" if config.has_sliding_window else None) or (
-            "--quantization" if config.hardware.quantization else None)
+            "--quantization" if config.hardware.quantization else None) or (
+            "decode context parallelism" if config.hardware.decode_context_parallel_size > 1 else None)
         if why:
             raise click.UsageError(f"{config.hardware.model} has {why}: simulated only (the gpu backend runs dense "
                                    "Llama-architecture decoders that attend the whole context)")

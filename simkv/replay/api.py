@@ -105,7 +105,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector, goodput,
                   fleet: FleetSpec, capacity) -> ReplayResult:
     router = Router(fleet.router, fleet.num_replicas, fleet.options,
-                    cache_tokens_per_replica=capacity.num_gpu_blocks * config.cache.block_size)
+                    cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
     seed = cost_options.get("noise_seed", 0)  # replicas' step noise: independent draws
     backends = [make_backend(cost_model, config, **(cost_options | {"noise_seed": seed + r}))
                 for r in range(fleet.num_replicas)]

@@ -129,6 +129,9 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
     if pool == "prefill" and config.hardware.data_parallel_size > 1:
         raise ConfigError("prefill pool: data_parallel_size > 1 is modelled in the decode pool only")
+    if config.hardware.decode_context_parallel_size > 1:
+        raise ConfigError(f"{pool} pool: decode_context_parallel_size > 1 is not modelled with P/D disaggregation "
+                          "(the pulled blocks' layout differs between the pools)")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")

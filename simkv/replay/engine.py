@@ -137,10 +137,10 @@ class ReplayEngine:
             raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
                              + without)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
-        self.scheduler = Scheduler(config, num_gpu_blocks, detail=backend.needs_request_detail,
+        self.scheduler = Scheduler(config.for_kv_manager(), num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector)
         # Swapping delays the step by its bytes over PCIe (not under the step-counting unit model).
-        block_bytes = capacity.kv_bytes_per_token * config.cache.block_size if capacity is not None else 0
+        block_bytes = capacity.kv_bytes_per_token * config.kv_manager_block_size if capacity is not None else 0
         self.swap_seconds_per_block = (0.0 if backend.name == "unit" else
                                        block_bytes / (config.cache.pcie_bandwidth_gbs * 1e9))
         # Pure-decode steps are timed by the backend's decode line (runs and single steps alike).

@@ -64,7 +64,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
         ("running (peak / mean)" + per, f"{summary['peak_running']:,} / {summary['mean_running']:,.1f}"),
         ("waiting (peak)" + per, f"{summary['peak_waiting']:,}"),
-        ("KV blocks (peak used / total)" + per, f"{summary['peak_blocks_used']:,} / {summary['num_gpu_blocks']:,} of {cfg['block_size']} tokens"),
+        ("KV blocks (peak used / total)" + per, f"{summary['peak_blocks_used']:,} / {summary['num_gpu_blocks']:,} of {cfg['block_size'] * cfg.get('decode_context_parallel_size', 1)} tokens"),
         ("internal fragmentation", f"{summary['internal_fragmentation_pct']:.2f} %"),
         ("preemptions (events / requests)", f"{summary['num_preemptions']:,} / {summary['num_preempted_requests']:,}"),
         ("prefix cache hit rate", f"{100 * summary['prefix_cache_hit_rate']:.2f} % ({summary['prefix_cache_hits_tokens']:,} of {summary['prefix_cache_queries_tokens']:,} tokens)"),

@@ -106,7 +106,7 @@ def stored_and_wasted_slots(run: ReplayRun, config, finished: np.ndarray) -> tup
     slots = getattr(run.scheduler.kv_cache_manager, "finished_slots", None)
     if slots is not None:
         return int(slots[0]), int(slots[1])
-    bs = config.cache.block_size
+    bs = config.kv_manager_block_size
     stored = np.minimum(run.requests.ints["num_computed_tokens"][finished] + config.num_lookahead_tokens,
                         config.max_model_len)
     held = -(-stored // bs)
@@ -116,7 +116,7 @@ def stored_and_wasted_slots(run: ReplayRun, config, finished: np.ndarray) -> tup
 def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: float,
               requests: pd.DataFrame) -> dict:
     num_gpu_blocks = capacity if isinstance(capacity, int) else capacity.num_gpu_blocks
-    block_bytes = 0 if isinstance(capacity, int) else capacity.kv_bytes_per_token * config.cache.block_size
+    block_bytes = 0 if isinstance(capacity, int) else capacity.kv_bytes_per_token * config.kv_manager_block_size
     steps = run.steps.columns()
     sched = run.scheduler
     kv = sched.kv_cache_manager

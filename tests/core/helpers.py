@@ -320,3 +320,13 @@ def assert_same_async_spec_steps_as_vllm(recorded: dict) -> dict:
     stats = sched.kv_cache_manager.prefix_cache_stats
     assert [stats.queries, stats.hits] == theirs["prefix"]
     return ours
+
+
+def make_step(chunks=(), decodes=0, context=0):
+    """A SchedulerOutput of prefill `chunks` and `decodes` summarised decodes attending `context`
+    tokens in all, for timing it on a cost model."""
+    from simkv.core.outputs import SchedulerOutput
+
+    return SchedulerOutput(step=0, chunks=list(chunks), num_decode_reqs=decodes, decode_context_tokens=context,
+                           decodes=None, preempted=[], num_running=len(chunks) + decodes, num_waiting=0,
+                           num_blocks_used=0, prefix_query_tokens=0, prefix_hit_tokens=0)

@@ -12,9 +12,9 @@ from simkv.backends.roofline import RooflineCostModel, mla_decode_query_len
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
 from simkv.config import ConfigError, EngineConfig
-from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+from simkv.core.outputs import ScheduledChunk
 from simkv.specs import canonical_gpu, get_gpu_spec, get_model_spec, gpu_names
-from tests.core.helpers import make_request
+from tests.core.helpers import make_request, make_step
 
 
 def test_fp8_quantization_halves_the_linear_weights_and_keeps_the_rest_bf16():
@@ -57,11 +57,8 @@ def test_fp8_weights_leave_more_memory_for_the_kv_cache():
         compute_capacity(EngineConfig.from_flat({"model": "llama-3-70b", "gpu": "H200"}))
 
 
-def _prefill(tokens: int) -> SchedulerOutput:
-    chunk = ScheduledChunk(make_request(0, tokens, 1), 0, tokens)
-    return SchedulerOutput(step=0, chunks=[chunk], num_decode_reqs=0, decode_context_tokens=0, decodes=None,
-                           preempted=[], num_running=1, num_waiting=0, num_blocks_used=0, prefix_query_tokens=0,
-                           prefix_hit_tokens=0)
+def _prefill(tokens: int):
+    return make_step([ScheduledChunk(make_request(0, tokens, 1), 0, tokens)])
 
 
 @pytest.mark.parametrize("gpu", ["H100-SXM", "L40S", "B200"])

@@ -1,0 +1,90 @@
+"""Decode context parallelism (vLLM's --decode-context-parallel-size) for latent attention: the
+DCP GPUs of a TP group shard the latent cache by tokens, the KV-cache manager's blocks hold
+block_size x DCP tokens, and the roofline adds the absorbed path's collectives."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.factory import make_backend
+from simkv.backends.roofline import RooflineCostModel
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.outputs import ScheduledChunk
+from simkv.specs import get_gpu_spec, get_model_spec
+from tests.core.helpers import make_request, make_step
+
+V3 = {"model": "deepseek-v3", "gpu": "H200", "tensor_parallel_size": 8}
+
+
+def test_dcp_shards_the_latent_by_tokens_and_multiplies_the_cache():
+    plain = compute_capacity(EngineConfig.from_flat(V3))
+    dcp = compute_capacity(EngineConfig.from_flat(V3 | {"decode_context_parallel_size": 8}))
+    assert dcp.num_gpu_blocks == plain.num_gpu_blocks  # (the same pages on every GPU)
+    assert dcp.block_size == 8 * plain.block_size == 128
+    assert dcp.kv_bytes_per_token * 8 == plain.kv_bytes_per_token == 70_272
+    assert dcp.kv_cache_tokens == 8 * plain.kv_cache_tokens
+
+
+@pytest.mark.parametrize("options, message", [
+    (V3 | {"decode_context_parallel_size": 3}, "tp_size=8 must be divisible by dcp_size=3"),
+    ({"model": "llama-3-70b", "tensor_parallel_size": 8, "decode_context_parallel_size": 2},
+     "latent attention .MLA. only"),
+    (V3 | {"decode_context_parallel_size": 2, "speculative_method": "mtp", "num_speculative_tokens": 1},
+     "not modelled with speculative decoding"),
+    (V3 | {"decode_context_parallel_size": 0}, "must be >= 1"),
+])
+def test_what_dcp_is_refused_with(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+def test_the_roofline_reads_a_dcp_share_and_pays_for_the_collectives():
+    spec, gpu = get_model_spec("deepseek-v3"), get_gpu_spec("H200")
+    plain = RooflineCostModel(spec, gpu, 8)
+    dcp = RooflineCostModel(spec, gpu, 8, decode_context_parallel_size=8)
+    assert dcp.kv_bytes_per_token * 8 == plain.kv_bytes_per_token
+    assert dcp.flops_per_latent_pair == plain.flops_per_latent_pair  # (8 x the heads over 1 / 8 of the tokens)
+    # 64 decodes of 100k cached tokens each: memory-bound on the latent, which DCP divides
+    long = make_step(decodes=64, context=64 * 100_000)
+    assert dcp.execute(long) < 0.5 * plain.execute(long)
+    # a decode step over short contexts: the collectives make it slower
+    short = make_step(decodes=64, context=64 * 500)
+    assert dcp.execute(short) - plain.execute(short) == pytest.approx(
+        dcp.dcp_per_query * 64 + dcp.dcp_fixed - (plain.kv_bytes_per_token - dcp.kv_bytes_per_token)
+        * 64 * 501 / plain.byte_rate, rel=1e-6)
+    # an expanded-path chunk gathers its own and its context's latents; a 1-token chunk is a query
+    chunk = ScheduledChunk(make_request(0, 5000, 1), 3000, 2000)
+    single = ScheduledChunk(make_request(1, 5000, 1), 4999, 1)
+    assert dcp.dcp_seconds(make_step([chunk, single], decodes=3)) == pytest.approx(
+        dcp.dcp_per_gathered * 5000 + dcp.dcp_per_query * 4 + dcp.dcp_fixed)
+
+
+def test_a_dcp_replay_runs_its_core_on_manager_blocks(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "dcp"
+    res = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(out), "--model", "deepseek-v3",
+                               "--gpu", "H200", "-tp", "8", "-dcp", "8"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["decode_context_parallel_size"] == 8 and summary["config"]["block_size"] == 16
+    assert summary["num_finished"] == summary["num_requests"]
+    assert "of 128 tokens" in (out / "report.html").read_text() or "of 128 tokens" in res.output
+    # a calibration, P/D pools and the GPU backend do not take it
+    config = EngineConfig.from_flat(V3 | {"decode_context_parallel_size": 8})
+    with pytest.raises(ValueError, match="decode context parallelism"):
+        make_backend(str(tmp_path / "calib.json"), config)
+    pd = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "pd"), "--model",
+                              "deepseek-v3", "--gpu", "H200", "-tp", "8", "-dcp", "8", "--prefill-replicas", "1",
+                              "--decode-replicas", "1"])
+    assert pd.exit_code != 0 and "decode_context_parallel_size > 1 is not modelled with P/D" in pd.output
+
+
+def test_capacity_reports_the_manager_block():
+    res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "-tp", "8", "-dcp", "8",
+                                    "--json"])
+    rep = json.loads(res.output)
+    assert rep["kv_manager_block_size"] == 128 and rep["decode_context_parallel_size"] == 8
+    assert rep["kv_bytes_per_token_per_gpu"] == 8_784 and not rep["latent_cache_on_every_gpu"]
