@@ -168,9 +168,18 @@ class HardwareConfig:
             raise ConfigError(f"decode_context_parallel_size must be >= 1, got {dcp}")
         if self.tensor_parallel_size % dcp:  # (vLLM's text)
             raise ConfigError(f"tp_size={self.tensor_parallel_size} must be divisible by dcp_size={dcp}.")
-        if dcp > 1 and not spec.is_mla:
-            raise ConfigError(f"decode_context_parallel_size {dcp}: modelled for latent attention (MLA) only; "
-                              f"{self.model} has grouped-query attention")
+        if dcp > 1 and not spec.is_mla:  # (vLLM's checks and texts: KV heads duplicated over TP, split by tokens)
+            tp, kv = self.tensor_parallel_size, spec.num_kv_heads
+            if tp <= kv:
+                raise ConfigError(f"Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` ({tp}) "
+                                  f"to be greater than the model's total number of KV heads ({kv}). Increase "
+                                  "`--tensor-parallel-size` or set `--decode-context-parallel-size 1`.")
+            if dcp > tp // kv:
+                raise ConfigError(f"`--decode-context-parallel-size` ({dcp}) exceeds the maximum supported value "
+                                  f"({tp // kv}) for `--tensor-parallel-size` ({tp}) and {kv} model KV heads.")
+            if (spec.num_heads // kv) % dcp:
+                raise ConfigError(f"The model's number of query heads per KV head ({spec.num_heads // kv}) must be "
+                                  f"divisible by `--decode-context-parallel-size` ({dcp}) for GQA/MQA.")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size > 1 and not spec.is_moe:

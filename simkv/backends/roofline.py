@@ -13,8 +13,8 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         (peak_flops: the bf16 peak; the matmuls of fp8 weights run at the fp8 peak on GPUs with
         fp8 tensor cores: vLLM's W8A8 fp8 GEMMs; weight-only at the bf16 rate on Ampere)
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
-        (+ latent attention under decode context parallelism, DCP: K/V bytes / DCP, and its
-        collectives: `dcp_seconds`)
+        (+ under decode context parallelism, DCP: K/V bytes / DCP, and its collectives:
+        `dcp_seconds`)
 With sliding-window layers, A and K count each layer's window (averaged over the layers; the
 scheduler then hands every decode over as a one-token chunk). All quantities are divided by TP
 except the overheads and a latent-attention cache (below), which every GPU reads whole.
@@ -118,16 +118,21 @@ class RooflineCostModel:
             self.comm_fixed = 0.0
         self.fixed_s = step_overhead_s + self.comm_fixed
         self.dcp = dcp
-        if dcp > 1:  # (latent attention only: EngineConfig's check)
-            # The absorbed path all-gathers the DCP group's queries and reduce-scatters the partial
-            # outputs with their log-sum-exp (2 collectives a layer): a GPU runs DCP x its TP share
-            # of the heads over 1 / DCP of the context, the same FLOPs as without DCP. The
-            # expanded path all-gathers the latents of the chunk and of its cached context.
+        if dcp > 1:
+            # Every query token (latent attention: on the absorbed path) all-gathers over the DCP
+            # group and its partial outputs reduce-scatter with their log-sum-exp (2 collectives a
+            # layer): a GPU runs DCP x its TP share of the heads over 1 / DCP of the context, the
+            # same FLOPs as without DCP. Latent attention's expanded path all-gathers the latents
+            # of the chunk and of its cached context instead.
             share = (dcp - 1) / dcp / (gpu.interconnect_gbs * 1e9)
-            latent = model.kv_lora_rank + model.qk_rope_head_dim
             heads = model.num_heads * dcp / tp
-            self.dcp_per_query = model.num_layers * share * heads * (latent + model.kv_lora_rank) * 2
-            self.dcp_per_gathered = model.num_layers * share * latent * kv_dtype_bytes
+            if self.mla:
+                latent = model.kv_lora_rank + model.qk_rope_head_dim
+                self.dcp_per_query = model.num_layers * share * heads * (latent + model.kv_lora_rank) * 2
+                self.dcp_per_gathered = model.num_layers * share * latent * kv_dtype_bytes
+            else:
+                self.dcp_per_query = model.num_layers * share * heads * 2 * model.head_dim * 2
+                self.dcp_per_gathered = 0.0
             self.dcp_fixed = 2 * model.num_layers * allreduce_latency_s
         self.dp = data_parallel_size
         if self.dp > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
@@ -178,7 +183,7 @@ class RooflineCostModel:
         queries = output.num_decode_reqs
         gathered = 0
         for chunk in output.chunks:
-            if chunk.num_new_tokens <= self.mla_decode_query_len:
+            if not self.mla or chunk.num_new_tokens <= self.mla_decode_query_len:
                 queries += chunk.num_new_tokens
             else:
                 gathered += chunk.num_computed_tokens + chunk.num_new_tokens

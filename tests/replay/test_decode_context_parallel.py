@@ -1,6 +1,6 @@
-"""Decode context parallelism (vLLM's --decode-context-parallel-size) for latent attention: the
-DCP GPUs of a TP group shard the latent cache by tokens, the KV-cache manager's blocks hold
-block_size x DCP tokens, and the roofline adds the absorbed path's collectives."""
+"""Decode context parallelism (vLLM's --decode-context-parallel-size): the DCP GPUs of a TP group
+shard the latent cache (or KV heads duplicated over TP) by tokens, the KV-cache manager's blocks
+hold block_size x DCP tokens, and the roofline adds the collectives."""
 
 import json
 
@@ -31,7 +31,9 @@ def test_dcp_shards_the_latent_by_tokens_and_multiplies_the_cache():
 @pytest.mark.parametrize("options, message", [
     (V3 | {"decode_context_parallel_size": 3}, "tp_size=8 must be divisible by dcp_size=3"),
     ({"model": "llama-3-70b", "tensor_parallel_size": 8, "decode_context_parallel_size": 2},
-     "latent attention .MLA. only"),
+     r"requires `--tensor-parallel-size` \(8\) to be greater than the model's total number of KV heads \(8\)"),
+    ({"model": "llama-3-70b", "tensor_parallel_size": 16, "decode_context_parallel_size": 4},
+     r"\(4\) exceeds the maximum supported value \(2\)"),
     (V3 | {"decode_context_parallel_size": 2, "speculative_method": "mtp", "num_speculative_tokens": 1},
      "not modelled with speculative decoding"),
     (V3 | {"decode_context_parallel_size": 0}, "must be >= 1"),
@@ -39,6 +41,20 @@ def test_dcp_shards_the_latent_by_tokens_and_multiplies_the_cache():
 def test_what_dcp_is_refused_with(options, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flat(options)
+
+
+def test_grouped_query_attention_shards_its_duplicated_kv_heads():
+    """llama-3-70b's 8 KV heads over TP 16: each is held by 2 GPUs, which DCP 2 shards by tokens."""
+    base = {"model": "llama-3-70b", "tensor_parallel_size": 16}
+    plain = compute_capacity(EngineConfig.from_flat(base))
+    dcp = compute_capacity(EngineConfig.from_flat(base | {"decode_context_parallel_size": 2}))
+    assert dcp.kv_cache_tokens == 2 * plain.kv_cache_tokens and dcp.block_size == 32
+    spec, gpu = get_model_spec("llama-3-70b"), get_gpu_spec("H100-SXM")
+    model = RooflineCostModel(spec, gpu, 16, decode_context_parallel_size=2)
+    # every query token all-gathers (a prefill chunk's too): no latents to gather
+    chunk = ScheduledChunk(make_request(0, 600, 1), 100, 500)
+    assert model.dcp_seconds(make_step([chunk], decodes=2)) == pytest.approx(
+        model.dcp_per_query * 502 + model.dcp_fixed)
 
 
 def test_the_roofline_reads_a_dcp_share_and_pays_for_the_collectives():
