@@ -27,7 +27,8 @@ import oracle_spec  # noqa: E402  (the step loop on both sides)
 import oracle_vllm  # noqa: E402
 
 
-def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_scheduling: bool = False) -> dict:
+def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_scheduling: bool = False,
+              chunked: bool = False) -> dict:
     block_size = int(rng.choice([2, 4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -45,6 +46,10 @@ def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_
     retention = rng.choice(["zero", "zero", "dense", "periodic"])  # vLLM's prefix_cache_retention_interval
     opts["prefix_cache_retention_interval"] = (None if retention == "dense" else
                                                block_size * int(rng.integers(1, 9)) if retention == "periodic" else 0)
+    if chunked:  # chunked local attention (Llama 4's): chunks of 2 to 40 tokens, some full layers
+        opts["attention_chunk_size"] = int(opts.pop("sliding_window"))
+        opts["full_attention_interval"] = 2 if opts["model"] == "tiny-llama" else int(rng.choice([2, 3, 6]))
+        opts["prefix_cache_retention_interval"] = 0
     from simkv.capacity import group_blocks_per_request
 
     if speculative and rng.random() < 0.6:  # ngram drafts (no KV of their own) or an EAGLE layer
@@ -58,16 +63,17 @@ def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
     # (with EAGLE, the groups hold its draft layer too: vLLM buckets it with the full-attention layers)
-    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows)}
+    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows),
+            "group_chunked": config.kv_cache_groups.chunked}
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, chunked_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, chunked=a.chunked) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, hits=0, accepted=0)

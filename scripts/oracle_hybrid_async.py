@@ -56,12 +56,20 @@ def _simkv_retention():
 
 
 def _simkv_groups(block_size, torch):
-    """simkv's KV-cache groups (0: full attention, w: a sliding window of w tokens)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    """simkv's KV-cache groups (0: full attention, w: a sliding window of w tokens, or with
+    "chunked" an attention chunk of w tokens)."""
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
+                                            SlidingWindowSpec)
     groups = []
+    chunked = _simkv_hybrid().get("chunked", False)
     for i, window in enumerate(_simkv_hybrid()["windows"]):
         kw = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        spec = SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
+        if not window:
+            spec = FullAttentionSpec(**kw)
+        elif chunked:
+            spec = ChunkedLocalAttentionSpec(attention_chunk_size=window, **kw)
+        else:
+            spec = SlidingWindowSpec(sliding_window=window, **kw)
         groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
     return groups
 
@@ -80,7 +88,7 @@ def hybrid_oracle(tmp: Path) -> Path:
     return path
 
 
-def sliding_case(rng: np.random.Generator):
+def sliding_case(rng: np.random.Generator, chunked: bool = False):
     frame, opts = make_case(rng)
     opts["model"] = str(rng.choice(["tiny-llama", "llama-3-8b", "gemma-2-9b"]))
     opts["sliding_window"] = int(rng.choice([2, 3, 5, 8, 16, 17, 33, 40]))
@@ -89,6 +97,10 @@ def sliding_case(rng: np.random.Generator):
     opts["prefix_cache_retention_interval"] = (None if retention == "dense" else
                                                opts["block_size"] * int(rng.integers(1, 9)) if retention == "periodic"
                                                else 0)
+    if chunked:  # chunked local attention (Llama 4's): the window is the chunk, some full layers
+        opts["attention_chunk_size"] = opts.pop("sliding_window")
+        opts["full_attention_interval"] = 2 if opts["model"] == "tiny-llama" else int(rng.choice([2, 3, 6]))
+        opts["prefix_cache_retention_interval"] = 0
     config = EngineConfig.from_flat(opts | {"async_scheduling": True})
     fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
@@ -118,6 +130,7 @@ def main() -> None:
     ap.add_argument("--oracle-python", required=True)
     ap.add_argument("--cases", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunked", action="store_true", help="chunked local attention instead of sliding windows")
     ap.add_argument("--save", type=Path, help="write the N equal cases with the most preemptions, and vLLM's "
                                                "results, to this JSON file (tests/core/data/)")
     ap.add_argument("--save-count", type=int, default=8)
@@ -130,7 +143,7 @@ def main() -> None:
         tmp = Path(tmp)
         oracle = hybrid_oracle(tmp)
         for case in range(args.cases):
-            frame, opts, windows = sliding_case(rng)
+            frame, opts, windows = sliding_case(rng, args.chunked)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": True})
             except ConfigError as exc:
@@ -139,7 +152,7 @@ def main() -> None:
                 continue
             trace = tmp / f"case{case}.parquet"
             write_trace(frame, trace)
-            os.environ["SIMKV_HYBRID"] = json.dumps({"windows": windows,
+            os.environ["SIMKV_HYBRID"] = json.dumps({"windows": windows, "chunked": config.kv_cache_groups.chunked,
                                                      "retention": opts["prefix_cache_retention_interval"]})
             run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", True)
             res = replay(read_trace(trace), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})

@@ -68,7 +68,8 @@ def run_vllm(case: dict) -> dict:
     from vllm.v1.request import Request
 
     import oracle
-    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (oracle_hybrid.py's cases have groups)
+    o = case["opts"] | {"group_windows": case.get("group_windows"),  # (oracle_hybrid.py's cases have groups)
+                        "group_chunked": case.get("group_chunked", False)}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
     pool = sched.kv_cache_manager.block_pool

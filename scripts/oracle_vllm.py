@@ -34,7 +34,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
                              SpeculativeConfig, VllmConfig)
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, SlidingWindowSpec)
     from vllm.v1.structured_output import StructuredOutputManager
 
     import oracle
@@ -66,11 +67,17 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
     vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
     # KV-cache groups: one full-attention group, or (`group_windows`: simkv's groups of a model with
-    # sliding-window layers, 0 = full attention) one group per entry, as vLLM's hybrid manager forms them.
+    # sliding-window layers, 0 = full attention; with `group_chunked` the windows are attention chunks)
+    # one group per entry, as vLLM's hybrid manager forms them.
     groups = []
     for i, window in enumerate(o.get("group_windows") or [0]):
         kw = dict(block_size=o["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
-        spec = SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
+        if not window:
+            spec = FullAttentionSpec(**kw)
+        elif o.get("group_chunked"):  # (chunked local attention: the window is the chunk)
+            spec = ChunkedLocalAttentionSpec(attention_chunk_size=window, **kw)
+        else:
+            spec = SlidingWindowSpec(sliding_window=window, **kw)
         groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
         # (an EAGLE layer attends the whole context: vLLM flags the full-attention group holding it)
         groups[-1].is_eagle_group = bool(o.get("group_windows")) and not window and \
@@ -168,7 +175,7 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
-                async_flag: bool = False):
+                async_flag: bool = False, chunked_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -181,6 +188,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if hybrid_flag:
         ap.add_argument("--hybrid", action="store_true",
                         help="sliding-window models' KV-cache groups (oracle_hybrid.py's cases), EAGLE in all")
+    if chunked_flag:
+        ap.add_argument("--chunked", action="store_true",
+                        help="chunked local attention (Llama 4's) instead of sliding windows")
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")

@@ -64,13 +64,17 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
     block per `block_size` tokens in a full-attention group; a sliding-window group of window w
     at most ceil(min(w - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1 (vLLM's
     SlidingWindowSpec.max_admission_blocks_per_request; the in-flight tokens are
-    max_num_batched_tokens, twice that under async scheduling). `startup`: vLLM's start-up figure,
+    max_num_batched_tokens, twice that under async scheduling); a chunked local group of chunk C
+    at most ceil(min(C + max_in_flight_tokens, max_model_len) / block_size). `startup`: vLLM's start-up figure,
     which counts that cap whole even where a request of `num_tokens` needs fewer."""
     bs, mml = config.cache.block_size, config.max_model_len
     full = -(-num_tokens // bs)
     total = 0
     for g in config.kv_cache_groups.groups:
-        if g.sliding_window:
+        if g.chunked:  # (ChunkedLocalAttentionSpec's: a chunk and the tokens in flight)
+            cap = -(-min(g.sliding_window + config.scheduler.max_in_flight_tokens, mml) // bs)
+            total += cap if startup else min(full, cap)
+        elif g.sliding_window:
             cap = -(-min(g.sliding_window - 1 + config.scheduler.max_in_flight_tokens, mml) // bs) + 1
             total += cap if startup else min(full, cap)
         else:

@@ -203,6 +203,8 @@ class AttentionConfig:
 
     sliding_window: int | None = None  # None: the model's (0: no sliding-window layers)
     full_attention_interval: int | None = None  # None: the model's; every k-th layer full, 0: none
+    # chunked local attention (Llama 4's attention_chunk_size): None: the model's, 0: none
+    attention_chunk_size: int | None = None
     disable_hybrid_kv_cache_manager: bool = False  # vLLM's --disable-hybrid-kv-cache-manager
     # vLLM's --prefix-cache-retention-interval: sliding-window blocks cached for later hits. 0 (its
     # default): only those a resend of the prompt or a shared-prefix junction can resume at; R > 0:
@@ -214,6 +216,10 @@ class AttentionConfig:
             raise ConfigError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.sliding_window == 1:
             raise ConfigError("sliding_window must be >= 2 (a window of one token attends nothing before it)")
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 0:
+            raise ConfigError(f"attention_chunk_size must be >= 0, got {self.attention_chunk_size}")
+        if self.sliding_window and self.attention_chunk_size:
+            raise ConfigError("sliding_window and attention_chunk_size: one kind of local attention per model")
         if self.full_attention_interval is not None and self.full_attention_interval < 0:
             raise ConfigError(f"full_attention_interval must be >= 0, got {self.full_attention_interval}")
         if self.prefix_cache_retention_interval is not None and self.prefix_cache_retention_interval < 0:
@@ -222,7 +228,7 @@ class AttentionConfig:
     @property
     def overridden(self) -> bool:
         return (self.sliding_window is not None or self.full_attention_interval is not None
-                or self.prefix_cache_retention_interval != 0)
+                or self.attention_chunk_size is not None or self.prefix_cache_retention_interval != 0)
 
 
 SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
@@ -398,9 +404,27 @@ class EngineConfig:
 
     @property
     def layer_windows(self) -> list[int]:
-        """Each layer's attention window (0: the whole context)."""
+        """Each layer's attention window (0: the whole context); under chunked local attention
+        each local layer's chunk size (`attention_chunk_size`)."""
         a = self.attention
-        return get_model_spec(self.hardware.model).layer_windows(a.sliding_window, a.full_attention_interval)
+        spec = get_model_spec(self.hardware.model)
+        if self.attention_chunk_size:
+            window = self.attention_chunk_size
+        elif a.sliding_window is not None or spec.attention_chunk_size:  # (an override, or chunking off)
+            window = a.sliding_window or 0
+        else:
+            window = None  # the model's sliding windows
+        return spec.layer_windows(window, a.full_attention_interval)
+
+    @property
+    def attention_chunk_size(self) -> int:
+        """The local layers' chunk under chunked local attention (Llama 4), 0 without (a
+        sliding_window override makes them slide instead)."""
+        a = self.attention
+        if a.sliding_window is not None:
+            return 0
+        return get_model_spec(self.hardware.model).attention_chunk_size if a.attention_chunk_size is None \
+            else a.attention_chunk_size
 
     @property
     def draft_network(self) -> ModelSpec | None:
@@ -413,6 +437,7 @@ class EngineConfig:
 
     @property
     def has_sliding_window(self) -> bool:
+        """Some layers attend only a window: a sliding one, or their attention chunk."""
         return any(self.layer_windows)
 
     @property
@@ -431,7 +456,10 @@ class EngineConfig:
         """The KV-cache groups vLLM forms for the model and its draft layers (core/kv_cache_groups.py)."""
         from simkv.core.kv_cache_groups import group_layers
 
-        return group_layers(self.kv_cache_layer_windows, self.attention.disable_hybrid_kv_cache_manager)
+        # (vLLM turns its hybrid manager off for chunked local attention with an EAGLE drafter)
+        disable = self.attention.disable_hybrid_kv_cache_manager or bool(
+            self.attention_chunk_size and self.speculative.enabled and self.speculative.is_eagle_family)
+        return group_layers(self.kv_cache_layer_windows, disable, chunked=bool(self.attention_chunk_size))
 
     def _verify_sliding_window(self) -> None:
         cache, sched = self.cache, self.scheduler
@@ -446,9 +474,12 @@ class EngineConfig:
             unsupported += [(cache.enable_prefix_caching and cache.prefix_caching_hash_bits < 63,
                              "prefix_caching_hash_bits < 63"),
                             (not cache.reserve_null_block, "reserve_null_block off (freed window blocks point at it)")]
+        if self.attention_chunk_size:
+            unsupported += [(all(self.layer_windows), "every layer local (no full_attention_interval)")]
         for bad, what in unsupported:
             if bad:
-                raise ConfigError(f"sliding-window attention (model {self.hardware.model}) is not modelled with {what}")
+                kind = "chunked local attention" if self.attention_chunk_size else "sliding-window attention"
+                raise ConfigError(f"{kind} (model {self.hardware.model}) is not modelled with {what}")
         self._verify_retention()
 
     def _verify_retention(self) -> None:
@@ -456,7 +487,8 @@ class EngineConfig:
         interval = self.attention.prefix_cache_retention_interval
         if interval == 0 or interval is None:
             return
-        if not self.kv_cache_groups.has_sliding_window:
+        groups = self.kv_cache_groups
+        if not groups.has_sliding_window or groups.chunked:
             raise ConfigError("prefix_cache_retention_interval is set but this model has no sliding-window or Mamba "
                               "KV cache group, so retention has no effect. Set it to 0 (it only applies to "
                               "sliding-window and Mamba attention).")
@@ -473,7 +505,8 @@ class EngineConfig:
 
     def _verify_decode_context_parallel(self) -> None:
         if self.has_sliding_window:  # (vLLM asserts it)
-            raise ConfigError("DCP not support sliding window attn now.")
+            raise ConfigError("DCP not support chunked local attn now." if self.attention_chunk_size
+                              else "DCP not support sliding window attn now.")
         unsupported = [(self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
                        (self.speculative.enabled, "speculative decoding"),
                        (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
@@ -546,6 +579,8 @@ class EngineConfig:
             out.update(dataclasses.asdict(self.speculative))
         if self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager:
             out.update(dataclasses.asdict(self.attention))
+            if self.attention.attention_chunk_size is None:  # (configs without it read as before)
+                del out["attention_chunk_size"]
         out["max_model_len"] = self.max_model_len
         return out
 

@@ -65,6 +65,21 @@ def window_pairs_and_reads(n: int, c: int, window: int) -> tuple[int, int]:
     return pairs, min(c + n, window - 1 + n)
 
 
+def chunk_pairs_and_reads(n: int, c: int, chunk: int) -> tuple[int, int]:
+    """(query-key pairs, KV tokens read) of a chunk of n new tokens after c cached ones in a layer
+    of chunked local attention: the token at position p attends the tokens of its own chunk up
+    to itself, p - floor(p / chunk) x chunk + 1 of them."""
+    pairs = 0
+    p = c
+    while p < c + n:
+        start = p // chunk * chunk
+        end = min(c + n, start + chunk)  # this chunk's new tokens: [p, end)
+        first, last = p - start + 1, end - start
+        pairs += (first + last) * (last - first + 1) // 2
+        p = end
+    return pairs, c + n - c // chunk * chunk
+
+
 def layer_window_counts(layer_windows: list[int]) -> tuple[tuple[int, int], ...]:
     """(window, number of layers with it) in order of first appearance (0: full attention)."""
     counts: dict[int, int] = {}
@@ -74,10 +89,11 @@ def layer_window_counts(layer_windows: list[int]) -> tuple[tuple[int, int], ...]
 
 
 def windowed_prefill_work(output: SchedulerOutput, window_counts: tuple[tuple[int, int], ...],
-                          num_layers: int) -> tuple[int, float, float]:
+                          num_layers: int, chunked: bool = False) -> tuple[int, float, float]:
     """`prefill_work` for a model with sliding-window layers (`window_counts`: layer_window_counts
-    of its layers): pairs and KV reads are averaged over the layers (each layer's window applied),
-    so that the per-layer-summed coefficients of a cost model apply unchanged."""
+    of its layers; `chunked`: the windows are attention chunks): pairs and KV reads are averaged
+    over the layers (each layer's window applied), so that the per-layer-summed coefficients of a
+    cost model apply unchanged."""
     tokens = 0
     pairs = kv_read = 0.0
     for chunk in output.chunks:
@@ -86,6 +102,8 @@ def windowed_prefill_work(output: SchedulerOutput, window_counts: tuple[tuple[in
         for w, k in window_counts:
             if not w:
                 p, r = n * c + n * (n + 1) // 2, c + n
+            elif chunked:
+                p, r = chunk_pairs_and_reads(n, c, w)
             elif n == 1:  # a decode: it attends (and reads) its window, or all it has
                 p = r = c + 1 if c < w else w
             else:

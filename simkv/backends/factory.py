@@ -33,6 +33,7 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
         hw = config.hardware
         return RooflineCostModel(hw.model_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                  config.cache.kv_dtype_bytes, layer_windows=config.layer_windows,
+                                 attention_chunked=bool(config.attention_chunk_size),
                                  num_speculative_tokens=config.speculative.num_speculative_tokens,
                                  data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
                                  decode_context_parallel_size=hw.decode_context_parallel_size)

@@ -15,8 +15,8 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
         (+ under decode context parallelism, DCP: K/V bytes / DCP, and its collectives:
         `dcp_seconds`)
-With sliding-window layers, A and K count each layer's window (averaged over the layers; the
-scheduler then hands every decode over as a one-token chunk). All quantities are divided by TP
+With sliding-window layers (or chunked local attention), A and K count each layer's window (its
+chunk's tokens), averaged over the layers. All quantities are divided by TP
 except the overheads and a latent-attention cache (below), which every GPU reads whole.
 
 Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
@@ -67,6 +67,7 @@ class RooflineCostModel:
         seq_overhead_s: float = 5.0e-6,
         allreduce_latency_s: float = 8.0e-6,
         layer_windows: list[int] | None = None,
+        attention_chunked: bool = False,
         num_speculative_tokens: int = 0,
         data_parallel_size: int = 1,
         block_size: int = 16,
@@ -152,6 +153,7 @@ class RooflineCostModel:
         self.seq_overhead_s = seq_overhead_s
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
         self.window_counts = layer_window_counts(layer_windows) if layer_windows and any(layer_windows) else None
+        self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
 
     def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum, latent_pairs=0, upproj_tokens=0):
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
@@ -198,7 +200,8 @@ class RooflineCostModel:
             tokens, pairs, latent_pairs, kv_read, upproj = self.mla_chunk_work(output.chunks)
             return tokens + n, len(output.chunks) + n, pairs, kv_read + ctx, latent_pairs + ctx, upproj
         if self.window_counts is not None:
-            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.window_counts, self.model.num_layers)
+            p_tokens, p_pairs, p_read = windowed_prefill_work(output, self.window_counts, self.model.num_layers,
+                                                               self.attention_chunked)
             ctx = ctx / self.model.num_layers  # (layer-tokens: per layer on average, as the chunks' work)
         else:
             p_tokens, p_pairs, p_read = prefill_work(output)

@@ -144,6 +144,8 @@ def print_report(rep: dict) -> None:
               help="Override the model's sliding-window size (0: none) [default: the model's]")
 @click.option("--full-attention-interval", type=int, default=None,
               help="With a sliding window: every K-th layer attends everything, 0: none [default: the model's]")
+@click.option("--attention-chunk-size", type=int, default=None,
+              help="Chunked local attention (Llama 4's): the local layers' chunk, 0: none [default: the model's]")
 @click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
               help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention")
 @click.option("--async-scheduling", is_flag=True, default=None,

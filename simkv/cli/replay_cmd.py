@@ -34,6 +34,7 @@ _ENGINE_FLAGS = {
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size",
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
+    "attention_chunk_size": "attention_chunk_size",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
     "prefix_cache_retention_interval": "prefix_cache_retention_interval",
 }
@@ -245,6 +246,9 @@ _ENGINE_OPTIONS = [
                  help="Override the model's sliding-window size in tokens (0: no sliding-window layers) [default: the model's]"),
     click.option("--full-attention-interval", type=int, default=None,
                  help="With a sliding window: every K-th layer attends the whole context, 0: none [default: the model's]"),
+    click.option("--attention-chunk-size", type=int, default=None,
+                 help="Chunked local attention (Llama 4's): layers but every --full-attention-interval-th attend only "
+                      "their own chunk of this many tokens, 0: none [default: the model's]"),
     click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
                  help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention (one block table)"),
     click.option("--prefix-cache-retention-interval", type=RetentionInterval(), default=None, metavar="N|none",
@@ -322,7 +326,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if backend == "gpu":
         # (sliding windows may come from --sliding-window on any model)
         why = get_model_spec(config.hardware.model).simulated_only or (
-            "sliding-window layers" if config.has_sliding_window else None) or (
+            ("chunked local attention" if config.attention_chunk_size else "sliding-window layers")
+            if config.has_sliding_window else None) or (
             "--quantization" if config.hardware.quantization else None) or (
             "decode context parallelism" if config.hardware.decode_context_parallel_size > 1 else None)
         if why:

@@ -24,6 +24,14 @@ Prefix caching, as vLLM 0.33 does it with its default `prefix_cache_retention_in
   ceil(min(w - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1 blocks (the
   in-flight tokens: max_num_batched_tokens, twice that under async scheduling).
 
+Chunked local attention (Llama 4, `chunked=True`: the window groups' span is the chunk size C)
+runs on the same machinery with vLLM's ChunkedLocalAttentionManager rules: a local group gives
+back every block wholly below the start of the next token's chunk, floor(n / C) x C; it caches
+every full block, as full attention does (retention intervals do not apply); a hit of L tokens
+takes null blocks below floor(L / C) x C and needs the blocks from there to L cached, scanned
+from the left; admission caps a local group at ceil(min(C + max_in_flight_tokens, max_model_len)
+/ block_size) blocks.
+
 Blocks are hashed when scheduled, as vLLM does, except a steady decoder's (the scheduler does
 not touch it every step, core/steady_decoders.py): it meets the coordinator only at its events,
 a block boundary (a block for every group) or a window release, and its full blocks are hashed
@@ -56,7 +64,7 @@ class KVCacheCoordinator:
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
                  enable_caching: bool = True, watermark: float = 0.0, max_in_flight_tokens: int = 8192,
                  retention_interval: int | None = 0, hash_lookahead: int = 0,
-                 eagle_block_drop: bool = False) -> None:
+                 eagle_block_drop: bool = False, chunked: bool = False) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -78,9 +86,11 @@ class KVCacheCoordinator:
         self.window = w = sliding.pop()
         self.full_gids = [g for g, x in enumerate(windows) if not x]
         self.window_gids = [g for g, x in enumerate(windows) if x]
+        self.chunked = chunked  # chunked local attention: the window groups' span is their chunk
         self.need = cdiv(w - 1, block_size)  # blocks a hit needs before its end (the next token's window)
         # admission (full_sequence_must_fit) counts a window group's blocks up to vLLM's cap
-        self.admission_cap = cdiv(min(w - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
+        self.admission_cap = (cdiv(min(w + max_in_flight_tokens, max_model_len), block_size) if chunked
+                              else cdiv(min(w - 1 + max_in_flight_tokens, max_model_len), block_size) + 1)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_frees = 0
         self._tables: dict[int, list[list[KVCacheBlock]]] = {}  # request index -> per group
@@ -138,6 +148,27 @@ class KVCacheCoordinator:
         return ComputedBlocks(tuple(per_group), hit * self.block_size)
 
     def _window_hit(self, request: Request, max_blocks: int, per_group: list) -> int:
+        if self.chunked:
+            return self._chunk_hit(request, max_blocks, per_group)
+        return self._sliding_hit(request, max_blocks, per_group)
+
+    def _chunk_hit(self, request: Request, max_blocks: int, per_group: list) -> int:
+        """Chunked local groups: null blocks below the chunk that `max_blocks` blocks end in,
+        then the cached run from there (vLLM's ChunkedLocalAttentionManager)."""
+        bs = self.block_size
+        start = max_blocks * bs // self.window * self.window // bs
+        run: list[list[KVCacheBlock]] = []
+        for i in range(start, max_blocks):
+            blocks = self._cached(request, i, self.window_gids)
+            if blocks is None:
+                break
+            run.append(blocks)
+        head = [self.null_block] * start
+        for j, gid in enumerate(self.window_gids):
+            per_group[gid] = head + [b[j] for b in run]
+        return start + len(run)
+
+    def _sliding_hit(self, request: Request, max_blocks: int, per_group: list) -> int:
         """Sliding-window groups: scan from block `max_blocks - 1` down for `need` consecutive
         cached blocks; without such a run, the cached run from block 0 (vLLM's rule)."""
         run: list[list[KVCacheBlock]] = []  # the current run, right to left
@@ -169,6 +200,8 @@ class KVCacheCoordinator:
         return len(tables[0]) * self.num_groups - self._nulls.get(request.index, 0) * len(self.window_gids)
 
     def _num_skipped_blocks(self, num_computed: int) -> int:
+        if self.chunked:  # the tokens before the next token's chunk
+            return num_computed // self.window * self.window // self.block_size
         return max(0, num_computed - self.window + 1) // self.block_size
 
     def _blocks_to_admit(self, num_tokens: int, hits, num_computed: int, cap: bool) -> int:
@@ -288,7 +321,10 @@ class KVCacheCoordinator:
         next block boundary (before max_model_len) or its next window release, the earlier."""
         index = request.index
         bs = self.block_size
-        release = (self._nulls.get(index, 0) + 1) * bs + self.window - 1
+        if self.chunked:  # the first chunk start past the next block to give back
+            release = cdiv((self._nulls.get(index, 0) + 1) * bs, self.window) * self.window
+        else:
+            release = (self._nulls.get(index, 0) + 1) * bs + self.window - 1
         held = len(self._tables[index][0]) * bs
         return release if held >= self.max_model_len else min(held, release)
 
@@ -400,7 +436,7 @@ class KVCacheCoordinator:
         `need` blocks before `num_prompt_tokens - 1` and before the request's junction."""
         retention = self.retention_interval
         bs = self.block_size
-        if retention is None:
+        if retention is None or self.chunked:  # (chunked local groups cache densely)
             return range(start, end)
         keep = set()
         need = self.need

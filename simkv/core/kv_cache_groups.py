@@ -5,7 +5,9 @@ layer's K/V for `block_size` tokens. A model with sliding-window layers (Gemma 2
 7B v0.1) gets a group per attention type, split so that every group has the same number of
 layers (`layers_per_block`, padded where a type has fewer): one block holds that many layers'
 K/V, every group allocates its own blocks from the one shared pool, and a sliding-window
-group gives back the blocks that fall out of its window (core/kv_cache_coordinator.py).
+group gives back the blocks that fall out of its window (core/kv_cache_coordinator.py). Chunked
+local attention (Llama 4) groups the same way: its local layers attend only the tokens of their own
+`attention_chunk_size`-token chunk, and give back a chunk's blocks once the next chunk starts.
 
 vLLM's rule (kv_cache_planning._get_kv_cache_groups_uniform_page_size): layers are bucketed by
 type in order of first appearance; the group size is the smallest bucket's layer count, or the
@@ -22,18 +24,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
-    sliding_window: int  # 0: full attention
+    sliding_window: int  # 0: full attention (with `chunked`: the attention chunk size)
     num_layers: int  # real layers (the group is padded to `layers_per_block`)
+    chunked: bool = False  # chunked local attention: `sliding_window` is the chunk size
 
     @property
     def kind(self) -> str:
-        return f"sliding_window({self.sliding_window})" if self.sliding_window else "full_attention"
+        if not self.sliding_window:
+            return "full_attention"
+        return (f"chunked_local_attention({self.sliding_window})" if self.chunked
+                else f"sliding_window({self.sliding_window})")
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroups:
     groups: tuple[KVCacheGroupSpec, ...]
     layers_per_block: int  # K/V of this many layers (padding included) fill one block
+    chunked: bool = False  # the local groups are chunked local attention, not sliding windows
 
     @property
     def has_sliding_window(self) -> bool:
@@ -60,8 +67,9 @@ class KVCacheGroups:
         return " + ".join(f"{n} x {kind}" for kind, n in counts.items())
 
 
-def group_layers(layer_windows: list[int], disable_hybrid: bool = False) -> KVCacheGroups:
-    """The KV-cache groups of a model whose layer i attends `layer_windows[i]` tokens (0: all)."""
+def group_layers(layer_windows: list[int], disable_hybrid: bool = False, chunked: bool = False) -> KVCacheGroups:
+    """The KV-cache groups of a model whose layer i attends `layer_windows[i]` tokens (0: all;
+    `chunked`: the tokens of its own chunk of that many)."""
     windows = list(layer_windows)
     if disable_hybrid and 0 in windows and any(windows):
         windows = [0] * len(windows)  # mixed types: sliding layers allocate like full attention
@@ -70,12 +78,12 @@ def group_layers(layer_windows: list[int], disable_hybrid: bool = False) -> KVCa
         buckets[w] = buckets.get(w, 0) + 1
     if len(buckets) == 1:
         (w, n), = buckets.items()
-        return KVCacheGroups((KVCacheGroupSpec(w, n),), n)
+        return KVCacheGroups((KVCacheGroupSpec(w, n, chunked and w > 0),), n, chunked and w > 0)
     smallest, largest = min(buckets.values()), max(buckets.values())
     size = largest if largest < smallest * 1.5 else smallest
     groups = []
     for w, n in buckets.items():
         num_groups = -(-n // size)
         # layers[i::num_groups] go to group i: sizes differ by at most one
-        groups += [KVCacheGroupSpec(w, len(range(i, n, num_groups))) for i in range(num_groups)]
-    return KVCacheGroups(tuple(groups), size)
+        groups += [KVCacheGroupSpec(w, len(range(i, n, num_groups)), chunked and w > 0) for i in range(num_groups)]
+    return KVCacheGroups(tuple(groups), size, chunked)

@@ -38,7 +38,7 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
-        "window_below", "last_chunk_step", "last_chunk_tokens", "stall_step", "last_sched_step",
+        "window_below", "window_offset", "last_chunk_step", "last_chunk_tokens", "stall_step", "last_sched_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
@@ -90,6 +90,7 @@ class Request:
         # a steady decoder of a model with sliding-window layers that attends fewer tokens than
         # the window (its window layers' cost still grows with it: core/steady_decoders.py)
         self.window_below = False
+        self.window_offset = 0  # chunked local attention: the start of its current chunk
         # async scheduling with sliding-window layers: vLLM releases a window's blocks on the
         # tokens whose step output was processed (core/async_scheduling.py): the step and size of
         # its latest scheduled chunk, and the latest step a budget left it out of

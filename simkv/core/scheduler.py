@@ -86,7 +86,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
                 cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
                 hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector),
-                eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
+                eagle_block_drop=config.speculative.is_eagle_family and kv_connector, chunked=groups.chunked)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
@@ -116,6 +116,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # number and base sum) and the steps at which they reach it. Under the coordinator a
         # decoder's window releases are events on the boundary heap.
         self._window_context = self._layer_split(config) if not self.chunked_decodes else None
+        self._window_chunk = config.attention_chunk_size  # chunked local attention's chunk (0: windows slide)
         self._window_releases = isinstance(self.kv_cache_manager, KVCacheCoordinator)
         self._async_releases = self._window_releases and self.async_scheduling
         # P/D with sliding-window layers: vLLM gives back a finished request's out-of-window
@@ -151,7 +152,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     @staticmethod
     def _layer_split(config: EngineConfig) -> tuple[int, int, int] | None:
         """(full-attention layers, sliding-window layers, window) of a model with one window
-        size; None without sliding-window layers."""
+        size (chunked local attention: local layers, chunk); None without sliding-window layers."""
         if not config.has_sliding_window:
             return None
         layers = config.layer_windows

@@ -20,6 +20,8 @@ Models with sliding-window layers:
 - a decoder's window layers attend min(context, window) tokens: the step's attended context is
   counted in layer-tokens (summed over the layers), affine in the step between the steps at which
   a decoder reaches the window (the crossing heap), where decode runs are cut;
+- under chunked local attention a decoder's local layers attend the tokens of its current chunk:
+  its crossings are the steps at which it starts a chunk, every `attention_chunk_size` steps;
 - while a request waits for blocks, a run stops before the next event (a release may admit it).
 """
 
@@ -118,7 +120,14 @@ class SteadyDecoders:
         request.epoch += 1
         self._num_decoders += 1
         self._sum_decode_base += request.decode_base
-        if self._window_context is not None and request.num_computed_tokens + 1 < self._window_context[2]:
+        if self._window_context is None:
+            pass
+        elif self._window_chunk:  # every decoder attends its chunk's tokens so far
+            request.window_offset = request.num_computed_tokens // self._window_chunk * self._window_chunk
+            request.window_below = True
+            self._num_below += 1
+            self._sum_base_below += request.decode_base - request.window_offset
+        elif request.num_computed_tokens + 1 < self._window_context[2]:
             request.window_below = True
             self._num_below += 1
             self._sum_base_below += request.decode_base
@@ -131,8 +140,9 @@ class SteadyDecoders:
     def _push_decoder_events(self, request: Request, from_step: int) -> None:
         request.decode_last_step = self._finish_step_of(request)
         heapq.heappush(self._finish_heap, (request.decode_last_step, request.seq, request.epoch, request))
-        if request.window_below:  # the step from which it attends a whole window
-            crossing = self._window_context[2] - 1 - request.decode_base
+        if request.window_below:  # the step from which it attends a whole window (or its next chunk)
+            crossing = (request.window_offset + self._window_chunk if self._window_chunk
+                        else self._window_context[2] - 1) - request.decode_base
             heapq.heappush(self._crossing_heap, (crossing, request.seq, request.epoch, request))
         if self._calendar is not None:
             self._calendar_add(request, from_step)
@@ -170,7 +180,7 @@ class SteadyDecoders:
         if request.window_below:
             request.window_below = False
             self._num_below -= 1
-            self._sum_base_below -= request.decode_base
+            self._sum_base_below -= request.decode_base - request.window_offset
         request.decode_base = None
         request.epoch += 1
         request.num_computed_tokens = computed
@@ -189,7 +199,7 @@ class SteadyDecoders:
             base_sum += request.decode_base
             if request.window_below:
                 num_below += 1
-                below_base_sum += request.decode_base
+                below_base_sum += request.decode_base - request.window_offset
         return num, base_sum, num_below, below_base_sum
 
     def _refile(self, requests: list[Request], step: int) -> None:
@@ -219,11 +229,17 @@ class SteadyDecoders:
 
     # ---- sliding-window layers: the attended context -------------------------------------------
     def _settle_crossings(self, step: int) -> None:
-        """Decoders that attend a whole window from `step` on stop counting as below it."""
+        """Decoders that attend a whole window from `step` on stop counting as below it (chunked
+        local attention: decoders that start a chunk at `step` attend from there)."""
         heap = self._crossing_heap
+        chunk = self._window_chunk
         while heap and heap[0][0] <= step:
-            _, _, epoch, request = heapq.heappop(heap)
-            if epoch == request.epoch and request.window_below:
+            at, seq, epoch, request = heapq.heappop(heap)
+            if chunk and epoch == request.epoch and request.window_below:
+                request.window_offset += chunk
+                self._sum_base_below -= chunk
+                heapq.heappush(heap, (at + chunk, seq, epoch, request))
+            elif epoch == request.epoch and request.window_below:
                 request.window_below = False
                 self._num_below -= 1
                 self._sum_base_below -= request.decode_base

@@ -27,6 +27,10 @@ class ModelSpec:
     # With a window: every `full_attention_interval`-th layer attends everything (Gemma 3: 6,
     # Gemma 2: 2); 0: every layer slides (Mistral 7B v0.1).
     full_attention_interval: int = 0
+    # Chunked local attention (Llama 4; 0: none): the other layers attend only the tokens of their
+    # own `attention_chunk_size`-token chunk of the sequence (every `full_attention_interval`-th
+    # layer attends everything).
+    attention_chunk_size: int = 0
     # Mixture of experts (0: a dense gated MLP): every layer has `num_experts` gated MLPs of
     # `intermediate_size` and a router; each token runs `num_experts_per_tok` of them.
     num_experts: int = 0
@@ -69,6 +73,8 @@ class ModelSpec:
                                  "(the query-key width) and v_head_dim > 0")
             if self.sliding_window:
                 raise ValueError(f"{where}: latent attention with sliding windows is not modelled")
+        if self.sliding_window and self.attention_chunk_size:
+            raise ValueError(f"{where}: sliding windows and chunked local attention in one model are not modelled")
         if self.num_dense_layers and not (self.is_moe and self.num_dense_layers < self.num_layers
                                           and self.dense_intermediate_size > 0):
             raise ValueError(f"{where}: num_dense_layers needs a mixture of experts with more layers than that "
@@ -110,8 +116,9 @@ class ModelSpec:
 
     def layer_windows(self, sliding_window: int | None = None, full_attention_interval: int | None = None) -> list[int]:
         """Each decoder layer's attention window (0: full attention), in layer order; the
-        arguments override the spec's (None: the spec's own)."""
-        window = self.sliding_window if sliding_window is None else sliding_window
+        arguments override the spec's (None: the spec's own). With chunked local attention: each
+        local layer's chunk size (the window it attends is that chunk's tokens so far)."""
+        window = (self.sliding_window or self.attention_chunk_size) if sliding_window is None else sliding_window
         interval = self.full_attention_interval if full_attention_interval is None else full_attention_interval
         if not window:
             return [0] * self.num_layers
@@ -145,6 +152,8 @@ class ModelSpec:
             return "a mixture of experts"
         if self.sliding_window:
             return "sliding-window layers"
+        if self.attention_chunk_size:
+            return "chunked local attention"
         return None
 
     @property

@@ -21,8 +21,11 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   sliding_window_pattern (Gemma 3: every 6th layer is full), or Gemma 2's alternation; a
   window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false.
 
-Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), chunked
-local attention (attention_chunk_size: Llama 4), layers other than attention ones (layer_types
+- chunked local attention (Llama 4): attention_chunk_size, the full-attention layers from
+  no_rope_layers (default: every 4th); its experts on every interleave_moe_layer_step-th layer
+  with a shared expert of intermediate_size, dense layers of intermediate_size_mlp between.
+
+Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), layers other than attention ones (layer_types
 with linear attention or Mamba), expert layers on only some layers after the dense ones
 (moe_layer_freq, decoder_sparse_step, mlp_only_layers), other quantization methods (INT4,
 INT8, ...: their weights would be sized wrong), window patterns other than one periodic
@@ -74,10 +77,8 @@ def spec_fields_from_config(path: str) -> dict:
                 return value
         raise ModelConfigError(f"{where}: field '{key}' is missing")
 
-    for key, what in (("index_topk", "DeepSeek's sparse attention (V3.2)"),
-                      ("attention_chunk_size", "chunked local attention (Llama 4)")):
-        if cfg.get(key):
-            raise ModelConfigError(f"{where}: field '{key}': {what} is not modelled")
+    if cfg.get("index_topk"):
+        raise ModelConfigError(f"{where}: field 'index_topk': DeepSeek's sparse attention (V3.2) is not modelled")
     other_layers = sorted({t for t in cfg.get("layer_types") or () if t not in ("full_attention", "sliding_attention")})
     if other_layers:
         raise ModelConfigError(f"{where}: field 'layer_types': layers of type {', '.join(map(str, other_layers))} "
@@ -104,7 +105,10 @@ def spec_fields_from_config(path: str) -> dict:
         fields["num_experts"] = need("num_local_experts", "num_experts", "n_routed_experts")
         fields["num_experts_per_tok"] = need("num_experts_per_tok")
         fields["intermediate_size"] = need("moe_intermediate_size", "intermediate_size")
-        fields.update(_expert_layout(get, need, where, fields["num_layers"]))
+        if get("interleave_moe_layer_step") is not None:  # Llama 4
+            fields.update(_llama4_experts(get, need, where, fields["num_layers"]))
+        else:
+            fields.update(_expert_layout(get, need, where, fields["num_layers"]))
     else:
         fields["intermediate_size"] = need("intermediate_size")
     quant = raw.get("quantization_config") or cfg.get("quantization_config")
@@ -123,8 +127,42 @@ def spec_fields_from_config(path: str) -> dict:
     # (a wrapper may hold the window fields at its top level too; the text config's win)
     merged = cfg if cfg is raw else {k: v for k, v in raw.items() if k != "text_config"} | {
         k: v for k, v in cfg.items() if v is not None}
-    fields.update(_windows(merged, where, fields["num_layers"]))
+    if get("attention_chunk_size"):
+        fields.update(_chunks(get, need, where, fields["num_layers"]))
+    else:
+        fields.update(_windows(merged, where, fields["num_layers"]))
     return fields
+
+
+def _llama4_experts(get, need, where: str, num_layers: int) -> dict:
+    """Llama 4's experts: every interleave_moe_layer_step-th layer has them (and a shared expert
+    of intermediate_size), the others a dense MLP of intermediate_size_mlp; counted as dense
+    layers and expert layers (their order does not change their cost)."""
+    step = need("interleave_moe_layer_step")
+    out = {"shared_expert_intermediate_size": need("intermediate_size")}
+    num_expert_layers = num_layers // step
+    if num_expert_layers < num_layers:
+        out["num_dense_layers"] = num_layers - num_expert_layers
+        out["dense_intermediate_size"] = need("intermediate_size_mlp")
+    return out
+
+
+def _chunks(get, need, where: str, num_layers: int) -> dict:
+    """Chunked local attention (Llama 4): the layers without rotary embeddings (no_rope_layers 0,
+    by default every no_rope_layer_interval-th, 4) attend everything, the others their chunk."""
+    chunk = need("attention_chunk_size")
+    layers = get("no_rope_layers")
+    interval = get("no_rope_layer_interval") or 4
+    if layers:
+        if len(layers) != num_layers:
+            raise ModelConfigError(f"{where}: field 'no_rope_layers' must name each of the {num_layers} layers "
+                                   f"(it has {len(layers)})")
+        full = [i for i, uses_rope in enumerate(layers) if not uses_rope]
+        interval = full[0] + 1 if full else 0
+        if not full or full != list(range(interval - 1, num_layers, interval)):
+            raise ModelConfigError(f"{where}: field 'no_rope_layers': simkv models one full-attention layer every "
+                                   "k layers (the others chunked), not this pattern")
+    return {"attention_chunk_size": chunk, "full_attention_interval": interval}
 
 
 def _expert_layout(get, need, where: str, num_layers: int) -> dict:

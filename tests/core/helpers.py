@@ -330,3 +330,42 @@ def make_step(chunks=(), decodes=0, context=0):
     return SchedulerOutput(step=0, chunks=list(chunks), num_decode_reqs=decodes, decode_context_tokens=context,
                            decodes=None, preempted=[], num_running=len(chunks) + decodes, num_waiting=0,
                            num_blocks_used=0, prefix_query_tokens=0, prefix_hit_tokens=0)
+
+
+def assert_same_async_replay_as_vllm(case: dict, tmp_path) -> EngineConfig:
+    """A recorded case of scripts/oracle_hybrid_async.py ({"opts", "trace", "vllm"}): a replay under
+    async scheduling with 1 s steps gives vLLM's steps (scheduled tokens, running, waiting, blocks
+    in use), step count, preemptions, prefix hits and first-token and finish times. Returns the
+    case's config."""
+    import pandas as pd
+
+    from simkv.replay.api import replay
+    from simkv.traces.schema import read_trace, write_trace
+
+    theirs = case["vllm"]
+    write_trace(pd.DataFrame(case["trace"]), tmp_path / "trace.parquet")
+    config = EngineConfig.from_flat(case["opts"] | {"async_scheduling": True})
+    res = replay(read_trace(tmp_path / "trace.parquet"), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})
+    st = res.steps
+    ours = [list(x) for x in zip((st["num_prefill_tokens"] + st["num_decode_tokens"]).tolist(), st["num_running"].tolist(),
+                                 st["num_waiting"].tolist(), st["num_blocks_used"].tolist())]
+    assert ours == theirs["steps"]
+    s = res.summary
+    assert (s["num_steps"], s["num_preemptions"], s["prefix_cache_hits_tokens"]) == \
+        (theirs["num_steps"], theirs["preemptions"], theirs["prefix_hit_tokens"])
+    times = res.requests[["first_token_time_s", "finish_time_s"]].to_numpy().tolist()
+    assert {str(i): t for i, t in enumerate(times) if str(i) in theirs["requests"]} == theirs["requests"]
+    return config
+
+
+def decode_contexts(config: EngineConfig, request: Request, num_gpu_blocks: int = 200) -> list[int]:
+    """The attended context (decode_context_tokens) of every step with a decode, one request alone."""
+    sched = Scheduler(config, num_gpu_blocks)
+    sched.add_request(request)
+    contexts = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if out.num_decode_reqs:
+            contexts.append(out.decode_context_tokens)
+        sched.update_from_output(out)
+    return contexts

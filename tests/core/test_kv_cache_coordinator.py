@@ -15,7 +15,8 @@ from simkv.core.kv_cache_groups import group_layers
 from simkv.core.request import RequestStatus
 from simkv.core.scheduler import Scheduler
 from simkv.specs import get_model_spec
-from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, drive, drive_async, make_request
+from tests.core.helpers import (assert_same_async_replay_as_vllm, assert_same_async_spec_steps_as_vllm,
+                                assert_same_steps_as_vllm, drive, drive_async, make_request)
 
 DATA = Path(__file__).parent / "data" / "hybrid_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "hybrid_spec_vllm_cases.json"
@@ -44,25 +45,7 @@ def test_same_steps_as_vllm_async(index, tmp_path):
     Window blocks are freed on the tokens whose output was processed, and the admission cap
     counts two batches in flight. Every step's scheduled tokens, running, waiting and blocks in
     use, every request's first-token and finish time, preemptions and prefix hits are vLLM's."""
-    import pandas as pd
-
-    from simkv.replay.api import replay
-    from simkv.traces.schema import read_trace, write_trace
-
-    case = json.loads(ASYNC_DATA.read_text())[index]
-    theirs = case["vllm"]
-    write_trace(pd.DataFrame(case["trace"]), tmp_path / "trace.parquet")
-    config = EngineConfig.from_flat(case["opts"] | {"async_scheduling": True})
-    res = replay(read_trace(tmp_path / "trace.parquet"), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})
-    st = res.steps
-    ours = [list(x) for x in zip((st["num_prefill_tokens"] + st["num_decode_tokens"]).tolist(), st["num_running"].tolist(),
-                                 st["num_waiting"].tolist(), st["num_blocks_used"].tolist())]
-    assert ours == theirs["steps"]
-    s = res.summary
-    assert (s["num_steps"], s["num_preemptions"], s["prefix_cache_hits_tokens"]) == \
-        (theirs["num_steps"], theirs["preemptions"], theirs["prefix_hit_tokens"])
-    times = res.requests[["first_token_time_s", "finish_time_s"]].to_numpy().tolist()
-    assert {str(i): t for i, t in enumerate(times) if str(i) in theirs["requests"]} == theirs["requests"]
+    assert_same_async_replay_as_vllm(json.loads(ASYNC_DATA.read_text())[index], tmp_path)
 
 
 @pytest.mark.parametrize("index", range(4))

@@ -70,7 +70,7 @@ def test_a_replay_of_a_config_equals_the_shipped_models(tmp_path):
 @pytest.mark.parametrize("change, field, message", [
     ({"index_topk": 2048}, "index_topk", "sparse attention"),
     ({"layer_types": ["linear_attention", "full_attention"] * 16}, "layer_types", "linear_attention are not modelled"),
-    ({"attention_chunk_size": 8192}, "attention_chunk_size", "chunked local attention"),
+    ({"attention_chunk_size": 8192, "no_rope_layers": [1, 1, 0]}, "no_rope_layers", "must name each of the"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config", "quant_method 'awq' is not modelled"),
     ({"quantization_config": {"quant_method": "compressed-tensors",
                               "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}},

@@ -18,7 +18,7 @@ from simkv.core.outputs import ScheduledChunk, SchedulerOutput
 from simkv.replay.api import replay
 from simkv.specs import get_model_spec
 from simkv.traces.schema import trace_from_frame
-from tests.core.helpers import make_request
+from tests.core.helpers import decode_contexts, make_request
 
 
 def _trace(n=40, seed=3, long=False):
@@ -302,20 +302,11 @@ def test_windowed_decode_context_is_counted_per_layer():
     """A decode step's context under sliding-window layers: full-attention layers attend every
     token, window layers at most the window, summed over the layers (the roofline divides by the
     layer count); one token before, at and after the window."""
-    from simkv.core.scheduler import Scheduler
-
     config = EngineConfig.from_flat(dict(model="gemma-2-9b", sliding_window=8, block_size=4, max_model_len=64,
                                          num_gpu_blocks=200))
     layers = config.layer_windows
     full, sliding = layers.count(0), len(layers) - layers.count(0)
-    sched = Scheduler(config, 200)
-    sched.add_request(make_request(0, 5, 10))
-    contexts = []
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        if out.num_decode_reqs:
-            contexts.append(out.decode_context_tokens)
-        sched.update_from_output(out)
+    contexts = decode_contexts(config, make_request(0, 5, 10))
     # decodes at 5..13 cached tokens attend 6..14 tokens; the window layers 6, 7, 8, 8, ...
     assert contexts == [full * (c + 1) + sliding * min(c + 1, 8) for c in range(5, 14)]
     step = SchedulerOutput(step=0, chunks=[], num_decode_reqs=1, decode_context_tokens=contexts[-1], decodes=None,
