@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simkv.config import ConfigError, EngineConfig
+from simkv.core.kv_cache_groups import admission_cap_blocks
 from simkv.specs import get_gpu_spec
 
 GIB = 1 << 30
@@ -71,11 +72,8 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
     full = -(-num_tokens // bs)
     total = 0
     for g in config.kv_cache_groups.groups:
-        if g.chunked:  # (ChunkedLocalAttentionSpec's: a chunk and the tokens in flight)
-            cap = -(-min(g.sliding_window + config.scheduler.max_in_flight_tokens, mml) // bs)
-            total += cap if startup else min(full, cap)
-        elif g.sliding_window:
-            cap = -(-min(g.sliding_window - 1 + config.scheduler.max_in_flight_tokens, mml) // bs) + 1
+        if g.sliding_window:
+            cap = admission_cap_blocks(g.sliding_window, g.chunked, config.scheduler.max_in_flight_tokens, mml, bs)
             total += cap if startup else min(full, cap)
         else:
             total += full

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from simkv.core.block_hashing import BlockHasher
 from simkv.core.block_pool import BlockPool, KVCacheBlock
+from simkv.core.kv_cache_groups import admission_cap_blocks
 from simkv.core.kv_cache_manager import ComputedBlocks, PrefixCacheStats, cdiv, _NO_HITS
 from simkv.core.request import Request, RequestStatus
 
@@ -89,8 +90,7 @@ class KVCacheCoordinator:
         self.chunked = chunked  # chunked local attention: the window groups' span is their chunk
         self.need = cdiv(w - 1, block_size)  # blocks a hit needs before its end (the next token's window)
         # admission (full_sequence_must_fit) counts a window group's blocks up to vLLM's cap
-        self.admission_cap = (cdiv(min(w + max_in_flight_tokens, max_model_len), block_size) if chunked
-                              else cdiv(min(w - 1 + max_in_flight_tokens, max_model_len), block_size) + 1)
+        self.admission_cap = admission_cap_blocks(w, chunked, max_in_flight_tokens, max_model_len, block_size)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_frees = 0
         self._tables: dict[int, list[list[KVCacheBlock]]] = {}  # request index -> per group

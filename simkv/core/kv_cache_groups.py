@@ -40,7 +40,11 @@ class KVCacheGroupSpec:
 class KVCacheGroups:
     groups: tuple[KVCacheGroupSpec, ...]
     layers_per_block: int  # K/V of this many layers (padding included) fill one block
-    chunked: bool = False  # the local groups are chunked local attention, not sliding windows
+
+    @property
+    def chunked(self) -> bool:
+        """The local groups are chunked local attention, not sliding windows."""
+        return any(g.chunked for g in self.groups)
 
     @property
     def has_sliding_window(self) -> bool:
@@ -78,7 +82,7 @@ def group_layers(layer_windows: list[int], disable_hybrid: bool = False, chunked
         buckets[w] = buckets.get(w, 0) + 1
     if len(buckets) == 1:
         (w, n), = buckets.items()
-        return KVCacheGroups((KVCacheGroupSpec(w, n, chunked and w > 0),), n, chunked and w > 0)
+        return KVCacheGroups((KVCacheGroupSpec(w, n, chunked and w > 0),), n)
     smallest, largest = min(buckets.values()), max(buckets.values())
     size = largest if largest < smallest * 1.5 else smallest
     groups = []
@@ -86,4 +90,15 @@ def group_layers(layer_windows: list[int], disable_hybrid: bool = False, chunked
         num_groups = -(-n // size)
         # layers[i::num_groups] go to group i: sizes differ by at most one
         groups += [KVCacheGroupSpec(w, len(range(i, n, num_groups)), chunked and w > 0) for i in range(num_groups)]
-    return KVCacheGroups(tuple(groups), size, chunked)
+    return KVCacheGroups(tuple(groups), size)
+
+
+def admission_cap_blocks(span: int, chunked: bool, max_in_flight_tokens: int, max_model_len: int,
+                         block_size: int) -> int:
+    """Blocks a local group holds for one request at most (vLLM's max_admission_blocks_per_request):
+    a sliding window of `span` keeps its last span - 1 tokens and the tokens in flight, plus a block
+    for a window that starts inside one; an attention chunk of `span` its chunk and the tokens in
+    flight."""
+    if chunked:
+        return -(-min(span + max_in_flight_tokens, max_model_len) // block_size)
+    return -(-min(span - 1 + max_in_flight_tokens, max_model_len) // block_size) + 1

@@ -120,17 +120,13 @@ class SteadyDecoders:
         request.epoch += 1
         self._num_decoders += 1
         self._sum_decode_base += request.decode_base
-        if self._window_context is None:
-            pass
-        elif self._window_chunk:  # every decoder attends its chunk's tokens so far
-            request.window_offset = request.num_computed_tokens // self._window_chunk * self._window_chunk
+        chunk = self._window_chunk
+        if self._window_context is not None and (chunk or request.num_computed_tokens + 1 < self._window_context[2]):
+            # (chunked local attention: every decoder attends its chunk's tokens so far)
+            request.window_offset = request.num_computed_tokens // chunk * chunk if chunk else 0
             request.window_below = True
             self._num_below += 1
             self._sum_base_below += request.decode_base - request.window_offset
-        elif request.num_computed_tokens + 1 < self._window_context[2]:
-            request.window_below = True
-            self._num_below += 1
-            self._sum_base_below += request.decode_base
         self._push_decoder_events(request, next_step)
 
     def _finish_step_of(self, request: Request) -> int:
@@ -235,11 +231,13 @@ class SteadyDecoders:
         chunk = self._window_chunk
         while heap and heap[0][0] <= step:
             at, seq, epoch, request = heapq.heappop(heap)
-            if chunk and epoch == request.epoch and request.window_below:
+            if epoch != request.epoch or not request.window_below:
+                continue
+            if chunk:
                 request.window_offset += chunk
                 self._sum_base_below -= chunk
                 heapq.heappush(heap, (at + chunk, seq, epoch, request))
-            elif epoch == request.epoch and request.window_below:
+            else:
                 request.window_below = False
                 self._num_below -= 1
                 self._sum_base_below -= request.decode_base

@@ -19,17 +19,16 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   peak on GPUs with fp8 tensor cores);
 - sliding windows: sliding_window with layer_types (sliding_attention / full_attention), or
   sliding_window_pattern (Gemma 3: every 6th layer is full), or Gemma 2's alternation; a
-  window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false.
-
+  window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false;
 - chunked local attention (Llama 4): attention_chunk_size, the full-attention layers from
   no_rope_layers (default: every 4th); its experts on every interleave_moe_layer_step-th layer
   with a shared expert of intermediate_size, dense layers of intermediate_size_mlp between.
 
-Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), layers other than attention ones (layer_types
-with linear attention or Mamba), expert layers on only some layers after the dense ones
-(moe_layer_freq, decoder_sparse_step, mlp_only_layers), other quantization methods (INT4,
-INT8, ...: their weights would be sized wrong), window patterns other than one periodic
-full-attention layer.
+Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), layers
+other than attention ones (layer_types with linear attention or Mamba), expert layers on only
+some layers after the dense ones (moe_layer_freq, decoder_sparse_step, mlp_only_layers), other
+quantization methods (INT4, INT8, ...: their weights would be sized wrong), window patterns
+other than one periodic full-attention layer (no_rope_layers likewise).
 """
 
 from __future__ import annotations
