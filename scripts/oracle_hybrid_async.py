@@ -6,7 +6,8 @@ simkv forms for the case's model and its prefix-cache retention interval), again
 with `--async-scheduling`. Steps last 1 s on both sides; random small traces (oracle_fuzz.py's:
 small pools that preempt, shared prompt content, priorities, watermarks, chunked prefill on and
 off) on random sliding-window layouts (windows of 2 to 40 tokens, one to seven groups,
-retention 0, none or periodic). Every step's scheduled tokens, running and waiting requests and
+retention 0, none or periodic; with --linear, oracle_linear.py's models with linear-attention
+layers instead). Every step's scheduled tokens, running and waiting requests and
 blocks in use (all groups), every request's first-token and finish time, the steps, preemptions
 and prefix-hit tokens must be equal (oracle_fuzz.differences).
 
@@ -57,14 +58,19 @@ def _simkv_retention():
 
 def _simkv_groups(block_size, torch):
     """simkv's KV-cache groups (0: full attention, w: a sliding window of w tokens, or with
-    "chunked" an attention chunk of w tokens)."""
+    "chunked" an attention chunk of w tokens; where "linear" says so, a Mamba group)."""
     from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
                                             SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import MambaSpec
     groups = []
     chunked = _simkv_hybrid().get("chunked", False)
+    linear = _simkv_hybrid().get("linear") or []
     for i, window in enumerate(_simkv_hybrid()["windows"]):
         kw = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        if not window:
+        if i < len(linear) and linear[i]:  # (a Mamba group without prefix caching: a state block per request)
+            spec = MambaSpec(block_size=_simkv_hybrid()["max_model_len"], shapes=((1,),), dtypes=(torch.float32,),
+                             mamba_cache_mode="none")
+        elif not window:
             spec = FullAttentionSpec(**kw)
         elif chunked:
             spec = ChunkedLocalAttentionSpec(attention_chunk_size=window, **kw)
@@ -83,6 +89,12 @@ def hybrid_oracle(tmp: Path) -> Path:
     if text.count(_GROUPS_OLD) != 1:
         raise SystemExit(f"{path}: the KV-cache group lines to patch were not found; the oracle changed")
     text = text.replace(_GROUPS_OLD, _GROUPS_NEW)
+    # (the scheduler's block size is the groups' LCM: vLLM's resolve_kv_cache_block_sizes)
+    lcm_old = "        block_size=a.block_size,\n        log_stats=True,"
+    if text.count(lcm_old) != 1:
+        raise SystemExit(f"{path}: the scheduler's block size line to patch was not found; the oracle changed")
+    text = text.replace(lcm_old, "        block_size=__import__('math').lcm(*(g.kv_cache_spec.block_size for g in "
+                                 "kv_cache_config.kv_cache_groups)),\n        log_stats=True,")
     anchor = "def build_scheduler("
     path.write_text(text.replace(anchor, _HELPERS + anchor, 1))
     return path
@@ -104,6 +116,21 @@ def sliding_case(rng: np.random.Generator, chunked: bool = False):
     config = EngineConfig.from_flat(opts | {"async_scheduling": True})
     fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
+    return frame, opts, list(config.kv_cache_groups.windows)
+
+
+def linear_case(rng: np.random.Generator):
+    """A case on a small model with linear-attention layers (scripts/oracle_linear.py's), prefix
+    caching off (vLLM's mamba_cache_mode "none")."""
+    from oracle_linear import MODELS
+
+    frame, opts = make_case(rng)
+    opts["model"] = str(rng.choice(MODELS))
+    opts["block_size"] = int(rng.choice([16, 32]))
+    opts["enable_prefix_caching"] = False
+    config = EngineConfig.from_flat(opts | {"async_scheduling": True})
+    fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
+    opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
     return frame, opts, list(config.kv_cache_groups.windows)
 
 
@@ -131,6 +158,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunked", action="store_true", help="chunked local attention instead of sliding windows")
+    ap.add_argument("--linear", action="store_true",
+                    help="linear-attention models (Mamba groups, prefix caching off) instead of sliding windows")
     ap.add_argument("--save", type=Path, help="write the N equal cases with the most preemptions, and vLLM's "
                                                "results, to this JSON file (tests/core/data/)")
     ap.add_argument("--save-count", type=int, default=8)
@@ -143,7 +172,7 @@ def main() -> None:
         tmp = Path(tmp)
         oracle = hybrid_oracle(tmp)
         for case in range(args.cases):
-            frame, opts, windows = sliding_case(rng, args.chunked)
+            frame, opts, windows = linear_case(rng) if args.linear else sliding_case(rng, args.chunked)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": True})
             except ConfigError as exc:
@@ -153,7 +182,9 @@ def main() -> None:
             trace = tmp / f"case{case}.parquet"
             write_trace(frame, trace)
             os.environ["SIMKV_HYBRID"] = json.dumps({"windows": windows, "chunked": config.kv_cache_groups.chunked,
-                                                     "retention": opts["prefix_cache_retention_interval"]})
+                                                     "retention": opts.get("prefix_cache_retention_interval", 0),
+                                                     "linear": [g.linear for g in config.kv_cache_groups.groups],
+                                                     "max_model_len": opts["max_model_len"]})
             run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", True)
             res = replay(read_trace(trace), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})
             diff = differences(tmp / f"o{case}", res)

@@ -35,7 +35,7 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec, SlidingWindowSpec)
+                                            KVCacheGroupSpec, MambaSpec, SlidingWindowSpec)
     from vllm.v1.structured_output import StructuredOutputManager
 
     import oracle
@@ -70,9 +70,14 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     # sliding-window layers, 0 = full attention; with `group_chunked` the windows are attention chunks)
     # one group per entry, as vLLM's hybrid manager forms them.
     groups = []
+    linear = o.get("group_linear") or []
     for i, window in enumerate(o.get("group_windows") or [0]):
         kw = dict(block_size=o["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
-        if not window:
+        if i < len(linear) and linear[i]:  # (`group_linear`: a linear-attention group, without prefix caching
+            # a state block per request: vLLM's mamba_cache_mode "none", blocks of max_model_len tokens)
+            spec = MambaSpec(block_size=o["max_model_len"], shapes=((1,),), dtypes=(torch.float32,),
+                             mamba_cache_mode="none")
+        elif not window:
             spec = FullAttentionSpec(**kw)
         elif o.get("group_chunked"):  # (chunked local attention: the window is the chunk)
             spec = ChunkedLocalAttentionSpec(attention_chunk_size=window, **kw)
@@ -85,7 +90,10 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=groups,
                                     prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval)
     cls = AsyncScheduler if async_scheduling else Scheduler
-    sched = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=o["block_size"],
+    # (the scheduler's block size is the groups' LCM: vLLM's resolve_kv_cache_block_sizes)
+    import math
+    scheduler_block_size = math.lcm(*(g.kv_cache_spec.block_size for g in groups))
+    sched = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=scheduler_block_size,
                 log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
     return sched, vllm_config
 

@@ -6,8 +6,11 @@ Under speculative decoding the draft network's weights and its layers' KV count 
 model's whole spec, or for the EAGLE family one decoder layer with the target's attention and
 MLP (the dense MLP of the published heads where a mixture of experts has one), which shares the
 target's embeddings and LM head.
-A model with sliding-window layers under vLLM's hybrid KV-cache manager has several KV-cache
-groups (core/kv_cache_groups.py): a block then holds `layers_per_block` layers, not all of them.
+A model with sliding-window or linear-attention layers under vLLM's hybrid KV-cache manager has
+several KV-cache groups (core/kv_cache_groups.py): a block then holds `layers_per_block` layers, not
+all of them; a linear-attention group's block holds a request's state of that many layers, padded
+to the attention layers' page (the block size grows until that page holds a state:
+config.linear_attention_block_size).
 The activation reserve stands in for vLLM's profiling run: activations of one
 max_num_batched_tokens forward pass plus a fixed 1 GiB for CUDA graphs and the allocator.
 """
@@ -36,7 +39,7 @@ class Capacity:
     block_size: int
     max_model_len: int
     num_cpu_blocks: int = 0  # swap space, in blocks
-    # Sliding-window models under the hybrid KV-cache manager (0 otherwise): blocks one request
+    # Models under the hybrid KV-cache manager (0 otherwise): blocks one request
     # of max_model_len tokens holds at most, over all KV-cache groups.
     blocks_per_request: int = 0
     block_bytes: int = 0  # one block on one GPU (all layers, or `layers_per_block` of them)
@@ -66,13 +69,16 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
     at most ceil(min(w - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1 (vLLM's
     SlidingWindowSpec.max_admission_blocks_per_request; the in-flight tokens are
     max_num_batched_tokens, twice that under async scheduling); a chunked local group of chunk C
-    at most ceil(min(C + max_in_flight_tokens, max_model_len) / block_size). `startup`: vLLM's start-up figure,
-    which counts that cap whole even where a request of `num_tokens` needs fewer."""
+    at most ceil(min(C + max_in_flight_tokens, max_model_len) / block_size); a linear-attention group
+    one (the request's state). `startup`: vLLM's start-up figure, which counts that cap whole even
+    where a request of `num_tokens` needs fewer."""
     bs, mml = config.cache.block_size, config.max_model_len
     full = -(-num_tokens // bs)
     total = 0
     for g in config.kv_cache_groups.groups:
-        if g.sliding_window:
+        if g.linear:
+            total += 1 if num_tokens else 0
+        elif g.sliding_window:
             cap = admission_cap_blocks(g.sliding_window, g.chunked, config.scheduler.max_in_flight_tokens, mml, bs)
             total += cap if startup else min(full, cap)
         else:
@@ -114,9 +120,9 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         shared = draft.embedding_params if config.speculative.is_eagle_family else 0
         draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (config.py's draft_spec: the EAGLE layer's shape)
     groups = config.kv_cache_groups
-    hybrid = groups.has_sliding_window
+    hybrid = groups.is_hybrid
     if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, its attention the target's)
-        per_layer = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp) // spec.num_layers
+        per_layer = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp) // spec.num_attention_layers
         block_bytes = per_layer * groups.layers_per_block * cc.block_size
     else:
         block_bytes = per_token * cc.block_size

@@ -190,6 +190,11 @@ class HardwareConfig:
             raise ConfigError(
                 f"Total number of attention heads ({spec.num_heads}) must be divisible by tensor "
                 f"parallel size ({self.tensor_parallel_size}).")
+        if spec.linear_attention:
+            try:
+                spec.linear_conv_dim(self.tensor_parallel_size)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
     def model_spec(self) -> ModelSpec:
         """The model as served: its spec under `quantization`."""
@@ -401,6 +406,8 @@ class EngineConfig:
             self._verify_sliding_window()
         elif self.attention.prefix_cache_retention_interval not in (0, None):
             self._verify_retention()
+        if self.has_linear_attention:
+            self._verify_linear_attention()
 
     @property
     def layer_windows(self) -> list[int]:
@@ -441,12 +448,22 @@ class EngineConfig:
         return any(self.layer_windows)
 
     @property
+    def has_linear_attention(self) -> bool:
+        """Some layers are linear attention (Gated DeltaNet, Mamba2): a state per request, no K/V."""
+        return bool(get_model_spec(self.hardware.model).linear_attention)
+
+    @property
     def kv_cache_layer_windows(self) -> list[int]:
         """The windows of every layer that holds KV: the model's, then the draft network's. An
         EAGLE-family draft layer attends the whole context (the published EAGLE heads of
         sliding-window models, e.g. gpt-oss's, are Llama layers without a window); vLLM buckets
-        it with the target's full-attention layers."""
+        it with the target's full-attention layers. Linear-attention layers: LINEAR_ATTENTION."""
+        from simkv.core.kv_cache_groups import LINEAR_ATTENTION
+
         windows = self.layer_windows
+        if self.has_linear_attention:
+            linear = get_model_spec(self.hardware.model).linear_attention_layers()
+            windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear)]
         if self.speculative.enabled and self.speculative.is_eagle_family:
             windows = windows + [0]
         return windows
@@ -481,6 +498,39 @@ class EngineConfig:
                 kind = "chunked local attention" if self.attention_chunk_size else "sliding-window attention"
                 raise ConfigError(f"{kind} (model {self.hardware.model}) is not modelled with {what}")
         self._verify_retention()
+
+    def _verify_linear_attention(self) -> None:
+        cache, sched, hw = self.cache, self.scheduler, self.hardware
+        where = f"linear attention (model {hw.model})"
+        if cache.enable_prefix_caching:
+            raise ConfigError(f"{where}: vLLM's Mamba prefix caching (mamba_cache_mode 'align', which vLLM turns on "
+                              "with prefix caching for these models) is not modelled yet; pass "
+                              "--no-enable-prefix-caching (vLLM's mamba_cache_mode 'none': one state per request)")
+        if hw.decode_context_parallel_size > 1:  # (vLLM asserts it)
+            raise ConfigError("DCP not support mamba now.")
+        unsupported = [(self.speculative.enabled, "speculative decoding"),
+                       (self.attention.overridden, "sliding-window or chunked-attention overrides"),
+                       (self.attention.disable_hybrid_kv_cache_manager,
+                        "disable_hybrid_kv_cache_manager (its layers need their own KV-cache groups)"),
+                       (hw.data_parallel_size > 1, "data_parallel_size > 1"),
+                       (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
+                       (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
+                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
+                       (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
+                       (not cache.reserve_null_block, "reserve_null_block off")]
+        groups = self.kv_cache_groups
+        unsupported.append((len(groups.groups) - groups.num_linear_groups > 1,
+                            "its attention layers in more than one KV-cache group"))
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"{where} is not modelled with {what}")
+        need = linear_attention_block_size(hw.model_spec(), hw.tensor_parallel_size, cache.kv_dtype_bytes,
+                                           cache.block_size)
+        if cache.block_size < need:
+            raise ConfigError(f"{where}: block_size {cache.block_size} gives an attention page smaller than a "
+                              f"linear-attention layer's state; vLLM raises it to {need} tokens (as "
+                              "EngineConfig.from_flat does)")
 
     def _verify_retention(self) -> None:
         """vLLM's checks of prefix_cache_retention_interval, with its texts."""
@@ -600,9 +650,47 @@ class EngineConfig:
             block_size = _backend_block_size(groups[HardwareConfig], groups[CacheConfig])
             if block_size is not None:
                 groups[CacheConfig]["block_size"] = block_size
+        block_size = _linear_attention_block_size(groups[HardwareConfig], groups[CacheConfig])
+        if block_size is not None:
+            groups[CacheConfig]["block_size"] = block_size
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
                    AttentionConfig(**groups[AttentionConfig]))
+
+
+_KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention backends (FlashAttention, FlashInfer, Triton)
+
+
+def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_dtype_bytes: int,
+                                block_size: int) -> int:
+    """The block size vLLM 0.33 runs a model with linear-attention layers at, given `block_size`
+    (Platform._align_hybrid_block_size): every group's pages must be the same size, so the
+    attention block grows until one attention layer's page holds one linear layer's state,
+    a multiple of max(16, block_size) tokens; the state's page is then padded to it."""
+    if not spec.linear_attention:
+        return block_size
+    state = spec.linear_state_bytes(tensor_parallel_size)
+    per_token = spec.kv_bytes_per_token(kv_dtype_bytes, tensor_parallel_size) // spec.num_attention_layers
+    align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
+    need = align * -(-state // (align * per_token))
+    need = _KERNEL_BLOCK_ALIGNMENT * -(-need // _KERNEL_BLOCK_ALIGNMENT)
+    return max(block_size, need)
+
+
+def _linear_attention_block_size(hardware: dict, cache: dict) -> int | None:
+    """`linear_attention_block_size` for from_flat's options (None: no linear attention, or a bad
+    value that the configs' own checks name)."""
+    defaults = HardwareConfig()
+    try:
+        spec = get_model_spec(hardware.get("model", defaults.model)).quantized(hardware.get("quantization"))
+        tp = int(hardware.get("tensor_parallel_size", 1))
+        block_size = int(cache.get("block_size", CacheConfig().block_size))
+        if not spec.linear_attention or tp < 1 or block_size < 1:
+            return None
+        kv_bytes = 1 if cache.get("kv_cache_dtype") == "fp8" else 2
+        return linear_attention_block_size(spec, tp, kv_bytes, block_size)
+    except (ValueError, TypeError):
+        return None
 
 
 def _backend_block_size(hardware: dict, cache: dict) -> int | None:

@@ -16,7 +16,9 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         (+ under decode context parallelism, DCP: K/V bytes / DCP, and its collectives:
         `dcp_seconds`)
 With sliding-window layers (or chunked local attention), A and K count each layer's window (its
-chunk's tokens), averaged over the layers. All quantities are divided by TP
+chunk's tokens), averaged over the layers. Linear-attention layers (Gated DeltaNet, Mamba2) attend
+nothing and hold no K/V: they add their recurrence's FLOPs per token and a read and a write of
+each sequence's state per step (`linear_attention_work`). All quantities are divided by TP
 except the overheads and a latent-attention cache (below), which every GPU reads whole.
 
 Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
@@ -82,7 +84,10 @@ class RooflineCostModel:
         embeddings = model.embedding_params + h  # (and the final norm)
         self.flops_per_token = 2.0 * (model.num_active_params - embeddings) / tp
         self.flops_per_seq = 2.0 * h * v / tp
-        self.flops_per_pair = 4.0 * model.num_layers * model.num_heads * model.head_dim / tp
+        self.flops_per_pair = 4.0 * model.num_attention_layers * model.num_heads * model.head_dim / tp
+        # Linear-attention layers (Gated DeltaNet, Mamba2): per token the recurrence's FLOPs, per
+        # sequence and step a read and a write of its state (`linear_attention_work`).
+        self.flops_per_token_linear, self.state_bytes_per_seq = linear_attention_work(model, tp)
         self.mla = model.is_mla
         if self.mla:  # (the expanded path's pairs; the absorbed path's and the up-projection below)
             heads_layers = model.num_layers * model.num_heads
@@ -108,6 +113,7 @@ class RooflineCostModel:
         dcp = decode_context_parallel_size
         if dcp > 1:  # (each GPU of a DCP group stores, writes and reads 1 / DCP of the tokens)
             self.kv_bytes_per_token /= dcp
+        self.flops_per_token += self.flops_per_token_linear
         self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
         if tp > 1:
@@ -168,6 +174,8 @@ class RooflineCostModel:
         else:
             traffic = (self.weight_bytes + self.expert_bytes * self.moe.experts_touched(tokens)
                        + self.kv_bytes_per_token * (kv_read + tokens))
+        if self.state_bytes_per_seq:
+            traffic = traffic + self.state_bytes_per_seq * num_seqs
         busy = maximum(flops / self.flop_rate, traffic / self.byte_rate)
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
@@ -291,7 +299,7 @@ class RooflineCostModel:
                 overhead += self.dcp_per_query * n + self.dcp_fixed
             compute = (self.flops_per_token * n + self.flops_per_seq * n) / self.flop_rate
             weights = self.weight_bytes if self.moe is None else self.weight_bytes + self.expert_bytes * self.moe.experts_touched(n)
-            memory = (weights + self.kv_bytes_per_token * n) / self.byte_rate
+            memory = (weights + (self.kv_bytes_per_token + self.state_bytes_per_seq) * n) / self.byte_rate
             # per context token; with sliding-window layers per layer-token (SchedulerOutput)
             per = self.model.num_layers if self.window_counts is not None else 1
             line = self._decode_lines[n] = (
@@ -302,6 +310,23 @@ class RooflineCostModel:
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
                 "tensor_parallel_size": self.tp, **self.params}
+
+
+_LINEAR_CHUNK = 64  # the chunk of vLLM's chunked Gated DeltaNet and Mamba2 (SSD) prefill kernels
+
+
+def linear_attention_work(model: ModelSpec, tensor_parallel_size: int = 1) -> tuple[float, float]:
+    """(FLOPs per token, state bytes per sequence and step) of a model's linear-attention layers on
+    one GPU; (0, 0) without. A token's FLOPs per layer and value head: reading and updating the
+    key-dim x value-dim state (4 x dk x dv) and, in the chunked prefill algorithm, attending the
+    other tokens of its 64-token chunk (2 x 64 x (dk + dv)); decodes are counted alike. A
+    sequence reads its state and writes it back once a step (the convolution state too)."""
+    if not model.linear_attention:
+        return 0.0, 0.0
+    dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+    heads = model.linear_num_value_heads / tensor_parallel_size
+    per_token = model.num_linear_attention_layers * heads * (4.0 * dk * dv + 2.0 * _LINEAR_CHUNK * (dk + dv))
+    return per_token, 2.0 * model.num_linear_attention_layers * model.linear_state_bytes(tensor_parallel_size)
 
 
 def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_cache: bool = False,

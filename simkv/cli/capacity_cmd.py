@@ -23,9 +23,10 @@ def capacity_report(config: EngineConfig) -> dict:
     cap = compute_capacity(config)
     gpu_per_token = cap.kv_bytes_per_token
     groups = config.kv_cache_groups
-    hybrid = groups.has_sliding_window
+    hybrid = groups.is_hybrid
     # one max_model_len request: every layer's K/V of every token, or under the hybrid manager
-    # the blocks it holds at most over the groups (sliding-window groups keep about a window)
+    # the blocks it holds at most over the groups (sliding-window groups keep about a window,
+    # linear-attention groups a state)
     per_request_gpu = cap.blocks_per_request * cap.block_bytes if hybrid else gpu_per_token * mml
     extra = {"draft_network": draft.name} if draft is not None else {}
     dcp = config.hardware.decode_context_parallel_size
@@ -38,8 +39,12 @@ def capacity_report(config: EngineConfig) -> dict:
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
     if config.hardware.quantization:
         extra["quantization"] = config.hardware.quantization
-    if config.has_sliding_window:
+    if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
+    if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
+        page = cap.block_bytes // groups.layers_per_block
+        extra["linear_attention"] = {"kind": spec.linear_attention, "state_bytes_per_layer": spec.linear_state_bytes(tp),
+                                     "page_bytes_per_layer": page}
     return {
         "model": config.hardware.model,
         "gpu": config.hardware.gpu,
@@ -105,6 +110,10 @@ def print_report(rep: dict) -> None:
     if rep.get("decode_context_parallel_size"):
         rows.insert(0, ("decode context parallelism: tokens per block (per GPU)",
                         f"DCP {rep['decode_context_parallel_size']}: {rep['kv_manager_block_size']} ({rep['block_size']})"))
+    if rep.get("linear_attention"):
+        lin = rep["linear_attention"]
+        rows.insert(2, ("linear-attention state per layer (its page)",
+                        f"{lin['state_bytes_per_layer']:,} B ({lin['page_bytes_per_layer']:,} B)"))
     if rep.get("latent_cache_on_every_gpu"):
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):
@@ -136,6 +145,9 @@ def print_report(rep: dict) -> None:
 @click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="Sizes the activation reserve [default: 8192]")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+              help="A model with linear-attention layers is modelled without (vLLM's mamba_cache_mode 'none') "
+                   "[default: on]")
 @click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)

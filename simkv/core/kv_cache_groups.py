@@ -8,6 +8,10 @@ K/V, every group allocates its own blocks from the one shared pool, and a slidin
 group gives back the blocks that fall out of its window (core/kv_cache_coordinator.py). Chunked
 local attention (Llama 4) groups the same way: its local layers attend only the tokens of their own
 `attention_chunk_size`-token chunk, and give back a chunk's blocks once the next chunk starts.
+Linear-attention layers (Qwen3-Next's Gated DeltaNet, Mamba2) group the same way too (vLLM's
+MambaSpec groups): a block of theirs holds one request's whole state for `layers_per_block` layers,
+padded to the attention layers' page, and a request holds one per group while it runs (prefix
+caching off: vLLM's mamba_cache_mode "none").
 
 vLLM's rule (kv_cache_planning._get_kv_cache_groups_uniform_page_size): layers are bucketed by
 type in order of first appearance; the group size is the smallest bucket's layer count, or the
@@ -21,15 +25,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LINEAR_ATTENTION = -1  # a layer's entry in `group_layers`'s windows: linear attention (a state, no K/V)
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
     sliding_window: int  # 0: full attention (with `chunked`: the attention chunk size)
     num_layers: int  # real layers (the group is padded to `layers_per_block`)
     chunked: bool = False  # chunked local attention: `sliding_window` is the chunk size
+    linear: bool = False  # linear attention: a state per request (vLLM's MambaSpec)
 
     @property
     def kind(self) -> str:
+        if self.linear:
+            return "mamba"
         if not self.sliding_window:
             return "full_attention"
         return (f"chunked_local_attention({self.sliding_window})" if self.chunked
@@ -50,6 +59,17 @@ class KVCacheGroups:
     def has_sliding_window(self) -> bool:
         """Some group frees blocks outside its window: the scheduler needs KVCacheCoordinator."""
         return any(g.sliding_window for g in self.groups)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Groups of several kinds, or of local layers (vLLM's hybrid KV-cache manager): a block
+        holds `layers_per_block` layers and a request's blocks are counted per group."""
+        return self.has_sliding_window or self.num_linear_groups > 0
+
+    @property
+    def num_linear_groups(self) -> int:
+        """Groups of linear-attention layers: a request holds one state block in each."""
+        return sum(g.linear for g in self.groups)
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -73,24 +93,30 @@ class KVCacheGroups:
 
 def group_layers(layer_windows: list[int], disable_hybrid: bool = False, chunked: bool = False) -> KVCacheGroups:
     """The KV-cache groups of a model whose layer i attends `layer_windows[i]` tokens (0: all;
-    `chunked`: the tokens of its own chunk of that many)."""
+    `chunked`: the tokens of its own chunk of that many; LINEAR_ATTENTION: none, a state)."""
     windows = list(layer_windows)
-    if disable_hybrid and 0 in windows and any(windows):
-        windows = [0] * len(windows)  # mixed types: sliding layers allocate like full attention
+    if disable_hybrid and 0 in windows and any(w > 0 for w in windows):
+        windows = [min(w, 0) for w in windows]  # mixed types: sliding layers allocate like full attention
     buckets: dict[int, int] = {}
     for w in windows:
         buckets[w] = buckets.get(w, 0) + 1
     if len(buckets) == 1:
         (w, n), = buckets.items()
-        return KVCacheGroups((KVCacheGroupSpec(w, n, chunked and w > 0),), n)
+        return KVCacheGroups((_group(w, n, chunked),), n)
     smallest, largest = min(buckets.values()), max(buckets.values())
     size = largest if largest < smallest * 1.5 else smallest
     groups = []
     for w, n in buckets.items():
         num_groups = -(-n // size)
         # layers[i::num_groups] go to group i: sizes differ by at most one
-        groups += [KVCacheGroupSpec(w, len(range(i, n, num_groups)), chunked and w > 0) for i in range(num_groups)]
+        groups += [_group(w, len(range(i, n, num_groups)), chunked) for i in range(num_groups)]
     return KVCacheGroups(tuple(groups), size)
+
+
+def _group(window: int, num_layers: int, chunked: bool) -> KVCacheGroupSpec:
+    if window == LINEAR_ATTENTION:
+        return KVCacheGroupSpec(0, num_layers, linear=True)
+    return KVCacheGroupSpec(window, num_layers, chunked and window > 0)
 
 
 def admission_cap_blocks(span: int, chunked: bool, max_in_flight_tokens: int, max_model_len: int,

@@ -6,6 +6,8 @@ Invariants:
 - after scheduling, a request holds cdiv(num_computed_tokens + num_new_tokens + lookahead,
   block_size) blocks (capped at max_model_len); nothing is reserved for future output.
 - only full blocks are cached; a prefix hit never covers the last token of the sequence.
+- a model with linear-attention layers (prefix caching off): a request also holds one state
+  block per linear-attention KV-cache group, from its first allocation until it is released.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class KVCacheManager:
         reserve_null_block: bool = True,
         hash_lookahead: int = 0,
         eagle_block_drop: bool = False,
+        num_state_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -92,6 +95,12 @@ class KVCacheManager:
         # EAGLE family without lookahead block keys (under a KV connector): a prefix hit gives
         # back its last block, whose KV the drafter needs recomputed (vLLM's eagle block drop).
         self.eagle_block_drop = eagle_block_drop
+        # Linear-attention groups (vLLM's MambaManager, mamba_cache_mode "none"): a request takes
+        # one state block per group with its first blocks and holds it until it lets all go.
+        if num_state_blocks and enable_caching:
+            raise ValueError("state blocks of linear-attention groups are modelled without prefix caching")
+        self.num_state_blocks = num_state_blocks
+        self.req_to_state: dict[int, list[KVCacheBlock]] = {}
 
     # ---- lookups -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -128,11 +137,14 @@ class KVCacheManager:
     # ---- allocation ----------------------------------------------------------------------
     def num_blocks_of(self, request: Request) -> int:
         blocks = self.req_to_blocks.get(request.index)
-        return len(blocks) if blocks is not None else 0
+        return len(blocks) + self.num_state_blocks if blocks is not None else 0
 
     def remaining_blocks(self, request: Request, num_tokens: int) -> int:
         """Blocks the request still needs to hold `num_tokens` slots."""
-        return max(0, cdiv(num_tokens, self.block_size) - self.num_blocks_of(request))
+        blocks = self.req_to_blocks.get(request.index)
+        if blocks is None:
+            return cdiv(num_tokens, self.block_size) + (self.num_state_blocks if num_tokens else 0)
+        return max(0, cdiv(num_tokens, self.block_size) - len(blocks))
 
     def allocate_slots(
         self,
@@ -172,6 +184,8 @@ class KVCacheManager:
         if has_scheduled_reqs and request.status != RequestStatus.RUNNING:
             watermark = self.watermark_blocks
         num_req_blocks = len(req_blocks) if req_blocks is not None else 0
+        # (a first allocation also takes the request's state blocks)
+        num_state = self.num_state_blocks if req_blocks is None else 0
         num_evictable = 0
         for block in hit_blocks:
             if block.ref_cnt == 0:
@@ -182,13 +196,15 @@ class KVCacheManager:
             num_free -= 1  # the copy-on-write block
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            need = max(cdiv(full, bs) - len(hit_blocks) - num_req_blocks, 0) + num_evictable
+            need = max(cdiv(full, bs) - len(hit_blocks) - num_req_blocks, 0) + num_evictable + num_state
             if need + watermark > num_free:
                 return None
         need_slots = min(num_local + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_new_blocks = max(cdiv(need_slots, bs) - len(hit_blocks) - num_req_blocks, 0)
-        if num_new_blocks + num_evictable + watermark > num_free - reserved_blocks:
+        if num_new_blocks + num_state + num_evictable + watermark > num_free - reserved_blocks:
             return None
+        if num_state:  # (vLLM's groups allocate in order: the linear-attention groups come first)
+            self.req_to_state[request.index] = pool.get_new_blocks(num_state)
         if hit_blocks:
             pool.touch(hit_blocks)
             self.num_false_prefix_hits += computed.num_false  # served: counted once, when admitted
@@ -313,6 +329,8 @@ class KVCacheManager:
                 self._cache_full_blocks(request, end)
         del self.req_to_blocks[index]
         del self.num_cached_block[index]
+        if self.num_state_blocks:  # (caching is off: every block is private)
+            blocks = self.req_to_state.pop(index) + blocks
         blocks.reverse()
         # Without forked sequences a request's unhashed blocks are its alone (nobody can find
         # them): they are released as one chunk. Finished: its unfindable full blocks.

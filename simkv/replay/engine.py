@@ -130,10 +130,12 @@ class ReplayEngine:
         engines on one environment, each fed by the router; by default the engine owns both."""
         self.config = config
         self.backend = backend
-        if trace.n is not None and (config.speculative.enabled or config.has_sliding_window) and (trace.n > 1).any():
+        if trace.n is not None and (config.speculative.enabled or config.has_sliding_window
+                                    or config.has_linear_attention) and (trace.n > 1).any():
             row = int((trace.n > 1).argmax())
             without = ("with speculative decoding; drop the column or speculative_method" if config.speculative.enabled
-                       else f"for models with sliding-window layers ({config.hardware.model}); drop the column")
+                       else f"for models with {'sliding-window' if config.has_sliding_window else 'linear-attention'} "
+                       f"layers ({config.hardware.model}); drop the column")
             raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
                              + without)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0

@@ -163,12 +163,13 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
 
 
 def kv_cache_groups_summary(config, capacity=None) -> dict:
-    """summary.json's `kv_cache_groups` section, for models with sliding-window layers only
-    (`block_bytes`: one block on one GPU, to compare pools whose blocks hold different layers)."""
-    if not config.has_sliding_window:
+    """summary.json's `kv_cache_groups` section, for models with sliding-window or linear-attention
+    layers only (`block_bytes`: one block on one GPU, to compare pools whose blocks hold different
+    layers)."""
+    if not (config.has_sliding_window or config.has_linear_attention):
         return {}
     groups = config.kv_cache_groups
-    section = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": groups.has_sliding_window}
+    section = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": groups.is_hybrid}
     if getattr(capacity, "block_bytes", 0):
         section["block_bytes"] = capacity.block_bytes
     return {"kv_cache_groups": section}

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 _HERE = Path(__file__).parent
+LINEAR_ATTENTION_KINDS = ("gated_deltanet", "mamba2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,25 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     q_lora_rank: int = 0
+    # Linear attention (hybrid models; "": none): "gated_deltanet" (Qwen3-Next, Qwen3.5) or "mamba2"
+    # (Granite 4.0-H). Every `full_attention_interval`-th layer attends the whole context; the others
+    # keep a fixed-size state per request instead of K/V (vLLM's MambaSpec): a short convolution's
+    # last `linear_conv_kernel_dim - 1` inputs of conv_dim channels (gated_deltanet: 2 x key heads x
+    # key dim + value heads x value dim; mamba2: value heads x value dim + 2 x groups x state dim)
+    # and a recurrent state of value heads x value dim x key dim. Mamba2 in these names: its heads
+    # and head_dim are the value heads and dim, its n_groups the key heads, its d_state the key dim.
+    linear_attention: str = ""
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # Bytes per element of the recurrent state (vLLM's mamba_ssm_cache_dtype: the model's dtype by
+    # default, float32 where the checkpoint asks, Qwen3.5's mamba_ssm_dtype); the convolution
+    # state is bf16.
+    linear_state_dtype_bytes: int = 2
+    # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
+    attention_output_gate: bool = False
 
     def __post_init__(self) -> None:
         where = f"model '{self.name}'"
@@ -81,6 +101,21 @@ class ModelSpec:
                              "and a dense_intermediate_size")
         if self.shared_expert_intermediate_size and not self.is_moe:
             raise ValueError(f"{where}: shared_expert_intermediate_size needs a mixture of experts")
+        if self.linear_attention:
+            if self.linear_attention not in LINEAR_ATTENTION_KINDS:
+                raise ValueError(f"{where}: linear_attention {self.linear_attention!r} is not modelled "
+                                 f"(choose {' or '.join(LINEAR_ATTENTION_KINDS)})")
+            if self.sliding_window or self.attention_chunk_size or self.is_mla:
+                raise ValueError(f"{where}: linear attention with sliding windows, chunked local attention or "
+                                 "latent attention is not modelled")
+            if min(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                   self.linear_value_head_dim, self.linear_conv_kernel_dim) <= 0:
+                raise ValueError(f"{where}: linear attention needs positive linear_num_key_heads, "
+                                 "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim and "
+                                 "linear_conv_kernel_dim")
+            if not 0 < self.full_attention_interval <= self.num_layers:
+                raise ValueError(f"{where}: linear attention needs a full_attention_interval (every K-th layer "
+                                 "attends) of at most num_layers")
 
     def quantized(self, method: str | None) -> "ModelSpec":
         """The model as vLLM serves it under `--quantization METHOD` (None: the checkpoint as it is).
@@ -124,6 +159,60 @@ class ModelSpec:
             return [0] * self.num_layers
         return [0 if interval and (i + 1) % interval == 0 else window for i in range(self.num_layers)]
 
+    def linear_attention_layers(self) -> list[bool]:
+        """Which decoder layers are linear attention (a state per request, no K/V), in layer order."""
+        if not self.linear_attention:
+            return [False] * self.num_layers
+        k = self.full_attention_interval
+        return [(i + 1) % k != 0 for i in range(self.num_layers)]
+
+    @property
+    def num_linear_attention_layers(self) -> int:
+        if not self.linear_attention:
+            return 0
+        return self.num_layers - self.num_layers // self.full_attention_interval
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that attend and hold K/V (all of them but the linear-attention ones)."""
+        return self.num_layers - self.num_linear_attention_layers
+
+    def linear_conv_dim(self, tensor_parallel_size: int = 1) -> int:
+        """Channels of a linear-attention layer's convolution state on one GPU (vLLM's
+        MambaStateShapeCalculator: Mamba2 replicates its groups to the TP size when they do
+        not divide by it)."""
+        nk, dk = self.linear_num_key_heads, self.linear_key_head_dim
+        if self.linear_attention == "mamba2" and nk % tensor_parallel_size:
+            nk = tensor_parallel_size  # (n_groups + tp - n_groups)
+        dim = 2 * nk * dk + self.linear_num_value_heads * self.linear_value_head_dim
+        if dim % tensor_parallel_size or self.linear_num_value_heads % tensor_parallel_size:
+            raise ValueError(f"model '{self.name}': its linear-attention heads ({self.linear_num_value_heads}) "
+                             f"and channels ({dim}) must divide by the tensor parallel size {tensor_parallel_size}")
+        return dim // tensor_parallel_size
+
+    def linear_state_bytes(self, tensor_parallel_size: int = 1) -> int:
+        """One linear-attention layer's state for one request on one GPU (vLLM's MambaSpec page
+        before padding): the bf16 convolution state and the recurrent state."""
+        if not self.linear_attention:
+            return 0
+        conv = self.linear_conv_dim(tensor_parallel_size) * (self.linear_conv_kernel_dim - 1) * 2
+        heads = self.linear_num_value_heads // tensor_parallel_size
+        recurrent = heads * self.linear_value_head_dim * self.linear_key_head_dim * self.linear_state_dtype_bytes
+        return conv + recurrent
+
+    @property
+    def linear_attention_params(self) -> int:
+        """One linear-attention layer's projections and convolution: Gated DeltaNet's q, k, v, z
+        and its b, a gates; Mamba2's z, x, B, C and dt; the convolution; the output projection."""
+        if not self.linear_attention:
+            return 0
+        h = self.hidden_size
+        nk, dk = self.linear_num_key_heads, self.linear_key_head_dim
+        nv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+        conv = (2 * nk * dk + nv * dv) * self.linear_conv_kernel_dim
+        gates = 2 * nv if self.linear_attention == "gated_deltanet" else nv
+        return h * (2 * nk * dk + 2 * nv * dv + gates) + conv + nv * dv * h
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -148,6 +237,8 @@ class ModelSpec:
         Llama-architecture decoders that attend the whole context."""
         if self.is_mla:
             return "multi-head latent attention"
+        if self.linear_attention:
+            return "linear-attention layers"
         if self.is_moe:
             return "a mixture of experts"
         if self.sliding_window:
@@ -179,12 +270,13 @@ class ModelSpec:
 
     @property
     def attention_params(self) -> int:
-        """One layer's attention projections: grouped-query (q, k, v, o), or latent (the query's
+        """One attention layer's projections: grouped-query (q, k, v, o; a gated query twice q), or latent (the query's
         low-rank pair or direct projection, the joint KV down-projection with the rotary key, the
         KV up-projection of every head's key and value, o)."""
         h, d, heads = self.hidden_size, self.head_dim, self.num_heads
         if not self.is_mla:
-            return h * (heads * d) + 2 * h * (self.num_kv_heads * d) + (heads * d) * h
+            q = (2 if self.attention_output_gate else 1) * h * (heads * d)
+            return q + 2 * h * (self.num_kv_heads * d) + (heads * d) * h
         q = h * self.q_lora_rank + self.q_lora_rank * heads * d if self.q_lora_rank else h * heads * d
         kv_down = h * (self.kv_lora_rank + self.qk_rope_head_dim)
         return q + kv_down + self.kv_up_params + heads * self.v_head_dim * h
@@ -199,13 +291,14 @@ class ModelSpec:
 
     @property
     def num_linear_params(self) -> int:
-        """The decoder layers' linear parameters outside the routed experts: attention, and the
-        dense MLP, or the router and the shared experts."""
+        """The decoder layers' linear parameters outside the routed experts: attention (or linear
+        attention), and the dense MLP, or the router and the shared experts."""
         h = self.hidden_size
         dense_width = self.dense_intermediate_size if self.is_moe else self.intermediate_size
         dense_mlps = (self.num_layers - self.num_moe_layers) * 3 * h * dense_width
         expert_layers = self.num_moe_layers * (h * self.num_experts + 3 * h * self.shared_expert_intermediate_size)
-        return self.num_layers * self.attention_params + dense_mlps + expert_layers
+        mixers = self.num_attention_layers * self.attention_params + self.num_linear_attention_layers * self.linear_attention_params
+        return mixers + dense_mlps + expert_layers
 
     @property
     def num_norm_params(self) -> int:
@@ -255,12 +348,13 @@ class ModelSpec:
         return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
     def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-        """K and V of one token over all layers, per GPU under tensor parallelism (latent
-        attention: the latent and rotary key, which every GPU holds whole)."""
+        """K and V of one token over all attention layers, per GPU under tensor parallelism (latent
+        attention: the latent and rotary key, which every GPU holds whole; linear-attention layers
+        hold none)."""
         if self.is_mla:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
-        return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
+        return 2 * self.num_attention_layers * kv_heads * self.head_dim * dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,12 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
   no_rope_layers (default: every 4th); its experts on every interleave_moe_layer_step-th layer
   with a shared expert of intermediate_size, dense layers of intermediate_size_mlp between.
 
-Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), layers
-other than attention ones (layer_types with linear attention or Mamba), expert layers on only
+- linear attention beside full attention (Qwen3-Next and Qwen3.5's Gated DeltaNet, Granite
+  4.0-H's Mamba2): layer_types or full_attention_interval, the state's shape fields and
+  mamba_ssm_dtype (_linear_attention).
+
+Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), other
+layer types (Nemotron-H's MLP-only layers: hybrid_override_pattern), expert layers on only
 some layers after the dense ones (moe_layer_freq, decoder_sparse_step, mlp_only_layers), other
 quantization methods (INT4, INT8, ...: their weights would be sized wrong), window patterns
 other than one periodic full-attention layer (no_rope_layers likewise).
@@ -78,10 +82,16 @@ def spec_fields_from_config(path: str) -> dict:
 
     if cfg.get("index_topk"):
         raise ModelConfigError(f"{where}: field 'index_topk': DeepSeek's sparse attention (V3.2) is not modelled")
-    other_layers = sorted({t for t in cfg.get("layer_types") or () if t not in ("full_attention", "sliding_attention")})
+    if cfg.get("hybrid_override_pattern"):
+        raise ModelConfigError(f"{where}: field 'hybrid_override_pattern': Nemotron-H's layers without attention "
+                               "or a state (MLP-only) are not modelled")
+    linear = _is_linear_hybrid(cfg, raw)
+    known = _LINEAR_LAYER_TYPES if linear else ("full_attention", "sliding_attention")
+    other_layers = sorted({t for t in cfg.get("layer_types") or () if t not in known})
     if other_layers:
         raise ModelConfigError(f"{where}: field 'layer_types': layers of type {', '.join(map(str, other_layers))} "
-                               "are not modelled (simkv models attention layers, full or sliding-window)")
+                               "are not modelled (simkv models attention layers, full or sliding-window, and "
+                               "Gated DeltaNet or Mamba2 linear attention beside full attention)")
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
     fields = {
@@ -126,7 +136,9 @@ def spec_fields_from_config(path: str) -> dict:
     # (a wrapper may hold the window fields at its top level too; the text config's win)
     merged = cfg if cfg is raw else {k: v for k, v in raw.items() if k != "text_config"} | {
         k: v for k, v in cfg.items() if v is not None}
-    if get("attention_chunk_size"):
+    if linear:
+        fields.update(_linear_attention(cfg, raw, get, need, where, fields["num_layers"]))
+    elif get("attention_chunk_size"):
         fields.update(_chunks(get, need, where, fields["num_layers"]))
     else:
         fields.update(_windows(merged, where, fields["num_layers"]))
@@ -184,8 +196,61 @@ def _expert_layout(get, need, where: str, num_layers: int) -> dict:
         out["dense_intermediate_size"] = need("intermediate_size")
     if get("n_shared_experts"):
         out["shared_expert_intermediate_size"] = need("n_shared_experts") * need("moe_intermediate_size")
-    elif get("shared_expert_intermediate_size"):
-        out["shared_expert_intermediate_size"] = need("shared_expert_intermediate_size")
+    elif get("shared_expert_intermediate_size") or get("shared_intermediate_size"):
+        out["shared_expert_intermediate_size"] = need("shared_expert_intermediate_size", "shared_intermediate_size")
+    return out
+
+
+_LINEAR_LAYER_TYPES = ("full_attention", "attention", "linear_attention", "mamba")
+_STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+
+
+def _is_linear_hybrid(cfg: dict, raw: dict) -> bool:
+    """Qwen3-Next / Qwen3.5 (Gated DeltaNet) or Granite 4.0-H (Mamba2) beside full attention."""
+    types = set(cfg.get("layer_types") or ())
+    model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
+    return bool(types & {"linear_attention", "mamba"}) or model_type == "qwen3_next"
+
+
+def _linear_attention(cfg: dict, raw: dict, get, need, where: str, num_layers: int) -> dict:
+    """Linear-attention layers beside full-attention ones. Gated DeltaNet (Qwen3-Next, Qwen3.5):
+    linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+    linear_conv_kernel_dim, the gated query of Qwen3-Next (attn_output_gate elsewhere), the state's
+    mamba_ssm_dtype. Mamba2 (Granite 4.0-H): mamba_n_heads, mamba_d_head, mamba_d_state,
+    mamba_n_groups, mamba_d_conv. The attention layers are layer_types' full_attention (or
+    attention) ones, or every full_attention_interval-th; they need not sit at the end of each
+    period (the KV-cache groups and the costs depend only on their number and on the first layer
+    being linear), but must divide the layers into equal periods."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ModelConfigError(f"{where}: field 'layer_types' must name each of the {num_layers} layers "
+                                   f"(it has {len(types)})")
+        num_attention = sum(t in ("full_attention", "attention") for t in types)
+        if not num_attention or num_layers % num_attention or types[0] in ("full_attention", "attention"):
+            raise ModelConfigError(f"{where}: field 'layer_types': simkv models one attention layer in every k "
+                                   "layers, the first of them linear, not this pattern")
+        interval = num_layers // num_attention
+    else:
+        interval = need("full_attention_interval")
+    out = {"full_attention_interval": interval}
+    if get("mamba_n_heads") is not None:
+        out.update(linear_attention="mamba2", linear_num_value_heads=need("mamba_n_heads"),
+                   linear_value_head_dim=need("mamba_d_head"), linear_key_head_dim=need("mamba_d_state"),
+                   linear_num_key_heads=need("mamba_n_groups"), linear_conv_kernel_dim=need("mamba_d_conv"))
+    else:
+        out.update(linear_attention="gated_deltanet", linear_num_key_heads=need("linear_num_key_heads"),
+                   linear_num_value_heads=need("linear_num_value_heads"),
+                   linear_key_head_dim=need("linear_key_head_dim"), linear_value_head_dim=need("linear_value_head_dim"),
+                   linear_conv_kernel_dim=need("linear_conv_kernel_dim"))
+        model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
+        out["attention_output_gate"] = model_type == "qwen3_next" or bool(get("attn_output_gate"))
+    dtype = get("mamba_ssm_dtype")
+    if dtype is not None:
+        if dtype not in _STATE_DTYPE_BYTES:
+            raise ModelConfigError(f"{where}: field 'mamba_ssm_dtype': {dtype!r} is not one of "
+                                   f"{', '.join(_STATE_DTYPE_BYTES)}")
+        out["linear_state_dtype_bytes"] = _STATE_DTYPE_BYTES[dtype]
     return out
 
 

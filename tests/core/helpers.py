@@ -369,3 +369,18 @@ def decode_contexts(config: EngineConfig, request: Request, num_gpu_blocks: int 
             contexts.append(out.decode_context_tokens)
         sched.update_from_output(out)
     return contexts
+
+
+def assert_decode_runs_change_nothing(trace, config: EngineConfig, cost_model: str = "roofline"):
+    """A replay that jumps over decode runs gives the requests and steps of one that steps every
+    decode; returns the first."""
+    import pandas as pd
+
+    from simkv.replay.api import replay
+
+    a = replay(trace, config, cost_model)
+    b = replay(trace, config, cost_model, use_decode_runs=False)
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    for name, values in a.steps.items():
+        assert np.array_equal(values, b.steps[name]), name
+    return a

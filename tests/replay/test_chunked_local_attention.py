@@ -16,12 +16,11 @@ from simkv.capacity import compute_capacity, group_blocks_per_request
 from simkv.config import ConfigError, EngineConfig
 from simkv.core.kv_cache_coordinator import KVCacheCoordinator
 from simkv.core.outputs import ScheduledChunk, SchedulerOutput
-from simkv.replay.api import replay
 from simkv.specs import get_model_spec
 from simkv.specs.hf_config import ModelConfigError, spec_fields_from_config
 from simkv.traces.schema import trace_from_frame
-from tests.core.helpers import (assert_same_async_replay_as_vllm, assert_same_steps_as_vllm, decode_contexts,
-                                make_request)
+from tests.core.helpers import (assert_decode_runs_change_nothing, assert_same_async_replay_as_vllm,
+                                assert_same_steps_as_vllm, decode_contexts, make_request)
 
 DATA = Path(__file__).parents[1] / "core" / "data"
 CHUNKED = dict(model="gemma-2-9b", gpu="H100-SXM", attention_chunk_size=16, full_attention_interval=2)
@@ -125,12 +124,7 @@ def test_decode_runs_change_nothing(seed, chunk, interval, block_size, blocks, c
     if blocks:
         config = EngineConfig.from_flat(opts | {"num_gpu_blocks": group_blocks_per_request(config, 1024, startup=True)
                                                 + blocks})
-    trace = trace_from_frame(frame)
-    a = replay(trace, config, "roofline")
-    b = replay(trace, config, "roofline", use_decode_runs=False)
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    for name, values in a.steps.items():
-        assert np.array_equal(values, b.steps[name]), name
+    a = assert_decode_runs_change_nothing(trace_from_frame(frame), config)
     assert a.summary["num_finished"] == n
 
 

@@ -26,6 +26,8 @@ def _backends():
                            ("deepseek-v2-lite", "A100-80GB", 1)):  # (latent attention: the absorbed path's pairs)
         out.append(make_backend("roofline", EngineConfig.from_flat(
             {"model": model, "gpu": gpu, "tensor_parallel_size": tp})))
+    out.append(make_backend("roofline", EngineConfig.from_flat(  # (linear attention: state traffic per sequence)
+        {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 4, "enable_prefix_caching": False})))
     out.append(CalibratedCostModel({"c0": 2e-3, "cT": 3e-6, "cH": 9e-6, "cS": 1e-6, "cP": 1e-10, "cKp": 2e-9,
                                     "cKd": 4e-9}, knee=96.0))
     return out

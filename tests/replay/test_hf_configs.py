@@ -69,7 +69,8 @@ def test_a_replay_of_a_config_equals_the_shipped_models(tmp_path):
 
 @pytest.mark.parametrize("change, field, message", [
     ({"index_topk": 2048}, "index_topk", "sparse attention"),
-    ({"layer_types": ["linear_attention", "full_attention"] * 16}, "layer_types", "linear_attention are not modelled"),
+    ({"layer_types": ["conv", "full_attention"] * 16}, "layer_types", "conv are not modelled"),  # (LFM2's short convolutions)
+    ({"layer_types": ["linear_attention", "full_attention"] * 16}, "linear_num_key_heads", "is missing"),
     ({"attention_chunk_size": 8192, "no_rope_layers": [1, 1, 0]}, "no_rope_layers", "must name each of the"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config", "quant_method 'awq' is not modelled"),
     ({"quantization_config": {"quant_method": "compressed-tensors",

@@ -1,0 +1,78 @@
+"""Models with linear-attention layers (Gated DeltaNet, Mamba2) under vLLM's hybrid KV-cache
+manager, step by step against the real vLLM scheduler.
+
+vLLM 0.33's `Scheduler` (../shared/tools/vllm_oracle's venv) is built with the KV-cache groups
+simkv forms for a small hybrid model (tests/core/data/tiny_*.json: one to four Mamba groups and a
+full-attention group over one pool, in simkv's order), its Mamba groups as vLLM runs them without
+prefix caching (mamba_cache_mode "none": a MambaSpec of max_model_len-token blocks, one state block
+per request). simkv's `Scheduler` runs the same random cases (blocks of 16 or 32 tokens, small
+pools, priorities, watermarks, chunked prefill on and off, long-prefill thresholds). Every step's
+scheduled tokens, running and waiting requests and blocks in use (all groups), and every
+request's first-token and finish step must be equal.
+
+A development aid, not a test dependency:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_linear.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+import oracle_spec  # noqa: E402  (the step loop on both sides)
+import oracle_vllm  # noqa: E402
+
+MODELS = ("tests/core/data/tiny_gdn_8x4.json", "tests/core/data/tiny_gdn_4x2.json",
+          "tests/core/data/tiny_mamba2_10x5.json")
+
+
+def make_case(rng) -> dict:
+    block_size = int(rng.choice([16, 32]))
+    max_model_len = int(rng.choice([64, 128, 256]))
+    requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
+    sys.path.insert(0, str(ROOT))
+    from oracle_fuzz import random_engine_options  # (simkv's side only: it imports simkv)
+    from simkv.capacity import group_blocks_per_request
+    from simkv.config import EngineConfig
+
+    opts = random_engine_options(rng, block_size, max_model_len)
+    opts["scheduler_reserve_full_isl"] = bool(rng.random() < 0.7)
+    opts["model"] = str(rng.choice(MODELS))
+    opts["enable_prefix_caching"] = False  # (vLLM's mamba_cache_mode "none")
+    config = EngineConfig.from_flat(opts)
+    # a pool where a max_model_len request fits (simkv refuses smaller ones at start-up, as vLLM does)
+    fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
+    opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
+    groups = config.kv_cache_groups
+    return {"opts": opts, "requests": requests, "group_windows": list(groups.windows),
+            "group_linear": [g.linear for g in groups.groups]}
+
+
+def main() -> None:
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
+        return
+    import numpy as np
+    rng = np.random.default_rng(a.seed)
+    cases = [make_case(rng) for _ in range(a.cases)]
+    theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
+    failures = 0
+    totals = dict(requests=0, steps=0)
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        ours = oracle_spec.run_simkv(case)
+        totals["requests"] += len(case["requests"])
+        totals["steps"] += len(t["steps"])
+        diff = oracle_spec.case_differences(t, ours)
+        if diff:
+            failures += 1
+            print(f"case {i} groups {case['group_linear']}: " + "; ".join(diff) + f" -- {case['opts']}")
+    print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, "
+          f"{totals['steps']} steps)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

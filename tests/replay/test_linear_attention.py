@@ -1,0 +1,226 @@
+"""Linear attention (Qwen3-Next's Gated DeltaNet, Mamba2) beside full attention: vLLM's Mamba
+KV-cache groups without prefix caching (mamba_cache_mode "none"), the block size that grows until
+an attention page holds a state, capacity, the roofline's state traffic, config.json import and
+what is refused; the scheduler against vLLM 0.33's on recorded cases."""
+
+import copy
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.backends.factory import make_backend
+from simkv.backends.roofline import linear_attention_work
+from simkv.capacity import compute_capacity, group_blocks_per_request
+from simkv.clock import TICKS_PER_SECOND
+from simkv.config import CacheConfig, ConfigError, EngineConfig, HardwareConfig
+from simkv.core.kv_cache_manager import KVCacheManager
+from simkv.specs import get_model_spec
+from simkv.specs.hf_config import ModelConfigError
+from simkv.traces.schema import trace_from_frame
+from tests.core.helpers import assert_decode_runs_change_nothing, assert_same_async_replay_as_vllm, assert_same_steps_as_vllm, make_request
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "core" / "data"
+QWEN3_NEXT = "qwen3-next-80b-a3b"
+
+
+def _config(**options) -> EngineConfig:
+    return EngineConfig.from_flat({"model": QWEN3_NEXT, "gpu": "H200", "enable_prefix_caching": False} | options)
+
+
+def _rooted(case: dict) -> dict:
+    """A recorded case with its model's config.json path made absolute (they are relative to the repo)."""
+    case = copy.deepcopy(case)
+    opts = case["case"]["opts"] if "case" in case else case["opts"]
+    opts["model"] = str(ROOT / opts["model"])
+    return case
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_linear.py: vLLM 0.33's scheduler with MambaSpec groups
+    (mamba_cache_mode "none") beside a full-attention group, pools that fill up: every step's
+    scheduled tokens, running, waiting and blocks in use (state blocks included), every request's
+    first-token and finish step."""
+    case = _rooted(json.loads((DATA / "linear_vllm_cases.json").read_text())["cases"][index])
+    assert any(case["case"]["group_linear"]) and not all(case["case"]["group_linear"])
+    ours = assert_same_steps_as_vllm(case)
+    num_blocks = case["case"]["opts"]["num_gpu_blocks"]
+    assert max(row[3] for row in ours["steps"]) == num_blocks - 1  # (the pool filled: admission was tight)
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_same_steps_as_vllm_async(index, tmp_path):
+    """Recorded cases of scripts/oracle_hybrid_async.py --linear (the 6 with the most preemptions
+    of 30): vLLM 0.33's AsyncScheduler, two batches deep, 1 s steps."""
+    case = _rooted(json.loads((DATA / "linear_async_vllm_cases.json").read_text())[index])
+    config = assert_same_async_replay_as_vllm(case, tmp_path)
+    assert config.kv_cache_groups.num_linear_groups > 0
+
+
+@pytest.mark.parametrize("tp, kv_cache_dtype, block_size, expected", [
+    (1, "auto", None, 544), (2, "auto", None, 544), (4, "auto", None, 272), (8, "auto", None, 144),
+    (4, "fp8", None, 544),  # (half the attention page: twice the tokens)
+    (4, "auto", 32, 288),  # (a multiple of the block size asked for)
+    (4, "auto", 1024, 1024)])  # (already large enough)
+def test_block_size_grows_until_an_attention_page_holds_a_state(tp, kv_cache_dtype, block_size, expected):
+    """Qwen3-Next: a Gated DeltaNet layer's state is 8,192 x 3 bf16 convolution inputs and 32 x 128 x
+    128 bf16 recurrent entries (1,097,728 B at TP 1, a quarter at TP 4); an attention layer's page
+    holds 2 KV heads x 256 x 2 (K and V) bf16 per token (one head per GPU from TP 2). Public vLLM
+    logs of Qwen3-Next: "Setting attention block size to 544 tokens", "Padding mamba page size by
+    1.49%"."""
+    options = {"tensor_parallel_size": tp, "kv_cache_dtype": kv_cache_dtype}
+    if block_size is not None:
+        options["block_size"] = block_size
+    config = _config(**options)
+    assert config.cache.block_size == expected
+    spec = get_model_spec(QWEN3_NEXT)
+    state = spec.linear_state_bytes(tp)
+    assert state == (8192 * 3 * 2 + 32 * 128 * 128 * 2) // tp
+    page = config.cache.block_size * 2 * max(2 // tp, 1) * 256 * config.cache.kv_dtype_bytes
+    assert page >= state and page - state < max(16, block_size or 16) * page // config.cache.block_size
+    if (tp, kv_cache_dtype, block_size) == (2, "auto", None):
+        assert f"{100 * (page - state) / state:.2f}%" == "1.49%"
+
+
+def test_a_block_size_below_the_state_is_refused_when_built_directly():
+    with pytest.raises(ConfigError, match="block_size 16 gives an attention page smaller than a linear-attention "
+                                          "layer's state; vLLM raises it to 544 tokens"):
+        EngineConfig(cache=CacheConfig(block_size=16, enable_prefix_caching=False),
+                     hardware=HardwareConfig(model=QWEN3_NEXT, gpu="H200", tensor_parallel_size=2))
+
+
+def test_groups_and_capacity_of_qwen3_next():
+    """36 Gated DeltaNet and 12 attention layers: 3 Mamba groups and 1 full-attention group of 12
+    layers each; a block of 272 tokens holds 12 layers' pages of 272 x 1,024 B, and a request of
+    32,768 tokens holds ceil(32,768 / 272) = 121 attention blocks and 3 state blocks."""
+    config = _config(tensor_parallel_size=4, max_model_len=32768)
+    groups = config.kv_cache_groups
+    assert groups.summary() == "3 x mamba + 1 x full_attention" and groups.layers_per_block == 12
+    assert [g.linear for g in groups.groups] == [True, True, True, False]  # (layer 0 is linear: its groups first)
+    cap = compute_capacity(config)
+    assert cap.block_bytes == 12 * 272 * 1024
+    assert cap.blocks_per_request == 121 + 3 == group_blocks_per_request(config, 32768, startup=True)
+    assert cap.max_concurrency == pytest.approx(cap.num_gpu_blocks / 124)
+    assert cap.kv_cache_tokens == int(cap.num_gpu_blocks / 124 * 32768)
+    # the same memory as full attention on 12 layers would give, less the state blocks
+    assert cap.kv_bytes_per_token == 12 * 2 * 1 * 256 * 2
+
+
+def test_a_request_holds_one_state_block_per_linear_group():
+    kv = KVCacheManager(100, 16, 256, enable_caching=False, num_state_blocks=3)
+    request = make_request(0, 40, 5)
+    assert kv.remaining_blocks(request, 40) == 3 + 3
+    blocks = kv.allocate_slots(request, 0, 40)
+    assert len(blocks) == 3 and kv.num_blocks_of(request) == 6
+    assert kv.block_pool.free_block_queue.num_free_blocks == 99 - 6
+    assert kv.allocate_slots(request, 40, 9) is not None and kv.num_blocks_of(request) == 7  # (a 4th attention block)
+    kv.free(request, 49, finished=True)
+    assert kv.block_pool.free_block_queue.num_free_blocks == 99 and kv.num_blocks_of(request) == 0
+    with pytest.raises(ValueError, match="without prefix caching"):
+        KVCacheManager(100, 16, 256, enable_caching=True, num_state_blocks=3)
+
+
+def test_admission_counts_the_state_blocks():
+    """A pool of 9 usable blocks: a 96-token prompt needs 6 attention blocks and 3 state blocks
+    (fits exactly); a second request waits even though its attention blocks alone would fit."""
+    kv = KVCacheManager(10, 16, 256, enable_caching=False, num_state_blocks=3)
+    assert kv.allocate_slots(make_request(0, 96, 1), 0, 96) is not None
+    kv2 = KVCacheManager(10, 16, 256, enable_caching=False, num_state_blocks=3)
+    assert kv2.allocate_slots(make_request(0, 97, 1), 0, 97) is None  # (7 + 3 > 9)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"enable_prefix_caching": True}, "Mamba prefix caching .* is not modelled yet; pass --no-enable-prefix-caching"),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 2}, "not modelled with speculative decoding"),
+    ({"tensor_parallel_size": 8, "decode_context_parallel_size": 2}, "DCP not support mamba now."),
+    ({"sliding_window": 128}, "not modelled with sliding-window or chunked-attention overrides"),
+    ({"disable_hybrid_kv_cache_manager": True}, "not modelled with disable_hybrid_kv_cache_manager"),
+    ({"preemption_mode": "swap"}, "not modelled with preemption_mode 'swap'"),
+    ({"tensor_parallel_size": 3}, "must be divisible by tensor parallel size"),
+])
+def test_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(**({"tensor_parallel_size": 4} | options))
+
+
+def test_spec_of_qwen3_next():
+    """79.7B parameters (published: 80B), 3.9B active per token (3.3B without the embeddings and LM
+    head: published "A3B"); only the 12 attention layers hold K/V."""
+    spec = get_model_spec(QWEN3_NEXT)
+    assert round(spec.num_params / 1e9, 1) == 79.7
+    assert round((spec.num_active_params - spec.embedding_params) / 1e9, 1) == 3.3
+    assert spec.num_attention_layers == 12 and spec.num_linear_attention_layers == 36
+    assert spec.linear_attention_layers()[:4] == [True, True, True, False]
+    assert spec.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2
+    assert spec.simulated_only == "linear-attention layers"
+
+
+def test_config_json_import():
+    """Qwen3-Next's published config.json gives the shipped spec; a Mamba2 hybrid (Granite 4.0-H's
+    fields) reads its mamba_* fields; Nemotron-H's MLP-only layers and an attention layer first are
+    refused with the field named."""
+    cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "full_attention_interval": 4,
+           "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+           "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+           "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+           "decoder_sparse_step": 1, "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 512,
+           "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+           "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 151936}
+    path = DATA / "tiny_mamba2_10x5.json"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp, "qwen3next.json")
+        file.write_text(json.dumps(cfg))
+        ours = dataclasses.replace(get_model_spec(str(file)), name=QWEN3_NEXT)
+        assert ours == get_model_spec(QWEN3_NEXT)
+        mamba = get_model_spec(str(path))
+        assert (mamba.linear_attention, mamba.full_attention_interval, mamba.num_attention_layers) == ("mamba2", 5, 2)
+        assert mamba.linear_state_bytes(1) == (4 * 8 + 2 * 1 * 8) * 3 * 2 + 4 * 8 * 8 * 2
+        # Mamba2 replicates its one group to the TP size: 2 groups at TP 2
+        assert mamba.linear_conv_dim(2) == (4 * 8 + 2 * 2 * 8) // 2
+        bad = Path(tmp, "nemotron.json")
+        bad.write_text(json.dumps(cfg | {"hybrid_override_pattern": "M-M*-"}))
+        with pytest.raises(ModelConfigError, match="hybrid_override_pattern"):
+            get_model_spec(str(bad))
+        first = Path(tmp, "first.json")
+        first.write_text(json.dumps(cfg | {"layer_types": ["full_attention"] + ["linear_attention"] * 3
+                                           + ["linear_attention", "linear_attention", "linear_attention",
+                                              "full_attention"] * 11}))
+        with pytest.raises(ModelConfigError, match="layer_types': simkv models one attention layer in every k"):
+            get_model_spec(str(first))
+
+
+def test_roofline_counts_the_state_traffic():
+    """A decode step reads and writes every sequence's 36 states (2 x 36 x 274,432 B per sequence at
+    TP 4) and runs no attention in the linear layers: its memory time grows by that per sequence."""
+    spec = get_model_spec(QWEN3_NEXT)
+    flops, state = linear_attention_work(spec, 4)
+    assert state == 2 * 36 * 274432
+    assert flops == 36 * 8 * (4 * 128 * 128 + 2 * 64 * 256)
+    backend = make_backend("roofline", _config(tensor_parallel_size=4))
+    _, _, b0_1, b1 = backend.decode_step_line(1)
+    _, _, b0_2, _ = backend.decode_step_line(2)
+    weights_2 = backend.expert_bytes * backend.moe.experts_touched(2) - backend.expert_bytes * backend.moe.experts_touched(1)
+    per_seq = (backend.kv_bytes_per_token + state + weights_2) / backend.byte_rate
+    assert (b0_2 - b0_1) / TICKS_PER_SECOND == pytest.approx(per_seq + backend.seq_overhead_s + backend.comm_per_token, rel=1e-3)
+    assert backend.flops_per_pair == 4.0 * 12 * 16 * 256 / 4  # (the attention layers' pairs only)
+
+
+def test_replay_with_and_without_decode_runs_agree():
+    """A replay that jumps over decode runs equals one that steps every decode (state blocks are
+    taken at admission, attention blocks at boundaries)."""
+    rng = np.random.default_rng(5)
+    n = 60
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 3, n)), "prompt_tokens": rng.integers(10, 3000, n),
+                          "output_tokens": rng.integers(1, 400, n)})
+    config = _config(tensor_parallel_size=4, max_model_len=4096, num_gpu_blocks=80, max_num_seqs=32)
+    a = assert_decode_runs_change_nothing(trace_from_frame(frame), config)
+    assert a.summary["num_finished"] == n and a.summary["num_preemptions"] > 0
+    groups = a.summary["kv_cache_groups"]
+    assert groups["summary"] == "3 x mamba + 1 x full_attention" and groups["hybrid_kv_cache_manager"]
