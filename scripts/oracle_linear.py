@@ -6,9 +6,11 @@ simkv forms for a small hybrid model (tests/core/data/tiny_*.json: one to four M
 full-attention group over one pool, in simkv's order), its Mamba groups as vLLM runs them without
 prefix caching (mamba_cache_mode "none": a MambaSpec of max_model_len-token blocks, one state block
 per request). simkv's `Scheduler` runs the same random cases (blocks of 16 or 32 tokens, small
-pools, priorities, watermarks, chunked prefill on and off, long-prefill thresholds). Every step's
-scheduled tokens, running and waiting requests and blocks in use (all groups), and every
-request's first-token and finish step must be equal.
+pools, priorities, watermarks, chunked prefill on and off, long-prefill thresholds; with
+--speculative, ngram or MTP drafts in 60 % of them: K more state blocks per Mamba group and
+request, vLLM's num_speculative_blocks, and the MTP layer in the full-attention group). Every
+step's scheduled tokens, running and waiting requests and blocks in use (all groups), every
+request's first-token and finish step, and the accepted drafts must be equal.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
@@ -29,20 +31,28 @@ MODELS = ("tests/core/data/tiny_gdn_8x4.json", "tests/core/data/tiny_gdn_4x2.jso
           "tests/core/data/tiny_mamba2_10x5.json")
 
 
-def make_case(rng) -> dict:
+def make_case(rng, speculative: bool = False) -> dict:
     block_size = int(rng.choice([16, 32]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
     sys.path.insert(0, str(ROOT))
     from oracle_fuzz import random_engine_options  # (simkv's side only: it imports simkv)
     from simkv.capacity import group_blocks_per_request
-    from simkv.config import EngineConfig
+    from simkv.config import ConfigError, EngineConfig
 
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["scheduler_reserve_full_isl"] = bool(rng.random() < 0.7)
     opts["model"] = str(rng.choice(MODELS))
     opts["enable_prefix_caching"] = False  # (vLLM's mamba_cache_mode "none")
-    config = EngineConfig.from_flat(opts)
+    if speculative and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
+        oracle_vllm.random_spec_options(rng, opts)
+        opts["speculative_method"] = str(rng.choice(["ngram", "mtp"]))
+        opts.pop("spec_draft_model", None)
+    try:
+        config = EngineConfig.from_flat(opts)
+    except ConfigError:  # (an MTP layer that splits the attention layers in two groups: refused)
+        opts["speculative_method"] = "ngram"
+        config = EngineConfig.from_flat(opts)
     # a pool where a max_model_len request fits (simkv refuses smaller ones at start-up, as vLLM does)
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
@@ -52,25 +62,26 @@ def make_case(rng) -> dict:
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0)
+    totals = dict(requests=0, steps=0, accepted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = oracle_spec.run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
+        totals["accepted"] += t["accepted"]
         diff = oracle_spec.case_differences(t, ours)
         if diff:
             failures += 1
             print(f"case {i} groups {case['group_linear']}: " + "; ".join(diff) + f" -- {case['opts']}")
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, "
-          f"{totals['steps']} steps)")
+          f"{totals['steps']} steps, {totals['accepted']} drafts accepted)")
     sys.exit(1 if failures else 0)
 
 

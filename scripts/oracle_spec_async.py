@@ -12,7 +12,8 @@ see the same draws; padding rows of a request admitted from the queue are never 
 simkv's `Scheduler` with `async_scheduling` runs the same random cases (oracle_spec.py's:
 small pools that preempt, shared prompt content, priorities, watermarks, chunked prefill on
 and off, budgets that cut drafts, dynamic speculation lengths; with --hybrid, oracle_hybrid.py's
-KV-cache groups of sliding-window models, EAGLE in every case). Every step's scheduled tokens,
+KV-cache groups of sliding-window models, EAGLE in every case; with --linear, oracle_linear.py's
+Mamba groups beside full attention, MTP in every case). Every step's scheduled tokens,
 running and waiting requests and blocks in use, every request's first-token and finish step,
 the accepted drafts and the prefix-cache counts must be equal.
 
@@ -33,10 +34,19 @@ import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
 from oracle_spec import case_differences  # noqa: E402
 
 
-def make_case(rng, hybrid: bool = False) -> dict:
+def make_case(rng, hybrid: bool = False, linear: bool = False) -> dict:
     """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter);
     `hybrid`: oracle_hybrid.py's (KV-cache groups of a model with sliding-window layers, the
-    EAGLE layer among them), always speculating with EAGLE."""
+    EAGLE layer among them), always speculating with EAGLE; `linear`: oracle_linear.py's (Mamba
+    groups beside full attention), always with MTP."""
+    if linear:
+        from oracle_linear import make_case as linear_case
+
+        while True:
+            case = linear_case(rng, True)
+            if case["opts"].get("speculative_method") == "mtp":
+                case["opts"]["async_scheduling"] = True
+                return case
     if hybrid:
         from oracle_hybrid import make_case as hybrid_case
 
@@ -95,7 +105,8 @@ def run_vllm(case: dict) -> dict:
     from vllm.v1.request import Request
 
     import oracle
-    o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
+    o = case["opts"] | {"group_windows": case.get("group_windows"),  # (--hybrid and --linear cases have groups)
+                        "group_linear": case.get("group_linear")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
                                                      async_scheduling=True)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -173,12 +184,12 @@ def run_simkv(case: dict) -> dict:
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.hybrid) for _ in range(a.cases)]
+    cases = [make_case(rng, a.hybrid, a.linear) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, accepted=0, preemptions=0)

@@ -44,8 +44,10 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
                                max_model_len=o["max_model_len"])
     spec = None
     if o.get("speculative_method"):
-        spec_kw = dict(method=o["speculative_method"], num_speculative_tokens=o["num_speculative_tokens"])
-        spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if o["speculative_method"] == "ngram" else dict(model=fake)
+        # (MTP schedules as EAGLE does: the config-only model stands in with an EAGLE draft)
+        method = "eagle" if o["speculative_method"] == "mtp" else o["speculative_method"]
+        spec_kw = dict(method=method, num_speculative_tokens=o["num_speculative_tokens"])
+        spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if method == "ngram" else dict(model=fake)
         if o.get("spec_tokens_per_batch_size"):
             spec_kw["num_speculative_tokens_per_batch_size"] = [
                 [int(x) for x in part.replace(":", "-").split("-")] for part in o["spec_tokens_per_batch_size"].split(",")]
@@ -76,7 +78,7 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
         if i < len(linear) and linear[i]:  # (`group_linear`: a linear-attention group, without prefix caching
             # a state block per request: vLLM's mamba_cache_mode "none", blocks of max_model_len tokens)
             spec = MambaSpec(block_size=o["max_model_len"], shapes=((1,),), dtypes=(torch.float32,),
-                             mamba_cache_mode="none")
+                             mamba_cache_mode="none", num_speculative_blocks=o.get("num_speculative_tokens", 0))
         elif not window:
             spec = FullAttentionSpec(**kw)
         elif o.get("group_chunked"):  # (chunked local attention: the window is the chunk)
@@ -86,7 +88,7 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
         groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
         # (an EAGLE layer attends the whole context: vLLM flags the full-attention group holding it)
         groups[-1].is_eagle_group = bool(o.get("group_windows")) and not window and \
-            o.get("speculative_method") in ("eagle", "eagle3", "mtp")
+            not isinstance(spec, MambaSpec) and o.get("speculative_method") in ("eagle", "eagle3", "mtp")
     kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=groups,
                                     prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval)
     cls = AsyncScheduler if async_scheduling else Scheduler
@@ -183,7 +185,7 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
-                async_flag: bool = False, chunked_flag: bool = False):
+                async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -199,6 +201,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if chunked_flag:
         ap.add_argument("--chunked", action="store_true",
                         help="chunked local attention (Llama 4's) instead of sliding windows")
+    if linear_flag:
+        ap.add_argument("--linear", action="store_true",
+                        help="linear-attention models' KV-cache groups (oracle_linear.py's cases), MTP in all")
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")

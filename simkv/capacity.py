@@ -70,14 +70,14 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
     SlidingWindowSpec.max_admission_blocks_per_request; the in-flight tokens are
     max_num_batched_tokens, twice that under async scheduling); a chunked local group of chunk C
     at most ceil(min(C + max_in_flight_tokens, max_model_len) / block_size); a linear-attention group
-    one (the request's state). `startup`: vLLM's start-up figure, which counts that cap whole even
+    one (the request's state), and one per draft token under speculative decoding. `startup`: vLLM's start-up figure, which counts that cap whole even
     where a request of `num_tokens` needs fewer."""
     bs, mml = config.cache.block_size, config.max_model_len
     full = -(-num_tokens // bs)
     total = 0
     for g in config.kv_cache_groups.groups:
         if g.linear:
-            total += 1 if num_tokens else 0
+            total += config.state_blocks_per_group if num_tokens else 0
         elif g.sliding_window:
             cap = admission_cap_blocks(g.sliding_window, g.chunked, config.scheduler.max_in_flight_tokens, mml, bs)
             total += cap if startup else min(full, cap)

@@ -311,7 +311,8 @@ class SpeculativeConfig:
             return get_model_spec(self.spec_draft_model)
         if self.is_eagle_family:
             layer = dataclasses.replace(target, name=f"{target.name} (1 draft layer)", num_layers=1,
-                                        sliding_window=0, full_attention_interval=0, num_dense_layers=0)
+                                        sliding_window=0, full_attention_interval=0, num_dense_layers=0,
+                                        linear_attention="")  # (Qwen3-Next's MTP layer attends)
             if target.eagle_head_intermediate_size:
                 layer = dataclasses.replace(layer, name=f"{target.name} (1 dense draft layer)",
                                             intermediate_size=target.eagle_head_intermediate_size,
@@ -453,6 +454,13 @@ class EngineConfig:
         return bool(get_model_spec(self.hardware.model).linear_attention)
 
     @property
+    def state_blocks_per_group(self) -> int:
+        """Blocks a request holds in each linear-attention group (vLLM's MambaManager without
+        prefix caching): its state, and under speculative decoding one per draft token
+        (num_speculative_blocks)."""
+        return 1 + self.speculative.num_speculative_tokens
+
+    @property
     def kv_cache_layer_windows(self) -> list[int]:
         """The windows of every layer that holds KV: the model's, then the draft network's. An
         EAGLE-family draft layer attends the whole context (the published EAGLE heads of
@@ -463,7 +471,7 @@ class EngineConfig:
         windows = self.layer_windows
         if self.has_linear_attention:
             linear = get_model_spec(self.hardware.model).linear_attention_layers()
-            windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear)]
+            windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear, strict=True)]
         if self.speculative.enabled and self.speculative.is_eagle_family:
             windows = windows + [0]
         return windows
@@ -508,7 +516,8 @@ class EngineConfig:
                               "--no-enable-prefix-caching (vLLM's mamba_cache_mode 'none': one state per request)")
         if hw.decode_context_parallel_size > 1:  # (vLLM asserts it)
             raise ConfigError("DCP not support mamba now.")
-        unsupported = [(self.speculative.enabled, "speculative decoding"),
+        method = self.speculative.speculative_method
+        unsupported = [(method not in (None, "ngram", "mtp"), f"speculative_method '{method}' (ngram and mtp are)"),
                        (self.attention.overridden, "sliding-window or chunked-attention overrides"),
                        (self.attention.disable_hybrid_kv_cache_manager,
                         "disable_hybrid_kv_cache_manager (its layers need their own KV-cache groups)"),
@@ -526,7 +535,7 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"{where} is not modelled with {what}")
         need = linear_attention_block_size(hw.model_spec(), hw.tensor_parallel_size, cache.kv_dtype_bytes,
-                                           cache.block_size)
+                                           cache.block_size, self.speculative.num_speculative_tokens)
         if cache.block_size < need:
             raise ConfigError(f"{where}: block_size {cache.block_size} gives an attention page smaller than a "
                               f"linear-attention layer's state; vLLM raises it to {need} tokens (as "
@@ -650,7 +659,8 @@ class EngineConfig:
             block_size = _backend_block_size(groups[HardwareConfig], groups[CacheConfig])
             if block_size is not None:
                 groups[CacheConfig]["block_size"] = block_size
-        block_size = _linear_attention_block_size(groups[HardwareConfig], groups[CacheConfig])
+        block_size = _linear_attention_block_size(groups[HardwareConfig], groups[CacheConfig],
+                                                  groups[SpeculativeConfig])
         if block_size is not None:
             groups[CacheConfig]["block_size"] = block_size
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
@@ -662,14 +672,14 @@ _KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention ba
 
 
 def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_dtype_bytes: int,
-                                block_size: int) -> int:
+                                block_size: int, num_speculative_tokens: int = 0) -> int:
     """The block size vLLM 0.33 runs a model with linear-attention layers at, given `block_size`
     (Platform._align_hybrid_block_size): every group's pages must be the same size, so the
     attention block grows until one attention layer's page holds one linear layer's state,
     a multiple of max(16, block_size) tokens; the state's page is then padded to it."""
     if not spec.linear_attention:
         return block_size
-    state = spec.linear_state_bytes(tensor_parallel_size)
+    state = spec.linear_state_bytes(tensor_parallel_size, num_speculative_tokens)
     per_token = spec.kv_bytes_per_token(kv_dtype_bytes, tensor_parallel_size) // spec.num_attention_layers
     align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
     need = align * -(-state // (align * per_token))
@@ -677,7 +687,7 @@ def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_d
     return max(block_size, need)
 
 
-def _linear_attention_block_size(hardware: dict, cache: dict) -> int | None:
+def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict) -> int | None:
     """`linear_attention_block_size` for from_flat's options (None: no linear attention, or a bad
     value that the configs' own checks name)."""
     defaults = HardwareConfig()
@@ -688,7 +698,8 @@ def _linear_attention_block_size(hardware: dict, cache: dict) -> int | None:
         if not spec.linear_attention or tp < 1 or block_size < 1:
             return None
         kv_bytes = 1 if cache.get("kv_cache_dtype") == "fp8" else 2
-        return linear_attention_block_size(spec, tp, kv_bytes, block_size)
+        k = int(speculative.get("num_speculative_tokens", 0)) if speculative.get("speculative_method") else 0
+        return linear_attention_block_size(spec, tp, kv_bytes, block_size, k)
     except (ValueError, TypeError):
         return None
 

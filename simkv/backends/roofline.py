@@ -87,7 +87,7 @@ class RooflineCostModel:
         self.flops_per_pair = 4.0 * model.num_attention_layers * model.num_heads * model.head_dim / tp
         # Linear-attention layers (Gated DeltaNet, Mamba2): per token the recurrence's FLOPs, per
         # sequence and step a read and a write of its state (`linear_attention_work`).
-        self.flops_per_token_linear, self.state_bytes_per_seq = linear_attention_work(model, tp)
+        self.flops_per_token_linear, self.state_bytes_per_seq = linear_attention_work(model, tp, num_speculative_tokens)
         self.mla = model.is_mla
         if self.mla:  # (the expanded path's pairs; the absorbed path's and the up-projection below)
             heads_layers = model.num_layers * model.num_heads
@@ -315,18 +315,21 @@ class RooflineCostModel:
 _LINEAR_CHUNK = 64  # the chunk of vLLM's chunked Gated DeltaNet and Mamba2 (SSD) prefill kernels
 
 
-def linear_attention_work(model: ModelSpec, tensor_parallel_size: int = 1) -> tuple[float, float]:
+def linear_attention_work(model: ModelSpec, tensor_parallel_size: int = 1,
+                          num_speculative_tokens: int = 0) -> tuple[float, float]:
     """(FLOPs per token, state bytes per sequence and step) of a model's linear-attention layers on
     one GPU; (0, 0) without. A token's FLOPs per layer and value head: reading and updating the
     key-dim x value-dim state (4 x dk x dv) and, in the chunked prefill algorithm, attending the
     other tokens of its 64-token chunk (2 x 64 x (dk + dv)); decodes are counted alike. A
-    sequence reads its state and writes it back once a step (the convolution state too)."""
+    sequence reads its state and writes it back once a step (the convolution state too); under
+    speculative decoding it writes the state after each of its 1 + K verified tokens."""
     if not model.linear_attention:
         return 0.0, 0.0
     dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
     heads = model.linear_num_value_heads / tensor_parallel_size
     per_token = model.num_linear_attention_layers * heads * (4.0 * dk * dv + 2.0 * _LINEAR_CHUNK * (dk + dv))
-    return per_token, 2.0 * model.num_linear_attention_layers * model.linear_state_bytes(tensor_parallel_size)
+    state = model.linear_state_bytes(tensor_parallel_size, num_speculative_tokens)
+    return per_token, (2.0 + num_speculative_tokens) * model.num_linear_attention_layers * state
 
 
 def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_cache: bool = False,

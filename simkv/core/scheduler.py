@@ -93,7 +93,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
                 hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector),
                 eagle_block_drop=config.speculative.is_eagle_family and kv_connector,
-                num_state_blocks=groups.num_linear_groups)
+                num_state_blocks=groups.num_linear_groups * config.state_blocks_per_group)
         # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free
         # (in every KV-cache group: vLLM's _spec_decode_step_blocks sums them)
         self._spec_step_blocks = config.spec_step_blocks * (len(groups.groups) if groups.has_sliding_window else 1)

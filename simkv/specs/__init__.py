@@ -190,12 +190,14 @@ class ModelSpec:
                              f"and channels ({dim}) must divide by the tensor parallel size {tensor_parallel_size}")
         return dim // tensor_parallel_size
 
-    def linear_state_bytes(self, tensor_parallel_size: int = 1) -> int:
+    def linear_state_bytes(self, tensor_parallel_size: int = 1, num_speculative_tokens: int = 0) -> int:
         """One linear-attention layer's state for one request on one GPU (vLLM's MambaSpec page
-        before padding): the bf16 convolution state and the recurrent state."""
+        before padding): the bf16 convolution state (its last kernel - 1 inputs, and under
+        speculative decoding those of the K draft tokens too) and the recurrent state."""
         if not self.linear_attention:
             return 0
-        conv = self.linear_conv_dim(tensor_parallel_size) * (self.linear_conv_kernel_dim - 1) * 2
+        taps = self.linear_conv_kernel_dim - 1 + num_speculative_tokens
+        conv = self.linear_conv_dim(tensor_parallel_size) * taps * 2
         heads = self.linear_num_value_heads // tensor_parallel_size
         recurrent = heads * self.linear_value_head_dim * self.linear_key_head_dim * self.linear_state_dtype_bytes
         return conv + recurrent

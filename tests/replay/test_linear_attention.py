@@ -22,7 +22,8 @@ from simkv.core.kv_cache_manager import KVCacheManager
 from simkv.specs import get_model_spec
 from simkv.specs.hf_config import ModelConfigError
 from simkv.traces.schema import trace_from_frame
-from tests.core.helpers import assert_decode_runs_change_nothing, assert_same_async_replay_as_vllm, assert_same_steps_as_vllm, make_request
+from tests.core.helpers import (assert_decode_runs_change_nothing, assert_same_async_replay_as_vllm,
+                                assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, make_request)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "core" / "data"
@@ -41,17 +42,30 @@ def _rooted(case: dict) -> dict:
     return case
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(12))
 def test_same_steps_as_vllm(index):
     """Recorded cases of scripts/oracle_linear.py: vLLM 0.33's scheduler with MambaSpec groups
     (mamba_cache_mode "none") beside a full-attention group, pools that fill up: every step's
     scheduled tokens, running, waiting and blocks in use (state blocks included), every request's
-    first-token and finish step."""
+    first-token and finish step; the last four with ngram or MTP drafts (K more state blocks per
+    group, vLLM's num_speculative_blocks), their accepted drafts too."""
     case = _rooted(json.loads((DATA / "linear_vllm_cases.json").read_text())["cases"][index])
     assert any(case["case"]["group_linear"]) and not all(case["case"]["group_linear"])
     ours = assert_same_steps_as_vllm(case)
     num_blocks = case["case"]["opts"]["num_gpu_blocks"]
     assert max(row[3] for row in ours["steps"]) == num_blocks - 1  # (the pool filled: admission was tight)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+    assert (index >= 8) == bool(case["case"]["opts"].get("speculative_method"))
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_same_speculative_steps_as_vllm_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py --linear: vLLM 0.33's AsyncScheduler with MTP
+    drafts (placeholders for the drafts of a step in flight) over Mamba groups: steps, requests,
+    accepted drafts."""
+    case = _rooted(json.loads((DATA / "linear_spec_async_vllm_cases.json").read_text())["cases"][index])
+    assert case["case"]["opts"]["speculative_method"] == "mtp" and any(case["case"]["group_linear"])
+    assert_same_async_spec_steps_as_vllm(case)
 
 
 @pytest.mark.parametrize("index", range(6))
@@ -137,7 +151,7 @@ def test_admission_counts_the_state_blocks():
 
 @pytest.mark.parametrize("options, message", [
     ({"enable_prefix_caching": True}, "Mamba prefix caching .* is not modelled yet; pass --no-enable-prefix-caching"),
-    ({"speculative_method": "ngram", "num_speculative_tokens": 2}, "not modelled with speculative decoding"),
+    ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "not modelled with speculative_method 'eagle'"),
     ({"tensor_parallel_size": 8, "decode_context_parallel_size": 2}, "DCP not support mamba now."),
     ({"sliding_window": 128}, "not modelled with sliding-window or chunked-attention overrides"),
     ({"disable_hybrid_kv_cache_manager": True}, "not modelled with disable_hybrid_kv_cache_manager"),
@@ -224,3 +238,26 @@ def test_replay_with_and_without_decode_runs_agree():
     assert a.summary["num_finished"] == n and a.summary["num_preemptions"] > 0
     groups = a.summary["kv_cache_groups"]
     assert groups["summary"] == "3 x mamba + 1 x full_attention" and groups["hybrid_kv_cache_manager"]
+
+
+def test_speculative_decoding_adds_a_state_block_per_draft_token():
+    """MTP with K = 2 on Qwen3-Next at TP 4: the convolution state keeps 3 + 2 inputs (282,624 B a
+    layer: 288-token blocks), each Mamba group holds 1 + 2 blocks a request (vLLM's
+    num_speculative_blocks), and the MTP layer, which attends, joins the attention group: 13 layers
+    a block."""
+    config = _config(tensor_parallel_size=4, max_model_len=32768, speculative_method="mtp", num_speculative_tokens=2)
+    spec = get_model_spec(QWEN3_NEXT)
+    assert spec.linear_state_bytes(4, 2) == 2048 * 5 * 2 + 8 * 128 * 128 * 2 == 282624
+    assert config.cache.block_size == 288 and config.state_blocks_per_group == 3
+    groups = config.kv_cache_groups
+    assert groups.summary() == "3 x mamba + 1 x full_attention" and groups.layers_per_block == 13
+    assert groups.num_padding_layers == 3  # (the Mamba groups: 12 layers each)
+    cap = compute_capacity(config)
+    assert cap.blocks_per_request == -(-32768 // 288) + 3 * 3
+    assert cap.block_bytes == 13 * 288 * 1024
+    assert config.draft_network.linear_attention == "" and config.draft_network.num_attention_layers == 1
+    from simkv.core.scheduler import Scheduler
+
+    assert Scheduler(config, 1000).kv_cache_manager.num_state_blocks == 9
+    _, state = linear_attention_work(spec, 4, 2)
+    assert state == (2 + 2) * 36 * 282624  # (a read, and a write after each of the 1 + K verified tokens)
