@@ -521,7 +521,6 @@ class EngineConfig:
                        (self.attention.overridden, "sliding-window or chunked-attention overrides"),
                        (self.attention.disable_hybrid_kv_cache_manager,
                         "disable_hybrid_kv_cache_manager (its layers need their own KV-cache groups)"),
-                       (hw.data_parallel_size > 1, "data_parallel_size > 1"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),

@@ -240,7 +240,8 @@ class RooflineCostModel:
             flops = self.flops_per_token_local * tokens + self.flops_per_seq * seqs + self.flops_per_pair * pairs
             if self.mla:
                 flops += self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj
-            traffic = self.weight_bytes + expert_traffic + self.kv_bytes_per_token * (kv_read + tokens)
+            traffic = (self.weight_bytes + expert_traffic + self.kv_bytes_per_token * (kv_read + tokens)
+                       + self.state_bytes_per_seq * seqs)
             busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
             seconds = busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm
             if overlap_host:

@@ -261,3 +261,19 @@ def test_speculative_decoding_adds_a_state_block_per_draft_token():
     assert Scheduler(config, 1000).kv_cache_manager.num_state_blocks == 9
     _, state = linear_attention_work(spec, 4, 2)
     assert state == (2 + 2) * 36 * 282624  # (a read, and a write after each of the 1 + K verified tokens)
+
+
+def test_data_parallel_ranks_read_their_states():
+    """Qwen3-Next as 2 data-parallel ranks of TP 2: each rank's pool holds its own requests' state
+    blocks, and a lockstep step's memory time counts each sequence's state read and written."""
+    from tests.core.helpers import make_step
+
+    config = _config(tensor_parallel_size=2, data_parallel_size=2)
+    backend = make_backend("roofline", config)
+    decode = make_step(decodes=64, context=64 * 2000)
+    with_states = backend.dp_step_seconds([decode, decode])
+    states = backend.state_bytes_per_seq
+    assert states == 2 * 36 * get_model_spec(QWEN3_NEXT).linear_state_bytes(2)
+    backend.state_bytes_per_seq = 0.0
+    without = backend.dp_step_seconds([decode, decode])
+    assert with_states - without == pytest.approx(64 * states / backend.byte_rate, rel=1e-6)
