@@ -136,6 +136,9 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
         raise ConfigError(f"{pool} pool: chunked local attention is not modelled with P/D disaggregation (its "
                           "pulls are not checked against vLLM's); --disable-hybrid-kv-cache-manager allocates its "
                           "layers like full attention")
+    if config.has_linear_attention:
+        raise ConfigError(f"{pool} pool: linear attention ({config.hardware.model}) is not modelled with P/D "
+                          "disaggregation (its pulled states are not checked against vLLM's)")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")

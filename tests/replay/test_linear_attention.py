@@ -277,3 +277,10 @@ def test_data_parallel_ranks_read_their_states():
     backend.state_bytes_per_seq = 0.0
     without = backend.dp_step_seconds([decode, decode])
     assert with_states - without == pytest.approx(64 * states / backend.byte_rate, rel=1e-6)
+
+
+def test_pd_disaggregation_refused():
+    from simkv.replay.disaggregated import _check_pool
+
+    with pytest.raises(ConfigError, match="linear attention .* is not modelled with P/D"):
+        _check_pool("decode", _config(tensor_parallel_size=4))
