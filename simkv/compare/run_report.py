@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from simkv.compare.svg import cdf_chart, line_chart, page
+from simkv.replay.results import kv_cache_groups_rows
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
@@ -55,8 +56,7 @@ def _summary_table(summary: dict) -> str:
     groups = summary.get("kv_cache_groups")
     if groups:
         rows.insert(1, ("model", (summary.get("config") or {}).get("model")))
-        rows.append(("KV-cache groups", f"{groups['summary']}, {groups['layers_per_block']} layers per block"
-                     if groups["hybrid_kv_cache_manager"] else "one (hybrid KV-cache manager disabled)"))
+        rows += kv_cache_groups_rows(groups)
     spec = summary.get("speculative_decoding")
     if spec:
         rows.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "

@@ -7,6 +7,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from simkv.replay.results import kv_cache_groups_rows
+
 
 def _fmt_dist(d: dict, scale: float = 1000.0) -> str:
     if d["mean"] is None:
@@ -38,8 +40,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
     groups = summary.get("kv_cache_groups")
     if groups:
-        head.append(("KV-cache groups", groups["summary"] + f", {groups['layers_per_block']} layers per block"
-                     if groups["hybrid_kv_cache_manager"] else "one (hybrid KV-cache manager disabled)"))
+        head += kv_cache_groups_rows(groups)
     spec = summary.get("speculative_decoding")
     if spec:
         head.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "

@@ -172,7 +172,27 @@ def kv_cache_groups_summary(config, capacity=None) -> dict:
     section = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": groups.is_hybrid}
     if getattr(capacity, "block_bytes", 0):
         section["block_bytes"] = capacity.block_bytes
+    if config.has_linear_attention:  # (a state per layer and request, padded to an attention layer's page)
+        hw = config.hardware
+        section["linear_attention"] = {
+            "kind": hw.model_spec().linear_attention,
+            "state_bytes_per_layer": hw.model_spec().linear_state_bytes(hw.tensor_parallel_size,
+                                                                        config.speculative.num_speculative_tokens),
+            "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group}
+        if getattr(capacity, "block_bytes", 0):
+            section["linear_attention"]["page_bytes_per_layer"] = capacity.block_bytes // groups.layers_per_block
     return {"kv_cache_groups": section}
+
+
+def kv_cache_groups_rows(section: dict) -> list[tuple[str, str]]:
+    """The report rows of summary.json's `kv_cache_groups` section (kv_cache_groups_summary)."""
+    rows = [("KV-cache groups", f"{section['summary']}, {section['layers_per_block']} layers per block"
+             if section["hybrid_kv_cache_manager"] else "one (hybrid KV-cache manager disabled)")]
+    linear = section.get("linear_attention")
+    if linear:
+        rows.append(("linear-attention state", f"{linear['kind']}: {linear['state_bytes_per_layer']:,} B a layer, "
+                                               f"{linear['state_blocks_per_request']} blocks a request"))
+    return rows
 
 
 def spec_summary(config, schedulers, backends, duration: float) -> dict:
