@@ -2,8 +2,8 @@
 manager, step by step against the real vLLM scheduler.
 
 vLLM 0.33's `Scheduler` (../shared/tools/vllm_oracle's venv) is built with the KV-cache groups
-simkv forms for a small hybrid model (tests/core/data/tiny_*.json: one to four Mamba groups and a
-full-attention group over one pool, in simkv's order), its Mamba groups as vLLM runs them without
+simkv forms for a small hybrid model (tests/core/data/tiny_*.json, Nemotron-H's layout among them:
+one to four Mamba groups and a full-attention group over one pool, in simkv's order), its Mamba groups as vLLM runs them without
 prefix caching (mamba_cache_mode "none": a MambaSpec of max_model_len-token blocks, one state block
 per request). simkv's `Scheduler` runs the same random cases (blocks of 16 or 32 tokens, small
 pools, priorities, watermarks, chunked prefill on and off, long-prefill thresholds; with
@@ -28,7 +28,7 @@ import oracle_spec  # noqa: E402  (the step loop on both sides)
 import oracle_vllm  # noqa: E402
 
 MODELS = ("tests/core/data/tiny_gdn_8x4.json", "tests/core/data/tiny_gdn_4x2.json",
-          "tests/core/data/tiny_mamba2_10x5.json")
+          "tests/core/data/tiny_mamba2_10x5.json", "tests/core/data/tiny_nemotron_h.json")
 
 
 def make_case(rng, speculative: bool = False) -> dict:

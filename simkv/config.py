@@ -312,7 +312,7 @@ class SpeculativeConfig:
         if self.is_eagle_family:
             layer = dataclasses.replace(target, name=f"{target.name} (1 draft layer)", num_layers=1,
                                         sliding_window=0, full_attention_interval=0, num_dense_layers=0,
-                                        linear_attention="")  # (Qwen3-Next's MTP layer attends)
+                                        linear_attention="", layer_pattern="")  # (Qwen3-Next's MTP layer attends)
             if target.eagle_head_intermediate_size:
                 layer = dataclasses.replace(layer, name=f"{target.name} (1 dense draft layer)",
                                             intermediate_size=target.eagle_head_intermediate_size,
@@ -469,8 +469,11 @@ class EngineConfig:
         from simkv.core.kv_cache_groups import LINEAR_ATTENTION
 
         windows = self.layer_windows
-        if self.has_linear_attention:
-            linear = get_model_spec(self.hardware.model).linear_attention_layers()
+        spec = get_model_spec(self.hardware.model)
+        if spec.layer_pattern:  # (only its M and * layers hold a cache)
+            windows = [LINEAR_ATTENTION if c == "M" else 0 for c in spec.layer_pattern if c in "M*"]
+        elif self.has_linear_attention:
+            linear = spec.linear_attention_layers()
             windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear, strict=True)]
         if self.speculative.enabled and self.speculative.is_eagle_family:
             windows = windows + [0]

@@ -12,7 +12,7 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
   time  = max(FLOPs / (peak_flops * compute_efficiency), bytes / (bandwidth * memory_efficiency))
         (peak_flops: the bf16 peak; the matmuls of fp8 weights run at the fp8 peak on GPUs with
         fp8 tensor cores: vLLM's W8A8 fp8 GEMMs; weight-only at the bf16 rate on Ampere)
-        + TP all-reduce time (2 per layer, ring) + step_overhead_s + seq_overhead_s * S
+        + TP all-reduce time (2 per layer, ring; 1 per Nemotron-H block) + step_overhead_s + seq_overhead_s * S
         (+ under decode context parallelism, DCP: K/V bytes / DCP, and its collectives:
         `dcp_seconds`)
 With sliding-window layers (or chunked local attention), A and K count each layer's window (its
@@ -118,8 +118,8 @@ class RooflineCostModel:
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
         if tp > 1:
             ring = 2.0 * (tp - 1) / tp
-            self.comm_per_token = 2 * model.num_layers * ring * h * 2 / (gpu.interconnect_gbs * 1e9)
-            self.comm_fixed = 2 * model.num_layers * allreduce_latency_s
+            self.comm_per_token = model.num_tp_allreduces * ring * h * 2 / (gpu.interconnect_gbs * 1e9)
+            self.comm_fixed = model.num_tp_allreduces * allreduce_latency_s
         else:
             self.comm_per_token = 0.0
             self.comm_fixed = 0.0

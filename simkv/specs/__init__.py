@@ -84,6 +84,12 @@ class ModelSpec:
     linear_state_dtype_bytes: int = 2
     # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
     attention_output_gate: bool = False
+    # Nemotron-H's layout (its hybrid_override_pattern; "": every layer a mixer and an MLP): one
+    # letter a layer, each layer one block: M a Mamba2 mixer, * attention, - a dense MLP, E experts.
+    layer_pattern: str = ""
+    # The MLPs' and experts' form: gated (gate, up and down projections) or, False, two projections
+    # (Nemotron-H's squared ReLU).
+    gated_mlp: bool = True
 
     def __post_init__(self) -> None:
         where = f"model '{self.name}'"
@@ -101,6 +107,8 @@ class ModelSpec:
                              "and a dense_intermediate_size")
         if self.shared_expert_intermediate_size and not self.is_moe:
             raise ValueError(f"{where}: shared_expert_intermediate_size needs a mixture of experts")
+        if self.layer_pattern:
+            self._check_layer_pattern(where)
         if self.linear_attention:
             if self.linear_attention not in LINEAR_ATTENTION_KINDS:
                 raise ValueError(f"{where}: linear_attention {self.linear_attention!r} is not modelled "
@@ -113,9 +121,26 @@ class ModelSpec:
                 raise ValueError(f"{where}: linear attention needs positive linear_num_key_heads, "
                                  "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim and "
                                  "linear_conv_kernel_dim")
-            if not 0 < self.full_attention_interval <= self.num_layers:
+            if not self.layer_pattern and not 0 < self.full_attention_interval <= self.num_layers:
                 raise ValueError(f"{where}: linear attention needs a full_attention_interval (every K-th layer "
-                                 "attends) of at most num_layers")
+                                 "attends) of at most num_layers, or a layer_pattern")
+
+    def _check_layer_pattern(self, where: str) -> None:
+        p = self.layer_pattern
+        bad = sorted(set(p) - set("M*-E"))
+        if bad or len(p) != self.num_layers:
+            raise ValueError(f"{where}: layer_pattern must give each of the {self.num_layers} layers one of M (Mamba2), "
+                             f"* (attention), - (MLP), E (experts); got {len(p)} letters" + (f", {bad}" if bad else ""))
+        if "*" not in p:
+            raise ValueError(f"{where}: layer_pattern without an attention layer (*) is not modelled")
+        if ("M" in p) != (self.linear_attention == "mamba2"):
+            raise ValueError(f"{where}: layer_pattern's M layers need linear_attention mamba2 and its fields (and "
+                             "mamba2 needs M layers)")
+        if ("E" in p) != self.is_moe or self.num_dense_layers:
+            raise ValueError(f"{where}: layer_pattern's E layers need num_experts (and num_experts E layers); "
+                             "num_dense_layers does not apply")
+        if self.sliding_window or self.attention_chunk_size or self.is_mla:
+            raise ValueError(f"{where}: layer_pattern with local or latent attention is not modelled")
 
     def quantized(self, method: str | None) -> "ModelSpec":
         """The model as vLLM serves it under `--quantization METHOD` (None: the checkpoint as it is).
@@ -161,6 +186,8 @@ class ModelSpec:
 
     def linear_attention_layers(self) -> list[bool]:
         """Which decoder layers are linear attention (a state per request, no K/V), in layer order."""
+        if self.layer_pattern:
+            return [c == "M" for c in self.layer_pattern]
         if not self.linear_attention:
             return [False] * self.num_layers
         k = self.full_attention_interval
@@ -168,14 +195,32 @@ class ModelSpec:
 
     @property
     def num_linear_attention_layers(self) -> int:
+        if self.layer_pattern:
+            return self.layer_pattern.count("M")
         if not self.linear_attention:
             return 0
         return self.num_layers - self.num_layers // self.full_attention_interval
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers that attend and hold K/V (all of them but the linear-attention ones)."""
+        """Layers that attend and hold K/V (all of them but the linear-attention ones; with a
+        layer_pattern its * layers)."""
+        if self.layer_pattern:
+            return self.layer_pattern.count("*")
         return self.num_layers - self.num_linear_attention_layers
+
+    @property
+    def num_dense_mlp_layers(self) -> int:
+        """Layers with a dense MLP (with a layer_pattern its - layers)."""
+        if self.layer_pattern:
+            return self.layer_pattern.count("-")
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def num_tp_allreduces(self) -> int:
+        """All-reduces a token's hidden state takes per forward pass under tensor parallelism: one
+        after each layer's mixer and one after its MLP (a layer_pattern's layers are one block each)."""
+        return self.num_layers if self.layer_pattern else 2 * self.num_layers
 
     def linear_conv_dim(self, tensor_parallel_size: int = 1) -> int:
         """Channels of a linear-attention layer's convolution state on one GPU (vLLM's
@@ -225,7 +270,9 @@ class ModelSpec:
 
     @property
     def num_moe_layers(self) -> int:
-        """Layers with experts (the rest have a dense MLP)."""
+        """Layers with experts (the rest have a dense MLP; with a layer_pattern its E layers)."""
+        if self.layer_pattern:
+            return self.layer_pattern.count("E")
         return self.num_layers - self.num_dense_layers if self.is_moe else 0
 
     @property
@@ -250,9 +297,14 @@ class ModelSpec:
         return None
 
     @property
+    def mlp_matrices(self) -> int:
+        """Projections of an MLP or expert: 3 gated, 2 not."""
+        return 3 if self.gated_mlp else 2
+
+    @property
     def expert_params(self) -> int:
-        """Parameters of one expert's gated MLP (or of the dense MLP)."""
-        return 3 * self.hidden_size * self.intermediate_size
+        """Parameters of one expert's MLP (or of the dense MLP)."""
+        return self.mlp_matrices * self.hidden_size * self.intermediate_size
 
     @property
     def num_params(self) -> int:
@@ -295,10 +347,10 @@ class ModelSpec:
     def num_linear_params(self) -> int:
         """The decoder layers' linear parameters outside the routed experts: attention (or linear
         attention), and the dense MLP, or the router and the shared experts."""
-        h = self.hidden_size
+        h, m = self.hidden_size, self.mlp_matrices
         dense_width = self.dense_intermediate_size if self.is_moe else self.intermediate_size
-        dense_mlps = (self.num_layers - self.num_moe_layers) * 3 * h * dense_width
-        expert_layers = self.num_moe_layers * (h * self.num_experts + 3 * h * self.shared_expert_intermediate_size)
+        dense_mlps = self.num_dense_mlp_layers * m * h * dense_width
+        expert_layers = self.num_moe_layers * (h * self.num_experts + m * h * self.shared_expert_intermediate_size)
         mixers = self.num_attention_layers * self.attention_params + self.num_linear_attention_layers * self.linear_attention_params
         return mixers + dense_mlps + expert_layers
 

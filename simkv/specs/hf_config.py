@@ -26,10 +26,11 @@ The fields read (a multimodal wrapper's `text_config` if it has one):
 
 - linear attention beside full attention (Qwen3-Next and Qwen3.5's Gated DeltaNet, Granite
   4.0-H's Mamba2): layer_types or full_attention_interval, the state's shape fields and
-  mamba_ssm_dtype (_linear_attention).
+  mamba_ssm_dtype (_linear_attention); Nemotron-H's one-block layers (hybrid_override_pattern:
+  _nemotron_h).
 
 Refused with the file and field named: DeepSeek's sparse attention (index_topk: V3.2), other
-layer types (Nemotron-H's MLP-only layers: hybrid_override_pattern), expert layers on only
+layer types (LFM2's conv), Nemotron 3 Super's latent experts, expert layers on only
 some layers after the dense ones (moe_layer_freq, decoder_sparse_step, mlp_only_layers), other
 quantization methods (INT4, INT8, ...: their weights would be sized wrong), window patterns
 other than one periodic full-attention layer (no_rope_layers likewise).
@@ -83,8 +84,7 @@ def spec_fields_from_config(path: str) -> dict:
     if cfg.get("index_topk"):
         raise ModelConfigError(f"{where}: field 'index_topk': DeepSeek's sparse attention (V3.2) is not modelled")
     if cfg.get("hybrid_override_pattern"):
-        raise ModelConfigError(f"{where}: field 'hybrid_override_pattern': Nemotron-H's layers without attention "
-                               "or a state (MLP-only) are not modelled")
+        return _nemotron_h(cfg, raw, where)
     linear = _is_linear_hybrid(cfg, raw)
     known = _LINEAR_LAYER_TYPES if linear else ("full_attention", "sliding_attention")
     other_layers = sorted({t for t in cfg.get("layer_types") or () if t not in known})
@@ -251,6 +251,62 @@ def _linear_attention(cfg: dict, raw: dict, get, need, where: str, num_layers: i
             raise ModelConfigError(f"{where}: field 'mamba_ssm_dtype': {dtype!r} is not one of "
                                    f"{', '.join(_STATE_DTYPE_BYTES)}")
         out["linear_state_dtype_bytes"] = _STATE_DTYPE_BYTES[dtype]
+    return out
+
+
+def _nemotron_h(cfg: dict, raw: dict, where: str) -> dict:
+    """Nemotron-H (and Nemotron Nano / Nemotron 3): hybrid_override_pattern gives each layer one
+    block (M Mamba2, * attention, - a squared-ReLU MLP of intermediate_size, E experts of
+    moe_intermediate_size with n_shared_experts shared ones of moe_shared_expert_intermediate_size);
+    the Mamba2 state from mamba_num_heads, mamba_head_dim, ssm_state_size, n_groups, conv_kernel,
+    its recurrent part float32 unless mamba_ssm_cache_dtype says otherwise (vLLM's default for
+    these models); head_dim or attention_head_dim."""
+    def need(*names: str) -> int:
+        for name in names:
+            value = cfg.get(name)
+            if value is not None:
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise ModelConfigError(f"{where}: field '{name}' must be a positive whole number, got {value!r}")
+                return value
+        raise ModelConfigError(f"{where}: field '{names[0]}' is missing")
+
+    pattern = cfg["hybrid_override_pattern"]
+    layers = need("num_hidden_layers")
+    if not isinstance(pattern, str) or len(pattern) != layers or set(pattern) - set("M*-E"):
+        raise ModelConfigError(f"{where}: field 'hybrid_override_pattern' must give each of the {layers} layers one "
+                               f"of M, *, -, E (got {pattern!r})")
+    if cfg.get("moe_latent_size"):
+        raise ModelConfigError(f"{where}: field 'moe_latent_size': latent experts (Nemotron 3 Super's) are not "
+                               "modelled")
+    if raw.get("quantization_config") or cfg.get("quantization_config"):
+        raise ModelConfigError(f"{where}: field 'quantization_config': quantized Nemotron-H checkpoints are not "
+                               "modelled; drop the field to size the model at bf16")
+    if isinstance(cfg.get("intermediate_size"), list):
+        raise ModelConfigError(f"{where}: field 'intermediate_size': MLPs of different widths are not modelled")
+    heads, hidden = need("num_attention_heads"), need("hidden_size")
+    out = {"num_layers": layers, "hidden_size": hidden, "num_heads": heads,
+           "num_kv_heads": need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
+           "head_dim": need("head_dim", "attention_head_dim") if (cfg.get("head_dim") or cfg.get("attention_head_dim"))
+           else hidden // heads,
+           "vocab_size": need("vocab_size"), "max_position_embeddings": need("max_position_embeddings"),
+           "tie_word_embeddings": _tied(cfg, raw), "layer_pattern": pattern, "gated_mlp": False,
+           "intermediate_size": need("intermediate_size") if "-" in pattern or "E" not in pattern else 1}
+    if "M" in pattern:
+        dtype = cfg.get("mamba_ssm_cache_dtype") or "float32"
+        if dtype not in _STATE_DTYPE_BYTES:
+            raise ModelConfigError(f"{where}: field 'mamba_ssm_cache_dtype': {dtype!r} is not one of "
+                                   f"{', '.join(_STATE_DTYPE_BYTES)}")
+        out.update(linear_attention="mamba2", linear_num_value_heads=need("mamba_num_heads"),
+                   linear_value_head_dim=need("mamba_head_dim"), linear_key_head_dim=need("ssm_state_size"),
+                   linear_num_key_heads=need("n_groups", "mamba_num_groups"), linear_conv_kernel_dim=need("conv_kernel"),
+                   linear_state_dtype_bytes=_STATE_DTYPE_BYTES[dtype])
+    if "E" in pattern:
+        if "-" in pattern:
+            out["dense_intermediate_size"] = out["intermediate_size"]
+        out.update(num_experts=need("n_routed_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+                   intermediate_size=need("moe_intermediate_size"))
+        if cfg.get("n_shared_experts"):
+            out["shared_expert_intermediate_size"] = need("n_shared_experts") * need("moe_shared_expert_intermediate_size")
     return out
 
 

@@ -286,3 +286,57 @@ def test_pd_disaggregation_refused():
 
     with pytest.raises(ConfigError, match="linear attention .* is not modelled with P/D"):
         _check_pool("decode", _config(tensor_parallel_size=4))
+
+
+NEMOTRON_H_8B = {  # nvidia/Nemotron-H-8B-Base-8K's config.json, the fields read
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", "hidden_size": 4096,
+    "num_hidden_layers": 52, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 21504, "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+    "conv_kernel": 4, "vocab_size": 131072, "max_position_embeddings": 8192, "tie_word_embeddings": False}
+
+
+def test_nemotron_h_layout(tmp_path):
+    """Nemotron-H-8B: 24 Mamba2 blocks, 4 attention blocks and 24 squared-ReLU MLP blocks, one per
+    layer: 8.1B parameters (published: 8B); only the Mamba2 and attention layers are grouped (6
+    Mamba groups and 1 attention group of 4 layers); vLLM keeps its recurrent state in float32 (128
+    heads x 64 x 128 x 4 B), so an attention block of 1,040 tokens holds one layer's state."""
+    path = tmp_path / "nemotron_h_8b.json"
+    path.write_text(json.dumps(NEMOTRON_H_8B))
+    spec = get_model_spec(str(path))
+    assert round(spec.num_params / 1e9, 1) == 8.1
+    assert (spec.num_linear_attention_layers, spec.num_attention_layers, spec.num_dense_mlp_layers) == (24, 4, 24)
+    assert spec.linear_state_bytes(1) == (128 * 64 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4
+    assert spec.expert_params == 2 * 4096 * 21504 and spec.num_tp_allreduces == 52
+    config = EngineConfig.from_flat({"model": str(path), "enable_prefix_caching": False})
+    assert config.cache.block_size == 1040
+    groups = config.kv_cache_groups
+    assert groups.summary() == "6 x mamba + 1 x full_attention" and groups.layers_per_block == 4
+    assert compute_capacity(config).block_bytes == 4 * 1040 * 2 * 8 * 128 * 2
+    backend = make_backend("roofline", config)
+    assert backend.comm_per_token == 0.0  # (TP 1)
+    tp2 = make_backend("roofline", EngineConfig.from_flat({"model": str(path), "enable_prefix_caching": False,
+                                                           "tensor_parallel_size": 2}))
+    assert tp2.comm_fixed == pytest.approx(52 * 8.0e-6)  # (one all-reduce a block, not two a layer)
+    # its variants: latent experts and per-layer MLP widths are refused
+    for change, field in (({"moe_latent_size": 1024}, "moe_latent_size"),
+                          ({"intermediate_size": [21504] * 24}, "intermediate_size"),
+                          ({"hybrid_override_pattern": "M-M"}, "hybrid_override_pattern")):
+        bad = tmp_path / f"{field}.json"
+        bad.write_text(json.dumps(NEMOTRON_H_8B | change))
+        with pytest.raises(ModelConfigError, match=f"field '{field}'"):
+            get_model_spec(str(bad))
+
+
+def test_nemotron_h_moe_layout():
+    """A Nemotron 3-style pattern with expert blocks (E) beside MLP blocks: experts of
+    moe_intermediate_size with a shared one, two projections each; the recorded tiny config's
+    groups hold only its M and * layers."""
+    spec = get_model_spec(str(DATA / "tiny_nemotron_h.json"))
+    assert (spec.num_moe_layers, spec.num_dense_mlp_layers, spec.num_experts) == (2, 4, 4)
+    assert spec.expert_params == 2 * 64 * 32 and spec.shared_expert_intermediate_size == 32
+    assert spec.dense_intermediate_size == 128
+    mlps = 4 * 2 * 64 * 128 + 2 * (64 * 4 + 2 * 64 * 32)
+    assert spec.num_linear_params == 2 * spec.attention_params + 6 * spec.linear_attention_params + mlps
+    config = EngineConfig.from_flat({"model": str(DATA / "tiny_nemotron_h.json"), "enable_prefix_caching": False})
+    assert config.kv_cache_layer_windows == [-1, -1, 0, -1, -1, -1, 0, -1]
