@@ -118,6 +118,8 @@ def spec_fields_from_config(path: str) -> dict:
             fields.update(_llama4_experts(get, need, where, fields["num_layers"]))
         else:
             fields.update(_expert_layout(get, need, where, fields["num_layers"]))
+    elif _model_type(cfg, raw) == "granitemoehybrid" and get("shared_intermediate_size"):
+        fields["intermediate_size"] = need("shared_intermediate_size")  # (a dense Granite 4.0-H's one MLP: shared_mlp)
     else:
         fields["intermediate_size"] = need("intermediate_size")
     quant = raw.get("quantization_config") or cfg.get("quantization_config")
@@ -205,19 +207,25 @@ _LINEAR_LAYER_TYPES = ("full_attention", "attention", "linear_attention", "mamba
 _STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
+def _model_type(cfg: dict, raw: dict) -> str:
+    return str(cfg.get("model_type") or raw.get("model_type") or "")
+
+
 def _is_linear_hybrid(cfg: dict, raw: dict) -> bool:
-    """Qwen3-Next / Qwen3.5 (Gated DeltaNet) or Granite 4.0-H (Mamba2) beside full attention."""
+    """Qwen3-Next / Qwen3.5 (Gated DeltaNet) or Granite 4.0-H (Mamba2) beside full attention (a
+    Qwen3-Next or Qwen3.5 config may give only full_attention_interval)."""
     types = set(cfg.get("layer_types") or ())
-    model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
-    return bool(types & {"linear_attention", "mamba"}) or model_type == "qwen3_next"
+    model_type = _model_type(cfg, raw)
+    return bool(types & {"linear_attention", "mamba"}) or model_type == "qwen3_next" or model_type.startswith("qwen3_5")
 
 
 def _linear_attention(cfg: dict, raw: dict, get, need, where: str, num_layers: int) -> dict:
     """Linear-attention layers beside full-attention ones. Gated DeltaNet (Qwen3-Next, Qwen3.5):
     linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
-    linear_conv_kernel_dim, the gated query of Qwen3-Next (attn_output_gate elsewhere), the state's
-    mamba_ssm_dtype. Mamba2 (Granite 4.0-H): mamba_n_heads, mamba_d_head, mamba_d_state,
-    mamba_n_groups, mamba_d_conv. The attention layers are layer_types' full_attention (or
+    linear_conv_kernel_dim, the gated query (attn_output_gate, on unless the config says false, as
+    vLLM's Qwen3-Next layers read it), Qwen3.5's mamba_ssm_dtype (the only architecture whose
+    state dtype vLLM takes from its config; the others keep it bf16). Mamba2 (Granite 4.0-H):
+    mamba_n_heads, mamba_d_head, mamba_d_state, mamba_n_groups, mamba_d_conv. The attention layers are layer_types' full_attention (or
     attention) ones, or every full_attention_interval-th; they need not sit at the end of each
     period (the KV-cache groups and the costs depend only on their number and on the first layer
     being linear), but must divide the layers into equal periods."""
@@ -243,9 +251,9 @@ def _linear_attention(cfg: dict, raw: dict, get, need, where: str, num_layers: i
                    linear_num_value_heads=need("linear_num_value_heads"),
                    linear_key_head_dim=need("linear_key_head_dim"), linear_value_head_dim=need("linear_value_head_dim"),
                    linear_conv_kernel_dim=need("linear_conv_kernel_dim"))
-        model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
-        out["attention_output_gate"] = model_type == "qwen3_next" or bool(get("attn_output_gate"))
-    dtype = get("mamba_ssm_dtype")
+        gate = get("attn_output_gate")
+        out["attention_output_gate"] = True if gate is None else bool(gate)
+    dtype = get("mamba_ssm_dtype") if _model_type(cfg, raw).startswith("qwen3_5") else None
     if dtype is not None:
         if dtype not in _STATE_DTYPE_BYTES:
             raise ModelConfigError(f"{where}: field 'mamba_ssm_dtype': {dtype!r} is not one of "

@@ -340,3 +340,30 @@ def test_nemotron_h_moe_layout():
     assert spec.num_linear_params == 2 * spec.attention_params + 6 * spec.linear_attention_params + mlps
     config = EngineConfig.from_flat({"model": str(DATA / "tiny_nemotron_h.json"), "enable_prefix_caching": False})
     assert config.kv_cache_layer_windows == [-1, -1, 0, -1, -1, -1, 0, -1]
+
+
+def test_config_json_fields_as_vllm_reads_them(tmp_path):
+    """A Qwen3.5 config (in text_config) with only full_attention_interval is a linear hybrid; its
+    mamba_ssm_dtype float32 doubles the recurrent state, which vLLM honours for Qwen3.5 only; the
+    gated query is on unless attn_output_gate says false; a dense Granite 4.0-H's one MLP is its
+    shared_mlp of shared_intermediate_size."""
+    text = {"model_type": "qwen3_5_text", "num_hidden_layers": 8, "full_attention_interval": 4, "hidden_size": 64,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 1000, "max_position_embeddings": 4096, "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32"}
+
+    def spec_of(name: str, cfg: dict):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        return get_model_spec(str(path))
+
+    qwen35 = spec_of("qwen35", {"model_type": "qwen3_5", "text_config": text})
+    assert (qwen35.linear_attention, qwen35.num_attention_layers) == ("gated_deltanet", 2)
+    assert qwen35.linear_state_dtype_bytes == 4 and qwen35.attention_output_gate
+    assert spec_of("ungated", {"model_type": "qwen3_5", "text_config": text | {"attn_output_gate": False}}
+                   ).attention_output_gate is False
+    assert spec_of("next", text | {"model_type": "qwen3_next"}).linear_state_dtype_bytes == 2
+    granite = json.loads((DATA / "tiny_mamba2_10x5.json").read_text())
+    dense = spec_of("granite", granite | {"shared_intermediate_size": 96, "num_local_experts": 0})
+    assert dense.intermediate_size == 96 and not dense.is_moe
