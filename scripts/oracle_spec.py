@@ -145,6 +145,26 @@ def case_differences(theirs: dict, ours: dict) -> list[str]:
     return diff
 
 
+def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
+    """Run simkv's side of the step-mode cases, print each that differs from vLLM's results (with
+    `label(case)`) and the totals, and exit 1 if any differs (the step-mode oracles' ending)."""
+    failures = 0
+    totals = dict(requests=0, steps=0, hits=0, accepted=0)
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        ours = run_simkv(case)
+        totals["requests"] += len(case["requests"])
+        totals["steps"] += len(t["steps"])
+        totals["hits"] += t["prefix"][1]
+        totals["accepted"] += t["accepted"]
+        diff = case_differences(t, ours)
+        if diff:
+            failures += 1
+            print(f"case {i}{label(case)}: " + "; ".join(diff) + f" -- {case['opts']}")
+    print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, "
+          f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens, {totals['accepted']} drafts accepted)")
+    sys.exit(1 if failures else 0)
+
+
 def main() -> None:
     import oracle_vllm
 
@@ -154,21 +174,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng) for _ in range(a.cases)]
-    theirs = oracle_vllm.vllm_results(__file__, cases, a)
-    failures = 0
-    totals = dict(requests=0, steps=0, accepted=0)
-    for i, (case, t) in enumerate(zip(cases, theirs)):
-        ours = run_simkv(case)
-        totals["requests"] += len(case["requests"])
-        totals["steps"] += len(t["steps"])
-        totals["accepted"] += t["accepted"]
-        diff = case_differences(t, ours)
-        if diff:
-            failures += 1
-            print(f"case {i} {case['opts']}: " + "; ".join(diff))
-    print(f"{len(cases) - failures} of {len(cases)} cases equal "
-          f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted)")
-    sys.exit(1 if failures else 0)
+    compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
 
 if __name__ == "__main__":

@@ -122,8 +122,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     groups = config.kv_cache_groups
     hybrid = groups.is_hybrid
     if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, its attention the target's)
-        per_layer = spec.kv_bytes_per_token(cc.kv_dtype_bytes, tp) // spec.num_attention_layers
-        block_bytes = per_layer * groups.layers_per_block * cc.block_size
+        block_bytes = spec.kv_bytes_per_layer_token(cc.kv_dtype_bytes, tp) * groups.layers_per_block * cc.block_size
     else:
         block_bytes = per_token * cc.block_size
     mml = config.max_model_len

@@ -65,7 +65,12 @@ class CacheConfig:
 
     @property
     def kv_dtype_bytes(self) -> int:
-        return 1 if self.kv_cache_dtype == "fp8" else 2
+        return kv_dtype_bytes(self.kv_cache_dtype)
+
+
+def kv_dtype_bytes(kv_cache_dtype: str) -> int:
+    """Bytes of one cached K or V element: fp8 1, the model's bf16 (auto) or fp16 2."""
+    return 1 if kv_cache_dtype == "fp8" else 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,6 +459,13 @@ class EngineConfig:
         return bool(get_model_spec(self.hardware.model).linear_attention)
 
     @property
+    def linear_state_bytes(self) -> int:
+        """One linear-attention layer's state for one request on one GPU, as served (its draft
+        tokens' convolution inputs included; ModelSpec.linear_state_bytes)."""
+        hw = self.hardware
+        return hw.model_spec().linear_state_bytes(hw.tensor_parallel_size, self.speculative.num_speculative_tokens)
+
+    @property
     def state_blocks_per_group(self) -> int:
         """Blocks a request holds in each linear-attention group (vLLM's MambaManager without
         prefix caching): its state, and under speculative decoding one per draft token
@@ -472,7 +484,7 @@ class EngineConfig:
         spec = get_model_spec(self.hardware.model)
         if spec.layer_pattern:  # (only its M and * layers hold a cache)
             windows = [LINEAR_ATTENTION if c == "M" else 0 for c in spec.layer_pattern if c in "M*"]
-        elif self.has_linear_attention:
+        elif spec.linear_attention:
             linear = spec.linear_attention_layers()
             windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear, strict=True)]
         if self.speculative.enabled and self.speculative.is_eagle_family:
@@ -682,7 +694,7 @@ def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_d
     if not spec.linear_attention:
         return block_size
     state = spec.linear_state_bytes(tensor_parallel_size, num_speculative_tokens)
-    per_token = spec.kv_bytes_per_token(kv_dtype_bytes, tensor_parallel_size) // spec.num_attention_layers
+    per_token = spec.kv_bytes_per_layer_token(kv_dtype_bytes, tensor_parallel_size)
     align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
     need = align * -(-state // (align * per_token))
     need = _KERNEL_BLOCK_ALIGNMENT * -(-need // _KERNEL_BLOCK_ALIGNMENT)
@@ -699,7 +711,7 @@ def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict)
         block_size = int(cache.get("block_size", CacheConfig().block_size))
         if not spec.linear_attention or tp < 1 or block_size < 1:
             return None
-        kv_bytes = 1 if cache.get("kv_cache_dtype") == "fp8" else 2
+        kv_bytes = kv_dtype_bytes(cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
         k = int(speculative.get("num_speculative_tokens", 0)) if speculative.get("speculative_method") else 0
         return linear_attention_block_size(spec, tp, kv_bytes, block_size, k)
     except (ValueError, TypeError):

@@ -43,7 +43,7 @@ def capacity_report(config: EngineConfig) -> dict:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
         page = cap.block_bytes // groups.layers_per_block
-        extra["linear_attention"] = {"kind": spec.linear_attention, "state_bytes_per_layer": spec.linear_state_bytes(tp, config.speculative.num_speculative_tokens),
+        extra["linear_attention"] = {"kind": spec.linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
                                      "page_bytes_per_layer": page}
     return {
         "model": config.hardware.model,

@@ -170,17 +170,15 @@ def kv_cache_groups_summary(config, capacity=None) -> dict:
         return {}
     groups = config.kv_cache_groups
     section = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": groups.is_hybrid}
-    if getattr(capacity, "block_bytes", 0):
-        section["block_bytes"] = capacity.block_bytes
+    block_bytes = getattr(capacity, "block_bytes", 0)
+    if block_bytes:
+        section["block_bytes"] = block_bytes
     if config.has_linear_attention:  # (a state per layer and request, padded to an attention layer's page)
-        hw = config.hardware
-        section["linear_attention"] = {
-            "kind": hw.model_spec().linear_attention,
-            "state_bytes_per_layer": hw.model_spec().linear_state_bytes(hw.tensor_parallel_size,
-                                                                        config.speculative.num_speculative_tokens),
+        linear = section["linear_attention"] = {
+            "kind": config.hardware.model_spec().linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
             "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group}
-        if getattr(capacity, "block_bytes", 0):
-            section["linear_attention"]["page_bytes_per_layer"] = capacity.block_bytes // groups.layers_per_block
+        if block_bytes:
+            linear["page_bytes_per_layer"] = block_bytes // groups.layers_per_block
     return {"kv_cache_groups": section}
 
 

@@ -401,6 +401,11 @@ class ModelSpec:
         e, k = self.num_experts, self.num_experts_per_tok
         return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
+    def kv_bytes_per_layer_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+        """One attention layer's K and V (or latent) of one token on one GPU: a page's bytes per
+        token."""
+        return self.kv_bytes_per_token(dtype_bytes, tensor_parallel_size) // self.num_attention_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
         """K and V of one token over all attention layers, per GPU under tensor parallelism (latent
         attention: the latent and rotary key, which every GPU holds whole; linear-attention layers
