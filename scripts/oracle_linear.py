@@ -31,7 +31,7 @@ MODELS = ("tests/core/data/tiny_gdn_8x4.json", "tests/core/data/tiny_gdn_4x2.jso
           "tests/core/data/tiny_mamba2_10x5.json", "tests/core/data/tiny_nemotron_h.json")
 
 
-def make_case(rng, speculative: bool = False) -> dict:
+def make_case(rng, speculative: bool = False, align: bool = False) -> dict:
     block_size = int(rng.choice([16, 32]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -43,31 +43,43 @@ def make_case(rng, speculative: bool = False) -> dict:
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["scheduler_reserve_full_isl"] = bool(rng.random() < 0.7)
     opts["model"] = str(rng.choice(MODELS))
-    opts["enable_prefix_caching"] = False  # (vLLM's mamba_cache_mode "none")
-    if speculative and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
+    # vLLM's mamba_cache_mode "none", or with --align prefix caching ("align"; Gated DeltaNet's prefill
+    # on FlashInfer's kernel or Triton's: with or without checkpoints inside a chunk)
+    opts["enable_prefix_caching"] = align
+    if align:
+        opts["enable_chunked_prefill"] = True
+        opts["gdn_prefill_backend"] = str(rng.choice(["flashinfer", "triton"]))
+        opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
+    if speculative and not align and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
         oracle_vllm.random_spec_options(rng, opts)
         opts["speculative_method"] = str(rng.choice(["ngram", "mtp"]))
         opts.pop("spec_draft_model", None)
     try:
         config = EngineConfig.from_flat(opts)
     except ConfigError:  # (an MTP layer that splits the attention layers in two groups: refused)
+        if not opts.get("speculative_method"):
+            raise
         opts["speculative_method"] = "ngram"
         config = EngineConfig.from_flat(opts)
     # a pool where a max_model_len request fits (simkv refuses smaller ones at start-up, as vLLM does)
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
     groups = config.kv_cache_groups
-    return {"opts": opts, "requests": requests, "group_windows": list(groups.windows),
+    opts["block_size"] = config.cache.block_size  # (FlashInfer's prefill checkpoints align it to 64)
+    case = {"opts": opts, "requests": requests, "group_windows": list(groups.windows),
             "group_linear": [g.linear for g in groups.groups]}
+    if align:
+        case |= {"mamba_cache_mode": "align", "mamba_prefill_checkpoints": config.mamba_prefill_checkpoints}
+    return case
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, align_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.align) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
     oracle_spec.compare_cases(cases, theirs, lambda case: f" linear groups {case['group_linear']}")
 

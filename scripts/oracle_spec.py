@@ -70,7 +70,9 @@ def run_vllm(case: dict) -> dict:
     import oracle
     o = case["opts"] | {"group_windows": case.get("group_windows"),  # (oracle_hybrid.py's cases have groups)
                         "group_chunked": case.get("group_chunked", False),
-                        "group_linear": case.get("group_linear")}  # (oracle_linear.py's: Mamba groups)
+                        "group_linear": case.get("group_linear"),  # (oracle_linear.py's: Mamba groups)
+                        "mamba_cache_mode": case.get("mamba_cache_mode"),
+                        "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
     pool = sched.kv_cache_manager.block_pool

@@ -73,9 +73,20 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     # one group per entry, as vLLM's hybrid manager forms them.
     groups = []
     linear = o.get("group_linear") or []
+    align = o.get("mamba_cache_mode") == "align"
+    if align:
+        vllm_config.cache_config.mamba_cache_mode = "align"
     for i, window in enumerate(o.get("group_windows") or [0]):
         kw = dict(block_size=o["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
-        if i < len(linear) and linear[i]:  # (`group_linear`: a linear-attention group, without prefix caching
+        if i < len(linear) and linear[i] and align:  # (a linear-attention group with prefix caching:
+            # mamba_cache_mode "align", blocks of the attention block size; with `mamba_prefill_checkpoints`
+            # the backend exports a state from inside a prefill chunk, as Mamba2's and FlashInfer's GDN do)
+            checkpoints = bool(o.get("mamba_prefill_checkpoints"))
+            spec = MambaSpec(block_size=o["block_size"], shapes=((1,),), dtypes=(torch.float32,),
+                             mamba_cache_mode="align", num_speculative_blocks=o.get("num_speculative_tokens", 0),
+                             num_prefill_checkpoint_blocks=int(checkpoints),
+                             prefill_checkpoint_alignment=o["block_size"] if checkpoints else None)
+        elif i < len(linear) and linear[i]:  # (`group_linear`: a linear-attention group, without prefix caching
             # a state block per request: vLLM's mamba_cache_mode "none", blocks of max_model_len tokens)
             spec = MambaSpec(block_size=o["max_model_len"], shapes=((1,),), dtypes=(torch.float32,),
                              mamba_cache_mode="none", num_speculative_blocks=o.get("num_speculative_tokens", 0))
@@ -185,7 +196,8 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
-                async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False):
+                async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
+                align_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -204,6 +216,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if linear_flag:
         ap.add_argument("--linear", action="store_true",
                         help="linear-attention models' KV-cache groups (oracle_linear.py's cases), MTP in all")
+    if align_flag:
+        ap.add_argument("--align", action="store_true",
+                        help="prefix caching on: vLLM's Mamba prefix caching (mamba_cache_mode 'align')")
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 
 from simkv.specs import ModelSpec, get_gpu_spec, get_model_spec
@@ -220,8 +221,15 @@ class AttentionConfig:
     # default): only those a resend of the prompt or a shared-prefix junction can resume at; R > 0:
     # also the ones before every multiple of R tokens; None: all of them.
     prefix_cache_retention_interval: int | None = 0
+    # vLLM's --gdn-prefill-backend for Gated DeltaNet layers: "auto" picks FlashInfer's kernel on
+    # Hopper and on Blackwell with 128-wide key heads (CUDA 13 assumed), Triton's elsewhere. Under
+    # prefix caching FlashInfer's exports a state from inside a prefill chunk (no split at the
+    # last block) and aligns blocks to 64 tokens.
+    gdn_prefill_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.gdn_prefill_backend not in ("auto", "flashinfer", "triton"):
+            raise ConfigError(f"gdn_prefill_backend must be one of auto, flashinfer, triton; got '{self.gdn_prefill_backend}'")
         if self.sliding_window is not None and self.sliding_window < 0:
             raise ConfigError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.sliding_window == 1:
@@ -467,10 +475,29 @@ class EngineConfig:
 
     @property
     def state_blocks_per_group(self) -> int:
-        """Blocks a request holds in each linear-attention group (vLLM's MambaManager without
-        prefix caching): its state, and under speculative decoding one per draft token
-        (num_speculative_blocks)."""
+        """Blocks a request holds at most in each linear-attention group (vLLM's
+        MambaSpec.max_memory_usage_bytes): without prefix caching its state, and under speculative
+        decoding one per draft token (num_speculative_blocks); with prefix caching (mamba_cache_mode
+        'align') two states (the step after a block boundary), and a prefill checkpoint's where the
+        kernels export one."""
+        if self.mamba_align:
+            return 2 + self.speculative.num_speculative_tokens + int(self.mamba_prefill_checkpoints)
         return 1 + self.speculative.num_speculative_tokens
+
+    @property
+    def mamba_align(self) -> bool:
+        """vLLM's mamba_cache_mode 'align', which it picks for a model with linear-attention layers
+        when prefix caching is on (core/mamba_align.py); 'none' otherwise."""
+        return self.cache.enable_prefix_caching and self.has_linear_attention
+
+    @property
+    def mamba_prefill_checkpoints(self) -> bool:
+        """Whether the linear-attention kernels export a state from inside a prefill chunk (vLLM's
+        num_prefill_checkpoint_blocks 1): Mamba2's always, Gated DeltaNet's on FlashInfer's prefill."""
+        spec = self.hardware.model_spec()
+        if spec.linear_attention != "gated_deltanet":
+            return bool(spec.linear_attention)
+        return gdn_prefill_backend(self.attention.gdn_prefill_backend, get_gpu_spec(self.hardware.gpu), spec) == "flashinfer"
 
     @property
     def kv_cache_layer_windows(self) -> list[int]:
@@ -525,15 +552,24 @@ class EngineConfig:
     def _verify_linear_attention(self) -> None:
         cache, sched, hw = self.cache, self.scheduler, self.hardware
         where = f"linear attention (model {hw.model})"
-        if cache.enable_prefix_caching:
-            raise ConfigError(f"{where}: vLLM's Mamba prefix caching (mamba_cache_mode 'align', which vLLM turns on "
-                              "with prefix caching for these models) is not modelled yet; pass "
-                              "--no-enable-prefix-caching (vLLM's mamba_cache_mode 'none': one state per request)")
+        if self.mamba_align:
+            if not sched.enable_chunked_prefill:  # (vLLM asserts it, with this text)
+                raise ConfigError("Chunked prefill is required for Mamba prefix caching.")
+            align = f"{where} with prefix caching (vLLM's mamba_cache_mode 'align')"
+            for bad, what in [(self.speculative.enabled, "speculative decoding"),
+                              (sched.async_scheduling, "async scheduling"),
+                              (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63")]:
+                if bad:
+                    raise ConfigError(f"{align} is not modelled with {what} yet; pass --no-enable-prefix-caching "
+                                      "(vLLM's mamba_cache_mode 'none': one state per request)")
         if hw.decode_context_parallel_size > 1:  # (vLLM asserts it)
             raise ConfigError("DCP not support mamba now.")
         method = self.speculative.speculative_method
         unsupported = [(method not in (None, "ngram", "mtp"), f"speculative_method '{method}' (ngram and mtp are)"),
-                       (self.attention.overridden, "sliding-window or chunked-attention overrides"),
+                       (self.attention.overridden and self.attention.prefix_cache_retention_interval == 0
+                        or self.attention.sliding_window is not None or self.attention.full_attention_interval is not None
+                        or self.attention.attention_chunk_size is not None,
+                        "sliding-window or chunked-attention overrides"),
                        (self.attention.disable_hybrid_kv_cache_manager,
                         "disable_hybrid_kv_cache_manager (its layers need their own KV-cache groups)"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
@@ -549,11 +585,18 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"{where} is not modelled with {what}")
         need = linear_attention_block_size(hw.model_spec(), hw.tensor_parallel_size, cache.kv_dtype_bytes,
-                                           cache.block_size, self.speculative.num_speculative_tokens)
+                                           cache.block_size, self.speculative.num_speculative_tokens,
+                                           self._checkpoint_alignment())
         if cache.block_size < need:
             raise ConfigError(f"{where}: block_size {cache.block_size} gives an attention page smaller than a "
                               f"linear-attention layer's state; vLLM raises it to {need} tokens (as "
                               "EngineConfig.from_flat does)")
+
+    def _checkpoint_alignment(self) -> int:
+        """Tokens vLLM aligns a linear-attention model's blocks to for the kernels' prefill
+        checkpoints: FlashInfer's Gated DeltaNet prefill's 64 under prefix caching, else 1."""
+        return _FLASHINFER_GDN_CHECKPOINT_ALIGNMENT if self.mamba_align and self.mamba_prefill_checkpoints \
+            and self.hardware.model_spec().linear_attention == "gated_deltanet" else 1
 
     def _verify_retention(self) -> None:
         """vLLM's checks of prefix_cache_retention_interval, with its texts."""
@@ -561,7 +604,7 @@ class EngineConfig:
         if interval == 0 or interval is None:
             return
         groups = self.kv_cache_groups
-        if not groups.has_sliding_window or groups.chunked:
+        if (not groups.has_sliding_window or groups.chunked) and not groups.num_linear_groups:
             raise ConfigError("prefix_cache_retention_interval is set but this model has no sliding-window or Mamba "
                               "KV cache group, so retention has no effect. Set it to 0 (it only applies to "
                               "sliding-window and Mamba attention).")
@@ -650,10 +693,13 @@ class EngineConfig:
             del out["decode_context_parallel_size"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
-        if self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager:
+        if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager
+                or self.mamba_align):
             out.update(dataclasses.asdict(self.attention))
             if self.attention.attention_chunk_size is None:  # (configs without it read as before)
                 del out["attention_chunk_size"]
+            if not self.mamba_align:  # (likewise)
+                del out["gdn_prefill_backend"]
         out["max_model_len"] = self.max_model_len
         return out
 
@@ -674,7 +720,7 @@ class EngineConfig:
             if block_size is not None:
                 groups[CacheConfig]["block_size"] = block_size
         block_size = _linear_attention_block_size(groups[HardwareConfig], groups[CacheConfig],
-                                                  groups[SpeculativeConfig])
+                                                  groups[SpeculativeConfig], groups[AttentionConfig])
         if block_size is not None:
             groups[CacheConfig]["block_size"] = block_size
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
@@ -686,22 +732,23 @@ _KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention ba
 
 
 def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_dtype_bytes: int,
-                                block_size: int, num_speculative_tokens: int = 0) -> int:
+                                block_size: int, num_speculative_tokens: int = 0, checkpoint_alignment: int = 1) -> int:
     """The block size vLLM 0.33 runs a model with linear-attention layers at, given `block_size`
     (Platform._align_hybrid_block_size): every group's pages must be the same size, so the
     attention block grows until one attention layer's page holds one linear layer's state,
-    a multiple of max(16, block_size) tokens; the state's page is then padded to it."""
+    a multiple of max(16, block_size) tokens (and, under prefix caching, of the kernels' prefill
+    checkpoint alignment); the state's page is then padded to it."""
     if not spec.linear_attention:
         return block_size
     state = spec.linear_state_bytes(tensor_parallel_size, num_speculative_tokens)
     per_token = spec.kv_bytes_per_layer_token(kv_dtype_bytes, tensor_parallel_size)
-    align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
+    align = math.lcm(max(_KERNEL_BLOCK_ALIGNMENT, block_size), checkpoint_alignment)
     need = align * -(-state // (align * per_token))
     need = _KERNEL_BLOCK_ALIGNMENT * -(-need // _KERNEL_BLOCK_ALIGNMENT)
     return max(block_size, need)
 
 
-def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict) -> int | None:
+def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict, attention: dict) -> int | None:
     """`linear_attention_block_size` for from_flat's options (None: no linear attention, or a bad
     value that the configs' own checks name)."""
     defaults = HardwareConfig()
@@ -713,9 +760,32 @@ def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict)
             return None
         kv_bytes = kv_dtype_bytes(cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
         k = int(speculative.get("num_speculative_tokens", 0)) if speculative.get("speculative_method") else 0
-        return linear_attention_block_size(spec, tp, kv_bytes, block_size, k)
-    except (ValueError, TypeError):
+        alignment = 1
+        if spec.linear_attention == "gated_deltanet" and cache.get("enable_prefix_caching", CacheConfig().enable_prefix_caching):
+            backend = gdn_prefill_backend(attention.get("gdn_prefill_backend", AttentionConfig().gdn_prefill_backend),
+                                          get_gpu_spec(hardware.get("gpu", defaults.gpu)), spec)
+            alignment = _FLASHINFER_GDN_CHECKPOINT_ALIGNMENT if backend == "flashinfer" else 1
+        return linear_attention_block_size(spec, tp, kv_bytes, block_size, k, alignment)
+    except (ValueError, TypeError, ConfigError):
         return None
+
+
+_FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64  # vLLM's FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+
+
+def gdn_prefill_backend(requested: str, gpu, spec: ModelSpec) -> str:
+    """The Gated DeltaNet prefill kernel vLLM 0.33 runs (its _resolve_gdn_prefill_backend):
+    FlashInfer's on Hopper (compute capability 9.0) and on Blackwell (10.x, 12.x) with 128-wide
+    key heads, assuming a CUDA 13 runtime there; Triton's (FLA) elsewhere, ROCm included."""
+    if requested != "auto":
+        return requested
+    if gpu.platform != "cuda":
+        return "triton"
+    if gpu.compute_capability == 9.0:
+        return "flashinfer"
+    if gpu.cuda_major in (10, 12) and spec.linear_key_head_dim == 128:
+        return "flashinfer"
+    return "triton"
 
 
 def _backend_block_size(hardware: dict, cache: dict) -> int | None:

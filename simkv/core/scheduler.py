@@ -27,6 +27,7 @@ from simkv.config import EngineConfig
 from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.kv_cache_coordinator import KVCacheCoordinator
+from simkv.core.mamba_align import MambaAlignCoordinator, mamba_block_aligned_split
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.remote_kv import RemoteKV
@@ -81,6 +82,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         groups = config.kv_cache_groups
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
+        elif config.mamba_align:  # linear-attention groups under prefix caching (vLLM's mamba_cache_mode "align")
+            self.kv_cache_manager = MambaAlignCoordinator(
+                num_gpu_blocks, cc.block_size, self.max_model_len, tuple(g.linear for g in groups.groups),
+                cc.enable_prefix_caching, cc.watermark, config.attention.prefix_cache_retention_interval,
+                config.mamba_prefill_checkpoints)
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
@@ -118,7 +124,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # decoder's window releases are events on the boundary heap.
         self._window_context = self._layer_split(config) if not self.chunked_decodes else None
         self._window_chunk = config.attention_chunk_size  # chunked local attention's chunk (0: windows slide)
-        self._window_releases = isinstance(self.kv_cache_manager, KVCacheCoordinator)
+        self._window_releases = isinstance(self.kv_cache_manager, (KVCacheCoordinator, MambaAlignCoordinator))
+        # Mamba prefix caching: prefill chunks end where a state must be written (mamba_align.py)
+        self._mamba_split = isinstance(self.kv_cache_manager, MambaAlignCoordinator)
+        self._max_prefill_tokens = min(self.max_num_batched_tokens, sc.long_prefill_token_threshold or (1 << 62))
         self._async_releases = self._window_releases and self.async_scheduling
         # P/D with sliding-window layers: vLLM gives back a finished request's out-of-window
         # blocks before it hands the block table to the connector (and before any other free)
@@ -269,6 +278,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
+        if self._mamba_split:
+            self.kv_cache_manager.new_step_starts()
         if self._window_context is not None:
             self._settle_crossings(step)
         due = self._due_at(step)
@@ -369,6 +380,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 if 0 < plan.threshold < num_new:
                     num_new = plan.threshold
                 num_new = min(num_new, plan.request_budget(), self.max_model_len - computed - 1)
+                if self._mamba_split and num_new > 0:
+                    num_new = self._mamba_aligned(request, computed, num_new)
                 if num_new <= 0:
                     continue
                 # async with window releases: they go by the tokens whose output was processed
@@ -508,6 +521,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
             num_new = min(num_new, plan.request_budget())
+            if self._mamba_split:
+                num_new = self._mamba_aligned(request, base + computed.num_tokens, num_new)
+                if num_new == 0:  # (no block-aligned chunk fits the budget)
+                    self._blocked_marker = (request, kv.num_frees, plan.budget)
+                    break
             new_blocks = kv.allocate_slots(
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
@@ -551,6 +569,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             admitted += 1
         if skipped:
             self._requeue_skipped(skipped)
+
+    def _mamba_aligned(self, request: Request, start: int, num_new: int) -> int:
+        """A prefill chunk from `start` cut where a linear-attention state must be written."""
+        return mamba_block_aligned_split(start, num_new, request.num_tokens, request.num_prompt_tokens,
+                                         self.block_size, self._max_prefill_tokens,
+                                         self.kv_cache_manager.prefill_checkpoints,
+                                         self.kv_cache_manager.junction(request))
 
     def _fill_block_ids(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
