@@ -37,6 +37,7 @@ _ENGINE_FLAGS = {
     "attention_chunk_size": "attention_chunk_size",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
     "prefix_cache_retention_interval": "prefix_cache_retention_interval",
+    "gdn_prefill_backend": "gdn_prefill_backend",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -252,8 +253,12 @@ _ENGINE_OPTIONS = [
     click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
                  help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention (one block table)"),
     click.option("--prefix-cache-retention-interval", type=RetentionInterval(), default=None, metavar="N|none",
-                 help="vLLM's: sliding-window blocks cached every N tokens besides prompt ends and shared-prefix "
-                      "junctions; none: all [default: 0, junctions and prompt ends only]"),
+                 help="vLLM's: sliding-window blocks and linear-attention states cached every N tokens besides "
+                      "prompt ends and shared-prefix junctions; none: all [default: 0, junctions and prompt ends only]"),
+    click.option("--gdn-prefill-backend", type=click.Choice(["auto", "flashinfer", "triton"]), default=None,
+                 help="vLLM's: Gated DeltaNet prefill kernels; with prefix caching FlashInfer's export a state "
+                      "from inside a chunk and align blocks to 64 tokens [default: auto, FlashInfer on Hopper "
+                      "and on Blackwell for 128-wide keys, else Triton]"),
 ]
 
 

@@ -176,7 +176,10 @@ def kv_cache_groups_summary(config, capacity=None) -> dict:
     if config.has_linear_attention:  # (a state per layer and request, padded to an attention layer's page)
         linear = section["linear_attention"] = {
             "kind": config.hardware.model_spec().linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
-            "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group}
+            "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group,
+            "mamba_cache_mode": "align" if config.mamba_align else "none"}
+        if config.mamba_align:  # (whether the prefill kernels export states from inside a chunk)
+            linear["prefill_checkpoints"] = config.mamba_prefill_checkpoints
         if block_bytes:
             linear["page_bytes_per_layer"] = block_bytes // groups.layers_per_block
     return {"kv_cache_groups": section}
@@ -190,6 +193,11 @@ def kv_cache_groups_rows(section: dict) -> list[tuple[str, str]]:
     if linear:
         rows.append(("linear-attention state", f"{linear['kind']}: {linear['state_bytes_per_layer']:,} B a layer, "
                                                f"{linear['state_blocks_per_request']} blocks a request"))
+        if linear.get("mamba_cache_mode") == "align":
+            rows.append(("linear-attention prefix caching",
+                         "states cached at block boundaries (vLLM's mamba_cache_mode 'align'), "
+                         + ("prefill checkpoints inside chunks" if linear["prefill_checkpoints"]
+                            else "no checkpoints inside prefill chunks")))
     return rows
 
 

@@ -243,7 +243,8 @@ def test_replay_with_and_without_decode_runs_agree():
     groups = a.summary["kv_cache_groups"]
     assert groups["summary"] == "3 x mamba + 1 x full_attention" and groups["hybrid_kv_cache_manager"]
     assert groups["linear_attention"] == {"kind": "gated_deltanet", "state_bytes_per_layer": 274432,
-                                          "state_blocks_per_request": 3, "page_bytes_per_layer": 272 * 1024}
+                                          "state_blocks_per_request": 3, "page_bytes_per_layer": 272 * 1024,
+                                          "mamba_cache_mode": "none"}
 
 
 def test_speculative_decoding_adds_a_state_block_per_draft_token():

@@ -114,4 +114,25 @@ def test_replays_with_and_without_prefix_caching():
     assert on.summary["num_preemptions"] > 0
     assert on.summary["prefix_cache_hit_rate"] > 0.1 and off.summary["prefix_cache_hit_rate"] == 0
     linear = on.summary["kv_cache_groups"]["linear_attention"]
-    assert linear["state_blocks_per_request"] == 9 and linear["page_bytes_per_layer"] == 320 * 1024
+    assert linear == {"kind": "gated_deltanet", "state_bytes_per_layer": 274432, "state_blocks_per_request": 9,
+                      "page_bytes_per_layer": 320 * 1024, "mamba_cache_mode": "align", "prefill_checkpoints": True}
+
+
+def test_cli_picks_the_prefill_backend(tmp_path):
+    """`--gdn-prefill-backend triton` on an H200: no checkpoints inside prefill chunks, so no
+    64-token alignment (272-token blocks at TP 4) and 2 state blocks a group; summary.json and the
+    report say which."""
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", str(ROOT / "traces" / "req400_prefix10.parquet"), "--model", QWEN3_NEXT,
+                                       "--gpu", "H200", "-tp", "4", "--max-model-len", "8192", "--gdn-prefill-backend",
+                                       "triton", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["block_size"] == 272 and summary["config"]["gdn_prefill_backend"] == "triton"
+    linear = summary["kv_cache_groups"]["linear_attention"]
+    assert linear["state_blocks_per_request"] == 6 and not linear["prefill_checkpoints"]
+    assert "no checkpoints inside prefill chunks" in (out / "report.html").read_text()
