@@ -19,6 +19,7 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-qwen3next # the Azure trace on qwen3-next-80b-a3b, 4 H200s at TP 4
                                                         # (3 of 4 layers linear attention: a state block per
                                                         # request and Mamba group; prefix caching off)
+    .venv/bin/python bench/replay_speed.py azure-qwen3next-pc  # the same with prefix caching (mamba_cache_mode "align")
     .venv/bin/python bench/replay_speed.py azure-oss-spec  # the Azure trace on gpt-oss-120b (H100) with EAGLE-3:
                                                         # hybrid manager, the EAGLE layer in the full groups
     .venv/bin/python bench/replay_speed.py azure-dsv3   # the Azure trace on deepseek-v3, 8 H200s at TP 8 (latent
@@ -55,6 +56,7 @@ def load(case: str):
     from simkv.traces.synth import lognormal
 
     if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-llama4", "azure-qwen3next",
+                "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
         return import_trace("azure", [AZURE])[0]
     if case in ("azure-fleet4", "azure-pd4", "azure-pd4-async"):
@@ -87,9 +89,9 @@ def run_case(case: str) -> dict:
         options |= {"model": "gemma-3-12b"}
     if case == "azure-llama4":
         options |= {"model": "llama-4-scout", "gpu": "H100-SXM", "tensor_parallel_size": 4, "max_model_len": 131072}
-    if case == "azure-qwen3next":
+    if case.startswith("azure-qwen3next"):
         options |= {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 4,
-                    "enable_prefix_caching": False}
+                    "enable_prefix_caching": case.endswith("-pc")}
     if case == "azure-oss-spec":
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
     if case.startswith("azure-dsv3"):

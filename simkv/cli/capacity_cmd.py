@@ -211,7 +211,7 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
                 continue
             rows.append(row | {"fits": True, "weight_bytes_per_gpu": int(spec.weight_bytes_per_gpu(tp, dp)),
                                "available_kv_bytes_per_gpu": cap.available_kv_bytes,
-                               "num_gpu_blocks": cap.num_gpu_blocks,
+                               "num_gpu_blocks": cap.num_gpu_blocks, "block_size": cap.block_size,
                                "kv_cache_tokens_all": cap.kv_cache_tokens * (num_gpus // tp),
                                "max_concurrency_all": cap.max_concurrency * (num_gpus // tp)})
     return {"model": base.hardware.model, "gpu": base.hardware.gpu, "num_gpus": num_gpus,
@@ -234,6 +234,7 @@ def print_layouts(rep: dict) -> None:
             table.add_row(row["layout"], "does not fit" if memory else row["why"][:60], "", "", "", "")
             continue
         table.add_row(row["layout"], f"{row['weight_bytes_per_gpu'] / GIB:.1f} GiB",
-                      f"{row['available_kv_bytes_per_gpu'] / GIB:.1f} GiB", f"{row['num_gpu_blocks']:,}",
+                      f"{row['available_kv_bytes_per_gpu'] / GIB:.1f} GiB",
+                      f"{row['num_gpu_blocks']:,} ({row['block_size']:,} tokens)",
                       f"{row['kv_cache_tokens_all']:,}", f"{row['max_concurrency_all']:.2f}x")
     Console().print(table)

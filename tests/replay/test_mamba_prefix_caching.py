@@ -136,3 +136,21 @@ def test_cli_picks_the_prefill_backend(tmp_path):
     linear = summary["kv_cache_groups"]["linear_attention"]
     assert linear["state_blocks_per_request"] == 6 and not linear["prefill_checkpoints"]
     assert "no checkpoints inside prefill chunks" in (out / "report.html").read_text()
+
+
+def test_capacity_layouts_say_each_layouts_block_size():
+    """`simkv capacity --layouts 4` on Qwen3-Next: the block grows with the state a GPU holds, so
+    each layout's row says its own block size (576 tokens at TP 1 and 2, 320 at TP 4 with prefix
+    caching; 544 and 272 without), in the JSON and the table."""
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    args = ["capacity", "--model", QWEN3_NEXT, "--gpu", "H200", "--layouts", "4", "--max-model-len", "32768"]
+    for extra, sizes in (([], {1: 576, 2: 576, 4: 320}), (["--no-enable-prefix-caching"], {1: 544, 2: 544, 4: 272})):
+        res = CliRunner().invoke(main, args + extra + ["--json"])
+        assert res.exit_code == 0, res.output
+        rows = [r for r in json.loads(res.output)["layouts"] if r["fits"]]
+        assert {r["tensor_parallel_size"]: r["block_size"] for r in rows} == sizes
+    table = CliRunner().invoke(main, args + ["--no-enable-prefix-caching"], env={"COLUMNS": "200"})
+    assert "29,391 (272 tokens)" in table.output and "(544 tokens)" in table.output
