@@ -44,7 +44,9 @@ _GROUPS_OLD = """        kv_cache_groups=[
 _GROUPS_NEW = """        kv_cache_groups=_simkv_groups(a.block_size, torch),
         prefix_cache_retention_interval=_simkv_retention(),
     )
-    vllm_config.cache_config.prefix_cache_retention_interval = _simkv_retention()"""
+    vllm_config.cache_config.prefix_cache_retention_interval = _simkv_retention()
+    if _simkv_hybrid().get("align"):
+        vllm_config.cache_config.mamba_cache_mode = 'align'"""
 _HELPERS = '''
 def _simkv_hybrid():
     import json as _json
@@ -67,7 +69,13 @@ def _simkv_groups(block_size, torch):
     linear = _simkv_hybrid().get("linear") or []
     for i, window in enumerate(_simkv_hybrid()["windows"]):
         kw = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        if i < len(linear) and linear[i]:  # (a Mamba group without prefix caching: a state block per request)
+        if i < len(linear) and linear[i] and _simkv_hybrid().get("align"):  # (with prefix caching: states
+            # in blocks of the attention block size; with checkpoints the prefill exports one inside a chunk)
+            checkpoints = _simkv_hybrid()["checkpoints"]
+            spec = MambaSpec(block_size=block_size, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                             num_prefill_checkpoint_blocks=int(checkpoints),
+                             prefill_checkpoint_alignment=block_size if checkpoints else None)
+        elif i < len(linear) and linear[i]:  # (a Mamba group without prefix caching: a state block per request)
             spec = MambaSpec(block_size=_simkv_hybrid()["max_model_len"], shapes=((1,),), dtypes=(torch.float32,),
                              mamba_cache_mode="none")
         elif not window:
@@ -119,16 +127,22 @@ def sliding_case(rng: np.random.Generator, chunked: bool = False):
     return frame, opts, list(config.kv_cache_groups.windows)
 
 
-def linear_case(rng: np.random.Generator):
+def linear_case(rng: np.random.Generator, align: bool = False):
     """A case on a small model with linear-attention layers (scripts/oracle_linear.py's), prefix
-    caching off (vLLM's mamba_cache_mode "none")."""
+    caching off (vLLM's mamba_cache_mode "none"), or with `align` on (mode "align": chunked
+    prefill, a random prefill backend and retention)."""
     from oracle_linear import MODELS
 
     frame, opts = make_case(rng)
     opts["model"] = str(rng.choice(MODELS))
     opts["block_size"] = int(rng.choice([16, 32]))
-    opts["enable_prefix_caching"] = False
+    opts["enable_prefix_caching"] = align
+    if align:
+        opts["enable_chunked_prefill"] = True
+        opts["gdn_prefill_backend"] = str(rng.choice(["flashinfer", "triton"]))
+        opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
     config = EngineConfig.from_flat(opts | {"async_scheduling": True})
+    opts["block_size"] = config.cache.block_size  # (FlashInfer's prefill checkpoints align it to 64)
     fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
     opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
     return frame, opts, list(config.kv_cache_groups.windows)
@@ -160,6 +174,8 @@ def main() -> None:
     ap.add_argument("--chunked", action="store_true", help="chunked local attention instead of sliding windows")
     ap.add_argument("--linear", action="store_true",
                     help="linear-attention models (Mamba groups, prefix caching off) instead of sliding windows")
+    ap.add_argument("--align", action="store_true",
+                    help="with --linear: prefix caching on (vLLM's mamba_cache_mode 'align')")
     ap.add_argument("--save", type=Path, help="write the N equal cases with the most preemptions, and vLLM's "
                                                "results, to this JSON file (tests/core/data/)")
     ap.add_argument("--save-count", type=int, default=8)
@@ -172,7 +188,7 @@ def main() -> None:
         tmp = Path(tmp)
         oracle = hybrid_oracle(tmp)
         for case in range(args.cases):
-            frame, opts, windows = linear_case(rng) if args.linear else sliding_case(rng, args.chunked)
+            frame, opts, windows = linear_case(rng, args.align) if args.linear else sliding_case(rng, args.chunked)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": True})
             except ConfigError as exc:
@@ -184,7 +200,9 @@ def main() -> None:
             os.environ["SIMKV_HYBRID"] = json.dumps({"windows": windows, "chunked": config.kv_cache_groups.chunked,
                                                      "retention": opts.get("prefix_cache_retention_interval", 0),
                                                      "linear": [g.linear for g in config.kv_cache_groups.groups],
-                                                     "max_model_len": opts["max_model_len"]})
+                                                     "max_model_len": opts["max_model_len"],
+                                                     "align": config.mamba_align,
+                                                     "checkpoints": config.mamba_prefill_checkpoints})
             run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", True)
             res = replay(read_trace(trace), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})
             diff = differences(tmp / f"o{case}", res)

@@ -13,7 +13,8 @@ simkv's `Scheduler` with `async_scheduling` runs the same random cases (oracle_s
 small pools that preempt, shared prompt content, priorities, watermarks, chunked prefill on
 and off, budgets that cut drafts, dynamic speculation lengths; with --hybrid, oracle_hybrid.py's
 KV-cache groups of sliding-window models, EAGLE in every case; with --linear, oracle_linear.py's
-Mamba groups beside full attention, MTP in every case). Every step's scheduled tokens,
+Mamba groups beside full attention, MTP in every case; with --align, oracle_linear.py's align
+cases: Mamba prefix caching, no drafts). Every step's scheduled tokens,
 running and waiting requests and blocks in use, every request's first-token and finish step,
 the accepted drafts and the prefix-cache counts must be equal.
 
@@ -34,11 +35,18 @@ import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
 from oracle_spec import case_differences  # noqa: E402
 
 
-def make_case(rng, hybrid: bool = False, linear: bool = False) -> dict:
+def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False) -> dict:
     """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter);
     `hybrid`: oracle_hybrid.py's (KV-cache groups of a model with sliding-window layers, the
     EAGLE layer among them), always speculating with EAGLE; `linear`: oracle_linear.py's (Mamba
-    groups beside full attention), always with MTP."""
+    groups beside full attention), always with MTP; `align`: oracle_linear.py's with prefix caching
+    (mamba_cache_mode "align"), no speculation."""
+    if align:
+        from oracle_linear import make_case as linear_case
+
+        case = linear_case(rng, False, True)
+        case["opts"]["async_scheduling"] = True
+        return case
     if linear:
         from oracle_linear import make_case as linear_case
 
@@ -106,7 +114,9 @@ def run_vllm(case: dict) -> dict:
 
     import oracle
     o = case["opts"] | {"group_windows": case.get("group_windows"),  # (--hybrid and --linear cases have groups)
-                        "group_linear": case.get("group_linear")}
+                        "group_linear": case.get("group_linear"),
+                        "mamba_cache_mode": case.get("mamba_cache_mode"),
+                        "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
                                                      async_scheduling=True)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -184,28 +194,30 @@ def run_simkv(case: dict) -> dict:
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
+                                  align_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.hybrid, a.linear) for _ in range(a.cases)]
+    cases = [make_case(rng, a.hybrid, a.linear, a.align) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0, accepted=0, preemptions=0)
+    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
         totals["accepted"] += t["accepted"]
         totals["preemptions"] += ours["preemptions"]
+        totals["hits"] += t["prefix"][1]
         diff = case_differences(t, ours)
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal "
           f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted, "
-          f"{totals['preemptions']} preemptions)")
+          f"{totals['preemptions']} preemptions, {totals['hits']} prefix-hit tokens)")
     sys.exit(1 if failures else 0)
 
 

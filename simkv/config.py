@@ -557,7 +557,6 @@ class EngineConfig:
                 raise ConfigError("Chunked prefill is required for Mamba prefix caching.")
             align = f"{where} with prefix caching (vLLM's mamba_cache_mode 'align')"
             for bad, what in [(self.speculative.enabled, "speculative decoding"),
-                              (sched.async_scheduling, "async scheduling"),
                               (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63")]:
                 if bad:
                     raise ConfigError(f"{align} is not modelled with {what} yet; pass --no-enable-prefix-caching "

@@ -151,8 +151,8 @@ def test_admission_counts_the_state_blocks():
 
 @pytest.mark.parametrize("options, message", [
     ({"enable_prefix_caching": True, "enable_chunked_prefill": False, "max_model_len": 4096}, "Chunked prefill is required for Mamba prefix caching."),
-    ({"enable_prefix_caching": True, "async_scheduling": True},
-     "mamba_cache_mode 'align'.* not modelled with async scheduling yet; pass --no-enable-prefix-caching"),
+    ({"enable_prefix_caching": True, "prefix_caching_hash_bits": 32},
+     "mamba_cache_mode 'align'.* not modelled with prefix_caching_hash_bits < 63 yet; pass --no-enable-prefix-caching"),
     ({"enable_prefix_caching": True, "speculative_method": "mtp", "num_speculative_tokens": 2},
      "not modelled with speculative decoding yet"),
     ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "not modelled with speculative_method 'eagle'"),

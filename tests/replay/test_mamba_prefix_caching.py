@@ -12,11 +12,13 @@ from simkv.capacity import compute_capacity, group_blocks_per_request
 from simkv.config import EngineConfig
 from simkv.core.mamba_align import checkpoint_exportable, mamba_block_aligned_split, prefill_checkpoint_position
 from simkv.traces.schema import read_trace
-from tests.core.helpers import assert_decode_runs_change_nothing, assert_same_steps_as_vllm
+from tests.core.helpers import (assert_decode_runs_change_nothing, assert_same_async_spec_steps_as_vllm,
+                                assert_same_steps_as_vllm)
 from tests.replay.test_linear_attention import QWEN3_NEXT, _rooted
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = json.loads((ROOT / "tests" / "core" / "data" / "linear_align_vllm_cases.json").read_text())["cases"]
+ASYNC_CASES = json.loads((ROOT / "tests" / "core" / "data" / "linear_align_async_vllm_cases.json").read_text())["cases"]
 
 
 def _config(**options) -> EngineConfig:
@@ -35,6 +37,25 @@ def test_same_steps_as_vllm(index):
     assert max(row[3] for row in ours["steps"]) == case["case"]["opts"]["num_gpu_blocks"] - 1  # (the pool filled)
     stats = ours["scheduler"].kv_cache_manager.prefix_cache_stats
     assert [stats.queries, stats.hits] == case["vllm"]["prefix"] and stats.hits > 0
+
+
+@pytest.mark.parametrize("index", range(len(ASYNC_CASES)))
+def test_same_steps_as_vllm_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py --align: vLLM 0.33's AsyncScheduler, two
+    batches deep, over Mamba groups in mode "align": a state is given back only once the step
+    past it was processed (vLLM's num_in_flight_tokens). Steps, requests, prefix-cache counts."""
+    case = _rooted(ASYNC_CASES[index])
+    assert case["case"]["mamba_cache_mode"] == "align" and case["case"]["opts"]["async_scheduling"]
+    ours = assert_same_async_spec_steps_as_vllm(case)
+    assert max(row[3] for row in ours["steps"]) == case["case"]["opts"]["num_gpu_blocks"] - 1  # (the pool filled)
+    assert case["vllm"]["prefix"][1] > 0
+
+
+def test_the_async_cases_cover_every_model_backend_and_retention():
+    opts = [c["case"]["opts"] for c in ASYNC_CASES]
+    assert len({o["model"] for o in opts}) == 4
+    assert {o["gdn_prefill_backend"] for o in opts} == {"flashinfer", "triton"}
+    assert {o.get("prefix_cache_retention_interval") for o in opts} == {0, None, 128}
 
 
 def test_the_recorded_cases_cover_both_backends_and_every_retention():
@@ -116,6 +137,19 @@ def test_replays_with_and_without_prefix_caching():
     linear = on.summary["kv_cache_groups"]["linear_attention"]
     assert linear == {"kind": "gated_deltanet", "state_bytes_per_layer": 274432, "state_blocks_per_request": 9,
                       "page_bytes_per_layer": 320 * 1024, "mamba_cache_mode": "align", "prefill_checkpoints": True}
+
+
+def test_async_replays_with_prefix_caching():
+    """Async scheduling with prefix caching on Qwen3-Next at TP 4: a replay that jumps over decode
+    runs equals one that steps every decode, the shared prefixes hit as they do without async
+    scheduling, and the pool's preemptions happen."""
+    trace = read_trace(ROOT / "traces" / "req400_prefix10.parquet")
+    options = dict(tensor_parallel_size=4, num_gpu_blocks=600, max_model_len=8192)
+    res = assert_decode_runs_change_nothing(trace, _config(async_scheduling=True, **options))
+    sync = assert_decode_runs_change_nothing(trace, _config(**options))
+    assert res.summary["num_finished"] == 400 and res.summary["num_preemptions"] > 0
+    assert abs(res.summary["prefix_cache_hit_rate"] - sync.summary["prefix_cache_hit_rate"]) < 0.05
+    assert res.summary["prefix_cache_hit_rate"] > 0.1
 
 
 def test_cli_picks_the_prefill_backend(tmp_path):
