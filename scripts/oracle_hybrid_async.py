@@ -131,16 +131,12 @@ def linear_case(rng: np.random.Generator, align: bool = False):
     """A case on a small model with linear-attention layers (scripts/oracle_linear.py's), prefix
     caching off (vLLM's mamba_cache_mode "none"), or with `align` on (mode "align": chunked
     prefill, a random prefill backend and retention)."""
-    from oracle_linear import MODELS
+    from oracle_linear import MODELS, prefix_caching_options
 
     frame, opts = make_case(rng)
     opts["model"] = str(rng.choice(MODELS))
     opts["block_size"] = int(rng.choice([16, 32]))
-    opts["enable_prefix_caching"] = align
-    if align:
-        opts["enable_chunked_prefill"] = True
-        opts["gdn_prefill_backend"] = str(rng.choice(["flashinfer", "triton"]))
-        opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
+    prefix_caching_options(rng, opts, align)
     config = EngineConfig.from_flat(opts | {"async_scheduling": True})
     opts["block_size"] = config.cache.block_size  # (FlashInfer's prefill checkpoints align it to 64)
     fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1

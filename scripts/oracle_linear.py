@@ -31,6 +31,17 @@ MODELS = ("tests/core/data/tiny_gdn_8x4.json", "tests/core/data/tiny_gdn_4x2.jso
           "tests/core/data/tiny_mamba2_10x5.json", "tests/core/data/tiny_nemotron_h.json")
 
 
+def prefix_caching_options(rng, opts: dict, align: bool) -> None:
+    """vLLM's mamba_cache_mode "none", or with `align` prefix caching ("align": chunked prefill,
+    Gated DeltaNet's prefill on FlashInfer's kernel or Triton's, with or without checkpoints
+    inside a chunk, and retention 0, None or 128)."""
+    opts["enable_prefix_caching"] = align
+    if align:
+        opts["enable_chunked_prefill"] = True
+        opts["gdn_prefill_backend"] = str(rng.choice(["flashinfer", "triton"]))
+        opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
+
+
 def make_case(rng, speculative: bool = False, align: bool = False) -> dict:
     block_size = int(rng.choice([16, 32]))
     max_model_len = int(rng.choice([64, 128, 256]))
@@ -43,13 +54,7 @@ def make_case(rng, speculative: bool = False, align: bool = False) -> dict:
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["scheduler_reserve_full_isl"] = bool(rng.random() < 0.7)
     opts["model"] = str(rng.choice(MODELS))
-    # vLLM's mamba_cache_mode "none", or with --align prefix caching ("align"; Gated DeltaNet's prefill
-    # on FlashInfer's kernel or Triton's: with or without checkpoints inside a chunk)
-    opts["enable_prefix_caching"] = align
-    if align:
-        opts["enable_chunked_prefill"] = True
-        opts["gdn_prefill_backend"] = str(rng.choice(["flashinfer", "triton"]))
-        opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
+    prefix_caching_options(rng, opts, align)
     if speculative and not align and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
         oracle_vllm.random_spec_options(rng, opts)
         opts["speculative_method"] = str(rng.choice(["ngram", "mtp"]))
