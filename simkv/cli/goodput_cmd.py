@@ -82,15 +82,19 @@ def grid_markdown(record: dict) -> str:
     from simkv.replay.goodput import describe_slo
 
     keys = list(record["grid"])
+    # the block size the engine ran with, where some combination's is not the one it asked for
+    grown = any(c.get("engine_block_size", c.get("asked_block_size")) != c.get("asked_block_size")
+                for c in record["cells"])
+    head_keys = keys + (["engine block size"] if grown else [])
     lines = [f"# simkv goodput over a grid: {record['trace']}", "",
              f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests meet "
              f"all of them; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
              f"(to {100 * record['tolerance']:g} %).", "",
-             "| " + " | ".join(keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | probes |"
+             "| " + " | ".join(head_keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | probes |"
              + (" replicas |" if record.get("target_rate_req_s") else ""),
-             "|" + "---|" * len(keys) + "---:|---:|---:|---:|---:|" + ("---:|" if record.get("target_rate_req_s") else "")]
+             "|" + "---|" * len(head_keys) + "---:|---:|---:|---:|---:|" + ("---:|" if record.get("target_rate_req_s") else "")]
     for c in record["cells"]:
-        head = " | ".join(str(c["swept"][k]) for k in keys)
+        head = " | ".join([str(c["swept"][k]) for k in keys] + ([str(c.get("engine_block_size", ""))] if grown else []))
         if c["status"] == "failed":
             lines.append(f"| {head} | failed: {c['error'][:80]} | | | | |" + (" |" if record.get("target_rate_req_s") else ""))
             continue

@@ -179,13 +179,18 @@ def _search_cell(task: dict) -> dict:
         fleet, pd = pool_specs(task.get("fleet"))
         if pd is not None:
             out["num_replicas"] = pd.num_prefill + pd.num_decode
-        record = search_max_rate(read_trace(task["trace"]), EngineConfig.from_flat(task["options"]), task["slo_ms"],
+        config = EngineConfig.from_flat(task["options"])
+        record = search_max_rate(read_trace(task["trace"]), config, task["slo_ms"],
                                  target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
                                  cost_options=task["cost_options"], fleet=fleet, disaggregation=pd)
     except ValueError as exc:  # ConfigError, GoodputSearchError, TraceError: this cell's, not the grid's
         return out | {"status": "failed", "error": str(exc).splitlines()[0]}
+    # the block size the engine ran with and the one asked for (16 when none): vLLM grows it on
+    # hybrid models and picks another for some latent-attention backends
+    asked = dict(task["options"]).get("block_size") or 16
     return out | {"status": record["status"], "max_rate_req_s": record["max_rate_req_s"],
-                  "at_max": _probe_at_max(record), "num_probes": len(record["probes"])}
+                  "at_max": _probe_at_max(record), "num_probes": len(record["probes"]),
+                  "engine_block_size": config.cache.block_size, "asked_block_size": asked}
 
 
 def _probe_at_max(record: dict) -> dict | None:

@@ -31,7 +31,13 @@ METRICS: dict[str, tuple[str, ...]] = {
     "output_throughput_tok_s": ("output_throughput_tok_s",),
     "request_throughput_req_s": ("request_throughput_req_s",),
 }
-INT_METRICS = {"num_requests", "num_finished", "num_gpu_blocks", "num_steps", "peak_running", "num_preemptions"}
+INT_METRICS = {"num_requests", "num_finished", "num_gpu_blocks", "num_steps", "peak_running", "num_preemptions",
+               "engine_block_size"}
+# The block size the engine ran with, where a cell's differs from the one it asked for (16 when
+# none): vLLM grows it for hybrid models (attention pages as large as a Mamba state) and picks
+# another for some latent-attention backends, so cells asking for different sizes may run alike.
+ENGINE_BLOCK_SIZE = "engine_block_size"
+_DEFAULT_BLOCK_SIZE = 16
 # with --goodput SLOs (only then, so that other sweeps' tables keep their columns)
 GOODPUT_METRICS: dict[str, tuple[str, ...]] = {
     "slo_attainment": ("goodput", "slo_attainment"),
@@ -66,7 +72,25 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         for col, path in metrics.items():
             row[col] = _get(summary, path)
         rows.append(row)
-    return rows
+    return _with_engine_block_size(cells, outcomes, rows)
+
+
+def _with_engine_block_size(cells: list[Cell], outcomes: dict[str, dict], rows: list[dict]) -> list[dict]:
+    """The rows with an engine_block_size column after `error`, when some cell ran with another
+    block size than it asked for (otherwise the rows unchanged)."""
+    used = [_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("config", "block_size")) for c in cells]
+    asked = [dict(c.options).get("block_size") or _DEFAULT_BLOCK_SIZE for c in cells]
+    if all(u is None or u == a for u, a in zip(used, asked)):
+        return rows
+    out = []
+    for row, u in zip(rows, used):
+        new = {}
+        for key, value in row.items():
+            new[key] = value
+            if key == "error":
+                new[ENGINE_BLOCK_SIZE] = u
+        out.append(new)
+    return out
 
 
 def _key_type(values: list) -> pa.DataType:

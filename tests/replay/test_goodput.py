@@ -170,6 +170,27 @@ def test_a_grid_search_finds_each_combinations_rate_and_the_best(tmp_path):
     assert r.exit_code == 2 and "unknown option 'max_seqs'" in r.output
 
 
+def test_a_grid_search_says_the_block_size_a_hybrid_engine_ran_with(tmp_path):
+    # vLLM grows a hybrid model's block size until an attention page holds a Mamba state: on
+    # Qwen3-Next every block size asked for runs as the same engine, and the table says so
+    from simkv.cli.goodput_cmd import grid_markdown
+    from simkv.studies.goodput_search import search_grid
+
+    trace = tmp_path / "head.parquet"
+    assert CliRunner().invoke(main, ["trace", "transform", AZURE, "--head", "200", "--out", str(trace)]).exit_code == 0
+    base = {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 4}
+    kwargs = dict(target=0.95, tolerance=0.1, cost_model="linear", cost_options=LINEAR)
+    record = search_grid(str(trace), base, {"block_size": [16, 64]}, {"tpot": 40.0}, **kwargs)
+    cells = record["cells"]
+    grown = EngineConfig.from_flat(base).cache.block_size
+    assert grown > 64 and [(c["asked_block_size"], c["engine_block_size"]) for c in cells] == [(16, grown), (64, grown)]
+    assert cells[0]["max_rate_req_s"] == cells[1]["max_rate_req_s"]
+    md = grid_markdown(record | {"trace": str(trace), "cost_model": "linear"})
+    assert "| block_size | engine block size | max rate" in md and f"| 16 | {grown} | " in md
+    plain = search_grid(str(trace), {}, {"block_size": [16, 32]}, {"tpot": 40.0}, **kwargs)
+    assert "engine block size" not in grid_markdown(plain | {"trace": str(trace), "cost_model": "linear"})
+
+
 def test_fleets_sustain_about_their_replicas_times_one_engines_rate():
     from simkv.replay.api import FleetSpec
     from simkv.studies.goodput_search import check_replicas

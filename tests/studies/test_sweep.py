@@ -96,7 +96,7 @@ def test_local_sweep_table(local_sweep):
     assert [(r["block_size"], r["watermark"]) for r in table] == [
         (b, w) for b in (8, 16, 32) for w in (0.0, 0.01, 0.05)]
     assert all(r["status"] == "ok" and r["error"] is None for r in table)
-    assert set(METRICS) <= set(table[0])
+    assert set(METRICS) <= set(table[0]) and "engine_block_size" not in table[0]  # (every cell ran as asked)
     assert not any("wall" in name for name in table[0])
     for b in (8, 16, 32):
         pre = [r["num_preemptions"] for r in table if r["block_size"] == b]
@@ -325,3 +325,18 @@ def test_router_thresholds_are_grid_keys(tmp_path):
     bad = sweep(trace, "--grid", "cache_threshold=0.1", "--set", "replicas=2", "--set", "max_model_len=32768",
                 "--out", str(tmp_path / "bad"))
     assert bad.exit_code == 1 and "thresholds of the prefix_aware router; this cell's router is round_robin" in bad.output
+
+
+def test_cells_that_ran_another_block_size_say_so(tmp_path):
+    # vLLM grows a hybrid model's block size until an attention page holds a Mamba state: the
+    # cells asking for 16 and 64 run the same engine, and the table shows the size they ran with
+    out = tmp_path / "sweep"
+    res = sweep(TRACE, "--grid", "block_size=16,64", "--set", "model=qwen3-next-80b-a3b", "--set", "gpu=H200",
+                "--set", "tensor_parallel_size=4", "--cost-model", "unit", "--workers", "1", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    grown = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 4}).cache.block_size
+    assert grown > 64 and [(r["block_size"], r["engine_block_size"]) for r in rows] == [(16, grown), (64, grown)]
+    assert rows[0]["num_steps"] == rows[1]["num_steps"]
+    assert list(rows[0]).index("engine_block_size") == list(rows[0]).index("error") + 1
+    assert f"| 16 | ok |  | {grown} |" in (out / "sweep.md").read_text()
