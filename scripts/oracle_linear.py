@@ -8,7 +8,8 @@ prefix caching (mamba_cache_mode "none": a MambaSpec of max_model_len-token bloc
 per request). simkv's `Scheduler` runs the same random cases (blocks of 16 or 32 tokens, small
 pools, priorities, watermarks, chunked prefill on and off, long-prefill thresholds; with
 --speculative, ngram or MTP drafts in 60 % of them: K more state blocks per Mamba group and
-request, vLLM's num_speculative_blocks, and the MTP layer in the full-attention group). Every
+request, vLLM's num_speculative_blocks, and the MTP layer in the full-attention group; with
+--align too, the scratch state blocks of mode "align" and MTP's lookahead block keys). Every
 step's scheduled tokens, running and waiting requests and blocks in use (all groups), every
 request's first-token and finish step, and the accepted drafts must be equal.
 
@@ -55,7 +56,7 @@ def make_case(rng, speculative: bool = False, align: bool = False) -> dict:
     opts["scheduler_reserve_full_isl"] = bool(rng.random() < 0.7)
     opts["model"] = str(rng.choice(MODELS))
     prefix_caching_options(rng, opts, align)
-    if speculative and not align and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
+    if speculative and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
         oracle_vllm.random_spec_options(rng, opts)
         opts["speculative_method"] = str(rng.choice(["ngram", "mtp"]))
         opts.pop("spec_draft_model", None)

@@ -14,7 +14,7 @@ small pools that preempt, shared prompt content, priorities, watermarks, chunked
 and off, budgets that cut drafts, dynamic speculation lengths; with --hybrid, oracle_hybrid.py's
 KV-cache groups of sliding-window models, EAGLE in every case; with --linear, oracle_linear.py's
 Mamba groups beside full attention, MTP in every case; with --align, oracle_linear.py's align
-cases: Mamba prefix caching, no drafts). Every step's scheduled tokens,
+cases: Mamba prefix caching, no drafts; with --align --linear, those with MTP in every case). Every step's scheduled tokens,
 running and waiting requests and blocks in use, every request's first-token and finish step,
 the accepted drafts and the prefix-cache counts must be equal.
 
@@ -40,13 +40,15 @@ def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = Fal
     `hybrid`: oracle_hybrid.py's (KV-cache groups of a model with sliding-window layers, the
     EAGLE layer among them), always speculating with EAGLE; `linear`: oracle_linear.py's (Mamba
     groups beside full attention), always with MTP; `align`: oracle_linear.py's with prefix caching
-    (mamba_cache_mode "align"), no speculation."""
-    if align:
+    (mamba_cache_mode "align"), no speculation (with `linear` too: MTP in every case)."""
+    if align:  # (with `linear` too: MTP in every case)
         from oracle_linear import make_case as linear_case
 
-        case = linear_case(rng, False, True)
-        case["opts"]["async_scheduling"] = True
-        return case
+        while True:
+            case = linear_case(rng, linear, True)
+            if not linear or case["opts"].get("speculative_method") == "mtp":
+                case["opts"]["async_scheduling"] = True
+                return case
     if linear:
         from oracle_linear import make_case as linear_case
 

@@ -556,11 +556,9 @@ class EngineConfig:
             if not sched.enable_chunked_prefill:  # (vLLM asserts it, with this text)
                 raise ConfigError("Chunked prefill is required for Mamba prefix caching.")
             align = f"{where} with prefix caching (vLLM's mamba_cache_mode 'align')"
-            for bad, what in [(self.speculative.enabled, "speculative decoding"),
-                              (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63")]:
-                if bad:
-                    raise ConfigError(f"{align} is not modelled with {what} yet; pass --no-enable-prefix-caching "
-                                      "(vLLM's mamba_cache_mode 'none': one state per request)")
+            if cache.prefix_caching_hash_bits < 63:
+                raise ConfigError(f"{align} is not modelled with prefix_caching_hash_bits < 63 yet; pass "
+                                  "--no-enable-prefix-caching (vLLM's mamba_cache_mode 'none': one state per request)")
         if hw.decode_context_parallel_size > 1:  # (vLLM asserts it)
             raise ConfigError("DCP not support mamba now.")
         method = self.speculative.speculative_method

@@ -5,12 +5,17 @@ coordinator over one full-attention group and the Mamba groups in `mamba_cache_m
 A linear-attention layer keeps one recurrent state per sequence, not a K/V entry per token, so
 its group's block table holds a state, not tokens: entry i, when not the null block, is the state
 after (i + 1) x block_size tokens (the Mamba block size equals the attention block size). The
-rules, as vLLM's MambaManager applies them (prefix-hash granularity = block size, no speculative
-decoding):
+rules, as vLLM's MambaManager applies them (prefix-hash granularity = block size):
 - each step a request takes at most one new state block per Mamba group, at the index its
   scheduled tokens end in; the indices it skipped get the null block. A prefill chunk ending in a
   prompt's last block also takes a checkpoint block (one index lower) where the backend exports a
   state from inside a chunk (`prefill_checkpoints`: Mamba2's kernels, FlashInfer's GDN prefill);
+- under speculative decoding with K drafts (vLLM's num_speculative_blocks) the running state is
+  followed by K scratch blocks, taken with the request's first blocks, where the states after
+  each draft are written: when the request's tokens cross a boundary the first scratch block
+  becomes the running state and one new block joins the end; scratch blocks the tokens jumped
+  past move to the end (vLLM's _relocate_speculative_block). The draft tokens count as
+  scheduled tokens; the lookahead slots of the next drafts are the attention group's only;
 - a state block is given back the step after the request's tokens moved past it (vLLM's
   remove_skipped_blocks with `num_computed_tokens - 1` skipped tokens): a running request holds
   one state block per group, two for the step after it crossed a block boundary;
@@ -100,7 +105,7 @@ class MambaAlignCoordinator:
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, group_is_linear: tuple[bool, ...],
                  enable_caching: bool = True, watermark: float = 0.0, retention_interval: int | None = 0,
-                 prefill_checkpoints: bool = False) -> None:
+                 prefill_checkpoints: bool = False, num_speculative_blocks: int = 0, hash_lookahead: int = 0) -> None:
         if sum(not x for x in group_is_linear) != 1 or all(not x for x in group_is_linear):
             raise ValueError("the Mamba-align coordinator models one attention group beside the Mamba groups")
         self.block_size = block_size
@@ -109,7 +114,9 @@ class MambaAlignCoordinator:
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         self.null_block = self.block_pool.null_block
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.hasher = BlockHasher(block_size)
+        # (EAGLE family and MTP: a block's key covers the token after it, vLLM's lookahead block hashes)
+        self.hasher = BlockHasher(block_size, lookahead=hash_lookahead)
+        self.num_spec = num_speculative_blocks  # scratch state blocks after the running state
         self.retention_interval = retention_interval
         self.prefill_checkpoints = prefill_checkpoints
         self.group_is_linear = tuple(group_is_linear)
@@ -194,19 +201,21 @@ class MambaAlignCoordinator:
         (recorded for the allocation when `record`). Can be negative, as vLLM's count is."""
         bs = self.block_size
         table = self._state.get(index, ())
-        num_new = cdiv(num_tokens, bs) - num_hit_entries - len(table)
+        allocated = index in self._allocated
+        num_new = cdiv(num_tokens, bs) + self.num_spec - num_hit_entries - len(table)
         position = prefill_checkpoint_position(num_tokens, bs)
         at = cdiv(num_tokens, bs) - 2
         checkpoint = (self.prefill_checkpoints and num_tokens >= prefill_end
                       and checkpoint_exportable(start, num_tokens, position, bs)
-                      and at >= 0 and (at >= len(table) or table[at] is None))
+                      and at >= 0 and (at >= len(table) or table[at] is None
+                                       or (allocated and at >= len(table) - self.num_spec)))
         if record:
             if checkpoint:
                 self._checkpoint[index] = at
             else:
                 self._checkpoint.pop(index, None)
-        if num_new > 0:
-            num_new = min(num_new, 1 + checkpoint)
+        if num_new > 0:  # (a request's first blocks include its scratch blocks)
+            num_new = min(num_new, 1 + checkpoint + (0 if allocated else self.num_spec))
         return num_new
 
     def _deferred(self, request: Request, hits) -> bool:
@@ -233,11 +242,11 @@ class MambaAlignCoordinator:
             # take or cache this step.
             need_slots = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
             if (need_slots <= len(attn) * bs and index not in self._checkpoint
-                    and cdiv(num_computed_tokens + num_new_tokens, bs) <= len(self._state[index])
+                    and cdiv(num_computed_tokens + num_new_tokens, bs) + self.num_spec <= len(self._state[index])
                     and not self._pending_release(index, num_computed_tokens)
                     and reserved_blocks <= pool.free_block_queue.num_free_blocks
                     and (not self.enable_caching
-                         or min(num_computed_tokens + num_new_tokens, request.num_tokens) // bs
+                         or min(num_computed_tokens + num_new_tokens, request.num_tokens - self.hasher.lookahead) // bs
                          <= self._num_cached.get(index, 0))):
                 self._allocated.add(index)
                 return []
@@ -314,13 +323,23 @@ class MambaAlignCoordinator:
         attn = self._attn[index]
         table = self._state[index]
         num_attn = max(cdiv(need_slots, bs) - len(attn), 0)
-        required = cdiv(main_tokens, bs)
+        k = self.num_spec
+        required = cdiv(main_tokens, bs) + k
         checkpoint = index in self._checkpoint
         num_state = 0
         if required > len(table) or checkpoint:
-            skipped = required - 1
-            if len(table) < skipped:
-                table.extend([None] * (skipped - checkpoint - len(table)))
+            prev_len = len(table)
+            skipped = required - k - 1
+            if prev_len < skipped:
+                table.extend([None] * (skipped - checkpoint - prev_len))
+            if k and index in self._allocated:
+                # scratch blocks the tokens moved past go to the end (one at the checkpoint's
+                # index stays: the checkpoint is exported there)
+                for i in range(prev_len - k, prev_len):
+                    if i >= skipped - checkpoint:
+                        break
+                    table.append(table[i])
+                    table[i] = None
             num_state = max(required - len(table), 0)
         self._allocated.add(index)
         if not num_attn and not num_state:
@@ -401,7 +420,10 @@ class MambaAlignCoordinator:
         """Make the request's full blocks below `num_tokens` findable: every attention block, the
         reachable states of the Mamba groups."""
         index = request.index
-        end = num_tokens // self.block_size
+        # (with lookahead keys, the blocks whose next token is known; a steady decoder's
+        # request.num_tokens lags, but steady decoders run without speculation)
+        lookahead = self.hasher.lookahead
+        end = (min(num_tokens, request.num_tokens - lookahead) if lookahead else num_tokens) // self.block_size
         start = self._num_cached[index]
         if end <= start:
             return
@@ -430,6 +452,13 @@ class MambaAlignCoordinator:
                         self._cached_this_step.add(keys[i])
         if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True
+
+    def cache_verified(self, request: Request, num_computed_tokens: int) -> None:
+        """Speculative decoding: a request's sampled tokens arrived; its full blocks up to them
+        are cached now (vLLM's update_from_output does), not at its next allocation, so a state it
+        moves past in its next step is given back cached."""
+        if self.enable_caching and request.index in self._attn:
+            self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
 
     # ---- steady decoders (core/steady_decoders.py) --------------------------------------------
     def next_decode_event(self, request: Request) -> int:

@@ -86,7 +86,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.kv_cache_manager = MambaAlignCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, tuple(g.linear for g in groups.groups),
                 cc.enable_prefix_caching, cc.watermark, config.attention.prefix_cache_retention_interval,
-                config.mamba_prefill_checkpoints)
+                config.mamba_prefill_checkpoints,
+                num_speculative_blocks=config.speculative.num_speculative_tokens if config.speculative.enabled else 0,
+                hash_lookahead=int(config.speculative.is_eagle_family and not kv_connector))
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,

@@ -153,8 +153,6 @@ def test_admission_counts_the_state_blocks():
     ({"enable_prefix_caching": True, "enable_chunked_prefill": False, "max_model_len": 4096}, "Chunked prefill is required for Mamba prefix caching."),
     ({"enable_prefix_caching": True, "prefix_caching_hash_bits": 32},
      "mamba_cache_mode 'align'.* not modelled with prefix_caching_hash_bits < 63 yet; pass --no-enable-prefix-caching"),
-    ({"enable_prefix_caching": True, "speculative_method": "mtp", "num_speculative_tokens": 2},
-     "not modelled with speculative decoding yet"),
     ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "not modelled with speculative_method 'eagle'"),
     ({"tensor_parallel_size": 8, "decode_context_parallel_size": 2}, "DCP not support mamba now."),
     ({"sliding_window": 128}, "not modelled with sliding-window or chunked-attention overrides"),

@@ -19,6 +19,9 @@ from tests.replay.test_linear_attention import QWEN3_NEXT, _rooted
 ROOT = Path(__file__).resolve().parents[2]
 CASES = json.loads((ROOT / "tests" / "core" / "data" / "linear_align_vllm_cases.json").read_text())["cases"]
 ASYNC_CASES = json.loads((ROOT / "tests" / "core" / "data" / "linear_align_async_vllm_cases.json").read_text())["cases"]
+SPEC_CASES = json.loads((ROOT / "tests" / "core" / "data" / "linear_align_spec_vllm_cases.json").read_text())["cases"]
+SPEC_ASYNC_CASES = json.loads(
+    (ROOT / "tests" / "core" / "data" / "linear_align_spec_async_vllm_cases.json").read_text())["cases"]
 
 
 def _config(**options) -> EngineConfig:
@@ -49,6 +52,44 @@ def test_same_steps_as_vllm_async(index):
     ours = assert_same_async_spec_steps_as_vllm(case)
     assert max(row[3] for row in ours["steps"]) == case["case"]["opts"]["num_gpu_blocks"] - 1  # (the pool filled)
     assert case["vllm"]["prefix"][1] > 0
+
+
+@pytest.mark.parametrize("index", range(len(SPEC_CASES)))
+def test_same_steps_as_vllm_with_drafts(index):
+    """Recorded cases of scripts/oracle_linear.py --align --speculative: ngram or MTP drafts on
+    Mamba groups in mode "align", K scratch state blocks after each running state (vLLM's
+    num_speculative_blocks, relocated when the tokens jump past them), MTP's lookahead block
+    keys, blocks cached when a step's sampled tokens arrive. Steps, requests, accepted drafts,
+    prefix-cache counts."""
+    case = _rooted(SPEC_CASES[index])
+    opts = case["case"]["opts"]
+    assert case["case"]["mamba_cache_mode"] == "align" and opts["speculative_method"] in ("ngram", "mtp")
+    ours = assert_same_steps_as_vllm(case)
+    assert max(row[3] for row in ours["steps"]) == opts["num_gpu_blocks"] - 1  # (the pool filled)
+    sched = ours["scheduler"]
+    assert sched.spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"] > 0
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert [stats.queries, stats.hits] == case["vllm"]["prefix"] and stats.hits > 0
+
+
+@pytest.mark.parametrize("index", range(len(SPEC_ASYNC_CASES)))
+def test_same_steps_as_vllm_async_with_mtp(index):
+    """Recorded cases of scripts/oracle_spec_async.py --align --linear: MTP drafts under async
+    scheduling on Mamba groups in mode "align" (vLLM's AsyncScheduler, two batches deep)."""
+    case = _rooted(SPEC_ASYNC_CASES[index])
+    opts = case["case"]["opts"]
+    assert opts["async_scheduling"] and opts["speculative_method"] == "mtp"
+    ours = assert_same_async_spec_steps_as_vllm(case)
+    assert max(row[3] for row in ours["steps"]) == opts["num_gpu_blocks"] - 1
+    assert case["vllm"]["accepted"] > 0 and case["vllm"]["prefix"][1] > 0
+
+
+def test_the_draft_cases_cover_both_methods_backends_and_every_retention():
+    opts = [c["case"]["opts"] for c in SPEC_CASES]
+    assert {o["speculative_method"] for o in opts} == {"ngram", "mtp"}
+    assert {o["gdn_prefill_backend"] for o in opts} == {"flashinfer", "triton"}
+    assert {o.get("prefix_cache_retention_interval") for o in opts} == {0, None, 128}
+    assert len({o["model"] for o in opts}) == 4
 
 
 def test_the_async_cases_cover_every_model_backend_and_retention():
