@@ -52,6 +52,15 @@ class BlockHasher:
         lookahead tokens after them)."""
         return max(request.num_shared_tokens - self.lookahead, 0) // self.block_size
 
+    def num_cacheable_blocks(self, request: Request, num_tokens: int) -> int:
+        """Full blocks among the first `num_tokens` a coordinator caches: with lookahead keys
+        (EAGLE family, MTP) only those whose next token is known. (A steady decoder's
+        request.num_tokens lags its progress; steady decoders run without lookahead keys, as
+        speculative decoding has none, so the cap applies only with them.)"""
+        if self.lookahead:
+            num_tokens = min(num_tokens, request.num_tokens - self.lookahead)
+        return num_tokens // self.block_size
+
     def num_hashed_blocks(self, request: Request, num_tokens: int) -> int:
         """Full blocks among the first `num_tokens` whose key exists (the lookahead tokens
         after them known too)."""

@@ -247,7 +247,7 @@ class KVCacheCoordinator:
             if (need_slots <= held * bs and self._num_skipped_blocks(release_at) <= self._nulls.get(index, 0)
                     and reserved_blocks <= self.block_pool.free_block_queue.num_free_blocks
                     and (not self.enable_caching or delay_cache
-                         or self._cacheable_blocks(request, min(num_computed_tokens + num_new_tokens,
+                         or self.hasher.num_cacheable_blocks(request, min(num_computed_tokens + num_new_tokens,
                                                                 request.num_tokens))
                          <= self._num_cached.get(index, 0))):
                 return []
@@ -392,7 +392,7 @@ class KVCacheCoordinator:
         """Make the request's full blocks below `num_tokens` findable: all of them in full-attention
         groups; in sliding-window groups only the runs a later hit can end at."""
         index = request.index
-        end = self._cacheable_blocks(request, num_tokens)
+        end = self.hasher.num_cacheable_blocks(request, num_tokens)
         start = self._num_cached.get(index, 0)
         if end <= start:
             return
@@ -414,15 +414,6 @@ class KVCacheCoordinator:
                     cache_block(block, keys[i - start] + gid)
         if end > shared and (self.full_gids or any(i >= shared for i in window_positions)):
             request.has_own_cached_blocks = True  # (a preempted request may hit its own blocks)
-
-    def _cacheable_blocks(self, request: Request, num_tokens: int) -> int:
-        """Full blocks among the first `num_tokens` whose keys exist: with lookahead keys (EAGLE
-        family) the token after a block must be known too. (A steady decoder's num_tokens lags
-        its progress; it runs without lookahead keys, as speculative decoding has none.)"""
-        lookahead = self.hasher.lookahead
-        if lookahead:
-            num_tokens = min(num_tokens, request.num_tokens - lookahead)
-        return num_tokens // self.block_size
 
     def cache_verified(self, request: Request, num_computed_tokens: int) -> None:
         """Speculative decoding: a request's sampled tokens arrived; its full blocks up to them

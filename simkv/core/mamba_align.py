@@ -246,7 +246,7 @@ class MambaAlignCoordinator:
                     and not self._pending_release(index, num_computed_tokens)
                     and reserved_blocks <= pool.free_block_queue.num_free_blocks
                     and (not self.enable_caching
-                         or min(num_computed_tokens + num_new_tokens, request.num_tokens - self.hasher.lookahead) // bs
+                         or self.hasher.num_hashed_blocks(request, num_computed_tokens + num_new_tokens)
                          <= self._num_cached.get(index, 0))):
                 self._allocated.add(index)
                 return []
@@ -420,10 +420,7 @@ class MambaAlignCoordinator:
         """Make the request's full blocks below `num_tokens` findable: every attention block, the
         reachable states of the Mamba groups."""
         index = request.index
-        # (with lookahead keys, the blocks whose next token is known; a steady decoder's
-        # request.num_tokens lags, but steady decoders run without speculation)
-        lookahead = self.hasher.lookahead
-        end = (min(num_tokens, request.num_tokens - lookahead) if lookahead else num_tokens) // self.block_size
+        end = self.hasher.num_cacheable_blocks(request, num_tokens)
         start = self._num_cached[index]
         if end <= start:
             return

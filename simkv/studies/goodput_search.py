@@ -185,9 +185,10 @@ def _search_cell(task: dict) -> dict:
                                  cost_options=task["cost_options"], fleet=fleet, disaggregation=pd)
     except ValueError as exc:  # ConfigError, GoodputSearchError, TraceError: this cell's, not the grid's
         return out | {"status": "failed", "error": str(exc).splitlines()[0]}
-    # the block size the engine ran with and the one asked for (16 when none): vLLM grows it on
-    # hybrid models and picks another for some latent-attention backends
-    asked = dict(task["options"]).get("block_size") or 16
+    from simkv.sweep.grid import requested_block_size
+
+    # the block size the engine ran with and the one asked for (they differ on hybrid models)
+    asked = requested_block_size(task["options"])
     return out | {"status": record["status"], "max_rate_req_s": record["max_rate_req_s"],
                   "at_max": _probe_at_max(record), "num_probes": len(record["probes"]),
                   "engine_block_size": config.cache.block_size, "asked_block_size": asked}

@@ -75,6 +75,13 @@ def parse_grid(specs: list[str]) -> dict[str, list]:
     return grid
 
 
+def requested_block_size(options) -> int:
+    """The block size a cell's engine options ask for (CacheConfig's default when none); the
+    engine may run another (vLLM grows it for hybrid models, some latent-attention backends
+    pick theirs)."""
+    return dict(options).get("block_size") or CacheConfig().block_size
+
+
 @dataclass(frozen=True)
 class Cell:
     """One replay of a sweep: a trace and every option in force (fixed options + this combination)."""

@@ -9,7 +9,7 @@ import math
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from simkv.sweep.grid import Cell
+from simkv.sweep.grid import Cell, requested_block_size
 
 # column -> path into summary.json
 METRICS: dict[str, tuple[str, ...]] = {
@@ -33,11 +33,9 @@ METRICS: dict[str, tuple[str, ...]] = {
 }
 INT_METRICS = {"num_requests", "num_finished", "num_gpu_blocks", "num_steps", "peak_running", "num_preemptions",
                "engine_block_size"}
-# The block size the engine ran with, where a cell's differs from the one it asked for (16 when
-# none): vLLM grows it for hybrid models (attention pages as large as a Mamba state) and picks
-# another for some latent-attention backends, so cells asking for different sizes may run alike.
+# The block size the engine ran with, where a cell's differs from the one it asked for
+# (grid.requested_block_size): cells asking for different sizes may run alike.
 ENGINE_BLOCK_SIZE = "engine_block_size"
-_DEFAULT_BLOCK_SIZE = 16
 # with --goodput SLOs (only then, so that other sweeps' tables keep their columns)
 GOODPUT_METRICS: dict[str, tuple[str, ...]] = {
     "slo_attainment": ("goodput", "slo_attainment"),
@@ -79,7 +77,7 @@ def _with_engine_block_size(cells: list[Cell], outcomes: dict[str, dict], rows: 
     """The rows with an engine_block_size column after `error`, when some cell ran with another
     block size than it asked for (otherwise the rows unchanged)."""
     used = [_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("config", "block_size")) for c in cells]
-    asked = [dict(c.options).get("block_size") or _DEFAULT_BLOCK_SIZE for c in cells]
+    asked = [requested_block_size(c.options) for c in cells]
     if all(u is None or u == a for u, a in zip(used, asked)):
         return rows
     out = []
