@@ -9,7 +9,9 @@ requests in one engine, small pools, shared prompt content, priorities, watermar
 `--speculative`, speculative decoding in 60 % of the cases, as scripts/oracle_spec.py plays it;
 with `--hybrid`, the KV-cache groups of models with sliding-window layers, as
 scripts/oracle_hybrid.py forms them, with a connector that supports vLLM's hybrid manager as
-NIXL does, and ngram as the speculative method). Each
+NIXL does, and ngram as the speculative method; with `--linear`, oracle_linear.py's models with
+linear-attention layers, the connector backing off the prompt's last token as NIXL does for
+Mamba layers, drafts ngram or MTP). Each
 pull's read ends in the output of the step `latency - 1` after the one that admitted it, and
 each send is released `latency` steps after its finish, on both sides. Every step's scheduled
 tokens, running and waiting requests and blocks in use, and every request's first-token and
@@ -19,6 +21,7 @@ A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_pd.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 [--speculative]
     .venv/bin/python scripts/oracle_pd.py --hybrid --cases 150 --seed 1
+    .venv/bin/python scripts/oracle_pd.py --linear --cases 100 --seed 4 [--speculative] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 
 # ---- cases ------------------------------------------------------------------------------------
-def make_case(rng, speculative: bool = False, hybrid: bool = False, async_scheduling: bool = False) -> dict:
-    block_size = int(rng.choice([4, 8, 16]))
+def make_case(rng, speculative: bool = False, hybrid: bool = False, async_scheduling: bool = False,
+              linear: bool = False, align: bool = False) -> dict:
+    block_size = int(rng.choice([16, 32] if linear else [4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
     requests = []
@@ -63,6 +67,8 @@ def make_case(rng, speculative: bool = False, hybrid: bool = False, async_schedu
             opts["speculative_method"] = "eagle"
     if async_scheduling:
         opts["async_scheduling"] = True
+    if linear:
+        return _linear_case(rng, opts, requests, speculative, async_scheduling, align)
     if not hybrid:
         return {"opts": opts, "requests": requests}
     # sliding-window layers (oracle_hybrid.py's layer patterns): vLLM's hybrid manager with NIXL (HMA)
@@ -81,6 +87,43 @@ def make_case(rng, speculative: bool = False, hybrid: bool = False, async_schedu
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
     return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows)}
+
+
+def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_scheduling: bool, align: bool) -> dict:
+    """oracle_linear.py's models (Mamba groups beside a full-attention group) and, with `align`,
+    its prefix-caching options; drafts are ngram or MTP (MTP alone under async scheduling)."""
+    from oracle_linear import MODELS, prefix_caching_options
+    from simkv.capacity import group_blocks_per_request
+    from simkv.config import ConfigError, EngineConfig
+
+    opts["model"] = str(rng.choice(MODELS))
+    prefix_caching_options(rng, opts, align)
+    if opts.get("speculative_method"):
+        opts["speculative_method"] = "mtp" if async_scheduling else str(rng.choice(["ngram", "mtp"]))
+        opts.pop("spec_draft_model", None)
+    flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
+    flat.pop("reserve_full_isl")
+    try:
+        config = EngineConfig.from_flat(flat)
+    except ConfigError:  # (an MTP layer that splits the attention layers in two groups: refused;
+        if opts.get("speculative_method") != "mtp":  # then ngram, or no drafts under async scheduling)
+            raise
+        if async_scheduling:
+            for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
+                opts.pop(key)
+                flat.pop(key)
+        else:
+            opts["speculative_method"] = flat["speculative_method"] = "ngram"
+        config = EngineConfig.from_flat(flat)
+    fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
+    opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
+    opts["block_size"] = config.cache.block_size
+    groups = config.kv_cache_groups
+    case = {"opts": opts, "requests": requests, "group_windows": list(groups.windows),
+            "group_linear": [g.linear for g in groups.groups]}
+    if align:
+        case |= {"mamba_cache_mode": "align", "mamba_prefill_checkpoints": config.mamba_prefill_checkpoints}
+    return case
 
 
 def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:
@@ -107,7 +150,28 @@ try:
     class FakePDConnector(KVConnectorBase_V1, SupportsHMA):
         """Towards the scheduler, NIXL's pull mode: "pull" requests load their whole prompt
         asynchronously; "send" requests delay freeing their blocks. It supports the hybrid
-        manager (HMA) as NIXL does: a send holds the blocks of every group."""
+        manager (HMA) as NIXL does: a send holds the blocks of every group. With Mamba layers,
+        as NIXL's _prefill_backoff: a send drops its prompt's last token when it arrives, a pull
+        loads the prompt less that token (the decode side computes it); and like NIXL it lets
+        a pull's local hit be the full-attention group's (supports_divergent_local_hybrid_hits)."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config, role, kv_cache_config)
+            self.backoff = int(kv_cache_config is not None and kv_cache_config.has_mamba_layers)
+
+        @property
+        def supports_divergent_local_hybrid_hits(self) -> bool:
+            return True
+
+        def on_new_request(self, request):
+            params = request.kv_transfer_params or {}
+            b = self.backoff
+            if b and params.get("send") and not params.get("truncated") and request.num_prompt_tokens > b:
+                del request.prompt_token_ids[-b:]
+                del request._all_token_ids[-b:]
+                request.num_prompt_tokens -= b
+                request.max_tokens = 1
+                params["truncated"] = True
 
         def request_finished_all_groups(self, request, block_ids):
             params = request.kv_transfer_params or {}
@@ -118,7 +182,8 @@ try:
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             params = request.kv_transfer_params or {}
             if params.get("pull"):
-                count = len(request.prompt_token_ids) - num_computed_tokens
+                n, b = len(request.prompt_token_ids), self.backoff
+                count = (n - b if b and n > b else n) - num_computed_tokens
                 if count > 0:
                     return count, True
             return 0, False
@@ -169,7 +234,8 @@ class _VllmPD:
         import oracle_vllm
         from vllm.config import KVTransferConfig
 
-        o = case["opts"] | {"group_windows": case.get("group_windows")}  # (--hybrid cases have groups)
+        o = case["opts"] | {key: case.get(key) for key in (  # (--hybrid and --linear cases have groups)
+            "group_windows", "group_linear", "mamba_cache_mode", "mamba_prefill_checkpoints")}
         connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
                                      kv_connector_module_path="oracle_pd")
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
@@ -294,6 +360,8 @@ def run_vllm_async(case: dict) -> dict:
             so = sched.schedule()
             b = num_batches
             num_batches += 1
+            if os.environ.get("ORACLE_PD_DEBUG"):
+                print(b, dict(so.num_scheduled_tokens), list(pd.admitted), file=sys.stderr)
             pd.note_pulls(b)
             ran = so.total_num_scheduled_tokens > 0
             row = None
@@ -364,12 +432,13 @@ def differences(theirs: dict, ours: dict) -> list[str]:
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
+                                linear_flag=True, align_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, pulls=0, sends=0, steps=0)

@@ -78,6 +78,7 @@ class KVCacheManager:
         hash_lookahead: int = 0,
         eagle_block_drop: bool = False,
         num_state_blocks: int = 0,
+        num_state_groups: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -100,6 +101,7 @@ class KVCacheManager:
         if num_state_blocks and enable_caching:
             raise ValueError("state blocks of linear-attention groups are modelled without prefix caching")
         self.num_state_blocks = num_state_blocks
+        self.num_state_groups = num_state_groups  # (the groups those state blocks are spread over)
         self.req_to_state: dict[int, list[KVCacheBlock]] = {}
 
     # ---- lookups -------------------------------------------------------------------------
@@ -140,11 +142,17 @@ class KVCacheManager:
         return len(blocks) + self.num_state_blocks if blocks is not None else 0
 
     def remaining_blocks(self, request: Request, num_tokens: int) -> int:
-        """Blocks the request still needs to hold `num_tokens` slots."""
+        """Blocks the request still needs to hold `num_tokens` slots. A linear-attention group's
+        blocks are max_model_len tokens long in vLLM: `num_tokens` past max_model_len (a full
+        sequence plus a speculative step's slots, as P/D's reservations count them) ask one
+        more block of each."""
         blocks = self.req_to_blocks.get(request.index)
         if blocks is None:
             return cdiv(num_tokens, self.block_size) + (self.num_state_blocks if num_tokens else 0)
-        return max(0, cdiv(num_tokens, self.block_size) - len(blocks))
+        more = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
+        if self.num_state_groups and num_tokens > self.max_model_len:
+            more += self.num_state_groups * (cdiv(num_tokens, self.max_model_len) - 1)
+        return more
 
     def allocate_slots(
         self,

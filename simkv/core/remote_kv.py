@@ -18,6 +18,13 @@ A request has a KV role (`Request.kv_role`):
   and it is scheduled like any waiting request that holds KV: a one-token prefill, then decode.
   A pulled request that is preempted later recomputes locally (one pull per request).
 
+Models with linear-attention layers (vLLM's NIXL connector with Mamba layers, its
+`_prefill_backoff`): the decode side needs the state after the prompt's last token but one, so
+that it computes that token itself; the prefill engine drops its prompt's last token when the
+request arrives (`_truncate_for_prefill`), and a pull takes the prompt less that token (plus
+each linear-attention group's state). A pull whose local prefix hits already cover that much
+has nothing to pull: the request runs as a local one.
+
 Under async scheduling a connector that consumes KV (NIXL's kv_both, on either pool) makes
 vLLM defer block frees (`defer_block_free`): a step in flight might still write a request's
 blocks while the connector fills them for another, so
@@ -45,8 +52,11 @@ class RemoteKV:
         request.kv_loaded = True
         self._num_kv_ready += 1
 
-    def _init_remote_kv(self, defer_block_free: bool) -> None:
+    def _init_remote_kv(self, defer_block_free: bool, prefill_backoff: int = 0) -> None:
         self.defer_block_free = defer_block_free
+        # prompt tokens a pull leaves for the decode side to compute (linear attention: 1)
+        self.prefill_backoff = prefill_backoff
+        self._num_pulled_states = self.config.kv_cache_groups.num_linear_groups if prefill_backoff else 0
         self._deferred_frees: deque[tuple[int, list]] = deque()  # (fence step, the manager's entries)
 
     def finished_sending(self, request: Request) -> None:
@@ -85,13 +95,33 @@ class RemoteKV:
         self.kv_held[request.index] = request
         return True
 
-    def _admit_pull(self, request: Request, plan, skipped: list[Request]) -> bool:
+    def _truncate_for_prefill(self, request: Request) -> None:
+        """A KV_SEND request arriving at a prefill engine of a linear-attention model: its
+        prompt's last `prefill_backoff` tokens are left to the decode side (vLLM's
+        _truncate_request_for_prefill)."""
+        backoff = self.prefill_backoff
+        if request.num_prompt_tokens > backoff:
+            request.num_prompt_tokens -= backoff
+            request.num_shared_tokens = min(request.num_shared_tokens, request.num_prompt_tokens)
+            request.max_tokens = 1
+
+    def _pulled_prompt_tokens(self, request: Request) -> int:
+        """The prompt tokens a pull loads: all of them, or all but the backoff (linear attention)."""
+        n, backoff = request.num_prompt_tokens, self.prefill_backoff
+        return n - backoff if n > backoff else n
+
+    def _admit_pull(self, request: Request, plan, skipped: list[Request]) -> bool | None:
         """A KV_PULL request at the head of the waiting queue: blocks for its whole prompt (local
         prefix hits plus the external rest), then set aside until its pull ends. False if the
-        blocks do not fit (the waiting queue stops, as for any admission)."""
+        blocks do not fit (the waiting queue stops, as for any admission); None if its local hits
+        leave nothing to pull (it is scheduled as a local request)."""
         kv = self.kv_cache_manager
         hits = kv.get_computed_blocks(request)
-        external = request.num_prompt_tokens - hits.num_tokens
+        pulled_tokens = self._pulled_prompt_tokens(request)
+        external = pulled_tokens - hits.num_tokens
+        if external <= 0:
+            request.kv_role = 0
+            return None
         # sliding-window groups: the pulled tokens count as computed (windows take only their tail);
         # one group: they are the new tokens, as vLLM's single-type manager sees them
         num_new, pulled = (0, {"num_external_tokens": external}) if self._window_releases else (external, {})
@@ -106,10 +136,11 @@ class RemoteKV:
         plan.hit += hits.num_tokens
         request.num_prefix_hit_tokens = hits.num_tokens
         request.num_total_prefix_hit_tokens += hits.num_tokens
-        request.kv_pull_blocks = len(blocks)  # what the link carries (a window group's: its window only)
+        # what the link carries (a window group's: its window only; a linear group's: its state)
+        request.kv_pull_blocks = len(blocks) + self._num_pulled_states
         request.kv_role = 0  # one pull per request: a later preemption recomputes locally
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = pulled_tokens
         plan.kv_loads.append(request)
         return True
 
@@ -118,7 +149,8 @@ class RemoteKV:
         admitted only if it leaves them free (it holds its blocks for the whole transfer and
         cannot be preempted meanwhile). vLLM sums them over its in-flight prefills, pulls
         included; under speculative decoding each also needs its first speculative step's
-        1 + K + lookahead slots. Without it, pulls hold their whole prompt already."""
+        1 + K + lookahead slots. Without it, pulls hold their whole prompt already, unless the
+        prompt's last token is left to the decode side (linear attention) and needs a block."""
         kv = self.kv_cache_manager
         cap = self.max_model_len
         if self.num_spec_tokens:
@@ -127,6 +159,8 @@ class RemoteKV:
         else:
             extra = 0
             prefills = self._prefilling
+            if self.prefill_backoff:
+                prefills = prefills + list(self.kv_holding) + skipped
         return sum(kv.remaining_blocks(r, min(r.num_tokens, cap) + extra) for r in prefills)
 
     def _promote_pulled(self, request: Request) -> None:
@@ -155,7 +189,10 @@ class RemoteKV:
             request = self.waiting.peek_request()
             if request.kv_role != KV_PULL:
                 return self.waiting, request, bool(request.swapped_blocks)
-            if not self._admit_pull(request, plan, skipped):
+            admitted = self._admit_pull(request, plan, skipped)
+            if admitted is None:  # (its local hits cover what a pull would load)
+                return self.waiting, request, False
+            if not admitted:
                 self._blocked_marker = (request, self.kv_cache_manager.num_frees, plan.budget)
                 return None
             skipped.append(self.waiting.pop_request())

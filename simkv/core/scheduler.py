@@ -31,7 +31,7 @@ from simkv.core.mamba_align import MambaAlignCoordinator, mamba_block_aligned_sp
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.remote_kv import RemoteKV
-from simkv.core.request import KV_PULL, Request, RequestStatus
+from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from simkv.core.spec_decode import SpecDecode
 from simkv.core.steady_decoders import SteadyDecoders
@@ -104,7 +104,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
                 hash_lookahead=hash_lookahead,
                 eagle_block_drop=config.speculative.is_eagle_family and kv_connector,
-                num_state_blocks=groups.num_linear_groups * config.state_blocks_per_group)
+                num_state_blocks=groups.num_linear_groups * config.state_blocks_per_group,
+                num_state_groups=groups.num_linear_groups)
         # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free
         # (in every KV-cache group: vLLM's _spec_decode_step_blocks sums them)
         self._spec_step_blocks = config.spec_step_blocks * (len(groups.groups) if groups.has_sliding_window else 1)
@@ -114,7 +115,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.kv_holding = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         self._num_kv_ready = 0  # in kv_holding with their pull ended
         self.kv_held: dict[int, Request] = {}
-        self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector)
+        self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
+                             prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -181,6 +183,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     # ---- queues ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        if request.kv_role == KV_SEND and self.prefill_backoff:
+            self._truncate_for_prefill(request)
         self.waiting.add_request(request)
 
     def num_waiting(self) -> int:

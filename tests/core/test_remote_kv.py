@@ -2,8 +2,9 @@
 queue, blocks held for sending. The three recorded cases are real vLLM 0.33 (its Scheduler with
 a KV connector that behaves as NIXL's pull mode; scripts/oracle_pd.py, which compared 560 random
 cases step for step, all equal), and so are the three with speculative decoding, the sliding-window
-ones and those under async scheduling."""
+ones, those under async scheduling and those of linear-attention models."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -87,6 +88,30 @@ def test_recorded_async_scheduling_cases_match_vllm(case):
     assert _trimmed(ours["steps"]) == _trimmed(case["vllm"]["steps"])
     assert ours["requests"] == case["vllm"]["requests"]
     assert (sched.spec_stats["num_accepted_tokens"] if sched.num_spec_tokens else 0) == case["vllm"]["accepted"]
+
+
+LINEAR = json.loads((Path(__file__).parent / "data" / "pd_linear_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", LINEAR["cases"], ids=LINEAR["ids"])
+def test_recorded_linear_attention_cases_match_vllm(case):
+    """Linear-attention models under P/D (scripts/oracle_pd.py --linear, prefix caching off): the
+    prefill engine drops a send's last prompt token and a pull loads the prompt less that token
+    (vLLM's NIXL prefill backoff for Mamba layers: the decode side computes it from the state
+    before it); a pull reserves for the in-flight prefills the block that last token may need;
+    and, with MTP, a linear group's blocks being max_model_len tokens long, a full sequence plus
+    a speculative step past max_model_len asks one more block of each in that reservation.
+    Dropping any of the three fails at least one case."""
+    case = copy.deepcopy(case)
+    case["case"]["opts"]["model"] = str(Path(__file__).resolve().parents[2] / case["case"]["opts"]["model"])
+    if not case["case"]["opts"].get("async_scheduling"):
+        _assert_same_as_recorded(case)
+        return
+    ours = drive_pd_async(case["case"])
+    sched = ours.pop("scheduler")
+    assert _trimmed(ours["steps"]) == _trimmed(case["vllm"]["steps"])
+    assert ours["requests"] == case["vllm"]["requests"]
+    assert sched.spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
 
 
 def _sched(**kw):

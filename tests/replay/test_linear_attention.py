@@ -284,11 +284,35 @@ def test_data_parallel_ranks_read_their_states():
     assert with_states - without == pytest.approx(64 * states / backend.byte_rate, rel=1e-6)
 
 
-def test_pd_disaggregation_refused():
+def test_pd_disaggregation_leaves_the_last_prompt_token_to_the_decode_side():
+    """Qwen3-Next under P/D (vLLM's NIXL prefill backoff for Mamba layers): the prefill replica
+    computes the prompt less its last token, the decode replica pulls the attention blocks of
+    those tokens and each linear-attention group's state, then computes the last token itself
+    (the first token) and decodes."""
+    from simkv.replay.api import replay
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    config = _config(tensor_parallel_size=4)
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": [0.0], "prompt_tokens": [1000], "output_tokens": [3]}))
+    res = replay(trace, config, "linear", {"step_base_s": 0.01, "step_per_token_s": 0.0},
+                 disaggregation=DisaggregationSpec(1, 1))
+    steps = pd.DataFrame(res.steps)
+    assert list(steps["pool"]) == ["prefill", "decode", "decode", "decode"]
+    assert list(steps["num_prefill_tokens"]) == [999, 1, 0, 0]
+    capacity = compute_capacity(config)
+    bs = config.cache.block_size
+    groups = config.kv_cache_groups
+    pulled_blocks = -(-999 // bs) + groups.num_linear_groups  # (attention blocks and one state per group)
+    assert res.requests.iloc[0]["kv_pull_bytes"] == pulled_blocks * capacity.block_bytes
+    assert res.requests.iloc[0]["output_tokens"] == 3
+
+
+def test_pd_disaggregation_with_prefix_caching_refused():
     from simkv.replay.disaggregated import _check_pool
 
-    with pytest.raises(ConfigError, match="linear attention .* is not modelled with P/D"):
-        _check_pool("decode", _config(tensor_parallel_size=4))
+    _check_pool("decode", _config(tensor_parallel_size=4))  # (without prefix caching: modelled)
+    with pytest.raises(ConfigError, match="linear attention .* with prefix caching is not modelled with P/D"):
+        _check_pool("decode", _config(tensor_parallel_size=4, enable_prefix_caching=True))
 
 
 NEMOTRON_H_8B = {  # nvidia/Nemotron-H-8B-Base-8K's config.json, the fields read
