@@ -180,6 +180,39 @@ class MambaAlignCoordinator:
             return _NO_HITS
         return ComputedBlocks((attn[:hit], hit - 1, tuple(state)), hit * self.block_size)
 
+    def get_computed_blocks_for_pull(self, request: Request) -> ComputedBlocks:
+        """A P/D pull's local lookup, as vLLM makes it under a connector that restores states
+        (NIXL: get_computed_blocks_for_connector): each group on its own. The attention group's
+        hit is the local prefix (the pull brings the state at its end); the Mamba groups' own hit,
+        if any, is kept in `blocks` (as a state the allocation counts but does not take). A Mamba
+        hit longer than the attention group's: the reconciled lookup (get_computed_blocks)."""
+        if not self.enable_caching:
+            return _NO_HITS
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if not request.has_own_cached_blocks:
+            max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
+        get = self.block_pool.get_cached_block
+        key = self.hasher.block_key
+        g, attn_gid = self.num_groups, self.attn_gid
+        attn: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = get(key(request, i) * g + attn_gid)
+            if block is None:
+                break
+            attn.append(block)
+        own, state = 0, None
+        for i in range(max_blocks - 1, -1, -1):
+            state = self._cached(key(request, i), self.mamba_gids)
+            if state is not None:
+                own = i + 1
+                break
+        if own > len(attn):
+            return self.get_computed_blocks(request)
+        self._junction[request.index] = 0  # (vLLM's per-group lookups see no junction)
+        if not attn:
+            return _NO_HITS
+        return ComputedBlocks((attn, own - 1, tuple(state) if state else ()), len(attn) * self.block_size)
+
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.enable_caching:
             self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
@@ -221,16 +254,21 @@ class MambaAlignCoordinator:
     def _deferred(self, request: Request, hits) -> bool:
         """A hit on a state cached in this step: vLLM's MambaManager asks for more blocks than
         the pool has, so the request waits for the next step."""
-        return bool(self._cached_this_step) and self.hasher.block_key(request, hits[1]) in self._cached_this_step
+        return (bool(self._cached_this_step) and hits[1] >= 0
+                and self.hasher.block_key(request, hits[1]) in self._cached_this_step)
 
     def allocate_slots(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
                        computed: ComputedBlocks | None = None, num_lookahead_tokens: int = 0,
                        full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True,
                        delay_cache: bool = False, reserved_blocks: int = 0,
-                       num_processed_tokens: int | None = None) -> list[KVCacheBlock] | None:
+                       num_processed_tokens: int | None = None,
+                       num_external_tokens: int = 0) -> list[KVCacheBlock] | None:
         """vLLM's allocate_slots over the groups: give back the states the request moved past,
         check the pool, take the prefix hits, allocate group by group, cache. None: no room (or a
-        hit on a state cached this step); what was given back stays given back, as in vLLM."""
+        hit on a state cached this step); what was given back stays given back, as in vLLM.
+        `num_external_tokens` (P/D: a pull, its hits from get_computed_blocks_for_pull): those
+        tokens count as computed; the attention group takes blocks for them, each Mamba group
+        one state block, where they end."""
         index = request.index
         bs = self.block_size
         pool = self.block_pool
@@ -251,7 +289,7 @@ class MambaAlignCoordinator:
                 self._allocated.add(index)
                 return []
         hit_tokens = computed.num_tokens if hits else 0
-        total = min(num_computed_tokens + hit_tokens, self.max_model_len)
+        total = min(num_computed_tokens + hit_tokens + num_external_tokens, self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status != RequestStatus.RUNNING else 0
         # (a checkpoint only in the chunk that ends the prefill under retention 0; in every chunk
         # otherwise, as each chunk's states may be kept: vLLM's coordinator passes 0)
@@ -277,12 +315,25 @@ class MambaAlignCoordinator:
             attn = self._attn[index] = []
             self._state[index] = []
             self._num_cached[index] = 0
+            if num_external_tokens:  # (delay_cache: the pulled blocks are cached when they arrive)
+                return self._allocate_pulled(index, hits, total) + self._allocate(index, need_slots, main_tokens)
             if hits:
                 self._take_hits(index, hits)
         new_blocks = self._allocate(index, need_slots, main_tokens)
         if self.enable_caching and not delay_cache:
             self._cache_blocks(request, min(main_tokens, request.num_tokens))
         return new_blocks
+
+    def remaining_blocks(self, request: Request, num_tokens: int, main_tokens: int | None = None) -> int:
+        """Blocks a request holding blocks still needs for `num_tokens` slots (`main_tokens` of them
+        the target's, not a speculative step's): vLLM's get_num_blocks_to_allocate as P/D's
+        reservations ask it (its `_request_remaining_blocks`)."""
+        index = request.index
+        main = num_tokens if main_tokens is None else main_tokens
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1) if self.retention_interval == 0 else 0
+        attn = len(self._attn.get(index, ()))
+        state = self._state_need(index, main, 0, request.num_computed_tokens, prefill_end, False)
+        return max(cdiv(num_tokens, self.block_size) - attn, 0) + state * self.num_mamba  # (as vLLM: may be < 0)
 
     def _blocks_to_allocate(self, index: int, num_tokens: int, main_tokens: int, hits, num_hit_entries: int,
                             start: int, prefill_end: int, record: bool) -> int:
@@ -314,6 +365,41 @@ class MambaAlignCoordinator:
         self._attn[index].extend(attn_hits)
         self._state[index].extend([None] * entry + [state])
         self._num_cached[index] = len(attn_hits)
+
+    def _allocate_pulled(self, index: int, hits, num_tokens: int) -> list[KVCacheBlock]:
+        """A pull's tables (vLLM's allocate_new_computed_blocks with external tokens): the
+        attention hits are taken (a Mamba group's hit lies below the state it needs and is not),
+        then, group by group, the attention blocks up to `num_tokens` and one state block per
+        Mamba group at the entry they end in (null entries below it)."""
+        bs = self.block_size
+        attn = self._attn[index]
+        if hits:
+            self.block_pool.touch(hits[0])
+            attn.extend(hits[0])
+            self._num_cached[index] = len(hits[0])
+        table = self._state[index]
+        table.extend([None] * ((num_tokens - 1) // bs))
+        get = self.block_pool.get_new_blocks
+        new_blocks: list[KVCacheBlock] = []
+        states: list[KVCacheBlock] = []
+        for gid in range(self.num_groups):
+            if gid == self.attn_gid:
+                n = cdiv(num_tokens, bs) - len(attn)
+                if n > 0:
+                    blocks = get(n)
+                    attn += blocks
+                    new_blocks += blocks
+            else:
+                blocks = get(1)
+                states += blocks
+                new_blocks += blocks
+        table.append(tuple(states))
+        return new_blocks
+
+    def cache_shared_blocks(self, request: Request, num_tokens: int) -> None:
+        """P/D: a pull's KV and states have arrived; its blocks are cached now (vLLM's cache_blocks)."""
+        if self.enable_caching and request.index in self._attn:
+            self._cache_blocks(request, min(num_tokens, request.num_tokens))
 
     def _allocate(self, index: int, need_slots: int, main_tokens: int) -> list[KVCacheBlock]:
         """Each group's new blocks, in group order from the head of the free queue: the attention
@@ -492,9 +578,9 @@ class MambaAlignCoordinator:
     # ---- release ---------------------------------------------------------------------------
     def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False,
              defer: list | None = None) -> None:
-        """Release all of a request's blocks, group by group, each group's tail first."""
-        if defer is not None:
-            raise ValueError("deferred block release is not modelled with Mamba prefix caching")
+        """Release all of a request's blocks, group by group, each group's tail first. `defer`:
+        the pool gets them back at `free_deferred`, in one release from the last group's tail to
+        the first group's head (vLLM frees a deferred request's blocks as one reversed list)."""
         index = request.index
         if self.enable_caching and index in self._attn:  # (a steady decoder's blocks: now)
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
@@ -508,6 +594,12 @@ class MambaAlignCoordinator:
             self._junction.pop(index, None)
         if attn is None:
             return
+        if defer is not None:
+            held = [attn if gid == self.attn_gid else
+                    [entry[self.mamba_gids.index(gid)] for entry in table if entry is not None]
+                    for gid in range(self.num_groups)]
+            defer.append([block for blocks in reversed(held) for block in reversed(blocks)])
+            return
         free_blocks = self.block_pool.free_blocks
         entries = [entry for entry in reversed(table) if entry is not None]
         for gid in range(self.num_groups):
@@ -518,6 +610,12 @@ class MambaAlignCoordinator:
                 blocks = [entry[m] for entry in entries]
             if blocks:
                 free_blocks(blocks)
+        self.num_frees += 1
+
+    def free_deferred(self, blocks: list) -> None:
+        """Give the pool the blocks of a deferred `free`."""
+        if blocks:
+            self.block_pool.free_blocks(blocks)
         self.num_frees += 1
 
     def allocator_stats(self) -> dict:

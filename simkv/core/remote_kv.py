@@ -116,11 +116,11 @@ class RemoteKV:
         blocks do not fit (the waiting queue stops, as for any admission); None if its local hits
         leave nothing to pull (it is scheduled as a local request)."""
         kv = self.kv_cache_manager
-        hits = kv.get_computed_blocks(request)
+        # (Mamba prefix caching: the attention group's hit, the pull bringing the state at its end)
+        hits = kv.get_computed_blocks_for_pull(request) if self._mamba_split else kv.get_computed_blocks(request)
         pulled_tokens = self._pulled_prompt_tokens(request)
         external = pulled_tokens - hits.num_tokens
-        if external <= 0:
-            request.kv_role = 0
+        if external <= 0:  # (it stays a pull until it is scheduled: the hits may be gone by then)
             return None
         # sliding-window groups: the pulled tokens count as computed (windows take only their tail);
         # one group: they are the new tokens, as vLLM's single-type manager sees them
@@ -136,8 +136,13 @@ class RemoteKV:
         plan.hit += hits.num_tokens
         request.num_prefix_hit_tokens = hits.num_tokens
         request.num_total_prefix_hit_tokens += hits.num_tokens
-        # what the link carries (a window group's: its window only; a linear group's: its state)
-        request.kv_pull_blocks = len(blocks) + self._num_pulled_states
+        # what the link carries (a window group's blocks: its window only; linear attention: the
+        # attention blocks of the pulled tokens past the local hits, and each linear group's state)
+        if self._num_pulled_states:
+            bs = self.block_size
+            request.kv_pull_blocks = -(-pulled_tokens // bs) - hits.num_tokens // bs + self._num_pulled_states
+        else:
+            request.kv_pull_blocks = len(blocks)
         request.kv_role = 0  # one pull per request: a later preemption recomputes locally
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = pulled_tokens
@@ -161,6 +166,9 @@ class RemoteKV:
             prefills = self._prefilling
             if self.prefill_backoff:
                 prefills = prefills + list(self.kv_holding) + skipped
+        if self._mamba_split:  # (the Mamba groups' need goes by the target's tokens)
+            return sum(kv.remaining_blocks(r, min(r.num_tokens, cap) + extra, min(r.num_tokens, cap))
+                       for r in prefills)
         return sum(kv.remaining_blocks(r, min(r.num_tokens, cap) + extra) for r in prefills)
 
     def _promote_pulled(self, request: Request) -> None:

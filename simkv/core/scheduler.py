@@ -535,12 +535,16 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 if num_new == 0:  # (no block-aligned chunk fits the budget)
                     self._blocked_marker = (request, kv.num_frees, plan.budget)
                     break
+                if padded and num_new != 1 + self.num_spec_tokens:  # (the split cut the padded rows:
+                    num_new, padded = 1, False  # vLLM drops the padding rather than shorten it)
             new_blocks = kv.allocate_slots(
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
+            if request.kv_role == KV_PULL:  # (P/D: its local hits covered what a pull would load)
+                request.kv_role = 0
             if self._spec_async:
                 self._note_cached(request, base + computed.num_tokens + num_new)
             if swapped:  # swap-in: its KV comes back from CPU memory into the new blocks

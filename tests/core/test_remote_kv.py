@@ -95,13 +95,17 @@ LINEAR = json.loads((Path(__file__).parent / "data" / "pd_linear_vllm_cases.json
 
 @pytest.mark.parametrize("case", LINEAR["cases"], ids=LINEAR["ids"])
 def test_recorded_linear_attention_cases_match_vllm(case):
-    """Linear-attention models under P/D (scripts/oracle_pd.py --linear, prefix caching off): the
-    prefill engine drops a send's last prompt token and a pull loads the prompt less that token
-    (vLLM's NIXL prefill backoff for Mamba layers: the decode side computes it from the state
-    before it); a pull reserves for the in-flight prefills the block that last token may need;
-    and, with MTP, a linear group's blocks being max_model_len tokens long, a full sequence plus
-    a speculative step past max_model_len asks one more block of each in that reservation.
-    Dropping any of the three fails at least one case."""
+    """Linear-attention models under P/D (scripts/oracle_pd.py --linear). The first four without
+    prefix caching: the prefill engine drops a send's last prompt token and a pull loads the
+    prompt less that token (vLLM's NIXL prefill backoff for Mamba layers: the decode side
+    computes it from the state before it); a pull reserves for the in-flight prefills the block
+    that last token may need; and, with MTP, a linear group's blocks being max_model_len tokens
+    long, a full sequence plus a speculative step past max_model_len asks one more block of each
+    in that reservation. The last four with prefix caching (--align): a pull's local hit is the
+    attention group's, the Mamba groups' own hit counted but not taken, their reservations
+    counted; a pull whose hits covered it once stays a pull until scheduled; a padded
+    one-token chunk the Mamba split cuts keeps one token. Dropping any of these fails at least
+    one case."""
     case = copy.deepcopy(case)
     case["case"]["opts"]["model"] = str(Path(__file__).resolve().parents[2] / case["case"]["opts"]["model"])
     if not case["case"]["opts"].get("async_scheduling"):

@@ -307,12 +307,37 @@ def test_pd_disaggregation_leaves_the_last_prompt_token_to_the_decode_side():
     assert res.requests.iloc[0]["output_tokens"] == 3
 
 
-def test_pd_disaggregation_with_prefix_caching_refused():
+def test_pd_disaggregation_with_prefix_caching_pulls_past_the_local_hit():
+    """With prefix caching (mode "align") the decode side's attention blocks of a first request
+    serve a second one with the same prompt: it pulls only the blocks past them and the states
+    (its lookup is the attention group's, as NIXL asks it: the pull brings the state)."""
+    from simkv.replay.api import replay
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    config = _config(tensor_parallel_size=4, enable_prefix_caching=True)
+    assert config.mamba_align
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 5.0], "prompt_tokens": [1000, 1000], "output_tokens": [3, 3]})
+    frame["block_hashes"] = [list(range(63)), list(range(63))]
+    frame["hash_block_tokens"] = 16
+    res = replay(trace_from_frame(frame), config, "linear", {"step_base_s": 0.01, "step_per_token_s": 0.0},
+                 disaggregation=DisaggregationSpec(1, 1))
+    bs = config.cache.block_size
+    groups = config.kv_cache_groups.num_linear_groups
+    block_bytes = compute_capacity(config).block_bytes
+    pulled = list(res.requests["kv_pull_bytes"])
+    assert pulled[0] == (-(-999 // bs) + groups) * block_bytes
+    assert pulled[1] == (-(-999 // bs) - 999 // bs + groups) * block_bytes
+    assert res.summary["disaggregation"]["decode"]["prefix_cache_hits_tokens"] == 999 // bs * bs
+
+
+def test_pd_disaggregation_with_prefix_caching_and_mtp_refused():
     from simkv.replay.disaggregated import _check_pool
 
-    _check_pool("decode", _config(tensor_parallel_size=4))  # (without prefix caching: modelled)
-    with pytest.raises(ConfigError, match="linear attention .* with prefix caching is not modelled with P/D"):
-        _check_pool("decode", _config(tensor_parallel_size=4, enable_prefix_caching=True))
+    _check_pool("decode", _config(tensor_parallel_size=4, enable_prefix_caching=True))
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 2}
+    _check_pool("decode", _config(tensor_parallel_size=4, **mtp))  # (without prefix caching: modelled)
+    with pytest.raises(ConfigError, match="linear attention .* with prefix caching and mtp drafts is not modelled"):
+        _check_pool("decode", _config(tensor_parallel_size=4, enable_prefix_caching=True, **mtp))
 
 
 NEMOTRON_H_8B = {  # nvidia/Nemotron-H-8B-Base-8K's config.json, the fields read

@@ -229,3 +229,24 @@ def test_capacity_layouts_say_each_layouts_block_size():
         assert {r["tensor_parallel_size"]: r["block_size"] for r in rows} == sizes
     table = CliRunner().invoke(main, args + ["--no-enable-prefix-caching"], env={"COLUMNS": "200"})
     assert "29,391 (272 tokens)" in table.output and "(544 tokens)" in table.output
+
+
+def test_a_deferred_free_gives_every_group_back_at_once():
+    """P/D under async scheduling fences frees (core/remote_kv.py): a deferred `free` keeps the
+    request's attention blocks and states out of the pool until `free_deferred`, then returns
+    all of them, null entries skipped."""
+    from simkv.core.mamba_align import MambaAlignCoordinator
+    from tests.core.helpers import make_request
+
+    kv = MambaAlignCoordinator(40, 16, 256, (True, True, False))
+    request = make_request(0, 70, 4)
+    assert kv.allocate_slots(request, 0, 70)
+    free_before = kv.block_pool.get_num_free_blocks()
+    held = kv.num_blocks_of(request)
+    assert held == 5 + 2  # 5 attention blocks, one state per Mamba group where the 70 tokens end
+    deferred: list = []
+    kv.free(request, 70, finished=True, defer=deferred)
+    assert kv.block_pool.get_num_free_blocks() == free_before and kv.num_blocks_of(request) == 0
+    assert len(deferred) == 1 and len(deferred[0]) == held
+    kv.free_deferred(deferred[0])
+    assert kv.block_pool.get_num_free_blocks() == free_before + held
