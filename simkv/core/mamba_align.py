@@ -149,32 +149,42 @@ class MambaAlignCoordinator:
             out.append(block)
         return out
 
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest prefix the attention group serves that ends on a state every Mamba group
-        has cached (at least one token left to compute). `blocks` = (attention hits, state entry
-        index, state blocks); the junction is noted for the split and the caching."""
-        if not self.enable_caching:
-            return _NO_HITS
+    def _attention_hit(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The attention group's cached blocks from the left (at least one token left to compute),
+        and the number of blocks a hit may span."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         if not request.has_own_cached_blocks:
             max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
-        attn_gid = self.attn_gid
         get = self.block_pool.get_cached_block
         key = self.hasher.block_key
-        g = self.num_groups
+        g, attn_gid = self.num_groups, self.attn_gid
         attn: list[KVCacheBlock] = []
         for i in range(max_blocks):
             block = get(key(request, i) * g + attn_gid)
             if block is None:
                 break
             attn.append(block)
-        longest = len(attn)
-        hit, state = 0, None
-        for i in range(longest - 1, -1, -1):
+        return attn, max_blocks
+
+    def _state_hit(self, request: Request, num_blocks: int) -> tuple[int, list[KVCacheBlock] | None]:
+        """The longest of the first `num_blocks` blocks whose state every Mamba group has cached,
+        scanned from the right: (blocks it spans, its state blocks), or (0, None)."""
+        key = self.hasher.block_key
+        for i in range(num_blocks - 1, -1, -1):
             state = self._cached(key(request, i), self.mamba_gids)
             if state is not None:
-                hit = i + 1
-                break
+                return i + 1, state
+        return 0, None
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest prefix the attention group serves that ends on a state every Mamba group
+        has cached (at least one token left to compute). `blocks` = (attention hits, state entry
+        index, state blocks); the junction is noted for the split and the caching."""
+        if not self.enable_caching:
+            return _NO_HITS
+        attn, _ = self._attention_hit(request)
+        longest = len(attn)
+        hit, state = self._state_hit(request, longest)
         self._junction[request.index] = longest * self.block_size if longest > hit else 0
         if hit == 0:
             return _NO_HITS
@@ -188,24 +198,8 @@ class MambaAlignCoordinator:
         hit longer than the attention group's: the reconciled lookup (get_computed_blocks)."""
         if not self.enable_caching:
             return _NO_HITS
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if not request.has_own_cached_blocks:
-            max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
-        get = self.block_pool.get_cached_block
-        key = self.hasher.block_key
-        g, attn_gid = self.num_groups, self.attn_gid
-        attn: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            block = get(key(request, i) * g + attn_gid)
-            if block is None:
-                break
-            attn.append(block)
-        own, state = 0, None
-        for i in range(max_blocks - 1, -1, -1):
-            state = self._cached(key(request, i), self.mamba_gids)
-            if state is not None:
-                own = i + 1
-                break
+        attn, max_blocks = self._attention_hit(request)
+        own, state = self._state_hit(request, max_blocks)
         if own > len(attn):
             return self.get_computed_blocks(request)
         self._junction[request.index] = 0  # (vLLM's per-group lookups see no junction)

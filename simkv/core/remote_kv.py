@@ -23,7 +23,9 @@ Models with linear-attention layers (vLLM's NIXL connector with Mamba layers, it
 that it computes that token itself; the prefill engine drops its prompt's last token when the
 request arrives (`_truncate_for_prefill`), and a pull takes the prompt less that token (plus
 each linear-attention group's state). A pull whose local prefix hits already cover that much
-has nothing to pull: the request runs as a local one.
+has nothing to pull: it is scheduled as a local request, and stays a pull until it is (a later
+lookup may find less). Under Mamba prefix caching a pull's lookup is NIXL's per-group one
+(core/mamba_align.py, `get_computed_blocks_for_pull`).
 
 Under async scheduling a connector that consumes KV (NIXL's kv_both, on either pool) makes
 vLLM defer block frees (`defer_block_free`): a step in flight might still write a request's
