@@ -98,13 +98,9 @@ def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_sched
 
     opts["model"] = str(rng.choice(MODELS))
     prefix_caching_options(rng, opts, align)
-    if opts.get("speculative_method"):  # (with prefix caching, MTP under P/D is refused: ngram, sync only)
-        opts["speculative_method"] = ("ngram" if align else "mtp" if async_scheduling
-                                      else str(rng.choice(["ngram", "mtp"])))
+    if opts.get("speculative_method"):  # (ngram or MTP; MTP alone under async scheduling)
+        opts["speculative_method"] = "mtp" if async_scheduling else str(rng.choice(["ngram", "mtp"]))
         opts.pop("spec_draft_model", None)
-        if align and async_scheduling:
-            for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
-                opts.pop(key)
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
     flat.pop("reserve_full_isl")
     try:

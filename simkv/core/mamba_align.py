@@ -42,9 +42,13 @@ from simkv.core.kv_cache_manager import ComputedBlocks, PrefixCacheStats, _NO_HI
 from simkv.core.request import Request, RequestStatus
 
 
-def prefill_checkpoint_position(num_tokens: int, block_size: int) -> int:
-    """vLLM's get_mamba_prefill_checkpoint_position without EAGLE or lookahead keys: the last
-    block boundary below `num_tokens` that leaves a token to compute."""
+def prefill_checkpoint_position(num_tokens: int, block_size: int, eagle_block_drop: bool = False) -> int:
+    """vLLM's get_mamba_prefill_checkpoint_position (a lookahead key of one token changes
+    nothing): the last block boundary below `num_tokens` that leaves a token to compute; under
+    EAGLE's block drop (a KV connector), a block below the last boundary at or below `num_tokens`,
+    where the drop lands a hit."""
+    if eagle_block_drop:
+        return max(num_tokens // block_size * block_size - block_size, 0)
     return max((num_tokens - 1) // block_size * block_size, 0)
 
 
@@ -59,7 +63,8 @@ def checkpoint_exportable(start: int, end: int, position: int, block_size: int) 
 
 
 def mamba_block_aligned_split(start: int, num_new: int, num_tokens: int, num_prompt_tokens: int,
-                              block_size: int, max_prefill_tokens: int, checkpoints: bool, junction: int) -> int:
+                              block_size: int, max_prefill_tokens: int, checkpoints: bool, junction: int,
+                              eagle_block_drop: bool = False) -> int:
     """vLLM's Scheduler._mamba_block_aligned_split: the tokens of a prefill chunk that starts at
     `start` (computed tokens and prefix hits) once it is cut to end where a state must be written.
     A chunk short of the prefill's end ends on a block boundary (if the block fits the prefill
@@ -71,9 +76,10 @@ def mamba_block_aligned_split(start: int, num_new: int, num_tokens: int, num_pro
         return num_new
     bs = block_size
     end = start + num_new
-    last_cache_position = prefill_checkpoint_position(num_tokens, bs)
+    last_cache_position = prefill_checkpoint_position(num_tokens, bs, eagle_block_drop)
     internal = (checkpoints and end >= prefill_end
-                and checkpoint_exportable(start, end, prefill_checkpoint_position(prefill_end, bs), bs))
+                and checkpoint_exportable(start, end, prefill_checkpoint_position(prefill_end, bs, eagle_block_drop),
+                                          bs))
     if internal:
         last_cache_position = 0
     if end < prefill_end:
@@ -101,11 +107,11 @@ class MambaAlignCoordinator:
     num_forks = 0  # parallel sampling is not modelled with linear-attention layers
     num_cow_copies = 0
     num_false_prefix_hits = 0
-    eagle_block_drop = False
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, group_is_linear: tuple[bool, ...],
                  enable_caching: bool = True, watermark: float = 0.0, retention_interval: int | None = 0,
-                 prefill_checkpoints: bool = False, num_speculative_blocks: int = 0, hash_lookahead: int = 0) -> None:
+                 prefill_checkpoints: bool = False, num_speculative_blocks: int = 0, hash_lookahead: int = 0,
+                 eagle_block_drop: bool = False) -> None:
         if sum(not x for x in group_is_linear) != 1 or all(not x for x in group_is_linear):
             raise ValueError("the Mamba-align coordinator models one attention group beside the Mamba groups")
         self.block_size = block_size
@@ -116,6 +122,10 @@ class MambaAlignCoordinator:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         # (EAGLE family and MTP: a block's key covers the token after it, vLLM's lookahead block hashes)
         self.hasher = BlockHasher(block_size, lookahead=hash_lookahead)
+        # MTP under a KV connector (legacy keys): the attention group, which holds the draft layer,
+        # finds one block past the candidate hit and gives it back (vLLM's eagle block drop); the
+        # states' checkpoints and retained boundaries sit a block lower to match
+        self.eagle_block_drop = eagle_block_drop
         self.num_spec = num_speculative_blocks  # scratch state blocks after the running state
         self.retention_interval = retention_interval
         self.prefill_checkpoints = prefill_checkpoints
@@ -130,7 +140,9 @@ class MambaAlignCoordinator:
         self._state: dict[int, list[tuple | None]] = {}  # request index -> state entries
         self._retired: dict[int, int] = {}  # entries below this index were given back (vLLM's _num_retired_blocks)
         self._allocated: set[int] = set()  # requests that took state blocks (vLLM's _allocated_block_reqs)
-        self._checkpoint: dict[int, int] = {}  # request index -> the checkpoint's entry index, this step
+        # request index -> the checkpoint's entry index this step, and the entry of the state it holds
+        # (a block lower under the eagle drop, unless the chunk ends on a boundary)
+        self._checkpoint: dict[int, tuple[int, int]] = {}
         self._num_cached: dict[int, int] = {}  # full blocks cached (or looked at for caching)
         self._junction: dict[int, int] = {}  # request index -> shared-prefix boundary (vLLM's shared_prefix_boundary)
         self._cached_this_step: set[int] = set()  # content keys of states cached in this step
@@ -150,20 +162,28 @@ class MambaAlignCoordinator:
         return out
 
     def _attention_hit(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The attention group's cached blocks from the left (at least one token left to compute),
-        and the number of blocks a hit may span."""
+        """The attention group's cached blocks from the left (at least one token left to compute;
+        under the eagle drop, one block further, up to the last full block, then that one given
+        back), and the number of blocks a hit may span."""
         max_blocks = (request.num_tokens - 1) // self.block_size
+        # (the drop's scan goes up to the last block with a key: a send whose prompt lost its last
+        # token to the decode side keeps its whole prompt's keys, core/remote_kv.py)
+        scan = max(request.num_tokens, request.num_shared_tokens) // self.block_size if self.eagle_block_drop \
+            else max_blocks
         if not request.has_own_cached_blocks:
             max_blocks = min(max_blocks, self.hasher.num_shared_blocks(request))
+            scan = min(scan, self.hasher.num_shared_blocks(request))
         get = self.block_pool.get_cached_block
         key = self.hasher.block_key
         g, attn_gid = self.num_groups, self.attn_gid
         attn: list[KVCacheBlock] = []
-        for i in range(max_blocks):
+        for i in range(scan):
             block = get(key(request, i) * g + attn_gid)
             if block is None:
                 break
             attn.append(block)
+        if self.eagle_block_drop and attn:
+            attn.pop()
         return attn, max_blocks
 
     def _state_hit(self, request: Request, num_blocks: int) -> tuple[int, list[KVCacheBlock] | None]:
@@ -230,7 +250,7 @@ class MambaAlignCoordinator:
         table = self._state.get(index, ())
         allocated = index in self._allocated
         num_new = cdiv(num_tokens, bs) + self.num_spec - num_hit_entries - len(table)
-        position = prefill_checkpoint_position(num_tokens, bs)
+        position = prefill_checkpoint_position(num_tokens, bs, self.eagle_block_drop)
         at = cdiv(num_tokens, bs) - 2
         checkpoint = (self.prefill_checkpoints and num_tokens >= prefill_end
                       and checkpoint_exportable(start, num_tokens, position, bs)
@@ -238,7 +258,7 @@ class MambaAlignCoordinator:
                                        or (allocated and at >= len(table) - self.num_spec)))
         if record:
             if checkpoint:
-                self._checkpoint[index] = at
+                self._checkpoint[index] = (at, position // bs - 1)
             else:
                 self._checkpoint.pop(index, None)
         if num_new > 0:  # (a request's first blocks include its scratch blocks)
@@ -439,6 +459,10 @@ class MambaAlignCoordinator:
                 new_blocks += blocks
         if num_state:
             table.extend(zip(*per_group))
+        if checkpoint:
+            at, entry = self._checkpoint[index]
+            if entry < at and table[entry] is None:  # (the eagle drop: vLLM keys the checkpoint block
+                table[entry], table[at] = table[at], None  # by the lower boundary its state is at)
         return new_blocks
 
     def _pending_release(self, index: int, processed: int) -> bool:
@@ -486,7 +510,11 @@ class MambaAlignCoordinator:
                 return range(start, end)
             first = (start + per_segment) // per_segment * per_segment - 1
             keep.update(range(first, end, per_segment))
-        boundaries = [request.num_prompt_tokens - 1]
+        prompt = request.num_prompt_tokens
+        if self.eagle_block_drop:  # (vLLM's replay_boundaries under the eagle drop: a block lower)
+            boundaries = sorted({max((prompt - 1) // bs * bs - bs, 0), max(prompt // bs * bs - bs, 0)})
+        else:
+            boundaries = [prompt - 1]
         junction = self._junction.get(request.index)
         if junction:
             boundaries.append(junction)

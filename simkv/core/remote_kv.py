@@ -102,9 +102,8 @@ class RemoteKV:
         prompt's last `prefill_backoff` tokens are left to the decode side (vLLM's
         _truncate_request_for_prefill)."""
         backoff = self.prefill_backoff
-        if request.num_prompt_tokens > backoff:
-            request.num_prompt_tokens -= backoff
-            request.num_shared_tokens = min(request.num_shared_tokens, request.num_prompt_tokens)
+        if request.num_prompt_tokens > backoff:  # (its block keys stay those of the whole prompt, as
+            request.num_prompt_tokens -= backoff  # vLLM's block hashes, made before, do)
             request.max_tokens = 1
 
     def _pulled_prompt_tokens(self, request: Request) -> int:

@@ -91,7 +91,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 cc.enable_prefix_caching, cc.watermark, config.attention.prefix_cache_retention_interval,
                 config.mamba_prefill_checkpoints,
                 num_speculative_blocks=config.speculative.num_speculative_tokens if config.speculative.enabled else 0,
-                hash_lookahead=hash_lookahead)
+                hash_lookahead=hash_lookahead, eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
@@ -588,7 +588,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         return mamba_block_aligned_split(start, num_new, request.num_tokens, request.num_prompt_tokens,
                                          self.block_size, self._max_prefill_tokens,
                                          self.kv_cache_manager.prefill_checkpoints,
-                                         self.kv_cache_manager.junction(request))
+                                         self.kv_cache_manager.junction(request),
+                                         self.kv_cache_manager.eagle_block_drop)
 
     def _fill_block_ids(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:

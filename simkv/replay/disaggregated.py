@@ -136,11 +136,6 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
         raise ConfigError(f"{pool} pool: chunked local attention is not modelled with P/D disaggregation (its "
                           "pulls are not checked against vLLM's); --disable-hybrid-kv-cache-manager allocates its "
                           "layers like full attention")
-    if config.mamba_align and config.speculative.is_eagle_family:
-        raise ConfigError(f"{pool} pool: linear attention ({config.hardware.model}) with prefix caching and "
-                          f"{config.speculative.speculative_method} drafts is not modelled with P/D disaggregation (the draft "
-                          "layer's block drop under a connector is not checked against vLLM's); "
-                          "--no-enable-prefix-caching runs it")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")

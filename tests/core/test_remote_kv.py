@@ -104,8 +104,11 @@ def test_recorded_linear_attention_cases_match_vllm(case):
     in that reservation. The last four with prefix caching (--align): a pull's local hit is the
     attention group's, the Mamba groups' own hit counted but not taken, their reservations
     counted; a pull whose hits covered it once stays a pull until scheduled; a padded
-    one-token chunk the Mamba split cuts keeps one token. Dropping any of these fails at least
-    one case."""
+    one-token chunk the Mamba split cuts keeps one token. The last four with MTP and prefix
+    caching: the attention group's eagle block drop, the states' checkpoints, retained
+    boundaries and chunk ends a block lower, a checkpoint keyed by the block below its table
+    index, and a truncated send keeping its whole prompt's block keys. Dropping any of these
+    fails at least one case."""
     case = copy.deepcopy(case)
     case["case"]["opts"]["model"] = str(Path(__file__).resolve().parents[2] / case["case"]["opts"]["model"])
     if not case["case"]["opts"].get("async_scheduling"):

@@ -330,14 +330,25 @@ def test_pd_disaggregation_with_prefix_caching_pulls_past_the_local_hit():
     assert res.summary["disaggregation"]["decode"]["prefix_cache_hits_tokens"] == 999 // bs * bs
 
 
-def test_pd_disaggregation_with_prefix_caching_and_mtp_refused():
-    from simkv.replay.disaggregated import _check_pool
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_pd_disaggregation_with_mtp(prefix_caching):
+    """Qwen3-Next with its MTP layer under P/D, with and without prefix caching: every request
+    is served, the prefill replica computes each prompt less its last token, and the decode
+    replica accepts drafts."""
+    from simkv.replay.api import replay
+    from simkv.replay.disaggregated import DisaggregationSpec
 
-    _check_pool("decode", _config(tensor_parallel_size=4, enable_prefix_caching=True))
-    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 2}
-    _check_pool("decode", _config(tensor_parallel_size=4, **mtp))  # (without prefix caching: modelled)
-    with pytest.raises(ConfigError, match="linear attention .* with prefix caching and mtp drafts is not modelled"):
-        _check_pool("decode", _config(tensor_parallel_size=4, enable_prefix_caching=True, **mtp))
+    config = _config(tensor_parallel_size=4, enable_prefix_caching=prefix_caching, speculative_method="mtp",
+                     num_speculative_tokens=2, spec_acceptance_rate=0.7)
+    rng = np.random.default_rng(3)
+    n = 40
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 2, n)), "prompt_tokens": rng.integers(2, 3000, n),
+                          "output_tokens": rng.integers(1, 60, n)})
+    res = replay(trace_from_frame(frame), config, "roofline", disaggregation=DisaggregationSpec(1, 1))
+    assert (res.requests["output_tokens"] == frame["output_tokens"]).all()
+    steps = pd.DataFrame(res.steps)
+    assert steps.loc[steps["pool"] == "prefill", "num_prefill_tokens"].sum() == (frame["prompt_tokens"] - 1).sum()
+    assert res.summary["speculative_decoding"]["num_accepted_tokens"] > 0
 
 
 NEMOTRON_H_8B = {  # nvidia/Nemotron-H-8B-Base-8K's config.json, the fields read
