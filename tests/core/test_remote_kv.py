@@ -101,14 +101,14 @@ def test_recorded_linear_attention_cases_match_vllm(case):
     computes it from the state before it); a pull reserves for the in-flight prefills the block
     that last token may need; and, with MTP, a linear group's blocks being max_model_len tokens
     long, a full sequence plus a speculative step past max_model_len asks one more block of each
-    in that reservation. The last four with prefix caching (--align): a pull's local hit is the
+    in that reservation. The next four with prefix caching (--align): a pull's local hit is the
     attention group's, the Mamba groups' own hit counted but not taken, their reservations
     counted; a pull whose hits covered it once stays a pull until scheduled; a padded
     one-token chunk the Mamba split cuts keeps one token. The last four with MTP and prefix
     caching: the attention group's eagle block drop, the states' checkpoints, retained
     boundaries and chunk ends a block lower, a checkpoint keyed by the block below its table
-    index, and a truncated send keeping its whole prompt's block keys. Dropping any of these
-    fails at least one case."""
+    index, a truncated send keeping its whole prompt's block keys, and (async) the deferred
+    frees. Dropping any of these fails at least one case."""
     case = copy.deepcopy(case)
     case["case"]["opts"]["model"] = str(Path(__file__).resolve().parents[2] / case["case"]["opts"]["model"])
     if not case["case"]["opts"].get("async_scheduling"):
