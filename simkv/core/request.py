@@ -27,6 +27,8 @@ class Request:
     Prompt content is described, not materialised: prompt position p carries the content
     (shared_hash_ids[p // hash_block_tokens], p % hash_block_tokens) while p is inside the
     hashed region; every other position (and every output token) is unique to this request.
+    (`num_shared_tokens` may exceed `num_prompt_tokens` on a P/D prefill engine of a
+    linear-attention model: its prompt lost its last token there, its block keys did not.)
 
     While the scheduler runs a request as a steady decoder it does not update
     `num_computed_tokens` every step: `decode_base` is set and the true value is
