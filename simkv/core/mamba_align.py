@@ -305,9 +305,7 @@ class MambaAlignCoordinator:
         hit_tokens = computed.num_tokens if hits else 0
         total = min(num_computed_tokens + hit_tokens + num_external_tokens, self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status != RequestStatus.RUNNING else 0
-        # (a checkpoint only in the chunk that ends the prefill under retention 0; in every chunk
-        # otherwise, as each chunk's states may be kept: vLLM's coordinator passes 0)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1) if self.retention_interval == 0 else 0
+        prefill_end = self._prefill_end(request)
         num_hit_entries = hits[1] + 1 if hits else 0
         if hits and self._deferred(request, hits):
             self.num_frees += 1  # (not a lack of blocks: the next step's check differs)
@@ -338,13 +336,19 @@ class MambaAlignCoordinator:
             self._cache_blocks(request, min(main_tokens, request.num_tokens))
         return new_blocks
 
+    def _prefill_end(self, request: Request) -> int:
+        """Where the request's prefill ends, for the checkpoint rule: a checkpoint only in the chunk
+        that ends the prefill under retention 0; in every chunk otherwise, as each chunk's states
+        may be kept (vLLM's coordinator passes 0)."""
+        return max(request.num_prompt_tokens, request.num_tokens - 1) if self.retention_interval == 0 else 0
+
     def remaining_blocks(self, request: Request, num_tokens: int, main_tokens: int | None = None) -> int:
         """Blocks a request holding blocks still needs for `num_tokens` slots (`main_tokens` of them
         the target's, not a speculative step's): vLLM's get_num_blocks_to_allocate as P/D's
         reservations ask it (its `_request_remaining_blocks`)."""
         index = request.index
         main = num_tokens if main_tokens is None else main_tokens
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1) if self.retention_interval == 0 else 0
+        prefill_end = self._prefill_end(request)
         attn = len(self._attn.get(index, ()))
         state = self._state_need(index, main, 0, request.num_computed_tokens, prefill_end, False)
         return max(cdiv(num_tokens, self.block_size) - attn, 0) + state * self.num_mamba  # (as vLLM: may be < 0)

@@ -101,13 +101,14 @@ class RemoteKV:
         """A KV_SEND request arriving at a prefill engine of a linear-attention model: its
         prompt's last `prefill_backoff` tokens are left to the decode side (vLLM's
         _truncate_request_for_prefill)."""
-        backoff = self.prefill_backoff
-        if request.num_prompt_tokens > backoff:  # (its block keys stay those of the whole prompt, as
-            request.num_prompt_tokens -= backoff  # vLLM's block hashes, made before, do)
+        computed = self._pulled_prompt_tokens(request)
+        if computed < request.num_prompt_tokens:  # (its block keys stay those of the whole prompt,
+            request.num_prompt_tokens = computed  # as vLLM's block hashes, made before, do)
             request.max_tokens = 1
 
     def _pulled_prompt_tokens(self, request: Request) -> int:
-        """The prompt tokens a pull loads: all of them, or all but the backoff (linear attention)."""
+        """The prompt tokens a pull loads, and a prefill engine computes: all of them, or all but
+        the backoff (linear attention)."""
         n, backoff = request.num_prompt_tokens, self.prefill_backoff
         return n - backoff if n > backoff else n
 

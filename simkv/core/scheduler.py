@@ -83,6 +83,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # EAGLE family and MTP without a connector: a block's key covers the token after it
         # (vLLM's lookahead block hashes; under a connector the last-block drop instead)
         hash_lookahead = int(config.speculative.is_eagle_family and not kv_connector)
+        eagle_block_drop = config.speculative.is_eagle_family and kv_connector
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
         elif config.mamba_align:  # linear-attention groups under prefix caching (vLLM's mamba_cache_mode "align")
@@ -91,19 +92,19 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 cc.enable_prefix_caching, cc.watermark, config.attention.prefix_cache_retention_interval,
                 config.mamba_prefill_checkpoints,
                 num_speculative_blocks=config.speculative.num_speculative_tokens if config.speculative.enabled else 0,
-                hash_lookahead=hash_lookahead, eagle_block_drop=config.speculative.is_eagle_family and kv_connector)
+                hash_lookahead=hash_lookahead, eagle_block_drop=eagle_block_drop)
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
                 cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
                 hash_lookahead=hash_lookahead,
-                eagle_block_drop=config.speculative.is_eagle_family and kv_connector, chunked=groups.chunked)
+                eagle_block_drop=eagle_block_drop, chunked=groups.chunked)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
                 hash_lookahead=hash_lookahead,
-                eagle_block_drop=config.speculative.is_eagle_family and kv_connector,
+                eagle_block_drop=eagle_block_drop,
                 num_state_blocks=groups.num_linear_groups * config.state_blocks_per_group,
                 num_state_groups=groups.num_linear_groups)
         # P/D: a pull is admitted only if it also leaves the blocks of one speculative step free
