@@ -58,6 +58,7 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)
     num_blocks_used_end: int = -1  # after update_from_output (finished requests released)
     kv_loads: list[Request] | None = None  # P/D: requests admitted to pull their KV (the step starts the pulls)
+    offload_jobs: list | None = None  # KV offloading: the transfers this step starts (core/kv_offload.py)
     # Speculative decoding: decodes are chunks of 1 + drafts tokens (they verify the drafts).
     num_verify_tokens: int = 0  # tokens of those chunks
     num_draft_tokens: int = 0  # drafts among them

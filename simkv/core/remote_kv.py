@@ -124,6 +124,34 @@ class RemoteKV:
         external = pulled_tokens - hits.num_tokens
         if external <= 0:  # (it stays a pull until it is scheduled: the hits may be gone by then)
             return None
+        num_blocks = self._admit_external(request, hits, external, plan, skipped)
+        if num_blocks is None:
+            return False
+        # what the link carries (a window group's blocks: its window only; linear attention: the
+        # attention blocks of the pulled tokens past the local hits, and each linear group's state)
+        if self._num_pulled_states:
+            bs = self.block_size
+            request.kv_pull_blocks = -(-pulled_tokens // bs) - hits.num_tokens // bs + self._num_pulled_states
+        else:
+            request.kv_pull_blocks = num_blocks
+        request.kv_role = 0  # one pull per request: a later preemption recomputes locally
+        plan.kv_loads.append(request)
+        return True
+
+    def _admit_offload_load(self, request: Request, hits, external: int, plan, skipped: list[Request]) -> bool:
+        """KV offloading: a waiting request whose prompt continues in the CPU tier past its local
+        hits loads it as a pull would (core/kv_offload.py). False if the blocks do not fit."""
+        if self._admit_external(request, hits, external, plan, skipped) is None:
+            return False
+        job = self.offload.start_load(request, hits.num_tokens, external)
+        request.kv_pull_blocks = job.num_blocks
+        plan.kv_loads.append(request)
+        return True
+
+    def _admit_external(self, request: Request, hits, external: int, plan, skipped: list[Request]) -> int | None:
+        """Blocks for the local hits plus `external` tokens that a transfer fills; the request then
+        waits for it (WAITING_FOR_REMOTE_KVS). Returns the blocks allocated, None if they do not fit."""
+        kv = self.kv_cache_manager
         # sliding-window groups: the pulled tokens count as computed (windows take only their tail);
         # one group: they are the new tokens, as vLLM's single-type manager sees them
         num_new, pulled = (0, {"num_external_tokens": external}) if self._window_releases else (external, {})
@@ -132,24 +160,15 @@ class RemoteKV:
                                    reserved_blocks=self._inflight_prefill_blocks(skipped) + self._spec_step_blocks,
                                    **pulled)
         if blocks is None:
-            return False
+            return None
         kv.record_prefix_cache_stats(request, hits.num_tokens)
         plan.query += request.num_tokens
         plan.hit += hits.num_tokens
         request.num_prefix_hit_tokens = hits.num_tokens
         request.num_total_prefix_hit_tokens += hits.num_tokens
-        # what the link carries (a window group's blocks: its window only; linear attention: the
-        # attention blocks of the pulled tokens past the local hits, and each linear group's state)
-        if self._num_pulled_states:
-            bs = self.block_size
-            request.kv_pull_blocks = -(-pulled_tokens // bs) - hits.num_tokens // bs + self._num_pulled_states
-        else:
-            request.kv_pull_blocks = len(blocks)
-        request.kv_role = 0  # one pull per request: a later preemption recomputes locally
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = pulled_tokens
-        plan.kv_loads.append(request)
-        return True
+        request.num_computed_tokens = hits.num_tokens + external
+        return len(blocks)
 
     def _inflight_prefill_blocks(self, skipped: list[Request]) -> int:
         """The blocks that in-flight prefills still need for their whole prompt: a pull is
@@ -179,6 +198,7 @@ class RemoteKV:
         if request.num_computed_tokens == request.num_tokens:
             request.num_computed_tokens -= 1
         request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        request.kv_loaded = False  # (KV offloading: a later preemption may load again)
 
     def _next_waiting(self, skipped: list[Request], plan) -> tuple[object, Request, bool] | None:
         """The queue to admit from (KV-holding first), its head and whether it holds KV (no prefix

@@ -30,6 +30,7 @@ from simkv.core.kv_cache_coordinator import KVCacheCoordinator
 from simkv.core.mamba_align import MambaAlignCoordinator, mamba_block_aligned_split
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
+from simkv.core.kv_offload import KVOffload
 from simkv.core.remote_kv import RemoteKV
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
@@ -49,9 +50,10 @@ class LivelockError(RuntimeError):
 
 class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
-                 num_cpu_blocks: int = 0, kv_connector: bool = False) -> None:
+                 num_cpu_blocks: int = 0, kv_connector: bool = False, num_offload_chunks: int = 0) -> None:
         """`kv_connector`: the engine runs under P/D disaggregation (vLLM: a kv_transfer_config),
-        which keeps EAGLE's legacy block keys (and its block drop)."""
+        which keeps EAGLE's legacy block keys (and its block drop). `num_offload_chunks`: the
+        CPU tier of KV offloading, in blocks (core/kv_offload.py; 0: none)."""
         sc, cc = config.scheduler, config.cache
         self.config = config
         self.max_num_seqs = sc.max_num_seqs
@@ -118,6 +120,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.kv_held: dict[int, Request] = {}
         self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
+        # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
+        self.offload = (KVOffload(num_offload_chunks, cc.block_size, self.kv_cache_manager.hasher)
+                        if num_offload_chunks else None)
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -327,6 +332,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._stall(stalled, step)
             else:  # (an async schedule() that runs nothing is no step: nobody slips)
                 self._refile(stalled, step)
+        if self.offload is not None:
+            self._offload_stores(plan, stall_pos)
         if self.detail:
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
@@ -358,7 +365,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks,
             kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts,
-            num_spec_tokens_to_schedule=to_propose)
+            num_spec_tokens_to_schedule=to_propose,
+            offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -500,6 +508,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         kv = self.kv_cache_manager
         admitted = 0
         skipped: list[Request] = []  # P/D: set aside this step (core/remote_kv.py)
+        skipped_waiting: list[Request] = []  # KV offloading: to look up again at a later step
         while plan.budget > 0 and (self.waiting or self.kv_holding):
             if plan.input_budget <= plan.draft_slots:
                 break
@@ -517,6 +526,20 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             swapped = request.swapped_blocks
             # A request that holds its KV (swapped out, or pulled) does no prefix lookup.
             computed = _HOLDS_KV if holds_kv else kv.get_computed_blocks(request)
+            if self.offload is not None and not holds_kv:  # (then the CPU tier, past the local hit)
+                external = self.offload.lookup(request, computed.num_tokens)
+                if external is None:  # (ask again at a later step)
+                    kv.record_prefix_cache_stats(request, computed.num_tokens)
+                    plan.query += request.num_tokens
+                    plan.hit += computed.num_tokens
+                    skipped_waiting.append(queue.pop_request())
+                    continue
+                if external:
+                    if not self._admit_offload_load(request, computed, external, plan, skipped):
+                        self._blocked_marker = (request, kv.num_frees, plan.budget)
+                        break
+                    skipped.append(queue.pop_request())
+                    continue
             base = request.num_computed_tokens if holds_kv else 0
             num_new = request.num_tokens - base - computed.num_tokens
             padded = False
@@ -583,6 +606,29 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             admitted += 1
         if skipped:
             self._requeue_skipped(skipped)
+        for request in reversed(skipped_waiting):
+            self.waiting.prepend_request(request)
+
+    def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
+        """KV offloading: the step's requests offer the prompt blocks it computes, in the step's
+        order (vLLM's build_connector_meta); a request whose last store found no room offers again."""
+        offload = self.offload
+        scheduled = [(c.request, c.num_computed_tokens + c.num_new_tokens) for c in plan.chunks]
+        if offload.num_retrying:
+            stalled = {r.seq for r in self.running[stall_pos:]} if stall_pos >= 0 else set()
+            in_chunks = {r.seq for r, _ in scheduled}
+            for request in offload.retrying():
+                if request.status == RequestStatus.RUNNING and request.seq not in stalled | in_chunks:
+                    scheduled.append((request, self.num_computed_tokens(request) + 1))
+        scheduled.sort(key=lambda entry: entry[0].seq)
+        offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)
+
+    def offload_job_done(self, job) -> None:
+        """KV offloading: a transfer has ended (seen at a step boundary); a load's request is
+        then promoted by the next schedule()."""
+        self.offload.job_done(job)
+        if not job.is_store:
+            self.finished_recving(job.request)
 
     def _mamba_aligned(self, request: Request, start: int, num_new: int) -> int:
         """A prefill chunk from `start` cut where a linear-attention state must be written."""
@@ -647,6 +693,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         in use after the step."""
         if finished:
             finished.sort(key=_seq_of)
+            if self.offload is not None:
+                for request in finished:
+                    self.offload.request_finished(request, self.kv_cache_manager.num_blocks_of(request))
             finished = self._finish(finished, step)
         used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         last_step, taken = self._last_schedule

@@ -277,6 +277,8 @@ class SteadyDecoders:
             return 0
         if self.waiting and not self._admission_stuck():
             return 0
+        if self.offload is not None and self.offload.num_retrying:  # (they offer their stores every step)
+            return 0
         at = self._next_finish_step()
         if at is None:
             return 0

@@ -384,3 +384,40 @@ def assert_decode_runs_change_nothing(trace, config: EngineConfig, cost_model: s
     for name, values in a.steps.items():
         assert np.array_equal(values, b.steps[name]), name
     return a
+
+
+def drive_offload(case: dict, max_steps: int = 5000) -> dict:
+    """Step a scheduler with a CPU offload tier through a case as scripts/oracle_offload.py drives
+    vLLM's: a store job started by step k ends in the output of k + store_latency, a load in that
+    of k + load_latency - 1. Returns per-step rows, per-request [first token step, finish step]
+    and the transfers [step, row, blocks, is store]."""
+    opts = dict(case["opts"])
+    reserve = opts.pop("reserve_full_isl")
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
+                      kv_connector=True, num_offload_chunks=case["num_offload_chunks"])
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    requests, rows, transfers = [], [], []
+    due: dict[int, list] = {}
+    error = None
+    for k in range(max_steps):
+        _deliver(pending, k, sched, requests)
+        out = sched.schedule()
+        for job in out.offload_jobs or ():
+            at = k + (case["store_latency"] if job.is_store else case["load_latency"] - 1)
+            due.setdefault(at, []).append(job)
+            transfers.append([k, job.request.index, job.num_blocks, int(job.is_store)])
+        rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+        sched.update_from_output(out)
+        for job in due.pop(k, ()):
+            sched.offload_job_done(job)
+        if not pending and not sched.has_unfinished_requests() and not due:
+            break
+    else:
+        error = "max steps"
+    while rows and not any(rows[-1]):
+        rows.pop()
+    result = {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+              "transfers": transfers, "scheduler": sched}
+    if error:
+        result["error"] = error
+    return result

@@ -1,0 +1,219 @@
+"""KV offloading to CPU memory in the engine core, step by step against the real vLLM scheduler.
+
+vLLM 0.33's `Scheduler` (../shared/tools/vllm_oracle's venv) runs with its own native
+OffloadingConnector (`--kv-offloading-size`: CPU tier, LRU policy, one GPU block a chunk,
+prompt blocks only), whose scheduler side is vLLM's code; this script plays the worker: each
+store job a step's connector metadata carries ends in the output of the step `store_latency`
+after it, each load job in the output of the step `load_latency - 1` after it. simkv's
+`Scheduler` with `num_offload_chunks` runs the same random cases (small GPU pools and CPU tiers,
+shared prompt content, priorities, watermarks, chunked prefill on and off). Every step's
+scheduled tokens, running and waiting requests and GPU blocks in use, every request's
+first-token and finish step, and the loads and stores (their blocks) must be equal.
+
+A development aid, not a test dependency:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_offload.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 --seed 1
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
+
+
+def make_case(rng) -> dict:
+    block_size = int(rng.choice([4, 8, 16]))
+    max_model_len = int(rng.choice([64, 128, 256]))
+    n = int(rng.integers(3, 60))
+    prefixes = [[int(x) for x in rng.integers(0, 3, 40)] for _ in range(3)]
+    requests = []
+    for i in range(n):
+        prompt = int(rng.integers(1, max_model_len))
+        r = {"row": i, "arrival_step": int(rng.integers(0, 80)), "prompt": prompt,
+             "output": int(rng.integers(1, 40)), "priority": int(rng.integers(0, 3))}
+        if rng.random() < 0.85:
+            r["block_hashes"] = prefixes[int(rng.integers(0, 3))][:-(-prompt // 8)]
+        requests.append(r)
+    requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
+    from oracle_fuzz import random_engine_options  # (simkv's side only: it imports simkv)
+
+    opts = random_engine_options(rng, block_size, max_model_len)
+    opts["enable_prefix_caching"] = True
+    opts["reserve_full_isl"] = bool(rng.random() < 0.7)
+    return {"opts": opts, "requests": requests, "num_offload_chunks": int(rng.integers(1, 40)),
+            "store_latency": int(rng.integers(1, 5)), "load_latency": int(rng.integers(1, 5))}
+
+
+def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:
+    pending = list(requests)
+    rows = []
+    for k in range(max_steps):
+        arrived = []
+        while pending and pending[0]["arrival_step"] <= k:
+            arrived.append(pending.pop(0))
+        row, done = schedule_step(k, arrived)
+        rows.append(row)
+        if done and not pending:
+            return {"steps": rows}
+    return {"steps": rows, "error": "max steps"}
+
+
+# ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
+class _Ordered(dict):
+    """An insertion-ordered set for the scheduler's finished_req_ids (vLLM iterates a set of
+    strings, whose order changes with PYTHONHASHSEED; simkv retires them in running order)."""
+
+    def add(self, key) -> None:
+        self[key] = None
+
+    def discard(self, key) -> None:
+        self.pop(key, None)
+
+
+def run_vllm(case: dict) -> dict:
+    import oracle
+    import oracle_vllm
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    o = dict(case["opts"], prefix_cache_retention_interval=None)
+    connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                 kv_connector_extra_config={"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE})
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector)
+    cs = sched.connector.connector_scheduler
+    assert cs.manager._num_chunks == case["num_offload_chunks"], cs.manager._num_chunks
+    hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+    pool = sched.kv_cache_manager.block_pool
+    sched.finished_req_ids = _Ordered()
+    first_token, finish = {}, {}
+    due_jobs: dict[int, list] = {}
+    transfers = []
+
+    def make(r):
+        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
+              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
+        ids = oracle.make_prompt_ids(tr, 0, 0, {})
+        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
+        return Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"], block_hasher=hasher)
+
+    def step(k, arrived):
+        for r in arrived:
+            sched.add_request(make(r))
+        so = sched.schedule()
+        sched.finished_req_ids = _Ordered()
+        meta = so.kv_connector_metadata
+        for jid, job in meta.load_jobs.items():
+            due_jobs.setdefault(k + case["load_latency"] - 1, []).append((jid, job.req_id, False))
+            transfers.append([k, int(job.req_id), len(job.dst_spec.block_ids), 0])
+        for jid, job in meta.store_jobs.items():
+            due_jobs.setdefault(k + case["store_latency"], []).append((jid, job.req_id, True))
+            transfers.append([k, int(job.req_id), len(job.src_spec.block_ids), 1])
+        if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
+            print(k, dict(so.num_scheduled_tokens), {j: t.req_id for j, t in meta.load_jobs.items()},
+                  {j: t.req_id for j, t in meta.store_jobs.items()}, file=sys.stderr)
+        n_running, n_waiting = sched.get_request_counts()
+        row = [so.total_num_scheduled_tokens, n_running, n_waiting, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()]
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, None)
+        done = due_jobs.pop(k, [])
+        worker = OffloadingWorkerMetadata()
+        for jid, _, _ in done:
+            worker.mark_completed(jid)
+        recv = dict.fromkeys(rid for _, rid, is_store in done if not is_store)
+        connector_output = KVConnectorOutput(finished_recving=recv or None,
+                                             kv_connector_worker_meta=worker if done else None)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=connector_output)
+        for eco in sched.update_from_output(so, mro).values():
+            for out in eco.outputs:
+                rid = out.request_id
+                if out.new_token_ids and rid not in first_token:
+                    first_token[rid] = k
+                if out.finish_reason is not None:
+                    finish[rid] = k
+        return row, not sched.has_requests() and not due_jobs
+
+    result = _step_loop(case["requests"], step)
+    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
+                          for r in case["requests"]}
+    result["transfers"] = transfers
+    return result
+
+
+# ---- simkv side ---------------------------------------------------------------------------------
+def run_simkv(case: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from tests.core.helpers import drive_offload
+
+    result = drive_offload(case)
+    result.pop("scheduler")
+    return result
+
+
+def _trim(rows: list) -> list:
+    end = len(rows)
+    while end and not any(rows[end - 1]):
+        end -= 1
+    return rows[:end]
+
+
+def differences(theirs: dict, ours: dict) -> list[str]:
+    out = []
+    if theirs.get("error") != ours.get("error"):
+        out.append(f"vLLM {theirs.get('error')}, simkv {ours.get('error')}")
+    a, b = _trim(theirs["steps"]), _trim(ours["steps"])
+    bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if bad or len(a) != len(b):
+        i = bad[0] if bad else min(len(a), len(b))
+        out.append(f"steps differ from step {i} (of {len(a)} / {len(b)}): "
+                   f"vLLM {a[i] if i < len(a) else None}, simkv {b[i] if i < len(b) else None}")
+    for rid, v in theirs["requests"].items():
+        if ours["requests"].get(rid) != v:
+            out.append(f"request {rid}: vLLM first token/finish step {v}, simkv {ours['requests'].get(rid)}")
+            break
+    t, o = theirs.get("transfers", []), ours.get("transfers", [])
+    if t != o:
+        i = next((j for j, (x, y) in enumerate(zip(t, o)) if x != y), min(len(t), len(o)))
+        out.append(f"transfers differ at {i} (of {len(t)} / {len(o)}) [step, row, blocks, store]: "
+                   f"vLLM {t[i] if i < len(t) else None}, simkv {o[i] if i < len(o) else None}")
+    return out
+
+
+def main() -> None:
+    import oracle_vllm
+
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    if oracle_vllm.serve_vllm_side(a, run_vllm):
+        return
+    import numpy as np
+    rng = np.random.default_rng(a.seed)
+    cases = [make_case(rng) for _ in range(a.cases)]
+    theirs = oracle_vllm.vllm_results(__file__, cases, a)
+    failures = 0
+    totals = dict(requests=0, steps=0, loads=0, stores=0)
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        ours = run_simkv(case)
+        totals["requests"] += len(case["requests"])
+        totals["steps"] += len(t["steps"])
+        totals["loads"] += sum(1 for x in t.get("transfers", []) if not x[3])
+        totals["stores"] += sum(1 for x in t.get("transfers", []) if x[3])
+        diff = differences(t, ours)
+        if diff:
+            failures += 1
+            print(f"case {i} chunks={case['num_offload_chunks']} lat={case['store_latency']}/{case['load_latency']} "
+                  f"{case['opts']}: " + "; ".join(diff))
+    print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, {totals['steps']} "
+          f"steps, {totals['loads']} loads, {totals['stores']} stores)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""KV offloading to CPU memory, as vLLM's native OffloadingConnector drives its scheduler
+(`--kv-offloading-size GiB`, `--kv-offloading-backend native`). No clock here: the replay
+(simkv/replay/offload_feed.py) says when each transfer ends.
+
+A second cache tier behind the GPU prefix cache, in chunks of one GPU block (vLLM's default
+`blocks_per_chunk` 1), keyed by the blocks' content keys:
+- **stores**: each step, every scheduled request offers the full blocks of its prompt that the
+  step computes (vLLM's `offload_prompt_only`, on by default) and that it has not offered
+  before; the tier takes those it lacks, evicting as its LRU policy says, and a store job copies
+  them (the worker starts it when the next step starts). A key is readable once its job ends.
+- **loads**: a request admitted from the waiting queue (no computed tokens) first looks up its
+  local prefix hit, then the tier from there on: consecutive readable chunks, up to its whole
+  prompt. A hit loads asynchronously, as a P/D pull does (core/remote_kv.py): blocks for its
+  local hits plus the loaded tokens, WAITING_FOR_REMOTE_KVS until the load ends. A lookup that
+  meets a chunk still being stored, or one being loaded for another request, or a request with
+  a transfer of its own in flight, is retried at a later step (the request is skipped).
+
+`CPUOffloadManager` is vLLM's CPUOffloadingManager with its "lru" policy: a chunk being written
+or read cannot be evicted; recency is by request, ordered within a request so that its tail
+goes before its head, and a finished request's chunks become the most recent, head last.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from simkv.core.request import Request
+
+_PENDING = -1  # a chunk's reference count while its store is in flight (vLLM's not-ready)
+
+
+class _Chunk:
+    __slots__ = ("ref_cnt",)
+
+    def __init__(self) -> None:
+        self.ref_cnt = _PENDING
+
+
+class _Access:
+    """What the tier has seen of one request (vLLM's _RequestCacheAccess and _RequestRank)."""
+
+    __slots__ = ("rank", "keys", "seen", "finished")
+
+    def __init__(self) -> None:
+        self.rank = 0  # 0: not assigned yet
+        self.keys: list[tuple[int, int]] = []  # (position, key), in the order seen
+        self.seen: set[int] = set()
+        self.finished = False
+
+
+class CPUOffloadManager:
+    """The CPU tier: `num_chunks` chunks, LRU eviction (vLLM's CPUOffloadingManager + LRUCachePolicy)."""
+
+    def __init__(self, num_chunks: int) -> None:
+        self.num_chunks = num_chunks
+        self.chunks: dict[int, _Chunk] = {}
+        self._ranks: dict[int, tuple[int, int]] = {}
+        self._evictable: set[int] = set()
+        self._heap: list[tuple[tuple[int, int], int]] = []
+        self._next_rank = 0
+        self.num_evictions = 0
+
+    # ---- lookups and loads --------------------------------------------------------------------
+    def lookup(self, key: int) -> int:
+        """0: miss, 1: readable, 2: its store is in flight."""
+        chunk = self.chunks.get(key)
+        if chunk is None:
+            return 0
+        return 2 if chunk.ref_cnt == _PENDING else 1
+
+    def prepare_load(self, keys: list[tuple[int, int]], access: _Access) -> None:
+        for _, key in keys:
+            chunk = self.chunks[key]
+            if chunk.ref_cnt == 0:
+                self._evictable.discard(key)
+            chunk.ref_cnt += 1
+        self._record(keys, access)
+
+    def complete_load(self, keys: list[int]) -> None:
+        for key in keys:
+            chunk = self.chunks[key]
+            chunk.ref_cnt -= 1
+            if chunk.ref_cnt == 0:
+                self._evictable.add(key)
+                heapq.heappush(self._heap, (self._ranks[key], key))
+
+    # ---- stores -------------------------------------------------------------------------------
+    def prepare_store(self, keys: list[tuple[int, int]], access: _Access) -> list[int] | None:
+        """The keys a store job writes (those the tier lacks); None if the tier cannot make room."""
+        to_store = [(p, k) for p, k in keys if k not in self.chunks]
+        ready = [(p, k) for p, k in keys if k in self.chunks and self.chunks[k].ref_cnt != _PENDING]
+        recorded = {k for _, k in to_store} | {k for _, k in ready}
+        self._record([(p, k) for p, k in keys if k in recorded], access)
+        if not to_store:
+            return []
+        need = len(to_store) - (self.num_chunks - len(self.chunks))
+        if need > 0:
+            if need > len(self._evictable):
+                return None
+            if not self._evict(need, {k for _, k in keys}):
+                return None
+        rank = self._request_rank(access)
+        for position, key in to_store:
+            self.chunks[key] = _Chunk()
+            self._ranks[key] = (rank, -position)
+        return [k for _, k in to_store]
+
+    def complete_store(self, keys: list[int]) -> None:
+        for key in keys:
+            chunk = self.chunks.get(key)
+            if chunk is not None and chunk.ref_cnt == _PENDING:
+                chunk.ref_cnt = 0
+                self._evictable.add(key)
+                heapq.heappush(self._heap, (self._ranks[key], key))
+
+    def _evict(self, n: int, protected: set[int]) -> bool:
+        heap, selected, deferred, picked = self._heap, [], [], set()
+        while heap and len(selected) < n:
+            entry = heapq.heappop(heap)
+            rank, key = entry
+            if key not in self._evictable or self._ranks.get(key) != rank or key in picked:
+                continue
+            if key in protected:
+                deferred.append(entry)
+                continue
+            selected.append(entry)
+            picked.add(key)
+        for entry in deferred:
+            heapq.heappush(heap, entry)
+        if len(selected) < n:
+            for entry in selected:
+                heapq.heappush(heap, entry)
+            return False
+        for _, key in selected:
+            self._evictable.discard(key)
+            del self.chunks[key]
+            del self._ranks[key]
+        self.num_evictions += n
+        return True
+
+    # ---- recency ------------------------------------------------------------------------------
+    def _request_rank(self, access: _Access) -> int:
+        if not access.rank:
+            self._next_rank += 1
+            access.rank = self._next_rank
+        return access.rank
+
+    def _record(self, keys: list[tuple[int, int]], access: _Access) -> None:
+        """Keys this request touches for the first time: they rank as its own (tail first)."""
+        new = [(p, k) for p, k in keys if k not in access.seen]
+        if not new:
+            return
+        for p, k in new:
+            access.seen.add(k)
+            access.keys.append((p, k))
+        rank = self._request_rank(access)
+        for position, key in new:
+            if key not in self.chunks:
+                continue
+            r = (rank, -position)
+            if self._ranks[key] >= r:
+                continue
+            self._ranks[key] = r
+            if key in self._evictable:
+                heapq.heappush(self._heap, (r, key))
+
+    def request_finished(self, access: _Access) -> None:
+        """Its chunks become the most recent, its head last (vLLM's on_request_finished)."""
+        if access.finished:
+            return
+        access.finished = True
+        for _, key in sorted(access.keys, reverse=True):  # (tail first)
+            if key not in self.chunks:
+                continue
+            self._next_rank += 1
+            self._ranks[key] = (self._next_rank, 0)
+            if key in self._evictable:
+                heapq.heappush(self._heap, (self._ranks[key], key))
+
+    @property
+    def num_used(self) -> int:
+        return len(self.chunks)
+
+
+class _OffloadState:
+    """The connector's view of one request (vLLM's RequestOffloadState, one KV-cache group)."""
+
+    __slots__ = ("request", "access", "next_stored", "jobs", "finished", "store_retry")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.access = _Access()
+        self.next_stored = 0  # chunks offered so far
+        self.jobs: set[int] = set()  # transfers in flight: one load, or stores
+        self.finished = False
+        self.store_retry = False  # its last store found no room: offered again when scheduled
+
+
+class OffloadJob:
+    """A transfer: `num_blocks` blocks between the GPU and the CPU tier for `request`."""
+
+    __slots__ = ("job_id", "request", "keys", "is_store")
+
+    def __init__(self, job_id: int, request: Request, keys: list[int], is_store: bool) -> None:
+        self.job_id = job_id
+        self.request = request
+        self.keys = keys
+        self.is_store = is_store
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+
+class KVOffload:
+    """The scheduler side of vLLM's OffloadingConnector for one full-attention KV-cache group."""
+
+    def __init__(self, num_chunks: int, block_size: int, hasher) -> None:
+        self.manager = CPUOffloadManager(num_chunks)
+        self.block_size = block_size
+        self.hasher = hasher
+        self._states: dict[int, _OffloadState] = {}
+        self._jobs: dict[int, OffloadJob] = {}
+        self._next_job = 0
+        self._being_loaded: set[int] = set()
+        self._finished: list[Request] = []
+        self.step_loads: list[OffloadJob] = []  # jobs this schedule() starts
+        self.step_stores: list[OffloadJob] = []
+        # counters
+        self.num_loads = self.num_loaded_blocks = 0
+        self.num_stores = self.num_stored_blocks = 0
+        self.num_store_failures = 0
+        self.num_lookup_retries = 0
+        self.num_retrying = 0  # requests whose last store found no room
+        self.num_hit_tokens = 0
+
+    def _state(self, request: Request) -> _OffloadState:
+        state = self._states.get(request.index)
+        if state is None:
+            state = self._states[request.index] = _OffloadState(request)
+        return state
+
+    def _key(self, request: Request, i: int) -> tuple[int, int]:
+        return (i + 1) * self.block_size, self.hasher.block_key(request, i)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def lookup(self, request: Request, num_local: int) -> int | None:
+        """Tokens past the local hit `num_local` that the tier holds (loaded asynchronously), or
+        None: ask again at a later step (vLLM's get_num_new_matched_tokens)."""
+        state = self._state(request)
+        state.next_stored = 0  # (computed from token 0 again: every chunk is offered again)
+        if state.jobs:
+            self.num_lookup_retries += 1
+            return None
+        bs = self.block_size
+        num_keyed = request.num_tokens // bs
+        # only prompt blocks are ever stored: the first output block misses
+        end = min(num_keyed, request.num_prompt_tokens // bs + 1)
+        start = num_local // bs
+        if end * bs - num_local < bs:
+            return 0
+        hits, pending = 0, False
+        for i in range(start, end):
+            found = self.manager.lookup(self._key(request, i)[1])
+            if not found:
+                break
+            hits += 1
+            pending |= found == 2
+        if hits == 0:
+            return 0
+        if pending:
+            self.num_lookup_retries += 1
+            return None
+        if self._being_loaded and any(self._key(request, i)[1] in self._being_loaded
+                                      for i in range(start, start + hits)):
+            self.num_lookup_retries += 1
+            return None
+        return (start + hits) * bs - num_local
+
+    def start_load(self, request: Request, num_local: int, num_external: int) -> OffloadJob:
+        """The load of an admitted hit (vLLM's update_state_after_alloc): blocks past the local hit."""
+        state = self._state(request)
+        bs = self.block_size
+        end = -(-(num_local + num_external) // bs)
+        keys = [self._key(request, i) for i in range(num_local // bs, end)]
+        self.manager.prepare_load(keys, state.access)
+        state.next_stored = end  # (chunk level: what it hit is not offered again)
+        job = self._new_job(request, [k for _, k in keys], False, state)
+        self._being_loaded.update(job.keys)
+        self.step_loads.append(job)
+        self.num_loads += 1
+        self.num_loaded_blocks += len(keys)
+        self.num_hit_tokens += num_external
+        return job
+
+    # ---- stores, at the end of schedule() -----------------------------------------------------
+    def build_stores(self, scheduled: list[tuple[Request, int]], num_blocks_of) -> None:
+        """`scheduled`: (request, computed tokens after this step) in the step's order; then the
+        requests that finished since the last schedule(), which retire from the tier's recency."""
+        for request, num_after in scheduled:
+            self._offer(request, min(num_after, request.num_prompt_tokens), num_blocks_of(request))
+        finished, self._finished = self._finished, []
+        for request, num_blocks in finished:  # (what a failed store left, from its freed blocks)
+            state = self._states.get(request.index)
+            if state is None:
+                continue
+            if state.store_retry:
+                self._offer(request, request.num_prompt_tokens, num_blocks)
+            state.finished = True
+            self._set_retry(state, False)
+            self.manager.request_finished(state.access)
+            if not state.jobs:
+                del self._states[request.index]
+
+    def _offer(self, request: Request, num_tokens: int, num_blocks: int) -> None:
+        state = self._state(request)
+        num_chunks = min(num_tokens // self.block_size, num_blocks)
+        if num_chunks <= state.next_stored:
+            self._set_retry(state, False)
+            return
+        keys = [self._key(request, i) for i in range(state.next_stored, num_chunks)]
+        stored = self.manager.prepare_store(keys, state.access)
+        if stored is None:  # (no room: offered again the next time it is scheduled)
+            self._set_retry(state, True)
+            self.num_store_failures += 1
+            return
+        self._set_retry(state, False)
+        state.next_stored = num_chunks
+        if stored:
+            self.step_stores.append(self._new_job(request, stored, True, state))
+            self.num_stores += 1
+            self.num_stored_blocks += len(stored)
+
+    def _new_job(self, request: Request, keys: list[int], is_store: bool, state: _OffloadState) -> OffloadJob:
+        job = OffloadJob(self._next_job, request, keys, is_store)
+        self._next_job += 1
+        self._jobs[job.job_id] = job
+        state.jobs.add(job.job_id)
+        return job
+
+    def _set_retry(self, state: _OffloadState, retry: bool) -> None:
+        if state.store_retry != retry:
+            state.store_retry = retry
+            self.num_retrying += 1 if retry else -1
+
+    def retrying(self) -> list[Request]:
+        """Requests whose last store found no room (rare: a tier full of chunks in transfer)."""
+        return [s.request for s in self._states.values() if s.store_retry and not s.finished]
+
+    # ---- completions --------------------------------------------------------------------------
+    def job_done(self, job: OffloadJob) -> None:
+        """A transfer's end, seen at a step boundary."""
+        del self._jobs[job.job_id]
+        if job.is_store:
+            self.manager.complete_store(job.keys)
+        else:
+            self.manager.complete_load(job.keys)
+            self._being_loaded.difference_update(job.keys)
+        state = self._states[job.request.index]
+        state.jobs.discard(job.job_id)
+        if state.finished and not state.jobs:
+            del self._states[job.request.index]
+
+    def request_finished(self, request: Request, num_blocks: int) -> None:
+        """`request` finished holding `num_blocks` blocks (the next schedule() retires it)."""
+        self._finished.append((request, num_blocks))
+
+    def has_pending_jobs(self) -> bool:
+        return bool(self._jobs)
+
+    def take_step_jobs(self) -> list[OffloadJob]:
+        """The transfers the step just scheduled starts: its loads, then its stores."""
+        jobs = self.step_loads + self.step_stores
+        self.step_loads, self.step_stores = [], []
+        return jobs
+
+    def stats(self) -> dict:
+        return {"cpu_chunks": self.manager.num_chunks, "cpu_chunks_used": self.manager.num_used,
+                "loads": self.num_loads, "loaded_blocks": self.num_loaded_blocks,
+                "loaded_tokens": self.num_hit_tokens, "stores": self.num_stores,
+                "stored_blocks": self.num_stored_blocks, "store_failures": self.num_store_failures,
+                "evicted_blocks": self.manager.num_evictions, "lookup_retries": self.num_lookup_retries}
