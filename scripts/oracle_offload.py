@@ -92,6 +92,14 @@ def run_vllm(case: dict) -> dict:
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
     pool = sched.kv_cache_manager.block_pool
     sched.finished_req_ids = _Ordered()
+    if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
+        lookup = sched.connector.get_num_new_matched_tokens
+
+        def traced(request, num_computed_tokens, *args):
+            result = lookup(request, num_computed_tokens, *args)
+            print("  lookup", request.request_id, num_computed_tokens, result, file=sys.stderr)
+            return result
+        sched.connector.get_num_new_matched_tokens = traced
     first_token, finish = {}, {}
     due_jobs: dict[int, list] = {}
     transfers = []

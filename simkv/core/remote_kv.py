@@ -176,7 +176,8 @@ class RemoteKV:
         cannot be preempted meanwhile). vLLM sums them over its in-flight prefills, pulls
         included; under speculative decoding each also needs its first speculative step's
         1 + K + lookahead slots. Without it, pulls hold their whole prompt already, unless the
-        prompt's last token is left to the decode side (linear attention) and needs a block."""
+        prompt's last token is left to the decode side (linear attention) and needs a block, or
+        the load is a CPU tier's (KV offloading: its blocks end where the hit does)."""
         kv = self.kv_cache_manager
         cap = self.max_model_len
         if self.num_spec_tokens:
@@ -185,7 +186,7 @@ class RemoteKV:
         else:
             extra = 0
             prefills = self._prefilling
-            if self.prefill_backoff:
+            if self.prefill_backoff or self.offload is not None:  # (a CPU-tier load holds part of its prompt)
                 prefills = prefills + list(self.kv_holding) + skipped
         if self._mamba_split:  # (the Mamba groups' need goes by the target's tokens)
             return sum(kv.remaining_blocks(r, min(r.num_tokens, cap) + extra, min(r.num_tokens, cap))
