@@ -27,6 +27,9 @@ GIB = 1 << 30
 _FIXED_RESERVE_BYTES = 1 * GIB
 
 
+OFFLOAD_PAGE_BYTES = 4096  # vLLM's CPU offload chunks are host-page aligned
+
+
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f}"
 
@@ -43,6 +46,7 @@ class Capacity:
     # of max_model_len tokens holds at most, over all KV-cache groups.
     blocks_per_request: int = 0
     block_bytes: int = 0  # one block on one GPU (all layers, or `layers_per_block` of them)
+    num_offload_chunks: int = 0  # KV offloading's CPU tier, in blocks (each over all GPUs, page-aligned)
 
     @property
     def max_concurrency(self) -> float:
@@ -156,5 +160,11 @@ def compute_capacity(config: EngineConfig) -> Capacity:
             f"cache is needed, which is larger than the available KV cache memory ({_gib(usable_bytes)} GiB). "
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
+    num_offload_chunks = 0
+    if cc.kv_offloading_size is not None:  # (vLLM: every rank's copy of a block, rounded up to a host page)
+        chunk_bytes = -(-int(block_bytes) * tp // OFFLOAD_PAGE_BYTES) * OFFLOAD_PAGE_BYTES
+        num_offload_chunks = int(cc.kv_offloading_size * GIB) // chunk_bytes
+        if num_offload_chunks < 1:
+            raise ConfigError(f"kv_offloading_size {cc.kv_offloading_size} GiB holds no block of {chunk_bytes} bytes")
     return Capacity(per_token // dcp, int(num_blocks), int(available), bs, mml, num_cpu_blocks,
-                    per_request if hybrid else 0, int(block_bytes))
+                    per_request if hybrid else 0, int(block_bytes), num_offload_chunks)

@@ -42,7 +42,10 @@ class CacheConfig:
     reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
     allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
     swap_space: float = 4.0  # GiB of CPU swap space per GPU (vLLM v0's --swap-space), used by preemption_mode=swap
-    pcie_bandwidth_gbs: float = 63.0  # host<->GPU bytes per second (GB/s) for swapping (PCIe Gen5 x16)
+    pcie_bandwidth_gbs: float = 63.0  # host<->GPU bytes per second (GB/s) for swapping and offloading (PCIe Gen5 x16)
+    # GiB of CPU memory for KV offloading, over all GPUs of the engine (vLLM's --kv-offloading-size
+    # with its native backend); None: no offloading (core/kv_offload.py)
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
         if self.swap_space < 0 or self.pcie_bandwidth_gbs <= 0:
@@ -63,6 +66,8 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_dtype must be one of auto, bfloat16, fp16, fp8; got '{self.kv_cache_dtype}'")
         if not 1 <= self.prefix_caching_hash_bits <= 63:
             raise ConfigError(f"prefix_caching_hash_bits must be in [1, 63], got {self.prefix_caching_hash_bits}")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ConfigError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -422,6 +427,29 @@ class EngineConfig:
             self._verify_retention()
         if self.has_linear_attention:
             self._verify_linear_attention()
+        if self.cache.kv_offloading_size is not None:
+            self._verify_kv_offloading()
+
+    def _verify_kv_offloading(self) -> None:
+        """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
+        under vLLM's synchronous scheduler, with its default policies."""
+        cache, sched = self.cache, self.scheduler
+        unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
+                       (self.has_sliding_window or self.has_linear_attention or self.kv_cache_groups.is_hybrid,
+                        f"sliding-window, chunked-local or linear-attention layers (model {self.hardware.model})"),
+                       (self.speculative.enabled, "speculative decoding"),
+                       (sched.async_scheduling, "async scheduling (pass --no-async-scheduling)"),
+                       (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
+                       (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
+                       (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
+                       (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
+                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
+                       (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
+                       (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"kv_offloading_size (KV offloading to CPU) is not modelled with {what} yet")
 
     @property
     def layer_windows(self) -> list[int]:

@@ -139,8 +139,13 @@ class ReplayEngine:
             raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
                              + without)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
+        num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
+        if num_offload_chunks and (make_feed is not None or (trace.n is not None and (trace.n > 1).any())):
+            raise ValueError("KV offloading (kv_offloading_size) is modelled on one engine (no fleet, no P/D, no "
+                             "data-parallel ranks) and without parallel sampling (n > 1) yet")
         self.scheduler = Scheduler(config.for_kv_manager(), num_gpu_blocks, detail=backend.needs_request_detail,
-                                   num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector)
+                                   num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector or bool(num_offload_chunks),
+                                   num_offload_chunks=num_offload_chunks)
         # Swapping delays the step by its bytes over PCIe (not under the step-counting unit model).
         block_bytes = capacity.kv_bytes_per_token * config.kv_manager_block_size if capacity is not None else 0
         self.swap_seconds_per_block = (0.0 if backend.name == "unit" else
@@ -151,8 +156,14 @@ class ReplayEngine:
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog(config.speculative.enabled)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
-        self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
-                     ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
+        if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
+            from simkv.replay.offload_feed import OffloadFeed
+            self.feed = OffloadFeed(trace, self.scheduler, self.requests, config.max_model_len,
+                                    -(-block_bytes * config.hardware.tensor_parallel_size // 4096) * 4096,
+                                    config.cache.pcie_bandwidth_gbs)
+        else:
+            self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
+                         ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress
         self.now = 0  # ticks
@@ -247,6 +258,8 @@ class ReplayEngine:
             out = self._schedule()
             if out.is_empty:
                 sched.current_step = out.step  # nothing ran: not a step
+                if out.offload_jobs:  # (loads admitted by a schedule() that ran nothing start now)
+                    feed.offload_jobs_started(out.offload_jobs, self.now, self.now)
                 if out.preempted:  # the last running request preempted itself: schedule again
                     continue
                 if not feed.holds_pending_work():
@@ -256,6 +269,8 @@ class ReplayEngine:
             start = self.now
             duration = self._duration(out)
             self.now = start + duration
+            if out.offload_jobs:
+                feed.offload_jobs_started(out.offload_jobs, start, self.now)
             yield env.timeout(duration)
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from simkv.atomic import atomic_write
+from simkv.clock import TICKS_PER_SECOND
 from simkv.replay.engine import ReplayRun
 from simkv.replay.step_log import SPEC_COLUMNS, RequestLog
 
@@ -158,8 +159,24 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | kv_cache_groups_summary(config, capacity) | spec_summary(config, [sched], [backend], duration) | latencies_and_rates(
+    } | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+        config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
+
+
+def offload_summary(run, capacity, prefix_queries: int) -> dict:
+    """KV offloading (core/kv_offload.py): the CPU tier's use, its hits and the host link's bytes."""
+    offload = run.scheduler.offload
+    if offload is None:
+        return {}
+    feed = run.feed
+    stats = offload.stats()
+    loads = stats["loads"]
+    return {"kv_offloading": stats | {
+        "cpu_tier_gib": capacity.num_offload_chunks * feed.chunk_bytes / (1 << 30),
+        "hit_rate": stats["loaded_tokens"] / prefix_queries if prefix_queries else 0.0,
+        "load_bytes": int(feed.load_bytes), "store_bytes": int(feed.store_bytes),
+        "mean_load_s": feed.load_ticks / loads / TICKS_PER_SECOND if loads else 0.0}}
 
 
 def kv_cache_groups_summary(config, capacity=None) -> dict:

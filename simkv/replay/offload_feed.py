@@ -1,0 +1,64 @@
+"""KV offloading's transfers on the clock (the engine core's side: simkv/core/kv_offload.py).
+
+Each direction of the host link (`pcie_bandwidth_gbs`) carries one transfer at a time, in the
+order the steps start them: a load (host to GPU) when the step that admitted it starts, a store
+(GPU to host) when the next step starts, which under vLLM's engine is at once (it keeps
+stepping while a connector has work), so here at the end of the step that computed the blocks.
+A transfer's end takes effect at the first step boundary at or after it; an engine idle on a
+load is woken then.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from simkv.clock import TICKS_PER_SECOND
+from simkv.replay.engine import ArrivalFeed
+
+
+class OffloadFeed(ArrivalFeed):
+    def __init__(self, trace, scheduler, request_log, max_model_len: int, chunk_bytes: int, pcie_gbs: float) -> None:
+        super().__init__(trace, scheduler, request_log, max_model_len)
+        self.chunk_bytes = chunk_bytes
+        self._ticks_per_byte = TICKS_PER_SECOND / (pcie_gbs * 1e9)
+        self._load_free = self._store_free = 0  # ticks at which each direction is free
+        self._events: list[tuple[int, int, object]] = []  # (tick, job id, job)
+        self.load_bytes = self.store_bytes = 0
+        self.load_ticks = 0  # summed over loads: their start to their end, queueing included
+
+    @property
+    def exhausted(self) -> bool:
+        return super().exhausted and not self._events
+
+    def next_arrival_ticks(self) -> int | None:
+        nxt = None if self.next_index >= len(self.arrivals) else self._arrival_ticks[self.next_index]
+        if self._events and (nxt is None or self._events[0][0] < nxt):
+            return self._events[0][0]
+        return nxt
+
+    def deliver_until(self, now: int) -> None:
+        events = self._events
+        while events and events[0][0] <= now:
+            self.scheduler.offload_job_done(heapq.heappop(events)[2])
+        super().deliver_until(now)
+
+    def kv_loads_started(self, requests: list, tick: int) -> None:
+        """(CPU-tier loads are timed as offload jobs: `offload_jobs_started`)"""
+
+    def holds_pending_work(self) -> bool:
+        return bool(self._events)
+
+    def offload_jobs_started(self, jobs: list, step_start: int, step_end: int) -> None:
+        for job in jobs:
+            num_bytes = job.num_blocks * self.chunk_bytes
+            ticks = round(num_bytes * self._ticks_per_byte)
+            if job.is_store:
+                begin = max(step_end, self._store_free)
+                end = self._store_free = begin + ticks
+                self.store_bytes += num_bytes
+            else:
+                begin = max(step_start, self._load_free)
+                end = self._load_free = begin + ticks
+                self.load_bytes += num_bytes
+                self.load_ticks += end - step_start
+            heapq.heappush(self._events, (end, job.job_id, job))

@@ -1,0 +1,81 @@
+"""KV offloading to CPU memory (core/kv_offload.py): the tier's LRU, and recorded cases of
+scripts/oracle_offload.py against vLLM 0.33's OffloadingConnector."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simkv.core.kv_offload import CPUOffloadManager, _Access
+from tests.core.helpers import drive_offload
+
+
+def _store(manager: CPUOffloadManager, access: _Access, keys: list[int], first_position: int = 1):
+    stored = manager.prepare_store([(first_position + i, k) for i, k in enumerate(keys)], access)
+    if stored:
+        manager.complete_store(stored)
+    return stored
+
+
+def test_a_request_s_tail_is_evicted_before_its_head():
+    manager = CPUOffloadManager(3)
+    a = _Access()
+    assert _store(manager, a, [10, 11, 12]) == [10, 11, 12]
+    assert _store(manager, _Access(), [20]) == [20]
+    assert set(manager.chunks) == {10, 11, 20}  # (12, the last block of the first request, went)
+
+
+def test_a_finished_request_becomes_the_most_recent_head_last():
+    manager = CPUOffloadManager(4)
+    a, b = _Access(), _Access()
+    _store(manager, a, [10, 11])
+    _store(manager, b, [20, 21])
+    manager.request_finished(a)  # a's chunks now rank above b's (still running)
+    _store(manager, _Access(), [30, 31, 32])
+    assert set(manager.chunks) == {10, 30, 31, 32}  # b's tail, b's head, then a's tail went
+
+
+def test_chunks_in_transfer_are_not_evicted_and_a_store_without_room_fails():
+    manager = CPUOffloadManager(2)
+    a = _Access()
+    pending = manager.prepare_store([(1, 10), (2, 11)], a)  # stores in flight
+    assert pending == [10, 11] and manager.lookup(10) == 2
+    assert manager.prepare_store([(1, 20)], _Access()) is None
+    manager.complete_store([10, 11])
+    assert manager.lookup(10) == 1
+    manager.prepare_load([(1, 10)], _Access())  # a load pins 10
+    assert manager.prepare_store([(1, 20)], _Access()) == [20]
+    assert set(manager.chunks) == {10, 20}
+    manager.complete_load([10])
+    assert manager.prepare_store([(1, 30)], _Access()) == [30]
+
+
+def test_keys_the_tier_holds_are_not_stored_again():
+    manager = CPUOffloadManager(4)
+    _store(manager, _Access(), [10, 11])
+    assert manager.prepare_store([(1, 10), (2, 11), (3, 12)], _Access()) == [12]
+
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "offload_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", RECORDED["cases"], ids=RECORDED["ids"])
+def test_recorded_cases_match_vllm(case):
+    """Random cases of scripts/oracle_offload.py, chosen to cover the tier's evictions, stores
+    that found no room (offered again at later steps, at the finish from freed blocks),
+    lookups retried while a chunk is being stored or the request's own store is in flight,
+    loads after preemptions, and the in-flight prefill reservation that counts a load's
+    remaining blocks. Every step, every request's first-token and finish step, and every
+    transfer equal vLLM's."""
+    theirs = case["vllm"]
+    ours = drive_offload(case["case"])
+    ours.pop("scheduler")
+    assert ours.get("error") == theirs.get("error")
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
+    assert ours["transfers"] == theirs["transfers"]
