@@ -528,10 +528,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             computed = _HOLDS_KV if holds_kv else kv.get_computed_blocks(request)
             if self.offload is not None and not holds_kv:  # (then the CPU tier, past the local hit)
                 external = self.offload.lookup(request, computed.num_tokens)
-                if external is None:  # (ask again at a later step)
-                    kv.record_prefix_cache_stats(request, computed.num_tokens)
-                    plan.query += request.num_tokens
-                    plan.hit += computed.num_tokens
+                if external is None:  # (ask again at a later step; vLLM counts lookups at admission)
                     skipped_waiting.append(queue.pop_request())
                     continue
                 if external:

@@ -1,0 +1,67 @@
+"""KV offloading in a replay: the CPU tier serves a prompt the GPU prefix cache lost; the
+transfers take their bytes' time on the host link; unsupported settings are refused."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from simkv.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from simkv.replay.api import replay
+from simkv.traces.schema import trace_from_frame
+
+SHARED = list(range(1, 17))  # 16 blocks of 16 tokens: a 256-token prompt
+
+
+def _trace():
+    rows = [(0.0, 256, 4, SHARED)]  # A
+    rows += [(1.0 + i, 256, 4, [1000 * (i + 1) + j for j in range(16)]) for i in range(6)]  # evict A's blocks
+    rows.append((20.0, 256, 4, SHARED))  # B: A's prompt again
+    df = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens", "block_hashes"])
+    df["hash_block_tokens"] = 16
+    return trace_from_frame(df)
+
+
+def _config(**cache):
+    return EngineConfig(CacheConfig(num_gpu_blocks=40, **cache),
+                        SchedulerConfig(max_model_len=512, max_num_batched_tokens=512))
+
+
+def test_the_cpu_tier_serves_a_prompt_the_gpu_cache_lost():
+    plain = replay(_trace(), _config()).summary
+    offload = replay(_trace(), _config(kv_offloading_size=1.0)).summary
+    assert plain["prefix_cache_hits_tokens"] == 0  # (A's blocks were evicted before B came)
+    stats = offload["kv_offloading"]
+    assert stats["loads"] == 1 and stats["loaded_tokens"] == 256 and stats["loaded_blocks"] == 16
+    assert stats["stored_blocks"] == 7 * 16  # every prompt block, once
+    # llama-3-8b: 2 MiB a block on one GPU; 1 GiB holds 512 of them
+    assert stats["cpu_chunks"] == 512 and stats["cpu_tier_gib"] == pytest.approx(1.0)
+    assert stats["load_bytes"] == 16 * 2 * 1024 * 1024
+    assert stats["mean_load_s"] == pytest.approx(16 * 2 * 1024 * 1024 / 63e9, rel=1e-3)
+    assert offload["num_prefill_tokens"] == plain["num_prefill_tokens"] - 255  # (B computes its last token)
+
+
+def test_a_store_larger_than_the_tier_is_not_made():
+    """A step's store job is all or nothing (vLLM's prepare_store): 16 blocks do not go into a
+    tier of one; the request offers them again while it runs, and the tier stays empty."""
+    stats = replay(_trace(), _config(kv_offloading_size=2 / 1024)).summary["kv_offloading"]
+    assert stats["cpu_chunks"] == 1 and stats["stored_blocks"] == 0 and stats["loads"] == 0
+    assert stats["store_failures"] >= 8  # (each request at least once)
+
+
+def test_replays_with_offloading_are_deterministic():
+    a = replay(_trace(), _config(kv_offloading_size=0.25)).summary
+    b = replay(_trace(), _config(kv_offloading_size=0.25)).summary
+    a.pop("wall_time_s"), b.pop("wall_time_s")
+    assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(scheduler=dict(async_scheduling=True)), "async scheduling"),
+    (dict(cache=dict(enable_prefix_caching=False)), "prefix caching off"),
+    (dict(cache=dict(kv_offloading_size=-1.0)), "must be > 0"),
+])
+def test_unsupported_settings_are_refused(options, message):
+    cache = {"kv_offloading_size": 1.0} | options.get("cache", {})
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(CacheConfig(**cache), SchedulerConfig(**options.get("scheduler", {})))
