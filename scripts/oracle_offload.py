@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from oracle_pd import _step_loop  # noqa: E402  (the shared per-step driver and comparison)
+from oracle_pd import differences as pd_differences  # noqa: E402
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
@@ -46,20 +49,6 @@ def make_case(rng) -> dict:
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
     return {"opts": opts, "requests": requests, "num_offload_chunks": int(rng.integers(1, 40)),
             "store_latency": int(rng.integers(1, 5)), "load_latency": int(rng.integers(1, 5))}
-
-
-def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:
-    pending = list(requests)
-    rows = []
-    for k in range(max_steps):
-        arrived = []
-        while pending and pending[0]["arrival_step"] <= k:
-            arrived.append(pending.pop(0))
-        row, done = schedule_step(k, arrived)
-        rows.append(row)
-        if done and not pending:
-            return {"steps": rows}
-    return {"steps": rows, "error": "max steps"}
 
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
@@ -166,27 +155,9 @@ def run_simkv(case: dict) -> dict:
     return result
 
 
-def _trim(rows: list) -> list:
-    end = len(rows)
-    while end and not any(rows[end - 1]):
-        end -= 1
-    return rows[:end]
-
-
 def differences(theirs: dict, ours: dict) -> list[str]:
-    out = []
-    if theirs.get("error") != ours.get("error"):
-        out.append(f"vLLM {theirs.get('error')}, simkv {ours.get('error')}")
-    a, b = _trim(theirs["steps"]), _trim(ours["steps"])
-    bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    if bad or len(a) != len(b):
-        i = bad[0] if bad else min(len(a), len(b))
-        out.append(f"steps differ from step {i} (of {len(a)} / {len(b)}): "
-                   f"vLLM {a[i] if i < len(a) else None}, simkv {b[i] if i < len(b) else None}")
-    for rid, v in theirs["requests"].items():
-        if ours["requests"].get(rid) != v:
-            out.append(f"request {rid}: vLLM first token/finish step {v}, simkv {ours['requests'].get(rid)}")
-            break
+    """oracle_pd.py's comparison (steps, requests), and the transfers."""
+    out = [d for d in pd_differences(theirs, ours) if not d.startswith("accepted")]
     t, o = theirs.get("transfers", []), ours.get("transfers", [])
     if t != o:
         i = next((j for j, (x, y) in enumerate(zip(t, o)) if x != y), min(len(t), len(o)))

@@ -69,6 +69,9 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     requests met them (`summary["goodput"]`). `fleet`: replay on that many replicas behind a
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
+    if backend is not None and config.cache.kv_offloading_size is not None:
+        raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
+                         "cost model")
     if disaggregation is not None:
         if backend is not None or (fleet is not None and fleet.num_replicas > 1):
             raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")
