@@ -690,9 +690,6 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         in use after the step."""
         if finished:
             finished.sort(key=_seq_of)
-            if self.offload is not None:
-                for request in finished:
-                    self.offload.request_finished(request, self.kv_cache_manager.num_blocks_of(request))
             finished = self._finish(finished, step)
         used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         last_step, taken = self._last_schedule
@@ -725,6 +722,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         sampling group completes with its last sequence)."""
         self._preemptions_since_finish = 0
         kv = self.kv_cache_manager
+        if self.offload is not None:  # (the next schedule() retires them from the CPU tier's recency)
+            for request in finished:
+                self.offload.request_finished(request, kv.num_blocks_of(request))
         complete = []
         for request in finished:
             if request in self._prefilling:

@@ -65,3 +65,15 @@ def test_unsupported_settings_are_refused(options, message):
     cache = {"kv_offloading_size": 1.0} | options.get("cache", {})
     with pytest.raises(ConfigError, match=message):
         EngineConfig(CacheConfig(**cache), SchedulerConfig(**options.get("scheduler", {})))
+
+
+def test_decode_runs_change_nothing_with_offloading():
+    """Requests finishing inside a decode run retire from the tier's recency as when stepping."""
+    from tests.core.helpers import assert_decode_runs_change_nothing
+    from simkv.traces.schema import read_trace
+
+    trace = read_trace("traces/mooncake_synthetic_slice.parquet")
+    config = EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0), SchedulerConfig())
+    result = assert_decode_runs_change_nothing(trace, config)
+    stats = result.summary["kv_offloading"]
+    assert stats["loads"] > 0 and stats["evicted_blocks"] > 0
