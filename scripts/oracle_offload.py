@@ -28,7 +28,7 @@ from oracle_pd import differences as pd_differences  # noqa: E402
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
-def make_case(rng) -> dict:
+def make_case(rng, async_scheduling: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -47,6 +47,8 @@ def make_case(rng) -> dict:
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["enable_prefix_caching"] = True
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
+    if async_scheduling:
+        opts["async_scheduling"] = True
     return {"opts": opts, "requests": requests, "num_offload_chunks": int(rng.integers(1, 40)),
             "store_latency": int(rng.integers(1, 5)), "load_latency": int(rng.integers(1, 5))}
 
@@ -63,64 +65,78 @@ class _Ordered(dict):
         self.pop(key, None)
 
 
-def run_vllm(case: dict) -> dict:
-    import oracle
-    import oracle_vllm
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
+class _VllmOffload:
+    """vLLM's scheduler (its AsyncScheduler with `async_scheduling`) with its OffloadingConnector
+    for a case, and the worker this script plays: the jobs due in each step's (or batch's) output."""
 
-    o = dict(case["opts"], prefix_cache_retention_interval=None)
-    connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                 kv_connector_extra_config={"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE})
-    sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector)
-    cs = sched.connector.connector_scheduler
-    assert cs.manager._num_chunks == case["num_offload_chunks"], cs.manager._num_chunks
-    hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
-    pool = sched.kv_cache_manager.block_pool
-    sched.finished_req_ids = _Ordered()
-    if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
-        lookup = sched.connector.get_num_new_matched_tokens
+    def __init__(self, case: dict, async_scheduling: bool) -> None:
+        import oracle_vllm
+        from vllm.config import KVTransferConfig
 
-        def traced(request, num_computed_tokens, *args):
-            result = lookup(request, num_computed_tokens, *args)
-            print("  lookup", request.request_id, num_computed_tokens, result, file=sys.stderr)
-            return result
-        sched.connector.get_num_new_matched_tokens = traced
-    first_token, finish = {}, {}
-    due_jobs: dict[int, list] = {}
-    transfers = []
+        o = dict(case["opts"], prefix_cache_retention_interval=None)
+        connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                     kv_connector_extra_config={"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE})
+        self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
+                                                              async_scheduling=async_scheduling)
+        sched = self.sched
+        assert sched.connector.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
+        self.hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+        self.pool = sched.kv_cache_manager.block_pool
+        sched.finished_req_ids = _Ordered()
+        if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
+            lookup = sched.connector.get_num_new_matched_tokens
 
-    def make(r):
+            def traced(request, num_computed_tokens, *args):
+                result = lookup(request, num_computed_tokens, *args)
+                print("  lookup", request.request_id, num_computed_tokens, result, file=sys.stderr)
+                return result
+            sched.connector.get_num_new_matched_tokens = traced
+        self.case = case
+        self.first_token, self.finish = {}, {}
+        self.due: dict[int, list] = {}
+        self.transfers = []
+
+    def make(self, r: dict):
+        import oracle
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
         tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
               "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
         ids = oracle.make_prompt_ids(tr, 0, 0, {})
         sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
         return Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
-                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"], block_hasher=hasher)
+                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
+                       block_hasher=self.hasher)
 
-    def step(k, arrived):
-        for r in arrived:
-            sched.add_request(make(r))
-        so = sched.schedule()
-        sched.finished_req_ids = _Ordered()
+    def schedule(self, k: int, row_index: int):
+        """schedule() as step (or batch) `k`; its jobs end in the outputs the latencies say."""
+        so = self.sched.schedule()
+        self.sched.finished_req_ids = _Ordered()
         meta = so.kv_connector_metadata
+        case = self.case
         for jid, job in meta.load_jobs.items():
-            due_jobs.setdefault(k + case["load_latency"] - 1, []).append((jid, job.req_id, False))
-            transfers.append([k, int(job.req_id), len(job.dst_spec.block_ids), 0])
+            self.due.setdefault(k + case["load_latency"] - 1, []).append((jid, job.req_id, False))
+            self.transfers.append([row_index, int(job.req_id), len(job.dst_spec.block_ids), 0])
         for jid, job in meta.store_jobs.items():
-            due_jobs.setdefault(k + case["store_latency"], []).append((jid, job.req_id, True))
-            transfers.append([k, int(job.req_id), len(job.src_spec.block_ids), 1])
+            self.due.setdefault(k + case["store_latency"], []).append((jid, job.req_id, True))
+            self.transfers.append([row_index, int(job.req_id), len(job.src_spec.block_ids), 1])
         if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
             print(k, dict(so.num_scheduled_tokens), {j: t.req_id for j, t in meta.load_jobs.items()},
                   {j: t.req_id for j, t in meta.store_jobs.items()}, file=sys.stderr)
-        n_running, n_waiting = sched.get_request_counts()
-        row = [so.total_num_scheduled_tokens, n_running, n_waiting, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()]
+        return so
+
+    def row(self, so) -> list[int]:
+        n_running, n_waiting = self.sched.get_request_counts()
+        return [so.total_num_scheduled_tokens, n_running, n_waiting,
+                self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()]
+
+    def process(self, so, sampled, k: int, step) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
         req_ids = list(so.num_scheduled_tokens)
-        sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, None)
-        done = due_jobs.pop(k, [])
+        done = self.due.pop(k, [])
         worker = OffloadingWorkerMetadata()
         for jid, _, _ in done:
             worker.mark_completed(jid)
@@ -129,28 +145,93 @@ def run_vllm(case: dict) -> dict:
                                              kv_connector_worker_meta=worker if done else None)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=connector_output)
-        for eco in sched.update_from_output(so, mro).values():
+        for eco in self.sched.update_from_output(so, mro).values():
             for out in eco.outputs:
                 rid = out.request_id
-                if out.new_token_ids and rid not in first_token:
-                    first_token[rid] = k
+                if out.new_token_ids and rid not in self.first_token:
+                    self.first_token[rid] = step
                 if out.finish_reason is not None:
-                    finish[rid] = k
-        return row, not sched.has_requests() and not due_jobs
+                    self.finish[rid] = step
 
-    result = _step_loop(case["requests"], step)
-    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
-                          for r in case["requests"]}
-    result["transfers"] = transfers
-    return result
+    def result(self, result: dict) -> dict:
+        result["requests"] = {str(r["row"]): [self.first_token.get(str(r["row"]), -1), self.finish.get(str(r["row"]), -1)]
+                              for r in self.case["requests"]}
+        result["transfers"] = self.transfers
+        return result
+
+
+def run_vllm(case: dict) -> dict:
+    import oracle_vllm
+    v = _VllmOffload(case, async_scheduling=False)
+
+    def step(k, arrived):
+        for r in arrived:
+            v.sched.add_request(v.make(r))
+        so = v.schedule(k, k)
+        row = v.row(so)
+        sampled, _ = oracle_vllm.sampled_tokens(v.sched, so, list(so.num_scheduled_tokens), None)
+        v.process(so, sampled, k, k)
+        return row, not v.sched.has_requests() and not v.due
+
+    return v.result(_step_loop(case["requests"], step))
+
+
+def run_vllm_async(case: dict) -> dict:
+    """The AsyncScheduler driven as oracle_pd.py's run_vllm_async drives it (EngineCore's batch
+    queue, two deep, empty batches included: vLLM keeps scheduling while the connector has
+    transfers in flight)."""
+    from collections import deque
+
+    import oracle_vllm
+    v = _VllmOffload(case, async_scheduling=True)
+    sched = v.sched
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    rows, queue = [], deque()
+    num_batches = 0
+    error = None
+    while True:
+        if len(rows) >= 5000 or num_batches >= 20000:  # (drive_offload_async's limits)
+            error = "max steps"
+            break
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            sched.add_request(v.make(pending.pop(0)))
+        if sched.has_requests():
+            running_before = {r.request_id for r in sched.running}
+            b = num_batches
+            so = v.schedule(b, len(rows))
+            num_batches += 1
+            ran = so.total_num_scheduled_tokens > 0
+            row = None
+            if ran:
+                rows.append(v.row(so))
+                row = len(rows) - 1
+            queue.appendleft((b, row, so, oracle_vllm.async_step_meta(sched, so, running_before)))
+            if len(queue) < 2 and (ran or sched.has_requests()):
+                continue
+        elif not queue:
+            if not pending:
+                break
+            rows.append([0, 0, 0, 0])  # idle
+            continue
+        b, row, so, meta = queue.pop()
+        sampled, _ = oracle_vllm.async_sampled(sched, so, meta, None)
+        v.process(so, sampled, b, row)
+    result = {"steps": rows}
+    if error:
+        result["error"] = error
+    return v.result(result)
+
+
+def run_vllm_any(case: dict) -> dict:
+    return run_vllm_async(case) if case["opts"].get("async_scheduling") else run_vllm(case)
 
 
 # ---- simkv side ---------------------------------------------------------------------------------
 def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from tests.core.helpers import drive_offload
+    from tests.core.helpers import drive_offload, drive_offload_async
 
-    result = drive_offload(case)
+    result = drive_offload_async(case) if case["opts"].get("async_scheduling") else drive_offload(case)
     result.pop("scheduler")
     return result
 
@@ -169,12 +250,12 @@ def differences(theirs: dict, ours: dict) -> list[str]:
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
-    if oracle_vllm.serve_vllm_side(a, run_vllm):
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], async_flag=True)
+    if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng) for _ in range(a.cases)]
+    cases = [make_case(rng, a.async_scheduling) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0)

@@ -438,7 +438,6 @@ class EngineConfig:
                        (self.has_sliding_window or self.has_linear_attention or self.kv_cache_groups.is_hybrid,
                         f"sliding-window, chunked-local or linear-attention layers (model {self.hardware.model})"),
                        (self.speculative.enabled, "speculative decoding"),
-                       (sched.async_scheduling, "async scheduling (pass --no-async-scheduling)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),
                        (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),

@@ -615,7 +615,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             stalled = {r.seq for r in self.running[stall_pos:]} if stall_pos >= 0 else set()
             in_chunks = {r.seq for r, _ in scheduled}
             for request in offload.retrying():
-                if request.status == RequestStatus.RUNNING and request.seq not in stalled | in_chunks:
+                if (request.status == RequestStatus.RUNNING and not request.is_finishing  # (async: last token in flight)
+                        and request.seq not in stalled | in_chunks):
                     scheduled.append((request, self.num_computed_tokens(request) + 1))
         scheduled.sort(key=lambda entry: entry[0].seq)
         offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)

@@ -427,8 +427,11 @@ class ReplayEngine:
             if sched.has_unfinished_requests():
                 start = self.now if in_flight is None else in_flight[1] + in_flight[2]
                 out = self._schedule(start)
+                duration = self._duration(out) if not out.is_empty else 0
+                if out.offload_jobs:
+                    feed.offload_jobs_started(out.offload_jobs, start, start + duration)
                 if not out.is_empty:
-                    queued = (out, start, self._duration(out))
+                    queued = (out, start, duration)
                     if in_flight is None:
                         in_flight = queued
                         continue  # the queue has room: schedule the next step at once

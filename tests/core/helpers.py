@@ -421,3 +421,62 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     if error:
         result["error"] = error
     return result
+
+
+def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
+    """drive_offload under async scheduling, as scripts/oracle_offload.py --async-scheduling drives
+    vLLM's AsyncScheduler (drive_pd_async's batch queue; vLLM keeps scheduling batches while the
+    connector has transfers in flight): a store job made by batch b ends in the output of batch
+    b + store_latency, a load in that of b + load_latency - 1."""
+    from collections import deque
+
+    opts = dict(case["opts"])
+    reserve = opts.pop("reserve_full_isl")
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
+                      kv_connector=True, num_offload_chunks=case["num_offload_chunks"])
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    rows, queue, requests, transfers = [], deque(), [], []
+    due: dict[int, list] = {}
+    unreported = False
+    num_batches = 0
+    error = None
+
+    def has_requests() -> bool:
+        return sched.has_unfinished_requests() or unreported or sched.offload.has_pending_jobs()
+
+    while True:
+        if len(rows) >= max_steps or num_batches >= 4 * max_steps:
+            error = "max steps"
+            break
+        _deliver(pending, len(rows), sched, requests)
+        if has_requests():
+            unreported = False
+            out = sched.schedule()
+            b = num_batches
+            num_batches += 1
+            for job in out.offload_jobs or ():
+                due.setdefault(b + (case["store_latency"] if job.is_store else case["load_latency"] - 1), []).append(job)
+                transfers.append([len(rows), job.request.index, job.num_blocks, int(job.is_store)])
+            ran = not out.is_empty
+            if ran:
+                rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+            queue.appendleft((b, out if ran else None))
+            if len(queue) < 2 and (ran or has_requests()):
+                continue
+        elif not queue:
+            if not pending:
+                break
+            rows.append([0, 0, 0, 0])  # idle
+            sched.current_step += 1
+            continue
+        b, out = queue.pop()
+        if out is not None and sched.update_from_output(out):
+            unreported = True
+        for job in due.pop(b, ()):
+            sched.offload_job_done(job)
+    result = {"steps": rows, "requests": {str(r["row"]): [-1, -1] for r in case["requests"]}, "scheduler": sched,
+              "transfers": transfers}
+    result["requests"] |= {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}
+    if error:
+        result["error"] = error
+    return result

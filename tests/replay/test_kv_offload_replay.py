@@ -57,7 +57,7 @@ def test_replays_with_offloading_are_deterministic():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(scheduler=dict(async_scheduling=True)), "async scheduling"),
+    (dict(cache=dict(allocator="contiguous")), "allocator 'contiguous'"),
     (dict(cache=dict(enable_prefix_caching=False)), "prefix caching off"),
     (dict(cache=dict(kv_offloading_size=-1.0)), "must be > 0"),
 ])
@@ -67,13 +67,15 @@ def test_unsupported_settings_are_refused(options, message):
         EngineConfig(CacheConfig(**cache), SchedulerConfig(**options.get("scheduler", {})))
 
 
-def test_decode_runs_change_nothing_with_offloading():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_runs_change_nothing_with_offloading(async_scheduling):
     """Requests finishing inside a decode run retire from the tier's recency as when stepping."""
     from tests.core.helpers import assert_decode_runs_change_nothing
     from simkv.traces.schema import read_trace
 
     trace = read_trace("traces/mooncake_synthetic_slice.parquet")
-    config = EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0), SchedulerConfig())
+    config = EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0),
+                          SchedulerConfig(async_scheduling=async_scheduling))
     result = assert_decode_runs_change_nothing(trace, config)
     stats = result.summary["kv_offloading"]
     assert stats["loads"] > 0 and stats["evicted_blocks"] > 0
