@@ -223,7 +223,7 @@ class KVOffload:
         self._jobs: dict[int, OffloadJob] = {}
         self._next_job = 0
         self._being_loaded: set[int] = set()
-        self._finished: list[Request] = []
+        self._finished: list[tuple[Request, int]] = []  # (request, blocks it held), since the last schedule()
         self.step_loads: list[OffloadJob] = []  # jobs this schedule() starts
         self.step_stores: list[OffloadJob] = []
         # counters
@@ -259,23 +259,20 @@ class KVOffload:
         start = num_local // bs
         if end * bs - num_local < bs:
             return 0
-        hits, pending = 0, False
+        hit_keys, pending = [], False
         for i in range(start, end):
-            found = self.manager.lookup(self._key(request, i)[1])
+            key = self.hasher.block_key(request, i)
+            found = self.manager.lookup(key)
             if not found:
                 break
-            hits += 1
+            hit_keys.append(key)
             pending |= found == 2
-        if hits == 0:
+        if not hit_keys:
             return 0
-        if pending:
+        if pending or not self._being_loaded.isdisjoint(hit_keys):
             self.num_lookup_retries += 1
             return None
-        if self._being_loaded and any(self._key(request, i)[1] in self._being_loaded
-                                      for i in range(start, start + hits)):
-            self.num_lookup_retries += 1
-            return None
-        return (start + hits) * bs - num_local
+        return (start + len(hit_keys)) * bs - num_local
 
     def start_load(self, request: Request, num_local: int, num_external: int) -> OffloadJob:
         """The load of an admitted hit (vLLM's update_state_after_alloc): blocks past the local hit."""

@@ -612,11 +612,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         offload = self.offload
         scheduled = [(c.request, c.num_computed_tokens + c.num_new_tokens) for c in plan.chunks]
         if offload.num_retrying:
-            stalled = {r.seq for r in self.running[stall_pos:]} if stall_pos >= 0 else set()
-            in_chunks = {r.seq for r, _ in scheduled}
+            skip = {r.seq for r in self.running[stall_pos:]} if stall_pos >= 0 else set()  # (stalled)
+            skip |= {r.seq for r, _ in scheduled}  # (listed already)
             for request in offload.retrying():
                 if (request.status == RequestStatus.RUNNING and not request.is_finishing  # (async: last token in flight)
-                        and request.seq not in stalled | in_chunks):
+                        and request.seq not in skip):
                     scheduled.append((request, self.num_computed_tokens(request) + 1))
         scheduled.sort(key=lambda entry: entry[0].seq)
         offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)

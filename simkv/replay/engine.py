@@ -69,7 +69,8 @@ class ArrivalFeed:
         return self._arrival_ticks[-1] if self._arrival_ticks else 0
 
     def next_arrival_ticks(self) -> int | None:
-        return None if self.exhausted else self._arrival_ticks[self.next_index]
+        i = self.next_index
+        return self._arrival_ticks[i] if i < len(self._arrival_ticks) else None
 
     def deliver_until(self, now: int) -> None:
         """Deliver the requests that arrived by tick `now`."""
@@ -159,8 +160,7 @@ class ReplayEngine:
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.replay.offload_feed import OffloadFeed
             self.feed = OffloadFeed(trace, self.scheduler, self.requests, config.max_model_len,
-                                    -(-block_bytes * config.hardware.tensor_parallel_size // 4096) * 4096,
-                                    config.cache.pcie_bandwidth_gbs)
+                                    capacity.offload_chunk_bytes, config.cache.pcie_bandwidth_gbs)
         else:
             self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
                          ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))

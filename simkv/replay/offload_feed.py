@@ -31,7 +31,7 @@ class OffloadFeed(ArrivalFeed):
         return super().exhausted and not self._events
 
     def next_arrival_ticks(self) -> int | None:
-        nxt = None if self.next_index >= len(self.arrivals) else self._arrival_ticks[self.next_index]
+        nxt = super().next_arrival_ticks()
         if self._events and (nxt is None or self._events[0][0] < nxt):
             return self._events[0][0]
         return nxt
