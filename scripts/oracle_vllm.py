@@ -197,7 +197,7 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
-                align_flag: bool = False):
+                align_flag: bool = False, offload_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -219,6 +219,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if align_flag:
         ap.add_argument("--align", action="store_true",
                         help="prefix caching on: vLLM's Mamba prefix caching (mamba_cache_mode 'align')")
+    if offload_flag:
+        ap.add_argument("--chunks", action="store_true",
+                        help="the connector's non-default settings: blocks_per_chunk 1 to 4, offload_prompt_only off in 60 %% of the cases")
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")

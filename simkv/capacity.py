@@ -46,8 +46,8 @@ class Capacity:
     # of max_model_len tokens holds at most, over all KV-cache groups.
     blocks_per_request: int = 0
     block_bytes: int = 0  # one block on one GPU (all layers, or `layers_per_block` of them)
-    num_offload_chunks: int = 0  # KV offloading's CPU tier, in blocks (each over all GPUs, page-aligned)
-    offload_chunk_bytes: int = 0  # one of those blocks
+    num_offload_chunks: int = 0  # KV offloading's CPU tier, in chunks of blocks_per_chunk blocks (over all GPUs, page-aligned)
+    offload_chunk_bytes: int = 0  # one of those chunks
 
     @property
     def max_concurrency(self) -> float:
@@ -162,10 +162,11 @@ def compute_capacity(config: EngineConfig) -> Capacity:
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
     num_offload_chunks = chunk_bytes = 0
-    if cc.kv_offloading_size is not None:  # (vLLM: every rank's copy of a block, rounded up to a host page)
-        chunk_bytes = -(-int(block_bytes) * tp // OFFLOAD_PAGE_BYTES) * OFFLOAD_PAGE_BYTES
+    if cc.kv_offloading_size is not None:  # (vLLM: every rank's copy of a chunk's blocks, rounded up to a host page)
+        raw = int(block_bytes) * tp * cc.offload_blocks_per_chunk
+        chunk_bytes = -(-raw // OFFLOAD_PAGE_BYTES) * OFFLOAD_PAGE_BYTES
         num_offload_chunks = int(cc.kv_offloading_size * GIB) // chunk_bytes
         if num_offload_chunks < 1:
-            raise ConfigError(f"kv_offloading_size {cc.kv_offloading_size} GiB holds no block of {chunk_bytes} bytes")
+            raise ConfigError(f"kv_offloading_size {cc.kv_offloading_size} GiB holds no chunk of {chunk_bytes} bytes")
     return Capacity(per_token // dcp, int(num_blocks), int(available), bs, mml, num_cpu_blocks,
                     per_request if hybrid else 0, int(block_bytes), num_offload_chunks, chunk_bytes)

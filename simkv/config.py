@@ -46,6 +46,11 @@ class CacheConfig:
     # GiB of CPU memory for KV offloading, over all GPUs of the engine (vLLM's --kv-offloading-size
     # with its native backend); None: no offloading (core/kv_offload.py)
     kv_offloading_size: float | None = None
+    # tokens of one CPU-tier chunk (vLLM's kv_connector_extra_config "block_size"), a multiple of
+    # block_size; None: one GPU block a chunk
+    kv_offloading_block_size: int | None = None
+    # store only prompt blocks (vLLM's "offload_prompt_only", on by default); False: decode blocks too
+    kv_offloading_prompt_only: bool = True
 
     def __post_init__(self) -> None:
         if self.swap_space < 0 or self.pcie_bandwidth_gbs <= 0:
@@ -68,6 +73,15 @@ class CacheConfig:
             raise ConfigError(f"prefix_caching_hash_bits must be in [1, 63], got {self.prefix_caching_hash_bits}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ConfigError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
+        tpc = self.kv_offloading_block_size
+        if tpc is not None and (tpc < 1 or tpc % self.block_size):
+            raise ConfigError(f"kv_offloading_block_size {tpc} must be a positive multiple of block_size "
+                              f"{self.block_size} (use {max(-(-tpc // self.block_size), 1) * self.block_size})")
+
+    @property
+    def offload_blocks_per_chunk(self) -> int:
+        """GPU blocks in one chunk of KV offloading's CPU tier (vLLM's blocks_per_chunk)."""
+        return (self.kv_offloading_block_size or self.block_size) // self.block_size
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -429,6 +443,9 @@ class EngineConfig:
             self._verify_linear_attention()
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
+        elif self.cache.kv_offloading_block_size is not None or not self.cache.kv_offloading_prompt_only:
+            raise ConfigError("kv_offloading_block_size and kv_offloading_prompt_only set KV offloading's CPU tier: "
+                              "they need kv_offloading_size")
 
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group

@@ -28,7 +28,8 @@ _ENGINE_FLAGS = {
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
-    "kv_offloading_size": "kv_offloading_size",
+    "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
+    "kv_offloading_prompt_only": "kv_offloading_prompt_only",
     "async_scheduling": "async_scheduling",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
@@ -228,6 +229,12 @@ _ENGINE_OPTIONS = [
                  help="host<->GPU bandwidth for swapping and KV offloading, GB/s [default: 63]"),
     click.option("--kv-offloading-size", type=float, default=None,
                  help="GiB of CPU memory for KV offloading over the engine's GPUs (vLLM's native backend) [default: off]"),
+    click.option("--kv-offloading-block-size", type=int, default=None,
+                 help="Tokens per CPU-tier chunk, a multiple of --block-size (vLLM's kv_connector_extra_config "
+                      "block_size) [default: one GPU block]"),
+    click.option("--kv-offloading-prompt-only/--no-kv-offloading-prompt-only", default=None,
+                 help="Offload prompt blocks only (vLLM's offload_prompt_only); --no-...: decode blocks too "
+                      "[default: prompt only]"),
     click.option("--prefix-caching-hash-bits", type=int, default=None,
                  help="Use a deliberately weak K-bit block hash and count false prefix hits [default: 63, no collisions modelled]"),
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default=None),

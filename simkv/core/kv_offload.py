@@ -197,27 +197,30 @@ class _OffloadState:
 
 
 class OffloadJob:
-    """A transfer: `num_blocks` blocks between the GPU and the CPU tier for `request`."""
+    """A transfer of `num_blocks` GPU blocks (the chunks `keys`) between the GPU and the CPU tier
+    for `request`."""
 
-    __slots__ = ("job_id", "request", "keys", "is_store")
+    __slots__ = ("job_id", "request", "keys", "is_store", "num_blocks")
 
-    def __init__(self, job_id: int, request: Request, keys: list[int], is_store: bool) -> None:
+    def __init__(self, job_id: int, request: Request, keys: list[int], is_store: bool, num_blocks: int) -> None:
         self.job_id = job_id
         self.request = request
         self.keys = keys
         self.is_store = is_store
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.keys)
+        self.num_blocks = num_blocks
 
 
 class KVOffload:
-    """The scheduler side of vLLM's OffloadingConnector for one full-attention KV-cache group."""
+    """The scheduler side of vLLM's OffloadingConnector for one full-attention KV-cache group.
+    `blocks_per_chunk`: GPU blocks a CPU-tier chunk holds; `prompt_only`: vLLM's offload_prompt_only."""
 
-    def __init__(self, num_chunks: int, block_size: int, hasher) -> None:
+    def __init__(self, num_chunks: int, block_size: int, hasher, blocks_per_chunk: int = 1,
+                 prompt_only: bool = True) -> None:
         self.manager = CPUOffloadManager(num_chunks)
         self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_tokens = block_size * blocks_per_chunk
+        self.prompt_only = prompt_only
         self.hasher = hasher
         self._states: dict[int, _OffloadState] = {}
         self._jobs: dict[int, OffloadJob] = {}
@@ -240,8 +243,9 @@ class KVOffload:
             state = self._states[request.index] = _OffloadState(request)
         return state
 
-    def _key(self, request: Request, i: int) -> tuple[int, int]:
-        return (i + 1) * self.block_size, self.hasher.block_key(request, i)
+    def _key(self, request: Request, c: int) -> tuple[int, int]:
+        """Chunk `c`'s (end position, key): the key of its last block, as vLLM keys a chunk."""
+        return (c + 1) * self.chunk_tokens, self.hasher.block_key(request, (c + 1) * self.blocks_per_chunk - 1)
 
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request: Request, num_local: int) -> int | None:
@@ -252,16 +256,16 @@ class KVOffload:
         if state.jobs:
             self.num_lookup_retries += 1
             return None
-        bs = self.block_size
-        num_keyed = request.num_tokens // bs
-        # only prompt blocks are ever stored: the first output block misses
-        end = min(num_keyed, request.num_prompt_tokens // bs + 1)
-        start = num_local // bs
-        if end * bs - num_local < bs:
+        tpc, bpc = self.chunk_tokens, self.blocks_per_chunk
+        end = request.num_tokens // tpc  # (its keyed chunks)
+        if self.prompt_only:  # (only prompt chunks are ever stored: the first past the prompt misses)
+            end = min(end, request.num_prompt_tokens // tpc + 1)
+        start = num_local // tpc  # (a local hit may end inside a chunk: the chunk is looked up)
+        if end * tpc - num_local < tpc:
             return 0
         hit_keys, pending = [], False
-        for i in range(start, end):
-            key = self.hasher.block_key(request, i)
+        for c in range(start, end):
+            key = self.hasher.block_key(request, (c + 1) * bpc - 1)
             found = self.manager.lookup(key)
             if not found:
                 break
@@ -269,24 +273,33 @@ class KVOffload:
             pending |= found == 2
         if not hit_keys:
             return 0
-        if pending or not self._being_loaded.isdisjoint(hit_keys):
+        if pending:
             self.num_lookup_retries += 1
             return None
-        return (start + len(hit_keys)) * bs - num_local
+        num_hit = (start + len(hit_keys)) * tpc - num_local
+        if num_hit < tpc:  # (less than a chunk past the local hit)
+            return 0
+        if not self._being_loaded.isdisjoint(hit_keys):
+            self.num_lookup_retries += 1
+            return None
+        return num_hit
 
     def start_load(self, request: Request, num_local: int, num_external: int) -> OffloadJob:
         """The load of an admitted hit (vLLM's update_state_after_alloc): blocks past the local hit."""
         state = self._state(request)
         bs = self.block_size
-        end = -(-(num_local + num_external) // bs)
-        keys = [self._key(request, i) for i in range(num_local // bs, end)]
+        num_cached = num_local + num_external
+        first_block = num_local // bs  # (the load fills the blocks past the local hit)
+        end = -(-num_cached // self.chunk_tokens)
+        keys = [self._key(request, c) for c in range(first_block // self.blocks_per_chunk, end)]
         self.manager.prepare_load(keys, state.access)
         state.next_stored = end  # (chunk level: what it hit is not offered again)
-        job = self._new_job(request, [k for _, k in keys], False, state)
+        num_blocks = -(-num_cached // bs) - first_block
+        job = self._new_job(request, [k for _, k in keys], False, state, num_blocks)
         self._being_loaded.update(job.keys)
         self.step_loads.append(job)
         self.num_loads += 1
-        self.num_loaded_blocks += len(keys)
+        self.num_loaded_blocks += num_blocks
         self.num_hit_tokens += num_external
         return job
 
@@ -294,24 +307,33 @@ class KVOffload:
     def build_stores(self, scheduled: list[tuple[Request, int]], num_blocks_of) -> None:
         """`scheduled`: (request, computed tokens after this step) in the step's order; then the
         requests that finished since the last schedule(), which retire from the tier's recency."""
+        prompt_only = self.prompt_only
         for request, num_after in scheduled:
-            self._offer(request, min(num_after, request.num_prompt_tokens), num_blocks_of(request))
+            self._offer(request, min(num_after, request.num_prompt_tokens) if prompt_only else num_after,
+                        num_blocks_of(request))
         finished, self._finished = self._finished, []
-        for request, num_blocks in finished:  # (what a failed store left, from its freed blocks)
+        for request, num_blocks in finished:  # (what is left to store, from its freed blocks)
             state = self._states.get(request.index)
             if state is None:
                 continue
-            if state.store_retry:
-                self._offer(request, request.num_prompt_tokens, num_blocks)
+            # (the last sampled token's KV is never computed)
+            num_tokens = request.num_prompt_tokens if prompt_only else max(request.num_prompt_tokens,
+                                                                            request.num_tokens - 1)
+            self._offer(request, num_tokens, num_blocks)
             state.finished = True
             self._set_retry(state, False)
             self.manager.request_finished(state.access)
             if not state.jobs:
                 del self._states[request.index]
 
+    def has_unoffered(self, request: Request, num_tokens: int) -> bool:
+        """Whether the first `num_tokens` tokens hold a chunk the request has not offered yet."""
+        state = self._states.get(request.index)
+        return num_tokens // self.chunk_tokens > (state.next_stored if state is not None else 0)
+
     def _offer(self, request: Request, num_tokens: int, num_blocks: int) -> None:
         state = self._state(request)
-        num_chunks = min(num_tokens // self.block_size, num_blocks)
+        num_chunks = min(num_tokens // self.chunk_tokens, num_blocks // self.blocks_per_chunk)
         if num_chunks <= state.next_stored:
             self._set_retry(state, False)
             return
@@ -324,12 +346,14 @@ class KVOffload:
         self._set_retry(state, False)
         state.next_stored = num_chunks
         if stored:
-            self.step_stores.append(self._new_job(request, stored, True, state))
+            num_stored = len(stored) * self.blocks_per_chunk
+            self.step_stores.append(self._new_job(request, stored, True, state, num_stored))
             self.num_stores += 1
-            self.num_stored_blocks += len(stored)
+            self.num_stored_blocks += num_stored
 
-    def _new_job(self, request: Request, keys: list[int], is_store: bool, state: _OffloadState) -> OffloadJob:
-        job = OffloadJob(self._next_job, request, keys, is_store)
+    def _new_job(self, request: Request, keys: list[int], is_store: bool, state: _OffloadState,
+                 num_blocks: int) -> OffloadJob:
+        job = OffloadJob(self._next_job, request, keys, is_store, num_blocks)
         self._next_job += 1
         self._jobs[job.job_id] = job
         state.jobs.add(job.job_id)
@@ -362,6 +386,11 @@ class KVOffload:
         """`request` finished holding `num_blocks` blocks (the next schedule() retires it)."""
         self._finished.append((request, num_blocks))
 
+    @property
+    def has_finished_offers(self) -> bool:
+        """Whether requests that finished since the last schedule() may offer decode chunks then."""
+        return bool(self._finished) and not self.prompt_only
+
     def has_pending_jobs(self) -> bool:
         return bool(self._jobs)
 
@@ -373,6 +402,7 @@ class KVOffload:
 
     def stats(self) -> dict:
         return {"cpu_chunks": self.manager.num_chunks, "cpu_chunks_used": self.manager.num_used,
+                "chunk_tokens": self.chunk_tokens,
                 "loads": self.num_loads, "loaded_blocks": self.num_loaded_blocks,
                 "loaded_tokens": self.num_hit_tokens, "stores": self.num_stores,
                 "stored_blocks": self.num_stored_blocks, "store_failures": self.num_store_failures,

@@ -121,7 +121,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
-        self.offload = (KVOffload(num_offload_chunks, cc.block_size, self.kv_cache_manager.hasher)
+        self.offload = (KVOffload(num_offload_chunks, cc.block_size, self.kv_cache_manager.hasher,
+                                  cc.offload_blocks_per_chunk, cc.kv_offloading_prompt_only)
                         if num_offload_chunks else None)
         self.running: list[Request] = []
         self.current_step = 0
@@ -607,19 +608,39 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.waiting.prepend_request(request)
 
     def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
-        """KV offloading: the step's requests offer the prompt blocks it computes, in the step's
-        order (vLLM's build_connector_meta); a request whose last store found no room offers again."""
+        """KV offloading: the step's requests offer the blocks it computes (prompt blocks only by
+        default), in the step's order (vLLM's build_connector_meta); a request whose last store
+        found no room offers again. Under async scheduling a block is offered once the tokens it
+        holds are known: a decoder's last token is, one step after it is scheduled."""
         offload = self.offload
+        step = self.current_step - 1
         scheduled = [(c.request, c.num_computed_tokens + c.num_new_tokens) for c in plan.chunks]
-        if offload.num_retrying:
+        if offload.num_retrying or not offload.prompt_only:  # (steady decoders are not in the plan)
             skip = {r.seq for r in self.running[stall_pos:]} if stall_pos >= 0 else set()  # (stalled)
             skip |= {r.seq for r, _ in scheduled}  # (listed already)
-            for request in offload.retrying():
+            offering = offload.retrying() if offload.num_retrying else []
+            if not offload.prompt_only:  # (decode chunks too: the decoders that complete one)
+                offering += self._decoders_completing(step, offload.chunk_tokens, offload)
+            for request in offering:
                 if (request.status == RequestStatus.RUNNING and not request.is_finishing  # (async: last token in flight)
                         and request.seq not in skip):
-                    scheduled.append((request, self.num_computed_tokens(request) + 1))
+                    skip.add(request.seq)
+                    computed = (step + request.decode_base if request.decode_base is not None
+                                else request.num_computed_tokens)
+                    scheduled.append((request, computed + 1))
+        if self.async_scheduling and not offload.prompt_only:
+            scheduled = [(r, self._known_tokens(r, step, n)) for r, n in scheduled]
         scheduled.sort(key=lambda entry: entry[0].seq)
         offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)
+
+    def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
+        """Async scheduling: of a request's first `num_after` tokens, those whose ids are known
+        when `step` is scheduled (vLLM's num_tokens): a decoder that ran in the step in flight
+        waits for its token."""
+        if request.decode_base is not None:
+            computed = step + request.decode_base
+            return min(num_after, computed if self._ran_in_flight(request) else computed + 1)
+        return min(num_after, request.num_tokens)
 
     def offload_job_done(self, job) -> None:
         """KV offloading: a transfer has ended (seen at a step boundary); a load's request is

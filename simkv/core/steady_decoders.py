@@ -106,6 +106,42 @@ class SteadyDecoders:
         in_flight = request.last_chunk_step == step - 1 and self._processed_through < step - 1
         return computed - request.last_chunk_tokens if in_flight else computed
 
+    def _decoders_completing(self, step: int, tokens: int, offload=None) -> list[Request]:
+        """Steady decoders scheduled at `step` whose known tokens after it complete a chunk of
+        `tokens` (a multiple of the block size): KV offloading's decode stores. Known: computed,
+        or under async scheduling, for a decoder that ran in the step in flight, one less; with
+        `offload`, any chunk it has not offered yet counts (under async scheduling a decoder's
+        known tokens may pass a chunk's end while it cannot offer it). In running order."""
+        bs = self.block_size
+        if self._calendar is not None:  # (due for a block at the step after, or at this one)
+            candidates = self._calendar[(step + 1) % bs]
+            if self.async_scheduling:
+                candidates = sorted(candidates + self._calendar[step % bs], key=_seq_of)
+        else:
+            candidates = [r for r in self.running if r.decode_base is not None]
+        out = []
+        for r in candidates:
+            if r.decode_from_step > step:
+                continue
+            known = step + 1 + r.decode_base
+            if self.async_scheduling and self._ran_in_flight(r):
+                known -= 1
+            if offload.has_unoffered(r, known) if offload is not None else known % tokens == 0:
+                out.append(r)
+        return out
+
+    def _steps_to_completing(self, tokens: int) -> int:
+        """Steps from the next one before a steady decoder completes `tokens` tokens' worth (at
+        most `tokens`): a decode run stops short of a step with KV offloading's decode stores
+        (under async scheduling, of a step at which one completes them, known or not)."""
+        step = self.current_step
+        for d in range(tokens):
+            if self._decoders_completing(step + d, tokens):
+                return d
+            if self.async_scheduling and self._decoders_completing(step + d - 1, tokens):
+                return d
+        return tokens
+
     def _blocks_due(self, due: list[Request], step: int) -> int:
         """Blocks the steady decoders due at `step` take (before any window release)."""
         if not self._window_releases:
@@ -277,12 +313,15 @@ class SteadyDecoders:
             return 0
         if self.waiting and not self._admission_stuck():
             return 0
-        if self.offload is not None and self.offload.num_retrying:  # (they offer their stores every step)
-            return 0
+        offload = self.offload
+        if offload is not None and (offload.num_retrying or offload.has_finished_offers):
+            return 0  # (they offer their stores at the next schedule())
         at = self._next_finish_step()
         if at is None:
             return 0
         limit = at - self.current_step + 1
+        if offload is not None and not offload.prompt_only:  # (decode stores: a run stops short of a step with any)
+            limit = min(limit, self._steps_to_completing(offload.chunk_tokens))
         if self._window_context is not None:  # the slope of the attended context is constant in a run
             self._settle_crossings(self.current_step)
             crossing = self._next_crossing()

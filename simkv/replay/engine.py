@@ -160,7 +160,8 @@ class ReplayEngine:
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.replay.offload_feed import OffloadFeed
             self.feed = OffloadFeed(trace, self.scheduler, self.requests, config.max_model_len,
-                                    capacity.offload_chunk_bytes, config.cache.pcie_bandwidth_gbs)
+                                    capacity.offload_chunk_bytes, config.cache.pcie_bandwidth_gbs,
+                                    config.cache.offload_blocks_per_chunk)
         else:
             self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
                          ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
@@ -382,6 +383,8 @@ class ReplayEngine:
             return None  # nothing to process: the loop goes on as after any step
         out = self._schedule()
         queued = None if out.is_empty else (out, self.now, self._duration(out))
+        if out.offload_jobs:  # (KV offloading: this step's transfers)
+            self.feed.offload_jobs_started(out.offload_jobs, self.now, self.now + (queued[2] if queued else 0))
         finished, run.last_num_blocks_used_end = sched.step_output_processed(last)
         run.finished = finished
         self.steps.add_run(run, start, shape)

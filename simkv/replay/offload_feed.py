@@ -17,9 +17,11 @@ from simkv.replay.engine import ArrivalFeed
 
 
 class OffloadFeed(ArrivalFeed):
-    def __init__(self, trace, scheduler, request_log, max_model_len: int, chunk_bytes: int, pcie_gbs: float) -> None:
+    def __init__(self, trace, scheduler, request_log, max_model_len: int, chunk_bytes: int, pcie_gbs: float,
+                 blocks_per_chunk: int = 1) -> None:
         super().__init__(trace, scheduler, request_log, max_model_len)
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes  # (a job moves GPU blocks: a chunk's share each)
+        self.blocks_per_chunk = blocks_per_chunk
         self._ticks_per_byte = TICKS_PER_SECOND / (pcie_gbs * 1e9)
         self._load_free = self._store_free = 0  # ticks at which each direction is free
         self._events: list[tuple[int, int, object]] = []  # (tick, job id, job)
@@ -50,7 +52,7 @@ class OffloadFeed(ArrivalFeed):
 
     def offload_jobs_started(self, jobs: list, step_start: int, step_end: int) -> None:
         for job in jobs:
-            num_bytes = job.num_blocks * self.chunk_bytes
+            num_bytes = job.num_blocks * self.chunk_bytes // self.blocks_per_chunk
             ticks = round(num_bytes * self._ticks_per_byte)
             if job.is_store:
                 begin = max(step_end, self._store_free)

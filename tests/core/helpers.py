@@ -386,6 +386,14 @@ def assert_decode_runs_change_nothing(trace, config: EngineConfig, cost_model: s
     return a
 
 
+def _offload_options(case: dict) -> dict:
+    """The connector settings of an offloading case (scripts/oracle_offload.py --chunks)."""
+    if "blocks_per_chunk" not in case:
+        return {}
+    return {"kv_offloading_size": 1.0, "kv_offloading_block_size": case["blocks_per_chunk"] * case["opts"]["block_size"],
+            "kv_offloading_prompt_only": case.get("prompt_only", True)}
+
+
 def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     """Step a scheduler with a CPU offload tier through a case as scripts/oracle_offload.py drives
     vLLM's: a store job started by step k ends in the output of k + store_latency, a load in that
@@ -393,8 +401,8 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     and the transfers [step, row, blocks, is store]."""
     opts = dict(case["opts"])
     reserve = opts.pop("reserve_full_isl")
-    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
-                      kv_connector=True, num_offload_chunks=case["num_offload_chunks"])
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve} | _offload_options(case)),
+                      opts["num_gpu_blocks"], kv_connector=True, num_offload_chunks=case["num_offload_chunks"])
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     requests, rows, transfers = [], [], []
     due: dict[int, list] = {}
@@ -432,8 +440,8 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
 
     opts = dict(case["opts"])
     reserve = opts.pop("reserve_full_isl")
-    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve}), opts["num_gpu_blocks"],
-                      kv_connector=True, num_offload_chunks=case["num_offload_chunks"])
+    sched = Scheduler(EngineConfig.from_flat(opts | {"scheduler_reserve_full_isl": reserve} | _offload_options(case)),
+                      opts["num_gpu_blocks"], kv_connector=True, num_offload_chunks=case["num_offload_chunks"])
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     rows, queue, requests, transfers = [], deque(), [], []
     due: dict[int, list] = {}

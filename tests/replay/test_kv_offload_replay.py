@@ -79,3 +79,20 @@ def test_decode_runs_change_nothing_with_offloading(async_scheduling):
     result = assert_decode_runs_change_nothing(trace, config)
     stats = result.summary["kv_offloading"]
     assert stats["loads"] > 0 and stats["evicted_blocks"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("cache", [dict(kv_offloading_prompt_only=False),
+                                   dict(kv_offloading_block_size=32, kv_offloading_prompt_only=False),
+                                   dict(kv_offloading_block_size=64)])
+def test_decode_runs_change_nothing_with_decode_stores_and_larger_chunks(cache, async_scheduling):
+    """Decode stores come at the steps a decoder completes a chunk: runs stop short of them."""
+    from tests.core.helpers import assert_decode_runs_change_nothing
+    from simkv.traces.schema import read_trace
+
+    trace = read_trace("traces/mooncake_synthetic_slice.parquet")
+    config = EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0, **cache),
+                          SchedulerConfig(async_scheduling=async_scheduling))
+    result = assert_decode_runs_change_nothing(trace, config)
+    stats = result.summary["kv_offloading"]
+    assert stats["loads"] > 0 and stats["stored_blocks"] > 0
