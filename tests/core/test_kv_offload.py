@@ -67,9 +67,11 @@ def test_recorded_cases_match_vllm(case):
     that found no room (offered again at later steps, at the finish from freed blocks),
     lookups retried while a chunk is being stored or the request's own store is in flight,
     loads after preemptions, and the in-flight prefill reservation that counts a load's
-    remaining blocks; the last five under async scheduling (a request whose last token is in
-    flight offers no store). Every step, every request's first-token and finish step, and every
-    transfer equal vLLM's."""
+    remaining blocks; five under async scheduling (a request whose last token is in flight
+    offers no store). Then the connector's other settings (`--chunks`): chunks of 1 to 4
+    blocks, decode blocks stored too (offload_prompt_only off), five of them async (a decoder's
+    block is offered once its last token is known, a step later). Every step, every request's
+    first-token and finish step, and every transfer equal vLLM's."""
     theirs = case["vllm"]
     async_scheduling = case["case"]["opts"].get("async_scheduling")
     ours = (drive_offload_async if async_scheduling else drive_offload)(case["case"])
