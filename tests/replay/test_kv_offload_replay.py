@@ -96,3 +96,47 @@ def test_decode_runs_change_nothing_with_decode_stores_and_larger_chunks(cache, 
     result = assert_decode_runs_change_nothing(trace, config)
     stats = result.summary["kv_offloading"]
     assert stats["loads"] > 0 and stats["stored_blocks"] > 0
+
+
+def test_decode_stores_give_a_preempted_request_back_its_output():
+    """Two 256 + 400-token requests in 60 blocks: the second is preempted. Its prompt is still
+    in the GPU prefix cache; the blocks it had decoded are gone there, and only a tier that
+    stores decode blocks (offload_prompt_only off) gives them back instead of computing them."""
+    rows = [(0.0, 256, 400, list(range(1, 17))), (0.05, 256, 400, list(range(101, 117)))]
+    df = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens", "block_hashes"])
+    df["hash_block_tokens"] = 16
+    trace = trace_from_frame(df)
+
+    def run(**cache):
+        return replay(trace, EngineConfig(CacheConfig(num_gpu_blocks=60, **cache),
+                                          SchedulerConfig(max_model_len=800, max_num_batched_tokens=512))).summary
+
+    plain, prompt_only = run(), run(kv_offloading_size=1.0)
+    decode = run(kv_offloading_size=1.0, kv_offloading_prompt_only=False)
+    assert plain["num_preemptions"] == prompt_only["num_preemptions"] == decode["num_preemptions"] == 1
+    assert prompt_only["kv_offloading"]["loaded_tokens"] == 0  # (the prompt was a local hit)
+    assert prompt_only["num_prefill_tokens"] == plain["num_prefill_tokens"]
+    stats = decode["kv_offloading"]
+    assert stats["stored_blocks"] > prompt_only["kv_offloading"]["stored_blocks"] == 32  # (two prompts)
+    assert stats["loaded_tokens"] > 0 and stats["loaded_tokens"] % 16 == 0
+    assert decode["num_prefill_tokens"] == plain["num_prefill_tokens"] - stats["loaded_tokens"]
+
+
+def test_larger_chunks_hold_more_tokens_each_and_fewer_of_them():
+    """A 64-token chunk is 4 blocks (8 MiB for llama-3-8b): 1 GiB holds 128. Each 256-token
+    prompt is 4 whole chunks: stored as 16 blocks, and B loads A's in one job of 16 blocks."""
+    stats = replay(_trace(), _config(kv_offloading_size=1.0, kv_offloading_block_size=64)).summary["kv_offloading"]
+    assert stats["cpu_chunks"] == 128 and stats["chunk_tokens"] == 64 and stats["cpu_tier_gib"] == pytest.approx(1.0)
+    assert stats["stored_blocks"] == 7 * 16  # (256 tokens: 4 whole chunks each)
+    assert stats["loads"] == 1 and stats["loaded_tokens"] == 256 and stats["loaded_blocks"] == 16
+    assert stats["load_bytes"] == 16 * 2 * 1024 * 1024
+
+
+@pytest.mark.parametrize("cache, message", [
+    (dict(kv_offloading_size=1.0, kv_offloading_block_size=24), r"multiple of block_size 16 \(use 32\)"),
+    (dict(kv_offloading_block_size=32), "need kv_offloading_size"),
+    (dict(kv_offloading_prompt_only=False), "need kv_offloading_size"),
+])
+def test_bad_connector_settings_are_refused(cache, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(CacheConfig(**cache), SchedulerConfig())
