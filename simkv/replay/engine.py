@@ -141,9 +141,9 @@ class ReplayEngine:
                              + without)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
-        if num_offload_chunks and (make_feed is not None or (trace.n is not None and (trace.n > 1).any())):
-            raise ValueError("KV offloading (kv_offloading_size) is modelled on one engine (no fleet, no P/D, no "
-                             "data-parallel ranks) and without parallel sampling (n > 1) yet")
+        if num_offload_chunks and (kv_connector or (trace.n is not None and (trace.n > 1).any())):
+            raise ValueError("KV offloading (kv_offloading_size) is modelled without P/D and without parallel "
+                             "sampling (n > 1) yet")
         self.scheduler = Scheduler(config.for_kv_manager(), num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector or bool(num_offload_chunks),
                                    num_offload_chunks=num_offload_chunks)
@@ -157,14 +157,12 @@ class ReplayEngine:
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog(config.speculative.enabled)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
+        self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
+                     ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.replay.offload_feed import OffloadFeed
-            self.feed = OffloadFeed(trace, self.scheduler, self.requests, config.max_model_len,
-                                    capacity.offload_chunk_bytes, config.cache.pcie_bandwidth_gbs,
-                                    config.cache.offload_blocks_per_chunk)
-        else:
-            self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
-                         ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
+            self.feed = OffloadFeed(self.feed, self.scheduler, capacity.offload_chunk_bytes,
+                                    config.cache.pcie_bandwidth_gbs, config.cache.offload_blocks_per_chunk)
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress
         self.now = 0  # ticks
@@ -193,6 +191,8 @@ class ReplayEngine:
                               f"clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days of simulated time")
         if own_arrivals:
             self.env.process(self._arrivals())
+        elif hasattr(self.feed, "next_transfer_ticks"):  # (a fleet replica with KV offloading)
+            self.env.process(self._transfer_wakes())
         if self.config.scheduler.async_scheduling:
             return self.env.process(self._engine_async())
         return self.env.process(self._engine())
@@ -226,6 +226,22 @@ class ReplayEngine:
             if t > env.now:
                 yield env.timeout(t - env.now)
             self._idle.succeed(t)
+
+    def _transfer_wakes(self):
+        """A fleet replica's own wake-ups (its router wakes it for arrivals): an engine idle while
+        a KV-offloading transfer is in flight is woken when it ends, unless woken before."""
+        env = self.env
+        while True:
+            self._engine_idle = env.event()
+            yield self._engine_idle
+            self._engine_idle = None  # (an engine idle again meanwhile is woken below)
+            t = self.feed.next_transfer_ticks()
+            if t is None:
+                continue  # (its router wakes it)
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            if self.idle:
+                self._idle.succeed(max(t, env.now))
 
     def _engine(self):
         sched = self.scheduler

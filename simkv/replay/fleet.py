@@ -18,8 +18,8 @@ import pandas as pd
 import simpy
 
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (itl_samples, kv_cache_groups_summary, spec_summary, latencies_and_rates, request_table, stored_and_wasted_slots,
-                                  summarize, weighted_dist)
+from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, offload_summary,
+                                  request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
 from simkv.replay.step_log import SPEC_COLUMNS
 
@@ -256,7 +256,8 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    } | kv_cache_groups_summary(config, capacity) | spec_summary(config, [run.scheduler for run in runs], backends, duration)
+    } | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+        config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
@@ -270,4 +271,5 @@ def _replica_row(replica: int, s: dict) -> dict:
             "mean_running": s["mean_running"], "peak_waiting": s["peak_waiting"],
             "peak_blocks_used": s["peak_blocks_used"], "num_preemptions": s["num_preemptions"],
             "prefix_cache_hit_rate": s["prefix_cache_hit_rate"], "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
-            "e2e_s": s["e2e_s"], "request_throughput_req_s": s["request_throughput_req_s"]}
+            "e2e_s": s["e2e_s"], "request_throughput_req_s": s["request_throughput_req_s"]} | (
+                {"kv_offloading_loaded_tokens": s["kv_offloading"]["loaded_tokens"]} if "kv_offloading" in s else {})

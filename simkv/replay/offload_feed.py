@@ -6,6 +6,9 @@ order the steps start them: a load (host to GPU) when the step that admitted it 
 stepping while a connector has work), so here at the end of the step that computed the blocks.
 A transfer's end takes effect at the first step boundary at or after it; an engine idle on a
 load is woken then.
+
+`OffloadFeed` wraps the engine's arrival feed (its own, or a fleet replica's: each replica has
+its own tier and link) and adds the transfers' ends to the events the engine waits for.
 """
 
 from __future__ import annotations
@@ -13,13 +16,12 @@ from __future__ import annotations
 import heapq
 
 from simkv.clock import TICKS_PER_SECOND
-from simkv.replay.engine import ArrivalFeed
 
 
-class OffloadFeed(ArrivalFeed):
-    def __init__(self, trace, scheduler, request_log, max_model_len: int, chunk_bytes: int, pcie_gbs: float,
-                 blocks_per_chunk: int = 1) -> None:
-        super().__init__(trace, scheduler, request_log, max_model_len)
+class OffloadFeed:
+    def __init__(self, arrivals, scheduler, chunk_bytes: int, pcie_gbs: float, blocks_per_chunk: int = 1) -> None:
+        self.arrivals = arrivals  # the feed wrapped: everything else is its
+        self.scheduler = scheduler
         self.chunk_bytes = chunk_bytes  # (a job moves GPU blocks: a chunk's share each)
         self.blocks_per_chunk = blocks_per_chunk
         self._ticks_per_byte = TICKS_PER_SECOND / (pcie_gbs * 1e9)
@@ -28,21 +30,30 @@ class OffloadFeed(ArrivalFeed):
         self.load_bytes = self.store_bytes = 0
         self.load_ticks = 0  # summed over loads: their start to their end, queueing included
 
+    def __getattr__(self, name: str):
+        if name == "arrivals":  # (not set yet)
+            raise AttributeError(name)
+        return getattr(self.arrivals, name)
+
     @property
     def exhausted(self) -> bool:
-        return super().exhausted and not self._events
+        return self.arrivals.exhausted and not self._events
 
     def next_arrival_ticks(self) -> int | None:
-        nxt = super().next_arrival_ticks()
+        nxt = self.arrivals.next_arrival_ticks()
         if self._events and (nxt is None or self._events[0][0] < nxt):
             return self._events[0][0]
         return nxt
+
+    def next_transfer_ticks(self) -> int | None:
+        """When the next transfer ends (a fleet replica's own wake-up: its router wakes it for arrivals)."""
+        return self._events[0][0] if self._events else None
 
     def deliver_until(self, now: int) -> None:
         events = self._events
         while events and events[0][0] <= now:
             self.scheduler.offload_job_done(heapq.heappop(events)[2])
-        super().deliver_until(now)
+        self.arrivals.deliver_until(now)
 
     def kv_loads_started(self, requests: list, tick: int) -> None:
         """(CPU-tier loads are timed as offload jobs: `offload_jobs_started`)"""

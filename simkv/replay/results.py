@@ -164,19 +164,27 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         requests, itl_distribution(run), duration, wall_time_s)
 
 
-def offload_summary(run, capacity, prefix_queries: int) -> dict:
-    """KV offloading (core/kv_offload.py): the CPU tier's use, its hits and the host link's bytes."""
-    offload = run.scheduler.offload
-    if offload is None:
+def offload_summary(runs, capacity, prefix_queries: int) -> dict:
+    """KV offloading (core/kv_offload.py): the CPU tier's use, its hits and the host link's bytes,
+    of one engine or summed over a fleet's replicas (each has its own tier: `cpu_chunks`,
+    `cpu_tier_gib` and `chunk_tokens` are one replica's; `cpu_chunks_used` the largest)."""
+    if not isinstance(runs, (list, tuple)):
+        runs = [runs]
+    if runs[0].scheduler.offload is None:
         return {}
-    feed = run.feed
-    stats = offload.stats()
+    per_run = [run.scheduler.offload.stats() for run in runs]
+    stats = {key: sum(s[key] for s in per_run) for key in per_run[0]}
+    for key in ("cpu_chunks", "chunk_tokens", "cpu_chunks_used"):
+        stats[key] = max(s[key] for s in per_run)
+    feeds = [run.feed for run in runs]
     loads = stats["loads"]
+    load_ticks = sum(feed.load_ticks for feed in feeds)
     return {"kv_offloading": stats | {
-        "cpu_tier_gib": capacity.num_offload_chunks * feed.chunk_bytes / (1 << 30),
+        "cpu_tier_gib": capacity.num_offload_chunks * feeds[0].chunk_bytes / (1 << 30),
         "hit_rate": stats["loaded_tokens"] / prefix_queries if prefix_queries else 0.0,
-        "load_bytes": int(feed.load_bytes), "store_bytes": int(feed.store_bytes),
-        "mean_load_s": feed.load_ticks / loads / TICKS_PER_SECOND if loads else 0.0}}
+        "load_bytes": int(sum(feed.load_bytes for feed in feeds)),
+        "store_bytes": int(sum(feed.store_bytes for feed in feeds)),
+        "mean_load_s": load_ticks / loads / TICKS_PER_SECOND if loads else 0.0}}
 
 
 def kv_cache_groups_summary(config, capacity=None) -> dict:

@@ -140,3 +140,35 @@ def test_larger_chunks_hold_more_tokens_each_and_fewer_of_them():
 def test_bad_connector_settings_are_refused(cache, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(CacheConfig(**cache), SchedulerConfig())
+
+
+def _frame(rows):
+    df = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens", "block_hashes"])
+    df["hash_block_tokens"] = 16
+    return df
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_replica_of_a_fleet_has_its_own_tier(async_scheduling):
+    """Two interleaved copies of the eviction trace (the second with other content) on two
+    replicas behind round-robin: each replica replays its copy exactly as one engine does, its
+    tier's load included (the last request's load ends while its replica is idle: the replica
+    wakes itself, its router having nothing more to send)."""
+    from simkv.replay.api import FleetSpec
+
+    rows_a = [(0.0, 256, 4, SHARED)] + [(1.0 + i, 256, 4, [1000 * (i + 1) + j for j in range(16)]) for i in range(6)]
+    rows_a.append((20.0, 256, 4, SHARED))
+    rows_b = [(t + 1e-6, p, o, [h + 100_000 for h in hashes]) for t, p, o, hashes in rows_a]
+    interleaved = [row for pair in zip(rows_a, rows_b) for row in pair]
+    config = EngineConfig(CacheConfig(num_gpu_blocks=40, kv_offloading_size=1.0),
+                          SchedulerConfig(max_model_len=512, max_num_batched_tokens=512,
+                                          async_scheduling=async_scheduling))
+    fleet = replay(trace_from_frame(_frame(interleaved)), config, fleet=FleetSpec(2, "round_robin")).summary
+    singles = [replay(trace_from_frame(_frame(rows)), config).summary for rows in (rows_a, rows_b)]
+    stats = fleet["kv_offloading"]
+    assert stats["loads"] == 2 and stats["loaded_tokens"] == 512 == sum(s["kv_offloading"]["loaded_tokens"] for s in singles)
+    assert stats["cpu_chunks"] == 512 and stats["stored_blocks"] == sum(s["kv_offloading"]["stored_blocks"] for s in singles)
+    assert fleet["num_prefill_tokens"] == sum(s["num_prefill_tokens"] for s in singles)
+    for row, single in zip(fleet["fleet"]["replicas"], singles):
+        assert row["kv_offloading_loaded_tokens"] == 256
+        assert row["ttft_s"] == single["ttft_s"] and row["e2e_s"] == single["e2e_s"]
