@@ -28,7 +28,7 @@ from oracle_pd import differences as pd_differences  # noqa: E402
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
-def make_case(rng, async_scheduling: bool = False, chunks: bool = False) -> dict:
+def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -49,6 +49,12 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False) -> dict
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
     if async_scheduling:
         opts["async_scheduling"] = True
+    if speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; no draft model: refused)
+        from oracle_vllm import random_spec_options
+        random_spec_options(rng, opts)
+        if opts["speculative_method"] == "draft_model" or (async_scheduling and opts["speculative_method"] == "ngram"):
+            opts["speculative_method"] = "eagle"
+            opts.pop("spec_draft_model", None)
     case = {"opts": opts, "requests": requests, "num_offload_chunks": int(rng.integers(1, 40)),
             "store_latency": int(rng.integers(1, 5)), "load_latency": int(rng.integers(1, 5))}
     if chunks:  # (the connector's non-default settings)
@@ -77,7 +83,7 @@ class _VllmOffload:
         import oracle_vllm
         from vllm.config import KVTransferConfig
 
-        o = dict(case["opts"], prefix_cache_retention_interval=None)
+        o = dict(case["opts"], prefix_cache_retention_interval=None, eagle_group=True)
         extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE,
                  "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True)}
         connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
@@ -98,6 +104,7 @@ class _VllmOffload:
                 return result
             sched.connector.get_num_new_matched_tokens = traced
         self.case = case
+        self.accept = oracle_vllm.acceptance(o)  # (None without drafts)
         self.first_token, self.finish = {}, {}
         self.due: dict[int, list] = {}
         self.transfers = []
@@ -175,8 +182,11 @@ def run_vllm(case: dict) -> dict:
             v.sched.add_request(v.make(r))
         so = v.schedule(k, k)
         row = v.row(so)
-        sampled, _ = oracle_vllm.sampled_tokens(v.sched, so, list(so.num_scheduled_tokens), None)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, _ = oracle_vllm.sampled_tokens(v.sched, so, req_ids, v.accept)
         v.process(so, sampled, k, k)
+        if v.accept is not None:
+            oracle_vllm.propose_drafts(v.sched, so, req_ids)
         return row, not v.sched.has_requests() and not v.due
 
     return v.result(_step_loop(case["requests"], step))
@@ -220,7 +230,7 @@ def run_vllm_async(case: dict) -> dict:
             rows.append([0, 0, 0, 0])  # idle
             continue
         b, row, so, meta = queue.pop()
-        sampled, _ = oracle_vllm.async_sampled(sched, so, meta, None)
+        sampled, _ = oracle_vllm.async_sampled(sched, so, meta, v.accept)
         v.process(so, sampled, b, row)
     result = {"steps": rows}
     if error:
@@ -256,12 +266,12 @@ def differences(theirs: dict, ours: dict) -> list[str]:
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], async_flag=True, offload_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.async_scheduling, a.chunks) for _ in range(a.cases)]
+    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0)

@@ -98,7 +98,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
             spec = SlidingWindowSpec(sliding_window=window, **kw)
         groups.append(KVCacheGroupSpec([f"layer{i}"], spec))
         # (an EAGLE layer attends the whole context: vLLM flags the full-attention group holding it)
-        groups[-1].is_eagle_group = bool(o.get("group_windows")) and not window and \
+        # (`eagle_group`: a model's one group, holding the EAGLE layer as vLLM's planner flags it)
+        groups[-1].is_eagle_group = (bool(o.get("group_windows")) or bool(o.get("eagle_group"))) and not window and \
             not isinstance(spec, MambaSpec) and o.get("speculative_method") in ("eagle", "eagle3", "mtp")
     kv_cache_config = KVCacheConfig(num_blocks=o["num_gpu_blocks"], kv_cache_tensors=[], kv_cache_groups=groups,
                                     prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval)

@@ -449,12 +449,12 @@ class EngineConfig:
 
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
-        under vLLM's synchronous scheduler, with its default policies."""
+        (an EAGLE-family drafter's layer in it), with vLLM's policies."""
         cache, sched = self.cache, self.scheduler
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
                        (self.has_sliding_window or self.has_linear_attention or self.kv_cache_groups.is_hybrid,
                         f"sliding-window, chunked-local or linear-attention layers (model {self.hardware.model})"),
-                       (self.speculative.enabled, "speculative decoding"),
+                       (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),
                        (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
@@ -665,7 +665,7 @@ class EngineConfig:
             raise ConfigError("DCP not support chunked local attn now." if self.attention_chunk_size
                               else "DCP not support sliding window attn now.")
         unsupported = [(self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
-                       (self.speculative.enabled, "speculative decoding"),
+                       (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:

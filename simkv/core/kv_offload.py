@@ -212,15 +212,19 @@ class OffloadJob:
 
 class KVOffload:
     """The scheduler side of vLLM's OffloadingConnector for one full-attention KV-cache group.
-    `blocks_per_chunk`: GPU blocks a CPU-tier chunk holds; `prompt_only`: vLLM's offload_prompt_only."""
+    `blocks_per_chunk`: GPU blocks a CPU-tier chunk holds; `prompt_only`: vLLM's offload_prompt_only;
+    `eagle`: the group holds an EAGLE-family drafter's layer, whose KV at a chunk's last position
+    depends on the token after it: a hit never loads its last chunk, and a decoding request does
+    not store its last complete chunk until it finishes (vLLM's volatile trailing chunk)."""
 
     def __init__(self, num_chunks: int, block_size: int, hasher, blocks_per_chunk: int = 1,
-                 prompt_only: bool = True) -> None:
+                 prompt_only: bool = True, eagle: bool = False) -> None:
         self.manager = CPUOffloadManager(num_chunks)
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = block_size * blocks_per_chunk
         self.prompt_only = prompt_only
+        self.eagle = eagle
         self.hasher = hasher
         self._states: dict[int, _OffloadState] = {}
         self._jobs: dict[int, OffloadJob] = {}
@@ -276,6 +280,8 @@ class KVOffload:
         if pending:
             self.num_lookup_retries += 1
             return None
+        if self.eagle:  # (its last hit chunk is volatile: not loaded)
+            hit_keys.pop()
         num_hit = (start + len(hit_keys)) * tpc - num_local
         if num_hit < tpc:  # (less than a chunk past the local hit)
             return 0
@@ -310,7 +316,7 @@ class KVOffload:
         prompt_only = self.prompt_only
         for request, num_after in scheduled:
             self._offer(request, min(num_after, request.num_prompt_tokens) if prompt_only else num_after,
-                        num_blocks_of(request))
+                        num_blocks_of(request), False)
         finished, self._finished = self._finished, []
         for request, num_blocks in finished:  # (what is left to store, from its freed blocks)
             state = self._states.get(request.index)
@@ -319,7 +325,7 @@ class KVOffload:
             # (the last sampled token's KV is never computed)
             num_tokens = request.num_prompt_tokens if prompt_only else max(request.num_prompt_tokens,
                                                                             request.num_tokens - 1)
-            self._offer(request, num_tokens, num_blocks)
+            self._offer(request, num_tokens, num_blocks, True)
             state.finished = True
             self._set_retry(state, False)
             self.manager.request_finished(state.access)
@@ -331,9 +337,11 @@ class KVOffload:
         state = self._states.get(request.index)
         return num_tokens // self.chunk_tokens > (state.next_stored if state is not None else 0)
 
-    def _offer(self, request: Request, num_tokens: int, num_blocks: int) -> None:
+    def _offer(self, request: Request, num_tokens: int, num_blocks: int, finished: bool) -> None:
         state = self._state(request)
         num_chunks = min(num_tokens // self.chunk_tokens, num_blocks // self.blocks_per_chunk)
+        if self.eagle and num_tokens > request.num_prompt_tokens and not finished:
+            num_chunks -= 1  # (a decoder's last complete chunk: rejected drafts may rewrite its drafter KV)
         if num_chunks <= state.next_stored:
             self._set_retry(state, False)
             return
@@ -385,6 +393,12 @@ class KVOffload:
     def request_finished(self, request: Request, num_blocks: int) -> None:
         """`request` finished holding `num_blocks` blocks (the next schedule() retires it)."""
         self._finished.append((request, num_blocks))
+
+    @property
+    def has_finished_requests(self) -> bool:
+        """Whether requests finished since the last schedule() (it stores what they left and
+        retires them from the tier's recency)."""
+        return bool(self._finished)
 
     @property
     def has_finished_offers(self) -> bool:

@@ -122,7 +122,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
         self.offload = (KVOffload(num_offload_chunks, cc.block_size, self.kv_cache_manager.hasher,
-                                  cc.offload_blocks_per_chunk, cc.kv_offloading_prompt_only)
+                                  cc.offload_blocks_per_chunk, cc.kv_offloading_prompt_only,
+                                  eagle=config.speculative.is_eagle_family)
                         if num_offload_chunks else None)
         self.running: list[Request] = []
         self.current_step = 0
@@ -621,14 +622,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             offering = offload.retrying() if offload.num_retrying else []
             if not offload.prompt_only:  # (decode chunks too: the decoders that complete one)
                 offering += self._decoders_completing(step, offload.chunk_tokens, offload)
-            for request in offering:
-                if (request.status == RequestStatus.RUNNING and not request.is_finishing  # (async: last token in flight)
-                        and request.seq not in skip):
+            for request in offering:  # (the steady decoders this step runs: the others are in the plan)
+                if (request.decode_base is not None and request.status == RequestStatus.RUNNING
+                        and not request.is_finishing and request.seq not in skip):  # (async: last token in flight)
                     skip.add(request.seq)
-                    computed = (step + request.decode_base if request.decode_base is not None
-                                else request.num_computed_tokens)
-                    scheduled.append((request, computed + 1))
-        if self.async_scheduling and not offload.prompt_only:
+                    scheduled.append((request, step + request.decode_base + 1))
+        if (self.async_scheduling or self.num_spec_tokens) and not offload.prompt_only:  # (drafts are not known tokens)
             scheduled = [(r, self._known_tokens(r, step, n)) for r, n in scheduled]
         scheduled.sort(key=lambda entry: entry[0].seq)
         offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)

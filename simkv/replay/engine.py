@@ -252,6 +252,8 @@ class ReplayEngine:
             if feed.num_rejected != self._num_rejected_reported:
                 self._report_rejected()
             if not sched.has_unfinished_requests():
+                if self._retire_offloaded():
+                    continue
                 if feed.exhausted:
                     return
                 yield from self._wait_for_arrival()
@@ -293,6 +295,19 @@ class ReplayEngine:
             self.steps.add_step(out, start, duration)
             if finished:
                 self._record_finished(finished)
+
+    def _retire_offloaded(self) -> bool:
+        """KV offloading: requests finished and none left: vLLM's engine schedules once more at
+        once (its finished requests count as requests), and the connector stores what they left
+        and retires them from the tier's recency then, not at the next arrival. True if it did."""
+        offload = self.scheduler.offload
+        if offload is None or not offload.has_finished_requests:
+            return False
+        out = self._schedule()
+        self.scheduler.current_step = out.step  # (nothing ran: not a step)
+        if out.offload_jobs:
+            self.feed.offload_jobs_started(out.offload_jobs, self.now, self.now)
+        return True
 
     def _carry_preemptions(self, work) -> None:
         """Preemptions of schedule() calls that ran nothing count on the next step that runs (or
@@ -464,6 +479,8 @@ class ReplayEngine:
                     yield from self._wait_for_arrival()  # P/D: a transfer's end wakes the engine
                     continue
             elif in_flight is None:
+                if self._retire_offloaded():
+                    continue
                 if feed.exhausted:
                     return
                 yield from self._wait_for_arrival()
