@@ -70,7 +70,9 @@ def test_recorded_cases_match_vllm(case):
     remaining blocks; five under async scheduling (a request whose last token is in flight
     offers no store). Then the connector's other settings (`--chunks`): chunks of 1 to 4
     blocks, decode blocks stored too (offload_prompt_only off), five of them async (a decoder's
-    block is offered once its last token is known, a step later). Every step, every request's
+    block is offered once its last token is known, a step later); then speculative decoding
+    (`--speculative`: ngram and EAGLE drafts, whose last chunk is never loaded and, while a
+    request decodes, not stored), five of those async. Every step, every request's
     first-token and finish step, and every transfer equal vLLM's."""
     theirs = case["vllm"]
     async_scheduling = case["case"]["opts"].get("async_scheduling")

@@ -172,3 +172,26 @@ def test_each_replica_of_a_fleet_has_its_own_tier(async_scheduling):
     for row, single in zip(fleet["fleet"]["replicas"], singles):
         assert row["kv_offloading_loaded_tokens"] == 256
         assert row["ttft_s"] == single["ttft_s"] and row["e2e_s"] == single["e2e_s"]
+
+
+@pytest.mark.parametrize("method, loaded", [("ngram", 256), ("eagle3", 240)])
+def test_an_eagle_drafter_never_loads_its_last_chunk(method, loaded):
+    """With an EAGLE-family drafter in the KV-cache group, the drafter's KV at a chunk's last
+    position depends on the token after it: B loads A's prompt less its last chunk (and computes
+    it); n-gram drafts have no KV of their own and load it all."""
+    from simkv.config import SpeculativeConfig
+
+    config = EngineConfig(CacheConfig(num_gpu_blocks=40, kv_offloading_size=1.0),
+                          SchedulerConfig(max_model_len=512, max_num_batched_tokens=512),
+                          speculative=SpeculativeConfig(speculative_method=method, num_speculative_tokens=2))
+    stats = replay(_trace(), config).summary["kv_offloading"]
+    assert stats["loads"] == 1 and stats["loaded_tokens"] == loaded
+
+
+def test_a_draft_model_is_refused_with_offloading():
+    from simkv.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError, match="draft model"):
+        EngineConfig(CacheConfig(kv_offloading_size=1.0), SchedulerConfig(),
+                     speculative=SpeculativeConfig(speculative_method="draft_model", num_speculative_tokens=2,
+                                                   spec_draft_model="tiny-llama"))
