@@ -633,9 +633,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)
 
     def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
-        """Async scheduling: of a request's first `num_after` tokens, those whose ids are known
-        when `step` is scheduled (vLLM's num_tokens): a decoder that ran in the step in flight
-        waits for its token."""
+        """Of a request's first `num_after` tokens, those whose ids are known when `step` is
+        scheduled (vLLM's num_tokens): drafts are not; under async scheduling a decoder that ran
+        in the step in flight waits for its token."""
         if request.decode_base is not None:
             computed = step + request.decode_base
             return min(num_after, computed if self._ran_in_flight(request) else computed + 1)
