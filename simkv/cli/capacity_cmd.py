@@ -39,6 +39,14 @@ def capacity_report(config: EngineConfig) -> dict:
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
     if config.hardware.quantization:
         extra["quantization"] = config.hardware.quantization
+    if cap.num_offload_chunks:  # KV offloading's CPU tier (vLLM's --kv-offloading-size): chunks of the engine's blocks
+        chunk_tokens = cc.kv_offloading_block_size or cc.block_size
+        tier_tokens = cap.num_offload_chunks * chunk_tokens
+        extra["kv_offloading"] = {"cpu_tier_gib": cc.kv_offloading_size, "num_chunks": cap.num_offload_chunks,
+                                  "chunk_tokens": chunk_tokens, "chunk_bytes": cap.offload_chunk_bytes,
+                                  "tokens": tier_tokens, "tokens_per_gpu_cache_token": tier_tokens / cap.kv_cache_tokens,
+                                  # (every GPU moves its share over its own link)
+                                  "chunk_transfer_s": cap.offload_chunk_bytes / tp / (cc.pcie_bandwidth_gbs * 1e9)}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
@@ -118,6 +126,13 @@ def print_report(rep: dict) -> None:
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):
         rows.insert(0, ("draft network (its weights and KV included)", rep["draft_network"]))
+    if rep.get("kv_offloading"):
+        off = rep["kv_offloading"]
+        rows.append(("CPU tier (KV offloading, all GPUs)",
+                     f"{off['cpu_tier_gib']:g} GiB: {off['num_chunks']:,} chunks of {off['chunk_tokens']} tokens"))
+        rows.append(("CPU tier chunk (over the host link)",
+                     f"{off['chunk_bytes']:,} B ({off['chunk_transfer_s'] * 1e3:.3f} ms)"))
+        rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
     for name, value in rows:
         table.add_row(name, value)
     console = Console()
@@ -148,6 +163,11 @@ def print_report(rep: dict) -> None:
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
               help="A model with linear-attention layers is modelled without (vLLM's mamba_cache_mode 'none') "
                    "[default: on]")
+@click.option("--kv-offloading-size", type=float, default=None,
+              help="GiB of CPU memory for KV offloading over the engine's GPUs: the tier's size in chunks and tokens")
+@click.option("--kv-offloading-block-size", type=int, default=None,
+              help="Tokens per CPU-tier chunk, a multiple of --block-size [default: one GPU block]")
+@click.option("--pcie-bandwidth-gbs", type=float, default=None, help="host<->GPU bandwidth, GB/s [default: 63]")
 @click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)

@@ -162,7 +162,8 @@ class ReplayEngine:
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.replay.offload_feed import OffloadFeed
             self.feed = OffloadFeed(self.feed, self.scheduler, capacity.offload_chunk_bytes,
-                                    config.cache.pcie_bandwidth_gbs, config.cache.offload_blocks_per_chunk)
+                                    config.cache.pcie_bandwidth_gbs, config.cache.offload_blocks_per_chunk,
+                                    config.hardware.tensor_parallel_size)
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress
         self.now = 0  # ticks

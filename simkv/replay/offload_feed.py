@@ -1,6 +1,8 @@
 """KV offloading's transfers on the clock (the engine core's side: simkv/core/kv_offload.py).
 
-Each direction of the host link (`pcie_bandwidth_gbs`) carries one transfer at a time, in the
+Each direction of the host link (`pcie_bandwidth_gbs`, each GPU's own: under tensor parallelism
+every rank moves its share of a transfer at once, so a transfer takes its bytes over all GPUs
+divided by their number, at that rate) carries one transfer at a time, in the
 order the steps start them: a load (host to GPU) when the step that admitted it starts, a store
 (GPU to host) when the next step starts, which under vLLM's engine is at once (it keeps
 stepping while a connector has work), so here at the end of the step that computed the blocks.
@@ -19,12 +21,13 @@ from simkv.clock import TICKS_PER_SECOND
 
 
 class OffloadFeed:
-    def __init__(self, arrivals, scheduler, chunk_bytes: int, pcie_gbs: float, blocks_per_chunk: int = 1) -> None:
+    def __init__(self, arrivals, scheduler, chunk_bytes: int, pcie_gbs: float, blocks_per_chunk: int = 1,
+                 num_links: int = 1) -> None:
         self.arrivals = arrivals  # the feed wrapped: everything else is its
         self.scheduler = scheduler
         self.chunk_bytes = chunk_bytes  # (a job moves GPU blocks: a chunk's share each)
         self.blocks_per_chunk = blocks_per_chunk
-        self._ticks_per_byte = TICKS_PER_SECOND / (pcie_gbs * 1e9)
+        self._ticks_per_byte = TICKS_PER_SECOND / (pcie_gbs * 1e9 * num_links)  # (bytes over all GPUs)
         self._load_free = self._store_free = 0  # ticks at which each direction is free
         self._events: list[tuple[int, int, object]] = []  # (tick, job id, job)
         self.load_bytes = self.store_bytes = 0

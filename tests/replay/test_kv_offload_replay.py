@@ -195,3 +195,16 @@ def test_a_draft_model_is_refused_with_offloading():
         EngineConfig(CacheConfig(kv_offloading_size=1.0), SchedulerConfig(),
                      speculative=SpeculativeConfig(speculative_method="draft_model", num_speculative_tokens=2,
                                                    spec_draft_model="tiny-llama"))
+
+
+def test_tensor_parallel_ranks_move_their_shares_at_once():
+    """Under TP 2 each GPU holds half of a block and moves it over its own link: the same 2 MiB
+    chunks (all GPUs), half the load time."""
+    from simkv.config import HardwareConfig
+
+    config = EngineConfig(CacheConfig(num_gpu_blocks=40, kv_offloading_size=1.0),
+                          SchedulerConfig(max_model_len=512, max_num_batched_tokens=512),
+                          hardware=HardwareConfig(tensor_parallel_size=2))
+    stats = replay(_trace(), config).summary["kv_offloading"]
+    assert stats["cpu_chunks"] == 512 and stats["load_bytes"] == 16 * 2 * 1024 * 1024
+    assert stats["mean_load_s"] == pytest.approx(16 * 2 * 1024 * 1024 / 2 / 63e9, rel=1e-3)

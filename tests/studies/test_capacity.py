@@ -106,3 +106,20 @@ def test_config_file(tmp_path):
     rep = as_json("--config", str(path), "--block-size", "32")
     assert (rep["tensor_parallel_size"], rep["block_size"], rep["max_model_len"]) == (4, 32, 4096)
     assert rep["kv_bytes_per_token_per_gpu"] == 327_680 // 4
+
+
+def test_the_cpu_tier_in_chunks_and_tokens():
+    """llama-3-70b on 4 GPUs: a 16-token block is 327,680 B x 16 = 5 MiB over the GPUs; 256-token
+    chunks are 16 of them (80 MiB), so 256 GiB holds 3,276 chunks (838,656 tokens); each GPU moves
+    its quarter of a chunk over its own 63 GB/s link."""
+    rep = as_json("--model", "llama-3-70b", "-tp", "4", "--kv-offloading-size", "256",
+                  "--kv-offloading-block-size", "256")
+    off = rep["kv_offloading"]
+    assert off["chunk_bytes"] == 16 * 327_680 * 16 == 80 * (1 << 20)
+    assert off["num_chunks"] == 256 * GIB // off["chunk_bytes"] == 3276
+    assert off["tokens"] == 3276 * 256
+    assert off["tokens_per_gpu_cache_token"] == pytest.approx(off["tokens"] / rep["kv_cache_tokens"])
+    assert off["chunk_transfer_s"] == pytest.approx(80 * (1 << 20) / 4 / 63e9)
+    assert "kv_offloading" not in as_json("--model", "llama-3-70b", "-tp", "4")
+    res = run("--kv-offloading-block-size", "24", "--kv-offloading-size", "1")
+    assert res.exit_code != 0 and "multiple of block_size 16" in res.output
