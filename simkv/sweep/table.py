@@ -32,7 +32,8 @@ METRICS: dict[str, tuple[str, ...]] = {
     "request_throughput_req_s": ("request_throughput_req_s",),
 }
 INT_METRICS = {"num_requests", "num_finished", "num_gpu_blocks", "num_steps", "peak_running", "num_preemptions",
-               "engine_block_size"}
+               "engine_block_size", "num_prefill_tokens", "offload_loaded_tokens", "offload_stored_blocks",
+               "offload_evicted_blocks"}
 # The block size the engine ran with, where a cell's differs from the one it asked for
 # (grid.requested_block_size): cells asking for different sizes may run alike.
 ENGINE_BLOCK_SIZE = "engine_block_size"
@@ -43,9 +44,20 @@ GOODPUT_METRICS: dict[str, tuple[str, ...]] = {
 }
 
 
+# with KV offloading in some cell (only then): what the CPU tier saved and what it moved
+OFFLOAD_METRICS: dict[str, tuple[str, ...]] = {
+    "num_prefill_tokens": ("num_prefill_tokens",),
+    "offload_loaded_tokens": ("kv_offloading", "loaded_tokens"),
+    "offload_hit_rate": ("kv_offloading", "hit_rate"),
+    "offload_stored_blocks": ("kv_offloading", "stored_blocks"),
+    "offload_evicted_blocks": ("kv_offloading", "evicted_blocks"),
+}
+
+
 def metric_columns(rows: list[dict]) -> list[str]:
-    """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs)."""
-    return [c for c in (*METRICS, *GOODPUT_METRICS) if rows and c in rows[0]]
+    """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs,
+    the offloading ones only when a cell offloads)."""
+    return [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS) if rows and c in rows[0]]
 
 
 def _get(summary: dict, path: tuple[str, ...]):
@@ -60,6 +72,8 @@ def _get(summary: dict, path: tuple[str, ...]):
 def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[str]) -> list[dict]:
     rows = []
     metrics = dict(METRICS) | (GOODPUT_METRICS if any(c.goodput for c in cells) else {})
+    if any("kv_offloading" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
+        metrics |= OFFLOAD_METRICS
     for cell in cells:
         out = outcomes.get(cell.cell_id, {"status": "failed", "error": "not run"})
         row = {"cell": cell.index, "cell_id": cell.cell_id, "trace": cell.trace}

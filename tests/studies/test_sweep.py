@@ -340,3 +340,18 @@ def test_cells_that_ran_another_block_size_say_so(tmp_path):
     assert rows[0]["num_steps"] == rows[1]["num_steps"]
     assert list(rows[0]).index("engine_block_size") == list(rows[0]).index("error") + 1
     assert f"| 16 | ok |  | {grown} |" in (out / "sweep.md").read_text()
+
+
+def test_a_sweep_over_the_cpu_tier_has_its_columns(tmp_path):
+    """Cells with KV offloading add what the tier saved and moved (a cell without one: empty)."""
+    from simkv.sweep.table import OFFLOAD_METRICS
+
+    res = sweep("traces/mooncake_synthetic_slice.parquet", "--grid", "kv_offloading_size=none,16",
+                "--set", "num_gpu_blocks=2000", "--out", str(tmp_path / "s"))
+    assert res.exit_code == 0, res.output
+    plain, tier = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert set(OFFLOAD_METRICS) <= set(tier) and plain["offload_loaded_tokens"] is None
+    assert tier["offload_loaded_tokens"] > 0 and tier["offload_evicted_blocks"] > 0
+    assert tier["num_prefill_tokens"] < plain["num_prefill_tokens"]
+    without = sweep(TRACE, "--grid", "watermark=0,0.01", *FIXED, "--out", str(tmp_path / "w"))
+    assert without.exit_code == 0 and "offload_loaded_tokens" not in pq.read_table(tmp_path / "w" / "sweep.parquet").column_names
