@@ -28,7 +28,8 @@ from oracle_pd import differences as pd_differences  # noqa: E402
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
-def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False) -> dict:
+def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
+              policy: str | None = None) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -57,6 +58,8 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
             opts.pop("spec_draft_model", None)
     case = {"opts": opts, "requests": requests, "num_offload_chunks": int(rng.integers(1, 40)),
             "store_latency": int(rng.integers(1, 5)), "load_latency": int(rng.integers(1, 5))}
+    if policy:  # (after the other draws: a seed's cases are those without it, with another policy)
+        case["policy"] = policy
     if chunks:  # (the connector's non-default settings)
         case["blocks_per_chunk"] = int(rng.choice([1, 2, 3, 4]))
         case["prompt_only"] = bool(rng.random() < 0.4)
@@ -85,7 +88,8 @@ class _VllmOffload:
 
         o = dict(case["opts"], prefix_cache_retention_interval=None, eagle_group=True)
         extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE,
-                 "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True)}
+                 "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True),
+                 "eviction_policy": case.get("policy", "lru")}
         connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                      kv_connector_extra_config=extra)
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
@@ -271,7 +275,7 @@ def main() -> None:
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative) for _ in range(a.cases)]
+    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0)
@@ -284,7 +288,7 @@ def main() -> None:
         diff = differences(t, ours)
         if diff:
             failures += 1
-            print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} lat={case['store_latency']}/{case['load_latency']} "
+            print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} {case.get('policy', 'lru')} lat={case['store_latency']}/{case['load_latency']} "
                   f"{case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, {totals['steps']} "
           f"steps, {totals['loads']} loads, {totals['stores']} stores)")

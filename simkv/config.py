@@ -51,6 +51,8 @@ class CacheConfig:
     kv_offloading_block_size: int | None = None
     # store only prompt blocks (vLLM's "offload_prompt_only", on by default); False: decode blocks too
     kv_offloading_prompt_only: bool = True
+    # the CPU tier's eviction policy (vLLM's "eviction_policy"): lru (its default) or arc
+    kv_offloading_policy: str = "lru"
 
     def __post_init__(self) -> None:
         if self.swap_space < 0 or self.pcie_bandwidth_gbs <= 0:
@@ -73,6 +75,8 @@ class CacheConfig:
             raise ConfigError(f"prefix_caching_hash_bits must be in [1, 63], got {self.prefix_caching_hash_bits}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ConfigError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
+        if self.kv_offloading_policy not in ("lru", "arc"):
+            raise ConfigError(f"kv_offloading_policy must be 'lru' or 'arc', got '{self.kv_offloading_policy}'")
         tpc = self.kv_offloading_block_size
         if tpc is not None and (tpc < 1 or tpc % self.block_size):
             raise ConfigError(f"kv_offloading_block_size {tpc} must be a positive multiple of block_size "
@@ -443,9 +447,10 @@ class EngineConfig:
             self._verify_linear_attention()
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
-        elif self.cache.kv_offloading_block_size is not None or not self.cache.kv_offloading_prompt_only:
-            raise ConfigError("kv_offloading_block_size and kv_offloading_prompt_only set KV offloading's CPU tier: "
-                              "they need kv_offloading_size")
+        elif (self.cache.kv_offloading_block_size is not None or not self.cache.kv_offloading_prompt_only
+              or self.cache.kv_offloading_policy != "lru"):
+            raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only and kv_offloading_policy set KV "
+                              "offloading's CPU tier: they need kv_offloading_size")
 
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group

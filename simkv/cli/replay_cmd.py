@@ -29,7 +29,7 @@ _ENGINE_FLAGS = {
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
-    "kv_offloading_prompt_only": "kv_offloading_prompt_only",
+    "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
     "async_scheduling": "async_scheduling",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
@@ -232,6 +232,8 @@ _ENGINE_OPTIONS = [
     click.option("--kv-offloading-block-size", type=int, default=None,
                  help="Tokens per CPU-tier chunk, a multiple of --block-size (vLLM's kv_connector_extra_config "
                       "block_size) [default: one GPU block]"),
+    click.option("--kv-offloading-policy", type=click.Choice(["lru", "arc"]), default=None,
+                 help="The CPU tier's eviction policy (vLLM's eviction_policy) [default: lru]"),
     click.option("--kv-offloading-prompt-only/--no-kv-offloading-prompt-only", default=None,
                  help="Offload prompt blocks only (vLLM's offload_prompt_only); --no-...: decode blocks too "
                       "[default: prompt only]"),

@@ -39,13 +39,17 @@ class _Chunk:
 class _Access:
     """What the tier has seen of one request (vLLM's _RequestCacheAccess and _RequestRank)."""
 
-    __slots__ = ("rank", "keys", "seen", "finished")
+    __slots__ = ("rank", "keys", "seen", "finished", "inserted", "reused", "store_misses")
 
     def __init__(self) -> None:
         self.rank = 0  # 0: not assigned yet
         self.keys: list[tuple[int, int]] = []  # (position, key), in the order seen
         self.seen: set[int] = set()
         self.finished = False
+        # (the "arc" policy's: core/kv_offload_arc.py)
+        self.inserted: set[int] = set()  # keys it stored
+        self.reused: set[int] = set()  # ready keys it loaded or offered again, not its own
+        self.store_misses: set[int] = set()  # keys it offered that the tier lacked
 
 
 class CPUOffloadManager:
@@ -213,13 +217,18 @@ class OffloadJob:
 class KVOffload:
     """The scheduler side of vLLM's OffloadingConnector for one full-attention KV-cache group.
     `blocks_per_chunk`: GPU blocks a CPU-tier chunk holds; `prompt_only`: vLLM's offload_prompt_only;
+    `policy`: the tier's eviction policy, "lru" or "arc" (core/kv_offload_arc.py);
     `eagle`: the group holds an EAGLE-family drafter's layer, whose KV at a chunk's last position
     depends on the token after it: a hit never loads its last chunk, and a decoding request does
     not store its last complete chunk until it finishes (vLLM's volatile trailing chunk)."""
 
     def __init__(self, num_chunks: int, block_size: int, hasher, blocks_per_chunk: int = 1,
-                 prompt_only: bool = True, eagle: bool = False) -> None:
-        self.manager = CPUOffloadManager(num_chunks)
+                 prompt_only: bool = True, eagle: bool = False, policy: str = "lru") -> None:
+        if policy == "arc":
+            from simkv.core.kv_offload_arc import ARCOffloadManager
+            self.manager = ARCOffloadManager(num_chunks)
+        else:
+            self.manager = CPUOffloadManager(num_chunks)
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = block_size * blocks_per_chunk

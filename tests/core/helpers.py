@@ -387,11 +387,12 @@ def assert_decode_runs_change_nothing(trace, config: EngineConfig, cost_model: s
 
 
 def _offload_options(case: dict) -> dict:
-    """The connector settings of an offloading case (scripts/oracle_offload.py --chunks)."""
-    if "blocks_per_chunk" not in case:
+    """The connector settings of an offloading case (scripts/oracle_offload.py --chunks, --policy)."""
+    if "blocks_per_chunk" not in case and "policy" not in case:
         return {}
-    return {"kv_offloading_size": 1.0, "kv_offloading_block_size": case["blocks_per_chunk"] * case["opts"]["block_size"],
-            "kv_offloading_prompt_only": case.get("prompt_only", True)}
+    return {"kv_offloading_size": 1.0,
+            "kv_offloading_block_size": case.get("blocks_per_chunk", 1) * case["opts"]["block_size"],
+            "kv_offloading_prompt_only": case.get("prompt_only", True), "kv_offloading_policy": case.get("policy", "lru")}
 
 
 def drive_offload(case: dict, max_steps: int = 5000) -> dict:
