@@ -328,13 +328,15 @@ class KVOffload:
                         num_blocks_of(request), False)
         finished, self._finished = self._finished, []
         for request, num_blocks in finished:  # (what is left to store, from its freed blocks)
+            if request.index in self._states:
+                # (the last sampled token's KV is never computed)
+                num_tokens = request.num_prompt_tokens if prompt_only else max(request.num_prompt_tokens,
+                                                                                request.num_tokens - 1)
+                self._offer(request, num_tokens, num_blocks, True)
+        for request, _ in finished:  # (then, every store made, they leave the tier's recency)
             state = self._states.get(request.index)
             if state is None:
                 continue
-            # (the last sampled token's KV is never computed)
-            num_tokens = request.num_prompt_tokens if prompt_only else max(request.num_prompt_tokens,
-                                                                            request.num_tokens - 1)
-            self._offer(request, num_tokens, num_blocks, True)
             state.finished = True
             self._set_retry(state, False)
             self.manager.request_finished(state.access)

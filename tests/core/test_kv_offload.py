@@ -85,3 +85,35 @@ def test_recorded_cases_match_vllm(case):
     assert ours["steps"] == steps
     assert ours["requests"] == theirs["requests"]
     assert ours["transfers"] == theirs["transfers"]
+
+
+def test_arc_keeps_a_reused_chunk_over_a_newer_one_stored_once():
+    """vLLM's "arc": a chunk another request loaded moves to T2 when that request finishes;
+    evictions take T1 (chunks stored and never reused) first while T1 is at its target (0)."""
+    from simkv.core.kv_offload_arc import ARCOffloadManager
+
+    manager = ARCOffloadManager(3)
+    a, b = _Access(), _Access()
+    _store(manager, a, [10, 11])
+    manager.prepare_load([(1, 10)], b)
+    manager.complete_load([10])
+    manager.request_finished(b)  # (b reused 10)
+    manager.request_finished(a)
+    assert list(manager.t1) == [11] and list(manager.t2) == [10]
+    _store(manager, _Access(), [20])
+    _store(manager, _Access(), [30])  # full: T1's least recent goes
+    assert set(manager.chunks) == {10, 20, 30} and list(manager.b1) == [11]
+
+
+def test_arc_grows_t1_when_a_key_it_evicted_from_t1_comes_back():
+    from simkv.core.kv_offload_arc import ARCOffloadManager
+
+    manager = ARCOffloadManager(2)
+    _store(manager, _Access(), [10, 11])
+    _store(manager, _Access(), [20])  # evicts 10 into B1
+    assert list(manager.b1) == [10] and manager.target_t1 == 0
+    again = _Access()
+    assert _store(manager, again, [10]) == [10]  # a B1 hit: T1's target grows by max(1, |B2| / |B1|)
+    assert manager.target_t1 == 1 and 10 not in manager.b1
+    manager.prepare_store([(1, 10)], again)  # (once per request and key)
+    assert manager.target_t1 == 1
