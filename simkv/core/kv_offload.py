@@ -2,22 +2,26 @@
 (`--kv-offloading-size GiB`, `--kv-offloading-backend native`). No clock here: the replay
 (simkv/replay/offload_feed.py) says when each transfer ends.
 
-A second cache tier behind the GPU prefix cache, in chunks of one GPU block (vLLM's default
-`blocks_per_chunk` 1), keyed by the blocks' content keys:
-- **stores**: each step, every scheduled request offers the full blocks of its prompt that the
-  step computes (vLLM's `offload_prompt_only`, on by default) and that it has not offered
-  before; the tier takes those it lacks, evicting as its LRU policy says, and a store job copies
-  them (the worker starts it when the next step starts). A key is readable once its job ends.
+A second cache tier behind the GPU prefix cache, in chunks of `blocks_per_chunk` GPU blocks
+(vLLM's default 1; `--kv-offloading-block-size`), each keyed by its last block's content key:
+- **stores**: each step, every scheduled request offers the full chunks of its prompt that the
+  step computes (vLLM's `offload_prompt_only`, on by default; off: its decoded chunks too, once
+  their tokens are known) and that it has not offered before; the tier takes those it lacks,
+  evicting as its policy says, and a store job copies them (the worker starts it when the next
+  step starts). A key is readable once its job ends. A finished request offers what is left.
 - **loads**: a request admitted from the waiting queue (no computed tokens) first looks up its
   local prefix hit, then the tier from there on: consecutive readable chunks, up to its whole
   prompt. A hit loads asynchronously, as a P/D pull does (core/remote_kv.py): blocks for its
   local hits plus the loaded tokens, WAITING_FOR_REMOTE_KVS until the load ends. A lookup that
   meets a chunk still being stored, or one being loaded for another request, or a request with
   a transfer of its own in flight, is retried at a later step (the request is skipped).
+- an EAGLE-family drafter's layer in the group makes a request's last chunk volatile: never
+  loaded, and stored only when the request finishes.
 
 `CPUOffloadManager` is vLLM's CPUOffloadingManager with its "lru" policy: a chunk being written
 or read cannot be evicted; recency is by request, ordered within a request so that its tail
 goes before its head, and a finished request's chunks become the most recent, head last.
+The "arc" policy is core/kv_offload_arc.py's.
 """
 
 from __future__ import annotations
