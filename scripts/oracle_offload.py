@@ -29,7 +29,7 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 
 
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
-              policy: str | None = None) -> dict:
+              policy: str | None = None, store_threshold: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -63,6 +63,10 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     if chunks:  # (the connector's non-default settings)
         case["blocks_per_chunk"] = int(rng.choice([1, 2, 3, 4]))
         case["prompt_only"] = bool(rng.random() < 0.4)
+    if store_threshold:  # (vLLM's admission filter: a chunk is stored at its Nth offer)
+        case["store_threshold"] = int(rng.choice([2, 3]))
+        if rng.random() < 0.4:
+            case["max_tracker_size"] = int(rng.integers(1, 30))
     return case
 
 
@@ -89,7 +93,8 @@ class _VllmOffload:
         o = dict(case["opts"], prefix_cache_retention_interval=None, eagle_group=True)
         extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE,
                  "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True),
-                 "eviction_policy": case.get("policy", "lru")}
+                 "eviction_policy": case.get("policy", "lru"), "store_threshold": case.get("store_threshold", 0),
+                 "max_tracker_size": case.get("max_tracker_size", 64_000)}
         connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                      kv_connector_extra_config=extra)
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
@@ -275,7 +280,7 @@ def main() -> None:
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy) for _ in range(a.cases)]
+    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0)
@@ -288,7 +293,7 @@ def main() -> None:
         diff = differences(t, ours)
         if diff:
             failures += 1
-            print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} {case.get('policy', 'lru')} lat={case['store_latency']}/{case['load_latency']} "
+            print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} {case.get('policy', 'lru')} st={case.get('store_threshold', 0)}/{case.get('max_tracker_size', '-')} lat={case['store_latency']}/{case['load_latency']} "
                   f"{case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, {totals['steps']} "
           f"steps, {totals['loads']} loads, {totals['stores']} stores)")

@@ -222,6 +222,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="prefix caching on: vLLM's Mamba prefix caching (mamba_cache_mode 'align')")
     if offload_flag:
         ap.add_argument("--policy", choices=["lru", "arc"], default=None, help="the CPU tier's eviction policy")
+        ap.add_argument("--store-threshold", action="store_true",
+                        help="the connector's store_threshold (2 or 3) and, in some cases, a small max_tracker_size")
         ap.add_argument("--chunks", action="store_true",
                         help="the connector's non-default settings: blocks_per_chunk 1 to 4, offload_prompt_only off in 60 %% of the cases")
     if async_flag:

@@ -53,6 +53,11 @@ class CacheConfig:
     kv_offloading_prompt_only: bool = True
     # the CPU tier's eviction policy (vLLM's "eviction_policy"): lru (its default) or arc
     kv_offloading_policy: str = "lru"
+    # store a chunk the tier lacks only once it has been offered this many times (vLLM's
+    # "store_threshold"; 0 or 1: every offer is stored), counted in an LRU table of at most
+    # kv_offloading_max_tracker_size keys (vLLM's "max_tracker_size")
+    kv_offloading_store_threshold: int = 0
+    kv_offloading_max_tracker_size: int = 64_000
 
     def __post_init__(self) -> None:
         if self.swap_space < 0 or self.pcie_bandwidth_gbs <= 0:
@@ -77,6 +82,9 @@ class CacheConfig:
             raise ConfigError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
         if self.kv_offloading_policy not in ("lru", "arc"):
             raise ConfigError(f"kv_offloading_policy must be 'lru' or 'arc', got '{self.kv_offloading_policy}'")
+        if self.kv_offloading_store_threshold < 0 or self.kv_offloading_max_tracker_size < 1:
+            raise ConfigError(f"kv_offloading_store_threshold must be >= 0 and kv_offloading_max_tracker_size >= 1, "
+                              f"got {self.kv_offloading_store_threshold}, {self.kv_offloading_max_tracker_size}")
         tpc = self.kv_offloading_block_size
         if tpc is not None and (tpc < 1 or tpc % self.block_size):
             raise ConfigError(f"kv_offloading_block_size {tpc} must be a positive multiple of block_size "
@@ -448,8 +456,10 @@ class EngineConfig:
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
         elif (self.cache.kv_offloading_block_size is not None or not self.cache.kv_offloading_prompt_only
-              or self.cache.kv_offloading_policy != "lru"):
-            raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only and kv_offloading_policy set KV "
+              or self.cache.kv_offloading_policy != "lru" or self.cache.kv_offloading_store_threshold
+              or self.cache.kv_offloading_max_tracker_size != 64_000):
+            raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only, kv_offloading_policy, "
+                              "kv_offloading_store_threshold and kv_offloading_max_tracker_size set KV "
                               "offloading's CPU tier: they need kv_offloading_size")
 
     def _verify_kv_offloading(self) -> None:

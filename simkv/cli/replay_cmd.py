@@ -30,6 +30,8 @@ _ENGINE_FLAGS = {
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
+    "kv_offloading_store_threshold": "kv_offloading_store_threshold",
+    "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
@@ -234,6 +236,12 @@ _ENGINE_OPTIONS = [
                       "block_size) [default: one GPU block]"),
     click.option("--kv-offloading-policy", type=click.Choice(["lru", "arc"]), default=None,
                  help="The CPU tier's eviction policy (vLLM's eviction_policy) [default: lru]"),
+    click.option("--kv-offloading-store-threshold", type=int, default=None,
+                 help="Store a chunk only once it has been offered this many times (vLLM's store_threshold; "
+                      "0 or 1: always) [default: 0]"),
+    click.option("--kv-offloading-max-tracker-size", type=int, default=None,
+                 help="Keys the store threshold's offer counts remember, LRU (vLLM's max_tracker_size) "
+                      "[default: 64000]"),
     click.option("--kv-offloading-prompt-only/--no-kv-offloading-prompt-only", default=None,
                  help="Offload prompt blocks only (vLLM's offload_prompt_only); --no-...: decode blocks too "
                       "[default: prompt only]"),

@@ -22,11 +22,15 @@ A second cache tier behind the GPU prefix cache, in chunks of `blocks_per_chunk`
 or read cannot be evicted; recency is by request, ordered within a request so that its tail
 goes before its head, and a finished request's chunks become the most recent, head last.
 The "arc" policy is core/kv_offload_arc.py's.
+
+`StoreAdmission` is vLLM's `store_threshold`: a chunk the tier lacks is stored only once it has
+been offered that many times (counted per offer, over all requests, by a bounded LRU table).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 from simkv.core.request import Request
 
@@ -56,11 +60,50 @@ class _Access:
         self.store_misses: set[int] = set()  # keys it offered that the tier lacked
 
 
+class StoreAdmission:
+    """vLLM's store_threshold (kv_connector_extra_config; >= 2): each store offer counts its keys
+    in an LRU table of at most `max_tracker_size` keys, and a key the tier lacks is stored only
+    once its count reaches `threshold`. A new key evicts the table's least recent one, never a key
+    this offer counted again; with none left to evict it is not counted."""
+
+    def __init__(self, threshold: int, max_tracker_size: int = 64_000) -> None:
+        self.threshold = threshold
+        self.max_tracker_size = max_tracker_size
+        self.counts: OrderedDict[int, int] = OrderedDict()
+        self.num_skipped = 0  # chunks left unstored: their count was below the threshold
+
+    def count(self, keys: list[tuple[int, int]]) -> None:
+        counts = self.counts
+        seen = 0
+        for _, key in keys:
+            if key in counts:
+                counts.move_to_end(key)
+                counts[key] += 1
+                seen += 1
+        num_unprotected = len(counts) - seen
+        for _, key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if not num_unprotected:
+                    continue
+                counts.popitem(last=False)
+                num_unprotected -= 1
+            counts[key] = 1
+
+    def admit(self, to_store: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The store candidates offered often enough."""
+        admitted = [(p, k) for p, k in to_store if self.counts.get(k, 0) >= self.threshold]
+        self.num_skipped += len(to_store) - len(admitted)
+        return admitted
+
+
 class CPUOffloadManager:
     """The CPU tier: `num_chunks` chunks, LRU eviction (vLLM's CPUOffloadingManager + LRUCachePolicy)."""
 
-    def __init__(self, num_chunks: int) -> None:
+    def __init__(self, num_chunks: int, admission: StoreAdmission | None = None) -> None:
         self.num_chunks = num_chunks
+        self.admission = admission
         self.chunks: dict[int, _Chunk] = {}
         self._ranks: dict[int, tuple[int, int]] = {}
         self._evictable: set[int] = set()
@@ -94,9 +137,14 @@ class CPUOffloadManager:
 
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, keys: list[tuple[int, int]], access: _Access) -> list[int] | None:
-        """The keys a store job writes (those the tier lacks); None if the tier cannot make room."""
+        """The keys a store job writes (those the tier lacks, and its admission takes); None if
+        the tier cannot make room."""
+        if self.admission is not None:
+            self.admission.count(keys)
         to_store = [(p, k) for p, k in keys if k not in self.chunks]
         ready = [(p, k) for p, k in keys if k in self.chunks and self.chunks[k].ref_cnt != _PENDING]
+        if self.admission is not None:
+            to_store = self.admission.admit(to_store)
         recorded = {k for _, k in to_store} | {k for _, k in ready}
         self._record([(p, k) for p, k in keys if k in recorded], access)
         if not to_store:
@@ -222,17 +270,20 @@ class KVOffload:
     """The scheduler side of vLLM's OffloadingConnector for one full-attention KV-cache group.
     `blocks_per_chunk`: GPU blocks a CPU-tier chunk holds; `prompt_only`: vLLM's offload_prompt_only;
     `policy`: the tier's eviction policy, "lru" or "arc" (core/kv_offload_arc.py);
+    `store_threshold` (>= 2) and `max_tracker_size`: the tier's StoreAdmission (vLLM's names);
     `eagle`: the group holds an EAGLE-family drafter's layer, whose KV at a chunk's last position
     depends on the token after it: a hit never loads its last chunk, and a decoding request does
     not store its last complete chunk until it finishes (vLLM's volatile trailing chunk)."""
 
     def __init__(self, num_chunks: int, block_size: int, hasher, blocks_per_chunk: int = 1,
-                 prompt_only: bool = True, eagle: bool = False, policy: str = "lru") -> None:
+                 prompt_only: bool = True, eagle: bool = False, policy: str = "lru",
+                 store_threshold: int = 0, max_tracker_size: int = 64_000) -> None:
+        self.admission = StoreAdmission(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         if policy == "arc":
             from simkv.core.kv_offload_arc import ARCOffloadManager
-            self.manager = ARCOffloadManager(num_chunks)
+            self.manager = ARCOffloadManager(num_chunks, self.admission)
         else:
-            self.manager = CPUOffloadManager(num_chunks)
+            self.manager = CPUOffloadManager(num_chunks, self.admission)
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = block_size * blocks_per_chunk
@@ -430,9 +481,13 @@ class KVOffload:
         return jobs
 
     def stats(self) -> dict:
-        return {"cpu_chunks": self.manager.num_chunks, "cpu_chunks_used": self.manager.num_used,
+        stats = {"cpu_chunks": self.manager.num_chunks, "cpu_chunks_used": self.manager.num_used,
                 "chunk_tokens": self.chunk_tokens,
                 "loads": self.num_loads, "loaded_blocks": self.num_loaded_blocks,
                 "loaded_tokens": self.num_hit_tokens, "stores": self.num_stores,
                 "stored_blocks": self.num_stored_blocks, "store_failures": self.num_store_failures,
                 "evicted_blocks": self.manager.num_evictions, "lookup_retries": self.num_lookup_retries}
+        if self.admission is not None:  # (vLLM reports stores_skipped only with a store_threshold)
+            stats["store_threshold"] = self.admission.threshold
+            stats["stores_skipped"] = self.admission.num_skipped
+        return stats

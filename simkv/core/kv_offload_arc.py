@@ -19,8 +19,9 @@ _PENDING = -1  # a chunk's reference count while its store is in flight (vLLM's 
 
 
 class ARCOffloadManager:
-    def __init__(self, num_chunks: int) -> None:
+    def __init__(self, num_chunks: int, admission=None) -> None:
         self.num_chunks = num_chunks
+        self.admission = admission  # (core/kv_offload.py's StoreAdmission: vLLM's store_threshold)
         self.t1: OrderedDict[int, list[int]] = OrderedDict()  # key -> [ref_cnt]
         self.t2: OrderedDict[int, list[int]] = OrderedDict()
         self.b1: OrderedDict[int, None] = OrderedDict()
@@ -66,6 +67,8 @@ class ARCOffloadManager:
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, keys: list[tuple[int, int]], access) -> list[int] | None:
         """The keys a store job writes (those the tier lacks); None if the tier cannot make room."""
+        if self.admission is not None:
+            self.admission.count(keys)
         to_store, ready = [], []
         for p, k in keys:
             chunk = self._get(k)
@@ -73,6 +76,8 @@ class ARCOffloadManager:
                 to_store.append((p, k))
             elif chunk[0] != _PENDING:
                 ready.append((p, k))
+        if self.admission is not None:
+            to_store = self.admission.admit(to_store)
         misses = [k for _, k in to_store if k not in access.store_misses]
         for key in reversed(misses):  # (the ghost lists teach the target, once per request and key)
             self._adapt(key)

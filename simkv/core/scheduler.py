@@ -123,7 +123,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
         self.offload = (KVOffload(num_offload_chunks, cc.block_size, self.kv_cache_manager.hasher,
                                   cc.offload_blocks_per_chunk, cc.kv_offloading_prompt_only,
-                                  eagle=config.speculative.is_eagle_family, policy=cc.kv_offloading_policy)
+                                  eagle=config.speculative.is_eagle_family, policy=cc.kv_offloading_policy,
+                                  store_threshold=cc.kv_offloading_store_threshold,
+                                  max_tracker_size=cc.kv_offloading_max_tracker_size)
                         if num_offload_chunks else None)
         self.running: list[Request] = []
         self.current_step = 0

@@ -174,8 +174,9 @@ def offload_summary(runs, capacity, prefix_queries: int) -> dict:
         return {}
     per_run = [run.scheduler.offload.stats() for run in runs]
     stats = {key: sum(s[key] for s in per_run) for key in per_run[0]}
-    for key in ("cpu_chunks", "chunk_tokens", "cpu_chunks_used"):
-        stats[key] = max(s[key] for s in per_run)
+    for key in ("cpu_chunks", "chunk_tokens", "cpu_chunks_used", "store_threshold"):
+        if key in stats:
+            stats[key] = max(s[key] for s in per_run)
     feeds = [run.feed for run in runs]
     loads = stats["loads"]
     load_ticks = sum(feed.load_ticks for feed in feeds)

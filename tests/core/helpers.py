@@ -388,11 +388,13 @@ def assert_decode_runs_change_nothing(trace, config: EngineConfig, cost_model: s
 
 def _offload_options(case: dict) -> dict:
     """The connector settings of an offloading case (scripts/oracle_offload.py --chunks, --policy)."""
-    if "blocks_per_chunk" not in case and "policy" not in case:
+    if not {"blocks_per_chunk", "policy", "store_threshold"} & case.keys():
         return {}
     return {"kv_offloading_size": 1.0,
             "kv_offloading_block_size": case.get("blocks_per_chunk", 1) * case["opts"]["block_size"],
-            "kv_offloading_prompt_only": case.get("prompt_only", True), "kv_offloading_policy": case.get("policy", "lru")}
+            "kv_offloading_prompt_only": case.get("prompt_only", True), "kv_offloading_policy": case.get("policy", "lru"),
+            "kv_offloading_store_threshold": case.get("store_threshold", 0),
+            "kv_offloading_max_tracker_size": case.get("max_tracker_size", 64_000)}
 
 
 def drive_offload(case: dict, max_steps: int = 5000) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from simkv.core.kv_offload import CPUOffloadManager, _Access
+from simkv.core.kv_offload import CPUOffloadManager, StoreAdmission, _Access
 from tests.core.helpers import drive_offload, drive_offload_async
 
 
@@ -56,6 +56,43 @@ def test_keys_the_tier_holds_are_not_stored_again():
     manager = CPUOffloadManager(4)
     _store(manager, _Access(), [10, 11])
     assert manager.prepare_store([(1, 10), (2, 11), (3, 12)], _Access()) == [12]
+
+
+def test_store_threshold_stores_a_chunk_at_its_nth_offer():
+    """vLLM's store_threshold: offers count over all requests; a key the tier holds already is
+    not held back (a reuse), and held-back keys count as skipped."""
+    admission = StoreAdmission(3)
+    manager = CPUOffloadManager(8, admission)
+    assert manager.prepare_store([(1, 10), (2, 11)], _Access()) == []
+    assert manager.prepare_store([(1, 10)], _Access()) == []
+    assert _store(manager, _Access(), [10, 11]) == [10]  # (10: 3 offers, 11: 2)
+    assert _store(manager, _Access(), [10, 11, 12]) == [11]
+    assert admission.num_skipped == 2 + 1 + 1 + 1
+    assert admission.counts == {10: 4, 11: 3, 12: 1}
+
+
+def test_store_threshold_tracker_evicts_its_least_recent_key_but_not_one_this_offer_counts():
+    admission = StoreAdmission(2, max_tracker_size=2)
+    admission.count([(1, 10), (2, 11)])
+    admission.count([(1, 11), (2, 12)])  # 10 is the least recent: it goes, 11 counted again stays
+    assert admission.counts == {11: 2, 12: 1}
+    admission.count([(1, 11), (2, 12), (3, 13)])  # both counted again: 13 finds no room
+    assert admission.counts == {11: 3, 12: 2}
+    assert admission.admit([(1, 11), (2, 13)]) == [(1, 11)] and admission.num_skipped == 1
+
+
+def test_store_threshold_under_arc_learns_only_from_admitted_misses():
+    from simkv.core.kv_offload_arc import ARCOffloadManager
+
+    manager = ARCOffloadManager(1, StoreAdmission(2, max_tracker_size=1))
+    _store(manager, _Access(), [10])
+    _store(manager, _Access(), [10])  # stored at its second offer
+    _store(manager, _Access(), [20])  # (the tracker forgets 10)
+    assert _store(manager, _Access(), [20]) == [20] and list(manager.b1) == [10]
+    manager.prepare_store([(1, 10)], _Access())  # a B1 key held back (counted once again): T1's target stays
+    assert manager.target_t1 == 0
+    manager.prepare_store([(1, 10)], _Access())  # admitted: a B1 hit
+    assert manager.target_t1 == 1
 
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "offload_vllm_cases.json").read_text())
