@@ -109,7 +109,10 @@ def test_recorded_cases_match_vllm(case):
     blocks, decode blocks stored too (offload_prompt_only off), five of them async (a decoder's
     block is offered once its last token is known, a step later); then speculative decoding
     (`--speculative`: ngram and EAGLE drafts, whose last chunk is never loaded and, while a
-    request decodes, not stored), five of those async. Every step, every request's
+    request decodes, not stored), five of those async; then ARC; then the store threshold
+(`--store-threshold`: 2 or 3, trackers of 1 to 29 keys in some), under LRU and ARC, with
+chunks, sync and async (each of six mutations of the tracker and the filter fails all six).
+Every step, every request's
     first-token and finish step, and every transfer equal vLLM's."""
     theirs = case["vllm"]
     async_scheduling = case["case"]["opts"].get("async_scheduling")
