@@ -132,10 +132,21 @@ def test_larger_chunks_hold_more_tokens_each_and_fewer_of_them():
     assert stats["load_bytes"] == 16 * 2 * 1024 * 1024
 
 
+def test_a_store_threshold_of_two_holds_back_chunks_offered_once():
+    """vLLM's store_threshold 2: A's prompt and the six others are each offered once (held back:
+    7 x 16 chunks), so B finds nothing to load; B's offer of A's prompt is its second: stored."""
+    stats = replay(_trace(), _config(kv_offloading_size=1.0, kv_offloading_store_threshold=2)).summary["kv_offloading"]
+    assert stats["store_threshold"] == 2 and stats["stores_skipped"] == 7 * 16
+    assert stats["loads"] == 0 and stats["stored_blocks"] == 16
+
+
 @pytest.mark.parametrize("cache, message", [
     (dict(kv_offloading_size=1.0, kv_offloading_block_size=24), r"multiple of block_size 16 \(use 32\)"),
     (dict(kv_offloading_block_size=32), "need kv_offloading_size"),
     (dict(kv_offloading_prompt_only=False), "need kv_offloading_size"),
+    (dict(kv_offloading_store_threshold=2), "need kv_offloading_size"),
+    (dict(kv_offloading_size=1.0, kv_offloading_store_threshold=-1), "store_threshold must be >= 0"),
+    (dict(kv_offloading_size=1.0, kv_offloading_max_tracker_size=0), "max_tracker_size >= 1"),
 ])
 def test_bad_connector_settings_are_refused(cache, message):
     with pytest.raises(ConfigError, match=message):
