@@ -455,9 +455,8 @@ class EngineConfig:
             self._verify_linear_attention()
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
-        elif (self.cache.kv_offloading_block_size is not None or not self.cache.kv_offloading_prompt_only
-              or self.cache.kv_offloading_policy != "lru" or self.cache.kv_offloading_store_threshold
-              or self.cache.kv_offloading_max_tracker_size != 64_000):
+        elif any(getattr(self.cache, f.name) != f.default for f in fields(CacheConfig)
+                 if f.name.startswith("kv_offloading_") and f.name != "kv_offloading_size"):
             raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only, kv_offloading_policy, "
                               "kv_offloading_store_threshold and kv_offloading_max_tracker_size set KV "
                               "offloading's CPU tier: they need kv_offloading_size")

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from simkv.core.request import Request
 
 _PENDING = -1  # a chunk's reference count while its store is in flight (vLLM's not-ready)
+MAX_TRACKER_SIZE = 64_000  # vLLM's default max_tracker_size
 
 
 class _Chunk:
@@ -66,7 +67,7 @@ class StoreAdmission:
     once its count reaches `threshold`. A new key evicts the table's least recent one, never a key
     this offer counted again; with none left to evict it is not counted."""
 
-    def __init__(self, threshold: int, max_tracker_size: int = 64_000) -> None:
+    def __init__(self, threshold: int, max_tracker_size: int = MAX_TRACKER_SIZE) -> None:
         self.threshold = threshold
         self.max_tracker_size = max_tracker_size
         self.counts: OrderedDict[int, int] = OrderedDict()
@@ -90,6 +91,12 @@ class StoreAdmission:
                 counts.popitem(last=False)
                 num_unprotected -= 1
             counts[key] = 1
+
+    def offer(self, keys: list[tuple[int, int]], to_store: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A store offer of `keys`, of which the tier lacks `to_store`: counts them all, and gives
+        the candidates it admits (what the tier's prepare_store goes on with)."""
+        self.count(keys)
+        return self.admit(to_store)
 
     def admit(self, to_store: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The store candidates offered often enough."""
@@ -139,12 +146,10 @@ class CPUOffloadManager:
     def prepare_store(self, keys: list[tuple[int, int]], access: _Access) -> list[int] | None:
         """The keys a store job writes (those the tier lacks, and its admission takes); None if
         the tier cannot make room."""
-        if self.admission is not None:
-            self.admission.count(keys)
         to_store = [(p, k) for p, k in keys if k not in self.chunks]
         ready = [(p, k) for p, k in keys if k in self.chunks and self.chunks[k].ref_cnt != _PENDING]
         if self.admission is not None:
-            to_store = self.admission.admit(to_store)
+            to_store = self.admission.offer(keys, to_store)
         recorded = {k for _, k in to_store} | {k for _, k in ready}
         self._record([(p, k) for p, k in keys if k in recorded], access)
         if not to_store:
@@ -277,7 +282,7 @@ class KVOffload:
 
     def __init__(self, num_chunks: int, block_size: int, hasher, blocks_per_chunk: int = 1,
                  prompt_only: bool = True, eagle: bool = False, policy: str = "lru",
-                 store_threshold: int = 0, max_tracker_size: int = 64_000) -> None:
+                 store_threshold: int = 0, max_tracker_size: int = MAX_TRACKER_SIZE) -> None:
         self.admission = StoreAdmission(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         if policy == "arc":
             from simkv.core.kv_offload_arc import ARCOffloadManager

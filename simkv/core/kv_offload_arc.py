@@ -66,9 +66,8 @@ class ARCOffloadManager:
 
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, keys: list[tuple[int, int]], access) -> list[int] | None:
-        """The keys a store job writes (those the tier lacks); None if the tier cannot make room."""
-        if self.admission is not None:
-            self.admission.count(keys)
+        """The keys a store job writes (those the tier lacks, and its admission takes); None if
+        the tier cannot make room."""
         to_store, ready = [], []
         for p, k in keys:
             chunk = self._get(k)
@@ -77,7 +76,7 @@ class ARCOffloadManager:
             elif chunk[0] != _PENDING:
                 ready.append((p, k))
         if self.admission is not None:
-            to_store = self.admission.admit(to_store)
+            to_store = self.admission.offer(keys, to_store)
         misses = [k for _, k in to_store if k not in access.store_misses]
         for key in reversed(misses):  # (the ghost lists teach the target, once per request and key)
             self._adapt(key)
