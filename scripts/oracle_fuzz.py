@@ -5,6 +5,15 @@ request's first-token and finish time, must agree.
 A development aid, not a test dependency (each oracle run takes about 10 s). Needs the oracle's venv:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_fuzz.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 20 [--async-scheduling]
+        [--replies]
+
+--replies: chat sessions whose next turn's prompt repeats the previous turn's reply, with hash
+lists that describe the replies; the oracle's fake model then samples the reply's content tokens,
+so vLLM caches the reply's blocks under the keys the next turn's prompt has. Each turn arrives
+after its previous turn finished (arrivals are pushed later until simkv's replay says so, and
+the oracle's run is checked for it too), as a client that sends the reply back does. (simkv makes
+a reply's blocks findable by others when its request releases them, vLLM as they fill: the same
+hits wherever no prompt repeats a reply still being written.)
 
 Steps last 1 s on both sides (the oracle's time mode, simkv's linear model with no per-token
 cost); arrivals fall between step boundaries. Pools are small, so requests are preempted, and
@@ -27,7 +36,7 @@ import pandas as pd
 from oracle_compare import _patched_oracle  # (scripts/ is on sys.path when run as a script)
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.api import replay
-from simkv.traces.schema import read_trace, write_trace
+from simkv.traces.schema import read_trace, trace_from_frame, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +73,73 @@ def make_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
         frame["hash_block_tokens"] = 8
     opts = random_engine_options(rng, block_size, max_model_len)
     return frame, opts
+
+
+def make_reply_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
+    """Chat sessions: turn k's prompt = turn k-1's prompt + its reply + new user tokens; each
+    session one stream of hash ids (a few share a first block, a system prompt). Most rows
+    describe their reply too; some only their prompt."""
+    block_size = int(rng.choice([4, 8, 16]))
+    max_model_len = int(rng.choice([128, 256]))
+    h = int(rng.choice([4, 8]))
+    rows = []
+    for session in range(int(rng.integers(2, 9))):
+        stream = [int(rng.integers(0, 3))] + list(rng.integers(10 + 1000 * session, 10 + 1000 * (session + 1), 80))
+        prompt, t = 0, float(rng.integers(0, 20)) + 0.5
+        for turn in range(int(rng.integers(1, 6))):
+            prompt += int(rng.integers(h if turn == 0 else 1, 40))  # (the shared first block: a prompt's)
+            output = int(rng.integers(1, 40))
+            if prompt >= max_model_len:
+                break
+            covered = prompt + output if rng.random() < 0.8 else prompt
+            rows.append(dict(arrival_time_s=t, prompt_tokens=prompt, output_tokens=output,
+                             block_hashes=stream[:-(-covered // h)], hash_block_tokens=h,
+                             priority=int(rng.integers(0, 3)), session=session, turn=turn))
+            prompt += output
+            t += float(rng.integers(0, 4))
+    frame = pd.DataFrame(rows).sort_values("arrival_time_s", kind="stable").reset_index(drop=True)
+    frame["request_id"] = [f"s{s}t{t}" for s, t in zip(frame.session, frame.turn)]
+    return frame, random_engine_options(rng, block_size, max_model_len)
+
+
+def _previous_turn(frame: pd.DataFrame) -> np.ndarray:
+    """Row of each row's previous turn in its session (-1 for first turns)."""
+    where = {(s, t): i for i, (s, t) in enumerate(zip(frame.session, frame.turn))}
+    return np.array([where.get((s, t - 1), -1) for s, t in zip(frame.session, frame.turn)])
+
+
+def after_previous_turns(frame: pd.DataFrame, config: EngineConfig) -> pd.DataFrame:
+    """Push each turn's arrival past its previous turn's finish in simkv's replay, until every
+    turn arrives after its previous one finished (the reply must exist before it is repeated)."""
+    prev = _previous_turn(frame)
+    for _ in range(30):
+        res = replay(trace_from_frame(frame.drop(columns=["session", "turn"])), config, "linear",
+                     {"step_base_s": 1.0, "step_per_token_s": 0.0})
+        finish = res.requests["finish_time_s"].to_numpy()
+        late = np.array([p >= 0 and not (frame.arrival_time_s[i] > finish[p]) for i, p in enumerate(prev)])
+        if not late.any():
+            return frame
+        frame = frame.copy()
+        for i in np.flatnonzero(late):
+            frame.loc[i, "arrival_time_s"] = np.nan_to_num(finish[prev[i]], nan=frame.arrival_time_s[prev[i]]) + 0.5
+        frame = frame.sort_values("arrival_time_s", kind="stable").reset_index(drop=True)
+        prev = _previous_turn(frame)
+    raise RuntimeError("arrivals did not settle after their previous turns")
+
+
+def _patched_for_replies(oracle: Path) -> None:
+    """The fake model samples a row's content token where its hash list describes the position
+    (a list longer than its prompt needs goes on over the reply)."""
+    text = oracle.read_text()
+    old = 'sampled.append([fake_output_token(rinfo[rid]["row"], req.num_computed_tokens)])'
+    new = ('tr = trace[rinfo[rid]["row"]]; pos = req.num_computed_tokens; bh = tr["block_hashes"]\n'
+           '                sampled.append([hashed_token_id(int(bh[pos // tr["hash_block_tokens"]]), tr["hash_block_tokens"],'
+           ' pos % tr["hash_block_tokens"]) if bh and pos < len(bh) * tr["hash_block_tokens"]'
+           ' and len(bh) * tr["hash_block_tokens"] >= tr["prompt_tokens"] + tr["hash_block_tokens"]'
+           ' else fake_output_token(rinfo[rid]["row"], pos)])')
+    if text.count(old) != 1:
+        raise SystemExit(f"{oracle}: the sampling line to patch was not found; the oracle changed")
+    oracle.write_text(text.replace(old, new))
 
 
 def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, async_scheduling: bool) -> None:
@@ -123,35 +199,73 @@ def differences(prefix: Path, res) -> list[str]:
     return out
 
 
+def late_turns(prefix: Path, prev: np.ndarray) -> list[str]:
+    """Turns that arrived before their previous turn finished in the oracle's run."""
+    with open(f"{prefix}.requests.csv") as f:
+        rows = {int(r["row"]): r for r in csv.DictReader(f)}
+    late = [i for i, p in enumerate(prev) if p >= 0 and i in rows and p in rows and rows[p]["finish_time_s"] != ""
+            and float(rows[i]["arrival_time_s"]) <= float(rows[p]["finish_time_s"])]
+    return [f"{len(late)} turns arrived before their previous turn finished in vLLM's run"] if late else []
+
+
+def recorded(frame: pd.DataFrame, opts: dict, async_scheduling: bool, prefix: Path) -> dict:
+    """A case as tests/core/test_reply_content.py replays it: the trace, options and vLLM's values."""
+    summary = json.loads(Path(f"{prefix}.summary.json").read_text())
+    with open(f"{prefix}.steps.csv") as f:
+        steps = [[int(r["num_scheduled_tokens"]), int(r["num_running"]), int(r["num_waiting"]), int(r["kv_blocks_used"])]
+                 for r in csv.DictReader(f)]
+    with open(f"{prefix}.requests.csv") as f:
+        times = {int(r["row"]): [float(r["first_token_time_s"]), float(r["finish_time_s"])] for r in csv.DictReader(f)
+                 if r["first_token_time_s"] != ""}
+    trace = {c: [list(map(int, v)) if c == "block_hashes" else (v.item() if hasattr(v, "item") else v)
+                 for v in frame[c]] for c in frame.columns}
+    return dict(opts=opts, async_scheduling=async_scheduling, trace=trace,
+                vllm=dict(num_steps=summary["total_steps"], prefix_hits=summary["prefix_cache"]["hits_all"],
+                          steps=steps, times=[times.get(i) for i in range(len(frame))]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--oracle-python", required=True)
     ap.add_argument("--cases", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--replies", action="store_true", help="chat sessions whose hash lists describe the replies")
     ap.add_argument("--keep", default="/tmp/oracle_fuzz_failures")
+    ap.add_argument("--record", help="write the equal cases (trace, options, vLLM's values) to this JSON file")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     failed = 0
+    record = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         oracle = _patched_oracle(tmp)
+        if args.replies:
+            _patched_for_replies(oracle)
         for case in range(args.cases):
-            frame, opts = make_case(rng)
-            trace = tmp / f"case{case}.parquet"
-            write_trace(frame, trace)
+            frame, opts = make_reply_case(rng) if args.replies else make_case(rng)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": args.async_scheduling})
             except ConfigError as exc:
                 print(f"case {case}: skipped ({exc})")
                 continue
+            if args.replies:
+                frame = after_previous_turns(frame, config)
+                prev = _previous_turn(frame)
+                frame = frame.drop(columns=["session", "turn"])
+            trace = tmp / f"case{case}.parquet"
+            write_trace(frame, trace)
             run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", args.async_scheduling)
             res = replay(read_trace(trace), config, "linear",
                          {"step_base_s": 1.0, "step_per_token_s": 0.0})
             diff = differences(tmp / f"o{case}", res)
+            if args.replies:
+                diff += late_turns(tmp / f"o{case}", prev)
             print(f"case {case}: {len(frame)} requests, {res.summary['num_steps']} steps, "
-                  f"{res.summary['num_preemptions']} preemptions: " + ("equal" if not diff else "; ".join(diff)),
+                  f"{res.summary['num_preemptions']} preemptions, {res.summary['prefix_cache_hits_tokens']} hit tokens: " + ("equal" if not diff else "; ".join(diff)),
                   flush=True)
+            if not diff and args.record:
+                record.append(recorded(frame, opts, args.async_scheduling, tmp / f"o{case}"))
             if diff:
                 failed += 1
                 keep = Path(args.keep) / f"case{case}"
@@ -159,6 +273,8 @@ def main() -> None:
                 shutil.copy(trace, keep)
                 (keep / "options.json").write_text(json.dumps(opts, indent=1))
     print(f"{args.cases - failed} of {args.cases} cases equal")
+    if args.record:
+        Path(args.record).write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -104,12 +104,15 @@ def _lognormal_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--turns", default=4, show_default=True, help="multi-turn: turns per session.")
 @click.option("--think-time", default=10.0, show_default=True, help="multi-turn: mean seconds between turns.")
 @click.option("--max-prompt-tokens", default=32768, show_default=True, help="multi-turn: end a session beyond this.")
+@click.option("--reply-hashes/--no-reply-hashes", default=True, show_default=True,
+              help="multi-turn: hash lists go on over each reply, so the next turn hits the reply's cached blocks "
+                   "(--no-reply-hashes: replies are unique content, as traces without output content are read).")
 @_lognormal_options
 @clean_errors
 def synth_cmd(kind: str, out: str, n_requests: int, seed: int, fast: bool, arrival: str, rate: float | None,
               cv: float, groups: int, prefix_tokens: str, hash_block_tokens: int | None, assign: str,
               salt_per_group: bool, base: str, sessions: int, turns: int, think_time: float,
-              max_prompt_tokens: int, **sizes: float) -> None:
+              max_prompt_tokens: int, reply_hashes: bool, **sizes: float) -> None:
     """Generate a seeded, deterministic trace (KIND: lognormal, shared-prefix, multi-turn)."""
     options = SynthOptions(
         kind=kind, n_requests=n_requests, seed=seed, fast=fast,
@@ -117,7 +120,7 @@ def synth_cmd(kind: str, out: str, n_requests: int, seed: int, fast: bool, arriv
         arrival=ArrivalProcess(arrival, rate, cv), groups=groups, prefix_tokens=parse_int_list(prefix_tokens),
         hash_block_tokens=hash_block_tokens, assign=assign, salt_per_group=salt_per_group, base=base,
         sessions=sessions, turns=turns, user_tokens=_dist(sizes, "user"), think_time_s=think_time,
-        max_prompt_tokens=max_prompt_tokens,
+        max_prompt_tokens=max_prompt_tokens, reply_hashes=reply_hashes,
     )
     result = generate(options)
     write_trace(result, out)

@@ -3,9 +3,10 @@
 A block's key stands for its content and, through chaining, for everything before it, as
 vLLM's block hash does (hash(parent hash, block tokens, extra keys such as cache_salt)).
 Two kinds of key, in disjoint integer ranges:
-- shared-content blocks (entirely inside a prompt's hashed region): a non-negative chained
-  hash of (parent key, the hash ids the block covers); the root folds in cache_salt and the
-  trace's hash_block_tokens. Equal keys <=> equal content chains (up to 64-bit collisions).
+- shared-content blocks (entirely inside the request's hashed region: its prompt's, and the
+  reply's where the trace describes it): a non-negative chained hash of (parent key, the hash
+  ids the block covers); the root folds in cache_salt and the trace's hash_block_tokens. Equal
+  keys <=> equal content chains (up to 64-bit collisions).
 - blocks holding any request-unique position: -(request index * 2**32 + block index) - 1.
   Only the same request (after a preemption) can ever look such a block up.
 Python's hash of ints and tuples is not randomised, so keys are deterministic across runs.
@@ -52,6 +53,11 @@ class BlockHasher:
         lookahead tokens after them)."""
         return max(request.num_shared_tokens - self.lookahead, 0) // self.block_size
 
+    def num_content_blocks(self, request: Request) -> int:
+        """Blocks with shared-content keys: the prompt's shared blocks and those of the reply
+        the trace describes (findable by others once the request releases them)."""
+        return max(request.num_content_tokens - self.lookahead, 0) // self.block_size
+
     def num_cacheable_blocks(self, request: Request, num_tokens: int) -> int:
         """Full blocks among the first `num_tokens` a coordinator caches: with lookahead keys
         (EAGLE family, MTP) only those whose next token is known. (A steady decoder's
@@ -77,7 +83,7 @@ class BlockHasher:
     def _extend(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         bs = self.block_size
-        n_shared = self.num_shared_blocks(request)
+        n_shared = self.num_content_blocks(request)
         i = len(hashes)
         if i < n_shared:
             ids = request.shared_hash_ids
@@ -141,7 +147,7 @@ class WeakBlockHasher(BlockHasher):
 
     def _content(self, request: Request, i: int) -> tuple:
         bs = self.block_size
-        if (i + 1) * bs <= request.num_shared_tokens:
+        if (i + 1) * bs <= request.num_content_tokens:
             h = request.hash_block_tokens
             first, last = (i * bs) // h, ((i + 1) * bs - 1) // h
             return tuple(request.shared_hash_ids[first:last + 1].tolist()) + ((i * bs) % h,)

@@ -315,8 +315,10 @@ class KVCacheManager:
 
         Full blocks are hashed first where not yet done (unique content is hashed lazily).
         A preempted request's blocks become findable: it will look them up on resume. A
-        finished request's shared blocks are already cached; its unique full blocks get a
-        hash that orders the free queue like vLLM's but sits in no map: nobody can hit them.
+        finished request's shared prompt blocks are already cached, and the blocks of a reply
+        the trace describes become findable now (a next turn's prompt repeats it); its unique
+        full blocks get a hash that orders the free queue like vLLM's but sits in no map:
+        nobody can hit them.
         """
         index = request.index
         blocks = self.req_to_blocks.get(index)
@@ -328,8 +330,8 @@ class KVCacheManager:
             finished = False  # colliding keys can hit anything: keep every block findable
         if self.enable_caching:
             end = self.hasher.num_hashed_blocks(request, num_computed_tokens)
-            if finished:
-                self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
+            if finished:  # (a reply the trace describes is findable from now on)
+                self._cache_full_blocks(request, min(end, self.hasher.num_content_blocks(request)))
                 cached = self.num_cached_block[index]
                 if end > cached:  # reversed below: original [cached, end) -> [len-end, len-cached)
                     unfindable = (len(blocks) - end, len(blocks) - cached)

@@ -24,10 +24,12 @@ KV_PULL = 2  # decode side: pull the prompt's KV instead of computing it
 class Request:
     """One request. `num_computed_tokens` chases `num_tokens` (prompt + outputs so far).
 
-    Prompt content is described, not materialised: prompt position p carries the content
+    Content is described, not materialised: position p carries the content
     (shared_hash_ids[p // hash_block_tokens], p % hash_block_tokens) while p is inside the
-    hashed region; every other position (and every output token) is unique to this request.
-    (`num_shared_tokens` may exceed `num_prompt_tokens` on a P/D prefill engine of a
+    hashed region; every other position is unique to this request. `num_shared_tokens` is the
+    hashed part of the prompt; `num_content_tokens` >= it also counts the output positions the
+    hash list reaches when it is longer than the prompt needs (a trace may describe a reply that
+    a later prompt repeats: a chat's next turn). (`num_shared_tokens` may exceed `num_prompt_tokens` on a P/D prefill engine of a
     linear-attention model: its prompt lost its last token there, its block keys did not.)
 
     While the scheduler runs a request as a steady decoder it does not update
@@ -37,7 +39,7 @@ class Request:
 
     __slots__ = (
         "request_id", "index", "arrival_time", "num_prompt_tokens", "max_tokens", "priority",
-        "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens",
+        "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens", "num_content_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
         "window_below", "window_offset", "last_chunk_step", "last_chunk_tokens", "stall_step", "last_sched_step",
@@ -73,11 +75,18 @@ class Request:
         if shared_hash_ids is not None and len(shared_hash_ids) and hash_block_tokens > 0:
             self.shared_hash_ids = shared_hash_ids
             self.hash_block_tokens = hash_block_tokens
-            self.num_shared_tokens = min(len(shared_hash_ids) * hash_block_tokens, num_prompt_tokens)
+            covered = len(shared_hash_ids) * hash_block_tokens
+            self.num_shared_tokens = min(covered, num_prompt_tokens)
+            # A list longer than the prompt needs goes on over the reply (parallel sampling: the
+            # sequences' replies differ, none is the trace's).
+            describes_reply = covered >= num_prompt_tokens + hash_block_tokens and num_samples == 1
+            self.num_content_tokens = min(covered, num_prompt_tokens + max_tokens) if describes_reply \
+                else self.num_shared_tokens
         else:
             self.shared_hash_ids = None
             self.hash_block_tokens = 0
             self.num_shared_tokens = 0
+            self.num_content_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0

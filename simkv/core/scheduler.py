@@ -785,6 +785,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._next_child_index += 1
             child.parent = request
             child.num_samples = 1
+            child.num_content_tokens = child.num_shared_tokens  # (its reply is not the trace's)
             child.num_output_tokens = 1
             child.num_computed_tokens = request.num_computed_tokens
             child.first_scheduled_step = request.first_scheduled_step

@@ -4,8 +4,10 @@ A prompt of P tokens fills ceil(P / B) KV blocks of B tokens, its partial last b
 Block j covers positions up to L = min((j + 1) * B, P); its content is the whole chain of content
 in positions [0, L) -- by the prefix rule, the first k = ceil(L / H) hash ids plus L itself -- and
 the request's cache salt and hash block size. The block is *reused* when an earlier request had a
-block with the same content. Positions past a row's hash list are unique, so a block reaching
-past them (and every block of a row without hashes) is never reused.
+block with the same content: in its prompt, or in its reply where its hash list goes on over the
+reply (longer than the prompt needs; a full block of the reply's computed tokens, the last sampled one excluded, as an engine
+caches it). Positions past a row's hash list are unique, so a block reaching past them (and every
+block of a row without hashes) is never reused.
 
 Equal prefixes are found with a level-by-level factorisation of (parent node, hash id): node ids
 are equal exactly when the hash lists agree up to that level (vectorised numpy; no per-row loop).
@@ -46,7 +48,19 @@ def prefix_reuse(trace: Trace, block_size: int) -> PrefixReuse | None:
     total = int((-(-prompt // block_size)).sum())
     nodes = _prefix_nodes(trace)
     keys, row_first = _block_keys(trace, nodes, block_size)
-    reused = len(keys) - len(np.unique(keys))
+    reply_keys, reply_rows = _reply_keys(trace, nodes, block_size)
+    if len(reply_keys):
+        # A prompt block is reused unless it is the first of its content, replies counted
+        # (rows are in arrival order; a row's prompt and reply blocks never share a key).
+        rows = np.concatenate((np.repeat(np.arange(len(trace)), _prompt_key_counts(trace, block_size)), reply_rows))
+        all_keys = np.concatenate((keys, reply_keys))
+        is_prompt = np.arange(len(all_keys)) < len(keys)
+        order = np.lexsort((rows, all_keys))
+        first = np.ones(len(order), bool)
+        first[1:] = all_keys[order][1:] != all_keys[order][:-1]
+        reused = len(keys) - int((first & is_prompt[order]).sum())
+    else:
+        reused = len(keys) - len(np.unique(keys))
     valid_first = keys[row_first[row_first >= 0]]
     distinct_first = len(np.unique(valid_first)) + int((row_first < 0).sum())
     return PrefixReuse(block_size, total, reused, distinct_first)
@@ -76,18 +90,40 @@ def _prefix_nodes(trace: Trace) -> np.ndarray:
     return nodes
 
 
-def _block_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys of every hashed block (node, L) packed in int64, and the index of each row's first key (-1: none)."""
+def _prompt_key_counts(trace: Trace, block_size: int) -> np.ndarray:
+    """Hashed prompt blocks per row."""
     prompt = trace.prompt_tokens
-    lengths = np.diff(trace.hash_offsets)
-    per_block = trace.hash_block_tokens
-    covered = lengths * per_block
-    all_blocks = -(-prompt // block_size)
-    valid = np.where(prompt <= covered, all_blocks, covered // block_size)
+    covered = np.diff(trace.hash_offsets) * trace.hash_block_tokens
+    return np.where(prompt <= covered, -(-prompt // block_size), covered // block_size)
+
+
+def _pack(trace: Trace, nodes: np.ndarray, row: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The content key (node of the chain up to position `ends`, `ends`) in one int64."""
+    levels = -(-ends // trace.hash_block_tokens[row]) - 1
+    node = nodes[trace.hash_offsets[row] + levels]
+    return node * (int((trace.prompt_tokens + trace.output_tokens).max()) + 1) + ends
+
+
+def _block_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys of every hashed prompt block (node, L) packed in int64, and the index of each row's first key (-1: none)."""
+    prompt = trace.prompt_tokens
+    valid = _prompt_key_counts(trace, block_size)
     row = np.repeat(np.arange(len(trace)), valid)
     ends = np.minimum((concat_ranges(valid) + 1) * block_size, prompt[row])
-    levels = -(-ends // per_block[row]) - 1
-    node = nodes[trace.hash_offsets[row] + levels]
-    keys = node * (int(prompt.max()) + 1) + ends
+    keys = _pack(trace, nodes, row, ends)
     firsts = np.concatenate(([0], np.cumsum(valid)[:-1]))
     return keys, np.where(valid > 0, firsts, -1)
+
+
+def _reply_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys of the full reply blocks an engine caches where hash lists go on over replies
+    (blocks holding a reply position, ending by the last computed token), and their rows."""
+    prompt = trace.prompt_tokens
+    covered = np.diff(trace.hash_offsets) * trace.hash_block_tokens
+    last = np.minimum(covered, prompt + trace.output_tokens - 1) // block_size  # blocks [0, last) full
+    first = prompt // block_size  # the first block holding a reply position
+    describes = covered >= prompt + trace.hash_block_tokens  # (longer than the prompt needs)
+    count = np.where(describes, np.maximum(last - first, 0), 0)
+    row = np.repeat(np.arange(len(trace)), count)
+    ends = (np.repeat(first, count) + concat_ranges(count) + 1) * block_size
+    return _pack(trace, nodes, row, ends), row

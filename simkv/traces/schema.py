@@ -7,9 +7,11 @@ Columns (parquet or CSV):
             space-separated or JSON-list string) with hash_block_tokens (int column or parquet
             metadata key), cache_salt (str or null), priority (int), n (int >= 1, default 1).
 
-Prefix rule: prompt position p carries content (block_hashes[p // H], p % H) with H =
-hash_block_tokens; positions past the hash list carry content unique to the request. A hash list
-may not be longer than ceil(prompt_tokens / H). Rows without hashes may carry H = 0 or null.
+Prefix rule: position p carries content (block_hashes[p // H], p % H) with H = hash_block_tokens;
+positions past the hash list carry content unique to the request. Positions from prompt_tokens on
+are the reply's: a hash list may reach into it (up to ceil((prompt_tokens + output_tokens) / H)
+ids) when a later prompt repeats the reply, as a chat's next turn does. Rows without hashes may
+carry H = 0 or null.
 """
 from __future__ import annotations
 
@@ -126,14 +128,15 @@ def trace_from_table(
 def _validated_columns(table: pa.Table, source: str, scalar_h: int | None, row_offset: int) -> dict:
     get = table.column
     prompt = col.int_column(get("prompt_tokens"), source, "prompt_tokens", row_offset)
+    output = col.int_column(get("output_tokens"), source, "output_tokens", row_offset)
     parts = dict(
         arrival_time_s=col.float_column(get("arrival_time_s"), source, "arrival_time_s", row_offset),
         prompt_tokens=prompt,
-        output_tokens=col.int_column(get("output_tokens"), source, "output_tokens", row_offset),
+        output_tokens=output,
         request_id=_request_ids(table, source, row_offset),
     )
     if "block_hashes" in table.column_names:
-        parts.update(_hashes(table, prompt, source, scalar_h, row_offset))
+        parts.update(_hashes(table, prompt, output, source, scalar_h, row_offset))
     if "cache_salt" in table.column_names:
         parts["cache_salt"] = col.string_column(get("cache_salt"), source, "cache_salt", row_offset, nullable=True)
     if "priority" in table.column_names:
@@ -154,7 +157,8 @@ def _request_ids(table: pa.Table, source: str, row_offset: int) -> np.ndarray:
     return ids
 
 
-def _hashes(table: pa.Table, prompt: np.ndarray, source: str, scalar_h: int | None, row_offset: int) -> dict:
+def _hashes(table: pa.Table, prompt: np.ndarray, output: np.ndarray, source: str, scalar_h: int | None,
+            row_offset: int) -> dict:
     values, offsets = col.hash_lists(table.column("block_hashes"), source, row_offset)
     if len(values) == 0:
         return {}
@@ -165,14 +169,15 @@ def _hashes(table: pa.Table, prompt: np.ndarray, source: str, scalar_h: int | No
         row = int(np.argmax(missing))
         col.fail(source, "hash_block_tokens", row_offset + row, "block_hashes given without hash_block_tokens >= 1")
     per_row = np.where(counts > 0, per_row, 0)
-    allowed = -(-prompt // np.maximum(per_row, 1))
+    total = prompt + output
+    allowed = -(-total // np.maximum(per_row, 1))
     too_long = counts > allowed
     if too_long.any():
         row = int(np.argmax(too_long))
         col.fail(
             source, "block_hashes", row_offset + row,
-            f"{counts[row]} hash ids, but {prompt[row]} prompt tokens at {per_row[row]} tokens per block "
-            f"need at most {allowed[row]}",
+            f"{counts[row]} hash ids, but {prompt[row]} prompt + {output[row]} output tokens at {per_row[row]} "
+            f"tokens per block need at most {allowed[row]}",
         )
     return dict(hash_ids=values, hash_offsets=offsets, hash_block_tokens=per_row.astype(np.int64))
 

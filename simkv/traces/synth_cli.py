@@ -35,6 +35,7 @@ class SynthOptions:
     user_tokens: ClippedLognormal
     think_time_s: float
     max_prompt_tokens: int
+    reply_hashes: bool = True
 
 
 def generate(options: SynthOptions) -> Trace:
@@ -54,6 +55,7 @@ def generate(options: SynthOptions) -> Trace:
             sessions=options.sessions, turns=options.turns, first_prompt=options.prompt,
             user_tokens=options.user_tokens, output=options.output, think_time_s=options.think_time_s,
             hash_block_tokens=options.hash_block_tokens or 16, max_prompt_tokens=options.max_prompt_tokens,
+            reply_hashes=options.reply_hashes,
         )
         return multi_turn(shape, options.seed, options.arrival)
     raise TraceError(f"unknown generator {options.kind!r} (choose from {', '.join(KINDS)})")

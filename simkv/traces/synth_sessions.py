@@ -4,7 +4,10 @@ Turn k's prompt = turn k-1's prompt + turn k-1's output + new user tokens (turn 
 user message, system prompt included). A session is one stream of content: its b-th block of
 ``hash_block_tokens`` tokens has one id, so turn k's hash list is the session's first
 ceil(prompt_k / H) ids and every turn's prompt extends the previous one (the prefix rule makes
-the shared part exact, partial last block included). Sessions start at times drawn from the
+the shared part exact, partial last block included). With ``reply_hashes`` (the default) a
+turn's list goes on over its reply, ceil((prompt_k + output_k) / H) ids, so the engine keys the
+reply's KV blocks as the next turn's prompt has them (a real engine caches the reply's blocks
+and the next turn hits them). Sessions start at times drawn from the
 arrival process; turn k arrives an exponential think time (mean ``think_time_s``) after turn
 k-1's arrival (open loop: the service time of the previous turn is not known here). A session
 ends early when the next prompt would exceed ``max_prompt_tokens``.
@@ -34,6 +37,7 @@ class SessionShape:
     think_time_s: float = 10.0
     hash_block_tokens: int = 16
     max_prompt_tokens: int = 32768
+    reply_hashes: bool = True
 
     def check(self) -> None:
         if self.sessions < 1 or self.turns < 1:
@@ -67,15 +71,16 @@ def _session_trace(
     block = shape.hash_block_tokens
     session, turn = np.nonzero(keep)
     prompt = prompts[session, turn]
-    blocks = -(-prompt // block)
-    stride = int(-(-prompts.max() // block))
+    output = outputs[session, turn]
+    blocks = -(-(prompt + output if shape.reply_hashes else prompt) // block)
+    stride = int(-(-(prompts + outputs).max() // block))
     hash_ids, offsets = consecutive_ids(session * stride, blocks)
     ids = [f"s{s}-t{t}" for s, t in zip(session.tolist(), turn.tolist())]
     return build_trace(
         f"synth:multi-turn(seed={seed})",
         arrival_time_s=times[session, turn],
         prompt_tokens=prompt,
-        output_tokens=outputs[session, turn],
+        output_tokens=output,
         request_id=ids,
         hash_ids=hash_ids,
         hash_offsets=offsets,

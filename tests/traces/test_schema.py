@@ -162,3 +162,12 @@ def test_million_rows_validate_fast() -> None:
     trace = trace_from_frame(frame)
     assert len(trace) == n and trace.arrival_time_s[0] == 0.0 and trace.request_id[0] == str(n - 1)
     assert isinstance(trace, Trace)
+
+
+def test_hash_lists_may_go_on_over_the_reply_but_no_further() -> None:
+    frame = pd.DataFrame({"arrival_time_s": [0.0], "prompt_tokens": [10], "output_tokens": [7],
+                          "block_hashes": [[1, 2, 3, 4, 5]], "hash_block_tokens": [4]})
+    assert trace_from_frame(frame).block_hashes(0).tolist() == [1, 2, 3, 4, 5]  # 17 positions: 5 ids
+    frame["block_hashes"] = [[1, 2, 3, 4, 5, 6]]
+    with pytest.raises(TraceError, match=r"row 0: 6 hash ids, but 10 prompt \+ 7 output tokens .* at most 5"):
+        trace_from_frame(frame, source="f.csv")

@@ -50,6 +50,23 @@ def test_reuse_at_a_block_size_other_than_the_hash_block() -> None:
     assert prefix_reuse(short, 4).reused_blocks == 2 and prefix_reuse(short, 4).total_blocks == 10
 
 
+def test_reuse_counts_blocks_an_earlier_reply_holds() -> None:
+    # Row 0: 8 prompt tokens and a 9-token reply its 5 ids describe (17 positions, H 4); an
+    # engine caches the full blocks of its 16 computed tokens: [8, 12) and [12, 16) are reply
+    # blocks. Row 1's 18-token prompt repeats prompt and reply: its blocks 0-3 are reused.
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [8, 18], "output_tokens": [9, 1],
+                          "block_hashes": [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]], "hash_block_tokens": [4, 4]})
+    reuse = prefix_reuse(trace_from_frame(frame), 4)
+    assert (reuse.total_blocks, reuse.reused_blocks) == (7, 4)
+    # The same lists cut back to the prompts: only the 2 prompt blocks are reused.
+    frame["block_hashes"] = [[1, 2], [1, 2, 3, 4, 5]]
+    assert prefix_reuse(trace_from_frame(frame), 4).reused_blocks == 2
+    # A later reply is no source for an earlier prompt.
+    frame["block_hashes"] = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]
+    frame["arrival_time_s"] = [1.0, 0.0]
+    assert prefix_reuse(trace_from_frame(frame), 4).reused_blocks == 2
+
+
 def test_cache_salt_separates_equal_content() -> None:
     trace = hashed([8, 8, 8], [[1, 2], [1, 2], [1, 2]], salts=["a", "b", "a"])
     assert prefix_reuse(trace, 4).reused_blocks == 2

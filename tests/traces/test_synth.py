@@ -104,8 +104,20 @@ def test_multi_turn_prompts_extend_the_conversation() -> None:
             assert trace.arrival_time_s[cur] >= trace.arrival_time_s[prev]
             prev_ids, cur_ids = trace.block_hashes(prev), trace.block_hashes(cur)
             assert np.array_equal(cur_ids[: len(prev_ids)], prev_ids)
-            assert len(cur_ids) == -(-trace.prompt_tokens[cur] // 16)
+            # the list goes on over the turn's reply, which the next prompt repeats
+            assert len(cur_ids) == -(-(trace.prompt_tokens[cur] + trace.output_tokens[cur]) // 16)
     assert not set(trace.block_hashes(rows["s0-t0"])) & set(trace.block_hashes(rows["s1-t0"]))
+
+
+def test_multi_turn_without_reply_hashes_lists_the_prompts_only() -> None:
+    shape = SessionShape(sessions=5, turns=4, hash_block_tokens=16)
+    with_replies = multi_turn(shape, seed=2)
+    trace = multi_turn(SessionShape(sessions=5, turns=4, hash_block_tokens=16, reply_hashes=False), seed=2)
+    assert np.array_equal(trace.prompt_tokens, with_replies.prompt_tokens)
+    for i in range(len(trace)):
+        ids = trace.block_hashes(i)
+        assert len(ids) == -(-trace.prompt_tokens[i] // 16)
+        assert np.array_equal(ids, with_replies.block_hashes(i)[: len(ids)])
 
 
 def test_multi_turn_stops_sessions_at_the_prompt_cap() -> None:
