@@ -124,6 +124,10 @@ class SchedulerConfig:
     preemption_victim: str = "newest"  # vLLM: the newest running request; or "requester"
     preemption_mode: str = "recompute"  # keep outputs and recompute them; "restart": drop them;
     # "swap": copy the victim's KV to CPU swap space (vLLM v0), recompute when the space is full
+    # The replay's clients, not the engine: a trace's sessions send a turn no earlier than the
+    # previous turn's finish + its think time (simkv/replay/sessions.py); False replays the
+    # trace's arrival times as they are (open loop).
+    session_pacing: bool = True
 
     def __post_init__(self) -> None:
         if self.admission_order not in ("after_running", "before_running"):

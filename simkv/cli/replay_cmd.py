@@ -32,7 +32,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
-    "async_scheduling": "async_scheduling",
+    "async_scheduling": "async_scheduling", "session_pacing": "session_pacing",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
@@ -251,6 +251,10 @@ _ENGINE_OPTIONS = [
     click.option("--async-scheduling/--no-async-scheduling", default=None,
                  help="vLLM's async scheduling (its serving default): step N+1 is scheduled while step N runs; "
                       "the roofline's host overheads overlap the device [default: off, the synchronous scheduler]"),
+    click.option("--session-pacing/--no-session-pacing", default=None,
+                 help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
+                      "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "
+                      "[default: on]"),
     click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
                  default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
     click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),

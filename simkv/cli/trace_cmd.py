@@ -16,6 +16,7 @@ from simkv.traces.schema import read_trace, write_trace
 from simkv.traces.stats import format_stats, trace_stats
 from simkv.traces.synth import ClippedLognormal, REQ400_REQUESTS, REQ400_SEED
 from simkv.traces.synth_cli import KINDS, SynthOptions, generate, parse_int_list
+from simkv.traces import replies
 from simkv.traces.transform import Edits, transform
 
 
@@ -157,13 +158,20 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
 @click.option("--max-prompt-tokens", type=int, help="Keep the requests whose prompt has at most N tokens.")
 @click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
+@click.option("--link-replies", is_flag=True,
+              help="Lengthen a request's hash list over its reply where a later prompt repeats prompt and reply "
+                   "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
                   time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
-                  seed: int) -> None:
-    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate)."""
+                  seed: int, link_replies: bool) -> None:
+    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, link-replies)."""
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
                   time_scale=time_scale, rate=rate, seed=seed)
     result = transform(read_trace(path), edits)
+    note = ""
+    if link_replies:
+        result, linked = replies.link_replies(result)
+        note = f"; {linked:,} replies linked to the prompts that repeat them"
     write_trace(result, out)
-    click.echo(f"wrote {len(result):,} requests to {out}")
+    click.echo(f"wrote {len(result):,} requests to {out}{note}")

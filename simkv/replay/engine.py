@@ -85,6 +85,10 @@ class ArrivalFeed:
     def note_finished(self, finished: list[Request], tick: int) -> None:
         """The engine finished these requests at `tick` (a fleet's router counts them)."""
 
+    def arrival_times_s(self):
+        """Per trace row, when it arrived (the trace's times; session pacing moves some)."""
+        return self.arrivals
+
     def kv_loads_started(self, requests: list[Request], tick: int) -> None:
         """P/D: a step starting at `tick` admitted these requests to pull their KV."""
         raise ReplayError("a request pulls its KV outside a disaggregated fleet")
@@ -157,8 +161,13 @@ class ReplayEngine:
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog(config.speculative.enabled)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
-        self.feed = (make_feed(self.scheduler, self.requests) if make_feed is not None else
-                     ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len))
+        if make_feed is not None:
+            self.feed = make_feed(self.scheduler, self.requests)
+        elif trace.session_id is not None and config.scheduler.session_pacing:  # (simkv/replay/sessions.py)
+            from simkv.replay.sessions import SessionFeed
+            self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len)
+        else:
+            self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.replay.offload_feed import OffloadFeed
             self.feed = OffloadFeed(self.feed, self.scheduler, capacity.offload_chunk_bytes,

@@ -53,7 +53,7 @@ def request_table(run: ReplayRun, trace) -> pd.DataFrame:
         out[ok] = times[step_col[ok]]
         return out
 
-    arrival = trace.arrival_time_s
+    arrival = run.feed.arrival_times_s()  # (the trace's, or as session pacing held them)
     first_sched = at(ints["first_scheduled_step"], starts)
     first_token = at(ints["first_token_step"], ends)
     finish = at(ints["finish_step"], ends)
@@ -159,9 +159,16 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
+
+
+def session_summary(run: ReplayRun) -> dict:
+    """Session pacing (simkv/replay/sessions.py): sessions, and the turns held for their previous
+    replies (how many, and by how long on average)."""
+    pacing = getattr(run.feed, "pacing_summary", None)
+    return {"session_pacing": pacing()} if pacing is not None else {}
 
 
 def offload_summary(runs, capacity, prefix_queries: int) -> dict:

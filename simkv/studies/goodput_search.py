@@ -54,6 +54,8 @@ def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model:
     from simkv.replay.api import replay
 
     scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
+    if trace.think_time_s is not None:  # (sessions' users think faster too)
+        scaled = replace(scaled, think_time_s=np.asarray(trace.think_time_s, dtype=np.float64) / factor)
     s = replay(scaled, config, cost_model, cost_options, goodput=slo_ms, fleet=fleet,
                disaggregation=disaggregation).summary
     g = s["goodput"]

@@ -18,6 +18,8 @@ def canonical_table(
     hash_offsets: np.ndarray | None = None,
     hash_block_tokens: int | np.ndarray | None = None,
     cache_salt: np.ndarray | list[str | None] | None = None,
+    session_id: np.ndarray | list[str | None] | None = None,
+    think_time_s: np.ndarray | None = None,
 ) -> pa.Table:
     """A table in the canonical column order; hashes given as CSR (values + offsets of len n+1)."""
     columns: dict[str, pa.Array] = {
@@ -34,6 +36,10 @@ def canonical_table(
         columns["hash_block_tokens"] = pa.array(np.where(np.diff(offsets) > 0, per_row, 0))
     if cache_salt is not None:
         columns["cache_salt"] = pa.array(cache_salt, pa.string())
+    if session_id is not None:
+        columns["session_id"] = pa.array(session_id, pa.string())
+    if think_time_s is not None:
+        columns["think_time_s"] = pa.array(np.asarray(think_time_s, np.float64))
     return pa.table(columns)
 
 

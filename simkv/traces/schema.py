@@ -5,7 +5,10 @@ Columns (parquet or CSV):
             prompt_tokens (int >= 1), output_tokens (int >= 1)
   optional  request_id (str; default the file's row number), block_hashes (list<int64>; in CSV a
             space-separated or JSON-list string) with hash_block_tokens (int column or parquet
-            metadata key), cache_salt (str or null), priority (int), n (int >= 1, default 1).
+            metadata key), cache_salt (str or null), priority (int), n (int >= 1, default 1),
+            session_id (str or null: the turns of one conversation, in arrival order) with
+            think_time_s (float >= 0, default 0): a replay sends a turn no earlier than its
+            previous turn's finish + its think time (simkv/replay/sessions.py).
 
 Prefix rule: position p carries content (block_hashes[p // H], p % H) with H = hash_block_tokens;
 positions past the hash list carry content unique to the request. Positions from prompt_tokens on
@@ -61,6 +64,8 @@ class Trace:
     cache_salt: np.ndarray | None = None
     priority: np.ndarray | None = None
     n: np.ndarray | None = None
+    session_id: np.ndarray | None = None
+    think_time_s: np.ndarray | None = None
     source: str = ""
 
     def __len__(self) -> int:
@@ -143,6 +148,12 @@ def _validated_columns(table: pa.Table, source: str, scalar_h: int | None, row_o
         parts["priority"] = col.int_column(get("priority"), source, "priority", row_offset, minimum=None)
     if "n" in table.column_names:
         parts["n"] = col.int_column(get("n"), source, "n", row_offset, minimum=1)
+    if "session_id" in table.column_names:
+        parts["session_id"] = col.string_column(get("session_id"), source, "session_id", row_offset, nullable=True)
+    if "think_time_s" in table.column_names:
+        if "session_id" not in table.column_names:
+            raise TraceError(f"{source}: column 'think_time_s' needs a 'session_id' column (the turns it paces)")
+        parts["think_time_s"] = col.float_column(get("think_time_s"), source, "think_time_s", row_offset)
     return parts
 
 
@@ -239,6 +250,10 @@ def trace_to_table(trace: Trace) -> pa.Table:
         columns["priority"] = pa.array(trace.priority, pa.int64())
     if trace.n is not None:
         columns["n"] = pa.array(trace.n, pa.int64())
+    if trace.session_id is not None:
+        columns["session_id"] = pa.array(trace.session_id, pa.string())
+    if trace.think_time_s is not None:
+        columns["think_time_s"] = pa.array(trace.think_time_s, pa.float64())
     return pa.table(columns)
 
 

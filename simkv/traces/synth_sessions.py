@@ -9,8 +9,11 @@ turn's list goes on over its reply, ceil((prompt_k + output_k) / H) ids, so the 
 reply's KV blocks as the next turn's prompt has them (a real engine caches the reply's blocks
 and the next turn hits them). Sessions start at times drawn from the
 arrival process; turn k arrives an exponential think time (mean ``think_time_s``) after turn
-k-1's arrival (open loop: the service time of the previous turn is not known here). A session
-ends early when the next prompt would exceed ``max_prompt_tokens``.
+k-1's arrival. The rows carry ``session_id`` and that think time (``think_time_s``), so a
+replay sends turn k no earlier than turn k-1's finish + its think time (simkv/replay/sessions.py:
+a user answers a reply they have read); the arrival times are the open-loop schedule, which
+``--no-session-pacing`` replays as it is. A session ends early when the next prompt would exceed
+``max_prompt_tokens``.
 """
 from __future__ import annotations
 
@@ -57,16 +60,19 @@ def multi_turn(shape: SessionShape = SessionShape(), seed: int = 0, arrival: Arr
     new_tokens[:, 0] = shape.first_prompt.draw_numpy(rng, shape.sessions)
     outputs = shape.output.draw_numpy(rng, shape.sessions * shape.turns).reshape(count)
     think = rng.exponential(shape.think_time_s, count) if shape.think_time_s > 0 else np.zeros(count)
+    gaps = think.copy()
+    gaps[:, 0] = 0.0
     think[:, 0] = arrival.times(shape.sessions, arrival_rng(seed))
     prompts = np.cumsum(new_tokens, axis=1) + np.cumsum(outputs, axis=1) - outputs
     keep = prompts <= shape.max_prompt_tokens
     keep = np.cumprod(keep, axis=1).astype(bool)
     keep[:, 0] = True
-    return _session_trace(shape, seed, prompts, outputs, np.cumsum(think, axis=1), keep)
+    return _session_trace(shape, seed, prompts, outputs, np.cumsum(think, axis=1), gaps, keep)
 
 
 def _session_trace(
-    shape: SessionShape, seed: int, prompts: np.ndarray, outputs: np.ndarray, times: np.ndarray, keep: np.ndarray
+    shape: SessionShape, seed: int, prompts: np.ndarray, outputs: np.ndarray, times: np.ndarray, gaps: np.ndarray,
+    keep: np.ndarray
 ) -> Trace:
     block = shape.hash_block_tokens
     session, turn = np.nonzero(keep)
@@ -85,4 +91,6 @@ def _session_trace(
         hash_ids=hash_ids,
         hash_offsets=offsets,
         hash_block_tokens=block,
+        session_id=[f"s{s}" for s in session.tolist()],
+        think_time_s=gaps[session, turn],
     )

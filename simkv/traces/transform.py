@@ -8,7 +8,7 @@ by arrival).
   sample F       keep each request with probability F (numpy Generator, ``seed``)
   max-prompt-tokens N   keep the requests whose prompt has at most N tokens (e.g. below a
                  model's context length: an engine would reject the others)
-  time-scale F   multiply every arrival time by F (F < 1 compresses, F > 1 stretches)
+  time-scale F   multiply every arrival time (and think time) by F (F < 1 compresses, F > 1 stretches)
   rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
 """
 from __future__ import annotations
@@ -64,6 +64,8 @@ def transform(trace: Trace, edits: Edits) -> Trace:
         trace = _nonempty(take_rows(trace, keep), "--max-prompt-tokens")
     if edits.time_scale is not None:
         trace = replace(trace, arrival_time_s=trace.arrival_time_s * edits.time_scale)
+        if trace.think_time_s is not None:
+            trace = replace(trace, think_time_s=trace.think_time_s * edits.time_scale)
     if edits.rate is not None:
         times = ArrivalProcess("poisson", edits.rate).times(len(trace), arrival_rng(edits.seed, stream=6))
         trace = replace(trace, arrival_time_s=times)

@@ -119,3 +119,36 @@ def test_transform_edits_keep_order_and_are_seeded() -> None:
 def test_transform_rejects_bad_edits(edits: Edits, expected: str) -> None:
     with pytest.raises(TraceError, match=expected):
         transform(lognormal(arrival=ArrivalProcess("poisson", 4.0)), edits)
+
+
+def test_link_replies_recovers_the_multi_turn_replies() -> None:
+    from simkv.traces.replies import link_replies
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    truth = multi_turn(SessionShape(sessions=30, turns=5), seed=3)
+    bare = multi_turn(SessionShape(sessions=30, turns=5, reply_hashes=False), seed=3)
+    linked, count = link_replies(bare)
+    last_turns = {f"s{s}-t{max(t for t in range(5) if f's{s}-t{t}' in set(truth.request_id))}" for s in range(30)}
+    described = 0
+    for i, rid in enumerate(truth.request_id):
+        if rid in last_turns:  # no next turn repeats it: its list stays the prompt's
+            assert np.array_equal(linked.block_hashes(i), bare.block_hashes(i))
+        else:
+            assert np.array_equal(linked.block_hashes(i), truth.block_hashes(i)), rid
+            described += len(truth.block_hashes(i)) > len(bare.block_hashes(i))
+    assert count == described > 0
+
+
+def test_link_replies_needs_the_whole_reply_in_the_next_prompt() -> None:
+    from simkv.traces.replies import link_replies
+
+    # Row 1 repeats row 0's 8-token prompt and its 9-token reply (P 20 >= 8 + 9): linked.
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [8, 20], "output_tokens": [9, 1],
+                          "block_hashes": [[1, 2], [1, 2, 3, 4, 5]], "hash_block_tokens": [4, 4]})
+    linked, count = link_replies(trace_from_frame(frame))
+    assert count == 1 and linked.block_hashes(0).tolist() == [1, 2, 3, 4, 5]
+    # A shorter next prompt (the reply edited before it was sent back): left alone.
+    frame["prompt_tokens"] = [8, 16]
+    frame["block_hashes"] = [[1, 2], [1, 2, 3, 4]]
+    linked, count = link_replies(trace_from_frame(frame))
+    assert count == 0 and linked.block_hashes(0).tolist() == [1, 2]

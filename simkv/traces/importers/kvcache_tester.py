@@ -7,6 +7,10 @@ the same clock and in the parent's hash namespace. Sub-agent requests are splice
 entry's place. Conversations share no clock: conversation k starts at ``start[k]`` (a fixed gap,
 or Poisson starts at a given rate, seeded) and each request keeps its own ``t`` offset.
 
+Rows carry ``session_id`` (the conversation's main agent, or one sub-agent: ``<file>/<agent_id>``)
+and ``think_time_s`` (the entry's ``think_time``: the client's delay after the session's previous
+reply, 0 where absent), so a replay sends a turn no earlier than its previous reply + think time.
+
 Hash ids are only meaningful inside one conversation, so they are namespaced: conversation k's
 ids are shifted into their own range [base_k, base_k + span_k). Files are read one at a time
 (sorted by name when a folder is given). Requests with zero input or output are dropped.
@@ -106,6 +110,8 @@ class _Request:
     prompt: int
     output: int
     hashes: list[int]
+    session: str = ""  # the main agent's requests, or one sub-agent's
+    think: float = 0.0  # seconds the client waited after the session's previous reply
 
 
 def _flatten(conversation: dict, path: Path) -> tuple[int, list[_Request]]:
@@ -121,13 +127,14 @@ def _flatten(conversation: dict, path: Path) -> tuple[int, list[_Request]]:
             if not isinstance(inner, list):
                 raise TraceError(f"{where}: field 'requests': expected a list")
             agent = str(entry.get("agent_id", f"agent{i}"))
-            rows.extend(_request(sub, f"{where}.requests[{j}]", f"{agent}/{j}", block) for j, sub in enumerate(inner))
+            rows.extend(_request(sub, f"{where}.requests[{j}]", f"{agent}/{j}", block, f"{path.stem}/{agent}")
+                        for j, sub in enumerate(inner))
         else:
-            rows.append(_request(entry, where, str(i), block))
+            rows.append(_request(entry, where, str(i), block, path.stem))
     return block, rows
 
 
-def _request(entry: object, where: str, label: str, block: int) -> _Request:
+def _request(entry: object, where: str, label: str, block: int, session: str) -> _Request:
     if not isinstance(entry, dict):
         raise TraceError(f"{where}: expected a JSON object")
     if entry.get("type") == "subagent":
@@ -145,7 +152,10 @@ def _request(entry: object, where: str, label: str, block: int) -> _Request:
         raise TraceError(f"{where}: field 'hash_ids': expected a list of integers")
     if len(hashes) > -(-prompt // block):
         raise TraceError(f"{where}: field 'hash_ids': {len(hashes)} ids for {prompt} tokens at {block} per block")
-    return _Request(where, label, float(t), prompt, output, hashes)
+    think = entry.get("think_time") or 0.0
+    if isinstance(think, bool) or not isinstance(think, (int, float)) or not (0 <= think < float("inf")):
+        raise TraceError(f"{where}: field 'think_time': expected a finite number >= 0, got {str(think)[:30]!r}")
+    return _Request(where, label, float(t), prompt, output, hashes, session, float(think))
 
 
 def _conversation_table(
@@ -172,6 +182,8 @@ def _conversation_table(
         hash_ids=values,
         hash_offsets=np.concatenate(([0], np.cumsum(lengths))),
         hash_block_tokens=block,
+        session_id=[row.session for row in kept],
+        think_time_s=np.array([row.think for row in kept]),
     )
     return table, span
 

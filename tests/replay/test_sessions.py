@@ -1,0 +1,113 @@
+"""Session pacing: a trace's session_id turns wait for their previous turn's reply (+ think time)."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.cli.main import main
+from simkv.config import EngineConfig
+from simkv.replay.api import FleetSpec, replay
+from simkv.traces import TraceError, trace_from_frame
+from simkv.traces.synth_sessions import SessionShape, multi_turn
+from tests.core.helpers import assert_decode_runs_change_nothing
+
+CONFIG = EngineConfig.from_flat(dict(block_size=16, num_gpu_blocks=400, max_model_len=2048))
+
+
+def _chat(think: list[float] | None = None, arrivals=(0.0, 1.0, 2.0, 0.5)) -> pd.DataFrame:
+    """Session a: three turns (arrivals 0, 1, 2 s: sooner than their replies come); b: one turn."""
+    frame = pd.DataFrame({"arrival_time_s": list(arrivals), "prompt_tokens": [100, 200, 300, 50],
+                          "output_tokens": [20, 20, 20, 5], "session_id": ["a", "a", "a", "b"],
+                          "request_id": ["a0", "a1", "a2", "b0"]})
+    if think is not None:
+        frame["think_time_s"] = think
+    return frame
+
+
+def test_a_turn_waits_for_the_previous_reply_and_its_think_time() -> None:
+    res = replay(trace_from_frame(_chat(think=[0.0, 3.0, 0.5, 0.0])), CONFIG, "unit")
+    req = res.requests.set_index("request_id")
+    # unit steps (1 s each): a0 arrives at 0 and finishes after its 20 steps
+    assert req.loc["a1", "arrival_time_s"] == req.loc["a0", "finish_time_s"] + 3.0
+    assert req.loc["a2", "arrival_time_s"] == req.loc["a1", "finish_time_s"] + 0.5
+    assert req.loc["b0", "arrival_time_s"] == 0.5  # (no earlier turn: the trace's time)
+    assert (req["ttft_s"] > 0).all()
+    assert res.summary["session_pacing"] == {"sessions": 2, "turns_held": 2,
+                                             "mean_hold_s": pytest.approx((req.loc["a1", "arrival_time_s"] - 1.0
+                                                                           + req.loc["a2", "arrival_time_s"] - 2.0) / 2)}
+
+
+def test_a_turn_due_later_than_the_reply_keeps_its_trace_time() -> None:
+    res = replay(trace_from_frame(_chat(arrivals=(0.0, 100.0, 200.0, 0.5))), CONFIG, "unit")
+    assert res.requests["arrival_time_s"].tolist() == [0.0, 0.5, 100.0, 200.0]
+    assert res.summary["session_pacing"]["turns_held"] == 0
+
+
+def test_without_pacing_the_trace_times_stand() -> None:
+    config = EngineConfig.from_flat(dict(block_size=16, num_gpu_blocks=400, max_model_len=2048, session_pacing=False))
+    res = replay(trace_from_frame(_chat()), config, "unit")
+    assert sorted(res.requests["arrival_time_s"].tolist()) == [0.0, 0.5, 1.0, 2.0]
+    assert "session_pacing" not in res.summary
+
+
+def test_a_rejected_turn_releases_the_next() -> None:
+    frame = _chat(think=[0.0, 0.0, 1.0, 0.0])
+    frame.loc[1, "prompt_tokens"] = 5000  # longer than max_model_len: rejected when it arrives
+    res = replay(trace_from_frame(frame), CONFIG, "unit")
+    req = res.requests.set_index("request_id")
+    assert req.loc["a1", "status"] == "rejected"
+    assert req.loc["a2", "arrival_time_s"] == req.loc["a0", "finish_time_s"] + 1.0
+    assert req.loc["a2", "status"] == "finished"
+
+
+@pytest.mark.parametrize("extra", [{}, {"async_scheduling": True}, {"kv_offloading_size": 0.05}])
+def test_decode_runs_change_nothing_under_pacing(extra: dict) -> None:
+    trace = multi_turn(SessionShape(sessions=40, turns=4, think_time_s=2.0), seed=5)
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=600, max_model_len=8192) | extra)
+    res = assert_decode_runs_change_nothing(trace, config)
+    assert res.summary["session_pacing"]["turns_held"] > 0
+
+
+def test_paced_replies_are_found_at_any_speed() -> None:
+    """Every turn arrives after its previous reply: compressing the trace (think times too) cannot
+    make a turn miss its reply, where the open-loop replay of the compressed trace does."""
+    from simkv.traces.transform import Edits, transform
+
+    trace = multi_turn(SessionShape(sessions=60, turns=5), seed=1)
+    fast = transform(trace, Edits(time_scale=0.05))
+    config = EngineConfig.from_flat(dict(max_model_len=8192))
+    open_loop = EngineConfig.from_flat(dict(max_model_len=8192, session_pacing=False))
+    paced = [replay(t, config).summary["prefix_cache_hits_tokens"] for t in (trace, fast)]
+    assert paced[0] == paced[1]
+    assert replay(fast, open_loop).summary["prefix_cache_hits_tokens"] < paced[1]
+
+
+def test_fleets_refuse_pacing() -> None:
+    trace = trace_from_frame(_chat())
+    with pytest.raises(ValueError, match="session pacing .* one engine"):
+        replay(trace, CONFIG, "unit", fleet=FleetSpec(2))
+
+
+def test_think_time_needs_sessions_and_is_checked() -> None:
+    frame = _chat(think=[0.0, 1.0, 1.0, 0.0]).drop(columns=["session_id"])
+    with pytest.raises(TraceError, match="'think_time_s' needs a 'session_id'"):
+        trace_from_frame(frame)
+    with pytest.raises(TraceError, match="column 'think_time_s', row 1: negative"):
+        trace_from_frame(_chat(think=[0.0, -1.0, 1.0, 0.0]))
+
+
+def test_cli_flag_and_synth_columns(tmp_path) -> None:
+    runner = CliRunner()
+    path = tmp_path / "chat.parquet"
+    r = runner.invoke(main, ["trace", "synth", "multi-turn", "--sessions", "5", "--turns", "3", "--out", str(path)])
+    assert r.exit_code == 0, r.output
+    for flag, paced in (("--session-pacing", True), ("--no-session-pacing", False)):
+        out = tmp_path / flag
+        r = runner.invoke(main, ["replay", str(path), "--out", str(out), flag, "--cost-model", "unit"])
+        assert r.exit_code == 0, r.output
+        summary = json.loads((out / "summary.json").read_text())
+        assert ("session_pacing" in summary) == paced and summary["config"]["session_pacing"] == paced
+    assert np.isfinite(pd.read_parquet(tmp_path / "--session-pacing" / "requests.parquet")["ttft_s"]).all()
