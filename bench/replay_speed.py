@@ -7,6 +7,8 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-fleet4 # the Azure trace at 4x its rate on 4 replicas
                                                         # (least_outstanding router): a fleet's cost
     .venv/bin/python bench/replay_speed.py azure-async  # the Azure trace with --async-scheduling
+    .venv/bin/python bench/replay_speed.py chat-paced chat-open  # 120,000 multi-turn chat requests (20,000
+                                                        # sessions), sessions paced on their replies / open loop
     .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
                                                         # replicas (P/D disaggregation)
     .venv/bin/python bench/replay_speed.py azure-pd4-async  # the same with --async-scheduling in both pools
@@ -64,6 +66,10 @@ def load(case: str):
 
         trace = import_trace("azure", [AZURE])[0]
         return replace(trace, arrival_time_s=trace.arrival_time_s / 4.0)
+    if case in ("chat-paced", "chat-open"):
+        from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+        return multi_turn(SessionShape(sessions=20_000, turns=6), seed=1, arrival=ArrivalProcess(kind="poisson", rate=20.0))
     if case == "synth-1m":
         # ~1M requests at 60 req/s: a saturated H100 serving llama-3-8b.
         return lognormal(1_000_000, seed=1, arrival=ArrivalProcess(kind="poisson", rate=60.0), fast=True)
@@ -80,7 +86,7 @@ def run_case(case: str) -> dict:
     t_load = time.perf_counter() - t0
     t1 = time.perf_counter()
     fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
-    options = {"async_scheduling": case.endswith("-async")}
+    options = {"async_scheduling": case.endswith("-async"), "session_pacing": case != "chat-open"}
     case_setup = case.removesuffix("-async")
     if case.endswith("-spec"):
         options |= {"speculative_method": "eagle3", "num_speculative_tokens": 3,

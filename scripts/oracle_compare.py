@@ -74,16 +74,21 @@ def _patched_oracle(tmp: Path) -> Path:
     folder = tmp / "oracle"
     shutil.copytree(ORACLE.parent, folder)
     path = folder / "oracle.py"
-    text = path.read_text()
-    old = "            due = tr[key] <= (clock + 1e-12 if time_mode else step)"
-    new = ("            now = clock\n"
-           "            if time_mode and batch_queue and batch_queue[0][2] is not None:\n"
-           "                now = batch_queue[0][2][\"time_s\"]  # scheduled while the step in flight runs\n"
-           "            due = tr[key] <= (now + 1e-12 if time_mode else step)")
-    if text.count(old) != 1:
-        raise SystemExit(f"{path}: the arrival line to patch was not found; the oracle changed")
-    path.write_text(text.replace(old, new))
+    patch_once(path, "the arrival line",
+               "            due = tr[key] <= (clock + 1e-12 if time_mode else step)",
+               "            now = clock\n"
+               "            if time_mode and batch_queue and batch_queue[0][2] is not None:\n"
+               "                now = batch_queue[0][2][\"time_s\"]  # scheduled while the step in flight runs\n"
+               "            due = tr[key] <= (now + 1e-12 if time_mode else step)")
     return path
+
+
+def patch_once(path: Path, what: str, old: str, new: str) -> None:
+    """Replace the one occurrence of `old` in the oracle copy at `path` (it must be there once)."""
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{path}: {what} to patch was not found; the oracle changed")
+    path.write_text(text.replace(old, new))
 
 
 def run_oracle(py: str, sc: dict, prefix: Path, oracle: Path = ORACLE) -> dict:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from oracle_compare import _patched_oracle  # (scripts/ is on sys.path when run as a script)
+from oracle_compare import _patched_oracle, patch_once  # (scripts/ is on sys.path when run as a script)
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.api import replay
 from simkv.traces.schema import read_trace, trace_from_frame, write_trace
@@ -130,16 +130,13 @@ def after_previous_turns(frame: pd.DataFrame, config: EngineConfig) -> pd.DataFr
 def _patched_for_replies(oracle: Path) -> None:
     """The fake model samples a row's content token where its hash list describes the position
     (a list longer than its prompt needs goes on over the reply)."""
-    text = oracle.read_text()
-    old = 'sampled.append([fake_output_token(rinfo[rid]["row"], req.num_computed_tokens)])'
-    new = ('tr = trace[rinfo[rid]["row"]]; pos = req.num_computed_tokens; bh = tr["block_hashes"]\n'
-           '                sampled.append([hashed_token_id(int(bh[pos // tr["hash_block_tokens"]]), tr["hash_block_tokens"],'
-           ' pos % tr["hash_block_tokens"]) if bh and pos < len(bh) * tr["hash_block_tokens"]'
-           ' and len(bh) * tr["hash_block_tokens"] >= tr["prompt_tokens"] + tr["hash_block_tokens"]'
-           ' else fake_output_token(rinfo[rid]["row"], pos)])')
-    if text.count(old) != 1:
-        raise SystemExit(f"{oracle}: the sampling line to patch was not found; the oracle changed")
-    oracle.write_text(text.replace(old, new))
+    patch_once(oracle, "the sampling line",
+               'sampled.append([fake_output_token(rinfo[rid]["row"], req.num_computed_tokens)])',
+               'tr = trace[rinfo[rid]["row"]]; pos = req.num_computed_tokens; bh = tr["block_hashes"]\n'
+               '                sampled.append([hashed_token_id(int(bh[pos // tr["hash_block_tokens"]]), tr["hash_block_tokens"],'
+               ' pos % tr["hash_block_tokens"]) if bh and pos < len(bh) * tr["hash_block_tokens"]'
+               ' and len(bh) * tr["hash_block_tokens"] >= tr["prompt_tokens"] + tr["hash_block_tokens"]'
+               ' else fake_output_token(rinfo[rid]["row"], pos)])')
 
 
 def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, async_scheduling: bool) -> None:

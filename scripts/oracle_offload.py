@@ -10,6 +10,11 @@ shared prompt content, priorities, watermarks, chunked prefill on and off). Ever
 scheduled tokens, running and waiting requests and GPU blocks in use, every request's
 first-token and finish step, and the loads and stores (their blocks) must be equal.
 
+--replies: chat sessions (a next turn's prompt repeats the previous reply) whose hash lists
+describe the replies; vLLM's fake model samples the reply's content tokens, so vLLM keys the
+reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
+arrives after its previous turn finished (simkv's run says when; vLLM's is checked too).
+
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_offload.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 --seed 1
@@ -28,8 +33,51 @@ from oracle_pd import differences as pd_differences  # noqa: E402
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
+def _sessions(rng, max_model_len: int) -> list[dict]:
+    """Chat sessions of 8-token hash blocks: turn k's prompt = turn k-1's prompt + reply + new
+    tokens; most rows' lists go on over their reply. Each row notes its previous turn's row."""
+    requests = []
+    for session in range(int(rng.integers(2, 8))):
+        stream = [int(rng.integers(0, 3))] + [int(x) for x in rng.integers(10 + 1000 * session, 10 + 1000 * (session + 1), 80)]
+        prompt, step, previous = 0, int(rng.integers(0, 20)), -1
+        for turn in range(int(rng.integers(1, 6))):
+            prompt += int(rng.integers(8 if turn == 0 else 1, 40))
+            output = int(rng.integers(1, 40))
+            if prompt >= max_model_len:
+                break
+            covered = prompt + output if rng.random() < 0.8 else prompt
+            row = len(requests)
+            requests.append({"row": row, "arrival_step": step, "prompt": prompt, "output": output,
+                             "priority": int(rng.integers(0, 3)), "block_hashes": stream[:-(-covered // 8)],
+                             "previous": previous})
+            prompt, previous, step = prompt + output, row, step + int(rng.integers(0, 4))
+    requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
+    return requests
+
+
+def _after_previous_turns(case: dict) -> None:
+    """Push each turn's arrival past its previous turn's finish step in simkv's run (vLLM's run
+    is checked for it in `late_turns`)."""
+    for _ in range(30):
+        finish = {int(row): v[1] for row, v in run_simkv(case)["requests"].items()}
+        late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] <= finish[r["previous"]]]
+        if not late:
+            return
+        for r in late:
+            r["arrival_step"] = finish[r["previous"]] + 1
+        case["requests"].sort(key=lambda r: (r["arrival_step"], r["row"]))
+    raise RuntimeError("arrivals did not settle after their previous turns")
+
+
+def late_turns(case: dict, theirs: dict) -> list[str]:
+    """Turns that arrived in vLLM's run before their previous turn finished there."""
+    finish = {int(row): v[1] for row, v in theirs["requests"].items()}
+    late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] <= finish.get(r["previous"], -1)]
+    return [f"{len(late)} turns arrived before their previous turn finished in vLLM's run"] if late else []
+
+
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
-              policy: str | None = None, store_threshold: bool = False) -> dict:
+              policy: str | None = None, store_threshold: bool = False, replies: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -63,6 +111,13 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     if chunks:  # (the connector's non-default settings)
         case["blocks_per_chunk"] = int(rng.choice([1, 2, 3, 4]))
         case["prompt_only"] = bool(rng.random() < 0.4)
+    if replies:  # (chat sessions instead of the random requests above)
+        case["requests"] = _sessions(rng, max_model_len)
+        case["replies"] = True
+        if "blocks_per_chunk" not in case:  # (the connector's settings travel together: tests/core/helpers.py)
+            case["blocks_per_chunk"] = 1
+            case["prompt_only"] = bool(rng.random() < 0.4)
+        _after_previous_turns(case)
     if store_threshold:  # (vLLM's admission filter: a chunk is stored at its Nth offer)
         case["store_threshold"] = int(rng.choice([2, 3]))
         if rng.random() < 0.4:
@@ -71,6 +126,25 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
+def _sample_reply_content(case: dict) -> None:
+    """The fake model samples a row's content token where its hash list describes the reply (a
+    list longer than its prompt needs), so vLLM hashes the reply as the next prompt has it."""
+    import oracle
+
+    rows = {r["row"]: r for r in case["requests"]}
+    plain = oracle.fake_output_token
+
+    def sample(row: int, position: int) -> int:
+        r = rows.get(row)
+        ids = r.get("block_hashes") if r else None
+        if ids and len(ids) * 8 >= r["prompt"] + 8 and position < len(ids) * 8:
+            return oracle.hashed_token_id(int(ids[position // 8]), 8, position % 8)
+        return plain(row, position)
+
+    oracle.fake_output_token = sample
+
+
+
 class _Ordered(dict):
     """An insertion-ordered set for the scheduler's finished_req_ids (vLLM iterates a set of
     strings, whose order changes with PYTHONHASHSEED; simkv retires them in running order)."""
@@ -99,6 +173,8 @@ class _VllmOffload:
                                      kv_connector_extra_config=extra)
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
                                                               async_scheduling=async_scheduling)
+        if case.get("replies"):
+            _sample_reply_content(case)
         sched = self.sched
         assert sched.connector.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
         self.hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -280,7 +356,8 @@ def main() -> None:
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold) for _ in range(a.cases)]
+    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies)
+             for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0)
@@ -290,7 +367,7 @@ def main() -> None:
         totals["steps"] += len(t["steps"])
         totals["loads"] += sum(1 for x in t.get("transfers", []) if not x[3])
         totals["stores"] += sum(1 for x in t.get("transfers", []) if x[3])
-        diff = differences(t, ours)
+        diff = differences(t, ours) + (late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} {case.get('policy', 'lru')} st={case.get('store_threshold', 0)}/{case.get('max_tracker_size', '-')} lat={case['store_latency']}/{case['load_latency']} "

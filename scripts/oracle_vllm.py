@@ -226,6 +226,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="the connector's store_threshold (2 or 3) and, in some cases, a small max_tracker_size")
         ap.add_argument("--chunks", action="store_true",
                         help="the connector's non-default settings: blocks_per_chunk 1 to 4, offload_prompt_only off in 60 %% of the cases")
+        ap.add_argument("--replies", action="store_true",
+                        help="chat sessions whose hash lists describe the replies the next turns repeat "
+                             "(oracle_fuzz.py --replies), offload_prompt_only off in 60 %% of the cases")
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")

@@ -56,6 +56,10 @@ def to_markdown(record: dict) -> str:
     else:
         lines.append(f"The target was missed even at {hi * base:.4g} req/s (1/{1 / hi:g} of the trace's rate): "
                      "the SLOs cannot be met on this engine for this request mix, whatever the load.")
+    if record.get("session_paced"):
+        lines.append("Sessions are paced (the trace's session_id): each rate is the trace's schedule scaled, think "
+                     "times included, and a turn waits for its previous reply, so requests arrive more slowly than "
+                     "the rate says when replies take longer; the goodput column is what the engine served.")
     if record.get("target_rate_req_s") and record.get("replicas"):
         lines.append(f"For {record['target_rate_req_s']:g} req/s: {record['replicas']} replicas of this engine "
                      "if requests were spread evenly over them.")
@@ -196,6 +200,8 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                                  cost_options=cost_options, on_probe=show, fleet=fleet, disaggregation=disaggregation)
         record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(),
                   "fleet": fleet.to_dict(), **record}
+        if data.session_id is not None and config.scheduler.session_pacing:
+            record["session_paced"] = True
         if disaggregation is not None:
             record["disaggregation"] = disaggregation.to_dict()
         if target_rate is not None:
