@@ -57,14 +57,16 @@ def _sessions(rng, max_model_len: int) -> list[dict]:
 
 def _after_previous_turns(case: dict) -> None:
     """Push each turn's arrival past its previous turn's finish step in simkv's run (vLLM's run
-    is checked for it in `late_turns`)."""
+    is checked for it in `late_turns`), by a step more under async scheduling: its client has
+    the reply once the finishing step's output is processed, a batch later."""
+    lag = 2 if case["opts"].get("async_scheduling") else 1
     for _ in range(30):
         finish = {int(row): v[1] for row, v in run_simkv(case)["requests"].items()}
-        late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] <= finish[r["previous"]]]
+        late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] < finish[r["previous"]] + lag]
         if not late:
             return
         for r in late:
-            r["arrival_step"] = finish[r["previous"]] + 1
+            r["arrival_step"] = finish[r["previous"]] + lag
         case["requests"].sort(key=lambda r: (r["arrival_step"], r["row"]))
     raise RuntimeError("arrivals did not settle after their previous turns")
 

@@ -53,6 +53,9 @@ class TraceStats:
     prompt_blocks: int | None
     reused_blocks: int | None
     distinct_first_blocks: int | None
+    replies_described: int | None = None  # rows whose hash list goes on over the reply
+    sessions: int | None = None  # distinct session_id values (None: no such column)
+    turns_in_sessions: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,7 +93,18 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         prompt_blocks=reuse.total_blocks if reuse else None,
         reused_blocks=reuse.reused_blocks if reuse else None,
         distinct_first_blocks=reuse.distinct_first_blocks if reuse else None,
+        replies_described=_replies_described(trace),
+        sessions=len({x for x in trace.session_id.tolist() if x is not None}) if trace.session_id is not None else None,
+        turns_in_sessions=int(sum(x is not None for x in trace.session_id.tolist())) if trace.session_id is not None
+        else None,
     )
+
+
+def _replies_described(trace: Trace) -> int | None:
+    if trace.hash_offsets is None or trace.hash_block_tokens is None:
+        return None
+    covered = np.diff(trace.hash_offsets) * trace.hash_block_tokens
+    return int(((covered > 0) & (covered >= trace.prompt_tokens + trace.hash_block_tokens)).sum())
 
 
 def format_stats(stats: TraceStats, source: str = "") -> str:
@@ -121,4 +135,8 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
             f"({stats.reused_blocks:,} of {stats.prompt_blocks:,} blocks); "
             f"{stats.distinct_first_blocks:,} distinct first blocks"
         )
+        lines.append(f"replies        {stats.replies_described:,} rows describe their reply (a later prompt may hit it)")
+    if stats.sessions is not None:
+        lines.append(f"sessions       {stats.sessions:,} ({stats.turns_in_sessions:,} rows; a replay paces each turn on "
+                     "its previous reply)")
     return "\n".join(lines)

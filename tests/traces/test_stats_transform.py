@@ -152,3 +152,17 @@ def test_link_replies_needs_the_whole_reply_in_the_next_prompt() -> None:
     frame["block_hashes"] = [[1, 2], [1, 2, 3, 4]]
     linked, count = link_replies(trace_from_frame(frame))
     assert count == 0 and linked.block_hashes(0).tolist() == [1, 2]
+
+
+def test_inspect_counts_described_replies_and_sessions() -> None:
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=10, turns=3), seed=4)
+    stats = trace_stats(trace, 16)
+    described = sum(len(trace.block_hashes(i)) * 16 >= trace.prompt_tokens[i] + 16 for i in range(len(trace)))
+    assert stats.replies_described == described > 0
+    assert (stats.sessions, stats.turns_in_sessions) == (10, len(trace))
+    text = format_stats(stats)
+    assert f"sessions       10 ({len(trace)} rows" in text and f"replies        {described} rows" in text
+    bare = trace_stats(multi_turn(SessionShape(sessions=10, turns=3, reply_hashes=False), seed=4), 16)
+    assert bare.replies_described == 0
