@@ -72,10 +72,10 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")
-    if trace.session_id is not None and config.scheduler.session_pacing and (disaggregation is not None or config.hardware.data_parallel_size > 1
-                                         or (fleet is not None and fleet.num_replicas > 1)):
-        raise ValueError(f"{trace.source}: session pacing (the trace's session_id) is modelled for one engine, "
-                         "not yet for fleets, P/D or data-parallel ranks; replay with --no-session-pacing")
+    if trace.session_id is not None and config.scheduler.session_pacing and (
+            disaggregation is not None or config.hardware.data_parallel_size > 1):
+        raise ValueError(f"{trace.source}: session pacing (the trace's session_id) is modelled for engines and "
+                         "fleets, not yet for P/D or data-parallel ranks; replay with --no-session-pacing")
     if disaggregation is not None:
         if backend is not None or (fleet is not None and fleet.num_replicas > 1):
             raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")

@@ -383,7 +383,7 @@ class DecodeFeed(_EventFeed):
             feed.add_event(end, feed.held.pop(row))
 
     def note_finished(self, finished, tick: int) -> None:
-        self.pd.decode.note_finished(self.replica, len(finished), tick)
+        self.pd.decode.note_finished(self.replica, finished, tick)
 
 
 @dataclass

@@ -207,6 +207,14 @@ class ReplayEngine:
             return self.env.process(self._engine_async())
         return self.env.process(self._engine())
 
+    def next_finish_bound(self) -> int | None:
+        """The earliest tick at which this engine could finish a request it has not yet reported
+        finished (None: it runs none): the end of the step or run it is in (fleets' session
+        pacing bounds other replicas' decode runs by it)."""
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        return self.busy_until if self.config.scheduler.async_scheduling else self.now
+
     @property
     def idle(self) -> bool:
         """Waiting for work (`wake` resumes it)."""

@@ -11,6 +11,7 @@ give the same fleet, byte for byte.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 import numpy as np
@@ -21,17 +22,26 @@ from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
 from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, offload_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
+from simkv.replay.sessions import SessionPacing
 from simkv.replay.step_log import SPEC_COLUMNS
 
 
 class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
-    def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None) -> None:
+    def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None,
+                 session_pacing: bool = False) -> None:
         self.trace = trace
         self.router = router
         n = router.num_replicas
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
+        # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done
+        self.sessions = (SessionPacing(trace, self.rows) if session_pacing and trace.session_id is not None
+                         else None)
+        self.feeds: list[ReplicaFeed] = []  # (each replica's, in replica order: they register)
+        self.engines: list[ReplayEngine] = []
+        self._wake: simpy.Event | None = None  # the router's, while it sleeps (a release may wake it)
+        self._sleep_until: int | None = None
         self._arrival_ticks = self.rows.arrival_ticks
         self._prompts = self.rows.prompt_tokens
         self._has_hashes = trace.hash_ids is not None
@@ -46,24 +56,64 @@ class FleetRouting:
 
     @property
     def all_routed(self) -> bool:
+        if self.sessions is not None:
+            return self.sessions.all_out
         return self.next_index >= len(self._arrival_ticks)
 
     def next_unrouted_ticks(self) -> int | None:
+        if self.sessions is not None:
+            return self.sessions.next_ticks()
         return None if self.all_routed else self._arrival_ticks[self.next_index]
 
-    def note_finished(self, replica: int, count: int, tick: int) -> None:
-        self._finishes[replica].append((tick, count))
+    def note_finished(self, replica: int, finished, tick: int) -> None:
+        self._finishes[replica].append((tick, len(finished)))
+        if self.sessions is not None:
+            n = len(self.trace)
+            for request in finished:
+                if request.index < n:  # (not a parallel-sampling sequence of its own)
+                    self._release(request.index, tick)
+
+    def _release(self, row: int, tick: int) -> None:
+        """Sessions: `row` is done at `tick`; its next turn is due; the router, asleep until a
+        later arrival, wakes to route it."""
+        due = self.sessions.release(row, tick)
+        if due is not None and self._wake is not None and not self._wake.triggered and (
+                self._sleep_until is None or due < self._sleep_until):
+            self._wake.succeed()
+
+    def release_bound(self, replica: int) -> int | None:
+        """Sessions: the earliest tick at which a replica other than `replica` could release a
+        turn (None: none could)."""
+        best = None
+        for r, feed in enumerate(self.feeds):
+            if r != replica:
+                t = feed.earliest_release()
+                if t is not None and (best is None or t < best):
+                    best = t
+        return best
 
     def router_process(self, env, engines: list[ReplayEngine]):
         """The router in simulated time: at each arrival it routes and wakes the idle replica that
         got work (busy ones take it at their next step boundary); once all are routed it wakes the
-        idle ones, which then end. Idle replicas otherwise sleep, however many arrivals pass."""
+        idle ones, which then end. Idle replicas otherwise sleep, however many arrivals pass.
+        With sessions it also wakes when a finish releases a turn due before its next arrival."""
         while True:
             t = self.next_unrouted_ticks()
             if t is None:
-                break
+                if self.all_routed:
+                    break
+                self._sleep_until, self._wake = None, env.event()  # (turns wait for replies)
+                yield self._wake
+                self._wake = None
+                continue
             if t > env.now:
-                yield env.timeout(t - env.now)
+                if self.sessions is None:
+                    yield env.timeout(t - env.now)
+                else:
+                    self._sleep_until, self._wake = t, env.event()
+                    yield env.timeout(t - env.now) | self._wake
+                    self._wake = None
+                    continue
             self.route_until(env.now)
             for r, engine in enumerate(engines):
                 if self.queues[r] and engine.idle:
@@ -74,6 +124,10 @@ class FleetRouting:
 
     def route_until(self, now: int) -> None:
         """Route every request that arrived by tick `now`."""
+        if self.sessions is not None:
+            for tick, i in self.sessions.pop_due(now):
+                self._route(i, tick)
+            return
         ticks, n = self._arrival_ticks, len(self._arrival_ticks)
         i = self.next_index
         while i < n and ticks[i] <= now:
@@ -86,6 +140,8 @@ class FleetRouting:
             self.num_rejected += 1
             if self.on_reject is not None:
                 self.on_reject(1)
+            if self.sessions is not None:
+                self._release(i, tick)
             return
         self.queues[self.assign(i, tick)].append(i)
 
@@ -120,31 +176,64 @@ class ReplicaFeed(ArrivalFeed):
         self.routing = routing
         self.replica = replica
         self.queue = routing.queues[replica]
+        routing.feeds.append(self)
+        # Sessions: (think ticks of its next turn, row) of the rows it runs that have one; rows
+        # finished since they were pushed are dropped when they reach the top.
+        self._next_thinks: list[tuple[int, int]] = []
+        self._done_rows: set[int] = set()
 
     @property
     def exhausted(self) -> bool:
         return self.routing.all_routed and not self.queue
 
     def next_arrival_ticks(self) -> int | None:
-        if self.queue:
-            return self._arrival_ticks[self.queue[0]]
-        return self.routing.next_unrouted_ticks()
+        routing = self.routing
+        nxt = self._arrival_ticks[self.queue[0]] if self.queue else routing.next_unrouted_ticks()
+        if routing.sessions is not None:  # (a turn another replica may release comes to any of them)
+            bound = routing.release_bound(self.replica)
+            if bound is not None and (nxt is None or bound < nxt):
+                return bound
+        return nxt
 
     def deliver_until(self, now: int) -> None:
         self.routing.route_until(now)
         queue, ticks = self.queue, self._arrival_ticks
+        sessions = self.routing.sessions
         while queue and ticks[queue[0]] <= now:
-            self._deliver(queue.popleft())
+            row = queue.popleft()
+            self._deliver(row)
+            if sessions is not None:
+                think = sessions.successor_think(row)
+                if think is not None:
+                    heapq.heappush(self._next_thinks, (think, row))
 
     def note_finished(self, finished, tick: int) -> None:
-        self.routing.note_finished(self.replica, len(finished), tick)
+        if self.routing.sessions is not None:
+            self._done_rows.update(request.index for request in finished)
+        self.routing.note_finished(self.replica, finished, tick)
+
+    def earliest_release(self) -> int | None:
+        """Sessions: the earliest tick at which this replica could release a turn: its engine's
+        next finish at the soonest, plus the least think time among its rows' next turns."""
+        thinks, done = self._next_thinks, self._done_rows
+        while thinks and thinks[0][1] in done:
+            done.discard(heapq.heappop(thinks)[1])
+        if not thinks:
+            return None
+        finish = self.routing.engines[self.replica].next_finish_bound()
+        return None if finish is None else finish + thinks[0][0]
+
+    def arrival_times_s(self):
+        if self.routing.sessions is None:
+            return self.arrivals
+        return np.asarray(self._arrival_list, dtype=np.float64)
 
 
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
               use_decode_runs: bool = True, on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on len(backends) replicas (one backend each) behind `router`."""
     env = simpy.Environment()
-    routing = FleetRouting(trace, router, config.max_model_len)
+    routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing)
     routing.on_reject = on_progress
 
     def feed_of(replica):
@@ -152,6 +241,7 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
 
     engines = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs, on_progress, capacity=capacity,
                             env=env, make_feed=feed_of(r)) for r, backend in enumerate(backends)]
+    routing.engines = engines
     processes = [engine.start(own_arrivals=False) for engine in engines]
     env.process(routing.router_process(env, engines))
     env.run(until=simpy.AllOf(env, processes))
@@ -260,6 +350,8 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
+    if routing.sessions is not None:
+        summary["session_pacing"] = routing.sessions.summary()
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
                         "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
     return summary

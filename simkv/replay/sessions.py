@@ -1,16 +1,21 @@
-"""Session pacing: a conversation's next turn is sent once its previous reply is read.
+"""Session pacing: a conversation's next turn is sent once its previous reply is done.
 
 A trace with a `session_id` column groups rows into conversations, their turns in arrival
 order. A client sends turn k+1 after it has turn k's reply: the replay delivers a turn at
-max(its trace arrival, the previous turn's finish + the turn's `think_time_s`), a rejected turn
-counting as finished when it is rejected. Rows without a session arrive at their trace times.
-Where the engine keeps up with the trace's schedule nothing moves; where it falls behind, a
-conversation waits for its replies instead of sending turns that repeat replies not yet
-written (and the open-loop replay's queue of such turns does not build up).
+max(its trace arrival, the previous turn's finish + the turn's `think_time_s`), and never
+sooner than one clock tick (2^-40 s) after that finish; a rejected turn counts as finished when
+it is rejected. Rows without a session arrive at their trace times. Where the engine keeps up
+with the trace's schedule nothing moves; where it falls behind, a conversation waits for its
+replies instead of sending turns that repeat replies not yet written (and the open-loop
+replay's queue of such turns does not build up).
 
-The feed's arrival times are no longer known in advance: a finish may release a turn. The
-engine asks `next_arrival_ticks` after every finish (decode runs end at finishes), so a decode
-run never passes a released turn's arrival.
+Arrival times are no longer all known in advance: a finish may release a turn. One engine asks
+its feed for the next arrival after every finish (decode runs end at finishes), so a decode run
+never passes a released turn. In a fleet (simkv/replay/fleet.py) a replica's decode run also
+stops by the earliest tick another replica could release a turn: that replica's committed end
+plus the least think time among its requests' next turns (the tick minimum keeps every turn
+released at T due after T, so no routing at T depends on the order in which SimPy resumes
+processes at T).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.core.request import Request
-from simkv.replay.engine import ArrivalFeed
+from simkv.replay.engine import ArrivalFeed, TraceRows
 
 
 def next_turns(session_id: np.ndarray) -> np.ndarray:
@@ -39,71 +44,106 @@ def next_turns(session_id: np.ndarray) -> np.ndarray:
     return following
 
 
-class SessionFeed(ArrivalFeed):
-    """An ArrivalFeed that holds each turn until its previous turn has finished."""
+class SessionPacing:
+    """The rows of a trace with sessions, handed out when due: first turns at their trace times,
+    a next turn once its previous turn is released (finished or rejected). `rows`' arrival lists
+    become this pacing's own: a held turn's entries move to when it was sent."""
 
-    def __init__(self, trace, scheduler, request_log, max_model_len: int, rows=None) -> None:
-        super().__init__(trace, scheduler, request_log, max_model_len, rows)
+    def __init__(self, trace, rows: TraceRows) -> None:
+        self._trace_ticks = list(rows.arrival_ticks)
+        rows.arrival_ticks = list(rows.arrival_ticks)
+        rows.arrival_s = list(rows.arrival_s)
+        self.rows = rows
         n = len(trace)
-        self._trace_ticks = self._arrival_ticks
-        self._arrival_ticks = list(self._arrival_ticks)  # (a held turn's arrival moves)
-        self._arrival_list = list(self._arrival_list)
-        self._next_turn = next_turns(trace.session_id).tolist()
+        self.next_turn = next_turns(trace.session_id).tolist()
         think = trace.think_time_s
-        self._think_ticks = [to_ticks(t) for t in think.tolist()] if think is not None else [0] * n
+        # (at least a tick after the finish that releases it)
+        self.think_ticks = [max(1, to_ticks(t)) for t in think.tolist()] if think is not None else [1] * n
         has_previous = np.zeros(n, bool)
-        following = np.asarray(self._next_turn)
+        following = np.asarray(self.next_turn)
         has_previous[following[following >= 0]] = True
         # (first turns in arrival order: already a heap of (tick, row))
         self._ready = [(self._trace_ticks[i], i) for i in np.flatnonzero(~has_previous).tolist()]
-        self._num_delivered = 0
+        self._num_rows = n
+        self.num_out = 0  # rows handed out
         self.num_sessions = len({s for s in trace.session_id.tolist() if s is not None})
-        self.num_held = 0  # turns delivered later than their trace arrival
+        self.num_held = 0  # turns sent later than their trace arrival
         self.held_ticks = 0  # ... by this much in all
 
     @property
-    def exhausted(self) -> bool:
-        return self._num_delivered >= len(self._next_turn)
+    def all_out(self) -> bool:
+        return self.num_out >= self._num_rows
 
-    def last_arrival_ticks(self) -> int:
-        return max(self._trace_ticks) if self._trace_ticks else 0
-
-    def next_arrival_ticks(self) -> int | None:
+    def next_ticks(self) -> int | None:
+        """When the next row is due (None: none is, until a release)."""
         return self._ready[0][0] if self._ready else None
 
-    def deliver_until(self, now: int) -> None:
+    def pop_due(self, now: int):
+        """The rows due by tick `now`, as (tick, row), in (tick, row) order."""
         ready = self._ready
         while ready and ready[0][0] <= now:
-            tick, i = heapq.heappop(ready)
-            self._num_delivered += 1
-            rejected = self.num_rejected
-            self._deliver(i)
-            if self.num_rejected != rejected:
-                self._release(i, tick)
+            self.num_out += 1
+            yield heapq.heappop(ready)
 
-    def note_finished(self, finished: list[Request], tick: int) -> None:
-        n = len(self._next_turn)
-        for request in finished:
-            if request.index < n:  # (not a parallel-sampling sequence of its own)
-                self._release(request.index, tick)
+    def successor_think(self, row: int) -> int | None:
+        """The think ticks of `row`'s next turn (None: it has none)."""
+        nxt = self.next_turn[row]
+        return self.think_ticks[nxt] if nxt >= 0 else None
 
-    def _release(self, row: int, tick: int) -> None:
-        """Row `row` finished (or was rejected) at `tick`: its session's next turn may be sent."""
-        nxt = self._next_turn[row]
+    def release(self, row: int, tick: int) -> int | None:
+        """Row `row` finished (or was rejected) at `tick`: its session's next turn becomes due.
+        Returns that turn's due tick (None: no next turn)."""
+        nxt = self.next_turn[row]
         if nxt < 0:
-            return
-        due = tick + self._think_ticks[nxt]
+            return None
+        due = tick + self.think_ticks[nxt]
         if due > self._trace_ticks[nxt]:
             self.num_held += 1
             self.held_ticks += due - self._trace_ticks[nxt]
-            self._arrival_ticks[nxt] = due
-            self._arrival_list[nxt] = due / TICKS_PER_SECOND
-        heapq.heappush(self._ready, (self._arrival_ticks[nxt], nxt))
+            self.rows.arrival_ticks[nxt] = due
+            self.rows.arrival_s[nxt] = due / TICKS_PER_SECOND
+        heapq.heappush(self._ready, (self.rows.arrival_ticks[nxt], nxt))
+        return self.rows.arrival_ticks[nxt]
+
+    def summary(self) -> dict:
+        held_s = self.held_ticks / TICKS_PER_SECOND
+        return {"sessions": self.num_sessions, "turns_held": self.num_held,
+                "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
+
+
+class SessionFeed(ArrivalFeed):
+    """One engine's ArrivalFeed that holds each turn until its previous turn has finished."""
+
+    def __init__(self, trace, scheduler, request_log, max_model_len: int) -> None:
+        rows = TraceRows(trace)
+        self.pacing = SessionPacing(trace, rows)
+        super().__init__(trace, scheduler, request_log, max_model_len, rows)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.pacing.all_out
+
+    def last_arrival_ticks(self) -> int:
+        return max(self.pacing._trace_ticks, default=0)
+
+    def next_arrival_ticks(self) -> int | None:
+        return self.pacing.next_ticks()
+
+    def deliver_until(self, now: int) -> None:
+        for tick, i in self.pacing.pop_due(now):
+            rejected = self.num_rejected
+            self._deliver(i)
+            if self.num_rejected != rejected:
+                self.pacing.release(i, tick)
+
+    def note_finished(self, finished: list[Request], tick: int) -> None:
+        n = self.pacing._num_rows
+        for request in finished:
+            if request.index < n:  # (not a parallel-sampling sequence of its own)
+                self.pacing.release(request.index, tick)
 
     def arrival_times_s(self) -> np.ndarray:
         return np.asarray(self._arrival_list, dtype=np.float64)
 
     def pacing_summary(self) -> dict:
-        held_s = self.held_ticks / TICKS_PER_SECOND
-        return {"sessions": self.num_sessions, "turns_held": self.num_held,
-                "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
+        return self.pacing.summary()

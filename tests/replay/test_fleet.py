@@ -102,7 +102,7 @@ def test_least_outstanding_counts_a_finish_only_strictly_before_the_arrival():
 def test_prefix_aware_keeps_conversations_on_the_replica_that_caches_them():
     trace = multi_turn(SessionShape(sessions=120, turns=5, think_time_s=8), seed=2,
                        arrival=ArrivalProcess("poisson", rate=3.0))
-    cfg = EngineConfig.from_flat({"num_gpu_blocks": 3000, "session_pacing": False})  # (fleets replay open loop)
+    cfg = EngineConfig.from_flat({"num_gpu_blocks": 3000})
     results = {router: replay(trace, cfg, fleet=FleetSpec(4, router)).summary
                for router in ("round_robin", "prefix_aware")}
     rr, pa = results["round_robin"], results["prefix_aware"]

@@ -59,7 +59,9 @@ def test_a_rejected_turn_releases_the_next() -> None:
     res = replay(trace_from_frame(frame), CONFIG, "unit")
     req = res.requests.set_index("request_id")
     assert req.loc["a1", "status"] == "rejected"
-    assert req.loc["a2", "arrival_time_s"] == req.loc["a0", "finish_time_s"] + 1.0
+    # a1 is sent a tick after a0's reply (think time 0: a client answers no sooner), rejected then
+    assert req.loc["a1", "arrival_time_s"] == req.loc["a0", "finish_time_s"] + 2.0 ** -40
+    assert req.loc["a2", "arrival_time_s"] == pytest.approx(req.loc["a0", "finish_time_s"] + 1.0, abs=1e-11)
     assert req.loc["a2", "status"] == "finished"
 
 
@@ -85,10 +87,15 @@ def test_paced_replies_are_found_at_any_speed() -> None:
     assert replay(fast, open_loop).summary["prefix_cache_hits_tokens"] < paced[1]
 
 
-def test_fleets_refuse_pacing() -> None:
+def test_pd_and_data_parallel_refuse_pacing() -> None:
+    from simkv.replay.disaggregated import DisaggregationSpec
+
     trace = trace_from_frame(_chat())
-    with pytest.raises(ValueError, match="session pacing .* one engine"):
-        replay(trace, CONFIG, "unit", fleet=FleetSpec(2))
+    with pytest.raises(ValueError, match="session pacing .* not yet for P/D"):
+        replay(trace, CONFIG, "roofline", disaggregation=DisaggregationSpec(1, 1))
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=2048))
+    with pytest.raises(ValueError, match="session pacing .* not yet for P/D or data-parallel"):
+        replay(trace, config, "roofline")
 
 
 def test_think_time_needs_sessions_and_is_checked() -> None:
@@ -111,3 +118,40 @@ def test_cli_flag_and_synth_columns(tmp_path) -> None:
         summary = json.loads((out / "summary.json").read_text())
         assert ("session_pacing" in summary) == paced and summary["config"]["session_pacing"] == paced
     assert np.isfinite(pd.read_parquet(tmp_path / "--session-pacing" / "requests.parquet")["ttft_s"]).all()
+
+
+@pytest.mark.parametrize("router, async_scheduling", [("round_robin", False), ("prefix_aware", False),
+                                                      ("least_outstanding", True)])
+def test_a_fleet_paces_sessions_and_decode_runs_change_nothing(router, async_scheduling, tmp_path) -> None:
+    from simkv.replay.api import save
+
+    trace = multi_turn(SessionShape(sessions=60, turns=4, think_time_s=1.0), seed=6)
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=600, max_model_len=8192, async_scheduling=async_scheduling))
+    for name, runs in (("a", True), ("b", False)):
+        res = replay(trace, config, "roofline", use_decode_runs=runs, fleet=FleetSpec(3, router))
+        res.summary["wall_time_s"] = 0.0
+        save(res, tmp_path / name)
+    for f in ("summary.json", "requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    req = res.requests.set_index("request_id")
+    assert res.summary["session_pacing"]["turns_held"] > 0
+    for s in range(60):  # every turn arrives after its previous turn finished, wherever it ran
+        for t in range(1, 4):
+            if f"s{s}-t{t}" in req.index:
+                assert req.loc[f"s{s}-t{t}", "arrival_time_s"] > req.loc[f"s{s}-t{t - 1}", "finish_time_s"]
+
+
+def test_a_fleet_of_one_paces_as_one_engine() -> None:
+    from simkv.backends.factory import make_backend
+    from simkv.capacity import compute_capacity
+    from simkv.replay.fleet import run_fleet
+    from simkv.replay.router import Router
+
+    trace = multi_turn(SessionShape(sessions=30, turns=4, think_time_s=0.5), seed=2)
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=600, max_model_len=8192))
+    one = replay(trace, config, "roofline")
+    capacity = compute_capacity(config)
+    runs, routing = run_fleet(trace, config, [make_backend("roofline", config)], capacity.num_gpu_blocks,
+                              Router("round_robin", 1), capacity)
+    assert runs[0].steps.num_steps == one.summary["num_steps"]
+    assert np.array_equal(np.asarray(routing.rows.arrival_s), one.requests["arrival_time_s"].to_numpy())
