@@ -28,7 +28,7 @@ import oracle_vllm  # noqa: E402
 
 
 def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_scheduling: bool = False,
-              chunked: bool = False) -> dict:
+              chunked: bool = False, replies: bool = False) -> dict:
     block_size = int(rng.choice([2, 4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -63,17 +63,22 @@ def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
     # (with EAGLE, the groups hold its draft layer too: vLLM buckets it with the full-attention layers)
-    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows),
+    case = {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows),
             "group_chunked": config.kv_cache_groups.chunked}
+    if replies:  # (chat sessions whose next turns repeat the replies; after the other draws)
+        case["requests"] = oracle_vllm.reply_sessions(rng, max_model_len)
+        case["replies"] = True
+        oracle_vllm.after_previous_turns(case, oracle_spec.run_simkv)
+    return case
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, chunked_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, chunked_flag=True, replies_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, chunked=a.chunked) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, chunked=a.chunked, replies=a.replies) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
     oracle_spec.compare_cases(cases, theirs, lambda case: f" groups {case['group_windows']}")
 

@@ -43,7 +43,7 @@ def prefix_caching_options(rng, opts: dict, align: bool) -> None:
         opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
 
 
-def make_case(rng, speculative: bool = False, align: bool = False) -> dict:
+def make_case(rng, speculative: bool = False, align: bool = False, replies: bool = False) -> dict:
     block_size = int(rng.choice([16, 32]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -76,16 +76,20 @@ def make_case(rng, speculative: bool = False, align: bool = False) -> dict:
             "group_linear": [g.linear for g in groups.groups]}
     if align:
         case |= {"mamba_cache_mode": "align", "mamba_prefill_checkpoints": config.mamba_prefill_checkpoints}
+    if replies:  # (chat sessions whose next turns repeat the replies; after the other draws)
+        case["requests"] = oracle_vllm.reply_sessions(rng, max_model_len)
+        case["replies"] = True
+        oracle_vllm.after_previous_turns(case, oracle_spec.run_simkv)
     return case
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, align_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, align_flag=True, replies_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.align) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.align, a.replies) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(str(Path(__file__).parent / "oracle_spec.py"), cases, a)
     oracle_spec.compare_cases(cases, theirs, lambda case: f" linear groups {case['group_linear']}")
 

@@ -33,51 +33,6 @@ from oracle_pd import differences as pd_differences  # noqa: E402
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
-def _sessions(rng, max_model_len: int) -> list[dict]:
-    """Chat sessions of 8-token hash blocks: turn k's prompt = turn k-1's prompt + reply + new
-    tokens; most rows' lists go on over their reply. Each row notes its previous turn's row."""
-    requests = []
-    for session in range(int(rng.integers(2, 8))):
-        stream = [int(rng.integers(0, 3))] + [int(x) for x in rng.integers(10 + 1000 * session, 10 + 1000 * (session + 1), 80)]
-        prompt, step, previous = 0, int(rng.integers(0, 20)), -1
-        for turn in range(int(rng.integers(1, 6))):
-            prompt += int(rng.integers(8 if turn == 0 else 1, 40))
-            output = int(rng.integers(1, 40))
-            if prompt >= max_model_len:
-                break
-            covered = prompt + output if rng.random() < 0.8 else prompt
-            row = len(requests)
-            requests.append({"row": row, "arrival_step": step, "prompt": prompt, "output": output,
-                             "priority": int(rng.integers(0, 3)), "block_hashes": stream[:-(-covered // 8)],
-                             "previous": previous})
-            prompt, previous, step = prompt + output, row, step + int(rng.integers(0, 4))
-    requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
-    return requests
-
-
-def _after_previous_turns(case: dict) -> None:
-    """Push each turn's arrival past its previous turn's finish step in simkv's run (vLLM's run
-    is checked for it in `late_turns`), by a step more under async scheduling: its client has
-    the reply once the finishing step's output is processed, a batch later."""
-    lag = 2 if case["opts"].get("async_scheduling") else 1
-    for _ in range(30):
-        finish = {int(row): v[1] for row, v in run_simkv(case)["requests"].items()}
-        late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] < finish[r["previous"]] + lag]
-        if not late:
-            return
-        for r in late:
-            r["arrival_step"] = finish[r["previous"]] + lag
-        case["requests"].sort(key=lambda r: (r["arrival_step"], r["row"]))
-    raise RuntimeError("arrivals did not settle after their previous turns")
-
-
-def late_turns(case: dict, theirs: dict) -> list[str]:
-    """Turns that arrived in vLLM's run before their previous turn finished there."""
-    finish = {int(row): v[1] for row, v in theirs["requests"].items()}
-    late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] <= finish.get(r["previous"], -1)]
-    return [f"{len(late)} turns arrived before their previous turn finished in vLLM's run"] if late else []
-
-
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
@@ -114,12 +69,14 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
         case["blocks_per_chunk"] = int(rng.choice([1, 2, 3, 4]))
         case["prompt_only"] = bool(rng.random() < 0.4)
     if replies:  # (chat sessions instead of the random requests above)
-        case["requests"] = _sessions(rng, max_model_len)
+        from oracle_vllm import after_previous_turns, reply_sessions
+
+        case["requests"] = reply_sessions(rng, max_model_len)
         case["replies"] = True
         if "blocks_per_chunk" not in case:  # (the connector's settings travel together: tests/core/helpers.py)
             case["blocks_per_chunk"] = 1
             case["prompt_only"] = bool(rng.random() < 0.4)
-        _after_previous_turns(case)
+        after_previous_turns(case, run_simkv)
     if store_threshold:  # (vLLM's admission filter: a chunk is stored at its Nth offer)
         case["store_threshold"] = int(rng.choice([2, 3]))
         if rng.random() < 0.4:
@@ -128,25 +85,6 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
-def _sample_reply_content(case: dict) -> None:
-    """The fake model samples a row's content token where its hash list describes the reply (a
-    list longer than its prompt needs), so vLLM hashes the reply as the next prompt has it."""
-    import oracle
-
-    rows = {r["row"]: r for r in case["requests"]}
-    plain = oracle.fake_output_token
-
-    def sample(row: int, position: int) -> int:
-        r = rows.get(row)
-        ids = r.get("block_hashes") if r else None
-        if ids and len(ids) * 8 >= r["prompt"] + 8 and position < len(ids) * 8:
-            return oracle.hashed_token_id(int(ids[position // 8]), 8, position % 8)
-        return plain(row, position)
-
-    oracle.fake_output_token = sample
-
-
-
 class _Ordered(dict):
     """An insertion-ordered set for the scheduler's finished_req_ids (vLLM iterates a set of
     strings, whose order changes with PYTHONHASHSEED; simkv retires them in running order)."""
@@ -176,7 +114,7 @@ class _VllmOffload:
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
                                                               async_scheduling=async_scheduling)
         if case.get("replies"):
-            _sample_reply_content(case)
+            oracle_vllm.sample_reply_content(case)
         sched = self.sched
         assert sched.connector.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
         self.hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -369,7 +307,7 @@ def main() -> None:
         totals["steps"] += len(t["steps"])
         totals["loads"] += sum(1 for x in t.get("transfers", []) if not x[3])
         totals["stores"] += sum(1 for x in t.get("transfers", []) if x[3])
-        diff = differences(t, ours) + (late_turns(case, t) if case.get("replies") else [])
+        diff = differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} {case.get('policy', 'lru')} st={case.get('store_threshold', 0)}/{case.get('max_tracker_size', '-')} lat={case['store_latency']}/{case['load_latency']} "

@@ -74,6 +74,8 @@ def run_vllm(case: dict) -> dict:
                         "mamba_cache_mode": case.get("mamba_cache_mode"),
                         "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
+    if case.get("replies"):  # (the fake model samples the replies' content: --replies)
+        oracle_vllm.sample_reply_content(case)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
@@ -158,7 +160,7 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
         totals["steps"] += len(t["steps"])
         totals["hits"] += t["prefix"][1]
         totals["accepted"] += t["accepted"]
-        diff = case_differences(t, ours)
+        diff = case_differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i}{label(case)}: " + "; ".join(diff) + f" -- {case['opts']}")

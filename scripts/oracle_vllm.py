@@ -196,9 +196,75 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
 
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
+# ---- replies the next turn repeats (--replies) -----------------------------------------------------
+def reply_sessions(rng, max_model_len: int) -> list[dict]:
+    """Chat sessions of 8-token hash blocks: turn k's prompt = turn k-1's prompt + reply + new
+    tokens; most rows' lists go on over their reply. Each row notes its previous turn's row."""
+    requests = []
+    for session in range(int(rng.integers(2, 8))):
+        stream = [int(rng.integers(0, 3))] + [int(x) for x in rng.integers(10 + 1000 * session, 10 + 1000 * (session + 1), 80)]
+        prompt, step, previous = 0, int(rng.integers(0, 20)), -1
+        for turn in range(int(rng.integers(1, 6))):
+            prompt += int(rng.integers(8 if turn == 0 else 1, 40))
+            output = int(rng.integers(1, 40))
+            if prompt >= max_model_len:
+                break
+            covered = prompt + output if rng.random() < 0.8 else prompt
+            row = len(requests)
+            requests.append({"row": row, "arrival_step": step, "prompt": prompt, "output": output,
+                             "priority": int(rng.integers(0, 3)), "block_hashes": stream[:-(-covered // 8)],
+                             "previous": previous})
+            prompt, previous, step = prompt + output, row, step + int(rng.integers(0, 4))
+    requests.sort(key=lambda r: (r["arrival_step"], r["row"]))
+    return requests
+
+
+def after_previous_turns(case: dict, run_simkv) -> None:
+    """Push each turn's arrival past its previous turn's finish step in simkv's run (`run_simkv`,
+    whose result has per-request [first token, finish] steps; vLLM's run is checked in
+    `late_turns`), by a step more under async scheduling: its client has the reply once the
+    finishing step's output is processed, a batch later."""
+    lag = 2 if case["opts"].get("async_scheduling") else 1
+    for _ in range(30):
+        finish = {int(row): v[1] for row, v in run_simkv(case)["requests"].items()}
+        late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] < finish[r["previous"]] + lag]
+        if not late:
+            return
+        for r in late:
+            r["arrival_step"] = finish[r["previous"]] + lag
+        case["requests"].sort(key=lambda r: (r["arrival_step"], r["row"]))
+    raise RuntimeError("arrivals did not settle after their previous turns")
+
+
+def late_turns(case: dict, theirs: dict) -> list[str]:
+    """Turns that arrived in vLLM's run before their previous turn finished there."""
+    finish = {int(row): v[1] for row, v in theirs["requests"].items()}
+    late = [r for r in case["requests"] if r["previous"] >= 0 and r["arrival_step"] <= finish.get(r["previous"], -1)]
+    return [f"{len(late)} turns arrived before their previous turn finished in vLLM's run"] if late else []
+
+
+def sample_reply_content(case: dict) -> None:
+    """(vLLM's side) The fake model samples a row's content token where its hash list describes
+    the reply (a list longer than its prompt needs), so vLLM hashes the reply as the next
+    prompt has it."""
+    import oracle
+
+    rows = {r["row"]: r for r in case["requests"]}
+    plain = oracle.fake_output_token
+
+    def sample(row: int, position: int) -> int:
+        r = rows.get(row)
+        ids = r.get("block_hashes") if r else None
+        if ids and len(ids) * 8 >= r["prompt"] + 8 and position < len(ids) * 8:
+            return oracle.hashed_token_id(int(ids[position // 8]), 8, position % 8)
+        return plain(row, position)
+
+    oracle.fake_output_token = sample
+
+
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
-                align_flag: bool = False, offload_flag: bool = False):
+                align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -226,9 +292,11 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="the connector's store_threshold (2 or 3) and, in some cases, a small max_tracker_size")
         ap.add_argument("--chunks", action="store_true",
                         help="the connector's non-default settings: blocks_per_chunk 1 to 4, offload_prompt_only off in 60 %% of the cases")
+
+    if offload_flag or replies_flag:
         ap.add_argument("--replies", action="store_true",
                         help="chat sessions whose hash lists describe the replies the next turns repeat "
-                             "(oracle_fuzz.py --replies), offload_prompt_only off in 60 %% of the cases")
+                             "(oracle_fuzz.py --replies; with offloading, offload_prompt_only off in 60 %% of them)")
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")

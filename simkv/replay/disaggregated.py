@@ -144,10 +144,13 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
 
 
 class PrefillRouting(FleetRouting):
-    """The prefill router: a fleet's, counting the requests it sent that are not yet handed off."""
+    """The prefill router: a fleet's, counting the requests it sent that are not yet handed off.
+    With sessions it paces the turns, which the decode side finishes."""
 
-    def __init__(self, trace, router: Router, max_model_len: int) -> None:
-        super().__init__(trace, router, max_model_len)
+    finishes_turns = False
+
+    def __init__(self, trace, router: Router, max_model_len: int, session_pacing: bool = False) -> None:
+        super().__init__(trace, router, max_model_len, session_pacing=session_pacing)
         self.num_in_prefill = 0
 
     def _route(self, i: int, tick: int) -> None:
@@ -162,10 +165,12 @@ class PDRouting:
     a row reaches the decode pool at `handoff_tick(row)`)."""
 
     def __init__(self, trace, spec: DisaggregationSpec, prefill_router: Router, decode_router: Router,
-                 max_model_len: int, decode_data_parallel_size: int = 1) -> None:
+                 max_model_len: int, decode_data_parallel_size: int = 1, session_pacing: bool = False) -> None:
         self.trace = trace
         self.spec = spec
-        self.prefill = PrefillRouting(trace, prefill_router, max_model_len)
+        # (sessions: turns paced by the prefill router, released by the decode side's finishes)
+        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, session_pacing)
+        self.decode_feeds: list[DecodeFeed] = []
         self.rows = self.prefill.rows
         if decode_data_parallel_size > 1:  # one data-parallel decode engine: its ranks, its balancer
             from simkv.replay.data_parallel import DPRouting
@@ -247,6 +252,10 @@ class PDRouting:
                 earliest = busy
             elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r]:
                 earliest = self.prefill.next_unrouted_ticks()
+                if self.prefill.sessions is not None:  # (or a turn a decode replica's finish releases)
+                    release = self.release_bound()
+                    if release is not None and (earliest is None or release < earliest):
+                        earliest = release
                 if earliest is None:
                     continue
             else:
@@ -255,6 +264,18 @@ class PDRouting:
             if bound is None or earliest < bound:
                 bound = earliest
         return bound
+
+    def release_bound(self) -> int | None:
+        """Sessions: the earliest tick at which a decode replica could release a turn."""
+        bounds = [t for t in (feed.earliest_release() for feed in self.decode_feeds) if t is not None]
+        return min(bounds) if bounds else None
+
+    def turns_done(self, finished: list[Request], tick: int) -> None:
+        """Sessions: the decode side finished these requests at `tick`: their turns are done."""
+        n = len(self.trace)
+        for request in finished:
+            if request.index < n:  # (not a parallel-sampling sequence of its own)
+                self.prefill.release(request.index, tick)
 
     def wake_at(self, engine: ReplayEngine, tick: int):
         """A transfer ends at `tick`: an idle engine then polls (vLLM's engine steps while a
@@ -271,6 +292,8 @@ class _EventFeed(ReplicaFeed):
 
     def __init__(self, pd: PDRouting, replica: int, queue: deque, trace, scheduler, request_log, max_model_len: int):
         ArrivalFeed.__init__(self, trace, scheduler, request_log, max_model_len, pd.rows)
+        self._next_thinks: list[tuple[int, int]] = []  # (sessions, decode side: ReplicaFeed's)
+        self._done_rows: set[int] = set()
         self.routing = pd.prefill
         self.replica = replica
         self.queue = queue  # what the pool's router sent here, not yet delivered
@@ -336,6 +359,7 @@ class DecodeFeed(_EventFeed):
 
     def __init__(self, pd: PDRouting, replica: int, *args, block_bytes: int):
         super().__init__(pd, replica, pd.decode.queues[replica], *args)
+        pd.decode_feeds.append(self)
         self.block_bytes = block_bytes
         spec = self.pd.spec
         self._ticks_per_byte = TICKS_PER_SECOND / (spec.kv_link_gbps * 1e9)
@@ -357,8 +381,14 @@ class DecodeFeed(_EventFeed):
         pd = self.pd
         pd.route_handoffs_until(now)
         queue = self.queue
+        sessions = pd.prefill.sessions
         while queue and pd.handoff_tick(queue[0]) <= now:
-            self.scheduler.add_request(self.make_request(queue.popleft()))
+            row = queue.popleft()
+            self.scheduler.add_request(self.make_request(row))
+            if sessions is not None:
+                think = sessions.successor_think(row)
+                if think is not None:
+                    heapq.heappush(self._next_thinks, (think, row))
 
     def make_request(self, i: int) -> Request:
         request = super().make_request(i)
@@ -384,6 +414,19 @@ class DecodeFeed(_EventFeed):
 
     def note_finished(self, finished, tick: int) -> None:
         self.pd.decode.note_finished(self.replica, finished, tick)
+        if self.pd.prefill.sessions is not None:
+            self._done_rows.update(request.index for request in finished)
+            self.pd.turns_done(finished, tick)
+
+    def earliest_release(self) -> int | None:
+        """Sessions: the earliest tick at which this replica could end a turn that has a next one."""
+        thinks, done = self._next_thinks, self._done_rows
+        while thinks and thinks[0][1] in done:
+            done.discard(heapq.heappop(thinks)[1])
+        if not thinks:
+            return None
+        finish = self.engine.next_finish_bound()
+        return None if finish is None else finish + thinks[0][0]
 
 
 @dataclass
@@ -403,7 +446,8 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     decode_router = Router(spec.decode_router, spec.num_decode, spec.router_options,
                            cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
     decode_dp = decode_config.hardware.data_parallel_size
-    pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp)
+    pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp,
+                   session_pacing=prefill_config.scheduler.session_pacing and decode_dp == 1)
     pd.env = env
     pd.prefill.on_reject = on_progress
     block_bytes = decode_capacity.block_bytes  # (one block of one KV-cache group: a pull counts each group's)

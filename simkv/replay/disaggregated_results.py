@@ -58,6 +58,8 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     prefill = fleet_summary(run.prefill_runs, pd_.prefill, trace, prefill_config, backends[0], capacities[0], 0.0,
                             prefill_requests, per_prefill)
     summary = {k: v for k, v in decode.items() if k != "fleet"}
+    if "session_pacing" in prefill:  # (the prefill router paces the turns)
+        summary["session_pacing"] = prefill["session_pacing"]
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
     pulled = pd_.pull_end >= 0
     pull_s = (pd_.pull_end[pulled] - pd_.pull_start[pulled]) / TICKS_PER_SECOND

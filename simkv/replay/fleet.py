@@ -65,13 +65,20 @@ class FleetRouting:
             return self.sessions.next_ticks()
         return None if self.all_routed else self._arrival_ticks[self.next_index]
 
+    #: Sessions: a request's finish here ends its turn (P/D's prefill pool: the decode side's does).
+    finishes_turns = True
+
     def note_finished(self, replica: int, finished, tick: int) -> None:
         self._finishes[replica].append((tick, len(finished)))
-        if self.sessions is not None:
+        if self.sessions is not None and self.finishes_turns:
             n = len(self.trace)
             for request in finished:
                 if request.index < n:  # (not a parallel-sampling sequence of its own)
                     self._release(request.index, tick)
+
+    def release(self, row: int, tick: int) -> None:
+        """Sessions: `row`'s turn ended at `tick` elsewhere (P/D: on the decode side)."""
+        self._release(row, tick)
 
     def _release(self, row: int, tick: int) -> None:
         """Sessions: `row` is done at `tick`; its next turn is due; the router, asleep until a

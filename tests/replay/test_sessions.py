@@ -87,15 +87,33 @@ def test_paced_replies_are_found_at_any_speed() -> None:
     assert replay(fast, open_loop).summary["prefix_cache_hits_tokens"] < paced[1]
 
 
-def test_pd_and_data_parallel_refuse_pacing() -> None:
+def test_data_parallel_refuses_pacing() -> None:
+    trace = trace_from_frame(_chat())
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=2048))
+    with pytest.raises(ValueError, match="session pacing .* not yet for data-parallel ranks"):
+        replay(trace, config, "roofline")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pd_paces_sessions_on_the_decode_side_and_decode_runs_change_nothing(async_scheduling, tmp_path) -> None:
+    from simkv.replay.api import save
     from simkv.replay.disaggregated import DisaggregationSpec
 
-    trace = trace_from_frame(_chat())
-    with pytest.raises(ValueError, match="session pacing .* not yet for P/D"):
-        replay(trace, CONFIG, "roofline", disaggregation=DisaggregationSpec(1, 1))
-    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=2048))
-    with pytest.raises(ValueError, match="session pacing .* not yet for P/D or data-parallel"):
-        replay(trace, config, "roofline")
+    trace = multi_turn(SessionShape(sessions=40, turns=4, think_time_s=0.5), seed=8)
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=600, max_model_len=8192, async_scheduling=async_scheduling))
+    spec = DisaggregationSpec(2, 2)
+    for name, runs in (("a", True), ("b", False)):
+        res = replay(trace, config, "roofline", use_decode_runs=runs, disaggregation=spec)
+        res.summary["wall_time_s"] = 0.0
+        save(res, tmp_path / name)
+    for f in ("summary.json", "requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    req = res.requests.set_index("request_id")
+    assert res.summary["session_pacing"]["turns_held"] > 0
+    for s in range(40):  # a turn is sent after the decode side finished its previous one
+        for t in range(1, 4):
+            if f"s{s}-t{t}" in req.index:
+                assert req.loc[f"s{s}-t{t}", "arrival_time_s"] > req.loc[f"s{s}-t{t - 1}", "finish_time_s"]
 
 
 def test_think_time_needs_sessions_and_is_checked() -> None:
