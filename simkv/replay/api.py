@@ -59,10 +59,6 @@ def collector_paused(pause: bool = True):
             gc.enable()
 
 
-_PACING_NOT_DP = ("{}: session pacing (the trace's session_id) is modelled for engines, fleets and P/D pools, not "
-                  "yet for data-parallel ranks; replay with --no-session-pacing")
-
-
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None,
            pause_collector: bool = True, goodput: dict | None = None, fleet: FleetSpec | None = None,
@@ -76,8 +72,6 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")
-    if trace.session_id is not None and config.scheduler.session_pacing and config.hardware.data_parallel_size > 1:
-        raise ValueError(_PACING_NOT_DP.format(trace.source))
     if disaggregation is not None:
         if backend is not None or (fleet is not None and fleet.num_replicas > 1):
             raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")
@@ -156,8 +150,6 @@ def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_ru
     from simkv.replay.disaggregated_results import pd_summary, pd_tables
 
     configs = spec.pool_configs(config)
-    if trace.session_id is not None and configs[0].scheduler.session_pacing and configs[1].hardware.data_parallel_size > 1:
-        raise ValueError(_PACING_NOT_DP.format(trace.source))
     capacities = [compute_capacity(c) for c in configs]
     check_pull_fits(configs[1], capacities[1])
     seed = cost_options.get("noise_seed", 0)

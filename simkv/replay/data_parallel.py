@@ -45,8 +45,8 @@ class DPBalancer:
 class DPRouting(FleetRouting):
     """A fleet's routing with vLLM's data-parallel load balancer instead of a router."""
 
-    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None) -> None:
-        super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows)
+    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False) -> None:
+        super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing)
         self.snapshot = [[0, 0, 0.0] for _ in range(num_ranks)]  # waiting, running, KV cache usage
         self._snapshot_tick: int | None = None
         self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
@@ -83,7 +83,7 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     roofline built for that data parallelism)."""
     dp = config.hardware.data_parallel_size
     env = simpy.Environment()
-    routing = DPRouting(trace, dp, config.max_model_len)
+    routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing)
     routing.on_reject = on_progress
 
     def feed_of(rank):
@@ -91,6 +91,7 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
 
     ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
                           capacity=capacity, env=env, make_feed=feed_of(r)) for r in range(dp)]
+    routing.engines = ranks
     group = env.process((lockstep_async if config.scheduler.async_scheduling else lockstep)(env, ranks, backend, routing))
     env.process(routing.router_process(env, ranks))  # (it wakes the idle group at arrivals, as a fleet's replicas)
     env.run(until=group)

@@ -447,7 +447,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
                            cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
     decode_dp = decode_config.hardware.data_parallel_size
     pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp,
-                   session_pacing=prefill_config.scheduler.session_pacing and decode_dp == 1)
+                   session_pacing=prefill_config.scheduler.session_pacing)
     pd.env = env
     pd.prefill.on_reject = on_progress
     block_bytes = decode_capacity.block_bytes  # (one block of one KV-cache group: a pull counts each group's)

@@ -87,11 +87,32 @@ def test_paced_replies_are_found_at_any_speed() -> None:
     assert replay(fast, open_loop).summary["prefix_cache_hits_tokens"] < paced[1]
 
 
-def test_data_parallel_refuses_pacing() -> None:
-    trace = trace_from_frame(_chat())
-    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=2048))
-    with pytest.raises(ValueError, match="session pacing .* not yet for data-parallel ranks"):
-        replay(trace, config, "roofline")
+def _assert_paced(res, sessions: int, turns: int) -> None:
+    req = res.requests.set_index("request_id")
+    assert res.summary["session_pacing"]["turns_held"] > 0
+    for s in range(sessions):  # a turn is sent after its previous turn finished, wherever it ran
+        for t in range(1, turns):
+            if f"s{s}-t{t}" in req.index and req.loc[f"s{s}-t{t - 1}", "status"] == "finished":
+                assert req.loc[f"s{s}-t{t}", "arrival_time_s"] > req.loc[f"s{s}-t{t - 1}", "finish_time_s"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_data_parallel_ranks_pace_sessions(async_scheduling) -> None:
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = multi_turn(SessionShape(sessions=30, turns=4, think_time_s=0.5), seed=9)
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=8192,
+                                         async_scheduling=async_scheduling))
+    res = replay(trace, config, "roofline")
+    _assert_paced(res, 30, 4)
+    again = replay(trace, config, "roofline")  # (deterministic)
+    assert again.requests.equals(res.requests)
+    # a P/D decode pool that is one data-parallel engine
+    spec = DisaggregationSpec(1, 1, decode_options=(("data_parallel_size", 2),))
+    pd_res = replay(trace, EngineConfig.from_flat(dict(model="deepseek-v2-lite", max_model_len=8192,
+                                                       async_scheduling=async_scheduling)),
+                    "roofline", disaggregation=spec)
+    _assert_paced(pd_res, 30, 4)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -108,12 +129,7 @@ def test_pd_paces_sessions_on_the_decode_side_and_decode_runs_change_nothing(asy
         save(res, tmp_path / name)
     for f in ("summary.json", "requests.parquet", "steps.parquet"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    req = res.requests.set_index("request_id")
-    assert res.summary["session_pacing"]["turns_held"] > 0
-    for s in range(40):  # a turn is sent after the decode side finished its previous one
-        for t in range(1, 4):
-            if f"s{s}-t{t}" in req.index:
-                assert req.loc[f"s{s}-t{t}", "arrival_time_s"] > req.loc[f"s{s}-t{t - 1}", "finish_time_s"]
+    _assert_paced(res, 40, 4)  # (the decode side finished the previous turn)
 
 
 def test_think_time_needs_sessions_and_is_checked() -> None:
@@ -151,12 +167,7 @@ def test_a_fleet_paces_sessions_and_decode_runs_change_nothing(router, async_sch
         save(res, tmp_path / name)
     for f in ("summary.json", "requests.parquet", "steps.parquet"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    req = res.requests.set_index("request_id")
-    assert res.summary["session_pacing"]["turns_held"] > 0
-    for s in range(60):  # every turn arrives after its previous turn finished, wherever it ran
-        for t in range(1, 4):
-            if f"s{s}-t{t}" in req.index:
-                assert req.loc[f"s{s}-t{t}", "arrival_time_s"] > req.loc[f"s{s}-t{t - 1}", "finish_time_s"]
+    _assert_paced(res, 60, 4)
 
 
 def test_a_fleet_of_one_paces_as_one_engine() -> None:
