@@ -39,7 +39,7 @@ from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.config import ConfigError, EngineConfig
 from simkv.core.request import KV_PULL, KV_SEND, Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayError, ReplayRun
-from simkv.replay.fleet import FleetRouting, ReplicaFeed
+from simkv.replay.fleet import FleetRouting, ReplicaFeed, earliest_release
 from simkv.replay.router import ROUTERS, Router, RouterOptions
 
 
@@ -420,13 +420,7 @@ class DecodeFeed(_EventFeed):
 
     def earliest_release(self) -> int | None:
         """Sessions: the earliest tick at which this replica could end a turn that has a next one."""
-        thinks, done = self._next_thinks, self._done_rows
-        while thinks and thinks[0][1] in done:
-            done.discard(heapq.heappop(thinks)[1])
-        if not thinks:
-            return None
-        finish = self.engine.next_finish_bound()
-        return None if finish is None else finish + thinks[0][0]
+        return earliest_release(self._next_thinks, self._done_rows, self.engine)
 
 
 @dataclass

@@ -174,6 +174,19 @@ class FleetRouting:
         return r
 
 
+def earliest_release(next_thinks: list[tuple[int, int]], done_rows: set[int], engine: ReplayEngine) -> int | None:
+    """Sessions: the earliest tick at which `engine` could end a turn that has a next one: its
+    next finish at the soonest, plus the least think time among its rows' next turns
+    (`next_thinks`: a heap of (think ticks, row) of the rows it runs; `done_rows`: those since
+    finished, dropped here when they reach the top)."""
+    while next_thinks and next_thinks[0][1] in done_rows:
+        done_rows.discard(heapq.heappop(next_thinks)[1])
+    if not next_thinks:
+        return None
+    finish = engine.next_finish_bound()
+    return None if finish is None else finish + next_thinks[0][0]
+
+
 class ReplicaFeed(ArrivalFeed):
     """One replica's arrivals: the requests the router sent it. Its lookahead stops at the fleet's
     next arrival too, since that request might be sent here."""
@@ -220,15 +233,8 @@ class ReplicaFeed(ArrivalFeed):
         self.routing.note_finished(self.replica, finished, tick)
 
     def earliest_release(self) -> int | None:
-        """Sessions: the earliest tick at which this replica could release a turn: its engine's
-        next finish at the soonest, plus the least think time among its rows' next turns."""
-        thinks, done = self._next_thinks, self._done_rows
-        while thinks and thinks[0][1] in done:
-            done.discard(heapq.heappop(thinks)[1])
-        if not thinks:
-            return None
-        finish = self.routing.engines[self.replica].next_finish_bound()
-        return None if finish is None else finish + thinks[0][0]
+        """Sessions: the earliest tick at which this replica could release a turn."""
+        return earliest_release(self._next_thinks, self._done_rows, self.routing.engines[self.replica])
 
     def arrival_times_s(self):
         if self.routing.sessions is None:
