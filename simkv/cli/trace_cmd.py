@@ -171,7 +171,11 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
     result = transform(read_trace(path), edits)
     note = ""
     if link_replies:
+        had_sessions = result.session_id is not None
         result, linked = replies.link_replies(result)
         note = f"; {linked:,} replies linked to the prompts that repeat them"
+        if not had_sessions and result.session_id is not None:
+            chains = len({s for s in result.session_id.tolist() if s is not None})
+            note += f", in {chains:,} sessions (chains of linked requests, paced in replays)"
     write_trace(result, out)
     click.echo(f"wrote {len(result):,} requests to {out}{note}")

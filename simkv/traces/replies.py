@@ -17,6 +17,11 @@ i's prompt needs (a reply that ends inside the prompt's last hash block stays un
 This is an inference: a client that edits the reply before sending it back (reasoning removed,
 say), or two conversations whose whole prompts agree, defeat it. The count of linked rows is
 reported so that it can be checked against what the trace is.
+
+A trace without `session_id` also gets one from the links: a row that continues another could
+not have been sent before that reply existed, so each chain of linked rows becomes a session
+(`chain-<request_id of its first row>`; rows in no chain get none), which a replay paces
+(simkv/replay/sessions.py; think times 0: a turn waits for its previous reply and no longer).
 """
 from __future__ import annotations
 
@@ -72,4 +77,18 @@ def link_replies(trace: Trace) -> tuple[Trace, int]:
     starts = trace.hash_offsets[source_rows]
     new_offsets = np.concatenate(([0], np.cumsum(new_lengths)))
     positions = np.repeat(starts, new_lengths) + (np.arange(int(new_offsets[-1])) - np.repeat(new_offsets[:-1], new_lengths))
-    return replace(trace, hash_ids=trace.hash_ids[positions], hash_offsets=new_offsets.astype(np.int64)), linked
+    trace = replace(trace, hash_ids=trace.hash_ids[positions], hash_offsets=new_offsets.astype(np.int64))
+    if trace.session_id is None:
+        trace = replace(trace, session_id=_chains(continued_by, trace.request_id))
+    return trace, linked
+
+
+def _chains(continued_by: list[int], request_id: np.ndarray) -> np.ndarray:
+    """A session id per chain of linked rows (rows come after the rows they continue)."""
+    session = np.full(len(continued_by), None, dtype=object)
+    for i, j in enumerate(continued_by):
+        if j >= 0:
+            if session[i] is None:
+                session[i] = f"chain-{request_id[i]}"
+            session[j] = session[i]
+    return session

@@ -147,11 +147,12 @@ def test_link_replies_needs_the_whole_reply_in_the_next_prompt() -> None:
                           "block_hashes": [[1, 2], [1, 2, 3, 4, 5]], "hash_block_tokens": [4, 4]})
     linked, count = link_replies(trace_from_frame(frame))
     assert count == 1 and linked.block_hashes(0).tolist() == [1, 2, 3, 4, 5]
+    assert linked.session_id.tolist() == ["chain-0", "chain-0"]  # (row 1 waits for row 0's reply)
     # A shorter next prompt (the reply edited before it was sent back): left alone.
     frame["prompt_tokens"] = [8, 16]
     frame["block_hashes"] = [[1, 2], [1, 2, 3, 4]]
     linked, count = link_replies(trace_from_frame(frame))
-    assert count == 0 and linked.block_hashes(0).tolist() == [1, 2]
+    assert count == 0 and linked.block_hashes(0).tolist() == [1, 2] and linked.session_id is None
 
 
 def test_inspect_counts_described_replies_and_sessions() -> None:
