@@ -36,7 +36,21 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 # ---- cases ------------------------------------------------------------------------------------
 def make_case(rng, speculative: bool = False, hybrid: bool = False, async_scheduling: bool = False,
-              linear: bool = False, align: bool = False) -> dict:
+              linear: bool = False, align: bool = False, replies: bool = False) -> dict:
+    case = _make_case(rng, speculative, hybrid, async_scheduling, linear, align)
+    if replies:  # (chat sessions whose next turns repeat the replies; plain and pulled, after the other draws)
+        import oracle_vllm
+
+        case["requests"] = oracle_vllm.reply_sessions(rng, case["opts"]["max_model_len"])
+        for r in case["requests"]:
+            r["role"] = int(rng.choice([PLAIN, PULL, PULL]))
+            r["latency"] = int(rng.integers(1, 6))
+        case["replies"] = True
+        oracle_vllm.after_previous_turns(case, run_simkv)
+    return case
+
+
+def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, linear: bool, align: bool) -> dict:
     block_size = int(rng.choice([16, 32] if linear else [4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
@@ -240,6 +254,8 @@ class _VllmPD:
                                      kv_connector_module_path="oracle_pd")
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
                                                               async_scheduling=async_scheduling)
+        if case.get("replies"):  # (the fake model samples the replies' content: --replies)
+            oracle_vllm.sample_reply_content(case)
         import oracle_pd  # the connector's class as the scheduler loaded it
         self.admitted = oracle_pd.FakePDConnector.admitted  # pulls each schedule() admits
         self.admitted.clear()
@@ -433,12 +449,13 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
-                                linear_flag=True, align_flag=True)
+                                linear_flag=True, align_flag=True, replies_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies)
+             for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, pulls=0, sends=0, steps=0)
@@ -448,7 +465,7 @@ def main() -> None:
         totals["pulls"] += sum(r["role"] == PULL for r in case["requests"])
         totals["sends"] += sum(r["role"] == SEND for r in case["requests"])
         totals["steps"] += len(t["steps"])
-        diff = differences(t, ours)
+        diff = differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))

@@ -83,14 +83,14 @@ class BlockHasher:
     def _extend(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         bs = self.block_size
-        n_shared = self.num_content_blocks(request)
+        n_content = self.num_content_blocks(request)
         i = len(hashes)
-        if i < n_shared:
+        if i < n_content:
             ids = request.shared_hash_ids
             h = request.hash_block_tokens
             parent = hashes[-1] if hashes else salt_root(request.cache_salt, h)
             mask = self.hash_mask
-            stop = min(num_blocks, n_shared)
+            stop = min(num_blocks, n_content)
             if self.lookahead:  # (one token: vLLM's EAGLE family)
                 while i < stop:
                     first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs

@@ -29,8 +29,9 @@ class Request:
     hashed region; every other position is unique to this request. `num_shared_tokens` is the
     hashed part of the prompt; `num_content_tokens` >= it also counts the output positions the
     hash list reaches when it is longer than the prompt needs (a trace may describe a reply that
-    a later prompt repeats: a chat's next turn). (`num_shared_tokens` may exceed `num_prompt_tokens` on a P/D prefill engine of a
-    linear-attention model: its prompt lost its last token there, its block keys did not.)
+    a later prompt repeats: a chat's next turn). (`num_shared_tokens` may exceed
+    `num_prompt_tokens` on a P/D prefill engine of a linear-attention model: its prompt lost its
+    last token there, its block keys did not.)
 
     While the scheduler runs a request as a steady decoder it does not update
     `num_computed_tokens` every step: `decode_base` is set and the true value is
