@@ -75,6 +75,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("E2E s (mean / p50 / p99)", _fmt_dist(summary["e2e_s"], 1.0)),
         ("queue ms (mean / p50 / p99)", _fmt_dist(summary["queue_s"])),
     ]
+    if summary.get("session_pacing"):
+        sp = summary["session_pacing"]
+        rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
+                                                    f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
     if summary.get("goodput"):
         from simkv.replay.goodput import describe_slo
 
