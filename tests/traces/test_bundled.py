@@ -15,6 +15,7 @@ BUNDLED = {
     "azure_conv_slice.parquet": ("azure_LICENSE", 2000),
     "mooncake_synthetic_slice.parquet": ("mooncake_LICENSE-APACHE", 1000),
     "kvcache_coding_sample.parquet": ("kvcache_tester_LICENSE", 115),
+    "kvcache_coding_sessions.parquet": ("kvcache_tester_LICENSE", 115),
     "req400.parquet": (None, 400),
     "req400_prefix10.parquet": (None, 400),
 }
@@ -42,3 +43,15 @@ def test_bundled_generated_traces_are_byte_reproducible(tmp_path: Path) -> None:
 def test_azure_slice_is_the_start_of_the_conversation_trace() -> None:
     stats = trace_stats(read_trace(TRACES / "azure_conv_slice.parquet"))
     assert stats.first_arrival_s == 0.0 and 300 < stats.time_span_s < 480
+
+
+def test_bundled_sessions_trace_is_the_sample_with_sessions_and_replies(shared_traces: Path, tmp_path: Path) -> None:
+    from simkv.traces.importers import import_trace
+    from simkv.traces.importers.kvcache_tester import ConversationStarts
+    from simkv.traces.replies import link_replies
+
+    trace, _ = import_trace("kvcache-tester", [shared_traces / "kvcache_tester"], starts=ConversationStarts(gap_s=60))
+    linked, count = link_replies(trace)
+    assert count == 89
+    write_trace(linked, tmp_path / "s.parquet")
+    assert (tmp_path / "s.parquet").read_bytes() == (TRACES / "kvcache_coding_sessions.parquet").read_bytes()
