@@ -111,7 +111,9 @@ def test_recorded_cases_match_vllm(case):
     (`--speculative`: ngram and EAGLE drafts, whose last chunk is never loaded and, while a
     request decodes, not stored), five of those async; then ARC; then the store threshold
 (`--store-threshold`: 2 or 3, trackers of 1 to 29 keys in some), under LRU and ARC, with
-chunks, sync and async (each of six mutations of the tracker and the filter fails all six).
+chunks, sync and async (each of six mutations of the tracker and the filter fails all six);
+then chat sessions whose hash lists describe the replies (`--replies`), decode blocks stored
+and loaded back by next turns, three sync and two async.
 Every step, every request's
     first-token and finish step, and every transfer equal vLLM's."""
     theirs = case["vllm"]
