@@ -12,11 +12,11 @@ from simkv.traces.arrivals import ARRIVAL_KINDS, ArrivalProcess
 from simkv.traces.errors import TraceError
 from simkv.traces.importers import FORMATS, ColumnMap, ConversationStarts, import_to_file
 from simkv.traces.importers.tabular import TIME_UNITS
+from simkv.traces import replies
 from simkv.traces.schema import read_trace, write_trace
 from simkv.traces.stats import format_stats, trace_stats
 from simkv.traces.synth import ClippedLognormal, REQ400_REQUESTS, REQ400_SEED
 from simkv.traces.synth_cli import KINDS, SynthOptions, generate, parse_int_list
-from simkv.traces import replies
 from simkv.traces.transform import Edits, transform
 
 

@@ -39,7 +39,8 @@ from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.config import ConfigError, EngineConfig
 from simkv.core.request import KV_PULL, KV_SEND, Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayError, ReplayRun
-from simkv.replay.fleet import FleetRouting, ReplicaFeed, earliest_release
+from simkv.replay.fleet import FleetRouting, ReplicaFeed
+from simkv.replay.sessions import ReleaseWatch, earliest_release
 from simkv.replay.router import ROUTERS, Router, RouterOptions
 
 
@@ -170,7 +171,6 @@ class PDRouting:
         self.spec = spec
         # (sessions: turns paced by the prefill router, released by the decode side's finishes)
         self.prefill = PrefillRouting(trace, prefill_router, max_model_len, session_pacing)
-        self.decode_feeds: list[DecodeFeed] = []
         self.rows = self.prefill.rows
         if decode_data_parallel_size > 1:  # one data-parallel decode engine: its ranks, its balancer
             from simkv.replay.data_parallel import DPRouting
@@ -253,7 +253,7 @@ class PDRouting:
             elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r]:
                 earliest = self.prefill.next_unrouted_ticks()
                 if self.prefill.sessions is not None:  # (or a turn a decode replica's finish releases)
-                    release = self.release_bound()
+                    release = earliest_release(self.decode_engines)
                     if release is not None and (earliest is None or release < earliest):
                         earliest = release
                 if earliest is None:
@@ -264,18 +264,6 @@ class PDRouting:
             if bound is None or earliest < bound:
                 bound = earliest
         return bound
-
-    def release_bound(self) -> int | None:
-        """Sessions: the earliest tick at which a decode replica could release a turn."""
-        bounds = [t for t in (feed.earliest_release() for feed in self.decode_feeds) if t is not None]
-        return min(bounds) if bounds else None
-
-    def turns_done(self, finished: list[Request], tick: int) -> None:
-        """Sessions: the decode side finished these requests at `tick`: their turns are done."""
-        n = len(self.trace)
-        for request in finished:
-            if request.index < n:  # (not a parallel-sampling sequence of its own)
-                self.prefill.release(request.index, tick)
 
     def wake_at(self, engine: ReplayEngine, tick: int):
         """A transfer ends at `tick`: an idle engine then polls (vLLM's engine steps while a
@@ -292,8 +280,7 @@ class _EventFeed(ReplicaFeed):
 
     def __init__(self, pd: PDRouting, replica: int, queue: deque, trace, scheduler, request_log, max_model_len: int):
         ArrivalFeed.__init__(self, trace, scheduler, request_log, max_model_len, pd.rows)
-        self._next_thinks: list[tuple[int, int]] = []  # (sessions, decode side: ReplicaFeed's)
-        self._done_rows: set[int] = set()
+        self.release_watch = ReleaseWatch()  # (sessions, decode side: what it could release)
         self.routing = pd.prefill
         self.replica = replica
         self.queue = queue  # what the pool's router sent here, not yet delivered
@@ -359,7 +346,6 @@ class DecodeFeed(_EventFeed):
 
     def __init__(self, pd: PDRouting, replica: int, *args, block_bytes: int):
         super().__init__(pd, replica, pd.decode.queues[replica], *args)
-        pd.decode_feeds.append(self)
         self.block_bytes = block_bytes
         spec = self.pd.spec
         self._ticks_per_byte = TICKS_PER_SECOND / (spec.kv_link_gbps * 1e9)
@@ -386,9 +372,7 @@ class DecodeFeed(_EventFeed):
             row = queue.popleft()
             self.scheduler.add_request(self.make_request(row))
             if sessions is not None:
-                think = sessions.successor_think(row)
-                if think is not None:
-                    heapq.heappush(self._next_thinks, (think, row))
+                self.release_watch.delivered(sessions, row)
 
     def make_request(self, i: int) -> Request:
         request = super().make_request(i)
@@ -414,13 +398,9 @@ class DecodeFeed(_EventFeed):
 
     def note_finished(self, finished, tick: int) -> None:
         self.pd.decode.note_finished(self.replica, finished, tick)
-        if self.pd.prefill.sessions is not None:
-            self._done_rows.update(request.index for request in finished)
-            self.pd.turns_done(finished, tick)
-
-    def earliest_release(self) -> int | None:
-        """Sessions: the earliest tick at which this replica could end a turn that has a next one."""
-        return earliest_release(self._next_thinks, self._done_rows, self.engine)
+        if self.pd.prefill.sessions is not None:  # (the turns end here: the prefill router paces them)
+            self.release_watch.finished(finished)
+            self.pd.prefill.turns_done(finished, tick)
 
 
 @dataclass

@@ -11,7 +11,6 @@ give the same fleet, byte for byte.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 import numpy as np
@@ -22,7 +21,7 @@ from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
 from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, offload_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
-from simkv.replay.sessions import SessionPacing
+from simkv.replay.sessions import ReleaseWatch, SessionPacing, earliest_release
 from simkv.replay.step_log import SPEC_COLUMNS
 
 
@@ -38,8 +37,7 @@ class FleetRouting:
         # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done
         self.sessions = (SessionPacing(trace, self.rows) if session_pacing and trace.session_id is not None
                          else None)
-        self.feeds: list[ReplicaFeed] = []  # (each replica's, in replica order: they register)
-        self.engines: list[ReplayEngine] = []
+        self.engines: list[ReplayEngine] = []  # (the replicas: the runner sets them)
         self._wake: simpy.Event | None = None  # the router's, while it sleeps (a release may wake it)
         self._sleep_until: int | None = None
         self._arrival_ticks = self.rows.arrival_ticks
@@ -71,33 +69,17 @@ class FleetRouting:
     def note_finished(self, replica: int, finished, tick: int) -> None:
         self._finishes[replica].append((tick, len(finished)))
         if self.sessions is not None and self.finishes_turns:
-            n = len(self.trace)
-            for request in finished:
-                if request.index < n:  # (not a parallel-sampling sequence of its own)
-                    self._release(request.index, tick)
+            self.turns_done(finished, tick)
 
-    def release(self, row: int, tick: int) -> None:
-        """Sessions: `row`'s turn ended at `tick` elsewhere (P/D: on the decode side)."""
-        self._release(row, tick)
+    def turns_done(self, finished, tick: int) -> None:
+        """Sessions: these requests' turns ended at `tick` (here, or P/D's decode side)."""
+        self._wake_for(self.sessions.release_finished(finished, tick))
 
-    def _release(self, row: int, tick: int) -> None:
-        """Sessions: `row` is done at `tick`; its next turn is due; the router, asleep until a
-        later arrival, wakes to route it."""
-        due = self.sessions.release(row, tick)
+    def _wake_for(self, due: int | None) -> None:
+        """Sessions: a turn became due at `due`; the router, asleep until a later arrival, wakes."""
         if due is not None and self._wake is not None and not self._wake.triggered and (
                 self._sleep_until is None or due < self._sleep_until):
             self._wake.succeed()
-
-    def release_bound(self, replica: int) -> int | None:
-        """Sessions: the earliest tick at which a replica other than `replica` could release a
-        turn (None: none could)."""
-        best = None
-        for r, feed in enumerate(self.feeds):
-            if r != replica:
-                t = feed.earliest_release()
-                if t is not None and (best is None or t < best):
-                    best = t
-        return best
 
     def router_process(self, env, engines: list[ReplayEngine]):
         """The router in simulated time: at each arrival it routes and wakes the idle replica that
@@ -148,7 +130,7 @@ class FleetRouting:
             if self.on_reject is not None:
                 self.on_reject(1)
             if self.sessions is not None:
-                self._release(i, tick)
+                self._wake_for(self.sessions.release(i, tick))
             return
         self.queues[self.assign(i, tick)].append(i)
 
@@ -174,19 +156,6 @@ class FleetRouting:
         return r
 
 
-def earliest_release(next_thinks: list[tuple[int, int]], done_rows: set[int], engine: ReplayEngine) -> int | None:
-    """Sessions: the earliest tick at which `engine` could end a turn that has a next one: its
-    next finish at the soonest, plus the least think time among its rows' next turns
-    (`next_thinks`: a heap of (think ticks, row) of the rows it runs; `done_rows`: those since
-    finished, dropped here when they reach the top)."""
-    while next_thinks and next_thinks[0][1] in done_rows:
-        done_rows.discard(heapq.heappop(next_thinks)[1])
-    if not next_thinks:
-        return None
-    finish = engine.next_finish_bound()
-    return None if finish is None else finish + next_thinks[0][0]
-
-
 class ReplicaFeed(ArrivalFeed):
     """One replica's arrivals: the requests the router sent it. Its lookahead stops at the fleet's
     next arrival too, since that request might be sent here."""
@@ -196,11 +165,7 @@ class ReplicaFeed(ArrivalFeed):
         self.routing = routing
         self.replica = replica
         self.queue = routing.queues[replica]
-        routing.feeds.append(self)
-        # Sessions: (think ticks of its next turn, row) of the rows it runs that have one; rows
-        # finished since they were pushed are dropped when they reach the top.
-        self._next_thinks: list[tuple[int, int]] = []
-        self._done_rows: set[int] = set()
+        self.release_watch = ReleaseWatch()  # (sessions: what it could release)
 
     @property
     def exhausted(self) -> bool:
@@ -210,7 +175,7 @@ class ReplicaFeed(ArrivalFeed):
         routing = self.routing
         nxt = self._arrival_ticks[self.queue[0]] if self.queue else routing.next_unrouted_ticks()
         if routing.sessions is not None:  # (a turn another replica may release comes to any of them)
-            bound = routing.release_bound(self.replica)
+            bound = earliest_release(routing.engines, skip=self.replica)
             if bound is not None and (nxt is None or bound < nxt):
                 return bound
         return nxt
@@ -223,18 +188,12 @@ class ReplicaFeed(ArrivalFeed):
             row = queue.popleft()
             self._deliver(row)
             if sessions is not None:
-                think = sessions.successor_think(row)
-                if think is not None:
-                    heapq.heappush(self._next_thinks, (think, row))
+                self.release_watch.delivered(sessions, row)
 
     def note_finished(self, finished, tick: int) -> None:
         if self.routing.sessions is not None:
-            self._done_rows.update(request.index for request in finished)
+            self.release_watch.finished(finished)
         self.routing.note_finished(self.replica, finished, tick)
-
-    def earliest_release(self) -> int | None:
-        """Sessions: the earliest tick at which this replica could release a turn."""
-        return earliest_release(self._next_thinks, self._done_rows, self.routing.engines[self.replica])
 
     def arrival_times_s(self):
         if self.routing.sessions is None:

@@ -105,10 +105,65 @@ class SessionPacing:
         heapq.heappush(self._ready, (self.rows.arrival_ticks[nxt], nxt))
         return self.rows.arrival_ticks[nxt]
 
+    def release_finished(self, finished: list[Request], tick: int) -> int | None:
+        """These requests finished at `tick`: their sessions' next turns become due. Returns the
+        earliest due tick (None: no next turn)."""
+        earliest = None
+        for request in finished:
+            if request.index < self._num_rows:  # (not a parallel-sampling sequence of its own)
+                due = self.release(request.index, tick)
+                if due is not None and (earliest is None or due < earliest):
+                    earliest = due
+        return earliest
+
+    def last_trace_ticks(self) -> int:
+        return max(self._trace_ticks, default=0)
+
     def summary(self) -> dict:
         held_s = self.held_ticks / TICKS_PER_SECOND
         return {"sessions": self.num_sessions, "turns_held": self.num_held,
                 "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
+
+
+class ReleaseWatch:
+    """What one engine could release (fleets, P/D): (think ticks of the next turn, row) of the
+    rows it was given that have a next turn, in a heap; rows since finished are dropped when
+    they reach the top."""
+
+    def __init__(self) -> None:
+        self._thinks: list[tuple[int, int]] = []
+        self._done: set[int] = set()
+
+    def delivered(self, pacing: SessionPacing, row: int) -> None:
+        think = pacing.successor_think(row)
+        if think is not None:
+            heapq.heappush(self._thinks, (think, row))
+
+    def finished(self, finished: list[Request]) -> None:
+        self._done.update(request.index for request in finished)
+
+    def earliest(self, engine) -> int | None:
+        """The earliest tick at which `engine` (whose rows these are) could end a turn that has a
+        next one: its next finish at the soonest, plus the least think time of those turns."""
+        thinks, done = self._thinks, self._done
+        while thinks and thinks[0][1] in done:
+            done.discard(heapq.heappop(thinks)[1])
+        if not thinks:
+            return None
+        finish = engine.next_finish_bound()
+        return None if finish is None else finish + thinks[0][0]
+
+
+def earliest_release(engines: list, skip: int = -1) -> int | None:
+    """The earliest tick at which one of `engines` (but the one at index `skip`) could release
+    a turn (None: none could)."""
+    best = None
+    for r, engine in enumerate(engines):
+        if r != skip:
+            t = engine.feed.release_watch.earliest(engine)
+            if t is not None and (best is None or t < best):
+                best = t
+    return best
 
 
 class SessionFeed(ArrivalFeed):
@@ -124,7 +179,7 @@ class SessionFeed(ArrivalFeed):
         return self.pacing.all_out
 
     def last_arrival_ticks(self) -> int:
-        return max(self.pacing._trace_ticks, default=0)
+        return self.pacing.last_trace_ticks()
 
     def next_arrival_ticks(self) -> int | None:
         return self.pacing.next_ticks()
@@ -137,10 +192,7 @@ class SessionFeed(ArrivalFeed):
                 self.pacing.release(i, tick)
 
     def note_finished(self, finished: list[Request], tick: int) -> None:
-        n = self.pacing._num_rows
-        for request in finished:
-            if request.index < n:  # (not a parallel-sampling sequence of its own)
-                self.pacing.release(request.index, tick)
+        self.pacing.release_finished(finished, tick)
 
     def arrival_times_s(self) -> np.ndarray:
         return np.asarray(self._arrival_list, dtype=np.float64)

@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from simkv.traces.errors import TraceError
-from simkv.traces.reuse import _prefix_nodes
+from simkv.traces.reuse import _prefix_nodes, describes_reply
 from simkv.traces.schema import Trace
 
 
@@ -65,7 +65,7 @@ def link_replies(trace: Trace) -> tuple[Trace, int]:
         if j < 0:
             continue
         reach = min(int(lengths[j]), -(-(prompt[i] + output[i]) // block[i]))
-        if reach * block[i] >= prompt[i] + block[i]:  # longer than the prompt needs: it describes the reply
+        if describes_reply(reach * block[i], prompt[i], block[i]):
             new_lengths[i] = reach
             continued_by[i] = j
             linked += 1

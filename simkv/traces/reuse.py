@@ -47,12 +47,12 @@ def prefix_reuse(trace: Trace, block_size: int) -> PrefixReuse | None:
     prompt = trace.prompt_tokens
     total = int((-(-prompt // block_size)).sum())
     nodes = _prefix_nodes(trace)
-    keys, row_first = _block_keys(trace, nodes, block_size)
+    keys, key_rows, row_first = _block_keys(trace, nodes, block_size)
     reply_keys, reply_rows = _reply_keys(trace, nodes, block_size)
     if len(reply_keys):
         # A prompt block is reused unless it is the first of its content, replies counted
         # (rows are in arrival order; a row's prompt and reply blocks never share a key).
-        rows = np.concatenate((np.repeat(np.arange(len(trace)), _prompt_key_counts(trace, block_size)), reply_rows))
+        rows = np.concatenate((key_rows, reply_rows))
         all_keys = np.concatenate((keys, reply_keys))
         is_prompt = np.arange(len(all_keys)) < len(keys)
         order = np.lexsort((rows, all_keys))
@@ -90,11 +90,16 @@ def _prefix_nodes(trace: Trace) -> np.ndarray:
     return nodes
 
 
-def _prompt_key_counts(trace: Trace, block_size: int) -> np.ndarray:
-    """Hashed prompt blocks per row."""
-    prompt = trace.prompt_tokens
-    covered = np.diff(trace.hash_offsets) * trace.hash_block_tokens
-    return np.where(prompt <= covered, -(-prompt // block_size), covered // block_size)
+def hashed_positions(trace: Trace) -> np.ndarray:
+    """Per row, the positions its hash list covers (0 without one)."""
+    return np.diff(trace.hash_offsets) * trace.hash_block_tokens
+
+
+def describes_reply(covered, prompt, block):
+    """Whether a hash list covering `covered` positions of a `prompt`-token prompt at `block`
+    tokens per id goes on over the reply: it is longer than the prompt needs (numpy arrays or
+    numbers; the engine's twin is core/request.py's, which knows no traces)."""
+    return covered >= prompt + block
 
 
 def _pack(trace: Trace, nodes: np.ndarray, row: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -104,26 +109,27 @@ def _pack(trace: Trace, nodes: np.ndarray, row: np.ndarray, ends: np.ndarray) ->
     return node * (int((trace.prompt_tokens + trace.output_tokens).max()) + 1) + ends
 
 
-def _block_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys of every hashed prompt block (node, L) packed in int64, and the index of each row's first key (-1: none)."""
+def _block_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Keys of every hashed prompt block (node, L) packed in int64, the row of each, and the
+    index of each row's first key (-1: none)."""
     prompt = trace.prompt_tokens
-    valid = _prompt_key_counts(trace, block_size)
+    covered = hashed_positions(trace)
+    valid = np.where(prompt <= covered, -(-prompt // block_size), covered // block_size)
     row = np.repeat(np.arange(len(trace)), valid)
     ends = np.minimum((concat_ranges(valid) + 1) * block_size, prompt[row])
     keys = _pack(trace, nodes, row, ends)
     firsts = np.concatenate(([0], np.cumsum(valid)[:-1]))
-    return keys, np.where(valid > 0, firsts, -1)
+    return keys, row, np.where(valid > 0, firsts, -1)
 
 
 def _reply_keys(trace: Trace, nodes: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Keys of the full reply blocks an engine caches where hash lists go on over replies
     (blocks holding a reply position, ending by the last computed token), and their rows."""
     prompt = trace.prompt_tokens
-    covered = np.diff(trace.hash_offsets) * trace.hash_block_tokens
+    covered = hashed_positions(trace)
     last = np.minimum(covered, prompt + trace.output_tokens - 1) // block_size  # blocks [0, last) full
     first = prompt // block_size  # the first block holding a reply position
-    describes = covered >= prompt + trace.hash_block_tokens  # (longer than the prompt needs)
-    count = np.where(describes, np.maximum(last - first, 0), 0)
+    count = np.where(describes_reply(covered, prompt, trace.hash_block_tokens), np.maximum(last - first, 0), 0)
     row = np.repeat(np.arange(len(trace)), count)
     ends = (np.repeat(first, count) + concat_ranges(count) + 1) * block_size
     return _pack(trace, nodes, row, ends), row

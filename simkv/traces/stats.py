@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from simkv.traces.reuse import prefix_reuse
+from simkv.traces.reuse import describes_reply, hashed_positions, prefix_reuse
 from simkv.traces.schema import Trace
 
 
@@ -103,8 +103,7 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
 def _replies_described(trace: Trace) -> int | None:
     if trace.hash_offsets is None or trace.hash_block_tokens is None:
         return None
-    covered = np.diff(trace.hash_offsets) * trace.hash_block_tokens
-    return int(((covered > 0) & (covered >= trace.prompt_tokens + trace.hash_block_tokens)).sum())
+    return int(describes_reply(hashed_positions(trace), trace.prompt_tokens, trace.hash_block_tokens).sum())
 
 
 def format_stats(stats: TraceStats, source: str = "") -> str:

@@ -386,6 +386,23 @@ def assert_decode_runs_change_nothing(trace, config: EngineConfig, cost_model: s
     return a
 
 
+def assert_decode_runs_change_no_bytes(trace, config: EngineConfig, tmp_path, **replay_options):
+    """A replay (a fleet's, a P/D one: `replay_options`) with decode-run jumps writes the same
+    summary.json, requests.parquet and steps.parquet bytes as one stepping every decode (wall
+    time aside); returns the first replay."""
+    from simkv.replay.api import replay, save
+
+    results = []
+    for name, runs in (("a", True), ("b", False)):
+        res = replay(trace, config, "roofline", use_decode_runs=runs, **replay_options)
+        res.summary["wall_time_s"] = 0.0
+        save(res, tmp_path / name)
+        results.append(res)
+    for f in ("summary.json", "requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    return results[0]
+
+
 def _offload_options(case: dict) -> dict:
     """The connector settings of an offloading case (scripts/oracle_offload.py --chunks, --policy)."""
     if not {"blocks_per_chunk", "policy", "store_threshold"} & case.keys():

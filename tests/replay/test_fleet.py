@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
 from simkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from simkv.replay.api import FleetSpec, replay, save
+from simkv.replay.api import FleetSpec, replay
 from simkv.replay.fleet import fleet_tables, run_fleet
 from simkv.replay.router import PrefixIndex, Router, RouterError, RouterOptions
 from simkv.backends.factory import make_backend
@@ -18,6 +18,7 @@ from simkv.traces.arrivals import ArrivalProcess
 from simkv.traces.schema import take_rows, trace_from_frame
 from simkv.traces.synth_prefix import PrefixGroups, shared_prefix
 from simkv.traces.synth_sessions import SessionShape, multi_turn
+from tests.core.helpers import assert_decode_runs_change_no_bytes
 
 LATENCIES = ["first_scheduled_time_s", "first_token_time_s", "finish_time_s", "ttft_s", "e2e_s", "queue_s"]
 
@@ -77,12 +78,7 @@ def test_round_robin_replicas_replay_exactly_their_share_of_the_trace(async_sche
 def test_decode_runs_do_not_change_routing(router, async_scheduling, tmp_path):
     trace = shared_prefix(PrefixGroups(groups=6), n_requests=300, seed=3, arrival=ArrivalProcess("poisson", rate=30.0))
     cfg = config(num_gpu_blocks=400, async_scheduling=async_scheduling)
-    for name, runs in (("a", True), ("b", False)):
-        res = replay(trace, cfg, "roofline", use_decode_runs=runs, fleet=FleetSpec(3, router))
-        res.summary["wall_time_s"] = 0.0
-        save(res, tmp_path / name)
-    for f in ("summary.json", "requests.parquet", "steps.parquet"):
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert_decode_runs_change_no_bytes(trace, cfg, tmp_path, fleet=FleetSpec(3, router))
 
 
 def test_least_outstanding_counts_a_finish_only_strictly_before_the_arrival():

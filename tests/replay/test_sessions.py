@@ -12,7 +12,7 @@ from simkv.config import EngineConfig
 from simkv.replay.api import FleetSpec, replay
 from simkv.traces import TraceError, trace_from_frame
 from simkv.traces.synth_sessions import SessionShape, multi_turn
-from tests.core.helpers import assert_decode_runs_change_nothing
+from tests.core.helpers import assert_decode_runs_change_no_bytes, assert_decode_runs_change_nothing
 
 CONFIG = EngineConfig.from_flat(dict(block_size=16, num_gpu_blocks=400, max_model_len=2048))
 
@@ -117,18 +117,11 @@ def test_data_parallel_ranks_pace_sessions(async_scheduling) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_pd_paces_sessions_on_the_decode_side_and_decode_runs_change_nothing(async_scheduling, tmp_path) -> None:
-    from simkv.replay.api import save
     from simkv.replay.disaggregated import DisaggregationSpec
 
     trace = multi_turn(SessionShape(sessions=40, turns=4, think_time_s=0.5), seed=8)
     config = EngineConfig.from_flat(dict(num_gpu_blocks=600, max_model_len=8192, async_scheduling=async_scheduling))
-    spec = DisaggregationSpec(2, 2)
-    for name, runs in (("a", True), ("b", False)):
-        res = replay(trace, config, "roofline", use_decode_runs=runs, disaggregation=spec)
-        res.summary["wall_time_s"] = 0.0
-        save(res, tmp_path / name)
-    for f in ("summary.json", "requests.parquet", "steps.parquet"):
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    res = assert_decode_runs_change_no_bytes(trace, config, tmp_path, disaggregation=DisaggregationSpec(2, 2))
     _assert_paced(res, 40, 4)  # (the decode side finished the previous turn)
 
 
@@ -157,16 +150,10 @@ def test_cli_flag_and_synth_columns(tmp_path) -> None:
 @pytest.mark.parametrize("router, async_scheduling", [("round_robin", False), ("prefix_aware", False),
                                                       ("least_outstanding", True)])
 def test_a_fleet_paces_sessions_and_decode_runs_change_nothing(router, async_scheduling, tmp_path) -> None:
-    from simkv.replay.api import save
 
     trace = multi_turn(SessionShape(sessions=60, turns=4, think_time_s=1.0), seed=6)
     config = EngineConfig.from_flat(dict(num_gpu_blocks=600, max_model_len=8192, async_scheduling=async_scheduling))
-    for name, runs in (("a", True), ("b", False)):
-        res = replay(trace, config, "roofline", use_decode_runs=runs, fleet=FleetSpec(3, router))
-        res.summary["wall_time_s"] = 0.0
-        save(res, tmp_path / name)
-    for f in ("summary.json", "requests.parquet", "steps.parquet"):
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    res = assert_decode_runs_change_no_bytes(trace, config, tmp_path, fleet=FleetSpec(3, router))
     _assert_paced(res, 60, 4)
 
 
