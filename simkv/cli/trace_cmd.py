@@ -179,3 +179,32 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
             note += f", in {chains:,} sessions (chains of linked requests, paced in replays)"
     write_trace(result, out)
     click.echo(f"wrote {len(result):,} requests to {out}{note}")
+
+
+@trace.command("export")
+@click.argument("path")
+@click.option("--out", required=True, help="The timed trace for vLLM's benchmark client (*.jsonl).")
+@click.option("--block-size", default=16, show_default=True,
+              help="The server's KV block size (the ids' chunk size divides it, so shared blocks stay shared).")
+@click.option("--trace-out", default=None,
+              help="Where to write the simkv trace of the same requests [default: --out with .parquet].")
+@click.option("--model", default="MODEL", show_default=True, help="The served model, for the printed vllm command.")
+@clean_errors
+def export_cmd(path: str, out: str, block_size: int, trace_out: str | None, model: str) -> None:
+    """Write TRACE as vLLM's timed-trace JSON Lines, for `vllm bench serve --dataset-name
+    timed_trace`, and the simkv trace the server will see beside it; then `simkv compare` puts a
+    simulated replay of that trace beside the benchmark's result (docs/validate_vllm.md)."""
+    from simkv.traces.vllm_bench import (bench_command, check_jsonl_path, export_timed_trace, served_trace_path,
+                                         write_timed_trace)
+
+    check_jsonl_path(out)
+    export = export_timed_trace(read_trace(path), block_size)
+    trace_out = trace_out or str(served_trace_path(out))
+    write_timed_trace(export, out, trace_out)
+    n = len(export.lines)
+    click.echo(f"wrote {n:,} requests to {out} ({export.chunk_tokens}-token chunks) and {trace_out}")
+    for note in export.notes:
+        click.echo(f"note: {note}")
+    click.echo("next, with the server up:\n  " + bench_command(out, n, export.chunk_tokens, model))
+    click.echo(f"  simkv replay {trace_out} --block-size {block_size} --out sim   # + the server's options")
+    click.echo("  simkv compare sim bench.json --out compare")

@@ -150,22 +150,48 @@ def _diagnostic(fn, *args) -> dict:
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
 
 
-def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None = None) -> dict:
+def load_pair(sim_dir, measured, metrics: tuple[str, str] | None = None) -> tuple[tuple, tuple]:
+    """The simulated run and the measured one: a replay's folder (`--backend gpu`), or a result
+    file of vLLM's own benchmark client (simkv/compare/vllm_bench.py; no steps). Each as
+    (summary, requests, steps or None, inter-token gaps as (values, weights))."""
+    from simkv.compare.vllm_bench import is_vllm_bench_result, load_bench_run
+
     sim, sim_req, sim_steps = load_run(sim_dir)
-    meas, meas_req, meas_steps = load_run(meas_dir)
+    sim_run = (sim, sim_req, sim_steps, token_itl(sim_steps))
+    if is_vllm_bench_result(measured):
+        meas, meas_req, itls = load_bench_run(measured, sim_req, metrics)
+        return sim_run, (meas, meas_req, None, (itls, np.ones(len(itls), np.int64)))
+    if metrics:
+        raise ValueError("--server-metrics goes with a `vllm bench serve` result, not a replay's folder")
+    meas, meas_req, meas_steps = load_run(measured)
     if sim.get("trace") != meas.get("trace"):
         raise ValueError(f"the two runs replayed different traces: {sim.get('trace')} vs {meas.get('trace')}")
+    return sim_run, (meas, meas_req, meas_steps, token_itl(meas_steps))
+
+
+NO_STEPS = {"available": False, "reason": "vLLM's benchmark client records no engine steps"}
+
+
+def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None = None,
+                 metrics: tuple[str, str] | None = None) -> dict:
+    (sim, sim_req, sim_steps, _), (meas, meas_req, meas_steps, _) = load_pair(sim_dir, meas_dir, metrics)
     rows = metric_rows(sim, meas)
     _, req = request_comparison(sim_req, meas_req)
-    _, st = step_comparison(sim_steps, meas_steps)
-    return {"simulated_dir": str(sim_dir), "measured_dir": str(meas_dir), "trace": sim.get("trace"),
-            "simulated_backend": sim.get("backend"), "measured_backend": meas.get("backend"),
-            "simulated_cost_model": (sim.get("cost_model") or {}).get("cost_model"),
-            "measured_device": meas.get("device_name") or meas.get("device"),
-            "metrics": rows, "requests": req, "steps": st, "calibration_check": calibration_check(sim, meas),
-            "cost_model_on_measured_steps": _diagnostic(cost_model_on_measured, sim, meas_dir),
-            "measured_step_profile": _diagnostic(measured_step_profile, meas_dir),
-            "config_differences": config_differences(sim, meas), "targets": evaluate_targets(rows, targets)}
+    stepped = meas_steps is not None
+    st = step_comparison(sim_steps, meas_steps)[1] if stepped else NO_STEPS
+    result = {"simulated_dir": str(sim_dir), "measured_dir": str(meas_dir), "trace": sim.get("trace"),
+              "simulated_backend": sim.get("backend"), "measured_backend": meas.get("backend"),
+              "simulated_cost_model": (sim.get("cost_model") or {}).get("cost_model"),
+              "measured_device": meas.get("device_name") or meas.get("device"),
+              "metrics": rows, "requests": req, "steps": st, "calibration_check": calibration_check(sim, meas),
+              "cost_model_on_measured_steps": _diagnostic(cost_model_on_measured, sim, meas_dir) if stepped else NO_STEPS,
+              "measured_step_profile": _diagnostic(measured_step_profile, meas_dir) if stepped else NO_STEPS,
+              "config_differences": config_differences(sim, meas) if stepped else {},
+              "targets": evaluate_targets(rows, targets)}
+    if not stepped:
+        result["vllm_bench"] = meas["vllm_bench"] | {key: meas.get(key) for key in (
+            "client_send_lag_s", "vllm_aggregates", "server_metrics")}
+    return result
 
 
 def _pct(v) -> str:
@@ -199,16 +225,21 @@ def to_markdown(result: dict) -> str:
         d = rq[key]
         lines.append(f"- {key}: median |rel error| {_pct(d['median_abs_rel_error'])}, p90 {_pct(d['p90_abs_rel_error'])}, "
                      f"correlation {_num(d['correlation'])}")
-    lines += ["", "## Per step", "",
-              f"- {st['steps_same_shape']} of {st['steps_measured']} measured steps have the same shape in the simulation "
-              f"({100 * st['same_shape_fraction']:.1f} %)",
-              f"- duration error on those: mean {_pct(st['duration_mean_rel_error'])}, mean |.| "
-              f"{_pct(st['duration_mean_abs_rel_error'])}, p90 |.| {_pct(st['duration_p90_abs_rel_error'])}; "
-              f"sum {_pct(st['sum_duration_rel_error'])}"]
-    if "cost_model_on_measured_steps" in result:
-        lines += step_model_lines(result["cost_model_on_measured_steps"])
-    if "measured_step_profile" in result:
-        lines += profile_markdown_lines(result["measured_step_profile"])
+    lines += ["", "## Per step", ""]
+    if st.get("available") is False:
+        lines.append(f"- not compared: {st['reason']}")
+    else:
+        lines += [f"- {st['steps_same_shape']} of {st['steps_measured']} measured steps have the same shape in the "
+                  f"simulation ({100 * st['same_shape_fraction']:.1f} %)",
+                  f"- duration error on those: mean {_pct(st['duration_mean_rel_error'])}, mean |.| "
+                  f"{_pct(st['duration_mean_abs_rel_error'])}, p90 |.| {_pct(st['duration_p90_abs_rel_error'])}; "
+                  f"sum {_pct(st['sum_duration_rel_error'])}"]
+        if "cost_model_on_measured_steps" in result:
+            lines += step_model_lines(result["cost_model_on_measured_steps"])
+        if "measured_step_profile" in result:
+            lines += profile_markdown_lines(result["measured_step_profile"])
+    if "vllm_bench" in result:
+        lines += _bench_lines(result["vllm_bench"])
     t = result.get("targets")
     if t:
         lines += ["", f"## Targets ({t['set']}): {'all pass' if t['all_pass'] else 'NOT all pass'}", ""]
@@ -217,20 +248,41 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_html(result: dict, sim_dir, meas_dir) -> str:
-    sim, sim_req, sim_steps = load_run(sim_dir)
-    meas, meas_req, meas_steps = load_run(meas_dir)
+def _bench_lines(bench: dict) -> list[str]:
+    """compare.md's section on a run measured by vLLM's benchmark client."""
+    lines = ["", "## Measured by `vllm bench serve`", "",
+             f"- model {bench.get('model_id')}, {bench.get('completed')} requests completed, {bench.get('failed') or 0} "
+             f"failed, run of {bench.get('date')}",
+             "- measured TTFT and E2E count from the client's send and include the HTTP server, tokenizer and "
+             "detokenizer; the simulation counts from the arrival at the engine"]
+    own = bench.get("vllm_aggregates") or {}
+    if own.get("checked") and not own.get("agree"):
+        lines.append(f"- WARNING: the per-request lists do not give the client's own aggregates (off by up to "
+                     f"{100 * own['max_rel_difference']:.2g} %): an edited file, or a format simkv does not know")
+    lag = bench.get("client_send_lag_s")
+    if lag:
+        lines.append(f"- the client sent requests {1e3 * lag['median']:+.1f} ms (median) / {1e3 * lag['p99']:+.1f} ms "
+                     f"(p99) off the trace's schedule, {1e3 * lag['max']:.1f} ms at most")
+    counted = bench.get("server_metrics")
+    if counted:
+        lines.append(f"- server counters over the run (/metrics before and after): "
+                     f"{int(counted['prefix_cache_hits']):,} of {int(counted['prefix_cache_queries']):,} prompt tokens "
+                     f"hit the prefix cache, {int(counted['num_preemptions']):,} preemptions")
+    else:
+        lines.append("- no server counters given (--server-metrics BEFORE AFTER): prefix hits and preemptions "
+                     "not measured")
+    return lines
+
+
+def to_html(result: dict, sim_dir, meas_dir, metrics: tuple[str, str] | None = None) -> str:
+    (sim, sim_req, sim_steps, (si_v, si_w)), (_, meas_req, meas_steps, (me_v, me_w)) = load_pair(sim_dir, meas_dir, metrics)
     both, _ = request_comparison(sim_req, meas_req)
-    same, _ = step_comparison(sim_steps, meas_steps)
     rows = "".join(
         f"<tr><td>{html.escape(r['metric'])}</td><td>{_num(r['simulated'])}</td><td>{_num(r['measured'])}</td>"
         f"<td class='{'bad' if r['rel_error'] is not None and abs(r['rel_error']) > 0.15 else 'ok'}'>{_pct(r['rel_error'])}</td></tr>"
         for r in result["metrics"])
     table = f"<table><tr><th>metric</th><th>simulated</th><th>measured</th><th>rel. error</th></tr>{rows}</table>"
     sf, mf = sim_req[sim_req["status"] == "finished"], meas_req[meas_req["status"] == "finished"]
-    si_v, si_w = token_itl(sim_steps)
-    me_v, me_w = token_itl(meas_steps)
-    rel = 100 * (same["duration_s_sim"] - same["duration_s_meas"]) / same["duration_s_meas"].clip(lower=1e-12)
     charts = [
         scatter_chart(1e3 * both["ttft_s_meas"].to_numpy(), 1e3 * both["ttft_s_sim"].to_numpy(),
                       "TTFT per request", "measured (ms)", "simulated (ms)"),
@@ -241,15 +293,22 @@ def to_html(result: dict, sim_dir, meas_dir) -> str:
         cdf_chart([("measured", 1e3 * expand_weighted(me_v, me_w)), ("simulated", 1e3 * expand_weighted(si_v, si_w))],
                   "ITL CDF", "ITL (ms)"),
         cdf_chart([("measured", mf["e2e_s"].to_numpy()), ("simulated", sf["e2e_s"].to_numpy())], "E2E CDF", "E2E (s)"),
-        scatter_chart(1e3 * same["duration_s_meas"].to_numpy(), 1e3 * same["duration_s_sim"].to_numpy(),
-                      "Step duration (same-shape steps)", "measured (ms)", "simulated (ms)"),
-        line_chart([("step duration error %", same["step"].to_numpy(), rel.to_numpy())],
-                   "Per-step duration error", "step", "% (sim - measured) / measured"),
-        *_cost_model_charts(sim, meas_dir),
-        line_chart([("measured", (meas_steps["start_time_s"] + meas_steps["duration_s"]).to_numpy(), meas_steps["num_running"].to_numpy()),
-                    ("simulated", (sim_steps["start_time_s"] + sim_steps["duration_s"]).to_numpy(), sim_steps["num_running"].to_numpy())],
-                   "Running requests", "time (s)", "requests", step=True),
     ]
+    if meas_steps is not None:
+        same, _ = step_comparison(sim_steps, meas_steps)
+        rel = 100 * (same["duration_s_sim"] - same["duration_s_meas"]) / same["duration_s_meas"].clip(lower=1e-12)
+        charts += [
+            scatter_chart(1e3 * same["duration_s_meas"].to_numpy(), 1e3 * same["duration_s_sim"].to_numpy(),
+                          "Step duration (same-shape steps)", "measured (ms)", "simulated (ms)"),
+            line_chart([("step duration error %", same["step"].to_numpy(), rel.to_numpy())],
+                       "Per-step duration error", "step", "% (sim - measured) / measured"),
+            *_cost_model_charts(sim, meas_dir),
+            line_chart([("measured", (meas_steps["start_time_s"] + meas_steps["duration_s"]).to_numpy(),
+                         meas_steps["num_running"].to_numpy()),
+                        ("simulated", (sim_steps["start_time_s"] + sim_steps["duration_s"]).to_numpy(),
+                         sim_steps["num_running"].to_numpy())],
+                       "Running requests", "time (s)", "requests", step=True),
+        ]
     md = html.escape(to_markdown(result))
     body = [table, "<div class='charts'>" + "".join(charts) + "</div>", f"<details><summary>compare.md</summary><pre>{md}</pre></details>"]
     return page("simkv compare: simulated vs measured", body)
@@ -271,12 +330,13 @@ def _cost_model_charts(sim: dict, meas_dir) -> list[str]:
                           "measured (ms)", "predicted (ms)")]
 
 
-def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None) -> dict:
+def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None,
+                     metrics: tuple[str, str] | None = None) -> dict:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result = compare_runs(sim_dir, meas_dir, targets)
+    result = compare_runs(sim_dir, meas_dir, targets, metrics)
     texts = {"compare.json": json.dumps(result, indent=2) + "\n", "compare.md": to_markdown(result),
-             "report.html": to_html(result, sim_dir, meas_dir)}  # all made before any is written
+             "report.html": to_html(result, sim_dir, meas_dir, metrics)}  # all made before any is written
+    out.mkdir(parents=True, exist_ok=True)
     from simkv.atomic import atomic_write
 
     for name, text in texts.items():
