@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from simkv.backends.cost_models import LinearCostModel, UnitCostModel
 from simkv.backends.roofline import RooflineCostModel
+from simkv.backends.roofline_fit import is_roofline_fit, read_roofline_fit
 from simkv.config import EngineConfig
 from simkv.specs import get_gpu_spec
 
@@ -30,13 +31,13 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
     if name == "linear":
         return LinearCostModel(step_base_s, step_per_token_s)
     if name == "roofline":
+        return make_roofline(config)
+    if name.endswith(".json") and is_roofline_fit(name):  # fitted by `simkv calibrate --from-bench`
+        if step_noise != "none":
+            raise ValueError(f"--step-noise needs a calib.json's repeated samples; {name} is a roofline fit")
         hw = config.hardware
-        return RooflineCostModel(hw.model_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
-                                 config.cache.kv_dtype_bytes, layer_windows=config.layer_windows,
-                                 attention_chunked=bool(config.attention_chunk_size),
-                                 num_speculative_tokens=config.speculative.num_speculative_tokens,
-                                 data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
-                                 decode_context_parallel_size=hw.decode_context_parallel_size)
+        params, warnings = read_roofline_fit(name, hw.model, hw.gpu, hw.tensor_parallel_size)
+        return make_roofline(config, params, source=name, warnings=warnings)
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
@@ -52,3 +53,19 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
         return cost_model_from_file(name, model=config.hardware.model, gpu=config.hardware.gpu,
                                     step_noise=step_noise, noise_seed=noise_seed)
     raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")
+
+
+def make_roofline(config: EngineConfig, params: dict | None = None, source: str | None = None,
+                  warnings: list[str] | None = None) -> RooflineCostModel:
+    """The roofline of `config`'s model and GPU, with default or given (fitted) efficiencies and
+    overheads (simkv/backends/roofline_fit.py)."""
+    hw = config.hardware
+    model = RooflineCostModel(hw.model_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
+                              config.cache.kv_dtype_bytes, layer_windows=config.layer_windows,
+                              attention_chunked=bool(config.attention_chunk_size),
+                              num_speculative_tokens=config.speculative.num_speculative_tokens,
+                              data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
+                              decode_context_parallel_size=hw.decode_context_parallel_size, **(params or {}))
+    if source is not None:
+        model.fitted_from = {"fit_file": source, "warnings": list(warnings or [])}
+    return model

@@ -308,9 +308,11 @@ class RooflineCostModel:
                 to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / per / self.byte_rate))
         return line
 
+    fitted_from: dict | None = None  # (a fit file's name and warnings: simkv/backends/roofline_fit.py)
+
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
-                "tensor_parallel_size": self.tp, **self.params}
+                "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {})}
 
 
 _LINEAR_CHUNK = 64  # the chunk of vLLM's chunked Gated DeltaNet and Mamba2 (SSD) prefill kernels

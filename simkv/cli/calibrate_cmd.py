@@ -40,15 +40,35 @@ from simkv.cli.model_option import ModelName
 @click.option("--refit", "refit", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Fit this calib.json's measured grid points again (with --statistic and this simkv's formula); "
                    "measures nothing, needs no GPU.")
+@click.option("--from-bench", "from_bench", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Fit the roofline's efficiencies and overheads to a real vLLM server: a `vllm bench serve "
+                   "--save-detailed` result of the trace `simkv trace export` wrote (with --sim). Needs no GPU.")
+@click.option("--sim", "sim_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="With --from-bench: a simulated replay of the exported trace with the server's settings.")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --from-bench: the trace --sim replayed, when it has moved since.")
+@click.option("--max-evals", type=int, default=400, show_default=True,
+              help="With --from-bench: replays the fit may run.")
 @click.option("--quiet", is_flag=True)
 def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repeats, block_size,
                   max_num_batched_tokens, max_num_seqs, statistic, holdout, seed, enforce_eager, from_steps, with_grid,
-                  refit, quiet, cudagraph_mode) -> None:
+                  refit, from_bench, sim_dir, trace_path, max_evals, quiet, cudagraph_mode) -> None:
     """Profile a designed grid of step shapes on the real backend (decode batches, prefill chunks,
     mixed steps), fit the cost model, and write calib.json (usable as `simkv replay --cost-model`).
 
     With --from-steps, fit the same formula on the steps a measured replay executed (ragged
-    contexts, the traffic's own mix of shapes); check it on another trace slice."""
+    contexts, the traffic's own mix of shapes); check it on another trace slice.
+
+    With --from-bench and --sim, fit the roofline to a real vLLM server's benchmark of an exported
+    trace and write a roofline fit (`simkv replay --cost-model fit.json`; docs/validate_vllm.md)."""
+    if from_bench or sim_dir:
+        if not (from_bench and sim_dir):
+            raise click.UsageError("--from-bench and --sim go together: the benchmark's result and a simulated "
+                                   "replay of the same trace with the server's settings")
+        if refit or from_steps or model:
+            raise click.UsageError("--from-bench is a mode of its own (no --model, --refit or --from-steps)")
+        _from_bench(from_bench, sim_dir, trace_path, max_evals, out_path, quiet)
+        return
     if refit and from_steps:
         raise click.UsageError("--refit and --from-steps are separate modes: give one")
     if refit:
@@ -157,3 +177,36 @@ def _from_steps(dirs: list[str], with_grid: str | None, out_path: str, model: st
                    + (f" and {src['grid_points']} grid points" if src["grid_points"] else "")
                    + (f"; {dropped} steps that compiled kernels left out" if dropped else ""))
         _echo_fit(fit, "steps", out_path)
+
+
+def _from_bench(bench: str, sim_dir: str, trace_path: str | None, max_evals: int, out_path: str, quiet: bool) -> None:
+    import json
+
+    from simkv.atomic import atomic_write_text
+    from simkv.calibration.from_bench import fit_from_bench
+
+    def progress(evals: int, loss: float) -> None:
+        if not quiet:
+            click.echo(f"\r  {evals} replays, loss {loss:.5f}", nl=False, err=True)
+
+    try:
+        doc = fit_from_bench(bench, sim_dir, trace_path, max_evals, progress)
+    except (ValueError, KeyError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    from pathlib import Path
+
+    atomic_write_text(Path(out_path), json.dumps(doc, indent=2) + "\n")
+    if quiet:
+        return
+    fit = doc["fit"]
+    click.echo("", err=True)
+    click.echo(f"fitted {doc['model']} on {doc['gpu']} (TP {doc['tensor_parallel_size']}) to {fit['requests']} "
+               f"requests in {fit['evaluations']} replays ({fit['wall_s']:.1f} s):")
+    for name, value in doc["params"].items():
+        click.echo(f"  {name:<20} {value:.6g}" + ("   (at its bound)" if name in fit["at_bounds"] else ""))
+    for label, key in (("roofline defaults", "at_defaults"), ("fitted", "fitted")):
+        a = fit[key]
+        click.echo(f"  {label:<18} TTFT / E2E median |error| per request {100 * a['ttft_median_abs_rel_error']:.1f} % / "
+                   f"{100 * a['e2e_median_abs_rel_error']:.1f} %; duration {100 * a['duration_s']:+.1f} %, "
+                   f"TTFT p50 {100 * a['ttft_s.p50']:+.1f} %, ITL p50 {100 * a['itl_s.p50']:+.1f} %")
+    click.echo(f"wrote {out_path} (simkv replay --cost-model {out_path}; check it on another slice with simkv compare)")
