@@ -17,6 +17,9 @@ Two checks:
    simulation against the benchmark's result. What remains is the measurement floor: the
    client's send lag, HTTP and asyncio timing on this host. The server also serves the
    simulation's prefix-cache and preemption counters as Prometheus /metrics, read before and after.
+3. fit: the same with a server whose timing is hidden from simkv (a roofline with other
+   efficiencies and overheads): `simkv calibrate --from-bench` on the benchmark of the trace's
+   first rows, then a later window benchmarked and compared with a replay on the fit.
 """
 from __future__ import annotations
 
@@ -204,6 +207,9 @@ def main() -> None:
     parser.add_argument("--prompt-traces", nargs="*", default=[
         str(ROOT / "traces/mooncake_synthetic_slice.parquet"), str(ROOT / "traces/kvcache_coding_sessions.parquet"),
         str(ROOT / "traces/req400_prefix10.parquet")])
+    parser.add_argument("--fit-head", type=int, default=300,
+                        help="Rows benchmarked for the fit through the client (0: skip the fit check).")
+    parser.add_argument("--holdout-window", type=float, nargs=2, default=(100.0, 160.0))
     parser.add_argument("--serve", nargs=2, metavar=("SCHEDULES", "COUNTERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -226,41 +232,92 @@ def main() -> None:
 
     head = out / "trace.parquet"
     simkv("trace", "transform", args.trace, "--head", str(args.head), "--out", str(head))
-    simkv("trace", "export", str(head), "--out", str(out / "trace_export.jsonl"), "--block-size", str(args.block_size))
-    simkv("replay", str(out / "trace_export.parquet"), "--block-size", str(args.block_size), "--out",
-          str(out / "sim"), "--quiet")
-    schedules, exact = token_schedules(out / "sim")
-    (out / "schedules.json").write_text(json.dumps(schedules))
-    summary = json.loads((out / "sim" / "summary.json").read_text())
+    plumbing = measure(out / "round_trip", head, "roofline", args, tokenizer_dir)
+    report["round_trip"] = compare_report(plumbing["sim"], plumbing, out / "round_trip" / "compare")
+    print((out / "round_trip" / "compare" / "compare.md").read_text())
+
+    if args.fit_head:
+        report["fit"] = fit_through_the_client(out / "fit", args, tokenizer_dir)
+        print(json.dumps(report["fit"], indent=2))
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def measure(folder: Path, trace: Path, server_cost_model: str, args, tokenizer_dir: Path) -> dict:
+    """Export `trace`, simulate the served trace with `server_cost_model` (the stand-in server's
+    timing), stream it through vLLM's benchmark client; returns the files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    jsonl, served = folder / "export.jsonl", folder / "export.parquet"
+    simkv("trace", "export", str(trace), "--out", str(jsonl), "--block-size", str(args.block_size))
+    server_sim = folder / "server_sim"
+    simkv("replay", str(served), "--block-size", str(args.block_size), "--cost-model", server_cost_model,
+          "--out", str(server_sim), "--quiet")
+    schedules, exact = token_schedules(server_sim)
+    (folder / "schedules.json").write_text(json.dumps(schedules))
+    summary = json.loads((server_sim / "summary.json").read_text())
     counters = {"prefix_cache_queries": summary["prefix_cache_queries_tokens"],
                 "prefix_cache_hits": summary["prefix_cache_hits_tokens"], "num_preemptions": summary["num_preemptions"]}
-    (out / "counters.json").write_text(json.dumps(counters))
+    (folder / "counters.json").write_text(json.dumps(counters))
     server = subprocess.Popen([sys.executable, __file__, "--port", str(args.port), "--serve",
-                               str(out / "schedules.json"), str(out / "counters.json")])
+                               str(folder / "schedules.json"), str(folder / "counters.json")])
     try:
         for _ in range(100):
             try:
-                fetch(f"http://127.0.0.1:{args.port}/metrics", out / "metrics_before.prom")
+                fetch(f"http://127.0.0.1:{args.port}/metrics", folder / "metrics_before.prom")
                 break
             except OSError:
                 time.sleep(0.1)
-        wall = run_bench(out / "trace_export.jsonl", len(schedules), args.block_size, args.port, tokenizer_dir,
-                         out / "bench.json")
-        fetch(f"http://127.0.0.1:{args.port}/metrics", out / "metrics_after.prom")
+        wall = run_bench(jsonl, len(schedules), args.block_size, args.port, tokenizer_dir, folder / "bench.json")
+        fetch(f"http://127.0.0.1:{args.port}/metrics", folder / "metrics_after.prom")
     finally:
         server.terminate()
         server.wait()
-    compared = subprocess.run([SIMKV, "compare", str(out / "sim"), str(out / "bench.json"), "--server-metrics",
-                               str(out / "metrics_before.prom"), str(out / "metrics_after.prom"), "--out",
-                               str(out / "compare"), "--quiet"], capture_output=True, text=True)
+    return {"served": served, "sim": server_sim, "bench": folder / "bench.json", "requests": len(schedules),
+            "token_times_from_steps": exact, "bench_wall_s": wall,
+            "metrics": (folder / "metrics_before.prom", folder / "metrics_after.prom")}
+
+
+def compare_report(sim_dir: Path, run: dict, out: Path) -> dict:
+    compared = subprocess.run([SIMKV, "compare", str(sim_dir), str(run["bench"]), "--server-metrics",
+                               *map(str, run["metrics"]), "--out", str(out), "--quiet"], capture_output=True, text=True)
     if compared.returncode:
         raise SystemExit(compared.stderr)
-    result = json.loads((out / "compare" / "compare.json").read_text())
-    report["round_trip"] = {"requests": len(schedules), "token_times_from_steps": exact, "bench_wall_s": wall,
-                            "metrics": {r["metric"]: r["rel_error"] for r in result["metrics"]},
-                            "requests_compared": result["requests"], "vllm_bench": result["vllm_bench"]}
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print((out / "compare" / "compare.md").read_text())
+    result = json.loads((out / "compare.json").read_text())
+    return {"requests": run["requests"], "token_times_from_steps": run["token_times_from_steps"],
+            "bench_wall_s": run["bench_wall_s"], "metrics": {r["metric"]: r["rel_error"] for r in result["metrics"]},
+            "requests_compared": result["requests"], "vllm_bench": result["vllm_bench"]}
+
+
+HIDDEN = {"compute_efficiency": 0.40, "memory_efficiency": 0.55, "step_overhead_s": 0.0025, "seq_overhead_s": 1.5e-5}
+
+
+def fit_through_the_client(folder: Path, args, tokenizer_dir: Path) -> dict:
+    """The user's loop on a server whose timing simkv does not know (the stand-in streams a
+    roofline with HIDDEN numbers): benchmark the first rows, simulate them with the roofline's
+    defaults, `simkv calibrate --from-bench`, then benchmark a later window and compare it with
+    a replay on the fit (and, for contrast, on the defaults)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hidden = folder / "hidden.json"
+    hidden.write_text(json.dumps({"format": "simkv-roofline-fit", "format_version": 1, "model": "llama-3-8b",
+                                  "gpu": "H100-SXM", "tensor_parallel_size": 1, "params": HIDDEN, "fit": {},
+                                  "source": {"note": "the stand-in server's hidden timing"}}))
+    fit_rows, window = folder / "fit_rows.parquet", folder / "window.parquet"
+    simkv("trace", "transform", args.trace, "--head", str(args.fit_head), "--out", str(fit_rows))
+    simkv("trace", "transform", args.trace, "--window", *map(str, args.holdout_window), "--out", str(window))
+    on_fit_rows = measure(folder / "fit_rows", fit_rows, str(hidden), args, tokenizer_dir)
+    user_sim = folder / "fit_rows" / "sim_defaults"
+    simkv("replay", str(on_fit_rows["served"]), "--block-size", str(args.block_size), "--out", str(user_sim), "--quiet")
+    printed = simkv("calibrate", "--from-bench", str(on_fit_rows["bench"]), "--sim", str(user_sim),
+                    "--out", str(folder / "fit.json"))
+    held_out = measure(folder / "held_out", window, str(hidden), args, tokenizer_dir)
+    out = {"hidden": HIDDEN, "fitted": json.loads((folder / "fit.json").read_text())["params"],
+           "calibrate_printed": printed.splitlines(), "fit_rows": args.fit_head,
+           "held_out_window_s": list(args.holdout_window)}
+    for name, cost_model in (("fit", str(folder / "fit.json")), ("defaults", "roofline")):
+        sim = folder / "held_out" / f"sim_{name}"
+        simkv("replay", str(held_out["served"]), "--block-size", str(args.block_size), "--cost-model", cost_model,
+              "--out", str(sim), "--quiet")
+        out[f"held_out_{name}"] = compare_report(sim, held_out, folder / "held_out" / f"compare_{name}")
+    return out
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, st
     if config.speculative.enabled:  # the drafter's passes come on top (simkv/backends/drafting.py)
         from simkv.backends.drafting import SpeculativeBackend
 
-        return SpeculativeBackend(backend, config)
+        wrapped = SpeculativeBackend(backend, config)
+        if hasattr(backend, "frontend_latency_s"):
+            wrapped.frontend_latency_s = backend.frontend_latency_s
+        return wrapped
     return backend
 
 
@@ -36,8 +39,11 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
         if step_noise != "none":
             raise ValueError(f"--step-noise needs a calib.json's repeated samples; {name} is a roofline fit")
         hw = config.hardware
-        params, warnings = read_roofline_fit(name, hw.model, hw.gpu, hw.tensor_parallel_size)
-        return make_roofline(config, params, source=name, warnings=warnings)
+        params, frontend_s, warnings = read_roofline_fit(name, hw.model, hw.gpu, hw.tensor_parallel_size)
+        model = make_roofline(config, params, source=name, warnings=warnings)
+        model.frontend_latency_s = frontend_s
+        model.fitted_from["frontend_latency_s"] = frontend_s
+        return model
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 

@@ -7,7 +7,14 @@ trace (simkv/calibration/from_bench.py) and writes them in this file:
 
     {"format": "simkv-roofline-fit", "format_version": 1, "model": ..., "gpu": ...,
      "tensor_parallel_size": ..., "params": {"compute_efficiency": ..., "memory_efficiency": ...,
-     "step_overhead_s": ..., "seq_overhead_s": ...}, "fit": {...}, "source": {...}}
+     "step_overhead_s": ..., "seq_overhead_s": ...}, "frontend_latency_s": ..., "fit": {...},
+     "source": {...}}
+
+`frontend_latency_s` is not the engine's: it is what the server's API front end (HTTP, SSE,
+detokenizing) and the network add to every request's TTFT and end-to-end latency as the client
+measures them. A replay on the fit adds it to those two (the engine's schedule is unchanged:
+shifting every arrival by one constant shifts the whole replay), so its latencies are the
+client's, as the benchmark measured them.
 
 Everything else the roofline knows (the model's FLOPs and bytes per token, the GPU's peaks, the
 TP all-reduces) still comes from the specs, so a fit carries over to other engine settings
@@ -25,6 +32,7 @@ PARAMS = ("compute_efficiency", "memory_efficiency", "step_overhead_s", "seq_ove
 #: (lowest, highest) each parameter may take; a fit is searched within these
 BOUNDS = {"compute_efficiency": (0.01, 1.0), "memory_efficiency": (0.01, 1.0),
           "step_overhead_s": (1e-6, 0.2), "seq_overhead_s": (1e-9, 1e-3)}
+FRONTEND_MAX_S = 10.0
 
 
 def is_roofline_fit(path: str | Path) -> bool:
@@ -35,9 +43,11 @@ def is_roofline_fit(path: str | Path) -> bool:
         return False
 
 
-def read_roofline_fit(path: str | Path, model: str, gpu: str, tensor_parallel_size: int) -> tuple[dict, list[str]]:
-    """The fitted parameters for a replay of `model` on `gpu`, and warnings; ValueError naming
-    the file and the field when the fit is for another model or GPU, or malformed."""
+def read_roofline_fit(path: str | Path, model: str, gpu: str,
+                      tensor_parallel_size: int) -> tuple[dict, float, list[str]]:
+    """The fitted parameters for a replay of `model` on `gpu`, the front end's latency, and
+    warnings; ValueError naming the file and the field when the fit is for another model or GPU,
+    or malformed."""
     data = json.loads(Path(path).read_text())
     if data.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {data.get('format_version')!r}; this simkv reads {FORMAT_VERSION}")
@@ -51,14 +61,18 @@ def read_roofline_fit(path: str | Path, model: str, gpu: str, tensor_parallel_si
         low, high = BOUNDS[name]
         if not isinstance(value, (int, float)) or not low <= value <= high:
             raise ValueError(f"{path}: params.{name} = {value!r}, expected a number in [{low}, {high}]")
+    frontend = data.get("frontend_latency_s", 0.0)
+    if not isinstance(frontend, (int, float)) or not 0.0 <= frontend <= FRONTEND_MAX_S:
+        raise ValueError(f"{path}: frontend_latency_s = {frontend!r}, expected a number in [0, {FRONTEND_MAX_S}]")
     warnings = []
     if data.get("tensor_parallel_size") != tensor_parallel_size:
         warnings.append(f"{path} was fitted at tensor_parallel_size {data.get('tensor_parallel_size')}, "
                         f"this replay runs {tensor_parallel_size}")
-    return {name: float(params[name]) for name in PARAMS}, warnings
+    return {name: float(params[name]) for name in PARAMS}, float(frontend), warnings
 
 
-def fit_document(model: str, gpu: str, tensor_parallel_size: int, params: dict, fit: dict, source: dict) -> dict:
+def fit_document(model: str, gpu: str, tensor_parallel_size: int, params: dict, frontend_latency_s: float,
+                 fit: dict, source: dict) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model, "gpu": gpu,
             "tensor_parallel_size": tensor_parallel_size, "params": {k: params[k] for k in PARAMS},
-            "fit": fit, "source": source}
+            "frontend_latency_s": frontend_latency_s, "fit": fit, "source": source}

@@ -7,7 +7,12 @@ the trace). The client records no engine steps, only each request's times, so th
 roofline's four free numbers (simkv/backends/roofline_fit.py), chosen so that the simulation's
 per-request times match the measured ones:
 
-    loss = mean over requests finished in both of  ln(TTFT_sim / TTFT_meas)^2 + ln(E2E_sim / E2E_meas)^2
+    loss = mean over requests finished in both of  ln((TTFT_sim + f) / TTFT_meas)^2
+                                                  + ln((E2E_sim + f) / E2E_meas)^2
+
+where f, the front end's latency (HTTP, SSE, detokenizing, network: what the client sees on top
+of the engine, the same for every request), is the best constant for each parameter set
+(golden-section search, no replay needed) and is recorded in the fit with the four numbers.
 
 minimised over the parameters' logarithms within their bounds: a coarse grid around the
 roofline's defaults, then Nelder-Mead from its best points, each evaluation a replay of the trace (deterministic: the same inputs give the same
@@ -54,14 +59,38 @@ def simulated_setup(sim_dir: str | Path, trace_path: str | None = None):
     return summary, EngineConfig.from_flat(summary["config"]), read_trace(path)
 
 
-def _log_errors(sim: pd.DataFrame, meas: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+def _paired(sim: pd.DataFrame, meas: pd.DataFrame) -> tuple[np.ndarray, ...]:
+    """(simulated TTFT, measured TTFT, simulated E2E, measured E2E) of the requests finished in both."""
     ok = (sim["status"].to_numpy() == "finished") & (meas["status"].to_numpy() == "finished")
-    out = []
-    for key in ("ttft_s", "e2e_s"):
-        s, m = sim[key].to_numpy()[ok], meas[key].to_numpy()[ok]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out.append(np.log(np.maximum(s, 1e-6) / np.maximum(m, 1e-6)))
-    return out[0], out[1]
+    return tuple(np.maximum(frame[key].to_numpy()[ok], 1e-6) for key in ("ttft_s", "e2e_s") for frame in (sim, meas))
+
+
+def _loss_at(pairs: tuple[np.ndarray, ...], d: float) -> float:
+    st, mt, se, me = pairs
+    return float(np.mean(np.log((st + d) / mt) ** 2) + np.mean(np.log((se + d) / me) ** 2))
+
+
+def best_frontend_latency(pairs: tuple[np.ndarray, ...], iterations: int = 60) -> tuple[float, float]:
+    """The constant the front end adds to every request (0 up to the shortest measured TTFT) that
+    minimises the loss, by golden-section search; (latency, loss)."""
+    if not pairs[0].size:
+        return 0.0, math.inf
+    lo, hi = 0.0, float(pairs[1].min())
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = _loss_at(pairs, a), _loss_at(pairs, b)
+    for _ in range(iterations):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = _loss_at(pairs, a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = _loss_at(pairs, b)
+    d = (lo + hi) / 2
+    at_zero = _loss_at(pairs, 0.0)
+    return (0.0, at_zero) if at_zero <= _loss_at(pairs, d) else (d, _loss_at(pairs, d))
 
 
 class BenchFit:
@@ -78,10 +107,8 @@ class BenchFit:
         return replay(self.trace, self.config, backend=make_roofline(self.config, params))
 
     def loss(self, params: dict) -> float:
-        ttft, e2e = _log_errors(self.replay(params).requests, self.measured)
-        if not ttft.size:
-            return math.inf
-        return float(np.mean(ttft ** 2) + np.mean(e2e ** 2))
+        """The loss of `params` with the best front-end latency for them."""
+        return best_frontend_latency(_paired(self.replay(params).requests, self.measured))[1]
 
 
 def _to_params(x: np.ndarray) -> dict:
@@ -161,15 +188,21 @@ def multistart_nelder_mead(f, x0: np.ndarray, max_evals: int, starts: int = 3, o
     return best_x, best_v, evals
 
 
-def _agreement(requests: pd.DataFrame, measured: pd.DataFrame, summary: dict, meas_summary: dict) -> dict:
-    ttft, e2e = _log_errors(requests, measured)
-    out = {"ttft_median_abs_rel_error": float(np.median(np.abs(np.expm1(ttft)))) if ttft.size else None,
-           "e2e_median_abs_rel_error": float(np.median(np.abs(np.expm1(e2e)))) if e2e.size else None}
-    for metric, stat in (("duration_s", None), ("ttft_s", "p50"), ("ttft_s", "p99"), ("itl_s", "p50"),
-                         ("itl_s", "p99"), ("e2e_s", "p50")):
-        s, m = (summary[metric], meas_summary[metric]) if stat is None else (
-            summary[metric][stat], meas_summary[metric][stat])
-        out[metric if stat is None else f"{metric}.{stat}"] = None if s is None or not m else (s - m) / m
+def _agreement(result, measured: pd.DataFrame, meas_summary: dict, frontend_s: float) -> dict:
+    """How a replay (plus the front end's latency) agrees with the measurement: per request, and
+    on the summary's figures (relative errors)."""
+    st, mt, se, me = _paired(result.requests, measured)
+    out = {"ttft_median_abs_rel_error": float(np.median(np.abs((st + frontend_s) / mt - 1))) if st.size else None,
+           "e2e_median_abs_rel_error": float(np.median(np.abs((se + frontend_s) / me - 1))) if se.size else None}
+    sim_ttft, sim_e2e = st + frontend_s, se + frontend_s
+    pairs = {"duration_s": (result.summary["duration_s"], meas_summary["duration_s"]),
+             "ttft_s.p50": (np.percentile(sim_ttft, 50), meas_summary["ttft_s"]["p50"]),
+             "ttft_s.p99": (np.percentile(sim_ttft, 99), meas_summary["ttft_s"]["p99"]),
+             "itl_s.p50": (result.summary["itl_s"]["p50"], meas_summary["itl_s"]["p50"]),
+             "itl_s.p99": (result.summary["itl_s"]["p99"], meas_summary["itl_s"]["p99"]),
+             "e2e_s.p50": (np.percentile(sim_e2e, 50), meas_summary["e2e_s"]["p50"])}
+    for key, (sim_value, meas_value) in pairs.items():
+        out[key] = None if sim_value is None or not meas_value else float((sim_value - meas_value) / meas_value)
     return out
 
 
@@ -188,12 +221,13 @@ def fit_from_bench(bench_path: str | Path, sim_dir: str | Path, trace_path: str 
                                             np.log([DEFAULTS[p] for p in PARAMS]), max_evals, on_eval=on_progress)
     params = _to_params(x)
     before, after = problem.replay(DEFAULTS), problem.replay(params)
+    frontend_s, _ = best_frontend_latency(_paired(after.requests, measured))
     hw = config.hardware
-    fit = {"loss": loss, "loss_at_defaults": problem.loss(DEFAULTS), "evaluations": evals,
+    fit = {"loss": loss, "loss_at_defaults": _loss_at(_paired(before.requests, measured), 0.0), "evaluations": evals,
            "wall_s": time.perf_counter() - started, "requests": int(len(measured)),
-           "at_defaults": _agreement(before.requests, measured, before.summary, meas_summary),
-           "fitted": _agreement(after.requests, measured, after.summary, meas_summary),
+           "at_defaults": _agreement(before, measured, meas_summary, 0.0),
+           "fitted": _agreement(after, measured, meas_summary, frontend_s),
            "at_bounds": [p for p in PARAMS if params[p] in BOUNDS[p]]}
     source = {"bench": str(bench_path), "sim_dir": str(sim_dir), "trace": str(trace_path or summary["trace"]),
               "engine_config": summary["config"], "vllm_bench": meas_summary["vllm_bench"]}
-    return fit_document(hw.model, hw.gpu, hw.tensor_parallel_size, params, fit, source)
+    return fit_document(hw.model, hw.gpu, hw.tensor_parallel_size, params, frontend_s, fit, source)

@@ -204,6 +204,7 @@ def _from_bench(bench: str, sim_dir: str, trace_path: str | None, max_evals: int
                f"requests in {fit['evaluations']} replays ({fit['wall_s']:.1f} s):")
     for name, value in doc["params"].items():
         click.echo(f"  {name:<20} {value:.6g}" + ("   (at its bound)" if name in fit["at_bounds"] else ""))
+    click.echo(f"  {'frontend_latency_s':<20} {doc['frontend_latency_s']:.6g}   (added to every TTFT and E2E)")
     for label, key in (("roofline defaults", "at_defaults"), ("fitted", "fitted")):
         a = fit[key]
         click.echo(f"  {label:<18} TTFT / E2E median |error| per request {100 * a['ttft_median_abs_rel_error']:.1f} % / "

@@ -16,7 +16,7 @@ from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.goodput import goodput_summary
-from simkv.replay.results import request_table, summarize, write_outputs
+from simkv.replay.results import frontend_latency, request_table, summarize, write_outputs
 from simkv.replay.router import Router, RouterOptions
 
 
@@ -97,7 +97,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
         t0 = time.perf_counter()
         run = engine.run()
         wall = time.perf_counter() - t0
-        requests = request_table(run, trace)
+        requests = request_table(run, trace, frontend_latency(backend))
         summary = summarize(run, trace, config, backend, capacity, wall, requests)
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
@@ -117,7 +117,7 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,
                                   use_decode_runs, on_progress)
         wall = time.perf_counter() - t0
-        requests, steps, per_replica = fleet_tables(runs, routing, trace)
+        requests, steps, per_replica = fleet_tables(runs, routing, trace, frontend_latency(backends[0]))
         summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica)
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
@@ -164,7 +164,8 @@ def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_ru
                                 capacities[1], use_decode_runs, on_progress)
         wall = time.perf_counter() - t0
         backends[1] = backends[1] * (len(run.decode_runs) // len(backends[1]))  # (a data-parallel pool: one per rank)
-        requests, steps, prefill_requests, per_prefill, per_decode = pd_tables(run, trace)
+        requests, steps, prefill_requests, per_prefill, per_decode = pd_tables(run, trace,
+                                                                               frontend_latency(backends[1][0]))
         summary = pd_summary(run, trace, spec, configs, backends, capacities, wall, requests, prefill_requests,
                              per_prefill, per_decode)
         if goodput:

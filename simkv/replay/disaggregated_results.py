@@ -31,10 +31,11 @@ def _seconds(ticks: np.ndarray) -> np.ndarray:
     return np.where(ticks >= 0, ticks / TICKS_PER_SECOND, np.nan)
 
 
-def pd_tables(run: DisaggregatedRun, trace):
-    """(requests, steps, the prefill pool's requests, per-replica request tables of each pool)."""
+def pd_tables(run: DisaggregatedRun, trace, frontend_latency_s: float = 0.0):
+    """(requests, steps, the prefill pool's requests, per-replica request tables of each pool);
+    `frontend_latency_s` is added to the requests' TTFT and E2E (request_table)."""
     pd_ = run.routing
-    requests, decode_steps, per_decode = fleet_tables(run.decode_runs, pd_.decode, trace)
+    requests, decode_steps, per_decode = fleet_tables(run.decode_runs, pd_.decode, trace, frontend_latency_s)
     prefill_requests, prefill_steps, per_prefill = fleet_tables(run.prefill_runs, pd_.prefill, trace)
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)

@@ -224,11 +224,12 @@ _MERGED_COLUMNS = ("first_scheduled_time_s", "first_token_time_s", "finish_time_
                    "prefix_hit_tokens", "num_preemptions", "queue_s", "ttft_s", "e2e_s", "mean_itl_s")
 
 
-def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace) -> tuple[pd.DataFrame, dict, list[pd.DataFrame]]:
+def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace,
+                 frontend_latency_s: float = 0.0) -> tuple[pd.DataFrame, dict, list[pd.DataFrame]]:
     """The fleet's requests (each row from the replica that served it, plus a `replica` column)
     and steps (every replica's, replica by replica), and each replica's own request table."""
     assignment = routing.assignment
-    per_replica = [request_table(run, trace) for run in runs]
+    per_replica = [request_table(run, trace, frontend_latency_s) for run in runs]
     merged = per_replica[0].copy()
     for column in _MERGED_COLUMNS + tuple(c for c in SPEC_COLUMNS if c in merged):
         values = merged[column].to_numpy().copy()

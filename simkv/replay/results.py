@@ -39,7 +39,10 @@ def weighted_dist(values: np.ndarray, weights: np.ndarray) -> dict:
     return {"mean": float(np.dot(values, weights) / total), "p50": q[0], "p90": q[1], "p99": q[2]}
 
 
-def request_table(run: ReplayRun, trace) -> pd.DataFrame:
+def request_table(run: ReplayRun, trace, frontend_latency_s: float = 0.0) -> pd.DataFrame:
+    """One row per request. `frontend_latency_s`: what the server's API front end and the network
+    add to every request's TTFT and end-to-end latency as its client sees them (a roofline fit's,
+    simkv/backends/roofline_fit.py; 0 = the engine's own times)."""
     steps = run.steps.columns()
     starts, durations = steps["start_time_s"], steps["duration_s"]
     ends = starts + durations
@@ -73,10 +76,15 @@ def request_table(run: ReplayRun, trace) -> pd.DataFrame:
         "prefix_hit_tokens": np.where(finished, ints["prefix_hit_tokens"], 0),
         "num_preemptions": np.where(finished, ints["num_preemptions"], 0),
         "queue_s": first_sched - arrival,
-        "ttft_s": first_token - arrival,
-        "e2e_s": finish - arrival,
+        "ttft_s": first_token - arrival + frontend_latency_s,
+        "e2e_s": finish - arrival + frontend_latency_s,
         "mean_itl_s": mean_itl,
     } | {c: np.where(finished, ints[c], 0) for c in SPEC_COLUMNS if c in ints})
+
+
+def frontend_latency(backend) -> float:
+    """The client-side latency a cost model adds to every request (a roofline fit's; else 0)."""
+    return float(getattr(backend, "frontend_latency_s", 0.0))
 
 
 def itl_distribution(run: ReplayRun) -> dict:

@@ -95,3 +95,32 @@ def test_from_bench_options_are_checked(fitted, tmp_path):
     _run(["replay", str(tmp / "t.parquet"), "--replicas", "2", "--out", str(tmp_path / "fleet"), "--quiet"])
     assert "a fleet replay; --from-bench fits one engine's replay" in _fails(
         ["calibrate", "--from-bench", str(tmp / "bench.json"), "--sim", str(tmp_path / "fleet")])
+
+
+def test_frontend_latency_adds_to_every_ttft_and_e2e_and_nothing_else(tmp_path):
+    """Shifting every arrival by one constant shifts the whole replay: the front end's latency is
+    added to TTFT and E2E and changes no step (one engine and a fleet)."""
+    base = _fit_file(tmp_path / "base.json", HIDDEN)
+    doc = json.loads(Path(base).read_text()) | {"frontend_latency_s": 0.004}
+    (tmp_path / "front.json").write_text(json.dumps(doc))
+    for extra in ([], ["--replicas", "2"]):
+        runs = {}
+        for name in ("base", "front"):
+            out = tmp_path / f"{name}{len(extra)}"
+            _run(["replay", "traces/req400.parquet", "--cost-model", str(tmp_path / f"{name}.json"), *extra,
+                  "--out", str(out), "--quiet"])
+            runs[name] = out
+        import pandas as pd
+
+        a, b = (pd.read_parquet(runs[n] / "requests.parquet") for n in ("base", "front"))
+        for column in ("ttft_s", "e2e_s"):
+            assert ((b[column] - a[column]).dropna() - 0.004).abs().max() < 1e-9
+        same = [c for c in a.columns if c not in ("ttft_s", "e2e_s")]
+        assert a[same].equals(b[same])
+        assert (runs["base"] / "steps.parquet").read_bytes() == (runs["front"] / "steps.parquet").read_bytes()
+        summary = json.loads((runs["front"] / "summary.json").read_text())
+        assert summary["cost_model"]["frontend_latency_s"] == 0.004
+    doc["frontend_latency_s"] = -1
+    (tmp_path / "neg.json").write_text(json.dumps(doc))
+    assert "frontend_latency_s = -1, expected a number in [0, 10.0]" in _fails(
+        ["replay", "traces/req400.parquet", "--cost-model", str(tmp_path / "neg.json"), "--out", str(tmp_path / "o")])
