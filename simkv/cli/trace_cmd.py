@@ -206,5 +206,7 @@ def export_cmd(path: str, out: str, block_size: int, trace_out: str | None, mode
     for note in export.notes:
         click.echo(f"note: {note}")
     click.echo("next, with the server up:\n  " + bench_command(out, n, export.chunk_tokens, model))
-    click.echo(f"  simkv replay {trace_out} --block-size {block_size} --out sim   # + the server's options")
-    click.echo("  simkv compare sim bench.json --out compare")
+    click.echo(f"  simkv replay {trace_out} --block-size {block_size} --out sim   # + the server's options "
+               f"(--model, --gpu, -tp, --async-scheduling as vLLM serves by default, ...)")
+    click.echo("  simkv compare sim bench.json --out compare   # + --server-metrics BEFORE AFTER (/metrics snapshots)")
+    click.echo("  simkv calibrate --from-bench bench.json --sim sim --out fit.json   # then --cost-model fit.json")

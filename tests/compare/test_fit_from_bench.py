@@ -9,24 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from simkv.cli.main import main
+from tests.cli_runs import cli_fails, cli_ok
 from tests.compare.bench_synth import write_bench_result
 
 HIDDEN = {"compute_efficiency": 0.40, "memory_efficiency": 0.55, "step_overhead_s": 0.0025, "seq_overhead_s": 1.5e-5}
 
 
-def _run(args: list[str]) -> str:
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res.output
-
-
-def _fails(args: list[str]) -> str:
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code != 0
-    return res.output
 
 
 def _fit_file(path: Path, params: dict, model: str = "llama-3-8b", gpu: str = "H100-SXM") -> str:
@@ -39,11 +28,11 @@ def _fit_file(path: Path, params: dict, model: str = "llama-3-8b", gpu: str = "H
 def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fit")
     hidden = _fit_file(tmp / "hidden.json", HIDDEN)
-    _run(["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "150", "--out", str(tmp / "t.parquet")])
-    _run(["replay", str(tmp / "t.parquet"), "--cost-model", hidden, "--out", str(tmp / "server"), "--quiet"])
+    cli_ok(["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "150", "--out", str(tmp / "t.parquet")])
+    cli_ok(["replay", str(tmp / "t.parquet"), "--cost-model", hidden, "--out", str(tmp / "server"), "--quiet"])
     bench = write_bench_result(tmp / "server", tmp / "bench.json")
-    _run(["replay", str(tmp / "t.parquet"), "--out", str(tmp / "sim"), "--quiet"])  # the user's simulation
-    out = _run(["calibrate", "--from-bench", str(bench), "--sim", str(tmp / "sim"), "--max-evals", "250",
+    cli_ok(["replay", str(tmp / "t.parquet"), "--out", str(tmp / "sim"), "--quiet"])  # the user's simulation
+    out = cli_ok(["calibrate", "--from-bench", str(bench), "--sim", str(tmp / "sim"), "--max-evals", "250",
                 "--out", str(tmp / "fit.json")])
     return tmp, hidden, json.loads((tmp / "fit.json").read_text()), out
 
@@ -61,13 +50,13 @@ def test_fit_recovers_the_servers_timing_on_its_own_trace(fitted):
 
 def test_fit_predicts_a_window_it_was_not_fitted_on(fitted, tmp_path):
     tmp, hidden, _, _ = fitted
-    _run(["trace", "transform", "traces/azure_conv_slice.parquet", "--window", "100", "160", "--out",
+    cli_ok(["trace", "transform", "traces/azure_conv_slice.parquet", "--window", "100", "160", "--out",
           str(tmp_path / "w.parquet")])
     for name, cost_model in (("truth", hidden), ("fit", str(tmp / "fit.json")), ("defaults", "roofline")):
-        _run(["replay", str(tmp_path / "w.parquet"), "--cost-model", cost_model, "--out", str(tmp_path / name), "--quiet"])
+        cli_ok(["replay", str(tmp_path / "w.parquet"), "--cost-model", cost_model, "--out", str(tmp_path / name), "--quiet"])
     errors = {}
     for name in ("fit", "defaults"):
-        _run(["compare", str(tmp_path / name), str(tmp_path / "truth"), "--out", str(tmp_path / f"c_{name}"), "--quiet"])
+        cli_ok(["compare", str(tmp_path / name), str(tmp_path / "truth"), "--out", str(tmp_path / f"c_{name}"), "--quiet"])
         rows = json.loads((tmp_path / f"c_{name}" / "compare.json").read_text())["metrics"]
         errors[name] = {r["metric"]: r["rel_error"] for r in rows}
     for metric in ("ttft_s.p50", "itl_s.p50", "e2e_s.p50"):
@@ -79,21 +68,21 @@ def test_fit_predicts_a_window_it_was_not_fitted_on(fitted, tmp_path):
 
 def test_fit_files_for_another_model_or_malformed_are_refused(tmp_path):
     other = _fit_file(tmp_path / "other.json", HIDDEN, model="qwen2.5-7b")
-    out = _fails(["replay", "traces/req400.parquet", "--cost-model", other, "--out", str(tmp_path / "o")])
+    out = cli_fails(["replay", "traces/req400.parquet", "--cost-model", other, "--out", str(tmp_path / "o")])
     assert "fitted for model 'qwen2.5-7b', this replay runs 'llama-3-8b'" in out
     bad = _fit_file(tmp_path / "bad.json", HIDDEN | {"memory_efficiency": 3.0})
-    assert "params.memory_efficiency = 3.0, expected a number in [0.01, 1.0]" in _fails(
+    assert "params.memory_efficiency = 3.0, expected a number in [0.01, 1.0]" in cli_fails(
         ["replay", "traces/req400.parquet", "--cost-model", bad, "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
 
 
 def test_from_bench_options_are_checked(fitted, tmp_path):
     tmp = fitted[0]
-    assert "--from-bench and --sim go together" in _fails(["calibrate", "--from-bench", str(tmp / "bench.json")])
-    assert "a mode of its own" in _fails(["calibrate", "--from-bench", str(tmp / "bench.json"), "--sim",
+    assert "--from-bench and --sim go together" in cli_fails(["calibrate", "--from-bench", str(tmp / "bench.json")])
+    assert "a mode of its own" in cli_fails(["calibrate", "--from-bench", str(tmp / "bench.json"), "--sim",
                                           str(tmp / "sim"), "--model", "tiny-llama"])
-    _run(["replay", str(tmp / "t.parquet"), "--replicas", "2", "--out", str(tmp_path / "fleet"), "--quiet"])
-    assert "a fleet replay; --from-bench fits one engine's replay" in _fails(
+    cli_ok(["replay", str(tmp / "t.parquet"), "--replicas", "2", "--out", str(tmp_path / "fleet"), "--quiet"])
+    assert "a fleet replay; --from-bench fits one engine's replay" in cli_fails(
         ["calibrate", "--from-bench", str(tmp / "bench.json"), "--sim", str(tmp_path / "fleet")])
 
 
@@ -107,7 +96,7 @@ def test_frontend_latency_adds_to_every_ttft_and_e2e_and_nothing_else(tmp_path):
         runs = {}
         for name in ("base", "front"):
             out = tmp_path / f"{name}{len(extra)}"
-            _run(["replay", "traces/req400.parquet", "--cost-model", str(tmp_path / f"{name}.json"), *extra,
+            cli_ok(["replay", "traces/req400.parquet", "--cost-model", str(tmp_path / f"{name}.json"), *extra,
                   "--out", str(out), "--quiet"])
             runs[name] = out
         import pandas as pd
@@ -122,5 +111,5 @@ def test_frontend_latency_adds_to_every_ttft_and_e2e_and_nothing_else(tmp_path):
         assert summary["cost_model"]["frontend_latency_s"] == 0.004
     doc["frontend_latency_s"] = -1
     (tmp_path / "neg.json").write_text(json.dumps(doc))
-    assert "frontend_latency_s = -1, expected a number in [0, 10.0]" in _fails(
+    assert "frontend_latency_s = -1, expected a number in [0, 10.0]" in cli_fails(
         ["replay", "traces/req400.parquet", "--cost-model", str(tmp_path / "neg.json"), "--out", str(tmp_path / "o")])

@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from simkv.cli.main import main
+from tests.cli_runs import cli_fails, cli_ok
 from simkv.compare.vllm_bench import read_prometheus_counters
 
 DATA = Path(__file__).parent / "data"
@@ -20,30 +19,20 @@ BENCH = DATA / "vllm_bench_azure25.json"
 METRICS = [str(DATA / "vllm_bench_azure25_metrics_before.prom"), str(DATA / "vllm_bench_azure25_metrics_after.prom")]
 
 
-def _run(args: list[str]) -> str:
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res.output
-
-
-def _fails(args: list[str]) -> str:
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code != 0
-    return res.output
 
 
 @pytest.fixture(scope="module")
 def sim_dir(tmp_path_factory) -> Path:
     """The simulated replay the recording was made against (the roundtrip script's commands)."""
     tmp = tmp_path_factory.mktemp("bench")
-    _run(["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "25", "--out", str(tmp / "t.parquet")])
-    _run(["trace", "export", str(tmp / "t.parquet"), "--out", str(tmp / "x.jsonl"), "--block-size", "16"])
-    _run(["replay", str(tmp / "x.parquet"), "--block-size", "16", "--out", str(tmp / "sim"), "--quiet"])
+    cli_ok(["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "25", "--out", str(tmp / "t.parquet")])
+    cli_ok(["trace", "export", str(tmp / "t.parquet"), "--out", str(tmp / "x.jsonl"), "--block-size", "16"])
+    cli_ok(["replay", str(tmp / "x.parquet"), "--block-size", "16", "--out", str(tmp / "sim"), "--quiet"])
     return tmp / "sim"
 
 
 def _compare(sim_dir: Path, out: Path, *extra: str) -> dict:
-    _run(["compare", str(sim_dir), str(BENCH), "--out", str(out), "--quiet", *extra])
+    cli_ok(["compare", str(sim_dir), str(BENCH), "--out", str(out), "--quiet", *extra])
     return json.loads((out / "compare.json").read_text())
 
 
@@ -92,19 +81,19 @@ def test_bad_benchmark_files_are_refused_with_the_reason(sim_dir, tmp_path):
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_text(json.dumps(content))
-        out = _fails(["compare", str(sim_dir), str(tmp_path / name), "--out", str(tmp_path / "o")])
+        out = cli_fails(["compare", str(sim_dir), str(tmp_path / name), "--out", str(tmp_path / "o")])
         assert message in out, (name, out)
     (tmp_path / "appended.json").write_text(json.dumps(bench) + "\n" + json.dumps(bench))
-    assert "--append-result" in _fails(["compare", str(sim_dir), str(tmp_path / "appended.json"), "--out", str(tmp_path / "o")])
+    assert "--append-result" in cli_fails(["compare", str(sim_dir), str(tmp_path / "appended.json"), "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()  # nothing written
-    swapped = _fails(["compare", str(sim_dir), str(BENCH), "--server-metrics", METRICS[1], METRICS[0],
+    swapped = cli_fails(["compare", str(sim_dir), str(BENCH), "--server-metrics", METRICS[1], METRICS[0],
                       "--out", str(tmp_path / "o")])
     assert "swapped, or the server restarted between them" in swapped
     (tmp_path / "m.prom").write_text("# HELP x\nprocess_cpu_seconds_total 3.0\n")
-    assert "is it a vLLM server's /metrics" in _fails(
+    assert "is it a vLLM server's /metrics" in cli_fails(
         ["compare", str(sim_dir), str(BENCH), "--server-metrics", str(tmp_path / "m.prom"), METRICS[1],
          "--out", str(tmp_path / "o")])
-    assert "--server-metrics goes with a `vllm bench serve` result" in _fails(
+    assert "--server-metrics goes with a `vllm bench serve` result" in cli_fails(
         ["compare", str(sim_dir), str(sim_dir), "--server-metrics", *METRICS, "--out", str(tmp_path / "o")])
 
 

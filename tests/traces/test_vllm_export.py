@@ -10,18 +10,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from click.testing import CliRunner
 
-from simkv.cli.main import main
+from tests.cli_runs import cli_fails, cli_ok
 from simkv.traces.errors import TraceError
 from simkv.traces.schema import read_trace, trace_from_frame
 from simkv.traces.vllm_bench import export_timed_trace
 
-
-def _run(args: list[str]) -> str:
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res.output
 
 
 def _lines(path: Path) -> list[dict]:
@@ -35,17 +29,17 @@ def _lines(path: Path) -> list[dict]:
 def test_served_trace_replays_like_the_original(tmp_path, trace, block_size, extra):
     """Without replies, salts or sessions the export changes no content: the served trace's
     replay (g-token ids for the trace's H-token blocks) is the original's, request for request."""
-    _run(["trace", "export", trace, "--out", str(tmp_path / "t.jsonl"), "--block-size", str(block_size)])
+    cli_ok(["trace", "export", trace, "--out", str(tmp_path / "t.jsonl"), "--block-size", str(block_size)])
     opts = ["--block-size", str(block_size), "--num-gpu-blocks", "3000", "--quiet", *extra]
-    _run(["replay", trace, *opts, "--out", str(tmp_path / "a")])
-    _run(["replay", str(tmp_path / "t.parquet"), *opts, "--out", str(tmp_path / "b")])
+    cli_ok(["replay", trace, *opts, "--out", str(tmp_path / "a")])
+    cli_ok(["replay", str(tmp_path / "t.parquet"), *opts, "--out", str(tmp_path / "b")])
     a, b = pd.read_parquet(tmp_path / "a" / "requests.parquet"), pd.read_parquet(tmp_path / "b" / "requests.parquet")
     assert a.equals(b)
     assert a["prefix_hit_tokens"].sum() > 10_000 and a["num_preemptions"].sum() > 0  # (the check has teeth)
 
 
 def test_lines_cover_every_prompt_token_in_arrival_order(tmp_path):
-    out = _run(["trace", "export", "traces/mooncake_synthetic_slice.parquet", "--out", str(tmp_path / "m.jsonl"),
+    out = cli_ok(["trace", "export", "traces/mooncake_synthetic_slice.parquet", "--out", str(tmp_path / "m.jsonl"),
                 "--block-size", "64"])
     assert "(64-token chunks)" in out and "--timed-trace-chunk-hash-size 64 --num-prompts 1000" in out
     lines, trace = _lines(tmp_path / "m.jsonl"), read_trace("traces/mooncake_synthetic_slice.parquet")
@@ -76,7 +70,7 @@ def test_unique_content_gets_unused_ids_and_salts_separate():
 
 
 def test_replies_sessions_and_priorities_are_left_out(tmp_path):
-    out = _run(["trace", "export", "traces/kvcache_coding_sessions.parquet", "--out", str(tmp_path / "s.jsonl")])
+    out = cli_ok(["trace", "export", "traces/kvcache_coding_sessions.parquet", "--out", str(tmp_path / "s.jsonl")])
     assert "89 rows describe their replies" in out and "not paced" in out
     served = read_trace(tmp_path / "s.parquet")
     assert served.session_id is None and served.cache_salt is None and served.priority is None
@@ -85,14 +79,14 @@ def test_replies_sessions_and_priorities_are_left_out(tmp_path):
 
 def test_export_is_deterministic_and_refuses_parallel_sampling(tmp_path):
     for name in ("a", "b"):
-        _run(["trace", "export", "traces/req400_prefix10.parquet", "--out", str(tmp_path / f"{name}.jsonl")])
+        cli_ok(["trace", "export", "traces/req400_prefix10.parquet", "--out", str(tmp_path / f"{name}.jsonl")])
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
     frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [10, 10], "output_tokens": [3, 3], "n": [1, 4]})
     with pytest.raises(TraceError, match=r"column 'n', row 1: n = 4"):
         export_timed_trace(trace_from_frame(frame, source="p.parquet"))
-    res = CliRunner().invoke(main, ["trace", "export", "traces/req400.parquet", "--out", str(tmp_path / "x.txt")])
-    assert res.exit_code != 0 and "name it *.jsonl" in res.output and not (tmp_path / "x.txt").exists()
+    out = cli_fails(["trace", "export", "traces/req400.parquet", "--out", str(tmp_path / "x.txt")])
+    assert "name it *.jsonl" in out and not (tmp_path / "x.txt").exists()
     assert not (tmp_path / "x.parquet").exists()
 
 
