@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -209,14 +208,18 @@ def _agreement(result, measured: pd.DataFrame, meas_summary: dict, frontend_s: f
 def fit_from_bench(bench_path: str | Path, sim_dir: str | Path, trace_path: str | None = None,
                    max_evals: int = 400, on_progress=None) -> dict:
     """The roofline-fit document (simkv/backends/roofline_fit.py) for the server that produced
-    `bench_path`, with the fit's agreement before (defaults) and after."""
+    `bench_path`, with the fit's agreement before (defaults) and after. Deterministic: the same
+    files give the same document, byte for byte once written."""
     summary, config, trace = simulated_setup(sim_dir, trace_path)
     sim_requests = pd.read_parquet(Path(sim_dir) / "requests.parquet")
     meas_summary, measured, _ = load_bench_run(bench_path, sim_requests)
     if meas_summary["num_finished"] < 5:
         raise ValueError(f"{bench_path}: {meas_summary['num_finished']} requests finished; a fit needs more")
+    grid = len(START_MULTIPLES) ** len(PARAMS)
+    if max_evals < grid + 2 * len(PARAMS) + 2:
+        raise ValueError(f"--max-evals {max_evals}: the search needs at least {grid + 2 * len(PARAMS) + 2} replays "
+                         f"(a {grid}-point grid, then a simplex)")
     problem = BenchFit(config, trace, measured)
-    started = time.perf_counter()
     x, loss, evals = multistart_nelder_mead(lambda v: problem.loss(_to_params(v)),
                                             np.log([DEFAULTS[p] for p in PARAMS]), max_evals, on_eval=on_progress)
     params = _to_params(x)
@@ -224,7 +227,7 @@ def fit_from_bench(bench_path: str | Path, sim_dir: str | Path, trace_path: str 
     frontend_s, _ = best_frontend_latency(_paired(after.requests, measured))
     hw = config.hardware
     fit = {"loss": loss, "loss_at_defaults": _loss_at(_paired(before.requests, measured), 0.0), "evaluations": evals,
-           "wall_s": time.perf_counter() - started, "requests": int(len(measured)),
+           "requests": int(len(measured)),
            "at_defaults": _agreement(before, measured, meas_summary, 0.0),
            "fitted": _agreement(after, measured, meas_summary, frontend_s),
            "at_bounds": [p for p in PARAMS if params[p] in BOUNDS[p]]}

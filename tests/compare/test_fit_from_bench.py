@@ -113,3 +113,15 @@ def test_frontend_latency_adds_to_every_ttft_and_e2e_and_nothing_else(tmp_path):
     (tmp_path / "neg.json").write_text(json.dumps(doc))
     assert "frontend_latency_s = -1, expected a number in [0, 10.0]" in cli_fails(
         ["replay", "traces/req400.parquet", "--cost-model", str(tmp_path / "neg.json"), "--out", str(tmp_path / "o")])
+
+
+def test_fit_is_deterministic_and_needs_a_budget(fitted, tmp_path):
+    tmp = fitted[0]
+    args = ["calibrate", "--from-bench", str(tmp / "bench.json"), "--sim", str(tmp / "sim"), "--max-evals", "100",
+            "--quiet"]
+    cli_ok([*args, "--out", str(tmp_path / "a.json")])
+    cli_ok([*args, "--out", str(tmp_path / "b.json")])
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert "--max-evals 50: the search needs at least 91 replays" in cli_fails(
+        [*args[:-3], "--max-evals", "50", "--out", str(tmp_path / "c.json")])
+    assert not (tmp_path / "c.json").exists()
