@@ -81,6 +81,8 @@ class BlockHasher:
         return hashes[block_index]
 
     def _extend(self, request: Request, num_blocks: int) -> None:
+        """Memoise keys up to `num_blocks`; the content keys all at once on the first call (they
+        depend on the trace's ids only, and a request's blocks are asked for one by one)."""
         hashes = request.block_hashes
         bs = self.block_size
         n_content = self.num_content_blocks(request)
@@ -90,7 +92,7 @@ class BlockHasher:
             h = request.hash_block_tokens
             parent = hashes[-1] if hashes else salt_root(request.cache_salt, h)
             mask = self.hash_mask
-            stop = min(num_blocks, n_content)
+            stop = n_content
             if self.lookahead:  # (one token: vLLM's EAGLE family)
                 while i < stop:
                     first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs

@@ -117,10 +117,12 @@ class KVCacheManager:
             if max_blocks <= 0:
                 return _NO_HITS  # nothing it could share (no block hashes), nothing of its own cached
         blocks: list[KVCacheBlock] = []
-        block_key = self.hasher.block_key
+        if max_blocks > 0:
+            self.hasher.block_key(request, max_blocks - 1)  # (memoises the keys of blocks [0, max_blocks))
+        keys = request.block_hashes
         get_cached = self.block_pool.get_cached_block
         for i in range(max_blocks):
-            block = get_cached(block_key(request, i))
+            block = get_cached(keys[i])
             if block is None:
                 break
             blocks.append(block)
@@ -295,12 +297,13 @@ class KVCacheManager:
         if end <= start:
             return
         blocks = self.req_to_blocks[index]
-        key = self.hasher.block_key
+        self.hasher.block_key(request, end - 1)  # (the keys of blocks [0, end) are memoised from here on)
+        keys = request.block_hashes
         cache_block = self.block_pool.cache_block
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is None:
-                cache_block(block, key(request, i))
+                cache_block(block, keys[i])
         if self.hasher.weak:
             for i in range(start, end):
                 blocks[i].content_id = self.hasher.true_key(request, i)
