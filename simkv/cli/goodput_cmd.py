@@ -60,6 +60,10 @@ def to_markdown(record: dict) -> str:
         lines.append("Sessions are paced (the trace's session_id): each rate is the trace's schedule scaled, think "
                      "times included, and a turn waits for its previous reply, so requests arrive more slowly than "
                      "the rate says when replies take longer; the goodput column is what the engine served.")
+    if record.get("cost"):
+        from simkv.studies.serving_cost import describe
+
+        lines.append(f"Cost: {describe(record['cost'])}.")
     if record.get("target_rate_req_s") and record.get("replicas"):
         lines.append(f"For {record['target_rate_req_s']:g} req/s: {record['replicas']} replicas of this engine "
                      "if requests were spread evenly over them.")
@@ -90,13 +94,16 @@ def grid_markdown(record: dict) -> str:
     grown = any(c.get("engine_block_size", c.get("asked_block_size")) != c.get("asked_block_size")
                 for c in record["cells"])
     head_keys = keys + (["engine block size"] if grown else [])
+    priced = "gpu_prices_usd_per_hour" in record
     lines = [f"# simkv goodput over a grid: {record['trace']}", "",
              f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests meet "
              f"all of them; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
              f"(to {100 * record['tolerance']:g} %).", "",
              "| " + " | ".join(head_keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | probes |"
-             + (" replicas |" if record.get("target_rate_req_s") else ""),
-             "|" + "---|" * len(head_keys) + "---:|---:|---:|---:|---:|" + ("---:|" if record.get("target_rate_req_s") else "")]
+             + (" replicas |" if record.get("target_rate_req_s") else "")
+             + (" GPUs | USD/h | USD per 1M output tokens |" if priced else ""),
+             "|" + "---|" * len(head_keys) + "---:|---:|---:|---:|---:|" + ("---:|" if record.get("target_rate_req_s") else "")
+             + ("---:|---:|---:|" if priced else "")]
     for c in record["cells"]:
         head = " | ".join([str(c["swept"][k]) for k in keys] + ([str(c.get("engine_block_size", ""))] if grown else []))
         if c["status"] == "failed":
@@ -108,6 +115,11 @@ def grid_markdown(record: dict) -> str:
                f"| {c['num_probes']} |" if p else f"| {head} | {rate} | - | - | - | {c['num_probes']} |")
         if record.get("target_rate_req_s"):
             row += f" {c.get('replicas') or '-'} |"
+        if priced:
+            cost = c.get("cost")
+            row += (f" {cost['gpus']} x {cost['gpu']} | {cost['usd_per_hour']:,.2f} | "
+                    + (f"{cost['usd_per_1m_output_tokens']:,.3f} |" if cost["usd_per_1m_output_tokens"] is not None
+                       else "- |") if cost else " - | - | - |")
         lines.append(row)
     lines.append("")
     if record["best_index"] is not None:
@@ -116,6 +128,14 @@ def grid_markdown(record: dict) -> str:
                      + f"** ({best['max_rate_req_s']:.3f} req/s).")
     else:
         lines.append("No combination met the target at any probed rate.")
+    if priced:
+        if record.get("cheapest_index") is not None:
+            cheap = record["cells"][record["cheapest_index"]]
+            lines.append("**Cheapest per output token: " + ", ".join(f"{k}={cheap['swept'][k]}" for k in keys)
+                         + f"** (${cheap['cost']['usd_per_1m_output_tokens']:,.3f} per 1M output tokens at "
+                           f"{cheap['max_rate_req_s']:.3f} req/s on {cheap['cost']['gpus']} x {cheap['cost']['gpu']}).")
+        if record.get("unpriced_gpus"):
+            lines.append(f"No --gpu-price for {', '.join(record['unpriced_gpus'])}: those rows are not costed.")
     return "\n".join(lines) + "\n"
 
 
@@ -144,13 +164,17 @@ def grid_markdown(record: dict) -> str:
 @engine_options
 @fleet_options
 @disaggregation_options
+@click.option("--gpu-price", "gpu_prices", multiple=True, metavar="GPU=USD",
+              help="A GPU-hour's price (yours: cloud, reserved or amortised), e.g. H100-SXM=2.49; repeat per GPU. "
+                   "The result then says what the setup costs an hour, per 1,000 requests and per 1M output tokens "
+                   "at its highest rate within the SLOs (and, over a --grid, which combination is cheapest).")
 @click.option("--out", "out_dir", default=None, help="Also write goodput.json and goodput.md into this folder.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
                 pd_splits: int | None,
                 grids: tuple[str, ...], workers: int, config_file: str | None, cost_model: str, step_base_s: float,
-                step_per_token_s: float, out_dir: str | None, quiet: bool, replicas: int, router: str,
-                router_options: tuple[str, ...], **flags) -> None:
+                step_per_token_s: float, gpu_prices: tuple[str, ...], out_dir: str | None, quiet: bool, replicas: int,
+                router: str, router_options: tuple[str, ...], **flags) -> None:
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
     (or --replicas of it behind --router) still meets the --goodput SLOs for --attainment of the
     requests. With --target-rate: the replicas that rate needs, checked by replaying the trace at
@@ -159,7 +183,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
+    prices = _prices(gpu_prices)
     if pd_splits is not None:
+        if prices:
+            raise click.UsageError("--gpu-price goes with one search or a --grid, not --pd-splits (every split "
+                                   "runs the same GPUs)")
         _search_splits(trace, pd_splits, goodput, attainment, tolerance, config_file, cost_model,
                        {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}, out_dir, quiet,
                        replicas, router, router_options, grids, target_rate, flags)
@@ -182,8 +210,20 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if grids:
         record = _grid_search(trace, grids, flat_options(flags, config_file), slo, attainment, tolerance, cost_model,
                               cost_options, workers, target_rate, quiet, fleet)
+        if prices:
+            _grid_costs(record, prices, float(data.output_tokens.mean()))
         _write(record, grid_markdown(record), out_dir, quiet)
         return
+    gpus = None
+    if prices:
+        from simkv.studies.serving_cost import PriceError, SetupGPUs
+
+        try:
+            gpus = SetupGPUs.of(config, fleet, disaggregation)
+        except (PriceError, ConfigError) as exc:
+            raise click.UsageError(str(exc)) from None
+        if gpus.gpu not in prices:
+            raise click.UsageError(f"--gpu-price: no price for {gpus.gpu}, the GPU this search runs")
 
     def show(p) -> None:
         if not quiet:
@@ -216,7 +256,38 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                 record["replicas"] = None
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    if gpus is not None:
+        from simkv.studies.serving_cost import serving_cost
+
+        record["cost"] = serving_cost(gpus, prices, record["max_rate_req_s"], float(data.output_tokens.mean()))
     _write(record, to_markdown(record), out_dir, quiet)
+
+
+def _prices(items: tuple[str, ...]) -> dict[str, float]:
+    from simkv.studies.serving_cost import PriceError, parse_prices
+
+    try:
+        return parse_prices(items)
+    except PriceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpu-price") from None
+
+
+def _grid_costs(record: dict, prices: dict[str, float], mean_output_tokens: float) -> None:
+    """Each combination's cost at its highest rate, and the cheapest per output token."""
+    from simkv.studies.serving_cost import SetupGPUs, serving_cost
+
+    record["gpu_prices_usd_per_hour"] = prices
+    priced = []
+    for cell in record["cells"]:
+        if cell["status"] == "failed" or "gpu" not in cell:
+            continue
+        cell["cost"] = serving_cost(SetupGPUs(cell["gpu"], cell["gpus"]), prices, cell["max_rate_req_s"],
+                                    mean_output_tokens)
+        if cell["cost"] and cell["cost"]["usd_per_1m_output_tokens"] is not None:
+            priced.append(cell)
+    record["unpriced_gpus"] = sorted({c["gpu"] for c in record["cells"] if "gpu" in c and c["gpu"] not in prices})
+    cheapest = min(priced, key=lambda c: (c["cost"]["usd_per_1m_output_tokens"], c["index"])) if priced else None
+    record["cheapest_index"] = cheapest["index"] if cheapest else None
 
 
 def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_model, cost_options, out_dir, quiet,

@@ -1,0 +1,92 @@
+"""What a setup costs to run at the highest rate it sustains within the SLOs (`simkv goodput
+--gpu-price GPU=USD`).
+
+Prices are the user's (per GPU-hour: cloud list prices, reserved rates, or an amortised purchase
+price; simkv ships none, they differ too much). A setup's GPUs are its engines' GPUs: tensor
+parallel x data parallel per engine (decode context parallelism runs on the TP GPUs), times the
+replicas of a fleet, or summed over a P/D setup's two pools with their own options. At the
+highest rate R (req/s) that met the SLOs, with the trace's mean output length L:
+
+    USD per hour                = GPUs x price
+    USD per 1,000 requests      = USD per hour / (3600 R) x 1,000
+    USD per 1M output tokens    = USD per hour / (3600 R L) x 1,000,000
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class PriceError(ValueError):
+    """A --gpu-price that cannot be read, or a setup whose GPU has no price."""
+
+
+def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """``["H100-SXM=2.49", ...]`` -> {gpu: USD per GPU-hour}; GPU names from the catalogue."""
+    from simkv.specs import gpu_names
+
+    known = gpu_names()
+    prices: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise PriceError(f"--gpu-price {item!r}: expected GPU=USD_PER_GPU_HOUR, e.g. H100-SXM=2.49")
+        if name not in known:
+            raise PriceError(f"--gpu-price {item!r}: unknown GPU '{name}' (known: {', '.join(known)})")
+        try:
+            price = float(value)
+        except ValueError:
+            raise PriceError(f"--gpu-price {item!r}: '{value}' is not a number of USD per GPU-hour") from None
+        if not price > 0:
+            raise PriceError(f"--gpu-price {item!r}: the price must be > 0")
+        if name in prices:
+            raise PriceError(f"--gpu-price: {name} is priced twice")
+        prices[name] = price
+    return prices
+
+
+def engine_gpus(config) -> int:
+    hw = config.hardware
+    return hw.tensor_parallel_size * hw.data_parallel_size
+
+
+@dataclass(frozen=True)
+class SetupGPUs:
+    gpu: str
+    count: int
+
+    @classmethod
+    def of(cls, config, fleet=None, disaggregation=None) -> "SetupGPUs":
+        """The GPUs of one engine, a fleet of it, or a P/D setup (each pool's own config)."""
+        if disaggregation is not None:
+            prefill, decode = disaggregation.pool_configs(config)
+            if prefill.hardware.gpu != decode.hardware.gpu:
+                raise PriceError(f"the pools run on different GPUs ({prefill.hardware.gpu}, {decode.hardware.gpu})")
+            count = (disaggregation.num_prefill * engine_gpus(prefill)
+                     + disaggregation.num_decode * engine_gpus(decode))
+            return cls(config.hardware.gpu, count)
+        replicas = fleet.num_replicas if fleet is not None else 1
+        return cls(config.hardware.gpu, replicas * engine_gpus(config))
+
+
+def serving_cost(gpus: SetupGPUs, prices: dict[str, float], max_rate_req_s: float | None,
+                 mean_output_tokens: float) -> dict | None:
+    """The cost record of a setup (None when its GPU has no price)."""
+    price = prices.get(gpus.gpu)
+    if price is None:
+        return None
+    per_hour = gpus.count * price
+    out = {"gpu": gpus.gpu, "gpus": gpus.count, "usd_per_gpu_hour": price, "usd_per_hour": per_hour,
+           "usd_per_1k_requests": None, "usd_per_1m_output_tokens": None}
+    if max_rate_req_s:
+        out["usd_per_1k_requests"] = per_hour / (3600.0 * max_rate_req_s) * 1e3
+        out["usd_per_1m_output_tokens"] = per_hour / (3600.0 * max_rate_req_s * mean_output_tokens) * 1e6
+    return out
+
+
+def describe(cost: dict) -> str:
+    """One line for goodput.md."""
+    text = f"{cost['gpus']} x {cost['gpu']} at ${cost['usd_per_gpu_hour']:g}/h = ${cost['usd_per_hour']:,.2f}/h"
+    if cost["usd_per_1m_output_tokens"] is not None:
+        text += (f"; at the highest rate within the SLOs: ${cost['usd_per_1k_requests']:,.4f} per 1,000 requests, "
+                 f"${cost['usd_per_1m_output_tokens']:,.3f} per 1M output tokens")
+    return text

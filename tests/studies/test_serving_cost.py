@@ -1,0 +1,77 @@
+"""`simkv goodput --gpu-price GPU=USD`: what a setup costs at its highest rate within the SLOs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simkv.config import EngineConfig
+from simkv.replay.api import FleetSpec
+from simkv.replay.disaggregated import DisaggregationSpec
+from simkv.studies.serving_cost import PriceError, SetupGPUs, parse_prices, serving_cost
+from simkv.traces.schema import read_trace
+from tests.cli_runs import cli_fails, cli_ok
+
+SLO = ["--goodput", "ttft:1000", "--goodput", "tpot:40", "--cost-model", "linear", "--attainment", "0.95",
+       "--tolerance", "0.05"]
+
+
+def test_prices_are_read_per_gpu_and_bad_ones_named():
+    assert parse_prices(["H100-SXM=2.49", "H200=3.5"]) == {"H100-SXM": 2.49, "H200": 3.5}
+    for bad, message in (("H100-SXM", "expected GPU=USD_PER_GPU_HOUR"), ("H999=1", "unknown GPU 'H999'"),
+                         ("H200=cheap", "'cheap' is not a number"), ("H200=0", "must be > 0")):
+        with pytest.raises(PriceError, match=message):
+            parse_prices([bad])
+    with pytest.raises(PriceError, match="H200 is priced twice"):
+        parse_prices(["H200=1", "H200=2"])
+
+
+def test_a_setups_gpus_count_tp_dp_replicas_and_both_pools():
+    config = EngineConfig.from_flat({"model": "llama-3-70b", "gpu": "H200", "tensor_parallel_size": 4})
+    assert SetupGPUs.of(config) == SetupGPUs("H200", 4)
+    assert SetupGPUs.of(config, FleetSpec(3, "round_robin")) == SetupGPUs("H200", 12)
+    spec = DisaggregationSpec(num_prefill=2, num_decode=1, decode_options=(("tensor_parallel_size", 8),))
+    assert SetupGPUs.of(config, disaggregation=spec) == SetupGPUs("H200", 2 * 4 + 8)
+    dsv3 = EngineConfig.from_flat({"model": "deepseek-v3", "gpu": "H200", "data_parallel_size": 8})
+    assert SetupGPUs.of(dsv3) == SetupGPUs("H200", 8)
+
+
+def test_cost_at_the_highest_rate():
+    cost = serving_cost(SetupGPUs("H100-SXM", 2), {"H100-SXM": 3.0}, 10.0, 250.0)
+    assert cost["usd_per_hour"] == 6.0
+    assert cost["usd_per_1k_requests"] == pytest.approx(6.0 / 36_000 * 1e3)  # 36,000 requests an hour
+    assert cost["usd_per_1m_output_tokens"] == pytest.approx(6.0 / 9e6 * 1e6)  # 9M output tokens an hour
+    assert serving_cost(SetupGPUs("H200", 1), {"H100-SXM": 3.0}, 10.0, 250.0) is None
+    assert serving_cost(SetupGPUs("H100-SXM", 1), {"H100-SXM": 3.0}, None, 250.0)["usd_per_1m_output_tokens"] is None
+
+
+def test_goodput_prices_one_search_and_a_grid(tmp_path):
+    trace = tmp_path / "head.parquet"
+    cli_ok(["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "300", "--out", str(trace)])
+    mean_out = float(read_trace(str(trace)).output_tokens.mean())
+    cli_ok(["goodput", str(trace), *SLO, "--replicas", "2", "--gpu-price", "H100-SXM=2.0", "--out",
+            str(tmp_path / "one"), "--quiet"])
+    record = json.loads((tmp_path / "one" / "goodput.json").read_text())
+    rate = record["max_rate_req_s"]
+    assert record["cost"]["gpus"] == 2 and record["cost"]["usd_per_hour"] == 4.0
+    assert record["cost"]["usd_per_1m_output_tokens"] == pytest.approx(4.0 / (3600 * rate * mean_out) * 1e6)
+    assert "Cost: 2 x H100-SXM at $2/h = $4.00/h" in (tmp_path / "one" / "goodput.md").read_text()
+
+    cli_ok(["goodput", str(trace), *SLO, "--grid", "gpu=H100-SXM,H200,L40S", "--grid", "tensor_parallel_size=1,2",
+            "--gpu-price", "H100-SXM=2.0", "--gpu-price", "H200=2.2", "--out", str(tmp_path / "grid"), "--quiet"])
+    grid = json.loads((tmp_path / "grid" / "goodput.json").read_text())
+    costed = [c for c in grid["cells"] if c.get("cost")]
+    assert [c["swept"]["gpu"] for c in costed] == ["H100-SXM", "H100-SXM", "H200", "H200"]
+    assert all(c["cost"]["gpus"] == c["swept"]["tensor_parallel_size"] for c in costed)
+    cheapest = min(costed, key=lambda c: c["cost"]["usd_per_1m_output_tokens"])
+    assert grid["cheapest_index"] == cheapest["index"] and grid["unpriced_gpus"] == ["L40S"]
+    md = (tmp_path / "grid" / "goodput.md").read_text()
+    assert "**Cheapest per output token: gpu=" in md and "No --gpu-price for L40S" in md
+
+
+def test_goodput_price_errors(tmp_path):
+    assert "no price for H100-SXM, the GPU this search runs" in cli_fails(
+        ["goodput", "traces/req400.parquet", *SLO, "--gpu-price", "H200=3"])
+    assert "unknown GPU 'H1000'" in cli_fails(["goodput", "traces/req400.parquet", *SLO, "--gpu-price", "H1000=3"])
+    assert "not --pd-splits" in cli_fails(["goodput", "traces/req400.parquet", *SLO, "--pd-splits", "2",
+                                           "--gpu-price", "H100-SXM=3"])
