@@ -213,6 +213,8 @@ def fit_from_bench(bench_path: str | Path, sim_dir: str | Path, trace_path: str 
     summary, config, trace = simulated_setup(sim_dir, trace_path)
     sim_requests = pd.read_parquet(Path(sim_dir) / "requests.parquet")
     meas_summary, measured, _ = load_bench_run(bench_path, sim_requests)
+    # the measured requests in the replay's order (a trace imported from the result is sorted by send time)
+    measured = measured.set_index("request_id").loc[sim_requests["request_id"].astype(str)].reset_index()
     if meas_summary["num_finished"] < 5:
         raise ValueError(f"{bench_path}: {meas_summary['num_finished']} requests finished; a fit needs more")
     grid = len(START_MULTIPLES) ** len(PARAMS)

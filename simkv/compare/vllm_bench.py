@@ -94,6 +94,7 @@ def load_bench_run(path: str | Path, sim_requests: pd.DataFrame,
     matched to the simulated run's requests by order."""
     result = read_bench_result(path)
     n = len(result["ttfts"])
+    sim_requests = _in_bench_order(sim_requests, result, path)
     if n != len(sim_requests):
         raise ValueError(f"{path}: the benchmark sent {n:,} requests, the simulated run replayed "
                          f"{len(sim_requests):,}: give `vllm bench serve` --num-prompts {len(sim_requests)}, "
@@ -162,6 +163,34 @@ def own_aggregates_agree(result: dict, summary: dict) -> dict:
     return {"checked": checked, "max_rel_difference": worst, "agree": worst < 1e-6}
 
 
+def _in_bench_order(sim_requests: pd.DataFrame, result: dict, path) -> pd.DataFrame:
+    """The simulated requests in the benchmark's order. A trace imported from this result
+    (`simkv trace import vllm-bench`) names request i `bench-<i>` (sorting by send time may have
+    moved it, and failed requests were dropped: they are compared as failed, with no simulated
+    twin); an exported trace is in the benchmark's order already."""
+    from simkv.traces.importers.vllm_bench import REQUEST_ID_PREFIX
+
+    ids = sim_requests["request_id"].astype(str)
+    if not (len(ids) and ids.str.startswith(REQUEST_ID_PREFIX).all()):
+        return sim_requests.reset_index(drop=True)
+    n = len(result["ttfts"])
+    index = {f"{REQUEST_ID_PREFIX}{i}": i for i in range(n)}
+    positions = ids.map(index)
+    if positions.isna().any():
+        raise ValueError(f"{path}: the simulated run's request '{ids[positions.isna()].iloc[0]}' is not one of this "
+                         f"benchmark's {n:,} requests: was its trace imported from another result?")
+    failed = {i for i, e in enumerate(result["errors"]) if e}
+    frame = sim_requests.set_index(positions.astype(int).to_numpy())
+    missing = sorted(set(range(n)) - set(frame.index))
+    if set(missing) - failed:
+        raise ValueError(f"{path}: request {min(set(missing) - failed)} is not in the simulated run (only failed "
+                         f"requests may be missing): was its trace imported from another result?")
+    filler = pd.DataFrame({"request_id": [f"{REQUEST_ID_PREFIX}{i}" for i in missing],
+                           "prompt_tokens": np.asarray(result["input_lens"], dtype=np.int64)[missing],
+                           "status": "failed", "arrival_time_s": np.nan}, index=missing)
+    return pd.concat([frame, filler]).sort_index().reset_index(drop=True)
+
+
 def send_lag(start_times: np.ndarray, sim_requests: pd.DataFrame) -> dict | None:
     """How late the client sent each request against the simulated arrivals, both counted from
     the first request (the client's clock has another origin). A measured TTFT starts at the send,
@@ -169,5 +198,9 @@ def send_lag(start_times: np.ndarray, sim_requests: pd.DataFrame) -> dict | None
     if not len(start_times):
         return None
     arrival = sim_requests["arrival_time_s"].to_numpy(dtype=float)
-    lag = (start_times - start_times[0]) - (arrival - arrival[0])
+    known = np.isfinite(arrival)
+    if not known.any():
+        return None
+    first = int(np.argmax(known))
+    lag = ((start_times - start_times[first]) - (arrival - arrival[first]))[known]
     return {"median": float(np.median(lag)), "p99": float(np.percentile(lag, 99)), "max": float(np.abs(lag).max())}

@@ -117,3 +117,37 @@ def test_prometheus_counters_sum_engines_and_catch_swapped_snapshots(tmp_path):
     (tmp_path / "bad.prom").write_text("vllm:num_preemptions_total{engine=\"0\"} many\n")
     with pytest.raises(ValueError, match="line 1: cannot read the value of 'vllm:num_preemptions_total'"):
         read_prometheus_counters(tmp_path / "bad.prom")
+
+
+def test_any_benchmark_result_imports_as_the_traffic_it_sent(tmp_path):
+    """`simkv trace import vllm-bench`: arrivals at the sends, ids bench-<i>; compare matches by id,
+    also when sends were reordered (a --max-concurrency semaphore) or a request failed."""
+    bench = json.loads(BENCH.read_text())
+    start = bench["start_times"]
+    bench["start_times"] = [start[0], start[2], start[1]] + start[3:]  # request 1 sent after request 2
+    bench["errors"][5] = "Internal Server Error"
+    bench["output_lens"][5] = 0
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    out = cli_ok(["trace", "import", "vllm-bench", str(path), "--out", str(tmp_path / "t.parquet")])
+    assert "kept 24; dropped 1 (1 with a failed request (no output length))" in out
+    from simkv.traces.schema import read_trace
+
+    trace = read_trace(tmp_path / "t.parquet")
+    assert list(trace.request_id[:3]) == ["bench-0", "bench-2", "bench-1"] and "bench-5" not in set(trace.request_id)
+    assert trace.arrival_time_s[1] == pytest.approx(start[1] - start[0])
+    cli_ok(["replay", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "sim"), "--quiet"])
+    cli_ok(["compare", str(tmp_path / "sim"), str(path), "--out", str(tmp_path / "c"), "--quiet"])
+    result = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert result["requests"]["matched_requests"] == 24
+    measured = {r["metric"]: r["measured"] for r in result["metrics"]}
+    assert measured["num_finished"] == 24
+    # the per-request pairs are the same requests: ttft of bench-2 is compared with bench-2's
+    import pandas as pd
+
+    sim = pd.read_parquet(tmp_path / "sim" / "requests.parquet").set_index("request_id")
+    assert sim.loc["bench-2", "prompt_tokens"] == bench["input_lens"][2]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(bench | {k: v[:20] for k, v in bench.items() if isinstance(v, list)}))
+    assert "is not one of this benchmark's 20 requests" in cli_fails(
+        ["compare", str(tmp_path / "sim"), str(other), "--out", str(tmp_path / "o")])

@@ -20,7 +20,7 @@ from simkv.traces.importers.report import ImportReport
 from simkv.traces.importers.tabular import AZURE, ColumnMap, tabular_batches
 from simkv.traces.schema import Trace, trace_from_table, write_trace
 
-FORMATS = ("mooncake", "azure", "kvcache-tester", "csv")
+FORMATS = ("mooncake", "azure", "kvcache-tester", "csv", "vllm-bench")
 
 __all__ = ["FORMATS", "ColumnMap", "ConversationStarts", "ImportReport", "import_to_file", "import_trace"]
 
@@ -48,6 +48,10 @@ def import_batches(
         return mooncake_batches(source, report, block_tokens)
     if fmt == "azure":
         return tabular_batches(source, AZURE, report)
+    if fmt == "vllm-bench":
+        from simkv.traces.importers.vllm_bench import vllm_bench_batches
+
+        return vllm_bench_batches(source, report)
     if mapping is None:
         raise TraceError("format 'csv' needs a column mapping (--time-col, --prompt-col, --output-col)")
     return tabular_batches(source, mapping, report)
