@@ -65,7 +65,8 @@ def trace() -> None:
 def import_cmd(fmt: str, sources: tuple[str, ...], out: str, block_tokens: int, time_col: str | None,
                prompt_col: str | None, output_col: str | None, id_col: str | None, time_unit: str,
                time_origin: str, conversation_gap: float, conversation_rate: float | None, seed: int) -> None:
-    """Import a raw public trace (FORMAT: mooncake, azure, kvcache-tester, csv) into OUT."""
+    """Import a raw public trace (FORMAT: mooncake, azure, kvcache-tester, csv), or the requests a
+    `vllm bench serve --save-detailed` result sent (vllm-bench), into OUT."""
     mapping = None
     if fmt == "csv":
         if not (time_col and prompt_col and output_col):
