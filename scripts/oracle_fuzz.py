@@ -5,7 +5,7 @@ request's first-token and finish time, must agree.
 A development aid, not a test dependency (each oracle run takes about 10 s). Needs the oracle's venv:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_fuzz.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 20 [--async-scheduling]
-        [--replies]
+        [--replies] [--lora]
 
 --replies: chat sessions whose next turn's prompt repeats the previous turn's reply, with hash
 lists that describe the replies; the oracle's fake model then samples the reply's content tokens,
@@ -14,6 +14,11 @@ after its previous turn finished (arrivals are pushed later until simkv's replay
 the oracle's run is checked for it too), as a client that sends the reply back does. (simkv makes
 a reply's blocks findable by others when its request releases them, vLLM as they fill: the same
 hits wherever no prompt repeats a reply still being written.)
+
+--lora: requests name LoRA adapters (some the base model); vLLM's scheduler runs with a LoRA
+config of max_loras 1-3 (the oracle copy is given one, and LoRARequests with the names), so a
+waiting request whose adapter would exceed max_loras is passed over, and block hashes carry the
+adapter's name (prompts share cached blocks under one adapter only).
 
 Steps last 1 s on both sides (the oracle's time mode, simkv's linear model with no per-token
 cost); arrivals fall between step boundaries. Pools are small, so requests are preempted, and
@@ -102,6 +107,33 @@ def make_reply_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
     return frame, random_engine_options(rng, block_size, max_model_len)
 
 
+def with_adapters(frame: pd.DataFrame, opts: dict, rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
+    """LoRA: each request names one of a few adapters or none (the base model); max_loras 1-3."""
+    names = [None] + [f"ad{k}" for k in range(int(rng.integers(1, 5)))]
+    frame = frame.copy()
+    frame["lora_name"] = [names[int(rng.integers(0, len(names)))] for _ in range(len(frame))]
+    return frame, opts | {"enable_lora": True, "max_loras": int(rng.integers(1, 4))}
+
+
+def _patched_for_lora(oracle: Path) -> None:
+    """The oracle copy reads lora_name, gives requests LoRARequests (ids in order of first
+    appearance) and its scheduler a LoRA config with max_loras from $ORACLE_MAX_LORAS."""
+    patch_once(oracle, "the row's fields", '            "hash_block_tokens": None,\n        }',
+               '            "hash_block_tokens": None,\n'
+               '            "lora_name": None if _is_missing(r.get("lora_name")) else str(r.get("lora_name")),\n'
+               '        }')
+    patch_once(oracle, "the request's priority", '            priority=tr["priority"],',
+               '            priority=tr["priority"],\n'
+               '            lora_request=(__import__("vllm.lora.request", fromlist=["LoRARequest"]).LoRARequest(\n'
+               '                tr["lora_name"], LORA_IDS.setdefault(tr["lora_name"], len(LORA_IDS) + 1), "/nonexistent")\n'
+               '                if tr["lora_name"] else None),')
+    patch_once(oracle, "the scheduler's return", '    return sched, vllm_config',
+               '    if os.environ.get("ORACLE_MAX_LORAS"):\n'
+               '        sched.lora_config = __import__("types").SimpleNamespace(max_loras=int(os.environ["ORACLE_MAX_LORAS"]))\n'
+               '    return sched, vllm_config')
+    patch_once(oracle, "the token constants", 'EOS_TOKEN_ID = 2  #', 'LORA_IDS: dict = {}\nEOS_TOKEN_ID = 2  #')
+
+
 def _previous_turn(frame: pd.DataFrame) -> np.ndarray:
     """Row of each row's previous turn in its session (-1 for first turns)."""
     where = {(s, t): i for i, (s, t) in enumerate(zip(frame.session, frame.turn))}
@@ -140,6 +172,8 @@ def _patched_for_replies(oracle: Path) -> None:
 
 
 def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, async_scheduling: bool) -> None:
+    import os
+
     cmd = [py, str(oracle), "run", "--input", str(trace), "--out-prefix", str(prefix), "--arrival", "time",
            "--block-size", str(opts["block_size"]), "--num-gpu-blocks", str(opts["num_gpu_blocks"]),
            "--max-num-seqs", str(opts["max_num_seqs"]), "--max-num-batched-tokens", str(opts["max_num_batched_tokens"]),
@@ -155,7 +189,8 @@ def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, asy
         cmd += ["--watermark", str(opts["watermark"])]
     if async_scheduling:
         cmd.append("--async-scheduling")
-    subprocess.run(cmd, check=True, capture_output=True)
+    env = dict(os.environ) | ({"ORACLE_MAX_LORAS": str(opts["max_loras"])} if opts.get("enable_lora") else {})
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
 
 
 def differences(prefix: Path, res) -> list[str]:
@@ -228,6 +263,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--replies", action="store_true", help="chat sessions whose hash lists describe the replies")
+    ap.add_argument("--lora", action="store_true", help="requests name LoRA adapters; max_loras 1-3")
     ap.add_argument("--keep", default="/tmp/oracle_fuzz_failures")
     ap.add_argument("--record", help="write the equal cases (trace, options, vLLM's values) to this JSON file")
     args = ap.parse_args()
@@ -239,8 +275,12 @@ def main() -> None:
         oracle = _patched_oracle(tmp)
         if args.replies:
             _patched_for_replies(oracle)
+        if args.lora:
+            _patched_for_lora(oracle)
         for case in range(args.cases):
             frame, opts = make_reply_case(rng) if args.replies else make_case(rng)
+            if args.lora:
+                frame, opts = with_adapters(frame, opts, rng)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": args.async_scheduling})
             except ConfigError as exc:

@@ -128,8 +128,14 @@ class SchedulerConfig:
     # previous turn's finish + its think time (simkv/replay/sessions.py); False replays the
     # trace's arrival times as they are (open loop).
     session_pacing: bool = True
+    # vLLM's --enable-lora / --max-loras: a request naming an adapter (the trace's lora_name) is
+    # admitted only while at most max_loras distinct adapters run in the batch.
+    enable_lora: bool = False
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.admission_order not in ("after_running", "before_running"):
             raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
         if self.preemption_victim not in ("newest", "requester"):
@@ -750,6 +756,8 @@ class EngineConfig:
             del out["quantization"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
+        if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
+            del out["enable_lora"], out["max_loras"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager

@@ -159,18 +159,29 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
 @click.option("--max-prompt-tokens", type=int, help="Keep the requests whose prompt has at most N tokens.")
 @click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
+@click.option("--lora-adapters", type=int, default=None, metavar="N",
+              help="Name a LoRA adapter for every request (lora-0 .. lora-N-1, a session's turns one adapter), "
+                   "drawn with Zipf popularity (--lora-zipf); replay with --enable-lora --max-loras K.")
+@click.option("--lora-zipf", type=float, default=1.0, show_default=True,
+              help="With --lora-adapters: adapter k is drawn with weight 1 / (k + 1)^S (0: uniform).")
 @click.option("--link-replies", is_flag=True,
               help="Lengthen a request's hash list over its reply where a later prompt repeats prompt and reply "
                    "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
                   time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
-                  seed: int, link_replies: bool) -> None:
-    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, link-replies)."""
+                  seed: int, lora_adapters: int | None, lora_zipf: float, link_replies: bool) -> None:
+    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, lora-adapters,
+    link-replies)."""
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
                   time_scale=time_scale, rate=rate, seed=seed)
     result = transform(read_trace(path), edits)
     note = ""
+    if lora_adapters is not None:
+        from simkv.traces.lora import assign_adapters
+
+        result = assign_adapters(result, lora_adapters, lora_zipf, seed)
+        note = f"; requests name {len(set(result.lora_name)):,} of {lora_adapters:,} LoRA adapters"
     if link_replies:
         had_sessions = result.session_id is not None
         result, linked = replies.link_replies(result)

@@ -26,6 +26,14 @@ _MASK63 = (1 << 63) - 1
 _UNIQUE_SHIFT = 32
 
 
+def content_namespace(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """What a request's blocks are shared within: its cache_salt and its LoRA adapter (vLLM puts
+    both into the block hashes' extra keys). None for neither; the salt alone when no adapter."""
+    if lora_name is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x1flora:{lora_name}"
+
+
 def salt_root(cache_salt: str | None, hash_block_tokens: int) -> int:
     """Root of a request's chain: folds in cache_salt so only equal salts share blocks."""
     salt = 0

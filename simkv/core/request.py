@@ -48,6 +48,7 @@ class Request:
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
+        "lora_id",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -65,8 +66,10 @@ class Request:
         shared_hash_ids: np.ndarray | None = None,
         hash_block_tokens: int = 0,
         num_samples: int = 1,
+        lora_id: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.lora_id = lora_id  # its LoRA adapter (vLLM's lora_int_id; 0: the base model)
         self.index = index
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens

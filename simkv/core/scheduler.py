@@ -68,6 +68,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._init_spec(config.speculative)  # core/spec_decode.py; decodes are chunks under it
         # Policy knobs (vLLM's behaviour by default; other engines' step models otherwise).
         self.max_num_admissions_per_step = sc.max_num_admissions_per_step or (1 << 62)
+        # LoRA (vLLM's lora_config): at most max_loras distinct adapters in the running batch
+        self.max_loras = sc.max_loras if sc.enable_lora else None
+        self.num_lora_deferrals = 0  # (a waiting request passed over in a step for want of an adapter slot)
+        # (the waiting queue's length and the running adapters when a step passed over every waiting
+        # request for want of a slot: nothing is admitted until one of them changes; decode runs)
+        self._lora_stuck: tuple[int, frozenset] | None = None
         self.admit_before_running = sc.admission_order == "before_running"
         self.preemption_victim = sc.preemption_victim
         self.preemption_mode = sc.preemption_mode
@@ -512,7 +518,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         kv = self.kv_cache_manager
         admitted = 0
         skipped: list[Request] = []  # P/D: set aside this step (core/remote_kv.py)
-        skipped_waiting: list[Request] = []  # KV offloading: to look up again at a later step
+        skipped_waiting: list[Request] = []  # KV offloading, LoRA: to look up again at a later step
+        # LoRA: the adapters of every running request, scheduled this step or not (vLLM's scheduled_loras)
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else None
+        lora_skips = 0
         while plan.budget > 0 and (self.waiting or self.kv_holding):
             if plan.input_budget <= plan.draft_slots:
                 break
@@ -527,6 +536,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 queue = self.waiting
                 request = queue.peek_request()
                 holds_kv = bool(request.swapped_blocks)
+            if (loras is not None and request.lora_id and len(loras) == self.max_loras
+                    and request.lora_id not in loras):  # (no adapter slot: it waits, the next may go)
+                self.num_lora_deferrals += 1
+                lora_skips += 1
+                skipped_waiting.append(queue.pop_request())
+                continue
             swapped = request.swapped_blocks
             # A request that holds its KV (swapped out, or pulled) does no prefix lookup.
             computed = _HOLDS_KV if holds_kv else kv.get_computed_blocks(request)
@@ -587,6 +602,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._num_kv_ready -= 1
             is_resumed = request.status == RequestStatus.PREEMPTED
             self._append_running(request)
+            if loras is not None and request.lora_id:
+                loras.add(request.lora_id)
             if request.first_scheduled_step < 0:
                 request.first_scheduled_step = step
                 if not holds_kv:
@@ -605,6 +622,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             plan.chunks.append(chunk)
             plan.schedule(request, num_new)
             admitted += 1
+        if loras is not None:  # (every waiting request was looked at, and each lacked an adapter slot)
+            stuck = lora_skips and lora_skips == len(skipped_waiting) and not self.waiting and not self.kv_holding
+            self._lora_stuck = (lora_skips, frozenset(loras)) if stuck else None
         if skipped:
             self._requeue_skipped(skipped)
         for request in reversed(skipped_waiting):
@@ -781,7 +801,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for k in range(1, request.num_samples):
             child = Request(f"{request.request_id}#{k}", self._next_child_index, request.arrival_time,
                             request.num_prompt_tokens, request.max_tokens, request.priority, request.cache_salt,
-                            request.shared_hash_ids, request.hash_block_tokens)
+                            request.shared_hash_ids, request.hash_block_tokens, lora_id=request.lora_id)
             self._next_child_index += 1
             child.parent = request
             child.num_samples = 1

@@ -347,8 +347,17 @@ class SteadyDecoders:
             heapq.heappop(heap)
         return None
 
+    def _lora_stuck_now(self) -> bool:
+        """LoRA: the last schedule passed over every waiting request for want of an adapter slot,
+        and neither the waiting queue nor the running adapters changed since."""
+        stuck = self._lora_stuck
+        return stuck is not None and stuck[0] == len(self.waiting) and stuck[1] == frozenset(
+            r.lora_id for r in self.running if r.lora_id)
+
     def _admission_stuck(self) -> bool:
         if len(self.running) >= self.max_num_seqs:
+            return True
+        if self._lora_stuck_now():
             return True
         budget = self.max_num_batched_tokens
         if not self.admit_before_running:
@@ -513,6 +522,8 @@ class SteadyDecoders:
                     early += 1
         if end <= start:
             return None
+        if self._lora_stuck_now():  # (LoRA: each step of the run passes over every waiting request)
+            self.num_lora_deferrals += self._lora_stuck[0] * (end - start)
         self.current_step = end
         if self.async_scheduling:  # (its last step is in flight when the next is scheduled)
             self._scheduled_through = end - 1

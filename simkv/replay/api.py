@@ -69,6 +69,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     requests met them (`summary["goodput"]`). `fleet`: replay on that many replicas behind a
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
+    _check_lora(trace, config, disaggregation)
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")
@@ -103,6 +104,17 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
         steps = run.steps.columns()
     return ReplayResult(summary, requests, steps, run)
+
+
+def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
+    """A trace naming LoRA adapters needs --enable-lora (vLLM refuses such requests without it)."""
+    from simkv.traces.lora import has_adapters
+
+    if has_adapters(trace) and not config.scheduler.enable_lora:
+        raise ValueError(f"{trace.source}: column 'lora_name' names LoRA adapters: give --enable-lora "
+                         f"(and --max-loras, vLLM's default 1), as vLLM refuses them without it")
+    if config.scheduler.enable_lora and disaggregation is not None:
+        raise ValueError("--enable-lora with P/D disaggregation is not modelled")
 
 
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector, goodput,

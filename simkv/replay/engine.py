@@ -21,6 +21,7 @@ from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.step_log import RequestLog, StepLog
+from simkv.traces.lora import content_namespaces, lora_ids
 
 
 class ReplayError(RuntimeError):
@@ -57,7 +58,8 @@ class ArrivalFeed:
         self.next_index = 0
         self.num_rejected = 0
         self._ids = trace.request_id
-        self._salt = trace.cache_salt
+        self._salt = content_namespaces(trace)  # (cache_salt and LoRA adapter: what blocks are shared within)
+        self._lora_ids = lora_ids(trace)
         self._priority = trace.priority
         self._has_hashes = trace.hash_ids is not None
 
@@ -114,7 +116,8 @@ class ArrivalFeed:
             cache_salt=self._salt[i] if self._salt is not None else None,
             shared_hash_ids=hashes,
             hash_block_tokens=int(trace.hash_block_tokens[i]) if self._has_hashes else 0,
-            num_samples=int(trace.n[i]) if trace.n is not None else 1)
+            num_samples=int(trace.n[i]) if trace.n is not None else 1,
+            lora_id=int(self._lora_ids[i]) if self._lora_ids is not None else 0)
 
 
 @dataclass

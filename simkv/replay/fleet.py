@@ -18,11 +18,12 @@ import pandas as pd
 import simpy
 
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, offload_summary,
+from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
 from simkv.replay.sessions import ReleaseWatch, SessionPacing, earliest_release
 from simkv.replay.step_log import SPEC_COLUMNS
+from simkv.traces.lora import content_namespaces
 
 
 class FleetRouting:
@@ -43,6 +44,7 @@ class FleetRouting:
         self._arrival_ticks = self.rows.arrival_ticks
         self._prompts = self.rows.prompt_tokens
         self._has_hashes = trace.hash_ids is not None
+        self._namespaces = content_namespaces(trace)  # (cache_salt and LoRA adapter)
         self.max_model_len = max_model_len
         self.next_index = 0
         self.queues: list[deque[int]] = [deque() for _ in range(n)]  # routed, not yet delivered
@@ -149,7 +151,7 @@ class FleetRouting:
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0
-        salt = trace.cache_salt[i] if trace.cache_salt is not None else None
+        salt = self._namespaces[i] if self._namespaces is not None else None
         r = self.router.choose(loads, hashes, block_tokens, salt)
         self.assignment[i] = r
         loads[r] += 1
@@ -319,7 +321,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    } | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | lora_summary(config, [run.scheduler for run in runs], trace) | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)

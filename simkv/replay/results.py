@@ -167,9 +167,21 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | lora_summary(config, [sched], trace) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
+
+
+def lora_summary(config, schedulers, trace) -> dict:
+    """LoRA (--enable-lora): the adapters the trace names, max_loras, and how often a waiting
+    request was passed over for want of an adapter slot (once per request and step)."""
+    if not config.scheduler.enable_lora:
+        return {}
+    from simkv.traces.lora import has_adapters
+
+    names = {n for n in trace.lora_name if n is not None} if has_adapters(trace) else set()
+    return {"lora": {"adapters": len(names), "max_loras": config.scheduler.max_loras,
+                     "deferrals": int(sum(s.num_lora_deferrals for s in schedulers))}}
 
 
 def session_summary(run: ReplayRun) -> dict:

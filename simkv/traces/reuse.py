@@ -70,7 +70,11 @@ def _prefix_nodes(trace: Trace) -> np.ndarray:
     """node[i] for every hash position: equal iff same root and same hash ids up to and including it."""
     offsets = trace.hash_offsets
     lengths = np.diff(offsets)
-    salt = trace.cache_salt if trace.cache_salt is not None else np.full(len(trace), None, dtype=object)
+    from simkv.traces.lora import content_namespaces
+
+    salt = content_namespaces(trace)  # (cache_salt and LoRA adapter: what blocks are shared within)
+    if salt is None:
+        salt = np.full(len(trace), None, dtype=object)
     roots = pd.MultiIndex.from_arrays([pd.Index(salt, dtype=object), trace.hash_block_tokens]).factorize()[0]
     _, hash_rank = np.unique(trace.hash_ids, return_inverse=True)
     width = int(hash_rank.max(initial=0)) + 1

@@ -8,7 +8,8 @@ Columns (parquet or CSV):
             metadata key), cache_salt (str or null), priority (int), n (int >= 1, default 1),
             session_id (str or null: the turns of one conversation, in arrival order) with
             think_time_s (float >= 0, default 0): a replay sends a turn no earlier than its
-            previous turn's finish + its think time (simkv/replay/sessions.py).
+            previous turn's finish + its think time (simkv/replay/sessions.py), lora_name (str or
+            null: the LoRA adapter a request runs with, vLLM's LoRARequest; needs --enable-lora).
 
 Prefix rule: position p carries content (block_hashes[p // H], p % H) with H = hash_block_tokens;
 positions past the hash list carry content unique to the request. Positions from prompt_tokens on
@@ -66,6 +67,7 @@ class Trace:
     n: np.ndarray | None = None
     session_id: np.ndarray | None = None
     think_time_s: np.ndarray | None = None
+    lora_name: np.ndarray | None = None
     source: str = ""
 
     def __len__(self) -> int:
@@ -150,6 +152,8 @@ def _validated_columns(table: pa.Table, source: str, scalar_h: int | None, row_o
         parts["n"] = col.int_column(get("n"), source, "n", row_offset, minimum=1)
     if "session_id" in table.column_names:
         parts["session_id"] = col.string_column(get("session_id"), source, "session_id", row_offset, nullable=True)
+    if "lora_name" in table.column_names:
+        parts["lora_name"] = col.string_column(get("lora_name"), source, "lora_name", row_offset, nullable=True)
     if "think_time_s" in table.column_names:
         if "session_id" not in table.column_names:
             raise TraceError(f"{source}: column 'think_time_s' needs a 'session_id' column (the turns it paces)")
@@ -254,6 +258,8 @@ def trace_to_table(trace: Trace) -> pa.Table:
         columns["session_id"] = pa.array(trace.session_id, pa.string())
     if trace.think_time_s is not None:
         columns["think_time_s"] = pa.array(trace.think_time_s, pa.float64())
+    if trace.lora_name is not None:
+        columns["lora_name"] = pa.array(trace.lora_name, pa.string())
     return pa.table(columns)
 
 

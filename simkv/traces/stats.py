@@ -56,6 +56,8 @@ class TraceStats:
     replies_described: int | None = None  # rows whose hash list goes on over the reply
     sessions: int | None = None  # distinct session_id values (None: no such column)
     turns_in_sessions: int | None = None
+    lora_adapters: int | None = None  # distinct lora_name values (None: no adapter named)
+    rows_with_adapter: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +99,17 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         sessions=len({x for x in trace.session_id.tolist() if x is not None}) if trace.session_id is not None else None,
         turns_in_sessions=int(sum(x is not None for x in trace.session_id.tolist())) if trace.session_id is not None
         else None,
+        **_adapters(trace),
     )
+
+
+def _adapters(trace: Trace) -> dict:
+    from simkv.traces.lora import has_adapters
+
+    if not has_adapters(trace):
+        return {}
+    named = [x for x in trace.lora_name.tolist() if x is not None]
+    return {"lora_adapters": len(set(named)), "rows_with_adapter": len(named)}
 
 
 def _replies_described(trace: Trace) -> int | None:
@@ -138,4 +150,7 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
     if stats.sessions is not None:
         lines.append(f"sessions       {stats.sessions:,} ({stats.turns_in_sessions:,} rows; a replay paces each turn on "
                      "its previous reply)")
+    if stats.lora_adapters is not None:
+        lines.append(f"lora adapters  {stats.lora_adapters:,} ({stats.rows_with_adapter:,} rows name one; replay with "
+                     "--enable-lora --max-loras K)")
     return "\n".join(lines)

@@ -107,6 +107,9 @@ def _chunk_keys(trace: Trace, g: int) -> tuple[np.ndarray, np.ndarray, list[str]
                          f"replies, which no later prompt repeats)")
     if trace.cache_salt is not None and any(s is not None for s in trace.cache_salt):
         notes.append("cache salts are folded into the hash ids (the benchmark client sends no cache_salt)")
+    if trace.lora_name is not None and any(s is not None for s in trace.lora_name):
+        notes.append("LoRA adapters are folded into the hash ids and not sent (the timed-trace client names none: "
+                     "the server runs the base model)")
     if trace.priority is not None and len(np.unique(trace.priority)) > 1:
         notes.append("priorities are not sent by the benchmark client: the exported trace has none "
                      "(replay it with the default --scheduling-policy fcfs)")
@@ -117,9 +120,12 @@ def _chunk_keys(trace: Trace, g: int) -> tuple[np.ndarray, np.ndarray, list[str]
 
 
 def _salt_codes(trace: Trace) -> np.ndarray:
-    if trace.cache_salt is None:
+    from simkv.traces.lora import content_namespaces
+
+    namespaces = content_namespaces(trace)  # (cache_salt and LoRA adapter)
+    if namespaces is None:
         return np.zeros(len(trace), np.int64)
-    salts = np.array(["" if s is None else "s" + str(s) for s in trace.cache_salt], dtype=object)
+    salts = np.array(["" if s is None else "s" + str(s) for s in namespaces], dtype=object)
     _, codes = np.unique(salts.astype(str), return_inverse=True)
     return codes.astype(np.int64)
 

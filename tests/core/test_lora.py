@@ -1,0 +1,128 @@
+"""LoRA adapters (`--enable-lora`, `--max-loras`): vLLM's max_loras admission rule and adapter
+names in the block hashes (docs/semantics.md#lora-adapters---enable-lora---max-loras).
+
+The recorded cases come from the real vLLM 0.33 scheduler with a LoRA config
+(`scripts/oracle_fuzz.py --lora [--async-scheduling] --record`)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.replay.api import replay
+from simkv.traces.lora import assign_adapters, content_namespaces, lora_ids
+from simkv.traces.schema import read_trace, trace_from_frame
+from tests.cli_runs import cli_fails, cli_ok
+from tests.core.helpers import assert_decode_runs_change_no_bytes
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "lora_vllm_cases.json").read_text())
+ONE_SECOND_STEPS = {"step_base_s": 1.0, "step_per_token_s": 0.0}
+
+
+def _replay_case(case: dict, opts: dict | None = None):
+    config = EngineConfig.from_flat(case["opts"] | {"async_scheduling": case["async_scheduling"]} | (opts or {}))
+    return replay(trace_from_frame(pd.DataFrame(case["trace"])), config, "linear", ONE_SECOND_STEPS)
+
+
+def _observed(res) -> dict:
+    st = res.steps
+    steps = [list(t) for t in zip((st["num_prefill_tokens"] + st["num_decode_tokens"]).tolist(),
+                                  st["num_running"].tolist(), st["num_waiting"].tolist(),
+                                  st["num_blocks_used"].tolist())]
+    times = [[a, b] for a, b in zip(res.requests["first_token_time_s"].tolist(), res.requests["finish_time_s"].tolist())]
+    return dict(num_steps=res.summary["num_steps"], prefix_hits=res.summary["prefix_cache_hits_tokens"],
+                steps=steps, times=times)
+
+
+def _equal(ours: dict, theirs: dict) -> bool:
+    return (ours["num_steps"] == theirs["num_steps"] and ours["prefix_hits"] == theirs["prefix_hits"]
+            and ours["steps"] == theirs["steps"])
+
+
+@pytest.mark.parametrize("index", range(len(RECORDED["cases"])))
+def test_recorded_vllm_cases(index: int) -> None:
+    case = RECORDED["cases"][index]
+    ours, theirs = _observed(_replay_case(case)), case["vllm"]
+    assert ours["num_steps"] == theirs["num_steps"]
+    assert ours["prefix_hits"] == theirs["prefix_hits"]
+    assert ours["steps"] == theirs["steps"]
+    for row, (mine, vllm) in enumerate(zip(ours["times"], theirs["times"])):
+        if vllm is not None:
+            assert mine == pytest.approx(vllm, abs=1e-6), f"request {row}"
+
+
+def test_recorded_cases_depend_on_max_loras_and_on_the_adapters_in_the_hashes(monkeypatch) -> None:
+    """Two mutations, each must break recorded cases: no max_loras gate, and adapters left out of
+    the block hashes (the cases test both rules, not the base model's scheduling only)."""
+    ungated = sum(not _equal(_observed(_replay_case(c, {"max_loras": 64})), c["vllm"]) for c in RECORDED["cases"])
+    import simkv.replay.engine as engine
+
+    monkeypatch.setattr(engine, "content_namespaces", lambda trace: trace.cache_salt)
+    unsalted = sum(not _equal(_observed(_replay_case(c)), c["vllm"]) for c in RECORDED["cases"])
+    assert ungated >= len(RECORDED["cases"]) // 2 and unsalted >= 2, (ungated, unsalted)
+
+
+def _adapter_trace(n_adapters: int = 6):
+    trace = read_trace("traces/azure_conv_slice.parquet")
+    from simkv.traces.schema import take_rows
+
+    return assign_adapters(take_rows(trace, np.arange(600)), n_adapters, 1.0, seed=3)
+
+
+def test_max_loras_holds_requests_back_and_decode_runs_change_nothing(tmp_path) -> None:
+    trace = _adapter_trace()
+    ttft = {}
+    for k in (1, 2, 6):
+        config = EngineConfig.from_flat({"enable_lora": True, "max_loras": k})
+        res = assert_decode_runs_change_no_bytes(trace, config, tmp_path / str(k))
+        ttft[k] = res.summary["ttft_s"]["p50"]
+        assert res.summary["lora"] == {"adapters": 6, "max_loras": k, "deferrals": res.run.scheduler.num_lora_deferrals}
+        assert (res.summary["lora"]["deferrals"] > 0) == (k < 6)
+    fleet = EngineConfig.from_flat({"enable_lora": True, "max_loras": 1})
+    from simkv.replay.api import FleetSpec
+
+    assert_decode_runs_change_no_bytes(trace, fleet, tmp_path / "fleet", fleet=FleetSpec(2, "prefix_aware"))
+    assert ttft[1] > ttft[2] > ttft[6]
+
+
+def test_adapters_separate_prefixes_and_need_enable_lora(tmp_path) -> None:
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 5.0, 10.0], "prompt_tokens": [64, 64, 64], "output_tokens": [2, 2, 2],
+                          "block_hashes": [[1, 2, 3, 4]] * 3, "hash_block_tokens": 16,
+                          "lora_name": ["a", "b", "a"]})
+    trace = trace_from_frame(frame)
+    assert list(lora_ids(trace)) == [1, 2, 1]
+    assert len(set(content_namespaces(trace))) == 2
+    res = replay(trace, EngineConfig.from_flat({"enable_lora": True, "max_loras": 2}))
+    assert res.requests["prefix_hit_tokens"].tolist() == [0, 0, 48]  # b shares nothing with a; the second a does
+    with pytest.raises(ValueError, match="column 'lora_name' names LoRA adapters: give --enable-lora"):
+        replay(trace, EngineConfig.from_flat({}))
+    with pytest.raises(ConfigError, match="max_loras must be >= 1"):
+        EngineConfig.from_flat({"enable_lora": True, "max_loras": 0})
+    path = tmp_path / "t.parquet"
+    from simkv.traces.schema import write_trace
+
+    write_trace(trace, path)
+    assert "give --enable-lora" in cli_fails(["replay", str(path), "--out", str(tmp_path / "o")])
+    cli_ok(["replay", str(path), "--enable-lora", "--max-loras", "2", "--out", str(tmp_path / "o"), "--quiet"])
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["config"]["enable_lora"] is True and summary["lora"]["adapters"] == 2
+
+
+def test_transform_assigns_adapters_per_session_reproducibly(tmp_path) -> None:
+    out = cli_ok(["trace", "transform", "traces/kvcache_coding_sessions.parquet", "--lora-adapters", "5",
+                  "--out", str(tmp_path / "a.parquet")])
+    cli_ok(["trace", "transform", "traces/kvcache_coding_sessions.parquet", "--lora-adapters", "5",
+            "--out", str(tmp_path / "b.parquet")])
+    assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
+    assert "LoRA adapters" in out
+    trace = read_trace(tmp_path / "a.parquet")
+    per_session = {}
+    for session, name in zip(trace.session_id, trace.lora_name):
+        per_session.setdefault(session, set()).add(name)
+    assert all(len(names) == 1 for names in per_session.values())
+    assert "lora adapters  " in cli_ok(["trace", "inspect", str(tmp_path / "a.parquet")])
+    assert "--lora-adapters must be >= 1" in cli_fails(["trace", "transform", "traces/req400.parquet",
+                                                         "--lora-adapters", "0", "--out", str(tmp_path / "c.parquet")])
