@@ -509,3 +509,43 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     if error:
         result["error"] = error
     return result
+
+
+ONE_SECOND_STEPS = {"step_base_s": 1.0, "step_per_token_s": 0.0}
+
+
+def replay_recorded(case: dict, trace: dict | None = None, opts: dict | None = None):
+    """A case recorded by scripts/oracle_fuzz.py --record (its trace, or `trace`, with its options
+    and `opts` over them), replayed as the oracle stepped it: one second a step."""
+    import pandas as pd
+
+    from simkv.replay.api import replay
+    from simkv.traces.schema import trace_from_frame
+
+    config = EngineConfig.from_flat(case["opts"] | {"async_scheduling": case["async_scheduling"]} | (opts or {}))
+    return replay(trace_from_frame(pd.DataFrame(trace or case["trace"])), config, "linear", ONE_SECOND_STEPS)
+
+
+def observed_as_recorded(res) -> dict:
+    """A replay's values in a recorded case's form: steps (scheduled tokens, running, waiting,
+    blocks used), prefix hits and each request's first-token and finish times."""
+    st = res.steps
+    steps = [list(t) for t in zip((st["num_prefill_tokens"] + st["num_decode_tokens"]).tolist(),
+                                  st["num_running"].tolist(), st["num_waiting"].tolist(),
+                                  st["num_blocks_used"].tolist())]
+    times = [[a, b] for a, b in zip(res.requests["first_token_time_s"].tolist(),
+                                    res.requests["finish_time_s"].tolist())]
+    return dict(num_steps=res.summary["num_steps"], prefix_hits=res.summary["prefix_cache_hits_tokens"],
+                steps=steps, times=times)
+
+
+def assert_as_recorded(ours: dict, theirs: dict) -> None:
+    """Every step, the prefix hits, and every request's times (where vLLM finished it) equal."""
+    import pytest
+
+    assert ours["num_steps"] == theirs["num_steps"]
+    assert ours["prefix_hits"] == theirs["prefix_hits"]
+    assert ours["steps"] == theirs["steps"]
+    for row, (mine, vllm) in enumerate(zip(ours["times"], theirs["times"])):
+        if vllm is not None:
+            assert mine == pytest.approx(vllm, abs=1e-6), f"request {row}"

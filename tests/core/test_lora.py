@@ -16,25 +16,10 @@ from simkv.replay.api import replay
 from simkv.traces.lora import assign_adapters, content_namespaces, lora_ids
 from simkv.traces.schema import read_trace, trace_from_frame
 from tests.cli_runs import cli_fails, cli_ok
-from tests.core.helpers import assert_decode_runs_change_no_bytes
+from tests.core.helpers import (assert_as_recorded, assert_decode_runs_change_no_bytes, observed_as_recorded,
+                                replay_recorded)
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "lora_vllm_cases.json").read_text())
-ONE_SECOND_STEPS = {"step_base_s": 1.0, "step_per_token_s": 0.0}
-
-
-def _replay_case(case: dict, opts: dict | None = None):
-    config = EngineConfig.from_flat(case["opts"] | {"async_scheduling": case["async_scheduling"]} | (opts or {}))
-    return replay(trace_from_frame(pd.DataFrame(case["trace"])), config, "linear", ONE_SECOND_STEPS)
-
-
-def _observed(res) -> dict:
-    st = res.steps
-    steps = [list(t) for t in zip((st["num_prefill_tokens"] + st["num_decode_tokens"]).tolist(),
-                                  st["num_running"].tolist(), st["num_waiting"].tolist(),
-                                  st["num_blocks_used"].tolist())]
-    times = [[a, b] for a, b in zip(res.requests["first_token_time_s"].tolist(), res.requests["finish_time_s"].tolist())]
-    return dict(num_steps=res.summary["num_steps"], prefix_hits=res.summary["prefix_cache_hits_tokens"],
-                steps=steps, times=times)
 
 
 def _equal(ours: dict, theirs: dict) -> bool:
@@ -45,23 +30,18 @@ def _equal(ours: dict, theirs: dict) -> bool:
 @pytest.mark.parametrize("index", range(len(RECORDED["cases"])))
 def test_recorded_vllm_cases(index: int) -> None:
     case = RECORDED["cases"][index]
-    ours, theirs = _observed(_replay_case(case)), case["vllm"]
-    assert ours["num_steps"] == theirs["num_steps"]
-    assert ours["prefix_hits"] == theirs["prefix_hits"]
-    assert ours["steps"] == theirs["steps"]
-    for row, (mine, vllm) in enumerate(zip(ours["times"], theirs["times"])):
-        if vllm is not None:
-            assert mine == pytest.approx(vllm, abs=1e-6), f"request {row}"
+    assert_as_recorded(observed_as_recorded(replay_recorded(case)), case["vllm"])
 
 
 def test_recorded_cases_depend_on_max_loras_and_on_the_adapters_in_the_hashes(monkeypatch) -> None:
     """Two mutations, each must break recorded cases: no max_loras gate, and adapters left out of
     the block hashes (the cases test both rules, not the base model's scheduling only)."""
-    ungated = sum(not _equal(_observed(_replay_case(c, {"max_loras": 64})), c["vllm"]) for c in RECORDED["cases"])
+    ungated = sum(not _equal(observed_as_recorded(replay_recorded(c, opts={"max_loras": 64})), c["vllm"])
+                  for c in RECORDED["cases"])
     import simkv.replay.engine as engine
 
     monkeypatch.setattr(engine, "content_namespaces", lambda trace: trace.cache_salt)
-    unsalted = sum(not _equal(_observed(_replay_case(c)), c["vllm"]) for c in RECORDED["cases"])
+    unsalted = sum(not _equal(observed_as_recorded(replay_recorded(c)), c["vllm"]) for c in RECORDED["cases"])
     assert ungated >= len(RECORDED["cases"]) // 2 and unsalted >= 2, (ungated, unsalted)
 
 

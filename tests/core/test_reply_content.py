@@ -15,38 +15,19 @@ import pytest
 from simkv.config import EngineConfig
 from simkv.replay.api import replay
 from simkv.traces.schema import trace_from_frame
+from tests.core.helpers import assert_as_recorded, observed_as_recorded, replay_recorded
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "reply_vllm_cases.json").read_text())
-ONE_SECOND_STEPS = {"step_base_s": 1.0, "step_per_token_s": 0.0}
 
 
 def _replay_case(case: dict, trace: dict | None = None):
-    frame = pd.DataFrame(trace or case["trace"])
-    config = EngineConfig.from_flat(case["opts"] | {"async_scheduling": case["async_scheduling"]})
-    return replay(trace_from_frame(frame), config, "linear", ONE_SECOND_STEPS)
-
-
-def _observed(res) -> dict:
-    st = res.steps
-    steps = [list(t) for t in zip((st["num_prefill_tokens"] + st["num_decode_tokens"]).tolist(),
-                                  st["num_running"].tolist(), st["num_waiting"].tolist(),
-                                  st["num_blocks_used"].tolist())]
-    times = [[a, b] for a, b in zip(res.requests["first_token_time_s"].tolist(),
-                                    res.requests["finish_time_s"].tolist())]
-    return dict(num_steps=res.summary["num_steps"], prefix_hits=res.summary["prefix_cache_hits_tokens"],
-                steps=steps, times=times)
+    return replay_recorded(case, trace)
 
 
 @pytest.mark.parametrize("index", range(len(RECORDED["cases"])))
 def test_recorded_vllm_cases(index: int) -> None:
     case = RECORDED["cases"][index]
-    ours, theirs = _observed(_replay_case(case)), case["vllm"]
-    assert ours["num_steps"] == theirs["num_steps"]
-    assert ours["prefix_hits"] == theirs["prefix_hits"]
-    assert ours["steps"] == theirs["steps"]
-    for row, (mine, vllm) in enumerate(zip(ours["times"], theirs["times"])):
-        if vllm is not None:
-            assert mine == pytest.approx(vllm, abs=1e-6), f"request {row}"
+    assert_as_recorded(observed_as_recorded(_replay_case(case)), case["vllm"])
 
 
 def test_recorded_cases_depend_on_the_replies() -> None:

@@ -99,3 +99,13 @@ def test_chunk_size_divides_block_size_and_hash_blocks():
     assert len(ids[0]) == 13 and ids[0][:12] == ids[1][:12]  # 96 tokens described by the 4 hash ids
     assert ids[0][12] != ids[1][12]  # positions 96-99 are past the lists: each request's own
     assert np.all(export.served.hash_block_tokens == 8)
+
+
+def test_adapters_separate_ids_and_are_noted():
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0, 2.0], "prompt_tokens": [32, 32, 32], "output_tokens": [2, 2, 2],
+                          "block_hashes": [[5, 6]] * 3, "hash_block_tokens": 16, "lora_name": ["a", "b", "a"]})
+    export = export_timed_trace(trace_from_frame(frame), block_size=16)
+    ids = [json.loads(line)["hash_ids"] for line in export.lines]
+    assert ids[0] == ids[2] and not set(ids[0]) & set(ids[1])
+    assert any("LoRA adapters are folded into the hash ids" in n for n in export.notes)
+    assert export.served.lora_name is None
