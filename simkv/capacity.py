@@ -48,6 +48,7 @@ class Capacity:
     block_bytes: int = 0  # one block on one GPU (all layers, or `layers_per_block` of them)
     num_offload_chunks: int = 0  # KV offloading's CPU tier, in chunks of blocks_per_chunk blocks (over all GPUs, page-aligned)
     offload_chunk_bytes: int = 0  # one of those chunks
+    lora_bytes: int | None = 0  # LoRA slots' buffers on one GPU (None: not modelled for this architecture)
 
     @property
     def max_concurrency(self) -> float:
@@ -131,12 +132,15 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     else:
         block_bytes = per_token * cc.block_size
     mml = config.max_model_len
+    lora = lora_slot_bytes(spec, tp, config.scheduler.max_lora_rank) if config.scheduler.enable_lora else 0
+    lora_bytes = None if lora is None else lora * config.scheduler.max_loras
     if cc.num_gpu_blocks is not None:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks
     else:
         weights = spec.weight_bytes_per_gpu(tp, config.hardware.data_parallel_size) + draft_weights
-        available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config))
+        available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config)
+                        - (lora_bytes or 0))
         if available <= 0:
             raise ConfigError(
                 "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
@@ -169,4 +173,22 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         if num_offload_chunks < 1:
             raise ConfigError(f"kv_offloading_size {cc.kv_offloading_size} GiB holds no chunk of {chunk_bytes} bytes")
     return Capacity(per_token // dcp, int(num_blocks), int(available), bs, mml, num_cpu_blocks,
-                    per_request if hybrid else 0, int(block_bytes), num_offload_chunks, chunk_bytes)
+                    per_request if hybrid else 0, int(block_bytes), num_offload_chunks, chunk_bytes, lora_bytes)
+
+
+def lora_slot_bytes(spec, tensor_parallel_size: int, max_lora_rank: int) -> int | None:
+    """GPU memory of one LoRA slot on one GPU: vLLM 0.33 allocates, for every linear layer of the
+    decoder layers, `max_loras` stacked buffers A (rank x input) and B (output x rank) in the
+    model's dtype, the tensor-parallel side sharded (column-parallel q/k/v and gate/up: the
+    outputs; row-parallel o and down: the inputs). Dense decoders with standard attention only
+    (None otherwise: not modelled); embeddings and the LM head take no LoRA by default."""
+    if spec.is_moe or spec.is_mla or spec.linear_attention or spec.layer_pattern:
+        return None
+    tp = tensor_parallel_size
+    h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
+        spec.intermediate_size
+    per_layer = ((h + q // tp) + 2 * (h + kv // tp)  # q, k, v (column-parallel slices)
+                 + (q // tp + h)  # o (row-parallel)
+                 + 2 * (h + inter // tp)  # gate, up
+                 + (inter // tp + h))  # down
+    return 2 * max_lora_rank * per_layer * spec.num_layers

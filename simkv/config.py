@@ -132,10 +132,13 @@ class SchedulerConfig:
     # admitted only while at most max_loras distinct adapters run in the batch.
     enable_lora: bool = False
     max_loras: int = 1
+    max_lora_rank: int = 16  # vLLM's --max-lora-rank: the slots' buffers are this wide (GPU memory)
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.admission_order not in ("after_running", "before_running"):
             raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
         if self.preemption_victim not in ("newest", "requester"):
@@ -757,7 +760,7 @@ class EngineConfig:
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
-            del out["enable_lora"], out["max_loras"]
+            del out["enable_lora"], out["max_loras"], out["max_lora_rank"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager

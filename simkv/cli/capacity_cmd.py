@@ -47,6 +47,9 @@ def capacity_report(config: EngineConfig) -> dict:
                                   "tokens": tier_tokens, "tokens_per_gpu_cache_token": tier_tokens / cap.kv_cache_tokens,
                                   # (every GPU moves its share over its own link)
                                   "chunk_transfer_s": cap.offload_chunk_bytes / tp / (cc.pcie_bandwidth_gbs * 1e9)}
+    if config.scheduler.enable_lora:  # (vLLM's LoRA slots: max_loras stacked buffers per linear layer)
+        sc = config.scheduler
+        extra["lora"] = {"max_loras": sc.max_loras, "max_lora_rank": sc.max_lora_rank, "slots_bytes_per_gpu": cap.lora_bytes}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
@@ -126,6 +129,11 @@ def print_report(rep: dict) -> None:
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):
         rows.insert(0, ("draft network (its weights and KV included)", rep["draft_network"]))
+    if rep.get("lora"):
+        lora = rep["lora"]
+        rows.append((f"LoRA slots per GPU ({lora['max_loras']} x rank {lora['max_lora_rank']})",
+                     _bytes(lora["slots_bytes_per_gpu"]) if lora["slots_bytes_per_gpu"] is not None
+                     else "not modelled for this architecture"))
     if rep.get("kv_offloading"):
         off = rep["kv_offloading"]
         rows.append(("CPU tier (KV offloading, all GPUs)",
@@ -163,6 +171,9 @@ def print_report(rep: dict) -> None:
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
               help="A model with linear-attention layers is modelled without (vLLM's mamba_cache_mode 'none') "
                    "[default: on]")
+@click.option("--enable-lora/--no-enable-lora", default=None, help="vLLM's LoRA slots take GPU memory [default: off]")
+@click.option("--max-loras", type=int, default=None, help="LoRA slots [default: 1]")
+@click.option("--max-lora-rank", type=int, default=None, help="[default: 16]")
 @click.option("--kv-offloading-size", type=float, default=None,
               help="GiB of CPU memory for KV offloading over the engine's GPUs: the tier's size in chunks and tokens")
 @click.option("--kv-offloading-block-size", type=int, default=None,

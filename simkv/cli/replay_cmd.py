@@ -33,7 +33,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "session_pacing": "session_pacing",
-    "enable_lora": "enable_lora", "max_loras": "max_loras",
+    "enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
@@ -261,6 +261,9 @@ _ENGINE_OPTIONS = [
     click.option("--max-loras", type=int, default=None,
                  help="vLLM's --max-loras: distinct adapters in one batch; a request whose adapter would exceed "
                       "it waits [default: 1]"),
+    click.option("--max-lora-rank", type=int, default=None,
+                 help="vLLM's --max-lora-rank: the adapter slots' width; max_loras slots of it take GPU memory "
+                      "from the KV cache [default: 16]"),
     click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
                  default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
     click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),

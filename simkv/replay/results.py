@@ -167,21 +167,26 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | lora_summary(config, [sched], trace) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | lora_summary(config, [sched], trace, capacity) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
 
-def lora_summary(config, schedulers, trace) -> dict:
-    """LoRA (--enable-lora): the adapters the trace names, max_loras, and how often a waiting
-    request was passed over for want of an adapter slot (once per request and step)."""
+def lora_summary(config, schedulers, trace, capacity=None) -> dict:
+    """LoRA (--enable-lora): the adapters the trace names, max_loras, how often a waiting
+    request was passed over for want of an adapter slot (once per request and step), and the GPU
+    memory the slots take from the KV cache (None: not modelled for this architecture)."""
     if not config.scheduler.enable_lora:
         return {}
     from simkv.traces.lora import has_adapters
 
     names = {n for n in trace.lora_name if n is not None} if has_adapters(trace) else set()
-    return {"lora": {"adapters": len(names), "max_loras": config.scheduler.max_loras,
-                     "deferrals": int(sum(s.num_lora_deferrals for s in schedulers))}}
+    out = {"adapters": len(names), "max_loras": config.scheduler.max_loras,
+           "max_lora_rank": config.scheduler.max_lora_rank,
+           "deferrals": int(sum(s.num_lora_deferrals for s in schedulers))}
+    if capacity is not None and not isinstance(capacity, int):
+        out["slots_gib_per_gpu"] = None if capacity.lora_bytes is None else capacity.lora_bytes / (1 << 30)
+    return {"lora": out}
 
 
 def session_summary(run: ReplayRun) -> dict:

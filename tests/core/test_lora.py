@@ -59,7 +59,9 @@ def test_max_loras_holds_requests_back_and_decode_runs_change_nothing(tmp_path) 
         config = EngineConfig.from_flat({"enable_lora": True, "max_loras": k})
         res = assert_decode_runs_change_no_bytes(trace, config, tmp_path / str(k))
         ttft[k] = res.summary["ttft_s"]["p50"]
-        assert res.summary["lora"] == {"adapters": 6, "max_loras": k, "deferrals": res.run.scheduler.num_lora_deferrals}
+        lora = res.summary["lora"]
+        assert {key: lora[key] for key in ("adapters", "max_loras", "deferrals")} == {
+            "adapters": 6, "max_loras": k, "deferrals": res.run.scheduler.num_lora_deferrals}
         assert (res.summary["lora"]["deferrals"] > 0) == (k < 6)
     fleet = EngineConfig.from_flat({"enable_lora": True, "max_loras": 1})
     from simkv.replay.api import FleetSpec
@@ -106,3 +108,23 @@ def test_transform_assigns_adapters_per_session_reproducibly(tmp_path) -> None:
     assert "lora adapters  " in cli_ok(["trace", "inspect", str(tmp_path / "a.parquet")])
     assert "--lora-adapters must be >= 1" in cli_fails(["trace", "transform", "traces/req400.parquet",
                                                          "--lora-adapters", "0", "--out", str(tmp_path / "c.parquet")])
+
+
+def test_lora_slots_take_kv_cache_memory() -> None:
+    """vLLM's stacked LoRA buffers: per slot, rank x (input + output) of every linear layer, the
+    TP side sharded; llama-3-8b at rank 16: 80 MiB a slot on one GPU."""
+    from simkv.capacity import compute_capacity
+
+    def cap(**options):
+        return compute_capacity(EngineConfig.from_flat(options))
+
+    base = cap()
+    one, sixteen = cap(enable_lora=True), cap(enable_lora=True, max_loras=16, max_lora_rank=16)
+    assert one.lora_bytes == 2 * 16 * 32 * (4096 + 4096 + 2 * (4096 + 1024) + 4096 + 4096 + 2 * (4096 + 14336)
+                                             + 14336 + 4096) == 80 << 20
+    assert sixteen.lora_bytes == 16 * one.lora_bytes
+    assert base.num_gpu_blocks - sixteen.num_gpu_blocks == (16 * one.lora_bytes) // base.block_bytes + 1 or \
+        base.num_gpu_blocks - sixteen.num_gpu_blocks == (16 * one.lora_bytes) // base.block_bytes
+    tp2 = cap(enable_lora=True, tensor_parallel_size=2)
+    assert one.lora_bytes / 2 < tp2.lora_bytes < one.lora_bytes  # (only the TP side of each layer is sharded)
+    assert cap(enable_lora=True, model="qwen3-30b-a3b").lora_bytes is None  # (experts: not modelled)
