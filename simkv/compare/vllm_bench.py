@@ -91,7 +91,8 @@ def server_counters(before: str | Path, after: str | Path) -> dict:
 def load_bench_run(path: str | Path, sim_requests: pd.DataFrame,
                    metrics: tuple[str, str] | None = None) -> tuple[dict, pd.DataFrame, np.ndarray]:
     """(summary, requests, inter-token gaps) of a benchmark run in the shape of a replay's,
-    matched to the simulated run's requests by order."""
+    matched to the simulated run's requests by order, or by name for a trace imported from the
+    result (`_in_bench_order`)."""
     result = read_bench_result(path)
     n = len(result["ttfts"])
     sim_requests = _in_bench_order(sim_requests, result, path)
