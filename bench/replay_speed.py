@@ -28,6 +28,8 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # attention: the roofline's two MLA paths)
     .venv/bin/python bench/replay_speed.py azure-dsv3-dp8  # the same on 8 data-parallel ranks in lockstep (every
                                                         # step of every rank stepped)
+    .venv/bin/python bench/replay_speed.py azure-lora4  # the Azure trace naming 16 LoRA adapters (Zipf), max_loras 4:
+                                                        # every step passes over the requests without a slot
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -57,6 +59,10 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
+    if case == "azure-lora4":
+        from simkv.traces.lora import assign_adapters
+
+        return assign_adapters(import_trace("azure", [AZURE])[0], 16, 1.0, seed=0)
     if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-llama4", "azure-qwen3next",
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
@@ -100,6 +106,8 @@ def run_case(case: str) -> dict:
                     "enable_prefix_caching": case.endswith("-pc")}
     if case == "azure-oss-spec":
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
+    if case == "azure-lora4":
+        options |= {"enable_lora": True, "max_loras": 4}
     if case.startswith("azure-dsv3"):
         options |= {"model": "deepseek-v3", "gpu": "H200"}
         options |= {"data_parallel_size": 8} if case.endswith("-dp8") else {"tensor_parallel_size": 8}
