@@ -250,6 +250,7 @@ class BlockPool:
         out: list[KVCacheBlock] = []
         append = out.append
         cache = self.cached_block_hash_to_block
+        cached = cache._cache
         need = num_blocks
         while need:
             if type(node) is BlockChunk:
@@ -270,7 +271,10 @@ class BlockPool:
             block_hash = node.block_hash
             if block_hash is not None:
                 if block_hash != UNFINDABLE_HASH:
-                    cache.pop(block_hash, node.block_id)
+                    if cached.get(block_hash) is node:  # (the common case: the one block of its hash)
+                        del cached[block_hash]
+                    else:
+                        cache.pop(block_hash, node.block_id)
                 node.block_hash = None
                 self.num_evictions += 1
             node.ref_cnt = 1  # its stale free-queue links are never read while referenced
@@ -320,6 +324,21 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get_one_block(block_hash)
+
+    def cache_blocks(self, blocks: list[KVCacheBlock], keys: list[int], start: int, end: int) -> None:
+        """`cache_block(blocks[i], keys[i])` for the blocks of [start, end) not cached yet (a
+        request's caching loop, with the map's common case inline)."""
+        cached = self.cached_block_hash_to_block._cache
+        insert = self.cached_block_hash_to_block.insert
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is None:
+                key = keys[i]
+                block.block_hash = key
+                if key in cached:
+                    insert(key, block)  # (another block holds this content already)
+                else:
+                    cached[key] = block
 
     def cache_block(self, block: KVCacheBlock, block_hash: int, insert: bool = True) -> None:
         """Mark a full block as cached. `insert=False` records the hash without making the

@@ -298,12 +298,7 @@ class KVCacheManager:
             return
         blocks = self.req_to_blocks[index]
         self.hasher.block_key(request, end - 1)  # (the keys of blocks [0, end) are memoised from here on)
-        keys = request.block_hashes
-        cache_block = self.block_pool.cache_block
-        for i in range(start, end):
-            block = blocks[i]
-            if block.block_hash is None:
-                cache_block(block, keys[i])
+        self.block_pool.cache_blocks(blocks, request.block_hashes, start, end)
         if self.hasher.weak:
             for i in range(start, end):
                 blocks[i].content_id = self.hasher.true_key(request, i)
