@@ -110,8 +110,10 @@ class BlockHasher:
                     i += 1
             elif bs <= h and h % bs == 0:
                 per = h // bs
+                id_list = ids[i // per:(stop - 1) // per + 1].tolist()  # (Python ints: fast to index)
+                first = i // per
                 while i < stop:
-                    parent = hash((parent, int(ids[i // per]))) & mask
+                    parent = hash((parent, id_list[i // per - first])) & mask
                     hashes.append(parent)
                     i += 1
             else:
