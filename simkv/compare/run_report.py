@@ -57,6 +57,13 @@ def _summary_table(summary: dict) -> str:
     if groups:
         rows.insert(1, ("model", (summary.get("config") or {}).get("model")))
         rows += kv_cache_groups_rows(groups)
+    lora = summary.get("lora")
+    if lora:
+        memory = (f", slots {lora['slots_gib_per_gpu']:.2f} GiB a GPU" if lora.get("slots_gib_per_gpu") is not None
+                  else "")
+        rows.append(("LoRA adapters", f"{lora['adapters']} named, max_loras {lora['max_loras']} (rank "
+                                      f"{lora['max_lora_rank']}{memory}); {lora['deferrals']:,} request-steps "
+                                      f"waited for a slot"))
     spec = summary.get("speculative_decoding")
     if spec:
         rows.append(("speculative decoding", f"{spec['method']}, K={spec['num_speculative_tokens']}: "

@@ -79,6 +79,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         sp = summary["session_pacing"]
         rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
                                                     f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
+    if summary.get("lora"):
+        lora = summary["lora"]
+        rows.append(("LoRA adapters (max_loras)", f"{lora['adapters']:,} ({lora['max_loras']}); {lora['deferrals']:,} "
+                                                  f"request-steps waited for a slot"))
     if summary.get("goodput"):
         from simkv.replay.goodput import describe_slo
 

@@ -88,7 +88,8 @@ def test_adapters_separate_prefixes_and_need_enable_lora(tmp_path) -> None:
 
     write_trace(trace, path)
     assert "give --enable-lora" in cli_fails(["replay", str(path), "--out", str(tmp_path / "o")])
-    cli_ok(["replay", str(path), "--enable-lora", "--max-loras", "2", "--out", str(tmp_path / "o"), "--quiet"])
+    out = cli_ok(["replay", str(path), "--enable-lora", "--max-loras", "2", "--out", str(tmp_path / "o")])
+    assert "LoRA adapters (max_loras)" in out and "LoRA adapters" in (tmp_path / "o" / "report.html").read_text()
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["config"]["enable_lora"] is True and summary["lora"]["adapters"] == 2
 
