@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import json
 import os
 import subprocess
@@ -105,27 +104,14 @@ def check_prompts(jsonl: Path, served: Path, chunk: int, block_size: int, tokeni
 # -- check 2: round trip ------------------------------------------------------------------------
 
 def token_schedules(sim_dir: Path) -> tuple[list[dict], int]:
-    """Per request (trace order): prompt/output lengths and the times of its tokens in the
-    simulation: the first token, then the end of every step it decoded in (the steps ending
-    after its first token and up to its finish; evenly spaced where those are not O - 1)."""
-    import numpy as np
-    import pandas as pd
+    """Per request (trace order): prompt/output lengths, arrival, and the times of its tokens in
+    the simulation (simkv/compare/token_times.py); and how many came from the replay's steps."""
+    sys.path.insert(0, str(ROOT))  # (simkv's numpy/pandas-only module; this Python has no simpy)
+    from simkv.compare.token_times import simulated_token_times
 
-    req = pd.read_parquet(sim_dir / "requests.parquet")
-    steps = pd.read_parquet(sim_dir / "steps.parquet")
-    ends = (steps["start_time_s"] + steps["duration_s"]).to_numpy()
-    out, exact = [], 0
-    for r in req.itertuples():
-        first, finish, o = float(r.first_token_time_s), float(r.finish_time_s), int(r.output_tokens)
-        lo, hi = bisect.bisect_right(ends, first + 1e-12), bisect.bisect_right(ends, finish + 1e-12)
-        later = ends[lo:hi].tolist()
-        if len(later) == o - 1:
-            exact += 1
-        else:
-            later = np.linspace(first, finish, o)[1:].tolist() if o > 1 else []
-        out.append({"prompt": int(r.prompt_tokens), "output": o, "arrival": float(r.arrival_time_s),
-                    "times": [first] + later})
-    return out, exact
+    requests, times, from_steps = simulated_token_times(sim_dir)
+    return [{"prompt": int(r.prompt_tokens), "output": int(r.output_tokens), "arrival": float(r.arrival_time_s),
+             "times": t} for r, t in zip(requests.itertuples(), times)], from_steps
 
 
 def serve(schedule_file: Path, port: int, counters: dict) -> None:

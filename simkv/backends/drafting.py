@@ -111,6 +111,7 @@ class SpeculativeBackend:
         self.draft_seconds = 0.0  # the drafter's share of all steps so far
         if hasattr(inner, "host_seconds"):  # (async scheduling overlaps the host's share with the device)
             self.host_seconds = inner.host_seconds
+        self.frontend_latency_s = getattr(inner, "frontend_latency_s", 0.0)  # (a roofline fit's: results add it)
 
     def execute(self, output: SchedulerOutput) -> float:
         if self.drafter is None:

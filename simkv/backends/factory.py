@@ -17,10 +17,7 @@ def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, st
     if config.speculative.enabled:  # the drafter's passes come on top (simkv/backends/drafting.py)
         from simkv.backends.drafting import SpeculativeBackend
 
-        wrapped = SpeculativeBackend(backend, config)
-        if hasattr(backend, "frontend_latency_s"):
-            wrapped.frontend_latency_s = backend.frontend_latency_s
-        return wrapped
+        return SpeculativeBackend(backend, config)
     return backend
 
 
@@ -40,10 +37,7 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
             raise ValueError(f"--step-noise needs a calib.json's repeated samples; {name} is a roofline fit")
         hw = config.hardware
         params, frontend_s, warnings = read_roofline_fit(name, hw.model, hw.gpu, hw.tensor_parallel_size)
-        model = make_roofline(config, params, source=name, warnings=warnings)
-        model.frontend_latency_s = frontend_s
-        model.fitted_from["frontend_latency_s"] = frontend_s
-        return model
+        return make_roofline(config, params, {"fit_file": name, "warnings": warnings, "frontend_latency_s": frontend_s})
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
@@ -61,10 +55,10 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
     raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")
 
 
-def make_roofline(config: EngineConfig, params: dict | None = None, source: str | None = None,
-                  warnings: list[str] | None = None) -> RooflineCostModel:
+def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from: dict | None = None) -> RooflineCostModel:
     """The roofline of `config`'s model and GPU, with default or given (fitted) efficiencies and
-    overheads (simkv/backends/roofline_fit.py)."""
+    overheads; `fitted_from`: the fit file's name, warnings and front-end latency
+    (simkv/backends/roofline_fit.py)."""
     hw = config.hardware
     model = RooflineCostModel(hw.model_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                               config.cache.kv_dtype_bytes, layer_windows=config.layer_windows,
@@ -72,6 +66,6 @@ def make_roofline(config: EngineConfig, params: dict | None = None, source: str 
                               num_speculative_tokens=config.speculative.num_speculative_tokens,
                               data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
                               decode_context_parallel_size=hw.decode_context_parallel_size, **(params or {}))
-    if source is not None:
-        model.fitted_from = {"fit_file": source, "warnings": list(warnings or [])}
+    if fitted_from is not None:
+        model.fitted_from = fitted_from
     return model

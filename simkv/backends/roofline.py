@@ -308,7 +308,12 @@ class RooflineCostModel:
                 to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / per / self.byte_rate))
         return line
 
-    fitted_from: dict | None = None  # (a fit file's name and warnings: simkv/backends/roofline_fit.py)
+    fitted_from: dict | None = None  # (a fit file's name, warnings and front-end latency: simkv/backends/roofline_fit.py)
+
+    @property
+    def frontend_latency_s(self) -> float:
+        """What a fit says the server's front end adds to every request's TTFT and E2E (else 0)."""
+        return self.fitted_from["frontend_latency_s"] if self.fitted_from else 0.0
 
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,

@@ -110,9 +110,8 @@ class BlockHasher:
                     i += 1
             elif bs <= h and h % bs == 0:
                 per = h // bs
-                part = ids[i // per:(stop - 1) // per + 1]  # (as Python ints: fast to index)
-                id_list = part.tolist() if hasattr(part, "tolist") else [int(x) for x in part]
                 first = i // per
+                id_list = ids[first:(stop - 1) // per + 1].tolist()  # (Python ints: fast to index)
                 while i < stop:
                     parent = hash((parent, id_list[i // per - first])) & mask
                     hashes.append(parent)

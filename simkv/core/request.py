@@ -77,7 +77,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         if shared_hash_ids is not None and len(shared_hash_ids) and hash_block_tokens > 0:
-            self.shared_hash_ids = shared_hash_ids
+            self.shared_hash_ids = np.asarray(shared_hash_ids, dtype=np.int64)  # (a trace's rows are already)
             self.hash_block_tokens = hash_block_tokens
             covered = len(shared_hash_ids) * hash_block_tokens
             self.num_shared_tokens = min(covered, num_prompt_tokens)

@@ -32,6 +32,7 @@ import numpy as np
 
 from simkv.atomic import atomic_write
 from simkv.traces.errors import TraceError
+from simkv.traces.reuse import describes_reply, hashed_positions
 from simkv.traces.schema import Trace, write_trace
 
 #: The field names vLLM's timed-trace dataset reads by default.
@@ -100,8 +101,7 @@ def _chunk_keys(trace: Trace, g: int) -> tuple[np.ndarray, np.ndarray, list[str]
         keys[hashed, 0] = 1 + salt[hashed]
         keys[hashed, 1] = trace.hash_ids[trace.hash_offsets[:-1][row][hashed] + block[hashed]]
         keys[hashed, 2] = (k % per)[hashed]
-        prompt_blocks = -(-trace.prompt_tokens // np.maximum(h, 1))
-        replies = int(np.sum((h > 0) & (np.diff(trace.hash_offsets) > prompt_blocks)))
+        replies = int(describes_reply(hashed_positions(trace), trace.prompt_tokens, h).sum())
         if replies:
             notes.append(f"{replies:,} rows describe their replies: left out (the server's model writes its own "
                          f"replies, which no later prompt repeats)")
