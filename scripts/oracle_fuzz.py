@@ -5,7 +5,7 @@ request's first-token and finish time, must agree.
 A development aid, not a test dependency (each oracle run takes about 10 s). Needs the oracle's venv:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_fuzz.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 20 [--async-scheduling]
-        [--replies] [--lora]
+        [--replies] [--lora] [--timeouts]
 
 --replies: chat sessions whose next turn's prompt repeats the previous turn's reply, with hash
 lists that describe the replies; the oracle's fake model then samples the reply's content tokens,
@@ -19,6 +19,12 @@ hits wherever no prompt repeats a reply still being written.)
 config of max_loras 1-3 (the oracle copy is given one, and LoRARequests with the names), so a
 waiting request whose adapter would exceed max_loras is passed over, and block hashes carry the
 adapter's name (prompts share cached blocks under one adapter only).
+
+--timeouts: clients give up (simkv/replay/client_timeouts.py) and retry. simkv replays first; the
+oracle copy then gets every attempt simkv's clients sent, as a row arriving at its send time
+(a retry with its first attempt's prompt tokens), and aborts each request they gave up on with
+vLLM's finish_requests(FINISHED_ABORTED), one request at a time: before the output of the step
+during which its deadline passed, or at a deadline between steps before the next schedule.
 
 Steps last 1 s on both sides (the oracle's time mode, simkv's linear model with no per-token
 cost); arrivals fall between step boundaries. Pools are small, so requests are preempted, and
@@ -134,6 +140,113 @@ def _patched_for_lora(oracle: Path) -> None:
     patch_once(oracle, "the token constants", 'EOS_TOKEN_ID = 2  #', 'LORA_IDS: dict = {}\nEOS_TOKEN_ID = 2  #')
 
 
+def with_timeouts(opts: dict, rng: np.random.Generator) -> dict:
+    """Clients that give up after whole seconds (deadlines on step boundaries that follow an
+    arrival: a token there is in time) or a quarter second more (inside a step: a request that
+    finishes in it finishes after its client left), and retry 0-2 times after whole-second
+    back-offs."""
+    out = dict(opts)
+    extra = 0.25 if rng.random() < 0.5 else 0.0
+    if rng.random() < 0.7:
+        out["client_ttft_timeout_s"] = float(rng.integers(2, 15)) + extra
+    if "client_ttft_timeout_s" not in out or rng.random() < 0.5:
+        out["client_timeout_s"] = float(rng.integers(5, 60)) + extra
+    out["client_max_retries"] = int(rng.integers(0, 3))
+    out["client_retry_backoff_s"] = float(rng.integers(0, 4))
+    return out
+
+
+def _patched_for_aborts(oracle: Path) -> None:
+    """The oracle copy aborts the requests named in the JSON file $ORACLE_ABORTS ([request_id,
+    time] pairs, in time order) with vLLM's finish_requests(FINISHED_ABORTED): those whose time
+    falls inside a step before that step's output is processed (vLLM's engine core drains its
+    aborts queue there), the others before the next schedule; one by one, as a front end sends
+    them (one finish_requests call with several ids frees them in set order, which varies with
+    Python's string hashing); a trace column content_row gives a row another row's
+    request-unique prompt tokens (a retry resends its first attempt's prompt)."""
+    patch_once(oracle, "the row number", '            "row": idx,\n',
+               '            "row": idx if _is_missing(r.get("content_row")) else int(float(r["content_row"])),\n')
+    patch_once(oracle, "the loop's arrivals", "        arrivals = add_arrivals()\n",
+               "        take_aborts(clock + 1e-12)\n"
+               "        arrivals = add_arrivals()\n")
+    patch_once(oracle, "the step's update", "        engine_outputs = sched.update_from_output(so, mro)\n",
+               "        if row is not None:\n"
+               "            take_aborts(row['time_end_s'] - 1e-9)  # (those that arrived while the step ran)\n"
+               "        engine_outputs = sched.update_from_output(so, mro)\n")
+    patch_once(oracle, "the step loop", "\n    idle_guard = 0\n    while True:\n",
+               "\n    def take_aborts(upto):\n"
+               "        while ABORTS and ABORTS[0][1] <= upto:\n"
+               "            rid = ABORTS.pop(0)[0]\n"
+               "            if rid in sched.requests and not sched.requests[rid].is_finished():\n"
+               "                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)\n"
+               "\n"
+               "    idle_guard = 0\n"
+               "    while True:\n")
+    patch_once(oracle, "the token constants", 'EOS_TOKEN_ID = 2  #',
+               'ABORTS: list = json.load(open(os.environ["ORACLE_ABORTS"])) if os.environ.get("ORACLE_ABORTS") else []\n'
+               'EOS_TOKEN_ID = 2  #')
+
+
+class AttemptLog:
+    """What simkv's clients did in a replay: every attempt sent (row, request id, tick) and every
+    abort vLLM got (request id, deadline tick), recorded by wrapping ClientTimeoutFeed."""
+
+    def __init__(self) -> None:
+        from simkv.replay.client_timeouts import ClientTimeoutFeed
+
+        self.sends: list[tuple[int, str, int]] = []
+        self.aborts: dict[str, int] = {}
+        log = self
+        send, give_up = ClientTimeoutFeed._send, ClientTimeoutFeed._give_up
+
+        def logged_send(feed, request, row, tick, attempt):
+            log.sends.append((row, request.request_id, tick))
+            send(feed, request, row, tick, attempt)
+
+        def logged_give_up(feed, row, request, attempt, at, kind):
+            log.aborts[request.request_id] = at
+            give_up(feed, row, request, attempt, at, kind)
+        ClientTimeoutFeed._send, ClientTimeoutFeed._give_up = logged_send, logged_give_up
+        self._restore = (send, give_up)
+
+    def close(self) -> None:
+        from simkv.replay.client_timeouts import ClientTimeoutFeed
+
+        ClientTimeoutFeed._send, ClientTimeoutFeed._give_up = self._restore
+
+    def oracle_trace(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """Every attempt as a row of its own, in the order simkv sent them."""
+        from simkv.clock import TICKS_PER_SECOND
+
+        rows = []
+        for row, request_id, tick in self.sends:
+            rows.append(frame.iloc[row].to_dict() | {"request_id": request_id, "content_row": row,
+                                                    "arrival_time_s": tick / TICKS_PER_SECOND})
+        out = pd.DataFrame(rows)
+        if "block_hashes" in out:  # (the oracle reads "1 2 3" from CSV)
+            out["block_hashes"] = [" ".join(str(int(h)) for h in hashes) for hashes in out["block_hashes"]]
+        return out
+
+
+def timeout_differences(prefix: Path, res, log: AttemptLog) -> list[str]:
+    """As `differences`, requests by their final attempt's id."""
+    out = engine_differences(prefix, res)
+    with open(f"{prefix}.requests.csv") as f:
+        rows = {r["request_id"]: r for r in csv.DictReader(f)}
+    last = {row: rid for row, rid, _ in log.sends}
+    req = res.requests
+    for i, (status, a, b) in enumerate(zip(req["status"], req["first_token_time_s"], req["finish_time_s"])):
+        if status != "finished":
+            continue
+        t = rows.get(last[i])
+        if t is None or t["finish_time_s"] == "" or abs(float(t["first_token_time_s"]) - a) > 1e-6 \
+                or abs(float(t["finish_time_s"]) - b) > 1e-6:
+            out.append(f"request {i} ({last[i]}): vLLM {t and (t['first_token_time_s'], t['finish_time_s'])}, "
+                       f"simkv {a:.3f}/{b:.3f}")
+            break
+    return out
+
+
 def _previous_turn(frame: pd.DataFrame) -> np.ndarray:
     """Row of each row's previous turn in its session (-1 for first turns)."""
     where = {(s, t): i for i, (s, t) in enumerate(zip(frame.session, frame.turn))}
@@ -148,7 +261,9 @@ def after_previous_turns(frame: pd.DataFrame, config: EngineConfig) -> pd.DataFr
         res = replay(trace_from_frame(frame.drop(columns=["session", "turn"])), config, "linear",
                      {"step_base_s": 1.0, "step_per_token_s": 0.0})
         finish = res.requests["finish_time_s"].to_numpy()
-        late = np.array([p >= 0 and not (frame.arrival_time_s[i] > finish[p]) for i, p in enumerate(prev)])
+        timed_out = (res.requests["status"] == "timed_out").to_numpy()  # (--timeouts: its client gave up on it)
+        late = np.array([p >= 0 and not (frame.arrival_time_s[i] > finish[p]) and not timed_out[p]
+                         for i, p in enumerate(prev)])
         if not late.any():
             return frame
         frame = frame.copy()
@@ -161,17 +276,20 @@ def after_previous_turns(frame: pd.DataFrame, config: EngineConfig) -> pd.DataFr
 
 def _patched_for_replies(oracle: Path) -> None:
     """The fake model samples a row's content token where its hash list describes the position
-    (a list longer than its prompt needs goes on over the reply)."""
+    (a list longer than its prompt needs goes on over the reply). (The row by request id: with
+    --timeouts a trace row is an attempt, and its "row" the trace row whose content it has.)"""
     patch_once(oracle, "the sampling line",
                'sampled.append([fake_output_token(rinfo[rid]["row"], req.num_computed_tokens)])',
-               'tr = trace[rinfo[rid]["row"]]; pos = req.num_computed_tokens; bh = tr["block_hashes"]\n'
+               'tr = next(t for t in trace if t["request_id"] == rid); pos = req.num_computed_tokens; '
+               'bh = tr["block_hashes"]\n'
                '                sampled.append([hashed_token_id(int(bh[pos // tr["hash_block_tokens"]]), tr["hash_block_tokens"],'
                ' pos % tr["hash_block_tokens"]) if bh and pos < len(bh) * tr["hash_block_tokens"]'
                ' and len(bh) * tr["hash_block_tokens"] >= tr["prompt_tokens"] + tr["hash_block_tokens"]'
                ' else fake_output_token(rinfo[rid]["row"], pos)])')
 
 
-def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, async_scheduling: bool) -> None:
+def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, async_scheduling: bool,
+               aborts: Path | None = None) -> None:
     import os
 
     cmd = [py, str(oracle), "run", "--input", str(trace), "--out-prefix", str(prefix), "--arrival", "time",
@@ -190,10 +308,13 @@ def run_oracle(py: str, oracle: Path, trace: Path, opts: dict, prefix: Path, asy
     if async_scheduling:
         cmd.append("--async-scheduling")
     env = dict(os.environ) | ({"ORACLE_MAX_LORAS": str(opts["max_loras"])} if opts.get("enable_lora") else {})
+    if aborts is not None:
+        env["ORACLE_ABORTS"] = str(aborts)
     subprocess.run(cmd, check=True, capture_output=True, env=env)
 
 
-def differences(prefix: Path, res) -> list[str]:
+def engine_differences(prefix: Path, res) -> list[str]:
+    """The step count, preemptions, prefix hits and every step of an oracle run against a replay's."""
     out = []
     summary = json.loads(Path(f"{prefix}.summary.json").read_text())
     s = res.summary
@@ -218,6 +339,11 @@ def differences(prefix: Path, res) -> list[str]:
     bad = [i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b]
     if bad or len(theirs) != len(ours):
         out.append(f"steps differ from step {bad[0] if bad else min(len(theirs), len(ours))}")
+    return out
+
+
+def differences(prefix: Path, res) -> list[str]:
+    out = engine_differences(prefix, res)
     with open(f"{prefix}.requests.csv") as f:
         theirs = {int(r["row"]): (r["first_token_time_s"], r["finish_time_s"]) for r in csv.DictReader(f)}
     req = res.requests
@@ -240,15 +366,24 @@ def late_turns(prefix: Path, prev: np.ndarray) -> list[str]:
     return [f"{len(late)} turns arrived before their previous turn finished in vLLM's run"] if late else []
 
 
-def recorded(frame: pd.DataFrame, opts: dict, async_scheduling: bool, prefix: Path) -> dict:
-    """A case as tests/core/test_reply_content.py replays it: the trace, options and vLLM's values."""
+def recorded(frame: pd.DataFrame, opts: dict, async_scheduling: bool, prefix: Path,
+             log: AttemptLog | None = None, finished: np.ndarray | None = None) -> dict:
+    """A case as tests/core/test_reply_content.py replays it: the trace, options and vLLM's values
+    (with client time-outs, a row's times are its last attempt's, where vLLM finished that one and
+    simkv's client still waited: `finished`)."""
     summary = json.loads(Path(f"{prefix}.summary.json").read_text())
     with open(f"{prefix}.steps.csv") as f:
         steps = [[int(r["num_scheduled_tokens"]), int(r["num_running"]), int(r["num_waiting"]), int(r["kv_blocks_used"])]
                  for r in csv.DictReader(f)]
     with open(f"{prefix}.requests.csv") as f:
-        times = {int(r["row"]): [float(r["first_token_time_s"]), float(r["finish_time_s"])] for r in csv.DictReader(f)
+        by_id = {r["request_id"]: r for r in csv.DictReader(f)}
+    if log is None:
+        times = {int(r["row"]): [float(r["first_token_time_s"]), float(r["finish_time_s"])] for r in by_id.values()
                  if r["first_token_time_s"] != ""}
+    else:
+        final = {row: rid for row, rid, _ in log.sends}  # (a row's last send wins; times of those simkv's
+        times = {row: [float(by_id[rid]["first_token_time_s"]), float(by_id[rid]["finish_time_s"])]  # clients waited for)
+                 for row, rid in final.items() if rid in by_id and by_id[rid]["finish_time_s"] != "" and finished[row]}
     trace = {c: [list(map(int, v)) if c == "block_hashes" else (v.item() if hasattr(v, "item") else v)
                  for v in frame[c]] for c in frame.columns}
     return dict(opts=opts, async_scheduling=async_scheduling, trace=trace,
@@ -264,6 +399,7 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--replies", action="store_true", help="chat sessions whose hash lists describe the replies")
     ap.add_argument("--lora", action="store_true", help="requests name LoRA adapters; max_loras 1-3")
+    ap.add_argument("--timeouts", action="store_true", help="clients give up (vLLM aborts) and retry")
     ap.add_argument("--keep", default="/tmp/oracle_fuzz_failures")
     ap.add_argument("--record", help="write the equal cases (trace, options, vLLM's values) to this JSON file")
     args = ap.parse_args()
@@ -277,10 +413,14 @@ def main() -> None:
             _patched_for_replies(oracle)
         if args.lora:
             _patched_for_lora(oracle)
+        if args.timeouts:
+            _patched_for_aborts(oracle)
         for case in range(args.cases):
             frame, opts = make_reply_case(rng) if args.replies else make_case(rng)
             if args.lora:
                 frame, opts = with_adapters(frame, opts, rng)
+            if args.timeouts:
+                opts = with_timeouts(opts, rng)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": args.async_scheduling})
             except ConfigError as exc:
@@ -292,17 +432,36 @@ def main() -> None:
                 frame = frame.drop(columns=["session", "turn"])
             trace = tmp / f"case{case}.parquet"
             write_trace(frame, trace)
-            run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", args.async_scheduling)
-            res = replay(read_trace(trace), config, "linear",
-                         {"step_base_s": 1.0, "step_per_token_s": 0.0})
-            diff = differences(tmp / f"o{case}", res)
+            if args.timeouts:  # (simkv first: the oracle gets the attempts simkv's clients sent and aborted)
+                log = AttemptLog()
+                try:
+                    res = replay(read_trace(trace), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})
+                finally:
+                    log.close()
+                attempts = tmp / f"attempts{case}.csv"
+                log.oracle_trace(frame).to_csv(attempts, index=False)
+                aborts = tmp / f"aborts{case}.json"
+                from simkv.clock import TICKS_PER_SECOND
+                aborts.write_text(json.dumps([[k, v / TICKS_PER_SECOND] for k, v in log.aborts.items()]))
+                run_oracle(args.oracle_python, oracle, attempts, opts, tmp / f"o{case}", args.async_scheduling, aborts)
+                diff = timeout_differences(tmp / f"o{case}", res, log)
+                c = res.summary["client"]
+                print(f"case {case}: {c['attempts']} attempts, {c['aborted']} aborted, "
+                      f"{c['timed_out_requests']} timed out; ", end="")
+            else:
+                run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", args.async_scheduling)
+                res = replay(read_trace(trace), config, "linear",
+                             {"step_base_s": 1.0, "step_per_token_s": 0.0})
+                diff = differences(tmp / f"o{case}", res)
             if args.replies:
                 diff += late_turns(tmp / f"o{case}", prev)
             print(f"case {case}: {len(frame)} requests, {res.summary['num_steps']} steps, "
                   f"{res.summary['num_preemptions']} preemptions, {res.summary['prefix_cache_hits_tokens']} hit tokens: " + ("equal" if not diff else "; ".join(diff)),
                   flush=True)
             if not diff and args.record:
-                record.append(recorded(frame, opts, args.async_scheduling, tmp / f"o{case}"))
+                record.append(recorded(frame, opts, args.async_scheduling, tmp / f"o{case}",
+                                       log if args.timeouts else None,
+                                       (res.requests["status"] == "finished").to_numpy()))
             if diff:
                 failed += 1
                 keep = Path(args.keep) / f"case{case}"

@@ -128,6 +128,14 @@ class SchedulerConfig:
     # previous turn's finish + its think time (simkv/replay/sessions.py); False replays the
     # trace's arrival times as they are (open loop).
     session_pacing: bool = True
+    # Clients that give up (simkv/replay/client_timeouts.py): a request without its first token
+    # `client_ttft_timeout_s` after it was sent, or unfinished `client_timeout_s` after, is
+    # abandoned, and vLLM aborts it; the client sends it again up to `client_max_retries` times,
+    # waiting `client_retry_backoff_s` before the first retry and twice as long before each next.
+    client_ttft_timeout_s: float | None = None
+    client_timeout_s: float | None = None
+    client_max_retries: int = 0
+    client_retry_backoff_s: float = 0.5
     # vLLM's --enable-lora / --max-loras: a request naming an adapter (the trace's lora_name) is
     # admitted only while at most max_loras distinct adapters run in the batch.
     enable_lora: bool = False
@@ -135,6 +143,17 @@ class SchedulerConfig:
     max_lora_rank: int = 16  # vLLM's --max-lora-rank: the slots' buffers are this wide (GPU memory)
 
     def __post_init__(self) -> None:
+        for name in ("client_ttft_timeout_s", "client_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {value}")
+        if self.client_max_retries < 0:
+            raise ConfigError(f"client_max_retries must be >= 0, got {self.client_max_retries}")
+        if self.client_retry_backoff_s < 0:
+            raise ConfigError(f"client_retry_backoff_s must be >= 0, got {self.client_retry_backoff_s}")
+        if self.client_max_retries and not self.has_client_timeouts:
+            raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
+                              "client_ttft_timeout_s too")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
@@ -158,6 +177,10 @@ class SchedulerConfig:
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got '{self.scheduling_policy}'")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+    @property
+    def has_client_timeouts(self) -> bool:
+        return self.client_ttft_timeout_s is not None or self.client_timeout_s is not None
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -761,6 +784,9 @@ class EngineConfig:
             del out["decode_context_parallel_size"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
             del out["enable_lora"], out["max_loras"], out["max_lora_rank"]
+        if not self.scheduler.has_client_timeouts:  # (likewise)
+            for key in ("client_ttft_timeout_s", "client_timeout_s", "client_max_retries", "client_retry_backoff_s"):
+                del out[key]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager

@@ -33,6 +33,8 @@ _ENGINE_FLAGS = {
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "session_pacing": "session_pacing",
+    "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
+    "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
     "enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
@@ -256,6 +258,17 @@ _ENGINE_OPTIONS = [
                  help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
                       "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "
                       "[default: on]"),
+    click.option("--client-ttft-timeout", type=float, default=None, metavar="SECONDS",
+                 help="Clients give up on a request without its first token this long after sending it; vLLM "
+                      "aborts it (simkv/replay/client_timeouts.py) [default: they wait]"),
+    click.option("--client-timeout", type=float, default=None, metavar="SECONDS",
+                 help="Clients give up on a request not finished this long after sending it (an HTTP client's "
+                      "timeout); vLLM aborts it [default: they wait]"),
+    click.option("--client-max-retries", type=int, default=None,
+                 help="A client that gave up sends the request again, up to this many times (the OpenAI "
+                      "client's max_retries) [default: 0]"),
+    click.option("--client-retry-backoff", type=float, default=None, metavar="SECONDS",
+                 help="Wait before the first retry, doubling before each next one [default: 0.5]"),
     click.option("--enable-lora/--no-enable-lora", default=None,
                  help="vLLM's --enable-lora: serve the adapters the trace's lora_name column names [default: off]"),
     click.option("--max-loras", type=int, default=None,

@@ -57,6 +57,10 @@ def _summary_table(summary: dict) -> str:
     if groups:
         rows.insert(1, ("model", (summary.get("config") or {}).get("model")))
         rows += kv_cache_groups_rows(groups)
+    if summary.get("client"):
+        from simkv.replay.client_timeouts import client_row
+
+        rows.append(client_row(summary["client"]))
     lora = summary.get("lora")
     if lora:
         memory = (f", slots {lora['slots_gib_per_gpu']:.2f} GiB a GPU" if lora.get("slots_gib_per_gpu") is not None

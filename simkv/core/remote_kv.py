@@ -70,11 +70,12 @@ class RemoteKV:
     def _free_finished(self, request: Request, cache_end: int) -> None:
         """Free a finished request's blocks, or, if a step in flight ran it, defer their return."""
         kv = self.kv_cache_manager
+        finished = not request.may_resend
         if not (self.defer_block_free and self._ran_in_flight(request)):
-            kv.free(request, cache_end, finished=True)
+            kv.free(request, cache_end, finished=finished)
             return
         entries: list = []
-        kv.free(request, cache_end, finished=True, defer=entries)
+        kv.free(request, cache_end, finished=finished, defer=entries)
         self._deferred_frees.append((self._scheduled_through, entries))
 
     def _drain_deferred_frees(self, step: int) -> None:

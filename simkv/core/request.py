@@ -14,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED = 3
     REJECTED = 4
     WAITING_FOR_REMOTE_KVS = 5  # P/D: blocks allocated, its prompt's KV being pulled (core/remote_kv.py)
+    ABORTED = 6  # vLLM's FINISHED_ABORTED: its client went away (Scheduler.abort_request)
 
 
 # P/D disaggregation roles (Request.kv_role; core/remote_kv.py)
@@ -48,7 +49,7 @@ class Request:
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
-        "lora_id",
+        "lora_id", "may_resend",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -70,6 +71,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.lora_id = lora_id  # its LoRA adapter (vLLM's lora_int_id; 0: the base model)
+        # its client may send the same prompt again (a retry after a time-out): its own full
+        # blocks stay findable when it leaves, as vLLM's content hashes keep them
+        self.may_resend = False
         self.index = index
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens

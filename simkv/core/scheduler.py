@@ -791,6 +791,37 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 complete.append(root)
         return complete
 
+    # ---- aborts ----------------------------------------------------------------------------------
+    def abort_request(self, request: Request, chunk_end: int | None = None) -> bool:
+        """vLLM's `finish_requests(id, FINISHED_ABORTED)` (its client went away; synchronous
+        scheduling), between two steps or after a step ran and before its output is processed,
+        as vLLM's engine core takes aborts that arrived meanwhile; `chunk_end`: where its chunk
+        in that step ended, whose KV exists (vLLM counts it computed when it schedules it). The
+        request leaves the running list or the waiting queue and frees its blocks, tail first;
+        its full blocks keep their cache entries (a retry of the same prompt finds them), and
+        the step's output skips it. False if it was no longer in the engine."""
+        status = request.status
+        if status == RequestStatus.RUNNING:
+            if request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
+                computed = self._leave_decoding(request, self.current_step)
+            else:
+                computed = request.num_computed_tokens if chunk_end is None else chunk_end
+                self._prefilling.remove(request)
+            self._free_finished(request, computed)
+            self._remove_running(request)
+            request.num_computed_tokens = computed  # (as it stood: the work done for it)
+        elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove_request(request)
+            if request.swapped_blocks:  # (its KV in CPU swap space goes too)
+                self.cpu_blocks_used -= request.swapped_blocks
+                self.num_swapped -= 1
+                request.swapped_blocks = 0
+        else:
+            return False
+        request.status = RequestStatus.ABORTED
+        self._lora_stuck = None  # (the waiting queue or the running adapters changed)
+        return True
+
     def _fork(self, request: Request, step: int) -> list[Request]:
         """Parallel sampling: after the prompt, n-1 more sequences share its blocks; each has
         sampled its own first token."""

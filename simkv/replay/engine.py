@@ -164,7 +164,14 @@ class ReplayEngine:
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog(config.speculative.enabled)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
-        if make_feed is not None:
+        self._client = None  # clients that give up and retry (simkv/replay/client_timeouts.py)
+        if config.scheduler.has_client_timeouts:
+            from simkv.replay.client_timeouts import ClientTimeoutFeed, check_supported
+
+            check_supported(trace, config, fleet=make_feed is not None, disaggregated=kv_connector)
+            self.feed = self._client = ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
+            self._client.on_timed_out = on_progress
+        elif make_feed is not None:
             self.feed = make_feed(self.scheduler, self.requests)
         elif trace.session_id is not None and config.scheduler.session_pacing:  # (simkv/replay/sessions.py)
             from simkv.replay.sessions import SessionFeed
@@ -312,6 +319,8 @@ class ReplayEngine:
             if out.offload_jobs:
                 feed.offload_jobs_started(out.offload_jobs, start, self.now)
             yield env.timeout(duration)
+            if self._client is not None:  # (vLLM takes the aborts that arrived during a step before its output)
+                self._client.expire_during_step(self.now, out)
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)
             if finished:
@@ -535,6 +544,12 @@ class ReplayEngine:
             limit = steps_to_reach(shape, next_arrival - self.now, limit)
             if limit < 2:
                 return None
+        if self._client is not None:  # a step during which a client gives up runs alone (its aborts come before its output)
+            deadline = self._client.next_deadline_ticks()
+            if deadline is not None and run_ticks(shape, limit) > deadline - self.now:
+                limit -= 1
+                if limit < 2:
+                    return None
         run = sched.advance_decode_run(limit)
         if run is None:
             return None

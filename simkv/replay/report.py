@@ -58,8 +58,12 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
+    client = summary.get("client")
+    counts = ("finished / rejected / timed out", f"{summary['num_requests']:,} ({summary['num_finished']:,} / "
+              f"{summary['num_rejected']:,} / {client['timed_out_requests']:,})") if client else (
+        "finished / rejected", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})")
     rows = head + [
-        ("requests (finished / rejected)", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})"),
+        (f"requests ({counts[0]})", counts[1]),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} "
                                f"{'decode-pool ' if pd else ''}steps"),
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
@@ -79,6 +83,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         sp = summary["session_pacing"]
         rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
                                                     f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
+    if client:
+        from simkv.replay.client_timeouts import client_row
+
+        rows.append(client_row(client))
     if summary.get("lora"):
         lora = summary["lora"]
         rows.append(("LoRA adapters (max_loras)", f"{lora['adapters']:,} ({lora['max_loras']}); {lora['deferrals']:,} "

@@ -64,7 +64,8 @@ def request_table(run: ReplayRun, trace, frontend_latency_s: float = 0.0) -> pd.
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_itl = np.where(out_tokens > 1, (finish - first_token) / (out_tokens - 1), np.nan)
     status = np.asarray(RequestLog.STATUS_NAMES, dtype=object)[log.status]
-    return pd.DataFrame({
+    attempts = getattr(run.feed, "attempts", None)  # (clients that retry: simkv/replay/client_timeouts.py)
+    frame = pd.DataFrame({
         "request_id": trace.request_id.astype(str),
         "arrival_time_s": arrival,
         "first_scheduled_time_s": first_sched,
@@ -80,6 +81,9 @@ def request_table(run: ReplayRun, trace, frontend_latency_s: float = 0.0) -> pd.
         "e2e_s": finish - arrival + frontend_latency_s,
         "mean_itl_s": mean_itl,
     } | {c: np.where(finished, ints[c], 0) for c in SPEC_COLUMNS if c in ints})
+    if attempts is not None:
+        frame["attempts"] = attempts
+    return frame
 
 
 def frontend_latency(backend) -> float:
@@ -167,7 +171,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | lora_summary(config, [sched], trace, capacity) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | client_summary(run, requests) | lora_summary(config, [sched], trace, capacity) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
@@ -178,15 +182,20 @@ def lora_summary(config, schedulers, trace, capacity=None) -> dict:
     memory the slots take from the KV cache (None: not modelled for this architecture)."""
     if not config.scheduler.enable_lora:
         return {}
-    from simkv.traces.lora import has_adapters
+    from simkv.traces.lora import named_adapters
 
-    names = {n for n in trace.lora_name if n is not None} if has_adapters(trace) else set()
-    out = {"adapters": len(names), "max_loras": config.scheduler.max_loras,
+    out = {"adapters": len(set(named_adapters(trace))), "max_loras": config.scheduler.max_loras,
            "max_lora_rank": config.scheduler.max_lora_rank,
            "deferrals": int(sum(s.num_lora_deferrals for s in schedulers))}
     if capacity is not None and not isinstance(capacity, int):
         out["slots_gib_per_gpu"] = None if capacity.lora_bytes is None else capacity.lora_bytes / (1 << 30)
     return {"lora": out}
+
+
+def client_summary(run: ReplayRun, requests: pd.DataFrame) -> dict:
+    """Clients that give up and retry (simkv/replay/client_timeouts.py): summary.json's `client`."""
+    summary = getattr(run.feed, "client_summary", None)
+    return {"client": summary(requests)} if summary is not None else {}
 
 
 def session_summary(run: ReplayRun) -> dict:

@@ -17,6 +17,11 @@ def has_adapters(trace: Trace) -> bool:
     return trace.lora_name is not None and any(name is not None for name in trace.lora_name)
 
 
+def named_adapters(trace: Trace) -> list[str]:
+    """The adapter of every row that names one, in row order."""
+    return [name for name in trace.lora_name.tolist() if name is not None] if trace.lora_name is not None else []
+
+
 def lora_ids(trace: Trace) -> np.ndarray | None:
     """Per row, its adapter as vLLM's lora_int_id: 1, 2, ... in order of first appearance, 0 for
     the base model; None when no row names one."""

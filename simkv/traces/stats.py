@@ -104,12 +104,10 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
 
 
 def _adapters(trace: Trace) -> dict:
-    from simkv.traces.lora import has_adapters
+    from simkv.traces.lora import named_adapters
 
-    if not has_adapters(trace):
-        return {}
-    named = [x for x in trace.lora_name.tolist() if x is not None]
-    return {"lora_adapters": len(set(named)), "rows_with_adapter": len(named)}
+    named = named_adapters(trace)
+    return {"lora_adapters": len(set(named)), "rows_with_adapter": len(named)} if named else {}
 
 
 def _replies_described(trace: Trace) -> int | None:

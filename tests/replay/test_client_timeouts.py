@@ -1,0 +1,239 @@
+"""Clients that give up (`--client-timeout`, `--client-ttft-timeout`), vLLM's aborts, and retries
+(`--client-max-retries`, `--client-retry-backoff`): simkv/replay/client_timeouts.py.
+
+The recorded cases come from the real vLLM 0.33 scheduler, aborting the requests simkv's clients
+gave up on with its finish_requests(FINISHED_ABORTED) and receiving their retries as new requests
+(`scripts/oracle_fuzz.py --timeouts --record`)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.scheduler import Scheduler
+from simkv.replay.api import replay
+from simkv.traces.schema import read_trace, trace_from_frame, trace_to_frame, write_trace
+from tests.cli_runs import cli_fails, cli_ok
+from tests.core.helpers import (assert_as_recorded, assert_decode_runs_change_no_bytes, observed_as_recorded,
+                                replay_recorded)
+
+RECORDED = Path(__file__).parent / "data" / "timeout_vllm_cases.json"
+AZURE = Path(__file__).resolve().parents[2] / "traces" / "azure_conv_slice.parquet"
+
+
+def _trace(rows: list[tuple]) -> object:
+    """(arrival s, prompt tokens, output tokens) rows."""
+    frame = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens"])
+    return trace_from_frame(frame, "test")
+
+
+def _replay(trace, **options):
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=100, max_num_seqs=4, max_model_len=1024) | options)
+    return replay(trace, config, "unit")
+
+
+def test_a_client_that_gives_up_has_its_request_aborted_and_freed() -> None:
+    """Every step lasts 1 s. The request would finish after 100 steps; its client gives up at
+    10.5 s, during the 11th step, and vLLM aborts it before that step's output: 11 steps ran,
+    11 tokens were generated for nobody, and no block stays in use."""
+    res = _replay(_trace([(0.0, 40, 100)]), client_timeout_s=10.5)
+    s = res.summary
+    assert res.requests["status"].tolist() == ["timed_out"]
+    assert res.requests["attempts"].tolist() == [1]
+    assert s["num_steps"] == 11 and s["num_finished"] == 0
+    assert (s["client"]["aborted_by_deadline"], s["client"]["aborted"], s["client"]["abandoned_output_tokens"],
+            s["client"]["timed_out_requests"]) == ({"ttft": 0, "e2e": 1}, 1, 11, 1)
+    assert res.run.scheduler.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+    assert np.isnan(res.requests["ttft_s"][0]) and s["ttft_s"]["p50"] is None
+
+
+def test_a_retry_finds_the_blocks_its_abandoned_attempt_computed() -> None:
+    """16-token chunks: the client's 2.5 s first-token deadline passes during the third step, so
+    vLLM aborts the request before that step's output, at 3 s, when 48 prompt tokens (3 full
+    blocks) have their KV; the blocks stay cached.
+    The retry, sent 1 s after the give-up (3.5 s), hits those 48 tokens, computes the last 16
+    (first token at 4.5 s) and decodes 4 more tokens. Its latencies count from the first send."""
+    trace = _trace([(0.0, 64, 5)])
+    options = dict(max_num_batched_tokens=16, client_ttft_timeout_s=2.5, client_retry_backoff_s=1.0)
+    res = _replay(trace, client_max_retries=1, **options)
+    row = res.requests.iloc[0]
+    assert (row["status"], row["attempts"], row["prefix_hit_tokens"]) == ("finished", 2, 48)
+    assert (row["first_token_time_s"], row["ttft_s"], row["finish_time_s"]) == (4.5, 4.5, 8.5)
+    client = res.summary["client"]
+    assert (client["retries"], client["aborted"], client["finished_after_retries"]) == (1, 1, 1)
+    assert res.summary["prefix_cache_hits_tokens"] == 48
+    without_retry = _replay(trace, client_max_retries=0, **options)
+    assert without_retry.requests["status"].tolist() == ["timed_out"]
+    assert without_retry.summary["num_steps"] == 3
+
+
+def test_a_token_at_the_deadline_is_in_time_and_one_after_it_is_not() -> None:
+    """The prefill step ends at 1 s: a 1 s first-token deadline is met. A 3-token reply ends at
+    3 s: with a 2.5 s deadline its client leaves during the last step, and vLLM takes the abort
+    before that step's output, as its engine core does: 3 tokens computed, none delivered."""
+    assert _replay(_trace([(0.0, 16, 3)]), client_ttft_timeout_s=1.0).requests["status"].tolist() == ["finished"]
+    assert _replay(_trace([(0.0, 16, 3)]), client_timeout_s=3.0).requests["status"].tolist() == ["finished"]
+    late = _replay(_trace([(0.0, 16, 3)]), client_timeout_s=2.5)
+    assert late.requests["status"].tolist() == ["timed_out"]
+    client = late.summary["client"]
+    assert (client["aborted"], client["abandoned_output_tokens"], late.summary["num_steps"]) == (1, 3, 3)
+
+
+def test_waiting_requests_are_aborted_from_the_queue() -> None:
+    """One request at a time: the second waits behind an 8-token reply and its client gives up
+    at 5.5 s, before it is scheduled; the third arrives at 6.5 s and runs right after the first
+    (which finishes at 8 s)."""
+    trace = _trace([(0.0, 16, 8), (0.5, 16, 2), (6.5, 16, 2)])
+    res = _replay(trace, max_num_seqs=1, client_ttft_timeout_s=5.0)
+    assert res.requests["status"].tolist() == ["finished", "timed_out", "finished"]
+    assert res.requests["first_token_time_s"][2] == 9.0
+    assert res.summary["client"]["aborted"] == 1
+
+
+@pytest.fixture(scope="module")
+def overloaded(tmp_path_factory) -> Path:
+    """The Azure slice at 12.5 times its rate: one H100 serves about half of it."""
+    frame = trace_to_frame(read_trace(AZURE))
+    frame["arrival_time_s"] *= 0.08
+    path = tmp_path_factory.mktemp("overloaded") / "fast.parquet"
+    write_trace(frame, path)
+    return path
+
+
+def test_decode_runs_change_no_bytes_with_timeouts_and_retries(overloaded, tmp_path) -> None:
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=60.25, client_max_retries=2))
+    res = assert_decode_runs_change_no_bytes(read_trace(overloaded), config, tmp_path)
+    client = res.summary["client"]
+    assert client["retries"] > 1000 and client["timed_out_requests"] > 1000
+    assert client["attempts"] == int(res.requests["attempts"].sum())
+    assert res.summary["num_finished"] + client["timed_out_requests"] == 2000
+
+
+def test_timeouts_bound_the_queue_and_retries_add_load(overloaded) -> None:
+    """Overloaded, clients that wait see TTFTs of up to 50 s; clients that give up at 10 s keep
+    the queue short, and those that retry send more requests, which lengthens the run."""
+    trace = read_trace(overloaded)
+    waiting = replay(trace, EngineConfig.from_flat({}))
+    patient = waiting.summary["ttft_s"]["p99"]
+    give_up = replay(trace, EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0)))
+    retry = replay(trace, EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_max_retries=2)))
+    assert patient > 40
+    assert give_up.summary["peak_waiting"] < waiting.summary["peak_waiting"]
+    assert give_up.summary["ttft_s"]["p99"] <= 10.0
+    assert retry.summary["duration_s"] > give_up.summary["duration_s"]
+    assert retry.summary["client"]["attempts"] > 2 * 2000
+
+
+def test_goodput_never_counts_a_timed_out_request(overloaded) -> None:
+    from simkv.replay.goodput import goodput_summary
+
+    res = replay(read_trace(overloaded), EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0)))
+    good = goodput_summary(res.requests, {"e2el": 1e9}, res.summary["duration_s"])
+    assert good["num_good"] == res.summary["num_finished"] < 2000
+
+
+def test_without_timeouts_outputs_are_as_before() -> None:
+    res = _replay(_trace([(0.0, 16, 3)]))
+    assert "client" not in res.summary and "attempts" not in res.requests
+    assert not any(k.startswith("client") for k in res.summary["config"])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(client_timeout_s=0.0), "client_timeout_s must be > 0"),
+    (dict(client_ttft_timeout_s=-1.0), "client_ttft_timeout_s must be > 0"),
+    (dict(client_max_retries=2), "give client_timeout_s or client_ttft_timeout_s"),
+    (dict(client_timeout_s=5.0, client_max_retries=-1), "client_max_retries must be >= 0"),
+    (dict(client_timeout_s=5.0, client_retry_backoff_s=-1.0), "client_retry_backoff_s must be >= 0"),
+])
+def test_bad_client_options(options, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--async-scheduling"], "not modelled with async scheduling"),
+    (["--replicas", "2"], "not modelled with a fleet"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "not modelled with speculative"),
+    (["--kv-offloading-size", "1"], "not modelled with KV offloading"),
+])
+def test_unmodelled_combinations_are_refused(flags, message, tmp_path) -> None:
+    out = cli_fails(["replay", str(AZURE), "--client-timeout", "30", "--out", str(tmp_path / "o"), *flags])
+    assert message in out
+    assert not (tmp_path / "o").exists()
+
+
+def test_sessions_and_parallel_sampling_are_refused(tmp_path) -> None:
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [16, 16], "output_tokens": [4, 4],
+                          "session_id": ["a", "a"]})
+    config = EngineConfig.from_flat(dict(client_timeout_s=30.0))
+    with pytest.raises(ValueError, match="--no-session-pacing"):
+        replay(trace_from_frame(frame, "s"), config, "unit")
+    replay(trace_from_frame(frame, "s"), EngineConfig.from_flat(dict(client_timeout_s=30.0, session_pacing=False)),
+           "unit")
+    frame = frame.drop(columns="session_id").assign(n=[1, 2])
+    with pytest.raises(ValueError, match="parallel sampling"):
+        replay(trace_from_frame(frame, "n"), config, "unit")
+
+
+def test_cli_reports_the_clients(overloaded, tmp_path) -> None:
+    out = cli_ok(["replay", str(overloaded), "--client-ttft-timeout", "10", "--client-max-retries", "1",
+                  "--client-retry-backoff", "2", "--out", str(tmp_path / "o")])
+    assert "client time-outs" in out and "timed out" in out
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["config"]["client_ttft_timeout_s"] == 10.0 and summary["config"]["client_max_retries"] == 1
+    assert summary["client"]["retry_backoff_s"] == 2.0
+    assert "client time-outs" in (tmp_path / "o" / "report.html").read_text()
+    requests = pd.read_parquet(tmp_path / "o" / "requests.parquet")
+    assert set(requests["status"]) == {"finished", "timed_out"} and requests["attempts"].max() == 2
+
+
+def test_abort_request_leaves_finished_requests_alone() -> None:
+    from tests.core.helpers import drive, make_config, make_request
+
+    sched = Scheduler(make_config(num_gpu_blocks=50), 50)
+    done, waiting = make_request(0, 20, 2), make_request(1, 20, 2)
+    sched.add_request(done)
+    drive(sched)
+    sched.add_request(waiting)
+    assert not sched.abort_request(done)
+    assert sched.abort_request(waiting) and not sched.has_unfinished_requests()
+    assert not sched.abort_request(waiting)
+
+
+CASES = json.loads(RECORDED.read_text())["cases"] if RECORDED.exists() else []
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_recorded_vllm_cases(index: int) -> None:
+    case = CASES[index]
+    assert_as_recorded(observed_as_recorded(replay_recorded(case)), case["vllm"])
+
+
+def test_recorded_cases_exist_and_depend_on_the_aborts(monkeypatch) -> None:
+    """The recorded cases must be there, abort requests, and break when the aborts of deadlines
+    that pass during a step are taken after its output instead of before (as vLLM's engine core
+    takes them), or when a retry could not find its abandoned attempt's blocks."""
+    from simkv.replay import client_timeouts
+
+    assert len(CASES) >= 10
+    assert sum(replay_recorded(c).summary["client"]["aborted"] > 0 for c in CASES) >= 8
+
+    def broken() -> int:
+        return sum(observed_as_recorded(replay_recorded(c))["steps"] != c["vllm"]["steps"] for c in CASES)
+
+    with monkeypatch.context() as m:
+        m.setattr(client_timeouts.ClientTimeoutFeed, "expire_during_step", lambda self, now, out: None)
+        assert broken() >= 5
+    with monkeypatch.context() as m:
+        make_retry = client_timeouts.ClientTimeoutFeed.make_retry
+
+        def forgetful(self, row, attempt, tick):
+            request = make_retry(self, row, attempt, tick)
+            request.has_own_cached_blocks = False
+            return request
+        m.setattr(client_timeouts.ClientTimeoutFeed, "make_retry", forgetful)
+        assert broken() >= 1
