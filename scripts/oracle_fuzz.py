@@ -254,21 +254,34 @@ def _previous_turn(frame: pd.DataFrame) -> np.ndarray:
 
 
 def after_previous_turns(frame: pd.DataFrame, config: EngineConfig) -> pd.DataFrame:
-    """Push each turn's arrival past its previous turn's finish in simkv's replay, until every
-    turn arrives after its previous one finished (the reply must exist before it is repeated)."""
+    """Push each turn's arrival past its previous turn's end in simkv's replay, until every turn
+    arrives after its previous one ended (the reply must exist before it is repeated): its finish,
+    or with --timeouts, for a turn its clients gave up on, a step after its last abort (simkv makes
+    a reply's blocks findable when its request releases them, vLLM as they fill)."""
+    from simkv.clock import TICKS_PER_SECOND
+
     prev = _previous_turn(frame)
     for _ in range(30):
-        res = replay(trace_from_frame(frame.drop(columns=["session", "turn"])), config, "linear",
-                     {"step_base_s": 1.0, "step_per_token_s": 0.0})
-        finish = res.requests["finish_time_s"].to_numpy()
-        timed_out = (res.requests["status"] == "timed_out").to_numpy()  # (--timeouts: its client gave up on it)
-        late = np.array([p >= 0 and not (frame.arrival_time_s[i] > finish[p]) and not timed_out[p]
-                         for i, p in enumerate(prev)])
+        log = AttemptLog() if config.scheduler.has_client_timeouts else None
+        try:
+            res = replay(trace_from_frame(frame.drop(columns=["session", "turn"])), config, "linear",
+                         {"step_base_s": 1.0, "step_per_token_s": 0.0})
+        finally:
+            if log is not None:
+                log.close()
+        end = res.requests["finish_time_s"].to_numpy().copy()
+        if log is not None:
+            row_of = {rid: row for row, rid, _ in log.sends}
+            for rid, tick in log.aborts.items():
+                row = row_of[rid]
+                if res.requests["status"][row] == "timed_out":
+                    end[row] = np.fmax(end[row], tick / TICKS_PER_SECOND + 1.0)
+        late = np.array([p >= 0 and not (frame.arrival_time_s[i] > end[p]) for i, p in enumerate(prev)])
         if not late.any():
             return frame
         frame = frame.copy()
         for i in np.flatnonzero(late):
-            frame.loc[i, "arrival_time_s"] = np.nan_to_num(finish[prev[i]], nan=frame.arrival_time_s[prev[i]]) + 0.5
+            frame.loc[i, "arrival_time_s"] = np.nan_to_num(end[prev[i]], nan=frame.arrival_time_s[prev[i]]) + 0.5
         frame = frame.sort_values("arrival_time_s", kind="stable").reset_index(drop=True)
         prev = _previous_turn(frame)
     raise RuntimeError("arrivals did not settle after their previous turns")
