@@ -70,6 +70,18 @@ def test_a_retry_finds_the_blocks_its_abandoned_attempt_computed() -> None:
     assert without_retry.summary["num_steps"] == 3
 
 
+def test_an_abort_during_a_step_keeps_that_steps_chunk() -> None:
+    """vLLM counts a scheduled chunk as computed and caches its full blocks when it schedules it:
+    a request aborted before the output of the step that ran its chunk leaves that chunk's blocks
+    cached. 16 tokens a step, 0.75 s to the first token: the first attempt's client leaves during
+    its first chunk; the first retry (1.25 s) hits that block (16 tokens), computes the second
+    and is aborted too; the second retry (3 s) hits both (32 tokens)."""
+    res = _replay(_trace([(0.0, 64, 2)]), max_num_batched_tokens=16, client_ttft_timeout_s=0.75,
+                  client_max_retries=2, client_retry_backoff_s=0.5)
+    assert res.requests["status"].tolist() == ["timed_out"]
+    assert res.summary["prefix_cache_hits_tokens"] == 16 + 32
+
+
 def test_a_token_at_the_deadline_is_in_time_and_one_after_it_is_not() -> None:
     """The prefill step ends at 1 s: a 1 s first-token deadline is met. A 3-token reply ends at
     3 s: with a 2.5 s deadline its client leaves during the last step, and vLLM takes the abort
