@@ -70,11 +70,6 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     _check_lora(trace, config, disaggregation)
-    if config.scheduler.has_client_timeouts:
-        from simkv.replay.client_timeouts import check_supported
-
-        check_supported(trace, config, disaggregated=disaggregation is not None, real_backend=backend is not None,
-                        fleet=(fleet is not None and fleet.num_replicas > 1) or config.hardware.data_parallel_size > 1)
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")

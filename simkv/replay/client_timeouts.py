@@ -74,11 +74,8 @@ class ClientTimeoutFeed(ArrivalFeed):
     def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig,
                  rows=None) -> None:
         super().__init__(trace, scheduler, request_log, config.max_model_len, rows)
-        sc = config.scheduler
-        self.ttft_timeout_s = sc.client_ttft_timeout_s
-        self.timeout_s = sc.client_timeout_s
+        sc = self.clients = config.scheduler  # (their client_* options)
         self.max_retries = sc.client_max_retries
-        self.retry_backoff_s = sc.client_retry_backoff_s
         self._timeouts = (None if sc.client_ttft_timeout_s is None else to_ticks(sc.client_ttft_timeout_s),
                           None if sc.client_timeout_s is None else to_ticks(sc.client_timeout_s))
         self._live: dict[int, tuple[Request, int, int]] = {}  # row -> (its attempt in flight, sent at tick, number)
@@ -88,7 +85,6 @@ class ClientTimeoutFeed(ArrivalFeed):
         self.num_abandoned = [0, 0]  # attempts given up on (and aborted), by the deadline missed
         self.num_aborted_after_prefill = 0  # of them, those whose whole prompt had been computed
         self.abandoned_output_tokens = 0  # tokens the engine sampled for them (delivered or not)
-        self.num_timed_out = 0  # requests whose last attempt was given up on
         self.on_timed_out = None  # (the engine's progress callback)
 
     # ---- the engine's view ---------------------------------------------------------------------
@@ -195,9 +191,9 @@ class ClientTimeoutFeed(ArrivalFeed):
             self.num_aborted_after_prefill += 1
         self.abandoned_output_tokens += max(request.num_output_tokens, computed - prompt + 1)
         if attempt < self.max_retries:
-            heapq.heappush(self._resends, (at + to_ticks(self.retry_backoff_s * 2 ** attempt), row, attempt + 1))
+            heapq.heappush(self._resends, (at + to_ticks(self.clients.client_retry_backoff_s * 2 ** attempt),
+                                           row, attempt + 1))
             return
-        self.num_timed_out += 1
         self.request_log.time_out(row)
         if self.on_timed_out is not None:
             self.on_timed_out(1)
@@ -207,14 +203,15 @@ class ClientTimeoutFeed(ArrivalFeed):
         """summary.json's `client` section."""
         status = requests["status"].to_numpy()
         sent = self.attempts
+        sc = self.clients
         return {
-            "ttft_timeout_s": self.ttft_timeout_s, "timeout_s": self.timeout_s,
-            "max_retries": self.max_retries, "retry_backoff_s": self.retry_backoff_s,
+            "ttft_timeout_s": sc.client_ttft_timeout_s, "timeout_s": sc.client_timeout_s,
+            "max_retries": sc.client_max_retries, "retry_backoff_s": sc.client_retry_backoff_s,
             "attempts": int(sent.sum()), "retries": int(np.maximum(sent - 1, 0).sum()),
             "aborted": sum(self.num_abandoned), "aborted_by_deadline": dict(zip(_KINDS, self.num_abandoned)),
             "aborted_after_prefill": self.num_aborted_after_prefill,
             "abandoned_output_tokens": int(self.abandoned_output_tokens),
-            "timed_out_requests": int(self.num_timed_out),
+            "timed_out_requests": int((status == "timed_out").sum()),
             "finished_after_retries": int(((status == "finished") & (sent > 1)).sum()),
         }
 

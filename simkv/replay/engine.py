@@ -168,7 +168,8 @@ class ReplayEngine:
         if config.scheduler.has_client_timeouts:
             from simkv.replay.client_timeouts import ClientTimeoutFeed, check_supported
 
-            check_supported(trace, config, fleet=make_feed is not None, disaggregated=kv_connector)
+            check_supported(trace, config, fleet=make_feed is not None, disaggregated=kv_connector,
+                            real_backend=backend.name == "gpu")
             self.feed = self._client = ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
             self._client.on_timed_out = on_progress
         elif make_feed is not None:

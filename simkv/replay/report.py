@@ -59,11 +59,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
     client = summary.get("client")
-    counts = ("finished / rejected / timed out", f"{summary['num_requests']:,} ({summary['num_finished']:,} / "
-              f"{summary['num_rejected']:,} / {client['timed_out_requests']:,})") if client else (
-        "finished / rejected", f"{summary['num_requests']:,} ({summary['num_finished']:,} / {summary['num_rejected']:,})")
+    outcomes = ["finished", "rejected"] + (["timed out"] if client else [])
+    counts = [summary["num_finished"], summary["num_rejected"]] + ([client["timed_out_requests"]] if client else [])
     rows = head + [
-        (f"requests ({counts[0]})", counts[1]),
+        (f"requests ({' / '.join(outcomes)})", f"{summary['num_requests']:,} ({' / '.join(f'{c:,}' for c in counts)})"),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} "
                                f"{'decode-pool ' if pd else ''}steps"),
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),

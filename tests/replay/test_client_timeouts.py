@@ -171,6 +171,7 @@ def test_bad_client_options(options, message) -> None:
     (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "not modelled with speculative"),
     (["--kv-offloading-size", "1"], "not modelled with KV offloading"),
+    (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "simulated only"),
 ])
 def test_unmodelled_combinations_are_refused(flags, message, tmp_path) -> None:
     out = cli_fails(["replay", str(AZURE), "--client-timeout", "30", "--out", str(tmp_path / "o"), *flags])
