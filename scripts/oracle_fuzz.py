@@ -167,7 +167,8 @@ def _patched_for_aborts(oracle: Path) -> None:
     patch_once(oracle, "the row number", '            "row": idx,\n',
                '            "row": idx if _is_missing(r.get("content_row")) else int(float(r["content_row"])),\n')
     patch_once(oracle, "the loop's arrivals", "        arrivals = add_arrivals()\n",
-               "        take_aborts(clock + 1e-12)\n"
+               "        take_aborts((batch_queue[0][2]['time_s'] if batch_queue and batch_queue[0][2] is not None\n"
+               "                     else clock) + 1e-12)  # (async: the step in flight started then)\n"
                "        arrivals = add_arrivals()\n")
     patch_once(oracle, "the step's update", "        engine_outputs = sched.update_from_output(so, mro)\n",
                "        if row is not None:\n"

@@ -33,6 +33,11 @@ _seq_of = attrgetter("seq")
 class AsyncScheduling:
     """Mixed into Scheduler: the steps of async scheduling that differ from the synchronous ones."""
 
+    def token_delivered(self, step: int) -> bool:
+        """Whether a token sampled in `step` (-1: none yet) has reached its client: its step's
+        output was processed (async scheduling counts a token when its step is scheduled)."""
+        return 0 <= step and (not self.async_scheduling or step <= self._processed_through)
+
     def _ran_in_flight(self, request: Request) -> bool:
         """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
         step = self._scheduled_through
@@ -111,6 +116,21 @@ class AsyncScheduling:
         """Preempted while their last token was in flight: vLLM keeps them in its waiting
         queue until that token arrives (and they finish)."""
         return sum(1 for r in self._finishing if r.status == RequestStatus.PREEMPTED)
+
+    def _async_abort_extent(self, request: Request) -> tuple[int, int]:
+        """A running request aborted (its client left) after a step ended and before its output
+        is processed, the next step in flight: its computed tokens (those scheduled count) and
+        how many of them have their KV cached (as for a preemption victim at the next schedule)."""
+        step = self.current_step  # (the next step to schedule)
+        in_flight = self._ran_in_flight(request)  # (before it leaves decoding)
+        if request.decode_base is not None:
+            computed = self._leave_decoding(request, step)
+        elif request.is_finishing:
+            computed = request.num_computed_tokens
+        else:
+            self._prefilling.remove(request)
+            return request.num_computed_tokens, request.num_computed_tokens
+        return computed, self._async_cache_end(request, computed, 0, step, in_flight)
 
     def _async_cache_end(self, request: Request, computed: int, scheduled_tokens: int, step: int,
                          in_flight: bool) -> int:

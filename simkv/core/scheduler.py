@@ -801,15 +801,21 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         its full blocks keep their cache entries (a retry of the same prompt finds them), and
         the step's output skips it. False if it was no longer in the engine."""
         status = request.status
+        if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
+            self._finishing.remove(request)
         if status == RequestStatus.RUNNING:
-            if request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
-                computed = self._leave_decoding(request, self.current_step)
+            if self.async_scheduling:
+                computed, cache_end = self._async_abort_extent(request)
+            elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
+                computed = cache_end = self._leave_decoding(request, self.current_step)
             else:
-                computed = request.num_computed_tokens if chunk_end is None else chunk_end
+                computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
                 self._prefilling.remove(request)
-            self._free_finished(request, computed)
+            self._free_finished(request, cache_end)
             self._remove_running(request)
             request.num_computed_tokens = computed  # (as it stood: the work done for it)
+        elif request.is_finishing:
+            pass  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
         elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove_request(request)
             if request.swapped_blocks:  # (its KV in CPU swap space goes too)
@@ -819,6 +825,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         else:
             return False
         request.status = RequestStatus.ABORTED
+        request.is_finishing = False
         self._lora_stuck = None  # (the waiting queue or the running adapters changed)
         return True
 

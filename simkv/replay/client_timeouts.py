@@ -16,8 +16,12 @@ blocks the abandoned attempt left in the prefix cache. A request's latencies cou
 first send, which is what its user waits; a request whose last attempt is abandoned is
 `timed_out`.
 
-Modelled for one engine under synchronous scheduling, without sessions; `check_supported` names
-what is not.
+Under async scheduling (vLLM's serving default) the abort points are the same two, at step ends,
+while the next step is already in flight: a token counts as delivered when its step's output is
+processed, not when the step is scheduled, and an aborted request's KV is cached as far as vLLM
+had cached it when it last allocated its blocks (a decoder's token in flight is not).
+
+Modelled for one engine, without paced sessions; `check_supported` names what is not.
 """
 
 from __future__ import annotations
@@ -44,9 +48,7 @@ def check_supported(trace, config: EngineConfig, *, fleet: bool = False, disaggr
     if not sc.has_client_timeouts:
         return
     why = None
-    if sc.async_scheduling:
-        why = "async scheduling (the aborts are modelled between the steps of the synchronous scheduler)"
-    elif config.speculative.enabled:
+    if config.speculative.enabled:
         why = "speculative decoding"
     elif disaggregated:
         why = "P/D disaggregation"
@@ -111,7 +113,8 @@ class ClientTimeoutFeed(ArrivalFeed):
         deadline = self.next_deadline_ticks()
         if deadline is None or deadline >= now:
             return
-        chunk_ends = {id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens for chunk in out.chunks}
+        chunk_ends = None if self.scheduler.async_scheduling else {  # (async: counted when scheduled)
+            id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens for chunk in out.chunks}
         self._expire(now - 1, chunk_ends)
 
     def deliver_until(self, now: int) -> None:
@@ -177,8 +180,8 @@ class ClientTimeoutFeed(ArrivalFeed):
             if not self._is_live(row, attempt):
                 continue
             request = self._live[row][0]
-            if kind == TTFT and request.first_token_step >= 0:  # (a step before this one sampled it)
-                continue
+            if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
+                continue  # (a step whose output was processed before the deadline sampled it)
             del self._live[row]
             aborted = self.scheduler.abort_request(request, chunk_ends.get(id(request)) if chunk_ends else None)
             assert aborted, f"{request} was in flight but not in the engine"

@@ -526,6 +526,8 @@ class ReplayEngine:
         self.busy_until = end
         yield self.env.timeout(end - self.now)
         self.now = end
+        if self._client is not None:  # (the aborts that arrived while it ran come before its output)
+            self._client.expire_during_step(self.now, out)
         finished = self.scheduler.update_from_output(out)
         self.steps.add_step(out, start, duration)
         if finished:

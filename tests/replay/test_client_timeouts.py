@@ -1,9 +1,9 @@
 """Clients that give up (`--client-timeout`, `--client-ttft-timeout`), vLLM's aborts, and retries
 (`--client-max-retries`, `--client-retry-backoff`): simkv/replay/client_timeouts.py.
 
-The recorded cases come from the real vLLM 0.33 scheduler, aborting the requests simkv's clients
-gave up on with its finish_requests(FINISHED_ABORTED) and receiving their retries as new requests
-(`scripts/oracle_fuzz.py --timeouts --record`)."""
+The recorded cases come from the real vLLM 0.33 scheduler (synchronous and async), aborting the
+requests simkv's clients gave up on with its finish_requests(FINISHED_ABORTED) and receiving
+their retries as new requests (`scripts/oracle_fuzz.py --timeouts [--async-scheduling] --record`)."""
 
 import json
 from pathlib import Path
@@ -105,6 +105,35 @@ def test_waiting_requests_are_aborted_from_the_queue() -> None:
     assert res.summary["client"]["aborted"] == 1
 
 
+def test_under_async_scheduling_an_abort_keeps_the_chunk_in_flight() -> None:
+    """Async scheduling schedules a step while the one before it runs, and counts a chunk as
+    computed (its full blocks cached) when it schedules it. 16-token chunks of a 72-token
+    prompt; the 2.5 s first-token deadline passes during the third step (2-3 s), whose output
+    vLLM processes after taking the abort, at 3 s; by then the fourth chunk, scheduled at 2 s,
+    is in flight: 64 tokens are cached (synchronously 48). The retry, sent at 3.5 s, is
+    scheduled when the fourth step ends (4 s), hits 64 tokens, computes the last 8 in one step
+    (first token at 5 s) and decodes 4 more tokens, one a step."""
+    trace = _trace([(0.0, 72, 5)])
+    options = dict(max_num_batched_tokens=16, client_ttft_timeout_s=2.5, client_retry_backoff_s=1.0,
+                   client_max_retries=1)
+    res = _replay(trace, async_scheduling=True, **options)
+    row = res.requests.iloc[0]
+    assert (row["status"], row["attempts"], row["prefix_hit_tokens"]) == ("finished", 2, 64)
+    assert (row["first_token_time_s"], row["finish_time_s"]) == (5.0, 9.0)
+    assert _replay(trace, **options).requests["prefix_hit_tokens"][0] == 48
+
+
+def test_under_async_scheduling_a_first_token_counts_when_its_step_output_is_processed() -> None:
+    """The prefill step samples the first token and ends at 1 s; async scheduling counted the
+    token when it scheduled the step, and scheduled a decode step after it: a 0.5 s deadline
+    still aborts the request (after both steps ran), a 1 s deadline is met."""
+    late = _replay(_trace([(0.0, 16, 3)]), client_ttft_timeout_s=0.5, async_scheduling=True)
+    assert late.requests["status"].tolist() == ["timed_out"] and late.summary["num_steps"] == 2
+    in_time = _replay(_trace([(0.0, 16, 3)]), client_ttft_timeout_s=1.0, async_scheduling=True)
+    assert in_time.requests["first_token_time_s"].tolist() == [1.0]
+    assert in_time.requests["status"].tolist() == ["finished"]
+
+
 @pytest.fixture(scope="module")
 def overloaded(tmp_path_factory) -> Path:
     """The Azure slice at 12.5 times its rate: one H100 serves about half of it."""
@@ -115,8 +144,10 @@ def overloaded(tmp_path_factory) -> Path:
     return path
 
 
-def test_decode_runs_change_no_bytes_with_timeouts_and_retries(overloaded, tmp_path) -> None:
-    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=60.25, client_max_retries=2))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_runs_change_no_bytes_with_timeouts_and_retries(overloaded, tmp_path, async_scheduling) -> None:
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=60.25, client_max_retries=2,
+                                         async_scheduling=async_scheduling))
     res = assert_decode_runs_change_no_bytes(read_trace(overloaded), config, tmp_path)
     client = res.summary["client"]
     assert client["retries"] > 1000 and client["timed_out_requests"] > 1000
@@ -166,7 +197,6 @@ def test_bad_client_options(options, message) -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--async-scheduling"], "not modelled with async scheduling"),
     (["--replicas", "2"], "not modelled with a fleet"),
     (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "not modelled with speculative"),
@@ -218,6 +248,8 @@ def test_abort_request_leaves_finished_requests_alone() -> None:
 
 
 CASES = json.loads(RECORDED.read_text())["cases"] if RECORDED.exists() else []
+SYNC = [c for c in CASES if not c["async_scheduling"]]
+ASYNC = [c for c in CASES if c["async_scheduling"]]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
@@ -232,15 +264,15 @@ def test_recorded_cases_exist_and_depend_on_the_aborts(monkeypatch) -> None:
     takes them), or when a retry could not find its abandoned attempt's blocks."""
     from simkv.replay import client_timeouts
 
-    assert len(CASES) >= 10
-    assert sum(replay_recorded(c).summary["client"]["aborted"] > 0 for c in CASES) >= 8
+    assert len(SYNC) >= 10 and len(ASYNC) >= 10
+    assert sum(replay_recorded(c).summary["client"]["aborted"] > 0 for c in CASES) >= 20
 
-    def broken() -> int:
-        return sum(observed_as_recorded(replay_recorded(c))["steps"] != c["vllm"]["steps"] for c in CASES)
+    def broken(cases) -> int:
+        return sum(observed_as_recorded(replay_recorded(c))["steps"] != c["vllm"]["steps"] for c in cases)
 
     with monkeypatch.context() as m:
         m.setattr(client_timeouts.ClientTimeoutFeed, "expire_during_step", lambda self, now, out: None)
-        assert broken() >= 5
+        assert broken(SYNC) >= 5 and broken(ASYNC) >= 5
     with monkeypatch.context() as m:
         make_retry = client_timeouts.ClientTimeoutFeed.make_retry
 
@@ -249,4 +281,23 @@ def test_recorded_cases_exist_and_depend_on_the_aborts(monkeypatch) -> None:
             request.has_own_cached_blocks = False
             return request
         m.setattr(client_timeouts.ClientTimeoutFeed, "make_retry", forgetful)
-        assert broken() >= 1
+        assert broken(SYNC) >= 1 and broken(ASYNC) >= 1
+
+
+def test_recorded_async_cases_depend_on_when_tokens_count(monkeypatch) -> None:
+    """Async scheduling counts a token when its step is scheduled: the recorded async cases break
+    when a first token counts as delivered then (not when its step's output is processed), or
+    when an aborted decoder's token in flight counts as cached (vLLM caches a block at
+    allocation, when that token was not yet known)."""
+    from simkv.core.async_scheduling import AsyncScheduling
+
+    def broken() -> int:
+        return sum(observed_as_recorded(replay_recorded(c))["steps"] != c["vllm"]["steps"] for c in ASYNC)
+
+    with monkeypatch.context() as m:
+        m.setattr(AsyncScheduling, "token_delivered", lambda self, step: step >= 0)
+        assert broken() >= 5
+    extent = AsyncScheduling._async_abort_extent
+    with monkeypatch.context() as m:
+        m.setattr(AsyncScheduling, "_async_abort_extent", lambda self, request: (extent(self, request)[0],) * 2)
+        assert broken() >= 2
