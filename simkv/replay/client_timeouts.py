@@ -21,7 +21,9 @@ while the next step is already in flight: a token counts as delivered when its s
 processed, not when the step is scheduled, and an aborted request's KV is cached as far as vLLM
 had cached it when it last allocated its blocks (a decoder's token in flight is not).
 
-Modelled for one engine, without paced sessions; `check_supported` names what is not.
+In a fleet (`ReplicaClientFeed`) each replica aborts as one engine does, and the router routes
+the retries. Not modelled with paced sessions, P/D or data-parallel ranks; `check_supported`
+names what is not.
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
 from simkv.replay.engine import ArrivalFeed
+from simkv.replay.fleet import ReplicaFeed
 from simkv.replay.step_log import RequestLog
 
 TTFT, E2E = 0, 1  # which deadline a client missed
 _KINDS = ("ttft", "e2e")
 
 
-def check_supported(trace, config: EngineConfig, *, fleet: bool = False, disaggregated: bool = False,
-                    real_backend: bool = False) -> None:
+def check_supported(trace, config: EngineConfig, *, disaggregated: bool = False, real_backend: bool = False) -> None:
     """ValueError naming the first setting that client time-outs are not modelled with yet."""
     sc = config.scheduler
     if not sc.has_client_timeouts:
@@ -52,8 +54,8 @@ def check_supported(trace, config: EngineConfig, *, fleet: bool = False, disaggr
         why = "speculative decoding"
     elif disaggregated:
         why = "P/D disaggregation"
-    elif fleet:
-        why = "a fleet of replicas or data-parallel ranks (one engine only)"
+    elif config.hardware.data_parallel_size > 1:
+        why = "data-parallel ranks (data_parallel_size > 1)"
     elif real_backend:
         why = "the gpu backend (simulated replays only)"
     elif config.cache.kv_offloading_size is not None:
@@ -66,39 +68,23 @@ def check_supported(trace, config: EngineConfig, *, fleet: bool = False, disaggr
         raise ValueError(f"client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with {why} yet")
 
 
-class ClientTimeoutFeed(ArrivalFeed):
-    """The trace's arrivals, sent by clients that give up and retry. Retries are arrivals, and
-    deadlines events like them: `next_arrival_ticks` names the earliest, so decode runs stop at
-    them (and `next_deadline_ticks` the earliest deadline: a step during which one passes runs
-    alone). `expire_during_step` takes the aborts of deadlines that passed during a step, before
-    its output is processed; `deliver_until` those at the step boundary, then the sends."""
+class ClientDeadlines:
+    """Mixed into an engine's feed: the attempts in flight on that engine, their clients'
+    deadlines, and vLLM's aborts. A give-up with retries left calls `_resend`; the feed sends
+    the retry (one engine) or its router routes it (a fleet)."""
 
-    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig,
-                 rows=None) -> None:
-        super().__init__(trace, scheduler, request_log, config.max_model_len, rows)
+    def _init_clients(self, config: EngineConfig, attempts: np.ndarray) -> None:
         sc = self.clients = config.scheduler  # (their client_* options)
         self.max_retries = sc.client_max_retries
         self._timeouts = (None if sc.client_ttft_timeout_s is None else to_ticks(sc.client_ttft_timeout_s),
                           None if sc.client_timeout_s is None else to_ticks(sc.client_timeout_s))
         self._live: dict[int, tuple[Request, int, int]] = {}  # row -> (its attempt in flight, sent at tick, number)
         self._deadlines: list[tuple[int, int, int, int]] = []  # (tick, row, attempt number, TTFT/E2E)
-        self._resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
-        self.attempts = np.zeros(len(trace), dtype=np.int64)  # per row: attempts sent
+        self.attempts = attempts  # per row: attempts sent (a fleet's replicas share one array)
         self.num_abandoned = [0, 0]  # attempts given up on (and aborted), by the deadline missed
         self.num_aborted_after_prefill = 0  # of them, those whose whole prompt had been computed
         self.abandoned_output_tokens = 0  # tokens the engine sampled for them (delivered or not)
         self.on_timed_out = None  # (the engine's progress callback)
-
-    # ---- the engine's view ---------------------------------------------------------------------
-    @property
-    def exhausted(self) -> bool:
-        return self.next_index >= len(self.arrivals) and not self._resends
-
-    def next_arrival_ticks(self) -> int | None:
-        """The next send or deadline."""
-        candidates = [t for t in (super().next_arrival_ticks(), self._resends[0][0] if self._resends else None,
-                                  self.next_deadline_ticks()) if t is not None]
-        return min(candidates) if candidates else None
 
     def next_deadline_ticks(self) -> int | None:
         """The next deadline of an attempt in flight (those of attempts no longer in flight are dropped)."""
@@ -115,12 +101,101 @@ class ClientTimeoutFeed(ArrivalFeed):
             return
         chunk_ends = None if self.scheduler.async_scheduling else {  # (async: counted when scheduled)
             id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens for chunk in out.chunks}
-        self._expire(now - 1, chunk_ends)
+        self._expire(now - 1, now, chunk_ends)
+
+    def make_retry(self, row: int, attempt: int, tick: int) -> Request:
+        """The row's request sent again: a new request to vLLM, arriving at `tick`."""
+        request = self.make_request(row)
+        request.request_id = f"{request.request_id}/retry{attempt}"
+        request.arrival_time = tick / TICKS_PER_SECOND
+        request.has_own_cached_blocks = True  # (its prompt's unique blocks may be cached: an earlier attempt's)
+        return request
+
+    def note_finished(self, finished: list[Request], tick: int) -> None:
+        """Finished by tick `tick`, so by every deadline not yet passed: their clients have them."""
+        for request in finished:
+            del self._live[request.index]
+
+    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
+        request.may_resend = attempt < self.max_retries
+        self._live[row] = (request, tick, attempt)
+        self.attempts[row] = attempt + 1
+        for kind, timeout in enumerate(self._timeouts):
+            if timeout is not None:
+                heapq.heappush(self._deadlines, (tick + timeout, row, attempt, kind))
+        self.scheduler.add_request(request)
+
+    def _is_live(self, row: int, attempt: int) -> bool:
+        live = self._live.get(row)
+        return live is not None and live[2] == attempt
+
+    def _expire(self, upto: int, now: int, chunk_ends: dict[int, int] | None = None) -> None:
+        """At tick `now`, give up on the attempts whose deadlines are at or before tick `upto`
+        and that lack what the deadline asks for; vLLM aborts them. `chunk_ends`: during a step,
+        whose tokens all come after these deadlines (where each request's chunk in it ends, by
+        the request's id)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= upto:
+            deadline, row, attempt, kind = heapq.heappop(deadlines)
+            if not self._is_live(row, attempt):
+                continue
+            request = self._live[row][0]
+            if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
+                continue  # (a step whose output was processed before the deadline sampled it)
+            del self._live[row]
+            aborted = self.scheduler.abort_request(request, chunk_ends.get(id(request)) if chunk_ends else None)
+            assert aborted, f"{request} was in flight but not in the engine"
+            self._give_up(row, request, attempt, deadline, kind, now)
+
+    def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
+        self.num_abandoned[kind] += 1
+        computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
+        if computed >= prompt:  # (its prompt's KV was all there: work that reached nobody)
+            self.num_aborted_after_prefill += 1
+        self.abandoned_output_tokens += max(request.num_output_tokens, computed - prompt + 1)
+        if attempt < self.max_retries:
+            self._resend(row, attempt + 1, at + self.backoff_ticks(attempt), now)
+            return
+        self.request_log.time_out(row)
+        if self.on_timed_out is not None:
+            self.on_timed_out(1)
+
+    def backoff_ticks(self, attempt: int) -> int:
+        """How long the client waits after giving up on attempt number `attempt` (0: the first)."""
+        return to_ticks(self.clients.client_retry_backoff_s * 2 ** attempt)
+
+    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
+        raise NotImplementedError
+
+
+class ClientTimeoutFeed(ClientDeadlines, ArrivalFeed):
+    """The trace's arrivals, sent to one engine by clients that give up and retry. Retries are
+    arrivals, and deadlines events like them: `next_arrival_ticks` names the earliest, so decode
+    runs stop at them (and `next_deadline_ticks` the earliest deadline: a step during which one
+    passes runs alone). `expire_during_step` takes the aborts of deadlines that passed during a
+    step, before its output is processed; `deliver_until` those at the step boundary, then the
+    sends."""
+
+    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig,
+                 rows=None) -> None:
+        super().__init__(trace, scheduler, request_log, config.max_model_len, rows)
+        self._init_clients(config, np.zeros(len(trace), dtype=np.int64))
+        self._resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.next_index >= len(self.arrivals) and not self._resends
+
+    def next_arrival_ticks(self) -> int | None:
+        """The next send or deadline."""
+        candidates = [t for t in (super().next_arrival_ticks(), self._resends[0][0] if self._resends else None,
+                                  self.next_deadline_ticks()) if t is not None]
+        return min(candidates) if candidates else None
 
     def deliver_until(self, now: int) -> None:
         """Give up on the attempts whose deadlines passed by tick `now`, then send what is due:
         the trace's rows and the retries, in time order (a tie in row order)."""
-        self._expire(now)
+        self._expire(now, now)
         arrivals, resends = self._arrival_ticks, self._resends
         n = len(arrivals)
         while True:
@@ -136,14 +211,6 @@ class ClientTimeoutFeed(ArrivalFeed):
             else:
                 return
 
-    def make_retry(self, row: int, attempt: int, tick: int) -> Request:
-        """The row's request sent again: a new request to vLLM, arriving at `tick`."""
-        request = self.make_request(row)
-        request.request_id = f"{request.request_id}/retry{attempt}"
-        request.arrival_time = tick / TICKS_PER_SECOND
-        request.has_own_cached_blocks = True  # (its prompt's unique blocks may be cached: an earlier attempt's)
-        return request
-
     def _deliver(self, i: int) -> None:
         self.attempts[i] = 1
         if self._prompt_list[i] >= self.max_model_len:
@@ -151,72 +218,131 @@ class ClientTimeoutFeed(ArrivalFeed):
             return
         self._send(self.make_request(i), i, self._arrival_ticks[i], 0)
 
-    def note_finished(self, finished: list[Request], tick: int) -> None:
-        """Finished by tick `tick`, so by every deadline not yet passed: their clients have them."""
-        for request in finished:
-            del self._live[request.index]
+    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
+        heapq.heappush(self._resends, (tick, row, attempt))
 
-    # ---- clients ---------------------------------------------------------------------------------
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
-        request.may_resend = attempt < self.max_retries
-        self._live[row] = (request, tick, attempt)
-        self.attempts[row] = attempt + 1
-        for kind, timeout in enumerate(self._timeouts):
-            if timeout is not None:
-                heapq.heappush(self._deadlines, (tick + timeout, row, attempt, kind))
-        self.scheduler.add_request(request)
-
-    def _is_live(self, row: int, attempt: int) -> bool:
-        live = self._live.get(row)
-        return live is not None and live[2] == attempt
-
-    def _expire(self, upto: int, chunk_ends: dict[int, int] | None = None) -> None:
-        """Give up on the attempts whose deadlines are at or before tick `upto` and that lack what
-        the deadline asks for; vLLM aborts them. `chunk_ends`: during a step, whose tokens all come
-        after these deadlines (where each request's chunk in it ends, by the request's id)."""
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= upto:
-            deadline, row, attempt, kind = heapq.heappop(deadlines)
-            if not self._is_live(row, attempt):
-                continue
-            request = self._live[row][0]
-            if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
-                continue  # (a step whose output was processed before the deadline sampled it)
-            del self._live[row]
-            aborted = self.scheduler.abort_request(request, chunk_ends.get(id(request)) if chunk_ends else None)
-            assert aborted, f"{request} was in flight but not in the engine"
-            self._give_up(row, request, attempt, deadline, kind)
-
-    def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int) -> None:
-        self.num_abandoned[kind] += 1
-        computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
-        if computed >= prompt:  # (its prompt's KV was all there: work that reached nobody)
-            self.num_aborted_after_prefill += 1
-        self.abandoned_output_tokens += max(request.num_output_tokens, computed - prompt + 1)
-        if attempt < self.max_retries:
-            heapq.heappush(self._resends, (at + to_ticks(self.clients.client_retry_backoff_s * 2 ** attempt),
-                                           row, attempt + 1))
-            return
-        self.request_log.time_out(row)
-        if self.on_timed_out is not None:
-            self.on_timed_out(1)
-
-    # ---- results ---------------------------------------------------------------------------------
     def client_summary(self, requests) -> dict:
         """summary.json's `client` section."""
-        status = requests["status"].to_numpy()
-        sent = self.attempts
-        sc = self.clients
-        return {
-            "ttft_timeout_s": sc.client_ttft_timeout_s, "timeout_s": sc.client_timeout_s,
-            "max_retries": sc.client_max_retries, "retry_backoff_s": sc.client_retry_backoff_s,
-            "attempts": int(sent.sum()), "retries": int(np.maximum(sent - 1, 0).sum()),
-            "aborted": sum(self.num_abandoned), "aborted_by_deadline": dict(zip(_KINDS, self.num_abandoned)),
-            "aborted_after_prefill": self.num_aborted_after_prefill,
-            "abandoned_output_tokens": int(self.abandoned_output_tokens),
-            "timed_out_requests": int((status == "timed_out").sum()),
-            "finished_after_retries": int(((status == "finished") & (sent > 1)).sum()),
-        }
+        return client_section(self.clients, self.attempts, requests, [self])
+
+
+class FleetClients:
+    """A fleet's clients, beside its router (simkv/replay/fleet.py): the attempts sent per row,
+    the retries waiting for their send time, and how many attempts in flight may still be resent
+    (the router is done only when none is)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.attempts = np.zeros(num_rows, dtype=np.int64)
+        self.resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
+        self.num_resendable = 0
+
+    @property
+    def settled(self) -> bool:
+        return not self.resends and not self.num_resendable
+
+
+class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
+    """One replica's arrivals, sent by clients that give up and retry. A replica aborts what its
+    clients gave up on (as one engine does); a retry goes back to the router, which routes it at
+    its send time, like any arrival, to any replica. The router learns of a give-up when the
+    replica takes the abort, at the end of the step during which the deadline passed: a retry
+    whose back-off ends before that is routed then (a back-off shorter than the rest of a step).
+    Decode runs stop before the earliest send time of a retry that any replica's clients could
+    still make, since it could be routed here."""
+
+    def __init__(self, routing, replica: int, trace, scheduler, request_log, config: EngineConfig) -> None:
+        super().__init__(routing, replica, trace, scheduler, request_log, config.max_model_len)
+        self.fleet_clients = routing.clients
+        self._init_clients(config, self.fleet_clients.attempts)
+        self.retry_queue = routing.retry_queues[replica]
+        self._resend_bounds: list[tuple[int, int, int, int]] = []  # (deadline + back-off, row, attempt, kind)
+
+    @property
+    def exhausted(self) -> bool:
+        return super().exhausted and not self.retry_queue
+
+    def next_arrival_ticks(self) -> int | None:
+        """The next send here, the next deadline here, or the next retry any replica's clients
+        could send."""
+        candidates = [t for t in (super().next_arrival_ticks(), self.retry_queue[0][0] if self.retry_queue else None,
+                                  self.next_deadline_ticks(), self.routing.earliest_resend()) if t is not None]
+        return min(candidates) if candidates else None
+
+    def earliest_resend(self) -> int | None:
+        """The earliest send time of a retry of an attempt in flight here (None: none can be)."""
+        bounds = self._resend_bounds
+        while bounds:
+            _, row, attempt, kind = bounds[0]
+            live = self._live.get(row)
+            if live is not None and live[2] == attempt and not (
+                    kind == TTFT and self.scheduler.token_delivered(live[0].first_token_step)):
+                return bounds[0][0]
+            heapq.heappop(bounds)
+        return None
+
+    def deliver_until(self, now: int) -> None:
+        """Give up on the attempts whose deadlines passed by tick `now`, route what is due, then
+        send what the router gave this replica, in time order (a tie in row order)."""
+        self._expire(now, now)
+        self.routing.route_until(now)
+        queue, retries, ticks = self.queue, self.retry_queue, self._arrival_ticks
+        while True:
+            row_due = queue and ticks[queue[0]] <= now
+            if retries and retries[0][0] <= now and (not row_due or (retries[0][0], retries[0][1])
+                                                     < (ticks[queue[0]], queue[0])):
+                tick, row, attempt = retries.popleft()
+                self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
+            elif row_due:
+                row = queue.popleft()
+                self._send(self.make_request(row), row, ticks[row], 0)
+            else:
+                return
+
+    def note_finished(self, finished: list[Request], tick: int) -> None:
+        resendable = sum(request.may_resend for request in finished)
+        ClientDeadlines.note_finished(self, finished, tick)
+        ReplicaFeed.note_finished(self, finished, tick)
+        if resendable:
+            self._no_longer_resendable(resendable, tick)
+
+    def _no_longer_resendable(self, count: int, tick: int) -> None:
+        self.fleet_clients.num_resendable -= count
+        if self.routing.all_routed:  # (the last retry that could come will not: the router is done)
+            self.routing.wake_router(tick)
+
+    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
+        super()._send(request, row, tick, attempt)
+        if request.may_resend:
+            self.fleet_clients.num_resendable += 1
+            for kind, timeout in enumerate(self._timeouts):
+                if timeout is not None:
+                    heapq.heappush(self._resend_bounds, (tick + timeout + self.backoff_ticks(attempt), row, attempt,
+                                                         kind))
+
+    def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
+        self.routing.note_aborted(self.replica, now)
+        super()._give_up(row, request, attempt, at, kind, now)  # (a retry: first in the router's queue)
+        if request.may_resend:
+            self._no_longer_resendable(1, now)
+
+    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
+        self.routing.resend(row, attempt, tick)
+
+
+def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlines]) -> dict:
+    """summary.json's `client` section, over the engines whose `feeds` these are."""
+    status = requests["status"].to_numpy()
+    abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E)]
+    return {
+        "ttft_timeout_s": sc.client_ttft_timeout_s, "timeout_s": sc.client_timeout_s,
+        "max_retries": sc.client_max_retries, "retry_backoff_s": sc.client_retry_backoff_s,
+        "attempts": int(attempts.sum()), "retries": int(np.maximum(attempts - 1, 0).sum()),
+        "aborted": sum(abandoned), "aborted_by_deadline": dict(zip(_KINDS, abandoned)),
+        "aborted_after_prefill": sum(f.num_aborted_after_prefill for f in feeds),
+        "abandoned_output_tokens": int(sum(f.abandoned_output_tokens for f in feeds)),
+        "timed_out_requests": int((status == "timed_out").sum()),
+        "finished_after_retries": int(((status == "finished") & (attempts > 1)).sum()),
+    }
 
 
 def client_row(section: dict) -> tuple[str, str]:

@@ -168,9 +168,9 @@ class ReplayEngine:
         if config.scheduler.has_client_timeouts:
             from simkv.replay.client_timeouts import ClientTimeoutFeed, check_supported
 
-            check_supported(trace, config, fleet=make_feed is not None, disaggregated=kv_connector,
-                            real_backend=backend.name == "gpu")
-            self.feed = self._client = ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
+            check_supported(trace, config, disaggregated=kv_connector, real_backend=backend.name == "gpu")
+            self.feed = self._client = (ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
+                                        if make_feed is None else make_feed(self.scheduler, self.requests))
             self._client.on_timed_out = on_progress
         elif make_feed is not None:
             self.feed = make_feed(self.scheduler, self.requests)
@@ -231,8 +231,8 @@ class ReplayEngine:
         """Waiting for work (`wake` resumes it)."""
         return self._idle is not None and not self._idle.triggered
 
-    def wake(self, tick: int) -> None:
-        """Resume an idle engine at `tick` (now): requests for it have arrived, or the trace ended."""
+    def wake(self, tick: int | None) -> None:
+        """Resume an idle engine at `tick` (now): requests for it have arrived; None: the replay ended."""
         self._idle.succeed(tick)
 
     def result(self) -> ReplayRun:
@@ -354,7 +354,8 @@ class ReplayEngine:
             self._engine_idle.succeed()
         arrival = yield self._idle
         self._idle = None
-        self.now = max(self.now, arrival)
+        if arrival is not None:  # (None: woken to end)
+            self.now = max(self.now, arrival)
 
     def _schedule(self, start: int | None = None):
         """schedule() the next step, which starts at tick `start` (now by default): the pulls it

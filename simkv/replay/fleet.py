@@ -11,6 +11,7 @@ give the same fleet, byte for byte.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 import numpy as np
@@ -30,7 +31,7 @@ class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
     def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None,
-                 session_pacing: bool = False) -> None:
+                 session_pacing: bool = False, clients=None) -> None:
         self.trace = trace
         self.router = router
         n = router.num_replicas
@@ -53,17 +54,48 @@ class FleetRouting:
         self.outstanding = [0] * n
         self._finishes: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # (tick, count)
         self.on_reject = None
+        # Clients that give up and retry (simkv/replay/client_timeouts.py's FleetClients): retries
+        # are routed like arrivals, at their send times, into each replica's retry queue
+        self.clients = clients
+        self.retry_queues: list[deque[tuple[int, int, int]]] = [deque() for _ in range(n)]  # (tick, row, attempt)
 
     @property
     def all_routed(self) -> bool:
         if self.sessions is not None:
             return self.sessions.all_out
-        return self.next_index >= len(self._arrival_ticks)
+        return self.next_index >= len(self._arrival_ticks) and (self.clients is None or self.clients.settled)
 
     def next_unrouted_ticks(self) -> int | None:
         if self.sessions is not None:
             return self.sessions.next_ticks()
-        return None if self.all_routed else self._arrival_ticks[self.next_index]
+        i = self.next_index
+        nxt = self._arrival_ticks[i] if i < len(self._arrival_ticks) else None
+        if self.clients is not None and self.clients.resends:
+            resend = self.clients.resends[0][0]
+            return resend if nxt is None or resend < nxt else nxt
+        return nxt
+
+    def resend(self, row: int, attempt: int, tick: int) -> None:
+        """A client gave up on `row`'s attempt and sends attempt number `attempt` at `tick`."""
+        heapq.heappush(self.clients.resends, (tick, row, attempt))
+        self._wake_for(tick)
+
+    def earliest_resend(self) -> int | None:
+        """The earliest tick at which a client could send a retry it has not yet decided on."""
+        best = None
+        for engine in self.engines:
+            t = engine.feed.earliest_resend()
+            if t is not None and (best is None or t < best):
+                best = t
+        return best
+
+    def wake_router(self, tick: int) -> None:
+        """Something the router waits for happened at `tick` (now)."""
+        self._wake_for(tick)
+
+    def note_aborted(self, replica: int, tick: int) -> None:
+        """The replica aborted a request at `tick`: it no longer counts there."""
+        self._finishes[replica].append((tick, 1))
 
     #: Sessions: a request's finish here ends its turn (P/D's prefill pool: the decode side's does).
     finishes_turns = True
@@ -93,25 +125,31 @@ class FleetRouting:
             if t is None:
                 if self.all_routed:
                     break
-                self._sleep_until, self._wake = None, env.event()  # (turns wait for replies)
+                self._sleep_until, self._wake = None, env.event()  # (turns wait for replies, retries for deadlines)
                 yield self._wake
                 self._wake = None
+                self._wake_idle(engines, env.now)  # (a replica may have routed a retry to an idle one)
                 continue
             if t > env.now:
-                if self.sessions is None:
+                if self.sessions is None and self.clients is None:
                     yield env.timeout(t - env.now)
                 else:
                     self._sleep_until, self._wake = t, env.event()
                     yield env.timeout(t - env.now) | self._wake
                     self._wake = None
+                    self._wake_idle(engines, env.now)
                     continue
             self.route_until(env.now)
-            for r, engine in enumerate(engines):
-                if self.queues[r] and engine.idle:
-                    engine.wake(env.now)
+            self._wake_idle(engines, env.now)
         for engine in engines:
             if engine.idle:
-                engine.wake(env.now)
+                engine.wake(None)  # (the replay is over: its clock stays at the end of its last step)
+
+    def _wake_idle(self, engines: list[ReplayEngine], now: int) -> None:
+        """Wake the idle replicas that were routed work."""
+        for r, engine in enumerate(engines):
+            if (self.queues[r] or self.retry_queues[r]) and engine.idle:
+                engine.wake(now)
 
     def route_until(self, now: int) -> None:
         """Route every request that arrived by tick `now`."""
@@ -121,6 +159,14 @@ class FleetRouting:
             return
         ticks, n = self._arrival_ticks, len(self._arrival_ticks)
         i = self.next_index
+        resends = self.clients.resends if self.clients is not None else None
+        while resends and resends[0][0] <= now:  # (retries and arrivals in time order; a tie in row order)
+            if i < n and (ticks[i], i) < resends[0][:2]:
+                self._route(i, ticks[i])
+                i += 1
+                continue
+            tick, row, attempt = heapq.heappop(resends)
+            self.retry_queues[self.assign(row, tick)].append((tick, row, attempt))
         while i < n and ticks[i] <= now:
             self._route(i, ticks[i])
             i += 1
@@ -129,6 +175,8 @@ class FleetRouting:
     def _route(self, i: int, tick: int) -> None:
         if self._prompts[i] >= self.max_model_len:  # every replica would reject it: vLLM's engine does
             self.num_rejected += 1
+            if self.clients is not None:
+                self.clients.attempts[i] = 1
             if self.on_reject is not None:
                 self.on_reject(1)
             if self.sessions is not None:
@@ -207,10 +255,17 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
               use_decode_runs: bool = True, on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on len(backends) replicas (one backend each) behind `router`."""
     env = simpy.Environment()
-    routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing)
+    clients = None
+    if config.scheduler.has_client_timeouts:  # (clients that give up and retry)
+        from simkv.replay.client_timeouts import FleetClients, ReplicaClientFeed
+        clients = FleetClients(len(trace))
+    routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing,
+                           clients=clients)
     routing.on_reject = on_progress
 
     def feed_of(replica):
+        if clients is not None:
+            return lambda scheduler, log: ReplicaClientFeed(routing, replica, trace, scheduler, log, config)
         return lambda scheduler, log: ReplicaFeed(routing, replica, trace, scheduler, log, config.max_model_len)
 
     engines = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs, on_progress, capacity=capacity,
@@ -327,6 +382,10 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
     if routing.sessions is not None:
         summary["session_pacing"] = routing.sessions.summary()
+    if routing.clients is not None:
+        from simkv.replay.client_timeouts import client_section
+        summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,
+                                           [run.feed for run in runs])
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
                         "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
     return summary

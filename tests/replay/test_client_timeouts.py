@@ -14,7 +14,7 @@ import pytest
 
 from simkv.config import ConfigError, EngineConfig
 from simkv.core.scheduler import Scheduler
-from simkv.replay.api import replay
+from simkv.replay.api import FleetSpec, replay
 from simkv.traces.schema import read_trace, trace_from_frame, trace_to_frame, write_trace
 from tests.cli_runs import cli_fails, cli_ok
 from tests.core.helpers import (assert_as_recorded, assert_decode_runs_change_no_bytes, observed_as_recorded,
@@ -170,6 +170,68 @@ def test_timeouts_bound_the_queue_and_retries_add_load(overloaded) -> None:
     assert retry.summary["client"]["attempts"] > 2 * 2000
 
 
+def test_in_a_fleet_a_retry_is_routed_again_and_may_land_on_another_replica() -> None:
+    """Two replicas, one request at a time each, every step 1 s, round-robin. Row 0 (100 tokens)
+    runs on replica 0 until 100 s; row 1 on replica 1 until 2.5 s; row 2, routed to replica 0 at
+    1 s, waits there and its client gives up at 6 s. The retry (6.5 s) goes round-robin to the
+    idle replica 1: first token at 7.5 s (6.5 s from the first send), finished at 11.5 s. Replica 1
+    then waits for row 0, whose client could still retry, and its clock stays at 11.5 s."""
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=100, max_num_seqs=1, max_model_len=1024,
+                                         client_ttft_timeout_s=5.0, client_max_retries=1))
+    res = replay(_trace([(0.0, 16, 100), (0.5, 16, 2), (1.0, 16, 5)]), config, "unit",
+                 fleet=FleetSpec(2, "round_robin"))
+    req = res.requests
+    assert req["replica"].tolist() == [0, 1, 1] and req["attempts"].tolist() == [1, 1, 2]
+    assert req["status"].tolist() == ["finished"] * 3
+    assert (req["first_token_time_s"][2], req["finish_time_s"][2], req["ttft_s"][2]) == (7.5, 11.5, 6.5)
+    assert [r["duration_s"] for r in res.summary["fleet"]["replicas"]] == [100.0, 11.5]
+    client = res.summary["client"]
+    assert (client["attempts"], client["aborted"], client["finished_after_retries"]) == (4, 1, 1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_one_replica_fleet_replays_as_one_engine(overloaded, async_scheduling) -> None:
+    """The fleet's clients (retries routed by the router) against one engine's, on the same
+    overloaded trace: every request's values equal, with back-offs of 0 s too (a retry due
+    before its attempt's abort is taken is routed when it is)."""
+    from simkv.backends.factory import make_backend
+    from simkv.capacity import compute_capacity
+    from simkv.replay.fleet import fleet_tables, run_fleet
+    from simkv.replay.router import Router
+
+    trace = read_trace(overloaded)
+    for options in (dict(client_ttft_timeout_s=10.0, client_max_retries=2),
+                    dict(client_timeout_s=20.25, client_max_retries=1, client_retry_backoff_s=0.0)):
+        config = EngineConfig.from_flat(options | dict(async_scheduling=async_scheduling))
+        one = replay(trace, config)
+        capacity = compute_capacity(config)
+        runs, routing = run_fleet(trace, config, [make_backend("roofline", config)], capacity.num_gpu_blocks,
+                                  Router("round_robin", 1), capacity)
+        requests = fleet_tables(runs, routing, trace)[0].drop(columns="replica")
+        pd.testing.assert_frame_equal(requests, one.requests)
+        assert one.summary["client"]["retries"] > 500
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_outstanding"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_fleet_decode_runs_change_no_bytes_with_retries(overloaded, router, async_scheduling) -> None:
+    """Three replicas at three times the overloaded rate: a replica's decode runs stop before any
+    retry some replica's clients could send, so jumping over them changes nothing."""
+    frame = trace_to_frame(read_trace(overloaded))
+    frame["arrival_time_s"] /= 3
+    trace = trace_from_frame(frame, "fast")
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=60.25, client_max_retries=2,
+                                         async_scheduling=async_scheduling))
+    runs = [replay(trace, config, fleet=FleetSpec(3, router), use_decode_runs=flag) for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    for key in runs[0].steps:
+        np.testing.assert_array_equal(runs[0].steps[key], runs[1].steps[key])
+    client = runs[0].summary["client"]
+    assert client == runs[1].summary["client"] and client["retries"] > 300
+    assert client["attempts"] == int(runs[0].requests["attempts"].sum())
+    assert runs[0].summary["num_finished"] + client["timed_out_requests"] == len(trace)
+
+
 def test_goodput_never_counts_a_timed_out_request(overloaded) -> None:
     from simkv.replay.goodput import goodput_summary
 
@@ -197,7 +259,7 @@ def test_bad_client_options(options, message) -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--replicas", "2"], "not modelled with a fleet"),
+    (["--model", "deepseek-v2-lite", "--data-parallel-size", "2"], "not modelled with data-parallel ranks"),
     (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "not modelled with speculative"),
     (["--kv-offloading-size", "1"], "not modelled with KV offloading"),
