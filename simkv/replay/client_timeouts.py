@@ -22,8 +22,9 @@ processed, not when the step is scheduled, and an aborted request's KV is cached
 had cached it when it last allocated its blocks (a decoder's token in flight is not).
 
 In a fleet (`ReplicaClientFeed`) each replica aborts as one engine does, and the router routes
-the retries. Not modelled with paced sessions, P/D or data-parallel ranks; `check_supported`
-names what is not.
+the retries. With session pacing (`SessionClientFeed`, one engine) a conversation whose turn
+timed out for good ends: its later turns are never sent. Not modelled with P/D, data-parallel
+ranks or a fleet with session pacing; `check_supported` names the others that are not.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
 from simkv.replay.engine import ArrivalFeed
 from simkv.replay.fleet import ReplicaFeed
+from simkv.replay.sessions import SessionFeed
 from simkv.replay.step_log import RequestLog
 
 TTFT, E2E = 0, 1  # which deadline a client missed
@@ -62,8 +64,6 @@ def check_supported(trace, config: EngineConfig, *, disaggregated: bool = False,
         why = "KV offloading"
     elif trace.n is not None and (trace.n > 1).any():
         why = "parallel sampling (a trace column n > 1)"
-    elif trace.session_id is not None and sc.session_pacing:
-        why = "session pacing (give --no-session-pacing to replay the turns at the trace's times)"
     if why is not None:
         raise ValueError(f"client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with {why} yet")
 
@@ -226,6 +226,71 @@ class ClientTimeoutFeed(ClientDeadlines, ArrivalFeed):
         return client_section(self.clients, self.attempts, requests, [self])
 
 
+class SessionClientFeed(ClientDeadlines, SessionFeed):
+    """One engine's conversations (session pacing), sent by clients that give up and retry. A
+    turn's retries are sent as one engine's clients send them; a turn that finishes releases the
+    next, as without time-outs; a turn whose client gave up for good ends its conversation: the
+    later turns are never sent (status `abandoned`)."""
+
+    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig) -> None:
+        super().__init__(trace, scheduler, request_log, config.max_model_len)
+        self._init_clients(config, np.zeros(len(trace), dtype=np.int64))
+        self._resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
+        self.num_abandoned_turns = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.pacing.all_out and not self._resends
+
+    def next_arrival_ticks(self) -> int | None:
+        """The next send or deadline."""
+        candidates = [t for t in (self.pacing.next_ticks(), self._resends[0][0] if self._resends else None,
+                                  self.next_deadline_ticks()) if t is not None]
+        return min(candidates) if candidates else None
+
+    def deliver_until(self, now: int) -> None:
+        """Give up on the attempts whose deadlines passed by tick `now`, then send what is due:
+        turns and retries, in time order (a tie in row order)."""
+        self._expire(now, now)
+        pacing, resends, ready = self.pacing, self._resends, self.pacing._ready
+        while True:
+            due = ready[0] if ready and ready[0][0] <= now else None
+            if resends and resends[0][0] <= now and (due is None or resends[0][:2] < due):
+                tick, row, attempt = heapq.heappop(resends)
+                self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
+            elif due is not None:
+                tick, i = pacing.pop_next()
+                self.attempts[i] = 1
+                if self._prompt_list[i] >= self.max_model_len:
+                    ArrivalFeed._deliver(self, i)  # (rejected, as vLLM's front end refuses it: done with)
+                    pacing.release(i, tick)
+                else:
+                    self._send(self.make_request(i), i, tick, 0)
+            else:
+                return
+
+    def note_finished(self, finished: list[Request], tick: int) -> None:
+        ClientDeadlines.note_finished(self, finished, tick)
+        SessionFeed.note_finished(self, finished, tick)
+
+    def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
+        super()._give_up(row, request, attempt, at, kind, now)
+        if attempt >= self.max_retries:  # (for good: the conversation ends)
+            dropped = self.pacing.end_session(row)
+            for later in dropped:
+                self.request_log.abandon(later)
+            self.num_abandoned_turns += len(dropped)
+            if self.on_timed_out is not None and dropped:
+                self.on_timed_out(len(dropped))  # (done with, for the progress bar)
+
+    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
+        heapq.heappush(self._resends, (tick, row, attempt))
+
+    def client_summary(self, requests) -> dict:
+        return client_section(self.clients, self.attempts, requests, [self]) | {
+            "abandoned_turns": self.num_abandoned_turns}
+
+
 class FleetClients:
     """A fleet's clients, beside its router (simkv/replay/fleet.py): the attempts sent per row,
     the retries waiting for their send time, and how many attempts in flight may still be resent
@@ -352,4 +417,6 @@ def client_row(section: dict) -> tuple[str, str]:
     return ("client time-outs", f"{section['timed_out_requests']:,} requests timed out ({', '.join(limits)}, "
                                 f"{section['max_retries']} retries); vLLM aborted {section['aborted']:,} attempts; "
                                 f"{section['retries']:,} retries, {section['finished_after_retries']:,} requests "
-                                f"finished on one")
+                                f"finished on one" + (f"; {section['abandoned_turns']:,} later turns of their "
+                                                      "conversations never sent" if "abandoned_turns" in section
+                                                      else ""))

@@ -166,11 +166,15 @@ class ReplayEngine:
         self.requests = RequestLog(len(trace), config.speculative.enabled)
         self._client = None  # clients that give up and retry (simkv/replay/client_timeouts.py)
         if config.scheduler.has_client_timeouts:
-            from simkv.replay.client_timeouts import ClientTimeoutFeed, check_supported
+            from simkv.replay.client_timeouts import ClientTimeoutFeed, SessionClientFeed, check_supported
 
             check_supported(trace, config, disaggregated=kv_connector, real_backend=backend.name == "gpu")
-            self.feed = self._client = (ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
-                                        if make_feed is None else make_feed(self.scheduler, self.requests))
+            if make_feed is not None:  # (a fleet's replica)
+                self.feed = self._client = make_feed(self.scheduler, self.requests)
+            elif trace.session_id is not None and config.scheduler.session_pacing:
+                self.feed = self._client = SessionClientFeed(trace, self.scheduler, self.requests, config)
+            else:
+                self.feed = self._client = ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
             self._client.on_timed_out = on_progress
         elif make_feed is not None:
             self.feed = make_feed(self.scheduler, self.requests)

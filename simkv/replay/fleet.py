@@ -258,6 +258,10 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
     clients = None
     if config.scheduler.has_client_timeouts:  # (clients that give up and retry)
         from simkv.replay.client_timeouts import FleetClients, ReplicaClientFeed
+        if trace.session_id is not None and config.scheduler.session_pacing:
+            raise ValueError("client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled in a fleet "
+                             "with session pacing yet (give --no-session-pacing to replay the turns at the trace's "
+                             "times)")
         clients = FleetClients(len(trace))
     routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing,
                            clients=clients)

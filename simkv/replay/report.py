@@ -59,8 +59,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
     client = summary.get("client")
-    outcomes = ["finished", "rejected"] + (["timed out"] if client else [])
-    counts = [summary["num_finished"], summary["num_rejected"]] + ([client["timed_out_requests"]] if client else [])
+    outcomes = ["finished", "rejected"] + (["timed out"] if client else []) + (
+        ["abandoned"] if client and "abandoned_turns" in client else [])
+    counts = [summary["num_finished"], summary["num_rejected"]] + ([client["timed_out_requests"]] if client else []) + (
+        [client["abandoned_turns"]] if client and "abandoned_turns" in client else [])
     rows = head + [
         (f"requests ({' / '.join(outcomes)})", f"{summary['num_requests']:,} ({' / '.join(f'{c:,}' for c in counts)})"),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} "

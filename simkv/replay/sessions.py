@@ -85,6 +85,22 @@ class SessionPacing:
             self.num_out += 1
             yield heapq.heappop(ready)
 
+    def pop_next(self) -> tuple[int, int]:
+        """The next row due, as (tick, row) (there must be one)."""
+        self.num_out += 1
+        return heapq.heappop(self._ready)
+
+    def end_session(self, row: int) -> list[int]:
+        """Row `row` ends its session (its client gave up): the session's later turns are never
+        sent. Returns their rows."""
+        dropped = []
+        nxt = self.next_turn[row]
+        while nxt >= 0:
+            dropped.append(nxt)
+            nxt = self.next_turn[nxt]
+        self.num_out += len(dropped)
+        return dropped
+
     def successor_think(self, row: int) -> int | None:
         """The think ticks of `row`'s next turn (None: it has none)."""
         nxt = self.next_turn[row]

@@ -122,7 +122,7 @@ class RequestLog:
     """One slot per trace row, filled when the request finishes (or is rejected). Finished
     requests are kept as a flat int64 array (9 values each) until the columns are asked for."""
 
-    STATUS_NAMES = ("unfinished", "finished", "rejected", "timed_out")
+    STATUS_NAMES = ("unfinished", "finished", "rejected", "timed_out", "abandoned")
 
     def __init__(self, num_requests: int, speculative: bool = False) -> None:
         self.num_requests = num_requests
@@ -130,6 +130,7 @@ class RequestLog:
         self._spec: array | None = array("q") if speculative else None  # per finished request: drafts, accepted
         self._rejected: list[int] = []
         self._timed_out: list[int] = []  # rows whose clients gave up on their last attempt
+        self._abandoned: list[int] = []  # turns never sent: an earlier turn of their session timed out
         self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def finish(self, request: Request) -> None:
@@ -150,9 +151,13 @@ class RequestLog:
         self._timed_out.append(index)
         self._columns = None
 
+    def abandon(self, index: int) -> None:
+        self._abandoned.append(index)
+        self._columns = None
+
     @property
     def status(self) -> np.ndarray:
-        """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out (STATUS_NAMES)."""
+        """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out, 4 abandoned (STATUS_NAMES)."""
         return self._build()[0]
 
     @property
@@ -166,6 +171,7 @@ class RequestLog:
             status = np.zeros(n, dtype=np.int8)
             status[np.asarray(self._rejected, dtype=np.int64)] = 2
             status[np.asarray(self._timed_out, dtype=np.int64)] = 3
+            status[np.asarray(self._abandoned, dtype=np.int64)] = 4
             ints = {c: np.full(n, -1, dtype=np.int64) for c in REQUEST_INT_COLUMNS}
             rows = np.array(self._finished, dtype=np.int64).reshape(-1, len(REQUEST_INT_COLUMNS) + 1)
             status[rows[:, 0]] = 1

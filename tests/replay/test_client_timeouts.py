@@ -271,14 +271,55 @@ def test_unmodelled_combinations_are_refused(flags, message, tmp_path) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def test_sessions_and_parallel_sampling_are_refused(tmp_path) -> None:
+def _chat(retries: int):
+    """Two conversations, one request at a time, every step 1 s. Turn a0 decodes until 20 s; b0,
+    sent at 0.5 s, waits behind it and its client gives up at 5.5 s (and, retrying 0.5 s later,
+    again at 11 s): conversation b ends, its turns b1 and b2 are never sent. a1 is sent a second
+    after a0's reply (21 s), and finishes at 23 s."""
+    frame = pd.DataFrame({"request_id": ["a0", "b0", "a1", "b1", "b2"],
+                          "arrival_time_s": [0.0, 0.5, 1.0, 2.0, 3.0], "prompt_tokens": [16] * 5,
+                          "output_tokens": [20, 2, 2, 2, 2], "session_id": ["a", "b", "a", "b", "b"],
+                          "think_time_s": [0.0, 0.0, 1.0, 1.0, 1.0]})
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=100, max_num_seqs=1, max_model_len=1024,
+                                         client_ttft_timeout_s=5.0, client_max_retries=retries))
+    return replay(trace_from_frame(frame, "chat"), config, "unit")
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_conversation_whose_turn_timed_out_ends(retries: int) -> None:
+    res = _chat(retries)
+    req = res.requests.set_index("request_id")
+    assert req["status"].tolist() == ["finished", "timed_out", "finished", "abandoned", "abandoned"]
+    assert req["attempts"].tolist() == [1, 1 + retries, 1, 0, 0]
+    assert (req.loc["a1", "arrival_time_s"], req.loc["a1", "first_token_time_s"], req.loc["a1", "finish_time_s"]) \
+        == (21.0, 22.0, 23.0)
+    client = res.summary["client"]
+    assert (client["abandoned_turns"], client["timed_out_requests"], client["aborted"]) == (2, 1, 1 + retries)
+    assert res.summary["num_finished"] == 2 and res.summary["session_pacing"]["turns_held"] == 1
+
+
+def test_decode_runs_change_no_bytes_with_paced_sessions_and_retries(tmp_path) -> None:
+    """Conversations at 30 a second, far past one engine's capacity, whose clients give up and retry."""
+    from simkv.traces.arrivals import ArrivalProcess
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=1200, turns=4), seed=3, arrival=ArrivalProcess("poisson", 30.0))
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2))
+    res = assert_decode_runs_change_no_bytes(trace, config, tmp_path)
+    client = res.summary["client"]
+    assert client["retries"] > 100 and client["abandoned_turns"] > 100
+    status = res.requests["status"].value_counts()
+    assert status["finished"] + status["timed_out"] + status["abandoned"] == len(trace)
+
+
+def test_parallel_sampling_and_paced_fleets_are_refused() -> None:
     frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [16, 16], "output_tokens": [4, 4],
                           "session_id": ["a", "a"]})
     config = EngineConfig.from_flat(dict(client_timeout_s=30.0))
-    with pytest.raises(ValueError, match="--no-session-pacing"):
-        replay(trace_from_frame(frame, "s"), config, "unit")
+    with pytest.raises(ValueError, match="fleet with session pacing"):
+        replay(trace_from_frame(frame, "s"), config, "unit", fleet=FleetSpec(2))
     replay(trace_from_frame(frame, "s"), EngineConfig.from_flat(dict(client_timeout_s=30.0, session_pacing=False)),
-           "unit")
+           "unit", fleet=FleetSpec(2))
     frame = frame.drop(columns="session_id").assign(n=[1, 2])
     with pytest.raises(ValueError, match="parallel sampling"):
         replay(trace_from_frame(frame, "n"), config, "unit")
