@@ -22,9 +22,10 @@ processed, not when the step is scheduled, and an aborted request's KV is cached
 had cached it when it last allocated its blocks (a decoder's token in flight is not).
 
 In a fleet (`ReplicaClientFeed`) each replica aborts as one engine does, and the router routes
-the retries. With session pacing (`SessionClientFeed`, one engine) a conversation whose turn
-timed out for good ends: its later turns are never sent. Not modelled with P/D, data-parallel
-ranks or a fleet with session pacing; `check_supported` names the others that are not.
+the retries; data-parallel ranks likewise, their retries routed by vLLM's load balancer. With
+session pacing (`SessionClientFeed`, one engine) a conversation whose turn timed out for good
+ends: its later turns are never sent. Not modelled with P/D or with session pacing on several
+engines; `check_supported` names the others that are not.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ def check_supported(trace, config: EngineConfig, *, disaggregated: bool = False,
         why = "speculative decoding"
     elif disaggregated:
         why = "P/D disaggregation"
-    elif config.hardware.data_parallel_size > 1:
-        why = "data-parallel ranks (data_parallel_size > 1)"
     elif real_backend:
         why = "the gpu backend (simulated replays only)"
     elif config.cache.kv_offloading_size is not None:
@@ -102,6 +101,10 @@ class ClientDeadlines:
         chunk_ends = None if self.scheduler.async_scheduling else {  # (async: counted when scheduled)
             id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens for chunk in out.chunks}
         self._expire(now - 1, now, chunk_ends)
+
+    def expire_until(self, now: int) -> None:
+        """Give up on the attempts whose deadlines passed by tick `now` (a step boundary)."""
+        self._expire(now, now)
 
     def make_retry(self, row: int, attempt: int, tick: int) -> Request:
         """The row's request sent again: a new request to vLLM, arriving at `tick`."""

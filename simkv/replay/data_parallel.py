@@ -26,7 +26,7 @@ import simpy
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.replay.engine import ReplayEngine, ReplayError, ReplayRun
-from simkv.replay.fleet import FleetRouting, ReplicaFeed
+from simkv.replay.fleet import FleetRouting, ReplicaFeed, fleet_clients
 
 SNAPSHOT_INTERVAL_S = 0.1  # vLLM's DP coordinator publishes the ranks' counts every 100 ms
 
@@ -45,8 +45,10 @@ class DPBalancer:
 class DPRouting(FleetRouting):
     """A fleet's routing with vLLM's data-parallel load balancer instead of a router."""
 
-    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False) -> None:
-        super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing)
+    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False,
+                 clients=None) -> None:
+        super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing,
+                         clients=clients)
         self.snapshot = [[0, 0, 0.0] for _ in range(num_ranks)]  # waiting, running, KV cache usage
         self._snapshot_tick: int | None = None
         self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
@@ -83,10 +85,15 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     roofline built for that data parallelism)."""
     dp = config.hardware.data_parallel_size
     env = simpy.Environment()
-    routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing)
+    clients = fleet_clients(trace, config)
+    routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing,
+                        clients=clients)
     routing.on_reject = on_progress
 
     def feed_of(rank):
+        if clients is not None:
+            from simkv.replay.client_timeouts import ReplicaClientFeed
+            return lambda scheduler, log: ReplicaClientFeed(routing, rank, trace, scheduler, log, config)
         return lambda scheduler, log: ReplicaFeed(routing, rank, trace, scheduler, log, config.max_model_len)
 
     ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
@@ -162,6 +169,9 @@ def _take_arrivals(ranks: list[ReplayEngine], routing: DPRouting, now: int) -> N
     """A step boundary: every rank takes what arrived (routed on the snapshot before it), then
     the coordinator's snapshot may be taken."""
     for rank in ranks:
+        if rank._client is not None:  # (every rank's aborts first: a retry may be due at once, to any rank)
+            rank._client.expire_until(now)
+    for rank in ranks:
         rank.now = now
         rank.feed.deliver_until(now)
         if rank.feed.num_rejected != rank._num_rejected_reported:
@@ -200,6 +210,8 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
             if sync:
                 rank.scheduler.current_step = out.step
             continue
+        if rank._client is not None:  # (the aborts that arrived while it ran come before its output)
+            rank._client.expire_during_step(end, out)
         finished = rank.scheduler.update_from_output(out)
         rank.steps.add_step(out, start, duration)
         if finished:
@@ -215,4 +227,4 @@ def _sleep(env: simpy.Environment, ranks: list[ReplayEngine], now: int):
     woken = yield event
     for rank in ranks:
         rank._idle = None
-    return max(now, woken)
+    return now if woken is None else max(now, woken)  # (None: woken to end)

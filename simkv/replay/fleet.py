@@ -251,24 +251,31 @@ class ReplicaFeed(ArrivalFeed):
         return np.asarray(self._arrival_list, dtype=np.float64)
 
 
+def fleet_clients(trace, config):
+    """The clients of a fleet or of data-parallel ranks, if they give up and retry (None if not)."""
+    if not config.scheduler.has_client_timeouts:
+        return None
+    from simkv.replay.client_timeouts import FleetClients
+
+    if trace.session_id is not None and config.scheduler.session_pacing:
+        raise ValueError("client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with session "
+                         "pacing on several engines yet (give --no-session-pacing to replay the turns at the trace's "
+                         "times)")
+    return FleetClients(len(trace))
+
+
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
               use_decode_runs: bool = True, on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on len(backends) replicas (one backend each) behind `router`."""
     env = simpy.Environment()
-    clients = None
-    if config.scheduler.has_client_timeouts:  # (clients that give up and retry)
-        from simkv.replay.client_timeouts import FleetClients, ReplicaClientFeed
-        if trace.session_id is not None and config.scheduler.session_pacing:
-            raise ValueError("client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled in a fleet "
-                             "with session pacing yet (give --no-session-pacing to replay the turns at the trace's "
-                             "times)")
-        clients = FleetClients(len(trace))
+    clients = fleet_clients(trace, config)
     routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing,
                            clients=clients)
     routing.on_reject = on_progress
 
     def feed_of(replica):
         if clients is not None:
+            from simkv.replay.client_timeouts import ReplicaClientFeed
             return lambda scheduler, log: ReplicaClientFeed(routing, replica, trace, scheduler, log, config)
         return lambda scheduler, log: ReplicaFeed(routing, replica, trace, scheduler, log, config.max_model_len)
 

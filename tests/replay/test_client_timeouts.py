@@ -232,6 +232,25 @@ def test_fleet_decode_runs_change_no_bytes_with_retries(overloaded, router, asyn
     assert runs[0].summary["num_finished"] + client["timed_out_requests"] == len(trace)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_data_parallel_ranks_abort_and_their_balancer_routes_the_retries(async_scheduling) -> None:
+    """deepseek-v2-lite on two data-parallel ranks, the Azure slice sent within 4 s: clients that
+    give up after 10 s retry, each retry routed by vLLM's data-parallel load balancer; every
+    request ends finished or timed out, the same way twice."""
+    frame = trace_to_frame(read_trace(AZURE))
+    frame["arrival_time_s"] *= 0.002
+    trace = trace_from_frame(frame, "burst")
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, client_ttft_timeout_s=10.0,
+                                         client_max_retries=2, async_scheduling=async_scheduling))
+    res = replay(trace, config)
+    client = res.summary["client"]
+    assert client["retries"] > 300 and client["attempts"] == int(res.requests["attempts"].sum())
+    assert res.summary["num_finished"] + client["timed_out_requests"] == len(trace)
+    assert res.summary["data_parallel"]["data_parallel_size"] == 2
+    assert set(res.requests["replica"]) == {0, 1}
+    pd.testing.assert_frame_equal(replay(trace, config).requests, res.requests)
+
+
 def test_goodput_never_counts_a_timed_out_request(overloaded) -> None:
     from simkv.replay.goodput import goodput_summary
 
@@ -259,7 +278,6 @@ def test_bad_client_options(options, message) -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--model", "deepseek-v2-lite", "--data-parallel-size", "2"], "not modelled with data-parallel ranks"),
     (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "not modelled with speculative"),
     (["--kv-offloading-size", "1"], "not modelled with KV offloading"),
@@ -316,7 +334,7 @@ def test_parallel_sampling_and_paced_fleets_are_refused() -> None:
     frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [16, 16], "output_tokens": [4, 4],
                           "session_id": ["a", "a"]})
     config = EngineConfig.from_flat(dict(client_timeout_s=30.0))
-    with pytest.raises(ValueError, match="fleet with session pacing"):
+    with pytest.raises(ValueError, match="session pacing on several engines"):
         replay(trace_from_frame(frame, "s"), config, "unit", fleet=FleetSpec(2))
     replay(trace_from_frame(frame, "s"), EngineConfig.from_flat(dict(client_timeout_s=30.0, session_pacing=False)),
            "unit", fleet=FleetSpec(2))
