@@ -23,9 +23,9 @@ had cached it when it last allocated its blocks (a decoder's token in flight is 
 
 In a fleet (`ReplicaClientFeed`) each replica aborts as one engine does, and the router routes
 the retries; data-parallel ranks likewise, their retries routed by vLLM's load balancer. With
-session pacing (`SessionClientFeed`, one engine) a conversation whose turn timed out for good
-ends: its later turns are never sent. Not modelled with P/D or with session pacing on several
-engines; `check_supported` names the others that are not.
+session pacing (`SessionClientFeed`; on several engines, their router's pacing) a conversation
+whose turn timed out for good ends: its later turns are never sent. `check_supported` names
+what is not modelled yet.
 """
 
 from __future__ import annotations
@@ -255,9 +255,11 @@ class SessionClientFeed(ClientDeadlines, SessionFeed):
         """Give up on the attempts whose deadlines passed by tick `now`, then send what is due:
         turns and retries, in time order (a tie in row order)."""
         self._expire(now, now)
-        pacing, resends, ready = self.pacing, self._resends, self.pacing._ready
+        pacing, resends = self.pacing, self._resends
         while True:
-            due = ready[0] if ready and ready[0][0] <= now else None
+            due = pacing.peek()
+            if due is not None and due[0] > now:
+                due = None
             if resends and resends[0][0] <= now and (due is None or resends[0][:2] < due):
                 tick, row, attempt = heapq.heappop(resends)
                 self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
@@ -296,17 +298,25 @@ class SessionClientFeed(ClientDeadlines, SessionFeed):
 
 class FleetClients:
     """A fleet's clients, beside its router (simkv/replay/fleet.py): the attempts sent per row,
-    the retries waiting for their send time, and how many attempts in flight may still be resent
-    (the router is done only when none is)."""
+    the retries waiting for their send time, and how many attempts routed and not yet done may
+    still be resent (the router is done only when none is)."""
 
-    def __init__(self, num_rows: int) -> None:
+    def __init__(self, num_rows: int, max_retries: int) -> None:
         self.attempts = np.zeros(num_rows, dtype=np.int64)
         self.resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
+        self.max_retries = max_retries
         self.num_resendable = 0
+        self.abandoned: list[int] = []  # paced sessions: turns never sent (an earlier turn timed out)
 
     @property
     def settled(self) -> bool:
         return not self.resends and not self.num_resendable
+
+    def routed(self, attempt: int) -> None:
+        """Attempt number `attempt` of a row was routed to a replica (it is sent there at its
+        next step boundary)."""
+        if attempt < self.max_retries:
+            self.num_resendable += 1
 
 
 class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
@@ -354,6 +364,7 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
         self._expire(now, now)
         self.routing.route_until(now)
         queue, retries, ticks = self.queue, self.retry_queue, self._arrival_ticks
+        sessions = self.routing.sessions
         while True:
             row_due = queue and ticks[queue[0]] <= now
             if retries and retries[0][0] <= now and (not row_due or (retries[0][0], retries[0][1])
@@ -365,6 +376,8 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
                 self._send(self.make_request(row), row, ticks[row], 0)
             else:
                 return
+            if sessions is not None:  # (this replica could now release the row's next turn)
+                self.release_watch.delivered(sessions, row)
 
     def note_finished(self, finished: list[Request], tick: int) -> None:
         resendable = sum(request.may_resend for request in finished)
@@ -380,18 +393,24 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
 
     def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
         super()._send(request, row, tick, attempt)
-        if request.may_resend:
-            self.fleet_clients.num_resendable += 1
+        if request.may_resend:  # (counted as resendable when it was routed)
             for kind, timeout in enumerate(self._timeouts):
                 if timeout is not None:
                     heapq.heappush(self._resend_bounds, (tick + timeout + self.backoff_ticks(attempt), row, attempt,
                                                          kind))
 
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
-        self.routing.note_aborted(self.replica, now)
+        routing = self.routing
+        routing.note_aborted(self.replica, now)
+        if routing.sessions is not None:
+            self.release_watch.finished([request])  # (it releases nothing here now)
         super()._give_up(row, request, attempt, at, kind, now)  # (a retry: first in the router's queue)
         if request.may_resend:
             self._no_longer_resendable(1, now)
+        elif routing.sessions is not None:  # (for good: the conversation ends)
+            dropped = routing.end_session(row, now)
+            if self.on_timed_out is not None and dropped:
+                self.on_timed_out(len(dropped))  # (done with, for the progress bar)
 
     def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
         self.routing.resend(row, attempt, tick)

@@ -61,15 +61,15 @@ class FleetRouting:
 
     @property
     def all_routed(self) -> bool:
-        if self.sessions is not None:
-            return self.sessions.all_out
-        return self.next_index >= len(self._arrival_ticks) and (self.clients is None or self.clients.settled)
+        out = self.sessions.all_out if self.sessions is not None else self.next_index >= len(self._arrival_ticks)
+        return out and (self.clients is None or self.clients.settled)
 
     def next_unrouted_ticks(self) -> int | None:
         if self.sessions is not None:
-            return self.sessions.next_ticks()
-        i = self.next_index
-        nxt = self._arrival_ticks[i] if i < len(self._arrival_ticks) else None
+            nxt = self.sessions.next_ticks()
+        else:
+            i = self.next_index
+            nxt = self._arrival_ticks[i] if i < len(self._arrival_ticks) else None
         if self.clients is not None and self.clients.resends:
             resend = self.clients.resends[0][0]
             return resend if nxt is None or resend < nxt else nxt
@@ -92,6 +92,15 @@ class FleetRouting:
     def wake_router(self, tick: int) -> None:
         """Something the router waits for happened at `tick` (now)."""
         self._wake_for(tick)
+
+    def end_session(self, row: int, tick: int) -> list[int]:
+        """Sessions: `row`'s client gave up on it for good at `tick`: its session's later turns are
+        never sent (returned)."""
+        dropped = self.sessions.end_session(row)
+        self.clients.abandoned += dropped
+        if dropped and self.all_routed:
+            self._wake_for(tick)
+        return dropped
 
     def note_aborted(self, replica: int, tick: int) -> None:
         """The replica aborted a request at `tick`: it no longer counts there."""
@@ -153,20 +162,31 @@ class FleetRouting:
 
     def route_until(self, now: int) -> None:
         """Route every request that arrived by tick `now`."""
+        resends = self.clients.resends if self.clients is not None else None
         if self.sessions is not None:
-            for tick, i in self.sessions.pop_due(now):
-                self._route(i, tick)
-            return
+            if not resends:
+                for tick, i in self.sessions.pop_due(now):
+                    self._route(i, tick)
+                return
+            sessions = self.sessions
+            while True:  # (turns and retries in time order; a tie in row order)
+                due = sessions.peek()
+                if due is not None and due[0] > now:
+                    due = None
+                if resends and resends[0][0] <= now and (due is None or resends[0][:2] < due):
+                    self._route_retry(*heapq.heappop(resends))
+                elif due is not None:
+                    self._route(*reversed(sessions.pop_next()))
+                else:
+                    return
         ticks, n = self._arrival_ticks, len(self._arrival_ticks)
         i = self.next_index
-        resends = self.clients.resends if self.clients is not None else None
         while resends and resends[0][0] <= now:  # (retries and arrivals in time order; a tie in row order)
             if i < n and (ticks[i], i) < resends[0][:2]:
                 self._route(i, ticks[i])
                 i += 1
                 continue
-            tick, row, attempt = heapq.heappop(resends)
-            self.retry_queues[self.assign(row, tick)].append((tick, row, attempt))
+            self._route_retry(*heapq.heappop(resends))
         while i < n and ticks[i] <= now:
             self._route(i, ticks[i])
             i += 1
@@ -183,6 +203,13 @@ class FleetRouting:
                 self._wake_for(self.sessions.release(i, tick))
             return
         self.queues[self.assign(i, tick)].append(i)
+        if self.clients is not None:
+            self.clients.routed(0)
+
+    def _route_retry(self, tick: int, row: int, attempt: int) -> None:
+        """A client's retry, due at `tick`, goes to a replica as any arrival does."""
+        self.retry_queues[self.assign(row, tick)].append((tick, row, attempt))
+        self.clients.routed(attempt)
 
     def loads_at(self, tick: int) -> list[int]:
         """Each replica's requests in flight at `tick`: sent, less the finishes strictly before it."""
@@ -257,11 +284,7 @@ def fleet_clients(trace, config):
         return None
     from simkv.replay.client_timeouts import FleetClients
 
-    if trace.session_id is not None and config.scheduler.session_pacing:
-        raise ValueError("client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with session "
-                         "pacing on several engines yet (give --no-session-pacing to replay the turns at the trace's "
-                         "times)")
-    return FleetClients(len(trace))
+    return FleetClients(len(trace), config.scheduler.client_max_retries)
 
 
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
@@ -307,6 +330,8 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace,
         merged[column] = values
     rejected = assignment < 0
     merged.loc[rejected, "status"] = "rejected"
+    if routing.clients is not None and routing.clients.abandoned:  # (turns never sent: their sessions ended)
+        merged.loc[routing.clients.abandoned, "status"] = "abandoned"
     merged.insert(1, "replica", assignment)
     steps: dict[str, list] = {}
     for r, run in enumerate(runs):
@@ -397,6 +422,8 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         from simkv.replay.client_timeouts import client_section
         summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,
                                            [run.feed for run in runs])
+        if routing.sessions is not None:
+            summary["client"]["abandoned_turns"] = len(routing.clients.abandoned)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
                         "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
     return summary

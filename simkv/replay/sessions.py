@@ -85,6 +85,10 @@ class SessionPacing:
             self.num_out += 1
             yield heapq.heappop(ready)
 
+    def peek(self) -> tuple[int, int] | None:
+        """The next row due, as (tick, row), without handing it out (None: none is, until a release)."""
+        return self._ready[0] if self._ready else None
+
     def pop_next(self) -> tuple[int, int]:
         """The next row due, as (tick, row) (there must be one)."""
         self.num_out += 1

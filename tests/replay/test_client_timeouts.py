@@ -330,17 +330,68 @@ def test_decode_runs_change_no_bytes_with_paced_sessions_and_retries(tmp_path) -
     assert status["finished"] + status["timed_out"] + status["abandoned"] == len(trace)
 
 
-def test_parallel_sampling_and_paced_fleets_are_refused() -> None:
+def test_parallel_sampling_is_refused() -> None:
     frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [16, 16], "output_tokens": [4, 4],
-                          "session_id": ["a", "a"]})
-    config = EngineConfig.from_flat(dict(client_timeout_s=30.0))
-    with pytest.raises(ValueError, match="session pacing on several engines"):
-        replay(trace_from_frame(frame, "s"), config, "unit", fleet=FleetSpec(2))
-    replay(trace_from_frame(frame, "s"), EngineConfig.from_flat(dict(client_timeout_s=30.0, session_pacing=False)),
-           "unit", fleet=FleetSpec(2))
-    frame = frame.drop(columns="session_id").assign(n=[1, 2])
+                          "n": [1, 2]})
     with pytest.raises(ValueError, match="parallel sampling"):
-        replay(trace_from_frame(frame, "n"), config, "unit")
+        replay(trace_from_frame(frame, "n"), EngineConfig.from_flat(dict(client_timeout_s=30.0)), "unit")
+
+
+def _conversations(sessions: int, rate: float):
+    from simkv.traces.arrivals import ArrivalProcess
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    return multi_turn(SessionShape(sessions=sessions, turns=4), seed=3, arrival=ArrivalProcess("poisson", rate))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_one_replica_fleet_paces_conversations_as_one_engine(async_scheduling) -> None:
+    """The router's session pacing, its routed retries and its ended conversations against one
+    engine's, past capacity: every request's values equal."""
+    from simkv.backends.factory import make_backend
+    from simkv.capacity import compute_capacity
+    from simkv.replay.fleet import fleet_tables, run_fleet
+    from simkv.replay.router import Router
+
+    trace = _conversations(1200, 30.0)
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2,
+                                         async_scheduling=async_scheduling))
+    one = replay(trace, config)
+    capacity = compute_capacity(config)
+    runs, routing = run_fleet(trace, config, [make_backend("roofline", config)], capacity.num_gpu_blocks,
+                              Router("round_robin", 1), capacity)
+    requests = fleet_tables(runs, routing, trace)[0].drop(columns="replica")
+    pd.testing.assert_frame_equal(requests, one.requests)
+    assert one.summary["client"]["abandoned_turns"] == len(routing.clients.abandoned) > 100
+
+
+def test_fleet_decode_runs_change_no_bytes_with_paced_conversations() -> None:
+    """Three replicas, conversations at 90 a second: decode runs stop before any turn or retry
+    some replica could release, so jumping over them changes nothing."""
+    trace = _conversations(3600, 90.0)
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2))
+    fleet = FleetSpec(3, "least_outstanding")
+    runs = [replay(trace, config, fleet=fleet, use_decode_runs=flag) for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    client = runs[0].summary["client"]
+    assert client == runs[1].summary["client"] and client["retries"] > 500 and client["abandoned_turns"] > 100
+    status = runs[0].requests["status"].value_counts()
+    assert status["finished"] + status["timed_out"] + status["abandoned"] == len(trace) == status.sum()
+
+
+def test_data_parallel_ranks_pace_conversations_with_clients_that_give_up() -> None:
+    from simkv.traces.arrivals import ArrivalProcess
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=3000, turns=4, think_time_s=1.0), seed=3,
+                       arrival=ArrivalProcess("poisson", 3000.0))
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, client_ttft_timeout_s=10.0,
+                                         client_max_retries=2))
+    res = replay(trace, config)
+    client = res.summary["client"]
+    assert client["retries"] > 500 and client["abandoned_turns"] > 50
+    status = res.requests["status"].value_counts()
+    assert status["finished"] + status["timed_out"] + status["abandoned"] == len(trace) == status.sum()
 
 
 def test_cli_reports_the_clients(overloaded, tmp_path) -> None:
