@@ -194,22 +194,29 @@ def test_a_one_replica_fleet_replays_as_one_engine(overloaded, async_scheduling)
     """The fleet's clients (retries routed by the router) against one engine's, on the same
     overloaded trace: every request's values equal, with back-offs of 0 s too (a retry due
     before its attempt's abort is taken is routed when it is)."""
+    trace = read_trace(overloaded)
+    for options in (dict(client_ttft_timeout_s=10.0, client_max_retries=2),
+                    dict(client_timeout_s=20.25, client_max_retries=1, client_retry_backoff_s=0.0)):
+        one, _ = _one_replica_fleet_as_one_engine(trace, options | dict(async_scheduling=async_scheduling))
+        assert one.summary["client"]["retries"] > 500
+
+
+def _one_replica_fleet_as_one_engine(trace, options: dict):
+    """Replay `trace` on one engine and on a fleet of one replica; assert every request's values
+    equal. Returns the engine's result and the fleet's routing."""
     from simkv.backends.factory import make_backend
     from simkv.capacity import compute_capacity
     from simkv.replay.fleet import fleet_tables, run_fleet
     from simkv.replay.router import Router
 
-    trace = read_trace(overloaded)
-    for options in (dict(client_ttft_timeout_s=10.0, client_max_retries=2),
-                    dict(client_timeout_s=20.25, client_max_retries=1, client_retry_backoff_s=0.0)):
-        config = EngineConfig.from_flat(options | dict(async_scheduling=async_scheduling))
-        one = replay(trace, config)
-        capacity = compute_capacity(config)
-        runs, routing = run_fleet(trace, config, [make_backend("roofline", config)], capacity.num_gpu_blocks,
-                                  Router("round_robin", 1), capacity)
-        requests = fleet_tables(runs, routing, trace)[0].drop(columns="replica")
-        pd.testing.assert_frame_equal(requests, one.requests)
-        assert one.summary["client"]["retries"] > 500
+    config = EngineConfig.from_flat(options)
+    one = replay(trace, config)
+    capacity = compute_capacity(config)
+    runs, routing = run_fleet(trace, config, [make_backend("roofline", config)], capacity.num_gpu_blocks,
+                              Router("round_robin", 1), capacity)
+    requests = fleet_tables(runs, routing, trace)[0].drop(columns="replica")
+    pd.testing.assert_frame_equal(requests, one.requests)
+    return one, routing
 
 
 @pytest.mark.parametrize("router", ["round_robin", "least_outstanding"])
@@ -348,20 +355,8 @@ def _conversations(sessions: int, rate: float):
 def test_a_one_replica_fleet_paces_conversations_as_one_engine(async_scheduling) -> None:
     """The router's session pacing, its routed retries and its ended conversations against one
     engine's, past capacity: every request's values equal."""
-    from simkv.backends.factory import make_backend
-    from simkv.capacity import compute_capacity
-    from simkv.replay.fleet import fleet_tables, run_fleet
-    from simkv.replay.router import Router
-
-    trace = _conversations(1200, 30.0)
-    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2,
-                                         async_scheduling=async_scheduling))
-    one = replay(trace, config)
-    capacity = compute_capacity(config)
-    runs, routing = run_fleet(trace, config, [make_backend("roofline", config)], capacity.num_gpu_blocks,
-                              Router("round_robin", 1), capacity)
-    requests = fleet_tables(runs, routing, trace)[0].drop(columns="replica")
-    pd.testing.assert_frame_equal(requests, one.requests)
+    one, routing = _one_replica_fleet_as_one_engine(_conversations(1200, 30.0), dict(
+        client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2, async_scheduling=async_scheduling))
     assert one.summary["client"]["abandoned_turns"] == len(routing.clients.abandoned) > 100
 
 
