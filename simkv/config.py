@@ -131,11 +131,15 @@ class SchedulerConfig:
     # Clients that give up (simkv/replay/client_timeouts.py): a request without its first token
     # `client_ttft_timeout_s` after it was sent, or unfinished `client_timeout_s` after, is
     # abandoned, and vLLM aborts it; the client sends it again up to `client_max_retries` times,
-    # waiting `client_retry_backoff_s` before the first retry and twice as long before each next.
+    # waiting `client_retry_backoff_s` before the first retry and twice as long before each next,
+    # at most `client_retry_max_backoff_s`, shortened by up to the fraction `client_retry_jitter`
+    # (the OpenAI client: 0.5 s, 8 s, 0.25).
     client_ttft_timeout_s: float | None = None
     client_timeout_s: float | None = None
     client_max_retries: int = 0
     client_retry_backoff_s: float = 0.5
+    client_retry_max_backoff_s: float | None = None
+    client_retry_jitter: float = 0.0
     # vLLM's --enable-lora / --max-loras: a request naming an adapter (the trace's lora_name) is
     # admitted only while at most max_loras distinct adapters run in the batch.
     enable_lora: bool = False
@@ -151,6 +155,10 @@ class SchedulerConfig:
             raise ConfigError(f"client_max_retries must be >= 0, got {self.client_max_retries}")
         if self.client_retry_backoff_s < 0:
             raise ConfigError(f"client_retry_backoff_s must be >= 0, got {self.client_retry_backoff_s}")
+        if self.client_retry_max_backoff_s is not None and not self.client_retry_max_backoff_s > 0:
+            raise ConfigError(f"client_retry_max_backoff_s must be > 0, got {self.client_retry_max_backoff_s}")
+        if not 0 <= self.client_retry_jitter < 1:
+            raise ConfigError(f"client_retry_jitter must be in [0, 1), got {self.client_retry_jitter}")
         if self.client_max_retries and not self.has_client_timeouts:
             raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
                               "client_ttft_timeout_s too")
@@ -787,6 +795,8 @@ class EngineConfig:
         if not self.scheduler.has_client_timeouts:  # (likewise)
             for key in ("client_ttft_timeout_s", "client_timeout_s", "client_max_retries", "client_retry_backoff_s"):
                 del out[key]
+        if self.scheduler.client_retry_max_backoff_s is None and not self.scheduler.client_retry_jitter:  # (likewise)
+            del out["client_retry_max_backoff_s"], out["client_retry_jitter"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager

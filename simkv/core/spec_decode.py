@@ -33,7 +33,7 @@ from simkv.core.request import Request, RequestStatus
 _M64 = (1 << 64) - 1
 
 
-def _mix64(x: int) -> int:
+def mix64(x: int) -> int:
     """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
     x = (x + 0x9E3779B97F4A7C15) & _M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -47,13 +47,13 @@ class AcceptanceModel:
     def __init__(self, rates: tuple[float, ...], seed: int) -> None:
         # Accept draft i iff its 53-bit draw is below rates[i] * 2**53 (exact integer compare).
         self.thresholds = [int(r * (1 << 53)) for r in rates]
-        self.seed = _mix64(seed & _M64)
+        self.seed = mix64(seed & _M64)
 
     def num_accepted(self, request_index: int, position: int, num_drafts: int) -> int:
         # A splitmix64 stream per (request, output position), its start hashed from both;
         # the mixing is inlined (a replay draws for every verifying request of every step).
         thresholds = self.thresholds
-        z = _mix64(self.seed ^ ((request_index << 32) | position))
+        z = mix64(self.seed ^ ((request_index << 32) | position))
         for i in range(num_drafts):
             z = (z + 0x9E3779B97F4A7C15) & _M64
             x = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64

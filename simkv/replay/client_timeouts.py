@@ -10,9 +10,10 @@ even if the step computed its first or last token (computed, never delivered). A
 when the step that sampled it ends, so one at the deadline itself is in time.
 
 A client with retries left sends the same request again `client_retry_backoff_s` after it gave
-up, and twice as long after each later give-up (the OpenAI client's exponential back-off, without
-its jitter). The new attempt is a new request to vLLM, arriving then, and its prompt finds the
-blocks the abandoned attempt left in the prefix cache. A request's latencies count from its
+up, and twice as long after each later give-up (the OpenAI client's exponential back-off;
+`client_retry_max_backoff_s` caps it and `client_retry_jitter` shortens each wait by a draw of
+up to that fraction, as that client does). The new attempt is a new request to vLLM, arriving
+then, and its prompt finds the blocks the abandoned attempt left in the prefix cache. A request's latencies count from its
 first send, which is what its user waits; a request whose last attempt is abandoned is
 `timed_out`.
 
@@ -38,6 +39,7 @@ from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
+from simkv.core.spec_decode import mix64
 from simkv.replay.engine import ArrivalFeed
 from simkv.replay.fleet import ReplicaFeed
 from simkv.replay.sessions import SessionFeed
@@ -157,15 +159,23 @@ class ClientDeadlines:
             self.num_aborted_after_prefill += 1
         self.abandoned_output_tokens += max(request.num_output_tokens, computed - prompt + 1)
         if attempt < self.max_retries:
-            self._resend(row, attempt + 1, at + self.backoff_ticks(attempt), now)
+            self._resend(row, attempt + 1, at + self.backoff_ticks(row, attempt), now)
             return
         self.request_log.time_out(row)
         if self.on_timed_out is not None:
             self.on_timed_out(1)
 
-    def backoff_ticks(self, attempt: int) -> int:
-        """How long the client waits after giving up on attempt number `attempt` (0: the first)."""
-        return to_ticks(self.clients.client_retry_backoff_s * 2 ** attempt)
+    def backoff_ticks(self, row: int, attempt: int) -> int:
+        """How long `row`'s client waits after giving up on attempt number `attempt` (0: the
+        first): the back-off doubled per attempt, at most the cap, less its jitter (a draw
+        hashed from the row and the attempt, so the same in every replay and every order)."""
+        sc = self.clients
+        delay = sc.client_retry_backoff_s * 2 ** attempt
+        if sc.client_retry_max_backoff_s is not None:
+            delay = min(delay, sc.client_retry_max_backoff_s)
+        if sc.client_retry_jitter:
+            delay *= 1.0 - sc.client_retry_jitter * (mix64((row << 16) | attempt) >> 11) / (1 << 53)
+        return to_ticks(delay)
 
     def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
         raise NotImplementedError
@@ -396,8 +406,8 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
         if request.may_resend:  # (counted as resendable when it was routed)
             for kind, timeout in enumerate(self._timeouts):
                 if timeout is not None:
-                    heapq.heappush(self._resend_bounds, (tick + timeout + self.backoff_ticks(attempt), row, attempt,
-                                                         kind))
+                    bound = tick + timeout + self.backoff_ticks(row, attempt)
+                    heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
 
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         routing = self.routing
@@ -423,6 +433,8 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
     return {
         "ttft_timeout_s": sc.client_ttft_timeout_s, "timeout_s": sc.client_timeout_s,
         "max_retries": sc.client_max_retries, "retry_backoff_s": sc.client_retry_backoff_s,
+        **({"retry_max_backoff_s": sc.client_retry_max_backoff_s, "retry_jitter": sc.client_retry_jitter}
+           if sc.client_retry_max_backoff_s is not None or sc.client_retry_jitter else {}),
         "attempts": int(attempts.sum()), "retries": int(np.maximum(attempts - 1, 0).sum()),
         "aborted": sum(abandoned), "aborted_by_deadline": dict(zip(_KINDS, abandoned)),
         "aborted_after_prefill": sum(f.num_aborted_after_prefill for f in feeds),

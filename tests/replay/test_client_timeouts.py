@@ -134,6 +134,48 @@ def test_under_async_scheduling_a_first_token_counts_when_its_step_output_is_pro
     assert in_time.requests["status"].tolist() == ["finished"]
 
 
+def _send_times(monkeypatch, trace, **options) -> dict[int, list[float]]:
+    """Per trace row, the times its client sent its attempts."""
+    from simkv.clock import TICKS_PER_SECOND
+    from simkv.replay import client_timeouts
+
+    sends: dict[int, list[float]] = {}
+    send = client_timeouts.ClientDeadlines._send
+
+    def logged(feed, request, row, tick, attempt):
+        sends.setdefault(row, []).append(tick / TICKS_PER_SECOND)
+        send(feed, request, row, tick, attempt)
+    with monkeypatch.context() as m:
+        m.setattr(client_timeouts.ClientDeadlines, "_send", logged)
+        _replay(trace, max_num_seqs=1, client_ttft_timeout_s=2.0, client_max_retries=5, **options)
+    return sends
+
+
+def test_retry_waits_double_up_to_their_cap(monkeypatch) -> None:
+    """Row 0 holds the only seat until 200 s; row 1's client gives up 2 s after each send and
+    waits 1, 2, then 3 s (the cap) before each retry."""
+    sends = _send_times(monkeypatch, _trace([(0.0, 16, 200), (0.5, 16, 2)]), client_retry_backoff_s=1.0,
+                        client_retry_max_backoff_s=3.0)
+    assert sends[1] == [0.5, 3.5, 7.5, 12.5, 17.5, 22.5]
+
+
+def test_retry_waits_are_jittered_the_same_way_every_time(monkeypatch) -> None:
+    """With jitter 0.25 each wait is between 75 % and 100 % of the unjittered one, differs between
+    requests, and is the same in every replay."""
+    trace = _trace([(0.0, 16, 400)] + [(0.5 + 0.01 * k, 16, 2) for k in range(8)])
+    runs = [_send_times(monkeypatch, trace, client_retry_jitter=0.25) for _ in range(2)]
+    assert runs[0] == runs[1]
+    waits = []
+    for row in range(1, 9):
+        times = runs[0][row]
+        for attempt in range(1, len(times)):
+            wait = times[attempt] - (times[attempt - 1] + 2.0)
+            nominal = 0.5 * 2 ** (attempt - 1)
+            assert 0.75 * nominal - 1e-9 <= wait <= nominal + 1e-9
+            waits.append(wait / nominal)
+    assert len(waits) == 40 and len(set(round(w, 9) for w in waits)) == 40
+
+
 @pytest.fixture(scope="module")
 def overloaded(tmp_path_factory) -> Path:
     """The Azure slice at 12.5 times its rate: one H100 serves about half of it."""
@@ -278,6 +320,8 @@ def test_without_timeouts_outputs_are_as_before() -> None:
     (dict(client_max_retries=2), "give client_timeout_s or client_ttft_timeout_s"),
     (dict(client_timeout_s=5.0, client_max_retries=-1), "client_max_retries must be >= 0"),
     (dict(client_timeout_s=5.0, client_retry_backoff_s=-1.0), "client_retry_backoff_s must be >= 0"),
+    (dict(client_timeout_s=5.0, client_retry_max_backoff_s=0.0), "client_retry_max_backoff_s must be > 0"),
+    (dict(client_timeout_s=5.0, client_retry_jitter=1.0), r"client_retry_jitter must be in \[0, 1\)"),
 ])
 def test_bad_client_options(options, message) -> None:
     with pytest.raises(ConfigError, match=message):
