@@ -445,6 +445,20 @@ def test_cli_reports_the_clients(overloaded, tmp_path) -> None:
     assert set(requests["status"]) == {"finished", "timed_out"} and requests["attempts"].max() == 2
 
 
+def test_goodput_checks_fleets_whose_clients_give_up(tmp_path) -> None:
+    """`simkv goodput --target-rate` replays fleets of the replicas it found, with the clients'
+    time-outs and retries: a timed-out request is never good there either."""
+    trace = tmp_path / "head.parquet"
+    cli_ok(["trace", "transform", str(AZURE), "--head", "300", "--out", str(trace)])
+    cli_ok(["goodput", str(trace), "--goodput", "ttft:2000", "--max-num-seqs", "32", "--cost-model", "linear",
+            "--attainment", "0.95", "--tolerance", "0.05", "--target-rate", "40", "--client-ttft-timeout", "2",
+            "--client-max-retries", "1", "--out", str(tmp_path / "g")])
+    record = json.loads((tmp_path / "g" / "goodput.json").read_text())
+    assert record["config"]["client_ttft_timeout_s"] == 2.0 and record["config"]["client_max_retries"] == 1
+    probes = record["fleet_check"]["probes"]
+    assert any(p["met"] for p in probes) and any(not p["met"] for p in probes)
+
+
 def test_abort_request_leaves_finished_requests_alone() -> None:
     from tests.core.helpers import drive, make_config, make_request
 
