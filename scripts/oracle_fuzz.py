@@ -204,9 +204,9 @@ class AttemptLog:
             log.sends.append((row, request.request_id, tick))
             send(feed, request, row, tick, attempt)
 
-        def logged_give_up(feed, row, request, attempt, at, kind):
+        def logged_give_up(feed, row, request, attempt, at, kind, now):
             log.aborts[request.request_id] = at
-            give_up(feed, row, request, attempt, at, kind)
+            give_up(feed, row, request, attempt, at, kind, now)
         ClientTimeoutFeed._send, ClientTimeoutFeed._give_up = logged_send, logged_give_up
         self._restore = (send, give_up)
 
