@@ -119,7 +119,8 @@ class FleetRouting:
         self._wake_for(self.sessions.release_finished(finished, tick))
 
     def _wake_for(self, due: int | None) -> None:
-        """Sessions: a turn became due at `due`; the router, asleep until a later arrival, wakes."""
+        """A turn (sessions) or a retry (clients) became due at `due`, or the router's work ended;
+        the router, asleep until a later arrival, wakes."""
         if due is not None and self._wake is not None and not self._wake.triggered and (
                 self._sleep_until is None or due < self._sleep_until):
             self._wake.succeed()
