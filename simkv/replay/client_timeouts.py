@@ -181,108 +181,115 @@ class ClientDeadlines:
         raise NotImplementedError
 
 
-class ClientTimeoutFeed(ClientDeadlines, ArrivalFeed):
-    """The trace's arrivals, sent to one engine by clients that give up and retry. Retries are
-    arrivals, and deadlines events like them: `next_arrival_ticks` names the earliest, so decode
-    runs stop at them (and `next_deadline_ticks` the earliest deadline: a step during which one
-    passes runs alone). `expire_during_step` takes the aborts of deadlines that passed during a
-    step, before its output is processed; `deliver_until` those at the step boundary, then the
-    sends."""
+class OneEngineClients(ClientDeadlines):
+    """Mixed into one engine's feed: its clients' retries wait here until their send times.
+    Retries are arrivals, and deadlines events like them: `next_arrival_ticks` names the
+    earliest, so decode runs stop at them (and `next_deadline_ticks` the earliest deadline: a
+    step during which one passes runs alone). `expire_during_step` takes the aborts of deadlines
+    that passed during a step, before its output is processed; `deliver_until` those at the step
+    boundary, then the sends: first attempts (`_peek_first`, `_send_first`) and retries, in time
+    order (a tie in row order)."""
 
-    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig,
-                 rows=None) -> None:
-        super().__init__(trace, scheduler, request_log, config.max_model_len, rows)
-        self._init_clients(config, np.zeros(len(trace), dtype=np.int64))
+    def _init_one_engine(self, config: EngineConfig, num_rows: int) -> None:
+        self._init_clients(config, np.zeros(num_rows, dtype=np.int64))
         self._resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
 
     @property
     def exhausted(self) -> bool:
-        return self.next_index >= len(self.arrivals) and not self._resends
+        return self._all_first_sent() and not self._resends
 
     def next_arrival_ticks(self) -> int | None:
         """The next send or deadline."""
-        candidates = [t for t in (super().next_arrival_ticks(), self._resends[0][0] if self._resends else None,
+        first = self._peek_first()
+        candidates = [t for t in (first[0] if first is not None else None,
+                                  self._resends[0][0] if self._resends else None,
                                   self.next_deadline_ticks()) if t is not None]
         return min(candidates) if candidates else None
 
     def deliver_until(self, now: int) -> None:
-        """Give up on the attempts whose deadlines passed by tick `now`, then send what is due:
-        the trace's rows and the retries, in time order (a tie in row order)."""
         self._expire(now, now)
-        arrivals, resends = self._arrival_ticks, self._resends
-        n = len(arrivals)
+        resends = self._resends
         while True:
-            i = self.next_index
-            row_tick = arrivals[i] if i < n else None
-            if resends and resends[0][0] <= now and (row_tick is None or row_tick > now
-                                                     or (resends[0][0], resends[0][1]) < (row_tick, i)):
-                tick, row, attempt = heapq.heappop(resends)
-                self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
-            elif row_tick is not None and row_tick <= now:
-                self._deliver(i)
-                self.next_index = i + 1
-            else:
-                return
-
-    def _deliver(self, i: int) -> None:
-        self.attempts[i] = 1
-        if self._prompt_list[i] >= self.max_model_len:
-            super()._deliver(i)  # (rejected, as vLLM's front end refuses it)
-            return
-        self._send(self.make_request(i), i, self._arrival_ticks[i], 0)
-
-    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
-        heapq.heappush(self._resends, (tick, row, attempt))
-
-    def client_summary(self, requests) -> dict:
-        """summary.json's `client` section."""
-        return client_section(self.clients, self.attempts, requests, [self])
-
-
-class SessionClientFeed(ClientDeadlines, SessionFeed):
-    """One engine's conversations (session pacing), sent by clients that give up and retry. A
-    turn's retries are sent as one engine's clients send them; a turn that finishes releases the
-    next, as without time-outs; a turn whose client gave up for good ends its conversation: the
-    later turns are never sent (status `abandoned`)."""
-
-    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig) -> None:
-        super().__init__(trace, scheduler, request_log, config.max_model_len)
-        self._init_clients(config, np.zeros(len(trace), dtype=np.int64))
-        self._resends: list[tuple[int, int, int]] = []  # (tick, row, attempt number)
-        self.num_abandoned_turns = 0
-
-    @property
-    def exhausted(self) -> bool:
-        return self.pacing.all_out and not self._resends
-
-    def next_arrival_ticks(self) -> int | None:
-        """The next send or deadline."""
-        candidates = [t for t in (self.pacing.next_ticks(), self._resends[0][0] if self._resends else None,
-                                  self.next_deadline_ticks()) if t is not None]
-        return min(candidates) if candidates else None
-
-    def deliver_until(self, now: int) -> None:
-        """Give up on the attempts whose deadlines passed by tick `now`, then send what is due:
-        turns and retries, in time order (a tie in row order)."""
-        self._expire(now, now)
-        pacing, resends = self.pacing, self._resends
-        while True:
-            due = pacing.peek()
+            due = self._peek_first()
             if due is not None and due[0] > now:
                 due = None
             if resends and resends[0][0] <= now and (due is None or resends[0][:2] < due):
                 tick, row, attempt = heapq.heappop(resends)
                 self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
             elif due is not None:
-                tick, i = pacing.pop_next()
-                self.attempts[i] = 1
-                if self._prompt_list[i] >= self.max_model_len:
-                    ArrivalFeed._deliver(self, i)  # (rejected, as vLLM's front end refuses it: done with)
-                    pacing.release(i, tick)
-                else:
-                    self._send(self.make_request(i), i, tick, 0)
+                self._send_first(*due)
             else:
                 return
+
+    def _send_or_reject(self, row: int, tick: int) -> bool:
+        """The row's first attempt: sent at `tick`, or (False) rejected, as vLLM's front end
+        refuses a prompt of max_model_len tokens or more."""
+        self.attempts[row] = 1
+        if self._prompt_list[row] >= self.max_model_len:
+            ArrivalFeed._deliver(self, row)
+            return False
+        self._send(self.make_request(row), row, tick, 0)
+        return True
+
+    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
+        heapq.heappush(self._resends, (tick, row, attempt))
+
+    def client_summary(self, requests) -> dict:
+        """summary.json's `client` section."""
+        return client_section(self.clients, self.attempts, requests, [self], isinstance(self, SessionFeed))
+
+    # (the feed's first attempts)
+    def _peek_first(self) -> tuple[int, int] | None:
+        """The next first attempt, as (tick, row) (None: none is due, for now or at all)."""
+        raise NotImplementedError
+
+    def _send_first(self, tick: int, row: int) -> None:
+        raise NotImplementedError
+
+    def _all_first_sent(self) -> bool:
+        raise NotImplementedError
+
+
+class ClientTimeoutFeed(OneEngineClients, ArrivalFeed):
+    """The trace's arrivals, sent to one engine by clients that give up and retry."""
+
+    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig,
+                 rows=None) -> None:
+        super().__init__(trace, scheduler, request_log, config.max_model_len, rows)
+        self._init_one_engine(config, len(trace))
+
+    def _peek_first(self) -> tuple[int, int] | None:
+        i = self.next_index
+        return (self._arrival_ticks[i], i) if i < len(self._arrival_ticks) else None
+
+    def _send_first(self, tick: int, row: int) -> None:
+        self.next_index = row + 1
+        self._send_or_reject(row, tick)
+
+    def _all_first_sent(self) -> bool:
+        return self.next_index >= len(self._arrival_ticks)
+
+
+class SessionClientFeed(OneEngineClients, SessionFeed):
+    """One engine's conversations (session pacing), sent by clients that give up and retry. A
+    turn's retries are sent as one engine's clients send them; a turn that finishes (or is
+    rejected) releases the next, as without time-outs; a turn whose client gave up for good ends
+    its conversation: the later turns are never sent (status `abandoned`)."""
+
+    def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig) -> None:
+        super().__init__(trace, scheduler, request_log, config.max_model_len)
+        self._init_one_engine(config, len(trace))
+
+    def _peek_first(self) -> tuple[int, int] | None:
+        return self.pacing.peek()
+
+    def _send_first(self, tick: int, row: int) -> None:
+        self.pacing.pop_next()
+        if not self._send_or_reject(row, tick):
+            self.pacing.release(row, tick)  # (a rejected turn is done with at once)
+
+    def _all_first_sent(self) -> bool:
+        return self.pacing.all_out
 
     def note_finished(self, finished: list[Request], tick: int) -> None:
         ClientDeadlines.note_finished(self, finished, tick)
@@ -294,16 +301,8 @@ class SessionClientFeed(ClientDeadlines, SessionFeed):
             dropped = self.pacing.end_session(row)
             for later in dropped:
                 self.request_log.abandon(later)
-            self.num_abandoned_turns += len(dropped)
             if self.on_timed_out is not None and dropped:
                 self.on_timed_out(len(dropped))  # (done with, for the progress bar)
-
-    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
-        heapq.heappush(self._resends, (tick, row, attempt))
-
-    def client_summary(self, requests) -> dict:
-        return client_section(self.clients, self.attempts, requests, [self]) | {
-            "abandoned_turns": self.num_abandoned_turns}
 
 
 class FleetClients:
@@ -426,8 +425,9 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
         self.routing.resend(row, attempt, tick)
 
 
-def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlines]) -> dict:
-    """summary.json's `client` section, over the engines whose `feeds` these are."""
+def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlines], paced: bool = False) -> dict:
+    """summary.json's `client` section, over the engines whose `feeds` these are (`paced`:
+    conversations that a time-out ends, and the turns they never sent)."""
     status = requests["status"].to_numpy()
     abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E)]
     return {
@@ -441,7 +441,7 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
         "abandoned_output_tokens": int(sum(f.abandoned_output_tokens for f in feeds)),
         "timed_out_requests": int((status == "timed_out").sum()),
         "finished_after_retries": int(((status == "finished") & (attempts > 1)).sum()),
-    }
+    } | ({"abandoned_turns": int((status == "abandoned").sum())} if paced else {})
 
 
 def client_row(section: dict) -> tuple[str, str]:

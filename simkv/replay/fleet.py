@@ -165,10 +165,6 @@ class FleetRouting:
         """Route every request that arrived by tick `now`."""
         resends = self.clients.resends if self.clients is not None else None
         if self.sessions is not None:
-            if not resends:
-                for tick, i in self.sessions.pop_due(now):
-                    self._route(i, tick)
-                return
             sessions = self.sessions
             while True:  # (turns and retries in time order; a tie in row order)
                 due = sessions.peek()
@@ -177,7 +173,8 @@ class FleetRouting:
                 if resends and resends[0][0] <= now and (due is None or resends[0][:2] < due):
                     self._route_retry(*heapq.heappop(resends))
                 elif due is not None:
-                    self._route(*reversed(sessions.pop_next()))
+                    tick, i = sessions.pop_next()
+                    self._route(i, tick)
                 else:
                     return
         ticks, n = self._arrival_ticks, len(self._arrival_ticks)
@@ -422,9 +419,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     if routing.clients is not None:
         from simkv.replay.client_timeouts import client_section
         summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,
-                                           [run.feed for run in runs])
-        if routing.sessions is not None:
-            summary["client"]["abandoned_turns"] = len(routing.clients.abandoned)
+                                           [run.feed for run in runs], routing.sessions is not None)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
                         "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
     return summary

@@ -59,12 +59,14 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
     client = summary.get("client")
-    outcomes = ["finished", "rejected"] + (["timed out"] if client else []) + (
-        ["abandoned"] if client and "abandoned_turns" in client else [])
-    counts = [summary["num_finished"], summary["num_rejected"]] + ([client["timed_out_requests"]] if client else []) + (
-        [client["abandoned_turns"]] if client and "abandoned_turns" in client else [])
+    outcomes = {"finished": summary["num_finished"], "rejected": summary["num_rejected"]}
+    if client:
+        outcomes["timed out"] = client["timed_out_requests"]
+        if "abandoned_turns" in client:
+            outcomes["abandoned"] = client["abandoned_turns"]
     rows = head + [
-        (f"requests ({' / '.join(outcomes)})", f"{summary['num_requests']:,} ({' / '.join(f'{c:,}' for c in counts)})"),
+        (f"requests ({' / '.join(outcomes)})",
+         f"{summary['num_requests']:,} ({' / '.join(f'{c:,}' for c in outcomes.values())})"),
         ("simulated duration", f"{summary['duration_s']:,.2f} s in {summary['num_steps']:,} "
                                f"{'decode-pool ' if pd else ''}steps"),
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
