@@ -178,17 +178,10 @@ def compute_capacity(config: EngineConfig) -> Capacity:
 
 def lora_slot_bytes(spec, tensor_parallel_size: int, max_lora_rank: int) -> int | None:
     """GPU memory of one LoRA slot on one GPU: vLLM 0.33 allocates, for every linear layer of the
-    decoder layers, `max_loras` stacked buffers A (rank x input) and B (output x rank) in the
-    model's dtype, the tensor-parallel side sharded (column-parallel q/k/v and gate/up: the
-    outputs; row-parallel o and down: the inputs). Dense decoders with standard attention only
-    (None otherwise: not modelled); embeddings and the LM head take no LoRA by default."""
-    if spec.is_moe or spec.is_mla or spec.linear_attention or spec.layer_pattern:
+    decoder layers (`ModelSpec.lora_linear_shapes`), `max_loras` stacked buffers A (rank x input)
+    and B (output x rank) in the model's dtype (bf16). None where the shapes are not modelled;
+    embeddings and the LM head take no LoRA by default."""
+    shapes = spec.lora_linear_shapes(tensor_parallel_size)
+    if shapes is None:
         return None
-    tp = tensor_parallel_size
-    h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
-        spec.intermediate_size
-    per_layer = ((h + q // tp) + 2 * (h + kv // tp)  # q, k, v (column-parallel slices)
-                 + (q // tp + h)  # o (row-parallel)
-                 + 2 * (h + inter // tp)  # gate, up
-                 + (inter // tp + h))  # down
-    return 2 * max_lora_rank * per_layer * spec.num_layers
+    return 2 * max_lora_rank * sum(i + o for i, o in shapes) * spec.num_layers

@@ -36,6 +36,8 @@ class StepBackend(Protocol):
     # Optional: `host_seconds(num_seqs) -> float`, the host's share of a step of `num_seqs`
     # sequences, which async scheduling overlaps with the device (simkv/replay/engine.py).
     # Without it a step lasts as long under async scheduling as without.
+    # Optional: `lora_seconds(num_lora_tokens, num_active_loras) -> float`, the LoRA kernels a
+    # step adds (SchedulerOutput's two counts); the replay adds it to pure-decode steps' lines.
 
 
 def prefill_work(output: SchedulerOutput) -> tuple[int, int, int]:

@@ -65,7 +65,9 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               attention_chunked=bool(config.attention_chunk_size),
                               num_speculative_tokens=config.speculative.num_speculative_tokens,
                               data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
-                              decode_context_parallel_size=hw.decode_context_parallel_size, **(params or {}))
+                              decode_context_parallel_size=hw.decode_context_parallel_size,
+                              lora_rank=config.scheduler.max_lora_rank if config.scheduler.enable_lora else 0,
+                              **(params or {}))
     if fitted_from is not None:
         model.fitted_from = fitted_from
     return model

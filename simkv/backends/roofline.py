@@ -74,6 +74,8 @@ class RooflineCostModel:
         data_parallel_size: int = 1,
         block_size: int = 16,
         decode_context_parallel_size: int = 1,
+        lora_rank: int = 0,
+        lora_kernel_s: float = 3.0e-6,
     ) -> None:
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
@@ -160,6 +162,39 @@ class RooflineCostModel:
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
         self.window_counts = layer_window_counts(layer_windows) if layer_windows and any(layer_windows) else None
         self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
+        self._lora_setup(lora_rank, lora_kernel_s)
+
+    def _lora_setup(self, rank: int, kernel_s: float) -> None:
+        """LoRA (vLLM's punica Triton kernels, `lora_seconds`): per token, the shrink (x @ A) and
+        the expand (@ B) of every linear layer the adapters cover, at the slots' width
+        (`max_lora_rank`); per adapter in the step, a read of its A and B; per token, the
+        kernels' reads of the layer's input (once per slice) and the expand's read and write of
+        the output it adds to; per step with any LoRA token, three launches (the shrink buffer's
+        zeroing, shrink, expand) for each of the four linear groups of a layer (qkv, o, gate_up,
+        down), each at least `lora_kernel_s`. A step without LoRA tokens launches none (vLLM's
+        no-LoRA flag)."""
+        shapes = self.model.lora_linear_shapes(self.tp) if rank else None
+        self.lora_modelled = shapes is not None
+        if shapes is None:
+            self.lora_flops_per_token = self.lora_bytes_per_adapter = self.lora_bytes_per_token = 0.0
+            self.lora_fixed_s = 0.0
+            return
+        layers = self.model.num_layers
+        width = sum(i + o for i, o in shapes)  # A and B elements per rank unit
+        self.lora_flops_per_token = 2.0 * rank * width * layers
+        self.lora_bytes_per_adapter = 2.0 * rank * width * layers  # (bf16 slots)
+        self.lora_bytes_per_token = 2.0 * sum(i + 2 * o for i, o in shapes) * layers
+        self.lora_fixed_s = 3 * 4 * layers * kernel_s
+        self.params["lora_kernel_s"] = kernel_s
+
+    def lora_seconds(self, num_lora_tokens: int, num_active_loras: int) -> float:
+        """The LoRA kernels of a step that runs `num_lora_tokens` tokens of requests with an
+        adapter, `num_active_loras` distinct adapters among them; 0 without LoRA tokens."""
+        if not num_lora_tokens or not self.lora_modelled:
+            return 0.0
+        flops = self.lora_flops_per_token * num_lora_tokens
+        traffic = self.lora_bytes_per_adapter * num_active_loras + self.lora_bytes_per_token * num_lora_tokens
+        return max(flops / self.flop_rate, traffic / self.byte_rate) + self.lora_fixed_s
 
     def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum, latent_pairs=0, upproj_tokens=0):
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
@@ -184,6 +219,8 @@ class RooflineCostModel:
             raise RuntimeError("a data-parallel roofline times lockstep steps of all ranks (dp_step_seconds)")
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.step_work(output)
         seconds = self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        if output.num_lora_tokens:
+            seconds += self.lora_seconds(output.num_lora_tokens, output.num_active_loras)
         return seconds + self.dcp_seconds(output) if self.dcp > 1 else seconds
 
     def dcp_seconds(self, output: SchedulerOutput) -> float:

@@ -282,7 +282,7 @@ _ENGINE_OPTIONS = [
                       "it waits [default: 1]"),
     click.option("--max-lora-rank", type=int, default=None,
                  help="vLLM's --max-lora-rank: the adapter slots' width; max_loras slots of it take GPU memory "
-                      "from the KV cache [default: 16]"),
+                      "from the KV cache, and the roofline prices the adapters' kernels at it [default: 16]"),
     click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
                  default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
     click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),

@@ -70,6 +70,9 @@ class SchedulerOutput:
     # set by the replay: preemptions made by schedule() calls that ran nothing since the previous
     # step (a request that preempted itself); the step log counts them on this step
     earlier_preemptions: int = 0
+    # LoRA (--enable-lora): the step's tokens of requests with an adapter, and their distinct adapters
+    num_lora_tokens: int = 0
+    num_active_loras: int = 0
 
     @property
     def num_decode_tokens(self) -> int:

@@ -347,6 +347,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if self.detail:
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
+        # (before async scheduling turns the chunks that end their prompts into decoders)
+        lora = self._lora_load(plan.chunks, stall_pos) if self.max_loras is not None else {}
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
@@ -376,7 +378,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks,
             kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts,
             num_spec_tokens_to_schedule=to_propose,
-            offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None)
+            offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
+            **lora)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -681,6 +684,30 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def _fill_block_ids(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
             chunk.block_ids = self.kv_cache_manager.get_block_ids(chunk.request)
+
+    def _lora_load(self, chunks: list[ScheduledChunk], stall_pos: int) -> dict:
+        """LoRA: the step's tokens of requests with an adapter and their distinct adapters (what
+        the cost model prices), over its chunks and its decoders (those before `stall_pos`)."""
+        stop = stall_pos if stall_pos >= 0 else len(self.running)
+        adapters = set()
+        tokens = 0
+        for chunk in chunks:
+            if chunk.request.lora_id:
+                tokens += chunk.num_new_tokens
+                adapters.add(chunk.request.lora_id)
+        for request in self.running[:stop]:
+            if request.lora_id and request.decode_base is not None:
+                tokens += 1
+                adapters.add(request.lora_id)
+        return {"num_lora_tokens": tokens, "num_active_loras": len(adapters)}
+
+    def lora_decode_load(self) -> tuple[int, int]:
+        """LoRA: (decoders with an adapter, their distinct adapters) of a decode run's steps,
+        (0, 0) without LoRA."""
+        if self.max_loras is None:
+            return 0, 0
+        load = self._lora_load([], -1)
+        return load["num_lora_tokens"], load["num_active_loras"]
 
     def _list_decodes(self, step: int, stall_pos: int) -> list[ScheduledDecode]:
         stop = stall_pos if stall_pos >= 0 else len(self.running)

@@ -160,6 +160,7 @@ class ReplayEngine:
                                        block_bytes / (config.cache.pcie_bandwidth_gbs * 1e9))
         # Pure-decode steps are timed by the backend's decode line (runs and single steps alike).
         self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
+        self._lora_seconds = getattr(backend, "lora_seconds", None) if config.scheduler.enable_lora else None
         # Async scheduling overlaps the host's share of a step with the device's work.
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog(config.speculative.enabled)
@@ -384,7 +385,7 @@ class ReplayEngine:
         host = self._host_seconds(len(out.chunks) + out.num_decode_reqs) if self._host_seconds is not None else 0.0
         if self._decode_line is not None and not out.chunks:
             host_ticks = to_ticks(host) if host else 0
-            line = self._device_line(out.num_decode_reqs, host_ticks)
+            line = self._device_line(out.num_decode_reqs, host_ticks, (out.num_lora_tokens, out.num_active_loras))
             duration = max(line_ticks(line, out.decode_context_tokens), host_ticks)
         elif host:
             total = self.backend.execute(out)
@@ -395,10 +396,15 @@ class ReplayEngine:
             duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
         return duration
 
-    def _device_line(self, num_decodes: int, host_ticks: int) -> tuple[int, int, int, int]:
-        """The decode line less the host's share (async scheduling overlaps it), in ticks."""
+    def _device_line(self, num_decodes: int, host_ticks: int = 0,
+                     lora_load: tuple[int, int] = (0, 0)) -> tuple[int, int, int, int]:
+        """The decode line, plus the LoRA kernels of `lora_load` (tokens with an adapter, distinct
+        adapters) and less the host's share (async scheduling overlaps it), in ticks."""
         a0, a1, b0, b1 = self._decode_line(num_decodes)
-        return a0 - host_ticks, a1, b0 - host_ticks, b1
+        extra = -host_ticks
+        if lora_load[0] and self._lora_seconds is not None:
+            extra += to_ticks(self._lora_seconds(*lora_load))
+        return a0 + extra, a1, b0 + extra, b1
 
     @staticmethod
     def _run_shape(line: tuple[int, int, int, int], ctx: int, per_step: int):
@@ -421,7 +427,7 @@ class ReplayEngine:
         start = self.now if in_flight is None else in_flight[1] + in_flight[2]
         n, ctx, per_step = sched.decode_run_shape()
         host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
-        line = self._device_line(n, host)
+        line = self._device_line(n, host, sched.lora_decode_load())
         if line_ticks(line, ctx) < host:
             return None  # host-bound: the steps last the host's time (stepped one by one)
         shape = self._run_shape(line, ctx, per_step)
@@ -546,7 +552,7 @@ class ReplayEngine:
         if limit < 2:
             return None
         n, ctx, per_step = sched.decode_run_shape()
-        shape = self._run_shape(self._decode_line(n), ctx, per_step)
+        shape = self._run_shape(self._device_line(n, 0, sched.lora_decode_load()), ctx, per_step)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             limit = steps_to_reach(shape, next_arrival - self.now, limit)

@@ -410,7 +410,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    } | lora_summary(config, [run.scheduler for run in runs], trace, capacity) | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | lora_summary(config, [run.scheduler for run in runs], trace, capacity, backends[0]) | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)

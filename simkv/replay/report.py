@@ -93,7 +93,9 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if summary.get("lora"):
         lora = summary["lora"]
         rows.append(("LoRA adapters (max_loras)", f"{lora['adapters']:,} ({lora['max_loras']}); {lora['deferrals']:,} "
-                                                  f"request-steps waited for a slot"))
+                                                  f"request-steps waited for a slot"
+                                                  + {True: "; kernels priced", False: "; kernels not priced"}.get(
+                                                      lora.get("compute_modelled"), "")))
     if summary.get("goodput"):
         from simkv.replay.goodput import describe_slo
 

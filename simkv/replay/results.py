@@ -171,15 +171,16 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | client_summary(run, requests) | lora_summary(config, [sched], trace, capacity) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | client_summary(run, requests) | lora_summary(config, [sched], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
 
-def lora_summary(config, schedulers, trace, capacity=None) -> dict:
+def lora_summary(config, schedulers, trace, capacity=None, backend=None) -> dict:
     """LoRA (--enable-lora): the adapters the trace names, max_loras, how often a waiting
-    request was passed over for want of an adapter slot (once per request and step), and the GPU
-    memory the slots take from the KV cache (None: not modelled for this architecture)."""
+    request was passed over for want of an adapter slot (once per request and step), the GPU
+    memory the slots take from the KV cache (None: not modelled for this architecture), and
+    whether the cost model prices the adapters' kernels (the roofline does, for dense decoders)."""
     if not config.scheduler.enable_lora:
         return {}
     from simkv.traces.lora import named_adapters
@@ -189,6 +190,8 @@ def lora_summary(config, schedulers, trace, capacity=None) -> dict:
            "deferrals": int(sum(s.num_lora_deferrals for s in schedulers))}
     if capacity is not None and not isinstance(capacity, int):
         out["slots_gib_per_gpu"] = None if capacity.lora_bytes is None else capacity.lora_bytes / (1 << 30)
+    if backend is not None:
+        out["compute_modelled"] = bool(getattr(getattr(backend, "inner", backend), "lora_modelled", False))
     return {"lora": out}
 
 

@@ -401,6 +401,19 @@ class ModelSpec:
         e, k = self.num_experts, self.num_experts_per_tok
         return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
+    def lora_linear_shapes(self, tensor_parallel_size: int = 1) -> list[tuple[int, int]] | None:
+        """(input, output) widths on one GPU of each linear layer a decoder layer gives LoRA, as
+        vLLM 0.33 shards them: q, k, v, gate and up are column-parallel (their outputs split over
+        TP), o and down row-parallel (their inputs). Dense decoders with standard attention only:
+        None for experts, latent or linear attention and layer patterns (not modelled)."""
+        if self.is_moe or self.is_mla or self.linear_attention or self.layer_pattern:
+            return None
+        tp = tensor_parallel_size
+        h, inter = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(h, q // tp), (h, kv // tp), (h, kv // tp), (q // tp, h),  # q, k, v, o
+                (h, inter // tp), (h, inter // tp), (inter // tp, h)]  # gate, up, down
+
     def kv_bytes_per_layer_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
         """One attention layer's K and V (or latent) of one token on one GPU: a page's bytes per
         token."""
