@@ -13,6 +13,7 @@ blocks in use, and every request's first-token and finish step, must be equal.
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_spec.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
+    .venv/bin/python scripts/oracle_spec.py --aborts --cases 50 --seed 2   # a front end aborts some requests
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def random_requests(rng, max_model_len: int, share_probability: float) -> list[d
     return requests
 
 
-def make_case(rng) -> dict:
+def make_case(rng, aborts: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = random_requests(rng, max_model_len, 0.6)
@@ -58,7 +59,10 @@ def make_case(rng) -> dict:
         ends = [c - 1 for c in cuts] + [int(rng.choice([16, 64]))]
         opts["spec_tokens_per_batch_size"] = ",".join(
             f"{a}-{b}:{int(rng.integers(0, 6))}" for a, b in zip(starts, ends))
-    return {"opts": opts, "requests": requests}
+    case = {"opts": opts, "requests": requests}
+    if aborts:
+        case["aborts"] = oracle_vllm.random_aborts(rng, requests)
+    return case
 
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
@@ -93,14 +97,20 @@ def run_vllm(case: dict) -> dict:
                        arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
                        block_hasher=hasher)
 
+    aborts = case.get("aborts", [])
+
     def step(step_index, arrived):
         for r in arrived:
             sched.add_request(make(r))
+        oracle_vllm.take_aborts(sched, aborts, step_index, "before")
         so = sched.schedule()
         n_running, n_waiting = sched.get_request_counts()
         row = [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
         req_ids = list(so.num_scheduled_tokens)
         sampled, accepted = oracle_vllm.sampled_tokens(sched, so, req_ids, accept)
+        oracle_vllm.take_aborts(sched, aborts, step_index, "output")
+        if aborts:  # (an aborted request's drafts count for nothing: its output is skipped)
+            accepted = sum(len(s) - 1 for rid, s in zip(req_ids, sampled) if s and rid in sched.requests)
         accepted_total[0] += accepted
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
@@ -153,31 +163,33 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
     """Run simkv's side of the step-mode cases, print each that differs from vLLM's results (with
     `label(case)`) and the totals, and exit 1 if any differs (the step-mode oracles' ending)."""
     failures = 0
-    totals = dict(requests=0, steps=0, hits=0, accepted=0)
+    totals = dict(requests=0, steps=0, hits=0, accepted=0, aborted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
         totals["hits"] += t["prefix"][1]
         totals["accepted"] += t["accepted"]
+        totals["aborted"] += ours.get("aborted", 0)
         diff = case_differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i}{label(case)}: " + "; ".join(diff) + f" -- {case['opts']}")
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, "
-          f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens, {totals['accepted']} drafts accepted)")
+          f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens, {totals['accepted']} drafts accepted"
+          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
     sys.exit(1 if failures else 0)
 
 
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0])
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng) for _ in range(a.cases)]
+    cases = [make_case(rng, a.aborts) for _ in range(a.cases)]
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
 

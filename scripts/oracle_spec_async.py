@@ -22,6 +22,7 @@ A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_spec_async.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
     .venv/bin/python scripts/oracle_spec_async.py --hybrid --cases 150 --seed 1
+    .venv/bin/python scripts/oracle_spec_async.py --aborts --cases 50 --seed 3   # with a front end's aborts
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
 from oracle_spec import case_differences  # noqa: E402
 
 
-def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False) -> dict:
+def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False, aborts: bool = False) -> dict:
+    """`make_async_case` with, if `aborts`, oracle_vllm.random_aborts' aborts."""
+    case = make_async_case(rng, hybrid, linear, align)
+    if aborts:
+        case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])
+    return case
+
+
+def make_async_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False) -> dict:
     """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter);
     `hybrid`: oracle_hybrid.py's (KV-cache groups of a model with sliding-window layers, the
     EAGLE layer among them), always speculating with EAGLE; `linear`: oracle_linear.py's (Mamba
@@ -139,9 +148,12 @@ def run_vllm(case: dict) -> dict:
                        arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
                        block_hasher=hasher)
 
+    aborts = case.get("aborts", [])
+
     def schedule(arrived, step):
         for r in arrived:
             sched.add_request(make(r))
+        oracle_vllm.take_aborts(sched, aborts, step, "before")
         if not sched.has_requests():
             return None
         running_before = {r.request_id for r in sched.running}
@@ -157,6 +169,7 @@ def run_vllm(case: dict) -> dict:
 
     def process(step):
         so, meta = outputs.pop(step)
+        oracle_vllm.take_aborts(sched, aborts, step, "output")
         req_ids = list(so.num_scheduled_tokens)
         sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, accept)
         accepted_total[0] += n_acc
@@ -197,15 +210,15 @@ def run_simkv(case: dict) -> dict:
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
-                                  align_flag=True)
+                                  align_flag=True, aborts_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.hybrid, a.linear, a.align) for _ in range(a.cases)]
+    cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0)
+    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0, aborted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
@@ -213,13 +226,15 @@ def main() -> None:
         totals["accepted"] += t["accepted"]
         totals["preemptions"] += ours["preemptions"]
         totals["hits"] += t["prefix"][1]
+        totals["aborted"] += ours["aborted"]
         diff = case_differences(t, ours)
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal "
           f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted, "
-          f"{totals['preemptions']} preemptions, {totals['hits']} prefix-hit tokens)")
+          f"{totals['preemptions']} preemptions, {totals['hits']} prefix-hit tokens"
+          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
     sys.exit(1 if failures else 0)
 
 

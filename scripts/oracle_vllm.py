@@ -183,6 +183,30 @@ def async_step_meta(sched, so, running_before: set) -> dict:
             for rid in so.num_scheduled_tokens}
 
 
+def random_aborts(rng, requests: list[dict]) -> list[dict]:
+    """Aborts of about a third of the requests (a front end whose clients gave up), each at a
+    random step up to 40 after its arrival, taken before that step is scheduled or after it ran
+    and before its output is processed (vLLM's engine core takes aborts at both points)."""
+    out = []
+    for r in requests:
+        if rng.random() < 0.35:
+            out.append({"row": r["row"], "step": r["arrival_step"] + int(rng.integers(0, 40)),
+                        "when": "before" if rng.random() < 0.5 else "output"})
+    return out
+
+
+def take_aborts(sched, aborts: list[dict], step: int, when: str) -> None:
+    """vLLM's finish_requests(FINISHED_ABORTED), one id at a time as a front end sends them, for
+    the requests `aborts` names at (`step`, `when`) that are still in the engine."""
+    from vllm.v1.request import RequestStatus
+
+    for a in aborts:
+        if a["step"] == step and a["when"] == when:
+            rid = str(a["row"])
+            if rid in sched.requests and not sched.requests[rid].is_finished():
+                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+
 def propose_drafts(sched, so, req_ids: list[str]) -> None:
     """The drafter proposes for every request of the step (K, or dynamic speculation's K for its
     batch size), as the engine core hands them over; vLLM drops those of prompt chunks and
@@ -264,7 +288,8 @@ def sample_reply_content(case: dict) -> None:
 
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
-                align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False):
+                align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
+                aborts_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -300,6 +325,10 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if async_flag:
         ap.add_argument("--async-scheduling", action="store_true",
                         help="vLLM's AsyncScheduler, driven two batches deep as its batch queue does")
+    if aborts_flag:
+        ap.add_argument("--aborts", action="store_true",
+                        help="a front end aborts some requests (clients that gave up), before a step is "
+                             "scheduled or before its output is processed")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

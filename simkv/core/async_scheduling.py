@@ -121,6 +121,10 @@ class AsyncScheduling:
         """A running request aborted (its client left) after a step ended and before its output
         is processed, the next step in flight: its computed tokens (those scheduled count) and
         how many of them have their KV cached (as for a preemption victim at the next schedule)."""
+        if self._spec_async:  # (speculative decoding: every request runs chunks; what is cached is counted)
+            if not request.is_finishing:
+                self._prefilling.remove(request)
+            return request.num_computed_tokens, self._spec_async_preempt(request)
         step = self.current_step  # (the next step to schedule)
         in_flight = self._ran_in_flight(request)  # (before it leaves decoding)
         if request.decode_base is not None:

@@ -250,14 +250,14 @@ class SpecDecode:
         per_position = stats["accepted_per_position"]
         finished = []
         accepted_total = emissions = 0
-        running, done = RequestStatus.RUNNING, RequestStatus.FINISHED
+        running, done, aborted = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ABORTED
         cache_verified = getattr(self.kv_cache_manager, "cache_verified", None)  # (KVCacheCoordinator)
         max_model_len = self.max_model_len
         for chunk in output.chunks:
             request = chunk.request
             request.num_in_flight_tokens -= chunk.num_new_tokens
-            if request.status == done or not chunk.samples:
-                continue
+            if request.status == done or request.status == aborted or not chunk.samples:
+                continue  # (vLLM skips the output of a request no longer in the engine)
             live = request.status == running
             num_outputs = request.num_output_tokens
             drafts = chunk.num_spec_tokens

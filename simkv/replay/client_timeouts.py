@@ -55,9 +55,7 @@ def check_supported(trace, config: EngineConfig, *, disaggregated: bool = False,
     if not sc.has_client_timeouts:
         return
     why = None
-    if config.speculative.enabled:
-        why = "speculative decoding"
-    elif disaggregated:
+    if disaggregated:
         why = "P/D disaggregation"
     elif real_backend:
         why = "the gpu backend (simulated replays only)"

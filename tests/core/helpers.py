@@ -232,12 +232,15 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
     sched = Scheduler(EngineConfig.from_flat(opts), opts["num_gpu_blocks"])
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     requests, rows = [], []
+    aborts = _aborts_by_step(case)
     for _ in range(max_steps):
         k = sched.current_step
         _deliver(pending, len(rows), sched, requests)
+        _abort(sched, requests, aborts, len(rows), "before")
         if sched.has_unfinished_requests():
             out = sched.schedule()
             rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+            _abort(sched, requests, aborts, len(rows) - 1, "output", out)
             sched.update_from_output(out)
         else:
             rows.append([0, 0, 0, 0])
@@ -245,12 +248,44 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
         if not pending and not sched.has_unfinished_requests():
             break
     else:  # (vLLM livelocks too on some tiny pools: the oracle's run then ends the same way)
-        return {"steps": rows, "error": "max steps", "scheduler": sched,
-                "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}}
+        return {"steps": rows, "error": "max steps", "scheduler": sched, "requests": _request_steps(requests, aborts)}
     while rows and not any(rows[-1]):
         rows.pop()
-    return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+    return {"steps": rows, "requests": _request_steps(requests, aborts), "aborted": len(aborts["first"]),
             "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
+
+
+def _aborts_by_step(case: dict) -> dict:
+    """A step-mode case's aborts (scripts/oracle_spec.py --aborts): {(step, "before" | "output"):
+    rows}, "before": before the step is scheduled, "output": after it ran, before its output is
+    processed (where vLLM's engine core takes a front end's aborts)."""
+    out: dict = {"first": {}}  # (and "first": an aborted row -> its first token's step if delivered, else -1)
+    for a in case.get("aborts", ()):
+        out.setdefault((a["step"], a["when"]), []).append(a["row"])
+    return out
+
+
+def _abort(sched: Scheduler, requests: list, aborts: dict, step: int, when: str, out=None) -> None:
+    """vLLM's finish_requests(FINISHED_ABORTED), one by one, for the requests of `aborts` at
+    (`step`, `when`) still in the engine; `out`: the step that ran (a chunk's KV to its end exists)."""
+    from simkv.core.request import RequestStatus
+
+    for row in aborts.get((step, when), ()):
+        request = next((q for q, r in requests if r["row"] == row), None)
+        if request is None or request.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
+            continue
+        ends = {id(c.request): c.num_computed_tokens + c.num_new_tokens for c in out.chunks} if out else {}
+        assert sched.abort_request(request, ends.get(id(request)))
+        first = request.first_token_step  # (async: delivered once its step's output was processed)
+        delivered = sched.token_delivered(first) if sched.async_scheduling else 0 <= first < step
+        aborts["first"][row] = first if delivered else -1
+
+
+def _request_steps(requests: list, aborts: dict) -> dict:
+    """Per request [first token step, finish step]; an aborted request's first token only if a
+    step before its abort delivered it, and no finish (vLLM reports neither otherwise)."""
+    return {str(r["row"]): ([aborts["first"][r["row"]], -1] if r["row"] in aborts["first"]
+                            else [q.first_token_step, q.finish_step]) for q, r in requests}
 
 
 def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
@@ -263,11 +298,18 @@ def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
     requests, rows = [], []
     in_flight = None
     error = None
+    aborts = _aborts_by_step(case)
+
+    def process(out):
+        _abort(sched, requests, aborts, out.step, "output")
+        sched.update_from_output(out)
+
     while True:
         if len(rows) >= max_steps:
             error = "max steps"
             break
         _deliver(pending, len(rows), sched, requests)
+        _abort(sched, requests, aborts, len(rows), "before")
         out = sched.schedule() if sched.has_unfinished_requests() else None
         if out is None or out.is_empty:
             if in_flight is None:
@@ -279,14 +321,14 @@ def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
                 rows.append([0, 0, 0, 0])  # idle
                 sched.current_step += 1
                 continue
-            sched.update_from_output(in_flight)
+            process(in_flight)
             in_flight = None
             continue
         rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
         if in_flight is not None:
-            sched.update_from_output(in_flight)
+            process(in_flight)
         in_flight = out
-    result = {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+    result = {"steps": rows, "requests": _request_steps(requests, aborts), "aborted": len(aborts["first"]),
               "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
     if error:
         result["error"] = error

@@ -45,6 +45,71 @@ def test_same_steps_as_vllm_async(index):
     assert_same_async_spec_steps_as_vllm(recorded)
 
 
+ABORT_DATA = Path(__file__).parent / "data" / "spec_abort_vllm_cases.json"
+ABORT_ASYNC_DATA = Path(__file__).parent / "data" / "spec_abort_async_vllm_cases.json"
+
+
+def _recorded_aborts(path):
+    return json.loads(path.read_text())["cases"]
+
+
+@pytest.mark.parametrize("index", range(len(_recorded_aborts(ABORT_DATA))))
+def test_aborts_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --aborts: a front end aborts a third of the
+    requests (clients that gave up), before a step is scheduled or after it ran and before its
+    output is processed; drafts in flight are dropped with the request, its verified blocks stay
+    cached. Every step, request and accepted draft as vLLM 0.33's."""
+    recorded = _recorded_aborts(ABORT_DATA)[index]
+    ours = assert_same_steps_as_vllm(recorded)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == recorded["vllm"]["accepted"]
+    assert ours["aborted"] > 0
+
+
+@pytest.mark.parametrize("index", range(len(_recorded_aborts(ABORT_ASYNC_DATA))))
+def test_aborts_same_steps_as_vllm_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py --aborts: aborts under vLLM's AsyncScheduler,
+    taken before the next step is scheduled or before a step's output is processed, the next step
+    in flight: the aborted request's output is skipped and its cached blocks are those vLLM
+    had cached (not its placeholders')."""
+    recorded = _recorded_aborts(ABORT_ASYNC_DATA)[index]
+    assert assert_same_async_spec_steps_as_vllm(recorded)["aborted"] > 0
+
+
+def test_recorded_aborts_depend_on_where_aborts_are_taken_and_on_skipping_their_output(monkeypatch):
+    """Two mutations, each must break recorded cases: every abort taken before its step is
+    scheduled (none between a step and its output), and an async step's output processed for a
+    request aborted while it ran."""
+    import copy
+
+    import simkv.core.spec_decode as spec_decode
+    from simkv.core.request import RequestStatus
+
+    def breaks(cases, check) -> int:
+        n = 0
+        for recorded in cases:
+            try:
+                check(recorded)
+            except Exception:  # (a mutated engine may differ, or trip over its own state)
+                n += 1
+        return n
+
+    def early(recorded):
+        recorded = copy.deepcopy(recorded)
+        for abort in recorded["case"]["aborts"]:
+            abort["when"] = "before"
+        return recorded
+
+    sync, async_ = _recorded_aborts(ABORT_DATA), _recorded_aborts(ABORT_ASYNC_DATA)
+    assert breaks([early(r) for r in sync], assert_same_steps_as_vllm) == len(sync)
+    assert breaks([early(r) for r in async_], assert_same_async_spec_steps_as_vllm) == len(async_)
+
+    class OutputOfAborted:  # (the aborted status no longer recognised when an output arrives)
+        RUNNING, FINISHED, ABORTED = RequestStatus.RUNNING, RequestStatus.FINISHED, -1
+
+    monkeypatch.setattr(spec_decode, "RequestStatus", OutputOfAborted)
+    assert breaks(async_, assert_same_async_spec_steps_as_vllm) >= 5
+
+
 def _drive_async_by_hand(sched) -> list[int]:
     """Async order (S0, S1, U0, S2, U1, ...) for requests added up front: the tokens of each step."""
     scheduled, in_flight = [], None

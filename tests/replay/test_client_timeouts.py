@@ -197,6 +197,35 @@ def test_decode_runs_change_no_bytes_with_timeouts_and_retries(overloaded, tmp_p
     assert res.summary["num_finished"] + client["timed_out_requests"] == 2000
 
 
+_EAGLE = dict(speculative_method="eagle3", num_speculative_tokens=3, spec_position_acceptance_rates="0.8,0.6,0.45")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_speculative_decoding_with_clients_that_give_up(overloaded, async_scheduling) -> None:
+    """EAGLE-3 drafts on the overloaded slice, clients that give up at 10 s for a first token or 20.25 s
+    for all, and retry twice: the
+    engine core's aborts under speculation are vLLM's (tests/core/test_spec_decode.py's recorded
+    cases); here every attempt is accounted for, no block stays in use, drafts still cut TPOT, and
+    a one-replica fleet replays as one engine."""
+    options = dict(client_ttft_timeout_s=10.0, client_timeout_s=20.25, client_max_retries=2,
+                   async_scheduling=async_scheduling) | _EAGLE
+    one, _ = _one_replica_fleet_as_one_engine(read_trace(overloaded), options)
+    s, req = one.summary, one.requests
+    client = s["client"]
+    assert client["aborted"] > 1000 and client["retries"] > 1000
+    assert s["num_finished"] + client["timed_out_requests"] == 2000
+    assert client["attempts"] == int(req["attempts"].sum())
+    # (the engine's count includes drafts accepted for attempts aborted later; a row shows its last attempt's)
+    assert 0 < int(req["num_accepted_tokens"].sum()) <= s["speculative_decoding"]["num_accepted_tokens"]
+    assert client["aborted_by_deadline"]["e2e"] > 0 and client["abandoned_output_tokens"] > 0
+    assert one.run.scheduler.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+    retried = req[(req["attempts"] > 1) & (req["status"] == "finished")]
+    assert len(retried) == client["finished_after_retries"] > 0
+    assert (retried["ttft_s"] > 10.0).all()  # (counted from the first send)
+    plain = replay(read_trace(overloaded), EngineConfig.from_flat({k: v for k, v in options.items() if k not in _EAGLE}))
+    assert s["tpot_s"]["p50"] < plain.summary["tpot_s"]["p50"]
+
+
 def test_timeouts_bound_the_queue_and_retries_add_load(overloaded) -> None:
     """Overloaded, clients that wait see TTFTs of up to 50 s; clients that give up at 10 s keep
     the queue short, and those that retry send more requests, which lengthens the run."""
@@ -330,7 +359,6 @@ def test_bad_client_options(options, message) -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
-    (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "not modelled with speculative"),
     (["--kv-offloading-size", "1"], "not modelled with KV offloading"),
     (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "simulated only"),
 ])
