@@ -10,6 +10,9 @@ shared prompt content, priorities, watermarks, chunked prefill on and off). Ever
 scheduled tokens, running and waiting requests and GPU blocks in use, every request's
 first-token and finish step, and the loads and stores (their blocks) must be equal.
 
+--aborts: a front end aborts about a third of the requests (clients that gave up), each at a
+random step, before the step is scheduled or after it ran and before its output is processed.
+
 --replies: chat sessions (a next turn's prompt repeats the previous reply) whose hash lists
 describe the replies; vLLM's fake model samples the reply's content tokens, so vLLM keys the
 reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
@@ -34,7 +37,8 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 
 
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
-              policy: str | None = None, store_threshold: bool = False, replies: bool = False) -> dict:
+              policy: str | None = None, store_threshold: bool = False, replies: bool = False,
+              aborts: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -81,6 +85,10 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
         case["store_threshold"] = int(rng.choice([2, 3]))
         if rng.random() < 0.4:
             case["max_tracker_size"] = int(rng.integers(1, 30))
+    if aborts:  # (a front end aborts some requests: clients that gave up)
+        from oracle_vllm import random_aborts
+
+        case["aborts"] = random_aborts(rng, case["requests"])
     return case
 
 
@@ -202,13 +210,17 @@ def run_vllm(case: dict) -> dict:
     import oracle_vllm
     v = _VllmOffload(case, async_scheduling=False)
 
+    aborts = case.get("aborts", [])
+
     def step(k, arrived):
         for r in arrived:
             v.sched.add_request(v.make(r))
+        oracle_vllm.take_aborts(v.sched, aborts, k, "before")
         so = v.schedule(k, k)
         row = v.row(so)
         req_ids = list(so.num_scheduled_tokens)
         sampled, _ = oracle_vllm.sampled_tokens(v.sched, so, req_ids, v.accept)
+        oracle_vllm.take_aborts(v.sched, aborts, k, "output")
         v.process(so, sampled, k, k)
         if v.accept is not None:
             oracle_vllm.propose_drafts(v.sched, so, req_ids)
@@ -230,12 +242,14 @@ def run_vllm_async(case: dict) -> dict:
     rows, queue = [], deque()
     num_batches = 0
     error = None
+    aborts = case.get("aborts", [])
     while True:
         if len(rows) >= 5000 or num_batches >= 20000:  # (drive_offload_async's limits)
             error = "max steps"
             break
         while pending and pending[0]["arrival_step"] <= len(rows):
             sched.add_request(v.make(pending.pop(0)))
+        oracle_vllm.take_aborts(sched, aborts, len(rows), "before")
         if sched.has_requests():
             running_before = {r.request_id for r in sched.running}
             b = num_batches
@@ -255,6 +269,8 @@ def run_vllm_async(case: dict) -> dict:
             rows.append([0, 0, 0, 0])  # idle
             continue
         b, row, so, meta = queue.pop()
+        if row is not None:
+            oracle_vllm.take_aborts(sched, aborts, row, "output")
         sampled, _ = oracle_vllm.async_sampled(sched, so, meta, v.accept)
         v.process(so, sampled, b, row)
     result = {"steps": rows}
@@ -291,29 +307,34 @@ def differences(theirs: dict, ours: dict) -> list[str]:
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
+                                aborts_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
+    if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
+        sys.exit("--aborts with --replies: an aborted turn's conversation ends (oracle_fuzz.py --timeouts --replies)")
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies)
-             for _ in range(a.cases)]
+    cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
+                       a.aborts) for _ in range(a.cases)]
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0, loads=0, stores=0)
+    totals = dict(requests=0, steps=0, loads=0, stores=0, aborted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["steps"] += len(t["steps"])
         totals["loads"] += sum(1 for x in t.get("transfers", []) if not x[3])
         totals["stores"] += sum(1 for x in t.get("transfers", []) if x[3])
+        totals["aborted"] += ours.get("aborted", 0)
         diff = differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i} chunks={case['num_offload_chunks']}x{case.get('blocks_per_chunk', 1)}{'' if case.get('prompt_only', True) else ' +decode'} {case.get('policy', 'lru')} st={case.get('store_threshold', 0)}/{case.get('max_tracker_size', '-')} lat={case['store_latency']}/{case['load_latency']} "
                   f"{case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, {totals['steps']} "
-          f"steps, {totals['loads']} loads, {totals['stores']} stores)")
+          f"steps, {totals['loads']} loads, {totals['stores']} stores"
+          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
     sys.exit(1 if failures else 0)
 
 

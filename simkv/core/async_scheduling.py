@@ -41,13 +41,35 @@ class AsyncScheduling:
     def _ran_in_flight(self, request: Request) -> bool:
         """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
         step = self._scheduled_through
-        if step <= self._processed_through:
-            return False
+        return step > self._processed_through and self._ran_in(request, step)
+
+    @staticmethod
+    def _ran_in(request: Request, step: int) -> bool:
+        """Whether `step` (one of the last two scheduled) ran `request`."""
         if request.last_sched_step == step:  # a chunk of it
             return True
         if request.decode_base is not None:  # a steady decoder: every step but the stalled ones
             return request.decode_from_step <= step and request.stall_step != step
         return request.is_finishing and request.decode_last_step == step  # (its last token's step)
+
+    def _ran_unprocessed(self, request: Request) -> bool:
+        """Whether a step whose output is not processed yet ran `request` (vLLM's
+        last_sched_seq > processed_step_seq): the one in flight, or, when an abort comes
+        before a step's output, that step too."""
+        if self._ran_in_flight(request):
+            return True
+        step = self._scheduled_through - 1  # (the step before the latest, if unprocessed)
+        return step > self._processed_through and self._ran_in(request, step)
+
+    def _unprocessed_samples(self, request: Request) -> int:
+        """Tokens sampled for `request` by steps whose output is not processed yet (counted in its
+        output tokens, not yet known to vLLM): a decoder's token per step, a prompt's first."""
+        count = 0
+        for step in range(self._processed_through + 1, self._scheduled_through + 1):
+            if self._ran_in(request, step) and (request.decode_base is not None or request.is_finishing
+                                                or request.first_token_step == step):
+                count += 1
+        return count
 
     def output_processed(self, step: int) -> None:
         """`step`'s output is being processed; first thing (as in vLLM's update_from_output),

@@ -295,11 +295,13 @@ class KVOffload:
         self.prompt_only = prompt_only
         self.eagle = eagle
         self.hasher = hasher
-        self._states: dict[int, _OffloadState] = {}
+        self._states: dict[Request, _OffloadState] = {}  # (by request: a retry's state is its own)
         self._jobs: dict[int, OffloadJob] = {}
         self._next_job = 0
         self._being_loaded: set[int] = set()
-        self._finished: list[tuple[Request, int]] = []  # (request, blocks it held), since the last schedule()
+        # (request, blocks it held, tokens it may store: None for a finish, the computed and known
+        # ones for an abort), since the last schedule()
+        self._finished: list[tuple[Request, int, int | None]] = []
         self.step_loads: list[OffloadJob] = []  # jobs this schedule() starts
         self.step_stores: list[OffloadJob] = []
         # counters
@@ -311,9 +313,9 @@ class KVOffload:
         self.num_hit_tokens = 0
 
     def _state(self, request: Request) -> _OffloadState:
-        state = self._states.get(request.index)
+        state = self._states.get(request)
         if state is None:
-            state = self._states[request.index] = _OffloadState(request)
+            state = self._states[request] = _OffloadState(request)
         return state
 
     def _key(self, request: Request, c: int) -> tuple[int, int]:
@@ -387,25 +389,26 @@ class KVOffload:
             self._offer(request, min(num_after, request.num_prompt_tokens) if prompt_only else num_after,
                         num_blocks_of(request), False)
         finished, self._finished = self._finished, []
-        for request, num_blocks in finished:  # (what is left to store, from its freed blocks)
-            if request.index in self._states:
-                # (the last sampled token's KV is never computed)
-                num_tokens = request.num_prompt_tokens if prompt_only else max(request.num_prompt_tokens,
-                                                                                request.num_tokens - 1)
+        for request, num_blocks, num_tokens in finished:  # (what is left to store, from its freed blocks)
+            if request in self._states:
+                if num_tokens is None:  # (a finish: the last sampled token's KV is never computed)
+                    num_tokens = max(request.num_prompt_tokens, request.num_tokens - 1)
+                if prompt_only:
+                    num_tokens = min(num_tokens, request.num_prompt_tokens)
                 self._offer(request, num_tokens, num_blocks, True)
-        for request, _ in finished:  # (then, every store made, they leave the tier's recency)
-            state = self._states.get(request.index)
+        for request, _, _ in finished:  # (then, every store made, they leave the tier's recency)
+            state = self._states.get(request)
             if state is None:
                 continue
             state.finished = True
             self._set_retry(state, False)
             self.manager.request_finished(state.access)
             if not state.jobs:
-                del self._states[request.index]
+                del self._states[request]
 
     def has_unoffered(self, request: Request, num_tokens: int) -> bool:
         """Whether the first `num_tokens` tokens hold a chunk the request has not offered yet."""
-        state = self._states.get(request.index)
+        state = self._states.get(request)
         return num_tokens // self.chunk_tokens > (state.next_stored if state is not None else 0)
 
     def _offer(self, request: Request, num_tokens: int, num_blocks: int, finished: bool) -> None:
@@ -456,14 +459,16 @@ class KVOffload:
         else:
             self.manager.complete_load(job.keys)
             self._being_loaded.difference_update(job.keys)
-        state = self._states[job.request.index]
+        state = self._states[job.request]
         state.jobs.discard(job.job_id)
         if state.finished and not state.jobs:
-            del self._states[job.request.index]
+            del self._states[job.request]
 
-    def request_finished(self, request: Request, num_blocks: int) -> None:
-        """`request` finished holding `num_blocks` blocks (the next schedule() retires it)."""
-        self._finished.append((request, num_blocks))
+    def request_finished(self, request: Request, num_blocks: int, num_tokens: int | None = None) -> None:
+        """`request` finished holding `num_blocks` blocks (the next schedule() retires it);
+        `num_tokens`: an aborted request's tokens whose KV was computed and that are known
+        (vLLM stores as far as both go)."""
+        self._finished.append((request, num_blocks, num_tokens))
 
     @property
     def has_finished_requests(self) -> bool:

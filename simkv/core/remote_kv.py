@@ -67,11 +67,14 @@ class RemoteKV:
         self._free_finished(held, held.num_computed_tokens)
 
     # ---- deferred block frees (async scheduling with a connector) ------------------------------
-    def _free_finished(self, request: Request, cache_end: int) -> None:
-        """Free a finished request's blocks, or, if a step in flight ran it, defer their return."""
+    def _free_finished(self, request: Request, cache_end: int, ran_unprocessed: bool | None = None) -> None:
+        """Free a finished request's blocks, or, if a step in flight ran it, defer their return
+        (`ran_unprocessed`: whether an unprocessed step ran it, told by a caller that knows)."""
         kv = self.kv_cache_manager
         finished = not request.may_resend
-        if not (self.defer_block_free and self._ran_in_flight(request)):
+        if ran_unprocessed is None:
+            ran_unprocessed = self.defer_block_free and self._ran_in_flight(request)
+        if not (self.defer_block_free and ran_unprocessed):
             kv.free(request, cache_end, finished=finished)
             return
         entries: list = []

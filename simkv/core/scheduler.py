@@ -123,6 +123,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
         self.kv_holding = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         self._num_kv_ready = 0  # in kv_holding with their pull ended
+        self._aborted_loads: set[Request] = set()  # KV offloading: aborted while loading, blocks held till the load ends
         self.kv_held: dict[int, Request] = {}
         self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
@@ -670,8 +671,14 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """KV offloading: a transfer has ended (seen at a step boundary); a load's request is
         then promoted by the next schedule()."""
         self.offload.job_done(job)
-        if not job.is_store:
-            self.finished_recving(job.request)
+        if job.is_store:
+            return
+        request = job.request
+        if request in self._aborted_loads:  # (aborted while loading: its blocks go now, the loaded ones uncached)
+            self._aborted_loads.remove(request)
+            self._free_finished(request, request.num_prefix_hit_tokens)
+        else:
+            self.finished_recving(request)
 
     def _mamba_aligned(self, request: Request, start: int, num_new: int) -> int:
         """A prefill chunk from `start` cut where a linear-attention state must be written."""
@@ -828,9 +835,19 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         its full blocks keep their cache entries (a retry of the same prompt finds them), and
         the step's output skips it. False if it was no longer in the engine."""
         status = request.status
+        if status not in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                          RequestStatus.WAITING_FOR_REMOTE_KVS) and not request.is_finishing:
+            return False
+        num_blocks = self.kv_cache_manager.num_blocks_of(request)
+        unsampled = 0  # (async: its tokens sampled by steps whose output is not processed: not known yet)
+        if self.offload is not None and status == RequestStatus.RUNNING and self.async_scheduling and not self._spec_async:
+            unsampled = self._unprocessed_samples(request)
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
         if status == RequestStatus.RUNNING:
+            # (with a connector under async scheduling, vLLM defers the frees of a request that
+            # an unprocessed step ran: known before it leaves decoding)
+            unprocessed = self.defer_block_free and self._ran_unprocessed(request)
             if self.async_scheduling:
                 computed, cache_end = self._async_abort_extent(request)
             elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
@@ -838,19 +855,31 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             else:
                 computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
                 self._prefilling.remove(request)
-            self._free_finished(request, cache_end)
+            self._free_finished(request, cache_end, unprocessed)
             self._remove_running(request)
             request.num_computed_tokens = computed  # (as it stood: the work done for it)
         elif request.is_finishing:
             pass  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
+        elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and self.kv_cache_manager.num_blocks_of(request):
+            self.kv_holding.remove_request(request)  # (its load ended: it waits in the KV-holding queue)
+            self._free_finished(request, request.num_computed_tokens)
         elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove_request(request)
             if request.swapped_blocks:  # (its KV in CPU swap space goes too)
                 self.cpu_blocks_used -= request.swapped_blocks
                 self.num_swapped -= 1
                 request.swapped_blocks = 0
-        else:
-            return False
+        else:  # loading its prompt from the CPU tier: as vLLM, its blocks stay until the load has ended
+            self.kv_holding.remove_request(request)
+            if request.kv_loaded:
+                self._num_kv_ready -= 1
+                self._free_finished(request, request.num_prefix_hit_tokens)  # (loaded blocks are not cached yet)
+            else:
+                self._aborted_loads.add(request)
+            request.num_computed_tokens = request.num_prefix_hit_tokens
+        if self.offload is not None:  # (as a finish: the next schedule() stores what it left, then retires it)
+            self.offload.request_finished(request, num_blocks,
+                                          min(request.num_computed_tokens, request.num_tokens - unsampled))
         request.status = RequestStatus.ABORTED
         request.is_finishing = False
         self._lora_stuck = None  # (the waiting queue or the running adapters changed)

@@ -59,8 +59,6 @@ def check_supported(trace, config: EngineConfig, *, disaggregated: bool = False,
         why = "P/D disaggregation"
     elif real_backend:
         why = "the gpu backend (simulated replays only)"
-    elif config.cache.kv_offloading_size is not None:
-        why = "KV offloading"
     elif trace.n is not None and (trace.n > 1).any():
         why = "parallel sampling (a trace column n > 1)"
     if why is not None:

@@ -469,14 +469,17 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     requests, rows, transfers = [], [], []
     due: dict[int, list] = {}
     error = None
+    aborts = _aborts_by_step(case)
     for k in range(max_steps):
         _deliver(pending, k, sched, requests)
+        _abort(sched, requests, aborts, k, "before")
         out = sched.schedule()
         for job in out.offload_jobs or ():
             at = k + (case["store_latency"] if job.is_store else case["load_latency"] - 1)
             due.setdefault(at, []).append(job)
             transfers.append([k, job.request.index, job.num_blocks, int(job.is_store)])
         rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+        _abort(sched, requests, aborts, k, "output", out)
         sched.update_from_output(out)
         for job in due.pop(k, ()):
             sched.offload_job_done(job)
@@ -486,7 +489,7 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
         error = "max steps"
     while rows and not any(rows[-1]):
         rows.pop()
-    result = {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+    result = {"steps": rows, "requests": _request_steps(requests, aborts), "aborted": len(aborts["first"]),
               "transfers": transfers, "scheduler": sched}
     if error:
         result["error"] = error
@@ -510,6 +513,7 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     unreported = False
     num_batches = 0
     error = None
+    aborts = _aborts_by_step(case)
 
     def has_requests() -> bool:
         return (sched.has_unfinished_requests() or unreported or sched.offload.has_pending_jobs()
@@ -520,6 +524,7 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
             error = "max steps"
             break
         _deliver(pending, len(rows), sched, requests)
+        _abort(sched, requests, aborts, len(rows), "before")
         if has_requests():
             unreported = False
             out = sched.schedule()
@@ -541,13 +546,16 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
             sched.current_step += 1
             continue
         b, out = queue.pop()
+        if out is not None:
+            _abort(sched, requests, aborts, out.step, "output")
         if out is not None and sched.update_from_output(out):
             unreported = True
         for job in due.pop(b, ()):
             sched.offload_job_done(job)
     result = {"steps": rows, "requests": {str(r["row"]): [-1, -1] for r in case["requests"]}, "scheduler": sched,
               "transfers": transfers}
-    result["requests"] |= {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}
+    result["requests"] |= _request_steps(requests, aborts)
+    result["aborted"] = len(aborts["first"])
     if error:
         result["error"] = error
     return result

@@ -129,6 +129,72 @@ Every step, every request's
     assert ours["transfers"] == theirs["transfers"]
 
 
+ABORTS = json.loads((Path(__file__).parent / "data" / "offload_abort_vllm_cases.json").read_text())
+
+
+def _as_recorded(recorded) -> bool:
+    theirs, case = recorded["vllm"], recorded["case"]
+    ours = (drive_offload_async if case["opts"].get("async_scheduling") else drive_offload)(case)
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    return (ours["steps"], ours["requests"], ours["transfers"], ours.get("error")) == (
+        steps, theirs["requests"], theirs["transfers"], theirs.get("error")) and ours["aborted"] > 0
+
+
+@pytest.mark.parametrize("recorded", ABORTS["cases"], ids=ABORTS["ids"])
+def test_aborts_match_vllm(recorded):
+    """Recorded cases of scripts/oracle_offload.py --aborts: a front end aborts a third of the
+    requests (clients that gave up), before a step or before its output, with the CPU tier on.
+    An aborted request offers the tier what it computed and vLLM knows (stored at the next
+    schedule, as a finish's leftovers), one aborted while its prompt loads keeps its blocks until
+    the load ends, and under async scheduling an aborted request that an unprocessed step ran
+    has its blocks freed when that step's output is processed. Every step, request and transfer
+    equal vLLM's."""
+    assert _as_recorded(recorded)
+
+
+def test_recorded_aborts_depend_on_each_rule(monkeypatch):
+    """Four mutations, each must break recorded cases: a loading request's blocks freed at its
+    abort, an abort's leftovers stored as a finish's, aborts that offer the tier nothing, and
+    no deferred frees under async scheduling."""
+    from simkv.core.kv_offload import KVOffload
+    from simkv.core.request import RequestStatus
+    from simkv.core.scheduler import Scheduler
+
+    abort, finished = Scheduler.abort_request, KVOffload.request_finished
+
+    def immediate(self, request, chunk_end=None):
+        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not request.kv_loaded
+        taken = abort(self, request, chunk_end)
+        if loading:
+            self._aborted_loads.discard(request)
+            self._free_finished(request, request.num_prefix_hit_tokens)
+        return taken
+
+    def offers_nothing(self, request, chunk_end=None):
+        monkeypatch.setattr(self.offload, "request_finished", lambda *args: None)
+        try:
+            return abort(self, request, chunk_end)
+        finally:
+            monkeypatch.delattr(self.offload, "request_finished")
+
+    mutations = [(Scheduler, "abort_request", immediate, 3),
+                 (KVOffload, "request_finished", lambda self, r, n, t=None: finished(self, r, n), 2),
+                 (Scheduler, "abort_request", offers_nothing, 5),
+                 (Scheduler, "_ran_unprocessed", lambda self, request: False, 5)]
+    for cls, name, mutant, at_least in mutations:
+        with monkeypatch.context() as m:
+            m.setattr(cls, name, mutant)
+            broken = 0
+            for recorded in ABORTS["cases"]:
+                try:
+                    broken += not _as_recorded(recorded)
+                except Exception:  # (a mutated engine may trip over its own state)
+                    broken += 1
+        assert broken >= at_least, (name, broken)
+
+
 def test_arc_keeps_a_reused_chunk_over_a_newer_one_stored_once():
     """vLLM's "arc": a chunk another request loaded moves to T2 when that request finishes;
     evictions take T1 (chunks stored and never reused) first while T1 is at its target (0)."""

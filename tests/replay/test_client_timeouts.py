@@ -226,6 +226,28 @@ def test_speculative_decoding_with_clients_that_give_up(overloaded, async_schedu
     assert s["tpot_s"]["p50"] < plain.summary["tpot_s"]["p50"]
 
 
+def test_a_cpu_tier_gives_retries_back_their_abandoned_prompts(tmp_path) -> None:
+    """The agentic-coding sample compressed 50 times on a small GPU cache, clients that give up
+    on a first token after 60 s and retry twice: with a 64 GiB CPU tier (vLLM's offloading
+    connector; aborts as vLLM takes them there: tests/core/test_kv_offload.py's recorded cases)
+    the retries load the prompts their aborted attempts computed instead of computing them
+    again. Decode runs change no byte, and a one-replica fleet replays as one engine."""
+    frame = trace_to_frame(read_trace(AZURE.parent / "kvcache_coding_sample.parquet"))
+    frame["arrival_time_s"] *= 0.02
+    trace = trace_from_frame(frame, "code50")
+    options = dict(model="llama-3-70b", gpu="H100-SXM", tensor_parallel_size=4, max_model_len=131072,
+                   async_scheduling=False, num_gpu_blocks=12000, client_ttft_timeout_s=60.0, client_max_retries=2)
+    tier = options | dict(kv_offloading_size=64.0)
+    res = assert_decode_runs_change_no_bytes(trace, EngineConfig.from_flat(tier), tmp_path)
+    without = replay(trace, EngineConfig.from_flat(options))
+    s, client = res.summary, res.summary["client"]
+    assert client["retries"] > 10 and client["aborted"] > 10
+    assert s["kv_offloading"]["loaded_tokens"] > 100_000
+    assert s["num_prefill_tokens"] < 0.9 * without.summary["num_prefill_tokens"]
+    assert res.run.scheduler.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+    _one_replica_fleet_as_one_engine(trace, tier)
+
+
 def test_timeouts_bound_the_queue_and_retries_add_load(overloaded) -> None:
     """Overloaded, clients that wait see TTFTs of up to 50 s; clients that give up at 10 s keep
     the queue short, and those that retry send more requests, which lengthens the run."""
@@ -359,7 +381,6 @@ def test_bad_client_options(options, message) -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
-    (["--kv-offloading-size", "1"], "not modelled with KV offloading"),
     (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "simulated only"),
 ])
 def test_unmodelled_combinations_are_refused(flags, message, tmp_path) -> None:
