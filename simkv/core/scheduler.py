@@ -48,6 +48,10 @@ class LivelockError(RuntimeError):
     """Requests keep being preempted and none finishes: the configuration cannot make progress."""
 
 
+# the states a request can be aborted in (Scheduler.abort_request; async: a finishing one too)
+_ABORTABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+
 class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0, kv_connector: bool = False, num_offload_chunks: int = 0) -> None:
@@ -827,63 +831,73 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
 
     # ---- aborts ----------------------------------------------------------------------------------
     def abort_request(self, request: Request, chunk_end: int | None = None) -> bool:
-        """vLLM's `finish_requests(id, FINISHED_ABORTED)` (its client went away; synchronous
-        scheduling), between two steps or after a step ran and before its output is processed,
-        as vLLM's engine core takes aborts that arrived meanwhile; `chunk_end`: where its chunk
-        in that step ended, whose KV exists (vLLM counts it computed when it schedules it). The
-        request leaves the running list or the waiting queue and frees its blocks, tail first;
-        its full blocks keep their cache entries (a retry of the same prompt finds them), and
-        the step's output skips it. False if it was no longer in the engine."""
+        """vLLM's `finish_requests(id, FINISHED_ABORTED)` (its client went away), between two
+        steps or after a step ran and before its output is processed, as vLLM's engine core takes
+        aborts that arrived meanwhile; `chunk_end` (synchronous scheduling): where its chunk in
+        that step ended, whose KV exists (vLLM counts it computed when it schedules it). The
+        request leaves the running list or a waiting queue and frees its blocks, tail first; its
+        full blocks keep their cache entries (a retry of the same prompt finds them), and the
+        step's output skips it. With a CPU tier it is finished for the connector too. False if it
+        was no longer in the engine."""
         status = request.status
-        if status not in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED,
-                          RequestStatus.WAITING_FOR_REMOTE_KVS) and not request.is_finishing:
+        if status not in _ABORTABLE and not request.is_finishing:
             return False
         num_blocks = self.kv_cache_manager.num_blocks_of(request)
-        unsampled = 0  # (async: its tokens sampled by steps whose output is not processed: not known yet)
-        if self.offload is not None and status == RequestStatus.RUNNING and self.async_scheduling and not self._spec_async:
-            unsampled = self._unprocessed_samples(request)
+        unknown = 0  # (async: its tokens sampled by steps whose output is not processed yet)
+        if self.offload is not None and status == RequestStatus.RUNNING and self.async_scheduling \
+                and not self._spec_async:
+            unknown = self._unprocessed_samples(request)
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
         if status == RequestStatus.RUNNING:
-            # (with a connector under async scheduling, vLLM defers the frees of a request that
-            # an unprocessed step ran: known before it leaves decoding)
-            unprocessed = self.defer_block_free and self._ran_unprocessed(request)
-            if self.async_scheduling:
-                computed, cache_end = self._async_abort_extent(request)
-            elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
-                computed = cache_end = self._leave_decoding(request, self.current_step)
+            self._abort_running(request, chunk_end)
+        elif not request.is_finishing:  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
+            self._abort_waiting(request, num_blocks)
+        if self.offload is not None:  # (as a finish: the next schedule() stores what it left, then retires it)
+            self.offload.request_finished(request, num_blocks,
+                                          min(request.num_computed_tokens, request.num_tokens - unknown))
+        request.status = RequestStatus.ABORTED
+        request.is_finishing = False
+        self._lora_stuck = None  # (the waiting queue or the running adapters changed)
+        return True
+
+    def _abort_running(self, request: Request, chunk_end: int | None) -> None:
+        """A running request aborted: it leaves the running list; its blocks are freed (deferred,
+        with a connector under async scheduling, if a step not yet processed ran it), cached as
+        far as vLLM had cached them."""
+        unprocessed = self.defer_block_free and self._ran_unprocessed(request)  # (before it leaves decoding)
+        if self.async_scheduling:
+            computed, cache_end = self._async_abort_extent(request)
+        elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
+            computed = cache_end = self._leave_decoding(request, self.current_step)
+        else:
+            computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
+            self._prefilling.remove(request)
+        self._free_finished(request, cache_end, unprocessed)
+        self._remove_running(request)
+        request.num_computed_tokens = computed  # (as it stood: the work done for it)
+
+    def _abort_waiting(self, request: Request, num_blocks: int) -> None:
+        """A waiting request aborted: from the waiting queue (its swapped KV goes too), or, with a
+        CPU tier, from the KV-holding queue: loaded (its blocks go, cached) or loading (as vLLM,
+        its blocks stay until the load has ended; the loaded ones are not cached)."""
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.kv_holding.remove_request(request)
+            if request.kv_loaded:
+                self._num_kv_ready -= 1
+                self._free_finished(request, request.num_prefix_hit_tokens)
             else:
-                computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
-                self._prefilling.remove(request)
-            self._free_finished(request, cache_end, unprocessed)
-            self._remove_running(request)
-            request.num_computed_tokens = computed  # (as it stood: the work done for it)
-        elif request.is_finishing:
-            pass  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
-        elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and self.kv_cache_manager.num_blocks_of(request):
-            self.kv_holding.remove_request(request)  # (its load ended: it waits in the KV-holding queue)
+                self._aborted_loads.add(request)  # (offload_job_done frees them)
+            request.num_computed_tokens = request.num_prefix_hit_tokens
+        elif num_blocks:  # (its load ended and it was promoted: it waits in the KV-holding queue)
+            self.kv_holding.remove_request(request)
             self._free_finished(request, request.num_computed_tokens)
-        elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        else:
             self.waiting.remove_request(request)
             if request.swapped_blocks:  # (its KV in CPU swap space goes too)
                 self.cpu_blocks_used -= request.swapped_blocks
                 self.num_swapped -= 1
                 request.swapped_blocks = 0
-        else:  # loading its prompt from the CPU tier: as vLLM, its blocks stay until the load has ended
-            self.kv_holding.remove_request(request)
-            if request.kv_loaded:
-                self._num_kv_ready -= 1
-                self._free_finished(request, request.num_prefix_hit_tokens)  # (loaded blocks are not cached yet)
-            else:
-                self._aborted_loads.add(request)
-            request.num_computed_tokens = request.num_prefix_hit_tokens
-        if self.offload is not None:  # (as a finish: the next schedule() stores what it left, then retires it)
-            self.offload.request_finished(request, num_blocks,
-                                          min(request.num_computed_tokens, request.num_tokens - unsampled))
-        request.status = RequestStatus.ABORTED
-        request.is_finishing = False
-        self._lora_stuck = None  # (the waiting queue or the running adapters changed)
-        return True
 
     def _fork(self, request: Request, step: int) -> list[Request]:
         """Parallel sampling: after the prompt, n-1 more sequences share its blocks; each has
