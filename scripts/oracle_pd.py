@@ -188,8 +188,7 @@ try:
                 params["truncated"] = True
 
         def request_finished_all_groups(self, request, block_ids):
-            params = request.kv_transfer_params or {}
-            return bool(params.get("send")) and any(len(ids) > 0 for ids in block_ids), None
+            return _holds_for_sending(request) and any(len(ids) > 0 for ids in block_ids), None
 
         admitted: list = []
 
@@ -213,8 +212,7 @@ try:
             return KVConnectorMetadata()
 
         def request_finished(self, request, block_ids):
-            params = request.kv_transfer_params or {}
-            return bool(params.get("send")) and len(block_ids) > 0, None
+            return _holds_for_sending(request) and len(block_ids) > 0, None
 
         # worker side: unused
         def start_load_kv(self, forward_context, **kwargs):
@@ -228,6 +226,13 @@ try:
 
         def wait_for_save(self):
             pass
+
+    def _holds_for_sending(request) -> bool:
+        """As NIXL: a send that finished (not one aborted: its blocks go at once) keeps its blocks."""
+        from vllm.v1.request import RequestStatus
+
+        return bool((request.kv_transfer_params or {}).get("send")) and request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 except ImportError:  # simkv's venv
     pass
 
@@ -326,9 +331,12 @@ def run_vllm(case: dict) -> dict:
     pd = _VllmPD(case, async_scheduling=False)
     sched = pd.sched
 
+    aborts = case.get("aborts", [])
+
     def step(k, arrived):
         for r in arrived:
             sched.add_request(pd.make(r))
+        oracle_vllm.take_aborts(sched, aborts, k, "before")
         so = sched.schedule()
         if os.environ.get("ORACLE_PD_DEBUG"):
             print(k, dict(so.num_scheduled_tokens), list(pd.admitted), file=sys.stderr)
@@ -336,6 +344,7 @@ def run_vllm(case: dict) -> dict:
         row = pd.row(so)
         req_ids = list(so.num_scheduled_tokens)
         sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, pd.accept)
+        oracle_vllm.take_aborts(sched, aborts, k, "output")
         pd.process(so, sampled, k, k)
         if pd.accept is not None:
             oracle_vllm.propose_drafts(sched, so, req_ids)
@@ -365,12 +374,14 @@ def run_vllm_async(case: dict) -> dict:
     accepted = [0]
     num_batches = 0
     error = None
+    aborts = case.get("aborts", [])
     while True:
         if len(rows) >= 5000 or num_batches >= 20000:  # (drive_pd_async's limits)
             error = "max steps"
             break
         while pending and pending[0]["arrival_step"] <= len(rows):
             sched.add_request(pd.make(pending.pop(0)))
+        oracle_vllm.take_aborts(sched, aborts, len(rows), "before")
         if sched.has_requests():
             running_before = {r.request_id for r in sched.running}
             so = sched.schedule()
@@ -393,6 +404,8 @@ def run_vllm_async(case: dict) -> dict:
             rows.append([0, 0, 0, 0])  # idle
             continue
         b, row, so, meta = queue.pop()
+        if row is not None:
+            oracle_vllm.take_aborts(sched, aborts, row, "output")
         sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, pd.accept)
         accepted[0] += n_acc
         pd.process(so, sampled, b, row)
@@ -449,28 +462,35 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
-                                linear_flag=True, align_flag=True, replies_flag=True)
+                                linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
+    if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
+        sys.exit("--aborts with --replies: an aborted turn's conversation ends (oracle_fuzz.py --timeouts --replies)")
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies)
              for _ in range(a.cases)]
+    if a.aborts:  # (a front end aborts some requests, on either side: clients that gave up)
+        for case in cases:
+            case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
-    totals = dict(requests=0, pulls=0, sends=0, steps=0)
+    totals = dict(requests=0, pulls=0, sends=0, steps=0, aborted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
         totals["pulls"] += sum(r["role"] == PULL for r in case["requests"])
         totals["sends"] += sum(r["role"] == SEND for r in case["requests"])
         totals["steps"] += len(t["steps"])
+        totals["aborted"] += ours.get("aborted", 0)
         diff = differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))
     print(f"{len(cases) - failures} of {len(cases)} cases equal "
-          f"({totals['requests']} requests: {totals['pulls']} pulls, {totals['sends']} sends; {totals['steps']} steps)")
+          f"({totals['requests']} requests: {totals['pulls']} pulls, {totals['sends']} sends; {totals['steps']} steps"
+          + (f"; {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
     sys.exit(1 if failures else 0)
 
 

@@ -49,7 +49,7 @@ class AsyncScheduling:
         if request.last_sched_step == step:  # a chunk of it
             return True
         if request.decode_base is not None:  # a steady decoder: every step but the stalled ones
-            return request.decode_from_step <= step and request.stall_step != step
+            return request.decode_from_step <= step and step != request.stall_step and step != request.prev_stall_step
         return request.is_finishing and request.decode_last_step == step  # (its last token's step)
 
     def _ran_unprocessed(self, request: Request) -> bool:
@@ -68,6 +68,19 @@ class AsyncScheduling:
         for step in range(self._processed_through + 1, self._scheduled_through + 1):
             if self._ran_in(request, step) and (request.decode_base is not None or request.is_finishing
                                                 or request.first_token_step == step):
+                count += 1
+        return count
+
+    def _unprocessed_tokens(self, request: Request) -> int:
+        """Tokens scheduled for `request` by steps whose output is not processed yet (vLLM's
+        num_in_flight_tokens): its chunks' (the last two are kept), a decoder's one a step."""
+        count = 0
+        for step in range(self._processed_through + 1, self._scheduled_through + 1):
+            if request.last_chunk_step == step:
+                count += request.last_chunk_tokens
+            elif request.prev_chunk_step == step:
+                count += request.prev_chunk_tokens
+            elif self._ran_in(request, step):
                 count += 1
         return count
 

@@ -49,10 +49,26 @@ class RemoteKV:
     """Mixed into Scheduler: the KV-holding queue, pulled admissions, and blocks held for sending."""
 
     def finished_recving(self, request: Request) -> None:
-        """The pull of `request`'s KV has ended (seen at a step boundary): the next schedule promotes it."""
+        """The pull (or CPU-tier load) of `request`'s KV has ended (seen at a step boundary): the
+        next schedule promotes it; if it was aborted meanwhile, its blocks go now (the loaded
+        ones uncached), as vLLM frees them when the transfer reports."""
+        held = self._aborted_loads.pop(request, None)
+        if held is not None:  # (aborted while loading: the pool gets its blocks back now)
+            for entry in held:
+                self.kv_cache_manager.free_deferred(entry)
+            return
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not request.kv_loaded, request
         request.kv_loaded = True
         self._num_kv_ready += 1
+
+    def _abort_loading(self, request: Request) -> None:
+        """A request aborted while its KV loads (a P/D pull, or from the CPU tier): as vLLM, its
+        blocks go back to the pool only when the load has ended (`finished_recving`); they leave
+        its table now (a retry of it is a request of its own), and the loaded ones are not cached."""
+        entries: list = []
+        self.kv_cache_manager.free(request, request.num_prefix_hit_tokens, finished=not request.may_resend,
+                                   defer=entries)
+        self._aborted_loads[request] = entries
 
     def _init_remote_kv(self, defer_block_free: bool, prefill_backoff: int = 0) -> None:
         self.defer_block_free = defer_block_free

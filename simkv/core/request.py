@@ -44,7 +44,8 @@ class Request:
         "cache_salt", "shared_hash_ids", "hash_block_tokens", "num_shared_tokens", "num_content_tokens",
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
-        "window_below", "window_offset", "last_chunk_step", "last_chunk_tokens", "stall_step", "last_sched_step",
+        "window_below", "window_offset", "last_chunk_step", "last_chunk_tokens", "prev_chunk_step", "prev_chunk_tokens",
+        "stall_step", "prev_stall_step", "last_sched_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
@@ -115,7 +116,10 @@ class Request:
         # its latest scheduled chunk, and the latest step a budget left it out of
         self.last_chunk_step = -1
         self.last_chunk_tokens = 0
+        self.prev_chunk_step = -1  # (the chunk before: async scheduling may have two in flight)
+        self.prev_chunk_tokens = 0
         self.stall_step = -1
+        self.prev_stall_step = -1  # (the stall before: async scheduling asks about the last two steps)
         # async scheduling (core/async_scheduling.py): the latest step that ran it as a chunk
         self.last_sched_step = -1
         self.has_own_cached_blocks = False

@@ -127,7 +127,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # pulled), looked at before `waiting`; finished requests whose blocks wait to be read.
         self.kv_holding = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         self._num_kv_ready = 0  # in kv_holding with their pull ended
-        self._aborted_loads: set[Request] = set()  # KV offloading: aborted while loading, blocks held till the load ends
+        self._aborted_loads: dict[Request, list] = {}  # aborted while their KV loads: blocks held till it ends
         self.kv_held: dict[int, Request] = {}
         self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
@@ -446,6 +446,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             else:
                 chunk = ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0)
                 plan.chunks.append(chunk)
+                request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
                 request.last_chunk_step, request.last_chunk_tokens = step, num_new
                 if self.num_spec_tokens:
                     self._spec_scheduled(request, chunk, plan)
@@ -618,6 +619,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
             chunk = ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed)
+            request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
             request.last_chunk_step, request.last_chunk_tokens = step, num_new
             if padded:
                 chunk.num_spec_tokens = num_new - 1
@@ -675,14 +677,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """KV offloading: a transfer has ended (seen at a step boundary); a load's request is
         then promoted by the next schedule()."""
         self.offload.job_done(job)
-        if job.is_store:
-            return
-        request = job.request
-        if request in self._aborted_loads:  # (aborted while loading: its blocks go now, the loaded ones uncached)
-            self._aborted_loads.remove(request)
-            self._free_finished(request, request.num_prefix_hit_tokens)
-        else:
-            self.finished_recving(request)
+        if not job.is_store:
+            self.finished_recving(job.request)
 
     def _mamba_aligned(self, request: Request, start: int, num_new: int) -> int:
         """A prefill chunk from `start` cut where a linear-attention state must be written."""
@@ -866,6 +862,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         with a connector under async scheduling, if a step not yet processed ran it), cached as
         far as vLLM had cached them."""
         unprocessed = self.defer_block_free and self._ran_unprocessed(request)  # (before it leaves decoding)
+        in_flight = 0  # (its tokens scheduled by steps whose output is not processed: vLLM's num_in_flight_tokens)
+        if self._release_at_finish and self.async_scheduling:
+            in_flight = request.num_in_flight_tokens if self._spec_async else self._unprocessed_tokens(request)
         if self.async_scheduling:
             computed, cache_end = self._async_abort_extent(request)
         elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
@@ -873,6 +872,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         else:
             computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
             self._prefilling.remove(request)
+        if in_flight:  # (with a connector vLLM first gives back what left the windows, by the processed tokens)
+            self.kv_cache_manager.decode_release(request, computed - in_flight)
         self._free_finished(request, cache_end, unprocessed)
         self._remove_running(request)
         request.num_computed_tokens = computed  # (as it stood: the work done for it)
@@ -887,7 +888,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._num_kv_ready -= 1
                 self._free_finished(request, request.num_prefix_hit_tokens)
             else:
-                self._aborted_loads.add(request)  # (offload_job_done frees them)
+                self._abort_loading(request)
             request.num_computed_tokens = request.num_prefix_hit_tokens
         elif num_blocks:  # (its load ended and it was promoted: it waits in the KV-holding queue)
             self.kv_holding.remove_request(request)

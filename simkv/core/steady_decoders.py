@@ -251,7 +251,7 @@ class SteadyDecoders:
                 continue
             if self._calendar is not None:
                 self._calendar_remove(request)  # it slips to the next residue
-            request.stall_step = step
+            request.prev_stall_step, request.stall_step = request.stall_step, step
             if request.window_below:
                 self._sum_base_below -= 1
             request.decode_base -= 1

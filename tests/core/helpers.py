@@ -135,13 +135,16 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
     requests, rows = [], []
     due_recv: dict[int, list] = {}
     due_send: dict[int, list] = {}
+    aborts = _aborts_by_step(case)
     for k in range(max_steps):
         _deliver(pending, k, sched, requests, roles=True)
+        _abort(sched, requests, aborts, k, "before")
         out = sched.schedule()
         for req in out.kv_loads or ():
             latency = next(r["latency"] for q, r in requests if q is req)
             due_recv.setdefault(k + latency - 1, []).append(req)
         rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+        _abort(sched, requests, aborts, k, "output", out)
         for req in sched.update_from_output(out):
             r = next(r for q, r in requests if q is req)
             if r["role"] == PD_SEND:
@@ -153,11 +156,10 @@ def drive_pd(case: dict, max_steps: int = 5000) -> dict:
         if not pending and not sched.has_unfinished_requests() and not due_send:
             break
     else:  # (as the oracle's loop reports it: a configuration in which nothing can move)
-        return {"steps": rows, "error": "max steps", "scheduler": sched,
-                "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}}
+        return {"steps": rows, "error": "max steps", "scheduler": sched, "requests": _request_steps(requests, aborts)}
     while rows and not any(rows[-1]):
         rows.pop()
-    return {"steps": rows, "requests": {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests},
+    return {"steps": rows, "requests": _request_steps(requests, aborts), "aborted": len(aborts["first"]),
             "scheduler": sched}
 
 
@@ -177,6 +179,7 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
     unreported = False  # finished requests vLLM reports with the next schedule() (has_requests)
     num_batches = 0
     error = None
+    aborts = _aborts_by_step(case)
 
     def has_requests() -> bool:
         return sched.has_unfinished_requests() or bool(sched.kv_held) or unreported
@@ -187,6 +190,7 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
             break
         _deliver(pending, len(rows), sched, requests, roles=True)
         row_of.update((id(q), r) for q, r in requests[len(row_of):])
+        _abort(sched, requests, aborts, len(rows), "before")
         if has_requests():
             unreported = False
             out = sched.schedule()
@@ -208,6 +212,7 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
             continue
         b, out = queue.pop()
         if out is not None:
+            _abort(sched, requests, aborts, out.step, "output")
             for req in sched.update_from_output(out):
                 unreported = True
                 r = row_of[id(req)]
@@ -218,7 +223,8 @@ def drive_pd_async(case: dict, max_steps: int = 5000) -> dict:
         for req in sorted(due_send.pop(b, ()), key=lambda q: q.index):
             sched.finished_sending(req)
     result = {"steps": rows, "requests": {str(r["row"]): [-1, -1] for r in case["requests"]}, "scheduler": sched}
-    result["requests"] |= {str(r["row"]): [q.first_token_step, q.finish_step] for q, r in requests}
+    result["requests"] |= _request_steps(requests, aborts)
+    result["aborted"] = len(aborts["first"])
     if error:
         result["error"] = error
     return result

@@ -168,8 +168,8 @@ def test_recorded_aborts_depend_on_each_rule(monkeypatch):
         loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not request.kv_loaded
         taken = abort(self, request, chunk_end)
         if loading:
-            self._aborted_loads.discard(request)
-            self._free_finished(request, request.num_prefix_hit_tokens)
+            for entry in self._aborted_loads.pop(request):
+                self.kv_cache_manager.free_deferred(entry)
         return taken
 
     def offers_nothing(self, request, chunk_end=None):
