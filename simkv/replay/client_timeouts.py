@@ -25,8 +25,10 @@ had cached it when it last allocated its blocks (a decoder's token in flight is 
 In a fleet (`ReplicaClientFeed`) each replica aborts as one engine does, and the router routes
 the retries; data-parallel ranks likewise, their retries routed by vLLM's load balancer. With
 session pacing (`SessionClientFeed`; on several engines, their router's pacing) a conversation
-whose turn timed out for good ends: its later turns are never sent. `check_supported` names
-what is not modelled yet.
+whose turn timed out for good ends: its later turns are never sent. Under speculative decoding
+an aborted request's drafts go with it; with a CPU tier (KV offloading) it is finished for the
+connector too, and one aborted while its prompt loads keeps its blocks until the load ends
+(docs/semantics.md). `check_supported` names what is not modelled yet.
 """
 
 from __future__ import annotations
