@@ -262,7 +262,7 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
 
 
 def _aborts_by_step(case: dict) -> dict:
-    """A step-mode case's aborts (scripts/oracle_spec.py --aborts): {(step, "before" | "output"):
+    """A step-mode case's aborts (the step-mode oracles' --aborts): {(step, "before" | "output"):
     rows}, "before": before the step is scheduled, "output": after it ran, before its output is
     processed (where vLLM's engine core takes a front end's aborts)."""
     out: dict = {"first": {}}  # (and "first": an aborted row -> its first token's step if delivered, else -1)
