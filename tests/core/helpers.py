@@ -261,6 +261,21 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
             "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
 
 
+def assert_mutations_break(monkeypatch, mutations: list, cases: list, as_recorded) -> None:
+    """Each mutation (class, attribute, mutant, at least) must break at least that many of
+    `cases`: `as_recorded(case)` false, or the mutated engine failing outright."""
+    for cls, name, mutant, at_least in mutations:
+        with monkeypatch.context() as m:
+            m.setattr(cls, name, mutant)
+            broken = 0
+            for case in cases:
+                try:
+                    broken += not as_recorded(case)
+                except Exception:  # (a mutated engine may trip over its own state)
+                    broken += 1
+        assert broken >= at_least, (name, broken)
+
+
 def _aborts_by_step(case: dict) -> dict:
     """A step-mode case's aborts (the step-mode oracles' --aborts): {(step, "before" | "output"):
     rows}, "before": before the step is scheduled, "output": after it ran, before its output is

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from simkv.core.kv_offload import CPUOffloadManager, StoreAdmission, _Access
-from tests.core.helpers import drive_offload, drive_offload_async
+from tests.core.helpers import assert_mutations_break, drive_offload, drive_offload_async
 
 
 def _store(manager: CPUOffloadManager, access: _Access, keys: list[int], first_position: int = 1):
@@ -183,16 +183,7 @@ def test_recorded_aborts_depend_on_each_rule(monkeypatch):
                  (KVOffload, "request_finished", lambda self, r, n, t=None: finished(self, r, n), 2),
                  (Scheduler, "abort_request", offers_nothing, 5),
                  (Scheduler, "_ran_unprocessed", lambda self, request: False, 5)]
-    for cls, name, mutant, at_least in mutations:
-        with monkeypatch.context() as m:
-            m.setattr(cls, name, mutant)
-            broken = 0
-            for recorded in ABORTS["cases"]:
-                try:
-                    broken += not _as_recorded(recorded)
-                except Exception:  # (a mutated engine may trip over its own state)
-                    broken += 1
-        assert broken >= at_least, (name, broken)
+    assert_mutations_break(monkeypatch, mutations, ABORTS["cases"], _as_recorded)
 
 
 def test_arc_keeps_a_reused_chunk_over_a_newer_one_stored_once():

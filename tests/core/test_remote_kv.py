@@ -12,7 +12,7 @@ import pytest
 
 from simkv.core.request import KV_PULL, KV_SEND, RequestStatus
 from simkv.core.scheduler import Scheduler
-from tests.core.helpers import drive_pd, drive_pd_async, make_config, make_request
+from tests.core.helpers import assert_mutations_break, drive_pd, drive_pd_async, make_config, make_request
 
 CASES = json.loads((Path(__file__).parent / "data" / "pd_vllm_cases.json").read_text())
 
@@ -270,13 +270,4 @@ def test_recorded_abort_cases_depend_on_each_rule(monkeypatch):
                  (AsyncScheduling, "_ran_unprocessed", lambda self, request: False, 6),
                  (AsyncScheduling, "_unprocessed_tokens", lambda self, request: 0, 3),
                  (AsyncScheduling, "_ran_in", staticmethod(ran_in_latest_stall_only), 1)]
-    for cls, name, mutant, at_least in mutations:
-        with monkeypatch.context() as m:
-            m.setattr(cls, name, mutant)
-            broken = 0
-            for recorded in ABORTS["cases"]:
-                try:
-                    broken += not _aborts_as_recorded(recorded)
-                except Exception:  # (a mutated engine may trip over its own state)
-                    broken += 1
-        assert broken >= at_least, (name, broken)
+    assert_mutations_break(monkeypatch, mutations, ABORTS["cases"], _aborts_as_recorded)
