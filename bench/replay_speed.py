@@ -30,6 +30,9 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # step of every rank stepped)
     .venv/bin/python bench/replay_speed.py azure-lora4  # the Azure trace naming 16 LoRA adapters (Zipf), max_loras 4:
                                                         # every step passes over the requests without a slot
+    .venv/bin/python bench/replay_speed.py azure-clients  # the Azure trace at 2x its rate, clients that give up
+                                                        # on a first token after 10 s and retry twice
+                                                        # (-async: the same with --async-scheduling)
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -67,6 +70,11 @@ def load(case: str):
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
         return import_trace("azure", [AZURE])[0]
+    if case in ("azure-clients", "azure-clients-async"):
+        from dataclasses import replace
+
+        trace = import_trace("azure", [AZURE])[0]
+        return replace(trace, arrival_time_s=trace.arrival_time_s / 2.0)
     if case in ("azure-fleet4", "azure-pd4", "azure-pd4-async"):
         from dataclasses import replace
 
@@ -108,6 +116,8 @@ def run_case(case: str) -> dict:
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
     if case == "azure-lora4":
         options |= {"enable_lora": True, "max_loras": 4}
+    if case_setup == "azure-clients":
+        options |= {"client_ttft_timeout_s": 10.0, "client_max_retries": 2}
     if case.startswith("azure-dsv3"):
         options |= {"model": "deepseek-v3", "gpu": "H200"}
         options |= {"data_parallel_size": 8} if case.endswith("-dp8") else {"tensor_parallel_size": 8}

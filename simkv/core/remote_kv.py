@@ -80,14 +80,17 @@ class RemoteKV:
     def finished_sending(self, request: Request) -> None:
         """The decode side has read the blocks of this finished `request`: release them."""
         held = self.kv_held.pop(request.index)
-        self._free_finished(held, held.num_computed_tokens)
+        self._free_finished(held, held.num_computed_tokens, completed=True)
 
     # ---- deferred block frees (async scheduling with a connector) ------------------------------
-    def _free_finished(self, request: Request, cache_end: int, ran_unprocessed: bool | None = None) -> None:
+    def _free_finished(self, request: Request, cache_end: int, ran_unprocessed: bool | None = None,
+                       completed: bool = False) -> None:
         """Free a finished request's blocks, or, if a step in flight ran it, defer their return
-        (`ran_unprocessed`: whether an unprocessed step ran it, told by a caller that knows)."""
+        (`ran_unprocessed`: whether an unprocessed step ran it, told by a caller that knows). An
+        aborted request whose client may send it again leaves its blocks findable for the retry;
+        a `completed` one (it finished) will not be sent again."""
         kv = self.kv_cache_manager
-        finished = not request.may_resend
+        finished = completed or not request.may_resend
         if ran_unprocessed is None:
             ran_unprocessed = self.defer_block_free and self._ran_in_flight(request)
         if not (self.defer_block_free and ran_unprocessed):

@@ -812,7 +812,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                                   if self.async_scheduling else computed)
             if not self._hold_for_sending(request):
                 cache_end = request.num_cached_blocks * self.block_size if self._spec_async else request.num_computed_tokens
-                self._free_finished(request, cache_end)
+                self._free_finished(request, cache_end, completed=True)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)
             request.status = RequestStatus.FINISHED

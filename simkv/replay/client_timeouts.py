@@ -86,11 +86,17 @@ class ClientDeadlines:
         self.on_timed_out = None  # (the engine's progress callback)
 
     def next_deadline_ticks(self) -> int | None:
-        """The next deadline of an attempt in flight (those of attempts no longer in flight are dropped)."""
-        deadlines = self._deadlines
-        while deadlines and not self._is_live(deadlines[0][1], deadlines[0][2]):
+        """The next deadline that could still make a client give up. Those of attempts no longer in
+        flight are dropped, and so are first-token deadlines met (a delivered token stays
+        delivered): decode runs need not stop at them."""
+        deadlines, live, delivered = self._deadlines, self._live, self.scheduler.token_delivered
+        while deadlines:
+            _, row, attempt, kind = deadlines[0]
+            entry = live.get(row)
+            if entry is not None and entry[2] == attempt and not (kind == TTFT and delivered(entry[0].first_token_step)):
+                return deadlines[0][0]
             heapq.heappop(deadlines)
-        return deadlines[0][0] if deadlines else None
+        return None
 
     def expire_during_step(self, now: int, out) -> None:
         """A step `out` ended at tick `now`: abort the attempts whose deadlines passed while it ran,
