@@ -50,6 +50,15 @@ def capacity_report(config: EngineConfig) -> dict:
     if config.scheduler.enable_lora:  # (vLLM's LoRA slots: max_loras stacked buffers per linear layer)
         sc = config.scheduler
         extra["lora"] = {"max_loras": sc.max_loras, "max_lora_rank": sc.max_lora_rank, "slots_bytes_per_gpu": cap.lora_bytes}
+        if cap.lora_bytes is not None:  # (the roofline's price of the adapters' kernels in a decode step)
+            from simkv.backends.factory import make_roofline
+
+            roofline = make_roofline(config)
+            extra["lora"]["decode_step_kernels_s"] = {
+                "one_token": roofline.lora_seconds(1, 1),
+                "full_batch": roofline.lora_seconds(sc.max_num_seqs, min(sc.max_loras, sc.max_num_seqs)),
+                "full_batch_sequences": sc.max_num_seqs,
+                "launch_s": roofline.params["lora_kernel_s"]}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
@@ -134,6 +143,12 @@ def print_report(rep: dict) -> None:
         rows.append((f"LoRA slots per GPU ({lora['max_loras']} x rank {lora['max_lora_rank']})",
                      _bytes(lora["slots_bytes_per_gpu"]) if lora["slots_bytes_per_gpu"] is not None
                      else "not modelled for this architecture"))
+        if "decode_step_kernels_s" in lora:
+            k = lora["decode_step_kernels_s"]
+            rows.append(("LoRA kernels per decode step (roofline)",
+                         f"{k['one_token'] * 1e3:.2f} ms for 1 sequence, {k['full_batch'] * 1e3:.2f} ms for "
+                         f"{k['full_batch_sequences']} on {lora['max_loras']} adapters ({k['launch_s'] * 1e6:g} µs a "
+                         f"launch assumed)"))
     if rep.get("kv_offloading"):
         off = rep["kv_offloading"]
         rows.append(("CPU tier (KV offloading, all GPUs)",

@@ -135,3 +135,21 @@ def test_adapters_slow_the_steps_that_run_them(tmp_path) -> None:
     assert lora.summary["itl_s"]["p50"] > 1.1 * base.summary["itl_s"]["p50"]
     unit = replay(trace, EngineConfig.from_flat({**fixed, "enable_lora": True, "max_loras": 4}), "unit")
     assert unit.summary["lora"]["compute_modelled"] is False
+
+
+def test_capacity_prices_a_decode_steps_lora_kernels() -> None:
+    """`simkv capacity --enable-lora` adds the roofline's price of the adapters' kernels in a
+    decode step, for one sequence and for a full batch on max_loras adapters."""
+    import json
+
+    from tests.cli_runs import cli_ok
+
+    out = json.loads(cli_ok(["capacity", "--enable-lora", "--max-loras", "16", "--json"]))
+    kernels = out["lora"]["decode_step_kernels_s"]
+    model = _roofline(max_loras=16)
+    assert kernels["one_token"] == model.lora_seconds(1, 1)
+    assert kernels["full_batch"] == model.lora_seconds(256, 16) > kernels["one_token"]
+    assert kernels["full_batch_sequences"] == 256 and kernels["launch_s"] == 3e-6
+    assert "decode_step_kernels_s" not in json.loads(
+        cli_ok(["capacity", "--enable-lora", "--model", "qwen3-30b-a3b", "--json"]))["lora"]
+    assert "LoRA kernels per decode step" in cli_ok(["capacity", "--enable-lora"])
