@@ -69,8 +69,7 @@ class _Recorder:
     supports_decode_runs = False
     needs_request_detail = True
 
-    def __init__(self, lora_of):
-        self.lora_of = lora_of
+    def __init__(self):
         self.rows = []
 
     def execute(self, out: SchedulerOutput) -> float:
@@ -103,7 +102,7 @@ def test_the_scheduler_counts_each_steps_adapter_tokens(options) -> None:
                           "prompt_tokens": rng.integers(8, 200, n), "output_tokens": rng.integers(1, 60, n),
                           "lora_name": rng.choice(np.array(["a", "b", "c", None], dtype=object), n)})
     trace = trace_from_frame(frame)
-    recorder = _Recorder(None)
+    recorder = _Recorder()
     replay(trace, EngineConfig.from_flat({"enable_lora": True, "max_loras": 2, **options}), backend=recorder)
     rows = np.array(recorder.rows)
     assert (rows[:, 0] == rows[:, 2]).all() and (rows[:, 1] == rows[:, 3]).all()
