@@ -61,28 +61,24 @@ class AsyncScheduling:
         step = self._scheduled_through - 1  # (the step before the latest, if unprocessed)
         return step > self._processed_through and self._ran_in(request, step)
 
-    def _unprocessed_samples(self, request: Request) -> int:
-        """Tokens sampled for `request` by steps whose output is not processed yet (counted in its
-        output tokens, not yet known to vLLM): a decoder's token per step, a prompt's first."""
-        count = 0
-        for step in range(self._processed_through + 1, self._scheduled_through + 1):
-            if self._ran_in(request, step) and (request.decode_base is not None or request.is_finishing
-                                                or request.first_token_step == step):
-                count += 1
-        return count
-
-    def _unprocessed_tokens(self, request: Request) -> int:
-        """Tokens scheduled for `request` by steps whose output is not processed yet (vLLM's
-        num_in_flight_tokens): its chunks' (the last two are kept), a decoder's one a step."""
-        count = 0
+    def _unprocessed_work(self, request: Request) -> tuple[int, int]:
+        """(tokens scheduled, tokens sampled) for `request` by steps whose output is not processed
+        yet: vLLM's num_in_flight_tokens, and the output tokens counted here that vLLM does not
+        know yet. Its chunks' tokens (the last two are kept), a decoder's one a step; a step
+        samples for a decoder, and for a prompt at its end."""
+        tokens = samples = 0
         for step in range(self._processed_through + 1, self._scheduled_through + 1):
             if request.last_chunk_step == step:
-                count += request.last_chunk_tokens
+                tokens += request.last_chunk_tokens
             elif request.prev_chunk_step == step:
-                count += request.prev_chunk_tokens
+                tokens += request.prev_chunk_tokens
             elif self._ran_in(request, step):
-                count += 1
-        return count
+                tokens += 1
+            else:
+                continue
+            if request.decode_base is not None or request.is_finishing or request.first_token_step == step:
+                samples += 1
+        return tokens, samples
 
     def output_processed(self, step: int) -> None:
         """`step`'s output is being processed; first thing (as in vLLM's update_from_output),

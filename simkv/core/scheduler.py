@@ -353,7 +353,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         # (before async scheduling turns the chunks that end their prompts into decoders)
-        lora = self._lora_load(plan.chunks, stall_pos) if self.max_loras is not None else {}
+        lora_tokens, active_loras = self._lora_load(plan.chunks, stall_pos) if self.max_loras is not None else (0, 0)
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
@@ -384,7 +384,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts,
             num_spec_tokens_to_schedule=to_propose,
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
-            **lora)
+            num_lora_tokens=lora_tokens, num_active_loras=active_loras)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -692,7 +692,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for chunk in chunks:
             chunk.block_ids = self.kv_cache_manager.get_block_ids(chunk.request)
 
-    def _lora_load(self, chunks: list[ScheduledChunk], stall_pos: int) -> dict:
+    def _lora_load(self, chunks: list[ScheduledChunk], stall_pos: int) -> tuple[int, int]:
         """LoRA: the step's tokens of requests with an adapter and their distinct adapters (what
         the cost model prices), over its chunks and its decoders (those before `stall_pos`)."""
         stop = stall_pos if stall_pos >= 0 else len(self.running)
@@ -706,15 +706,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if request.lora_id and request.decode_base is not None:
                 tokens += 1
                 adapters.add(request.lora_id)
-        return {"num_lora_tokens": tokens, "num_active_loras": len(adapters)}
+        return tokens, len(adapters)
 
     def lora_decode_load(self) -> tuple[int, int]:
         """LoRA: (decoders with an adapter, their distinct adapters) of a decode run's steps,
         (0, 0) without LoRA."""
-        if self.max_loras is None:
-            return 0, 0
-        load = self._lora_load([], -1)
-        return load["num_lora_tokens"], load["num_active_loras"]
+        return self._lora_load([], -1) if self.max_loras is not None else (0, 0)
 
     def _list_decodes(self, step: int, stall_pos: int) -> list[ScheduledDecode]:
         stop = stall_pos if stall_pos >= 0 else len(self.running)
@@ -839,14 +836,17 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if status not in _ABORTABLE and not request.is_finishing:
             return False
         num_blocks = self.kv_cache_manager.num_blocks_of(request)
-        unknown = 0  # (async: its tokens sampled by steps whose output is not processed yet)
-        if self.offload is not None and status == RequestStatus.RUNNING and self.async_scheduling \
-                and not self._spec_async:
-            unknown = self._unprocessed_samples(request)
+        # (async scheduling: its tokens scheduled, and sampled, by steps whose output is not
+        # processed yet; known before it leaves decoding)
+        in_flight = unknown = 0
+        if status == RequestStatus.RUNNING and self.async_scheduling and (
+                self.offload is not None or self._release_at_finish):
+            in_flight, unknown = ((request.num_in_flight_tokens, 0) if self._spec_async
+                                  else self._unprocessed_work(request))
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
         if status == RequestStatus.RUNNING:
-            self._abort_running(request, chunk_end)
+            self._abort_running(request, chunk_end, in_flight)
         elif not request.is_finishing:  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
             self._abort_waiting(request, num_blocks)
         if self.offload is not None:  # (as a finish: the next schedule() stores what it left, then retires it)
@@ -857,14 +857,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._lora_stuck = None  # (the waiting queue or the running adapters changed)
         return True
 
-    def _abort_running(self, request: Request, chunk_end: int | None) -> None:
+    def _abort_running(self, request: Request, chunk_end: int | None, in_flight: int) -> None:
         """A running request aborted: it leaves the running list; its blocks are freed (deferred,
         with a connector under async scheduling, if a step not yet processed ran it), cached as
-        far as vLLM had cached them."""
+        far as vLLM had cached them; `in_flight`: its tokens of steps whose output is not processed."""
         unprocessed = self.defer_block_free and self._ran_unprocessed(request)  # (before it leaves decoding)
-        in_flight = 0  # (its tokens scheduled by steps whose output is not processed: vLLM's num_in_flight_tokens)
-        if self._release_at_finish and self.async_scheduling:
-            in_flight = request.num_in_flight_tokens if self._spec_async else self._unprocessed_tokens(request)
         if self.async_scheduling:
             computed, cache_end = self._async_abort_extent(request)
         elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
@@ -872,7 +869,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         else:
             computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
             self._prefilling.remove(request)
-        if in_flight:  # (with a connector vLLM first gives back what left the windows, by the processed tokens)
+        if in_flight and self._release_at_finish:  # (with a connector vLLM first gives back what left the windows, by the processed tokens)
             self.kv_cache_manager.decode_release(request, computed - in_flight)
         self._free_finished(request, cache_end, unprocessed)
         self._remove_running(request)

@@ -291,11 +291,12 @@ def _abort(sched: Scheduler, requests: list, aborts: dict, step: int, when: str,
     (`step`, `when`) still in the engine; `out`: the step that ran (a chunk's KV to its end exists)."""
     from simkv.core.request import RequestStatus
 
-    for row in aborts.get((step, when), ()):
+    rows = aborts.get((step, when), ())
+    ends = {id(c.request): c.num_computed_tokens + c.num_new_tokens for c in out.chunks} if rows and out else {}
+    for row in rows:
         request = next((q for q, r in requests if r["row"] == row), None)
         if request is None or request.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
             continue
-        ends = {id(c.request): c.num_computed_tokens + c.num_new_tokens for c in out.chunks} if out else {}
         assert sched.abort_request(request, ends.get(id(request)))
         first = request.first_token_step  # (async: delivered once its step's output was processed)
         delivered = sched.token_delivered(first) if sched.async_scheduling else 0 <= first < step

@@ -268,6 +268,6 @@ def test_recorded_abort_cases_depend_on_each_rule(monkeypatch):
 
     mutations = [(Scheduler, "_abort_waiting", immediate, 4),
                  (AsyncScheduling, "_ran_unprocessed", lambda self, request: False, 6),
-                 (AsyncScheduling, "_unprocessed_tokens", lambda self, request: 0, 3),
+                 (AsyncScheduling, "_unprocessed_work", lambda self, request: (0, 0), 3),
                  (AsyncScheduling, "_ran_in", staticmethod(ran_in_latest_stall_only), 1)]
     assert_mutations_break(monkeypatch, mutations, ABORTS["cases"], _aborts_as_recorded)
