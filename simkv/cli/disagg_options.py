@@ -7,7 +7,7 @@ import click
 from simkv.config import ConfigError
 
 _PD_FLAGS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
-             "kv_link_latency_ms", "handoff_ms")
+             "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s")
 _FILE_KEYS = set(_PD_FLAGS) | {"prefill", "decode"}
 
 
@@ -36,6 +36,10 @@ def disaggregation_options(command):
                      help="P/D: from a pull's last byte sent to the decode side knowing it [default: 0.1]."),
         click.option("--handoff-ms", type=float, default=None,
                      help="P/D: from the prefill's answer to the decode replica getting the request [default: 1]."),
+        click.option("--kv-abort-timeout-s", type=float, default=None,
+                     help="P/D with --client-*timeout: how long a prefill replica holds the blocks of a request "
+                          "the proxy dropped after its prefill (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT) "
+                          "[default: 480]."),
     ]):
         command = option(command)
     return command
@@ -99,7 +103,7 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
             pairs.append((key.strip().replace("-", "_"), parse_value(value)))
         pools[pool] = _pool_options(pairs)
     link = {}
-    for key in ("kv_link_gbps", "kv_link_latency_ms", "handoff_ms"):
+    for key in ("kv_link_gbps", "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s"):
         if values[key] is not None:
             try:
                 link[key] = float(values[key])

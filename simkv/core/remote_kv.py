@@ -78,9 +78,29 @@ class RemoteKV:
         self._deferred_frees: deque[tuple[int, list]] = deque()  # (fence step, the manager's entries)
 
     def finished_sending(self, request: Request) -> None:
-        """The decode side has read the blocks of this finished `request`: release them."""
+        """The decode side has read the blocks of this finished `request`, or told that it never
+        will, or the connector's hold on them expired: release them. Their unique blocks stay
+        findable if its client may send the request again."""
+        entries = self._abandoned_sends.pop(request, None)
+        if entries is not None:  # (abandoned: out of the table already)
+            for entry in entries:
+                self.kv_cache_manager.free_deferred(entry)
+            return
         held = self.kv_held.pop(request.index)
-        self._free_finished(held, held.num_computed_tokens, completed=True)
+        self._free_finished(held, held.num_computed_tokens)
+
+    def abandon_send(self, request: Request) -> None:
+        """The client of this finished `request` gave up while the decode side had yet to read
+        its blocks: they leave its table now (a retry of it is a request of its own) and go back
+        to the pool at `finished_sending` (the read ends, or the connector's hold expires). A
+        no-op if they were released already."""
+        if self.kv_held.get(request.index) is not request:
+            return
+        del self.kv_held[request.index]
+        entries: list = []
+        self.kv_cache_manager.free(request, request.num_computed_tokens, finished=not request.may_resend,
+                                   defer=entries)
+        self._abandoned_sends[request] = entries
 
     # ---- deferred block frees (async scheduling with a connector) ------------------------------
     def _free_finished(self, request: Request, cache_end: int, ran_unprocessed: bool | None = None,
@@ -111,7 +131,8 @@ class RemoteKV:
     @property
     def num_blocks_held_for_sending(self) -> int:
         kv = self.kv_cache_manager
-        return sum(kv.num_blocks_of(r) for r in self.kv_held.values())
+        return sum(kv.num_blocks_of(r) for r in self.kv_held.values()) + sum(
+            len(blocks) for entries in self._abandoned_sends.values() for blocks, _, _ in entries)
 
     def _hold_for_sending(self, request: Request) -> bool:
         """At a finish: a KV_SEND request keeps its blocks (True) until `finished_sending`."""

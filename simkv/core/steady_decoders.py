@@ -311,6 +311,8 @@ class SteadyDecoders:
         finish requests), or 0 when the next step must be scheduled normally."""
         if self._prefilling or self._finishing or not self.running or self.detail or self._num_kv_ready:
             return 0
+        if self._deferred_frees:  # (an aborted request's blocks come back at a step's output)
+            return 0
         if self.waiting and not self._admission_stuck():
             return 0
         offload = self.offload

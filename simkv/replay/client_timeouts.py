@@ -51,15 +51,14 @@ TTFT, E2E = 0, 1  # which deadline a client missed
 _KINDS = ("ttft", "e2e")
 
 
-def check_supported(trace, config: EngineConfig, *, disaggregated: bool = False, real_backend: bool = False) -> None:
-    """ValueError naming the first setting that client time-outs are not modelled with yet."""
+def check_supported(trace, config: EngineConfig, *, real_backend: bool = False) -> None:
+    """ValueError naming the first setting that client time-outs are not modelled with yet (P/D's:
+    simkv/replay/disaggregated_clients.py)."""
     sc = config.scheduler
     if not sc.has_client_timeouts:
         return
     why = None
-    if disaggregated:
-        why = "P/D disaggregation"
-    elif real_backend:
+    if real_backend:
         why = "the gpu backend (simulated replays only)"
     elif trace.n is not None and (trace.n > 1).any():
         why = "parallel sampling (a trace column n > 1)"
@@ -89,11 +88,11 @@ class ClientDeadlines:
         """The next deadline that could still make a client give up. Those of attempts no longer in
         flight are dropped, and so are first-token deadlines met (a delivered token stays
         delivered): decode runs need not stop at them."""
-        deadlines, live, delivered = self._deadlines, self._live, self.scheduler.token_delivered
+        deadlines, live, delivered = self._deadlines, self._live, self._first_token_delivered
         while deadlines:
             _, row, attempt, kind = deadlines[0]
             entry = live.get(row)
-            if entry is not None and entry[2] == attempt and not (kind == TTFT and delivered(entry[0].first_token_step)):
+            if entry is not None and entry[2] == attempt and not (kind == TTFT and delivered(entry[0])):
                 return deadlines[0][0]
             heapq.heappop(deadlines)
         return None
@@ -149,17 +148,23 @@ class ClientDeadlines:
             if not self._is_live(row, attempt):
                 continue
             request = self._live[row][0]
-            if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
+            if kind == TTFT and self._first_token_delivered(request):
                 continue  # (a step whose output was processed before the deadline sampled it)
             del self._live[row]
             aborted = self.scheduler.abort_request(request, chunk_ends.get(id(request)) if chunk_ends else None)
             assert aborted, f"{request} was in flight but not in the engine"
             self._give_up(row, request, attempt, deadline, kind, now)
 
+    prompt_computed_elsewhere = False  # (P/D's decode side: a prefill replica computed every prompt)
+
+    def _first_token_delivered(self, request: Request) -> bool:
+        """Whether the client has the attempt's first token (P/D's prefill side: never)."""
+        return self.scheduler.token_delivered(request.first_token_step)
+
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         self.num_abandoned[kind] += 1
         computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
-        if computed >= prompt:  # (its prompt's KV was all there: work that reached nobody)
+        if computed >= prompt or self.prompt_computed_elsewhere:  # (its prompt's KV was all there: work that reached nobody)
             self.num_aborted_after_prefill += 1
         self.abandoned_output_tokens += max(request.num_output_tokens, computed - prompt + 1)
         if attempt < self.max_retries:
@@ -332,7 +337,52 @@ class FleetClients:
             self.num_resendable += 1
 
 
-class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
+class RoutedClients(ClientDeadlines):
+    """Mixed into the feed of an engine behind a router whose clients retry through that router
+    (`routing`, a FleetRouting with FleetClients): the send-time bounds of the retries its
+    attempts in flight could cause, and the router's count of attempts that may still be resent."""
+
+    def _init_routed(self, routing, config: EngineConfig) -> None:
+        self.fleet_clients = routing.clients
+        self._init_clients(config, self.fleet_clients.attempts)
+        self._resend_bounds: list[tuple[int, int, int, int]] = []  # (deadline + back-off, row, attempt, kind)
+
+    def earliest_resend(self) -> int | None:
+        """The earliest send time of a retry of an attempt in flight here (None: none can be)."""
+        bounds = self._resend_bounds
+        while bounds:
+            _, row, attempt, kind = bounds[0]
+            live = self._live.get(row)
+            if live is not None and live[2] == attempt and not (kind == TTFT and self._first_token_delivered(live[0])):
+                return bounds[0][0]
+            heapq.heappop(bounds)
+        return None
+
+    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
+        super()._send(request, row, tick, attempt)
+        if request.may_resend:  # (counted as resendable when it was routed)
+            for kind, timeout in enumerate(self._timeouts):
+                if timeout is not None:
+                    bound = tick + timeout + self.backoff_ticks(row, attempt)
+                    heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
+
+    def _finished_for_good(self, finished: list[Request], tick: int) -> None:
+        """These attempts finished: their clients have them, and will not resend them."""
+        resendable = sum(request.may_resend for request in finished)
+        ClientDeadlines.note_finished(self, finished, tick)
+        if resendable:
+            self._no_longer_resendable(resendable, tick)
+
+    def _no_longer_resendable(self, count: int, tick: int) -> None:
+        self.fleet_clients.num_resendable -= count
+        if self.routing.all_routed:  # (the last retry that could come will not: the router is done)
+            self.routing.wake_router(tick)
+
+    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
+        self.routing.resend(row, attempt, tick)
+
+
+class ReplicaClientFeed(RoutedClients, ReplicaFeed):
     """One replica's arrivals, sent by clients that give up and retry. A replica aborts what its
     clients gave up on (as one engine does); a retry goes back to the router, which routes it at
     its send time, like any arrival, to any replica. The router learns of a give-up when the
@@ -343,10 +393,8 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
 
     def __init__(self, routing, replica: int, trace, scheduler, request_log, config: EngineConfig) -> None:
         super().__init__(routing, replica, trace, scheduler, request_log, config.max_model_len)
-        self.fleet_clients = routing.clients
-        self._init_clients(config, self.fleet_clients.attempts)
+        self._init_routed(routing, config)
         self.retry_queue = routing.retry_queues[replica]
-        self._resend_bounds: list[tuple[int, int, int, int]] = []  # (deadline + back-off, row, attempt, kind)
 
     @property
     def exhausted(self) -> bool:
@@ -358,18 +406,6 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
         candidates = [t for t in (super().next_arrival_ticks(), self.retry_queue[0][0] if self.retry_queue else None,
                                   self.next_deadline_ticks(), self.routing.earliest_resend()) if t is not None]
         return min(candidates) if candidates else None
-
-    def earliest_resend(self) -> int | None:
-        """The earliest send time of a retry of an attempt in flight here (None: none can be)."""
-        bounds = self._resend_bounds
-        while bounds:
-            _, row, attempt, kind = bounds[0]
-            live = self._live.get(row)
-            if live is not None and live[2] == attempt and not (
-                    kind == TTFT and self.scheduler.token_delivered(live[0].first_token_step)):
-                return bounds[0][0]
-            heapq.heappop(bounds)
-        return None
 
     def deliver_until(self, now: int) -> None:
         """Give up on the attempts whose deadlines passed by tick `now`, route what is due, then
@@ -393,24 +429,8 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
                 self.release_watch.delivered(sessions, row)
 
     def note_finished(self, finished: list[Request], tick: int) -> None:
-        resendable = sum(request.may_resend for request in finished)
-        ClientDeadlines.note_finished(self, finished, tick)
         ReplicaFeed.note_finished(self, finished, tick)
-        if resendable:
-            self._no_longer_resendable(resendable, tick)
-
-    def _no_longer_resendable(self, count: int, tick: int) -> None:
-        self.fleet_clients.num_resendable -= count
-        if self.routing.all_routed:  # (the last retry that could come will not: the router is done)
-            self.routing.wake_router(tick)
-
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
-        super()._send(request, row, tick, attempt)
-        if request.may_resend:  # (counted as resendable when it was routed)
-            for kind, timeout in enumerate(self._timeouts):
-                if timeout is not None:
-                    bound = tick + timeout + self.backoff_ticks(row, attempt)
-                    heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
+        self._finished_for_good(finished, tick)
 
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         routing = self.routing
@@ -424,9 +444,6 @@ class ReplicaClientFeed(ClientDeadlines, ReplicaFeed):
             dropped = routing.end_session(row, now)
             if self.on_timed_out is not None and dropped:
                 self.on_timed_out(len(dropped))  # (done with, for the progress bar)
-
-    def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
-        self.routing.resend(row, attempt, tick)
 
 
 def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlines], paced: bool = False) -> dict:

@@ -39,9 +39,11 @@ from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.config import ConfigError, EngineConfig
 from simkv.core.request import KV_PULL, KV_SEND, Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayError, ReplayRun
-from simkv.replay.fleet import FleetRouting, ReplicaFeed
+from simkv.replay.fleet import FleetRouting, ReplicaFeed, fleet_clients
 from simkv.replay.sessions import ReleaseWatch, earliest_release
 from simkv.replay.router import ROUTERS, Router, RouterOptions
+
+TRANSFER_DONE, SEND_ABANDONED = 1, 0  # a transfer event's kind (SEND_ABANDONED: its client gave up)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class DisaggregationSpec:
     kv_link_gbps: float = 50.0  # GB/s of each GPU's link (a 400 Gb/s NIC)
     kv_link_latency_ms: float = 0.1  # from a transfer's last byte sent to the decode side knowing it
     handoff_ms: float = 1.0  # from the prefill's answer to the decode replica receiving the request
+    # Clients that give up: how long a prefill replica holds a finished prompt's blocks that no
+    # decode replica will read (the proxy dropped the request in its hop): NIXL's lease,
+    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s by default)
+    kv_abort_timeout_s: float = 480.0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):
@@ -74,6 +80,8 @@ class DisaggregationSpec:
             raise ConfigError(f"kv_link_latency_ms must be >= 0, got {self.kv_link_latency_ms}")
         if not self.handoff_ms > 0:
             raise ConfigError(f"handoff_ms must be > 0 (the proxy's hop takes time), got {self.handoff_ms}")
+        if not self.kv_abort_timeout_s >= 0:
+            raise ConfigError(f"kv_abort_timeout_s must be >= 0, got {self.kv_abort_timeout_s}")
 
     def pool_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """The prefill pool's and the decode pool's engine configs: `base` with each pool's options."""
@@ -97,6 +105,10 @@ class DisaggregationSpec:
             if prefill.get(key) != decode.get(key):
                 raise ConfigError(f"the pools' {key} differ ({prefill.get(key)} and {decode.get(key)}): the pools "
                                   "run one speculative config (the pulled blocks hold the draft layers' KV too)")
+        for key in prefill:
+            if key.startswith("client_") and prefill[key] != decode.get(key):
+                raise ConfigError(f"the pools' {key} differ ({prefill[key]} and {decode.get(key)}): the clients "
+                                  "are the proxy's, not a pool's (set it for both)")
         if configs[0].max_model_len != configs[1].max_model_len:
             raise ConfigError(f"the pools' max_model_len differ ({configs[0].max_model_len} and "
                               f"{configs[1].max_model_len}): a prompt either pool rejects cannot be served")
@@ -146,18 +158,32 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
 
 class PrefillRouting(FleetRouting):
     """The prefill router: a fleet's, counting the requests it sent that are not yet handed off.
-    With sessions it paces the turns, which the decode side finishes."""
+    With sessions it paces the turns, which the decode side finishes. With clients that give up
+    it routes their retries (an attempt starts over at a prefill replica)."""
 
     finishes_turns = False
 
-    def __init__(self, trace, router: Router, max_model_len: int, session_pacing: bool = False) -> None:
-        super().__init__(trace, router, max_model_len, session_pacing=session_pacing)
+    def __init__(self, trace, router: Router, max_model_len: int, session_pacing: bool = False,
+                 clients=None) -> None:
+        super().__init__(trace, router, max_model_len, session_pacing=session_pacing, clients=clients)
         self.num_in_prefill = 0
+        self.pd: PDRouting | None = None
 
     def _route(self, i: int, tick: int) -> None:
         super()._route(i, tick)
         if self.assignment[i] >= 0:
             self.num_in_prefill += 1
+
+    def _route_retry(self, tick: int, row: int, attempt: int) -> None:
+        super()._route_retry(tick, row, attempt)
+        self.num_in_prefill += 1
+
+    def earliest_resend(self) -> int | None:
+        """The earliest send time of a retry not yet decided on: of an attempt in either pool
+        (`engines` holds both) or between them."""
+        best = super().earliest_resend()
+        transit = self.pd.earliest_transit_resend()
+        return transit if best is None or (transit is not None and transit < best) else best
 
 
 class PDRouting:
@@ -166,11 +192,13 @@ class PDRouting:
     a row reaches the decode pool at `handoff_tick(row)`)."""
 
     def __init__(self, trace, spec: DisaggregationSpec, prefill_router: Router, decode_router: Router,
-                 max_model_len: int, decode_data_parallel_size: int = 1, session_pacing: bool = False) -> None:
+                 max_model_len: int, decode_data_parallel_size: int = 1, session_pacing: bool = False,
+                 clients=None) -> None:
         self.trace = trace
         self.spec = spec
         # (sessions: turns paced by the prefill router, released by the decode side's finishes)
-        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, session_pacing)
+        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, session_pacing, clients)
+        self.prefill.pd = self
         self.rows = self.prefill.rows
         if decode_data_parallel_size > 1:  # one data-parallel decode engine: its ranks, its balancer
             from simkv.replay.data_parallel import DPRouting
@@ -188,7 +216,14 @@ class PDRouting:
         self.pull_start = np.full(len(trace), -1, dtype=np.int64)
         self.pull_end = np.full(len(trace), -1, dtype=np.int64)
         self.pull_bytes = np.zeros(len(trace), dtype=np.int64)
+        self.num_pulls = self.total_pull_bytes = 0  # (every attempt's)
         self.prefill_link_free = [0] * prefill_router.num_replicas  # tick each prefill link has sent all by
+        # Clients that give up (simkv/replay/disaggregated_clients.py): the attempts between the
+        # pools, row -> (sent at tick, attempt number, the prefill's request), from the prefill's
+        # end until a decode replica takes the request
+        self.clients = clients
+        self.in_transit: dict[int, tuple[int, int, Request]] = {}
+        self.transit = None  # (their TransitClients)
 
     @property
     def all_handed_off(self) -> bool:
@@ -216,8 +251,13 @@ class PDRouting:
             self._route_decode(row, tick)
 
     def _route_decode(self, row: int, tick: int) -> None:
-        self.decode.queues[self.decode.assign(row, tick)].append(row)
         self.prefill.num_in_prefill -= 1
+        if self.transit is not None and self.transit.dropped(row, tick):
+            return  # (its client gave up: the proxy does not pass it on)
+        self.decode.queues[self.decode.assign(row, tick)].append(row)
+
+    def earliest_transit_resend(self) -> int | None:
+        return self.transit.earliest_resend() if self.transit is not None else None
 
     def _route_at(self, tick: int):
         env = self.env
@@ -250,8 +290,13 @@ class PDRouting:
             busy = max(engine.now, engine.busy_until)
             if busy > now:  # in a step: its end
                 earliest = busy
-            elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r]:
+            elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r] \
+                    and not self.prefill.retry_queues[r]:
                 earliest = self.prefill.next_unrouted_ticks()
+                if self.clients is not None:  # (or a retry a client has yet to decide on)
+                    resend = self.prefill.earliest_resend()
+                    if resend is not None and (earliest is None or resend < earliest):
+                        earliest = resend
                 if self.prefill.sessions is not None:  # (or a turn a decode replica's finish releases)
                     release = earliest_release(self.decode_engines)
                     if release is not None and (earliest is None or release < earliest):
@@ -265,12 +310,13 @@ class PDRouting:
                 bound = earliest
         return bound
 
-    def wake_at(self, engine: ReplayEngine, tick: int):
+    def wake_at(self, engine: ReplayEngine, tick: int, waiting_only: bool = False):
         """A transfer ends at `tick`: an idle engine then polls (vLLM's engine steps while a
-        connector has work), a busy one sees it at its next step boundary."""
+        connector has work), a busy one sees it at its next step boundary. `waiting_only`: only
+        an engine with requests waiting (for blocks) is woken; another sees it when next woken."""
         env = self.env
         yield env.timeout(tick - env.now)
-        if engine.idle:
+        if engine.idle and (not waiting_only or engine.scheduler.has_unfinished_requests()):
             engine.wake(env.now)
 
 
@@ -286,11 +332,15 @@ class _EventFeed(ReplicaFeed):
         self.queue = queue  # what the pool's router sent here, not yet delivered
         self.pd = pd
         self.engine: ReplayEngine | None = None
-        self._events: list[tuple[int, int, Request]] = []  # (tick, row, request)
+        self._events: list[tuple[int, int, int, int, Request]] = []  # (tick, row, kind, number, request)
+        self._num_events = 0
 
-    def add_event(self, tick: int, request: Request) -> None:
-        heapq.heappush(self._events, (tick, request.index, request))
-        self.pd.env.process(self.pd.wake_at(self.engine, tick))
+    def add_event(self, tick: int, request: Request, kind: int = TRANSFER_DONE, wake: bool | None = True) -> None:
+        """`wake`: True wakes the engine if idle, None only if requests wait in it, False never."""
+        heapq.heappush(self._events, (tick, request.index, kind, self._num_events, request))
+        self._num_events += 1
+        if wake is not False:
+            self.pd.env.process(self.pd.wake_at(self.engine, tick, waiting_only=wake is None))
 
     def next_event_ticks(self) -> int | None:
         return self._events[0][0] if self._events else None
@@ -298,9 +348,10 @@ class _EventFeed(ReplicaFeed):
     def _apply_events(self, now: int) -> None:
         events = self._events
         while events and events[0][0] <= now:
-            self.apply(heapq.heappop(events)[2])
+            _, _, kind, _, request = heapq.heappop(events)
+            self.apply(request, kind)
 
-    def apply(self, request: Request) -> None:
+    def apply(self, request: Request, kind: int) -> None:
         raise NotImplementedError
 
     def holds_pending_work(self) -> bool:
@@ -326,8 +377,13 @@ class PrefillFeed(_EventFeed):
         self._apply_events(now)
         super().deliver_until(now)
 
-    def apply(self, request: Request) -> None:
-        self.scheduler.finished_sending(request)
+    def apply(self, request: Request, kind: int) -> None:
+        if self.held.get(request.index) is request:
+            del self.held[request.index]
+        if kind == TRANSFER_DONE:
+            self.scheduler.finished_sending(request)
+        else:
+            self.scheduler.abandon_send(request)
 
     def holds_pending_work(self) -> bool:
         return bool(self._events) or bool(self.scheduler.kv_held)
@@ -379,7 +435,7 @@ class DecodeFeed(_EventFeed):
         request.kv_role = KV_PULL
         return request
 
-    def apply(self, request: Request) -> None:
+    def apply(self, request: Request, kind: int) -> None:
         self.scheduler.finished_recving(request)
 
     def kv_loads_started(self, requests: list[Request], tick: int) -> None:
@@ -392,9 +448,11 @@ class DecodeFeed(_EventFeed):
             self.link_free = pd.prefill_link_free[prefill] = begin + round(num_bytes * self._ticks_per_byte)
             end = self.link_free + self._latency_ticks
             pd.pull_start[row], pd.pull_end[row], pd.pull_bytes[row] = tick, end, num_bytes
+            pd.num_pulls += 1
+            pd.total_pull_bytes += num_bytes
             self.add_event(end, request)
             feed = pd.prefill_engines[prefill].feed
-            feed.add_event(end, feed.held.pop(row))
+            feed.add_event(end, feed.held[row])
 
     def note_finished(self, finished, tick: int) -> None:
         self.pd.decode.note_finished(self.replica, finished, tick)
@@ -415,14 +473,22 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
                       use_decode_runs: bool = True, on_progress=None) -> DisaggregatedRun:
     env = simpy.Environment()
     max_model_len = prefill_config.max_model_len
+    clients = fleet_clients(trace, prefill_config)  # (clients that give up and retry, through the prefill router)
+    sessions = prefill_config.scheduler.session_pacing and trace.session_id is not None
+    if clients is not None:
+        from simkv.replay.disaggregated_clients import (DecodeClientFeed, PrefillClientFeed, TransitClients,
+                                                        check_supported)
+        check_supported(prefill_config, sessions, decode_config)
     prefill_router = Router(spec.prefill_router, spec.num_prefill, spec.router_options,
                             cache_tokens_per_replica=prefill_capacity.kv_cache_tokens)
     decode_router = Router(spec.decode_router, spec.num_decode, spec.router_options,
                            cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
     decode_dp = decode_config.hardware.data_parallel_size
     pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp,
-                   session_pacing=prefill_config.scheduler.session_pacing)
+                   session_pacing=prefill_config.scheduler.session_pacing, clients=clients)
     pd.env = env
+    if clients is not None:
+        pd.transit = TransitClients(pd, prefill_config)
     pd.prefill.on_reject = on_progress
     block_bytes = decode_capacity.block_bytes  # (one block of one KV-cache group: a pull counts each group's)
 
@@ -436,9 +502,14 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
         return out
 
     def prefill_feed(r):
+        if clients is not None:
+            return lambda scheduler, log: PrefillClientFeed(pd, r, trace, scheduler, log, prefill_config)
         return lambda scheduler, log: PrefillFeed(pd, r, trace, scheduler, log, max_model_len)
 
     def decode_feed(r):
+        if clients is not None:
+            return lambda scheduler, log: DecodeClientFeed(pd, r, trace, scheduler, log, decode_config,
+                                                           block_bytes=block_bytes)
         return lambda scheduler, log: DecodeFeed(pd, r, trace, scheduler, log, max_model_len, block_bytes=block_bytes)
 
     pd.prefill_engines = engines(prefill_backends, prefill_feed, prefill_capacity, prefill_config, None)
@@ -453,6 +524,10 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     else:
         pd.decode_engines = engines(decode_backends, decode_feed, decode_capacity, decode_config, on_progress)
         processes = [e.start(own_arrivals=False) for e in pd.prefill_engines + pd.decode_engines]
+    if clients is not None:
+        pd.prefill.engines = pd.prefill_engines + pd.decode_engines  # (whose clients may resend: the prefill router's)
+        for engine in pd.prefill_engines:
+            engine.feed.on_timed_out = on_progress
     env.process(pd.prefill_process())
     try:
         env.run(until=simpy.AllOf(env, processes))

@@ -37,6 +37,9 @@ def pd_tables(run: DisaggregatedRun, trace, frontend_latency_s: float = 0.0):
     pd_ = run.routing
     requests, decode_steps, per_decode = fleet_tables(run.decode_runs, pd_.decode, trace, frontend_latency_s)
     prefill_requests, prefill_steps, per_prefill = fleet_tables(run.prefill_runs, pd_.prefill, trace)
+    if pd_.clients is not None:  # (a row whose last attempt timed out may never have reached the decode pool)
+        timed_out = np.concatenate([r.requests.timed_out_rows for r in run.prefill_runs + run.decode_runs])
+        requests.loc[timed_out, "status"] = "timed_out"
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)
     requests["prefill_end_time_s"] = _seconds(pd_.prefill_end)
@@ -62,18 +65,24 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     if "session_pacing" in prefill:  # (the prefill router paces the turns)
         summary["session_pacing"] = prefill["session_pacing"]
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
+    if pd_.clients is not None:
+        from simkv.replay.client_timeouts import client_section
+
+        summary["client"] = client_section(prefill_config.scheduler, pd_.clients.attempts, requests,
+                                           [r.feed for r in run.prefill_runs + run.decode_runs])
+        summary["client"]["aborted_in"] = dict(pd_.transit.aborted_in)
     pulled = pd_.pull_end >= 0
     pull_s = (pd_.pull_end[pulled] - pd_.pull_start[pulled]) / TICKS_PER_SECOND
     arrival = requests["arrival_time_s"].to_numpy()
     prefill_end = requests["prefill_end_time_s"].to_numpy()
     first_token = requests["first_token_time_s"].to_numpy()
-    total_bytes = int(pd_.pull_bytes.sum())
+    total_bytes = pd_.total_pull_bytes
     summary["disaggregation"] = {
-        **spec.to_dict(),
+        **spec.to_dict(), **({"kv_abort_timeout_s": spec.kv_abort_timeout_s} if pd_.clients is not None else {}),
         "prefill": _pool(prefill, prefill_config) | {"prefill_s": dist(prefill_end - arrival)},
         "decode": _pool(decode, decode_config) | {"prefill_end_to_first_token_s": dist(first_token - prefill_end)},
         "kv_transfer": {
-            "num_pulls": int(pulled.sum()),
+            "num_pulls": pd_.num_pulls,
             "pulled_bytes": total_bytes,
             "pull_s": dist(pull_s),
             "handoff_to_pull_s": dist(_seconds(pd_.pull_start)[pulled] - prefill_end[pulled]),

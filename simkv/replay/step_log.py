@@ -156,6 +156,10 @@ class RequestLog:
         self._columns = None
 
     @property
+    def timed_out_rows(self) -> np.ndarray:
+        return np.asarray(self._timed_out, dtype=np.int64)
+
+    @property
     def status(self) -> np.ndarray:
         """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out, 4 abandoned (STATUS_NAMES)."""
         return self._build()[0]

@@ -16,7 +16,7 @@ ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareC
 # A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds;
 # or a prefill pool and a decode pool (simkv/replay/disaggregated.py).
 PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
-           "kv_link_latency_ms", "handoff_ms")
+           "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s")
 FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + PD_KEYS
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 

@@ -380,7 +380,6 @@ def test_bad_client_options(options, message) -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--prefill-replicas", "1", "--decode-replicas", "1"], "not modelled with P/D"),
     (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "simulated only"),
 ])
 def test_unmodelled_combinations_are_refused(flags, message, tmp_path) -> None:
