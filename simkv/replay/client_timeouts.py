@@ -27,8 +27,10 @@ the retries; data-parallel ranks likewise, their retries routed by vLLM's load b
 session pacing (`SessionClientFeed`; on several engines, their router's pacing) a conversation
 whose turn timed out for good ends: its later turns are never sent. Under speculative decoding
 an aborted request's drafts go with it; with a CPU tier (KV offloading) it is finished for the
-connector too, and one aborted while its prompt loads keeps its blocks until the load ends
-(docs/semantics.md). `check_supported` names what is not modelled yet.
+connector too, and one aborted while its prompt loads keeps its blocks until the load ends;
+under P/D disaggregation the pool that holds an attempt aborts it (simkv/replay/
+disaggregated_clients.py). docs/semantics.md has the rules; `check_supported` names what is not
+modelled yet.
 """
 
 from __future__ import annotations
