@@ -90,11 +90,11 @@ class ClientDeadlines:
         """The next deadline that could still make a client give up. Those of attempts no longer in
         flight are dropped, and so are first-token deadlines met (a delivered token stays
         delivered): decode runs need not stop at them."""
-        deadlines, live, delivered = self._deadlines, self._live, self._first_token_delivered
+        deadlines, live, delivered = self._deadlines, self._live, self.scheduler.token_delivered
         while deadlines:
             _, row, attempt, kind = deadlines[0]
             entry = live.get(row)
-            if entry is not None and entry[2] == attempt and not (kind == TTFT and delivered(entry[0])):
+            if entry is not None and entry[2] == attempt and not (kind == TTFT and delivered(entry[0].first_token_step)):
                 return deadlines[0][0]
             heapq.heappop(deadlines)
         return None
@@ -150,7 +150,7 @@ class ClientDeadlines:
             if not self._is_live(row, attempt):
                 continue
             request = self._live[row][0]
-            if kind == TTFT and self._first_token_delivered(request):
+            if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
                 continue  # (a step whose output was processed before the deadline sampled it)
             del self._live[row]
             aborted = self.scheduler.abort_request(request, chunk_ends.get(id(request)) if chunk_ends else None)
@@ -159,12 +159,9 @@ class ClientDeadlines:
 
     prompt_computed_elsewhere = False  # (P/D's decode side: a prefill replica computed every prompt)
 
-    def _first_token_delivered(self, request: Request) -> bool:
-        """Whether the client has the attempt's first token (P/D's prefill side: never)."""
-        return self.scheduler.token_delivered(request.first_token_step)
-
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         self.num_abandoned[kind] += 1
+        self.request_log.last_abort_s = max(self.request_log.last_abort_s, now / TICKS_PER_SECOND)
         computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
         if computed >= prompt or self.prompt_computed_elsewhere:  # (its prompt's KV was all there: work that reached nobody)
             self.num_aborted_after_prefill += 1
@@ -355,7 +352,8 @@ class RoutedClients(ClientDeadlines):
         while bounds:
             _, row, attempt, kind = bounds[0]
             live = self._live.get(row)
-            if live is not None and live[2] == attempt and not (kind == TTFT and self._first_token_delivered(live[0])):
+            if live is not None and live[2] == attempt and not (
+                    kind == TTFT and self.scheduler.token_delivered(live[0].first_token_step)):
                 return bounds[0][0]
             heapq.heappop(bounds)
         return None

@@ -474,11 +474,8 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     env = simpy.Environment()
     max_model_len = prefill_config.max_model_len
     clients = fleet_clients(trace, prefill_config)  # (clients that give up and retry, through the prefill router)
-    sessions = prefill_config.scheduler.session_pacing and trace.session_id is not None
     if clients is not None:
-        from simkv.replay.disaggregated_clients import (DecodeClientFeed, PrefillClientFeed, TransitClients,
-                                                        check_supported)
-        check_supported(prefill_config, sessions, decode_config)
+        from simkv.replay.disaggregated_clients import DecodeClientFeed, PrefillClientFeed, TransitClients
     prefill_router = Router(spec.prefill_router, spec.num_prefill, spec.router_options,
                             cache_tokens_per_replica=prefill_capacity.kv_cache_tokens)
     decode_router = Router(spec.decode_router, spec.num_decode, spec.router_options,

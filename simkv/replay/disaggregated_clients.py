@@ -3,8 +3,8 @@ deadlines, aborts and retries themselves; simkv/replay/disaggregated.py the pool
 
 An attempt lives in three places in turn, and its client's give-up is taken where it is then:
 - **At a prefill replica** (routed there, waiting or running its prompt): that replica aborts
-  it, as one engine does (the proxy cancels its request). The prefill's one token never reaches
-  the client, so it meets no first-token deadline.
+  it, as one engine does (the proxy cancels its request). Its one token goes to the proxy, not
+  to the client: the step that samples it finishes the attempt there (it is handed off).
 - **Between the pools** (the prefill's answer on its way through the proxy, `handoff_ms`): the
   proxy does not pass it on. No decode replica will read the prompt's blocks, and the prefill
   replica holds them until the connector's hold on them expires, `kv_abort_timeout_s` after the
@@ -16,7 +16,9 @@ An attempt lives in three places in turn, and its client's give-up is taken wher
 
 A retry starts over at the prefill router, which routes it at its send time like any arrival.
 The prefill replica's blocks that an abandoned attempt left held leave its block table at once
-(`Scheduler.abandon_send`), so a retry of the same row there is a request of its own.
+(`Scheduler.abandon_send`), so a retry of the same row there is a request of its own. With
+paced conversations a turn given up on for good, wherever, ends its conversation (the prefill
+router paces the turns); a data-parallel decode pool's ranks abort in lockstep, as one engine's.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ from simkv.replay.disaggregated import SEND_ABANDONED, TRANSFER_DONE, DecodeFeed
 STAGES = ("prefill", "handoff", "decode_queue", "decode")
 
 
-def check_supported(config: EngineConfig, sessions: bool, decode_config: EngineConfig) -> None:
-    """ValueError naming what client time-outs are not modelled with under P/D yet."""
-    if sessions:
-        raise ValueError("client time-outs with P/D disaggregation are not modelled with paced conversations yet "
-                         "(--no-session-pacing sends each turn at its trace time)")
-    if decode_config.hardware.data_parallel_size > 1:
-        raise ValueError("client time-outs with P/D disaggregation are not modelled with a data-parallel decode "
-                         "pool yet")
+def _end_conversation(feed, row: int, now: int) -> None:
+    """Paced conversations: `row`'s client gave up on it for good at `now`, in `feed`'s pool;
+    its conversation's later turns are never sent."""
+    prefill = feed.pd.prefill
+    if prefill.sessions is not None:
+        dropped = prefill.end_session(row, now)
+        if feed.on_timed_out is not None and dropped:
+            feed.on_timed_out(len(dropped))  # (done with, for the progress bar)
 
 
 class TransitClients:
@@ -111,9 +113,6 @@ class PrefillClientFeed(_WakesAtDeadlines, ReplicaClientFeed, PrefillFeed):
         self._apply_events(now)
         ReplicaClientFeed.deliver_until(self, now)
 
-    def _first_token_delivered(self, request: Request) -> bool:
-        return False  # (the prefill's token goes to the proxy, not to the client)
-
     def note_finished(self, finished: list[Request], tick: int) -> None:
         in_transit = self.pd.in_transit
         for request in finished:
@@ -137,6 +136,8 @@ class PrefillClientFeed(_WakesAtDeadlines, ReplicaClientFeed, PrefillFeed):
         ClientDeadlines._give_up(self, row, send, attempt, deadline, kind, now)
         if send.may_resend:
             self._no_longer_resendable(1, now)
+        else:
+            _end_conversation(self, row, now)
 
 
 class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
@@ -162,9 +163,11 @@ class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
         self._apply_events(now)
         pd = self.pd
         pd.route_handoffs_until(now)
-        queue = self.queue
+        queue, sessions = self.queue, pd.prefill.sessions
         while queue and pd.handoff_tick(queue[0]) <= now:
             row = queue.popleft()
+            if sessions is not None:
+                self.release_watch.delivered(sessions, row)
             sent, attempt, send = pd.in_transit.pop(row)
             request = self.make_request(row)
             if attempt:
@@ -195,6 +198,10 @@ class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
             else:  # (the connector tells the prefill side to free them)
                 prefill.add_event(now, send, TRANSFER_DONE, wake=None)
         pd.transit.aborted_in["decode" if pulling else "decode_queue"] += 1
+        if pd.prefill.sessions is not None:
+            self.release_watch.finished([request])  # (it releases nothing here now)
         super()._give_up(row, request, attempt, at, kind, now)
         if request.may_resend:
             self._no_longer_resendable(1, now)
+        else:
+            _end_conversation(self, row, now)

@@ -40,6 +40,8 @@ def pd_tables(run: DisaggregatedRun, trace, frontend_latency_s: float = 0.0):
     if pd_.clients is not None:  # (a row whose last attempt timed out may never have reached the decode pool)
         timed_out = np.concatenate([r.requests.timed_out_rows for r in run.prefill_runs + run.decode_runs])
         requests.loc[timed_out, "status"] = "timed_out"
+        if pd_.clients.abandoned:  # (turns never sent: their conversations ended)
+            requests.loc[pd_.clients.abandoned, "status"] = "abandoned"
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)
     requests["prefill_end_time_s"] = _seconds(pd_.prefill_end)
@@ -69,7 +71,8 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
         from simkv.replay.client_timeouts import client_section
 
         summary["client"] = client_section(prefill_config.scheduler, pd_.clients.attempts, requests,
-                                           [r.feed for r in run.prefill_runs + run.decode_runs])
+                                           [r.feed for r in run.prefill_runs + run.decode_runs],
+                                           pd_.prefill.sessions is not None)
         summary["client"]["aborted_in"] = dict(pd_.transit.aborted_in)
     pulled = pd_.pull_end >= 0
     pull_s = (pd_.pull_end[pulled] - pd_.pull_start[pulled]) / TICKS_PER_SECOND

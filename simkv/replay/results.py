@@ -137,6 +137,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
     stored, wasted = stored_and_wasted_slots(run, config, finished)
     frag = 100.0 * wasted / stored if stored else 0.0
     duration = float(steps["start_time_s"][-1] + steps["duration_s"][-1]) if run.steps.num_steps else 0.0
+    duration = max(duration, run.requests.last_abort_s)  # (P/D: a replica stuck waiting may abort after its last step)
     stats = kv.prefix_cache_stats
     return {
         "backend": "sim",

@@ -70,6 +70,7 @@ def test_a_request_the_proxy_drops_holds_its_prefill_blocks_until_the_lease_ends
     used = _prefill_steps(res)["num_blocks_used"]
     assert (used[0.0], used[5.0], used[12.0]) == (4, blocks_at_5s, blocks_at_12s)
     assert res.summary["num_steps"] == 0  # (the decode pool ran nothing)
+    assert res.summary["duration_s"] == 15.0  # (C's drop, after the last step: the replay lasts until then)
 
 
 def test_a_give_up_before_the_pull_frees_the_prefill_blocks_at_once() -> None:
@@ -155,15 +156,49 @@ def test_deadlines_that_never_pass_change_nothing(overloaded) -> None:
     assert waiting.summary == base.summary
 
 
-def test_unmodelled_combinations_are_refused() -> None:
-    sessions = read_trace(TRACES / "kvcache_coding_sessions.parquet")
-    with pytest.raises(ValueError, match="paced conversations"):
-        replay(sessions, EngineConfig.from_flat(dict(client_timeout_s=30.0)), "roofline",
-               disaggregation=DisaggregationSpec(1, 1))
-    with pytest.raises(ValueError, match="data-parallel decode pool"):
-        replay(_trace([(0.0, 64, 5)]), EngineConfig.from_flat(dict(model="deepseek-v2-lite", client_timeout_s=30.0)),
-               "roofline",
-               disaggregation=DisaggregationSpec(1, 1, decode_options=(("data_parallel_size", 2),)))
+def test_paced_conversations_end_where_their_turn_timed_out_and_decode_runs_change_no_bytes(tmp_path) -> None:
+    """1,200 four-turn conversations at 90 a second on one prefill and one decode replica, a proxy
+    hop of 950 ms and clients that give up on a first token after 1 s (and retry twice): attempts
+    are aborted at the prefill replica and dropped in the hop, and a turn given up on for good ends
+    its conversation (its later turns `abandoned`), wherever that happened."""
+    from simkv.traces.arrivals import ArrivalProcess
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=1200, turns=4), seed=3, arrival=ArrivalProcess("poisson", 90.0))
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=1.0, client_timeout_s=20.25, client_max_retries=2))
+    spec = DisaggregationSpec(1, 1, handoff_ms=950.0, kv_abort_timeout_s=20.0)
+    res = assert_decode_runs_change_no_bytes(trace, config, tmp_path, disaggregation=spec)
+    client, status = res.summary["client"], res.requests["status"].value_counts()
+    assert client["aborted_in"]["prefill"] > 1000 and client["aborted_in"]["handoff"] > 1000
+    assert client["abandoned_turns"] == status["abandoned"] > 1000
+    assert status["finished"] + status["timed_out"] + status["abandoned"] == len(trace)
+    assert res.summary["session_pacing"]["sessions"] == 1200
+
+
+def test_a_data_parallel_decode_pool_aborts_on_its_ranks() -> None:
+    """deepseek-v2-lite with a decode pool of two data-parallel ranks (4 seats each) behind four
+    prefill replicas, the Azure slice's first 600 requests at 50 times its rate: attempts are
+    aborted in every place, and every request is accounted for; deadlines that never pass change
+    nothing."""
+    frame = trace_to_frame(read_trace(TRACES / "azure_conv_slice.parquet")).head(600)
+    frame["arrival_time_s"] *= 0.02
+    trace = trace_from_frame(frame, "fast")
+    spec = DisaggregationSpec(4, 1, decode_options=(("data_parallel_size", 2), ("max_num_seqs", 4)))
+    base = dict(model="deepseek-v2-lite")
+    res = replay(trace, EngineConfig.from_flat(base | dict(client_ttft_timeout_s=0.5, client_max_retries=2)),
+                 "roofline", disaggregation=spec)
+    s, client = res.summary, res.summary["client"]
+    assert s["num_finished"] + client["timed_out_requests"] == len(trace)
+    assert client["aborted_in"]["decode_queue"] > 50 and client["aborted_in"]["decode"] > 50
+    assert sum(client["aborted_in"].values()) == client["aborted"]
+    assert len(res.fleet_runs) == 2 and set(res.requests["decode_replica"]) == {0, 1}
+    never = replay(trace, EngineConfig.from_flat(base | dict(client_timeout_s=86400.0)), "roofline",
+                   disaggregation=spec)
+    waiting = replay(trace, EngineConfig.from_flat(base), "roofline", disaggregation=spec)
+    pd.testing.assert_frame_equal(never.requests.drop(columns="attempts"), waiting.requests)
+
+
+def test_bad_settings_are_refused() -> None:
     with pytest.raises(ConfigError, match="client_timeout_s differ"):
         DisaggregationSpec(1, 1, decode_options=(("client_timeout_s", 5.0),)).pool_configs(
             EngineConfig.from_flat(dict(client_timeout_s=30.0)))
