@@ -33,6 +33,8 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-clients  # the Azure trace at 2x its rate, clients that give up
                                                         # on a first token after 10 s and retry twice
                                                         # (-async: the same with --async-scheduling)
+    .venv/bin/python bench/replay_speed.py azure-pd2-clients  # the Azure trace at 4x its rate on 1 prefill + 1 decode
+                                                        # replica, clients that give up after 10 s and retry twice
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -75,7 +77,7 @@ def load(case: str):
 
         trace = import_trace("azure", [AZURE])[0]
         return replace(trace, arrival_time_s=trace.arrival_time_s / 2.0)
-    if case in ("azure-fleet4", "azure-pd4", "azure-pd4-async"):
+    if case in ("azure-fleet4", "azure-pd4", "azure-pd4-async", "azure-pd2-clients"):
         from dataclasses import replace
 
         trace = import_trace("azure", [AZURE])[0]
@@ -116,13 +118,14 @@ def run_case(case: str) -> dict:
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
     if case == "azure-lora4":
         options |= {"enable_lora": True, "max_loras": 4}
-    if case_setup == "azure-clients":
+    if case_setup in ("azure-clients", "azure-pd2-clients"):
         options |= {"client_ttft_timeout_s": 10.0, "client_max_retries": 2}
     if case.startswith("azure-dsv3"):
         options |= {"model": "deepseek-v3", "gpu": "H200"}
         options |= {"data_parallel_size": 8} if case.endswith("-dp8") else {"tensor_parallel_size": 8}
     config = EngineConfig.from_flat(options)
-    disaggregation = DisaggregationSpec(2, 2) if case_setup.endswith("-pd4") else None
+    disaggregation = (DisaggregationSpec(2, 2) if case_setup.endswith("-pd4")
+                      else DisaggregationSpec(1, 1) if case == "azure-pd2-clients" else None)
     res = replay(trace, config, fleet=fleet, disaggregation=disaggregation)
     t_call = time.perf_counter() - t1
     s = res.summary
