@@ -68,6 +68,24 @@ def check_supported(trace, config: EngineConfig, *, real_backend: bool = False) 
         raise ValueError(f"client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with {why} yet")
 
 
+def timeout_ticks(sc) -> tuple[int | None, int | None]:
+    """The clients' (first-token, whole-request) time-outs in ticks, indexed by TTFT and E2E
+    (None: no such deadline)."""
+    return tuple(None if t is None else to_ticks(t) for t in (sc.client_ttft_timeout_s, sc.client_timeout_s))
+
+
+def backoff_ticks(sc, row: int, attempt: int) -> int:
+    """How long `row`'s client waits after giving up on attempt number `attempt` (0: the first):
+    the back-off doubled per attempt, at most the cap, less its jitter (a draw hashed from the
+    row and the attempt, so the same in every replay and every order)."""
+    delay = sc.client_retry_backoff_s * 2 ** attempt
+    if sc.client_retry_max_backoff_s is not None:
+        delay = min(delay, sc.client_retry_max_backoff_s)
+    if sc.client_retry_jitter:
+        delay *= 1.0 - sc.client_retry_jitter * (mix64((row << 16) | attempt) >> 11) / (1 << 53)
+    return to_ticks(delay)
+
+
 class ClientDeadlines:
     """Mixed into an engine's feed: the attempts in flight on that engine, their clients'
     deadlines, and vLLM's aborts. A give-up with retries left calls `_resend`; the feed sends
@@ -76,8 +94,7 @@ class ClientDeadlines:
     def _init_clients(self, config: EngineConfig, attempts: np.ndarray) -> None:
         sc = self.clients = config.scheduler  # (their client_* options)
         self.max_retries = sc.client_max_retries
-        self._timeouts = (None if sc.client_ttft_timeout_s is None else to_ticks(sc.client_ttft_timeout_s),
-                          None if sc.client_timeout_s is None else to_ticks(sc.client_timeout_s))
+        self._timeouts = timeout_ticks(sc)
         self._live: dict[int, tuple[Request, int, int]] = {}  # row -> (its attempt in flight, sent at tick, number)
         self._deadlines: list[tuple[int, int, int, int]] = []  # (tick, row, attempt number, TTFT/E2E)
         self.attempts = attempts  # per row: attempts sent (a fleet's replicas share one array)
@@ -174,16 +191,7 @@ class ClientDeadlines:
             self.on_timed_out(1)
 
     def backoff_ticks(self, row: int, attempt: int) -> int:
-        """How long `row`'s client waits after giving up on attempt number `attempt` (0: the
-        first): the back-off doubled per attempt, at most the cap, less its jitter (a draw
-        hashed from the row and the attempt, so the same in every replay and every order)."""
-        sc = self.clients
-        delay = sc.client_retry_backoff_s * 2 ** attempt
-        if sc.client_retry_max_backoff_s is not None:
-            delay = min(delay, sc.client_retry_max_backoff_s)
-        if sc.client_retry_jitter:
-            delay *= 1.0 - sc.client_retry_jitter * (mix64((row << 16) | attempt) >> 11) / (1 << 53)
-        return to_ticks(delay)
+        return backoff_ticks(self.clients, row, attempt)
 
     def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
         raise NotImplementedError

@@ -44,6 +44,7 @@ from simkv.replay.sessions import ReleaseWatch, earliest_release
 from simkv.replay.router import ROUTERS, Router, RouterOptions
 
 TRANSFER_DONE, SEND_ABANDONED = 1, 0  # a transfer event's kind (SEND_ABANDONED: its client gave up)
+IF_IDLE, IF_WAITING, NEVER = "if idle", "if waiting", "never"  # whom a transfer event wakes (add_event)
 
 
 @dataclass(frozen=True)
@@ -335,12 +336,13 @@ class _EventFeed(ReplicaFeed):
         self._events: list[tuple[int, int, int, int, Request]] = []  # (tick, row, kind, number, request)
         self._num_events = 0
 
-    def add_event(self, tick: int, request: Request, kind: int = TRANSFER_DONE, wake: bool | None = True) -> None:
-        """`wake`: True wakes the engine if idle, None only if requests wait in it, False never."""
+    def add_event(self, tick: int, request: Request, kind: int = TRANSFER_DONE, wake: str = IF_IDLE) -> None:
+        """`wake`: the engine is woken at `tick` if idle (IF_IDLE), only if requests wait in it
+        (IF_WAITING), or not at all (NEVER: it sees the event when next woken)."""
         heapq.heappush(self._events, (tick, request.index, kind, self._num_events, request))
         self._num_events += 1
-        if wake is not False:
-            self.pd.env.process(self.pd.wake_at(self.engine, tick, waiting_only=wake is None))
+        if wake != NEVER:
+            self.pd.env.process(self.pd.wake_at(self.engine, tick, waiting_only=wake == IF_WAITING))
 
     def next_event_ticks(self) -> int | None:
         return self._events[0][0] if self._events else None

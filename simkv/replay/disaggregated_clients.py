@@ -23,11 +23,13 @@ router paces the turns); a data-parallel decode pool's ranks abort in lockstep, 
 
 from __future__ import annotations
 
-from simkv.clock import TICKS_PER_SECOND, to_ticks
+from simkv.clock import to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
-from simkv.replay.client_timeouts import ClientDeadlines, ReplicaClientFeed, RoutedClients
-from simkv.replay.disaggregated import SEND_ABANDONED, TRANSFER_DONE, DecodeFeed, PDRouting, PrefillFeed
+from simkv.replay.client_timeouts import (ClientDeadlines, ReplicaClientFeed, RoutedClients, backoff_ticks,
+                                          timeout_ticks)
+from simkv.replay.disaggregated import (IF_WAITING, NEVER, SEND_ABANDONED, TRANSFER_DONE, DecodeFeed, PDRouting,
+                                       PrefillFeed)
 
 #: Where attempts were aborted (summary.json's client.aborted_in): at a prefill replica, in the
 #: proxy's hop, at a decode replica before its pull started, at a decode replica after.
@@ -48,14 +50,11 @@ class TransitClients:
     """The clients of the attempts between the pools (`PDRouting.in_transit`: from the prefill's
     end until a decode replica takes the request), and where attempts were aborted."""
 
-    backoff_ticks = ClientDeadlines.backoff_ticks  # (it reads `clients`)
-
     def __init__(self, pd: PDRouting, config: EngineConfig) -> None:
         self.pd = pd
-        sc = self.clients = config.scheduler
-        self.max_retries = sc.client_max_retries
-        self._timeouts = tuple(None if t is None else to_ticks(t) for t in (sc.client_ttft_timeout_s,
-                                                                             sc.client_timeout_s))
+        self.clients = config.scheduler
+        self.max_retries = self.clients.client_max_retries
+        self._timeouts = timeout_ticks(self.clients)
         self.lease_ticks = to_ticks(pd.spec.kv_abort_timeout_s)
         self.aborted_in = dict.fromkeys(STAGES, 0)
 
@@ -81,7 +80,7 @@ class TransitClients:
                 continue
             for t in self._timeouts:
                 if t is not None:
-                    bound = sent + t + self.backoff_ticks(row, attempt)
+                    bound = sent + t + backoff_ticks(self.clients, row, attempt)
                     if best is None or bound < best:
                         best = bound
         return best
@@ -131,8 +130,8 @@ class PrefillClientFeed(_WakesAtDeadlines, ReplicaClientFeed, PrefillFeed):
         """The proxy dropped `send`'s attempt, finished here at pd.prefill_end[row], at `now`: its
         blocks leave the table now and go back to the pool when the lease expires."""
         expiry = int(self.pd.prefill_end[row]) + self.pd.transit.lease_ticks
-        self.add_event(now, send, SEND_ABANDONED, wake=False)
-        self.add_event(max(now, expiry), send, TRANSFER_DONE, wake=None)
+        self.add_event(now, send, SEND_ABANDONED, wake=NEVER)
+        self.add_event(max(now, expiry), send, TRANSFER_DONE, wake=IF_WAITING)
         ClientDeadlines._give_up(self, row, send, attempt, deadline, kind, now)
         if send.may_resend:
             self._no_longer_resendable(1, now)
@@ -169,11 +168,7 @@ class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)
             sent, attempt, send = pd.in_transit.pop(row)
-            request = self.make_request(row)
-            if attempt:
-                request.request_id = f"{request.request_id}/retry{attempt}"
-                request.arrival_time = sent / TICKS_PER_SECOND
-                request.has_own_cached_blocks = True  # (an earlier attempt's blocks may be cached here)
+            request = self.make_retry(row, attempt, sent) if attempt else self.make_request(row)
             pd.pull_start[row] = pd.pull_end[row] = -1
             pd.pull_bytes[row] = 0
             self._sends[row] = send
@@ -194,9 +189,9 @@ class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
         prefill = pd.prefill_engines[pd.prefill.assignment[row]].feed
         if prefill.held.get(row) is send:  # (the prefill replica still holds its blocks)
             if pulling:  # (they go when the pull ends; out of the table now)
-                prefill.add_event(now, send, SEND_ABANDONED, wake=False)
+                prefill.add_event(now, send, SEND_ABANDONED, wake=NEVER)
             else:  # (the connector tells the prefill side to free them)
-                prefill.add_event(now, send, TRANSFER_DONE, wake=None)
+                prefill.add_event(now, send, TRANSFER_DONE, wake=IF_WAITING)
         pd.transit.aborted_in["decode" if pulling else "decode_queue"] += 1
         if pd.prefill.sessions is not None:
             self.release_watch.finished([request])  # (it releases nothing here now)
