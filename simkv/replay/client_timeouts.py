@@ -477,8 +477,11 @@ def client_row(section: dict) -> tuple[str, str]:
     """The report row of summary.json's `client` section (the terminal table and report.html)."""
     limits = [f"{label} {section[key]:g} s" for label, key in (("TTFT", "ttft_timeout_s"), ("E2E", "timeout_s"))
               if section[key] is not None]
+    where = section.get("aborted_in")  # (P/D: simkv/replay/disaggregated_clients.py)
+    places = (f" ({where['prefill']:,} at a prefill replica, {where['handoff']:,} in the proxy's hop, "
+              f"{where['decode_queue']:,} before their pull, {where['decode']:,} after it)" if where else "")
     return ("client time-outs", f"{section['timed_out_requests']:,} requests timed out ({', '.join(limits)}, "
-                                f"{section['max_retries']} retries); vLLM aborted {section['aborted']:,} attempts; "
+                                f"{section['max_retries']} retries); vLLM aborted {section['aborted']:,} attempts{places}; "
                                 f"{section['retries']:,} retries, {section['finished_after_retries']:,} requests "
                                 f"finished on one" + (f"; {section['abandoned_turns']:,} later turns of their "
                                                       "conversations never sent" if "abandoned_turns" in section

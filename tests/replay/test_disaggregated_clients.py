@@ -211,7 +211,7 @@ def test_the_cli_replays_pd_with_clients_that_give_up(tmp_path) -> None:
     text = cli_ok(["replay", str(TRACES / "req400.parquet"), "--prefill-replicas", "1", "--decode-replicas", "1",
                    "--client-ttft-timeout", "0.05", "--client-max-retries", "1", "--kv-abort-timeout-s", "30",
                    "--out", str(out)])
-    assert "client time-outs" in text
+    assert "client time-outs" in text and "at a prefill replica" in " ".join(text.split())
     import json
     summary = json.loads((out / "summary.json").read_text())
     assert summary["client"]["aborted"] > 0 and summary["disaggregation"]["kv_abort_timeout_s"] == 30.0
