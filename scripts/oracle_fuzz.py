@@ -26,6 +26,11 @@ oracle copy then gets every attempt simkv's clients sent, as a row arriving at i
 vLLM's finish_requests(FINISHED_ABORTED), one request at a time: before the output of the step
 during which its deadline passed, or at a deadline between steps before the next schedule.
 
+--parallel: some requests ask for n = 2-4 sequences (parallel sampling), which simkv fans out
+as vLLM v1's front end does (`parallel_sampling: fan_out`); the oracle gets the n requests one
+after the other, with one prompt (their rows' hash lists, made up where a row has none, so that
+they share the prompt's tokens). A row's first token is its first request's, its finish the last.
+
 Steps last 1 s on both sides (the oracle's time mode, simkv's linear model with no per-token
 cost); arrivals fall between step boundaries. Pools are small, so requests are preempted, and
 prompts may share content (block hashes). A case that differs is kept in --keep for a look.
@@ -84,6 +89,56 @@ def make_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
         frame["hash_block_tokens"] = 8
     opts = random_engine_options(rng, block_size, max_model_len)
     return frame, opts
+
+
+def with_parallel_sampling(frame: pd.DataFrame, opts: dict, rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
+    """About a third of the requests ask for 2-4 sequences; simkv fans them out."""
+    frame = frame.copy()
+    frame["n"] = np.where(rng.random(len(frame)) < 0.35, rng.integers(2, 5, len(frame)), 1)
+    return frame, opts | {"parallel_sampling": "fan_out"}
+
+
+def fanned_out(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[int, int]]]:
+    """The oracle's trace of a case with parallel sampling: row i as n[i] requests in a row, with
+    one prompt (a made-up hash list of 8-token blocks where the row has none: ids no other row
+    uses), and each oracle row's (row, member)."""
+    rows, origin = [], []
+    for i, r in enumerate(frame.to_dict("records")):
+        n = int(r.pop("n"))
+        if n > 1 and not len(r.get("block_hashes", []) or []):
+            r["block_hashes"] = [1000 + 64 * i + j for j in range(-(-int(r["prompt_tokens"]) // 8))]
+            r["hash_block_tokens"] = 8
+        for k in range(n):
+            rows.append(dict(r, request_id=f"r{i}_{k}"))
+            origin.append((i, k))
+    out = pd.DataFrame(rows)
+    if "block_hashes" in out:
+        out["block_hashes"] = [list(v) if isinstance(v, (list, np.ndarray)) else [] for v in out["block_hashes"]]
+        out["hash_block_tokens"] = out["hash_block_tokens"].fillna(8).astype(int)
+    return out, origin
+
+
+def fanned_out_differences(prefix: Path, res, origin: list[tuple[int, int]]) -> list[str]:
+    """Every step, and each row's first token (its first request's) and finish (its last)."""
+    out = engine_differences(prefix, res)
+    with open(f"{prefix}.requests.csv") as f:
+        by_row = {int(r["row"]): r for r in csv.DictReader(f)}
+    first, finish = {}, {}
+    for j, (i, k) in enumerate(origin):
+        r = by_row.get(j)
+        if r is None or r["first_token_time_s"] == "":
+            continue
+        if k == 0:
+            first[i] = float(r["first_token_time_s"])
+        finish[i] = max(finish.get(i, 0.0), float(r["finish_time_s"]))
+    req = res.requests
+    for i, (a, b) in enumerate(zip(req["first_token_time_s"].tolist(), req["finish_time_s"].tolist())):
+        if i not in first:
+            continue
+        if abs(first[i] - a) > 1e-6 or abs(finish[i] - b) > 1e-6:
+            out.append(f"request {i}: vLLM first token/finish {first[i]}/{finish[i]}, simkv {a:.3f}/{b:.3f}")
+            break
+    return out
 
 
 def make_reply_case(rng: np.random.Generator) -> tuple[pd.DataFrame, dict]:
@@ -381,7 +436,8 @@ def late_turns(prefix: Path, prev: np.ndarray) -> list[str]:
 
 
 def recorded(frame: pd.DataFrame, opts: dict, async_scheduling: bool, prefix: Path,
-             log: AttemptLog | None = None, finished: np.ndarray | None = None) -> dict:
+             log: AttemptLog | None = None, finished: np.ndarray | None = None,
+             origin: list[tuple[int, int]] | None = None) -> dict:
     """A case as tests/core/test_reply_content.py replays it: the trace, options and vLLM's values
     (with client time-outs, a row's times are its last attempt's, where vLLM finished that one and
     simkv's client still waited: `finished`)."""
@@ -391,7 +447,14 @@ def recorded(frame: pd.DataFrame, opts: dict, async_scheduling: bool, prefix: Pa
                  for r in csv.DictReader(f)]
     with open(f"{prefix}.requests.csv") as f:
         by_id = {r["request_id"]: r for r in csv.DictReader(f)}
-    if log is None:
+    if origin is not None:  # (parallel sampling: a row's first request's first token, its last one's finish)
+        times = {}
+        for r in by_id.values():
+            if r["first_token_time_s"] != "":
+                i, k = origin[int(r["row"])]
+                first, finish = times.get(i, [None, 0.0])
+                times[i] = [float(r["first_token_time_s"]) if k == 0 else first, max(finish, float(r["finish_time_s"]))]
+    elif log is None:
         times = {int(r["row"]): [float(r["first_token_time_s"]), float(r["finish_time_s"])] for r in by_id.values()
                  if r["first_token_time_s"] != ""}
     else:
@@ -414,6 +477,7 @@ def main() -> None:
     ap.add_argument("--replies", action="store_true", help="chat sessions whose hash lists describe the replies")
     ap.add_argument("--lora", action="store_true", help="requests name LoRA adapters; max_loras 1-3")
     ap.add_argument("--timeouts", action="store_true", help="clients give up (vLLM aborts) and retry")
+    ap.add_argument("--parallel", action="store_true", help="requests for n > 1 sequences, fanned out")
     ap.add_argument("--keep", default="/tmp/oracle_fuzz_failures")
     ap.add_argument("--record", help="write the equal cases (trace, options, vLLM's values) to this JSON file")
     args = ap.parse_args()
@@ -435,6 +499,8 @@ def main() -> None:
                 frame, opts = with_adapters(frame, opts, rng)
             if args.timeouts:
                 opts = with_timeouts(opts, rng)
+            if args.parallel:
+                frame, opts = with_parallel_sampling(frame, opts, rng)
             try:
                 config = EngineConfig.from_flat(opts | {"async_scheduling": args.async_scheduling})
             except ConfigError as exc:
@@ -462,6 +528,13 @@ def main() -> None:
                 c = res.summary["client"]
                 print(f"case {case}: {c['attempts']} attempts, {c['aborted']} aborted, "
                       f"{c['timed_out_requests']} timed out; ", end="")
+            elif args.parallel:
+                expanded, origin = fanned_out(frame)
+                oracle_trace = tmp / f"fanned{case}.parquet"
+                write_trace(expanded, oracle_trace)
+                run_oracle(args.oracle_python, oracle, oracle_trace, opts, tmp / f"o{case}", args.async_scheduling)
+                res = replay(read_trace(trace), config, "linear", {"step_base_s": 1.0, "step_per_token_s": 0.0})
+                diff = fanned_out_differences(tmp / f"o{case}", res, origin)
             else:
                 run_oracle(args.oracle_python, oracle, trace, opts, tmp / f"o{case}", args.async_scheduling)
                 res = replay(read_trace(trace), config, "linear",
@@ -475,7 +548,8 @@ def main() -> None:
             if not diff and args.record:
                 record.append(recorded(frame, opts, args.async_scheduling, tmp / f"o{case}",
                                        log if args.timeouts else None,
-                                       (res.requests["status"] == "finished").to_numpy()))
+                                       (res.requests["status"] == "finished").to_numpy(),
+                                       origin if args.parallel else None))
             if diff:
                 failed += 1
                 keep = Path(args.keep) / f"case{case}"

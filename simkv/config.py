@@ -124,6 +124,10 @@ class SchedulerConfig:
     preemption_victim: str = "newest"  # vLLM: the newest running request; or "requester"
     preemption_mode: str = "recompute"  # keep outputs and recompute them; "restart": drop them;
     # "swap": copy the victim's KV to CPU swap space (vLLM v0), recompute when the space is full
+    # A trace row with n > 1 sequences: "fan_out", vLLM v1's n requests that share the prompt's
+    # blocks through the prefix cache (core/scheduler.py, _fan_out); "fork", vLLM v0's sequences
+    # forked after the prompt, sharing its blocks with copy-on-write.
+    parallel_sampling: str = "fan_out"
     # The replay's clients, not the engine: a trace's sessions send a turn no earlier than the
     # previous turn's finish + its think time (simkv/replay/sessions.py); False replays the
     # trace's arrival times as they are (open loop).
@@ -170,6 +174,8 @@ class SchedulerConfig:
             raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
         if self.preemption_victim not in ("newest", "requester"):
             raise ConfigError(f"preemption_victim must be 'newest' or 'requester', got '{self.preemption_victim}'")
+        if self.parallel_sampling not in ("fan_out", "fork"):
+            raise ConfigError(f"parallel_sampling must be 'fan_out' or 'fork', got '{self.parallel_sampling}'")
         if self.preemption_mode not in ("recompute", "restart", "swap"):
             raise ConfigError(f"preemption_mode must be 'recompute', 'restart' or 'swap', got '{self.preemption_mode}'")
         if self.async_scheduling and self.preemption_mode != "recompute":
@@ -790,6 +796,8 @@ class EngineConfig:
             del out["quantization"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
+        if self.scheduler.parallel_sampling == "fan_out":  # (the default: configs read as before)
+            del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
             del out["enable_lora"], out["max_loras"], out["max_lora_rank"]
         if not self.scheduler.has_client_timeouts:  # (likewise)

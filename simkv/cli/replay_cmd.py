@@ -28,6 +28,7 @@ _ENGINE_FLAGS = {
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
+    "parallel_sampling": "parallel_sampling",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
@@ -231,6 +232,10 @@ _ENGINE_OPTIONS = [
     click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
                  help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]"),
     click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]"),
+    click.option("--parallel-sampling", type=click.Choice(["fan_out", "fork"]), default=None,
+                 help="A trace row with n > 1: fan_out (vLLM v1: n requests sharing the prompt's blocks through "
+                      "the prefix cache) or fork (vLLM v0: sequences forked after the prompt, copy-on-write) "
+                      "[default: fan_out]"),
     click.option("--pcie-bandwidth-gbs", type=float, default=None,
                  help="host<->GPU bandwidth for swapping and KV offloading, GB/s [default: 63]"),
     click.option("--kv-offloading-size", type=float, default=None,

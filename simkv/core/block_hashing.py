@@ -122,6 +122,11 @@ class BlockHasher:
                     parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h)) & mask
                     hashes.append(parent)
                     i += 1
+        if i < num_blocks and request.prompt_owner != request.index:  # (fan-out: the prompt is its group's)
+            stop = min(num_blocks, request.num_prompt_tokens // bs)
+            top = -(request.prompt_owner << _UNIQUE_SHIFT) - 1
+            hashes.extend(range(top - i, top - stop, -1))
+            i = max(i, stop)
         if i < num_blocks:
             top = -(request.index << _UNIQUE_SHIFT) - 1  # unique_block_key(index, i) == top - i
             hashes.extend(range(top - i, top - num_blocks, -1))
@@ -163,7 +168,8 @@ class WeakBlockHasher(BlockHasher):
             h = request.hash_block_tokens
             first, last = (i * bs) // h, ((i + 1) * bs - 1) // h
             return tuple(request.shared_hash_ids[first:last + 1].tolist()) + ((i * bs) % h,)
-        return (-1 - request.index, i)
+        owner = request.prompt_owner if (i + 1) * bs <= request.num_prompt_tokens else request.index  # (fan-out)
+        return (-1 - owner, i)
 
     def _extend(self, request: Request, num_blocks: int) -> None:
         weak = request.block_hashes

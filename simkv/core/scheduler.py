@@ -172,13 +172,14 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._calendar_tables: list[list[list]] | None = [[] for _ in range(self.block_size)] if periodic else None
         # priority policy: the victim is the max (priority, arrival) running request; equal
         # arrival times count as arriving in trace order (vLLM stamps wall-clock arrivals).
-        self._victim_heap: list[tuple] = []  # (-priority, -arrival, -index, seq, request)
+        self._victim_heap: list[tuple] = []  # (-priority, -arrival, -prompt_owner, -index, seq, request)
         self._blocked_marker: tuple | None = None
         # Counters.
         self.num_preemptions = 0
         self.num_preempted_requests = 0
         self._preemptions_since_finish = 0
         self._next_child_index = 1 << 40  # parallel-sampling sequences: beyond any trace row
+        self.fan_out = config.scheduler.parallel_sampling == "fan_out"
         # Swap preemption (vLLM v0): CPU blocks in use, and counters.
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_blocks_used = 0
@@ -208,6 +209,29 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if request.kv_role == KV_SEND and self.prefill_backoff:
             self._truncate_for_prefill(request)
         self.waiting.add_request(request)
+        if request.num_samples > 1 and self.fan_out:
+            self._fan_out(request)
+
+    def _fan_out(self, root: Request) -> None:
+        """Parallel sampling as vLLM v1 does it: a request for n sequences is n requests, added
+        one after the other, each sampling one; the later ones share the first's prompt through
+        the prefix cache (its full blocks are findable once scheduled, as every prompt's are in
+        vLLM), so one admitted in the same step hits what the first was given. `root` stands
+        for the group: it completes with its last member (`_finish`)."""
+        root.num_samples = 1
+        root.forked = True  # (no fork after its prompt)
+        root.num_shared_tokens = root.num_prompt_tokens  # (its prompt's blocks are its siblings' too)
+        for k in range(1, root.group_remaining):
+            child = Request(f"{root.request_id}#{k}", self._next_child_index, root.arrival_time,
+                            root.num_prompt_tokens, root.max_tokens, root.priority, root.cache_salt,
+                            root.shared_hash_ids, root.hash_block_tokens, lora_id=root.lora_id)
+            self._next_child_index += 1
+            child.parent = root
+            child.prompt_owner = root.index
+            child.num_content_tokens = root.num_content_tokens  # (its reply is not the trace's)
+            child.num_shared_tokens = root.num_prompt_tokens
+            child.may_resend = root.may_resend
+            self.waiting.add_request(child)
 
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.kv_holding)
@@ -225,7 +249,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.running.append(request)
         self._prefilling.append(request)
         if self.policy == "priority":
-            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.index, request.seq, request))
+            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.prompt_owner,
+                                               -request.index, request.seq, request))
 
     def _remove_running(self, request: Request) -> None:
         del self.running[self._position(request)]
@@ -238,8 +263,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             return self.running[-1]
         heap = self._victim_heap
         while True:
-            request = heap[0][4]
-            if request.status == RequestStatus.RUNNING and request.seq == heap[0][3]:
+            request = heap[0][-1]
+            if request.status == RequestStatus.RUNNING and request.seq == heap[0][-2]:
                 return request
             heapq.heappop(heap)
 

@@ -146,6 +146,14 @@ class ReplayEngine:
                        f"layers ({config.hardware.model}); drop the column")
             raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
                              + without)
+        if trace.n is not None and config.scheduler.parallel_sampling == "fan_out" and (
+                kv_connector or config.hardware.data_parallel_size > 1) and (trace.n > 1).any():
+            row = int((trace.n > 1).argmax())
+            where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
+                     if kv_connector else "on data-parallel ranks (vLLM's balancer routes each member on its own; "
+                     "--parallel-sampling fork keeps them on one rank)")
+            raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling), fanned out as "
+                             f"vLLM v1 does, is not modelled {where}")
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
         if num_offload_chunks and (kv_connector or (trace.n is not None and (trace.n > 1).any())):

@@ -1,12 +1,21 @@
-"""Parallel sampling (trace column `n`): sequences share the prompt's blocks by reference count;
-the first write into a shared partial block copies it (copy-on-write)."""
+"""Parallel sampling (trace column `n`). vLLM v1 fans a request for n sequences out into n
+requests that share the prompt through the prefix cache (`parallel_sampling: fan_out`, the
+default; checked against vLLM's scheduler, scripts/oracle_fuzz.py --parallel, recorded below).
+vLLM v0 forked sequences after the prompt that share its blocks by reference count, the first
+write into a shared partial block copying it (`fork`)."""
+
+import heapq
+import json
+from pathlib import Path
 
 import pandas as pd
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simkv.config import EngineConfig
 from simkv.core.request import RequestStatus
+from simkv.core.request_queue import PriorityRequestQueue
 from simkv.core.scheduler import Scheduler
 from simkv.replay.api import replay
 from simkv.traces.schema import trace_from_frame
@@ -24,8 +33,12 @@ def _step(s):
     return out
 
 
+FORK = dict(parallel_sampling="fork")
+
+
 def test_fork_shares_prompt_blocks_then_copies_on_write():
-    s = Scheduler(make_config(num_gpu_blocks=41, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128), 41)
+    s = Scheduler(make_config(num_gpu_blocks=41, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128,
+                              **FORK), 41)
     r = _request(0, 40, 5, 4)  # 40 tokens: 2 full blocks + a partial one
     s.add_request(r)
     _step(s)
@@ -45,10 +58,74 @@ def test_fork_shares_prompt_blocks_then_copies_on_write():
 
 
 def test_block_aligned_prompt_needs_no_copy():
-    s = Scheduler(make_config(num_gpu_blocks=41, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128), 41)
+    s = Scheduler(make_config(num_gpu_blocks=41, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128,
+                              **FORK), 41)
     s.add_request(_request(0, 32, 3, 3))
-    drive(s)
+    while s.has_unfinished_requests():
+        _step(s)
     assert s.kv_cache_manager.num_cow_copies == 0
+
+
+def test_fan_out_members_share_the_prompt_through_the_prefix_cache():
+    """vLLM v1: four requests, added one after the other. The first is given 40 prompt tokens; its
+    two full blocks are findable as soon as it is scheduled, so the next three, admitted in the
+    same step, hit 32 tokens each and compute the last 8: 40 + 3 x 8 tokens in the step, 3 + 3
+    blocks. Nothing is copied, and the group completes with its last member."""
+    s = Scheduler(make_config(num_gpu_blocks=41, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128), 41)
+    r = _request(0, 40, 5, 4)
+    s.add_request(r)
+    out = _step(s)
+    assert out.total_num_scheduled_tokens == 40 + 3 * 8 and len(s.running) == 4
+    assert s.kv_cache_manager.block_pool.get_num_used_blocks() == 3 + 3
+    assert [q.num_prefix_hit_tokens for q in s.running] == [0, 32, 32, 32]
+    finished = []
+    while s.has_unfinished_requests():
+        finished += _step(s).finished
+    assert finished == [r] and r.group_output_tokens == 20 and s.kv_cache_manager.num_cow_copies == 0
+    assert s.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+
+
+def test_fan_out_members_of_a_long_prompt_wait_behind_its_chunks():
+    """A 100-token prompt in 32-token chunks: the first request takes each step's whole budget,
+    so the others are admitted with its last chunk (step 3), hitting its 6 full blocks (96
+    tokens) and computing 4 tokens each."""
+    s = Scheduler(make_config(num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256), 64)
+    s.add_request(_request(0, 100, 3, 3))
+    scheduled = [_step(s).total_num_scheduled_tokens for _ in range(4)]
+    assert scheduled == [32, 32, 32, 4 + 2 * 4]
+    assert [q.num_prefix_hit_tokens for q in s.running] == [0, 96, 96]
+
+
+def test_fan_out_members_share_unique_prompt_content_but_not_their_outputs():
+    """Without hash ids a prompt is unique content: the members still share it (one prompt), and
+    blocks filled by their outputs stay their own: a later request with the same unique content
+    cannot exist, but a preempted member finds its prompt again."""
+    s = Scheduler(make_config(num_gpu_blocks=41, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128), 41)
+    r = _request(0, 64, 40, 2)
+    s.add_request(r)
+    _step(s)
+    child = s.running[1]
+    hasher = s.kv_cache_manager.hasher
+    assert child.num_prefix_hit_tokens == 48  # (3 of 4 full prompt blocks: one token is left to compute)
+    assert [hasher.block_key(child, i) for i in range(4)] == [hasher.block_key(r, i) for i in range(4)]
+    while r.num_computed_tokens < 64 + 17:
+        _step(s)
+    assert hasher.block_key(child, 4) != hasher.block_key(r, 4)  # (their first output blocks differ)
+
+
+def test_replay_reports_copies_and_total_outputs():
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.5], "prompt_tokens": [100, 70], "output_tokens": [20, 10],
+                          "n": [4, 1]})
+    res = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(num_gpu_blocks=400, max_model_len=512, **FORK)),
+                 "unit")
+    assert res.summary["num_cow_copies"] == 3  # 100 % 16 != 0: three of four sequences copy
+    assert res.requests["output_tokens"].tolist() == [80, 10]
+    assert res.summary["num_finished"] == 2
+    fanned = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(num_gpu_blocks=400, max_model_len=512)),
+                    "unit")
+    assert fanned.summary["num_cow_copies"] == 0 and fanned.requests["output_tokens"].tolist() == [80, 10]
+    assert fanned.summary["prefix_cache_hits_tokens"] == 3 * 96  # (each later member: 6 full blocks)
+    assert fanned.summary["num_prefill_tokens"] == 100 + 3 * 4 + 70
 
 
 def _check_no_shared_writes(sched):
@@ -61,14 +138,15 @@ def _check_no_shared_writes(sched):
             assert kv.req_to_blocks[r.index][c // kv.block_size].ref_cnt == 1
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("mode", ["fork", "fan_out"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 4)), min_size=1, max_size=8),
        st.integers(9, 40), st.sampled_from([4, 8, 16]))
-def test_cow_property_and_decode_runs(reqs, blocks, bs):
+def test_no_shared_writes_and_decode_runs(mode, reqs, blocks, bs):
     results = []
     for runs in (False, True):
         config = make_config(num_gpu_blocks=blocks + 64 // bs + 1, block_size=bs, max_num_seqs=8,
-                             max_num_batched_tokens=128, max_model_len=64)
+                             max_num_batched_tokens=128, max_model_len=64, parallel_sampling=mode)
         s = Scheduler(config, blocks + 64 // bs + 1)
         requests = [_request(i, min(p, 63), o, n) for i, (p, o, n) in enumerate(reqs)]
         for q in requests:
@@ -81,32 +159,93 @@ def test_cow_property_and_decode_runs(reqs, blocks, bs):
     assert results[0] == results[1]
 
 
-def test_replay_reports_copies_and_total_outputs():
-    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.5], "prompt_tokens": [100, 70], "output_tokens": [20, 10],
-                          "n": [4, 1]})
-    res = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(num_gpu_blocks=400, max_model_len=512)), "unit")
-    assert res.summary["num_cow_copies"] == 3  # 100 % 16 != 0: three of four sequences copy
-    assert res.requests["output_tokens"].tolist() == [80, 10]
-    assert res.summary["num_finished"] == 2
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("mode", ["fork", "fan_out"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 4)), min_size=1, max_size=8),
        st.integers(9, 40), st.sampled_from([4, 8, 16]))
-def test_cow_property_under_async_scheduling(reqs, blocks, bs):
-    """Async scheduling forks a request when the step that ends its prompt is scheduled; every
-    sequence still finishes with its tokens and nothing leaks."""
+def test_no_shared_writes_under_async_scheduling(mode, reqs, blocks, bs):
+    """Async scheduling forks a request when the step that ends its prompt is scheduled (fan-out
+    members are requests of their own); every sequence still finishes with its tokens and nothing
+    leaks."""
     from tests.core.helpers import drive_async
 
     config = make_config(num_gpu_blocks=blocks + 64 // bs + 1, block_size=bs, max_num_seqs=8,
-                         max_num_batched_tokens=128, max_model_len=64, async_scheduling=True)
+                         max_num_batched_tokens=128, max_model_len=64, async_scheduling=True, parallel_sampling=mode)
     s = Scheduler(config, blocks + 64 // bs + 1)
     requests = [_request(i, min(p, 63), o, n) for i, (p, o, n) in enumerate(reqs)]
+    samples = [n for _, _, n in reqs]
     for q in requests:
         s.add_request(q)
     drive_async(s, check=_check_no_shared_writes)
     assert all(q.status == RequestStatus.FINISHED and q.group_remaining == 0 for q in requests)
     assert s.kv_cache_manager.block_pool.get_num_used_blocks() == 0
-    for q in requests:
+    for q, n in zip(requests, samples):
         expected = min(q.max_tokens, 64 - q.num_prompt_tokens)
-        assert q.group_output_tokens == expected * q.num_samples
+        assert q.group_output_tokens == expected * n
+
+
+def test_fan_out_is_refused_where_it_is_not_modelled():
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.5], "prompt_tokens": [100, 70], "output_tokens": [20, 10],
+                          "n": [1, 3]})
+    trace = trace_from_frame(frame, "n")
+    with pytest.raises(ValueError, match="row 1: n = 3 .*not modelled with P/D"):
+        replay(trace, EngineConfig.from_flat({}), disaggregation=DisaggregationSpec(1, 1))
+    with pytest.raises(ValueError, match="not modelled on data-parallel ranks"):
+        replay(trace, EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2)))
+    forked = replay(trace, EngineConfig.from_flat(dict(parallel_sampling="fork")),
+                    disaggregation=DisaggregationSpec(1, 1))  # (the decode side forks the sequences)
+    assert forked.requests["output_tokens"].tolist() == [20, 30]
+
+
+# Cases recorded by scripts/oracle_fuzz.py --parallel --record (8 synchronous, seed 4; 8 under
+# async scheduling, seed 5): vLLM 0.33's scheduler given each row's n requests one after the other.
+RECORDED = json.loads((Path(__file__).parent / "data" / "fan_out_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("index", range(len(RECORDED)))
+def test_recorded_vllm_cases(index: int) -> None:
+    from tests.core.helpers import assert_as_recorded, observed_as_recorded, replay_recorded
+
+    case = RECORDED[index]
+    assert_as_recorded(observed_as_recorded(replay_recorded(case)), case["vllm"])
+
+
+def _broken(monkeypatch=None, opts=None) -> int:
+    from tests.core.helpers import assert_as_recorded, observed_as_recorded, replay_recorded
+
+    broken = 0
+    for case in RECORDED:
+        try:
+            assert_as_recorded(observed_as_recorded(replay_recorded(case, opts=opts)), case["vllm"])
+        except AssertionError:
+            broken += 1
+    return broken
+
+
+def test_recorded_cases_depend_on_the_fan_out(monkeypatch) -> None:
+    """vLLM v0's forks break all 16 cases; members that share only the trace's hash ids, not their
+    whole prompt as soon as it is scheduled (unique tails found only after release, unique
+    prompts never), break 7; members queued after every request of their arrival time and
+    priority, instead of right after their first, break 4 (the priority policy's)."""
+    assert _broken(opts={"parallel_sampling": "fork"}) == 16
+    original = Scheduler._fan_out
+
+    def sharing_hash_ids_only(self, root):
+        original(self, root)
+        for member in [root, *(q for q in self.waiting if q.parent is root)]:
+            member.num_shared_tokens = min(len(root.shared_hash_ids) * root.hash_block_tokens
+                                           if root.shared_hash_ids is not None else 0, root.num_prompt_tokens)
+            member.prompt_owner = member.index
+
+    monkeypatch.setattr(Scheduler, "_fan_out", sharing_hash_ids_only)
+    assert _broken() == 7
+    monkeypatch.undo()
+
+    def behind_their_arrival(self, request):
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.index, request.index, request))
+
+    monkeypatch.setattr(PriorityRequestQueue, "add_request", behind_their_arrival)
+    monkeypatch.setattr(PriorityRequestQueue, "prepend_request", behind_their_arrival)
+    assert _broken() == 4

@@ -67,6 +67,22 @@ def test_false_hits_are_counted_once_per_admission_whatever_the_stepping():
 def test_weak_hash_with_parallel_sampling():
     # forked sequences take their parent's true keys with its weak ones
     config = EngineConfig.from_flat(dict(num_gpu_blocks=150, max_model_len=2048, max_num_batched_tokens=512,
-                                         prefix_caching_hash_bits=6))
+                                         prefix_caching_hash_bits=6, parallel_sampling="fork"))
     s = replay(_crowded_trace(1, samples=True), config, "roofline").summary
     assert s["num_finished"] == 160 and s["num_cow_copies"] > 0
+
+
+def test_weak_hash_with_fanned_out_parallel_sampling():
+    """Fanned-out members share their prompt's keys, weak and true, unique content included: one
+    request for 4 sequences of a 100-token unique prompt, alone, gives its 3 later members 96 hit
+    tokens each and no false hit (30-bit keys: no collision among these blocks; at 6 bits one of
+    the chain's blocks collides with another and is served falsely)."""
+    import pandas as pd
+
+    from simkv.traces.schema import trace_from_frame
+
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": [0.0], "prompt_tokens": [100], "output_tokens": [8],
+                                           "n": [4]}), "one")
+    config = EngineConfig.from_flat(dict(num_gpu_blocks=150, max_model_len=2048, prefix_caching_hash_bits=30))
+    s = replay(trace, config, "unit").summary
+    assert (s["prefix_cache_hits_tokens"], s["false_prefix_hits"], s["num_cow_copies"]) == (3 * 96, 0, 0)
