@@ -199,9 +199,12 @@ class ModelRunner:
 
     # ---- token content ------------------------------------------------------------------------
     def prompt_token_ids(self, request, start: int, stop: int) -> np.ndarray:
+        """A prompt's token ids: from the trace's hash ids where they cover it, else unique to the
+        request (to its first member, fanned out: the members share one prompt)."""
         pos = np.arange(start, stop, dtype=np.uint64)
-        ids = _mix(pos ^ (np.uint64(request.index + 1) << np.uint64(32)))
-        shared = min(request.num_shared_tokens, stop)
+        ids = _mix(pos ^ (np.uint64(request.prompt_owner + 1) << np.uint64(32)))
+        covered = len(request.shared_hash_ids) * request.hash_block_tokens if request.shared_hash_ids is not None else 0
+        shared = min(covered, request.num_prompt_tokens, stop)
         if request.shared_hash_ids is not None and shared > start:
             k = shared - start
             hb = request.hash_block_tokens

@@ -271,21 +271,49 @@ class AttemptLog:
         ClientTimeoutFeed._send, ClientTimeoutFeed._give_up = self._restore
 
     def oracle_trace(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """Every attempt as a row of its own, in the order simkv sent them."""
+        """Every attempt as a row of its own, in the order simkv sent them. With parallel sampling,
+        an attempt's n requests one after the other: the first with the attempt's id, the others
+        with simkv's member ids; their one prompt from a made-up hash list where the row has
+        none (as `fanned_out`), and the others' outputs their own (the fake model samples by
+        content_row, which a retry's first request shares with its first attempt's, as simkv's
+        first members share their output blocks' keys)."""
         from simkv.clock import TICKS_PER_SECOND
 
         rows = []
-        for row, request_id, tick in self.sends:
-            rows.append(frame.iloc[row].to_dict() | {"request_id": request_id, "content_row": row,
-                                                    "arrival_time_s": tick / TICKS_PER_SECOND})
+        for j, (row, request_id, tick) in enumerate(self.sends):
+            r = frame.iloc[row].to_dict()
+            n = int(r.pop("n", 1))
+            if n > 1 and not len(r.get("block_hashes", []) or []):
+                r["block_hashes"] = [1000 + 64 * row + b for b in range(-(-int(r["prompt_tokens"]) // 8))]
+                r["hash_block_tokens"] = 8
+            for k in range(n):
+                rows.append(r | {"request_id": request_id if k == 0 else f"{request_id}#{k}",
+                                 "content_row": row if k == 0 else 10 ** 6 + 8 * j + k,
+                                 "arrival_time_s": tick / TICKS_PER_SECOND})
         out = pd.DataFrame(rows)
         if "block_hashes" in out:  # (the oracle reads "1 2 3" from CSV)
-            out["block_hashes"] = [" ".join(str(int(h)) for h in hashes) for hashes in out["block_hashes"]]
+            out["block_hashes"] = [" ".join(str(int(h)) for h in hashes) if isinstance(hashes, (list, np.ndarray))
+                                   else "" for hashes in out["block_hashes"]]
+            out["hash_block_tokens"] = out["hash_block_tokens"].fillna(8).astype(int)
         return out
 
 
+def aborted_members(log: AttemptLog, frame: pd.DataFrame) -> list[list]:
+    """The aborts the oracle gets, [request id, time] in time order: a fanned-out attempt's
+    members after its first (as simkv aborts them)."""
+    from simkv.clock import TICKS_PER_SECOND
+
+    row_of = {rid: row for row, rid, _ in log.sends}
+    n = frame["n"].tolist() if "n" in frame else [1] * len(frame)
+    out = []
+    for rid, tick in log.aborts.items():  # (in the order simkv took them: deadline order)
+        out += [[rid if k == 0 else f"{rid}#{k}", tick / TICKS_PER_SECOND] for k in range(int(n[row_of[rid]]))]
+    return out
+
+
 def timeout_differences(prefix: Path, res, log: AttemptLog) -> list[str]:
-    """As `differences`, requests by their final attempt's id."""
+    """As `differences`, requests by their final attempt's id (fanned out: its first member's first
+    token, its last member's finish)."""
     out = engine_differences(prefix, res)
     with open(f"{prefix}.requests.csv") as f:
         rows = {r["request_id"]: r for r in csv.DictReader(f)}
@@ -295,6 +323,9 @@ def timeout_differences(prefix: Path, res, log: AttemptLog) -> list[str]:
         if status != "finished":
             continue
         t = rows.get(last[i])
+        members = [rows.get(rid) for rid in rows if rid.startswith(f"{last[i]}#")]
+        if t is not None and t["finish_time_s"] != "" and all(m["finish_time_s"] != "" for m in members):
+            t = dict(t, finish_time_s=str(max(float(m["finish_time_s"]) for m in [t, *members])))
         if t is None or t["finish_time_s"] == "" or abs(float(t["first_token_time_s"]) - a) > 1e-6 \
                 or abs(float(t["finish_time_s"]) - b) > 1e-6:
             out.append(f"request {i} ({last[i]}): vLLM {t and (t['first_token_time_s'], t['finish_time_s'])}, "
@@ -521,8 +552,7 @@ def main() -> None:
                 attempts = tmp / f"attempts{case}.csv"
                 log.oracle_trace(frame).to_csv(attempts, index=False)
                 aborts = tmp / f"aborts{case}.json"
-                from simkv.clock import TICKS_PER_SECOND
-                aborts.write_text(json.dumps([[k, v / TICKS_PER_SECOND] for k, v in log.aborts.items()]))
+                aborts.write_text(json.dumps(aborted_members(log, frame)))
                 run_oracle(args.oracle_python, oracle, attempts, opts, tmp / f"o{case}", args.async_scheduling, aborts)
                 diff = timeout_differences(tmp / f"o{case}", res, log)
                 c = res.summary["client"]

@@ -50,7 +50,7 @@ class Request:
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
-        "lora_id", "may_resend", "prompt_owner",
+        "lora_id", "may_resend", "prompt_owner", "members",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -144,6 +144,7 @@ class Request:
         # the extra ones point at it as `parent`. The group finishes when all sequences have.
         self.num_samples = num_samples
         self.prompt_owner = index  # (fan-out: the request whose prompt's keys its own prompt shares)
+        self.members: tuple = ()  # (fan-out, the first member: the others)
         self.parent: Request | None = None
         self.forked = False
         self.group_remaining = num_samples

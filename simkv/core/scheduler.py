@@ -221,6 +221,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         root.num_samples = 1
         root.forked = True  # (no fork after its prompt)
         root.num_shared_tokens = root.num_prompt_tokens  # (its prompt's blocks are its siblings' too)
+        members = []
         for k in range(1, root.group_remaining):
             child = Request(f"{root.request_id}#{k}", self._next_child_index, root.arrival_time,
                             root.num_prompt_tokens, root.max_tokens, root.priority, root.cache_salt,
@@ -232,6 +233,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             child.num_shared_tokens = root.num_prompt_tokens
             child.may_resend = root.may_resend
             self.waiting.add_request(child)
+            members.append(child)
+        root.members = tuple(members)
 
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.kv_holding)
@@ -849,6 +852,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         return complete
 
     # ---- aborts ----------------------------------------------------------------------------------
+    def abort_group(self, request: Request, chunk_ends: dict[int, int] | None = None) -> bool:
+        """Abort a request and, fanned out, its other members (vLLM's front end aborts a parent
+        request's children), the first first; `chunk_ends`: where each one's chunk in the step
+        just run ended, by id (synchronous scheduling). False if none was in the engine."""
+        aborted = False
+        for member in (request, *request.members):
+            aborted |= self.abort_request(member, chunk_ends.get(id(member)) if chunk_ends else None)
+        return aborted
+
     def abort_request(self, request: Request, chunk_end: int | None = None) -> bool:
         """vLLM's `finish_requests(id, FINISHED_ABORTED)` (its client went away), between two
         steps or after a step ran and before its output is processed, as vLLM's engine core takes

@@ -29,7 +29,8 @@ whose turn timed out for good ends: its later turns are never sent. Under specul
 an aborted request's drafts go with it; with a CPU tier (KV offloading) it is finished for the
 connector too, and one aborted while its prompt loads keeps its blocks until the load ends;
 under P/D disaggregation the pool that holds an attempt aborts it (simkv/replay/
-disaggregated_clients.py). docs/semantics.md has the rules; `check_supported` names what is not
+disaggregated_clients.py); a request fanned out for parallel sampling is aborted whole
+(`Scheduler.abort_group`). docs/semantics.md has the rules; `check_supported` names what is not
 modelled yet.
 """
 
@@ -62,8 +63,8 @@ def check_supported(trace, config: EngineConfig, *, real_backend: bool = False) 
     why = None
     if real_backend:
         why = "the gpu backend (simulated replays only)"
-    elif trace.n is not None and (trace.n > 1).any():
-        why = "parallel sampling (a trace column n > 1)"
+    elif trace.n is not None and (trace.n > 1).any() and sc.parallel_sampling == "fork":
+        why = "vLLM v0's forked parallel sampling (--parallel-sampling fork; vLLM v1's fan_out is)"
     if why is not None:
         raise ValueError(f"client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with {why} yet")
 
@@ -170,7 +171,7 @@ class ClientDeadlines:
             if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
                 continue  # (a step whose output was processed before the deadline sampled it)
             del self._live[row]
-            aborted = self.scheduler.abort_request(request, chunk_ends.get(id(request)) if chunk_ends else None)
+            aborted = self.scheduler.abort_group(request, chunk_ends)
             assert aborted, f"{request} was in flight but not in the engine"
             self._give_up(row, request, attempt, deadline, kind, now)
 

@@ -115,7 +115,8 @@ def test_equal_inputs_under_restart_and_swap_preemption():
 
 def test_equal_inputs_with_prefix_hits_and_forked_sequences():
     shared = [101, 102, 103, 104, 105]
-    config = make_config(num_gpu_blocks=64, block_size=4, max_num_seqs=12, max_num_batched_tokens=40, max_model_len=128)
+    config = make_config(num_gpu_blocks=64, block_size=4, max_num_seqs=12, max_num_batched_tokens=40, max_model_len=128,
+                         parallel_sampling="fork")
     sched = Scheduler(config, 64, detail=True)
     requests = _requests([(19, 9), (22, 14), (13, 6)], shared=shared, h=4, n=3)
     counts = replay_and_compare(sched, requests, 4)
@@ -127,10 +128,12 @@ def test_equal_inputs_with_prefix_hits_and_forked_sequences():
 @given(sizes=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40)), min_size=1, max_size=8),
        blocks=st.integers(12, 40), block_size=st.sampled_from([2, 4, 8]), budget=st.integers(8, 64),
        mode=st.sampled_from(["recompute", "restart", "swap"]), n=st.sampled_from([1, 1, 2]),
-       lookahead=st.sampled_from([0, 0, 3]), share=st.booleans(), seed=st.integers(0, 9))
-def test_equal_inputs_on_random_workloads(sizes, blocks, block_size, budget, mode, n, lookahead, share, seed):
+       lookahead=st.sampled_from([0, 0, 3]), share=st.booleans(), seed=st.integers(0, 9),
+       sampling=st.sampled_from(["fan_out", "fork"]))
+def test_equal_inputs_on_random_workloads(sizes, blocks, block_size, budget, mode, n, lookahead, share, seed, sampling):
     config = make_config(num_gpu_blocks=blocks, block_size=block_size, max_num_seqs=6, max_num_batched_tokens=budget,
-                         max_model_len=256, preemption_mode=mode, num_lookahead_tokens=lookahead)
+                         max_model_len=256, preemption_mode=mode, num_lookahead_tokens=lookahead,
+                         parallel_sampling=sampling)
     sched = Scheduler(config, blocks, detail=True, num_cpu_blocks=16 if mode == "swap" else 0)
     requests = _requests(sizes, shared=[7, 8, 9, 10] if share else None, h=block_size if share else 0, n=n)
     for r in requests:  # a request that can never fit is refused by the engine; keep the ones that can
@@ -167,7 +170,7 @@ def test_forked_sequence_with_lookahead_copies_a_block_before_its_last():
     fork both sequences hold [b0, b1] (b1 for the lookahead); the first decode writes into the
     shared b0, and the copy on write changes entry 0 of one table, not its last entry."""
     config = make_config(num_gpu_blocks=12, block_size=2, max_num_seqs=6, max_num_batched_tokens=8,
-                         max_model_len=256, num_lookahead_tokens=3)
+                         max_model_len=256, num_lookahead_tokens=3, parallel_sampling="fork")
     counts = replay_and_compare(Scheduler(config, 12, detail=True), _requests([(1, 2)], n=2), 2)
     assert counts["rewritten"] > 0, counts
 

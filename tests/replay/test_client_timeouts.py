@@ -429,11 +429,12 @@ def test_decode_runs_change_no_bytes_with_paced_sessions_and_retries(tmp_path) -
     assert status["finished"] + status["timed_out"] + status["abandoned"] == len(trace)
 
 
-def test_parallel_sampling_is_refused() -> None:
+def test_forked_parallel_sampling_is_refused() -> None:
     frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [16, 16], "output_tokens": [4, 4],
                           "n": [1, 2]})
-    with pytest.raises(ValueError, match="parallel sampling"):
-        replay(trace_from_frame(frame, "n"), EngineConfig.from_flat(dict(client_timeout_s=30.0)), "unit")
+    with pytest.raises(ValueError, match="forked parallel sampling"):
+        replay(trace_from_frame(frame, "n"), EngineConfig.from_flat(dict(client_timeout_s=30.0,
+                                                                         parallel_sampling="fork")), "unit")
 
 
 def _conversations(sessions: int, rate: float):
@@ -574,3 +575,21 @@ def test_recorded_async_cases_depend_on_when_tokens_count(monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(AsyncScheduling, "_async_abort_extent", lambda self, request: (extent(self, request)[0],) * 2)
         assert broken() >= 2
+
+
+def test_a_fanned_out_request_is_aborted_whole_and_retried_whole() -> None:
+    """A request for 3 sequences (vLLM v1 fans it out into 3 requests): every step lasts 1 s, the
+    first two take the 2 seats (the second hits the first's 2 full prompt blocks, 32 tokens), so
+    the third waits. The client gives up on the whole request at 4.5 s (its E2E deadline); vLLM
+    aborts all three members, the waiting one too, and nothing stays in use. The retry, sent at
+    5 s, fans out again and its first two members hit the 32 tokens the first attempt left."""
+    frame = pd.DataFrame({"arrival_time_s": [0.0], "prompt_tokens": [48], "output_tokens": [6], "n": [3]})
+    trace = trace_from_frame(frame, "n3")
+    res = _replay(trace, max_num_seqs=2, client_timeout_s=4.5, client_max_retries=1)
+    client = res.summary["client"]
+    assert res.requests["status"].tolist() == ["timed_out"] and res.requests["attempts"].tolist() == [2]
+    assert (client["aborted"], client["retries"]) == (2, 1)
+    assert res.run.scheduler.kv_cache_manager.block_pool.get_num_used_blocks() == 0
+    assert res.summary["prefix_cache_hits_tokens"] == 32 + 2 * 32
+    with pytest.raises(ValueError, match="forked parallel sampling"):
+        _replay(trace, client_timeout_s=4.5, parallel_sampling="fork")
