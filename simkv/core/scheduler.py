@@ -218,8 +218,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         the prefix cache (its full blocks are findable once scheduled, as every prompt's are in
         vLLM), so one admitted in the same step hits what the first was given. `root` stands
         for the group: it completes with its last member (`_finish`)."""
-        root.num_samples = 1
-        root.forked = True  # (no fork after its prompt)
+        root.num_samples = 1  # (it samples one sequence: no fork after its prompt)
         root.num_shared_tokens = root.num_prompt_tokens  # (its prompt's blocks are its siblings' too)
         members = []
         for k in range(1, root.group_remaining):
