@@ -222,18 +222,24 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         root.num_shared_tokens = root.num_prompt_tokens  # (its prompt's blocks are its siblings' too)
         members = []
         for k in range(1, root.group_remaining):
-            child = Request(f"{root.request_id}#{k}", self._next_child_index, root.arrival_time,
-                            root.num_prompt_tokens, root.max_tokens, root.priority, root.cache_salt,
-                            root.shared_hash_ids, root.hash_block_tokens, lora_id=root.lora_id)
-            self._next_child_index += 1
-            child.parent = root
+            child = self._sequence_of(root, k)
             child.prompt_owner = root.index
-            child.num_content_tokens = root.num_content_tokens  # (its reply is not the trace's)
             child.num_shared_tokens = root.num_prompt_tokens
             child.may_resend = root.may_resend
             self.waiting.add_request(child)
             members.append(child)
         root.members = tuple(members)
+
+    def _sequence_of(self, root: Request, k: int) -> Request:
+        """Sequence `k` of parallel-sampling request `root`: a request of its own, numbered past
+        any trace row, whose reply is not the trace's."""
+        child = Request(f"{root.request_id}#{k}", self._next_child_index, root.arrival_time, root.num_prompt_tokens,
+                        root.max_tokens, root.priority, root.cache_salt, root.shared_hash_ids, root.hash_block_tokens,
+                        lora_id=root.lora_id)
+        self._next_child_index += 1
+        child.parent = root
+        child.num_content_tokens = child.num_shared_tokens
+        return child
 
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.kv_holding)
@@ -942,13 +948,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._calendar_to_heap(step + 1)
         children = []
         for k in range(1, request.num_samples):
-            child = Request(f"{request.request_id}#{k}", self._next_child_index, request.arrival_time,
-                            request.num_prompt_tokens, request.max_tokens, request.priority, request.cache_salt,
-                            request.shared_hash_ids, request.hash_block_tokens, lora_id=request.lora_id)
-            self._next_child_index += 1
-            child.parent = request
-            child.num_samples = 1
-            child.num_content_tokens = child.num_shared_tokens  # (its reply is not the trace's)
+            child = self._sequence_of(request, k)
             child.num_output_tokens = 1
             child.num_computed_tokens = request.num_computed_tokens
             child.first_scheduled_step = request.first_scheduled_step
