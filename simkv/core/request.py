@@ -140,11 +140,12 @@ class Request:
         self.num_cached_blocks = 0
         self.last_token_step = -1
         self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
-        # Parallel sampling: the request forks into `num_samples` sequences after its prefill;
-        # the extra ones point at it as `parent`. The group finishes when all sequences have.
+        # Parallel sampling: the request is fanned out into `num_samples` requests when it arrives
+        # (vLLM v1), or forks into as many sequences after its prefill (v0); the extra ones point
+        # at it as `parent`. The group finishes when all sequences have.
         self.num_samples = num_samples
-        self.prompt_owner = index  # (fan-out: the request whose prompt's keys its own prompt shares)
-        self.members: tuple = ()  # (fan-out, the first member: the others)
+        self.prompt_owner = index  # (fanned out: the first member, whose prompt's keys it shares and behind which it queues)
+        self.members: tuple = ()  # (fanned out, the first member: the others)
         self.parent: Request | None = None
         self.forked = False
         self.group_remaining = num_samples
