@@ -54,8 +54,7 @@ class RemoteKV:
         ones uncached), as vLLM frees them when the transfer reports."""
         held = self._aborted_loads.pop(request, None)
         if held is not None:  # (aborted while loading: the pool gets its blocks back now)
-            for entry in held:
-                self.kv_cache_manager.free_deferred(entry)
+            self._give_back(held)
             return
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not request.kv_loaded, request
         request.kv_loaded = True
@@ -65,10 +64,8 @@ class RemoteKV:
         """A request aborted while its KV loads (a P/D pull, or from the CPU tier): as vLLM, its
         blocks go back to the pool only when the load has ended (`finished_recving`); they leave
         its table now (a retry of it is a request of its own), and the loaded ones are not cached."""
-        entries: list = []
-        self.kv_cache_manager.free(request, request.num_prefix_hit_tokens, finished=not request.may_resend,
-                                   defer=entries)
-        self._aborted_loads[request] = entries
+        self._aborted_loads[request] = self._free_later(request, request.num_prefix_hit_tokens,
+                                                        finished=not request.may_resend)
 
     def _init_remote_kv(self, defer_block_free: bool, prefill_backoff: int = 0) -> None:
         self.defer_block_free = defer_block_free
@@ -81,10 +78,9 @@ class RemoteKV:
         """The decode side has read the blocks of this finished `request`, or told that it never
         will, or the connector's hold on them expired: release them. Their unique blocks stay
         findable if its client may send the request again."""
-        entries = self._abandoned_sends.pop(request, None)
-        if entries is not None:  # (abandoned: out of the table already)
-            for entry in entries:
-                self.kv_cache_manager.free_deferred(entry)
+        abandoned = self._abandoned_sends.pop(request, None)
+        if abandoned is not None:  # (out of the table already)
+            self._give_back(abandoned[1])
             return
         held = self.kv_held.pop(request.index)
         self._free_finished(held, held.num_computed_tokens)
@@ -97,42 +93,47 @@ class RemoteKV:
         if self.kv_held.get(request.index) is not request:
             return
         del self.kv_held[request.index]
-        entries: list = []
-        self.kv_cache_manager.free(request, request.num_computed_tokens, finished=not request.may_resend,
-                                   defer=entries)
-        self._abandoned_sends[request] = entries
+        num_blocks = self.kv_cache_manager.num_blocks_of(request)
+        self._abandoned_sends[request] = (num_blocks, self._free_later(request, request.num_computed_tokens,
+                                                                       finished=not request.may_resend))
 
-    # ---- deferred block frees (async scheduling with a connector) ------------------------------
+    # ---- deferred block frees (async scheduling with a connector; transfers a request left) ----
+    def _free_later(self, request: Request, cache_end: int, finished: bool) -> list:
+        """Take `request`'s blocks out of its table now, cached as `free` caches them; the pool
+        gets them back when the returned entries go to `_give_back`."""
+        entries: list = []
+        self.kv_cache_manager.free(request, cache_end, finished=finished, defer=entries)
+        return entries
+
+    def _give_back(self, entries: list) -> None:
+        for entry in entries:
+            self.kv_cache_manager.free_deferred(entry)
+
     def _free_finished(self, request: Request, cache_end: int, ran_unprocessed: bool | None = None,
                        completed: bool = False) -> None:
         """Free a finished request's blocks, or, if a step in flight ran it, defer their return
         (`ran_unprocessed`: whether an unprocessed step ran it, told by a caller that knows). An
         aborted request whose client may send it again leaves its blocks findable for the retry;
         a `completed` one (it finished) will not be sent again."""
-        kv = self.kv_cache_manager
         finished = completed or not request.may_resend
         if ran_unprocessed is None:
             ran_unprocessed = self.defer_block_free and self._ran_in_flight(request)
         if not (self.defer_block_free and ran_unprocessed):
-            kv.free(request, cache_end, finished=finished)
+            self.kv_cache_manager.free(request, cache_end, finished=finished)
             return
-        entries: list = []
-        kv.free(request, cache_end, finished=finished, defer=entries)
-        self._deferred_frees.append((self._scheduled_through, entries))
+        self._deferred_frees.append((self._scheduled_through, self._free_later(request, cache_end, finished)))
 
     def _drain_deferred_frees(self, step: int) -> None:
         """`step`'s output is being processed: the deferred frees whose fence it is reach the pool."""
         deferred = self._deferred_frees
-        kv = self.kv_cache_manager
         while deferred and deferred[0][0] <= step:
-            for entry in deferred.popleft()[1]:
-                kv.free_deferred(entry)
+            self._give_back(deferred.popleft()[1])
 
     @property
     def num_blocks_held_for_sending(self) -> int:
         kv = self.kv_cache_manager
         return sum(kv.num_blocks_of(r) for r in self.kv_held.values()) + sum(
-            len(blocks) for entries in self._abandoned_sends.values() for blocks, _, _ in entries)
+            num_blocks for num_blocks, _ in self._abandoned_sends.values())
 
     def _hold_for_sending(self, request: Request) -> bool:
         """At a finish: a KV_SEND request keeps its blocks (True) until `finished_sending`."""

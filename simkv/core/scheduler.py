@@ -129,7 +129,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._num_kv_ready = 0  # in kv_holding with their pull ended
         self._aborted_loads: dict[Request, list] = {}  # aborted while their KV loads: blocks held till it ends
         self.kv_held: dict[int, Request] = {}
-        self._abandoned_sends: dict[Request, list] = {}  # finished sends left out of the table: blocks held till read or expiry
+        # finished sends left out of the table, (blocks, their deferred free) held till read or expiry
+        self._abandoned_sends: dict[Request, tuple[int, list]] = {}
         self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier

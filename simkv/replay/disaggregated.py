@@ -219,10 +219,9 @@ class PDRouting:
         self.pull_bytes = np.zeros(len(trace), dtype=np.int64)
         self.num_pulls = self.total_pull_bytes = 0  # (every attempt's)
         self.prefill_link_free = [0] * prefill_router.num_replicas  # tick each prefill link has sent all by
-        # Clients that give up (simkv/replay/disaggregated_clients.py): the attempts between the
-        # pools, row -> (sent at tick, attempt number, the prefill's request), from the prefill's
-        # end until a decode replica takes the request
-        self.clients = clients
+        # Clients that give up (simkv/replay/disaggregated_clients.py; `prefill.clients`): the
+        # attempts between the pools, row -> (sent at tick, attempt number, the prefill's request),
+        # from the prefill's end until a decode replica takes the request
         self.in_transit: dict[int, tuple[int, int, Request]] = {}
         self.transit = None  # (their TransitClients)
 
@@ -294,7 +293,7 @@ class PDRouting:
             elif engine.idle and not engine.scheduler.has_unfinished_requests() and not self.prefill.queues[r] \
                     and not self.prefill.retry_queues[r]:
                 earliest = self.prefill.next_unrouted_ticks()
-                if self.clients is not None:  # (or a retry a client has yet to decide on)
+                if self.prefill.clients is not None:  # (or a retry a client has yet to decide on)
                     resend = self.prefill.earliest_resend()
                     if resend is not None and (earliest is None or resend < earliest):
                         earliest = resend

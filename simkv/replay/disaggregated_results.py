@@ -37,11 +37,12 @@ def pd_tables(run: DisaggregatedRun, trace, frontend_latency_s: float = 0.0):
     pd_ = run.routing
     requests, decode_steps, per_decode = fleet_tables(run.decode_runs, pd_.decode, trace, frontend_latency_s)
     prefill_requests, prefill_steps, per_prefill = fleet_tables(run.prefill_runs, pd_.prefill, trace)
-    if pd_.clients is not None:  # (a row whose last attempt timed out may never have reached the decode pool)
+    clients = pd_.prefill.clients
+    if clients is not None:  # (a row whose last attempt timed out may never have reached the decode pool)
         timed_out = np.concatenate([r.requests.timed_out_rows for r in run.prefill_runs + run.decode_runs])
         requests.loc[timed_out, "status"] = "timed_out"
-        if pd_.clients.abandoned:  # (turns never sent: their conversations ended)
-            requests.loc[pd_.clients.abandoned, "status"] = "abandoned"
+        if clients.abandoned:  # (turns never sent: their conversations ended)
+            requests.loc[clients.abandoned, "status"] = "abandoned"
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)
     requests["prefill_end_time_s"] = _seconds(pd_.prefill_end)
@@ -67,10 +68,11 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     if "session_pacing" in prefill:  # (the prefill router paces the turns)
         summary["session_pacing"] = prefill["session_pacing"]
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
-    if pd_.clients is not None:
+    clients = pd_.prefill.clients
+    if clients is not None:
         from simkv.replay.client_timeouts import client_section
 
-        summary["client"] = client_section(prefill_config.scheduler, pd_.clients.attempts, requests,
+        summary["client"] = client_section(prefill_config.scheduler, clients.attempts, requests,
                                            [r.feed for r in run.prefill_runs + run.decode_runs],
                                            pd_.prefill.sessions is not None)
         summary["client"]["aborted_in"] = dict(pd_.transit.aborted_in)
@@ -81,7 +83,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     first_token = requests["first_token_time_s"].to_numpy()
     total_bytes = pd_.total_pull_bytes
     summary["disaggregation"] = {
-        **spec.to_dict(), **({"kv_abort_timeout_s": spec.kv_abort_timeout_s} if pd_.clients is not None else {}),
+        **spec.to_dict(), **({"kv_abort_timeout_s": spec.kv_abort_timeout_s} if clients is not None else {}),
         "prefill": _pool(prefill, prefill_config) | {"prefill_s": dist(prefill_end - arrival)},
         "decode": _pool(decode, decode_config) | {"prefill_end_to_first_token_s": dist(first_token - prefill_end)},
         "kv_transfer": {

@@ -129,6 +129,30 @@ class ReplayRun:
     duration_s: float  # the end of the last step
 
 
+def _first_sampled_row(trace) -> int | None:
+    """The first trace row asking for n > 1 sequences (parallel sampling), or None."""
+    if trace.n is None:
+        return None
+    many = trace.n > 1
+    return int(many.argmax()) if many.any() else None
+
+
+def _check_parallel_sampling(trace, row: int, config: EngineConfig, kv_connector: bool) -> None:
+    """ValueError naming `row` (the first with n > 1) where parallel sampling is not modelled."""
+    if config.speculative.enabled or config.has_sliding_window or config.has_linear_attention:
+        without = ("with speculative decoding; drop the column or speculative_method" if config.speculative.enabled
+                   else f"for models with {'sliding-window' if config.has_sliding_window else 'linear-attention'} "
+                   f"layers ({config.hardware.model}); drop the column")
+        raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
+                         + without)
+    if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or config.hardware.data_parallel_size > 1):
+        where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
+                 if kv_connector else "on data-parallel ranks (vLLM's balancer routes each member on its own; "
+                 "--parallel-sampling fork keeps them on one rank)")
+        raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling), fanned out as "
+                         f"vLLM v1 does, is not modelled {where}")
+
+
 class ReplayEngine:
     def __init__(self, trace, config: EngineConfig, backend: StepBackend, num_gpu_blocks: int,
                  use_decode_runs: bool = True, on_progress: Callable[[int], None] | None = None,
@@ -138,25 +162,12 @@ class ReplayEngine:
         engines on one environment, each fed by the router; by default the engine owns both."""
         self.config = config
         self.backend = backend
-        if trace.n is not None and (config.speculative.enabled or config.has_sliding_window
-                                    or config.has_linear_attention) and (trace.n > 1).any():
-            row = int((trace.n > 1).argmax())
-            without = ("with speculative decoding; drop the column or speculative_method" if config.speculative.enabled
-                       else f"for models with {'sliding-window' if config.has_sliding_window else 'linear-attention'} "
-                       f"layers ({config.hardware.model}); drop the column")
-            raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
-                             + without)
-        if trace.n is not None and config.scheduler.parallel_sampling == "fan_out" and (
-                kv_connector or config.hardware.data_parallel_size > 1) and (trace.n > 1).any():
-            row = int((trace.n > 1).argmax())
-            where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
-                     if kv_connector else "on data-parallel ranks (vLLM's balancer routes each member on its own; "
-                     "--parallel-sampling fork keeps them on one rank)")
-            raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling), fanned out as "
-                             f"vLLM v1 does, is not modelled {where}")
+        sampled = _first_sampled_row(trace)
+        if sampled is not None:
+            _check_parallel_sampling(trace, sampled, config, kv_connector)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
-        if num_offload_chunks and (kv_connector or (trace.n is not None and (trace.n > 1).any())):
+        if num_offload_chunks and (kv_connector or sampled is not None):
             raise ValueError("KV offloading (kv_offloading_size) is modelled without P/D and without parallel "
                              "sampling (n > 1) yet")
         self.scheduler = Scheduler(config.for_kv_manager(), num_gpu_blocks, detail=backend.needs_request_detail,
