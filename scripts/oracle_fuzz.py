@@ -109,7 +109,7 @@ def fanned_out(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[int, int]]
             r["block_hashes"] = [1000 + 64 * i + j for j in range(-(-int(r["prompt_tokens"]) // 8))]
             r["hash_block_tokens"] = 8
         for k in range(n):
-            rows.append(dict(r, request_id=f"r{i}_{k}"))
+            rows.append(dict(r, request_id=f"r{i}" if k == 0 else f"r{i}#{k}"))
             origin.append((i, k))
     out = pd.DataFrame(rows)
     if "block_hashes" in out:
@@ -209,6 +209,17 @@ def with_timeouts(opts: dict, rng: np.random.Generator) -> dict:
     out["client_max_retries"] = int(rng.integers(0, 3))
     out["client_retry_backoff_s"] = float(rng.integers(0, 4))
     return out
+
+
+def _patched_for_parallel(oracle: Path) -> None:
+    """The oracle copy stamps a fanned-out request's members (ids `first` and `first#k`) with
+    one arrival time, as vLLM's front end copies the parent's to its children (the oracle's
+    own stamps are one nanosecond apart per row, wall-clock arrivals that never tie); vLLM then
+    queues them by request id and preempts the first of them in running order."""
+    patch_once(oracle, "the arrival stamp", "            req = make_request(tr, float(tr[key]) + next_idx * 1e-9)\n",
+               "            first = GROUP_FIRST.setdefault(str(tr['request_id']).split('#')[0], next_idx)\n"
+               "            req = make_request(tr, float(tr[key]) + first * 1e-9)\n")
+    patch_once(oracle, "the token constants", 'EOS_TOKEN_ID = 2  #', 'GROUP_FIRST: dict = {}\nEOS_TOKEN_ID = 2  #')
 
 
 def _patched_for_aborts(oracle: Path) -> None:
@@ -524,6 +535,8 @@ def main() -> None:
             _patched_for_lora(oracle)
         if args.timeouts:
             _patched_for_aborts(oracle)
+        if args.parallel:
+            _patched_for_parallel(oracle)
         for case in range(args.cases):
             frame, opts = make_reply_case(rng) if args.replies else make_case(rng)
             if args.lora:

@@ -137,12 +137,13 @@ class _VllmOffload:
                 return result
             sched.connector.get_num_new_matched_tokens = traced
         self.case = case
+        self.ids_of = oracle_vllm.sample_ids(case["requests"])
         self.accept = oracle_vllm.acceptance(o)  # (None without drafts)
         self.first_token, self.finish = {}, {}
         self.due: dict[int, list] = {}
         self.transfers = []
 
-    def make(self, r: dict):
+    def make(self, r: dict, rid: str):
         import oracle
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
@@ -151,9 +152,14 @@ class _VllmOffload:
               "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
         ids = oracle.make_prompt_ids(tr, 0, 0, {})
         sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        return Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+        return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
                        arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
                        block_hasher=self.hasher)
+
+    def add(self, r: dict) -> None:
+        """Row `r`'s request, or with n > 1 its members one after the other (--parallel)."""
+        for rid in self.ids_of[r["row"]]:
+            self.sched.add_request(self.make(r, rid))
 
     def schedule(self, k: int, row_index: int):
         """schedule() as step (or batch) `k`; its jobs end in the outputs the latencies say."""
@@ -163,10 +169,10 @@ class _VllmOffload:
         case = self.case
         for jid, job in meta.load_jobs.items():
             self.due.setdefault(k + case["load_latency"] - 1, []).append((jid, job.req_id, False))
-            self.transfers.append([row_index, int(job.req_id), len(job.dst_spec.block_ids), 0])
+            self.transfers.append([row_index, request_index(job.req_id), len(job.dst_spec.block_ids), 0])
         for jid, job in meta.store_jobs.items():
             self.due.setdefault(k + case["store_latency"], []).append((jid, job.req_id, True))
-            self.transfers.append([row_index, int(job.req_id), len(job.src_spec.block_ids), 1])
+            self.transfers.append([row_index, request_index(job.req_id), len(job.src_spec.block_ids), 1])
         if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
             print(k, dict(so.num_scheduled_tokens), {j: t.req_id for j, t in meta.load_jobs.items()},
                   {j: t.req_id for j, t in meta.store_jobs.items()}, file=sys.stderr)
@@ -200,10 +206,17 @@ class _VllmOffload:
                     self.finish[rid] = step
 
     def result(self, result: dict) -> dict:
-        result["requests"] = {str(r["row"]): [self.first_token.get(str(r["row"]), -1), self.finish.get(str(r["row"]), -1)]
-                              for r in self.case["requests"]}
+        import oracle_vllm
+
+        result["requests"] = oracle_vllm.row_steps(self.case["requests"], self.ids_of, self.first_token, self.finish)
         result["transfers"] = self.transfers
         return result
+
+
+def request_index(rid: str) -> int:
+    import oracle_vllm
+
+    return oracle_vllm.request_index(rid)
 
 
 def run_vllm(case: dict) -> dict:
@@ -214,7 +227,7 @@ def run_vllm(case: dict) -> dict:
 
     def step(k, arrived):
         for r in arrived:
-            v.sched.add_request(v.make(r))
+            v.add(r)
         oracle_vllm.take_aborts(v.sched, aborts, k, "before")
         so = v.schedule(k, k)
         row = v.row(so)
@@ -248,7 +261,7 @@ def run_vllm_async(case: dict) -> dict:
             error = "max steps"
             break
         while pending and pending[0]["arrival_step"] <= len(rows):
-            sched.add_request(v.make(pending.pop(0)))
+            v.add(pending.pop(0))
         oracle_vllm.take_aborts(sched, aborts, len(rows), "before")
         if sched.has_requests():
             running_before = {r.request_id for r in sched.running}
@@ -308,7 +321,7 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
-                                aborts_flag=True)
+                                aborts_flag=True, parallel_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -317,6 +330,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
                        a.aborts) for _ in range(a.cases)]
+    oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0, aborted=0)

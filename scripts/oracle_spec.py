@@ -88,12 +88,14 @@ def run_vllm(case: dict) -> dict:
     accepted_total = [0]
     prefix = [0, 0]  # tokens queried, hit
 
-    def make(r):
+    ids_of = oracle_vllm.sample_ids(case["requests"])  # (--parallel: a row's n requests)
+
+    def make(r, rid):
         tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
               "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
         ids = oracle.make_prompt_ids(tr, 0, 0, {})
         sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        return Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+        return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
                        arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
                        block_hasher=hasher)
 
@@ -101,7 +103,8 @@ def run_vllm(case: dict) -> dict:
 
     def step(step_index, arrived):
         for r in arrived:
-            sched.add_request(make(r))
+            for rid in ids_of[r["row"]]:
+                sched.add_request(make(r, rid))
         oracle_vllm.take_aborts(sched, aborts, step_index, "before")
         so = sched.schedule()
         n_running, n_waiting = sched.get_request_counts()
@@ -129,8 +132,7 @@ def run_vllm(case: dict) -> dict:
         return row, not sched.has_requests()
 
     result = _step_loop(case["requests"], step)
-    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
-                          for r in case["requests"]}
+    result["requests"] = oracle_vllm.row_steps(case["requests"], ids_of, first_token, finish)
     result["accepted"] = accepted_total[0]
     result["prefix"] = prefix
     return result
@@ -150,8 +152,11 @@ def run_simkv(case: dict) -> dict:
 
 
 def case_differences(theirs: dict, ours: dict) -> list[str]:
-    """Steps and requests (oracle_pd.differences), accepted drafts and prefix-cache counts."""
+    """Steps and requests (oracle_pd.differences), accepted drafts and prefix-cache counts (up
+    to the point where simkv stopped a livelock vLLM's run went on with)."""
     diff = differences(theirs, ours)
+    if ours.get("error") == "livelock":  # (the totals of a run vLLM went on with: not compared)
+        return diff
     if theirs["accepted"] != ours["accepted"]:
         diff.append(f"accepted drafts: vLLM {theirs['accepted']}, simkv {ours['accepted']}")
     if theirs["prefix"] != ours["prefix"]:
@@ -163,7 +168,7 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
     """Run simkv's side of the step-mode cases, print each that differs from vLLM's results (with
     `label(case)`) and the totals, and exit 1 if any differs (the step-mode oracles' ending)."""
     failures = 0
-    totals = dict(requests=0, steps=0, hits=0, accepted=0, aborted=0)
+    totals = dict(requests=0, steps=0, hits=0, accepted=0, aborted=0, livelocks=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
@@ -171,25 +176,29 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
         totals["hits"] += t["prefix"][1]
         totals["accepted"] += t["accepted"]
         totals["aborted"] += ours.get("aborted", 0)
+        totals["livelocks"] += ours.get("error") == "livelock"
         diff = case_differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
             print(f"case {i}{label(case)}: " + "; ".join(diff) + f" -- {case['opts']}")
     print(f"{len(cases) - failures} of {len(cases)} cases equal ({totals['requests']} requests, "
           f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens, {totals['accepted']} drafts accepted"
-          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
+          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "")
+          + (f"; {totals['livelocks']} livelocked in both, equal until simkv stopped" if totals["livelocks"] else "")
+          + ")")
     sys.exit(1 if failures else 0)
 
 
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.aborts) for _ in range(a.cases)]
+    oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
 

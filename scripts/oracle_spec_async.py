@@ -139,12 +139,14 @@ def run_vllm(case: dict) -> dict:
     prefix = [0, 0]  # tokens queried, hit
     outputs = {}  # step -> (scheduler output, {request id: (samples, padded)})
 
-    def make(r):
+    ids_of = oracle_vllm.sample_ids(case["requests"])  # (--parallel: a row's n requests)
+
+    def make(r, rid):
         tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
               "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
         ids = oracle.make_prompt_ids(tr, 0, 0, {})
         sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        return Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+        return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
                        arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
                        block_hasher=hasher)
 
@@ -152,7 +154,8 @@ def run_vllm(case: dict) -> dict:
 
     def schedule(arrived, step):
         for r in arrived:
-            sched.add_request(make(r))
+            for rid in ids_of[r["row"]]:
+                sched.add_request(make(r, rid))
         oracle_vllm.take_aborts(sched, aborts, step, "before")
         if not sched.has_requests():
             return None
@@ -187,8 +190,7 @@ def run_vllm(case: dict) -> dict:
                     finish[out.request_id] = step
 
     result = async_step_loop(case["requests"], schedule, process)
-    result["requests"] = {str(r["row"]): [first_token.get(str(r["row"]), -1), finish.get(str(r["row"]), -1)]
-                          for r in case["requests"]}
+    result["requests"] = oracle_vllm.row_steps(case["requests"], ids_of, first_token, finish)
     result["accepted"] = accepted_total[0]
     result["prefix"] = prefix
     return result
@@ -210,15 +212,16 @@ def run_simkv(case: dict) -> dict:
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
-                                  align_flag=True, aborts_flag=True)
+                                  align_flag=True, aborts_flag=True, parallel_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
+    oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
-    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0, aborted=0)
+    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0, aborted=0, livelocks=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
@@ -227,6 +230,7 @@ def main() -> None:
         totals["preemptions"] += ours["preemptions"]
         totals["hits"] += t["prefix"][1]
         totals["aborted"] += ours["aborted"]
+        totals["livelocks"] += ours.get("error") == "livelock"
         diff = case_differences(t, ours)
         if diff:
             failures += 1
@@ -234,7 +238,9 @@ def main() -> None:
     print(f"{len(cases) - failures} of {len(cases)} cases equal "
           f"({totals['requests']} requests, {totals['steps']} steps, {totals['accepted']} drafts accepted, "
           f"{totals['preemptions']} preemptions, {totals['hits']} prefix-hit tokens"
-          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
+          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "")
+          + (f"; {totals['livelocks']} livelocked in both, equal until simkv stopped" if totals["livelocks"] else "")
+          + ")")
     sys.exit(1 if failures else 0)
 
 

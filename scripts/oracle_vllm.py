@@ -14,6 +14,70 @@ ORACLE_DIR = ROOT.parent / "shared" / "tools" / "vllm_oracle"
 SPEC_METHODS = ("ngram", "eagle", "draft_model")
 
 
+# Parallel sampling (--parallel): a row asking for n sequences is n vLLM requests, added one
+# after the other as vLLM v1's front end adds a parent's children. simkv numbers the later
+# members from 2**40 in the order they arrive (Scheduler._next_child_index); the fake model's
+# tokens and the acceptance draws are keyed by those numbers on both sides.
+CHILD_BASE = 1 << 40
+_indexes: dict[str, int] = {}
+
+
+def request_index(rid: str) -> int:
+    """The simkv request index behind a vLLM request id."""
+    index = _indexes.get(rid)
+    return int(rid) if index is None else index
+
+
+def with_samples(rng, requests: list[dict], max_n: int = 4) -> None:
+    """About a third of the rows ask for 2 to `max_n` sequences (`n`)."""
+    for r in requests:
+        if rng.random() < 0.35:
+            r["n"] = int(rng.integers(2, max_n + 1))
+
+
+def parallel_cases(args, rng, cases: list[dict]) -> None:
+    """With --parallel, give the cases' rows their n (drawn after the cases, so that the cases
+    are those of the same seed without it). Not with --aborts or --replies (a front end aborts a
+    parent's children together; replies are one sequence's)."""
+    if not getattr(args, "parallel", False):
+        return
+    if getattr(args, "aborts", False) or getattr(args, "replies", False):
+        raise SystemExit("--parallel is checked without --aborts and --replies")
+    for case in cases:
+        with_samples(rng, case["requests"], args.max_n)
+
+
+def sample_ids(requests: list[dict]) -> dict[int, list[str]]:
+    """Each row's vLLM request ids in the order they are added: the row's number, or for n > 1
+    its members' ids as vLLM's front end names a parent's children, `k_row` (vLLM breaks ties of
+    priority and arrival by request id, as strings: 0, 1, 2 ... or from n = 11 on 0, 10, 1, 2 ...),
+    keyed to simkv's indexes (the first member's is the row's)."""
+    _indexes.clear()
+    out, child = {}, CHILD_BASE
+    for r in sorted(requests, key=lambda r: (r["arrival_step"], r["row"])):
+        n = r.get("n", 1)
+        if n == 1:
+            out[r["row"]] = [str(r["row"])]
+            continue
+        ids = [f"{k}_{r['row']}" for k in range(n)]
+        _indexes[ids[0]] = r["row"]
+        for rid in ids[1:]:
+            _indexes[rid] = child
+            child += 1
+        out[r["row"]] = ids
+    return out
+
+
+def row_steps(requests: list[dict], ids: dict[int, list[str]], first_token: dict, finish: dict) -> dict:
+    """Per row [first token step, finish step]: a row with n sequences has its first member's
+    first token and its last member's finish (-1 where it had none)."""
+    out = {}
+    for r in requests:
+        ends = [finish.get(rid, -1) for rid in ids[r["row"]]]
+        out[str(r["row"])] = [first_token.get(ids[r["row"]][0], -1), -1 if -1 in ends else max(ends)]
+    return out
+
+
 def random_spec_options(rng, opts: dict) -> None:
     """Speculative decoding options for a random case (`opts` gains them): any method the oracle's
     config-only model can stand in for, K from 1 to 5, acceptance 0 to 1."""
@@ -143,14 +207,14 @@ def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int
         if req.is_prefill_chunk:
             sampled.append([])
         elif accept is None:
-            sampled.append([oracle.fake_output_token(int(rid), req.num_computed_tokens)])
+            sampled.append([oracle.fake_output_token(request_index(rid), req.num_computed_tokens)])
         else:
             drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-            n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
+            n_acc = accept.num_accepted(request_index(rid), len(req.output_token_ids), len(drafts)) \
                 if drafts and drafts[0] != -1 else 0
             accepted += n_acc
             base = req.num_prompt_tokens + len(req.output_token_ids)
-            sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+            sampled.append([oracle.fake_output_token(request_index(rid), base + j) for j in range(1 + n_acc)])
     return sampled, accepted
 
 
@@ -168,11 +232,11 @@ def async_sampled(sched, so, meta: dict, accept) -> tuple[list[list[int]], int]:
             sampled.append([])
             continue
         drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-        n_acc = accept.num_accepted(int(rid), len(req.output_token_ids), len(drafts)) \
+        n_acc = accept.num_accepted(request_index(rid), len(req.output_token_ids), len(drafts)) \
             if accept is not None and drafts and not padded else 0
         accepted += n_acc
         base = req.num_prompt_tokens + len(req.output_token_ids)
-        sampled.append([oracle.fake_output_token(int(rid), base + j) for j in range(1 + n_acc)])
+        sampled.append([oracle.fake_output_token(request_index(rid), base + j) for j in range(1 + n_acc)])
     return sampled, accepted
 
 
@@ -215,7 +279,7 @@ def propose_drafts(sched, so, req_ids: list[str]) -> None:
     from vllm.v1.outputs import DraftTokenIds
 
     n = so.num_spec_tokens_to_schedule
-    sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(int(rid), 10_000 + j)
+    sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(request_index(rid), 10_000 + j)
                                                          for j in range(n)] for rid in req_ids]))
 
 
@@ -289,7 +353,7 @@ def sample_reply_content(case: dict) -> None:
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
-                aborts_flag: bool = False):
+                aborts_flag: bool = False, parallel_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -329,6 +393,13 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--aborts", action="store_true",
                         help="a front end aborts some requests (clients that gave up), before a step is "
                              "scheduled or before its output is processed")
+    if parallel_flag:
+        ap.add_argument("--parallel", action="store_true",
+                        help="about a third of the requests ask for n = 2-4 sequences (parallel sampling), "
+                             "fanned out as vLLM v1's front end does")
+        ap.add_argument("--max-n", type=int, default=4,
+                        help="with --parallel, the largest n (from 11 on, vLLM's request ids order a group's "
+                             "members as strings: 0, 1, 10, 2, ...)")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

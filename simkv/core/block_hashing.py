@@ -80,6 +80,11 @@ class BlockHasher:
         after them known too)."""
         return min(num_tokens, request.num_tokens - self.lookahead) // self.block_size
 
+    def num_group_prompt_blocks(self, request: Request) -> int:
+        """A fanned-out request's blocks keyed as its group's prompt: not one whose lookahead
+        token is the member's own first output."""
+        return (request.num_prompt_tokens - self.lookahead) // self.block_size
+
     def block_key(self, request: Request, block_index: int) -> int:
         """Key of the request's `block_index`-th block (which must be full)."""
         hashes = request.block_hashes
@@ -123,7 +128,7 @@ class BlockHasher:
                     hashes.append(parent)
                     i += 1
         if i < num_blocks and request.prompt_owner != request.index:  # (fan-out: the prompt is its group's)
-            stop = min(num_blocks, request.num_prompt_tokens // bs)
+            stop = min(num_blocks, self.num_group_prompt_blocks(request))
             top = -(request.prompt_owner << _UNIQUE_SHIFT) - 1
             hashes.extend(range(top - i, top - stop, -1))
             i = max(i, stop)

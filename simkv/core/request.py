@@ -50,7 +50,7 @@ class Request:
         "spec_drafts", "spec_prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
-        "lora_id", "may_resend", "prompt_owner", "members",
+        "lora_id", "may_resend", "prompt_owner", "tie_rank", "members",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -145,6 +145,9 @@ class Request:
         # at it as `parent`. The group finishes when all sequences have.
         self.num_samples = num_samples
         self.prompt_owner = index  # (fanned out: the first member, whose prompt's keys it shares and behind which it queues)
+        # (fanned out: its place among its group's ids in string order, vLLM's tie-break of equal
+        # priority and arrival: the children "0_id", "10_id", "11_id", "1_id", "2_id", ...)
+        self.tie_rank = 0
         self.members: tuple = ()  # (fanned out, the first member: the others)
         self.parent: Request | None = None
         self.forked = False

@@ -23,16 +23,16 @@ class FCFSRequestQueue(deque):
 
 class PriorityRequestQueue:
     """Lowest (priority, arrival time) first; equal arrival times in trace order (vLLM stamps
-    arrivals with wall-clock time, so ties do not occur there; a fanned-out request's members
-    follow their first, added right after it). Preempted requests re-enter by their key, as in
-    vLLM."""
+    arrivals with wall-clock time, so ties do not occur there), except a fanned-out request's
+    members: they share their arrival time in vLLM too, which then orders them by request id,
+    a string (`Request.tie_rank`: "10_id" before "1_id"). Preempted requests re-enter by their key, as in vLLM."""
 
     def __init__(self) -> None:
         self._heap: list[tuple] = []
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.prompt_owner, request.index,
-                                    request))
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.prompt_owner, request.tie_rank,
+                                    request.index, request))
 
     prepend_request = add_request
 

@@ -172,8 +172,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._calendar: list[list[Request]] | None = [[] for _ in range(self.block_size)] if periodic else None
         self._calendar_tables: list[list[list]] | None = [[] for _ in range(self.block_size)] if periodic else None
         # priority policy: the victim is the max (priority, arrival) running request; equal
-        # arrival times count as arriving in trace order (vLLM stamps wall-clock arrivals).
-        self._victim_heap: list[tuple] = []  # (-priority, -arrival, -prompt_owner, -index, seq, request)
+        # arrival times count as arriving in trace order (vLLM stamps wall-clock arrivals), but a
+        # fanned-out request's members share theirs, so vLLM's max() takes the first of them in
+        # running order.
+        self._victim_heap: list[tuple] = []  # (-priority, -arrival, -prompt_owner, seq, request)
         self._blocked_marker: tuple | None = None
         # Counters.
         self.num_preemptions = 0
@@ -222,9 +224,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         root.num_samples = 1  # (it samples one sequence: no fork after its prompt)
         root.num_shared_tokens = root.num_prompt_tokens  # (its prompt's blocks are its siblings' too)
         members = []
+        # (vLLM names the members "0_id", "1_id", ... and ties sort by id: "10_id" < "1_id")
+        rank = {k: r for r, k in enumerate(sorted(range(root.group_remaining), key=lambda k: f"{k}_"))}
         for k in range(1, root.group_remaining):
             child = self._sequence_of(root, k)
             child.prompt_owner = root.index
+            child.tie_rank = rank[k]
             child.num_shared_tokens = root.num_prompt_tokens
             child.may_resend = root.may_resend
             self.waiting.add_request(child)
@@ -259,7 +264,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._prefilling.append(request)
         if self.policy == "priority":
             heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.prompt_owner,
-                                               -request.index, request.seq, request))
+                                               request.seq, request))
 
     def _remove_running(self, request: Request) -> None:
         del self.running[self._position(request)]

@@ -139,12 +139,13 @@ def _first_sampled_row(trace) -> int | None:
 
 def _check_parallel_sampling(trace, row: int, config: EngineConfig, kv_connector: bool) -> None:
     """ValueError naming `row` (the first with n > 1) where parallel sampling is not modelled."""
-    if config.speculative.enabled or config.has_sliding_window or config.has_linear_attention:
-        without = ("with speculative decoding; drop the column or speculative_method" if config.speculative.enabled
+    fork = config.scheduler.parallel_sampling == "fork"
+    if fork and (config.speculative.enabled or config.has_sliding_window or config.has_linear_attention):
+        without = ("with speculative decoding" if config.speculative.enabled
                    else f"for models with {'sliding-window' if config.has_sliding_window else 'linear-attention'} "
-                   f"layers ({config.hardware.model}); drop the column")
-        raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) is not modelled "
-                         + without)
+                   f"layers ({config.hardware.model})")
+        raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) forked as vLLM v0 "
+                         f"did is not modelled {without}; --parallel-sampling fan_out (vLLM v1's) is")
     if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or config.hardware.data_parallel_size > 1):
         where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
                  if kv_connector else "on data-parallel ranks (vLLM's balancer routes each member on its own; "
@@ -167,9 +168,9 @@ class ReplayEngine:
             _check_parallel_sampling(trace, sampled, config, kv_connector)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
-        if num_offload_chunks and (kv_connector or sampled is not None):
-            raise ValueError("KV offloading (kv_offloading_size) is modelled without P/D and without parallel "
-                             "sampling (n > 1) yet")
+        if num_offload_chunks and (kv_connector or (sampled is not None and config.scheduler.parallel_sampling == "fork")):
+            raise ValueError("KV offloading (kv_offloading_size) is modelled without P/D and without vLLM v0's "
+                             "forked parallel sampling yet")
         self.scheduler = Scheduler(config.for_kv_manager(), num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector or bool(num_offload_chunks),
                                    num_offload_chunks=num_offload_chunks)

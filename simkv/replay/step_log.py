@@ -135,13 +135,23 @@ class RequestLog:
         self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def finish(self, request: Request) -> None:
+        """A row's request completed; a fanned-out one (parallel sampling) with its members' prefix
+        hits, preemptions and drafts added to its own (its steps and computed tokens are its own)."""
+        hits, total_hits, preemptions = (request.num_prefix_hit_tokens, request.num_total_prefix_hit_tokens,
+                                         request.num_preemptions)
+        drafts, accepted = request.num_draft_tokens, request.num_accepted_tokens
+        for member in request.members:
+            hits += member.num_prefix_hit_tokens
+            total_hits += member.num_total_prefix_hit_tokens
+            preemptions += member.num_preemptions
+            drafts += member.num_draft_tokens
+            accepted += member.num_accepted_tokens
         self._finished.extend((
             request.index, request.first_scheduled_step, request.first_token_step, request.finish_step,
             request.group_output_tokens,  # all sequences of the request
-            request.num_computed_tokens, request.num_prefix_hit_tokens, request.num_total_prefix_hit_tokens,
-            request.num_preemptions))
+            request.num_computed_tokens, hits, total_hits, preemptions))
         if self._spec is not None:
-            self._spec.extend((request.num_draft_tokens, request.num_accepted_tokens))
+            self._spec.extend((drafts, accepted))
         self._columns = None
 
     def reject(self, index: int) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 
 from simkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from simkv.core.request import Request
-from simkv.core.scheduler import Scheduler
+from simkv.core.scheduler import LivelockError, Scheduler
 
 
 def make_config(num_gpu_blocks: int = 6250, block_size: int = 16, max_num_seqs: int = 256,
@@ -21,10 +21,10 @@ def make_config(num_gpu_blocks: int = 6250, block_size: int = 16, max_num_seqs: 
 
 
 def make_request(i: int, prompt: int, output: int, hashes=None, h: int = 0, salt=None, priority: int = 0,
-                 arrival: float = 0.0) -> Request:
+                 arrival: float = 0.0, num_samples: int = 1) -> Request:
     ids = None if hashes is None else np.asarray(hashes, dtype=np.int64)
     return Request(f"r{i}", i, arrival, prompt, output, priority=priority, cache_salt=salt,
-                   shared_hash_ids=ids, hash_block_tokens=h)
+                   shared_hash_ids=ids, hash_block_tokens=h, num_samples=num_samples)
 
 
 def _count(out, log, steps, peak, query, hit, prefill, decode):
@@ -110,7 +110,8 @@ def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: 
     while pending and pending[0]["arrival_step"] <= upto:
         r = pending.pop(0)
         req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
-                           8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]))
+                           8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]),
+                           num_samples=r.get("n", 1))  # (n > 1: fanned out by the scheduler)
         if roles:
             req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
         requests.append((req, r))
@@ -244,7 +245,11 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
         _deliver(pending, len(rows), sched, requests)
         _abort(sched, requests, aborts, len(rows), "before")
         if sched.has_unfinished_requests():
-            out = sched.schedule()
+            try:
+                out = sched.schedule()
+            except LivelockError:  # (preempting without end: vLLM's run then reaches its max steps)
+                return {"steps": rows, "error": "livelock", "scheduler": sched,
+                        "requests": _request_steps(requests, aborts)}
             rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
             _abort(sched, requests, aborts, len(rows) - 1, "output", out)
             sched.update_from_output(out)
@@ -332,7 +337,11 @@ def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
             break
         _deliver(pending, len(rows), sched, requests)
         _abort(sched, requests, aborts, len(rows), "before")
-        out = sched.schedule() if sched.has_unfinished_requests() else None
+        try:
+            out = sched.schedule() if sched.has_unfinished_requests() else None
+        except LivelockError:  # (preempting without end: vLLM's run then reaches its max steps)
+            error = "livelock"
+            break
         if out is None or out.is_empty:
             if in_flight is None:
                 if sched.has_unfinished_requests():

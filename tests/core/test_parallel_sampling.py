@@ -249,3 +249,76 @@ def test_recorded_cases_depend_on_the_fan_out(monkeypatch) -> None:
     monkeypatch.setattr(PriorityRequestQueue, "add_request", behind_their_arrival)
     monkeypatch.setattr(PriorityRequestQueue, "prepend_request", behind_their_arrival)
     assert _broken() == 4
+
+
+# Step-mode cases (scripts/oracle_spec.py, oracle_hybrid.py, oracle_linear.py and oracle_spec_async.py
+# with --parallel; each case's made_by says which): the fan-out under speculative decoding, on
+# sliding-window and Mamba models, and under async scheduling, n up to 14.
+STEP_CASES = json.loads((Path(__file__).parent / "data" / "fan_out_step_vllm_cases.json").read_text())["cases"]
+
+
+def _step_case_equal(recorded: dict) -> bool:
+    from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm
+
+    recorded = json.loads(json.dumps(recorded))  # (the helpers trim the recorded steps)
+    opts = recorded["case"]["opts"]
+    if str(opts.get("model", "")).endswith(".json"):  # (a model config of tests/core/data)
+        opts["model"] = str(Path(__file__).parents[2] / opts["model"])
+    try:
+        if recorded["async"]:
+            assert_same_async_spec_steps_as_vllm(recorded)
+        else:
+            ours = assert_same_steps_as_vllm(recorded)
+            sched = ours["scheduler"]
+            assert sched.spec_stats["num_accepted_tokens"] == recorded["vllm"]["accepted"]
+            stats = sched.kv_cache_manager.prefix_cache_stats
+            assert [stats.queries, stats.hits] == recorded["vllm"]["prefix"]
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("index", range(len(STEP_CASES)))
+def test_recorded_step_cases(index: int) -> None:
+    """Every step, each row's first token (its first member's) and finish (its last member's),
+    the accepted drafts and the prefix-cache counts equal vLLM 0.33's."""
+    assert _step_case_equal(STEP_CASES[index])
+
+
+def test_recorded_step_cases_depend_on_the_ties_and_the_lookahead(monkeypatch) -> None:
+    """vLLM's front end gives a request's members one arrival time, so under the priority policy
+    it preempts the first of them in running order (preempting the last admitted, as for distinct
+    arrivals, breaks 6 of the 10 cases) and queues them by request id as strings ("10_id" before
+    "1_id": numeric order breaks 3). Under EAGLE a block's key covers the token after it, which
+    after the prompt's last full block is each member's own output (sharing that block breaks 3)."""
+    def broken() -> int:
+        return sum(not _step_case_equal(case) for case in STEP_CASES)
+
+    def newest_member_first(self, request):
+        request.seq = self._next_seq
+        self._next_seq += 1
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._prefilling.append(request)
+        if self.policy == "priority":
+            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.prompt_owner,
+                                               -request.index, request.seq, request))
+
+    monkeypatch.setattr(Scheduler, "_append_running", newest_member_first)
+    assert broken() == 6
+    monkeypatch.undo()
+
+    def numeric_ties(self, request):  # (members in the order they were added: their indexes)
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, request.prompt_owner, request.index,
+                                    request.index, request))
+
+    monkeypatch.setattr(PriorityRequestQueue, "add_request", numeric_ties)
+    monkeypatch.setattr(PriorityRequestQueue, "prepend_request", numeric_ties)
+    assert broken() == 3
+    monkeypatch.undo()
+
+    from simkv.core.block_hashing import BlockHasher
+
+    monkeypatch.setattr(BlockHasher, "num_group_prompt_blocks",
+                        lambda self, request: request.num_prompt_tokens // self.block_size)
+    assert broken() == 3

@@ -81,4 +81,6 @@ def test_a_list_the_prompt_needs_does_not_describe_the_reply() -> None:
 
 
 def test_parallel_sampling_replies_are_not_the_traces() -> None:
-    assert _two_turns(100.0, n=2) == [0, 64]
+    # (turn 1's second member hits its first's 3 prompt blocks before the last prompt token: the
+    # row reports both members' hits; turn 2 hits the prompt, no member's reply)
+    assert _two_turns(100.0, n=2) == [48, 64]

@@ -219,3 +219,32 @@ def test_tensor_parallel_ranks_move_their_shares_at_once():
     stats = replay(_trace(), config).summary["kv_offloading"]
     assert stats["cpu_chunks"] == 512 and stats["load_bytes"] == 16 * 2 * 1024 * 1024
     assert stats["mean_load_s"] == pytest.approx(16 * 2 * 1024 * 1024 / 2 / 63e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_parallel_sampling_fans_out_with_offloading(async_scheduling):
+    """Rows for n sequences fanned out (vLLM v1; checked step by step against vLLM's
+    OffloadingConnector: scripts/oracle_offload.py --parallel): a member that finds the prompt in
+    the CPU tier loads it like any request, decode runs change nothing, and every row completes
+    with all its sequences. vLLM v0's forks are refused."""
+    from tests.core.helpers import assert_decode_runs_change_nothing
+    from simkv.traces.schema import read_trace
+
+    import dataclasses
+
+    import numpy as np
+
+    trace = read_trace("traces/mooncake_synthetic_slice.parquet")
+    n = [(1, 2, 1, 4)[i % 4] for i in range(len(trace))]
+    trace = dataclasses.replace(trace, n=np.asarray(n, dtype=np.int64))
+    config = EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0),
+                          SchedulerConfig(async_scheduling=async_scheduling))
+    result = assert_decode_runs_change_nothing(trace, config)
+    req = result.requests
+    finished = (req["status"] == "finished").to_numpy()  # (the slice's prompts past max_model_len are rejected)
+    assert result.summary["kv_offloading"]["loads"] > 0 and finished.sum() > len(n) // 2
+    assert (req["status"] != "unfinished").all()
+    assert (req["output_tokens"][finished] == (trace.output_tokens * np.asarray(n))[finished]).all()
+    with pytest.raises(ValueError, match="without vLLM v0's forked parallel sampling"):
+        replay(trace, EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0),
+                                   SchedulerConfig(parallel_sampling="fork")))

@@ -245,6 +245,25 @@ def test_replay_with_and_without_decode_runs_agree():
                                           "mamba_cache_mode": "none"}
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_parallel_sampling_fans_out(prefix_caching):
+    """Rows for n sequences, fanned out as vLLM v1 does (checked step by step against vLLM:
+    scripts/oracle_linear.py --parallel [--align]): every member holds its own state blocks, the
+    replay that jumps over decode runs equals the stepped one, and with Mamba prefix caching
+    ("align") the later members hit their first's prompt."""
+    rng = np.random.default_rng(6)
+    n = 40
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 3, n)), "prompt_tokens": rng.integers(10, 3000, n),
+                          "output_tokens": rng.integers(1, 300, n), "n": rng.choice([1, 1, 2, 4], n)})
+    config = _config(tensor_parallel_size=4, max_model_len=4096, num_gpu_blocks=120, max_num_seqs=32,
+                     enable_prefix_caching=prefix_caching)
+    a = assert_decode_runs_change_nothing(trace_from_frame(frame), config)
+    assert a.summary["num_finished"] == n and a.summary["num_preemptions"] > 0
+    assert a.requests["output_tokens"].tolist() == (frame.output_tokens * frame.n).tolist()
+    hits = a.requests["prefix_hit_tokens"]
+    assert (hits[frame.n > 1].sum() > 0) == prefix_caching
+
+
 def test_speculative_decoding_adds_a_state_block_per_draft_token():
     """MTP with K = 2 on Qwen3-Next at TP 4: the convolution state keeps 3 + 2 inputs (282,624 B a
     layer: 288-token blocks), each Mamba group holds 1 + 2 blocks a request (vLLM's

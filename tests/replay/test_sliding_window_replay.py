@@ -165,11 +165,37 @@ def test_layer_windows_of_the_specs():
     assert get_model_spec("llama-3-8b").layer_windows(sliding_window=64) == [64] * 32
 
 
-def test_parallel_sampling_refused_with_its_row():
-    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.1], "prompt_tokens": [30, 20], "output_tokens": [5, 5], "n": [1, 3]})
-    with pytest.raises(ValueError, match=r"row 1: n = 3 \(parallel sampling\) is not modelled for models with "
-                                         r"sliding-window layers \(gemma-2-9b\)"):
-        replay(trace_from_frame(frame), EngineConfig.from_flat(dict(model="gemma-2-9b", max_model_len=4096)))
+def test_parallel_sampling_fans_out_and_forks_are_refused_with_its_row():
+    """vLLM v1's fan-out runs on a sliding-window model (checked step by step against vLLM:
+    scripts/oracle_hybrid.py --parallel); v0's forks are refused, naming the row."""
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.1], "prompt_tokens": [30, 40], "output_tokens": [5, 5], "n": [1, 3]})
+    config = dict(model="gemma-2-9b", max_model_len=4096)
+    res = replay(trace_from_frame(frame), EngineConfig.from_flat(config))
+    assert res.requests["output_tokens"].tolist() == [5, 15]
+    # the two later members, admitted with the first, hit its prompt's full blocks but the last
+    assert res.requests["prefix_hit_tokens"].tolist() == [0, 2 * 32]
+    with pytest.raises(ValueError, match=r"row 1: n = 3 \(parallel sampling\) forked as vLLM v0 did is not modelled "
+                                         r"for models with sliding-window layers \(gemma-2-9b\)"):
+        replay(trace_from_frame(frame), EngineConfig.from_flat(config | {"parallel_sampling": "fork"}))
+
+
+@pytest.mark.parametrize("model, num_gpu_blocks", [("gemma-2-9b", 700), ("gemma-3-27b", 2200)])
+def test_parallel_sampling_with_decode_runs_on_sliding_window_models(model, num_gpu_blocks):
+    """Fanned-out rows on models with sliding-window layers, under pressure (preemptions): the
+    replay that jumps over decode runs equals the stepped one, every row completes with all its
+    sequences."""
+    from tests.core.helpers import assert_decode_runs_change_nothing
+
+    rng = np.random.default_rng(8)
+    n = 40
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 2, n)), "prompt_tokens": rng.integers(10, 2500, n),
+                          "output_tokens": rng.integers(1, 300, n), "n": rng.choice([1, 1, 2, 4], n)})
+    config = EngineConfig.from_flat(dict(model=model, max_model_len=4096, num_gpu_blocks=num_gpu_blocks,
+                                         max_num_seqs=32))
+    a = assert_decode_runs_change_nothing(trace_from_frame(frame), config)
+    assert a.summary["num_finished"] == n and a.summary["num_preemptions"] > 0
+    assert a.requests["output_tokens"].tolist() == (frame.output_tokens * frame.n).tolist()
+    assert a.requests["prefix_hit_tokens"][frame.n > 1].sum() > 0
 
 
 def test_ngram_speculation_on_a_sliding_window_model():

@@ -88,12 +88,6 @@ def test_draft_networks_take_kv_memory():
     assert eagle == pytest.approx(base * 32 / 33, rel=0.01)
 
 
-def test_parallel_sampling_is_refused():
-    trace = _trace([(0.0, 10, 5), (0.1, 10, 5)], n=[1, 3])
-    with pytest.raises(ValueError, match="row 1: n = 3"):
-        replay(trace, _config(**SPEC), "roofline")
-
-
 def test_cli(tmp_path):
     runner = CliRunner()
     out = tmp_path / "o"
@@ -194,3 +188,23 @@ def test_async_scheduling_with_eagle(tmp_path):
     sync, async_ = summaries["sync"], summaries["async"]
     assert async_["itl_s"]["p50"] < 0.95 * sync["itl_s"]["p50"]
     assert async_["num_steps"] > sync["num_steps"]
+
+
+def test_parallel_sampling_fans_out_under_speculative_decoding():
+    """A row for n sequences is n requests (vLLM v1), each drafting and verifying on its own
+    (checked step by step against vLLM: scripts/oracle_spec.py --parallel): the row reports all
+    its members' tokens, drafts, accepted drafts and prefix hits; v0's forks are refused."""
+    rows = [(0.0, 70, 40), (0.5, 100, 30), (0.5, 40, 50)]
+    trace = _trace(rows, n=[1, 4, 2])
+    res = replay(trace, _config(**SPEC))
+    req, steps = res.requests, res.steps
+    assert req["output_tokens"].tolist() == [40, 4 * 30, 2 * 50]
+    assert req["num_accepted_tokens"].sum() == steps["num_accepted_tokens"].sum() > 0
+    assert req["num_draft_tokens"].sum() == steps["num_draft_tokens"].sum()
+    assert req["prefix_hit_tokens"].sum() == res.summary["prefix_cache_hits_tokens"] > 0
+    # EAGLE keys a block with the token after it: row 1's members (100 tokens, blocks of 16) share
+    # 6 blocks, the last of which is followed by a prompt token
+    assert req["prefix_hit_tokens"].tolist()[1] == 3 * 96
+    with pytest.raises(ValueError, match=r"row 1: n = 4 \(parallel sampling\) forked as vLLM v0 did is not "
+                                         r"modelled with speculative decoding"):
+        replay(trace, _config(**SPEC, parallel_sampling="fork"))
