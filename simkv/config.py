@@ -125,7 +125,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # keep outputs and recompute them; "restart": drop them;
     # "swap": copy the victim's KV to CPU swap space (vLLM v0), recompute when the space is full
     # A trace row with n > 1 sequences: "fan_out", vLLM v1's n requests that share the prompt's
-    # blocks through the prefix cache (core/scheduler.py, _fan_out); "fork", vLLM v0's sequences
+    # blocks through the prefix cache (core/parallel_sampling.py); "fork", vLLM v0's sequences
     # forked after the prompt, sharing its blocks with copy-on-write.
     parallel_sampling: str = "fan_out"
     # The replay's clients, not the engine: a trace's sessions send a turn no earlier than the

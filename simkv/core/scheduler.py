@@ -30,6 +30,7 @@ from simkv.core.kv_cache_coordinator import KVCacheCoordinator
 from simkv.core.mamba_align import MambaAlignCoordinator, mamba_block_aligned_split
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
+from simkv.core.parallel_sampling import FIRST_SEQUENCE_INDEX, fan_out, sequence_of
 from simkv.core.kv_offload import KVOffload
 from simkv.core.remote_kv import RemoteKV
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
@@ -181,7 +182,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.num_preemptions = 0
         self.num_preempted_requests = 0
         self._preemptions_since_finish = 0
-        self._next_child_index = 1 << 40  # parallel-sampling sequences: beyond any trace row
+        self._next_child_index = FIRST_SEQUENCE_INDEX  # parallel-sampling sequences: beyond any trace row
+        self.num_finished_sequences = 0  # (a parallel-sampling request's each; data-parallel ranks count them)
         self.fan_out = config.scheduler.parallel_sampling == "fan_out"
         # Swap preemption (vLLM v0): CPU blocks in use, and counters.
         self.num_cpu_blocks = num_cpu_blocks
@@ -216,36 +218,17 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._fan_out(request)
 
     def _fan_out(self, root: Request) -> None:
-        """Parallel sampling as vLLM v1 does it: a request for n sequences is n requests, added
-        one after the other, each sampling one; the later ones share the first's prompt through
-        the prefix cache (its full blocks are findable once scheduled, as every prompt's are in
-        vLLM), so one admitted in the same step hits what the first was given. `root` stands
-        for the group: it completes with its last member (`_finish`)."""
-        root.num_samples = 1  # (it samples one sequence: no fork after its prompt)
-        root.num_shared_tokens = root.num_prompt_tokens  # (its prompt's blocks are its siblings' too)
-        members = []
-        # (vLLM names the members "0_id", "1_id", ... and ties sort by id: "10_id" < "1_id")
-        rank = {k: r for r, k in enumerate(sorted(range(root.group_remaining), key=lambda k: f"{k}_"))}
-        for k in range(1, root.group_remaining):
-            child = self._sequence_of(root, k)
-            child.prompt_owner = root.index
-            child.tie_rank = rank[k]
-            child.num_shared_tokens = root.num_prompt_tokens
-            child.may_resend = root.may_resend
-            self.waiting.add_request(child)
-            members.append(child)
-        root.members = tuple(members)
+        """Parallel sampling as vLLM v1 does it (core/parallel_sampling.py): the request's other
+        n - 1 sequences are requests of their own, queued right after it."""
+        members = fan_out(root, self._next_child_index)
+        self._next_child_index += len(members)
+        for member in members:
+            self.waiting.add_request(member)
 
     def _sequence_of(self, root: Request, k: int) -> Request:
-        """Sequence `k` of parallel-sampling request `root`: a request of its own, numbered past
-        any trace row, whose reply is not the trace's."""
-        child = Request(f"{root.request_id}#{k}", self._next_child_index, root.arrival_time, root.num_prompt_tokens,
-                        root.max_tokens, root.priority, root.cache_salt, root.shared_hash_ids, root.hash_block_tokens,
-                        lora_id=root.lora_id)
+        """Sequence `k` of parallel-sampling request `root` (vLLM v0's forks)."""
         self._next_child_index += 1
-        child.parent = root
-        child.num_content_tokens = child.num_shared_tokens
-        return child
+        return sequence_of(root, k, self._next_child_index - 1)
 
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.kv_holding)
@@ -835,6 +818,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Release finished sequences; returns the requests that are now complete (a parallel
         sampling group completes with its last sequence)."""
         self._preemptions_since_finish = 0
+        self.num_finished_sequences += len(finished)
         kv = self.kv_cache_manager
         if self.offload is not None:  # (the next schedule() retires them from the CPU tier's recency)
             for request in finished:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import simpy
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
+from simkv.core.parallel_sampling import FIRST_SEQUENCE_INDEX, fan_out
 from simkv.replay.engine import ReplayEngine, ReplayError, ReplayRun
 from simkv.replay.fleet import FleetRouting, ReplicaFeed, fleet_clients
 
@@ -43,15 +44,24 @@ class DPBalancer:
 
 
 class DPRouting(FleetRouting):
-    """A fleet's routing with vLLM's data-parallel load balancer instead of a router."""
+    """A fleet's routing with vLLM's data-parallel load balancer instead of a router.
+
+    With `fan_out`, a row for n sequences is n requests before it is routed, as vLLM's front end
+    fans out before its client picks an engine core: each is routed on its own (so they spread
+    over the ranks, and only those on one rank share the prompt), counts as one in flight there
+    until it finishes, and the row completes with the last, wherever it ran. The row belongs to
+    the rank of its first (`assignment`)."""
 
     def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False,
-                 clients=None) -> None:
+                 clients=None, fan_out: bool = False) -> None:
         super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing,
                          clients=clients)
         self.snapshot = [[0, 0, 0.0] for _ in range(num_ranks)]  # waiting, running, KV cache usage
         self._snapshot_tick: int | None = None
         self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
+        self.fan_out = fan_out and trace.n is not None
+        self._next_sequence_index = FIRST_SEQUENCE_INDEX
+        self._sequences_done = [0] * num_ranks  # each rank's finished sequences, counted so far
 
     def publish(self, ranks: list[ReplayEngine], tick: int) -> None:
         """The coordinator's snapshot of every rank, if 100 ms have passed since the last."""
@@ -64,7 +74,47 @@ class DPRouting(FleetRouting):
             self.snapshot[r] = [sched.num_waiting(), len(sched.running),
                                 pool.get_num_used_blocks() / max(pool.num_usable_blocks, 1)]
 
+    def _route(self, i: int, tick: int) -> None:
+        if not self.fan_out or self.trace.n[i] <= 1 or self._prompts[i] >= self.max_model_len:
+            super()._route(i, tick)
+            return
+        root = self.engines[0].feed.make_request(i)
+        members = fan_out(root, self._next_sequence_index)
+        self._next_sequence_index += len(members)
+        self.queues[self.assign(i, tick)].append(root)
+        for member in members:
+            self.queues[self._least_loaded(tick)].append(member)
+
+    def note_finished(self, replica: int, finished, tick: int) -> None:
+        if not self.fan_out:
+            super().note_finished(replica, finished, tick)
+        # (with the fan-out each rank's finished sequences are counted: note_sequences)
+
+    def note_sequences(self, rank: int, scheduler, tick: int) -> None:
+        """Fan-out: the rank's sequences that finished at `tick` are no longer in flight there."""
+        done = scheduler.num_finished_sequences
+        if done != self._sequences_done[rank]:
+            self._finishes[rank].append((tick, done - self._sequences_done[rank]))
+            self._sequences_done[rank] = done
+
+    def log_finished(self, feed, request, tick: int) -> None:
+        """A row completed, perhaps on another rank than its first sequence's: into that rank's
+        log, with the time (its steps are not that rank's)."""
+        if not request.members:
+            feed.request_log.finish(request)
+            return
+        log = self.engines[self.assignment[request.index]].requests
+        request.finish_step = -1  # (a step of the rank that finished it: the log has the time instead)
+        log.finish(request)
+        log.finish_times_s[request.index] = tick / TICKS_PER_SECOND
+
     def assign(self, i: int, tick: int) -> int:
+        best = self._least_loaded(tick)
+        self.assignment[i] = best
+        return best
+
+    def _least_loaded(self, tick: int) -> int:
+        """vLLM's choice of engine core for the next request; it counts there from now."""
         loads = self.loads_at(tick)
         best, least = 0, float("inf")
         for r, (waiting, running, usage) in enumerate(self.snapshot):
@@ -74,7 +124,6 @@ class DPRouting(FleetRouting):
             if score < least:
                 best, least = r, score
         self.snapshot[best][0] += 1
-        self.assignment[i] = best
         loads[best] += 1
         return best
 
@@ -87,7 +136,7 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
     routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing,
-                        clients=clients)
+                        clients=clients, fan_out=config.scheduler.parallel_sampling == "fan_out")
     routing.on_reject = on_progress
 
     def feed_of(rank):
@@ -128,7 +177,7 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
             continue
         duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)))
         yield env.timeout(duration)
-        now = _process_outputs(ranks, outs, now, duration, sync=True)
+        now = _process_outputs(ranks, outs, now, duration, sync=True, routing=routing)
 
 
 def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
@@ -161,7 +210,7 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
             continue
         outs, start, duration = in_flight
         yield env.timeout(start + duration - now)
-        now = _process_outputs(ranks, outs, start, duration, sync=False)
+        now = _process_outputs(ranks, outs, start, duration, sync=False, routing=routing)
         in_flight = queued
 
 
@@ -197,12 +246,13 @@ def _retry_or_stuck(ranks: list[ReplayEngine], outs: list) -> bool:
     raise ReplayError(ranks[stuck]._stuck_message(outs[stuck].step))
 
 
-def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration: int, sync: bool) -> int:
+def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration: int, sync: bool,
+                     routing: DPRouting | None = None) -> int:
     """The step from `start` has ended: every rank that ran processes its output and logs the
     step; returns the end tick. (Synchronously an empty schedule is no step: its number is
     given back, as the single engine does.)"""
     end = start + duration
-    for rank, out in zip(ranks, outs):
+    for r, (rank, out) in enumerate(zip(ranks, outs)):
         rank.now = end
         if out is None:
             continue
@@ -213,6 +263,8 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
         if rank._client is not None:  # (the aborts that arrived while it ran come before its output)
             rank._client.expire_during_step(end, out)
         finished = rank.scheduler.update_from_output(out)
+        if getattr(routing, "fan_out", False):
+            routing.note_sequences(r, rank.scheduler, end)
         rank.steps.add_step(out, start, duration)
         if finished:
             rank._record_finished(finished)

@@ -87,6 +87,11 @@ class ArrivalFeed:
     def note_finished(self, finished: list[Request], tick: int) -> None:
         """The engine finished these requests at `tick` (a fleet's router counts them)."""
 
+    def log_finished(self, request: Request, tick: int) -> None:
+        """A row's request completed at `tick`: into the request log (data-parallel ranks: the
+        log of the rank its first sequence ran on)."""
+        self.request_log.finish(request)
+
     def arrival_times_s(self):
         """Per trace row, when it arrived (the trace's times; session pacing moves some)."""
         return self.arrivals
@@ -146,10 +151,11 @@ def _check_parallel_sampling(trace, row: int, config: EngineConfig, kv_connector
                    f"layers ({config.hardware.model})")
         raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) forked as vLLM v0 "
                          f"did is not modelled {without}; --parallel-sampling fan_out (vLLM v1's) is")
-    if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or config.hardware.data_parallel_size > 1):
+    paced = config.scheduler.session_pacing and trace.session_id is not None
+    dp_with_clients = config.hardware.data_parallel_size > 1 and (config.scheduler.has_client_timeouts or paced)
+    if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or dp_with_clients):
         where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
-                 if kv_connector else "on data-parallel ranks (vLLM's balancer routes each member on its own; "
-                 "--parallel-sampling fork keeps them on one rank)")
+                 if kv_connector else "on data-parallel ranks with clients that give up or paced sessions")
         raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling), fanned out as "
                          f"vLLM v1 does, is not modelled {where}")
 
@@ -594,7 +600,7 @@ class ReplayEngine:
 
     def _record_finished(self, finished: list[Request]) -> None:
         for request in finished:
-            self.requests.finish(request)
+            self.feed.log_finished(request, self.now)
         if finished:
             self.feed.note_finished(finished, self.now)
             self._num_done += len(finished)

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from simkv.core.request import Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
 from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
@@ -101,6 +102,10 @@ class FleetRouting:
         if dropped and self.all_routed:
             self._wake_for(tick)
         return dropped
+
+    def log_finished(self, feed, request, tick: int) -> None:
+        """A row's request completed on `feed`'s replica: into its log."""
+        feed.request_log.finish(request)
 
     def note_aborted(self, replica: int, tick: int) -> None:
         """The replica aborted a request at `tick`: it no longer counts there."""
@@ -231,6 +236,12 @@ class FleetRouting:
         return r
 
 
+def _row_of(entry) -> int:
+    """The trace row of a replica queue's entry: a row, or one sequence of a row fanned out
+    over data-parallel ranks (its first's row)."""
+    return entry.prompt_owner if isinstance(entry, Request) else entry
+
+
 class ReplicaFeed(ArrivalFeed):
     """One replica's arrivals: the requests the router sent it. Its lookahead stops at the fleet's
     next arrival too, since that request might be sent here."""
@@ -248,7 +259,7 @@ class ReplicaFeed(ArrivalFeed):
 
     def next_arrival_ticks(self) -> int | None:
         routing = self.routing
-        nxt = self._arrival_ticks[self.queue[0]] if self.queue else routing.next_unrouted_ticks()
+        nxt = self._arrival_ticks[_row_of(self.queue[0])] if self.queue else routing.next_unrouted_ticks()
         if routing.sessions is not None:  # (a turn another replica may release comes to any of them)
             bound = earliest_release(routing.engines, skip=self.replica)
             if bound is not None and (nxt is None or bound < nxt):
@@ -259,8 +270,11 @@ class ReplicaFeed(ArrivalFeed):
         self.routing.route_until(now)
         queue, ticks = self.queue, self._arrival_ticks
         sessions = self.routing.sessions
-        while queue and ticks[queue[0]] <= now:
+        while queue and ticks[_row_of(queue[0])] <= now:
             row = queue.popleft()
+            if isinstance(row, Request):  # (a sequence of a row fanned out over data-parallel ranks)
+                self.scheduler.add_request(row)
+                continue
             self._deliver(row)
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)
@@ -269,6 +283,9 @@ class ReplicaFeed(ArrivalFeed):
         if self.routing.sessions is not None:
             self.release_watch.finished(finished)
         self.routing.note_finished(self.replica, finished, tick)
+
+    def log_finished(self, request, tick: int) -> None:
+        self.routing.log_finished(self, request, tick)
 
     def arrival_times_s(self):
         if self.routing.sessions is None:

@@ -60,6 +60,8 @@ def request_table(run: ReplayRun, trace, frontend_latency_s: float = 0.0) -> pd.
     first_sched = at(ints["first_scheduled_step"], starts)
     first_token = at(ints["first_token_step"], ends)
     finish = at(ints["finish_step"], ends)
+    for row, t in log.finish_times_s.items():  # (rows fanned out over data-parallel ranks)
+        finish[row] = t
     out_tokens = ints["num_output_tokens"]
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_itl = np.where(out_tokens > 1, (finish - first_token) / (out_tokens - 1), np.nan)

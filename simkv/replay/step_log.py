@@ -132,6 +132,9 @@ class RequestLog:
         self._timed_out: list[int] = []  # rows whose clients gave up on their last attempt
         self._abandoned: list[int] = []  # turns never sent: an earlier turn of their session timed out
         self.last_abort_s = 0.0  # when the engine last took a client's abort (or a P/D proxy dropped one)
+        # rows fanned out over data-parallel ranks: when the last sequence finished (perhaps on
+        # another rank, whose steps this log does not hold)
+        self.finish_times_s: dict[int, float] = {}
         self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def finish(self, request: Request) -> None:

@@ -113,7 +113,8 @@ def test_recorded_cases_match_vllm(case):
 (`--store-threshold`: 2 or 3, trackers of 1 to 29 keys in some), under LRU and ARC, with
 chunks, sync and async (each of six mutations of the tracker and the filter fails all six);
 then chat sessions whose hash lists describe the replies (`--replies`), decode blocks stored
-and loaded back by next turns, three sync and two async.
+and loaded back by next turns, three sync and two async; then parallel sampling fanned out
+(`--parallel`: members that load their group's prompt from the tier), with drafts and with ARC.
 Every step, every request's
     first-token and finish step, and every transfer equal vLLM's."""
     theirs = case["vllm"]

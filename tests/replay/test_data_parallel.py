@@ -246,3 +246,70 @@ def test_data_parallel_ranks_under_async_scheduling(tmp_path):
     mtp = replay(trace, EngineConfig.from_flat(dict(base, async_scheduling=True, speculative_method="mtp",
                                                     num_speculative_tokens=2))).summary
     assert mtp["num_finished"] == len(trace) and mtp["speculative_decoding"]["drafter_time_s"] > 0
+
+
+def _sampled(rows):
+    """A trace of (arrival s, prompt, output, n) rows."""
+    from simkv.traces.schema import trace_from_frame
+
+    return trace_from_frame(pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens", "n"]))
+
+
+V2_LITE = dict(model="deepseek-v2-lite")
+
+
+def test_a_rows_sequences_are_routed_one_by_one():
+    """vLLM's front end fans a request for n sequences out before its client picks an engine core
+    for each: the balancer's snapshot counts each pick as waiting, so 4 sequences arriving
+    together alternate over 2 ranks, and only the 2 on one rank share the prompt. The row is the
+    rank of its first sequence's, and completes with the last, wherever it ran."""
+    trace = _sampled([(0.0, 1000, 50, 4)])
+    one = replay(trace, EngineConfig.from_flat(V2_LITE))
+    two = replay(trace, EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=2)))
+    hits_one, hits_two = (r.summary["prefix_cache_hits_tokens"] for r in (one, two))
+    assert hits_one > 0 and 2 * hits_one == 3 * hits_two  # (3 members hit the first's prompt; 1 per rank)
+    assert two.requests["prefix_hit_tokens"].tolist() == [hits_two]
+    assert two.requests["output_tokens"].tolist() == [200] and two.requests["replica"].tolist() == [0]
+    steps = pd.DataFrame(two.steps)
+    assert steps.groupby("replica")["num_running"].max().tolist() == [2, 2]
+    last_end = (steps["start_time_s"] + steps["duration_s"]).max()
+    assert two.requests["finish_time_s"].tolist() == [pytest.approx(last_end)]
+    rank0 = steps[steps["replica"] == 0]
+    first = rank0[rank0["num_prefill_tokens"] > 0].iloc[0]
+    assert two.requests["first_token_time_s"].tolist() == [pytest.approx(first["start_time_s"] + first["duration_s"])]
+
+
+def test_each_sequence_counts_in_flight_on_its_own_rank():
+    """A sequence stops counting where it ran when it finishes. A row's 4 short sequences (2 per
+    rank) are done long before a long request on rank 0 is; then three rows arrive half a second
+    apart and go to rank 1, rank 0 (a tie: 1 each) and rank 1, as vLLM's balancer sends them. (A
+    rank still charged with its finished sequences would get the second and third the other way.)"""
+    trace = _sampled([(0.0, 500, 20, 4), (0.01, 300, 3000, 1), (5.0, 300, 400, 1), (5.5, 300, 400, 1),
+                      (6.0, 300, 400, 1)])
+    result = replay(trace, EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=2)))
+    assert result.requests["replica"].tolist() == [0, 0, 1, 0, 1]
+    assert result.summary["num_finished"] == 5
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_rollouts_on_more_ranks_share_less(async_scheduling):
+    """64 rows for 1, 4 or 8 sequences on DeepSeek-V2-Lite: the more ranks, the fewer of a row's
+    sequences share a rank, the fewer prompt tokens hit and the more are computed; every row
+    completes with all its tokens, and the same inputs give the same bytes."""
+    rng = np.random.default_rng(0)
+    n = 64
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 2, n)), "prompt_tokens": rng.integers(1000, 3000, n),
+                          "output_tokens": rng.integers(100, 600, n), "n": rng.choice([1, 4, 8], n)})
+    from simkv.traces.schema import trace_from_frame
+
+    trace = trace_from_frame(frame)
+    computed, hits = [], []
+    for dp in (1, 2, 4):
+        config = EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=dp, async_scheduling=async_scheduling))
+        result = replay(trace, config)
+        assert (result.requests["output_tokens"] == frame.output_tokens * frame.n).all()
+        assert (result.requests["finish_time_s"] <= result.summary["duration_s"] + 1e-9).all()
+        computed.append(result.summary["num_prefill_tokens"])
+        hits.append(result.summary["prefix_cache_hits_tokens"])
+    assert computed[0] < computed[1] < computed[2] and hits[0] > hits[1] > hits[2]
+    assert replay(trace, config).requests.equals(result.requests)
