@@ -172,11 +172,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         periodic = isinstance(self.kv_cache_manager, KVCacheManager) and self.num_lookahead_tokens == 0
         self._calendar: list[list[Request]] | None = [[] for _ in range(self.block_size)] if periodic else None
         self._calendar_tables: list[list[list]] | None = [[] for _ in range(self.block_size)] if periodic else None
-        # priority policy: the victim is the max (priority, arrival) running request; equal
-        # arrival times count as arriving in trace order (vLLM stamps wall-clock arrivals), but a
-        # fanned-out request's members share theirs, so vLLM's max() takes the first of them in
-        # running order.
-        self._victim_heap: list[tuple] = []  # (-priority, -arrival, -prompt_owner, seq, request)
+        # priority policy: the running requests by victim order (`_victim_entry`)
+        self._victim_heap: list[tuple] = []
         self._blocked_marker: tuple | None = None
         # Counters.
         self.num_preemptions = 0
@@ -246,8 +243,14 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.running.append(request)
         self._prefilling.append(request)
         if self.policy == "priority":
-            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.prompt_owner,
-                                               request.seq, request))
+            heapq.heappush(self._victim_heap, self._victim_entry(request))
+
+    @staticmethod
+    def _victim_entry(request: Request) -> tuple:
+        """The priority policy's victim heap entry: the max (priority, arrival) first; equal
+        arrivals in trace order, but a fanned-out request's members (one arrival time in vLLM
+        too) the first in running order, as vLLM's max() over its running list takes them."""
+        return -request.priority, -request.arrival_time, -request.prompt_owner, request.seq, request
 
     def _remove_running(self, request: Request) -> None:
         del self.running[self._position(request)]

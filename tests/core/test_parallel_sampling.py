@@ -295,17 +295,10 @@ def test_recorded_step_cases_depend_on_the_ties_and_the_lookahead(monkeypatch) -
     def broken() -> int:
         return sum(not _step_case_equal(case) for case in STEP_CASES)
 
-    def newest_member_first(self, request):
-        request.seq = self._next_seq
-        self._next_seq += 1
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        self._prefilling.append(request)
-        if self.policy == "priority":
-            heapq.heappush(self._victim_heap, (-request.priority, -request.arrival_time, -request.prompt_owner,
-                                               -request.index, request.seq, request))
+    def newest_member_first(request):
+        return -request.priority, -request.arrival_time, -request.prompt_owner, -request.index, request.seq, request
 
-    monkeypatch.setattr(Scheduler, "_append_running", newest_member_first)
+    monkeypatch.setattr(Scheduler, "_victim_entry", staticmethod(newest_member_first))
     assert broken() == 6
     monkeypatch.undo()
 
