@@ -61,6 +61,10 @@ def _summary_table(summary: dict) -> str:
         from simkv.replay.client_timeouts import client_row
 
         rows.append(client_row(summary["client"]))
+    if summary.get("parallel_sampling"):
+        from simkv.replay.results import parallel_sampling_row
+
+        rows.append(parallel_sampling_row(summary["parallel_sampling"]))
     lora = summary.get("lora")
     if lora:
         memory = (f", slots {lora['slots_gib_per_gpu']:.2f} GiB a GPU" if lora.get("slots_gib_per_gpu") is not None

@@ -62,6 +62,7 @@ class DPRouting(FleetRouting):
         self.fan_out = fan_out and trace.n is not None
         self._next_sequence_index = FIRST_SEQUENCE_INDEX
         self._sequences_done = [0] * num_ranks  # each rank's finished sequences, counted so far
+        self.ranks_per_row: list[int] = []  # per row fanned out: the ranks its sequences went to
 
     def publish(self, ranks: list[ReplayEngine], tick: int) -> None:
         """The coordinator's snapshot of every rank, if 100 ms have passed since the last."""
@@ -81,9 +82,10 @@ class DPRouting(FleetRouting):
         root = self.engines[0].feed.make_request(i)
         members = fan_out(root, self._next_sequence_index)
         self._next_sequence_index += len(members)
-        self.queues[self.assign(i, tick)].append(root)
-        for member in members:
-            self.queues[self._least_loaded(tick)].append(member)
+        ranks = [self.assign(i, tick)] + [self._least_loaded(tick) for _ in members]
+        for rank, request in zip(ranks, (root, *members)):
+            self.queues[rank].append(request)
+        self.ranks_per_row.append(len(set(ranks)))
 
     def note_finished(self, replica: int, finished, tick: int) -> None:
         if not self.fan_out:

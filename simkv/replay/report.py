@@ -90,6 +90,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         from simkv.replay.client_timeouts import client_row
 
         rows.append(client_row(client))
+    if summary.get("parallel_sampling"):
+        from simkv.replay.results import parallel_sampling_row
+
+        rows.append(parallel_sampling_row(summary["parallel_sampling"]))
     if summary.get("lora"):
         lora = summary["lora"]
         rows.append(("LoRA adapters (max_loras)", f"{lora['adapters']:,} ({lora['max_loras']}); {lora['deferrals']:,} "

@@ -174,9 +174,37 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | client_summary(run, requests) | lora_summary(config, [sched], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | client_summary(run, requests) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [sched], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
+
+
+def parallel_sampling_summary(config, trace, logs, ranks_per_row=None) -> dict:
+    """Parallel sampling (a trace's `n` column): how many requests asked for more than one
+    sequence, the sequences in all, and under the fan-out the prompt tokens their later members
+    hit (their own group's prompt: what the prefix-cache hit rate gains from it, not reuse across
+    requests); on data-parallel ranks, how many ranks a request's sequences ran on, on average."""
+    if trace.n is None or not (trace.n > 1).any():
+        return {}
+    sampled = trace.n > 1
+    out = {"mode": config.scheduler.parallel_sampling, "sampled_requests": int(sampled.sum()),
+           "sequences": int(trace.n.sum())}
+    if out["mode"] == "fan_out":
+        out["later_members_prefix_hit_tokens"] = int(sum(log.member_hit_tokens for log in logs))
+    if ranks_per_row:
+        out["mean_ranks_per_sampled_request"] = float(np.mean(ranks_per_row))
+    return {"parallel_sampling": out}
+
+
+def parallel_sampling_row(section: dict) -> tuple[str, str]:
+    """The report row of summary.json's `parallel_sampling` section (terminal table and report.html)."""
+    text = (f"{section['sampled_requests']:,} requests for n > 1, {section['sequences']:,} sequences in all, "
+            + ("fanned out (vLLM v1)" if section["mode"] == "fan_out" else "forked (vLLM v0)"))
+    if "later_members_prefix_hit_tokens" in section:
+        text += f"; later members hit {section['later_members_prefix_hit_tokens']:,} tokens of their group's prompt"
+    if "mean_ranks_per_sampled_request" in section:
+        text += f"; a request's sequences ran on {section['mean_ranks_per_sampled_request']:.2f} ranks on average"
+    return "parallel sampling", text
 
 
 def lora_summary(config, schedulers, trace, capacity=None, backend=None) -> dict:

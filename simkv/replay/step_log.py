@@ -135,6 +135,7 @@ class RequestLog:
         # rows fanned out over data-parallel ranks: when the last sequence finished (perhaps on
         # another rank, whose steps this log does not hold)
         self.finish_times_s: dict[int, float] = {}
+        self.member_hit_tokens = 0  # prefix-hit tokens of fanned-out rows' later members (their group's prompt)
         self._columns: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def finish(self, request: Request) -> None:
@@ -149,6 +150,7 @@ class RequestLog:
             preemptions += member.num_preemptions
             drafts += member.num_draft_tokens
             accepted += member.num_accepted_tokens
+        self.member_hit_tokens += hits - request.num_prefix_hit_tokens
         self._finished.extend((
             request.index, request.first_scheduled_step, request.first_token_step, request.finish_step,
             request.group_output_tokens,  # all sequences of the request

@@ -316,3 +316,20 @@ def test_recorded_step_cases_depend_on_the_ties_and_the_lookahead(monkeypatch) -
     monkeypatch.setattr(BlockHasher, "num_group_prompt_blocks",
                         lambda self, request: request.num_prompt_tokens // self.block_size)
     assert broken() == 3
+
+
+def test_the_summary_separates_a_groups_own_hits():
+    """summary.json's `parallel_sampling`: the requests for n > 1, the sequences in all, and the
+    prompt tokens their later members hit (their own group's prompt), apart from the hits across
+    requests (row 2 repeats row 0's prompt: its 64 full-block tokens hit, the first's and each
+    member's)."""
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.5, 30.0], "prompt_tokens": [70, 40, 70],
+                          "output_tokens": [5, 5, 5], "n": [3, 1, 2],
+                          "block_hashes": [list(range(5)), [9, 8, 7], list(range(5))], "hash_block_tokens": 16})
+    res = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(block_size=16)))
+    section = res.summary["parallel_sampling"]
+    assert section == {"mode": "fan_out", "sampled_requests": 2, "sequences": 6,
+                       "later_members_prefix_hit_tokens": 2 * 64 + 64}
+    assert res.summary["prefix_cache_hits_tokens"] == 2 * 64 + 64 + 64  # (+ row 2's first member)
+    forked = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(block_size=16, parallel_sampling="fork")))
+    assert "later_members_prefix_hit_tokens" not in forked.summary["parallel_sampling"]

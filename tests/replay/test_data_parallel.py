@@ -270,6 +270,9 @@ def test_a_rows_sequences_are_routed_one_by_one():
     assert hits_one > 0 and 2 * hits_one == 3 * hits_two  # (3 members hit the first's prompt; 1 per rank)
     assert two.requests["prefix_hit_tokens"].tolist() == [hits_two]
     assert two.requests["output_tokens"].tolist() == [200] and two.requests["replica"].tolist() == [0]
+    assert two.summary["parallel_sampling"] == {"mode": "fan_out", "sampled_requests": 1, "sequences": 4,
+                                                "later_members_prefix_hit_tokens": hits_two,
+                                                "mean_ranks_per_sampled_request": 2.0}
     steps = pd.DataFrame(two.steps)
     assert steps.groupby("replica")["num_running"].max().tolist() == [2, 2]
     last_end = (steps["start_time_s"] + steps["duration_s"]).max()
