@@ -252,6 +252,9 @@ class ModelRunner:
             for request in last.finished:  # their sampled ids are no longer read either
                 self.block_rows.drop(request)
                 self.forget(request)
+        for request in output.aborted or ():  # (clients that gave up; a retry samples its outputs anew)
+            self.block_rows.drop(request)
+            self.forget(request)
         self._last_output = output
         return prepare_step(self, self.block_rows, output)
 

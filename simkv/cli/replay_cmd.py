@@ -399,9 +399,6 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if backend == "gpu" and config.scheduler.async_scheduling:
         raise click.UsageError("--async-scheduling is simulated only: the gpu backend runs each step to its end "
                                "before scheduling the next")
-    if backend == "gpu" and config.scheduler.has_client_timeouts:
-        raise click.UsageError("--client-timeout and --client-ttft-timeout are simulated only (the gpu backend "
-                               "replays every request to its end)")
     from rich.progress import Progress
 
     with Progress(disable=quiet or len(data) < 5000, transient=True) as progress:

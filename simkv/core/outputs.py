@@ -56,6 +56,9 @@ class SchedulerOutput:
     num_swap_out_blocks: int = 0
     num_swap_in_blocks: int = 0
     finished: list[Request] = field(default_factory=list)
+    # detail mode: the requests aborted since the previous step (vLLM's finished_req_ids carries
+    # them to the model runner, which drops their rows of the persistent batch)
+    aborted: list[Request] | None = None
     num_blocks_used_end: int = -1  # after update_from_output (finished requests released)
     kv_loads: list[Request] | None = None  # P/D: requests admitted to pull their KV (the step starts the pulls)
     offload_jobs: list | None = None  # KV offloading: the transfers this step starts (core/kv_offload.py)

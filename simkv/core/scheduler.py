@@ -129,6 +129,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.kv_holding = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
         self._num_kv_ready = 0  # in kv_holding with their pull ended
         self._aborted_loads: dict[Request, list] = {}  # aborted while their KV loads: blocks held till it ends
+        self._aborted: list[Request] = []  # detail mode: aborted since the last schedule() (SchedulerOutput.aborted)
         self.kv_held: dict[int, Request] = {}
         # finished sends left out of the table, (blocks, their deferred free) held till read or expiry
         self._abandoned_sends: dict[Request, tuple[int, list]] = {}
@@ -410,7 +411,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts,
             num_spec_tokens_to_schedule=to_propose,
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
-            num_lora_tokens=lora_tokens, num_active_loras=active_loras)
+            num_lora_tokens=lora_tokens, num_active_loras=active_loras, aborted=self._take_aborted())
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -891,7 +892,16 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         request.status = RequestStatus.ABORTED
         request.is_finishing = False
         self._lora_stuck = None  # (the waiting queue or the running adapters changed)
+        if self.detail:
+            self._aborted.append(request)
         return True
+
+    def _take_aborted(self) -> list[Request] | None:
+        """Detail mode: the requests aborted since the previous schedule() (None if none)."""
+        if not self._aborted:
+            return None
+        aborted, self._aborted = self._aborted, []
+        return aborted
 
     def _abort_running(self, request: Request, chunk_end: int | None, in_flight: int) -> None:
         """A running request aborted: it leaves the running list; its blocks are freed (deferred,

@@ -54,16 +54,14 @@ TTFT, E2E = 0, 1  # which deadline a client missed
 _KINDS = ("ttft", "e2e")
 
 
-def check_supported(trace, config: EngineConfig, *, real_backend: bool = False) -> None:
+def check_supported(trace, config: EngineConfig) -> None:
     """ValueError naming the first setting that client time-outs are not modelled with yet (P/D's:
     simkv/replay/disaggregated_clients.py)."""
     sc = config.scheduler
     if not sc.has_client_timeouts:
         return
     why = None
-    if real_backend:
-        why = "the gpu backend (simulated replays only)"
-    elif trace.n is not None and (trace.n > 1).any() and sc.parallel_sampling == "fork":
+    if trace.n is not None and (trace.n > 1).any() and sc.parallel_sampling == "fork":
         why = "vLLM v0's forked parallel sampling (--parallel-sampling fork; vLLM v1's fan_out is)"
     if why is not None:
         raise ValueError(f"client time-outs (client_timeout_s, client_ttft_timeout_s) are not modelled with {why} yet")

@@ -195,7 +195,7 @@ class ReplayEngine:
         if config.scheduler.has_client_timeouts:
             from simkv.replay.client_timeouts import ClientTimeoutFeed, SessionClientFeed, check_supported
 
-            check_supported(trace, config, real_backend=backend.name == "gpu")
+            check_supported(trace, config)
             if make_feed is not None:  # (a fleet's replica)
                 self.feed = self._client = make_feed(self.scheduler, self.requests)
             elif trace.session_id is not None and config.scheduler.session_pacing:

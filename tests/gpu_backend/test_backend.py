@@ -155,3 +155,37 @@ def test_a_position_past_the_rotary_tables_is_refused_before_the_forward():
     with pytest.raises(ValueError, match="reaches position .* past the model's"):
         runner.run(synthetic_output([], [runner.max_positions + 1], 16, 16))
     runner.run(synthetic_output([], [runner.max_positions], 16, 16))  # the last position is fine
+
+
+def test_clients_that_give_up_on_the_real_backend(monkeypatch):
+    """Client time-outs run on the real backend as in a simulation, with its measured steps: the
+    clients whose deadline (the median end-to-end latency of the same replay without them) passes
+    give up and are aborted, and retry once; the runner drops an aborted request's rows of the
+    persistent batch and its sampled ids at the next step (a retry is a request of its own that
+    samples anew), as vLLM's runner drops those its finished_req_ids name."""
+    from gpu_backend.runner import ModelRunner
+    from simkv.core.request import RequestStatus
+
+    trace = _trace(n=24, at_zero=False, out=(10, 60))
+    config = EngineConfig.from_flat(OPTS)
+    patient = run_gpu_replay(trace, config, device="cpu", warmup_steps=1)
+    deadline = float(patient.requests["e2e_s"].median())
+    runners, aborted = [], []
+    prepare = ModelRunner.prepare
+
+    def watched(self, output):
+        runners.append(self)
+        aborted.extend(output.aborted or ())
+        return prepare(self, output)
+
+    monkeypatch.setattr(ModelRunner, "prepare", watched)
+    config = EngineConfig.from_flat(OPTS | {"client_timeout_s": deadline, "client_max_retries": 1})
+    result = run_gpu_replay(trace, config, device="cpu", warmup_steps=1)
+    status = result.requests["status"]
+    client = result.summary["client"]
+    assert set(status) <= {"finished", "timed_out"} and client["aborted"] > 0 and client["retries"] > 0
+    assert (status == "finished").sum() + client["timed_out_requests"] == len(trace)
+    assert result.summary["backend"] == "gpu"
+    runner = runners[-1]
+    assert aborted and all(q.status == RequestStatus.ABORTED for q in aborted)
+    assert not any(q in runner.block_rows._rows for q in aborted)

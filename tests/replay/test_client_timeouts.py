@@ -379,15 +379,6 @@ def test_bad_client_options(options, message) -> None:
         EngineConfig.from_flat(options)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "simulated only"),
-])
-def test_unmodelled_combinations_are_refused(flags, message, tmp_path) -> None:
-    out = cli_fails(["replay", str(AZURE), "--client-timeout", "30", "--out", str(tmp_path / "o"), *flags])
-    assert message in out
-    assert not (tmp_path / "o").exists()
-
-
 def _chat(retries: int):
     """Two conversations, one request at a time, every step 1 s. Turn a0 decodes until 20 s; b0,
     sent at 0.5 s, waits behind it and its client gives up at 5.5 s (and, retrying 0.5 s later,
