@@ -159,6 +159,8 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
 @click.option("--max-prompt-tokens", type=int, help="Keep the requests whose prompt has at most N tokens.")
 @click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
+@click.option("--samples", type=int, default=None, metavar="N",
+              help="Every request asks for N sequences (parallel sampling, the n column: best-of-N, RL rollouts).")
 @click.option("--lora-adapters", type=int, default=None, metavar="N",
               help="Name a LoRA adapter for every request (lora-0 .. lora-N-1, a session's turns one adapter), "
                    "drawn with Zipf popularity (--lora-zipf); replay with --enable-lora --max-loras K.")
@@ -170,11 +172,12 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
                   time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
-                  seed: int, lora_adapters: int | None, lora_zipf: float, link_replies: bool) -> None:
-    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, lora-adapters,
-    link-replies)."""
+                  seed: int, samples: int | None, lora_adapters: int | None, lora_zipf: float,
+                  link_replies: bool) -> None:
+    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, samples,
+    lora-adapters, link-replies)."""
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
-                  time_scale=time_scale, rate=rate, seed=seed)
+                  time_scale=time_scale, rate=rate, samples=samples, seed=seed)
     result = transform(read_trace(path), edits)
     note = ""
     if lora_adapters is not None:

@@ -1,8 +1,8 @@
 """``simkv trace transform``: the edits users make before a replay.
 
 Edits apply in this fixed order, whatever the order of the options: window -> head -> sample ->
-max-prompt-tokens -> time-scale -> rate. Every edit keeps the request order (the trace is sorted
-by arrival).
+max-prompt-tokens -> time-scale -> rate -> samples. Every edit keeps the request order (the trace
+is sorted by arrival).
   window T0 T1   keep arrivals in [T0, T1) and shift them so that T0 becomes 0
   head N         keep the first N requests
   sample F       keep each request with probability F (numpy Generator, ``seed``)
@@ -10,6 +10,8 @@ by arrival).
                  model's context length: an engine would reject the others)
   time-scale F   multiply every arrival time (and think time) by F (F < 1 compresses, F > 1 stretches)
   rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
+  samples N      every request asks for N sequences (parallel sampling: the `n` column; best-of-N,
+                 RL rollouts)
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class Edits:
     max_prompt_tokens: int | None = None
     time_scale: float | None = None
     rate: float | None = None
+    samples: int | None = None
     seed: int = 0
 
     def check(self) -> None:
@@ -47,6 +50,8 @@ class Edits:
             raise TraceError(f"--time-scale must be > 0, got {self.time_scale}")
         if self.rate is not None and not (0 < self.rate < float("inf")):
             raise TraceError(f"--rate must be > 0, got {self.rate}")
+        if self.samples is not None and self.samples < 1:
+            raise TraceError(f"--samples must be >= 1, got {self.samples}")
 
 
 def transform(trace: Trace, edits: Edits) -> Trace:
@@ -69,6 +74,8 @@ def transform(trace: Trace, edits: Edits) -> Trace:
     if edits.rate is not None:
         times = ArrivalProcess("poisson", edits.rate).times(len(trace), arrival_rng(edits.seed, stream=6))
         trace = replace(trace, arrival_time_s=times)
+    if edits.samples is not None:
+        trace = replace(trace, n=np.full(len(trace), edits.samples, dtype=np.int64))
     return trace
 
 

@@ -26,6 +26,9 @@ def test_synth_inspect_transform(tmp_path: Path) -> None:
     timed = tmp_path / "timed.csv"
     assert run("transform", str(req400), "--out", str(timed), "--rate", "10", "--head", "50")[0] == 0
     assert len(read_trace(timed)) == 50 and read_trace(timed).arrival_time_s[-1] > 0
+    rollouts = tmp_path / "rollouts.parquet"
+    code, output = run("transform", str(req400), "--out", str(rollouts), "--head", "20", "--samples", "8")
+    assert code == 0 and read_trace(rollouts).n.tolist() == [8] * 20
 
 
 def test_shared_prefix_reachable_from_cli(tmp_path: Path) -> None:

@@ -101,6 +101,8 @@ def test_transform_edits_keep_order_and_are_seeded() -> None:
     short = transform(trace, Edits(max_prompt_tokens=500))
     kept = trace.prompt_tokens <= 500
     assert short.request_id.tolist() == trace.request_id[kept].tolist() and 0 < len(short) < len(trace)
+    sampled = transform(trace, Edits(samples=8, head=10))
+    assert sampled.n.tolist() == [8] * 10 and trace.n is None
 
 
 @pytest.mark.parametrize(
@@ -112,6 +114,7 @@ def test_transform_edits_keep_order_and_are_seeded() -> None:
         (Edits(time_scale=0.0), "--time-scale"),
         (Edits(rate=-1.0), "--rate"),
         (Edits(max_prompt_tokens=0), "--max-prompt-tokens"),
+        (Edits(samples=0), "--samples"),
         (Edits(max_prompt_tokens=1), "left no requests"),
         (Edits(window=(1e9, 2e9)), "left no requests"),
     ],
