@@ -14,6 +14,15 @@ A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_spec.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
     .venv/bin/python scripts/oracle_spec.py --aborts --cases 50 --seed 2   # a front end aborts some requests
+    .venv/bin/python scripts/oracle_spec.py --parallel [--max-n 14]   # rows for n sequences, fanned out
+
+--parallel (here and in oracle_hybrid.py, oracle_linear.py, oracle_spec_async.py and
+oracle_offload.py): about a third of the rows ask for 2 to --max-n sequences; vLLM gets each
+row's n requests one after the other, named as its front end names a parent's children
+(`k_row`) with the parent's arrival time, simkv fans the row out (oracle_vllm.sample_ids). A
+row's first token is its first member's, its finish its last member's. A run that livelocks in
+both (members of one group preempting each other under the priority policy) is compared up to
+where simkv's LivelockError stopped it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The vLLM side that the step-mode oracles share (oracle_spec.py, oracle_pd.py): vLLM 0.33's
 `Scheduler` built from a case's flat options (speculative decoding included), and the model
-runner's part played by hand (sampled tokens, accepted drafts, the drafter's proposals).
+runner's part played by hand (sampled tokens, accepted drafts, the drafter's proposals), and
+rows for n sequences fanned out as vLLM's front end does (--parallel: `sample_ids`).
 Runs in the oracle's venv (../shared/tools/vllm_oracle); `random_spec_options` runs on simkv's.
 """
 

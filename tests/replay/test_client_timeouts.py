@@ -16,7 +16,7 @@ from simkv.config import ConfigError, EngineConfig
 from simkv.core.scheduler import Scheduler
 from simkv.replay.api import FleetSpec, replay
 from simkv.traces.schema import read_trace, trace_from_frame, trace_to_frame, write_trace
-from tests.cli_runs import cli_fails, cli_ok
+from tests.cli_runs import cli_ok
 from tests.core.helpers import (assert_as_recorded, assert_decode_runs_change_no_bytes, observed_as_recorded,
                                 replay_recorded)
 
