@@ -155,7 +155,8 @@ def _check_parallel_sampling(trace, row: int, config: EngineConfig, kv_connector
     dp_with_clients = config.hardware.data_parallel_size > 1 and (config.scheduler.has_client_timeouts or paced)
     if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or dp_with_clients):
         where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
-                 if kv_connector else "on data-parallel ranks with clients that give up or paced sessions")
+                 if kv_connector else "on data-parallel ranks with clients that give up or paced sessions "
+                 "(--no-session-pacing sends the turns at their trace times)")
         raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling), fanned out as "
                          f"vLLM v1 does, is not modelled {where}")
 
