@@ -90,7 +90,12 @@ class DPRouting(FleetRouting):
     def note_finished(self, replica: int, finished, tick: int) -> None:
         if not self.fan_out:
             super().note_finished(replica, finished, tick)
+            return
         # (with the fan-out each rank's finished sequences are counted: note_sequences)
+        if self.sessions is not None:
+            for engine in self.engines:  # (a row's members may have been on any rank)
+                engine.feed.release_watch.finished(finished)
+            self.turns_done(finished, tick)
 
     def note_sequences(self, rank: int, scheduler, tick: int) -> None:
         """Fan-out: the rank's sequences that finished at `tick` are no longer in flight there."""

@@ -275,8 +275,9 @@ class ReplicaFeed(ArrivalFeed):
             row = queue.popleft()
             if isinstance(row, Request):  # (a sequence of a row fanned out over data-parallel ranks)
                 self.scheduler.add_request(row)
-                continue
-            self._deliver(row)
+                row = row.prompt_owner  # (sessions: the row's turn may end here)
+            else:
+                self._deliver(row)
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)
 

@@ -116,6 +116,22 @@ def test_data_parallel_ranks_pace_sessions(async_scheduling) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_data_parallel_ranks_pace_sessions_of_fanned_out_turns(async_scheduling) -> None:
+    """Turns for 3 samples each on 2 ranks: the members of a turn spread over the ranks, and the
+    next turn is sent once the last of them has finished, wherever it ran."""
+    from simkv.traces.transform import Edits, transform
+
+    trace = transform(multi_turn(SessionShape(sessions=20, turns=3, think_time_s=0.5), seed=4), Edits(samples=3))
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=8192,
+                                         async_scheduling=async_scheduling))
+    res = replay(trace, config, "roofline")
+    _assert_paced(res, 20, 3)
+    assert res.summary["parallel_sampling"]["mean_ranks_per_sampled_request"] > 1.5  # (the balancer's loads decide)
+    assert res.summary["num_finished"] == len(trace)
+    assert replay(trace, config, "roofline").requests.equals(res.requests)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_pd_paces_sessions_on_the_decode_side_and_decode_runs_change_nothing(async_scheduling, tmp_path) -> None:
     from simkv.replay.disaggregated import DisaggregationSpec
 
