@@ -181,7 +181,9 @@ class ClientDeadlines:
         computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
         if computed >= prompt or self.prompt_computed_elsewhere:  # (its prompt's KV was all there: work that reached nobody)
             self.num_aborted_after_prefill += 1
-        self.abandoned_output_tokens += max(request.num_output_tokens, computed - prompt + 1)
+        for sequence in (request, *request.members):  # (fanned out: every member's tokens)
+            self.abandoned_output_tokens += max(sequence.num_output_tokens,
+                                                sequence.num_computed_tokens - sequence.num_prompt_tokens + 1)
         if attempt < self.max_retries:
             self._resend(row, attempt + 1, at + self.backoff_ticks(row, attempt), now)
             return

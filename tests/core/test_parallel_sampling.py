@@ -333,3 +333,14 @@ def test_the_summary_separates_a_groups_own_hits():
     assert res.summary["prefix_cache_hits_tokens"] == 2 * 64 + 64 + 64  # (+ row 2's first member)
     forked = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(block_size=16, parallel_sampling="fork")))
     assert "later_members_prefix_hit_tokens" not in forked.summary["parallel_sampling"]
+
+
+def test_a_client_that_gives_up_abandons_every_members_tokens():
+    """One row, unit steps: its client gives up after 20.5 s; with 3 samples the engine had
+    sampled three times the tokens that reached nobody (summary `client.abandoned_output_tokens`)."""
+    def abandoned(n):
+        frame = pd.DataFrame({"arrival_time_s": [0.0], "prompt_tokens": [10], "output_tokens": [100], "n": [n]})
+        res = replay(trace_from_frame(frame), EngineConfig.from_flat(dict(client_timeout_s=20.5)), "unit")
+        return res.summary["client"]["abandoned_output_tokens"]
+
+    assert abandoned(1) == 21 and abandoned(3) == 3 * 21
