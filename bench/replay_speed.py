@@ -35,6 +35,10 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # (-async: the same with --async-scheduling)
     .venv/bin/python bench/replay_speed.py azure-pd2-clients  # the Azure trace at 4x its rate on 1 prefill + 1 decode
                                                         # replica, clients that give up after 10 s and retry twice
+    .venv/bin/python bench/replay_speed.py rollout      # 5,000 prompts x 8 samples (parallel sampling fanned out,
+                                                        # 40,000 sequences) arriving over 10 minutes
+    .venv/bin/python bench/replay_speed.py rollout-dp8  # the same on deepseek-v3, 8 data-parallel ranks on H200s
+                                                        # (each sample routed on its own)
     .venv/bin/python bench/replay_speed.py all
     .venv/bin/python bench/replay_speed.py azure --repeat 5
 
@@ -86,6 +90,17 @@ def load(case: str):
         from simkv.traces.synth_sessions import SessionShape, multi_turn
 
         return multi_turn(SessionShape(sessions=20_000, turns=6), seed=1, arrival=ArrivalProcess(kind="poisson", rate=20.0))
+    if case in ("rollout", "rollout-dp8"):
+        import numpy as np
+        import pandas as pd
+
+        from simkv.traces.schema import trace_from_frame
+
+        rng = np.random.default_rng(0)
+        n = 5000
+        return trace_from_frame(pd.DataFrame({
+            "arrival_time_s": np.sort(rng.uniform(0, 600, n)), "prompt_tokens": rng.integers(500, 3000, n),
+            "output_tokens": rng.integers(100, 1200, n), "n": np.full(n, 8)}), "rollout")
     if case == "synth-1m":
         # ~1M requests at 60 req/s: a saturated H100 serving llama-3-8b.
         return lognormal(1_000_000, seed=1, arrival=ArrivalProcess(kind="poisson", rate=60.0), fast=True)
@@ -120,6 +135,8 @@ def run_case(case: str) -> dict:
         options |= {"enable_lora": True, "max_loras": 4}
     if case_setup in ("azure-clients", "azure-pd2-clients"):
         options |= {"client_ttft_timeout_s": 10.0, "client_max_retries": 2}
+    if case == "rollout-dp8":
+        options |= {"model": "deepseek-v3", "gpu": "H200", "data_parallel_size": 8}
     if case.startswith("azure-dsv3"):
         options |= {"model": "deepseek-v3", "gpu": "H200"}
         options |= {"data_parallel_size": 8} if case.endswith("-dp8") else {"tensor_parallel_size": 8}
