@@ -181,7 +181,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.num_preempted_requests = 0
         self._preemptions_since_finish = 0
         self._next_child_index = FIRST_SEQUENCE_INDEX  # parallel-sampling sequences: beyond any trace row
-        self.num_finished_sequences = 0  # (a parallel-sampling request's each; data-parallel ranks count them)
+        self.num_done_sequences = 0  # finished or aborted (a parallel-sampling request's each; DP ranks count them)
         self.fan_out = config.scheduler.parallel_sampling == "fan_out"
         # Swap preemption (vLLM v0): CPU blocks in use, and counters.
         self.num_cpu_blocks = num_cpu_blocks
@@ -822,7 +822,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Release finished sequences; returns the requests that are now complete (a parallel
         sampling group completes with its last sequence)."""
         self._preemptions_since_finish = 0
-        self.num_finished_sequences += len(finished)
+        self.num_done_sequences += len(finished)
         kv = self.kv_cache_manager
         if self.offload is not None:  # (the next schedule() retires them from the CPU tier's recency)
             for request in finished:
@@ -892,6 +892,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         request.status = RequestStatus.ABORTED
         request.is_finishing = False
         self._lora_stuck = None  # (the waiting queue or the running adapters changed)
+        self.num_done_sequences += 1
         if self.detail:
             self._aborted.append(request)
         return True

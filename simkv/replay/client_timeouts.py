@@ -46,7 +46,7 @@ from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import mix64
 from simkv.replay.engine import ArrivalFeed
-from simkv.replay.fleet import ReplicaFeed
+from simkv.replay.fleet import ReplicaFeed, row_of
 from simkv.replay.sessions import SessionFeed
 from simkv.replay.step_log import RequestLog
 
@@ -115,14 +115,16 @@ class ClientDeadlines:
             heapq.heappop(deadlines)
         return None
 
-    def expire_during_step(self, now: int, out) -> None:
+    def expire_during_step(self, now: int, out, outs=None) -> None:
         """A step `out` ended at tick `now`: abort the attempts whose deadlines passed while it ran,
-        before its output is processed (their tokens of this step came after the deadline)."""
+        before its output is processed (their tokens of this step came after the deadline).
+        `outs`: the steps of every data-parallel rank (a fanned-out row's members may be on any)."""
         deadline = self.next_deadline_ticks()
         if deadline is None or deadline >= now:
             return
         chunk_ends = None if self.scheduler.async_scheduling else {  # (async: counted when scheduled)
-            id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens for chunk in out.chunks}
+            id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens
+            for step in (outs if outs is not None else (out,)) for chunk in step.chunks}
         self._expire(now - 1, now, chunk_ends)
 
     def expire_until(self, now: int) -> None:
@@ -169,9 +171,13 @@ class ClientDeadlines:
             if kind == TTFT and self.scheduler.token_delivered(request.first_token_step):
                 continue  # (a step whose output was processed before the deadline sampled it)
             del self._live[row]
-            aborted = self.scheduler.abort_group(request, chunk_ends)
+            aborted = self._abort_group(request, chunk_ends)
             assert aborted, f"{request} was in flight but not in the engine"
             self._give_up(row, request, attempt, deadline, kind, now)
+
+    def _abort_group(self, request: Request, chunk_ends: dict[int, int] | None) -> bool:
+        """vLLM aborts the attempt (fanned out: each member); False if none was in the engine."""
+        return self.scheduler.abort_group(request, chunk_ends)
 
     prompt_computed_elsewhere = False  # (P/D's decode side: a prefill replica computed every prompt)
 
@@ -390,6 +396,9 @@ class RoutedClients(ClientDeadlines):
     def _resend(self, row: int, attempt: int, tick: int, now: int) -> None:
         self.routing.resend(row, attempt, tick)
 
+    def _abort_group(self, request: Request, chunk_ends: dict[int, int] | None) -> bool:
+        return self.routing.abort_group(self, request, chunk_ends)
+
 
 class ReplicaClientFeed(RoutedClients, ReplicaFeed):
     """One replica's arrivals, sent by clients that give up and retry. A replica aborts what its
@@ -424,22 +433,39 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         queue, retries, ticks = self.queue, self.retry_queue, self._arrival_ticks
         sessions = self.routing.sessions
         while True:
-            row_due = queue and ticks[queue[0]] <= now
+            head = row_of(queue[0]) if queue else -1
+            row_due = queue and ticks[head] <= now
             if retries and retries[0][0] <= now and (not row_due or (retries[0][0], retries[0][1])
-                                                     < (ticks[queue[0]], queue[0])):
-                tick, row, attempt = retries.popleft()
-                self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
+                                                     < (ticks[head], head)):
+                tick, row, attempt, *made = retries.popleft()
+                if made:  # (a row fanned out over data-parallel ranks: its first member, or another)
+                    self._send_sequence(made[0], row, tick, attempt)
+                else:
+                    self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
             elif row_due:
-                row = queue.popleft()
-                self._send(self.make_request(row), row, ticks[row], 0)
+                entry = queue.popleft()
+                if isinstance(entry, Request):
+                    row = entry.prompt_owner
+                    self._send_sequence(entry, row, ticks[row], 0)
+                else:
+                    row = entry
+                    self._send(self.make_request(row), row, ticks[row], 0)
             else:
                 return
             if sessions is not None:  # (this replica could now release the row's next turn)
                 self.release_watch.delivered(sessions, row)
 
+    def _send_sequence(self, request: Request, row: int, tick: int, attempt: int) -> None:
+        """A sequence of a row that data-parallel ranks' router fanned out: its first member is the
+        attempt its client watches (sent here), the others join their ranks' schedulers."""
+        if request.parent is None:
+            self._send(request, row, tick, attempt)
+        else:
+            self.scheduler.add_request(request)
+
     def note_finished(self, finished: list[Request], tick: int) -> None:
         ReplicaFeed.note_finished(self, finished, tick)
-        self._finished_for_good(finished, tick)
+        self.routing.clients_finished(self, finished, tick)
 
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         routing = self.routing

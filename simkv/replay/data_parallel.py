@@ -63,6 +63,7 @@ class DPRouting(FleetRouting):
         self._next_sequence_index = FIRST_SEQUENCE_INDEX
         self._sequences_done = [0] * num_ranks  # each rank's finished sequences, counted so far
         self.ranks_per_row: list[int] = []  # per row fanned out: the ranks its sequences went to
+        self.rank_of: dict = {}  # clients that give up: a later member's rank (vLLM aborts it there)
 
     def publish(self, ranks: list[ReplayEngine], tick: int) -> None:
         """The coordinator's snapshot of every rank, if 100 ms have passed since the last."""
@@ -80,12 +81,56 @@ class DPRouting(FleetRouting):
             super()._route(i, tick)
             return
         root = self.engines[0].feed.make_request(i)
+        for rank, request in self._spread(root, i, tick, 0):
+            self.queues[rank].append(request)
+        if self.clients is not None:
+            self.clients.routed(0)
+
+    def _route_retry(self, tick: int, row: int, attempt: int) -> None:
+        if not self.fan_out or self.trace.n[row] <= 1:
+            super()._route_retry(tick, row, attempt)
+            return
+        root = self.engines[0].feed.make_retry(row, attempt, tick)
+        for rank, request in self._spread(root, row, tick, attempt):
+            self.retry_queues[rank].append((tick, row, attempt, request))
+        self.clients.routed(attempt)
+
+    def _spread(self, root, row: int, tick: int, attempt: int) -> list:
+        """Fan row `row`'s request `root` (attempt number `attempt`) out and pick each member's
+        rank: [(rank, request)], the first member's rank the row's."""
+        if self.clients is not None:  # (before the fan-out: the members inherit it)
+            root.may_resend = attempt < self.clients.max_retries
         members = fan_out(root, self._next_sequence_index)
         self._next_sequence_index += len(members)
-        ranks = [self.assign(i, tick)] + [self._least_loaded(tick) for _ in members]
-        for rank, request in zip(ranks, (root, *members)):
-            self.queues[rank].append(request)
-        self.ranks_per_row.append(len(set(ranks)))
+        ranks = [self.assign(row, tick)] + [self._least_loaded(tick) for _ in members]
+        if self.clients is not None:
+            self.rank_of.update(zip(members, ranks[1:]))
+        if attempt == 0:
+            self.ranks_per_row.append(len(set(ranks)))
+        return list(zip(ranks, (root, *members)))
+
+    def note_aborted(self, replica: int, tick: int) -> None:
+        if not self.fan_out:  # (with the fan-out each rank's aborted sequences are counted: note_sequences)
+            super().note_aborted(replica, tick)
+
+    def abort_group(self, feed, request, chunk_ends) -> bool:
+        """A fanned-out request's members are aborted on their own ranks."""
+        if not request.members or not self.fan_out:
+            return super().abort_group(feed, request, chunk_ends)
+        aborted = False
+        for member in (request, *request.members):
+            scheduler = feed.scheduler if member is request else self.engines[self.rank_of.pop(member)].scheduler
+            aborted |= scheduler.abort_request(member, chunk_ends.get(id(member)) if chunk_ends else None)
+        return aborted
+
+    def clients_finished(self, feed, finished, tick: int) -> None:
+        """A fanned-out request completes on the rank of its last member; its client is watched
+        from its first member's."""
+        for request in finished:
+            home = self.engines[self.assignment[request.index]].feed if request.members else feed
+            home._finished_for_good([request], tick)
+            for member in request.members:
+                self.rank_of.pop(member, None)
 
     def note_finished(self, replica: int, finished, tick: int) -> None:
         if not self.fan_out:
@@ -98,8 +143,9 @@ class DPRouting(FleetRouting):
             self.turns_done(finished, tick)
 
     def note_sequences(self, rank: int, scheduler, tick: int) -> None:
-        """Fan-out: the rank's sequences that finished at `tick` are no longer in flight there."""
-        done = scheduler.num_finished_sequences
+        """Fan-out: the rank's sequences that finished or were aborted by `tick` are no longer in
+        flight there."""
+        done = scheduler.num_done_sequences
         if done != self._sequences_done[rank]:
             self._finishes[rank].append((tick, done - self._sequences_done[rank]))
             self._sequences_done[rank] = done
@@ -232,6 +278,9 @@ def _take_arrivals(ranks: list[ReplayEngine], routing: DPRouting, now: int) -> N
         rank.feed.deliver_until(now)
         if rank.feed.num_rejected != rank._num_rejected_reported:
             rank._report_rejected()
+    if getattr(routing, "fan_out", False):  # (sequences aborted by now are no longer in flight)
+        for r, rank in enumerate(ranks):
+            routing.note_sequences(r, rank.scheduler, now)
     routing.publish(ranks, now)
 
 
@@ -259,6 +308,13 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
     step; returns the end tick. (Synchronously an empty schedule is no step: its number is
     given back, as the single engine does.)"""
     end = start + duration
+    fan_out = getattr(routing, "fan_out", False)
+    if fan_out and ranks[0]._client is not None:  # (a row's members may be on any rank: every rank's
+        # clients give up, on every rank's steps, before any output is processed)
+        ran = [out for out in outs if out is not None and not out.is_empty]
+        for rank in ranks:
+            rank.now = end
+            rank._client.expire_during_step(end, None, ran)
     for r, (rank, out) in enumerate(zip(ranks, outs)):
         rank.now = end
         if out is None:
@@ -267,10 +323,10 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
             if sync:
                 rank.scheduler.current_step = out.step
             continue
-        if rank._client is not None:  # (the aborts that arrived while it ran come before its output)
+        if rank._client is not None and not fan_out:  # (the aborts that arrived while it ran come before its output)
             rank._client.expire_during_step(end, out)
         finished = rank.scheduler.update_from_output(out)
-        if getattr(routing, "fan_out", False):
+        if fan_out:
             routing.note_sequences(r, rank.scheduler, end)
         rank.steps.add_step(out, start, duration)
         if finished:

@@ -151,10 +151,12 @@ def _check_parallel_sampling(trace, row: int, config: EngineConfig, kv_connector
                    f"layers ({config.hardware.model})")
         raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) forked as vLLM v0 "
                          f"did is not modelled {without}; --parallel-sampling fan_out (vLLM v1's) is")
-    dp_with_clients = config.hardware.data_parallel_size > 1 and config.scheduler.has_client_timeouts
+    paced = config.scheduler.session_pacing and trace.session_id is not None
+    dp_with_clients = (config.hardware.data_parallel_size > 1 and config.scheduler.has_client_timeouts and paced)
     if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or dp_with_clients):
         where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
-                 if kv_connector else "on data-parallel ranks with clients that give up")
+                 if kv_connector else "on data-parallel ranks with clients that give up on paced sessions "
+                 "(--no-session-pacing sends the turns at their trace times)")
         raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling), fanned out as "
                          f"vLLM v1 does, is not modelled {where}")
 

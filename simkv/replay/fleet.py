@@ -108,6 +108,14 @@ class FleetRouting:
         """A row's request completed on `feed`'s replica: into its log."""
         feed.request_log.finish(request)
 
+    def clients_finished(self, feed, finished, tick: int) -> None:
+        """Clients that give up: these requests finished on `feed`'s replica; their clients have them."""
+        feed._finished_for_good(finished, tick)
+
+    def abort_group(self, feed, request, chunk_ends) -> bool:
+        """Clients that give up: vLLM aborts `feed`'s attempt `request` (fanned out: every member)."""
+        return feed.scheduler.abort_group(request, chunk_ends)
+
     def note_aborted(self, replica: int, tick: int) -> None:
         """The replica aborted a request at `tick`: it no longer counts there."""
         self._finishes[replica].append((tick, 1))
@@ -237,7 +245,7 @@ class FleetRouting:
         return r
 
 
-def _row_of(entry) -> int:
+def row_of(entry) -> int:
     """The trace row of a replica queue's entry: a row, or one sequence of a row fanned out
     over data-parallel ranks (its first's row)."""
     return entry.prompt_owner if isinstance(entry, Request) else entry
@@ -260,7 +268,7 @@ class ReplicaFeed(ArrivalFeed):
 
     def next_arrival_ticks(self) -> int | None:
         routing = self.routing
-        nxt = self._arrival_ticks[_row_of(self.queue[0])] if self.queue else routing.next_unrouted_ticks()
+        nxt = self._arrival_ticks[row_of(self.queue[0])] if self.queue else routing.next_unrouted_ticks()
         if routing.sessions is not None:  # (a turn another replica may release comes to any of them)
             bound = earliest_release(routing.engines, skip=self.replica)
             if bound is not None and (nxt is None or bound < nxt):
@@ -271,7 +279,7 @@ class ReplicaFeed(ArrivalFeed):
         self.routing.route_until(now)
         queue, ticks = self.queue, self._arrival_ticks
         sessions = self.routing.sessions
-        while queue and ticks[_row_of(queue[0])] <= now:
+        while queue and ticks[row_of(queue[0])] <= now:
             row = queue.popleft()
             if isinstance(row, Request):  # (a sequence of a row fanned out over data-parallel ranks)
                 self.scheduler.add_request(row)

@@ -316,3 +316,35 @@ def test_rollouts_on_more_ranks_share_less(async_scheduling):
         hits.append(result.summary["prefix_cache_hits_tokens"])
     assert computed[0] < computed[1] < computed[2] and hits[0] > hits[1] > hits[2]
     assert replay(trace, config).requests.equals(result.requests)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_clients_give_up_on_rows_whose_samples_spread_over_ranks(async_scheduling):
+    """Clients that give up after 8 s and retry once, on rows for 1 to 8 samples over 4 ranks:
+    vLLM aborts every member of a row on its own rank, a retry fans out and is routed again,
+    and a row completes on the rank of its last member. Every attempt is accounted for (aborted:
+    retried or timed out), no request is left in any rank's scheduler, every rank's count of
+    requests in flight returns to zero, and the same inputs give the same bytes."""
+    from simkv.backends.factory import make_backend
+    from simkv.replay.data_parallel import run_data_parallel
+    from simkv.traces.schema import trace_from_frame
+
+    rng = np.random.default_rng(0)
+    n = 80
+    frame = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 3, n)), "prompt_tokens": rng.integers(500, 3000, n),
+                          "output_tokens": rng.integers(50, 800, n), "n": rng.choice([1, 2, 4, 8], n)})
+    trace = trace_from_frame(frame)
+    config = EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=4, async_scheduling=async_scheduling,
+                                         client_timeout_s=8.0, client_max_retries=1, num_gpu_blocks=800,
+                                         max_model_len=8192))
+    result = replay(trace, config)
+    client, status = result.summary["client"], result.requests["status"]
+    assert set(status) == {"finished", "timed_out"}
+    assert client["aborted"] == client["retries"] + client["timed_out_requests"] > 0
+    finished = (status == "finished").to_numpy()
+    assert (result.requests["output_tokens"][finished] == (frame.output_tokens * frame.n)[finished]).all()
+    assert result.summary["parallel_sampling"]["mean_ranks_per_sampled_request"] > 2
+    assert replay(trace, config).requests.equals(result.requests)
+    runs, routing = run_data_parallel(trace, config, make_backend("roofline", config), 800, compute_capacity(config))
+    assert not any(run.scheduler.has_unfinished_requests() for run in runs)
+    assert routing.loads_at(1 << 62) == [0, 0, 0, 0] and not routing.rank_of
