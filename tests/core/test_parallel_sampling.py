@@ -192,9 +192,12 @@ def test_fan_out_is_refused_where_it_is_not_modelled():
     trace = trace_from_frame(frame, "n")
     with pytest.raises(ValueError, match="row 1: n = 3 .*not modelled with P/D"):
         replay(trace, EngineConfig.from_flat({}), disaggregation=DisaggregationSpec(1, 1))
-    with pytest.raises(ValueError, match="not modelled on data-parallel ranks with clients that give up"):
-        replay(trace, EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2,
-                                                  client_timeout_s=5.0)))
+    sessions = trace_from_frame(frame.assign(session_id=["a", "a"]), "sessions")
+    dp_clients = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, client_timeout_s=5.0))
+    with pytest.raises(ValueError, match="not modelled on data-parallel ranks with clients that give up on paced "
+                                         "sessions"):
+        replay(sessions, dp_clients)
+    assert replay(trace, dp_clients).summary["num_finished"] == 2  # (without sessions: modelled)
     forked = replay(trace, EngineConfig.from_flat(dict(parallel_sampling="fork")),
                     disaggregation=DisaggregationSpec(1, 1))  # (the decode side forks the sequences)
     assert forked.requests["output_tokens"].tolist() == [20, 30]
