@@ -50,7 +50,8 @@ class DPRouting(FleetRouting):
     fans out before its client picks an engine core: each is routed on its own (so they spread
     over the ranks, and only those on one rank share the prompt), counts as one in flight there
     until it finishes, and the row completes with the last, wherever it ran. The row belongs to
-    the rank of its first (`assignment`)."""
+    the rank of its first (`assignment`), whose feed watches its client: a client that gives up
+    has every member aborted on its own rank (`abort_group`), and its retry fans out again."""
 
     def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False,
                  clients=None, fan_out: bool = False) -> None:
