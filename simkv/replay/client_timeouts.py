@@ -115,16 +115,16 @@ class ClientDeadlines:
             heapq.heappop(deadlines)
         return None
 
-    def expire_during_step(self, now: int, out, outs=None) -> None:
-        """A step `out` ended at tick `now`: abort the attempts whose deadlines passed while it ran,
-        before its output is processed (their tokens of this step came after the deadline).
-        `outs`: the steps of every data-parallel rank (a fanned-out row's members may be on any)."""
+    def expire_during_step(self, now: int, steps: list) -> None:
+        """`steps` (the engine's step; data-parallel ranks' with a fanned-out row's members on any
+        rank, every rank's) ended at tick `now`: abort the attempts whose deadlines passed while
+        they ran, before their output is processed (their tokens of them came after the deadline)."""
         deadline = self.next_deadline_ticks()
         if deadline is None or deadline >= now:
             return
         chunk_ends = None if self.scheduler.async_scheduling else {  # (async: counted when scheduled)
             id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens
-            for step in (outs if outs is not None else (out,)) for chunk in step.chunks}
+            for step in steps for chunk in step.chunks}
         self._expire(now - 1, now, chunk_ends)
 
     def expire_until(self, now: int) -> None:

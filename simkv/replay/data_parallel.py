@@ -62,7 +62,7 @@ class DPRouting(FleetRouting):
         self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
         self.fan_out = fan_out and trace.n is not None
         self._next_sequence_index = FIRST_SEQUENCE_INDEX
-        self._sequences_done = [0] * num_ranks  # each rank's finished sequences, counted so far
+        self._sequences_done = [0] * num_ranks  # each rank's finished or aborted sequences, counted so far
         self.ranks_per_row: list[int] = []  # per row fanned out: the ranks its sequences went to
         self.rank_of: dict = {}  # clients that give up: a later member's rank (vLLM aborts it there)
 
@@ -231,7 +231,7 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
             continue
         duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)))
         yield env.timeout(duration)
-        now = _process_outputs(ranks, outs, now, duration, sync=True, routing=routing)
+        now = _process_outputs(ranks, outs, now, duration, True, routing)
 
 
 def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
@@ -264,7 +264,7 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
             continue
         outs, start, duration = in_flight
         yield env.timeout(start + duration - now)
-        now = _process_outputs(ranks, outs, start, duration, sync=False, routing=routing)
+        now = _process_outputs(ranks, outs, start, duration, False, routing)
         in_flight = queued
 
 
@@ -279,7 +279,7 @@ def _take_arrivals(ranks: list[ReplayEngine], routing: DPRouting, now: int) -> N
         rank.feed.deliver_until(now)
         if rank.feed.num_rejected != rank._num_rejected_reported:
             rank._report_rejected()
-    if getattr(routing, "fan_out", False):  # (sequences aborted by now are no longer in flight)
+    if routing.fan_out:  # (sequences aborted by now are no longer in flight)
         for r, rank in enumerate(ranks):
             routing.note_sequences(r, rank.scheduler, now)
     routing.publish(ranks, now)
@@ -304,18 +304,18 @@ def _retry_or_stuck(ranks: list[ReplayEngine], outs: list) -> bool:
 
 
 def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration: int, sync: bool,
-                     routing: DPRouting | None = None) -> int:
+                     routing: DPRouting) -> int:
     """The step from `start` has ended: every rank that ran processes its output and logs the
     step; returns the end tick. (Synchronously an empty schedule is no step: its number is
     given back, as the single engine does.)"""
     end = start + duration
-    fan_out = getattr(routing, "fan_out", False)
+    fan_out = routing.fan_out
     if fan_out and ranks[0]._client is not None:  # (a row's members may be on any rank: every rank's
         # clients give up, on every rank's steps, before any output is processed)
         ran = [out for out in outs if out is not None and not out.is_empty]
         for rank in ranks:
             rank.now = end
-            rank._client.expire_during_step(end, None, ran)
+            rank._client.expire_during_step(end, ran)
     for r, (rank, out) in enumerate(zip(ranks, outs)):
         rank.now = end
         if out is None:
@@ -325,7 +325,7 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
                 rank.scheduler.current_step = out.step
             continue
         if rank._client is not None and not fan_out:  # (the aborts that arrived while it ran come before its output)
-            rank._client.expire_during_step(end, out)
+            rank._client.expire_during_step(end, [out])
         finished = rank.scheduler.update_from_output(out)
         if fan_out:
             routing.note_sequences(r, rank.scheduler, end)

@@ -152,8 +152,8 @@ def _check_parallel_sampling(trace, row: int, config: EngineConfig, kv_connector
         raise ValueError(f"{trace.source}: row {row}: n = {int(trace.n[row])} (parallel sampling) forked as vLLM v0 "
                          f"did is not modelled {without}; --parallel-sampling fan_out (vLLM v1's) is")
     paced = config.scheduler.session_pacing and trace.session_id is not None
-    dp_with_clients = (config.hardware.data_parallel_size > 1 and config.scheduler.has_client_timeouts and paced)
-    if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or dp_with_clients):
+    dp_paced_clients = config.hardware.data_parallel_size > 1 and config.scheduler.has_client_timeouts and paced
+    if config.scheduler.parallel_sampling == "fan_out" and (kv_connector or dp_paced_clients):
         where = ("with P/D disaggregation (--parallel-sampling fork samples the sequences on the decode side)"
                  if kv_connector else "on data-parallel ranks with clients that give up on paced sessions "
                  "(--no-session-pacing sends the turns at their trace times)")
@@ -353,7 +353,7 @@ class ReplayEngine:
                 feed.offload_jobs_started(out.offload_jobs, start, self.now)
             yield env.timeout(duration)
             if self._client is not None:  # (vLLM takes the aborts that arrived during a step before its output)
-                self._client.expire_during_step(self.now, out)
+                self._client.expire_during_step(self.now, [out])
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)
             if finished:
@@ -565,7 +565,7 @@ class ReplayEngine:
         yield self.env.timeout(end - self.now)
         self.now = end
         if self._client is not None:  # (the aborts that arrived while it ran come before its output)
-            self._client.expire_during_step(self.now, out)
+            self._client.expire_during_step(self.now, [out])
         finished = self.scheduler.update_from_output(out)
         self.steps.add_step(out, start, duration)
         if finished:
