@@ -149,6 +149,10 @@ class SchedulerConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16  # vLLM's --max-lora-rank: the slots' buffers are this wide (GPU memory)
+    # vLLM's --max-cpu-loras: adapters the worker keeps in host memory (None: max_loras, vLLM's
+    # default); one not there is read from disk at lora_load_gbs (simkv/backends/lora_adapters.py)
+    max_cpu_loras: int | None = None
+    lora_load_gbs: float = 2.0  # an assumption, not a measurement: disk read and host-side packing
 
     def __post_init__(self) -> None:
         for name in ("client_ttft_timeout_s", "client_timeout_s"):
@@ -170,6 +174,11 @@ class SchedulerConfig:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}), "
+                              "as vLLM requires")
+        if not self.lora_load_gbs > 0:
+            raise ConfigError(f"lora_load_gbs must be > 0 (GB/s), got {self.lora_load_gbs}")
         if self.admission_order not in ("after_running", "before_running"):
             raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
         if self.preemption_victim not in ("newest", "requester"):
@@ -191,6 +200,11 @@ class SchedulerConfig:
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got '{self.scheduling_policy}'")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters the worker keeps in host memory (vLLM's max_cpu_loras, max_loras by default)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def has_client_timeouts(self) -> bool:
@@ -799,7 +813,7 @@ class EngineConfig:
         if self.scheduler.parallel_sampling == "fan_out":  # (the default: configs read as before)
             del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
-            del out["enable_lora"], out["max_loras"], out["max_lora_rank"]
+            del out["enable_lora"], out["max_loras"], out["max_lora_rank"], out["max_cpu_loras"], out["lora_load_gbs"]
         if not self.scheduler.has_client_timeouts:  # (likewise)
             for key in ("client_ttft_timeout_s", "client_timeout_s", "client_max_retries", "client_retry_backoff_s"):
                 del out[key]

@@ -38,6 +38,7 @@ _ENGINE_FLAGS = {
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
     "client_retry_max_backoff": "client_retry_max_backoff_s", "client_retry_jitter": "client_retry_jitter",
     "enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
+    "max_cpu_loras": "max_cpu_loras", "lora_load_gbs": "lora_load_gbs",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
@@ -288,6 +289,12 @@ _ENGINE_OPTIONS = [
     click.option("--max-lora-rank", type=int, default=None,
                  help="vLLM's --max-lora-rank: the adapter slots' width; max_loras slots of it take GPU memory "
                       "from the KV cache, and the roofline prices the adapters' kernels at it [default: 16]"),
+    click.option("--max-cpu-loras", type=int, default=None,
+                 help="vLLM's --max-cpu-loras: adapters the worker keeps in host memory; a step whose adapter is "
+                      "not there reads it from disk first (>= max-loras) [default: max-loras]"),
+    click.option("--lora-load-gbs", type=float, default=None, metavar="GB/S",
+                 help="Reading an adapter from disk into host memory, vLLM's host-side work included (an "
+                      "assumption, not a measurement: set it from your logs) [default: 2]"),
     click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
                  default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
     click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),

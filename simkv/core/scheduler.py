@@ -380,7 +380,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         # (before async scheduling turns the chunks that end their prompts into decoders)
-        lora_tokens, active_loras = self._lora_load(plan.chunks, stall_pos) if self.max_loras is not None else (0, 0)
+        lora_tokens, adapters = self._lora_load(plan.chunks, stall_pos) if self.max_loras is not None else (0, ())
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
@@ -411,7 +411,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             kv_loads=plan.kv_loads or None, num_verify_tokens=verify, num_draft_tokens=drafts,
             num_spec_tokens_to_schedule=to_propose,
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
-            num_lora_tokens=lora_tokens, num_active_loras=active_loras, aborted=self._take_aborted())
+            num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
+            aborted=self._take_aborted())
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -719,9 +720,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for chunk in chunks:
             chunk.block_ids = self.kv_cache_manager.get_block_ids(chunk.request)
 
-    def _lora_load(self, chunks: list[ScheduledChunk], stall_pos: int) -> tuple[int, int]:
-        """LoRA: the step's tokens of requests with an adapter and their distinct adapters (what
-        the cost model prices), over its chunks and its decoders (those before `stall_pos`)."""
+    def _lora_load(self, chunks: list[ScheduledChunk], stall_pos: int) -> tuple[int, tuple[int, ...]]:
+        """LoRA: the step's tokens of requests with an adapter and their distinct adapters, in
+        ascending order (what the cost model prices and the worker loads), over its chunks and
+        its decoders (those before `stall_pos`)."""
         stop = stall_pos if stall_pos >= 0 else len(self.running)
         adapters = set()
         tokens = 0
@@ -733,12 +735,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if request.lora_id and request.decode_base is not None:
                 tokens += 1
                 adapters.add(request.lora_id)
-        return tokens, len(adapters)
+        return tokens, tuple(sorted(adapters))
 
-    def lora_decode_load(self) -> tuple[int, int]:
+    def lora_decode_load(self) -> tuple[int, tuple[int, ...]]:
         """LoRA: (decoders with an adapter, their distinct adapters) of a decode run's steps,
-        (0, 0) without LoRA."""
-        return self._lora_load([], -1) if self.max_loras is not None else (0, 0)
+        (0, ()) without LoRA."""
+        return self._lora_load([], -1) if self.max_loras is not None else (0, ())
 
     def _list_decodes(self, step: int, stall_pos: int) -> list[ScheduledDecode]:
         stop = stall_pos if stall_pos >= 0 else len(self.running)

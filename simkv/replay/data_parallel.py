@@ -229,7 +229,7 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
                 continue
             now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
             continue
-        duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)))
+        duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)) + _lora_load_s(ran))
         yield env.timeout(duration)
         now = _process_outputs(ranks, outs, now, duration, True, routing)
 
@@ -249,7 +249,8 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
             start = now if in_flight is None else in_flight[1] + in_flight[2]
             outs, ran = _schedule_all(ranks, start)
             if ran:
-                queued = (outs, start, to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)))
+                queued = (outs, start, to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)
+                                                + _lora_load_s(ran)))
                 if in_flight is None:
                     in_flight = queued
                     continue  # the queue has room: schedule the next step at once
@@ -266,6 +267,12 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
         yield env.timeout(start + duration - now)
         now = _process_outputs(ranks, outs, start, duration, False, routing)
         in_flight = queued
+
+
+def _lora_load_s(ran: list) -> float:
+    """LoRA: the ranks' adapter loads, made before the step's forward pass (the slowest rank's
+    holds up the group)."""
+    return max(out.lora_load_s for out in ran)
 
 
 def _take_arrivals(ranks: list[ReplayEngine], routing: DPRouting, now: int) -> None:

@@ -16,6 +16,7 @@ from typing import Callable
 import simpy
 
 from simkv.backends.base import StepBackend
+from simkv.backends.lora_adapters import adapter_residency
 from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, line_ticks, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
@@ -132,6 +133,7 @@ class ReplayRun:
     requests: RequestLog
     feed: ArrivalFeed
     duration_s: float  # the end of the last step
+    adapters: object = None  # LoRA: the worker's adapter caches (simkv/backends/lora_adapters.py)
 
 
 def _first_sampled_row(trace) -> int | None:
@@ -188,6 +190,8 @@ class ReplayEngine:
         # Pure-decode steps are timed by the backend's decode line (runs and single steps alike).
         self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
         self._lora_seconds = getattr(backend, "lora_seconds", None) if config.scheduler.enable_lora else None
+        # LoRA: the worker's adapter caches; a step whose adapters are not all in GPU slots loads them first
+        self.adapters = adapter_residency(config, backend)
         # Async scheduling overlaps the host's share of a step with the device's work.
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
         self.steps = StepLog(config.speculative.enabled)
@@ -271,7 +275,8 @@ class ReplayEngine:
         if self.now >= MAX_TICKS:
             raise ReplayError(f"the replay ran {self.now / TICKS_PER_SECOND / 86400:.0f} days of simulated time; "
                               f"simkv's clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days")
-        return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND)
+        return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND,
+                         self.adapters)
 
     def _arrivals(self):
         """The arrival process. A busy engine takes the requests that arrived from the feed at
@@ -397,6 +402,8 @@ class ReplayEngine:
             out = sched.schedule()
         except LivelockError as exc:
             raise ReplayError(f"the engine cannot make progress at step {sched.current_step}: {exc}") from None
+        if out.lora_adapters and self.adapters is not None:
+            out.lora_load_s = self.adapters.activate(out.lora_adapters)
         if out.kv_loads is not None:
             self.feed.kv_loads_started(out.kv_loads, self.now if start is None else start)
         if out.is_empty:
@@ -412,7 +419,7 @@ class ReplayEngine:
         host = self._host_seconds(len(out.chunks) + out.num_decode_reqs) if self._host_seconds is not None else 0.0
         if self._decode_line is not None and not out.chunks:
             host_ticks = to_ticks(host) if host else 0
-            line = self._device_line(out.num_decode_reqs, host_ticks, (out.num_lora_tokens, out.num_active_loras))
+            line = self._device_line(out.num_decode_reqs, host_ticks, (out.num_lora_tokens, out.lora_adapters))
             duration = max(line_ticks(line, out.decode_context_tokens), host_ticks)
         elif host:
             total = self.backend.execute(out)
@@ -421,17 +428,27 @@ class ReplayEngine:
             duration = to_ticks(self.backend.execute(out))
         if out.num_swap_out_blocks or out.num_swap_in_blocks:
             duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
+        if out.lora_load_s:  # (the worker loads the step's adapters before its forward pass)
+            duration += to_ticks(out.lora_load_s)
         return duration
 
     def _device_line(self, num_decodes: int, host_ticks: int = 0,
-                     lora_load: tuple[int, int] = (0, 0)) -> tuple[int, int, int, int]:
-        """The decode line, plus the LoRA kernels of `lora_load` (tokens with an adapter, distinct
-        adapters) and less the host's share (async scheduling overlaps it), in ticks."""
+                     lora_load: tuple[int, tuple] = (0, ())) -> tuple[int, int, int, int]:
+        """The decode line, plus the LoRA kernels of `lora_load` (tokens with an adapter, their
+        distinct adapters) and less the host's share (async scheduling overlaps it), in ticks."""
         a0, a1, b0, b1 = self._decode_line(num_decodes)
         extra = -host_ticks
         if lora_load[0] and self._lora_seconds is not None:
-            extra += to_ticks(self._lora_seconds(*lora_load))
+            extra += to_ticks(self._lora_seconds(lora_load[0], len(lora_load[1])))
         return a0 + extra, a1, b0 + extra, b1
+
+    def _run_adapters(self) -> tuple[int, tuple[int, ...]] | None:
+        """LoRA: a decode run's (decoders with an adapter, their adapters), or None when some of
+        the adapters are not in a GPU slot (the run's first step would load them: stepped alone)."""
+        load = self.scheduler.lora_decode_load()
+        if load[1] and self.adapters is not None and not self.adapters.all_active(load[1]):
+            return None
+        return load
 
     @staticmethod
     def _run_shape(line: tuple[int, int, int, int], ctx: int, per_step: int):
@@ -452,9 +469,12 @@ class ReplayEngine:
         if limit < 2:
             return None
         start = self.now if in_flight is None else in_flight[1] + in_flight[2]
+        adapters = self._run_adapters()
+        if adapters is None:
+            return None
         n, ctx, per_step = sched.decode_run_shape()
         host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
-        line = self._device_line(n, host, sched.lora_decode_load())
+        line = self._device_line(n, host, adapters)
         if line_ticks(line, ctx) < host:
             return None  # host-bound: the steps last the host's time (stepped one by one)
         shape = self._run_shape(line, ctx, per_step)
@@ -469,7 +489,7 @@ class ReplayEngine:
             limit = steps
             if limit < 2:
                 return None
-        return start, limit, shape
+        return start, limit, shape, adapters[1]
 
     def _close_async_run(self, run, start: int, shape):
         """After a decode run (the clock at its end): its last step's output is processed after
@@ -510,12 +530,14 @@ class ReplayEngine:
             if self.use_decode_runs and (in_flight is not None or sched.has_unfinished_requests()):
                 plan = self._plan_async_run(in_flight)
                 if plan is not None:
-                    start, num_steps, shape = plan
+                    start, num_steps, shape, adapters = plan
                     after_in_flight = in_flight is not None
                     if after_in_flight:  # its output changes nothing: nobody finishes in it
                         yield from self._complete(in_flight)
                         in_flight = None
                     run = sched.advance_decode_run(num_steps, finish=False, after_in_flight=after_in_flight)
+                    if run is not None and adapters:
+                        self.adapters.activate(adapters)  # (all in slots: their steps only touch them)
                     if run is not None and self._unlogged_preemptions:
                         self._carry_preemptions(run)
                     if run is not None:
@@ -578,8 +600,11 @@ class ReplayEngine:
         limit = sched.decode_run_limit()
         if limit < 2:
             return None
+        adapters = self._run_adapters()
+        if adapters is None:
+            return None
         n, ctx, per_step = sched.decode_run_shape()
-        shape = self._run_shape(self._device_line(n, 0, sched.lora_decode_load()), ctx, per_step)
+        shape = self._run_shape(self._device_line(n, 0, adapters), ctx, per_step)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             limit = steps_to_reach(shape, next_arrival - self.now, limit)
@@ -594,6 +619,8 @@ class ReplayEngine:
         run = sched.advance_decode_run(limit)
         if run is None:
             return None
+        if adapters[1]:
+            self.adapters.activate(adapters[1])  # (all in slots: their steps only touch them)
         if self._unlogged_preemptions:
             self._carry_preemptions(run)
         self.steps.add_run(run, self.now, shape)

@@ -96,9 +96,11 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         rows.append(parallel_sampling_row(summary["parallel_sampling"]))
     if summary.get("lora"):
         lora = summary["lora"]
+        loads = (f"; {lora['disk_loads']:,} adapter reads from disk, {lora['slot_loads']:,} copies into a GPU slot "
+                 f"({lora['load_seconds']:.2f} s)" if "disk_loads" in lora else "")  # (summaries before session 37)
         rows.append(("LoRA adapters (max_loras)", f"{lora['adapters']:,} ({lora['max_loras']}); {lora['deferrals']:,} "
-                                                  f"request-steps waited for a slot"
-                                                  + {True: "; kernels priced", False: "; kernels not priced"}.get(
+                                                  f"request-steps waited for a slot" + loads
+                                                  + {True: "; kernels and loads priced", False: "; not priced"}.get(
                                                       lora.get("compute_modelled"), "")))
     if summary.get("goodput"):
         from simkv.replay.goodput import describe_slo

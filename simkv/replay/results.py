@@ -174,7 +174,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | client_summary(run, requests) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [sched], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | client_summary(run, requests) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
@@ -207,22 +207,30 @@ def parallel_sampling_row(section: dict) -> tuple[str, str]:
     return "parallel sampling", text
 
 
-def lora_summary(config, schedulers, trace, capacity=None, backend=None) -> dict:
+def lora_summary(config, runs, trace, capacity=None, backend=None) -> dict:
     """LoRA (--enable-lora): the adapters the trace names, max_loras, how often a waiting
-    request was passed over for want of an adapter slot (once per request and step), the GPU
-    memory the slots take from the KV cache (None: not modelled for this architecture), and
-    whether the cost model prices the adapters' kernels (the roofline does, for dense decoders)."""
+    request was passed over for want of an adapter slot (once per request and step), the
+    worker's adapter loads (from disk into its max_cpu_loras host cache, into a GPU slot) and the
+    seconds they held up steps, over every engine, the GPU memory the slots take from the KV
+    cache (None: not modelled for this architecture), and whether the cost model prices the
+    adapters' kernels (the roofline does, for dense decoders)."""
     if not config.scheduler.enable_lora:
         return {}
     from simkv.traces.lora import named_adapters
 
-    out = {"adapters": len(set(named_adapters(trace))), "max_loras": config.scheduler.max_loras,
-           "max_lora_rank": config.scheduler.max_lora_rank,
-           "deferrals": int(sum(s.num_lora_deferrals for s in schedulers))}
+    sc = config.scheduler
+    loads = [run.adapters.summary() for run in runs if run.adapters is not None]
+    out = {"adapters": len(set(named_adapters(trace))), "max_loras": sc.max_loras,
+           "max_cpu_loras": sc.cpu_loras, "max_lora_rank": sc.max_lora_rank,
+           "deferrals": int(sum(run.scheduler.num_lora_deferrals for run in runs)),
+           "disk_loads": sum(x["disk_loads"] for x in loads), "slot_loads": sum(x["slot_loads"] for x in loads),
+           "load_seconds": float(sum(x["load_seconds"] for x in loads)), "lora_load_gbs": sc.lora_load_gbs}
     if capacity is not None and not isinstance(capacity, int):
         out["slots_gib_per_gpu"] = None if capacity.lora_bytes is None else capacity.lora_bytes / (1 << 30)
     if backend is not None:
-        out["compute_modelled"] = bool(getattr(getattr(backend, "inner", backend), "lora_modelled", False))
+        from simkv.backends.lora_adapters import lora_priced
+
+        out["compute_modelled"] = lora_priced(backend)
     return {"lora": out}
 
 
