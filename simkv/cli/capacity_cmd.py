@@ -59,6 +59,11 @@ def capacity_report(config: EngineConfig) -> dict:
                 "full_batch": roofline.lora_seconds(sc.max_num_seqs, min(sc.max_loras, sc.max_num_seqs)),
                 "full_batch_sequences": sc.max_num_seqs,
                 "launch_s": roofline.params["lora_kernel_s"]}
+            from simkv.backends.lora_adapters import adapter_residency
+
+            worker = adapter_residency(config, roofline)  # (a step that needs an adapter not in a slot)
+            extra["lora"]["adapter_load_s"] = {"max_cpu_loras": sc.cpu_loras, "disk_read": worker.load_s,
+                                               "slot_copy": worker.copy_s, "lora_load_gbs": sc.lora_load_gbs}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
@@ -149,6 +154,11 @@ def print_report(rep: dict) -> None:
                          f"{k['one_token'] * 1e3:.2f} ms for 1 sequence, {k['full_batch'] * 1e3:.2f} ms for "
                          f"{k['full_batch_sequences']} on {lora['max_loras']} adapters ({k['launch_s'] * 1e6:g} µs a "
                          f"launch assumed)"))
+        if "adapter_load_s" in lora:
+            a = lora["adapter_load_s"]
+            rows.append(("LoRA adapter load", f"{a['disk_read'] * 1e3:.1f} ms from disk ({a['lora_load_gbs']:g} GB/s "
+                                              f"assumed), {a['slot_copy'] * 1e3:.2f} ms into a GPU slot; host "
+                                              f"memory holds {a['max_cpu_loras']}"))
     if rep.get("kv_offloading"):
         off = rep["kv_offloading"]
         rows.append(("CPU tier (KV offloading, all GPUs)",
@@ -189,6 +199,9 @@ def print_report(rep: dict) -> None:
 @click.option("--enable-lora/--no-enable-lora", default=None, help="vLLM's LoRA slots take GPU memory [default: off]")
 @click.option("--max-loras", type=int, default=None, help="LoRA slots [default: 1]")
 @click.option("--max-lora-rank", type=int, default=None, help="[default: 16]")
+@click.option("--max-cpu-loras", type=int, default=None, help="Adapters kept in host memory [default: max-loras]")
+@click.option("--lora-load-gbs", type=float, default=None, metavar="GB/S",
+              help="An adapter's read from disk, host-side work included (assumed) [default: 2]")
 @click.option("--kv-offloading-size", type=float, default=None,
               help="GiB of CPU memory for KV offloading over the engine's GPUs: the tier's size in chunks and tokens")
 @click.option("--kv-offloading-block-size", type=int, default=None,

@@ -152,3 +152,8 @@ def test_capacity_prices_a_decode_steps_lora_kernels() -> None:
     assert "decode_step_kernels_s" not in json.loads(
         cli_ok(["capacity", "--enable-lora", "--model", "qwen3-30b-a3b", "--json"]))["lora"]
     assert "LoRA kernels per decode step" in cli_ok(["capacity", "--enable-lora"])
+    loads = json.loads(cli_ok(["capacity", "--enable-lora", "--max-loras", "4", "--max-cpu-loras", "8",
+                               "--lora-load-gbs", "4", "--json"]))["lora"]["adapter_load_s"]
+    assert loads == {"max_cpu_loras": 8, "disk_read": pytest.approx(83_886_080 / 4e9),
+                     "slot_copy": pytest.approx(83_886_080 / 63e9), "lora_load_gbs": 4.0}
+    assert "LoRA adapter load" in cli_ok(["capacity", "--enable-lora"])
