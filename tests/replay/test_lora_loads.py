@@ -2,6 +2,9 @@
 `--lora-load-gbs`): vLLM 0.33's LRU caches of adapters in host memory and in GPU slots, and the
 steps that wait for a load (docs/semantics.md#lora-adapters---enable-lora---max-loras)."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -32,6 +35,51 @@ def test_the_worker_keeps_the_most_recent_adapters_in_host_memory_and_in_slots()
     assert worker.activate((2,)) == 11.0  # read again
     assert (worker.num_disk_loads, worker.num_slot_loads, worker.seconds) == (5, 6, 56.0)
     assert worker.summary() == {"disk_loads": 5, "slot_loads": 6, "load_seconds": 56.0}
+
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "lora_worker_vllm_cases.json").read_text())["cases"]
+
+
+def _steps(case: dict, worker: AdapterResidency) -> list[dict]:
+    steps = []
+    for adapters in case["steps"]:
+        reads, copies = worker.num_disk_loads, worker.num_slot_loads
+        worker.activate(adapters)
+        steps.append({"reads": worker.num_disk_loads - reads, "copies": worker.num_slot_loads - copies,
+                      "cpu": list(worker.cpu), "gpu": list(worker.gpu)})
+    return steps
+
+
+@pytest.mark.parametrize("index", range(len(RECORDED)))
+def test_recorded_vllm_worker_cases(index: int) -> None:
+    """vLLM 0.33's LRUCacheWorkerLoRAManager on random steps (scripts/oracle_lora_worker.py):
+    every step's disk reads and slot copies and both caches' order after it."""
+    case = RECORDED[index]
+    assert _steps(case, AdapterResidency(case["max_loras"], case["max_cpu_loras"], 1.0, 0.0)) == case["vllm"]
+
+
+def test_recorded_worker_cases_need_the_host_cache_recency() -> None:
+    """A host-memory hit that did not count as a use breaks recorded cases."""
+
+    class Untouched(AdapterResidency):
+        def activate(self, adapters):
+            for adapter in adapters:
+                if adapter not in self.cpu:
+                    if len(self.cpu) >= self.max_cpu_loras:
+                        self.gpu.pop(self.cpu.popitem(last=False)[0], None)
+                    self.cpu[adapter] = None
+                    self.num_disk_loads += 1
+                if adapter in self.gpu:
+                    self.gpu.move_to_end(adapter)
+                else:
+                    if len(self.gpu) >= self.max_loras:
+                        self.gpu.popitem(last=False)
+                    self.gpu[adapter] = None
+                    self.num_slot_loads += 1
+            return 0.0
+
+    broken = sum(_steps(c, Untouched(c["max_loras"], c["max_cpu_loras"], 1.0, 0.0)) != c["vllm"] for c in RECORDED)
+    assert broken >= 5, broken
 
 
 def test_a_step_touches_its_adapters_in_id_order() -> None:
