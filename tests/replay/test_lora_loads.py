@@ -79,7 +79,7 @@ def test_recorded_worker_cases_need_the_host_cache_recency() -> None:
             return 0.0
 
     broken = sum(_steps(c, Untouched(c["max_loras"], c["max_cpu_loras"], 1.0, 0.0)) != c["vllm"] for c in RECORDED)
-    assert broken >= 5, broken
+    assert broken >= 20, broken  # (29 of 40)
 
 
 def test_a_step_touches_its_adapters_in_id_order() -> None:
