@@ -15,6 +15,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
     .venv/bin/python scripts/oracle_spec.py --aborts --cases 50 --seed 2   # a front end aborts some requests
     .venv/bin/python scripts/oracle_spec.py --parallel [--max-n 14]   # rows for n sequences, fanned out
+    .venv/bin/python scripts/oracle_spec.py --ngram-misses   # ngram lookups that find no match: no drafts
 
 --parallel (here and in oracle_hybrid.py, oracle_linear.py, oracle_spec_async.py and
 oracle_offload.py): about a third of the rows ask for 2 to --max-n sequences; vLLM gets each
@@ -137,7 +138,7 @@ def run_vllm(case: dict) -> dict:
                 if out.finish_reason is not None:
                     finish[out.request_id] = step_index
         if accept is not None:
-            oracle_vllm.propose_drafts(sched, so, req_ids)
+            oracle_vllm.propose_drafts(sched, so, req_ids, accept)
         return row, not sched.has_requests()
 
     result = _step_loop(case["requests"], step)
@@ -201,12 +202,17 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
 def main() -> None:
     import oracle_vllm
 
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True,
+                                ngram_misses_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.aborts) for _ in range(a.cases)]
+    if a.ngram_misses:  # (drawn after the cases: without the flag a seed gives the same cases)
+        for case in cases:
+            case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
+            case["opts"].pop("spec_draft_model", None)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

@@ -194,7 +194,8 @@ def acceptance(o: dict):
     sys.path.insert(0, str(ROOT))
     from simkv.core.spec_decode import AcceptanceModel
 
-    return AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"])
+    return AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"],
+                           o.get("spec_ngram_match_rate", 1.0))
 
 
 def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int]], int]:
@@ -272,16 +273,23 @@ def take_aborts(sched, aborts: list[dict], step: int, when: str) -> None:
                 sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
 
 
-def propose_drafts(sched, so, req_ids: list[str]) -> None:
+def propose_drafts(sched, so, req_ids: list[str], accept=None) -> None:
     """The drafter proposes for every request of the step (K, or dynamic speculation's K for its
     batch size), as the engine core hands them over; vLLM drops those of prompt chunks and
-    finished requests."""
+    finished requests. An n-gram proposer that finds no match (simkv's draw, `accept.proposes`,
+    at the request's output count) proposes none."""
     import oracle
     from vllm.v1.outputs import DraftTokenIds
 
     n = so.num_spec_tokens_to_schedule
-    sched.update_draft_token_ids(DraftTokenIds(req_ids, [[oracle.fake_output_token(request_index(rid), 10_000 + j)
-                                                         for j in range(n)] for rid in req_ids]))
+
+    def drafts(rid):
+        req = sched.requests.get(rid)
+        if accept is not None and req is not None and not accept.proposes(request_index(rid), len(req.output_token_ids)):
+            return []
+        return [oracle.fake_output_token(request_index(rid), 10_000 + j) for j in range(n)]
+
+    sched.update_draft_token_ids(DraftTokenIds(req_ids, [drafts(rid) for rid in req_ids]))
 
 
 # ---- the two-venv dance of an oracle's main() -------------------------------------------------------
@@ -354,7 +362,7 @@ def sample_reply_content(case: dict) -> None:
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
-                aborts_flag: bool = False, parallel_flag: bool = False):
+                aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -401,6 +409,10 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--max-n", type=int, default=4,
                         help="with --parallel, the largest n (from 11 on, vLLM's request ids order a group's "
                              "members as strings: 0, 1, 10, 2, ...)")
+    if ngram_misses_flag:
+        ap.add_argument("--ngram-misses", action="store_true",
+                        help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "
+                             "0.3 or 0.7 (spec_ngram_match_rate): without one a request proposes no drafts")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

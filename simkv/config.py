@@ -367,6 +367,10 @@ class SpeculativeConfig:
     spec_tokens_per_batch_size: str | None = None
     spec_draft_pass_overhead_ms: float = 0.1  # launch overhead of each draft forward pass
     spec_ngram_us_per_request: float = 5.0  # ngram: host time to propose for one request
+    # ngram: P(the prompt lookup finds a match) after a step in which a request sampled, drawn per
+    # request and output position; without one it proposes no drafts, and its next step decodes
+    # one token (1.0: always K drafts)
+    spec_ngram_match_rate: float = 1.0
     spec_seed: int = 0  # seed of the acceptance draws
 
     def __post_init__(self) -> None:
@@ -391,6 +395,11 @@ class SpeculativeConfig:
             get_model_spec(self.spec_draft_model)
         if self.spec_draft_pass_overhead_ms < 0 or self.spec_ngram_us_per_request < 0:
             raise ConfigError("spec_draft_pass_overhead_ms and spec_ngram_us_per_request must be >= 0")
+        if not 0.0 <= self.spec_ngram_match_rate <= 1.0:
+            raise ConfigError(f"spec_ngram_match_rate must be in [0, 1], got {self.spec_ngram_match_rate}")
+        if self.spec_ngram_match_rate != 1.0 and method != "ngram":
+            raise ConfigError(f"spec_ngram_match_rate is the n-gram proposer's (speculative_method 'ngram'), "
+                              f"not '{method}''s: a drafter network always proposes")
 
     @property
     def enabled(self) -> bool:
@@ -821,6 +830,8 @@ class EngineConfig:
             del out["client_retry_max_backoff_s"], out["client_retry_jitter"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
+            if self.speculative.spec_ngram_match_rate == 1.0:  # (likewise)
+                del out["spec_ngram_match_rate"]
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager
                 or self.mamba_align):
             out.update(dataclasses.asdict(self.attention))

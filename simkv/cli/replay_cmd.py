@@ -41,7 +41,7 @@ _ENGINE_FLAGS = {
     "max_cpu_loras": "max_cpu_loras", "lora_load_gbs": "lora_load_gbs",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
-    "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed",
+    "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size",
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
     "attention_chunk_size": "attention_chunk_size",
@@ -308,6 +308,9 @@ _ENGINE_OPTIONS = [
                  help="Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): K drafts after steps of "
                       "A to B requests, e.g. 1-16:5,17-64:3,65-256:1 [default: always --num-speculative-tokens]"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
+    click.option("--spec-ngram-match-rate", type=float, default=None, metavar="P",
+                 help="ngram: how often the prompt lookup finds a match after a request samples; without one it "
+                      "proposes no drafts and its next step decodes one token [default: 1]"),
     click.option("--sliding-window", type=int, default=None,
                  help="Override the model's sliding-window size in tokens (0: no sliding-window layers) [default: the model's]"),
     click.option("--full-attention-interval", type=int, default=None,

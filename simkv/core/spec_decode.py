@@ -41,13 +41,26 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-class AcceptanceModel:
-    """How many of a request's drafts the target model accepts at an output position."""
+_MATCH_STREAM = 0x6E6772616D5F6D61  # (the n-gram match draws' own stream, apart from the acceptances)
 
-    def __init__(self, rates: tuple[float, ...], seed: int) -> None:
+
+class AcceptanceModel:
+    """How many of a request's drafts the target model accepts at an output position, and
+    whether the n-gram proposer finds a match there (`match_rate`)."""
+
+    def __init__(self, rates: tuple[float, ...], seed: int, match_rate: float = 1.0) -> None:
         # Accept draft i iff its 53-bit draw is below rates[i] * 2**53 (exact integer compare).
         self.thresholds = [int(r * (1 << 53)) for r in rates]
         self.seed = mix64(seed & _M64)
+        self.always_matches = match_rate >= 1.0
+        self.match_threshold = int(match_rate * (1 << 53))
+
+    def proposes(self, request_index: int, position: int) -> bool:
+        """The n-gram proposer finds a match for the request with `position` output tokens (one
+        draw per request and position, its own stream)."""
+        if self.always_matches:
+            return True
+        return mix64(self.seed ^ _MATCH_STREAM ^ ((request_index << 32) | position)) >> 11 < self.match_threshold
 
     def num_accepted(self, request_index: int, position: int, num_drafts: int) -> int:
         # A splitmix64 stream per (request, output position), its start hashed from both;
@@ -69,7 +82,8 @@ class SpecDecode:
     def _init_spec(self, spec: SpeculativeConfig) -> None:
         self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.spec_draft_slots = spec.draft_slots if spec.enabled else 0
-        self.acceptance = AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed) if spec.enabled else None
+        self.acceptance = (AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed, spec.spec_ngram_match_rate)
+                           if spec.enabled else None)
         # Dynamic speculation: drafts per number of requests in a step (None: always K)
         self.spec_drafts_by_batch = None
         if spec.enabled and spec.batch_size_ranges is not None:
@@ -138,6 +152,7 @@ class SpecDecode:
         # vLLM caches a sampling request's verified full blocks when its tokens arrive (under
         # speculative decoding); the single-group manager's lazy hashing orders them the same.
         cache_verified = getattr(self.kv_cache_manager, "cache_verified", None) if self.num_spec_tokens else None
+        always_matches, proposes = self.acceptance.always_matches, self.acceptance.proposes
         for chunk in output.chunks:
             request = chunk.request
             if request.status != running:  # (preempted later in the step)
@@ -181,7 +196,7 @@ class SpecDecode:
                 finished.append(request)
             else:
                 request.num_output_tokens = num_outputs + new_tokens
-                request.spec_drafts = k
+                request.spec_drafts = k if always_matches or proposes(request.index, num_outputs + new_tokens) else 0
             request.num_computed_tokens = computed
             if cache_verified is not None:
                 cache_verified(request, computed)

@@ -226,6 +226,59 @@ def test_acceptance_model():
     assert [model.num_accepted(i, 3, k) for i in range(50)] != [other.num_accepted(i, 3, k) for i in range(50)]
 
 
+NGRAM_MISS_DATA = Path(__file__).parent / "data" / "spec_ngram_miss_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_ngram_misses_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --ngram-misses (match rates 0, 0.3 and 0.7; K 1 to
+    5): a request whose prompt lookup found no match proposes no drafts to vLLM 0.33's scheduler
+    and decodes one token next; every step, request and accepted draft equal."""
+    case = json.loads(NGRAM_MISS_DATA.read_text())["cases"][index]
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+def test_recorded_ngram_misses_depend_on_proposing_none(monkeypatch):
+    """Every recorded case has misses that change its steps: proposing K drafts after a miss
+    breaks all eight."""
+    monkeypatch.setattr(AcceptanceModel, "proposes", lambda self, index, position: True)
+    cases = json.loads(NGRAM_MISS_DATA.read_text())["cases"]
+    broken = 0
+    for case in cases:
+        try:
+            assert_same_steps_as_vllm(case)
+        except AssertionError:
+            broken += 1
+    assert broken == len(cases)
+
+
+def test_ngram_match_draws():
+    """One draw per request and output position, in a stream of its own: the acceptances do not
+    change with the match rate."""
+    always, never = AcceptanceModel((0.5,) * 3, 4), AcceptanceModel((0.5,) * 3, 4, match_rate=0.0)
+    assert all(always.proposes(i, 9) for i in range(100)) and not any(never.proposes(i, 9) for i in range(100))
+    model = AcceptanceModel((0.5,) * 3, 4, match_rate=0.3)
+    draws = [model.proposes(i, p) for i in range(200) for p in range(100)]
+    assert abs(sum(draws) / len(draws) - 0.3) < 0.01
+    assert draws == [model.proposes(i, p) for i in range(200) for p in range(100)]
+    assert [model.num_accepted(i, 5, 3) for i in range(100)] == [always.num_accepted(i, 5, 3) for i in range(100)]
+
+
+def test_no_ngram_match_decodes_one_token():
+    """Match rate 0: the prefill samples, no lookup ever matches, so every later step schedules
+    one token (no drafts to verify) and nothing is accepted."""
+    sched = _spec_scheduler(rate=1.0, spec_ngram_match_rate=0.0)
+    sched.add_request(make_request(0, 10, 6))
+    scheduled = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        scheduled.append((out.total_num_scheduled_tokens, out.num_draft_tokens))
+        sched.update_from_output(out)
+    assert scheduled == [(10, 0)] + [(1, 0)] * 5
+    assert sched.spec_stats["num_drafts"] == 0 and sched.spec_stats["num_accepted_tokens"] == 0
+
+
 def test_dynamic_speculation_lengths():
     """vLLM's dense lookup: a range's K also covers the gap after it, and the tail; capped at K."""
     spec = SpeculativeConfig("eagle", 4, spec_tokens_per_batch_size="17-64:2,1-8:6,100-256:0")
@@ -264,6 +317,8 @@ def test_position_rates_are_unconditional():
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="1-8:1,8-9:2"),
      "must not overlap"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="1-8"), "FIRST-LAST:K"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_ngram_match_rate=1.2), r"match_rate must be in"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_ngram_match_rate=0.5), "n-gram proposer's"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
