@@ -122,7 +122,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
         max_model_len=o["max_model_len"], enable_chunked_prefill=o["enable_chunked_prefill"],
         long_prefill_token_threshold=o["long_prefill_token_threshold"], is_encoder_decoder=False,
         policy=o["scheduling_policy"], watermark=o["watermark"], scheduler_reserve_full_isl=reserve_full_isl,
-        disable_hybrid_kv_cache_manager=True)
+        disable_hybrid_kv_cache_manager=True, max_num_active_seqs=o.get("max_num_active_seqs"),
+        prefill_schedule_interval=o.get("prefill_schedule_interval", 1))
     cache_config = CacheConfig(block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"],
                                prefix_cache_retention_interval=o.get("prefix_cache_retention_interval", 0))
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,

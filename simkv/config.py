@@ -115,6 +115,12 @@ class SchedulerConfig:
     long_prefill_token_threshold_adaptive: bool = False
     scheduling_policy: str = "fcfs"
     scheduler_reserve_full_isl: bool = True
+    # vLLM's --max-num-active-seqs: requests admitted into RUNNING (None: max_num_seqs, which
+    # still sizes the model runner)
+    max_num_active_seqs: int | None = None
+    # vLLM's --prefill-schedule-interval: prefill (admissions and running prompts' chunks) only
+    # once that many executed steps have passed since the last step that carried one
+    prefill_schedule_interval: int = 1
     # vLLM's --async-scheduling (its serving default): step N+1 is scheduled while step N runs,
     # before N's sampled tokens are processed.
     async_scheduling: bool = False
@@ -194,6 +200,11 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_admissions_per_step must be >= 1, got {self.max_num_admissions_per_step}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_active_seqs is not None and not 1 <= self.max_num_active_seqs <= self.max_num_seqs:
+            raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be >= 1 and cannot be greater "
+                              f"than max_num_seqs ({self.max_num_seqs})")
+        if self.prefill_schedule_interval < 1:
+            raise ConfigError(f"prefill_schedule_interval must be >= 1, got {self.prefill_schedule_interval}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -514,6 +525,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.scheduler.verify_max_model_len(self.max_model_len)
+        if self.scheduler.prefill_schedule_interval > 1:
+            self._verify_prefill_interval()
         if self.speculative.enabled:
             self._verify_speculative()
         if self.hardware.data_parallel_size > 1:
@@ -533,6 +546,21 @@ class EngineConfig:
             raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only, kv_offloading_policy, "
                               "kv_offloading_store_threshold and kv_offloading_max_tracker_size set KV "
                               "offloading's CPU tier: they need kv_offloading_size")
+
+    def _verify_prefill_interval(self) -> None:
+        """vLLM's local prefill cadence (core/scheduler.py) is modelled for one synchronous engine
+        whose waiting requests are never set aside (vLLM's deferred_waiting stays empty)."""
+        sc = self.scheduler
+        unsupported = [(sc.async_scheduling, "async_scheduling"),
+                       (self.hardware.data_parallel_size > 1,
+                        "data_parallel_size > 1 (vLLM's DP coordinator drives a cadence of its own)"),
+                       (sc.enable_lora, "LoRA adapters"), (self.cache.kv_offloading_size is not None, "KV offloading"),
+                       (sc.admission_order != "after_running", f"admission_order '{sc.admission_order}'"),
+                       (sc.preemption_mode != "recompute", f"preemption_mode '{sc.preemption_mode}'")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"prefill_schedule_interval {sc.prefill_schedule_interval} is not modelled with "
+                                  f"{what} yet")
 
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
@@ -819,6 +847,10 @@ class EngineConfig:
             del out["quantization"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
+        if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)
+            del out["max_num_active_seqs"]
+        if self.scheduler.prefill_schedule_interval == 1:
+            del out["prefill_schedule_interval"]
         if self.scheduler.parallel_sampling == "fan_out":  # (the default: configs read as before)
             del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)

@@ -21,6 +21,7 @@ _ENGINE_FLAGS = {
     "gpu_memory_utilization": "gpu_memory_utilization", "enable_prefix_caching": "enable_prefix_caching",
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_num_active_seqs": "max_num_active_seqs", "prefill_schedule_interval": "prefill_schedule_interval",
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
@@ -222,6 +223,12 @@ _ENGINE_OPTIONS = [
     click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
     click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),
     click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),
+    click.option("--max-num-active-seqs", type=int, default=None,
+                 help="vLLM's --max-num-active-seqs: requests admitted into RUNNING, below max-num-seqs (which "
+                      "still sizes the model runner) [default: max-num-seqs]"),
+    click.option("--prefill-schedule-interval", type=int, default=None, metavar="N",
+                 help="vLLM's --prefill-schedule-interval: prefill only once N executed steps have passed since "
+                      "the last step that carried prefill, the steps between decoding alone [default: 1]"),
     click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]"),
     click.option("--max-model-len", type=int, default=None, help="[default: the model's]"),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]"),

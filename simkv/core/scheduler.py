@@ -73,6 +73,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._init_spec(config.speculative)  # core/spec_decode.py; decodes are chunks under it
         # Policy knobs (vLLM's behaviour by default; other engines' step models otherwise).
         self.max_num_admissions_per_step = sc.max_num_admissions_per_step or (1 << 62)
+        # vLLM's max_num_active_seqs: the admission limit (max_num_seqs still sizes the runner)
+        self.max_num_active = sc.max_num_active_seqs or sc.max_num_seqs
+        # vLLM's local prefill cadence (prefill_schedule_interval): a step holds prefill back until
+        # that many executed steps have passed since the last one that carried prefill, unless
+        # the last release step left requests waiting (capacity-bound: the cadence lets go)
+        self.prefill_interval = sc.prefill_schedule_interval
+        self._last_prefill_step = -self.prefill_interval
+        self._num_executed_steps = 0
+        self._prefill_capacity_bound = False
         # LoRA (vLLM's lora_config): at most max_loras distinct adapters in the running batch
         self.max_loras = sc.max_loras if sc.enable_lora else None
         self.num_lora_deferrals = 0  # (a waiting request passed over in a step for want of an adapter slot)
@@ -335,6 +344,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
+        if self.prefill_interval > 1:
+            plan.defer_prefills = self._holds_prefill()
         if self._mamba_split:
             self.kv_cache_manager.new_step_starts()
         if self._window_context is not None:
@@ -402,6 +413,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._scheduled_through = step
                 for chunk in plan.chunks:
                     chunk.request.last_sched_step = step
+        if self.prefill_interval > 1:
+            self._note_prefill_cadence(plan, num_decodes)
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
@@ -413,6 +426,26 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
             num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
             aborted=self._take_aborted())
+
+    # ---- prefill cadence (vLLM's local prefill_schedule_interval) -----------------------------------
+    def _holds_prefill(self) -> bool:
+        """This step holds prefill back: the interval since the last step that carried prefill has
+        not passed, the last release step did not leave requests waiting, and some running
+        request decodes (vLLM's gate)."""
+        return (not self._prefill_capacity_bound
+                and self._num_executed_steps + 1 - self._last_prefill_step < self.prefill_interval
+                and (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling)))
+
+    def _note_prefill_cadence(self, plan: StepPlan, num_decodes: int) -> None:
+        """After a schedule(): a step that runs anything counts as executed, one that carried
+        prefill restarts the interval, and each scheduled chunk notes whether it left prompt."""
+        if plan.chunks or num_decodes:
+            self._num_executed_steps += 1
+            if plan.prefill_carried:
+                self._last_prefill_step = self._num_executed_steps
+        for chunk in plan.chunks:
+            request = chunk.request
+            request.prefill_chunk = chunk.num_computed_tokens + chunk.num_new_tokens < request.num_tokens
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
@@ -431,6 +464,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             prev_pos = pos
             if request.is_finishing:
                 continue  # async: its last token is in flight; it needs no more
+            if plan.defer_prefills and request.prefill_chunk:
+                continue  # prefill cadence: its prompt's next chunk waits for a step that carries prefill
             if request.num_output_placeholders and self._spec_async_done(request):
                 continue
             plan.moved_ahead = False
@@ -473,6 +508,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     self._push_boundary(request, step + 1)
             else:
                 chunk = ScheduledChunk(request, computed, num_new, request.num_output_tokens > 0)
+                if request.prefill_chunk:
+                    plan.prefill_carried = True
                 plan.chunks.append(chunk)
                 request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
                 request.last_chunk_step, request.last_chunk_tokens = step, num_new
@@ -562,7 +599,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         while plan.budget > 0 and (self.waiting or self.kv_holding):
             if plan.input_budget <= plan.draft_slots:
                 break
-            if len(self.running) >= self.max_num_seqs or admitted >= self.max_num_admissions_per_step:
+            if len(self.running) >= self.max_num_active or admitted >= self.max_num_admissions_per_step:
                 break
             if self.kv_holding or self.waiting.peek_request().kv_role == KV_PULL:
                 head = self._next_waiting(skipped, plan)
@@ -594,6 +631,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     skipped.append(queue.pop_request())
                     continue
             base = request.num_computed_tokens if holds_kv else 0
+            if self.prefill_interval > 1 and base + computed.num_tokens < request.num_tokens - 1:
+                if plan.defer_prefills:  # (a prompt to compute: it waits for a step that carries prefill)
+                    break
+                plan.prefill_carried = True
             num_new = request.num_tokens - base - computed.num_tokens
             padded = False
             if self.num_spec_tokens and num_new == 1:
@@ -667,6 +708,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._requeue_skipped(skipped)
         for request in reversed(skipped_waiting):
             self.waiting.prepend_request(request)
+        if self.prefill_interval > 1 and not plan.defer_prefills:  # (a release step that left some waiting)
+            self._prefill_capacity_bound = len(self.waiting) + len(self.kv_holding) > 0
 
     def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
         """KV offloading: the step's requests offer the blocks it computes (prompt blocks only by

@@ -313,8 +313,8 @@ class SteadyDecoders:
             return 0
         if self._deferred_frees:  # (an aborted request's blocks come back at a step's output)
             return 0
-        if self.waiting and not self._admission_stuck():
-            return 0
+        if self.waiting and (self.prefill_interval > 1 or not self._admission_stuck()):
+            return 0  # (prefill cadence: its holds and releases are stepped while requests wait)
         offload = self.offload
         if offload is not None and (offload.num_retrying or offload.has_finished_offers):
             return 0  # (they offer their stores at the next schedule())
@@ -357,7 +357,7 @@ class SteadyDecoders:
             r.lora_id for r in self.running if r.lora_id)
 
     def _admission_stuck(self) -> bool:
-        if len(self.running) >= self.max_num_seqs:
+        if len(self.running) >= self.max_num_active:
             return True
         if self._lora_stuck_now():
             return True
@@ -527,6 +527,9 @@ class SteadyDecoders:
         if self._lora_stuck_now():  # (LoRA: each step of the run passes over every waiting request)
             self.num_lora_deferrals += self._lora_stuck[0] * (end - start)
         self.current_step = end
+        if self.prefill_interval > 1:  # (plain decode steps: none carries prefill; nothing waits, so
+            self._num_executed_steps += end - start  # the run's first step released the cadence)
+            self._prefill_capacity_bound = False
         if self.async_scheduling:  # (its last step is in flight when the next is scheduled)
             self._scheduled_through = end - 1
             self._processed_through = max(self._processed_through, end - 2)

@@ -11,7 +11,8 @@ class StepPlan:
 
     __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
                  "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads",
-                 "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled", "blocked")
+                 "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled", "blocked",
+                 "defer_prefills", "prefill_carried")
 
     def __init__(self, budget: int, threshold: int, draft_slots: int = 0) -> None:
         self.budget = budget
@@ -35,6 +36,9 @@ class StepPlan:
         # P/D under async scheduling: the running requests stopped at one that needs blocks
         # whose victim ran in the step in flight (core/remote_kv.py)
         self.blocked = False
+        # prefill cadence (prefill_schedule_interval): this step holds prefill back; it carried some
+        self.defer_prefills = False
+        self.prefill_carried = False
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new

@@ -1,0 +1,55 @@
+"""vLLM 0.33's admission limit and prefill cadence, step by step against the real scheduler.
+
+`max_num_active_seqs` caps the requests admitted into RUNNING below `max_num_seqs`;
+`prefill_schedule_interval` N holds prefill back (new admissions with prompt to compute and the
+running prompts' next chunks) until N executed steps have passed since the last step that
+carried prefill, unless the last release step left requests waiting. vLLM's `Scheduler` (the
+oracle venv, ../shared/tools/vllm_oracle) and simkv's run oracle_spec.py's random step-mode cases
+(small pools, shared prompts, priorities, watermarks, chunked prefill on and off) with a random
+admission limit (or none) and interval 1 to 8, speculative decoding in half of them. Every step's
+scheduled tokens, running and waiting requests and blocks in use, every request's first-token
+and finish step, the accepted drafts and the prefix-cache counts must be equal.
+
+A development aid, not a test dependency:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_cadence.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 100
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import oracle_spec  # noqa: E402  (its cases, vLLM side, simkv side and comparison)
+import oracle_vllm  # noqa: E402
+
+_SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_rate", "spec_seed",
+              "spec_draft_model", "spec_tokens_per_batch_size")
+
+
+def make_case(rng, aborts: bool = False) -> dict:
+    case = oracle_spec.make_case(rng, aborts)
+    opts = case["opts"]
+    if rng.random() < 0.5:
+        for key in _SPEC_KEYS:
+            opts.pop(key, None)
+    if rng.random() < 0.6:
+        opts["max_num_active_seqs"] = int(rng.integers(1, opts["max_num_seqs"] + 1))
+    opts["prefill_schedule_interval"] = int(rng.choice([1, 2, 2, 3, 4, 8]))
+    return case
+
+
+def main() -> None:
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True)
+    if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
+        return
+    import numpy as np
+    rng = np.random.default_rng(a.seed)
+    cases = [make_case(rng, a.aborts) for _ in range(a.cases)]
+    oracle_vllm.parallel_cases(a, rng, cases)
+    oracle_spec.compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""vLLM 0.33's admission limit (`max_num_active_seqs`) and local prefill cadence
+(`prefill_schedule_interval`) in the engine core (docs/semantics.md#admission-limit-and-prefill-cadence).
+
+The recorded cases come from the real vLLM 0.33 scheduler (`scripts/oracle_cadence.py --save`)."""
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.scheduler import Scheduler
+from simkv.replay.api import replay
+from simkv.traces.schema import read_trace, take_rows
+from tests.cli_runs import cli_fails
+from tests.core.helpers import assert_decode_runs_change_no_bytes, assert_same_steps_as_vllm, make_request
+
+DATA = Path(__file__).parent / "data" / "cadence_vllm_cases.json"
+
+
+def _cases() -> list[dict]:
+    return json.loads(DATA.read_text())["cases"]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_same_steps_as_vllm(index: int) -> None:
+    """Intervals 2 to 4, admission limits below max_num_seqs, with and without speculative
+    decoding: every step's tokens, running, waiting and blocks, every request's first-token and
+    finish step."""
+    assert_same_steps_as_vllm(_cases()[index])
+
+
+def _broken(monkeypatch=None, **opts) -> int:
+    broken = 0
+    for recorded in _cases():
+        recorded = copy.deepcopy(recorded)
+        recorded["case"]["opts"] |= opts
+        try:
+            assert_same_steps_as_vllm(recorded)
+        except AssertionError:
+            broken += 1
+    return broken
+
+
+def test_recorded_cases_depend_on_each_rule(monkeypatch) -> None:
+    """No admission limit, no cadence, and a cadence without its capacity-bound escape each break
+    recorded cases."""
+    unlimited = _broken(max_num_active_seqs=None)
+    no_cadence = _broken(prefill_schedule_interval=1)
+    monkeypatch.setattr(Scheduler, "_holds_prefill", lambda self: (
+        self._num_executed_steps + 1 - self._last_prefill_step < self.prefill_interval
+        and (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling))))
+    no_escape = _broken()
+    assert (unlimited, no_cadence, no_escape) >= (3, 6, 3), (unlimited, no_cadence, no_escape)
+
+
+def _scheduler(**opts) -> Scheduler:
+    flat = dict(num_gpu_blocks=200, block_size=4, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8) | opts
+    return Scheduler(EngineConfig.from_flat(flat), flat["num_gpu_blocks"])
+
+
+def _run(sched: Scheduler, arrivals: dict[int, list]) -> list[tuple[int, int]]:
+    """(prefill tokens, decodes) per step, requests added at their step."""
+    rows = []
+    step = 0
+    while sched.has_unfinished_requests() or any(k >= step for k in arrivals):
+        for request in arrivals.get(step, []):
+            sched.add_request(request)
+        out = sched.schedule()
+        rows.append((sum(c.num_new_tokens for c in out.chunks), out.num_decode_reqs))
+        sched.update_from_output(out)
+        step += 1
+    return rows
+
+
+def test_a_prompt_waits_for_the_step_that_carries_prefill() -> None:
+    """Interval 3: request 0's prompt runs at step 0 (nothing decodes yet); request 1 arrives at
+    step 1 and waits while 0 decodes alone, until 3 steps have passed since step 0; its second
+    chunk waits again."""
+    sched = _scheduler(prefill_schedule_interval=3)
+    rows = _run(sched, {0: [make_request(0, 10, 12)], 1: [make_request(1, 100, 4)]})
+    assert rows[:8] == [(10, 0), (0, 1), (0, 1), (63, 1), (0, 1), (0, 1), (37, 1), (0, 2)]
+    assert _run(_scheduler(), {0: [make_request(0, 10, 12)], 1: [make_request(1, 100, 4)]})[:4] == [
+        (10, 0), (63, 1), (37, 1), (0, 2)]
+
+
+def test_max_num_active_seqs_caps_running_below_max_num_seqs() -> None:
+    sched = _scheduler(max_num_active_seqs=2)
+    for i in range(5):
+        sched.add_request(make_request(i, 4, 3))
+    out = sched.schedule()
+    assert len(out.chunks) == 2 and len(sched.running) == 2 and sched.max_num_seqs == 8
+
+
+def _slice():
+    return take_rows(read_trace("traces/azure_conv_slice.parquet"), np.arange(300))
+
+
+@pytest.mark.parametrize("options", [{"prefill_schedule_interval": 4}, {"max_num_active_seqs": 8},
+                                     {"prefill_schedule_interval": 3, "max_num_active_seqs": 16,
+                                      "num_gpu_blocks": 900}],
+                         ids=["interval", "active", "both-preempting"])
+def test_decode_runs_change_no_bytes(options, tmp_path) -> None:
+    res = assert_decode_runs_change_no_bytes(_slice(), EngineConfig.from_flat(options), tmp_path)
+    base = replay(_slice(), EngineConfig.from_flat({k: v for k, v in options.items() if k == "num_gpu_blocks"}))
+    assert res.summary["ttft_s"]["mean"] > base.summary["ttft_s"]["mean"]  # (held prompts, or a smaller batch)
+    if "max_num_active_seqs" in options:
+        assert res.summary["peak_running"] <= options["max_num_active_seqs"]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_num_active_seqs": 300}, r"max_num_active_seqs \(300\) must be >= 1 and cannot be greater than max_num_seqs"),
+    ({"prefill_schedule_interval": 0}, "prefill_schedule_interval must be >= 1"),
+    ({"prefill_schedule_interval": 2, "async_scheduling": True}, "not modelled with async_scheduling"),
+    ({"prefill_schedule_interval": 2, "enable_lora": True}, "not modelled with LoRA"),
+    ({"prefill_schedule_interval": 2, "kv_offloading_size": 4.0}, "not modelled with KV offloading"),
+    ({"prefill_schedule_interval": 2, "model": "qwen3-30b-a3b", "data_parallel_size": 2}, "data_parallel_size"),
+])
+def test_bad_options(options, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+def test_cli_flags() -> None:
+    out = cli_fails(["replay", "traces/req400.parquet", "--max-num-seqs", "8", "--max-num-active-seqs", "9"])
+    assert "cannot be greater than max_num_seqs (8)" in out
