@@ -121,6 +121,11 @@ class SchedulerConfig:
     # vLLM's --prefill-schedule-interval: prefill (admissions and running prompts' chunks) only
     # once that many executed steps have passed since the last step that carried one
     prefill_schedule_interval: int = 1
+    # vLLM's API-server admission control: a request is refused (HTTP 503) when the engine's
+    # unfinished requests would exceed max_num_queued_reqs, or the prompt tokens of its requests
+    # without a token yet have reached max_num_queued_tokens (simkv/replay/admission.py)
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
     # vLLM's --async-scheduling (its serving default): step N+1 is scheduled while step N runs,
     # before N's sampled tokens are processed.
     async_scheduling: bool = False
@@ -203,6 +208,9 @@ class SchedulerConfig:
         if self.max_num_active_seqs is not None and not 1 <= self.max_num_active_seqs <= self.max_num_seqs:
             raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be >= 1 and cannot be greater "
                               f"than max_num_seqs ({self.max_num_seqs})")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefill_schedule_interval < 1:
             raise ConfigError(f"prefill_schedule_interval must be >= 1, got {self.prefill_schedule_interval}")
         if self.max_num_batched_tokens < 1:
@@ -851,6 +859,9 @@ class EngineConfig:
             del out["max_num_active_seqs"]
         if self.scheduler.prefill_schedule_interval == 1:
             del out["prefill_schedule_interval"]
+        for key in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if out[key] is None:
+                del out[key]
         if self.scheduler.parallel_sampling == "fan_out":  # (the default: configs read as before)
             del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)

@@ -22,6 +22,7 @@ _ENGINE_FLAGS = {
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_active_seqs": "max_num_active_seqs", "prefill_schedule_interval": "prefill_schedule_interval",
+    "max_num_queued_reqs": "max_num_queued_reqs", "max_num_queued_tokens": "max_num_queued_tokens",
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
@@ -229,6 +230,12 @@ _ENGINE_OPTIONS = [
     click.option("--prefill-schedule-interval", type=int, default=None, metavar="N",
                  help="vLLM's --prefill-schedule-interval: prefill only once N executed steps have passed since "
                       "the last step that carried prefill, the steps between decoding alone [default: 1]"),
+    click.option("--max-num-queued-reqs", type=int, default=None,
+                 help="vLLM's --max-num-queued-reqs: refuse a request (HTTP 503) when the engine's unfinished "
+                      "requests would exceed this [default: no limit]"),
+    click.option("--max-num-queued-tokens", type=int, default=None,
+                 help="vLLM's --max-num-queued-tokens: refuse a request when the prompts of requests without a "
+                      "token yet reach this many tokens (a TTFT guard) [default: no limit]"),
     click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]"),
     click.option("--max-model-len", type=int, default=None, help="[default: the model's]"),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]"),
@@ -437,7 +444,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)
-    rejected = result.summary["num_rejected"]
+    refused = sum(result.summary.get("admission_control", {}).get("rejected", {}).values())
+    rejected = result.summary["num_rejected"] - refused  # (refused by the admission control: its own row)
     if rejected:  # vLLM refuses these prompts the same way; say how to serve them
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
                    f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",

@@ -70,6 +70,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     _check_lora(trace, config, disaggregation)
+    _check_queue_limits(trace, config, fleet, disaggregation)
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")
@@ -115,6 +116,23 @@ def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
                          f"(and --max-loras, vLLM's default 1), as vLLM refuses them without it")
     if config.scheduler.enable_lora and disaggregation is not None:
         raise ValueError("--enable-lora with P/D disaggregation is not modelled")
+
+
+def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> None:
+    """vLLM's API-server admission control (simkv/replay/admission.py) is modelled for one
+    engine whose requests come as the trace sends them."""
+    sc = config.scheduler
+    if sc.max_num_queued_reqs is None and sc.max_num_queued_tokens is None:
+        return
+    unsupported = [(disaggregation is not None, "P/D disaggregation"),
+                   (fleet is not None and fleet.num_replicas > 1, "a fleet of replicas"),
+                   (config.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
+                   (sc.has_client_timeouts, "clients that give up and retry"),
+                   (trace.session_id is not None and sc.session_pacing, "sessions paced on their replies")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"max_num_queued_reqs / max_num_queued_tokens (vLLM's admission control) are not "
+                             f"modelled with {what} yet")
 
 
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector, goodput,

@@ -21,6 +21,7 @@ from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, line_ticks, run_shape, run_
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
+from simkv.replay.admission import queue_limits
 from simkv.replay.step_log import RequestLog, StepLog
 from simkv.traces.lora import content_namespaces, lora_ids
 
@@ -63,6 +64,8 @@ class ArrivalFeed:
         self._lora_ids = lora_ids(trace)
         self._priority = trace.priority
         self._has_hashes = trace.hash_ids is not None
+        # vLLM's API-server admission control (None: no limit; simkv/replay/admission.py)
+        self.queue_limits = queue_limits(scheduler.config)
 
     @property
     def exhausted(self) -> bool:
@@ -107,7 +110,9 @@ class ArrivalFeed:
 
     def _deliver(self, i: int) -> None:
         prompt = self._prompt_list[i]
-        if prompt >= self.max_model_len:
+        if prompt >= self.max_model_len or (
+                self.queue_limits is not None
+                and not self.queue_limits.admits(self.scheduler, int(self.trace.n[i]) if self.trace.n is not None else 1)):
             self.num_rejected += 1
             self.request_log.reject(i)
             return

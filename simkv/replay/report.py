@@ -94,6 +94,12 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         from simkv.replay.results import parallel_sampling_row
 
         rows.append(parallel_sampling_row(summary["parallel_sampling"]))
+    if summary.get("admission_control"):
+        a = summary["admission_control"]
+        limits = [f"{k} {a[k]:,}" for k in ("max_num_queued_reqs", "max_num_queued_tokens") if a[k] is not None]
+        rows.append(("admission control (HTTP 503)", f"{sum(a['rejected'].values()):,} refused ("
+                     + ", ".join(f"{n:,} by {k}" for k, n in a["rejected"].items() if n) + "); " + ", ".join(limits)
+                     if sum(a["rejected"].values()) else "none refused; " + ", ".join(limits)))
     if summary.get("lora"):
         lora = summary["lora"]
         loads = (f"; {lora['disk_loads']:,} adapter reads from disk, {lora['slot_loads']:,} copies into a GPU slot "

@@ -174,7 +174,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | client_summary(run, requests) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | client_summary(run, requests) | admission_summary(run) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
@@ -205,6 +205,13 @@ def parallel_sampling_row(section: dict) -> tuple[str, str]:
     if "mean_ranks_per_sampled_request" in section:
         text += f"; a request's sequences ran on {section['mean_ranks_per_sampled_request']:.2f} ranks on average"
     return "parallel sampling", text
+
+
+def admission_summary(run: ReplayRun) -> dict:
+    """vLLM's API-server admission control: summary.json's `admission_control` (the limits and
+    the requests each refused), only where a limit is set."""
+    limits = getattr(run.feed, "queue_limits", None)
+    return {"admission_control": limits.summary()} if limits is not None else {}
 
 
 def lora_summary(config, runs, trace, capacity=None, backend=None) -> dict:

@@ -1,0 +1,77 @@
+"""vLLM's API-server admission control (`--max-num-queued-reqs`, `--max-num-queued-tokens`,
+simkv/replay/admission.py): a request is refused with HTTP 503 before it reaches the engine."""
+
+import pandas as pd
+import pytest
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.replay.api import FleetSpec, replay
+from simkv.traces.schema import read_trace, trace_from_frame
+from tests.cli_runs import cli_ok
+from tests.core.helpers import assert_decode_runs_change_no_bytes
+
+
+def _trace(arrivals, prompts, outputs, n=None):
+    frame = {"arrival_time_s": arrivals, "prompt_tokens": prompts, "output_tokens": outputs}
+    if n is not None:
+        frame["n"] = n
+    return trace_from_frame(pd.DataFrame(frame))
+
+
+def test_unfinished_requests_cap_counts_sequences() -> None:
+    """Five requests at once, at most 4 unfinished: the first two (of 1 and 2 sequences) get in,
+    the third (2 sequences) would make 5 and is refused, the fourth (1) makes 4; at t = 10 s
+    everything has finished and the fifth gets in."""
+    trace = _trace([0, 0, 0, 0, 10], [20] * 5, [5] * 5, n=[1, 2, 2, 1, 2])
+    res = replay(trace, EngineConfig.from_flat({"max_num_queued_reqs": 4}), "unit")
+    assert res.requests["status"].tolist() == ["finished", "finished", "rejected", "finished", "finished"]
+    assert res.summary["admission_control"] == {
+        "max_num_queued_reqs": 4, "max_num_queued_tokens": None,
+        "rejected": {"max_num_queued_reqs": 1, "max_num_queued_tokens": 0}}
+    assert res.summary["num_rejected"] == 1
+
+
+def test_queued_prompt_tokens_count_until_the_first_token() -> None:
+    """Limit 100 prompt tokens: at t = 0 the first two (60 each) get in (0, then 60 queued), the
+    third finds 120 and is refused. At t = 0.5 s both have their first token, so nothing is
+    queued and the fourth gets in."""
+    trace = _trace([0, 0, 0, 0.5], [60, 60, 60, 60], [400] * 4)
+    res = replay(trace, EngineConfig.from_flat({"max_num_queued_tokens": 100}))
+    assert res.requests["status"].tolist() == ["finished", "finished", "rejected", "finished"]
+    assert res.summary["admission_control"]["rejected"] == {"max_num_queued_reqs": 0, "max_num_queued_tokens": 1}
+    assert res.requests["ttft_s"].iloc[0] < 0.5  # (the first tokens came before the fourth arrived)
+
+
+def _overloaded():
+    trace = read_trace("traces/azure_conv_slice.parquet")
+    from dataclasses import replace
+
+    return replace(trace, arrival_time_s=trace.arrival_time_s / 6.0)
+
+
+def test_a_token_limit_sheds_load_and_bounds_ttft(tmp_path) -> None:
+    trace = _overloaded()
+    base = replay(trace, EngineConfig.from_flat({}))
+    guarded = assert_decode_runs_change_no_bytes(trace, EngineConfig.from_flat({"max_num_queued_tokens": 8000}),
+                                                 tmp_path)
+    shed = guarded.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
+    assert shed > 0 and guarded.summary["num_rejected"] == shed + base.summary["num_rejected"]
+    assert guarded.summary["ttft_s"]["p99"] < base.summary["ttft_s"]["p99"] / 2
+
+
+@pytest.mark.parametrize("options, kwargs, message", [
+    ({"max_num_queued_reqs": 8}, {"fleet": FleetSpec(2, "round_robin")}, "a fleet of replicas"),
+    ({"max_num_queued_tokens": 8, "client_timeout_s": 5.0}, {}, "clients that give up"),
+])
+def test_unsupported(options, kwargs, message) -> None:
+    trace = _trace([0, 1], [20, 20], [5, 5])
+    with pytest.raises(ValueError, match=message):
+        replay(trace, EngineConfig.from_flat(options), **kwargs)
+
+
+def test_bad_values_and_the_cli(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="max_num_queued_reqs must be >= 0"):
+        EngineConfig.from_flat({"max_num_queued_reqs": -1})
+    out = cli_ok(["replay", "traces/req400.parquet", "--max-num-queued-reqs", "3", "--out", str(tmp_path)])
+    assert "admission control (HTTP 503)" in out and "by max_num_queued_reqs" in out
+    assert "their prompts have at least max_model_len" not in out
