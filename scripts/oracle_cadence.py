@@ -6,13 +6,15 @@ running prompts' next chunks) until N executed steps have passed since the last 
 carried prefill, unless the last release step left requests waiting. vLLM's `Scheduler` (the
 oracle venv, ../shared/tools/vllm_oracle) and simkv's run oracle_spec.py's random step-mode cases
 (small pools, shared prompts, priorities, watermarks, chunked prefill on and off) with a random
-admission limit (or none) and interval 1 to 8, speculative decoding in half of them. Every step's
+admission limit (or none) and interval 1 to 8, speculative decoding in half of them; with
+--async-scheduling, oracle_spec_async.py's (vLLM's AsyncScheduler two batches deep). Every step's
 scheduled tokens, running and waiting requests and blocks in use, every request's first-token
 and finish step, the accepted drafts and the prefix-cache counts must be equal.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_cadence.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 100
+    .venv/bin/python scripts/oracle_cadence.py --async-scheduling --cases 100
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oracle_spec  # noqa: E402  (its cases, vLLM side, simkv side and comparison)
+import oracle_spec_async  # noqa: E402  (the same under async scheduling)
 import oracle_vllm  # noqa: E402
 
 _SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_rate", "spec_seed",
               "spec_draft_model", "spec_tokens_per_batch_size")
 
 
-def make_case(rng, aborts: bool = False) -> dict:
-    case = oracle_spec.make_case(rng, aborts)
+def make_case(rng, aborts: bool = False, async_scheduling: bool = False) -> dict:
+    if async_scheduling:  # (oracle_spec_async.py's: EAGLE or a draft model, vLLM's AsyncScheduler)
+        case = oracle_spec_async.make_case(rng, aborts=aborts)
+    else:
+        case = oracle_spec.make_case(rng, aborts)
     opts = case["opts"]
     if rng.random() < 0.5:
         for key in _SPEC_KEYS:
@@ -40,15 +46,23 @@ def make_case(rng, aborts: bool = False) -> dict:
     return case
 
 
+def run_vllm(case: dict) -> dict:
+    """vLLM's side: its AsyncScheduler two batches deep (oracle_spec_async.py) or its Scheduler."""
+    if case["opts"].get("async_scheduling"):
+        return oracle_spec_async.run_vllm(case)
+    return oracle_spec.run_vllm(case)
+
+
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True)
-    if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True, async_flag=True)
+    if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.aborts) for _ in range(a.cases)]
+    cases = [make_case(rng, a.aborts, a.async_scheduling) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
-    oracle_spec.compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
+    compare = oracle_spec_async.compare_cases if a.async_scheduling else oracle_spec.compare_cases
+    compare(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
 
 if __name__ == "__main__":

@@ -219,7 +219,11 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
-    theirs = oracle_vllm.vllm_results(__file__, cases, a)
+    compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
+
+
+def compare_cases(cases: list[dict], theirs: list[dict]) -> None:
+    """Each case's differences, then the totals; exits 1 if any case differs."""
     failures = 0
     totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0, aborted=0, livelocks=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):

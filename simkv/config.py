@@ -556,11 +556,10 @@ class EngineConfig:
                               "offloading's CPU tier: they need kv_offloading_size")
 
     def _verify_prefill_interval(self) -> None:
-        """vLLM's local prefill cadence (core/scheduler.py) is modelled for one synchronous engine
-        whose waiting requests are never set aside (vLLM's deferred_waiting stays empty)."""
+        """vLLM's local prefill cadence (core/scheduler.py) is modelled for an engine whose waiting
+        requests are never set aside (vLLM's deferred_waiting stays empty)."""
         sc = self.scheduler
-        unsupported = [(sc.async_scheduling, "async_scheduling"),
-                       (self.hardware.data_parallel_size > 1,
+        unsupported = [(self.hardware.data_parallel_size > 1,
                         "data_parallel_size > 1 (vLLM's DP coordinator drives a cadence of its own)"),
                        (sc.enable_lora, "LoRA adapters"), (self.cache.kv_offloading_size is not None, "KV offloading"),
                        (sc.admission_order != "after_running", f"admission_order '{sc.admission_order}'"),

@@ -395,6 +395,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
+        if self.prefill_interval > 1:  # (before async scheduling adds this step's placeholders)
+            self._mark_prefill_chunks(plan.chunks)
         if self.chunked_decodes:
             to_propose = self._spec_tokens_to_schedule(len(plan.chunks))
             if self._spec_async:
@@ -413,8 +415,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._scheduled_through = step
                 for chunk in plan.chunks:
                     chunk.request.last_sched_step = step
-        if self.prefill_interval > 1:
-            self._note_prefill_cadence(plan, num_decodes)
+        if self.prefill_interval > 1 and (plan.chunks or num_decodes):  # (an executed step)
+            self._num_executed_steps += 1
+            if plan.prefill_carried:
+                self._last_prefill_step = self._num_executed_steps
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
@@ -434,18 +438,19 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         request decodes (vLLM's gate)."""
         return (not self._prefill_capacity_bound
                 and self._num_executed_steps + 1 - self._last_prefill_step < self.prefill_interval
-                and (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling)))
+                and (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling)
+                     or any(r.status == RequestStatus.RUNNING for r in self._finishing)))  # (async: last token in flight)
 
-    def _note_prefill_cadence(self, plan: StepPlan, num_decodes: int) -> None:
-        """After a schedule(): a step that runs anything counts as executed, one that carried
-        prefill restarts the interval, and each scheduled chunk notes whether it left prompt."""
-        if plan.chunks or num_decodes:
-            self._num_executed_steps += 1
-            if plan.prefill_carried:
-                self._last_prefill_step = self._num_executed_steps
-        for chunk in plan.chunks:
+    @staticmethod
+    def _mark_prefill_chunks(chunks) -> None:
+        """Each scheduled chunk notes whether it leaves prompt to compute (vLLM's is_prefill_chunk:
+        its tokens short of the known ones, and under async scheduling the ones in flight).
+        A step that runs anything counts as executed, and one that carried prefill restarts the
+        interval (at the end of schedule())."""
+        for chunk in chunks:
             request = chunk.request
-            request.prefill_chunk = chunk.num_computed_tokens + chunk.num_new_tokens < request.num_tokens
+            request.prefill_chunk = (chunk.num_computed_tokens + chunk.num_new_tokens
+                                     < request.num_tokens + request.num_output_placeholders)
 
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
