@@ -87,16 +87,9 @@ def vllm_side(cases: list[dict]) -> list[list[dict]]:
 
 def simkv_side(case: dict) -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    from simkv.backends.lora_adapters import AdapterResidency
+    from tests.core.helpers import drive_lora_worker
 
-    worker = AdapterResidency(case["max_loras"], case["max_cpu_loras"], 1.0, 0.0)
-    steps = []
-    for adapters in case["steps"]:
-        reads, copies = worker.num_disk_loads, worker.num_slot_loads
-        worker.activate(adapters)
-        steps.append({"reads": worker.num_disk_loads - reads, "copies": worker.num_slot_loads - copies,
-                      "cpu": list(worker.cpu), "gpu": list(worker.gpu)})
-    return steps
+    return drive_lora_worker(case)
 
 
 def main() -> None:

@@ -630,3 +630,20 @@ def assert_as_recorded(ours: dict, theirs: dict) -> None:
     for row, (mine, vllm) in enumerate(zip(ours["times"], theirs["times"])):
         if vllm is not None:
             assert mine == pytest.approx(vllm, abs=1e-6), f"request {row}"
+
+
+def drive_lora_worker(case: dict, worker=None) -> list[dict]:
+    """A recorded case of scripts/oracle_lora_worker.py through simkv's adapter caches (`worker`,
+    or an AdapterResidency of the case's sizes): per step, the disk reads and slot copies and both
+    caches' order after it."""
+    from simkv.backends.lora_adapters import AdapterResidency
+
+    if worker is None:
+        worker = AdapterResidency(case["max_loras"], case["max_cpu_loras"], 1.0, 0.0)
+    steps = []
+    for adapters in case["steps"]:
+        reads, copies = worker.num_disk_loads, worker.num_slot_loads
+        worker.activate(adapters)
+        steps.append({"reads": worker.num_disk_loads - reads, "copies": worker.num_slot_loads - copies,
+                      "cpu": list(worker.cpu), "gpu": list(worker.gpu)})
+    return steps

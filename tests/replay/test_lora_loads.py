@@ -18,7 +18,7 @@ from simkv.specs import get_model_spec
 from simkv.traces.lora import assign_adapters
 from simkv.traces.schema import read_trace, take_rows, trace_from_frame
 from tests.cli_runs import cli_fails
-from tests.core.helpers import assert_decode_runs_change_no_bytes
+from tests.core.helpers import assert_decode_runs_change_no_bytes, drive_lora_worker
 
 
 def test_the_worker_keeps_the_most_recent_adapters_in_host_memory_and_in_slots() -> None:
@@ -40,22 +40,12 @@ def test_the_worker_keeps_the_most_recent_adapters_in_host_memory_and_in_slots()
 RECORDED = json.loads((Path(__file__).parent / "data" / "lora_worker_vllm_cases.json").read_text())["cases"]
 
 
-def _steps(case: dict, worker: AdapterResidency) -> list[dict]:
-    steps = []
-    for adapters in case["steps"]:
-        reads, copies = worker.num_disk_loads, worker.num_slot_loads
-        worker.activate(adapters)
-        steps.append({"reads": worker.num_disk_loads - reads, "copies": worker.num_slot_loads - copies,
-                      "cpu": list(worker.cpu), "gpu": list(worker.gpu)})
-    return steps
-
-
 @pytest.mark.parametrize("index", range(len(RECORDED)))
 def test_recorded_vllm_worker_cases(index: int) -> None:
     """vLLM 0.33's LRUCacheWorkerLoRAManager on random steps (scripts/oracle_lora_worker.py):
     every step's disk reads and slot copies and both caches' order after it."""
     case = RECORDED[index]
-    assert _steps(case, AdapterResidency(case["max_loras"], case["max_cpu_loras"], 1.0, 0.0)) == case["vllm"]
+    assert drive_lora_worker(case) == case["vllm"]
 
 
 def test_recorded_worker_cases_need_the_host_cache_recency() -> None:
@@ -78,7 +68,8 @@ def test_recorded_worker_cases_need_the_host_cache_recency() -> None:
                     self.num_slot_loads += 1
             return 0.0
 
-    broken = sum(_steps(c, Untouched(c["max_loras"], c["max_cpu_loras"], 1.0, 0.0)) != c["vllm"] for c in RECORDED)
+    broken = sum(drive_lora_worker(c, Untouched(c["max_loras"], c["max_cpu_loras"], 1.0, 0.0)) != c["vllm"]
+                 for c in RECORDED)
     assert broken >= 20, broken  # (29 of 40)
 
 
