@@ -444,9 +444,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     @staticmethod
     def _mark_prefill_chunks(chunks) -> None:
         """Each scheduled chunk notes whether it leaves prompt to compute (vLLM's is_prefill_chunk:
-        its tokens short of the known ones, and under async scheduling the ones in flight).
-        A step that runs anything counts as executed, and one that carried prefill restarts the
-        interval (at the end of schedule())."""
+        its end short of the known tokens, and under async scheduling of the ones in flight)."""
         for chunk in chunks:
             request = chunk.request
             request.prefill_chunk = (chunk.num_computed_tokens + chunk.num_new_tokens
