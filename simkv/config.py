@@ -178,9 +178,10 @@ class SchedulerConfig:
             raise ConfigError(f"client_retry_max_backoff_s must be > 0, got {self.client_retry_max_backoff_s}")
         if not 0 <= self.client_retry_jitter < 1:
             raise ConfigError(f"client_retry_jitter must be in [0, 1), got {self.client_retry_jitter}")
-        if self.client_max_retries and not self.has_client_timeouts:
+        if self.client_max_retries and not self.has_clients:
             raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
-                              "client_ttft_timeout_s too")
+                              "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
+                              "max_num_queued_tokens, whose HTTP 503s the clients retry)")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
@@ -228,6 +229,12 @@ class SchedulerConfig:
     @property
     def has_client_timeouts(self) -> bool:
         return self.client_ttft_timeout_s is not None or self.client_timeout_s is not None
+
+    @property
+    def has_clients(self) -> bool:
+        """Clients are modelled: they give up (time-outs), or they retry the front end's HTTP 503s."""
+        return self.has_client_timeouts or bool(self.client_max_retries and (
+            self.max_num_queued_reqs is not None or self.max_num_queued_tokens is not None))
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -865,7 +872,7 @@ class EngineConfig:
             del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
             del out["enable_lora"], out["max_loras"], out["max_lora_rank"], out["max_cpu_loras"], out["lora_load_gbs"]
-        if not self.scheduler.has_client_timeouts:  # (likewise)
+        if not self.scheduler.has_clients:  # (likewise)
             for key in ("client_ttft_timeout_s", "client_timeout_s", "client_max_retries", "client_retry_backoff_s"):
                 del out[key]
         if self.scheduler.client_retry_max_backoff_s is None and not self.scheduler.client_retry_jitter:  # (likewise)

@@ -8,7 +8,9 @@ with HTTP 503 when
   reached `max_num_queued_tokens`.
 The replay checks each request when it is delivered (at the step boundary its arrival falls
 in, when the front end's counts are the engine's); a refused request is `rejected` in
-requests.parquet and never retried (a client that retries a 503 elsewhere is not modelled).
+requests.parquet, unless its client retries (`--client-max-retries`: after the OpenAI client's
+back-off, as after a time-out; simkv/replay/client_timeouts.py). One engine only: a load balancer
+that sends the retry to another replica is not modelled.
 """
 
 from __future__ import annotations

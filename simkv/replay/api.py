@@ -127,7 +127,6 @@ def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> N
     unsupported = [(disaggregation is not None, "P/D disaggregation"),
                    (fleet is not None and fleet.num_replicas > 1, "a fleet of replicas"),
                    (config.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
-                   (sc.has_client_timeouts, "clients that give up and retry"),
                    (trace.session_id is not None and sc.session_pacing, "sessions paced on their replies")]
     for bad, what in unsupported:
         if bad:

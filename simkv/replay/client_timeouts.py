@@ -15,7 +15,8 @@ up, and twice as long after each later give-up (the OpenAI client's exponential 
 up to that fraction, as that client does). The new attempt is a new request to vLLM, arriving
 then, and its prompt finds the blocks the abandoned attempt left in the prefix cache. A request's latencies count from its
 first send, which is what its user waits; a request whose last attempt is abandoned is
-`timed_out`.
+`timed_out`. With a queue limit (simkv/replay/admission.py) the clients retry the front end's
+HTTP 503s the same way, as the OpenAI client does, even without time-outs (one engine only).
 
 Under async scheduling (vLLM's serving default) the abort points are the same two, at step ends,
 while the next step is already in flight: a token counts as delivered when its step's output is
@@ -58,7 +59,7 @@ def check_supported(trace, config: EngineConfig) -> None:
     """ValueError naming the first setting that client time-outs are not modelled with yet (P/D's:
     simkv/replay/disaggregated_clients.py)."""
     sc = config.scheduler
-    if not sc.has_client_timeouts:
+    if not sc.has_clients:
         return
     why = None
     if trace.n is not None and (trace.n > 1).any() and sc.parallel_sampling == "fork":
@@ -145,6 +146,10 @@ class ClientDeadlines:
             del self._live[request.index]
 
     def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
+        limits = self.queue_limits
+        if limits is not None and not limits.admits(self.scheduler, request.num_samples):
+            self._refused(row, attempt, tick)
+            return
         request.may_resend = attempt < self.max_retries
         self._live[row] = (request, tick, attempt)
         self.attempts[row] = attempt + 1
@@ -152,6 +157,16 @@ class ClientDeadlines:
             if timeout is not None:
                 heapq.heappush(self._deadlines, (tick + timeout, row, attempt, kind))
         self.scheduler.add_request(request)
+
+    def _refused(self, row: int, attempt: int, tick: int) -> None:
+        """vLLM's front end answered HTTP 503 (simkv/replay/admission.py): the client retries it
+        after its back-off, as after a time-out, or the request is rejected."""
+        self.attempts[row] = attempt + 1
+        if attempt < self.max_retries:
+            self._resend(row, attempt + 1, tick + self.backoff_ticks(row, attempt), tick)
+            return
+        self.num_rejected += 1
+        self.request_log.reject(row)
 
     def _is_live(self, row: int, attempt: int) -> bool:
         live = self._live.get(row)

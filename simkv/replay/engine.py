@@ -202,7 +202,7 @@ class ReplayEngine:
         self.steps = StepLog(config.speculative.enabled)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
         self._client = None  # clients that give up and retry (simkv/replay/client_timeouts.py)
-        if config.scheduler.has_client_timeouts:
+        if config.scheduler.has_clients:
             from simkv.replay.client_timeouts import ClientTimeoutFeed, SessionClientFeed, check_supported
 
             check_supported(trace, config)

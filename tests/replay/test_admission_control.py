@@ -59,9 +59,25 @@ def test_a_token_limit_sheds_load_and_bounds_ttft(tmp_path) -> None:
     assert guarded.summary["ttft_s"]["p99"] < base.summary["ttft_s"]["p99"] / 2
 
 
+def test_clients_retry_the_503s() -> None:
+    """At most 2 unfinished requests; clients retry twice after 0.5 s, then 1 s. Four requests at
+    t = 0: two get in (5 steps of 1 s each under the unit model: done at 5 s); the other two are
+    refused at 0, 0.5 and 1.5 s and rejected for good. A fifth at t = 6 s gets in."""
+    trace = _trace([0, 0, 0, 0, 6], [20] * 5, [5] * 5)
+    res = replay(trace, EngineConfig.from_flat({"max_num_queued_reqs": 2, "client_max_retries": 2}), "unit")
+    assert res.requests["status"].tolist() == ["finished", "finished", "rejected", "rejected", "finished"]
+    assert res.summary["admission_control"]["rejected"]["max_num_queued_reqs"] == 6  # (3 attempts each)
+    assert res.summary["client"]["attempts"] == 3 + 6 and res.summary["num_rejected"] == 2
+    longer = replay(trace, EngineConfig.from_flat({"max_num_queued_reqs": 2, "client_max_retries": 4}), "unit")
+    # retries at 0.5, 1.5, 3.5 and 7.5 s: at 7.5 s the first two have finished (at 5 s) and the
+    # fifth (sent at 6 s) runs, so one of the two retries gets in and the other is refused for good
+    assert longer.requests["status"].tolist() == ["finished", "finished", "finished", "rejected", "finished"]
+    assert longer.requests["arrival_time_s"].iloc[2] == 0.0  # (latencies count from the first send)
+    assert longer.requests["ttft_s"].iloc[2] > 7.5
+
+
 @pytest.mark.parametrize("options, kwargs, message", [
     ({"max_num_queued_reqs": 8}, {"fleet": FleetSpec(2, "round_robin")}, "a fleet of replicas"),
-    ({"max_num_queued_tokens": 8, "client_timeout_s": 5.0}, {}, "clients that give up"),
 ])
 def test_unsupported(options, kwargs, message) -> None:
     trace = _trace([0, 1], [20, 20], [5, 5])
