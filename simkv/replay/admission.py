@@ -9,8 +9,9 @@ with HTTP 503 when
 The replay checks each request when it is delivered (at the step boundary its arrival falls
 in, when the front end's counts are the engine's); a refused request is `rejected` in
 requests.parquet, unless its client retries (`--client-max-retries`: after the OpenAI client's
-back-off, as after a time-out; simkv/replay/client_timeouts.py). One engine only: a load balancer
-that sends the retry to another replica is not modelled.
+back-off, as after a time-out; simkv/replay/client_timeouts.py). In a fleet each replica's front
+end counts its own requests; a load balancer that sends a retry to another replica is not
+modelled (fleets whose clients retry are refused).
 """
 
 from __future__ import annotations

@@ -120,12 +120,14 @@ def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
 
 def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> None:
     """vLLM's API-server admission control (simkv/replay/admission.py) is modelled for one
-    engine whose requests come as the trace sends them."""
+    engine, or a fleet of them without retrying clients, whose requests come as the trace
+    sends them."""
     sc = config.scheduler
     if sc.max_num_queued_reqs is None and sc.max_num_queued_tokens is None:
         return
     unsupported = [(disaggregation is not None, "P/D disaggregation"),
-                   (fleet is not None and fleet.num_replicas > 1, "a fleet of replicas"),
+                   (fleet is not None and fleet.num_replicas > 1 and sc.has_clients,
+                    "a fleet whose clients retry (a load balancer that sends the retry elsewhere)"),
                    (config.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
                    (trace.session_id is not None and sc.session_pacing, "sessions paced on their replies")]
     for bad, what in unsupported:

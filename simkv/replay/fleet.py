@@ -285,7 +285,10 @@ class ReplicaFeed(ArrivalFeed):
                 self.scheduler.add_request(row)
                 row = row.prompt_owner  # (sessions: the row's turn may end here)
             else:
+                refused = self.num_rejected
                 self._deliver(row)
+                if self.num_rejected != refused:  # (the replica's front end answered 503: simkv/replay/admission.py)
+                    self.routing.note_aborted(self.replica, now)
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)
 
@@ -441,6 +444,10 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
+    if runs[0].feed.queue_limits is not None:  # (each replica's front end: their refusals summed)
+        section = runs[0].feed.queue_limits.summary()
+        section["rejected"] = {k: sum(run.feed.queue_limits.rejected[k] for run in runs) for k in section["rejected"]}
+        summary["admission_control"] = section
     if routing.sessions is not None:
         summary["session_pacing"] = routing.sessions.summary()
     if routing.clients is not None:

@@ -76,8 +76,24 @@ def test_clients_retry_the_503s() -> None:
     assert longer.requests["ttft_s"].iloc[2] > 7.5
 
 
+@pytest.mark.parametrize("router", ["round_robin", "least_outstanding"])
+def test_each_replica_refuses_on_its_own_counts(router, tmp_path) -> None:
+    """A fleet: every replica's front end counts its own requests; the refused ones leave the
+    router's count of that replica; decode runs change no byte."""
+    trace = _overloaded()
+    config = EngineConfig.from_flat({"max_num_queued_tokens": 4000})
+    res = assert_decode_runs_change_no_bytes(trace, config, tmp_path, fleet=FleetSpec(2, router))
+    refused = res.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
+    assert refused > 0 and res.summary["num_rejected"] == refused
+    rejected = res.requests["status"] == "rejected"
+    assert set(res.requests.loc[rejected, "replica"]) <= {0, 1} and rejected.sum() == refused
+    one = replay(trace, config)
+    assert refused < one.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
+
+
 @pytest.mark.parametrize("options, kwargs, message", [
-    ({"max_num_queued_reqs": 8}, {"fleet": FleetSpec(2, "round_robin")}, "a fleet of replicas"),
+    ({"max_num_queued_reqs": 8, "client_max_retries": 2}, {"fleet": FleetSpec(2, "round_robin")},
+     "a fleet whose clients retry"),
 ])
 def test_unsupported(options, kwargs, message) -> None:
     trace = _trace([0, 1], [20, 20], [5, 5])
