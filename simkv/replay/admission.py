@@ -10,8 +10,9 @@ The replay checks each request when it is delivered (at the step boundary its ar
 in, when the front end's counts are the engine's); a refused request is `rejected` in
 requests.parquet, unless its client retries (`--client-max-retries`: after the OpenAI client's
 back-off, as after a time-out; simkv/replay/client_timeouts.py). In a fleet each replica's front
-end counts its own requests; a load balancer that sends a retry to another replica is not
-modelled (fleets whose clients retry are refused).
+end counts its own requests; data-parallel ranks have one front end, which counts over all
+ranks (`DPRouting`). A load balancer that sends a retry to another replica is not modelled
+(fleets and ranks whose clients retry are refused).
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ class QueueLimits:
 
     def admits(self, scheduler, num_sequences: int) -> bool:
         """Whether a request of `num_sequences` sequences gets in, given the engine's requests."""
-        if self.max_reqs is not None and len(scheduler.running) + scheduler.num_waiting() + num_sequences > self.max_reqs:
+        return self.admits_counts(lambda: len(scheduler.running) + scheduler.num_waiting(),
+                                  lambda: queued_prompt_tokens(scheduler), num_sequences)
+
+    def admits_counts(self, unfinished, queued_tokens, num_sequences: int) -> bool:
+        """The same given the front end's counts (callables: only the limits set are counted):
+        its unfinished sequences and the prompt tokens of those without a token yet."""
+        if self.max_reqs is not None and unfinished() + num_sequences > self.max_reqs:
             self.rejected["max_num_queued_reqs"] += 1
             return False
-        if self.max_tokens is not None and queued_prompt_tokens(scheduler) >= self.max_tokens:
+        if self.max_tokens is not None and queued_tokens() >= self.max_tokens:
             self.rejected["max_num_queued_tokens"] += 1
             return False
         return True
@@ -48,6 +55,13 @@ def queued_prompt_tokens(scheduler) -> int:
             if request.first_token_step < 0:
                 total += request.num_prompt_tokens
     return total
+
+
+def merged_summary(limits: list[QueueLimits]) -> dict:
+    """summary.json's `admission_control` over several front ends (a fleet's replicas)."""
+    section = limits[0].summary()
+    section["rejected"] = {k: sum(q.rejected[k] for q in limits) for k in section["rejected"]}
+    return section
 
 
 def queue_limits(config) -> QueueLimits | None:

@@ -27,7 +27,8 @@ import simpy
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.core.parallel_sampling import FIRST_SEQUENCE_INDEX, fan_out
 from simkv.replay.engine import ReplayEngine, ReplayError, ReplayRun
-from simkv.replay.fleet import FleetRouting, ReplicaFeed, fleet_clients
+from simkv.replay.admission import queue_limits
+from simkv.replay.fleet import FleetRouting, ReplicaFeed, fleet_clients, row_of
 
 SNAPSHOT_INTERVAL_S = 0.1  # vLLM's DP coordinator publishes the ranks' counts every 100 ms
 
@@ -65,6 +66,8 @@ class DPRouting(FleetRouting):
         self._sequences_done = [0] * num_ranks  # each rank's finished or aborted sequences, counted so far
         self.ranks_per_row: list[int] = []  # per row fanned out: the ranks its sequences went to
         self.rank_of: dict = {}  # clients that give up: a later member's rank (vLLM aborts it there)
+        # vLLM's admission control: the one front end counts over all ranks (simkv/replay/admission.py)
+        self.queue_limits = None
 
     def publish(self, ranks: list[ReplayEngine], tick: int) -> None:
         """The coordinator's snapshot of every rank, if 100 ms have passed since the last."""
@@ -78,6 +81,12 @@ class DPRouting(FleetRouting):
                                 pool.get_num_used_blocks() / max(pool.num_usable_blocks, 1)]
 
     def _route(self, i: int, tick: int) -> None:
+        if (self.queue_limits is not None and self._prompts[i] < self.max_model_len
+                and not self._front_end_admits(i)):
+            self.num_rejected += 1  # (HTTP 503: never routed, as a prompt too long is not)
+            if self.on_reject is not None:
+                self.on_reject(1)
+            return
         if not self.fan_out or self.trace.n[i] <= 1 or self._prompts[i] >= self.max_model_len:
             super()._route(i, tick)
             return
@@ -86,6 +95,24 @@ class DPRouting(FleetRouting):
             self.queues[rank].append(request)
         if self.clients is not None:
             self.clients.routed(0)
+
+    def _front_end_admits(self, i: int) -> bool:
+        """vLLM's API server, in front of every rank, admits row `i`: its counts are the ranks'
+        requests and those routed to them but not yet delivered."""
+        from simkv.replay.admission import queued_prompt_tokens
+
+        def undelivered():
+            return [row_of(entry) for queue in self.queues for entry in queue]
+
+        def unfinished():
+            return sum(len(e.scheduler.running) + e.scheduler.num_waiting() for e in self.engines) + len(undelivered())
+
+        def queued_tokens():
+            return (sum(queued_prompt_tokens(e.scheduler) for e in self.engines)
+                    + sum(self._prompts[row] for row in undelivered()))
+
+        n = int(self.trace.n[i]) if self.trace.n is not None else 1
+        return self.queue_limits.admits_counts(unfinished, queued_tokens, n)
 
     def _route_retry(self, tick: int, row: int, attempt: int) -> None:
         if not self.fan_out or self.trace.n[row] <= 1:
@@ -192,12 +219,18 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing,
                         clients=clients, fan_out=config.scheduler.parallel_sampling == "fan_out")
     routing.on_reject = on_progress
+    routing.queue_limits = queue_limits(config)
+
+    def rank_feed(scheduler, log, rank):
+        feed = ReplicaFeed(routing, rank, trace, scheduler, log, config.max_model_len)
+        feed.queue_limits = None  # (the front end's check is the routing's, over every rank)
+        return feed
 
     def feed_of(rank):
         if clients is not None:
             from simkv.replay.client_timeouts import ReplicaClientFeed
             return lambda scheduler, log: ReplicaClientFeed(routing, rank, trace, scheduler, log, config)
-        return lambda scheduler, log: ReplicaFeed(routing, rank, trace, scheduler, log, config.max_model_len)
+        return lambda scheduler, log: rank_feed(scheduler, log, rank)
 
     ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
                           capacity=capacity, env=env, make_feed=feed_of(r)) for r in range(dp)]

@@ -444,10 +444,12 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
-    if runs[0].feed.queue_limits is not None:  # (each replica's front end: their refusals summed)
-        section = runs[0].feed.queue_limits.summary()
-        section["rejected"] = {k: sum(run.feed.queue_limits.rejected[k] for run in runs) for k in section["rejected"]}
-        summary["admission_control"] = section
+    front_ends = ([routing.queue_limits] if getattr(routing, "queue_limits", None) is not None  # (DP: one)
+                  else [run.feed.queue_limits for run in runs if run.feed.queue_limits is not None])
+    if front_ends:  # (each replica's front end: their refusals summed)
+        from simkv.replay.admission import merged_summary
+
+        summary["admission_control"] = merged_summary(front_ends)
     if routing.sessions is not None:
         summary["session_pacing"] = routing.sessions.summary()
     if routing.clients is not None:

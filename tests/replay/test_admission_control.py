@@ -91,6 +91,20 @@ def test_each_replica_refuses_on_its_own_counts(router, tmp_path) -> None:
     assert refused < one.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
 
 
+def test_data_parallel_ranks_share_one_front_end() -> None:
+    """vLLM's API server counts over all ranks: at every lockstep step the ranks' requests
+    together stay within max_num_queued_reqs, and a refused request is never routed."""
+    config = EngineConfig.from_flat({"model": "qwen3-30b-a3b", "gpu": "H200", "data_parallel_size": 2,
+                                     "max_num_queued_reqs": 40})
+    res = replay(_overloaded(), config)
+    refused = res.summary["admission_control"]["rejected"]["max_num_queued_reqs"]
+    assert refused > 0 and res.summary["num_rejected"] == refused
+    steps = pd.DataFrame({k: res.steps[k] for k in ("replica", "start_time_s", "num_running", "num_waiting")})
+    per_step = (steps["num_running"] + steps["num_waiting"]).groupby(steps["start_time_s"]).sum()
+    assert per_step.max() <= 40 and per_step.max() >= 35  # (the limit binds, over both ranks together)
+    assert (res.requests.loc[res.requests["status"] == "rejected", "replica"] == -1).all()
+
+
 @pytest.mark.parametrize("options, kwargs, message", [
     ({"max_num_queued_reqs": 8, "client_max_retries": 2}, {"fleet": FleetSpec(2, "round_robin")},
      "a fleet whose clients retry"),
