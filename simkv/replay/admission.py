@@ -11,8 +11,8 @@ in, when the front end's counts are the engine's); a refused request is `rejecte
 requests.parquet, unless its client retries (`--client-max-retries`: after the OpenAI client's
 back-off, as after a time-out; simkv/replay/client_timeouts.py). In a fleet each replica's front
 end counts its own requests; data-parallel ranks have one front end, which counts over all
-ranks (`DPRouting`). A load balancer that sends a retry to another replica is not modelled
-(fleets and ranks whose clients retry are refused).
+ranks (`DPRouting`). A fleet's router routes a refused attempt's retry like any other
+(ReplicaClientFeed._refused); data-parallel ranks whose clients retry are refused.
 """
 
 from __future__ import annotations

@@ -126,8 +126,6 @@ def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> N
     if sc.max_num_queued_reqs is None and sc.max_num_queued_tokens is None:
         return
     unsupported = [(disaggregation is not None, "P/D disaggregation"),
-                   (fleet is not None and fleet.num_replicas > 1 and sc.has_clients,
-                    "a fleet whose clients retry (a load balancer that sends the retry elsewhere)"),
                    (config.hardware.data_parallel_size > 1 and sc.has_clients,
                     "data-parallel ranks whose clients retry"),
                    (trace.session_id is not None and sc.session_pacing, "sessions paced on their replies")]

@@ -482,6 +482,14 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         ReplicaFeed.note_finished(self, finished, tick)
         self.routing.clients_finished(self, finished, tick)
 
+    def _refused(self, row: int, attempt: int, tick: int) -> None:
+        """The replica's front end answered 503: the attempt no longer counts here, and its retry
+        (if any) goes back to the router, which may send it to another replica."""
+        self.routing.note_aborted(self.replica, tick)
+        super()._refused(row, attempt, tick)
+        if attempt < self.max_retries:  # (counted as resendable when it was routed)
+            self._no_longer_resendable(1, tick)
+
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         routing = self.routing
         routing.note_aborted(self.replica, now)

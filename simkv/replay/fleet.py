@@ -307,8 +307,8 @@ class ReplicaFeed(ArrivalFeed):
 
 
 def fleet_clients(trace, config):
-    """The clients of a fleet or of data-parallel ranks, if they give up and retry (None if not)."""
-    if not config.scheduler.has_client_timeouts:
+    """The clients of a fleet or of data-parallel ranks, if they give up or retry (None if not)."""
+    if not config.scheduler.has_clients:
         return None
     from simkv.replay.client_timeouts import FleetClients
 

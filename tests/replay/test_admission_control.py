@@ -91,6 +91,17 @@ def test_each_replica_refuses_on_its_own_counts(router, tmp_path) -> None:
     assert refused < one.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
 
 
+def test_a_fleets_clients_retry_through_the_router(tmp_path) -> None:
+    """A replica's 503 sends the client back to the router after its back-off; every refused
+    attempt is one more attempt, and here every request gets in at last."""
+    config = EngineConfig.from_flat({"max_num_queued_tokens": 2000, "client_max_retries": 3})
+    res = assert_decode_runs_change_no_bytes(_overloaded(), config, tmp_path,
+                                             fleet=FleetSpec(2, "least_outstanding"))
+    refused = res.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
+    assert refused > 0 and res.summary["client"]["attempts"] == 2000 + refused
+    assert res.summary["num_finished"] == 2000 and res.summary["client"]["finished_after_retries"] > 0
+
+
 def test_data_parallel_ranks_share_one_front_end() -> None:
     """vLLM's API server counts over all ranks: at every lockstep step the ranks' requests
     together stay within max_num_queued_reqs, and a refused request is never routed."""
@@ -106,8 +117,8 @@ def test_data_parallel_ranks_share_one_front_end() -> None:
 
 
 @pytest.mark.parametrize("options, kwargs, message", [
-    ({"max_num_queued_reqs": 8, "client_max_retries": 2}, {"fleet": FleetSpec(2, "round_robin")},
-     "a fleet whose clients retry"),
+    ({"max_num_queued_reqs": 8, "client_max_retries": 2, "model": "qwen3-30b-a3b", "gpu": "H200",
+      "data_parallel_size": 2}, {}, "data-parallel ranks whose clients retry"),
 ])
 def test_unsupported(options, kwargs, message) -> None:
     trace = _trace([0, 1], [20, 20], [5, 5])
