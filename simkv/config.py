@@ -569,6 +569,7 @@ class EngineConfig:
         unsupported = [(self.hardware.data_parallel_size > 1,
                         "data_parallel_size > 1 (vLLM's DP coordinator drives a cadence of its own)"),
                        (sc.enable_lora, "LoRA adapters"), (self.cache.kv_offloading_size is not None, "KV offloading"),
+                       (sc.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
                        (sc.admission_order != "after_running", f"admission_order '{sc.admission_order}'"),
                        (sc.preemption_mode != "recompute", f"preemption_mode '{sc.preemption_mode}'")]
         for bad, what in unsupported:

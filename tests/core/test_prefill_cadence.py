@@ -143,10 +143,19 @@ def test_decode_runs_change_no_bytes(options, tmp_path) -> None:
     ({"prefill_schedule_interval": 2, "enable_lora": True}, "not modelled with LoRA"),
     ({"prefill_schedule_interval": 2, "kv_offloading_size": 4.0}, "not modelled with KV offloading"),
     ({"prefill_schedule_interval": 2, "model": "qwen3-30b-a3b", "data_parallel_size": 2}, "data_parallel_size"),
+    ({"prefill_schedule_interval": 2, "parallel_sampling": "fork"}, "forked parallel sampling"),
 ])
 def test_bad_options(options, message) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flat(options)
+
+
+def test_refused_under_pd() -> None:
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    with pytest.raises(ValueError, match="P/D disaggregation"):
+        replay(_slice(), EngineConfig.from_flat({"prefill_schedule_interval": 2}),
+               disaggregation=DisaggregationSpec(1, 1))
 
 
 def test_cli_flags() -> None:
