@@ -566,9 +566,7 @@ class EngineConfig:
         """vLLM's local prefill cadence (core/scheduler.py) is modelled for an engine whose waiting
         requests are never set aside (vLLM's deferred_waiting stays empty)."""
         sc = self.scheduler
-        unsupported = [(self.hardware.data_parallel_size > 1,
-                        "data_parallel_size > 1 (vLLM's DP coordinator drives a cadence of its own)"),
-                       (sc.enable_lora, "LoRA adapters"), (self.cache.kv_offloading_size is not None, "KV offloading"),
+        unsupported = [                       (sc.enable_lora, "LoRA adapters"), (self.cache.kv_offloading_size is not None, "KV offloading"),
                        (sc.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
                        (sc.admission_order != "after_running", f"admission_order '{sc.admission_order}'"),
                        (sc.preemption_mode != "recompute", f"preemption_mode '{sc.preemption_mode}'")]

@@ -78,7 +78,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # vLLM's local prefill cadence (prefill_schedule_interval): a step holds prefill back until
         # that many executed steps have passed since the last one that carried prefill, unless
         # the last release step left requests waiting (capacity-bound: the cadence lets go)
-        self.prefill_interval = sc.prefill_schedule_interval
+        # On data-parallel ranks vLLM's DP engine core drives the cadence instead: the replay sets
+        # `throttle_prefills` before each schedule() (replay/data_parallel.py) and the local one is off.
+        dp = config.hardware.data_parallel_size > 1
+        self.prefill_interval = 1 if dp else sc.prefill_schedule_interval
+        self.dp_cadence = dp and sc.prefill_schedule_interval > 1
+        self.throttle_prefills = False
         self._last_prefill_step = -self.prefill_interval
         self._num_executed_steps = 0
         self._prefill_capacity_bound = False
@@ -346,6 +351,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
         if self.prefill_interval > 1:
             plan.defer_prefills = self._holds_prefill()
+        elif self.throttle_prefills:  # (data-parallel ranks: a step off the coordinated cadence)
+            plan.defer_prefills = not self._prefill_capacity_bound and self._decodes_running()
         if self._mamba_split:
             self.kv_cache_manager.new_step_starts()
         if self._window_context is not None:
@@ -395,7 +402,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         num_waiting = len(self.waiting) + len(self.kv_holding)
         num_blocks_used = self.kv_cache_manager.block_pool.get_num_used_blocks()
         verify = drafts = to_propose = 0
-        if self.prefill_interval > 1:  # (before async scheduling adds this step's placeholders)
+        if self.prefill_interval > 1 or self.dp_cadence:  # (before async scheduling adds this step's placeholders)
             self._mark_prefill_chunks(plan.chunks)
         if self.chunked_decodes:
             to_propose = self._spec_tokens_to_schedule(len(plan.chunks))
@@ -438,8 +445,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         request decodes (vLLM's gate)."""
         return (not self._prefill_capacity_bound
                 and self._num_executed_steps + 1 - self._last_prefill_step < self.prefill_interval
-                and (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling)
-                     or any(r.status == RequestStatus.RUNNING for r in self._finishing)))  # (async: last token in flight)
+                and self._decodes_running())
+
+    def _decodes_running(self) -> bool:
+        """Some running request is not a prompt chunk (vLLM's any(not is_prefill_chunk)); under
+        async scheduling one whose last token is in flight counts."""
+        return (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling)
+                or any(r.status == RequestStatus.RUNNING for r in self._finishing))
 
     @staticmethod
     def _mark_prefill_chunks(chunks) -> None:
@@ -634,9 +646,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     skipped.append(queue.pop_request())
                     continue
             base = request.num_computed_tokens if holds_kv else 0
+            if plan.defer_prefills and base + computed.num_tokens < request.num_tokens - 1:
+                break  # (a prompt to compute: it waits for a step that carries prefill)
             if self.prefill_interval > 1 and base + computed.num_tokens < request.num_tokens - 1:
-                if plan.defer_prefills:  # (a prompt to compute: it waits for a step that carries prefill)
-                    break
                 plan.prefill_carried = True
             num_new = request.num_tokens - base - computed.num_tokens
             padded = False
@@ -711,8 +723,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._requeue_skipped(skipped)
         for request in reversed(skipped_waiting):
             self.waiting.prepend_request(request)
-        if self.prefill_interval > 1 and not plan.defer_prefills:  # (a release step that left some waiting)
-            self._prefill_capacity_bound = len(self.waiting) + len(self.kv_holding) > 0
+        if (self.prefill_interval > 1 or self.dp_cadence) and not plan.defer_prefills:  # (a release step
+            self._prefill_capacity_bound = len(self.waiting) + len(self.kv_holding) > 0  # that left some waiting)
 
     def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
         """KV offloading: the step's requests offer the blocks it computes (prompt blocks only by

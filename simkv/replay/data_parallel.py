@@ -241,18 +241,42 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     return [rank.result() for rank in ranks], routing
 
 
+class PrefillCadence:
+    """vLLM's DP prefill balancing (`--prefill-schedule-interval N` on data-parallel ranks): the
+    DP engine core counts the group's steps in a wave (its step_counter, the same on every rank)
+    and throttles prefill on every step whose count is not a multiple of N; each rank's
+    scheduler then holds prefill back unless it is capacity-bound or runs no decode
+    (core/scheduler.py). A wave ends when no rank has requests: the count starts again at 0,
+    so prefill goes at once after idle. (vLLM ends a wave only at its next finish-sync step,
+    every dp_sync_interval steps, running dummy passes until then; the replay ends it at once.)"""
+
+    def __init__(self, ranks: list[ReplayEngine]) -> None:
+        self.schedulers = [rank.scheduler for rank in ranks]
+        self.interval = ranks[0].config.scheduler.prefill_schedule_interval
+        self.count = 0
+
+    def before_schedule(self) -> None:
+        if self.interval > 1:
+            throttle = self.count % self.interval != 0
+            for scheduler in self.schedulers:
+                scheduler.throttle_prefills = throttle
+
+
 def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing: DPRouting):
     """The ranks' process. Idle, it sleeps on one event that every rank holds as its own idle
     event, so whoever wakes an idle engine (the router at an arrival; under P/D a handoff or a
     transfer's end) wakes the group."""
     now = 0
+    cadence = PrefillCadence(ranks)
     while True:
         _take_arrivals(ranks, routing, now)
         if not any(rank.scheduler.has_unfinished_requests() for rank in ranks):
             if all(rank.feed.exhausted for rank in ranks):
                 return
+            cadence.count = 0  # (the wave ends)
             now = yield from _sleep(env, ranks, now)
             continue
+        cadence.before_schedule()
         outs, ran = _schedule_all(ranks)
         if not ran:
             for rank, out in zip(ranks, outs):
@@ -263,6 +287,7 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
             now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
             continue
         duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)) + _lora_load_s(ran))
+        cadence.count += 1
         yield env.timeout(duration)
         now = _process_outputs(ranks, outs, now, duration, True, routing)
 
@@ -275,13 +300,16 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
     max(device time, host time), and the group's as long as the slowest rank's."""
     now = 0
     in_flight = None  # (each rank's output or None, start tick, duration): the step on the devices
+    cadence = PrefillCadence(ranks)
     while True:
         _take_arrivals(ranks, routing, now)
         queued = None
         if any(rank.scheduler.has_unfinished_requests() for rank in ranks):
             start = now if in_flight is None else in_flight[1] + in_flight[2]
+            cadence.before_schedule()
             outs, ran = _schedule_all(ranks, start)
             if ran:
+                cadence.count += 1
                 queued = (outs, start, to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)
                                                 + _lora_load_s(ran)))
                 if in_flight is None:
@@ -294,6 +322,7 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
         elif in_flight is None:
             if all(rank.feed.exhausted for rank in ranks):
                 return
+            cadence.count = 0  # (the wave ends)
             now = yield from _sleep(env, ranks, now)
             continue
         outs, start, duration = in_flight
