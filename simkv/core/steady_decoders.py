@@ -356,14 +356,25 @@ class SteadyDecoders:
         return stuck is not None and stuck[0] == len(self.waiting) and stuck[1] == frozenset(
             r.lora_id for r in self.running if r.lora_id)
 
+    def _admission_budget(self) -> int:
+        """The token budget a plain decode step leaves the waiting queue."""
+        budget = self.max_num_batched_tokens
+        if not self.admit_before_running:
+            budget -= self._num_decoders
+        return budget
+
+    def _lora_deferring(self) -> bool:
+        """LoRA: every step of a decode run passes over every waiting request for want of an
+        adapter slot (the waiting queue is looked at: a seat and some budget are free)."""
+        return (self._lora_stuck_now() and len(self.running) < self.max_num_active
+                and self._admission_budget() > 0)
+
     def _admission_stuck(self) -> bool:
         if len(self.running) >= self.max_num_active:
             return True
         if self._lora_stuck_now():
             return True
-        budget = self.max_num_batched_tokens
-        if not self.admit_before_running:
-            budget -= self._num_decoders
+        budget = self._admission_budget()
         if budget <= 0:
             return True
         marker = self._blocked_marker
@@ -524,7 +535,7 @@ class SteadyDecoders:
                     early += 1
         if end <= start:
             return None
-        if self._lora_stuck_now():  # (LoRA: each step of the run passes over every waiting request)
+        if self._lora_deferring():  # (LoRA: each step of the run passes over every waiting request)
             self.num_lora_deferrals += self._lora_stuck[0] * (end - start)
         self.current_step = end
         if self.prefill_interval > 1:  # (plain decode steps: none carries prefill; nothing waits, so

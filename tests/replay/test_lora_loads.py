@@ -148,8 +148,9 @@ def test_host_memory_for_every_adapter_reads_each_once() -> None:
     assert roomy.summary["duration_s"] < default.summary["duration_s"]
 
 
-@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"max_cpu_loras": 3}],
-                         ids=["sync", "async", "host-memory"])
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"max_cpu_loras": 3},
+                                     {"max_num_active_seqs": 8, "max_cpu_loras": 4}],
+                         ids=["sync", "async", "host-memory", "active-limit"])
 def test_decode_runs_change_no_bytes_with_adapter_loads(options, tmp_path) -> None:
     """A decode run whose adapters are all in slots only touches them; one that would load steps."""
     config = EngineConfig.from_flat({"enable_lora": True, "max_loras": 2, **options})
