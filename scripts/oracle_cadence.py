@@ -7,7 +7,9 @@ carried prefill, unless the last release step left requests waiting. vLLM's `Sch
 oracle venv, ../shared/tools/vllm_oracle) and simkv's run oracle_spec.py's random step-mode cases
 (small pools, shared prompts, priorities, watermarks, chunked prefill on and off) with a random
 admission limit (or none) and interval 1 to 8, speculative decoding in half of them; with
---async-scheduling, oracle_spec_async.py's (vLLM's AsyncScheduler two batches deep). Every step's
+--async-scheduling, oracle_spec_async.py's (vLLM's AsyncScheduler two batches deep); with --hybrid
+or --linear, oracle_hybrid.py's or oracle_linear.py's models (sliding-window or Mamba groups).
+Every step's
 scheduled tokens, running and waiting requests and blocks in use, every request's first-token
 and finish step, the accepted drafts and the prefix-cache counts must be equal.
 
@@ -31,13 +33,22 @@ _SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_r
               "spec_draft_model", "spec_tokens_per_batch_size")
 
 
-def make_case(rng, aborts: bool = False, async_scheduling: bool = False) -> dict:
+def make_case(rng, aborts: bool = False, async_scheduling: bool = False, hybrid: bool = False,
+              linear: bool = False) -> dict:
     if async_scheduling:  # (oracle_spec_async.py's: EAGLE or a draft model, vLLM's AsyncScheduler)
-        case = oracle_spec_async.make_case(rng, aborts=aborts)
+        case = oracle_spec_async.make_case(rng, hybrid=hybrid, linear=linear, aborts=aborts)
+    elif hybrid:  # (oracle_hybrid.py's: KV-cache groups of a model with sliding-window layers)
+        from oracle_hybrid import make_case as hybrid_case
+
+        case = hybrid_case(rng, bool(rng.random() < 0.5))
+    elif linear:  # (oracle_linear.py's: Mamba groups beside full attention)
+        from oracle_linear import make_case as linear_case
+
+        case = linear_case(rng, bool(rng.random() < 0.5))
     else:
         case = oracle_spec.make_case(rng, aborts)
     opts = case["opts"]
-    if rng.random() < 0.5:
+    if rng.random() < 0.5 and not (hybrid or linear):
         for key in _SPEC_KEYS:
             opts.pop(key, None)
     if rng.random() < 0.6:
@@ -54,12 +65,13 @@ def run_vllm(case: dict) -> dict:
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True, async_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True, async_flag=True,
+                                hybrid_flag=True, linear_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.aborts, a.async_scheduling) for _ in range(a.cases)]
+    cases = [make_case(rng, a.aborts, a.async_scheduling, a.hybrid, a.linear) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     compare = oracle_spec_async.compare_cases if a.async_scheduling else oracle_spec.compare_cases
     compare(cases, oracle_vllm.vllm_results(__file__, cases, a))
