@@ -58,19 +58,57 @@ def make_case(rng, aborts: bool = False, async_scheduling: bool = False, hybrid:
 
 
 def run_vllm(case: dict) -> dict:
-    """vLLM's side: its AsyncScheduler two batches deep (oracle_spec_async.py) or its Scheduler."""
+    """vLLM's side: its AsyncScheduler two batches deep (oracle_spec_async.py) or its Scheduler;
+    P/D cases with oracle_pd.py's KV connector."""
+    if case.get("pd"):
+        import oracle_pd
+
+        return oracle_pd.run_vllm_any(case)
     if case["opts"].get("async_scheduling"):
         return oracle_spec_async.run_vllm(case)
     return oracle_spec.run_vllm(case)
 
 
+def pd_cases(rng, count: int, async_scheduling: bool) -> list[dict]:
+    """oracle_pd.py's cases (pulls and sends through vLLM's KV connector) with the settings."""
+    import oracle_pd
+
+    cases = []
+    for _ in range(count):
+        case = oracle_pd.make_case(rng, bool(rng.random() < 0.5), async_scheduling=async_scheduling)
+        case["pd"] = True
+        if rng.random() < 0.6:
+            case["opts"]["max_num_active_seqs"] = int(rng.integers(1, case["opts"]["max_num_seqs"] + 1))
+        case["opts"]["prefill_schedule_interval"] = int(rng.choice([1, 2, 2, 3, 4, 8]))
+        cases.append(case)
+    return cases
+
+
+def compare_pd(cases: list[dict], theirs: list[dict]) -> None:
+    import oracle_pd
+
+    failures = 0
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        diff = oracle_pd.differences(t, oracle_pd.run_simkv(case))
+        if diff:
+            failures += 1
+            print(f"case {i} {case['opts']}: " + "; ".join(diff))
+    print(f"{len(cases) - failures} of {len(cases)} P/D cases equal "
+          f"({sum(len(c['requests']) for c in cases)} requests, {sum(len(t['steps']) for t in theirs)} steps)")
+    sys.exit(1 if failures else 0)
+
+
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True, async_flag=True,
-                                hybrid_flag=True, linear_flag=True)
+                                hybrid_flag=True, linear_flag=True, pd_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
+    if a.pd:
+        cases = pd_cases(rng, a.cases, a.async_scheduling)
+        compare_pd(cases, oracle_vllm.vllm_results(__file__, cases, a))
+        return
     cases = [make_case(rng, a.aborts, a.async_scheduling, a.hybrid, a.linear) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     compare = oracle_spec_async.compare_cases if a.async_scheduling else oracle_spec.compare_cases

@@ -363,7 +363,8 @@ def sample_reply_content(case: dict) -> None:
 def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: bool = False,
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
-                aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False):
+                aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False,
+                pd_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -410,6 +411,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--max-n", type=int, default=4,
                         help="with --parallel, the largest n (from 11 on, vLLM's request ids order a group's "
                              "members as strings: 0, 1, 10, 2, ...)")
+    if pd_flag:
+        ap.add_argument("--pd", action="store_true",
+                        help="oracle_pd.py's cases: pulls and sends through a KV connector (P/D disaggregation)")
     if ngram_misses_flag:
         ap.add_argument("--ngram-misses", action="store_true",
                         help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "

@@ -724,7 +724,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for request in reversed(skipped_waiting):
             self.waiting.prepend_request(request)
         if (self.prefill_interval > 1 or self.dp_cadence) and not plan.defer_prefills:  # (a release step
-            self._prefill_capacity_bound = len(self.waiting) + len(self.kv_holding) > 0  # that left some waiting)
+            # that left some waiting; vLLM's waiting requests set aside, deferred_waiting, do not count:
+            # here the KV-holding queue's, every one of which started a pull)
+            self._prefill_capacity_bound = len(self.waiting) > 0
 
     def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
         """KV offloading: the step's requests offer the blocks it computes (prompt blocks only by

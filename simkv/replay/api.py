@@ -71,9 +71,6 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     _check_lora(trace, config, disaggregation)
     _check_queue_limits(trace, config, fleet, disaggregation)
-    if disaggregation is not None and config.scheduler.prefill_schedule_interval > 1:
-        raise ValueError("prefill_schedule_interval with P/D disaggregation is not modelled yet (vLLM sets aside the "
-                         "requests whose KV is being pulled, which changes its capacity-bound test)")
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")

@@ -190,12 +190,36 @@ def test_data_parallel_cadence_trades_ttft_for_tpot() -> None:
     assert held.summary["tpot_s"]["p99"] < free.summary["tpot_s"]["p99"]
 
 
-def test_refused_under_pd() -> None:
+def test_pd_pools_never_hold_prefill_back(tmp_path) -> None:
+    """P/D: the cadence holds nothing back in either pool. The prefill pool runs no decode (its
+    requests stop at their first token), and the decode pool admits pulled requests with one
+    token left, which a held step lets in. Same requests, same times; decode runs change no
+    byte."""
     from simkv.replay.disaggregated import DisaggregationSpec
 
-    with pytest.raises(ValueError, match="P/D disaggregation"):
-        replay(_slice(), EngineConfig.from_flat({"prefill_schedule_interval": 2}),
-               disaggregation=DisaggregationSpec(1, 1))
+    trace = _slice()
+    held = assert_decode_runs_change_no_bytes(trace, EngineConfig.from_flat({"prefill_schedule_interval": 4}),
+                                              tmp_path, disaggregation=DisaggregationSpec(1, 1))
+    free = replay(trace, EngineConfig.from_flat({}), disaggregation=DisaggregationSpec(1, 1))
+    assert held.requests.equals(free.requests)
+
+
+PD_DATA = Path(__file__).parent / "data" / "cadence_pd_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_pd_same_steps_as_vllm(index: int) -> None:
+    """Recorded P/D cases of scripts/oracle_cadence.py --pd (pulls and sends through vLLM's KV
+    connector, with the cadence and the admission limit): every step and request."""
+    from tests.core.helpers import drive_pd
+
+    recorded = json.loads(PD_DATA.read_text())["cases"][index]
+    ours, theirs = drive_pd(recorded["case"]), recorded["vllm"]
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
 
 
 def test_cli_flags() -> None:
