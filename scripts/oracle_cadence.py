@@ -8,7 +8,9 @@ oracle venv, ../shared/tools/vllm_oracle) and simkv's run oracle_spec.py's rando
 (small pools, shared prompts, priorities, watermarks, chunked prefill on and off) with a random
 admission limit (or none) and interval 1 to 8, speculative decoding in half of them; with
 --async-scheduling, oracle_spec_async.py's (vLLM's AsyncScheduler two batches deep); with --hybrid
-or --linear, oracle_hybrid.py's or oracle_linear.py's models (sliding-window or Mamba groups).
+or --linear, oracle_hybrid.py's or oracle_linear.py's models (sliding-window or Mamba groups);
+with --pd or --offload, oracle_pd.py's or oracle_offload.py's cases (a KV connector's pulls and
+sends, or a CPU tier).
 Every step's
 scheduled tokens, running and waiting requests and blocks in use, every request's first-token
 and finish step, the accepted drafts and the prefix-cache counts must be equal.
@@ -64,6 +66,10 @@ def run_vllm(case: dict) -> dict:
         import oracle_pd
 
         return oracle_pd.run_vllm_any(case)
+    if case.get("offload"):
+        import oracle_offload
+
+        return oracle_offload.run_vllm_any(case)
     if case["opts"].get("async_scheduling"):
         return oracle_spec_async.run_vllm(case)
     return oracle_spec.run_vllm(case)
@@ -84,16 +90,35 @@ def pd_cases(rng, count: int, async_scheduling: bool) -> list[dict]:
     return cases
 
 
+def offload_cases(rng, count: int, async_scheduling: bool) -> list[dict]:
+    """oracle_offload.py's cases (a CPU tier through vLLM's OffloadingConnector: loads wait set
+    aside, lookups to retry are skipped) with the settings."""
+    import oracle_offload
+
+    cases = []
+    for _ in range(count):
+        case = oracle_offload.make_case(rng, async_scheduling, bool(rng.random() < 0.5), bool(rng.random() < 0.4))
+        case["offload"] = True
+        if rng.random() < 0.6:
+            case["opts"]["max_num_active_seqs"] = int(rng.integers(1, case["opts"]["max_num_seqs"] + 1))
+        case["opts"]["prefill_schedule_interval"] = int(rng.choice([1, 2, 2, 3, 4, 8]))
+        cases.append(case)
+    return cases
+
+
 def compare_pd(cases: list[dict], theirs: list[dict]) -> None:
+    import oracle_offload
     import oracle_pd
 
     failures = 0
     for i, (case, t) in enumerate(zip(cases, theirs)):
-        diff = oracle_pd.differences(t, oracle_pd.run_simkv(case))
+        module = oracle_offload if case.get("offload") else oracle_pd
+        diff = module.differences(t, module.run_simkv(case))
         if diff:
             failures += 1
             print(f"case {i} {case['opts']}: " + "; ".join(diff))
-    print(f"{len(cases) - failures} of {len(cases)} P/D cases equal "
+    print(f"{len(cases) - failures} of {len(cases)} {'offloading' if cases and cases[0].get('offload') else 'P/D'} "
+          f"cases equal "
           f"({sum(len(c['requests']) for c in cases)} requests, {sum(len(t['steps']) for t in theirs)} steps)")
     sys.exit(1 if failures else 0)
 
@@ -105,8 +130,8 @@ def main() -> None:
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    if a.pd:
-        cases = pd_cases(rng, a.cases, a.async_scheduling)
+    if a.pd or a.offload:
+        cases = (pd_cases if a.pd else offload_cases)(rng, a.cases, a.async_scheduling)
         compare_pd(cases, oracle_vllm.vllm_results(__file__, cases, a))
         return
     cases = [make_case(rng, a.aborts, a.async_scheduling, a.hybrid, a.linear) for _ in range(a.cases)]

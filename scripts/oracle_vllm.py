@@ -414,6 +414,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if pd_flag:
         ap.add_argument("--pd", action="store_true",
                         help="oracle_pd.py's cases: pulls and sends through a KV connector (P/D disaggregation)")
+        ap.add_argument("--offload", action="store_true",
+                        help="oracle_offload.py's cases: a CPU tier through vLLM's OffloadingConnector")
     if ngram_misses_flag:
         ap.add_argument("--ngram-misses", action="store_true",
                         help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "

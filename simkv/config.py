@@ -563,11 +563,9 @@ class EngineConfig:
                               "offloading's CPU tier: they need kv_offloading_size")
 
     def _verify_prefill_interval(self) -> None:
-        """vLLM's local prefill cadence (core/scheduler.py) is modelled for an engine whose waiting
-        requests are never set aside (vLLM's deferred_waiting stays empty)."""
+        """vLLM's prefill cadence (core/scheduler.py) is modelled for vLLM v1's engine."""
         sc = self.scheduler
-        unsupported = [                       (sc.enable_lora, "LoRA adapters"), (self.cache.kv_offloading_size is not None, "KV offloading"),
-                       (sc.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
+        unsupported = [(sc.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
                        (sc.admission_order != "after_running", f"admission_order '{sc.admission_order}'"),
                        (sc.preemption_mode != "recompute", f"preemption_mode '{sc.preemption_mode}'")]
         for bad, what in unsupported:

@@ -87,6 +87,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._last_prefill_step = -self.prefill_interval
         self._num_executed_steps = 0
         self._prefill_capacity_bound = False
+        self._set_aside: set[Request] = set()  # (cadence: waiting requests skipped at a step, vLLM's deferred_waiting)
         # LoRA (vLLM's lora_config): at most max_loras distinct adapters in the running batch
         self.max_loras = sc.max_loras if sc.enable_lora else None
         self.num_lora_deferrals = 0  # (a waiting request passed over in a step for want of an adapter slot)
@@ -648,8 +649,6 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             base = request.num_computed_tokens if holds_kv else 0
             if plan.defer_prefills and base + computed.num_tokens < request.num_tokens - 1:
                 break  # (a prompt to compute: it waits for a step that carries prefill)
-            if self.prefill_interval > 1 and base + computed.num_tokens < request.num_tokens - 1:
-                plan.prefill_carried = True
             num_new = request.num_tokens - base - computed.num_tokens
             padded = False
             if self.num_spec_tokens and num_new == 1:
@@ -691,6 +690,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 plan.query += request.num_tokens
                 plan.hit += computed.num_tokens
             queue.pop_request()
+            if self._set_aside:
+                self._set_aside.discard(request)
             if queue is self.kv_holding:
                 self._num_kv_ready -= 1
             is_resumed = request.status == RequestStatus.PREEMPTED
@@ -703,6 +704,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     request.num_prefix_hit_tokens = computed.num_tokens
             request.num_total_prefix_hit_tokens += computed.num_tokens
             chunk = ScheduledChunk(request, base + computed.num_tokens, num_new, is_resumed)
+            if chunk.num_computed_tokens < request.num_tokens - 1:  # (admitted with a prompt to compute)
+                plan.prefill_carried = True
             request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
             request.last_chunk_step, request.last_chunk_tokens = step, num_new
             if padded:
@@ -723,10 +726,18 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._requeue_skipped(skipped)
         for request in reversed(skipped_waiting):
             self.waiting.prepend_request(request)
-        if (self.prefill_interval > 1 or self.dp_cadence) and not plan.defer_prefills:  # (a release step
-            # that left some waiting; vLLM's waiting requests set aside, deferred_waiting, do not count:
-            # here the KV-holding queue's, every one of which started a pull)
-            self._prefill_capacity_bound = len(self.waiting) > 0
+        if self.prefill_interval > 1 or self.dp_cadence:
+            self._note_set_aside(skipped_waiting, plan)
+
+    def _note_set_aside(self, skipped_waiting: list[Request], plan: StepPlan) -> None:
+        """Prefill cadence: the requests skipped this step (LoRA, a CPU-tier lookup to retry) are
+        set aside until admitted (vLLM's deferred_waiting); a release step that leaves a waiting
+        request not set aside makes the engine capacity-bound. The KV-holding queue's requests
+        (pulls, CPU-tier loads) are all set aside."""
+        self._set_aside.update(skipped_waiting)
+        if not plan.defer_prefills:
+            aside = self._set_aside
+            self._prefill_capacity_bound = any(request not in aside for request in self.waiting)
 
     def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
         """KV offloading: the step's requests offer the blocks it computes (prompt blocks only by

@@ -140,8 +140,6 @@ def test_decode_runs_change_no_bytes(options, tmp_path) -> None:
 @pytest.mark.parametrize("options, message", [
     ({"max_num_active_seqs": 300}, r"max_num_active_seqs \(300\) must be >= 1 and cannot be greater than max_num_seqs"),
     ({"prefill_schedule_interval": 0}, "prefill_schedule_interval must be >= 1"),
-    ({"prefill_schedule_interval": 2, "enable_lora": True}, "not modelled with LoRA"),
-    ({"prefill_schedule_interval": 2, "kv_offloading_size": 4.0}, "not modelled with KV offloading"),
     ({"prefill_schedule_interval": 2, "parallel_sampling": "fork"}, "forked parallel sampling"),
 ])
 def test_bad_options(options, message) -> None:
@@ -204,7 +202,41 @@ def test_pd_pools_never_hold_prefill_back(tmp_path) -> None:
     assert held.requests.equals(free.requests)
 
 
+def test_lora_skips_are_set_aside(tmp_path) -> None:
+    """LoRA: a request passed over for want of an adapter slot is set aside (vLLM's
+    deferred_waiting) and does not make the engine capacity-bound; the replay steps while
+    requests wait (decode runs change no byte), and the cadence holds prompts back."""
+    from simkv.traces.lora import assign_adapters
+
+    trace = assign_adapters(_slice(), 6, 1.0, seed=3)
+    options = {"enable_lora": True, "max_loras": 2}
+    held = assert_decode_runs_change_no_bytes(trace, EngineConfig.from_flat(options | {"prefill_schedule_interval": 4}),
+                                              tmp_path)
+    free = replay(trace, EngineConfig.from_flat(options))
+    assert held.summary["ttft_s"]["p50"] > free.summary["ttft_s"]["p50"]
+
+
 PD_DATA = Path(__file__).parent / "data" / "cadence_pd_vllm_cases.json"
+OFFLOAD_DATA = Path(__file__).parent / "data" / "cadence_offload_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_offload_same_steps_as_vllm(index: int) -> None:
+    """Recorded cases of scripts/oracle_cadence.py --offload (a CPU tier through vLLM's
+    OffloadingConnector: loads wait set aside, lookups to retry are skipped): every step,
+    request and transfer."""
+    from tests.core.helpers import drive_offload, drive_offload_async
+
+    recorded = json.loads(OFFLOAD_DATA.read_text())["cases"][index]
+    theirs = recorded["vllm"]
+    ours = (drive_offload_async if recorded["case"]["opts"].get("async_scheduling") else drive_offload)(
+        recorded["case"])
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
+    assert ours["transfers"] == theirs["transfers"]
 
 
 @pytest.mark.parametrize("index", range(6))
