@@ -53,10 +53,15 @@ def make_case(rng, aborts: bool = False, async_scheduling: bool = False, hybrid:
     if rng.random() < 0.5 and not (hybrid or linear):
         for key in _SPEC_KEYS:
             opts.pop(key, None)
+    _add_settings(rng, opts)
+    return case
+
+
+def _add_settings(rng, opts: dict) -> None:
+    """A random admission limit (in 60 % of the cases) and interval."""
     if rng.random() < 0.6:
         opts["max_num_active_seqs"] = int(rng.integers(1, opts["max_num_seqs"] + 1))
     opts["prefill_schedule_interval"] = int(rng.choice([1, 2, 2, 3, 4, 8]))
-    return case
 
 
 def run_vllm(case: dict) -> dict:
@@ -83,9 +88,7 @@ def pd_cases(rng, count: int, async_scheduling: bool) -> list[dict]:
     for _ in range(count):
         case = oracle_pd.make_case(rng, bool(rng.random() < 0.5), async_scheduling=async_scheduling)
         case["pd"] = True
-        if rng.random() < 0.6:
-            case["opts"]["max_num_active_seqs"] = int(rng.integers(1, case["opts"]["max_num_seqs"] + 1))
-        case["opts"]["prefill_schedule_interval"] = int(rng.choice([1, 2, 2, 3, 4, 8]))
+        _add_settings(rng, case["opts"])
         cases.append(case)
     return cases
 
@@ -99,9 +102,7 @@ def offload_cases(rng, count: int, async_scheduling: bool) -> list[dict]:
     for _ in range(count):
         case = oracle_offload.make_case(rng, async_scheduling, bool(rng.random() < 0.5), bool(rng.random() < 0.4))
         case["offload"] = True
-        if rng.random() < 0.6:
-            case["opts"]["max_num_active_seqs"] = int(rng.integers(1, case["opts"]["max_num_seqs"] + 1))
-        case["opts"]["prefill_schedule_interval"] = int(rng.choice([1, 2, 2, 3, 4, 8]))
+        _add_settings(rng, case["opts"])
         cases.append(case)
     return cases
 

@@ -647,3 +647,19 @@ def drive_lora_worker(case: dict, worker=None) -> list[dict]:
         steps.append({"reads": worker.num_disk_loads - reads, "copies": worker.num_slot_loads - copies,
                       "cpu": list(worker.cpu), "gpu": list(worker.gpu)})
     return steps
+
+
+def assert_offload_as_recorded(recorded: dict) -> None:
+    """A recorded case of scripts/oracle_offload.py (or oracle_cadence.py --offload): every step,
+    every request's first-token and finish step, and every transfer equal vLLM's."""
+    theirs = recorded["vllm"]
+    async_scheduling = recorded["case"]["opts"].get("async_scheduling")
+    ours = (drive_offload_async if async_scheduling else drive_offload)(recorded["case"])
+    ours.pop("scheduler")
+    assert ours.get("error") == theirs.get("error")
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    assert ours["steps"] == steps
+    assert ours["requests"] == theirs["requests"]
+    assert ours["transfers"] == theirs["transfers"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from simkv.core.kv_offload import CPUOffloadManager, StoreAdmission, _Access
-from tests.core.helpers import assert_mutations_break, drive_offload, drive_offload_async
+from tests.core.helpers import assert_mutations_break, assert_offload_as_recorded, drive_offload, drive_offload_async
 
 
 def _store(manager: CPUOffloadManager, access: _Access, keys: list[int], first_position: int = 1):
@@ -117,17 +117,7 @@ and loaded back by next turns, three sync and two async; then parallel sampling 
 (`--parallel`: members that load their group's prompt from the tier), with drafts and with ARC.
 Every step, every request's
     first-token and finish step, and every transfer equal vLLM's."""
-    theirs = case["vllm"]
-    async_scheduling = case["case"]["opts"].get("async_scheduling")
-    ours = (drive_offload_async if async_scheduling else drive_offload)(case["case"])
-    ours.pop("scheduler")
-    assert ours.get("error") == theirs.get("error")
-    steps = list(theirs["steps"])
-    while steps and not any(steps[-1]):
-        steps.pop()
-    assert ours["steps"] == steps
-    assert ours["requests"] == theirs["requests"]
-    assert ours["transfers"] == theirs["transfers"]
+    assert_offload_as_recorded(case)
 
 
 ABORTS = json.loads((Path(__file__).parent / "data" / "offload_abort_vllm_cases.json").read_text())

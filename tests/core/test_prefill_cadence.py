@@ -225,18 +225,9 @@ def test_offload_same_steps_as_vllm(index: int) -> None:
     """Recorded cases of scripts/oracle_cadence.py --offload (a CPU tier through vLLM's
     OffloadingConnector: loads wait set aside, lookups to retry are skipped): every step,
     request and transfer."""
-    from tests.core.helpers import drive_offload, drive_offload_async
+    from tests.core.helpers import assert_offload_as_recorded
 
-    recorded = json.loads(OFFLOAD_DATA.read_text())["cases"][index]
-    theirs = recorded["vllm"]
-    ours = (drive_offload_async if recorded["case"]["opts"].get("async_scheduling") else drive_offload)(
-        recorded["case"])
-    steps = list(theirs["steps"])
-    while steps and not any(steps[-1]):
-        steps.pop()
-    assert ours["steps"] == steps
-    assert ours["requests"] == theirs["requests"]
-    assert ours["transfers"] == theirs["transfers"]
+    assert_offload_as_recorded(json.loads(OFFLOAD_DATA.read_text())["cases"][index])
 
 
 @pytest.mark.parametrize("index", range(6))
