@@ -47,7 +47,7 @@ class Request:
         "window_below", "window_offset", "last_chunk_step", "last_chunk_tokens", "prev_chunk_step", "prev_chunk_tokens",
         "stall_step", "prev_stall_step", "last_sched_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
-        "spec_drafts", "spec_prefill_chunk", "prefill_chunk", "num_draft_tokens", "num_accepted_tokens",
+        "spec_drafts", "spec_prefill_chunk", "prefill_chunk", "set_aside", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         "lora_id", "may_resend", "prompt_owner", "tie_rank", "members",
@@ -130,6 +130,7 @@ class Request:
         # yet verified; whether its latest scheduled chunk left prompt to compute; its totals.
         self.spec_drafts = 0
         self.prefill_chunk = True  # prefill cadence: its last chunk left prompt to compute (vLLM's is_prefill_chunk)
+        self.set_aside = False  # prefill cadence: skipped at a step while waiting, until admitted (deferred_waiting)
         self.spec_prefill_chunk = False
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -87,7 +87,6 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._last_prefill_step = -self.prefill_interval
         self._num_executed_steps = 0
         self._prefill_capacity_bound = False
-        self._set_aside: set[Request] = set()  # (cadence: waiting requests skipped at a step, vLLM's deferred_waiting)
         # LoRA (vLLM's lora_config): at most max_loras distinct adapters in the running batch
         self.max_loras = sc.max_loras if sc.enable_lora else None
         self.num_lora_deferrals = 0  # (a waiting request passed over in a step for want of an adapter slot)
@@ -690,8 +689,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 plan.query += request.num_tokens
                 plan.hit += computed.num_tokens
             queue.pop_request()
-            if self._set_aside:
-                self._set_aside.discard(request)
+            request.set_aside = False
             if queue is self.kv_holding:
                 self._num_kv_ready -= 1
             is_resumed = request.status == RequestStatus.PREEMPTED
@@ -734,10 +732,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         set aside until admitted (vLLM's deferred_waiting); a release step that leaves a waiting
         request not set aside makes the engine capacity-bound. The KV-holding queue's requests
         (pulls, CPU-tier loads) are all set aside."""
-        self._set_aside.update(skipped_waiting)
+        for request in skipped_waiting:
+            request.set_aside = True
         if not plan.defer_prefills:
-            aside = self._set_aside
-            self._prefill_capacity_bound = any(request not in aside for request in self.waiting)
+            self._prefill_capacity_bound = any(not request.set_aside for request in self.waiting)
 
     def _offload_stores(self, plan: StepPlan, stall_pos: int) -> None:
         """KV offloading: the step's requests offer the blocks it computes (prompt blocks only by

@@ -120,8 +120,9 @@ def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
 
 def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> None:
     """vLLM's API-server admission control (simkv/replay/admission.py) is modelled for one
-    engine, or a fleet of them without retrying clients, whose requests come as the trace
-    sends them."""
+    engine, a fleet (its clients may retry: the router routes the retry) and data-parallel ranks
+    whose clients do not retry, with requests that come as the trace sends them (not paced on
+    their replies)."""
     sc = config.scheduler
     if sc.max_num_queued_reqs is None and sc.max_num_queued_tokens is None:
         return

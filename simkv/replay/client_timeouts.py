@@ -16,7 +16,8 @@ up to that fraction, as that client does). The new attempt is a new request to v
 then, and its prompt finds the blocks the abandoned attempt left in the prefix cache. A request's latencies count from its
 first send, which is what its user waits; a request whose last attempt is abandoned is
 `timed_out`. With a queue limit (simkv/replay/admission.py) the clients retry the front end's
-HTTP 503s the same way, as the OpenAI client does, even without time-outs (one engine only).
+HTTP 503s the same way, as the OpenAI client does, even without time-outs (one engine, or a
+fleet: the router routes the retry).
 
 Under async scheduling (vLLM's serving default) the abort points are the same two, at step ends,
 while the next step is already in flight: a token counts as delivered when its step's output is

@@ -108,15 +108,18 @@ class ArrivalFeed:
         """P/D: the engine's scheduler waits for a transfer to end (a step may then run nothing)."""
         return False
 
-    def _deliver(self, i: int) -> None:
+    def _deliver(self, i: int) -> bool:
+        """Send row `i` to the engine; False if it was rejected (a prompt of max_model_len tokens
+        or more, or vLLM's admission control: HTTP 503)."""
         prompt = self._prompt_list[i]
         if prompt >= self.max_model_len or (
                 self.queue_limits is not None
                 and not self.queue_limits.admits(self.scheduler, int(self.trace.n[i]) if self.trace.n is not None else 1)):
             self.num_rejected += 1
             self.request_log.reject(i)
-            return
+            return False
         self.scheduler.add_request(self.make_request(i))
+        return True
 
     def make_request(self, i: int) -> Request:
         trace = self.trace

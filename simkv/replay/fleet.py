@@ -20,7 +20,7 @@ import simpy
 
 from simkv.core.request import Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
+from simkv.replay.results import (admission_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
@@ -285,9 +285,7 @@ class ReplicaFeed(ArrivalFeed):
                 self.scheduler.add_request(row)
                 row = row.prompt_owner  # (sessions: the row's turn may end here)
             else:
-                refused = self.num_rejected
-                self._deliver(row)
-                if self.num_rejected != refused:  # (the replica's front end answered 503: simkv/replay/admission.py)
+                if not self._deliver(row):  # (the replica's front end answered 503: simkv/replay/admission.py)
                     self.routing.note_aborted(self.replica, now)
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)
@@ -444,12 +442,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
-    front_ends = ([routing.queue_limits] if getattr(routing, "queue_limits", None) is not None  # (DP: one)
-                  else [run.feed.queue_limits for run in runs if run.feed.queue_limits is not None])
-    if front_ends:  # (each replica's front end: their refusals summed)
-        from simkv.replay.admission import merged_summary
-
-        summary["admission_control"] = merged_summary(front_ends)
+    summary |= admission_summary(runs, routing)
     if routing.sessions is not None:
         summary["session_pacing"] = routing.sessions.summary()
     if routing.clients is not None:

@@ -174,7 +174,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | client_summary(run, requests) | admission_summary(run) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
@@ -207,11 +207,16 @@ def parallel_sampling_row(section: dict) -> tuple[str, str]:
     return "parallel sampling", text
 
 
-def admission_summary(run: ReplayRun) -> dict:
+def admission_summary(runs: list[ReplayRun], routing=None) -> dict:
     """vLLM's API-server admission control: summary.json's `admission_control` (the limits and
-    the requests each refused), only where a limit is set."""
-    limits = getattr(run.feed, "queue_limits", None)
-    return {"admission_control": limits.summary()} if limits is not None else {}
+    the requests refused by each, summed over the front ends: every engine's, or data-parallel
+    ranks' one, the routing's), only where a limit is set."""
+    from simkv.replay.admission import merged_summary
+
+    shared = getattr(routing, "queue_limits", None)
+    front_ends = [shared] if shared is not None else [
+        run.feed.queue_limits for run in runs if getattr(run.feed, "queue_limits", None) is not None]
+    return {"admission_control": merged_summary(front_ends)} if front_ends else {}
 
 
 def lora_summary(config, runs, trace, capacity=None, backend=None) -> dict:
