@@ -12,6 +12,8 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
                                                         # replicas (P/D disaggregation)
     .venv/bin/python bench/replay_speed.py azure-pd4-async  # the same with --async-scheduling in both pools
+    .venv/bin/python bench/replay_speed.py azure-70b-tp4 azure-70b-pp2  # the Azure trace on llama-3-70b, 4 H100s as
+                                                        # TP 4, or TP 2 x PP 2 (pipeline stages: every request stepped)
     .venv/bin/python bench/replay_speed.py azure-spec   # the Azure trace with EAGLE-3 speculative decoding (K=3):
                                                         # decodes are chunks, no decode runs
     .venv/bin/python bench/replay_speed.py azure-gemma3 # the Azure trace on gemma-3-12b (5 of 6 layers slide over
@@ -68,11 +70,14 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
+    if case_setup.startswith("azure-70b"):
+        options |= {"model": "llama-3-70b", "tensor_parallel_size": 4 if case_setup.endswith("tp4") else 2,
+                    "pipeline_parallel_size": 2 if case_setup.endswith("pp2") else 1}
     if case == "azure-lora4":
         from simkv.traces.lora import assign_adapters
 
         return assign_adapters(import_trace("azure", [AZURE])[0], 16, 1.0, seed=0)
-    if case in ("azure", "azure-async", "azure-spec", "azure-gemma3", "azure-llama4", "azure-qwen3next",
+    if case in ("azure", "azure-async", "azure-spec", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async", "azure-gemma3", "azure-llama4", "azure-qwen3next",
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
         return import_trace("azure", [AZURE])[0]
@@ -131,6 +136,9 @@ def run_case(case: str) -> dict:
                     "enable_prefix_caching": case.endswith("-pc")}
     if case == "azure-oss-spec":
         options |= {"model": "gpt-oss-120b", "gpu": "H100-SXM"}
+    if case_setup.startswith("azure-70b"):
+        options |= {"model": "llama-3-70b", "tensor_parallel_size": 4 if case_setup.endswith("tp4") else 2,
+                    "pipeline_parallel_size": 2 if case_setup.endswith("pp2") else 1}
     if case == "azure-lora4":
         options |= {"enable_lora": True, "max_loras": 4}
     if case_setup in ("azure-clients", "azure-pd2-clients"):

@@ -77,11 +77,8 @@ def make_case(rng, aborts: bool = False) -> dict:
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 def run_vllm(case: dict) -> dict:
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
 
-    import oracle
     o = case["opts"] | {"group_windows": case.get("group_windows"),  # (oracle_hybrid.py's cases have groups)
                         "group_chunked": case.get("group_chunked", False),
                         "group_linear": case.get("group_linear"),  # (oracle_linear.py's: Mamba groups)
@@ -100,21 +97,12 @@ def run_vllm(case: dict) -> dict:
 
     ids_of = oracle_vllm.sample_ids(case["requests"])  # (--parallel: a row's n requests)
 
-    def make(r, rid):
-        tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
-              "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
-        ids = oracle.make_prompt_ids(tr, 0, 0, {})
-        sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
-                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                       block_hasher=hasher)
-
     aborts = case.get("aborts", [])
 
     def step(step_index, arrived):
         for r in arrived:
             for rid in ids_of[r["row"]]:
-                sched.add_request(make(r, rid))
+                sched.add_request(oracle_vllm.vllm_request(r, rid, hasher))
         oracle_vllm.take_aborts(sched, aborts, step_index, "before")
         so = sched.schedule()
         n_running, n_waiting = sched.get_request_counts()
@@ -127,16 +115,7 @@ def run_vllm(case: dict) -> dict:
         accepted_total[0] += accepted
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
-        for eco in sched.update_from_output(so, mro).values():
-            stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats is not None else None
-            if stats is not None:
-                prefix[0] += stats.queries + stats.preempted_queries
-                prefix[1] += stats.hits + stats.preempted_hits
-            for out in eco.outputs:
-                if out.new_token_ids and out.request_id not in first_token:
-                    first_token[out.request_id] = step_index
-                if out.finish_reason is not None:
-                    finish[out.request_id] = step_index
+        oracle_vllm.record_outputs(sched.update_from_output(so, mro), step_index, prefix, first_token, finish)
         if accept is not None:
             oracle_vllm.propose_drafts(sched, so, req_ids, accept)
         return row, not sched.has_requests()

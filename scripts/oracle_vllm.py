@@ -132,6 +132,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
         setattr(vllm_config.scheduler_config, key, o[key])
     vllm_config.scheduler_config.async_scheduling = async_scheduling
+    # (pipeline parallelism: set after the config is built, which would look for the stages' GPUs)
+    vllm_config.parallel_config.pipeline_parallel_size = o.get("pipeline_parallel_size", 1)
     vllm_config.cache_config.enable_prefix_caching = o["enable_prefix_caching"]
     vllm_config.cache_config.num_gpu_blocks = o["num_gpu_blocks"]
     # KV-cache groups: one full-attention group, or (`group_windows`: simkv's groups of a model with
@@ -248,6 +250,36 @@ def async_step_meta(sched, so, running_before: set) -> dict:
     return {rid: (not sched.requests[rid].is_prefill_chunk,
                   rid not in running_before and rid in so.scheduled_spec_decode_tokens)
             for rid in so.num_scheduled_tokens}
+
+
+def vllm_request(r: dict, rid: str, hasher):
+    """vLLM's Request for the case's row `r` (its prompt ids from the oracle's token maker),
+    greedy, ignoring EOS, `r["output"]` tokens long."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    import oracle
+    tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
+          "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
+    ids = oracle.make_prompt_ids(tr, 0, 0, {})
+    sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
+    return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                   arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"], block_hasher=hasher)
+
+
+def record_outputs(engine_core_outputs: dict, step: int, prefix: list, first_token: dict, finish: dict) -> None:
+    """update_from_output's results for `step`: the prefix-cache counts (queried, hit) added to
+    `prefix`, each request's first token and finish step."""
+    for eco in engine_core_outputs.values():
+        stats = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats is not None else None
+        if stats is not None:
+            prefix[0] += stats.queries + stats.preempted_queries
+            prefix[1] += stats.hits + stats.preempted_hits
+        for out in eco.outputs:
+            if out.new_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = step
+            if out.finish_reason is not None:
+                finish[out.request_id] = step
 
 
 def random_aborts(rng, requests: list[dict]) -> list[dict]:

@@ -49,6 +49,11 @@ class Capacity:
     num_offload_chunks: int = 0  # KV offloading's CPU tier, in chunks of blocks_per_chunk blocks (over all GPUs, page-aligned)
     offload_chunk_bytes: int = 0  # one of those chunks
     lora_bytes: int | None = 0  # LoRA slots' buffers on one GPU (None: not modelled for this architecture)
+    # pipeline parallelism: each stage's layers, and the stage whose GPUs hold the fewest blocks
+    # (all stages get that many) with its weights per GPU
+    pipeline_layers: tuple[int, ...] = ()
+    pipeline_binding_stage: int = 0
+    pipeline_stage_weight_bytes: int = 0
 
     @property
     def max_concurrency(self) -> float:
@@ -111,6 +116,43 @@ def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
     return per_token
 
 
+def pipeline_layers(num_layers: int, pipeline_parallel_size: int) -> list[int]:
+    """Layers of each pipeline stage as vLLM's get_pp_indices splits them: evenly, the remainder
+    one each to the stages before the last, from the last but one backwards."""
+    parts = [num_layers // pipeline_parallel_size] * pipeline_parallel_size
+    for i in range(2, num_layers % pipeline_parallel_size + 2):
+        parts[-i] += 1
+    return parts
+
+
+def _pipeline_stage_blocks(config: EngineConfig, per_token: int, lora_bytes: int) -> tuple[int, int, int, int, int]:
+    """Pipeline parallelism: each stage's GPUs hold their layers' weights and KV (the first stage
+    also the input embedding, the last the LM head), and vLLM gives every stage the blocks of the
+    one with the fewest: (blocks, that stage's KV memory, its K and V bytes per token, the stage,
+    its weights per GPU)."""
+    spec = config.hardware.model_spec()
+    gpu = get_gpu_spec(config.hardware.gpu)
+    tp = config.hardware.tensor_parallel_size
+    layers = pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size)
+    layer_bytes = spec.layer_weight_bytes + spec.routed_expert_bytes  # (taken as spread evenly over the layers)
+    embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
+    budget = gpu.memory_bytes * config.cache.gpu_memory_utilization - activation_reserve_bytes(config)
+    best = None
+    for i, n in enumerate(layers):
+        share = n / spec.num_layers
+        weights = (layer_bytes * share + embedding_bytes * ((i == 0) + (i == len(layers) - 1))) / tp
+        stage_per_token = per_token * n // spec.num_layers
+        available = int(budget - weights - lora_bytes * share)
+        if available <= 0:
+            raise ConfigError(
+                f"No available memory for the cache blocks on pipeline stage {i} ({n} layers). Try increasing "
+                "`gpu_memory_utilization` when initializing the engine.")
+        blocks = available // (stage_per_token * config.cache.block_size)
+        if best is None or blocks < best[0]:
+            best = (blocks, available, stage_per_token, i, int(weights))
+    return best
+
+
 def compute_capacity(config: EngineConfig) -> Capacity:
     """Blocks of the KV cache, given (`num_gpu_blocks`) or derived from memory like vLLM."""
     spec = config.hardware.model_spec()
@@ -134,7 +176,20 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     mml = config.max_model_len
     lora = lora_slot_bytes(spec, tp, config.scheduler.max_lora_rank) if config.scheduler.enable_lora else 0
     lora_bytes = None if lora is None else lora * config.scheduler.max_loras
-    if cc.num_gpu_blocks is not None:
+    stages = ()
+    binding = stage_weights = 0
+    if config.hardware.pipeline_parallel_size > 1:  # (one stage's GPUs: its layers' share; full-attention models)
+        stages = tuple(pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size))
+        if cc.num_gpu_blocks is None:
+            num_blocks, available, per_token, binding, stage_weights = _pipeline_stage_blocks(
+                config, per_token, lora_bytes or 0)
+        else:  # (the stage with the most layers)
+            binding = stages.index(max(stages))
+            per_token = per_token * stages[binding] // spec.num_layers
+            num_blocks = cc.num_gpu_blocks
+            available = num_blocks * per_token * cc.block_size
+        block_bytes = per_token * cc.block_size
+    elif cc.num_gpu_blocks is not None:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks
     else:
@@ -173,7 +228,8 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         if num_offload_chunks < 1:
             raise ConfigError(f"kv_offloading_size {cc.kv_offloading_size} GiB holds no chunk of {chunk_bytes} bytes")
     return Capacity(per_token // dcp, int(num_blocks), int(available), bs, mml, num_cpu_blocks,
-                    per_request if hybrid else 0, int(block_bytes), num_offload_chunks, chunk_bytes, lora_bytes)
+                    per_request if hybrid else 0, int(block_bytes), num_offload_chunks, chunk_bytes, lora_bytes,
+                    stages, binding, stage_weights)
 
 
 def lora_slot_bytes(spec, tensor_parallel_size: int, max_lora_rank: int) -> int | None:

@@ -275,6 +275,13 @@ class HardwareConfig:
     # by tokens (each stores block_size tokens of every block of block_size x DCP) instead of
     # each holding every token of its heads (a latent, or KV heads duplicated when TP > KV heads)
     decode_context_parallel_size: int = 1
+    # vLLM's --pipeline-parallel-size: the model's layers split over that many stages (each on
+    # its own TP GPUs, layers as vLLM's get_pp_indices splits them); the engine keeps that many
+    # batches in flight, one more under async scheduling (simkv/replay/pipeline.py)
+    pipeline_parallel_size: int = 1
+    # the link between pipeline stages, GB/s one way (None: the GPU's interconnect_gbs); a
+    # step's hidden states cross it at every stage boundary
+    pipeline_link_gbs: float | None = None
     # vLLM's --quantization: None (the checkpoint's weights as they are) or "fp8" (vLLM quantizes a
     # bf16 checkpoint's linear layers and experts to fp8 as it loads them: ModelSpec.quantized)
     quantization: str | None = None
@@ -309,6 +316,14 @@ class HardwareConfig:
                                   f"divisible by `--decode-context-parallel-size` ({dcp}) for GQA/MQA.")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ConfigError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        if pp > spec.num_layers:
+            raise ConfigError(f"pipeline_parallel_size {pp}: {self.model} has {spec.num_layers} layers, fewer "
+                              "than the stages")
+        if self.pipeline_link_gbs is not None and self.pipeline_link_gbs <= 0:
+            raise ConfigError(f"pipeline_link_gbs must be > 0, got {self.pipeline_link_gbs}")
         if self.data_parallel_size > 1 and not spec.is_moe:
             raise ConfigError(f"data_parallel_size {self.data_parallel_size}: {self.model} is dense, and vLLM's "
                               "data-parallel ranks of a dense model are independent engines: replay them as a "
@@ -548,6 +563,8 @@ class EngineConfig:
             self._verify_data_parallel()
         if self.hardware.decode_context_parallel_size > 1:
             self._verify_decode_context_parallel()
+        if self.hardware.pipeline_parallel_size > 1:
+            self._verify_pipeline_parallel()
         if self.has_sliding_window:
             self._verify_sliding_window()
         elif self.attention.prefix_cache_retention_interval not in (0, None):
@@ -785,6 +802,28 @@ class EngineConfig:
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"data_parallel_size > 1 is not modelled with {what}")
+
+    def _verify_pipeline_parallel(self) -> None:
+        """Pipeline parallelism (core/scheduler.py, replay/pipeline.py) is modelled for vLLM v1's
+        engine on models whose layers all attend the whole context."""
+        sched, cache = self.scheduler, self.cache
+        unsupported = [(self.has_sliding_window or self.has_linear_attention or self.kv_cache_groups.is_hybrid,
+                        f"sliding-window, chunked-local or linear-attention layers (model {self.hardware.model})"),
+                       (self.speculative.enabled, "speculative decoding"),
+                       (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
+                       (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
+                       (cache.kv_offloading_size is not None, "KV offloading"),
+                       (sched.prefill_schedule_interval > 1, "prefill_schedule_interval > 1"),
+                       (sched.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
+                       (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
+                       (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
+                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
+                       (sched.max_num_admissions_per_step is not None, "max_num_admissions_per_step"),
+                       (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"pipeline_parallel_size > 1 is not modelled with {what} yet")
 
     def _verify_decode_context_parallel(self) -> None:
         if self.has_sliding_window:  # (vLLM asserts it)

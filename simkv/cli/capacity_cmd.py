@@ -39,6 +39,14 @@ def capacity_report(config: EngineConfig) -> dict:
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
     if config.hardware.quantization:
         extra["quantization"] = config.hardware.quantization
+    pp = config.hardware.pipeline_parallel_size
+    weights_per_gpu = int(spec.weight_bytes_per_gpu(tp, dp))
+    if pp > 1:  # (per GPU: the figures of the stage with the fewest blocks, which every stage gets)
+        extra["pipeline"] = {"pipeline_parallel_size": pp, "layers_per_stage": list(cap.pipeline_layers),
+                             "binding_stage": cap.pipeline_binding_stage}
+        weights_per_gpu = cap.pipeline_stage_weight_bytes or weights_per_gpu
+        model_per_token = gpu_per_token * tp * spec.num_layers // cap.pipeline_layers[cap.pipeline_binding_stage] \
+            if not spec.is_mla else model_per_token
     if cap.num_offload_chunks:  # KV offloading's CPU tier (vLLM's --kv-offloading-size): chunks of the engine's blocks
         chunk_tokens = cc.kv_offloading_block_size or cc.block_size
         tier_tokens = cap.num_offload_chunks * chunk_tokens
@@ -83,7 +91,7 @@ def capacity_report(config: EngineConfig) -> dict:
         "kv_bytes_per_request": per_request_gpu * tp if hybrid else model_per_token * mml,  # all GPUs
         "kv_bytes_per_request_per_gpu": per_request_gpu,
         "block_bytes_per_gpu": cap.block_bytes,
-        "weight_bytes_per_gpu": int(spec.weight_bytes_per_gpu(tp, dp)),  # (the draft network's, if any, not included)
+        "weight_bytes_per_gpu": weights_per_gpu,  # (the draft network's, if any, not included)
         "num_params": spec.num_params,
         "num_active_params": spec.num_active_params,  # per token (a mixture of experts: k experts)
         "available_kv_bytes_per_gpu": cap.available_kv_bytes,
@@ -105,6 +113,8 @@ def print_report(rep: dict) -> None:
 
     tp = rep["tensor_parallel_size"]
     gpus = f"{rep['data_parallel_size']} x {tp}" if rep.get("data_parallel_size") else f"{tp}"
+    if rep.get("pipeline"):
+        gpus = f"{rep['pipeline']['pipeline_parallel_size']} stages x {tp}"
     table = Table(title=f"KV cache capacity: {rep['model']} on {gpus} x {rep['gpu']}", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -129,6 +139,10 @@ def print_report(rep: dict) -> None:
         kinds = groups["summary"] if groups["hybrid_kv_cache_manager"] else "1 (hybrid manager disabled)"
         rows.insert(0, ("KV-cache groups", kinds))
         rows.insert(1, ("layers per block (padding)", f"{groups['layers_per_block']} ({groups['num_padding_layers']})"))
+    if rep.get("pipeline"):
+        pipe = rep["pipeline"]
+        rows.insert(0, ("pipeline stages: layers each (per-GPU figures: stage)",
+                        f"{', '.join(map(str, pipe['layers_per_stage']))} ({pipe['binding_stage']})"))
     if rep.get("data_parallel_size"):
         rows.append(("data-parallel ranks (each its own KV cache)", f"{rep['data_parallel_size']}"))
         rows.append(("KV cache tokens, all ranks", f"{rep['kv_cache_tokens_all_ranks']:,}"))
@@ -183,6 +197,8 @@ def print_report(rep: dict) -> None:
               help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")
 @click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
               help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens [default: 1]")
+@click.option("--pipeline-parallel-size", "-pp", type=int, default=None,
+              help="vLLM's: the layers split over that many stages of TP GPUs each [default: 1]")
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
               help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
@@ -248,7 +264,8 @@ def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, *
 
 def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     """Every layout of `num_gpus` GPUs: engines of TP GPUs (num_gpus / TP of them, independent),
-    and for a mixture of experts one engine of num_gpus / TP data-parallel ranks; for each, the
+    engines of PP pipeline stages of TP GPUs each (where simkv models pipeline parallelism), and
+    for a mixture of experts one engine of num_gpus / TP data-parallel ranks; for each, the
     weights and KV memory per GPU and the KV cache tokens in all (or why it does not fit)."""
     if num_gpus < 1:
         raise ConfigError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
@@ -256,23 +273,34 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
     base = build_config(flags, config_file)
     spec = base.hardware.model_spec()
+    if flags.get("pipeline_parallel_size") is not None:
+        raise ConfigError("--layouts tries every pipeline parallelism itself: drop -pp")
     rows = []
     for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0):
-        kinds = [("engines", 1)] + ([("data-parallel ranks", num_gpus // tp)] if spec.is_moe and tp < num_gpus else [])
-        for kind, dp in kinds:
-            row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "copies": num_gpus // tp,
-                   "layout": (f"{num_gpus // tp} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}")}
+        kinds = [("engines", 1, 1)] + ([("data-parallel ranks", num_gpus // tp, 1)] if spec.is_moe and tp < num_gpus else [])
+        # (pipelines of PP stages of TP GPUs each, where simkv models them)
+        kinds += [("pipelines", 1, pp) for pp in range(2, num_gpus // tp + 1) if num_gpus // tp % pp == 0]
+        for kind, dp, pp in kinds:
+            copies = num_gpus // (tp * pp)
+            row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "pipeline_parallel_size": pp,
+                   "copies": copies,
+                   "layout": (f"{copies} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}" if dp > 1
+                              else f"{copies} x TP {tp} x PP {pp}")}
             try:
-                config = build_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp})
+                config = build_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp}
+                                      | ({"pipeline_parallel_size": pp} if pp > 1 else {}))
                 cap = compute_capacity(config)
             except ConfigError as exc:
+                if pp > 1 and "not modelled" in str(exc):
+                    continue
                 rows.append(row | {"fits": False, "why": str(exc)})
                 continue
-            rows.append(row | {"fits": True, "weight_bytes_per_gpu": int(spec.weight_bytes_per_gpu(tp, dp)),
+            weights = cap.pipeline_stage_weight_bytes if pp > 1 else int(spec.weight_bytes_per_gpu(tp, dp))
+            rows.append(row | {"fits": True, "weight_bytes_per_gpu": weights,
                                "available_kv_bytes_per_gpu": cap.available_kv_bytes,
                                "num_gpu_blocks": cap.num_gpu_blocks, "block_size": cap.block_size,
-                               "kv_cache_tokens_all": cap.kv_cache_tokens * (num_gpus // tp),
-                               "max_concurrency_all": cap.max_concurrency * (num_gpus // tp)})
+                               "kv_cache_tokens_all": cap.kv_cache_tokens * copies,
+                               "max_concurrency_all": cap.max_concurrency * copies})
     return {"model": base.hardware.model, "gpu": base.hardware.gpu, "num_gpus": num_gpus,
             "max_model_len": base.max_model_len, "layouts": rows} | (
         {"quantization": base.hardware.quantization} if base.hardware.quantization else {})

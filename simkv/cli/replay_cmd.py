@@ -28,6 +28,7 @@ _ENGINE_FLAGS = {
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
     "data_parallel_size": "data_parallel_size", "quantization": "quantization",
     "decode_context_parallel_size": "decode_context_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "parallel_sampling": "parallel_sampling",
@@ -215,6 +216,11 @@ _ENGINE_OPTIONS = [
     click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
                  help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens (a latent, or KV heads "
                       "duplicated when TP exceeds them, is then not held whole on every GPU) [default: 1]"),
+    click.option("--pipeline-parallel-size", "-pp", type=int, default=None,
+                 help="vLLM's: the layers split over that many stages of TP GPUs each; the engine keeps that many "
+                      "batches in flight (one more under async scheduling) [default: 1]"),
+    click.option("--pipeline-link-gbs", type=float, default=None,
+                 help="GB/s between pipeline stages, per GPU [default: the GPU's interconnect]"),
     click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
                  help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts as it loads them "
                       "(half the weight memory; fp8 matmuls on GPUs with fp8 tensor cores) [default: the checkpoint's]"),

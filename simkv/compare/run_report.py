@@ -65,6 +65,10 @@ def _summary_table(summary: dict) -> str:
         from simkv.replay.results import parallel_sampling_row
 
         rows.append(parallel_sampling_row(summary["parallel_sampling"]))
+    if summary.get("pipeline"):
+        from simkv.replay.pipeline import pipeline_row
+
+        rows.append(pipeline_row(summary["pipeline"]))
     lora = summary.get("lora")
     if lora:
         memory = (f", slots {lora['slots_gib_per_gpu']:.2f} GiB a GPU" if lora.get("slots_gib_per_gpu") is not None

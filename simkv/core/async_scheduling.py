@@ -36,7 +36,7 @@ class AsyncScheduling:
     def token_delivered(self, step: int) -> bool:
         """Whether a token sampled in `step` (-1: none yet) has reached its client: its step's
         output was processed (async scheduling counts a token when its step is scheduled)."""
-        return 0 <= step and (not self.async_scheduling or step <= self._processed_through)
+        return 0 <= step and (not self.overlapped or step <= self._processed_through)
 
     def _ran_in_flight(self, request: Request) -> bool:
         """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
@@ -152,7 +152,7 @@ class AsyncScheduling:
         """A running request aborted (its client left) after a step ended and before its output
         is processed, the next step in flight: its computed tokens (those scheduled count) and
         how many of them have their KV cached (as for a preemption victim at the next schedule)."""
-        if self._spec_async:  # (speculative decoding: every request runs chunks; what is cached is counted)
+        if self._counts_in_flight:  # (speculative decoding: every request runs chunks; what is cached is counted)
             if not request.is_finishing:
                 self._prefilling.remove(request)
             return request.num_computed_tokens, self._spec_async_preempt(request)

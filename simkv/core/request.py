@@ -48,7 +48,7 @@ class Request:
         "stall_step", "prev_stall_step", "last_sched_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "prefill_chunk", "set_aside", "num_draft_tokens", "num_accepted_tokens",
-        "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks",
+        "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks", "num_stale_tokens", "next_decode_call",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
         "lora_id", "may_resend", "prompt_owner", "tie_rank", "members",
         # metrics, filled by the scheduler (step indices) and the driver (times)
@@ -140,6 +140,12 @@ class Request:
         self.num_output_placeholders = 0
         self.num_in_flight_tokens = 0
         self.num_cached_blocks = 0
+        # tokens of steps in flight when it was last preempted: their output, when it comes, is
+        # delivered but changes no counter (vLLM's num_stale_output_tokens)
+        self.num_stale_tokens = 0
+        # pipeline parallelism under async scheduling: the schedule() call from which it may run
+        # again after sampling (vLLM's next_decode_eligible_step: a call every pp_size)
+        self.next_decode_call = 0
         self.last_token_step = -1
         self.swapped_blocks = 0  # blocks of KV held in CPU swap space while preempted by swapping
         # Parallel sampling: the request is fanned out into `num_samples` requests when it arrives

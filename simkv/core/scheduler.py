@@ -100,12 +100,26 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.detail = detail
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
-        self._last_schedule = (-1, 0)  # async: (step, blocks it took) of the latest schedule() call
+        self._recent_takes: list[tuple[int, int]] = []  # async, PP: (step, blocks it took) of schedule() calls not processed
         self._scheduled_through = -1  # async: the latest step scheduled (that runs tokens)
         self._processed_through = -1  # async: the latest step whose output was processed
-        self.chunked_decodes = bool(self.num_spec_tokens)
-        # async scheduling with speculative decoding: vLLM's placeholder counters (spec_decode.py)
-        self._spec_async = self.chunked_decodes and self.async_scheduling
+        # Pipeline parallelism: the engine keeps pp_size batches in flight (one more under async
+        # scheduling), so schedule() runs ahead of update_from_output by several steps. A decode
+        # is then a chunk, as under speculative decoding, and vLLM's counters say what is in
+        # flight; under async scheduling a request that sampled waits pp_size schedule() calls
+        # (vLLM's decode stagger, which its batch queue's sampled-token ring needs).
+        self.pipeline_parallel_size = config.hardware.pipeline_parallel_size
+        pipelined = self.pipeline_parallel_size > 1
+        self.overlapped = self.async_scheduling or pipelined  # schedule() comes before an earlier step's output
+        self.chunked_decodes = bool(self.num_spec_tokens) or pipelined
+        # vLLM's counters (spec_decode.py): a chunk's tokens count as computed when it is scheduled;
+        # placeholders stand for the tokens in flight under async scheduling only
+        self._counts_in_flight = self.chunked_decodes and self.overlapped
+        self._decode_stagger = self.pipeline_parallel_size if pipelined and self.async_scheduling else 0
+        self._num_schedule_calls = 0  # (vLLM's current_step: every schedule() call, empty ones too)
+        # under pipeline parallelism every token gap is timed from step ends (replay/results.py):
+        # (previous token's step, token's step) -> tokens
+        self.pipeline_gaps: dict[tuple[int, int], int] | None = {} if pipelined else None
         groups = config.kv_cache_groups
         # EAGLE family and MTP without a connector: a block's key covers the token after it
         # (vLLM's lookahead block hashes; under a connector the last-block drop instead)
@@ -299,7 +313,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # A swapped request keeps its computed tokens (its KV waits in CPU memory); the GPU
         # blocks are released like a finished request's. Otherwise RECOMPUTE (or restart).
         cache_end = computed + scheduled_tokens
-        if self._spec_async:
+        if self._counts_in_flight:
             cache_end = self._spec_async_preempt(request)
         elif self.async_scheduling and decoding:
             cache_end = self._async_cache_end(request, computed, scheduled_tokens, step, in_flight)
@@ -345,7 +359,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def schedule(self) -> SchedulerOutput:
         step = self.current_step
         self.current_step += 1
-        if self.async_scheduling:
+        self._num_schedule_calls += 1
+        if self.overlapped:
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
@@ -406,15 +421,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._mark_prefill_chunks(plan.chunks)
         if self.chunked_decodes:
             to_propose = self._spec_tokens_to_schedule(len(plan.chunks))
-            if self._spec_async:
+            if self._counts_in_flight:
                 verify, drafts = self._spec_async_after_schedule(plan.chunks, to_propose)
             else:
                 verify, drafts = self._spec_after_schedule(plan.chunks)
-        if self.async_scheduling:
-            self._last_schedule = (step, num_blocks_used - used_before)
+        if self.overlapped:
+            self._note_take(step, num_blocks_used - used_before)
             num_waiting += self._num_preempted_finishing()
             if plan.chunks:
-                if not self._spec_async:  # (under it, _spec_async_after_schedule did)
+                if not self._counts_in_flight:  # (under it, _spec_async_after_schedule did)
                     self._advance_scheduled_chunks(plan.chunks, step)
             elif not num_decodes:
                 self.current_step = step  # nothing to run: not a step (the engine waits for the one in flight)
@@ -483,6 +498,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 continue  # prefill cadence: its prompt's next chunk waits for a step that carries prefill
             if request.num_output_placeholders and self._spec_async_done(request):
                 continue
+            if self._num_schedule_calls < request.next_decode_call:
+                continue  # pipeline parallelism, async: it sampled fewer than pp_size calls ago
             plan.moved_ahead = False
             is_decoder = request.decode_base is not None  # a steady decoder due for a block (or a copy)
             if is_decoder:
@@ -506,7 +523,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     if self._preempt_for(request, step, plan):
                         break
                 scheduled = request.status == RequestStatus.RUNNING and not plan.blocked
-                if scheduled and self._spec_async:
+                if scheduled and self._counts_in_flight:
                     self._note_cached(request, computed + num_new)
             if plan.blocked:  # it and the requests after it wait (the budget stays for admissions)
                 return self._position(request)
@@ -625,6 +642,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 queue = self.waiting
                 request = queue.peek_request()
                 holds_kv = bool(request.swapped_blocks)
+            if request.num_stale_tokens:  # (pipeline parallelism: an output from before its preemption is in
+                skipped_waiting.append(queue.pop_request())  # flight; resuming could resample its position)
+                continue
             if (loras is not None and request.lora_id and len(loras) == self.max_loras
                     and request.lora_id not in loras):  # (no adapter slot: it waits, the next may go)
                 self.num_lora_deferrals += 1
@@ -676,7 +696,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 break
             if request.kv_role == KV_PULL:  # (P/D: its local hits covered what a pull would load)
                 request.kv_role = 0
-            if self._spec_async:
+            if self._counts_in_flight:
                 self._note_cached(request, base + computed.num_tokens + num_new)
             if swapped:  # swap-in: its KV comes back from CPU memory into the new blocks
                 self.cpu_blocks_used -= swapped
@@ -826,10 +846,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Apply the step's sampled tokens: prefills that reached their end sample a token,
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
-        if self.async_scheduling:
+        if self.overlapped:
             self.output_processed(step)
         if self.chunked_decodes:
-            done = self._spec_async_update(output) if self._spec_async else self._spec_update(output)
+            done = self._spec_async_update(output) if self._counts_in_flight else self._spec_update(output)
             output.finished, output.num_blocks_used_end = self._end_step(done, step)
             return output.finished
         if self.async_scheduling:
@@ -864,10 +884,21 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             finished.sort(key=_seq_of)
             finished = self._finish(finished, step)
         used = self.kv_cache_manager.block_pool.get_num_used_blocks()
-        last_step, taken = self._last_schedule
-        if last_step > step:  # async: the next step was scheduled first; its blocks are not this step's
+        takes = self._recent_takes
+        if takes and takes[0][0] <= step:
+            takes[:] = [entry for entry in takes if entry[0] > step]
+        for _, taken in takes:  # async, PP: later steps were scheduled first; their blocks are not this step's
             used -= taken
         return finished, used
+
+    def _note_take(self, step: int, taken: int) -> None:
+        """A schedule() call for `step` took `taken` blocks (a call that ran nothing, then the
+        one that runs `step`, keep the latter's)."""
+        takes = self._recent_takes
+        if takes and takes[-1][0] == step:
+            takes[-1] = (step, taken)
+        else:
+            takes.append((step, taken))
 
     def _sample_after_prefill(self, request: Request, step: int) -> list[Request]:
         """The request's prefill (or recompute) ended in `step`, which samples its next token:
@@ -907,7 +938,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 kv.decode_release(request, self._processed_tokens(request, computed, step + 1)
                                   if self.async_scheduling else computed)
             if not self._hold_for_sending(request):
-                cache_end = request.num_cached_blocks * self.block_size if self._spec_async else request.num_computed_tokens
+                cache_end = request.num_cached_blocks * self.block_size if self._counts_in_flight else request.num_computed_tokens
                 self._free_finished(request, cache_end, completed=True)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)
@@ -949,7 +980,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         in_flight = unknown = 0
         if status == RequestStatus.RUNNING and self.async_scheduling and (
                 self.offload is not None or self._release_at_finish):
-            in_flight, unknown = ((request.num_in_flight_tokens, 0) if self._spec_async
+            in_flight, unknown = ((request.num_in_flight_tokens, 0) if self._counts_in_flight
                                   else self._unprocessed_work(request))
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
@@ -980,7 +1011,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         with a connector under async scheduling, if a step not yet processed ran it), cached as
         far as vLLM had cached them; `in_flight`: its tokens of steps whose output is not processed."""
         unprocessed = self.defer_block_free and self._ran_unprocessed(request)  # (before it leaves decoding)
-        if self.async_scheduling:
+        if self.overlapped:
             computed, cache_end = self._async_abort_extent(request)
         elif request.decode_base is not None:  # (its token of a step that ran counts: current_step is past it)
             computed = cache_end = self._leave_decoding(request, self.current_step)

@@ -222,16 +222,21 @@ class SpecDecode:
     def _spec_async_preempt(self, request: Request) -> int:
         """The request is preempted: returns the tokens whose blocks vLLM has cached."""
         cache_end = request.num_cached_blocks * self.block_size
+        request.num_stale_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_cached_blocks = 0
         return cache_end
 
-    @staticmethod
-    def _spec_async_after_schedule(chunks: list[ScheduledChunk], num_to_propose: int) -> tuple[int, int]:
+    def _spec_async_after_schedule(self, chunks: list[ScheduledChunk], num_to_propose: int) -> tuple[int, int]:
         """The step is scheduled (vLLM's AsyncScheduler._update_after_schedule): its tokens count
         as computed and in flight; a chunk that reaches the request's end samples, so the request
         gains placeholders for its token and its drafts, and K placeholder drafts to schedule
-        next. Returns the tokens of decodes' chunks and the drafts among them."""
+        next. Pipeline parallelism without async scheduling (vLLM's Scheduler) counts the tokens
+        only: no placeholders, so a request that sampled waits for that step's output; with it,
+        a request that sampled waits pp_size schedule() calls. Returns the tokens of decodes'
+        chunks and the drafts among them."""
+        placeholders_on = self.async_scheduling
+        next_call = self._num_schedule_calls + self._decode_stagger if self._decode_stagger else 0
         verify = drafts = 0
         for chunk in chunks:
             request = chunk.request
@@ -248,8 +253,11 @@ class SpecDecode:
             request.spec_prefill_chunk = prefill
             if not prefill:
                 chunk.samples = True
-                request.num_output_placeholders = placeholders + 1 + chunk.num_spec_tokens
+                if placeholders_on:
+                    request.num_output_placeholders = placeholders + 1 + chunk.num_spec_tokens
                 request.spec_drafts = num_to_propose
+                if next_call:
+                    request.next_decode_call = next_call
         return verify, drafts
 
     def _spec_async_update(self, output: SchedulerOutput) -> list[Request]:
@@ -257,8 +265,9 @@ class SpecDecode:
         AsyncScheduler's placeholders): rejected drafts are taken back, the bonus token and the
         accepted drafts are appended up to the first stop, and the blocks of the verified tokens
         are cached. The output of a request preempted since (vLLM: stale output) is delivered
-        but changes none of the counters the preemption reset: the request waits (it cannot have
-        been admitted again, as the step that preempted it admitted none). Returns the requests
+        but changes none of the counters the preemption reset, whether the request waits or,
+        under pipeline parallelism, runs again already. Without async scheduling (pipeline
+        parallelism's batch queue) there are no placeholders to resolve. Returns the requests
         that finished."""
         step = output.step
         stats = self.spec_stats
@@ -268,12 +277,18 @@ class SpecDecode:
         running, done, aborted = RequestStatus.RUNNING, RequestStatus.FINISHED, RequestStatus.ABORTED
         cache_verified = getattr(self.kv_cache_manager, "cache_verified", None)  # (KVCacheCoordinator)
         max_model_len = self.max_model_len
+        placeholders_on = self.async_scheduling
+        pipeline_gaps = self.pipeline_gaps
         for chunk in output.chunks:
             request = chunk.request
             request.num_in_flight_tokens -= chunk.num_new_tokens
+            stale = request.num_stale_tokens > 0  # (scheduled before its preemption)
+            if stale:
+                request.num_stale_tokens -= chunk.num_new_tokens
             if request.status == done or request.status == aborted or not chunk.samples:
                 continue  # (vLLM skips the output of a request no longer in the engine)
-            live = request.status == running
+            # (pipeline parallelism: a preempted request may run again before a stale output comes)
+            live = request.status == running and not stale
             num_outputs = request.num_output_tokens
             drafts = chunk.num_spec_tokens
             accepted = 0
@@ -295,6 +310,10 @@ class SpecDecode:
                     request.num_output_placeholders -= drafts - accepted
             if request.first_token_step < 0:
                 request.first_token_step = step
+            elif pipeline_gaps is not None:  # (pipeline parallelism: every gap timed from step ends)
+                gap = (request.last_token_step, step)
+                pipeline_gaps[gap] = pipeline_gaps.get(gap, 0) + 1
+                emissions += 1
             elif request.last_token_step == step - 1:
                 emissions += 1
             else:
@@ -308,13 +327,14 @@ class SpecDecode:
             if live:
                 if stopped:
                     request.num_computed_tokens -= new_tokens - kept
-                request.num_output_placeholders -= new_tokens  # (all of them, the dropped ones too)
+                if placeholders_on:
+                    request.num_output_placeholders -= new_tokens  # (all of them, the dropped ones too)
                 processed = request.num_computed_tokens - request.num_in_flight_tokens
                 self._note_cached(request, processed)
                 if cache_verified is not None:  # (the coordinator caches them now, as vLLM does)
                     cache_verified(request, processed)
             if stopped:
-                if not live:  # preempted: it leaves the waiting queue
+                if request.status != running:  # preempted: it leaves the waiting queue
                     self.waiting.remove_request(request)
                 finished.append(request)
         output.num_accepted_tokens = accepted_total

@@ -101,7 +101,7 @@ class SteadyDecoders:
         """Async scheduling: a running request's computed tokens less those of its chunk in the
         step before, whose output is not processed yet (vLLM's num_in_flight_tokens). Under
         speculative decoding the request counts its tokens in flight itself (drafts included)."""
-        if self._spec_async:
+        if self._counts_in_flight:
             return max(computed - request.num_in_flight_tokens, 0)
         in_flight = request.last_chunk_step == step - 1 and self._processed_through < step - 1
         return computed - request.last_chunk_tokens if in_flight else computed

@@ -71,6 +71,8 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     _check_lora(trace, config, disaggregation)
     _check_queue_limits(trace, config, fleet, disaggregation)
+    if backend is not None and config.hardware.pipeline_parallel_size > 1:
+        raise ValueError("the GPU backend runs the model on one device: replay pipeline_parallel_size on a cost model")
     if backend is not None and config.cache.kv_offloading_size is not None:
         raise ValueError("the GPU backend does not run KV offloading's transfers; replay kv_offloading_size on a "
                          "cost model")

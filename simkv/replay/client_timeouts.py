@@ -124,7 +124,7 @@ class ClientDeadlines:
         deadline = self.next_deadline_ticks()
         if deadline is None or deadline >= now:
             return
-        chunk_ends = None if self.scheduler.async_scheduling else {  # (async: counted when scheduled)
+        chunk_ends = None if self.scheduler.overlapped else {  # (async, PP: counted when scheduled)
             id(chunk.request): chunk.num_computed_tokens + chunk.num_new_tokens
             for step in steps for chunk in step.chunks}
         self._expire(now - 1, now, chunk_ends)

@@ -142,6 +142,7 @@ class ReplayRun:
     feed: ArrivalFeed
     duration_s: float  # the end of the last step
     adapters: object = None  # LoRA: the worker's adapter caches (simkv/backends/lora_adapters.py)
+    pipeline: object = None  # pipeline parallelism: the stages' clocks (simkv/replay/pipeline.py)
 
 
 def _first_sampled_row(trace) -> int | None:
@@ -185,6 +186,8 @@ class ReplayEngine:
             _check_parallel_sampling(trace, sampled, config, kv_connector)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
+        if kv_connector and config.hardware.pipeline_parallel_size > 1:
+            raise ValueError("pipeline parallelism is modelled without P/D disaggregation yet")
         if num_offload_chunks and (kv_connector or (sampled is not None and config.scheduler.parallel_sampling == "fork")):
             raise ValueError("KV offloading (kv_offloading_size) is modelled without P/D and without vLLM v0's "
                              "forked parallel sampling yet")
@@ -240,6 +243,7 @@ class ReplayEngine:
         # the tick at which the engine's current step (or decode run) ends: `now` under
         # synchronous scheduling, set before the wait; async scheduling advances `now` after it
         self.busy_until = 0
+        self.pipeline = None  # pipeline parallelism: the stages' clocks, set by run_batch_queue
 
     def run(self) -> ReplayRun:
         engine = self.start()
@@ -258,6 +262,10 @@ class ReplayEngine:
             self.env.process(self._arrivals())
         elif hasattr(self.feed, "next_transfer_ticks"):  # (a fleet replica with KV offloading)
             self.env.process(self._transfer_wakes())
+        if self.config.hardware.pipeline_parallel_size > 1:
+            from simkv.replay.pipeline import run_batch_queue
+
+            return self.env.process(run_batch_queue(self))
         if self.config.scheduler.async_scheduling:
             return self.env.process(self._engine_async())
         return self.env.process(self._engine())
@@ -268,7 +276,7 @@ class ReplayEngine:
         pacing bounds other replicas' decode runs by it)."""
         if not self.scheduler.has_unfinished_requests():
             return None
-        return self.busy_until if self.config.scheduler.async_scheduling else self.now
+        return self.busy_until if self.scheduler.overlapped else self.now
 
     @property
     def idle(self) -> bool:
@@ -284,7 +292,7 @@ class ReplayEngine:
             raise ReplayError(f"the replay ran {self.now / TICKS_PER_SECOND / 86400:.0f} days of simulated time; "
                               f"simkv's clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days")
         return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND,
-                         self.adapters)
+                         self.adapters, self.pipeline)
 
     def _arrivals(self):
         """The arrival process. A busy engine takes the requests that arrived from the feed at

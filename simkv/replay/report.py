@@ -31,7 +31,8 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         head = [("model / device", f"{cfg['model']} ({cost.get('dtype', '?')}) / {where}"),
                 ("step times", f"measured, {cost.get('kernel_backend', '?')} kernels")]
     else:
-        head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"),
+        head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"
+                 + (f" x PP {cfg['pipeline_parallel_size']}" if cfg.get("pipeline_parallel_size", 1) > 1 else "")),
                 ("cost model", cost["cost_model"])]
         if cfg.get("data_parallel_size", 1) > 1:
             head.insert(1, ("data-parallel ranks", f"{cfg['data_parallel_size']} in lockstep, experts over all "
@@ -94,6 +95,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         from simkv.replay.results import parallel_sampling_row
 
         rows.append(parallel_sampling_row(summary["parallel_sampling"]))
+    if summary.get("pipeline"):
+        from simkv.replay.pipeline import pipeline_row
+
+        rows.append(pipeline_row(summary["pipeline"]))
     if summary.get("admission_control"):
         a = summary["admission_control"]
         limits = [f"{k} {a[k]:,}" for k in ("max_num_queued_reqs", "max_num_queued_tokens") if a[k] is not None]

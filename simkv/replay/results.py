@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from simkv.atomic import atomic_write
 from simkv.clock import TICKS_PER_SECOND
 from simkv.replay.engine import ReplayRun
+from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.step_log import SPEC_COLUMNS, RequestLog
 
 
@@ -105,12 +106,16 @@ def itl_samples(run: ReplayRun) -> tuple[np.ndarray, np.ndarray]:
     durations = steps["duration_s"]
     weights = steps["num_decode_tokens"].astype(np.float64)
     gaps = run.scheduler.irregular_gaps
-    if gaps:
+    counted = run.scheduler.pipeline_gaps  # (pipeline parallelism: every gap, counted by its pair of steps;
+    if counted is not None:  # a step's duration, from its first stage's start, is no gap)
+        weights = np.zeros_like(weights)
+    if gaps or counted:
         ends = steps["start_time_s"] + durations
-        pairs = np.asarray(gaps, dtype=np.int64)
+        pairs = np.asarray(gaps + list(counted or ()), dtype=np.int64)
         extra = ends[pairs[:, 1]] - np.where(pairs[:, 0] >= 0, ends[np.maximum(pairs[:, 0], 0)], 0.0)
         durations = np.concatenate([durations, extra])
-        weights = np.concatenate([weights, np.ones(len(extra))])
+        counts = np.fromiter(counted.values(), dtype=np.float64, count=len(counted)) if counted else []
+        weights = np.concatenate([weights, np.ones(len(gaps)), counts])
     return durations, weights
 
 
@@ -174,7 +179,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | pipeline_summary(run, duration) | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 

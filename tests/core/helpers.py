@@ -304,7 +304,7 @@ def _abort(sched: Scheduler, requests: list, aborts: dict, step: int, when: str,
             continue
         assert sched.abort_request(request, ends.get(id(request)))
         first = request.first_token_step  # (async: delivered once its step's output was processed)
-        delivered = sched.token_delivered(first) if sched.async_scheduling else 0 <= first < step
+        delivered = sched.token_delivered(first) if sched.overlapped else 0 <= first < step
         aborts["first"][row] = first if delivered else -1
 
 
@@ -359,6 +359,65 @@ def drive_steps_async(case: dict, max_steps: int = 5000) -> dict:
         if in_flight is not None:
             process(in_flight)
         in_flight = out
+    result = {"steps": rows, "requests": _request_steps(requests, aborts), "aborted": len(aborts["first"]),
+              "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
+    if error:
+        result["error"] = error
+    return result
+
+
+def drive_steps_pipeline(case: dict, max_steps: int = 5000) -> dict:
+    """drive_steps under pipeline parallelism, in the order of vLLM's batch queue
+    (EngineCore.step_with_batch_queue, as scripts/oracle_pp.py drives vLLM): pp_size batches
+    deep, one more under async scheduling. A schedule() call that runs nothing takes its place
+    in the queue all the same, and is no step; the oldest batch's output is processed when the
+    queue is full or nothing more can be scheduled."""
+    from collections import deque
+
+    opts = case["opts"]
+    sched = Scheduler(EngineConfig.from_flat(opts), opts["num_gpu_blocks"])
+    depth = opts["pipeline_parallel_size"] + (1 if opts.get("async_scheduling") else 0)
+    pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
+    requests, rows = [], []
+    queue: deque = deque()
+    error = None
+    idle_calls = 0
+    aborts = _aborts_by_step(case)
+    while True:
+        if len(rows) >= max_steps:
+            error = "max steps"
+            break
+        _deliver(pending, len(rows), sched, requests)
+        _abort(sched, requests, aborts, len(rows), "before")
+        if sched.has_unfinished_requests():
+            try:
+                out = sched.schedule()
+            except LivelockError:
+                error = "livelock"
+                break
+            if out.is_empty:
+                queue.appendleft(None)
+            else:
+                rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
+                queue.appendleft(out)
+            if len(queue) < depth and (not out.is_empty or sched.has_unfinished_requests()):
+                continue
+        elif not queue:
+            if not pending:
+                break
+            rows.append([0, 0, 0, 0])  # idle
+            sched.current_step += 1
+            continue
+        out = queue.pop()
+        if out is not None:
+            _abort(sched, requests, aborts, out.step, "output")
+            sched.update_from_output(out)
+            idle_calls = 0
+        elif not any(queue):
+            idle_calls += 1  # (nothing in flight, nothing scheduled: a stagger's wait ends within pp_size calls)
+            if idle_calls > 2 * depth:
+                error = "stuck"
+                break
     result = {"steps": rows, "requests": _request_steps(requests, aborts), "aborted": len(aborts["first"]),
               "scheduler": sched, "objects": {r["row"]: q for q, r in requests}}
     if error:

@@ -187,7 +187,8 @@ def test_capacity_shows_the_quantization_in_its_tables_and_layouts():
     layouts = runner.invoke(main, ["capacity", "--model", "llama-3-70b", "--layouts", "2", "-q", "fp8", "--json"])
     rep = json.loads(layouts.output)
     assert rep["quantization"] == "fp8"
-    one, two = rep["layouts"]
-    assert one["layout"] == "2 x TP 1" and two["layout"] == "1 x TP 2"
+    one, pipeline, two = rep["layouts"]
+    assert one["layout"] == "2 x TP 1" and two["layout"] == "1 x TP 2" and pipeline["layout"] == "1 x TP 1 x PP 2"
+    assert pipeline["fits"] and 0.95 < pipeline["num_gpu_blocks"] / two["num_gpu_blocks"] < 1.0
     # 67.7 GiB of weights leave an 80 GB H100 a few GiB of cache: TP 2 keeps 21 times as many blocks
     assert one["fits"] and two["fits"] and two["num_gpu_blocks"] > 20 * one["num_gpu_blocks"]

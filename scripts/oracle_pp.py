@@ -1,0 +1,195 @@
+"""Pipeline parallelism, step by step against the real vLLM scheduler and its batch queue.
+
+With `pipeline_parallel_size` P vLLM 0.33's engine core keeps P batches in flight
+(EngineCore.step_with_batch_queue), P + 1 under async scheduling (its V2 model runner): it
+schedules a new batch whenever the queue has room, and processes the oldest batch's output when
+the queue is full or nothing more can be scheduled. A schedule() call that runs nothing takes its
+place in the queue all the same. Without async scheduling a request whose step is in flight has
+nothing to schedule (its sampled token has not come back) while a long prompt's next chunk may go
+into the next batch; with it, a request that sampled waits P schedule() calls (vLLM's decode
+stagger). vLLM's `Scheduler` (`AsyncScheduler` with --async-scheduling; the oracle venv,
+../shared/tools/vllm_oracle) and simkv's run oracle_spec.py's random step-mode cases without
+speculation (small pools that preempt, shared prompts, priorities, watermarks, chunked prefill
+on and off) at P from 2 to 4, both driven by the same batch-queue loop. Every step's scheduled
+tokens, running and waiting requests and blocks in use, every request's first-token and finish
+step and the prefix-cache counts must be equal.
+
+A development aid, not a test dependency:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    .venv/bin/python scripts/oracle_pp.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 100
+    .venv/bin/python scripts/oracle_pp.py --async-scheduling --cases 100
+    .venv/bin/python scripts/oracle_pp.py --aborts --cases 100   # with a front end's aborts
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+import oracle_spec  # noqa: E402  (its cases and comparison)
+import oracle_vllm  # noqa: E402
+
+_SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_rate", "spec_seed",
+              "spec_draft_model", "spec_tokens_per_batch_size", "spec_ngram_match_rate")
+
+
+def make_case(rng, aborts: bool = False, async_scheduling: bool = False) -> dict:
+    case = oracle_spec.make_case(rng, aborts)
+    opts = case["opts"]
+    for key in _SPEC_KEYS:
+        opts.pop(key, None)
+    opts["pipeline_parallel_size"] = int(rng.choice([2, 2, 3, 4]))
+    opts["async_scheduling"] = async_scheduling
+    return case
+
+
+def batch_queue_loop(requests, depth: int, deliver, schedule, process, has, max_steps: int = 5000) -> dict:
+    """vLLM's step_with_batch_queue, as tests/core/helpers.py's drive_steps_pipeline runs simkv:
+    `deliver(arrived, step)` adds the requests arrived by then (by the steps so far) and takes
+    the aborts due before the step; `schedule(step)` returns the step's row, or None when the
+    call ran nothing (an empty batch: it takes a place in the queue, and is no step);
+    `process(step)` handles a step's output; `has()` says whether requests are unfinished. Idle
+    steps (nothing to run, nothing in flight) are rows of zeros."""
+    pending = sorted(requests, key=lambda r: (r["arrival_step"], r["row"]))
+    rows = []
+    queue: deque = deque()
+    idle_calls = 0
+    while len(rows) < max_steps:
+        arrived = []
+        while pending and pending[0]["arrival_step"] <= len(rows):
+            arrived.append(pending.pop(0))
+        deliver(arrived, len(rows))
+        if has():
+            row = schedule(len(rows))
+            if row is not None:
+                rows.append(row)
+            queue.appendleft(len(rows) - 1 if row is not None else None)
+            if len(queue) < depth and (row is not None or has()):
+                continue
+        elif not queue:
+            if not pending:
+                return {"steps": rows}
+            rows.append([0, 0, 0, 0])  # idle
+            continue
+        step = queue.pop()
+        if step is not None:
+            process(step)
+            idle_calls = 0
+        elif not any(s is not None for s in queue):
+            idle_calls += 1
+            if idle_calls > 2 * depth:
+                return {"steps": rows, "error": "stuck"}
+    return {"steps": rows, "error": "max steps"}
+
+
+# ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
+def run_vllm(case: dict) -> dict:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    o = case["opts"]
+    async_scheduling = bool(o.get("async_scheduling"))
+    sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
+                                                     async_scheduling=async_scheduling)
+    pp = o["pipeline_parallel_size"]
+    if async_scheduling:
+        assert sched.pp_size == pp and sched.decode_stagger == pp and sched.use_v2_model_runner
+    assert vllm_config.max_concurrent_batches == pp + async_scheduling
+    hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
+    pool = sched.kv_cache_manager.block_pool
+    usable = pool.num_gpu_blocks - 1
+    first_token, finish = {}, {}
+    prefix = [0, 0]  # tokens queried, hit
+    outputs = {}  # step -> (scheduler output, its requests' (samples, padded))
+    ids_of = oracle_vllm.sample_ids(case["requests"])
+    aborts = case.get("aborts", [])
+    detail = {} if case.get("detail") else None
+
+    def deliver(arrived, step):
+        for r in arrived:
+            for rid in ids_of[r["row"]]:
+                sched.add_request(oracle_vllm.vllm_request(r, rid, hasher))
+        oracle_vllm.take_aborts(sched, aborts, step, "before")
+
+    def schedule(step):
+        running_before = {r.request_id for r in sched.running}
+        so = sched.schedule()
+        if so.total_num_scheduled_tokens == 0:
+            return None
+        n_running, n_waiting = sched.get_request_counts()
+        outputs[step] = (so, oracle_vllm.async_step_meta(sched, so, running_before))
+        if detail is not None:  # (debugging: each step's scheduled tokens by request)
+            detail[step] = dict(so.num_scheduled_tokens) | {"call": sched.current_step}
+        return [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
+
+    def process(step):
+        so, meta = outputs.pop(step)
+        oracle_vllm.take_aborts(sched, aborts, step, "output")
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, _ = oracle_vllm.async_sampled(sched, so, meta, None)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        oracle_vllm.record_outputs(sched.update_from_output(so, mro), step, prefix, first_token, finish)
+
+    depth = pp + async_scheduling
+    result = batch_queue_loop(case["requests"], depth, deliver, schedule, process, sched.has_unfinished_requests)
+    result["requests"] = oracle_vllm.row_steps(case["requests"], ids_of, first_token, finish)
+    result["accepted"] = 0
+    result["prefix"] = prefix
+    if detail is not None:
+        result["detail"] = {str(k): v for k, v in detail.items()}
+    return result
+
+
+# ---- simkv side -----------------------------------------------------------------------------------
+def run_simkv(case: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from tests.core.helpers import drive_steps_pipeline
+
+    result = drive_steps_pipeline(case)
+    sched = result.pop("scheduler")
+    result["accepted"] = 0
+    result["preemptions"] = sched.num_preemptions
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    result["prefix"] = [stats.queries, stats.hits]
+    return result
+
+
+def compare_cases(cases: list[dict], theirs: list[dict]) -> int:
+    """Each case's differences, then the totals; returns the number of cases that differ."""
+    failures = 0
+    totals = dict(requests=0, steps=0, preemptions=0, hits=0, aborted=0)
+    for i, (case, t) in enumerate(zip(cases, theirs)):
+        ours = run_simkv(case)
+        totals["requests"] += len(case["requests"])
+        totals["steps"] += len(t["steps"])
+        totals["preemptions"] += ours["preemptions"]
+        totals["hits"] += t["prefix"][1]
+        totals["aborted"] += ours["aborted"]
+        diff = oracle_spec.case_differences(t, ours)
+        if ours.get("error") != t.get("error"):
+            diff.append(f"error: vLLM {t.get('error')}, simkv {ours.get('error')}")
+        if diff:
+            failures += 1
+            print(f"case {i} {case['opts']}: " + "; ".join(diff))
+    print(f"{len(cases) - failures} of {len(cases)} cases equal "
+          f"({totals['requests']} requests, {totals['steps']} steps, {totals['preemptions']} preemptions, "
+          f"{totals['hits']} prefix-hit tokens"
+          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
+    return failures
+
+
+def main() -> None:
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True)
+    if oracle_vllm.serve_vllm_side(a, run_vllm):
+        return
+    import numpy as np
+    rng = np.random.default_rng(a.seed)
+    cases = [make_case(rng, a.aborts, a.async_scheduling) for _ in range(a.cases)]
+    sys.exit(1 if compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a)) else 0)
+
+
+if __name__ == "__main__":
+    main()

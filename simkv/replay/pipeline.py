@@ -1,0 +1,152 @@
+"""Pipeline parallelism: vLLM's batch queue, and the stages' timing.
+
+With `pipeline_parallel_size` P the model's layers are split over P stages, each on its own
+tensor-parallel GPUs. vLLM 0.33's engine core (EngineCore.step_with_batch_queue) then keeps up
+to P batches in flight, P + 1 under async scheduling: it schedules a new batch whenever the
+queue has room, and waits for the oldest batch's output only when the queue is full or nothing
+more can be scheduled. A schedule() call that runs nothing takes its place in the queue all the
+same (it is no step and costs no time). What the scheduler does with the batches in flight is
+the scheduler's (core/scheduler.py: decodes are chunks, and under async scheduling a request
+that sampled waits P schedule() calls); this module runs the queue and times the stages.
+
+Timing. A batch's step, as the backend times it for the whole model, is split in two: the
+host's share (`host_seconds`: scheduling, input preparation; all of it if the backend does not
+say), which the host does once per batch, one batch after another, before the first stage
+starts; and the device's, which each stage runs for 1/P of (its layers are 1/P of the model's).
+Between stages the batch's hidden states and residual (2 x hidden x 2 bytes per token, each of
+the stage's TP GPUs sending 1/TP of them) cross the link at `pipeline_link_gbs` (default: the
+GPU's interconnect). A stage starts a batch when it has finished the batch before and the stage
+before has handed this one over; the first stage also waits, under async scheduling, for the
+tokens its decodes were sampled in a batch still in flight (the last stage sends them back).
+The batch's output is processed when its last stage ends; its step is logged from its first
+stage's start to then, so the steps of different batches overlap in time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from simkv.clock import TICKS_PER_SECOND, to_ticks
+from simkv.specs import get_gpu_spec
+
+_ACTIVATION_BYTES = 2  # bf16 hidden states
+_PRUNE_AT = 4096  # token-ready entries kept before the past ones are dropped
+
+
+class PipelineStages:
+    """The stages' clocks: when each is free, when the host is, and when each request's latest
+    sampled token is back from the last stage."""
+
+    def __init__(self, config, backend) -> None:
+        hw = config.hardware
+        self.num_stages = hw.pipeline_parallel_size
+        spec = hw.model_spec()
+        self.link_gbs = link_gbs = hw.pipeline_link_gbs or get_gpu_spec(hw.gpu).interconnect_gbs
+        # hidden states and residual, each TP GPU sending its 1/TP share over its own link
+        self.link_seconds_per_token = 2 * spec.hidden_size * _ACTIVATION_BYTES / hw.tensor_parallel_size / (link_gbs * 1e9)
+        self.execute = backend.execute
+        self.host_seconds = getattr(backend, "host_seconds", None)
+        self.stage_free = [0] * self.num_stages
+        self.host_free = 0
+        self.token_ready: dict = {}  # request -> tick its latest sampled token is back
+        self.stage_busy = 0  # ticks each stage ran batches (the same for every stage)
+        self.num_batches = 0
+        self.num_empty_calls = 0  # schedule() calls that ran nothing, each a place in the queue
+
+    def launch(self, out, now: int) -> tuple[int, int]:
+        """Schedule `out`'s batch at tick `now`: (its first stage's start, its last stage's end)."""
+        seconds = self.execute(out)
+        host = min(self.host_seconds(len(out.chunks)), seconds) if self.host_seconds is not None else 0.0
+        stage = to_ticks((seconds - host) / self.num_stages)
+        link = to_ticks(out.total_num_scheduled_tokens * self.link_seconds_per_token)
+        t = max(now, self.host_free) + to_ticks(host + out.lora_load_s)
+        self.host_free = t
+        ready = self.token_ready
+        if ready:
+            for chunk in out.chunks:
+                t = max(t, ready.get(chunk.request, 0))
+        free = self.stage_free
+        self.stage_busy += stage
+        self.num_batches += 1
+        start = t = max(t, free[0])
+        for k in range(self.num_stages):
+            if k:
+                t = max(t + link, free[k])
+            t += stage
+            free[k] = t
+        for chunk in out.chunks:
+            if chunk.samples:
+                ready[chunk.request] = t
+        if len(ready) > _PRUNE_AT:
+            self.token_ready = {r: tick for r, tick in ready.items() if tick > now}
+        return start, t
+
+
+def pipeline_summary(run, duration_s: float) -> dict:
+    """summary.json's `pipeline` section: the stages, how busy each was over the replay, its
+    batches and the schedule() calls that ran nothing."""
+    stages = run.pipeline
+    if stages is None:
+        return {}
+    busy = stages.stage_busy / TICKS_PER_SECOND
+    return {"pipeline": {"pipeline_parallel_size": stages.num_stages, "stage_busy_s": busy,
+                         "stage_busy_fraction": busy / duration_s if duration_s else 0.0,
+                         "batches": stages.num_batches, "empty_schedule_calls": stages.num_empty_calls,
+                         "link_gbs": stages.link_gbs}}
+
+
+def pipeline_row(section: dict) -> tuple[str, str]:
+    """The report row of summary.json's `pipeline` section."""
+    return ("pipeline stages", f"{section['pipeline_parallel_size']}, each busy {100 * section['stage_busy_fraction']:.1f} % "
+                               f"of the time; {section['batches']:,} batches, {section['empty_schedule_calls']:,} "
+                               f"empty schedule() calls; link {section['link_gbs']:g} GB/s")
+
+
+def run_batch_queue(engine):
+    """The engine process under pipeline parallelism (a SimPy generator over `engine`, a
+    ReplayEngine): vLLM's step_with_batch_queue on the stages' clocks."""
+    sched, feed, env = engine.scheduler, engine.feed, engine.env
+    config = engine.config
+    stages = engine.pipeline = PipelineStages(config, engine.backend)
+    depth = config.hardware.pipeline_parallel_size + (1 if config.scheduler.async_scheduling else 0)
+    queue: deque = deque()  # (output, first stage's start, last stage's end), or None: a call that ran nothing
+    idle_calls = 0
+    while True:
+        feed.deliver_until(engine.now)
+        if feed.num_rejected != engine._num_rejected_reported:
+            engine._report_rejected()
+        if sched.has_unfinished_requests():
+            out = engine._schedule()
+            if out.is_empty:
+                queue.appendleft(None)
+                stages.num_empty_calls += 1
+            else:
+                queue.appendleft((out, *stages.launch(out, engine.now)))
+            if len(queue) < depth and (not out.is_empty or sched.has_unfinished_requests()):
+                continue
+        elif not queue:
+            if feed.exhausted:
+                return
+            yield from engine._wait_for_arrival()
+            continue
+        entry = queue.pop()
+        if entry is None:
+            if not any(queue):  # nothing in flight: a stagger's wait ends within P calls
+                idle_calls += 1
+                if idle_calls > 2 * depth:
+                    from simkv.replay.engine import ReplayError
+
+                    raise ReplayError(engine._stuck_message(sched.current_step))
+            continue
+        idle_calls = 0
+        out, start, end = entry
+        if end > engine.now:
+            engine.busy_until = end
+            yield env.timeout(end - engine.now)
+            engine.now = end
+        if engine._client is not None:  # (the aborts that arrived while it ran come before its output)
+            engine._client.expire_during_step(engine.now, [out])
+        finished = sched.update_from_output(out)
+        engine.steps.add_step(out, start, end - start)
+        if finished:
+            engine._record_finished(finished)
