@@ -70,14 +70,12 @@ def load(case: str):
     from simkv.traces.importers import import_trace
     from simkv.traces.synth import lognormal
 
-    if case_setup.startswith("azure-70b"):
-        options |= {"model": "llama-3-70b", "tensor_parallel_size": 4 if case_setup.endswith("tp4") else 2,
-                    "pipeline_parallel_size": 2 if case_setup.endswith("pp2") else 1}
     if case == "azure-lora4":
         from simkv.traces.lora import assign_adapters
 
         return assign_adapters(import_trace("azure", [AZURE])[0], 16, 1.0, seed=0)
-    if case in ("azure", "azure-async", "azure-spec", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async", "azure-gemma3", "azure-llama4", "azure-qwen3next",
+    if case in ("azure", "azure-async", "azure-spec", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async",
+                "azure-gemma3", "azure-llama4", "azure-qwen3next",
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
         return import_trace("azure", [AZURE])[0]

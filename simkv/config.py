@@ -279,9 +279,14 @@ class HardwareConfig:
     # its own TP GPUs, layers as vLLM's get_pp_indices splits them); the engine keeps that many
     # batches in flight, one more under async scheduling (simkv/replay/pipeline.py)
     pipeline_parallel_size: int = 1
-    # the link between pipeline stages, GB/s one way (None: the GPU's interconnect_gbs); a
-    # step's hidden states cross it at every stage boundary
+    # the link between pipeline stages, GB/s one way (None: the GPU's interconnect_gbs within a
+    # node, inter_node_gbs between nodes); a step's hidden states cross it at every stage boundary
     pipeline_link_gbs: float | None = None
+    # GPUs per node: a tensor-parallel group or data-parallel expert group larger than a node,
+    # and a pipeline boundary between nodes, go over the network at inter_node_gbs (GB/s one
+    # way per GPU: a 400 Gb/s NIC per GPU) instead of the GPU's interconnect
+    gpus_per_node: int = 8
+    inter_node_gbs: float = 50.0
     # vLLM's --quantization: None (the checkpoint's weights as they are) or "fp8" (vLLM quantizes a
     # bf16 checkpoint's linear layers and experts to fp8 as it loads them: ModelSpec.quantized)
     quantization: str | None = None
@@ -324,6 +329,10 @@ class HardwareConfig:
                               "than the stages")
         if self.pipeline_link_gbs is not None and self.pipeline_link_gbs <= 0:
             raise ConfigError(f"pipeline_link_gbs must be > 0, got {self.pipeline_link_gbs}")
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.inter_node_gbs <= 0:
+            raise ConfigError(f"inter_node_gbs must be > 0, got {self.inter_node_gbs}")
         if self.data_parallel_size > 1 and not spec.is_moe:
             raise ConfigError(f"data_parallel_size {self.data_parallel_size}: {self.model} is dense, and vLLM's "
                               "data-parallel ranks of a dense model are independent engines: replay them as a "
@@ -337,6 +346,23 @@ class HardwareConfig:
                 spec.linear_conv_dim(self.tensor_parallel_size)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+
+    def link_gbs(self, num_gpus: int) -> float:
+        """The bandwidth (GB/s one way, per GPU) of a collective over `num_gpus` consecutive GPUs:
+        the GPU's interconnect within a node, the network's when they span nodes."""
+        interconnect = get_gpu_spec(self.gpu).interconnect_gbs
+        return interconnect if num_gpus <= self.gpus_per_node else min(interconnect, self.inter_node_gbs)
+
+    def stage_link_gbs(self, boundary: int) -> float:
+        """Pipeline parallelism: the link between stage `boundary` and the next (stages of TP GPUs
+        each, laid out one after another): `pipeline_link_gbs` if set, else the interconnect
+        when both sides are on one node, the network's otherwise."""
+        if self.pipeline_link_gbs is not None:
+            return self.pipeline_link_gbs
+        first_next = (boundary + 1) * self.tensor_parallel_size
+        if (first_next - 1) // self.gpus_per_node == first_next // self.gpus_per_node:
+            return get_gpu_spec(self.gpu).interconnect_gbs
+        return min(get_gpu_spec(self.gpu).interconnect_gbs, self.inter_node_gbs)
 
     def model_spec(self) -> ModelSpec:
         """The model as served: its spec under `quantization`."""

@@ -67,6 +67,8 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,
                               decode_context_parallel_size=hw.decode_context_parallel_size,
                               lora_rank=config.scheduler.max_lora_rank if config.scheduler.enable_lora else 0,
+                              tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size),
+                              dp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.data_parallel_size),
                               **(params or {}))
     if fitted_from is not None:
         model.fitted_from = fitted_from

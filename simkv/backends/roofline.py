@@ -13,6 +13,7 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
         (peak_flops: the bf16 peak; the matmuls of fp8 weights run at the fp8 peak on GPUs with
         fp8 tensor cores: vLLM's W8A8 fp8 GEMMs; weight-only at the bf16 rate on Ampere)
         + TP all-reduce time (2 per layer, ring; 1 per Nemotron-H block) + step_overhead_s + seq_overhead_s * S
+        (a TP group larger than a node all-reduces over the network: HardwareConfig.link_gbs)
         (+ under decode context parallelism, DCP: K/V bytes / DCP, and its collectives:
         `dcp_seconds`)
 With sliding-window layers (or chunked local attention), A and K count each layer's window (its
@@ -76,7 +77,12 @@ class RooflineCostModel:
         decode_context_parallel_size: int = 1,
         lora_rank: int = 0,
         lora_kernel_s: float = 3.0e-6,
+        tp_link_gbs: float | None = None,
+        dp_link_gbs: float | None = None,
     ) -> None:
+        """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
+        expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
+        HardwareConfig.link_gbs gives the network's for groups larger than a node)."""
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
         self.params = dict(compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
@@ -120,7 +126,7 @@ class RooflineCostModel:
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
         if tp > 1:
             ring = 2.0 * (tp - 1) / tp
-            self.comm_per_token = model.num_tp_allreduces * ring * h * 2 / (gpu.interconnect_gbs * 1e9)
+            self.comm_per_token = model.num_tp_allreduces * ring * h * 2 / ((tp_link_gbs or gpu.interconnect_gbs) * 1e9)
             self.comm_fixed = model.num_tp_allreduces * allreduce_latency_s
         else:
             self.comm_per_token = 0.0
@@ -155,7 +161,7 @@ class RooflineCostModel:
             # each expert layer all-gathers every rank's tokens and reduce-scatters the results
             # (vLLM's default allgather_reducescatter), bf16 hidden states over the interconnect
             self.dp_comm_per_token = (2 * model.num_moe_layers * (g - 1) / g * h * 2
-                                      / (gpu.interconnect_gbs * 1e9))
+                                      / ((dp_link_gbs or gpu.interconnect_gbs) * 1e9))
             self.dp_comm_fixed = 2 * model.num_moe_layers * allreduce_latency_s
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s

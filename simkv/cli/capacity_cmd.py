@@ -277,7 +277,9 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
         raise ConfigError("--layouts tries every pipeline parallelism itself: drop -pp")
     rows = []
     for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0):
-        kinds = [("engines", 1, 1)] + ([("data-parallel ranks", num_gpus // tp, 1)] if spec.is_moe and tp < num_gpus else [])
+        kinds = [("engines", 1, 1)]
+        if spec.is_moe and tp < num_gpus:
+            kinds.append(("data-parallel ranks", num_gpus // tp, 1))
         # (pipelines of PP stages of TP GPUs each, where simkv models them)
         kinds += [("pipelines", 1, pp) for pp in range(2, num_gpus // tp + 1) if num_gpus // tp % pp == 0]
         for kind, dp, pp in kinds:

@@ -29,6 +29,7 @@ _ENGINE_FLAGS = {
     "data_parallel_size": "data_parallel_size", "quantization": "quantization",
     "decode_context_parallel_size": "decode_context_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
+    "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
     "parallel_sampling": "parallel_sampling",
@@ -220,7 +221,13 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: the layers split over that many stages of TP GPUs each; the engine keeps that many "
                       "batches in flight (one more under async scheduling) [default: 1]"),
     click.option("--pipeline-link-gbs", type=float, default=None,
-                 help="GB/s between pipeline stages, per GPU [default: the GPU's interconnect]"),
+                 help="GB/s between pipeline stages, per GPU [default: the GPU's interconnect within a node, "
+                      "--inter-node-gbs between nodes]"),
+    click.option("--gpus-per-node", type=int, default=None,
+                 help="A TP group or expert group larger than this, and a pipeline boundary between nodes, go "
+                      "over the network [default: 8]"),
+    click.option("--inter-node-gbs", type=float, default=None,
+                 help="GB/s one way per GPU between nodes (a 400 Gb/s NIC per GPU: 50) [default: 50]"),
     click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
                  help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts as it loads them "
                       "(half the weight memory; fp8 matmuls on GPUs with fp8 tensor cores) [default: the checkpoint's]"),

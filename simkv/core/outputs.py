@@ -66,7 +66,9 @@ class SchedulerOutput:
     num_verify_tokens: int = 0  # tokens of those chunks
     num_draft_tokens: int = 0  # drafts among them
     num_accepted_tokens: int = 0  # after update_from_output: drafts accepted
-    num_spec_emissions: int = 0  # after update_from_output: decodes whose tokens follow the previous step's (pipeline parallelism: every decode that sampled)
+    # after update_from_output: decodes whose tokens follow the previous step's (pipeline
+    # parallelism: every decode that sampled)
+    num_spec_emissions: int = 0
     # drafts each request sampling in this step gets for its next one (vLLM's name): K, or under
     # dynamic speculation the K of the step's number of requests
     num_spec_tokens_to_schedule: int = 0

@@ -100,7 +100,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.detail = detail
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
-        self._recent_takes: list[tuple[int, int]] = []  # async, PP: (step, blocks it took) of schedule() calls not processed
+        # async, PP: (step, blocks it took) of the schedule() calls whose output is not processed
+        self._recent_takes: list[tuple[int, int]] = []
         self._scheduled_through = -1  # async: the latest step scheduled (that runs tokens)
         self._processed_through = -1  # async: the latest step whose output was processed
         # Pipeline parallelism: the engine keeps pp_size batches in flight (one more under async
@@ -384,10 +385,14 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             plan.budget -= len(self.running)
             stall_pos = -1
         else:
-            active = self._prefilling + due
-            if self._finishing:
-                active += self._running_finishing()
-            active.sort(key=_seq_of)
+            if self.chunked_decodes:  # (every running request is a chunk; those with nothing to run are left out)
+                active = [r for r in self._prefilling if r.num_computed_tokens < r.num_prompt_tokens
+                          + r.num_output_tokens + r.spec_drafts + r.num_output_placeholders]
+            else:
+                active = self._prefilling + due
+                if self._finishing:
+                    active += self._running_finishing()
+                active.sort(key=_seq_of)
             if self.admit_before_running:
                 plan.first_new_seq = self._next_seq
                 self._schedule_waiting(step, plan)
@@ -480,18 +485,26 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def _schedule_running(self, step: int, active: list[Request], plan: StepPlan) -> int:
         """Serve running requests in list order; returns the position from which requests were
         left unscheduled by an exhausted budget (-1 if none). Steady decoders between the
-        `active` ones (prefills, decoders crossing a block boundary) each take one token."""
+        `active` ones (prefills, decoders crossing a block boundary) each take one token. When
+        decodes are chunks there are no steady decoders: `active` holds the running requests
+        that have tokens to run, in running order, no positions are kept, and -1 is returned."""
         prev_pos = -1
         kv = self.kv_cache_manager
+        chunked = self.chunked_decodes
         for request in active:
             if request.status != RequestStatus.RUNNING:
                 continue
-            pos = self._position(request)
-            quiet = pos - prev_pos - 1
-            if quiet >= plan.budget or plan.input_budget <= plan.draft_slots:
-                return self._exhaust_budget(plan, prev_pos)
-            plan.budget -= quiet
-            prev_pos = pos
+            if chunked:
+                if plan.budget <= 0 or plan.input_budget <= plan.draft_slots:
+                    plan.budget = 0
+                    return -1
+            else:
+                pos = self._position(request)
+                quiet = pos - prev_pos - 1
+                if quiet >= plan.budget or plan.input_budget <= plan.draft_slots:
+                    return self._exhaust_budget(plan, prev_pos)
+                plan.budget -= quiet
+                prev_pos = pos
             if request.is_finishing:
                 continue  # async: its last token is in flight; it needs no more
             if plan.defer_prefills and request.prefill_chunk:
@@ -532,7 +545,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 if self.policy == "priority" or self.preemption_victim == "requester":
                     continue
                 return -1
-            if plan.moved_ahead:
+            if plan.moved_ahead and not chunked:
                 prev_pos = self._position(request)
             plan.schedule(request, num_new)
             if is_decoder:
@@ -547,6 +560,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 request.last_chunk_step, request.last_chunk_tokens = step, num_new
                 if self.num_spec_tokens:
                     self._spec_scheduled(request, chunk, plan)
+        if chunked:
+            return -1
         end = self._position_of_seq(plan.first_new_seq) if plan.first_new_seq >= 0 else len(self.running)
         quiet = end - prev_pos - 1
         if quiet > plan.budget:
@@ -938,7 +953,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 kv.decode_release(request, self._processed_tokens(request, computed, step + 1)
                                   if self.async_scheduling else computed)
             if not self._hold_for_sending(request):
-                cache_end = request.num_cached_blocks * self.block_size if self._counts_in_flight else request.num_computed_tokens
+                cache_end = (request.num_cached_blocks * self.block_size if self._counts_in_flight
+                             else request.num_computed_tokens)
                 self._free_finished(request, cache_end, completed=True)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)

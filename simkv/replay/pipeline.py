@@ -15,7 +15,8 @@ say), which the host does once per batch, one batch after another, before the fi
 starts; and the device's, which each stage runs for 1/P of (its layers are 1/P of the model's).
 Between stages the batch's hidden states and residual (2 x hidden x 2 bytes per token, each of
 the stage's TP GPUs sending 1/TP of them) cross the link at `pipeline_link_gbs` (default: the
-GPU's interconnect). A stage starts a batch when it has finished the batch before and the stage
+GPU's interconnect, or `inter_node_gbs` where the boundary falls between nodes of
+`gpus_per_node` GPUs). A stage starts a batch when it has finished the batch before and the stage
 before has handed this one over; the first stage also waits, under async scheduling, for the
 tokens its decodes were sampled in a batch still in flight (the last stage sends them back).
 The batch's output is processed when its last stage ends; its step is logged from its first
@@ -27,7 +28,6 @@ from __future__ import annotations
 from collections import deque
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
-from simkv.specs import get_gpu_spec
 
 _ACTIVATION_BYTES = 2  # bf16 hidden states
 _PRUNE_AT = 4096  # token-ready entries kept before the past ones are dropped
@@ -41,9 +41,11 @@ class PipelineStages:
         hw = config.hardware
         self.num_stages = hw.pipeline_parallel_size
         spec = hw.model_spec()
-        self.link_gbs = link_gbs = hw.pipeline_link_gbs or get_gpu_spec(hw.gpu).interconnect_gbs
+        # each boundary's link (within a node or between nodes), GB/s
+        self.link_gbs = [hw.stage_link_gbs(k) for k in range(self.num_stages - 1)]
         # hidden states and residual, each TP GPU sending its 1/TP share over its own link
-        self.link_seconds_per_token = 2 * spec.hidden_size * _ACTIVATION_BYTES / hw.tensor_parallel_size / (link_gbs * 1e9)
+        per_token = 2 * spec.hidden_size * _ACTIVATION_BYTES / hw.tensor_parallel_size
+        self.link_seconds_per_token = [per_token / (gbs * 1e9) for gbs in self.link_gbs]
         self.execute = backend.execute
         self.host_seconds = getattr(backend, "host_seconds", None)
         self.stage_free = [0] * self.num_stages
@@ -58,7 +60,7 @@ class PipelineStages:
         seconds = self.execute(out)
         host = min(self.host_seconds(len(out.chunks)), seconds) if self.host_seconds is not None else 0.0
         stage = to_ticks((seconds - host) / self.num_stages)
-        link = to_ticks(out.total_num_scheduled_tokens * self.link_seconds_per_token)
+        tokens = out.total_num_scheduled_tokens
         t = max(now, self.host_free) + to_ticks(host + out.lora_load_s)
         self.host_free = t
         ready = self.token_ready
@@ -69,9 +71,10 @@ class PipelineStages:
         self.stage_busy += stage
         self.num_batches += 1
         start = t = max(t, free[0])
+        links = self.link_seconds_per_token
         for k in range(self.num_stages):
             if k:
-                t = max(t + link, free[k])
+                t = max(t + to_ticks(tokens * links[k - 1]), free[k])
             t += stage
             free[k] = t
         for chunk in out.chunks:
@@ -92,14 +95,16 @@ def pipeline_summary(run, duration_s: float) -> dict:
     return {"pipeline": {"pipeline_parallel_size": stages.num_stages, "stage_busy_s": busy,
                          "stage_busy_fraction": busy / duration_s if duration_s else 0.0,
                          "batches": stages.num_batches, "empty_schedule_calls": stages.num_empty_calls,
-                         "link_gbs": stages.link_gbs}}
+                         "link_gbs": stages.link_gbs}}  # (per boundary)
 
 
 def pipeline_row(section: dict) -> tuple[str, str]:
     """The report row of summary.json's `pipeline` section."""
-    return ("pipeline stages", f"{section['pipeline_parallel_size']}, each busy {100 * section['stage_busy_fraction']:.1f} % "
-                               f"of the time; {section['batches']:,} batches, {section['empty_schedule_calls']:,} "
-                               f"empty schedule() calls; link {section['link_gbs']:g} GB/s")
+    busy = 100 * section["stage_busy_fraction"]
+    links = ", ".join(f"{g:g}" for g in section["link_gbs"])
+    return ("pipeline stages", f"{section['pipeline_parallel_size']}, each busy {busy:.1f} % of the time; "
+                               f"{section['batches']:,} batches, {section['empty_schedule_calls']:,} empty schedule() "
+                               f"calls; links {links} GB/s")
 
 
 def run_batch_queue(engine):

@@ -252,3 +252,24 @@ def test_cli(tmp_path) -> None:
     assert "not modelled with speculative decoding" in cli_fails(
         ["replay", str(trace), "-pp", "2", "--speculative-method", "eagle", "--num-speculative-tokens", "2",
          "--out", str(tmp_path / "x")])
+
+
+def test_links_between_nodes() -> None:
+    """Nodes of gpus_per_node GPUs: a stage boundary between nodes, and a TP group larger than a
+    node, go over the network (inter_node_gbs); within a node over the GPU's interconnect."""
+    hw = EngineConfig.from_flat({"model": "llama-3.1-405b", "tensor_parallel_size": 4, "pipeline_parallel_size": 4,
+                                 "gpu": "H100-SXM"}).hardware
+    assert [hw.stage_link_gbs(k) for k in range(3)] == [450, 50.0, 450]  # (stages 0-1 on node 0, 2-3 on node 1)
+    assert hw.link_gbs(8) == 450 and hw.link_gbs(16) == 50.0
+    set_link = EngineConfig.from_flat({"model": "llama-3.1-405b", "tensor_parallel_size": 4,
+                                       "pipeline_parallel_size": 4, "pipeline_link_gbs": 25.0}).hardware
+    assert [set_link.stage_link_gbs(k) for k in range(3)] == [25.0] * 3
+    from simkv.backends.factory import make_roofline
+
+    def comm(**opts) -> float:
+        return make_roofline(EngineConfig.from_flat({"model": "llama-3.1-405b"} | opts)).comm_per_token
+
+    # TP 16 over two nodes all-reduces at 50 GB/s, nine times slower than NVLink's 450
+    assert comm(tensor_parallel_size=16) == pytest.approx(9 * comm(tensor_parallel_size=16, gpus_per_node=16))
+    with pytest.raises(ConfigError, match="inter_node_gbs must be > 0"):
+        EngineConfig.from_flat({"inter_node_gbs": 0.0})
