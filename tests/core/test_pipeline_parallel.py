@@ -77,12 +77,11 @@ def test_async_cases_need_the_decode_stagger(monkeypatch) -> None:
 def test_sync_cases_need_a_decode_to_wait_for_its_output(monkeypatch) -> None:
     """Without async scheduling there are no placeholders: with them a decode would run again
     before its token came back."""
-    monkeypatch.setattr(Scheduler, "async_scheduling", True, raising=False)
     init = Scheduler.__init__
 
     def with_placeholders(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.__dict__["async_scheduling"] = True
+        self.async_scheduling = True  # (the counters' placeholders; the batch queue stays P deep)
 
     monkeypatch.setattr(Scheduler, "__init__", with_placeholders)
     assert _broken(DATA) >= 10
@@ -101,7 +100,7 @@ def test_cases_need_stale_outputs_to_hold_a_preempted_request_back(monkeypatch) 
         return cache_end
 
     monkeypatch.setattr(SpecDecode, "_spec_async_preempt", no_stale)
-    assert _broken(DATA) + _broken(ASYNC_DATA) >= 2
+    assert _broken(DATA) + _broken(ASYNC_DATA) >= 5
 
 
 def test_pipeline_layers_split_as_vllm() -> None:
