@@ -101,8 +101,12 @@ class DPRouting(FleetRouting):
         requests and those routed to them but not yet delivered."""
         from simkv.replay.admission import queued_prompt_tokens
 
+        listed: list[list[int]] = []  # (listed once, for whichever limit asks first)
+
         def undelivered():
-            return [row_of(entry) for queue in self.queues for entry in queue]
+            if not listed:
+                listed.append([row_of(entry) for queue in self.queues for entry in queue])
+            return listed[0]
 
         def unfinished():
             return sum(len(e.scheduler.running) + e.scheduler.num_waiting() for e in self.engines) + len(undelivered())
