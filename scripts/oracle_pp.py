@@ -36,13 +36,20 @@ _SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_r
               "spec_draft_model", "spec_tokens_per_batch_size", "spec_ngram_match_rate")
 
 
-def make_case(rng, aborts: bool = False, async_scheduling: bool = False) -> dict:
-    case = oracle_spec.make_case(rng, aborts)
+def make_case(rng, aborts: bool = False, async_scheduling: bool = False, speculative: bool = False) -> dict:
+    """oracle_spec.py's case without drafts at P 2 to 4; `speculative` (async scheduling):
+    oracle_spec_async.py's, EAGLE or a draft model in every case."""
+    if speculative:
+        import oracle_spec_async
+
+        case = oracle_spec_async.make_case(rng, aborts=aborts)
+    else:
+        case = oracle_spec.make_case(rng, aborts)
+        for key in _SPEC_KEYS:
+            case["opts"].pop(key, None)
     opts = case["opts"]
-    for key in _SPEC_KEYS:
-        opts.pop(key, None)
     opts["pipeline_parallel_size"] = int(rng.choice([2, 2, 3, 4]))
-    opts["async_scheduling"] = async_scheduling
+    opts["async_scheduling"] = async_scheduling or speculative
     return case
 
 
@@ -93,6 +100,8 @@ def run_vllm(case: dict) -> dict:
     async_scheduling = bool(o.get("async_scheduling"))
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
                                                      async_scheduling=async_scheduling)
+    accept = oracle_vllm.acceptance(o)
+    accepted_total = [0]
     pp = o["pipeline_parallel_size"]
     if async_scheduling:
         assert sched.pp_size == pp and sched.decode_stagger == pp and sched.use_v2_model_runner
@@ -128,7 +137,8 @@ def run_vllm(case: dict) -> dict:
         so, meta = outputs.pop(step)
         oracle_vllm.take_aborts(sched, aborts, step, "output")
         req_ids = list(so.num_scheduled_tokens)
-        sampled, _ = oracle_vllm.async_sampled(sched, so, meta, None)
+        sampled, accepted = oracle_vllm.async_sampled(sched, so, meta, accept)
+        accepted_total[0] += accepted
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         oracle_vllm.record_outputs(sched.update_from_output(so, mro), step, prefix, first_token, finish)
@@ -136,7 +146,7 @@ def run_vllm(case: dict) -> dict:
     depth = pp + async_scheduling
     result = batch_queue_loop(case["requests"], depth, deliver, schedule, process, sched.has_unfinished_requests)
     result["requests"] = oracle_vllm.row_steps(case["requests"], ids_of, first_token, finish)
-    result["accepted"] = 0
+    result["accepted"] = accepted_total[0]
     result["prefix"] = prefix
     if detail is not None:
         result["detail"] = {str(k): v for k, v in detail.items()}
@@ -150,7 +160,7 @@ def run_simkv(case: dict) -> dict:
 
     result = drive_steps_pipeline(case)
     sched = result.pop("scheduler")
-    result["accepted"] = 0
+    result["accepted"] = sched.spec_stats["num_accepted_tokens"]
     result["preemptions"] = sched.num_preemptions
     stats = sched.kv_cache_manager.prefix_cache_stats
     result["prefix"] = [stats.queries, stats.hits]
@@ -160,7 +170,7 @@ def run_simkv(case: dict) -> dict:
 def compare_cases(cases: list[dict], theirs: list[dict]) -> int:
     """Each case's differences, then the totals; returns the number of cases that differ."""
     failures = 0
-    totals = dict(requests=0, steps=0, preemptions=0, hits=0, aborted=0)
+    totals = dict(requests=0, steps=0, preemptions=0, hits=0, aborted=0, accepted=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
@@ -168,6 +178,7 @@ def compare_cases(cases: list[dict], theirs: list[dict]) -> int:
         totals["preemptions"] += ours["preemptions"]
         totals["hits"] += t["prefix"][1]
         totals["aborted"] += ours["aborted"]
+        totals["accepted"] += t["accepted"]
         diff = oracle_spec.case_differences(t, ours)
         if ours.get("error") != t.get("error"):
             diff.append(f"error: vLLM {t.get('error')}, simkv {ours.get('error')}")
@@ -177,17 +188,18 @@ def compare_cases(cases: list[dict], theirs: list[dict]) -> int:
     print(f"{len(cases) - failures} of {len(cases)} cases equal "
           f"({totals['requests']} requests, {totals['steps']} steps, {totals['preemptions']} preemptions, "
           f"{totals['hits']} prefix-hit tokens"
+          + (f", {totals['accepted']} drafts accepted" if totals["accepted"] else "")
           + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
     return failures
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True, speculative_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.aborts, a.async_scheduling) for _ in range(a.cases)]
+    cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative) for _ in range(a.cases)]
     sys.exit(1 if compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a)) else 0)
 
 

@@ -19,6 +19,8 @@ GPU's interconnect, or `inter_node_gbs` where the boundary falls between nodes o
 `gpus_per_node` GPUs). A stage starts a batch when it has finished the batch before and the stage
 before has handed this one over; the first stage also waits, under async scheduling, for the
 tokens its decodes were sampled in a batch still in flight (the last stage sends them back).
+Under speculative decoding (async scheduling only) the drafter's passes run on the last stage
+after the target's layers, and the drafts go back with the sampled tokens.
 The batch's output is processed when its last stage ends; its step is logged from its first
 stage's start to then, so the steps of different batches overlap in time.
 """
@@ -46,12 +48,17 @@ class PipelineStages:
         # hidden states and residual, each TP GPU sending its 1/TP share over its own link
         per_token = 2 * spec.hidden_size * _ACTIVATION_BYTES / hw.tensor_parallel_size
         self.link_seconds_per_token = [per_token / (gbs * 1e9) for gbs in self.link_gbs]
-        self.execute = backend.execute
+        # speculative decoding: the drafter runs on the last stage, after the target's layers
+        # (simkv/backends/drafting.py), so it is timed apart from the target's step
+        self.backend = backend
+        drafter = getattr(backend, "drafter", None)
+        self.drafter_seconds = drafter.seconds if drafter is not None else None
+        self.execute = backend.inner.execute if drafter is not None else backend.execute
         self.host_seconds = getattr(backend, "host_seconds", None)
         self.stage_free = [0] * self.num_stages
         self.host_free = 0
         self.token_ready: dict = {}  # request -> tick its latest sampled token is back
-        self.stage_busy = 0  # ticks each stage ran batches (the same for every stage)
+        self.stage_busy = 0  # ticks the stages ran batches, all of them together
         self.num_batches = 0
         self.num_empty_calls = 0  # schedule() calls that ran nothing, each a place in the queue
 
@@ -60,6 +67,11 @@ class PipelineStages:
         seconds = self.execute(out)
         host = min(self.host_seconds(len(out.chunks)), seconds) if self.host_seconds is not None else 0.0
         stage = to_ticks((seconds - host) / self.num_stages)
+        draft = 0
+        if self.drafter_seconds is not None:
+            draft_s = self.drafter_seconds(out)
+            self.backend.draft_seconds += draft_s
+            draft = to_ticks(draft_s)
         tokens = out.total_num_scheduled_tokens
         t = max(now, self.host_free) + to_ticks(host + out.lora_load_s)
         self.host_free = t
@@ -68,14 +80,15 @@ class PipelineStages:
             for chunk in out.chunks:
                 t = max(t, ready.get(chunk.request, 0))
         free = self.stage_free
-        self.stage_busy += stage
+        last = self.num_stages - 1
+        self.stage_busy += stage * self.num_stages + draft
         self.num_batches += 1
         start = t = max(t, free[0])
         links = self.link_seconds_per_token
         for k in range(self.num_stages):
             if k:
                 t = max(t + to_ticks(tokens * links[k - 1]), free[k])
-            t += stage
+            t += stage + draft if k == last else stage
             free[k] = t
         for chunk in out.chunks:
             if chunk.samples:
@@ -86,12 +99,13 @@ class PipelineStages:
 
 
 def pipeline_summary(run, duration_s: float) -> dict:
-    """summary.json's `pipeline` section: the stages, how busy each was over the replay, its
-    batches and the schedule() calls that ran nothing."""
+    """summary.json's `pipeline` section: the stages, how busy a stage was over the replay on
+    average (the last one also drafts under speculative decoding), its batches and the
+    schedule() calls that ran nothing."""
     stages = run.pipeline
     if stages is None:
         return {}
-    busy = stages.stage_busy / TICKS_PER_SECOND
+    busy = stages.stage_busy / stages.num_stages / TICKS_PER_SECOND  # (a stage's, on average)
     return {"pipeline": {"pipeline_parallel_size": stages.num_stages, "stage_busy_s": busy,
                          "stage_busy_fraction": busy / duration_s if duration_s else 0.0,
                          "batches": stages.num_batches, "empty_schedule_calls": stages.num_empty_calls,

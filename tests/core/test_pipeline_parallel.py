@@ -22,6 +22,7 @@ from tests.core.helpers import drive_steps_pipeline, make_request
 
 DATA = Path(__file__).parent / "data" / "pp_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "pp_async_vllm_cases.json"
+SPEC_DATA = Path(__file__).parent / "data" / "pp_spec_async_vllm_cases.json"
 REQ400 = Path(__file__).parents[2] / "traces" / "req400.parquet"
 
 
@@ -35,7 +36,8 @@ def _same_as_vllm(recorded: dict) -> bool:
     sched = ours["scheduler"]
     stats = sched.kv_cache_manager.prefix_cache_stats
     return (ours["steps"] == theirs["steps"] and ours["requests"] == theirs["requests"]
-            and [stats.queries, stats.hits] == theirs["prefix"] and ours.get("error") == theirs.get("error"))
+            and [stats.queries, stats.hits] == theirs["prefix"] and ours.get("error") == theirs.get("error")
+            and sched.spec_stats["num_accepted_tokens"] == theirs["accepted"])
 
 
 @pytest.mark.parametrize("index", range(12))
@@ -50,6 +52,14 @@ def test_same_steps_as_vllm(index: int) -> None:
 def test_same_steps_as_vllm_async(index: int) -> None:
     """The same under vLLM's AsyncScheduler, P + 1 deep with its decode stagger."""
     assert _same_as_vllm(_recorded(ASYNC_DATA)[index])
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_same_steps_as_vllm_speculative(index: int) -> None:
+    """EAGLE or a draft model under async scheduling (vLLM's drafts stay on the device: the
+    scheduler sees placeholders), P from 2 to 4, with a front end's aborts: the steps, requests,
+    prefix-cache counts and drafts accepted."""
+    assert _same_as_vllm(_recorded(SPEC_DATA)[index])
 
 
 def _broken(path: Path) -> int:
@@ -134,7 +144,7 @@ def test_capacity_per_stage() -> None:
 
 @pytest.mark.parametrize("opts, what", [
     ({"model": "gemma-3-12b"}, "sliding-window"),
-    ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative decoding"),
+    ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative decoding without async scheduling"),
     ({"kv_offloading_size": 4.0}, "KV offloading"),
     ({"preemption_mode": "swap"}, "preemption_mode 'swap'"),
     ({"prefill_schedule_interval": 2}, "prefill_schedule_interval"),
@@ -150,6 +160,7 @@ class _FixedCost:
     """A step costs `seconds`, of which `host` on the host."""
 
     name = "fixed"
+    needs_request_detail = False
 
     def __init__(self, seconds: float, host: float) -> None:
         self.seconds, self.host = seconds, host
@@ -165,6 +176,25 @@ def _output(step: int, chunks) -> SchedulerOutput:
     return SchedulerOutput(step=step, chunks=chunks, num_decode_reqs=0, decode_context_tokens=0, decodes=None,
                            preempted=[], num_running=0, num_waiting=0, num_blocks_used=0,
                            prefix_query_tokens=0, prefix_hit_tokens=0)
+
+
+def test_the_drafter_runs_on_the_last_stage() -> None:
+    """Under speculative decoding the drafter's passes follow the target's layers on the last
+    stage: they lengthen the batch by their own time, not by it over the stages."""
+    from simkv.backends.drafting import SpeculativeBackend
+
+    config = EngineConfig.from_flat({"model": "llama-3-70b", "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                     "async_scheduling": True, "speculative_method": "eagle3",
+                                     "num_speculative_tokens": 2})
+    backend = SpeculativeBackend(_FixedCost(0.030, 0.002), config)
+    backend.drafter.seconds = lambda out: 0.004
+    stages = PipelineStages(config, backend)
+    out = _output(0, [ScheduledChunk(make_request(0, 100, 10), 0, 100, False)])
+    out.num_spec_tokens_to_schedule = 2
+    start, end = stages.launch(out, 0)
+    link = to_ticks(100 * 2 * 8192 * 2 / 2 / 450e9)
+    assert end - start == 2 * to_ticks(0.014) + link + to_ticks(0.004)
+    assert backend.draft_seconds == 0.004
 
 
 def test_stage_timing() -> None:
@@ -195,13 +225,15 @@ def _req400_rows(n: int = 120):
     return take_rows(read_trace(REQ400), np.arange(n))
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_replay_is_whole_and_deterministic(tmp_path, async_scheduling: bool) -> None:
+@pytest.mark.parametrize("opts", [{}, {"async_scheduling": True},
+                                  {"async_scheduling": True, "speculative_method": "eagle3",
+                                   "num_speculative_tokens": 2}])
+def test_replay_is_whole_and_deterministic(tmp_path, opts: dict) -> None:
     """A pipelined replay finishes every request with its trace's output tokens, twice the same;
     a token's gap is timed between the ends of the steps that sampled it and the one before."""
     trace = _req400_rows()
     config = EngineConfig.from_flat({"model": "llama-3-70b", "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
-                                     "async_scheduling": async_scheduling, "max_num_seqs": 32})
+                                     "max_num_seqs": 32} | opts)
     runs = [replay(trace, config) for _ in range(2)]
     for res in runs:
         res.summary["wall_time_s"] = 0.0
