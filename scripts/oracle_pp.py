@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 import oracle_spec  # noqa: E402  (its cases and comparison)
+import oracle_spec_async  # noqa: E402  (its cases with drafts, and the simkv side's totals)
 import oracle_vllm  # noqa: E402
 
 _SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_rate", "spec_seed",
@@ -40,8 +41,6 @@ def make_case(rng, aborts: bool = False, async_scheduling: bool = False, specula
     """oracle_spec.py's case without drafts at P 2 to 4; `speculative` (async scheduling):
     oracle_spec_async.py's, EAGLE or a draft model in every case."""
     if speculative:
-        import oracle_spec_async
-
         case = oracle_spec_async.make_case(rng, aborts=aborts)
     else:
         case = oracle_spec.make_case(rng, aborts)
@@ -94,8 +93,6 @@ def batch_queue_loop(requests, depth: int, deliver, schedule, process, has, max_
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 def run_vllm(case: dict) -> dict:
-    from vllm.v1.outputs import ModelRunnerOutput
-
     o = case["opts"]
     async_scheduling = bool(o.get("async_scheduling"))
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
@@ -135,13 +132,8 @@ def run_vllm(case: dict) -> dict:
 
     def process(step):
         so, meta = outputs.pop(step)
-        oracle_vllm.take_aborts(sched, aborts, step, "output")
-        req_ids = list(so.num_scheduled_tokens)
-        sampled, accepted = oracle_vllm.async_sampled(sched, so, meta, accept)
-        accepted_total[0] += accepted
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
-        oracle_vllm.record_outputs(sched.update_from_output(so, mro), step, prefix, first_token, finish)
+        accepted_total[0] += oracle_vllm.process_async_output(sched, so, meta, accept, step, aborts, prefix,
+                                                              first_token, finish)
 
     depth = pp + async_scheduling
     result = batch_queue_loop(case["requests"], depth, deliver, schedule, process, sched.has_unfinished_requests)
@@ -158,13 +150,7 @@ def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.core.helpers import drive_steps_pipeline
 
-    result = drive_steps_pipeline(case)
-    sched = result.pop("scheduler")
-    result["accepted"] = sched.spec_stats["num_accepted_tokens"]
-    result["preemptions"] = sched.num_preemptions
-    stats = sched.kv_cache_manager.prefix_cache_stats
-    result["prefix"] = [stats.queries, stats.hits]
-    return result
+    return oracle_spec_async.with_totals(drive_steps_pipeline(case))
 
 
 def compare_cases(cases: list[dict], theirs: list[dict]) -> int:

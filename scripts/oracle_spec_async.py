@@ -119,8 +119,6 @@ def async_step_loop(requests, schedule, process, max_steps: int = 5000) -> dict:
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 def run_vllm(case: dict) -> dict:
-    from vllm.v1.outputs import ModelRunnerOutput
-
     o = case["opts"] | {"group_windows": case.get("group_windows"),  # (--hybrid and --linear cases have groups)
                         "group_linear": case.get("group_linear"),
                         "mamba_cache_mode": case.get("mamba_cache_mode"),
@@ -160,13 +158,8 @@ def run_vllm(case: dict) -> dict:
 
     def process(step):
         so, meta = outputs.pop(step)
-        oracle_vllm.take_aborts(sched, aborts, step, "output")
-        req_ids = list(so.num_scheduled_tokens)
-        sampled, n_acc = oracle_vllm.async_sampled(sched, so, meta, accept)
-        accepted_total[0] += n_acc
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
-        oracle_vllm.record_outputs(sched.update_from_output(so, mro), step, prefix, first_token, finish)
+        accepted_total[0] += oracle_vllm.process_async_output(sched, so, meta, accept, step, aborts, prefix,
+                                                              first_token, finish)
 
     result = async_step_loop(case["requests"], schedule, process)
     result["requests"] = oracle_vllm.row_steps(case["requests"], ids_of, first_token, finish)
@@ -180,7 +173,12 @@ def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.core.helpers import drive_steps_async
 
-    result = drive_steps_async(case)
+    return with_totals(drive_steps_async(case))
+
+
+def with_totals(result: dict) -> dict:
+    """A step-mode drive's result with its scheduler's totals in place of the scheduler: drafts
+    accepted, preemptions, prefix-cache counts (queried, hit)."""
     sched = result.pop("scheduler")
     result["accepted"] = sched.spec_stats["num_accepted_tokens"]
     result["preemptions"] = sched.num_preemptions

@@ -282,6 +282,22 @@ def record_outputs(engine_core_outputs: dict, step: int, prefix: list, first_tok
                 finish[out.request_id] = step
 
 
+def process_async_output(sched, so, meta: dict, accept, step: int, aborts: list, prefix: list, first_token: dict,
+                         finish: dict) -> int:
+    """A step's output under async scheduling or a batch queue: the front end's aborts due then,
+    the model runner's tokens (`async_sampled`), update_from_output and its results recorded
+    (`record_outputs`). Returns the drafts accepted."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    take_aborts(sched, aborts, step, "output")
+    req_ids = list(so.num_scheduled_tokens)
+    sampled, accepted = async_sampled(sched, so, meta, accept)
+    mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                            sampled_token_ids=sampled)
+    record_outputs(sched.update_from_output(so, mro), step, prefix, first_token, finish)
+    return accepted
+
+
 def random_aborts(rng, requests: list[dict]) -> list[dict]:
     """Aborts of about a third of the requests (a front end whose clients gave up), each at a
     random step up to 40 after its arrival, taken before that step is scheduled or after it ran
