@@ -28,7 +28,7 @@ import oracle_vllm  # noqa: E402
 
 
 def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_scheduling: bool = False,
-              chunked: bool = False, replies: bool = False) -> dict:
+              chunked: bool = False, replies: bool = False, pipeline_parallel_size: int = 1) -> dict:
     block_size = int(rng.choice([2, 4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -58,6 +58,10 @@ def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_
         opts.pop("spec_draft_model", None)
     if async_scheduling:  # (before the pool is sized: the admission cap counts two batches in flight)
         opts["async_scheduling"] = True
+    if pipeline_parallel_size > 1:  # (and pipeline stages count their batches in flight too; a stage a layer at most)
+        from simkv.specs import get_model_spec
+
+        opts["pipeline_parallel_size"] = min(pipeline_parallel_size, get_model_spec(opts["model"]).num_layers)
     config = EngineConfig.from_flat(opts)
     # a pool where a max_model_len request fits (simkv refuses smaller ones at start-up, as vLLM does)
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1

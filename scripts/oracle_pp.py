@@ -37,9 +37,21 @@ _SPEC_KEYS = ("speculative_method", "num_speculative_tokens", "spec_acceptance_r
               "spec_draft_model", "spec_tokens_per_batch_size", "spec_ngram_match_rate")
 
 
-def make_case(rng, aborts: bool = False, async_scheduling: bool = False, speculative: bool = False) -> dict:
+def make_case(rng, aborts: bool = False, async_scheduling: bool = False, speculative: bool = False,
+              hybrid: bool = False, chunked: bool = False) -> dict:
     """oracle_spec.py's case without drafts at P 2 to 4; `speculative` (async scheduling):
-    oracle_spec_async.py's, EAGLE or a draft model in every case."""
+    oracle_spec_async.py's, EAGLE or a draft model in every case; `hybrid` (`chunked`):
+    oracle_hybrid.py's KV-cache groups of a model with sliding-window layers (chunked local
+    attention), EAGLE in some cases under async scheduling."""
+    if hybrid:
+        from oracle_hybrid import make_case as hybrid_case
+
+        pp = int(rng.choice([2, 2, 3, 4]))
+        case = hybrid_case(rng, async_scheduling, methods=("eagle",), async_scheduling=async_scheduling,
+                           chunked=chunked, pipeline_parallel_size=pp)
+        if aborts:
+            case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])
+        return case
     if speculative:
         case = oracle_spec_async.make_case(rng, aborts=aborts)
     else:
@@ -93,7 +105,8 @@ def batch_queue_loop(requests, depth: int, deliver, schedule, process, has, max_
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 def run_vllm(case: dict) -> dict:
-    o = case["opts"]
+    o = case["opts"] | {"group_windows": case.get("group_windows"),  # (--hybrid cases have groups)
+                        "group_chunked": case.get("group_chunked", False)}
     async_scheduling = bool(o.get("async_scheduling"))
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
                                                      async_scheduling=async_scheduling)
@@ -180,12 +193,14 @@ def compare_cases(cases: list[dict], theirs: list[dict]) -> int:
 
 
 def main() -> None:
-    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True, speculative_flag=True)
+    a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True, speculative_flag=True,
+                                hybrid_flag=True, chunked_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative) for _ in range(a.cases)]
+    cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative, a.hybrid or a.chunked, a.chunked)
+             for _ in range(a.cases)]
     sys.exit(1 if compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a)) else 0)
 
 

@@ -79,7 +79,7 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
     block per `block_size` tokens in a full-attention group; a sliding-window group of window w
     at most ceil(min(w - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1 (vLLM's
     SlidingWindowSpec.max_admission_blocks_per_request; the in-flight tokens are
-    max_num_batched_tokens, twice that under async scheduling); a chunked local group of chunk C
+    max_num_batched_tokens per batch in flight: EngineConfig.max_in_flight_tokens); a chunked local group of chunk C
     at most ceil(min(C + max_in_flight_tokens, max_model_len) / block_size); a linear-attention group
     one (the request's state), and one per draft token under speculative decoding. `startup`: vLLM's start-up figure, which counts that cap whole even
     where a request of `num_tokens` needs fewer."""
@@ -90,7 +90,7 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
         if g.linear:
             total += config.state_blocks_per_group if num_tokens else 0
         elif g.sliding_window:
-            cap = admission_cap_blocks(g.sliding_window, g.chunked, config.scheduler.max_in_flight_tokens, mml, bs)
+            cap = admission_cap_blocks(g.sliding_window, g.chunked, config.max_in_flight_tokens, mml, bs)
             total += cap if startup else min(full, cap)
         else:
             total += full
@@ -125,11 +125,14 @@ def pipeline_layers(num_layers: int, pipeline_parallel_size: int) -> list[int]:
     return parts
 
 
-def _pipeline_stage_blocks(config: EngineConfig, per_token: int, lora_bytes: int) -> tuple[int, int, int, int, int]:
+def _pipeline_stage_blocks(config: EngineConfig, block_bytes: int, lora_bytes: int,
+                           draft_weights: float) -> tuple[int, int, int, int, int]:
     """Pipeline parallelism: each stage's GPUs hold their layers' weights and KV (the first stage
-    also the input embedding, the last the LM head), and vLLM gives every stage the blocks of the
-    one with the fewest: (blocks, that stage's KV memory, its K and V bytes per token, the stage,
-    its weights per GPU)."""
+    also the input embedding, the last the LM head and a drafter's network), and vLLM gives
+    every stage the blocks of the one with the fewest: (blocks, that stage's KV memory, its block
+    bytes, the stage, its weights per GPU). `block_bytes`: a block of the whole model's layers on
+    one GPU. Under the hybrid KV-cache manager a stage's block holds its share of the groups'
+    layers, rounded up (vLLM projects the model's groups onto each worker's layers)."""
     spec = config.hardware.model_spec()
     gpu = get_gpu_spec(config.hardware.gpu)
     tp = config.hardware.tensor_parallel_size
@@ -137,19 +140,29 @@ def _pipeline_stage_blocks(config: EngineConfig, per_token: int, lora_bytes: int
     layer_bytes = spec.layer_weight_bytes + spec.routed_expert_bytes  # (taken as spread evenly over the layers)
     embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
     budget = gpu.memory_bytes * config.cache.gpu_memory_utilization - activation_reserve_bytes(config)
+    groups = config.kv_cache_groups
+    draft = config.draft_network
+    draft_block = (draft.kv_bytes_per_token(config.cache.kv_dtype_bytes, tp) * config.cache.block_size
+                   if draft is not None and not groups.is_hybrid else 0)
+    target_block = block_bytes - draft_block
     best = None
     for i, n in enumerate(layers):
         share = n / spec.num_layers
-        weights = (layer_bytes * share + embedding_bytes * ((i == 0) + (i == len(layers) - 1))) / tp
-        stage_per_token = per_token * n // spec.num_layers
+        last = i == len(layers) - 1
+        weights = (layer_bytes * share + embedding_bytes * ((i == 0) + last)) / tp + (draft_weights if last else 0)
+        if groups.is_hybrid:
+            lpb = groups.layers_per_block
+            stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)
+        else:
+            stage_block = target_block * n // spec.num_layers + (draft_block if last else 0)
         available = int(budget - weights - lora_bytes * share)
         if available <= 0:
             raise ConfigError(
                 f"No available memory for the cache blocks on pipeline stage {i} ({n} layers). Try increasing "
                 "`gpu_memory_utilization` when initializing the engine.")
-        blocks = available // (stage_per_token * config.cache.block_size)
+        blocks = available // stage_block
         if best is None or blocks < best[0]:
-            best = (blocks, available, stage_per_token, i, int(weights))
+            best = (blocks, available, stage_block, i, int(weights))
     return best
 
 
@@ -178,17 +191,18 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     lora_bytes = None if lora is None else lora * config.scheduler.max_loras
     stages = ()
     binding = stage_weights = 0
-    if config.hardware.pipeline_parallel_size > 1:  # (one stage's GPUs: its layers' share; full-attention models)
+    if config.hardware.pipeline_parallel_size > 1:  # (one stage's GPUs: its layers' share)
         stages = tuple(pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size))
         if cc.num_gpu_blocks is None:
-            num_blocks, available, per_token, binding, stage_weights = _pipeline_stage_blocks(
-                config, per_token, lora_bytes or 0)
+            num_blocks, available, stage_block, binding, stage_weights = _pipeline_stage_blocks(
+                config, int(block_bytes), lora_bytes or 0, draft_weights)
         else:  # (the stage with the most layers)
             binding = stages.index(max(stages))
-            per_token = per_token * stages[binding] // spec.num_layers
+            stage_block = int(block_bytes) * stages[binding] // spec.num_layers
             num_blocks = cc.num_gpu_blocks
-            available = num_blocks * per_token * cc.block_size
-        block_bytes = per_token * cc.block_size
+            available = num_blocks * stage_block
+        per_token = per_token * stage_block // int(block_bytes)  # (the stage's share)
+        block_bytes = stage_block
     elif cc.num_gpu_blocks is not None:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks

@@ -236,13 +236,6 @@ class SchedulerConfig:
         return self.has_client_timeouts or bool(self.client_max_retries and (
             self.max_num_queued_reqs is not None or self.max_num_queued_tokens is not None))
 
-    @property
-    def max_in_flight_tokens(self) -> int:
-        """vLLM's bound on tokens scheduled but not yet processed: a batch's budget per step in
-        flight (two under async scheduling). Sliding-window groups hold their window plus this
-        (their blocks are freed on the processed tokens)."""
-        return self.max_num_batched_tokens * (2 if self.async_scheduling else 1)
-
     def verify_max_model_len(self, max_model_len: int) -> None:
         """vLLM's SchedulerConfig checks, with its texts."""
         if self.max_num_batched_tokens < max_model_len and not self.enable_chunked_prefill:
@@ -834,8 +827,7 @@ class EngineConfig:
         engine on models whose layers all attend the whole context, with speculative decoding
         under async scheduling (where the drafts stay on the device)."""
         sched, cache = self.scheduler, self.cache
-        unsupported = [(self.has_sliding_window or self.has_linear_attention or self.kv_cache_groups.is_hybrid,
-                        f"sliding-window, chunked-local or linear-attention layers (model {self.hardware.model})"),
+        unsupported = [(self.has_linear_attention, f"linear-attention layers (model {self.hardware.model})"),
                        (self.speculative.enabled and not sched.async_scheduling,
                         "speculative decoding without async scheduling"),
                        (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
@@ -864,6 +856,20 @@ class EngineConfig:
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"decode_context_parallel_size > 1 is not modelled with {what}")
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight (vLLM's max_concurrent_batches): one, two under async scheduling;
+        under pipeline parallelism one per stage, one more under async scheduling."""
+        pp = self.hardware.pipeline_parallel_size
+        return (pp if pp > 1 else 1) + (1 if self.scheduler.async_scheduling else 0)
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """vLLM's bound on tokens scheduled but not yet processed: a batch's budget per batch in
+        flight. Sliding-window groups hold their window plus this (their blocks are freed on the
+        processed tokens)."""
+        return self.scheduler.max_num_batched_tokens * self.max_concurrent_batches
 
     @property
     def kv_manager_block_size(self) -> int:

@@ -138,7 +138,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif groups.has_sliding_window:  # a block table per KV-cache group (vLLM's hybrid manager)
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
-                cc.watermark, sc.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
+                cc.watermark, config.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
                 hash_lookahead=hash_lookahead,
                 eagle_block_drop=eagle_block_drop, chunked=groups.chunked)
         else:
@@ -189,7 +189,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # Mamba prefix caching: prefill chunks end where a state must be written (mamba_align.py)
         self._mamba_split = isinstance(self.kv_cache_manager, MambaAlignCoordinator)
         self._max_prefill_tokens = min(self.max_num_batched_tokens, sc.long_prefill_token_threshold or (1 << 62))
-        self._async_releases = self._window_releases and self.async_scheduling
+        self._async_releases = self._window_releases and self.overlapped
         # P/D with sliding-window layers: vLLM gives back a finished request's out-of-window
         # blocks before it hands the block table to the connector (and before any other free)
         self._release_at_finish = self._window_releases and kv_connector

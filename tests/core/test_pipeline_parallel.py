@@ -23,6 +23,7 @@ from tests.core.helpers import drive_steps_pipeline, make_request
 DATA = Path(__file__).parent / "data" / "pp_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "pp_async_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "pp_spec_async_vllm_cases.json"
+HYBRID_DATA = Path(__file__).parent / "data" / "pp_hybrid_vllm_cases.json"
 REQ400 = Path(__file__).parents[2] / "traces" / "req400.parquet"
 
 
@@ -60,6 +61,38 @@ def test_same_steps_as_vllm_speculative(index: int) -> None:
     scheduler sees placeholders), P from 2 to 4, with a front end's aborts: the steps, requests,
     prefix-cache counts and drafts accepted."""
     assert _same_as_vllm(_recorded(SPEC_DATA)[index])
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_same_steps_as_vllm_hybrid(index: int) -> None:
+    """KV-cache groups of sliding-window models (async, EAGLE in some, with aborts) and of
+    chunked local attention (sync): window releases go by the processed tokens, and the
+    admission cap counts every batch in flight (max_num_batched_tokens x (P + async))."""
+    assert _same_as_vllm(_recorded(HYBRID_DATA)[index])
+
+
+def test_hybrid_cases_need_releases_by_the_processed_tokens(monkeypatch) -> None:
+    """A window's blocks go back by the tokens whose output was processed (those of batches in
+    flight may still be read): releasing by the computed tokens breaks the hybrid cases."""
+    init = Scheduler.__init__
+
+    def by_computed(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._async_releases = False
+
+    monkeypatch.setattr(Scheduler, "__init__", by_computed)
+    assert _broken(HYBRID_DATA) >= 6
+
+
+def test_admission_caps_count_every_batch_in_flight() -> None:
+    """vLLM's max_in_flight_tokens: max_num_batched_tokens per batch in flight, P of them under
+    pipeline parallelism (P + 1 under async scheduling): a sliding-window group's admission cap."""
+    base = {"model": "gemma-3-12b", "max_num_batched_tokens": 2048}
+    assert EngineConfig.from_flat(base).max_in_flight_tokens == 2048
+    assert EngineConfig.from_flat(base | {"async_scheduling": True}).max_in_flight_tokens == 4096
+    assert EngineConfig.from_flat(base | {"pipeline_parallel_size": 4}).max_in_flight_tokens == 8192
+    assert EngineConfig.from_flat(base | {"pipeline_parallel_size": 4,
+                                          "async_scheduling": True}).max_in_flight_tokens == 10240
 
 
 def _broken(path: Path) -> int:
@@ -143,7 +176,7 @@ def test_capacity_per_stage() -> None:
 
 
 @pytest.mark.parametrize("opts, what", [
-    ({"model": "gemma-3-12b"}, "sliding-window"),
+    ({"model": "qwen3-next-80b-a3b", "tensor_parallel_size": 4}, "linear-attention"),
     ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative decoding without async scheduling"),
     ({"kv_offloading_size": 4.0}, "KV offloading"),
     ({"preemption_mode": "swap"}, "preemption_mode 'swap'"),
