@@ -10,15 +10,20 @@ into the next batch; with it, a request that sampled waits P schedule() calls (v
 stagger). vLLM's `Scheduler` (`AsyncScheduler` with --async-scheduling; the oracle venv,
 ../shared/tools/vllm_oracle) and simkv's run oracle_spec.py's random step-mode cases without
 speculation (small pools that preempt, shared prompts, priorities, watermarks, chunked prefill
-on and off) at P from 2 to 4, both driven by the same batch-queue loop. Every step's scheduled
-tokens, running and waiting requests and blocks in use, every request's first-token and finish
-step and the prefix-cache counts must be equal.
+on and off) at P from 2 to 4, both driven by the same batch-queue loop; with --speculative,
+oracle_spec_async.py's cases (EAGLE or a draft model, async scheduling); with --hybrid or
+--chunked, oracle_hybrid.py's KV-cache groups of sliding-window models or chunked local
+attention. Every step's scheduled tokens, running and waiting requests and blocks in use,
+every request's first-token and finish step, the prefix-cache counts and the drafts accepted
+must be equal.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_pp.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 100
     .venv/bin/python scripts/oracle_pp.py --async-scheduling --cases 100
     .venv/bin/python scripts/oracle_pp.py --aborts --cases 100   # with a front end's aborts
+    .venv/bin/python scripts/oracle_pp.py --speculative --cases 100
+    .venv/bin/python scripts/oracle_pp.py --hybrid [--async-scheduling] --cases 100   # or --chunked
 """
 
 from __future__ import annotations
