@@ -116,7 +116,7 @@ def pipeline_row(section: dict) -> tuple[str, str]:
     """The report row of summary.json's `pipeline` section."""
     busy = 100 * section["stage_busy_fraction"]
     links = ", ".join(f"{g:g}" for g in section["link_gbs"])
-    return ("pipeline stages", f"{section['pipeline_parallel_size']}, each busy {busy:.1f} % of the time; "
+    return ("pipeline stages", f"{section['pipeline_parallel_size']}, busy {busy:.1f} % of the time on average; "
                                f"{section['batches']:,} batches, {section['empty_schedule_calls']:,} empty schedule() "
                                f"calls; links {links} GB/s")
 
