@@ -824,11 +824,10 @@ class EngineConfig:
 
     def _verify_pipeline_parallel(self) -> None:
         """Pipeline parallelism (core/scheduler.py, replay/pipeline.py) is modelled for vLLM v1's
-        engine on models whose layers all attend the whole context, with speculative decoding
-        under async scheduling (where the drafts stay on the device)."""
+        engine, with speculative decoding under async scheduling (where the drafts stay on the
+        device)."""
         sched, cache = self.scheduler, self.cache
-        unsupported = [(self.has_linear_attention, f"linear-attention layers (model {self.hardware.model})"),
-                       (self.speculative.enabled and not sched.async_scheduling,
+        unsupported = [(self.speculative.enabled and not sched.async_scheduling,
                         "speculative decoding without async scheduling"),
                        (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
                        (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),

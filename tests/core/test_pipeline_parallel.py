@@ -24,6 +24,7 @@ DATA = Path(__file__).parent / "data" / "pp_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "pp_async_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "pp_spec_async_vllm_cases.json"
 HYBRID_DATA = Path(__file__).parent / "data" / "pp_hybrid_vllm_cases.json"
+LINEAR_DATA = Path(__file__).parent / "data" / "pp_linear_vllm_cases.json"
 REQ400 = Path(__file__).parents[2] / "traces" / "req400.parquet"
 
 
@@ -69,6 +70,13 @@ def test_same_steps_as_vllm_hybrid(index: int) -> None:
     chunked local attention (sync): window releases go by the processed tokens, and the
     admission cap counts every batch in flight (max_num_batched_tokens x (P + async))."""
     assert _same_as_vllm(_recorded(HYBRID_DATA)[index])
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_same_steps_as_vllm_linear(index: int) -> None:
+    """Mamba (Gated DeltaNet) groups beside full attention: with prefix caching (vLLM's align
+    mode, async, with aborts) and without it under MTP drafts (async)."""
+    assert _same_as_vllm(_recorded(LINEAR_DATA)[index])
 
 
 def test_hybrid_cases_need_releases_by_the_processed_tokens(monkeypatch) -> None:
@@ -176,7 +184,6 @@ def test_capacity_per_stage() -> None:
 
 
 @pytest.mark.parametrize("opts, what", [
-    ({"model": "qwen3-next-80b-a3b", "tensor_parallel_size": 4}, "linear-attention"),
     ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative decoding without async scheduling"),
     ({"kv_offloading_size": 4.0}, "KV offloading"),
     ({"preemption_mode": "swap"}, "preemption_mode 'swap'"),
