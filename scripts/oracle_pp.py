@@ -185,33 +185,6 @@ def run_simkv(case: dict) -> dict:
     return oracle_spec_async.with_totals(drive_steps_pipeline(case))
 
 
-def compare_cases(cases: list[dict], theirs: list[dict]) -> int:
-    """Each case's differences, then the totals; returns the number of cases that differ."""
-    failures = 0
-    totals = dict(requests=0, steps=0, preemptions=0, hits=0, aborted=0, accepted=0)
-    for i, (case, t) in enumerate(zip(cases, theirs)):
-        ours = run_simkv(case)
-        totals["requests"] += len(case["requests"])
-        totals["steps"] += len(t["steps"])
-        totals["preemptions"] += ours["preemptions"]
-        totals["hits"] += t["prefix"][1]
-        totals["aborted"] += ours["aborted"]
-        totals["accepted"] += t["accepted"]
-        diff = oracle_spec.case_differences(t, ours)
-        livelocked = ours.get("error") == "livelock" and t.get("error") == "max steps"  # (simkv stops earlier)
-        if ours.get("error") != t.get("error") and not livelocked:
-            diff.append(f"error: vLLM {t.get('error')}, simkv {ours.get('error')}")
-        if diff:
-            failures += 1
-            print(f"case {i} {case['opts']}: " + "; ".join(diff))
-    print(f"{len(cases) - failures} of {len(cases)} cases equal "
-          f"({totals['requests']} requests, {totals['steps']} steps, {totals['preemptions']} preemptions, "
-          f"{totals['hits']} prefix-hit tokens"
-          + (f", {totals['accepted']} drafts accepted" if totals["accepted"] else "")
-          + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "") + ")")
-    return failures
-
-
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True, speculative_flag=True,
                                 hybrid_flag=True, chunked_flag=True, linear_flag=True, align_flag=True)
@@ -221,7 +194,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative, a.hybrid or a.chunked, a.chunked, a.linear,
                        a.align) for _ in range(a.cases)]
-    sys.exit(1 if compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a)) else 0)
+    oracle_spec_async.compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a), run_simkv)
 
 
 if __name__ == "__main__":

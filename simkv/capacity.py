@@ -125,44 +125,51 @@ def pipeline_layers(num_layers: int, pipeline_parallel_size: int) -> list[int]:
     return parts
 
 
-def _pipeline_stage_blocks(config: EngineConfig, block_bytes: int, lora_bytes: int,
-                           draft_weights: float) -> tuple[int, int, int, int, int]:
-    """Pipeline parallelism: each stage's GPUs hold their layers' weights and KV (the first stage
-    also the input embedding, the last the LM head and a drafter's network), and vLLM gives
-    every stage the blocks of the one with the fewest: (blocks, that stage's KV memory, its block
-    bytes, the stage, its weights per GPU). `block_bytes`: a block of the whole model's layers on
-    one GPU. Under the hybrid KV-cache manager a stage's block holds its share of the groups'
-    layers, rounded up (vLLM projects the model's groups onto each worker's layers)."""
+def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: float) -> list[tuple[int, int, int]]:
+    """Pipeline parallelism: each stage's (layers, weights per GPU, block bytes per GPU). A
+    stage's GPUs hold their layers' weights and KV; the first stage also the input embedding,
+    the last the LM head and a drafter's network. `block_bytes`: a block of the whole model's
+    layers on one GPU. Under the hybrid KV-cache manager a stage's block holds its share of the
+    groups' layers, rounded up (vLLM projects the model's groups onto each worker's layers)."""
     spec = config.hardware.model_spec()
-    gpu = get_gpu_spec(config.hardware.gpu)
     tp = config.hardware.tensor_parallel_size
     layers = pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size)
     layer_bytes = spec.layer_weight_bytes + spec.routed_expert_bytes  # (taken as spread evenly over the layers)
     embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
-    budget = gpu.memory_bytes * config.cache.gpu_memory_utilization - activation_reserve_bytes(config)
     groups = config.kv_cache_groups
     draft = config.draft_network
     draft_block = (draft.kv_bytes_per_token(config.cache.kv_dtype_bytes, tp) * config.cache.block_size
                    if draft is not None and not groups.is_hybrid else 0)
-    target_block = block_bytes - draft_block
-    best = None
+    stages = []
     for i, n in enumerate(layers):
-        share = n / spec.num_layers
         last = i == len(layers) - 1
-        weights = (layer_bytes * share + embedding_bytes * ((i == 0) + last)) / tp + (draft_weights if last else 0)
+        weights = (layer_bytes * n / spec.num_layers + embedding_bytes * ((i == 0) + last)) / tp
         if groups.is_hybrid:
             lpb = groups.layers_per_block
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)
         else:
-            stage_block = target_block * n // spec.num_layers + (draft_block if last else 0)
-        available = int(budget - weights - lora_bytes * share)
+            stage_block = (block_bytes - draft_block) * n // spec.num_layers + (draft_block if last else 0)
+        stages.append((n, int(weights + (draft_weights if last else 0)), stage_block))
+    return stages
+
+
+def _pipeline_stage_blocks(config: EngineConfig, stages: list[tuple[int, int, int]],
+                           lora_bytes: int) -> tuple[int, int, int]:
+    """vLLM gives every pipeline stage the blocks of the one with the fewest: (blocks, that
+    stage's KV memory, the stage)."""
+    num_layers = config.hardware.model_spec().num_layers
+    budget = (get_gpu_spec(config.hardware.gpu).memory_bytes * config.cache.gpu_memory_utilization
+              - activation_reserve_bytes(config))
+    best = None
+    for i, (n, weights, stage_block) in enumerate(stages):
+        available = int(budget - weights - lora_bytes * n / num_layers)
         if available <= 0:
             raise ConfigError(
                 f"No available memory for the cache blocks on pipeline stage {i} ({n} layers). Try increasing "
                 "`gpu_memory_utilization` when initializing the engine.")
         blocks = available // stage_block
         if best is None or blocks < best[0]:
-            best = (blocks, available, stage_block, i, int(weights))
+            best = (blocks, available, i)
     return best
 
 
@@ -192,15 +199,15 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     stages = ()
     binding = stage_weights = 0
     if config.hardware.pipeline_parallel_size > 1:  # (one stage's GPUs: its layers' share)
-        stages = tuple(pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size))
+        stage_rows = _pipeline_stages(config, int(block_bytes), draft_weights)
+        stages = tuple(n for n, _, _ in stage_rows)
         if cc.num_gpu_blocks is None:
-            num_blocks, available, stage_block, binding, stage_weights = _pipeline_stage_blocks(
-                config, int(block_bytes), lora_bytes or 0, draft_weights)
-        else:  # (the stage with the most layers)
-            binding = stages.index(max(stages))
-            stage_block = int(block_bytes) * stages[binding] // spec.num_layers
+            num_blocks, available, binding = _pipeline_stage_blocks(config, stage_rows, lora_bytes or 0)
+        else:  # (the stage with the largest blocks)
+            binding = max(range(len(stage_rows)), key=lambda k: stage_rows[k][2])
             num_blocks = cc.num_gpu_blocks
-            available = num_blocks * stage_block
+            available = num_blocks * stage_rows[binding][2]
+        _, stage_weights, stage_block = stage_rows[binding]
         per_token = per_token * stage_block // int(block_bytes)  # (the stage's share)
         block_bytes = stage_block
     elif cc.num_gpu_blocks is not None:

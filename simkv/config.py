@@ -340,11 +340,15 @@ class HardwareConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
 
+    def _link(self, across_nodes: bool) -> float:
+        """GB/s one way per GPU: the GPU's interconnect, or between nodes the network's."""
+        interconnect = get_gpu_spec(self.gpu).interconnect_gbs
+        return min(interconnect, self.inter_node_gbs) if across_nodes else interconnect
+
     def link_gbs(self, num_gpus: int) -> float:
         """The bandwidth (GB/s one way, per GPU) of a collective over `num_gpus` consecutive GPUs:
         the GPU's interconnect within a node, the network's when they span nodes."""
-        interconnect = get_gpu_spec(self.gpu).interconnect_gbs
-        return interconnect if num_gpus <= self.gpus_per_node else min(interconnect, self.inter_node_gbs)
+        return self._link(num_gpus > self.gpus_per_node)
 
     def stage_link_gbs(self, boundary: int) -> float:
         """Pipeline parallelism: the link between stage `boundary` and the next (stages of TP GPUs
@@ -353,9 +357,7 @@ class HardwareConfig:
         if self.pipeline_link_gbs is not None:
             return self.pipeline_link_gbs
         first_next = (boundary + 1) * self.tensor_parallel_size
-        if (first_next - 1) // self.gpus_per_node == first_next // self.gpus_per_node:
-            return get_gpu_spec(self.gpu).interconnect_gbs
-        return min(get_gpu_spec(self.gpu).interconnect_gbs, self.inter_node_gbs)
+        return self._link((first_next - 1) // self.gpus_per_node != first_next // self.gpus_per_node)
 
     def model_spec(self) -> ModelSpec:
         """The model as served: its spec under `quantization`."""

@@ -31,7 +31,7 @@ def capacity_report(config: EngineConfig) -> dict:
     extra = {"draft_network": draft.name} if draft is not None else {}
     dcp = config.hardware.decode_context_parallel_size
     if spec.is_mla:  # every GPU holds the whole latent cache (DCP: its share): all GPUs hold TP / DCP copies
-        model_per_token = gpu_per_token * tp
+        model_per_token = kv_bytes_per_token(config, tp) // dcp * tp  # (of every stage's layers)
         extra["latent_cache_on_every_gpu"] = dcp == 1
     if dcp > 1:
         extra |= {"decode_context_parallel_size": dcp, "kv_manager_block_size": config.kv_manager_block_size}
@@ -44,9 +44,7 @@ def capacity_report(config: EngineConfig) -> dict:
     if pp > 1:  # (per GPU: the figures of the stage with the fewest blocks, which every stage gets)
         extra["pipeline"] = {"pipeline_parallel_size": pp, "layers_per_stage": list(cap.pipeline_layers),
                              "binding_stage": cap.pipeline_binding_stage}
-        weights_per_gpu = cap.pipeline_stage_weight_bytes or weights_per_gpu
-        model_per_token = gpu_per_token * tp * spec.num_layers // cap.pipeline_layers[cap.pipeline_binding_stage] \
-            if not spec.is_mla else model_per_token
+        weights_per_gpu = cap.pipeline_stage_weight_bytes
     if cap.num_offload_chunks:  # KV offloading's CPU tier (vLLM's --kv-offloading-size): chunks of the engine's blocks
         chunk_tokens = cc.kv_offloading_block_size or cc.block_size
         tier_tokens = cap.num_offload_chunks * chunk_tokens

@@ -385,7 +385,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             plan.budget -= len(self.running)
             stall_pos = -1
         else:
-            if self.chunked_decodes:  # (every running request is a chunk; those with nothing to run are left out)
+            if self.chunked_decodes:  # (every running request is a chunk; those with nothing to run are left
+                # out: _schedule_running's num_new <= 0, inline on this hot path)
                 active = [r for r in self._prefilling if r.num_computed_tokens < r.num_prompt_tokens
                           + r.num_output_tokens + r.spec_drafts + r.num_output_placeholders]
             else:

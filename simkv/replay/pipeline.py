@@ -124,7 +124,7 @@ def pipeline_row(section: dict) -> tuple[str, str]:
 def run_batch_queue(engine):
     """The engine process under pipeline parallelism (a SimPy generator over `engine`, a
     ReplayEngine): vLLM's step_with_batch_queue on the stages' clocks."""
-    sched, feed, env = engine.scheduler, engine.feed, engine.env
+    sched, feed = engine.scheduler, engine.feed
     config = engine.config
     stages = engine.pipeline = PipelineStages(config, engine.backend)
     depth = config.hardware.pipeline_parallel_size + (1 if config.scheduler.async_scheduling else 0)
@@ -159,13 +159,4 @@ def run_batch_queue(engine):
             continue
         idle_calls = 0
         out, start, end = entry
-        if end > engine.now:
-            engine.busy_until = end
-            yield env.timeout(end - engine.now)
-            engine.now = end
-        if engine._client is not None:  # (the aborts that arrived while it ran come before its output)
-            engine._client.expire_during_step(engine.now, [out])
-        finished = sched.update_from_output(out)
-        engine.steps.add_step(out, start, end - start)
-        if finished:
-            engine._record_finished(finished)
+        yield from engine._complete((out, start, end - start))  # (its last stage ends no earlier than now)
