@@ -152,15 +152,10 @@ def run_vllm(case: dict) -> dict:
         oracle_vllm.take_aborts(sched, aborts, step, "before")
 
     def schedule(step):
-        running_before = {r.request_id for r in sched.running}
-        so = sched.schedule()
-        if so.total_num_scheduled_tokens == 0:
-            return None
-        n_running, n_waiting = sched.get_request_counts()
-        outputs[step] = (so, oracle_vllm.async_step_meta(sched, so, running_before))
-        if detail is not None:  # (debugging: each step's scheduled tokens by request)
-            detail[step] = dict(so.num_scheduled_tokens) | {"call": sched.current_step}
-        return [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
+        row = oracle_vllm.schedule_async_step(sched, step, outputs, usable)
+        if row is not None and detail is not None:  # (debugging: each step's scheduled tokens by request)
+            detail[step] = dict(outputs[step][0].num_scheduled_tokens) | {"call": sched.current_step}
+        return row
 
     def process(step):
         so, meta = outputs.pop(step)

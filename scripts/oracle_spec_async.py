@@ -145,13 +145,7 @@ def run_vllm(case: dict) -> dict:
         oracle_vllm.take_aborts(sched, aborts, step, "before")
         if not sched.has_requests():
             return None
-        running_before = {r.request_id for r in sched.running}
-        so = sched.schedule()
-        if so.total_num_scheduled_tokens == 0:
-            return None
-        n_running, n_waiting = sched.get_request_counts()
-        outputs[step] = (so, oracle_vllm.async_step_meta(sched, so, running_before))
-        return [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
+        return oracle_vllm.schedule_async_step(sched, step, outputs, usable)
 
     schedule.has = sched.has_requests
     schedule.idle = lambda: None

@@ -282,6 +282,20 @@ def record_outputs(engine_core_outputs: dict, step: int, prefix: list, first_tok
                 finish[out.request_id] = step
 
 
+def schedule_async_step(sched, step: int, outputs: dict, usable: int):
+    """schedule() a step that runs ahead of earlier outputs (async scheduling, a batch queue):
+    its row (tokens, running, waiting, blocks in use), or None when it ran nothing; `outputs`
+    keeps (scheduler output, `async_step_meta`) by step for `process_async_output`."""
+    running_before = {r.request_id for r in sched.running}
+    so = sched.schedule()
+    if so.total_num_scheduled_tokens == 0:
+        return None
+    n_running, n_waiting = sched.get_request_counts()
+    outputs[step] = (so, async_step_meta(sched, so, running_before))
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    return [so.total_num_scheduled_tokens, n_running, n_waiting, usable - free]
+
+
 def process_async_output(sched, so, meta: dict, accept, step: int, aborts: list, prefix: list, first_token: dict,
                          finish: dict) -> int:
     """A step's output under async scheduling or a batch queue: the front end's aborts due then,
