@@ -613,11 +613,15 @@ class EngineConfig:
 
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
-        (an EAGLE-family drafter's layer in it), with vLLM's policies."""
-        cache, sched = self.cache, self.scheduler
+        (an EAGLE-family drafter's layer in it) and for the groups of a model with sliding-window
+        layers (core/kv_offload_hybrid.py, without EAGLE-family drafters), with vLLM's policies."""
+        cache, sched, groups = self.cache, self.scheduler, self.kv_cache_groups
+        windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
-                       (self.has_sliding_window or self.has_linear_attention or self.kv_cache_groups.is_hybrid,
-                        f"sliding-window, chunked-local or linear-attention layers (model {self.hardware.model})"),
+                       (self.has_linear_attention or groups.chunked,
+                        f"chunked-local or linear-attention layers (model {self.hardware.model})"),
+                       (windows and self.speculative.is_eagle_family,
+                        "sliding-window layers and an EAGLE-family drafter (its volatile last chunk per group)"),
                        (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),
@@ -630,6 +634,11 @@ class EngineConfig:
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"kv_offloading_size (KV offloading to CPU) is not modelled with {what} yet")
+        retention = self.attention.prefix_cache_retention_interval
+        tokens_per_chunk = cache.offload_blocks_per_chunk * cache.block_size
+        if windows and retention and retention % tokens_per_chunk:  # (vLLM's text)
+            raise ConfigError(f"prefix_cache_retention_interval ({retention}) must be a multiple of tokens_per_chunk "
+                              f"({tokens_per_chunk}).")
 
     @property
     def layer_windows(self) -> list[int]:

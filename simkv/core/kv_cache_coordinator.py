@@ -61,6 +61,9 @@ class KVCacheCoordinator:
     num_forks = 0  # parallel sampling is not modelled with sliding-window layers
     num_cow_copies = 0
     num_false_prefix_hits = 0
+    # KV offloading (core/kv_offload_hybrid.py): told of every block handed out and of every block a
+    # request's tables gain
+    offload_watch = None
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
                  enable_caching: bool = True, watermark: float = 0.0, max_in_flight_tokens: int = 8192,
@@ -282,6 +285,9 @@ class KVCacheCoordinator:
             new_blocks = pool.get_new_blocks(n * self.num_groups)
             for g, table in enumerate(tables):
                 table += new_blocks[g * n:(g + 1) * n]
+        if self.offload_watch is not None:
+            self.offload_watch.handed_out(new_blocks)
+            self.offload_watch.learned(index, tables)
         if self.enable_caching and not delay_cache:
             self._cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
@@ -299,6 +305,9 @@ class KVCacheCoordinator:
                 blocks = self.block_pool.get_new_blocks(required - len(table))
                 table += blocks
                 new_blocks += blocks
+        if self.offload_watch is not None:
+            self.offload_watch.handed_out(new_blocks)
+            self.offload_watch.learned(index, tables)
         return new_blocks
 
     def remaining_blocks(self, request: Request, num_tokens: int) -> int:
@@ -348,8 +357,13 @@ class KVCacheCoordinator:
     def decode_write(self, request: Request, num_computed_tokens: int = 0) -> None:
         """A steady decoder at a block boundary takes a block for every group, in group order
         from the head of the free queue (decode_block_need said so; the pool has them)."""
-        for table, block in zip(self._tables[request.index], self.block_pool.get_new_blocks(self.num_groups)):
+        blocks = self.block_pool.get_new_blocks(self.num_groups)
+        tables = self._tables[request.index]
+        for table, block in zip(tables, blocks):
             table.append(block)
+        if self.offload_watch is not None:
+            self.offload_watch.handed_out(blocks)
+            self.offload_watch.learned(request.index, tables)
 
     def _take_hits(self, index: int, hits, num_computed: int) -> list[list[KVCacheBlock]]:
         """A waiting request's prefix hits become its tables (every group's hits are taken
@@ -357,6 +371,7 @@ class KVCacheCoordinator:
         skipped = self._num_skipped_blocks(num_computed)
         tables = []
         null = self.null_block
+        watch = self.offload_watch
         for gid, window in enumerate(self.windows):
             group_hits = hits[gid]
             if window:
@@ -364,8 +379,11 @@ class KVCacheCoordinator:
                 self.block_pool.touch(real)
                 tables.append([null] * skipped + list(real))
             else:
+                real = group_hits
                 self.block_pool.touch(group_hits)
                 tables.append(list(group_hits))
+            if watch is not None:
+                watch.handed_out(real)
         self._nulls[index] = skipped
         self._num_cached[index] = len(hits[0])  # (the hit blocks: a pull's window tables may be longer)
         return tables
@@ -460,6 +478,8 @@ class KVCacheCoordinator:
         tables = self._tables.pop(index, None)
         nulls = self._nulls.pop(index, 0)
         self._num_cached.pop(index, None)
+        if self.offload_watch is not None:
+            self.offload_watch.forget(index)
         if finished:
             self._junction.pop(index, None)
             computed = min(num_computed_tokens, self.max_model_len)
@@ -486,6 +506,10 @@ class KVCacheCoordinator:
         if blocks:
             self.block_pool.free_blocks(blocks)
         self.num_frees += 1
+
+    def junction(self, request: Request) -> int:
+        """The request's shared-prefix junction (vLLM's shared_prefix_boundary; 0: none)."""
+        return self._junction.get(request.index, 0)
 
     def allocator_stats(self) -> dict:
         return {"allocator": "paged", "kv_cache_groups": self.num_groups}

@@ -32,6 +32,7 @@ from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.parallel_sampling import FIRST_SEQUENCE_INDEX, fan_out, sequence_of
 from simkv.core.kv_offload import KVOffload
+from simkv.core.kv_offload_hybrid import HybridKVOffload
 from simkv.core.remote_kv import RemoteKV
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
@@ -104,6 +105,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._recent_takes: list[tuple[int, int]] = []
         self._scheduled_through = -1  # async: the latest step scheduled (that runs tokens)
         self._processed_through = -1  # async: the latest step whose output was processed
+        self._output_pending = False  # a schedule() whose output is not processed yet (synchronous scheduling)
         # Pipeline parallelism: the engine keeps pp_size batches in flight (one more under async
         # scheduling), so schedule() runs ahead of update_from_output by several steps. A decode
         # is then a chunk, as under speculative decoding, and vLLM's counters say what is in
@@ -165,12 +167,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
-        self.offload = (KVOffload(num_offload_chunks, cc.block_size, self.kv_cache_manager.hasher,
-                                  cc.offload_blocks_per_chunk, cc.kv_offloading_prompt_only,
-                                  eagle=config.speculative.is_eagle_family, policy=cc.kv_offloading_policy,
-                                  store_threshold=cc.kv_offloading_store_threshold,
-                                  max_tracker_size=cc.kv_offloading_max_tracker_size)
-                        if num_offload_chunks else None)
+        self.offload = self._offload_tier(config, num_offload_chunks) if num_offload_chunks else None
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -447,6 +444,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._num_executed_steps += 1
             if plan.prefill_carried:
                 self._last_prefill_step = self._num_executed_steps
+        self._output_pending = True  # (until update_from_output)
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
@@ -458,6 +456,23 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
             num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
             aborted=self._take_aborted())
+
+    def _offload_tier(self, config: EngineConfig, num_chunks: int) -> KVOffload:
+        """KV offloading's connector: one group's (core/kv_offload.py), or the groups' of a model
+        with sliding-window layers (core/kv_offload_hybrid.py). `self._offload_view(request)`
+        says what it needs of the request's blocks (their count; the groups' table)."""
+        cc, kv = config.cache, self.kv_cache_manager
+        options = dict(blocks_per_chunk=cc.offload_blocks_per_chunk, prompt_only=cc.kv_offloading_prompt_only,
+                       eagle=config.speculative.is_eagle_family, policy=cc.kv_offloading_policy,
+                       store_threshold=cc.kv_offloading_store_threshold,
+                       max_tracker_size=cc.kv_offloading_max_tracker_size)
+        if isinstance(kv, KVCacheCoordinator):
+            tier = HybridKVOffload(num_chunks, cc.block_size, kv.hasher, kv.windows, kv.retention_interval, kv,
+                                   **options)
+            self._offload_view = tier.view
+            return tier
+        self._offload_view = kv.num_blocks_of
+        return KVOffload(num_chunks, cc.block_size, kv.hasher, **options)
 
     # ---- prefill cadence (vLLM's local prefill_schedule_interval) -----------------------------------
     def _holds_prefill(self) -> bool:
@@ -795,7 +810,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if (self.async_scheduling or self.num_spec_tokens) and not offload.prompt_only:  # (drafts are not known tokens)
             scheduled = [(r, self._known_tokens(r, step, n)) for r, n in scheduled]
         scheduled.sort(key=lambda entry: entry[0].seq)
-        offload.build_stores(scheduled, self.kv_cache_manager.num_blocks_of)
+        offload.build_stores(scheduled, self._offload_view)
 
     def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
         """Of a request's first `num_after` tokens, those whose ids are known when `step` is
@@ -862,6 +877,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """Apply the step's sampled tokens: prefills that reached their end sample a token,
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
+        self._output_pending = False
         if self.overlapped:
             self.output_processed(step)
         if self.chunked_decodes:
@@ -944,7 +960,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         kv = self.kv_cache_manager
         if self.offload is not None:  # (the next schedule() retires them from the CPU tier's recency)
             for request in finished:
-                self.offload.request_finished(request, kv.num_blocks_of(request))
+                self.offload.request_finished(request, self._offload_view(request))
         complete = []
         for request in finished:
             if request in self._prefilling:
@@ -992,6 +1008,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if status not in _ABORTABLE and not request.is_finishing:
             return False
         num_blocks = self.kv_cache_manager.num_blocks_of(request)
+        offload_view = self._offload_view(request) if self.offload is not None else None
         # (async scheduling: its tokens scheduled, and sampled, by steps whose output is not
         # processed yet; known before it leaves decoding)
         in_flight = unknown = 0
@@ -999,6 +1016,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self.offload is not None or self._release_at_finish):
             in_flight, unknown = ((request.num_in_flight_tokens, 0) if self._counts_in_flight
                                   else self._unprocessed_work(request))
+        elif status == RequestStatus.RUNNING and self._release_at_finish and self._output_pending:
+            in_flight = self._ran_unprocessed_tokens(request, chunk_end)
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
         if status == RequestStatus.RUNNING:
@@ -1006,7 +1025,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif not request.is_finishing:  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
             self._abort_waiting(request, num_blocks)
         if self.offload is not None:  # (as a finish: the next schedule() stores what it left, then retires it)
-            self.offload.request_finished(request, num_blocks,
+            self.offload.request_finished(request, offload_view,
                                           min(request.num_computed_tokens, request.num_tokens - unknown))
         request.status = RequestStatus.ABORTED
         request.is_finishing = False
@@ -1023,6 +1042,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         aborted, self._aborted = self._aborted, []
         return aborted
 
+    def _ran_unprocessed_tokens(self, request: Request, chunk_end: int | None) -> int:
+        """Synchronous scheduling, an abort after a step ran and before its output: the request's
+        tokens in that step (vLLM's num_in_flight_tokens): its chunk, or a steady decoder's one."""
+        if chunk_end is not None:
+            return chunk_end - request.num_computed_tokens
+        return int(request.decode_base is not None and self._ran_in(request, self.current_step - 1))
+
     def _abort_running(self, request: Request, chunk_end: int | None, in_flight: int) -> None:
         """A running request aborted: it leaves the running list; its blocks are freed (deferred,
         with a connector under async scheduling, if a step not yet processed ran it), cached as
@@ -1035,11 +1061,17 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         else:
             computed = cache_end = request.num_computed_tokens if chunk_end is None else chunk_end
             self._prefilling.remove(request)
-        if in_flight and self._release_at_finish:  # (with a connector vLLM first gives back what left the windows, by the processed tokens)
-            self.kv_cache_manager.decode_release(request, computed - in_flight)
+        if self._release_at_finish:
+            self._release_outside_windows(request, computed - in_flight)
         self._free_finished(request, cache_end, unprocessed)
         self._remove_running(request)
         request.num_computed_tokens = computed  # (as it stood: the work done for it)
+
+    def _release_outside_windows(self, request: Request, num_processed: int) -> None:
+        """With a connector vLLM first gives back what left a finished request's windows, by its
+        processed tokens (the computed ones less those in flight), before the connector sees its
+        blocks and before any other free."""
+        self.kv_cache_manager.decode_release(request, num_processed)
 
     def _abort_waiting(self, request: Request, num_blocks: int) -> None:
         """A waiting request aborted: from the waiting queue (its swapped KV goes too), or, with a

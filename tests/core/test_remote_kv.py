@@ -245,9 +245,9 @@ def test_recorded_abort_cases_match_vllm(recorded):
 
 
 def test_recorded_abort_cases_depend_on_each_rule(monkeypatch):
-    """Four mutations, each must break recorded cases: an aborted pull's blocks freed at once,
-    no deferred frees, no window release before them, and a decoder's stall before the latest
-    forgotten (it ran in neither of two steps)."""
+    """Five mutations, each must break recorded cases: an aborted pull's blocks freed at once,
+    no deferred frees, no window release before them, a release by the computed tokens (none in
+    flight), and a decoder's stall before the latest forgotten (it ran in neither of two steps)."""
     from simkv.core.async_scheduling import AsyncScheduling
 
     abort_waiting = Scheduler._abort_waiting
@@ -268,6 +268,7 @@ def test_recorded_abort_cases_depend_on_each_rule(monkeypatch):
 
     mutations = [(Scheduler, "_abort_waiting", immediate, 4),
                  (AsyncScheduling, "_ran_unprocessed", lambda self, request: False, 6),
-                 (AsyncScheduling, "_unprocessed_work", lambda self, request: (0, 0), 3),
+                 (Scheduler, "_release_outside_windows", lambda self, request, num_processed: None, 3),
+                 (AsyncScheduling, "_unprocessed_work", lambda self, request: (0, 0), 1),
                  (AsyncScheduling, "_ran_in", staticmethod(ran_in_latest_stall_only), 1)]
     assert_mutations_break(monkeypatch, mutations, ABORTS["cases"], _aborts_as_recorded)
