@@ -410,7 +410,8 @@ def sample_reply_content(case: dict) -> None:
     import oracle
 
     rows = {r["row"]: r for r in case["requests"]}
-    plain = oracle.fake_output_token
+    # (the fake model's own sampling, not an earlier case's: the cases run in one process)
+    plain = oracle.__dict__.setdefault("plain_fake_output_token", oracle.fake_output_token)
 
     def sample(row: int, position: int) -> int:
         r = rows.get(row)

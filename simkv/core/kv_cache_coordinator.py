@@ -260,7 +260,8 @@ class KVCacheCoordinator:
                     self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status != RequestStatus.RUNNING else 0
         need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        if tables is None:
+        held = tables is not None
+        if not held:
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
                 if self._blocks_to_admit(full, hits, total, True) + watermark > pool.get_num_free_blocks():
@@ -287,6 +288,8 @@ class KVCacheCoordinator:
                 table += new_blocks[g * n:(g + 1) * n]
         if self.offload_watch is not None:
             self.offload_watch.handed_out(new_blocks)
+            if held and request.status != RequestStatus.RUNNING:  # (its load ended: scheduled now)
+                self.offload_watch.rescheduled(index, tables)
             self.offload_watch.learned(index, tables)
         if self.enable_caching and not delay_cache:
             self._cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
@@ -305,9 +308,8 @@ class KVCacheCoordinator:
                 blocks = self.block_pool.get_new_blocks(required - len(table))
                 table += blocks
                 new_blocks += blocks
-        if self.offload_watch is not None:
+        if self.offload_watch is not None:  # (the connector learns its table when it is scheduled)
             self.offload_watch.handed_out(new_blocks)
-            self.offload_watch.learned(index, tables)
         return new_blocks
 
     def remaining_blocks(self, request: Request, num_tokens: int) -> int:
@@ -506,6 +508,11 @@ class KVCacheCoordinator:
         if blocks:
             self.block_pool.free_blocks(blocks)
         self.num_frees += 1
+
+    def window_tables(self, request: Request) -> list[list[KVCacheBlock]]:
+        """The request's window groups' block tables (null blocks below the windows)."""
+        tables = self._tables[request.index]
+        return [tables[gid] for gid in self.window_gids]
 
     def junction(self, request: Request) -> int:
         """The request's shared-prefix junction (vLLM's shared_prefix_boundary; 0: none)."""

@@ -141,6 +141,7 @@ class CPUOffloadManager:
             if chunk.ref_cnt == 0:
                 self._evictable.add(key)
                 heapq.heappush(self._heap, (self._ranks[key], key))
+        self._compact()
 
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, keys: list[tuple[int, int]], access: _Access) -> list[int] | None:
@@ -173,6 +174,7 @@ class CPUOffloadManager:
                 chunk.ref_cnt = 0
                 self._evictable.add(key)
                 heapq.heappush(self._heap, (self._ranks[key], key))
+        self._compact()
 
     def _evict(self, n: int, protected: set[int]) -> bool:
         heap, selected, deferred, picked = self._heap, [], [], set()
@@ -197,7 +199,16 @@ class CPUOffloadManager:
             del self.chunks[key]
             del self._ranks[key]
         self.num_evictions += n
+        self._compact()
         return True
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the evictable chunks once stale entries (superseded ranks, chunks
+        gone or pinned) outnumber them (as vLLM's LRU policy does; the order is the same)."""
+        if len(self._heap) >= max(64, 2 * len(self._evictable)):
+            ranks = self._ranks
+            self._heap = [(ranks[key], key) for key in self._evictable]
+            heapq.heapify(self._heap)
 
     # ---- recency ------------------------------------------------------------------------------
     def _request_rank(self, access: _Access) -> int:
@@ -224,6 +235,7 @@ class CPUOffloadManager:
             self._ranks[key] = r
             if key in self._evictable:
                 heapq.heappush(self._heap, (r, key))
+        self._compact()
 
     def request_finished(self, access: _Access) -> None:
         """Its chunks become the most recent, its head last (vLLM's on_request_finished)."""
@@ -237,6 +249,7 @@ class CPUOffloadManager:
             self._ranks[key] = (self._next_rank, 0)
             if key in self._evictable:
                 heapq.heappush(self._heap, (self._ranks[key], key))
+        self._compact()
 
     @property
     def num_used(self) -> int:

@@ -86,6 +86,13 @@ class HybridKVOffload(KVOffload):
                 row += tables[gid][n:]
             steps += [self._batch] * grown
 
+    def rescheduled(self, index: int, tables: list[list]) -> None:
+        """A request that holds blocks (its load ended) is scheduled: its blocks count as
+        allocated in this step, and the connector learns its tables afresh (vLLM lists it among
+        the step's new requests, with its whole block table)."""
+        self.handed_out([block for table in tables for block in table if block.block_id])
+        self.forget(index)
+
     def forget(self, index: int) -> None:
         """The request let its blocks go (a finish's view keeps what it knew)."""
         self._known.pop(index, None)
@@ -203,7 +210,7 @@ class HybridKVOffload(KVOffload):
         num_cached = num_local + num_external
         num_gpu_blocks = _cdiv(num_cached, bs)
         end = _cdiv(num_cached, self.chunk_tokens)
-        rows, _ = self._known[request.index]
+        rows = self.kv.window_tables(request)
         keys, num_blocks = [], 0
         for gid, window in enumerate(self.windows):
             first = num_local // bs
@@ -237,12 +244,14 @@ class HybridKVOffload(KVOffload):
             return
         keys = []
         chunk_of: dict[int, int] = {}  # (a window group's key -> its chunk)
+        valid_of: dict[int, list[bool]] = {}  # (a window group's blocks from chunk `start` on)
+        mask = self._reachable(request, start * bpc, num_chunks * bpc, num_chunks, junction, finished) \
+            if self.window_gids else None
         for gid, window in enumerate(self.windows):
             if not window:
                 keys += [self._gkey(request, c, gid) for c in range(start, num_chunks)]
                 continue
-            mask = self._reachable(request, start * bpc, num_chunks * bpc, num_chunks, junction, finished)
-            valid = self._valid_blocks(known, gid, start * bpc, num_chunks * bpc)
+            valid = valid_of[gid] = self._valid_blocks(known, gid, start * bpc, num_chunks * bpc)
             for c in range(start, num_chunks):
                 blocks = range((c - start) * bpc, (c - start + 1) * bpc)
                 if not valid[blocks[-1]]:
@@ -273,7 +282,7 @@ class HybridKVOffload(KVOffload):
                 if c is None:  # (a full-attention chunk: all its blocks)
                     num_stored += bpc
                 else:  # (a window chunk: the blocks the connector still has the ids of)
-                    num_stored += sum(self._valid_blocks(known, key % g, c * bpc, (c + 1) * bpc))
+                    num_stored += sum(valid_of[key % g][(c - start) * bpc:(c - start + 1) * bpc])
             self.step_stores.append(self._new_job(request, stored, True, state, num_stored))
             self.num_stores += 1
             self.num_stored_blocks += num_stored
