@@ -53,6 +53,8 @@ def capacity_report(config: EngineConfig) -> dict:
                                   "tokens": tier_tokens, "tokens_per_gpu_cache_token": tier_tokens / cap.kv_cache_tokens,
                                   # (every GPU moves its share over its own link)
                                   "chunk_transfer_s": cap.offload_chunk_bytes / tp / (cc.pcie_bandwidth_gbs * 1e9)}
+        if config.kv_cache_groups.has_sliding_window:  # (a chunk holds one group's block: each group stores its own)
+            extra["kv_offloading"]["chunks_per_group"] = True
     if config.scheduler.enable_lora:  # (vLLM's LoRA slots: max_loras stacked buffers per linear layer)
         sc = config.scheduler
         extra["lora"] = {"max_loras": sc.max_loras, "max_lora_rank": sc.max_lora_rank, "slots_bytes_per_gpu": cap.lora_bytes}
@@ -177,7 +179,11 @@ def print_report(rep: dict) -> None:
                      f"{off['cpu_tier_gib']:g} GiB: {off['num_chunks']:,} chunks of {off['chunk_tokens']} tokens"))
         rows.append(("CPU tier chunk (over the host link)",
                      f"{off['chunk_bytes']:,} B ({off['chunk_transfer_s'] * 1e3:.3f} ms)"))
-        rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
+        if off.get("chunks_per_group"):
+            rows.append(("CPU tier tokens", f"{off['tokens']:,} of one KV-cache group (each group stores its own "
+                                            "chunks: full attention every one, a sliding window its tails)"))
+        else:
+            rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
     for name, value in rows:
         table.add_row(name, value)
     console = Console()

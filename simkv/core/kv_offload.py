@@ -308,6 +308,7 @@ class KVOffload:
         self.prompt_only = prompt_only
         self.eagle = eagle
         self.hasher = hasher
+        self.step = 0  # the step being scheduled (set by the scheduler)
         self._states: dict[Request, _OffloadState] = {}  # (by request: a retry's state is its own)
         self._jobs: dict[int, OffloadJob] = {}
         self._next_job = 0

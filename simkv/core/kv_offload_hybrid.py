@@ -55,8 +55,7 @@ class HybridKVOffload(KVOffload):
         self.retention_interval = retention_interval
         self.kv = coordinator
         coordinator.offload_watch = self
-        self._batch = 0  # schedule() calls so far (a step's allocations carry its number)
-        self._handed_out: dict[int, int] = {}  # block id -> the last step it was handed out in
+        self._handed_out: dict[int, int] = {}  # block id -> the last step (`self.step`) it was handed out in
         # request index -> its window groups' block tables as the connector learnt them (blocks the
         # window gave back in place) and the step each position was learnt in
         self._known: dict[int, tuple[list[list], list[int]]] = {}
@@ -69,9 +68,9 @@ class HybridKVOffload(KVOffload):
     # ---- the coordinator's reports ------------------------------------------------------------
     def handed_out(self, blocks) -> None:
         """Blocks allocated or hit in this step."""
-        handed_out, batch = self._handed_out, self._batch
+        handed_out, step = self._handed_out, self.step
         for block in blocks:
-            handed_out[block.block_id] = batch
+            handed_out[block.block_id] = step
 
     def learned(self, index: int, tables: list[list]) -> None:
         """The request's tables (one per group) were created or grew in this step."""
@@ -84,7 +83,7 @@ class HybridKVOffload(KVOffload):
         if grown > 0:
             for row, gid in zip(rows, self.window_gids):
                 row += tables[gid][n:]
-            steps += [self._batch] * grown
+            steps += [self.step] * grown
 
     def rescheduled(self, index: int, tables: list[list]) -> None:
         """A request that holds blocks (its load ended) is scheduled: its blocks count as
@@ -102,10 +101,6 @@ class HybridKVOffload(KVOffload):
         each was learnt in, and the shared-prefix junction."""
         known = self._known.get(request.index)
         return (len(known[1]) if known else 0, known, self.kv.junction(request))
-
-    def build_stores(self, scheduled, view) -> None:
-        super().build_stores(scheduled, view)
-        self._batch += 1
 
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request: Request, num_local: int) -> int | None:

@@ -358,6 +358,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         step = self.current_step
         self.current_step += 1
         self._num_schedule_calls += 1
+        if self.offload is not None:
+            self.offload.step = step  # (KV offloading on window groups: the step its allocations come in)
         if self.overlapped:
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)

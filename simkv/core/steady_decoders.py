@@ -486,6 +486,8 @@ class SteadyDecoders:
         take the head of the free queue in one pop, and their next boundaries are pushed."""
         kv = self.kv_cache_manager
         if self._window_releases:  # each in turn: its window's release, then its blocks
+            if self.offload is not None:
+                self.offload.step = at  # (a decode run's step)
             for request in requests:
                 computed = at + request.decode_base
                 kv.decode_release(request, self._decoder_release_point(request, computed, at))

@@ -83,6 +83,13 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("E2E s (mean / p50 / p99)", _fmt_dist(summary["e2e_s"], 1.0)),
         ("queue ms (mean / p50 / p99)", _fmt_dist(summary["queue_s"])),
     ]
+    if summary.get("kv_offloading"):
+        off = summary["kv_offloading"]
+        rows.insert(next(i for i, row in enumerate(rows) if row[0] == "prefix cache hit rate") + 1,
+                    ("CPU tier hit rate (KV offloading)",
+                     f"{100 * off['hit_rate']:.2f} % ({off['loaded_tokens']:,} tokens in {off['loads']:,} loads, "
+                     f"{off['mean_load_s'] * 1e3:,.1f} ms each); {off['stored_blocks']:,} blocks stored, "
+                     f"{off['evicted_blocks']:,} evicted, {off['cpu_chunks']:,} chunks"))
     if summary.get("session_pacing"):
         sp = summary["session_pacing"]
         rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "

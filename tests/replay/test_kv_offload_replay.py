@@ -248,3 +248,20 @@ def test_parallel_sampling_fans_out_with_offloading(async_scheduling):
     with pytest.raises(ValueError, match="without vLLM v0's forked parallel sampling"):
         replay(trace, EngineConfig(CacheConfig(num_gpu_blocks=800, kv_offloading_size=1.0),
                                    SchedulerConfig(parallel_sampling="fork")))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("options", [dict(), dict(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None),
+                                     dict(kv_offloading_block_size=32, prefix_cache_retention_interval=64)])
+def test_decode_runs_change_nothing_with_offloading_and_sliding_windows(options, async_scheduling):
+    """A model with sliding-window layers (core/kv_offload_hybrid.py): a window block the window
+    gave back and a later step handed out again leaves the tier's stores as when stepping."""
+    from tests.core.helpers import assert_decode_runs_change_nothing
+    from simkv.traces.schema import read_trace
+
+    trace = read_trace("traces/mooncake_synthetic_slice.parquet")
+    config = EngineConfig.from_flat({"model": "gemma-2-9b", "sliding_window": 48, "num_gpu_blocks": 1200,
+                                     "kv_offloading_size": 8.0, "async_scheduling": async_scheduling} | options)
+    result = assert_decode_runs_change_nothing(trace, config)
+    stats = result.summary["kv_offloading"]
+    assert stats["loads"] > 0 and stats["stored_blocks"] > 0
