@@ -386,9 +386,14 @@ class KVOffload:
         first_block = num_local // bs  # (the load fills the blocks past the local hit)
         end = -(-num_cached // self.chunk_tokens)
         keys = [self._key(request, c) for c in range(first_block // self.blocks_per_chunk, end)]
+        return self._load(request, state, keys, end, -(-num_cached // bs) - first_block, num_external)
+
+    def _load(self, request: Request, state: _OffloadState, keys: list[tuple[int, int]], end: int,
+              num_blocks: int, num_external: int) -> OffloadJob:
+        """The job that loads `keys` into `num_blocks` GPU blocks, `num_external` tokens' worth;
+        chunks before `end` are not offered again (chunk level: what it hit)."""
         self.manager.prepare_load(keys, state.access)
-        state.next_stored = end  # (chunk level: what it hit is not offered again)
-        num_blocks = -(-num_cached // bs) - first_block
+        state.next_stored = end
         job = self._new_job(request, [k for _, k in keys], False, state, num_blocks)
         self._being_loaded.update(job.keys)
         self.step_loads.append(job)
@@ -437,6 +442,12 @@ class KVOffload:
             self._set_retry(state, False)
             return
         keys = [self._key(request, i) for i in range(state.next_stored, num_chunks)]
+        self._store(request, state, keys, num_chunks, lambda stored: len(stored) * self.blocks_per_chunk)
+
+    def _store(self, request: Request, state: _OffloadState, keys: list[tuple[int, int]], num_chunks: int,
+               blocks_of) -> None:
+        """The request offers `keys`, its chunks up to `num_chunks` not offered yet; the tier takes
+        those it lacks in one job, which reads `blocks_of(stored keys)` GPU blocks."""
         stored = self.manager.prepare_store(keys, state.access)
         if stored is None:  # (no room: offered again the next time it is scheduled)
             self._set_retry(state, True)
@@ -445,7 +456,7 @@ class KVOffload:
         self._set_retry(state, False)
         state.next_stored = num_chunks
         if stored:
-            num_stored = len(stored) * self.blocks_per_chunk
+            num_stored = blocks_of(stored)
             self.step_stores.append(self._new_job(request, stored, True, state, num_stored))
             self.num_stores += 1
             self.num_stored_blocks += num_stored

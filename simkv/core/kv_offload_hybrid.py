@@ -216,15 +216,7 @@ class HybridKVOffload(KVOffload):
             if num_gpu_blocks > first:
                 keys += [self._gkey(request, c, gid) for c in range(first // bpc, end)]
                 num_blocks += num_gpu_blocks - first
-        self.manager.prepare_load(keys, state.access)
-        state.next_stored = end
-        job = self._new_job(request, [k for _, k in keys], False, state, num_blocks)
-        self._being_loaded.update(job.keys)
-        self.step_loads.append(job)
-        self.num_loads += 1
-        self.num_loaded_blocks += num_blocks
-        self.num_hit_tokens += num_external
-        return job
+        return self._load(request, state, keys, end, num_blocks, num_external)
 
     # ---- stores -------------------------------------------------------------------------------
     def _offer(self, request: Request, num_tokens: int, view, finished: bool) -> None:
@@ -262,25 +254,14 @@ class HybridKVOffload(KVOffload):
             state.next_stored = num_chunks
             self._set_retry(state, False)
             return
-        stored = self.manager.prepare_store(keys, state.access)
-        if stored is None:  # (no room: offered again the next time it is scheduled)
-            self._set_retry(state, True)
-            self.num_store_failures += 1
-            return
-        self._set_retry(state, False)
-        state.next_stored = num_chunks
-        if stored:
-            g = self.num_groups
-            num_stored = 0
-            for key in stored:
-                c = chunk_of.get(key)
-                if c is None:  # (a full-attention chunk: all its blocks)
-                    num_stored += bpc
-                else:  # (a window chunk: the blocks the connector still has the ids of)
-                    num_stored += sum(valid_of[key % g][(c - start) * bpc:(c - start + 1) * bpc])
-            self.step_stores.append(self._new_job(request, stored, True, state, num_stored))
-            self.num_stores += 1
-            self.num_stored_blocks += num_stored
+        g = self.num_groups
+
+        def blocks_of(stored: list[int]) -> int:  # (a window chunk: the blocks the connector still has the ids of)
+            return sum(bpc if key not in chunk_of else
+                       sum(valid_of[key % g][(chunk_of[key] - start) * bpc:(chunk_of[key] - start + 1) * bpc])
+                       for key in stored)
+
+        self._store(request, state, keys, num_chunks, blocks_of)
 
     def _valid_blocks(self, known, gid: int, start: int, end: int) -> list[bool]:
         """Whether the connector still has the id of each of a window group's blocks [start, end):

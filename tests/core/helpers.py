@@ -708,6 +708,19 @@ def drive_lora_worker(case: dict, worker=None) -> list[dict]:
     return steps
 
 
+def offload_as_recorded(recorded: dict) -> dict | None:
+    """A recorded case of scripts/oracle_offload.py replayed: simkv's result if every step, every
+    request's first-token and finish step, and every transfer equal vLLM's, else None."""
+    theirs, case = recorded["vllm"], recorded["case"]
+    ours = (drive_offload_async if case["opts"].get("async_scheduling") else drive_offload)(case)
+    steps = list(theirs["steps"])
+    while steps and not any(steps[-1]):
+        steps.pop()
+    same = (ours["steps"], ours["requests"], ours["transfers"], ours.get("error")) == (
+        steps, theirs["requests"], theirs["transfers"], theirs.get("error"))
+    return ours if same else None
+
+
 def assert_offload_as_recorded(recorded: dict) -> None:
     """A recorded case of scripts/oracle_offload.py (or oracle_cadence.py --offload): every step,
     every request's first-token and finish step, and every transfer equal vLLM's."""

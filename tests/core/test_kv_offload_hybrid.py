@@ -10,19 +10,13 @@ from simkv.config import ConfigError, EngineConfig
 from simkv.core.kv_offload_hybrid import HybridKVOffload
 from simkv.core.scheduler import Scheduler
 
-from tests.core.helpers import assert_mutations_break, drive_offload, drive_offload_async
+from tests.core.helpers import assert_mutations_break, offload_as_recorded
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "offload_hybrid_vllm_cases.json").read_text())
 
 
 def _as_recorded(recorded) -> bool:
-    theirs, case = recorded["vllm"], recorded["case"]
-    ours = (drive_offload_async if case["opts"].get("async_scheduling") else drive_offload)(case)
-    steps = list(theirs["steps"])
-    while steps and not any(steps[-1]):
-        steps.pop()
-    return (ours["steps"], ours["requests"], ours["transfers"], ours.get("error")) == (
-        steps, theirs["requests"], theirs["transfers"], theirs.get("error"))
+    return offload_as_recorded(recorded) is not None
 
 
 @pytest.mark.parametrize("recorded", RECORDED["cases"], ids=RECORDED["ids"])
