@@ -38,7 +38,7 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
-              aborts: bool = False, hybrid: bool = False) -> dict:
+              aborts: bool = False, hybrid: bool = False, chunked: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -90,7 +90,7 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 
         case["aborts"] = random_aborts(rng, case["requests"])
     if hybrid:  # (after the other draws: a seed's cases are those without it, on sliding-window models)
-        _hybrid_groups(rng, case)
+        _hybrid_groups(rng, case, chunked)
         if replies:  # (each turn again after its previous one, on the hybrid model)
             from oracle_vllm import after_previous_turns
 
@@ -98,10 +98,12 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     return case
 
 
-def _hybrid_groups(rng, case: dict) -> None:
+def _hybrid_groups(rng, case: dict, chunked: bool = False) -> None:
     """oracle_hybrid.py's layer patterns (full-attention and sliding-window groups, windows of 2 to
     40 tokens), prefix-cache retention 0, none or a multiple of the chunk, a pool that holds a
-    max_model_len request; drafts ngram (EAGLE-family drafters are not modelled with them)."""
+    max_model_len request; drafts ngram (EAGLE-family drafters are not modelled with them).
+    `chunked`: chunked local attention (Llama 4's) instead, attention chunks of 2 to 40 tokens
+    beside full-attention layers (oracle_hybrid.py --chunked)."""
     from simkv.capacity import group_blocks_per_request
     from simkv.config import EngineConfig
 
@@ -113,6 +115,10 @@ def _hybrid_groups(rng, case: dict) -> None:
     chunk_tokens = case.get("blocks_per_chunk", 1) * opts["block_size"]
     opts["prefix_cache_retention_interval"] = (None if retention == "dense" else
                                                chunk_tokens * int(rng.integers(1, 5)) if retention == "periodic" else 0)
+    if chunked:
+        opts["attention_chunk_size"] = int(opts.pop("sliding_window"))
+        opts["full_attention_interval"] = 2 if opts["model"] == "tiny-llama" else int(rng.choice([2, 3, 6]))
+        opts["prefix_cache_retention_interval"] = 0
     if opts.get("speculative_method"):
         if opts.get("async_scheduling"):  # (ngram is refused under async scheduling)
             for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
@@ -127,6 +133,8 @@ def _hybrid_groups(rng, case: dict) -> None:
     fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
     case["group_windows"] = list(config.kv_cache_groups.windows)
+    if chunked:
+        case["group_chunked"] = True
 
 
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
@@ -150,8 +158,9 @@ class _VllmOffload:
         from vllm.config import KVTransferConfig
 
         o = dict(case["opts"], eagle_group=True)
-        if case.get("group_windows"):  # (sliding-window models: --hybrid)
+        if case.get("group_windows"):  # (sliding-window models: --hybrid; chunked local attention: --chunked)
             o["group_windows"] = case["group_windows"]
+            o["group_chunked"] = case.get("group_chunked", False)
         else:
             o["prefix_cache_retention_interval"] = None
         extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE,
@@ -362,7 +371,7 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
-                                aborts_flag=True, parallel_flag=True, hybrid_flag=True)
+                                aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -370,7 +379,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
-                       a.aborts, a.hybrid) for _ in range(a.cases)]
+                       a.aborts, a.hybrid or a.chunked, a.chunked) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

@@ -42,7 +42,7 @@ class HybridKVOffload(KVOffload):
     out and every block a request's tables gain; `view(request)` is what a store needs of them."""
 
     def __init__(self, num_chunks: int, block_size: int, hasher, windows: tuple[int, ...],
-                 retention_interval: int | None, coordinator, **kwargs) -> None:
+                 retention_interval: int | None, coordinator, chunked: bool = False, **kwargs) -> None:
         super().__init__(num_chunks, block_size, hasher, **kwargs)
         self.windows = tuple(windows)
         self.num_groups = len(windows)
@@ -53,6 +53,9 @@ class HybridKVOffload(KVOffload):
         self.window_chunks = _cdiv(w, self.chunk_tokens)  # (vLLM's sliding_window_size_in_chunks)
         self.need = _cdiv(w - 1, block_size)  # blocks a hit needs before its end
         self.retention_interval = retention_interval
+        # chunked local attention (Llama 4): the window groups' span is their attention chunk; they
+        # store every chunk, and a hit needs ceil(C / chunk) chunks in a row before its end
+        self.chunked = chunked
         self.kv = coordinator
         coordinator.offload_watch = self
         self._handed_out: dict[int, int] = {}  # block id -> the last step (`self.step`) it was handed out in
@@ -185,6 +188,8 @@ class HybridKVOffload(KVOffload):
     def _load_window(self, num_tokens: int) -> int:
         """Chunks a window group loads for a hit ending at `num_tokens` (a hit ending inside a
         chunk keeps the window that ends there, which may reach one chunk further left)."""
+        if self.chunked:
+            return self.window_chunks
         return max(self.window_chunks, _cdiv(self.window - 1 + (-num_tokens % self.chunk_tokens), self.chunk_tokens))
 
     def _load_keys(self, request: Request, num_local: int, num_hit: int) -> list[int]:
@@ -275,6 +280,8 @@ class HybridKVOffload(KVOffload):
                    finished: bool) -> list[bool] | None:
         """Which blocks in [start, end) of a window group a later hit can end at (vLLM's
         SlidingWindowManager.reachable_block_mask, aligned to the chunk); None: every one."""
+        if self.chunked:  # (vLLM's ChunkedLocalAttentionManager keeps them all)
+            return None
         bs, tpc, need, retention = self.block_size, self.chunk_tokens, self.need, self.retention_interval
         segment = tpc if retention is None else retention or None
         mask = [False] * (end - start)

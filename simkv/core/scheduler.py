@@ -470,7 +470,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                        max_tracker_size=cc.kv_offloading_max_tracker_size)
         if isinstance(kv, KVCacheCoordinator):
             tier = HybridKVOffload(num_chunks, cc.block_size, kv.hasher, kv.windows, kv.retention_interval, kv,
-                                   **options)
+                                   chunked=kv.chunked, **options)
             self._offload_view = tier.view
             return tier
         self._offload_view = kv.num_blocks_of

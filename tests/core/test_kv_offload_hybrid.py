@@ -24,8 +24,10 @@ def test_recorded_cases_match_vllm(recorded):
     """Random cases of scripts/oracle_offload.py --hybrid (windows of 2 to 40 tokens in one to
     seven groups beside full-attention ones, prefix-cache retention 0, none and periodic; chunks
     of one to four blocks, decode blocks stored too; async scheduling, aborts, a store threshold,
-    chat replies). Every step, every request's first-token and finish step, and every transfer
-    (its blocks: a window group's only those in its window, or still the request's) equal vLLM's."""
+    chat replies); then chunked local attention (`--chunked`: chunks of 2 to 40 tokens, stored
+    whole, a hit needing ceil(C / chunk) chunks in a row). Every step, every request's
+    first-token and finish step, and every transfer (its blocks: a window group's only those in
+    its window, or still the request's) equal vLLM's."""
     assert _as_recorded(recorded)
 
 
@@ -35,11 +37,12 @@ class _Block:
 
 
 def test_recorded_cases_depend_on_each_rule(monkeypatch):
-    """Six mutations, each must break recorded cases: window blocks handed out again still
+    """Seven mutations, each must break recorded cases: window blocks handed out again still
     stored (no zeroing), window groups loading every chunk past the local hit, window groups
-    storing every chunk (no reachability mask), a window group's hit looked up as a prefix run,
-    a request whose load ended not learnt afresh when scheduled, and an abort under the
-    connector that gives back nothing of its windows first."""
+    storing every chunk (no reachability mask), chunked local groups storing only a sliding
+    window's tails, a window group's hit looked up as a prefix run, a request whose load ended
+    not learnt afresh when scheduled, and an abort under the connector that gives back nothing
+    of its windows first."""
     start_load = HybridKVOffload.start_load
 
     def from_local_hit(self, request, num_local, num_external):
@@ -53,9 +56,19 @@ def test_recorded_cases_depend_on_each_rule(monkeypatch):
     def prefix_run(self, request, gid, start, end, first_run):
         return HybridKVOffload._prefix_run(self, request, gid, start, end)
 
+    reachable = HybridKVOffload._reachable
+
+    def masked_like_windows(self, *args):
+        chunked, self.chunked = self.chunked, False
+        try:
+            return reachable(self, *args)
+        finally:
+            self.chunked = chunked
+
     mutations = [(HybridKVOffload, "handed_out", lambda self, blocks: None, 3),
                  (HybridKVOffload, "start_load", from_local_hit, 3),
                  (HybridKVOffload, "_reachable", lambda self, *args: None, 3),
+                 (HybridKVOffload, "_reachable", masked_like_windows, 2),
                  (HybridKVOffload, "_window_run", prefix_run, 3),
                  (HybridKVOffload, "rescheduled", lambda self, index, tables: None, 1),
                  (Scheduler, "_release_outside_windows", lambda self, request, num_processed: None, 2)]
@@ -147,11 +160,12 @@ def _config(**options) -> EngineConfig:
 
 
 def test_offloading_with_windows_is_refused_with_an_eagle_drafter_and_odd_retention():
-    _config()  # (sliding windows and a CPU tier: modelled)
+    _config()  # (sliding windows and a CPU tier: modelled, chunked local attention too)
+    EngineConfig.from_flat({"model": "llama-4-scout", "kv_offloading_size": 4.0})
     with pytest.raises(ConfigError, match="EAGLE-family drafter"):
         _config(speculative_method="eagle3", num_speculative_tokens=2)
     with pytest.raises(ConfigError, match=r"prefix_cache_retention_interval \(48\) must be a multiple of "
                                           r"tokens_per_chunk \(32\)"):
         _config(prefix_cache_retention_interval=48, kv_offloading_block_size=32)
-    with pytest.raises(ConfigError, match="chunked-local or linear-attention"):
-        EngineConfig.from_flat({"model": "llama-4-scout", "kv_offloading_size": 4.0})
+    with pytest.raises(ConfigError, match="linear-attention layers"):
+        EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_offloading_size": 4.0})
