@@ -101,7 +101,7 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 def _hybrid_groups(rng, case: dict, chunked: bool = False) -> None:
     """oracle_hybrid.py's layer patterns (full-attention and sliding-window groups, windows of 2 to
     40 tokens), prefix-cache retention 0, none or a multiple of the chunk, a pool that holds a
-    max_model_len request; drafts ngram (EAGLE-family drafters are not modelled with them).
+    max_model_len request; drafts ngram or EAGLE (the full-attention groups hold its layer).
     `chunked`: chunked local attention (Llama 4's) instead, attention chunks of 2 to 40 tokens
     beside full-attention layers (oracle_hybrid.py --chunked)."""
     from simkv.capacity import group_blocks_per_request
@@ -119,12 +119,6 @@ def _hybrid_groups(rng, case: dict, chunked: bool = False) -> None:
         opts["attention_chunk_size"] = int(opts.pop("sliding_window"))
         opts["full_attention_interval"] = 2 if opts["model"] == "tiny-llama" else int(rng.choice([2, 3, 6]))
         opts["prefix_cache_retention_interval"] = 0
-    if opts.get("speculative_method"):
-        if opts.get("async_scheduling"):  # (ngram is refused under async scheduling)
-            for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
-                opts.pop(key)
-        else:
-            opts["speculative_method"] = "ngram"
     case.setdefault("blocks_per_chunk", 1)  # (the connector's settings travel together: tests/core/helpers.py)
     case.setdefault("prompt_only", True)
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
@@ -163,7 +157,10 @@ class _VllmOffload:
             o["group_chunked"] = case.get("group_chunked", False)
         else:
             o["prefix_cache_retention_interval"] = None
-        extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * _PAGE,
+        # (a chunk: one block of every group's one layer, 8 bytes a token, rounded up to the page)
+        chunk_bytes = -(-len(case.get("group_windows") or [0]) * 8 * o["block_size"] * case.get("blocks_per_chunk", 1)
+                        // _PAGE) * _PAGE
+        extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * chunk_bytes,
                  "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True),
                  "eviction_policy": case.get("policy", "lru"), "store_threshold": case.get("store_threshold", 0),
                  "max_tracker_size": case.get("max_tracker_size", 64_000)}

@@ -619,9 +619,6 @@ class EngineConfig:
         windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
                        (self.has_linear_attention, f"linear-attention layers (model {self.hardware.model})"),
-                       (windows and self.speculative.is_eagle_family,
-                        "sliding-window or chunked-local layers and an EAGLE-family drafter (its volatile last "
-                        "chunk per group)"),
                        (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),

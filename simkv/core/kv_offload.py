@@ -329,8 +329,12 @@ class KVOffload:
     def _state(self, request: Request) -> _OffloadState:
         state = self._states.get(request)
         if state is None:
-            state = self._states[request] = _OffloadState(request)
+            state = self._states[request] = self._new_state(request)
         return state
+
+    @staticmethod
+    def _new_state(request: Request) -> _OffloadState:
+        return _OffloadState(request)
 
     def _drop_state(self, request: Request) -> None:
         del self._states[request]
@@ -445,21 +449,23 @@ class KVOffload:
         self._store(request, state, keys, num_chunks, lambda stored: len(stored) * self.blocks_per_chunk)
 
     def _store(self, request: Request, state: _OffloadState, keys: list[tuple[int, int]], num_chunks: int,
-               blocks_of) -> None:
+               blocks_of) -> bool:
         """The request offers `keys`, its chunks up to `num_chunks` not offered yet; the tier takes
-        those it lacks in one job, which reads `blocks_of(stored keys)` GPU blocks."""
+        those it lacks in one job, which reads `blocks_of(stored keys)` GPU blocks. False if the
+        tier found no room (offered again the next time the request is scheduled)."""
         stored = self.manager.prepare_store(keys, state.access)
-        if stored is None:  # (no room: offered again the next time it is scheduled)
+        if stored is None:
             self._set_retry(state, True)
             self.num_store_failures += 1
-            return
+            return False
         self._set_retry(state, False)
-        state.next_stored = num_chunks
+        state.next_stored = max(state.next_stored, num_chunks)
         if stored:
             num_stored = blocks_of(stored)
             self.step_stores.append(self._new_job(request, stored, True, state, num_stored))
             self.num_stores += 1
             self.num_stored_blocks += num_stored
+        return True
 
     def _new_job(self, request: Request, keys: list[int], is_store: bool, state: _OffloadState,
                  num_blocks: int) -> OffloadJob:

@@ -22,14 +22,32 @@ its group, and each takes one slot of the tier (a slot holds one block of one gr
   that any request is handed (allocated, or hit in the prefix cache) in a later step: vLLM zeroes
   such a block id. A chunk is not offered if a block a hit needs is null or forgotten; a block
   given back but not reused is still read (the store fences it).
-Not modelled here: EAGLE-family drafter layers in a group (their volatile last chunk), Mamba
-groups and chunked local attention (refused by EngineConfig).
+- **chunked local attention** (Llama 4, `chunked`): the same with vLLM's ChunkedLocalAttentionManager
+  rules: a local group stores every chunk, and a hit needs `ceil(C / chunk_tokens)` chunks in a
+  row before its end.
+- **EAGLE-family drafters**: the drafter's layer sits in the full-attention groups (vLLM flags
+  them as holding it): such a group looks one chunk further and drops the last it finds (its
+  drafter KV depends on the token after it), and while a request decodes it does not store its
+  last complete chunk until the request finishes; its stores may thus lag the window groups' by
+  a chunk.
+Not modelled here: Mamba groups (refused by EngineConfig).
 """
 
 from __future__ import annotations
 
-from simkv.core.kv_offload import KVOffload, OffloadJob
+from simkv.core.kv_offload import KVOffload, OffloadJob, _OffloadState
 from simkv.core.request import Request
+
+
+class _GroupsState(_OffloadState):
+    """The connector's view of one request over the groups: `next_stored` is the groups' chunks
+    offered so far, `eagle_next` that of the groups holding an EAGLE-family drafter's layer."""
+
+    __slots__ = ("eagle_next",)
+
+    def __init__(self, request: Request) -> None:
+        super().__init__(request)
+        self.eagle_next = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -62,6 +80,10 @@ class HybridKVOffload(KVOffload):
         # request index -> its window groups' block tables as the connector learnt them (blocks the
         # window gave back in place) and the step each position was learnt in
         self._known: dict[int, tuple[list[list], list[int]]] = {}
+
+    @staticmethod
+    def _new_state(request: Request) -> _GroupsState:
+        return _GroupsState(request)
 
     def _gkey(self, request: Request, c: int, gid: int) -> tuple[int, int]:
         """Chunk `c`'s (end position, key) in group `gid`."""
@@ -108,7 +130,7 @@ class HybridKVOffload(KVOffload):
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request: Request, num_local: int) -> int | None:
         state = self._state(request)
-        state.next_stored = 0
+        state.next_stored = state.eagle_next = 0
         if state.jobs:
             self.num_lookup_retries += 1
             return None
@@ -117,6 +139,7 @@ class HybridKVOffload(KVOffload):
         max_hit = request.num_tokens - (1 if self.window_gids else 0)
         start = num_local // tpc
         hit, defer = 0, False
+        verified: set[int] = set()  # (EAGLE groups that dropped their last chunk at the current hit)
         groups = self.lookup_order
         while groups:
             current, groups = groups, ()
@@ -125,7 +148,9 @@ class HybridKVOffload(KVOffload):
                 max_hit = min(max_hit, num_keys * tpc)
                 if max_hit - num_local < tpc:
                     return 0
-                num_chunks = min(_cdiv(max_hit, tpc), num_keys)
+                eagle = self.eagle and not self.windows[gid] and gid not in verified
+                query = min(max_hit + tpc, num_keys * tpc) if eagle else max_hit  # (one chunk more, dropped)
+                num_chunks = min(_cdiv(query, tpc), num_keys)
                 if self.windows[gid]:
                     found = self._window_run(request, gid, start, num_chunks,
                                              self._load_window(min(max_hit, num_chunks * tpc)))
@@ -136,11 +161,16 @@ class HybridKVOffload(KVOffload):
                 if found is None:
                     defer = True
                 else:
+                    if eagle:
+                        found -= 1
+                        verified.add(gid)
                     max_hit = min(max_hit, tpc * (start + found))
                 new_hit = max_hit - num_local
                 if new_hit < tpc:
                     return 0
                 if new_hit < hit:
+                    if not (self.eagle and not self.windows[gid]):
+                        verified.clear()
                     if defer:  # (the shorter hit may not reach the chunk being stored: all again)
                         defer = False
                         groups = self.lookup_order
@@ -221,6 +251,7 @@ class HybridKVOffload(KVOffload):
             if num_gpu_blocks > first:
                 keys += [self._gkey(request, c, gid) for c in range(first // bpc, end)]
                 num_blocks += num_gpu_blocks - first
+        state.eagle_next = end
         return self._load(request, state, keys, end, num_blocks, num_external)
 
     # ---- stores -------------------------------------------------------------------------------
@@ -231,17 +262,25 @@ class HybridKVOffload(KVOffload):
         bpc = self.blocks_per_chunk
         num_chunks = min(num_tokens // self.chunk_tokens, table_len // bpc)
         start = state.next_stored
-        if num_chunks <= start:
+        # (an EAGLE group's last complete chunk waits while the request decodes: rejected drafts
+        # may rewrite its drafter KV)
+        eagle_chunks = num_chunks
+        if self.eagle and num_tokens > request.num_prompt_tokens and not finished:
+            eagle_chunks = max(0, min(num_tokens // self.chunk_tokens - 1, table_len // bpc))
+        if num_chunks <= start and (not self.eagle or eagle_chunks <= state.eagle_next):
             self._set_retry(state, False)
             return
         keys = []
         chunk_of: dict[int, int] = {}  # (a window group's key -> its chunk)
         valid_of: dict[int, list[bool]] = {}  # (a window group's blocks from chunk `start` on)
         mask = self._reachable(request, start * bpc, num_chunks * bpc, num_chunks, junction, finished) \
-            if self.window_gids else None
+            if self.window_gids and num_chunks > start else None
         for gid, window in enumerate(self.windows):
             if not window:
-                keys += [self._gkey(request, c, gid) for c in range(start, num_chunks)]
+                first, end = (state.eagle_next, eagle_chunks) if self.eagle else (start, num_chunks)
+                keys += [self._gkey(request, c, gid) for c in range(first, end)]
+                continue
+            if num_chunks <= start:
                 continue
             valid = valid_of[gid] = self._valid_blocks(known, gid, start * bpc, num_chunks * bpc)
             for c in range(start, num_chunks):
@@ -256,7 +295,7 @@ class HybridKVOffload(KVOffload):
                 keys.append(key)
                 chunk_of[key[1]] = c
         if not keys:
-            state.next_stored = num_chunks
+            self._advance(state, num_chunks, eagle_chunks)
             self._set_retry(state, False)
             return
         g = self.num_groups
@@ -266,7 +305,14 @@ class HybridKVOffload(KVOffload):
                        sum(valid_of[key % g][(chunk_of[key] - start) * bpc:(chunk_of[key] - start + 1) * bpc])
                        for key in stored)
 
-        self._store(request, state, keys, num_chunks, blocks_of)
+        if self._store(request, state, keys, num_chunks, blocks_of):
+            self._advance(state, num_chunks, eagle_chunks)
+
+    @staticmethod
+    def _advance(state: _GroupsState, num_chunks: int, eagle_chunks: int) -> None:
+        """The groups offered their chunks up to `num_chunks` (EAGLE groups up to `eagle_chunks`)."""
+        state.next_stored = max(state.next_stored, num_chunks)
+        state.eagle_next = max(state.eagle_next, eagle_chunks)
 
     def _valid_blocks(self, known, gid: int, start: int, end: int) -> list[bool]:
         """Whether the connector still has the id of each of a window group's blocks [start, end):

@@ -25,7 +25,9 @@ def test_recorded_cases_match_vllm(recorded):
     seven groups beside full-attention ones, prefix-cache retention 0, none and periodic; chunks
     of one to four blocks, decode blocks stored too; async scheduling, aborts, a store threshold,
     chat replies); then chunked local attention (`--chunked`: chunks of 2 to 40 tokens, stored
-    whole, a hit needing ceil(C / chunk) chunks in a row). Every step, every request's
+    whole, a hit needing ceil(C / chunk) chunks in a row); then EAGLE drafts (`--speculative`:
+    the full-attention groups drop the last chunk they find, and hold back their last complete
+    chunk while a request decodes). Every step, every request's
     first-token and finish step, and every transfer (its blocks: a window group's only those in
     its window, or still the request's) equal vLLM's."""
     assert _as_recorded(recorded)
@@ -37,12 +39,13 @@ class _Block:
 
 
 def test_recorded_cases_depend_on_each_rule(monkeypatch):
-    """Seven mutations, each must break recorded cases: window blocks handed out again still
+    """Nine mutations, each must break recorded cases: window blocks handed out again still
     stored (no zeroing), window groups loading every chunk past the local hit, window groups
     storing every chunk (no reachability mask), chunked local groups storing only a sliding
     window's tails, a window group's hit looked up as a prefix run, a request whose load ended
-    not learnt afresh when scheduled, and an abort under the connector that gives back nothing
-    of its windows first."""
+    not learnt afresh when scheduled, an abort under the connector that gives back nothing of its
+    windows first, an EAGLE group that loads the last chunk it finds, and one that stores its
+    last complete chunk while the request decodes."""
     start_load = HybridKVOffload.start_load
 
     def from_local_hit(self, request, num_local, num_external):
@@ -56,7 +59,16 @@ def test_recorded_cases_depend_on_each_rule(monkeypatch):
     def prefix_run(self, request, gid, start, end, first_run):
         return HybridKVOffload._prefix_run(self, request, gid, start, end)
 
-    reachable = HybridKVOffload._reachable
+    reachable, lookup, offer = HybridKVOffload._reachable, HybridKVOffload.lookup, HybridKVOffload._offer
+
+    def without_eagle(method):
+        def mutant(self, *args):
+            eagle, self.eagle = self.eagle, False
+            try:
+                return method(self, *args)
+            finally:
+                self.eagle = eagle
+        return mutant
 
     def masked_like_windows(self, *args):
         chunked, self.chunked = self.chunked, False
@@ -71,7 +83,9 @@ def test_recorded_cases_depend_on_each_rule(monkeypatch):
                  (HybridKVOffload, "_reachable", masked_like_windows, 2),
                  (HybridKVOffload, "_window_run", prefix_run, 3),
                  (HybridKVOffload, "rescheduled", lambda self, index, tables: None, 1),
-                 (Scheduler, "_release_outside_windows", lambda self, request, num_processed: None, 2)]
+                 (Scheduler, "_release_outside_windows", lambda self, request, num_processed: None, 2),
+                 (HybridKVOffload, "lookup", without_eagle(lookup), 2),
+                 (HybridKVOffload, "_offer", without_eagle(offer), 2)]
     assert_mutations_break(monkeypatch, mutations, RECORDED["cases"], _as_recorded)
 
 
@@ -159,11 +173,10 @@ def _config(**options) -> EngineConfig:
     return EngineConfig.from_flat({"model": "gemma-3-12b", "kv_offloading_size": 4.0} | options)
 
 
-def test_offloading_with_windows_is_refused_with_an_eagle_drafter_and_odd_retention():
-    _config()  # (sliding windows and a CPU tier: modelled, chunked local attention too)
+def test_offloading_with_windows_is_refused_with_odd_retention_and_linear_attention():
+    _config()  # (sliding windows and a CPU tier: modelled, with EAGLE, chunked local attention too)
+    _config(speculative_method="eagle3", num_speculative_tokens=2)
     EngineConfig.from_flat({"model": "llama-4-scout", "kv_offloading_size": 4.0})
-    with pytest.raises(ConfigError, match="EAGLE-family drafter"):
-        _config(speculative_method="eagle3", num_speculative_tokens=2)
     with pytest.raises(ConfigError, match=r"prefix_cache_retention_interval \(48\) must be a multiple of "
                                           r"tokens_per_chunk \(32\)"):
         _config(prefix_cache_retention_interval=48, kv_offloading_block_size=32)
