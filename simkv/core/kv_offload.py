@@ -35,6 +35,12 @@ from collections import OrderedDict
 from simkv.core.request import Request
 
 _PENDING = -1  # a chunk's reference count while its store is in flight (vLLM's not-ready)
+_POSITIONS = 1 << 40  # (token positions below this: a rank and a position fit one int)
+
+
+def _rank(rank: int, position: int) -> int:
+    """vLLM's LRU order (rank, -position) as one int, in the same order (cheaper in the heap)."""
+    return rank * _POSITIONS + (_POSITIONS - 1 - position)
 MAX_TRACKER_SIZE = 64_000  # vLLM's default max_tracker_size
 
 
@@ -112,7 +118,8 @@ class CPUOffloadManager:
         self.num_chunks = num_chunks
         self.admission = admission
         self.chunks: dict[int, _Chunk] = {}
-        self._ranks: dict[int, tuple[int, int]] = {}
+        # key -> its recency, vLLM's (request rank, -position) as one int (_rank): least first
+        self._ranks: dict[int, int] = {}
         self._evictable: set[int] = set()
         self._heap: list[tuple[tuple[int, int], int]] = []
         self._next_rank = 0
@@ -125,6 +132,20 @@ class CPUOffloadManager:
         if chunk is None:
             return 0
         return 2 if chunk.ref_cnt == _PENDING else 1
+
+    def held_run(self, keys) -> tuple[int, bool]:
+        """How many of `keys`, in order, the tier holds before the first it lacks, and whether
+        one of those is still being stored (a run of `lookup`s)."""
+        chunks = self.chunks
+        count, pending = 0, False
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None:
+                break
+            count += 1
+            if chunk.ref_cnt == _PENDING:
+                pending = True
+        return count, pending
 
     def prepare_load(self, keys: list[tuple[int, int]], access: _Access) -> None:
         for _, key in keys:
@@ -164,7 +185,7 @@ class CPUOffloadManager:
         rank = self._request_rank(access)
         for position, key in to_store:
             self.chunks[key] = _Chunk()
-            self._ranks[key] = (rank, -position)
+            self._ranks[key] = _rank(rank, position)
         return [k for _, k in to_store]
 
     def complete_store(self, keys: list[int]) -> None:
@@ -229,7 +250,7 @@ class CPUOffloadManager:
         for position, key in new:
             if key not in self.chunks:
                 continue
-            r = (rank, -position)
+            r = _rank(rank, position)
             if self._ranks[key] >= r:
                 continue
             self._ranks[key] = r
@@ -246,7 +267,7 @@ class CPUOffloadManager:
             if key not in self.chunks:
                 continue
             self._next_rank += 1
-            self._ranks[key] = (self._next_rank, 0)
+            self._ranks[key] = _rank(self._next_rank, 0)
             if key in self._evictable:
                 heapq.heappush(self._heap, (self._ranks[key], key))
         self._compact()

@@ -48,6 +48,18 @@ class ARCOffloadManager:
             return 0
         return 2 if chunk[0] == _PENDING else 1
 
+    def held_run(self, keys) -> tuple[int, bool]:
+        """How many of `keys`, in order, the tier holds before the first it lacks, and whether
+        one of those is still being stored."""
+        count, pending = 0, False
+        for key in keys:
+            found = self.lookup(key)
+            if not found:
+                break
+            count += 1
+            pending |= found == 2
+        return count, pending
+
     # ---- loads --------------------------------------------------------------------------------
     def prepare_load(self, keys: list[tuple[int, int]], access) -> None:
         for _, key in keys:

@@ -90,6 +90,14 @@ class HybridKVOffload(KVOffload):
         return ((c + 1) * self.chunk_tokens,
                 self.hasher.block_key(request, (c + 1) * self.blocks_per_chunk - 1) * self.num_groups + gid)
 
+    def _chunk_keys(self, request: Request, start: int, end: int, gid: int) -> list[int]:
+        """The keys of chunks [start, end) in group `gid` (their last blocks' keys, memoised at once)."""
+        if end <= start:
+            return []
+        bpc, g = self.blocks_per_chunk, self.num_groups
+        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there are memoised)
+        return [h * g + gid for h in request.block_hashes[(start + 1) * bpc - 1:end * bpc:bpc]]
+
     # ---- the coordinator's reports ------------------------------------------------------------
     def handed_out(self, blocks) -> None:
         """Blocks allocated or hit in this step."""
@@ -188,24 +196,27 @@ class HybridKVOffload(KVOffload):
 
     def _prefix_run(self, request: Request, gid: int, start: int, end: int) -> int | None:
         """Chunks from `start` the tier holds, in a row; None if one of them is still being stored."""
-        lookup = self.manager.lookup
-        count, pending = 0, False
-        for c in range(start, end):
-            found = lookup(self._gkey(request, c, gid)[1])
-            if not found:
-                break
-            count += 1
-            pending |= found == 2
+        if end <= start:
+            return 0
+        bpc, g = self.blocks_per_chunk, self.num_groups
+        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there are memoised)
+        hashes = request.block_hashes
+        count, pending = self.manager.held_run(hashes[j] * g + gid
+                                               for j in range((start + 1) * bpc - 1, end * bpc, bpc))
         return None if pending else count
 
     def _window_run(self, request: Request, gid: int, start: int, end: int, first_run: int) -> int | None:
         """The end (counted from `start`) of the last run of window_chunks chunks held in [start,
         end), scanned from the right, the first run at the right `first_run` long; without one, the
         run held from `start`. None if the run found has a chunk still being stored."""
-        lookup = self.manager.lookup
+        if end <= start:
+            return 0
+        lookup, bpc, g = self.manager.lookup, self.blocks_per_chunk, self.num_groups
+        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there are memoised)
+        hashes = request.block_hashes
         required, run, pending = first_run, 0, False
         for i in range(end - start - 1, -1, -1):
-            found = lookup(self._gkey(request, start + i, gid)[1])
+            found = lookup(hashes[(start + i + 1) * bpc - 1] * g + gid)
             if found:
                 run += 1
                 pending |= found == 2
@@ -229,7 +240,7 @@ class HybridKVOffload(KVOffload):
         keys = []
         for gid, window in enumerate(self.windows):
             first = max(start, stop - self._load_window(end)) if window else start
-            keys += [self._gkey(request, c, gid)[1] for c in range(first, stop)]
+            keys += self._chunk_keys(request, first, stop, gid)
         return keys
 
     def start_load(self, request: Request, num_local: int, num_external: int) -> OffloadJob:
@@ -278,7 +289,9 @@ class HybridKVOffload(KVOffload):
         for gid, window in enumerate(self.windows):
             if not window:
                 first, end = (state.eagle_next, eagle_chunks) if self.eagle else (start, num_chunks)
-                keys += [self._gkey(request, c, gid) for c in range(first, end)]
+                tpc = self.chunk_tokens
+                keys += [((c + 1) * tpc, key) for c, key in zip(range(first, end),
+                                                                 self._chunk_keys(request, first, end, gid))]
                 continue
             if num_chunks <= start:
                 continue

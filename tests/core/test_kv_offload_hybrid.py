@@ -145,14 +145,18 @@ def test_window_lookup_takes_the_last_run_of_a_window_of_chunks():
     the right, the first run (a hit ending inside a chunk) one chunk wider; without such a run,
     the run held from the local hit. A run with a chunk still being stored is asked again."""
     tier = _tier(window=8)  # 2 chunks of 4 tokens
-    tier._gkey = lambda request, c, gid: (0, c)
-    tier.manager = _Manager({0, 1, 2, 4, 5})
-    assert tier._window_run(None, 1, 0, 7, 2) == 6  # (chunks 4, 5; chunk 6 missing)
-    assert tier._window_run(None, 1, 0, 6, 3) == 3  # (4 and 5 are two, a first run needs three: then 1, 2)
-    tier.manager = _Manager({0, 3, 5})
-    assert tier._window_run(None, 1, 0, 7, 2) == 1  # (no run of two: the run from the local hit)
-    tier.manager = _Manager({0, 1, 2, 4, 5}, pending=frozenset({5}))
-    assert tier._window_run(None, 1, 0, 7, 2) is None
+    request = type("R", (), {"block_hashes": list(range(8))})()  # (chunk c's key: c, times the 2 groups, + 1)
+    tier.hasher = type("H", (), {"block_key": staticmethod(lambda request, i: request.block_hashes[i])})()
+    def held(*chunks):
+        return {2 * c + 1 for c in chunks}
+
+    tier.manager = _Manager(held(0, 1, 2, 4, 5))
+    assert tier._window_run(request, 1, 0, 7, 2) == 6  # (chunks 4, 5; chunk 6 missing)
+    assert tier._window_run(request, 1, 0, 6, 3) == 3  # (4 and 5 are two, a first run needs three: then 1, 2)
+    tier.manager = _Manager(held(0, 3, 5))
+    assert tier._window_run(request, 1, 0, 7, 2) == 1  # (no run of two: the run from the local hit)
+    tier.manager = _Manager(held(0, 1, 2, 4, 5), pending=frozenset(held(5)))
+    assert tier._window_run(request, 1, 0, 7, 2) is None
 
 
 def test_a_window_block_handed_out_again_is_not_stored():
