@@ -614,7 +614,7 @@ class EngineConfig:
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
         (an EAGLE-family drafter's layer in it) and for the groups of a model with sliding-window
-        layers (core/kv_offload_hybrid.py, without EAGLE-family drafters), with vLLM's policies."""
+        or chunked local layers (core/kv_offload_hybrid.py), with vLLM's policies."""
         cache, sched, groups = self.cache, self.scheduler, self.kv_cache_groups
         windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
