@@ -36,8 +36,8 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 # ---- cases ------------------------------------------------------------------------------------
 def make_case(rng, speculative: bool = False, hybrid: bool = False, async_scheduling: bool = False,
-              linear: bool = False, align: bool = False, replies: bool = False) -> dict:
-    case = _make_case(rng, speculative, hybrid, async_scheduling, linear, align)
+              linear: bool = False, align: bool = False, replies: bool = False, chunked: bool = False) -> dict:
+    case = _make_case(rng, speculative, hybrid or chunked, async_scheduling, linear, align, chunked)
     if replies:  # (chat sessions whose next turns repeat the replies; plain and pulled, after the other draws)
         import oracle_vllm
 
@@ -50,7 +50,8 @@ def make_case(rng, speculative: bool = False, hybrid: bool = False, async_schedu
     return case
 
 
-def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, linear: bool, align: bool) -> dict:
+def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, linear: bool, align: bool,
+               chunked: bool = False) -> dict:
     block_size = int(rng.choice([16, 32] if linear else [4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
@@ -95,12 +96,17 @@ def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, lin
     retention = rng.choice(["zero", "zero", "dense", "periodic"])
     opts["prefix_cache_retention_interval"] = (None if retention == "dense" else
                                                block_size * int(rng.integers(1, 9)) if retention == "periodic" else 0)
+    if chunked:  # (chunked local attention, Llama 4's: --chunked)
+        opts["attention_chunk_size"] = int(opts.pop("sliding_window"))
+        opts["full_attention_interval"] = 2 if opts["model"] == "tiny-llama" else int(rng.choice([2, 3, 6]))
+        opts["prefix_cache_retention_interval"] = 0
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
     flat.pop("reserve_full_isl")
     config = EngineConfig.from_flat(flat)
     fits = group_blocks_per_request(config, max_model_len, startup=True) + 1
     opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 60))
-    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows)}
+    return {"opts": opts, "requests": requests, "group_windows": list(config.kv_cache_groups.windows),
+            "group_chunked": config.kv_cache_groups.chunked}
 
 
 def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_scheduling: bool, align: bool) -> dict:
@@ -254,7 +260,7 @@ class _VllmPD:
         from vllm.config import KVTransferConfig
 
         o = case["opts"] | {key: case.get(key) for key in (  # (--hybrid and --linear cases have groups)
-            "group_windows", "group_linear", "mamba_cache_mode", "mamba_prefill_checkpoints")}
+            "group_windows", "group_chunked", "group_linear", "mamba_cache_mode", "mamba_prefill_checkpoints")}
         connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
                                      kv_connector_module_path="oracle_pd")
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
@@ -466,14 +472,15 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
-                                linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True)
+                                linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True,
+                                chunked_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
         sys.exit("--aborts with --replies: an aborted turn's conversation ends (oracle_fuzz.py --timeouts --replies)")
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies)
+    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies, a.chunked)
              for _ in range(a.cases)]
     if a.aborts:  # (a front end aborts some requests, on either side: clients that gave up)
         for case in cases:

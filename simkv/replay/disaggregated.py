@@ -146,10 +146,6 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
     if config.hardware.decode_context_parallel_size > 1:
         raise ConfigError(f"{pool} pool: decode_context_parallel_size > 1 is not modelled with P/D disaggregation "
                           "(the pulled blocks' layout differs between the pools)")
-    if config.kv_cache_groups.chunked:
-        raise ConfigError(f"{pool} pool: chunked local attention is not modelled with P/D disaggregation (its "
-                          "pulls are not checked against vLLM's); --disable-hybrid-kv-cache-manager allocates its "
-                          "layers like full attention")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")

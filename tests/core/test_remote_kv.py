@@ -62,6 +62,17 @@ def test_recorded_sliding_window_cases_match_vllm(case):
     _assert_same_as_recorded(case)
 
 
+CHUNKED = json.loads((Path(__file__).parent / "data" / "pd_chunked_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", CHUNKED["cases"], ids=CHUNKED["ids"])
+def test_recorded_chunked_local_attention_cases_match_vllm(case):
+    """Chunked local attention (Llama 4) under P/D (scripts/oracle_pd.py --chunked): a pull's local
+    groups take blocks only from the start of the pulled prompt's last attention chunk, and a
+    finished send gives back what left its chunk before the connector holds the rest."""
+    _assert_same_as_recorded(case)
+
+
 ASYNC = json.loads((Path(__file__).parent / "data" / "pd_async_vllm_cases.json").read_text())
 
 

@@ -193,9 +193,25 @@ def test_llama_4_config_import(tmp_path):
         spec_fields_from_config(_llama4_config(tmp_path / "odd", no_rope_layers=odd))
 
 
-def test_pd_disaggregation_refused():
-    from simkv.replay.disaggregated import _check_pool
+def test_pd_disaggregation_pulls_only_the_last_attention_chunk_of_local_groups():
+    """P/D pools of a chunked-local model (the engine core checked against vLLM:
+    tests/core/test_remote_kv.py): a pull moves the full-attention group's blocks of the whole
+    prompt and the local group's from the start of the prompt's last attention chunk on (one
+    block here); without the hybrid manager every layer's blocks of the whole prompt."""
+    from simkv.replay.api import replay
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.traces.schema import trace_from_frame
 
-    with pytest.raises(ConfigError, match="chunked local attention is not modelled with P/D"):
-        _check_pool("decode", EngineConfig.from_flat(CHUNKED))
-    _check_pool("decode", EngineConfig.from_flat(CHUNKED | {"disable_hybrid_kv_cache_manager": True}))
+    prompts = [100, 300]
+    trace = trace_from_frame(pd.DataFrame([(0.0, prompts[0], 3), (0.5, prompts[1], 4)],
+                                          columns=["arrival_time_s", "prompt_tokens", "output_tokens"]))
+    hybrid = EngineConfig.from_flat(CHUNKED)
+    plain = EngineConfig.from_flat(CHUNKED | {"disable_hybrid_kv_cache_manager": True})
+    pulled = {}
+    for name, config in (("hybrid", hybrid), ("plain", plain)):
+        res = replay(trace, config, disaggregation=DisaggregationSpec(1, 1))
+        assert list(res.requests["status"]) == ["finished", "finished"]
+        pulled[name] = list(res.requests["kv_pull_bytes"])
+    block = compute_capacity(hybrid).block_bytes  # (one block of either group's layers)
+    assert pulled["hybrid"] == [(-(-p // 16) + 1) * block for p in prompts]
+    assert pulled["plain"] == [-(-p // 16) * compute_capacity(plain).block_bytes for p in prompts]
