@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from simkv.core.block_hashing import BlockHasher
 from simkv.core.block_pool import BlockPool, KVCacheBlock
-from simkv.core.kv_cache_groups import admission_cap_blocks
+from simkv.core.kv_cache_groups import admission_cap_blocks, reachable_window_blocks
 from simkv.core.kv_cache_manager import ComputedBlocks, PrefixCacheStats, cdiv, _NO_HITS
 from simkv.core.request import Request, RequestStatus
 
@@ -449,13 +449,6 @@ class KVCacheCoordinator:
         bs = self.block_size
         if retention is None or self.chunked:  # (chunked local groups cache densely)
             return range(start, end)
-        keep = set()
-        need = self.need
-        if retention:
-            per_segment = retention // bs
-            if need >= per_segment:
-                return range(start, end)
-            keep.update(i for i in range(start, end) if i % per_segment >= per_segment - need)
         junction = self._junction.get(request.index)
         prompt = request.num_prompt_tokens
         if self.eagle_block_drop:  # (vLLM's replay_boundaries under the eagle drop: a block lower)
@@ -464,10 +457,8 @@ class KVCacheCoordinator:
             boundaries = {prompt - 1}
         if junction:
             boundaries.add(junction)
-        for boundary in sorted(boundaries):
-            stop = boundary // bs
-            keep.update(range(max(start, stop - need), min(end, stop)))
-        return sorted(keep)
+        keep = reachable_window_blocks(start, end, self.need, bs, bs, retention, boundaries)
+        return range(start, end) if keep is None else keep
 
     def free(self, request: Request, num_computed_tokens: int = 0, finished: bool = False,
              defer: list | None = None) -> None:

@@ -128,3 +128,29 @@ def admission_cap_blocks(span: int, chunked: bool, max_in_flight_tokens: int, ma
     if chunked:
         return -(-min(span + max_in_flight_tokens, max_model_len) // block_size)
     return -(-min(span - 1 + max_in_flight_tokens, max_model_len) // block_size) + 1
+
+
+def reachable_window_blocks(start: int, end: int, need: int, block_size: int, alignment: int,
+                            retention: int | None, boundaries, final_end: int | None = None) -> list[int] | None:
+    """The blocks in [start, end) of a sliding-window group that a later prefix hit can end at
+    (vLLM's SlidingWindowManager.reachable_block_mask, without EAGLE's shift), in order; None:
+    every block. A hit needs the `need` blocks before its end, and ends on a multiple of
+    `alignment` tokens (the block for the GPU prefix cache, the chunk for KV offloading).
+    `retention` (vLLM's prefix_cache_retention_interval): None, a hit at every alignment
+    boundary; R > 0, the tails before every multiple of R; 0, none of those. With a retention
+    the tails before `boundaries` (token positions: the prompt's last token, a shared-prefix
+    junction) are kept; without one, the tail of the final segment ending at block `final_end`."""
+    segment = alignment if retention is None else retention or None
+    keep: set[int] = set()
+    if segment is not None:
+        per_segment = segment // block_size
+        if need >= per_segment:
+            return None
+        keep.update(i for i in range(start, end) if i % per_segment >= per_segment - need)
+        if final_end is not None and final_end % per_segment:
+            keep.update(range(max(start, final_end - final_end % per_segment, final_end - need), min(end, final_end)))
+    if retention is not None:
+        for boundary in boundaries:
+            stop = boundary // alignment * alignment // block_size
+            keep.update(range(max(start, stop - need), min(end, stop)))
+    return sorted(keep)

@@ -357,9 +357,6 @@ class KVOffload:
     def _new_state(request: Request) -> _OffloadState:
         return _OffloadState(request)
 
-    def _drop_state(self, request: Request) -> None:
-        del self._states[request]
-
     def _key(self, request: Request, c: int) -> tuple[int, int]:
         """Chunk `c`'s (end position, key): the key of its last block, as vLLM keys a chunk."""
         return (c + 1) * self.chunk_tokens, self.hasher.block_key(request, (c + 1) * self.blocks_per_chunk - 1)
@@ -451,7 +448,7 @@ class KVOffload:
             self._set_retry(state, False)
             self.manager.request_finished(state.access)
             if not state.jobs:
-                self._drop_state(request)
+                del self._states[request]
 
     def has_unoffered(self, request: Request, num_tokens: int) -> bool:
         """Whether the first `num_tokens` tokens hold a chunk the request has not offered yet."""
@@ -517,7 +514,7 @@ class KVOffload:
         state = self._states[job.request]
         state.jobs.discard(job.job_id)
         if state.finished and not state.jobs:
-            self._drop_state(job.request)
+            del self._states[job.request]
 
     def request_finished(self, request: Request, num_blocks: int, num_tokens: int | None = None) -> None:
         """`request` finished holding `num_blocks` blocks (the next schedule() retires it);

@@ -35,6 +35,7 @@ Not modelled here: Mamba groups (refused by EngineConfig).
 
 from __future__ import annotations
 
+from simkv.core.kv_cache_groups import reachable_window_blocks
 from simkv.core.kv_offload import KVOffload, OffloadJob, _OffloadState
 from simkv.core.request import Request
 
@@ -341,29 +342,17 @@ class HybridKVOffload(KVOffload):
         SlidingWindowManager.reachable_block_mask, aligned to the chunk); None: every one."""
         if self.chunked:  # (vLLM's ChunkedLocalAttentionManager keeps them all)
             return None
-        bs, tpc, need, retention = self.block_size, self.chunk_tokens, self.need, self.retention_interval
-        segment = tpc if retention is None else retention or None
+        tpc, retention = self.chunk_tokens, self.retention_interval
+        final_end = None
+        if retention is None:  # (the request's final segment keeps its tail)
+            prompt_chunks = request.num_prompt_tokens // tpc
+            horizon = num_chunks if finished else prompt_chunks if num_chunks <= prompt_chunks else None
+            final_end = None if horizon is None else horizon * self.blocks_per_chunk
+        boundaries = [request.num_prompt_tokens - 1] + ([junction] if junction else [])
+        keep = reachable_window_blocks(start, end, self.need, self.block_size, tpc, retention, boundaries, final_end)
+        if keep is None:
+            return None
         mask = [False] * (end - start)
-        if segment is not None:
-            per_segment = segment // bs
-            if need >= per_segment:
-                return None
-            for i in range(start, end):
-                if i % per_segment >= per_segment - need:
-                    mask[i - start] = True
-            if retention is None:  # (the request's final segment keeps its tail)
-                prompt_chunks = request.num_prompt_tokens // tpc
-                horizon = num_chunks if finished else prompt_chunks if num_chunks <= prompt_chunks else None
-                if horizon is not None:
-                    final_end = horizon * self.blocks_per_chunk
-                    size = final_end % per_segment
-                    if size:
-                        for i in range(max(start, final_end - size, final_end - need), min(end, final_end)):
-                            mask[i - start] = True
-        if retention is not None:
-            boundaries = [request.num_prompt_tokens - 1] + ([junction] if junction else [])
-            for boundary in boundaries:
-                stop = boundary // tpc * tpc // bs
-                for j in range(max(start, stop - need), min(end, stop)):
-                    mask[j - start] = True
+        for i in keep:
+            mask[i - start] = True
         return mask

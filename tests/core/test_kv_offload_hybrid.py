@@ -59,23 +59,18 @@ def test_recorded_cases_depend_on_each_rule(monkeypatch):
     def prefix_run(self, request, gid, start, end, first_run):
         return HybridKVOffload._prefix_run(self, request, gid, start, end)
 
-    reachable, lookup, offer = HybridKVOffload._reachable, HybridKVOffload.lookup, HybridKVOffload._offer
-
-    def without_eagle(method):
+    def with_flag_off(method, flag: str):
+        """`method` run with the tier's `flag` (eagle, chunked) off."""
         def mutant(self, *args):
-            eagle, self.eagle = self.eagle, False
+            value = getattr(self, flag)
+            setattr(self, flag, False)
             try:
                 return method(self, *args)
             finally:
-                self.eagle = eagle
+                setattr(self, flag, value)
         return mutant
 
-    def masked_like_windows(self, *args):
-        chunked, self.chunked = self.chunked, False
-        try:
-            return reachable(self, *args)
-        finally:
-            self.chunked = chunked
+    masked_like_windows = with_flag_off(HybridKVOffload._reachable, "chunked")
 
     mutations = [(HybridKVOffload, "handed_out", lambda self, blocks: None, 3),
                  (HybridKVOffload, "start_load", from_local_hit, 3),
@@ -84,8 +79,8 @@ def test_recorded_cases_depend_on_each_rule(monkeypatch):
                  (HybridKVOffload, "_window_run", prefix_run, 3),
                  (HybridKVOffload, "rescheduled", lambda self, index, tables: None, 1),
                  (Scheduler, "_release_outside_windows", lambda self, request, num_processed: None, 2),
-                 (HybridKVOffload, "lookup", without_eagle(lookup), 2),
-                 (HybridKVOffload, "_offer", without_eagle(offer), 2)]
+                 (HybridKVOffload, "lookup", with_flag_off(HybridKVOffload.lookup, "eagle"), 2),
+                 (HybridKVOffload, "_offer", with_flag_off(HybridKVOffload._offer, "eagle"), 2)]
     assert_mutations_break(monkeypatch, mutations, RECORDED["cases"], _as_recorded)
 
 
