@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from itertools import filterfalse
 
 from simkv.core.request import Request
 
@@ -121,6 +122,7 @@ class CPUOffloadManager:
         # key -> its recency, vLLM's (request rank, -position) as one int (_rank): least first
         self._ranks: dict[int, int] = {}
         self._evictable: set[int] = set()
+        self._pending: set[int] = set()  # keys whose store is in flight
         self._heap: list[tuple[tuple[int, int], int]] = []
         self._next_rank = 0
         self.num_evictions = 0
@@ -136,16 +138,11 @@ class CPUOffloadManager:
     def held_run(self, keys) -> tuple[int, bool]:
         """How many of `keys`, in order, the tier holds before the first it lacks, and whether
         one of those is still being stored (a run of `lookup`s)."""
-        chunks = self.chunks
-        count, pending = 0, False
-        for key in keys:
-            chunk = chunks.get(key)
-            if chunk is None:
-                break
-            count += 1
-            if chunk.ref_cnt == _PENDING:
-                pending = True
-        return count, pending
+        keys = keys if isinstance(keys, list) else list(keys)  # (C loops below: prompts of 10k chunks)
+        missing = next(filterfalse(self.chunks.__contains__, keys), None)
+        count = len(keys) if missing is None else keys.index(missing)
+        pending = self._pending
+        return count, bool(pending) and not pending.isdisjoint(keys[:count])
 
     def prepare_load(self, keys: list[tuple[int, int]], access: _Access) -> None:
         for _, key in keys:
@@ -186,13 +183,16 @@ class CPUOffloadManager:
         for position, key in to_store:
             self.chunks[key] = _Chunk()
             self._ranks[key] = _rank(rank, position)
-        return [k for _, k in to_store]
+        stored = [k for _, k in to_store]
+        self._pending.update(stored)
+        return stored
 
     def complete_store(self, keys: list[int]) -> None:
         for key in keys:
             chunk = self.chunks.get(key)
             if chunk is not None and chunk.ref_cnt == _PENDING:
                 chunk.ref_cnt = 0
+                self._pending.discard(key)
                 self._evictable.add(key)
                 heapq.heappush(self._heap, (self._ranks[key], key))
         self._compact()
@@ -377,16 +377,12 @@ class KVOffload:
         start = num_local // tpc  # (a local hit may end inside a chunk: the chunk is looked up)
         if end * tpc - num_local < tpc:
             return 0
-        hit_keys, pending = [], False
-        for c in range(start, end):
-            key = self.hasher.block_key(request, (c + 1) * bpc - 1)
-            found = self.manager.lookup(key)
-            if not found:
-                break
-            hit_keys.append(key)
-            pending |= found == 2
-        if not hit_keys:
+        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to the last chunk, memoised)
+        chunk_keys = request.block_hashes[(start + 1) * bpc - 1:end * bpc:bpc]
+        count, pending = self.manager.held_run(chunk_keys)
+        if not count:
             return 0
+        hit_keys = chunk_keys[:count]
         if pending:
             self.num_lookup_retries += 1
             return None
