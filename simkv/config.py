@@ -44,7 +44,8 @@ class CacheConfig:
     swap_space: float = 4.0  # GiB of CPU swap space per GPU (vLLM v0's --swap-space), used by preemption_mode=swap
     pcie_bandwidth_gbs: float = 63.0  # host<->GPU bytes per second (GB/s) for swapping and offloading (PCIe Gen5 x16)
     # GiB of CPU memory for KV offloading, over all GPUs of the engine (vLLM's --kv-offloading-size
-    # with its native backend); None: no offloading (core/kv_offload.py)
+    # with its native backend; each data-parallel rank is an engine with a tier of its own);
+    # None: no offloading (core/kv_offload.py)
     kv_offloading_size: float | None = None
     # tokens of one CPU-tier chunk (vLLM's kv_connector_extra_config "block_size"), a multiple of
     # block_size; None: one GPU block a chunk
@@ -626,7 +627,6 @@ class EngineConfig:
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
-                       (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
                        (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1")]
         for bad, what in unsupported:
             if bad:

@@ -175,7 +175,7 @@ def print_report(rep: dict) -> None:
                                               f"memory holds {a['max_cpu_loras']}"))
     if rep.get("kv_offloading"):
         off = rep["kv_offloading"]
-        rows.append(("CPU tier (KV offloading, all GPUs)",
+        rows.append((f"CPU tier (KV offloading, {'each rank' if rep.get('data_parallel_size') else 'all GPUs'})",
                      f"{off['cpu_tier_gib']:g} GiB: {off['num_chunks']:,} chunks of {off['chunk_tokens']} tokens"))
         rows.append(("CPU tier chunk (over the host link)",
                      f"{off['chunk_bytes']:,} B ({off['chunk_transfer_s'] * 1e3:.3f} ms)"))

@@ -17,7 +17,9 @@ rank, and the chosen rank's snapshot counts one more waiting request until the n
 Synchronous (`lockstep`) or async scheduling (`lockstep_async`), on the roofline cost model
 only (replay/api.py refuses the others); drafters run their passes in lockstep too
 (backends/drafting.py); a P/D decode pool may be one such engine (replay/disaggregated.py).
-Every step is stepped (no decode runs).
+With KV offloading every rank has its CPU tier and host link (replay/offload_feed.py), and the
+group sleeps until the next transfer ends when only transfers are left. Every step is stepped
+(no decode runs).
 """
 
 from __future__ import annotations
@@ -275,6 +277,8 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
     while True:
         _take_arrivals(ranks, routing, now)
         if not any(rank.scheduler.has_unfinished_requests() for rank in ranks):
+            if _retire_offloaded(ranks):
+                continue
             if all(rank.feed.exhausted for rank in ranks):
                 return
             cadence.count = 0  # (the wave ends)
@@ -286,11 +290,13 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
             for rank, out in zip(ranks, outs):
                 if out is not None:
                     rank.scheduler.current_step = out.step  # nothing ran: not a step
+            _start_transfers(ranks, outs, now, now)
             if _retry_or_stuck(ranks, outs):
                 continue
-            now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
+            now = yield from _sleep(env, ranks, now)  # P/D or KV offloading: a transfer's end wakes the group
             continue
         duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)) + _lora_load_s(ran))
+        _start_transfers(ranks, outs, now, now + duration)
         cadence.count += 1
         yield env.timeout(duration)
         now = _process_outputs(ranks, outs, now, duration, True, routing)
@@ -312,10 +318,12 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
             start = now if in_flight is None else in_flight[1] + in_flight[2]
             cadence.before_schedule()
             outs, ran = _schedule_all(ranks, start)
+            duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)
+                                + _lora_load_s(ran)) if ran else 0
+            _start_transfers(ranks, outs, start, start + duration)
             if ran:
                 cadence.count += 1
-                queued = (outs, start, to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)
-                                                + _lora_load_s(ran)))
+                queued = (outs, start, duration)
                 if in_flight is None:
                     in_flight = queued
                     continue  # the queue has room: schedule the next step at once
@@ -324,6 +332,8 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
                     now = yield from _sleep(env, ranks, now)  # P/D: a transfer's end wakes the group
                 continue
         elif in_flight is None:
+            if _retire_offloaded(ranks):
+                continue
             if all(rank.feed.exhausted for rank in ranks):
                 return
             cadence.count = 0  # (the wave ends)
@@ -360,9 +370,29 @@ def _take_arrivals(ranks: list[ReplayEngine], routing: DPRouting, now: int) -> N
 
 def _schedule_all(ranks: list[ReplayEngine], start: int | None = None) -> tuple[list, list]:
     """Every rank's output (None for a rank without requests: its scheduler has nothing to look
-    at, and it runs a dummy pass), and the outputs that run something."""
-    outs = [rank._schedule(start) if rank.scheduler.has_unfinished_requests() else None for rank in ranks]
+    at, and it runs a dummy pass), and the outputs that run something. A rank without requests
+    whose requests finished with a CPU tier schedules once, as alone (`_retire_offloaded`)."""
+    outs = [rank._schedule(start) if rank.scheduler.has_unfinished_requests() else _retire_alone(rank)
+            for rank in ranks]
     return outs, [out for out in outs if out is not None and not out.is_empty]
+
+
+def _retire_alone(rank: ReplayEngine) -> None:
+    rank._retire_offloaded()
+
+
+def _retire_offloaded(ranks: list[ReplayEngine]) -> bool:
+    """KV offloading: every rank whose requests finished, none left, schedules once more, as an
+    engine alone does (`ReplayEngine._retire_offloaded`); True if any did."""
+    return sum(rank._retire_offloaded() for rank in ranks) > 0
+
+
+def _start_transfers(ranks: list[ReplayEngine], outs: list, start: int, end: int) -> None:
+    """KV offloading: each rank's jobs go on its own host link: loads as the group's step starts
+    at `start`, stores as it ends at `end` (a rank whose schedule ran nothing: at `start`)."""
+    for rank, out in zip(ranks, outs):
+        if out is not None and out.offload_jobs:
+            rank.feed.offload_jobs_started(out.offload_jobs, start, start if out.is_empty else end)
 
 
 def _retry_or_stuck(ranks: list[ReplayEngine], outs: list) -> bool:
@@ -409,11 +439,22 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
 
 
 def _sleep(env: simpy.Environment, ranks: list[ReplayEngine], now: int):
-    """Wait until something wakes one of the ranks; the tick it happened at (or `now`)."""
+    """Wait until something wakes one of the ranks, or a rank's KV-offloading transfer ends;
+    the tick it happened at (or `now`)."""
     event = env.event()
     for rank in ranks:
         rank._idle = event
+    ends = [t for rank in ranks if hasattr(rank.feed, "next_transfer_ticks")
+            and (t := rank.feed.next_transfer_ticks()) is not None]
+    if ends:
+        env.process(_wake_at(env, event, max(min(ends), now)))
     woken = yield event
     for rank in ranks:
         rank._idle = None
     return now if woken is None else max(now, woken)  # (None: woken to end)
+
+
+def _wake_at(env: simpy.Environment, event: simpy.Event, tick: int):
+    yield env.timeout(tick - env.now)
+    if not event.triggered:
+        event.succeed(tick)

@@ -350,3 +350,62 @@ def test_clients_give_up_on_rows_whose_samples_spread_over_ranks(async_schedulin
     runs, routing = run_data_parallel(trace, config, make_backend("roofline", config), 800, compute_capacity(config))
     assert not any(run.scheduler.has_unfinished_requests() for run in runs)
     assert routing.loads_at(1 << 62) == [0, 0, 0, 0] and not routing.rank_of
+
+
+def _offload_trace(num_fillers: int):
+    """A (256 tokens of shared content) at 0 s; fillers of their own content, one a second; B,
+    A's prompt again, at 20 s. Each runs alone, and the balancer's stale snapshot sends them to
+    ranks 0, 1, 0, 1, ... in turn."""
+    from simkv.traces.schema import trace_from_frame
+
+    shared = list(range(1, 17))
+    rows = [(0.0, 256, 4, shared)]
+    rows += [(1.0 + i, 256, 4, [1000 * (i + 1) + j for j in range(16)]) for i in range(num_fillers)]
+    rows.append((20.0, 256, 4, shared))
+    frame = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens", "block_hashes"])
+    frame["hash_block_tokens"] = 16
+    return trace_from_frame(frame)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_rank_has_its_own_cpu_tier(async_scheduling):
+    """KV offloading on DP ranks (vLLM: each DP rank is an engine with its own connector and
+    tier). B on the rank whose GPU cache lost A's prompt loads it from that rank's tier (the group
+    idle meanwhile sleeps until the load ends); B on the other rank computes it and stores it
+    there again; every rank schedules once more after its last request finishes, as one engine."""
+    options = dict(V2_LITE, data_parallel_size=2, num_gpu_blocks=40, max_model_len=512, max_num_batched_tokens=512,
+                   kv_offloading_size=1.0, async_scheduling=async_scheduling)
+    same = replay(_offload_trace(7), EngineConfig.from_flat(options))  # (B: rank 0, as A)
+    other = replay(_offload_trace(6), EngineConfig.from_flat(options))  # (B: rank 1)
+    assert list(same.requests["replica"]) == [0, 1] * 4 + [0] and list(other.requests["replica"]) == [0, 1] * 4
+    hit, miss = same.summary["kv_offloading"], other.summary["kv_offloading"]
+    assert hit["loads"] == 1 and hit["loaded_tokens"] == 256 and hit["stored_blocks"] == 8 * 16
+    assert miss["loads"] == 0 and miss["stored_blocks"] == 8 * 16  # (A's blocks twice: once on each rank)
+    assert [r["kv_offloading_loaded_tokens"] for r in same.summary["data_parallel"]["ranks"]] == [256, 0]
+    assert same.summary["num_prefill_tokens"] == 9 * 256 - 255 and other.summary["num_prefill_tokens"] == 8 * 256
+    b_hit, b_miss = same.requests["ttft_s"].iloc[-1], other.requests["ttft_s"].iloc[-1]
+    load_s = hit["mean_load_s"]
+    assert load_s > 0 and b_hit >= load_s and b_hit < b_miss  # (the load, then one token computed)
+    assert not any(run.scheduler.offload.has_finished_requests for run in same.fleet_runs + other.fleet_runs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cpu_tiers_on_data_parallel_ranks_serve_coding_sessions(async_scheduling):
+    """Coding sessions (40 turns at 33x) on DeepSeek-V2-Lite, 2 ranks of 6,000 blocks: an 8 GiB
+    tier per rank serves some of the prompts the ranks' GPU caches lost (less than one engine's
+    tier: a session's turns go to either rank), every request is served, and the same inputs give
+    the same outputs."""
+    from simkv.traces.transform import Edits, transform
+
+    trace = transform(read_trace("traces/kvcache_coding_sessions.parquet"), Edits(head=40, time_scale=0.03))
+    options = dict(V2_LITE, data_parallel_size=2, num_gpu_blocks=6000, max_model_len=90_000,
+                   async_scheduling=async_scheduling)
+    plain = replay(trace, EngineConfig.from_flat(options)).summary
+    result = replay(trace, EngineConfig.from_flat(dict(options, kv_offloading_size=8.0)))
+    tier = result.summary
+    assert tier["num_finished"] == plain["num_finished"] == len(trace) - tier["num_rejected"]
+    loaded = tier["kv_offloading"]["loaded_tokens"]
+    assert loaded > 30_000 and tier["num_prefill_tokens"] < plain["num_prefill_tokens"]
+    assert sum(r["kv_offloading_loaded_tokens"] for r in tier["data_parallel"]["ranks"]) == loaded
+    again = replay(trace, EngineConfig.from_flat(dict(options, kv_offloading_size=8.0)))
+    assert again.requests.equals(result.requests)
