@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from itertools import filterfalse
+from functools import partial
+from itertools import compress, filterfalse
+from operator import is_, itemgetter
 
 from simkv.core.request import Request
 
 _PENDING = -1  # a chunk's reference count while its store is in flight (vLLM's not-ready)
+_IS_NONE = partial(is_, None)
+_SECOND = itemgetter(1)
 _POSITIONS = 1 << 40  # (token positions below this: a rank and a position fit one int)
 
 
@@ -165,12 +169,19 @@ class CPUOffloadManager:
     def prepare_store(self, keys: list[tuple[int, int]], access: _Access) -> list[int] | None:
         """The keys a store job writes (those the tier lacks, and its admission takes); None if
         the tier cannot make room."""
-        to_store = [(p, k) for p, k in keys if k not in self.chunks]
-        ready = [(p, k) for p, k in keys if k in self.chunks and self.chunks[k].ref_cnt != _PENDING]
+        # (C loops: a prompt of 10k chunks that finds no room offers them all again every step)
+        key_list = list(map(_SECOND, keys))
+        to_store = list(compress(keys, map(_IS_NONE, map(self.chunks.get, key_list))))  # those it lacks
+        pending = self._pending
+        # those and the readable ones, in order
+        recorded = keys if pending.isdisjoint(key_list) else [item for item in keys if item[1] not in pending]
         if self.admission is not None:
-            to_store = self.admission.offer(keys, to_store)
-        recorded = {k for _, k in to_store} | {k for _, k in ready}
-        self._record([(p, k) for p, k in keys if k in recorded], access)
+            admitted = self.admission.offer(keys, to_store)
+            if len(admitted) < len(to_store):
+                held_back = {k for _, k in to_store} - {k for _, k in admitted}
+                recorded = [(p, k) for p, k in recorded if k not in held_back]
+            to_store = admitted
+        self._record(recorded, access)
         if not to_store:
             return []
         need = len(to_store) - (self.num_chunks - len(self.chunks))
@@ -240,9 +251,9 @@ class CPUOffloadManager:
 
     def _record(self, keys: list[tuple[int, int]], access: _Access) -> None:
         """Keys this request touches for the first time: they rank as its own (tail first)."""
-        new = [(p, k) for p, k in keys if k not in access.seen]
-        if not new:
+        if access.seen.issuperset(map(_SECOND, keys)):
             return
+        new = [(p, k) for p, k in keys if k not in access.seen]
         for p, k in new:
             access.seen.add(k)
             access.keys.append((p, k))
@@ -357,9 +368,15 @@ class KVOffload:
     def _new_state(request: Request) -> _OffloadState:
         return _OffloadState(request)
 
-    def _key(self, request: Request, c: int) -> tuple[int, int]:
-        """Chunk `c`'s (end position, key): the key of its last block, as vLLM keys a chunk."""
-        return (c + 1) * self.chunk_tokens, self.hasher.block_key(request, (c + 1) * self.blocks_per_chunk - 1)
+    def _keys(self, request: Request, first: int, end: int) -> list[tuple[int, int]]:
+        """Chunks `first` to `end` (excluded): each one's (end position, key), the key of its last
+        block, as vLLM keys a chunk."""
+        if end <= first:
+            return []
+        bpc, tpc = self.blocks_per_chunk, self.chunk_tokens
+        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there, memoised)
+        return list(zip(range((first + 1) * tpc, (end + 1) * tpc, tpc),
+                        request.block_hashes[(first + 1) * bpc - 1:end * bpc:bpc]))
 
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request: Request, num_local: int) -> int | None:
@@ -403,7 +420,7 @@ class KVOffload:
         num_cached = num_local + num_external
         first_block = num_local // bs  # (the load fills the blocks past the local hit)
         end = -(-num_cached // self.chunk_tokens)
-        keys = [self._key(request, c) for c in range(first_block // self.blocks_per_chunk, end)]
+        keys = self._keys(request, first_block // self.blocks_per_chunk, end)
         return self._load(request, state, keys, end, -(-num_cached // bs) - first_block, num_external)
 
     def _load(self, request: Request, state: _OffloadState, keys: list[tuple[int, int]], end: int,
@@ -459,7 +476,7 @@ class KVOffload:
         if num_chunks <= state.next_stored:
             self._set_retry(state, False)
             return
-        keys = [self._key(request, i) for i in range(state.next_stored, num_chunks)]
+        keys = self._keys(request, state.next_stored, num_chunks)
         self._store(request, state, keys, num_chunks, lambda stored: len(stored) * self.blocks_per_chunk)
 
     def _store(self, request: Request, state: _OffloadState, keys: list[tuple[int, int]], num_chunks: int,
