@@ -153,7 +153,9 @@ def fleet_options(command):
                      help="Engine replicas behind a router, each with the engine options below (simulated "
                           "replays) [default: 1]."),
         click.option("--router", type=click.Choice(ROUTERS), default=None,
-                     help="How the fleet's router picks a replica (simkv/replay/router.py) [default: round_robin]."),
+                     help="How the fleet's router picks a replica (simkv/replay/router.py) [default: round_robin]. "
+                          "With --data-parallel-size: a router in front of the ranks (vLLM's "
+                          "--data-parallel-external-lb) instead of vLLM's own balancer."),
         click.option("--router-option", "router_options", multiple=True, metavar="KEY=VALUE",
                      help="prefix_aware's thresholds: cache_threshold (0.3), balance_abs (64), balance_rel (1.5)."),
     ]):
@@ -184,8 +186,8 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
         raise bad(f"must be at least 1, got {replicas}", False)
     flag = "--router"
     if router is None:
-        router = file.get("router", "round_robin")
-        if router not in ROUTERS:
+        router = file.get("router")  # (None: the default, round_robin; vLLM's balancer on DP ranks)
+        if router is not None and router not in ROUTERS:
             raise bad(f"router must be one of {', '.join(ROUTERS)}, got {router!r}", True)
     flag = "--router-option"
     from_file = file.get("router_options") or {}

@@ -22,17 +22,24 @@ from simkv.replay.router import Router, RouterOptions
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """Replicas of the engine behind a router (`simkv replay --replicas N --router POLICY`)."""
+    """Replicas of the engine behind a router (`simkv replay --replicas N --router POLICY`). `router`
+    None: the default, round_robin for replicas; on one engine of data-parallel ranks vLLM's own
+    balancer, and a router named puts that router in front of the ranks instead."""
     num_replicas: int = 1
-    router: str = "round_robin"
+    router: str | None = None
     options: RouterOptions = RouterOptions()
 
     def __post_init__(self) -> None:
-        Router(self.router, self.num_replicas, self.options)  # RouterError (a ValueError) names what is wrong
+        Router(self.policy, self.num_replicas, self.options)  # RouterError (a ValueError) names what is wrong
+
+    @property
+    def policy(self) -> str:
+        """The replicas' router."""
+        return self.router or "round_robin"
 
     def to_dict(self) -> dict:
         """As records (goodput.json) keep it."""
-        return {"num_replicas": self.num_replicas, "router": self.router, "router_options": self.options.to_dict()}
+        return {"num_replicas": self.num_replicas, "router": self.policy, "router_options": self.options.to_dict()}
 
 
 @dataclass
@@ -86,8 +93,12 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
         if backend is not None or (fleet is not None and fleet.num_replicas > 1) or cost_model != "roofline":
             raise ValueError("data_parallel_size > 1 replays one engine's lockstep ranks on the roofline cost model "
                              "(not a fleet, another cost model or the GPU backend)")
+        router = None  # (vLLM's own balancer) or the external router named in front of the ranks
+        if fleet is not None and fleet.router is not None:
+            router = Router(fleet.router, config.hardware.data_parallel_size, fleet.options,
+                            cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
         return _replay_data_parallel(trace, config, cost_options or {}, on_progress, pause_collector, goodput,
-                                     capacity)
+                                     capacity, router)
     if fleet is not None and fleet.num_replicas > 1:
         if backend is not None:
             raise ValueError("a fleet replays on cost models only (one backend per replica)")
@@ -140,7 +151,7 @@ def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> N
 
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector, goodput,
                   fleet: FleetSpec, capacity) -> ReplayResult:
-    router = Router(fleet.router, fleet.num_replicas, fleet.options,
+    router = Router(fleet.policy, fleet.num_replicas, fleet.options,
                     cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
     seed = cost_options.get("noise_seed", 0)  # replicas' step noise: independent draws
     backends = [make_backend(cost_model, config, **(cost_options | {"noise_seed": seed + r}))
@@ -158,13 +169,14 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 
 
 def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector, goodput,
-                          capacity) -> ReplayResult:
+                          capacity, router=None) -> ReplayResult:
     from simkv.replay.data_parallel import run_data_parallel
 
     backend = make_backend("roofline", config, **cost_options)
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
-        runs, routing = run_data_parallel(trace, config, backend, capacity.num_gpu_blocks, capacity, on_progress)
+        runs, routing = run_data_parallel(trace, config, backend, capacity.num_gpu_blocks, capacity, on_progress,
+                                          router)
         wall = time.perf_counter() - t0
         requests, steps, per_rank = fleet_tables(runs, routing, trace)
         summary = fleet_summary(runs, routing, trace, config, [backend] * len(runs), capacity, wall, requests,

@@ -57,9 +57,13 @@ class DPRouting(FleetRouting):
     has every member aborted on its own rank (`abort_group`), and its retry fans out again."""
 
     def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False,
-                 clients=None, fan_out: bool = False) -> None:
-        super().__init__(trace, DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing,
+                 clients=None, fan_out: bool = False, router=None) -> None:
+        super().__init__(trace, router or DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing,
                          clients=clients)
+        # an external router (vLLM's --data-parallel-external-lb: each rank behind its own API
+        # server) picks the ranks as a fleet's picks replicas; a row's samples then stay on its rank
+        self.external = router is not None
+        fan_out = fan_out and not self.external
         self.snapshot = [[0, 0, 0.0] for _ in range(num_ranks)]  # waiting, running, KV cache usage
         self._snapshot_tick: int | None = None
         self._interval = round(SNAPSHOT_INTERVAL_S * TICKS_PER_SECOND)
@@ -196,6 +200,8 @@ class DPRouting(FleetRouting):
         log.finish_times_s[request.index] = tick / TICKS_PER_SECOND
 
     def assign(self, i: int, tick: int) -> int:
+        if self.external:
+            return super().assign(i, tick)
         best = self._least_loaded(tick)
         self.assignment[i] = best
         return best
@@ -216,20 +222,23 @@ class DPRouting(FleetRouting):
 
 
 def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
-                      on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
+                      on_progress=None, router=None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on config.hardware.data_parallel_size lockstep ranks of `backend` (a
-    roofline built for that data parallelism)."""
+    roofline built for that data parallelism); `router`: a fleet's router in front of the ranks
+    (vLLM's external load balancing) instead of vLLM's own balancer."""
     dp = config.hardware.data_parallel_size
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
     routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing,
-                        clients=clients, fan_out=config.scheduler.parallel_sampling == "fan_out")
+                        clients=clients, fan_out=config.scheduler.parallel_sampling == "fan_out", router=router)
     routing.on_reject = on_progress
-    routing.queue_limits = queue_limits(config)
+    if router is None:  # (one API server in front of every rank; else each rank's own, as a fleet's replicas)
+        routing.queue_limits = queue_limits(config)
 
     def rank_feed(scheduler, log, rank):
         feed = ReplicaFeed(routing, rank, trace, scheduler, log, config.max_model_len)
-        feed.queue_limits = None  # (the front end's check is the routing's, over every rank)
+        if router is None:
+            feed.queue_limits = None  # (the front end's check is the routing's, over every rank)
         return feed
 
     def feed_of(rank):

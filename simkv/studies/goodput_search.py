@@ -227,7 +227,8 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
         # the command's fleet, under the cell's own `replicas` / `router` (grid or fixed keys)
         cell_fleet = task.pop("fleet", {})
         if fleet is not None:
-            cell_fleet = {"replicas": fleet.num_replicas, "router": fleet.router} | cell_fleet
+            named = {"router": fleet.router} if fleet.router is not None else {}  # (None: each engine's default)
+            cell_fleet = {"replicas": fleet.num_replicas} | named | cell_fleet
             if fleet.options != type(fleet.options)():
                 cell_fleet["router_options"] = fleet.options.to_dict()
         if cell_fleet:

@@ -63,12 +63,12 @@ def fleet_spec(fleet: dict | None):
 
     if not fleet:
         return None
-    router = fleet.get("router", "round_robin")
+    router = fleet.get("router")  # (None: round_robin for replicas, vLLM's balancer for DP ranks)
     options = dict(fleet.get("router_options") or {})
     thresholds = {k: fleet[k] for k in ROUTER_OPTION_KEYS if k in fleet}
     if thresholds and router != "prefix_aware":
         raise RouterError(f"{', '.join(thresholds)}: thresholds of the prefix_aware router; this cell's router "
-                          f"is {router} (set router=prefix_aware)")
+                          f"is {router or 'round_robin'} (set router=prefix_aware)")
     options.update(thresholds)
     # (FleetSpec builds the Router, which checks the replicas and the router's name)
     return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))

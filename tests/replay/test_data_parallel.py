@@ -409,3 +409,64 @@ def test_cpu_tiers_on_data_parallel_ranks_serve_coding_sessions(async_scheduling
     assert sum(r["kv_offloading_loaded_tokens"] for r in tier["data_parallel"]["ranks"]) == loaded
     again = replay(trace, EngineConfig.from_flat(dict(options, kv_offloading_size=8.0)))
     assert again.requests.equals(result.requests)
+
+
+def _sessions():
+    """300 turns of 60 chat sessions (first prompts ~3,000 tokens, replies read back), a session
+    a second."""
+    from simkv.traces.arrivals import ArrivalProcess
+    from simkv.traces.synth import ClippedLognormal
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    shape = SessionShape(sessions=60, turns=5, first_prompt=ClippedLognormal(8.0, 0.5, 8, 8000), think_time_s=2.0)
+    return multi_turn(shape, seed=5, arrival=ArrivalProcess("poisson", 1.0))
+
+
+def test_a_router_in_front_of_the_ranks():
+    """`-dp N --router POLICY` (vLLM's --data-parallel-external-lb: each rank behind its own API
+    server, an external router picking): the fleet's routers pick ranks instead of vLLM's
+    balancer, which routes by load and scatters a session's turns over the ranks. round_robin
+    splits the turns evenly; prefix_aware keeps a session on the rank holding its prefix and hits
+    far more of the prompts; each rank still steps in lockstep."""
+    from simkv.replay.api import FleetSpec
+
+    trace = _sessions()
+    config = EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=2, num_gpu_blocks=3000, max_model_len=32768))
+    balancer = replay(trace, config)
+    turns = replay(trace, config, fleet=FleetSpec(router="round_robin"))
+    aware = replay(trace, config, fleet=FleetSpec(router="prefix_aware"))
+    policies = [r.summary["data_parallel"]["router"]["policy"] for r in (balancer, turns, aware)]
+    assert policies == ["vllm_dp_load_balancer", "round_robin", "prefix_aware"]
+    assert all(r.summary["num_finished"] == len(trace) for r in (balancer, turns, aware))
+    assert turns.requests["replica"].value_counts().tolist() == [150, 150]
+    rates = [r.summary["prefix_cache_hit_rate"] for r in (balancer, turns, aware)]
+    assert rates[2] > rates[0] + 0.15 and rates[2] > rates[1] + 0.15
+    steps = pd.DataFrame(aware.steps)
+    assert (steps.groupby("start_time_s")["duration_s"].nunique() == 1).all()
+    with pytest.raises(ValueError, match="not a fleet"):
+        replay(trace, config, fleet=FleetSpec(2, "prefix_aware"))
+
+
+def test_a_rows_samples_stay_on_the_rank_its_router_picked():
+    """Behind an external router a row's n sequences go to one rank's API server, which fans them
+    out there (vLLM's balancer would spread them): all 4 share the prompt on rank 0."""
+    from simkv.replay.api import FleetSpec
+
+    trace = _sampled([(0.0, 1000, 50, 4)])
+    one = replay(trace, EngineConfig.from_flat(V2_LITE))
+    routed = replay(trace, EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=2)),
+                    fleet=FleetSpec(router="round_robin"))
+    assert routed.summary["prefix_cache_hits_tokens"] == one.summary["prefix_cache_hits_tokens"] > 0
+    steps = pd.DataFrame(routed.steps)
+    assert steps.groupby("replica")["num_running"].max().to_dict() == {0: 4}
+    assert routed.requests["output_tokens"].tolist() == [200]
+
+
+def test_the_cli_puts_a_router_in_front_of_the_ranks(tmp_path):
+    out = tmp_path / "r"
+    res = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v2-lite", "-dp", "2",
+                                    "--router", "prefix_aware", "--router-option", "cache_threshold=0.5",
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    router = json.loads((out / "summary.json").read_text())["data_parallel"]["router"]
+    assert router["policy"] == "prefix_aware" and router["options"]["cache_threshold"] == 0.5
