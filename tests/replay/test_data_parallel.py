@@ -470,3 +470,14 @@ def test_the_cli_puts_a_router_in_front_of_the_ranks(tmp_path):
     assert res.exit_code == 0, res.output
     router = json.loads((out / "summary.json").read_text())["data_parallel"]["router"]
     assert router["policy"] == "prefix_aware" and router["options"]["cache_threshold"] == 0.5
+
+
+def test_behind_a_router_each_rank_admits_for_itself():
+    """400 requests at once, --max-num-queued-reqs 20: vLLM's one API server in front of both
+    ranks admits 20; behind a router each rank's own API server admits 20."""
+    from simkv.replay.api import FleetSpec
+
+    trace = read_trace("traces/req400.parquet")
+    config = EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=2, max_num_queued_reqs=20))
+    assert replay(trace, config).summary["num_finished"] == 20
+    assert replay(trace, config, fleet=FleetSpec(router="round_robin")).summary["num_finished"] == 40
