@@ -258,6 +258,7 @@ class CPUOffloadManager:
             access.seen.add(k)
             access.keys.append((p, k))
         rank = self._request_rank(access)
+        updated = []  # (evictable keys whose rank rose)
         for position, key in new:
             if key not in self.chunks:
                 continue
@@ -266,21 +267,36 @@ class CPUOffloadManager:
                 continue
             self._ranks[key] = r
             if key in self._evictable:
-                heapq.heappush(self._heap, (r, key))
-        self._compact()
+                updated.append(key)
+        self._update_heap(updated)
 
     def request_finished(self, access: _Access) -> None:
         """Its chunks become the most recent, its head last (vLLM's on_request_finished)."""
         if access.finished:
             return
         access.finished = True
+        updated = []
         for _, key in sorted(access.keys, reverse=True):  # (tail first)
             if key not in self.chunks:
                 continue
             self._next_rank += 1
             self._ranks[key] = _rank(self._next_rank, 0)
             if key in self._evictable:
-                heapq.heappush(self._heap, (self._ranks[key], key))
+                updated.append(key)
+        self._update_heap(updated)
+
+    def _update_heap(self, updated: list[int]) -> None:
+        """Evictable keys re-ranked: pushed again, or (many of them, as vLLM does) the heap rebuilt."""
+        if not updated:
+            return
+        if len(updated) >= max(64, len(self._evictable) // 4):
+            ranks = self._ranks
+            self._heap = [(ranks[key], key) for key in self._evictable]
+            heapq.heapify(self._heap)
+            return
+        ranks, heap = self._ranks, self._heap
+        for key in updated:
+            heapq.heappush(heap, (ranks[key], key))
         self._compact()
 
     @property
