@@ -40,12 +40,9 @@ from simkv.core.request import Request
 _PENDING = -1  # a chunk's reference count while its store is in flight (vLLM's not-ready)
 _IS_NONE = partial(is_, None)
 _SECOND = itemgetter(1)
-_POSITIONS = 1 << 40  # (token positions below this: a rank and a position fit one int)
-
-
-def _rank(rank: int, position: int) -> int:
-    """vLLM's LRU order (rank, -position) as one int, in the same order (cheaper in the heap)."""
-    return rank * _POSITIONS + (_POSITIONS - 1 - position)
+# vLLM's LRU order (rank, -position) as one int, in the same order (cheaper in the heap):
+# rank * _POSITIONS + (_POSITIONS - 1 - position), token positions below _POSITIONS
+_POSITIONS = 1 << 40
 MAX_TRACKER_SIZE = 64_000  # vLLM's default max_tracker_size
 
 
@@ -188,13 +185,12 @@ class CPUOffloadManager:
         if need > 0:
             if need > len(self._evictable):
                 return None
-            if not self._evict(need, {k for _, k in keys}):
+            if not self._evict(need, set(key_list)):
                 return None
-        rank = self._request_rank(access)
-        for position, key in to_store:
-            self.chunks[key] = _Chunk()
-            self._ranks[key] = _rank(rank, position)
-        stored = [k for _, k in to_store]
+        top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1  # (its order for a key at `position`: top - position)
+        stored = list(map(_SECOND, to_store))
+        self.chunks.update(zip(stored, [_Chunk() for _ in stored]))
+        self._ranks.update(zip(stored, [top - position for position, _ in to_store]))
         self._pending.update(stored)
         return stored
 
@@ -251,22 +247,21 @@ class CPUOffloadManager:
 
     def _record(self, keys: list[tuple[int, int]], access: _Access) -> None:
         """Keys this request touches for the first time: they rank as its own (tail first)."""
-        if access.seen.issuperset(map(_SECOND, keys)):
+        seen = access.seen
+        if seen.issuperset(map(_SECOND, keys)):
             return
-        new = [(p, k) for p, k in keys if k not in access.seen]
-        for p, k in new:
-            access.seen.add(k)
-            access.keys.append((p, k))
-        rank = self._request_rank(access)
+        new = [item for item in keys if item[1] not in seen]
+        seen.update(map(_SECOND, new))
+        access.keys.extend(new)
+        top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1  # (its order for a key at `position`: top - position)
+        ranks, evictable = self._ranks, self._evictable
         updated = []  # (evictable keys whose rank rose)
-        for position, key in new:
-            if key not in self.chunks:
+        for position, key in compress(new, map(self.chunks.__contains__, map(_SECOND, new))):
+            r = top - position
+            if ranks[key] >= r:
                 continue
-            r = _rank(rank, position)
-            if self._ranks[key] >= r:
-                continue
-            self._ranks[key] = r
-            if key in self._evictable:
+            ranks[key] = r
+            if key in evictable:
                 updated.append(key)
         self._update_heap(updated)
 
@@ -275,15 +270,18 @@ class CPUOffloadManager:
         if access.finished:
             return
         access.finished = True
-        updated = []
-        for _, key in sorted(access.keys, reverse=True):  # (tail first)
-            if key not in self.chunks:
-                continue
-            self._next_rank += 1
-            self._ranks[key] = _rank(self._next_rank, 0)
-            if key in self._evictable:
-                updated.append(key)
-        self._update_heap(updated)
+        keys = [key for _, key in sorted(access.keys, reverse=True)]  # (tail first)
+        held = list(compress(keys, map(self.chunks.__contains__, keys)))
+        first = self._next_rank + 1
+        self._next_rank += len(held)
+        # (ranks first, first + 1, ... at position 0: above every rank given so far)
+        new_ranks = range(first * _POSITIONS + _POSITIONS - 1, (self._next_rank + 1) * _POSITIONS + _POSITIONS - 1,
+                          _POSITIONS)
+        self._ranks.update(zip(held, new_ranks))
+        evictable = self._evictable
+        # (ascending and above every entry in the heap: appended, the heap stays a heap)
+        self._heap.extend((r, key) for r, key in zip(new_ranks, held) if key in evictable)
+        self._compact()
 
     def _update_heap(self, updated: list[int]) -> None:
         """Evictable keys re-ranked: pushed again, or (many of them, as vLLM does) the heap rebuilt."""
