@@ -46,13 +46,18 @@ def capacity_report(config: EngineConfig) -> dict:
                              "binding_stage": cap.pipeline_binding_stage}
         weights_per_gpu = cap.pipeline_stage_weight_bytes
     if cap.num_offload_chunks:  # KV offloading's CPU tier (vLLM's --kv-offloading-size): chunks of the engine's blocks
+        from simkv.capacity import offload_copies
+
+        copies = offload_copies(config)
         chunk_tokens = cc.kv_offloading_block_size or cc.block_size
         tier_tokens = cap.num_offload_chunks * chunk_tokens
         extra["kv_offloading"] = {"cpu_tier_gib": cc.kv_offloading_size, "num_chunks": cap.num_offload_chunks,
                                   "chunk_tokens": chunk_tokens, "chunk_bytes": cap.offload_chunk_bytes,
                                   "tokens": tier_tokens, "tokens_per_gpu_cache_token": tier_tokens / cap.kv_cache_tokens,
-                                  # (every GPU moves its share over its own link)
-                                  "chunk_transfer_s": cap.offload_chunk_bytes / tp / (cc.pcie_bandwidth_gbs * 1e9)}
+                                  # (every GPU moves its copy over its own link)
+                                  "chunk_transfer_s": cap.offload_chunk_bytes / copies / (cc.pcie_bandwidth_gbs * 1e9)}
+        if copies < tp:  # (vLLM's replicated layout: one copy of a latent every TP rank holds)
+            extra["kv_offloading"]["one_copy"] = True
         if config.kv_cache_groups.has_sliding_window:  # (a chunk holds one group's block: each group stores its own)
             extra["kv_offloading"]["chunks_per_group"] = True
     if config.scheduler.enable_lora:  # (vLLM's LoRA slots: max_loras stacked buffers per linear layer)
@@ -176,7 +181,8 @@ def print_report(rep: dict) -> None:
     if rep.get("kv_offloading"):
         off = rep["kv_offloading"]
         rows.append((f"CPU tier (KV offloading, {'each rank' if rep.get('data_parallel_size') else 'all GPUs'})",
-                     f"{off['cpu_tier_gib']:g} GiB: {off['num_chunks']:,} chunks of {off['chunk_tokens']} tokens"))
+                     f"{off['cpu_tier_gib']:g} GiB: {off['num_chunks']:,} chunks of {off['chunk_tokens']} tokens"
+                     + (" (one copy of the latent the TP ranks share)" if off.get("one_copy") else "")))
         rows.append(("CPU tier chunk (over the host link)",
                      f"{off['chunk_bytes']:,} B ({off['chunk_transfer_s'] * 1e3:.3f} ms)"))
         if off.get("chunks_per_group"):

@@ -227,10 +227,12 @@ class ReplayEngine:
         else:
             self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
+            from simkv.capacity import offload_copies
             from simkv.replay.offload_feed import OffloadFeed
+            # (each copy moves over its own GPU's link: a job takes one copy's bytes at one link's rate)
             self.feed = OffloadFeed(self.feed, self.scheduler, capacity.offload_chunk_bytes,
                                     config.cache.pcie_bandwidth_gbs, config.cache.offload_blocks_per_chunk,
-                                    config.hardware.tensor_parallel_size)
+                                    offload_copies(config))
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress
         self.now = 0  # ticks

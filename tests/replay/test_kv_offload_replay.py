@@ -265,3 +265,25 @@ def test_decode_runs_change_nothing_with_offloading_and_sliding_windows(options,
     result = assert_decode_runs_change_nothing(trace, config)
     stats = result.summary["kv_offloading"]
     assert stats["loads"] > 0 and stats["stored_blocks"] > 0
+
+
+def test_a_latent_every_tp_rank_holds_is_stored_once():
+    """vLLM 0.33's replicated layout: a latent-attention model under TP alone, on one node, on
+    CUDA, stores one copy of each chunk (rank 0 writes it, every rank loads it over its own
+    link); otherwise a chunk holds every TP rank's copy. Same link time per chunk either way."""
+    from simkv.capacity import compute_capacity, offload_copies
+
+    def tier(**options):
+        config = EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
+                                             kv_offloading_size=512.0) | options)
+        return offload_copies(config), compute_capacity(config)
+
+    copies, cap = tier()
+    assert copies == 1 and cap.offload_chunk_bytes == -(-cap.block_bytes // 4096) * 4096
+    assert cap.num_offload_chunks == 512 * 2**30 // cap.offload_chunk_bytes
+    amd_copies, amd = tier(gpu="MI300X")  # (ROCm: each rank's private buffer)
+    assert amd_copies == 8 and amd.offload_chunk_bytes >= 8 * amd.block_bytes
+    assert tier(gpus_per_node=4)[0] == 8  # (TP over two nodes)
+    assert tier(tensor_parallel_size=1, data_parallel_size=8)[0] == 1  # (one rank's own latent)
+    gqa = EngineConfig.from_flat(dict(model="llama-3-8b", tensor_parallel_size=2, kv_offloading_size=64.0))
+    assert offload_copies(gqa) == 2  # (each rank holds its own heads)
