@@ -38,7 +38,7 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
-              aborts: bool = False, hybrid: bool = False, chunked: bool = False) -> dict:
+              aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -59,6 +59,9 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
     if async_scheduling:
         opts["async_scheduling"] = True
+    if pp:  # (pipeline stages: drafts only under async scheduling, as vLLM's PP allows them)
+        opts["pipeline_parallel_size"] = int(rng.choice([2, 3, 4]))
+        speculative = speculative and async_scheduling
     if speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; no draft model: refused)
         from oracle_vllm import random_spec_options
         random_spec_options(rng, opts)
@@ -90,7 +93,10 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 
         case["aborts"] = random_aborts(rng, case["requests"])
     if hybrid:  # (after the other draws: a seed's cases are those without it, on sliding-window models)
+        pp = opts.pop("pipeline_parallel_size", 1)
         _hybrid_groups(rng, case, chunked)
+        if pp > 1:  # (no more stages than the model's layers: tiny-llama has 2)
+            opts["pipeline_parallel_size"] = min(pp, 2) if opts["model"] == "tiny-llama" else pp
         if replies:  # (each turn again after its previous one, on the hybrid model)
             from oracle_vllm import after_previous_turns
 
@@ -222,7 +228,8 @@ class _VllmOffload:
             self.transfers.append([row_index, request_index(job.req_id), len(job.src_spec.block_ids), 1])
         if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
             print(k, dict(so.num_scheduled_tokens), {j: t.req_id for j, t in meta.load_jobs.items()},
-                  {j: t.req_id for j, t in meta.store_jobs.items()}, file=sys.stderr)
+                  {j: t.req_id for j, t in meta.store_jobs.items()}, "preempted", sorted(so.preempted_req_ids or ()),
+                  "free", self.pool.get_num_free_blocks(), file=sys.stderr)
         return so
 
     def row(self, so) -> list[int]:
@@ -292,11 +299,15 @@ def run_vllm(case: dict) -> dict:
 def run_vllm_async(case: dict) -> dict:
     """The AsyncScheduler driven as oracle_pd.py's run_vllm_async drives it (EngineCore's batch
     queue, two deep, empty batches included: vLLM keeps scheduling while the connector has
-    transfers in flight)."""
+    transfers in flight); with pipeline stages (--pp) the queue is P deep, P + 1 under async
+    scheduling, and the Scheduler or the AsyncScheduler runs it."""
     from collections import deque
 
     import oracle_vllm
-    v = _VllmOffload(case, async_scheduling=True)
+    async_scheduling = bool(case["opts"].get("async_scheduling"))
+    depth = case["opts"].get("pipeline_parallel_size", 1) + async_scheduling
+    v = _VllmOffload(case, async_scheduling=async_scheduling)
+    assert v.sched.vllm_config.max_concurrent_batches == depth
     sched = v.sched
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     rows, queue = [], deque()
@@ -321,7 +332,7 @@ def run_vllm_async(case: dict) -> dict:
                 rows.append(v.row(so))
                 row = len(rows) - 1
             queue.appendleft((b, row, so, oracle_vllm.async_step_meta(sched, so, running_before)))
-            if len(queue) < 2 and (ran or sched.has_requests()):
+            if len(queue) < depth and (ran or sched.has_requests()):
                 continue
         elif not queue:
             if not pending:
@@ -340,15 +351,16 @@ def run_vllm_async(case: dict) -> dict:
 
 
 def run_vllm_any(case: dict) -> dict:
-    return run_vllm_async(case) if case["opts"].get("async_scheduling") else run_vllm(case)
+    batch_queue = case["opts"].get("async_scheduling") or case["opts"].get("pipeline_parallel_size", 1) > 1
+    return run_vllm_async(case) if batch_queue else run_vllm(case)
 
 
 # ---- simkv side ---------------------------------------------------------------------------------
 def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from tests.core.helpers import drive_offload, drive_offload_async
+    from tests.core.helpers import offload_driver
 
-    result = drive_offload_async(case) if case["opts"].get("async_scheduling") else drive_offload(case)
+    result = offload_driver(case)(case)
     result.pop("scheduler")
     return result
 
@@ -368,7 +380,7 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
-                                aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True)
+                                aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -376,7 +388,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
-                       a.aborts, a.hybrid or a.chunked, a.chunked) for _ in range(a.cases)]
+                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

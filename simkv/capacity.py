@@ -242,8 +242,10 @@ def compute_capacity(config: EngineConfig) -> Capacity:
             f"{msg}Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
     num_cpu_blocks = int(cc.swap_space * GIB) // block_bytes
     num_offload_chunks = chunk_bytes = 0
-    if cc.kv_offloading_size is not None:  # (vLLM: the ranks' copies of a chunk's blocks, rounded up to a host page)
-        raw = int(block_bytes) * offload_copies(config) * cc.offload_blocks_per_chunk
+    if cc.kv_offloading_size is not None:  # (vLLM: the ranks' copies of a chunk's blocks, rounded up to a host page;
+        # under PP every worker's copy is counted as the first stage's, whose layout vLLM's scheduler sees)
+        worker_block = stage_rows[0][2] if config.hardware.pipeline_parallel_size > 1 else int(block_bytes)
+        raw = worker_block * offload_copies(config) * cc.offload_blocks_per_chunk
         chunk_bytes = -(-raw // OFFLOAD_PAGE_BYTES) * OFFLOAD_PAGE_BYTES
         num_offload_chunks = int(cc.kv_offloading_size * GIB) // chunk_bytes
         if num_offload_chunks < 1:
@@ -254,15 +256,16 @@ def compute_capacity(config: EngineConfig) -> Capacity:
 
 
 def offload_copies(config: EngineConfig) -> int:
-    """Copies of a GPU block a CPU-tier chunk holds: every TP rank's, but one where every TP rank
-    holds the same KV (vLLM 0.33's "replicated layout": a latent-attention model under TP alone,
-    on one node, on CUDA; rank 0 stores that copy and every rank loads it, each on its own link)."""
+    """Copies of a GPU block a CPU-tier chunk holds: every worker's (TP x PP: each pipeline stage
+    its own layers'), but one where every TP rank holds the same KV (vLLM 0.33's "replicated
+    layout": a latent-attention model under TP alone, on one node, on CUDA; rank 0 stores that
+    copy and every rank loads it). Each copy moves over its own GPU's link."""
     hw = config.hardware
     tp = hw.tensor_parallel_size
     replicated = (hw.model_spec().is_mla and tp > 1 and hw.pipeline_parallel_size == 1
                   and hw.decode_context_parallel_size == 1 and tp <= hw.gpus_per_node
                   and get_gpu_spec(hw.gpu).platform == "cuda")
-    return 1 if replicated else tp
+    return 1 if replicated else tp * hw.pipeline_parallel_size
 
 
 def lora_slot_bytes(spec, tensor_parallel_size: int, max_lora_rank: int) -> int | None:

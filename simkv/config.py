@@ -839,7 +839,6 @@ class EngineConfig:
                         "speculative decoding without async scheduling"),
                        (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
                        (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
-                       (cache.kv_offloading_size is not None, "KV offloading"),
                        (sched.prefill_schedule_interval > 1, "prefill_schedule_interval > 1"),
                        (sched.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),

@@ -56,7 +56,7 @@ def capacity_report(config: EngineConfig) -> dict:
                                   "tokens": tier_tokens, "tokens_per_gpu_cache_token": tier_tokens / cap.kv_cache_tokens,
                                   # (every GPU moves its copy over its own link)
                                   "chunk_transfer_s": cap.offload_chunk_bytes / copies / (cc.pcie_bandwidth_gbs * 1e9)}
-        if copies < tp:  # (vLLM's replicated layout: one copy of a latent every TP rank holds)
+        if copies == 1 < tp:  # (vLLM's replicated layout: one copy of a latent every TP rank holds)
             extra["kv_offloading"]["one_copy"] = True
         if config.kv_cache_groups.has_sliding_window:  # (a chunk holds one group's block: each group stores its own)
             extra["kv_offloading"]["chunks_per_group"] = True

@@ -39,7 +39,11 @@ class AsyncScheduling:
         return 0 <= step and (not self.overlapped or step <= self._processed_through)
 
     def _ran_in_flight(self, request: Request) -> bool:
-        """Whether the latest scheduled step, if its output is not processed yet, runs `request`."""
+        """Whether the latest scheduled step, if its output is not processed yet, runs `request`;
+        under pipeline parallelism (several steps in flight, decodes are chunks) whether any
+        unprocessed step does (vLLM's last_sched_seq > processed_step_seq)."""
+        if self.pipeline_parallel_size > 1:
+            return request.last_sched_step > self._processed_through
         step = self._scheduled_through
         return step > self._processed_through and self._ran_in(request, step)
 
@@ -58,6 +62,8 @@ class AsyncScheduling:
         before a step's output, that step too."""
         if self._ran_in_flight(request):
             return True
+        if self.pipeline_parallel_size > 1:  # (every unprocessed step counted above)
+            return False
         step = self._scheduled_through - 1  # (the step before the latest, if unprocessed)
         return step > self._processed_through and self._ran_in(request, step)
 

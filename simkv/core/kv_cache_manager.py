@@ -239,7 +239,11 @@ class KVCacheManager:
         already hits); unique blocks wait for release. P/D: for pulled blocks, once they arrive."""
         if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
             end = min(num_tokens, request.num_tokens) // self.block_size
-            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
+            # (its shared prompt blocks, and the blocks of a reply the trace describes once written
+            # and their tokens known, as vLLM caches every full block it can hash)
+            hasher = self.hasher
+            self._cache_full_blocks(request, min(end, max(hasher.num_shared_blocks(request),
+                                                          hasher.num_content_blocks(request))))
 
     def _shared_write_block(self, req_blocks: list[KVCacheBlock], num_computed_tokens: int) -> int:
         """Index of the partly filled block the next token goes into, if other sequences still

@@ -164,7 +164,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.kv_held: dict[int, Request] = {}
         # finished sends left out of the table, (blocks, their deferred free) held till read or expiry
         self._abandoned_sends: dict[Request, tuple[int, list]] = {}
-        self._init_remote_kv(defer_block_free=self.async_scheduling and kv_connector,
+        # (vLLM defers with a connector whenever batches overlap: async scheduling, pipeline stages)
+        self._init_remote_kv(defer_block_free=config.max_concurrent_batches > 1 and kv_connector,
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
         self.offload = self._offload_tier(config, num_offload_chunks) if num_offload_chunks else None

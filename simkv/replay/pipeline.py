@@ -139,17 +139,28 @@ def run_batch_queue(engine):
             if out.is_empty:
                 queue.appendleft(None)
                 stages.num_empty_calls += 1
+                if out.offload_jobs:  # (KV offloading: loads admitted by a call that ran nothing start now)
+                    feed.offload_jobs_started(out.offload_jobs, engine.now, engine.now)
             else:
-                queue.appendleft((out, *stages.launch(out, engine.now)))
+                start, end = stages.launch(out, engine.now)
+                queue.appendleft((out, start, end))
+                if out.offload_jobs:  # (loads as its first stage starts, stores once its last has ended)
+                    feed.offload_jobs_started(out.offload_jobs, start, end)
             if len(queue) < depth and (not out.is_empty or sched.has_unfinished_requests()):
                 continue
         elif not queue:
+            if engine._retire_offloaded():
+                continue
             if feed.exhausted:
                 return
             yield from engine._wait_for_arrival()
             continue
         entry = queue.pop()
         if entry is None:
+            if not any(queue) and feed.holds_pending_work():  # (nothing in flight but a KV-offloading transfer)
+                idle_calls = 0
+                yield from engine._wait_for_arrival()
+                continue
             if not any(queue):  # nothing in flight: a stagger's wait ends within P calls
                 idle_calls += 1
                 if idle_calls > 2 * depth:

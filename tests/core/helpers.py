@@ -590,7 +590,8 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     """drive_offload under async scheduling, as scripts/oracle_offload.py --async-scheduling drives
     vLLM's AsyncScheduler (drive_pd_async's batch queue; vLLM keeps scheduling batches while the
     connector has transfers in flight): a store job made by batch b ends in the output of batch
-    b + store_latency, a load in that of b + load_latency - 1."""
+    b + store_latency, a load in that of b + load_latency - 1. With pipeline stages (--pp) the
+    queue is P batches deep, P + 1 under async scheduling."""
     from collections import deque
 
     opts = dict(case["opts"])
@@ -601,6 +602,7 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     rows, queue, requests, transfers = [], deque(), [], []
     due: dict[int, list] = {}
     unreported = False
+    depth = sched.config.max_concurrent_batches
     num_batches = 0
     error = None
     aborts = _aborts_by_step(case)
@@ -627,7 +629,7 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
             if ran:
                 rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
             queue.appendleft((b, out if ran else None))
-            if len(queue) < 2 and (ran or has_requests()):
+            if len(queue) < depth and (ran or has_requests()):
                 continue
         elif not queue:
             if not pending:
@@ -708,11 +710,19 @@ def drive_lora_worker(case: dict, worker=None) -> list[dict]:
     return steps
 
 
+def offload_driver(case: dict):
+    """How scripts/oracle_offload.py steps a case: a batch queue under async scheduling or
+    pipeline stages (drive_offload_async), else one step at a time (drive_offload)."""
+    opts = case["opts"]
+    return drive_offload_async if opts.get("async_scheduling") or opts.get("pipeline_parallel_size", 1) > 1 \
+        else drive_offload
+
+
 def offload_as_recorded(recorded: dict) -> dict | None:
     """A recorded case of scripts/oracle_offload.py replayed: simkv's result if every step, every
     request's first-token and finish step, and every transfer equal vLLM's, else None."""
     theirs, case = recorded["vllm"], recorded["case"]
-    ours = (drive_offload_async if case["opts"].get("async_scheduling") else drive_offload)(case)
+    ours = offload_driver(case)(case)
     steps = list(theirs["steps"])
     while steps and not any(steps[-1]):
         steps.pop()
@@ -725,8 +735,7 @@ def assert_offload_as_recorded(recorded: dict) -> None:
     """A recorded case of scripts/oracle_offload.py (or oracle_cadence.py --offload): every step,
     every request's first-token and finish step, and every transfer equal vLLM's."""
     theirs = recorded["vllm"]
-    async_scheduling = recorded["case"]["opts"].get("async_scheduling")
-    ours = (drive_offload_async if async_scheduling else drive_offload)(recorded["case"])
+    ours = offload_driver(recorded["case"])(recorded["case"])
     ours.pop("scheduler")
     assert ours.get("error") == theirs.get("error")
     steps = list(theirs["steps"])

@@ -202,3 +202,44 @@ def test_arc_grows_t1_when_a_key_it_evicted_from_t1_comes_back():
     assert manager.target_t1 == 1 and 10 not in manager.b1
     manager.prepare_store([(1, 10)], again)  # (once per request and key)
     assert manager.target_t1 == 1
+
+
+PIPELINE = json.loads((Path(__file__).parent / "data" / "offload_pp_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("recorded", PIPELINE["cases"], ids=PIPELINE["ids"])
+def test_pipeline_stages_match_vllm(recorded):
+    """Recorded cases of scripts/oracle_offload.py --pp: 2 to 4 pipeline stages, vLLM's batch
+    queue that many batches deep (one more under async scheduling), with the CPU tier; then with
+    a front end's aborts and with replies the next turns repeat. Every step, request and
+    transfer equal vLLM's."""
+    assert offload_as_recorded(recorded) is not None
+
+
+def test_pipeline_cases_depend_on_each_rule(monkeypatch):
+    """Three rules each break recorded pipeline cases: with a connector vLLM defers a request's
+    block frees whenever batches overlap (pipeline stages too, not only async scheduling), a
+    request ran by any unprocessed batch counts as in flight (not only the latest), and a reply
+    the trace describes is findable once written (a next turn admitted while its previous turn's
+    last batch is in flight hits it), not only at the finish."""
+    from simkv.core.async_scheduling import AsyncScheduling
+    from simkv.core.kv_cache_manager import KVCacheManager
+    from simkv.core.remote_kv import RemoteKV
+
+    init = RemoteKV._init_remote_kv
+
+    def latest_only(self, request):
+        step = self._scheduled_through
+        return step > self._processed_through and self._ran_in(request, step)
+
+    def at_release(self, request, num_tokens):
+        if self.enable_caching and request.num_shared_tokens:
+            end = min(num_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, min(end, self.hasher.num_shared_blocks(request)))
+
+    mutations = [(RemoteKV, "_init_remote_kv", lambda self, defer, backoff=0: init(self, defer and self.async_scheduling,
+                                                                                   backoff), 4),
+                 (AsyncScheduling, "_ran_in_flight", latest_only, 4),
+                 (KVCacheManager, "cache_shared_blocks", at_release, 2)]
+    assert_mutations_break(monkeypatch, mutations, PIPELINE["cases"],
+                           lambda recorded: offload_as_recorded(recorded) is not None)

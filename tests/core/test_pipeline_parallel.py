@@ -185,7 +185,6 @@ def test_capacity_per_stage() -> None:
 
 @pytest.mark.parametrize("opts, what", [
     ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative decoding without async scheduling"),
-    ({"kv_offloading_size": 4.0}, "KV offloading"),
     ({"preemption_mode": "swap"}, "preemption_mode 'swap'"),
     ({"prefill_schedule_interval": 2}, "prefill_schedule_interval"),
 ])

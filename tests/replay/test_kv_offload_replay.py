@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from simkv.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from simkv.config import CacheConfig, ConfigError, EngineConfig, HardwareConfig, SchedulerConfig
 from simkv.replay.api import replay
 from simkv.traces.schema import trace_from_frame
 
@@ -287,3 +287,29 @@ def test_a_latent_every_tp_rank_holds_is_stored_once():
     assert tier(tensor_parallel_size=1, data_parallel_size=8)[0] == 1  # (one rank's own latent)
     gqa = EngineConfig.from_flat(dict(model="llama-3-8b", tensor_parallel_size=2, kv_offloading_size=64.0))
     assert offload_copies(gqa) == 2  # (each rank holds its own heads)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_cpu_tier_behind_pipeline_stages(async_scheduling):
+    """Pipeline parallelism with KV offloading: the same tier (every stage's workers keep their
+    layers' share of a chunk; vLLM sizes a chunk by the first stage's blocks times the workers),
+    transfers on the stages' links at once, loads as a batch's first stage starts and stores
+    once its last has ended; B loads A's prompt, and a group idle on the load waits for it."""
+    from simkv.capacity import compute_capacity
+
+    config = EngineConfig(CacheConfig(num_gpu_blocks=40, kv_offloading_size=1.0),
+                          SchedulerConfig(max_model_len=512, max_num_batched_tokens=512,
+                                          async_scheduling=async_scheduling),
+                          HardwareConfig(pipeline_parallel_size=2))
+    cap = compute_capacity(config)
+    assert cap.pipeline_layers == (16, 16) and cap.offload_chunk_bytes == 2 * cap.block_bytes  # (2 MiB: as TP 1)
+    result = replay(_trace(), config)
+    stats = result.summary["kv_offloading"]
+    assert stats["loads"] == 1 and stats["loaded_tokens"] == 256 and stats["stored_blocks"] == 7 * 16
+    assert stats["mean_load_s"] == pytest.approx(16 * 2 * 1024 * 1024 / (2 * 63e9), rel=1e-3)  # (two links)
+    assert result.summary["num_finished"] == 8
+    b = result.requests.iloc[-1]
+    assert b["ttft_s"] > stats["mean_load_s"]
+    assert not result.run.scheduler.offload.has_finished_requests  # (retired once the queue drained)
+    again = replay(_trace(), config)
+    assert again.requests.equals(result.requests)
