@@ -13,6 +13,9 @@ first-token and finish step, and the loads and stores (their blocks) must be equ
 --aborts: a front end aborts about a third of the requests (clients that gave up), each at a
 random step, before the step is scheduled or after it ran and before its output is processed.
 
+--pp: 2 to 4 pipeline stages; vLLM's Scheduler (or AsyncScheduler) is driven as its batch queue
+drives it, that many batches deep (one more under async scheduling), and simkv's the same way.
+
 --replies: chat sessions (a next turn's prompt repeats the previous reply) whose hash lists
 describe the replies; vLLM's fake model samples the reply's content tokens, so vLLM keys the
 reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
