@@ -14,6 +14,8 @@ its requests in flight and its waiting + running count in the coordinator's late
 (published every 100 ms: here at the first step boundary 100 ms after the last), plus, when
 it has waiting requests, 6 x waiting x max(0, KV cache usage - 0.5); ties go to the lowest
 rank, and the chosen rank's snapshot counts one more waiting request until the next snapshot.
+With a router named (`-dp N --router POLICY`, vLLM's --data-parallel-external-lb: each rank
+behind an API server of its own) a fleet's router (replay/router.py) picks the ranks instead.
 Synchronous (`lockstep`) or async scheduling (`lockstep_async`), on the roofline cost model
 only (replay/api.py refuses the others); drafters run their passes in lockstep too
 (backends/drafting.py); a P/D decode pool may be one such engine (replay/disaggregated.py).
