@@ -120,7 +120,7 @@ class CPUOffloadManager:
         self.num_chunks = num_chunks
         self.admission = admission
         self.chunks: dict[int, _Chunk] = {}
-        # key -> its recency, vLLM's (request rank, -position) as one int (_rank): least first
+        # key -> its recency, vLLM's (request rank, -position) as one int (_POSITIONS): least first
         self._ranks: dict[int, int] = {}
         self._evictable: set[int] = set()
         self._pending: set[int] = set()  # keys whose store is in flight
@@ -187,7 +187,8 @@ class CPUOffloadManager:
                 return None
             if not self._evict(need, set(key_list)):
                 return None
-        top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1  # (its order for a key at `position`: top - position)
+        # (the order of a key at `position`: top - position)
+        top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1
         stored = list(map(_SECOND, to_store))
         self.chunks.update(zip(stored, [_Chunk() for _ in stored]))
         self._ranks.update(zip(stored, [top - position for position, _ in to_store]))
@@ -253,7 +254,7 @@ class CPUOffloadManager:
         new = [item for item in keys if item[1] not in seen]
         seen.update(map(_SECOND, new))
         access.keys.extend(new)
-        top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1  # (its order for a key at `position`: top - position)
+        top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1  # (a key at `position`: top - position)
         ranks, evictable = self._ranks, self._evictable
         updated = []  # (evictable keys whose rank rose)
         for position, key in compress(new, map(self.chunks.__contains__, map(_SECOND, new))):
