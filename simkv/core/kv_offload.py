@@ -281,7 +281,7 @@ class CPUOffloadManager:
         self._ranks.update(zip(held, new_ranks))
         evictable = self._evictable
         # (ascending and above every entry in the heap: appended, the heap stays a heap)
-        self._heap.extend((r, key) for r, key in zip(new_ranks, held) if key in evictable)
+        self._heap.extend(compress(zip(new_ranks, held), map(evictable.__contains__, held)))
         self._compact()
 
     def _update_heap(self, updated: list[int]) -> None:
