@@ -232,12 +232,16 @@ class CPUOffloadManager:
         return True
 
     def _compact(self) -> None:
-        """Rebuild the heap from the evictable chunks once stale entries (superseded ranks, chunks
-        gone or pinned) outnumber them (as vLLM's LRU policy does; the order is the same)."""
+        """Rebuild the heap once stale entries (superseded ranks, chunks gone or pinned) outnumber
+        the evictable chunks (as vLLM's LRU policy does; the order is the same)."""
         if len(self._heap) >= max(64, 2 * len(self._evictable)):
-            ranks = self._ranks
-            self._heap = [(ranks[key], key) for key in self._evictable]
-            heapq.heapify(self._heap)
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """The heap of the evictable chunks alone, each at its current rank."""
+        ranks = self._ranks
+        self._heap = [(ranks[key], key) for key in self._evictable]
+        heapq.heapify(self._heap)
 
     # ---- recency ------------------------------------------------------------------------------
     def _request_rank(self, access: _Access) -> int:
@@ -289,9 +293,7 @@ class CPUOffloadManager:
         if not updated:
             return
         if len(updated) >= max(64, len(self._evictable) // 4):
-            ranks = self._ranks
-            self._heap = [(ranks[key], key) for key in self._evictable]
-            heapq.heapify(self._heap)
+            self._rebuild_heap()
             return
         ranks, heap = self._ranks, self._heap
         for key in updated:
@@ -383,15 +385,19 @@ class KVOffload:
     def _new_state(request: Request) -> _OffloadState:
         return _OffloadState(request)
 
-    def _keys(self, request: Request, first: int, end: int) -> list[tuple[int, int]]:
-        """Chunks `first` to `end` (excluded): each one's (end position, key), the key of its last
-        block, as vLLM keys a chunk."""
+    def _chunk_hashes(self, request: Request, first: int, end: int) -> list[int]:
+        """The keys of chunks `first` to `end` (excluded): each one's last block's key, as vLLM
+        keys a chunk (the block keys up to there memoised at once)."""
         if end <= first:
             return []
-        bpc, tpc = self.blocks_per_chunk, self.chunk_tokens
-        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there, memoised)
-        return list(zip(range((first + 1) * tpc, (end + 1) * tpc, tpc),
-                        request.block_hashes[(first + 1) * bpc - 1:end * bpc:bpc]))
+        bpc = self.blocks_per_chunk
+        self.hasher.block_key(request, end * bpc - 1)
+        return request.block_hashes[(first + 1) * bpc - 1:end * bpc:bpc]
+
+    def _keys(self, request: Request, first: int, end: int) -> list[tuple[int, int]]:
+        """Chunks `first` to `end` (excluded): each one's (end position, key)."""
+        tpc = self.chunk_tokens
+        return list(zip(range((first + 1) * tpc, (end + 1) * tpc, tpc), self._chunk_hashes(request, first, end)))
 
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request: Request, num_local: int) -> int | None:
@@ -409,8 +415,7 @@ class KVOffload:
         start = num_local // tpc  # (a local hit may end inside a chunk: the chunk is looked up)
         if end * tpc - num_local < tpc:
             return 0
-        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to the last chunk, memoised)
-        chunk_keys = request.block_hashes[(start + 1) * bpc - 1:end * bpc:bpc]
+        chunk_keys = self._chunk_hashes(request, start, end)
         count, pending = self.manager.held_run(chunk_keys)
         if not count:
             return 0

@@ -93,11 +93,8 @@ class HybridKVOffload(KVOffload):
 
     def _chunk_keys(self, request: Request, start: int, end: int, gid: int) -> list[int]:
         """The keys of chunks [start, end) in group `gid` (their last blocks' keys, memoised at once)."""
-        if end <= start:
-            return []
-        bpc, g = self.blocks_per_chunk, self.num_groups
-        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there are memoised)
-        return [h * g + gid for h in request.block_hashes[(start + 1) * bpc - 1:end * bpc:bpc]]
+        g = self.num_groups
+        return [h * g + gid for h in self._chunk_hashes(request, start, end)]
 
     # ---- the coordinator's reports ------------------------------------------------------------
     def handed_out(self, blocks) -> None:
@@ -197,27 +194,18 @@ class HybridKVOffload(KVOffload):
 
     def _prefix_run(self, request: Request, gid: int, start: int, end: int) -> int | None:
         """Chunks from `start` the tier holds, in a row; None if one of them is still being stored."""
-        if end <= start:
-            return 0
-        bpc, g = self.blocks_per_chunk, self.num_groups
-        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there are memoised)
-        hashes = request.block_hashes
-        count, pending = self.manager.held_run(hashes[j] * g + gid
-                                               for j in range((start + 1) * bpc - 1, end * bpc, bpc))
+        count, pending = self.manager.held_run(self._chunk_keys(request, start, end, gid))
         return None if pending else count
 
     def _window_run(self, request: Request, gid: int, start: int, end: int, first_run: int) -> int | None:
         """The end (counted from `start`) of the last run of window_chunks chunks held in [start,
         end), scanned from the right, the first run at the right `first_run` long; without one, the
         run held from `start`. None if the run found has a chunk still being stored."""
-        if end <= start:
-            return 0
-        lookup, bpc, g = self.manager.lookup, self.blocks_per_chunk, self.num_groups
-        self.hasher.block_key(request, end * bpc - 1)  # (the keys up to there are memoised)
-        hashes = request.block_hashes
+        lookup, g = self.manager.lookup, self.num_groups
+        hashes = self._chunk_hashes(request, start, end)  # (group keys made as the scan reaches them)
         required, run, pending = first_run, 0, False
         for i in range(end - start - 1, -1, -1):
-            found = lookup(hashes[(start + i + 1) * bpc - 1] * g + gid)
+            found = lookup(hashes[i] * g + gid)
             if found:
                 run += 1
                 pending |= found == 2

@@ -160,8 +160,7 @@ def run_batch_queue(engine):
             if not any(queue) and feed.holds_pending_work():  # (nothing in flight but a KV-offloading transfer)
                 idle_calls = 0
                 yield from engine._wait_for_arrival()
-                continue
-            if not any(queue):  # nothing in flight: a stagger's wait ends within P calls
+            elif not any(queue):  # nothing in flight: a stagger's wait ends within P calls
                 idle_calls += 1
                 if idle_calls > 2 * depth:
                     from simkv.replay.engine import ReplayError
