@@ -16,6 +16,9 @@ random step, before the step is scheduled or after it ran and before its output 
 --pp: 2 to 4 pipeline stages; vLLM's Scheduler (or AsyncScheduler) is driven as its batch queue
 drives it, that many batches deep (one more under async scheduling), and simkv's the same way.
 
+--linear: models with linear-attention layers (oracle_linear.py's tiny Gated DeltaNet and Mamba2
+configs) under vLLM's Mamba prefix caching (mamba_cache_mode "align"), no drafts.
+
 --replies: chat sessions (a next turn's prompt repeats the previous reply) whose hash lists
 describe the replies; vLLM's fake model samples the reply's content tokens, so vLLM keys the
 reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
@@ -41,7 +44,8 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
-              aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False) -> dict:
+              aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False,
+              linear: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -95,6 +99,12 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
         from oracle_vllm import random_aborts
 
         case["aborts"] = random_aborts(rng, case["requests"])
+    if linear:  # (after the other draws: a seed's cases are those without it, on linear-attention models)
+        _linear_groups(rng, case)
+        if replies:
+            from oracle_vllm import after_previous_turns
+
+            after_previous_turns(case, run_simkv)
     if hybrid:  # (after the other draws: a seed's cases are those without it, on sliding-window models)
         pp = opts.pop("pipeline_parallel_size", 1)
         _hybrid_groups(rng, case, chunked)
@@ -140,6 +150,39 @@ def _hybrid_groups(rng, case: dict, chunked: bool = False) -> None:
         case["group_chunked"] = True
 
 
+def _linear_groups(rng, case: dict) -> None:
+    """oracle_linear.py --align's models and settings (its tiny Gated DeltaNet and Mamba2 configs,
+    Mamba prefix caching: chunked prefill, GDN prefill on FlashInfer's kernel or Triton's), retention
+    0, none or a multiple of the chunk, a pool that holds a max_model_len request; no drafts."""
+    from oracle_linear import MODELS, prefix_caching_options
+    from simkv.capacity import group_blocks_per_request
+    from simkv.config import EngineConfig
+
+    opts = case["opts"]
+    for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
+        opts.pop(key)
+    opts["block_size"] = int(rng.choice([16, 32]))
+    opts["model"] = str(rng.choice(MODELS))
+    prefix_caching_options(rng, opts, True)
+    case.setdefault("blocks_per_chunk", 1)  # (the connector's settings travel together: tests/core/helpers.py)
+    case.setdefault("prompt_only", True)
+    flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"], prefix_cache_retention_interval=0)
+    flat.pop("reserve_full_isl")
+    config = EngineConfig.from_flat(flat)
+    opts["block_size"] = config.cache.block_size  # (grown to hold a state's page; FlashInfer's checkpoints: 64)
+    if not case["prompt_only"]:  # (decode states stored: simkv models retention 0 only)
+        opts["prefix_cache_retention_interval"] = 0
+    if opts["prefix_cache_retention_interval"]:  # (a multiple of the chunk, as vLLM's connector asks)
+        opts["prefix_cache_retention_interval"] = case["blocks_per_chunk"] * opts["block_size"] * int(rng.integers(1, 4))
+    config = EngineConfig.from_flat(dict(flat, block_size=opts["block_size"],
+                                         prefix_cache_retention_interval=opts["prefix_cache_retention_interval"]))
+    fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
+    opts["num_gpu_blocks"] = max(opts["num_gpu_blocks"], fits) + int(rng.integers(0, 40))
+    groups = config.kv_cache_groups
+    case |= {"group_windows": list(groups.windows), "group_linear": [g.linear for g in groups.groups],
+             "mamba_cache_mode": "align", "mamba_prefill_checkpoints": config.mamba_prefill_checkpoints}
+
+
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 class _Ordered(dict):
     """An insertion-ordered set for the scheduler's finished_req_ids (vLLM iterates a set of
@@ -164,11 +207,15 @@ class _VllmOffload:
         if case.get("group_windows"):  # (sliding-window models: --hybrid; chunked local attention: --chunked)
             o["group_windows"] = case["group_windows"]
             o["group_chunked"] = case.get("group_chunked", False)
+            for key in ("group_linear", "mamba_cache_mode", "mamba_prefill_checkpoints"):  # (--linear)
+                o[key] = case.get(key)
         else:
             o["prefix_cache_retention_interval"] = None
-        # (a chunk: one block of every group's one layer, 8 bytes a token, rounded up to the page)
-        chunk_bytes = -(-len(case.get("group_windows") or [0]) * 8 * o["block_size"] * case.get("blocks_per_chunk", 1)
-                        // _PAGE) * _PAGE
+        # (a chunk: one block of every group's one layer, 8 bytes a token, a state 4 bytes, rounded up to the page)
+        linear = case.get("group_linear") or []
+        block_bytes = sum(4 if linear and linear[i] else 8 * o["block_size"]
+                          for i in range(len(case.get("group_windows") or [0])))
+        chunk_bytes = -(-block_bytes * case.get("blocks_per_chunk", 1) // _PAGE) * _PAGE
         extra = {"cpu_bytes_to_use": case["num_offload_chunks"] * chunk_bytes,
                  "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True),
                  "eviction_policy": case.get("policy", "lru"), "store_threshold": case.get("store_threshold", 0),
@@ -383,7 +430,8 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
-                                aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True)
+                                aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True,
+                                linear_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -391,7 +439,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
-                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp) for _ in range(a.cases)]
+                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

@@ -445,7 +445,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="chunked local attention (Llama 4's) instead of sliding windows")
     if linear_flag:
         ap.add_argument("--linear", action="store_true",
-                        help="linear-attention models' KV-cache groups (oracle_linear.py's cases), MTP in all")
+                        help="linear-attention models' KV-cache groups (oracle_linear.py's cases; "
+                             "oracle_spec_async.py: MTP in all; oracle_offload.py: prefix caching on, no drafts)")
     if align_flag:
         ap.add_argument("--align", action="store_true",
                         help="prefix caching on: vLLM's Mamba prefix caching (mamba_cache_mode 'align')")

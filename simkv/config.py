@@ -614,12 +614,14 @@ class EngineConfig:
 
     def _verify_kv_offloading(self) -> None:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
-        (an EAGLE-family drafter's layer in it) and for the groups of a model with sliding-window
-        or chunked local layers (core/kv_offload_hybrid.py), with vLLM's policies."""
+        (an EAGLE-family drafter's layer in it), for the groups of a model with sliding-window
+        or chunked local layers (core/kv_offload_hybrid.py) and for those of a model with
+        linear-attention layers without drafts (core/kv_offload_mamba.py), with vLLM's policies."""
         cache, sched, groups = self.cache, self.scheduler, self.kv_cache_groups
         windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
-                       (self.has_linear_attention, f"linear-attention layers (model {self.hardware.model})"),
+                       (self.has_linear_attention and self.speculative.enabled,
+                        f"speculative decoding on linear-attention layers (model {self.hardware.model})"),
                        (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),
@@ -632,8 +634,11 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"kv_offloading_size (KV offloading to CPU) is not modelled with {what} yet")
         retention = self.attention.prefix_cache_retention_interval
+        if self.has_linear_attention and not cache.kv_offloading_prompt_only and retention != 0:
+            raise ConfigError("kv_offloading_prompt_only off (decode states stored) is not modelled on linear-attention "
+                              f"layers with prefix_cache_retention_interval {retention} yet (0, vLLM's default, is)")
         tokens_per_chunk = cache.offload_blocks_per_chunk * cache.block_size
-        if windows and retention and retention % tokens_per_chunk:  # (vLLM's text)
+        if (windows or self.has_linear_attention) and retention and retention % tokens_per_chunk:  # (vLLM's text)
             raise ConfigError(f"prefix_cache_retention_interval ({retention}) must be a multiple of tokens_per_chunk "
                               f"({tokens_per_chunk}).")
 

@@ -30,7 +30,7 @@ its group, and each takes one slot of the tier (a slot holds one block of one gr
   drafter KV depends on the token after it), and while a request decodes it does not store its
   last complete chunk until the request finishes; its stores may thus lag the window groups' by
   a chunk.
-Not modelled here: Mamba groups (refused by EngineConfig).
+Mamba groups: core/kv_offload_mamba.py.
 """
 
 from __future__ import annotations
@@ -76,11 +76,15 @@ class HybridKVOffload(KVOffload):
         # store every chunk, and a hit needs ceil(C / chunk) chunks in a row before its end
         self.chunked = chunked
         self.kv = coordinator
-        coordinator.offload_watch = self
+        self._watch(coordinator)
         self._handed_out: dict[int, int] = {}  # block id -> the last step (`self.step`) it was handed out in
         # request index -> its window groups' block tables as the connector learnt them (blocks the
         # window gave back in place) and the step each position was learnt in
         self._known: dict[int, tuple[list[list], list[int]]] = {}
+
+    def _watch(self, coordinator) -> None:
+        """The coordinator reports to this tier the blocks it hands out and the tables it grows."""
+        coordinator.offload_watch = self
 
     @staticmethod
     def _new_state(request: Request) -> _GroupsState:
@@ -142,7 +146,7 @@ class HybridKVOffload(KVOffload):
             return None
         tpc = self.chunk_tokens
         num_keys = request.num_tokens // tpc
-        max_hit = request.num_tokens - (1 if self.window_gids else 0)
+        max_hit = self._max_hit(request)
         start = num_local // tpc
         hit, defer = 0, False
         verified: set[int] = set()  # (EAGLE groups that dropped their last chunk at the current hit)
@@ -191,6 +195,11 @@ class HybridKVOffload(KVOffload):
             self.num_lookup_retries += 1
             return None
         return hit
+
+    def _max_hit(self, request: Request) -> int:
+        """The longest hit: with window layers a token short of the request's tokens (its last one
+        is computed again for its logits)."""
+        return request.num_tokens - (1 if self.window_gids else 0)
 
     def _prefix_run(self, request: Request, gid: int, start: int, end: int) -> int | None:
         """Chunks from `start` the tier holds, in a row; None if one of them is still being stored."""

@@ -146,6 +146,10 @@ class MambaAlignCoordinator:
         self._num_cached: dict[int, int] = {}  # full blocks cached (or looked at for caching)
         self._junction: dict[int, int] = {}  # request index -> shared-prefix boundary (vLLM's shared_prefix_boundary)
         self._cached_this_step: set[int] = set()  # content keys of states cached in this step
+        # KV offloading (core/kv_offload_mamba.py sets it to a list): the states cached since the
+        # connector last took them, (request, Mamba group, boundary tokens) in caching order
+        # (vLLM's boundary_state_offloads)
+        self.state_offers: list[tuple[Request, int, int]] | None = None
 
     def new_step_starts(self) -> None:
         self._cached_this_step.clear()
@@ -554,11 +558,16 @@ class MambaAlignCoordinator:
                         cache_block(block, keys[i] * g + gid)
             else:
                 m = self.mamba_gids.index(gid)
+                offers = self.state_offers
                 for i in self._state_positions(request, start, end):
                     entry = table[i] if i < len(table) else None
-                    if entry is not None and entry[m].block_hash is None:
+                    if entry is None:
+                        continue
+                    if entry[m].block_hash is None:
                         cache_block(entry[m], keys[i] * g + gid)
                         self._cached_this_step.add(keys[i])
+                    if offers is not None:
+                        offers.append((request, m, (i + 1) * self.block_size))
         if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True
 
@@ -610,6 +619,8 @@ class MambaAlignCoordinator:
         index = request.index
         if self.enable_caching and index in self._attn:  # (a steady decoder's blocks: now)
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+        if self.state_offers:  # (vLLM drops a request's offers not taken yet when it frees its blocks)
+            self.state_offers[:] = [offer for offer in self.state_offers if offer[0] is not request]
         attn = self._attn.pop(index, None)
         table = self._state.pop(index, None)
         self._num_cached.pop(index, None)
@@ -646,6 +657,9 @@ class MambaAlignCoordinator:
 
     def allocator_stats(self) -> dict:
         return {"allocator": "paged", "kv_cache_groups": self.num_groups, "mamba_cache_mode": "align"}
+
+    def num_attention_blocks(self, request: Request) -> int:
+        return len(self._attn.get(request.index, ()))
 
     def get_block_ids(self, request: Request) -> list[int]:
         """The attention group's block table (linear-attention models run on cost models only)."""

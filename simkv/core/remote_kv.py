@@ -231,6 +231,8 @@ class RemoteKV:
         else:
             extra = 0
             prefills = self._prefilling
+            if self.chunked_decodes:  # (pipeline stages: decoders stay in `_prefilling`; vLLM drops a
+                prefills = [r for r in prefills if r.num_computed_tokens < r.num_tokens]  # prompt's last chunk)
             if self.prefill_backoff or self.offload is not None:  # (a CPU-tier load holds part of its prompt)
                 prefills = prefills + list(self.kv_holding) + skipped
         if self._mamba_split:  # (the Mamba groups' need goes by the target's tokens)

@@ -33,6 +33,7 @@ from simkv.core.outputs import ScheduledChunk, ScheduledDecode, SchedulerOutput
 from simkv.core.parallel_sampling import FIRST_SEQUENCE_INDEX, fan_out, sequence_of
 from simkv.core.kv_offload import KVOffload
 from simkv.core.kv_offload_hybrid import HybridKVOffload
+from simkv.core.kv_offload_mamba import MambaKVOffload
 from simkv.core.remote_kv import RemoteKV
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
@@ -462,13 +463,18 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
 
     def _offload_tier(self, config: EngineConfig, num_chunks: int) -> KVOffload:
         """KV offloading's connector: one group's (core/kv_offload.py), or the groups' of a model
-        with sliding-window layers (core/kv_offload_hybrid.py). `self._offload_view(request)`
+        with sliding-window layers (core/kv_offload_hybrid.py) or linear-attention layers
+        (core/kv_offload_mamba.py). `self._offload_view(request)`
         says what it needs of the request's blocks (their count; the groups' table)."""
         cc, kv = config.cache, self.kv_cache_manager
         options = dict(blocks_per_chunk=cc.offload_blocks_per_chunk, prompt_only=cc.kv_offloading_prompt_only,
                        eagle=config.speculative.is_eagle_family, policy=cc.kv_offloading_policy,
                        store_threshold=cc.kv_offloading_store_threshold,
                        max_tracker_size=cc.kv_offloading_max_tracker_size)
+        if isinstance(kv, MambaAlignCoordinator):
+            tier = MambaKVOffload(num_chunks, cc.block_size, kv.hasher, kv, **options)
+            self._offload_view = tier.view
+            return tier
         if isinstance(kv, KVCacheCoordinator):
             tier = HybridKVOffload(num_chunks, cc.block_size, kv.hasher, kv.windows, kv.retention_interval, kv,
                                    chunked=kv.chunked, **options)
