@@ -17,7 +17,8 @@ random step, before the step is scheduled or after it ran and before its output 
 drives it, that many batches deep (one more under async scheduling), and simkv's the same way.
 
 --linear: models with linear-attention layers (oracle_linear.py's tiny Gated DeltaNet and Mamba2
-configs) under vLLM's Mamba prefix caching (mamba_cache_mode "align"), no drafts.
+configs) under vLLM's Mamba prefix caching (mamba_cache_mode "align"); with --speculative, MTP or
+ngram drafts (MTP alone under async scheduling) in 60 % of the cases.
 
 --replies: chat sessions (a next turn's prompt repeats the previous reply) whose hash lists
 describe the replies; vLLM's fake model samples the reply's content tokens, so vLLM keys the
@@ -153,14 +154,15 @@ def _hybrid_groups(rng, case: dict, chunked: bool = False) -> None:
 def _linear_groups(rng, case: dict) -> None:
     """oracle_linear.py --align's models and settings (its tiny Gated DeltaNet and Mamba2 configs,
     Mamba prefix caching: chunked prefill, GDN prefill on FlashInfer's kernel or Triton's), retention
-    0, none or a multiple of the chunk, a pool that holds a max_model_len request; no drafts."""
+    0, none or a multiple of the chunk, a pool that holds a max_model_len request; drafts MTP or ngram."""
     from oracle_linear import MODELS, prefix_caching_options
     from simkv.capacity import group_blocks_per_request
-    from simkv.config import EngineConfig
+    from simkv.config import ConfigError, EngineConfig
 
     opts = case["opts"]
-    for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
-        opts.pop(key)
+    if opts.get("speculative_method"):  # (--speculative: MTP, or ngram drafts where vLLM takes them)
+        opts["speculative_method"] = "mtp" if opts.get("async_scheduling") else str(rng.choice(["ngram", "mtp"]))
+        opts.pop("spec_draft_model", None)
     opts["block_size"] = int(rng.choice([16, 32]))
     opts["model"] = str(rng.choice(MODELS))
     prefix_caching_options(rng, opts, True)
@@ -168,7 +170,18 @@ def _linear_groups(rng, case: dict) -> None:
     case.setdefault("prompt_only", True)
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"], prefix_cache_retention_interval=0)
     flat.pop("reserve_full_isl")
-    config = EngineConfig.from_flat(flat)
+    try:
+        config = EngineConfig.from_flat(flat)
+    except ConfigError:  # (an MTP layer that splits the attention layers in two groups: refused; then
+        if opts.get("speculative_method") != "mtp":  # ngram, or no drafts under async scheduling)
+            raise
+        if opts.get("async_scheduling"):
+            for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
+                flat.pop(key)
+                opts.pop(key)
+        else:
+            opts["speculative_method"] = flat["speculative_method"] = "ngram"
+        config = EngineConfig.from_flat(flat)
     opts["block_size"] = config.cache.block_size  # (grown to hold a state's page; FlashInfer's checkpoints: 64)
     if not case["prompt_only"]:  # (decode states stored: simkv models retention 0 only)
         opts["prefix_cache_retention_interval"] = 0
@@ -233,6 +246,17 @@ class _VllmOffload:
         sched.finished_req_ids = _Ordered()
         if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
             lookup = sched.connector.get_num_new_matched_tokens
+            cs = sched.connector.connector_scheduler
+            handoffs = cs._build_aligned_boundary_store_jobs
+
+            def traced_handoffs(offers):  # (--linear: the states vLLM's core hands over)
+                print("  state offers", {rid: [(g, t) for g, _, t in e] for rid, e in offers.items()}, file=sys.stderr)
+                for mgr in sched.kv_cache_manager.coordinator.single_type_managers:  # (their tables)
+                    for rid in offers:
+                        print("   ", type(mgr).__name__, rid, [(b.block_id, b.block_hash_num_tokens if b.block_hash else None)
+                                                            for b in mgr.req_to_blocks.get(rid, ())], file=sys.stderr)
+                return handoffs(offers)
+            cs._build_aligned_boundary_store_jobs = traced_handoffs
 
             def traced(request, num_computed_tokens, *args):
                 result = lookup(request, num_computed_tokens, *args)
@@ -280,6 +304,8 @@ class _VllmOffload:
             print(k, dict(so.num_scheduled_tokens), {j: t.req_id for j, t in meta.load_jobs.items()},
                   {j: t.req_id for j, t in meta.store_jobs.items()}, "preempted", sorted(so.preempted_req_ids or ()),
                   "free", self.pool.get_num_free_blocks(), file=sys.stderr)
+            for jid, job in meta.store_jobs.items():  # (the groups each store reads from)
+                print("  store", jid, job.req_id, list(job.src_spec.group_sizes), file=sys.stderr)
         return so
 
     def row(self, so) -> list[int]:

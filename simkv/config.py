@@ -620,8 +620,6 @@ class EngineConfig:
         cache, sched, groups = self.cache, self.scheduler, self.kv_cache_groups
         windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
-                       (self.has_linear_attention and self.speculative.enabled,
-                        f"speculative decoding on linear-attention layers (model {self.hardware.model})"),
                        (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),

@@ -17,8 +17,10 @@ states (a chunk's key: its last block's content key and the group):
   the tokens the connector offloads (the prompt's by default). vLLM's core hands them over
   (`boundary_state_offloads`) before the step's other stores; a request's offers not taken when
   it frees its blocks are dropped, and a state the tier has no room for is not offered again.
-Not modelled: partial tails (vLLM's `prefix_match_unit` below the block: simkv hashes whole
-blocks), drafts (refused by EngineConfig).
+With MTP drafts the attention group holds the draft layer: a hit looks one chunk further and
+drops it, and a decoding request stores its last complete chunk only when it finishes (as
+core/kv_offload_hybrid.py's EAGLE groups). Not modelled: partial tails (vLLM's `prefix_match_unit`
+below the block: simkv hashes whole blocks).
 """
 
 from __future__ import annotations
@@ -106,14 +108,17 @@ class MambaKVOffload(HybridKVOffload):
 
     def _offer(self, request: Request, num_tokens: int, view, finished: bool) -> None:
         """The attention group's chunks up to `num_tokens` not offered yet (`view`: the attention
-        blocks the request holds)."""
+        blocks the request holds); with an MTP layer in the group, a decoding request's last
+        complete chunk waits for its finish (rejected drafts may rewrite its drafter KV)."""
         state = self._state(request)
-        num_chunks = min(num_tokens // self.chunk_tokens, view // self.blocks_per_chunk)
+        tpc, bpc, gid = self.chunk_tokens, self.blocks_per_chunk, self.attn_gid
+        num_chunks = min(num_tokens // tpc, view // bpc)
+        if self.eagle and num_tokens > request.num_prompt_tokens and not finished:
+            num_chunks = max(0, min(num_tokens // tpc - 1, view // bpc))
         start = state.next_stored
         if num_chunks <= start:
             self._set_retry(state, False)
             return
-        tpc, gid = self.chunk_tokens, self.attn_gid
         keys = [((c + 1) * tpc, key) for c, key in zip(range(start, num_chunks),
                                                          self._chunk_keys(request, start, num_chunks, gid))]
-        self._store(request, state, keys, num_chunks, lambda stored: len(stored) * self.blocks_per_chunk)
+        self._store(request, state, keys, num_chunks, lambda stored: len(stored) * bpc)

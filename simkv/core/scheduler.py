@@ -1018,10 +1018,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             return False
         num_blocks = self.kv_cache_manager.num_blocks_of(request)
         offload_view = self._offload_view(request) if self.offload is not None else None
-        # (async scheduling: its tokens scheduled, and sampled, by steps whose output is not
-        # processed yet; known before it leaves decoding)
+        # (async scheduling, pipeline stages: its tokens scheduled, and sampled, by steps whose
+        # output is not processed yet; known before it leaves decoding)
         in_flight = unknown = 0
-        if status == RequestStatus.RUNNING and self.async_scheduling and (
+        if status == RequestStatus.RUNNING and self.overlapped and (
                 self.offload is not None or self._release_at_finish):
             in_flight, unknown = ((request.num_in_flight_tokens, 0) if self._counts_in_flight
                                   else self._unprocessed_work(request))

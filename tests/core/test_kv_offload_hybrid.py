@@ -172,12 +172,14 @@ def _config(**options) -> EngineConfig:
     return EngineConfig.from_flat({"model": "gemma-3-12b", "kv_offloading_size": 4.0} | options)
 
 
-def test_offloading_with_windows_is_refused_with_odd_retention_and_linear_attention():
+def test_offloading_with_windows_is_refused_with_odd_retention():
     _config()  # (sliding windows and a CPU tier: modelled, with EAGLE, chunked local attention too)
     _config(speculative_method="eagle3", num_speculative_tokens=2)
     EngineConfig.from_flat({"model": "llama-4-scout", "kv_offloading_size": 4.0})
     with pytest.raises(ConfigError, match=r"prefix_cache_retention_interval \(48\) must be a multiple of "
                                           r"tokens_per_chunk \(32\)"):
         _config(prefix_cache_retention_interval=48, kv_offloading_block_size=32)
-    with pytest.raises(ConfigError, match="linear-attention layers"):
-        EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_offloading_size": 4.0})
+    with pytest.raises(ConfigError, match=r"prefix_cache_retention_interval \(1152\) must be a multiple of "
+                                          r"tokens_per_chunk \(1728\)"):  # (Mamba groups: windows of a chunk)
+        EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_offloading_size": 4.0,
+                                "kv_offloading_block_size": 1728, "prefix_cache_retention_interval": 1152})

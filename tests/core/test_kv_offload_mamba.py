@@ -1,0 +1,73 @@
+"""KV offloading on models with linear-attention layers (core/kv_offload_mamba.py): recorded cases
+of scripts/oracle_offload.py --linear against vLLM 0.33's OffloadingConnector over Mamba groups
+in mode "align", and the rules they depend on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simkv.config import ConfigError, EngineConfig
+from tests.core.helpers import assert_mutations_break, offload_as_recorded
+
+LINEAR = json.loads((Path(__file__).parent / "data" / "offload_linear_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("recorded", LINEAR["cases"], ids=LINEAR["ids"])
+def test_linear_attention_offloading_matches_vllm(recorded):
+    """Tiny Gated DeltaNet, Mamba2 and Nemotron-H configs with Mamba prefix caching: synchronous,
+    async scheduling, chunks of 1 to 4 blocks with decode chunks stored, pipeline stages with a
+    front end's aborts, chat replies, the ARC policy with a store threshold. Every step, request
+    and transfer (loads, the attention chunks' stores and each state's own store) equal vLLM's."""
+    assert offload_as_recorded(recorded) is not None
+
+
+def test_linear_cases_depend_on_each_rule(monkeypatch):
+    """Each rule breaks recorded cases when undone: the states the GPU prefix cache keeps are
+    stored (vLLM's boundary-state hand-offs), before the step's attention chunks; a request's offers not taken when it frees its
+    blocks are dropped; under pipeline stages a request that finished its prompt no longer counts
+    as an in-flight prefill, and an aborted request's tokens in unprocessed batches are not
+    processed ones."""
+    from simkv.core.kv_offload_hybrid import HybridKVOffload
+    from simkv.core.kv_offload_mamba import MambaKVOffload
+    from simkv.core.scheduler import Scheduler
+
+    def states_last(self, scheduled, num_blocks_of):
+        HybridKVOffload.build_stores(self, scheduled, num_blocks_of)
+        if self.kv.state_offers:
+            self._store_states(self.kv.state_offers)
+            self.kv.state_offers.clear()
+
+    def prefills_with_decoders(self, skipped):
+        kv = self.kv_cache_manager
+        prefills = self._prefilling + list(self.kv_holding) + skipped
+        return sum(kv.remaining_blocks(r, min(r.num_tokens, self.max_model_len), min(r.num_tokens, self.max_model_len))
+                   for r in prefills)
+
+    release = Scheduler._release_outside_windows
+
+    def release_all(self, request, num_processed):
+        release(self, request, request.num_computed_tokens if self.pipeline_parallel_size > 1 else num_processed)
+
+    mutations = [(MambaKVOffload, "_store_states", lambda self, offers: None, 8),
+                 (MambaKVOffload, "build_stores", states_last, 3),
+                 (Scheduler, "_inflight_prefill_blocks", prefills_with_decoders, 1),
+                 (Scheduler, "_release_outside_windows", release_all, 1)]
+    assert_mutations_break(monkeypatch, mutations, LINEAR["cases"],
+                           lambda recorded: offload_as_recorded(recorded) is not None)
+
+
+def _qwen3_next(**overrides) -> EngineConfig:
+    return EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 2,
+                                   "kv_offloading_size": 64} | overrides)
+
+
+def test_offloading_on_linear_attention_is_accepted_without_drafts():
+    _qwen3_next()
+    with pytest.raises(ConfigError, match="speculative decoding on linear-attention layers"):
+        _qwen3_next(speculative_method="mtp", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="kv_offloading_prompt_only off"):
+        _qwen3_next(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None)
+    _qwen3_next(kv_offloading_prompt_only=False)  # (retention 0, vLLM's default)
