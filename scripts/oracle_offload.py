@@ -253,7 +253,7 @@ class _VllmOffload:
                 print("  state offers", {rid: [(g, t) for g, _, t in e] for rid, e in offers.items()}, file=sys.stderr)
                 for mgr in sched.kv_cache_manager.coordinator.single_type_managers:  # (their tables)
                     for rid in offers:
-                        print("   ", type(mgr).__name__, rid, [(b.block_id, b.block_hash_num_tokens if b.block_hash else None)
+                        print("   ", type(mgr).__name__, rid, mgr.num_cached_block.get(rid), [(b.block_id, b.block_hash_num_tokens if b.block_hash else None)
                                                             for b in mgr.req_to_blocks.get(rid, ())], file=sys.stderr)
                 return handoffs(offers)
             cs._build_aligned_boundary_store_jobs = traced_handoffs

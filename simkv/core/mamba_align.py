@@ -549,6 +549,9 @@ class MambaAlignCoordinator:
         attn = self._attn[index]
         table = self._state[index]
         attn_gid = self.attn_gid
+        checkpoint = self._checkpoint.get(index)
+        transient = checkpoint[1] if checkpoint is not None and not self._keeps_checkpoint(request, checkpoint[1]) \
+            else -1
         # (vLLM caches group by group; one group's order within its blocks is all a pool sees)
         for gid in range(g):
             if gid == attn_gid:
@@ -561,7 +564,7 @@ class MambaAlignCoordinator:
                 offers = self.state_offers
                 for i in self._state_positions(request, start, end):
                     entry = table[i] if i < len(table) else None
-                    if entry is None:
+                    if entry is None or i == transient:
                         continue
                     if entry[m].block_hash is None:
                         cache_block(entry[m], keys[i] * g + gid)
@@ -570,6 +573,18 @@ class MambaAlignCoordinator:
                         offers.append((request, m, (i + 1) * self.block_size))
         if end > self.hasher.num_shared_blocks(request):
             request.has_own_cached_blocks = True
+
+    def _keeps_checkpoint(self, request: Request, entry: int) -> bool:
+        """Whether this step's checkpoint state (at `entry`) stays cached: vLLM keeps it where a
+        later request can resume (the prompt's checkpoint position, a retention segment's end, the
+        junction) and otherwise drops its hash as the step writes it, even at a replay boundary of
+        the eagle drop (vLLM's _cache_partial_tail_block)."""
+        bs = self.block_size
+        position = (entry + 1) * bs
+        retention = self.retention_interval
+        return (position == prefill_checkpoint_position(request.num_prompt_tokens, bs, self.eagle_block_drop)
+                or retention is None or (retention > 0 and (retention // bs <= 1 or (entry + 1) % (retention // bs) == 0))
+                or position == self._junction.get(request.index, 0))
 
     def cache_verified(self, request: Request, num_computed_tokens: int) -> None:
         """Speculative decoding: a request's sampled tokens arrived; its full blocks up to them

@@ -19,7 +19,8 @@ LINEAR = json.loads((Path(__file__).parent / "data" / "offload_linear_vllm_cases
 def test_linear_attention_offloading_matches_vllm(recorded):
     """Tiny Gated DeltaNet, Mamba2 and Nemotron-H configs with Mamba prefix caching: synchronous,
     async scheduling, chunks of 1 to 4 blocks with decode chunks stored, pipeline stages with a
-    front end's aborts, chat replies, the ARC policy with a store threshold. Every step, request
+    front end's aborts, chat replies, the ARC policy with a store threshold, MTP drafts (decode
+    chunks stored; pipeline stages under async scheduling). Every step, request
     and transfer (loads, the attention chunks' stores and each state's own store) equal vLLM's."""
     assert offload_as_recorded(recorded) is not None
 
@@ -32,6 +33,7 @@ def test_linear_cases_depend_on_each_rule(monkeypatch):
     processed ones."""
     from simkv.core.kv_offload_hybrid import HybridKVOffload
     from simkv.core.kv_offload_mamba import MambaKVOffload
+    from simkv.core.mamba_align import MambaAlignCoordinator
     from simkv.core.scheduler import Scheduler
 
     def states_last(self, scheduled, num_blocks_of):
@@ -47,12 +49,22 @@ def test_linear_cases_depend_on_each_rule(monkeypatch):
                    for r in prefills)
 
     release = Scheduler._release_outside_windows
+    offer = MambaKVOffload._offer
+
+    def offer_without_drafts(self, request, num_tokens, view, finished):
+        eagle, self.eagle = self.eagle, False
+        try:
+            offer(self, request, num_tokens, view, finished)
+        finally:
+            self.eagle = eagle
 
     def release_all(self, request, num_processed):
         release(self, request, request.num_computed_tokens if self.pipeline_parallel_size > 1 else num_processed)
 
     mutations = [(MambaKVOffload, "_store_states", lambda self, offers: None, 8),
                  (MambaKVOffload, "build_stores", states_last, 3),
+                 (MambaKVOffload, "_offer", offer_without_drafts, 2),
+                 (MambaAlignCoordinator, "_keeps_checkpoint", lambda self, request, entry: True, 1),
                  (Scheduler, "_inflight_prefill_blocks", prefills_with_decoders, 1),
                  (Scheduler, "_release_outside_windows", release_all, 1)]
     assert_mutations_break(monkeypatch, mutations, LINEAR["cases"],
@@ -64,10 +76,9 @@ def _qwen3_next(**overrides) -> EngineConfig:
                                    "kv_offloading_size": 64} | overrides)
 
 
-def test_offloading_on_linear_attention_is_accepted_without_drafts():
+def test_offloading_on_linear_attention_is_accepted_except_decode_states_with_retention():
     _qwen3_next()
-    with pytest.raises(ConfigError, match="speculative decoding on linear-attention layers"):
-        _qwen3_next(speculative_method="mtp", num_speculative_tokens=2)
+    _qwen3_next(speculative_method="mtp", num_speculative_tokens=2)
     with pytest.raises(ConfigError, match="kv_offloading_prompt_only off"):
         _qwen3_next(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None)
     _qwen3_next(kv_offloading_prompt_only=False)  # (retention 0, vLLM's default)
