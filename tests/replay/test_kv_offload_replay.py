@@ -313,3 +313,55 @@ def test_the_cpu_tier_behind_pipeline_stages(async_scheduling):
     assert not result.run.scheduler.offload.has_finished_requests  # (retired once the queue drained)
     again = replay(_trace(), config)
     assert again.requests.equals(result.requests)
+
+
+def _linear_trace():
+    """A's 1,200-token prompt, six others that push its blocks out of a small pool, then B with
+    A's prompt again (hash blocks of 16 tokens)."""
+    shared = list(range(1, 76))
+    rows = [(0.0, 1200, 4, shared)]
+    rows += [(1.0 + i, 1200, 4, [1000 * (i + 1) + j for j in range(75)]) for i in range(6)]
+    rows.append((20.0, 1200, 4, shared))
+    df = pd.DataFrame(rows, columns=["arrival_time_s", "prompt_tokens", "output_tokens", "block_hashes"])
+    df["hash_block_tokens"] = 16
+    return trace_from_frame(df)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(async_scheduling=True),
+                                     dict(speculative_method="mtp", num_speculative_tokens=2, async_scheduling=True)])
+def test_the_cpu_tier_serves_a_linear_attention_model_its_state_and_its_chunks(options):
+    """Qwen3-Next (3 Gated DeltaNet groups beside the attention group, 576-token blocks on 2
+    H200s): A stores its attention chunks and, each in a job of its own, the states the GPU keeps
+    (retention 0: the one at the prompt's last block boundary, 1,152). B, A's prompt again after
+    A's blocks were evicted, loads the hit up to that state: 2 attention chunks and the 3 states,
+    and computes only the rest. With MTP drafts the attention group holds the draft layer: the
+    hit drops its last chunk (the drafter's KV there depends on the token after it) and ends at
+    the state a block lower, which vLLM keeps under the eagle drop (576): a chunk and 3 states."""
+    flat = {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 2, "num_gpu_blocks": 24,
+            "max_model_len": 4096} | options
+    plain = replay(_linear_trace(), EngineConfig.from_flat(flat)).summary
+    tiered = replay(_linear_trace(), EngineConfig.from_flat(flat | {"kv_offloading_size": 1.0}))
+    stats = tiered.summary["kv_offloading"]
+    assert plain["prefix_cache_hits_tokens"] == 0  # (A's blocks were evicted before B came)
+    assert stats["chunk_tokens"] == 576 and stats["loads"] == 1
+    hit, chunks = (576, 1) if options.get("speculative_method") else (1152, 2)
+    assert stats["loaded_tokens"] == hit and stats["loaded_blocks"] == chunks + 3
+    assert stats["stores"] == 7 * (1 + 3) and stats["stored_blocks"] == 7 * (2 + 3)  # (a job per state)
+    assert tiered.summary["num_prefill_tokens"] == plain["num_prefill_tokens"] - hit
+    assert tiered.summary["num_finished"] == 8
+
+
+@pytest.mark.parametrize("options", [dict(), dict(async_scheduling=True), dict(kv_offloading_prompt_only=False),
+                                     dict(speculative_method="mtp", num_speculative_tokens=2)])
+def test_decode_runs_change_nothing_with_offloading_on_linear_attention(options):
+    """Qwen3-Next with a CPU tier (core/kv_offload_mamba.py): jumping over decode runs leaves the
+    tier's loads, stores and every request as stepping one by one makes them."""
+    from tests.core.helpers import assert_decode_runs_change_nothing
+    from simkv.traces.schema import read_trace
+
+    trace = read_trace("traces/mooncake_synthetic_slice.parquet")
+    config = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 2,
+                                     "num_gpu_blocks": 400, "max_model_len": 32768, "kv_offloading_size": 16.0}
+                                    | options)
+    stats = assert_decode_runs_change_nothing(trace, config).summary["kv_offloading"]
+    assert stats["loads"] > 0 and stats["stored_blocks"] > 0
