@@ -90,9 +90,13 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
                                      pause_collector, goodput, disaggregation)
     capacity = compute_capacity(config)
     if config.hardware.data_parallel_size > 1:
-        if backend is not None or (fleet is not None and fleet.num_replicas > 1) or cost_model != "roofline":
+        if fleet is not None and fleet.num_replicas > 1:
+            raise ValueError(f"data_parallel_size {config.hardware.data_parallel_size} with {fleet.num_replicas} "
+                             "replicas (--replicas): DP ranks are one engine; a fleet of DP engines is not modelled "
+                             "(--router picks the rank instead)")
+        if backend is not None or cost_model != "roofline":
             raise ValueError("data_parallel_size > 1 replays one engine's lockstep ranks on the roofline cost model "
-                             "(not a fleet, another cost model or the GPU backend)")
+                             "(not another cost model or the GPU backend)")
         router = None  # (vLLM's own balancer) or the external router named in front of the ranks
         if fleet is not None and fleet.router is not None:
             router = Router(fleet.router, config.hardware.data_parallel_size, fleet.options,
