@@ -183,8 +183,6 @@ def _linear_groups(rng, case: dict) -> None:
             opts["speculative_method"] = flat["speculative_method"] = "ngram"
         config = EngineConfig.from_flat(flat)
     opts["block_size"] = config.cache.block_size  # (grown to hold a state's page; FlashInfer's checkpoints: 64)
-    if not case["prompt_only"]:  # (decode states stored: simkv models retention 0 only)
-        opts["prefix_cache_retention_interval"] = 0
     if opts["prefix_cache_retention_interval"]:  # (a multiple of the chunk, as vLLM's connector asks)
         opts["prefix_cache_retention_interval"] = case["blocks_per_chunk"] * opts["block_size"] * int(rng.integers(1, 4))
     config = EngineConfig.from_flat(dict(flat, block_size=opts["block_size"],

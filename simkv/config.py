@@ -632,9 +632,6 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"kv_offloading_size (KV offloading to CPU) is not modelled with {what} yet")
         retention = self.attention.prefix_cache_retention_interval
-        if self.has_linear_attention and not cache.kv_offloading_prompt_only and retention != 0:
-            raise ConfigError("kv_offloading_prompt_only off (decode states stored) is not modelled on linear-attention "
-                              f"layers with prefix_cache_retention_interval {retention} yet (0, vLLM's default, is)")
         tokens_per_chunk = cache.offload_blocks_per_chunk * cache.block_size
         if (windows or self.has_linear_attention) and retention and retention % tokens_per_chunk:  # (vLLM's text)
             raise ConfigError(f"prefix_cache_retention_interval ({retention}) must be a multiple of tokens_per_chunk "

@@ -90,7 +90,9 @@ class MambaKVOffload(HybridKVOffload):
         tpc, g = self.chunk_tokens, self.num_groups
         for request, entries in by_request.items():
             state = self._state(request)
-            limit = min(request.num_tokens, request.num_prompt_tokens) if self.prompt_only else request.num_tokens
+            # (a state is cached within the request's known tokens: the connector's limit binds for
+            # the prompt only; a steady decoder's num_tokens lags its decode)
+            limit = min(request.num_tokens, request.num_prompt_tokens) if self.prompt_only else 1 << 62
             entries.sort(key=lambda entry: entry[0])  # (vLLM takes them group by group)
             for m, boundary in entries:
                 if boundary > limit or boundary % tpc:

@@ -594,6 +594,12 @@ class MambaAlignCoordinator:
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
 
     # ---- steady decoders (core/steady_decoders.py) --------------------------------------------
+    def decode_cache(self, request: Request, num_tokens: int) -> None:
+        """A steady decoder's first `num_tokens` tokens are known: its full blocks up to them are
+        cached now (KV offloading storing decode states: vLLM caches them when it schedules them)."""
+        if self.enable_caching and request.index in self._attn:
+            self._cache_blocks(request, num_tokens)
+
     def next_decode_event(self, request: Request) -> int:
         """The computed-token count at which a steady decoder next needs the coordinator: its
         next block boundary (before max_model_len) or the next release of a state it moved past."""

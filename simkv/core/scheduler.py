@@ -170,6 +170,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                              prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
         self.offload = self._offload_tier(config, num_offload_chunks) if num_offload_chunks else None
+        # KV offloading on linear-attention layers storing decode states (core/kv_offload_mamba.py):
+        # vLLM caches a decoder's states as it schedules them, so steady decoders that complete a
+        # chunk cache theirs at that step, offered in running order (`_state_offer_marks`)
+        self._decode_state_offers = (isinstance(self.offload, MambaKVOffload) and not self.offload.prompt_only
+                                     and self.offload.retention_interval != 0)
+        self._state_offer_marks = (0, 0)  # (the offers before this schedule(), and before its admissions)
         self.running: list[Request] = []
         self.current_step = 0
         self._next_seq = 0
@@ -362,6 +368,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._num_schedule_calls += 1
         if self.offload is not None:
             self.offload.step = step  # (KV offloading on window groups: the step its allocations come in)
+            if self._decode_state_offers:
+                self._state_offer_marks = (len(self.kv_cache_manager.state_offers),) * 2
         if self.overlapped:
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
@@ -407,6 +415,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
         decode_context = self._decode_context(step, num_decodes, decode_base_sum, self._num_below - stalled_below,
                                               self._sum_base_below + stalled_below - stalled_below_base)
+        if self._decode_state_offers:
+            self._state_offer_marks = (self._state_offer_marks[0], len(kv.state_offers))
         if not plan.preempted and not self.admit_before_running:
             self._schedule_waiting(step, plan)
         if num_stalled:
@@ -811,15 +821,33 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             offering = offload.retrying() if offload.num_retrying else []
             if not offload.prompt_only:  # (decode chunks too: the decoders that complete one)
                 offering += self._decoders_completing(step, offload.chunk_tokens, offload)
+            completing = []
             for request in offering:  # (the steady decoders this step runs: the others are in the plan)
                 if (request.decode_base is not None and request.status == RequestStatus.RUNNING
                         and not request.is_finishing and request.seq not in skip):  # (async: last token in flight)
                     skip.add(request.seq)
                     scheduled.append((request, step + request.decode_base + 1))
+                    completing.append(request)
+            if self._decode_state_offers and completing:
+                self._cache_decode_states(completing, step)
         if (self.async_scheduling or self.num_spec_tokens) and not offload.prompt_only:  # (drafts are not known tokens)
             scheduled = [(r, self._known_tokens(r, step, n)) for r, n in scheduled]
         scheduled.sort(key=lambda entry: entry[0].seq)
         offload.build_stores(scheduled, self._offload_view)
+
+    def _cache_decode_states(self, decoders: list[Request], step: int) -> None:
+        """KV offloading on linear-attention layers storing decode states: steady decoders that
+        complete a chunk in this step cache their blocks up to their known tokens, as vLLM's
+        allocate_slots caches them when it schedules them; their states are offered among the
+        running requests' (by running order), before the admissions'."""
+        kv = self.kv_cache_manager
+        offers = kv.state_offers
+        first, admitted = self._state_offer_marks
+        later = offers[admitted:]
+        del offers[admitted:]
+        for request in decoders:
+            kv.decode_cache(request, self._known_tokens(request, step, step + request.decode_base + 1))
+        offers[first:] = sorted(offers[first:], key=lambda offer: offer[0].seq) + later
 
     def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
         """Of a request's first `num_after` tokens, those whose ids are known when `step` is

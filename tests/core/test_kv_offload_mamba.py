@@ -20,17 +20,22 @@ def test_linear_attention_offloading_matches_vllm(recorded):
     """Tiny Gated DeltaNet, Mamba2 and Nemotron-H configs with Mamba prefix caching: synchronous,
     async scheduling, chunks of 1 to 4 blocks with decode chunks stored, pipeline stages with a
     front end's aborts, chat replies, the ARC policy with a store threshold, MTP drafts (decode
-    chunks stored; pipeline stages under async scheduling). Every step, request
+    chunks stored; pipeline stages under async scheduling), decode states stored under retention
+    none or periodic (sync, async, the priority policy preempting). Every step, request
     and transfer (loads, the attention chunks' stores and each state's own store) equal vLLM's."""
     assert offload_as_recorded(recorded) is not None
 
 
 def test_linear_cases_depend_on_each_rule(monkeypatch):
     """Each rule breaks recorded cases when undone: the states the GPU prefix cache keeps are
-    stored (vLLM's boundary-state hand-offs), before the step's attention chunks; a request's offers not taken when it frees its
-    blocks are dropped; under pipeline stages a request that finished its prompt no longer counts
-    as an in-flight prefill, and an aborted request's tokens in unprocessed batches are not
-    processed ones."""
+    stored (vLLM's boundary-state hand-offs), before the step's attention chunks; with MTP drafts a
+    decoding request keeps its last complete chunk until it finishes; a steady decoder storing
+    decode states caches them at the step that completes their chunk, offered in running order
+    before the step's admissions; a checkpoint state that no later request can resume at loses
+    its cache entry (even at an eagle-drop replay boundary, as vLLM's _cache_partial_tail_block
+    does); under pipeline stages a request that finished its prompt no longer counts as an
+    in-flight prefill, and an aborted request's tokens in unprocessed batches are not processed
+    ones."""
     from simkv.core.kv_offload_hybrid import HybridKVOffload
     from simkv.core.kv_offload_mamba import MambaKVOffload
     from simkv.core.mamba_align import MambaAlignCoordinator
@@ -49,6 +54,10 @@ def test_linear_cases_depend_on_each_rule(monkeypatch):
                    for r in prefills)
 
     release = Scheduler._release_outside_windows
+
+    def states_after_admissions(self, decoders, step):
+        for request in decoders:
+            self.kv_cache_manager.decode_cache(request, self._known_tokens(request, step, step + request.decode_base + 1))
     offer = MambaKVOffload._offer
 
     def offer_without_drafts(self, request, num_tokens, view, finished):
@@ -64,6 +73,8 @@ def test_linear_cases_depend_on_each_rule(monkeypatch):
     mutations = [(MambaKVOffload, "_store_states", lambda self, offers: None, 8),
                  (MambaKVOffload, "build_stores", states_last, 3),
                  (MambaKVOffload, "_offer", offer_without_drafts, 2),
+                 (Scheduler, "_cache_decode_states", lambda self, decoders, step: None, 3),
+                 (Scheduler, "_cache_decode_states", states_after_admissions, 2),
                  (MambaAlignCoordinator, "_keeps_checkpoint", lambda self, request, entry: True, 1),
                  (Scheduler, "_inflight_prefill_blocks", prefills_with_decoders, 1),
                  (Scheduler, "_release_outside_windows", release_all, 1)]
@@ -76,9 +87,9 @@ def _qwen3_next(**overrides) -> EngineConfig:
                                    "kv_offloading_size": 64} | overrides)
 
 
-def test_offloading_on_linear_attention_is_accepted_except_decode_states_with_retention():
+def test_offloading_on_linear_attention_is_accepted():
     _qwen3_next()
     _qwen3_next(speculative_method="mtp", num_speculative_tokens=2)
-    with pytest.raises(ConfigError, match="kv_offloading_prompt_only off"):
-        _qwen3_next(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None)
-    _qwen3_next(kv_offloading_prompt_only=False)  # (retention 0, vLLM's default)
+    _qwen3_next(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None)
+    with pytest.raises(ConfigError, match="prefix_cache_retention_interval \\(1152\\) must be a multiple"):
+        _qwen3_next(kv_offloading_block_size=1728, prefix_cache_retention_interval=1152)  # (a window of a chunk)

@@ -352,10 +352,14 @@ def test_the_cpu_tier_serves_a_linear_attention_model_its_state_and_its_chunks(o
 
 
 @pytest.mark.parametrize("options", [dict(), dict(async_scheduling=True), dict(kv_offloading_prompt_only=False),
+                                     dict(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None),
+                                     dict(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None,
+                                          async_scheduling=True),
                                      dict(speculative_method="mtp", num_speculative_tokens=2)])
 def test_decode_runs_change_nothing_with_offloading_on_linear_attention(options):
     """Qwen3-Next with a CPU tier (core/kv_offload_mamba.py): jumping over decode runs leaves the
-    tier's loads, stores and every request as stepping one by one makes them."""
+    tier's loads, stores and every request as stepping one by one makes them, decode states
+    stored too (a run stops short of a step where a decoder completes a chunk)."""
     from tests.core.helpers import assert_decode_runs_change_nothing
     from simkv.traces.schema import read_trace
 
