@@ -616,7 +616,7 @@ class EngineConfig:
         """KV offloading (core/kv_offload.py) is modelled for one full-attention KV-cache group
         (an EAGLE-family drafter's layer in it), for the groups of a model with sliding-window
         or chunked local layers (core/kv_offload_hybrid.py) and for those of a model with
-        linear-attention layers without drafts (core/kv_offload_mamba.py), with vLLM's policies."""
+        linear-attention layers (core/kv_offload_mamba.py), with vLLM's policies."""
         cache, sched, groups = self.cache, self.scheduler, self.kv_cache_groups
         windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),

@@ -17,6 +17,9 @@ states (a chunk's key: its last block's content key and the group):
   the tokens the connector offloads (the prompt's by default). vLLM's core hands them over
   (`boundary_state_offloads`) before the step's other stores; a request's offers not taken when
   it frees its blocks are dropped, and a state the tier has no room for is not offered again.
+  Decode states (`prompt_only` off, a retention that keeps them): vLLM caches them as it
+  schedules a decoder; the scheduler has its steady decoders cache theirs at the step that
+  completes a chunk (Scheduler._cache_decode_states).
 With MTP drafts the attention group holds the draft layer: a hit looks one chunk further and
 drops it, and a decoding request stores its last complete chunk only when it finishes (as
 core/kv_offload_hybrid.py's EAGLE groups). Not modelled: partial tails (vLLM's `prefix_match_unit`
