@@ -828,7 +828,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     skip.add(request.seq)
                     scheduled.append((request, step + request.decode_base + 1))
                     completing.append(request)
-            if self._decode_state_offers and completing:
+            if self._decode_state_offers:
                 self._cache_decode_states(completing, step)
         if (self.async_scheduling or self.num_spec_tokens) and not offload.prompt_only:  # (drafts are not known tokens)
             scheduled = [(r, self._known_tokens(r, step, n)) for r, n in scheduled]
@@ -839,7 +839,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         """KV offloading on linear-attention layers storing decode states: steady decoders that
         complete a chunk in this step cache their blocks up to their known tokens, as vLLM's
         allocate_slots caches them when it schedules them; their states are offered among the
-        running requests' (by running order), before the admissions'."""
+        running requests' (by running order), before the admissions'. Under async scheduling a
+        state a steady decoder caches within its processed tokens was cached when its output was
+        processed (vLLM's update_from_output; a decoder left out of the step before): offered first."""
         kv = self.kv_cache_manager
         offers = kv.state_offers
         first, admitted = self._state_offer_marks
@@ -847,7 +849,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         del offers[admitted:]
         for request in decoders:
             kv.decode_cache(request, self._known_tokens(request, step, step + request.decode_base + 1))
-        offers[first:] = sorted(offers[first:], key=lambda offer: offer[0].seq) + later
+        running = sorted(offers[first:], key=lambda offer: offer[0].seq)
+        if self.async_scheduling:  # (a state within a decoder's processed tokens: cached at its output)
+            at_output = [offer for offer in running if offer[0].decode_base is not None and offer[2] <= \
+                         self._decoder_release_point(offer[0], step + offer[0].decode_base, step)]
+            if at_output:
+                running = at_output + [offer for offer in running if offer not in at_output]
+        offers[first:] = running + later
 
     def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
         """Of a request's first `num_after` tokens, those whose ids are known when `step` is
