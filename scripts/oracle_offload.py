@@ -157,7 +157,8 @@ def _linear_groups(rng, case: dict) -> None:
     0, none or a multiple of the chunk, a pool that holds a max_model_len request; drafts MTP or ngram."""
     from oracle_linear import MODELS, prefix_caching_options
     from simkv.capacity import group_blocks_per_request
-    from simkv.config import ConfigError, EngineConfig
+    from oracle_pd import linear_config
+    from simkv.config import EngineConfig
 
     opts = case["opts"]
     if opts.get("speculative_method"):  # (--speculative: MTP, or ngram drafts where vLLM takes them)
@@ -170,18 +171,7 @@ def _linear_groups(rng, case: dict) -> None:
     case.setdefault("prompt_only", True)
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"], prefix_cache_retention_interval=0)
     flat.pop("reserve_full_isl")
-    try:
-        config = EngineConfig.from_flat(flat)
-    except ConfigError:  # (an MTP layer that splits the attention layers in two groups: refused; then
-        if opts.get("speculative_method") != "mtp":  # ngram, or no drafts under async scheduling)
-            raise
-        if opts.get("async_scheduling"):
-            for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
-                flat.pop(key)
-                opts.pop(key)
-        else:
-            opts["speculative_method"] = flat["speculative_method"] = "ngram"
-        config = EngineConfig.from_flat(flat)
+    config = linear_config(opts, flat, bool(opts.get("async_scheduling")))
     opts["block_size"] = config.cache.block_size  # (grown to hold a state's page; FlashInfer's checkpoints: 64)
     if opts["prefix_cache_retention_interval"]:  # (a multiple of the chunk, as vLLM's connector asks)
         opts["prefix_cache_retention_interval"] = case["blocks_per_chunk"] * opts["block_size"] * int(rng.integers(1, 4))

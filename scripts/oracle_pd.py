@@ -114,7 +114,6 @@ def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_sched
     its prefix-caching options; drafts are ngram or MTP (MTP alone under async scheduling)."""
     from oracle_linear import MODELS, prefix_caching_options
     from simkv.capacity import group_blocks_per_request
-    from simkv.config import ConfigError, EngineConfig
 
     opts["model"] = str(rng.choice(MODELS))
     prefix_caching_options(rng, opts, align)
@@ -123,18 +122,7 @@ def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_sched
         opts.pop("spec_draft_model", None)
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
     flat.pop("reserve_full_isl")
-    try:
-        config = EngineConfig.from_flat(flat)
-    except ConfigError:  # (an MTP layer that splits the attention layers in two groups: refused;
-        if opts.get("speculative_method") != "mtp":  # then ngram, or no drafts under async scheduling)
-            raise
-        if async_scheduling:
-            for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
-                opts.pop(key)
-                flat.pop(key)
-        else:
-            opts["speculative_method"] = flat["speculative_method"] = "ngram"
-        config = EngineConfig.from_flat(flat)
+    config = linear_config(opts, flat, async_scheduling)
     fits = group_blocks_per_request(config, opts["max_model_len"], startup=True) + 1
     opts["num_gpu_blocks"] = fits + int(rng.integers(0, 40))
     opts["block_size"] = config.cache.block_size
@@ -144,6 +132,26 @@ def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_sched
     if align:
         case |= {"mamba_cache_mode": "align", "mamba_prefill_checkpoints": config.mamba_prefill_checkpoints}
     return case
+
+
+def linear_config(opts: dict, flat: dict, async_scheduling: bool):
+    """simkv's EngineConfig of a linear-attention case (`flat`: the options as EngineConfig
+    reads them); an MTP layer that splits the attention layers in two groups is refused, and
+    the case then drafts with ngram, or without drafts under async scheduling (both dicts change)."""
+    from simkv.config import ConfigError, EngineConfig
+
+    try:
+        return EngineConfig.from_flat(flat)
+    except ConfigError:
+        if opts.get("speculative_method") != "mtp":
+            raise
+    if async_scheduling:
+        for key in [k for k in opts if k.startswith(("spec", "num_speculative"))]:
+            opts.pop(key)
+            flat.pop(key, None)
+    else:
+        opts["speculative_method"] = flat["speculative_method"] = "ngram"
+    return EngineConfig.from_flat(flat)
 
 
 def _step_loop(requests, schedule_step, max_steps: int = 5000) -> dict:

@@ -850,12 +850,16 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for request in decoders:
             kv.decode_cache(request, self._known_tokens(request, step, step + request.decode_base + 1))
         running = sorted(offers[first:], key=lambda offer: offer[0].seq)
-        if self.async_scheduling:  # (a state within a decoder's processed tokens: cached at its output)
-            at_output = [offer for offer in running if offer[0].decode_base is not None and offer[2] <= \
-                         self._decoder_release_point(offer[0], step + offer[0].decode_base, step)]
-            if at_output:
-                running = at_output + [offer for offer in running if offer not in at_output]
+        if self.async_scheduling:
+            running = self._processed_states_first(running, step)
         offers[first:] = running + later
+
+    def _processed_states_first(self, offers: list, step: int) -> list:
+        """Async scheduling: the states within a steady decoder's processed tokens go first (vLLM
+        cached them when the output was processed, before this schedule())."""
+        at_output = [offer for offer in offers if offer[0].decode_base is not None
+                     and offer[2] <= self._decoder_release_point(offer[0], step + offer[0].decode_base, step)]
+        return at_output + [offer for offer in offers if offer not in at_output] if at_output else offers
 
     def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
         """Of a request's first `num_after` tokens, those whose ids are known when `step` is

@@ -56,16 +56,6 @@ def test_linear_cases_depend_on_each_rule(monkeypatch):
 
     release = Scheduler._release_outside_windows
 
-    def states_by_running_order(self, decoders, step):  # (none offered first under async scheduling)
-        kv = self.kv_cache_manager
-        offers = kv.state_offers
-        first, admitted = self._state_offer_marks
-        later = offers[admitted:]
-        del offers[admitted:]
-        for request in decoders:
-            kv.decode_cache(request, self._known_tokens(request, step, step + request.decode_base + 1))
-        offers[first:] = sorted(offers[first:], key=lambda offer: offer[0].seq) + later
-
     def states_after_admissions(self, decoders, step):
         for request in decoders:
             self.kv_cache_manager.decode_cache(request, self._known_tokens(request, step, step + request.decode_base + 1))
@@ -86,7 +76,7 @@ def test_linear_cases_depend_on_each_rule(monkeypatch):
                  (MambaKVOffload, "_offer", offer_without_drafts, 2),
                  (Scheduler, "_cache_decode_states", lambda self, decoders, step: None, 3),
                  (Scheduler, "_cache_decode_states", states_after_admissions, 2),
-                 (Scheduler, "_cache_decode_states", states_by_running_order, 1),
+                 (Scheduler, "_processed_states_first", lambda self, offers, step: offers, 1),
                  (MambaAlignCoordinator, "_keeps_checkpoint", lambda self, request, entry: True, 1),
                  (Scheduler, "_inflight_prefill_blocks", prefills_with_decoders, 1),
                  (Scheduler, "_release_outside_windows", release_all, 1)]
