@@ -60,6 +60,8 @@ def capacity_report(config: EngineConfig) -> dict:
             extra["kv_offloading"]["one_copy"] = True
         if config.kv_cache_groups.has_sliding_window:  # (a chunk holds one group's block: each group stores its own)
             extra["kv_offloading"]["chunks_per_group"] = True
+        elif config.has_linear_attention:  # (the attention group's chunks, beside the states the GPU keeps)
+            extra["kv_offloading"]["states_per_group"] = True
     if config.scheduler.enable_lora:  # (vLLM's LoRA slots: max_loras stacked buffers per linear layer)
         sc = config.scheduler
         extra["lora"] = {"max_loras": sc.max_loras, "max_lora_rank": sc.max_lora_rank, "slots_bytes_per_gpu": cap.lora_bytes}
@@ -188,6 +190,9 @@ def print_report(rep: dict) -> None:
         if off.get("chunks_per_group"):
             rows.append(("CPU tier tokens", f"{off['tokens']:,} of one KV-cache group (each group stores its own "
                                             "chunks: full attention every one, a sliding window its tails)"))
+        elif off.get("states_per_group"):
+            rows.append(("CPU tier tokens", f"{off['tokens']:,} of the attention group, less a chunk per state each "
+                                            "linear-attention group stores (those the GPU prefix cache keeps)"))
         else:
             rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
     for name, value in rows:

@@ -95,3 +95,18 @@ def test_offloading_on_linear_attention_is_accepted():
     _qwen3_next(kv_offloading_prompt_only=False, prefix_cache_retention_interval=None)
     with pytest.raises(ConfigError, match="prefix_cache_retention_interval \\(1152\\) must be a multiple"):
         _qwen3_next(kv_offloading_block_size=1728, prefix_cache_retention_interval=1152)  # (a window of a chunk)
+
+
+def test_capacity_names_the_tier_s_tokens_as_the_attention_group_s():
+    """`simkv capacity` on a linear-attention model: the tier's tokens are the attention group's
+    chunks; each Mamba group's states take chunks of their own."""
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    res = CliRunner().invoke(main, ["capacity", "--model", "qwen3-next-80b-a3b", "--gpu", "H200", "-tp", "2",
+                                    "--kv-offloading-size", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    tier = json.loads(res.output)["kv_offloading"]
+    assert tier["states_per_group"] and "chunks_per_group" not in tier
+    assert tier["chunk_tokens"] == 576 and tier["tokens"] == tier["num_chunks"] * 576
