@@ -53,6 +53,8 @@ def to_markdown(record: dict) -> str:
     elif record["status"] == "unbounded":
         lines.append(f"The target was met at every probed rate up to {lo * base:.3f} req/s ({lo:g} x the trace's): "
                      "the trace has too few requests to load the engine past its SLOs; use a longer trace.")
+    elif record.get("reason"):
+        lines.append(f"No rate can meet the target: {record['reason']}.")
     else:
         lines.append(f"The target was missed even at {hi * base:.4g} req/s (1/{1 / hi:g} of the trace's rate): "
                      "the SLOs cannot be met on this engine for this request mix, whatever the load.")

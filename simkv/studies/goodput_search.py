@@ -37,6 +37,7 @@ class Probe:
     e2e_p99_s: float | None
     num_preemptions: int
     peak_running: int
+    num_rejected: int = 0  # (prompts at or past max_model_len: they meet no SLO at any rate)
 
 
 def trace_rate(trace) -> float:
@@ -61,7 +62,18 @@ def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model:
     g = s["goodput"]
     return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
                  g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
-                 int(s["num_preemptions"]), int(s["peak_running"]))
+                 int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)))
+
+
+def lowest_factor(trace) -> float:
+    """The search's lowest rate factor: 1 / MAX_FACTOR, or higher where the trace slowed that far
+    would outlast simkv's clock (48.5 days of simulated time), with room for the replay itself."""
+    from simkv.clock import MAX_TICKS, TICKS_PER_SECOND
+
+    arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
+    span = float(arrivals.max()) if len(arrivals) else 0.0
+    limit = MAX_TICKS / TICKS_PER_SECOND / 2
+    return max(1 / MAX_FACTOR, span / limit)
 
 
 def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
@@ -70,8 +82,10 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
     """`fleet` (simkv.replay.api.FleetSpec): the rate of that many replicas behind its router;
     `disaggregation` (simkv.replay.disaggregated.DisaggregationSpec): of that prefill and decode pool.
     The search's record: ``status`` ('found', 'unbounded': met even at MAX_FACTOR x the trace's rate,
-    'unattainable': missed even at 1 / MAX_FACTOR of it), ``max_rate_req_s`` (None unless found
-    or unbounded), the bracket and every probe in the order run."""
+    'unattainable': missed even at 1 / MAX_FACTOR of it (or as slow as simkv's clock allows), or at
+    once where the requests the engine rejects already leave fewer than the target's share:
+    ``reason`` says so), ``max_rate_req_s`` (None unless found or unbounded), the bracket and every
+    probe in the order run."""
     if not slo_ms:
         raise GoodputSearchError("give at least one SLO (--goodput ttft:MS, tpot:MS or e2el:MS)")
     if not 0 < target <= 1:
@@ -90,7 +104,11 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
 
     lo = hi = None  # factors that met / missed the target
     factor = 1.0
-    if run(factor):
+    first_met = run(factor)
+    capped = _rejection_cap(probes[0], len(trace.arrival_time_s), target)
+    if capped is not None:  # (rejected requests meet no SLO: no rate can reach the target)
+        return _record("unattainable", slo_ms, target, tolerance, base_rate, None, None, factor, probes) | capped
+    if first_met:
         lo = factor
         while hi is None and factor < MAX_FACTOR:
             factor *= 2
@@ -100,7 +118,8 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
                 hi = factor
     else:
         hi = factor
-        while lo is None and factor > 1 / MAX_FACTOR:
+        floor = lowest_factor(trace)
+        while lo is None and factor / 2 >= floor:
             factor /= 2
             if run(factor):
                 lo = factor
@@ -114,6 +133,24 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
             else:
                 hi = mid
     status = "found" if lo is not None and hi is not None else ("unbounded" if hi is None else "unattainable")
+    return _record(status, slo_ms, target, tolerance, base_rate, lo, hi, None, probes)
+
+
+def _rejection_cap(first: Probe, num_requests: int, target: float) -> dict | None:
+    """Where the requests the engine rejects (prompts at or past max_model_len) leave fewer than
+    the target's share to meet the SLOs, at any rate: the record's reason; else None."""
+    if not first.num_rejected or (num_requests - first.num_rejected) / num_requests >= target:
+        return None
+    return {"num_rejected": first.num_rejected,
+            "reason": f"{first.num_rejected} of {num_requests} requests are rejected (prompt at or past "
+                      f"max_model_len) and meet no SLO: at most {100 * (1 - first.num_rejected / num_requests):.1f} % "
+                      f"can, below the target {100 * target:g} % (raise --max-model-len, lower --attainment, or "
+                      "drop those rows: simkv trace transform)"}
+
+
+def _record(status: str, slo_ms: dict, target: float, tolerance: float, base_rate: float, lo, hi, missed,
+            probes: list[Probe]) -> dict:
+    """The search's record (`missed`: the factor that missed, where the search stopped early)."""
     return {
         "status": status,
         "slo_ms": dict(slo_ms),
@@ -121,7 +158,7 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
         "tolerance": tolerance,
         "trace_rate_req_s": base_rate,
         "max_rate_req_s": base_rate * lo if lo is not None else None,
-        "bracket_factors": [lo, hi],
+        "bracket_factors": [lo, hi if missed is None else missed],
         "probes": [asdict(p) for p in probes],
     }
 

@@ -1,6 +1,7 @@
 """Goodput under latency SLOs (simkv/replay/goodput.py) and the highest rate that keeps them
 (simkv/studies/goodput_search.py, `simkv goodput`)."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -101,6 +102,34 @@ def test_limits_no_load_can_meet_or_miss_are_reported_as_such():
     assert always["status"] == "unbounded" and always["bracket_factors"][1] is None
     assert all(p["met"] for p in always["probes"]) and always["max_rate_req_s"] == pytest.approx(
         trace_rate(trace) * 4096)
+
+
+def test_rejected_requests_that_cap_the_attainment_stop_the_search_with_the_reason():
+    """Prompts at or past max_model_len are rejected and meet no SLO at any rate: where they leave
+    fewer than the target's share, the search says so after its first probe instead of slowing
+    the trace down to nothing."""
+    trace = _head(60)
+    config = EngineConfig.from_flat({"max_model_len": int(np.percentile(trace.prompt_tokens, 90))})
+    record = search_max_rate(trace, config, {"e2el": 1e9}, target=0.95, cost_model="linear", cost_options=LINEAR)
+    rejected = int((np.asarray(trace.prompt_tokens) >= config.max_model_len).sum())
+    assert rejected > 3 and record["status"] == "unattainable" and len(record["probes"]) == 1
+    assert record["num_rejected"] == rejected and f"{rejected} of 60 requests are rejected" in record["reason"]
+    loose = search_max_rate(trace, config, {"e2el": 1e9}, target=0.8, cost_model="linear", cost_options=LINEAR)
+    assert loose["status"] == "unbounded"  # (the rest meet it: the cap is below the target no more)
+
+
+def test_a_search_never_slows_a_trace_past_simkv_s_clock():
+    """A trace spanning a day, missed at every rate: halving stops where the slowed trace would
+    outlast the clock's 48.5 days (a factor of 1/16 here, not 1/4096)."""
+    from simkv.studies.goodput_search import lowest_factor
+
+    trace = _head(20)
+    day = replace(trace, arrival_time_s=np.linspace(0.0, 86400.0, len(trace)))
+    assert lowest_factor(day) == pytest.approx(86400 / 2 ** 21)  # (half the clock: 2^62 ticks of 2^-40 s)
+    record = search_max_rate(day, EngineConfig.from_flat({}), {"ttft": 0.001}, cost_model="linear",
+                             cost_options=LINEAR)
+    assert record["status"] == "unattainable"
+    assert min(p["factor"] for p in record["probes"]) == 1 / 16
 
 
 def test_bad_searches_are_refused_with_the_reason():
