@@ -34,15 +34,14 @@ from simkv.core.request import Request
 
 class MambaKVOffload(HybridKVOffload):
     """HybridKVOffload for a MambaAlignCoordinator (`coordinator`): the Mamba groups are windows
-    of one chunk; their states are stored as the coordinator caches them (its `state_offers`).
+    of one chunk (`window_gids`, in the coordinator's order; the attention group is `full_gids[0]`);
+    their states are stored as the coordinator caches them (its `state_offers`).
     `view(request)`: the attention blocks the request holds."""
 
     def __init__(self, num_chunks: int, block_size: int, hasher, coordinator, **kwargs) -> None:
         windows = tuple(1 if linear else 0 for linear in coordinator.group_is_linear)
         super().__init__(num_chunks, block_size, hasher, windows, coordinator.retention_interval, coordinator,
                          **kwargs)
-        self.attn_gid = coordinator.attn_gid
-        self.mamba_gids = coordinator.mamba_gids
         coordinator.state_offers = []
 
     def _watch(self, coordinator) -> None:
@@ -68,11 +67,10 @@ class MambaKVOffload(HybridKVOffload):
         end = num_cached // self.chunk_tokens
         first = num_local // bs
         keys = []
-        for gid in range(self.num_groups):
-            keys += [self._gkey(request, c, gid) for c in (range(first // bpc, end) if gid == self.attn_gid
-                                                           else (end - 1,))]
+        for gid, window in enumerate(self.windows):
+            keys += [self._gkey(request, c, gid) for c in ((end - 1,) if window else range(first // bpc, end))]
         state.eagle_next = end
-        return self._load(request, state, keys, end, num_cached // bs - first + len(self.mamba_gids), num_external)
+        return self._load(request, state, keys, end, num_cached // bs - first + len(self.window_gids), num_external)
 
     # ---- stores -------------------------------------------------------------------------------
     def build_stores(self, scheduled: list[tuple[Request, int]], num_blocks_of) -> None:
@@ -101,7 +99,7 @@ class MambaKVOffload(HybridKVOffload):
                 if boundary > limit or boundary % tpc:
                     continue
                 key = (boundary, self.hasher.block_key(request, boundary // self.block_size - 1) * g
-                       + self.mamba_gids[m])
+                       + self.window_gids[m])
                 stored = self.manager.prepare_store([key], state.access)
                 if stored is None:  # (no room: this state is not offered again)
                     self.num_store_failures += 1
@@ -116,7 +114,7 @@ class MambaKVOffload(HybridKVOffload):
         blocks the request holds); with an MTP layer in the group, a decoding request's last
         complete chunk waits for its finish (rejected drafts may rewrite its drafter KV)."""
         state = self._state(request)
-        tpc, bpc, gid = self.chunk_tokens, self.blocks_per_chunk, self.attn_gid
+        tpc, bpc, gid = self.chunk_tokens, self.blocks_per_chunk, self.full_gids[0]
         num_chunks = min(num_tokens // tpc, view // bpc)
         if self.eagle and num_tokens > request.num_prompt_tokens and not finished:
             num_chunks = max(0, min(num_tokens // tpc - 1, view // bpc))

@@ -857,9 +857,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def _processed_states_first(self, offers: list, step: int) -> list:
         """Async scheduling: the states within a steady decoder's processed tokens go first (vLLM
         cached them when the output was processed, before this schedule())."""
-        at_output = [offer for offer in offers if offer[0].decode_base is not None
-                     and offer[2] <= self._decoder_release_point(offer[0], step + offer[0].decode_base, step)]
-        return at_output + [offer for offer in offers if offer not in at_output] if at_output else offers
+        at_output, at_schedule = [], []
+        for offer in offers:
+            request = offer[0]
+            processed = request.decode_base is not None and \
+                offer[2] <= self._decoder_release_point(request, step + request.decode_base, step)
+            (at_output if processed else at_schedule).append(offer)
+        return at_output + at_schedule
 
     def _known_tokens(self, request: Request, step: int, num_after: int) -> int:
         """Of a request's first `num_after` tokens, those whose ids are known when `step` is

@@ -107,7 +107,7 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
     first_met = run(factor)
     capped = _rejection_cap(probes[0], len(trace.arrival_time_s), target)
     if capped is not None:  # (rejected requests meet no SLO: no rate can reach the target)
-        return _record("unattainable", slo_ms, target, tolerance, base_rate, None, None, factor, probes) | capped
+        return _record("unattainable", slo_ms, target, tolerance, base_rate, None, factor, probes) | capped
     if first_met:
         lo = factor
         while hi is None and factor < MAX_FACTOR:
@@ -133,7 +133,7 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
             else:
                 hi = mid
     status = "found" if lo is not None and hi is not None else ("unbounded" if hi is None else "unattainable")
-    return _record(status, slo_ms, target, tolerance, base_rate, lo, hi, None, probes)
+    return _record(status, slo_ms, target, tolerance, base_rate, lo, hi, probes)
 
 
 def _rejection_cap(first: Probe, num_requests: int, target: float) -> dict | None:
@@ -148,9 +148,9 @@ def _rejection_cap(first: Probe, num_requests: int, target: float) -> dict | Non
                       "drop those rows: simkv trace transform)"}
 
 
-def _record(status: str, slo_ms: dict, target: float, tolerance: float, base_rate: float, lo, hi, missed,
+def _record(status: str, slo_ms: dict, target: float, tolerance: float, base_rate: float, lo, hi,
             probes: list[Probe]) -> dict:
-    """The search's record (`missed`: the factor that missed, where the search stopped early)."""
+    """The search's record: `lo` and `hi`, the factors that met and missed the target (None: none)."""
     return {
         "status": status,
         "slo_ms": dict(slo_ms),
@@ -158,7 +158,7 @@ def _record(status: str, slo_ms: dict, target: float, tolerance: float, base_rat
         "tolerance": tolerance,
         "trace_rate_req_s": base_rate,
         "max_rate_req_s": base_rate * lo if lo is not None else None,
-        "bracket_factors": [lo, hi if missed is None else missed],
+        "bracket_factors": [lo, hi],
         "probes": [asdict(p) for p in probes],
     }
 
