@@ -25,6 +25,12 @@ describe the replies; vLLM's fake model samples the reply's content tokens, so v
 reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
 arrives after its previous turn finished (simkv's run says when; vLLM's is checked too).
 
+--pd: P/D disaggregation beside the CPU tier, vLLM's MultiConnector with NIXL first (oracle_pd.py's
+FakePDConnector) and the OffloadingConnector second: each request is plain, a send (a prefill
+engine's: one output token, its blocks held after its finish until read, `latency` steps later)
+or a pull (a decode engine's: its prompt pulled, ending in the output of the step `latency - 1`
+after the one that admitted it), mixed in one engine as oracle_pd.py mixes them.
+
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_offload.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 --seed 1
@@ -46,7 +52,7 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
               aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False,
-              linear: bool = False) -> dict:
+              linear: bool = False, pd: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -115,6 +121,15 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
             from oracle_vllm import after_previous_turns
 
             after_previous_turns(case, run_simkv)
+    if pd:  # (after the other draws: a seed's cases are those without it, with P/D roles)
+        from oracle_pd import PULL, SEND
+
+        for r in case["requests"]:
+            r["role"] = int(rng.choice([0, SEND, PULL, PULL]))
+            r["latency"] = int(rng.integers(1, 6))
+            if r["role"] == SEND:
+                r["output"] = 1
+        case["pd"] = True
     return case
 
 
@@ -221,20 +236,34 @@ class _VllmOffload:
                  "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True),
                  "eviction_policy": case.get("policy", "lru"), "store_threshold": case.get("store_threshold", 0),
                  "max_tracker_size": case.get("max_tracker_size", 64_000)}
-        connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                     kv_connector_extra_config=extra)
+        if case.get("pd"):  # (NIXL first, as llm-d's configurations list them)
+            connector = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={
+                "connectors": [{"kv_connector": "FakePDConnector", "kv_connector_module_path": "oracle_pd",
+                                "kv_role": "kv_both"},
+                               {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": extra}]})
+        else:
+            connector = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                         kv_connector_extra_config=extra)
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
                                                               async_scheduling=async_scheduling)
         if case.get("replies"):
             oracle_vllm.sample_reply_content(case)
         sched = self.sched
-        assert sched.connector.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
+        self.pd = bool(case.get("pd"))
+        self.info = {r["row"]: r for r in case["requests"]}
+        self.offloading = sched.connector._connectors[1] if self.pd else sched.connector
+        if self.pd:
+            import oracle_pd  # the connector's class as the scheduler loaded it
+            self.admitted = oracle_pd.FakePDConnector.admitted  # pulls each schedule() admits
+            self.admitted.clear()
+        assert self.offloading.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
         self.hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
         self.pool = sched.kv_cache_manager.block_pool
         sched.finished_req_ids = _Ordered()
         if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
-            lookup = sched.connector.get_num_new_matched_tokens
-            cs = sched.connector.connector_scheduler
+            lookup = self.offloading.get_num_new_matched_tokens
+            cs = self.offloading.connector_scheduler
             handoffs = cs._build_aligned_boundary_store_jobs
 
             def traced_handoffs(offers):  # (--linear: the states vLLM's core hands over)
@@ -250,12 +279,13 @@ class _VllmOffload:
                 result = lookup(request, num_computed_tokens, *args)
                 print("  lookup", request.request_id, num_computed_tokens, result, file=sys.stderr)
                 return result
-            sched.connector.get_num_new_matched_tokens = traced
+            self.offloading.get_num_new_matched_tokens = traced
         self.case = case
         self.ids_of = oracle_vllm.sample_ids(case["requests"])
         self.accept = oracle_vllm.acceptance(o)  # (None without drafts)
         self.first_token, self.finish = {}, {}
         self.due: dict[int, list] = {}
+        self.due_send: dict[int, set] = {}  # (--pd: sends released in a step's output; pulls are in `due`)
         self.transfers = []
 
     def make(self, r: dict, rid: str):
@@ -267,9 +297,14 @@ class _VllmOffload:
               "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
         ids = oracle.make_prompt_ids(tr, 0, 0, {})
         sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
-        return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
-                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                       block_hasher=self.hasher)
+        params = {"pull": True} if r.get("role") == 2 else {"send": True} if r.get("role") == 1 else None
+        if params is not None:  # (--pd)
+            sp.extra_args = {"kv_transfer_params": params}
+        req = Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
+                      arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
+                      block_hasher=self.hasher)
+        req.kv_transfer_params = params
+        return req
 
     def add(self, r: dict) -> None:
         """Row `r`'s request, or with n > 1 its members one after the other (--parallel)."""
@@ -282,6 +317,12 @@ class _VllmOffload:
         self.sched.finished_req_ids = _Ordered()
         meta = so.kv_connector_metadata
         case = self.case
+        if self.pd:  # (the pulls it admitted end in the output of k + latency - 1, as loads do)
+            meta = meta.metadata[1]
+            for rid in self.admitted:
+                self.due.setdefault(k + self.info[request_index(rid)]["latency"] - 1, []).append(
+                    (None, rid, False))
+            self.admitted.clear()
         for jid, job in meta.load_jobs.items():
             self.due.setdefault(k + case["load_latency"] - 1, []).append((jid, job.req_id, False))
             self.transfers.append([row_index, request_index(job.req_id), len(job.dst_spec.block_ids), 0])
@@ -309,10 +350,16 @@ class _VllmOffload:
         done = self.due.pop(k, [])
         worker = OffloadingWorkerMetadata()
         for jid, _, _ in done:
-            worker.mark_completed(jid)
+            if jid is not None:  # (None: a pull, --pd)
+                worker.mark_completed(jid)
         recv = dict.fromkeys(rid for _, rid, is_store in done if not is_store)
-        connector_output = KVConnectorOutput(finished_recving=recv or None,
-                                             kv_connector_worker_meta=worker if done else None)
+        meta = worker if any(jid is not None for jid, _, _ in done) else None
+        if self.pd and meta is not None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
+            meta = MultiKVConnectorWorkerMetadata(metadata=(None, meta))
+        sent = self.due_send.pop(k, None)
+        connector_output = KVConnectorOutput(finished_recving=recv or None, kv_connector_worker_meta=meta,
+                                             finished_sending=dict.fromkeys(sorted(sent, key=int)) if sent else None)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=connector_output)
         for eco in self.sched.update_from_output(so, mro).values():
@@ -322,6 +369,9 @@ class _VllmOffload:
                     self.first_token[rid] = step
                 if out.finish_reason is not None:
                     self.finish[rid] = step
+                    if self.pd and self.info[request_index(rid)].get("role") == 1:
+                        latency = self.info[request_index(rid)]["latency"]
+                        self.due_send.setdefault(k + latency, set()).add(rid)
 
     def result(self, result: dict) -> dict:
         import oracle_vllm
@@ -445,7 +495,7 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
                                 aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True,
-                                linear_flag=True)
+                                linear_flag=True, roles_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -453,7 +503,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
-                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear) for _ in range(a.cases)]
+                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear, a.pd) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

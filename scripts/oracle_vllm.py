@@ -427,7 +427,7 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
                 aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False,
-                pd_flag: bool = False, pp_flag: bool = False):
+                pd_flag: bool = False, pp_flag: bool = False, roles_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -480,6 +480,10 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="oracle_pd.py's cases: pulls and sends through a KV connector (P/D disaggregation)")
         ap.add_argument("--offload", action="store_true",
                         help="oracle_offload.py's cases: a CPU tier through vLLM's OffloadingConnector")
+    if roles_flag:
+        ap.add_argument("--pd", action="store_true",
+                        help="P/D roles beside the CPU tier: plain requests, sends and pulls (oracle_pd.py's), "
+                             "vLLM's MultiConnector with NIXL first")
     if pp_flag:
         ap.add_argument("--pp", action="store_true",
                         help="pipeline parallelism: 2 to 4 stages, the engine's batch queue that many batches deep "

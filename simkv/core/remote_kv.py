@@ -157,14 +157,12 @@ class RemoteKV:
         n, backoff = request.num_prompt_tokens, self.prefill_backoff
         return n - backoff if n > backoff else n
 
-    def _admit_pull(self, request: Request, plan, skipped: list[Request]) -> bool | None:
-        """A KV_PULL request at the head of the waiting queue: blocks for its whole prompt (local
-        prefix hits plus the external rest), then set aside until its pull ends. False if the
-        blocks do not fit (the waiting queue stops, as for any admission); None if its local hits
-        leave nothing to pull (it is scheduled as a local request)."""
-        kv = self.kv_cache_manager
-        # (Mamba prefix caching: the attention group's hit, the pull bringing the state at its end)
-        hits = kv.get_computed_blocks_for_pull(request) if self._mamba_split else kv.get_computed_blocks(request)
+    def _admit_pull(self, request: Request, hits, plan, skipped: list[Request]) -> bool | None:
+        """A KV_PULL request at the head of the waiting queue, with its local prefix `hits`:
+        blocks for its whole prompt (local prefix hits plus the external rest), then set aside
+        until its pull ends. False if the blocks do not fit (the waiting queue stops, as for any
+        admission); None if its local hits leave nothing to pull (it is scheduled as a local
+        request)."""
         pulled_tokens = self._pulled_prompt_tokens(request)
         external = pulled_tokens - hits.num_tokens
         if external <= 0:  # (it stays a pull until it is scheduled: the hits may be gone by then)
@@ -185,12 +183,11 @@ class RemoteKV:
 
     def _admit_offload_load(self, request: Request, hits, external: int, plan, skipped: list[Request]) -> bool:
         """KV offloading: a waiting request whose prompt continues in the CPU tier past its local
-        hits loads it as a pull would (core/kv_offload.py). False if the blocks do not fit."""
+        hits loads it as a pull would (core/kv_offload.py; its job is in the step's `offload_jobs`).
+        False if the blocks do not fit."""
         if self._admit_external(request, hits, external, plan, skipped) is None:
             return False
-        job = self.offload.start_load(request, hits.num_tokens, external)
-        request.kv_pull_blocks = job.num_blocks
-        plan.kv_loads.append(request)
+        self.offload.start_load(request, hits.num_tokens, external)
         return True
 
     def _admit_external(self, request: Request, hits, external: int, plan, skipped: list[Request]) -> int | None:
@@ -248,10 +245,13 @@ class RemoteKV:
         request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
         request.kv_loaded = False  # (KV offloading: a later preemption may load again)
 
-    def _next_waiting(self, skipped: list[Request], plan) -> tuple[object, Request, bool] | None:
+    def _next_waiting(self, skipped: list[Request], plan, delayed: list[Request]) -> tuple[object, Request, bool] | None:
         """The queue to admit from (KV-holding first), its head and whether it holds KV (no prefix
         lookup); requests whose pull is on are set aside in `skipped`, and new KV_PULL requests are
-        admitted to the KV-holding queue on the way. None: nothing (more) to admit this step."""
+        admitted to the KV-holding queue on the way. With a CPU tier beside the pulls (vLLM's
+        MultiConnector asks every connector), a pull whose tier lookup says "ask again later" waits
+        for a later step in `delayed`. None: nothing (more) to admit this step."""
+        kv = self.kv_cache_manager
         holding = self.kv_holding
         while True:
             if holding:
@@ -267,13 +267,33 @@ class RemoteKV:
             request = self.waiting.peek_request()
             if request.kv_role != KV_PULL:
                 return self.waiting, request, bool(request.swapped_blocks)
-            admitted = self._admit_pull(request, plan, skipped)
+            hits = self._pull_hits(request)
+            if self._tier_delays_pull(request, hits.num_tokens):
+                delayed.append(self.waiting.pop_request())
+                continue
+            admitted = self._admit_pull(request, hits, plan, skipped)
             if admitted is None:  # (its local hits cover what a pull would load)
                 return self.waiting, request, False
             if not admitted:
-                self._blocked_marker = (request, self.kv_cache_manager.num_frees, plan.budget)
+                self._blocked_marker = (request, kv.num_frees, plan.budget)
                 return None
             skipped.append(self.waiting.pop_request())
+
+    def _pull_hits(self, request: Request):
+        """A pull's local prefix hits. Under Mamba prefix caching NIXL lets them be the attention
+        group's, the pull bringing the state at their end; with a CPU tier beside NIXL, vLLM's
+        MultiConnector allows that only if every connector does, and the offloading one does not:
+        the groups' common hit."""
+        kv = self.kv_cache_manager
+        if self._mamba_split and self.offload is None:
+            return kv.get_computed_blocks_for_pull(request)
+        return kv.get_computed_blocks(request)
+
+    def _tier_delays_pull(self, request: Request, num_local: int) -> bool:
+        """With a CPU tier beside the pulls, vLLM's MultiConnector looks the pull up in the tier too
+        (NIXL claims it; the tier loads nothing): the tier's "ask again later" (a chunk of the hit
+        is still being stored or loaded) holds the pull back for this step."""
+        return self.offload is not None and self.offload.lookup(request, num_local) is None
 
     def _requeue_skipped(self, skipped: list[Request]) -> None:
         """Requests set aside this step go back to the front of the KV-holding queue, in order."""

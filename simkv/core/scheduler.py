@@ -684,7 +684,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if len(self.running) >= self.max_num_active or admitted >= self.max_num_admissions_per_step:
                 break
             if self.kv_holding or self.waiting.peek_request().kv_role == KV_PULL:
-                head = self._next_waiting(skipped, plan)
+                head = self._next_waiting(skipped, plan, skipped_waiting)
                 if head is None:
                     break
                 queue, request, holds_kv = head
@@ -1078,8 +1078,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif not request.is_finishing:  # (preempted with its last token in flight: vLLM's waiting queue holds it, simkv's not)
             self._abort_waiting(request, num_blocks)
         if self.offload is not None:  # (as a finish: the next schedule() stores what it left, then retires it)
-            self.offload.request_finished(request, offload_view,
-                                          min(request.num_computed_tokens, request.num_tokens - unknown))
+            self.offload.request_finished(request, offload_view, self._aborted_storable(request, unknown))
         request.status = RequestStatus.ABORTED
         request.is_finishing = False
         self._lora_stuck = None  # (the waiting queue or the running adapters changed)
@@ -1087,6 +1086,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if self.detail:
             self._aborted.append(request)
         return True
+
+    @staticmethod
+    def _aborted_storable(request: Request, unknown: int) -> int:
+        """KV offloading: the tokens an aborted request leaves for the CPU tier to store: its
+        computed ones, less those an unprocessed step holds; none if it was never scheduled (a
+        pull aborted before its first step: the connector has no block table of it)."""
+        if request.first_scheduled_step < 0:
+            return 0
+        return min(request.num_computed_tokens, request.num_tokens - unknown)
 
     def _take_aborted(self) -> list[Request] | None:
         """Detail mode: the requests aborted since the previous schedule() (None if none)."""

@@ -491,7 +491,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
         for r, backend in enumerate(configs_backends):
             engine = ReplayEngine(trace, config, backend, capacity.num_gpu_blocks, use_decode_runs, progress,
                                   capacity=capacity, env=env, make_feed=make_feed_of(r), kv_connector=True)
-            engine.feed.engine = engine
+            engine.arrival_feed.engine = engine  # (under a CPU tier's OffloadFeed)
             out.append(engine)
         return out
 
@@ -521,7 +521,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     if clients is not None:
         pd.prefill.engines = pd.prefill_engines + pd.decode_engines  # (whose clients may resend: the prefill router's)
         for engine in pd.prefill_engines:
-            engine.feed.on_timed_out = on_progress
+            engine.arrival_feed.on_timed_out = on_progress
     env.process(pd.prefill_process())
     try:
         env.run(until=simpy.AllOf(env, processes))

@@ -64,7 +64,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
                            requests, per_decode)
     prefill = fleet_summary(run.prefill_runs, pd_.prefill, trace, prefill_config, backends[0], capacities[0], 0.0,
                             prefill_requests, per_prefill)
-    summary = {k: v for k, v in decode.items() if k != "fleet"}
+    summary = {k: v for k, v in decode.items() if k not in ("fleet", "kv_offloading")}  # (a CPU tier: per pool)
     if "session_pacing" in prefill:  # (the prefill router paces the turns)
         summary["session_pacing"] = prefill["session_pacing"]
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
@@ -98,7 +98,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
 
 
 def _pool(s: dict, config) -> dict:
-    return {k: s[k] for k in _POOL_KEYS} | {
+    return {k: s[k] for k in _POOL_KEYS} | {k: s[k] for k in ("kv_offloading",) if k in s} | {
         "config": {k: v for k, v in config.to_dict().items()
                    if k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                             "long_prefill_token_threshold", "enable_prefix_caching", "gpu_memory_utilization",

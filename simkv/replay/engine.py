@@ -188,9 +188,9 @@ class ReplayEngine:
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
         if kv_connector and config.hardware.pipeline_parallel_size > 1:
             raise ValueError("pipeline parallelism is modelled without P/D disaggregation yet")
-        if num_offload_chunks and (kv_connector or (sampled is not None and config.scheduler.parallel_sampling == "fork")):
-            raise ValueError("KV offloading (kv_offloading_size) is modelled without P/D and without vLLM v0's "
-                             "forked parallel sampling yet")
+        if num_offload_chunks and sampled is not None and config.scheduler.parallel_sampling == "fork":
+            raise ValueError("KV offloading (kv_offloading_size) is modelled without vLLM v0's forked parallel "
+                             "sampling yet")
         self.scheduler = Scheduler(config.for_kv_manager(), num_gpu_blocks, detail=backend.needs_request_detail,
                                    num_cpu_blocks=num_cpu_blocks, kv_connector=kv_connector or bool(num_offload_chunks),
                                    num_offload_chunks=num_offload_chunks)
@@ -226,6 +226,7 @@ class ReplayEngine:
             self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len)
         else:
             self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
+        self.arrival_feed = self.feed  # (the feed that makes its requests: a fleet replica's, P/D's)
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.capacity import offload_copies
             from simkv.replay.offload_feed import OffloadFeed

@@ -58,11 +58,8 @@ class OffloadFeed:
             self.scheduler.offload_job_done(heapq.heappop(events)[2])
         self.arrivals.deliver_until(now)
 
-    def kv_loads_started(self, requests: list, tick: int) -> None:
-        """(CPU-tier loads are timed as offload jobs: `offload_jobs_started`)"""
-
     def holds_pending_work(self) -> bool:
-        return bool(self._events)
+        return bool(self._events) or self.arrivals.holds_pending_work()
 
     def offload_jobs_started(self, jobs: list, step_start: int, step_end: int) -> None:
         for job in jobs:

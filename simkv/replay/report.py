@@ -143,15 +143,18 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
 def pool_table(pd: dict) -> Table:
     """P/D: one row per pool (peaks per replica, counts over the pool), and the KV pulls."""
     table = Table(title="P/D pools")
+    tiers = any("kv_offloading" in pd[name] for name in ("prefill", "decode"))
     for name in ("pool", "replicas", "steps", "running peak / mean", "KV blocks peak / total", "preemptions",
-                 "prefix hit %"):
+                 "prefix hit %", *(["CPU tier hit % (GiB)"] if tiers else [])):
         table.add_column(name, justify="right")
     for name in ("prefill", "decode"):
         p = pd[name]
+        off = p.get("kv_offloading")
+        tier = [f"{100 * off['hit_rate']:.1f} ({off['cpu_tier_gib']:,.0f})" if off else "-"] if tiers else []
         table.add_row(name, str(len(p["replicas"])), f"{p['num_steps']:,}",
                       f"{p['peak_running']:,} / {p['mean_running']:,.1f}",
                       f"{p['peak_blocks_used']:,} / {p['num_gpu_blocks']:,}", f"{p['num_preemptions']:,}",
-                      f"{100 * p['prefix_cache_hit_rate']:.1f}")
+                      f"{100 * p['prefix_cache_hit_rate']:.1f}", *tier)
     kv = pd["kv_transfer"]
     table.caption = (f"KV pulls: {kv['num_pulls']:,}, {kv['pulled_bytes'] / 1e9:,.2f} GB; pull ms (mean / p50 / p99) "
                      f"{_fmt_dist(kv['pull_s'])}; handoff to pull start ms {_fmt_dist(kv['handoff_to_pull_s'])}; "

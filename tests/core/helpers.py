@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from simkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from simkv.core.request import Request
+from simkv.core.request import KV_SEND, Request
 from simkv.core.scheduler import LivelockError, Scheduler
 
 
@@ -546,6 +546,34 @@ def _offload_options(case: dict) -> dict:
             "kv_offloading_max_tracker_size": case.get("max_tracker_size", 64_000)}
 
 
+def _row_at(case: dict, request) -> int:
+    """The position in `case["requests"]` of a request's case row."""
+    return next(i for i, r in enumerate(case["requests"]) if r["row"] == request.index)
+
+
+def _due_transfers(out, b: int, case: dict, due: dict, transfers: list, row: int) -> None:
+    """The transfers step (or batch) `b` started, due in later outputs as scripts/oracle_offload.py
+    has them end: P/D pulls (--pd) in that of b + latency - 1, then loads in that of
+    b + load_latency - 1 and stores in that of b + store_latency, in the order made."""
+    for req in out.kv_loads or ():
+        due.setdefault(b + case["requests"][_row_at(case, req)]["latency"] - 1, []).append(req)
+    for job in out.offload_jobs or ():
+        due.setdefault(b + (case["store_latency"] if job.is_store else case["load_latency"] - 1), []).append(job)
+        transfers.append([row, job.request.index, job.num_blocks, int(job.is_store)])
+
+
+def _transfers_done(sched, done, sent) -> None:
+    """Transfers ended in a step's output, in the order started (a request: a pull's read); then
+    the sends released, in row order."""
+    for item in done:
+        if isinstance(item, Request):
+            sched.finished_recving(item)
+        else:
+            sched.offload_job_done(item)
+    for req in sorted(sent, key=lambda q: q.index):
+        sched.finished_sending(req)
+
+
 def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     """Step a scheduler with a CPU offload tier through a case as scripts/oracle_offload.py drives
     vLLM's: a store job started by step k ends in the output of k + store_latency, a load in that
@@ -560,20 +588,21 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     due: dict[int, list] = {}
     error = None
     aborts = _aborts_by_step(case)
+    roles = bool(case.get("pd"))
+    due_send: dict[int, list] = {}  # (P/D: sends released in a step's output)
     for k in range(max_steps):
-        _deliver(pending, k, sched, requests)
+        _deliver(pending, k, sched, requests, roles=roles)
         _abort(sched, requests, aborts, k, "before")
         out = sched.schedule()
-        for job in out.offload_jobs or ():
-            at = k + (case["store_latency"] if job.is_store else case["load_latency"] - 1)
-            due.setdefault(at, []).append(job)
-            transfers.append([k, job.request.index, job.num_blocks, int(job.is_store)])
+        _due_transfers(out, k, case, due, transfers, k)
         rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
         _abort(sched, requests, aborts, k, "output", out)
-        sched.update_from_output(out)
-        for job in due.pop(k, ()):
-            sched.offload_job_done(job)
-        if not pending and not sched.has_unfinished_requests() and not due and not sched.offload.has_finished_requests:
+        for req in sched.update_from_output(out):
+            if roles and req.kv_role == KV_SEND:
+                due_send.setdefault(k + case["requests"][_row_at(case, req)]["latency"], []).append(req)
+        _transfers_done(sched, due.pop(k, ()), due_send.pop(k, ()))
+        if (not pending and not sched.has_unfinished_requests() and not due and not due_send
+                and not sched.offload.has_finished_requests):
             break  # (vLLM's engine schedules once more after its last finish: the connector stores then)
     else:
         error = "max steps"
@@ -607,24 +636,25 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     error = None
     aborts = _aborts_by_step(case)
 
+    roles = bool(case.get("pd"))
+    due_send: dict[int, list] = {}
+
     def has_requests() -> bool:
         return (sched.has_unfinished_requests() or unreported or sched.offload.has_pending_jobs()
-                or sched.offload.has_finished_requests)
+                or sched.offload.has_finished_requests or bool(sched.kv_held))
 
     while True:
         if len(rows) >= max_steps or num_batches >= 4 * max_steps:
             error = "max steps"
             break
-        _deliver(pending, len(rows), sched, requests)
+        _deliver(pending, len(rows), sched, requests, roles=roles)
         _abort(sched, requests, aborts, len(rows), "before")
         if has_requests():
             unreported = False
             out = sched.schedule()
             b = num_batches
             num_batches += 1
-            for job in out.offload_jobs or ():
-                due.setdefault(b + (case["store_latency"] if job.is_store else case["load_latency"] - 1), []).append(job)
-                transfers.append([len(rows), job.request.index, job.num_blocks, int(job.is_store)])
+            _due_transfers(out, b, case, due, transfers, len(rows))
             ran = not out.is_empty
             if ran:
                 rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
@@ -640,10 +670,11 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
         b, out = queue.pop()
         if out is not None:
             _abort(sched, requests, aborts, out.step, "output")
-        if out is not None and sched.update_from_output(out):
+        for req in sched.update_from_output(out) if out is not None else ():
             unreported = True
-        for job in due.pop(b, ()):
-            sched.offload_job_done(job)
+            if roles and req.kv_role == KV_SEND:
+                due_send.setdefault(b + case["requests"][_row_at(case, req)]["latency"], []).append(req)
+        _transfers_done(sched, due.pop(b, ()), due_send.pop(b, ()))
     result = {"steps": rows, "requests": {str(r["row"]): [-1, -1] for r in case["requests"]}, "scheduler": sched,
               "transfers": transfers}
     result["requests"] |= _request_steps(requests, aborts)

@@ -3,6 +3,7 @@ transfers take their bytes' time on the host link; unsupported settings are refu
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -369,3 +370,60 @@ def test_decode_runs_change_nothing_with_offloading_on_linear_attention(options)
                                     | options)
     stats = assert_decode_runs_change_nothing(trace, config).summary["kv_offloading"]
     assert stats["loads"] > 0 and stats["stored_blocks"] > 0
+
+
+def _pd(prefill=(), decode=()):
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    return DisaggregationSpec(1, 1, prefill_options=tuple(prefill), decode_options=tuple(decode))
+
+
+def test_a_prefill_pool_tier_serves_a_prompt_its_gpu_cache_lost():
+    """P/D with a CPU tier on the prefill pool (vLLM's MultiConnector, NIXL then offloading): B's
+    prefill loads A's prompt from the tier; the decode pool has no tier and pulls every prompt."""
+    res = replay(_trace(), _config(), disaggregation=_pd(prefill=[("kv_offloading_size", 1.0)]))
+    pools = res.summary["disaggregation"]
+    tier = pools["prefill"]["kv_offloading"]
+    assert tier["loads"] == 1 and tier["loaded_tokens"] == 256 and tier["stored_blocks"] == 7 * 16
+    assert "kv_offloading" not in pools["decode"] and "kv_offloading" not in res.summary
+    assert pools["kv_transfer"]["num_pulls"] == 8
+    plain = replay(_trace(), _config(), disaggregation=_pd()).summary["disaggregation"]
+    assert pools["prefill"]["num_prefill_tokens"] == plain["prefill"]["num_prefill_tokens"] - 255
+
+
+def test_pulls_never_load_from_a_decode_pool_tier():
+    """On the decode pool NIXL claims every pull before the tier (it comes first): B pulls A's
+    prompt again although the decode tier holds it; the tier stores each pulled prompt once."""
+    res = replay(_trace(), _config(), disaggregation=_pd(decode=[("kv_offloading_size", 1.0)]))
+    pools = res.summary["disaggregation"]
+    tier = pools["decode"]["kv_offloading"]
+    assert tier["loads"] == 0 and tier["stored_blocks"] == 7 * 16
+    assert pools["kv_transfer"]["num_pulls"] == 8 and "kv_offloading" not in pools["prefill"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_runs_change_nothing_with_tiers_on_both_pools(async_scheduling):
+    """Both pools with a tier, busy enough to preempt (a preempted decoder recomputes locally and
+    may load from the decode pool's tier): decode-run jumps give the same summary as stepping,
+    and a second replay the same bytes."""
+    rng = np.random.default_rng(3)
+    n = 60
+    prefixes = [[1000 * k + j for j in range(40)] for k in range(4)]
+    prompts = rng.integers(64, 600, n)
+    df = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 3, n)), "prompt_tokens": prompts,
+                       "output_tokens": rng.integers(20, 300, n)})
+    df["block_hashes"] = [prefixes[int(rng.integers(0, 4))][:-(-int(p) // 16)] for p in prompts]
+    df["hash_block_tokens"] = 16
+    trace = trace_from_frame(df)
+    config = EngineConfig(CacheConfig(num_gpu_blocks=120), SchedulerConfig(
+        max_model_len=1024, max_num_batched_tokens=512, async_scheduling=async_scheduling))
+    spec = _pd(prefill=[("kv_offloading_size", 0.05)], decode=[("kv_offloading_size", 0.05)])
+    runs = replay(trace, config, disaggregation=spec).summary
+    steps = replay(trace, config, disaggregation=spec, use_decode_runs=False).summary
+    again = replay(trace, config, disaggregation=spec).summary
+    for s in (runs, steps, again):
+        s.pop("wall_time_s")
+    pools = runs["disaggregation"]
+    assert pools["decode"]["num_preemptions"] > 0 and pools["prefill"]["kv_offloading"]["loads"] > 0
+    assert json.dumps(runs, sort_keys=True, default=str) == json.dumps(steps, sort_keys=True, default=str)
+    assert json.dumps(runs, sort_keys=True, default=str) == json.dumps(again, sort_keys=True, default=str)
