@@ -27,6 +27,11 @@ has nothing to pull: it is scheduled as a local request, and stays a pull until 
 lookup may find less). Under Mamba prefix caching a pull's lookup is NIXL's per-group one
 (core/mamba_align.py, `get_computed_blocks_for_pull`).
 
+With a CPU tier beside NIXL (vLLM's MultiConnector, NIXL first; core/kv_offload.py), a send's
+prompt hits load from the tier as without P/D, and a pull is NIXL's: the tier loads nothing for
+it but is asked too, and its "ask again later" holds the pull back a step (`_tier_delays_pull`);
+CPU-tier loads are the step's offload jobs, `SchedulerOutput.kv_loads` its pulls only.
+
 Under async scheduling a connector that consumes KV (NIXL's kv_both, on either pool) makes
 vLLM defer block frees (`defer_block_free`): a step in flight might still write a request's
 blocks while the connector fills them for another, so
