@@ -25,7 +25,7 @@ describe the replies; vLLM's fake model samples the reply's content tokens, so v
 reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
 arrives after its previous turn finished (simkv's run says when; vLLM's is checked too).
 
---pd: P/D disaggregation beside the CPU tier, vLLM's MultiConnector with NIXL first (oracle_pd.py's
+--pd [--no-tier]: P/D disaggregation beside the CPU tier (or, with --no-tier, NIXL alone), vLLM's MultiConnector with NIXL first (oracle_pd.py's
 FakePDConnector) and the OffloadingConnector second: each request is plain, a send (a prefill
 engine's: one output token, its blocks held after its finish until read, `latency` steps later)
 or a pull (a decode engine's: its prompt pulled, ending in the output of the step `latency - 1`
@@ -123,6 +123,9 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
             after_previous_turns(case, run_simkv)
     if pd:  # (after the other draws: a seed's cases are those without it, with P/D roles)
         from oracle_pd import PULL, SEND
+
+        if pd == "no-tier":  # (NIXL alone: what pipeline stages with P/D need checked without a tier)
+            case["num_offload_chunks"] = 0
 
         for r in case["requests"]:
             r["role"] = int(rng.choice([0, SEND, PULL, PULL]))
@@ -236,7 +239,10 @@ class _VllmOffload:
                  "blocks_per_chunk": case.get("blocks_per_chunk", 1), "offload_prompt_only": case.get("prompt_only", True),
                  "eviction_policy": case.get("policy", "lru"), "store_threshold": case.get("store_threshold", 0),
                  "max_tracker_size": case.get("max_tracker_size", 64_000)}
-        if case.get("pd"):  # (NIXL first, as llm-d's configurations list them)
+        if case.get("pd") and not case["num_offload_chunks"]:  # (--no-tier: NIXL alone)
+            connector = KVTransferConfig(kv_connector="FakePDConnector", kv_role="kv_both",
+                                         kv_connector_module_path="oracle_pd")
+        elif case.get("pd"):  # (NIXL first, as llm-d's configurations list them)
             connector = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={
                 "connectors": [{"kv_connector": "FakePDConnector", "kv_connector_module_path": "oracle_pd",
                                 "kv_role": "kv_both"},
@@ -252,16 +258,17 @@ class _VllmOffload:
         sched = self.sched
         self.pd = bool(case.get("pd"))
         self.info = {r["row"]: r for r in case["requests"]}
-        self.offloading = sched.connector._connectors[1] if self.pd else sched.connector
+        self.tier = bool(case["num_offload_chunks"])
+        self.offloading = (sched.connector._connectors[1] if self.pd else sched.connector) if self.tier else None
         if self.pd:
             import oracle_pd  # the connector's class as the scheduler loaded it
             self.admitted = oracle_pd.FakePDConnector.admitted  # pulls each schedule() admits
             self.admitted.clear()
-        assert self.offloading.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
+        assert not self.tier or self.offloading.connector_scheduler.manager._num_chunks == case["num_offload_chunks"]
         self.hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
         self.pool = sched.kv_cache_manager.block_pool
         sched.finished_req_ids = _Ordered()
-        if os.environ.get("ORACLE_OFFLOAD_DEBUG"):
+        if os.environ.get("ORACLE_OFFLOAD_DEBUG") and self.tier:
             lookup = self.offloading.get_num_new_matched_tokens
             cs = self.offloading.connector_scheduler
             handoffs = cs._build_aligned_boundary_store_jobs
@@ -318,11 +325,13 @@ class _VllmOffload:
         meta = so.kv_connector_metadata
         case = self.case
         if self.pd:  # (the pulls it admitted end in the output of k + latency - 1, as loads do)
-            meta = meta.metadata[1]
+            meta = meta.metadata[1] if self.tier else None
             for rid in self.admitted:
                 self.due.setdefault(k + self.info[request_index(rid)]["latency"] - 1, []).append(
                     (None, rid, False))
             self.admitted.clear()
+            if meta is None:
+                return so
         for jid, job in meta.load_jobs.items():
             self.due.setdefault(k + case["load_latency"] - 1, []).append((jid, job.req_id, False))
             self.transfers.append([row_index, request_index(job.req_id), len(job.dst_spec.block_ids), 0])
@@ -503,7 +512,8 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
-                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear, a.pd) for _ in range(a.cases)]
+                       a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
+                       "no-tier" if a.pd and a.no_tier else a.pd) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

@@ -19,6 +19,7 @@ import pandas as pd
 from simkv.clock import TICKS_PER_SECOND
 from simkv.replay.disaggregated import DisaggregatedRun
 from simkv.replay.fleet import fleet_summary, fleet_tables
+from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import dist
 
 _POOL_KEYS = ("duration_s", "num_steps", "peak_running", "mean_running", "peak_waiting", "num_gpu_blocks",
@@ -84,8 +85,10 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     total_bytes = pd_.total_pull_bytes
     summary["disaggregation"] = {
         **spec.to_dict(), **({"kv_abort_timeout_s": spec.kv_abort_timeout_s} if clients is not None else {}),
-        "prefill": _pool(prefill, prefill_config) | {"prefill_s": dist(prefill_end - arrival)},
-        "decode": _pool(decode, decode_config) | {"prefill_end_to_first_token_s": dist(first_token - prefill_end)},
+        "prefill": _pool(prefill, prefill_config) | _pool_pipeline(run.prefill_runs, summary["duration_s"])
+        | {"prefill_s": dist(prefill_end - arrival)},
+        "decode": _pool(decode, decode_config) | _pool_pipeline(run.decode_runs, summary["duration_s"])
+        | {"prefill_end_to_first_token_s": dist(first_token - prefill_end)},
         "kv_transfer": {
             "num_pulls": pd_.num_pulls,
             "pulled_bytes": total_bytes,
@@ -103,8 +106,21 @@ def _pool(s: dict, config) -> dict:
                    if k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                             "long_prefill_token_threshold", "enable_prefix_caching", "gpu_memory_utilization",
                             "num_gpu_blocks", "block_size", "watermark", "gpu", "tensor_parallel_size",
-                            "data_parallel_size")},
+                            "pipeline_parallel_size", "data_parallel_size")},
         "router": s["fleet"]["router"], "replicas": s["fleet"]["replicas"]}
+
+
+def _pool_pipeline(runs, duration_s: float) -> dict:
+    """A pool's pipeline stages (simkv/replay/pipeline.py): its replicas' batches and empty
+    schedule() calls summed, a stage's busy fraction averaged over them."""
+    sections = [pipeline_summary(run, duration_s).get("pipeline") for run in runs]
+    if not sections or sections[0] is None:
+        return {}
+    first = sections[0]
+    return {"pipeline": {"pipeline_parallel_size": first["pipeline_parallel_size"], "link_gbs": first["link_gbs"],
+                         "stage_busy_fraction": sum(p["stage_busy_fraction"] for p in sections) / len(sections),
+                         "batches": sum(p["batches"] for p in sections),
+                         "empty_schedule_calls": sum(p["empty_schedule_calls"] for p in sections)}}
 
 
 def _link_utilization(total_bytes: int, spec, num_links: int, duration: float) -> float:

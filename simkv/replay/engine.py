@@ -186,8 +186,6 @@ class ReplayEngine:
             _check_parallel_sampling(trace, sampled, config, kv_connector)
         num_cpu_blocks = capacity.num_cpu_blocks if capacity is not None else 0
         num_offload_chunks = capacity.num_offload_chunks if capacity is not None else 0
-        if kv_connector and config.hardware.pipeline_parallel_size > 1:
-            raise ValueError("pipeline parallelism is modelled without P/D disaggregation yet")
         if num_offload_chunks and sampled is not None and config.scheduler.parallel_sampling == "fork":
             raise ValueError("KV offloading (kv_offloading_size) is modelled without vLLM v0's forked parallel "
                              "sampling yet")

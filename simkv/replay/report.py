@@ -159,6 +159,11 @@ def pool_table(pd: dict) -> Table:
     table.caption = (f"KV pulls: {kv['num_pulls']:,}, {kv['pulled_bytes'] / 1e9:,.2f} GB; pull ms (mean / p50 / p99) "
                      f"{_fmt_dist(kv['pull_s'])}; handoff to pull start ms {_fmt_dist(kv['handoff_to_pull_s'])}; "
                      f"link use {100 * kv['mean_link_utilization']:.2f} %")
+    for name in ("prefill", "decode"):  # (pipeline stages: each pool's, a stage busy on average)
+        stages = pd[name].get("pipeline")
+        if stages:
+            table.caption += (f"; {name} pool: {stages['pipeline_parallel_size']} stages busy "
+                              f"{100 * stages['stage_busy_fraction']:.1f} % of the time")
     return table
 
 

@@ -602,7 +602,7 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
                 due_send.setdefault(k + case["requests"][_row_at(case, req)]["latency"], []).append(req)
         _transfers_done(sched, due.pop(k, ()), due_send.pop(k, ()))
         if (not pending and not sched.has_unfinished_requests() and not due and not due_send
-                and not sched.offload.has_finished_requests):
+                and not (sched.offload is not None and sched.offload.has_finished_requests)):
             break  # (vLLM's engine schedules once more after its last finish: the connector stores then)
     else:
         error = "max steps"
@@ -640,8 +640,9 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     due_send: dict[int, list] = {}
 
     def has_requests() -> bool:
-        return (sched.has_unfinished_requests() or unreported or sched.offload.has_pending_jobs()
-                or sched.offload.has_finished_requests or bool(sched.kv_held))
+        offload = sched.offload  # (None: P/D without a tier, scripts/oracle_offload.py --pd --no-tier)
+        return (sched.has_unfinished_requests() or unreported or bool(sched.kv_held)
+                or (offload is not None and (offload.has_pending_jobs() or offload.has_finished_requests)))
 
     while True:
         if len(rows) >= max_steps or num_batches >= 4 * max_steps:

@@ -19,8 +19,8 @@ PD = json.loads((Path(__file__).parent / "data" / "offload_pd_vllm_cases.json").
 def test_offloading_beside_pd_matches_vllm(recorded):
     """Synchronous and async scheduling, EAGLE and ngram drafts, a front end's aborts, chunks of
     several blocks, ARC with a store threshold, linear-attention and sliding-window models,
-    pipeline stages: every step, every request's first-token and finish step, and every CPU-tier
-    load and store equal vLLM's."""
+    pipeline stages, and pipeline stages with NIXL alone (`--pd --no-tier`: no tier): every step,
+    every request's first-token and finish step, and every CPU-tier load and store equal vLLM's."""
     assert offload_as_recorded(recorded) is not None
 
 

@@ -289,6 +289,35 @@ def test_replay_is_whole_and_deterministic(tmp_path, opts: dict) -> None:
     assert (np.diff(ends) >= 0).all()  # outputs are processed in step order
 
 
+@pytest.mark.parametrize("opts", [{}, {"async_scheduling": True}])
+def test_pd_pools_with_stages(opts: dict) -> None:
+    """P/D with pipeline stages in both pools (and a CPU tier on the prefill pool): every request
+    finishes with its output tokens, twice the same; each pool says how busy its stages were; a
+    pull moves each GPU's share, half the blocks' bytes at two stages."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = _req400_rows(80)
+    base = {"model": "llama-3-70b", "tensor_parallel_size": 2, "max_num_seqs": 32} | opts
+    spec = DisaggregationSpec(1, 1, prefill_options=(("kv_offloading_size", 4.0),))
+    runs = [replay(trace, EngineConfig.from_flat(base | {"pipeline_parallel_size": 2}), disaggregation=spec)
+            for _ in range(2)]
+    for res in runs:
+        res.summary["wall_time_s"] = 0.0
+    assert json.dumps(runs[0].summary, sort_keys=True, default=str) == json.dumps(runs[1].summary, sort_keys=True,
+                                                                                  default=str)
+    req = runs[0].requests
+    assert (req["status"] == "finished").all()
+    assert (req["output_tokens"].to_numpy() == trace.output_tokens).all()
+    pools = runs[0].summary["disaggregation"]
+    for name in ("prefill", "decode"):
+        stages = pools[name]["pipeline"]
+        assert stages["pipeline_parallel_size"] == 2 and 0 < stages["stage_busy_fraction"] < 1
+        assert pools[name]["config"]["pipeline_parallel_size"] == 2
+    assert "kv_offloading" in pools["prefill"]
+    one = replay(trace, EngineConfig.from_flat(base), disaggregation=spec).summary["disaggregation"]
+    assert pools["kv_transfer"]["pulled_bytes"] * 2 == one["kv_transfer"]["pulled_bytes"]
+
+
 def test_one_request_gains_nothing_from_stages() -> None:
     """A request alone crosses every stage for each token: its inter-token latency under two
     stages of TP 2 is TP 2's (its step, split over the stages) plus the link between them."""
@@ -304,7 +333,7 @@ def test_one_request_gains_nothing_from_stages() -> None:
 
 def test_cli(tmp_path) -> None:
     """`simkv replay -pp` writes the stages into its config; `simkv capacity -pp` prints each
-    stage's layers; a GPU backend or P/D is refused with a clear message."""
+    stage's layers; speculative decoding without async scheduling is refused with a clear message."""
     from tests.cli_runs import cli_fails, cli_ok
 
     trace = tmp_path / "t.parquet"
