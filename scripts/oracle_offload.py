@@ -52,7 +52,7 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
               aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False,
-              linear: bool = False, pd: bool = False) -> dict:
+              linear: bool = False, pd: bool = False, draft_model: bool = False) -> dict:
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -79,7 +79,9 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     if speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; no draft model: refused)
         from oracle_vllm import random_spec_options
         random_spec_options(rng, opts)
-        if opts["speculative_method"] == "draft_model" or (async_scheduling and opts["speculative_method"] == "ngram"):
+        if draft_model:  # (--draft-model: a draft model in every speculative case)
+            opts["speculative_method"], opts["spec_draft_model"] = "draft_model", "tiny-llama"
+        elif opts["speculative_method"] == "draft_model" or (async_scheduling and opts["speculative_method"] == "ngram"):
             opts["speculative_method"] = "eagle"
             opts.pop("spec_draft_model", None)
     case = {"opts": opts, "requests": requests, "num_offload_chunks": int(rng.integers(1, 40)),
@@ -102,6 +104,10 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
         case["store_threshold"] = int(rng.choice([2, 3]))
         if rng.random() < 0.4:
             case["max_tracker_size"] = int(rng.integers(1, 30))
+        if replies:  # (each turn again after its previous one, under the threshold)
+            from oracle_vllm import after_previous_turns
+
+            after_previous_turns(case, run_simkv)
     if aborts:  # (a front end aborts some requests: clients that gave up)
         from oracle_vllm import random_aborts
 
@@ -513,7 +519,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
-                       "no-tier" if a.pd and a.no_tier else a.pd) for _ in range(a.cases)]
+                       "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

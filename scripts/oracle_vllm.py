@@ -485,6 +485,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="P/D roles beside the CPU tier: plain requests, sends and pulls (oracle_pd.py's), "
                              "vLLM's MultiConnector with NIXL first")
         ap.add_argument("--no-tier", action="store_true", help="with --pd: NIXL alone, no CPU tier")
+        ap.add_argument("--draft-model", action="store_true",
+                        help="with --speculative: a draft model (tiny-llama's layers) in every speculative case")
     if pp_flag:
         ap.add_argument("--pp", action="store_true",
                         help="pipeline parallelism: 2 to 4 stages, the engine's batch queue that many batches deep "

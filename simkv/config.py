@@ -620,7 +620,6 @@ class EngineConfig:
         cache, sched, groups = self.cache, self.scheduler, self.kv_cache_groups
         windows = groups.has_sliding_window
         unsupported = [(not cache.enable_prefix_caching, "prefix caching off"),
-                       (self.speculative.speculative_method == "draft_model", "a draft model (its own KV-cache layers)"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (cache.prefix_caching_hash_bits < 63, "prefix_caching_hash_bits < 63"),
                        (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),

@@ -243,3 +243,29 @@ def test_pipeline_cases_depend_on_each_rule(monkeypatch):
                  (KVCacheManager, "cache_shared_blocks", at_release, 2)]
     assert_mutations_break(monkeypatch, mutations, PIPELINE["cases"],
                            lambda recorded: offload_as_recorded(recorded) is not None)
+
+
+DRAFT = json.loads((Path(__file__).parent / "data" / "offload_draft_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("recorded", DRAFT["cases"], ids=DRAFT["ids"])
+def test_draft_model_offloading_matches_vllm(recorded):
+    """A draft model's layers in the KV-cache group (scripts/oracle_offload.py --speculative
+    --draft-model): synchronous, chunks with decode stores, async with aborts, pipeline stages,
+    P/D beside the tier, ARC with a store threshold and chat replies. Every step, request and
+    transfer equal vLLM's."""
+    assert offload_as_recorded(recorded) is not None
+
+
+def test_a_draft_model_has_no_volatile_last_chunk(monkeypatch):
+    """Unlike an EAGLE layer's, a draft model's KV at a position depends on the tokens up to it:
+    vLLM stores and loads its last chunk. Treated as EAGLE's, recorded cases break."""
+    from simkv.core.kv_offload import KVOffload
+
+    init = KVOffload.__init__
+
+    def as_eagle(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.eagle = True
+
+    assert_mutations_break(monkeypatch, [(KVOffload, "__init__", as_eagle, 4)], DRAFT["cases"], offload_as_recorded)

@@ -186,27 +186,35 @@ def test_each_replica_of_a_fleet_has_its_own_tier(async_scheduling):
         assert row["ttft_s"] == single["ttft_s"] and row["e2e_s"] == single["e2e_s"]
 
 
-@pytest.mark.parametrize("method, loaded", [("ngram", 256), ("eagle3", 240)])
+@pytest.mark.parametrize("method, loaded", [("ngram", 256), ("eagle3", 240), ("draft_model", 256)])
 def test_an_eagle_drafter_never_loads_its_last_chunk(method, loaded):
     """With an EAGLE-family drafter in the KV-cache group, the drafter's KV at a chunk's last
     position depends on the token after it: B loads A's prompt less its last chunk (and computes
-    it); n-gram drafts have no KV of their own and load it all."""
+    it); n-gram drafts have no KV of their own, and a draft model's KV at a position depends on
+    the tokens up to it: both load it all."""
     from simkv.config import SpeculativeConfig
 
+    draft = {"spec_draft_model": "tiny-llama"} if method == "draft_model" else {}
     config = EngineConfig(CacheConfig(num_gpu_blocks=40, kv_offloading_size=1.0),
                           SchedulerConfig(max_model_len=512, max_num_batched_tokens=512),
-                          speculative=SpeculativeConfig(speculative_method=method, num_speculative_tokens=2))
+                          speculative=SpeculativeConfig(speculative_method=method, num_speculative_tokens=2, **draft))
     stats = replay(_trace(), config).summary["kv_offloading"]
     assert stats["loads"] == 1 and stats["loaded_tokens"] == loaded
 
 
-def test_a_draft_model_is_refused_with_offloading():
+def test_a_draft_models_layers_are_in_the_tiers_chunks():
+    """A draft model's layers share the target's KV-cache group: a chunk holds both models' KV
+    (llama-3-8b's 2 MiB block and tiny-llama's layers), so a tier of the same size holds fewer."""
+    from simkv.capacity import compute_capacity
     from simkv.config import SpeculativeConfig
 
-    with pytest.raises(ConfigError, match="draft model"):
-        EngineConfig(CacheConfig(kv_offloading_size=1.0), SchedulerConfig(),
-                     speculative=SpeculativeConfig(speculative_method="draft_model", num_speculative_tokens=2,
-                                                   spec_draft_model="tiny-llama"))
+    plain = compute_capacity(EngineConfig(CacheConfig(kv_offloading_size=1.0), SchedulerConfig()))
+    draft = compute_capacity(EngineConfig(CacheConfig(kv_offloading_size=1.0), SchedulerConfig(),
+                                          speculative=SpeculativeConfig(speculative_method="draft_model",
+                                                                        num_speculative_tokens=2,
+                                                                        spec_draft_model="llama-3.2-1b")))
+    assert draft.offload_chunk_bytes > plain.offload_chunk_bytes
+    assert draft.num_offload_chunks < plain.num_offload_chunks
 
 
 def test_tensor_parallel_ranks_move_their_shares_at_once():
