@@ -435,3 +435,26 @@ def test_decode_runs_change_nothing_with_tiers_on_both_pools(async_scheduling):
     assert pools["decode"]["num_preemptions"] > 0 and pools["prefill"]["kv_offloading"]["loads"] > 0
     assert json.dumps(runs, sort_keys=True, default=str) == json.dumps(steps, sort_keys=True, default=str)
     assert json.dumps(runs, sort_keys=True, default=str) == json.dumps(again, sort_keys=True, default=str)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pd_tiers_with_clients_that_give_up(async_scheduling):
+    """P/D with a tier on each pool and clients that give up on a first token after 2 s and retry
+    once (the prefill router resends): every attempt ends, finished or timed out, and the decode
+    pool's tier serves its preempted decoders' recomputes."""
+    rng = np.random.default_rng(5)
+    n = 120
+    df = pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 4, n)), "prompt_tokens": rng.integers(200, 900, n),
+                       "output_tokens": rng.integers(50, 400, n)})
+    df["block_hashes"] = [list(range(10_000 * i, 10_000 * i + -(-int(p) // 16))) for i, p in
+                          enumerate(df["prompt_tokens"])]
+    df["hash_block_tokens"] = 16
+    config = EngineConfig(CacheConfig(num_gpu_blocks=300), SchedulerConfig(
+        max_model_len=1024, max_num_batched_tokens=512, async_scheduling=async_scheduling,
+        client_ttft_timeout_s=2.0, client_max_retries=1))
+    spec = _pd(prefill=[("kv_offloading_size", 0.05)], decode=[("kv_offloading_size", 0.05)])
+    res = replay(trace_from_frame(df), config, disaggregation=spec)
+    s = res.summary
+    assert s["num_finished"] + s["client"]["timed_out_requests"] == n and s["client"]["retries"] > 0
+    decode = s["disaggregation"]["decode"]
+    assert decode["num_preemptions"] > 0 and decode["kv_offloading"]["loads"] > 0
