@@ -25,11 +25,14 @@ describe the replies; vLLM's fake model samples the reply's content tokens, so v
 reply's blocks (on the GPU and in the CPU tier) as the next turn's prompt has them. Each turn
 arrives after its previous turn finished (simkv's run says when; vLLM's is checked too).
 
---pd [--no-tier]: P/D disaggregation beside the CPU tier (or, with --no-tier, NIXL alone), vLLM's MultiConnector with NIXL first (oracle_pd.py's
+--pd: P/D disaggregation beside the CPU tier, vLLM's MultiConnector with NIXL first (oracle_pd.py's
 FakePDConnector) and the OffloadingConnector second: each request is plain, a send (a prefill
 engine's: one output token, its blocks held after its finish until read, `latency` steps later)
 or a pull (a decode engine's: its prompt pulled, ending in the output of the step `latency - 1`
-after the one that admitted it), mixed in one engine as oracle_pd.py mixes them.
+after the one that admitted it), mixed in one engine as oracle_pd.py mixes them. With
+--no-tier, NIXL alone (no tier: P/D under pipeline stages, --pp).
+
+--draft-model (with --speculative): a draft model (tiny-llama's layers) in every speculative case.
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
@@ -52,7 +55,8 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
               aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False,
-              linear: bool = False, pd: bool = False, draft_model: bool = False) -> dict:
+              linear: bool = False, pd: bool | str = False, draft_model: bool = False) -> dict:
+    """A random case; `pd`: P/D roles beside the tier, "no-tier" without one."""
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -76,7 +80,7 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     if pp:  # (pipeline stages: drafts only under async scheduling, as vLLM's PP allows them)
         opts["pipeline_parallel_size"] = int(rng.choice([2, 3, 4]))
         speculative = speculative and async_scheduling
-    if speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; no draft model: refused)
+    if speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; a draft model only with --draft-model)
         from oracle_vllm import random_spec_options
         random_spec_options(rng, opts)
         if draft_model:  # (--draft-model: a draft model in every speculative case)
@@ -132,7 +136,6 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 
         if pd == "no-tier":  # (NIXL alone: what pipeline stages with P/D need checked without a tier)
             case["num_offload_chunks"] = 0
-
         for r in case["requests"]:
             r["role"] = int(rng.choice([0, SEND, PULL, PULL]))
             r["latency"] = int(rng.integers(1, 6))
