@@ -245,7 +245,8 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     if cc.kv_offloading_size is not None:  # (vLLM: the ranks' copies of a chunk's blocks, rounded up to a host page;
         # under PP every worker's copy is counted as the first stage's, whose layout vLLM's scheduler sees)
         worker_block = stage_rows[0][2] if config.hardware.pipeline_parallel_size > 1 else int(block_bytes)
-        raw = worker_block * offload_copies(config) * cc.offload_blocks_per_chunk
+        # (decode context parallelism: the manager's blocks, each GPU holding cc.block_size of their tokens)
+        raw = worker_block * offload_copies(config) * config.for_kv_manager().cache.offload_blocks_per_chunk
         chunk_bytes = -(-raw // OFFLOAD_PAGE_BYTES) * OFFLOAD_PAGE_BYTES
         num_offload_chunks = int(cc.kv_offloading_size * GIB) // chunk_bytes
         if num_offload_chunks < 1:

@@ -625,11 +625,16 @@ class EngineConfig:
                        (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
-                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
-                       (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1")]
+                       (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'")]
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"kv_offloading_size (KV offloading to CPU) is not modelled with {what} yet")
+        # (decode context parallelism: a chunk is the manager's blocks, each GPU its share of their tokens)
+        manager_bs, tpc = self.kv_manager_block_size, cache.kv_offloading_block_size
+        if tpc is not None and tpc % manager_bs:
+            raise ConfigError(f"kv_offloading_block_size {tpc} must be a multiple of the KV-cache manager's block "
+                              f"({manager_bs} tokens: block_size {cache.block_size} x decode_context_parallel_size "
+                              f"{self.hardware.decode_context_parallel_size}; use {-(-tpc // manager_bs) * manager_bs})")
         retention = self.attention.prefix_cache_retention_interval
         tokens_per_chunk = cache.offload_blocks_per_chunk * cache.block_size
         if (windows or self.has_linear_attention) and retention and retention % tokens_per_chunk:  # (vLLM's text)

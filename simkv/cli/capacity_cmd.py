@@ -49,7 +49,7 @@ def capacity_report(config: EngineConfig) -> dict:
         from simkv.capacity import offload_copies
 
         copies = offload_copies(config)
-        chunk_tokens = cc.kv_offloading_block_size or cc.block_size
+        chunk_tokens = cc.kv_offloading_block_size or config.kv_manager_block_size
         tier_tokens = cap.num_offload_chunks * chunk_tokens
         extra["kv_offloading"] = {"cpu_tier_gib": cc.kv_offloading_size, "num_chunks": cap.num_offload_chunks,
                                   "chunk_tokens": chunk_tokens, "chunk_bytes": cap.offload_chunk_bytes,

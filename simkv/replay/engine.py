@@ -230,7 +230,7 @@ class ReplayEngine:
             from simkv.replay.offload_feed import OffloadFeed
             # (each copy moves over its own GPU's link: a job takes one copy's bytes at one link's rate)
             self.feed = OffloadFeed(self.feed, self.scheduler, capacity.offload_chunk_bytes,
-                                    config.cache.pcie_bandwidth_gbs, config.cache.offload_blocks_per_chunk,
+                                    config.cache.pcie_bandwidth_gbs, self.scheduler.config.cache.offload_blocks_per_chunk,
                                     offload_copies(config))
         self.use_decode_runs = use_decode_runs and backend.supports_decode_runs
         self.on_progress = on_progress

@@ -458,3 +458,30 @@ def test_pd_tiers_with_clients_that_give_up(async_scheduling):
     assert s["num_finished"] + s["client"]["timed_out_requests"] == n and s["client"]["retries"] > 0
     decode = s["disaggregation"]["decode"]
     assert decode["num_preemptions"] > 0 and decode["kv_offloading"]["loads"] > 0
+
+
+@pytest.mark.parametrize("chunk_tokens, blocks_per_chunk", [(None, 1), (64, 2)])
+def test_decode_context_parallel_chunks_are_manager_blocks(chunk_tokens, blocks_per_chunk):
+    """deepseek-v2-lite at TP 2 with DCP 2: the KV-cache manager's blocks hold 32 tokens, each GPU
+    16 of them, and a chunk is `blocks_per_chunk` of those blocks. vLLM 0.33 keeps one copy of a
+    latent all TP ranks hold only without DCP: here each GPU stores its own page, so a chunk is
+    twice the DCP-free one's bytes, and a load moves each half over its own GPU's link. B still
+    loads A's whole prompt (8 manager blocks); a chunk size off the manager's block is refused."""
+    from simkv.capacity import compute_capacity
+
+    def config(dcp, **cache):
+        return EngineConfig.from_flat({"model": "deepseek-v2-lite", "tensor_parallel_size": 2,
+                                       "decode_context_parallel_size": dcp, "max_model_len": 512,
+                                       "max_num_batched_tokens": 512, "kv_offloading_size": 1.0} | cache)
+
+    extra = {"kv_offloading_block_size": chunk_tokens} if chunk_tokens else {}
+    plain, dcp = config(1, num_gpu_blocks=40), config(2, num_gpu_blocks=20, **extra)
+    one, two = compute_capacity(plain), compute_capacity(dcp)
+    assert two.block_bytes == one.block_bytes  # (one GPU's block: 16 tokens of the latent)
+    assert two.offload_chunk_bytes == 2 * one.block_bytes * blocks_per_chunk
+    a, b = replay(_trace(), plain).summary["kv_offloading"], replay(_trace(), dcp).summary["kv_offloading"]
+    assert a["loaded_tokens"] == b["loaded_tokens"] == 256 and (a["loaded_blocks"], b["loaded_blocks"]) == (16, 8)
+    assert b["load_bytes"] == 8 * 2 * one.block_bytes
+    assert b["mean_load_s"] == pytest.approx(b["load_bytes"] / 2 / 63e9, rel=1e-3)
+    with pytest.raises(ConfigError, match="multiple of the KV-cache manager's block"):
+        config(2, kv_offloading_block_size=48)
