@@ -55,8 +55,9 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
               aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False,
-              linear: bool = False, pd: bool | str = False, draft_model: bool = False) -> dict:
-    """A random case; `pd`: P/D roles beside the tier, "no-tier" without one."""
+              linear: bool = False, pd: bool | str = False, draft_model: bool = False, lora: bool = False) -> dict:
+    """A random case; `pd`: P/D roles beside the tier, "no-tier" without one; `lora`: requests
+    name LoRA adapters (or the base model), max_loras 1 to 3."""
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -142,6 +143,10 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
             if r["role"] == SEND:
                 r["output"] = 1
         case["pd"] = True
+    if lora:  # (after the other draws: a seed's cases are those without it, with adapters)
+        for r in case["requests"]:
+            r["lora"] = [None, "a", "b", "c"][int(rng.integers(0, 4))]
+        opts["enable_lora"], opts["max_loras"] = True, int(rng.integers(1, 4))
     return case
 
 
@@ -265,6 +270,9 @@ class _VllmOffload:
         if case.get("replies"):
             oracle_vllm.sample_reply_content(case)
         sched = self.sched
+        if o.get("enable_lora"):  # (--lora: the scheduler reads max_loras alone, as oracle_fuzz.py --lora gives it)
+            from types import SimpleNamespace
+            sched.lora_config = SimpleNamespace(max_loras=o["max_loras"])
         self.pd = bool(case.get("pd"))
         self.info = {r["row"]: r for r in case["requests"]}
         self.tier = bool(case["num_offload_chunks"])
@@ -316,9 +324,13 @@ class _VllmOffload:
         params = {"pull": True} if r.get("role") == 2 else {"send": True} if r.get("role") == 1 else None
         if params is not None:  # (--pd)
             sp.extra_args = {"kv_transfer_params": params}
+        lora = None
+        if r.get("lora"):  # (--lora: adapter ids a=1, b=2, c=3)
+            from vllm.lora.request import LoRARequest
+            lora = LoRARequest(r["lora"], "abc".index(r["lora"]) + 1, "/nonexistent")
         req = Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                      block_hasher=self.hasher)
+                      block_hasher=self.hasher, lora_request=lora)
         req.kv_transfer_params = params
         return req
 
@@ -522,7 +534,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
-                       "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model) for _ in range(a.cases)]
+                       "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

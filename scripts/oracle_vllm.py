@@ -485,6 +485,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="P/D roles beside the CPU tier: plain requests, sends and pulls (oracle_pd.py's), "
                              "vLLM's MultiConnector with NIXL first")
         ap.add_argument("--no-tier", action="store_true", help="with --pd: NIXL alone, no CPU tier")
+        ap.add_argument("--lora", action="store_true",
+                        help="requests name LoRA adapters (or the base model); vLLM's max_loras 1 to 3")
         ap.add_argument("--draft-model", action="store_true",
                         help="with --speculative: a draft model (tiny-llama's layers) in every speculative case")
     if pp_flag:

@@ -250,12 +250,14 @@ class RemoteKV:
         request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
         request.kv_loaded = False  # (KV offloading: a later preemption may load again)
 
-    def _next_waiting(self, skipped: list[Request], plan, delayed: list[Request]) -> tuple[object, Request, bool] | None:
+    def _next_waiting(self, skipped: list[Request], plan, delayed: list[Request],
+                      loras: set | None = None) -> tuple[object, Request, bool] | None:
         """The queue to admit from (KV-holding first), its head and whether it holds KV (no prefix
         lookup); requests whose pull is on are set aside in `skipped`, and new KV_PULL requests are
         admitted to the KV-holding queue on the way. With a CPU tier beside the pulls (vLLM's
         MultiConnector asks every connector), a pull whose tier lookup says "ask again later" waits
-        for a later step in `delayed`. None: nothing (more) to admit this step."""
+        for a later step in `delayed`, as does one whose LoRA adapter has no slot this step
+        (`loras`: the step's adapters). None: nothing (more) to admit this step."""
         kv = self.kv_cache_manager
         holding = self.kv_holding
         while True:
@@ -272,6 +274,9 @@ class RemoteKV:
             request = self.waiting.peek_request()
             if request.kv_role != KV_PULL:
                 return self.waiting, request, bool(request.swapped_blocks)
+            if self._lora_deferred(request, loras):  # (vLLM checks max_loras before the connector)
+                delayed.append(self.waiting.pop_request())
+                continue
             hits = self._pull_hits(request)
             if self._tier_delays_pull(request, hits.num_tokens):
                 delayed.append(self.waiting.pop_request())

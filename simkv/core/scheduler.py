@@ -684,7 +684,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if len(self.running) >= self.max_num_active or admitted >= self.max_num_admissions_per_step:
                 break
             if self.kv_holding or self.waiting.peek_request().kv_role == KV_PULL:
-                head = self._next_waiting(skipped, plan, skipped_waiting)
+                head = self._next_waiting(skipped, plan, skipped_waiting, loras)
                 if head is None:
                     break
                 queue, request, holds_kv = head
@@ -693,13 +693,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 request = queue.peek_request()
                 holds_kv = bool(request.swapped_blocks)
             if request.num_stale_tokens:  # (pipeline parallelism: an output from before its preemption is in
-                skipped_waiting.append(queue.pop_request())  # flight; resuming could resample its position)
+                self._set_aside(queue, skipped, skipped_waiting)  # flight; resuming could resample its position)
                 continue
-            if (loras is not None and request.lora_id and len(loras) == self.max_loras
-                    and request.lora_id not in loras):  # (no adapter slot: it waits, the next may go)
-                self.num_lora_deferrals += 1
+            if self._lora_deferred(request, loras):  # (no adapter slot: it waits, the next may go)
                 lora_skips += 1
-                skipped_waiting.append(queue.pop_request())
+                self._set_aside(queue, skipped, skipped_waiting)
                 continue
             swapped = request.swapped_blocks
             # A request that holds its KV (swapped out, or pulled) does no prefix lookup.
@@ -796,6 +794,28 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.waiting.prepend_request(request)
         if self.prefill_interval > 1 or self.dp_cadence:
             self._note_set_aside(skipped_waiting, plan)
+
+    def _set_aside(self, queue, skipped: list[Request], skipped_waiting: list[Request]) -> None:
+        """The head of `queue` is passed over this step; it goes back (vLLM's skip_request) to the
+        KV-holding queue if it holds KV blocks by vLLM's test (computed tokens, or a load in
+        flight), else to the waiting queue, blocks and all (a pulled one-token prompt: its
+        computed count is 0)."""
+        request = queue.pop_request()
+        if queue is not self.kv_holding:
+            skipped_waiting.append(request)
+        elif request.num_computed_tokens > 0 or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            skipped.append(request)
+        else:
+            self._num_kv_ready -= 1  # (it leaves the KV-holding queue)
+            skipped_waiting.append(request)
+
+    def _lora_deferred(self, request: Request, loras: set | None) -> bool:
+        """LoRA: the step's adapter slots are all taken by other adapters than the request's
+        (vLLM's max_loras check, before any prefix lookup): it is passed over, and counted."""
+        if loras is not None and request.lora_id and len(loras) == self.max_loras and request.lora_id not in loras:
+            self.num_lora_deferrals += 1
+            return True
+        return False
 
     def _note_set_aside(self, skipped_waiting: list[Request], plan: StepPlan) -> None:
         """Prefill cadence: the requests skipped this step (LoRA, a CPU-tier lookup to retry) are
@@ -1146,8 +1166,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             else:
                 self._abort_loading(request)
             request.num_computed_tokens = request.num_prefix_hit_tokens
-        elif num_blocks:  # (its load ended and it was promoted: it waits in the KV-holding queue)
-            self.kv_holding.remove_request(request)
+        elif num_blocks:  # (its load ended and it was promoted: it waits in the KV-holding queue, or, a
+            # pulled one-token prompt passed over, in the waiting queue)
+            if any(r is request for r in self.kv_holding):
+                self.kv_holding.remove_request(request)
+                self._num_kv_ready -= 1
+            else:
+                self.waiting.remove_request(request)
             self._free_finished(request, request.num_computed_tokens)
         else:
             self.waiting.remove_request(request)

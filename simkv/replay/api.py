@@ -131,8 +131,6 @@ def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
     if has_adapters(trace) and not config.scheduler.enable_lora:
         raise ValueError(f"{trace.source}: column 'lora_name' names LoRA adapters: give --enable-lora "
                          f"(and --max-loras, vLLM's default 1), as vLLM refuses them without it")
-    if config.scheduler.enable_lora and disaggregation is not None:
-        raise ValueError("--enable-lora with P/D disaggregation is not modelled")
 
 
 def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> None:

@@ -101,7 +101,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
 
 
 def _pool(s: dict, config) -> dict:
-    return {k: s[k] for k in _POOL_KEYS} | {k: s[k] for k in ("kv_offloading",) if k in s} | {
+    return {k: s[k] for k in _POOL_KEYS} | {k: s[k] for k in ("kv_offloading", "lora") if k in s} | {
         "config": {k: v for k, v in config.to_dict().items()
                    if k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                             "long_prefill_token_threshold", "enable_prefix_caching", "gpu_memory_utilization",

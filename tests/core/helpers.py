@@ -21,10 +21,15 @@ def make_config(num_gpu_blocks: int = 6250, block_size: int = 16, max_num_seqs: 
 
 
 def make_request(i: int, prompt: int, output: int, hashes=None, h: int = 0, salt=None, priority: int = 0,
-                 arrival: float = 0.0, num_samples: int = 1) -> Request:
+                 arrival: float = 0.0, num_samples: int = 1, lora: str | None = None) -> Request:
+    """`lora`: the adapter's name (a, b, c: ids 1 to 3, as scripts/oracle_offload.py --lora names them)."""
+    from simkv.core.block_hashing import content_namespace
+
     ids = None if hashes is None else np.asarray(hashes, dtype=np.int64)
-    return Request(f"r{i}", i, arrival, prompt, output, priority=priority, cache_salt=salt,
-                   shared_hash_ids=ids, hash_block_tokens=h, num_samples=num_samples)
+    return Request(f"r{i}", i, arrival, prompt, output, priority=priority,
+                   cache_salt=content_namespace(salt, lora) if lora else salt,
+                   shared_hash_ids=ids, hash_block_tokens=h, num_samples=num_samples,
+                   lora_id="abc".index(lora) + 1 if lora else 0)
 
 
 def _count(out, log, steps, peak, query, hit, prefill, decode):
@@ -111,7 +116,7 @@ def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: 
         r = pending.pop(0)
         req = make_request(r["row"], r["prompt"], r["output"], r.get("block_hashes"),
                            8 if r.get("block_hashes") else 0, priority=r["priority"], arrival=float(r["arrival_step"]),
-                           num_samples=r.get("n", 1))  # (n > 1: fanned out by the scheduler)
+                           num_samples=r.get("n", 1), lora=r.get("lora"))  # (n > 1: fanned out by the scheduler)
         if roles:
             req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
         requests.append((req, r))

@@ -129,3 +129,43 @@ def test_lora_slots_take_kv_cache_memory() -> None:
     tp2 = cap(enable_lora=True, tensor_parallel_size=2)
     assert one.lora_bytes / 2 < tp2.lora_bytes < one.lora_bytes  # (only the TP side of each layer is sharded)
     assert cap(enable_lora=True, model="qwen3-30b-a3b").lora_bytes is None  # (experts: not modelled)
+
+
+LORA_TIER = json.loads((Path(__file__).parent / "data" / "offload_lora_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("recorded", LORA_TIER["cases"], ids=LORA_TIER["ids"])
+def test_adapters_with_a_cpu_tier_and_pd_match_vllm(recorded):
+    """Step by step against vLLM 0.33's scheduler with a LoRA config (scripts/oracle_offload.py
+    --lora): with a CPU tier (sync, async with aborts, pipeline stages), with P/D's pulls and
+    sends beside it or alone (sync, async with drafts). Every step, request and transfer equal."""
+    from tests.core.helpers import offload_as_recorded
+
+    assert offload_as_recorded(recorded) is not None
+
+
+def test_adapter_cases_depend_on_each_rule(monkeypatch):
+    """Each rule breaks recorded cases when undone: a request passed over for want of an adapter
+    slot after its KV was loaded (from the tier) or pulled keeps its place in the KV-holding
+    queue, blocks and all (it went to the waiting queue, and its next lookup took its own blocks
+    again); a pulled one-token prompt, whose computed count is 0, goes to the waiting queue
+    (vLLM's _holds_kv_blocks); a pull is checked against max_loras before the connector."""
+    from simkv.core.remote_kv import RemoteKV
+    from simkv.core.scheduler import Scheduler
+    from tests.core.helpers import assert_mutations_break, offload_as_recorded
+
+    def always_waiting(self, queue, skipped, skipped_waiting):
+        skipped_waiting.append(queue.pop_request())
+
+    def always_holding(self, queue, skipped, skipped_waiting):
+        (skipped if queue is self.kv_holding else skipped_waiting).append(queue.pop_request())
+
+    next_waiting = RemoteKV._next_waiting
+
+    def pulls_unchecked(self, skipped, plan, delayed, loras=None):
+        return next_waiting(self, skipped, plan, delayed, None)
+
+    mutations = [(Scheduler, "_set_aside", always_waiting, 8),
+                 (Scheduler, "_set_aside", always_holding, 2),
+                 (RemoteKV, "_next_waiting", pulls_unchecked, 5)]
+    assert_mutations_break(monkeypatch, mutations, LORA_TIER["cases"], offload_as_recorded)

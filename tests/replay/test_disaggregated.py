@@ -253,3 +253,25 @@ def test_sweep_cells_may_split_into_pools(tmp_path):
     result = CliRunner().invoke(main, ["sweep", str(trace), "--grid", "decode_replicas=2", "--set", "replicas=2",
                                        "--set", "max_model_len=2048", "--out", str(tmp_path / "bad")])
     assert "sets its pools itself" in result.output
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_lora_adapters_in_both_pools(async_scheduling):
+    """LoRA under P/D: each pool's engines hold `max_loras` adapter slots and pass over the
+    requests whose adapter has none (a pull, before its transfer; a pulled request, keeping its
+    blocks); every request is served, decode runs change nothing, and each pool's summary says
+    how often its requests waited for a slot and what its adapter loads cost."""
+    from simkv.traces.lora import assign_adapters
+
+    trace = assign_adapters(loaded_trace(120, 11, shared=True), 6, 1.0, seed=1)
+    spec = DisaggregationSpec(1, 1, decode_options=(("num_gpu_blocks", 300),))
+    cfg = config(max_model_len=1024, async_scheduling=async_scheduling, enable_lora=True, max_loras=2)
+    a = replay(trace, cfg, "roofline", disaggregation=spec)
+    b = replay(trace, cfg, "roofline", disaggregation=spec, use_decode_runs=False)
+    _identical(a, b)
+    assert (a.requests["status"] == "finished").all()
+    pools = a.summary["disaggregation"]
+    for name in ("prefill", "decode"):
+        lora = pools[name]["lora"]
+        assert lora["max_loras"] == 2
+    assert pools["decode"]["lora"]["deferrals"] > 0 and pools["prefill"]["lora"]["slot_loads"] > 0
