@@ -860,7 +860,6 @@ class EngineConfig:
             raise ConfigError("DCP not support chunked local attn now." if self.attention_chunk_size
                               else "DCP not support sliding window attn now.")
         unsupported = [(self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
-                       (self.speculative.enabled, "speculative decoding"),
                        (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:

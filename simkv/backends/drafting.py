@@ -36,7 +36,10 @@ class Drafter:
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,
                                              seq_overhead_s=0.0, num_speculative_tokens=self.k,
                                              data_parallel_size=hw.data_parallel_size,
-                                             block_size=config.cache.block_size)
+                                             block_size=config.cache.block_size,
+                                             # (the drafter's attention is sharded as the target's: vLLM
+                                             # gives its proposers the DCP groups' local lengths)
+                                             decode_context_parallel_size=hw.decode_context_parallel_size)
 
     @staticmethod
     def _sampling(output: SchedulerOutput) -> tuple[int, int]:

@@ -3,17 +3,22 @@ shard the latent cache (or KV heads duplicated over TP) by tokens, the KV-cache 
 hold block_size x DCP tokens, and the roofline adds the collectives."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from simkv.backends.drafting import Drafter
 from simkv.backends.factory import make_backend
 from simkv.backends.roofline import RooflineCostModel
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
 from simkv.config import ConfigError, EngineConfig
 from simkv.core.outputs import ScheduledChunk
+from simkv.replay.api import replay
 from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.traces.schema import read_trace, take_rows
 from tests.core.helpers import make_request, make_step
 
 V3 = {"model": "deepseek-v3", "gpu": "H200", "tensor_parallel_size": 8}
@@ -34,8 +39,6 @@ def test_dcp_shards_the_latent_by_tokens_and_multiplies_the_cache():
      r"requires `--tensor-parallel-size` \(8\) to be greater than the model's total number of KV heads \(8\)"),
     ({"model": "llama-3-70b", "tensor_parallel_size": 16, "decode_context_parallel_size": 4},
      r"\(4\) exceeds the maximum supported value \(2\)"),
-    (V3 | {"decode_context_parallel_size": 2, "speculative_method": "mtp", "num_speculative_tokens": 1},
-     "not modelled with speculative decoding"),
     (V3 | {"decode_context_parallel_size": 0}, "must be >= 1"),
 ])
 def test_what_dcp_is_refused_with(options, message):
@@ -104,3 +107,28 @@ def test_capacity_reports_the_manager_block():
     rep = json.loads(res.output)
     assert rep["kv_manager_block_size"] == 128 and rep["decode_context_parallel_size"] == 8
     assert rep["kv_bytes_per_token_per_gpu"] == 8_784 and not rep["latent_cache_on_every_gpu"]
+
+
+def test_mtp_drafts_under_dcp():
+    """MTP under DCP 8 (vLLM's proposers read the DCP groups' local lengths): the engine core runs
+    on the manager's 128-token blocks, the drafter's layer reads its 1 / DCP share of the latent
+    (a long-context step's drafting costs less than without DCP), and the replay is whole and
+    deterministic."""
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 2}
+    plain = Drafter(EngineConfig.from_flat(V3 | mtp))
+    sharded = Drafter(EngineConfig.from_flat(V3 | mtp | {"decode_context_parallel_size": 8}))
+    # (64 verifying requests of 100k tokens: the last sampled token and two drafts each)
+    requests = [make_request(i, 100_000, 10) for i in range(64)]
+    for r in requests:
+        r.num_output_tokens = 1
+    step = make_step(chunks=[ScheduledChunk(r, r.num_tokens - 1, 3, True) for r in requests])
+    step.num_spec_tokens_to_schedule = 2
+    assert 0 < sharded.seconds(step) < plain.seconds(step)
+    trace = take_rows(read_trace(Path(__file__).parents[2] / "traces" / "azure_conv_slice.parquet"), np.arange(200))
+    config = EngineConfig.from_flat(V3 | mtp | {"decode_context_parallel_size": 8})
+    runs = [replay(trace, config).summary for _ in range(2)]
+    for s in runs:
+        s.pop("wall_time_s")
+    assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
+    assert runs[0]["num_finished"] == 200 and runs[0]["speculative_decoding"]["num_accepted_tokens"] > 0
+    assert runs[0]["config"]["decode_context_parallel_size"] == 8
