@@ -127,7 +127,7 @@ def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
     """Under speculative decoding vLLM admits a pull only if the blocks of one speculative step
     (1 + K + lookahead slots) stay free besides the prompt's: a prompt near max_model_len whose
     blocks and those do not fit the pool would wait forever (vLLM 0.33 does not check it)."""
-    step_blocks, bs = decode_config.spec_step_blocks, decode_config.cache.block_size
+    step_blocks, bs = decode_config.spec_step_blocks, decode_config.kv_manager_block_size
     if not step_blocks:
         return
     usable = capacity.num_gpu_blocks - (1 if decode_config.cache.reserve_null_block else 0)
@@ -143,9 +143,14 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
     if pool == "prefill" and config.hardware.data_parallel_size > 1:
         raise ConfigError("prefill pool: data_parallel_size > 1 is modelled in the decode pool only")
-    if config.hardware.decode_context_parallel_size > 1:
-        raise ConfigError(f"{pool} pool: decode_context_parallel_size > 1 is not modelled with P/D disaggregation "
-                          "(the pulled blocks' layout differs between the pools)")
+    hw = config.hardware
+    if hw.decode_context_parallel_size > 1:  # (vLLM: a NIXL side is fully replicated or fully DCP-sharded, MLA only)
+        if not hw.model_spec().is_mla:
+            raise ConfigError(f"{pool} pool: P/D with decode_context_parallel_size > 1 is only supported for MLA "
+                              "models (vLLM)")
+        if hw.decode_context_parallel_size != hw.tensor_parallel_size:
+            raise ConfigError(f"{pool} pool: decode_context_parallel_size={hw.decode_context_parallel_size} must be 1 "
+                              f"or equal to the NIXL transfer parallel size={hw.tensor_parallel_size} (vLLM)")
     if sc.preemption_mode != "recompute":
         raise ConfigError(f"{pool} pool: P/D disaggregation is modelled with vLLM v1's recompute preemption; "
                           f"got preemption_mode={sc.preemption_mode}")

@@ -91,14 +91,17 @@ def test_a_dcp_replay_runs_its_core_on_manager_blocks(tmp_path):
     assert summary["config"]["decode_context_parallel_size"] == 8 and summary["config"]["block_size"] == 16
     assert summary["num_finished"] == summary["num_requests"]
     assert "of 128 tokens" in (out / "report.html").read_text() or "of 128 tokens" in res.output
-    # a calibration, P/D pools and the GPU backend do not take it
+    # a calibration and the GPU backend do not take it; P/D pools do where vLLM's NIXL does (D = TP)
     config = EngineConfig.from_flat(V3 | {"decode_context_parallel_size": 8})
     with pytest.raises(ValueError, match="decode context parallelism"):
         make_backend(str(tmp_path / "calib.json"), config)
-    pd = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "pd"), "--model",
-                              "deepseek-v3", "--gpu", "H200", "-tp", "8", "-dcp", "8", "--prefill-replicas", "1",
-                              "--decode-replicas", "1"])
-    assert pd.exit_code != 0 and "decode_context_parallel_size > 1 is not modelled with P/D" in pd.output
+    pd_args = ["replay", "traces/req400.parquet", "--model", "deepseek-v3", "--gpu", "H200", "-tp", "8",
+               "--prefill-replicas", "1", "--decode-replicas", "1"]
+    pd = runner.invoke(main, pd_args + ["-dcp", "8", "--out", str(tmp_path / "pd")])
+    assert pd.exit_code == 0, pd.output
+    assert json.loads((tmp_path / "pd" / "summary.json").read_text())["num_finished"] == 400
+    short = runner.invoke(main, pd_args + ["-dcp", "2", "--out", str(tmp_path / "pd2")])
+    assert short.exit_code != 0 and "must be 1 or equal to the NIXL transfer parallel size=8" in short.output
 
 
 def test_capacity_reports_the_manager_block():
@@ -132,3 +135,33 @@ def test_mtp_drafts_under_dcp():
     assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
     assert runs[0]["num_finished"] == 200 and runs[0]["speculative_decoding"]["num_accepted_tokens"] > 0
     assert runs[0]["config"]["decode_context_parallel_size"] == 8
+
+
+def test_a_dcp_decode_pool_under_pd():
+    """P/D with a DCP decode pool (vLLM: a NIXL side is fully replicated or fully DCP-sharded,
+    MLA only): the decode engine runs on 128-token manager blocks, each decode GPU pulls only its
+    token shard (an eighth of the replicated latent's bytes, save the last block's rounding),
+    every request is served and decode runs change nothing. A GQA model, or DCP short of TP, is
+    refused with vLLM's words."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = take_rows(read_trace(Path(__file__).parents[2] / "traces" / "azure_conv_slice.parquet"), np.arange(150))
+    config = EngineConfig.from_flat(V3)
+    plain = replay(trace, config, disaggregation=DisaggregationSpec(1, 1))
+    spec = DisaggregationSpec(1, 1, decode_options=(("decode_context_parallel_size", 8),))
+    runs = replay(trace, config, disaggregation=spec)
+    steps = replay(trace, config, disaggregation=spec, use_decode_runs=False)
+    for res in (runs, steps):
+        res.summary.pop("wall_time_s")
+    assert json.dumps(runs.summary, sort_keys=True, default=str) == json.dumps(steps.summary, sort_keys=True,
+                                                                                default=str)
+    assert (runs.requests["status"] == "finished").all()
+    full, shard = plain.summary["disaggregation"]["kv_transfer"], runs.summary["disaggregation"]["kv_transfer"]
+    assert full["num_pulls"] == shard["num_pulls"] == 150
+    assert full["pulled_bytes"] / 8 <= shard["pulled_bytes"] < full["pulled_bytes"] / 7
+    for options, message in [({"model": "qwen3-30b-a3b", "gpu": "H100-SXM", "tensor_parallel_size": 8},
+                               "only supported for MLA models"),
+                              (V3, "must be 1 or equal to the NIXL transfer parallel size=8")]:
+        bad = DisaggregationSpec(1, 1, decode_options=(("decode_context_parallel_size", 2),))
+        with pytest.raises(ConfigError, match=message):
+            replay(trace, EngineConfig.from_flat(options), disaggregation=bad)
