@@ -551,20 +551,28 @@ def _offload_options(case: dict) -> dict:
             "kv_offloading_max_tracker_size": case.get("max_tracker_size", 64_000)}
 
 
-def _row_at(case: dict, request) -> int:
-    """The position in `case["requests"]` of a request's case row."""
-    return next(i for i, r in enumerate(case["requests"]) if r["row"] == request.index)
+def _pd_latencies(case: dict) -> dict[int, int]:
+    """P/D cases (scripts/oracle_offload.py --pd): each row's transfer latency, by row."""
+    return {r["row"]: r["latency"] for r in case["requests"]} if case.get("pd") else {}
 
 
-def _due_transfers(out, b: int, case: dict, due: dict, transfers: list, row: int) -> None:
+def _due_transfers(out, b: int, case: dict, due: dict, transfers: list, row: int, latency: dict) -> None:
     """The transfers step (or batch) `b` started, due in later outputs as scripts/oracle_offload.py
     has them end: P/D pulls (--pd) in that of b + latency - 1, then loads in that of
     b + load_latency - 1 and stores in that of b + store_latency, in the order made."""
     for req in out.kv_loads or ():
-        due.setdefault(b + case["requests"][_row_at(case, req)]["latency"] - 1, []).append(req)
+        due.setdefault(b + latency[req.index] - 1, []).append(req)
     for job in out.offload_jobs or ():
         due.setdefault(b + (case["store_latency"] if job.is_store else case["load_latency"] - 1), []).append(job)
         transfers.append([row, job.request.index, job.num_blocks, int(job.is_store)])
+
+
+def _sends_due(finished, b: int, latency: dict, due_send: dict) -> None:
+    """P/D: the sends that finished in step (or batch) `b`'s output are released in that of
+    b + latency."""
+    for req in finished:
+        if req.kv_role == KV_SEND:
+            due_send.setdefault(b + latency[req.index], []).append(req)
 
 
 def _transfers_done(sched, done, sent) -> None:
@@ -593,18 +601,16 @@ def drive_offload(case: dict, max_steps: int = 5000) -> dict:
     due: dict[int, list] = {}
     error = None
     aborts = _aborts_by_step(case)
-    roles = bool(case.get("pd"))
+    latency = _pd_latencies(case)
     due_send: dict[int, list] = {}  # (P/D: sends released in a step's output)
     for k in range(max_steps):
-        _deliver(pending, k, sched, requests, roles=roles)
+        _deliver(pending, k, sched, requests, roles=bool(latency))
         _abort(sched, requests, aborts, k, "before")
         out = sched.schedule()
-        _due_transfers(out, k, case, due, transfers, k)
+        _due_transfers(out, k, case, due, transfers, k, latency)
         rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
         _abort(sched, requests, aborts, k, "output", out)
-        for req in sched.update_from_output(out):
-            if roles and req.kv_role == KV_SEND:
-                due_send.setdefault(k + case["requests"][_row_at(case, req)]["latency"], []).append(req)
+        _sends_due(sched.update_from_output(out), k, latency, due_send)
         _transfers_done(sched, due.pop(k, ()), due_send.pop(k, ()))
         if (not pending and not sched.has_unfinished_requests() and not due and not due_send
                 and not (sched.offload is not None and sched.offload.has_finished_requests)):
@@ -641,7 +647,7 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
     error = None
     aborts = _aborts_by_step(case)
 
-    roles = bool(case.get("pd"))
+    latency = _pd_latencies(case)
     due_send: dict[int, list] = {}
 
     def has_requests() -> bool:
@@ -653,14 +659,14 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
         if len(rows) >= max_steps or num_batches >= 4 * max_steps:
             error = "max steps"
             break
-        _deliver(pending, len(rows), sched, requests, roles=roles)
+        _deliver(pending, len(rows), sched, requests, roles=bool(latency))
         _abort(sched, requests, aborts, len(rows), "before")
         if has_requests():
             unreported = False
             out = sched.schedule()
             b = num_batches
             num_batches += 1
-            _due_transfers(out, b, case, due, transfers, len(rows))
+            _due_transfers(out, b, case, due, transfers, len(rows), latency)
             ran = not out.is_empty
             if ran:
                 rows.append([out.total_num_scheduled_tokens, out.num_running, out.num_waiting, out.num_blocks_used])
@@ -676,10 +682,10 @@ def drive_offload_async(case: dict, max_steps: int = 5000) -> dict:
         b, out = queue.pop()
         if out is not None:
             _abort(sched, requests, aborts, out.step, "output")
-        for req in sched.update_from_output(out) if out is not None else ():
-            unreported = True
-            if roles and req.kv_role == KV_SEND:
-                due_send.setdefault(b + case["requests"][_row_at(case, req)]["latency"], []).append(req)
+        if out is not None:
+            finished = sched.update_from_output(out)
+            unreported |= bool(finished)
+            _sends_due(finished, b, latency, due_send)
         _transfers_done(sched, due.pop(b, ()), due_send.pop(b, ()))
     result = {"steps": rows, "requests": {str(r["row"]): [-1, -1] for r in case["requests"]}, "scheduler": sched,
               "transfers": transfers}
