@@ -159,8 +159,9 @@ def test_a_position_past_the_rotary_tables_is_refused_before_the_forward():
 
 def test_clients_that_give_up_on_the_real_backend(monkeypatch):
     """Client time-outs run on the real backend as in a simulation, with its measured steps: the
-    clients whose deadline (the median end-to-end latency of the same replay without them) passes
-    give up and are aborted, and retry once; the runner drops an aborted request's rows of the
+    clients whose deadline (the first quartile of the end-to-end latencies of the same replay
+    without them: wall-clock steps vary from run to run, and at the median a faster second run
+    could leave no client late) passes give up and are aborted, and retry once; the runner drops an aborted request's rows of the
     persistent batch and its sampled ids at the next step (a retry is a request of its own that
     samples anew), as vLLM's runner drops those its finished_req_ids name."""
     from gpu_backend.runner import ModelRunner
@@ -169,7 +170,7 @@ def test_clients_that_give_up_on_the_real_backend(monkeypatch):
     trace = _trace(n=24, at_zero=False, out=(10, 60))
     config = EngineConfig.from_flat(OPTS)
     patient = run_gpu_replay(trace, config, device="cpu", warmup_steps=1)
-    deadline = float(patient.requests["e2e_s"].median())
+    deadline = float(patient.requests["e2e_s"].quantile(0.25))
     runners, aborted = [], []
     prepare = ModelRunner.prepare
 
