@@ -46,13 +46,6 @@ _POSITIONS = 1 << 40
 MAX_TRACKER_SIZE = 64_000  # vLLM's default max_tracker_size
 
 
-class _Chunk:
-    __slots__ = ("ref_cnt",)
-
-    def __init__(self) -> None:
-        self.ref_cnt = _PENDING
-
-
 class _Access:
     """What the tier has seen of one request (vLLM's _RequestCacheAccess and _RequestRank)."""
 
@@ -119,7 +112,7 @@ class CPUOffloadManager:
     def __init__(self, num_chunks: int, admission: StoreAdmission | None = None) -> None:
         self.num_chunks = num_chunks
         self.admission = admission
-        self.chunks: dict[int, _Chunk] = {}
+        self.chunks: dict[int, int] = {}  # key -> its reference count (_PENDING: its store is in flight)
         # key -> its recency, vLLM's (request rank, -position) as one int (_POSITIONS): least first
         self._ranks: dict[int, int] = {}
         self._evictable: set[int] = set()
@@ -131,10 +124,10 @@ class CPUOffloadManager:
     # ---- lookups and loads --------------------------------------------------------------------
     def lookup(self, key: int) -> int:
         """0: miss, 1: readable, 2: its store is in flight."""
-        chunk = self.chunks.get(key)
-        if chunk is None:
+        ref_cnt = self.chunks.get(key)
+        if ref_cnt is None:
             return 0
-        return 2 if chunk.ref_cnt == _PENDING else 1
+        return 2 if ref_cnt == _PENDING else 1
 
     def held_run(self, keys) -> tuple[int, bool]:
         """How many of `keys`, in order, the tier holds before the first it lacks, and whether
@@ -146,21 +139,22 @@ class CPUOffloadManager:
         return count, bool(pending) and not pending.isdisjoint(keys[:count])
 
     def prepare_load(self, keys: list[tuple[int, int]], access: _Access) -> None:
+        chunks, evictable = self.chunks, self._evictable
         for _, key in keys:
-            chunk = self.chunks[key]
-            if chunk.ref_cnt == 0:
-                self._evictable.discard(key)
-            chunk.ref_cnt += 1
+            ref_cnt = chunks[key]
+            if ref_cnt == 0:
+                evictable.discard(key)
+            chunks[key] = ref_cnt + 1
         self._record(keys, access)
 
     def complete_load(self, keys: list[int]) -> None:
+        chunks, idle = self.chunks, []
         for key in keys:
-            chunk = self.chunks[key]
-            chunk.ref_cnt -= 1
-            if chunk.ref_cnt == 0:
-                self._evictable.add(key)
-                heapq.heappush(self._heap, (self._ranks[key], key))
-        self._compact()
+            ref_cnt = chunks[key] - 1
+            chunks[key] = ref_cnt
+            if ref_cnt == 0:
+                idle.append(key)
+        self._make_evictable(idle)
 
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, keys: list[tuple[int, int]], access: _Access) -> list[int] | None:
@@ -190,43 +184,62 @@ class CPUOffloadManager:
         # (the order of a key at `position`: top - position)
         top = self._request_rank(access) * _POSITIONS + _POSITIONS - 1
         stored = list(map(_SECOND, to_store))
-        self.chunks.update(zip(stored, [_Chunk() for _ in stored]))
+        self.chunks.update(dict.fromkeys(stored, _PENDING))
         self._ranks.update(zip(stored, [top - position for position, _ in to_store]))
         self._pending.update(stored)
         return stored
 
     def complete_store(self, keys: list[int]) -> None:
-        for key in keys:
-            chunk = self.chunks.get(key)
-            if chunk is not None and chunk.ref_cnt == _PENDING:
-                chunk.ref_cnt = 0
-                self._pending.discard(key)
-                self._evictable.add(key)
-                heapq.heappush(self._heap, (self._ranks[key], key))
+        chunks = self.chunks
+        done = [key for key in keys if chunks.get(key) == _PENDING]
+        chunks.update(dict.fromkeys(done, 0))
+        self._pending.difference_update(done)
+        self._make_evictable(done)
+
+    def _make_evictable(self, keys: list[int]) -> None:
+        """Chunks no transfer holds any more: evictable, each in the heap at its rank."""
+        if not keys:
+            return
+        self._evictable.update(keys)
+        heap = self._heap
+        entries = zip(map(self._ranks.__getitem__, keys), keys)
+        if len(keys) * 8 > len(heap):  # (many: one heapify; the pops' order is the entries', not the layout's)
+            heap.extend(entries)
+            heapq.heapify(heap)
+        else:
+            push = heapq.heappush
+            for entry in entries:
+                push(heap, entry)
         self._compact()
 
     def _evict(self, n: int, protected: set[int]) -> bool:
-        heap, selected, deferred, picked = self._heap, [], [], set()
-        while heap and len(selected) < n:
-            entry = heapq.heappop(heap)
-            rank, key = entry
-            if key not in self._evictable or self._ranks.get(key) != rank or key in picked:
+        """Evict the n least recent evictable chunks not in `protected`, or none (False)."""
+        heap, ranks, evictable, chunks = self._heap, self._ranks, self._evictable, self.chunks
+        pop = heapq.heappop
+        selected, deferred = [], []
+        need = n
+        while need and heap:
+            entry = pop(heap)
+            key = entry[1]
+            # (stale entries: a rank since superseded, a chunk gone, pinned, or picked already)
+            if ranks.get(key) != entry[0] or key not in evictable:
                 continue
             if key in protected:
                 deferred.append(entry)
                 continue
-            selected.append(entry)
-            picked.add(key)
+            selected.append(key)
+            evictable.discard(key)
+            need -= 1
         for entry in deferred:
             heapq.heappush(heap, entry)
-        if len(selected) < n:
-            for entry in selected:
-                heapq.heappush(heap, entry)
+        if need:
+            evictable.update(selected)
+            for key in selected:
+                heapq.heappush(heap, (ranks[key], key))
             return False
-        for _, key in selected:
-            self._evictable.discard(key)
-            del self.chunks[key]
-            del self._ranks[key]
+        for key in selected:
+            del chunks[key]
+            del ranks[key]
         self.num_evictions += n
         self._compact()
         return True
