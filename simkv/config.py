@@ -842,7 +842,6 @@ class EngineConfig:
         unsupported = [(self.speculative.enabled and not sched.async_scheduling,
                         "speculative decoding without async scheduling"),
                        (self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
-                       (self.hardware.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
                        (sched.prefill_schedule_interval > 1, "prefill_schedule_interval > 1"),
                        (sched.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
@@ -859,8 +858,7 @@ class EngineConfig:
         if self.has_sliding_window:  # (vLLM asserts it)
             raise ConfigError("DCP not support chunked local attn now." if self.attention_chunk_size
                               else "DCP not support sliding window attn now.")
-        unsupported = [(self.hardware.data_parallel_size > 1, "data_parallel_size > 1"),
-                       (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
+        unsupported = [(self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:
             if bad:

@@ -267,19 +267,25 @@ class RooflineCostModel:
         all-gather and reduce-scatter carry every rank's tokens. The step lasts as long as its
         slowest rank. `extra_s`: device time every rank adds (a drafter's); `overlap_host`
         (async scheduling): each rank's step lasts max(device time, host time), as one engine's."""
-        return self.dp_time([self.step_work(out) for out in outputs], num_dummy, extra_s, overlap_host)
+        # (decode context parallelism: each rank's DCP collectives within its TP group; a dummy
+        # pass builds no attention metadata, so it runs no attention and gathers nothing)
+        collectives = [self.dcp_seconds(out) for out in outputs] if self.dcp > 1 else None
+        return self.dp_time([self.step_work(out) for out in outputs], num_dummy, extra_s, overlap_host, collectives)
 
     def dp_time(self, works: list[tuple], num_dummy: int = 0, extra_s: float = 0.0,
-                overlap_host: bool = False) -> float:
-        """`dp_step_seconds` for the ranks' `step_work` tuples (a drafter's passes too)."""
+                overlap_host: bool = False, collectives: list[float] | None = None) -> float:
+        """`dp_step_seconds` for the ranks' `step_work` tuples (a drafter's passes too);
+        `collectives`: each work's rank's own collective seconds on top (DCP's)."""
         works = works + [(0, 0, 0, 0, 0, 0)] * min(num_dummy, 1)
+        if collectives is not None:
+            collectives = collectives + [0.0] * (len(works) - len(collectives))
         total = sum(w[0] for w in works)
         expert_flops = self.expert_flops_per_group_token * total
         touched = self.moe.experts_touched(total) if total and self.moe is not None else 0.0
         expert_traffic = self.expert_bytes_per_rank * touched
         comm = self.dp_comm_per_token * total + self.dp_comm_fixed
         longest = 0.0
-        for tokens, seqs, pairs, kv_read, latent_pairs, upproj in works:
+        for i, (tokens, seqs, pairs, kv_read, latent_pairs, upproj) in enumerate(works):
             flops = self.flops_per_token_local * tokens + self.flops_per_seq * seqs + self.flops_per_pair * pairs
             if self.mla:
                 flops += self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj
@@ -287,6 +293,8 @@ class RooflineCostModel:
                        + self.state_bytes_per_seq * seqs)
             busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
             seconds = busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm
+            if collectives is not None:
+                seconds += collectives[i]
             if overlap_host:
                 host = self.host_seconds(seqs)
                 seconds = max(seconds + extra_s - host, host)

@@ -165,3 +165,48 @@ def test_a_dcp_decode_pool_under_pd():
         bad = DisaggregationSpec(1, 1, decode_options=(("decode_context_parallel_size", 2),))
         with pytest.raises(ConfigError, match=message):
             replay(trace, EngineConfig.from_flat(options), disaggregation=bad)
+
+
+def test_data_parallel_ranks_with_dcp_pay_each_their_own_collectives():
+    """DP 2 x TP 8 with DCP 8 (vLLM takes DCP within each rank's TP group): a lockstep step lasts
+    as long as its slowest rank, collectives included, and a dummy pass (no attention metadata)
+    adds none."""
+    spec, gpu = get_model_spec("deepseek-v3"), get_gpu_spec("H200")
+    model = RooflineCostModel(spec, gpu, 8, data_parallel_size=2, decode_context_parallel_size=8)
+    long = make_step(decodes=64, context=64 * 100_000)
+    short = make_step(decodes=2, context=2 * 500)
+    works = [model.step_work(long), model.step_work(short)]
+    assert model.dcp_seconds(long) > model.dcp_seconds(short) > 0
+    assert model.dp_step_seconds([long, short]) == pytest.approx(model.dp_time(works) + model.dcp_seconds(long))
+    assert model.dp_step_seconds([short], num_dummy=1) == pytest.approx(
+        model.dp_time([works[1]], 1) + model.dcp_seconds(short))
+    # (one rank short of the other's collectives: the slower rank's own sum, not the sum of maxima)
+    slow_short = make_step(decodes=300, context=300 * 200)
+    assert model.dcp_seconds(slow_short) > model.dcp_seconds(long)
+    both = model.dp_step_seconds([long, slow_short])
+    plain = model.dp_time([model.step_work(long), model.step_work(slow_short)])
+    assert plain < both <= plain + model.dcp_seconds(slow_short) + 1e-12
+
+
+@pytest.mark.parametrize("extra", [["-dp", "2"], ["-pp", "2"], ["-dp", "2", "--kv-offloading-size", "64"]])
+def test_dcp_under_data_parallel_ranks_or_pipeline_stages(tmp_path, extra):
+    """DCP composes with DP ranks (each rank's cache on 128-token manager blocks) and with pipeline
+    stages (each stage's share of the latent sharded by tokens): the pool keeps its blocks and
+    holds 8 times the tokens, every request is served, and the replay is deterministic."""
+    runner = CliRunner()
+    base = ["replay", "traces/req400.parquet", "--model", "deepseek-v3", "--gpu", "H200", "-tp", "8"] + extra
+    summaries = []
+    for name, dcp in (("plain", []), ("dcp", ["-dcp", "8"]), ("again", ["-dcp", "8"])):
+        res = runner.invoke(main, base + dcp + ["--out", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        summary.pop("wall_time_s")
+        summaries.append(summary)
+    plain, dcp, again = summaries
+    assert json.dumps(dcp, sort_keys=True) == json.dumps(again, sort_keys=True)
+    assert dcp["num_finished"] == plain["num_finished"] == 400
+    assert dcp["num_gpu_blocks"] == plain["num_gpu_blocks"]
+    assert dcp["config"]["decode_context_parallel_size"] == 8
+    # the same requests' KV on blocks of 8 x the tokens: at most an eighth of the blocks, plus rounding
+    assert dcp["peak_blocks_used"] <= plain["peak_blocks_used"] / 8 + 400
+    assert dcp["duration_s"] != plain["duration_s"]  # (the collectives, the shard's reads)
