@@ -567,6 +567,9 @@ class SpeculativeConfig:
         return tuple(out)
 
 
+SPARSE_BLOCK_MULTIPLE = 64  # DeepSeek sparse attention's kernels: blocks of a multiple of 64 tokens
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -593,6 +596,8 @@ class EngineConfig:
             self._verify_retention()
         if self.has_linear_attention:
             self._verify_linear_attention()
+        if self.hardware.model_spec().is_sparse:
+            self._verify_sparse_attention()
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
         elif any(getattr(self.cache, f.name) != f.default for f in fields(CacheConfig)
@@ -826,6 +831,25 @@ class EngineConfig:
         if interval % self.cache.block_size:
             raise ConfigError(f"prefix_cache_retention_interval ({interval}) must be non-negative and a multiple of "
                               f"scheduler_block_size ({self.cache.block_size}).")
+
+    def _verify_sparse_attention(self) -> None:
+        """DeepSeek sparse attention (backends/roofline.py prices it): vLLM 0.33 runs it on Hopper
+        and Blackwell (FlashMLA sparse and its kin) with blocks of a multiple of 64 tokens."""
+        hw, bs = self.hardware, self.cache.block_size
+        where = f"model {hw.model}: DeepSeek sparse attention (index_topk)"
+        if bs % SPARSE_BLOCK_MULTIPLE:
+            raise ConfigError(f"{where} runs on kernels that take blocks of a multiple of {SPARSE_BLOCK_MULTIPLE} "
+                              f"tokens: block_size {bs} (leave it out: simkv picks {SPARSE_BLOCK_MULTIPLE}, as vLLM does)")
+        gpu = get_gpu_spec(hw.gpu)
+        if gpu.platform == "cuda" and gpu.cuda_major < 9:
+            raise ConfigError(f"{where}: vLLM has no sparse MLA backend for {gpu.name} (compute capability "
+                              f"{gpu.compute_capability}; Hopper or Blackwell needed)")
+        unsupported = [(self.speculative.enabled, "speculative decoding (MTP)"),
+                       (hw.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
+                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"{where} is not modelled with {what} yet")
 
     def _verify_data_parallel(self) -> None:
         unsupported = [(self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
@@ -1066,6 +1090,8 @@ def _backend_block_size(hardware: dict, cache: dict) -> int | None:
         return None  # (HardwareConfig names the bad value)
     if not spec.is_mla:
         return None
+    if spec.is_sparse:  # (the sparse MLA backends and the indexer's take multiples of 64)
+        return SPARSE_BLOCK_MULTIPLE
     major = gpu.cuda_major
     if major == 9 and cache.get("kv_cache_dtype") == "fp8":
         return 64

@@ -113,6 +113,9 @@ class RooflineCostModel:
                 self.flops_per_upproj_token *= 1.0 - self.fp8_discount
         self.flops_per_decode_pair = self.flops_per_latent_pair if self.mla else self.flops_per_pair
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
+        self.sparse_topk = model.index_topk
+        if self.sparse_topk:
+            self._sparse_setup(kv_dtype_bytes)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
         # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
         self.moe = model if model.is_moe else None
@@ -169,6 +172,54 @@ class RooflineCostModel:
         self.window_counts = layer_window_counts(layer_windows) if layer_windows and any(layer_windows) else None
         self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
         self._lora_setup(lora_rank, lora_kernel_s)
+
+    def _sparse_setup(self, kv_dtype_bytes: int) -> None:
+        """DeepSeek sparse attention (`sparse_work`). Every GPU runs the whole indexer (vLLM
+        replicates its projections): its weights and per-token FLOPs are not split by TP, and
+        its logits cost 2 x index heads x index dim FLOPs per query-key pair and layer, in fp8
+        where the GPU has fp8 tensor cores. The KV tuple's reads are in cache tokens (latent and
+        indexer key): a pair of reads, top-k latents and every indexer key, is priced at each
+        one's bytes."""
+        model, tp = self.model, self.tp
+        replicated = 1.0 - 1.0 / tp  # (of the indexer: what the TP split above took off)
+        self.flops_per_token += 2.0 * model.indexer_params * replicated
+        self.weight_bytes += model.indexer_weight_bytes * replicated
+        index_pair = 2.0 * model.num_layers * model.index_n_heads * model.index_head_dim * (1.0 - self.fp8_discount)
+        self.indexer_pair_ratio = index_pair / self.flops_per_latent_pair
+        latent, index = model.latent_bytes_per_token(kv_dtype_bytes), model.indexer_bytes_per_token()
+        self.latent_read_share, self.indexer_read_share = latent / (latent + index), index / (latent + index)
+        self.needs_request_detail = True  # (each decode's context: what top-k caps is per request)
+        self.supports_decode_runs = False
+
+    def sparse_work(self, output: SchedulerOutput) -> tuple:
+        """`step_work` under sparse attention. A query at position p attends min(p, top-k) tokens
+        down the latent (absorbed) path, and the indexer scores all p of them (its pairs ride on
+        the latent path's at their FLOPs' ratio). vLLM 0.33 sends a step's prefills down the
+        dense expanded path instead when none of them is longer than top-k (then every query
+        attends all it sees anyway). A decode reads its top-k latents and every indexer key; a
+        prefill chunk reads its context's latents and keys once."""
+        k = self.sparse_topk
+        prefills = [chunk for chunk in output.chunks if chunk.num_new_tokens > 1]
+        dense = bool(prefills) and max(c.num_computed_tokens + c.num_new_tokens for c in prefills) <= k
+        tokens = pairs = upproj = attended = scored = reads = 0.0
+        for chunk in output.chunks:
+            n, c = chunk.num_new_tokens, chunk.num_computed_tokens
+            tokens += n
+            causal = n * c + n * (n + 1) // 2
+            scored += causal
+            reads += c + n
+            if dense and n > 1:
+                pairs += causal
+                upproj += c
+            else:
+                attended += capped_pairs(c, n, k)
+        for decode in output.decodes or ():
+            p = decode.num_computed_tokens + 1
+            attended += min(p, k)
+            scored += p
+            reads += min(p, k) * self.latent_read_share + p * self.indexer_read_share
+        n = output.num_decode_reqs
+        return (tokens + n, len(output.chunks) + n, pairs, reads, attended + scored * self.indexer_pair_ratio, upproj)
 
     def _lora_setup(self, rank: int, kernel_s: float) -> None:
         """LoRA (vLLM's punica Triton kernels, `lora_seconds`): per token, the shrink (x @ A) and
@@ -245,6 +296,8 @@ class RooflineCostModel:
     def step_work(self, output: SchedulerOutput) -> tuple:
         """(tokens, sequences, query-key pairs, KV tokens read, latent-path pairs, cached tokens
         up-projected) of a step, as `_time` takes them (the last two: latent attention only)."""
+        if self.sparse_topk:
+            return self.sparse_work(output)
         n = output.num_decode_reqs
         ctx = output.decode_context_tokens
         if self.mla:
@@ -406,3 +459,12 @@ def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_c
     else:
         threshold = 128 if block_size % 64 == 0 else 1
     return max(threshold, 1 + num_speculative_tokens) if num_speculative_tokens else threshold
+
+
+def capped_pairs(num_computed: int, num_new: int, cap: int) -> int:
+    """Query-key pairs of `num_new` queries at positions num_computed + 1 ... num_computed +
+    num_new when each attends at most `cap` tokens (sparse attention's top-k)."""
+    first, last = num_computed + 1, num_computed + num_new
+    below = max(0, min(last, cap) - first + 1)  # queries that attend all they see
+    low = first if below else 0
+    return (below * (low + low + below - 1)) // 2 + (num_new - below) * cap

@@ -33,6 +33,10 @@ def capacity_report(config: EngineConfig) -> dict:
     if spec.is_mla:  # every GPU holds the whole latent cache (DCP: its share): all GPUs hold TP / DCP copies
         model_per_token = kv_bytes_per_token(config, tp) // dcp * tp  # (of every stage's layers)
         extra["latent_cache_on_every_gpu"] = dcp == 1
+    if spec.is_sparse:  # (DeepSeek sparse attention: the indexer's keys ride in every block beside the latent)
+        extra["sparse_attention"] = {"index_topk": spec.index_topk,
+                                     "indexer_bytes_per_token": spec.indexer_bytes_per_token(),
+                                     "latent_bytes_per_token": spec.latent_bytes_per_token(config.cache.kv_dtype_bytes)}
     if dcp > 1:
         extra |= {"decode_context_parallel_size": dcp, "kv_manager_block_size": config.kv_manager_block_size}
     if dp > 1:  # every rank has its own pool of that many blocks
@@ -160,6 +164,11 @@ def print_report(rep: dict) -> None:
         lin = rep["linear_attention"]
         rows.insert(2, ("linear-attention state per layer (its page)",
                         f"{lin['state_bytes_per_layer']:,} B ({lin['page_bytes_per_layer']:,} B)"))
+    if rep.get("sparse_attention"):
+        sparse = rep["sparse_attention"]
+        rows.insert(0, ("sparse attention: latent + indexer key per token",
+                        f"{sparse['latent_bytes_per_token']:,} + {sparse['indexer_bytes_per_token']:,} B "
+                        f"(each query attends its top {sparse['index_topk']:,})"))
     if rep.get("latent_cache_on_every_gpu"):
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))
     if rep.get("draft_network"):

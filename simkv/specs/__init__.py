@@ -10,6 +10,7 @@ import yaml
 
 _HERE = Path(__file__).parent
 LINEAR_ATTENTION_KINDS = ("gated_deltanet", "mamba2")
+INDEXER_QUANT_BLOCK = 128  # the sparse-attention indexer's fp8 keys: one float32 scale per 128 values
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,13 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     q_lora_rank: int = 0
+    # DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5; 0: none), on top of latent attention:
+    # in every layer an indexer (`index_n_heads` heads of `index_head_dim`, fp8, one key a token
+    # cached beside the latent) scores every cached token for every query, and the query attends
+    # only the `index_topk` best.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     # Linear attention (hybrid models; "": none): "gated_deltanet" (Qwen3-Next, Qwen3.5) or "mamba2"
     # (Granite 4.0-H). Every `full_attention_interval`-th layer attends the whole context; the others
     # keep a fixed-size state per request instead of K/V (vLLM's MambaSpec): a short convolution's
@@ -99,6 +107,12 @@ class ModelSpec:
                                  "(the query-key width) and v_head_dim > 0")
             if self.sliding_window:
                 raise ValueError(f"{where}: latent attention with sliding windows is not modelled")
+        if self.index_topk:
+            if not self.is_mla:
+                raise ValueError(f"{where}: sparse attention (index_topk) is modelled on latent attention only")
+            if self.index_n_heads <= 0 or self.index_head_dim <= 0 or self.index_head_dim % INDEXER_QUANT_BLOCK:
+                raise ValueError(f"{where}: sparse attention needs index_n_heads > 0 and index_head_dim a positive "
+                                 f"multiple of {INDEXER_QUANT_BLOCK}")
         if self.sliding_window and self.attention_chunk_size:
             raise ValueError(f"{where}: sliding windows and chunked local attention in one model are not modelled")
         if self.num_dense_layers and not (self.is_moe and self.num_dense_layers < self.num_layers
@@ -170,6 +184,8 @@ class ModelSpec:
         n = 0
         if self.linear_weight_bytes == 1.0:
             n += self.num_linear_params - self.num_moe_layers * self.hidden_size * self.num_experts
+            if self.is_sparse:  # (the indexers' bf16 key and head-weight projection)
+                n -= self.num_layers * self.hidden_size * (self.index_head_dim + self.index_n_heads)
         if self.is_moe and self.expert_weight_bytes == 1.0:
             n += self.num_moe_layers * self.num_experts_per_tok * self.expert_params
         return n
@@ -269,6 +285,42 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     @property
+    def is_sparse(self) -> bool:
+        """DeepSeek sparse attention (index_topk): each query attends its top-k cached tokens."""
+        return self.index_topk > 0
+
+    @property
+    def indexer_params(self) -> int:
+        """The sparse-attention indexers' projections over all layers (query from the query's
+        low-rank latent, one key, a weight per head), which vLLM replicates on every GPU."""
+        if not self.is_sparse:
+            return 0
+        h, n, d = self.hidden_size, self.index_n_heads, self.index_head_dim
+        return self.num_layers * ((self.q_lora_rank or h) * n * d + h * d + h * n)
+
+    @property
+    def indexer_weight_bytes(self) -> float:
+        """Bytes of the indexers' projections: the query's at `linear_weight_bytes`, the fused key
+        and head-weight projection bf16 (vLLM loads it so)."""
+        if not self.is_sparse:
+            return 0.0
+        h, n, d = self.hidden_size, self.index_n_heads, self.index_head_dim
+        return self.num_layers * (self.linear_weight_bytes * (self.q_lora_rank or h) * n * d + 2.0 * h * (d + n))
+
+    def indexer_bytes_per_token(self) -> int:
+        """One token's indexer keys over all layers: fp8, with a float32 scale per 128."""
+        d = self.index_head_dim
+        return self.num_layers * (d + d // INDEXER_QUANT_BLOCK * 4) if self.is_sparse else 0
+
+    def latent_bytes_per_token(self, dtype_bytes: int) -> int:
+        """One token's latent and rotary key over all layers. A sparse model's fp8 cache is vLLM's
+        fp8_ds_mla layout: the latent in fp8 with a float32 scale per 128, the rotary key bf16."""
+        r, rope = self.kv_lora_rank, self.qk_rope_head_dim
+        if self.is_sparse and dtype_bytes == 1:
+            return self.num_layers * (r + r // INDEXER_QUANT_BLOCK * 4 + 2 * rope)
+        return self.num_layers * (r + rope) * dtype_bytes
+
+    @property
     def num_moe_layers(self) -> int:
         """Layers with experts (the rest have a dense MLP; with a layer_pattern its E layers)."""
         if self.layer_pattern:
@@ -352,7 +404,7 @@ class ModelSpec:
         dense_mlps = self.num_dense_mlp_layers * m * h * dense_width
         expert_layers = self.num_moe_layers * (h * self.num_experts + m * h * self.shared_expert_intermediate_size)
         mixers = self.num_attention_layers * self.attention_params + self.num_linear_attention_layers * self.linear_attention_params
-        return mixers + dense_mlps + expert_layers
+        return mixers + dense_mlps + expert_layers + self.indexer_params
 
     @property
     def num_norm_params(self) -> int:
@@ -374,7 +426,8 @@ class ModelSpec:
     def layer_weight_bytes(self) -> float:
         """Bytes of the decoder layers' weights outside the routed experts: the linear ones at
         `linear_weight_bytes`, the norms bf16."""
-        return self.linear_weight_bytes * self.num_linear_params + 2.0 * self.num_norm_params
+        linear = self.num_linear_params - self.indexer_params
+        return self.linear_weight_bytes * linear + self.indexer_weight_bytes + 2.0 * self.num_norm_params
 
     @property
     def weight_bytes(self) -> float:
@@ -390,10 +443,13 @@ class ModelSpec:
     def weight_bytes_per_gpu(self, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> float:
         """Weights on one GPU: split by TP, and under data parallelism the routed experts split over
         every rank's GPUs (data_parallel_size x TP) while the rest is replicated on each rank."""
+        replicated = self.indexer_weight_bytes  # (on every GPU whole)
+        split = self.weight_bytes - replicated
         if data_parallel_size == 1:
-            return self.weight_bytes / tensor_parallel_size
+            return split / tensor_parallel_size + replicated
         routed = self.routed_expert_bytes
-        return (self.weight_bytes - routed) / tensor_parallel_size + routed / (tensor_parallel_size * data_parallel_size)
+        return ((split - routed) / tensor_parallel_size + routed / (tensor_parallel_size * data_parallel_size)
+                + replicated)
 
     def experts_touched(self, num_tokens):
         """Expected distinct experts a layer runs for `num_tokens` tokens (routing taken as
@@ -423,8 +479,8 @@ class ModelSpec:
         """K and V of one token over all attention layers, per GPU under tensor parallelism (latent
         attention: the latent and rotary key, which every GPU holds whole; linear-attention layers
         hold none)."""
-        if self.is_mla:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+        if self.is_mla:  # (sparse attention: the indexer's keys too)
+            return self.latent_bytes_per_token(dtype_bytes) + self.indexer_bytes_per_token()
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
         return 2 * self.num_attention_layers * kv_heads * self.head_dim * dtype_bytes
 

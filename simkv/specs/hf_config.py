@@ -81,8 +81,6 @@ def spec_fields_from_config(path: str) -> dict:
                 return value
         raise ModelConfigError(f"{where}: field '{key}' is missing")
 
-    if cfg.get("index_topk"):
-        raise ModelConfigError(f"{where}: field 'index_topk': DeepSeek's sparse attention (V3.2) is not modelled")
     if cfg.get("hybrid_override_pattern"):
         return _nemotron_h(cfg, raw, where)
     linear = _is_linear_hybrid(cfg, raw)
@@ -109,6 +107,12 @@ def spec_fields_from_config(path: str) -> dict:
         fields.update(kv_lora_rank=need("kv_lora_rank"), qk_rope_head_dim=rope, v_head_dim=need("v_head_dim"),
                       head_dim=need("qk_nope_head_dim") + rope, num_kv_heads=heads,
                       q_lora_rank=need("q_lora_rank") if get("q_lora_rank") is not None else 0)
+        if get("index_topk"):  # DeepSeek sparse attention (V3.2's indexer)
+            fields.update(index_topk=need("index_topk"), index_n_heads=need("index_n_heads"),
+                          index_head_dim=need("index_head_dim"))
+    elif get("index_topk"):
+        raise ModelConfigError(f"{where}: field 'index_topk': sparse attention without latent attention "
+                               "(kv_lora_rank) is not modelled")
     experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
     if experts:
         fields["num_experts"] = need("num_local_experts", "num_experts", "n_routed_experts")

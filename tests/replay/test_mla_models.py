@@ -81,7 +81,7 @@ def test_configs_give_the_shipped_specs_and_kimi_k2(tmp_path):
     ({"moe_layer_freq": 2}, "moe_layer_freq", "experts on only some layers"),
     ({"mlp_only_layers": [3, 7]}, "mlp_only_layers", "dense layers among the expert layers"),
     ({"first_k_dense_replace": 61}, "first_k_dense_replace", "leaves no expert layer"),
-    ({"index_topk": 2048}, "index_topk", "sparse attention"),
+    ({"index_topk": 2048}, "index_n_heads", "is missing"),
     ({"qk_rope_head_dim": None}, "qk_rope_head_dim", "is missing"),
 ])
 def test_layouts_simkv_cannot_size_are_refused_with_the_field(tmp_path, change, field, message):

@@ -1,0 +1,135 @@
+"""DeepSeek sparse attention (DeepSeek-V3.2's DSA): the indexer's keys cached beside the latent,
+each query attending its top-k tokens, and the roofline's price of both."""
+
+import json
+import itertools
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.roofline import RooflineCostModel, capped_pairs
+from simkv.capacity import compute_capacity
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from simkv.core.outputs import ScheduledChunk, ScheduledDecode
+from simkv.replay.api import replay
+from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.traces.schema import read_trace
+from tests.core.helpers import make_request, make_step
+from tests.replay.test_mla_models import DEEPSEEK_V3
+
+V32 = {"model": "deepseek-v3.2", "gpu": "H200", "tensor_parallel_size": 8}
+TRACES = Path(__file__).parents[2] / "traces"
+
+
+def test_the_cache_holds_the_latent_and_the_indexer_key():
+    """Per token and layer: bf16 latent and rotary key 1,152 B, or vLLM's fp8_ds_mla layout 656 B
+    (512 fp8, four float32 scales, the rotary key bf16), plus the indexer's 128 fp8 values and
+    one float32 scale, 132 B; vLLM's sparse kernels take 64-token blocks."""
+    spec = get_model_spec("deepseek-v3.2")
+    assert spec.kv_bytes_per_token(2) == 61 * (1152 + 132) == 78_324
+    assert spec.kv_bytes_per_token(1) == 61 * (656 + 132) == 48_068
+    assert get_model_spec("deepseek-v3").kv_bytes_per_token(2) == 61 * 1152
+    bf16 = compute_capacity(EngineConfig.from_flat(V32))
+    fp8 = compute_capacity(EngineConfig.from_flat(V32 | {"kv_cache_dtype": "fp8"}))
+    assert bf16.block_size == fp8.block_size == 64
+    assert bf16.block_bytes == 64 * 78_324 and fp8.block_bytes == 64 * 48_068
+    assert fp8.num_gpu_blocks == pytest.approx(bf16.num_gpu_blocks * 78_324 / 48_068, rel=1e-3)
+
+
+def test_the_indexer_is_replicated_on_every_gpu():
+    """vLLM builds the indexer's projections unsplit (ReplicatedLinear, disable_tp): each GPU
+    holds them whole, the query's in fp8, the fused key and head-weight projection bf16."""
+    v3, v32 = get_model_spec("deepseek-v3"), get_model_spec("deepseek-v3.2")
+    per_layer = 1536 * 64 * 128 + 7168 * (128 + 64)
+    assert v32.indexer_params == 61 * per_layer
+    indexer_bytes = 61 * (1536 * 64 * 128 + 2 * 7168 * (128 + 64))
+    assert v32.weight_bytes - v3.weight_bytes == pytest.approx(indexer_bytes)
+    for tp in (1, 8):
+        assert v32.weight_bytes_per_gpu(tp) - v3.weight_bytes_per_gpu(tp) == pytest.approx(indexer_bytes)
+
+
+def test_a_config_with_an_indexer_is_the_shipped_spec(tmp_path):
+    path = tmp_path / "v32.json"
+    path.write_text(json.dumps(DEEPSEEK_V3 | {"index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}))
+    imported, shipped = get_model_spec(str(path)), get_model_spec("deepseek-v3.2")
+    for field in ("index_topk", "index_n_heads", "index_head_dim", "num_params", "num_active_params"):
+        assert getattr(imported, field) == getattr(shipped, field), field
+    assert imported.kv_bytes_per_token(2) == shipped.kv_bytes_per_token(2)
+
+
+@pytest.mark.parametrize("computed, new, cap", list(itertools.product((0, 1, 5, 9, 30), (1, 2, 7, 40), (1, 8, 16))))
+def test_capped_pairs_count_each_query_at_most_cap(computed, new, cap):
+    assert capped_pairs(computed, new, cap) == sum(min(p, cap) for p in range(computed + 1, computed + new + 1))
+
+
+def _decodes(step, contexts):
+    step.decodes = [ScheduledDecode(make_request(i, c, 10), c) for i, c in enumerate(contexts)]
+    return step
+
+
+def test_a_long_context_decode_reads_its_top_k_and_every_indexer_key():
+    """Past top-k a decode's latent reads and attention pairs stop growing; the indexer's keys and
+    scores go on, so a 100k-token decode step costs a fraction of dense latent attention's."""
+    gpu = get_gpu_spec("H200")
+    dense = RooflineCostModel(get_model_spec("deepseek-v3"), gpu, 8)
+    sparse = RooflineCostModel(get_model_spec("deepseek-v3.2"), gpu, 8, block_size=64)
+    assert sparse.needs_request_detail and not sparse.supports_decode_runs
+    contexts = [100_000] * 64
+    step = _decodes(make_step(decodes=64, context=sum(c + 1 for c in contexts)), contexts)
+    tokens, seqs, pairs, reads, latent_pairs, upproj = sparse.step_work(step)
+    assert (tokens, seqs, pairs, upproj) == (64, 64, 0, 0)
+    assert latent_pairs == pytest.approx(64 * (2048 + 100_001 * sparse.indexer_pair_ratio))
+    assert reads == pytest.approx(64 * (2048 * sparse.latent_read_share + 100_001 * sparse.indexer_read_share))
+    assert sparse.execute(step) < 0.35 * dense.execute(step)
+    short = [1_000] * 64
+    near = _decodes(make_step(decodes=64, context=sum(c + 1 for c in short)), short)
+    assert sparse.execute(near) == pytest.approx(dense.execute(near), rel=0.05)
+
+
+def test_prefills_go_dense_while_none_is_longer_than_top_k():
+    """vLLM 0.33 runs a step's prefills as dense MHA (the expanded path) when none reaches past
+    top-k tokens; otherwise every prefill query attends its top-k down the latent path."""
+    sparse = RooflineCostModel(get_model_spec("deepseek-v3.2"), get_gpu_spec("H200"), 8, block_size=64)
+    short = ScheduledChunk(make_request(0, 2000, 5), 500, 1500)
+    long = ScheduledChunk(make_request(1, 9000, 5), 1000, 4000)
+    causal_short = 1500 * 500 + 1500 * 1501 // 2
+    causal_long = 4000 * 1000 + 4000 * 4001 // 2
+    tokens, _, pairs, reads, latent_pairs, upproj = sparse.step_work(make_step([short]))
+    assert (tokens, pairs, upproj, reads) == (1500, causal_short, 500, 2000)
+    assert latent_pairs == pytest.approx(causal_short * sparse.indexer_pair_ratio)
+    tokens, _, pairs, reads, latent_pairs, upproj = sparse.step_work(make_step([short, long]))
+    assert (tokens, pairs, upproj, reads) == (5500, 0, 0, 7000)
+    attended = capped_pairs(500, 1500, 2048) + capped_pairs(1000, 4000, 2048)
+    assert attended == causal_short + 1048 * (1048 + 1) // 2 + 1048 * 1000 + (4000 - 1048) * 2048
+    assert latent_pairs == pytest.approx(attended + (causal_short + causal_long) * sparse.indexer_pair_ratio)
+
+
+@pytest.mark.parametrize("options, message", [
+    (V32 | {"block_size": 16}, "blocks of a multiple of 64 tokens: block_size 16"),
+    (V32 | {"gpu": "A100-80GB"}, "no sparse MLA backend for A100-80GB"),
+    (V32 | {"speculative_method": "mtp", "num_speculative_tokens": 1}, "not modelled with speculative decoding"),
+    (V32 | {"decode_context_parallel_size": 8}, "not modelled with decode_context_parallel_size"),
+])
+def test_what_sparse_attention_is_refused_with(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+def test_a_sparse_replay_steps_every_step_and_is_deterministic(tmp_path):
+    """Top-k caps each request's own context, so the roofline takes the steps' per-request detail
+    (no decode runs); the replay is whole and repeatable, and DP ranks and P/D pools run it."""
+    trace = read_trace(TRACES / "req400.parquet")
+    config = EngineConfig.from_flat(V32)
+    runs = [replay(trace, config).summary for _ in range(2)]
+    for s in runs:
+        s.pop("wall_time_s")
+    assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
+    assert runs[0]["num_finished"] == 400 and runs[0]["config"]["block_size"] == 64
+    runner = CliRunner()
+    for name, extra in (("dp", ["-dp", "8"]), ("pd", ["-tp", "8", "--prefill-replicas", "1", "--decode-replicas", "1"])):
+        res = runner.invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v3.2", "--gpu", "H200",
+                                   "--out", str(tmp_path / name)] + extra)
+        assert res.exit_code == 0, res.output
+        assert json.loads((tmp_path / name / "summary.json").read_text())["num_finished"] == 400
