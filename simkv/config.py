@@ -844,8 +844,7 @@ class EngineConfig:
         if gpu.platform == "cuda" and gpu.cuda_major < 9:
             raise ConfigError(f"{where}: vLLM has no sparse MLA backend for {gpu.name} (compute capability "
                               f"{gpu.compute_capability}; Hopper or Blackwell needed)")
-        unsupported = [(self.speculative.enabled, "speculative decoding (MTP)"),
-                       (hw.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
+        unsupported = [(hw.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:
             if bad:

@@ -42,6 +42,12 @@ class Drafter:
                                              decode_context_parallel_size=hw.decode_context_parallel_size)
 
     @staticmethod
+    def _sampling_contexts(output: SchedulerOutput) -> list[int]:
+        """The tokens each request sampling in the step has then (a sparse drafter's top-k caps each)."""
+        ends = (chunk.num_computed_tokens + chunk.num_new_tokens for chunk in output.chunks)
+        return [end for chunk, end in zip(output.chunks, ends) if end >= chunk.request.num_tokens]
+
+    @staticmethod
     def _sampling(output: SchedulerOutput) -> tuple[int, int]:
         """(requests sampling in the step, the tokens they have then): who gets drafts."""
         sampling = context = 0
@@ -55,6 +61,9 @@ class Drafter:
     def _first_work(self, output: SchedulerOutput, sampling: int) -> tuple:
         """The network's first pass, over every token of the step (its `step_work` tuple)."""
         net = self.network
+        if net.sparse_topk:  # (DeepSeek-V3.2's MTP layer: sparse attention as the target's)
+            tokens, _, pairs, kv_read, latent_pairs, upproj = net.sparse_work(output)
+            return tokens, sampling, pairs, kv_read, latent_pairs, upproj
         if net.mla:
             tokens, pairs, latent_pairs, kv_read, upproj = net.mla_chunk_work(output.chunks)
             return tokens + output.num_decode_reqs, sampling, pairs, kv_read, latent_pairs, upproj
@@ -71,6 +80,9 @@ class Drafter:
         net = self.network
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._first_work(output, sampling)
         first = net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        if net.sparse_topk:
+            later = net.sparse_decode_pass_work(self._sampling_contexts(output))
+            return first + (k - 1) * net._time(*later[:4], max, *later[4:])
         return first + (k - 1) * net.decode_pass_seconds(sampling, context)
 
     def dp_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0) -> float:
@@ -90,7 +102,8 @@ class Drafter:
         idle = num_dummy + len(outputs) - len(rows)
         total = net.dp_time([self._first_work(out, sampling) for out, sampling, _, _ in rows], idle)
         for j in range(1, max(k for *_, k in rows)):
-            works = [net.decode_pass_work(sampling, context) for _, sampling, context, k in rows if k > j]
+            works = [net.sparse_decode_pass_work(self._sampling_contexts(out)) if net.sparse_topk
+                     else net.decode_pass_work(sampling, context) for out, sampling, context, k in rows if k > j]
             total += net.dp_time(works, idle + len(rows) - len(works))
         return total
 

@@ -115,7 +115,7 @@ class RooflineCostModel:
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         self.sparse_topk = model.index_topk
         if self.sparse_topk:
-            self._sparse_setup(kv_dtype_bytes)
+            self._sparse_setup(kv_dtype_bytes, num_speculative_tokens)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
         # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
         self.moe = model if model.is_moe else None
@@ -173,7 +173,7 @@ class RooflineCostModel:
         self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
         self._lora_setup(lora_rank, lora_kernel_s)
 
-    def _sparse_setup(self, kv_dtype_bytes: int) -> None:
+    def _sparse_setup(self, kv_dtype_bytes: int, num_speculative_tokens: int) -> None:
         """DeepSeek sparse attention (`sparse_work`). Every GPU runs the whole indexer (vLLM
         replicates its projections): its weights and per-token FLOPs are not split by TP, and
         its logits cost 2 x index heads x index dim FLOPs per query-key pair and layer, in fp8
@@ -190,16 +190,18 @@ class RooflineCostModel:
         self.latent_read_share, self.indexer_read_share = latent / (latent + index), index / (latent + index)
         self.needs_request_detail = True  # (each decode's context: what top-k caps is per request)
         self.supports_decode_runs = False
+        self.sparse_decode_query_len = 1 + num_speculative_tokens  # (vLLM's decode threshold: a verification)
 
     def sparse_work(self, output: SchedulerOutput) -> tuple:
         """`step_work` under sparse attention. A query at position p attends min(p, top-k) tokens
         down the latent (absorbed) path, and the indexer scores all p of them (its pairs ride on
         the latent path's at their FLOPs' ratio). vLLM 0.33 sends a step's prefills down the
         dense expanded path instead when none of them is longer than top-k (then every query
-        attends all it sees anyway). A decode reads its top-k latents and every indexer key; a
-        prefill chunk reads its context's latents and keys once."""
-        k = self.sparse_topk
-        prefills = [chunk for chunk in output.chunks if chunk.num_new_tokens > 1]
+        attends all it sees anyway). A decode (or a verification chunk of 1 + K tokens) reads
+        each query's top-k latents and every indexer key; a prefill chunk reads its context's
+        latents and keys once."""
+        k, q = self.sparse_topk, self.sparse_decode_query_len
+        prefills = [chunk for chunk in output.chunks if chunk.num_new_tokens > q]
         dense = bool(prefills) and max(c.num_computed_tokens + c.num_new_tokens for c in prefills) <= k
         tokens = pairs = upproj = attended = scored = reads = 0.0
         for chunk in output.chunks:
@@ -207,12 +209,17 @@ class RooflineCostModel:
             tokens += n
             causal = n * c + n * (n + 1) // 2
             scored += causal
-            reads += c + n
-            if dense and n > 1:
+            if dense and n > q:
                 pairs += causal
                 upproj += c
-            else:
-                attended += capped_pairs(c, n, k)
+                reads += c + n
+                continue
+            capped = capped_pairs(c, n, k)
+            attended += capped
+            if n > q:  # (a sparse prefill gathers its context once into the kernel's workspace)
+                reads += c + n
+            else:  # (a decode or verification: each query gathers its own top-k, the keys are read once)
+                reads += capped * self.latent_read_share + (c + n) * self.indexer_read_share
         for decode in output.decodes or ():
             p = decode.num_computed_tokens + 1
             attended += min(p, k)
@@ -220,6 +227,16 @@ class RooflineCostModel:
             reads += min(p, k) * self.latent_read_share + p * self.indexer_read_share
         n = output.num_decode_reqs
         return (tokens + n, len(output.chunks) + n, pairs, reads, attended + scored * self.indexer_pair_ratio, upproj)
+
+    def sparse_decode_pass_work(self, contexts: list[int]) -> tuple:
+        """`decode_pass_work` under sparse attention: one new token for each sequence, after
+        `contexts` cached tokens each (a drafter's later passes)."""
+        k = self.sparse_topk
+        scored = sum(contexts) + len(contexts)
+        attended = sum(min(c + 1, k) for c in contexts)
+        reads = attended * self.latent_read_share + scored * self.indexer_read_share
+        n = len(contexts)
+        return n, n, 0, reads, attended + scored * self.indexer_pair_ratio, 0
 
     def _lora_setup(self, rank: int, kernel_s: float) -> None:
         """LoRA (vLLM's punica Triton kernels, `lora_seconds`): per token, the shrink (x @ A) and

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from simkv.backends.drafting import Drafter
 from simkv.backends.roofline import RooflineCostModel, capped_pairs
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
@@ -109,7 +110,6 @@ def test_prefills_go_dense_while_none_is_longer_than_top_k():
 @pytest.mark.parametrize("options, message", [
     (V32 | {"block_size": 16}, "blocks of a multiple of 64 tokens: block_size 16"),
     (V32 | {"gpu": "A100-80GB"}, "no sparse MLA backend for A100-80GB"),
-    (V32 | {"speculative_method": "mtp", "num_speculative_tokens": 1}, "not modelled with speculative decoding"),
     (V32 | {"decode_context_parallel_size": 8}, "not modelled with decode_context_parallel_size"),
 ])
 def test_what_sparse_attention_is_refused_with(options, message):
@@ -133,3 +133,37 @@ def test_a_sparse_replay_steps_every_step_and_is_deterministic(tmp_path):
                                    "--out", str(tmp_path / name)] + extra)
         assert res.exit_code == 0, res.output
         assert json.loads((tmp_path / name / "summary.json").read_text())["num_finished"] == 400
+
+
+def test_mtp_drafts_with_sparse_attention():
+    """DeepSeek-V3.2's MTP layer is a target-shaped layer with its own indexer: its latent and
+    indexer key ride in every block (62 layers), its passes attend each request's top-k, and a
+    verification chunk (1 + K tokens) is a decode, never a dense prefill."""
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 2}
+    capacity = compute_capacity(EngineConfig.from_flat(V32 | mtp))
+    assert capacity.block_bytes == 64 * 62 * (1152 + 132)
+    sparse, dense = (Drafter(EngineConfig.from_flat(V | mtp)) for V in (V32, {**V32, "model": "deepseek-v3"}))
+    requests = [make_request(i, 100_000, 10) for i in range(64)]
+    for r in requests:
+        r.num_output_tokens = 1
+    step = make_step(chunks=[ScheduledChunk(r, r.num_tokens - 1, 3, True) for r in requests])
+    step.num_spec_tokens_to_schedule = 2
+    assert 0 < sparse.seconds(step) < 0.8 * dense.seconds(step)  # (a layer and the LM head: the rest is weights)
+    target = RooflineCostModel(get_model_spec("deepseek-v3.2"), get_gpu_spec("H200"), 8, block_size=64,
+                               num_speculative_tokens=2)
+    verify = ScheduledChunk(make_request(0, 1500, 10), 1000, 3)
+    prefill = ScheduledChunk(make_request(1, 900, 10), 0, 900)
+    _, _, pairs, reads, _, _ = target.step_work(make_step([verify, prefill]))
+    assert pairs == 900 * 901 // 2  # (the prefill dense, the verification down the sparse path)
+    # the verification's queries gather their own top-k latents; the prefill reads its context once
+    far = ScheduledChunk(make_request(2, 50_000, 10), 40_000, 3)
+    _, _, _, far_reads, _, _ = target.step_work(make_step([far]))
+    assert far_reads == pytest.approx(3 * 2048 * target.latent_read_share + 40_003 * target.indexer_read_share)
+    assert reads == pytest.approx(capped_pairs(1000, 3, 2048) * target.latent_read_share
+                                  + 1003 * target.indexer_read_share + 900)
+    trace = read_trace(TRACES / "req400.parquet")
+    runs = [replay(trace, EngineConfig.from_flat(V32 | mtp)).summary for _ in range(2)]
+    for s in runs:
+        s.pop("wall_time_s")
+    assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
+    assert runs[0]["num_finished"] == 400 and runs[0]["speculative_decoding"]["num_accepted_tokens"] > 0
