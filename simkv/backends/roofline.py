@@ -188,7 +188,7 @@ class RooflineCostModel:
         self.indexer_pair_ratio = index_pair / self.flops_per_latent_pair
         latent, index = model.latent_bytes_per_token(kv_dtype_bytes), model.indexer_bytes_per_token()
         self.latent_read_share, self.indexer_read_share = latent / (latent + index), index / (latent + index)
-        self.needs_request_detail = True  # (each decode's context: what top-k caps is per request)
+        self.needs_request_detail = "contexts"  # (each decode's context: what top-k caps is per request)
         self.supports_decode_runs = False
         self.sparse_decode_query_len = 1 + num_speculative_tokens  # (vLLM's decode threshold: a verification)
 
