@@ -220,6 +220,9 @@ class RooflineCostModel:
                 reads += c + n
             else:  # (a decode or verification: each query gathers its own top-k, the keys are read once)
                 reads += capped * self.latent_read_share + (c + n) * self.indexer_read_share
+        if output.num_decode_reqs and output.decodes is None:
+            raise RuntimeError("sparse attention prices each decode's context: the scheduler must list them "
+                               "(needs_request_detail)")
         for decode in output.decodes or ():
             p = decode.num_computed_tokens + 1
             attended += min(p, k)
