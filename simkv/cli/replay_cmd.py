@@ -459,8 +459,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)
-    refused = sum(result.summary.get("admission_control", {}).get("rejected", {}).values())
-    rejected = result.summary["num_rejected"] - refused  # (refused by the admission control: its own row)
+    requests = result.requests  # (those refused by the admission control have their own row; a retried 503 is no rejection)
+    rejected = int(((requests["status"] == "rejected") & (requests["prompt_tokens"] >= config.max_model_len)).sum())
     if rejected:  # vLLM refuses these prompts the same way; say how to serve them
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
                    f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",

@@ -77,7 +77,9 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     _check_lora(trace, config, disaggregation)
-    _check_queue_limits(trace, config, fleet, disaggregation)
+    # (under P/D the front end that refuses is the prefill pool's: its config carries the limits)
+    _check_queue_limits(trace, disaggregation.pool_configs(config)[0] if disaggregation is not None else config,
+                        fleet)
     if backend is not None and config.hardware.pipeline_parallel_size > 1:
         raise ValueError("the GPU backend runs the model on one device: replay pipeline_parallel_size on a cost model")
     if backend is not None and config.cache.kv_offloading_size is not None:
@@ -133,16 +135,15 @@ def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
                          f"(and --max-loras, vLLM's default 1), as vLLM refuses them without it")
 
 
-def _check_queue_limits(trace, config: EngineConfig, fleet, disaggregation) -> None:
+def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:
     """vLLM's API-server admission control (simkv/replay/admission.py) is modelled for one
-    engine, a fleet (its clients may retry: the router routes the retry) and data-parallel ranks
-    whose clients do not retry, with requests that come as the trace sends them (not paced on
-    their replies)."""
+    engine, a fleet (its clients may retry: the router routes the retry), data-parallel ranks
+    whose clients do not retry and a P/D prefill pool (`config` is then the pool's), with
+    requests that come as the trace sends them (not paced on their replies)."""
     sc = config.scheduler
     if sc.max_num_queued_reqs is None and sc.max_num_queued_tokens is None:
         return
-    unsupported = [(disaggregation is not None, "P/D disaggregation"),
-                   (config.hardware.data_parallel_size > 1 and sc.has_clients,
+    unsupported = [(config.hardware.data_parallel_size > 1 and sc.has_clients,
                     "data-parallel ranks whose clients retry"),
                    (trace.session_id is not None and sc.session_pacing, "sessions paced on their replies")]
     for bad, what in unsupported:

@@ -87,6 +87,12 @@ class DisaggregationSpec:
     def pool_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """The prefill pool's and the decode pool's engine configs: `base` with each pool's options."""
         configs = []
+        limits = {"max_num_queued_reqs", "max_num_queued_tokens"} & dict(self.decode_options).keys()
+        if limits:
+            raise ConfigError(f"decode pool: {' / '.join(sorted(limits))} (vLLM's admission control) is modelled at "
+                              "the prefill servers, where requests enter (a decode server's 503 would come after the "
+                              "prefill, whose blocks then wait for NIXL's abort timeout): set it for both pools or "
+                              "with --prefill-set")
         for pool, options in (("prefill", self.prefill_options), ("decode", self.decode_options)):
             try:
                 config = EngineConfig.from_flat(base.to_dict() | dict(options))
@@ -143,6 +149,7 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
     if pool == "prefill" and config.hardware.data_parallel_size > 1:
         raise ConfigError("prefill pool: data_parallel_size > 1 is modelled in the decode pool only")
+
     hw = config.hardware
     if hw.decode_context_parallel_size > 1:  # (vLLM: a NIXL side is fully replicated or fully DCP-sharded, MLA only)
         if not hw.model_spec().is_mla:
@@ -275,6 +282,12 @@ class PDRouting:
         yield from self.prefill.router_process(self.env, self.prefill_engines)
         self.release_idle_decoders()
 
+    def refused_at_prefill(self) -> None:
+        """A prefill replica's front end refused an attempt (HTTP 503): it will not reach the
+        decode pool, which may then have nothing more to wait for."""
+        self.prefill.num_in_prefill -= 1
+        self.release_idle_decoders()
+
     def release_idle_decoders(self) -> None:
         if self.all_handed_off:
             for engine in self.decode_engines:
@@ -379,6 +392,12 @@ class PrefillFeed(_EventFeed):
         self._apply_events(now)
         super().deliver_until(now)
 
+    def _deliver(self, i: int) -> bool:
+        if super()._deliver(i):
+            return True
+        self.pd.refused_at_prefill()  # (the replica's front end answered 503: simkv/replay/admission.py)
+        return False
+
     def apply(self, request: Request, kind: int) -> None:
         if self.held.get(request.index) is request:
             del self.held[request.index]
@@ -404,6 +423,7 @@ class DecodeFeed(_EventFeed):
 
     def __init__(self, pd: PDRouting, replica: int, *args, block_bytes: int):
         super().__init__(pd, replica, pd.decode.queues[replica], *args)
+        self.queue_limits = None  # (the prefill servers' front ends refuse: simkv/replay/admission.py)
         self.block_bytes = block_bytes
         spec = self.pd.spec
         self._ticks_per_byte = TICKS_PER_SECOND / (spec.kv_link_gbps * 1e9)

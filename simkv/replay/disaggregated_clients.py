@@ -119,6 +119,10 @@ class PrefillClientFeed(_WakesAtDeadlines, ReplicaClientFeed, PrefillFeed):
             in_transit[request.index] = (sent, attempt, request)
         PrefillFeed.note_finished(self, finished, tick)
 
+    def _refused(self, row: int, attempt: int, tick: int) -> None:
+        ReplicaClientFeed._refused(self, row, attempt, tick)  # (its retry, if any, is routed again)
+        self.pd.refused_at_prefill()
+
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         pd = self.pd
         pd.prefill.num_in_prefill -= 1

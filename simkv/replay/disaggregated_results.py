@@ -68,6 +68,8 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     summary = {k: v for k, v in decode.items() if k not in ("fleet", "kv_offloading")}  # (a CPU tier: per pool)
     if "session_pacing" in prefill:  # (the prefill router paces the turns)
         summary["session_pacing"] = prefill["session_pacing"]
+    if "admission_control" in prefill:  # (the prefill pool's front ends refuse: simkv/replay/admission.py)
+        summary["admission_control"] = prefill["admission_control"]
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])
     clients = pd_.prefill.clients
     if clients is not None:

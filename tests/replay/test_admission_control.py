@@ -132,3 +132,35 @@ def test_bad_values_and_the_cli(tmp_path) -> None:
     out = cli_ok(["replay", "traces/req400.parquet", "--max-num-queued-reqs", "3", "--out", str(tmp_path)])
     assert "admission control (HTTP 503)" in out and "by max_num_queued_reqs" in out
     assert "their prompts have at least max_model_len" not in out
+
+
+def test_a_pd_prefill_pool_refuses_at_its_front_ends(tmp_path) -> None:
+    """P/D: a request enters at a prefill replica's API server, which refuses it on that
+    replica's counts; a refused request never reaches the decode pool, which still ends when
+    the rest is served; decode runs change no byte; the decode pool takes no limit."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = _overloaded()
+    config = EngineConfig.from_flat({})
+    plain = replay(trace, config, disaggregation=DisaggregationSpec(2, 1))
+    spec = DisaggregationSpec(2, 1, prefill_options=(("max_num_queued_tokens", 4000),))
+    res = assert_decode_runs_change_no_bytes(trace, config, tmp_path, disaggregation=spec)
+    refused = res.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
+    assert refused > 0 and res.summary["num_rejected"] == refused + plain.summary["num_rejected"]
+    assert res.summary["num_finished"] == 2000 - res.summary["num_rejected"]
+    assert res.summary["disaggregation"]["kv_transfer"]["num_pulls"] == res.summary["num_finished"]
+    assert res.summary["ttft_s"]["p99"] < plain.summary["ttft_s"]["p99"]
+    # the option for both pools is the prefill servers' (the decode servers' 503s are not modelled),
+    # and clients that retry a 503 go back to the prefill router: every refused attempt is one more
+    both = replay(trace, EngineConfig.from_flat({"max_num_queued_tokens": 4000}), disaggregation=DisaggregationSpec(2, 1))
+    assert both.summary["admission_control"] == res.summary["admission_control"]
+    retried = replay(trace, EngineConfig.from_flat({"max_num_queued_tokens": 4000, "client_max_retries": 3}),
+                     disaggregation=DisaggregationSpec(2, 1))
+    again = retried.summary["admission_control"]["rejected"]["max_num_queued_tokens"]
+    assert again > 0 and retried.summary["client"]["attempts"] == 2000 + again
+    assert retried.summary["num_rejected"] < res.summary["num_rejected"]
+    with pytest.raises(ConfigError, match="decode pool: max_num_queued_tokens .*at the prefill servers"):
+        replay(trace, config, disaggregation=DisaggregationSpec(1, 1, decode_options=(("max_num_queued_tokens", 9),)))
+    out = cli_ok(["replay", "traces/req400.parquet", "--prefill-replicas", "1", "--decode-replicas", "1",
+                  "--prefill-set", "max_num_queued_reqs=3", "--out", str(tmp_path / "cli")])
+    assert "admission control (HTTP 503)" in out and "their prompts have at least max_model_len" not in out
