@@ -290,17 +290,19 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     """Every layout of `num_gpus` GPUs: engines of TP GPUs (num_gpus / TP of them, independent),
     engines of PP pipeline stages of TP GPUs each (where simkv models pipeline parallelism), and
     for a mixture of experts one engine of num_gpus / TP data-parallel ranks; for each, the
-    weights and KV memory per GPU and the KV cache tokens in all (or why it does not fit)."""
+    weights and KV memory per GPU and the KV cache tokens in all (or why it does not fit). With
+    -dcp D, the layouts whose TP D divides, each with decode context parallelism D."""
     if num_gpus < 1:
         raise ConfigError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
     if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
-    base = build_config(flags, config_file)
+    dcp = flags.get("decode_context_parallel_size") or 1
+    base = build_config(flags, config_file, {"tensor_parallel_size": dcp} if dcp > 1 else None)
     spec = base.hardware.model_spec()
     if flags.get("pipeline_parallel_size") is not None:
         raise ConfigError("--layouts tries every pipeline parallelism itself: drop -pp")
     rows = []
-    for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0):
+    for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0 and t % dcp == 0):
         kinds = [("engines", 1, 1)]
         if spec.is_moe and tp < num_gpus:
             kinds.append(("data-parallel ranks", num_gpus // tp, 1))
@@ -311,7 +313,9 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
             row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "pipeline_parallel_size": pp,
                    "copies": copies,
                    "layout": (f"{copies} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}" if dp > 1
-                              else f"{copies} x TP {tp} x PP {pp}")}
+                              else f"{copies} x TP {tp} x PP {pp}") + (f" DCP {dcp}" if dcp > 1 else "")}
+            if dcp > 1:
+                row["decode_context_parallel_size"] = dcp
             try:
                 config = build_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp}
                                       | ({"pipeline_parallel_size": pp} if pp > 1 else {}))

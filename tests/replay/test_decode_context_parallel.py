@@ -210,3 +210,19 @@ def test_dcp_under_data_parallel_ranks_or_pipeline_stages(tmp_path, extra):
     # the same requests' KV on blocks of 8 x the tokens: at most an eighth of the blocks, plus rounding
     assert dcp["peak_blocks_used"] <= plain["peak_blocks_used"] / 8 + 400
     assert dcp["duration_s"] != plain["duration_s"]  # (the collectives, the shard's reads)
+
+
+def test_layouts_with_dcp():
+    """`simkv capacity --layouts N -dcp D`: the layouts whose TP D divides, each holding D times
+    the tokens of the same layout without DCP (data-parallel ranks and pipeline stages too)."""
+    runner = CliRunner()
+    base = ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "--layouts", "16", "--json"]
+    plain = {r["layout"]: r for r in json.loads(runner.invoke(main, base).output)["layouts"]}
+    sharded = json.loads(runner.invoke(main, base + ["-dcp", "8"]).output)["layouts"]
+    assert {r["layout"] for r in sharded} == {"2 x TP 8 DCP 8", "DP 2 x TP 8 DCP 8", "1 x TP 8 x PP 2 DCP 8",
+                                             "1 x TP 16 DCP 8"}
+    for row in sharded:
+        assert row["tensor_parallel_size"] % 8 == 0 and row["decode_context_parallel_size"] == 8
+        same = plain[row["layout"].removesuffix(" DCP 8")]
+        assert row["num_gpu_blocks"] == same["num_gpu_blocks"]
+        assert row["kv_cache_tokens_all"] == 8 * same["kv_cache_tokens_all"]
