@@ -132,9 +132,13 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     layers on one GPU. Under the hybrid KV-cache manager a stage's block holds its share of the
     groups' layers, rounded up (vLLM projects the model's groups onto each worker's layers)."""
     spec = config.hardware.model_spec()
-    tp = config.hardware.tensor_parallel_size
+    tp, dp = config.hardware.tensor_parallel_size, config.hardware.data_parallel_size
     layers = pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size)
-    layer_bytes = spec.layer_weight_bytes + spec.routed_expert_bytes  # (taken as spread evenly over the layers)
+    # (taken as spread evenly over the layers: split by TP, routed experts over every rank's GPUs,
+    # a sparse-attention indexer whole on every GPU)
+    replicated = spec.indexer_weight_bytes
+    layer_bytes = spec.layer_weight_bytes - replicated
+    routed = spec.routed_expert_bytes / dp
     embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
     groups = config.kv_cache_groups
     draft = config.draft_network
@@ -143,7 +147,8 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     stages = []
     for i, n in enumerate(layers):
         last = i == len(layers) - 1
-        weights = (layer_bytes * n / spec.num_layers + embedding_bytes * ((i == 0) + last)) / tp
+        share = n / spec.num_layers
+        weights = (layer_bytes * share + routed * share + embedding_bytes * ((i == 0) + last)) / tp + replicated * share
         if groups.is_hybrid:
             lpb = groups.layers_per_block
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)

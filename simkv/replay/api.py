@@ -16,6 +16,7 @@ from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.goodput import goodput_summary
+from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import frontend_latency, request_table, summarize, write_outputs
 from simkv.replay.router import Router, RouterOptions
 
@@ -187,6 +188,7 @@ def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collec
         fleet_part = summary.pop("fleet")
         summary["data_parallel"] = {"data_parallel_size": fleet_part["num_replicas"], "router": fleet_part["router"],
                                     "ranks": fleet_part["replicas"]}
+        summary |= pipeline_summary(runs[0], summary["duration_s"])  # (the group's stages: one set of clocks)
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, steps, runs[0], runs)

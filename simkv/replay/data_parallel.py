@@ -252,10 +252,20 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     ranks = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs=False, on_progress=on_progress,
                           capacity=capacity, env=env, make_feed=feed_of(r)) for r in range(dp)]
     routing.engines = ranks
-    group = env.process((lockstep_async if config.scheduler.async_scheduling else lockstep)(env, ranks, backend, routing))
+    group = env.process(group_process(config)(env, ranks, backend, routing))
     env.process(routing.router_process(env, ranks))  # (it wakes the idle group at arrivals, as a fleet's replicas)
     env.run(until=group)
     return [rank.result() for rank in ranks], routing
+
+
+def group_process(config):
+    """The ranks' process for `config`: lockstep steps, async scheduling's two-deep queue, or
+    under pipeline parallelism the group's batch queue (replay/data_parallel_pipeline.py)."""
+    if config.hardware.pipeline_parallel_size > 1:
+        from simkv.replay.data_parallel_pipeline import lockstep_pipelined
+
+        return lockstep_pipelined
+    return lockstep_async if config.scheduler.async_scheduling else lockstep
 
 
 class PrefillCadence:

@@ -533,12 +533,12 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
 
     pd.prefill_engines = engines(prefill_backends, prefill_feed, prefill_capacity, prefill_config, None)
     if decode_dp > 1:  # the decode pool is one data-parallel engine: its ranks step in lockstep
-        from simkv.replay.data_parallel import lockstep, lockstep_async
+        from simkv.replay.data_parallel import group_process
 
         pd.decode_engines = engines(decode_backends * decode_dp, decode_feed, decode_capacity, decode_config,
                                     on_progress)
         processes = [e.start(own_arrivals=False) for e in pd.prefill_engines]
-        group = lockstep_async if decode_config.scheduler.async_scheduling else lockstep
+        group = group_process(decode_config)
         processes.append(env.process(group(env, pd.decode_engines, decode_backends[0], pd.decode)))
     else:
         pd.decode_engines = engines(decode_backends, decode_feed, decode_capacity, decode_config, on_progress)

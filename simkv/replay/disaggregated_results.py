@@ -114,7 +114,9 @@ def _pool(s: dict, config) -> dict:
 
 def _pool_pipeline(runs, duration_s: float) -> dict:
     """A pool's pipeline stages (simkv/replay/pipeline.py): its replicas' batches and empty
-    schedule() calls summed, a stage's busy fraction averaged over them."""
+    schedule() calls summed, a stage's busy fraction averaged over them (a data-parallel
+    engine's ranks share one set of stages: counted once)."""
+    runs = list({id(run.pipeline): run for run in runs}.values())
     sections = [pipeline_summary(run, duration_s).get("pipeline") for run in runs]
     if not sections or sections[0] is None:
         return {}

@@ -66,18 +66,35 @@ class PipelineStages:
         """Schedule `out`'s batch at tick `now`: (its first stage's start, its last stage's end)."""
         seconds = self.execute(out)
         host = min(self.host_seconds(len(out.chunks)), seconds) if self.host_seconds is not None else 0.0
-        stage = to_ticks((seconds - host) / self.num_stages)
         draft = 0
         if self.drafter_seconds is not None:
             draft_s = self.drafter_seconds(out)
             self.backend.draft_seconds += draft_s
             draft = to_ticks(draft_s)
-        tokens = out.total_num_scheduled_tokens
-        t = max(now, self.host_free) + to_ticks(host + out.lora_load_s)
+        return self._place(seconds, host, draft, out.lora_load_s, out.total_num_scheduled_tokens, out.chunks, now)
+
+    def launch_group(self, ran: list, num_dummy: int, now: int) -> tuple[int, int]:
+        """Data-parallel ranks' batches of one place in the queue (`ran`; `num_dummy` ranks run a
+        dummy pass), through the stages together: the expert layers' collectives line the
+        ranks' passes up stage by stage, so each stage lasts its slowest rank's share of the
+        lockstep step (`dp_step_seconds`); every rank's host prepares its own batch, and each
+        boundary's transfer is its largest batch's."""
+        seconds = self.backend.dp_step_seconds(ran, num_dummy)
+        host = (min(max(self.host_seconds(len(out.chunks)) for out in ran), seconds)
+                if self.host_seconds is not None else 0.0)
+        return self._place(seconds, host, 0, max(out.lora_load_s for out in ran),
+                           max(out.total_num_scheduled_tokens for out in ran),
+                           [chunk for out in ran for chunk in out.chunks], now)
+
+    def _place(self, seconds: float, host: float, draft: int, lora_load_s: float, tokens: int, chunks,
+               now: int) -> tuple[int, int]:
+        """A batch of `seconds` (the whole model, `host` of it on the host) on the stages' clocks."""
+        stage = to_ticks((seconds - host) / self.num_stages)
+        t = max(now, self.host_free) + to_ticks(host + lora_load_s)
         self.host_free = t
         ready = self.token_ready
         if ready:
-            for chunk in out.chunks:
+            for chunk in chunks:
                 t = max(t, ready.get(chunk.request, 0))
         free = self.stage_free
         last = self.num_stages - 1
@@ -90,7 +107,7 @@ class PipelineStages:
                 t = max(t + to_ticks(tokens * links[k - 1]), free[k])
             t += stage + draft if k == last else stage
             free[k] = t
-        for chunk in out.chunks:
+        for chunk in chunks:
             if chunk.samples:
                 ready[chunk.request] = t
         if len(ready) > _PRUNE_AT:

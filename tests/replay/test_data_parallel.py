@@ -114,10 +114,15 @@ def test_requests_go_where_vllms_dp_load_balancer_sends_them(tmp_path):
     assert routing.router.describe()["policy"] == "vllm_dp_load_balancer"
 
 
-def _trace(tmp_path, n=240, seed=3):
+def _busy_trace(tmp_path):
+    """600 requests in 5 s: enough running for batches to fill the stages."""
+    return _trace(tmp_path, n=600, seconds=5.0)
+
+
+def _trace(tmp_path, n=240, seed=3, seconds=30.0):
     rng = np.random.default_rng(seed)
     frame = pd.DataFrame({"request_id": [f"q{i}" for i in range(n)],
-                          "arrival_time_s": np.sort(rng.uniform(0, 30, n)),
+                          "arrival_time_s": np.sort(rng.uniform(0, seconds, n)),
                           "prompt_tokens": rng.integers(50, 3000, n), "output_tokens": rng.integers(5, 300, n)})
     path = tmp_path / "t.parquet"
     frame.to_parquet(path)
@@ -481,3 +486,68 @@ def test_behind_a_router_each_rank_admits_for_itself():
     config = EngineConfig.from_flat(dict(V2_LITE, data_parallel_size=2, max_num_queued_reqs=20))
     assert replay(trace, config).summary["num_finished"] == 20
     assert replay(trace, config, fleet=FleetSpec(router="round_robin")).summary["num_finished"] == 40
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ranks_with_pipeline_stages(tmp_path, async_scheduling):
+    """DP 2 x PP 2: one batch queue for the group, P batches deep (P + 1 async); the ranks' batches
+    of one place go through the stages together (one start and one end for all of them), each
+    rank's scheduler is the pipelined engine's, every request is served, and the same inputs give
+    the same bytes. Against DP 2 without stages, the pipeline keeps two batches in flight."""
+    trace = _busy_trace(tmp_path)
+    base = dict(model="deepseek-v2-lite", data_parallel_size=2, async_scheduling=async_scheduling)
+    config = EngineConfig.from_flat(base | {"pipeline_parallel_size": 2})
+    result = replay(trace, config)
+    summary = result.summary
+    assert summary["num_finished"] == len(trace) and summary["data_parallel"]["data_parallel_size"] == 2
+    pipeline = summary["pipeline"]
+    assert pipeline["pipeline_parallel_size"] == 2 and 0 < pipeline["stage_busy_fraction"] <= 1
+    steps = pd.DataFrame(result.steps)
+    assert set(steps["replica"]) == {0, 1}
+    assert (steps.groupby("start_time_s")["duration_s"].nunique() == 1).all()  # (a place's batches together)
+    assert (steps.groupby("start_time_s")["replica"].transform("size") > 1).mean() > 0.5
+    # two places in flight: most batches start before the one ahead of them has ended
+    ordered = steps.drop_duplicates("start_time_s").sort_values("start_time_s")
+    starts, ends = ordered["start_time_s"].to_numpy(), (ordered["start_time_s"] + ordered["duration_s"]).to_numpy()
+    assert (starts[1:] < ends[:-1] - 1e-9).mean() > 0.8
+    flat = replay(trace, EngineConfig.from_flat(base))
+    assert summary["duration_s"] < flat.summary["duration_s"]  # (the stages work on two batches at once)
+    again = replay(trace, config)
+    assert again.requests.equals(result.requests)
+    assert all(np.array_equal(again.steps[k], result.steps[k]) for k in result.steps)
+
+
+def test_stage_weights_split_the_experts_over_the_ranks():
+    """Under DP x PP each stage's GPUs hold their layers' share of the attention and dense layers
+    split by TP, and of the routed experts split over every rank's TP GPUs."""
+    spec = get_model_spec("deepseek-v3")
+    one = compute_capacity(EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
+                                                       pipeline_parallel_size=2)))
+    two = compute_capacity(EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
+                                                       pipeline_parallel_size=2, data_parallel_size=2)))
+    share = one.pipeline_layers[one.pipeline_binding_stage] / spec.num_layers
+    assert one.pipeline_stage_weight_bytes - two.pipeline_stage_weight_bytes == pytest.approx(
+        spec.routed_expert_bytes * share / 16, rel=1e-6)
+    assert two.num_gpu_blocks > one.num_gpu_blocks
+    with pytest.raises(ConfigError, match="pipeline_parallel_size > 1 is not modelled with data_parallel_size > 1 "
+                                          "and speculative decoding"):
+        EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8, pipeline_parallel_size=2,
+                                    data_parallel_size=2, async_scheduling=True, speculative_method="mtp",
+                                    num_speculative_tokens=1))
+
+
+def test_a_data_parallel_decode_pool_with_pipeline_stages(tmp_path):
+    """P/D with the decode pool one engine of 2 DP ranks x 2 stages: the group's batch queue runs
+    it (one set of stage clocks, counted once in the pool's pipeline section), and every request
+    is served."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = _busy_trace(tmp_path)
+    config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", async_scheduling=True))
+    spec = DisaggregationSpec(1, 1, decode_options=(("data_parallel_size", 2), ("pipeline_parallel_size", 2)))
+    result = replay(trace, config, disaggregation=spec)
+    decode = result.summary["disaggregation"]["decode"]
+    assert result.summary["num_finished"] == len(trace) and decode["pipeline"]["pipeline_parallel_size"] == 2
+    steps = pd.DataFrame(result.steps)
+    decode_steps = steps[steps["pool"] == "decode"]
+    assert decode["pipeline"]["batches"] == decode_steps["start_time_s"].nunique()
