@@ -864,8 +864,6 @@ class EngineConfig:
         sched, cache = self.scheduler, self.cache
         unsupported = [(self.speculative.enabled and not sched.async_scheduling,
                         "speculative decoding without async scheduling"),
-                       (self.hardware.data_parallel_size > 1 and self.speculative.enabled,
-                        "data_parallel_size > 1 and speculative decoding"),
                        (sched.prefill_schedule_interval > 1, "prefill_schedule_interval > 1"),
                        (sched.parallel_sampling == "fork", "vLLM v0's forked parallel sampling"),
                        (sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),

@@ -79,10 +79,17 @@ class PipelineStages:
         ranks' passes up stage by stage, so each stage lasts its slowest rank's share of the
         lockstep step (`dp_step_seconds`); every rank's host prepares its own batch, and each
         boundary's transfer is its largest batch's."""
-        seconds = self.backend.dp_step_seconds(ran, num_dummy)
+        backend, draft = self.backend, 0
+        if self.drafter_seconds is not None:  # (the ranks draft on their last stages, in lockstep too)
+            seconds = backend.inner.dp_step_seconds(ran, num_dummy)
+            draft_s = backend.drafter.dp_seconds(ran, num_dummy)
+            backend.draft_seconds += draft_s
+            draft = to_ticks(draft_s)
+        else:
+            seconds = backend.dp_step_seconds(ran, num_dummy)
         host = (min(max(self.host_seconds(len(out.chunks)) for out in ran), seconds)
                 if self.host_seconds is not None else 0.0)
-        return self._place(seconds, host, 0, max(out.lora_load_s for out in ran),
+        return self._place(seconds, host, draft, max(out.lora_load_s for out in ran),
                            max(out.total_num_scheduled_tokens for out in ran),
                            [chunk for out in ran for chunk in out.chunks], now)
 

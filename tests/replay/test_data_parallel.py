@@ -529,11 +529,20 @@ def test_stage_weights_split_the_experts_over_the_ranks():
     assert one.pipeline_stage_weight_bytes - two.pipeline_stage_weight_bytes == pytest.approx(
         spec.routed_expert_bytes * share / 16, rel=1e-6)
     assert two.num_gpu_blocks > one.num_gpu_blocks
-    with pytest.raises(ConfigError, match="pipeline_parallel_size > 1 is not modelled with data_parallel_size > 1 "
-                                          "and speculative decoding"):
-        EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8, pipeline_parallel_size=2,
-                                    data_parallel_size=2, async_scheduling=True, speculative_method="mtp",
-                                    num_speculative_tokens=1))
+
+
+def test_ranks_with_stages_draft_on_their_last_stages(tmp_path):
+    """DP 2 x PP 2 with MTP (async scheduling, as pipeline stages need): the ranks' drafters run
+    on the last stage after the target's layers, in lockstep; accepted drafts shorten the replay."""
+    trace = _busy_trace(tmp_path)
+    base = dict(model="deepseek-v2-lite", data_parallel_size=2, pipeline_parallel_size=2, async_scheduling=True)
+    plain = replay(trace, EngineConfig.from_flat(base))
+    mtp = replay(trace, EngineConfig.from_flat(base | dict(speculative_method="mtp", num_speculative_tokens=1,
+                                                           spec_acceptance_rate=0.9)))
+    spec = mtp.summary["speculative_decoding"]
+    assert mtp.summary["num_finished"] == len(trace) and spec["num_accepted_tokens"] > 0
+    assert spec["drafter_time_s"] > 0 and spec["drafter_time_share"] > 0
+    assert mtp.summary["pipeline"]["batches"] < plain.summary["pipeline"]["batches"]
 
 
 def test_a_data_parallel_decode_pool_with_pipeline_stages(tmp_path):
