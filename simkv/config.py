@@ -384,8 +384,14 @@ class AttentionConfig:
     # prefix caching FlashInfer's exports a state from inside a prefill chunk (no split at the
     # last block) and aligns blocks to 64 tokens.
     gdn_prefill_backend: str = "auto"
+    # vLLM's attention_config.indexer_tp_shard_min_rows (DeepSeek sparse attention): a step with at
+    # least this many prefill tokens splits their indexer scoring over the TP ranks (CUDA, no DCP);
+    # below it every rank scores every row
+    indexer_tp_shard_min_rows: int = 65536
 
     def __post_init__(self) -> None:
+        if self.indexer_tp_shard_min_rows < 1:
+            raise ConfigError(f"indexer_tp_shard_min_rows must be >= 1, got {self.indexer_tp_shard_min_rows}")
         if self.gdn_prefill_backend not in ("auto", "flashinfer", "triton"):
             raise ConfigError(f"gdn_prefill_backend must be one of auto, flashinfer, triton; got '{self.gdn_prefill_backend}'")
         if self.sliding_window is not None and self.sliding_window < 0:

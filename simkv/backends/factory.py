@@ -69,6 +69,7 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               lora_rank=config.scheduler.max_lora_rank if config.scheduler.enable_lora else 0,
                               tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size),
                               dp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.data_parallel_size),
+                              indexer_tp_shard_min_rows=config.attention.indexer_tp_shard_min_rows,
                               **(params or {}))
     if fitted_from is not None:
         model.fitted_from = fitted_from

@@ -79,6 +79,7 @@ class RooflineCostModel:
         lora_kernel_s: float = 3.0e-6,
         tp_link_gbs: float | None = None,
         dp_link_gbs: float | None = None,
+        indexer_tp_shard_min_rows: int = 65536,
     ) -> None:
         """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
         expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
@@ -115,7 +116,10 @@ class RooflineCostModel:
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         self.sparse_topk = model.index_topk
         if self.sparse_topk:
-            self._sparse_setup(kv_dtype_bytes, num_speculative_tokens)
+            # (vLLM splits the prefill rows over TP ranks on CUDA, without DCP)
+            shard = tp > 1 and gpu.platform == "cuda" and decode_context_parallel_size == 1
+            self._sparse_setup(kv_dtype_bytes, num_speculative_tokens, indexer_tp_shard_min_rows if shard else None,
+                               tp_link_gbs, allreduce_latency_s)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
         # per layer under uniform routing, ModelSpec.experts_touched), each of them once.
         self.moe = model if model.is_moe else None
@@ -173,13 +177,16 @@ class RooflineCostModel:
         self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
         self._lora_setup(lora_rank, lora_kernel_s)
 
-    def _sparse_setup(self, kv_dtype_bytes: int, num_speculative_tokens: int) -> None:
+    def _sparse_setup(self, kv_dtype_bytes: int, num_speculative_tokens: int, shard_min_rows: int | None,
+                      tp_link_gbs: float | None, allreduce_latency_s: float) -> None:
         """DeepSeek sparse attention (`sparse_work`). Every GPU runs the whole indexer (vLLM
         replicates its projections): its weights and per-token FLOPs are not split by TP, and
         its logits cost 2 x index heads x index dim FLOPs per query-key pair and layer, in fp8
-        where the GPU has fp8 tensor cores. The KV tuple's reads are in cache tokens (latent and
-        indexer key): a pair of reads, top-k latents and every indexer key, is priced at each
-        one's bytes."""
+        where the GPU has fp8 tensor cores; every GPU scores every row, but for a step of at
+        least `shard_min_rows` prefill tokens under TP on CUDA, whose prefill rows the ranks
+        split (vLLM's indexer_tp_shard_min_rows). The KV tuple's reads are in cache tokens
+        (latent and indexer key): a pair of reads, top-k latents and every indexer key, is
+        priced at each one's bytes."""
         model, tp = self.model, self.tp
         replicated = 1.0 - 1.0 / tp  # (of the indexer: what the TP split above took off)
         self.flops_per_token += 2.0 * model.indexer_params * replicated
@@ -191,24 +198,28 @@ class RooflineCostModel:
         self.needs_request_detail = "contexts"  # (each decode's context: what top-k caps is per request)
         self.supports_decode_runs = False
         self.sparse_decode_query_len = 1 + num_speculative_tokens  # (vLLM's decode threshold: a verification)
+        self.indexer_shard_min_rows = shard_min_rows  # (None: every rank scores every row)
+        link = (tp_link_gbs or self.gpu.interconnect_gbs) * 1e9
+        self.indexer_exchange_per_row = model.num_layers * model.index_topk * 4 * (tp - 1) / tp / link
+        self.indexer_exchange_fixed = model.num_layers * allreduce_latency_s
 
     def sparse_work(self, output: SchedulerOutput) -> tuple:
         """`step_work` under sparse attention. A query at position p attends min(p, top-k) tokens
         down the latent (absorbed) path, and the indexer scores all p of them (its pairs ride on
         the latent path's at their FLOPs' ratio). vLLM 0.33 sends a step's prefills down the
         dense expanded path instead when none of them is longer than top-k (then every query
-        attends all it sees anyway). A decode (or a verification chunk of 1 + K tokens) reads
-        each query's top-k latents and every indexer key; a prefill chunk reads its context's
-        latents and keys once."""
+        attends all it sees anyway; then, with no decode in the step, the indexer writes its keys
+        and scores nothing). A decode (or a verification chunk of 1 + K tokens) reads each
+        query's top-k latents and every indexer key; a prefill chunk reads its context's latents
+        and keys once."""
         k, q = self.sparse_topk, self.sparse_decode_query_len
-        prefills = [chunk for chunk in output.chunks if chunk.num_new_tokens > q]
-        dense = bool(prefills) and max(c.num_computed_tokens + c.num_new_tokens for c in prefills) <= k
+        dense, prefill_share = self._indexer_plan(output)
         tokens = pairs = upproj = attended = scored = reads = 0.0
         for chunk in output.chunks:
             n, c = chunk.num_new_tokens, chunk.num_computed_tokens
             tokens += n
             causal = n * c + n * (n + 1) // 2
-            scored += causal
+            scored += causal * prefill_share if n > q else causal
             if dense and n > q:
                 pairs += causal
                 upproj += c
@@ -230,6 +241,32 @@ class RooflineCostModel:
             reads += min(p, k) * self.latent_read_share + p * self.indexer_read_share
         n = output.num_decode_reqs
         return (tokens + n, len(output.chunks) + n, pairs, reads, attended + scored * self.indexer_pair_ratio, upproj)
+
+    def _indexer_plan(self, output: SchedulerOutput) -> tuple[bool, float]:
+        """(the step's prefills run as dense MHA, the share of the prefill rows' indexer scores
+        each GPU computes): 0 where dense MHA runs alone (vLLM's indexer then leaves the top-k
+        undone), 1 / TP where the ranks split the rows, else 1."""
+        q = self.sparse_decode_query_len
+        rows = last = 0
+        for chunk in output.chunks:
+            if chunk.num_new_tokens > q:
+                rows += chunk.num_new_tokens
+                last = max(last, chunk.num_computed_tokens + chunk.num_new_tokens)
+        dense = 0 < last <= self.sparse_topk
+        if dense and not output.num_decode_reqs and all(c.num_new_tokens > q for c in output.chunks):
+            return True, 0.0
+        if self.indexer_shard_min_rows is not None and rows >= self.indexer_shard_min_rows:
+            return dense, 1.0 / self.tp
+        return dense, 1.0
+
+    def indexer_exchange_seconds(self, output: SchedulerOutput) -> float:
+        """The ranks' exchange of the top-k indices (int32) of the prefill rows they split, an
+        all-gather over the TP group in every layer; 0 where they do not split them."""
+        if not self.sparse_topk or self._indexer_plan(output)[1] != 1.0 / self.tp or self.tp == 1:
+            return 0.0
+        q = self.sparse_decode_query_len
+        rows = sum(chunk.num_new_tokens for chunk in output.chunks if chunk.num_new_tokens > q)
+        return self.indexer_exchange_per_row * rows + self.indexer_exchange_fixed
 
     def sparse_decode_pass_work(self, contexts: list[int]) -> tuple:
         """`decode_pass_work` under sparse attention: one new token for each sequence, after
@@ -298,6 +335,8 @@ class RooflineCostModel:
         seconds = self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
         if output.num_lora_tokens:
             seconds += self.lora_seconds(output.num_lora_tokens, output.num_active_loras)
+        if self.sparse_topk:
+            seconds += self.indexer_exchange_seconds(output)
         return seconds + self.dcp_seconds(output) if self.dcp > 1 else seconds
 
     def dcp_seconds(self, output: SchedulerOutput) -> float:
@@ -342,7 +381,8 @@ class RooflineCostModel:
         (async scheduling): each rank's step lasts max(device time, host time), as one engine's."""
         # (decode context parallelism: each rank's DCP collectives within its TP group; a dummy
         # pass builds no attention metadata, so it runs no attention and gathers nothing)
-        collectives = [self.dcp_seconds(out) for out in outputs] if self.dcp > 1 else None
+        collectives = ([self.dcp_seconds(out) for out in outputs] if self.dcp > 1
+                       else [self.indexer_exchange_seconds(out) for out in outputs] if self.sparse_topk else None)
         return self.dp_time([self.step_work(out) for out in outputs], num_dummy, extra_s, overlap_host, collectives)
 
     def dp_time(self, works: list[tuple], num_dummy: int = 0, extra_s: float = 0.0,

@@ -52,6 +52,7 @@ _ENGINE_FLAGS = {
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
     "prefix_cache_retention_interval": "prefix_cache_retention_interval",
     "gdn_prefill_backend": "gdn_prefill_backend",
+    "indexer_tp_shard_min_rows": "indexer_tp_shard_min_rows",
 }
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
@@ -356,6 +357,9 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: Gated DeltaNet prefill kernels; with prefix caching FlashInfer's export a state "
                       "from inside a chunk and align blocks to 64 tokens [default: auto, FlashInfer on Hopper "
                       "and on Blackwell for 128-wide keys, else Triton]"),
+    click.option("--indexer-tp-shard-min-rows", type=int, default=None, metavar="N",
+                 help="vLLM's attention_config option (DeepSeek sparse attention): a step with at least N prefill "
+                      "tokens splits their indexer scoring over the TP ranks [default: 65536]"),
 ]
 
 

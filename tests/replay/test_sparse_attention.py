@@ -91,15 +91,19 @@ def test_a_long_context_decode_reads_its_top_k_and_every_indexer_key():
 
 def test_prefills_go_dense_while_none_is_longer_than_top_k():
     """vLLM 0.33 runs a step's prefills as dense MHA (the expanded path) when none reaches past
-    top-k tokens; otherwise every prefill query attends its top-k down the latent path."""
+    top-k tokens, and then, with no decode in the step, its indexer scores nothing; otherwise
+    every prefill query attends its top-k down the latent path, and the indexer scores it."""
     sparse = RooflineCostModel(get_model_spec("deepseek-v3.2"), get_gpu_spec("H200"), 8, block_size=64)
     short = ScheduledChunk(make_request(0, 2000, 5), 500, 1500)
     long = ScheduledChunk(make_request(1, 9000, 5), 1000, 4000)
     causal_short = 1500 * 500 + 1500 * 1501 // 2
     causal_long = 4000 * 1000 + 4000 * 4001 // 2
     tokens, _, pairs, reads, latent_pairs, upproj = sparse.step_work(make_step([short]))
-    assert (tokens, pairs, upproj, reads) == (1500, causal_short, 500, 2000)
-    assert latent_pairs == pytest.approx(causal_short * sparse.indexer_pair_ratio)
+    assert (tokens, pairs, upproj, reads, latent_pairs) == (1500, causal_short, 500, 2000, 0)
+    with_decode = _decodes(make_step([short], decodes=1, context=101), [100])
+    _, _, pairs, _, latent_pairs, _ = sparse.step_work(with_decode)
+    assert pairs == causal_short
+    assert latent_pairs == pytest.approx(101 + (causal_short + 101) * sparse.indexer_pair_ratio)
     tokens, _, pairs, reads, latent_pairs, upproj = sparse.step_work(make_step([short, long]))
     assert (tokens, pairs, upproj, reads) == (5500, 0, 0, 7000)
     attended = capped_pairs(500, 1500, 2048) + capped_pairs(1000, 4000, 2048)
@@ -167,3 +171,29 @@ def test_mtp_drafts_with_sparse_attention():
         s.pop("wall_time_s")
     assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
     assert runs[0]["num_finished"] == 400 and runs[0]["speculative_decoding"]["num_accepted_tokens"] > 0
+
+
+def test_the_tp_ranks_split_the_prefill_rows_past_a_threshold():
+    """vLLM's indexer_tp_shard_min_rows: a step with at least that many prefill tokens (CUDA, TP
+    > 1) has each rank score 1 / TP of the prefill rows and all-gather their top-k indices; below
+    it (65,536 by default, more than a step's budget) every rank scores every row."""
+    spec, gpu = get_model_spec("deepseek-v3.2"), get_gpu_spec("H200")
+    default = RooflineCostModel(spec, gpu, 8, block_size=64)
+    split = RooflineCostModel(spec, gpu, 8, block_size=64, indexer_tp_shard_min_rows=4096)
+    step = make_step([ScheduledChunk(make_request(0, 40_000, 5), 30_000, 8192)])
+    scored = 8192 * 30_000 + 8192 * 8193 // 2
+    attended = capped_pairs(30_000, 8192, 2048)
+    assert default.step_work(step)[4] == pytest.approx(attended + scored * default.indexer_pair_ratio)
+    assert split.step_work(step)[4] == pytest.approx(attended + scored / 8 * split.indexer_pair_ratio)
+    assert default.indexer_exchange_seconds(step) == 0
+    exchange = split.indexer_exchange_seconds(step)
+    assert exchange == pytest.approx(61 * (8192 * 2048 * 4 * 7 / 8 / (gpu.interconnect_gbs * 1e9) + 8e-6))
+    assert split.execute(step) < default.execute(step)
+    small = make_step([ScheduledChunk(make_request(1, 40_000, 5), 30_000, 2048)])
+    assert split.indexer_exchange_seconds(small) == 0 and split.execute(small) == default.execute(small)
+    one = RooflineCostModel(spec, gpu, 1, block_size=64, indexer_tp_shard_min_rows=1)
+    assert one.indexer_exchange_seconds(step) == 0
+    config = EngineConfig.from_flat(V32 | {"indexer_tp_shard_min_rows": 4096})
+    assert config.attention.indexer_tp_shard_min_rows == 4096
+    with pytest.raises(ConfigError, match="indexer_tp_shard_min_rows must be >= 1"):
+        EngineConfig.from_flat(V32 | {"indexer_tp_shard_min_rows": 0})
