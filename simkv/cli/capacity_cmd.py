@@ -289,7 +289,8 @@ def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, *
 def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     """Every layout of `num_gpus` GPUs: engines of TP GPUs (num_gpus / TP of them, independent),
     engines of PP pipeline stages of TP GPUs each (where simkv models pipeline parallelism), and
-    for a mixture of experts one engine of num_gpus / TP data-parallel ranks; for each, the
+    for a mixture of experts one engine of num_gpus / TP data-parallel ranks (and of ranks of
+    PP stages); for each, the
     weights and KV memory per GPU and the KV cache tokens in all (or why it does not fit). With
     -dcp D, the layouts whose TP D divides, each with decode context parallelism D."""
     if num_gpus < 1:
@@ -306,14 +307,20 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
         kinds = [("engines", 1, 1)]
         if spec.is_moe and tp < num_gpus:
             kinds.append(("data-parallel ranks", num_gpus // tp, 1))
-        # (pipelines of PP stages of TP GPUs each, where simkv models them)
-        kinds += [("pipelines", 1, pp) for pp in range(2, num_gpus // tp + 1) if num_gpus // tp % pp == 0]
+        # (pipelines of PP stages of TP GPUs each, where simkv models them; for a mixture of
+        # experts also data-parallel ranks of such pipelines)
+        stage_counts = [pp for pp in range(2, num_gpus // tp + 1) if num_gpus // tp % pp == 0]
+        kinds += [("pipelines", 1, pp) for pp in stage_counts]
+        if spec.is_moe:
+            kinds += [("data-parallel ranks", num_gpus // (tp * pp), pp) for pp in stage_counts
+                      if num_gpus // (tp * pp) > 1]
         for kind, dp, pp in kinds:
             copies = num_gpus // (tp * pp)
             row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "pipeline_parallel_size": pp,
                    "copies": copies,
                    "layout": (f"{copies} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}" if dp > 1
-                              else f"{copies} x TP {tp} x PP {pp}") + (f" DCP {dcp}" if dcp > 1 else "")}
+                              else f"{copies} x TP {tp}") + (f" x PP {pp}" if pp > 1 else "")
+                   + (f" DCP {dcp}" if dcp > 1 else "")}
             if dcp > 1:
                 row["decode_context_parallel_size"] = dcp
             try:

@@ -560,3 +560,18 @@ def test_a_data_parallel_decode_pool_with_pipeline_stages(tmp_path):
     steps = pd.DataFrame(result.steps)
     decode_steps = steps[steps["pool"] == "decode"]
     assert decode["pipeline"]["batches"] == decode_steps["start_time_s"].nunique()
+
+
+def test_layouts_include_ranks_of_pipelines():
+    """`simkv capacity --layouts 16` on a mixture of experts lists data-parallel ranks of pipeline
+    stages too, each rank's pool counted once per rank."""
+    res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "--layouts", "16", "--json"])
+    rows = {r["layout"]: r for r in json.loads(res.output)["layouts"]}
+    row = rows["DP 2 x TP 4 x PP 2"]
+    assert (row["tensor_parallel_size"], row["data_parallel_size"], row["pipeline_parallel_size"]) == (4, 2, 2)
+    cap = compute_capacity(EngineConfig.from_flat(dict(DP8, tensor_parallel_size=4, data_parallel_size=2,
+                                                       pipeline_parallel_size=2)))
+    assert row["kv_cache_tokens_all"] == 2 * cap.kv_cache_tokens
+    assert row["weight_bytes_per_gpu"] == cap.pipeline_stage_weight_bytes
+    dense = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--layouts", "4", "--json"])
+    assert not any(r["data_parallel_size"] > 1 for r in json.loads(dense.output)["layouts"])
