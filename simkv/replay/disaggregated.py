@@ -149,7 +149,6 @@ def _check_pool(pool: str, config: EngineConfig) -> None:
     sc, cc = config.scheduler, config.cache
     if pool == "prefill" and config.hardware.data_parallel_size > 1:
         raise ConfigError("prefill pool: data_parallel_size > 1 is modelled in the decode pool only")
-
     hw = config.hardware
     if hw.decode_context_parallel_size > 1:  # (vLLM: a NIXL side is fully replicated or fully DCP-sharded, MLA only)
         if not hw.model_spec().is_mla:
