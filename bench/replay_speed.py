@@ -30,6 +30,8 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # attention: the roofline's two MLA paths)
     .venv/bin/python bench/replay_speed.py azure-dsv3-dp8  # the same on 8 data-parallel ranks in lockstep (every
                                                         # step of every rank stepped)
+    .venv/bin/python bench/replay_speed.py azure-dsv32  # the Azure trace on deepseek-v3.2, 8 H200s at TP 8 (sparse
+                                                        # attention: every step stepped, its decodes' contexts listed)
     .venv/bin/python bench/replay_speed.py azure-lora4  # the Azure trace naming 16 LoRA adapters (Zipf), max_loras 4:
                                                         # every step passes over the requests without a slot
     .venv/bin/python bench/replay_speed.py azure-clients  # the Azure trace at 2x its rate, clients that give up
@@ -77,7 +79,7 @@ def load(case: str):
     if case in ("azure", "azure-async", "azure-spec", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async",
                 "azure-gemma3", "azure-llama4", "azure-qwen3next",
                 "azure-qwen3next-pc",
-                "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8"):
+                "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8", "azure-dsv32"):
         return import_trace("azure", [AZURE])[0]
     if case in ("azure-clients", "azure-clients-async"):
         from dataclasses import replace
@@ -143,7 +145,9 @@ def run_case(case: str) -> dict:
         options |= {"client_ttft_timeout_s": 10.0, "client_max_retries": 2}
     if case == "rollout-dp8":
         options |= {"model": "deepseek-v3", "gpu": "H200", "data_parallel_size": 8}
-    if case.startswith("azure-dsv3"):
+    if case == "azure-dsv32":
+        options |= {"model": "deepseek-v3.2", "gpu": "H200", "tensor_parallel_size": 8}
+    elif case.startswith("azure-dsv3"):
         options |= {"model": "deepseek-v3", "gpu": "H200"}
         options |= {"data_parallel_size": 8} if case.endswith("-dp8") else {"tensor_parallel_size": 8}
     config = EngineConfig.from_flat(options)
