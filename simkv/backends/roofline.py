@@ -195,8 +195,6 @@ class RooflineCostModel:
         self.indexer_pair_ratio = index_pair / self.flops_per_latent_pair
         latent, index = model.latent_bytes_per_token(kv_dtype_bytes), model.indexer_bytes_per_token()
         self.latent_read_share, self.indexer_read_share = latent / (latent + index), index / (latent + index)
-        self.needs_request_detail = "contexts"  # (each decode's context: what top-k caps is per request)
-        self.supports_decode_runs = False
         self.sparse_decode_query_len = 1 + num_speculative_tokens  # (vLLM's decode threshold: a verification)
         self.indexer_shard_min_rows = shard_min_rows  # (None: every rank scores every row)
         link = (tp_link_gbs or self.gpu.interconnect_gbs) * 1e9
@@ -231,15 +229,15 @@ class RooflineCostModel:
                 reads += c + n
             else:  # (a decode or verification: each query gathers its own top-k, the keys are read once)
                 reads += capped * self.latent_read_share + (c + n) * self.indexer_read_share
-        if output.num_decode_reqs and output.decodes is None:
-            raise RuntimeError("sparse attention prices each decode's context: the scheduler must list them "
-                               "(needs_request_detail)")
-        for decode in output.decodes or ():
-            p = decode.num_computed_tokens + 1
-            attended += min(p, k)
-            scored += p
-            reads += min(p, k) * self.latent_read_share + p * self.indexer_read_share
         n = output.num_decode_reqs
+        if n:  # (the scheduler sums the decoders' contexts, whole and capped at top-k)
+            full, capped = output.decode_context_tokens, output.decode_capped_context_tokens
+            if not capped:
+                raise RuntimeError("sparse attention prices decodes by their capped context: the scheduler "
+                                   "must count it (decode_capped_context_tokens)")
+            attended += capped
+            scored += full
+            reads += capped * self.latent_read_share + full * self.indexer_read_share
         return (tokens + n, len(output.chunks) + n, pairs, reads, attended + scored * self.indexer_pair_ratio, upproj)
 
     def _indexer_plan(self, output: SchedulerOutput) -> tuple[bool, float]:
@@ -465,12 +463,25 @@ class RooflineCostModel:
             compute = (self.flops_per_token * n + self.flops_per_seq * n) / self.flop_rate
             weights = self.weight_bytes if self.moe is None else self.weight_bytes + self.expert_bytes * self.moe.experts_touched(n)
             memory = (weights + (self.kv_bytes_per_token + self.state_bytes_per_seq) * n) / self.byte_rate
-            # per context token; with sliding-window layers per layer-token (SchedulerOutput)
+            # per context token; with sliding-window layers per layer-token (SchedulerOutput); under
+            # sparse attention per token its indexer scores (`capped_line_slopes`: per token attended)
             per = self.model.num_layers if self.window_counts is not None else 1
+            pair, token = self.flops_per_decode_pair / per, self.kv_bytes_per_token / per
+            if self.sparse_topk:
+                pair, token = pair * self.indexer_pair_ratio, token * self.indexer_read_share
             line = self._decode_lines[n] = (
-                to_ticks(compute + overhead), per_token_ticks(self.flops_per_decode_pair / per / self.flop_rate),
-                to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token / per / self.byte_rate))
+                to_ticks(compute + overhead), per_token_ticks(pair / self.flop_rate),
+                to_ticks(memory + overhead), per_token_ticks(token / self.byte_rate))
         return line
+
+    @property
+    def capped_line_slopes(self) -> tuple[int, int] | None:
+        """Sparse attention: the decode line's compute and memory ticks per token a query attends
+        (its latent), beside `decode_step_line`'s per token scored; None otherwise."""
+        if not self.sparse_topk:
+            return None
+        return (per_token_ticks(self.flops_per_latent_pair / self.flop_rate),
+                per_token_ticks(self.kv_bytes_per_token * self.latent_read_share / self.byte_rate))
 
     fitted_from: dict | None = None  # (a fit file's name, warnings and front-end latency: simkv/backends/roofline_fit.py)
 

@@ -78,6 +78,9 @@ class SchedulerOutput:
     # LoRA (--enable-lora): the step's tokens of requests with an adapter, and their distinct adapters
     num_lora_tokens: int = 0
     num_active_loras: int = 0
+    # DeepSeek sparse attention: sum over decodes of min(tokens attended, top-k), the tokens their
+    # queries attend (decode_context_tokens: the tokens their indexer scores)
+    decode_capped_context_tokens: int = 0
     lora_adapters: tuple[int, ...] = ()  # those adapters' ids, ascending
     # set by the replay: seconds the worker spends loading them (simkv/backends/lora_adapters.py)
     lora_load_s: float = 0.0

@@ -192,6 +192,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # number and base sum) and the steps at which they reach it. Under the coordinator a
         # decoder's window releases are events on the boundary heap.
         self._window_context = self._layer_split(config) if not self.chunked_decodes else None
+        # DeepSeek sparse attention: a decoder's query attends min(context, top-k) tokens, which
+        # the window's bookkeeping counts (decoders below top-k, the steps they reach it) beside
+        # the whole context its indexer scores (decode_capped_context_tokens)
+        self._sparse_cap = config.hardware.model_spec().index_topk if not self.chunked_decodes else 0
+        if self._sparse_cap:
+            self._window_context = (1, 0, self._sparse_cap)
         self._window_chunk = config.attention_chunk_size  # chunked local attention's chunk (0: windows slide)
         self._window_releases = isinstance(self.kv_cache_manager, (KVCacheCoordinator, MambaAlignCoordinator))
         # Mamba prefix caching: prefill chunks end where a state must be written (mamba_align.py)
@@ -416,8 +422,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             num_stalled, stalled_base, stalled_below, stalled_below_base = self._stall_counts(stalled)
         num_decodes = self._num_decoders - num_stalled
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
-        decode_context = self._decode_context(step, num_decodes, decode_base_sum, self._num_below - stalled_below,
-                                              self._sum_base_below + stalled_below - stalled_below_base)
+        num_below, below_base_sum = self._num_below - stalled_below, self._sum_base_below + stalled_below - stalled_below_base
+        decode_context = self._decode_context(step, num_decodes, decode_base_sum, num_below, below_base_sum)
+        capped_context = (self._capped_context(step, num_decodes, num_below, below_base_sum)
+                          if self._sparse_cap else 0)
         if self._decode_state_offers:
             self._state_offer_marks = (self._state_offer_marks[0], len(kv.state_offers))
         if not plan.preempted and not self.admit_before_running:
@@ -464,7 +472,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._output_pending = True  # (until update_from_output)
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
-            decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
+            decode_capped_context_tokens=capped_context, decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
             num_waiting=num_waiting, num_blocks_used=num_blocks_used,
             prefix_query_tokens=plan.query, prefix_hit_tokens=plan.hit, num_swapped=self.num_swapped,
             num_swap_out_blocks=plan.swap_out_blocks, num_swap_in_blocks=plan.swap_in_blocks,

@@ -297,6 +297,18 @@ class SteadyDecoders:
         return (full_layers * (num * (step + 1) + base_sum)
                 + window_layers * (num_below * (step + 1) + below_base_sum + (num - num_below) * window))
 
+    def _capped_context(self, step: int, num: int, num_below: int, below_base_sum: int) -> int:
+        """Sparse attention: the tokens `num` decoders' queries attend at `step`, each at most
+        top-k (those below it, `num_below` of them, attend all they have)."""
+        return num_below * (step + 1) + below_base_sum + (num - num_below) * self._sparse_cap
+
+    def decode_run_capped(self) -> tuple[int, int]:
+        """Sparse attention: a decode run's (capped context in its first step, its growth per
+        step), as `decode_run_shape` gives the whole context's."""
+        self._settle_crossings(self.current_step)
+        return (self._capped_context(self.current_step, self._num_decoders, self._num_below, self._sum_base_below),
+                self._num_below)
+
     def _pop_due(self, heap: list[tuple], step: int) -> list[Request]:
         due = []
         while heap and heap[0][0] <= step:

@@ -198,6 +198,8 @@ class ReplayEngine:
                                        block_bytes / (config.cache.pcie_bandwidth_gbs * 1e9))
         # Pure-decode steps are timed by the backend's decode line (runs and single steps alike).
         self._decode_line = backend.decode_step_line if backend.supports_decode_runs else None
+        # (sparse attention: the line's ticks per token attended, beside its ticks per token scored)
+        self._capped_slopes = getattr(backend, "capped_line_slopes", None) if self._decode_line is not None else None
         self._lora_seconds = getattr(backend, "lora_seconds", None) if config.scheduler.enable_lora else None
         # LoRA: the worker's adapter caches; a step whose adapters are not all in GPU slots loads them first
         self.adapters = adapter_residency(config, backend)
@@ -437,6 +439,8 @@ class ReplayEngine:
         if self._decode_line is not None and not out.chunks:
             host_ticks = to_ticks(host) if host else 0
             line = self._device_line(out.num_decode_reqs, host_ticks, (out.num_lora_tokens, out.lora_adapters))
+            if self._capped_slopes is not None:
+                line = self._with_capped(line, out.decode_capped_context_tokens)
             duration = max(line_ticks(line, out.decode_context_tokens), host_ticks)
         elif host:
             total = self.backend.execute(out)
@@ -467,12 +471,22 @@ class ReplayEngine:
             return None
         return load
 
-    @staticmethod
-    def _run_shape(line: tuple[int, int, int, int], ctx: int, per_step: int):
-        """A decode run's per-step durations: `line` for its decodes attending `ctx` tokens in
-        its first step, and `per_step` more in each next one."""
+    def _with_capped(self, line: tuple[int, int, int, int], capped: int) -> tuple[int, int, int, int]:
+        """Sparse attention: `line` with the step's attended (capped) tokens in its intercepts."""
         a0, a1, b0, b1 = line
-        return run_shape(a0 + a1 * ctx, a1 * per_step, b0 + b1 * ctx, b1 * per_step)
+        c_a, c_b = self._capped_slopes
+        return a0 + c_a * capped, a1, b0 + c_b * capped, b1
+
+    def _run_shape(self, line: tuple[int, int, int, int], ctx: int, per_step: int):
+        """A decode run's per-step durations: `line` for its decodes attending `ctx` tokens in
+        its first step, and `per_step` more in each next one (sparse attention: and the tokens
+        their queries attend, capped at top-k, on the scheduler's count)."""
+        a0, a1, b0, b1 = line
+        if self._capped_slopes is None:
+            return run_shape(a0 + a1 * ctx, a1 * per_step, b0 + b1 * ctx, b1 * per_step)
+        (c_a, c_b), (capped, capped_step) = self._capped_slopes, self.scheduler.decode_run_capped()
+        return run_shape(a0 + a1 * ctx + c_a * capped, a1 * per_step + c_a * capped_step,
+                         b0 + b1 * ctx + c_b * capped, b1 * per_step + c_b * capped_step)
 
     def _plan_async_run(self, in_flight) -> tuple[int, int, tuple] | None:
         """A decode run for async scheduling: (its first step's start, its steps, its shape) or
@@ -492,7 +506,8 @@ class ReplayEngine:
         n, ctx, per_step = sched.decode_run_shape()
         host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
         line = self._device_line(n, host, adapters)
-        if line_ticks(line, ctx) < host:
+        first = line if self._capped_slopes is None else self._with_capped(line, sched.decode_run_capped()[0])
+        if line_ticks(first, ctx) < host:
             return None  # host-bound: the steps last the host's time (stepped one by one)
         shape = self._run_shape(line, ctx, per_step)
         next_arrival = self.feed.next_arrival_ticks()

@@ -65,8 +65,11 @@ def test_capped_pairs_count_each_query_at_most_cap(computed, new, cap):
     assert capped_pairs(computed, new, cap) == sum(min(p, cap) for p in range(computed + 1, computed + new + 1))
 
 
-def _decodes(step, contexts):
+def _decodes(step, contexts, topk=2048):
+    """`step`'s decodes of `contexts` cached tokens each, and their tokens attended (as the
+    scheduler counts them)."""
     step.decodes = [ScheduledDecode(make_request(i, c, 10), c) for i, c in enumerate(contexts)]
+    step.decode_capped_context_tokens = sum(min(c + 1, topk) for c in contexts)
     return step
 
 
@@ -76,7 +79,7 @@ def test_a_long_context_decode_reads_its_top_k_and_every_indexer_key():
     gpu = get_gpu_spec("H200")
     dense = RooflineCostModel(get_model_spec("deepseek-v3"), gpu, 8)
     sparse = RooflineCostModel(get_model_spec("deepseek-v3.2"), gpu, 8, block_size=64)
-    assert sparse.needs_request_detail and not sparse.supports_decode_runs
+    assert not sparse.needs_request_detail and sparse.supports_decode_runs and sparse.capped_line_slopes
     contexts = [100_000] * 64
     step = _decodes(make_step(decodes=64, context=sum(c + 1 for c in contexts)), contexts)
     tokens, seqs, pairs, reads, latent_pairs, upproj = sparse.step_work(step)
@@ -121,16 +124,63 @@ def test_what_sparse_attention_is_refused_with(options, message):
         EngineConfig.from_flat(options)
 
 
-def test_a_sparse_replay_steps_every_step_and_is_deterministic(tmp_path):
-    """Top-k caps each request's own context, so the roofline takes the steps' per-request detail
-    (no decode runs); the replay is whole and repeatable, and DP ranks and P/D pools run it."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_sparse_replay_jumps_decode_runs_without_changing_a_byte(tmp_path, async_scheduling):
+    """Top-k caps each request's own context: the scheduler counts the decoders' attended tokens
+    as a window's (those below top-k, the steps they reach it), so decode runs jump over steps
+    and write the same bytes as stepping every decode; the replay is whole and repeatable, and
+    DP ranks and P/D pools run it."""
+    from simkv.core.scheduler import Scheduler
+    from tests.core.helpers import assert_decode_runs_change_no_bytes
+
     trace = read_trace(TRACES / "req400.parquet")
+    config = EngineConfig.from_flat(V32 | {"async_scheduling": async_scheduling})
+    first = assert_decode_runs_change_no_bytes(trace, config, tmp_path / "runs")
+    again = replay(trace, config).summary
+    for s in (first.summary, again):
+        s.pop("wall_time_s", None)
+    assert json.dumps(first.summary, sort_keys=True, default=str) == json.dumps(again, sort_keys=True, default=str)
+    assert first.summary["num_finished"] == 400 and first.summary["config"]["block_size"] == 64
+    calls = []
+    original = Scheduler.schedule
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    Scheduler.schedule = counted
+    try:
+        replay(trace, config)
+    finally:
+        Scheduler.schedule = original
+    assert len(calls) < first.summary["num_steps"] / 2  # (most decode steps jumped, not scheduled one by one)
+
+
+def test_the_schedulers_capped_count_is_the_decoders_sum(tmp_path):
+    """Every stepped decode step's capped count is the sum over its decoders of min(context, top-k),
+    with a top-k small enough that decoders cross it mid-replay."""
+    from simkv.core.scheduler import Scheduler
+
     config = EngineConfig.from_flat(V32)
-    runs = [replay(trace, config).summary for _ in range(2)]
-    for s in runs:
-        s.pop("wall_time_s")
-    assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
-    assert runs[0]["num_finished"] == 400 and runs[0]["config"]["block_size"] == 64
+    sched = Scheduler(config, 20_000, detail="contexts")
+    sched._sparse_cap = 300  # (a small top-k: the decoders cross it)
+    sched._window_context = (1, 0, 300)
+    for i in range(12):
+        sched.add_request(make_request(i, 50 + 40 * i, 400))
+    crossed = checked = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if out.decodes:
+            assert out.decode_capped_context_tokens == sum(min(d.num_computed_tokens + 1, 300) for d in out.decodes)
+            assert out.decode_context_tokens == sum(d.num_computed_tokens + 1 for d in out.decodes)
+            crossed += any(d.num_computed_tokens + 1 > 300 for d in out.decodes)
+            checked += 1
+        sched.update_from_output(out)
+    assert checked > 100 and crossed > 50
+
+
+def test_sparse_replays_on_data_parallel_ranks_and_pd_pools(tmp_path):
+    trace = read_trace(TRACES / "req400.parquet")
     runner = CliRunner()
     for name, extra in (("dp", ["-dp", "8"]), ("pd", ["-tp", "8", "--prefill-replicas", "1", "--decode-replicas", "1"])):
         res = runner.invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v3.2", "--gpu", "H200",
