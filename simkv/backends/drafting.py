@@ -80,10 +80,16 @@ class Drafter:
         net = self.network
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._first_work(output, sampling)
         first = net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._later_work(output, sampling, context)
+        return first + (k - 1) * net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+
+    def _later_work(self, output: SchedulerOutput, sampling: int, context: int) -> tuple:
+        """Each of the network's later passes, one token for every request sampling (its
+        `step_work` tuple; sparse attention caps each request's own context)."""
+        net = self.network
         if net.sparse_topk:
-            later = net.sparse_decode_pass_work(self._sampling_contexts(output))
-            return first + (k - 1) * net._time(*later[:4], max, *later[4:])
-        return first + (k - 1) * net.decode_pass_seconds(sampling, context)
+            return net.sparse_decode_pass_work(self._sampling_contexts(output))
+        return net.decode_pass_work(sampling, context)
 
     def dp_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0) -> float:
         """Data-parallel ranks draft in lockstep too (the draft layer's experts span the ranks): each
@@ -101,9 +107,9 @@ class Drafter:
         net = self.network
         idle = num_dummy + len(outputs) - len(rows)
         total = net.dp_time([self._first_work(out, sampling) for out, sampling, _, _ in rows], idle)
+        later = [(self._later_work(out, sampling, context), k) for out, sampling, context, k in rows]
         for j in range(1, max(k for *_, k in rows)):
-            works = [net.sparse_decode_pass_work(self._sampling_contexts(out)) if net.sparse_topk
-                     else net.decode_pass_work(sampling, context) for out, sampling, context, k in rows if k > j]
+            works = [work for work, k in later if k > j]
             total += net.dp_time(works, idle + len(rows) - len(works))
         return total
 

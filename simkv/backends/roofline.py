@@ -211,7 +211,7 @@ class RooflineCostModel:
         query's top-k latents and every indexer key; a prefill chunk reads its context's latents
         and keys once."""
         k, q = self.sparse_topk, self.sparse_decode_query_len
-        dense, prefill_share = self._indexer_plan(output)
+        dense, prefill_share, _ = self._indexer_plan(output)
         tokens = pairs = upproj = attended = scored = reads = 0.0
         for chunk in output.chunks:
             n, c = chunk.num_new_tokens, chunk.num_computed_tokens
@@ -237,13 +237,19 @@ class RooflineCostModel:
                                    "must count it (decode_capped_context_tokens)")
             attended += capped
             scored += full
-            reads += capped * self.latent_read_share + full * self.indexer_read_share
+            reads += self._decode_reads(full, capped)
         return (tokens + n, len(output.chunks) + n, pairs, reads, attended + scored * self.indexer_pair_ratio, upproj)
 
-    def _indexer_plan(self, output: SchedulerOutput) -> tuple[bool, float]:
+    def _decode_reads(self, scored: int, attended: int) -> float:
+        """Decodes' cache reads, in cache tokens: each query's top-k latents (`attended`) and
+        every indexer key of its context (`scored`)."""
+        return attended * self.latent_read_share + scored * self.indexer_read_share
+
+    def _indexer_plan(self, output: SchedulerOutput) -> tuple[bool, float, int]:
         """(the step's prefills run as dense MHA, the share of the prefill rows' indexer scores
-        each GPU computes): 0 where dense MHA runs alone (vLLM's indexer then leaves the top-k
-        undone), 1 / TP where the ranks split the rows, else 1."""
+        each GPU computes, the prefill rows the TP ranks split): the share is 0 where dense MHA
+        runs alone (vLLM's indexer then leaves the top-k undone), 1 / TP where the ranks split
+        the rows, else 1."""
         q = self.sparse_decode_query_len
         rows = last = 0
         for chunk in output.chunks:
@@ -252,19 +258,16 @@ class RooflineCostModel:
                 last = max(last, chunk.num_computed_tokens + chunk.num_new_tokens)
         dense = 0 < last <= self.sparse_topk
         if dense and not output.num_decode_reqs and all(c.num_new_tokens > q for c in output.chunks):
-            return True, 0.0
+            return True, 0.0, 0
         if self.indexer_shard_min_rows is not None and rows >= self.indexer_shard_min_rows:
-            return dense, 1.0 / self.tp
-        return dense, 1.0
+            return dense, 1.0 / self.tp, rows
+        return dense, 1.0, 0
 
     def indexer_exchange_seconds(self, output: SchedulerOutput) -> float:
         """The ranks' exchange of the top-k indices (int32) of the prefill rows they split, an
         all-gather over the TP group in every layer; 0 where they do not split them."""
-        if not self.sparse_topk or self._indexer_plan(output)[1] != 1.0 / self.tp or self.tp == 1:
-            return 0.0
-        q = self.sparse_decode_query_len
-        rows = sum(chunk.num_new_tokens for chunk in output.chunks if chunk.num_new_tokens > q)
-        return self.indexer_exchange_per_row * rows + self.indexer_exchange_fixed
+        split_rows = self._indexer_plan(output)[2] if self.sparse_topk else 0
+        return self.indexer_exchange_per_row * split_rows + self.indexer_exchange_fixed if split_rows else 0.0
 
     def sparse_decode_pass_work(self, contexts: list[int]) -> tuple:
         """`decode_pass_work` under sparse attention: one new token for each sequence, after
@@ -272,9 +275,8 @@ class RooflineCostModel:
         k = self.sparse_topk
         scored = sum(contexts) + len(contexts)
         attended = sum(min(c + 1, k) for c in contexts)
-        reads = attended * self.latent_read_share + scored * self.indexer_read_share
         n = len(contexts)
-        return n, n, 0, reads, attended + scored * self.indexer_pair_ratio, 0
+        return n, n, 0, self._decode_reads(scored, attended), attended + scored * self.indexer_pair_ratio, 0
 
     def _lora_setup(self, rank: int, kernel_s: float) -> None:
         """LoRA (vLLM's punica Triton kernels, `lora_seconds`): per token, the shrink (x @ A) and

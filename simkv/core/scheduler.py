@@ -56,11 +56,9 @@ _ABORTABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMP
 
 
 class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
-    def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool | str = False,
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0, kv_connector: bool = False, num_offload_chunks: int = 0) -> None:
-        """`detail`: every step lists its decodes, with their block tables (True: the GPU backend's)
-        or without ("contexts": a cost model that prices each request's context).
-        `kv_connector`: the engine runs under P/D disaggregation (vLLM: a kv_transfer_config),
+        """`kv_connector`: the engine runs under P/D disaggregation (vLLM: a kv_transfer_config),
         which keeps EAGLE's legacy block keys (and its block drop). `num_offload_chunks`: the
         CPU tier of KV offloading, in blocks (core/kv_offload.py; 0: none)."""
         sc, cc = config.scheduler, config.cache
@@ -101,8 +99,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.preemption_victim = sc.preemption_victim
         self.preemption_mode = sc.preemption_mode
         self.block_size = cc.block_size
-        self.detail = bool(detail)
-        self._detail_blocks = detail is True
+        self.detail = detail
         self.async_scheduling = sc.async_scheduling  # schedule() for K+1 comes before update_from_output(K)
         self._finishing: list[Request] = []  # async: last token in flight, blocks still held
         # async, PP: (step, blocks it took) of the schedule() calls whose output is not processed
@@ -437,7 +434,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._refile(stalled, step)
         if self.offload is not None:
             self._offload_stores(plan, stall_pos)
-        if self._detail_blocks:
+        if self.detail:
             self._fill_block_ids(plan.chunks)
         decodes = self._list_decodes(step, stall_pos) if self.detail else None
         # (before async scheduling turns the chunks that end their prompts into decoders)
@@ -948,12 +945,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
 
     def _list_decodes(self, step: int, stall_pos: int) -> list[ScheduledDecode]:
         stop = stall_pos if stall_pos >= 0 else len(self.running)
-        block_ids = self.kv_cache_manager.get_block_ids if self._detail_blocks else None
+        kv = self.kv_cache_manager
         out = []
         for request in self.running[:stop]:
             if request.decode_base is not None:
                 computed = step + request.decode_base
-                out.append(ScheduledDecode(request, computed, block_ids(request) if block_ids else None))
+                out.append(ScheduledDecode(request, computed, kv.get_block_ids(request)))
         return out
 
     # ---- after the step ------------------------------------------------------------------------

@@ -477,16 +477,22 @@ class ReplayEngine:
         c_a, c_b = self._capped_slopes
         return a0 + c_a * capped, a1, b0 + c_b * capped, b1
 
-    def _run_shape(self, line: tuple[int, int, int, int], ctx: int, per_step: int):
+    def _run_shape(self, line: tuple[int, int, int, int], ctx: int, per_step: int,
+                   capped: tuple[int, int] | None = None):
         """A decode run's per-step durations: `line` for its decodes attending `ctx` tokens in
-        its first step, and `per_step` more in each next one (sparse attention: and the tokens
-        their queries attend, capped at top-k, on the scheduler's count)."""
+        its first step, and `per_step` more in each next one (sparse attention, `capped`: and
+        the tokens their queries attend, capped at top-k, first and more per step, the
+        scheduler's `decode_run_capped`)."""
         a0, a1, b0, b1 = line
-        if self._capped_slopes is None:
+        if capped is None:
             return run_shape(a0 + a1 * ctx, a1 * per_step, b0 + b1 * ctx, b1 * per_step)
-        (c_a, c_b), (capped, capped_step) = self._capped_slopes, self.scheduler.decode_run_capped()
-        return run_shape(a0 + a1 * ctx + c_a * capped, a1 * per_step + c_a * capped_step,
-                         b0 + b1 * ctx + c_b * capped, b1 * per_step + c_b * capped_step)
+        (c_a, c_b), (first, capped_step) = self._capped_slopes, capped
+        return run_shape(a0 + a1 * ctx + c_a * first, a1 * per_step + c_a * capped_step,
+                         b0 + b1 * ctx + c_b * first, b1 * per_step + c_b * capped_step)
+
+    def _run_capped(self) -> tuple[int, int] | None:
+        """Sparse attention: the run's attended tokens (`_run_shape`'s `capped`); None otherwise."""
+        return self.scheduler.decode_run_capped() if self._capped_slopes is not None else None
 
     def _plan_async_run(self, in_flight) -> tuple[int, int, tuple] | None:
         """A decode run for async scheduling: (its first step's start, its steps, its shape) or
@@ -506,10 +512,11 @@ class ReplayEngine:
         n, ctx, per_step = sched.decode_run_shape()
         host = to_ticks(self._host_seconds(n)) if self._host_seconds is not None else 0
         line = self._device_line(n, host, adapters)
-        first = line if self._capped_slopes is None else self._with_capped(line, sched.decode_run_capped()[0])
+        capped = self._run_capped()
+        first = line if capped is None else self._with_capped(line, capped[0])
         if line_ticks(first, ctx) < host:
             return None  # host-bound: the steps last the host's time (stepped one by one)
-        shape = self._run_shape(line, ctx, per_step)
+        shape = self._run_shape(line, ctx, per_step, capped)
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             gap = next_arrival - start
@@ -636,7 +643,7 @@ class ReplayEngine:
         if adapters is None:
             return None
         n, ctx, per_step = sched.decode_run_shape()
-        shape = self._run_shape(self._device_line(n, 0, adapters), ctx, per_step)
+        shape = self._run_shape(self._device_line(n, 0, adapters), ctx, per_step, self._run_capped())
         next_arrival = self.feed.next_arrival_ticks()
         if next_arrival is not None:
             limit = steps_to_reach(shape, next_arrival - self.now, limit)

@@ -162,7 +162,7 @@ def test_the_schedulers_capped_count_is_the_decoders_sum(tmp_path):
     from simkv.core.scheduler import Scheduler
 
     config = EngineConfig.from_flat(V32)
-    sched = Scheduler(config, 20_000, detail="contexts")
+    sched = Scheduler(config, 20_000, detail=True)
     sched._sparse_cap = 300  # (a small top-k: the decoders cross it)
     sched._window_context = (1, 0, 300)
     for i in range(12):
