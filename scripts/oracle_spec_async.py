@@ -23,6 +23,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec_async.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
     .venv/bin/python scripts/oracle_spec_async.py --hybrid --cases 150 --seed 1
     .venv/bin/python scripts/oracle_spec_async.py --aborts --cases 50 --seed 3   # with a front end's aborts
+    .venv/bin/python scripts/oracle_spec_async.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
 """
 
 from __future__ import annotations
@@ -183,12 +184,16 @@ def with_totals(result: dict) -> dict:
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
-                                  align_flag=True, aborts_flag=True, parallel_flag=True)
+                                  align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
+    if a.parallel_drafting:
+        for case in cases:
+            if case["opts"].get("speculative_method") in ("eagle", "eagle3", "draft_model"):
+                case["opts"]["spec_parallel_drafting"] = True
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

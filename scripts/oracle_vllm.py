@@ -113,6 +113,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
         method = "eagle" if o["speculative_method"] == "mtp" else o["speculative_method"]
         spec_kw = dict(method=method, num_speculative_tokens=o["num_speculative_tokens"])
         spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if method == "ngram" else dict(model=fake)
+        if o.get("spec_parallel_drafting"):
+            spec_kw["parallel_drafting"] = True
         if o.get("spec_tokens_per_batch_size"):
             spec_kw["num_speculative_tokens_per_batch_size"] = [
                 [int(x) for x in part.replace(":", "-").split("-")] for part in o["spec_tokens_per_batch_size"].split(",")]
@@ -427,7 +429,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                 async_flag: bool = False, chunked_flag: bool = False, linear_flag: bool = False,
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
                 aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False,
-                pd_flag: bool = False, pp_flag: bool = False, roles_flag: bool = False):
+                pd_flag: bool = False, pp_flag: bool = False, roles_flag: bool = False,
+                parallel_drafting_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -497,6 +500,10 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--ngram-misses", action="store_true",
                         help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "
                              "0.3 or 0.7 (spec_ngram_match_rate): without one a request proposes no drafts")
+    if parallel_drafting_flag:
+        ap.add_argument("--parallel-drafting", action="store_true",
+                        help="vLLM's parallel_drafting in every EAGLE and draft-model case (K - 1 or K more batch "
+                             "slots per request)")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

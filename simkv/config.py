@@ -415,6 +415,7 @@ class AttentionConfig:
 
 SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp")
+_PARALLEL_DRAFTING = ("eagle", "eagle3", "draft_model")  # (P-EAGLE, PARD; vLLM's MTP modules draft in turn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,6 +442,9 @@ class SpeculativeConfig:
     # one token (1.0: always K drafts)
     spec_ngram_match_rate: float = 1.0
     spec_seed: int = 0  # seed of the acceptance draws
+    # vLLM's parallel_drafting (P-EAGLE, PARD: a drafter trained for it): the K drafts come from one
+    # pass of the draft network, each request taking K - 1 (EAGLE) or K (draft model) more batch slots
+    spec_parallel_drafting: bool = False
 
     def __post_init__(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens
@@ -448,6 +452,8 @@ class SpeculativeConfig:
             if k:
                 raise ConfigError(f"num_speculative_tokens={k} needs a speculative_method "
                                   f"({', '.join(SPEC_METHODS)})")
+            if self.spec_parallel_drafting:
+                raise ConfigError("spec_parallel_drafting needs a speculative_method (eagle, eagle3 or draft_model)")
             return
         if method not in SPEC_METHODS:
             raise ConfigError(f"speculative_method must be one of {', '.join(SPEC_METHODS)}; got '{method}'")
@@ -466,6 +472,9 @@ class SpeculativeConfig:
             raise ConfigError("spec_draft_pass_overhead_ms and spec_ngram_us_per_request must be >= 0")
         if not 0.0 <= self.spec_ngram_match_rate <= 1.0:
             raise ConfigError(f"spec_ngram_match_rate must be in [0, 1], got {self.spec_ngram_match_rate}")
+        if self.spec_parallel_drafting and method not in _PARALLEL_DRAFTING:
+            raise ConfigError(f"spec_parallel_drafting: vLLM drafts in parallel with the EAGLE and draft-model "
+                              f"methods ({', '.join(_PARALLEL_DRAFTING)}), not '{method}'")
         if self.spec_ngram_match_rate != 1.0 and method != "ngram":
             raise ConfigError(f"spec_ngram_match_rate is the n-gram proposer's (speculative_method 'ngram'), "
                               f"not '{method}''s: a drafter network always proposes")
@@ -485,8 +494,13 @@ class SpeculativeConfig:
     @property
     def draft_slots(self) -> int:
         """Extra batch slots each scheduled request takes for drafting (vLLM's
-        max_num_new_slots_for_drafting): a separate draft model needs one."""
-        return 1 if self.speculative_method == "draft_model" else 0
+        max_num_new_slots_for_drafting): a separate draft model's first pass keeps one more
+        token; drafting in parallel, a draft model's K query positions are all new, an EAGLE
+        head's K - 1 masked ones (the first reuses the request's own row)."""
+        draft_model = self.speculative_method == "draft_model"
+        if self.spec_parallel_drafting:
+            return self.num_speculative_tokens - (0 if draft_model else 1)
+        return 1 if draft_model else 0
 
     def draft_spec(self, target: ModelSpec) -> ModelSpec | None:
         """The draft network's shape: the draft model's, or for the EAGLE family one decoder

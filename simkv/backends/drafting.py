@@ -9,6 +9,11 @@ the K of the step's number of requests) for every request that sampled in the st
   whole sequence), the K - 1 others over one token per sampling request. Each pass is timed
   by the roofline (simkv/backends/roofline.py) on the replay's GPU, plus
   `spec_draft_pass_overhead_ms`.
+A draft model's first pass has one more query per sampling request (vLLM keeps the input's last
+token unsliced). Drafting in parallel (`spec_parallel_drafting`, vLLM's parallel_drafting:
+P-EAGLE, PARD) is that first pass alone, with K - 1 masked query positions more per sampling
+request for an EAGLE head and K for a draft model (`SpeculativeConfig.draft_slots`), each
+attending the request's context.
 The drafts' own logits in the target's verification pass are not counted (2 * hidden * vocab
 FLOPs per draft, a few per cent of a token's).
 """
@@ -27,6 +32,8 @@ class Drafter:
         spec, hw = config.speculative, config.hardware
         self.method = spec.speculative_method
         self.k = spec.num_speculative_tokens
+        self.parallel = spec.spec_parallel_drafting
+        self.extra_queries = spec.draft_slots  # per sampling request, in the first pass
         self.per_request_s = spec.spec_ngram_us_per_request * 1e-6
         self.network = None
         if self.method != "ngram":
@@ -59,16 +66,37 @@ class Drafter:
         return sampling, context
 
     def _first_work(self, output: SchedulerOutput, sampling: int) -> tuple:
-        """The network's first pass, over every token of the step (its `step_work` tuple)."""
+        """The network's first pass, over every token of the step and the extra queries of the
+        sampling requests (its `step_work` tuple)."""
         net = self.network
         if net.sparse_topk:  # (DeepSeek-V3.2's MTP layer: sparse attention as the target's)
             tokens, _, pairs, kv_read, latent_pairs, upproj = net.sparse_work(output)
-            return tokens, sampling, pairs, kv_read, latent_pairs, upproj
-        if net.mla:
+            work = tokens, sampling, pairs, kv_read, latent_pairs, upproj
+        elif net.mla:
             tokens, pairs, latent_pairs, kv_read, upproj = net.mla_chunk_work(output.chunks)
-            return tokens + output.num_decode_reqs, sampling, pairs, kv_read, latent_pairs, upproj
-        tokens, pairs, kv_read = prefill_work(output)
-        return tokens + output.num_decode_reqs, sampling, pairs, kv_read, 0, 0
+            work = tokens + output.num_decode_reqs, sampling, pairs, kv_read, latent_pairs, upproj
+        else:
+            tokens, pairs, kv_read = prefill_work(output)
+            work = tokens + output.num_decode_reqs, sampling, pairs, kv_read, 0, 0
+        return self._with_extra_queries(work, output) if self.extra_queries else work
+
+    def _with_extra_queries(self, work: tuple, output: SchedulerOutput) -> tuple:
+        """`work` plus `extra_queries` query positions after each sampling request's tokens, each
+        attending the request's tokens and the extra positions before it (decode-like queries:
+        latent attention's absorbed path; under sparse attention capped at top-k)."""
+        m = self.extra_queries
+        tokens, seqs, pairs, kv_read, latent_pairs, upproj = work
+        ends = self._sampling_contexts(output)
+        cap = self.network.sparse_topk
+        if cap:
+            extra = sum(min(end + j, cap) for end in ends for j in range(1, m + 1))
+        else:
+            extra = m * sum(ends) + len(ends) * (m * (m + 1) // 2)
+        if self.network.mla:
+            latent_pairs += extra
+        else:
+            pairs += extra
+        return tokens + m * len(ends), seqs, pairs, kv_read, latent_pairs, upproj
 
     def seconds(self, output: SchedulerOutput) -> float:
         sampling, context = self._sampling(output)
@@ -80,6 +108,8 @@ class Drafter:
         net = self.network
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._first_work(output, sampling)
         first = net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        if self.parallel:
+            return first  # (every draft from that one pass)
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._later_work(output, sampling, context)
         return first + (k - 1) * net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
 
@@ -107,6 +137,8 @@ class Drafter:
         net = self.network
         idle = num_dummy + len(outputs) - len(rows)
         total = net.dp_time([self._first_work(out, sampling) for out, sampling, _, _ in rows], idle)
+        if self.parallel:
+            return total
         later = [(self._later_work(out, sampling, context), k) for out, sampling, context, k in rows]
         for j in range(1, max(k for *_, k in rows)):
             works = [work for work, k in later if k > j]
@@ -115,6 +147,8 @@ class Drafter:
 
     def describe(self) -> dict:
         out = {"method": self.method, "num_speculative_tokens": self.k}
+        if self.parallel:
+            out["parallel_drafting"] = True
         if self.network is not None:
             out["draft_network"] = self.network.model.name
         return out

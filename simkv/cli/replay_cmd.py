@@ -46,7 +46,7 @@ _ENGINE_FLAGS = {
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
-    "spec_tokens_per_batch_size": "spec_tokens_per_batch_size",
+    "spec_tokens_per_batch_size": "spec_tokens_per_batch_size", "spec_parallel_drafting": "spec_parallel_drafting",
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
     "attention_chunk_size": "attention_chunk_size",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
@@ -337,6 +337,9 @@ _ENGINE_OPTIONS = [
     click.option("--spec-tokens-per-batch-size", default=None, metavar="A-B:K,...",
                  help="Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): K drafts after steps of "
                       "A to B requests, e.g. 1-16:5,17-64:3,65-256:1 [default: always --num-speculative-tokens]"),
+    click.option("--spec-parallel-drafting", is_flag=True, default=None,
+                 help="vLLM's parallel_drafting (P-EAGLE, PARD; a drafter trained for it): all K drafts from one "
+                      "draft pass, which takes K - 1 (eagle, eagle3) or K (draft_model) more batch slots per request"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
     click.option("--spec-ngram-match-rate", type=float, default=None, metavar="P",
                  help="ngram: how often the prompt lookup finds a match after a request samples; without one it "
@@ -475,6 +478,6 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                    "(the roofline model's is)", err=True)
     from simkv.compare.run_report import write_run_report_safely
 
-    write_run_report_safely(out_dir)
+    report = write_run_report_safely(out_dir)
     if not quiet:
-        print_summary(result.summary, Path(out_dir))
+        print_summary(result.summary, Path(out_dir), with_report=report is not None)

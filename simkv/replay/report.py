@@ -16,7 +16,8 @@ def _fmt_dist(d: dict, scale: float = 1000.0) -> str:
     return f"{d['mean'] * scale:,.1f} / {d['p50'] * scale:,.1f} / {d['p99'] * scale:,.1f}"
 
 
-def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None) -> None:
+def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None,
+                  with_report: bool = False) -> None:
     console = console or Console()
     cfg = summary["config"]
     table = Table(title=f"simkv replay: {summary['trace']}", show_header=False)
@@ -137,7 +138,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if pd:
         console.print(pool_table(pd))
     if out_dir is not None:
-        console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet")
+        console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet" + (", report.html" if with_report else ""))
 
 
 def pool_table(pd: dict) -> Table:

@@ -214,6 +214,45 @@ def test_draft_model_takes_a_batch_row_per_request():
     assert [c.num_new_tokens for c in out.chunks] == [4, 4]
 
 
+PARALLEL_DRAFTING_DATA = Path(__file__).parent / "data" / "spec_parallel_drafting_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_parallel_drafting_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --parallel-drafting (vLLM 0.33's parallel_drafting:
+    eagle and draft models, K 2 to 5, two with dynamic speculation lengths), each one that differs
+    from vLLM's steps when parallel drafting takes no extra batch slots: every step and request
+    equal."""
+    case = json.loads(PARALLEL_DRAFTING_DATA.read_text())["cases"][index]
+    assert case["case"]["opts"]["spec_parallel_drafting"]
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+@pytest.mark.parametrize("method, parallel, slots", [
+    ("eagle", False, 0), ("eagle3", True, 2), ("draft_model", False, 1), ("draft_model", True, 3), ("mtp", False, 0)])
+def test_draft_slots(method, parallel, slots):
+    """vLLM's max_num_new_slots_for_drafting at K = 3: P-EAGLE K - 1, PARD K, a draft model 1."""
+    spec = SpeculativeConfig(method, 3, spec_draft_model="tiny-llama" if method == "draft_model" else None,
+                             spec_parallel_drafting=parallel)
+    assert spec.draft_slots == slots
+
+
+def test_parallel_drafting_takes_batch_slots():
+    """EAGLE drafting in parallel, K = 3: each request takes 1 + 3 tokens and 2 more slots of the
+    12-token input budget, so two decodes fit where drafting in turn fits three."""
+    counts = []
+    for parallel in (False, True):
+        sched = _spec_scheduler(method="eagle", rate=0.0, max_num_batched_tokens=12, max_num_seqs=3,
+                                spec_parallel_drafting=parallel)
+        for i in range(3):
+            sched.add_request(make_request(i, 2, 10))
+        first = sched.schedule()
+        sched.update_from_output(first)
+        counts.append(([c.num_new_tokens for c in first.chunks], [c.num_new_tokens for c in sched.schedule().chunks]))
+    assert counts == [([2, 2, 2], [4, 4, 4]), ([2, 2, 2], [4, 4])]
+
+
 def test_acceptance_model():
     never, always = AcceptanceModel((0.0,) * 4, 0), AcceptanceModel((1.0,) * 4, 0)
     assert never.num_accepted(5, 7, 4) == 0 and always.num_accepted(5, 7, 4) == 4
@@ -319,6 +358,9 @@ def test_position_rates_are_unconditional():
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="1-8"), "FIRST-LAST:K"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_ngram_match_rate=1.2), r"match_rate must be in"),
     (dict(speculative_method="eagle", num_speculative_tokens=2, spec_ngram_match_rate=0.5), "n-gram proposer's"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'ngram'"),
+    (dict(speculative_method="mtp", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'mtp'"),
+    (dict(spec_parallel_drafting=True), "spec_parallel_drafting needs a speculative_method"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -76,6 +76,83 @@ def test_rejected_drafts_only_cost_time():
     assert spec.summary["tpot_s"]["mean"] > plain.summary["tpot_s"]["mean"]
 
 
+def _verify_step(k: int, contexts: list[int]):
+    """A step of verify chunks: each request has sampled 5 tokens and has `contexts[i]` tokens
+    computed, the last sampled one and k drafts to verify."""
+    from simkv.core.outputs import ScheduledChunk, SchedulerOutput
+    from tests.core.helpers import make_request
+
+    chunks = []
+    for i, computed in enumerate(contexts):
+        request = make_request(i, computed - 4, 100)
+        request.num_output_tokens = 5
+        chunks.append(ScheduledChunk(request, computed, 1 + k, True, num_spec_tokens=k))
+    return SchedulerOutput(step=0, chunks=chunks, num_decode_reqs=0, decode_context_tokens=0, decodes=None,
+                           preempted=[], num_running=len(chunks), num_waiting=0, num_blocks_used=0,
+                           prefix_query_tokens=0, prefix_hit_tokens=0, num_verify_tokens=len(chunks) * (1 + k),
+                           num_draft_tokens=len(chunks) * k, num_spec_tokens_to_schedule=k)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_parallel_drafting_is_one_pass(method):
+    """vLLM's parallel_drafting: the drafts come from the first pass alone, which has K - 1 (an
+    EAGLE head) or K (a draft model) more queries per request, each attending the request's
+    tokens and the extra queries before it; drafting in turn, a draft model's first pass has one
+    more query per request."""
+    from simkv.backends.drafting import Drafter
+
+    k, contexts = 5, [300, 1200, 40]
+    options = dict(speculative_method=method, num_speculative_tokens=k)
+    if method == "draft_model":
+        options["spec_draft_model"] = "llama-3.2-1b"
+    out = _verify_step(k, contexts)
+    sequential, parallel = Drafter(_config(**options)), Drafter(_config(**options, spec_parallel_drafting=True))
+    net = parallel.network
+    ends = [c + 1 + k for c in contexts]  # (the tokens each request has once its chunk is in)
+    step_tokens = len(contexts) * (1 + k)
+    step_pairs = sum((1 + k) * c + (1 + k) * (2 + k) // 2 for c in contexts)
+    step_read = sum(c + 1 + k for c in contexts)
+
+    def first(m):  # the first pass with m extra queries per request
+        pairs = step_pairs + sum(m * e + m * (m + 1) // 2 for e in ends)
+        return net._time(step_tokens + m * len(contexts), len(contexts), pairs, step_read, max)
+
+    m = k - 1 if method == "eagle3" else k
+    assert parallel.seconds(out) == first(m)
+    later = net.decode_pass_seconds(len(contexts), sum(ends))
+    assert sequential.seconds(out) == pytest.approx(first(int(method == "draft_model")) + (k - 1) * later, rel=1e-12)
+    assert parallel.seconds(out) < 0.5 * sequential.seconds(out)
+
+
+def test_parallel_drafting_shortens_steps():
+    """The same trace and acceptances: drafting in parallel takes a smaller share of each step
+    (one draft pass instead of K), so tokens come faster; the tokens kept are the same."""
+    rows = [(0.05 * i, 200 + 13 * i, 60 + 7 * (i % 5)) for i in range(40)]
+    trace = _trace(rows)
+    options = dict(speculative_method="eagle3", num_speculative_tokens=5, spec_acceptance_rate=0.6)
+    turn = replay(trace, _config(**options), "roofline")
+    parallel = replay(trace, _config(**options, spec_parallel_drafting=True), "roofline")
+    a, b = turn.summary["speculative_decoding"], parallel.summary["speculative_decoding"]
+    assert b["drafter_time_share"] < 0.5 * a["drafter_time_share"]
+    assert parallel.summary["tpot_s"]["mean"] < turn.summary["tpot_s"]["mean"]
+    assert parallel.requests["output_tokens"].tolist() == turn.requests["output_tokens"].tolist()
+    assert parallel.summary["cost_model"]["drafter"]["parallel_drafting"] is True
+
+
+def test_a_prompt_that_never_fits_its_drafting_slots_is_named():
+    """Without chunked prefill a prompt must fit max_num_batched_tokens with its drafting slots:
+    vLLM waits forever for a 2,046-token prompt beside P-EAGLE's 4 slots (K = 5) in 2,048; the
+    replay stops and says why (the same prompt runs when drafting in turn)."""
+    from simkv.replay.engine import ReplayError
+
+    trace = _trace([(0.0, 100, 5), (0.1, 2046, 5)])
+    options = dict(speculative_method="eagle3", num_speculative_tokens=5, enable_chunked_prefill=False,
+                   max_num_batched_tokens=2048, max_model_len=2048)
+    assert (replay(trace, _config(**options)).requests["status"] == "finished").all()
+    with pytest.raises(ReplayError, match="its 2,046 tokens and 4 drafting slots never fit max_num_batched_tokens"):
+        replay(trace, _config(**options, spec_parallel_drafting=True))
+
+
 def test_draft_networks_take_kv_memory():
     base = compute_capacity(EngineConfig.from_flat({})).num_gpu_blocks
     eagle = compute_capacity(EngineConfig.from_flat(SPEC)).num_gpu_blocks
