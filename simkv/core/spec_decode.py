@@ -66,7 +66,10 @@ class AcceptanceModel:
         # A splitmix64 stream per (request, output position), its start hashed from both;
         # the mixing is inlined (a replay draws for every verifying request of every step).
         thresholds = self.thresholds
-        z = mix64(self.seed ^ ((request_index << 32) | position))
+        z = ((self.seed ^ ((request_index << 32) | position)) + 0x9E3779B97F4A7C15) & _M64  # (mix64, inline)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z ^= z >> 31
         for i in range(num_drafts):
             z = (z + 0x9E3779B97F4A7C15) & _M64
             x = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -103,6 +106,74 @@ class SpecDecode:
             if extra > 0:
                 chunk.num_spec_tokens = min(extra, drafts)
             request.spec_drafts = 0
+
+    def _verify_step(self) -> SchedulerOutput | None:
+        """schedule() for a step in which nothing waits and every running request verifies its
+        drafts, each whole (1 + drafts tokens, within the budgets, the prefill threshold and
+        max_model_len) with blocks enough for all (nobody is preempted): the output schedule()
+        gives, with the same allocations in the same order, and the requests' counters as
+        _spec_scheduled and _spec_after_schedule leave them, without the general path's
+        per-request checks. None, having changed nothing, when some condition does not hold."""
+        running = self._prefilling
+        if (self.waiting or self.kv_holding or self._finishing or self._num_decoders or self.throttle_prefills
+                or not running or len(running) != len(self.running)):
+            return None
+        kv = self.kv_cache_manager
+        if kv.num_forks:
+            return None
+        tables, bs, threshold = kv.req_to_blocks, self.block_size, self._prefill_threshold()
+        lookahead, max_len, slots = self.num_lookahead_tokens, self.max_model_len, self.spec_draft_slots
+        status = RequestStatus.RUNNING
+        tokens = drafts = need = 0
+        grows = []  # per request: whether allocate_slots has work (new blocks, or shared blocks to cache)
+        caching = kv.enable_caching
+        weak = caching and kv.hasher.weak
+        for request in running:
+            computed = request.num_computed_tokens
+            n = 1 + request.spec_drafts
+            if (request.status != status or request.num_output_placeholders or not request.num_output_tokens
+                    or computed + 1 != request.num_prompt_tokens + request.num_output_tokens
+                    or n > max_len - computed - 1 or 0 < threshold < n):
+                return None
+            tokens += n
+            table = tables.get(request.index)
+            if table is None:
+                return None
+            more = -(-min(computed + n + lookahead, max_len) // bs) - len(table)
+            if more > 0:
+                need += more
+            grows.append(more > 0 or weak or (caching and request.num_shared_tokens > 0))
+        num = len(running)
+        # (within both budgets for every request in turn; a copy-on-write block for each at most)
+        if (tokens + num * slots > self.max_num_batched_tokens
+                or need + num > kv.block_pool.free_block_queue.num_free_blocks):
+            return None
+        step = self.current_step
+        self.current_step += 1
+        self._num_schedule_calls += 1
+        chunks = []
+        allocate = kv.allocate_slots
+        for request, grow in zip(running, grows):
+            computed, d = request.num_computed_tokens, request.spec_drafts
+            n = 1 + d
+            if grow:
+                allocate(request, computed, n, num_lookahead_tokens=lookahead)
+            chunk = ScheduledChunk(request, computed, n, True)
+            if d:
+                chunk.num_spec_tokens = d
+                request.spec_drafts = 0
+                drafts += d
+            chunks.append(chunk)
+            request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
+            request.last_chunk_step, request.last_chunk_tokens = step, n
+            request.spec_prefill_chunk = False
+        self._output_pending = True
+        return SchedulerOutput(
+            step=step, chunks=chunks, num_decode_reqs=0, decode_context_tokens=self._sum_decode_base, decodes=None,
+            preempted=[], num_running=num, num_waiting=0,
+            num_blocks_used=kv.block_pool.get_num_used_blocks(), prefix_query_tokens=0, prefix_hit_tokens=0,
+            num_swapped=self.num_swapped, num_verify_tokens=tokens, num_draft_tokens=drafts,
+            num_spec_tokens_to_schedule=self._spec_tokens_to_schedule(num), aborted=self._take_aborted())
 
     def _spec_tokens_to_schedule(self, num_scheduled: int) -> int:
         """Drafts proposed after a step of `num_scheduled` requests (vLLM's num_spec_tokens_to_schedule)."""
@@ -153,6 +224,8 @@ class SpecDecode:
         # speculative decoding); the single-group manager's lazy hashing orders them the same.
         cache_verified = getattr(self.kv_cache_manager, "cache_verified", None) if self.num_spec_tokens else None
         always_matches, proposes = self.acceptance.always_matches, self.acceptance.proposes
+        num_accepted = self.acceptance.num_accepted
+        num_drafts = num_draft_tokens = num_padded = 0
         for chunk in output.chunks:
             request = chunk.request
             if request.status != running:  # (preempted later in the step)
@@ -167,14 +240,13 @@ class SpecDecode:
             accepted = 0
             if drafts:
                 if chunk.spec_placeholder:
-                    stats["num_padded"] += 1
+                    num_padded += 1
                 else:
-                    accepted = self.acceptance.num_accepted(request.index, num_outputs, drafts)
+                    accepted = num_accepted(request.index, num_outputs, drafts)
                     for i in range(accepted):
                         per_position[i] += 1
-                stats["num_drafts"] += 1
-                stats["num_draft_tokens"] += drafts
-                stats["num_accepted_tokens"] += accepted
+                num_drafts += 1
+                num_draft_tokens += drafts
                 request.num_draft_tokens += drafts
                 request.num_accepted_tokens += accepted
                 accepted_total += accepted
@@ -200,6 +272,10 @@ class SpecDecode:
             request.num_computed_tokens = computed
             if cache_verified is not None:
                 cache_verified(request, computed)
+        stats["num_drafts"] += num_drafts
+        stats["num_draft_tokens"] += num_draft_tokens
+        stats["num_accepted_tokens"] += accepted_total
+        stats["num_padded"] += num_padded
         output.num_accepted_tokens = accepted_total
         output.num_spec_emissions = emissions
         return finished
