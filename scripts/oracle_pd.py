@@ -481,7 +481,7 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
                                 linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True,
-                                chunked_flag=True)
+                                chunked_flag=True, dflash_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -490,6 +490,15 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies, a.chunked)
              for _ in range(a.cases)]
+    if a.dflash:  # (every speculative case's drafter dflash: --speculative, no sliding windows)
+        if a.hybrid or a.linear or a.chunked:
+            sys.exit("--dflash: dflash is modelled with standard-attention targets")
+        for case in cases:
+            if case["opts"].get("speculative_method"):
+                case["opts"]["speculative_method"] = "dflash"
+                case["opts"].pop("spec_draft_model", None)
+                case["opts"]["max_num_batched_tokens"] = max(case["opts"]["max_num_batched_tokens"],
+                                                             case["opts"]["num_speculative_tokens"] + 2)
     if a.aborts:  # (a front end aborts some requests, on either side: clients that gave up)
         for case in cases:
             case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])

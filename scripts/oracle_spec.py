@@ -17,6 +17,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec.py --parallel [--max-n 14]   # rows for n sequences, fanned out
     .venv/bin/python scripts/oracle_spec.py --ngram-misses   # ngram lookups that find no match: no drafts
     .venv/bin/python scripts/oracle_spec.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
+    .venv/bin/python scripts/oracle_spec.py --dflash   # a DFlash drafter (K + 1 lookahead slots) in every case
 
 --parallel (here and in oracle_hybrid.py, oracle_linear.py, oracle_spec_async.py and
 oracle_offload.py): about a third of the rows ask for 2 to --max-n sequences; vLLM gets each
@@ -183,7 +184,7 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True,
-                                ngram_misses_flag=True, parallel_drafting_flag=True)
+                                ngram_misses_flag=True, parallel_drafting_flag=True, dflash_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
@@ -193,6 +194,13 @@ def main() -> None:
         for case in cases:
             case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
             case["opts"].pop("spec_draft_model", None)
+    if a.dflash:
+        for case in cases:
+            if case["opts"].get("speculative_method"):
+                case["opts"]["speculative_method"] = "dflash"
+                case["opts"].pop("spec_draft_model", None)
+                case["opts"]["max_num_batched_tokens"] = max(case["opts"]["max_num_batched_tokens"],
+                                                             case["opts"]["num_speculative_tokens"] + 2)
     if a.parallel_drafting:
         for case in cases:
             if case["opts"]["speculative_method"] in ("eagle", "eagle3", "draft_model"):

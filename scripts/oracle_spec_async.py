@@ -24,6 +24,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec_async.py --hybrid --cases 150 --seed 1
     .venv/bin/python scripts/oracle_spec_async.py --aborts --cases 50 --seed 3   # with a front end's aborts
     .venv/bin/python scripts/oracle_spec_async.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
+    .venv/bin/python scripts/oracle_spec_async.py --dflash   # a DFlash drafter in every case
 """
 
 from __future__ import annotations
@@ -184,12 +185,19 @@ def with_totals(result: dict) -> dict:
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
-                                  align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True)
+                                  align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True, dflash_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
+    if a.dflash:
+        for case in cases:
+            if case["opts"].get("speculative_method"):
+                case["opts"]["speculative_method"] = "dflash"
+                case["opts"].pop("spec_draft_model", None)
+                case["opts"]["max_num_batched_tokens"] = max(case["opts"]["max_num_batched_tokens"],
+                                                             case["opts"]["num_speculative_tokens"] + 2)
     if a.parallel_drafting:
         for case in cases:
             if case["opts"].get("speculative_method") in ("eagle", "eagle3", "draft_model"):

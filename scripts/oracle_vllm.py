@@ -91,6 +91,20 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
+def dflash_draft(fake: str) -> str:
+    """A config-only DFlash drafter beside the fake target (its shape, two layers tapping both of
+    the target's, a mask token): the folder vLLM's SpeculativeConfig(method='dflash') reads."""
+    import json
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / "simkv-oracle-dflash-draft"
+    folder.mkdir(exist_ok=True)
+    config = json.loads((Path(fake) / "config.json").read_text())
+    config |= {"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 1]}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, async_scheduling: bool = False):
     """vLLM's Scheduler (its AsyncScheduler with `async_scheduling`) for the case's options;
     returns (scheduler, vllm_config)."""
@@ -113,6 +127,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
         method = "eagle" if o["speculative_method"] == "mtp" else o["speculative_method"]
         spec_kw = dict(method=method, num_speculative_tokens=o["num_speculative_tokens"])
         spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if method == "ngram" else dict(model=fake)
+        if method == "dflash":  # (a config-only DFlash drafter: the fake model's shape, a mask token)
+            spec_kw["model"] = dflash_draft(fake)
         if o.get("spec_parallel_drafting"):
             spec_kw["parallel_drafting"] = True
         if o.get("spec_tokens_per_batch_size"):
@@ -430,7 +446,7 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
                 aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False,
                 pd_flag: bool = False, pp_flag: bool = False, roles_flag: bool = False,
-                parallel_drafting_flag: bool = False):
+                parallel_drafting_flag: bool = False, dflash_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -500,6 +516,10 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--ngram-misses", action="store_true",
                         help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "
                              "0.3 or 0.7 (spec_ngram_match_rate): without one a request proposes no drafts")
+    if dflash_flag:
+        ap.add_argument("--dflash", action="store_true",
+                        help="every speculative case's drafter is dflash (K + 1 lookahead slots, no batch slots, "
+                             "max_num_active_seqs capped at max_num_batched_tokens // (K + 1))")
     if parallel_drafting_flag:
         ap.add_argument("--parallel-drafting", action="store_true",
                         help="vLLM's parallel_drafting in every EAGLE and draft-model case (K - 1 or K more batch "

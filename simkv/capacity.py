@@ -190,8 +190,10 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     draft = config.draft_network
     draft_weights = 0.0
     if draft is not None:
-        shared = draft.embedding_params if config.speculative.is_eagle_family else 0
+        shared = draft.embedding_params if config.speculative.uses_target_hidden_states else 0
         draft_weights = (draft.weight_bytes - 2 * shared) / tp  # (config.py's draft_spec: the EAGLE layer's shape)
+        # (dflash: its projection of the target's hidden states, bf16, whole on every GPU)
+        draft_weights += 2 * config.speculative.dflash_fc_params(spec, draft)
     groups = config.kv_cache_groups
     hybrid = groups.is_hybrid
     if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, its attention the target's)

@@ -413,7 +413,8 @@ class AttentionConfig:
                 or self.attention_chunk_size is not None or self.prefix_cache_retention_interval != 0)
 
 
-SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
+SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model", "dflash")
+DFLASH_DEFAULT_LAYERS = 5  # (the published DFlash drafters': five target-shaped layers)
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp")
 _PARALLEL_DRAFTING = ("eagle", "eagle3", "draft_model")  # (P-EAGLE, PARD; vLLM's MTP modules draft in turn)
 
@@ -445,6 +446,10 @@ class SpeculativeConfig:
     # vLLM's parallel_drafting (P-EAGLE, PARD: a drafter trained for it): the K drafts come from one
     # pass of the draft network, each request taking K - 1 (EAGLE) or K (draft model) more batch slots
     spec_parallel_drafting: bool = False
+    # dflash (block diffusion: all K drafts from one pass of K + 1 queries per request over the
+    # drafter's own KV of the context, built from the target's hidden states): the drafter's
+    # target-shaped decoder layers, unless spec_draft_model gives its config [default: 5]
+    spec_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens
@@ -472,6 +477,13 @@ class SpeculativeConfig:
             raise ConfigError("spec_draft_pass_overhead_ms and spec_ngram_us_per_request must be >= 0")
         if not 0.0 <= self.spec_ngram_match_rate <= 1.0:
             raise ConfigError(f"spec_ngram_match_rate must be in [0, 1], got {self.spec_ngram_match_rate}")
+        if self.spec_draft_layers is not None:
+            if method != "dflash":
+                raise ConfigError(f"spec_draft_layers is the dflash drafter's, not '{method}''s")
+            if self.spec_draft_layers < 1:
+                raise ConfigError(f"spec_draft_layers must be >= 1, got {self.spec_draft_layers}")
+            if self.spec_draft_model is not None:
+                raise ConfigError("spec_draft_layers or spec_draft_model: the drafter's config gives its layers")
         if self.spec_parallel_drafting and method not in _PARALLEL_DRAFTING:
             raise ConfigError(f"spec_parallel_drafting: vLLM drafts in parallel with the EAGLE and draft-model "
                               f"methods ({', '.join(_PARALLEL_DRAFTING)}), not '{method}'")
@@ -486,7 +498,10 @@ class SpeculativeConfig:
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots past the scheduled tokens for the drafter's own forward passes (vLLM's
-        VllmConfig.num_lookahead_tokens): methods with a draft network reserve K."""
+        VllmConfig.num_lookahead_tokens): methods with a draft network reserve K, dflash K + 1
+        (its query block: the bonus token's and the K drafts')."""
+        if self.speculative_method == "dflash":
+            return self.num_speculative_tokens + 1
         if self.speculative_method in _EAGLE_FAMILY or self.speculative_method == "draft_model":
             return self.num_speculative_tokens
         return 0
@@ -506,15 +521,18 @@ class SpeculativeConfig:
         """The draft network's shape: the draft model's, or for the EAGLE family one decoder
         layer shaped like the target's expert layers (with the LM head), attending the whole context, with
         the dense MLP of the published heads where a mixture of experts has one
-        (`eagle_head_intermediate_size`); None for ngram."""
+        (`eagle_head_intermediate_size`), for dflash `spec_draft_layers` such layers; None for ngram."""
         if self.spec_draft_model is not None:
             return get_model_spec(self.spec_draft_model)
-        if self.is_eagle_family:
-            layer = dataclasses.replace(target, name=f"{target.name} (1 draft layer)", num_layers=1,
+        if self.uses_target_hidden_states:
+            n = self.num_draft_layers
+            what = f"{n} DFlash layers" if self.speculative_method == "dflash" else "1 draft layer"
+            layer = dataclasses.replace(target, name=f"{target.name} ({what})", num_layers=n,
                                         sliding_window=0, full_attention_interval=0, num_dense_layers=0,
                                         linear_attention="", layer_pattern="")  # (Qwen3-Next's MTP layer attends)
             if target.eagle_head_intermediate_size:
-                layer = dataclasses.replace(layer, name=f"{target.name} (1 dense draft layer)",
+                dense = f"{n} dense DFlash layers" if self.speculative_method == "dflash" else "1 dense draft layer"
+                layer = dataclasses.replace(layer, name=f"{target.name} ({dense})",
                                             intermediate_size=target.eagle_head_intermediate_size,
                                             num_experts=0, num_experts_per_tok=0, expert_weight_bytes=2.0,
                                             shared_expert_intermediate_size=0)
@@ -524,6 +542,28 @@ class SpeculativeConfig:
     @property
     def is_eagle_family(self) -> bool:
         return self.speculative_method in _EAGLE_FAMILY
+
+    @property
+    def uses_target_hidden_states(self) -> bool:
+        """The drafter reads the target's hidden states and shares its embedding and LM head
+        (vLLM's use_eagle(): the EAGLE family and dflash)."""
+        return self.is_eagle_family or self.speculative_method == "dflash"
+
+    @property
+    def num_draft_layers(self) -> int:
+        """Decoder layers of a drafter built from the target's shape: one for the EAGLE family,
+        `spec_draft_layers` for dflash."""
+        if self.speculative_method == "dflash":
+            return self.spec_draft_layers or DFLASH_DEFAULT_LAYERS
+        return 1
+
+    def dflash_fc_params(self, target: ModelSpec, draft: ModelSpec) -> int:
+        """dflash: the projection of the target's hidden states at as many tapped layers as the
+        drafter has layers (the upstream default) to the drafter's width, whole on every GPU
+        (vLLM's ReplicatedLinear); 0 for other methods."""
+        if self.speculative_method != "dflash":
+            return 0
+        return draft.num_layers * target.hidden_size * draft.hidden_size
 
     @property
     def batch_size_ranges(self) -> tuple[tuple[int, int, int], ...] | None:
@@ -757,8 +797,8 @@ class EngineConfig:
         elif spec.linear_attention:
             linear = spec.linear_attention_layers()
             windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear, strict=True)]
-        if self.speculative.enabled and self.speculative.is_eagle_family:
-            windows = windows + [0]
+        if self.speculative.enabled and self.speculative.uses_target_hidden_states:
+            windows = windows + [0] * self.speculative.num_draft_layers
         return windows
 
     @property
@@ -947,9 +987,28 @@ class EngineConfig:
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"speculative decoding is not modelled with {what}")
+        if spec.speculative_method == "dflash":
+            model = self.hardware.model_spec()
+            for bad, what in [(self.has_sliding_window, "sliding-window or chunked local attention layers"),
+                              (self.has_linear_attention, "linear-attention layers"),
+                              (model.is_mla, "latent attention (MLA)")]:
+                if bad:
+                    raise ConfigError(f"speculative_method 'dflash' is not modelled with {what}; it is with "
+                                      "standard-attention targets")
         if sched.max_num_batched_tokens <= spec.num_lookahead_tokens:
             raise ConfigError("VllmConfig does not have enough slots to schedule a token and support the "
                               "speculative decoding settings.")
+
+    @property
+    def max_num_active(self) -> int:
+        """The running requests the scheduler admits: max_num_active_seqs, else max_num_seqs; under
+        dflash at most max_num_batched_tokens // (K + 1), vLLM's override (its draft pass needs K + 1
+        query tokens per request within the batch)."""
+        sched = self.scheduler
+        active = sched.max_num_active_seqs or sched.max_num_seqs
+        if self.speculative.speculative_method == "dflash":
+            active = min(active, sched.max_num_batched_tokens // self.speculative.num_lookahead_tokens)
+        return active
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -1000,6 +1059,10 @@ class EngineConfig:
             out.update(dataclasses.asdict(self.speculative))
             if self.speculative.spec_ngram_match_rate == 1.0:  # (likewise)
                 del out["spec_ngram_match_rate"]
+            if not self.speculative.spec_parallel_drafting:  # (likewise)
+                del out["spec_parallel_drafting"]
+            if self.speculative.spec_draft_layers is None:  # (likewise)
+                del out["spec_draft_layers"]
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager
                 or self.mamba_align):
             out.update(dataclasses.asdict(self.attention))

@@ -9,6 +9,11 @@ the K of the step's number of requests) for every request that sampled in the st
   whole sequence), the K - 1 others over one token per sampling request. Each pass is timed
   by the roofline (simkv/backends/roofline.py) on the replay's GPU, plus
   `spec_draft_pass_overhead_ms`.
+- dflash (block diffusion): one pass of K + 1 queries per sampling request (its bonus token
+  and K masked positions, attending each other and the request's context) through
+  `spec_draft_layers` target-shaped layers, logits for K of them; before it, the step's tokens'
+  hidden states at as many tapped target layers are projected (`fc`, whole on every GPU) and
+  into each layer's K and V, the drafter's KV of the context (`_dflash_context_seconds`).
 A draft model's first pass has one more query per sampling request (vLLM keeps the input's last
 token unsliced). Drafting in parallel (`spec_parallel_drafting`, vLLM's parallel_drafting:
 P-EAGLE, PARD) is that first pass alone, with K - 1 masked query positions more per sampling
@@ -24,7 +29,7 @@ from simkv.backends.base import prefill_work
 from simkv.backends.roofline import RooflineCostModel
 from simkv.config import EngineConfig
 from simkv.core.outputs import SchedulerOutput
-from simkv.specs import get_gpu_spec
+from simkv.specs import get_gpu_spec, get_model_spec
 
 
 class Drafter:
@@ -36,6 +41,7 @@ class Drafter:
         self.extra_queries = spec.draft_slots  # per sampling request, in the first pass
         self.per_request_s = spec.spec_ngram_us_per_request * 1e-6
         self.network = None
+        self.dflash = self.method == "dflash"
         if self.method != "ngram":
             draft = config.draft_network
             self.network = RooflineCostModel(draft, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
@@ -47,6 +53,15 @@ class Drafter:
                                              # (the drafter's attention is sharded as the target's: vLLM
                                              # gives its proposers the DCP groups' local lengths)
                                              decode_context_parallel_size=hw.decode_context_parallel_size)
+        if self.dflash:
+            tp = hw.tensor_parallel_size
+            fc = spec.dflash_fc_params(get_model_spec(hw.model), draft)
+            kv_proj = draft.num_layers * draft.hidden_size * 2 * draft.num_kv_heads * draft.head_dim / tp
+            self.context_flops_per_token = 2.0 * (fc + kv_proj)
+            self.context_weight_bytes = 2.0 * (fc + kv_proj)  # (bf16)
+            # per context token: its tapped hidden states in, its K and V in every layer out
+            self.context_bytes_per_token = (2.0 * draft.num_layers * get_model_spec(hw.model).hidden_size
+                                            + draft.kv_bytes_per_token(config.cache.kv_dtype_bytes, tp))
 
     @staticmethod
     def _sampling_contexts(output: SchedulerOutput) -> list[int]:
@@ -106,12 +121,31 @@ class Drafter:
         if self.network is None:
             return sampling * self.per_request_s
         net = self.network
+        if self.dflash:
+            tokens, seqs, pairs, kv_read, _, _ = self._dflash_query_work(sampling, context, k)
+            return self._dflash_context_seconds(output) + net._time(tokens, seqs, pairs, kv_read, max)
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._first_work(output, sampling)
         first = net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
         if self.parallel:
             return first  # (every draft from that one pass)
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._later_work(output, sampling, context)
         return first + (k - 1) * net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+
+    @staticmethod
+    def _dflash_query_work(sampling: int, context: int, k: int) -> tuple:
+        """dflash's pass (its `step_work` tuple): k + 1 queries for each sampling request (k: the
+        step's drafts, vLLM's proposer takes the scheduler's), which attend the request's
+        `context` tokens (summed over the requests) and each other, and logits for k of them."""
+        q = k + 1
+        return sampling * q, sampling * k, q * context + sampling * q * q, context, 0, 0
+
+    def _dflash_context_seconds(self, output: SchedulerOutput) -> float:
+        """dflash: the step's tokens' tapped hidden states projected to the drafter's width and
+        into each layer's K and V, written to the drafter's cache (one fused GEMM, no CUDA graph)."""
+        net = self.network
+        tokens = output.num_chunk_tokens + output.num_decode_reqs
+        return max(self.context_flops_per_token * tokens / net.flop_rate,
+                   (self.context_weight_bytes + self.context_bytes_per_token * tokens) / net.byte_rate)
 
     def _later_work(self, output: SchedulerOutput, sampling: int, context: int) -> tuple:
         """Each of the network's later passes, one token for every request sampling (its
@@ -136,6 +170,9 @@ class Drafter:
             return max(sampling for _, sampling, _, _ in rows) * self.per_request_s
         net = self.network
         idle = num_dummy + len(outputs) - len(rows)
+        if self.dflash:
+            return (max(self._dflash_context_seconds(out) for out, *_ in rows)
+                    + net.dp_time([self._dflash_query_work(sampling, context, k) for _, sampling, context, k in rows], idle))
         total = net.dp_time([self._first_work(out, sampling) for out, sampling, _, _ in rows], idle)
         if self.parallel:
             return total

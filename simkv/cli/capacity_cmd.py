@@ -247,10 +247,11 @@ def print_report(rep: dict) -> None:
 @click.option("--kv-offloading-block-size", type=int, default=None,
               help="Tokens per CPU-tier chunk, a multiple of --block-size [default: one GPU block]")
 @click.option("--pcie-bandwidth-gbs", type=float, default=None, help="host<->GPU bandwidth, GB/s [default: 63]")
-@click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
+@click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model", "dflash"]),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)
 @click.option("--spec-draft-model", default=None, help="draft_model: the draft's model spec (e.g. llama-3.2-1b)")
+@click.option("--spec-draft-layers", type=int, default=None, help="dflash: the drafter's layers [default: 5]")
 @click.option("--sliding-window", type=int, default=None,
               help="Override the model's sliding-window size (0: none) [default: the model's]")
 @click.option("--full-attention-interval", type=int, default=None,

@@ -47,6 +47,7 @@ _ENGINE_FLAGS = {
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size", "spec_parallel_drafting": "spec_parallel_drafting",
+    "spec_draft_layers": "spec_draft_layers",
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
     "attention_chunk_size": "attention_chunk_size",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
@@ -325,7 +326,7 @@ _ENGINE_OPTIONS = [
     click.option("--lora-load-gbs", type=float, default=None, metavar="GB/S",
                  help="Reading an adapter from disk into host memory, vLLM's host-side work included (an "
                       "assumption, not a measurement: set it from your logs) [default: 2]"),
-    click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model"]),
+    click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model", "dflash"]),
                  default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
     click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),
     click.option("--spec-acceptance-rate", type=float, default=None,
@@ -340,6 +341,9 @@ _ENGINE_OPTIONS = [
     click.option("--spec-parallel-drafting", is_flag=True, default=None,
                  help="vLLM's parallel_drafting (P-EAGLE, PARD; a drafter trained for it): all K drafts from one "
                       "draft pass, which takes K - 1 (eagle, eagle3) or K (draft_model) more batch slots per request"),
+    click.option("--spec-draft-layers", type=int, default=None, metavar="N",
+                 help="dflash: the drafter's decoder layers, shaped like the target's (or --spec-draft-model "
+                      "with its config.json) [default: 5]"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
     click.option("--spec-ngram-match-rate", type=float, default=None, metavar="P",
                  help="ngram: how often the prompt lookup finds a match after a request samples; without one it "
@@ -472,6 +476,12 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
                    f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",
                    err=True)
+    sc, spec = config.scheduler, config.speculative
+    if spec.speculative_method == "dflash" and config.max_num_active < (sc.max_num_active_seqs or sc.max_num_seqs):
+        click.echo(f"warning: dflash's draft pass needs {spec.num_lookahead_tokens} query tokens per request within "
+                   f"max_num_batched_tokens = {sc.max_num_batched_tokens:,}: at most {config.max_num_active:,} "
+                   "requests run at once (vLLM lowers max_num_active_seqs likewise; raise max_num_batched_tokens "
+                   "for more)", err=True)
     if config.scheduler.async_scheduling and cost_model != "unit" and not _splits_host_time(cost_model, config):
         click.echo(f"warning: --cost-model {cost_model} gives whole step times: async scheduling changes when "
                    "requests are scheduled and freed, but no host time is overlapped with the device "

@@ -76,7 +76,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # Policy knobs (vLLM's behaviour by default; other engines' step models otherwise).
         self.max_num_admissions_per_step = sc.max_num_admissions_per_step or (1 << 62)
         # vLLM's max_num_active_seqs: the admission limit (max_num_seqs still sizes the runner)
-        self.max_num_active = sc.max_num_active_seqs or sc.max_num_seqs
+        self.max_num_active = config.max_num_active
         # vLLM's local prefill cadence (prefill_schedule_interval): a step holds prefill back until
         # that many executed steps have passed since the last one that carried prefill, unless
         # the last release step left requests waiting (capacity-bound: the cadence lets go)

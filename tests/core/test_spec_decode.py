@@ -229,6 +229,43 @@ def test_parallel_drafting_same_steps_as_vllm(index):
     assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
 
 
+DFLASH_DATA = Path(__file__).parent / "data" / "spec_dflash_vllm_cases.json"
+DFLASH_ASYNC_DATA = Path(__file__).parent / "data" / "spec_dflash_async_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_dflash_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --dflash (vLLM 0.33's dflash method with a
+    config-only DFlash drafter: K + 1 lookahead slots, no batch slots, no lookahead block keys,
+    max_num_active_seqs capped at max_num_batched_tokens // (K + 1)): every step and request equal.
+    Two of them differ without the cap, all six with K lookahead slots."""
+    case = json.loads(DFLASH_DATA.read_text())["cases"][index]
+    assert case["case"]["opts"]["speculative_method"] == "dflash"
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_dflash_same_steps_as_vllm_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py --dflash (vLLM 0.33's AsyncScheduler two
+    batches deep, 35 and 27 preemptions): every step, request, accepted draft and prefix count."""
+    assert_same_async_spec_steps_as_vllm(json.loads(DFLASH_ASYNC_DATA.read_text())["cases"][index])
+
+
+def test_dflash_caps_the_running_requests():
+    """vLLM's dflash check: K = 15 needs 16 query tokens per request, so 64 batched tokens admit
+    4 requests however large max_num_seqs; the lookahead is K + 1 slots."""
+    config = EngineConfig.from_flat(dict(speculative_method="dflash", num_speculative_tokens=15,
+                                         max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128,
+                                         num_gpu_blocks=200))
+    assert config.max_num_active == 4 and config.num_lookahead_tokens == 16
+    sched = Scheduler(config, 200)
+    for i in range(6):
+        sched.add_request(make_request(i, 8, 20))
+    out = sched.schedule()
+    assert len(out.chunks) == 4 and sched.num_waiting() == 2
+
+
 @pytest.mark.parametrize("method, parallel, slots", [
     ("eagle", False, 0), ("eagle3", True, 2), ("draft_model", False, 1), ("draft_model", True, 3), ("mtp", False, 0)])
 def test_draft_slots(method, parallel, slots):
@@ -361,6 +398,11 @@ def test_position_rates_are_unconditional():
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'ngram'"),
     (dict(speculative_method="mtp", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'mtp'"),
     (dict(spec_parallel_drafting=True), "spec_parallel_drafting needs a speculative_method"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_draft_layers=3), "dflash drafter's"),
+    (dict(speculative_method="dflash", num_speculative_tokens=2, spec_draft_layers=0), "must be >= 1"),
+    (dict(speculative_method="dflash", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'dflash'"),
+    (dict(speculative_method="dflash", num_speculative_tokens=2, model="gemma-3-12b"), "sliding-window"),
+    (dict(speculative_method="dflash", num_speculative_tokens=2, model="deepseek-v2-lite"), "latent attention"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -446,8 +488,8 @@ def test_random_cases_keep_the_books(async_scheduling):
 def test_verify_steps_are_the_general_paths(monkeypatch):
     """Scheduler._verify_step (every running request verifying its drafts, nothing waiting) gives
     the steps the general path gives: on 40 random engines (pools that preempt, shared prompts,
-    budgets and thresholds that cut drafts, ngram misses, a draft model, parallel drafting),
-    every step's chunks, counts and blocks, and every request's tokens, equal with it and
+    budgets and thresholds that cut drafts, ngram misses, a draft model, parallel drafting,
+    dflash), every step's chunks, counts and blocks, and every request's tokens, equal with it and
     without it; it served a good share of the steps."""
     import numpy as np
 
@@ -500,6 +542,9 @@ def test_verify_steps_are_the_general_paths(monkeypatch):
             opts["spec_ngram_match_rate"] = 0.5
         if i % 4 == 3 and opts["speculative_method"] != "ngram":
             opts["spec_parallel_drafting"] = True
+        if i % 8 == 4 and opts["speculative_method"] != "ngram":
+            opts["speculative_method"] = "dflash"
+            opts.pop("spec_draft_model", None)
         if i % 2:  # (content that goes on over the reply: its blocks are cached as they fill)
             for r in case["requests"]:
                 r["block_hashes"] = [int(x) for x in rng.integers(0, 3, -(-(r["prompt"] + r["output"]) // 8))]

@@ -124,6 +124,60 @@ def test_parallel_drafting_is_one_pass(method):
     assert parallel.seconds(out) < 0.5 * sequential.seconds(out)
 
 
+def test_dflash_drafts_in_one_pass_over_its_context():
+    """dflash: the step's tokens' tapped hidden states are projected into the drafter's K and V
+    (fc: 5 x 4,096 x 4,096 parameters whole, each layer's K and V projection), then one pass of
+    K + 1 queries per sampling request through 5 target-shaped layers, attending the request's
+    tokens and each other, with logits for K of them."""
+    from simkv.backends.drafting import Drafter
+
+    k, contexts = 7, [300, 1200, 40]
+    drafter = Drafter(_config(speculative_method="dflash", num_speculative_tokens=k))
+    net = drafter.network
+    assert net.model.num_layers == 5
+    out = _verify_step(k, contexts)
+    ends = [c + 1 + k for c in contexts]
+    q, h = k + 1, 4096
+    query = net._time(3 * q, 3 * k, q * sum(ends) + 3 * q * q, sum(ends), max)
+    fc, kv_proj = 5 * h * h, 5 * h * 2 * 8 * 128  # (llama-3-8b: 8 KV heads of 128)
+    tokens = 3 * (1 + k)
+    kv_bytes = 5 * 2 * 8 * 128 * 2  # (the drafter's K and V of a token, 5 layers, bf16)
+    context = max(2.0 * (fc + kv_proj) * tokens / net.flop_rate,
+                  (2.0 * (fc + kv_proj) + (2.0 * 5 * h + kv_bytes) * tokens) / net.byte_rate)
+    assert drafter.seconds(out) == pytest.approx(query + context, rel=1e-12)
+    assert context < 0.5 * query
+
+
+def test_dflash_takes_its_layers_from_the_kv_cache():
+    """dflash's five layers hold KV for every token, and their weights and the projection of the
+    target's hidden states come off the KV cache (the embedding and LM head are the target's)."""
+    base = compute_capacity(EngineConfig.from_flat({})).num_gpu_blocks
+    dflash = compute_capacity(EngineConfig.from_flat(dict(speculative_method="dflash", num_speculative_tokens=7)))
+    three = compute_capacity(EngineConfig.from_flat(dict(speculative_method="dflash", num_speculative_tokens=7,
+                                                         spec_draft_layers=3)))
+    assert dflash.num_gpu_blocks < three.num_gpu_blocks < base
+    # 32 target layers + 5 draft layers of KV per token; weights 5 layers and fc (5 x 4096^2, bf16) fewer
+    layer_bytes = (4 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336) * 2
+    free_base = base * 32 * 2 * 1024 * 2 * 16
+    free = free_base - 5 * layer_bytes - 2 * 5 * 4096 * 4096
+    assert dflash.num_gpu_blocks == pytest.approx(free / (37 * 2 * 1024 * 2 * 16), rel=0.01)
+
+
+def test_dflash_warns_when_its_batch_caps_the_running_requests(tmp_path):
+    """vLLM lowers max_num_active_seqs when max_num_batched_tokens cannot hold K + 1 query tokens
+    for every request; the replay says so."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n" + "".join(f"{i * 0.01},50,20\n" for i in range(20)))
+    result = CliRunner().invoke(main, ["replay", str(trace), "--out", str(tmp_path / "out"), "--speculative-method",
+                                       "dflash", "--num-speculative-tokens", "15", "--max-num-batched-tokens", "256",
+                                       "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "dflash's draft pass needs 16 query tokens per request" in result.output
+    assert "at most 16 requests run at once" in result.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["peak_running"] <= 16
+
+
 def test_parallel_drafting_shortens_steps():
     """The same trace and acceptances: drafting in parallel takes a smaller share of each step
     (one draft pass instead of K), so tokens come faster; the tokens kept are the same."""
