@@ -490,15 +490,9 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies, a.chunked)
              for _ in range(a.cases)]
-    if a.dflash:  # (every speculative case's drafter dflash: --speculative, no sliding windows)
-        if a.hybrid or a.linear or a.chunked:
-            sys.exit("--dflash: dflash is modelled with standard-attention targets")
-        for case in cases:
-            if case["opts"].get("speculative_method"):
-                case["opts"]["speculative_method"] = "dflash"
-                case["opts"].pop("spec_draft_model", None)
-                case["opts"]["max_num_batched_tokens"] = max(case["opts"]["max_num_batched_tokens"],
-                                                             case["opts"]["num_speculative_tokens"] + 2)
+    if a.dflash and (a.hybrid or a.linear or a.chunked):
+        sys.exit("--dflash: dflash is modelled with standard-attention targets")
+    oracle_vllm.drafter_cases(a, cases)
     if a.aborts:  # (a front end aborts some requests, on either side: clients that gave up)
         for case in cases:
             case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])

@@ -194,17 +194,7 @@ def main() -> None:
         for case in cases:
             case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
             case["opts"].pop("spec_draft_model", None)
-    if a.dflash:
-        for case in cases:
-            if case["opts"].get("speculative_method"):
-                case["opts"]["speculative_method"] = "dflash"
-                case["opts"].pop("spec_draft_model", None)
-                case["opts"]["max_num_batched_tokens"] = max(case["opts"]["max_num_batched_tokens"],
-                                                             case["opts"]["num_speculative_tokens"] + 2)
-    if a.parallel_drafting:
-        for case in cases:
-            if case["opts"]["speculative_method"] in ("eagle", "eagle3", "draft_model"):
-                case["opts"]["spec_parallel_drafting"] = True
+    oracle_vllm.drafter_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

@@ -191,17 +191,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
-    if a.dflash:
-        for case in cases:
-            if case["opts"].get("speculative_method"):
-                case["opts"]["speculative_method"] = "dflash"
-                case["opts"].pop("spec_draft_model", None)
-                case["opts"]["max_num_batched_tokens"] = max(case["opts"]["max_num_batched_tokens"],
-                                                             case["opts"]["num_speculative_tokens"] + 2)
-    if a.parallel_drafting:
-        for case in cases:
-            if case["opts"].get("speculative_method") in ("eagle", "eagle3", "draft_model"):
-                case["opts"]["spec_parallel_drafting"] = True
+    oracle_vllm.drafter_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

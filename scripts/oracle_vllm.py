@@ -91,6 +91,20 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
+def drafter_cases(a, cases: list[dict]) -> None:
+    """--dflash: every speculative case's drafter is dflash (its K + 1 slots within the budget);
+    --parallel-drafting: the EAGLE and draft-model cases draft in parallel (`a`: the oracle's
+    arguments, either flag absent where the oracle has none)."""
+    for case in cases:
+        opts = case["opts"]
+        if getattr(a, "dflash", False) and opts.get("speculative_method"):
+            opts["speculative_method"] = "dflash"
+            opts.pop("spec_draft_model", None)
+            opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 2)
+        if getattr(a, "parallel_drafting", False) and opts.get("speculative_method") in ("eagle", "eagle3", "draft_model"):
+            opts["spec_parallel_drafting"] = True
+
+
 def dflash_draft(fake: str) -> str:
     """A config-only DFlash drafter beside the fake target (its shape, two layers tapping both of
     the target's, a mask token): the folder vLLM's SpeculativeConfig(method='dflash') reads."""
