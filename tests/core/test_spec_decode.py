@@ -521,7 +521,8 @@ def test_verify_steps_are_the_general_paths(monkeypatch):
         def record_update(self, out):
             finished = update(self, out)
             steps.append(([r.index for r in finished], out.num_blocks_used_end, out.num_accepted_tokens,
-                          out.num_spec_emissions))
+                          out.num_spec_emissions, len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
+                          [self.kv_cache_manager.num_cached_block.get(r.index) for r in self.running]))
             return finished
 
         with monkeypatch.context() as m:
