@@ -431,7 +431,11 @@ class SpeculativeConfig:
     # P(draft i accepted | drafts before it accepted), the same at every position ...
     spec_acceptance_rate: float = 0.7
     # ... or vLLM's "Per-position acceptance rate" figures (P(draft i accepted)), comma-separated
+    # (vLLM's synthetic_acceptance_rates) ...
     spec_position_acceptance_rates: str | None = None
+    # ... or a mean acceptance length (1 + accepted drafts per verifying step), spread over the
+    # positions as vLLM's synthetic rejection sampler does (synthetic_acceptance_length)
+    spec_acceptance_length: float | None = None
     spec_draft_model: str | None = None  # draft_model: its model spec; eagle family: one target layer
     # Dynamic speculation (vLLM's num_speculative_tokens_per_batch_size): "1-16:5,17-64:3,65-256:1",
     # drafts proposed after a step of that many scheduled requests (at most num_speculative_tokens)
@@ -609,6 +613,14 @@ class SpeculativeConfig:
         """P(draft i accepted | drafts 0..i-1 accepted), one per draft position."""
         k = self.num_speculative_tokens
         text = self.spec_position_acceptance_rates
+        length = self.spec_acceptance_length
+        if length is not None:
+            if text is not None:
+                raise ConfigError("spec_acceptance_length or spec_position_acceptance_rates, not both")
+            if not 1.0 <= length <= k + 1:
+                raise ConfigError(f"spec_acceptance_length must be in [1, {k + 1}] (1 + num_speculative_tokens), "
+                                  f"got {length}")
+            text = ",".join(repr(r) for r in acceptance_length_rates(length, k))
         if text is None:
             return (self.spec_acceptance_rate,) * k
         try:
@@ -625,6 +637,15 @@ class SpeculativeConfig:
             out.append(r / before if before > 0 else 0.0)
             before = r
         return tuple(out)
+
+
+def acceptance_length_rates(length: float, k: int) -> list[float]:
+    """Per-position (unconditional) acceptance rates of a mean acceptance length, as vLLM's
+    synthetic rejection sampler spreads it (the minimum-variance schedule): the first
+    floor(length - 1) drafts always accepted, the next with the fraction left, none after."""
+    drafts = length - 1
+    full = int(drafts)
+    return ([1.0] * full + [drafts - full] + [0.0] * (k - full - 1))[:k]
 
 
 SPARSE_BLOCK_MULTIPLE = 64  # DeepSeek sparse attention's kernels: blocks of a multiple of 64 tokens
@@ -1061,8 +1082,9 @@ class EngineConfig:
                 del out["spec_ngram_match_rate"]
             if not self.speculative.spec_parallel_drafting:  # (likewise)
                 del out["spec_parallel_drafting"]
-            if self.speculative.spec_draft_layers is None:  # (likewise)
-                del out["spec_draft_layers"]
+            for key in ("spec_draft_layers", "spec_acceptance_length"):  # (likewise)
+                if out[key] is None:
+                    del out[key]
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager
                 or self.mamba_align):
             out.update(dataclasses.asdict(self.attention))

@@ -48,6 +48,7 @@ _ENGINE_FLAGS = {
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size", "spec_parallel_drafting": "spec_parallel_drafting",
     "spec_draft_layers": "spec_draft_layers",
+    "spec_acceptance_length": "spec_acceptance_length",
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
     "attention_chunk_size": "attention_chunk_size",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
@@ -333,6 +334,9 @@ _ENGINE_OPTIONS = [
                  help="P(a draft is accepted | the drafts before it were) [default: 0.7]"),
     click.option("--spec-position-acceptance-rates", default=None, metavar="R1,R2,...",
                  help="Instead: vLLM's logged 'Per-position acceptance rate' figures, one per draft position."),
+    click.option("--spec-acceptance-length", type=float, default=None, metavar="L",
+                 help="Instead: a mean acceptance length (1 + accepted drafts per verifying step), spread over the "
+                      "positions as vLLM's synthetic rejection sampler does (synthetic_acceptance_length)"),
     click.option("--spec-draft-model", type=ModelName(), default=None,
                  help="draft_model: the draft's model spec (its passes and memory) [eagle family: one target layer]"),
     click.option("--spec-tokens-per-batch-size", default=None, metavar="A-B:K,...",

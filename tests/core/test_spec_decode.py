@@ -290,6 +290,19 @@ def test_parallel_drafting_takes_batch_slots():
     assert counts == [([2, 2, 2], [4, 4, 4]), ([2, 2, 2], [4, 4])]
 
 
+@pytest.mark.parametrize("length, rates", [(1.0, (0.0, 0.0, 0.0)), (2.5, (1.0, 0.5, 0.0)), (3.25, (1.0, 1.0, 0.25)),
+                                           (4.0, (1.0, 1.0, 1.0))])
+def test_acceptance_length_as_vllms_synthetic_sampler(length, rates):
+    """vLLM's synthetic_acceptance_length spreads L - 1 accepted drafts over the positions with the
+    least variance: the first floor(L - 1) always, the next with what is left; a replay's mean
+    acceptance length is then L exactly (given room for every draft)."""
+    spec = SpeculativeConfig("eagle", 3, spec_acceptance_length=length)
+    assert spec.conditional_acceptance_rates == pytest.approx(rates)
+    model = AcceptanceModel(spec.conditional_acceptance_rates, 7)
+    mean = sum(model.num_accepted(i, 0, 3) for i in range(20_000)) / 20_000
+    assert abs(1 + mean - length) < 0.01
+
+
 def test_acceptance_model():
     never, always = AcceptanceModel((0.0,) * 4, 0), AcceptanceModel((1.0,) * 4, 0)
     assert never.num_accepted(5, 7, 4) == 0 and always.num_accepted(5, 7, 4) == 4
@@ -398,6 +411,9 @@ def test_position_rates_are_unconditional():
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'ngram'"),
     (dict(speculative_method="mtp", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'mtp'"),
     (dict(spec_parallel_drafting=True), "spec_parallel_drafting needs a speculative_method"),
+    (dict(speculative_method="eagle", num_speculative_tokens=3, spec_acceptance_length=4.5), r"in \[1, 4\]"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_acceptance_length=2.0,
+          spec_position_acceptance_rates="0.5,0.4"), "not both"),
     (dict(speculative_method="eagle", num_speculative_tokens=2, spec_draft_layers=3), "dflash drafter's"),
     (dict(speculative_method="dflash", num_speculative_tokens=2, spec_draft_layers=0), "must be >= 1"),
     (dict(speculative_method="dflash", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'dflash'"),
