@@ -15,7 +15,8 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-70b-tp4 azure-70b-pp2  # the Azure trace on llama-3-70b, 4 H100s as
                                                         # TP 4, or TP 2 x PP 2 (pipeline stages: every request stepped)
     .venv/bin/python bench/replay_speed.py azure-spec   # the Azure trace with EAGLE-3 speculative decoding (K=3):
-                                                        # decodes are chunks, no decode runs
+                                                        # decodes are chunks, no decode runs (-async: under
+                                                        # async scheduling, vLLM's serving default)
     .venv/bin/python bench/replay_speed.py azure-gemma3 # the Azure trace on gemma-3-12b (5 of 6 layers slide over
                                                         # 1,024 tokens): hybrid KV-cache manager, 6 KV-cache groups
     .venv/bin/python bench/replay_speed.py azure-llama4 # the Azure trace on llama-4-scout, 4 H100s at TP 4 (3 of 4
@@ -76,7 +77,7 @@ def load(case: str):
         from simkv.traces.lora import assign_adapters
 
         return assign_adapters(import_trace("azure", [AZURE])[0], 16, 1.0, seed=0)
-    if case in ("azure", "azure-async", "azure-spec", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async",
+    if case in ("azure", "azure-async", "azure-spec", "azure-spec-async", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async",
                 "azure-gemma3", "azure-llama4", "azure-qwen3next",
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8", "azure-dsv32"):
@@ -124,7 +125,7 @@ def run_case(case: str) -> dict:
     fleet = FleetSpec(4, "least_outstanding") if case.endswith("-fleet4") else None
     options = {"async_scheduling": case.endswith("-async"), "session_pacing": case != "chat-open"}
     case_setup = case.removesuffix("-async")
-    if case.endswith("-spec"):
+    if case_setup.endswith("-spec"):
         options |= {"speculative_method": "eagle3", "num_speculative_tokens": 3,
                     "spec_position_acceptance_rates": "0.8,0.6,0.45"}
     if case.endswith("-gemma3"):

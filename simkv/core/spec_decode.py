@@ -112,28 +112,37 @@ class SpecDecode:
         drafts, each whole (1 + drafts tokens, within the budgets, the prefill threshold and
         max_model_len) with blocks enough for all (nobody is preempted): the output schedule()
         gives, with the same allocations in the same order, and the requests' counters as
-        _spec_scheduled and _spec_after_schedule leave them, without the general path's
-        per-request checks. None, having changed nothing, when some condition does not hold."""
+        _spec_scheduled and _spec_after_schedule (async scheduling: _spec_async_after_schedule,
+        every request with a step in flight that cannot finish it) leave them, without the
+        general path's per-request checks. None, having changed nothing, when some condition
+        does not hold."""
         running = self._prefilling
         if (self.waiting or self.kv_holding or self._finishing or self._num_decoders or self.throttle_prefills
-                or not running or len(running) != len(self.running)):
+                or self._finish_heap or not running or len(running) != len(self.running)):
             return None
         kv = self.kv_cache_manager
         if kv.num_forks:
             return None
+        in_flight = self.async_scheduling  # (its counters: placeholders for the step in flight)
         tables, bs, threshold = kv.req_to_blocks, self.block_size, self._prefill_threshold()
         lookahead, max_len, slots = self.num_lookahead_tokens, self.max_model_len, self.spec_draft_slots
         status = RequestStatus.RUNNING
-        tokens = drafts = need = 0
+        tokens = verify = drafts = need = 0
         grows = []  # per request: whether allocate_slots has work (new blocks, or shared blocks to cache)
         caching = kv.enable_caching
         weak = caching and kv.hasher.weak
         for request in running:
             computed = request.num_computed_tokens
             n = 1 + request.spec_drafts
-            if (request.status != status or request.num_output_placeholders or not request.num_output_tokens
-                    or computed + 1 != request.num_prompt_tokens + request.num_output_tokens
+            placeholders = request.num_output_placeholders
+            known = request.num_prompt_tokens + request.num_output_tokens
+            if (request.status != status or computed + 1 != known + placeholders
                     or n > max_len - computed - 1 or 0 < threshold < n):
+                return None
+            if in_flight:
+                if not placeholders or computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
+                    return None  # (no step in flight; or the one in flight may finish it: _spec_async_done)
+            elif placeholders or not request.num_output_tokens:
                 return None
             tokens += n
             table = tables.get(request.index)
@@ -151,29 +160,49 @@ class SpecDecode:
         step = self.current_step
         self.current_step += 1
         self._num_schedule_calls += 1
+        pool = kv.block_pool
+        used_before = pool.get_num_used_blocks()
+        to_propose = self._spec_tokens_to_schedule(num)
         chunks = []
         allocate = kv.allocate_slots
+        num_hashed = kv.hasher.num_hashed_blocks
         for request, grow in zip(running, grows):
             computed, d = request.num_computed_tokens, request.spec_drafts
             n = 1 + d
             if grow:
                 allocate(request, computed, n, num_lookahead_tokens=lookahead)
-            chunk = ScheduledChunk(request, computed, n, True)
+            sampled = request.num_output_tokens > 0
+            chunk = ScheduledChunk(request, computed, n, sampled)
             if d:
                 chunk.num_spec_tokens = d
                 request.spec_drafts = 0
+            if sampled:
+                verify += n
                 drafts += d
             chunks.append(chunk)
             request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
             request.last_chunk_step, request.last_chunk_tokens = step, n
             request.spec_prefill_chunk = False
+            if in_flight:  # (_note_cached, then _spec_async_after_schedule)
+                blocks = num_hashed(request, computed + n)
+                if blocks > request.num_cached_blocks:
+                    request.num_cached_blocks = blocks
+                request.num_computed_tokens = computed + n
+                request.num_in_flight_tokens += n
+                chunk.samples = True
+                request.num_output_placeholders += 1 + d
+                request.spec_drafts = to_propose
+                request.last_sched_step = step
+        used = pool.get_num_used_blocks()
+        if in_flight:
+            self._note_take(step, used - used_before)
+            self._scheduled_through = step
         self._output_pending = True
         return SchedulerOutput(
             step=step, chunks=chunks, num_decode_reqs=0, decode_context_tokens=self._sum_decode_base, decodes=None,
-            preempted=[], num_running=num, num_waiting=0,
-            num_blocks_used=kv.block_pool.get_num_used_blocks(), prefix_query_tokens=0, prefix_hit_tokens=0,
-            num_swapped=self.num_swapped, num_verify_tokens=tokens, num_draft_tokens=drafts,
-            num_spec_tokens_to_schedule=self._spec_tokens_to_schedule(num), aborted=self._take_aborted())
+            preempted=[], num_running=num, num_waiting=0, num_blocks_used=used, prefix_query_tokens=0,
+            prefix_hit_tokens=0, num_swapped=self.num_swapped, num_verify_tokens=verify, num_draft_tokens=drafts,
+            num_spec_tokens_to_schedule=to_propose, aborted=self._take_aborted())
 
     def _spec_tokens_to_schedule(self, num_scheduled: int) -> int:
         """Drafts proposed after a step of `num_scheduled` requests (vLLM's num_spec_tokens_to_schedule)."""

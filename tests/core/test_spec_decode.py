@@ -501,12 +501,14 @@ def test_random_cases_keep_the_books(async_scheduling):
     assert preemptions > 0  # the cases do exercise preemption
 
 
-def test_verify_steps_are_the_general_paths(monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling):
     """Scheduler._verify_step (every running request verifying its drafts, nothing waiting) gives
     the steps the general path gives: on 40 random engines (pools that preempt, shared prompts,
     budgets and thresholds that cut drafts, ngram misses, a draft model, parallel drafting,
-    dflash), every step's chunks, counts and blocks, and every request's tokens, equal with it and
-    without it; it served a good share of the steps."""
+    dflash), synchronous and async (two batches deep), every step's chunks, counts and blocks,
+    the cache, and every request's tokens, equal with it and without it; it served a good share
+    of the steps."""
     import numpy as np
 
     from simkv.core.scheduler import Scheduler as S
@@ -531,22 +533,26 @@ def test_verify_steps_are_the_general_paths(monkeypatch):
             steps.append((out.step, [(c.request.index, c.num_computed_tokens, c.num_new_tokens, c.num_spec_tokens,
                                       c.is_resumed) for c in out.chunks], out.num_running, out.num_waiting,
                           out.num_blocks_used, out.num_verify_tokens, out.num_draft_tokens,
-                          out.num_spec_tokens_to_schedule, out.decode_context_tokens, len(out.preempted)))
+                          out.num_spec_tokens_to_schedule, out.decode_context_tokens, len(out.preempted),
+                          [(r.num_cached_blocks, r.spec_drafts, r.spec_prefill_chunk) for r in self.running]))
             return out
 
         def record_update(self, out):
             finished = update(self, out)
             steps.append(([r.index for r in finished], out.num_blocks_used_end, out.num_accepted_tokens,
                           out.num_spec_emissions, len(self.kv_cache_manager.block_pool.cached_block_hash_to_block),
-                          [self.kv_cache_manager.num_cached_block.get(r.index) for r in self.running]))
+                          [(self.kv_cache_manager.num_cached_block.get(r.index), r.num_cached_blocks, r.last_sched_step,
+                            r.num_in_flight_tokens, r.num_output_placeholders) for r in self.running],
+                          self._scheduled_through))
             return finished
 
         with monkeypatch.context() as m:
             m.setattr(S, "schedule", record_schedule)
             m.setattr(S, "update_from_output", record_update)
-            result = drive_steps(case)
+            result = (drive_steps_async if async_scheduling else drive_steps)(case)
         objects = {row: (q.num_output_tokens, q.num_computed_tokens, q.num_draft_tokens, q.num_accepted_tokens,
-                         q.first_token_step, q.finish_step) for row, q in result["objects"].items()}
+                         q.first_token_step, q.finish_step, q.num_cached_blocks, q.num_output_placeholders,
+                         q.num_in_flight_tokens) for row, q in result["objects"].items()}
         return steps, result["requests"], objects
 
     monkeypatch.setattr(S, "_verify_step", counted)
@@ -565,5 +571,10 @@ def test_verify_steps_are_the_general_paths(monkeypatch):
         if i % 2:  # (content that goes on over the reply: its blocks are cached as they fill)
             for r in case["requests"]:
                 r["block_hashes"] = [int(x) for x in rng.integers(0, 3, -(-(r["prompt"] + r["output"]) // 8))]
+        if async_scheduling:
+            opts["async_scheduling"] = True
+            if opts["speculative_method"] == "ngram":  # (vLLM refuses it under async scheduling)
+                opts["speculative_method"] = "eagle"
+                opts.pop("spec_ngram_match_rate", None)
         assert trace(case, True) == trace(case, False)
     assert taken[0] > 300 and taken[1] > 300, taken  # (the fast path, and the general one, each served many steps)
