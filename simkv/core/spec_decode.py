@@ -108,14 +108,16 @@ class SpecDecode:
             request.spec_drafts = 0
 
     def _verify_step(self) -> SchedulerOutput | None:
-        """schedule() for a step in which nothing waits and every running request verifies its
-        drafts, each whole (1 + drafts tokens, within the budgets, the prefill threshold and
-        max_model_len) with blocks enough for all (nobody is preempted): the output schedule()
-        gives, with the same allocations in the same order, and the requests' counters as
-        _spec_scheduled and _spec_after_schedule (async scheduling: _spec_async_after_schedule,
-        every request with a step in flight that cannot finish it) leave them, without the
-        general path's per-request checks. None, having changed nothing, when some condition
-        does not hold."""
+        """schedule() for a step in which nothing waits and every running request with tokens
+        to run decodes or verifies its drafts, each whole (1 + drafts tokens, within the budgets,
+        the prefill threshold and max_model_len), with blocks enough for all (nobody is
+        preempted): the output schedule() gives, with the same allocations in the same order,
+        and the requests' counters as _spec_scheduled and _spec_after_schedule leave them (with
+        a step in flight, async scheduling or pipeline stages: _spec_async_after_schedule),
+        without the general path's per-request checks. Requests the general path passes over
+        (their step in flight, a pipeline's decode stagger, a step in flight that may finish
+        them) are passed over. None, having changed nothing, when some condition does not hold
+        or nothing would run."""
         running = self._prefilling
         if (self.waiting or self.kv_holding or self._finishing or self._num_decoders or self.throttle_prefills
                 or self._finish_heap or not running or len(running) != len(self.running)):
@@ -123,12 +125,14 @@ class SpecDecode:
         kv = self.kv_cache_manager
         if kv.num_forks:
             return None
-        in_flight = self.async_scheduling  # (its counters: placeholders for the step in flight)
+        counts = self._counts_in_flight  # (vLLM's counters of the tokens in flight)
+        placeholders_on = self.async_scheduling
+        calls = self._num_schedule_calls + 1  # (this call's number)
         tables, bs, threshold = kv.req_to_blocks, self.block_size, self._prefill_threshold()
         lookahead, max_len, slots = self.num_lookahead_tokens, self.max_model_len, self.spec_draft_slots
         status = RequestStatus.RUNNING
         tokens = verify = drafts = need = 0
-        grows = []  # per request: whether allocate_slots has work (new blocks, or shared blocks to cache)
+        scheduled = []  # (request, whether allocate_slots has work: new blocks, or shared blocks to cache)
         caching = kv.enable_caching
         weak = caching and kv.hasher.weak
         for request in running:
@@ -136,13 +140,15 @@ class SpecDecode:
             n = 1 + request.spec_drafts
             placeholders = request.num_output_placeholders
             known = request.num_prompt_tokens + request.num_output_tokens
-            if (request.status != status or computed + 1 != known + placeholders
-                    or n > max_len - computed - 1 or 0 < threshold < n):
+            if computed >= known + n - 1 + placeholders:
+                continue  # (nothing to run: its step is in flight)
+            if request.status != status:
                 return None
-            if in_flight:
-                if not placeholders or computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
-                    return None  # (no step in flight; or the one in flight may finish it: _spec_async_done)
-            elif placeholders or not request.num_output_tokens:
+            if calls < request.next_decode_call or (
+                    placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens):
+                continue  # (a pipeline's decode stagger; the step in flight may finish it: _spec_async_done)
+            if (computed + 1 != known + placeholders or n > max_len - computed - 1 or 0 < threshold < n
+                    or not (counts or request.num_output_tokens)):
                 return None
             tokens += n
             table = tables.get(request.index)
@@ -151,10 +157,10 @@ class SpecDecode:
             more = -(-min(computed + n + lookahead, max_len) // bs) - len(table)
             if more > 0:
                 need += more
-            grows.append(more > 0 or weak or (caching and request.num_shared_tokens > 0))
-        num = len(running)
+            scheduled.append((request, more > 0 or weak or (caching and request.num_shared_tokens > 0)))
+        num = len(scheduled)
         # (within both budgets for every request in turn; a copy-on-write block for each at most)
-        if (tokens + num * slots > self.max_num_batched_tokens
+        if (not num or tokens + num * slots > self.max_num_batched_tokens
                 or need + num > kv.block_pool.free_block_queue.num_free_blocks):
             return None
         step = self.current_step
@@ -163,10 +169,11 @@ class SpecDecode:
         pool = kv.block_pool
         used_before = pool.get_num_used_blocks()
         to_propose = self._spec_tokens_to_schedule(num)
+        next_call = self._num_schedule_calls + self._decode_stagger if self._decode_stagger else 0
         chunks = []
         allocate = kv.allocate_slots
         num_hashed = kv.hasher.num_hashed_blocks
-        for request, grow in zip(running, grows):
+        for request, grow in scheduled:
             computed, d = request.num_computed_tokens, request.spec_drafts
             n = 1 + d
             if grow:
@@ -183,24 +190,27 @@ class SpecDecode:
             request.prev_chunk_step, request.prev_chunk_tokens = request.last_chunk_step, request.last_chunk_tokens
             request.last_chunk_step, request.last_chunk_tokens = step, n
             request.spec_prefill_chunk = False
-            if in_flight:  # (_note_cached, then _spec_async_after_schedule)
+            if counts:  # (_note_cached, then _spec_async_after_schedule)
                 blocks = num_hashed(request, computed + n)
                 if blocks > request.num_cached_blocks:
                     request.num_cached_blocks = blocks
                 request.num_computed_tokens = computed + n
                 request.num_in_flight_tokens += n
                 chunk.samples = True
-                request.num_output_placeholders += 1 + d
+                if placeholders_on:
+                    request.num_output_placeholders += 1 + d
                 request.spec_drafts = to_propose
+                if next_call:
+                    request.next_decode_call = next_call
                 request.last_sched_step = step
         used = pool.get_num_used_blocks()
-        if in_flight:
+        if counts:
             self._note_take(step, used - used_before)
             self._scheduled_through = step
         self._output_pending = True
         return SchedulerOutput(
             step=step, chunks=chunks, num_decode_reqs=0, decode_context_tokens=self._sum_decode_base, decodes=None,
-            preempted=[], num_running=num, num_waiting=0, num_blocks_used=used, prefix_query_tokens=0,
+            preempted=[], num_running=len(running), num_waiting=0, num_blocks_used=used, prefix_query_tokens=0,
             prefix_hit_tokens=0, num_swapped=self.num_swapped, num_verify_tokens=verify, num_draft_tokens=drafts,
             num_spec_tokens_to_schedule=to_propose, aborted=self._take_aborted())
 

@@ -11,6 +11,7 @@ from simkv.config import ConfigError, EngineConfig, SpeculativeConfig
 from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import AcceptanceModel
 from tests.core.helpers import (assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, drive_steps, drive_steps_async,
+                                drive_steps_pipeline,
                                 make_request)
 
 DATA = Path(__file__).parent / "data" / "spec_vllm_cases.json"
@@ -501,8 +502,8 @@ def test_random_cases_keep_the_books(async_scheduling):
     assert preemptions > 0  # the cases do exercise preemption
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, pipeline", [(False, 0), (True, 0), (False, 2), (True, 3)])
+def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling, pipeline):
     """Scheduler._verify_step (every running request verifying its drafts, nothing waiting) gives
     the steps the general path gives: on 40 random engines (pools that preempt, shared prompts,
     budgets and thresholds that cut drafts, ngram misses, a draft model, parallel drafting,
@@ -549,7 +550,7 @@ def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling):
         with monkeypatch.context() as m:
             m.setattr(S, "schedule", record_schedule)
             m.setattr(S, "update_from_output", record_update)
-            result = (drive_steps_async if async_scheduling else drive_steps)(case)
+            result = (drive_steps_pipeline if pipeline else drive_steps_async if async_scheduling else drive_steps)(case)
         objects = {row: (q.num_output_tokens, q.num_computed_tokens, q.num_draft_tokens, q.num_accepted_tokens,
                          q.first_token_step, q.finish_step, q.num_cached_blocks, q.num_output_placeholders,
                          q.num_in_flight_tokens) for row, q in result["objects"].items()}
@@ -576,5 +577,11 @@ def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling):
             if opts["speculative_method"] == "ngram":  # (vLLM refuses it under async scheduling)
                 opts["speculative_method"] = "eagle"
                 opts.pop("spec_ngram_match_rate", None)
+        if pipeline:
+            opts["pipeline_parallel_size"] = pipeline
+            if not async_scheduling:  # (pipeline stages run drafts under async scheduling only)
+                for key in [k for k in opts if k.startswith("spec")] + ["num_speculative_tokens"]:
+                    opts.pop(key)
+                opts["speculative_method"] = None
         assert trace(case, True) == trace(case, False)
     assert taken[0] > 300 and taken[1] > 300, taken  # (the fast path, and the general one, each served many steps)
