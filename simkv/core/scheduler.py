@@ -234,7 +234,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # Speculative decoding, without pipeline stages, one KV-cache group and none of the features that act
         # on running requests: a step in which every running request verifies its drafts may be
         # scheduled by _schedule_verifiers (spec_decode.py)
-        self._verifiers_only = (self.chunked_decodes and self.offload is None
+        self._decode_chunks_fast = (self.chunked_decodes and self.offload is None
                                 and self.max_loras is None and not self.detail and self.prefill_interval <= 1
                                 and not self.dp_cadence and self.spec_drafts_by_batch is None
                                 and not self.admit_before_running and type(self.kv_cache_manager) is KVCacheManager)
@@ -376,8 +376,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self._verifiers_only:  # (speculative decoding: most steps only verify drafts)
-            out = self._verify_step()
+        if self._decode_chunks_fast:  # (decodes as chunks: most steps only decode or verify drafts)
+            out = self._decode_chunks_step()
             if out is not None:
                 return out
         step = self.current_step

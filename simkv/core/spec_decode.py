@@ -107,7 +107,7 @@ class SpecDecode:
                 chunk.num_spec_tokens = min(extra, drafts)
             request.spec_drafts = 0
 
-    def _verify_step(self) -> SchedulerOutput | None:
+    def _decode_chunks_step(self) -> SchedulerOutput | None:
         """schedule() for a step in which nothing waits and every running request with tokens
         to run decodes or verifies its drafts, each whole (1 + drafts tokens, within the budgets,
         the prefill threshold and max_model_len), with blocks enough for all (nobody is

@@ -503,8 +503,8 @@ def test_random_cases_keep_the_books(async_scheduling):
 
 
 @pytest.mark.parametrize("async_scheduling, pipeline", [(False, 0), (True, 0), (False, 2), (True, 3)])
-def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling, pipeline):
-    """Scheduler._verify_step (every running request verifying its drafts, nothing waiting) gives
+def test_decode_chunks_steps_are_the_general_paths(monkeypatch, async_scheduling, pipeline):
+    """Scheduler._decode_chunks_step (every running request verifying its drafts, nothing waiting) gives
     the steps the general path gives: on 40 random engines (pools that preempt, shared prompts,
     budgets and thresholds that cut drafts, ngram misses, a draft model, parallel drafting,
     dflash), synchronous and async (two batches deep), every step's chunks, counts and blocks,
@@ -516,7 +516,7 @@ def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling, pipel
 
     rng = np.random.default_rng(5)
     taken = [0, 0]
-    original = S._verify_step
+    original = S._decode_chunks_step
 
     def counted(self):
         out = original(self)
@@ -529,7 +529,7 @@ def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling, pipel
 
         def record_schedule(self):
             if not fast:
-                self._verifiers_only = False
+                self._decode_chunks_fast = False
             out = schedule(self)
             steps.append((out.step, [(c.request.index, c.num_computed_tokens, c.num_new_tokens, c.num_spec_tokens,
                                       c.is_resumed) for c in out.chunks], out.num_running, out.num_waiting,
@@ -556,7 +556,7 @@ def test_verify_steps_are_the_general_paths(monkeypatch, async_scheduling, pipel
                          q.num_in_flight_tokens) for row, q in result["objects"].items()}
         return steps, result["requests"], objects
 
-    monkeypatch.setattr(S, "_verify_step", counted)
+    monkeypatch.setattr(S, "_decode_chunks_step", counted)
     for i in range(40):
         case = _random_case(rng)
         opts = case["opts"]

@@ -76,7 +76,7 @@ def test_rejected_drafts_only_cost_time():
     assert spec.summary["tpot_s"]["mean"] > plain.summary["tpot_s"]["mean"]
 
 
-def _verify_step(k: int, contexts: list[int]):
+def _decode_chunks_step(k: int, contexts: list[int]):
     """A step of verify chunks: each request has sampled 5 tokens and has `contexts[i]` tokens
     computed, the last sampled one and k drafts to verify."""
     from simkv.core.outputs import ScheduledChunk, SchedulerOutput
@@ -105,7 +105,7 @@ def test_parallel_drafting_is_one_pass(method):
     options = dict(speculative_method=method, num_speculative_tokens=k)
     if method == "draft_model":
         options["spec_draft_model"] = "llama-3.2-1b"
-    out = _verify_step(k, contexts)
+    out = _decode_chunks_step(k, contexts)
     sequential, parallel = Drafter(_config(**options)), Drafter(_config(**options, spec_parallel_drafting=True))
     net = parallel.network
     ends = [c + 1 + k for c in contexts]  # (the tokens each request has once its chunk is in)
@@ -135,7 +135,7 @@ def test_dflash_drafts_in_one_pass_over_its_context():
     drafter = Drafter(_config(speculative_method="dflash", num_speculative_tokens=k))
     net = drafter.network
     assert net.model.num_layers == 5
-    out = _verify_step(k, contexts)
+    out = _decode_chunks_step(k, contexts)
     ends = [c + 1 + k for c in contexts]
     q, h = k + 1, 4096
     query = net._time(3 * q, 3 * k, q * sum(ends) + 3 * q * q, sum(ends), max)
