@@ -54,13 +54,13 @@ class Drafter:
                                              # gives its proposers the DCP groups' local lengths)
                                              decode_context_parallel_size=hw.decode_context_parallel_size)
         if self.dflash:
-            tp = hw.tensor_parallel_size
-            fc = spec.dflash_fc_params(get_model_spec(hw.model), draft)
+            tp, target = hw.tensor_parallel_size, get_model_spec(hw.model)
+            fc = spec.dflash_fc_params(target, draft)
             kv_proj = draft.num_layers * draft.hidden_size * 2 * draft.num_kv_heads * draft.head_dim / tp
             self.context_flops_per_token = 2.0 * (fc + kv_proj)
             self.context_weight_bytes = 2.0 * (fc + kv_proj)  # (bf16)
             # per context token: its tapped hidden states in, its K and V in every layer out
-            self.context_bytes_per_token = (2.0 * draft.num_layers * get_model_spec(hw.model).hidden_size
+            self.context_bytes_per_token = (2.0 * draft.num_layers * target.hidden_size
                                             + draft.kv_bytes_per_token(config.cache.kv_dtype_bytes, tp))
 
     @staticmethod
@@ -72,13 +72,8 @@ class Drafter:
     @staticmethod
     def _sampling(output: SchedulerOutput) -> tuple[int, int]:
         """(requests sampling in the step, the tokens they have then): who gets drafts."""
-        sampling = context = 0
-        for chunk in output.chunks:
-            end = chunk.num_computed_tokens + chunk.num_new_tokens
-            if end >= chunk.request.num_tokens:
-                sampling += 1
-                context += end
-        return sampling, context
+        ends = Drafter._sampling_contexts(output)
+        return len(ends), sum(ends)
 
     def _first_work(self, output: SchedulerOutput, sampling: int) -> tuple:
         """The network's first pass, over every token of the step and the extra queries of the

@@ -8,7 +8,7 @@ import click
 
 from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
 from simkv.cli.replay_cmd import build_config
-from simkv.config import ConfigError, EngineConfig
+from simkv.config import SPEC_METHODS, ConfigError, EngineConfig
 
 
 def capacity_report(config: EngineConfig) -> dict:
@@ -247,7 +247,7 @@ def print_report(rep: dict) -> None:
 @click.option("--kv-offloading-block-size", type=int, default=None,
               help="Tokens per CPU-tier chunk, a multiple of --block-size [default: one GPU block]")
 @click.option("--pcie-bandwidth-gbs", type=float, default=None, help="host<->GPU bandwidth, GB/s [default: 63]")
-@click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model", "dflash"]),
+@click.option("--speculative-method", type=click.Choice(SPEC_METHODS),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)
 @click.option("--spec-draft-model", default=None, help="draft_model: the draft's model spec (e.g. llama-3.2-1b)")

@@ -10,7 +10,7 @@ import click
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
-from simkv.config import ConfigError, EngineConfig
+from simkv.config import SPEC_METHODS, ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
 from simkv.specs import get_model_spec, gpu_names
@@ -327,7 +327,7 @@ _ENGINE_OPTIONS = [
     click.option("--lora-load-gbs", type=float, default=None, metavar="GB/S",
                  help="Reading an adapter from disk into host memory, vLLM's host-side work included (an "
                       "assumption, not a measurement: set it from your logs) [default: 2]"),
-    click.option("--speculative-method", type=click.Choice(["ngram", "eagle", "eagle3", "mtp", "draft_model", "dflash"]),
+    click.option("--speculative-method", type=click.Choice(SPEC_METHODS),
                  default=None, help="Speculative decoding (vLLM's --speculative-config method) [default: off]"),
     click.option("--num-speculative-tokens", type=int, default=None, help="Draft tokens per step (K)."),
     click.option("--spec-acceptance-rate", type=float, default=None,

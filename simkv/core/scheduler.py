@@ -231,13 +231,14 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.total_swap_out_blocks = 0
         self.total_swap_in_blocks = 0
         self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
-        # Speculative decoding, without pipeline stages, one KV-cache group and none of the features that act
-        # on running requests: a step in which every running request verifies its drafts may be
-        # scheduled by _schedule_verifiers (spec_decode.py)
+        # Decodes as chunks (speculative decoding, pipeline stages), one KV-cache group and none of the
+        # features that act on running requests: a step in which every running request with tokens to
+        # run decodes or verifies its drafts may be scheduled by _decode_chunks_step (spec_decode.py)
         self._decode_chunks_fast = (self.chunked_decodes and self.offload is None
-                                and self.max_loras is None and not self.detail and self.prefill_interval <= 1
-                                and not self.dp_cadence and self.spec_drafts_by_batch is None
-                                and not self.admit_before_running and type(self.kv_cache_manager) is KVCacheManager)
+                                    and self.max_loras is None and not self.detail and self.prefill_interval <= 1
+                                    and not self.dp_cadence and self.spec_drafts_by_batch is None
+                                    and not self.admit_before_running
+                                    and type(self.kv_cache_manager) is KVCacheManager)
 
     @staticmethod
     def _layer_split(config: EngineConfig) -> tuple[int, int, int] | None:
