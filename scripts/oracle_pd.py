@@ -481,7 +481,7 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
                                 linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True,
-                                chunked_flag=True, dflash_flag=True)
+                                chunked_flag=True, dflash_flag=True, mtp_modules_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)

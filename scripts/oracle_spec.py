@@ -184,7 +184,8 @@ def main() -> None:
     import oracle_vllm
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True,
-                                ngram_misses_flag=True, parallel_drafting_flag=True, dflash_flag=True)
+                                ngram_misses_flag=True, parallel_drafting_flag=True, dflash_flag=True,
+                                mtp_modules_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np

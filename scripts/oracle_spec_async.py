@@ -185,7 +185,8 @@ def with_totals(result: dict) -> dict:
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
-                                  align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True, dflash_flag=True)
+                                  align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True, dflash_flag=True,
+                                  mtp_modules_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np

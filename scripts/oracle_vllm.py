@@ -93,10 +93,17 @@ def random_spec_options(rng, opts: dict) -> None:
 
 def drafter_cases(a, cases: list[dict]) -> None:
     """--dflash: every speculative case's drafter is dflash (its K + 1 slots within the budget);
-    --parallel-drafting: the EAGLE and draft-model cases draft in parallel (`a`: the oracle's
-    arguments, either flag absent where the oracle has none)."""
+    --parallel-drafting: the EAGLE and draft-model cases draft in parallel; --mtp-modules N: every
+    speculative case's drafter is MTP with N modules (`a`: the oracle's arguments, any flag absent
+    where the oracle has none)."""
     for case in cases:
         opts = case["opts"]
+        if getattr(a, "mtp_modules", 1) > 1 and opts.get("speculative_method"):
+            opts |= {"speculative_method": "mtp", "spec_mtp_modules": a.mtp_modules}
+            opts.pop("spec_draft_model", None)
+            opts.pop("spec_ngram_match_rate", None)
+            if opts["enable_prefix_caching"]:
+                opts["num_speculative_tokens"] = min(opts["num_speculative_tokens"], opts["block_size"])
         if getattr(a, "dflash", False) and opts.get("speculative_method"):
             opts["speculative_method"] = "dflash"
             opts.pop("spec_draft_model", None)
@@ -149,6 +156,11 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
             spec_kw["num_speculative_tokens_per_batch_size"] = [
                 [int(x) for x in part.replace(":", "-").split("-")] for part in o["spec_tokens_per_batch_size"].split(",")]
         spec = SpeculativeConfig(target_model_config=model_config, target_parallel_config=ParallelConfig(), **spec_kw)
+        if o["speculative_method"] == "mtp" and o.get("spec_mtp_modules", 1) > 1:
+            # (multi-module MTP: the EAGLE stand-in becomes an MTP drafter whose checkpoint has that
+            # many modules, which is all vLLM's use_multi_module_mtp reads)
+            spec.method = "mtp"
+            spec.draft_model_config.hf_config.num_nextn_predict_layers = o["spec_mtp_modules"]
     scheduler_config = SchedulerConfig(
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
         max_model_len=o["max_model_len"], enable_chunked_prefill=o["enable_chunked_prefill"],
@@ -460,7 +472,7 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
                 aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False,
                 pd_flag: bool = False, pp_flag: bool = False, roles_flag: bool = False,
-                parallel_drafting_flag: bool = False, dflash_flag: bool = False):
+                parallel_drafting_flag: bool = False, dflash_flag: bool = False, mtp_modules_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -534,6 +546,11 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--dflash", action="store_true",
                         help="every speculative case's drafter is dflash (K + 1 lookahead slots, no batch slots, "
                              "max_num_active_seqs capped at max_num_batched_tokens // (K + 1))")
+    if mtp_modules_flag:
+        ap.add_argument("--mtp-modules", type=int, default=1, metavar="N",
+                        help="every speculative case's drafter is MTP with N modules (N > 1 and K > 1: vLLM's "
+                             "multi-module MTP, K tokens of prefill runway; K cut to the block size under prefix "
+                             "caching, which vLLM requires)")
     if parallel_drafting_flag:
         ap.add_argument("--parallel-drafting", action="store_true",
                         help="vLLM's parallel_drafting in every EAGLE and draft-model case (K - 1 or K more batch "

@@ -454,6 +454,11 @@ class SpeculativeConfig:
     # drafter's own KV of the context, built from the target's hidden states): the drafter's
     # target-shaped decoder layers, unless spec_draft_model gives its config [default: 5]
     spec_draft_layers: int | None = None
+    # mtp: the MTP modules the checkpoint ships (vLLM reads num_nextn_predict_layers from the model's
+    # config) [default: the model spec's, else 1]. With more than one and K > 1, vLLM's multi-module
+    # MTP: draft i comes from module i, every module runs over the step's tokens, and prefill
+    # chunks keep K tokens of runway (EngineConfig.num_prefill_lookahead)
+    spec_mtp_modules: int | None = None
 
     def __post_init__(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens
@@ -488,6 +493,11 @@ class SpeculativeConfig:
                 raise ConfigError(f"spec_draft_layers must be >= 1, got {self.spec_draft_layers}")
             if self.spec_draft_model is not None:
                 raise ConfigError("spec_draft_layers or spec_draft_model: the drafter's config gives its layers")
+        if self.spec_mtp_modules is not None:
+            if method != "mtp":
+                raise ConfigError(f"spec_mtp_modules is the mtp method's (the checkpoint's MTP modules), not '{method}''s")
+            if self.spec_mtp_modules < 1:
+                raise ConfigError(f"spec_mtp_modules must be >= 1, got {self.spec_mtp_modules}")
         if self.spec_parallel_drafting and method not in _PARALLEL_DRAFTING:
             raise ConfigError(f"spec_parallel_drafting: vLLM drafts in parallel with the EAGLE and draft-model "
                               f"methods ({', '.join(_PARALLEL_DRAFTING)}), not '{method}'")
@@ -529,8 +539,9 @@ class SpeculativeConfig:
         if self.spec_draft_model is not None:
             return get_model_spec(self.spec_draft_model)
         if self.uses_target_hidden_states:
-            n = self.num_draft_layers
-            what = f"{n} DFlash layers" if self.speculative_method == "dflash" else "1 draft layer"
+            n = self.num_draft_layers(target)
+            what = f"{n} DFlash layers" if self.speculative_method == "dflash" else \
+                f"{n} MTP modules" if n > 1 else "1 draft layer"
             layer = dataclasses.replace(target, name=f"{target.name} ({what})", num_layers=n,
                                         sliding_window=0, full_attention_interval=0, num_dense_layers=0,
                                         linear_attention="", layer_pattern="")  # (Qwen3-Next's MTP layer attends)
@@ -553,13 +564,24 @@ class SpeculativeConfig:
         (vLLM's use_eagle(): the EAGLE family and dflash)."""
         return self.is_eagle_family or self.speculative_method == "dflash"
 
-    @property
-    def num_draft_layers(self) -> int:
-        """Decoder layers of a drafter built from the target's shape: one for the EAGLE family,
-        `spec_draft_layers` for dflash."""
+    def num_draft_layers(self, target: ModelSpec) -> int:
+        """Decoder layers of a drafter built from the target's shape: one for EAGLE heads, the MTP
+        modules for mtp, `spec_draft_layers` for dflash."""
         if self.speculative_method == "dflash":
             return self.spec_draft_layers or DFLASH_DEFAULT_LAYERS
+        if self.speculative_method == "mtp":
+            return self.mtp_modules(target)
         return 1
+
+    def mtp_modules(self, target: ModelSpec) -> int:
+        """The MTP modules loaded (vLLM's n_predict: the checkpoint's num_nextn_predict_layers)."""
+        return self.spec_mtp_modules or target.num_nextn_predict_layers or 1
+
+    def multi_module_mtp(self, target: ModelSpec) -> bool:
+        """vLLM's use_multi_module_mtp: more than one module and more than one draft, so that
+        draft i comes from module i (module i mod n) rather than one module applied K times."""
+        return (self.speculative_method == "mtp"
+                and min(self.mtp_modules(target), self.num_speculative_tokens) > 1)
 
     def dflash_fc_params(self, target: ModelSpec, draft: ModelSpec) -> int:
         """dflash: the projection of the target's hidden states at as many tapped layers as the
@@ -819,7 +841,7 @@ class EngineConfig:
             linear = spec.linear_attention_layers()
             windows = [LINEAR_ATTENTION if lin else w for w, lin in zip(windows, linear, strict=True)]
         if self.speculative.enabled and self.speculative.uses_target_hidden_states:
-            windows = windows + [0] * self.speculative.num_draft_layers
+            windows = windows + [0] * self.speculative.num_draft_layers(spec)
         return windows
 
     @property
@@ -1016,6 +1038,17 @@ class EngineConfig:
                 if bad:
                     raise ConfigError(f"speculative_method 'dflash' is not modelled with {what}; it is with "
                                       "standard-attention targets")
+        if spec.multi_module_mtp(self.hardware.model_spec()):
+            for bad, what in [(self.has_linear_attention, "linear-attention layers"),
+                              # (vLLM 0.33's sliding-window prefix lookup fails on its K-token block keys)
+                              (self.has_sliding_window, "sliding-window or chunked local attention layers")]:
+                if bad:
+                    raise ConfigError(f"multi-module MTP (spec_mtp_modules > 1 with num_speculative_tokens > 1) "
+                                      f"is not modelled with {what}")
+            if cache.enable_prefix_caching and self.kv_manager_block_size < spec.num_speculative_tokens:
+                raise ConfigError(f"Multi-module MTP with prefix caching requires scheduler_block_size "
+                                  f"(={self.kv_manager_block_size}) >= num_speculative_tokens "
+                                  f"(={spec.num_speculative_tokens}).")
         if sched.max_num_batched_tokens <= spec.num_lookahead_tokens:
             raise ConfigError("VllmConfig does not have enough slots to schedule a token and support the "
                               "speculative decoding settings.")
@@ -1030,6 +1063,18 @@ class EngineConfig:
         if self.speculative.speculative_method == "dflash":
             active = min(active, sched.max_num_batched_tokens // self.speculative.num_lookahead_tokens)
         return active
+
+    @property
+    def num_prefill_lookahead(self) -> int:
+        """vLLM's num_prefill_lookahead_tokens: the prompt tokens past a prefill chunk that the
+        drafter reads. One for the EAGLE family and dflash, which the scheduler need not heed; K
+        under multi-module MTP, whose modules each read one token further: a prefill chunk never
+        ends fewer than K tokens before the prompt's end, the blocks holding a chunk's last K - 1
+        tokens are not cached yet, and block keys cover the K tokens after the block. 0 otherwise."""
+        spec = self.speculative
+        if not spec.enabled or not spec.uses_target_hidden_states:
+            return 0
+        return spec.num_speculative_tokens if spec.multi_module_mtp(self.hardware.model_spec()) else 1
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -1082,7 +1127,7 @@ class EngineConfig:
                 del out["spec_ngram_match_rate"]
             if not self.speculative.spec_parallel_drafting:  # (likewise)
                 del out["spec_parallel_drafting"]
-            for key in ("spec_draft_layers", "spec_acceptance_length"):  # (likewise)
+            for key in ("spec_draft_layers", "spec_acceptance_length", "spec_mtp_modules"):  # (likewise)
                 if out[key] is None:
                     del out[key]
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager

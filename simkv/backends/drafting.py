@@ -14,6 +14,9 @@ the K of the step's number of requests) for every request that sampled in the st
   `spec_draft_layers` target-shaped layers, logits for K of them; before it, the step's tokens'
   hidden states at as many tapped target layers are projected (`fc`, whole on every GPU) and
   into each layer's K and V, the drafter's KV of the context (`_dflash_context_seconds`).
+Under multi-module MTP (more than one MTP module and K > 1, vLLM's MultiModuleMTPSpeculator)
+every one of the K passes runs over all of the step's tokens, through module i for draft i
+(the modules' rejected-token re-prefills are packed into the same query window).
 A draft model's first pass has one more query per sampling request (vLLM keeps the input's last
 token unsliced). Drafting in parallel (`spec_parallel_drafting`, vLLM's parallel_drafting:
 P-EAGLE, PARD) is that first pass alone, with K - 1 masked query positions more per sampling
@@ -24,6 +27,8 @@ FLOPs per draft, a few per cent of a token's).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from simkv.backends.base import prefill_work
 from simkv.backends.roofline import RooflineCostModel
@@ -42,8 +47,11 @@ class Drafter:
         self.per_request_s = spec.spec_ngram_us_per_request * 1e-6
         self.network = None
         self.dflash = self.method == "dflash"
+        self.multi_module = spec.multi_module_mtp(config.hardware.model_spec())
         if self.method != "ngram":
             draft = config.draft_network
+            if self.method == "mtp":  # (a pass runs one MTP module; memory holds them all)
+                draft = dataclasses.replace(draft, num_layers=1)
             self.network = RooflineCostModel(draft, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                                              config.cache.kv_dtype_bytes,
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,
@@ -123,6 +131,8 @@ class Drafter:
         first = net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
         if self.parallel:
             return first  # (every draft from that one pass)
+        if self.multi_module:
+            return k * first  # (every module over the whole step)
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._later_work(output, sampling, context)
         return first + (k - 1) * net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
 
@@ -168,8 +178,14 @@ class Drafter:
         if self.dflash:
             return (max(self._dflash_context_seconds(out) for out, *_ in rows)
                     + net.dp_time([self._dflash_query_work(sampling, context, k) for _, sampling, context, k in rows], idle))
-        total = net.dp_time([self._first_work(out, sampling) for out, sampling, _, _ in rows], idle)
+        firsts = [self._first_work(out, sampling) for out, sampling, _, _ in rows]
+        total = net.dp_time(firsts, idle)
         if self.parallel:
+            return total
+        if self.multi_module:  # (pass j: the ranks with more than j drafts to make)
+            for j in range(1, max(k for *_, k in rows)):
+                works = [work for work, (*_, k) in zip(firsts, rows) if k > j]
+                total += net.dp_time(works, idle + len(rows) - len(works))
             return total
         later = [(self._later_work(out, sampling, context), k) for out, sampling, context, k in rows]
         for j in range(1, max(k for *_, k in rows)):
@@ -181,6 +197,8 @@ class Drafter:
         out = {"method": self.method, "num_speculative_tokens": self.k}
         if self.parallel:
             out["parallel_drafting"] = True
+        if self.multi_module:
+            out["multi_module_mtp"] = True
         if self.network is not None:
             out["draft_network"] = self.network.model.name
         return out

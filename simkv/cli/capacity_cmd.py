@@ -252,6 +252,8 @@ def print_report(rep: dict) -> None:
 @click.option("--num-speculative-tokens", type=int, default=None)
 @click.option("--spec-draft-model", default=None, help="draft_model: the draft's model spec (e.g. llama-3.2-1b)")
 @click.option("--spec-draft-layers", type=int, default=None, help="dflash: the drafter's layers [default: 5]")
+@click.option("--spec-mtp-modules", type=int, default=None,
+              help="mtp: the checkpoint's MTP modules, all loaded [default: the model's, else 1]")
 @click.option("--sliding-window", type=int, default=None,
               help="Override the model's sliding-window size (0: none) [default: the model's]")
 @click.option("--full-attention-interval", type=int, default=None,

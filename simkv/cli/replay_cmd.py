@@ -47,7 +47,7 @@ _ENGINE_FLAGS = {
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size", "spec_parallel_drafting": "spec_parallel_drafting",
-    "spec_draft_layers": "spec_draft_layers",
+    "spec_draft_layers": "spec_draft_layers", "spec_mtp_modules": "spec_mtp_modules",
     "spec_acceptance_length": "spec_acceptance_length",
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
     "attention_chunk_size": "attention_chunk_size",
@@ -348,6 +348,11 @@ _ENGINE_OPTIONS = [
     click.option("--spec-draft-layers", type=int, default=None, metavar="N",
                  help="dflash: the drafter's decoder layers, shaped like the target's (or --spec-draft-model "
                       "with its config.json) [default: 5]"),
+    click.option("--spec-mtp-modules", type=int, default=None, metavar="N",
+                 help="mtp: the MTP modules the checkpoint ships (its num_nextn_predict_layers); with N > 1 and "
+                      "K > 1 vLLM's multi-module MTP: draft i from module i, each over the whole step, and "
+                      "prefill chunks never end fewer than K tokens before the prompt's end "
+                      "[default: the model's, else 1]"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
     click.option("--spec-ngram-match-rate", type=float, default=None, metavar="P",
                  help="ngram: how often the prompt lookup finds a match after a request samples; without one it "

@@ -12,8 +12,11 @@ Two kinds of key, in disjoint integer ranges:
 Python's hash of ints and tuples is not randomised, so keys are deterministic across runs.
 
 With `lookahead` (vLLM's num_hash_lookahead_tokens, 1 under EAGLE-family speculative decoding
-with prefix caching), a block's key also covers the token after it, whose KV the drafter's last
-position depends on: a block is shared content only if that token is too.
+with prefix caching, K under multi-module MTP), a block's key also covers the tokens after it,
+which the drafter's KV at the block's last positions depends on: a block is shared content only
+if those tokens are too. With `reprefillable` (multi-module MTP's K - 1, vLLM's
+num_reprefillable_tokens) the last tokens of what has been computed are not final yet (the
+drafter may prefill them again), so the blocks holding them are not cached.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ class BlockHasher:
 
     weak = False
 
-    def __init__(self, block_size: int, hash_bits: int = 63, lookahead: int = 0) -> None:
+    def __init__(self, block_size: int, hash_bits: int = 63, lookahead: int = 0, reprefillable: int = 0) -> None:
         self.block_size = block_size
         self.hash_mask = (1 << hash_bits) - 1 if hash_bits < 63 else _MASK63
         self.lookahead = lookahead
+        self.reprefillable = reprefillable
 
     def num_shared_blocks(self, request: Request) -> int:
         """Blocks lying entirely inside the request's shared (hashed) prompt region (with the
@@ -68,17 +72,20 @@ class BlockHasher:
 
     def num_cacheable_blocks(self, request: Request, num_tokens: int) -> int:
         """Full blocks among the first `num_tokens` a coordinator caches: with lookahead keys
-        (EAGLE family, MTP) only those whose next token is known. (A steady decoder's
-        request.num_tokens lags its progress; steady decoders run without lookahead keys, as
-        speculative decoding has none, so the cap applies only with them.)"""
-        if self.lookahead:
+        (EAGLE family, MTP) only those whose next tokens are known, and none holding the last
+        `reprefillable` of them. (A steady decoder's request.num_tokens lags its progress; steady
+        decoders run without lookahead keys, as speculative decoding has none, so the cap
+        applies only with them.)"""
+        if self.lookahead or self.reprefillable:  # (vLLM: the known tokens, less the reprefillable)
+            num_tokens = min(num_tokens, request.num_tokens) - self.reprefillable
             num_tokens = min(num_tokens, request.num_tokens - self.lookahead)
-        return num_tokens // self.block_size
+        return max(num_tokens, 0) // self.block_size
 
     def num_hashed_blocks(self, request: Request, num_tokens: int) -> int:
         """Full blocks among the first `num_tokens` whose key exists (the lookahead tokens
-        after them known too)."""
-        return min(num_tokens, request.num_tokens - self.lookahead) // self.block_size
+        after them known too) and which hold none of their last `reprefillable`."""
+        known = request.num_tokens
+        return max(min(min(num_tokens, known) - self.reprefillable, known - self.lookahead), 0) // self.block_size
 
     def num_group_prompt_blocks(self, request: Request) -> int:
         """A fanned-out request's blocks keyed as its group's prompt: not one whose lookahead
@@ -106,7 +113,15 @@ class BlockHasher:
             parent = hashes[-1] if hashes else salt_root(request.cache_salt, h)
             mask = self.hash_mask
             stop = n_content
-            if self.lookahead:  # (one token: vLLM's EAGLE family)
+            if self.lookahead > 1:  # (multi-module MTP: the K tokens after the block)
+                la = self.lookahead
+                while i < stop:
+                    first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs
+                    parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h,
+                                   tuple(ids[nxt // h:(nxt + la - 1) // h + 1].tolist()), nxt % h)) & mask
+                    hashes.append(parent)
+                    i += 1
+            elif self.lookahead:  # (one token: vLLM's EAGLE family)
                 while i < stop:
                     first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs
                     parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h,

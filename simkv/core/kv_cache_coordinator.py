@@ -67,7 +67,7 @@ class KVCacheCoordinator:
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, windows: tuple[int, ...],
                  enable_caching: bool = True, watermark: float = 0.0, max_in_flight_tokens: int = 8192,
-                 retention_interval: int | None = 0, hash_lookahead: int = 0,
+                 retention_interval: int | None = 0, hash_lookahead: int = 0, reprefillable: int = 0,
                  eagle_block_drop: bool = False, chunked: bool = False) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -76,7 +76,7 @@ class KVCacheCoordinator:
         self.null_block = self.block_pool.null_block
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         # (EAGLE family: a block's key covers the token after it, vLLM's lookahead block hashes)
-        self.hasher = BlockHasher(block_size, lookahead=hash_lookahead)
+        self.hasher = BlockHasher(block_size, lookahead=hash_lookahead, reprefillable=reprefillable)
         # EAGLE under a KV connector (legacy keys): the full-attention groups, which hold the draft
         # layer, find one block past the candidate hit and give it back (vLLM's eagle block drop)
         self.eagle_block_drop = eagle_block_drop

@@ -76,6 +76,7 @@ class KVCacheManager:
         hash_bits: int = 63,
         reserve_null_block: bool = True,
         hash_lookahead: int = 0,
+        reprefillable: int = 0,
         eagle_block_drop: bool = False,
         num_state_blocks: int = 0,
         num_state_groups: int = 0,
@@ -85,7 +86,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, reserve_null_block)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size, 63, hash_lookahead)
+        self.hasher = WeakBlockHasher(block_size, hash_bits) if hash_bits < 63 else BlockHasher(block_size, 63, hash_lookahead, reprefillable)
         self.num_false_prefix_hits = 0  # admitted hit blocks whose content differs (weak hash only)
         self.num_cow_copies = 0  # first writes into a partial block shared by forked sequences
         self.num_forks = 0  # forked sequences exist: only then can a partial block be shared
@@ -238,7 +239,7 @@ class KVCacheManager:
         shared-content blocks become findable now (an identical prompt admitted in the same step
         already hits); unique blocks wait for release. P/D: for pulled blocks, once they arrive."""
         if self.enable_caching and (request.num_shared_tokens or self.hasher.weak):
-            end = min(num_tokens, request.num_tokens) // self.block_size
+            end = self.hasher.num_cacheable_blocks(request, min(num_tokens, request.num_tokens))
             # (its shared prompt blocks, and the blocks of a reply the trace describes once written
             # and their tokens known, as vLLM caches every full block it can hash)
             hasher = self.hasher

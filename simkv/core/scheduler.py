@@ -125,10 +125,16 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # (previous token's step, token's step) -> tokens
         self.pipeline_gaps: dict[tuple[int, int], int] | None = {} if pipelined else None
         groups = config.kv_cache_groups
-        # EAGLE family and MTP without a connector: a block's key covers the token after it
-        # (vLLM's lookahead block hashes; under a connector the last-block drop instead)
-        hash_lookahead = int(config.speculative.is_eagle_family and not kv_connector)
+        # EAGLE family and MTP without a connector: a block's key covers the token after it (the
+        # K after it under multi-module MTP; vLLM's lookahead block hashes; under a connector the
+        # last-block drop instead)
+        lookahead = config.num_prefill_lookahead
+        hash_lookahead = lookahead if config.speculative.is_eagle_family and not kv_connector else 0
         eagle_block_drop = config.speculative.is_eagle_family and kv_connector
+        # multi-module MTP: a prefill chunk ends at the prompt's end or at least K tokens before it
+        # (the modules read K prompt tokens ahead); its last K - 1 tokens' blocks wait to be cached
+        self.num_prefill_lookahead = lookahead if lookahead > 1 else 0
+        reprefillable = max(lookahead - 1, 0)
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
         elif config.mamba_align:  # linear-attention groups under prefix caching (vLLM's mamba_cache_mode "align")
@@ -142,13 +148,13 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self.kv_cache_manager = KVCacheCoordinator(
                 num_gpu_blocks, cc.block_size, self.max_model_len, groups.windows, cc.enable_prefix_caching,
                 cc.watermark, config.max_in_flight_tokens, config.attention.prefix_cache_retention_interval,
-                hash_lookahead=hash_lookahead,
+                hash_lookahead=hash_lookahead, reprefillable=reprefillable,
                 eagle_block_drop=eagle_block_drop, chunked=groups.chunked)
         else:
             self.kv_cache_manager = KVCacheManager(
                 num_gpu_blocks, cc.block_size, self.max_model_len, cc.enable_prefix_caching,
                 cc.watermark, cc.prefix_caching_hash_bits, cc.reserve_null_block,
-                hash_lookahead=hash_lookahead,
+                hash_lookahead=hash_lookahead, reprefillable=reprefillable,
                 eagle_block_drop=eagle_block_drop,
                 num_state_blocks=groups.num_linear_groups * config.state_blocks_per_group,
                 num_state_groups=groups.num_linear_groups)
@@ -581,6 +587,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 num_new = min(num_new, plan.request_budget(), self.max_model_len - computed - 1)
                 if self._mamba_split and num_new > 0:
                     num_new = self._mamba_aligned(request, computed, num_new)
+                if self.num_prefill_lookahead:
+                    num_new = self._reserve_prefill_lookahead(request, computed, num_new)
                 if num_new <= 0:
                     continue
                 # async with window releases: they go by the tokens whose output was processed
@@ -756,6 +764,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     break
                 if padded and num_new != 1 + self.num_spec_tokens:  # (the split cut the padded rows:
                     num_new, padded = 1, False  # vLLM drops the padding rather than shorten it)
+            if self.num_prefill_lookahead:
+                num_new = self._reserve_prefill_lookahead(request, base + computed.num_tokens, num_new)
+                if num_new == 0:  # (no chunk keeps the runway within the budget: it is passed over)
+                    self._set_aside(queue, skipped, skipped_waiting)
+                    continue
             new_blocks = kv.allocate_slots(
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
@@ -921,6 +934,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if not job.is_store:
             self.finished_recving(job.request)
 
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new: int) -> int:
+        """Multi-module MTP (vLLM's _reserve_prefill_lookahead): a prefill chunk ends at the
+        prompt's end or at least num_prefill_lookahead tokens before it, since the modules read
+        that many tokens past the chunk; shortened, possibly to nothing."""
+        remaining = request.num_tokens - num_computed_tokens - num_new
+        if 0 < remaining < self.num_prefill_lookahead:
+            num_new -= self.num_prefill_lookahead - remaining
+        return max(num_new, 0)
+
     def _mamba_aligned(self, request: Request, start: int, num_new: int) -> int:
         """A prefill chunk from `start` cut where a linear-attention state must be written."""
         return mamba_block_aligned_split(start, num_new, request.num_tokens, request.num_prompt_tokens,
@@ -1063,8 +1085,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 kv.decode_release(request, self._processed_tokens(request, computed, step + 1)
                                   if self.async_scheduling else computed)
             if not self._hold_for_sending(request):
-                cache_end = (request.num_cached_blocks * self.block_size if self._counts_in_flight
-                             else request.num_computed_tokens)
+                cache_end = self._cached_end(request) if self._counts_in_flight else request.num_computed_tokens
                 self._free_finished(request, cache_end, completed=True)
             if request.status == RequestStatus.RUNNING:  # (async: a preempted one has left already)
                 self._remove_running(request)

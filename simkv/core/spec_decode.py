@@ -334,9 +334,15 @@ class SpecDecode:
         if blocks > request.num_cached_blocks:
             request.num_cached_blocks = blocks
 
+    def _cached_end(self, request: Request) -> int:
+        """The computed tokens to free the request's blocks with, so that those vLLM has cached
+        (num_cached_blocks) stay findable: their tokens, and the reprefillable ones after them
+        (multi-module MTP), which the hasher takes off again."""
+        return request.num_cached_blocks * self.block_size + self.kv_cache_manager.hasher.reprefillable
+
     def _spec_async_preempt(self, request: Request) -> int:
         """The request is preempted: returns the tokens whose blocks vLLM has cached."""
-        cache_end = request.num_cached_blocks * self.block_size
+        cache_end = self._cached_end(request)
         request.num_stale_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_cached_blocks = 0

@@ -47,6 +47,9 @@ class ModelSpec:
     # width of that head (0: none known; the EAGLE layer is then shaped like one of the target's
     # layers, its experts included).
     eagle_head_intermediate_size: int = 0
+    # MTP modules the checkpoint ships (num_nextn_predict_layers, Qwen's mtp_num_hidden_layers; 0:
+    # none known, speculative_method 'mtp' then loads one): vLLM's MTP drafter loads them all.
+    num_nextn_predict_layers: int = 0
     # Bytes per weight of the decoder layers' linear layers outside the experts (attention, the
     # dense MLP or the router): 2 (bf16), 1 (FP8 checkpoints). Embeddings, LM head and norms: bf16.
     linear_weight_bytes: float = 2.0

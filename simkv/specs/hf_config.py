@@ -102,6 +102,10 @@ def spec_fields_from_config(path: str) -> dict:
         "max_position_embeddings": need("max_position_embeddings"),
         "tie_word_embeddings": _tied(cfg, raw),
     }
+    for name in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):  # (MTP modules: DeepSeek's name, Qwen's)
+        if get(name):
+            fields["num_nextn_predict_layers"] = need(name)
+            break
     if get("kv_lora_rank"):  # multi-head latent attention
         rope = need("qk_rope_head_dim")
         fields.update(kv_lora_rank=need("kv_lora_rank"), qk_rope_head_dim=rope, v_head_dim=need("v_head_dim"),
