@@ -18,7 +18,7 @@ from simkv.core.block_hashing import BlockHasher
 from simkv.core.scheduler import Scheduler
 from simkv.specs import get_model_spec
 from simkv.specs.hf_config import spec_fields_from_config
-from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, make_request
+from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, drive_pd_async, make_request
 
 DATA = Path(__file__).parent / "data"
 
@@ -154,3 +154,45 @@ def test_memory_holds_every_module():
     layer = get_model_spec("llama-3-8b").kv_bytes_per_layer_token(2)
     base = kv_bytes_per_token(_config(modules=1, model="llama-3-8b", num_gpu_blocks=None), 1)
     assert kv_bytes_per_token(_config(modules=3, model="llama-3-8b", num_gpu_blocks=None), 1) == base + 2 * layer
+
+
+def _recorded(name: str) -> list[dict]:
+    return json.loads((DATA / name).read_text())["cases"]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --mtp-modules 3 (vLLM 0.33's scheduler with a
+    three-module MTP drafter, K 1 to 3): every step and request equal. Each differs from vLLM's
+    without the prefill runway, with one-token block keys, or caching the last K - 1 computed
+    tokens' blocks (the file's source line says which)."""
+    case = _recorded("spec_mtp_modules_vllm_cases.json")[index]
+    assert case["case"]["opts"]["spec_mtp_modules"] == 3
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_same_steps_as_vllm_async(index):
+    """Recorded cases of scripts/oracle_spec_async.py --mtp-modules 3 (AsyncScheduler two batches
+    deep, with preemptions of requests whose step is in flight)."""
+    assert_same_async_spec_steps_as_vllm(_recorded("spec_mtp_modules_async_vllm_cases.json")[index])
+
+
+PD = _recorded("pd_mtp_modules_vllm_cases.json")
+
+
+@pytest.mark.parametrize("case", PD, ids=[c["name"] for c in PD])
+def test_same_steps_as_vllm_under_pd(case):
+    """Recorded cases of scripts/oracle_pd.py --speculative --mtp-modules 3 (pulls and sends through
+    a KV connector, which keeps vLLM's legacy block keys: the runway and the uncached last K - 1
+    tokens still apply), synchronous and async."""
+    from tests.core.test_remote_kv import _assert_same_as_recorded, _trimmed
+
+    if case["case"]["opts"].get("async_scheduling"):
+        ours = drive_pd_async(case["case"])
+        ours.pop("scheduler")
+        assert _trimmed(ours["steps"]) == _trimmed(case["vllm"]["steps"])
+        assert ours["requests"] == case["vllm"]["requests"]
+    else:
+        _assert_same_as_recorded(case)
