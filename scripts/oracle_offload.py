@@ -525,7 +525,7 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
                                 aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True,
-                                linear_flag=True, roles_flag=True)
+                                linear_flag=True, roles_flag=True, mtp_modules_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -535,6 +535,7 @@ def main() -> None:
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
                        "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora) for _ in range(a.cases)]
+    oracle_vllm.drafter_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

@@ -178,14 +178,17 @@ try:
     class FakePDConnector(KVConnectorBase_V1, SupportsHMA):
         """Towards the scheduler, NIXL's pull mode: "pull" requests load their whole prompt
         asynchronously; "send" requests delay freeing their blocks. It supports the hybrid
-        manager (HMA) as NIXL does: a send holds the blocks of every group. With Mamba layers,
-        as NIXL's _prefill_backoff: a send drops its prompt's last token when it arrives, a pull
-        loads the prompt less that token (the decode side computes it); and like NIXL it lets
+        manager (HMA) as NIXL does: a send holds the blocks of every group. With Mamba layers
+        (multi-module MTP: K - 1 tokens), as NIXL's _prefill_backoff: a send drops its prompt's
+        last token when it arrives, a pull loads the prompt less that token (the decode side
+        computes it); and like NIXL it lets
         a pull's local hit be the full-attention group's (supports_divergent_local_hybrid_hits)."""
 
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config, role, kv_cache_config)
-            self.backoff = int(kv_cache_config is not None and kv_cache_config.has_mamba_layers)
+            # (NIXL's _prefill_backoff: Mamba's one token, multi-module MTP's lookahead less one)
+            self.backoff = max(int(kv_cache_config is not None and kv_cache_config.has_mamba_layers),
+                               vllm_config.num_prefill_lookahead_tokens - 1)
 
         @property
         def supports_divergent_local_hybrid_hits(self) -> bool:

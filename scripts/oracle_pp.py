@@ -182,13 +182,15 @@ def run_simkv(case: dict) -> dict:
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True, speculative_flag=True,
-                                hybrid_flag=True, chunked_flag=True, linear_flag=True, align_flag=True)
+                                hybrid_flag=True, chunked_flag=True, linear_flag=True, align_flag=True,
+                                mtp_modules_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative, a.hybrid or a.chunked, a.chunked, a.linear,
                        a.align) for _ in range(a.cases)]
+    oracle_vllm.drafter_cases(a, cases)
     oracle_spec_async.compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a), run_simkv)
 
 

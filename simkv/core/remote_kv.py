@@ -25,7 +25,9 @@ request arrives (`_truncate_for_prefill`), and a pull takes the prompt less that
 each linear-attention group's state). A pull whose local prefix hits already cover that much
 has nothing to pull: it is scheduled as a local request, and stays a pull until it is (a later
 lookup may find less). Under Mamba prefix caching a pull's lookup is NIXL's per-group one
-(core/mamba_align.py, `get_computed_blocks_for_pull`).
+(core/mamba_align.py, `get_computed_blocks_for_pull`). Multi-module MTP backs off K - 1 tokens
+the same way (NIXL keeps the drafter's lookahead window off the prefill engine, whose MTP modules
+would otherwise hold KV built from unverified drafts), without states to pull.
 
 With a CPU tier beside NIXL (vLLM's MultiConnector, NIXL first; core/kv_offload.py), a send's
 prompt hits load from the tier as without P/D, and a pull is NIXL's: the tier loads nothing for

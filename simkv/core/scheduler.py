@@ -172,8 +172,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # finished sends left out of the table, (blocks, their deferred free) held till read or expiry
         self._abandoned_sends: dict[Request, tuple[int, list]] = {}
         # (vLLM defers with a connector whenever batches overlap: async scheduling, pipeline stages)
+        # (NIXL's _prefill_backoff: a linear-attention model's last prompt token, multi-module MTP's
+        # K - 1, are left to the decode side)
         self._init_remote_kv(defer_block_free=config.max_concurrent_batches > 1 and kv_connector,
-                             prefill_backoff=int(kv_connector and groups.num_linear_groups > 0))
+                             prefill_backoff=max(int(groups.num_linear_groups > 0), lookahead - 1) if kv_connector else 0)
         # KV offloading to CPU memory (vLLM's OffloadingConnector): a second prefix-cache tier
         self.offload = self._offload_tier(config, num_offload_chunks) if num_offload_chunks else None
         # KV offloading on linear-attention layers storing decode states (core/kv_offload_mamba.py):

@@ -186,7 +186,8 @@ PD = _recorded("pd_mtp_modules_vllm_cases.json")
 def test_same_steps_as_vllm_under_pd(case):
     """Recorded cases of scripts/oracle_pd.py --speculative --mtp-modules 3 (pulls and sends through
     a KV connector, which keeps vLLM's legacy block keys: the runway and the uncached last K - 1
-    tokens still apply), synchronous and async."""
+    tokens still apply, and NIXL leaves the prompt's last K - 1 tokens to the decode side: a send
+    computes the prompt less them, a pull loads that much), synchronous and async."""
     from tests.core.test_remote_kv import _assert_same_as_recorded, _trimmed
 
     if case["case"]["opts"].get("async_scheduling"):
