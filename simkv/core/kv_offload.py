@@ -421,13 +421,17 @@ class KVOffload:
         if state.jobs:
             self.num_lookup_retries += 1
             return None
-        tpc, bpc = self.chunk_tokens, self.blocks_per_chunk
-        end = request.num_tokens // tpc  # (its keyed chunks)
+        tpc = self.chunk_tokens
+        # its keyed chunks: of its tokens, or of the whole prompt a P/D prefill engine truncated
+        keyed = max(request.num_tokens, request.num_keyed_tokens) // tpc
+        max_hit = min(request.num_tokens, keyed * tpc)
+        start = num_local // tpc  # (a local hit may end inside a chunk: the chunk is looked up)
+        if max_hit - num_local < tpc:
+            return 0
+        # (an EAGLE group looks one chunk further, which it drops below: past a truncated prompt too)
+        end = min(-(-(max_hit + (tpc if self.eagle else 0)) // tpc), keyed)
         if self.prompt_only:  # (only prompt chunks are ever stored: the first past the prompt misses)
             end = min(end, request.num_prompt_tokens // tpc + 1)
-        start = num_local // tpc  # (a local hit may end inside a chunk: the chunk is looked up)
-        if end * tpc - num_local < tpc:
-            return 0
         chunk_keys = self._chunk_hashes(request, start, end)
         count, pending = self.manager.held_run(chunk_keys)
         if not count:
@@ -438,7 +442,7 @@ class KVOffload:
             return None
         if self.eagle:  # (its last hit chunk is volatile: not loaded)
             hit_keys.pop()
-        num_hit = (start + len(hit_keys)) * tpc - num_local
+        num_hit = min(max_hit, (start + len(hit_keys)) * tpc) - num_local
         if num_hit < tpc:  # (less than a chunk past the local hit)
             return 0
         if not self._being_loaded.isdisjoint(hit_keys):

@@ -50,7 +50,7 @@ class Request:
         "spec_drafts", "spec_prefill_chunk", "prefill_chunk", "set_aside", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks", "num_stale_tokens", "next_decode_call",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
-        "lora_id", "may_resend", "prompt_owner", "tie_rank", "members",
+        "lora_id", "may_resend", "prompt_owner", "tie_rank", "members", "num_keyed_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -78,6 +78,9 @@ class Request:
         self.index = index
         self.arrival_time = arrival_time
         self.num_prompt_tokens = num_prompt_tokens
+        # the tokens vLLM keyed when the request arrived: its whole prompt, which stays keyed when a
+        # P/D prefill engine drops the prompt's last tokens (NIXL's backoff)
+        self.num_keyed_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.priority = priority
         self.cache_salt = cache_salt

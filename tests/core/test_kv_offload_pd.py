@@ -19,7 +19,8 @@ PD = json.loads((Path(__file__).parent / "data" / "offload_pd_vllm_cases.json").
 def test_offloading_beside_pd_matches_vllm(recorded):
     """Synchronous and async scheduling, EAGLE and ngram drafts, a front end's aborts, chunks of
     several blocks, ARC with a store threshold, linear-attention and sliding-window models,
-    pipeline stages, and pipeline stages with NIXL alone (`--pd --no-tier`: no tier): every step,
+    pipeline stages, pipeline stages with NIXL alone (`--pd --no-tier`: no tier), and multi-module
+    MTP (a send's prompt truncated by K - 1 tokens, its whole prompt still keyed): every step,
     every request's first-token and finish step, and every CPU-tier load and store equal vLLM's."""
     assert offload_as_recorded(recorded) is not None
 
