@@ -339,3 +339,21 @@ def test_parallel_sampling_fans_out_under_speculative_decoding():
     with pytest.raises(ValueError, match=r"row 1: n = 4 \(parallel sampling\) forked as vLLM v0 did is not "
                                          r"modelled with speculative decoding"):
         replay(trace, _config(**SPEC, parallel_sampling="fork"))
+
+
+def test_multi_module_mtp_on_data_parallel_ranks():
+    """Three MTP modules on two DP ranks (deepseek-v3, TP 8 on H200s): every module passes over its
+    rank's whole step in lockstep, so the drafter's time exceeds one module's (whose later passes
+    take a token per request) while the steps scheduled stay the same at equal acceptance."""
+    trace = _trace([(0.05 * i, 300 + 40 * i, 30) for i in range(12)])
+    runs = {}
+    for modules in (1, 3):
+        config = EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
+                                             data_parallel_size=2, speculative_method="mtp", num_speculative_tokens=3,
+                                             spec_mtp_modules=modules, num_gpu_blocks=2000, max_model_len=4096))
+        runs[modules] = replay(trace, config).summary
+    one, three = runs[1]["speculative_decoding"], runs[3]["speculative_decoding"]
+    assert three["drafter_time_s"] > one["drafter_time_s"] > 0
+    assert three["num_draft_tokens"] == one["num_draft_tokens"]
+    assert runs[3]["cost_model"]["drafter"]["multi_module_mtp"]
+    assert "multi_module_mtp" not in runs[1]["cost_model"]["drafter"]
