@@ -165,9 +165,13 @@ def _pipeline_stage_blocks(config: EngineConfig, stages: list[tuple[int, int, in
     num_layers = config.hardware.model_spec().num_layers
     budget = (get_gpu_spec(config.hardware.gpu).memory_bytes * config.cache.gpu_memory_utilization
               - activation_reserve_bytes(config))
+    given = config.cache.kv_cache_memory_bytes
     best = None
     for i, (n, weights, stage_block) in enumerate(stages):
-        available = int(budget - weights - lora_bytes * n / num_layers)
+        lora = lora_bytes * n / num_layers
+        if given is not None:  # (every stage's GPUs hold the KV bytes given)
+            _check_given_kv_memory(config, weights + lora, f" on pipeline stage {i}")
+        available = int(budget - weights - lora) if given is None else given
         if available <= 0:
             raise ConfigError(
                 f"No available memory for the cache blocks on pipeline stage {i} ({n} layers). Try increasing "
@@ -176,6 +180,19 @@ def _pipeline_stage_blocks(config: EngineConfig, stages: list[tuple[int, int, in
         if best is None or blocks < best[0]:
             best = (blocks, available, i)
     return best
+
+
+def _check_given_kv_memory(config: EngineConfig, resident_bytes: float, where: str = "") -> None:
+    """kv_cache_memory_bytes is taken as given (vLLM skips its memory check then), but the GPU must
+    also hold the weights (`resident_bytes`, LoRA slots included) and the activation reserve: else
+    vLLM runs out of memory allocating the cache."""
+    gpu = get_gpu_spec(config.hardware.gpu)
+    kv, other = config.cache.kv_cache_memory_bytes, resident_bytes + activation_reserve_bytes(config)
+    if kv + other > gpu.memory_bytes:
+        raise ConfigError(
+            f"kv_cache_memory_bytes {kv:,} ({_gib(kv)} GiB) with {_gib(other)} GiB of weights and activations"
+            f"{where} exceeds the {config.hardware.gpu}'s {_gib(gpu.memory_bytes)} GiB: vLLM would run out of "
+            f"memory allocating the KV cache (at most {max(int(gpu.memory_bytes - other), 0):,} bytes fit)")
 
 
 def compute_capacity(config: EngineConfig) -> Capacity:
@@ -220,6 +237,11 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     elif cc.num_gpu_blocks is not None:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks
+    elif cc.kv_cache_memory_bytes is not None:  # (vLLM's --kv-cache-memory-bytes: gpu_memory_utilization ignored)
+        weights = spec.weight_bytes_per_gpu(tp, config.hardware.data_parallel_size) + draft_weights
+        _check_given_kv_memory(config, weights + (lora_bytes or 0))
+        available = cc.kv_cache_memory_bytes
+        num_blocks = available // block_bytes
     else:
         weights = spec.weight_bytes_per_gpu(tp, config.hardware.data_parallel_size) + draft_weights
         available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config)

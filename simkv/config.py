@@ -34,6 +34,9 @@ class CacheConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: derived from GPU memory like vLLM
     gpu_memory_utilization: float = 0.92
+    # vLLM's --kv-cache-memory-bytes: the KV cache's bytes on each GPU, given instead of derived from
+    # gpu_memory_utilization (which is then ignored); num_gpu_blocks, if given too, still wins
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     watermark: float = 0.0
     num_lookahead_tokens: int = 0
@@ -71,6 +74,8 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks must be >= 2 (block 0 is the null block), got {self.num_gpu_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"GPU memory utilization must be within (0, 1]. Got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.num_lookahead_tokens < 0:
@@ -1099,6 +1104,8 @@ class EngineConfig:
         out: dict = {}
         for part in (self.cache, self.scheduler, self.hardware):
             out.update(dataclasses.asdict(part))
+        if self.cache.kv_cache_memory_bytes is None:  # (only when given: configs without it read as before)
+            del out["kv_cache_memory_bytes"]
         if self.hardware.data_parallel_size == 1:  # (only with data parallelism: configs without it read as before)
             del out["data_parallel_size"]
         if self.hardware.quantization is None:  # (likewise)

@@ -7,7 +7,7 @@ import json
 import click
 
 from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
-from simkv.cli.replay_cmd import build_config
+from simkv.cli.replay_cmd import ByteCount, build_config
 from simkv.config import SPEC_METHODS, ConfigError, EngineConfig
 
 
@@ -96,6 +96,7 @@ def capacity_report(config: EngineConfig) -> dict:
         "kv_cache_dtype": cc.kv_cache_dtype,
         "block_size": cc.block_size,
         "gpu_memory_utilization": cc.gpu_memory_utilization,
+        "kv_cache_memory_bytes": cc.kv_cache_memory_bytes,
         "max_model_len": mml,
         "kv_bytes_per_token": model_per_token,  # the whole model, over all GPUs
         "kv_bytes_per_token_per_gpu": gpu_per_token,
@@ -131,7 +132,8 @@ def print_report(rep: dict) -> None:
     table.add_column("value", justify="right")
     rows = [
         ("kv_cache_dtype / block_size", f"{rep['kv_cache_dtype']} / {rep['block_size']}"),
-        ("gpu_memory_utilization", f"{rep['gpu_memory_utilization']:.2f}"),
+        ("gpu_memory_utilization", f"{rep['gpu_memory_utilization']:.2f}") if rep.get("kv_cache_memory_bytes") is None
+        else ("kv_cache_memory_bytes (gpu_memory_utilization ignored)", _bytes(rep["kv_cache_memory_bytes"])),
         ("KV bytes per token (model, all GPUs)", f"{rep['kv_bytes_per_token']:,} B"),
         (f"KV bytes per token per GPU (TP={tp})", f"{rep['kv_bytes_per_token_per_gpu']:,} B"),
         (f"KV per {rep['max_model_len']:,}-token request (all GPUs)", _bytes(rep["kv_bytes_per_request"])),
@@ -226,6 +228,8 @@ def print_report(rep: dict) -> None:
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
               help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
 @click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
+@click.option("--kv-cache-memory-bytes", type=ByteCount(), default=None, metavar="BYTES",
+              help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), gpu_memory_utilization then ignored")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None, help="[default: auto]")
 @click.option("--block-size", type=int, default=None,

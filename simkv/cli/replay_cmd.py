@@ -19,6 +19,7 @@ from simkv.specs import get_model_spec, gpu_names
 _ENGINE_FLAGS = {
     "block_size": "block_size", "num_gpu_blocks": "num_gpu_blocks",
     "gpu_memory_utilization": "gpu_memory_utilization", "enable_prefix_caching": "enable_prefix_caching",
+    "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_active_seqs": "max_num_active_seqs", "prefill_schedule_interval": "prefill_schedule_interval",
@@ -77,6 +78,29 @@ class RetentionInterval(click.ParamType):
 
 
 _DENSE = "none"  # CLI spelling of a null retention interval (flat_options turns it into None)
+
+
+class ByteCount(click.ParamType):
+    """A number of bytes as vLLM's human-readable integers take it: 40000000000, 40g (decimal:
+    k, m, g, t are powers of 1,000) or 37G (binary: K, M, G, T are powers of 1,024, whole numbers
+    only)."""
+
+    name = "bytes"
+    _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        text = str(value).strip()
+        number, suffix = (text[:-1], text[-1]) if text[-1:] in self._DECIMAL or text[-1:] in self._BINARY else (text, "")
+        try:
+            if suffix in self._BINARY:
+                return int(number) * self._BINARY[suffix]
+            return int(float(number) * self._DECIMAL[suffix]) if suffix else int(number)
+        except ValueError:
+            self.fail(f"{value!r} is not a number of bytes (e.g. 40000000000, 40g or 37G; binary suffixes take "
+                      "whole numbers)", param, ctx)
 
 
 def _splits_host_time(cost_model: str, config: EngineConfig) -> bool:
@@ -241,6 +265,9 @@ _ENGINE_OPTIONS = [
                       "Blackwell 32 (FlashInfer MLA)]"),
     click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
     click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),
+    click.option("--kv-cache-memory-bytes", type=ByteCount(), default=None, metavar="BYTES",
+                 help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), instead of what "
+                      "--gpu-memory-utilization leaves [default: derived from GPU memory]"),
     click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),
     click.option("--max-num-active-seqs", type=int, default=None,
                  help="vLLM's --max-num-active-seqs: requests admitted into RUNNING, below max-num-seqs (which "
