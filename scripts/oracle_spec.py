@@ -159,7 +159,7 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
     """Run simkv's side of the step-mode cases, print each that differs from vLLM's results (with
     `label(case)`) and the totals, and exit 1 if any differs (the step-mode oracles' ending)."""
     failures = 0
-    totals = dict(requests=0, steps=0, hits=0, accepted=0, aborted=0, livelocks=0)
+    totals = dict(requests=0, steps=0, hits=0, accepted=0, aborted=0, livelocks=0, stuck=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = run_simkv(case)
         totals["requests"] += len(case["requests"])
@@ -168,6 +168,7 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
         totals["accepted"] += t["accepted"]
         totals["aborted"] += ours.get("aborted", 0)
         totals["livelocks"] += ours.get("error") == "livelock"
+        totals["stuck"] += ours.get("error") == "stuck"
         diff = case_differences(t, ours) + (oracle_vllm.late_turns(case, t) if case.get("replies") else [])
         if diff:
             failures += 1
@@ -176,6 +177,8 @@ def compare_cases(cases: list, theirs: list, label=lambda case: "") -> None:
           f"{totals['steps']} steps, {totals['hits']} prefix-hit tokens, {totals['accepted']} drafts accepted"
           + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "")
           + (f"; {totals['livelocks']} livelocked in both, equal until simkv stopped" if totals["livelocks"] else "")
+          + (f"; {totals['stuck']} stuck in both (a prompt that never fits a step), equal until then"
+             if totals["stuck"] else "")
           + ")")
     sys.exit(1 if failures else 0)
 
@@ -196,6 +199,7 @@ def main() -> None:
             case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
             case["opts"].pop("spec_draft_model", None)
     oracle_vllm.drafter_cases(a, cases)
+    oracle_vllm.budget_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

@@ -193,6 +193,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
     oracle_vllm.drafter_cases(a, cases)
+    oracle_vllm.budget_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
@@ -202,7 +203,7 @@ def compare_cases(cases: list[dict], theirs: list[dict], run=None) -> None:
     another error than vLLM's differs, but for a livelock simkv stops where vLLM's run goes on to
     its max steps), then the totals; exits 1 if any case differs."""
     failures = 0
-    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0, aborted=0, livelocks=0)
+    totals = dict(requests=0, steps=0, accepted=0, preemptions=0, hits=0, aborted=0, livelocks=0, stuck=0)
     for i, (case, t) in enumerate(zip(cases, theirs)):
         ours = (run or run_simkv)(case)
         totals["requests"] += len(case["requests"])
@@ -212,6 +213,7 @@ def compare_cases(cases: list[dict], theirs: list[dict], run=None) -> None:
         totals["hits"] += t["prefix"][1]
         totals["aborted"] += ours["aborted"]
         totals["livelocks"] += ours.get("error") == "livelock"
+        totals["stuck"] += ours.get("error") == "stuck"
         diff = case_differences(t, ours)
         livelocked = ours.get("error") == "livelock" and t.get("error") == "max steps"
         if ours.get("error") != t.get("error") and not livelocked:
@@ -224,6 +226,8 @@ def compare_cases(cases: list[dict], theirs: list[dict], run=None) -> None:
           f"{totals['preemptions']} preemptions, {totals['hits']} prefix-hit tokens"
           + (f", {totals['aborted']} requests aborted" if totals["aborted"] else "")
           + (f"; {totals['livelocks']} livelocked in both, equal until simkv stopped" if totals["livelocks"] else "")
+          + (f"; {totals['stuck']} stuck in both (a prompt that never fits a step), equal until then"
+             if totals["stuck"] else "")
           + ")")
     sys.exit(1 if failures else 0)
 

@@ -91,6 +91,20 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
+def budget_cases(a, cases: list[dict]) -> None:
+    """--scheduled-tokens: every case's max_num_scheduled_tokens (vLLM's token budget) is drawn at a
+    quarter to all of its max_num_batched_tokens (the batch's rows), from a generator of its own
+    (the cases are those of the same seed without the flag)."""
+    if not getattr(a, "scheduled_tokens", False):
+        return
+    import numpy as np
+
+    rng = np.random.default_rng(a.seed + 7919)
+    for case in cases:
+        opts = case["opts"]
+        opts["max_num_scheduled_tokens"] = max(1, int(opts["max_num_batched_tokens"] * float(rng.choice([0.25, 0.5, 0.75, 1.0]))))
+
+
 def drafter_cases(a, cases: list[dict]) -> None:
     """--dflash: every speculative case's drafter is dflash (its K + 1 slots within the budget);
     --parallel-drafting: the EAGLE and draft-model cases draft in parallel; --mtp-modules N: every
@@ -175,6 +189,8 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
                              speculative_config=spec, kv_transfer_config=kv_transfer_config)
     for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
         setattr(vllm_config.scheduler_config, key, o[key])
+    if o.get("max_num_scheduled_tokens"):  # (--scheduled-tokens: a token budget below the batch's rows)
+        vllm_config.scheduler_config.max_num_scheduled_tokens = o["max_num_scheduled_tokens"]
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     # (pipeline parallelism: set after the config is built, which would look for the stages' GPUs)
     vllm_config.parallel_config.pipeline_parallel_size = o.get("pipeline_parallel_size", 1)
@@ -547,6 +563,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="every speculative case's drafter is dflash (K + 1 lookahead slots, no batch slots, "
                              "max_num_active_seqs capped at max_num_batched_tokens // (K + 1))")
     if mtp_modules_flag:
+        ap.add_argument("--scheduled-tokens", action="store_true",
+                        help="vLLM's max_num_scheduled_tokens in every case, a quarter to all of max_num_batched_tokens")
         ap.add_argument("--mtp-modules", type=int, default=1, metavar="N",
                         help="every speculative case's drafter is MTP with N modules (N > 1 and K > 1: vLLM's "
                              "multi-module MTP, K tokens of prefill runway; K cut to the block size under prefix "

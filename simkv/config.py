@@ -115,6 +115,10 @@ def kv_dtype_bytes(kv_cache_dtype: str) -> int:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # vLLM's --max-num-scheduled-tokens: the scheduler's token budget of a step, where
+    # max_num_batched_tokens stays the batch's rows (the scheduled tokens and any drafting slots)
+    # [default: max_num_batched_tokens]
+    max_num_scheduled_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -212,6 +216,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_admissions_per_step must be >= 1, got {self.max_num_admissions_per_step}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_scheduled_tokens is not None and self.max_num_scheduled_tokens < 1:
+            raise ConfigError(f"max_num_scheduled_tokens must be >= 1, got {self.max_num_scheduled_tokens}")
         if self.max_num_active_seqs is not None and not 1 <= self.max_num_active_seqs <= self.max_num_seqs:
             raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be >= 1 and cannot be greater "
                               f"than max_num_seqs ({self.max_num_seqs})")
@@ -1114,6 +1120,8 @@ class EngineConfig:
             del out["decode_context_parallel_size"]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)
             del out["max_num_active_seqs"]
+        if self.scheduler.max_num_scheduled_tokens is None:  # (likewise)
+            del out["max_num_scheduled_tokens"]
         if self.scheduler.prefill_schedule_interval == 1:
             del out["prefill_schedule_interval"]
         for key in ("max_num_queued_reqs", "max_num_queued_tokens"):

@@ -22,6 +22,7 @@ _ENGINE_FLAGS = {
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_num_scheduled_tokens": "max_num_scheduled_tokens",
     "max_num_active_seqs": "max_num_active_seqs", "prefill_schedule_interval": "prefill_schedule_interval",
     "max_num_queued_reqs": "max_num_queued_reqs", "max_num_queued_tokens": "max_num_queued_tokens",
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
@@ -282,6 +283,9 @@ _ENGINE_OPTIONS = [
                  help="vLLM's --max-num-queued-tokens: refuse a request when the prompts of requests without a "
                       "token yet reach this many tokens (a TTFT guard) [default: no limit]"),
     click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]"),
+    click.option("--max-num-scheduled-tokens", type=int, default=None,
+                 help="vLLM's: the tokens a step may schedule, where --max-num-batched-tokens stays the batch's rows "
+                      "(the scheduled tokens and a draft model's drafting slots) [default: max-num-batched-tokens]"),
     click.option("--max-model-len", type=int, default=None, help="[default: the model's]"),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]"),
     click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="[default: on]"),

@@ -65,6 +65,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.config = config
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
+        # vLLM's token budget (max_num_scheduled_tokens) beside the batch's rows (max_num_batched_tokens);
+        # where no drafting slots take rows, a step schedules the smaller of the two
+        self.max_num_scheduled_tokens = sc.max_num_scheduled_tokens or sc.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.enable_chunked_prefill = sc.enable_chunked_prefill
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
@@ -207,7 +210,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._window_releases = isinstance(self.kv_cache_manager, (KVCacheCoordinator, MambaAlignCoordinator))
         # Mamba prefix caching: prefill chunks end where a state must be written (mamba_align.py)
         self._mamba_split = isinstance(self.kv_cache_manager, MambaAlignCoordinator)
-        self._max_prefill_tokens = min(self.max_num_batched_tokens, sc.long_prefill_token_threshold or (1 << 62))
+        self._max_prefill_tokens = min(self.max_num_scheduled_tokens, sc.long_prefill_token_threshold or (1 << 62))
         self._async_releases = self._window_releases and self.overlapped
         # P/D with sliding-window layers: vLLM gives back a finished request's out-of-window
         # blocks before it hands the block table to the connector (and before any other free)
@@ -399,7 +402,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if self.overlapped:
             used_before = self.kv_cache_manager.block_pool.get_num_used_blocks()
             self._retire_finished_decoders(step)
-        plan = StepPlan(self.max_num_batched_tokens, self._prefill_threshold(), self.spec_draft_slots)
+        plan = StepPlan(self.max_num_scheduled_tokens, self._prefill_threshold(), self.spec_draft_slots,
+                        self.max_num_batched_tokens)
         if self.prefill_interval > 1:
             plan.defer_prefills = self._holds_prefill()
         elif self.throttle_prefills:  # (data-parallel ranks: a step off the coordinated cadence)

@@ -160,7 +160,7 @@ class SpecDecode:
             scheduled.append((request, more > 0 or weak or (caching and request.num_shared_tokens > 0)))
         num = len(scheduled)
         # (within both budgets for every request in turn; a copy-on-write block for each at most)
-        if (not num or tokens + num * slots > self.max_num_batched_tokens
+        if (not num or tokens + num * slots > self.max_num_batched_tokens or tokens > self.max_num_scheduled_tokens
                 or need + num > kv.block_pool.free_block_queue.num_free_blocks):
             return None
         step = self.current_step

@@ -370,7 +370,7 @@ class SteadyDecoders:
 
     def _admission_budget(self) -> int:
         """The token budget a plain decode step leaves the waiting queue."""
-        budget = self.max_num_batched_tokens
+        budget = min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
         if not self.admit_before_running:
             budget -= self._num_decoders
         return budget

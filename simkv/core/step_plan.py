@@ -14,11 +14,11 @@ class StepPlan:
                  "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled", "blocked",
                  "defer_prefills", "prefill_carried")
 
-    def __init__(self, budget: int, threshold: int, draft_slots: int = 0) -> None:
-        self.budget = budget
-        # Speculative decoding with a draft model: each scheduled request also takes
-        # `draft_slots` batch rows (vLLM's input budget beside the token budget).
-        self.input_budget = budget
+    def __init__(self, budget: int, threshold: int, draft_slots: int = 0, input_budget: int | None = None) -> None:
+        self.budget = budget  # (vLLM's token budget: max_num_scheduled_tokens)
+        # The batch's rows (vLLM's input budget, max_num_batched_tokens): the scheduled tokens and,
+        # under speculative decoding with a draft model, `draft_slots` rows per scheduled request.
+        self.input_budget = budget if input_budget is None else input_budget
         self.draft_slots = draft_slots
         self.prefill_scheduled = False  # a running request continuing its prompt was scheduled
         self.num_running_scheduled = 0

@@ -685,12 +685,15 @@ class ReplayEngine:
         head = sched.waiting.peek_request() if sched.num_waiting() else None
         why = ""
         slots = sched.spec_draft_slots
-        if (head is not None and not sched.enable_chunked_prefill
-                and head.num_tokens - head.num_computed_tokens + slots > sched.max_num_batched_tokens):
-            why = (f"; without chunked prefill its {head.num_tokens - head.num_computed_tokens:,} tokens"
+        left = head.num_tokens - head.num_computed_tokens if head is not None else 0
+        if head is not None and not sched.enable_chunked_prefill and left + slots > sched.max_num_batched_tokens:
+            why = (f"; without chunked prefill its {left:,} tokens"
                    + (f" and {slots} drafting slot{'s' * (slots > 1)}" if slots else "")
                    + f" never fit max_num_batched_tokens = {sched.max_num_batched_tokens:,} (vLLM would wait "
                    "forever): raise it or enable chunked prefill")
+        elif head is not None and not sched.enable_chunked_prefill and left > sched.max_num_scheduled_tokens:
+            why = (f"; without chunked prefill its {left:,} tokens never fit max_num_scheduled_tokens = "
+                   f"{sched.max_num_scheduled_tokens:,} (vLLM would wait forever): raise it or enable chunked prefill")
         return (f"the engine cannot make progress at step {step}: {len(sched.running)} running, "
                 f"{sched.num_waiting()} waiting (head: {head}), "
                 f"{sched.kv_cache_manager.block_pool.get_num_free_blocks()} free blocks{why}")
