@@ -29,6 +29,10 @@ def _check_type(key: str, value, annotation: str) -> None:
         raise ConfigError(f"option '{key}' must be {what}{' or null' if optional == 'None' else ''}, got {value!r}")
 
 
+# vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -40,7 +44,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.0
     num_lookahead_tokens: int = 0
-    kv_cache_dtype: str = "auto"  # auto (= model dtype, bf16) or fp8
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto (= model dtype, bf16), 16-bit or fp8 (one byte)
     prefix_caching_hash_bits: int = 63
     reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
     allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
@@ -80,8 +84,8 @@ class CacheConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.num_lookahead_tokens < 0:
             raise ConfigError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "fp16", "fp8"):
-            raise ConfigError(f"kv_cache_dtype must be one of auto, bfloat16, fp16, fp8; got '{self.kv_cache_dtype}'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got '{self.kv_cache_dtype}'")
         if not 1 <= self.prefix_caching_hash_bits <= 63:
             raise ConfigError(f"prefix_caching_hash_bits must be in [1, 63], got {self.prefix_caching_hash_bits}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
@@ -107,8 +111,13 @@ class CacheConfig:
 
 
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
-    """Bytes of one cached K or V element: fp8 1, the model's bf16 (auto) or fp16 2."""
-    return 1 if kv_cache_dtype == "fp8" else 2
+    """Bytes of one cached K or V element: fp8 (either format) 1, the model's bf16 (auto) or fp16 2."""
+    return 1 if is_fp8_kv(kv_cache_dtype) else 2
+
+
+def is_fp8_kv(kv_cache_dtype: str | None) -> bool:
+    """vLLM's fp8 KV caches: fp8 (its e4m3 on CUDA), fp8_e4m3, fp8_e5m2."""
+    return kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1256,7 +1265,7 @@ def _backend_block_size(hardware: dict, cache: dict) -> int | None:
     if spec.is_sparse:  # (the sparse MLA backends and the indexer's take multiples of 64)
         return SPARSE_BLOCK_MULTIPLE
     major = gpu.cuda_major
-    if major == 9 and cache.get("kv_cache_dtype") == "fp8":
+    if major == 9 and is_fp8_kv(cache.get("kv_cache_dtype")):
         return 64
     if major == 10:
         return 32 if spec.head_dim - spec.qk_rope_head_dim in (64, 128, 192) else 128

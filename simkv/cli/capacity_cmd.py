@@ -8,7 +8,7 @@ import click
 
 from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
 from simkv.cli.replay_cmd import ByteCount, build_config
-from simkv.config import SPEC_METHODS, ConfigError, EngineConfig
+from simkv.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig
 
 
 def capacity_report(config: EngineConfig) -> dict:
@@ -231,7 +231,7 @@ def print_report(rep: dict) -> None:
 @click.option("--kv-cache-memory-bytes", type=ByteCount(), default=None, metavar="BYTES",
               help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), gpu_memory_utilization then ignored")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None, help="[default: auto]")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None, help="[default: auto]")
 @click.option("--block-size", type=int, default=None,
               help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache, on Blackwell 32]")
 @click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")

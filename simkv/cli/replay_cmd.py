@@ -10,7 +10,7 @@ import click
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
-from simkv.config import SPEC_METHODS, ConfigError, EngineConfig
+from simkv.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
 from simkv.specs import get_model_spec, gpu_names
@@ -292,7 +292,8 @@ _ENGINE_OPTIONS = [
     click.option("--long-prefill-token-threshold", type=int, default=None, help="[default: 0]"),
     click.option("--watermark", type=float, default=None, help="[default: 0.0]"),
     click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]"),
-    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default=None),
+    click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
+                 help="vLLM's: fp8 (fp8_e4m3, fp8_e5m2) stores one byte an element [default: auto, the model's bf16]"),
     click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
                  help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]"),
     click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]"),

@@ -192,3 +192,17 @@ def test_capacity_shows_the_quantization_in_its_tables_and_layouts():
     assert pipeline["fits"] and 0.95 < pipeline["num_gpu_blocks"] / two["num_gpu_blocks"] < 1.0
     # 67.7 GiB of weights leave an 80 GB H100 a few GiB of cache: TP 2 keeps 21 times as many blocks
     assert one["fits"] and two["fits"] and two["num_gpu_blocks"] > 20 * one["num_gpu_blocks"]
+
+
+@pytest.mark.parametrize("dtype, like", [("fp8_e4m3", "fp8"), ("fp8_e5m2", "fp8"), ("float16", "auto"),
+                                         ("bfloat16", "auto")])
+def test_vllms_kv_cache_dtype_spellings(dtype, like):
+    """vLLM's --kv-cache-dtype spellings: both fp8 formats store a byte an element as fp8 does
+    (and pick FlashMLA's block of 64 on Hopper for latent attention), the 16-bit ones two bytes."""
+    def cap(kv):
+        return compute_capacity(EngineConfig.from_flat(dict(model="deepseek-v3", gpu="H200", tensor_parallel_size=8,
+                                                            kv_cache_dtype=kv)))
+    a, b = cap(dtype), cap(like)
+    assert (a.kv_bytes_per_token, a.block_size, a.num_gpu_blocks) == (b.kv_bytes_per_token, b.block_size, b.num_gpu_blocks)
+    result = CliRunner().invoke(main, ["capacity", "--model", "llama-3-8b", "--kv-cache-dtype", dtype, "--json"])
+    assert result.exit_code == 0, result.output
