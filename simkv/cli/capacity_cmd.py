@@ -227,14 +227,14 @@ def print_report(rep: dict) -> None:
               help="vLLM's: the layers split over that many stages of TP GPUs each [default: 1]")
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
               help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
-@click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]")
-@click.option("--kv-cache-memory-bytes", type=ByteCount(), default=None, metavar="BYTES",
+@click.option("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None, help="[default: 0.92]")
+@click.option("--kv-cache-memory-bytes", "--kv-cache-memory", type=ByteCount(), default=None, metavar="BYTES",
               help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), gpu_memory_utilization then ignored")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None, help="[default: auto]")
 @click.option("--block-size", type=int, default=None,
               help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache, on Blackwell 32]")
-@click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]")
+@click.option("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None, help="[default: derived from GPU memory]")
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="Sizes the activation reserve [default: 8192]")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,

@@ -264,9 +264,11 @@ _ENGINE_OPTIONS = [
     click.option("--block-size", type=int, default=None,
                  help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache (FlashMLA), on "
                       "Blackwell 32 (FlashInfer MLA)]"),
-    click.option("--num-gpu-blocks", type=int, default=None, help="[default: derived from GPU memory]"),
-    click.option("--gpu-memory-utilization", type=float, default=None, help="[default: 0.92]"),
-    click.option("--kv-cache-memory-bytes", type=ByteCount(), default=None, metavar="BYTES",
+    click.option("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                 help="[default: derived from GPU memory]"),
+    click.option("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None,
+                 help="[default: 0.92]"),
+    click.option("--kv-cache-memory-bytes", "--kv-cache-memory", type=ByteCount(), default=None, metavar="BYTES",
                  help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), instead of what "
                       "--gpu-memory-utilization leaves [default: derived from GPU memory]"),
     click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),

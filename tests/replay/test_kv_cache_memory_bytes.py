@@ -66,3 +66,16 @@ def test_cli_refuses_what_is_not_a_byte_count(text):
     result = CliRunner().invoke(main, ["capacity", "--model", "llama-3-70b", "--gpu", "H100-SXM", "-tp", "2",
                                        "--kv-cache-memory-bytes", text])
     assert result.exit_code != 0 and "is not a number of bytes" in result.output
+
+
+def test_cli_takes_vllms_other_spellings():
+    """vLLM's --kv-cache-memory (its start-up suggestion's spelling), --num-gpu-blocks-override and
+    --device-memory-utilization name the same options."""
+    def blocks(*args):
+        result = CliRunner().invoke(main, ["capacity", "--model", "llama-3-8b", "--json", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["num_gpu_blocks"]
+
+    assert blocks("--kv-cache-memory", "10G") == blocks("--kv-cache-memory-bytes", "10G") == 10 * GIB // 2_097_152
+    assert blocks("--num-gpu-blocks-override", "5000") == 5000
+    assert blocks("--device-memory-utilization", "0.5") == blocks("--gpu-memory-utilization", "0.5")
