@@ -197,3 +197,15 @@ def test_same_steps_as_vllm_under_pd(case):
         assert ours["requests"] == case["vllm"]["requests"]
     else:
         _assert_same_as_recorded(case)
+
+
+def test_an_imported_checkpoint_with_modules_is_multi_module(tmp_path):
+    """A Hugging Face config with three MTP modules: `--speculative-method mtp` at K = 3 runs vLLM's
+    multi-module MTP without --spec-mtp-modules; the option still overrides it."""
+    config = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512, vocab_size=1000, max_position_embeddings=4096, num_nextn_predict_layers=3)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    flat = dict(model=str(tmp_path / "config.json"), num_gpu_blocks=100, speculative_method="mtp", num_speculative_tokens=3)
+    assert EngineConfig.from_flat(flat).num_prefill_lookahead == 3
+    assert EngineConfig.from_flat(flat | dict(spec_mtp_modules=1)).num_prefill_lookahead == 1
+    assert EngineConfig.from_flat(flat).draft_network.num_layers == 3
