@@ -110,6 +110,25 @@ class CacheConfig:
         return kv_dtype_bytes(self.kv_cache_dtype)
 
 
+def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM 0.33's API server takes on this GPU when neither
+    is given (EngineArgs.get_batch_defaults): 16,384 and 1,024 with at least 160 GiB, 8,192 and 1,024
+    with at least 70 GiB (not an A100), else 2,048 and 256; without chunked prefill the tokens are at
+    least max_model_len, at most max_num_seqs x max_model_len, and the sequences at most the tokens.
+    simkv's own defaults (8,192 and 256) differ; `simkv replay` says so."""
+    spec = get_gpu_spec(gpu)
+    if spec.memory_gib >= 160:
+        tokens, seqs = 16384, 1024
+    elif spec.memory_gib >= 70 and not spec.name.startswith("A100"):
+        tokens, seqs = 8192, 1024
+    else:
+        tokens, seqs = 2048, 256
+    if not enable_chunked_prefill:
+        tokens = max(max_model_len, tokens)
+    tokens = min(seqs * max_model_len, tokens)
+    return tokens, min(seqs, tokens)
+
+
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
     """Bytes of one cached K or V element: fp8 (either format) 1, the model's bf16 (auto) or fp16 2."""
     return 1 if is_fp8_kv(kv_cache_dtype) else 2

@@ -128,6 +128,24 @@ def load_config_file(path: str) -> dict:
 FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation")  # --config keys that are not engine options
 
 
+def _vllm_defaults_note(config: EngineConfig, given: dict) -> str | None:
+    """A note when the replay ran on simkv's default max_num_seqs or max_num_batched_tokens where
+    vLLM 0.33's API server would default to others on this GPU (config.vllm_batch_defaults)."""
+    from simkv.config import vllm_batch_defaults
+
+    sc = config.scheduler
+    tokens, seqs = vllm_batch_defaults(config.hardware.gpu, config.max_model_len, sc.enable_chunked_prefill)
+    differ = [(name, ours, theirs) for name, ours, theirs in (("max_num_seqs", sc.max_num_seqs, seqs),
+                                                              ("max_num_batched_tokens", sc.max_num_batched_tokens, tokens))
+              if name not in given and ours != theirs]
+    if not differ:
+        return None
+    flags = " ".join(f"--{name.replace('_', '-')} {theirs}" for name, _, theirs in differ)
+    return (f"note: vLLM 0.33's API server on {config.hardware.gpu} defaults to "
+            + ", ".join(f"{name} {theirs:,}" for name, _, theirs in differ) + "; this replay used simkv's "
+            + ", ".join(f"{ours:,}" for _, ours, _ in differ) + f": pass {flags} to replay vLLM's defaults")
+
+
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
     """Engine options from --config, then the flags (vLLM's names, underscores)."""
     options = load_config_file(config_file) if config_file else {}
@@ -525,6 +543,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                    f"max_num_batched_tokens = {sc.max_num_batched_tokens:,}: at most {config.max_num_active:,} "
                    "requests run at once (vLLM lowers max_num_active_seqs likewise; raise max_num_batched_tokens "
                    "for more)", err=True)
+    note = _vllm_defaults_note(config, flat_options(flags, config_file))
+    if note:
+        click.echo(note, err=True)
     if config.scheduler.async_scheduling and cost_model != "unit" and not _splits_host_time(cost_model, config):
         click.echo(f"warning: --cost-model {cost_model} gives whole step times: async scheduling changes when "
                    "requests are scheduled and freed, but no host time is overlapped with the device "

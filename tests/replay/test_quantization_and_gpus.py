@@ -206,3 +206,40 @@ def test_vllms_kv_cache_dtype_spellings(dtype, like):
     assert (a.kv_bytes_per_token, a.block_size, a.num_gpu_blocks) == (b.kv_bytes_per_token, b.block_size, b.num_gpu_blocks)
     result = CliRunner().invoke(main, ["capacity", "--model", "llama-3-8b", "--kv-cache-dtype", dtype, "--json"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("gpu, tokens, seqs", [("H100-SXM", 8192, 1024), ("H200", 8192, 1024), ("H20", 8192, 1024),
+                                               ("B200", 16384, 1024), ("MI300X", 16384, 1024), ("A100-80GB", 2048, 256),
+                                               ("L40S", 2048, 256)])
+def test_vllms_batch_defaults_by_gpu(gpu, tokens, seqs):
+    """vLLM 0.33's API-server defaults (EngineArgs.get_batch_defaults): by the GPU's memory, an A100
+    kept on the small tier."""
+    from simkv.config import vllm_batch_defaults
+
+    assert vllm_batch_defaults(gpu, 8192) == (tokens, seqs)
+
+
+def test_vllms_batch_defaults_adjustments():
+    """Without chunked prefill the tokens cover max_model_len; at most max_num_seqs x max_model_len;
+    the sequences at most the tokens."""
+    from simkv.config import vllm_batch_defaults
+
+    assert vllm_batch_defaults("H100-SXM", 32768, enable_chunked_prefill=False) == (32768, 1024)
+    assert vllm_batch_defaults("L40S", 4, enable_chunked_prefill=True) == (1024, 256)
+    assert vllm_batch_defaults("L40S", 1, enable_chunked_prefill=True) == (256, 256)
+
+
+def test_replay_notes_where_simkvs_defaults_are_not_vllms(tmp_path):
+    """On an H100 vLLM 0.33 runs 1,024 sequences by default, simkv 256: the replay says so, and says
+    nothing once the option is given."""
+    import pandas as pd
+
+    trace = tmp_path / "t.csv"
+    pd.DataFrame({"arrival_time_s": [0.0, 0.1], "prompt_tokens": [100, 200], "output_tokens": [5, 5]}).to_csv(trace, index=False)
+    runner = CliRunner()
+    noted = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / "a"), "--num-gpu-blocks", "1000"])
+    assert noted.exit_code == 0, noted.output
+    assert "defaults to max_num_seqs 1,024; this replay used simkv's 256: pass --max-num-seqs 1024" in noted.output
+    quiet = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / "b"), "--num-gpu-blocks", "1000",
+                                 "--max-num-seqs", "1024"])
+    assert quiet.exit_code == 0 and "note: vLLM" not in quiet.output
