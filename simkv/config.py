@@ -110,12 +110,14 @@ class CacheConfig:
         return kv_dtype_bytes(self.kv_cache_dtype)
 
 
-def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) vLLM 0.33's API server takes on this GPU when neither
-    is given (EngineArgs.get_batch_defaults): 16,384 and 1,024 with at least 160 GiB, 8,192 and 1,024
-    with at least 70 GiB (not an A100), else 2,048 and 256; without chunked prefill the tokens are at
-    least max_model_len, at most max_num_seqs x max_model_len, and the sequences at most the tokens.
-    simkv's own defaults (8,192 and 256) differ; `simkv replay` says so."""
+def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True,
+                        max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) as vLLM 0.33's API server takes them on this GPU, the
+    ones not given defaulted (EngineArgs.get_batch_defaults and its adjustments): 16,384 and 1,024
+    with at least 160 GiB, 8,192 and 1,024 with at least 70 GiB (not an A100), else 2,048 and 256;
+    a defaulted token budget is at least max_model_len without chunked prefill and at most
+    max_num_seqs x max_model_len, defaulted sequences at most the tokens. simkv's own defaults
+    (8,192 and 256) differ unless `vllm_batch_defaults` is on; `simkv replay` says so."""
     spec = get_gpu_spec(gpu)
     if spec.memory_gib >= 160:
         tokens, seqs = 16384, 1024
@@ -123,10 +125,14 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
         tokens, seqs = 8192, 1024
     else:
         tokens, seqs = 2048, 256
-    if not enable_chunked_prefill:
-        tokens = max(max_model_len, tokens)
-    tokens = min(seqs * max_model_len, tokens)
-    return tokens, min(seqs, tokens)
+    seqs = seqs if max_num_seqs is None else max_num_seqs
+    if max_num_batched_tokens is None:
+        if not enable_chunked_prefill:
+            tokens = max(max_model_len, tokens)
+        tokens = min(seqs * max_model_len, tokens)
+    else:
+        tokens = max_num_batched_tokens
+    return tokens, min(seqs, tokens) if max_num_seqs is None else seqs
 
 
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
@@ -147,6 +153,9 @@ class SchedulerConfig:
     # max_num_batched_tokens stays the batch's rows (the scheduled tokens and any drafting slots)
     # [default: max_num_batched_tokens]
     max_num_scheduled_tokens: int | None = None
+    # max_num_seqs and max_num_batched_tokens, where not given, as vLLM 0.33's API server takes them on
+    # the GPU (vllm_batch_defaults: 1,024 sequences on an H100, ...); off: simkv's 256 and 8,192
+    vllm_batch_defaults: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -1150,6 +1159,8 @@ class EngineConfig:
             del out["max_num_active_seqs"]
         if self.scheduler.max_num_scheduled_tokens is None:  # (likewise)
             del out["max_num_scheduled_tokens"]
+        if not self.scheduler.vllm_batch_defaults:  # (likewise)
+            del out["vllm_batch_defaults"]
         if self.scheduler.prefill_schedule_interval == 1:
             del out["prefill_schedule_interval"]
         for key in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -1195,6 +1206,14 @@ class EngineConfig:
                 raise ConfigError(f"unknown option '{key}'")
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
+        sched = groups[SchedulerConfig]
+        if sched.get("vllm_batch_defaults"):  # (vLLM 0.33's API-server defaults on this GPU, where not given)
+            hw = groups[HardwareConfig]
+            model = hw.get("model", _default(HardwareConfig, "model"))
+            mml = sched.get("max_model_len") or get_model_spec(model).max_position_embeddings
+            sched["max_num_batched_tokens"], sched["max_num_seqs"] = vllm_batch_defaults(
+                hw.get("gpu", _default(HardwareConfig, "gpu")), mml, sched.get("enable_chunked_prefill", True),
+                sched.get("max_num_seqs"), sched.get("max_num_batched_tokens"))
         if "block_size" not in groups[CacheConfig]:
             block_size = _backend_block_size(groups[HardwareConfig], groups[CacheConfig])
             if block_size is not None:
@@ -1206,6 +1225,10 @@ class EngineConfig:
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
                    AttentionConfig(**groups[AttentionConfig]))
+
+
+def _default(klass, name: str):
+    return next(f.default for f in fields(klass) if f.name == name)
 
 
 _KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention backends (FlashAttention, FlashInfer, Triton)

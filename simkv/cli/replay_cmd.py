@@ -22,7 +22,7 @@ _ENGINE_FLAGS = {
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_num_scheduled_tokens": "max_num_scheduled_tokens",
+    "max_num_scheduled_tokens": "max_num_scheduled_tokens", "vllm_batch_defaults": "vllm_batch_defaults",
     "max_num_active_seqs": "max_num_active_seqs", "prefill_schedule_interval": "prefill_schedule_interval",
     "max_num_queued_reqs": "max_num_queued_reqs", "max_num_queued_tokens": "max_num_queued_tokens",
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
@@ -134,13 +134,15 @@ def _vllm_defaults_note(config: EngineConfig, given: dict) -> str | None:
     from simkv.config import vllm_batch_defaults
 
     sc = config.scheduler
+    if sc.vllm_batch_defaults:
+        return None
     tokens, seqs = vllm_batch_defaults(config.hardware.gpu, config.max_model_len, sc.enable_chunked_prefill)
     differ = [(name, ours, theirs) for name, ours, theirs in (("max_num_seqs", sc.max_num_seqs, seqs),
                                                               ("max_num_batched_tokens", sc.max_num_batched_tokens, tokens))
               if name not in given and ours != theirs]
     if not differ:
         return None
-    flags = " ".join(f"--{name.replace('_', '-')} {theirs}" for name, _, theirs in differ)
+    flags = "--vllm-batch-defaults (" + " ".join(f"--{name.replace('_', '-')} {theirs}" for name, _, theirs in differ) + ")"
     return (f"note: vLLM 0.33's API server on {config.hardware.gpu} defaults to "
             + ", ".join(f"{name} {theirs:,}" for name, _, theirs in differ) + "; this replay used simkv's "
             + ", ".join(f"{ours:,}" for _, ours, _ in differ) + f": pass {flags} to replay vLLM's defaults")
@@ -303,6 +305,10 @@ _ENGINE_OPTIONS = [
                  help="vLLM's --max-num-queued-tokens: refuse a request when the prompts of requests without a "
                       "token yet reach this many tokens (a TTFT guard) [default: no limit]"),
     click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]"),
+    click.option("--vllm-batch-defaults", is_flag=True, default=None,
+                 help="max_num_seqs and max_num_batched_tokens, where not given, as vLLM 0.33's API server takes "
+                      "them on the GPU (1,024 sequences on an H100, 16,384 tokens on a B200, 2,048 on an L40S) "
+                      "[default: simkv's 256 and 8,192]"),
     click.option("--max-num-scheduled-tokens", type=int, default=None,
                  help="vLLM's: the tokens a step may schedule, where --max-num-batched-tokens stays the batch's rows "
                       "(the scheduled tokens and a draft model's drafting slots) [default: max-num-batched-tokens]"),

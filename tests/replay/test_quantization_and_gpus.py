@@ -239,7 +239,22 @@ def test_replay_notes_where_simkvs_defaults_are_not_vllms(tmp_path):
     runner = CliRunner()
     noted = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / "a"), "--num-gpu-blocks", "1000"])
     assert noted.exit_code == 0, noted.output
-    assert "defaults to max_num_seqs 1,024; this replay used simkv's 256: pass --max-num-seqs 1024" in noted.output
-    quiet = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / "b"), "--num-gpu-blocks", "1000",
-                                 "--max-num-seqs", "1024"])
-    assert quiet.exit_code == 0 and "note: vLLM" not in quiet.output
+    assert ("defaults to max_num_seqs 1,024; this replay used simkv's 256: pass --vllm-batch-defaults "
+            "(--max-num-seqs 1024)") in noted.output
+    for given in (["--max-num-seqs", "1024"], ["--vllm-batch-defaults"]):
+        quiet = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / given[0]), "--num-gpu-blocks", "1000",
+                                     *given])
+        assert quiet.exit_code == 0 and "note: vLLM" not in quiet.output
+
+
+@pytest.mark.parametrize("options, seqs, tokens", [
+    (dict(), 1024, 8192), (dict(gpu="B200"), 1024, 16384), (dict(gpu="L40S"), 256, 2048),
+    (dict(gpu="B200", max_num_seqs=64), 64, 16384), (dict(max_num_batched_tokens=512), 512, 512),
+    (dict(enable_chunked_prefill=False, max_model_len=32768), 1024, 32768)])
+def test_vllm_batch_defaults_option(options, seqs, tokens):
+    """--vllm-batch-defaults: what is not given is vLLM 0.33's on the GPU (a given token budget caps
+    the defaulted sequences; without chunked prefill the defaulted budget covers max_model_len)."""
+    config = EngineConfig.from_flat(dict(vllm_batch_defaults=True) | options)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (seqs, tokens)
+    assert config.to_dict()["vllm_batch_defaults"] is True
+    assert "vllm_batch_defaults" not in EngineConfig.from_flat({}).to_dict()
