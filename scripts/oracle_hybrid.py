@@ -78,12 +78,15 @@ def make_case(rng, speculative: bool = False, methods=("ngram", "eagle"), async_
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, chunked_flag=True, replies_flag=True,
-                                aborts_flag=True, parallel_flag=True)
+                                aborts_flag=True, parallel_flag=True, mtp_modules_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative, chunked=a.chunked, replies=a.replies) for _ in range(a.cases)]
+    oracle_vllm.caching_cases(a, cases)
+    oracle_vllm.drafter_cases(a, cases)
+    oracle_vllm.budget_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     if a.aborts:  # (a front end aborts some requests: clients that gave up)
         for case in cases:

@@ -91,6 +91,14 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
+def caching_cases(a, cases: list[dict]) -> None:
+    """--no-prefix-caching: every case runs without prefix caching (before drafter_cases, which
+    sizes a drafter's groups and K by it)."""
+    if getattr(a, "no_prefix_caching", False):
+        for case in cases:
+            case["opts"]["enable_prefix_caching"] = False
+
+
 def budget_cases(a, cases: list[dict]) -> None:
     """--scheduled-tokens: every case's max_num_scheduled_tokens (vLLM's token budget) is drawn at a
     quarter to all of its max_num_batched_tokens (the batch's rows), from a generator of its own
@@ -103,6 +111,21 @@ def budget_cases(a, cases: list[dict]) -> None:
     for case in cases:
         opts = case["opts"]
         opts["max_num_scheduled_tokens"] = max(1, int(opts["max_num_batched_tokens"] * float(rng.choice([0.25, 0.5, 0.75, 1.0]))))
+
+
+def _regroup(case: dict) -> None:
+    """A case with KV-cache groups (oracle_hybrid.py's, --hybrid): its groups and pool again, from
+    simkv's config of its options as they are now (a drafter with more layers joins the groups)."""
+    sys.path.insert(0, str(ROOT))
+    from simkv.capacity import group_blocks_per_request
+    from simkv.config import EngineConfig
+
+    opts = {("scheduler_reserve_full_isl" if k == "reserve_full_isl" else k): v  # (oracle_pd.py's name)
+            for k, v in case["opts"].items()}
+    config = EngineConfig.from_flat(opts)
+    case["group_windows"] = list(config.kv_cache_groups.windows)
+    fits = group_blocks_per_request(config, case["opts"]["max_model_len"], startup=True) + 1
+    case["opts"]["num_gpu_blocks"] = max(case["opts"]["num_gpu_blocks"], fits)
 
 
 def drafter_cases(a, cases: list[dict]) -> None:
@@ -118,6 +141,8 @@ def drafter_cases(a, cases: list[dict]) -> None:
             opts.pop("spec_ngram_match_rate", None)
             if opts["enable_prefix_caching"]:
                 opts["num_speculative_tokens"] = min(opts["num_speculative_tokens"], opts["block_size"])
+            if case.get("group_windows") is not None:  # (the KV-cache groups hold every module's layer)
+                _regroup(case)
         if getattr(a, "dflash", False) and opts.get("speculative_method"):
             opts["speculative_method"] = "dflash"
             opts.pop("spec_draft_model", None)
@@ -563,6 +588,7 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="every speculative case's drafter is dflash (K + 1 lookahead slots, no batch slots, "
                              "max_num_active_seqs capped at max_num_batched_tokens // (K + 1))")
     if mtp_modules_flag:
+        ap.add_argument("--no-prefix-caching", action="store_true", help="prefix caching off in every case")
         ap.add_argument("--scheduled-tokens", action="store_true",
                         help="vLLM's max_num_scheduled_tokens in every case, a quarter to all of max_num_batched_tokens")
         ap.add_argument("--mtp-modules", type=int, default=1, metavar="N",

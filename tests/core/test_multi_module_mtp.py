@@ -67,11 +67,19 @@ def test_imported_config_carries_its_modules(tmp_path, field):
     (dict(spec_mtp_modules=0), "must be >= 1"),
     (dict(block_size=4, num_speculative_tokens=5), "scheduler_block_size (=4) >= num_speculative_tokens (=5)"),
     (dict(model="qwen3-next-80b-a3b", enable_prefix_caching=False), "linear-attention layers"),
-    (dict(model="gemma-3-12b"), "sliding-window or chunked local attention layers"),
-    (dict(model="llama-4-scout"), "sliding-window or chunked local attention layers")])
+    (dict(model="gemma-3-12b"), "with prefix caching is not modelled with sliding-window"),
+    (dict(model="llama-4-scout"), "with prefix caching is not modelled with sliding-window or chunked local")])
 def test_refusals(opts, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _config(**opts)
+
+
+@pytest.mark.parametrize("model", ["gemma-3-12b", "llama-4-scout"])
+def test_sliding_windows_without_prefix_caching(model):
+    """Sliding-window and chunked-local targets run multi-module MTP without prefix caching (checked
+    step by step against vLLM's scheduler; with prefix caching refused above)."""
+    config = _config(model=model, enable_prefix_caching=False, max_model_len=4096)
+    assert config.num_prefill_lookahead == 3 and config.has_sliding_window
 
 
 def test_small_blocks_without_prefix_caching():
@@ -209,3 +217,20 @@ def test_an_imported_checkpoint_with_modules_is_multi_module(tmp_path):
     assert EngineConfig.from_flat(flat).num_prefill_lookahead == 3
     assert EngineConfig.from_flat(flat | dict(spec_mtp_modules=1)).num_prefill_lookahead == 1
     assert EngineConfig.from_flat(flat).draft_network.num_layers == 3
+
+
+HYBRID = json.loads((DATA / "hybrid_mtp_modules_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_sliding_window_models_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_hybrid.py --mtp-modules 3 --no-prefix-caching (sliding-window
+    models, the modules' layers in the full-attention groups): every step and request equal."""
+    case = HYBRID["sync"][index]
+    assert not case["case"]["opts"]["enable_prefix_caching"] and case["case"]["group_windows"]
+    assert_same_steps_as_vllm(case)
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_sliding_window_models_same_steps_as_vllm_async(index):
+    assert_same_async_spec_steps_as_vllm(HYBRID["async"][index])
