@@ -84,9 +84,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative, chunked=a.chunked, replies=a.replies) for _ in range(a.cases)]
-    oracle_vllm.caching_cases(a, cases)
-    oracle_vllm.drafter_cases(a, cases)
-    oracle_vllm.budget_cases(a, cases)
+    oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     if a.aborts:  # (a front end aborts some requests: clients that gave up)
         for case in cases:

@@ -535,7 +535,7 @@ def main() -> None:
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
                        "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora) for _ in range(a.cases)]
-    oracle_vllm.drafter_cases(a, cases)
+    oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0

@@ -499,9 +499,7 @@ def main() -> None:
              for _ in range(a.cases)]
     if a.dflash and (a.hybrid or a.linear or a.chunked):
         sys.exit("--dflash: dflash is modelled with standard-attention targets")
-    oracle_vllm.caching_cases(a, cases)
-    oracle_vllm.drafter_cases(a, cases)
-    oracle_vllm.budget_cases(a, cases)
+    oracle_vllm.option_cases(a, cases)
     if a.aborts:  # (a front end aborts some requests, on either side: clients that gave up)
         for case in cases:
             case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])

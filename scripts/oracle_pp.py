@@ -190,7 +190,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative, a.hybrid or a.chunked, a.chunked, a.linear,
                        a.align) for _ in range(a.cases)]
-    oracle_vllm.drafter_cases(a, cases)
+    oracle_vllm.option_cases(a, cases)
     oracle_spec_async.compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a), run_simkv)
 
 

@@ -198,9 +198,7 @@ def main() -> None:
         for case in cases:
             case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
             case["opts"].pop("spec_draft_model", None)
-    oracle_vllm.caching_cases(a, cases)
-    oracle_vllm.drafter_cases(a, cases)
-    oracle_vllm.budget_cases(a, cases)
+    oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

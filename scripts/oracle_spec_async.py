@@ -192,9 +192,7 @@ def main() -> None:
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
-    oracle_vllm.caching_cases(a, cases)
-    oracle_vllm.drafter_cases(a, cases)
-    oracle_vllm.budget_cases(a, cases)
+    oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 

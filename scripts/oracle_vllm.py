@@ -91,7 +91,16 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
-def caching_cases(a, cases: list[dict]) -> None:
+def option_cases(a, cases: list[dict]) -> None:
+    """The cases' options as the flags of `mtp_modules_flag`, `dflash_flag` and
+    `parallel_drafting_flag` ask (each absent where the oracle has none): prefix caching first,
+    which the drafters' K and groups depend on, then the drafters, then the token budget."""
+    _caching_cases(a, cases)
+    drafter_cases(a, cases)
+    _budget_cases(a, cases)
+
+
+def _caching_cases(a, cases: list[dict]) -> None:
     """--no-prefix-caching: every case runs without prefix caching (before drafter_cases, which
     sizes a drafter's groups and K by it)."""
     if getattr(a, "no_prefix_caching", False):
@@ -99,7 +108,7 @@ def caching_cases(a, cases: list[dict]) -> None:
             case["opts"]["enable_prefix_caching"] = False
 
 
-def budget_cases(a, cases: list[dict]) -> None:
+def _budget_cases(a, cases: list[dict]) -> None:
     """--scheduled-tokens: every case's max_num_scheduled_tokens (vLLM's token budget) is drawn at a
     quarter to all of its max_num_batched_tokens (the batch's rows), from a generator of its own
     (the cases are those of the same seed without the flag)."""

@@ -182,13 +182,11 @@ class Drafter:
         total = net.dp_time(firsts, idle)
         if self.parallel:
             return total
-        if self.multi_module:  # (pass j: the ranks with more than j drafts to make)
-            for j in range(1, max(k for *_, k in rows)):
-                works = [work for work, (*_, k) in zip(firsts, rows) if k > j]
-                total += net.dp_time(works, idle + len(rows) - len(works))
-            return total
-        later = [(self._later_work(out, sampling, context), k) for out, sampling, context, k in rows]
-        for j in range(1, max(k for *_, k in rows)):
+        if self.multi_module:  # (every module passes over its rank's whole step, as the first does)
+            later = [(work, k) for work, (*_, k) in zip(firsts, rows)]
+        else:
+            later = [(self._later_work(out, sampling, context), k) for out, sampling, context, k in rows]
+        for j in range(1, max(k for *_, k in rows)):  # (pass j: the ranks with more than j drafts to make)
             works = [work for work, k in later if k > j]
             total += net.dp_time(works, idle + len(rows) - len(works))
         return total

@@ -113,19 +113,12 @@ class BlockHasher:
             parent = hashes[-1] if hashes else salt_root(request.cache_salt, h)
             mask = self.hash_mask
             stop = n_content
-            if self.lookahead > 1:  # (multi-module MTP: the K tokens after the block)
-                la = self.lookahead
+            if self.lookahead:  # (the token after the block: vLLM's EAGLE family; the K after it: multi-module MTP)
+                more = self.lookahead - 1
                 while i < stop:
                     first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs
-                    parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h,
-                                   tuple(ids[nxt // h:(nxt + la - 1) // h + 1].tolist()), nxt % h)) & mask
-                    hashes.append(parent)
-                    i += 1
-            elif self.lookahead:  # (one token: vLLM's EAGLE family)
-                while i < stop:
-                    first, last, nxt = (i * bs) // h, ((i + 1) * bs - 1) // h, (i + 1) * bs
-                    parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h,
-                                   int(ids[nxt // h]), nxt % h)) & mask
+                    after = tuple(ids[nxt // h:(nxt + more) // h + 1].tolist()) if more else int(ids[nxt // h])
+                    parent = hash((parent, tuple(ids[first:last + 1].tolist()), (i * bs) % h, after, nxt % h)) & mask
                     hashes.append(parent)
                     i += 1
             elif bs <= h and h % bs == 0:
