@@ -116,8 +116,8 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
     ones not given defaulted (EngineArgs.get_batch_defaults and its adjustments): 16,384 and 1,024
     with at least 160 GiB, 8,192 and 1,024 with at least 70 GiB (not an A100), else 2,048 and 256;
     a defaulted token budget is at least max_model_len without chunked prefill and at most
-    max_num_seqs x max_model_len, defaulted sequences at most the tokens. simkv's own defaults
-    (8,192 and 256) differ unless `vllm_batch_defaults` is on; `simkv replay` says so."""
+    max_num_seqs x max_model_len, defaulted sequences at most the tokens. simkv's defaults, unless
+    `vllm_batch_defaults` is off (then FIXED_BATCH_DEFAULTS)."""
     spec = get_gpu_spec(gpu)
     if spec.memory_gib >= 160:
         tokens, seqs = 16384, 1024
@@ -135,6 +135,11 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
     return tokens, min(seqs, tokens) if max_num_seqs is None else seqs
 
 
+# simkv's fixed defaults before it took vLLM 0.33's (vllm_batch_defaults off): vLLM V0's 256
+# sequences and V1's 8,192-token API-server budget on an H100, on every GPU
+FIXED_BATCH_DEFAULTS = (8192, 256)
+
+
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
     """Bytes of one cached K or V element: fp8 (either format) 1, the model's bf16 (auto) or fp16 2."""
     return 1 if is_fp8_kv(kv_cache_dtype) else 2
@@ -147,15 +152,20 @@ def is_fp8_kv(kv_cache_dtype: str | None) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: vLLM 0.33's API-server defaults on the GPU (vllm_batch_defaults: 1,024 sequences and
+    # 8,192 tokens on an H100), resolved by EngineConfig, which knows the GPU and max_model_len
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # vLLM's --max-num-scheduled-tokens: the scheduler's token budget of a step, where
     # max_num_batched_tokens stays the batch's rows (the scheduled tokens and any drafting slots)
     # [default: max_num_batched_tokens]
     max_num_scheduled_tokens: int | None = None
     # max_num_seqs and max_num_batched_tokens, where not given, as vLLM 0.33's API server takes them on
-    # the GPU (vllm_batch_defaults: 1,024 sequences on an H100, ...); off: simkv's 256 and 8,192
-    vllm_batch_defaults: bool = False
+    # the GPU (vllm_batch_defaults); off: 256 and 8,192 on every GPU (FIXED_BATCH_DEFAULTS)
+    vllm_batch_defaults: bool = True
+    # set by EngineConfig: which of max_num_seqs and max_num_batched_tokens it defaulted (a config
+    # derived from this one with other options re-derives them: EngineConfig.given_options)
+    defaulted_batch_options: tuple[str, ...] = ()
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -251,11 +261,11 @@ class SchedulerConfig:
                               f"got '{self.preemption_mode}'")
         if self.max_num_admissions_per_step is not None and self.max_num_admissions_per_step < 1:
             raise ConfigError(f"max_num_admissions_per_step must be >= 1, got {self.max_num_admissions_per_step}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_scheduled_tokens is not None and self.max_num_scheduled_tokens < 1:
             raise ConfigError(f"max_num_scheduled_tokens must be >= 1, got {self.max_num_scheduled_tokens}")
-        if self.max_num_active_seqs is not None and not 1 <= self.max_num_active_seqs <= self.max_num_seqs:
+        if self.max_num_active_seqs is not None and not 1 <= self.max_num_active_seqs <= (self.max_num_seqs or 1 << 62):
             raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be >= 1 and cannot be greater "
                               f"than max_num_seqs ({self.max_num_seqs})")
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -263,7 +273,7 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefill_schedule_interval < 1:
             raise ConfigError(f"prefill_schedule_interval must be >= 1, got {self.prefill_schedule_interval}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got '{self.scheduling_policy}'")
@@ -730,6 +740,17 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self) -> None:
+        sc = self.scheduler
+        if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:  # (the defaults, on this GPU)
+            if sc.vllm_batch_defaults:
+                tokens, seqs = vllm_batch_defaults(self.hardware.gpu, self.max_model_len, sc.enable_chunked_prefill,
+                                                   sc.max_num_seqs, sc.max_num_batched_tokens)
+            else:
+                tokens, seqs = (sc.max_num_batched_tokens or FIXED_BATCH_DEFAULTS[0],
+                                sc.max_num_seqs or FIXED_BATCH_DEFAULTS[1])
+            defaulted = tuple(name for name in ("max_num_seqs", "max_num_batched_tokens") if getattr(sc, name) is None)
+            object.__setattr__(self, "scheduler", dataclasses.replace(
+                sc, max_num_seqs=seqs, max_num_batched_tokens=tokens, defaulted_batch_options=defaulted))
         self.scheduler.verify_max_model_len(self.max_model_len)
         if self.scheduler.prefill_schedule_interval > 1:
             self._verify_prefill_interval()
@@ -1160,8 +1181,9 @@ class EngineConfig:
             del out["max_num_active_seqs"]
         if self.scheduler.max_num_scheduled_tokens is None:  # (likewise)
             del out["max_num_scheduled_tokens"]
-        if not self.scheduler.vllm_batch_defaults:  # (likewise)
+        if self.scheduler.vllm_batch_defaults:  # (the default; the values in force are written beside it)
             del out["vllm_batch_defaults"]
+        del out["defaulted_batch_options"]
         if self.scheduler.prefill_schedule_interval == 1:
             del out["prefill_schedule_interval"]
         for key in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -1195,6 +1217,14 @@ class EngineConfig:
         out["max_model_len"] = self.max_model_len
         return out
 
+    def given_options(self) -> dict:
+        """to_dict() less the batch sizes defaulted for this GPU and max_model_len: a config built
+        from them with other options (a P/D pool's) defaults those again, as its own vLLM server would."""
+        out = self.to_dict()
+        for name in self.scheduler.defaulted_batch_options:
+            del out[name]
+        return out
+
     @classmethod
     def from_flat(cls, options: dict) -> "EngineConfig":
         """Build from a flat {option: value} mapping (CLI, --config files). Unknown keys raise."""
@@ -1203,18 +1233,10 @@ class EngineConfig:
         types = {f.name: f.type for klass in groups for f in fields(klass)}
         for key, value in options.items():
             norm = key.replace("-", "_")
-            if norm not in names:
+            if norm not in names or norm == "defaulted_batch_options":  # (EngineConfig's record, not an option)
                 raise ConfigError(f"unknown option '{key}'")
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
-        sched = groups[SchedulerConfig]
-        if sched.get("vllm_batch_defaults"):  # (vLLM 0.33's API-server defaults on this GPU, where not given)
-            hw = groups[HardwareConfig]
-            model = hw.get("model", _default(HardwareConfig, "model"))
-            mml = sched.get("max_model_len") or get_model_spec(model).max_position_embeddings
-            sched["max_num_batched_tokens"], sched["max_num_seqs"] = vllm_batch_defaults(
-                hw.get("gpu", _default(HardwareConfig, "gpu")), mml, sched.get("enable_chunked_prefill", True),
-                sched.get("max_num_seqs"), sched.get("max_num_batched_tokens"))
         if "block_size" not in groups[CacheConfig]:
             block_size = _backend_block_size(groups[HardwareConfig], groups[CacheConfig])
             if block_size is not None:
@@ -1226,10 +1248,6 @@ class EngineConfig:
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
                    AttentionConfig(**groups[AttentionConfig]))
-
-
-def _default(klass, name: str):
-    return next(f.default for f in fields(klass) if f.name == name)
 
 
 _KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention backends (FlashAttention, FlashInfer, Triton)

@@ -8,7 +8,7 @@ import click
 
 from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
 from simkv.cli.replay_cmd import ByteCount, build_config
-from simkv.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig, vllm_batch_defaults
+from simkv.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig
 
 
 def capacity_report(config: EngineConfig) -> dict:
@@ -18,7 +18,6 @@ def capacity_report(config: EngineConfig) -> dict:
     tp = config.hardware.tensor_parallel_size
     dp = config.hardware.data_parallel_size
     mml = config.max_model_len
-    defaults = vllm_batch_defaults(config.hardware.gpu, mml, config.scheduler.enable_chunked_prefill)
     model_per_token = kv_bytes_per_token(config, 1)
     draft = config.draft_network
     cap = compute_capacity(config)
@@ -113,9 +112,9 @@ def capacity_report(config: EngineConfig) -> dict:
         "kv_cache_tokens": cap.kv_cache_tokens,
         "max_concurrency": cap.max_concurrency,
         "startup_lines": cap.startup_lines(),
-        # (what vLLM 0.33's API server takes on this GPU when neither is given; simkv's defaults are 256 and 8,192)
-        "vllm_default_max_num_seqs": defaults[1],
-        "vllm_default_max_num_batched_tokens": defaults[0],
+        # (in force: given, or vLLM 0.33's API-server defaults on this GPU)
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
     } | extra
 
 
@@ -143,8 +142,7 @@ def print_report(rep: dict) -> None:
         (f"KV per {rep['max_model_len']:,}-token request (all GPUs)", _bytes(rep["kv_bytes_per_request"])),
         (f"KV per {rep['max_model_len']:,}-token request per GPU", _bytes(rep["kv_bytes_per_request_per_gpu"])),
         ("bytes per block per GPU", f"{rep['block_bytes_per_gpu']:,} B"),
-        ("vLLM's default max_num_seqs / max_num_batched_tokens here",
-         f"{rep['vllm_default_max_num_seqs']:,} / {rep['vllm_default_max_num_batched_tokens']:,}"),
+        ("max_num_seqs / max_num_batched_tokens", f"{rep['max_num_seqs']:,} / {rep['max_num_batched_tokens']:,}"),
         ("weights per GPU" + (f" ({rep['quantization']})" if rep.get("quantization") else ""),
          _bytes(rep["weight_bytes_per_gpu"])),
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
@@ -242,7 +240,7 @@ def print_report(rep: dict) -> None:
               help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache, on Blackwell 32]")
 @click.option("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None, help="[default: derived from GPU memory]")
 @click.option("--max-num-batched-tokens", type=int, default=None,
-              help="Sizes the activation reserve [default: 8192]")
+              help="Sizes the activation reserve [default: vLLM 0.33's on the GPU]")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
               help="A model with linear-attention layers is modelled without (vLLM's mamba_cache_mode 'none') "
                    "[default: on]")

@@ -128,26 +128,6 @@ def load_config_file(path: str) -> dict:
 FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation")  # --config keys that are not engine options
 
 
-def _vllm_defaults_note(config: EngineConfig, given: dict) -> str | None:
-    """A note when the replay ran on simkv's default max_num_seqs or max_num_batched_tokens where
-    vLLM 0.33's API server would default to others on this GPU (config.vllm_batch_defaults)."""
-    from simkv.config import vllm_batch_defaults
-
-    sc = config.scheduler
-    if sc.vllm_batch_defaults:
-        return None
-    tokens, seqs = vllm_batch_defaults(config.hardware.gpu, config.max_model_len, sc.enable_chunked_prefill)
-    differ = [(name, ours, theirs) for name, ours, theirs in (("max_num_seqs", sc.max_num_seqs, seqs),
-                                                              ("max_num_batched_tokens", sc.max_num_batched_tokens, tokens))
-              if name not in given and ours != theirs]
-    if not differ:
-        return None
-    flags = "--vllm-batch-defaults (" + " ".join(f"--{name.replace('_', '-')} {theirs}" for name, _, theirs in differ) + ")"
-    return (f"note: vLLM 0.33's API server on {config.hardware.gpu} defaults to "
-            + ", ".join(f"{name} {theirs:,}" for name, _, theirs in differ) + "; this replay used simkv's "
-            + ", ".join(f"{ours:,}" for _, ours, _ in differ) + f": pass {flags} to replay vLLM's defaults")
-
-
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
     """Engine options from --config, then the flags (vLLM's names, underscores)."""
     options = load_config_file(config_file) if config_file else {}
@@ -291,7 +271,8 @@ _ENGINE_OPTIONS = [
     click.option("--kv-cache-memory-bytes", "--kv-cache-memory", type=ByteCount(), default=None, metavar="BYTES",
                  help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), instead of what "
                       "--gpu-memory-utilization leaves [default: derived from GPU memory]"),
-    click.option("--max-num-seqs", type=int, default=None, help="[default: 256]"),
+    click.option("--max-num-seqs", type=int, default=None,
+                 help="[default: vLLM 0.33's API server's on the GPU: 1,024 from 70 GiB (not A100s), else 256]"),
     click.option("--max-num-active-seqs", type=int, default=None,
                  help="vLLM's --max-num-active-seqs: requests admitted into RUNNING, below max-num-seqs (which "
                       "still sizes the model runner) [default: max-num-seqs]"),
@@ -304,11 +285,12 @@ _ENGINE_OPTIONS = [
     click.option("--max-num-queued-tokens", type=int, default=None,
                  help="vLLM's --max-num-queued-tokens: refuse a request when the prompts of requests without a "
                       "token yet reach this many tokens (a TTFT guard) [default: no limit]"),
-    click.option("--max-num-batched-tokens", type=int, default=None, help="[default: 8192]"),
-    click.option("--vllm-batch-defaults", is_flag=True, default=None,
-                 help="max_num_seqs and max_num_batched_tokens, where not given, as vLLM 0.33's API server takes "
-                      "them on the GPU (1,024 sequences on an H100, 16,384 tokens on a B200, 2,048 on an L40S) "
-                      "[default: simkv's 256 and 8,192]"),
+    click.option("--max-num-batched-tokens", type=int, default=None,
+                 help="[default: vLLM 0.33's API server's on the GPU: 16,384 from 160 GiB, 8,192 from 70 GiB "
+                      "(not A100s), else 2,048; without chunked prefill at least max-model-len]"),
+    click.option("--vllm-batch-defaults/--no-vllm-batch-defaults", default=None,
+                 help="Off: max-num-seqs 256 and max-num-batched-tokens 8,192 on every GPU where not given "
+                      "(simkv's defaults before it took vLLM's) [default: on]"),
     click.option("--max-num-scheduled-tokens", type=int, default=None,
                  help="vLLM's: the tokens a step may schedule, where --max-num-batched-tokens stays the batch's rows "
                       "(the scheduled tokens and a draft model's drafting slots) [default: max-num-batched-tokens]"),
@@ -549,9 +531,6 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                    f"max_num_batched_tokens = {sc.max_num_batched_tokens:,}: at most {config.max_num_active:,} "
                    "requests run at once (vLLM lowers max_num_active_seqs likewise; raise max_num_batched_tokens "
                    "for more)", err=True)
-    note = _vllm_defaults_note(config, flat_options(flags, config_file))
-    if note:
-        click.echo(note, err=True)
     if config.scheduler.async_scheduling and cost_model != "unit" and not _splits_host_time(cost_model, config):
         click.echo(f"warning: --cost-model {cost_model} gives whole step times: async scheduling changes when "
                    "requests are scheduled and freed, but no host time is overlapped with the device "

@@ -95,7 +95,7 @@ class DisaggregationSpec:
                               "with --prefill-set")
         for pool, options in (("prefill", self.prefill_options), ("decode", self.decode_options)):
             try:
-                config = EngineConfig.from_flat(base.to_dict() | dict(options))
+                config = EngineConfig.from_flat(base.given_options() | dict(options))
             except (ConfigError, TypeError, ValueError) as exc:
                 raise ConfigError(f"{pool} pool: {exc}") from None
             _check_pool(pool, config)

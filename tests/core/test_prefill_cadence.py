@@ -138,7 +138,7 @@ def test_decode_runs_change_no_bytes(options, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"max_num_active_seqs": 300}, r"max_num_active_seqs \(300\) must be >= 1 and cannot be greater than max_num_seqs"),
+    ({"max_num_active_seqs": 2000}, r"max_num_active_seqs \(2000\) must be >= 1 and cannot be greater than max_num_seqs"),
     ({"prefill_schedule_interval": 0}, "prefill_schedule_interval must be >= 1"),
     ({"prefill_schedule_interval": 2, "parallel_sampling": "fork"}, "forked parallel sampling"),
 ])

@@ -197,6 +197,9 @@ def test_decode_runs_change_no_bytes_with_timeouts_and_retries(overloaded, tmp_p
     assert res.summary["num_finished"] + client["timed_out_requests"] == 2000
 
 
+# the overload scenarios below hold 256 sequences (vLLM's default on GPUs under 70 GiB), so that
+# the queue, not the batch, keeps requests past their clients' deadlines
+_QUEUED = dict(max_num_seqs=256)
 _EAGLE = dict(speculative_method="eagle3", num_speculative_tokens=3, spec_position_acceptance_rates="0.8,0.6,0.45")
 
 
@@ -208,7 +211,7 @@ def test_speculative_decoding_with_clients_that_give_up(overloaded, async_schedu
     cases); here every attempt is accounted for, no block stays in use, drafts still cut TPOT, and
     a one-replica fleet replays as one engine."""
     options = dict(client_ttft_timeout_s=10.0, client_timeout_s=20.25, client_max_retries=2,
-                   async_scheduling=async_scheduling) | _EAGLE
+                   async_scheduling=async_scheduling) | _EAGLE | _QUEUED
     one, _ = _one_replica_fleet_as_one_engine(read_trace(overloaded), options)
     s, req = one.summary, one.requests
     client = s["client"]
@@ -321,7 +324,7 @@ def test_fleet_decode_runs_change_no_bytes_with_retries(overloaded, router, asyn
     frame["arrival_time_s"] /= 3
     trace = trace_from_frame(frame, "fast")
     config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=60.25, client_max_retries=2,
-                                         async_scheduling=async_scheduling))
+                                         async_scheduling=async_scheduling) | _QUEUED)
     runs = [replay(trace, config, fleet=FleetSpec(3, router), use_decode_runs=flag) for flag in (True, False)]
     pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
     for key in runs[0].steps:
@@ -341,7 +344,7 @@ def test_data_parallel_ranks_abort_and_their_balancer_routes_the_retries(async_s
     frame["arrival_time_s"] *= 0.002
     trace = trace_from_frame(frame, "burst")
     config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, client_ttft_timeout_s=10.0,
-                                         client_max_retries=2, async_scheduling=async_scheduling))
+                                         client_max_retries=2, async_scheduling=async_scheduling) | _QUEUED)
     res = replay(trace, config)
     client = res.summary["client"]
     assert client["retries"] > 300 and client["attempts"] == int(res.requests["attempts"].sum())
@@ -412,7 +415,8 @@ def test_decode_runs_change_no_bytes_with_paced_sessions_and_retries(tmp_path) -
     from simkv.traces.synth_sessions import SessionShape, multi_turn
 
     trace = multi_turn(SessionShape(sessions=1200, turns=4), seed=3, arrival=ArrivalProcess("poisson", 30.0))
-    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2))
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2)
+                                    | _QUEUED)
     res = assert_decode_runs_change_no_bytes(trace, config, tmp_path)
     client = res.summary["client"]
     assert client["retries"] > 100 and client["abandoned_turns"] > 100
@@ -440,7 +444,8 @@ def test_a_one_replica_fleet_paces_conversations_as_one_engine(async_scheduling)
     """The router's session pacing, its routed retries and its ended conversations against one
     engine's, past capacity: every request's values equal."""
     one, routing = _one_replica_fleet_as_one_engine(_conversations(1200, 30.0), dict(
-        client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2, async_scheduling=async_scheduling))
+        client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2, async_scheduling=async_scheduling)
+        | _QUEUED)
     assert one.summary["client"]["abandoned_turns"] == len(routing.clients.abandoned) > 100
 
 
@@ -448,7 +453,8 @@ def test_fleet_decode_runs_change_no_bytes_with_paced_conversations() -> None:
     """Three replicas, conversations at 90 a second: decode runs stop before any turn or retry
     some replica could release, so jumping over them changes nothing."""
     trace = _conversations(3600, 90.0)
-    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2))
+    config = EngineConfig.from_flat(dict(client_ttft_timeout_s=10.0, client_timeout_s=40.25, client_max_retries=2)
+                                    | _QUEUED)
     fleet = FleetSpec(3, "least_outstanding")
     runs = [replay(trace, config, fleet=fleet, use_decode_runs=flag) for flag in (True, False)]
     pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
@@ -465,7 +471,7 @@ def test_data_parallel_ranks_pace_conversations_with_clients_that_give_up() -> N
     trace = multi_turn(SessionShape(sessions=3000, turns=4, think_time_s=1.0), seed=3,
                        arrival=ArrivalProcess("poisson", 3000.0))
     config = EngineConfig.from_flat(dict(model="deepseek-v2-lite", data_parallel_size=2, client_ttft_timeout_s=10.0,
-                                         client_max_retries=2))
+                                         client_max_retries=2) | _QUEUED)
     res = replay(trace, config)
     client = res.summary["client"]
     assert client["retries"] > 500 and client["abandoned_turns"] > 50

@@ -157,8 +157,12 @@ def test_pool_options_and_bad_setups():
     spec = DisaggregationSpec(1, 1, prefill_options=(("max_num_batched_tokens", 4096),),
                               decode_options=(("max_num_seqs", 64),))
     prefill, decode = spec.pool_configs(config())
-    assert (prefill.scheduler.max_num_batched_tokens, prefill.scheduler.max_num_seqs) == (4096, 256)
+    # (max_num_seqs defaulted again for each pool, as each pool's vLLM server does: 1,024 on an H100,
+    # at most the pool's token budget)
+    assert (prefill.scheduler.max_num_batched_tokens, prefill.scheduler.max_num_seqs) == (4096, 1024)
     assert (decode.scheduler.max_num_batched_tokens, decode.scheduler.max_num_seqs) == (512, 64)
+    small = DisaggregationSpec(1, 1, decode_options=(("max_num_batched_tokens", 128),)).pool_configs(config())[1]
+    assert (small.scheduler.max_num_batched_tokens, small.scheduler.max_num_seqs) == (128, 128)
     with pytest.raises(ConfigError, match="decode pool: unknown option 'max_seqs'"):
         DisaggregationSpec(1, 1, decode_options=(("max_seqs", 4),)).pool_configs(config())
     with pytest.raises(ConfigError, match="max_model_len differ"):

@@ -229,32 +229,50 @@ def test_vllms_batch_defaults_adjustments():
     assert vllm_batch_defaults("L40S", 1, enable_chunked_prefill=True) == (256, 256)
 
 
-def test_replay_notes_where_simkvs_defaults_are_not_vllms(tmp_path):
-    """On an H100 vLLM 0.33 runs 1,024 sequences by default, simkv 256: the replay says so, and says
-    nothing once the option is given."""
+def test_replay_takes_vllms_batch_defaults_for_the_gpu(tmp_path):
+    """`simkv replay` runs vLLM 0.33's API-server defaults for its GPU unless given; off, 256 and
+    8,192 on every GPU (simkv's defaults before); summary.json records the values in force."""
     import pandas as pd
 
     trace = tmp_path / "t.csv"
     pd.DataFrame({"arrival_time_s": [0.0, 0.1], "prompt_tokens": [100, 200], "output_tokens": [5, 5]}).to_csv(trace, index=False)
-    runner = CliRunner()
-    noted = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / "a"), "--num-gpu-blocks", "1000"])
-    assert noted.exit_code == 0, noted.output
-    assert ("defaults to max_num_seqs 1,024; this replay used simkv's 256: pass --vllm-batch-defaults "
-            "(--max-num-seqs 1024)") in noted.output
-    for given in (["--max-num-seqs", "1024"], ["--vllm-batch-defaults"]):
-        quiet = runner.invoke(main, ["replay", str(trace), "--out", str(tmp_path / given[0]), "--num-gpu-blocks", "1000",
-                                     *given])
-        assert quiet.exit_code == 0 and "note: vLLM" not in quiet.output
+    runs = {"h100": [], "l40s": ["--gpu", "L40S"], "given": ["--gpu", "L40S", "--max-num-seqs", "128"],
+            "off": ["--gpu", "L40S", "--no-vllm-batch-defaults"]}
+    seen = {}
+    for name, flags in runs.items():
+        done = CliRunner().invoke(main, ["replay", str(trace), "--out", str(tmp_path / name), "--num-gpu-blocks",
+                                         "1000", *flags])
+        assert done.exit_code == 0, done.output
+        config = json.loads((tmp_path / name / "summary.json").read_text())["config"]
+        seen[name] = (config["max_num_seqs"], config["max_num_batched_tokens"], config.get("vllm_batch_defaults"))
+    assert seen == {"h100": (1024, 8192, None), "l40s": (256, 2048, None), "given": (128, 2048, None),
+                    "off": (256, 8192, False)}
 
 
 @pytest.mark.parametrize("options, seqs, tokens", [
     (dict(), 1024, 8192), (dict(gpu="B200"), 1024, 16384), (dict(gpu="L40S"), 256, 2048),
     (dict(gpu="B200", max_num_seqs=64), 64, 16384), (dict(max_num_batched_tokens=512), 512, 512),
-    (dict(enable_chunked_prefill=False, max_model_len=32768), 1024, 32768)])
+    (dict(enable_chunked_prefill=False, max_model_len=32768), 1024, 32768),
+    (dict(vllm_batch_defaults=False, gpu="B200"), 256, 8192),
+    (dict(vllm_batch_defaults=False, max_num_batched_tokens=512), 256, 512)])
 def test_vllm_batch_defaults_option(options, seqs, tokens):
-    """--vllm-batch-defaults: what is not given is vLLM 0.33's on the GPU (a given token budget caps
-    the defaulted sequences; without chunked prefill the defaulted budget covers max_model_len)."""
-    config = EngineConfig.from_flat(dict(vllm_batch_defaults=True) | options)
+    """What is not given is vLLM 0.33's on the GPU (a given token budget caps the defaulted
+    sequences; without chunked prefill the defaulted budget covers max_model_len); with
+    vllm_batch_defaults off, 256 and 8,192. A config read back from its own to_dict is the same."""
+    config = EngineConfig.from_flat(options)
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (seqs, tokens)
-    assert config.to_dict()["vllm_batch_defaults"] is True
-    assert "vllm_batch_defaults" not in EngineConfig.from_flat({}).to_dict()
+    assert config.to_dict().get("vllm_batch_defaults", True) is options.get("vllm_batch_defaults", True)
+    assert EngineConfig.from_flat(config.to_dict()).to_dict() == config.to_dict()
+    assert "defaulted_batch_options" not in config.to_dict()
+
+
+def test_a_derived_config_defaults_its_batch_again():
+    """given_options() leaves out the defaulted batch sizes, so that a P/D pool's own GPU or token
+    budget defaults them again; to_dict() keeps every value in force."""
+    base = EngineConfig.from_flat(dict(max_num_seqs=64))
+    assert base.scheduler.defaulted_batch_options == ("max_num_batched_tokens",)
+    assert "max_num_batched_tokens" not in base.given_options() and base.given_options()["max_num_seqs"] == 64
+    pool = EngineConfig.from_flat(base.given_options() | dict(gpu="B200"))
+    assert (pool.scheduler.max_num_seqs, pool.scheduler.max_num_batched_tokens) == (64, 16384)
+    with pytest.raises(ConfigError, match="unknown option 'defaulted_batch_options'"):
+        EngineConfig.from_flat(dict(defaulted_batch_options=()))

@@ -145,7 +145,7 @@ def test_config_file_and_unknown_option(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("async_scheduling: maybe\n", "option 'async_scheduling' must be true or false, got 'maybe'"),
-    ("max_num_seqs: 6.5\n", "option 'max_num_seqs' must be a whole number, got 6.5"),
+    ("max_num_seqs: 6.5\n", "option 'max_num_seqs' must be a whole number or null, got 6.5"),
     ("watermark: low\n", "option 'watermark' must be a number, got 'low'"),
     ("num_gpu_blocks: lots\n", "option 'num_gpu_blocks' must be a whole number or null, got 'lots'"),
 ])
