@@ -276,3 +276,15 @@ def test_a_derived_config_defaults_its_batch_again():
     assert (pool.scheduler.max_num_seqs, pool.scheduler.max_num_batched_tokens) == (64, 16384)
     with pytest.raises(ConfigError, match="unknown option 'defaulted_batch_options'"):
         EngineConfig.from_flat(dict(defaulted_batch_options=()))
+
+
+def test_capacity_shows_the_batch_in_force_and_its_activation_reserve():
+    """`simkv capacity` shows the batch sizes in force; vLLM's 2,048-token default on an L40S
+    leaves a smaller activation reserve, so more KV blocks, than 8,192 tokens
+    (--no-vllm-batch-defaults)."""
+    ours = json.loads(CliRunner().invoke(main, ["capacity", "--gpu", "L40S", "--json"]).output)
+    fixed = json.loads(CliRunner().invoke(main, ["capacity", "--gpu", "L40S", "--no-vllm-batch-defaults",
+                                                 "--json"]).output)
+    assert (ours["max_num_seqs"], ours["max_num_batched_tokens"]) == (256, 2048)
+    assert (fixed["max_num_seqs"], fixed["max_num_batched_tokens"]) == (256, 8192)
+    assert ours["num_gpu_blocks"] > fixed["num_gpu_blocks"]
