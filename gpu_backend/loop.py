@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = ["--model", args.model, "--num-gpu-blocks", str(blocks), *args.engine]
     if gpu_spec:
         engine += ["--gpu", gpu_spec]
-    if device == "cpu":
-        engine += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+    # the largest step calibrate measures (its defaults on CUDA; vLLM's 1,024 sequences on an H200
+    # would capture decode graphs for batches the calibration never ran)
+    batch = ("256", "32") if device == "cpu" else ("8192", "256")
+    engine += ["--max-num-batched-tokens", batch[0], "--max-num-seqs", batch[1]]
 
     # 1. the trace slice
     from simkv.traces.schema import read_trace, take_rows, write_trace
@@ -120,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     # warming up and capturing graphs (about a minute): the measured replay needs the rest
     calib_budget = round(min(args.calib_budget_s, max(30.0, 0.35 * (left() - 60))))
     cal_cmd = [*SIMKV, "calibrate", "--model", args.model, "--device", device, "--out", str(calib), "--quiet",
-               "--budget-s", str(calib_budget), *graphs]
-    if device == "cpu":
-        cal_cmd += ["--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
+               "--budget-s", str(calib_budget), *graphs, "--max-num-batched-tokens", batch[0], "--max-num-seqs", batch[1]]
     if args.interleaved:
         ok_meas = ok_cal = _run("replay_gpu", [*SIMKV, "replay", str(slice_path), "--backend", "gpu", "--device", device,
                                                *engine, *graphs, "--out", str(out / "measured"), "--calibrate-alongside",
