@@ -111,13 +111,15 @@ class CacheConfig:
 
 
 def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True,
-                        max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> tuple[int, int]:
+                        max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                        performance_mode: str = "balanced") -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) as vLLM 0.33's API server takes them on this GPU, the
     ones not given defaulted (EngineArgs.get_batch_defaults and its adjustments): 16,384 and 1,024
-    with at least 160 GiB, 8,192 and 1,024 with at least 70 GiB (not an A100), else 2,048 and 256;
-    a defaulted token budget is at least max_model_len without chunked prefill and at most
-    max_num_seqs x max_model_len, defaulted sequences at most the tokens. simkv's defaults, unless
-    `vllm_batch_defaults` is off (then FIXED_BATCH_DEFAULTS)."""
+    with at least 160 GiB, 8,192 and 1,024 with at least 70 GiB (not an A100), else 2,048 and 256,
+    each doubled in the throughput performance mode; a defaulted token budget is at least
+    max_model_len without chunked prefill and at most max_num_seqs x max_model_len, defaulted
+    sequences at most the tokens. simkv's defaults, unless `vllm_batch_defaults` is off (then
+    FIXED_BATCH_DEFAULTS)."""
     spec = get_gpu_spec(gpu)
     if spec.memory_gib >= 160:
         tokens, seqs = 16384, 1024
@@ -125,6 +127,8 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
         tokens, seqs = 8192, 1024
     else:
         tokens, seqs = 2048, 256
+    scale = PERFORMANCE_MODE_BATCH_SCALE[performance_mode]
+    tokens, seqs = tokens * scale, seqs * scale
     seqs = seqs if max_num_seqs is None else max_num_seqs
     if max_num_batched_tokens is None:
         if not enable_chunked_prefill:
@@ -138,6 +142,10 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
 # simkv's fixed defaults before it took vLLM 0.33's (vllm_batch_defaults off): vLLM V0's 256
 # sequences and V1's 8,192-token API-server budget on an H100, on every GPU
 FIXED_BATCH_DEFAULTS = (8192, 256)
+
+# vLLM's --performance-mode: 'throughput' doubles the batch defaults (those not given); its other
+# effects (CUDA-graph sizes, kernel choices; 'interactivity' has only those) are not the scheduler's
+PERFORMANCE_MODE_BATCH_SCALE = {"balanced": 1, "throughput": 2}
 
 
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
@@ -163,6 +171,9 @@ class SchedulerConfig:
     # max_num_seqs and max_num_batched_tokens, where not given, as vLLM 0.33's API server takes them on
     # the GPU (vllm_batch_defaults); off: 256 and 8,192 on every GPU (FIXED_BATCH_DEFAULTS)
     vllm_batch_defaults: bool = True
+    # vLLM's --performance-mode: 'throughput' doubles max_num_seqs and max_num_batched_tokens where
+    # not given (on either kind of defaults)
+    performance_mode: str = "balanced"
     # set by EngineConfig: which of max_num_seqs and max_num_batched_tokens it defaulted (a config
     # derived from this one with other options re-derives them: EngineConfig.given_options)
     defaulted_batch_options: tuple[str, ...] = ()
@@ -252,6 +263,10 @@ class SchedulerConfig:
             raise ConfigError(f"admission_order must be 'after_running' or 'before_running', got '{self.admission_order}'")
         if self.preemption_victim not in ("newest", "requester"):
             raise ConfigError(f"preemption_victim must be 'newest' or 'requester', got '{self.preemption_victim}'")
+        if self.performance_mode not in PERFORMANCE_MODE_BATCH_SCALE:
+            raise ConfigError(f"performance_mode must be 'balanced' or 'throughput', got '{self.performance_mode}'"
+                              + (" (vLLM's 'interactivity' changes CUDA-graph sizes and kernels, not the "
+                                 "scheduler: replay it as 'balanced')" if self.performance_mode == "interactivity" else ""))
         if self.parallel_sampling not in ("fan_out", "fork"):
             raise ConfigError(f"parallel_sampling must be 'fan_out' or 'fork', got '{self.parallel_sampling}'")
         if self.preemption_mode not in ("recompute", "restart", "swap"):
@@ -744,10 +759,11 @@ class EngineConfig:
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:  # (the defaults, on this GPU)
             if sc.vllm_batch_defaults:
                 tokens, seqs = vllm_batch_defaults(self.hardware.gpu, self.max_model_len, sc.enable_chunked_prefill,
-                                                   sc.max_num_seqs, sc.max_num_batched_tokens)
+                                                   sc.max_num_seqs, sc.max_num_batched_tokens, sc.performance_mode)
             else:
-                tokens, seqs = (sc.max_num_batched_tokens or FIXED_BATCH_DEFAULTS[0],
-                                sc.max_num_seqs or FIXED_BATCH_DEFAULTS[1])
+                scale = PERFORMANCE_MODE_BATCH_SCALE[sc.performance_mode]
+                tokens, seqs = (sc.max_num_batched_tokens or FIXED_BATCH_DEFAULTS[0] * scale,
+                                sc.max_num_seqs or FIXED_BATCH_DEFAULTS[1] * scale)
             defaulted = tuple(name for name in ("max_num_seqs", "max_num_batched_tokens") if getattr(sc, name) is None)
             object.__setattr__(self, "scheduler", dataclasses.replace(
                 sc, max_num_seqs=seqs, max_num_batched_tokens=tokens, defaulted_batch_options=defaulted))
@@ -1183,6 +1199,8 @@ class EngineConfig:
             del out["max_num_scheduled_tokens"]
         if self.scheduler.vllm_batch_defaults:  # (the default; the values in force are written beside it)
             del out["vllm_batch_defaults"]
+        if self.scheduler.performance_mode == "balanced":  # (likewise)
+            del out["performance_mode"]
         del out["defaulted_batch_options"]
         if self.scheduler.prefill_schedule_interval == 1:
             del out["prefill_schedule_interval"]

@@ -243,6 +243,9 @@ def print_report(rep: dict) -> None:
               help="Sizes the activation reserve [default: vLLM 0.33's on the GPU]")
 @click.option("--vllm-batch-defaults/--no-vllm-batch-defaults", default=None,
               help="Off: max_num_seqs 256 and max_num_batched_tokens 8,192 where not given [default: on]")
+@click.option("--performance-mode", type=click.Choice(["balanced", "throughput"]), default=None,
+              help="vLLM's: 'throughput' doubles max_num_seqs and max_num_batched_tokens where not given "
+                   "[default: balanced]")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
               help="A model with linear-attention layers is modelled without (vLLM's mamba_cache_mode 'none') "
                    "[default: on]")

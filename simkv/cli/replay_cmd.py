@@ -23,6 +23,7 @@ _ENGINE_FLAGS = {
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "vllm_batch_defaults": "vllm_batch_defaults",
+    "performance_mode": "performance_mode",
     "max_num_active_seqs": "max_num_active_seqs", "prefill_schedule_interval": "prefill_schedule_interval",
     "max_num_queued_reqs": "max_num_queued_reqs", "max_num_queued_tokens": "max_num_queued_tokens",
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
@@ -291,6 +292,10 @@ _ENGINE_OPTIONS = [
     click.option("--vllm-batch-defaults/--no-vllm-batch-defaults", default=None,
                  help="Off: max-num-seqs 256 and max-num-batched-tokens 8,192 on every GPU where not given "
                       "(simkv's defaults before it took vLLM's) [default: on]"),
+    click.option("--performance-mode", type=click.Choice(["balanced", "throughput"]), default=None,
+                 help="vLLM's: 'throughput' doubles max-num-seqs and max-num-batched-tokens where not given "
+                      "(its CUDA-graph and kernel choices, and 'interactivity', are not the scheduler's) "
+                      "[default: balanced]"),
     click.option("--max-num-scheduled-tokens", type=int, default=None,
                  help="vLLM's: the tokens a step may schedule, where --max-num-batched-tokens stays the batch's rows "
                       "(the scheduled tokens and a draft model's drafting slots) [default: max-num-batched-tokens]"),

@@ -254,14 +254,20 @@ def test_replay_takes_vllms_batch_defaults_for_the_gpu(tmp_path):
     (dict(gpu="B200", max_num_seqs=64), 64, 16384), (dict(max_num_batched_tokens=512), 512, 512),
     (dict(enable_chunked_prefill=False, max_model_len=32768), 1024, 32768),
     (dict(vllm_batch_defaults=False, gpu="B200"), 256, 8192),
-    (dict(vllm_batch_defaults=False, max_num_batched_tokens=512), 256, 512)])
+    (dict(vllm_batch_defaults=False, max_num_batched_tokens=512), 256, 512),
+    (dict(performance_mode="throughput"), 2048, 16384), (dict(performance_mode="throughput", gpu="L40S"), 512, 4096),
+    (dict(performance_mode="throughput", max_num_seqs=100), 100, 16384),
+    (dict(performance_mode="throughput", enable_chunked_prefill=False, max_model_len=8192), 2048, 16384),
+    (dict(performance_mode="throughput", vllm_batch_defaults=False), 512, 16384)])
 def test_vllm_batch_defaults_option(options, seqs, tokens):
     """What is not given is vLLM 0.33's on the GPU (a given token budget caps the defaulted
     sequences; without chunked prefill the defaulted budget covers max_model_len); with
-    vllm_batch_defaults off, 256 and 8,192. A config read back from its own to_dict is the same."""
+    vllm_batch_defaults off, 256 and 8,192; the throughput performance mode doubles what is
+    defaulted, before the budget covers max_model_len, as vLLM does. A config read back from its own to_dict is the same."""
     config = EngineConfig.from_flat(options)
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (seqs, tokens)
     assert config.to_dict().get("vllm_batch_defaults", True) is options.get("vllm_batch_defaults", True)
+    assert config.to_dict().get("performance_mode", "balanced") == options.get("performance_mode", "balanced")
     assert EngineConfig.from_flat(config.to_dict()).to_dict() == config.to_dict()
     assert "defaulted_batch_options" not in config.to_dict()
 
@@ -288,3 +294,12 @@ def test_capacity_shows_the_batch_in_force_and_its_activation_reserve():
     assert (ours["max_num_seqs"], ours["max_num_batched_tokens"]) == (256, 2048)
     assert (fixed["max_num_seqs"], fixed["max_num_batched_tokens"]) == (256, 8192)
     assert ours["num_gpu_blocks"] > fixed["num_gpu_blocks"]
+
+
+def test_performance_mode_takes_vllms_names_and_refuses_interactivity():
+    """`--performance-mode throughput` reaches the replay's config; 'interactivity' (vLLM's, which
+    changes only CUDA graphs and kernels) is refused with the reason, not replayed as something else."""
+    with pytest.raises(ConfigError, match="interactivity.*not the scheduler"):
+        EngineConfig.from_flat(dict(performance_mode="interactivity"))
+    shown = json.loads(CliRunner().invoke(main, ["capacity", "--performance-mode", "throughput", "--json"]).output)
+    assert (shown["max_num_seqs"], shown["max_num_batched_tokens"]) == (2048, 16384)
