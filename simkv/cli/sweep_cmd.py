@@ -100,7 +100,9 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
             raise click.ClickException(str(exc)) from None
     out = Path(out_dir)
     if not quiet:
-        click.echo(f"{result.num_cells} cells: {result.num_resumed} already done, {result.num_run} run, "
+        again = (f" ({result.num_stale} of them again: made by an earlier simkv with other options in force)"
+                 if result.num_stale else "")
+        click.echo(f"{result.num_cells} cells: {result.num_resumed} already done, {result.num_run} run{again}, "
                    f"{len(result.failed)} failed ({result.wall_time_s:.1f} s). "
                    f"Wrote {out / 'sweep.parquet'}, {out / 'sweep.md'}, {out / 'plots.html'}")
     if result.failed:

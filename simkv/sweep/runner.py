@@ -25,6 +25,7 @@ class SweepResult:
     failed: list[dict]  # rows of failed cells
     wall_time_s: float
     out_dir: Path
+    num_stale: int = 0  # finished by an earlier simkv with other options in force: run again
 
 
 def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, executor: str = "local",
@@ -40,8 +41,11 @@ def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, exe
     t0 = time.perf_counter()
     specs = {c.cell_id: c.task() for c in cells}
     outcomes: dict[str, dict] = {}
+    stale = 0
     for cell in cells:
         summary = store.load_finished(out, cell.cell_id)
+        if summary is not None and not _made_with(summary, cell):
+            summary, stale = None, stale + 1
         if summary is not None:
             outcomes[cell.cell_id] = {"cell_id": cell.cell_id, "status": "ok", "summary": summary}
     resumed = len(outcomes)
@@ -65,7 +69,26 @@ def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, exe
     rows = build_rows(cells, outcomes, swept_keys)
     write_table(out, rows, swept_keys)
     return SweepResult(rows, len(cells), resumed, len(todo), [r for r in rows if r["status"] != "ok"],
-                       time.perf_counter() - t0, out)
+                       time.perf_counter() - t0, out, stale)
+
+
+def _made_with(summary: dict, cell: Cell) -> bool:
+    """Whether a finished cell's summary was made with the engine options this simkv puts in force
+    for the cell. The cell id hashes the options given, so a summary from an older simkv whose
+    defaults differed (batch sizes before 2026-12-06, say) has the same id: such a cell is run
+    again. P/D cells, whose pools derive their own options, and cells whose options no longer
+    build are taken as they are (the latter fail when run)."""
+    from simkv.config import ConfigError, EngineConfig
+    from simkv.sweep.grid import PD_KEYS
+
+    if any(k in PD_KEYS for k, _ in cell.fleet):
+        return True
+    try:
+        expected = EngineConfig.from_flat(dict(cell.options)).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return True
+    made = summary.get("config") or {}
+    return all(made[k] == v for k, v in expected.items() if k in made and k != "num_gpu_blocks")
 
 
 def _write_manifest(out: Path, cells: list[Cell], swept_keys: list[str]) -> None:

@@ -145,6 +145,25 @@ def test_resume_skips_finished_cells(local_sweep, tmp_path):
     assert not list(out.rglob("*.tmp"))
 
 
+def test_a_cell_made_with_other_options_in_force_is_run_again(local_sweep, tmp_path):
+    """A summary whose cell id matches but whose options in force differ (an older simkv's
+    defaults: 256 sequences before 2026-12-06) is not resumed: the cell runs again, and the
+    sweep's outputs are those of a fresh run."""
+    out = tmp_path / "sweep"
+    shutil.copytree(local_sweep, out)
+    old = sorted(out.glob("cells/*/summary.json"))[2]
+    summary = json.loads(old.read_text())
+    assert summary["config"]["max_num_seqs"] == 1024
+    summary["config"]["max_num_seqs"], summary["num_steps"] = 256, -1
+    old.write_text(json.dumps(summary))
+    res = CliRunner().invoke(main, ["sweep", TRACE, *GRID, *FIXED, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "8 already done, 1 run (1 of them again: made by an earlier simkv" in res.output
+    assert json.loads(old.read_text())["config"]["max_num_seqs"] == 1024
+    for name in OUTPUTS:
+        assert (out / name).read_bytes() == (local_sweep / name).read_bytes()
+
+
 def test_unreadable_summary_is_recomputed(local_sweep, tmp_path):
     out = tmp_path / "sweep"
     shutil.copytree(local_sweep, out)
