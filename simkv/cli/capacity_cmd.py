@@ -8,7 +8,7 @@ import click
 
 from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
 from simkv.cli.replay_cmd import ByteCount, build_config
-from simkv.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig
+from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
 
 def capacity_report(config: EngineConfig) -> dict:
@@ -243,7 +243,7 @@ def print_report(rep: dict) -> None:
               help="Sizes the activation reserve [default: vLLM 0.33's on the GPU]")
 @click.option("--vllm-batch-defaults/--no-vllm-batch-defaults", default=None,
               help="Off: max_num_seqs 256 and max_num_batched_tokens 8,192 where not given [default: on]")
-@click.option("--performance-mode", type=click.Choice(["balanced", "throughput"]), default=None,
+@click.option("--performance-mode", type=click.Choice(list(PERFORMANCE_MODE_BATCH_SCALE)), default=None,
               help="vLLM's: 'throughput' doubles max_num_seqs and max_num_batched_tokens where not given "
                    "[default: balanced]")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,

@@ -10,7 +10,7 @@ import click
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
-from simkv.config import KV_CACHE_DTYPES, SPEC_METHODS, ConfigError, EngineConfig
+from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
 from simkv.specs import get_model_spec, gpu_names
@@ -292,7 +292,7 @@ _ENGINE_OPTIONS = [
     click.option("--vllm-batch-defaults/--no-vllm-batch-defaults", default=None,
                  help="Off: max-num-seqs 256 and max-num-batched-tokens 8,192 on every GPU where not given "
                       "(simkv's defaults before it took vLLM's) [default: on]"),
-    click.option("--performance-mode", type=click.Choice(["balanced", "throughput"]), default=None,
+    click.option("--performance-mode", type=click.Choice(list(PERFORMANCE_MODE_BATCH_SCALE)), default=None,
                  help="vLLM's: 'throughput' doubles max-num-seqs and max-num-batched-tokens where not given "
                       "(its CUDA-graph and kernel choices, and 'interactivity', are not the scheduler's) "
                       "[default: balanced]"),

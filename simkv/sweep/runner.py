@@ -87,6 +87,7 @@ def _made_with(summary: dict, cell: Cell) -> bool:
         expected = EngineConfig.from_flat(dict(cell.options)).to_dict()
     except (ConfigError, TypeError, ValueError):
         return True
+    expected = json.loads(json.dumps(expected))  # (as summary.json holds it: a tuple reads back as a list)
     made = summary.get("config") or {}
     return all(made[k] == v for k, v in expected.items() if k in made and k != "num_gpu_blocks")
 
