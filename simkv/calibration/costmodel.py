@@ -142,7 +142,7 @@ class CalibratedCostModel:
     needs_request_detail = False
 
     def __init__(self, coefficients: dict, knee: float, info: dict | None = None, graph_sizes=(),
-                 noise_log_ratios=None, noise_seed: int = 0, piecewise_sizes=()) -> None:
+                 noise_log_ratios=None, noise_seed: int = 0, piecewise_sizes=(), fitted_range: dict | None = None) -> None:
         missing = [k for k in COEFFICIENTS if k not in coefficients and k not in OPTIONAL_COEFFICIENTS]
         if missing:
             raise CalibrationError(f"calibration fit lacks coefficients {missing}")
@@ -160,6 +160,7 @@ class CalibratedCostModel:
             self.cW = c["cW"] = 0.0
         self.coefficients = c
         self.info = info or {}
+        self.fitted_range = fitted_range  # the largest counts of the fitted steps (simkv.calibration.coverage)
         self.warnings: list[str] = []
         self.noise = None
         if noise_log_ratios is not None:
@@ -309,6 +310,21 @@ def step_noise_log_ratios(calib: dict) -> np.ndarray:
     return np.concatenate(out)
 
 
+def calibrated_range(calib: dict) -> dict | None:
+    """The fit's range (`simkv.calibration.coverage`); for a file written before fits recorded
+    it, that of its grid points when the fit was made on them alone (None: unknown)."""
+    fitted = calib["fit"].get("range")
+    if fitted is not None:
+        return {k: int(v) for k, v in fitted.items()}
+    rows = (calib.get("grid") or {}).get("measured") or []
+    if (not rows or (calib.get("source") or {}).get("measured_steps")
+            or not all(isinstance(row.get("features"), list) and len(row["features"]) == 5 for row in rows)):
+        return None
+    from simkv.calibration.coverage import fitted_range
+
+    return fitted_range([row["features"] for row in rows])
+
+
 STEP_NOISE = ("none", "empirical")
 
 
@@ -326,6 +342,6 @@ def cost_model_from_file(path: str | Path, model: str | None = None, gpu: str | 
     noise = step_noise_log_ratios(calib) if step_noise == "empirical" else None
     cm = CalibratedCostModel(fit["coefficients"], fit["knee"], info, graph_sizes=fit.get("graph_sizes", ()),
                              noise_log_ratios=noise, noise_seed=noise_seed,
-                             piecewise_sizes=fit.get("piecewise_sizes", ()))
+                             piecewise_sizes=fit.get("piecewise_sizes", ()), fitted_range=calibrated_range(calib))
     cm.warnings.extend(warnings)
     return cm

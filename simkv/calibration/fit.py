@@ -7,6 +7,7 @@ import numpy as np
 
 from simkv.calibration.costmodel import (COEFFICIENTS, FORM, CalibratedCostModel, design_matrix, effective_features,
                                          normalise_graph_sizes)
+from simkv.calibration.coverage import fitted_range
 
 
 def nnls(A: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
@@ -123,6 +124,7 @@ def fit_calibration(features: np.ndarray, y: np.ndarray, holdout_fraction: float
         "holdout_indices": [int(i) for i in np.flatnonzero(mask)],
         "train_fit": {"coefficients": {k: float(v) for k, v in zip(COEFFICIENTS, coef_tr)}, "knee": float(knee_tr)},
         "all_points": errors(pred_all, y),
+        "range": fitted_range(features),
     }
 
 

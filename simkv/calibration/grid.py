@@ -4,7 +4,8 @@ Four families, each a full factorial over two axes:
   decode   B decodes at context C                       (batch size x context length)
   ragged   B decodes with contexts spread evenly over [C/4, 7C/4] (mean C): a replay's
            decodes have every length, and a kernel may care about more than their sum
-  prefill  one chunk of n new tokens after c cached      (chunk size x cached context)
+  prefill  n new tokens after c cached                  (chunk size x cached context): one
+           chunk, or split evenly over the fewest sequences max_model_len allows
   mixed    k chunks of n tokens + B decodes at context C (the steps chunked prefill makes)
 Points beyond `max_num_batched_tokens` (a step never schedules more) or beyond the KV pool
 are dropped. Points are measured in a shuffled order with the corners first, so a run cut
@@ -27,12 +28,13 @@ PRESETS = {
         "prefill": {"chunk": [8, 16, 32, 64, 128, 256], "cached": [0, 64, 256]},
         "mixed": {"chunks": [1, 2], "chunk": [16, 64, 160], "batch": [2, 8, 16], "context": [64, 256]},
     },
-    # GPU / 7-8B models.
+    # GPU / 7-8B models, up to vLLM's batch defaults on a B200 (1,024 sequences, 16,384 tokens);
+    # a calibration's --max-num-seqs / --max-num-batched-tokens and its KV pool drop what is beyond.
     "default": {
-        "decode": {"batch": [1, 4, 16, 32, 64, 128, 256], "context": [128, 512, 1024, 2048, 4096]},
-        "ragged": {"batch": [16, 64, 256], "context": [512, 2048]},
-        "prefill": {"chunk": [16, 64, 256, 512, 1024, 2048, 4096, 8192], "cached": [0, 1024, 4096]},
-        "mixed": {"chunks": [1, 2], "chunk": [64, 512, 2048], "batch": [8, 32, 128], "context": [512, 2048]},
+        "decode": {"batch": [1, 4, 16, 32, 64, 128, 256, 512, 1024], "context": [128, 512, 1024, 2048, 4096]},
+        "ragged": {"batch": [16, 64, 256, 1024], "context": [512, 2048]},
+        "prefill": {"chunk": [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384], "cached": [0, 1024, 4096]},
+        "mixed": {"chunks": [1, 2], "chunk": [64, 512, 2048], "batch": [8, 32, 128, 512], "context": [512, 2048]},
     },
 }
 
@@ -80,6 +82,17 @@ def ragged_contexts(batch: int, context: int) -> list[int]:
     return [lo + (hi - lo) * i // (batch - 1) for i in range(batch)]
 
 
+def prefill_chunks(cached: int, new: int, max_model_len: int) -> list[tuple[int, int]]:
+    """`new` prefill tokens after `cached`: one chunk when a sequence can hold them, else split
+    evenly over the fewest sequences that can (each after `cached`), as a step of a full token
+    budget over shorter prompts is; one chunk (dropped as too long) when no sequence can."""
+    room = max_model_len - 1 - cached
+    if cached + new < max_model_len or room < 1:
+        return [(cached, new)]
+    k = -(-new // room)
+    return [(cached, new // k + (1 if i < new % k else 0)) for i in range(k)]
+
+
 def blocks_for(point: GridPoint, block_size: int) -> int:
     return (sum(-(-(c + n) // block_size) for c, n in point.prefills)
             + sum(-(-(ctx + 1) // block_size) for ctx in point.decodes))
@@ -100,7 +113,7 @@ def build_grid(preset: str | dict = "default", max_num_batched_tokens: int = 819
             points.append(GridPoint("ragged", [], ragged_contexts(b, c)))
     for n in p["chunk"]:
         for c in p["cached"]:
-            points.append(GridPoint("prefill", [(c, n)], []))
+            points.append(GridPoint("prefill", prefill_chunks(c, n, max_model_len), []))
     for k in m["chunks"]:
         for n in m["chunk"]:
             for b in m["batch"]:

@@ -21,8 +21,13 @@ from simkv.cli.model_option import ModelName
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed runs per grid point.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed runs per grid point (median kept).")
 @click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True, help="Largest step measured.")
-@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Largest step measured [default: as a replay on this GPU takes it (vLLM's API-server default: "
+                   "8,192 on an H100 or H200, 16,384 on a B200); 8,192 on cpu or an unknown GPU].")
+@click.option("--max-num-seqs", type=int, default=None,
+              help="Most sequences in a measured step [default: as a replay on this GPU takes it (1,024 on an H100, "
+                   "H200 or B200); 256 on cpu or an unknown GPU]. A replay with more running than were measured "
+                   "extrapolates the fit, and says so.")
 @click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True,
               help="Per-point value fitted: the median of the repeats, or their mean (closer to what a long replay sums on a noisy host).")
 @click.option("--holdout", type=float, default=0.2, show_default=True, help="Fraction of grid points held out.")
@@ -98,6 +103,7 @@ def calibrate_cmd(model, device, dtype, out_path, preset, budget_s, warmup, repe
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: torch sees no CUDA device")
     preset = preset or ("default" if device == "cuda" else "tiny")
+    max_num_batched_tokens, max_num_seqs = calibration_batch(device, model, max_num_batched_tokens, max_num_seqs)
     columns = [TextColumn("calibrating {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn()]
     with Progress(*columns, disable=quiet, transient=True) as progress:
@@ -214,3 +220,23 @@ def _from_bench(bench: str, sim_dir: str, trace_path: str | None, max_evals: int
                    f"{100 * a['e2e_median_abs_rel_error']:.1f} %; duration {100 * a['duration_s']:+.1f} %, "
                    f"TTFT p50 {100 * a['ttft_s.p50']:+.1f} %, ITL p50 {100 * a['itl_s.p50']:+.1f} %")
     click.echo(f"wrote {out_path} (simkv replay --cost-model {out_path}; check it on another slice with simkv compare)")
+
+
+def calibration_batch(device: str, model: str, max_num_batched_tokens: int | None,
+                      max_num_seqs: int | None) -> tuple[int, int]:
+    """The largest step a calibration measures: the options given, the others as a replay on the
+    device's GPU defaults them (`simkv.config.vllm_batch_defaults`), so that the grid reaches the
+    batches the replay will run; on cpu or a GPU simkv does not know, 8,192 tokens and 256 sequences."""
+    from simkv.config import FIXED_BATCH_DEFAULTS, vllm_batch_defaults
+    from simkv.specs import canonical_gpu, get_model_spec
+
+    gpu = None
+    if device.startswith("cuda"):
+        import torch
+
+        gpu = canonical_gpu(torch.cuda.get_device_name(0))
+    if gpu is None:
+        tokens, seqs = FIXED_BATCH_DEFAULTS
+        return max_num_batched_tokens or tokens, max_num_seqs or seqs
+    return vllm_batch_defaults(gpu, get_model_spec(model).max_position_embeddings,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)

@@ -20,7 +20,7 @@ import simpy
 
 from simkv.core.request import Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (admission_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
+from simkv.replay.results import (admission_summary, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
@@ -408,7 +408,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
                                               if reserved else 0.0)
     summary = {
         "backend": "sim",
-        "cost_model": replicas[0]["cost_model"],
+        "cost_model": cost_model_summary(backends[0], [run.steps.columns() for run in runs]),
         "config": replicas[0]["config"],
         "trace": str(trace.source),
         "num_requests": int(len(trace)),

@@ -16,6 +16,15 @@ def _fmt_dist(d: dict, scale: float = 1000.0) -> str:
     return f"{d['mean'] * scale:,.1f} / {d['p50'] * scale:,.1f} / {d['p99'] * scale:,.1f}"
 
 
+def _beyond_range(cost: dict) -> str:
+    """A calibrated cost model's steps beyond its calibrated range, as a suffix ('' if none)."""
+    cover = cost.get("calibrated_range") or {}
+    if not cover.get("steps_beyond"):
+        return ""
+    return (f" ({cover['steps_beyond']:,} steps, {100 * cover['share_of_time_beyond']:.1f} % of the time, "
+            "beyond the calibrated range)")
+
+
 def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None,
                   with_report: bool = False) -> None:
     console = console or Console()
@@ -34,7 +43,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     else:
         head = [("model / GPU / TP", f"{cfg['model']} / {cfg['gpu']} / {cfg['tensor_parallel_size']}"
                  + (f" x PP {cfg['pipeline_parallel_size']}" if cfg.get("pipeline_parallel_size", 1) > 1 else "")),
-                ("cost model", cost["cost_model"])]
+                ("cost model", cost["cost_model"] + _beyond_range(cost))]
         if cfg.get("data_parallel_size", 1) > 1:
             head.insert(1, ("data-parallel ranks", f"{cfg['data_parallel_size']} in lockstep, experts over all "
                                                    f"{cfg['data_parallel_size'] * cfg['tensor_parallel_size']} GPUs"))

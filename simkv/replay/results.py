@@ -148,7 +148,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
     stats = kv.prefix_cache_stats
     return {
         "backend": "sim",
-        "cost_model": backend.describe(),
+        "cost_model": cost_model_summary(backend, [steps]),
         "config": config.to_dict() | {"num_gpu_blocks": num_gpu_blocks},
         "trace": str(trace.source),
         "num_requests": int(len(trace)),
@@ -182,6 +182,20 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
     } | pipeline_summary(run, duration) | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
+
+
+def cost_model_summary(backend, step_columns: list[dict]) -> dict:
+    """The backend's description; for a calibrated cost model, with the replay's steps (of every
+    engine in `step_columns`) that lie beyond the calibrated range (`calibrated_range`)."""
+    out = backend.describe()
+    fitted = getattr(backend, "fitted_range", None)
+    if fitted is not None:
+        from simkv.calibration.coverage import range_coverage
+
+        merged = {k: np.concatenate([np.asarray(c[k]) for c in step_columns])
+                  for k in ("num_prefill_tokens", "num_decode_tokens", "decode_context_tokens", "duration_s")}
+        out["calibrated_range"] = range_coverage(fitted, merged)
+    return out
 
 
 def parallel_sampling_summary(config, trace, logs, ranks_per_row=None) -> dict:

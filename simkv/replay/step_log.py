@@ -12,8 +12,8 @@ from simkv.core.outputs import DecodeRun, SchedulerOutput
 from simkv.core.request import Request
 
 STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waiting",
-                "num_prefill_tokens", "num_decode_tokens", "num_blocks_used", "num_blocks_used_end",
-                "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
+                "num_prefill_tokens", "num_decode_tokens", "decode_context_tokens", "num_blocks_used",
+                "num_blocks_used_end", "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
                 "num_swapped", "num_swap_blocks")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 SPEC_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # steps and requests, under speculative decoding only
@@ -21,10 +21,10 @@ SPEC_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # steps and requests
 
 # One tuple per segment: its first step, its length, blocks used at its start and at its end,
 # its timing (start tick; step j lasts c0 + c1 * j ticks before step `cross`, d0 + d1 * j from
-# it on: simkv.clock.run_shape), then the per-step
+# it on: simkv.clock.run_shape), the decode context step j attends (k0 + k1 * j), then the per-step
 # values (counts that happen once per segment sit on its first or last row).
 _ROW_COLUMNS = ("first_step", "length", "blocks", "blocks_end", "start_tick", "c0", "c1", "cross", "d0", "d1",
-                "num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
+                "k0", "k1", "num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
                 "prefix_query_tokens", "prefix_hit_tokens", "num_finished", "num_swapped", "num_swap_blocks")
 
 
@@ -47,7 +47,7 @@ class StepLog:
         """One step, from tick `start`, lasting `duration` ticks. Its preemptions include those of
         schedule() calls that ran nothing before it (`out.earlier_preemptions`)."""
         self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end, start, duration, 0, 1, duration, 0,
-                           out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_tokens,
+                           out.decode_context_tokens, 0, out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_tokens,
                            len(out.preempted) + out.earlier_preemptions, out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
@@ -60,7 +60,7 @@ class StepLog:
         """A decode run from tick `start`, its step durations in `shape` (simkv.clock.run_shape);
         `run.earlier_preemptions` count on its first step."""
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
-                           start, *shape, run.num_running, run.num_waiting, 0, run.num_decodes, run.earlier_preemptions, 0, 0,
+                           start, *shape, run.first_context_tokens, run.context_per_step, run.num_running, run.num_waiting, 0, run.num_decodes, run.earlier_preemptions, 0, 0,
                            len(run.finished), run.num_swapped, 0))
         self._columns = None
         self._alloc_counts += run.allocation_counts
@@ -86,6 +86,7 @@ class StepLog:
         since_seg_start = before - np.repeat(np.append(before, 0)[seg_start_row], lengths)
         out["start_time_s"] = (np.repeat(seg["start_tick"], lengths) + since_seg_start) / TICKS_PER_SECOND
         out["duration_s"] = ticks / TICKS_PER_SECOND
+        out["decode_context_tokens"] = np.repeat(seg["k0"], lengths) + np.repeat(seg["k1"], lengths) * within
         for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
             out[c] = np.repeat(seg[c], lengths)
         allocs = np.cumsum(np.asarray(self._alloc_counts, dtype=np.int64))

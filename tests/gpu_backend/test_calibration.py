@@ -159,6 +159,42 @@ def test_grid_has_ragged_decode_points():
     assert ragged_contexts(1, 300) == [300] and ragged_contexts(3, 400) == [100, 400, 700]
 
 
+
+@pytest.mark.parametrize("name, given, expected", [
+    ("NVIDIA H200", (None, None), (8192, 1024)),
+    ("NVIDIA B200", (None, None), (16384, 1024)),
+    ("NVIDIA H100 80GB HBM3", (None, None), (8192, 1024)),
+    ("NVIDIA H100 80GB HBM3", (4096, 128), (4096, 128)),
+    ("Tesla T4", (None, None), (8192, 256)),  # a GPU simkv has no spec of
+])
+def test_calibration_reaches_the_batches_a_replay_on_the_gpu_runs(monkeypatch, name, given, expected):
+    """calibrate's defaults are a replay's on the same GPU (vLLM's), so the default grid measures
+    1,024-decode steps where a replay runs them; options given win."""
+    from simkv.cli.calibrate_cmd import calibration_batch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
+    assert calibration_batch("cuda", "llama-3-8b", *given) == expected
+    assert calibration_batch("cpu", "tiny-llama", None, None) == (8192, 256)
+    points, dropped = build_grid("default", *expected, 8192, None, 16, 0)
+    decode_batches = {len(p.decodes) for p in points if p.family == "decode"}
+    assert max(decode_batches) == expected[1] and max(p.tokens for p in points) == expected[0]
+    assert all(len(p.decodes) + len(p.prefills) <= expected[1] for p in points)
+
+
+def test_prefill_points_longer_than_the_model_are_split_over_sequences():
+    """A full token budget of prefill on a model whose max_model_len it reaches is measured as the
+    fewest even chunks each sequence can hold (as a full step over shorter prompts), not dropped."""
+    from simkv.calibration.grid import prefill_chunks
+
+    assert prefill_chunks(0, 4096, 8192) == [(0, 4096)]
+    assert prefill_chunks(0, 8192, 8192) == [(0, 4096), (0, 4096)]
+    assert prefill_chunks(4096, 8192, 8192) == [(4096, 2731), (4096, 2731), (4096, 2730)]
+    assert prefill_chunks(8191, 16, 8192) == [(8191, 16)]  # no sequence can: left for build_grid to drop
+    points, dropped = build_grid("default", 8192, 256, 8192, None, 16, 0)
+    prefills = [p for p in points if p.family == "prefill"]
+    assert {p.tokens for p in prefills} >= {8192} and all(c + n < 8192 for p in prefills for c, n in p.prefills)
+    assert not [d for d in dropped if d["family"] == "prefill" and "max_model_len" in d["reason"]]
+
 # ---- decode steps run from CUDA graphs -------------------------------------------------------
 GRAPHS = [1, 2, 4] + list(range(8, 65, 8))  # vLLM's ladder up to 64 (capture_sizes(64))
 TRUE_GRAPHS = {**TRUE, "c0": 1e-3, "cE": 6e-3}  # eager steps pay 6 ms of kernel launches on top
