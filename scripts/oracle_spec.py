@@ -16,6 +16,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec.py --aborts --cases 50 --seed 2   # a front end aborts some requests
     .venv/bin/python scripts/oracle_spec.py --parallel [--max-n 14]   # rows for n sequences, fanned out
     .venv/bin/python scripts/oracle_spec.py --ngram-misses   # ngram lookups that find no match: no drafts
+    .venv/bin/python scripts/oracle_spec.py --suffix   # suffix decoding: proposals of any length up to K
     .venv/bin/python scripts/oracle_spec.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
     .venv/bin/python scripts/oracle_spec.py --dflash   # a DFlash drafter (K + 1 lookahead slots) in every case
 
@@ -198,6 +199,14 @@ def main() -> None:
         for case in cases:
             case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
             case["opts"].pop("spec_draft_model", None)
+    if a.suffix:  # (likewise): K 4 to 12, proposals of 1.5 to K - 1 drafts on average, some misses
+        for case in cases:
+            k = int(rng.integers(4, 13))
+            case["opts"] |= {"speculative_method": "suffix", "num_speculative_tokens": k,
+                             "spec_mean_draft_tokens": round(float(rng.uniform(1.5, k - 1)), 2),
+                             "spec_ngram_match_rate": float(rng.choice([0.5, 0.8, 1.0]))}
+            for key in ("spec_draft_model", "spec_tokens_per_batch_size"):
+                case["opts"].pop(key, None)
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))

@@ -193,7 +193,9 @@ def build_scheduler(o: dict, reserve_full_isl: bool, kv_transfer_config=None, as
     spec = None
     if o.get("speculative_method"):
         # (MTP schedules as EAGLE does: the config-only model stands in with an EAGLE draft)
-        method = "eagle" if o["speculative_method"] == "mtp" else o["speculative_method"]
+        # (suffix decoding's proposer needs Arctic Inference; its scheduling is the n-gram
+        # proposer's, drafts of any length up to K handed over after each step: ngram stands in)
+        method = {"mtp": "eagle", "suffix": "ngram"}.get(o["speculative_method"], o["speculative_method"])
         spec_kw = dict(method=method, num_speculative_tokens=o["num_speculative_tokens"])
         spec_kw |= dict(prompt_lookup_max=3, prompt_lookup_min=1) if method == "ngram" else dict(model=fake)
         if method == "dflash":  # (a config-only DFlash drafter: the fake model's shape, a mask token)
@@ -292,7 +294,7 @@ def acceptance(o: dict):
     from simkv.core.spec_decode import AcceptanceModel
 
     return AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"],
-                           o.get("spec_ngram_match_rate", 1.0))
+                           o.get("spec_ngram_match_rate", 1.0), o.get("spec_mean_draft_tokens"))
 
 
 def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int]], int]:
@@ -434,7 +436,8 @@ def propose_drafts(sched, so, req_ids: list[str], accept=None) -> None:
     """The drafter proposes for every request of the step (K, or dynamic speculation's K for its
     batch size), as the engine core hands them over; vLLM drops those of prompt chunks and
     finished requests. An n-gram proposer that finds no match (simkv's draw, `accept.proposes`,
-    at the request's output count) proposes none."""
+    at the request's output count) proposes none; suffix decoding proposes as many as simkv's
+    draw of the proposal's length (`accept.num_proposed`)."""
     import oracle
     from vllm.v1.outputs import DraftTokenIds
 
@@ -442,9 +445,10 @@ def propose_drafts(sched, so, req_ids: list[str], accept=None) -> None:
 
     def drafts(rid):
         req = sched.requests.get(rid)
-        if accept is not None and req is not None and not accept.proposes(request_index(rid), len(req.output_token_ids)):
-            return []
-        return [oracle.fake_output_token(request_index(rid), 10_000 + j) for j in range(n)]
+        k = n
+        if accept is not None and req is not None:
+            k = accept.num_proposed(request_index(rid), len(req.output_token_ids), n)
+        return [oracle.fake_output_token(request_index(rid), 10_000 + j) for j in range(k)]
 
     sched.update_draft_token_ids(DraftTokenIds(req_ids, [drafts(rid) for rid in req_ids]))
 
@@ -592,6 +596,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--ngram-misses", action="store_true",
                         help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "
                              "0.3 or 0.7 (spec_ngram_match_rate): without one a request proposes no drafts")
+        ap.add_argument("--suffix", action="store_true",
+                        help="every case's drafter is suffix decoding: K 4 to 12, proposals of drawn lengths "
+                             "(spec_mean_draft_tokens), matches at a rate of 0.5, 0.8 or 1")
     if dflash_flag:
         ap.add_argument("--dflash", action="store_true",
                         help="every speculative case's drafter is dflash (K + 1 lookahead slots, no batch slots, "

@@ -486,7 +486,9 @@ class AttentionConfig:
                 or self.attention_chunk_size is not None or self.prefix_cache_retention_interval != 0)
 
 
-SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model", "dflash")
+SPEC_METHODS = ("ngram", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash")
+SUFFIX_MAX_TREE_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth: suffix decoding's default K
+_HOST_PROPOSERS = ("ngram", "suffix")  # drafts proposed on the host, from tokens alone: no draft network
 DFLASH_DEFAULT_LAYERS = 5  # (the published DFlash drafters': five target-shaped layers)
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp")
 _PARALLEL_DRAFTING = ("eagle", "eagle3", "draft_model")  # (P-EAGLE, PARD; vLLM's MTP modules draft in turn)
@@ -499,7 +501,8 @@ class SpeculativeConfig:
     accepted ones (core/spec_decode.py). Which drafts are accepted is drawn per request and
     output position from the acceptance rates and the replay's seed."""
 
-    speculative_method: str | None = None  # ngram, eagle, eagle3, mtp, draft_model; None: off
+    speculative_method: str | None = None  # ngram, suffix, eagle, eagle3, mtp, draft_model, dflash; None: off
+    # K; suffix decoding takes it as the most drafts of a proposal [default: 24 with suffix]
     num_speculative_tokens: int = 0
     # P(draft i accepted | drafts before it accepted), the same at every position ...
     spec_acceptance_rate: float = 0.7
@@ -514,11 +517,15 @@ class SpeculativeConfig:
     # drafts proposed after a step of that many scheduled requests (at most num_speculative_tokens)
     spec_tokens_per_batch_size: str | None = None
     spec_draft_pass_overhead_ms: float = 0.1  # launch overhead of each draft forward pass
-    spec_ngram_us_per_request: float = 5.0  # ngram: host time to propose for one request
-    # ngram: P(the prompt lookup finds a match) after a step in which a request sampled, drawn per
-    # request and output position; without one it proposes no drafts, and its next step decodes
-    # one token (1.0: always K drafts)
+    spec_ngram_us_per_request: float = 5.0  # ngram, suffix: host time to propose for one request
+    # ngram, suffix: P(the prompt lookup or the suffix tree finds a match) after a step in which a
+    # request sampled, drawn per request and output position; without one it proposes no drafts,
+    # and its next step decodes one token (1.0: always a proposal)
     spec_ngram_match_rate: float = 1.0
+    # suffix: the mean drafts of a proposal (vLLM's num_draft_tokens / num_drafts); each proposal's
+    # length is drawn per request and output position from a geometric distribution cut at K
+    # with this mean (suffix decoding proposes as far as its tree is confident) [required]
+    spec_mean_draft_tokens: float | None = None
     spec_seed: int = 0  # seed of the acceptance draws
     # vLLM's parallel_drafting (P-EAGLE, PARD: a drafter trained for it): the K drafts come from one
     # pass of the draft network, each request taking K - 1 (EAGLE) or K (draft model) more batch slots
@@ -544,6 +551,9 @@ class SpeculativeConfig:
             return
         if method not in SPEC_METHODS:
             raise ConfigError(f"speculative_method must be one of {', '.join(SPEC_METHODS)}; got '{method}'")
+        if method == "suffix" and k == 0:  # (vLLM: "Defaulted num_speculative_tokens to 24 for suffix decoding.")
+            object.__setattr__(self, "num_speculative_tokens", SUFFIX_MAX_TREE_DEPTH)
+            k = SUFFIX_MAX_TREE_DEPTH
         if k < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1 with speculative_method '{method}', got {k}")
         if not 0.0 <= self.spec_acceptance_rate <= 1.0:
@@ -574,9 +584,22 @@ class SpeculativeConfig:
         if self.spec_parallel_drafting and method not in _PARALLEL_DRAFTING:
             raise ConfigError(f"spec_parallel_drafting: vLLM drafts in parallel with the EAGLE and draft-model "
                               f"methods ({', '.join(_PARALLEL_DRAFTING)}), not '{method}'")
-        if self.spec_ngram_match_rate != 1.0 and method != "ngram":
-            raise ConfigError(f"spec_ngram_match_rate is the n-gram proposer's (speculative_method 'ngram'), "
-                              f"not '{method}''s: a drafter network always proposes")
+        if self.spec_ngram_match_rate != 1.0 and method not in _HOST_PROPOSERS:
+            raise ConfigError(f"spec_ngram_match_rate is the n-gram and suffix proposers' (speculative_method 'ngram' "
+                              f"or 'suffix'), not '{method}''s: a drafter network always proposes")
+        if method == "suffix":
+            if self.spec_mean_draft_tokens is None:
+                raise ConfigError("speculative_method 'suffix' needs spec_mean_draft_tokens: how many drafts a proposal "
+                                  "has on average (vLLM's spec-decode metrics: num_draft_tokens / num_drafts)")
+            if not 1.0 <= self.spec_mean_draft_tokens <= k:
+                raise ConfigError(f"spec_mean_draft_tokens must be in [1, {k}] (num_speculative_tokens), "
+                                  f"got {self.spec_mean_draft_tokens}")
+            if self.spec_tokens_per_batch_size is not None:  # (vLLM's suffix proposer asserts K is its own)
+                raise ConfigError("spec_tokens_per_batch_size is not supported with suffix decoding (its proposer "
+                                  "takes num_speculative_tokens as its cap)")
+        elif self.spec_mean_draft_tokens is not None:
+            raise ConfigError(f"spec_mean_draft_tokens is suffix decoding's (speculative_method 'suffix'), not "
+                              f"'{method}''s: it proposes num_speculative_tokens drafts")
 
     @property
     def enabled(self) -> bool:
@@ -1102,9 +1125,9 @@ class EngineConfig:
 
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
-        if sched.async_scheduling and spec.speculative_method == "ngram":  # (vLLM's text; its GPU n-gram works)
-            raise ConfigError("Async scheduling is not supported by the V1 model runner with ngram-based "
-                              "speculative decoding.")
+        if sched.async_scheduling and spec.speculative_method in _HOST_PROPOSERS:  # (vLLM's text; its GPU n-gram works)
+            raise ConfigError("Async scheduling is not supported by the V1 model runner with "
+                              f"{spec.speculative_method}-based speculative decoding.")
         unsupported = [(sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
@@ -1222,7 +1245,8 @@ class EngineConfig:
                 del out["spec_ngram_match_rate"]
             if not self.speculative.spec_parallel_drafting:  # (likewise)
                 del out["spec_parallel_drafting"]
-            for key in ("spec_draft_layers", "spec_acceptance_length", "spec_mtp_modules"):  # (likewise)
+            for key in ("spec_draft_layers", "spec_acceptance_length", "spec_mtp_modules",
+                        "spec_mean_draft_tokens"):  # (likewise)
                 if out[key] is None:
                     del out[key]
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager

@@ -2,7 +2,8 @@
 
 After the target model's forward pass, the drafter proposes K tokens (under dynamic speculation,
 the K of the step's number of requests) for every request that sampled in the step:
-- ngram: prompt lookup on the host, `spec_ngram_us_per_request` per such request;
+- ngram, suffix: prompt lookup or suffix-tree lookup on the host, `spec_ngram_us_per_request`
+  per such request;
 - EAGLE family and draft models: K forward passes of the draft network (one target-shaped
   decoder layer and the LM head for the EAGLE family, `spec_draft_model`'s spec for a draft
   model). The first pass runs over every token of the step (the drafter keeps its own KV of the
@@ -48,7 +49,7 @@ class Drafter:
         self.network = None
         self.dflash = self.method == "dflash"
         self.multi_module = spec.multi_module_mtp(config.hardware.model_spec())
-        if self.method != "ngram":
+        if self.method not in ("ngram", "suffix"):
             draft = config.draft_network
             if self.method == "mtp":  # (a pass runs one MTP module; memory holds them all)
                 draft = dataclasses.replace(draft, num_layers=1)

@@ -49,6 +49,7 @@ _ENGINE_FLAGS = {
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
+    "spec_mean_draft_tokens": "spec_mean_draft_tokens",
     "spec_tokens_per_batch_size": "spec_tokens_per_batch_size", "spec_parallel_drafting": "spec_parallel_drafting",
     "spec_draft_layers": "spec_draft_layers", "spec_mtp_modules": "spec_mtp_modules",
     "spec_acceptance_length": "spec_acceptance_length",
@@ -400,8 +401,11 @@ _ENGINE_OPTIONS = [
                       "[default: the model's, else 1]"),
     click.option("--spec-seed", type=int, default=None, help="Seed of the draft acceptance draws [default: 0]"),
     click.option("--spec-ngram-match-rate", type=float, default=None, metavar="P",
-                 help="ngram: how often the prompt lookup finds a match after a request samples; without one it "
-                      "proposes no drafts and its next step decodes one token [default: 1]"),
+                 help="ngram, suffix: how often the prompt lookup (suffix tree) finds a match after a request "
+                      "samples; without one it proposes no drafts and its next step decodes one token [default: 1]"),
+    click.option("--spec-mean-draft-tokens", type=float, default=None, metavar="M",
+                 help="suffix: the mean drafts of a proposal (vLLM's num_draft_tokens / num_drafts); lengths drawn "
+                      "from a geometric distribution cut at --num-speculative-tokens [default 24] (required)"),
     click.option("--sliding-window", type=int, default=None,
                  help="Override the model's sliding-window size in tokens (0: no sliding-window layers) [default: the model's]"),
     click.option("--full-attention-interval", type=int, default=None,

@@ -20,11 +20,16 @@ that step's tokens all the same (stale output: its counters stay as the preempti
 Which drafts are accepted is the model's business, not the scheduler's: a request's draft i
 is accepted with probability `rates[i]` given that drafts 0..i-1 were, drawn from a hash of
 (seed, request, output position, i), so a replay is deterministic and one request's draws do
-not depend on the others. Every proposal has K drafts (an n-gram proposer that finds no match
-proposes none in vLLM; fold that into a lower acceptance rate).
+not depend on the others. An n-gram or suffix proposer finds a match with probability
+`spec_ngram_match_rate` (drawn per request and output position, a stream of its own) and
+proposes nothing without one. A match proposes K drafts, except under suffix decoding, whose
+proposals are as long as its suffix tree is confident: their lengths are drawn (a third stream)
+from a geometric distribution cut at K with mean `spec_mean_draft_tokens`.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
 
 from simkv.config import SpeculativeConfig
 from simkv.core.outputs import ScheduledChunk, SchedulerOutput
@@ -42,18 +47,57 @@ def mix64(x: int) -> int:
 
 
 _MATCH_STREAM = 0x6E6772616D5F6D61  # (the n-gram match draws' own stream, apart from the acceptances)
+_LENGTH_STREAM = 0x7375666669785F6C  # (suffix decoding's proposal lengths, a third stream)
+
+
+def truncated_geometric_ratio(mean: float, cap: int) -> float:
+    """q such that min(G, cap) has mean `mean`, G geometric on 1, 2, ... with P(G > l | G >= l) = q:
+    E[min(G, cap)] = (1 - q^cap) / (1 - q), increasing in q from 1 (q = 0) to cap (q = 1)."""
+    if mean <= 1.0:
+        return 0.0
+    if mean >= cap:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        q = (lo + hi) / 2
+        if sum(q ** i for i in range(cap)) < mean:
+            lo = q
+        else:
+            hi = q
+    return (lo + hi) / 2
+
+
+def proposal_length_thresholds(mean: float, cap: int) -> list[int]:
+    """53-bit draw thresholds: a proposal has 1 + (the thresholds at or below the draw) drafts,
+    P(length > l) = q^l for l < cap (`truncated_geometric_ratio`), never more than cap."""
+    q = truncated_geometric_ratio(mean, cap)
+    return [int((1.0 - q ** l) * (1 << 53)) for l in range(1, cap)]
 
 
 class AcceptanceModel:
     """How many of a request's drafts the target model accepts at an output position, and
     whether the n-gram proposer finds a match there (`match_rate`)."""
 
-    def __init__(self, rates: tuple[float, ...], seed: int, match_rate: float = 1.0) -> None:
+    def __init__(self, rates: tuple[float, ...], seed: int, match_rate: float = 1.0,
+                 mean_draft_tokens: float | None = None) -> None:
         # Accept draft i iff its 53-bit draw is below rates[i] * 2**53 (exact integer compare).
         self.thresholds = [int(r * (1 << 53)) for r in rates]
         self.seed = mix64(seed & _M64)
         self.always_matches = match_rate >= 1.0
         self.match_threshold = int(match_rate * (1 << 53))
+        # suffix decoding: proposals of varying length (None: every proposal has K drafts)
+        self.length_thresholds = (None if mean_draft_tokens is None
+                                  else proposal_length_thresholds(mean_draft_tokens, len(rates)))
+
+    def num_proposed(self, request_index: int, position: int, k: int) -> int:
+        """The drafts proposed for the request with `position` output tokens, at most k: none
+        without a match, else k, or under suffix decoding the proposal's drawn length."""
+        if not (self.always_matches or self.proposes(request_index, position)):
+            return 0
+        if self.length_thresholds is None:
+            return k
+        draw = mix64(self.seed ^ _LENGTH_STREAM ^ ((request_index << 32) | position)) >> 11
+        return min(k, 1 + bisect_right(self.length_thresholds, draw))
 
     def proposes(self, request_index: int, position: int) -> bool:
         """The n-gram proposer finds a match for the request with `position` output tokens (one
@@ -85,7 +129,8 @@ class SpecDecode:
     def _init_spec(self, spec: SpeculativeConfig) -> None:
         self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.spec_draft_slots = spec.draft_slots if spec.enabled else 0
-        self.acceptance = (AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed, spec.spec_ngram_match_rate)
+        self.acceptance = (AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed, spec.spec_ngram_match_rate,
+                                           spec.spec_mean_draft_tokens)
                            if spec.enabled else None)
         # Dynamic speculation: drafts per number of requests in a step (None: always K)
         self.spec_drafts_by_batch = None
@@ -262,7 +307,8 @@ class SpecDecode:
         # vLLM caches a sampling request's verified full blocks when its tokens arrive (under
         # speculative decoding); the single-group manager's lazy hashing orders them the same.
         cache_verified = getattr(self.kv_cache_manager, "cache_verified", None) if self.num_spec_tokens else None
-        always_matches, proposes = self.acceptance.always_matches, self.acceptance.proposes
+        always_k = self.acceptance.always_matches and self.acceptance.length_thresholds is None
+        num_proposed = self.acceptance.num_proposed
         num_accepted = self.acceptance.num_accepted
         num_drafts = num_draft_tokens = num_padded = 0
         for chunk in output.chunks:
@@ -307,7 +353,7 @@ class SpecDecode:
                 finished.append(request)
             else:
                 request.num_output_tokens = num_outputs + new_tokens
-                request.spec_drafts = k if always_matches or proposes(request.index, num_outputs + new_tokens) else 0
+                request.spec_drafts = k if always_k else num_proposed(request.index, num_outputs + new_tokens, k)
             request.num_computed_tokens = computed
             if cache_verified is not None:
                 cache_verified(request, computed)

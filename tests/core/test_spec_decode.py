@@ -343,6 +343,73 @@ def test_recorded_ngram_misses_depend_on_proposing_none(monkeypatch):
     assert broken == len(cases)
 
 
+SUFFIX_DATA = Path(__file__).parent / "data" / "spec_suffix_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_suffix_decoding_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --suffix (K 4 to 10, mean proposals of 1.6 to 7.9
+    drafts, match rates 0.5 to 1): each proposal's drafts, as many as simkv draws, go to vLLM
+    0.33's scheduler; every step, request and accepted draft equal."""
+    case = json.loads(SUFFIX_DATA.read_text())["cases"][index]
+    assert case["case"]["opts"]["speculative_method"] == "suffix"
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+def test_recorded_suffix_cases_depend_on_the_proposal_lengths(monkeypatch):
+    """Every recorded case needs the drawn lengths: K drafts at every match breaks all eight."""
+    def k_at_every_match(self, index, position, k):
+        return k if self.always_matches or self.proposes(index, position) else 0
+
+    monkeypatch.setattr(AcceptanceModel, "num_proposed", k_at_every_match)
+    broken = 0
+    for case in json.loads(SUFFIX_DATA.read_text())["cases"]:
+        try:
+            assert_same_steps_as_vllm(case)
+        except AssertionError:
+            broken += 1
+    assert broken == 8
+
+
+@pytest.mark.parametrize("mean, k", [(1.0, 24), (2.5, 24), (6.0, 24), (3.0, 4), (4.0, 4)])
+def test_suffix_proposal_lengths_have_the_mean_asked(mean, k):
+    """Lengths in [1, k] with the asked mean (a geometric distribution cut at k), drawn per
+    request and position in a stream of their own; misses propose none; a smaller cap cuts."""
+    model = AcceptanceModel((0.5,) * k, 7, mean_draft_tokens=mean)
+    lengths = [model.num_proposed(i, p, k) for i in range(200) for p in range(100)]
+    assert min(lengths) >= 1 and max(lengths) <= k
+    assert abs(sum(lengths) / len(lengths) - mean) < 0.02 * mean
+    assert lengths == [model.num_proposed(i, p, k) for i in range(200) for p in range(100)]
+    assert all(model.num_proposed(i, 3, 2) == min(2, n) for i, n in zip(range(50), lengths[3::100]))
+    plain = AcceptanceModel((0.5,) * k, 7)
+    assert [model.num_accepted(i, 5, 3) for i in range(100)] == [plain.num_accepted(i, 5, 3) for i in range(100)]
+    missing = AcceptanceModel((0.5,) * k, 7, match_rate=0.4, mean_draft_tokens=mean)
+    drawn = [missing.num_proposed(i, p, k) for i in range(200) for p in range(100)]
+    assert abs(sum(1 for n in drawn if n) / len(drawn) - 0.4) < 0.01
+    assert all(n == m for n, m in zip(drawn, lengths) if n)  # (a match's length is the same draw)
+
+
+def test_suffix_replay_reports_the_mean_proposal():
+    """A replay's drafts per proposal come out at the asked mean (vLLM's num_draft_tokens /
+    num_drafts, what a user reads it from), K defaulting to vLLM's 24."""
+    import numpy as np
+    import pandas as pd
+
+    from simkv.replay.api import replay
+    from simkv.traces.schema import trace_from_frame
+
+    rng = np.random.default_rng(0)
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": np.sort(rng.uniform(0, 20, 200)),
+                                           "prompt_tokens": rng.integers(50, 500, 200),
+                                           "output_tokens": rng.integers(100, 400, 200)}))
+    config = EngineConfig.from_flat({"speculative_method": "suffix", "spec_mean_draft_tokens": 5.0,
+                                     "spec_ngram_match_rate": 0.6, "spec_acceptance_rate": 0.8})
+    assert config.speculative.num_speculative_tokens == 24
+    spec = replay(trace, config).summary["speculative_decoding"]
+    assert abs(spec["num_draft_tokens"] / spec["num_drafts"] - 5.0) < 0.15
+
+
 def test_ngram_match_draws():
     """One draw per request and output position, in a stream of its own: the acceptances do not
     change with the match rate."""
@@ -408,7 +475,14 @@ def test_position_rates_are_unconditional():
      "must not overlap"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="1-8"), "FIRST-LAST:K"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_ngram_match_rate=1.2), r"match_rate must be in"),
-    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_ngram_match_rate=0.5), "n-gram proposer's"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_ngram_match_rate=0.5), "n-gram and suffix"),
+    (dict(speculative_method="suffix"), "needs spec_mean_draft_tokens"),
+    (dict(speculative_method="suffix", spec_mean_draft_tokens=30.0), r"in \[1, 24\]"),
+    (dict(speculative_method="suffix", num_speculative_tokens=4, spec_mean_draft_tokens=0.5), r"in \[1, 4\]"),
+    (dict(speculative_method="suffix", spec_mean_draft_tokens=3.0, spec_tokens_per_batch_size="1-8:2"),
+     "not supported with suffix"),
+    (dict(speculative_method="suffix", spec_mean_draft_tokens=3.0, async_scheduling=True), "suffix-based speculative"),
+    (dict(speculative_method="ngram", num_speculative_tokens=3, spec_mean_draft_tokens=2.0), "suffix decoding's"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'ngram'"),
     (dict(speculative_method="mtp", num_speculative_tokens=2, spec_parallel_drafting=True), "not 'mtp'"),
     (dict(spec_parallel_drafting=True), "spec_parallel_drafting needs a speculative_method"),
