@@ -584,7 +584,7 @@ class SpeculativeConfig:
         if self.spec_parallel_drafting and method not in _PARALLEL_DRAFTING:
             raise ConfigError(f"spec_parallel_drafting: vLLM drafts in parallel with the EAGLE and draft-model "
                               f"methods ({', '.join(_PARALLEL_DRAFTING)}), not '{method}'")
-        if self.spec_ngram_match_rate != 1.0 and method not in _HOST_PROPOSERS:
+        if self.spec_ngram_match_rate != 1.0 and not self.proposes_on_host:
             raise ConfigError(f"spec_ngram_match_rate is the n-gram and suffix proposers' (speculative_method 'ngram' "
                               f"or 'suffix'), not '{method}''s: a drafter network always proposes")
         if method == "suffix":
@@ -649,6 +649,11 @@ class SpeculativeConfig:
                                             shared_expert_intermediate_size=0)
             return layer
         return None
+
+    @property
+    def proposes_on_host(self) -> bool:
+        """The drafts come from a lookup on the host (ngram, suffix), not from a draft network."""
+        return self.speculative_method in _HOST_PROPOSERS
 
     @property
     def is_eagle_family(self) -> bool:
@@ -1125,7 +1130,7 @@ class EngineConfig:
 
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
-        if sched.async_scheduling and spec.speculative_method in _HOST_PROPOSERS:  # (vLLM's text; its GPU n-gram works)
+        if sched.async_scheduling and spec.proposes_on_host:  # (vLLM's text; its GPU n-gram works)
             raise ConfigError("Async scheduling is not supported by the V1 model runner with "
                               f"{spec.speculative_method}-based speculative decoding.")
         unsupported = [(sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),

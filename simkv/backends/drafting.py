@@ -49,7 +49,7 @@ class Drafter:
         self.network = None
         self.dflash = self.method == "dflash"
         self.multi_module = spec.multi_module_mtp(config.hardware.model_spec())
-        if self.method not in ("ngram", "suffix"):
+        if not spec.proposes_on_host:
             draft = config.draft_network
             if self.method == "mtp":  # (a pass runs one MTP module; memory holds them all)
                 draft = dataclasses.replace(draft, num_layers=1)

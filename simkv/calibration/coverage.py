@@ -71,3 +71,10 @@ def coverage_warning(coverage: dict, source: str) -> str | None:
     hint = f"; calibrate with {' and '.join(options)} as large as the replay's" if options else ""
     return (f"{coverage['steps_beyond']:,} steps ({100 * coverage['share_of_time_beyond']:.1f} % of the replay's time) "
             f"lie beyond what {source} measured: {'; '.join(parts)}. Their times are the fit extrapolated{hint}")
+
+
+def cost_model_warnings(described: dict, source: str) -> list[str]:
+    """What a user should hear about a replay's cost model (its `summary.json` description): a
+    calibration's version drift, and the steps beyond its calibrated range."""
+    beyond = coverage_warning(described["calibrated_range"], source) if "calibrated_range" in described else None
+    return list(described.get("warnings") or []) + ([beyond] if beyond else [])

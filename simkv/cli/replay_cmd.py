@@ -534,6 +534,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
                    f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",
                    err=True)
+    from simkv.calibration.coverage import cost_model_warnings
+
     for line in cost_model_warnings(result.summary.get("cost_model") or {}, cost_model):
         click.echo(f"warning: {line}", err=True)
     sc, spec = config.scheduler, config.speculative
@@ -551,13 +553,3 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     report = write_run_report_safely(out_dir)
     if not quiet:
         print_summary(result.summary, Path(out_dir), with_report=report is not None)
-
-
-def cost_model_warnings(described: dict, source: str) -> list[str]:
-    """What the terminal should hear about the cost model: a calibration's version drift, and
-    steps that lie beyond its calibrated range."""
-    from simkv.calibration.coverage import coverage_warning
-
-    lines = list(described.get("warnings") or [])
-    beyond = coverage_warning(described["calibrated_range"], source) if "calibrated_range" in described else None
-    return lines + ([beyond] if beyond else [])

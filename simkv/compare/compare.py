@@ -119,11 +119,10 @@ def calibration_check(sim: dict, meas: dict) -> dict:
         if pieces_cal is not None and (list(pieces_cal) or pieces_meas) and list(pieces_cal) != list(pieces_meas or []):
             warnings.append(f"the cost model runs steps with prefill chunks from piecewise graphs of "
                             f"{list(pieces_cal) or 'no'} token counts, the measured run captured {list(pieces_meas or []) or 'none'}")
-        from simkv.calibration.coverage import coverage_warning
+        from simkv.calibration.coverage import cost_model_warnings
 
-        beyond = coverage_warning(cm["calibrated_range"], cm.get("calibration_file") or "the calibration") \
-            if "calibrated_range" in cm else None
-        return {"used": True, "ok": True, "warnings": warnings + list(cm.get("warnings", [])) + ([beyond] if beyond else [])}
+        return {"used": True, "ok": True,
+                "warnings": warnings + cost_model_warnings(cm, cm.get("calibration_file") or "the calibration")}
     except CalibrationError as exc:
         return {"used": True, "ok": False, "error": str(exc)}
 
