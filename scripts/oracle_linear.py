@@ -9,7 +9,9 @@ per request). simkv's `Scheduler` runs the same random cases (blocks of 16 or 32
 pools, priorities, watermarks, chunked prefill on and off, long-prefill thresholds; with
 --speculative, ngram or MTP drafts in 60 % of them: K more state blocks per Mamba group and
 request, vLLM's num_speculative_blocks, and the MTP layer in the full-attention group; with
---align too, the scratch state blocks of mode "align" and MTP's lookahead block keys). Every
+--align too, the scratch state blocks of mode "align" and MTP's lookahead block keys; with --suffix,
+suffix decoding in every case: K 4 to 12, K more state blocks, proposals of drawn lengths; with
+--ngram-misses, ngram drafts in every case, found at a rate of 0, 0.3 or 0.7). Every
 step's scheduled tokens, running and waiting requests and blocks in use (all groups), every
 request's first-token and finish step, and the accepted drafts must be equal.
 
@@ -43,7 +45,20 @@ def prefix_caching_options(rng, opts: dict, align: bool) -> None:
         opts["prefix_cache_retention_interval"] = [0, None, 128][int(rng.choice([0, 0, 1, 2]))]
 
 
-def make_case(rng, speculative: bool = False, align: bool = False, replies: bool = False) -> dict:
+def suffix_options(rng, opts: dict) -> None:
+    """Suffix decoding (as oracle_spec.py --suffix draws it): K 4 to 12, proposals of 1.5 to
+    K - 1 drafts on average, matches at a rate of 0.5 to 1; the oracle's n-gram config stands in."""
+    oracle_vllm.random_spec_options(rng, opts)
+    k = int(rng.integers(4, 13))
+    opts |= {"speculative_method": "suffix", "num_speculative_tokens": k,
+             "spec_mean_draft_tokens": round(float(rng.uniform(1.5, k - 1)), 2),
+             "spec_ngram_match_rate": float(rng.choice([0.5, 0.8, 1.0])),
+             "max_num_batched_tokens": max(opts["max_num_batched_tokens"], k + 1)}
+    opts.pop("spec_draft_model", None)
+
+
+def make_case(rng, speculative: bool = False, align: bool = False, replies: bool = False,
+              suffix: bool = False, ngram_misses: bool = False) -> dict:
     block_size = int(rng.choice([16, 32]))
     max_model_len = int(rng.choice([64, 128, 256]))
     requests = oracle_spec.random_requests(rng, max_model_len, 0.7)
@@ -56,7 +71,13 @@ def make_case(rng, speculative: bool = False, align: bool = False, replies: bool
     opts["scheduler_reserve_full_isl"] = bool(rng.random() < 0.7)
     opts["model"] = str(rng.choice(MODELS))
     prefix_caching_options(rng, opts, align)
-    if speculative and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
+    if suffix:
+        suffix_options(rng, opts)
+    elif ngram_misses:
+        oracle_vllm.random_spec_options(rng, opts)
+        opts |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
+        opts.pop("spec_draft_model", None)
+    elif speculative and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
         oracle_vllm.random_spec_options(rng, opts)
         opts["speculative_method"] = str(rng.choice(["ngram", "mtp"]))
         opts.pop("spec_draft_model", None)
@@ -85,12 +106,12 @@ def make_case(rng, speculative: bool = False, align: bool = False, replies: bool
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, align_flag=True, replies_flag=True,
-                                aborts_flag=True, parallel_flag=True)
+                                aborts_flag=True, parallel_flag=True, ngram_misses_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.align, a.replies) for _ in range(a.cases)]
+    cases = [make_case(rng, a.speculative, a.align, a.replies, a.suffix, a.ngram_misses) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
     if a.aborts:  # (a front end aborts some requests: clients that gave up)
         for case in cases:

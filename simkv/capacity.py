@@ -97,6 +97,20 @@ def group_blocks_per_request(config: EngineConfig, num_tokens: int, startup: boo
     return total
 
 
+def request_concurrency(config: EngineConfig, capacity: Capacity, num_tokens: int) -> tuple[int, float]:
+    """(blocks, how many at once) for requests of `num_tokens` tokens (prompt and output): vLLM's
+    `Maximum concurrency` line asked of a shorter request, block-granular (its last block whole)
+    and, under the hybrid KV-cache manager, over every group (a linear-attention group's state
+    blocks, a window's cap). Per engine (under data parallelism, per rank)."""
+    if not 1 <= num_tokens <= config.max_model_len:
+        raise ConfigError(f"--request-tokens {num_tokens} must be 1 to max_model_len ({config.max_model_len:,})")
+    if config.kv_cache_groups.is_hybrid:
+        blocks = group_blocks_per_request(config, num_tokens)
+    else:
+        blocks = -(-num_tokens // config.kv_manager_block_size)
+    return blocks, capacity.num_gpu_blocks / blocks
+
+
 def activation_reserve_bytes(config: EngineConfig) -> int:
     spec = config.hardware.model_spec()
     tp = config.hardware.tensor_parallel_size

@@ -1001,7 +1001,7 @@ class EngineConfig:
         if hw.decode_context_parallel_size > 1:  # (vLLM asserts it)
             raise ConfigError("DCP not support mamba now.")
         method = self.speculative.speculative_method
-        unsupported = [(method not in (None, "ngram", "mtp"), f"speculative_method '{method}' (ngram and mtp are)"),
+        unsupported = [(method not in (None, "ngram", "suffix", "mtp"), f"speculative_method '{method}' (ngram, suffix and mtp are)"),
                        (self.attention.overridden and self.attention.prefix_cache_retention_interval == 0
                         or self.attention.sliding_window is not None or self.attention.full_attention_interval is not None
                         or self.attention.attention_chunk_size is not None,
@@ -1329,6 +1329,8 @@ def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict,
             return None
         kv_bytes = kv_dtype_bytes(cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
         k = int(speculative.get("num_speculative_tokens", 0)) if speculative.get("speculative_method") else 0
+        if k == 0 and speculative.get("speculative_method") == "suffix":  # (SpeculativeConfig's default K)
+            k = SUFFIX_MAX_TREE_DEPTH
         alignment = 1
         if spec.linear_attention == "gated_deltanet" and cache.get("enable_prefix_caching", CacheConfig().enable_prefix_caching):
             backend = gdn_prefill_backend(attention.get("gdn_prefill_backend", AttentionConfig().gdn_prefill_backend),

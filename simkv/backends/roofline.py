@@ -19,7 +19,8 @@ experts in the FLOPs and the expected number of experts its T tokens touch in th
 With sliding-window layers (or chunked local attention), A and K count each layer's window (its
 chunk's tokens), averaged over the layers. Linear-attention layers (Gated DeltaNet, Mamba2) attend
 nothing and hold no K/V: they add their recurrence's FLOPs per token and a read and a write of
-each sequence's state per step (`linear_attention_work`). All quantities are divided by TP
+each sequence's state per step, and under speculative decoding a write after each draft token
+verified (`linear_attention_work`). All quantities are divided by TP
 except the overheads and a latent-attention cache (below), which every GPU reads whole.
 
 Multi-head latent attention (DeepSeek) runs a sequence's query tokens one of two ways, as vLLM's
@@ -95,8 +96,10 @@ class RooflineCostModel:
         self.flops_per_seq = 2.0 * h * v / tp
         self.flops_per_pair = 4.0 * model.num_attention_layers * model.num_heads * model.head_dim / tp
         # Linear-attention layers (Gated DeltaNet, Mamba2): per token the recurrence's FLOPs, per
-        # sequence and step a read and a write of its state (`linear_attention_work`).
-        self.flops_per_token_linear, self.state_bytes_per_seq = linear_attention_work(model, tp, num_speculative_tokens)
+        # sequence and step a read and a write of its state, per draft verified a write more
+        # (`linear_attention_work`).
+        self.flops_per_token_linear, self.state_bytes_per_seq, self.state_bytes_per_draft = \
+            linear_attention_work(model, tp, num_speculative_tokens)
         self.mla = model.is_mla
         if self.mla:  # (the expanded path's pairs; the absorbed path's and the up-projection below)
             heads_layers = model.num_layers * model.num_heads
@@ -310,11 +313,13 @@ class RooflineCostModel:
         traffic = self.lora_bytes_per_adapter * num_active_loras + self.lora_bytes_per_token * num_lora_tokens
         return max(flops / self.flop_rate, traffic / self.byte_rate) + self.lora_fixed_s
 
-    def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum, latent_pairs=0, upproj_tokens=0):
+    def _time(self, tokens, num_seqs, pairs, kv_read, maximum=np.maximum, latent_pairs=0, upproj_tokens=0,
+              draft_tokens=0):
         """One formula for Python numbers (maximum=max) and numpy arrays (np.maximum): every
         operation is the same IEEE operation in the same order, so results are identical.
         Latent attention: `pairs` are the expanded path's, `latent_pairs` the absorbed path's,
-        `upproj_tokens` the cached tokens the expanded path up-projects."""
+        `upproj_tokens` the cached tokens the expanded path up-projects. `draft_tokens`: the
+        drafts the step verifies (linear-attention layers write a state after each)."""
         flops = self.flops_per_token * tokens + self.flops_per_seq * num_seqs + self.flops_per_pair * pairs
         if self.mla:
             flops = flops + self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj_tokens
@@ -325,6 +330,8 @@ class RooflineCostModel:
                        + self.kv_bytes_per_token * (kv_read + tokens))
         if self.state_bytes_per_seq:
             traffic = traffic + self.state_bytes_per_seq * num_seqs
+            if draft_tokens:
+                traffic = traffic + self.state_bytes_per_draft * draft_tokens
         busy = maximum(flops / self.flop_rate, traffic / self.byte_rate)
         return busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * num_seqs
 
@@ -332,7 +339,7 @@ class RooflineCostModel:
         if self.dp > 1:
             raise RuntimeError("a data-parallel roofline times lockstep steps of all ranks (dp_step_seconds)")
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.step_work(output)
-        seconds = self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+        seconds = self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj, output.num_draft_tokens)
         if output.num_lora_tokens:
             seconds += self.lora_seconds(output.num_lora_tokens, output.num_active_loras)
         if self.sparse_topk:
@@ -383,12 +390,15 @@ class RooflineCostModel:
         # pass builds no attention metadata, so it runs no attention and gathers nothing)
         collectives = ([self.dcp_seconds(out) for out in outputs] if self.dcp > 1
                        else [self.indexer_exchange_seconds(out) for out in outputs] if self.sparse_topk else None)
-        return self.dp_time([self.step_work(out) for out in outputs], num_dummy, extra_s, overlap_host, collectives)
+        return self.dp_time([self.step_work(out) for out in outputs], num_dummy, extra_s, overlap_host, collectives,
+                            [out.num_draft_tokens for out in outputs])
 
     def dp_time(self, works: list[tuple], num_dummy: int = 0, extra_s: float = 0.0,
-                overlap_host: bool = False, collectives: list[float] | None = None) -> float:
+                overlap_host: bool = False, collectives: list[float] | None = None,
+                draft_tokens: list[int] | None = None) -> float:
         """`dp_step_seconds` for the ranks' `step_work` tuples (a drafter's passes too);
-        `collectives`: each work's rank's own collective seconds on top (DCP's)."""
+        `collectives`: each work's rank's own collective seconds on top (DCP's); `draft_tokens`:
+        the drafts each rank verifies (`_time`)."""
         works = works + [(0, 0, 0, 0, 0, 0)] * min(num_dummy, 1)
         if collectives is not None:
             collectives = collectives + [0.0] * (len(works) - len(collectives))
@@ -404,6 +414,8 @@ class RooflineCostModel:
                 flops += self.flops_per_latent_pair * latent_pairs + self.flops_per_upproj_token * upproj
             traffic = (self.weight_bytes + expert_traffic + self.kv_bytes_per_token * (kv_read + tokens)
                        + self.state_bytes_per_seq * seqs)
+            if draft_tokens is not None and i < len(draft_tokens):
+                traffic += self.state_bytes_per_draft * draft_tokens[i]
             busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
             seconds = busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm
             if collectives is not None:
@@ -501,20 +513,24 @@ _LINEAR_CHUNK = 64  # the chunk of vLLM's chunked Gated DeltaNet and Mamba2 (SSD
 
 
 def linear_attention_work(model: ModelSpec, tensor_parallel_size: int = 1,
-                          num_speculative_tokens: int = 0) -> tuple[float, float]:
-    """(FLOPs per token, state bytes per sequence and step) of a model's linear-attention layers on
-    one GPU; (0, 0) without. A token's FLOPs per layer and value head: reading and updating the
-    key-dim x value-dim state (4 x dk x dv) and, in the chunked prefill algorithm, attending the
-    other tokens of its 64-token chunk (2 x 64 x (dk + dv)); decodes are counted alike. A
-    sequence reads its state and writes it back once a step (the convolution state too); under
-    speculative decoding it writes the state after each of its 1 + K verified tokens."""
+                          num_speculative_tokens: int = 0) -> tuple[float, float, float]:
+    """(FLOPs per token, state bytes per sequence and step, state bytes per draft verified) of a
+    model's linear-attention layers on one GPU; zeros without. A token's FLOPs per layer and value
+    head: reading and updating the key-dim x value-dim state (4 x dk x dv) and, in the chunked
+    prefill algorithm, attending the other tokens of its 64-token chunk (2 x 64 x (dk + dv));
+    decodes are counted alike. A sequence reads its state and writes it back once a step (the
+    convolution state too, which keeps K more inputs under speculative decoding); a sequence that
+    verifies d drafts writes the state after each of its 1 + d tokens (into its K scratch state
+    blocks), so each draft adds a write (a proposer that finds nothing, or proposes fewer than K,
+    writes fewer)."""
     if not model.linear_attention:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
     heads = model.linear_num_value_heads / tensor_parallel_size
     per_token = model.num_linear_attention_layers * heads * (4.0 * dk * dv + 2.0 * _LINEAR_CHUNK * (dk + dv))
     state = model.linear_state_bytes(tensor_parallel_size, num_speculative_tokens)
-    return per_token, (2.0 + num_speculative_tokens) * model.num_linear_attention_layers * state
+    per_state = model.num_linear_attention_layers * state
+    return per_token, 2.0 * per_state, per_state if num_speculative_tokens else 0.0
 
 
 def mla_decode_query_len(gpu: GPUSpec, num_speculative_tokens: int = 0, fp8_kv_cache: bool = False,

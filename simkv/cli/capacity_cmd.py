@@ -6,13 +6,14 @@ import json
 
 import click
 
-from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token
-from simkv.cli.replay_cmd import ByteCount, build_config
+from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token, request_concurrency
+from simkv.cli.replay_cmd import ByteCount, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
 
-def capacity_report(config: EngineConfig) -> dict:
-    """Every figure `simkv capacity` shows; raises ConfigError with vLLM's text when nothing fits."""
+def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) -> dict:
+    """Every figure `simkv capacity` shows; raises ConfigError with vLLM's text when nothing fits.
+    `request_tokens`: request lengths to give the concurrency of too (`request_concurrency`)."""
     spec = config.hardware.model_spec()
     cc = config.cache
     tp = config.hardware.tensor_parallel_size
@@ -85,10 +86,16 @@ def capacity_report(config: EngineConfig) -> dict:
                                                "slot_copy": worker.copy_s, "lora_load_gbs": sc.lora_load_gbs}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
+    if request_tokens:
+        extra["request_concurrency"] = [
+            {"tokens": n, "blocks_per_request": blocks, "max_concurrency": at_once}
+            for n in request_tokens for blocks, at_once in [request_concurrency(config, cap, n)]]
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
         page = cap.block_bytes // groups.layers_per_block
         extra["linear_attention"] = {"kind": spec.linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
-                                     "page_bytes_per_layer": page}
+                                     "page_bytes_per_layer": page,
+                                     # (each group's: the state, one per draft token under speculative decoding)
+                                     "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group}
     return {
         "model": config.hardware.model,
         "gpu": config.hardware.gpu,
@@ -170,6 +177,9 @@ def print_report(rep: dict) -> None:
         lin = rep["linear_attention"]
         rows.insert(2, ("linear-attention state per layer (its page)",
                         f"{lin['state_bytes_per_layer']:,} B ({lin['page_bytes_per_layer']:,} B)"))
+        held = lin["state_blocks_per_request"]
+        rows.insert(3, ("state blocks per request (memory per GPU)",
+                        f"{held:,} ({held * rep['block_bytes_per_gpu'] / GIB:.2f} GiB)"))
     if rep.get("sparse_attention"):
         sparse = rep["sparse_attention"]
         rows.insert(0, ("sparse attention: latent + indexer key per token",
@@ -210,6 +220,10 @@ def print_report(rep: dict) -> None:
                                             "linear-attention group stores (those the GPU prefix cache keeps)"))
         else:
             rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
+    each = " each rank" if rep.get("data_parallel_size") else ""
+    for r in rep.get("request_concurrency", ()):
+        rows.append((f"at once{each}: requests of {r['tokens']:,} tokens (blocks)",
+                     f"{r['max_concurrency']:,.2f}x ({r['blocks_per_request']:,})"))
     for name, value in rows:
         table.add_row(name, value)
     console = Console()
@@ -280,16 +294,22 @@ def print_report(rep: dict) -> None:
 @click.option("--layouts", "num_gpus", type=int, default=None, metavar="N",
               help="Instead: every way to lay the model out over N GPUs (TP engines, or for a mixture of "
                    "experts data-parallel ranks of TP), with the KV cache each gives in all.")
+@click.option("--request-tokens", type=int, multiple=True, metavar="TOKENS",
+              help="Also: how many requests of TOKENS tokens (prompt and output) fit at once, counting whole "
+                   "blocks and every KV-cache group's (state blocks, windows); repeat for several lengths.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, **flags) -> None:
+def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, request_tokens: tuple[int, ...],
+                 **flags) -> None:
     """KV bytes per token, number of KV blocks and vLLM's start-up lines
     (`GPU KV cache size`, `Maximum concurrency`) for a model, GPU and cache options."""
     try:
         if num_gpus is not None:
+            if request_tokens:
+                raise ConfigError("--request-tokens is for one layout: drop --layouts, or give the layout (-tp, -dp)")
             rep = layouts_report(flags, config_file, num_gpus)
         else:
-            rep = capacity_report(build_config(flags, config_file))
+            rep = capacity_report(capacity_config(flags, config_file), request_tokens)
     except click.BadParameter as exc:
         raise click.ClickException(exc.format_message()) from None
     except (ConfigError, TypeError, ValueError) as exc:
@@ -300,6 +320,15 @@ def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, *
         print_layouts(rep)
     else:
         print_report(rep)
+
+
+def capacity_config(flags: dict, config_file: str | None, overrides: dict | None = None) -> EngineConfig:
+    """The engine config of the flags and file. Suffix decoding's mean proposal, which a replay
+    requires, is not asked for: capacity schedules nothing (K sizes what it reserves)."""
+    options = flat_options(flags, config_file) | (overrides or {})
+    if options.get("speculative_method") == "suffix" and options.get("spec_mean_draft_tokens") is None:
+        options["spec_mean_draft_tokens"] = 1.0
+    return EngineConfig.from_flat(options)
 
 
 def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
@@ -314,7 +343,7 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
     dcp = flags.get("decode_context_parallel_size") or 1
-    base = build_config(flags, config_file, {"tensor_parallel_size": dcp} if dcp > 1 else None)
+    base = capacity_config(flags, config_file, {"tensor_parallel_size": dcp} if dcp > 1 else None)
     spec = base.hardware.model_spec()
     if flags.get("pipeline_parallel_size") is not None:
         raise ConfigError("--layouts tries every pipeline parallelism itself: drop -pp")
@@ -340,7 +369,7 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
             if dcp > 1:
                 row["decode_context_parallel_size"] = dcp
             try:
-                config = build_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp}
+                config = capacity_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp}
                                       | ({"pipeline_parallel_size": pp} if pp > 1 else {}))
                 cap = compute_capacity(config)
             except ConfigError as exc:

@@ -77,6 +77,85 @@ def test_same_steps_as_vllm_async(index, tmp_path):
     assert config.kv_cache_groups.num_linear_groups > 0
 
 
+SUFFIX_CASES = json.loads((DATA / "linear_suffix_vllm_cases.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("index", range(len(SUFFIX_CASES)))
+def test_suffix_decoding_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_linear.py --suffix [--align]: suffix decoding (K 4 to 10,
+    proposals of drawn lengths, acceptance 0 to 1) over Mamba groups, each holding K state blocks
+    more a request; the last four under prefix caching (mode "align"). Steps, requests, accepted
+    drafts and prefix hits equal."""
+    case = _rooted(SUFFIX_CASES[index])
+    opts = case["case"]["opts"]
+    assert opts["speculative_method"] == "suffix" and any(case["case"]["group_linear"])
+    assert opts["enable_prefix_caching"] == (index >= 4)
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+    if index >= 4:
+        stats = ours["scheduler"].kv_cache_manager.prefix_cache_stats
+        assert [stats.queries, stats.hits] == case["vllm"]["prefix"] and stats.hits > 0
+
+
+def test_recorded_linear_suffix_cases_depend_on_the_proposal_lengths(monkeypatch):
+    """K drafts at every match, instead of the drawn lengths, breaks all eight recorded cases."""
+    from simkv.core.spec_decode import AcceptanceModel
+
+    def k_at_every_match(self, index, position, k):
+        return k if self.always_matches or self.proposes(index, position) else 0
+
+    monkeypatch.setattr(AcceptanceModel, "num_proposed", k_at_every_match)
+    broken = 0
+    for case in SUFFIX_CASES:
+        try:
+            assert_same_steps_as_vllm(_rooted(case))
+        except AssertionError:
+            broken += 1
+    assert broken == len(SUFFIX_CASES)
+
+
+def test_suffix_decoding_sizes_the_states_for_its_default_k():
+    """Suffix decoding without K takes vLLM's 24: on Qwen3-Next at TP 4 the convolution state keeps
+    3 + 24 inputs (372,736 B a layer: 368-token blocks, not the 272 of no drafts) and each Mamba
+    group holds 1 + 24 state blocks a request; a cap of K = 8 holds 9 (304-token blocks)."""
+    opts = dict(tensor_parallel_size=4, max_model_len=32768, speculative_method="suffix",
+                spec_mean_draft_tokens=4.0)
+    config = _config(**opts)
+    assert config.speculative.num_speculative_tokens == 24
+    assert get_model_spec(QWEN3_NEXT).linear_state_bytes(4, 24) == 2048 * 27 * 2 + 8 * 128 * 128 * 2 == 372736
+    assert config.cache.block_size == 368 and config.state_blocks_per_group == 25
+    assert compute_capacity(config).blocks_per_request == -(-32768 // 368) + 3 * 25
+    capped = _config(**opts, num_speculative_tokens=8)
+    assert capped.cache.block_size == 304 and capped.state_blocks_per_group == 9
+    assert _config(tensor_parallel_size=4).cache.block_size == 272
+
+
+def test_capacity_of_suffix_decoding_needs_no_proposal_mean():
+    """`simkv capacity` sizes suffix decoding's states without --spec-mean-draft-tokens (a replay's
+    option: capacity schedules nothing) and says what a request holds: 3 groups x (1 + 24) state
+    blocks without prefix caching, against 3 x 1 with no drafts, in the JSON and the table."""
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    args = ["capacity", "--model", QWEN3_NEXT, "--gpu", "H200", "-tp", "4", "--no-enable-prefix-caching"]
+    held = {}
+    for extra in ([], ["--speculative-method", "suffix"]):
+        res = CliRunner().invoke(main, args + extra + ["--json"])
+        assert res.exit_code == 0, res.output
+        rep = json.loads(res.output)
+        held[bool(extra)] = rep["linear_attention"]["state_blocks_per_request"]
+    assert held == {False: 3, True: 75} and rep["block_size"] == 368
+    # a 1,370-token request: 4 attention blocks of 368 beside its 75 state blocks
+    res = CliRunner().invoke(main, args + ["--speculative-method", "suffix", "--request-tokens", "1370", "--json"])
+    short = json.loads(res.output)["request_concurrency"][0]
+    assert short["blocks_per_request"] == 4 + 75
+    assert short["max_concurrency"] == json.loads(res.output)["num_gpu_blocks"] / 79
+    table = CliRunner().invoke(main, args + ["--speculative-method", "suffix"], env={"COLUMNS": "200"})
+    assert rep["block_bytes_per_gpu"] == 12 * 368 * 1024  # (12 layers a block)
+    assert f"75 ({75 * 12 * 368 * 1024 / 2**30:.2f} GiB)" == "75 (0.32 GiB)" and "75 (0.32 GiB)" in table.output
+
+
 @pytest.mark.parametrize("tp, kv_cache_dtype, block_size, expected", [
     (1, "auto", None, 544), (2, "auto", None, 544), (4, "auto", None, 272), (8, "auto", None, 144),
     (4, "fp8", None, 544),  # (half the attention page: twice the tokens)
@@ -153,7 +232,8 @@ def test_admission_counts_the_state_blocks():
     ({"enable_prefix_caching": True, "enable_chunked_prefill": False, "max_model_len": 4096}, "Chunked prefill is required for Mamba prefix caching."),
     ({"enable_prefix_caching": True, "prefix_caching_hash_bits": 32},
      "mamba_cache_mode 'align'.* not modelled with prefix_caching_hash_bits < 63 yet; pass --no-enable-prefix-caching"),
-    ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "not modelled with speculative_method 'eagle'"),
+    ({"speculative_method": "eagle", "num_speculative_tokens": 2}, "not modelled with speculative_method 'eagle' "
+                                                                   r"\(ngram, suffix and mtp are\)"),
     ({"tensor_parallel_size": 8, "decode_context_parallel_size": 2}, "DCP not support mamba now."),
     ({"sliding_window": 128}, "not modelled with sliding-window or chunked-attention overrides"),
     ({"disable_hybrid_kv_cache_manager": True}, "not modelled with disable_hybrid_kv_cache_manager"),
@@ -216,8 +296,8 @@ def test_roofline_counts_the_state_traffic():
     """A decode step reads and writes every sequence's 36 states (2 x 36 x 274,432 B per sequence at
     TP 4) and runs no attention in the linear layers: its memory time grows by that per sequence."""
     spec = get_model_spec(QWEN3_NEXT)
-    flops, state = linear_attention_work(spec, 4)
-    assert state == 2 * 36 * 274432
+    flops, state, per_draft = linear_attention_work(spec, 4)
+    assert state == 2 * 36 * 274432 and per_draft == 0
     assert flops == 36 * 8 * (4 * 128 * 128 + 2 * 64 * 256)
     backend = make_backend("roofline", _config(tensor_parallel_size=4))
     _, _, b0_1, b1 = backend.decode_step_line(1)
@@ -283,8 +363,28 @@ def test_speculative_decoding_adds_a_state_block_per_draft_token():
     from simkv.core.scheduler import Scheduler
 
     assert Scheduler(config, 1000).kv_cache_manager.num_state_blocks == 9
-    _, state = linear_attention_work(spec, 4, 2)
-    assert state == (2 + 2) * 36 * 282624  # (a read, and a write after each of the 1 + K verified tokens)
+    _, state, per_draft = linear_attention_work(spec, 4, 2)
+    assert state == 2 * 36 * 282624 and per_draft == 36 * 282624  # (a read and a write, and one per draft)
+
+
+@pytest.mark.parametrize("method, k", [("mtp", 2), ("suffix", 24)])
+def test_roofline_writes_a_state_per_draft_verified(method, k):
+    """A step's state traffic is a read and a write per sequence plus a write per draft it
+    verifies, not per draft it could have had: a suffix proposal of 3 drafts costs 3 writes
+    whatever K is; the same step with no drafts costs none more."""
+    config = _config(tensor_parallel_size=4, speculative_method=method, num_speculative_tokens=k,
+                     **({"spec_mean_draft_tokens": 4.0} if method == "suffix" else {}))
+    backend = make_backend("roofline", config)
+    target = getattr(backend, "inner", backend)
+    state = get_model_spec(QWEN3_NEXT).linear_state_bytes(4, k) * 36
+    assert (target.state_bytes_per_seq, target.state_bytes_per_draft) == (2 * state, state)
+    seqs = 8
+    base = target._time(seqs, seqs, 1000, 1000, max)
+    for drafts in (3, 3 * seqs):
+        extra = target._time(seqs + drafts, seqs, 1000, 1000, max, draft_tokens=drafts) - target._time(
+            seqs + drafts, seqs, 1000, 1000, max)
+        assert extra == pytest.approx(drafts * state / target.byte_rate, rel=1e-9)
+    assert target._time(seqs, seqs, 1000, 1000, max, draft_tokens=0) == base
 
 
 def test_data_parallel_ranks_read_their_states():
@@ -301,6 +401,24 @@ def test_data_parallel_ranks_read_their_states():
     backend.state_bytes_per_seq = 0.0
     without = backend.dp_step_seconds([decode, decode])
     assert with_states - without == pytest.approx(64 * states / backend.byte_rate, rel=1e-6)
+
+
+def test_data_parallel_ranks_write_a_state_per_draft_they_verify():
+    """Under MTP a lockstep step's slowest rank pays a state write per draft it verifies: 64
+    drafts on one rank lengthen the step by their writes, whichever rank has them."""
+    from dataclasses import replace
+
+    from tests.core.helpers import make_step
+
+    config = _config(tensor_parallel_size=2, data_parallel_size=2, speculative_method="mtp", num_speculative_tokens=2)
+    target = make_backend("roofline", config).inner
+    decode = make_step(decodes=64, context=64 * 2000)
+    verifying = replace(decode, num_draft_tokens=64)
+    per_draft = 36 * get_model_spec(QWEN3_NEXT).linear_state_bytes(2, 2)
+    assert target.state_bytes_per_draft == per_draft
+    base = target.dp_step_seconds([decode, decode])
+    for ranks in ([verifying, decode], [decode, verifying]):
+        assert target.dp_step_seconds(ranks) - base == pytest.approx(64 * per_draft / target.byte_rate, rel=1e-6)
 
 
 def test_pd_disaggregation_leaves_the_last_prompt_token_to_the_decode_side():

@@ -100,6 +100,28 @@ def test_errors_are_one_clean_line(args, text):
     assert res.output.count("\n") == 1 and "Traceback" not in res.output
 
 
+def test_concurrency_of_shorter_requests():
+    """--request-tokens: vLLM's concurrency line asked of shorter requests, in whole blocks (1,370
+    tokens hold 86 blocks of 16, the last partly empty), in the JSON and the table."""
+    rep = as_json("--request-tokens", "1370", "--request-tokens", "8192")
+    short, full = rep["request_concurrency"]
+    assert (short["tokens"], short["blocks_per_request"]) == (1370, 86) and full["blocks_per_request"] == 512
+    assert short["max_concurrency"] == rep["num_gpu_blocks"] / 86
+    assert full["max_concurrency"] == pytest.approx(rep["max_concurrency"])  # (max_model_len: vLLM's own line)
+    table = run("--request-tokens", "1370").output
+    assert f"{rep['num_gpu_blocks'] / 86:,.2f}x (86)" in table
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--request-tokens", "8193"], "--request-tokens 8193 must be 1 to max_model_len (8,192)"),
+    (["--request-tokens", "0"], "--request-tokens 0 must be 1 to max_model_len"),
+    (["--request-tokens", "100", "--layouts", "2"], "--request-tokens is for one layout"),
+])
+def test_request_tokens_errors(args, text):
+    res = run(*args)
+    assert res.exit_code == 1 and text in res.output and "Traceback" not in res.output
+
+
 def test_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: llama-3-70b\ntensor_parallel_size: 4\nmax_model_len: 4096\n")
