@@ -57,6 +57,13 @@ def suffix_options(rng, opts: dict) -> None:
     opts.pop("spec_draft_model", None)
 
 
+def ngram_miss_options(rng, opts: dict) -> None:
+    """ngram drafts whose prompt lookup finds a match at a rate of 0, 0.3 or 0.7."""
+    oracle_vllm.random_spec_options(rng, opts)
+    opts |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
+    opts.pop("spec_draft_model", None)
+
+
 def make_case(rng, speculative: bool = False, align: bool = False, replies: bool = False,
               suffix: bool = False, ngram_misses: bool = False) -> dict:
     block_size = int(rng.choice([16, 32]))
@@ -74,9 +81,7 @@ def make_case(rng, speculative: bool = False, align: bool = False, replies: bool
     if suffix:
         suffix_options(rng, opts)
     elif ngram_misses:
-        oracle_vllm.random_spec_options(rng, opts)
-        opts |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
-        opts.pop("spec_draft_model", None)
+        ngram_miss_options(rng, opts)
     elif speculative and rng.random() < 0.6:  # ngram drafts, or an MTP layer (in the full-attention group)
         oracle_vllm.random_spec_options(rng, opts)
         opts["speculative_method"] = str(rng.choice(["ngram", "mtp"]))

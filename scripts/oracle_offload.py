@@ -433,8 +433,8 @@ def run_vllm(case: dict) -> dict:
         sampled, _ = oracle_vllm.sampled_tokens(v.sched, so, req_ids, v.accept)
         oracle_vllm.take_aborts(v.sched, aborts, k, "output")
         v.process(so, sampled, k, k)
-        if v.accept is not None:
-            oracle_vllm.propose_drafts(v.sched, so, req_ids)
+        if v.accept is not None:  # (an ngram miss proposes none, a suffix proposal its drawn length)
+            oracle_vllm.propose_drafts(v.sched, so, req_ids, v.accept)
         return row, not v.sched.has_requests() and not v.due
 
     return v.result(_step_loop(case["requests"], step))

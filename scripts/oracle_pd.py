@@ -11,7 +11,9 @@ with `--hybrid`, the KV-cache groups of models with sliding-window layers, as
 scripts/oracle_hybrid.py forms them, with a connector that supports vLLM's hybrid manager as
 NIXL does, and ngram as the speculative method; with `--linear`, oracle_linear.py's models with
 linear-attention layers, the connector backing off the prompt's last token as NIXL does for
-Mamba layers, drafts ngram or MTP). Each
+Mamba layers, drafts ngram or MTP; with `--suffix`, suffix decoding in every case, proposals of
+drawn lengths, as oracle_linear.py draws it; with `--ngram-misses`, ngram drafts found at a rate
+of 0, 0.3 or 0.7). Each
 pull's read ends in the output of the step `latency - 1` after the one that admitted it, and
 each send is released `latency` steps after its finish, on both sides. Every step's scheduled
 tokens, running and waiting requests and blocks in use, and every request's first-token and
@@ -36,8 +38,10 @@ PLAIN, SEND, PULL = 0, 1, 2
 
 # ---- cases ------------------------------------------------------------------------------------
 def make_case(rng, speculative: bool = False, hybrid: bool = False, async_scheduling: bool = False,
-              linear: bool = False, align: bool = False, replies: bool = False, chunked: bool = False) -> dict:
-    case = _make_case(rng, speculative, hybrid or chunked, async_scheduling, linear, align, chunked)
+              linear: bool = False, align: bool = False, replies: bool = False, chunked: bool = False,
+              drafter: str | None = None) -> dict:
+    """`drafter`: "suffix" (--suffix) or "ngram_misses" (--ngram-misses) drafts in every case."""
+    case = _make_case(rng, speculative, hybrid or chunked, async_scheduling, linear, align, chunked, drafter)
     if replies:  # (chat sessions whose next turns repeat the replies; plain and pulled, after the other draws)
         import oracle_vllm
 
@@ -51,7 +55,7 @@ def make_case(rng, speculative: bool = False, hybrid: bool = False, async_schedu
 
 
 def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, linear: bool, align: bool,
-               chunked: bool = False) -> dict:
+               chunked: bool = False, drafter: str | None = None) -> dict:
     block_size = int(rng.choice([16, 32] if linear else [4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 50))
@@ -71,7 +75,11 @@ def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, lin
 
     opts = random_engine_options(rng, block_size, max_model_len)
     opts["reserve_full_isl"] = bool(rng.random() < 0.7)
-    if speculative and rng.random() < 0.6:  # speculative decoding on the engine (as oracle_spec.py's)
+    if drafter is not None:  # (every case: suffix decoding as oracle_linear.py draws it, or ngram's misses)
+        from oracle_linear import ngram_miss_options, suffix_options
+
+        (suffix_options if drafter == "suffix" else ngram_miss_options)(rng, opts)
+    elif speculative and rng.random() < 0.6:  # speculative decoding on the engine (as oracle_spec.py's)
         from oracle_vllm import random_spec_options
 
         random_spec_options(rng, opts)
@@ -83,7 +91,7 @@ def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, lin
     if async_scheduling:
         opts["async_scheduling"] = True
     if linear:
-        return _linear_case(rng, opts, requests, speculative, async_scheduling, align)
+        return _linear_case(rng, opts, requests, speculative, async_scheduling, align, drafter is not None)
     if not hybrid:
         return {"opts": opts, "requests": requests}
     # sliding-window layers (oracle_hybrid.py's layer patterns): vLLM's hybrid manager with NIXL (HMA)
@@ -109,15 +117,17 @@ def _make_case(rng, speculative: bool, hybrid: bool, async_scheduling: bool, lin
             "group_chunked": config.kv_cache_groups.chunked}
 
 
-def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_scheduling: bool, align: bool) -> dict:
+def _linear_case(rng, opts: dict, requests: list, speculative: bool, async_scheduling: bool, align: bool,
+                 drafter_given: bool = False) -> dict:
     """oracle_linear.py's models (Mamba groups beside a full-attention group) and, with `align`,
-    its prefix-caching options; drafts are ngram or MTP (MTP alone under async scheduling)."""
+    its prefix-caching options; drafts are ngram or MTP (MTP alone under async scheduling), or
+    the drafter `make_case` was given."""
     from oracle_linear import MODELS, prefix_caching_options
     from simkv.capacity import group_blocks_per_request
 
     opts["model"] = str(rng.choice(MODELS))
     prefix_caching_options(rng, opts, align)
-    if opts.get("speculative_method"):  # (ngram or MTP; MTP alone under async scheduling)
+    if opts.get("speculative_method") and not drafter_given:  # (ngram or MTP; MTP alone under async scheduling)
         opts["speculative_method"] = "mtp" if async_scheduling else str(rng.choice(["ngram", "mtp"]))
         opts.pop("spec_draft_model", None)
     flat = dict(opts, scheduler_reserve_full_isl=opts["reserve_full_isl"])
@@ -363,8 +373,8 @@ def run_vllm(case: dict) -> dict:
         sampled, _ = oracle_vllm.sampled_tokens(sched, so, req_ids, pd.accept)
         oracle_vllm.take_aborts(sched, aborts, k, "output")
         pd.process(so, sampled, k, k)
-        if pd.accept is not None:
-            oracle_vllm.propose_drafts(sched, so, req_ids)
+        if pd.accept is not None:  # (an ngram miss proposes none, a suffix proposal its drawn length)
+            oracle_vllm.propose_drafts(sched, so, req_ids, pd.accept)
         return row, not sched.has_requests() and not pd.due_send
 
     result = _step_loop(case["requests"], step)
@@ -488,15 +498,18 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
                                 linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True,
-                                chunked_flag=True, dflash_flag=True, mtp_modules_flag=True)
+                                chunked_flag=True, dflash_flag=True, mtp_modules_flag=True, ngram_misses_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
         sys.exit("--aborts with --replies: an aborted turn's conversation ends (oracle_fuzz.py --timeouts --replies)")
     import numpy as np
     rng = np.random.default_rng(a.seed)
-    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies, a.chunked)
-             for _ in range(a.cases)]
+    if (a.suffix or a.ngram_misses) and a.async_scheduling:
+        sys.exit("--suffix, --ngram-misses: vLLM refuses host-proposed drafts under async scheduling")
+    drafter = "suffix" if a.suffix else "ngram_misses" if a.ngram_misses else None
+    cases = [make_case(rng, a.speculative, a.hybrid, a.async_scheduling, a.linear, a.align, a.replies, a.chunked,
+                       drafter) for _ in range(a.cases)]
     if a.dflash and (a.hybrid or a.linear or a.chunked):
         sys.exit("--dflash: dflash is modelled with standard-attention targets")
     oracle_vllm.option_cases(a, cases)
