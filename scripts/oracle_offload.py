@@ -33,6 +33,8 @@ after the one that admitted it), mixed in one engine as oracle_pd.py mixes them.
 --no-tier, NIXL alone (no tier: P/D under pipeline stages, --pp).
 
 --draft-model (with --speculative): a draft model (tiny-llama's layers) in every speculative case.
+--suffix / --ngram-misses: suffix decoding (proposals of drawn lengths) or ngram drafts found at a
+rate of 0, 0.3 or 0.7 in every case (synchronous engines: vLLM refuses them under async scheduling).
 
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
@@ -55,9 +57,11 @@ _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's b
 def make_case(rng, async_scheduling: bool = False, chunks: bool = False, speculative: bool = False,
               policy: str | None = None, store_threshold: bool = False, replies: bool = False,
               aborts: bool = False, hybrid: bool = False, chunked: bool = False, pp: bool = False,
-              linear: bool = False, pd: bool | str = False, draft_model: bool = False, lora: bool = False) -> dict:
+              linear: bool = False, pd: bool | str = False, draft_model: bool = False, lora: bool = False,
+              drafter: str | None = None) -> dict:
     """A random case; `pd`: P/D roles beside the tier, "no-tier" without one; `lora`: requests
-    name LoRA adapters (or the base model), max_loras 1 to 3."""
+    name LoRA adapters (or the base model), max_loras 1 to 3; `drafter`: "suffix" (--suffix) or
+    "ngram_misses" (--ngram-misses) drafts in every case."""
     block_size = int(rng.choice([4, 8, 16]))
     max_model_len = int(rng.choice([64, 128, 256]))
     n = int(rng.integers(3, 60))
@@ -81,7 +85,11 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
     if pp:  # (pipeline stages: drafts only under async scheduling, as vLLM's PP allows them)
         opts["pipeline_parallel_size"] = int(rng.choice([2, 3, 4]))
         speculative = speculative and async_scheduling
-    if speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; a draft model only with --draft-model)
+    if drafter is not None:  # (every case: suffix decoding as oracle_linear.py draws it, or ngram's misses)
+        from oracle_linear import ngram_miss_options, suffix_options
+
+        (suffix_options if drafter == "suffix" else ngram_miss_options)(rng, opts)
+    elif speculative and rng.random() < 0.6:  # (as oracle_spec.py plays it; a draft model only with --draft-model)
         from oracle_vllm import random_spec_options
         random_spec_options(rng, opts)
         if draft_model:  # (--draft-model: a draft model in every speculative case)
@@ -118,7 +126,7 @@ def make_case(rng, async_scheduling: bool = False, chunks: bool = False, specula
 
         case["aborts"] = random_aborts(rng, case["requests"])
     if linear:  # (after the other draws: a seed's cases are those without it, on linear-attention models)
-        _linear_groups(rng, case)
+        _linear_groups(rng, case, keep_drafter=drafter is not None)
         if replies:
             from oracle_vllm import after_previous_turns
 
@@ -183,7 +191,7 @@ def _hybrid_groups(rng, case: dict, chunked: bool = False) -> None:
         case["group_chunked"] = True
 
 
-def _linear_groups(rng, case: dict) -> None:
+def _linear_groups(rng, case: dict, keep_drafter: bool = False) -> None:
     """oracle_linear.py --align's models and settings (its tiny Gated DeltaNet and Mamba2 configs,
     Mamba prefix caching: chunked prefill, GDN prefill on FlashInfer's kernel or Triton's), retention
     0, none or a multiple of the chunk, a pool that holds a max_model_len request; drafts MTP or ngram."""
@@ -193,7 +201,7 @@ def _linear_groups(rng, case: dict) -> None:
     from simkv.config import EngineConfig
 
     opts = case["opts"]
-    if opts.get("speculative_method"):  # (--speculative: MTP, or ngram drafts where vLLM takes them)
+    if opts.get("speculative_method") and not keep_drafter:  # (--speculative: MTP, or ngram where vLLM takes it)
         opts["speculative_method"] = "mtp" if opts.get("async_scheduling") else str(rng.choice(["ngram", "mtp"]))
         opts.pop("spec_draft_model", None)
     opts["block_size"] = int(rng.choice([16, 32]))
@@ -525,16 +533,20 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
                                 aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True,
-                                linear_flag=True, roles_flag=True, mtp_modules_flag=True)
+                                linear_flag=True, roles_flag=True, mtp_modules_flag=True, ngram_misses_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
         sys.exit("--aborts with --replies: an aborted turn's conversation ends (oracle_fuzz.py --timeouts --replies)")
     import numpy as np
     rng = np.random.default_rng(a.seed)
+    if (a.suffix or a.ngram_misses) and (a.async_scheduling or a.pp):
+        sys.exit("--suffix, --ngram-misses: vLLM refuses host-proposed drafts under async scheduling (and so PP)")
+    drafter = "suffix" if a.suffix else "ngram_misses" if a.ngram_misses else None
     cases = [make_case(rng, a.async_scheduling, a.chunks, a.speculative, a.policy, a.store_threshold, a.replies,
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
-                       "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora) for _ in range(a.cases)]
+                       "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora, drafter)
+             for _ in range(a.cases)]
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
