@@ -111,6 +111,21 @@ def request_concurrency(config: EngineConfig, capacity: Capacity, num_tokens: in
     return blocks, capacity.num_gpu_blocks / blocks
 
 
+def resident_weight_bytes(config: EngineConfig) -> float:
+    """The target model's weights on one GPU (without pipeline stages), less what
+    --cpu-offload-gb keeps in host memory."""
+    hw = config.hardware
+    weights = hw.model_spec().weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
+    return weights - offloaded_weight_bytes(config, weights)
+
+
+def offloaded_weight_bytes(config: EngineConfig, weights: float) -> float:
+    """Of `weights` bytes on a GPU, those vLLM's --cpu-offload-gb keeps in host memory instead:
+    that many GiB, at most all of them (its UVA offloader takes parameters until the limit; taken
+    as exactly the limit, not the parameter boundary below it)."""
+    return min(config.cache.cpu_offload_gb * GIB, weights)
+
+
 def activation_reserve_bytes(config: EngineConfig) -> int:
     spec = config.hardware.model_spec()
     tp = config.hardware.tensor_parallel_size
@@ -168,6 +183,7 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)
         else:
             stage_block = (block_bytes - draft_block) * n // spec.num_layers + (draft_block if last else 0)
+        weights -= offloaded_weight_bytes(config, weights)  # (--cpu-offload-gb: per GPU, each stage's)
         stages.append((n, int(weights + (draft_weights if last else 0)), stage_block))
     return stages
 
@@ -252,12 +268,12 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         available = cc.num_gpu_blocks * block_bytes
         num_blocks = cc.num_gpu_blocks
     elif cc.kv_cache_memory_bytes is not None:  # (vLLM's --kv-cache-memory-bytes: gpu_memory_utilization ignored)
-        weights = spec.weight_bytes_per_gpu(tp, config.hardware.data_parallel_size) + draft_weights
+        weights = resident_weight_bytes(config) + draft_weights
         _check_given_kv_memory(config, weights + (lora_bytes or 0))
         available = cc.kv_cache_memory_bytes
         num_blocks = available // block_bytes
     else:
-        weights = spec.weight_bytes_per_gpu(tp, config.hardware.data_parallel_size) + draft_weights
+        weights = resident_weight_bytes(config) + draft_weights
         available = int(gpu.memory_bytes * cc.gpu_memory_utilization - weights - activation_reserve_bytes(config)
                         - (lora_bytes or 0))
         if available <= 0:

@@ -50,6 +50,10 @@ class CacheConfig:
     allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
     swap_space: float = 4.0  # GiB of CPU swap space per GPU (vLLM v0's --swap-space), used by preemption_mode=swap
     pcie_bandwidth_gbs: float = 63.0  # host<->GPU bytes per second (GB/s) for swapping and offloading (PCIe Gen5 x16)
+    # vLLM's --cpu-offload-gb (its UVA weight offloading): GiB of each GPU's weights kept in pinned
+    # host memory, which leaves that much more for the KV cache, and which every forward pass reads
+    # over the host link (capacity.offloaded_weight_bytes, the roofline's weight traffic)
+    cpu_offload_gb: float = 0.0
     # GiB of CPU memory for KV offloading, over all GPUs of the engine (vLLM's --kv-offloading-size
     # with its native backend; each data-parallel rank is an engine with a tier of its own);
     # None: no offloading (core/kv_offload.py)
@@ -70,6 +74,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.swap_space < 0 or self.pcie_bandwidth_gbs <= 0:
             raise ConfigError(f"swap_space must be >= 0 and pcie_bandwidth_gbs > 0, got {self.swap_space}, {self.pcie_bandwidth_gbs}")
+        if self.cpu_offload_gb < 0:
+            raise ConfigError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.allocator not in ("paged", "contiguous"):
             raise ConfigError(f"allocator must be 'paged' or 'contiguous', got '{self.allocator}'")
         if self.block_size < 1:

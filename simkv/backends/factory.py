@@ -41,6 +41,9 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
+        if config.cache.cpu_offload_gb:
+            raise ValueError(f"--cost-model {name}: a calibration times steps with every weight in GPU memory; "
+                             "--cpu-offload-gb's reads over the host link are the roofline's")
         if config.hardware.quantization or config.hardware.decode_context_parallel_size > 1:
             what = ("--quantization " + config.hardware.quantization if config.hardware.quantization
                     else "decode context parallelism")
@@ -53,6 +56,19 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
         return cost_model_from_file(name, model=config.hardware.model, gpu=config.hardware.gpu,
                                     step_noise=step_noise, noise_seed=noise_seed)
     raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")
+
+
+def weight_offload_share(config: EngineConfig) -> float:
+    """The share of a GPU's weights --cpu-offload-gb keeps in host memory (0 without); under
+    pipeline stages, of a stage's GPU, its layers taken as an even share."""
+    if not config.cache.cpu_offload_gb:
+        return 0.0
+    from simkv.capacity import offloaded_weight_bytes
+
+    hw = config.hardware
+    weights = hw.model_spec().weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
+    weights /= hw.pipeline_parallel_size
+    return offloaded_weight_bytes(config, weights) / weights
 
 
 def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from: dict | None = None) -> RooflineCostModel:
@@ -70,6 +86,8 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size),
                               dp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.data_parallel_size),
                               indexer_tp_shard_min_rows=config.attention.indexer_tp_shard_min_rows,
+                              weight_offload_share=weight_offload_share(config),
+                              pcie_gbs=config.cache.pcie_bandwidth_gbs,
                               **(params or {}))
     if fitted_from is not None:
         model.fitted_from = fitted_from

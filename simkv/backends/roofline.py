@@ -81,10 +81,15 @@ class RooflineCostModel:
         tp_link_gbs: float | None = None,
         dp_link_gbs: float | None = None,
         indexer_tp_shard_min_rows: int = 65536,
+        weight_offload_share: float = 0.0,
+        pcie_gbs: float = 63.0,
     ) -> None:
         """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
         expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
-        HardwareConfig.link_gbs gives the network's for groups larger than a node)."""
+        HardwareConfig.link_gbs gives the network's for groups larger than a node).
+        `weight_offload_share`: the share of each GPU's weights vLLM's --cpu-offload-gb keeps in
+        host memory; the kernels read that share of every weight read over the host link
+        (`pcie_gbs`) instead of from GPU memory (`_offload_weights`)."""
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
         self.params = dict(compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
@@ -179,6 +184,23 @@ class RooflineCostModel:
         self.window_counts = layer_window_counts(layer_windows) if layer_windows and any(layer_windows) else None
         self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
         self._lora_setup(lora_rank, lora_kernel_s)
+        self.weight_offload: dict | None = None
+        if weight_offload_share:
+            self._offload_weights(weight_offload_share, pcie_gbs)
+
+    def _offload_weights(self, share: float, pcie_gbs: float) -> None:
+        """vLLM's UVA weight offloading (--cpu-offload-gb): the kernels read the offloaded share
+        of the weights from pinned host memory over the host link, once per forward pass (taken
+        as once: a large prefill's matmul may read a weight tile more than once, so steps that
+        are long in tokens may cost more). Priced as weight bytes at the host link's rate in
+        place of the GPU memory's: each weight read's bytes count (1 - share) + share x
+        (GPU memory rate / host link rate) times in the memory term."""
+        factor = 1.0 - share + share * self.byte_rate / (pcie_gbs * 1e9)
+        self.weight_offload = {"share": share, "pcie_gbs": pcie_gbs, "weight_read_factor": factor}
+        self.weight_bytes *= factor
+        self.expert_bytes *= factor
+        if self.dp > 1:
+            self.expert_bytes_per_rank *= factor
 
     def _sparse_setup(self, kv_dtype_bytes: int, num_speculative_tokens: int, shard_min_rows: int | None,
                       tp_link_gbs: float | None, allreduce_latency_s: float) -> None:
@@ -506,7 +528,8 @@ class RooflineCostModel:
 
     def describe(self) -> dict:
         return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
-                "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {})}
+                "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {}),
+                **({"weight_offload": self.weight_offload} if self.weight_offload else {})}
 
 
 _LINEAR_CHUNK = 64  # the chunk of vLLM's chunked Gated DeltaNet and Mamba2 (SSD) prefill kernels

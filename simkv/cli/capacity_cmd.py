@@ -6,7 +6,8 @@ import json
 
 import click
 
-from simkv.capacity import GIB, compute_capacity, kv_bytes_per_token, request_concurrency
+from simkv.capacity import (GIB, compute_capacity, kv_bytes_per_token, offloaded_weight_bytes, request_concurrency,
+                             resident_weight_bytes)
 from simkv.cli.replay_cmd import ByteCount, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
@@ -45,7 +46,11 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
     if config.hardware.quantization:
         extra["quantization"] = config.hardware.quantization
     pp = config.hardware.pipeline_parallel_size
-    weights_per_gpu = int(spec.weight_bytes_per_gpu(tp, dp))
+    weights_per_gpu = int(resident_weight_bytes(config))
+    if config.cache.cpu_offload_gb and pp == 1:  # (vLLM's --cpu-offload-gb, per GPU; under PP each stage's GPUs)
+        offloaded = offloaded_weight_bytes(config, spec.weight_bytes_per_gpu(tp, dp))
+        extra["cpu_offload"] = {"cpu_offload_gb": config.cache.cpu_offload_gb,
+                                "offloaded_weight_bytes_per_gpu": int(offloaded)}
     if pp > 1:  # (per GPU: the figures of the stage with the fewest blocks, which every stage gets)
         extra["pipeline"] = {"pipeline_parallel_size": pp, "layers_per_stage": list(cap.pipeline_layers),
                              "binding_stage": cap.pipeline_binding_stage}
@@ -150,8 +155,8 @@ def print_report(rep: dict) -> None:
         (f"KV per {rep['max_model_len']:,}-token request per GPU", _bytes(rep["kv_bytes_per_request_per_gpu"])),
         ("bytes per block per GPU", f"{rep['block_bytes_per_gpu']:,} B"),
         ("max_num_seqs / max_num_batched_tokens", f"{rep['max_num_seqs']:,} / {rep['max_num_batched_tokens']:,}"),
-        ("weights per GPU" + (f" ({rep['quantization']})" if rep.get("quantization") else ""),
-         _bytes(rep["weight_bytes_per_gpu"])),
+        ("weights per GPU" + (f" ({rep['quantization']})" if rep.get("quantization") else "")
+         + (" (in GPU memory)" if rep.get("cpu_offload") else ""), _bytes(rep["weight_bytes_per_gpu"])),
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
@@ -220,6 +225,10 @@ def print_report(rep: dict) -> None:
                                             "linear-attention group stores (those the GPU prefix cache keeps)"))
         else:
             rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
+    if rep.get("cpu_offload"):
+        off = rep["cpu_offload"]
+        rows.append(("weights per GPU in host memory (--cpu-offload-gb), read every forward",
+                     _bytes(off["offloaded_weight_bytes_per_gpu"])))
     each = " each rank" if rep.get("data_parallel_size") else ""
     for r in rep.get("request_concurrency", ()):
         rows.append((f"at once{each}: requests of {r['tokens']:,} tokens (blocks)",
@@ -274,6 +283,8 @@ def print_report(rep: dict) -> None:
 @click.option("--kv-offloading-block-size", type=int, default=None,
               help="Tokens per CPU-tier chunk, a multiple of --block-size [default: one GPU block]")
 @click.option("--pcie-bandwidth-gbs", type=float, default=None, help="host<->GPU bandwidth, GB/s [default: 63]")
+@click.option("--cpu-offload-gb", type=float, default=None, metavar="GIB",
+              help="vLLM's: GiB of each GPU's weights kept in host memory, freeing that much for the KV cache")
 @click.option("--speculative-method", type=click.Choice(SPEC_METHODS),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)
@@ -377,7 +388,7 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
                     continue
                 rows.append(row | {"fits": False, "why": str(exc)})
                 continue
-            weights = cap.pipeline_stage_weight_bytes if pp > 1 else int(spec.weight_bytes_per_gpu(tp, dp))
+            weights = cap.pipeline_stage_weight_bytes if pp > 1 else int(resident_weight_bytes(config))
             rows.append(row | {"fits": True, "weight_bytes_per_gpu": weights,
                                "available_kv_bytes_per_gpu": cap.available_kv_bytes,
                                "num_gpu_blocks": cap.num_gpu_blocks, "block_size": cap.block_size,

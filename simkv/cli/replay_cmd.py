@@ -34,7 +34,7 @@ _ENGINE_FLAGS = {
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
     "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
-    "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs",
+    "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs", "cpu_offload_gb": "cpu_offload_gb",
     "parallel_sampling": "parallel_sampling",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
@@ -316,7 +316,10 @@ _ENGINE_OPTIONS = [
                       "the prefix cache) or fork (vLLM v0: sequences forked after the prompt, copy-on-write) "
                       "[default: fan_out]"),
     click.option("--pcie-bandwidth-gbs", type=float, default=None,
-                 help="host<->GPU bandwidth for swapping and KV offloading, GB/s [default: 63]"),
+                 help="host<->GPU bandwidth for swapping, KV offloading and --cpu-offload-gb, GB/s [default: 63]"),
+    click.option("--cpu-offload-gb", type=float, default=None, metavar="GIB",
+                 help="vLLM's: GiB of each GPU's weights kept in host memory (UVA), which frees that much for the "
+                      "KV cache and is read over the host link every forward pass (roofline) [default: 0]"),
     click.option("--kv-offloading-size", type=float, default=None,
                  help="GiB of CPU memory for KV offloading over the engine's GPUs (vLLM's native backend) [default: off]"),
     click.option("--kv-offloading-block-size", type=int, default=None,
@@ -492,6 +495,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     if disaggregation is not None:
         check_pools(disaggregation, config)
+    if backend == "gpu" and config.cache.cpu_offload_gb:
+        raise click.UsageError("--cpu-offload-gb is simulated only: the gpu backend keeps every weight on the device")
     if backend == "gpu" and config.speculative.enabled:
         raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
     if backend == "gpu":
