@@ -46,22 +46,15 @@ def prefix_caching_options(rng, opts: dict, align: bool) -> None:
 
 
 def suffix_options(rng, opts: dict) -> None:
-    """Suffix decoding (as oracle_spec.py --suffix draws it): K 4 to 12, proposals of 1.5 to
-    K - 1 drafts on average, matches at a rate of 0.5 to 1; the oracle's n-gram config stands in."""
+    """Random speculative options, then suffix decoding (oracle_vllm.suffix_drafter)."""
     oracle_vllm.random_spec_options(rng, opts)
-    k = int(rng.integers(4, 13))
-    opts |= {"speculative_method": "suffix", "num_speculative_tokens": k,
-             "spec_mean_draft_tokens": round(float(rng.uniform(1.5, k - 1)), 2),
-             "spec_ngram_match_rate": float(rng.choice([0.5, 0.8, 1.0])),
-             "max_num_batched_tokens": max(opts["max_num_batched_tokens"], k + 1)}
-    opts.pop("spec_draft_model", None)
+    oracle_vllm.suffix_drafter(rng, opts)
 
 
 def ngram_miss_options(rng, opts: dict) -> None:
-    """ngram drafts whose prompt lookup finds a match at a rate of 0, 0.3 or 0.7."""
+    """Random speculative options, then ngram drafts with misses (oracle_vllm.ngram_miss_drafter)."""
     oracle_vllm.random_spec_options(rng, opts)
-    opts |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
-    opts.pop("spec_draft_model", None)
+    oracle_vllm.ngram_miss_drafter(rng, opts)
 
 
 def make_case(rng, speculative: bool = False, align: bool = False, replies: bool = False,

@@ -197,16 +197,10 @@ def main() -> None:
     cases = [make_case(rng, a.aborts) for _ in range(a.cases)]
     if a.ngram_misses:  # (drawn after the cases: without the flag a seed gives the same cases)
         for case in cases:
-            case["opts"] |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
-            case["opts"].pop("spec_draft_model", None)
-    if a.suffix:  # (likewise): K 4 to 12, proposals of 1.5 to K - 1 drafts on average, some misses
+            oracle_vllm.ngram_miss_drafter(rng, case["opts"])
+    if a.suffix:  # (likewise)
         for case in cases:
-            k = int(rng.integers(4, 13))
-            case["opts"] |= {"speculative_method": "suffix", "num_speculative_tokens": k,
-                             "spec_mean_draft_tokens": round(float(rng.uniform(1.5, k - 1)), 2),
-                             "spec_ngram_match_rate": float(rng.choice([0.5, 0.8, 1.0]))}
-            for key in ("spec_draft_model", "spec_tokens_per_batch_size"):
-                case["opts"].pop(key, None)
+            oracle_vllm.suffix_drafter(rng, case["opts"])
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))

@@ -91,6 +91,25 @@ def random_spec_options(rng, opts: dict) -> None:
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], opts["num_speculative_tokens"] + 1)
 
 
+def suffix_drafter(rng, opts: dict) -> None:
+    """Suffix decoding for a case (`opts` gains it): K 4 to 12, proposals of 1.5 to K - 1 drafts
+    on average, matches at a rate of 0.5, 0.8 or 1 (the oracle's n-gram config stands in for the
+    suffix proposer, which needs Arctic Inference)."""
+    k = int(rng.integers(4, 13))
+    opts |= {"speculative_method": "suffix", "num_speculative_tokens": k,
+             "spec_mean_draft_tokens": round(float(rng.uniform(1.5, k - 1)), 2),
+             "spec_ngram_match_rate": float(rng.choice([0.5, 0.8, 1.0])),
+             "max_num_batched_tokens": max(opts["max_num_batched_tokens"], k + 1)}
+    for key in ("spec_draft_model", "spec_tokens_per_batch_size"):
+        opts.pop(key, None)
+
+
+def ngram_miss_drafter(rng, opts: dict) -> None:
+    """ngram drafts for a case whose prompt lookup finds a match at a rate of 0, 0.3 or 0.7."""
+    opts |= {"speculative_method": "ngram", "spec_ngram_match_rate": float(rng.choice([0.0, 0.3, 0.7]))}
+    opts.pop("spec_draft_model", None)
+
+
 def option_cases(a, cases: list[dict]) -> None:
     """The cases' options as the flags of `mtp_modules_flag`, `dflash_flag` and
     `parallel_drafting_flag` ask (each absent where the oracle has none): prefix caching first,

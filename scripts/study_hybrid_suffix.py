@@ -12,15 +12,11 @@ speculative study's (assumptions, not measurements).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SIMKV = [str(Path(sys.executable).parent / "simkv")]  # the venv's entry point
-TRACE = ROOT / "traces" / "azure_conv_slice.parquet"
+from study_runs import replay_summary, scaled_trace  # (scripts/ is on sys.path when run as a script)
+
 MATCH = ["--spec-ngram-match-rate", "0.27"]
 DRAFTERS = {
     "none": [],
@@ -57,14 +53,9 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for load in a.loads.split(","):
-            trace = Path(tmp) / f"x{load}.parquet"
-            subprocess.run(SIMKV + ["trace", "transform", str(TRACE), "--time-scale", repr(1 / float(load)),
-                                    "--out", str(trace)], check=True, capture_output=True)
+            trace = scaled_trace(Path(tmp), load)
             for name, options in DRAFTERS.items():
-                out = Path(tmp) / "run"
-                subprocess.run(SIMKV + ["replay", str(trace), "--out", str(out), "--quiet"] + engine + options,
-                               check=True)
-                summary = json.loads((out / "summary.json").read_text())
+                summary = replay_summary(trace, engine + options, Path(tmp))
                 print("| " + " | ".join([f"{load}x" if name == "none" else "", name] + row(summary)) + " |")
 
 

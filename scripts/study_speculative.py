@@ -10,15 +10,11 @@ it: not the CPU n-gram drafter) under async scheduling, and prints one markdown 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SIMKV = [str(Path(sys.executable).parent / "simkv")]  # the venv's entry point
-TRACE = ROOT / "traces" / "azure_conv_slice.parquet"
+from study_runs import replay_summary, scaled_trace  # (scripts/ is on sys.path when run as a script)
+
 SETUPS = {
     "no speculation": [],
     "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--spec-acceptance-rate", "0.3"],
@@ -47,18 +43,13 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for load in a.loads.split(","):
-            trace = Path(tmp) / f"x{load}.parquet"
-            subprocess.run(SIMKV + ["trace", "transform", str(TRACE), "--time-scale", repr(1 / float(load)),
-                                    "--out", str(trace)], check=True, capture_output=True)
+            trace = scaled_trace(Path(tmp), load)
             for name, options in SETUPS.items():
                 for mode in modes:
                     if mode == "async" and name == "ngram":
                         continue  # vLLM refuses async scheduling with its CPU n-gram drafter
-                    out = Path(tmp) / "run"
                     extra = ["--async-scheduling"] if mode == "async" else []
-                    subprocess.run(SIMKV + ["replay", str(trace), "--out", str(out), "--quiet"] + options + extra,
-                                   check=True)
-                    summary = json.loads((out / "summary.json").read_text())
+                    summary = replay_summary(trace, options + extra, Path(tmp))
                     print("| " + " | ".join([f"{load}x", name, mode] + row(summary)) + " |", flush=True)
 
 

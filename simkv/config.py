@@ -495,6 +495,13 @@ class AttentionConfig:
 SPEC_METHODS = ("ngram", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash")
 SUFFIX_MAX_TREE_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth: suffix decoding's default K
 _HOST_PROPOSERS = ("ngram", "suffix")  # drafts proposed on the host, from tokens alone: no draft network
+
+
+def num_speculative_tokens_in_force(method: str | None, k: int) -> int:
+    """K as given, or where it is not (0), vLLM's default if the method has one: suffix decoding's
+    tree depth ("Defaulted num_speculative_tokens to 24 for suffix decoding.")."""
+    return SUFFIX_MAX_TREE_DEPTH if method == "suffix" and k == 0 else k
+
 DFLASH_DEFAULT_LAYERS = 5  # (the published DFlash drafters': five target-shaped layers)
 _EAGLE_FAMILY = ("eagle", "eagle3", "mtp")
 _PARALLEL_DRAFTING = ("eagle", "eagle3", "draft_model")  # (P-EAGLE, PARD; vLLM's MTP modules draft in turn)
@@ -557,9 +564,8 @@ class SpeculativeConfig:
             return
         if method not in SPEC_METHODS:
             raise ConfigError(f"speculative_method must be one of {', '.join(SPEC_METHODS)}; got '{method}'")
-        if method == "suffix" and k == 0:  # (vLLM: "Defaulted num_speculative_tokens to 24 for suffix decoding.")
-            object.__setattr__(self, "num_speculative_tokens", SUFFIX_MAX_TREE_DEPTH)
-            k = SUFFIX_MAX_TREE_DEPTH
+        k = num_speculative_tokens_in_force(method, k)
+        object.__setattr__(self, "num_speculative_tokens", k)
         if k < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1 with speculative_method '{method}', got {k}")
         if not 0.0 <= self.spec_acceptance_rate <= 1.0:
@@ -930,6 +936,11 @@ class EngineConfig:
         return 1 + self.speculative.num_speculative_tokens
 
     @property
+    def state_blocks_per_request(self) -> int:
+        """`state_blocks_per_group` over all the linear-attention groups."""
+        return self.kv_cache_groups.num_linear_groups * self.state_blocks_per_group
+
+    @property
     def mamba_align(self) -> bool:
         """vLLM's mamba_cache_mode 'align', which it picks for a model with linear-attention layers
         when prefix caching is on (core/mamba_align.py); 'none' otherwise."""
@@ -1221,6 +1232,8 @@ class EngineConfig:
             out.update(dataclasses.asdict(part))
         if self.cache.kv_cache_memory_bytes is None:  # (only when given: configs without it read as before)
             del out["kv_cache_memory_bytes"]
+        if not self.cache.cpu_offload_gb:  # (likewise)
+            del out["cpu_offload_gb"]
         if self.hardware.data_parallel_size == 1:  # (only with data parallelism: configs without it read as before)
             del out["data_parallel_size"]
         if self.hardware.quantization is None:  # (likewise)
@@ -1334,9 +1347,8 @@ def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict,
         if not spec.linear_attention or tp < 1 or block_size < 1:
             return None
         kv_bytes = kv_dtype_bytes(cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
-        k = int(speculative.get("num_speculative_tokens", 0)) if speculative.get("speculative_method") else 0
-        if k == 0 and speculative.get("speculative_method") == "suffix":  # (SpeculativeConfig's default K)
-            k = SUFFIX_MAX_TREE_DEPTH
+        method = speculative.get("speculative_method")
+        k = num_speculative_tokens_in_force(method, int(speculative.get("num_speculative_tokens", 0))) if method else 0
         alignment = 1
         if spec.linear_attention == "gated_deltanet" and cache.get("enable_prefix_caching", CacheConfig().enable_prefix_caching):
             backend = gdn_prefill_backend(attention.get("gdn_prefill_backend", AttentionConfig().gdn_prefill_backend),

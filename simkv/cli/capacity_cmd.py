@@ -99,8 +99,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         page = cap.block_bytes // groups.layers_per_block
         extra["linear_attention"] = {"kind": spec.linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
                                      "page_bytes_per_layer": page,
-                                     # (each group's: the state, one per draft token under speculative decoding)
-                                     "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group}
+                                     "state_blocks_per_request": config.state_blocks_per_request}
     return {
         "model": config.hardware.model,
         "gpu": config.hardware.gpu,

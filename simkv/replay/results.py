@@ -316,7 +316,7 @@ def kv_cache_groups_summary(config, capacity=None) -> dict:
     if config.has_linear_attention:  # (a state per layer and request, padded to an attention layer's page)
         linear = section["linear_attention"] = {
             "kind": config.hardware.model_spec().linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
-            "state_blocks_per_request": groups.num_linear_groups * config.state_blocks_per_group,
+            "state_blocks_per_request": config.state_blocks_per_request,
             "mamba_cache_mode": "align" if config.mamba_align else "none"}
         if config.mamba_align:  # (whether the prefill kernels export states from inside a chunk)
             linear["prefill_checkpoints"] = config.mamba_prefill_checkpoints

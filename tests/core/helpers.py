@@ -430,6 +430,22 @@ def drive_steps_pipeline(case: dict, max_steps: int = 5000) -> dict:
     return result
 
 
+def count_failing(check, cases) -> int:
+    """How many of `cases` fail `check` (raise an AssertionError): what a mutation breaks."""
+    failing = 0
+    for case in cases:
+        try:
+            check(case)
+        except AssertionError:
+            failing += 1
+    return failing
+
+
+def k_drafts_at_every_match(self, index: int, position: int, k: int) -> int:
+    """A mutant of AcceptanceModel.num_proposed: K drafts at every match, not the drawn lengths."""
+    return k if self.always_matches or self.proposes(index, position) else 0
+
+
 def assert_same_steps_as_vllm(recorded: dict) -> dict:
     """A recorded step-mode oracle case ({"case", "vllm"}): simkv's steps and requests equal vLLM's
     (drive_steps' result is returned for further checks)."""

@@ -16,7 +16,7 @@ from simkv.replay.api import replay
 from simkv.traces.schema import read_trace, take_rows
 from tests.cli_runs import cli_fails
 from tests.core.helpers import (assert_decode_runs_change_no_bytes, assert_same_async_spec_steps_as_vllm,
-                                assert_same_steps_as_vllm, make_request)
+                                assert_same_steps_as_vllm, count_failing, make_request)
 
 DATA = Path(__file__).parent / "data" / "cadence_vllm_cases.json"
 ASYNC_DATA = Path(__file__).parent / "data" / "cadence_async_vllm_cases.json"
@@ -48,25 +48,17 @@ def test_async_cases_need_the_requests_whose_last_token_is_in_flight(monkeypatch
         not self._prefill_capacity_bound
         and self._num_executed_steps + 1 - self._last_prefill_step < self.prefill_interval
         and (self._num_decoders > 0 or any(not r.prefill_chunk for r in self._prefilling))))
-    broken = 0
-    for recorded in json.loads(ASYNC_DATA.read_text())["cases"]:
-        try:
-            assert_same_async_spec_steps_as_vllm(recorded)
-        except AssertionError:
-            broken += 1
+    broken = count_failing(assert_same_async_spec_steps_as_vllm, json.loads(ASYNC_DATA.read_text())["cases"])
     assert broken >= 2, broken
 
 
 def _broken(monkeypatch=None, **opts) -> int:
-    broken = 0
-    for recorded in _cases():
+    def with_opts(recorded: dict) -> None:
         recorded = copy.deepcopy(recorded)
         recorded["case"]["opts"] |= opts
-        try:
-            assert_same_steps_as_vllm(recorded)
-        except AssertionError:
-            broken += 1
-    return broken
+        assert_same_steps_as_vllm(recorded)
+
+    return count_failing(with_opts, _cases())
 
 
 def test_recorded_cases_depend_on_each_rule(monkeypatch) -> None:

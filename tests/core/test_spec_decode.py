@@ -10,7 +10,8 @@ import pytest
 from simkv.config import ConfigError, EngineConfig, SpeculativeConfig
 from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import AcceptanceModel
-from tests.core.helpers import (assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, drive_steps, drive_steps_async,
+from tests.core.helpers import (assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm, count_failing,
+                                k_drafts_at_every_match, drive_steps, drive_steps_async,
                                 drive_steps_pipeline,
                                 make_request)
 
@@ -334,13 +335,7 @@ def test_recorded_ngram_misses_depend_on_proposing_none(monkeypatch):
     breaks all eight."""
     monkeypatch.setattr(AcceptanceModel, "proposes", lambda self, index, position: True)
     cases = json.loads(NGRAM_MISS_DATA.read_text())["cases"]
-    broken = 0
-    for case in cases:
-        try:
-            assert_same_steps_as_vllm(case)
-        except AssertionError:
-            broken += 1
-    assert broken == len(cases)
+    assert count_failing(assert_same_steps_as_vllm, cases) == len(cases)
 
 
 SUFFIX_DATA = Path(__file__).parent / "data" / "spec_suffix_vllm_cases.json"
@@ -359,17 +354,8 @@ def test_suffix_decoding_same_steps_as_vllm(index):
 
 def test_recorded_suffix_cases_depend_on_the_proposal_lengths(monkeypatch):
     """Every recorded case needs the drawn lengths: K drafts at every match breaks all eight."""
-    def k_at_every_match(self, index, position, k):
-        return k if self.always_matches or self.proposes(index, position) else 0
-
-    monkeypatch.setattr(AcceptanceModel, "num_proposed", k_at_every_match)
-    broken = 0
-    for case in json.loads(SUFFIX_DATA.read_text())["cases"]:
-        try:
-            assert_same_steps_as_vllm(case)
-        except AssertionError:
-            broken += 1
-    assert broken == 8
+    monkeypatch.setattr(AcceptanceModel, "num_proposed", k_drafts_at_every_match)
+    assert count_failing(assert_same_steps_as_vllm, json.loads(SUFFIX_DATA.read_text())["cases"]) == 8
 
 
 @pytest.mark.parametrize("mean, k", [(1.0, 24), (2.5, 24), (6.0, 24), (3.0, 4), (4.0, 4)])

@@ -74,7 +74,7 @@ def test_replay_and_capacity_with_offloaded_weights(tmp_path):
         runs[bool(extra)] = json.loads((out / "summary.json").read_text())
     assert runs[True]["num_gpu_blocks"] > 6 * runs[False]["num_gpu_blocks"]
     assert runs[True]["itl_s"]["p50"] > 0.3 > runs[False]["itl_s"]["p50"] * 5
-    assert runs[True]["config"]["cpu_offload_gb"] == 20
+    assert runs[True]["config"]["cpu_offload_gb"] == 20 and "cpu_offload_gb" not in runs[False]["config"]
     offload = runs[True]["cost_model"]["weight_offload"]
     assert offload["pcie_gbs"] == 63.0 and 0.25 < offload["share"] < 0.35 and "weight_offload" not in runs[False]["cost_model"]
     cap = json.loads(CliRunner().invoke(main, ["capacity", *args, "--cpu-offload-gb", "20", "--json"]).output)

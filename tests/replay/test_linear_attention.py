@@ -100,18 +100,11 @@ def test_suffix_decoding_same_steps_as_vllm(index):
 def test_recorded_linear_suffix_cases_depend_on_the_proposal_lengths(monkeypatch):
     """K drafts at every match, instead of the drawn lengths, breaks all eight recorded cases."""
     from simkv.core.spec_decode import AcceptanceModel
+    from tests.core.helpers import count_failing, k_drafts_at_every_match
 
-    def k_at_every_match(self, index, position, k):
-        return k if self.always_matches or self.proposes(index, position) else 0
-
-    monkeypatch.setattr(AcceptanceModel, "num_proposed", k_at_every_match)
-    broken = 0
-    for case in SUFFIX_CASES:
-        try:
-            assert_same_steps_as_vllm(_rooted(case))
-        except AssertionError:
-            broken += 1
-    assert broken == len(SUFFIX_CASES)
+    monkeypatch.setattr(AcceptanceModel, "num_proposed", k_drafts_at_every_match)
+    failing = count_failing(lambda case: assert_same_steps_as_vllm(_rooted(case)), SUFFIX_CASES)
+    assert failing == len(SUFFIX_CASES)
 
 
 def test_suffix_decoding_sizes_the_states_for_its_default_k():
