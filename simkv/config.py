@@ -238,6 +238,12 @@ class SchedulerConfig:
     # default); one not there is read from disk at lora_load_gbs (simkv/backends/lora_adapters.py)
     max_cpu_loras: int | None = None
     lora_load_gbs: float = 2.0  # an assumption, not a measurement: disk read and host-side packing
+    # Multimodal models (simkv/core/encoder_cache.py): the most embeddings one item (an image) can
+    # have, which sizes vLLM's encoder budget per step and its encoder cache, both
+    # max(max_num_batched_tokens, it); None: the trace's largest item (a text-only trace: none).
+    # vLLM's --disable-chunked-mm-input: a prefill chunk never ends inside an item.
+    mm_max_tokens_per_item: int | None = None
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self) -> None:
         for name in ("client_ttft_timeout_s", "client_timeout_s"):
@@ -258,6 +264,8 @@ class SchedulerConfig:
                               "max_num_queued_tokens, whose HTTP 503s the clients retry)")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.mm_max_tokens_per_item is not None and self.mm_max_tokens_per_item < 1:
+            raise ConfigError(f"mm_max_tokens_per_item must be >= 1, got {self.mm_max_tokens_per_item}")
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
@@ -808,6 +816,8 @@ class EngineConfig:
             object.__setattr__(self, "scheduler", dataclasses.replace(
                 sc, max_num_seqs=seqs, max_num_batched_tokens=tokens, defaulted_batch_options=defaulted))
         self.scheduler.verify_max_model_len(self.max_model_len)
+        if self.scheduler.disable_chunked_mm_input:
+            self._verify_unchunked_mm_input()
         if self.scheduler.prefill_schedule_interval > 1:
             self._verify_prefill_interval()
         if self.speculative.enabled:
@@ -833,6 +843,18 @@ class EngineConfig:
             raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only, kv_offloading_policy, "
                               "kv_offloading_store_threshold and kv_offloading_max_tracker_size set KV "
                               "offloading's CPU tier: they need kv_offloading_size")
+
+    def _verify_unchunked_mm_input(self) -> None:
+        """vLLM's checks of disable_chunked_mm_input (compute_mm_encoder_budget, VllmConfig)."""
+        sc = self.scheduler
+        if sc.mm_max_tokens_per_item is not None and sc.mm_max_tokens_per_item > sc.max_num_batched_tokens:
+            raise ConfigError(f"Chunked MM input disabled but max_tokens_per_mm_item ({sc.mm_max_tokens_per_item}) "
+                              f"is larger than max_num_batched_tokens ({sc.max_num_batched_tokens}). Please "
+                              "increase max_num_batched_tokens.")
+        if self.mamba_align:
+            raise ConfigError("Chunked MM input is required because we need the flexibility to schedule a multiple "
+                              "of block_size tokens even if they are in the middle of a mm input "
+                              "(disable_chunked_mm_input with a linear-attention model under prefix caching)")
 
     def _verify_prefill_interval(self) -> None:
         """vLLM's prefill cadence (core/scheduler.py) is modelled for vLLM v1's engine."""
@@ -1258,6 +1280,10 @@ class EngineConfig:
             del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
             del out["enable_lora"], out["max_loras"], out["max_lora_rank"], out["max_cpu_loras"], out["lora_load_gbs"]
+        if self.scheduler.mm_max_tokens_per_item is None:  # (only for multimodal traces: configs read as before)
+            del out["mm_max_tokens_per_item"]
+        if not self.scheduler.disable_chunked_mm_input:  # (likewise)
+            del out["disable_chunked_mm_input"]
         if not self.scheduler.has_clients:  # (likewise)
             for key in ("client_ttft_timeout_s", "client_timeout_s", "client_max_retries", "client_retry_backoff_s"):
                 del out[key]

@@ -46,6 +46,7 @@ _ENGINE_FLAGS = {
     "client_retry_max_backoff": "client_retry_max_backoff_s", "client_retry_jitter": "client_retry_jitter",
     "enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras", "lora_load_gbs": "lora_load_gbs",
+    "mm_max_tokens_per_item": "mm_max_tokens_per_item", "disable_chunked_mm_input": "disable_chunked_mm_input",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
@@ -281,6 +282,12 @@ _ENGINE_OPTIONS = [
     click.option("--prefill-schedule-interval", type=int, default=None, metavar="N",
                  help="vLLM's --prefill-schedule-interval: prefill only once N executed steps have passed since "
                       "the last step that carried prefill, the steps between decoding alone [default: 1]"),
+    click.option("--mm-max-tokens-per-item", type=int, default=None, metavar="N",
+                 help="Multimodal traces (mm_* columns): the most embeddings one item (an image) can have, which "
+                      "sizes vLLM's encoder budget per step and its encoder cache, max(max-num-batched-tokens, N) "
+                      "[default: the model's (qwen2.5-vl-7b: 16,384), else the trace's largest item]"),
+    click.option("--disable-chunked-mm-input", is_flag=True, default=None,
+                 help="vLLM's: a prefill chunk never ends inside a multimodal item"),
     click.option("--max-num-queued-reqs", type=int, default=None,
                  help="vLLM's --max-num-queued-reqs: refuse a request (HTTP 503) when the engine's unfinished "
                       "requests would exceed this [default: no limit]"),

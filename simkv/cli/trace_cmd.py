@@ -166,6 +166,19 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
                    "drawn with Zipf popularity (--lora-zipf); replay with --enable-lora --max-loras K.")
 @click.option("--lora-zipf", type=float, default=1.0, show_default=True,
               help="With --lora-adapters: adapter k is drawn with weight 1 / (k + 1)^S (0: uniform).")
+@click.option("--images", type=float, default=None, metavar="SHARE",
+              help="Give this share of the requests images (multimodal items, for a vision model such as "
+                   "qwen2.5-vl-7b), inserted before the prompt's last --image-text-after tokens.")
+@click.option("--image-tokens", type=int, default=1024, show_default=True,
+              help="With --images: each image's tokens (Qwen2.5-VL: about W/28 x H/28 for W x H pixels).")
+@click.option("--images-per-request", type=int, default=1, show_default=True, help="With --images.")
+@click.option("--distinct-images", type=int, default=None, metavar="N",
+              help="With --images: draw the images from N (Zipf popularity, --image-zipf), so some repeat and "
+                   "find the encoder's cache [default: every image a new one].")
+@click.option("--image-zipf", type=float, default=1.0, show_default=True,
+              help="With --distinct-images: image k is drawn with weight 1 / (k + 1)^S.")
+@click.option("--image-text-after", type=int, default=16, show_default=True,
+              help="With --images: the prompt's tokens after its images (the rest of the user message).")
 @click.option("--link-replies", is_flag=True,
               help="Lengthen a request's hash list over its reply where a later prompt repeats prompt and reply "
                    "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
@@ -173,9 +186,10 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
                   time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
                   seed: int, samples: int | None, lora_adapters: int | None, lora_zipf: float,
-                  link_replies: bool) -> None:
+                  images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
+                  image_zipf: float, image_text_after: int, link_replies: bool) -> None:
     """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, samples,
-    lora-adapters, link-replies)."""
+    lora-adapters, images, link-replies)."""
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
                   time_scale=time_scale, rate=rate, samples=samples, seed=seed)
     result = transform(read_trace(path), edits)
@@ -185,6 +199,12 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
 
         result = assign_adapters(result, lora_adapters, lora_zipf, seed)
         note = f"; requests name {len(set(result.lora_name)):,} of {lora_adapters:,} LoRA adapters"
+    if images is not None:
+        from simkv.traces.images import add_images
+
+        result, with_images = add_images(result, images, image_tokens, images_per_request, distinct_images,
+                                         image_zipf, image_text_after, seed)
+        note += f"; {with_images:,} requests carry {images_per_request} image(s) of {image_tokens:,} tokens"
     if link_replies:
         had_sessions = result.session_id is not None
         result, linked = replies.link_replies(result)

@@ -84,6 +84,13 @@ class SchedulerOutput:
     lora_adapters: tuple[int, ...] = ()  # those adapters' ids, ascending
     # set by the replay: seconds the worker spends loading them (simkv/backends/lora_adapters.py)
     lora_load_s: float = 0.0
+    # multimodal models (core/encoder_cache.py): the embeddings of each item the encoder computes
+    # in this step, in scheduling order
+    encoder_item_embeds: tuple[int, ...] = ()
+
+    @property
+    def num_encoder_embeds(self) -> int:
+        return sum(self.encoder_item_embeds)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -50,7 +50,7 @@ class Request:
         "spec_drafts", "spec_prefill_chunk", "prefill_chunk", "set_aside", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks", "num_stale_tokens", "next_decode_call",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
-        "lora_id", "may_resend", "prompt_owner", "tie_rank", "members", "num_keyed_tokens",
+        "lora_id", "mm_items", "may_resend", "prompt_owner", "tie_rank", "members", "num_keyed_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -72,6 +72,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.lora_id = lora_id  # its LoRA adapter (vLLM's lora_int_id; 0: the base model)
+        # multimodal items in its prompt, by offset: (offset, placeholder tokens = encoder
+        # embeddings, mm_hash) each (core/encoder_cache.py); () for a text-only prompt
+        self.mm_items: tuple[tuple[int, int, int], ...] = ()
         # its client may send the same prompt again (a retry after a time-out): its own full
         # blocks stay findable when it leaves, as vLLM's content hashes keep them
         self.may_resend = False

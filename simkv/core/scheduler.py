@@ -26,6 +26,7 @@ from operator import attrgetter
 from simkv.config import EngineConfig
 from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
+from simkv.core.encoder_cache import EncoderCacheManager
 from simkv.core.kv_cache_coordinator import KVCacheCoordinator
 from simkv.core.mamba_align import MambaAlignCoordinator, mamba_block_aligned_split
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
@@ -98,6 +99,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # (the waiting queue's length and the running adapters when a step passed over every waiting
         # request for want of a slot: nothing is admitted until one of them changes; decode runs)
         self._lora_stuck: tuple[int, frozenset] | None = None
+        # Multimodal models (core/encoder_cache.py): vLLM's encoder compute budget of a step and its
+        # encoder cache, both max(max_num_batched_tokens, the largest item's embeddings), in embeddings
+        mm_tokens = sc.mm_max_tokens_per_item or 0
+        self.encoder_budget = max(self.max_num_batched_tokens, mm_tokens) if mm_tokens else 0
+        self.encoder_cache = EncoderCacheManager(self.encoder_budget) if mm_tokens else None
+        self.disable_chunked_mm_input = sc.disable_chunked_mm_input
+        self.num_encoded_items = 0
+        self.num_encoded_embeds = 0
+        self.num_encoder_stops = 0  # (a chunk cut short before an item: budget, cache or unchunked items)
         self.admit_before_running = sc.admission_order == "before_running"
         self.preemption_victim = sc.preemption_victim
         self.preemption_mode = sc.preemption_mode
@@ -349,6 +359,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif self.async_scheduling and decoding:
             cache_end = self._async_cache_end(request, computed, scheduled_tokens, step, in_flight)
         kv.free(request, cache_end, finished=swap)
+        if request.mm_items and self.encoder_cache is not None:
+            self.encoder_cache.free(request)
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
         if request.is_finishing:
@@ -404,6 +416,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._retire_finished_decoders(step)
         plan = StepPlan(self.max_num_scheduled_tokens, self._prefill_threshold(), self.spec_draft_slots,
                         self.max_num_batched_tokens)
+        plan.encoder_budget = self.encoder_budget
         if self.prefill_interval > 1:
             plan.defer_prefills = self._holds_prefill()
         elif self.throttle_prefills:  # (data-parallel ranks: a step off the coordinated cadence)
@@ -491,6 +504,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if plan.prefill_carried:
                 self._last_prefill_step = self._num_executed_steps
         self._output_pending = True  # (until update_from_output)
+        encoded = ()
+        if plan.encoder_inputs:
+            encoded = tuple(e for _, items in plan.encoder_inputs.values() for e in items)
+            self.num_encoded_items += len(encoded)
+            self.num_encoded_embeds += sum(encoded)
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decode_capped_context_tokens=capped_context, decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
@@ -501,6 +519,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             num_spec_tokens_to_schedule=to_propose,
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
             num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
+            encoder_item_embeds=encoded,
             aborted=self._take_aborted())
 
     def _offload_tier(self, config: EngineConfig, num_chunks: int) -> KVOffload:
@@ -593,6 +612,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 num_new = min(num_new, plan.request_budget(), self.max_model_len - computed - 1)
                 if self._mamba_split and num_new > 0:
                     num_new = self._mamba_aligned(request, computed, num_new)
+                encoding = None
+                if request.mm_items and num_new > 0:
+                    num_new, encoding = self._encoder_inputs(request, computed, num_new, plan)
                 if self.num_prefill_lookahead:
                     num_new = self._reserve_prefill_lookahead(request, computed, num_new)
                 if num_new <= 0:
@@ -607,6 +629,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 scheduled = request.status == RequestStatus.RUNNING and not plan.blocked
                 if scheduled and self._counts_in_flight:
                     self._note_cached(request, computed + num_new)
+                if scheduled and encoding is not None:
+                    self._encode(request, encoding, plan)
             if plan.blocked:  # it and the requests after it wait (the budget stays for admissions)
                 return self._position(request)
             if not scheduled:  # it preempted itself
@@ -770,15 +794,21 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                     break
                 if padded and num_new != 1 + self.num_spec_tokens:  # (the split cut the padded rows:
                     num_new, padded = 1, False  # vLLM drops the padding rather than shorten it)
+            encoding = None
+            if request.mm_items:
+                num_new, encoding = self._encoder_inputs(request, base + computed.num_tokens, num_new, plan)
             if self.num_prefill_lookahead:
                 num_new = self._reserve_prefill_lookahead(request, base + computed.num_tokens, num_new)
-                if num_new == 0:  # (no chunk keeps the runway within the budget: it is passed over)
-                    self._set_aside(queue, skipped, skipped_waiting)
-                    continue
+            if num_new == 0:  # (an item that does not fit the encoder's budget or cache, or no chunk that
+                # keeps multi-module MTP's runway within the budget: it is passed over)
+                self._set_aside(queue, skipped, skipped_waiting)
+                continue
             new_blocks = kv.allocate_slots(
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
+                if request.mm_items and self.encoder_cache is not None:  # (the cached items it looked up)
+                    self.encoder_cache.free(request)
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
             if request.kv_role == KV_PULL:  # (P/D: its local hits covered what a pull would load)
@@ -801,6 +831,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self._num_kv_ready -= 1
             is_resumed = request.status == RequestStatus.PREEMPTED
             self._append_running(request)
+            if encoding is not None:
+                self._encode(request, encoding, plan)
             if loras is not None and request.lora_id:
                 loras.add(request.lora_id)
             if request.first_scheduled_step < 0:
@@ -940,6 +972,96 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if not job.is_store:
             self.finished_recving(job.request)
 
+    # ---- multimodal items (core/encoder_cache.py) ---------------------------------------------
+    def _encoder_inputs(self, request: Request, computed: int, num_new: int, plan: StepPlan) -> tuple[int, tuple]:
+        """vLLM's _try_schedule_encoder_inputs: the items a chunk of `num_new` tokens after
+        `computed` reaches that must be encoded in this step, and the chunk cut short before the
+        first item that does not fit the step's encoder budget or the encoder cache (to nothing
+        if the chunk starts inside it), or, under disable_chunked_mm_input, before an item the
+        chunk would split. Cached items the chunk reaches are referenced now. Returns the chunk's
+        tokens and what `_encode` commits if the request is scheduled: (items to encode, items
+        repeated within them, the budget left, their embeddings)."""
+        cache = self.encoder_cache
+        budget = plan.encoder_budget
+        shift = self.num_prefill_lookahead  # (multi-module MTP reads that many tokens ahead)
+        end = computed + num_new + shift
+        to_encode: list[int] = []
+        repeated: list[int] = []
+        encoding: dict[int, int] = {}  # mm_hash -> embeddings, the items to encode so far
+        embeds = 0
+        for i, (offset, length, mm_hash) in enumerate(request.mm_items):
+            if offset + length <= computed:
+                continue
+            if offset >= end:
+                break
+            if self.disable_chunked_mm_input and computed <= offset and computed + num_new < offset + length:
+                num_new = max(0, offset - (computed + shift))
+                self.num_encoder_stops += 1
+                break
+            if mm_hash in encoding:  # (the same image twice in the chunk: encoded once)
+                repeated.append(i)
+                continue
+            if cache.check_and_update_cache(request, i):
+                continue
+            if not cache.can_allocate(length, budget, embeds):
+                num_new = min(num_new, offset - computed) if computed < offset else 0
+                self.num_encoder_stops += 1
+                break
+            embeds += length
+            budget -= length
+            encoding[mm_hash] = length
+            to_encode.append(i)
+        return num_new, (to_encode, repeated, budget, embeds)
+
+    def _encode(self, request: Request, encoding: tuple, plan: StepPlan) -> None:
+        """The request is scheduled: its items from `_encoder_inputs` are encoded in this step."""
+        to_encode, repeated, budget, embeds = encoding
+        if not to_encode:
+            return
+        plan.encoder_budget = budget
+        plan.encoder_inputs[request.seq] = (embeds, [request.mm_items[i][1] for i in to_encode])
+        cache = self.encoder_cache
+        for i in to_encode:
+            cache.allocate(request, i)
+        for i in repeated:
+            cache.check_and_update_cache(request, i)
+
+    def _free_encoded(self, chunks: list[ScheduledChunk]) -> None:
+        """After a step (synchronous scheduling): the items the step's chunks computed past are
+        no longer needed by their requests."""
+        cache = self.encoder_cache
+        for chunk in chunks:
+            request = chunk.request
+            if request.mm_items and request.status == RequestStatus.RUNNING:
+                cache.free_computed(request, request.num_computed_tokens)
+
+    def _free_encoded_async(self, output: SchedulerOutput) -> None:
+        """Async scheduling, pipeline stages, when a step's output is processed: as vLLM, each
+        request the step ran drops the items its computed tokens, less those sampled or drafted
+        by steps not yet processed (this one's included), have passed. With vLLM's counters kept
+        (decodes as chunks) that is num_computed_tokens - num_output_placeholders; otherwise a
+        request whose latest chunk is in flight and sampled counts one token less, and one that
+        decoded since its prompt's end has passed every item."""
+        cache = self.encoder_cache
+        step = output.step
+        ran = {chunk.request: None for chunk in output.chunks}
+        if not self._counts_in_flight:  # (steady decoders the step ran that still hold items)
+            for request in cache.request_inputs:
+                if (request.decode_base is not None and request not in ran and request.decode_from_step <= step
+                        and request.stall_step != step):
+                    ran[request] = None
+        for request in sorted(ran, key=_seq_of):
+            if request not in cache.request_inputs:
+                continue
+            if self._counts_in_flight:
+                point = request.num_computed_tokens - request.num_output_placeholders
+            elif request.last_chunk_step >= step:
+                sampled = request.decode_base is not None or request.is_finishing
+                point = request.num_computed_tokens - sampled
+            else:
+                point = request.num_prompt_tokens + request.num_output_tokens
+            cache.free_computed(request, point)
+
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new: int) -> int:
         """Multi-module MTP (vLLM's _reserve_prefill_lookahead): a prefill chunk ends at the
         prompt's end or at least num_prefill_lookahead tokens before it, since the modules read
@@ -999,10 +1121,14 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
         self._output_pending = False
+        if self.encoder_cache is not None and self.encoder_cache.request_inputs and self.overlapped:
+            self._free_encoded_async(output)
         if self.overlapped:
             self.output_processed(step)
         if self.chunked_decodes:
             done = self._spec_async_update(output) if self._counts_in_flight else self._spec_update(output)
+            if self.encoder_cache is not None and not self.overlapped:
+                self._free_encoded(output.chunks)
             output.finished, output.num_blocks_used_end = self._end_step(done, step)
             return output.finished
         if self.async_scheduling:
@@ -1014,6 +1140,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
+            if request.mm_items and self.encoder_cache is not None:
+                self.encoder_cache.free_computed(request, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue
             finished += self._sample_after_prefill(request, step)
@@ -1083,7 +1211,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             for request in finished:
                 self.offload.request_finished(request, self._offload_view(request))
         complete = []
+        encoder_cache = self.encoder_cache
         for request in finished:
+            if request.mm_items and encoder_cache is not None:
+                encoder_cache.free(request)
             if request in self._prefilling:
                 self._prefilling.remove(request)
             if self._release_at_finish:  # (async: by the processed tokens, as if scheduling the next step)
@@ -1138,6 +1269,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                                   else self._unprocessed_work(request))
         elif status == RequestStatus.RUNNING and self._release_at_finish and self._output_pending:
             in_flight = self._ran_unprocessed_tokens(request, chunk_end)
+        if request.mm_items and self.encoder_cache is not None:
+            self.encoder_cache.free(request)
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
         if status == RequestStatus.RUNNING:

@@ -12,7 +12,7 @@ class StepPlan:
     __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
                  "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads",
                  "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled", "blocked",
-                 "defer_prefills", "prefill_carried")
+                 "defer_prefills", "prefill_carried", "encoder_budget", "encoder_inputs")
 
     def __init__(self, budget: int, threshold: int, draft_slots: int = 0, input_budget: int | None = None) -> None:
         self.budget = budget  # (vLLM's token budget: max_num_scheduled_tokens)
@@ -39,6 +39,11 @@ class StepPlan:
         # prefill cadence (prefill_schedule_interval): this step holds prefill back; it carried some
         self.defer_prefills = False
         self.prefill_carried = False
+        # multimodal models (core/encoder_cache.py): the step's encoder budget left, in embeddings
+        # (set by the scheduler) and the items each request encodes in it (seq -> their embeddings,
+        # each item's)
+        self.encoder_budget = 0
+        self.encoder_inputs: dict[int, tuple[int, list[int]]] = {}
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new
@@ -62,4 +67,7 @@ class StepPlan:
             self.num_running_scheduled -= 1
         self.budget += tokens
         self.chunks = [c for c in self.chunks if c.request is not victim]
+        encoded = self.encoder_inputs.pop(victim.seq, None)
+        if encoded is not None:  # (its items are not encoded after all: vLLM gives the budget back)
+            self.encoder_budget += encoded[0]
         return tokens

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from simkv.backends.factory import make_backend
@@ -78,6 +80,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
     _check_lora(trace, config, disaggregation)
+    config = _multimodal_config(trace, config, backend, disaggregation)
     # (under P/D the front end that refuses is the prefill pool's: its config carries the limits)
     _check_queue_limits(trace, disaggregation.pool_configs(config)[0] if disaggregation is not None else config,
                         fleet)
@@ -134,6 +137,37 @@ def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
     if has_adapters(trace) and not config.scheduler.enable_lora:
         raise ValueError(f"{trace.source}: column 'lora_name' names LoRA adapters: give --enable-lora "
                          f"(and --max-loras, vLLM's default 1), as vLLM refuses them without it")
+
+
+def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> EngineConfig:
+    """A trace with multimodal items (simkv/core/encoder_cache.py): the config with
+    mm_max_tokens_per_item in force (given, else the model's, else the trace's largest item),
+    which sizes vLLM's encoder budget and cache. One below an item of the trace is refused, as
+    vLLM's processor never makes such an item."""
+    largest = trace.max_mm_item_tokens() if getattr(trace, "mm_items", None) is not None else 0
+    if not largest:
+        return config
+    if backend is not None:
+        raise ValueError(f"{trace.source}: multimodal items (mm_* columns): the GPU backend runs a text-only model "
+                         "without the vision encoder; replay them on a cost model")
+    hw = config.hardware
+    unsupported = [(disaggregation is not None, "P/D disaggregation"), (hw.pipeline_parallel_size > 1, "pipeline stages"),
+                   (hw.data_parallel_size > 1, "data-parallel ranks")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"{trace.source}: multimodal items (mm_* columns) under {what} are not modelled yet")
+    sc = config.scheduler
+    if sc.mm_max_tokens_per_item is None:
+        given = config.hardware.model_spec().mm_max_tokens_per_item or largest
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(sc, mm_max_tokens_per_item=given))
+        sc = config.scheduler
+    if sc.mm_max_tokens_per_item < largest:
+        k = int(np.argmax(trace.mm_items[:, 1]))
+        row = int(np.searchsorted(trace.mm_item_offsets, k, side="right") - 1)
+        raise ValueError(f"{trace.source}: column 'mm_lengths', request {trace.request_id[row]}: an item of "
+                         f"{largest} tokens exceeds mm_max_tokens_per_item ({sc.mm_max_tokens_per_item}), the most "
+                         "the model's processor makes of one item")
+    return config
 
 
 def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:

@@ -23,6 +23,7 @@ from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.admission import queue_limits
 from simkv.replay.step_log import RequestLog, StepLog
+from simkv.backends.vision_encoder import vision_encoder_cost
 from simkv.traces.lora import content_namespaces, lora_ids
 
 
@@ -124,7 +125,7 @@ class ArrivalFeed:
     def make_request(self, i: int) -> Request:
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
-        return Request(
+        request = Request(
             str(self._ids[i]), i, self._arrival_list[i], self._prompt_list[i], self._output_list[i],
             priority=int(self._priority[i]) if self._priority is not None else 0,
             cache_salt=self._salt[i] if self._salt is not None else None,
@@ -132,6 +133,9 @@ class ArrivalFeed:
             hash_block_tokens=int(trace.hash_block_tokens[i]) if self._has_hashes else 0,
             num_samples=int(trace.n[i]) if trace.n is not None else 1,
             lora_id=int(self._lora_ids[i]) if self._lora_ids is not None else 0)
+        if trace.mm_items is not None:
+            request.mm_items = trace.multimodal_items(i)
+        return request
 
 
 @dataclass
@@ -143,6 +147,7 @@ class ReplayRun:
     duration_s: float  # the end of the last step
     adapters: object = None  # LoRA: the worker's adapter caches (simkv/backends/lora_adapters.py)
     pipeline: object = None  # pipeline parallelism: the stages' clocks (simkv/replay/pipeline.py)
+    encoder: tuple = (None, 0.0)  # multimodal items: the vision encoder's cost (None: not priced) and its seconds
 
 
 def _first_sampled_row(trace) -> int | None:
@@ -201,6 +206,11 @@ class ReplayEngine:
         # (sparse attention: the line's ticks per token attended, beside its ticks per token scored)
         self._capped_slopes = getattr(backend, "capped_line_slopes", None) if self._decode_line is not None else None
         self._lora_seconds = getattr(backend, "lora_seconds", None) if config.scheduler.enable_lora else None
+        # Multimodal items: the vision encoder's time, added to the steps that encode (not under the
+        # step-counting unit model; None where the model's spec has no encoder: it is not priced)
+        self.vision_encoder = (vision_encoder_cost(config) if config.scheduler.mm_max_tokens_per_item
+                               and backend.name != "unit" else None)
+        self.encoder_seconds = 0.0
         # LoRA: the worker's adapter caches; a step whose adapters are not all in GPU slots loads them first
         self.adapters = adapter_residency(config, backend)
         # Async scheduling overlaps the host's share of a step with the device's work.
@@ -295,7 +305,7 @@ class ReplayEngine:
             raise ReplayError(f"the replay ran {self.now / TICKS_PER_SECOND / 86400:.0f} days of simulated time; "
                               f"simkv's clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days")
         return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND,
-                         self.adapters, self.pipeline)
+                         self.adapters, self.pipeline, (self.vision_encoder, self.encoder_seconds))
 
     def _arrivals(self):
         """The arrival process. A busy engine takes the requests that arrived from the feed at
@@ -451,6 +461,10 @@ class ReplayEngine:
             duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
         if out.lora_load_s:  # (the worker loads the step's adapters before its forward pass)
             duration += to_ticks(out.lora_load_s)
+        if out.encoder_item_embeds and self.vision_encoder is not None:  # (before the decoder's forward pass)
+            seconds = self.vision_encoder.seconds(out.encoder_item_embeds)
+            self.encoder_seconds += seconds
+            duration += to_ticks(seconds)
         return duration
 
     def _device_line(self, num_decodes: int, host_ticks: int = 0,

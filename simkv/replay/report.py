@@ -130,6 +130,14 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
                                                   f"request-steps waited for a slot" + loads
                                                   + {True: "; kernels and loads priced", False: "; not priced"}.get(
                                                       lora.get("compute_modelled"), "")))
+    if summary.get("multimodal"):
+        mm = summary["multimodal"]
+        priced = (f"encoder {mm['encoder_seconds']:,.2f} s" if isinstance(mm["encoder_cost"], dict)
+                  else "encoder not priced")
+        rows.append(("images (encoded / in trace)", f"{mm['items_encoded']:,} / {mm['items']:,}; {priced}; "
+                                                    f"{mm['chunks_stopped_before_item']:,} chunks stopped before an "
+                                                    f"image; encoder cache {mm['encoder_cache_size']:,} embeddings, "
+                                                    f"{mm['encoder_cache_evictions']:,} evictions"))
     if summary.get("goodput"):
         from simkv.replay.goodput import describe_slo
 

@@ -101,9 +101,29 @@ class ModelSpec:
     # The MLPs' and experts' form: gated (gate, up and down projections) or, False, two projections
     # (Nemotron-H's squared ReLU).
     gated_mlp: bool = True
+    # A vision encoder (multimodal models; 0 layers: none): a ViT of `vision_num_layers` layers of
+    # `vision_hidden_size` (a gated MLP of `vision_intermediate_size`), whose patches are merged
+    # `vision_patches_per_embed` to one embedding the decoder reads (Qwen2.5-VL: 2 x 2) by an MLP
+    # of width vision_patches_per_embed x vision_hidden_size. Its layers attend windows of
+    # `vision_window_patches` patches (0: the whole image), except `vision_full_attention_layers`.
+    # `mm_max_tokens_per_item`: the most embeddings vLLM's processor makes of one item, which sizes
+    # its encoder budget and cache.
+    vision_num_layers: int = 0
+    vision_hidden_size: int = 0
+    vision_intermediate_size: int = 0
+    vision_patches_per_embed: int = 1
+    vision_window_patches: int = 0
+    vision_full_attention_layers: int = 0
+    mm_max_tokens_per_item: int = 0
 
     def __post_init__(self) -> None:
         where = f"model '{self.name}'"
+        if self.vision_num_layers and (min(self.vision_hidden_size, self.vision_intermediate_size,
+                                           self.vision_patches_per_embed, self.mm_max_tokens_per_item) <= 0
+                                       or not 0 <= self.vision_full_attention_layers <= self.vision_num_layers):
+            raise ValueError(f"{where}: a vision encoder needs positive vision_hidden_size, vision_intermediate_size, "
+                             "vision_patches_per_embed and mm_max_tokens_per_item, and at most vision_num_layers "
+                             "full-attention layers")
         if self.is_mla:
             if not 0 < self.qk_rope_head_dim < self.head_dim or self.v_head_dim <= 0:
                 raise ValueError(f"{where}: latent attention (kv_lora_rank) needs 0 < qk_rope_head_dim < head_dim "

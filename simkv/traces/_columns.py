@@ -142,21 +142,22 @@ def first_duplicate(values: np.ndarray) -> int | None:
 
 
 def hash_lists(
-    arr: pa.Array | pa.ChunkedArray, source: str, row_offset: int = 0
+    arr: pa.Array | pa.ChunkedArray, source: str, row_offset: int = 0, column: str = "block_hashes"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Parse ``block_hashes`` into CSR (values int64, offsets int64 of len n+1). Null = no hashes."""
+    """Parse a column of integer lists (``block_hashes``, the ``mm_*`` columns) into CSR (values
+    int64, offsets int64 of len n+1). Null = an empty list."""
     flat = flat_array(arr)
     kind = flat.type
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        return _arrow_lists(flat, source, row_offset)
+        return _arrow_lists(flat, source, row_offset, column)
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return _text_lists(flat, source, row_offset)
+        return _text_lists(flat, source, row_offset, column)
     if pa.types.is_null(kind):
         return np.zeros(0, np.int64), np.zeros(len(flat) + 1, np.int64)
-    fail(source, "block_hashes", row_offset, f"wrong type: {kind}, expected a list of integers")
+    fail(source, column, row_offset, f"wrong type: {kind}, expected a list of integers")
 
 
-def _arrow_lists(flat: pa.Array, source: str, row_offset: int) -> tuple[np.ndarray, np.ndarray]:
+def _arrow_lists(flat: pa.Array, source: str, row_offset: int, column: str) -> tuple[np.ndarray, np.ndarray]:
     offsets = flat.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
     if flat.null_count:
         # A null list may still own a (garbage) offset range; make it empty.
@@ -173,15 +174,15 @@ def _arrow_lists(flat: pa.Array, source: str, row_offset: int) -> tuple[np.ndarr
     if values.null_count:
         bad = _first(pc.is_null(values).to_numpy(zero_copy_only=False))
         row = int(np.searchsorted(offsets, bad, side="right") - 1)
-        fail(source, "block_hashes", row_offset + row, "null hash id in list")
-    numbers = _numeric(values, source, "block_hashes", row_offset) if len(values) else np.zeros(0, np.int64)
+        fail(source, column, row_offset + row, "null hash id in list")
+    numbers = _numeric(values, source, column, row_offset) if len(values) else np.zeros(0, np.int64)
     if numbers.dtype.kind == "f":
         try:
-            numbers = _integral(numbers, source, "block_hashes", 0)
+            numbers = _integral(numbers, source, column, 0)
         except TraceError:
             bad = _first((numbers != np.floor(numbers)) | ~np.isfinite(numbers) | (np.abs(numbers) >= 2.0**62))
             row = int(np.searchsorted(offsets, bad, side="right") - 1)
-            fail(source, "block_hashes", row_offset + row, "hash ids must be integers")
+            fail(source, column, row_offset + row, "hash ids must be integers")
     return numbers.astype(np.int64, copy=False), offsets
 
 
@@ -194,13 +195,13 @@ def concat_ranges(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(ends - lengths, lengths)
 
 
-def _text_lists(flat: pa.Array, source: str, row_offset: int) -> tuple[np.ndarray, np.ndarray]:
+def _text_lists(flat: pa.Array, source: str, row_offset: int, column: str) -> tuple[np.ndarray, np.ndarray]:
     texts = flat.to_numpy(zero_copy_only=False)
     lengths = np.zeros(len(texts), np.int64)
     parts: list[list[int]] = []
     present = np.flatnonzero(pc.is_valid(flat).to_numpy(zero_copy_only=False))
     for i in present:
-        ids = _parse_hash_text(texts[i], source, row_offset + int(i))
+        ids = _parse_hash_text(texts[i], source, row_offset + int(i), column)
         lengths[i] = len(ids)
         parts.append(ids)
     values = np.fromiter((h for ids in parts for h in ids), dtype=np.int64, count=int(lengths.sum()))
@@ -208,7 +209,7 @@ def _text_lists(flat: pa.Array, source: str, row_offset: int) -> tuple[np.ndarra
     return values, offsets
 
 
-def _parse_hash_text(text: str, source: str, row: int) -> list[int]:
+def _parse_hash_text(text: str, source: str, row: int, column: str) -> list[int]:
     """'1 2 3' or '[1, 2, 3]' -> [1, 2, 3]; empty text -> []."""
     text = text.strip()
     if not text:
@@ -217,21 +218,21 @@ def _parse_hash_text(text: str, source: str, row: int) -> list[int]:
         try:
             items = json.loads(text)
         except (ValueError, RecursionError):
-            fail(source, "block_hashes", row, f"not a JSON list: {text[:40]!r}")
+            fail(source, column, row, f"not a JSON list: {text[:40]!r}")
     else:
         items = text.replace(",", " ").split()
     if not isinstance(items, list):
-        fail(source, "block_hashes", row, "expected a list of integers")
-    return [_hash_id(item, source, row) for item in items]
+        fail(source, column, row, "expected a list of integers")
+    return [_hash_id(item, source, row, column) for item in items]
 
 
-def _hash_id(item: object, source: str, row: int) -> int:
+def _hash_id(item: object, source: str, row: int, column: str) -> int:
     if isinstance(item, bool) or not isinstance(item, (int, str)):
-        fail(source, "block_hashes", row, f"hash id {str(item)[:30]!r} is not an integer")
+        fail(source, column, row, f"hash id {str(item)[:30]!r} is not an integer")
     try:
         value = int(item)
     except ValueError:
-        fail(source, "block_hashes", row, f"hash id {str(item)[:30]!r} is not an integer")
+        fail(source, column, row, f"hash id {str(item)[:30]!r} is not an integer")
     if not -(2**63) <= value < 2**63:
-        fail(source, "block_hashes", row, "hash id out of int64 range")
+        fail(source, column, row, "hash id out of int64 range")
     return value

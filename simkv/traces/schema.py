@@ -9,7 +9,11 @@ Columns (parquet or CSV):
             session_id (str or null: the turns of one conversation, in arrival order) with
             think_time_s (float >= 0, default 0): a replay sends a turn no earlier than its
             previous turn's finish + its think time (simkv/replay/sessions.py), lora_name (str or
-            null: the LoRA adapter a request runs with, vLLM's LoRARequest; needs --enable-lora).
+            null: the LoRA adapter a request runs with, vLLM's LoRARequest; needs --enable-lora),
+            mm_offsets + mm_lengths + mm_hashes (list<int64> each, one entry per multimodal item
+            of the prompt, an image: where its placeholder tokens start, how many there are (its
+            encoder embeddings) and an identifier, equal for equal images, which share vLLM's
+            encoder cache; items by offset, not overlapping, inside the prompt).
 
 Prefix rule: position p carries content (block_hashes[p // H], p % H) with H = hash_block_tokens;
 positions past the hash list carry content unique to the request. Positions from prompt_tokens on
@@ -68,6 +72,10 @@ class Trace:
     session_id: np.ndarray | None = None
     think_time_s: np.ndarray | None = None
     lora_name: np.ndarray | None = None
+    # multimodal items, CSR as the hashes: row i's are mm_items[mm_item_offsets[i]:mm_item_offsets[i + 1]],
+    # an (items, 3) int64 array of (offset, length, mm_hash)
+    mm_items: np.ndarray | None = None
+    mm_item_offsets: np.ndarray | None = None
     source: str = ""
 
     def __len__(self) -> int:
@@ -78,6 +86,17 @@ class Trace:
         if self.hash_ids is None or self.hash_offsets is None:
             return np.zeros(0, np.int64)
         return self.hash_ids[self.hash_offsets[i] : self.hash_offsets[i + 1]]
+
+    def multimodal_items(self, i: int) -> tuple[tuple[int, int, int], ...]:
+        """Row i's multimodal items, (offset, length, mm_hash) each, by offset (() if none)."""
+        if self.mm_items is None or self.mm_item_offsets is None:
+            return ()
+        rows = self.mm_items[self.mm_item_offsets[i] : self.mm_item_offsets[i + 1]]
+        return tuple(map(tuple, rows.tolist()))
+
+    def max_mm_item_tokens(self) -> int:
+        """The largest multimodal item's placeholder tokens (0 for a text-only trace)."""
+        return int(self.mm_items[:, 1].max()) if self.mm_items is not None and len(self.mm_items) else 0
 
     def __eq__(self, other: object) -> bool:
         """Same rows and columns (``source`` is ignored)."""
@@ -154,11 +173,64 @@ def _validated_columns(table: pa.Table, source: str, scalar_h: int | None, row_o
         parts["session_id"] = col.string_column(get("session_id"), source, "session_id", row_offset, nullable=True)
     if "lora_name" in table.column_names:
         parts["lora_name"] = col.string_column(get("lora_name"), source, "lora_name", row_offset, nullable=True)
+    if any(name in table.column_names for name in MM_COLUMNS):
+        parts.update(_multimodal_items(table, prompt, source, row_offset))
     if "think_time_s" in table.column_names:
         if "session_id" not in table.column_names:
             raise TraceError(f"{source}: column 'think_time_s' needs a 'session_id' column (the turns it paces)")
         parts["think_time_s"] = col.float_column(get("think_time_s"), source, "think_time_s", row_offset)
     return parts
+
+
+MM_COLUMNS = ("mm_offsets", "mm_lengths", "mm_hashes")
+
+
+def _multimodal_items(table: pa.Table, prompt: np.ndarray, source: str, row_offset: int) -> dict:
+    """The three mm_* columns as one CSR of (offset, length, mm_hash) rows, checked: the three
+    lists of a row equally long, items by offset without overlap inside the prompt, and one
+    length per mm_hash (vLLM refuses a request whose item's identifier names cached embeddings
+    of another size)."""
+    missing = [name for name in MM_COLUMNS if name not in table.column_names]
+    if missing:
+        raise TraceError(f"{source}: multimodal items need the columns {', '.join(MM_COLUMNS)}; "
+                         f"missing {', '.join(missing)}")
+    lists = {name: col.hash_lists(table.column(name), source, row_offset, name) for name in MM_COLUMNS}
+    offsets = lists["mm_offsets"][1]
+    for name in MM_COLUMNS[1:]:
+        unequal = np.diff(lists[name][1]) != np.diff(offsets)
+        if unequal.any():
+            row = int(np.argmax(unequal))
+            col.fail(source, name, row_offset + row, f"{int(np.diff(lists[name][1])[row])} entries, but mm_offsets "
+                     f"has {int(np.diff(offsets)[row])}")
+    starts, lengths, hashes = (lists[name][0] for name in MM_COLUMNS)
+    if not len(starts):
+        return {}
+    row_of = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+
+    def check(bad: np.ndarray, column: str, what) -> None:
+        if bad.any():
+            k = int(np.argmax(bad))
+            col.fail(source, column, row_offset + int(row_of[k]), what(k))
+
+    check(starts < 0, "mm_offsets", lambda k: f"offset {starts[k]} is negative")
+    check(lengths < 1, "mm_lengths", lambda k: f"length {lengths[k]} must be >= 1")
+    ends = starts + lengths
+    check(ends > prompt[row_of], "mm_lengths",
+          lambda k: f"item at {starts[k]} of {lengths[k]} tokens ends past the prompt ({prompt[row_of[k]]} tokens)")
+    same_row = row_of[1:] == row_of[:-1]
+    overlap = np.concatenate(([False], same_row & (starts[1:] < ends[:-1])))
+    check(overlap, "mm_offsets", lambda k: f"item at {starts[k]} starts before the previous one ends "
+          f"({ends[k - 1]}): items go by offset and do not overlap")
+    order = np.lexsort((lengths, hashes))
+    sorted_hashes, sorted_lengths = hashes[order], lengths[order]
+    clash = (sorted_hashes[1:] == sorted_hashes[:-1]) & (sorted_lengths[1:] != sorted_lengths[:-1])
+    if clash.any():
+        k = int(order[int(np.argmax(clash)) + 1])
+        col.fail(source, "mm_hashes", row_offset + int(row_of[k]),
+                 f"mm_hash {hashes[k]} has {lengths[k]} tokens here and another length elsewhere: equal "
+                 "hashes name one item")
+    items = np.stack([starts, lengths, hashes], axis=1).astype(np.int64)
+    return dict(mm_items=items, mm_item_offsets=offsets)
 
 
 def _request_ids(table: pa.Table, source: str, row_offset: int) -> np.ndarray:
@@ -222,11 +294,13 @@ def take_rows(trace: Trace, rows: np.ndarray) -> Trace:
     parts = {}
     for f in fields(trace):
         value = getattr(trace, f.name)
-        if f.name in ("hash_ids", "hash_offsets", "source") or value is None:
+        if f.name in ("hash_ids", "hash_offsets", "mm_items", "mm_item_offsets", "source") or value is None:
             continue
         parts[f.name] = value[rows]
     if trace.hash_ids is not None and trace.hash_offsets is not None:
         parts["hash_ids"], parts["hash_offsets"] = _take_csr(trace.hash_ids, trace.hash_offsets, rows)
+    if trace.mm_items is not None and trace.mm_item_offsets is not None:
+        parts["mm_items"], parts["mm_item_offsets"] = _take_csr(trace.mm_items, trace.mm_item_offsets, rows)
     return Trace(source=trace.source, **parts)
 
 
@@ -260,6 +334,9 @@ def trace_to_table(trace: Trace) -> pa.Table:
         columns["think_time_s"] = pa.array(trace.think_time_s, pa.float64())
     if trace.lora_name is not None:
         columns["lora_name"] = pa.array(trace.lora_name, pa.string())
+    if trace.mm_items is not None and trace.mm_item_offsets is not None:
+        for k, name in enumerate(MM_COLUMNS):
+            columns[name] = _list_array(np.ascontiguousarray(trace.mm_items[:, k]), trace.mm_item_offsets)
     return pa.table(columns)
 
 
@@ -279,12 +356,14 @@ def write_trace(trace: Trace | pd.DataFrame, path: str | os.PathLike) -> None:
     if isinstance(trace, pd.DataFrame):
         trace = trace_from_frame(trace)
     table = trace_to_table(trace)
-    if not str(path).lower().endswith((".parquet", ".pq")) and "block_hashes" in table.column_names:
-        table = _hashes_as_text(table, trace)
+    if not str(path).lower().endswith((".parquet", ".pq")):
+        for name in ("block_hashes",) + MM_COLUMNS:
+            if name in table.column_names:
+                table = _list_as_text(table, name)
     write_table(table, path)
 
 
-def _hashes_as_text(table: pa.Table, trace: Trace) -> pa.Table:
-    texts = [" ".join(map(str, trace.block_hashes(i).tolist())) or None for i in range(len(trace))]
-    index = table.column_names.index("block_hashes")
-    return table.set_column(index, "block_hashes", pa.array(texts, pa.string()))
+def _list_as_text(table: pa.Table, name: str) -> pa.Table:
+    """CSV: a list column as space-separated text (None for an empty list), as the reader takes it."""
+    texts = [" ".join(map(str, ids)) or None for ids in table.column(name).to_pylist()]
+    return table.set_column(table.column_names.index(name), name, pa.array(texts, pa.string()))

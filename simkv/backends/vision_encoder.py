@@ -1,0 +1,71 @@
+"""The vision encoder's share of a step (multimodal models): a roofline over the items it encodes.
+
+vLLM runs the encoder inside the step whose prefill chunk first reaches an item
+(simkv/core/encoder_cache.py), before the decoder's forward pass, so its time adds to the
+step's. Per GPU under tensor parallelism (vLLM shards the ViT's weights like the decoder's), for
+an item of E embeddings made of N = E x patches_per_embed patches:
+  FLOPs = 2 x P_layer x layers x N                     (the ViT's matmuls, P_layer = 4 h^2 + 3 h i)
+        + 2 x P_merger x E                             (the merger MLP: (p h)^2 + p h x hidden)
+        + 4 x h x (pairs over the layers)              (attention: N x min(N, window) per windowed
+                                                        layer, N^2 per full-attention layer)
+  bytes = 2 x (P_layer x layers + P_merger)            (bf16 weights, read once a step that encodes)
+  time  = max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x memory_efficiency))
+The efficiencies are the decoder roofline's defaults: nobody has measured a ViT here yet, and
+the patch embedding, norms and activations' traffic are left out (each under 1 % of the FLOPs).
+"""
+
+from __future__ import annotations
+
+from simkv.specs import GPUSpec, ModelSpec
+
+
+class VisionEncoderCost:
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1,
+                 compute_efficiency: float = 0.6, memory_efficiency: float = 0.8) -> None:
+        h, i, p = model.vision_hidden_size, model.vision_intermediate_size, model.vision_patches_per_embed
+        self.patches_per_embed = p
+        self.num_layers = model.vision_num_layers
+        self.num_full_layers = model.vision_full_attention_layers
+        self.window = model.vision_window_patches
+        layer_params = 4 * h * h + 3 * h * i
+        merger_params = (p * h) ** 2 + p * h * model.hidden_size
+        tp = tensor_parallel_size
+        self.flops_per_patch = 2 * layer_params * self.num_layers / tp
+        self.flops_per_embed = 2 * merger_params / tp
+        self.flops_per_pair = 4 * h / tp
+        self.weight_bytes = 2 * (layer_params * self.num_layers + merger_params) / tp
+        self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
+        self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
+
+    def attention_pairs(self, patches: int) -> int:
+        """Query-key pairs of one item over the encoder's layers."""
+        windowed = self.num_layers - self.num_full_layers
+        window = min(patches, self.window) if self.window else patches
+        return windowed * patches * window + self.num_full_layers * patches * patches
+
+    def seconds(self, item_embeds: tuple[int, ...]) -> float:
+        """The encoder's time for a step that encodes items of these embeddings (0 for none)."""
+        if not item_embeds:
+            return 0.0
+        embeds = sum(item_embeds)
+        patches = embeds * self.patches_per_embed
+        pairs = sum(self.attention_pairs(e * self.patches_per_embed) for e in item_embeds)
+        flops = self.flops_per_patch * patches + self.flops_per_embed * embeds + self.flops_per_pair * pairs
+        return max(flops / self.flop_rate, self.weight_bytes / self.byte_rate)
+
+    def describe(self) -> dict:
+        return {"form": "roofline over the ViT's matmuls, merger and attention (simkv/backends/vision_encoder.py)",
+                "gflops_per_embed": round((self.flops_per_patch * self.patches_per_embed + self.flops_per_embed)
+                                          / 1e9, 3),
+                "weight_gb": round(self.weight_bytes / 1e9, 3)}
+
+
+def vision_encoder_cost(config) -> VisionEncoderCost | None:
+    """The encoder cost of `config`'s model and GPU, None if its spec has no vision encoder."""
+    from simkv.specs import get_gpu_spec
+
+    hw = config.hardware
+    model = hw.model_spec()
+    if not model.vision_num_layers:
+        return None
+    return VisionEncoderCost(model, get_gpu_spec(hw.gpu), hw.tensor_parallel_size)

@@ -1,0 +1,110 @@
+"""Multimodal items in the engine core: vLLM's encoder cache and its encoder-input scheduling
+(simkv/core/encoder_cache.py, Scheduler._encoder_inputs). The chunk sizes below are worked by
+hand from vLLM 0.33's _try_schedule_encoder_inputs; recorded cases of the real scheduler are in
+tests/replay/test_multimodal.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from simkv.core.encoder_cache import EncoderCacheManager
+from simkv.core.scheduler import Scheduler
+from tests.core.helpers import drive, make_config, make_request
+
+
+def _scheduler(budget: int = 64, **kw) -> Scheduler:
+    config = make_config(num_gpu_blocks=200, max_num_batched_tokens=budget, max_model_len=1024, max_num_seqs=8,
+                         mm_max_tokens_per_item=kw.pop("mm_max", budget), **kw)
+    return Scheduler(config, 200)
+
+
+def _request(i: int, prompt: int, items, output: int = 2, arrival: float = 0.0):
+    request = make_request(i, prompt, output, arrival=arrival)
+    request.mm_items = tuple(items)
+    return request
+
+
+def _prefill_chunks(scheduler: Scheduler) -> list[int]:
+    return [prefill for _, prefill, _, _ in drive(scheduler, use_runs=False)["log"] if prefill]
+
+
+def test_a_chunk_stops_before_an_item_the_cache_cannot_take():
+    # budget and cache 64 embeddings; item 0 at [10, 74) fills the cache while the chunk [64, 128)
+    # still needs it, so item 1 at [80, 144) cannot be allocated: the chunk ends at 80. Once item 0
+    # is computed past, it is freeable and evicted for item 1.
+    scheduler = _scheduler()
+    scheduler.add_request(_request(0, 200, [(10, 64, 7), (80, 64, 8)]))
+    assert _prefill_chunks(scheduler) == [64, 16, 64, 56]
+    assert (scheduler.num_encoded_items, scheduler.num_encoded_embeds) == (2, 128)
+    assert scheduler.encoder_cache.num_evicted_entries == 1
+    assert scheduler.num_encoder_stops == 1
+
+
+def test_text_of_the_same_lengths_is_not_cut():
+    scheduler = _scheduler()
+    scheduler.add_request(_request(0, 200, []))
+    assert _prefill_chunks(scheduler) == [64, 64, 64, 8]
+
+
+def test_unchunked_items_end_chunks_before_them():
+    # disable_chunked_mm_input: [0, 64) would split the item at [30, 80): the chunk stops at 30
+    scheduler = _scheduler(disable_chunked_mm_input=True)
+    scheduler.add_request(_request(0, 100, [(30, 50, 1)]))
+    assert _prefill_chunks(scheduler) == [30, 64, 6]
+
+
+def test_an_item_larger_than_the_step_budget_gets_its_own_budget():
+    # vLLM's budget is max(max_num_batched_tokens, the largest item): an item of 100 embeddings
+    # with 64 tokens a step is encoded whole in the step that first reaches it
+    scheduler = _scheduler(mm_max=100)
+    scheduler.add_request(_request(0, 150, [(0, 100, 1)]))
+    assert _prefill_chunks(scheduler) == [64, 64, 22]
+    assert scheduler.num_encoded_embeds == 100
+
+
+@pytest.mark.parametrize("same_image", [True, False])
+def test_equal_images_are_encoded_once(same_image):
+    scheduler = _scheduler(budget=256)
+    scheduler.add_request(_request(0, 120, [(0, 60, 5)]))
+    scheduler.add_request(_request(1, 120, [(20, 60, 5 if same_image else 6)]))
+    drive(scheduler, use_runs=False)
+    assert scheduler.num_encoded_items == (1 if same_image else 2)
+
+
+def test_a_full_encoder_cache_holds_the_next_request_back():
+    # the first request's item fills the cache until its chunk computes past it; the second
+    # request's item must wait (its text before the item runs meanwhile)
+    scheduler = _scheduler(budget=64)
+    scheduler.add_request(_request(0, 200, [(0, 64, 1)]))
+    scheduler.add_request(_request(1, 100, [(10, 64, 2)]))
+    first = scheduler.schedule()
+    assert [(c.request.request_id, c.num_new_tokens) for c in first.chunks] == [("r0", 64)]
+    assert first.encoder_item_embeds == (64,)
+
+
+def test_preemption_drops_the_references_and_re_encodes_an_evicted_item():
+    cache = EncoderCacheManager(10)
+    a, b = _request(0, 50, [(0, 6, 1)]), _request(1, 50, [(0, 6, 2)])
+    assert cache.can_allocate(6, 10, 0)
+    cache.allocate(a, 0)
+    assert not cache.can_allocate(6, 10, 0)  # (a's item is referenced: nothing to evict)
+    cache.free(a)  # (a preempted)
+    assert cache.can_allocate(6, 10, 0)  # (evicts a's entry, the oldest unreferenced)
+    cache.allocate(b, 0)
+    assert not cache.check_and_update_cache(a, 0)  # (a must encode it again)
+    assert cache.num_evicted_entries == 1
+
+
+def test_eviction_is_oldest_first_and_a_repeated_image_is_one_entry():
+    cache = EncoderCacheManager(12)
+    a = _request(0, 100, [(0, 4, 1), (10, 4, 1), (20, 4, 2)])  # (image 1 twice)
+    for i in (0, 2):
+        assert cache.can_allocate(4, 12, 0)
+        cache.allocate(a, i)
+    assert cache.check_and_update_cache(a, 1)
+    cache.free_encoder_input(a, 0)
+    assert not cache.freeable  # (image 1 is still referenced through item 1)
+    cache.free_computed(a, 100)
+    assert list(cache.freeable) == [1, 2]  # (freed in item order)
+    assert cache.can_allocate(8, 12, 0)  # (needs 4 more than the 4 free: evicts the oldest, image 1)
+    assert list(cache.freeable) == [2] and 1 not in cache.cached

@@ -1,0 +1,118 @@
+"""Multimodal traces in a replay: the encoder budget and cache as vLLM sizes them, the vision
+encoder's time in the steps that encode, the options and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.vision_encoder import VisionEncoderCost
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from simkv.replay.api import replay
+from simkv.specs import get_gpu_spec, get_model_spec
+from simkv.traces import trace_from_frame
+
+
+def _image_trace(n: int = 40, image_tokens: int = 1024, same_image: bool = False, with_items: bool = True):
+    """`n` requests, 0.1 s apart: 200 text tokens, an image, 100 more; 64 output tokens."""
+    prompt = 300 + image_tokens
+    frame = pd.DataFrame({"arrival_time_s": np.arange(n) * 0.1, "prompt_tokens": [prompt] * n,
+                          "output_tokens": [64] * n})
+    if with_items:
+        frame["mm_offsets"] = [[200]] * n
+        frame["mm_lengths"] = [[image_tokens]] * n
+        frame["mm_hashes"] = [[1 if same_image else i + 1] for i in range(n)]
+    return trace_from_frame(frame)
+
+
+def _config(**options) -> EngineConfig:
+    return EngineConfig.from_flat({"model": "qwen2.5-vl-7b", "gpu": "H100-SXM", "max_model_len": 8192} | options)
+
+
+def test_the_encoder_budget_and_cache_are_vllms():
+    """max(max_num_batched_tokens, the model's largest item): 16,384 embeddings for Qwen2.5-VL with
+    8,192 tokens a step; the trace's largest item for a model without a vision encoder."""
+    result = replay(_image_trace(4), _config())
+    mm = result.summary["multimodal"]
+    assert result.summary["config"]["mm_max_tokens_per_item"] == 16384
+    assert mm["encoder_budget_per_step"] == mm["encoder_cache_size"] == 16384
+    plain = replay(_image_trace(4), EngineConfig.from_flat({"model": "llama-3-8b", "max_model_len": 8192}))
+    assert plain.summary["multimodal"]["encoder_budget_per_step"] == 8192  # (max_num_batched_tokens)
+    assert plain.summary["config"]["mm_max_tokens_per_item"] == 1024
+    assert plain.summary["multimodal"]["encoder_cost"].startswith("not priced")
+
+
+def test_steps_that_encode_take_the_encoders_time():
+    """Every image encoded once: the encoder's seconds are its roofline's for those items, and the
+    replay lasts longer than the same prompts as text by about that much."""
+    images, text = replay(_image_trace(), _config()), replay(_image_trace(with_items=False), _config())
+    mm = images.summary["multimodal"]
+    assert mm["items_encoded"] == mm["items"] == 40 and mm["chunks_stopped_before_item"] == 0
+    cost = VisionEncoderCost(get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM"))
+    assert mm["encoder_seconds"] == pytest.approx(40 * cost.seconds((1024,)), rel=1e-6)
+    assert 0.004 < cost.seconds((1024,)) < 0.03  # (5.1 GFLOP an embedding at 60 % of 989 TFLOP/s: 8.8 ms)
+    ttft = images.requests["ttft_s"].mean() - text.requests["ttft_s"].mean()
+    assert ttft == pytest.approx(cost.seconds((1024,)), rel=0.3)
+
+
+def test_an_image_shown_again_is_encoded_once():
+    mm = replay(_image_trace(same_image=True), _config()).summary["multimodal"]
+    assert mm["items_encoded"] == 1 and mm["embeds_encoded"] == 1024
+
+
+def test_the_encoder_cost_counts_the_vit_and_its_merger():
+    """Qwen2.5-VL-7B, by hand: 32 layers of 4 x 1280^2 + 3 x 1280 x 3420 parameters over 4 patches
+    an embedding, and a merger of 5120^2 + 5120 x 3584: 5.129 GFLOP an embedding."""
+    cost = VisionEncoderCost(get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM"))
+    assert cost.describe()["gflops_per_embed"] == 5.129
+    # a full-attention layer of an image of 4,096 patches attends 4,096^2 pairs; a windowed one 4,096 x 64
+    assert cost.attention_pairs(4096) == 28 * 4096 * 64 + 4 * 4096 * 4096
+
+
+def _write(tmp_path: Path, trace) -> str:
+    from simkv.traces import write_trace
+
+    path = tmp_path / "mm.parquet"
+    write_trace(trace, path)
+    return str(path)
+
+
+def test_the_cli_replays_a_multimodal_trace(tmp_path: Path):
+    path = _write(tmp_path, _image_trace(8))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", path, "--model", "qwen2.5-vl-7b", "--max-model-len", "8192",
+                                       "--mm-max-tokens-per-item", "2048", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["multimodal"]["encoder_budget_per_step"] == 8192
+    assert summary["config"]["mm_max_tokens_per_item"] == 2048
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--mm-max-tokens-per-item", "512"], "column 'mm_lengths', request 0: an item of 1024 tokens exceeds "
+                                          "mm_max_tokens_per_item (512)"),
+    (["--disable-chunked-mm-input", "--max-num-batched-tokens", "512"], "Chunked MM input disabled but "
+                                                                        "max_tokens_per_mm_item (16384)"),
+    (["--mm-max-tokens-per-item", "0"], "mm_max_tokens_per_item must be >= 1"),
+    (["-pp", "2"], "multimodal items (mm_* columns) under pipeline stages are not modelled yet"),
+])
+def test_bad_options_are_refused_and_nothing_is_written(tmp_path: Path, args, expected):
+    path = _write(tmp_path, _image_trace(4))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", path, "--model", "qwen2.5-vl-7b", "--max-model-len", "8192",
+                                       "--out", str(out)] + args)
+    assert result.exit_code != 0
+    assert expected in result.output
+    assert not out.exists()
+
+
+def test_a_linear_attention_model_under_prefix_caching_needs_chunked_items():
+    with pytest.raises(ConfigError, match="Chunked MM input is required"):
+        EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 2,
+                                "disable_chunked_mm_input": True})

@@ -1,0 +1,63 @@
+"""The trace's multimodal items: mm_offsets, mm_lengths, mm_hashes (simkv/traces/schema.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.traces import TraceError, read_trace, trace_from_frame, write_trace
+from simkv.traces.schema import take_rows
+
+
+def _frame(**change) -> pd.DataFrame:
+    frame = pd.DataFrame({
+        "arrival_time_s": [0.2, 0.1, 0.3],
+        "prompt_tokens": [100, 50, 80],
+        "output_tokens": [5, 5, 5],
+        "mm_offsets": [[0, 40], [], [10]],
+        "mm_lengths": [[30, 60], [], [64]],
+        "mm_hashes": [[7, 8], [], [7 + 100]],
+    })
+    for name, value in change.items():
+        frame[name] = value
+    return frame
+
+
+def test_items_follow_their_rows_through_sorting_and_files(tmp_path: Path) -> None:
+    trace = trace_from_frame(_frame())
+    assert trace.multimodal_items(0) == ()  # (the row that arrived first has none)
+    assert trace.multimodal_items(1) == ((0, 30, 7), (40, 60, 8))
+    assert trace.max_mm_item_tokens() == 64
+    for suffix in (".parquet", ".csv"):
+        path = tmp_path / f"t{suffix}"
+        write_trace(trace, path)
+        assert read_trace(path) == trace
+    picked = take_rows(trace, np.array([2, 1]))
+    assert [picked.multimodal_items(i) for i in range(2)] == [((10, 64, 107),), ((0, 30, 7), (40, 60, 8))]
+
+
+def test_a_text_trace_has_no_items() -> None:
+    trace = trace_from_frame(_frame().drop(columns=["mm_offsets", "mm_lengths", "mm_hashes"]))
+    assert trace.mm_items is None and trace.max_mm_item_tokens() == 0 and trace.multimodal_items(0) == ()
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"mm_lengths": [[30], [], [64]]}, "column 'mm_lengths', row 0: 1 entries, but mm_offsets has 2"),
+    ({"mm_lengths": [[30, 61], [], [64]]}, "column 'mm_lengths', row 0: item at 40 of 61 tokens ends past the prompt"),
+    ({"mm_offsets": [[0, 20], [], [10]]}, "column 'mm_offsets', row 0: item at 20 starts before the previous one ends"),
+    ({"mm_offsets": [[-1, 40], [], [10]]}, "column 'mm_offsets', row 0: offset -1 is negative"),
+    ({"mm_lengths": [[0, 60], [], [64]]}, "column 'mm_lengths', row 0: length 0 must be >= 1"),
+    ({"mm_hashes": [[7, 8], [], [7]]}, "column 'mm_hashes', row 2: mm_hash 7 has 64 tokens here and another length"),
+    ({"mm_hashes": [[7, "x"], [], [107]]}, "column 'mm_hashes', row 0: hash id 'x' is not an integer"),
+])
+def test_bad_items_name_column_and_row(change: dict, expected: str) -> None:
+    with pytest.raises(TraceError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        trace_from_frame(_frame(**change))
+
+
+def test_the_three_columns_come_together() -> None:
+    with pytest.raises(TraceError, match="need the columns mm_offsets, mm_lengths, mm_hashes; missing mm_hashes"):
+        trace_from_frame(_frame().drop(columns=["mm_hashes"]))
