@@ -22,13 +22,12 @@ from simkv.specs import GPUSpec, ModelSpec
 class VisionEncoderCost:
     def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1,
                  compute_efficiency: float = 0.6, memory_efficiency: float = 0.8) -> None:
-        h, i, p = model.vision_hidden_size, model.vision_intermediate_size, model.vision_patches_per_embed
-        self.patches_per_embed = p
+        h = model.vision_hidden_size
+        self.patches_per_embed = model.vision_patches_per_embed
         self.num_layers = model.vision_num_layers
         self.num_full_layers = model.vision_full_attention_layers
         self.window = model.vision_window_patches
-        layer_params = 4 * h * h + 3 * h * i
-        merger_params = (p * h) ** 2 + p * h * model.hidden_size
+        layer_params, merger_params = model.vision_layer_params, model.vision_merger_params
         tp = tensor_parallel_size
         self.flops_per_patch = 2 * layer_params * self.num_layers / tp
         self.flops_per_embed = 2 * merger_params / tp

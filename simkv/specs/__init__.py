@@ -456,7 +456,22 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         """Bytes of the weights: the layers' (`layer_weight_bytes`), the routed experts at
         `expert_weight_bytes`, the embeddings, LM head and final norm bf16."""
-        return self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size) + self.routed_expert_bytes
+        return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size) + self.routed_expert_bytes
+                + 2.0 * (self.vision_layer_params * self.vision_num_layers + self.vision_merger_params))
+
+    @property
+    def vision_layer_params(self) -> int:
+        """A vision encoder layer's matmul parameters: attention's q, k, v and output, a gated MLP."""
+        h = self.vision_hidden_size
+        return 4 * h * h + 3 * h * self.vision_intermediate_size
+
+    @property
+    def vision_merger_params(self) -> int:
+        """The merger MLP's (0 without a vision encoder): merged patches to the decoder's width."""
+        if not self.vision_num_layers:
+            return 0
+        merged = self.vision_patches_per_embed * self.vision_hidden_size
+        return merged * merged + merged * self.hidden_size
 
     @property
     def routed_expert_bytes(self) -> float:

@@ -58,6 +58,10 @@ class TraceStats:
     turns_in_sessions: int | None = None
     lora_adapters: int | None = None  # distinct lora_name values (None: no adapter named)
     rows_with_adapter: int | None = None
+    mm_items: int | None = None  # multimodal items (images; None: no mm_* columns)
+    rows_with_items: int | None = None
+    distinct_items: int | None = None
+    mm_item_tokens: int | None = None  # their placeholder tokens, all rows
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,7 +104,15 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         turns_in_sessions=int(sum(x is not None for x in trace.session_id.tolist())) if trace.session_id is not None
         else None,
         **_adapters(trace),
+        **_items(trace),
     )
+
+
+def _items(trace: Trace) -> dict:
+    if trace.mm_items is None:
+        return {}
+    return {"mm_items": len(trace.mm_items), "rows_with_items": int((np.diff(trace.mm_item_offsets) > 0).sum()),
+            "distinct_items": len(np.unique(trace.mm_items[:, 2])), "mm_item_tokens": int(trace.mm_items[:, 1].sum())}
 
 
 def _adapters(trace: Trace) -> dict:
@@ -151,4 +163,8 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
     if stats.lora_adapters is not None:
         lines.append(f"lora adapters  {stats.lora_adapters:,} ({stats.rows_with_adapter:,} rows name one; replay with "
                      "--enable-lora --max-loras K)")
+    if stats.mm_items is not None:
+        share = stats.mm_item_tokens / stats.total_prompt_tokens if stats.total_prompt_tokens else 0.0
+        lines.append(f"images         {stats.mm_items:,} in {stats.rows_with_items:,} rows ({stats.distinct_items:,} "
+                     f"distinct), {stats.mm_item_tokens:,} tokens ({100 * share:.1f} % of the prompts')")
     return "\n".join(lines)

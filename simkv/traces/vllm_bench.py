@@ -69,6 +69,9 @@ def export_timed_trace(trace: Trace, block_size: int = 16) -> TimedTraceExport:
         row = int(np.argmax(trace.n > 1))
         raise TraceError(f"{trace.source}: column 'n', row {row}: n = {int(trace.n[row])}; vLLM's benchmark "
                          f"client sends one sequence a request (drop the column or the row)")
+    if trace.mm_items is not None:
+        raise TraceError(f"{trace.source}: columns mm_*: the trace has images; vLLM's timed-trace client sends "
+                         "text prompts only")
     g = chunk_tokens_for(trace, block_size)
     keys, offsets, notes = _chunk_keys(trace, g)
     ids = _first_seen_ids(keys)

@@ -116,3 +116,10 @@ def test_a_linear_attention_model_under_prefix_caching_needs_chunked_items():
     with pytest.raises(ConfigError, match="Chunked MM input is required"):
         EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 2,
                                 "disable_chunked_mm_input": True})
+
+
+def test_the_vision_encoders_weights_take_gpu_memory():
+    """Qwen2.5-VL-7B's checkpoint: 8.29 B parameters in bf16, the ViT and merger 0.67 B of them."""
+    vl, text = get_model_spec("qwen2.5-vl-7b"), get_model_spec("qwen2.5-7b")
+    assert vl.weight_bytes - text.weight_bytes == 2 * (32 * vl.vision_layer_params + vl.vision_merger_params)
+    assert vl.weight_bytes / 2e9 == pytest.approx(8.29, abs=0.01)

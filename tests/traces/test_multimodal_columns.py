@@ -61,3 +61,45 @@ def test_bad_items_name_column_and_row(change: dict, expected: str) -> None:
 def test_the_three_columns_come_together() -> None:
     with pytest.raises(TraceError, match="need the columns mm_offsets, mm_lengths, mm_hashes; missing mm_hashes"):
         trace_from_frame(_frame().drop(columns=["mm_hashes"]))
+
+
+def test_transform_adds_images_before_the_prompts_last_tokens(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+    from simkv.traces.images import FIRST_IMAGE_HASH, add_images
+
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [100, 10], "output_tokens": [5, 5],
+                          "block_hashes": [list(range(7)), [9]], "hash_block_tokens": [16, 16]})
+    trace = trace_from_frame(frame)
+    changed, count = add_images(trace, 1.0, 64, images_per_request=2)
+    assert count == 2
+    assert changed.prompt_tokens.tolist() == [228, 138]
+    # row 0: its images at 84 and 148, the hash list cut to the 5 blocks before 84; row 1 (10 tokens):
+    # its images first, its one hash block gone
+    assert changed.multimodal_items(0) == ((84, 64, FIRST_IMAGE_HASH), (148, 64, FIRST_IMAGE_HASH + 1))
+    assert changed.multimodal_items(1) == ((0, 64, FIRST_IMAGE_HASH + 2), (64, 64, FIRST_IMAGE_HASH + 3))
+    assert changed.block_hashes(0).tolist() == [0, 1, 2, 3, 4] and changed.block_hashes(1).tolist() == []
+    assert changed.hash_block_tokens.tolist() == [16, 0]
+    few, _ = add_images(trace_from_frame(frame.loc[[0, 0, 0, 0]].reset_index(drop=True)), 1.0, 8,
+                        distinct_images=1)
+    assert len(np.unique(few.mm_items[:, 2])) == 1
+    with pytest.raises(TraceError, match="has multimodal items already"):
+        add_images(changed, 0.5, 64)
+    with pytest.raises(TraceError, match=r"--images must be in \(0, 1\], got 1.5"):
+        add_images(trace, 1.5, 64)
+    path, out = tmp_path / "t.parquet", tmp_path / "img.parquet"
+    write_trace(trace, path)
+    result = CliRunner().invoke(main, ["trace", "transform", str(path), "--out", str(out), "--images", "1",
+                                       "--image-tokens", "64", "--images-per-request", "2"])
+    assert result.exit_code == 0, result.output
+    assert read_trace(out) == changed
+    inspect = CliRunner().invoke(main, ["trace", "inspect", str(out)])
+    assert "images         4 in 2 rows (4 distinct), 256 tokens" in inspect.output
+
+
+def test_vllms_benchmark_client_cannot_send_images() -> None:
+    from simkv.traces.vllm_bench import export_timed_trace
+
+    with pytest.raises(TraceError, match="columns mm_\\*: the trace has images"):
+        export_timed_trace(trace_from_frame(_frame()))
