@@ -56,7 +56,7 @@ def test_steps_that_encode_take_the_encoders_time():
     assert mm["items_encoded"] == mm["items"] == 40 and mm["chunks_stopped_before_item"] == 0
     cost = VisionEncoderCost(get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM"))
     assert mm["encoder_seconds"] == pytest.approx(40 * cost.seconds((1024,)), rel=1e-6)
-    assert 0.004 < cost.seconds((1024,)) < 0.03  # (5.1 GFLOP an embedding at 60 % of 989 TFLOP/s: 8.8 ms)
+    assert 0.004 < cost.seconds((1024,)) < 0.03  # (5.1 GFLOP an embedding and attention at 60 % of 989 TFLOP/s: 9.5 ms)
     ttft = images.requests["ttft_s"].mean() - text.requests["ttft_s"].mean()
     assert ttft == pytest.approx(cost.seconds((1024,)), rel=0.3)
 

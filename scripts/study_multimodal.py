@@ -1,0 +1,78 @@
+"""Study: images on a vision model (docs/studies.md, "Images: the encoder's share and its cache").
+
+The bundled Azure conversation slice with images added (`simkv trace transform --images`) on
+Qwen2.5-VL-7B, one H100: against the same prompts as text (the images' tokens as text tokens,
+so only the encoder differs), with every image a new one or drawn from a few popular ones, at
+growing load; then the encoder cache's size (`--mm-max-tokens-per-item`, which sizes it) under
+images that repeat.
+
+    .venv/bin/python scripts/study_multimodal.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from study_runs import SIMKV, replay_summary, scaled_trace  # (scripts/ is on sys.path when run as a script)
+
+MODEL = ["--model", "qwen2.5-vl-7b", "--gpu", "H100-SXM"]
+
+
+def with_images(trace: Path, tmp: Path, name: str, options: list[str]) -> Path:
+    out = tmp / f"{name}.parquet"
+    subprocess.run(SIMKV + ["trace", "transform", str(trace), "--out", str(out), "--seed", "1"] + options,
+                   check=True, capture_output=True)
+    return out
+
+
+def as_text(trace: Path, tmp: Path) -> Path:
+    """The same requests with their images' tokens as plain text (no encoder, no items)."""
+    frame = pd.read_parquet(trace).drop(columns=["mm_offsets", "mm_lengths", "mm_hashes"])
+    out = tmp / f"{trace.stem}_text.parquet"
+    frame.to_parquet(out)
+    return out
+
+
+def row(label: str, s: dict) -> str:
+    mm = s.get("multimodal", {})
+    busy = s["duration_s"]
+    share = f"{100 * mm['encoder_seconds'] / busy:.1f} %" if mm else "-"
+    items = f"{mm['items_encoded']:,} / {mm['items']:,}" if mm else "-"
+    return (f"| {label} | {s['output_throughput_tok_s']:,.0f} | {1e3 * s['ttft_s']['p50']:,.0f} | "
+            f"{1e3 * s['ttft_s']['p99']:,.0f} | {1e3 * s['itl_s']['p50']:.1f} | {items} | {share} |")
+
+
+def main() -> None:
+    header = ("| load, images | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | images encoded / sent "
+              "| encoder time / duration |\n|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        print(header)
+        for load in ("1", "4", "8"):
+            scaled = scaled_trace(tmp, load)
+            new = with_images(scaled, tmp, f"new{load}", ["--images", "0.5", "--image-tokens", "1024"])
+            popular = with_images(scaled, tmp, f"pop{load}", ["--images", "0.5", "--image-tokens", "1024",
+                                                              "--distinct-images", "20"])
+            for label, trace in ((f"{load}x, as text", as_text(new, tmp)), (f"{load}x, new images", new),
+                                 (f"{load}x, 20 popular images", popular)):
+                print(row(label, replay_summary(trace, MODEL, tmp)), flush=True)
+        print("\n| encoder cache (embeddings) | TTFT p50 ms | images encoded / sent | evictions | chunks stopped before an image |"
+              "\n|---|---|---|---|---|")
+        scaled = scaled_trace(tmp, "4")
+        popular = with_images(scaled, tmp, "pop_cache", ["--images", "0.5", "--image-tokens", "1024",
+                                                         "--distinct-images", "200"])
+        for cache in ("1024", "4096", "16384"):
+            s = replay_summary(popular, MODEL + ["--mm-max-tokens-per-item", cache, "--max-num-batched-tokens",
+                                                 "1024"], tmp)
+            mm = s["multimodal"]
+            print(f"| {mm['encoder_cache_size']:,} | {1e3 * s['ttft_s']['p50']:,.0f} | {mm['items_encoded']:,} / "
+                  f"{mm['items']:,} | {mm['encoder_cache_evictions']:,} | {mm['chunks_stopped_before_item']:,} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
