@@ -20,7 +20,7 @@ import simpy
 
 from simkv.core.request import Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (admission_summary, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, offload_summary,
+from simkv.replay.results import (admission_summary, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, multimodal_summary, offload_summary,
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
@@ -438,7 +438,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    } | parallel_sampling_summary(config, trace, [run.requests for run in runs], getattr(routing, "ranks_per_row", None)) | lora_summary(config, runs, trace, capacity, backends[0]) | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | parallel_sampling_summary(config, trace, [run.requests for run in runs], getattr(routing, "ranks_per_row", None)) | lora_summary(config, runs, trace, capacity, backends[0]) | multimodal_summary(runs, trace) | offload_summary(runs, capacity, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)

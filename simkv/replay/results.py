@@ -179,7 +179,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | pipeline_summary(run, duration) | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | multimodal_summary(run, trace) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | pipeline_summary(run, duration) | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | multimodal_summary([run], trace) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
@@ -238,22 +238,24 @@ def admission_summary(runs: list[ReplayRun], routing=None) -> dict:
     return {"admission_control": merged_summary(front_ends)} if front_ends else {}
 
 
-def multimodal_summary(run: ReplayRun, trace) -> dict:
-    """Multimodal items (simkv/core/encoder_cache.py): the trace's items, those the encoder ran
-    (an item runs again after a preemption or an eviction from the encoder cache; an item found
-    in the encoder cache or under a prefix hit does not), vLLM's encoder budget and cache, how
-    often a prefill chunk stopped before an item, and the encoder's time."""
-    scheduler = run.scheduler
-    cache = scheduler.encoder_cache
-    if cache is None or getattr(trace, "mm_items", None) is None:
+def multimodal_summary(runs: list[ReplayRun], trace) -> dict:
+    """Multimodal items (simkv/core/encoder_cache.py), over the runs (a fleet's replicas): the
+    trace's items, those the encoder ran (an item runs again after a preemption or an eviction
+    from the encoder cache; an item found in the encoder cache or under a prefix hit does not),
+    vLLM's encoder budget and cache (each engine's), how often a prefill chunk stopped before an
+    item, and the encoder's time."""
+    caches = [run.scheduler.encoder_cache for run in runs]
+    if caches[0] is None or getattr(trace, "mm_items", None) is None:
         return {}
-    encoder, seconds = run.encoder
+    encoder = runs[0].encoder[0]
     return {"multimodal": {
         "items": int(len(trace.mm_items)), "item_tokens": int(trace.mm_items[:, 1].sum()),
-        "items_encoded": scheduler.num_encoded_items, "embeds_encoded": scheduler.num_encoded_embeds,
-        "encoder_budget_per_step": scheduler.encoder_budget, "encoder_cache_size": cache.cache_size,
-        "encoder_cache_evictions": cache.num_evicted_entries, "chunks_stopped_before_item": scheduler.num_encoder_stops,
-        "encoder_seconds": seconds,
+        "items_encoded": sum(run.scheduler.num_encoded_items for run in runs),
+        "embeds_encoded": sum(run.scheduler.num_encoded_embeds for run in runs),
+        "encoder_budget_per_step": runs[0].scheduler.encoder_budget, "encoder_cache_size": caches[0].cache_size,
+        "encoder_cache_evictions": sum(cache.num_evicted_entries for cache in caches),
+        "chunks_stopped_before_item": sum(run.scheduler.num_encoder_stops for run in runs),
+        "encoder_seconds": sum(run.encoder[1] for run in runs),
         "encoder_cost": encoder.describe() if encoder is not None else
         "not priced (the unit cost model, or a model spec without a vision encoder)"}}
 

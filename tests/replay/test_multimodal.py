@@ -123,3 +123,12 @@ def test_the_vision_encoders_weights_take_gpu_memory():
     vl, text = get_model_spec("qwen2.5-vl-7b"), get_model_spec("qwen2.5-7b")
     assert vl.weight_bytes - text.weight_bytes == 2 * (32 * vl.vision_layer_params + vl.vision_merger_params)
     assert vl.weight_bytes / 2e9 == pytest.approx(8.29, abs=0.01)
+
+
+def test_a_fleet_sums_its_replicas_images():
+    from simkv.replay.api import FleetSpec
+
+    one = replay(_image_trace(), _config()).summary["multimodal"]
+    fleet = replay(_image_trace(), _config(), fleet=FleetSpec(2)).summary["multimodal"]
+    assert fleet["items"] == fleet["items_encoded"] == one["items_encoded"] == 40
+    assert fleet["encoder_seconds"] == pytest.approx(one["encoder_seconds"])
