@@ -1047,8 +1047,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         ran = {chunk.request: None for chunk in output.chunks}
         if not self._counts_in_flight:  # (steady decoders the step ran that still hold items)
             for request in cache.request_inputs:
-                if (request.decode_base is not None and request not in ran and request.decode_from_step <= step
-                        and request.stall_step != step):
+                if request.decode_base is not None and request not in ran and self._ran_in(request, step):
                     ran[request] = None
         for request in sorted(ran, key=_seq_of):
             if request not in cache.request_inputs:

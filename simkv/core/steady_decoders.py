@@ -325,6 +325,8 @@ class SteadyDecoders:
             return 0
         if self._deferred_frees:  # (an aborted request's blocks come back at a step's output)
             return 0
+        if self.encoder_cache is not None and self._images_pending():
+            return 0
         if self.waiting and (self.prefill_interval > 1 or not self._admission_stuck()):
             return 0  # (prefill cadence: its holds and releases are stepped while requests wait)
         offload = self.offload
@@ -392,6 +394,16 @@ class SteadyDecoders:
         marker = self._blocked_marker
         return (marker is not None and marker[0] is self.waiting.peek_request()
                 and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget)
+
+    def _images_pending(self) -> bool:
+        """Multimodal items: an event a decode run would step over. A running request still holds
+        an image (async scheduling: a decoder drops the image that ends its prompt at its first
+        decode's output), or the waiting head has images (a decoder's new block may evict the
+        head's cached prefix, and the shorter hit may start it at an image it must stop before,
+        which passes it over and lets the requests behind it go)."""
+        if self.waiting and self.waiting.peek_request().mm_items:
+            return True
+        return any(r.status == RequestStatus.RUNNING for r in self.encoder_cache.request_inputs)
 
     def decode_run_shape(self) -> tuple[int, int, int]:
         """(decodes per step, attended context in the first step, its growth per step) of a

@@ -161,6 +161,11 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
         given = config.hardware.model_spec().mm_max_tokens_per_item or largest
         config = dataclasses.replace(config, scheduler=dataclasses.replace(sc, mm_max_tokens_per_item=given))
         sc = config.scheduler
+    if sc.disable_chunked_mm_input and 0 < sc.long_prefill_token_threshold < largest:
+        raise ValueError(f"{trace.source}: disable_chunked_mm_input with long_prefill_token_threshold "
+                         f"{sc.long_prefill_token_threshold} below an item of {largest} tokens: vLLM 0.33 accepts it, "
+                         "but rolls every chunk that reaches the item back to its start, so while other requests are "
+                         "waiting or running that request is never scheduled; raise the threshold")
     if sc.mm_max_tokens_per_item < largest:
         k = int(np.argmax(trace.mm_items[:, 1]))
         row = int(np.searchsorted(trace.mm_item_offsets, k, side="right") - 1)
