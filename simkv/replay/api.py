@@ -152,7 +152,9 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
                          "without the vision encoder; replay them on a cost model")
     hw = config.hardware
     unsupported = [(disaggregation is not None, "P/D disaggregation"), (hw.pipeline_parallel_size > 1, "pipeline stages"),
-                   (hw.data_parallel_size > 1, "data-parallel ranks")]
+                   (hw.data_parallel_size > 1, "data-parallel ranks"),
+                   (config.speculative.enabled, "speculative decoding"),
+                   (config.cache.kv_offloading_size is not None, "KV offloading")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"{trace.source}: multimodal items (mm_* columns) under {what} are not modelled yet")

@@ -101,6 +101,8 @@ def test_the_cli_replays_a_multimodal_trace(tmp_path: Path):
                                                                         "max_tokens_per_mm_item (16384)"),
     (["--mm-max-tokens-per-item", "0"], "mm_max_tokens_per_item must be >= 1"),
     (["-pp", "2"], "multimodal items (mm_* columns) under pipeline stages are not modelled yet"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "3"],
+     "multimodal items (mm_* columns) under speculative decoding are not modelled yet"),
     (["--disable-chunked-mm-input", "--long-prefill-token-threshold", "512", "--mm-max-tokens-per-item", "1024"],
      "disable_chunked_mm_input with long_prefill_token_threshold 512 below an item of 1024 tokens"),
 ])
