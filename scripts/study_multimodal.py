@@ -60,6 +60,19 @@ def main() -> None:
             for label, trace in ((f"{load}x, as text", as_text(new, tmp)), (f"{load}x, new images", new),
                                  (f"{load}x, 20 popular images", popular)):
                 print(row(label, replay_summary(trace, MODEL, tmp)), flush=True)
+        print("\n| 400 chat sessions of 4 turns | output tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | "
+              "images encoded / shown | encoder time / duration |\n|---|---|---|---|---|---|---|")
+        chats = tmp / "chats.parquet"
+        subprocess.run(SIMKV + ["trace", "synth", "multi-turn", "--sessions", "400", "--turns", "4", "--out",
+                                str(chats)], check=True, capture_output=True)
+        shown = with_images(chats, tmp, "chats_img", ["--images", "0.3", "--image-tokens", "1024"])
+        for label, trace in (("as text", as_text(shown, tmp)), ("with images", shown)):
+            s = replay_summary(trace, MODEL, tmp)
+            mm = s.get("multimodal")
+            print(f"| {label} | {s['output_throughput_tok_s']:,.0f} | {1e3 * s['ttft_s']['p50']:,.0f} | "
+                  f"{1e3 * s['ttft_s']['p99']:,.0f} | {100 * s['prefix_cache_hit_rate']:.1f} % | "
+                  + (f"{mm['items_encoded']:,} / {mm['items']:,} | {100 * mm['encoder_seconds'] / s['duration_s']:.1f} % |"
+                     if mm else "- | - |"), flush=True)
         print("\n| encoder cache (embeddings) | TTFT p50 ms | images encoded / sent | evictions | chunks stopped before an image |"
               "\n|---|---|---|---|---|")
         scaled = scaled_trace(tmp, "4")

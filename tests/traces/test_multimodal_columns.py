@@ -67,7 +67,7 @@ def test_transform_adds_images_before_the_prompts_last_tokens(tmp_path: Path) ->
     from click.testing import CliRunner
 
     from simkv.cli.main import main
-    from simkv.traces.images import FIRST_IMAGE_HASH, add_images
+    from simkv.traces.images import FIRST_IMAGE_HASH, add_images, image_block_ids
 
     frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [100, 10], "output_tokens": [5, 5],
                           "block_hashes": [list(range(7)), [9]], "hash_block_tokens": [16, 16]})
@@ -75,12 +75,18 @@ def test_transform_adds_images_before_the_prompts_last_tokens(tmp_path: Path) ->
     changed, count = add_images(trace, 1.0, 64, images_per_request=2)
     assert count == 2
     assert changed.prompt_tokens.tolist() == [228, 138]
-    # row 0: its images at 84 and 148, the hash list cut to the 5 blocks before 84; row 1 (10 tokens):
-    # its images first, its one hash block gone
-    assert changed.multimodal_items(0) == ((84, 64, FIRST_IMAGE_HASH), (148, 64, FIRST_IMAGE_HASH + 1))
-    assert changed.multimodal_items(1) == ((0, 64, FIRST_IMAGE_HASH + 2), (64, 64, FIRST_IMAGE_HASH + 3))
-    assert changed.block_hashes(0).tolist() == [0, 1, 2, 3, 4] and changed.block_hashes(1).tolist() == []
-    assert changed.hash_block_tokens.tolist() == [16, 0]
+    # row 0: 16 tokens before its end is 84, at the block boundary 80 its images (5 text blocks, two
+    # images of 4 blocks, the 2 text blocks after); row 1 (10 tokens): its images first
+    first, second, third, fourth = (FIRST_IMAGE_HASH + k for k in range(4))
+    assert changed.multimodal_items(0) == ((80, 64, first), (144, 64, second))
+    assert changed.multimodal_items(1) == ((0, 64, third), (64, 64, fourth))
+    assert changed.block_hashes(0).tolist() == [0, 1, 2, 3, 4] + image_block_ids(first, 4) + \
+        image_block_ids(second, 4) + [5, 6]
+    assert changed.block_hashes(1).tolist() == image_block_ids(third, 4) + image_block_ids(fourth, 4) + [9]
+    # images whose tokens the hash block does not divide: the list is cut before them
+    odd, _ = add_images(trace, 1.0, 50)
+    assert odd.multimodal_items(0) == ((84, 50, first),) and odd.block_hashes(0).tolist() == [0, 1, 2, 3, 4]
+    assert odd.block_hashes(1).tolist() == [] and odd.hash_block_tokens.tolist() == [16, 0]
     few, _ = add_images(trace_from_frame(frame.loc[[0, 0, 0, 0]].reset_index(drop=True)), 1.0, 8,
                         distinct_images=1)
     assert len(np.unique(few.mm_items[:, 2])) == 1
@@ -96,6 +102,35 @@ def test_transform_adds_images_before_the_prompts_last_tokens(tmp_path: Path) ->
     assert read_trace(out) == changed
     inspect = CliRunner().invoke(main, ["trace", "inspect", str(out)])
     assert "images         4 in 2 rows (4 distinct), 256 tokens" in inspect.output
+
+
+def test_a_conversations_later_turns_show_its_earlier_images(tmp_path: Path) -> None:
+    """Turn 2 repeats turn 1's prompt and reply, turn 3 turn 2's: turn 1's image stands in both at
+    its place, with its blocks, and turn 3's own image goes after it; a turn of another session,
+    and a turn that does not repeat the history, do not show it."""
+    from simkv.traces.images import FIRST_IMAGE_HASH, add_images, image_block_ids
+
+    frame = pd.DataFrame({
+        "arrival_time_s": [0.0, 1.0, 2.0, 3.0, 4.0], "prompt_tokens": [64, 128, 192, 64, 128],
+        "output_tokens": [16, 16, 16, 16, 16], "session_id": ["a", "a", "a", "b", "a"],
+        "block_hashes": [[0, 1, 2, 3, 4], list(range(8)) + [20], list(range(12)) + [21], [30, 31, 32, 33],
+                         [40, 41, 42, 43, 44, 45, 46, 47]],
+        "hash_block_tokens": [16] * 5})
+    trace = trace_from_frame(frame)
+    chosen = np.random.default_rng(8).random(5) < 0.5  # (the draws add_images makes with this seed)
+    changed, count = add_images(trace, 0.5, 32, seed=8)
+    assert chosen.tolist() == [True, False, True, False, False] and count == 2
+    first, second = FIRST_IMAGE_HASH, FIRST_IMAGE_HASH + 1
+    image = image_block_ids(first, 2)
+    assert changed.multimodal_items(0) == ((48, 32, first),)
+    assert changed.multimodal_items(1) == ((48, 32, first),)
+    assert changed.multimodal_items(2) == ((48, 32, first), (208, 32, second))
+    assert changed.multimodal_items(3) == () and changed.multimodal_items(4) == ()
+    assert changed.prompt_tokens.tolist() == [96, 160, 256, 64, 128]
+    assert changed.block_hashes(0).tolist() == [0, 1, 2] + image + [3, 4]
+    assert changed.block_hashes(1).tolist() == [0, 1, 2] + image + [3, 4, 5, 6, 7, 20]
+    assert changed.block_hashes(2).tolist() == [0, 1, 2] + image + list(range(3, 11)) + \
+        image_block_ids(second, 2) + [11, 21]
 
 
 def test_vllms_benchmark_client_cannot_send_images() -> None:
