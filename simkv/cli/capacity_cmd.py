@@ -89,6 +89,16 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
             worker = adapter_residency(config, roofline)  # (a step that needs an adapter not in a slot)
             extra["lora"]["adapter_load_s"] = {"max_cpu_loras": sc.cpu_loras, "disk_read": worker.load_s,
                                                "slot_copy": worker.copy_s, "lora_load_gbs": sc.lora_load_gbs}
+    if spec.vision_num_layers:  # (a vision encoder: vLLM's encoder budget and cache, its time for the largest item)
+        from simkv.backends.vision_encoder import vision_encoder_cost
+
+        largest = config.scheduler.mm_max_tokens_per_item or spec.mm_max_tokens_per_item
+        extra["vision_encoder"] = {
+            "weight_bytes_per_gpu": 2 * (spec.vision_layer_params * spec.vision_num_layers
+                                         + spec.vision_merger_params) / tp,
+            "mm_max_tokens_per_item": largest,
+            "encoder_budget_and_cache": max(config.scheduler.max_num_batched_tokens, largest),
+            "seconds_for_largest_item": vision_encoder_cost(config).seconds((largest,))}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if request_tokens:
@@ -224,6 +234,12 @@ def print_report(rep: dict) -> None:
                                             "linear-attention group stores (those the GPU prefix cache keeps)"))
         else:
             rows.append(("CPU tier tokens", f"{off['tokens']:,} ({off['tokens_per_gpu_cache_token']:.2f}x the GPU cache)"))
+    if rep.get("vision_encoder"):
+        vis = rep["vision_encoder"]
+        rows.append(("vision encoder weights per GPU (in the weights)", _bytes(int(vis["weight_bytes_per_gpu"]))))
+        rows.append(("encoder budget per step and encoder cache (embeddings)",
+                     f"{vis['encoder_budget_and_cache']:,} (largest item {vis['mm_max_tokens_per_item']:,}: "
+                     f"{vis['seconds_for_largest_item'] * 1e3:,.1f} ms to encode, roofline)"))
     if rep.get("cpu_offload"):
         off = rep["cpu_offload"]
         rows.append(("weights per GPU in host memory (--cpu-offload-gb), read every forward",

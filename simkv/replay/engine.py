@@ -215,7 +215,7 @@ class ReplayEngine:
         self.adapters = adapter_residency(config, backend)
         # Async scheduling overlaps the host's share of a step with the device's work.
         self._host_seconds = getattr(backend, "host_seconds", None) if config.scheduler.async_scheduling else None
-        self.steps = StepLog(config.speculative.enabled)
+        self.steps = StepLog(config.speculative.enabled, multimodal=config.scheduler.mm_max_tokens_per_item is not None)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
         self._client = None  # clients that give up and retry (simkv/replay/client_timeouts.py)
         if config.scheduler.has_clients:

@@ -17,6 +17,7 @@ STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waitin
                 "num_swapped", "num_swap_blocks")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 SPEC_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # steps and requests, under speculative decoding only
+ENCODER_COLUMN = "num_encoder_embeds"  # steps, on a multimodal replay only: the embeddings the encoder computed
 
 
 # One tuple per segment: its first step, its length, blocks used at its start and at its end,
@@ -35,8 +36,10 @@ class StepLog:
     columns, times included, are expanded with numpy when asked for.
     """
 
-    def __init__(self, speculative: bool = False) -> None:
+    def __init__(self, speculative: bool = False, multimodal: bool = False) -> None:
         self._rows: list[tuple] = []  # per segment: _ROW_COLUMNS
+        # Multimodal items: (step row, embeddings encoded) of the steps that encoded some
+        self._encoded: list[tuple[int, int]] | None = [] if multimodal else None
         # Speculative decoding (no decode runs then): per step, drafts verified and accepted.
         self._spec: array | None = array("q") if speculative else None
         self._alloc_counts: list[int] = []  # per step: blocks allocated in runs (0 in single steps)
@@ -52,6 +55,8 @@ class StepLog:
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
         self._columns = None
         self._alloc_counts.append(0)
+        if self._encoded is not None and out.encoder_item_embeds:
+            self._encoded.append((self.num_steps, out.num_encoder_embeds))
         self.num_steps += 1
         if self._spec is not None:
             self._spec.extend((out.num_draft_tokens, out.num_accepted_tokens))
@@ -112,6 +117,12 @@ class StepLog:
             pairs = np.asarray(self._spec, dtype=np.int64).reshape(-1, 2)
             for j, c in enumerate(SPEC_COLUMNS):
                 self._columns[c] = pairs[:, j]
+        if self._encoded is not None:
+            col = np.zeros(n, dtype=np.int64)
+            if self._encoded:
+                rows_at, embeds = np.asarray(self._encoded, dtype=np.int64).T
+                col[rows_at] = embeds
+            self._columns[ENCODER_COLUMN] = col
         return self._columns
 
 

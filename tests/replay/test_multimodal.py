@@ -54,6 +54,8 @@ def test_steps_that_encode_take_the_encoders_time():
     images, text = replay(_image_trace(), _config()), replay(_image_trace(with_items=False), _config())
     mm = images.summary["multimodal"]
     assert mm["items_encoded"] == mm["items"] == 40 and mm["chunks_stopped_before_item"] == 0
+    assert images.steps["num_encoder_embeds"].sum() == mm["embeds_encoded"] == 40 * 1024  # (steps.parquet's column)
+    assert "num_encoder_embeds" not in text.steps
     cost = VisionEncoderCost(get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM"))
     assert mm["encoder_seconds"] == pytest.approx(40 * cost.seconds((1024,)), rel=1e-6)
     assert 0.004 < cost.seconds((1024,)) < 0.03  # (5.1 GFLOP an embedding and attention at 60 % of 989 TFLOP/s: 9.5 ms)
@@ -198,3 +200,17 @@ def test_the_recorded_cases_catch_these_mistakes(monkeypatch, mutant):
     else:
         monkeypatch.setattr(Scheduler, "_images_pending", lambda self: False)
     assert sum(_steps_otherwise(c) for c in CASES) >= (8 if mutant == "references kept" else 3)
+
+
+def test_capacity_shows_the_encoder_budget_and_weights():
+    result = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--max-num-batched-tokens", "32768",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    vis = json.loads(result.output)["vision_encoder"]
+    spec = get_model_spec("qwen2.5-vl-7b")
+    assert vis["encoder_budget_and_cache"] == 32768 and vis["mm_max_tokens_per_item"] == 16384
+    assert vis["weight_bytes_per_gpu"] == 2 * (32 * spec.vision_layer_params + spec.vision_merger_params)
+    cost = VisionEncoderCost(spec, get_gpu_spec("H100-SXM"))
+    assert vis["seconds_for_largest_item"] == pytest.approx(cost.seconds((16384,)))
+    text = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--json"])
+    assert "vision_encoder" not in json.loads(text.output)
