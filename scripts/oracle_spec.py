@@ -19,6 +19,8 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec.py --suffix   # suffix decoding: proposals of any length up to K
     .venv/bin/python scripts/oracle_spec.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
     .venv/bin/python scripts/oracle_spec.py --dflash   # a DFlash drafter (K + 1 lookahead slots) in every case
+    .venv/bin/python scripts/oracle_spec.py --images [--disable-chunked-mm-input] [--method eagle] [--mtp-modules 3]
+        # image items in the prompts (oracle_mm.py's content), vLLM's encoder budget and cache
 
 --parallel (here and in oracle_hybrid.py, oracle_linear.py, oracle_spec_async.py and
 oracle_offload.py): about a third of the rows ask for 2 to --max-n sequences; vLLM gets each
@@ -27,6 +29,19 @@ row's n requests one after the other, named as its front end names a parent's ch
 row's first token is its first member's, its finish its last member's. A run that livelocks in
 both (members of one group preempting each other under the priority policy) is compared up to
 where simkv's LivelockError stopped it.
+
+--images (here and in oracle_spec_async.py): every case's prompts are redrawn, from a generator of
+their own, as scripts/oracle_mm.py draws them (arrivals, outputs, priorities and options stay the
+seed's): prefixes of three streams of text blocks and image segments (an item's identifier a hash
+of the content it covers: equal content, equal items, so both sides find the same prefix hits),
+images recurring across and within streams, prompts that end at an item's start or end, and rows
+of unique tokens with items of their own; item lengths 1 to 2 x max_num_batched_tokens (16 to 128
+with chunked prefill), mm_max_tokens_per_item the largest item or above it in a third of the
+cases. vLLM's scheduler gets the encoder budget and cache of compute_mm_encoder_budget and each
+request one MultiModalFeatureSpec per item (oracle_vllm.mm_budget, mm_features), simkv's the
+options mm_max_tokens_per_item and disable_chunked_mm_input and each request its mm_items.
+--disable-chunked-mm-input: in every case, its items within the token budget and the long-prefill
+threshold. --method M: every speculative case's method is M (ngram, eagle, eagle3, mtp, draft_model).
 """
 
 from __future__ import annotations
@@ -78,6 +93,105 @@ def make_case(rng, aborts: bool = False) -> dict:
     return case
 
 
+IMAGES_SEED = 104_729  # (--images: the content's generator, a.seed + this)
+
+
+def method_cases(a, cases: list[dict]) -> None:
+    """--method M: every speculative case's method is M (a draft model's name for draft_model)."""
+    method = getattr(a, "method", None)
+    if not method:
+        return
+    for case in cases:
+        opts = case["opts"]
+        if not opts.get("speculative_method"):
+            continue
+        opts["speculative_method"] = method
+        opts.pop("spec_draft_model", None)
+        if method == "draft_model":
+            opts["spec_draft_model"] = "tiny-llama"
+        if method != "ngram":
+            opts.pop("spec_ngram_match_rate", None)
+
+
+def image_cases(a, cases: list[dict]) -> None:
+    """--images: each case's prompts redrawn with image items (`with_images`), from a generator of
+    their own (the arrivals, outputs, priorities and options are those of the seed without it)."""
+    if not getattr(a, "images", False):
+        return
+    import numpy as np
+
+    rng = np.random.default_rng(a.seed + IMAGES_SEED)
+    for case in cases:
+        with_images(rng, case, getattr(a, "disable_chunked_mm_input", False))
+
+
+def with_images(rng, case: dict, disable_chunked: bool) -> None:
+    """A case's prompts as scripts/oracle_mm.py draws them: prefixes of three streams of text blocks
+    and image segments (most rows, in 80 % of the cases) or unique tokens with items of their own;
+    with chunked prefill a small token budget (16 to 128, so that items of up to twice it and the
+    encoder budget bite); mm_max_tokens_per_item the largest item or above it; the rows' items in
+    `r["mm"]` and the encoder options in case["mm"] (vLLM's side) and the options (simkv's)."""
+    from oracle_mm import make_images, make_stream, stream_row, unique_row
+
+    opts = case["opts"]
+    max_model_len = opts["max_model_len"]
+    k = opts.get("num_speculative_tokens", 0)
+    floor = max(opts["max_num_seqs"], k + (2 if opts.get("speculative_method") == "dflash" else 1))
+    if opts["enable_chunked_prefill"]:
+        opts["max_num_batched_tokens"] = max(int(rng.choice([16, 32, 64, 128])), floor)
+        if opts.get("max_num_scheduled_tokens"):
+            opts["max_num_scheduled_tokens"] = min(opts["max_num_scheduled_tokens"], opts["max_num_batched_tokens"])
+    budget = opts["max_num_batched_tokens"]
+    cap = min(2 * budget, max_model_len - 2)
+    if disable_chunked:
+        cap = min(cap, budget)
+        if opts["long_prefill_token_threshold"]:
+            cap = min(cap, opts["long_prefill_token_threshold"])
+    images = make_images(rng, budget, cap)
+    streams = [make_stream(rng, s, images, max_model_len) for s in range(3)]
+    shared = rng.random() < 0.8
+    for r in case["requests"]:
+        if shared and rng.random() < 0.75:
+            prompt, ids, items = stream_row(rng, *streams[int(rng.integers(0, 3))], max_model_len)
+        else:
+            prompt, ids, items = unique_row(rng, r["row"], budget, cap, max_model_len)
+        r["prompt"] = prompt
+        r.pop("block_hashes", None)
+        if ids:
+            r["block_hashes"] = [int(x) for x in ids]
+        r["mm"] = [[int(o), int(n), int(h)] for o, n, h in items]
+    largest = max((n for r in case["requests"] for _, n, _ in r["mm"]), default=0)
+    most = largest or 1
+    if rng.random() < 0.33:
+        more = int(rng.integers(1, budget + 1))
+        most = min(most + more, budget) if disable_chunked else most + more
+    opts["mm_max_tokens_per_item"] = most
+    opts["disable_chunked_mm_input"] = disable_chunked
+    case["mm"] = {"max_tokens_per_item": most, "disable_chunked_mm_input": disable_chunked}
+
+
+def simkv_items(case: dict):
+    """(simkv's side) A context in which tests/core/helpers.py's drivers give each request its
+    row's image items (`r["mm"]`): make_request patched; nothing for a case without images."""
+    import contextlib
+    from unittest import mock
+
+    if not case.get("mm"):
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(ROOT))
+    from tests.core import helpers
+
+    items = {r["row"]: tuple(tuple(int(x) for x in it) for it in r["mm"]) for r in case["requests"]}
+    plain = helpers.make_request
+
+    def make_request(i, *args, **kw):
+        request = plain(i, *args, **kw)
+        request.mm_items = items.get(i, ())
+        return request
+
+    return mock.patch.object(helpers, "make_request", make_request)
+
+
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 def run_vllm(case: dict) -> dict:
     from vllm.v1.outputs import ModelRunnerOutput
@@ -88,6 +202,7 @@ def run_vllm(case: dict) -> dict:
                         "mamba_cache_mode": case.get("mamba_cache_mode"),
                         "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
+    oracle_vllm.mm_budget(sched, vllm_config, case.get("mm"))  # (--images)
     if case.get("replies"):  # (the fake model samples the replies' content: --replies)
         oracle_vllm.sample_reply_content(case)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -135,7 +250,8 @@ def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.core.helpers import drive_steps
 
-    result = drive_steps(case)
+    with simkv_items(case):  # (--images)
+        result = drive_steps(case)
     sched = result.pop("scheduler")
     result["accepted"] = sched.spec_stats["num_accepted_tokens"]
     stats = sched.kv_cache_manager.prefix_cache_stats
@@ -189,7 +305,7 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, parallel_flag=True,
                                 ngram_misses_flag=True, parallel_drafting_flag=True, dflash_flag=True,
-                                mtp_modules_flag=True)
+                                mtp_modules_flag=True, images_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
@@ -201,8 +317,10 @@ def main() -> None:
     if a.suffix:  # (likewise)
         for case in cases:
             oracle_vllm.suffix_drafter(rng, case["opts"])
+    method_cases(a, cases)  # (--method; before the drafter flags, which may replace it)
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
+    image_cases(a, cases)  # (--images: after the options, whose token budget sizes the items)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
 

@@ -25,6 +25,8 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec_async.py --aborts --cases 50 --seed 3   # with a front end's aborts
     .venv/bin/python scripts/oracle_spec_async.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
     .venv/bin/python scripts/oracle_spec_async.py --dflash   # a DFlash drafter in every case
+    .venv/bin/python scripts/oracle_spec_async.py --images [--disable-chunked-mm-input] [--method eagle] [--mtp-modules 3]
+        # image items in the prompts, vLLM's encoder budget and cache (oracle_spec.py --images)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
-from oracle_spec import case_differences  # noqa: E402
+from oracle_spec import case_differences, image_cases, method_cases, simkv_items  # noqa: E402
 
 
 def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False, aborts: bool = False) -> dict:
@@ -127,6 +129,7 @@ def run_vllm(case: dict) -> dict:
                         "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True),
                                                      async_scheduling=True)
+    oracle_vllm.mm_budget(sched, vllm_config, case.get("mm"))  # (--images)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
     pool = sched.kv_cache_manager.block_pool
     usable = pool.num_gpu_blocks - 1
@@ -169,7 +172,8 @@ def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.core.helpers import drive_steps_async
 
-    return with_totals(drive_steps_async(case))
+    with simkv_items(case):  # (--images)
+        return with_totals(drive_steps_async(case))
 
 
 def with_totals(result: dict) -> dict:
@@ -186,14 +190,18 @@ def with_totals(result: dict) -> dict:
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
                                   align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True, dflash_flag=True,
-                                  mtp_modules_flag=True)
+                                  mtp_modules_flag=True, images_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
+    if a.method == "ngram":
+        raise SystemExit("--method ngram: vLLM refuses async scheduling with the CPU n-gram drafter")
+    method_cases(a, cases)  # (--method; before the drafter flags, which may replace it)
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
+    image_cases(a, cases)  # (--images: after the options, whose token budget sizes the items)
     compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a))
 
 

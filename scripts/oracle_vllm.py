@@ -379,7 +379,36 @@ def vllm_request(r: dict, rid: str, hasher):
     ids = oracle.make_prompt_ids(tr, 0, 0, {})
     sp = SamplingParams(max_tokens=r["output"], ignore_eos=True, temperature=0.0)
     return Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
-                   arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"], block_hasher=hasher)
+                   arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"], block_hasher=hasher,
+                   mm_features=mm_features(r))
+
+
+# ---- image items (--images: oracle_spec.py, oracle_spec_async.py) ----------------------------------
+def mm_features(r: dict):
+    """vLLM's mm_features of a case's row with image items (`r["mm"]`: [offset, length, identifier]
+    each, sorted by offset), one MultiModalFeatureSpec per item as scripts/oracle_mm.py gives them
+    (no data: the fake model computes nothing); None for a row without."""
+    if not r.get("mm"):
+        return None
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality="image", identifier=str(h),
+                                  mm_position=PlaceholderRange(offset=o, length=n)) for o, n, h in r["mm"]]
+
+
+def mm_budget(sched, vllm_config, mm: dict | None) -> None:
+    """The encoder compute budget and cache a multimodal model's scheduler gets (vLLM's
+    compute_mm_encoder_budget for `mm`'s max_tokens_per_item, and its disable_chunked_mm_input),
+    as scripts/oracle_mm.py patches them in; nothing without `mm`."""
+    if not mm:
+        return
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager, compute_mm_encoder_budget
+
+    config = vllm_config.scheduler_config
+    config.disable_chunked_mm_input = bool(mm["disable_chunked_mm_input"])
+    compute, size = compute_mm_encoder_budget(config, {"image": mm["max_tokens_per_item"]})
+    sched.max_num_encoder_input_tokens = compute
+    sched.encoder_cache_manager = EncoderCacheManager(cache_size=size)
 
 
 def record_outputs(engine_core_outputs: dict, step: int, prefix: list, first_token: dict, finish: dict) -> None:
@@ -545,7 +574,8 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                 align_flag: bool = False, offload_flag: bool = False, replies_flag: bool = False,
                 aborts_flag: bool = False, parallel_flag: bool = False, ngram_misses_flag: bool = False,
                 pd_flag: bool = False, pp_flag: bool = False, roles_flag: bool = False,
-                parallel_drafting_flag: bool = False, dflash_flag: bool = False, mtp_modules_flag: bool = False):
+                parallel_drafting_flag: bool = False, dflash_flag: bool = False, mtp_modules_flag: bool = False,
+                images_flag: bool = False):
     """An oracle's command line (the hidden --vllm-side is how it calls itself in vLLM's venv)."""
     import argparse
 
@@ -634,6 +664,15 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
         ap.add_argument("--parallel-drafting", action="store_true",
                         help="vLLM's parallel_drafting in every EAGLE and draft-model case (K - 1 or K more batch "
                              "slots per request)")
+    if images_flag:
+        ap.add_argument("--images", action="store_true",
+                        help="image items in the prompts (scripts/oracle_mm.py's content: items repeated across and "
+                             "within requests, up to 2 x max_num_batched_tokens), vLLM's encoder budget and cache")
+        ap.add_argument("--disable-chunked-mm-input", action="store_true",
+                        help="with --images: disable_chunked_mm_input in every case (items within the token budget "
+                             "and the long-prefill threshold)")
+        ap.add_argument("--method", default=None,
+                        help="every speculative case's method: ngram, eagle, eagle3, mtp or draft_model")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()
