@@ -170,28 +170,6 @@ def with_images(rng, case: dict, disable_chunked: bool) -> None:
     case["mm"] = {"max_tokens_per_item": most, "disable_chunked_mm_input": disable_chunked}
 
 
-def simkv_items(case: dict):
-    """(simkv's side) A context in which tests/core/helpers.py's drivers give each request its
-    row's image items (`r["mm"]`): make_request patched; nothing for a case without images."""
-    import contextlib
-    from unittest import mock
-
-    if not case.get("mm"):
-        return contextlib.nullcontext()
-    sys.path.insert(0, str(ROOT))
-    from tests.core import helpers
-
-    items = {r["row"]: tuple(tuple(int(x) for x in it) for it in r["mm"]) for r in case["requests"]}
-    plain = helpers.make_request
-
-    def make_request(i, *args, **kw):
-        request = plain(i, *args, **kw)
-        request.mm_items = items.get(i, ())
-        return request
-
-    return mock.patch.object(helpers, "make_request", make_request)
-
-
 # ---- vLLM side (runs in the oracle's venv) --------------------------------------------------------
 def run_vllm(case: dict) -> dict:
     from vllm.v1.outputs import ModelRunnerOutput
@@ -250,8 +228,7 @@ def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.core.helpers import drive_steps
 
-    with simkv_items(case):  # (--images)
-        result = drive_steps(case)
+    result = drive_steps(case)  # (--images: the rows' "mm" items, tests/core/helpers.py _deliver)
     sched = result.pop("scheduler")
     result["accepted"] = sched.spec_stats["num_accepted_tokens"]
     stats = sched.kv_cache_manager.prefix_cache_stats

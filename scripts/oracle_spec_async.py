@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 import oracle_vllm  # noqa: E402  (the vLLM side the step-mode oracles share)
-from oracle_spec import case_differences, image_cases, method_cases, simkv_items  # noqa: E402
+from oracle_spec import case_differences, image_cases, method_cases  # noqa: E402
 
 
 def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False, aborts: bool = False) -> dict:
@@ -172,8 +172,7 @@ def run_simkv(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.core.helpers import drive_steps_async
 
-    with simkv_items(case):  # (--images)
-        return with_totals(drive_steps_async(case))
+    return with_totals(drive_steps_async(case))  # (--images: the rows' "mm" items, tests/core/helpers.py)
 
 
 def with_totals(result: dict) -> dict:

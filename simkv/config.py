@@ -1220,7 +1220,8 @@ class EngineConfig:
     @property
     def num_prefill_lookahead(self) -> int:
         """vLLM's num_prefill_lookahead_tokens: the prompt tokens past a prefill chunk that the
-        drafter reads. One for the EAGLE family and dflash, which the scheduler need not heed; K
+        drafter reads. One for the EAGLE family and dflash, which the scheduler heeds only where a
+        chunk reaches a multimodal item (vLLM shifts the encoder's window by it); K
         under multi-module MTP, whose modules each read one token further: a prefill chunk never
         ends fewer than K tokens before the prompt's end, the blocks holding a chunk's last K - 1
         tokens are not cached yet, and block keys cover the K tokens after the block. 0 otherwise."""

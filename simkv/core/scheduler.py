@@ -147,6 +147,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # multi-module MTP: a prefill chunk ends at the prompt's end or at least K tokens before it
         # (the modules read K prompt tokens ahead); its last K - 1 tokens' blocks wait to be cached
         self.num_prefill_lookahead = lookahead if lookahead > 1 else 0
+        # (multimodal items: vLLM shifts the encoder's window by the drafter's read-ahead, EAGLE's 1 too)
+        self.encoder_window_shift = lookahead
         reprefillable = max(lookahead - 1, 0)
         if cc.allocator == "contiguous":
             self.kv_cache_manager = ContiguousKVCacheManager(num_gpu_blocks, cc.block_size, self.max_model_len)
@@ -983,7 +985,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         repeated within them, the budget left, their embeddings)."""
         cache = self.encoder_cache
         budget = plan.encoder_budget
-        shift = self.num_prefill_lookahead  # (multi-module MTP reads that many tokens ahead)
+        shift = self.encoder_window_shift  # (the drafter reads that many prompt tokens ahead: EAGLE 1, MTP modules K)
         end = computed + num_new + shift
         to_encode: list[int] = []
         repeated: list[int] = []

@@ -153,7 +153,6 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
     hw = config.hardware
     unsupported = [(disaggregation is not None, "P/D disaggregation"), (hw.pipeline_parallel_size > 1, "pipeline stages"),
                    (hw.data_parallel_size > 1, "data-parallel ranks"),
-                   (config.speculative.enabled, "speculative decoding"),
                    (config.cache.kv_offloading_size is not None, "KV offloading")]
     for bad, what in unsupported:
         if bad:
@@ -163,11 +162,8 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
         given = config.hardware.model_spec().mm_max_tokens_per_item or largest
         config = dataclasses.replace(config, scheduler=dataclasses.replace(sc, mm_max_tokens_per_item=given))
         sc = config.scheduler
-    if sc.disable_chunked_mm_input and 0 < sc.long_prefill_token_threshold < largest:
-        raise ValueError(f"{trace.source}: disable_chunked_mm_input with long_prefill_token_threshold "
-                         f"{sc.long_prefill_token_threshold} below an item of {largest} tokens: vLLM 0.33 accepts it, "
-                         "but rolls every chunk that reaches the item back to its start, so while other requests are "
-                         "waiting or running that request is never scheduled; raise the threshold")
+    if sc.disable_chunked_mm_input:
+        _check_unchunked_items_fit(trace, config, largest)
     if sc.mm_max_tokens_per_item < largest:
         k = int(np.argmax(trace.mm_items[:, 1]))
         row = int(np.searchsorted(trace.mm_item_offsets, k, side="right") - 1)
@@ -175,6 +171,29 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
                          f"{largest} tokens exceeds mm_max_tokens_per_item ({sc.mm_max_tokens_per_item}), the most "
                          "the model's processor makes of one item")
     return config
+
+
+def _check_unchunked_items_fit(trace, config: EngineConfig, largest: int) -> None:
+    """disable_chunked_mm_input: a chunk must hold a whole item and, under speculative decoding,
+    the drafter's read-ahead before it (vLLM rolls a chunk back to that many tokens before the
+    item). vLLM 0.33 accepts an item larger than a request's share of a step, but never schedules
+    its request (or, over the long-prefill threshold, never while other requests are around): refused."""
+    sc = config.scheduler
+    shift = config.num_prefill_lookahead
+    slots = config.speculative.draft_slots if config.speculative.enabled else 0
+    per_request = min(sc.max_num_scheduled_tokens or sc.max_num_batched_tokens, sc.max_num_batched_tokens - slots)
+    limits = [(per_request, f"a request's share of a step ({per_request})")]
+    if sc.long_prefill_token_threshold > 0:
+        limits.append((sc.long_prefill_token_threshold,
+                       f"long_prefill_token_threshold ({sc.long_prefill_token_threshold}) while other requests are "
+                       "around"))
+    for limit, what in limits:
+        if largest + shift > limit:
+            ahead = f" and the drafter's read-ahead of {shift}" if shift else ""
+            raise ValueError(f"{trace.source}: disable_chunked_mm_input with an item of {largest} tokens{ahead}: a "
+                             f"chunk must hold them whole, more than {what}; vLLM 0.33 accepts it but rolls every "
+                             "chunk that reaches the item back before it and never schedules that request; raise the "
+                             "budget or the threshold")
 
 
 def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:

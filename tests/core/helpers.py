@@ -119,6 +119,8 @@ def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: 
                            num_samples=r.get("n", 1), lora=r.get("lora"))  # (n > 1: fanned out by the scheduler)
         if roles:
             req.kv_role = {PD_PULL: KV_PULL, PD_SEND: KV_SEND}.get(r["role"], 0)
+        if r.get("mm"):  # (images: scripts/oracle_spec.py --images)
+            req.mm_items = tuple(tuple(item) for item in r["mm"])
         requests.append((req, r))
         sched.add_request(req)
 

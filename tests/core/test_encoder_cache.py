@@ -5,6 +5,10 @@ tests/replay/test_multimodal.py."""
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import pytest
 
 from simkv.core.encoder_cache import EncoderCacheManager
@@ -108,3 +112,34 @@ def test_eviction_is_oldest_first_and_a_repeated_image_is_one_entry():
     assert list(cache.freeable) == [1, 2]  # (freed in item order)
     assert cache.can_allocate(8, 12, 0)  # (needs 4 more than the 4 free: evicts the oldest, image 1)
     assert list(cache.freeable) == [2] and 1 not in cache.cached
+
+
+# Recorded cases of scripts/oracle_spec.py / oracle_spec_async.py --images --method eagle: images with
+# EAGLE drafts, whose one-token read-ahead vLLM adds to the encoder's window (vLLM 0.33).
+SPEC_IMAGES = json.loads((Path(__file__).parent / "data" / "spec_images_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("mode, index", [(m, i) for m in ("sync", "async") for i in range(len(SPEC_IMAGES[m]))])
+def test_images_with_eagle_drafts_step_as_vllm(mode, index):
+    from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm
+
+    check = assert_same_steps_as_vllm if mode == "sync" else assert_same_async_spec_steps_as_vllm
+    check(copy.deepcopy(SPEC_IMAGES[mode][index]))
+
+
+def test_an_unshifted_encoder_window_steps_otherwise(monkeypatch):
+    """The window of vLLM's encoder scheduling ends at the chunk's end plus the drafter's read-ahead
+    (EAGLE: 1): every recorded case steps otherwise without it."""
+    from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm
+
+    plain_init = Scheduler.__init__
+
+    def unshifted(self, *args, **kw):
+        plain_init(self, *args, **kw)
+        self.encoder_window_shift = 0
+
+    monkeypatch.setattr(Scheduler, "__init__", unshifted)
+    for mode, check in (("sync", assert_same_steps_as_vllm), ("async", assert_same_async_spec_steps_as_vllm)):
+        for case in SPEC_IMAGES[mode]:
+            with pytest.raises(AssertionError):
+                check(copy.deepcopy(case))

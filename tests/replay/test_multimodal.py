@@ -103,10 +103,13 @@ def test_the_cli_replays_a_multimodal_trace(tmp_path: Path):
                                                                         "max_tokens_per_mm_item (16384)"),
     (["--mm-max-tokens-per-item", "0"], "mm_max_tokens_per_item must be >= 1"),
     (["-pp", "2"], "multimodal items (mm_* columns) under pipeline stages are not modelled yet"),
-    (["--speculative-method", "ngram", "--num-speculative-tokens", "3"],
-     "multimodal items (mm_* columns) under speculative decoding are not modelled yet"),
+    (["--kv-offloading-size", "8"], "multimodal items (mm_* columns) under KV offloading are not modelled yet"),
+    (["--disable-chunked-mm-input", "--max-num-batched-tokens", "1024", "--mm-max-tokens-per-item", "1024",
+      "--speculative-method", "eagle3", "--num-speculative-tokens", "3"],
+     "an item of 1024 tokens and the drafter's read-ahead of 1: a chunk must hold them whole, more than a "
+     "request's share of a step (1024)"),
     (["--disable-chunked-mm-input", "--long-prefill-token-threshold", "512", "--mm-max-tokens-per-item", "1024"],
-     "disable_chunked_mm_input with long_prefill_token_threshold 512 below an item of 1024 tokens"),
+     "more than long_prefill_token_threshold (512) while other requests are around"),
 ])
 def test_bad_options_are_refused_and_nothing_is_written(tmp_path: Path, args, expected):
     path = _write(tmp_path, _image_trace(4))
@@ -214,3 +217,11 @@ def test_capacity_shows_the_encoder_budget_and_weights():
     assert vis["seconds_for_largest_item"] == pytest.approx(cost.seconds((16384,)))
     text = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--json"])
     assert "vision_encoder" not in json.loads(text.output)
+
+
+def test_images_replay_with_eagle_drafts():
+    result = replay(_image_trace(), _config(speculative_method="eagle3", num_speculative_tokens=3,
+                                            spec_acceptance_rate=0.6))
+    mm = result.summary["multimodal"]
+    assert mm["items_encoded"] == mm["items"] == 40
+    assert result.summary["speculative_decoding"]["num_accepted_tokens"] > 0
