@@ -73,26 +73,17 @@ def _mm_items(r) -> list:
 
 
 def _mm_features(tr):
-    """One MultiModalFeatureSpec per item (no data: the fake model computes nothing)."""
-    if not tr.get("mm"):
-        return None
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    return [MultiModalFeatureSpec(data=None, modality="image", identifier=str(h),
-                                  mm_position=PlaceholderRange(offset=o, length=n)) for o, n, h in tr["mm"]]
+    """One MultiModalFeatureSpec per item (oracle_vllm's: no data, the fake model computes nothing)."""
+    from oracle_vllm import mm_features
+    return mm_features(tr)
 
 
 def _mm_budget(sched, vllm_config) -> None:
-    """The encoder compute budget and cache a multimodal model's scheduler gets (vLLM's
-    compute_mm_encoder_budget: its ValueError for an item larger than max_num_batched_tokens under
-    disable_chunked_mm_input included)."""
-    if not MM_CONFIG.get("max_tokens_per_item"):
-        return
-    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager, compute_mm_encoder_budget
-    config = vllm_config.scheduler_config
-    config.disable_chunked_mm_input = bool(MM_CONFIG["disable_chunked_mm_input"])
-    compute, size = compute_mm_encoder_budget(config, {"image": MM_CONFIG["max_tokens_per_item"]})
-    sched.max_num_encoder_input_tokens = compute
-    sched.encoder_cache_manager = EncoderCacheManager(cache_size=size)
+    """The encoder compute budget and cache a multimodal model's scheduler gets (oracle_vllm's, from
+    vLLM's compute_mm_encoder_budget: its ValueError for an item larger than max_num_batched_tokens
+    under disable_chunked_mm_input included)."""
+    from oracle_vllm import mm_budget
+    mm_budget(sched, vllm_config, MM_CONFIG if MM_CONFIG.get("max_tokens_per_item") else None)
 
 
 '''
@@ -230,6 +221,18 @@ def unique_row(rng, row: int, budget: int, cap: int, max_model_len: int) -> tupl
     return prompt, [], items
 
 
+def item_cap(opts: dict, max_model_len: int, unchunked: bool) -> int:
+    """The largest item a case draws: twice the token budget (within the model length), and
+    under disable_chunked_mm_input within the budget and the long-prefill threshold."""
+    budget = opts["max_num_batched_tokens"]
+    cap = min(2 * budget, max_model_len - 2)
+    if unchunked:
+        cap = min(cap, budget)
+        if opts["long_prefill_token_threshold"]:
+            cap = min(cap, opts["long_prefill_token_threshold"])
+    return cap
+
+
 def make_case(rng, disable_chunked: bool):
     """A trace frame (sorted by arrival) and flat engine options. Under `disable_chunked` items
     fit the long-prefill threshold too: a larger one never fits a chunk (vLLM stalls the request
@@ -245,11 +248,7 @@ def make_case(rng, disable_chunked: bool):
         opts["max_num_batched_tokens"] = max(int(rng.choice([16, 32, 64, 128])), opts["max_num_seqs"])
     budget = opts["max_num_batched_tokens"]
     refuse = disable_chunked and budget < max_model_len - 2 and rng.random() < 0.17
-    cap = min(2 * budget, max_model_len - 2)
-    if disable_chunked and not refuse:
-        cap = min(cap, budget)
-        if opts["long_prefill_token_threshold"]:
-            cap = min(cap, opts["long_prefill_token_threshold"])
+    cap = item_cap(opts, max_model_len, disable_chunked and not refuse)
     images = make_images(rng, budget, cap)
     streams = [make_stream(rng, s, images, max_model_len) for s in range(3)]
     shared = rng.random() < 0.8

@@ -131,7 +131,7 @@ def with_images(rng, case: dict, disable_chunked: bool) -> None:
     with chunked prefill a small token budget (16 to 128, so that items of up to twice it and the
     encoder budget bite); mm_max_tokens_per_item the largest item or above it; the rows' items in
     `r["mm"]` and the encoder options in case["mm"] (vLLM's side) and the options (simkv's)."""
-    from oracle_mm import make_images, make_stream, stream_row, unique_row
+    from oracle_mm import item_cap, make_images, make_stream, stream_row, unique_row
 
     opts = case["opts"]
     max_model_len = opts["max_model_len"]
@@ -142,11 +142,7 @@ def with_images(rng, case: dict, disable_chunked: bool) -> None:
         if opts.get("max_num_scheduled_tokens"):
             opts["max_num_scheduled_tokens"] = min(opts["max_num_scheduled_tokens"], opts["max_num_batched_tokens"])
     budget = opts["max_num_batched_tokens"]
-    cap = min(2 * budget, max_model_len - 2)
-    if disable_chunked:
-        cap = min(cap, budget)
-        if opts["long_prefill_token_threshold"]:
-            cap = min(cap, opts["long_prefill_token_threshold"])
+    cap = item_cap(opts, max_model_len, disable_chunked)
     images = make_images(rng, budget, cap)
     streams = [make_stream(rng, s, images, max_model_len) for s in range(3)]
     shared = rng.random() < 0.8
