@@ -32,7 +32,7 @@ class VisionEncoderCost:
         self.flops_per_patch = 2 * layer_params * self.num_layers / tp
         self.flops_per_embed = 2 * merger_params / tp
         self.flops_per_pair = 4 * h / tp
-        self.weight_bytes = 2 * (layer_params * self.num_layers + merger_params) / tp
+        self.weight_bytes = model.vision_weight_bytes / tp
         self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
 

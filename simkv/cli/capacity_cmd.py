@@ -91,13 +91,13 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
                                                "slot_copy": worker.copy_s, "lora_load_gbs": sc.lora_load_gbs}
     if spec.vision_num_layers:  # (a vision encoder: vLLM's encoder budget and cache, its time for the largest item)
         from simkv.backends.vision_encoder import vision_encoder_cost
+        from simkv.core.encoder_cache import encoder_budget
 
         largest = config.scheduler.mm_max_tokens_per_item or spec.mm_max_tokens_per_item
         extra["vision_encoder"] = {
-            "weight_bytes_per_gpu": 2 * (spec.vision_layer_params * spec.vision_num_layers
-                                         + spec.vision_merger_params) / tp,
+            "weight_bytes_per_gpu": spec.vision_weight_bytes / tp,
             "mm_max_tokens_per_item": largest,
-            "encoder_budget_and_cache": max(config.scheduler.max_num_batched_tokens, largest),
+            "encoder_budget_and_cache": encoder_budget(config.scheduler.max_num_batched_tokens, largest),
             "seconds_for_largest_item": vision_encoder_cost(config).seconds((largest,))}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}

@@ -19,6 +19,12 @@ from collections import OrderedDict
 from simkv.core.request import Request
 
 
+def encoder_budget(max_num_batched_tokens: int, mm_max_tokens_per_item: int) -> int:
+    """vLLM's compute_mm_encoder_budget: a step's encoder budget and the cache's size, both in
+    embeddings, max(max_num_batched_tokens, the most embeddings one item can have)."""
+    return max(max_num_batched_tokens, mm_max_tokens_per_item)
+
+
 class EncoderCacheManager:
     def __init__(self, cache_size: int) -> None:
         self.cache_size = cache_size

@@ -26,7 +26,7 @@ from operator import attrgetter
 from simkv.config import EngineConfig
 from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
-from simkv.core.encoder_cache import EncoderCacheManager
+from simkv.core.encoder_cache import EncoderCacheManager, encoder_budget
 from simkv.core.kv_cache_coordinator import KVCacheCoordinator
 from simkv.core.mamba_align import MambaAlignCoordinator, mamba_block_aligned_split
 from simkv.core.kv_cache_manager import ComputedBlocks, KVCacheManager
@@ -102,7 +102,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # Multimodal models (core/encoder_cache.py): vLLM's encoder compute budget of a step and its
         # encoder cache, both max(max_num_batched_tokens, the largest item's embeddings), in embeddings
         mm_tokens = sc.mm_max_tokens_per_item or 0
-        self.encoder_budget = max(self.max_num_batched_tokens, mm_tokens) if mm_tokens else 0
+        self.encoder_budget = encoder_budget(self.max_num_batched_tokens, mm_tokens) if mm_tokens else 0
         self.encoder_cache = EncoderCacheManager(self.encoder_budget) if mm_tokens else None
         self.disable_chunked_mm_input = sc.disable_chunked_mm_input
         self.num_encoded_items = 0
@@ -508,7 +508,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._output_pending = True  # (until update_from_output)
         encoded = ()
         if plan.encoder_inputs:
-            encoded = tuple(e for _, items in plan.encoder_inputs.values() for e in items)
+            encoded = tuple(e for items in plan.encoder_inputs.values() for e in items)
             self.num_encoded_items += len(encoded)
             self.num_encoded_embeds += sum(encoded)
         return SchedulerOutput(
@@ -982,7 +982,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if the chunk starts inside it), or, under disable_chunked_mm_input, before an item the
         chunk would split. Cached items the chunk reaches are referenced now. Returns the chunk's
         tokens and what `_encode` commits if the request is scheduled: (items to encode, items
-        repeated within them, the budget left, their embeddings)."""
+        repeated within them, the budget left)."""
         cache = self.encoder_cache
         budget = plan.encoder_budget
         shift = self.encoder_window_shift  # (the drafter reads that many prompt tokens ahead: EAGLE 1, MTP modules K)
@@ -1013,15 +1013,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             budget -= length
             encoding[mm_hash] = length
             to_encode.append(i)
-        return num_new, (to_encode, repeated, budget, embeds)
+        return num_new, (to_encode, repeated, budget)
 
     def _encode(self, request: Request, encoding: tuple, plan: StepPlan) -> None:
         """The request is scheduled: its items from `_encoder_inputs` are encoded in this step."""
-        to_encode, repeated, budget, embeds = encoding
+        to_encode, repeated, budget = encoding
         if not to_encode:
             return
         plan.encoder_budget = budget
-        plan.encoder_inputs[request.seq] = (embeds, [request.mm_items[i][1] for i in to_encode])
+        plan.encoder_inputs[request.seq] = [request.mm_items[i][1] for i in to_encode]
         cache = self.encoder_cache
         for i in to_encode:
             cache.allocate(request, i)
@@ -1046,11 +1046,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         decoded since its prompt's end has passed every item."""
         cache = self.encoder_cache
         step = output.step
-        ran = {chunk.request: None for chunk in output.chunks}
+        ran = {chunk.request for chunk in output.chunks}
         if not self._counts_in_flight:  # (steady decoders the step ran that still hold items)
-            for request in cache.request_inputs:
-                if request.decode_base is not None and request not in ran and self._ran_in(request, step):
-                    ran[request] = None
+            ran.update(r for r in cache.request_inputs if r.decode_base is not None and self._ran_in(r, step))
         for request in sorted(ran, key=_seq_of):
             if request not in cache.request_inputs:
                 continue
@@ -1141,11 +1139,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = chunk.num_computed_tokens + chunk.num_new_tokens
-            if request.mm_items and self.encoder_cache is not None:
-                self.encoder_cache.free_computed(request, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue
             finished += self._sample_after_prefill(request, step)
+        if self.encoder_cache is not None:
+            self._free_encoded(output.chunks)
         for request in self._pop_due(self._finish_heap, step):
             self._leave_decoding(request, step + 1)
             finished.append(request)

@@ -40,10 +40,9 @@ class StepPlan:
         self.defer_prefills = False
         self.prefill_carried = False
         # multimodal models (core/encoder_cache.py): the step's encoder budget left, in embeddings
-        # (set by the scheduler) and the items each request encodes in it (seq -> their embeddings,
-        # each item's)
+        # (set by the scheduler) and the items each request encodes in it (seq -> each item's embeddings)
         self.encoder_budget = 0
-        self.encoder_inputs: dict[int, tuple[int, list[int]]] = {}
+        self.encoder_inputs: dict[int, list[int]] = {}
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new
@@ -69,5 +68,5 @@ class StepPlan:
         self.chunks = [c for c in self.chunks if c.request is not victim]
         encoded = self.encoder_inputs.pop(victim.seq, None)
         if encoded is not None:  # (its items are not encoded after all: vLLM gives the budget back)
-            self.encoder_budget += encoded[0]
+            self.encoder_budget += sum(encoded)
         return tokens

@@ -159,7 +159,7 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
             raise ValueError(f"{trace.source}: multimodal items (mm_* columns) under {what} are not modelled yet")
     sc = config.scheduler
     if sc.mm_max_tokens_per_item is None:
-        given = config.hardware.model_spec().mm_max_tokens_per_item or largest
+        given = hw.model_spec().mm_max_tokens_per_item or largest
         config = dataclasses.replace(config, scheduler=dataclasses.replace(sc, mm_max_tokens_per_item=given))
         sc = config.scheduler
     if sc.disable_chunked_mm_input:

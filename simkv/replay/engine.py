@@ -17,13 +17,13 @@ import simpy
 
 from simkv.backends.base import StepBackend
 from simkv.backends.lora_adapters import adapter_residency
+from simkv.backends.vision_encoder import vision_encoder_cost
 from simkv.clock import MAX_TICKS, TICKS_PER_SECOND, line_ticks, run_shape, run_ticks, steps_to_reach, to_ticks
 from simkv.config import EngineConfig
 from simkv.core.request import Request
 from simkv.core.scheduler import LivelockError, Scheduler
 from simkv.replay.admission import queue_limits
 from simkv.replay.step_log import RequestLog, StepLog
-from simkv.backends.vision_encoder import vision_encoder_cost
 from simkv.traces.lora import content_namespaces, lora_ids
 
 

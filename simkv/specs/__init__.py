@@ -457,7 +457,12 @@ class ModelSpec:
         """Bytes of the weights: the layers' (`layer_weight_bytes`), the routed experts at
         `expert_weight_bytes`, the embeddings, LM head and final norm bf16."""
         return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size) + self.routed_expert_bytes
-                + 2.0 * (self.vision_layer_params * self.vision_num_layers + self.vision_merger_params))
+                + self.vision_weight_bytes)
+
+    @property
+    def vision_weight_bytes(self) -> float:
+        """Bytes of the vision encoder's matmul weights and its merger, bf16 (0 without one)."""
+        return 2.0 * (self.vision_layer_params * self.vision_num_layers + self.vision_merger_params)
 
     @property
     def vision_layer_params(self) -> int:
