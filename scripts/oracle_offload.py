@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle_pd import _step_loop  # noqa: E402  (the shared per-step driver and comparison)
 from oracle_pd import differences as pd_differences  # noqa: E402
+from oracle_spec import image_cases, method_cases  # noqa: E402  (--images, --method)
 _PAGE = 4096  # vLLM rounds a CPU chunk up to the host page size (the oracle's blocks are tiny)
 
 
@@ -275,6 +276,7 @@ class _VllmOffload:
                                          kv_connector_extra_config=extra)
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
                                                               async_scheduling=async_scheduling)
+        oracle_vllm.mm_budget(self.sched, vllm_config, case.get("mm"))  # (--images)
         if case.get("replies"):
             oracle_vllm.sample_reply_content(case)
         sched = self.sched
@@ -322,6 +324,7 @@ class _VllmOffload:
 
     def make(self, r: dict, rid: str):
         import oracle
+        import oracle_vllm
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -338,7 +341,7 @@ class _VllmOffload:
             lora = LoRARequest(r["lora"], "abc".index(r["lora"]) + 1, "/nonexistent")
         req = Request(request_id=rid, prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                      block_hasher=self.hasher, lora_request=lora)
+                      block_hasher=self.hasher, lora_request=lora, mm_features=oracle_vllm.mm_features(r))
         req.kv_transfer_params = params
         return req
 
@@ -533,7 +536,8 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, async_flag=True, offload_flag=True,
                                 aborts_flag=True, parallel_flag=True, hybrid_flag=True, chunked_flag=True, pp_flag=True,
-                                linear_flag=True, roles_flag=True, mtp_modules_flag=True, ngram_misses_flag=True)
+                                linear_flag=True, roles_flag=True, mtp_modules_flag=True, ngram_misses_flag=True,
+                                images_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -547,8 +551,13 @@ def main() -> None:
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
                        "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora, drafter)
              for _ in range(a.cases)]
+    if a.images and (a.replies or a.linear):
+        sys.exit("--images with --replies or --linear: not drawn (the images redraw every prompt; linear-attention "
+                 "models with images are not modelled)")
+    method_cases(a, cases)  # (--method: with --speculative)
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)
+    image_cases(a, cases)  # (--images: after the options, whose token budget sizes the items)
     theirs = oracle_vllm.vllm_results(__file__, cases, a)
     failures = 0
     totals = dict(requests=0, steps=0, loads=0, stores=0, aborted=0)

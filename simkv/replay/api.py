@@ -151,19 +151,18 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
         raise ValueError(f"{trace.source}: multimodal items (mm_* columns): the GPU backend runs a text-only model "
                          "without the vision encoder; replay them on a cost model")
     hw = config.hardware
-    unsupported = [(disaggregation is not None, "P/D disaggregation"), (hw.pipeline_parallel_size > 1, "pipeline stages"),
-                   (hw.data_parallel_size > 1, "data-parallel ranks"),
-                   (config.cache.kv_offloading_size is not None, "KV offloading")]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"{trace.source}: multimodal items (mm_* columns) under {what} are not modelled yet")
+    if hw.data_parallel_size > 1:
+        raise ValueError(f"{trace.source}: multimodal items (mm_* columns) under data-parallel ranks are not "
+                         "modelled yet")
     sc = config.scheduler
     if sc.mm_max_tokens_per_item is None:
         given = hw.model_spec().mm_max_tokens_per_item or largest
         config = dataclasses.replace(config, scheduler=dataclasses.replace(sc, mm_max_tokens_per_item=given))
         sc = config.scheduler
-    if sc.disable_chunked_mm_input:
-        _check_unchunked_items_fit(trace, config, largest)
+    pools = disaggregation.pool_configs(config) if disaggregation is not None else (config,)
+    for pool in pools:  # (P/D: each pool's engines schedule the items with their own token budget)
+        if pool.scheduler.disable_chunked_mm_input:
+            _check_unchunked_items_fit(trace, pool, largest)
     if sc.mm_max_tokens_per_item < largest:
         k = int(np.argmax(trace.mm_items[:, 1]))
         row = int(np.searchsorted(trace.mm_item_offsets, k, side="right") - 1)

@@ -461,11 +461,17 @@ class ReplayEngine:
             duration += to_ticks((out.num_swap_out_blocks + out.num_swap_in_blocks) * self.swap_seconds_per_block)
         if out.lora_load_s:  # (the worker loads the step's adapters before its forward pass)
             duration += to_ticks(out.lora_load_s)
-        if out.encoder_item_embeds and self.vision_encoder is not None:  # (before the decoder's forward pass)
-            seconds = self.vision_encoder.seconds(out.encoder_item_embeds)
-            self.encoder_seconds += seconds
-            duration += to_ticks(seconds)
-        return duration
+        return duration + self.encoder_ticks(out)
+
+    def encoder_ticks(self, out) -> int:
+        """The vision encoder's ticks in `out`'s step (run before the decoder's forward pass, on
+        the first pipeline stage), counted in `encoder_seconds`; 0 where nothing is encoded or
+        the encoder is not priced."""
+        if not out.encoder_item_embeds or self.vision_encoder is None:
+            return 0
+        seconds = self.vision_encoder.seconds(out.encoder_item_embeds)
+        self.encoder_seconds += seconds
+        return to_ticks(seconds)
 
     def _device_line(self, num_decodes: int, host_ticks: int = 0,
                      lora_load: tuple[int, tuple] = (0, ())) -> tuple[int, int, int, int]:

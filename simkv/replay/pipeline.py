@@ -20,7 +20,9 @@ GPU's interconnect, or `inter_node_gbs` where the boundary falls between nodes o
 before has handed this one over; the first stage also waits, under async scheduling, for the
 tokens its decodes were sampled in a batch still in flight (the last stage sends them back).
 Under speculative decoding (async scheduling only) the drafter's passes run on the last stage
-after the target's layers, and the drafts go back with the sampled tokens.
+after the target's layers, and the drafts go back with the sampled tokens. A multimodal model's
+vision encoder runs on the first stage, before its layers (vLLM's model runner encodes on the
+first pipeline rank only), and its weights sit there (simkv/capacity.py).
 The batch's output is processed when its last stage ends; its step is logged from its first
 stage's start to then, so the steps of different batches overlap in time.
 """
@@ -62,8 +64,9 @@ class PipelineStages:
         self.num_batches = 0
         self.num_empty_calls = 0  # schedule() calls that ran nothing, each a place in the queue
 
-    def launch(self, out, now: int) -> tuple[int, int]:
-        """Schedule `out`'s batch at tick `now`: (its first stage's start, its last stage's end)."""
+    def launch(self, out, now: int, encoder: int = 0) -> tuple[int, int]:
+        """Schedule `out`'s batch at tick `now`: (its first stage's start, its last stage's end);
+        `encoder`: the vision encoder's ticks, which the first stage runs before its layers."""
         seconds = self.execute(out)
         host = min(self.host_seconds(len(out.chunks)), seconds) if self.host_seconds is not None else 0.0
         draft = 0
@@ -71,7 +74,8 @@ class PipelineStages:
             draft_s = self.drafter_seconds(out)
             self.backend.draft_seconds += draft_s
             draft = to_ticks(draft_s)
-        return self._place(seconds, host, draft, out.lora_load_s, out.total_num_scheduled_tokens, out.chunks, now)
+        return self._place(seconds, host, draft, out.lora_load_s, out.total_num_scheduled_tokens, out.chunks, now,
+                           encoder)
 
     def launch_group(self, ran: list, num_dummy: int, now: int) -> tuple[int, int]:
         """Data-parallel ranks' batches of one place in the queue (`ran`; `num_dummy` ranks run a
@@ -94,8 +98,9 @@ class PipelineStages:
                            [chunk for out in ran for chunk in out.chunks], now)
 
     def _place(self, seconds: float, host: float, draft: int, lora_load_s: float, tokens: int, chunks,
-               now: int) -> tuple[int, int]:
-        """A batch of `seconds` (the whole model, `host` of it on the host) on the stages' clocks."""
+               now: int, encoder: int = 0) -> tuple[int, int]:
+        """A batch of `seconds` (the whole model, `host` of it on the host) on the stages' clocks;
+        the first stage runs `encoder` ticks (the vision encoder's) before its layers."""
         stage = to_ticks((seconds - host) / self.num_stages)
         t = max(now, self.host_free) + to_ticks(host + lora_load_s)
         self.host_free = t
@@ -105,14 +110,14 @@ class PipelineStages:
                 t = max(t, ready.get(chunk.request, 0))
         free = self.stage_free
         last = self.num_stages - 1
-        self.stage_busy += stage * self.num_stages + draft
+        self.stage_busy += stage * self.num_stages + draft + encoder
         self.num_batches += 1
         start = t = max(t, free[0])
         links = self.link_seconds_per_token
         for k in range(self.num_stages):
             if k:
                 t = max(t + to_ticks(tokens * links[k - 1]), free[k])
-            t += stage + draft if k == last else stage
+            t += stage + (draft if k == last else 0) + (encoder if k == 0 else 0)
             free[k] = t
         for chunk in chunks:
             if chunk.samples:
@@ -166,7 +171,7 @@ def run_batch_queue(engine):
                 if out.offload_jobs:  # (KV offloading: loads admitted by a call that ran nothing start now)
                     feed.offload_jobs_started(out.offload_jobs, engine.now, engine.now)
             else:
-                start, end = stages.launch(out, engine.now)
+                start, end = stages.launch(out, engine.now, engine.encoder_ticks(out))
                 queue.appendleft((out, start, end))
                 if out.offload_jobs:  # (loads as its first stage starts, stores once its last has ended)
                     feed.offload_jobs_started(out.offload_jobs, start, end)

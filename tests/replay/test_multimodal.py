@@ -102,8 +102,11 @@ def test_the_cli_replays_a_multimodal_trace(tmp_path: Path):
     (["--disable-chunked-mm-input", "--max-num-batched-tokens", "512"], "Chunked MM input disabled but "
                                                                         "max_tokens_per_mm_item (16384)"),
     (["--mm-max-tokens-per-item", "0"], "mm_max_tokens_per_item must be >= 1"),
-    (["-pp", "2"], "multimodal items (mm_* columns) under pipeline stages are not modelled yet"),
-    (["--kv-offloading-size", "8"], "multimodal items (mm_* columns) under KV offloading are not modelled yet"),
+    (["--model", "deepseek-v3", "--gpu", "H200", "-tp", "8", "-dp", "2"],
+     "multimodal items (mm_* columns) under data-parallel ranks are not modelled yet"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--disable-chunked-mm-input", "--mm-max-tokens-per-item",
+      "1024", "--prefill-set", "long_prefill_token_threshold=512"],
+     "more than long_prefill_token_threshold (512) while other requests are around"),
     (["--disable-chunked-mm-input", "--max-num-batched-tokens", "1024", "--mm-max-tokens-per-item", "1024",
       "--speculative-method", "eagle3", "--num-speculative-tokens", "3"],
      "an item of 1024 tokens and the drafter's read-ahead of 1: a chunk must hold them whole, more than a "
@@ -141,6 +144,91 @@ def test_a_fleet_sums_its_replicas_images():
     fleet = replay(_image_trace(), _config(), fleet=FleetSpec(2)).summary["multimodal"]
     assert fleet["items"] == fleet["items_encoded"] == one["items_encoded"] == 40
     assert fleet["encoder_seconds"] == pytest.approx(one["encoder_seconds"])
+
+
+def _ending_in_the_image(n: int = 40, image_tokens: int = 1024):
+    """`n` requests whose prompts end with their image (200 text tokens, then the image)."""
+    frame = pd.DataFrame({"arrival_time_s": np.arange(n) * 0.1, "prompt_tokens": [200 + image_tokens] * n,
+                          "output_tokens": [64] * n, "mm_offsets": [[200]] * n, "mm_lengths": [[image_tokens]] * n,
+                          "mm_hashes": [[i + 1] for i in range(n)]})
+    return trace_from_frame(frame)
+
+
+def test_a_prompt_loaded_from_the_cpu_tier_does_not_encode_its_image_again():
+    """KV offloading (scripts/oracle_offload.py --images checks the engine core): 40 prompts with
+    40 images, then the first 10 again. A pool of 400 blocks and an encoder cache of 16 images
+    keep neither, so without a tier the 10 are encoded again; with one their KV, images
+    included, comes back from host memory and only the prompts' last token is computed."""
+    n, tokens = 50, 1324
+    rows = [i % 40 for i in range(n)]
+    frame = pd.DataFrame({"arrival_time_s": np.arange(n) * 0.5, "prompt_tokens": [tokens] * n,
+                          "output_tokens": [16] * n, "mm_offsets": [[200]] * n, "mm_lengths": [[1024]] * n,
+                          "mm_hashes": [[r + 1] for r in rows],
+                          "block_hashes": [[1000 * r + b for b in range(-(-tokens // 16))] for r in rows]})
+    trace = trace_from_frame(frame, hash_block_tokens=16)
+    small = {"num_gpu_blocks": 400, "max_model_len": 4096}
+    without = replay(trace, _config(**small)).summary
+    tiered = replay(trace, _config(kv_offloading_size=8, **small)).summary
+    assert without["multimodal"]["items_encoded"] == 50 and without["multimodal"]["encoder_cache_evictions"] > 0
+    assert tiered["kv_offloading"]["loads"] == 10
+    assert tiered["multimodal"]["items_encoded"] == 40
+    assert tiered["multimodal"]["encoder_seconds"] == pytest.approx(0.8 * without["multimodal"]["encoder_seconds"])
+
+
+def test_under_pd_each_pool_reports_the_images_it_encoded():
+    """The prefill pool encodes every image. The decode pool recomputes each pulled prompt's last
+    token (vLLM's _update_waiting_for_remote_kv), so a prompt that ends with its image is encoded
+    again there; one that ends in text is not."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    spec = DisaggregationSpec(1, 1)
+    text_after = replay(_image_trace(), _config(), disaggregation=spec).summary
+    pools = text_after["disaggregation"]
+    assert pools["prefill"]["multimodal"]["items_encoded"] == 40
+    assert pools["decode"]["multimodal"]["items_encoded"] == 0
+    assert text_after["multimodal"]["items_encoded"] == 40 and text_after["multimodal"]["items"] == 40
+    ending = replay(_ending_in_the_image(), _config(), disaggregation=spec).summary
+    assert ending["disaggregation"]["decode"]["multimodal"]["items_encoded"] == 40
+    assert ending["multimodal"]["items_encoded"] == 80  # (both pools', summed)
+    assert ending["multimodal"]["encoder_seconds"] == pytest.approx(2 * text_after["multimodal"]["encoder_seconds"])
+
+
+def test_the_first_pipeline_stage_runs_the_encoder_and_holds_its_weights():
+    """-pp 2: a lone request's first token comes later than as text by the encoder's whole time
+    (the first stage runs it; it is not split over the stages), and the first stage's GPU holds
+    the ViT's weights, so every stage gets fewer blocks than the text-only model's."""
+    from simkv.capacity import compute_capacity
+
+    cost = VisionEncoderCost(get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM"))
+    one = replay(_image_trace(1), _config(pipeline_parallel_size=2)).requests["ttft_s"][0]
+    text = replay(_image_trace(1, with_items=False), _config(pipeline_parallel_size=2)).requests["ttft_s"][0]
+    assert one - text == pytest.approx(cost.seconds((1024,)), abs=2e-6)
+    vl = compute_capacity(_config(pipeline_parallel_size=2))
+    plain = compute_capacity(_config(pipeline_parallel_size=2, model="qwen2.5-7b"))
+    assert vl.pipeline_binding_stage == 0
+    vision = get_model_spec("qwen2.5-vl-7b").vision_weight_bytes
+    assert vl.pipeline_stage_weight_bytes - plain.pipeline_stage_weight_bytes == pytest.approx(vision, abs=1)
+    assert (plain.num_gpu_blocks - vl.num_gpu_blocks) * vl.block_bytes == pytest.approx(vision, abs=vl.block_bytes)
+
+
+# Recorded cases of scripts/oracle_offload.py --images (vLLM 0.33's Scheduler with its
+# OffloadingConnector, NIXL's pulls and sends under P/D, pipeline stages): chosen where simkv
+# steps otherwise without the items.
+OFFLOAD_IMAGES = json.loads((Path(__file__).resolve().parents[1] / "core" / "data" /
+                             "images_offload_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("recorded", OFFLOAD_IMAGES["cases"], ids=OFFLOAD_IMAGES["ids"])
+def test_images_beside_a_tier_under_pd_and_stages_step_as_vllm(recorded):
+    import copy
+
+    from tests.core.helpers import offload_as_recorded
+
+    assert offload_as_recorded(recorded) is not None
+    stripped = copy.deepcopy(recorded)
+    for r in stripped["case"]["requests"]:
+        r.pop("mm")
+    assert offload_as_recorded(stripped) is None  # (the items are what makes it step as vLLM)
 
 
 # Recorded cases of scripts/oracle_mm.py: random traces with images through vLLM 0.33's scheduler
