@@ -15,6 +15,9 @@ suffix decoding in every case: K 4 to 12, K more state blocks, proposals of draw
 step's scheduled tokens, running and waiting requests and blocks in use (all groups), every
 request's first-token and finish step, and the accepted drafts must be equal.
 
+--images (not with --replies): every case's prompts redrawn with image items as
+oracle_spec.py --images draws them, vLLM's encoder budget and cache.
+
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_linear.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
@@ -104,13 +107,16 @@ def make_case(rng, speculative: bool = False, align: bool = False, replies: bool
 
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, align_flag=True, replies_flag=True,
-                                aborts_flag=True, parallel_flag=True, ngram_misses_flag=True)
+                                aborts_flag=True, parallel_flag=True, ngram_misses_flag=True, images_flag=True)
     if oracle_vllm.serve_vllm_side(a, oracle_spec.run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.speculative, a.align, a.replies, a.suffix, a.ngram_misses) for _ in range(a.cases)]
     oracle_vllm.parallel_cases(a, rng, cases)
+    if a.images and a.replies:
+        sys.exit("--images with --replies: not drawn (the images redraw every prompt)")
+    oracle_spec.image_cases(a, cases)  # (--images: oracle_spec.py's content; its own generator)
     if a.aborts:  # (a front end aborts some requests: clients that gave up)
         for case in cases:
             case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])

@@ -36,6 +36,10 @@ after the one that admitted it), mixed in one engine as oracle_pd.py mixes them.
 --suffix / --ngram-misses: suffix decoding (proposals of drawn lengths) or ngram drafts found at a
 rate of 0, 0.3 or 0.7 in every case (synchronous engines: vLLM refuses them under async scheduling).
 
+--images (with any of the above but --replies): every case's prompts redrawn with image items as
+oracle_spec.py --images draws them, vLLM's encoder budget and cache; --disable-chunked-mm-input,
+--method M as there.
+
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_offload.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 --seed 1
@@ -551,9 +555,8 @@ def main() -> None:
                        a.aborts, a.hybrid or a.chunked, a.chunked, a.pp, a.linear,
                        "no-tier" if a.pd and a.no_tier else a.pd, a.draft_model, a.lora, drafter)
              for _ in range(a.cases)]
-    if a.images and (a.replies or a.linear):
-        sys.exit("--images with --replies or --linear: not drawn (the images redraw every prompt; linear-attention "
-                 "models with images are not modelled)")
+    if a.images and a.replies:
+        sys.exit("--images with --replies: not drawn (the images redraw every prompt)")
     method_cases(a, cases)  # (--method: with --speculative)
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)

@@ -19,6 +19,10 @@ each send is released `latency` steps after its finish, on both sides. Every ste
 tokens, running and waiting requests and blocks in use, and every request's first-token and
 finish step, must be equal.
 
+--images (with any of the above but --replies): every case's prompts redrawn with image items as
+oracle_spec.py --images draws them, vLLM's encoder budget and cache (a pull whose prompt ends
+with an image encodes it again: the decode side computes the prompt's last token itself).
+
 A development aid, not a test dependency:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
     .venv/bin/python scripts/oracle_pd.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50 [--speculative]
@@ -286,6 +290,7 @@ class _VllmPD:
                                      kv_connector_module_path="oracle_pd")
         self.sched, vllm_config = oracle_vllm.build_scheduler(o, o["reserve_full_isl"], connector,
                                                               async_scheduling=async_scheduling)
+        oracle_vllm.mm_budget(self.sched, vllm_config, case.get("mm"))  # (--images)
         if case.get("replies"):  # (the fake model samples the replies' content: --replies)
             oracle_vllm.sample_reply_content(case)
         import oracle_pd  # the connector's class as the scheduler loaded it
@@ -304,6 +309,7 @@ class _VllmPD:
         from vllm.v1.request import Request
 
         import oracle
+        import oracle_vllm
         tr = {"prompt_tokens": r["prompt"], "prefix_group": None, "row": r["row"],
               "block_hashes": r.get("block_hashes"), "hash_block_tokens": 8}
         ids = oracle.make_prompt_ids(tr, 0, 0, {})
@@ -313,7 +319,7 @@ class _VllmPD:
             sp.extra_args = {"kv_transfer_params": params}
         req = Request(request_id=str(r["row"]), prompt_token_ids=ids, sampling_params=sp, pooling_params=None,
                       arrival_time=r["arrival_step"] + r["row"] * 1e-9, priority=r["priority"],
-                      block_hasher=self.block_hasher)
+                      block_hasher=self.block_hasher, mm_features=oracle_vllm.mm_features(r))
         req.kv_transfer_params = params
         return req
 
@@ -498,7 +504,8 @@ def main() -> None:
 
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], speculative_flag=True, hybrid_flag=True, async_flag=True,
                                 linear_flag=True, align_flag=True, replies_flag=True, aborts_flag=True,
-                                chunked_flag=True, dflash_flag=True, mtp_modules_flag=True, ngram_misses_flag=True)
+                                chunked_flag=True, dflash_flag=True, mtp_modules_flag=True, ngram_misses_flag=True,
+                                images_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm_any):
         return
     if a.aborts and a.replies:  # (a turn given up on has no reply for its next turn to repeat)
@@ -512,7 +519,13 @@ def main() -> None:
                        drafter) for _ in range(a.cases)]
     if a.dflash and (a.hybrid or a.linear or a.chunked):
         sys.exit("--dflash: dflash is modelled with standard-attention targets")
+    if a.images and a.replies:
+        sys.exit("--images with --replies: not drawn (the images redraw every prompt)")
+    from oracle_spec import image_cases, method_cases
+
+    method_cases(a, cases)  # (--method: with --speculative)
     oracle_vllm.option_cases(a, cases)
+    image_cases(a, cases)  # (--images: after the options, whose token budget sizes the items)
     if a.aborts:  # (a front end aborts some requests, on either side: clients that gave up)
         for case in cases:
             case["aborts"] = oracle_vllm.random_aborts(rng, case["requests"])

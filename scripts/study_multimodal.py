@@ -4,7 +4,7 @@ The bundled Azure conversation slice with images added (`simkv trace transform -
 Qwen2.5-VL-7B, one H100: against the same prompts as text (the images' tokens as text tokens,
 so only the encoder differs), with every image a new one or drawn from a few popular ones, at
 growing load; then the encoder cache's size (`--mm-max-tokens-per-item`, which sizes it) under
-images that repeat.
+images that repeat; then two H100s shared four ways (two replicas, TP 2, PP 2, 1 P + 1 D).
 
     .venv/bin/python scripts/study_multimodal.py
 """
@@ -84,6 +84,31 @@ def main() -> None:
             mm = s["multimodal"]
             print(f"| {mm['encoder_cache_size']:,} | {1e3 * s['ttft_s']['p50']:,.0f} | {mm['items_encoded']:,} / "
                   f"{mm['items']:,} | {mm['encoder_cache_evictions']:,} | {mm['chunks_stopped_before_item']:,} |",
+                  flush=True)
+
+        two_gpus(tmp)
+
+
+TWO_GPUS = [("2 replicas", ["--replicas", "2"], 2), ("TP 2", ["-tp", "2"], 1), ("PP 2", ["-pp", "2"], 1),
+            ("1 P + 1 D", ["--prefill-replicas", "1", "--decode-replicas", "1"], 1)]
+
+
+def two_gpus(tmp: Path) -> None:
+    """Two H100s at 6x and 8x the Azure rate, the images as in the first table: each setup as
+    text and with images, and the encoder's share of the time of an engine that encodes (a
+    replica's; TP 2's engine's; PP 2's first stage's; P/D's prefill engine's)."""
+    print("\n| load, two H100s | TTFT p50 / p99 ms, as text | TTFT p50 / p99 ms, images | output tok/s, images | "
+          "ITL p50 ms, images | encoder's share of an encoding engine's time |\n|---|---|---|---|---|---|")
+    for load in ("6", "8"):
+        images = with_images(scaled_trace(tmp, load), tmp, f"two{load}", ["--images", "0.5", "--image-tokens", "1024"])
+        text = as_text(images, tmp)
+        for label, options, encoders in TWO_GPUS:
+            t = replay_summary(text, MODEL + options, tmp)
+            s = replay_summary(images, MODEL + options, tmp)
+            share = s["multimodal"]["encoder_seconds"] / s["duration_s"] / encoders
+            print(f"| {load}x, {label} | {1e3 * t['ttft_s']['p50']:,.0f} / {1e3 * t['ttft_s']['p99']:,.0f} | "
+                  f"{1e3 * s['ttft_s']['p50']:,.0f} / {1e3 * s['ttft_s']['p99']:,.0f} | "
+                  f"{s['output_throughput_tok_s']:,.0f} | {1e3 * s['itl_s']['p50']:.1f} | {100 * share:.1f} % |",
                   flush=True)
 
 

@@ -9,7 +9,10 @@ an item of E embeddings made of N = E x patches_per_embed patches:
         + 4 x h x (pairs over the layers)              (attention: N x min(N, window) per windowed
                                                         layer, N^2 per full-attention layer)
   bytes = 2 x (P_layer x layers + P_merger)            (bf16 weights, read once a step that encodes)
-  time  = max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x memory_efficiency))
+  comm  = TP > 1: the all-reduces of the sharded layers, two a layer over N x h and the merger's
+          one over E x hidden (bf16, a ring's 2 (TP - 1) / TP of them over the TP link), each
+          also its latency, as the decoder roofline's
+  time  = max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x memory_efficiency)) + comm
 The efficiencies are the decoder roofline's defaults: nobody has measured a ViT here yet, and
 the patch embedding, norms and activations' traffic are left out (each under 1 % of the FLOPs).
 """
@@ -21,7 +24,8 @@ from simkv.specs import GPUSpec, ModelSpec
 
 class VisionEncoderCost:
     def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1,
-                 compute_efficiency: float = 0.6, memory_efficiency: float = 0.8) -> None:
+                 compute_efficiency: float = 0.6, memory_efficiency: float = 0.8, tp_link_gbs: float | None = None,
+                 allreduce_latency_s: float = 8.0e-6) -> None:
         h = model.vision_hidden_size
         self.patches_per_embed = model.vision_patches_per_embed
         self.num_layers = model.vision_num_layers
@@ -35,6 +39,12 @@ class VisionEncoderCost:
         self.weight_bytes = model.vision_weight_bytes / tp
         self.flop_rate = gpu.bf16_tflops * 1e12 * compute_efficiency
         self.byte_rate = gpu.mem_bandwidth_gbs * 1e9 * memory_efficiency
+        # TP: seconds of all-reduce per patch (the layers') and per embedding (the merger's), and per step
+        link = (tp_link_gbs or gpu.interconnect_gbs) * 1e9
+        ring = 2.0 * (tp - 1) / tp
+        self.comm_per_patch = 2 * self.num_layers * ring * h * 2 / link
+        self.comm_per_embed = ring * model.hidden_size * 2 / link
+        self.comm_fixed = (2 * self.num_layers + 1) * allreduce_latency_s if tp > 1 else 0.0
 
     def attention_pairs(self, patches: int) -> int:
         """Query-key pairs of one item over the encoder's layers."""
@@ -50,7 +60,8 @@ class VisionEncoderCost:
         patches = embeds * self.patches_per_embed
         pairs = sum(self.attention_pairs(e * self.patches_per_embed) for e in item_embeds)
         flops = self.flops_per_patch * patches + self.flops_per_embed * embeds + self.flops_per_pair * pairs
-        return max(flops / self.flop_rate, self.weight_bytes / self.byte_rate)
+        comm = self.comm_per_patch * patches + self.comm_per_embed * embeds + self.comm_fixed
+        return max(flops / self.flop_rate, self.weight_bytes / self.byte_rate) + comm
 
     def describe(self) -> dict:
         return {"form": "roofline over the ViT's matmuls, merger and attention (simkv/backends/vision_encoder.py)",
@@ -67,4 +78,5 @@ def vision_encoder_cost(config) -> VisionEncoderCost | None:
     model = hw.model_spec()
     if not model.vision_num_layers:
         return None
-    return VisionEncoderCost(model, get_gpu_spec(hw.gpu), hw.tensor_parallel_size)
+    return VisionEncoderCost(model, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
+                             tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size))

@@ -143,3 +143,21 @@ def test_an_unshifted_encoder_window_steps_otherwise(monkeypatch):
         for case in SPEC_IMAGES[mode]:
             with pytest.raises(AssertionError):
                 check(copy.deepcopy(case))
+
+
+# Recorded cases of scripts/oracle_linear.py and oracle_spec_async.py --images --align: images on
+# models with Mamba layers under vLLM's Mamba prefix caching (and MTP drafts), sync and async.
+LINEAR_IMAGES = json.loads((Path(__file__).parent / "data" / "linear_images_vllm_cases.json").read_text())
+
+
+@pytest.mark.parametrize("mode, index", [(m, i) for m in ("sync", "async") for i in range(len(LINEAR_IMAGES[m]))])
+def test_images_on_linear_attention_models_step_as_vllm(mode, index):
+    from tests.core.helpers import assert_same_async_spec_steps_as_vllm, assert_same_steps_as_vllm
+
+    check = assert_same_steps_as_vllm if mode == "sync" else assert_same_async_spec_steps_as_vllm
+    check(copy.deepcopy(LINEAR_IMAGES[mode][index]))
+    stripped = copy.deepcopy(LINEAR_IMAGES[mode][index])
+    for r in stripped["case"]["requests"]:
+        r.pop("mm")
+    with pytest.raises(AssertionError):  # (the items are what makes it step as vLLM)
+        check(stripped)

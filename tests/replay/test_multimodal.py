@@ -77,6 +77,17 @@ def test_the_encoder_cost_counts_the_vit_and_its_merger():
     assert cost.attention_pairs(4096) == 28 * 4096 * 64 + 4 * 4096 * 4096
 
 
+def test_under_tensor_parallelism_the_encoder_pays_its_all_reduces():
+    """TP 2 on H100s (NVLink 450 GB/s): half the FLOPs per GPU, plus the sharded layers' 64
+    all-reduces over 4,096 patches x 1,280 and the merger's over 1,024 x 3,584, bf16 (a ring of
+    two sends half of each twice: all of it once), each with its 8 us latency."""
+    spec, gpu = get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM")
+    one, two = VisionEncoderCost(spec, gpu), VisionEncoderCost(spec, gpu, tensor_parallel_size=2)
+    comm = (64 * 4096 * 1280 * 2 + 1024 * 3584 * 2) / 450e9 + 65 * 8e-6
+    assert two.seconds((1024,)) == pytest.approx(one.seconds((1024,)) / 2 + comm, rel=1e-9)
+    assert 1.9e-3 < comm < 2.1e-3
+
+
 def _write(tmp_path: Path, trace) -> str:
     from simkv.traces import write_trace
 
