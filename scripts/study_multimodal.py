@@ -4,20 +4,23 @@ The bundled Azure conversation slice with images added (`simkv trace transform -
 Qwen2.5-VL-7B, one H100: against the same prompts as text (the images' tokens as text tokens,
 so only the encoder differs), with every image a new one or drawn from a few popular ones, at
 growing load; then the encoder cache's size (`--mm-max-tokens-per-item`, which sizes it) under
-images that repeat; then two H100s shared four ways (two replicas, TP 2, PP 2, 1 P + 1 D).
+images that repeat; then two H100s shared four ways (two replicas, TP 2, PP 2, 1 P + 1 D), and
+four H100s colocated or split into P/D pools (`simkv goodput --pd-splits 4`), as text and with
+images.
 
     .venv/bin/python scripts/study_multimodal.py
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
-from study_runs import SIMKV, replay_summary, scaled_trace  # (scripts/ is on sys.path when run as a script)
+from study_runs import AZURE, SIMKV, replay_summary, scaled_trace  # (scripts/ is on sys.path when run as a script)
 
 MODEL = ["--model", "qwen2.5-vl-7b", "--gpu", "H100-SXM"]
 
@@ -87,6 +90,7 @@ def main() -> None:
                   flush=True)
 
         two_gpus(tmp)
+        pd_splits(tmp)
 
 
 TWO_GPUS = [("2 replicas", ["--replicas", "2"], 2), ("TP 2", ["-tp", "2"], 1), ("PP 2", ["-pp", "2"], 1),
@@ -110,6 +114,22 @@ def two_gpus(tmp: Path) -> None:
                   f"{1e3 * s['ttft_s']['p50']:,.0f} / {1e3 * s['ttft_s']['p99']:,.0f} | "
                   f"{s['output_throughput_tok_s']:,.0f} | {1e3 * s['itl_s']['p50']:.1f} | {100 * share:.1f} % |",
                   flush=True)
+
+
+def pd_splits(tmp: Path) -> None:
+    """`simkv goodput --pd-splits 4` (SLOs TTFT 2 s, TPOT 50 ms for 99 % of the requests) on the
+    Azure slice with half its prompts showing an image, and on the same prompts as text."""
+    images = with_images(AZURE, tmp, "splits", ["--images", "0.5", "--image-tokens", "1024"])
+    rates = {}
+    for label, trace in (("as text", as_text(images, tmp)), ("images", images)):
+        out = tmp / f"goodput_{label.replace(' ', '_')}"
+        subprocess.run(SIMKV + ["goodput", str(trace), "--goodput", "ttft:2000", "--goodput", "tpot:50",
+                                "--pd-splits", "4", "--out", str(out), "--quiet"] + MODEL, check=True)
+        rates[label] = {s["setup"]: s["max_rate_req_s"] for s in json.loads((out / "goodput.json").read_text())["setups"]}
+    print("\n| four H100s | goodput req/s, as text | goodput req/s, images | images / text |\n|---|---|---|---|")
+    for setup, text in rates["as text"].items():
+        shown = rates["images"][setup]
+        print(f"| {setup} | {text:.1f} | {shown:.1f} | {shown / text:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

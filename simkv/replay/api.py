@@ -151,9 +151,6 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
         raise ValueError(f"{trace.source}: multimodal items (mm_* columns): the GPU backend runs a text-only model "
                          "without the vision encoder; replay them on a cost model")
     hw = config.hardware
-    if hw.data_parallel_size > 1:
-        raise ValueError(f"{trace.source}: multimodal items (mm_* columns) under data-parallel ranks are not "
-                         "modelled yet")
     sc = config.scheduler
     if sc.mm_max_tokens_per_item is None:
         given = hw.model_spec().mm_max_tokens_per_item or largest

@@ -316,7 +316,8 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
                 continue
             now = yield from _sleep(env, ranks, now)  # P/D or KV offloading: a transfer's end wakes the group
             continue
-        duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)) + _lora_load_s(ran))
+        duration = (to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran)) + _lora_load_s(ran))
+                    + encoder_ticks(ranks, outs))
         _start_transfers(ranks, outs, now, now + duration)
         cadence.count += 1
         yield env.timeout(duration)
@@ -339,8 +340,8 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
             start = now if in_flight is None else in_flight[1] + in_flight[2]
             cadence.before_schedule()
             outs, ran = _schedule_all(ranks, start)
-            duration = to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)
-                                + _lora_load_s(ran)) if ran else 0
+            duration = (to_ticks(backend.dp_step_seconds(ran, len(ranks) - len(ran), overlap_host=True)
+                                 + _lora_load_s(ran)) + encoder_ticks(ranks, outs)) if ran else 0
             _start_transfers(ranks, outs, start, start + duration)
             if ran:
                 cadence.count += 1
@@ -364,6 +365,13 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
         yield env.timeout(start + duration - now)
         now = _process_outputs(ranks, outs, start, duration, False, routing)
         in_flight = queued
+
+
+def encoder_ticks(ranks: list[ReplayEngine], outs: list) -> int:
+    """Images: the ranks' vision encoders, each run by its rank before its forward pass, so the
+    slowest holds up the group's first expert collective (and so the lockstep step)."""
+    return max((rank.encoder_ticks(out) for rank, out in zip(ranks, outs) if out is not None and not out.is_empty),
+               default=0)
 
 
 def _lora_load_s(ran: list) -> float:

@@ -19,7 +19,7 @@ from collections import deque
 import simpy
 
 from simkv.replay.data_parallel import (DPRouting, _process_outputs, _retire_offloaded, _schedule_all, _sleep,
-                                        _start_transfers, _take_arrivals)
+                                        _start_transfers, _take_arrivals, encoder_ticks)
 from simkv.replay.engine import ReplayEngine, ReplayError
 from simkv.replay.pipeline import PipelineStages
 
@@ -39,7 +39,7 @@ def lockstep_pipelined(env: simpy.Environment, ranks: list[ReplayEngine], backen
         if any(rank.scheduler.has_unfinished_requests() for rank in ranks):
             outs, ran = _schedule_all(ranks, now)
             if ran:
-                start, end = stages.launch_group(ran, len(ranks) - len(ran), now)
+                start, end = stages.launch_group(ran, len(ranks) - len(ran), now, encoder_ticks(ranks, outs))
                 queue.appendleft((outs, start, end))
             else:
                 start = end = now

@@ -77,12 +77,13 @@ class PipelineStages:
         return self._place(seconds, host, draft, out.lora_load_s, out.total_num_scheduled_tokens, out.chunks, now,
                            encoder)
 
-    def launch_group(self, ran: list, num_dummy: int, now: int) -> tuple[int, int]:
+    def launch_group(self, ran: list, num_dummy: int, now: int, encoder: int = 0) -> tuple[int, int]:
         """Data-parallel ranks' batches of one place in the queue (`ran`; `num_dummy` ranks run a
         dummy pass), through the stages together: the expert layers' collectives line the
         ranks' passes up stage by stage, so each stage lasts its slowest rank's share of the
         lockstep step (`dp_step_seconds`); every rank's host prepares its own batch, and each
-        boundary's transfer is its largest batch's."""
+        boundary's transfer is its largest batch's. `encoder`: the slowest rank's vision
+        encoder, on the first stage."""
         backend, draft = self.backend, 0
         if self.drafter_seconds is not None:  # (the ranks draft on their last stages, in lockstep too)
             seconds = backend.inner.dp_step_seconds(ran, num_dummy)
@@ -95,7 +96,7 @@ class PipelineStages:
                 if self.host_seconds is not None else 0.0)
         return self._place(seconds, host, draft, max(out.lora_load_s for out in ran),
                            max(out.total_num_scheduled_tokens for out in ran),
-                           [chunk for out in ran for chunk in out.chunks], now)
+                           [chunk for out in ran for chunk in out.chunks], now, encoder)
 
     def _place(self, seconds: float, host: float, draft: int, lora_load_s: float, tokens: int, chunks,
                now: int, encoder: int = 0) -> tuple[int, int]:

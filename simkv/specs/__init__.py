@@ -102,16 +102,20 @@ class ModelSpec:
     # (Nemotron-H's squared ReLU).
     gated_mlp: bool = True
     # A vision encoder (multimodal models; 0 layers: none): a ViT of `vision_num_layers` layers of
-    # `vision_hidden_size` (a gated MLP of `vision_intermediate_size`), whose patches are merged
+    # `vision_hidden_size` (an MLP of `vision_intermediate_size`, gated unless `vision_gated_mlp`
+    # is False: Qwen3-VL's and Qwen2-VL's have two projections), whose patches are merged
     # `vision_patches_per_embed` to one embedding the decoder reads (Qwen2.5-VL: 2 x 2) by an MLP
-    # of width vision_patches_per_embed x vision_hidden_size. Its layers attend windows of
+    # of width vision_patches_per_embed x vision_hidden_size (`vision_num_mergers` of them:
+    # Qwen3-VL's DeepStack merges three inner layers' patches too). Its layers attend windows of
     # `vision_window_patches` patches (0: the whole image), except `vision_full_attention_layers`.
     # `mm_max_tokens_per_item`: the most embeddings vLLM's processor makes of one item, which sizes
     # its encoder budget and cache.
     vision_num_layers: int = 0
     vision_hidden_size: int = 0
     vision_intermediate_size: int = 0
+    vision_gated_mlp: bool = True
     vision_patches_per_embed: int = 1
+    vision_num_mergers: int = 1
     vision_window_patches: int = 0
     vision_full_attention_layers: int = 0
     mm_max_tokens_per_item: int = 0
@@ -119,11 +123,12 @@ class ModelSpec:
     def __post_init__(self) -> None:
         where = f"model '{self.name}'"
         if self.vision_num_layers and (min(self.vision_hidden_size, self.vision_intermediate_size,
-                                           self.vision_patches_per_embed, self.mm_max_tokens_per_item) <= 0
+                                           self.vision_patches_per_embed, self.vision_num_mergers,
+                                           self.mm_max_tokens_per_item) <= 0
                                        or not 0 <= self.vision_full_attention_layers <= self.vision_num_layers):
             raise ValueError(f"{where}: a vision encoder needs positive vision_hidden_size, vision_intermediate_size, "
-                             "vision_patches_per_embed and mm_max_tokens_per_item, and at most vision_num_layers "
-                             "full-attention layers")
+                             "vision_patches_per_embed, vision_num_mergers and mm_max_tokens_per_item, and at most "
+                             "vision_num_layers full-attention layers")
         if self.is_mla:
             if not 0 < self.qk_rope_head_dim < self.head_dim or self.v_head_dim <= 0:
                 raise ValueError(f"{where}: latent attention (kv_lora_rank) needs 0 < qk_rope_head_dim < head_dim "
@@ -466,17 +471,17 @@ class ModelSpec:
 
     @property
     def vision_layer_params(self) -> int:
-        """A vision encoder layer's matmul parameters: attention's q, k, v and output, a gated MLP."""
+        """A vision encoder layer's matmul parameters: attention's q, k, v and output, its MLP."""
         h = self.vision_hidden_size
-        return 4 * h * h + 3 * h * self.vision_intermediate_size
+        return 4 * h * h + (3 if self.vision_gated_mlp else 2) * h * self.vision_intermediate_size
 
     @property
     def vision_merger_params(self) -> int:
-        """The merger MLP's (0 without a vision encoder): merged patches to the decoder's width."""
+        """The merger MLPs' (0 without a vision encoder): merged patches to the decoder's width."""
         if not self.vision_num_layers:
             return 0
         merged = self.vision_patches_per_embed * self.vision_hidden_size
-        return merged * merged + merged * self.hidden_size
+        return self.vision_num_mergers * (merged * merged + merged * self.hidden_size)
 
     @property
     def routed_expert_bytes(self) -> float:

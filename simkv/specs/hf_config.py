@@ -1,7 +1,11 @@
 """A model spec from a Hugging Face `config.json` (`--model path/to/config.json`): a model
 simkv does not ship, sized from its own config, nothing downloaded.
 
-The fields read (a multimodal wrapper's `text_config` if it has one):
+The fields read (a multimodal wrapper's `text_config` if it has one; the vision encoder of a Qwen
+VL config from its `vision_config`: depth, widths, spatial_merge_size, Qwen2.5-VL's windows
+(window_size / patch_size squared patches, all layers but fullatt_block_indexes) and Qwen3-VL's
+DeepStack mergers, with the processors' default of at most 16,384 embeddings an image; another
+wrapper's vision tower is left out, its decoder sized alone):
 - num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads (default: the
   attention heads), head_dim (default: hidden_size / num_attention_heads), intermediate_size,
   vocab_size, max_position_embeddings, tie_word_embeddings (default: the architecture's, tied
@@ -152,7 +156,53 @@ def spec_fields_from_config(path: str) -> dict:
         fields.update(_chunks(get, need, where, fields["num_layers"]))
     else:
         fields.update(_windows(merged, where, fields["num_layers"]))
+    fields.update(_vision(raw, f"model config {path}"))
     return fields
+
+
+# The most embeddings the Qwen VL processors make of one image by default: max_pixels (Qwen2-VL,
+# Qwen2.5-VL: 12,845,056; Qwen3-VL: 16,777,216) over one embedding's pixels (28 x 28; 32 x 32)
+_QWEN_VL_MAX_EMBEDS = 16384
+
+
+def _vision(raw: dict, where: str) -> dict:
+    """The vision encoder fields of a Qwen VL config's `vision_config` (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL and its MoE): none for other configs (their decoder alone is sized)."""
+    vision = raw.get("vision_config")
+    kind = raw.get("model_type")
+    if not isinstance(vision, dict) or kind not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        return {}
+    where = f"{where} (vision_config)"
+
+    def need(name: str) -> int:
+        value = vision.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{where}: field '{name}' must be a positive whole number, got {value!r}")
+        return value
+
+    def indexes(name: str) -> list:
+        value = vision.get(name) or []
+        if not isinstance(value, list) or not all(isinstance(i, int) and 0 <= i < depth for i in value):
+            raise ModelConfigError(f"{where}: field '{name}' must list layers below depth ({depth}), got {value!r}")
+        return value
+
+    depth = need("depth")
+    merge = need("spatial_merge_size")
+    fields = {"vision_num_layers": depth, "vision_patches_per_embed": merge * merge,
+              "vision_full_attention_layers": depth, "mm_max_tokens_per_item": _QWEN_VL_MAX_EMBEDS}
+    if kind == "qwen2_vl":  # (embed_dim wide, an MLP of mlp_ratio x that with two projections)
+        width = need("embed_dim")
+        ratio = vision.get("mlp_ratio", 4)
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio <= 0:
+            raise ModelConfigError(f"{where}: field 'mlp_ratio' must be a positive number, got {ratio!r}")
+        return fields | {"vision_hidden_size": width, "vision_intermediate_size": int(width * ratio),
+                         "vision_gated_mlp": False}
+    fields |= {"vision_hidden_size": need("hidden_size"), "vision_intermediate_size": need("intermediate_size")}
+    if kind == "qwen2_5_vl":  # (a gated MLP; windows of window_size pixels but in the fullatt_block_indexes layers)
+        side = need("window_size") // need("patch_size")
+        return fields | {"vision_window_patches": side * side,
+                         "vision_full_attention_layers": len(indexes("fullatt_block_indexes"))}
+    return fields | {"vision_gated_mlp": False, "vision_num_mergers": 1 + len(indexes("deepstack_visual_indexes"))}
 
 
 def _llama4_experts(get, need, where: str, num_layers: int) -> dict:

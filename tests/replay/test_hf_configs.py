@@ -37,6 +37,24 @@ QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18
              "max_position_embeddings": 32768, "sliding_window": 131072, "use_sliding_window": False,
              "max_window_layers": 28, "tie_word_embeddings": False}
 
+QWEN25_VL_7B = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+                "num_hidden_layers": 28, "vocab_size": 152064, "max_position_embeddings": 128000,
+                "tie_word_embeddings": False,
+                "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                                  "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                                  "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}}
+QWEN3_VL_30B_A3B = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+                    "tie_word_embeddings": False,
+                    "text_config": {"model_type": "qwen3_vl_moe_text", "hidden_size": 2048, "intermediate_size": 6144,
+                                    "moe_intermediate_size": 768, "head_dim": 128, "num_attention_heads": 32,
+                                    "num_key_value_heads": 4, "num_hidden_layers": 48, "num_experts": 128,
+                                    "num_experts_per_tok": 8, "vocab_size": 151936,
+                                    "max_position_embeddings": 262144, "decoder_sparse_step": 1, "mlp_only_layers": []},
+                    "vision_config": {"depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152,
+                                      "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 2048,
+                                      "patch_size": 16, "spatial_merge_size": 2, "deepstack_visual_indexes": [8, 16, 24]}}
+
 
 def _write(tmp_path, name, cfg) -> str:
     path = tmp_path / f"{name}.json"
@@ -46,7 +64,8 @@ def _write(tmp_path, name, cfg) -> str:
 
 @pytest.mark.parametrize("shipped, cfg", [("llama-3-8b", LLAMA3_8B), ("gpt-oss-120b", GPT_OSS_120B),
                                           ("gemma-3-27b", GEMMA3_27B), ("qwen3-30b-a3b", QWEN3_30B_A3B),
-                                          ("qwen2.5-7b", QWEN25_7B)])
+                                          ("qwen2.5-7b", QWEN25_7B), ("qwen2.5-vl-7b", QWEN25_VL_7B),
+                                          ("qwen3-vl-30b-a3b", QWEN3_VL_30B_A3B)])
 def test_a_config_gives_the_shipped_spec(tmp_path, shipped, cfg):
     spec = get_model_spec(_write(tmp_path, shipped, cfg))
     expected = dataclasses.replace(get_model_spec(shipped), name=spec.name, eagle_head_intermediate_size=0)
@@ -154,3 +173,26 @@ def test_fp8_checkpoints_hold_their_linear_layers_at_one_byte(tmp_path, quant):
         2 * linear * (1 - gpu.bf16_tflops / gpu.fp8_tflops), rel=1e-12)
     moe = get_model_spec(_write(tmp_path, "moe", QWEN3_30B_A3B | {"quantization_config": quant}))
     assert (moe.linear_weight_bytes, moe.expert_weight_bytes) == (1.0, 1.0)
+
+
+def test_a_qwen2_vl_vision_config_gives_its_vit_by_hand(tmp_path):
+    """Qwen2-VL-7B's ViT: 32 layers of embed_dim 1,280 with an MLP of mlp_ratio 4 (two
+    projections), 2 x 2 patches an embedding, every layer over the whole image, one merger."""
+    cfg = dict(QWEN25_VL_7B, model_type="qwen2_vl",
+               vision_config={"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584,
+                              "patch_size": 14, "spatial_merge_size": 2})
+    spec = get_model_spec(_write(tmp_path, "qwen2-vl", cfg))
+    assert (spec.vision_num_layers, spec.vision_hidden_size, spec.vision_intermediate_size) == (32, 1280, 5120)
+    assert spec.vision_layer_params == 4 * 1280 ** 2 + 2 * 1280 * 5120
+    assert spec.vision_full_attention_layers == 32 and spec.vision_window_patches == 0
+    assert spec.vision_merger_params == 5120 ** 2 + 5120 * 3584 and spec.mm_max_tokens_per_item == 16384
+
+
+@pytest.mark.parametrize("vision, message", [
+    ({"depth": 0}, "field 'depth' must be a positive whole number, got 0"),
+    ({"deepstack_visual_indexes": [8, 30]}, "field 'deepstack_visual_indexes' must list layers below depth (27)"),
+])
+def test_bad_vision_fields_are_refused_with_the_field(tmp_path, vision, message):
+    cfg = dict(QWEN3_VL_30B_A3B, vision_config=QWEN3_VL_30B_A3B["vision_config"] | vision)
+    with pytest.raises(ValueError, match=r"q.json \(vision_config\): " + message.replace("(", r"\(").replace(")", r"\)")):
+        get_model_spec(_write(tmp_path, "q", cfg))

@@ -113,8 +113,6 @@ def test_the_cli_replays_a_multimodal_trace(tmp_path: Path):
     (["--disable-chunked-mm-input", "--max-num-batched-tokens", "512"], "Chunked MM input disabled but "
                                                                         "max_tokens_per_mm_item (16384)"),
     (["--mm-max-tokens-per-item", "0"], "mm_max_tokens_per_item must be >= 1"),
-    (["--model", "deepseek-v3", "--gpu", "H200", "-tp", "8", "-dp", "2"],
-     "multimodal items (mm_* columns) under data-parallel ranks are not modelled yet"),
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--disable-chunked-mm-input", "--mm-max-tokens-per-item",
       "1024", "--prefill-set", "long_prefill_token_threshold=512"],
      "more than long_prefill_token_threshold (512) while other requests are around"),
@@ -220,6 +218,24 @@ def test_the_first_pipeline_stage_runs_the_encoder_and_holds_its_weights():
     vision = get_model_spec("qwen2.5-vl-7b").vision_weight_bytes
     assert vl.pipeline_stage_weight_bytes - plain.pipeline_stage_weight_bytes == pytest.approx(vision, abs=1)
     assert (plain.num_gpu_blocks - vl.num_gpu_blocks) * vl.block_bytes == pytest.approx(vision, abs=vl.block_bytes)
+
+
+def test_data_parallel_ranks_wait_for_the_slowest_ranks_encoder():
+    """Qwen3-VL-30B-A3B as two DP ranks: a rank encodes its own requests' images before its
+    forward pass, so two requests that arrive together, one on each rank, each with an image,
+    take their first tokens one encoder time later than as text, not two."""
+    config = EngineConfig.from_flat({"model": "qwen3-vl-30b-a3b", "gpu": "H100-SXM", "data_parallel_size": 2,
+                                     "max_model_len": 8192})
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 0.0], "prompt_tokens": [1324, 1324], "output_tokens": [8, 8],
+                          "mm_offsets": [[200], [200]], "mm_lengths": [[1024], [1024]], "mm_hashes": [[1], [2]]})
+    images = replay(trace_from_frame(frame), config)
+    text = replay(trace_from_frame(frame.drop(columns=["mm_offsets", "mm_lengths", "mm_hashes"])), config)
+    cost = VisionEncoderCost(get_model_spec("qwen3-vl-30b-a3b"), get_gpu_spec("H100-SXM"))
+    assert sorted(images.requests["replica"]) == [0, 1]
+    assert images.summary["multimodal"]["items_encoded"] == 2
+    assert images.summary["multimodal"]["encoder_seconds"] == pytest.approx(2 * cost.seconds((1024,)))
+    later = images.requests["ttft_s"].to_numpy() - text.requests["ttft_s"].to_numpy()
+    assert later == pytest.approx([cost.seconds((1024,))] * 2, abs=2e-6)
 
 
 # Recorded cases of scripts/oracle_offload.py --images (vLLM 0.33's Scheduler with its
