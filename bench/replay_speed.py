@@ -35,6 +35,9 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # attention: every step stepped, its decodes' contexts listed)
     .venv/bin/python bench/replay_speed.py azure-lora4  # the Azure trace naming 16 LoRA adapters (Zipf), max_loras 4:
                                                         # every step passes over the requests without a slot
+    .venv/bin/python bench/replay_speed.py azure-vl azure-images  # the Azure trace on qwen2.5-vl-7b as text, and
+                                                        # with half its prompts showing a 1,024-token image
+                                                        # (encoder inputs; decode runs stop at images)
     .venv/bin/python bench/replay_speed.py azure-clients  # the Azure trace at 2x its rate, clients that give up
                                                         # on a first token after 10 s and retry twice
                                                         # (-async: the same with --async-scheduling)
@@ -82,6 +85,11 @@ def load(case: str):
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8", "azure-dsv32"):
         return import_trace("azure", [AZURE])[0]
+    if case in ("azure-vl", "azure-images"):
+        from simkv.traces.images import add_images
+
+        trace = import_trace("azure", [AZURE])[0]
+        return add_images(trace, 0.5, 1024, seed=1)[0] if case == "azure-images" else trace
     if case in ("azure-clients", "azure-clients-async"):
         from dataclasses import replace
 
@@ -148,6 +156,8 @@ def run_case(case: str) -> dict:
                     "pipeline_parallel_size": 2 if case_setup.endswith("pp2") else 1}
     if case == "azure-lora4":
         options |= {"enable_lora": True, "max_loras": 4}
+    if case in ("azure-vl", "azure-images"):
+        options |= {"model": "qwen2.5-vl-7b", "max_model_len": 32768}
     if case_setup in ("azure-clients", "azure-pd2-clients"):
         options |= {"client_ttft_timeout_s": 10.0, "client_max_retries": 2}
     if case == "rollout-dp8":
