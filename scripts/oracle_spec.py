@@ -123,6 +123,10 @@ def image_cases(a, cases: list[dict]) -> None:
     rng = np.random.default_rng(a.seed + IMAGES_SEED)
     for case in cases:
         with_images(rng, case, getattr(a, "disable_chunked_mm_input", False))
+        if getattr(a, "ec_store", False):  # (half the case's images in the store; an encode instance in half the cases)
+            hashes = sorted({h for r in case["requests"] for _, _, h in r["mm"]})
+            case["ec_store"] = [h for h in hashes if rng.random() < 0.5]
+            case["ec_producer"] = bool(rng.random() < 0.5)
 
 
 def with_images(rng, case: dict, disable_chunked: bool) -> None:
@@ -177,6 +181,7 @@ def run_vllm(case: dict) -> dict:
                         "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
     oracle_vllm.mm_budget(sched, vllm_config, case.get("mm"))  # (--images)
+    store = oracle_vllm.ec_store(sched, case)  # (--ec-store)
     if case.get("replies"):  # (the fake model samples the replies' content: --replies)
         oracle_vllm.sample_reply_content(case)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -207,6 +212,8 @@ def run_vllm(case: dict) -> dict:
         accepted_total[0] += accepted
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
+        if store is not None:  # (saved by the worker as the step runs)
+            store.note_encoded(sched, so)
         oracle_vllm.record_outputs(sched.update_from_output(so, mro), step_index, prefix, first_token, finish)
         if accept is not None:
             oracle_vllm.propose_drafts(sched, so, req_ids, accept)

@@ -411,6 +411,63 @@ def mm_budget(sched, vllm_config, mm: dict | None) -> None:
     sched.encoder_cache_manager = EncoderCacheManager(cache_size=size)
 
 
+class StoreConnector:
+    """The scheduler side of an encoder-cache connector over shared storage (vLLM's
+    ECExampleConnector, --ec-store): the items `stored` lists are in the store from the start,
+    loads are synchronous (nothing waits in transit), and an encode instance (`producer`) adds
+    what each step encodes once the step ran (note_encoded)."""
+
+    def __init__(self, stored, producer: bool = False) -> None:
+        self.stored = {str(h) for h in stored}
+        self.is_producer, self.is_consumer = producer, not producer
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return identifier in self.stored
+
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        return True
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        pass
+
+    def update_state_after_free(self, request, index: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+    def update_connector_output(self, connector_output) -> None:
+        pass
+
+    def request_finished(self, request):
+        return False, None
+
+    def take_unavailable_requests(self) -> set:
+        return set()
+
+    def has_pending_push_work(self) -> bool:
+        return False
+
+    def get_ec_connector_stats(self):
+        return None
+
+    def note_encoded(self, sched, so) -> None:
+        """An encode instance: the items `so` encoded are in the store once its step ran."""
+        if self.is_producer:
+            for rid, inputs in (so.scheduled_encoder_inputs or {}).items():
+                for i in inputs:
+                    self.stored.add(sched.requests[rid].mm_features[i].identifier)
+
+
+def ec_store(sched, case: dict):
+    """--ec-store: the scheduler given a StoreConnector over the case's stored items (and its
+    producer role); None without."""
+    if case.get("ec_store") is None:
+        return None
+    sched.ec_connector = StoreConnector(case["ec_store"], case.get("ec_producer", False))
+    return sched.ec_connector
+
+
 def record_outputs(engine_core_outputs: dict, step: int, prefix: list, first_token: dict, finish: dict) -> None:
     """update_from_output's results for `step`: the prefix-cache counts (queried, hit) added to
     `prefix`, each request's first token and finish step."""
@@ -673,6 +730,10 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                              "and the long-prefill threshold)")
         ap.add_argument("--method", default=None,
                         help="every speculative case's method: ngram, eagle, eagle3, mtp or draft_model")
+        ap.add_argument("--ec-store", action="store_true",
+                        help="with --images: encoder disaggregation's embedding store (vLLM's ec_connector over "
+                             "shared storage): half the images stored from the start, loaded instead of encoded; "
+                             "in half the cases the engine also stores what it encodes")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

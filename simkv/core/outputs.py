@@ -87,6 +87,8 @@ class SchedulerOutput:
     # multimodal models (core/encoder_cache.py): the embeddings of each item the encoder computes
     # in this step, in scheduling order
     encoder_item_embeds: tuple[int, ...] = ()
+    # encoder disaggregation: the embeddings of each item loaded from the store in this step
+    encoder_loaded_embeds: tuple[int, ...] = ()
 
     @property
     def num_encoder_embeds(self) -> int:

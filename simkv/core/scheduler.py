@@ -107,6 +107,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.disable_chunked_mm_input = sc.disable_chunked_mm_input
         self.num_encoded_items = 0
         self.num_encoded_embeds = 0
+        # Encoder disaggregation (vLLM's ec_connector, shared storage): the identifiers of the items
+        # in the embedding store, which the scheduler loads instead of encoding (they take encoder
+        # cache room, not encoder budget); None without one. An encode instance (`ec_producer`)
+        # adds what it encodes, once the step ran.
+        self.ec_store: set | None = None
+        self.ec_producer = False
+        self._ec_saves: list[int] = []
+        self.num_loaded_items = 0
+        self.num_loaded_embeds = 0
         self.num_encoder_stops = 0  # (a chunk cut short before an item: budget, cache or unchunked items)
         self.admit_before_running = sc.admission_order == "before_running"
         self.preemption_victim = sc.preemption_victim
@@ -506,11 +515,17 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if plan.prefill_carried:
                 self._last_prefill_step = self._num_executed_steps
         self._output_pending = True  # (until update_from_output)
-        encoded = ()
+        encoded = loaded = ()
         if plan.encoder_inputs:
             encoded = tuple(e for items in plan.encoder_inputs.values() for e in items)
             self.num_encoded_items += len(encoded)
             self.num_encoded_embeds += sum(encoded)
+        if plan.encoder_loads:
+            loaded = tuple(e for items in plan.encoder_loads.values() for e in items)
+            self.num_loaded_items += len(loaded)
+            self.num_loaded_embeds += sum(loaded)
+        if plan.encoder_saves:  # (in the store once the step ran: update_from_output)
+            self._ec_saves = [h for hashes in plan.encoder_saves.values() for h in hashes]
         return SchedulerOutput(
             step=step, chunks=plan.chunks, num_decode_reqs=num_decodes, decode_context_tokens=decode_context,
             decode_capped_context_tokens=capped_context, decodes=decodes, preempted=plan.preempted, num_running=len(self.running),
@@ -521,7 +536,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             num_spec_tokens_to_schedule=to_propose,
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
             num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
-            encoder_item_embeds=encoded,
+            encoder_item_embeds=encoded, encoder_loaded_embeds=loaded,
             aborted=self._take_aborted())
 
     def _offload_tier(self, config: EngineConfig, num_chunks: int) -> KVOffload:
@@ -987,7 +1002,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         budget = plan.encoder_budget
         shift = self.encoder_window_shift  # (the drafter reads that many prompt tokens ahead: EAGLE 1, MTP modules K)
         end = computed + num_new + shift
+        store = self.ec_store
         to_encode: list[int] = []
+        loaded: list[int] = []
         repeated: list[int] = []
         encoding: dict[int, int] = {}  # mm_hash -> embeddings, the items to encode so far
         embeds = 0
@@ -1010,20 +1027,29 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 self.num_encoder_stops += 1
                 break
             embeds += length
-            budget -= length
             encoding[mm_hash] = length
+            if store is not None and mm_hash in store:  # (loaded: cache room, no budget)
+                loaded.append(i)
+                continue
+            budget -= length
             to_encode.append(i)
-        return num_new, (to_encode, repeated, budget)
+        return num_new, (to_encode, repeated, budget, loaded)
 
     def _encode(self, request: Request, encoding: tuple, plan: StepPlan) -> None:
         """The request is scheduled: its items from `_encoder_inputs` are encoded in this step."""
-        to_encode, repeated, budget = encoding
-        if not to_encode:
+        to_encode, repeated, budget, loaded = encoding
+        if not (to_encode or loaded):
             return
-        plan.encoder_budget = budget
-        plan.encoder_inputs[request.seq] = [request.mm_items[i][1] for i in to_encode]
+        items = request.mm_items
+        if to_encode:
+            plan.encoder_budget = budget
+            plan.encoder_inputs[request.seq] = [items[i][1] for i in to_encode]
+            if self.ec_producer:
+                plan.encoder_saves[request.seq] = [items[i][2] for i in to_encode]
+        if loaded:
+            plan.encoder_loads[request.seq] = [items[i][1] for i in loaded]
         cache = self.encoder_cache
-        for i in to_encode:
+        for i in to_encode + loaded:  # (vLLM's order: the encoded items, then the loaded ones)
             cache.allocate(request, i)
         for i in repeated:
             cache.check_and_update_cache(request, i)
@@ -1120,6 +1146,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         every decode samples one; requests at their length limit finish and free blocks."""
         step = output.step
         self._output_pending = False
+        if self._ec_saves:  # (an encode instance: what the step encoded is in the store now)
+            self.ec_store.update(self._ec_saves)
+            self._ec_saves = []
         if self.encoder_cache is not None and self.encoder_cache.request_inputs and self.overlapped:
             self._free_encoded_async(output)
         if self.overlapped:

@@ -12,7 +12,8 @@ class StepPlan:
     __slots__ = ("budget", "threshold", "chunks", "preempted", "scheduled_now", "query", "hit", "first_new_seq",
                  "swap_out_blocks", "swap_in_blocks", "moved_ahead", "kv_loads",
                  "input_budget", "draft_slots", "prefill_scheduled", "num_running_scheduled", "blocked",
-                 "defer_prefills", "prefill_carried", "encoder_budget", "encoder_inputs")
+                 "defer_prefills", "prefill_carried", "encoder_budget", "encoder_inputs", "encoder_loads",
+                 "encoder_saves")
 
     def __init__(self, budget: int, threshold: int, draft_slots: int = 0, input_budget: int | None = None) -> None:
         self.budget = budget  # (vLLM's token budget: max_num_scheduled_tokens)
@@ -43,6 +44,10 @@ class StepPlan:
         # (set by the scheduler) and the items each request encodes in it (seq -> each item's embeddings)
         self.encoder_budget = 0
         self.encoder_inputs: dict[int, list[int]] = {}
+        # encoder disaggregation (Scheduler.ec_store): the items each request loads from the store
+        # (seq -> each item's embeddings) and, on an encode instance, the identifiers it stores
+        self.encoder_loads: dict[int, list[int]] = {}
+        self.encoder_saves: dict[int, list[int]] = {}
 
     def schedule(self, request: Request, num_new: int) -> None:
         self.budget -= num_new
@@ -69,4 +74,6 @@ class StepPlan:
         encoded = self.encoder_inputs.pop(victim.seq, None)
         if encoded is not None:  # (its items are not encoded after all: vLLM gives the budget back)
             self.encoder_budget += sum(encoded)
+        self.encoder_loads.pop(victim.seq, None)
+        self.encoder_saves.pop(victim.seq, None)
         return tokens

@@ -125,6 +125,14 @@ def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: 
         sched.add_request(req)
 
 
+def _ec_store(sched: Scheduler, case: dict) -> None:
+    """Encoder disaggregation (scripts/oracle_spec.py --ec-store): the items in the embedding
+    store from the start, and whether the engine stores what it encodes."""
+    if case.get("ec_store") is not None:
+        sched.ec_store = set(case["ec_store"])
+        sched.ec_producer = bool(case.get("ec_producer"))
+
+
 def _pd_scheduler(case: dict):
     """A P/D case's scheduler (with the connector) and its requests in arrival order."""
     opts = dict(case["opts"])
@@ -244,6 +252,7 @@ def drive_steps(case: dict, max_steps: int = 5000) -> dict:
     running, waiting, blocks used] and per-request [first token step, finish step]."""
     opts = case["opts"]
     sched = Scheduler(EngineConfig.from_flat(opts), opts["num_gpu_blocks"])
+    _ec_store(sched, case)
     pending = sorted(case["requests"], key=lambda r: (r["arrival_step"], r["row"]))
     requests, rows = [], []
     aborts = _aborts_by_step(case)
