@@ -244,6 +244,13 @@ class SchedulerConfig:
     # vLLM's --disable-chunked-mm-input: a prefill chunk never ends inside an item.
     mm_max_tokens_per_item: int | None = None
     disable_chunked_mm_input: bool = False
+    # Encoder disaggregation (vLLM's --ec-transfer-config over shared storage; simkv/replay/encode_pool.py):
+    # "ec_producer", an encode instance (no language model: a request ends when its prompt is
+    # consumed; what it encodes goes to the store), or "ec_consumer", an engine that loads its
+    # requests' embeddings from the store, at ec_store_gbs GB/s (an assumption: shared memory or
+    # a local disk), instead of encoding them. Set by the replay for --encode-replicas.
+    ec_role: str | None = None
+    ec_store_gbs: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("client_ttft_timeout_s", "client_timeout_s"):
@@ -264,6 +271,10 @@ class SchedulerConfig:
                               "max_num_queued_tokens, whose HTTP 503s the clients retry)")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.ec_role not in (None, "ec_producer", "ec_consumer"):
+            raise ConfigError(f"ec_role must be ec_producer or ec_consumer, got {self.ec_role!r}")
+        if not self.ec_store_gbs > 0:
+            raise ConfigError(f"ec_store_gbs must be > 0 (GB/s), got {self.ec_store_gbs}")
         if self.mm_max_tokens_per_item is not None and self.mm_max_tokens_per_item < 1:
             raise ConfigError(f"mm_max_tokens_per_item must be >= 1, got {self.mm_max_tokens_per_item}")
         if self.max_lora_rank < 1:
@@ -1285,6 +1296,8 @@ class EngineConfig:
             del out["mm_max_tokens_per_item"]
         if not self.scheduler.disable_chunked_mm_input:  # (likewise)
             del out["disable_chunked_mm_input"]
+        if self.scheduler.ec_role is None:  # (only under encoder disaggregation: likewise)
+            del out["ec_role"], out["ec_store_gbs"]
         if not self.scheduler.has_clients:  # (likewise)
             for key in ("client_ttft_timeout_s", "client_timeout_s", "client_max_retries", "client_retry_backoff_s"):
                 del out[key]

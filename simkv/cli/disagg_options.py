@@ -1,4 +1,5 @@
-"""`simkv replay`'s P/D disaggregation flags, and the --config file's `disaggregation` mapping."""
+"""`simkv replay`'s P/D disaggregation flags, the --config file's `disaggregation` mapping, and
+the encode pool's flags (encoder disaggregation)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,56 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
             router_options=parsed_router_options, **link)
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(f"P/D disaggregation: {exc}") from None
+
+
+_ENCODE_FLAGS = ("encode_replicas", "encode_router", "encode_sets", "ec_store_gbs", "encode_hop_ms")
+
+
+def encode_options(command):
+    from simkv.replay.router import ROUTERS
+
+    for option in reversed([
+        click.option("--encode-replicas", type=int, default=None,
+                     help="Encoder disaggregation: encode instances in front of the engines (vLLM's EPD: a request "
+                          "with images is encoded there first; the engines load its embeddings)."),
+        click.option("--encode-router", type=click.Choice(ROUTERS), default=None,
+                     help="How an encode instance is picked [default: least_outstanding]."),
+        click.option("--encode-set", "encode_sets", multiple=True, metavar="KEY=VALUE",
+                     help="An engine option for the encode instances only (e.g. max_num_batched_tokens=16384); "
+                          "repeatable."),
+        click.option("--ec-store-gbs", type=float, default=None,
+                     help="GB/s the embedding store is written and read at (an assumption) [default: 10]."),
+        click.option("--encode-hop-ms", type=float, default=None,
+                     help="From an encode instance's answer to the engines getting the request [default: 1]."),
+    ]):
+        command = option(command)
+    return command
+
+
+def read_encode(flags: dict):
+    """The EncodeSpec of the encode flags, or None without --encode-replicas (the other encode
+    flags then refused); takes them out of `flags`."""
+    from simkv.replay.encode_pool import EncodeSpec
+    from simkv.sweep.grid import parse_value
+
+    values = {k: flags.pop(k) for k in _ENCODE_FLAGS}
+    if values["encode_replicas"] is None:
+        given = [f"--{k.replace('_', '-').removesuffix('s') if k == 'encode_sets' else k.replace('_', '-')}"
+                 for k, v in values.items() if v not in (None, ())]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} sets the encode pool: give --encode-replicas too")
+        return None
+    pairs = []
+    for text in values["encode_sets"]:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got '{text}'", param_hint="--encode-set")
+        pairs.append((key.strip().replace("-", "_"), parse_value(value)))
+    given = {"num_encode": values["encode_replicas"], "encode_options": _pool_options(pairs)}
+    for key, name in (("encode_router", "router"), ("ec_store_gbs", "ec_store_gbs"), ("encode_hop_ms", "hop_ms")):
+        if values[key] is not None:
+            given[name] = values[key]
+    try:
+        return EncodeSpec(**given)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None

@@ -9,7 +9,8 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
+from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
+                                       read_encode)
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
@@ -470,6 +471,7 @@ _ENGINE_OPTIONS = [
                    "--goodput tpot:100; summary.json then counts the requests that met all of them.")
 @fleet_options
 @disaggregation_options
+@encode_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
@@ -487,6 +489,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
     disaggregation = read_disaggregation(flags, config_file, router_options)
+    encode = read_encode(flags)
+    if encode is not None and backend == "gpu":
+        raise click.UsageError("--encode-replicas is simulated only (the gpu backend runs one text-only engine)")
     if disaggregation is not None:
         if replicas is not None or router is not None:
             raise click.UsageError("P/D disaggregation sets its pools with --prefill-replicas/--decode-replicas and "
@@ -536,7 +541,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                  "step_noise": step_noise, "noise_seed": noise_seed},
                                 use_decode_runs=not no_decode_runs,
                                 on_progress=lambda k: progress.advance(task, k), goodput=slo, fleet=fleet,
-                                disaggregation=disaggregation)
+                                disaggregation=disaggregation, encode=encode)
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
     save(result, out_dir)

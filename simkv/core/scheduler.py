@@ -56,6 +56,17 @@ class LivelockError(RuntimeError):
 _ABORTABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 
+class _EveryItem:
+    """The embedding store as an ec_consumer engine finds it: the proxy sends a request on only
+    once an encode instance has stored every item of it (simkv/replay/encode_pool.py)."""
+
+    def __contains__(self, mm_hash) -> bool:
+        return True
+
+
+_EVERY_ITEM = _EveryItem()
+
+
 class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, detail: bool = False,
                  num_cpu_blocks: int = 0, kv_connector: bool = False, num_offload_chunks: int = 0) -> None:
@@ -111,8 +122,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # in the embedding store, which the scheduler loads instead of encoding (they take encoder
         # cache room, not encoder budget); None without one. An encode instance (`ec_producer`)
         # adds what it encodes, once the step ran.
-        self.ec_store: set | None = None
-        self.ec_producer = False
+        self.ec_producer = sc.ec_role == "ec_producer"
+        self.ec_store: set | None = (set() if self.ec_producer else _EVERY_ITEM if sc.ec_role == "ec_consumer"
+                                     else None)
         self._ec_saves: list[int] = []
         self.num_loaded_items = 0
         self.num_loaded_embeds = 0

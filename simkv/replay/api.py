@@ -19,7 +19,7 @@ from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.goodput import goodput_summary
 from simkv.replay.pipeline import pipeline_summary
-from simkv.replay.results import frontend_latency, request_table, summarize, write_outputs
+from simkv.replay.results import frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
 from simkv.replay.router import Router, RouterOptions
 
 
@@ -72,15 +72,19 @@ def collector_paused(pause: bool = True):
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None,
            pause_collector: bool = True, goodput: dict | None = None, fleet: FleetSpec | None = None,
-           disaggregation=None) -> ReplayResult:
+           disaggregation=None, encode=None) -> ReplayResult:
     """`pause_collector=False` keeps Python's cyclic collector running (a real backend, whose
     steps are not ours to vouch for, passes it; its timer pauses the collector per step).
     `goodput`: latency SLOs in ms (`simkv/replay/goodput.py`); the summary then says which
     requests met them (`summary["goodput"]`). `fleet`: replay on that many replicas behind a
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
-    `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py)."""
+    `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py).
+    `encode`: an `EncodeSpec`, encode instances in front (simkv/replay/encode_pool.py)."""
     _check_lora(trace, config, disaggregation)
     config = _multimodal_config(trace, config, backend, disaggregation)
+    if encode is not None:
+        return _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode_runs, on_progress,
+                                        pause_collector, goodput, fleet, disaggregation, encode, backend)
     # (under P/D the front end that refuses is the prefill pool's: its config carries the limits)
     _check_queue_limits(trace, disaggregation.pool_configs(config)[0] if disaggregation is not None else config,
                         fleet)
@@ -128,6 +132,30 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
         steps = run.steps.columns()
     return ReplayResult(summary, requests, steps, run)
+
+
+def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
+                             goodput, fleet, disaggregation, encode, backend) -> ReplayResult:
+    """Encoder disaggregation in two passes (simkv/replay/encode_pool.py): the encode pool on
+    the requests with images, then the engines, each of those requests arriving when the proxy
+    sends it on and loading its embeddings; latencies counted from the client's send."""
+    from simkv.replay.encode_pool import check_encode_pool, client_view, delayed_trace, run_encode_pool
+
+    check_encode_pool(trace, config, backend, fleet)
+    t0 = time.perf_counter()
+    with collector_paused(pause_collector):
+        ready, section = run_encode_pool(trace, config, encode, on_progress)
+    engines_trace, order = delayed_trace(trace, ready)
+    result = replay(engines_trace, encode.consumer_config(config), cost_model, cost_options, use_decode_runs,
+                    on_progress, None, pause_collector, None, fleet, disaggregation)
+    requests = client_view(result.requests, trace, order)
+    summary = result.summary
+    summary["trace"] = str(trace.source)
+    summary |= latencies_and_rates(requests, summary["itl_s"], summary["duration_s"], time.perf_counter() - t0)
+    summary["encode_pool"] = section
+    if goodput:
+        summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
+    return ReplayResult(summary, requests, result.steps, result.run, result.fleet_runs)
 
 
 def _check_lora(trace, config: EngineConfig, disaggregation) -> None:

@@ -147,7 +147,7 @@ class ReplayRun:
     duration_s: float  # the end of the last step
     adapters: object = None  # LoRA: the worker's adapter caches (simkv/backends/lora_adapters.py)
     pipeline: object = None  # pipeline parallelism: the stages' clocks (simkv/replay/pipeline.py)
-    encoder: tuple = (None, 0.0)  # multimodal items: the vision encoder's cost (None: not priced) and its seconds
+    encoder: tuple = (None, 0.0, 0.0)  # images: the encoder's cost (None: not priced), its seconds, store reads
 
 
 def _first_sampled_row(trace) -> int | None:
@@ -211,6 +211,14 @@ class ReplayEngine:
         self.vision_encoder = (vision_encoder_cost(config) if config.scheduler.mm_max_tokens_per_item
                                and backend.name != "unit" else None)
         self.encoder_seconds = 0.0
+        # Encoder disaggregation: seconds per embedding written to (an encode instance) or read from
+        # (an engine behind one) the embedding store (simkv/replay/encode_pool.py)
+        self._store_seconds_per_embed = 0.0
+        if config.scheduler.ec_role is not None and backend.name != "unit":
+            from simkv.replay.encode_pool import embed_bytes
+
+            self._store_seconds_per_embed = embed_bytes(config) / (config.scheduler.ec_store_gbs * 1e9)
+        self.store_seconds = 0.0
         # LoRA: the worker's adapter caches; a step whose adapters are not all in GPU slots loads them first
         self.adapters = adapter_residency(config, backend)
         # Async scheduling overlaps the host's share of a step with the device's work.
@@ -305,7 +313,7 @@ class ReplayEngine:
             raise ReplayError(f"the replay ran {self.now / TICKS_PER_SECOND / 86400:.0f} days of simulated time; "
                               f"simkv's clock covers {MAX_TICKS / TICKS_PER_SECOND / 86400:.0f} days")
         return ReplayRun(self.scheduler, self.steps, self.requests, self.feed, self.now / TICKS_PER_SECOND,
-                         self.adapters, self.pipeline, (self.vision_encoder, self.encoder_seconds))
+                         self.adapters, self.pipeline, (self.vision_encoder, self.encoder_seconds, self.store_seconds))
 
     def _arrivals(self):
         """The arrival process. A busy engine takes the requests that arrived from the feed at
@@ -465,13 +473,20 @@ class ReplayEngine:
 
     def encoder_ticks(self, out) -> int:
         """The vision encoder's ticks in `out`'s step (run before the decoder's forward pass, on
-        the first pipeline stage), counted in `encoder_seconds`; 0 where nothing is encoded or
-        the encoder is not priced."""
-        if not out.encoder_item_embeds or self.vision_encoder is None:
-            return 0
-        seconds = self.vision_encoder.seconds(out.encoder_item_embeds)
-        self.encoder_seconds += seconds
-        return to_ticks(seconds)
+        the first pipeline stage), counted in `encoder_seconds`, and under encoder disaggregation
+        the embedding store's writes (an encode instance) or reads (counted in `store_seconds`);
+        0 where nothing is encoded or loaded, or the encoder is not priced."""
+        seconds = 0.0
+        if out.encoder_item_embeds and self.vision_encoder is not None:
+            seconds = self.vision_encoder.seconds(out.encoder_item_embeds)
+            self.encoder_seconds += seconds
+            if self.scheduler.ec_producer:
+                seconds += sum(out.encoder_item_embeds) * self._store_seconds_per_embed
+        if out.encoder_loaded_embeds and self._store_seconds_per_embed:
+            loads = sum(out.encoder_loaded_embeds) * self._store_seconds_per_embed
+            self.store_seconds += loads
+            seconds += loads
+        return to_ticks(seconds) if seconds else 0
 
     def _device_line(self, num_decodes: int, host_ticks: int = 0,
                      lora_load: tuple[int, tuple] = (0, ())) -> tuple[int, int, int, int]:

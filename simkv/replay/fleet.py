@@ -314,8 +314,9 @@ def fleet_clients(trace, config):
 
 
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
-              use_decode_runs: bool = True, on_progress=None) -> tuple[list[ReplayRun], FleetRouting]:
-    """Replay `trace` on len(backends) replicas (one backend each) behind `router`."""
+              use_decode_runs: bool = True, on_progress=None, prepare=None) -> tuple[list[ReplayRun], FleetRouting]:
+    """Replay `trace` on len(backends) replicas (one backend each) behind `router`; `prepare`:
+    called with each engine before the run (an encode pool's shared store)."""
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
     routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing,
@@ -331,6 +332,8 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
     engines = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs, on_progress, capacity=capacity,
                             env=env, make_feed=feed_of(r)) for r, backend in enumerate(backends)]
     routing.engines = engines
+    for engine in engines if prepare is not None else ():
+        prepare(engine)
     processes = [engine.start(own_arrivals=False) for engine in engines]
     env.process(routing.router_process(env, engines))
     env.run(until=simpy.AllOf(env, processes))

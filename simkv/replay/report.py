@@ -137,7 +137,17 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         rows.append(("images (encoded / in trace)", f"{mm['items_encoded']:,} / {mm['items']:,}; {priced}; "
                                                     f"{mm['chunks_stopped_before_item']:,} chunks stopped before an "
                                                     f"image; encoder cache {mm['encoder_cache_size']:,} embeddings, "
-                                                    f"{mm['encoder_cache_evictions']:,} evictions"))
+                                                    f"{mm['encoder_cache_evictions']:,} evictions"
+                                                    + (f"; {mm['items_loaded_from_store']:,} loaded from the store "
+                                                       f"({mm['store_read_seconds']:,.2f} s)"
+                                                       if "items_loaded_from_store" in mm else "")))
+    if summary.get("encode_pool"):
+        e = summary["encode_pool"]
+        rows.append(("encode pool (encoder disaggregation)",
+                     f"{e['encode_replicas']} replica(s): {e['requests']:,} requests, {e['items_encoded']:,} images "
+                     f"encoded ({e['items_found_in_store']:,} found in the store), encoder busy "
+                     f"{100 * e['encoder_busy_fraction']:.1f} %; time there ms (p50 / p99) "
+                     f"{1e3 * e['encode_s']['p50']:,.1f} / {1e3 * e['encode_s']['p99']:,.1f}"))
     if summary.get("goodput"):
         from simkv.replay.goodput import describe_slo
 

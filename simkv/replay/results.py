@@ -257,7 +257,10 @@ def multimodal_summary(runs: list[ReplayRun], trace) -> dict:
         "chunks_stopped_before_item": sum(run.scheduler.num_encoder_stops for run in runs),
         "encoder_seconds": sum(run.encoder[1] for run in runs),
         "encoder_cost": encoder.describe() if encoder is not None else
-        "not priced (the unit cost model, or a model spec without a vision encoder)"}}
+        "not priced (the unit cost model, or a model spec without a vision encoder)"}
+        | ({"items_loaded_from_store": sum(run.scheduler.num_loaded_items for run in runs),
+            "store_read_seconds": sum(run.encoder[2] for run in runs)}
+           if runs[0].scheduler.ec_store is not None else {})}
 
 
 def lora_summary(config, runs, trace, capacity=None, backend=None) -> dict:

@@ -161,3 +161,25 @@ def test_images_on_linear_attention_models_step_as_vllm(mode, index):
         r.pop("mm")
     with pytest.raises(AssertionError):  # (the items are what makes it step as vLLM)
         check(stripped)
+
+
+def test_stored_items_are_loaded_and_an_encode_instance_stores_what_it_encodes():
+    """Encoder disaggregation (vLLM's ec_connector over shared storage): an item in the store is
+    loaded (encoder-cache room, none of the step's encoder budget), others are encoded; an
+    encode instance (ec_role ec_producer) adds what a step encoded once the step ran."""
+    consumer = _scheduler(ec_role="ec_consumer")
+    consumer.add_request(_request(0, 100, [(4, 32, 5)]))
+    out = consumer.schedule()
+    assert out.encoder_loaded_embeds == (32,) and out.encoder_item_embeds == ()
+    assert consumer.num_loaded_items == 1 and consumer.num_encoded_items == 0
+    producer = _scheduler(ec_role="ec_producer")
+    producer.add_request(_request(0, 100, [(4, 32, 5), (40, 16, 6)]))
+    out = producer.schedule()
+    assert out.encoder_item_embeds == (32, 16) and producer.ec_store == set()
+    producer.update_from_output(out)
+    assert producer.ec_store == {5, 6}
+    other = _scheduler(ec_role="ec_producer")  # (another encode instance on the same store)
+    other.ec_store = producer.ec_store
+    other.add_request(_request(1, 100, [(4, 32, 5)]))  # (the same image again: found in the store)
+    out = other.schedule()
+    assert out.encoder_loaded_embeds == (32,) and out.encoder_item_embeds == ()
