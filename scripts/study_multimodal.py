@@ -6,7 +6,8 @@ so only the encoder differs), with every image a new one or drawn from a few pop
 growing load; then the encoder cache's size (`--mm-max-tokens-per-item`, which sizes it) under
 images that repeat; then two H100s shared four ways (two replicas, TP 2, PP 2, 1 P + 1 D), and
 four H100s colocated or split into P/D pools (`simkv goodput --pd-splits 4`), as text and with
-images.
+images; then four H100s as four engines or as one encode instance in front of three
+(`--encode-replicas 1`, encoder disaggregation), with images of 1,024 and 4,096 tokens.
 
     .venv/bin/python scripts/study_multimodal.py
 """
@@ -91,6 +92,7 @@ def main() -> None:
 
         two_gpus(tmp)
         pd_splits(tmp)
+        encode_pool(tmp)
 
 
 TWO_GPUS = [("2 replicas", ["--replicas", "2"], 2), ("TP 2", ["-tp", "2"], 1), ("PP 2", ["-pp", "2"], 1),
@@ -130,6 +132,25 @@ def pd_splits(tmp: Path) -> None:
     for setup, text in rates["as text"].items():
         shown = rates["images"][setup]
         print(f"| {setup} | {text:.1f} | {shown:.1f} | {shown / text:.2f} |", flush=True)
+
+
+def encode_pool(tmp: Path) -> None:
+    """Four H100s, half the prompts with an image of 1,024 or 4,096 tokens, at 8x and 16x the
+    Azure rate: four engines behind the default router, or one encode instance in front of three."""
+    print("\n| image tokens, load | setup | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | encode "
+          "instance busy |\n|---|---|---|---|---|---|")
+    for tokens in ("1024", "4096"):
+        for load in ("8", "16"):
+            trace = with_images(scaled_trace(tmp, load), tmp, f"epd{tokens}_{load}",
+                                ["--images", "0.5", "--image-tokens", tokens])
+            for label, options in (("4 engines", ["--replicas", "4"]),
+                                   ("1 encode + 3 engines", ["--replicas", "3", "--encode-replicas", "1"])):
+                s = replay_summary(trace, MODEL + options, tmp)
+                pool = s.get("encode_pool")
+                busy = f"{100 * pool['encoder_busy_fraction']:.0f} %" if pool else "-"
+                print(f"| {int(tokens):,}, {load}x | {label} | {1e3 * s['ttft_s']['p50']:,.0f} / "
+                      f"{1e3 * s['ttft_s']['p99']:,.0f} | {1e3 * s['itl_s']['p50']:.1f} / "
+                      f"{1e3 * s['itl_s']['p99']:.1f} | {s['output_throughput_tok_s']:,.0f} | {busy} |", flush=True)
 
 
 if __name__ == "__main__":
