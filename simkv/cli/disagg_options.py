@@ -55,6 +55,19 @@ def check_pools(spec, config) -> None:
         raise click.UsageError(str(exc)) from None
 
 
+def _set_pairs(texts, flag: str) -> list[tuple[str, object]]:
+    """A pool's KEY=VALUE flags (--prefill-set, --decode-set, --encode-set) as (option, value) pairs."""
+    from simkv.sweep.grid import parse_value
+
+    pairs = []
+    for text in texts:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got '{text}'", param_hint=flag)
+        pairs.append((key.strip().replace("-", "_"), parse_value(value)))
+    return pairs
+
+
 def _pool_options(pairs: list[tuple[str, object]]) -> tuple:
     return tuple(sorted(dict(pairs).items()))
 
@@ -66,7 +79,6 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
     from simkv.cli.replay_cmd import load_config_file
     from simkv.replay.disaggregated import DisaggregationSpec
     from simkv.replay.router import RouterError, RouterOptions
-    from simkv.sweep.grid import parse_value
 
     raw = (load_config_file(config_file) if config_file else {}).get("disaggregation")
     pd_flags = {k: flags.pop(k) for k in _PD_FLAGS}
@@ -97,12 +109,7 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
             raise click.BadParameter(f"{config_file}: disaggregation.{pool} must be a mapping of engine options",
                                      param_hint="--config")
         pairs = [(k.replace("-", "_"), v) for k, v in options.items()]
-        for text in sets[pool]:
-            key, sep, value = text.partition("=")
-            if not sep or not key.strip() or not value.strip():
-                raise click.BadParameter(f"expected KEY=VALUE, got '{text}'", param_hint=f"--{pool}-set")
-            pairs.append((key.strip().replace("-", "_"), parse_value(value)))
-        pools[pool] = _pool_options(pairs)
+        pools[pool] = _pool_options(pairs + _set_pairs(sets[pool], f"--{pool}-set"))
     link = {}
     for key in ("kv_link_gbps", "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s"):
         if values[key] is not None:
@@ -151,7 +158,6 @@ def read_encode(flags: dict):
     """The EncodeSpec of the encode flags, or None without --encode-replicas (the other encode
     flags then refused); takes them out of `flags`."""
     from simkv.replay.encode_pool import EncodeSpec
-    from simkv.sweep.grid import parse_value
 
     values = {k: flags.pop(k) for k in _ENCODE_FLAGS}
     if values["encode_replicas"] is None:
@@ -160,13 +166,8 @@ def read_encode(flags: dict):
         if given:
             raise click.UsageError(f"{', '.join(given)} sets the encode pool: give --encode-replicas too")
         return None
-    pairs = []
-    for text in values["encode_sets"]:
-        key, sep, value = text.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise click.BadParameter(f"expected KEY=VALUE, got '{text}'", param_hint="--encode-set")
-        pairs.append((key.strip().replace("-", "_"), parse_value(value)))
-    given = {"num_encode": values["encode_replicas"], "encode_options": _pool_options(pairs)}
+    given = {"num_encode": values["encode_replicas"],
+             "encode_options": _pool_options(_set_pairs(values["encode_sets"], "--encode-set"))}
     for key, name in (("encode_router", "router"), ("ec_store_gbs", "ec_store_gbs"), ("encode_hop_ms", "hop_ms")):
         if values[key] is not None:
             given[name] = values[key]
