@@ -127,6 +127,23 @@ def image_cases(a, cases: list[dict]) -> None:
             hashes = sorted({h for r in case["requests"] for _, _, h in r["mm"]})
             case["ec_store"] = [h for h in hashes if rng.random() < 0.5]
             case["ec_producer"] = bool(rng.random() < 0.5)
+        if getattr(a, "encode_only", False):
+            encode_instance(case)
+
+
+def encode_instance(case: dict) -> None:
+    """--encode-only: the case as an encode instance runs it (simkv/replay/encode_pool.py): one
+    output token a request (vLLM: none, the request ends once its prompt is consumed), no prefix
+    caching, drafts or async scheduling, room for every request (it holds no KV cache), an empty
+    store it fills."""
+    opts = case["opts"]
+    for key in [k for k in opts if k.startswith("spec") or k == "num_speculative_tokens"]:
+        del opts[key]
+    opts.update(enable_prefix_caching=False, async_scheduling=False)
+    opts["num_gpu_blocks"] = opts["max_num_seqs"] * -(-opts["max_model_len"] // opts["block_size"]) + 2
+    for r in case["requests"]:
+        r["output"] = 1
+    case.update(encode_only=True, ec_store=[], ec_producer=True)
 
 
 def with_images(rng, case: dict, disable_chunked: bool) -> None:
@@ -181,7 +198,10 @@ def run_vllm(case: dict) -> dict:
                         "mamba_prefill_checkpoints": case.get("mamba_prefill_checkpoints")}
     sched, vllm_config = oracle_vllm.build_scheduler(o, o.get("scheduler_reserve_full_isl", True))
     oracle_vllm.mm_budget(sched, vllm_config, case.get("mm"))  # (--images)
-    store = oracle_vllm.ec_store(sched, case)  # (--ec-store)
+    store = oracle_vllm.ec_store(sched, case)  # (--ec-store, --encode-only)
+    encode_only = bool(case.get("encode_only"))
+    if encode_only:  # (vLLM's mm_encoder_only: no language model, a request ends once its prompt is consumed)
+        sched.is_mm_encoder_only = True
     if case.get("replies"):  # (the fake model samples the replies' content: --replies)
         oracle_vllm.sample_reply_content(case)
     hasher = oracle_vllm.block_hasher(vllm_config, o["block_size"])
@@ -206,6 +226,8 @@ def run_vllm(case: dict) -> dict:
         row = [so.total_num_scheduled_tokens, n_running, n_waiting, usable - pool.get_num_free_blocks()]
         req_ids = list(so.num_scheduled_tokens)
         sampled, accepted = oracle_vllm.sampled_tokens(sched, so, req_ids, accept)
+        if encode_only:  # (nothing is sampled)
+            sampled = [[] for _ in req_ids]
         oracle_vllm.take_aborts(sched, aborts, step_index, "output")
         if aborts:  # (an aborted request's drafts count for nothing: its output is skipped)
             accepted = sum(len(s) - 1 for rid, s in zip(req_ids, sampled) if s and rid in sched.requests)
@@ -220,6 +242,8 @@ def run_vllm(case: dict) -> dict:
         return row, not sched.has_requests()
 
     result = _step_loop(case["requests"], step)
+    if encode_only:  # (the answer an encode instance gives is its end: simkv's one output token)
+        first_token = dict(finish)
     result["requests"] = oracle_vllm.row_steps(case["requests"], ids_of, first_token, finish)
     result["accepted"] = accepted_total[0]
     result["prefix"] = prefix

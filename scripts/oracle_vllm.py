@@ -734,6 +734,9 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
                         help="with --images: encoder disaggregation's embedding store (vLLM's ec_connector over "
                              "shared storage): half the images stored from the start, loaded instead of encoded; "
                              "in half the cases the engine also stores what it encodes")
+        ap.add_argument("--encode-only", action="store_true",
+                        help="with --images: every case as an encode instance runs it (vLLM's mm_encoder_only: "
+                             "no prefix caching, drafts or KV limits; a request ends once its prompt is consumed)")
     ap.add_argument("--save", type=Path, help="write the cases and vLLM's results to this JSON file")
     ap.add_argument("--vllm-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()

@@ -81,7 +81,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # where no drafting slots take rows, a step schedules the smaller of the two
         self.max_num_scheduled_tokens = sc.max_num_scheduled_tokens or sc.max_num_batched_tokens
         self.max_model_len = config.max_model_len
-        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        # (an encode instance consumes prompts in chunks whatever the option says: vLLM's mm_encoder_only)
+        self.enable_chunked_prefill = sc.enable_chunked_prefill or sc.ec_role == "ec_producer"
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
         self.adaptive_threshold = sc.long_prefill_token_threshold_adaptive
         self.policy = sc.scheduling_policy
@@ -1007,9 +1008,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         `computed` reaches that must be encoded in this step, and the chunk cut short before the
         first item that does not fit the step's encoder budget or the encoder cache (to nothing
         if the chunk starts inside it), or, under disable_chunked_mm_input, before an item the
-        chunk would split. Cached items the chunk reaches are referenced now. Returns the chunk's
-        tokens and what `_encode` commits if the request is scheduled: (items to encode, items
-        repeated within them, the budget left)."""
+        chunk would split. Cached items the chunk reaches are referenced now; items in the
+        embedding store (`ec_store`) are loaded, not encoded. Returns the chunk's tokens and what
+        `_encode` commits if the request is scheduled: (items to encode, items repeated within
+        them, the budget left, items to load)."""
         cache = self.encoder_cache
         budget = plan.encoder_budget
         shift = self.encoder_window_shift  # (the drafter reads that many prompt tokens ahead: EAGLE 1, MTP modules K)
@@ -1048,7 +1050,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         return num_new, (to_encode, repeated, budget, loaded)
 
     def _encode(self, request: Request, encoding: tuple, plan: StepPlan) -> None:
-        """The request is scheduled: its items from `_encoder_inputs` are encoded in this step."""
+        """The request is scheduled: its items from `_encoder_inputs` are encoded (or loaded from
+        the store) in this step."""
         to_encode, repeated, budget, loaded = encoding
         if not (to_encode or loaded):
             return

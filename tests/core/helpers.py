@@ -126,11 +126,14 @@ def _deliver(pending: list, upto: int, sched: Scheduler, requests: list, roles: 
 
 
 def _ec_store(sched: Scheduler, case: dict) -> None:
-    """Encoder disaggregation (scripts/oracle_spec.py --ec-store): the items in the embedding
-    store from the start, and whether the engine stores what it encodes."""
+    """Encoder disaggregation (scripts/oracle_spec.py --ec-store, --encode-only): the items in the
+    embedding store from the start, whether the engine stores what it encodes, and an encode
+    instance's chunking."""
     if case.get("ec_store") is not None:
         sched.ec_store = set(case["ec_store"])
         sched.ec_producer = bool(case.get("ec_producer"))
+    if case.get("encode_only"):  # (--encode-only: vLLM's mm_encoder_only chunks prompts whatever the option)
+        sched.enable_chunked_prefill = True
 
 
 def _pd_scheduler(case: dict):

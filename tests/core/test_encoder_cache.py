@@ -183,3 +183,19 @@ def test_stored_items_are_loaded_and_an_encode_instance_stores_what_it_encodes()
     other.add_request(_request(1, 100, [(4, 32, 5)]))  # (the same image again: found in the store)
     out = other.schedule()
     assert out.encoder_loaded_embeds == (32,) and out.encoder_item_embeds == ()
+
+
+# Recorded cases of scripts/oracle_spec.py --images --encode-only: encode instances (vLLM's
+# mm_encoder_only), whose prompts are consumed in chunks even with chunked prefill off.
+ENCODE_ONLY = json.loads((Path(__file__).parent / "data" / "encode_only_vllm_cases.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("index", range(len(ENCODE_ONLY)))
+def test_encode_instances_step_as_vllm(index):
+    from tests.core.helpers import assert_same_steps_as_vllm
+
+    assert_same_steps_as_vllm(copy.deepcopy(ENCODE_ONLY[index]))
+    unchunked = copy.deepcopy(ENCODE_ONLY[index])
+    unchunked["case"].pop("encode_only")  # (chunked prefill off, as a language model's engine takes it)
+    with pytest.raises(AssertionError):
+        assert_same_steps_as_vllm(unchunked)
