@@ -10,20 +10,24 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.disagg_options import check_pools, disaggregation_options, read_disaggregation
+from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
+                                       read_encode)
 from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, fleet_options, read_fleet, read_inputs
 from simkv.config import ConfigError
 
 
 def _setup(record: dict) -> str:
+    encode = record.get("encode_pool")
+    front = (f" Encoder disaggregation: {encode['encode_replicas']} encode instance(s) in front, embedding store "
+             f"{encode['ec_store_gbs']:g} GB/s." if encode else "")
     pd = record.get("disaggregation")
     if pd:
         return (f" P/D disaggregation: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode replicas, "
-                f"KV link {pd['kv_link_gbps']:g} GB/s.")
+                f"KV link {pd['kv_link_gbps']:g} GB/s." + front)
     fleet = record.get("fleet") or {}
     if fleet.get("num_replicas", 1) > 1:
-        return f" {fleet['num_replicas']} replicas behind a {fleet['router']} router."
-    return ""
+        return f" {fleet['num_replicas']} replicas behind a {fleet['router']} router." + front
+    return front
 
 
 def to_markdown(record: dict) -> str:
@@ -166,6 +170,7 @@ def grid_markdown(record: dict) -> str:
 @engine_options
 @fleet_options
 @disaggregation_options
+@encode_options
 @click.option("--gpu-price", "gpu_prices", multiple=True, metavar="GPU=USD",
               help="A GPU-hour's price (yours: cloud, reserved or amortised), e.g. H100-SXM=2.49; repeat per GPU. "
                    "The result then says what the setup costs an hour, per 1,000 requests and per 1M output tokens "
@@ -186,6 +191,9 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
+    encode = read_encode(flags)
+    if encode is not None and (grids or target_rate is not None or prices or pd_splits is not None):
+        raise click.UsageError("--encode-replicas searches one setup: drop --grid/--target-rate/--gpu-price/--pd-splits")
     if pd_splits is not None:
         if prices:
             raise click.UsageError("--gpu-price goes with one search or a --grid, not --pd-splits (every split "
@@ -239,13 +247,16 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     try:
         record = search_max_rate(data, config, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                                 cost_options=cost_options, on_probe=show, fleet=fleet, disaggregation=disaggregation)
+                                 cost_options=cost_options, on_probe=show, fleet=fleet, disaggregation=disaggregation,
+                                 encode=encode)
         record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(),
                   "fleet": fleet.to_dict(), **record}
         if data.session_id is not None and config.scheduler.session_pacing:
             record["session_paced"] = True
         if disaggregation is not None:
             record["disaggregation"] = disaggregation.to_dict()
+        if encode is not None:
+            record["encode_pool"] = encode.to_dict()
         if target_rate is not None:
             record["target_rate_req_s"] = target_rate
             if record["status"] == "found":

@@ -51,14 +51,14 @@ def trace_rate(trace) -> float:
 
 
 def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model: str, cost_options: dict | None,
-          fleet=None, disaggregation=None) -> Probe:
+          fleet=None, disaggregation=None, encode=None) -> Probe:
     from simkv.replay.api import replay
 
     scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
     if trace.think_time_s is not None:  # (sessions' users think faster too)
         scaled = replace(scaled, think_time_s=np.asarray(trace.think_time_s, dtype=np.float64) / factor)
     s = replay(scaled, config, cost_model, cost_options, goodput=slo_ms, fleet=fleet,
-               disaggregation=disaggregation).summary
+               disaggregation=disaggregation, encode=encode).summary
     g = s["goodput"]
     return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
                  g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
@@ -78,9 +78,10 @@ def lowest_factor(trace) -> float:
 
 def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
                     cost_model: str = "roofline", cost_options: dict | None = None, max_probes: int = 40,
-                    on_probe=None, fleet=None, disaggregation=None) -> dict:
+                    on_probe=None, fleet=None, disaggregation=None, encode=None) -> dict:
     """`fleet` (simkv.replay.api.FleetSpec): the rate of that many replicas behind its router;
-    `disaggregation` (simkv.replay.disaggregated.DisaggregationSpec): of that prefill and decode pool.
+    `disaggregation` (simkv.replay.disaggregated.DisaggregationSpec): of that prefill and decode pool;
+    `encode` (simkv.replay.encode_pool.EncodeSpec): with that encode pool in front.
     The search's record: ``status`` ('found', 'unbounded': met even at MAX_FACTOR x the trace's rate,
     'unattainable': missed even at 1 / MAX_FACTOR of it (or as slow as simkv's clock allows), or at
     once where the requests the engine rejects already leave fewer than the target's share:
@@ -96,7 +97,7 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
     probes: list[Probe] = []
 
     def run(factor: float) -> bool:
-        p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options, fleet, disaggregation)
+        p = probe(trace, config, factor, slo_ms, target, cost_model, cost_options, fleet, disaggregation, encode)
         probes.append(p)
         if on_probe is not None:
             on_probe(p)

@@ -134,3 +134,19 @@ def test_the_cli_writes_the_pool_and_refuses_its_flags_alone(tmp_path: Path):
     alone = CliRunner().invoke(main, args[:-1] + [str(tmp_path / "x"), "--ec-store-gbs", "20"])
     assert alone.exit_code != 0 and "give --encode-replicas too" in alone.output
     assert not (tmp_path / "x").exists()
+
+
+def test_goodput_searches_a_setup_with_an_encode_pool(tmp_path: Path):
+    """`simkv goodput --encode-replicas`: each probe replays the encode pool in front."""
+    path = tmp_path / "t.parquet"
+    write_trace(_trace(list(range(1, 41)), arrivals=np.arange(40) * 0.05), path)
+    out = tmp_path / "g"
+    result = CliRunner().invoke(main, ["goodput", str(path), "--model", "qwen2.5-vl-7b", "--max-model-len", "8192",
+                                       "--goodput", "ttft:500", "--encode-replicas", "1", "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "goodput.json").read_text())
+    assert record["status"] == "found" and record["encode_pool"]["encode_replicas"] == 1
+    assert "1 encode instance(s) in front" in (out / "goodput.md").read_text()
+    refused = CliRunner().invoke(main, ["goodput", str(path), "--model", "qwen2.5-vl-7b", "--goodput", "ttft:500",
+                                        "--encode-replicas", "1", "--pd-splits", "4"])
+    assert refused.exit_code != 0 and "--encode-replicas searches one setup" in refused.output
