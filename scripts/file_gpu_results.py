@@ -11,7 +11,7 @@ run's OUTDIR itself. The script
   `kernels/tuned/<device>.json`, which the GPU backend then uses on that GPU (kernels/tuning.py);
   an existing one is kept unless `--replace-tuning`; a CPU dry run's never;
 - prints the tables to carry into reports/kernels.md and reports/gpu/README.md: the benchmark's
-  targets and the loop's target verdicts.
+  targets, the loop's target verdicts and the vision encoder's times against its roofline.
 Nothing is written with `--dry-run`; a destination is written under a temporary name, then renamed.
 """
 
@@ -124,6 +124,17 @@ def target_lines(run: Path) -> list[str]:
     return out
 
 
+def vision_lines(run: Path) -> list[str]:
+    """The vision encoder's times against the roofline (bench/vision_encoder.py), if it ran."""
+    path = run / "vision_encoder.json"
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    return [f"- vision encoder ({record['model']}, {record['device']}), {row['embeds']:,} embeddings: measured "
+            f"{1e3 * row['measured_s']:.2f} ms, roofline {1e3 * row['roofline_s']:.2f} ms ({row['ratio']:.2f}x)"
+            for row in record["rows"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", type=Path)
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             write_tuning(tuned_path, tuning)
             print(f"kernel tuning: wrote {tuned_path.relative_to(args.repo)} "
                   f"(decode {tuning.get('decode') or 'heuristic'}; prefill {tuning.get('prefill') or 'heuristic'})")
-        lines = target_lines(run)
+        lines = target_lines(run) + vision_lines(run)
         if lines:
             print("\nfor reports/kernels.md and reports/gpu/README.md:\n" + "\n".join(lines))
     return 0

@@ -184,6 +184,16 @@ gpu_backend_loop() {
     else
         echo "- gpu_step skipped: $(left_s)s left, and the loop keeps ${keep}s" >>"$OUT/summary.md"
     fi
+    # the vision encoder (Qwen2.5-VL-7B's ViT, random weights) against simkv's roofline of it
+    # (bench/vision_encoder.py): the images' time in every replay; only with time to spare
+    if [ $(( $(left_s) - keep )) -ge 45 ]; then
+        PYTHONPATH="$site:$PYTHONPATH" step vision_encoder 40 $PY bench/vision_encoder.py --device cuda --repeats 3 \
+            --out "$OUT/vision_encoder.json"
+        { echo; echo "Vision encoder (bench/vision_encoder.py):"; echo; grep '^|' "$OUT/vision_encoder.log" \
+            || echo "no table (see vision_encoder.log)"; } >>"$OUT/summary.md"
+    else
+        echo "- vision_encoder skipped: $(left_s)s left, and the loop keeps ${keep}s" >>"$OUT/summary.md"
+    fi
     # the GPU backend's own CUDA tests, unless they ran beside the kernel tests
     if [ ! -f "$OUT/tests_gpu_backend.status" ] && $PY -c "import pytest" 2>/dev/null && [ "$(left_s)" -gt 300 ]; then
         PYTHONPATH="$site:$PYTHONPATH" step tests_gpu_backend 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" \

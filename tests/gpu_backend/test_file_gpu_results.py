@@ -22,6 +22,9 @@ def fake_bundle(tmp: Path, adopted: bool = True) -> Path:
                                     "# simkv GPU backend loop\n\n## Comparison\n\n## Targets (gpu): NOT all pass\n\n"
                                     "- ttft_s.p50: -3.00 % (limit 5 %) pass\n")
     (run / "gpu_loop" / "loop_summary.md").write_text("loop\n")
+    (run / "vision_encoder.json").write_text(json.dumps({  # (bench/vision_encoder.py's)
+        "model": "qwen2.5-vl-7b", "device": "NVIDIA H200", "gpu_spec": "H200", "dtype": "torch.bfloat16", "tiny": False,
+        "rows": [{"embeds": 1024, "patches": 4096, "measured_s": 0.0121, "roofline_s": 0.0095, "ratio": 1.27}]}))
     record = {"format": FORMAT, "format_version": FORMAT_VERSION, "device": "NVIDIA H200", "evidence": {}}
     if adopted:
         record["decode"] = {"tile_n": 16, "num_warps": 4, "num_stages": 4, "prefetch_ids": False, "tma_paged": True}
@@ -46,6 +49,7 @@ def test_a_bundle_is_filed_under_its_date_and_gpu_with_its_tuning(tmp_path, caps
     assert tuned.decode["tma_paged"] is True and tuned.prefill == {}
     out = capsys.readouterr().out
     assert "- decode: MET" in out and "Comparison / Targets (gpu): NOT all pass" in out and "ttft_s.p50" in out
+    assert "1,024 embeddings: measured 12.10 ms, roofline 9.50 ms (1.27x)" in out
     # a second filing of a run that day gets its own folder and keeps the committed tuning
     assert filing.main([str(bundle / "gpu_check.tgz"), "--repo", str(repo)]) == 0
     assert (repo / "reports" / "gpu" / "2026-12-01_H200_2" / "summary.md").is_file()
