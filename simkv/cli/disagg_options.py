@@ -154,12 +154,34 @@ def encode_options(command):
     return command
 
 
-def read_encode(flags: dict):
-    """The EncodeSpec of the encode flags, or None without --encode-replicas (the other encode
-    flags then refused); takes them out of `flags`."""
+_ENCODE_FILE_KEYS = {"encode_replicas", "encode_router", "encode", "ec_store_gbs", "encode_hop_ms"}
+
+
+def read_encode(flags: dict, config_file: str | None = None):
+    """The EncodeSpec of the encode flags over the --config file's `encode_pool` mapping (its
+    keys: the flags' names, and `encode`, the pool's engine options), or None without
+    encode replicas (the other encode flags then refused); takes the flags out of `flags`."""
+    from simkv.cli.replay_cmd import load_config_file
     from simkv.replay.encode_pool import EncodeSpec
 
     values = {k: flags.pop(k) for k in _ENCODE_FLAGS}
+    raw = (load_config_file(config_file) if config_file else {}).get("encode_pool")
+    if raw is not None:
+        if not isinstance(raw, dict):
+            raise click.BadParameter(f"{config_file}: encode_pool must be a mapping", param_hint="--config")
+        file = {k.replace("-", "_"): v for k, v in raw.items()}
+        unknown = set(file) - _ENCODE_FILE_KEYS
+        if unknown:
+            raise click.BadParameter(f"{config_file}: encode_pool: unknown key(s) {', '.join(sorted(unknown))}; "
+                                     f"known: {', '.join(sorted(_ENCODE_FILE_KEYS))}", param_hint="--config")
+        options = file.pop("encode", None) or {}
+        if not isinstance(options, dict):
+            raise click.BadParameter(f"{config_file}: encode_pool.encode must be a mapping of engine options",
+                                     param_hint="--config")
+        for key, value in file.items():  # (a flag given wins over the file)
+            if values[key] is None:
+                values[key] = value
+        values["encode_sets"] = tuple(f"{k}={v}" for k, v in options.items()) + tuple(values["encode_sets"])
     if values["encode_replicas"] is None:
         given = [f"--{k.replace('_', '-').removesuffix('s') if k == 'encode_sets' else k.replace('_', '-')}"
                  for k, v in values.items() if v not in (None, ())]
@@ -168,10 +190,11 @@ def read_encode(flags: dict):
         return None
     given = {"num_encode": values["encode_replicas"],
              "encode_options": _pool_options(_set_pairs(values["encode_sets"], "--encode-set"))}
-    for key, name in (("encode_router", "router"), ("ec_store_gbs", "ec_store_gbs"), ("encode_hop_ms", "hop_ms")):
-        if values[key] is not None:
-            given[name] = values[key]
     try:
+        for key, name, kind in (("encode_router", "router", str), ("ec_store_gbs", "ec_store_gbs", float),
+                                ("encode_hop_ms", "hop_ms", float)):
+            if values[key] is not None:
+                given[name] = kind(values[key])
         return EncodeSpec(**given)
-    except ConfigError as exc:
+    except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None

@@ -191,7 +191,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
-    encode = read_encode(flags)
+    encode = read_encode(flags, config_file)
     if encode is not None and (grids or target_rate is not None or prices or pd_splits is not None):
         raise click.UsageError("--encode-replicas searches one setup: drop --grid/--target-rate/--gpu-price/--pd-splits")
     if pd_splits is not None:

@@ -129,7 +129,7 @@ def load_config_file(path: str) -> dict:
     return data
 
 
-FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation")  # --config keys that are not engine options
+FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation", "encode_pool")  # --config keys that are not engine options
 
 
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
@@ -489,7 +489,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if calibrate_alongside and backend != "gpu":
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
     disaggregation = read_disaggregation(flags, config_file, router_options)
-    encode = read_encode(flags)
+    encode = read_encode(flags, config_file)
     if encode is not None and backend == "gpu":
         raise click.UsageError("--encode-replicas is simulated only (the gpu backend runs one text-only engine)")
     if disaggregation is not None:

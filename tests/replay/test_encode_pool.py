@@ -150,3 +150,21 @@ def test_goodput_searches_a_setup_with_an_encode_pool(tmp_path: Path):
     refused = CliRunner().invoke(main, ["goodput", str(path), "--model", "qwen2.5-vl-7b", "--goodput", "ttft:500",
                                         "--encode-replicas", "1", "--pd-splits", "4"])
     assert refused.exit_code != 0 and "--encode-replicas searches one setup" in refused.output
+
+
+def test_a_config_file_gives_the_pool_and_a_flag_wins(tmp_path: Path):
+    path = tmp_path / "t.parquet"
+    write_trace(_trace([1, 2]), path)
+    config = tmp_path / "c.yaml"
+    config.write_text("model: qwen2.5-vl-7b\nmax_model_len: 8192\nencode_pool:\n  encode_replicas: 2\n"
+                      "  ec_store_gbs: 20\n  encode:\n    max_num_seqs: 4\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", str(path), "--config", str(config), "--encode-hop-ms", "3",
+                                       "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    pool = json.loads((out / "summary.json").read_text())["encode_pool"]
+    assert (pool["encode_replicas"], pool["ec_store_gbs"], pool["encode_hop_ms"]) == (2, 20.0, 3.0)
+    assert pool["encode_options"] == {"max_num_seqs": 4}
+    config.write_text("model: qwen2.5-vl-7b\nencode_pool:\n  encode_replicas: 1\n  encoders: 2\n")
+    bad = CliRunner().invoke(main, ["replay", str(path), "--config", str(config), "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "encode_pool: unknown key(s) encoders" in bad.output
