@@ -144,7 +144,7 @@ def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode
     check_encode_pool(trace, config, backend, fleet)
     t0 = time.perf_counter()
     with collector_paused(pause_collector):
-        ready, section = run_encode_pool(trace, config, encode, on_progress)
+        ready, section = run_encode_pool(trace, config, encode)  # (the progress bar counts the engines' requests)
     engines_trace, order = delayed_trace(trace, ready)
     result = replay(engines_trace, encode.consumer_config(config), cost_model, cost_options, use_decode_runs,
                     on_progress, None, pause_collector, None, fleet, disaggregation)

@@ -133,11 +133,12 @@ def check_encode_pool(trace, config: EngineConfig, backend, fleet) -> None:
         raise ConfigError("--encode-replicas: a fleet of data-parallel engines is not modelled")
 
 
-def run_encode_pool(trace, config: EngineConfig, spec: EncodeSpec, on_progress=None):
+def run_encode_pool(trace, config: EngineConfig, spec: EncodeSpec):
     """The encode pass: (each row's time the engines get it, NaN for rows without items; the
     pool's summary section; its config)."""
     from simkv.capacity import compute_capacity
     from simkv.replay.fleet import fleet_tables, run_fleet
+    from simkv.replay.results import dist
     from simkv.replay.router import Router
 
     rows = np.flatnonzero(np.diff(trace.mm_item_offsets) > 0)
@@ -155,7 +156,7 @@ def run_encode_pool(trace, config: EngineConfig, spec: EncodeSpec, on_progress=N
     router = Router(spec.router, spec.num_encode)
     backends = [EncodeOnlyBackend() for _ in range(spec.num_encode)]
     runs, routing = run_fleet(sub, encode_config, backends, encode_config.cache.num_gpu_blocks, router, capacity,
-                              use_decode_runs=False, on_progress=on_progress, prepare=prepare)
+                              use_decode_runs=False, prepare=prepare)
     requests, _, _ = fleet_tables(runs, routing, sub)
     ready = np.full(len(trace), np.nan)
     finish = requests["finish_time_s"].to_numpy()
@@ -169,7 +170,7 @@ def run_encode_pool(trace, config: EngineConfig, spec: EncodeSpec, on_progress=N
         "encoder_seconds": sum(run.encoder[1] for run in runs),
         "encoder_busy_fraction": (sum(run.encoder[1] for run in runs) / (duration * spec.num_encode)
                                   if duration else 0.0),
-        "encode_s": _dist(encode_s),
+        "encode_s": dist(encode_s),
         "config": {k: v for k, v in encode_config.to_dict().items()
                    if k in ("max_num_seqs", "max_num_batched_tokens", "gpu", "tensor_parallel_size")}}
     return ready, section
@@ -187,8 +188,6 @@ def delayed_trace(trace, ready: np.ndarray):
 def client_view(requests, trace, order: np.ndarray):
     """The engines' request table in the trace's row order, its latencies counted from the
     client's send: `encode_s` (send to the engines' arrival) added to TTFT and E2E."""
-    import pandas as pd
-
     frame = requests.copy()
     frame.index = order
     frame = frame.sort_index()
@@ -198,10 +197,4 @@ def client_view(requests, trace, order: np.ndarray):
     for column in ("ttft_s", "e2e_s"):
         frame[column] = frame[column].to_numpy() + encode_s
     frame.insert(frame.columns.get_loc("arrival_time_s") + 1, "encode_s", encode_s)
-    return pd.DataFrame(frame).reset_index(drop=True)
-
-
-def _dist(values: np.ndarray) -> dict:
-    from simkv.replay.results import dist
-
-    return dist(values)
+    return frame.reset_index(drop=True)
