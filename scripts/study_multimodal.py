@@ -95,7 +95,8 @@ def main() -> None:
         encode_pool(tmp)
 
 
-TWO_GPUS = [("2 replicas", ["--replicas", "2"], 2), ("TP 2", ["-tp", "2"], 1), ("PP 2", ["-pp", "2"], 1),
+TWO_GPUS = [("2 replicas", ["--replicas", "2"], 2), ("TP 2", ["-tp", "2"], 1),
+            ("TP 2, encoder by data", ["-tp", "2", "--mm-encoder-tp-mode", "data"], 1), ("PP 2", ["-pp", "2"], 1),
             ("1 P + 1 D", ["--prefill-replicas", "1", "--decode-replicas", "1"], 1)]
 
 

@@ -115,7 +115,9 @@ def resident_weight_bytes(config: EngineConfig) -> float:
     """The target model's weights on one GPU (without pipeline stages), less what
     --cpu-offload-gb keeps in host memory."""
     hw = config.hardware
-    weights = hw.model_spec().weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
+    spec = hw.model_spec()
+    weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
+    weights += hw.vision_weight_bytes_per_gpu() - spec.vision_weight_bytes / hw.tensor_parallel_size  # (TP mode "data")
     return weights - offloaded_weight_bytes(config, weights)
 
 
@@ -157,10 +159,10 @@ def pipeline_layers(num_layers: int, pipeline_parallel_size: int) -> list[int]:
 def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: float) -> list[tuple[int, int, int]]:
     """Pipeline parallelism: each stage's (layers, weights per GPU, block bytes per GPU). A
     stage's GPUs hold their layers' weights and KV; the first stage also the input embedding
-    and a vision encoder (split by TP, as vLLM shards it), the last the LM head and a drafter's
-    network. `block_bytes`: a block of the whole model's layers on one GPU. Under the hybrid
-    KV-cache manager a stage's block holds its share of the groups' layers, rounded up (vLLM
-    projects the model's groups onto each worker's layers)."""
+    and a vision encoder (split by TP, or whole under mm_encoder_tp_mode "data"), the last the
+    LM head and a drafter's network. `block_bytes`: a block of the whole model's layers on one
+    GPU. Under the hybrid KV-cache manager a stage's block holds its share of the groups'
+    layers, rounded up (vLLM projects the model's groups onto each worker's layers)."""
     spec = config.hardware.model_spec()
     tp, dp = config.hardware.tensor_parallel_size, config.hardware.data_parallel_size
     layers = pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size)
@@ -178,8 +180,8 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     for i, n in enumerate(layers):
         last = i == len(layers) - 1
         share = n / spec.num_layers
-        weights = ((layer_bytes * share + routed * share + embedding_bytes * ((i == 0) + last)
-                    + spec.vision_weight_bytes * (i == 0)) / tp + replicated * share)
+        weights = ((layer_bytes * share + routed * share + embedding_bytes * ((i == 0) + last)) / tp
+                   + replicated * share + config.hardware.vision_weight_bytes_per_gpu() * (i == 0))
         if groups.is_hybrid:
             lpb = groups.layers_per_block
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)

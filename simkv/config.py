@@ -382,9 +382,15 @@ class HardwareConfig:
     # vLLM's --quantization: None (the checkpoint's weights as they are) or "fp8" (vLLM quantizes a
     # bf16 checkpoint's linear layers and experts to fp8 as it loads them: ModelSpec.quantized)
     quantization: str | None = None
+    # vLLM's --mm-encoder-tp-mode under tensor parallelism: "weights" (the vision encoder's layers
+    # split over the TP GPUs, with their all-reduces) or "data" (each TP GPU holds the whole
+    # encoder and encodes its share of a step's images, balanced by size; simkv/backends/vision_encoder.py)
+    mm_encoder_tp_mode: str = "weights"
 
     def __post_init__(self) -> None:
         get_model_spec(self.model)  # raise on unknown names
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ConfigError(f"mm_encoder_tp_mode must be weights or data, got {self.mm_encoder_tp_mode!r}")
         get_gpu_spec(self.gpu)
         if self.quantization is not None:
             try:
@@ -443,6 +449,12 @@ class HardwareConfig:
         """GB/s one way per GPU: the GPU's interconnect, or between nodes the network's."""
         interconnect = get_gpu_spec(self.gpu).interconnect_gbs
         return min(interconnect, self.inter_node_gbs) if across_nodes else interconnect
+
+    def vision_weight_bytes_per_gpu(self) -> float:
+        """The vision encoder's weights on one of its GPUs: split by TP, or whole under
+        mm_encoder_tp_mode "data"."""
+        spec = self.model_spec()
+        return spec.vision_weight_bytes / (1 if self.mm_encoder_tp_mode == "data" else self.tensor_parallel_size)
 
     def link_gbs(self, num_gpus: int) -> float:
         """The bandwidth (GB/s one way, per GPU) of a collective over `num_gpus` consecutive GPUs:
@@ -1272,6 +1284,8 @@ class EngineConfig:
             del out["data_parallel_size"]
         if self.hardware.quantization is None:  # (likewise)
             del out["quantization"]
+        if self.hardware.mm_encoder_tp_mode == "weights":  # (likewise)
+            del out["mm_encoder_tp_mode"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)

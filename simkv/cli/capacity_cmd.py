@@ -95,7 +95,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
 
         largest = config.scheduler.mm_max_tokens_per_item or spec.mm_max_tokens_per_item
         extra["vision_encoder"] = {
-            "weight_bytes_per_gpu": spec.vision_weight_bytes / tp,
+            "weight_bytes_per_gpu": config.hardware.vision_weight_bytes_per_gpu(),
             "mm_max_tokens_per_item": largest,
             "encoder_budget_and_cache": encoder_budget(config.scheduler.max_num_batched_tokens, largest),
             "seconds_for_largest_item": vision_encoder_cost(config).seconds((largest,))}
@@ -267,6 +267,8 @@ def print_report(rep: dict) -> None:
               help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens [default: 1]")
 @click.option("--pipeline-parallel-size", "-pp", type=int, default=None,
               help="vLLM's: the layers split over that many stages of TP GPUs each [default: 1]")
+@click.option("--mm-encoder-tp-mode", type=click.Choice(["weights", "data"]), default=None,
+              help="vLLM's: the vision encoder split over the TP GPUs, or whole on each [default: weights]")
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
               help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
 @click.option("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None, help="[default: 0.92]")

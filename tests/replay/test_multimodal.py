@@ -88,6 +88,27 @@ def test_under_tensor_parallelism_the_encoder_pays_its_all_reduces():
     assert 1.9e-3 < comm < 2.1e-3
 
 
+def test_under_mm_encoder_tp_mode_data_each_gpu_encodes_its_share_whole():
+    """vLLM's --mm-encoder-tp-mode data at TP 2: no all-reduces; items dealt out by size (vLLM's
+    get_load_balance_assignment), each GPU runs the whole encoder on its own, then the embeddings
+    are all-gathered (the largest share padded, half of it crossing the link). One image takes a
+    whole GPU's time; two equal ones take no longer; the encoder's weights sit whole on each GPU."""
+    from simkv.backends.vision_encoder import _deal_out
+    from simkv.capacity import compute_capacity
+
+    spec, gpu = get_model_spec("qwen2.5-vl-7b"), get_gpu_spec("H100-SXM")
+    one_gpu, data = VisionEncoderCost(spec, gpu), VisionEncoderCost(spec, gpu, 2, data_parallel=True)
+    gather = 1024 * 3584 * 2 / 450e9 + 8e-6
+    assert data.seconds((1024,)) == pytest.approx(one_gpu.seconds((1024,)) + gather, rel=1e-9)
+    assert data.seconds((1024, 1024)) == pytest.approx(data.seconds((1024,)), rel=1e-9)
+    assert _deal_out((1000, 100, 200, 50), 2) == [[1000], [200, 100, 50]]  # (vLLM's docstring example)
+    weights, whole = (compute_capacity(_config(tensor_parallel_size=2, **mode))
+                      for mode in ({}, {"mm_encoder_tp_mode": "data"}))
+    assert whole.num_gpu_blocks < weights.num_gpu_blocks
+    with pytest.raises(ConfigError, match="mm_encoder_tp_mode must be weights or data"):
+        _config(mm_encoder_tp_mode="pipeline")
+
+
 def _write(tmp_path: Path, trace) -> str:
     from simkv.traces import write_trace
 
