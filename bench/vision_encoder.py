@@ -2,9 +2,10 @@
 
 Builds a model spec's ViT (gpu_backend/vision_tower.py: Qwen2.5-VL's, random weights) and times
 one forward pass over square dummy images of the given embeddings, then prints each time beside
-the roofline's for the GPU and their ratio (measured / roofline). On a GPU (scripts/gpu_check.sh
-runs it) that says how far the images' time in every replay is off; on a CPU, `--tiny` runs a
-small tower to check the script.
+the roofline's for the GPU and their ratio (measured / roofline), and on a GPU the pass's
+activation peak (what vLLM's start-up profile of the encoder takes from the KV cache, which simkv
+does not count yet). On a GPU (scripts/gpu_check.sh runs it) that says how far the images' time
+in every replay is off; on a CPU, `--tiny` runs a small tower to check the script.
 
     .venv/bin/python bench/vision_encoder.py --device cuda [--gpu H100-SXM] [--embeds 256,1024,4096] [--out FILE]
     .venv/bin/python bench/vision_encoder.py --tiny      # CPU smoke run
@@ -40,7 +41,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-vl-7b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gpu", default=None, help="simkv's GPU spec for the roofline [default: the device's]")
-    ap.add_argument("--embeds", default="256,1024,4096", help="images' embeddings (square numbers)")
+    ap.add_argument("--embeds", default="256,1024,4096,16384",
+                    help="images' embeddings (square numbers; 16,384: Qwen2.5-VL's largest, which vLLM profiles)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer tower of 64 (CPU smoke run)")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
@@ -58,15 +60,22 @@ def main() -> None:
     cost = VisionEncoderCost(spec, get_gpu_spec(gpu))
     rows = []
     print(f"{a.model}'s vision encoder on {device_name} ({dtype}), roofline for {gpu}:")
-    print("| embeddings | patches | measured ms | roofline ms | measured / roofline |\n|---:|---:|---:|---:|---:|")
+    print("| embeddings | patches | measured ms | roofline ms | measured / roofline | activation peak GiB |\n"
+          "|---:|---:|---:|---:|---:|---:|")
+    cuda = a.device.startswith("cuda")
     for embeds in sizes:
         pixels, grid = dummy_image(model.config, embeds, a.device, dtype)
+        if cuda:  # (the pass's activations beyond the weights: what vLLM's start-up profile of it would see)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         seconds = time_tower(model, pixels, grid, repeats=a.repeats)
+        peak = torch.cuda.max_memory_allocated() - base if cuda else None
         roof = cost.seconds((embeds,))
         rows.append({"embeds": embeds, "patches": int(pixels.shape[0]), "measured_s": seconds, "roofline_s": roof,
-                     "ratio": seconds / roof})
-        print(f"| {embeds:,} | {pixels.shape[0]:,} | {1e3 * seconds:.2f} | {1e3 * roof:.2f} | {seconds / roof:.2f} |",
-              flush=True)
+                     "ratio": seconds / roof, "activation_peak_bytes": peak})
+        print(f"| {embeds:,} | {pixels.shape[0]:,} | {1e3 * seconds:.2f} | {1e3 * roof:.2f} | {seconds / roof:.2f} | "
+              + (f"{peak / 2**30:.2f} |" if peak is not None else "- |"), flush=True)
     if a.out is not None:
         a.out.write_text(json.dumps({"model": a.model, "device": device_name, "gpu_spec": gpu, "dtype": str(dtype),
                                      "tiny": a.tiny, "rows": rows}, indent=1))

@@ -132,6 +132,8 @@ def vision_lines(run: Path) -> list[str]:
     record = json.loads(path.read_text())
     return [f"- vision encoder ({record['model']}, {record['device']}), {row['embeds']:,} embeddings: measured "
             f"{1e3 * row['measured_s']:.2f} ms, roofline {1e3 * row['roofline_s']:.2f} ms ({row['ratio']:.2f}x)"
+            + (f", activation peak {row['activation_peak_bytes'] / 2**30:.2f} GiB"
+               if row.get("activation_peak_bytes") else "")
             for row in record["rows"]]
 
 
