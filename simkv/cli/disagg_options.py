@@ -55,6 +55,24 @@ def check_pools(spec, config) -> None:
         raise click.UsageError(str(exc)) from None
 
 
+def _file_mapping(config_file: str | None, name: str, known: set) -> dict | None:
+    """The --config file's mapping `name` (keys with underscores), None if it has none; a click
+    error naming the file for anything but a mapping of `known` keys."""
+    from simkv.cli.replay_cmd import load_config_file
+
+    raw = (load_config_file(config_file) if config_file else {}).get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise click.BadParameter(f"{config_file}: {name} must be a mapping", param_hint="--config")
+    file = {k.replace("-", "_"): v for k, v in raw.items()}
+    unknown = set(file) - known
+    if unknown:
+        raise click.BadParameter(f"{config_file}: {name}: unknown key(s) {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(sorted(known))}", param_hint="--config")
+    return file
+
+
 def _set_pairs(texts, flag: str) -> list[tuple[str, object]]:
     """A pool's KEY=VALUE flags (--prefill-set, --decode-set, --encode-set) as (option, value) pairs."""
     from simkv.sweep.grid import parse_value
@@ -76,24 +94,15 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
     """The DisaggregationSpec of the flags over the --config file's `disaggregation` mapping, or None
     (no P/D flag and no such mapping); a click error naming the flag or the file otherwise. Takes
     the P/D flags out of `flags`. `router_options`: --router-option, for prefix_aware pools."""
-    from simkv.cli.replay_cmd import load_config_file
     from simkv.replay.disaggregated import DisaggregationSpec
     from simkv.replay.router import RouterError, RouterOptions
 
-    raw = (load_config_file(config_file) if config_file else {}).get("disaggregation")
+    file = _file_mapping(config_file, "disaggregation", _FILE_KEYS)
     pd_flags = {k: flags.pop(k) for k in _PD_FLAGS}
     sets = {"prefill": flags.pop("prefill_sets"), "decode": flags.pop("decode_sets")}
-    if raw is None and all(v is None for v in pd_flags.values()) and not any(sets.values()):
+    if file is None and all(v is None for v in pd_flags.values()) and not any(sets.values()):
         return None
-    file = {}
-    if raw is not None:
-        if not isinstance(raw, dict):
-            raise click.BadParameter(f"{config_file}: disaggregation must be a mapping", param_hint="--config")
-        file = {k.replace("-", "_"): v for k, v in raw.items()}
-        unknown = set(file) - _FILE_KEYS
-        if unknown:
-            raise click.BadParameter(f"{config_file}: disaggregation: unknown key(s) {', '.join(sorted(unknown))}; "
-                                     f"known: {', '.join(sorted(_FILE_KEYS))}", param_hint="--config")
+    file = file or {}
     values = {k: (pd_flags[k] if pd_flags[k] is not None else file.get(k)) for k in _PD_FLAGS}
     if router_options and "prefix_aware" not in (values["prefill_router"], values["decode_router"]):
         raise click.UsageError("--router-option sets prefix_aware's thresholds; add --prefill-router prefix_aware "
@@ -161,19 +170,11 @@ def read_encode(flags: dict, config_file: str | None = None):
     """The EncodeSpec of the encode flags over the --config file's `encode_pool` mapping (its
     keys: the flags' names, and `encode`, the pool's engine options), or None without
     encode replicas (the other encode flags then refused); takes the flags out of `flags`."""
-    from simkv.cli.replay_cmd import load_config_file
     from simkv.replay.encode_pool import EncodeSpec
 
     values = {k: flags.pop(k) for k in _ENCODE_FLAGS}
-    raw = (load_config_file(config_file) if config_file else {}).get("encode_pool")
-    if raw is not None:
-        if not isinstance(raw, dict):
-            raise click.BadParameter(f"{config_file}: encode_pool must be a mapping", param_hint="--config")
-        file = {k.replace("-", "_"): v for k, v in raw.items()}
-        unknown = set(file) - _ENCODE_FILE_KEYS
-        if unknown:
-            raise click.BadParameter(f"{config_file}: encode_pool: unknown key(s) {', '.join(sorted(unknown))}; "
-                                     f"known: {', '.join(sorted(_ENCODE_FILE_KEYS))}", param_hint="--config")
+    file = _file_mapping(config_file, "encode_pool", _ENCODE_FILE_KEYS)
+    if file is not None:
         options = file.pop("encode", None) or {}
         if not isinstance(options, dict):
             raise click.BadParameter(f"{config_file}: encode_pool.encode must be a mapping of engine options",
