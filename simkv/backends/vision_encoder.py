@@ -52,7 +52,7 @@ class VisionEncoderCost:
         # step; under "data" none, but an all-gather of the embeddings (per embedding, and its latency)
         link = (tp_link_gbs or gpu.interconnect_gbs) * 1e9
         ring = 2.0 * (tp - 1) / tp
-        embed_bytes = model.hidden_size * 2 * model.vision_num_mergers
+        embed_bytes = model.vision_embed_bytes
         if self.data_parallel:
             self.comm_per_patch = self.comm_per_embed = 0.0
             self.comm_fixed = 0.0

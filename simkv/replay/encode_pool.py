@@ -104,13 +104,6 @@ class EncodeOnlyBackend:
                 "step_overhead_s": _STEP_OVERHEAD_S}
 
 
-def embed_bytes(config: EngineConfig) -> float:
-    """Bytes of one embedding in the store: the decoder's width in bf16, for each merger's output
-    (Qwen3-VL's DeepStack features travel with it)."""
-    spec = config.hardware.model_spec()
-    return 2.0 * spec.hidden_size * spec.vision_num_mergers
-
-
 def check_encode_pool(trace, config: EngineConfig, backend, fleet) -> None:
     """What two passes cannot replay, refused with what to change."""
     from simkv.backends.vision_encoder import vision_encoder_cost

@@ -215,9 +215,8 @@ class ReplayEngine:
         # (an engine behind one) the embedding store (simkv/replay/encode_pool.py)
         self._store_seconds_per_embed = 0.0
         if config.scheduler.ec_role is not None and backend.name != "unit":
-            from simkv.replay.encode_pool import embed_bytes
-
-            self._store_seconds_per_embed = embed_bytes(config) / (config.scheduler.ec_store_gbs * 1e9)
+            self._store_seconds_per_embed = (config.hardware.model_spec().vision_embed_bytes
+                                             / (config.scheduler.ec_store_gbs * 1e9))
         self.store_seconds = 0.0
         # LoRA: the worker's adapter caches; a step whose adapters are not all in GPU slots loads them first
         self.adapters = adapter_residency(config, backend)

@@ -470,6 +470,12 @@ class ModelSpec:
         return 2.0 * (self.vision_layer_params * self.vision_num_layers + self.vision_merger_params)
 
     @property
+    def vision_embed_bytes(self) -> int:
+        """One item embedding as the encoder hands it over: the decoder's width in bf16, for each
+        merger's output (Qwen3-VL's DeepStack features travel with it)."""
+        return 2 * self.hidden_size * self.vision_num_mergers
+
+    @property
     def vision_layer_params(self) -> int:
         """A vision encoder layer's matmul parameters: attention's q, k, v and output, its MLP."""
         h = self.vision_hidden_size
