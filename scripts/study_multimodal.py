@@ -7,7 +7,8 @@ growing load; then the encoder cache's size (`--mm-max-tokens-per-item`, which s
 images that repeat; then two H100s shared four ways (two replicas, TP 2, PP 2, 1 P + 1 D), and
 four H100s colocated or split into P/D pools (`simkv goodput --pd-splits 4`), as text and with
 images; then four H100s as four engines or as one encode instance in front of three
-(`--encode-replicas 1`, encoder disaggregation), with images of 1,024 and 4,096 tokens.
+(`--encode-replicas 1`, encoder disaggregation), with images of 1,024 and 4,096 tokens; then
+chat sessions with images on a small KV pool, with and without a CPU tier.
 
     .venv/bin/python scripts/study_multimodal.py
 """
@@ -93,6 +94,7 @@ def main() -> None:
         two_gpus(tmp)
         pd_splits(tmp)
         encode_pool(tmp)
+        cpu_tier(tmp)
 
 
 TWO_GPUS = [("2 replicas", ["--replicas", "2"], 2), ("TP 2", ["-tp", "2"], 1),
@@ -152,6 +154,25 @@ def encode_pool(tmp: Path) -> None:
                 print(f"| {int(tokens):,}, {load}x | {label} | {1e3 * s['ttft_s']['p50']:,.0f} / "
                       f"{1e3 * s['ttft_s']['p99']:,.0f} | {1e3 * s['itl_s']['p50']:.1f} / "
                       f"{1e3 * s['itl_s']['p99']:.1f} | {s['output_throughput_tok_s']:,.0f} | {busy} |", flush=True)
+
+
+def cpu_tier(tmp: Path) -> None:
+    """The 400 chat sessions of the second table (30 % of the turns with a new image, later turns
+    showing them again) on a pool of 6,000 or 10,000 blocks, without and with a 32 GiB CPU tier."""
+    chats = tmp / "tier_chats.parquet"
+    subprocess.run(SIMKV + ["trace", "synth", "multi-turn", "--sessions", "400", "--turns", "4", "--out",
+                            str(chats)], check=True, capture_output=True)
+    shown = with_images(chats, tmp, "tier_chats_img", ["--images", "0.3", "--image-tokens", "1024"])
+    print("\n| KV pool (blocks), CPU tier | TTFT p50 / p99 ms | images encoded / shown | encoder s | prompts loaded "
+          "from the tier | preemptions |\n|---|---|---|---|---|---|")
+    for blocks in ("6000", "10000"):
+        for tier in ([], ["--kv-offloading-size", "32"]):
+            s = replay_summary(shown, MODEL + ["--max-model-len", "32768", "--num-gpu-blocks", blocks] + tier, tmp)
+            mm, off = s["multimodal"], s.get("kv_offloading")
+            loads = f"{off['loads']:,}" if off else "-"
+            print(f"| {int(blocks):,}, {'32 GiB' if tier else 'none'} | {1e3 * s['ttft_s']['p50']:,.0f} / "
+                  f"{1e3 * s['ttft_s']['p99']:,.0f} | {mm['items_encoded']:,} / {mm['items']:,} | "
+                  f"{mm['encoder_seconds']:.1f} | {loads} | {s['num_preemptions']:,} |", flush=True)
 
 
 if __name__ == "__main__":
