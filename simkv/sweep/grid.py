@@ -17,7 +17,9 @@ ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareC
 # or a prefill pool and a decode pool (simkv/replay/disaggregated.py).
 PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
            "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s")
-FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + PD_KEYS
+# An encode pool in front (simkv/replay/encode_pool.py; the store's bandwidth: the engine option ec_store_gbs).
+ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
+FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + PD_KEYS + ENCODE_KEYS
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 

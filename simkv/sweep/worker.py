@@ -37,9 +37,11 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
 
         config = EngineConfig.from_flat(task["options"])
         trace = _read(task["trace"], trace_bytes)
-        fleet, disaggregation = pool_specs(task.get("fleet"))
+        cell = dict(task.get("fleet") or {})
+        encode = encode_spec(cell, config)
+        fleet, disaggregation = pool_specs(cell)
         result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"),
-                        fleet=fleet, disaggregation=disaggregation)
+                        fleet=fleet, disaggregation=disaggregation, encode=encode)
         summary = dict(result.summary)
         summary["trace"] = task["trace"]
         summary["sweep_cell"] = {k: task[k] for k in ("cell_id", "trace", "options", "cost_model", "cost_options", "fleet")
@@ -72,6 +74,22 @@ def fleet_spec(fleet: dict | None):
     options.update(thresholds)
     # (FleetSpec builds the Router, which checks the replicas and the router's name)
     return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
+
+
+def encode_spec(cell: dict, config):
+    """A cell's encode pool (`encode_replicas`, `encode_router`, `encode_hop_ms`, taken out of
+    `cell`) as an EncodeSpec, its store's bandwidth the engine option ec_store_gbs; None without
+    encode_replicas (or with 0)."""
+    from simkv.replay.encode_pool import EncodeSpec
+    from simkv.sweep.grid import ENCODE_KEYS
+
+    keys = {k: cell.pop(k) for k in ENCODE_KEYS if k in cell}
+    if not keys.get("encode_replicas"):
+        if set(keys) - {"encode_replicas"}:
+            raise ValueError(f"{', '.join(sorted(set(keys) - {'encode_replicas'}))}: set encode_replicas too")
+        return None
+    return EncodeSpec(keys["encode_replicas"], keys.get("encode_router", "least_outstanding"),
+                      ec_store_gbs=config.scheduler.ec_store_gbs, hop_ms=float(keys.get("encode_hop_ms", 1.0)))
 
 
 def pool_specs(fleet: dict | None):

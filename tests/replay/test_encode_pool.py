@@ -168,3 +168,17 @@ def test_a_config_file_gives_the_pool_and_a_flag_wins(tmp_path: Path):
     config.write_text("model: qwen2.5-vl-7b\nencode_pool:\n  encode_replicas: 1\n  encoders: 2\n")
     bad = CliRunner().invoke(main, ["replay", str(path), "--config", str(config), "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "encode_pool: unknown key(s) encoders" in bad.output
+
+
+def test_a_sweep_grids_the_encode_pool(tmp_path: Path):
+    path = tmp_path / "t.parquet"
+    write_trace(_trace([1, 2, 3]), path)
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(main, ["sweep", str(path), "--set", "model=qwen2.5-vl-7b", "--set", "max_model_len=8192",
+                                       "--grid", "encode_replicas=0,1", "--workers", "1", "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(out / "sweep.parquet")
+    assert frame["status"].tolist() == ["ok", "ok"] and frame["encode_replicas"].tolist() == [0, 1]
+    pooled = frame.loc[frame["encode_replicas"] == 1, "ttft_p50_s"].item()
+    alone = frame.loc[frame["encode_replicas"] == 0, "ttft_p50_s"].item()
+    assert pooled > alone  # (the encode instance's step, the store and the proxy's hop come first)
