@@ -34,6 +34,18 @@ def with_images(trace: Path, tmp: Path, name: str, options: list[str]) -> Path:
     return out
 
 
+def chats_with_images(tmp: Path) -> Path:
+    """400 chat sessions of 4 turns (`simkv trace synth multi-turn`), 30 % of the turns given a new
+    image of 1,024 tokens; made once under `tmp`."""
+    shown = tmp / "chats_img.parquet"
+    if not shown.exists():
+        chats = tmp / "chats.parquet"
+        subprocess.run(SIMKV + ["trace", "synth", "multi-turn", "--sessions", "400", "--turns", "4", "--out",
+                                str(chats)], check=True, capture_output=True)
+        with_images(chats, tmp, "chats_img", ["--images", "0.3", "--image-tokens", "1024"])
+    return shown
+
+
 def as_text(trace: Path, tmp: Path) -> Path:
     """The same requests with their images' tokens as plain text (no encoder, no items)."""
     frame = pd.read_parquet(trace).drop(columns=["mm_offsets", "mm_lengths", "mm_hashes"])
@@ -67,10 +79,7 @@ def main() -> None:
                 print(row(label, replay_summary(trace, MODEL, tmp)), flush=True)
         print("\n| 400 chat sessions of 4 turns | output tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | "
               "images encoded / shown | encoder time / duration |\n|---|---|---|---|---|---|---|")
-        chats = tmp / "chats.parquet"
-        subprocess.run(SIMKV + ["trace", "synth", "multi-turn", "--sessions", "400", "--turns", "4", "--out",
-                                str(chats)], check=True, capture_output=True)
-        shown = with_images(chats, tmp, "chats_img", ["--images", "0.3", "--image-tokens", "1024"])
+        shown = chats_with_images(tmp)
         for label, trace in (("as text", as_text(shown, tmp)), ("with images", shown)):
             s = replay_summary(trace, MODEL, tmp)
             mm = s.get("multimodal")
@@ -159,10 +168,7 @@ def encode_pool(tmp: Path) -> None:
 def cpu_tier(tmp: Path) -> None:
     """The 400 chat sessions of the second table (30 % of the turns with a new image, later turns
     showing them again) on a pool of 6,000 or 10,000 blocks, without and with a 32 GiB CPU tier."""
-    chats = tmp / "tier_chats.parquet"
-    subprocess.run(SIMKV + ["trace", "synth", "multi-turn", "--sessions", "400", "--turns", "4", "--out",
-                            str(chats)], check=True, capture_output=True)
-    shown = with_images(chats, tmp, "tier_chats_img", ["--images", "0.3", "--image-tokens", "1024"])
+    shown = chats_with_images(tmp)
     print("\n| KV pool (blocks), CPU tier | TTFT p50 / p99 ms | images encoded / shown | encoder s | prompts loaded "
           "from the tier | preemptions |\n|---|---|---|---|---|---|")
     for blocks in ("6000", "10000"):

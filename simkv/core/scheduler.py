@@ -383,8 +383,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif self.async_scheduling and decoding:
             cache_end = self._async_cache_end(request, computed, scheduled_tokens, step, in_flight)
         kv.free(request, cache_end, finished=swap)
-        if request.mm_items and self.encoder_cache is not None:
-            self.encoder_cache.free(request)
+        self._free_items(request)
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
         if request.is_finishing:
@@ -837,8 +836,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
-                if request.mm_items and self.encoder_cache is not None:  # (the cached items it looked up)
-                    self.encoder_cache.free(request)
+                self._free_items(request)  # (the cached items it looked up)
                 self._blocked_marker = (request, kv.num_frees, plan.budget)
                 break
             if request.kv_role == KV_PULL:  # (P/D: its local hits covered what a pull would load)
@@ -1069,6 +1067,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         for i in repeated:
             cache.check_and_update_cache(request, i)
 
+    def _free_items(self, request: Request) -> None:
+        """A request that leaves (finished, preempted, aborted) or was passed over drops its
+        references to the encoder cache's entries."""
+        if request.mm_items and self.encoder_cache is not None:
+            self.encoder_cache.free(request)
+
     def _free_encoded(self, chunks: list[ScheduledChunk]) -> None:
         """After a step (synchronous scheduling): the items the step's chunks computed past are
         no longer needed by their requests."""
@@ -1254,10 +1258,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             for request in finished:
                 self.offload.request_finished(request, self._offload_view(request))
         complete = []
-        encoder_cache = self.encoder_cache
         for request in finished:
-            if request.mm_items and encoder_cache is not None:
-                encoder_cache.free(request)
+            self._free_items(request)
             if request in self._prefilling:
                 self._prefilling.remove(request)
             if self._release_at_finish:  # (async: by the processed tokens, as if scheduling the next step)
@@ -1312,8 +1314,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                                   else self._unprocessed_work(request))
         elif status == RequestStatus.RUNNING and self._release_at_finish and self._output_pending:
             in_flight = self._ran_unprocessed_tokens(request, chunk_end)
-        if request.mm_items and self.encoder_cache is not None:
-            self.encoder_cache.free(request)
+        self._free_items(request)
         if request.is_finishing:  # async: its last token is in flight (preempted: its blocks are gone)
             self._finishing.remove(request)
         if status == RequestStatus.RUNNING:
