@@ -15,7 +15,8 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec.py --oracle-python /tmp/vllm-oracle-venv/bin/python --cases 50
     .venv/bin/python scripts/oracle_spec.py --aborts --cases 50 --seed 2   # a front end aborts some requests
     .venv/bin/python scripts/oracle_spec.py --parallel [--max-n 14]   # rows for n sequences, fanned out
-    .venv/bin/python scripts/oracle_spec.py --ngram-misses   # ngram lookups that find no match: no drafts
+    .venv/bin/python scripts/oracle_spec.py --ngram-misses --model-runner v1   # lookups without a match: no drafts
+    .venv/bin/python scripts/oracle_spec.py --ngram-misses   # vLLM's V2 runner (its default): K drafts, all rejected
     .venv/bin/python scripts/oracle_spec.py --suffix   # suffix decoding: proposals of any length up to K
     .venv/bin/python scripts/oracle_spec.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
     .venv/bin/python scripts/oracle_spec.py --dflash   # a DFlash drafter (K + 1 lookahead slots) in every case

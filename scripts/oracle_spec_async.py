@@ -1,11 +1,12 @@
 """Speculative decoding under async scheduling, step by step against the real vLLM scheduler.
 
-vLLM 0.33's `AsyncScheduler` with a speculative config (eagle or draft_model: vLLM refuses async
-scheduling with the CPU n-gram drafter) is driven as `EngineCore.step_with_batch_queue` drives
-it, two batches deep: step K+1 is scheduled before step K's output is processed. Drafts stay on
-the device, so the scheduler sees placeholders: it schedules 1 + K tokens for a decoding request
-whose previous step is still running, and takes rejected drafts back from `num_computed_tokens`
-and `num_output_placeholders` when that step's output arrives. The model runner's part is
+vLLM 0.33's `AsyncScheduler` with a speculative config (eagle or draft_model; ngram with
+--ngram-misses or --method ngram, which vLLM's V2 model runner drafts on the device) is driven
+as `EngineCore.step_with_batch_queue` drives it, two batches deep: step K+1 is scheduled before
+step K's output is processed. Drafts stay on the device, so the scheduler sees placeholders: it
+schedules 1 + K tokens for a decoding request whose previous step is still running, and takes
+rejected drafts back from `num_computed_tokens` and `num_output_placeholders` when that step's
+output arrives. The model runner's part is
 played by hand: a step's output gives each request that sampled 1 + accepted tokens, with the
 acceptances drawn by simkv's own `AcceptanceModel` at the output's position (both schedulers
 see the same draws; padding rows of a request admitted from the queue are never accepted).
@@ -25,6 +26,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_spec_async.py --aborts --cases 50 --seed 3   # with a front end's aborts
     .venv/bin/python scripts/oracle_spec_async.py --parallel-drafting   # vLLM's parallel_drafting (EAGLE, draft model)
     .venv/bin/python scripts/oracle_spec_async.py --dflash   # a DFlash drafter in every case
+    .venv/bin/python scripts/oracle_spec_async.py --ngram-misses   # ngram on vLLM's V2 runner: K drafts, a miss's rejected
     .venv/bin/python scripts/oracle_spec_async.py --images [--disable-chunked-mm-input] [--method eagle] [--mtp-modules 3]
         # image items in the prompts, vLLM's encoder budget and cache (oracle_spec.py --images)
 """
@@ -49,7 +51,7 @@ def make_case(rng, hybrid: bool = False, linear: bool = False, align: bool = Fal
 
 
 def make_async_case(rng, hybrid: bool = False, linear: bool = False, align: bool = False) -> dict:
-    """oracle_spec.py's case with a method vLLM schedules asynchronously (no CPU n-gram drafter);
+    """oracle_spec.py's case with EAGLE in place of ngram (ngram under async: --ngram-misses);
     `hybrid`: oracle_hybrid.py's (KV-cache groups of a model with sliding-window layers, the
     EAGLE layer among them), always speculating with EAGLE; `linear`: oracle_linear.py's (Mamba
     groups beside full attention), always with MTP; `align`: oracle_linear.py's with prefix caching
@@ -189,14 +191,18 @@ def with_totals(result: dict) -> dict:
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], hybrid_flag=True, linear_flag=True,
                                   align_flag=True, aborts_flag=True, parallel_flag=True, parallel_drafting_flag=True, dflash_flag=True,
-                                  mtp_modules_flag=True, images_flag=True)
+                                  mtp_modules_flag=True, images_flag=True, ngram_misses_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.hybrid, a.linear, a.align, a.aborts) for _ in range(a.cases)]
-    if a.method == "ngram":
-        raise SystemExit("--method ngram: vLLM refuses async scheduling with the CPU n-gram drafter")
+    if a.suffix or a.model_runner == "v1":
+        raise SystemExit("vLLM refuses async scheduling with a host proposer (suffix decoding, ngram on its V1 runner)")
+    if a.ngram_misses:  # (drawn after the cases: without the flag a seed gives the same cases)
+        for case in cases:
+            if case["opts"].get("speculative_method"):
+                oracle_vllm.ngram_miss_drafter(rng, case["opts"])
     method_cases(a, cases)  # (--method; before the drafter flags, which may replace it)
     oracle_vllm.option_cases(a, cases)
     oracle_vllm.parallel_cases(a, rng, cases)

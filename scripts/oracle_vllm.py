@@ -110,13 +110,22 @@ def ngram_miss_drafter(rng, opts: dict) -> None:
     opts.pop("spec_draft_model", None)
 
 
+def runner_cases(a, cases: list[dict]) -> None:
+    """--model-runner: every case's model_runner (absent: the cases' own)."""
+    if getattr(a, "model_runner", None):
+        for case in cases:
+            case["opts"]["model_runner"] = a.model_runner
+
+
 def option_cases(a, cases: list[dict]) -> None:
     """The cases' options as the flags of `mtp_modules_flag`, `dflash_flag` and
     `parallel_drafting_flag` ask (each absent where the oracle has none): prefix caching first,
-    which the drafters' K and groups depend on, then the drafters, then the token budget."""
+    which the drafters' K and groups depend on, then the drafters, then the token budget and the
+    model runner."""
     _caching_cases(a, cases)
     drafter_cases(a, cases)
     _budget_cases(a, cases)
+    runner_cases(a, cases)
 
 
 def _caching_cases(a, cases: list[dict]) -> None:
@@ -313,7 +322,14 @@ def acceptance(o: dict):
     from simkv.core.spec_decode import AcceptanceModel
 
     return AcceptanceModel((o["spec_acceptance_rate"],) * o["num_speculative_tokens"], o["spec_seed"],
-                           o.get("spec_ngram_match_rate", 1.0), o.get("spec_mean_draft_tokens"))
+                           o.get("spec_ngram_match_rate", 1.0), o.get("spec_mean_draft_tokens"), device_ngram(o))
+
+
+def device_ngram(o: dict) -> bool:
+    """The case's n-gram drafter runs on the device (vLLM's V2 model runner, its default; simkv's
+    EngineConfig.ngram_drafts_on_device): K drafts after every step, whose ids the engine core never
+    sees (-1 each), a lookup without a match giving drafts that are all rejected."""
+    return o.get("speculative_method") == "ngram" and o.get("model_runner", "auto") != "v1"
 
 
 def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int]], int]:
@@ -322,6 +338,9 @@ def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int
     placeholders of padding are never accepted). Returns them and the drafts accepted."""
     import oracle
     sampled, accepted = [], 0
+    # (the requests admitted or resumed this step: their drafts are padding; those of a running request
+    # are -1 too where the drafter runs on the device)
+    admitted = {r.req_id for r in so.scheduled_new_reqs} | set(so.scheduled_cached_reqs.resumed_req_ids)
     for rid in req_ids:
         req = sched.requests[rid]
         if req.is_prefill_chunk:
@@ -331,7 +350,7 @@ def sampled_tokens(sched, so, req_ids: list[str], accept) -> tuple[list[list[int
         else:
             drafts = so.scheduled_spec_decode_tokens.get(rid, [])
             n_acc = accept.num_accepted(request_index(rid), len(req.output_token_ids), len(drafts)) \
-                if drafts and drafts[0] != -1 else 0
+                if drafts and rid not in admitted else 0
             accepted += n_acc
             base = req.num_prompt_tokens + len(req.output_token_ids)
             sampled.append([oracle.fake_output_token(request_index(rid), base + j) for j in range(1 + n_acc)])
@@ -547,9 +566,12 @@ def propose_drafts(sched, so, req_ids: list[str], accept=None) -> None:
     from vllm.v1.outputs import DraftTokenIds
 
     n = so.num_spec_tokens_to_schedule
+    on_device = accept is not None and accept.drafts_on_miss
 
     def drafts(rid):
         req = sched.requests.get(rid)
+        if on_device:  # (vLLM's V2 runner: DraftTokensHandler hands the engine core K placeholders)
+            return [-1] * n
         k = n
         if accept is not None and req is not None:
             k = accept.num_proposed(request_index(rid), len(req.output_token_ids), n)
@@ -701,7 +723,12 @@ def oracle_args(description: str, speculative_flag: bool = False, hybrid_flag: b
     if ngram_misses_flag:
         ap.add_argument("--ngram-misses", action="store_true",
                         help="every case's drafter is ngram, whose prompt lookup finds a match at a rate of 0, "
-                             "0.3 or 0.7 (spec_ngram_match_rate): without one a request proposes no drafts")
+                             "0.3 or 0.7 (spec_ngram_match_rate): without one a request proposes no drafts "
+                             "(--model-runner v1) or K that are all rejected (v2, vLLM's default)")
+        ap.add_argument("--model-runner", choices=["v1", "v2"], default=None,
+                        help="every case's model_runner: v1 proposes n-grams on the host (real draft ids, none "
+                             "without a match), v2 on the device (K placeholders after every step) [default: "
+                             "the cases' own, auto]")
         ap.add_argument("--suffix", action="store_true",
                         help="every case's drafter is suffix decoding: K 4 to 12, proposals of drawn lengths "
                              "(spec_mean_draft_tokens), matches at a rate of 0.5, 0.8 or 1")

@@ -151,6 +151,7 @@ FIXED_BATCH_DEFAULTS = (8192, 256)
 
 # vLLM's --performance-mode: 'throughput' doubles the batch defaults (those not given); its other
 # effects (CUDA-graph sizes, kernel choices; 'interactivity' has only those) are not the scheduler's
+MODEL_RUNNERS = ("auto", "v1", "v2")  # (SchedulerConfig.model_runner)
 PERFORMANCE_MODE_BATCH_SCALE = {"balanced": 1, "throughput": 2}
 
 
@@ -203,6 +204,12 @@ class SchedulerConfig:
     # vLLM's --async-scheduling (its serving default): step N+1 is scheduled while step N runs,
     # before N's sampled tokens are processed.
     async_scheduling: bool = False
+    # vLLM's model runner (its VLLM_USE_V2_MODEL_RUNNER): "v2", vLLM 0.33's default, runs the
+    # n-gram drafter on the device (K drafts every step, a miss's rejected) and takes async
+    # scheduling with pipeline stages; "v1" proposes n-grams on the host (none without a match)
+    # and refuses async scheduling with either. "auto": v2 unless a feature only V1 has is asked
+    # for (suffix decoding, EAGLE or draft-model parallel drafting), as vLLM picks.
+    model_runner: str = "auto"
     # Policy knobs beyond vLLM (defaults = vLLM's behaviour), for other engines' step models:
     max_num_admissions_per_step: int | None = None  # None: as many as fit
     admission_order: str = "after_running"  # or "before_running"
@@ -296,6 +303,8 @@ class SchedulerConfig:
             raise ConfigError(f"parallel_sampling must be 'fan_out' or 'fork', got '{self.parallel_sampling}'")
         if self.preemption_mode not in ("recompute", "restart", "swap"):
             raise ConfigError(f"preemption_mode must be 'recompute', 'restart' or 'swap', got '{self.preemption_mode}'")
+        if self.model_runner not in MODEL_RUNNERS:
+            raise ConfigError(f"model_runner must be one of {', '.join(MODEL_RUNNERS)}, got '{self.model_runner}'")
         if self.async_scheduling and self.preemption_mode != "recompute":
             raise ConfigError(f"async_scheduling is vLLM v1's and needs preemption_mode 'recompute', "
                               f"got '{self.preemption_mode}'")
@@ -563,8 +572,9 @@ class SpeculativeConfig:
     spec_draft_pass_overhead_ms: float = 0.1  # launch overhead of each draft forward pass
     spec_ngram_us_per_request: float = 5.0  # ngram, suffix: host time to propose for one request
     # ngram, suffix: P(the prompt lookup or the suffix tree finds a match) after a step in which a
-    # request sampled, drawn per request and output position; without one it proposes no drafts,
-    # and its next step decodes one token (1.0: always a proposal)
+    # request sampled, drawn per request and output position; without one a host proposer (suffix,
+    # ngram on vLLM's V1 model runner) proposes no drafts and the request's next step decodes one
+    # token, while V2's device n-gram drafts K that are all rejected (1.0: always a match)
     spec_ngram_match_rate: float = 1.0
     # suffix: the mean drafts of a proposal (vLLM's num_draft_tokens / num_drafts); each proposal's
     # length is drawn per request and output position from a geometric distribution cut at K
@@ -843,6 +853,7 @@ class EngineConfig:
             self._verify_unchunked_mm_input()
         if self.scheduler.prefill_schedule_interval > 1:
             self._verify_prefill_interval()
+        self._verify_model_runner()
         if self.speculative.enabled:
             self._verify_speculative()
         if self.hardware.data_parallel_size > 1:
@@ -1190,11 +1201,49 @@ class EngineConfig:
             return self
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, block_size=self.kv_manager_block_size))
 
+    @property
+    def model_runner_in_force(self) -> str:
+        """vLLM's model runner, 'v1' or 'v2': the one given, else V2 (vLLM 0.33's default) unless
+        the config asks for a feature V2 lacks (`_v2_unsupported`), as vLLM's use_v2_model_runner
+        picks."""
+        runner = self.scheduler.model_runner
+        if runner != "auto":
+            return runner
+        return "v1" if self._v2_unsupported() else "v2"
+
+    def _v2_unsupported(self) -> list[str]:
+        """What vLLM 0.33's V2 model runner does not support among what simkv models, in vLLM's
+        words (its _get_v2_model_runner_unsupported_features)."""
+        spec = self.speculative
+        out = []
+        if spec.speculative_method == "suffix":
+            out.append("speculative method 'suffix'")
+        if spec.spec_parallel_drafting:  # (EAGLE heads and draft models: simkv's methods that draft in parallel)
+            out.append("parallel drafting for EAGLE speculative decoding")
+        return out
+
+    @property
+    def ngram_drafts_on_device(self) -> bool:
+        """The n-gram drafter runs on the device (vLLM's V2 runner): K drafts after every step, a
+        lookup without a match giving drafts that are all rejected. On V1 it runs on the host and
+        proposes none without a match."""
+        return self.speculative.speculative_method == "ngram" and self.model_runner_in_force == "v2"
+
+    def _verify_model_runner(self) -> None:
+        """vLLM's refusals: V2 with a feature it lacks; async scheduling on V1 with a host
+        proposer or pipeline stages (vLLM's texts)."""
+        if self.scheduler.model_runner == "v2" and self._v2_unsupported():
+            raise ConfigError(f"Model Runner V2 does not yet support: {', '.join(self._v2_unsupported())}")
+        if not self.scheduler.async_scheduling or self.model_runner_in_force != "v1":
+            return
+        spec = self.speculative
+        what = (f"{spec.speculative_method}-based speculative decoding" if spec.proposes_on_host
+                else "pipeline parallelism" if self.hardware.pipeline_parallel_size > 1 else None)
+        if what is not None:
+            raise ConfigError(f"Async scheduling is not supported by the V1 model runner with {what}.")
+
     def _verify_speculative(self) -> None:
         spec, cache, sched = self.speculative, self.cache, self.scheduler
-        if sched.async_scheduling and spec.proposes_on_host:  # (vLLM's text; its GPU n-gram works)
-            raise ConfigError("Async scheduling is not supported by the V1 model runner with "
-                              f"{spec.speculative_method}-based speculative decoding.")
         unsupported = [(sched.preemption_mode != "recompute", f"preemption_mode '{sched.preemption_mode}'"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
                        (sched.admission_order != "after_running", f"admission_order '{sched.admission_order}'"),
@@ -1317,6 +1366,8 @@ class EngineConfig:
                 del out[key]
         if self.scheduler.client_retry_max_backoff_s is None and not self.scheduler.client_retry_jitter:  # (likewise)
             del out["client_retry_max_backoff_s"], out["client_retry_jitter"]
+        if self.scheduler.model_runner == "auto":  # (the default: configs read as before)
+            del out["model_runner"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
             if self.speculative.spec_ngram_match_rate == 1.0:  # (likewise)

@@ -41,7 +41,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
-    "async_scheduling": "async_scheduling", "session_pacing": "session_pacing",
+    "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
     "client_retry_max_backoff": "client_retry_max_backoff_s", "client_retry_jitter": "client_retry_jitter",
@@ -355,6 +355,11 @@ _ENGINE_OPTIONS = [
     click.option("--async-scheduling/--no-async-scheduling", default=None,
                  help="vLLM's async scheduling (its serving default): step N+1 is scheduled while step N runs; "
                       "the roofline's host overheads overlap the device [default: off, the synchronous scheduler]"),
+    click.option("--model-runner", type=click.Choice(["auto", "v1", "v2"]), default=None,
+                 help="vLLM's model runner (its VLLM_USE_V2_MODEL_RUNNER): v2 drafts n-grams on the device, K every "
+                      "step, and takes async scheduling with them and with pipeline stages; v1 proposes n-grams on "
+                      "the host, none without a match [default: auto, v2 unless suffix decoding or parallel "
+                      "drafting needs v1, as vLLM 0.33 picks]"),
     click.option("--session-pacing/--no-session-pacing", default=None,
                  help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
                       "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "

@@ -21,8 +21,10 @@ Which drafts are accepted is the model's business, not the scheduler's: a reques
 is accepted with probability `rates[i]` given that drafts 0..i-1 were, drawn from a hash of
 (seed, request, output position, i), so a replay is deterministic and one request's draws do
 not depend on the others. An n-gram or suffix proposer finds a match with probability
-`spec_ngram_match_rate` (drawn per request and output position, a stream of its own) and
-proposes nothing without one. A match proposes K drafts, except under suffix decoding, whose
+`spec_ngram_match_rate` (drawn per request and output position, a stream of its own). On the
+host (suffix, ngram on vLLM's V1 model runner) it proposes nothing without one; vLLM's V2 runner
+looks n-grams up on the device and always drafts K, filling a miss's drafts with the last token,
+which are taken as all rejected (`drafts_on_miss`). A match proposes K drafts, except under suffix decoding, whose
 proposals are as long as its suffix tree is confident: their lengths are drawn (a third stream)
 from a geometric distribution cut at K with mean `spec_mean_draft_tokens`.
 """
@@ -79,19 +81,26 @@ class AcceptanceModel:
     whether the n-gram proposer finds a match there (`match_rate`)."""
 
     def __init__(self, rates: tuple[float, ...], seed: int, match_rate: float = 1.0,
-                 mean_draft_tokens: float | None = None) -> None:
+                 mean_draft_tokens: float | None = None, drafts_on_miss: bool = False) -> None:
         # Accept draft i iff its 53-bit draw is below rates[i] * 2**53 (exact integer compare).
         self.thresholds = [int(r * (1 << 53)) for r in rates]
         self.seed = mix64(seed & _M64)
         self.always_matches = match_rate >= 1.0
         self.match_threshold = int(match_rate * (1 << 53))
+        # A lookup without a match still drafts K (vLLM's V2 device n-gram), none accepted
+        self.drafts_on_miss = drafts_on_miss
+        self.misses_rejected = drafts_on_miss and not self.always_matches
+        self.always_k = (self.always_matches or drafts_on_miss) and mean_draft_tokens is None
         # suffix decoding: proposals of varying length (None: every proposal has K drafts)
         self.length_thresholds = (None if mean_draft_tokens is None
                                   else proposal_length_thresholds(mean_draft_tokens, len(rates)))
 
     def num_proposed(self, request_index: int, position: int, k: int) -> int:
         """The drafts proposed for the request with `position` output tokens, at most k: none
-        without a match, else k, or under suffix decoding the proposal's drawn length."""
+        without a match (k where misses draft too), else k, or under suffix decoding the
+        proposal's drawn length."""
+        if self.always_k:
+            return k
         if not (self.always_matches or self.proposes(request_index, position)):
             return 0
         if self.length_thresholds is None:
@@ -109,6 +118,8 @@ class AcceptanceModel:
     def num_accepted(self, request_index: int, position: int, num_drafts: int) -> int:
         # A splitmix64 stream per (request, output position), its start hashed from both;
         # the mixing is inlined (a replay draws for every verifying request of every step).
+        if self.misses_rejected and not self.proposes(request_index, position):
+            return 0  # (drafts of a lookup that found no match)
         thresholds = self.thresholds
         z = ((self.seed ^ ((request_index << 32) | position)) + 0x9E3779B97F4A7C15) & _M64  # (mix64, inline)
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -126,11 +137,12 @@ class AcceptanceModel:
 class SpecDecode:
     """Mixed into Scheduler: the verify-and-roll-back side of speculative decoding."""
 
-    def _init_spec(self, spec: SpeculativeConfig) -> None:
+    def _init_spec(self, spec: SpeculativeConfig, drafts_on_miss: bool = False) -> None:
+        """`drafts_on_miss`: the n-gram drafter runs on the device (EngineConfig.ngram_drafts_on_device)."""
         self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.spec_draft_slots = spec.draft_slots if spec.enabled else 0
         self.acceptance = (AcceptanceModel(spec.conditional_acceptance_rates, spec.spec_seed, spec.spec_ngram_match_rate,
-                                           spec.spec_mean_draft_tokens)
+                                           spec.spec_mean_draft_tokens, drafts_on_miss)
                            if spec.enabled else None)
         # Dynamic speculation: drafts per number of requests in a step (None: always K)
         self.spec_drafts_by_batch = None
@@ -307,7 +319,7 @@ class SpecDecode:
         # vLLM caches a sampling request's verified full blocks when its tokens arrive (under
         # speculative decoding); the single-group manager's lazy hashing orders them the same.
         cache_verified = getattr(self.kv_cache_manager, "cache_verified", None) if self.num_spec_tokens else None
-        always_k = self.acceptance.always_matches and self.acceptance.length_thresholds is None
+        always_k = self.acceptance.always_k
         num_proposed = self.acceptance.num_proposed
         num_accepted = self.acceptance.num_accepted
         num_drafts = num_draft_tokens = num_padded = 0

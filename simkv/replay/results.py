@@ -384,6 +384,7 @@ def spec_summary(config, schedulers, backends, duration: float) -> dict:
     draft_s = sum(getattr(b, "draft_seconds", 0.0) for b in backends)
     return {"speculative_decoding": {
         "method": spec.speculative_method, "num_speculative_tokens": k,
+        "model_runner": config.model_runner_in_force,  # (vLLM's: where an n-gram lookup runs)
         "acceptance_rates_configured": [round(r, 6) for r in spec.conditional_acceptance_rates],
         **total,
         "draft_acceptance_rate": total["num_accepted_tokens"] / tokens if tokens else 0.0,

@@ -338,6 +338,40 @@ def test_recorded_ngram_misses_depend_on_proposing_none(monkeypatch):
     assert count_failing(assert_same_steps_as_vllm, cases) == len(cases)
 
 
+DEVICE_NGRAM_DATA = Path(__file__).parent / "data" / "spec_ngram_device_vllm_cases.json"
+DEVICE_NGRAM_ASYNC_DATA = Path(__file__).parent / "data" / "spec_ngram_device_async_vllm_cases.json"
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_device_ngram_misses_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec.py --ngram-misses on vLLM's V2 model runner (its
+    default; match rates 0, 0.3 and 0.7): the engine core is handed K placeholder drafts after
+    every step whatever the lookup found, and a miss's drafts are all rejected; every step,
+    request and accepted draft equal."""
+    case = json.loads(DEVICE_NGRAM_DATA.read_text())["cases"][index]
+    ours = assert_same_steps_as_vllm(case)
+    assert ours["scheduler"].spec_stats["num_accepted_tokens"] == case["vllm"]["accepted"]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_device_ngram_async_same_steps_as_vllm(index):
+    """Recorded cases of scripts/oracle_spec_async.py --ngram-misses: ngram under async scheduling,
+    which vLLM's V2 runner takes (its V1 runner refuses it)."""
+    assert_same_async_spec_steps_as_vllm(json.loads(DEVICE_NGRAM_ASYNC_DATA.read_text())["cases"][index])
+
+
+def test_recorded_device_ngram_cases_depend_on_misses_drafting(monkeypatch):
+    """Proposing nothing after a miss (the V1 host proposer's way) breaks every recorded sync
+    case, and accepting a miss's drafts breaks every async one."""
+    sync = json.loads(DEVICE_NGRAM_DATA.read_text())["cases"]
+    for case in sync:
+        case["case"]["opts"]["model_runner"] = "v1"
+    assert count_failing(assert_same_steps_as_vllm, sync) == len(sync)
+    monkeypatch.setattr(AcceptanceModel, "proposes", lambda self, index, position: True)
+    cases = json.loads(DEVICE_NGRAM_ASYNC_DATA.read_text())["cases"]
+    assert count_failing(assert_same_async_spec_steps_as_vllm, cases) == len(cases)
+
+
 SUFFIX_DATA = Path(__file__).parent / "data" / "spec_suffix_vllm_cases.json"
 
 
@@ -408,18 +442,50 @@ def test_ngram_match_draws():
     assert [model.num_accepted(i, 5, 3) for i in range(100)] == [always.num_accepted(i, 5, 3) for i in range(100)]
 
 
-def test_no_ngram_match_decodes_one_token():
-    """Match rate 0: the prefill samples, no lookup ever matches, so every later step schedules
-    one token (no drafts to verify) and nothing is accepted."""
-    sched = _spec_scheduler(rate=1.0, spec_ngram_match_rate=0.0)
-    sched.add_request(make_request(0, 10, 6))
+def _scheduled_until_done(sched) -> list[tuple[int, int]]:
     scheduled = []
     while sched.has_unfinished_requests():
         out = sched.schedule()
         scheduled.append((out.total_num_scheduled_tokens, out.num_draft_tokens))
         sched.update_from_output(out)
-    assert scheduled == [(10, 0)] + [(1, 0)] * 5
+    return scheduled
+
+
+def test_no_ngram_match_decodes_one_token():
+    """Match rate 0 on vLLM's V1 model runner (the lookup on the host): the prefill samples, no
+    lookup ever matches, so every later step schedules one token (no drafts to verify) and
+    nothing is accepted."""
+    sched = _spec_scheduler(rate=1.0, spec_ngram_match_rate=0.0, model_runner="v1")
+    sched.add_request(make_request(0, 10, 6))
+    assert _scheduled_until_done(sched) == [(10, 0)] + [(1, 0)] * 5
     assert sched.spec_stats["num_drafts"] == 0 and sched.spec_stats["num_accepted_tokens"] == 0
+
+
+def test_no_ngram_match_on_the_device_verifies_rejected_drafts():
+    """Match rate 0 on vLLM's V2 model runner (its default: the lookup in a GPU kernel): every
+    step after the prefill still verifies K drafts, all rejected, so the request advances one
+    token a step at the cost of 1 + K; with matches at the same acceptance it goes faster."""
+    for runner in ("auto", "v2"):
+        sched = _spec_scheduler(rate=1.0, spec_ngram_match_rate=0.0, model_runner=runner)
+        sched.add_request(make_request(0, 10, 6))
+        assert _scheduled_until_done(sched) == [(10, 0)] + [(4, 3)] * 5
+        stats = sched.spec_stats
+        assert stats["num_drafts"] == 5 and stats["num_draft_tokens"] == 15 and stats["num_accepted_tokens"] == 0
+    matching = _spec_scheduler(rate=1.0, spec_ngram_match_rate=1.0)
+    matching.add_request(make_request(0, 10, 6))
+    assert _scheduled_until_done(matching) == [(10, 0), (4, 3), (4, 3)]  # (1 + 3 accepted, then the last 1)
+
+
+def test_device_ngram_misses_reject_exactly_the_unmatched_positions():
+    """With misses drafting (V2), a position's acceptances are the host model's where it matched
+    and none where it did not; the proposals are always K."""
+    host = AcceptanceModel((0.8,) * 3, 5, match_rate=0.4)
+    device = AcceptanceModel((0.8,) * 3, 5, match_rate=0.4, drafts_on_miss=True)
+    for i in range(100):
+        for p in range(20):
+            assert device.num_proposed(i, p, 3) == 3
+            expected = host.num_accepted(i, p, 3) if host.proposes(i, p) else 0
+            assert device.num_accepted(i, p, 3) == expected
 
 
 def test_dynamic_speculation_lengths():
@@ -453,7 +519,18 @@ def test_position_rates_are_unconditional():
      "non-increasing"),
     (dict(speculative_method="eagle", num_speculative_tokens=3, spec_position_acceptance_rates="0.5,0.4"),
      "has 2 rates"),
-    (dict(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True), "ngram-based speculative"),
+    (dict(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True, model_runner="v1"),
+     "Async scheduling is not supported by the V1 model runner with ngram-based speculative decoding"),
+    (dict(speculative_method="suffix", spec_mean_draft_tokens=4.0, async_scheduling=True),
+     "V1 model runner with suffix-based speculative decoding"),  # (suffix picks V1)
+    (dict(speculative_method="suffix", spec_mean_draft_tokens=4.0, model_runner="v2"),
+     "Model Runner V2 does not yet support: speculative method 'suffix'"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_parallel_drafting=True, model_runner="v2"),
+     "Model Runner V2 does not yet support: parallel drafting for EAGLE speculative decoding"),
+    (dict(speculative_method="eagle", num_speculative_tokens=2, spec_parallel_drafting=True, async_scheduling=True,
+          model="llama-3-70b", tensor_parallel_size=4, pipeline_parallel_size=2),
+     "V1 model runner with pipeline parallelism"),  # (parallel drafting picks V1, which has no async PP)
+    (dict(model_runner="v3"), "model_runner must be one of auto, v1, v2"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, preemption_mode="swap"), "preemption_mode 'swap'"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_acceptance_rate=1.5), r"in \[0, 1\]"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="2-8:1"), "start at 1"),
@@ -624,8 +701,10 @@ def test_decode_chunks_steps_are_the_general_paths(monkeypatch, async_scheduling
             opts["long_prefill_token_threshold"] = int(rng.integers(1, 6))
         if i % 4 == 2 and opts["speculative_method"] == "ngram":
             opts["spec_ngram_match_rate"] = 0.5
-        if i % 4 == 3 and opts["speculative_method"] != "ngram":
-            opts["spec_parallel_drafting"] = True
+            if i % 8 == 2 and not async_scheduling:  # (on the host: no drafts without a match)
+                opts["model_runner"] = "v1"
+        if i % 4 == 3 and opts["speculative_method"] != "ngram" and not (async_scheduling and pipeline):
+            opts["spec_parallel_drafting"] = True  # (vLLM's V1 runner, which has no async pipeline stages)
         if i % 8 == 4 and opts["speculative_method"] != "ngram":
             opts["speculative_method"] = "dflash"
             opts.pop("spec_draft_model", None)
@@ -633,10 +712,7 @@ def test_decode_chunks_steps_are_the_general_paths(monkeypatch, async_scheduling
             for r in case["requests"]:
                 r["block_hashes"] = [int(x) for x in rng.integers(0, 3, -(-(r["prompt"] + r["output"]) // 8))]
         if async_scheduling:
-            opts["async_scheduling"] = True
-            if opts["speculative_method"] == "ngram":  # (vLLM refuses it under async scheduling)
-                opts["speculative_method"] = "eagle"
-                opts.pop("spec_ngram_match_rate", None)
+            opts["async_scheduling"] = True  # (ngram too: vLLM's V2 runner drafts n-grams on the device)
         if pipeline:
             opts["pipeline_parallel_size"] = pipeline
             if not async_scheduling:  # (pipeline stages run drafts under async scheduling only)

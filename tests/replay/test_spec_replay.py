@@ -234,8 +234,14 @@ def test_cli(tmp_path):
     assert steps["num_accepted_tokens"].sum() == spec["num_accepted_tokens"]
     assert "ngram, K=4" in (out / "report.html").read_text()
     r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "x"), "--quiet",
-                             "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--async-scheduling"])
+                             "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--async-scheduling",
+                             "--model-runner", "v1"])
     assert r.exit_code != 0 and "not supported by the V1 model runner with ngram-based" in r.output
+    r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "v2"), "--quiet",
+                             "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--async-scheduling"])
+    assert r.exit_code == 0, r.output  # (vLLM's default V2 runner drafts n-grams on the device)
+    v2 = json.loads((tmp_path / "v2" / "summary.json").read_text())["speculative_decoding"]
+    assert v2["model_runner"] == "v2" and v2["num_drafts"] > 0
     r = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "y"), "--quiet",
                              "--speculative-method", "eagle", "--num-speculative-tokens", "2",
                              "--prefill-replicas", "1", "--decode-replicas", "1", "--decode-set", "num_speculative_tokens=3"])
