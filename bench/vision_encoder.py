@@ -3,8 +3,8 @@
 Builds a model spec's ViT (gpu_backend/vision_tower.py: Qwen2.5-VL's, random weights) and times
 one forward pass over square dummy images of the given embeddings, then prints each time beside
 the roofline's for the GPU and their ratio (measured / roofline), and on a GPU the pass's
-activation peak (what vLLM's start-up profile of the encoder takes from the KV cache, which simkv
-does not count yet). On a GPU (scripts/gpu_check.sh runs it) that says how far the images' time
+activation peak (what vLLM's start-up profile of the encoder takes from the KV cache) beside
+simkv's estimate of it (simkv/capacity.py, vit_activation_bytes). On a GPU (scripts/gpu_check.sh runs it) that says how far the images' time
 in every replay is off; on a CPU, `--tiny` runs a small tower to check the script.
 
     .venv/bin/python bench/vision_encoder.py --device cuda [--gpu H100-SXM] [--embeds 256,1024,4096] [--out FILE]
@@ -35,6 +35,7 @@ def main() -> None:
 
     from gpu_backend.vision_tower import build_tower, dummy_image, time_tower
     from simkv.backends.vision_encoder import VisionEncoderCost
+    from simkv.capacity import vit_activation_bytes
     from simkv.specs import get_gpu_spec, get_model_spec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,8 +61,8 @@ def main() -> None:
     cost = VisionEncoderCost(spec, get_gpu_spec(gpu))
     rows = []
     print(f"{a.model}'s vision encoder on {device_name} ({dtype}), roofline for {gpu}:")
-    print("| embeddings | patches | measured ms | roofline ms | measured / roofline | activation peak GiB |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+    print("| embeddings | patches | measured ms | roofline ms | measured / roofline | activation peak GiB "
+          "| simkv's estimate GiB |\n|---:|---:|---:|---:|---:|---:|---:|")
     cuda = a.device.startswith("cuda")
     for embeds in sizes:
         pixels, grid = dummy_image(model.config, embeds, a.device, dtype)
@@ -72,10 +73,11 @@ def main() -> None:
         seconds = time_tower(model, pixels, grid, repeats=a.repeats)
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         roof = cost.seconds((embeds,))
+        estimate = vit_activation_bytes(spec, int(pixels.shape[0]))
         rows.append({"embeds": embeds, "patches": int(pixels.shape[0]), "measured_s": seconds, "roofline_s": roof,
-                     "ratio": seconds / roof, "activation_peak_bytes": peak})
+                     "ratio": seconds / roof, "activation_peak_bytes": peak, "estimated_activation_bytes": estimate})
         print(f"| {embeds:,} | {pixels.shape[0]:,} | {1e3 * seconds:.2f} | {1e3 * roof:.2f} | {seconds / roof:.2f} | "
-              + (f"{peak / 2**30:.2f} |" if peak is not None else "- |"), flush=True)
+              + (f"{peak / 2**30:.2f} |" if peak is not None else "- |") + f" {estimate / 2**30:.2f} |", flush=True)
     if a.out is not None:
         a.out.write_text(json.dumps({"model": a.model, "device": device_name, "gpu_spec": gpu, "dtype": str(dtype),
                                      "tiny": a.tiny, "rows": rows}, indent=1))

@@ -134,6 +134,8 @@ def vision_lines(run: Path) -> list[str]:
             f"{1e3 * row['measured_s']:.2f} ms, roofline {1e3 * row['roofline_s']:.2f} ms ({row['ratio']:.2f}x)"
             + (f", activation peak {row['activation_peak_bytes'] / 2**30:.2f} GiB"
                if row.get("activation_peak_bytes") else "")
+            + (f" (simkv's estimate {row['estimated_activation_bytes'] / 2**30:.2f} GiB)"
+               if row.get("activation_peak_bytes") and row.get("estimated_activation_bytes") else "")
             for row in record["rows"]]
 
 

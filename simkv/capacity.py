@@ -12,7 +12,9 @@ all of them; a linear-attention group's block holds a request's state of that ma
 to the attention layers' page (the block size grows until that page holds a state:
 config.linear_attention_block_size).
 The activation reserve stands in for vLLM's profiling run: activations of one
-max_num_batched_tokens forward pass plus a fixed 1 GiB for CUDA graphs and the allocator.
+max_num_batched_tokens forward pass plus a fixed 1 GiB for CUDA graphs and the allocator; for a
+vision model the encoder's dummy batch of the largest items too (`encoder_profile`), whose peak
+may exceed the forward pass's.
 """
 
 from __future__ import annotations
@@ -128,11 +130,61 @@ def offloaded_weight_bytes(config: EngineConfig, weights: float) -> float:
     return min(config.cache.cpu_offload_gb * GIB, weights)
 
 
-def activation_reserve_bytes(config: EngineConfig) -> int:
+def activation_reserve_bytes(config: EngineConfig, encoder: bool = True) -> int:
+    """What vLLM's start-up profile leaves for activations on one GPU: the peak of its dummy
+    forward pass of max_num_batched_tokens tokens (bf16, at the widest MLP: the gated MLP's two
+    halves and four hidden-size tensors a token), and for a vision model (unless `encoder` is
+    off: a pipeline stage after the first) the encoder's dummy batch before it
+    (`encoder_profile_bytes`), whose embeddings stay cached through the forward pass; plus a
+    fixed reserve for CUDA graphs and the allocator."""
     spec = config.hardware.model_spec()
     tp = config.hardware.tensor_parallel_size
     per_token = 2 * (2 * spec.widest_mlp // tp + 4 * spec.hidden_size)
-    return config.scheduler.max_num_batched_tokens * per_token + _FIXED_RESERVE_BYTES
+    forward = config.scheduler.max_num_batched_tokens * per_token
+    vit, embeddings = encoder_profile_bytes(config) if encoder else (0, 0)
+    return max(forward + embeddings, vit) + _FIXED_RESERVE_BYTES
+
+
+def encoder_profile(config: EngineConfig) -> tuple[int, int] | None:
+    """A vision model's encoder in vLLM's start-up profile (its profile_run and MultiModalBudget):
+    (items, embeddings each) of the dummy batch, every item of the largest size, as many as the
+    encoder budget holds, at most max_num_seqs prompts' worth and at least one. None without a
+    vision encoder or under skip_mm_profiling."""
+    spec, sc = config.hardware.model_spec(), config.scheduler
+    if not spec.vision_num_layers or config.cache.skip_mm_profiling:
+        return None
+    from simkv.core.encoder_cache import encoder_budget
+
+    largest = sc.mm_max_tokens_per_item or spec.mm_max_tokens_per_item
+    by_budget = encoder_budget(sc.max_num_batched_tokens, largest) // largest
+    # (vLLM also caps the prompts at max_num_batched_tokens // largest with chunked prefill off,
+    # which never binds below the budget's count)
+    return max(1, min(by_budget, sc.max_num_seqs * max(1, config.max_model_len // largest))), largest
+
+
+def encoder_profile_bytes(config: EngineConfig) -> tuple[int, int]:
+    """(the ViT's activation peak, the embeddings it outputs) on one GPU in vLLM's encoder profile
+    (`encoder_profile`; 0, 0 without one): per patch, the language model's estimate at the ViT's
+    width (two MLP-intermediate and four hidden-size bf16 tensors), the MLP split by TP, or under
+    mm_encoder_tp_mode "data" whole on each GPU, which encodes its share of the items; the
+    embeddings (and DeepStack's features) of every item, all-gathered onto every GPU."""
+    profile = encoder_profile(config)
+    if profile is None:
+        return 0, 0
+    items, each = profile
+    hw = config.hardware
+    spec = hw.model_spec()
+    tp = hw.tensor_parallel_size
+    split, local = (1, -(-items // tp)) if hw.mm_encoder_tp_mode == "data" else (tp, items)
+    return vit_activation_bytes(spec, local * each * spec.vision_patches_per_embed, split), \
+        items * each * spec.vision_embed_bytes
+
+
+def vit_activation_bytes(spec, patches: int, split: int = 1) -> int:
+    """The activation peak of a ViT pass over `patches` patches on one GPU, estimated as the
+    language model's is: two MLP-intermediate tensors (split over `split` GPUs) and four
+    hidden-size ones a patch, bf16 (bench/vision_encoder.py measures it on a GPU)."""
+    return patches * 2 * (2 * spec.vision_intermediate_size // split + 4 * spec.vision_hidden_size)
 
 
 def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
@@ -197,15 +249,15 @@ def _pipeline_stage_blocks(config: EngineConfig, stages: list[tuple[int, int, in
     """vLLM gives every pipeline stage the blocks of the one with the fewest: (blocks, that
     stage's KV memory, the stage)."""
     num_layers = config.hardware.model_spec().num_layers
-    budget = (get_gpu_spec(config.hardware.gpu).memory_bytes * config.cache.gpu_memory_utilization
-              - activation_reserve_bytes(config))
+    memory = get_gpu_spec(config.hardware.gpu).memory_bytes * config.cache.gpu_memory_utilization
     given = config.cache.kv_cache_memory_bytes
     best = None
     for i, (n, weights, stage_block) in enumerate(stages):
         lora = lora_bytes * n / num_layers
         if given is not None:  # (every stage's GPUs hold the KV bytes given)
-            _check_given_kv_memory(config, weights + lora, f" on pipeline stage {i}")
-        available = int(budget - weights - lora) if given is None else given
+            _check_given_kv_memory(config, weights + lora, f" on pipeline stage {i}", encoder=i == 0)
+        reserve = activation_reserve_bytes(config, encoder=i == 0)  # (the first stage runs a vision encoder)
+        available = int(memory - reserve - weights - lora) if given is None else given
         if available <= 0:
             raise ConfigError(
                 f"No available memory for the cache blocks on pipeline stage {i} ({n} layers). Try increasing "
@@ -216,12 +268,13 @@ def _pipeline_stage_blocks(config: EngineConfig, stages: list[tuple[int, int, in
     return best
 
 
-def _check_given_kv_memory(config: EngineConfig, resident_bytes: float, where: str = "") -> None:
+def _check_given_kv_memory(config: EngineConfig, resident_bytes: float, where: str = "",
+                           encoder: bool = True) -> None:
     """kv_cache_memory_bytes is taken as given (vLLM skips its memory check then), but the GPU must
     also hold the weights (`resident_bytes`, LoRA slots included) and the activation reserve: else
     vLLM runs out of memory allocating the cache."""
     gpu = get_gpu_spec(config.hardware.gpu)
-    kv, other = config.cache.kv_cache_memory_bytes, resident_bytes + activation_reserve_bytes(config)
+    kv, other = config.cache.kv_cache_memory_bytes, resident_bytes + activation_reserve_bytes(config, encoder)
     if kv + other > gpu.memory_bytes:
         raise ConfigError(
             f"kv_cache_memory_bytes {kv:,} ({_gib(kv)} GiB) with {_gib(other)} GiB of weights and activations"

@@ -54,6 +54,9 @@ class CacheConfig:
     # host memory, which leaves that much more for the KV cache, and which every forward pass reads
     # over the host link (capacity.offloaded_weight_bytes, the roofline's weight traffic)
     cpu_offload_gb: float = 0.0
+    # vLLM's --skip-mm-profiling: a vision model's start-up profile leaves its encoder out (the
+    # activation reserve then holds the language model's alone; simkv/capacity.py)
+    skip_mm_profiling: bool = False
     # GiB of CPU memory for KV offloading, over all GPUs of the engine (vLLM's --kv-offloading-size
     # with its native backend; each data-parallel rank is an engine with a tier of its own);
     # None: no offloading (core/kv_offload.py)
@@ -1355,6 +1358,8 @@ class EngineConfig:
             del out["parallel_sampling"]
         if not self.scheduler.enable_lora:  # (only with LoRA: configs without it read as before)
             del out["enable_lora"], out["max_loras"], out["max_lora_rank"], out["max_cpu_loras"], out["lora_load_gbs"]
+        if not self.cache.skip_mm_profiling:  # (the default: configs read as before)
+            del out["skip_mm_profiling"]
         if self.scheduler.mm_max_tokens_per_item is None:  # (only for multimodal traces: configs read as before)
             del out["mm_max_tokens_per_item"]
         if not self.scheduler.disable_chunked_mm_input:  # (likewise)

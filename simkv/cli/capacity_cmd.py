@@ -6,8 +6,8 @@ import json
 
 import click
 
-from simkv.capacity import (GIB, compute_capacity, kv_bytes_per_token, offloaded_weight_bytes, request_concurrency,
-                             resident_weight_bytes)
+from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes,
+                             kv_bytes_per_token, offloaded_weight_bytes, request_concurrency, resident_weight_bytes)
 from simkv.cli.replay_cmd import ByteCount, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
@@ -99,6 +99,11 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
             "mm_max_tokens_per_item": largest,
             "encoder_budget_and_cache": encoder_budget(config.scheduler.max_num_batched_tokens, largest),
             "seconds_for_largest_item": vision_encoder_cost(config).seconds((largest,))}
+        profile = encoder_profile(config)
+        if profile is not None:  # (vLLM's dummy batch at start-up: its activations come out of the KV cache)
+            vit, embeddings = encoder_profile_bytes(config)
+            extra["vision_encoder"] |= {"profile_items": profile[0], "profile_activation_bytes": vit,
+                                        "profile_embedding_bytes": embeddings}
     if hybrid:
         extra["kv_cache_groups"] = groups.describe() | {"summary": groups.summary(), "hybrid_kv_cache_manager": hybrid}
     if request_tokens:
@@ -125,6 +130,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         "kv_bytes_per_request_per_gpu": per_request_gpu,
         "block_bytes_per_gpu": cap.block_bytes,
         "weight_bytes_per_gpu": weights_per_gpu,  # (the draft network's, if any, not included)
+        "activation_reserve_bytes": activation_reserve_bytes(config),  # (vLLM's start-up profile, estimated)
         "num_params": spec.num_params,
         "num_active_params": spec.num_active_params,  # per token (a mixture of experts: k experts)
         "available_kv_bytes_per_gpu": cap.available_kv_bytes,
@@ -166,6 +172,7 @@ def print_report(rep: dict) -> None:
         ("max_num_seqs / max_num_batched_tokens", f"{rep['max_num_seqs']:,} / {rep['max_num_batched_tokens']:,}"),
         ("weights per GPU" + (f" ({rep['quantization']})" if rep.get("quantization") else "")
          + (" (in GPU memory)" if rep.get("cpu_offload") else ""), _bytes(rep["weight_bytes_per_gpu"])),
+        ("activations and CUDA graphs per GPU (vLLM's profile, estimated)", _bytes(rep["activation_reserve_bytes"])),
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
@@ -240,6 +247,10 @@ def print_report(rep: dict) -> None:
         rows.append(("encoder budget per step and encoder cache (embeddings)",
                      f"{vis['encoder_budget_and_cache']:,} (largest item {vis['mm_max_tokens_per_item']:,}: "
                      f"{vis['seconds_for_largest_item'] * 1e3:,.1f} ms to encode, roofline)"))
+        if "profile_items" in vis:
+            rows.append((f"start-up profile: {vis['profile_items']} item(s) of {vis['mm_max_tokens_per_item']:,} "
+                         "(ViT activations; embeddings)", f"{_bytes(vis['profile_activation_bytes'])}; "
+                                                         f"{_bytes(vis['profile_embedding_bytes'])}"))
     if rep.get("cpu_offload"):
         off = rep["cpu_offload"]
         rows.append(("weights per GPU in host memory (--cpu-offload-gb), read every forward",
@@ -269,6 +280,11 @@ def print_report(rep: dict) -> None:
               help="vLLM's: the layers split over that many stages of TP GPUs each [default: 1]")
 @click.option("--mm-encoder-tp-mode", type=click.Choice(["weights", "data"]), default=None,
               help="vLLM's: the vision encoder split over the TP GPUs, or whole on each [default: weights]")
+@click.option("--mm-max-tokens-per-item", type=int, default=None, metavar="N",
+              help="A vision model's largest item (an image) in embeddings: its encoder budget, cache and start-up "
+                   "profile [default: the model's]")
+@click.option("--skip-mm-profiling", is_flag=True, default=None,
+              help="vLLM's: the start-up memory profile leaves out the vision encoder [default: profiled]")
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,
               help="vLLM's: fp8 quantizes a bf16 checkpoint's linear layers and experts [default: the checkpoint's]")
 @click.option("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None, help="[default: 0.92]")

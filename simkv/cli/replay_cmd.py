@@ -48,7 +48,7 @@ _ENGINE_FLAGS = {
     "enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras", "lora_load_gbs": "lora_load_gbs",
     "mm_max_tokens_per_item": "mm_max_tokens_per_item", "disable_chunked_mm_input": "disable_chunked_mm_input",
-    "mm_encoder_tp_mode": "mm_encoder_tp_mode",
+    "mm_encoder_tp_mode": "mm_encoder_tp_mode", "skip_mm_profiling": "skip_mm_profiling",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
@@ -294,6 +294,10 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: under tensor parallelism the vision encoder's layers split over the GPUs (weights) "
                       "or each GPU holding it whole and encoding its share of a step's images (data) "
                       "[default: weights]"),
+    click.option("--skip-mm-profiling", is_flag=True, default=None,
+                 help="vLLM's: a vision model's start-up memory profile leaves out the encoder's dummy batch of the "
+                      "largest images, which leaves the KV cache more (at the risk of running out of memory) "
+                      "[default: profiled]"),
     click.option("--max-num-queued-reqs", type=int, default=None,
                  help="vLLM's --max-num-queued-reqs: refuse a request (HTTP 503) when the engine's unfinished "
                       "requests would exceed this [default: no limit]"),

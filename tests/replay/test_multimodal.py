@@ -238,7 +238,14 @@ def test_the_first_pipeline_stage_runs_the_encoder_and_holds_its_weights():
     assert vl.pipeline_binding_stage == 0
     vision = get_model_spec("qwen2.5-vl-7b").vision_weight_bytes
     assert vl.pipeline_stage_weight_bytes - plain.pipeline_stage_weight_bytes == pytest.approx(vision, abs=1)
-    assert (plain.num_gpu_blocks - vl.num_gpu_blocks) * vl.block_bytes == pytest.approx(vision, abs=vl.block_bytes)
+    # (and the encoder's start-up profile: only the first stage's activation reserve holds it)
+    from simkv.capacity import activation_reserve_bytes
+
+    profile = activation_reserve_bytes(_config(pipeline_parallel_size=2)) - activation_reserve_bytes(
+        _config(pipeline_parallel_size=2), encoder=False)
+    assert profile > 0
+    assert (plain.num_gpu_blocks - vl.num_gpu_blocks) * vl.block_bytes == pytest.approx(vision + profile,
+                                                                                        abs=vl.block_bytes)
 
 
 def test_data_parallel_ranks_wait_for_the_slowest_ranks_encoder():
@@ -341,6 +348,35 @@ def test_the_recorded_cases_catch_these_mistakes(monkeypatch, mutant):
     assert sum(_steps_otherwise(c) for c in CASES) >= (8 if mutant == "references kept" else 3)
 
 
+def test_vllms_start_up_profile_runs_the_encoder_on_its_largest_items():
+    """vLLM profiles a vision model's encoder on a dummy batch of its largest items, as many as
+    the encoder budget holds (at most max_num_seqs prompts' worth, at least one), before the
+    language model's dummy forward pass, which runs with their embeddings cached: the activation
+    reserve is the larger of the two peaks, and --skip-mm-profiling leaves the encoder out."""
+    from simkv.capacity import GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes
+
+    assert encoder_profile(_config()) == (1, 16384)  # (budget max(8,192, 16,384): one item)
+    assert encoder_profile(_config(mm_max_tokens_per_item=1024)) == (8, 1024)
+    assert encoder_profile(_config(mm_max_tokens_per_item=1024, max_num_seqs=1, max_model_len=2048)) == (2, 1024)
+    assert encoder_profile(_config(skip_mm_profiling=True)) is None
+    assert encoder_profile(_config(model="qwen2.5-7b")) is None
+    vit, embeddings = encoder_profile_bytes(_config())
+    assert vit == 16384 * 4 * 2 * (2 * 3420 + 4 * 1280)  # (4 patches an embedding; the ViT's MLP and width)
+    assert embeddings == 16384 * 3584 * 2
+    forward = 8192 * 2 * (2 * 18944 + 4 * 3584)
+    assert vit > forward + embeddings  # (here the encoder's peak is the larger)
+    assert activation_reserve_bytes(_config()) == vit + GIB
+    assert activation_reserve_bytes(_config(skip_mm_profiling=True)) == forward + GIB
+    small = _config(mm_max_tokens_per_item=256, max_num_batched_tokens=8192)
+    assert activation_reserve_bytes(small) == forward + 8192 * 3584 * 2 + GIB  # (the forward pass's, embeddings held)
+    profiled, skipped = (compute_capacity(_config(skip_mm_profiling=skip)) for skip in (False, True))
+    assert (skipped.num_gpu_blocks - profiled.num_gpu_blocks) * profiled.block_bytes == pytest.approx(
+        vit - forward, abs=profiled.block_bytes)
+    split, whole = (encoder_profile_bytes(_config(tensor_parallel_size=2, **mode))[0]
+                    for mode in ({}, {"mm_encoder_tp_mode": "data"}))
+    assert split == 16384 * 4 * 2 * (3420 + 4 * 1280) and whole == vit  # (data mode: one GPU runs the one item whole)
+
+
 def test_capacity_shows_the_encoder_budget_and_weights():
     result = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--max-num-batched-tokens", "32768",
                                        "--json"])
@@ -351,8 +387,11 @@ def test_capacity_shows_the_encoder_budget_and_weights():
     assert vis["weight_bytes_per_gpu"] == 2 * (32 * spec.vision_layer_params + spec.vision_merger_params)
     cost = VisionEncoderCost(spec, get_gpu_spec("H100-SXM"))
     assert vis["seconds_for_largest_item"] == pytest.approx(cost.seconds((16384,)))
+    assert vis["profile_items"] == 2 and vis["profile_embedding_bytes"] == 2 * 16384 * 3584 * 2  # (32,768 // 16,384)
     text = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--json"])
     assert "vision_encoder" not in json.loads(text.output)
+    skipped = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--skip-mm-profiling", "--json"])
+    assert "profile_items" not in json.loads(skipped.output)["vision_encoder"]
 
 
 def test_images_replay_with_eagle_drafts():
