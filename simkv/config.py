@@ -1237,6 +1237,9 @@ class EngineConfig:
         proposer or pipeline stages (vLLM's texts)."""
         if self.scheduler.model_runner == "v2" and self._v2_unsupported():
             raise ConfigError(f"Model Runner V2 does not yet support: {', '.join(self._v2_unsupported())}")
+        if self.model_runner_in_force == "v1" and self.speculative.multi_module_mtp(self.hardware.model_spec()):
+            raise ConfigError("multi-module MTP is vLLM's V2 model runner's (its MultiModuleMTPSpeculator): with "
+                              "model_runner 'v1' it is not modelled")
         if not self.scheduler.async_scheduling or self.model_runner_in_force != "v1":
             return
         spec = self.speculative

@@ -531,6 +531,8 @@ def test_position_rates_are_unconditional():
           model="llama-3-70b", tensor_parallel_size=4, pipeline_parallel_size=2),
      "V1 model runner with pipeline parallelism"),  # (parallel drafting picks V1, which has no async PP)
     (dict(model_runner="v3"), "model_runner must be one of auto, v1, v2"),
+    (dict(speculative_method="mtp", num_speculative_tokens=3, spec_mtp_modules=3, model_runner="v1"),
+     "multi-module MTP is vLLM's V2 model runner's"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, preemption_mode="swap"), "preemption_mode 'swap'"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_acceptance_rate=1.5), r"in \[0, 1\]"),
     (dict(speculative_method="ngram", num_speculative_tokens=2, spec_tokens_per_batch_size="2-8:1"), "start at 1"),
