@@ -120,7 +120,33 @@ def resident_weight_bytes(config: EngineConfig) -> float:
     spec = hw.model_spec()
     weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
     weights += hw.vision_weight_bytes_per_gpu() - spec.vision_weight_bytes / hw.tensor_parallel_size  # (TP mode "data")
-    return weights - offloaded_weight_bytes(config, weights)
+    offloaded, buffers = prefetched_weight_bytes(config)
+    return weights - offloaded_weight_bytes(config, weights) - offloaded + buffers
+
+
+def decoder_layer_bytes_per_gpu(config: EngineConfig) -> float:
+    """One decoder layer's weights on one GPU (their mean over the layers): split by TP, the
+    routed experts over every data-parallel rank's GPUs, a sparse-attention indexer whole."""
+    hw = config.hardware
+    spec = hw.model_spec()
+    replicated = spec.indexer_weight_bytes
+    split = spec.layer_weight_bytes - replicated + spec.routed_expert_bytes / hw.data_parallel_size
+    return (split / hw.tensor_parallel_size + replicated) / spec.num_layers
+
+
+def prefetched_weight_bytes(config: EngineConfig) -> tuple[float, float]:
+    """vLLM's prefetch weight offloading (offload_group_size > 0): (the offloaded layers' weights
+    a GPU keeps in host memory, its static buffers: offload_prefetch_step layers' worth); 0, 0
+    without it."""
+    cc = config.cache
+    if not cc.offload_group_size:
+        return 0.0, 0.0
+    from simkv.backends.weight_prefetch import offloaded_layers
+
+    layer = decoder_layer_bytes_per_gpu(config)
+    count = len(offloaded_layers(config.hardware.model_spec().num_layers, cc.offload_group_size,
+                                 cc.offload_num_in_group))
+    return count * layer, min(cc.offload_prefetch_step, count) * layer
 
 
 def offloaded_weight_bytes(config: EngineConfig, weights: float) -> float:

@@ -54,6 +54,13 @@ class CacheConfig:
     # host memory, which leaves that much more for the KV cache, and which every forward pass reads
     # over the host link (capacity.offloaded_weight_bytes, the roofline's weight traffic)
     cpu_offload_gb: float = 0.0
+    # vLLM's prefetch weight offloading (--offload-group-size G --offload-num-in-group N
+    # --offload-prefetch-step S; its PrefetchOffloader): the last N decoder layers of every G live
+    # in host memory, copied each forward pass into S GPU buffers, S layers ahead of their use
+    # (simkv/backends/weight_prefetch.py); 0: off
+    offload_group_size: int = 0
+    offload_num_in_group: int = 1
+    offload_prefetch_step: int = 1
     # vLLM's --skip-mm-profiling: a vision model's start-up profile leaves its encoder out (the
     # activation reserve then holds the language model's alone; simkv/capacity.py)
     skip_mm_profiling: bool = False
@@ -79,6 +86,19 @@ class CacheConfig:
             raise ConfigError(f"swap_space must be >= 0 and pcie_bandwidth_gbs > 0, got {self.swap_space}, {self.pcie_bandwidth_gbs}")
         if self.cpu_offload_gb < 0:
             raise ConfigError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if self.offload_group_size < 0 or self.offload_num_in_group < 1:
+            raise ConfigError(f"offload_group_size must be >= 0 and offload_num_in_group >= 1, got "
+                              f"{self.offload_group_size}, {self.offload_num_in_group}")
+        if self.offload_group_size:  # (vLLM's texts)
+            if self.offload_num_in_group > self.offload_group_size:
+                raise ConfigError(f"offload_num_in_group ({self.offload_num_in_group}) must be <= offload_group_size "
+                                  f"({self.offload_group_size})")
+            if self.offload_prefetch_step < 1:
+                raise ConfigError(f"offload_prefetch_step ({self.offload_prefetch_step}) must be >= 1 when prefetch "
+                                  "offloading is enabled (offload_group_size > 0)")
+            if self.cpu_offload_gb:
+                raise ConfigError("cpu_offload_gb and offload_group_size: vLLM then picks the prefetch backend and "
+                                  "ignores cpu_offload_gb (with a warning); give one")
         if self.allocator not in ("paged", "contiguous"):
             raise ConfigError(f"allocator must be 'paged' or 'contiguous', got '{self.allocator}'")
         if self.block_size < 1:
@@ -1144,7 +1164,8 @@ class EngineConfig:
 
     def _verify_data_parallel(self) -> None:
         unsupported = [(self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
-                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
+                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'"),
+                       (self.cache.offload_group_size > 0, "prefetch weight offloading (offload_group_size)")]
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"data_parallel_size > 1 is not modelled with {what}")
@@ -1163,7 +1184,8 @@ class EngineConfig:
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
                        (sched.max_num_admissions_per_step is not None, "max_num_admissions_per_step"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
-                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens")]
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
+                       (cache.offload_group_size > 0, "prefetch weight offloading (offload_group_size)")]
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"pipeline_parallel_size > 1 is not modelled with {what} yet")
@@ -1363,6 +1385,8 @@ class EngineConfig:
             del out["enable_lora"], out["max_loras"], out["max_lora_rank"], out["max_cpu_loras"], out["lora_load_gbs"]
         if not self.cache.skip_mm_profiling:  # (the default: configs read as before)
             del out["skip_mm_profiling"]
+        if not self.cache.offload_group_size:  # (likewise)
+            del out["offload_group_size"], out["offload_num_in_group"], out["offload_prefetch_step"]
         if self.scheduler.mm_max_tokens_per_item is None:  # (only for multimodal traces: configs read as before)
             del out["mm_max_tokens_per_item"]
         if not self.scheduler.disable_chunked_mm_input:  # (likewise)

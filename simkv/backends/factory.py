@@ -14,6 +14,10 @@ COST_MODELS = ("unit", "linear", "roofline")
 def make_backend(name: str, config: EngineConfig, step_base_s: float = 0.015, step_per_token_s: float = 2e-5,
                  step_noise: str = "none", noise_seed: int = 0):
     backend = _cost_model(name, config, step_base_s, step_per_token_s, step_noise, noise_seed)
+    if config.cache.offload_group_size and name not in ("unit", "linear"):  # (waits for prefetched layers)
+        from simkv.backends.weight_prefetch import PrefetchOffloadBackend
+
+        backend = PrefetchOffloadBackend(backend, config)
     if config.speculative.enabled:  # the drafter's passes come on top (simkv/backends/drafting.py)
         from simkv.backends.drafting import SpeculativeBackend
 
@@ -41,9 +45,10 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
     if name.endswith(".json"):  # a calib.json fitted by `simkv calibrate` (simkv/calibration/)
         from simkv.calibration.costmodel import cost_model_from_file
 
-        if config.cache.cpu_offload_gb:
+        if config.cache.cpu_offload_gb or config.cache.offload_group_size:
             raise ValueError(f"--cost-model {name}: a calibration times steps with every weight in GPU memory; "
-                             "--cpu-offload-gb's reads over the host link are the roofline's")
+                             "weight offloading's host-link traffic (--cpu-offload-gb, --offload-group-size) "
+                             "is the roofline's")
         if config.hardware.quantization or config.hardware.decode_context_parallel_size > 1:
             what = ("--quantization " + config.hardware.quantization if config.hardware.quantization
                     else "decode context parallelism")

@@ -6,8 +6,9 @@ import json
 
 import click
 
-from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes,
-                             kv_bytes_per_token, offloaded_weight_bytes, request_concurrency, resident_weight_bytes)
+from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, decoder_layer_bytes_per_gpu,
+                             encoder_profile, encoder_profile_bytes, kv_bytes_per_token, offloaded_weight_bytes,
+                             prefetched_weight_bytes, request_concurrency, resident_weight_bytes)
 from simkv.cli.replay_cmd import ByteCount, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
@@ -51,6 +52,15 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         offloaded = offloaded_weight_bytes(config, spec.weight_bytes_per_gpu(tp, dp))
         extra["cpu_offload"] = {"cpu_offload_gb": config.cache.cpu_offload_gb,
                                 "offloaded_weight_bytes_per_gpu": int(offloaded)}
+    if config.cache.offload_group_size:  # (vLLM's prefetch weight offloading)
+        from simkv.backends.weight_prefetch import offloaded_layers
+
+        offloaded, buffers = prefetched_weight_bytes(config)
+        extra["weight_prefetch"] = {
+            "offloaded_layers": len(offloaded_layers(spec.num_layers, config.cache.offload_group_size,
+                                                     config.cache.offload_num_in_group)),
+            "offloaded_weight_bytes_per_gpu": int(offloaded), "buffer_bytes_per_gpu": int(buffers),
+            "copy_s_per_layer": decoder_layer_bytes_per_gpu(config) / (config.cache.pcie_bandwidth_gbs * 1e9)}
     if pp > 1:  # (per GPU: the figures of the stage with the fewest blocks, which every stage gets)
         extra["pipeline"] = {"pipeline_parallel_size": pp, "layers_per_stage": list(cap.pipeline_layers),
                              "binding_stage": cap.pipeline_binding_stage}
@@ -251,6 +261,11 @@ def print_report(rep: dict) -> None:
             rows.append((f"start-up profile: {vis['profile_items']} item(s) of {vis['mm_max_tokens_per_item']:,} "
                          "(ViT activations; embeddings)", f"{_bytes(vis['profile_activation_bytes'])}; "
                                                          f"{_bytes(vis['profile_embedding_bytes'])}"))
+    if rep.get("weight_prefetch"):
+        pre = rep["weight_prefetch"]
+        rows.append((f"weights per GPU in host memory (prefetch: {pre['offloaded_layers']} layers; GPU buffers)",
+                     f"{_bytes(pre['offloaded_weight_bytes_per_gpu'])}; {_bytes(pre['buffer_bytes_per_gpu'])}"))
+        rows.append(("a layer's copy over the host link", f"{pre['copy_s_per_layer'] * 1e3:.2f} ms"))
     if rep.get("cpu_offload"):
         off = rep["cpu_offload"]
         rows.append(("weights per GPU in host memory (--cpu-offload-gb), read every forward",
@@ -318,6 +333,11 @@ def print_report(rep: dict) -> None:
 @click.option("--pcie-bandwidth-gbs", type=float, default=None, help="host<->GPU bandwidth, GB/s [default: 63]")
 @click.option("--cpu-offload-gb", type=float, default=None, metavar="GIB",
               help="vLLM's: GiB of each GPU's weights kept in host memory, freeing that much for the KV cache")
+@click.option("--offload-group-size", type=int, default=None, metavar="G",
+              help="vLLM's prefetch weight offloading: the last --offload-num-in-group of every G decoder layers in "
+                   "host memory, --offload-prefetch-step layers' buffers on the GPU [default: off]")
+@click.option("--offload-num-in-group", type=int, default=None, metavar="N", help="[default: 1]")
+@click.option("--offload-prefetch-step", type=int, default=None, metavar="S", help="[default: 1]")
 @click.option("--speculative-method", type=click.Choice(SPEC_METHODS),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)

@@ -36,6 +36,8 @@ _ENGINE_FLAGS = {
     "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs", "cpu_offload_gb": "cpu_offload_gb",
+    "offload_group_size": "offload_group_size", "offload_num_in_group": "offload_num_in_group",
+    "offload_prefetch_step": "offload_prefetch_step",
     "parallel_sampling": "parallel_sampling",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
@@ -337,6 +339,13 @@ _ENGINE_OPTIONS = [
     click.option("--cpu-offload-gb", type=float, default=None, metavar="GIB",
                  help="vLLM's: GiB of each GPU's weights kept in host memory (UVA), which frees that much for the "
                       "KV cache and is read over the host link every forward pass (roofline) [default: 0]"),
+    click.option("--offload-group-size", type=int, default=None, metavar="G",
+                 help="vLLM's prefetch weight offloading: of every G decoder layers the last --offload-num-in-group "
+                      "live in host memory and are copied in each forward pass, --offload-prefetch-step layers "
+                      "ahead; a layer whose copy is late waits (roofline) [default: 0, off]"),
+    click.option("--offload-num-in-group", type=int, default=None, metavar="N", help="[default: 1]"),
+    click.option("--offload-prefetch-step", type=int, default=None, metavar="S",
+                 help="GPU buffers of one layer each, the copies' lead [default: 1]"),
     click.option("--kv-offloading-size", type=float, default=None,
                  help="GiB of CPU memory for KV offloading over the engine's GPUs (vLLM's native backend) [default: off]"),
     click.option("--kv-offloading-block-size", type=int, default=None,
@@ -521,8 +530,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     slo, config, data = read_inputs(trace, flags, config_file, goodput)
     if disaggregation is not None:
         check_pools(disaggregation, config)
-    if backend == "gpu" and config.cache.cpu_offload_gb:
-        raise click.UsageError("--cpu-offload-gb is simulated only: the gpu backend keeps every weight on the device")
+    if backend == "gpu" and (config.cache.cpu_offload_gb or config.cache.offload_group_size):
+        raise click.UsageError("--cpu-offload-gb and --offload-group-size are simulated only: the gpu backend keeps "
+                               "every weight on the device")
     if backend == "gpu" and config.speculative.enabled:
         raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
     if backend == "gpu":

@@ -82,7 +82,7 @@ def test_replay_and_capacity_with_offloaded_weights(tmp_path):
 
 
 @pytest.mark.parametrize("extra, text", [
-    (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "--cpu-offload-gb is simulated only"),
+    (["--backend", "gpu", "--device", "cpu", "--model", "tiny-llama"], "--cpu-offload-gb and --offload-group-size are simulated only"),
 ])
 def test_refused_where_not_modelled(tmp_path, extra, text):
     res = CliRunner().invoke(main, ["replay", str(ROOT / "traces" / "req400.parquet"), "--cpu-offload-gb", "1", *extra,
@@ -93,5 +93,5 @@ def test_refused_where_not_modelled(tmp_path, extra, text):
 def test_a_calibration_is_refused_with_offloaded_weights(tmp_path):
     calib = tmp_path / "calib.json"
     calib.write_text("{}")
-    with pytest.raises(ValueError, match="--cpu-offload-gb's reads over the host link are the roofline's"):
+    with pytest.raises(ValueError, match="weight offloading's host-link traffic .--cpu-offload-gb, --offload-group-size. is the roofline's"):
         make_backend(str(calib), _config(cpu_offload_gb=1))

@@ -1,0 +1,124 @@
+"""vLLM's prefetch weight offloading (`--offload-group-size G --offload-num-in-group N
+--offload-prefetch-step S`; its PrefetchOffloader), on top of the roofline.
+
+Of every G decoder layers the last N live in pinned host memory (`offloaded_layers`). The GPU
+keeps S static buffers of one layer each; offloaded layer j runs from buffer j mod S. The copies
+run on their own stream, one after another, over the host link: the first S are started before
+the model runs, and when offloaded layer j has run, the copy of layer j + S (vLLM's
+`_get_next_prefetch_index`; past the last one, around to the first ones, for the next forward
+pass) goes into the buffer j freed. An offloaded layer waits for its copy. So every forward pass
+copies every offloaded layer once, and a copy is hidden when the layers run between the one
+that freed its buffer and its own take at least as long.
+
+`PrefetchSchedule.stall` plays a step's layers on the compute stream (each the same share of the
+roofline's device time) against the copies, three identical steps in a row, with the step's
+time outside its layers (LM head, sampling, the host's share) between them, and returns what the
+third one waits for copies: the steady state of a run of such steps. The copies take each GPU's
+share of a layer's weights at the host link's rate (`pcie_bandwidth_gbs`); each GPU has a link
+of its own. An assumption, not a measurement.
+"""
+
+from __future__ import annotations
+
+from simkv.config import EngineConfig
+from simkv.core.outputs import SchedulerOutput
+
+
+def offloaded_layers(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
+    """The decoder layers vLLM's PrefetchOffloader keeps in host memory: the last
+    `num_in_group` of every `group_size`."""
+    return [i for i in range(num_layers) if i % group_size >= group_size - num_in_group]
+
+
+def next_prefetch_index(index: int, prefetch_step: int, count: int) -> int:
+    """The offloaded layer whose copy starts when offloaded layer `index` has run (vLLM's
+    `_get_next_prefetch_index`): `prefetch_step` ahead, around to the first ones, keeping each
+    buffer's layers."""
+    following = (index + prefetch_step) % count
+    if prefetch_step < count and following % prefetch_step != index % prefetch_step:
+        following = index % prefetch_step
+    return following
+
+
+class PrefetchSchedule:
+    """A forward pass's decoder layers against the offloaded layers' copies."""
+
+    _STEPS = 3  # (identical steps played; the last one's wait is the steady state's)
+
+    def __init__(self, num_layers: int, positions: list[int], prefetch_step: int, copy_s: float) -> None:
+        self.num_layers = num_layers
+        self.module_at = {p: j for j, p in enumerate(positions)}
+        count = len(positions)
+        self.follows = [next_prefetch_index(j, prefetch_step, count) for j in range(count)]
+        self.first = min(prefetch_step, count)
+        self.copy_s = copy_s
+        self._memo: dict[tuple[int, int], float] = {}
+
+    def stall(self, layer_s: float, gap_s: float) -> float:
+        """Seconds a step whose layers take `layer_s` each, with `gap_s` outside its layers,
+        waits for copies (0 when every copy is hidden)."""
+        if not self.module_at:
+            return 0.0
+        key = (round(layer_s * 1e9), round(gap_s * 1e9))  # (nanosecond buckets)
+        wait = self._memo.get(key)
+        if wait is None:
+            wait = self._memo[key] = self._play(layer_s, gap_s)
+        return wait
+
+    def _play(self, layer_s: float, gap_s: float) -> float:
+        copy_s, follows, module_at = self.copy_s, self.follows, self.module_at
+        ready = [0.0] * len(follows)  # (when each layer's copy is done; the first ones before the start)
+        copy_free = 0.0
+        for j in range(self.first):
+            copy_free += copy_s
+            ready[j] = copy_free
+        start = wait = 0.0
+        for _ in range(self._STEPS):
+            now, wait = start, 0.0
+            for layer in range(self.num_layers):
+                j = module_at.get(layer)
+                if j is not None and ready[j] > now:
+                    wait += ready[j] - now
+                    now = ready[j]
+                now += layer_s
+                if j is not None:
+                    copy_free = max(now, copy_free) + copy_s
+                    ready[follows[j]] = copy_free
+            start = now + gap_s
+        return wait
+
+
+class PrefetchOffloadBackend:
+    """The roofline plus the waits for prefetched layers (no decode runs: a step's wait is not
+    affine in its context)."""
+
+    supports_decode_runs = False
+
+    def __init__(self, inner, config: EngineConfig) -> None:
+        from simkv.capacity import decoder_layer_bytes_per_gpu
+
+        cc = config.cache
+        spec = config.hardware.model_spec()
+        self.inner = inner
+        self.name = inner.name
+        self.needs_request_detail = inner.needs_request_detail
+        if hasattr(inner, "host_seconds"):
+            self.host_seconds = inner.host_seconds
+        self.frontend_latency_s = getattr(inner, "frontend_latency_s", 0.0)
+        positions = offloaded_layers(spec.num_layers, cc.offload_group_size, cc.offload_num_in_group)
+        copy_s = decoder_layer_bytes_per_gpu(config) / (cc.pcie_bandwidth_gbs * 1e9)
+        self.schedule = PrefetchSchedule(spec.num_layers, positions, cc.offload_prefetch_step, copy_s)
+        self.fixed_s = getattr(inner, "fixed_s", 0.0)
+        self.wait_seconds = 0.0  # the steps' waits for copies so far
+        self.info = {"offloaded_layers": len(positions), "prefetch_step": cc.offload_prefetch_step,
+                     "copy_s_per_layer": copy_s, "pcie_gbs": cc.pcie_bandwidth_gbs}
+
+    def execute(self, output: SchedulerOutput) -> float:
+        seconds = self.inner.execute(output)
+        layers = max(seconds - self.fixed_s, 0.0)  # (the device's share; its layers taken as all of it)
+        wait = self.schedule.stall(layers / self.schedule.num_layers, seconds - layers)
+        self.wait_seconds += wait
+        return seconds + wait
+
+    def describe(self) -> dict:
+        return self.inner.describe() | {"weight_prefetch": self.info}

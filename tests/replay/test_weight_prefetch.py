@@ -1,0 +1,115 @@
+"""vLLM's prefetch weight offloading (--offload-group-size, --offload-num-in-group,
+--offload-prefetch-step): which layers leave the GPU, the buffers that stay, and the waits for
+copies a step's layers cannot hide."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from simkv.backends.factory import make_backend
+from simkv.backends.weight_prefetch import PrefetchSchedule, next_prefetch_index, offloaded_layers
+from simkv.capacity import compute_capacity, decoder_layer_bytes_per_gpu, prefetched_weight_bytes, resident_weight_bytes
+from simkv.cli.main import main
+from simkv.config import ConfigError, EngineConfig
+from tests.core.helpers import make_step
+
+
+def _config(**options) -> EngineConfig:
+    return EngineConfig.from_flat({"model": "llama-3-70b", "quantization": "fp8", "max_model_len": 8192} | options)
+
+
+def test_the_last_layers_of_each_group_are_offloaded_and_prefetched_in_turn():
+    """vLLM's example: group 8, 2 a group offloads layers 6, 7, 14, 15, ...; a finished layer's
+    buffer takes the layer `step` ahead, around to the first ones, each buffer keeping its layers."""
+    assert offloaded_layers(24, 8, 2) == [6, 7, 14, 15, 22, 23]
+    assert len(offloaded_layers(80, 8, 1)) == 10 and offloaded_layers(5, 8, 1) == []
+    assert [next_prefetch_index(j, 2, 6) for j in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [next_prefetch_index(j, 2, 5) for j in range(5)] == [2, 3, 4, 1, 0]  # (5 layers in 2 buffers)
+    assert [next_prefetch_index(j, 1, 3) for j in range(3)] == [1, 2, 0]
+
+
+def test_copies_are_waited_for_when_the_layers_between_cannot_hide_them():
+    """Four layers of 1 s, the last two offloaded, one buffer, copies of 3 s: the first offloaded
+    layer's copy starts when the step before ends (1 s of waiting after two layers), the second's
+    when the first has run (3 s): 4 s a step. With copies of 0.5 s the first hides behind the two
+    layers before it, the second cannot (no layer runs between the one that frees its buffer and
+    itself): 0.5 s. With a layer between offloaded ones and a buffer each, copies of 1 s hide.
+    The copy stream bounds a step from below: ten layers all offloaded, copies of 1 s, take at
+    least 10 s however short the layers."""
+    assert PrefetchSchedule(4, [2, 3], 1, 3.0).stall(1.0, 0.0) == pytest.approx(4.0)
+    assert PrefetchSchedule(4, [2, 3], 1, 0.5).stall(1.0, 0.0) == pytest.approx(0.5)
+    assert PrefetchSchedule(4, [0, 2], 2, 1.0).stall(1.0, 2.0) == 0.0
+    ten = PrefetchSchedule(10, list(range(10)), 2, 1.0)
+    assert 10 * 0.01 + ten.stall(0.01, 0.0) == pytest.approx(10.0, abs=0.02)
+    wider = PrefetchSchedule(10, [4, 9], 2, 3.0)
+    assert wider.stall(0.5, 0.1) < PrefetchSchedule(10, [4, 9], 1, 3.0).stall(0.5, 0.1)  # (a second buffer helps)
+
+
+def test_offloaded_layers_leave_their_memory_but_their_buffers_stay():
+    """Group 8, 1 a group: 10 of llama-3-70b's 80 layers leave each GPU, 2 layers' buffers
+    stay (prefetch step 2): the KV cache gains 8 layers' weights, in whole blocks."""
+    layer = decoder_layer_bytes_per_gpu(_config())
+    prefetch = _config(offload_group_size=8, offload_prefetch_step=2)
+    assert prefetched_weight_bytes(prefetch) == (10 * layer, 2 * layer)
+    assert resident_weight_bytes(_config()) - resident_weight_bytes(prefetch) == pytest.approx(8 * layer)
+    base, off = compute_capacity(_config()), compute_capacity(prefetch)
+    assert off.available_kv_bytes - base.available_kv_bytes == pytest.approx(8 * layer, abs=1)
+    tp2 = _config(tensor_parallel_size=2)
+    assert decoder_layer_bytes_per_gpu(tp2) == pytest.approx(layer / 2)
+
+
+def test_a_step_waits_for_copies_at_the_host_links_rate():
+    """A decode step of llama-3-70b (fp8) with 10 layers offloaded over a 63 GB/s link: each copy
+    (0.8 GB) takes longer than the 8 layers between, so the step lasts about the ten copies;
+    over a 900 GB/s link the copies hide and the step is the plain one."""
+    step = make_step(decodes=8, context=8 * 1000)
+    plain = make_backend("roofline", _config()).execute(step)
+    slow = make_backend("roofline", _config(offload_group_size=8, offload_prefetch_step=2))
+    copies = 10 * decoder_layer_bytes_per_gpu(_config()) / 63e9
+    assert slow.execute(step) >= copies > 4 * plain
+    assert slow.describe()["weight_prefetch"]["offloaded_layers"] == 10
+    fast = make_backend("roofline", _config(offload_group_size=8, offload_prefetch_step=2, pcie_bandwidth_gbs=900))
+    assert fast.execute(step) == pytest.approx(plain)
+    assert make_backend("unit", _config(offload_group_size=8)).execute(step) == 1.0
+
+
+def test_replay_and_capacity_with_prefetched_weights(tmp_path):
+    runner = CliRunner()
+    base = ["--model", "llama-3-70b", "--quantization", "fp8"]
+    out = tmp_path / "run"
+    result = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(out), "--quiet", *base,
+                                  "--offload-group-size", "8", "--offload-prefetch-step", "2"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["offload_group_size"] == 8
+    assert summary["num_gpu_blocks"] == compute_capacity(_config(offload_group_size=8, offload_prefetch_step=2)).num_gpu_blocks
+    cap = runner.invoke(main, ["capacity", *base, "--offload-group-size", "8", "--json"])
+    assert cap.exit_code == 0, cap.output
+    assert json.loads(cap.output)["weight_prefetch"]["offloaded_layers"] == 10
+
+
+@pytest.mark.parametrize("options, text", [
+    (dict(offload_group_size=2, offload_num_in_group=3), r"offload_num_in_group \(3\) must be <= offload_group_size \(2\)"),
+    (dict(offload_group_size=2, offload_prefetch_step=0), "offload_prefetch_step \\(0\\) must be >= 1"),
+    (dict(offload_group_size=8, cpu_offload_gb=4), "picks the prefetch backend and ignores cpu_offload_gb"),
+    (dict(offload_group_size=8, pipeline_parallel_size=2), "not modelled with prefetch weight offloading"),
+    (dict(offload_group_size=-1), "offload_group_size must be >= 0"),
+])
+def test_bad_options_are_refused(options, text):
+    with pytest.raises(ConfigError, match=text):
+        _config(**options)
+
+
+def test_refused_on_the_gpu_backend_and_with_a_calibration(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "g"), "--quiet",
+                                  "--backend", "gpu", "--device", "cpu", "--model", "tiny-llama",
+                                  "--offload-group-size", "2"])
+    assert result.exit_code != 0 and "simulated only" in result.output
+    calib = tmp_path / "calib.json"
+    calib.write_text("{}")
+    result = runner.invoke(main, ["replay", "traces/req400.parquet", "--out", str(tmp_path / "c"), "--quiet",
+                                  "--cost-model", str(calib), "--offload-group-size", "2"])
+    assert result.exit_code != 0 and "--offload-group-size" in result.output
+    assert not (tmp_path / "g").exists() and not (tmp_path / "c").exists()
