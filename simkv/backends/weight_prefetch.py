@@ -113,6 +113,12 @@ class PrefetchOffloadBackend:
         self.info = {"offloaded_layers": len(positions), "prefetch_step": cc.offload_prefetch_step,
                      "copy_s_per_layer": copy_s, "pcie_gbs": cc.pcie_bandwidth_gbs}
 
+    def __getattr__(self, name: str):
+        """Everything else is the wrapped cost model's (LoRA's prices, a fit's range, ...)."""
+        if name == "inner":  # (not set yet: no recursion while unpickling or before __init__)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def execute(self, output: SchedulerOutput) -> float:
         seconds = self.inner.execute(output)
         layers = max(seconds - self.fixed_s, 0.0)  # (the device's share; its layers taken as all of it)

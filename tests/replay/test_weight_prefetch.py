@@ -72,6 +72,10 @@ def test_a_step_waits_for_copies_at_the_host_links_rate():
     fast = make_backend("roofline", _config(offload_group_size=8, offload_prefetch_step=2, pcie_bandwidth_gbs=900))
     assert fast.execute(step) == pytest.approx(plain)
     assert make_backend("unit", _config(offload_group_size=8)).execute(step) == 1.0
+    from simkv.backends.lora_adapters import lora_priced
+
+    lora = make_backend("roofline", _config(offload_group_size=8, enable_lora=True))
+    assert lora_priced(lora) and lora.lora_seconds(64, 2) > 0  # (the roofline's own, passed through)
 
 
 def test_replay_and_capacity_with_prefetched_weights(tmp_path):
