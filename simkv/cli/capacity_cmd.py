@@ -148,11 +148,23 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         "num_gpu_blocks_given": cc.num_gpu_blocks is not None,
         "kv_cache_tokens": cap.kv_cache_tokens,
         "max_concurrency": cap.max_concurrency,
-        "startup_lines": cap.startup_lines(),
+        "startup_lines": _encoder_line(config) + cap.startup_lines(),
         # (in force: given, or vLLM 0.33's API-server defaults on this GPU)
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
     } | extra
+
+
+def _encoder_line(config: EngineConfig) -> list[str]:
+    """vLLM's start-up line of a vision model's encoder profile (none without one)."""
+    profile = encoder_profile(config)
+    if profile is None:
+        return []
+    from simkv.core.encoder_cache import encoder_budget
+
+    budget = encoder_budget(config.scheduler.max_num_batched_tokens, profile[1])
+    return [f"Encoder cache will be initialized with a budget of {budget} tokens, and profiled with "
+            f"{profile[0]} image items of the maximum feature size."]
 
 
 def _bytes(n: int) -> str:

@@ -390,8 +390,12 @@ def test_capacity_shows_the_encoder_budget_and_weights():
     assert vis["profile_items"] == 2 and vis["profile_embedding_bytes"] == 2 * 16384 * 3584 * 2  # (32,768 // 16,384)
     text = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--json"])
     assert "vision_encoder" not in json.loads(text.output)
+    assert json.loads(result.output)["startup_lines"][0] == (  # (vLLM's own log line)
+        "Encoder cache will be initialized with a budget of 32768 tokens, and profiled with 2 image items of "
+        "the maximum feature size.")
     skipped = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--skip-mm-profiling", "--json"])
     assert "profile_items" not in json.loads(skipped.output)["vision_encoder"]
+    assert not json.loads(skipped.output)["startup_lines"][0].startswith("Encoder cache")
 
 
 def test_images_replay_with_eagle_drafts():
