@@ -1164,8 +1164,7 @@ class EngineConfig:
 
     def _verify_data_parallel(self) -> None:
         unsupported = [(self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
-                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'"),
-                       (self.cache.offload_group_size > 0, "prefetch weight offloading (offload_group_size)")]
+                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"data_parallel_size > 1 is not modelled with {what}")

@@ -120,11 +120,20 @@ class PrefetchOffloadBackend:
         return getattr(self.inner, name)
 
     def execute(self, output: SchedulerOutput) -> float:
-        seconds = self.inner.execute(output)
+        return self._with_wait(self.inner.execute(output))
+
+    def dp_step_seconds(self, outputs: list[SchedulerOutput], num_dummy: int = 0, extra_s: float = 0.0,
+                        overlap_host: bool = False) -> float:
+        """A lockstep step of data-parallel ranks: every rank's GPUs offload their own layers (their
+        share of the routed experts) and wait alike, so the step waits as its layers do."""
+        return self._with_wait(self.inner.dp_step_seconds(outputs, num_dummy, extra_s, overlap_host))
+
+    def _with_wait(self, seconds: float) -> float:
         layers = max(seconds - self.fixed_s, 0.0)  # (the device's share; its layers taken as all of it)
         wait = self.schedule.stall(layers / self.schedule.num_layers, seconds - layers)
         self.wait_seconds += wait
         return seconds + wait
 
     def describe(self) -> dict:
-        return self.inner.describe() | {"weight_prefetch": self.info}
+        """The wrapped model's, with the offloading and the steps' waits for copies so far."""
+        return self.inner.describe() | {"weight_prefetch": self.info | {"wait_s": self.wait_seconds}}

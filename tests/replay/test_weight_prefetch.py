@@ -87,10 +87,31 @@ def test_replay_and_capacity_with_prefetched_weights(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["offload_group_size"] == 8
+    waits = summary["cost_model"]["weight_prefetch"]["wait_s"]
+    assert 0 < waits < summary["duration_s"]  # (over PCIe the copies are waited for, part of the time)
     assert summary["num_gpu_blocks"] == compute_capacity(_config(offload_group_size=8, offload_prefetch_step=2)).num_gpu_blocks
     cap = runner.invoke(main, ["capacity", *base, "--offload-group-size", "8", "--json"])
     assert cap.exit_code == 0, cap.output
     assert json.loads(cap.output)["weight_prefetch"]["offloaded_layers"] == 10
+
+
+def test_data_parallel_ranks_wait_in_lockstep():
+    """Each data-parallel rank's GPUs offload their own layers (their share of the experts) and
+    copy them in each lockstep step: over PCIe the steps wait for the copies, as one engine's."""
+    from simkv.replay.api import replay
+    from simkv.traces import read_trace
+
+    trace = read_trace("traces/req400.parquet")
+    base = {"model": "qwen3-30b-a3b", "data_parallel_size": 2}
+    plain = replay(trace, EngineConfig.from_flat(base))
+    prefetch_config = EngineConfig.from_flat(base | {"offload_group_size": 4, "offload_prefetch_step": 2})
+    prefetch = replay(trace, prefetch_config)
+    assert prefetch.summary["num_gpu_blocks"] > plain.summary["num_gpu_blocks"]
+    assert prefetch.summary["duration_s"] > 5 * plain.summary["duration_s"]
+    assert prefetch.summary["cost_model"]["weight_prefetch"]["wait_s"] > 0.5 * prefetch.summary["duration_s"]
+    fast = replay(trace, EngineConfig.from_flat(base | {"offload_group_size": 4, "offload_prefetch_step": 2,
+                                                        "pcie_bandwidth_gbs": 900}))
+    assert fast.summary["cost_model"]["weight_prefetch"]["wait_s"] < 0.05 * fast.summary["duration_s"]
 
 
 @pytest.mark.parametrize("options, text", [
