@@ -175,9 +175,9 @@ def encoder_profile(config: EngineConfig) -> tuple[int, int] | None:
     """A vision model's encoder in vLLM's start-up profile (its profile_run and MultiModalBudget):
     (items, embeddings each) of the dummy batch, every item of the largest size, as many as the
     encoder budget holds, at most max_num_seqs prompts' worth and at least one. None without a
-    vision encoder or under skip_mm_profiling."""
+    vision encoder, under language_model_only or under skip_mm_profiling."""
     spec, sc = config.hardware.model_spec(), config.scheduler
-    if not spec.vision_num_layers or config.cache.skip_mm_profiling:
+    if not config.hardware.has_vision_encoder or config.cache.skip_mm_profiling:
         return None
     from simkv.core.encoder_cache import encoder_budget
 

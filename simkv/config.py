@@ -418,6 +418,9 @@ class HardwareConfig:
     # split over the TP GPUs, with their all-reduces) or "data" (each TP GPU holds the whole
     # encoder and encodes its share of a step's images, balanced by size; simkv/backends/vision_encoder.py)
     mm_encoder_tp_mode: str = "weights"
+    # vLLM's --language-model-only: a vision model served as text only (every modality's limit 0):
+    # no vision encoder on the GPUs, none in the start-up profile; prompts with images refused
+    language_model_only: bool = False
 
     def __post_init__(self) -> None:
         get_model_spec(self.model)  # raise on unknown names
@@ -484,9 +487,16 @@ class HardwareConfig:
 
     def vision_weight_bytes_per_gpu(self) -> float:
         """The vision encoder's weights on one of its GPUs: split by TP, or whole under
-        mm_encoder_tp_mode "data"."""
+        mm_encoder_tp_mode "data"; none under language_model_only."""
         spec = self.model_spec()
+        if self.language_model_only:
+            return 0.0
         return spec.vision_weight_bytes / (1 if self.mm_encoder_tp_mode == "data" else self.tensor_parallel_size)
+
+    @property
+    def has_vision_encoder(self) -> bool:
+        """The model has a vision encoder and serves images with it (not language_model_only)."""
+        return bool(self.model_spec().vision_num_layers) and not self.language_model_only
 
     def link_gbs(self, num_gpus: int) -> float:
         """The bandwidth (GB/s one way, per GPU) of a collective over `num_gpus` consecutive GPUs:
@@ -1362,6 +1372,8 @@ class EngineConfig:
             del out["quantization"]
         if self.hardware.mm_encoder_tp_mode == "weights":  # (likewise)
             del out["mm_encoder_tp_mode"]
+        if not self.hardware.language_model_only:  # (likewise)
+            del out["language_model_only"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)

@@ -107,12 +107,13 @@ def _deal_out(item_embeds, num_gpus: int) -> list[list[int]]:
 
 
 def vision_encoder_cost(config) -> VisionEncoderCost | None:
-    """The encoder cost of `config`'s model and GPU, None if its spec has no vision encoder."""
+    """The encoder cost of `config`'s model and GPU, None if its spec has no vision encoder (or it
+    is served as text only)."""
     from simkv.specs import get_gpu_spec
 
     hw = config.hardware
     model = hw.model_spec()
-    if not model.vision_num_layers:
+    if not hw.has_vision_encoder:
         return None
     return VisionEncoderCost(model, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                              tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size),

@@ -99,7 +99,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
             worker = adapter_residency(config, roofline)  # (a step that needs an adapter not in a slot)
             extra["lora"]["adapter_load_s"] = {"max_cpu_loras": sc.cpu_loras, "disk_read": worker.load_s,
                                                "slot_copy": worker.copy_s, "lora_load_gbs": sc.lora_load_gbs}
-    if spec.vision_num_layers:  # (a vision encoder: vLLM's encoder budget and cache, its time for the largest item)
+    if config.hardware.has_vision_encoder:  # (vLLM's encoder budget and cache, its time for the largest item)
         from simkv.backends.vision_encoder import vision_encoder_cost
         from simkv.core.encoder_cache import encoder_budget
 
@@ -310,6 +310,8 @@ def print_report(rep: dict) -> None:
 @click.option("--mm-max-tokens-per-item", type=int, default=None, metavar="N",
               help="A vision model's largest item (an image) in embeddings: its encoder budget, cache and start-up "
                    "profile [default: the model's]")
+@click.option("--language-model-only", is_flag=True, default=None,
+              help="vLLM's: a vision model served as text only: no vision encoder on the GPUs")
 @click.option("--skip-mm-profiling", is_flag=True, default=None,
               help="vLLM's: the start-up memory profile leaves out the vision encoder [default: profiled]")
 @click.option("--quantization", "-q", type=click.Choice(["fp8"]), default=None,

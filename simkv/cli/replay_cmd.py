@@ -51,6 +51,7 @@ _ENGINE_FLAGS = {
     "max_cpu_loras": "max_cpu_loras", "lora_load_gbs": "lora_load_gbs",
     "mm_max_tokens_per_item": "mm_max_tokens_per_item", "disable_chunked_mm_input": "disable_chunked_mm_input",
     "mm_encoder_tp_mode": "mm_encoder_tp_mode", "skip_mm_profiling": "skip_mm_profiling",
+    "language_model_only": "language_model_only",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
     "spec_draft_model": "spec_draft_model", "spec_seed": "spec_seed", "spec_ngram_match_rate": "spec_ngram_match_rate",
@@ -296,6 +297,9 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: under tensor parallelism the vision encoder's layers split over the GPUs (weights) "
                       "or each GPU holding it whole and encoding its share of a step's images (data) "
                       "[default: weights]"),
+    click.option("--language-model-only", is_flag=True, default=None,
+                 help="vLLM's: a vision model served as text only (every modality's limit 0): no vision encoder "
+                      "on the GPUs or in the start-up profile; a trace with images is refused"),
     click.option("--skip-mm-profiling", is_flag=True, default=None,
                  help="vLLM's: a vision model's start-up memory profile leaves out the encoder's dummy batch of the "
                       "largest images, which leaves the KV cache more (at the risk of running out of memory) "

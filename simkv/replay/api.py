@@ -178,6 +178,10 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
     if backend is not None:
         raise ValueError(f"{trace.source}: multimodal items (mm_* columns): the GPU backend runs a text-only model "
                          "without the vision encoder; replay them on a cost model")
+    if config.hardware.language_model_only:
+        raise ValueError(f"{trace.source}: multimodal items (mm_* columns): --language-model-only serves "
+                         f"{config.hardware.model} as text only, and vLLM refuses a prompt with images then (each "
+                         "modality's limit is 0)")
     hw = config.hardware
     sc = config.scheduler
     if sc.mm_max_tokens_per_item is None:

@@ -112,7 +112,8 @@ def check_encode_pool(trace, config: EngineConfig, backend, fleet) -> None:
         raise ConfigError(f"{trace.source}: --encode-replicas: the trace has no multimodal items (mm_* columns) "
                           "for an encode pool to encode")
     if vision_encoder_cost(config) is None:
-        raise ConfigError(f"--encode-replicas: {config.hardware.model} has no vision encoder in its spec to time")
+        raise ConfigError(f"--encode-replicas: {config.hardware.model} has no vision encoder in its spec to time"
+                          + (" (--language-model-only leaves it out)" if config.hardware.language_model_only else ""))
     if backend is not None:
         raise ConfigError("--encode-replicas is simulated only (the gpu backend runs one text-only engine)")
     sc = config.scheduler

@@ -377,6 +377,22 @@ def test_vllms_start_up_profile_runs_the_encoder_on_its_largest_items():
     assert split == 16384 * 4 * 2 * (3420 + 4 * 1280) and whole == vit  # (data mode: one GPU runs the one item whole)
 
 
+def test_a_vision_model_served_as_text_only_is_its_language_model():
+    """vLLM's --language-model-only: no vision encoder on the GPUs and none in the start-up
+    profile, so Qwen2.5-VL-7B holds what Qwen2.5-7B holds; a trace with images is refused, one
+    without replays as the text model's does."""
+    from simkv.capacity import compute_capacity, encoder_profile
+
+    text_only, text_model = _config(language_model_only=True), _config(model="qwen2.5-7b")
+    assert encoder_profile(text_only) is None and text_only.hardware.vision_weight_bytes_per_gpu() == 0
+    assert compute_capacity(text_only).num_gpu_blocks == compute_capacity(text_model).num_gpu_blocks
+    assert compute_capacity(text_only).num_gpu_blocks > compute_capacity(_config()).num_gpu_blocks
+    with pytest.raises(ValueError, match="--language-model-only serves qwen2.5-vl-7b as text only"):
+        replay(_image_trace(4), text_only)
+    plain = _image_trace(20, with_items=False)
+    assert replay(plain, text_only).summary["duration_s"] == replay(plain, text_model).summary["duration_s"]
+
+
 def test_capacity_shows_the_encoder_budget_and_weights():
     result = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--max-num-batched-tokens", "32768",
                                        "--json"])
@@ -396,6 +412,8 @@ def test_capacity_shows_the_encoder_budget_and_weights():
     skipped = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--skip-mm-profiling", "--json"])
     assert "profile_items" not in json.loads(skipped.output)["vision_encoder"]
     assert not json.loads(skipped.output)["startup_lines"][0].startswith("Encoder cache")
+    text_only = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--language-model-only", "--json"])
+    assert "vision_encoder" not in json.loads(text_only.output)
 
 
 def test_images_replay_with_eagle_drafts():
