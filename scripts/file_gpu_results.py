@@ -139,6 +139,18 @@ def vision_lines(run: Path) -> list[str]:
             for row in record["rows"]]
 
 
+def host_link_lines(run: Path) -> list[str]:
+    """The host link's measured copy rates (bench/host_link.py), if it ran, beside simkv's default."""
+    path = run / "host_link.json"
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    largest = max(row["bytes"] for row in record["rows"])
+    return [f"- host link ({record['device']}), {row['direction']}, {largest >> 20:,} MiB: {row['gbs']:.1f} GB/s "
+            f"(simkv's --pcie-bandwidth-gbs default {record['default_gbs']:g})"
+            for row in record["rows"] if row["bytes"] == largest]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", type=Path)
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             write_tuning(tuned_path, tuning)
             print(f"kernel tuning: wrote {tuned_path.relative_to(args.repo)} "
                   f"(decode {tuning.get('decode') or 'heuristic'}; prefill {tuning.get('prefill') or 'heuristic'})")
-        lines = target_lines(run) + vision_lines(run)
+        lines = target_lines(run) + vision_lines(run) + host_link_lines(run)
         if lines:
             print("\nfor reports/kernels.md and reports/gpu/README.md:\n" + "\n".join(lines))
     return 0

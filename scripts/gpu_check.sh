@@ -169,6 +169,10 @@ gpu_backend_loop() {
     # this host's Python time in our kernel wrappers per call, one-call vs planned (no GPU work; seconds)
     step launch_overhead 40 $PY bench/launch_overhead.py --calls 1000 --rounds 3
     { echo; echo '```'; cat "$OUT/launch_overhead.log"; echo '```'; } >>"$OUT/summary.md"
+    # the host link's copy rates (bench/host_link.py): what --pcie-bandwidth-gbs stands for in swapping,
+    # the CPU tier, weights in host memory and LoRA copies (a few seconds)
+    step host_link 30 $PY bench/host_link.py --sizes-mib 64,1024 --repeats 5 --out "$OUT/host_link.json"
+    { echo; grep -E '^(Host|\|)' "$OUT/host_link.log" || echo "host_link: no table (see host_link.log)"; } >>"$OUT/summary.md"
     # this host's time to build a step's input arrays and stage a decode graph's buffers (seconds)
     PYTHONPATH="$site:$PYTHONPATH" step step_inputs 40 $PY bench/step_inputs.py --rounds 3
     { echo; echo "Step inputs on this host (bench/step_inputs.py):"; echo; grep '^|' "$OUT/step_inputs.log"; } >>"$OUT/summary.md"

@@ -25,6 +25,10 @@ def fake_bundle(tmp: Path, adopted: bool = True) -> Path:
     (run / "vision_encoder.json").write_text(json.dumps({  # (bench/vision_encoder.py's)
         "model": "qwen2.5-vl-7b", "device": "NVIDIA H200", "gpu_spec": "H200", "dtype": "torch.bfloat16", "tiny": False,
         "rows": [{"embeds": 1024, "patches": 4096, "measured_s": 0.0121, "roofline_s": 0.0095, "ratio": 1.27}]}))
+    (run / "host_link.json").write_text(json.dumps({  # (bench/host_link.py's)
+        "device": "NVIDIA H200", "smoke": False, "default_gbs": 63.0,
+        "rows": [{"direction": "pinned host to GPU", "bytes": 64 << 20, "seconds": 0.0013, "gbs": 51.6},
+                 {"direction": "pinned host to GPU", "bytes": 1 << 30, "seconds": 0.0196, "gbs": 54.8}]}))
     record = {"format": FORMAT, "format_version": FORMAT_VERSION, "device": "NVIDIA H200", "evidence": {}}
     if adopted:
         record["decode"] = {"tile_n": 16, "num_warps": 4, "num_stages": 4, "prefetch_ids": False, "tma_paged": True}
@@ -50,6 +54,7 @@ def test_a_bundle_is_filed_under_its_date_and_gpu_with_its_tuning(tmp_path, caps
     out = capsys.readouterr().out
     assert "- decode: MET" in out and "Comparison / Targets (gpu): NOT all pass" in out and "ttft_s.p50" in out
     assert "1,024 embeddings: measured 12.10 ms, roofline 9.50 ms (1.27x)" in out
+    assert "host link (NVIDIA H200), pinned host to GPU, 1,024 MiB: 54.8 GB/s (simkv's --pcie-bandwidth-gbs default 63)" in out
     # a second filing of a run that day gets its own folder and keeps the committed tuning
     assert filing.main([str(bundle / "gpu_check.tgz"), "--repo", str(repo)]) == 0
     assert (repo / "reports" / "gpu" / "2026-12-01_H200_2" / "summary.md").is_file()
