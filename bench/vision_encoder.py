@@ -4,8 +4,9 @@ Builds a model spec's ViT (gpu_backend/vision_tower.py: Qwen2.5-VL's, random wei
 one forward pass over square dummy images of the given embeddings, then prints each time beside
 the roofline's for the GPU and their ratio (measured / roofline), and on a GPU the pass's
 activation peak (what vLLM's start-up profile of the encoder takes from the KV cache) beside
-simkv's estimate of it (simkv/capacity.py, vit_activation_bytes). On a GPU (scripts/gpu_check.sh runs it) that says how far the images' time
-in every replay is off; on a CPU, `--tiny` runs a small tower to check the script.
+simkv's estimate of it (simkv/capacity.py, vit_activation_bytes). On a GPU (scripts/gpu_check.sh
+runs it) that says how far the images' time in every replay and the start-up profile are off; on
+a CPU, `--tiny` runs a small tower to check the script.
 
     .venv/bin/python bench/vision_encoder.py --device cuda [--gpu H100-SXM] [--embeds 256,1024,4096] [--out FILE]
     .venv/bin/python bench/vision_encoder.py --tiny      # CPU smoke run

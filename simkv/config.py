@@ -172,9 +172,9 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
 # sequences and V1's 8,192-token API-server budget on an H100, on every GPU
 FIXED_BATCH_DEFAULTS = (8192, 256)
 
+MODEL_RUNNERS = ("auto", "v1", "v2")  # (SchedulerConfig.model_runner)
 # vLLM's --performance-mode: 'throughput' doubles the batch defaults (those not given); its other
 # effects (CUDA-graph sizes, kernel choices; 'interactivity' has only those) are not the scheduler's
-MODEL_RUNNERS = ("auto", "v1", "v2")  # (SchedulerConfig.model_runner)
 PERFORMANCE_MODE_BATCH_SCALE = {"balanced": 1, "throughput": 2}
 
 

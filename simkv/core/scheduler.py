@@ -88,7 +88,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.policy = sc.scheduling_policy
         self.reserve_full_isl = sc.scheduler_reserve_full_isl
         self.num_lookahead_tokens = config.num_lookahead_tokens
-        self._init_spec(config.speculative, config.ngram_drafts_on_device)  # core/spec_decode.py; decodes are chunks under it
+        # core/spec_decode.py; decodes are chunks under it
+        self._init_spec(config.speculative, config.ngram_drafts_on_device)
         # Policy knobs (vLLM's behaviour by default; other engines' step models otherwise).
         self.max_num_admissions_per_step = sc.max_num_admissions_per_step or (1 << 62)
         # vLLM's max_num_active_seqs: the admission limit (max_num_seqs still sizes the runner)
