@@ -24,6 +24,7 @@ A development aid, not a test dependency:
     .venv/bin/python scripts/oracle_pp.py --async-scheduling --cases 100
     .venv/bin/python scripts/oracle_pp.py --aborts --cases 100   # with a front end's aborts
     .venv/bin/python scripts/oracle_pp.py --speculative --cases 100
+    .venv/bin/python scripts/oracle_pp.py --speculative --ngram-misses   # ngram (vLLM's V2 runner), matches drawn
     .venv/bin/python scripts/oracle_pp.py --hybrid [--async-scheduling] --cases 100   # or --chunked
 """
 
@@ -183,13 +184,20 @@ def run_simkv(case: dict) -> dict:
 def main() -> None:
     a = oracle_vllm.oracle_args(__doc__.split("\n\n")[0], aborts_flag=True, async_flag=True, speculative_flag=True,
                                 hybrid_flag=True, chunked_flag=True, linear_flag=True, align_flag=True,
-                                mtp_modules_flag=True)
+                                mtp_modules_flag=True, ngram_misses_flag=True)
     if oracle_vllm.serve_vllm_side(a, run_vllm):
         return
     import numpy as np
     rng = np.random.default_rng(a.seed)
     cases = [make_case(rng, a.aborts, a.async_scheduling, a.speculative, a.hybrid or a.chunked, a.chunked, a.linear,
                        a.align) for _ in range(a.cases)]
+    if a.suffix or a.model_runner == "v1":
+        raise SystemExit("pipeline stages run drafts under async scheduling only, which vLLM's V1 runner refuses "
+                         "with a host proposer (suffix decoding, ngram) and with pipeline stages")
+    if a.ngram_misses:  # (drawn after the cases: without the flag a seed gives the same cases)
+        for case in cases:
+            if case["opts"].get("speculative_method"):
+                oracle_vllm.ngram_miss_drafter(rng, case["opts"])
     oracle_vllm.option_cases(a, cases)
     oracle_spec_async.compare_cases(cases, oracle_vllm.vllm_results(__file__, cases, a), run_simkv)
 

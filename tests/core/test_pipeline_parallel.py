@@ -25,6 +25,7 @@ ASYNC_DATA = Path(__file__).parent / "data" / "pp_async_vllm_cases.json"
 SPEC_DATA = Path(__file__).parent / "data" / "pp_spec_async_vllm_cases.json"
 HYBRID_DATA = Path(__file__).parent / "data" / "pp_hybrid_vllm_cases.json"
 LINEAR_DATA = Path(__file__).parent / "data" / "pp_linear_vllm_cases.json"
+NGRAM_DATA = Path(__file__).parent / "data" / "pp_ngram_async_vllm_cases.json"
 REQ400 = Path(__file__).parents[2] / "traces" / "req400.parquet"
 
 
@@ -54,6 +55,23 @@ def test_same_steps_as_vllm(index: int) -> None:
 def test_same_steps_as_vllm_async(index: int) -> None:
     """The same under vLLM's AsyncScheduler, P + 1 deep with its decode stagger."""
     assert _same_as_vllm(_recorded(ASYNC_DATA)[index])
+
+
+@pytest.mark.parametrize("index", range(len(_recorded(NGRAM_DATA))))
+def test_same_steps_as_vllm_ngram(index: int) -> None:
+    """ngram under async scheduling and pipeline stages (vLLM's V2 runner drafts it on the device:
+    placeholders as for EAGLE), lookups matching at 0, 0.3 or 0.7: a miss's drafts are verified
+    and rejected."""
+    assert _same_as_vllm(_recorded(NGRAM_DATA)[index])
+
+
+def test_ngram_cases_need_a_misses_drafts_rejected(monkeypatch) -> None:
+    """Accepting the drafts of lookups that found no match breaks every recorded ngram case."""
+    from simkv.core.spec_decode import AcceptanceModel
+
+    monkeypatch.setattr(AcceptanceModel, "proposes", lambda self, index, position: True)
+    cases = _recorded(NGRAM_DATA)
+    assert not any(_same_as_vllm(case) for case in cases)
 
 
 @pytest.mark.parametrize("index", range(8))
