@@ -134,18 +134,19 @@ def decoder_layer_bytes_per_gpu(config: EngineConfig) -> float:
     return (split / hw.tensor_parallel_size + replicated) / spec.num_layers
 
 
-def prefetched_weight_bytes(config: EngineConfig) -> tuple[float, float]:
+def prefetched_weight_bytes(config: EngineConfig, num_layers: int | None = None) -> tuple[float, float]:
     """vLLM's prefetch weight offloading (offload_group_size > 0): (the offloaded layers' weights
     a GPU keeps in host memory, its static buffers: offload_prefetch_step layers' worth); 0, 0
-    without it."""
+    without it. `num_layers`: the GPU's layers (a pipeline stage's: vLLM wraps each stage's
+    layers, counted from its first) [default: all of them]."""
     cc = config.cache
     if not cc.offload_group_size:
         return 0.0, 0.0
     from simkv.backends.weight_prefetch import offloaded_layers
 
     layer = decoder_layer_bytes_per_gpu(config)
-    count = len(offloaded_layers(config.hardware.model_spec().num_layers, cc.offload_group_size,
-                                 cc.offload_num_in_group))
+    n = config.hardware.model_spec().num_layers if num_layers is None else num_layers
+    count = len(offloaded_layers(n, cc.offload_group_size, cc.offload_num_in_group))
     return count * layer, min(cc.offload_prefetch_step, count) * layer
 
 
@@ -266,6 +267,8 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
         else:
             stage_block = (block_bytes - draft_block) * n // spec.num_layers + (draft_block if last else 0)
         weights -= offloaded_weight_bytes(config, weights)  # (--cpu-offload-gb: per GPU, each stage's)
+        offloaded, buffers = prefetched_weight_bytes(config, n)  # (--offload-group-size: the stage's own layers)
+        weights += buffers - offloaded
         stages.append((n, int(weights + (draft_weights if last else 0)), stage_block))
     return stages
 

@@ -1193,8 +1193,7 @@ class EngineConfig:
                        (sched.preemption_victim != "newest", f"preemption_victim '{sched.preemption_victim}'"),
                        (sched.max_num_admissions_per_step is not None, "max_num_admissions_per_step"),
                        (cache.allocator != "paged", f"allocator '{cache.allocator}'"),
-                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens"),
-                       (cache.offload_group_size > 0, "prefetch weight offloading (offload_group_size)")]
+                       (cache.num_lookahead_tokens > 0, "num_lookahead_tokens")]
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"pipeline_parallel_size > 1 is not modelled with {what} yet")

@@ -53,6 +53,8 @@ class PrefetchSchedule:
         self.first = min(prefetch_step, count)
         self.copy_s = copy_s
         self._memo: dict[tuple[int, int], float] = {}
+        self._ready: list[float] | None = None  # (`run`'s copies: when each layer's is done)
+        self._copy_free = 0.0
 
     def stall(self, layer_s: float, gap_s: float) -> float:
         """Seconds a step whose layers take `layer_s` each, with `gap_s` outside its layers,
@@ -63,6 +65,30 @@ class PrefetchSchedule:
         wait = self._memo.get(key)
         if wait is None:
             wait = self._memo[key] = self._play(layer_s, gap_s)
+        return wait
+
+    def run(self, start_s: float, layer_s: float) -> float:
+        """One pass of the layers from `start_s` (seconds, after every earlier pass of this
+        schedule), its copies on a stream that carries on from those passes: what it waits for.
+        Pipeline stages (simkv/replay/pipeline.py) time each stage's passes so, in order."""
+        if not self.module_at:
+            return 0.0
+        if self._ready is None:  # (the first copies, started before the first pass)
+            self._ready = [0.0] * len(self.follows)
+            for j in range(self.first):
+                self._copy_free += self.copy_s
+                self._ready[j] = self._copy_free
+        ready, follows, copy_s = self._ready, self.follows, self.copy_s
+        now, wait = start_s, 0.0
+        for layer in range(self.num_layers):
+            j = self.module_at.get(layer)
+            if j is not None and ready[j] > now:
+                wait += ready[j] - now
+                now = ready[j]
+            now += layer_s
+            if j is not None:
+                self._copy_free = max(now, self._copy_free) + copy_s
+                ready[follows[j]] = self._copy_free
         return wait
 
     def _play(self, layer_s: float, gap_s: float) -> float:
@@ -86,6 +112,25 @@ class PrefetchSchedule:
                     ready[follows[j]] = copy_free
             start = now + gap_s
         return wait
+
+
+def stage_schedules(config: EngineConfig) -> list[PrefetchSchedule]:
+    """Each pipeline stage's schedule: vLLM's PrefetchOffloader on a stage wraps that stage's
+    layers, counted from its first, so each stage offloads the last N of every G of its own."""
+    from simkv.capacity import decoder_layer_bytes_per_gpu, pipeline_layers
+
+    cc, hw = config.cache, config.hardware
+    copy_s = decoder_layer_bytes_per_gpu(config) / (cc.pcie_bandwidth_gbs * 1e9)
+    return [PrefetchSchedule(n, offloaded_layers(n, cc.offload_group_size, cc.offload_num_in_group),
+                             cc.offload_prefetch_step, copy_s)
+            for n in pipeline_layers(hw.model_spec().num_layers, hw.pipeline_parallel_size)]
+
+
+def prefetch_backend(backend):
+    """The PrefetchOffloadBackend in `backend`'s chain of wrappers (None if there is none)."""
+    while backend is not None and not isinstance(backend, PrefetchOffloadBackend):
+        backend = backend.__dict__.get("inner")
+    return backend
 
 
 class PrefetchOffloadBackend:

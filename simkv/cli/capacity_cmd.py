@@ -52,12 +52,13 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         offloaded = offloaded_weight_bytes(config, spec.weight_bytes_per_gpu(tp, dp))
         extra["cpu_offload"] = {"cpu_offload_gb": config.cache.cpu_offload_gb,
                                 "offloaded_weight_bytes_per_gpu": int(offloaded)}
-    if config.cache.offload_group_size:  # (vLLM's prefetch weight offloading)
+    if config.cache.offload_group_size:  # (vLLM's prefetch weight offloading; under PP the binding stage's GPU)
         from simkv.backends.weight_prefetch import offloaded_layers
 
-        offloaded, buffers = prefetched_weight_bytes(config)
+        layers = cap.pipeline_layers[cap.pipeline_binding_stage] if pp > 1 else spec.num_layers
+        offloaded, buffers = prefetched_weight_bytes(config, layers)
         extra["weight_prefetch"] = {
-            "offloaded_layers": len(offloaded_layers(spec.num_layers, config.cache.offload_group_size,
+            "offloaded_layers": len(offloaded_layers(layers, config.cache.offload_group_size,
                                                      config.cache.offload_num_in_group)),
             "offloaded_weight_bytes_per_gpu": int(offloaded), "buffer_bytes_per_gpu": int(buffers),
             "copy_s_per_layer": decoder_layer_bytes_per_gpu(config) / (config.cache.pcie_bandwidth_gbs * 1e9)}

@@ -56,6 +56,16 @@ class PipelineStages:
         drafter = getattr(backend, "drafter", None)
         self.drafter_seconds = drafter.seconds if drafter is not None else None
         self.execute = backend.inner.execute if drafter is not None else backend.execute
+        self.dp_seconds = getattr(backend.inner if drafter is not None else backend, "dp_step_seconds", None)
+        # prefetched weights (simkv/backends/weight_prefetch.py): each stage copies its own layers in,
+        # its copies carrying on from batch to batch; the whole model's step comes from the roofline
+        from simkv.backends.weight_prefetch import prefetch_backend, stage_schedules
+
+        self.prefetch = prefetch_backend(backend)
+        self.stage_prefetch = stage_schedules(config) if self.prefetch is not None else None
+        if self.prefetch is not None:
+            self.execute = self.prefetch.inner.execute
+            self.dp_seconds = getattr(self.prefetch.inner, "dp_step_seconds", None)
         self.host_seconds = getattr(backend, "host_seconds", None)
         self.stage_free = [0] * self.num_stages
         self.host_free = 0
@@ -85,13 +95,11 @@ class PipelineStages:
         boundary's transfer is its largest batch's. `encoder`: the slowest rank's vision
         encoder, on the first stage."""
         backend, draft = self.backend, 0
+        seconds = self.dp_seconds(ran, num_dummy)
         if self.drafter_seconds is not None:  # (the ranks draft on their last stages, in lockstep too)
-            seconds = backend.inner.dp_step_seconds(ran, num_dummy)
             draft_s = backend.drafter.dp_seconds(ran, num_dummy)
             backend.draft_seconds += draft_s
             draft = to_ticks(draft_s)
-        else:
-            seconds = backend.dp_step_seconds(ran, num_dummy)
         host = (min(max(self.host_seconds(len(out.chunks)) for out in ran), seconds)
                 if self.host_seconds is not None else 0.0)
         return self._place(seconds, host, draft, max(out.lora_load_s for out in ran),
@@ -115,10 +123,19 @@ class PipelineStages:
         self.num_batches += 1
         start = t = max(t, free[0])
         links = self.link_seconds_per_token
+        prefetch = self.stage_prefetch
         for k in range(self.num_stages):
             if k:
                 t = max(t + to_ticks(tokens * links[k - 1]), free[k])
-            t += stage + (draft if k == last else 0) + (encoder if k == 0 else 0)
+            if k == 0:
+                t += encoder  # (the vision encoder, before the first stage's layers)
+            if prefetch is not None:  # (the stage's layers wait for their copies)
+                schedule = prefetch[k]
+                wait = to_ticks(schedule.run(t / TICKS_PER_SECOND, stage / TICKS_PER_SECOND / schedule.num_layers))
+                self.prefetch.wait_seconds += wait / TICKS_PER_SECOND
+                self.stage_busy += wait
+                t += wait
+            t += stage + (draft if k == last else 0)
             free[k] = t
         for chunk in chunks:
             if chunk.samples:

@@ -114,11 +114,42 @@ def test_data_parallel_ranks_wait_in_lockstep():
     assert fast.summary["cost_model"]["weight_prefetch"]["wait_s"] < 0.05 * fast.summary["duration_s"]
 
 
+def test_a_stages_copies_carry_on_from_pass_to_pass():
+    """`run` (pipeline stages): the copies stream on from one pass to the next. Four layers of
+    1 s, the last two offloaded into one buffer, copies of 3 s: a pass waits 4 s when it
+    follows the one before at once, 3 s when it starts 12 s later (the next pass's first copy
+    is done by then; the second still waits for the layer before it)."""
+    schedule = PrefetchSchedule(4, [2, 3], 1, 3.0)
+    assert schedule.run(0.0, 1.0) == pytest.approx(4.0)  # (ends at 8 s)
+    assert schedule.run(8.0, 1.0) == pytest.approx(4.0)  # (ends at 16 s)
+    assert schedule.run(28.0, 1.0) == pytest.approx(3.0)
+
+
+def test_pipeline_stages_prefetch_their_own_layers():
+    """-pp 2: each stage offloads the last of every 4 of its own 40 layers (10 each) and keeps 2
+    buffers, so each stage's GPU holds 8 layers less; over PCIe every stage waits for its
+    copies, over a 900 GB/s link the copies hide and the replay is the plain one's."""
+    from simkv.replay.api import replay
+    from simkv.traces import read_trace
+
+    base = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    layer = decoder_layer_bytes_per_gpu(_config(**base))
+    plain_cap = compute_capacity(_config(**base))
+    prefetch_cap = compute_capacity(_config(**base, offload_group_size=4, offload_prefetch_step=2))
+    assert plain_cap.pipeline_stage_weight_bytes - prefetch_cap.pipeline_stage_weight_bytes == pytest.approx(
+        8 * layer, abs=2)
+    trace = read_trace("traces/req400.parquet")
+    plain = replay(trace, _config(**base)).summary
+    slow = replay(trace, _config(**base, offload_group_size=4, offload_prefetch_step=2)).summary
+    fast = replay(trace, _config(**base, offload_group_size=4, offload_prefetch_step=2, pcie_bandwidth_gbs=900)).summary
+    assert slow["duration_s"] > 3 * plain["duration_s"] and slow["cost_model"]["weight_prefetch"]["wait_s"] > 0
+    assert fast["duration_s"] == pytest.approx(plain["duration_s"], rel=0.02)
+
+
 @pytest.mark.parametrize("options, text", [
     (dict(offload_group_size=2, offload_num_in_group=3), r"offload_num_in_group \(3\) must be <= offload_group_size \(2\)"),
     (dict(offload_group_size=2, offload_prefetch_step=0), "offload_prefetch_step \\(0\\) must be >= 1"),
     (dict(offload_group_size=8, cpu_offload_gb=4), "picks the prefetch backend and ignores cpu_offload_gb"),
-    (dict(offload_group_size=8, pipeline_parallel_size=2), "not modelled with prefetch weight offloading"),
     (dict(offload_group_size=-1), "offload_group_size must be >= 0"),
 ])
 def test_bad_options_are_refused(options, text):
