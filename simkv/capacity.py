@@ -175,7 +175,8 @@ def activation_reserve_bytes(config: EngineConfig, encoder: bool = True) -> int:
 def encoder_profile(config: EngineConfig) -> tuple[int, int] | None:
     """A vision model's encoder in vLLM's start-up profile (its profile_run and MultiModalBudget):
     (items, embeddings each) of the dummy batch, every item of the largest size, as many as the
-    encoder budget holds, at most max_num_seqs prompts' worth and at least one. None without a
+    encoder budget holds, at most max_num_seqs prompts' worth (each as many as fit max_model_len,
+    at most limit_mm_per_prompt) and at least one. None without a
     vision encoder, under language_model_only or under skip_mm_profiling."""
     spec, sc = config.hardware.model_spec(), config.scheduler
     if not config.hardware.has_vision_encoder or config.cache.skip_mm_profiling:
@@ -184,9 +185,10 @@ def encoder_profile(config: EngineConfig) -> tuple[int, int] | None:
 
     largest = sc.mm_max_tokens_per_item or spec.mm_max_tokens_per_item
     by_budget = encoder_budget(sc.max_num_batched_tokens, largest) // largest
+    per_prompt = max(1, min(sc.limit_mm_per_prompt or 999, config.max_model_len // largest))
     # (vLLM also caps the prompts at max_num_batched_tokens // largest with chunked prefill off,
     # which never binds below the budget's count)
-    return max(1, min(by_budget, sc.max_num_seqs * max(1, config.max_model_len // largest))), largest
+    return max(1, min(by_budget, sc.max_num_seqs * per_prompt)), largest
 
 
 def encoder_profile_bytes(config: EngineConfig) -> tuple[int, int]:

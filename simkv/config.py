@@ -274,6 +274,10 @@ class SchedulerConfig:
     # vLLM's --disable-chunked-mm-input: a prefill chunk never ends inside an item.
     mm_max_tokens_per_item: int | None = None
     disable_chunked_mm_input: bool = False
+    # vLLM's --limit-mm-per-prompt '{"image": N}': the most images a prompt may show (its API
+    # server refuses more), which also caps the encoder's start-up profile at N a prompt
+    # (simkv/capacity.py); None: vLLM's 999
+    limit_mm_per_prompt: int | None = None
     # Encoder disaggregation (vLLM's --ec-transfer-config over shared storage; simkv/replay/encode_pool.py):
     # "ec_producer", an encode instance (no language model: a request ends when its prompt is
     # consumed; what it encodes goes to the store), or "ec_consumer", an engine that loads its
@@ -305,6 +309,9 @@ class SchedulerConfig:
             raise ConfigError(f"ec_role must be ec_producer or ec_consumer, got {self.ec_role!r}")
         if not self.ec_store_gbs > 0:
             raise ConfigError(f"ec_store_gbs must be > 0 (GB/s), got {self.ec_store_gbs}")
+        if self.limit_mm_per_prompt is not None and self.limit_mm_per_prompt < 1:
+            raise ConfigError(f"limit_mm_per_prompt must be >= 1 (images a prompt may show), got "
+                              f"{self.limit_mm_per_prompt}; --language-model-only serves a vision model as text")
         if self.mm_max_tokens_per_item is not None and self.mm_max_tokens_per_item < 1:
             raise ConfigError(f"mm_max_tokens_per_item must be >= 1, got {self.mm_max_tokens_per_item}")
         if self.max_lora_rank < 1:
@@ -1401,6 +1408,8 @@ class EngineConfig:
             del out["mm_max_tokens_per_item"]
         if not self.scheduler.disable_chunked_mm_input:  # (likewise)
             del out["disable_chunked_mm_input"]
+        if self.scheduler.limit_mm_per_prompt is None:  # (likewise)
+            del out["limit_mm_per_prompt"]
         if self.scheduler.ec_role is None:  # (only under encoder disaggregation: likewise)
             del out["ec_role"], out["ec_store_gbs"]
         if not self.scheduler.has_clients:  # (likewise)

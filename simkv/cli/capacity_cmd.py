@@ -9,7 +9,7 @@ import click
 from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, decoder_layer_bytes_per_gpu,
                              encoder_profile, encoder_profile_bytes, kv_bytes_per_token, offloaded_weight_bytes,
                              prefetched_weight_bytes, request_concurrency, resident_weight_bytes)
-from simkv.cli.replay_cmd import ByteCount, flat_options
+from simkv.cli.replay_cmd import ByteCount, ImageLimit, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
 
@@ -311,6 +311,8 @@ def print_report(rep: dict) -> None:
 @click.option("--mm-max-tokens-per-item", type=int, default=None, metavar="N",
               help="A vision model's largest item (an image) in embeddings: its encoder budget, cache and start-up "
                    "profile [default: the model's]")
+@click.option("--limit-mm-per-prompt", type=ImageLimit(), default=None, metavar="LIMIT",
+              help="vLLM's, for images ('{\"image\": 4}', image=4 or 4): caps the encoder's start-up profile")
 @click.option("--language-model-only", is_flag=True, default=None,
               help="vLLM's: a vision model served as text only: no vision encoder on the GPUs")
 @click.option("--skip-mm-profiling", is_flag=True, default=None,

@@ -51,6 +51,7 @@ _ENGINE_FLAGS = {
     "max_cpu_loras": "max_cpu_loras", "lora_load_gbs": "lora_load_gbs",
     "mm_max_tokens_per_item": "mm_max_tokens_per_item", "disable_chunked_mm_input": "disable_chunked_mm_input",
     "mm_encoder_tp_mode": "mm_encoder_tp_mode", "skip_mm_profiling": "skip_mm_profiling",
+    "limit_mm_per_prompt": "limit_mm_per_prompt",
     "language_model_only": "language_model_only",
     "speculative_method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
     "spec_acceptance_rate": "spec_acceptance_rate", "spec_position_acceptance_rates": "spec_position_acceptance_rates",
@@ -110,6 +111,28 @@ class ByteCount(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is not a number of bytes (e.g. 40000000000, 40g or 37G; binary suffixes take "
                       "whole numbers)", param, ctx)
+
+
+class ImageLimit(click.ParamType):
+    """vLLM's --limit-mm-per-prompt for images: '{"image": 4}' (its JSON), image=4, or 4. Other
+    modalities are not modelled (simkv's items are images)."""
+
+    name = "limit"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        text = str(value).strip()
+        try:
+            if text.startswith("{"):
+                limits = json.loads(text)
+                if not isinstance(limits, dict) or set(limits) - {"image"}:
+                    self.fail(f"{value!r}: only the image limit is modelled (simkv's items are images)", param, ctx)
+                value = limits.get("image")
+                return int(value["count"]) if isinstance(value, dict) else int(value)
+            return int(text.split("=", 1)[1]) if text.startswith("image=") else int(text)
+        except (ValueError, TypeError, KeyError, json.JSONDecodeError):
+            self.fail(f"{value!r} is not an image limit (e.g. '{{\"image\": 4}}', image=4 or 4)", param, ctx)
 
 
 def _splits_host_time(cost_model: str, config: EngineConfig) -> bool:
@@ -297,6 +320,9 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: under tensor parallelism the vision encoder's layers split over the GPUs (weights) "
                       "or each GPU holding it whole and encoding its share of a step's images (data) "
                       "[default: weights]"),
+    click.option("--limit-mm-per-prompt", type=ImageLimit(), default=None, metavar="LIMIT",
+                 help="vLLM's, for images ('{\"image\": 4}', image=4 or 4): a trace row with more is refused, as "
+                      "vLLM's API server refuses it; caps the encoder's start-up profile [default: 999]"),
     click.option("--language-model-only", is_flag=True, default=None,
                  help="vLLM's: a vision model served as text only (every modality's limit 0): no vision encoder "
                       "on the GPUs or in the start-up profile; a trace with images is refused"),

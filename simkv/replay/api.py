@@ -182,6 +182,15 @@ def _multimodal_config(trace, config: EngineConfig, backend, disaggregation) -> 
         raise ValueError(f"{trace.source}: multimodal items (mm_* columns): --language-model-only serves "
                          f"{config.hardware.model} as text only, and vLLM refuses a prompt with images then (each "
                          "modality's limit is 0)")
+    limit = config.scheduler.limit_mm_per_prompt
+    if limit is not None:
+        counts = np.diff(trace.mm_item_offsets)
+        if counts.max() > limit:
+            row = int(np.argmax(counts > limit))
+            raise ValueError(f"{trace.source}: column 'mm_lengths', request {trace.request_id[row]}: "
+                             f"{int(counts[row])} images in one prompt, and vLLM's API server answers 400 past "
+                             f"--limit-mm-per-prompt ({limit}): \"At most {limit} image(s) may be provided in one "
+                             "prompt.\" Raise the limit or trim the trace")
     hw = config.hardware
     sc = config.scheduler
     if sc.mm_max_tokens_per_item is None:

@@ -393,6 +393,28 @@ def test_a_vision_model_served_as_text_only_is_its_language_model():
     assert replay(plain, text_only).summary["duration_s"] == replay(plain, text_model).summary["duration_s"]
 
 
+def test_the_image_limit_per_prompt_caps_the_profile_and_refuses_more():
+    """vLLM's --limit-mm-per-prompt: the start-up profile takes at most that many items a prompt
+    (here 2 prompts of at most 2, where the budget holds 8), and a trace row with more images is
+    refused with vLLM's text; the CLI takes vLLM's JSON, image=N or N."""
+    from simkv.capacity import encoder_profile
+    from simkv.cli.replay_cmd import ImageLimit
+
+    small = dict(mm_max_tokens_per_item=1024, max_num_seqs=2, max_model_len=8192)
+    assert encoder_profile(_config(**small)) == (8, 1024)
+    assert encoder_profile(_config(**small, limit_mm_per_prompt=2)) == (4, 1024)
+    two = trace_from_frame(pd.DataFrame({"arrival_time_s": [0.0, 0.1], "prompt_tokens": [2500, 1400],
+                                         "output_tokens": [8, 8], "mm_offsets": [[100, 1300], [100]],
+                                         "mm_lengths": [[1024, 1024], [1024]], "mm_hashes": [[1, 2], [3]]}))
+    assert replay(two, _config(limit_mm_per_prompt=2)).summary["multimodal"]["items"] == 3
+    with pytest.raises(ValueError, match=r"2 images in one prompt.*At most 1 image\(s\) may be provided"):
+        replay(two, _config(limit_mm_per_prompt=1))
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt must be >= 1"):
+        _config(limit_mm_per_prompt=0)
+    assert [ImageLimit().convert(v, None, None) for v in ('{"image": 3}', "image=3", "3", '{"image": {"count": 3}}')] \
+        == [3, 3, 3, 3]
+
+
 def test_capacity_shows_the_encoder_budget_and_weights():
     result = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-vl-7b", "--max-num-batched-tokens", "32768",
                                        "--json"])
