@@ -62,6 +62,7 @@ class TraceStats:
     rows_with_items: int | None = None
     distinct_items: int | None = None
     mm_item_tokens: int | None = None  # their placeholder tokens, all rows
+    max_items_per_row: int | None = None  # the most images one prompt shows (vLLM's --limit-mm-per-prompt)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,8 +112,10 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
 def _items(trace: Trace) -> dict:
     if trace.mm_items is None:
         return {}
-    return {"mm_items": len(trace.mm_items), "rows_with_items": int((np.diff(trace.mm_item_offsets) > 0).sum()),
-            "distinct_items": len(np.unique(trace.mm_items[:, 2])), "mm_item_tokens": int(trace.mm_items[:, 1].sum())}
+    counts = np.diff(trace.mm_item_offsets)
+    return {"mm_items": len(trace.mm_items), "rows_with_items": int((counts > 0).sum()),
+            "distinct_items": len(np.unique(trace.mm_items[:, 2])), "mm_item_tokens": int(trace.mm_items[:, 1].sum()),
+            "max_items_per_row": int(counts.max()) if len(counts) else 0}
 
 
 def _adapters(trace: Trace) -> dict:
@@ -166,5 +169,6 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
     if stats.mm_items is not None:
         share = stats.mm_item_tokens / stats.total_prompt_tokens if stats.total_prompt_tokens else 0.0
         lines.append(f"images         {stats.mm_items:,} in {stats.rows_with_items:,} rows ({stats.distinct_items:,} "
-                     f"distinct), {stats.mm_item_tokens:,} tokens ({100 * share:.1f} % of the prompts')")
+                     f"distinct), {stats.mm_item_tokens:,} tokens ({100 * share:.1f} % of the prompts'); at most "
+                     f"{stats.max_items_per_row:,} in one prompt")
     return "\n".join(lines)

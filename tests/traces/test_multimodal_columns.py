@@ -102,6 +102,7 @@ def test_transform_adds_images_before_the_prompts_last_tokens(tmp_path: Path) ->
     assert read_trace(out) == changed
     inspect = CliRunner().invoke(main, ["trace", "inspect", str(out)])
     assert "images         4 in 2 rows (4 distinct), 256 tokens" in inspect.output
+    assert "at most 2 in one prompt" in inspect.output  # (what --limit-mm-per-prompt must allow)
 
 
 def test_a_conversations_later_turns_show_its_earlier_images(tmp_path: Path) -> None:
