@@ -53,18 +53,22 @@ class PrefetchSchedule:
         self.first = min(prefetch_step, count)
         self.copy_s = copy_s
         self._memo: dict[tuple[int, int], float] = {}
-        self._ready: list[float] | None = None  # (`run`'s copies: when each layer's is done)
-        self._copy_free = 0.0
+        self._stream: list | None = None  # (`run`'s copy stream, carried on from pass to pass)
 
     def stall(self, layer_s: float, gap_s: float) -> float:
         """Seconds a step whose layers take `layer_s` each, with `gap_s` outside its layers,
-        waits for copies (0 when every copy is hidden)."""
+        waits for copies (0 when every copy is hidden): the last of `_STEPS` identical steps,
+        the steady state of a run of them."""
         if not self.module_at:
             return 0.0
         key = (round(layer_s * 1e9), round(gap_s * 1e9))  # (nanosecond buckets)
         wait = self._memo.get(key)
         if wait is None:
-            wait = self._memo[key] = self._play(layer_s, gap_s)
+            stream, start = self._new_stream(), 0.0
+            for _ in range(self._STEPS):
+                start, wait = self._pass(stream, start, layer_s)
+                start += gap_s
+            self._memo[key] = wait
         return wait
 
     def run(self, start_s: float, layer_s: float) -> float:
@@ -73,57 +77,62 @@ class PrefetchSchedule:
         Pipeline stages (simkv/replay/pipeline.py) time each stage's passes so, in order."""
         if not self.module_at:
             return 0.0
-        if self._ready is None:  # (the first copies, started before the first pass)
-            self._ready = [0.0] * len(self.follows)
-            for j in range(self.first):
-                self._copy_free += self.copy_s
-                self._ready[j] = self._copy_free
-        ready, follows, copy_s = self._ready, self.follows, self.copy_s
+        if self._stream is None:
+            self._stream = self._new_stream()
+        return self._pass(self._stream, start_s, layer_s)[1]
+
+    def _new_stream(self) -> list:
+        """[when each offloaded layer's copy is done, when the copy stream is free]: the first
+        copies started before the first pass."""
+        ready = [0.0] * len(self.follows)
+        copy_free = 0.0
+        for j in range(self.first):
+            copy_free += self.copy_s
+            ready[j] = copy_free
+        return [ready, copy_free]
+
+    def _pass(self, stream: list, start_s: float, layer_s: float) -> tuple[float, float]:
+        """The layers from `start_s` against `stream`'s copies (updated): (the pass's end, what it
+        waited)."""
+        ready, copy_free = stream
+        copy_s, follows, module_at = self.copy_s, self.follows, self.module_at
         now, wait = start_s, 0.0
         for layer in range(self.num_layers):
-            j = self.module_at.get(layer)
+            j = module_at.get(layer)
             if j is not None and ready[j] > now:
                 wait += ready[j] - now
                 now = ready[j]
             now += layer_s
             if j is not None:
-                self._copy_free = max(now, self._copy_free) + copy_s
-                ready[follows[j]] = self._copy_free
-        return wait
+                copy_free = max(now, copy_free) + copy_s
+                ready[follows[j]] = copy_free
+        stream[1] = copy_free
+        return now, wait
 
-    def _play(self, layer_s: float, gap_s: float) -> float:
-        copy_s, follows, module_at = self.copy_s, self.follows, self.module_at
-        ready = [0.0] * len(follows)  # (when each layer's copy is done; the first ones before the start)
-        copy_free = 0.0
-        for j in range(self.first):
-            copy_free += copy_s
-            ready[j] = copy_free
-        start = wait = 0.0
-        for _ in range(self._STEPS):
-            now, wait = start, 0.0
-            for layer in range(self.num_layers):
-                j = module_at.get(layer)
-                if j is not None and ready[j] > now:
-                    wait += ready[j] - now
-                    now = ready[j]
-                now += layer_s
-                if j is not None:
-                    copy_free = max(now, copy_free) + copy_s
-                    ready[follows[j]] = copy_free
-            start = now + gap_s
-        return wait
+
+def copy_seconds_per_layer(config: EngineConfig) -> float:
+    """A decoder layer's copy into a GPU's buffer: its share of the layer's weights over the host
+    link (each GPU its own)."""
+    from simkv.capacity import decoder_layer_bytes_per_gpu
+
+    return decoder_layer_bytes_per_gpu(config) / (config.cache.pcie_bandwidth_gbs * 1e9)
+
+
+def layer_schedule(config: EngineConfig, num_layers: int) -> PrefetchSchedule:
+    """The schedule of a GPU holding `num_layers` decoder layers (all of them, or a pipeline
+    stage's: vLLM's PrefetchOffloader counts a stage's layers from its first)."""
+    cc = config.cache
+    return PrefetchSchedule(num_layers, offloaded_layers(num_layers, cc.offload_group_size, cc.offload_num_in_group),
+                            cc.offload_prefetch_step, copy_seconds_per_layer(config))
 
 
 def stage_schedules(config: EngineConfig) -> list[PrefetchSchedule]:
     """Each pipeline stage's schedule: vLLM's PrefetchOffloader on a stage wraps that stage's
     layers, counted from its first, so each stage offloads the last N of every G of its own."""
-    from simkv.capacity import decoder_layer_bytes_per_gpu, pipeline_layers
+    from simkv.capacity import pipeline_layers
 
-    cc, hw = config.cache, config.hardware
-    copy_s = decoder_layer_bytes_per_gpu(config) / (cc.pcie_bandwidth_gbs * 1e9)
-    return [PrefetchSchedule(n, offloaded_layers(n, cc.offload_group_size, cc.offload_num_in_group),
-                             cc.offload_prefetch_step, copy_s)
-            for n in pipeline_layers(hw.model_spec().num_layers, hw.pipeline_parallel_size)]
+    hw = config.hardware
+    return [layer_schedule(config, n) for n in pipeline_layers(hw.model_spec().num_layers, hw.pipeline_parallel_size)]
 
 
 def prefetch_backend(backend):
@@ -140,26 +149,17 @@ class PrefetchOffloadBackend:
     supports_decode_runs = False
 
     def __init__(self, inner, config: EngineConfig) -> None:
-        from simkv.capacity import decoder_layer_bytes_per_gpu
-
         cc = config.cache
-        spec = config.hardware.model_spec()
         self.inner = inner
-        self.name = inner.name
-        self.needs_request_detail = inner.needs_request_detail
-        if hasattr(inner, "host_seconds"):
-            self.host_seconds = inner.host_seconds
-        self.frontend_latency_s = getattr(inner, "frontend_latency_s", 0.0)
-        positions = offloaded_layers(spec.num_layers, cc.offload_group_size, cc.offload_num_in_group)
-        copy_s = decoder_layer_bytes_per_gpu(config) / (cc.pcie_bandwidth_gbs * 1e9)
-        self.schedule = PrefetchSchedule(spec.num_layers, positions, cc.offload_prefetch_step, copy_s)
+        self.schedule = layer_schedule(config, config.hardware.model_spec().num_layers)
         self.fixed_s = getattr(inner, "fixed_s", 0.0)
         self.wait_seconds = 0.0  # the steps' waits for copies so far
-        self.info = {"offloaded_layers": len(positions), "prefetch_step": cc.offload_prefetch_step,
-                     "copy_s_per_layer": copy_s, "pcie_gbs": cc.pcie_bandwidth_gbs}
+        self.info = {"offloaded_layers": len(self.schedule.follows), "prefetch_step": cc.offload_prefetch_step,
+                     "copy_s_per_layer": self.schedule.copy_s, "pcie_gbs": cc.pcie_bandwidth_gbs}
 
     def __getattr__(self, name: str):
-        """Everything else is the wrapped cost model's (LoRA's prices, a fit's range, ...)."""
+        """Everything else is the wrapped cost model's (its name, host share and front-end
+        latency, LoRA's prices, a fit's range, ...)."""
         if name == "inner":  # (not set yet: no recursion while unpickling or before __init__)
             raise AttributeError(name)
         return getattr(self.inner, name)

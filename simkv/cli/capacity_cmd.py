@@ -6,9 +6,9 @@ import json
 
 import click
 
-from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, decoder_layer_bytes_per_gpu,
-                             encoder_profile, encoder_profile_bytes, kv_bytes_per_token, offloaded_weight_bytes,
-                             prefetched_weight_bytes, request_concurrency, resident_weight_bytes)
+from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes,
+                             kv_bytes_per_token, offloaded_weight_bytes, prefetched_weight_bytes, request_concurrency,
+                             resident_weight_bytes)
 from simkv.cli.replay_cmd import ByteCount, ImageLimit, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 
@@ -53,7 +53,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         extra["cpu_offload"] = {"cpu_offload_gb": config.cache.cpu_offload_gb,
                                 "offloaded_weight_bytes_per_gpu": int(offloaded)}
     if config.cache.offload_group_size:  # (vLLM's prefetch weight offloading; under PP the binding stage's GPU)
-        from simkv.backends.weight_prefetch import offloaded_layers
+        from simkv.backends.weight_prefetch import copy_seconds_per_layer, offloaded_layers
 
         layers = cap.pipeline_layers[cap.pipeline_binding_stage] if pp > 1 else spec.num_layers
         offloaded, buffers = prefetched_weight_bytes(config, layers)
@@ -61,7 +61,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
             "offloaded_layers": len(offloaded_layers(layers, config.cache.offload_group_size,
                                                      config.cache.offload_num_in_group)),
             "offloaded_weight_bytes_per_gpu": int(offloaded), "buffer_bytes_per_gpu": int(buffers),
-            "copy_s_per_layer": decoder_layer_bytes_per_gpu(config) / (config.cache.pcie_bandwidth_gbs * 1e9)}
+            "copy_s_per_layer": copy_seconds_per_layer(config)}
     if pp > 1:  # (per GPU: the figures of the stage with the fewest blocks, which every stage gets)
         extra["pipeline"] = {"pipeline_parallel_size": pp, "layers_per_stage": list(cap.pipeline_layers),
                              "binding_stage": cap.pipeline_binding_stage}
