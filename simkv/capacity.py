@@ -245,13 +245,9 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     GPU. Under the hybrid KV-cache manager a stage's block holds its share of the groups'
     layers, rounded up (vLLM projects the model's groups onto each worker's layers)."""
     spec = config.hardware.model_spec()
-    tp, dp = config.hardware.tensor_parallel_size, config.hardware.data_parallel_size
+    tp = config.hardware.tensor_parallel_size
     layers = pipeline_layers(spec.num_layers, config.hardware.pipeline_parallel_size)
-    # (taken as spread evenly over the layers: split by TP, routed experts over every rank's GPUs,
-    # a sparse-attention indexer whole on every GPU)
-    replicated = spec.indexer_weight_bytes
-    layer_bytes = spec.layer_weight_bytes - replicated
-    routed = spec.routed_expert_bytes / dp
+    layer = decoder_layer_bytes_per_gpu(config)  # (the layers' mean: weights taken as spread evenly)
     embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
     groups = config.kv_cache_groups
     draft = config.draft_network
@@ -260,9 +256,8 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     stages = []
     for i, n in enumerate(layers):
         last = i == len(layers) - 1
-        share = n / spec.num_layers
-        weights = ((layer_bytes * share + routed * share + embedding_bytes * ((i == 0) + last)) / tp
-                   + replicated * share + config.hardware.vision_weight_bytes_per_gpu() * (i == 0))
+        weights = (layer * n + embedding_bytes * ((i == 0) + last) / tp
+                   + config.hardware.vision_weight_bytes_per_gpu() * (i == 0))
         if groups.is_hybrid:
             lpb = groups.layers_per_block
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)
