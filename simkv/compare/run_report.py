@@ -53,6 +53,10 @@ def _summary_table(summary: dict) -> str:
             ("output throughput (tok/s)", summary.get("output_throughput_tok_s")),
             ("peak running", summary.get("peak_running")), ("preemptions", summary.get("num_preemptions")),
             ("prefix cache hit rate", summary.get("prefix_cache_hit_rate"))]
+    limits = summary.get("admission_limits")
+    if limits and limits["waiting_request_s"]:
+        rows.append(("waiting held by (time share)", ", ".join(
+            f"{name} {100 * v['share']:.1f} %" for name, v in limits["by_limit"].items())))
     groups = summary.get("kv_cache_groups")
     if groups:
         rows.insert(1, ("model", (summary.get("config") or {}).get("model")))

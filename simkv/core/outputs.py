@@ -89,6 +89,9 @@ class SchedulerOutput:
     encoder_item_embeds: tuple[int, ...] = ()
     # encoder disaggregation: the embeddings of each item loaded from the store in this step
     encoder_loaded_embeds: tuple[int, ...] = ()
+    # what kept the requests still waiting after this step was scheduled: an ADMISSION_LIMITS
+    # code (core/admission_limits.py; 0 when none waits)
+    admission_limit: int = 0
 
     @property
     def num_encoder_embeds(self) -> int:
@@ -143,6 +146,7 @@ class DecodeRun:
     num_swapped: int = 0  # after the run's finished requests released their blocks
     earlier_preemptions: int = 0  # as SchedulerOutput's, counted on the run's first step
     context_per_step: int = -1  # (-1: num_decodes)
+    admission_limit: int = 0  # what keeps the waiting requests waiting in every step of the run (as SchedulerOutput's)
 
     def __post_init__(self) -> None:
         if self.context_per_step < 0:

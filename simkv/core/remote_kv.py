@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from simkv.core.admission_limits import KV_CACHE, KV_TRANSFER, MAX_LORAS, NONE
 from simkv.core.request import KV_PULL, KV_SEND, Request, RequestStatus
 from simkv.core.request_queue import PriorityRequestQueue
 
@@ -259,36 +260,41 @@ class RemoteKV:
         admitted to the KV-holding queue on the way. With a CPU tier beside the pulls (vLLM's
         MultiConnector asks every connector), a pull whose tier lookup says "ask again later" waits
         for a later step in `delayed`, as does one whose LoRA adapter has no slot this step
-        (`loras`: the step's adapters). None: nothing (more) to admit this step."""
-        kv = self.kv_cache_manager
+        (`loras`: the step's adapters). None: nothing (more) to admit this step (`_pull_limit`
+        says why: a pull's blocks do not fit, or NONE: every request left was passed over)."""
         holding = self.kv_holding
         while True:
             if holding:
                 request = holding.peek_request()
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     if not request.kv_loaded:
+                        self._pass_over(KV_TRANSFER)
                         skipped.append(holding.pop_request())
                         continue
                     self._promote_pulled(request)
                 return holding, request, True
             if not self.waiting:
+                self._pull_limit = NONE  # (the requests left were passed over)
                 return None
             request = self.waiting.peek_request()
             if request.kv_role != KV_PULL:
                 return self.waiting, request, bool(request.swapped_blocks)
             if self._lora_deferred(request, loras):  # (vLLM checks max_loras before the connector)
+                self._pass_over(MAX_LORAS)
                 delayed.append(self.waiting.pop_request())
                 continue
             hits = self._pull_hits(request)
             if self._tier_delays_pull(request, hits.num_tokens):
+                self._pass_over(KV_TRANSFER)
                 delayed.append(self.waiting.pop_request())
                 continue
             admitted = self._admit_pull(request, hits, plan, skipped)
             if admitted is None:  # (its local hits cover what a pull would load)
                 return self.waiting, request, False
             if not admitted:
-                self._blocked_marker = (request, kv.num_frees, plan.budget)
+                self._pull_limit = self._block(request, plan, KV_CACHE)
                 return None
+            self._pass_over(KV_TRANSFER)  # (its pull starts: it waits in the KV-holding queue)
             skipped.append(self.waiting.pop_request())
 
     def _pull_hits(self, request: Request):

@@ -24,6 +24,8 @@ from bisect import bisect_left
 from operator import attrgetter
 
 from simkv.config import EngineConfig
+from simkv.core.admission_limits import (ADMISSION_CAP, ENCODER, KV_CACHE, KV_TRANSFER, MAX_LORAS, MAX_NUM_SEQS, NONE, PIPELINE,
+                                         PREEMPTION, PREFILL_CADENCE, TOKEN_BUDGET)
 from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.encoder_cache import EncoderCacheManager, encoder_budget
@@ -261,7 +263,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._calendar_tables: list[list[list]] | None = [[] for _ in range(self.block_size)] if periodic else None
         # priority policy: the running requests by victim order (`_victim_entry`)
         self._victim_heap: list[tuple] = []
-        self._blocked_marker: tuple | None = None
+        self._blocked_marker: tuple | None = None  # (head, frees, budget, its ADMISSION_LIMITS code)
+        # What kept requests waiting after the last schedule() (core/admission_limits.py), and
+        # while _schedule_waiting runs, the first reason a request was passed over and why a pull stopped it
+        self.admission_limit = self._passed_over = self._pull_limit = NONE
         # Counters.
         self.num_preemptions = 0
         self.num_preempted_requests = 0
@@ -488,6 +493,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._state_offer_marks = (self._state_offer_marks[0], len(kv.state_offers))
         if not plan.preempted and not self.admit_before_running:
             self._schedule_waiting(step, plan)
+        elif plan.preempted and not self.admit_before_running:
+            self.admission_limit = PREEMPTION  # (vLLM admits nothing in a step that preempted)
         if num_stalled:
             if plan.chunks or num_decodes or not self.async_scheduling:
                 self._stall(stalled, step)
@@ -550,7 +557,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
             num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
             encoder_item_embeds=encoded, encoder_loaded_embeds=loaded,
-            aborted=self._take_aborted())
+            aborted=self._take_aborted(), admission_limit=self.admission_limit if num_waiting else NONE)
 
     def _offload_tier(self, config: EngineConfig, num_chunks: int) -> KVOffload:
         """KV offloading's connector: one group's (core/kv_offload.py), or the groups' of a model
@@ -766,14 +773,21 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # LoRA: the adapters of every running request, scheduled this step or not (vLLM's scheduled_loras)
         loras = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else None
         lora_skips = 0
+        limit = self._passed_over = NONE  # (what stops the loop; the first reason a request was passed over)
         while plan.budget > 0 and (self.waiting or self.kv_holding):
             if plan.input_budget <= plan.draft_slots:
+                limit = TOKEN_BUDGET
                 break
-            if len(self.running) >= self.max_num_active or admitted >= self.max_num_admissions_per_step:
+            if len(self.running) >= self.max_num_active:
+                limit = MAX_NUM_SEQS
+                break
+            if admitted >= self.max_num_admissions_per_step:
+                limit = ADMISSION_CAP
                 break
             if self.kv_holding or self.waiting.peek_request().kv_role == KV_PULL:
                 head = self._next_waiting(skipped, plan, skipped_waiting, loras)
-                if head is None:
+                if head is None:  # (a pull whose blocks do not fit, or every one left passed over)
+                    limit = self._pull_limit
                     break
                 queue, request, holds_kv = head
             else:
@@ -781,11 +795,11 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 request = queue.peek_request()
                 holds_kv = bool(request.swapped_blocks)
             if request.num_stale_tokens:  # (pipeline parallelism: an output from before its preemption is in
-                self._set_aside(queue, skipped, skipped_waiting)  # flight; resuming could resample its position)
+                self._set_aside(queue, skipped, skipped_waiting, PIPELINE)  # flight; resuming could resample its position)
                 continue
             if self._lora_deferred(request, loras):  # (no adapter slot: it waits, the next may go)
                 lora_skips += 1
-                self._set_aside(queue, skipped, skipped_waiting)
+                self._set_aside(queue, skipped, skipped_waiting, MAX_LORAS)
                 continue
             swapped = request.swapped_blocks
             # A request that holds its KV (swapped out, or pulled) does no prefix lookup.
@@ -793,52 +807,60 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             if self.offload is not None and not holds_kv:  # (then the CPU tier, past the local hit)
                 external = self.offload.lookup(request, computed.num_tokens)
                 if external is None:  # (ask again at a later step; vLLM counts lookups at admission)
+                    self._pass_over(KV_TRANSFER)
                     skipped_waiting.append(queue.pop_request())
                     continue
                 if external:
                     if not self._admit_offload_load(request, computed, external, plan, skipped):
-                        self._blocked_marker = (request, kv.num_frees, plan.budget)
+                        limit = self._block(request, plan, KV_CACHE)
                         break
+                    self._pass_over(KV_TRANSFER)  # (its load starts: it waits in the KV-holding queue)
                     skipped.append(queue.pop_request())
                     continue
             base = request.num_computed_tokens if holds_kv else 0
             if plan.defer_prefills and base + computed.num_tokens < request.num_tokens - 1:
-                break  # (a prompt to compute: it waits for a step that carries prefill)
+                limit = PREFILL_CADENCE  # (a prompt to compute: it waits for a step that carries prefill)
+                break
             num_new = request.num_tokens - base - computed.num_tokens
             padded = False
             if self.num_spec_tokens and num_new == 1:
                 num_new = self._spec_padding(base + computed.num_tokens, num_new, plan)
                 if num_new == 0:  # its padded rows do not fit this step
+                    limit = TOKEN_BUDGET
                     break
                 padded = num_new > 1
             if 0 < plan.threshold < num_new:
                 num_new = plan.threshold
             if not self.enable_chunked_prefill and num_new > plan.request_budget():
-                self._blocked_marker = (request, kv.num_frees, plan.budget)
+                limit = self._block(request, plan, TOKEN_BUDGET)
                 break
             num_new = min(num_new, plan.request_budget())
             if self._mamba_split:
                 num_new = self._mamba_aligned(request, base + computed.num_tokens, num_new)
                 if num_new == 0:  # (no block-aligned chunk fits the budget)
-                    self._blocked_marker = (request, kv.num_frees, plan.budget)
+                    limit = self._block(request, plan, TOKEN_BUDGET)
                     break
                 if padded and num_new != 1 + self.num_spec_tokens:  # (the split cut the padded rows:
                     num_new, padded = 1, False  # vLLM drops the padding rather than shorten it)
             encoding = None
+            passed_for = TOKEN_BUDGET  # (if nothing of it fits below)
             if request.mm_items:
+                stops = self.num_encoder_stops
                 num_new, encoding = self._encoder_inputs(request, base + computed.num_tokens, num_new, plan)
+                if self.num_encoder_stops != stops:
+                    passed_for = ENCODER
             if self.num_prefill_lookahead:
                 num_new = self._reserve_prefill_lookahead(request, base + computed.num_tokens, num_new)
             if num_new == 0:  # (an item that does not fit the encoder's budget or cache, or no chunk that
                 # keeps multi-module MTP's runway within the budget: it is passed over)
-                self._set_aside(queue, skipped, skipped_waiting)
+                self._set_aside(queue, skipped, skipped_waiting, passed_for)
                 continue
             new_blocks = kv.allocate_slots(
                 request, base, num_new, computed, self.num_lookahead_tokens,
                 full_sequence_must_fit=self.reserve_full_isl, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 self._free_items(request)  # (the cached items it looked up)
-                self._blocked_marker = (request, kv.num_frees, plan.budget)
+                limit = self._block(request, plan, KV_CACHE)
                 break
             if request.kv_role == KV_PULL:  # (P/D: its local hits covered what a pull would load)
                 request.kv_role = 0
@@ -885,6 +907,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             plan.chunks.append(chunk)
             plan.schedule(request, num_new)
             admitted += 1
+        if limit == NONE:  # (the loop ran out of budget, or of requests not passed over)
+            limit = TOKEN_BUDGET if plan.budget <= 0 else self._passed_over
+        self.admission_limit = limit
         if loras is not None:  # (every waiting request was looked at, and each lacked an adapter slot)
             stuck = lora_skips and lora_skips == len(skipped_waiting) and not self.waiting and not self.kv_holding
             self._lora_stuck = (lora_skips, frozenset(loras)) if stuck else None
@@ -895,11 +920,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if self.prefill_interval > 1 or self.dp_cadence:
             self._note_set_aside(skipped_waiting, plan)
 
-    def _set_aside(self, queue, skipped: list[Request], skipped_waiting: list[Request]) -> None:
-        """The head of `queue` is passed over this step; it goes back (vLLM's skip_request) to the
-        KV-holding queue if it holds KV blocks by vLLM's test (computed tokens, or a load in
-        flight), else to the waiting queue, blocks and all (a pulled one-token prompt: its
-        computed count is 0)."""
+    def _set_aside(self, queue, skipped: list[Request], skipped_waiting: list[Request], reason: int) -> None:
+        """The head of `queue` is passed over this step (for `reason`, an ADMISSION_LIMITS code);
+        it goes back (vLLM's skip_request) to the KV-holding queue if it holds KV blocks by vLLM's
+        test (computed tokens, or a load in flight), else to the waiting queue, blocks and all (a
+        pulled one-token prompt: its computed count is 0)."""
+        self._pass_over(reason)
         request = queue.pop_request()
         if queue is not self.kv_holding:
             skipped_waiting.append(request)
@@ -908,6 +934,19 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         else:
             self._num_kv_ready -= 1  # (it leaves the KV-holding queue)
             skipped_waiting.append(request)
+
+    def _pass_over(self, reason: int) -> None:
+        """A waiting request is passed over this step for `reason`: the step's admission limit if
+        nothing else stops the loop (the first such reason)."""
+        if self._passed_over == NONE:
+            self._passed_over = reason
+
+    def _block(self, request: Request, plan: StepPlan, reason: int) -> int:
+        """The waiting queue's head cannot be admitted (for `reason`) until blocks are freed or the
+        budget changes: a decode run may go on while that holds (steady_decoders'
+        _admission_stuck). Returns `reason`."""
+        self._blocked_marker = (request, self.kv_cache_manager.num_frees, plan.budget, reason)
+        return reason
 
     def _lora_deferred(self, request: Request, loras: set | None) -> bool:
         """LoRA: the step's adapter slots are all taken by other adapters than the request's

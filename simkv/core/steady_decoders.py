@@ -32,6 +32,7 @@ from bisect import bisect_left
 from itertools import chain
 from operator import attrgetter
 
+from simkv.core.admission_limits import KV_TRANSFER, MAX_LORAS, MAX_NUM_SEQS, NONE, TOKEN_BUDGET
 from simkv.core.outputs import DecodeRun
 from simkv.core.request import Request, RequestStatus
 
@@ -383,17 +384,27 @@ class SteadyDecoders:
         return (self._lora_stuck_now() and len(self.running) < self.max_num_active
                 and self._admission_budget() > 0)
 
-    def _admission_stuck(self) -> bool:
-        if len(self.running) >= self.max_num_active:
-            return True
-        if self._lora_stuck_now():
-            return True
+    def _admission_stuck(self) -> int:
+        """Whether a plain decode step would admit nothing from the waiting queue: the limit that
+        stops it (an ADMISSION_LIMITS code, in the order _schedule_waiting meets them), or 0."""
         budget = self._admission_budget()
         if budget <= 0:
-            return True
+            return TOKEN_BUDGET
+        if len(self.running) >= self.max_num_active:
+            return MAX_NUM_SEQS
+        if self._lora_stuck_now():
+            return MAX_LORAS
         marker = self._blocked_marker
-        return (marker is not None and marker[0] is self.waiting.peek_request()
-                and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget)
+        if (marker is not None and marker[0] is self.waiting.peek_request()
+                and marker[1] == self.kv_cache_manager.num_frees and marker[2] == budget):
+            return marker[3]
+        return NONE
+
+    def _run_admission_limit(self) -> int:
+        """What keeps the requests waiting during a decode run (its steps admit nothing)."""
+        if self.waiting:
+            return self._admission_stuck()
+        return KV_TRANSFER if self.kv_holding else NONE
 
     def _images_pending(self) -> bool:
         """Multimodal items: an event a decode run would step over. A running request still holds
@@ -538,6 +549,7 @@ class SteadyDecoders:
         the step before the run was in flight when its first step would have been scheduled
         (the engine processed that output first, as it changes nothing)."""
         start = self.current_step
+        admission_limit = self._run_admission_limit()  # (before the run's finishing requests leave)
         if after_in_flight:
             self._processed_through = start - 2
         end = start + num_steps
@@ -575,7 +587,8 @@ class SteadyDecoders:
             self._leave_decoding(request, end)
             finished.append(request)
         run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
-                        first_used, counts, finished, num_swapped=self.num_swapped, context_per_step=per_step)
+                        first_used, counts, finished, num_swapped=self.num_swapped, context_per_step=per_step,
+                        admission_limit=admission_limit)
         if finished:
             finished.sort(key=_seq_of)
             run.finished = self._finish(finished, end - 1)

@@ -20,7 +20,7 @@ from simkv.clock import TICKS_PER_SECOND
 from simkv.replay.disaggregated import DisaggregatedRun
 from simkv.replay.fleet import fleet_summary, fleet_tables
 from simkv.replay.pipeline import pipeline_summary
-from simkv.replay.results import dist, multimodal_summary
+from simkv.replay.results import admission_limits_summary, dist, multimodal_summary
 
 _POOL_KEYS = ("duration_s", "num_steps", "peak_running", "mean_running", "peak_waiting", "num_gpu_blocks",
               "peak_blocks_used", "num_preemptions", "num_preempted_requests", "prefix_cache_queries_tokens",
@@ -68,6 +68,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     # (a CPU tier: per pool; images: per pool, and both pools' encodes summed)
     summary = {k: v for k, v in decode.items() if k not in ("fleet", "kv_offloading", "multimodal")}
     summary |= multimodal_summary(run.prefill_runs + run.decode_runs, trace)
+    summary |= admission_limits_summary([r.steps.columns() for r in run.prefill_runs + run.decode_runs])
     if "session_pacing" in prefill:  # (the prefill router paces the turns)
         summary["session_pacing"] = prefill["session_pacing"]
     if "admission_control" in prefill:  # (the prefill pool's front ends refuse: simkv/replay/admission.py)
@@ -105,7 +106,8 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
 
 
 def _pool(s: dict, config) -> dict:
-    return {k: s[k] for k in _POOL_KEYS} | {k: s[k] for k in ("kv_offloading", "lora", "multimodal") if k in s} | {
+    return {k: s[k] for k in _POOL_KEYS} | {k: s[k] for k in ("kv_offloading", "lora", "multimodal", "admission_limits")
+                                             if k in s} | {
         "config": {k: v for k, v in config.to_dict().items()
                    if k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                             "long_prefill_token_threshold", "enable_prefix_caching", "gpu_memory_utilization",

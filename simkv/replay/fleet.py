@@ -20,7 +20,7 @@ import simpy
 
 from simkv.core.request import Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (admission_summary, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, multimodal_summary, offload_summary,
+from simkv.replay.results import (admission_limits_summary, admission_summary, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, multimodal_summary, offload_summary,
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
@@ -445,7 +445,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
-    summary |= admission_summary(runs, routing)
+    summary |= admission_summary(runs, routing) | admission_limits_summary([run.steps.columns() for run in runs])
     if routing.sessions is not None:
         summary["session_pacing"] = routing.sessions.summary()
     if routing.clients is not None:

@@ -25,6 +25,15 @@ def _beyond_range(cost: dict) -> str:
             "beyond the calibrated range)")
 
 
+def admission_limit_rows(limits: dict | None) -> list[tuple[str, str]]:
+    """The limits that held the waiting queue back, by their share of the waiting time (those
+    of 1 % or more; summary.json's `admission_limits` has them all)."""
+    if not limits or not limits["waiting_request_s"]:
+        return []
+    shares = [f"{name} {100 * v['share']:.0f} %" for name, v in limits["by_limit"].items() if v["share"] >= 0.01]
+    return [("waiting held by (time share)" if i == 0 else "", share) for i, share in enumerate(shares)]
+
+
 def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None,
                   with_report: bool = False) -> None:
     console = console or Console()
@@ -83,6 +92,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         ("throughput", f"{summary['request_throughput_req_s']:,.2f} req/s, {summary['output_throughput_tok_s']:,.0f} output tok/s"),
         ("running (peak / mean)" + per, f"{summary['peak_running']:,} / {summary['mean_running']:,.1f}"),
         ("waiting (peak)" + per, f"{summary['peak_waiting']:,}"),
+        *admission_limit_rows(summary.get("admission_limits")),
         ("KV blocks (peak used / total)" + per, f"{summary['peak_blocks_used']:,} / {summary['num_gpu_blocks']:,} of {cfg['block_size'] * cfg.get('decode_context_parallel_size', 1)} tokens"),
         ("internal fragmentation", f"{summary['internal_fragmentation_pct']:.2f} %"),
         ("preemptions (events / requests)", f"{summary['num_preemptions']:,} / {summary['num_preempted_requests']:,}"),

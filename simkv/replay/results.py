@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 
 from simkv.atomic import atomic_write
 from simkv.clock import TICKS_PER_SECOND
+from simkv.core.admission_limits import ADMISSION_LIMITS
 from simkv.replay.engine import ReplayRun
 from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.step_log import SPEC_COLUMNS, RequestLog
@@ -179,7 +180,7 @@ def summarize(run: ReplayRun, trace, config, backend, capacity, wall_time_s: flo
         "allocator_stats": kv.allocator_stats(),
         "num_prefill_tokens": int(steps["num_prefill_tokens"].sum()),
         "num_decode_tokens": int(steps["num_decode_tokens"].sum()),
-    } | pipeline_summary(run, duration) | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | multimodal_summary([run], trace) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | pipeline_summary(run, duration) | session_summary(run) | client_summary(run, requests) | admission_summary([run]) | admission_limits_summary([steps]) | parallel_sampling_summary(config, trace, [run.requests]) | lora_summary(config, [run], trace, capacity, backend) | multimodal_summary([run], trace) | offload_summary(run, capacity, stats.queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [sched], [backend], duration) | latencies_and_rates(
         requests, itl_distribution(run), duration, wall_time_s)
 
@@ -236,6 +237,28 @@ def admission_summary(runs: list[ReplayRun], routing=None) -> dict:
     front_ends = [shared] if shared is not None else [
         run.feed.queue_limits for run in runs if getattr(run.feed, "queue_limits", None) is not None]
     return {"admission_control": merged_summary(front_ends)} if front_ends else {}
+
+
+def admission_limits_summary(step_columns: list[dict]) -> dict:
+    """summary.json's `admission_limits`, over the steps of every engine in `step_columns`: the
+    request-seconds requests spent waiting while steps ran (each step's duration times the
+    requests it left waiting), and their share held by each limit that ended a step's
+    admissions (simkv/core/admission_limits.py), largest first; also the steps each held."""
+    waiting = np.concatenate([c["num_waiting"] for c in step_columns]) if step_columns else np.zeros(0)
+    if not waiting.any():
+        return {"admission_limits": {"waiting_request_s": 0.0, "steps_with_waiting": 0, "by_limit": {}}}
+    codes = np.concatenate([c["admission_limit"] for c in step_columns])
+    weight = np.concatenate([c["duration_s"] for c in step_columns]) * waiting
+    held = waiting > 0
+    request_s = np.bincount(codes[held], weights=weight[held], minlength=len(ADMISSION_LIMITS))
+    steps = np.bincount(codes[held], minlength=len(ADMISSION_LIMITS))
+    total = float(request_s.sum())
+    order = sorted(np.flatnonzero(steps), key=lambda k: (-request_s[k], k))
+    return {"admission_limits": {
+        "waiting_request_s": total, "steps_with_waiting": int(held.sum()),
+        "by_limit": {ADMISSION_LIMITS[k]: {"share": float(request_s[k] / total) if total else 0.0,
+                                           "waiting_request_s": float(request_s[k]), "steps": int(steps[k])}
+                     for k in order}}}
 
 
 def multimodal_summary(runs: list[ReplayRun], trace) -> dict:
@@ -416,10 +439,18 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
     atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
+def steps_frame(steps: dict) -> pd.DataFrame:
+    """steps.parquet's table: the step log's columns, each step's admission limit by name."""
+    frame = pd.DataFrame(steps)
+    if "admission_limit" in frame and frame["admission_limit"].dtype.kind in "iu":
+        frame["admission_limit"] = pd.Categorical.from_codes(frame["admission_limit"].to_numpy(), ADMISSION_LIMITS)
+    return frame
+
+
 def write_outputs(out_dir: Path, summary: dict, requests: pd.DataFrame, steps: dict) -> None:
     """All three files, each written to a temporary name and renamed into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_parquet(requests, out_dir / "requests.parquet")
-    _write_parquet(pd.DataFrame(steps), out_dir / "steps.parquet")
+    _write_parquet(steps_frame(steps), out_dir / "steps.parquet")
     text = json.dumps(summary, indent=2, sort_keys=False) + "\n"
     atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))

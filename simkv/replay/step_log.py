@@ -14,7 +14,7 @@ from simkv.core.request import Request
 STEP_COLUMNS = ("step", "start_time_s", "duration_s", "num_running", "num_waiting",
                 "num_prefill_tokens", "num_decode_tokens", "decode_context_tokens", "num_blocks_used",
                 "num_blocks_used_end", "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "num_finished",
-                "num_swapped", "num_swap_blocks")
+                "num_swapped", "num_swap_blocks", "admission_limit")
 _FLOAT_COLUMNS = {"start_time_s", "duration_s"}
 SPEC_COLUMNS = ("num_draft_tokens", "num_accepted_tokens")  # steps and requests, under speculative decoding only
 ENCODER_COLUMN = "num_encoder_embeds"  # steps, on a multimodal replay only: the embeddings the encoder computed
@@ -26,7 +26,8 @@ ENCODER_COLUMN = "num_encoder_embeds"  # steps, on a multimodal replay only: the
 # values (counts that happen once per segment sit on its first or last row).
 _ROW_COLUMNS = ("first_step", "length", "blocks", "blocks_end", "start_tick", "c0", "c1", "cross", "d0", "d1",
                 "k0", "k1", "num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
-                "prefix_query_tokens", "prefix_hit_tokens", "num_finished", "num_swapped", "num_swap_blocks")
+                "prefix_query_tokens", "prefix_hit_tokens", "num_finished", "num_swapped", "num_swap_blocks",
+                "admission_limit")
 
 
 class StepLog:
@@ -52,7 +53,7 @@ class StepLog:
         self._rows.append((out.step, 1, out.num_blocks_used, out.num_blocks_used_end, start, duration, 0, 1, duration, 0,
                            out.decode_context_tokens, 0, out.num_running, out.num_waiting, out.num_prefill_tokens, out.num_decode_tokens,
                            len(out.preempted) + out.earlier_preemptions, out.prefix_query_tokens, out.prefix_hit_tokens, len(out.finished),
-                           out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks))
+                           out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks, out.admission_limit))
         self._columns = None
         self._alloc_counts.append(0)
         if self._encoded is not None and out.encoder_item_embeds:
@@ -66,7 +67,7 @@ class StepLog:
         `run.earlier_preemptions` count on its first step."""
         self._rows.append((run.start_step, run.num_steps, run.first_num_blocks_used, run.last_num_blocks_used_end,
                            start, *shape, run.first_context_tokens, run.context_per_step, run.num_running, run.num_waiting, 0, run.num_decodes, run.earlier_preemptions, 0, 0,
-                           len(run.finished), run.num_swapped, 0))
+                           len(run.finished), run.num_swapped, 0, run.admission_limit))
         self._columns = None
         self._alloc_counts += run.allocation_counts
         self.num_steps += run.num_steps
@@ -92,7 +93,7 @@ class StepLog:
         out["start_time_s"] = (np.repeat(seg["start_tick"], lengths) + since_seg_start) / TICKS_PER_SECOND
         out["duration_s"] = ticks / TICKS_PER_SECOND
         out["decode_context_tokens"] = np.repeat(seg["k0"], lengths) + np.repeat(seg["k1"], lengths) * within
-        for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped"):
+        for c in ("num_running", "num_waiting", "num_prefill_tokens", "num_decode_tokens", "num_swapped", "admission_limit"):
             out[c] = np.repeat(seg[c], lengths)
         allocs = np.cumsum(np.asarray(self._alloc_counts, dtype=np.int64))
         before = np.concatenate(([0], allocs))[np.repeat(seg_start_row, lengths)]

@@ -374,3 +374,19 @@ def test_a_sweep_over_the_cpu_tier_has_its_columns(tmp_path):
     assert tier["num_prefill_tokens"] < plain["num_prefill_tokens"]
     without = sweep(TRACE, "--grid", "watermark=0,0.01", *FIXED, "--out", str(tmp_path / "w"))
     assert without.exit_code == 0 and "offload_loaded_tokens" not in pq.read_table(tmp_path / "w" / "sweep.parquet").column_names
+
+
+def test_each_cell_names_the_limit_that_held_its_queue(tmp_path):
+    """`waiting_held_by`: the largest of the cell's admission_limits, with its share."""
+    out = tmp_path / "held"
+    res = sweep(TRACE, "--grid", "max_num_seqs=16,256", "--set", "num_gpu_blocks=1500", "--set", "max_model_len=4096",
+                "--cost-model", "unit", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    held = {r["max_num_seqs"]: r["waiting_held_by"] for r in rows}
+    assert held[16] == "max_num_seqs 100 %"
+    assert held[256].startswith("kv_cache ")
+    cell = json.loads((out / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
+    top, share = next(iter(cell["admission_limits"]["by_limit"].items()))
+    assert held[256] == f"{top} {100 * share['share']:.0f} %"
+    assert "waiting_held_by" in (out / "sweep.md").read_text()
