@@ -38,8 +38,9 @@ def to_markdown(record: dict) -> str:
              f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. "
              f"The trace's own rate: {record['trace_rate_req_s']:.3f} req/s; cost model: {record['cost_model']}."
              + _setup(record), "",
-             "| probe | rate req/s | x trace | met | attainment | goodput req/s | TTFT p99 s | TPOT p99 ms | preemptions | peak running |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| probe | rate req/s | x trace | met | attainment | goodput req/s | TTFT p99 s | TPOT p99 ms | preemptions | "
+             "peak running | waiting held by |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
 
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -47,7 +48,8 @@ def to_markdown(record: dict) -> str:
     for i, p in enumerate(record["probes"], 1):
         lines.append(f"| {i} | {p['rate_req_s']:.3f} | {p['factor']:.4g} | {'yes' if p['met'] else 'no'} | "
                      f"{100 * p['slo_attainment']:.1f} % | {p['request_goodput_req_s']:.3f} | {num(p['ttft_p99_s'], '.3f')} | "
-                     f"{num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | {p['num_preemptions']} | {p['peak_running']} |")
+                     f"{num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | {p['num_preemptions']} | {p['peak_running']} | "
+                     f"{p.get('waiting_held_by') or '-'} |")
     lines.append("")
     lo, hi = record["bracket_factors"]
     base = record["trace_rate_req_s"]
@@ -105,20 +107,21 @@ def grid_markdown(record: dict) -> str:
              f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests meet "
              f"all of them; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
              f"(to {100 * record['tolerance']:g} %).", "",
-             "| " + " | ".join(head_keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | probes |"
+             "| " + " | ".join(head_keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | waiting held by | probes |"
              + (" replicas |" if record.get("target_rate_req_s") else "")
              + (" GPUs | USD/h | USD per 1M output tokens |" if priced else ""),
-             "|" + "---|" * len(head_keys) + "---:|---:|---:|---:|---:|" + ("---:|" if record.get("target_rate_req_s") else "")
+             "|" + "---|" * len(head_keys) + "---:|---:|---:|---:|---|---:|" + ("---:|" if record.get("target_rate_req_s") else "")
              + ("---:|---:|---:|" if priced else "")]
     for c in record["cells"]:
         head = " | ".join([str(c["swept"][k]) for k in keys] + ([str(c.get("engine_block_size", ""))] if grown else []))
         if c["status"] == "failed":
-            lines.append(f"| {head} | failed: {c['error'][:80]} | | | | |" + (" |" if record.get("target_rate_req_s") else ""))
+            lines.append(f"| {head} | failed: {c['error'][:80]} | | | | | |" + (" |" if record.get("target_rate_req_s") else ""))
             continue
         p = c.get("at_max") or {}
         rate = "none" if c["max_rate_req_s"] is None else f"{c['max_rate_req_s']:.3f}" + (" (or more)" if c["status"] == "unbounded" else "")
         row = (f"| {head} | {rate} | {100 * p['slo_attainment']:.1f} % | {p['ttft_p99_s']:.3f} | {1e3 * (p['tpot_p99_s'] or 0):.1f} "
-               f"| {c['num_probes']} |" if p else f"| {head} | {rate} | - | - | - | {c['num_probes']} |")
+               f"| {p.get('waiting_held_by') or '-'} | {c['num_probes']} |" if p
+               else f"| {head} | {rate} | - | - | - | - | {c['num_probes']} |")
         if record.get("target_rate_req_s"):
             row += f" {c.get('replicas') or '-'} |"
         if priced:

@@ -261,6 +261,17 @@ def admission_limits_summary(step_columns: list[dict]) -> dict:
                      for k in order}}}
 
 
+def largest_admission_limit(summary: dict) -> str | None:
+    """'kv_cache 86 %': the first of a summary's `admission_limits` (the largest share of the
+    waiting time); '' when nothing waited, None for a summary without the breakdown."""
+    limits = summary.get("admission_limits")
+    if limits is None:
+        return None
+    for name, v in limits["by_limit"].items():
+        return f"{name} {100 * v['share']:.0f} %"
+    return ""
+
+
 def multimodal_summary(runs: list[ReplayRun], trace) -> dict:
     """Multimodal items (simkv/core/encoder_cache.py), over the runs (a fleet's replicas): the
     trace's items, those the encoder ran (an item runs again after a preemption or an eviction

@@ -38,6 +38,7 @@ class Probe:
     num_preemptions: int
     peak_running: int
     num_rejected: int = 0  # (prompts at or past max_model_len: they meet no SLO at any rate)
+    waiting_held_by: str | None = None  # the limit that held the waiting queue longest, with its share
 
 
 def trace_rate(trace) -> float:
@@ -53,6 +54,7 @@ def trace_rate(trace) -> float:
 def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model: str, cost_options: dict | None,
           fleet=None, disaggregation=None, encode=None) -> Probe:
     from simkv.replay.api import replay
+    from simkv.replay.results import largest_admission_limit
 
     scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
     if trace.think_time_s is not None:  # (sessions' users think faster too)
@@ -62,7 +64,8 @@ def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model:
     g = s["goodput"]
     return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
                  g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
-                 int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)))
+                 int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)),
+                 largest_admission_limit(s))
 
 
 def lowest_factor(trace) -> float:

@@ -9,6 +9,7 @@ import math
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from simkv.replay.results import largest_admission_limit
 from simkv.sweep.grid import Cell, requested_block_size
 
 # column -> path into summary.json
@@ -58,17 +59,6 @@ OFFLOAD_METRICS: dict[str, tuple[str, ...]] = {
 HELD_BY = "waiting_held_by"
 
 
-def held_by(summary: dict) -> str | None:
-    """'kv_cache 86 %': the first of `admission_limits` (the largest share of the waiting time);
-    '' when nothing waited, None for a summary without the breakdown."""
-    limits = summary.get("admission_limits")
-    if limits is None:
-        return None
-    for name, v in limits["by_limit"].items():
-        return f"{name} {100 * v['share']:.0f} %"
-    return ""
-
-
 def metric_columns(rows: list[dict]) -> list[str]:
     """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs,
     the offloading ones only when a cell offloads)."""
@@ -98,7 +88,7 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         summary = out.get("summary") or {}
         for col, path in metrics.items():
             row[col] = _get(summary, path)
-        row[HELD_BY] = held_by(summary) if out["status"] == "ok" else None
+        row[HELD_BY] = largest_admission_limit(summary) if out["status"] == "ok" else None
         rows.append(row)
     return _with_engine_block_size(cells, outcomes, rows)
 

@@ -91,6 +91,8 @@ def test_the_search_brackets_the_highest_rate_that_meets_the_target():
     bigger = search_max_rate(trace, EngineConfig.from_flat({"max_num_seqs": 128}), slo, target=0.95, tolerance=0.05,
                              cost_model="linear", cost_options=LINEAR)
     assert bigger["max_rate_req_s"] > record["max_rate_req_s"]
+    # each probe names what held its queue: with 32 sequences, past the rate it is max_num_seqs
+    assert probes[hi]["waiting_held_by"].startswith("max_num_seqs ")
 
 
 def test_limits_no_load_can_meet_or_miss_are_reported_as_such():
