@@ -141,6 +141,8 @@ def run_report_html(run_dir: str | Path) -> str:
                     ("prefix query tokens", t, np.cumsum(by_time["prefix_query_tokens"].to_numpy()))],
                    "Prefix cache (cumulative tokens)", "time (s)", "tokens", step=True),
     ]
+    if "admission_limit" in by_time:
+        charts.append(_held_by_chart(by_time, t))
     fin = requests[requests["status"] == "finished"]
     itl_v, itl_w = token_itl(steps)
     charts += [cdf_chart([("TTFT", 1e3 * fin["ttft_s"].to_numpy())], "TTFT CDF", "TTFT (ms)"),
@@ -154,6 +156,17 @@ def run_report_html(run_dir: str | Path) -> str:
         body.append(_pool_table(summary["disaggregation"]))
     body.append("<div class='charts'>" + "".join(charts) + "</div>")
     return page(f"simkv replay report ({summary.get('backend')})", body)
+
+
+def _held_by_chart(by_time: pd.DataFrame, t: np.ndarray) -> str:
+    """Cumulative request-seconds spent waiting, one line per limit that held the queue (steps
+    in time order; a fleet's replicas summed)."""
+    limit = by_time["admission_limit"].astype(str).to_numpy()
+    weight = by_time["duration_s"].to_numpy() * by_time["num_waiting"].to_numpy()
+    names = [n for n in dict.fromkeys(limit) if n != "none" and weight[limit == n].sum() > 0]
+    names.sort(key=lambda n: -weight[limit == n].sum())
+    series = [(n, t, np.cumsum(np.where(limit == n, weight, 0.0))) for n in names]
+    return line_chart(series, "Waiting, by what held it (cumulative)", "time (s)", "request-seconds", step=True)
 
 
 def _replica_table(fleet: dict) -> str:

@@ -21,6 +21,7 @@ ADMISSION_LIMITS = (
     "kv_transfer",                  # KV still on its way: P/D pulls, CPU-tier lookups and loads
     "pipeline",                     # a preempted request's output still in a pipeline stage
     "max_num_admissions_per_step",  # simkv's policy knob beyond vLLM
+    "finishing",                    # async scheduling: only requests preempted with their last token in flight
 )
 (NONE, KV_CACHE, MAX_NUM_SEQS, TOKEN_BUDGET, PREEMPTION, PREFILL_CADENCE, MAX_LORAS, ENCODER, KV_TRANSFER,
- PIPELINE, ADMISSION_CAP) = range(len(ADMISSION_LIMITS))
+ PIPELINE, ADMISSION_CAP, FINISHING) = range(len(ADMISSION_LIMITS))

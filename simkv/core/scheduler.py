@@ -24,8 +24,8 @@ from bisect import bisect_left
 from operator import attrgetter
 
 from simkv.config import EngineConfig
-from simkv.core.admission_limits import (ADMISSION_CAP, ENCODER, KV_CACHE, KV_TRANSFER, MAX_LORAS, MAX_NUM_SEQS, NONE, PIPELINE,
-                                         PREEMPTION, PREFILL_CADENCE, TOKEN_BUDGET)
+from simkv.core.admission_limits import (ADMISSION_CAP, ENCODER, FINISHING, KV_CACHE, KV_TRANSFER, MAX_LORAS, MAX_NUM_SEQS,
+                                         NONE, PIPELINE, PREEMPTION, PREFILL_CADENCE, TOKEN_BUDGET)
 from simkv.core.async_scheduling import AsyncScheduling
 from simkv.core.contiguous import ContiguousKVCacheManager
 from simkv.core.encoder_cache import EncoderCacheManager, encoder_budget
@@ -493,8 +493,9 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             self._state_offer_marks = (self._state_offer_marks[0], len(kv.state_offers))
         if not plan.preempted and not self.admit_before_running:
             self._schedule_waiting(step, plan)
-        elif plan.preempted and not self.admit_before_running:
-            self.admission_limit = PREEMPTION  # (vLLM admits nothing in a step that preempted)
+        elif plan.preempted and (not self.admit_before_running or self.admission_limit == NONE):
+            # (vLLM admits nothing in a step that preempted; admitting first, only the victims wait)
+            self.admission_limit = PREEMPTION
         if num_stalled:
             if plan.chunks or num_decodes or not self.async_scheduling:
                 self._stall(stalled, step)
@@ -520,7 +521,10 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
                 verify, drafts = self._spec_after_schedule(plan.chunks)
         if self.overlapped:
             self._note_take(step, num_blocks_used - used_before)
-            num_waiting += self._num_preempted_finishing()
+            finishing = self._num_preempted_finishing()
+            if finishing and not num_waiting:  # (they leave when their last token comes back)
+                self.admission_limit = FINISHING
+            num_waiting += finishing
             if plan.chunks:
                 if not self._counts_in_flight:  # (under it, _spec_async_after_schedule did)
                     self._advance_scheduled_chunks(plan.chunks, step)

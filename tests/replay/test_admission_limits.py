@@ -146,7 +146,11 @@ def test_the_report_names_the_limits(tmp_path):
     trace = _azure_head(tmp_path)
     output = cli_ok(["replay", str(trace), "--out", str(tmp_path / "o"), "--num-gpu-blocks", "900"])
     assert "waiting held by" in output and "kv_cache" in output
-    assert "waiting held by" in (tmp_path / "o" / "report.html").read_text()
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert "waiting held by" in html
+    chart = html[html.index("Waiting, by what held it"):]
+    chart = chart[:chart.index("</svg>")]
+    assert ">kv_cache<" in chart  # (the chart's legend names the limits)
 
 
 def test_adapters_without_a_slot_wait_at_max_loras(tmp_path):
