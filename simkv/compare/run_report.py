@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from simkv.compare.svg import cdf_chart, line_chart, page
-from simkv.replay.results import kv_cache_groups_rows
+from simkv.replay.results import kv_cache_groups_rows, largest_admission_limit
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
@@ -175,7 +175,7 @@ def _replica_table(fleet: dict) -> str:
             f"(decisions: {html.escape(', '.join(f'{k} {v}' for k, v in router['decisions'].items()))}); "
             f"charts of values per replica show the first {MAX_REPLICA_SERIES}.</p>")
     cols = ("replica", "requests", "peak running", "mean running", "preemptions", "prefix hit %", "TTFT p50 / p99 (ms)",
-            "busy until (s)")
+            "busy until (s)", "waiting held by")
 
     def ms(d):
         return "-" if d["p50"] is None else f"{1e3 * d['p50']:.1f} / {1e3 * d['p99']:.1f}"
@@ -183,7 +183,8 @@ def _replica_table(fleet: dict) -> str:
     rows = "".join(
         "<tr>" + "".join(f"<td>{v}</td>" for v in (
             r["replica"], r["num_requests"], r["peak_running"], f"{r['mean_running']:.1f}", r["num_preemptions"],
-            f"{100 * r['prefix_cache_hit_rate']:.1f}", ms(r["ttft_s"]), f"{r['duration_s']:.1f}")) + "</tr>"
+            f"{100 * r['prefix_cache_hit_rate']:.1f}", ms(r["ttft_s"]), f"{r['duration_s']:.1f}",
+            html.escape(r.get("waiting_held_by") or "-"))) + "</tr>"
         for r in fleet["replicas"])
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 
@@ -202,12 +203,12 @@ def _pool_table(pd: dict) -> str:
             f"{ms(kv['pull_s'])} ms; handoff to pull start p50 / p99 {ms(kv['handoff_to_pull_s'])} ms; link use "
             f"{100 * kv['mean_link_utilization']:.2f} %.</p>")
     cols = ("pool", "replicas", "steps", "peak running", "mean running", "peak blocks / total", "preemptions",
-            "prefix hit %")
+            "prefix hit %", "waiting held by")
     rows = "".join(
         "<tr>" + "".join(f"<td>{v}</td>" for v in (
             name, len(p["replicas"]), f"{p['num_steps']:,}", p["peak_running"], f"{p['mean_running']:.1f}",
             f"{p['peak_blocks_used']:,} / {p['num_gpu_blocks']:,}", p["num_preemptions"],
-            f"{100 * p['prefix_cache_hit_rate']:.1f}")) + "</tr>"
+            f"{100 * p['prefix_cache_hit_rate']:.1f}", html.escape(largest_admission_limit(p) or "-"))) + "</tr>"
         for name, p in (("prefill", pd["prefill"]), ("decode", pd["decode"])))
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 

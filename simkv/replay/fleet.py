@@ -20,7 +20,7 @@ import simpy
 
 from simkv.core.request import Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayRun, TraceRows
-from simkv.replay.results import (admission_limits_summary, admission_summary, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, multimodal_summary, offload_summary,
+from simkv.replay.results import (admission_limits_summary, admission_summary, largest_admission_limit, cost_model_summary, itl_samples, kv_cache_groups_summary, latencies_and_rates, lora_summary, multimodal_summary, offload_summary,
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
@@ -463,5 +463,6 @@ def _replica_row(replica: int, s: dict) -> dict:
             "mean_running": s["mean_running"], "peak_waiting": s["peak_waiting"],
             "peak_blocks_used": s["peak_blocks_used"], "num_preemptions": s["num_preemptions"],
             "prefix_cache_hit_rate": s["prefix_cache_hit_rate"], "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
-            "e2e_s": s["e2e_s"], "request_throughput_req_s": s["request_throughput_req_s"]} | (
+            "e2e_s": s["e2e_s"], "request_throughput_req_s": s["request_throughput_req_s"],
+            "waiting_held_by": largest_admission_limit(s)} | (
                 {"kv_offloading_loaded_tokens": s["kv_offloading"]["loaded_tokens"]} if "kv_offloading" in s else {})
