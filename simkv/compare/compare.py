@@ -52,6 +52,12 @@ def metric_rows(sim: dict, meas: dict) -> list[dict]:
     for key in DIST_METRICS:
         for stat in STATS:
             rows.append(_metric_row(f"{key}.{stat}", (sim.get(key) or {}).get(stat), (meas.get(key) or {}).get(stat)))
+    ls, lm = sim.get("admission_limits"), meas.get("admission_limits")
+    if ls and lm:  # (two simkv replays: what held each one's waiting queue, share by share)
+        rows.append(_metric_row("admission_limits.waiting_request_s", ls["waiting_request_s"], lm["waiting_request_s"]))
+        for name in dict.fromkeys([*ls["by_limit"], *lm["by_limit"]]):
+            rows.append(_metric_row(f"admission_limits.{name}.share", ls["by_limit"].get(name, {}).get("share", 0.0),
+                                    lm["by_limit"].get(name, {}).get("share", 0.0)))
     gs, gm = sim.get("goodput"), meas.get("goodput")
     if gs and gm and gs.get("slo_ms") == gm.get("slo_ms"):  # both judged on the same SLOs (--goodput)
         for key in ("slo_attainment", "request_goodput_req_s"):

@@ -122,3 +122,22 @@ def test_goodput_is_compared_when_both_runs_were_judged_on_the_same_slos(tmp_pat
     assert "goodput.request_goodput_req_s" in rows
     meas["goodput"]["slo_ms"] = {"ttft": 200.0}  # other SLOs: nothing to compare
     assert not [m for m in (r["metric"] for r in metric_rows(sim, meas)) if m.startswith("goodput")]
+
+
+def test_what_held_each_queue_is_compared_limit_by_limit():
+    from simkv.compare.compare import metric_rows
+
+    def summary(total, shares):
+        return {"admission_limits": {"waiting_request_s": total, "steps_with_waiting": 1,
+                                     "by_limit": {k: {"share": v, "waiting_request_s": v * total, "steps": 1}
+                                                  for k, v in shares.items()}}}
+
+    sim = summary(10.0, {"kv_cache": 0.75, "preemption": 0.25})
+    meas = summary(8.0, {"kv_cache": 0.5, "max_num_seqs": 0.5})
+    rows = {r["metric"]: r for r in metric_rows(sim, meas) if r["metric"].startswith("admission_limits")}
+    assert rows["admission_limits.waiting_request_s"]["rel_error"] == 0.25
+    assert (rows["admission_limits.kv_cache.share"]["simulated"], rows["admission_limits.kv_cache.share"]["measured"]) \
+        == (0.75, 0.5)
+    assert rows["admission_limits.preemption.share"]["measured"] == 0.0  # (a limit one run never met)
+    assert rows["admission_limits.max_num_seqs.share"]["simulated"] == 0.0
+    assert not [r for r in metric_rows(sim, {}) if r["metric"].startswith("admission_limits")]  # (a vLLM bench run)
