@@ -150,11 +150,29 @@ def prefetched_weight_bytes(config: EngineConfig, num_layers: int | None = None)
     return count * layer, min(cc.offload_prefetch_step, count) * layer
 
 
-def offloaded_weight_bytes(config: EngineConfig, weights: float) -> float:
+def offloaded_weight_bytes(config: EngineConfig, weights: float, num_layers: float | None = None) -> float:
     """Of `weights` bytes on a GPU, those vLLM's --cpu-offload-gb keeps in host memory instead:
     that many GiB, at most all of them (its UVA offloader takes parameters until the limit; taken
-    as exactly the limit, not the parameter boundary below it)."""
+    as exactly the limit, not the parameter boundary below it); with --cpu-offload-params, at
+    most the routed experts' parameters it names (`offloadable_expert_bytes`; `num_layers`: the
+    GPU's layers, a pipeline stage's [default: all])."""
+    if config.cache.cpu_offload_params:
+        weights = min(weights, offloadable_expert_bytes(config, num_layers))
     return min(config.cache.cpu_offload_gb * GIB, weights)
+
+
+def offloadable_expert_bytes(config: EngineConfig, num_layers: float | None = None) -> float:
+    """The routed experts' bytes on one GPU (split by TP, and over every data-parallel rank's
+    GPUs) that --cpu-offload-params names: all of each expert (experts), its gate and up
+    projections (w13_weight), its down projection (w2_weight); of `num_layers` layers' experts
+    [default: every layer's], taken as spread evenly."""
+    hw = config.hardware
+    spec = hw.model_spec()
+    segments = config.cache.cpu_offload_param_segments
+    m = spec.mlp_matrices
+    share = 1.0 if "experts" in segments else ("w13_weight" in segments) * (m - 1) / m + ("w2_weight" in segments) / m
+    experts = spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.data_parallel_size)
+    return experts * share * (1.0 if num_layers is None else num_layers / spec.num_layers)
 
 
 def activation_reserve_bytes(config: EngineConfig, encoder: bool = True) -> int:
@@ -263,7 +281,7 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)
         else:
             stage_block = (block_bytes - draft_block) * n // spec.num_layers + (draft_block if last else 0)
-        weights -= offloaded_weight_bytes(config, weights)  # (--cpu-offload-gb: per GPU, each stage's)
+        weights -= offloaded_weight_bytes(config, weights, n)  # (--cpu-offload-gb: per GPU, each stage's)
         offloaded, buffers = prefetched_weight_bytes(config, n)  # (--offload-group-size: the stage's own layers)
         weights += buffers - offloaded
         stages.append((n, int(weights + (draft_weights if last else 0)), stage_block))

@@ -29,6 +29,10 @@ def _check_type(key: str, value, annotation: str) -> None:
         raise ConfigError(f"option '{key}' must be {what}{' or null' if optional == 'None' else ''}, got {value!r}")
 
 
+# vLLM's parameter name segments of a fused mixture-of-experts layer (mlp.experts.w13_weight: the
+# gate and up projections of every routed expert, mlp.experts.w2_weight: the down projection)
+CPU_OFFLOAD_PARAM_SEGMENTS = ("experts", "w13_weight", "w2_weight")
+
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -54,6 +58,10 @@ class CacheConfig:
     # host memory, which leaves that much more for the KV cache, and which every forward pass reads
     # over the host link (capacity.offloaded_weight_bytes, the roofline's weight traffic)
     cpu_offload_gb: float = 0.0
+    # vLLM's --cpu-offload-params: the parameter name segments --cpu-offload-gb may take ("" : any,
+    # up to its limit), comma-separated; simkv knows a mixture of experts' routed experts by vLLM's
+    # names: experts (all of them), w13_weight (gate and up), w2_weight (down)
+    cpu_offload_params: str = ""
     # vLLM's prefetch weight offloading (--offload-group-size G --offload-num-in-group N
     # --offload-prefetch-step S; its PrefetchOffloader): the last N decoder layers of every G live
     # in host memory, copied each forward pass into S GPU buffers, S layers ahead of their use
@@ -86,6 +94,13 @@ class CacheConfig:
             raise ConfigError(f"swap_space must be >= 0 and pcie_bandwidth_gbs > 0, got {self.swap_space}, {self.pcie_bandwidth_gbs}")
         if self.cpu_offload_gb < 0:
             raise ConfigError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        unknown = [p for p in self.cpu_offload_param_segments if p not in CPU_OFFLOAD_PARAM_SEGMENTS]
+        if unknown:
+            raise ConfigError(f"cpu_offload_params: '{unknown[0]}' is not a parameter name segment simkv models; "
+                              f"give {', '.join(CPU_OFFLOAD_PARAM_SEGMENTS)} (a mixture of experts' routed experts, "
+                              "vLLM's names)")
+        if self.cpu_offload_params and not self.cpu_offload_gb:
+            raise ConfigError("cpu_offload_params selects what --cpu-offload-gb offloads: give cpu_offload_gb too")
         if self.offload_group_size < 0 or self.offload_num_in_group < 1:
             raise ConfigError(f"offload_group_size must be >= 0 and offload_num_in_group >= 1, got "
                               f"{self.offload_group_size}, {self.offload_num_in_group}")
@@ -128,6 +143,10 @@ class CacheConfig:
         if tpc is not None and (tpc < 1 or tpc % self.block_size):
             raise ConfigError(f"kv_offloading_block_size {tpc} must be a positive multiple of block_size "
                               f"{self.block_size} (use {max(-(-tpc // self.block_size), 1) * self.block_size})")
+
+    @property
+    def cpu_offload_param_segments(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.cpu_offload_params.split(",") if p.strip())
 
     @property
     def offload_blocks_per_chunk(self) -> int:
@@ -910,6 +929,9 @@ class EngineConfig:
             self._verify_linear_attention()
         if self.hardware.model_spec().is_sparse:
             self._verify_sparse_attention()
+        if self.cache.cpu_offload_params and not self.hardware.model_spec().is_moe:
+            raise ConfigError(f"cpu_offload_params {self.cache.cpu_offload_params}: {self.hardware.model} has no routed "
+                              "experts, so no parameter matches and vLLM would offload nothing")
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
         elif any(getattr(self.cache, f.name) != f.default for f in fields(CacheConfig)
@@ -1372,6 +1394,8 @@ class EngineConfig:
             del out["kv_cache_memory_bytes"]
         if not self.cache.cpu_offload_gb:  # (likewise)
             del out["cpu_offload_gb"]
+        if not self.cache.cpu_offload_params:  # (likewise)
+            del out["cpu_offload_params"]
         if self.hardware.data_parallel_size == 1:  # (only with data parallelism: configs without it read as before)
             del out["data_parallel_size"]
         if self.hardware.quantization is None:  # (likewise)

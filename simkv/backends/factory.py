@@ -63,17 +63,25 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
     raise ValueError(f"unknown cost model '{name}'; choose one of {', '.join(COST_MODELS)} or a calib.json path")
 
 
-def weight_offload_share(config: EngineConfig) -> float:
-    """The share of a GPU's weights --cpu-offload-gb keeps in host memory (0 without); under
-    pipeline stages, of a stage's GPU, its layers taken as an even share."""
+def weight_offload_shares(config: EngineConfig) -> tuple[float, float]:
+    """The shares of a GPU's weights --cpu-offload-gb keeps in host memory: (of the weights outside
+    the routed experts, of the routed experts); the same share of all without --cpu-offload-params,
+    only the experts' with it; (0, 0) without offloading. Under pipeline stages, of a stage's GPU,
+    its layers taken as an even share."""
     if not config.cache.cpu_offload_gb:
-        return 0.0
-    from simkv.capacity import offloaded_weight_bytes
+        return 0.0, 0.0
+    from simkv.capacity import offloadable_expert_bytes, offloaded_weight_bytes
 
     hw = config.hardware
-    weights = hw.model_spec().weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
-    weights /= hw.pipeline_parallel_size
-    return offloaded_weight_bytes(config, weights) / weights
+    pp = hw.pipeline_parallel_size
+    spec = hw.model_spec()
+    weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size) / pp
+    offloaded = offloaded_weight_bytes(config, weights, spec.num_layers / pp)
+    if not config.cache.cpu_offload_params:
+        return offloaded / weights, offloaded / weights
+    experts = spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.data_parallel_size) / pp
+    assert offloaded <= offloadable_expert_bytes(config, spec.num_layers / pp) + 1e-6
+    return 0.0, offloaded / experts
 
 
 def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from: dict | None = None) -> RooflineCostModel:
@@ -91,7 +99,7 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size),
                               dp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.data_parallel_size),
                               indexer_tp_shard_min_rows=config.attention.indexer_tp_shard_min_rows,
-                              weight_offload_share=weight_offload_share(config),
+                              weight_offload_shares=weight_offload_shares(config),
                               pcie_gbs=config.cache.pcie_bandwidth_gbs,
                               **(params or {}))
     if fitted_from is not None:

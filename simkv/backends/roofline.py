@@ -81,15 +81,16 @@ class RooflineCostModel:
         tp_link_gbs: float | None = None,
         dp_link_gbs: float | None = None,
         indexer_tp_shard_min_rows: int = 65536,
-        weight_offload_share: float = 0.0,
+        weight_offload_shares: tuple[float, float] = (0.0, 0.0),
         pcie_gbs: float = 63.0,
     ) -> None:
         """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
         expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
         HardwareConfig.link_gbs gives the network's for groups larger than a node).
-        `weight_offload_share`: the share of each GPU's weights vLLM's --cpu-offload-gb keeps in
-        host memory; the kernels read that share of every weight read over the host link
-        (`pcie_gbs`) instead of from GPU memory (`_offload_weights`)."""
+        `weight_offload_shares`: the shares of each GPU's weights vLLM's --cpu-offload-gb keeps in
+        host memory (of those outside the routed experts, of the experts); the kernels read that
+        share of every weight read over the host link (`pcie_gbs`) instead of from GPU memory
+        (`_offload_weights`)."""
         tp = tensor_parallel_size
         self.model, self.gpu, self.tp = model, gpu, tp
         self.params = dict(compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
@@ -185,22 +186,28 @@ class RooflineCostModel:
         self.attention_chunked = attention_chunked  # (the windows are attention chunks: Llama 4)
         self._lora_setup(lora_rank, lora_kernel_s)
         self.weight_offload: dict | None = None
-        if weight_offload_share:
-            self._offload_weights(weight_offload_share, pcie_gbs)
+        if any(weight_offload_shares):
+            self._offload_weights(*weight_offload_shares, pcie_gbs)
 
-    def _offload_weights(self, share: float, pcie_gbs: float) -> None:
+    def _offload_weights(self, share: float, expert_share: float, pcie_gbs: float) -> None:
         """vLLM's UVA weight offloading (--cpu-offload-gb): the kernels read the offloaded share
         of the weights from pinned host memory over the host link, once per forward pass (taken
         as once: a large prefill's matmul may read a weight tile more than once, so steps that
         are long in tokens may cost more). Priced as weight bytes at the host link's rate in
         place of the GPU memory's: each weight read's bytes count (1 - share) + share x
-        (GPU memory rate / host link rate) times in the memory term."""
-        factor = 1.0 - share + share * self.byte_rate / (pcie_gbs * 1e9)
+        (GPU memory rate / host link rate) times in the memory term. `share`: of the weights
+        outside the routed experts, `expert_share`: of the experts (only the experts a step's
+        tokens are routed to are read, over the link too)."""
+        ratio = self.byte_rate / (pcie_gbs * 1e9)
+        factor = 1.0 - share + share * ratio
+        expert_factor = 1.0 - expert_share + expert_share * ratio
         self.weight_offload = {"share": share, "pcie_gbs": pcie_gbs, "weight_read_factor": factor}
+        if expert_share != share:
+            self.weight_offload |= {"expert_share": expert_share, "expert_read_factor": expert_factor}
         self.weight_bytes *= factor
-        self.expert_bytes *= factor
+        self.expert_bytes *= expert_factor
         if self.dp > 1:
-            self.expert_bytes_per_rank *= factor
+            self.expert_bytes_per_rank *= expert_factor
 
     def _sparse_setup(self, kv_dtype_bytes: int, num_speculative_tokens: int, shard_min_rows: int | None,
                       tp_link_gbs: float | None, allreduce_latency_s: float) -> None:

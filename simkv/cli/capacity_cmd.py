@@ -52,6 +52,8 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         offloaded = offloaded_weight_bytes(config, spec.weight_bytes_per_gpu(tp, dp))
         extra["cpu_offload"] = {"cpu_offload_gb": config.cache.cpu_offload_gb,
                                 "offloaded_weight_bytes_per_gpu": int(offloaded)}
+        if config.cache.cpu_offload_params:
+            extra["cpu_offload"]["cpu_offload_params"] = config.cache.cpu_offload_params
     if config.cache.offload_group_size:  # (vLLM's prefetch weight offloading; under PP the binding stage's GPU)
         from simkv.backends.weight_prefetch import copy_seconds_per_layer, offloaded_layers
 
@@ -350,6 +352,9 @@ def print_report(rep: dict) -> None:
 @click.option("--pcie-bandwidth-gbs", type=float, default=None, help="host<->GPU bandwidth, GB/s [default: 63]")
 @click.option("--cpu-offload-gb", type=float, default=None, metavar="GIB",
               help="vLLM's: GiB of each GPU's weights kept in host memory, freeing that much for the KV cache")
+@click.option("--cpu-offload-params", default=None, metavar="SEGMENTS",
+              help="vLLM's: only these go to host memory under --cpu-offload-gb: experts, w13_weight, w2_weight "
+                   "(a mixture of experts' routed experts, vLLM's names), comma-separated [default: any weight]")
 @click.option("--offload-group-size", type=int, default=None, metavar="G",
               help="vLLM's prefetch weight offloading: the last --offload-num-in-group of every G decoder layers in "
                    "host memory, --offload-prefetch-step layers' buffers on the GPU [default: off]")

@@ -36,6 +36,7 @@ _ENGINE_FLAGS = {
     "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs", "cpu_offload_gb": "cpu_offload_gb",
+    "cpu_offload_params": "cpu_offload_params",
     "offload_group_size": "offload_group_size", "offload_num_in_group": "offload_num_in_group",
     "offload_prefetch_step": "offload_prefetch_step",
     "parallel_sampling": "parallel_sampling",
@@ -369,6 +370,11 @@ _ENGINE_OPTIONS = [
     click.option("--cpu-offload-gb", type=float, default=None, metavar="GIB",
                  help="vLLM's: GiB of each GPU's weights kept in host memory (UVA), which frees that much for the "
                       "KV cache and is read over the host link every forward pass (roofline) [default: 0]"),
+    click.option("--cpu-offload-params", default=None, metavar="SEGMENTS",
+                 help="vLLM's: only these parameters go to host memory under --cpu-offload-gb: a mixture of "
+                      "experts' routed experts (experts), or their gate/up (w13_weight) or down (w2_weight) "
+                      "projections, comma-separated; a step reads the experts it routes to over the link "
+                      "[default: any weight]"),
     click.option("--offload-group-size", type=int, default=None, metavar="G",
                  help="vLLM's prefetch weight offloading: of every G decoder layers the last --offload-num-in-group "
                       "live in host memory and are copied in each forward pass, --offload-prefetch-step layers "

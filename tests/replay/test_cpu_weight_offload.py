@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from simkv.backends.factory import make_backend, weight_offload_share
-from simkv.capacity import GIB, compute_capacity, resident_weight_bytes
+from simkv.backends.factory import make_backend, weight_offload_shares
+from simkv.capacity import GIB, compute_capacity, offloadable_expert_bytes, resident_weight_bytes
 from simkv.cli.main import main
 from simkv.config import ConfigError, EngineConfig
 from tests.core.helpers import make_step
@@ -40,13 +40,14 @@ def test_a_forward_reads_the_offloaded_share_over_the_host_link():
     step = make_step(decodes=8, context=8 * 1000)
     for link in (63.0, 450.0):
         config = _config(cpu_offload_gb=20, pcie_bandwidth_gbs=link)
-        share = weight_offload_share(config)
+        share, expert_share = weight_offload_shares(config)
+        assert expert_share == share
         off = make_backend("roofline", config)
         offloaded = share * plain.weight_bytes
         expected = offloaded / (link * 1e9) - offloaded / plain.byte_rate
         assert off.execute(step) - plain.execute(step) == pytest.approx(expected, rel=1e-9)
     assert share == pytest.approx(20 * GIB / _config().hardware.model_spec().weight_bytes_per_gpu(1, 1))
-    assert weight_offload_share(_config()) == 0.0
+    assert weight_offload_shares(_config()) == (0.0, 0.0)
 
 
 def test_moe_experts_read_are_offloaded_in_the_same_share():
@@ -95,3 +96,70 @@ def test_a_calibration_is_refused_with_offloaded_weights(tmp_path):
     calib.write_text("{}")
     with pytest.raises(ValueError, match="weight offloading's host-link traffic .--cpu-offload-gb, --offload-group-size. is the roofline's"):
         make_backend(str(calib), _config(cpu_offload_gb=1))
+
+
+def _moe(**options) -> EngineConfig:
+    return EngineConfig.from_flat({"model": "deepseek-v3", "gpu": "H100-SXM", "tensor_parallel_size": 8} | options)
+
+
+def test_only_the_named_expert_parameters_go_to_host_memory():
+    """--cpu-offload-params: the routed experts (each GPU's TP share) are all that may leave, up to
+    --cpu-offload-gb; w2_weight names one of a gated expert's three projections."""
+    spec = _moe().hardware.model_spec()
+    experts = spec.routed_expert_bytes / 8
+    assert offloadable_expert_bytes(_moe(cpu_offload_gb=30, cpu_offload_params="experts")) == experts
+    assert offloadable_expert_bytes(_moe(cpu_offload_gb=30, cpu_offload_params="w2_weight")) == pytest.approx(experts / 3)
+    assert offloadable_expert_bytes(_moe(cpu_offload_gb=30, cpu_offload_params="w13_weight,w2_weight")) == \
+        pytest.approx(experts)
+    weights = spec.weight_bytes_per_gpu(8, 1)
+    # 30 GiB fit in the experts; their down projections alone hold less (about 25 GiB), and that is all that leaves
+    assert resident_weight_bytes(_moe(cpu_offload_gb=30, cpu_offload_params="experts")) == pytest.approx(weights - 30 * GIB)
+    assert resident_weight_bytes(_moe(cpu_offload_gb=30, cpu_offload_params="w2_weight")) == pytest.approx(weights - experts / 3)
+    assert experts / 3 < 30 * GIB
+    # under data-parallel ranks the experts spread over every rank's GPUs
+    dp = EngineConfig.from_flat({"model": "deepseek-v3", "gpu": "H200", "data_parallel_size": 8, "cpu_offload_gb": 30,
+                                 "cpu_offload_params": "experts"})
+    assert offloadable_expert_bytes(dp) == pytest.approx(spec.routed_expert_bytes / 8)
+    # pipeline stages: each stage's GPUs offload from their own layers' experts
+    pp = compute_capacity(_moe(pipeline_parallel_size=2, tensor_parallel_size=4, gpu="H200", cpu_offload_gb=80,
+                               cpu_offload_params="w2_weight"))
+    plain = compute_capacity(_moe(pipeline_parallel_size=2, tensor_parallel_size=4, gpu="H200"))
+    layers = pp.pipeline_layers[pp.pipeline_binding_stage]
+    freed = spec.routed_expert_bytes / 4 / 3 * layers / spec.num_layers
+    assert plain.pipeline_stage_weight_bytes - pp.pipeline_stage_weight_bytes == pytest.approx(freed, rel=1e-6)
+
+
+def test_a_step_reads_the_experts_it_routes_to_over_the_link():
+    """Offloaded experts: a step's touched experts cost the link's time for the offloaded share;
+    the weights outside the experts are read from GPU memory as before."""
+    plain = make_backend("roofline", _moe(cpu_offload_gb=1000))  # (a uniform offload of everything, for the rates)
+    base = make_backend("roofline", EngineConfig.from_flat({"model": "deepseek-v3", "gpu": "H200", "tensor_parallel_size": 8}))
+    config = _moe(cpu_offload_gb=30, cpu_offload_params="experts")
+    share = weight_offload_shares(config)
+    off = make_backend("roofline", config)
+    assert share[0] == 0.0 and share[1] == pytest.approx(30 * GIB / (off.model.routed_expert_bytes / 8))
+    assert off.weight_offload["expert_share"] == share[1] and off.weight_offload["share"] == 0.0
+    h100 = make_backend("roofline", _moe(num_gpu_blocks=1000))  # (the same GPU, nothing offloaded)
+    assert off.weight_bytes == h100.weight_bytes
+    ratio = off.byte_rate / (63.0 * 1e9)
+    assert off.expert_bytes == pytest.approx(h100.expert_bytes * (1 - share[1] + share[1] * ratio))
+    # fewer decodes touch fewer experts, so they read fewer offloaded bytes
+    small, large = make_step(decodes=2, context=2000), make_step(decodes=64, context=64_000)
+    extra = [off.execute(s) - h100.execute(s) for s in (small, large)]
+    assert 0 < extra[0] < extra[1]
+    assert plain.weight_offload["share"] == 1.0 and base.weight_offload is None
+
+
+@pytest.mark.parametrize("options, text", [
+    ({"model": "llama-3-70b", "cpu_offload_gb": 10, "cpu_offload_params": "experts"}, "has no routed experts"),
+    ({"model": "deepseek-v3", "cpu_offload_params": "experts"}, "give cpu_offload_gb too"),
+    ({"model": "deepseek-v3", "cpu_offload_gb": 10, "cpu_offload_params": "experts,mlp"}, "'mlp' is not a parameter"),
+])
+def test_offload_params_are_checked(options, text):
+    with pytest.raises(ConfigError, match=text):
+        EngineConfig.from_flat({"gpu": "H200", "tensor_parallel_size": 8} | options)
+
+
+def test_the_config_names_them_only_when_given():
+    assert "cpu_offload_params" not in _moe(cpu_offload_gb=30).to_dict()
+    assert _moe(cpu_offload_gb=30, cpu_offload_params="experts").to_dict()["cpu_offload_params"] == "experts"
