@@ -46,6 +46,7 @@ def pd_tables(run: DisaggregatedRun, trace, frontend_latency_s: float = 0.0):
             requests.loc[clients.abandoned, "status"] = "abandoned"
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)
+    requests["queue_held_by"] = prefill_requests["queue_held_by"]  # (its first step: on the prefill pool)
     requests["prefill_end_time_s"] = _seconds(pd_.prefill_end)
     requests["kv_pull_start_s"] = _seconds(pd_.pull_start)
     requests["kv_pull_end_s"] = _seconds(pd_.pull_end)

@@ -341,7 +341,7 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
 
 
 _MERGED_COLUMNS = ("first_scheduled_time_s", "first_token_time_s", "finish_time_s", "status", "output_tokens",
-                   "prefix_hit_tokens", "num_preemptions", "queue_s", "ttft_s", "e2e_s", "mean_itl_s")
+                   "prefix_hit_tokens", "num_preemptions", "queue_s", "ttft_s", "e2e_s", "mean_itl_s", "queue_held_by")
 
 
 def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace,
@@ -356,7 +356,7 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace,
         for r, frame in enumerate(per_replica[1:], start=1):
             rows = assignment == r
             values[rows] = frame[column].to_numpy()[rows]
-        merged[column] = values
+        merged[column] = pd.Categorical(values, merged[column].cat.categories) if column == "queue_held_by" else values
     rejected = assignment < 0
     merged.loc[rejected, "status"] = "rejected"
     if routing.clients is not None and routing.clients.abandoned:  # (turns never sent: their sessions ended)

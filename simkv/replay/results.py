@@ -84,10 +84,35 @@ def request_table(run: ReplayRun, trace, frontend_latency_s: float = 0.0) -> pd.
         "ttft_s": first_token - arrival + frontend_latency_s,
         "e2e_s": finish - arrival + frontend_latency_s,
         "mean_itl_s": mean_itl,
+        "queue_held_by": queue_held_by(steps, arrival, first_sched),
     } | {c: np.where(finished, ints[c], 0) for c in SPEC_COLUMNS if c in ints})
     if attempts is not None:
         frame["attempts"] = attempts
     return frame
+
+
+def queue_held_by(steps: dict, arrival: np.ndarray, first_scheduled: np.ndarray) -> pd.Categorical:
+    """Per request, the limit that held it longest before its first step (`admission_limit`): of
+    the steps that started after it arrived and before it was first scheduled, the limit whose
+    steps lasted longest; "none" where no such step left requests waiting (or it never ran).
+    The step running when it arrived is left out (it was scheduled before the request came)."""
+    n = len(arrival)
+    codes = np.zeros(n, dtype=np.int8)
+    limits = steps["admission_limit"]
+    held = steps["num_waiting"] > 0
+    present = [int(k) for k in np.unique(limits[held]) if k]
+    ran = np.isfinite(first_scheduled)
+    if present and ran.any():
+        starts = steps["start_time_s"]
+        lo = np.searchsorted(starts, arrival[ran], side="left")
+        hi = np.searchsorted(starts, first_scheduled[ran], side="left")
+        waited = np.empty((len(present), int(ran.sum())))
+        for j, k in enumerate(present):
+            cum = np.concatenate(([0.0], np.cumsum(np.where(held & (limits == k), steps["duration_s"], 0.0))))
+            waited[j] = cum[hi] - cum[np.minimum(lo, hi)]
+        best = waited.argmax(axis=0)
+        codes[ran] = np.where(waited.max(axis=0) > 0, np.asarray(present, dtype=np.int8)[best], 0)
+    return pd.Categorical.from_codes(codes, ADMISSION_LIMITS)
 
 
 def frontend_latency(backend) -> float:

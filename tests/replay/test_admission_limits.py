@@ -171,3 +171,22 @@ def test_images_over_the_encoder_budget_wait_at_the_encoder(tmp_path):
             "--max-model-len", "16384", "--mm-max-tokens-per-item", "4096"])
     steps = pd.read_parquet(out / "steps.parquet")
     assert "encoder" in set(steps["admission_limit"].astype(str))
+
+
+def test_each_request_names_what_held_it_longest():
+    """requests.parquet's queue_held_by: of the steps that started after the request arrived and
+    before its first step, the limit whose steps lasted longest (checked by brute force)."""
+    res = replay(burst(n=60, output=300, gap=0.05), config(num_gpu_blocks=300, max_model_len=900, max_num_seqs=8),
+                 "roofline")
+    req, steps = res.requests, res.steps
+    assert req["queue_held_by"].dtype == "category"
+    names = np.asarray(ADMISSION_LIMITS)
+    checked = 0
+    for _, r in req.iterrows():
+        inside = (steps["start_time_s"] >= r["arrival_time_s"]) & (steps["start_time_s"] < r["first_scheduled_time_s"])
+        inside &= steps["num_waiting"] > 0
+        by = pd.Series(steps["duration_s"][inside]).groupby(names[steps["admission_limit"][inside]]).sum()
+        expected = by.idxmax() if len(by) and by.max() > 0 else "none"
+        assert r["queue_held_by"] == expected, r["request_id"]
+        checked += expected != "none"
+    assert checked > 20 and "none" in set(req["queue_held_by"])
