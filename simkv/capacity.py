@@ -134,19 +134,20 @@ def decoder_layer_bytes_per_gpu(config: EngineConfig) -> float:
     return (split / hw.tensor_parallel_size + replicated) / spec.num_layers
 
 
-def prefetched_weight_bytes(config: EngineConfig, num_layers: int | None = None) -> tuple[float, float]:
+def prefetched_weight_bytes(config: EngineConfig, num_layers: int | None = None,
+                            first_layer: int = 0) -> tuple[float, float]:
     """vLLM's prefetch weight offloading (offload_group_size > 0): (the offloaded layers' weights
     a GPU keeps in host memory, its static buffers: offload_prefetch_step layers' worth); 0, 0
-    without it. `num_layers`: the GPU's layers (a pipeline stage's: vLLM wraps each stage's
-    layers, counted from its first) [default: all of them]."""
+    without it. `num_layers`: the GPU's layers from `first_layer` (a pipeline stage's: vLLM wraps
+    each stage's layers, counted from its first) [default: all of them]."""
     cc = config.cache
     if not cc.offload_group_size:
         return 0.0, 0.0
-    from simkv.backends.weight_prefetch import offloaded_layers
+    from simkv.backends.weight_prefetch import offloaded_positions
 
-    layer = decoder_layer_bytes_per_gpu(config)
+    layer = prefetched_layer_bytes(config)
     n = config.hardware.model_spec().num_layers if num_layers is None else num_layers
-    count = len(offloaded_layers(n, cc.offload_group_size, cc.offload_num_in_group))
+    count = len(offloaded_positions(config, n, first_layer))
     return count * layer, min(cc.offload_prefetch_step, count) * layer
 
 
@@ -161,18 +162,33 @@ def offloaded_weight_bytes(config: EngineConfig, weights: float, num_layers: flo
     return min(config.cache.cpu_offload_gb * GIB, weights)
 
 
-def offloadable_expert_bytes(config: EngineConfig, num_layers: float | None = None) -> float:
+def expert_bytes_named(config: EngineConfig, segments: tuple[str, ...]) -> float:
     """The routed experts' bytes on one GPU (split by TP, and over every data-parallel rank's
-    GPUs) that --cpu-offload-params names: all of each expert (experts), its gate and up
-    projections (w13_weight), its down projection (w2_weight); of `num_layers` layers' experts
-    [default: every layer's], taken as spread evenly."""
+    GPUs) that parameter name `segments` name: all of each expert (experts), its gate and up
+    projections (w13_weight), its down projection (w2_weight)."""
     hw = config.hardware
     spec = hw.model_spec()
-    segments = config.cache.cpu_offload_param_segments
     m = spec.mlp_matrices
     share = 1.0 if "experts" in segments else ("w13_weight" in segments) * (m - 1) / m + ("w2_weight" in segments) / m
-    experts = spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.data_parallel_size)
-    return experts * share * (1.0 if num_layers is None else num_layers / spec.num_layers)
+    return spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.data_parallel_size) * share
+
+
+def offloadable_expert_bytes(config: EngineConfig, num_layers: float | None = None) -> float:
+    """The routed experts' bytes on one GPU that --cpu-offload-params names (`expert_bytes_named`),
+    of `num_layers` layers' experts [default: every layer's], taken as spread evenly."""
+    spec = config.hardware.model_spec()
+    named = expert_bytes_named(config, config.cache.cpu_offload_param_segments)
+    return named * (1.0 if num_layers is None else num_layers / spec.num_layers)
+
+
+def prefetched_layer_bytes(config: EngineConfig) -> float:
+    """What the prefetch backend keeps in host memory of one offloaded layer on a GPU, and copies
+    into a buffer each pass: the layer's weights (their mean over the layers), or with
+    --offload-params the named parameters of one expert layer's routed experts."""
+    segments = config.cache.offload_param_segments
+    if not segments:
+        return decoder_layer_bytes_per_gpu(config)
+    return expert_bytes_named(config, segments) / config.hardware.model_spec().num_moe_layers
 
 
 def activation_reserve_bytes(config: EngineConfig, encoder: bool = True) -> int:
@@ -272,6 +288,7 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     draft_block = (draft.kv_bytes_per_token(config.cache.kv_dtype_bytes, tp) * config.cache.block_size
                    if draft is not None and not groups.is_hybrid else 0)
     stages = []
+    first_layer = 0
     for i, n in enumerate(layers):
         last = i == len(layers) - 1
         weights = (layer * n + embedding_bytes * ((i == 0) + last) / tp
@@ -282,9 +299,10 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
         else:
             stage_block = (block_bytes - draft_block) * n // spec.num_layers + (draft_block if last else 0)
         weights -= offloaded_weight_bytes(config, weights, n)  # (--cpu-offload-gb: per GPU, each stage's)
-        offloaded, buffers = prefetched_weight_bytes(config, n)  # (--offload-group-size: the stage's own layers)
+        offloaded, buffers = prefetched_weight_bytes(config, n, first_layer)  # (--offload-group-size: the stage's own layers)
         weights += buffers - offloaded
         stages.append((n, int(weights + (draft_weights if last else 0)), stage_block))
+        first_layer += n
     return stages
 
 

@@ -69,6 +69,11 @@ class CacheConfig:
     offload_group_size: int = 0
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1
+    # vLLM's --offload-params: of each offloaded layer only these parameter name segments go to host
+    # memory and are copied ("": all of the layer); as cpu_offload_params, a mixture of experts'
+    # routed experts by vLLM's names: experts, w13_weight, w2_weight. A layer without them (a
+    # dense layer) is not offloaded.
+    offload_params: str = ""
     # vLLM's --skip-mm-profiling: a vision model's start-up profile leaves its encoder out (the
     # activation reserve then holds the language model's alone; simkv/capacity.py)
     skip_mm_profiling: bool = False
@@ -94,13 +99,18 @@ class CacheConfig:
             raise ConfigError(f"swap_space must be >= 0 and pcie_bandwidth_gbs > 0, got {self.swap_space}, {self.pcie_bandwidth_gbs}")
         if self.cpu_offload_gb < 0:
             raise ConfigError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
-        unknown = [p for p in self.cpu_offload_param_segments if p not in CPU_OFFLOAD_PARAM_SEGMENTS]
-        if unknown:
-            raise ConfigError(f"cpu_offload_params: '{unknown[0]}' is not a parameter name segment simkv models; "
-                              f"give {', '.join(CPU_OFFLOAD_PARAM_SEGMENTS)} (a mixture of experts' routed experts, "
-                              "vLLM's names)")
+        for name, segments in (("cpu_offload_params", self.cpu_offload_param_segments),
+                               ("offload_params", self.offload_param_segments)):
+            unknown = [p for p in segments if p not in CPU_OFFLOAD_PARAM_SEGMENTS]
+            if unknown:
+                raise ConfigError(f"{name}: '{unknown[0]}' is not a parameter name segment simkv models; give "
+                                  f"{', '.join(CPU_OFFLOAD_PARAM_SEGMENTS)} (a mixture of experts' routed experts, "
+                                  "vLLM's names)")
         if self.cpu_offload_params and not self.cpu_offload_gb:
             raise ConfigError("cpu_offload_params selects what --cpu-offload-gb offloads: give cpu_offload_gb too")
+        if self.offload_params and not self.offload_group_size:
+            raise ConfigError("offload_params selects what the prefetch backend offloads of each offloaded layer: "
+                              "give offload_group_size too")
         if self.offload_group_size < 0 or self.offload_num_in_group < 1:
             raise ConfigError(f"offload_group_size must be >= 0 and offload_num_in_group >= 1, got "
                               f"{self.offload_group_size}, {self.offload_num_in_group}")
@@ -147,6 +157,10 @@ class CacheConfig:
     @property
     def cpu_offload_param_segments(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.cpu_offload_params.split(",") if p.strip())
+
+    @property
+    def offload_param_segments(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.offload_params.split(",") if p.strip())
 
     @property
     def offload_blocks_per_chunk(self) -> int:
@@ -929,9 +943,10 @@ class EngineConfig:
             self._verify_linear_attention()
         if self.hardware.model_spec().is_sparse:
             self._verify_sparse_attention()
-        if self.cache.cpu_offload_params and not self.hardware.model_spec().is_moe:
-            raise ConfigError(f"cpu_offload_params {self.cache.cpu_offload_params}: {self.hardware.model} has no routed "
-                              "experts, so no parameter matches and vLLM would offload nothing")
+        for name in ("cpu_offload_params", "offload_params"):
+            if getattr(self.cache, name) and not self.hardware.model_spec().is_moe:
+                raise ConfigError(f"{name} {getattr(self.cache, name)}: {self.hardware.model} has no routed experts, "
+                                  "so no parameter matches and vLLM would offload nothing")
         if self.cache.kv_offloading_size is not None:
             self._verify_kv_offloading()
         elif any(getattr(self.cache, f.name) != f.default for f in fields(CacheConfig)
@@ -1428,6 +1443,8 @@ class EngineConfig:
             del out["skip_mm_profiling"]
         if not self.cache.offload_group_size:  # (likewise)
             del out["offload_group_size"], out["offload_num_in_group"], out["offload_prefetch_step"]
+        if not self.cache.offload_params:  # (likewise)
+            del out["offload_params"]
         if self.scheduler.mm_max_tokens_per_item is None:  # (only for multimodal traces: configs read as before)
             del out["mm_max_tokens_per_item"]
         if not self.scheduler.disable_chunked_mm_input:  # (likewise)

@@ -30,6 +30,19 @@ def offloaded_layers(num_layers: int, group_size: int, num_in_group: int) -> lis
     return [i for i in range(num_layers) if i % group_size >= group_size - num_in_group]
 
 
+def offloaded_positions(config: EngineConfig, num_layers: int, first_layer: int = 0) -> list[int]:
+    """The positions, among a GPU's `num_layers` decoder layers from model layer `first_layer`,
+    of those vLLM offloads (`offloaded_layers`); with --offload-params, only those with routed
+    experts (the model's layers from num_dense_layers on: vLLM skips a layer none of whose
+    parameters match, and counts its offloaded modules without it)."""
+    cc = config.cache
+    positions = offloaded_layers(num_layers, cc.offload_group_size, cc.offload_num_in_group)
+    if cc.offload_params:
+        dense = config.hardware.model_spec().num_dense_layers
+        positions = [p for p in positions if first_layer + p >= dense]
+    return positions
+
+
 def next_prefetch_index(index: int, prefetch_step: int, count: int) -> int:
     """The offloaded layer whose copy starts when offloaded layer `index` has run (vLLM's
     `_get_next_prefetch_index`): `prefetch_step` ahead, around to the first ones, keeping each
@@ -111,18 +124,19 @@ class PrefetchSchedule:
 
 
 def copy_seconds_per_layer(config: EngineConfig) -> float:
-    """A decoder layer's copy into a GPU's buffer: its share of the layer's weights over the host
-    link (each GPU its own)."""
-    from simkv.capacity import decoder_layer_bytes_per_gpu
+    """An offloaded layer's copy into a GPU's buffer: its share of the layer's weights (with
+    --offload-params, of its named expert parameters) over the host link (each GPU its own)."""
+    from simkv.capacity import prefetched_layer_bytes
 
-    return decoder_layer_bytes_per_gpu(config) / (config.cache.pcie_bandwidth_gbs * 1e9)
+    return prefetched_layer_bytes(config) / (config.cache.pcie_bandwidth_gbs * 1e9)
 
 
-def layer_schedule(config: EngineConfig, num_layers: int) -> PrefetchSchedule:
-    """The schedule of a GPU holding `num_layers` decoder layers (all of them, or a pipeline
-    stage's: vLLM's PrefetchOffloader counts a stage's layers from its first)."""
+def layer_schedule(config: EngineConfig, num_layers: int, first_layer: int = 0) -> PrefetchSchedule:
+    """The schedule of a GPU holding `num_layers` decoder layers from model layer `first_layer`
+    (all of them, or a pipeline stage's: vLLM's PrefetchOffloader counts a stage's layers from
+    its first)."""
     cc = config.cache
-    return PrefetchSchedule(num_layers, offloaded_layers(num_layers, cc.offload_group_size, cc.offload_num_in_group),
+    return PrefetchSchedule(num_layers, offloaded_positions(config, num_layers, first_layer),
                             cc.offload_prefetch_step, copy_seconds_per_layer(config))
 
 
@@ -132,7 +146,8 @@ def stage_schedules(config: EngineConfig) -> list[PrefetchSchedule]:
     from simkv.capacity import pipeline_layers
 
     hw = config.hardware
-    return [layer_schedule(config, n) for n in pipeline_layers(hw.model_spec().num_layers, hw.pipeline_parallel_size)]
+    layers = pipeline_layers(hw.model_spec().num_layers, hw.pipeline_parallel_size)
+    return [layer_schedule(config, n, sum(layers[:i])) for i, n in enumerate(layers)]
 
 
 def prefetch_backend(backend):

@@ -55,13 +55,13 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         if config.cache.cpu_offload_params:
             extra["cpu_offload"]["cpu_offload_params"] = config.cache.cpu_offload_params
     if config.cache.offload_group_size:  # (vLLM's prefetch weight offloading; under PP the binding stage's GPU)
-        from simkv.backends.weight_prefetch import copy_seconds_per_layer, offloaded_layers
+        from simkv.backends.weight_prefetch import copy_seconds_per_layer, offloaded_positions
 
         layers = cap.pipeline_layers[cap.pipeline_binding_stage] if pp > 1 else spec.num_layers
-        offloaded, buffers = prefetched_weight_bytes(config, layers)
+        first = sum(cap.pipeline_layers[:cap.pipeline_binding_stage]) if pp > 1 else 0
+        offloaded, buffers = prefetched_weight_bytes(config, layers, first)
         extra["weight_prefetch"] = {
-            "offloaded_layers": len(offloaded_layers(layers, config.cache.offload_group_size,
-                                                     config.cache.offload_num_in_group)),
+            "offloaded_layers": len(offloaded_positions(config, layers, first)),
             "offloaded_weight_bytes_per_gpu": int(offloaded), "buffer_bytes_per_gpu": int(buffers),
             "copy_s_per_layer": copy_seconds_per_layer(config)}
     if pp > 1:  # (per GPU: the figures of the stage with the fewest blocks, which every stage gets)
@@ -360,6 +360,9 @@ def print_report(rep: dict) -> None:
                    "host memory, --offload-prefetch-step layers' buffers on the GPU [default: off]")
 @click.option("--offload-num-in-group", type=int, default=None, metavar="N", help="[default: 1]")
 @click.option("--offload-prefetch-step", type=int, default=None, metavar="S", help="[default: 1]")
+@click.option("--offload-params", default=None, metavar="SEGMENTS",
+              help="vLLM's: of each offloaded layer only these: experts, w13_weight, w2_weight (routed experts, "
+                   "vLLM's names), comma-separated [default: the whole layer]")
 @click.option("--speculative-method", type=click.Choice(SPEC_METHODS),
               default=None, help="Speculative decoding: a draft network's weights and KV take cache memory.")
 @click.option("--num-speculative-tokens", type=int, default=None)

@@ -38,7 +38,7 @@ _ENGINE_FLAGS = {
     "preemption_mode": "preemption_mode", "pcie_bandwidth_gbs": "pcie_bandwidth_gbs", "cpu_offload_gb": "cpu_offload_gb",
     "cpu_offload_params": "cpu_offload_params",
     "offload_group_size": "offload_group_size", "offload_num_in_group": "offload_num_in_group",
-    "offload_prefetch_step": "offload_prefetch_step",
+    "offload_prefetch_step": "offload_prefetch_step", "offload_params": "offload_params",
     "parallel_sampling": "parallel_sampling",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
@@ -382,6 +382,10 @@ _ENGINE_OPTIONS = [
     click.option("--offload-num-in-group", type=int, default=None, metavar="N", help="[default: 1]"),
     click.option("--offload-prefetch-step", type=int, default=None, metavar="S",
                  help="GPU buffers of one layer each, the copies' lead [default: 1]"),
+    click.option("--offload-params", default=None, metavar="SEGMENTS",
+                 help="vLLM's: of each offloaded layer only these parameters live in host memory and are copied: a "
+                      "mixture of experts' routed experts (experts, w13_weight, w2_weight), comma-separated; "
+                      "layers without them stay on the GPU [default: the whole layer]"),
     click.option("--kv-offloading-size", type=float, default=None,
                  help="GiB of CPU memory for KV offloading over the engine's GPUs (vLLM's native backend) [default: off]"),
     click.option("--kv-offloading-block-size", type=int, default=None,

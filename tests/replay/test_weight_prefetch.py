@@ -169,3 +169,51 @@ def test_refused_on_the_gpu_backend_and_with_a_calibration(tmp_path):
                                   "--cost-model", str(calib), "--offload-group-size", "2"])
     assert result.exit_code != 0 and "--offload-group-size" in result.output
     assert not (tmp_path / "g").exists() and not (tmp_path / "c").exists()
+
+
+def _ds(**options) -> EngineConfig:
+    return EngineConfig.from_flat({"model": "deepseek-v3", "gpu": "H100-SXM", "tensor_parallel_size": 8,
+                                   "offload_group_size": 4, "offload_num_in_group": 2} | options)
+
+
+def test_offload_params_take_only_the_experts_of_the_offloaded_expert_layers():
+    """--offload-params experts: DeepSeek-V3's first three layers are dense, so of the layers the
+    groups pick (2, 3, 6, 7, ..., 58, 59) layer 2 stays whole on the GPU; each other one leaves its
+    routed experts (this GPU's TP share) in host memory and copies them in every pass."""
+    from simkv.backends.weight_prefetch import copy_seconds_per_layer, offloaded_positions
+
+    config = _ds(offload_params="experts")
+    spec = config.hardware.model_spec()
+    positions = offloaded_positions(config, spec.num_layers)
+    assert positions[:3] == [3, 6, 7] and len(positions) == len(offloaded_layers(61, 4, 2)) - 1 == 29
+    per_layer = spec.routed_expert_bytes / 8 / spec.num_moe_layers
+    offloaded, buffers = prefetched_weight_bytes(config)
+    assert offloaded == pytest.approx(29 * per_layer) and buffers == pytest.approx(per_layer)
+    assert copy_seconds_per_layer(config) == pytest.approx(per_layer / 63e9)
+    assert prefetched_weight_bytes(_ds(offload_params="w2_weight"))[0] == pytest.approx(29 * per_layer / 3)
+    # without --offload-params each offloaded layer leaves whole (the layers' mean)
+    whole = prefetched_weight_bytes(_ds(gpu="H200"))
+    assert whole[0] == pytest.approx(30 * decoder_layer_bytes_per_gpu(_ds(gpu="H200")))
+    backend = make_backend("roofline", config)
+    assert backend.describe()["weight_prefetch"]["offloaded_layers"] == 29
+
+
+def test_a_later_pipeline_stage_counts_the_dense_layers_by_their_model_index():
+    """A stage's layers are counted from its first (which layers the groups pick), but whether one
+    has experts is the model's: the dense layers sit in the first stage."""
+    from simkv.backends.weight_prefetch import offloaded_positions, stage_schedules
+
+    config = _ds(offload_params="experts", gpu="H200", tensor_parallel_size=4, pipeline_parallel_size=2)
+    first, second = stage_schedules(config)
+    assert sorted(first.module_at) == offloaded_positions(config, 31, 0) == [p for p in offloaded_layers(31, 4, 2) if p >= 3]
+    assert sorted(second.module_at) == offloaded_layers(30, 4, 2)  # (layers 31 to 60: all with experts)
+
+
+@pytest.mark.parametrize("options, text", [
+    ({"offload_params": "experts", "offload_group_size": 0}, "give offload_group_size too"),
+    ({"offload_params": "gate"}, "'gate' is not a parameter name segment"),
+    ({"offload_params": "experts", "model": "llama-3-70b"}, "has no routed experts"),
+])
+def test_offload_params_are_checked(options, text):
+    with pytest.raises(ConfigError, match=text):
+        _ds(**options)
