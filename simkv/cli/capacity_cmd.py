@@ -283,8 +283,9 @@ def print_report(rep: dict) -> None:
         rows.append(("a layer's copy over the host link", f"{pre['copy_s_per_layer'] * 1e3:.2f} ms"))
     if rep.get("cpu_offload"):
         off = rep["cpu_offload"]
-        rows.append(("weights per GPU in host memory (--cpu-offload-gb), read every forward",
-                     _bytes(off["offloaded_weight_bytes_per_gpu"])))
+        what = ("routed experts per GPU in host memory (--cpu-offload-params), read when routed to"
+                if off.get("cpu_offload_params") else "weights per GPU in host memory (--cpu-offload-gb), read every forward")
+        rows.append((what, _bytes(off["offloaded_weight_bytes_per_gpu"])))
     each = " each rank" if rep.get("data_parallel_size") else ""
     for r in rep.get("request_concurrency", ()):
         rows.append((f"at once{each}: requests of {r['tokens']:,} tokens (blocks)",
