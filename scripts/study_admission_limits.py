@@ -26,6 +26,7 @@ SETTINGS = (
     ("max_num_seqs 256", dict(max_num_seqs=256)),
     ("max_num_batched_tokens 2,048", dict(max_num_batched_tokens=2048)),
     ("kv_cache_dtype fp8", dict(kv_cache_dtype="fp8")),
+    ("kv_cache_dtype int4_per_token_head", dict(kv_cache_dtype="int4_per_token_head")),
     ("gpu_memory_utilization 0.6", dict(gpu_memory_utilization=0.6)),
     ("H200 instead of H100", dict(gpu="H200")),
     ("max_num_seqs 256, H200", dict(max_num_seqs=256, gpu="H200")),

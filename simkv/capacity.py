@@ -254,7 +254,7 @@ def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
     """K and V of one token on one GPU under that tensor parallelism (1: the whole model), the
     draft network's layers included under speculative decoding."""
     spec = config.hardware.model_spec()
-    dtype_bytes = config.cache.kv_dtype_bytes
+    dtype_bytes = config.cache.kv_element
     per_token = spec.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
     draft = config.draft_network
     if draft is not None:
@@ -285,7 +285,7 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
     groups = config.kv_cache_groups
     draft = config.draft_network
-    draft_block = (draft.kv_bytes_per_token(config.cache.kv_dtype_bytes, tp) * config.cache.block_size
+    draft_block = (draft.kv_bytes_per_token(config.cache.kv_element, tp) * config.cache.block_size
                    if draft is not None and not groups.is_hybrid else 0)
     stages = []
     first_layer = 0
@@ -363,7 +363,7 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     groups = config.kv_cache_groups
     hybrid = groups.is_hybrid
     if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, its attention the target's)
-        block_bytes = spec.kv_bytes_per_layer_token(cc.kv_dtype_bytes, tp) * groups.layers_per_block * cc.block_size
+        block_bytes = spec.kv_bytes_per_layer_token(cc.kv_element, tp) * groups.layers_per_block * cc.block_size
     else:
         block_bytes = per_token * cc.block_size
     mml = config.max_model_len

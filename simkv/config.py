@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import ModelSpec, get_gpu_spec, get_model_spec
+from simkv.specs import PER_TOKEN_HEAD_KV_DTYPES, ModelSpec, get_gpu_spec, get_model_spec
 
 
 class ConfigError(ValueError):
@@ -34,7 +34,7 @@ def _check_type(key: str, value, annotation: str) -> None:
 CPU_OFFLOAD_PARAM_SEGMENTS = ("experts", "w13_weight", "w2_weight")
 
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +171,12 @@ class CacheConfig:
     def kv_dtype_bytes(self) -> int:
         return kv_dtype_bytes(self.kv_cache_dtype)
 
+    @property
+    def kv_element(self) -> int | str:
+        """What sizes a KV head's token (ModelSpec.kv_bytes_per_token): an element's bytes, or
+        the per-token-head dtype's name (its scales are per head)."""
+        return self.kv_cache_dtype if self.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else self.kv_dtype_bytes
+
 
 def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True,
                         max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
@@ -212,8 +218,15 @@ PERFORMANCE_MODE_BATCH_SCALE = {"balanced": 1, "throughput": 2}
 
 
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
-    """Bytes of one cached K or V element: fp8 (either format) 1, the model's bf16 (auto) or fp16 2."""
-    return 1 if is_fp8_kv(kv_cache_dtype) else 2
+    """Bytes of one cached K or V element: fp8 (either format) and the 8-bit per-token-head
+    dtypes 1 (int4's packs two: ModelSpec.kv_bytes_per_token sizes those), the model's bf16
+    (auto) or fp16 2."""
+    return 1 if is_fp8_kv(kv_cache_dtype) or kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else 2
+
+
+def kv_element(kv_cache_dtype: str) -> int | str:
+    """CacheConfig.kv_element of a kv_cache_dtype."""
+    return kv_cache_dtype if kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else kv_dtype_bytes(kv_cache_dtype)
 
 
 def is_fp8_kv(kv_cache_dtype: str | None) -> bool:
@@ -943,6 +956,9 @@ class EngineConfig:
             self._verify_linear_attention()
         if self.hardware.model_spec().is_sparse:
             self._verify_sparse_attention()
+        if self.cache.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES and self.hardware.model_spec().is_mla:
+            raise ConfigError(f"kv_cache_dtype {self.cache.kv_cache_dtype}: vLLM runs per-token-head KV quantization on "
+                              f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
         for name in ("cpu_offload_params", "offload_params"):
             if getattr(self.cache, name) and not self.hardware.model_spec().is_moe:
                 raise ConfigError(f"{name} {getattr(self.cache, name)}: {self.hardware.model} has no routed experts, "
@@ -1170,7 +1186,7 @@ class EngineConfig:
         for bad, what in unsupported:
             if bad:
                 raise ConfigError(f"{where} is not modelled with {what}")
-        need = linear_attention_block_size(hw.model_spec(), hw.tensor_parallel_size, cache.kv_dtype_bytes,
+        need = linear_attention_block_size(hw.model_spec(), hw.tensor_parallel_size, cache.kv_element,
                                            cache.block_size, self.speculative.num_speculative_tokens,
                                            self._checkpoint_alignment())
         if cache.block_size < need:
@@ -1516,7 +1532,7 @@ class EngineConfig:
 _KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention backends (FlashAttention, FlashInfer, Triton)
 
 
-def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_dtype_bytes: int,
+def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_dtype_bytes: int | str,
                                 block_size: int, num_speculative_tokens: int = 0, checkpoint_alignment: int = 1) -> int:
     """The block size vLLM 0.33 runs a model with linear-attention layers at, given `block_size`
     (Platform._align_hybrid_block_size): every group's pages must be the same size, so the
@@ -1543,7 +1559,7 @@ def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict,
         block_size = int(cache.get("block_size", CacheConfig().block_size))
         if not spec.linear_attention or tp < 1 or block_size < 1:
             return None
-        kv_bytes = kv_dtype_bytes(cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
+        kv_bytes = kv_element(cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
         method = speculative.get("speculative_method")
         k = num_speculative_tokens_in_force(method, int(speculative.get("num_speculative_tokens", 0))) if method else 0
         alignment = 1

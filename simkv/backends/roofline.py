@@ -64,7 +64,7 @@ class RooflineCostModel:
         model: ModelSpec,
         gpu: GPUSpec,
         tensor_parallel_size: int = 1,
-        kv_dtype_bytes: int = 2,
+        kv_dtype_bytes: int | str = 2,
         compute_efficiency: float = 0.6,
         memory_efficiency: float = 0.8,
         step_overhead_s: float = 1.0e-3,

@@ -357,7 +357,9 @@ _ENGINE_OPTIONS = [
     click.option("--watermark", type=float, default=None, help="[default: 0.0]"),
     click.option("--num-lookahead-tokens", type=int, default=None, help="[default: 0]"),
     click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
-                 help="vLLM's: fp8 (fp8_e4m3, fp8_e5m2) stores one byte an element [default: auto, the model's bf16]"),
+                 help="vLLM's: fp8 (fp8_e4m3, fp8_e5m2) stores one byte an element; int8_per_token_head, "
+                      "fp8_per_token_head (one byte) and int4_per_token_head (half) add a float32 scale per head "
+                      "and token for K and V each [default: auto, the model's bf16]"),
     click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
                  help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]"),
     click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]"),

@@ -529,14 +529,35 @@ class ModelSpec:
         token."""
         return self.kv_bytes_per_token(dtype_bytes, tensor_parallel_size) // self.num_attention_layers
 
-    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int | str, tensor_parallel_size: int = 1) -> int:
         """K and V of one token over all attention layers, per GPU under tensor parallelism (latent
         attention: the latent and rotary key, which every GPU holds whole; linear-attention layers
-        hold none)."""
+        hold none). `dtype_bytes`: an element's bytes, or a per-token-head KV dtype's name
+        (`kv_head_token_bytes`)."""
         if self.is_mla:  # (sparse attention: the indexer's keys too)
+            if isinstance(dtype_bytes, str):
+                raise ValueError(f"{dtype_bytes}: a per-token-head KV cache has no latent-attention layout")
             return self.latent_bytes_per_token(dtype_bytes) + self.indexer_bytes_per_token()
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
-        return 2 * self.num_attention_layers * kv_heads * self.head_dim * dtype_bytes
+        return self.num_attention_layers * kv_heads * kv_head_token_bytes(dtype_bytes, self.head_dim)
+
+
+# vLLM's per-token-head KV quantization (--kv-cache-dtype, its Triton attention backend): each KV
+# head's K and V of a token quantized apiece with a float32 scale inline; bytes per element
+PER_TOKEN_HEAD_KV_DTYPES = {"int8_per_token_head": 1.0, "fp8_per_token_head": 1.0, "int4_per_token_head": 0.5}
+
+
+def kv_head_token_bytes(dtype_bytes: int | str, head_dim: int) -> int:
+    """One token's K and V in one KV head: 2 x head_dim elements of `dtype_bytes` bytes, or under
+    a per-token-head KV dtype (its name) the quantized K and V (int4: two values a byte) and a
+    float32 scale each (vLLM's TritonAttentionBackend.customize_spec)."""
+    if isinstance(dtype_bytes, str):
+        if dtype_bytes == "int4_per_token_head":
+            return 2 * (head_dim // 2) + 8
+        if dtype_bytes in PER_TOKEN_HEAD_KV_DTYPES:
+            return 2 * head_dim + 8
+        raise ValueError(f"unknown per-token-head KV dtype '{dtype_bytes}'")
+    return 2 * head_dim * dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
