@@ -577,6 +577,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
                                "every weight on the device")
     if backend == "gpu" and config.speculative.enabled:
         raise click.UsageError("--speculative-method is simulated only: the gpu backend runs no drafter")
+    if backend == "gpu" and config.cache.kv_cache_dtype not in ("auto", "bfloat16", "float16", "fp16"):
+        raise click.UsageError(f"--kv-cache-dtype {config.cache.kv_cache_dtype} is simulated only: the gpu backend's "
+                               "paged-attention kernels keep K and V in the model's 16-bit dtype")
     if backend == "gpu":
         # (sliding windows may come from --sliding-window on any model)
         why = get_model_spec(config.hardware.model).simulated_only or (

@@ -67,3 +67,13 @@ def test_latent_attention_is_refused():
     with pytest.raises(ConfigError, match="no latent attention"):
         EngineConfig.from_flat({"model": "deepseek-v3", "gpu": "H200", "tensor_parallel_size": 8,
                                 "kv_cache_dtype": "int8_per_token_head"})
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8_per_token_head"])
+def test_the_gpu_backend_refuses_a_quantized_cache(tmp_path, dtype):
+    """Its kernels keep K and V in the model's dtype: a pool sized for one byte would not fit."""
+    from tests.cli_runs import cli_fails
+
+    out = cli_fails(["replay", "tests/gpu_backend/data/ci80.parquet", "--backend", "gpu", "--device", "cpu",
+                     "--model", "tiny-llama", "--kv-cache-dtype", dtype, "--out", str(tmp_path / "o")])
+    assert f"--kv-cache-dtype {dtype} is simulated only" in out
