@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import PER_TOKEN_HEAD_KV_DTYPES, ModelSpec, get_gpu_spec, get_model_spec
+from simkv.specs import MAMBA_DTYPE_BYTES, PER_TOKEN_HEAD_KV_DTYPES, ModelSpec, get_gpu_spec, get_model_spec
 
 
 class ConfigError(ValueError):
@@ -474,9 +474,21 @@ class HardwareConfig:
     # vLLM's --language-model-only: a vision model served as text only (every modality's limit 0):
     # no vision encoder on the GPUs, none in the start-up profile; prompts with images refused
     language_model_only: bool = False
+    # vLLM's --mamba-cache-dtype and --mamba-ssm-cache-dtype (cache options in vLLM; here, as they
+    # size the model's linear-attention states: ModelSpec.with_mamba_cache_dtypes): auto, bfloat16,
+    # float16 or float32
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         get_model_spec(self.model)  # raise on unknown names
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            value = getattr(self, name)
+            if value not in MAMBA_DTYPE_BYTES:
+                raise ConfigError(f"{name} must be one of {', '.join(MAMBA_DTYPE_BYTES)}, got {value!r}")
+            if value != "auto" and not get_model_spec(self.model).linear_attention:
+                raise ConfigError(f"{name} {value}: {self.model} has no linear-attention (Mamba) layers, whose "
+                                  "states it sizes")
         if self.mm_encoder_tp_mode not in ("weights", "data"):
             raise ConfigError(f"mm_encoder_tp_mode must be weights or data, got {self.mm_encoder_tp_mode!r}")
         get_gpu_spec(self.gpu)
@@ -566,8 +578,11 @@ class HardwareConfig:
         return self._link((first_next - 1) // self.gpus_per_node != first_next // self.gpus_per_node)
 
     def model_spec(self) -> ModelSpec:
-        """The model as served: its spec under `quantization`."""
-        return get_model_spec(self.model).quantized(self.quantization)
+        """The model as served: its spec under `quantization` and the Mamba cache dtypes."""
+        spec = get_model_spec(self.model).quantized(self.quantization)
+        if self.mamba_cache_dtype == self.mamba_ssm_cache_dtype == "auto":
+            return spec
+        return spec.with_mamba_cache_dtypes(self.mamba_cache_dtype, self.mamba_ssm_cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1433,6 +1448,9 @@ class EngineConfig:
             del out["quantization"]
         if self.hardware.mm_encoder_tp_mode == "weights":  # (likewise)
             del out["mm_encoder_tp_mode"]
+        for key in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):  # (likewise)
+            if out[key] == "auto":
+                del out[key]
         if not self.hardware.language_model_only:  # (likewise)
             del out["language_model_only"]
         if self.hardware.decode_context_parallel_size == 1:
@@ -1555,6 +1573,10 @@ def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict,
     defaults = HardwareConfig()
     try:
         spec = get_model_spec(hardware.get("model", defaults.model)).quantized(hardware.get("quantization"))
+        dtypes = (hardware.get("mamba_cache_dtype", "auto"), hardware.get("mamba_ssm_cache_dtype", "auto"))
+        if not all(d in MAMBA_DTYPE_BYTES for d in dtypes):
+            return None  # (HardwareConfig names the bad value)
+        spec = spec.with_mamba_cache_dtypes(*dtypes)
         tp = int(hardware.get("tensor_parallel_size", 1))
         block_size = int(cache.get("block_size", CacheConfig().block_size))
         if not spec.linear_attention or tp < 1 or block_size < 1:

@@ -11,6 +11,7 @@ from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, enc
                              resident_weight_bytes)
 from simkv.cli.replay_cmd import ByteCount, ImageLimit, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
+from simkv.specs import MAMBA_DTYPE_BYTES
 
 
 def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) -> dict:
@@ -327,6 +328,10 @@ def print_report(rep: dict) -> None:
               help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), gpu_memory_utilization then ignored")
 @click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None, help="[default: auto]")
+@click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
+              help="vLLM's: linear-attention states (convolution, and recurrent unless the checkpoint sets it)")
+@click.option("--mamba-ssm-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
+              help="vLLM's: the recurrent state [default: the checkpoint's or --mamba-cache-dtype's]")
 @click.option("--block-size", type=int, default=None,
               help="[default: 16; for latent attention vLLM's pick: on Hopper 64 with an fp8 cache, on Blackwell 32]")
 @click.option("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None, help="[default: derived from GPU memory]")

@@ -14,7 +14,7 @@ from simkv.cli.disagg_options import (check_pools, disaggregation_options, encod
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
-from simkv.specs import get_model_spec, gpu_names
+from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec, gpu_names
 
 # CLI flag -> engine option (vLLM's names).
 _ENGINE_FLAGS = {
@@ -39,6 +39,7 @@ _ENGINE_FLAGS = {
     "cpu_offload_params": "cpu_offload_params",
     "offload_group_size": "offload_group_size", "offload_num_in_group": "offload_num_in_group",
     "offload_prefetch_step": "offload_prefetch_step", "offload_params": "offload_params",
+    "mamba_cache_dtype": "mamba_cache_dtype", "mamba_ssm_cache_dtype": "mamba_ssm_cache_dtype",
     "parallel_sampling": "parallel_sampling",
     "kv_offloading_size": "kv_offloading_size", "kv_offloading_block_size": "kv_offloading_block_size",
     "kv_offloading_prompt_only": "kv_offloading_prompt_only", "kv_offloading_policy": "kv_offloading_policy",
@@ -360,6 +361,11 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: fp8 (fp8_e4m3, fp8_e5m2) stores one byte an element; int8_per_token_head, "
                       "fp8_per_token_head (one byte) and int4_per_token_head (half) add a float32 scale per head "
                       "and token for K and V each [default: auto, the model's bf16]"),
+    click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
+                 help="vLLM's: a linear-attention (Mamba) layer's convolution state, and its recurrent state "
+                      "unless the checkpoint sets that [default: auto, the model's bf16]"),
+    click.option("--mamba-ssm-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
+                 help="vLLM's: the recurrent state's [default: auto, the checkpoint's or --mamba-cache-dtype's]"),
     click.option("--preemption-mode", type=click.Choice(["recompute", "swap", "restart"]), default=None,
                  help="recompute (vLLM v1), swap (vLLM v0: KV to CPU swap space), restart [default: recompute]"),
     click.option("--swap-space", type=float, default=None, help="GiB of CPU swap space per GPU [default: 4]"),

@@ -93,6 +93,12 @@ class ModelSpec:
     # default, float32 where the checkpoint asks, Qwen3.5's mamba_ssm_dtype); the convolution
     # state is bf16.
     linear_state_dtype_bytes: int = 2
+    # ... whether the checkpoint's config sets it (Nemotron-H, Qwen3.5's mamba_ssm_dtype: vLLM then
+    # keeps it unless --mamba-ssm-cache-dtype is given), or it follows the state's dtype (the
+    # model's, or --mamba-cache-dtype)
+    linear_state_dtype_pinned: bool = False
+    # Bytes per element of the convolution state (vLLM's mamba_cache_dtype: the model's bf16 by default)
+    linear_conv_dtype_bytes: int = 2
     # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
     attention_output_gate: bool = False
     # Nemotron-H's layout (its hybrid_override_pattern; "": every layer a mixer and an MLP): one
@@ -183,6 +189,19 @@ class ModelSpec:
                              "num_dense_layers does not apply")
         if self.sliding_window or self.attention_chunk_size or self.is_mla:
             raise ValueError(f"{where}: layer_pattern with local or latent attention is not modelled")
+
+    def with_mamba_cache_dtypes(self, mamba_cache_dtype: str, mamba_ssm_cache_dtype: str) -> "ModelSpec":
+        """The linear-attention states as vLLM 0.33 stores them under --mamba-cache-dtype (the
+        convolution state, and the recurrent state unless the checkpoint pins that) and
+        --mamba-ssm-cache-dtype (the recurrent state): MambaStateDtypeCalculator's rules."""
+        if mamba_cache_dtype == mamba_ssm_cache_dtype == "auto":
+            return self
+        conv = MAMBA_DTYPE_BYTES[mamba_cache_dtype]
+        if mamba_ssm_cache_dtype != "auto":
+            state = MAMBA_DTYPE_BYTES[mamba_ssm_cache_dtype]
+        else:
+            state = self.linear_state_dtype_bytes if self.linear_state_dtype_pinned else conv
+        return replace(self, linear_conv_dtype_bytes=conv, linear_state_dtype_bytes=state)
 
     def quantized(self, method: str | None) -> "ModelSpec":
         """The model as vLLM serves it under `--quantization METHOD` (None: the checkpoint as it is).
@@ -286,7 +305,7 @@ class ModelSpec:
         if not self.linear_attention:
             return 0
         taps = self.linear_conv_kernel_dim - 1 + num_speculative_tokens
-        conv = self.linear_conv_dim(tensor_parallel_size) * taps * 2
+        conv = self.linear_conv_dim(tensor_parallel_size) * taps * self.linear_conv_dtype_bytes
         heads = self.linear_num_value_heads // tensor_parallel_size
         recurrent = heads * self.linear_value_head_dim * self.linear_key_head_dim * self.linear_state_dtype_bytes
         return conv + recurrent
@@ -540,6 +559,11 @@ class ModelSpec:
             return self.latent_bytes_per_token(dtype_bytes) + self.indexer_bytes_per_token()
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
         return self.num_attention_layers * kv_heads * kv_head_token_bytes(dtype_bytes, self.head_dim)
+
+
+# vLLM's MambaDType choices (--mamba-cache-dtype, --mamba-ssm-cache-dtype): bytes per element;
+# auto is the model's bf16
+MAMBA_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # vLLM's per-token-head KV quantization (--kv-cache-dtype, its Triton attention backend): each KV

@@ -317,6 +317,7 @@ def _linear_attention(cfg: dict, raw: dict, get, need, where: str, num_layers: i
             raise ModelConfigError(f"{where}: field 'mamba_ssm_dtype': {dtype!r} is not one of "
                                    f"{', '.join(_STATE_DTYPE_BYTES)}")
         out["linear_state_dtype_bytes"] = _STATE_DTYPE_BYTES[dtype]
+        out["linear_state_dtype_pinned"] = True
     return out
 
 
@@ -365,7 +366,7 @@ def _nemotron_h(cfg: dict, raw: dict, where: str) -> dict:
         out.update(linear_attention="mamba2", linear_num_value_heads=need("mamba_num_heads"),
                    linear_value_head_dim=need("mamba_head_dim"), linear_key_head_dim=need("ssm_state_size"),
                    linear_num_key_heads=need("n_groups", "mamba_num_groups"), linear_conv_kernel_dim=need("conv_kernel"),
-                   linear_state_dtype_bytes=_STATE_DTYPE_BYTES[dtype])
+                   linear_state_dtype_bytes=_STATE_DTYPE_BYTES[dtype], linear_state_dtype_pinned=True)
     if "E" in pattern:
         if "-" in pattern:
             out["dense_intermediate_size"] = out["intermediate_size"]
