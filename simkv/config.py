@@ -156,11 +156,11 @@ class CacheConfig:
 
     @property
     def cpu_offload_param_segments(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.cpu_offload_params.split(",") if p.strip())
+        return _param_segments(self.cpu_offload_params)
 
     @property
     def offload_param_segments(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.offload_params.split(",") if p.strip())
+        return _param_segments(self.offload_params)
 
     @property
     def offload_blocks_per_chunk(self) -> int:
@@ -175,7 +175,7 @@ class CacheConfig:
     def kv_element(self) -> int | str:
         """What sizes a KV head's token (ModelSpec.kv_bytes_per_token): an element's bytes, or
         the per-token-head dtype's name (its scales are per head)."""
-        return self.kv_cache_dtype if self.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else self.kv_dtype_bytes
+        return kv_element(self.kv_cache_dtype)
 
 
 def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True,
@@ -222,6 +222,11 @@ def kv_dtype_bytes(kv_cache_dtype: str) -> int:
     dtypes 1 (int4's packs two: ModelSpec.kv_bytes_per_token sizes those), the model's bf16
     (auto) or fp16 2."""
     return 1 if is_fp8_kv(kv_cache_dtype) or kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else 2
+
+
+def _param_segments(text: str) -> tuple[str, ...]:
+    """A comma-separated list of parameter name segments (cpu_offload_params, offload_params)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def kv_element(kv_cache_dtype: str) -> int | str:
@@ -580,8 +585,6 @@ class HardwareConfig:
     def model_spec(self) -> ModelSpec:
         """The model as served: its spec under `quantization` and the Mamba cache dtypes."""
         spec = get_model_spec(self.model).quantized(self.quantization)
-        if self.mamba_cache_dtype == self.mamba_ssm_cache_dtype == "auto":
-            return spec
         return spec.with_mamba_cache_dtypes(self.mamba_cache_dtype, self.mamba_ssm_cache_dtype)
 
 

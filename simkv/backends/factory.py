@@ -70,7 +70,7 @@ def weight_offload_shares(config: EngineConfig) -> tuple[float, float]:
     its layers taken as an even share."""
     if not config.cache.cpu_offload_gb:
         return 0.0, 0.0
-    from simkv.capacity import offloadable_expert_bytes, offloaded_weight_bytes
+    from simkv.capacity import expert_bytes_named, offloaded_weight_bytes
 
     hw = config.hardware
     pp = hw.pipeline_parallel_size
@@ -79,9 +79,7 @@ def weight_offload_shares(config: EngineConfig) -> tuple[float, float]:
     offloaded = offloaded_weight_bytes(config, weights, spec.num_layers / pp)
     if not config.cache.cpu_offload_params:
         return offloaded / weights, offloaded / weights
-    experts = spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.data_parallel_size) / pp
-    assert offloaded <= offloadable_expert_bytes(config, spec.num_layers / pp) + 1e-6
-    return 0.0, offloaded / experts
+    return 0.0, offloaded / (expert_bytes_named(config, ("experts",)) / pp)
 
 
 def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from: dict | None = None) -> RooflineCostModel:
