@@ -598,6 +598,9 @@ class AttentionConfig:
     # chunked local attention (Llama 4's attention_chunk_size): None: the model's, 0: none
     attention_chunk_size: int | None = None
     disable_hybrid_kv_cache_manager: bool = False  # vLLM's --disable-hybrid-kv-cache-manager
+    # vLLM's --disable-sliding-window: the model's sliding-window layers attend the whole context
+    # (chunked local attention stays), and max_model_len defaults to at most the window
+    disable_sliding_window: bool = False
     # vLLM's --prefix-cache-retention-interval: sliding-window blocks cached for later hits. 0 (its
     # default): only those a resend of the prompt or a shared-prefix junction can resume at; R > 0:
     # also the ones before every multiple of R tokens; None: all of them.
@@ -625,6 +628,8 @@ class AttentionConfig:
             raise ConfigError(f"attention_chunk_size must be >= 0, got {self.attention_chunk_size}")
         if self.sliding_window and self.attention_chunk_size:
             raise ConfigError("sliding_window and attention_chunk_size: one kind of local attention per model")
+        if self.sliding_window and self.disable_sliding_window:
+            raise ConfigError(f"sliding_window {self.sliding_window} and disable_sliding_window: give one of them")
         if self.full_attention_interval is not None and self.full_attention_interval < 0:
             raise ConfigError(f"full_attention_interval must be >= 0, got {self.full_attention_interval}")
         if self.prefix_cache_retention_interval is not None and self.prefix_cache_retention_interval < 0:
@@ -953,6 +958,10 @@ class EngineConfig:
             object.__setattr__(self, "scheduler", dataclasses.replace(
                 sc, max_num_seqs=seqs, max_num_batched_tokens=tokens, defaulted_batch_options=defaulted))
         self.scheduler.verify_max_model_len(self.max_model_len)
+        window, given = self._disabled_window, self.scheduler.max_model_len
+        if window and given is not None and given > window < get_model_spec(self.hardware.model).max_position_embeddings:
+            raise ConfigError(f"User-specified max_model_len ({given}) is greater than the derived max_model_len "
+                              f"(sliding_window={window}: --disable-sliding-window caps it at the model's window)")
         if self.scheduler.disable_chunked_mm_input:
             self._verify_unchunked_mm_input()
         if self.scheduler.prefill_schedule_interval > 1:
@@ -1049,7 +1058,7 @@ class EngineConfig:
         spec = get_model_spec(self.hardware.model)
         if self.attention_chunk_size:
             window = self.attention_chunk_size
-        elif a.sliding_window is not None or spec.attention_chunk_size:  # (an override, or chunking off)
+        elif a.sliding_window is not None or spec.attention_chunk_size or a.disable_sliding_window:  # (an override, or chunking off)
             window = a.sliding_window or 0
         else:
             window = None  # the model's sliding windows
@@ -1432,7 +1441,15 @@ class EngineConfig:
     def max_model_len(self) -> int:
         if self.scheduler.max_model_len is not None:
             return self.scheduler.max_model_len
-        return get_model_spec(self.hardware.model).max_position_embeddings
+        return min(get_model_spec(self.hardware.model).max_position_embeddings, self._disabled_window or math.inf)
+
+    @property
+    def _disabled_window(self) -> int | None:
+        """The model's sliding window under disable_sliding_window (vLLM then derives max_model_len
+        from it when it is the shorter), None otherwise."""
+        if not self.attention.disable_sliding_window:
+            return None
+        return get_model_spec(self.hardware.model).sliding_window or None
 
     def to_dict(self) -> dict:
         """Every engine option in force, flat, with vLLM's names."""
@@ -1508,8 +1525,10 @@ class EngineConfig:
                 if out[key] is None:
                     del out[key]
         if (self.has_sliding_window or self.attention.overridden or self.attention.disable_hybrid_kv_cache_manager
-                or self.mamba_align):
+                or self.mamba_align or self.attention.disable_sliding_window):
             out.update(dataclasses.asdict(self.attention))
+            if not self.attention.disable_sliding_window:  # (configs without it read as before)
+                del out["disable_sliding_window"]
             if self.attention.attention_chunk_size is None:  # (configs without it read as before)
                 del out["attention_chunk_size"]
             if not self.mamba_align:  # (likewise)

@@ -9,7 +9,7 @@ import click
 from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes,
                              kv_bytes_per_token, offloaded_weight_bytes, prefetched_weight_bytes, request_concurrency,
                              resident_weight_bytes)
-from simkv.cli.replay_cmd import ByteCount, ImageLimit, flat_options
+from simkv.cli.replay_cmd import VLLM_SERVE_HELP, ByteCount, ImageLimit, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.specs import MAMBA_DTYPE_BYTES
 
@@ -384,6 +384,8 @@ def print_report(rep: dict) -> None:
               help="Chunked local attention (Llama 4's): the local layers' chunk, 0: none [default: the model's]")
 @click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
               help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention")
+@click.option("--disable-sliding-window", is_flag=True, default=None,
+              help="vLLM's flag: sliding-window layers attend the whole context (max_model_len at most the window)")
 @click.option("--async-scheduling", is_flag=True, default=None,
               help="vLLM's: two batches in flight, which a sliding-window group's admission cap counts")
 @click.option("--layouts", "num_gpus", type=int, default=None, metavar="N",
@@ -393,6 +395,7 @@ def print_report(rep: dict) -> None:
               help="Also: how many requests of TOKENS tokens (prompt and output) fit at once, counting whole "
                    "blocks and every KV-cache group's (state blocks, windows); repeat for several lengths.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
+@click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def capacity_cmd(config_file: str | None, as_json: bool, num_gpus: int | None, request_tokens: tuple[int, ...],
                  **flags) -> None:

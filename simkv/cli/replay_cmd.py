@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -65,6 +66,7 @@ _ENGINE_FLAGS = {
     "sliding_window": "sliding_window", "full_attention_interval": "full_attention_interval",
     "attention_chunk_size": "attention_chunk_size",
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
+    "disable_sliding_window": "disable_sliding_window",
     "prefix_cache_retention_interval": "prefix_cache_retention_interval",
     "gdn_prefill_backend": "gdn_prefill_backend",
     "indexer_tp_shard_min_rows": "indexer_tp_shard_min_rows",
@@ -162,14 +164,33 @@ FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation", "
 
 
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
-    """Engine options from --config, then the flags (vLLM's names, underscores)."""
+    """Engine options from --config, then --vllm-serve's command, then the flags (vLLM's names,
+    underscores)."""
     options = load_config_file(config_file) if config_file else {}
     options = {k.replace("-", "_"): v for k, v in options.items()}
     options = {k: v for k, v in options.items() if k not in FLEET_CONFIG_KEYS}
+    if cli_values.get("vllm_serve"):
+        options.update(served_options(cli_values["vllm_serve"], model_given=cli_values.get("model") is not None))
     for flag, name in _ENGINE_FLAGS.items():
         if cli_values.get(flag) is not None:
             options[name] = None if cli_values[flag] is _DENSE else cli_values[flag]
     return options
+
+
+def served_options(command: str, model_given: bool) -> dict:
+    """The engine options of a `vllm serve` command (cli/vllm_serve.py); what it leaves out is
+    said once on stderr."""
+    from simkv.cli.vllm_serve import serve_options
+
+    served = serve_options(command, model_given)
+    if served.note():
+        _say_once(served.note())
+    return served.options
+
+
+@functools.cache
+def _say_once(text: str) -> None:
+    click.echo(text, err=True)
 
 
 def build_config(cli_values: dict, config_file: str | None, overrides: dict | None = None) -> EngineConfig:
@@ -269,7 +290,12 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     return FleetSpec(replicas, router, options)
 
 
+VLLM_SERVE_HELP = ("A `vllm serve ...` command line, or @FILE holding one (its --config YAML too): its engine "
+                   "flags become simkv's options, over --config and under simkv's own flags; flags simkv does not "
+                   "model are named on stderr, and ones it cannot honour refused (docs/vllm_serve.md).")
+
 _ENGINE_OPTIONS = [
+    click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP),
     click.option("--model", type=ModelName(), default=None,
                  help="A shipped model, or a Hugging Face config.json of your own [default: llama-3-8b]"),
     click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]"),
@@ -497,6 +523,9 @@ _ENGINE_OPTIONS = [
                       "their own chunk of this many tokens, 0: none [default: the model's]"),
     click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=None,
                  help="vLLM's flag: sliding-window layers of a mixed model allocate like full attention (one block table)"),
+    click.option("--disable-sliding-window", is_flag=True, default=None,
+                 help="vLLM's flag: sliding-window layers attend the whole context, and max_model_len is at most "
+                      "the model's window"),
     click.option("--prefix-cache-retention-interval", type=RetentionInterval(), default=None, metavar="N|none",
                  help="vLLM's: sliding-window blocks and linear-attention states cached every N tokens besides "
                       "prompt ends and shared-prefix junctions; none: all [default: 0, junctions and prompt ends only]"),

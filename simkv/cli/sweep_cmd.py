@@ -9,7 +9,8 @@ import click
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
-from simkv.cli.replay_cmd import load_config_file
+from simkv.cli.replay_cmd import VLLM_SERVE_HELP, load_config_file, served_options
+from simkv.config import ConfigError
 
 
 def _check_cost_model(value) -> None:
@@ -21,7 +22,7 @@ def _check_cost_model(value) -> None:
 
 
 def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
-         cost_model: str, goodput: tuple[str, ...] = ()):
+         cost_model: str, goodput: tuple[str, ...] = (), vllm_serve: str | None = None):
     """Cells and swept keys from the command line; raises SweepError / click.BadParameter."""
     from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
@@ -32,10 +33,14 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     except GoodputError as exc:
         raise SweepError(str(exc)) from None
     fixed = {normalize_key(k, "--config"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
-    for text in sets:
-        key, value = parse_assignment(text, "--set")
-        fixed[key] = value
+    given = dict(parse_assignment(text, "--set") for text in sets)
     grid = parse_grid(list(grids))
+    if vllm_serve:
+        try:
+            fixed.update(served_options(vllm_serve, model_given="model" in given or "model" in grid))
+        except ConfigError as exc:
+            raise SweepError(str(exc)) from None
+    fixed.update(given)
     for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
         _check_cost_model(value)
     for trace in traces:
@@ -53,6 +58,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
                    "and prefix_aware's cache_threshold, balance_abs, balance_rel); repeatable.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Fixed option; repeatable.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
+@click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP)
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="Cost model of every cell unless swept.")
 @click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
@@ -66,7 +72,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
 @click.option("--quiet", is_flag=True, help="No progress bar or summary line.")
 def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
               cost_model: str, out_dir: str, executor: str, workers: int | None, ray_address: str | None,
-              quiet: bool, goodput: tuple[str, ...]) -> None:
+              quiet: bool, goodput: tuple[str, ...], vllm_serve: str | None) -> None:
     """Replay every TRACE under every combination of the --grid options; write DIR/sweep.parquet,
     DIR/sweep.md and DIR/plots.html. Exits 1 when a cell failed (the table is still written)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -74,7 +80,7 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
     from simkv.sweep import SweepError, run_sweep
 
     try:
-        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput)
+        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput, vllm_serve)
     except click.BadParameter as exc:
         raise click.ClickException(exc.format_message()) from None
     except SweepError as exc:

@@ -1,0 +1,500 @@
+"""`--vllm-serve`: the engine options of a `vllm serve` command line, so that a replay runs with
+the settings a server already has.
+
+vLLM 0.33's parser defines 320 flags (vllm_serve_flags.json, written from it by
+scripts/vllm_serve_flags.py). Each one is sorted here:
+
+- the flags simkv models under vLLM's own name (every engine option of simkv.config that has
+  one) become that option, their values read by simkv's own flag of that name (so `40g`, `32k`
+  or `{"image": 4}` mean what they mean to vLLM); a few take a translation (`_special`);
+- IGNORED flags bear on nothing simkv models: the HTTP server, logging, metrics, loading,
+  tokenizer, chat templates, tool parsers;
+- UNMODELLED flags may change a real server's speed (kernels, compilation, communication, the
+  API server's CPU) but not what the scheduler and the KV cache do: they are accepted and named
+  in a note, since simkv's cost model does not see them (a fit by `simkv calibrate` on the
+  server saw their effect);
+- REFUSED flags change the scheduler's or the KV cache's behaviour in a way simkv does not
+  model: the command is refused, naming them, unless the value is vLLM's default.
+
+A flag vLLM does not know is refused too, as vLLM would.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import click
+import yaml
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.specs.hf_config import is_config_path
+
+_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.json")
+_HF_MODELS_FILE = Path(__file__).resolve().parent.parent / "specs" / "hf_models.yaml"
+
+IGNORED = frozenset("""
+    headless grpc grpc_port host port uds api_key ssl_keyfile ssl_certfile ssl_ca_certs ssl_cert_reqs ssl_ciphers
+    enable_ssl_refresh root_path middleware allow_credentials allowed_origins allowed_methods allowed_headers
+    h11_max_incomplete_event_size h11_max_header_count disable_fastapi_docs enable_offline_docs
+    enable_request_id_headers uvicorn_log_level disable_uvicorn_access_log disable_access_log_for_endpoints
+    sse_keep_alive_interval enable_scale_out tokens_only fingerprint_mode fingerprint_value
+    data_parallel_supervisor_port dp_supervisor_probe_interval_s dp_supervisor_probe_timeout_s
+    dp_supervisor_probe_failure_threshold
+    served_model_name lora_modules chat_template chat_template_content_format trust_request_chat_template
+    trust_request_mm_kwargs default_chat_template_kwargs reasoning_effort_map response_role
+    return_tokens_as_token_ids enable_auto_tool_choice exclude_tools_when_tool_choice_none tool_call_parser
+    tool_parser_plugin tool_strict_level tool_server reasoning_parser reasoning_parser_plugin reasoning_config
+    cohere_is_reasoning_model cohere_format anthropic_disabled_thinking_effort enable_prompt_tokens_details
+    enable_force_include_usage enable_tokenizer_info_endpoint generation_config override_generation_config
+    max_logprobs logprobs_mode return_sampling_mask enable_return_routed_experts use_fp64_gumbel
+    enable_trace_replay watermark_config enable_flash_late_interaction
+    max_log_len enable_log_outputs enable_log_deltas enable_log_requests log_error_stack disable_log_stats
+    aggregate_engine_logging enable_per_request_metrics enable_server_load_tracking logging_config log_level
+    log_config_file show_hidden_metrics_for_version otlp_traces_endpoint collect_detailed_traces
+    per_request_spec_decode_metrics kv_cache_metrics kv_cache_metrics_sample custom_histogram_buckets
+    cudagraph_metrics enable_layerwise_nvtx_tracing enable_mfu_metrics enable_logging_iteration_details
+    jit_monitor_mode jit_monitor_verbose kv_events_config profiler_config watchdog_config
+    fail_on_environ_validation shutdown_timeout ray_workers_use_nsight
+    tokenizer tokenizer_mode tokenizer_revision skip_tokenizer_init trust_remote_code revision code_revision
+    config_format hf_token seed load_format download_dir safetensors_load_strategy
+    safetensors_prefetch_num_threads safetensors_prefetch_block_size model_loader_extra_config ignore_patterns
+    use_tqdm_on_load pt_load_map_location max_parallel_loading_workers weight_transfer_config
+    allowed_local_media_path allowed_media_domains media_io_kwargs interleave_mm_strings enable_mm_embeds
+    enable_prompt_embeds
+    enable_sleep_mode sleep_mode_backend sleep_mode_offload_cudagraph sleep_preserve_parameter_names
+    enable_nccl_comm_suspend enable_fault_tolerance fault_tolerance_config
+    master_addr master_port node_rank distributed_timeout_seconds cpu_distributed_timeout_seconds device_ids
+    data_parallel_rank data_parallel_start_rank data_parallel_size_local data_parallel_address
+    data_parallel_rpc_port worker_cls worker_extension_cls additional_config
+""".split())
+
+UNMODELLED = frozenset("""
+    api_server_count renderer_num_workers stream_interval enforce_eager compilation_config optimization_level
+    cudagraph_capture_sizes max_cudagraph_capture_size ir_op_priority kernel_config monokernel
+    enable_flashinfer_autotune enable_cumem_allocator model_impl attention_backend moe_backend linear_backend
+    sparse_indexer_topk_backend mamba_backend mamba_ssu_algorithm enable_mamba_cache_stochastic_rounding
+    mamba_cache_philox_rounds kda_prefill_backend kda_decode_backend use_replayssm replayssm_buffer_len
+    disable_cascade_attn logits_processors io_processor_plugin structured_outputs_config prefix_caching_hash_algo
+    distributed_executor_backend disable_custom_all_reduce nnodes numa_bind numa_bind_nodes numa_bind_cpus
+    enable_expert_parallel all2all_backend enable_ep_weight_filter enable_eplb eplb_config
+    expert_placement_strategy enable_elastic_ep elastic_ep_max_dp_size enable_dbo ubatch_size
+    dbo_decode_token_threshold dbo_prefill_token_threshold enable_shm_tensor_arena enable_batch_sharded_sampling
+    dp_sync_interval disable_nccl_for_dp_synchronization data_parallel_backend enable_hc_sp
+    dcp_comm_backend dcp_q_replicate
+    mm_processor_cache_gb mm_processor_cache_type mm_hasher_algorithm mm_shm_cache_max_object_size_mb
+    mm_processor_kwargs mm_processor_device mm_ipc_gpu_memory_gb mm_device_do_normalize mm_tensor_ipc
+    mm_encoder_attn_backend mm_encoder_attn_dtype mm_encoder_fp8_scale_path mm_encoder_fp8_scale_save_path
+    mm_encoder_fp8_scale_save_margin video_pruning_rate video_pruning_method
+    lora_dtype fully_sharded_loras specialize_active_lora enable_tower_connector_lora lora_target_modules
+    enable_mixed_moe_lora_format enable_moe_shared_loras default_mm_loras max_lora_cls_labels
+    allow_deprecated_quantization
+""".split())
+
+# flag -> why simkv refuses it (unless its value is vLLM's default)
+REFUSED = {
+    "kv_transfer_config": "prefill/decode disaggregation: give simkv's --prefill-replicas/--decode-replicas",
+    "ec_transfer_config": "encoder disaggregation: give simkv's --encode-replicas",
+    "ec_manager_config": "encoder disaggregation: give simkv's --encode-replicas",
+    "data_parallel_external_lb": "an external router in front of the ranks: give simkv's --router",
+    "data_parallel_hybrid_lb": "a router per node in front of the ranks: give simkv's --router",
+    "data_parallel_multi_port_external_lb": "an external router in front of the ranks: give simkv's --router",
+    "prefill_context_parallel_size": "prefill context parallelism is not modelled",
+    "cp_kv_cache_interleave_size": "the context-parallel KV interleave is not modelled",
+    "dcp_kv_cache_interleave_size": "the DCP KV interleave is not modelled (simkv interleaves by token)",
+    "kv_cache_dtype_skip_layers": "layers left out of KV quantization are not modelled",
+    "kv_sharing_fast_prefill": "KV sharing across layers is not modelled",
+    "swa_bounded_replay": "DeepSeek-V4's bounded sliding-window replay is not modelled",
+    "prefix_match_unit": "prefix hits finer than a block are not modelled",
+    "mamba_block_size": "a Mamba block size of its own is not modelled (simkv derives vLLM's)",
+    "enable_mamba_shared_prefix_checkpoint": "Mamba checkpoints at shared-prefix junctions are not modelled",
+    "scheduler_cls": "a scheduler class of its own is not modelled",
+    "hf_overrides": "overridden model shapes: give the edited config.json with --model",
+    "hf_config_path": "a config.json elsewhere: give it with --model",
+    "model_class_overrides": "model class overrides are not modelled",
+    "quantization_config": "a quantization config of its own is not modelled (--quantization fp8 is)",
+    "pooler_config": "pooling models are not modelled",
+    "mm_encoder_only": "an encoder-only instance: give simkv's --encode-replicas",
+    "diffusion_config": "diffusion language models are not modelled",
+    "engram_config": "n-gram embedding storage is not modelled",
+    "aux_output_config": "auxiliary outputs are not modelled",
+}
+
+_HUMAN_INTS = ("max_model_len", "max_num_batched_tokens")  # vLLM reads these as 32k, 1M, ...
+_OPTIONS_THAT_ARE_FILES = ("config",)
+
+
+class ServeCommandError(ConfigError):
+    """A `vllm serve` command simkv cannot take, with what to do instead."""
+
+
+@dataclass
+class ServeOptions:
+    """What a `vllm serve` command says: simkv's engine options (flat, vLLM's names), the flags
+    accepted though simkv does not model them, and the flags that bear on nothing it models."""
+
+    options: dict = field(default_factory=dict)
+    unmodelled: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def note(self) -> str | None:
+        """One line for the user on what was not carried over (None: everything was)."""
+        parts = []
+        if self.unmodelled:
+            parts.append("not modelled (simkv's cost model does not see them; a calibration on the server "
+                         f"does): {', '.join(self.unmodelled)}")
+        if self.ignored:
+            parts.append(f"ignored (server, logging, loading): {', '.join(self.ignored)}")
+        return "vllm serve: " + "; ".join(parts) if parts else None
+
+
+@cache
+def vllm_flags() -> dict:
+    """vLLM's flags by name (its `dest`): option strings, negative ones, arity, default."""
+    return json.loads(_FLAGS_FILE.read_text())["flags"]
+
+
+@cache
+def _option_index() -> dict[str, tuple[str, bool]]:
+    """Option string -> (flag name, whether it is a negative form such as --no-x or --disable-x)."""
+    index = {}
+    for name, flag in vllm_flags().items():
+        for opt in flag["options"]:
+            index[opt] = (name, False)
+        for opt in flag["negative"]:
+            index[opt] = (name, True)
+    return index
+
+
+@cache
+def hf_models() -> dict[str, str]:
+    """Hugging Face repository (lower case) -> shipped model name."""
+    table = yaml.safe_load(_HF_MODELS_FILE.read_text())
+    return {repo.lower(): name for name, repos in table.items() for repo in repos}
+
+
+def resolve_model(model: str, what: str = "model") -> str:
+    """A served model as simkv's --model: a shipped model's name, or a config.json path."""
+    text = model.rstrip("/")
+    if is_config_path(text):
+        return text
+    if Path(text, "config.json").is_file():
+        return str(Path(text, "config.json"))
+    name = hf_models().get(text.lower())
+    if name is None:
+        raise ServeCommandError(
+            f"vllm serve's {what} '{model}' is not a model simkv ships (simkv/specs/hf_models.yaml lists the "
+            "Hugging Face repositories it knows): give its config.json with --model")
+    return name
+
+
+def human_int(text: str, flag: str) -> int:
+    """vLLM's human-readable integers: 32k = 32,000 and 32K = 32,768 (decimals only with k, m, g, t)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if m:
+        number, suffix = m.groups()
+        if not suffix:
+            if "." not in number:
+                return int(number)
+        elif suffix.islower():
+            return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+        elif "." not in number:
+            return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+    raise ServeCommandError(f"vllm serve's {flag} {text!r}: not a whole number (vLLM takes 32768, 32k or 32K)")
+
+
+def _tokens(text: str) -> list[str]:
+    """The command's words, less a leading `vllm serve` (or `python -m vllm.entrypoints...`),
+    environment assignments and line continuations."""
+    try:
+        words = shlex.split(text.replace("\\\n", " "))
+    except ValueError as exc:
+        raise ServeCommandError(f"vllm serve command: {exc}") from None
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        words.pop(0)  # (CUDA_VISIBLE_DEVICES=0,1 vllm serve ...)
+    if words[:2] == ["vllm", "serve"] or words[:1] == ["serve"]:
+        words = words[words.index("serve") + 1:]
+    elif len(words) >= 3 and words[1] == "-m" and words[2].startswith("vllm.entrypoints"):
+        words = words[3:]
+    return words
+
+
+def _normalize(word: str) -> tuple[str, str | None]:
+    """A flag word as vLLM reads it: underscores to dashes in the name, `--x=v` split, `-O3`
+    as --optimization-level 3."""
+    if word.startswith("--"):
+        name, eq, value = word.partition("=")
+        head, dot, rest = name[2:].partition(".")
+        return "--" + head.replace("_", "-") + dot + rest, (value if eq else None)
+    if word.startswith("-O") and word != "-O":
+        return "--optimization-level", word[3:] if word[2:3] == "=" else word[2:]
+    if word == "-O":
+        return "--optimization-level", None
+    name, eq, value = word.partition("=")
+    return name, (value if eq else None)
+
+
+def _parse_words(words: list[str], source: str) -> tuple[str | None, list[tuple[str, str, bool, list[str]]]]:
+    """The positional model and every flag as (name, word as given, negative, values)."""
+    model, flags, i = None, [], 0
+    index = _option_index()
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", word):
+            if model is None and not flags:
+                model = word
+                continue
+            raise ServeCommandError(f"{source}: '{word}' is neither a flag nor a flag's value")
+        opt, inline = _normalize(word)
+        base = opt.split(".", 1)[0]
+        if base not in index:
+            raise ServeCommandError(f"{source}: {word} is not a flag of vLLM 0.33's `vllm serve`")
+        name, negative = index[base]
+        arity = vllm_flags()[name]["nargs"]
+        if "." in opt:  # (--compilation-config.mode 3: one key of a JSON option)
+            arity = "1"
+        values = [] if inline is None else [inline]
+        if inline is None and arity != "0":
+            while i < len(words) and (not words[i].startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", words[i])):
+                values.append(words[i])
+                i += 1
+                if arity in ("1", "?"):
+                    break
+            if not values and arity != "?":
+                raise ServeCommandError(f"{source}: {word} needs a value")
+        if arity == "0" and values:
+            raise ServeCommandError(f"{source}: {word} takes no value")
+        flags.append((name, word, negative, values))
+        if name == "model" and values:
+            model = values[0]
+    return model, flags
+
+
+def _config_words(path: str) -> list[str]:
+    """vLLM's --config YAML as flag words (its keys are flag names; true flags stand alone,
+    false ones take their --no- form, lists give several values, mappings JSON)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ServeCommandError(f"vllm serve --config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ServeCommandError(f"vllm serve --config {path}: expected a mapping of flag: value")
+    words = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            words.append(f"--{key}" if value else f"--no-{key}")
+        elif isinstance(value, list):
+            words += [f"--{key}", *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            words += [f"--{key}", json.dumps(value)]
+        elif value is not None:
+            words += [f"--{key}", str(value)]
+    return words
+
+
+def _json_value(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ServeCommandError(f"vllm serve {flag}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ServeCommandError(f"vllm serve {flag}: expected a JSON object")
+    return value
+
+
+@cache
+def _simkv_params() -> dict[str, click.Option]:
+    """simkv's own flags for engine options, by engine option name (their converters read
+    vLLM's value syntax)."""
+    from simkv.cli.replay_cmd import _ENGINE_FLAGS, _ENGINE_OPTIONS
+
+    def holder():
+        pass
+
+    for option in _ENGINE_OPTIONS:
+        option(holder)
+    return {_ENGINE_FLAGS[p.name]: p for p in holder.__click_params__ if p.name in _ENGINE_FLAGS}
+
+
+def _engine_field_names() -> set[str]:
+    return set(EngineConfig.from_flat({}).to_dict()) | _all_fields()
+
+
+@cache
+def _all_fields() -> frozenset[str]:
+    from dataclasses import fields
+
+    from simkv.config import AttentionConfig, CacheConfig, HardwareConfig, SchedulerConfig, SpeculativeConfig
+
+    return frozenset(f.name for k in (CacheConfig, SchedulerConfig, HardwareConfig, SpeculativeConfig, AttentionConfig)
+                     for f in fields(k)) - {"defaulted_batch_options"}
+
+
+def modelled_flags() -> set[str]:
+    """vLLM's flags that simkv takes as its engine option of the same name (SPECIAL's aside)."""
+    return (set(vllm_flags()) & _all_fields()) - SPECIAL
+
+
+SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "runner", "convert", "mamba_cache_mode",
+                     "kv_offloading_backend", "offload_backend", "speculative_config", "spec_method", "spec_model",
+                     "spec_tokens", "attention_config"})
+
+
+def _convert(name: str, values: list[str], negative: bool, word: str):
+    """A modelled flag's value, read by simkv's flag of the same name where it has one."""
+    flag = vllm_flags()[name]
+    if flag["nargs"] == "0":
+        return not negative
+    if flag["nargs"] == "+":
+        text = ",".join(values)
+    else:
+        text = values[0]
+    if name in _HUMAN_INTS:
+        if text.strip().lower() in ("auto", "-1"):
+            raise ServeCommandError(f"vllm serve {word} {text}: fitting max_model_len to memory is not modelled; "
+                                    "give a length")
+        return human_int(text, word)
+    param = _simkv_params().get(name)
+    if param is None:
+        raise ServeCommandError(f"vllm serve {word}: simkv has no reader for it")  # (every valued one has one)
+    try:
+        return param.type.convert(text, param, None)
+    except click.BadParameter as exc:
+        raise ServeCommandError(f"vllm serve {word} {text!r}: {exc.format_message()}") from None
+
+
+_MTP = re.compile(r"(.+_)?mtp")
+
+
+def _speculative(spec: dict, word: str, out: ServeOptions, model_given: bool) -> None:
+    """vLLM's speculative config as simkv's speculative options."""
+    spec = dict(spec)
+    method, model = spec.pop("method", None), spec.pop("model", None)
+    if method is None and model is not None:  # (vLLM's inference from the draft's name)
+        lower = str(model).lower()
+        method = "eagle3" if "eagle3" in lower else "eagle" if "eagle" in lower else "draft_model"
+    if method is None:
+        raise ServeCommandError(f"vllm serve {word}: give its method (or a draft model)")
+    method = "mtp" if _MTP.fullmatch(str(method)) else str(method)
+    if method not in ("ngram", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash"):
+        raise ServeCommandError(f"vllm serve {word}: speculative method {method!r} is not modelled")
+    out.options["speculative_method"] = method
+    if method == "draft_model" and model is not None:
+        out.options["spec_draft_model"] = resolve_model(str(model), "draft model")
+    elif model is not None:
+        out.unmodelled.append(f"{word} model (simkv sizes the {method} drafter from the target)")
+    translate = {"num_speculative_tokens": "num_speculative_tokens", "parallel_drafting": "spec_parallel_drafting",
+                 "synthetic_acceptance_length": "spec_acceptance_length"}
+    for key in list(spec):
+        value = spec.pop(key)
+        if key in translate:
+            out.options[translate[key]] = value
+        elif key == "synthetic_acceptance_rates":
+            out.options["spec_position_acceptance_rates"] = ",".join(str(v) for v in value)
+        elif key == "num_speculative_tokens_per_batch_size":
+            out.options["spec_tokens_per_batch_size"] = ",".join(f"{lo}-{hi}:{k}" for lo, hi, k in value)
+        elif key != "rejection_sample_method" or value not in ("standard", "synthetic"):
+            out.unmodelled.append(f"{word} {key}")
+
+
+def _special(name: str, word: str, values: list[str], negative: bool, out: ServeOptions, model_given: bool) -> None:
+    value = values[0] if values else None
+    if name == "num_gpu_blocks_override":
+        out.options["num_gpu_blocks"] = human_int(value, word)
+    elif name == "dtype":
+        if value in ("float32", "float"):
+            raise ServeCommandError(f"vllm serve {word} {value}: simkv models 16-bit weights and activations")
+    elif name in ("runner", "convert"):
+        if value not in ("auto", "generate", "none"):
+            raise ServeCommandError(f"vllm serve {word} {value}: simkv models text generation")
+    elif name == "mamba_cache_mode":
+        out.unmodelled.append(f"{word} {value} (simkv follows vLLM's choice: align with prefix caching, else none)")
+    elif name == "kv_offloading_backend":
+        if value != "native":
+            raise ServeCommandError(f"vllm serve {word} {value}: simkv models vLLM's native CPU offloading")
+    elif name == "offload_backend":
+        if value != "auto":
+            out.unmodelled.append(f"{word} {value} (simkv picks as auto does: prefetch with --offload-group-size)")
+    elif name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
+        pass  # (gathered by serve_options)
+    elif name == "attention_config":
+        config = _json_value(value, word)
+        for key, item in config.items():
+            if key == "indexer_tp_shard_min_rows":
+                out.options[key] = int(item)
+            else:
+                out.unmodelled.append(f"{word} {key}")
+
+
+def _refused(name: str, values: list[str], negative: bool) -> bool:
+    """Whether a REFUSED flag's value differs from vLLM's default."""
+    default = vllm_flags()[name]["default"]
+    if vllm_flags()[name]["nargs"] == "0":
+        return (not negative) != bool(default)
+    value = values[0] if values else None
+    return value not in (None, "None", "null") and str(value) != str(default)
+
+
+def serve_options(command: str, model_given: bool = False, source: str = "--vllm-serve") -> ServeOptions:
+    """simkv's engine options from a `vllm serve` command line (a @FILE holds one); a flag simkv
+    cannot honour raises ServeCommandError naming it. `model_given`: simkv's own --model is set
+    (the served model is then not looked up)."""
+    if command.startswith("@"):
+        try:
+            command = Path(command[1:]).read_text()
+        except OSError as exc:
+            raise ServeCommandError(f"{source} {command}: {exc}") from None
+    model, flags = _parse_words(_tokens(command), source)
+    for name, word, _, values in [f for f in flags if f[0] == "config"]:
+        config_model, config_flags = _parse_words(_config_words(values[0]), f"vllm serve --config {values[0]}")
+        model = model or config_model
+        given = {f[0] for f in flags}
+        flags = [f for f in config_flags if f[0] not in given] + flags  # (the command line wins)
+    out = ServeOptions()
+    if model is not None and not model_given:
+        out.options["model"] = resolve_model(model)
+    speculative = {}
+    refused = []
+    for name, word, negative, values in flags:
+        if name in ("model", "config"):
+            continue
+        if name == "speculative_config":
+            speculative.update(_dotted(word, values[0]))
+        elif name in ("spec_method", "spec_model", "spec_tokens"):
+            key = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}[name]
+            speculative[key] = int(values[0]) if key == "num_speculative_tokens" else values[0]
+        elif name in SPECIAL:
+            _special(name, word, values, negative, out, model_given)
+        elif name in modelled_flags():
+            out.options[name] = _convert(name, values, negative, word)
+        elif name in IGNORED:
+            out.ignored.append(word)
+        elif name in UNMODELLED:
+            out.unmodelled.append(word)
+        elif name in REFUSED:
+            if _refused(name, values, negative):
+                refused.append(f"{word} ({REFUSED[name]})")
+        else:  # (a flag of a newer vLLM, not sorted yet)
+            raise ServeCommandError(f"{source}: {word} is not sorted by simkv/cli/vllm_serve.py")
+    if refused:
+        raise ServeCommandError(f"{source}: simkv cannot honour " + "; ".join(refused))
+    if speculative:
+        _speculative(speculative, "--speculative-config", out, model_given)
+    return out
+
+
+def _dotted(word: str, value: str) -> dict:
+    """--speculative-config JSON, or one key of it (--speculative-config.method mtp)."""
+    name = _normalize(word)[0]
+    if "." not in name:
+        return _json_value(value, word)
+    key = name.split(".", 1)[1].replace("-", "_")
+    try:
+        return {key: json.loads(value)}
+    except ValueError:
+        return {key: value}

@@ -1,0 +1,198 @@
+"""--vllm-serve: a `vllm serve` command line as simkv's engine options (simkv/cli/vllm_serve.py),
+and vLLM's --disable-sliding-window, which such commands carry."""
+
+import json
+
+import pytest
+
+from simkv.cli.vllm_serve import (IGNORED, REFUSED, SPECIAL, UNMODELLED, ServeCommandError, human_int,
+                                  modelled_flags, resolve_model, serve_options, vllm_flags)
+from simkv.config import ConfigError, EngineConfig
+from simkv.specs import model_names
+from tests.cli_runs import cli_fails, cli_ok
+
+TRACE = "traces/req400.parquet"
+
+
+def test_every_vllm_flag_is_sorted_once():
+    """Each of vLLM 0.33's 320 serve flags is modelled, special, ignored, not modelled or refused:
+    exactly one of them, and only vLLM's names appear in the lists."""
+    classes = [modelled_flags(), set(SPECIAL), set(IGNORED), set(UNMODELLED), set(REFUSED)]
+    flags = set(vllm_flags())
+    assert len(flags) == 320
+    assert set().union(*classes) == flags
+    assert sum(len(c) for c in classes) == len(flags)
+
+
+def test_a_typical_command():
+    served = serve_options(
+        "CUDA_VISIBLE_DEVICES=0,1 vllm serve meta-llama/Meta-Llama-3-70B-Instruct \\\n"
+        " -tp 2 --max-num-seqs 128 --max_num_batched_tokens 16k --gpu-memory-utilization=0.85 --port 8001 "
+        "--enable-prefix-caching --disable-log-requests --enforce-eager -O3 --kv-cache-dtype fp8 "
+        "--max-model-len 32K --no-async-scheduling --kv-cache-memory-bytes 40g")
+    assert served.options == {"model": "llama-3-70b", "tensor_parallel_size": 2, "max_num_seqs": 128,
+                              "max_num_batched_tokens": 16000, "gpu_memory_utilization": 0.85,
+                              "enable_prefix_caching": True, "kv_cache_dtype": "fp8", "max_model_len": 32768,
+                              "async_scheduling": False, "kv_cache_memory_bytes": 40 * 10**9}
+    assert served.unmodelled == ["--enforce-eager", "-O3"]
+    assert served.ignored == ["--port", "--disable-log-requests"]
+    assert "--enforce-eager" in served.note() and "--port" in served.note()
+
+
+def test_negative_forms_and_the_model_flag():
+    served = serve_options("vllm serve --model Qwen/Qwen2.5-7B-Instruct --disable-prefix-caching "
+                           "--disable-chunked-prefill --enable-chunked-mm-input --num-gpu-blocks-override 1000")
+    assert served.options == {"model": "qwen2.5-7b", "enable_prefix_caching": False, "enable_chunked_prefill": False,
+                              "disable_chunked_mm_input": False, "num_gpu_blocks": 1000}
+    assert serve_options("--max-num-seqs 8").options == {"max_num_seqs": 8}  # (just the flags)
+
+
+@pytest.mark.parametrize("text, value", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
+                                         ("1M", 2**20)])
+def test_human_readable_integers(text, value):
+    assert human_int(text, "--max-model-len") == value
+
+
+@pytest.mark.parametrize("text", ["1.5K", "auto", "12x", "1.5"])
+def test_bad_integers_are_refused(text):
+    with pytest.raises(ServeCommandError, match="--max-model-len"):
+        serve_options(f"vllm serve --max-model-len {text}")
+
+
+def test_refused_flags_are_named_unless_at_vllms_default():
+    with pytest.raises(ServeCommandError) as err:
+        serve_options("vllm serve Qwen/Qwen2.5-7B --kv-transfer-config '{\"kv_connector\": \"NixlConnector\"}' "
+                      "--prefix-match-unit 8 -pcp 1")
+    assert "--kv-transfer-config" in str(err.value) and "--prefix-match-unit" in str(err.value)
+    assert "-pcp" not in str(err.value)  # (1 is vLLM's default)
+    with pytest.raises(ServeCommandError, match="-pcp"):
+        serve_options("vllm serve -pcp 2")
+
+
+@pytest.mark.parametrize("command, match", [
+    ("vllm serve --bogus 3", "--bogus is not a flag"),
+    ("vllm serve some-org/some-model", "give its config.json with --model"),
+    ("vllm serve --max-num-seqs", "needs a value"),
+    ("vllm serve --enforce-eager=1", "takes no value"),
+    ("vllm serve x --max-num-seqs 4 stray", "'stray' is neither"),
+    ("vllm serve --dtype float32", "16-bit"),
+    ("vllm serve --max-model-len auto", "fitting max_model_len"),
+    ("vllm serve --kv-cache-dtype fp4", "--kv-cache-dtype 'fp4'"),
+    ("vllm serve --speculative-config '{\"method\": \"custom_class\"}'", "not modelled"),
+])
+def test_bad_commands_name_what_is_wrong(command, match):
+    with pytest.raises(ServeCommandError, match=match):
+        serve_options(command, model_given="some-org" not in command)
+
+
+def test_a_served_model_is_a_shipped_one_or_a_config(tmp_path):
+    assert all(resolve_model(repo) in model_names() for repo in ["openai/gpt-oss-120b", "deepseek-ai/DeepSeek-R1",
+                                                               "google/gemma-3-27b-it"])
+    assert resolve_model("META-LLAMA/Meta-Llama-3-8B/") == "llama-3-8b"
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == str(tmp_path / "config.json")
+    assert serve_options("vllm serve some-org/some-model -tp 2", model_given=True).options == {"tensor_parallel_size": 2}
+
+
+def test_speculative_configs():
+    ngram = serve_options("vllm serve --speculative-config "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
+    assert ngram.options == {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    assert ngram.unmodelled == ["--speculative-config prompt_lookup_max"]
+    mtp = serve_options("vllm serve --speculative-config.method deepseek_mtp --speculative-config.num_speculative_tokens 2 "
+                        "--speculative-config.synthetic_acceptance_rates '[0.8, 0.6]'")
+    assert mtp.options == {"speculative_method": "mtp", "num_speculative_tokens": 2,
+                           "spec_position_acceptance_rates": "0.8,0.6"}
+    draft = serve_options("vllm serve --spec-model meta-llama/Llama-3.2-1B-Instruct --spec-tokens 5")
+    assert draft.options == {"speculative_method": "draft_model", "spec_draft_model": "llama-3.2-1b",
+                             "num_speculative_tokens": 5}
+    eagle = serve_options("vllm serve -sc '{\"model\": \"nvidia/gpt-oss-120b-Eagle3-v2\", \"num_speculative_tokens\": 3,"
+                          " \"num_speculative_tokens_per_batch_size\": [[1, 16, 3], [17, 256, 1]]}'")
+    assert eagle.options == {"speculative_method": "eagle3", "num_speculative_tokens": 3,
+                             "spec_tokens_per_batch_size": "1-16:3,17-256:1"}
+
+
+def test_vllms_config_file_and_the_command_line_over_it(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: openai/gpt-oss-20b\nmax-num-seqs: 64\nenable-prefix-caching: false\nport: 9000\n"
+                      "block_size: 32\n")
+    served = serve_options(f"vllm serve --config {config} --max-num-seqs 128")
+    assert served.options == {"model": "gpt-oss-20b", "enable_prefix_caching": False, "block_size": 32,
+                              "max_num_seqs": 128}
+    assert served.ignored == ["--port"]
+
+
+def test_a_replay_from_a_serve_command_is_the_replay_from_the_same_flags(tmp_path):
+    """The command's options are simkv's own: the two replays are byte for byte the same."""
+    command = ("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --max-num-seqs 32 --max-num-batched-tokens 2k "
+               "--block-size 32 --no-enable-prefix-caching --port 8000")
+    (tmp_path / "serve.sh").write_text(command + "\n")
+    cli_ok(["replay", TRACE, "--out", str(tmp_path / "served"), "--quiet", "--vllm-serve", f"@{tmp_path / 'serve.sh'}"])
+    cli_ok(["replay", TRACE, "--out", str(tmp_path / "flags"), "--quiet", "--model", "llama-3-8b", "--max-num-seqs",
+            "32", "--max-num-batched-tokens", "2000", "--block-size", "32", "--no-enable-prefix-caching"])
+    for name in ("requests.parquet", "steps.parquet"):
+        assert (tmp_path / "served" / name).read_bytes() == (tmp_path / "flags" / name).read_bytes(), name
+    served, flags = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("served", "flags"))
+    assert served.pop("wall_time_s") > 0 and flags.pop("wall_time_s") > 0  # (the one field a rerun changes)
+    assert served == flags
+    config = served["config"]
+    assert (config["max_num_seqs"], config["block_size"], config["enable_prefix_caching"]) == (32, 32, False)
+
+
+def test_simkvs_flags_win_over_the_command_and_the_command_over_config(tmp_path):
+    (tmp_path / "c.yaml").write_text("max_num_seqs: 16\nblock_size: 64\n")
+    cli_ok(["replay", TRACE, "--out", str(tmp_path / "o"), "--quiet", "--config", str(tmp_path / "c.yaml"),
+            "--vllm-serve", "vllm serve --max-num-seqs 32 --max-num-batched-tokens 4096 --block-size 32",
+            "--max-num-batched-tokens", "1024"])
+    config = json.loads((tmp_path / "o" / "summary.json").read_text())["config"]
+    assert (config["max_num_seqs"], config["max_num_batched_tokens"], config["block_size"]) == (32, 1024, 32)
+
+
+def test_the_cli_refuses_a_command_cleanly(tmp_path):
+    out = cli_fails(["replay", TRACE, "--out", str(tmp_path / "o"), "--vllm-serve", "vllm serve --scheduler-cls x.Y"])
+    assert "--scheduler-cls" in out
+    assert not (tmp_path / "o").exists()
+    assert "prefix hits finer" in cli_fails(["capacity", "--vllm-serve", "vllm serve --prefix-match-unit 4"])
+
+
+def test_sweep_fixes_the_commands_options(tmp_path):
+    from simkv.cli.sweep_cmd import plan
+
+    cells, _ = plan((TRACE,), ("block_size=16,32",), ("max_num_seqs=8",), None, "roofline",
+                    vllm_serve="vllm serve openai/gpt-oss-20b --max-num-seqs 64 -tp 2")
+    assert [dict(c.options) for c in cells] == [
+        {"block_size": bs, "max_num_seqs": 8, "model": "gpt-oss-20b", "tensor_parallel_size": 2} for bs in (16, 32)]
+
+
+# vLLM's --disable-sliding-window: every layer attends the whole context, max_model_len at most the window
+
+def test_disable_sliding_window_makes_every_layer_full_and_caps_max_model_len():
+    plain = EngineConfig.from_flat({"model": "gemma-3-12b"})
+    off = EngineConfig.from_flat({"model": "gemma-3-12b", "disable_sliding_window": True})
+    assert any(plain.layer_windows) and not any(off.layer_windows)
+    assert (plain.max_model_len, off.max_model_len) == (131072, 1024)
+    assert EngineConfig.from_flat({"model": "gpt-oss-20b", "disable_sliding_window": True}).max_model_len == 128
+    assert EngineConfig.from_flat({"model": "gemma-3-12b", "disable_sliding_window": True,
+                                   "max_model_len": 512}).max_model_len == 512
+    assert off.to_dict()["disable_sliding_window"] is True
+    assert "disable_sliding_window" not in plain.to_dict()
+
+
+def test_disable_sliding_window_refuses_a_longer_max_model_len_and_a_window():
+    with pytest.raises(ConfigError, match=r"max_model_len \(4096\) is greater than the derived max_model_len "
+                                          r"\(sliding_window=1024"):
+        EngineConfig.from_flat({"model": "gemma-3-12b", "disable_sliding_window": True, "max_model_len": 4096})
+    with pytest.raises(ConfigError, match="give one of them"):
+        EngineConfig.from_flat({"model": "gemma-3-12b", "disable_sliding_window": True, "sliding_window": 512})
+
+
+def test_disable_sliding_window_leaves_other_models_alone():
+    for model in ("llama-3-8b", "llama-4-scout"):
+        plain = EngineConfig.from_flat({"model": model})
+        off = EngineConfig.from_flat({"model": model, "disable_sliding_window": True})
+        assert (off.layer_windows, off.max_model_len) == (plain.layer_windows, plain.max_model_len)
+
+
+def test_disable_sliding_window_from_the_cli():
+    out = cli_ok(["capacity", "--model", "gemma-3-12b", "--disable-sliding-window", "--json"])
+    assert json.loads(out)["max_model_len"] == 1024
