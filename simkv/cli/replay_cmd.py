@@ -119,7 +119,7 @@ class ByteCount(click.ParamType):
 
 class ImageLimit(click.ParamType):
     """vLLM's --limit-mm-per-prompt for images: '{"image": 4}' (its JSON), image=4, or 4. Other
-    modalities are not modelled (simkv's items are images)."""
+    modalities are not modelled (simkv's items are images): only a limit of 0 is taken for them."""
 
     name = "limit"
 
@@ -130,7 +130,7 @@ class ImageLimit(click.ParamType):
         try:
             if text.startswith("{"):
                 limits = json.loads(text)
-                if not isinstance(limits, dict) or set(limits) - {"image"}:
+                if not isinstance(limits, dict) or any(v != 0 for k, v in limits.items() if k != "image"):
                     self.fail(f"{value!r}: only the image limit is modelled (simkv's items are images)", param, ctx)
                 value = limits.get("image")
                 return int(value["count"]) if isinstance(value, dict) else int(value)

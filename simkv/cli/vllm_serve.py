@@ -255,9 +255,7 @@ def _parse_words(words: list[str], source: str) -> tuple[str | None, list[tuple[
         if base not in index:
             raise ServeCommandError(f"{source}: {word} is not a flag of vLLM 0.33's `vllm serve`")
         name, negative = index[base]
-        arity = vllm_flags()[name]["nargs"]
-        if "." in opt:  # (--compilation-config.mode 3: one key of a JSON option)
-            arity = "1"
+        arity = "1" if "." in opt else vllm_flags()[name]["nargs"]  # (--compilation-config.mode 3: one key)
         values = [] if inline is None else [inline]
         if inline is None and arity != "0":
             while i < len(words) and (not words[i].startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", words[i])):
@@ -269,10 +267,59 @@ def _parse_words(words: list[str], source: str) -> tuple[str | None, list[tuple[
                 raise ServeCommandError(f"{source}: {word} needs a value")
         if arity == "0" and values:
             raise ServeCommandError(f"{source}: {word} takes no value")
+        if "." in opt:
+            word, values = base, [json.dumps(_nested(opt.split(".")[1:], values[0]))]
         flags.append((name, word, negative, values))
         if name == "model" and values:
             model = values[0]
     return model, flags
+
+
+def _nested(keys: list[str], text: str) -> dict:
+    """--x.a.b V as x's JSON {"a": {"b": V}} (V read as JSON where it is, else a string)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    for key in reversed(keys):
+        value = {key.replace("-", "_"): value}
+    return value
+
+
+def _merged(flags: list[tuple[str, str, bool, list[str]]]) -> list[tuple[str, str, bool, list[str]]]:
+    """A JSON option given several times (whole, or key by key) as one object, merged in order as
+    vLLM merges them, where its first mention stood."""
+    objects: dict[str, dict] = {}
+    for name, _, _, values in flags:
+        value = _json_object(values)
+        if value is not None:
+            _merge_into(objects.setdefault(name, {}), value)
+    out, seen = [], set()
+    for name, word, negative, values in flags:
+        if name not in objects or _json_object(values) is None:
+            out.append((name, word, negative, values))
+        elif name not in seen:
+            seen.add(name)
+            out.append((name, word, negative, [json.dumps(objects[name])]))
+    return out
+
+
+def _json_object(values: list[str]) -> dict | None:
+    if len(values) != 1 or not values[0].lstrip().startswith("{"):
+        return None
+    try:
+        value = json.loads(values[0])
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _merge_into(target: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge_into(target[key], value)
+        else:
+            target[key] = value
 
 
 def _config_words(path: str) -> list[str]:
@@ -423,8 +470,7 @@ def _special(name: str, word: str, values: list[str], negative: bool, out: Serve
     elif name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
         pass  # (gathered by serve_options)
     elif name == "attention_config":
-        config = _json_value(value, word)
-        for key, item in config.items():
+        for key, item in _json_value(value, word).items():
             if key == "indexer_tp_shard_min_rows":
                 out.options[key] = int(item)
             else:
@@ -455,6 +501,7 @@ def serve_options(command: str, model_given: bool = False, source: str = "--vllm
         model = model or config_model
         given = {f[0] for f in flags}
         flags = [f for f in config_flags if f[0] not in given] + flags  # (the command line wins)
+    flags = _merged(flags)
     out = ServeOptions()
     if model is not None and not model_given:
         out.options["model"] = resolve_model(model)
@@ -464,7 +511,7 @@ def serve_options(command: str, model_given: bool = False, source: str = "--vllm
         if name in ("model", "config"):
             continue
         if name == "speculative_config":
-            speculative.update(_dotted(word, values[0]))
+            speculative.update(_json_value(values[0], word))
         elif name in ("spec_method", "spec_model", "spec_tokens"):
             key = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}[name]
             speculative[key] = int(values[0]) if key == "num_speculative_tokens" else values[0]
@@ -486,15 +533,3 @@ def serve_options(command: str, model_given: bool = False, source: str = "--vllm
     if speculative:
         _speculative(speculative, "--speculative-config", out, model_given)
     return out
-
-
-def _dotted(word: str, value: str) -> dict:
-    """--speculative-config JSON, or one key of it (--speculative-config.method mtp)."""
-    name = _normalize(word)[0]
-    if "." not in name:
-        return _json_value(value, word)
-    key = name.split(".", 1)[1].replace("-", "_")
-    try:
-        return {key: json.loads(value)}
-    except ValueError:
-        return {key: value}

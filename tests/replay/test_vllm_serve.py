@@ -196,3 +196,20 @@ def test_disable_sliding_window_leaves_other_models_alone():
 def test_disable_sliding_window_from_the_cli():
     out = cli_ok(["capacity", "--model", "gemma-3-12b", "--disable-sliding-window", "--json"])
     assert json.loads(out)["max_model_len"] == 1024
+
+
+def test_json_options_given_key_by_key_merge_as_in_vllm():
+    served = serve_options("vllm serve -sc '{\"method\": \"eagle3\", \"num_speculative_tokens\": 2}' "
+                           "--speculative-config.num_speculative_tokens 4 "
+                           "-ac '{\"backend\": \"FLASHINFER\"}' --attention-config.indexer_tp_shard_min_rows 1024 "
+                           "--limit-mm-per-prompt.image 3 --limit-mm-per-prompt.video 0")
+    assert served.options == {"indexer_tp_shard_min_rows": 1024, "limit_mm_per_prompt": 3,
+                              "speculative_method": "eagle3", "num_speculative_tokens": 4}
+    assert served.unmodelled == ["-ac backend"]
+
+
+def test_other_modalities_may_be_limited_to_none():
+    assert serve_options("vllm serve --limit-mm-per-prompt '{\"image\": 2, \"video\": 0}'").options == {
+        "limit_mm_per_prompt": 2}
+    with pytest.raises(ServeCommandError, match="only the image limit"):
+        serve_options("vllm serve --limit-mm-per-prompt '{\"image\": 2, \"video\": 1}'")
