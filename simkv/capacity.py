@@ -344,8 +344,9 @@ def _check_given_kv_memory(config: EngineConfig, resident_bytes: float, where: s
             f"memory allocating the KV cache (at most {max(int(gpu.memory_bytes - other), 0):,} bytes fit)")
 
 
-def compute_capacity(config: EngineConfig) -> Capacity:
-    """Blocks of the KV cache, given (`num_gpu_blocks`) or derived from memory like vLLM."""
+def compute_capacity(config: EngineConfig, check_fit: bool = True) -> Capacity:
+    """Blocks of the KV cache, given (`num_gpu_blocks`) or derived from memory like vLLM.
+    `check_fit`: refuse, as vLLM does, a cache that cannot hold one request of max_model_len."""
     spec = config.hardware.model_spec()
     gpu = get_gpu_spec(config.hardware.gpu)
     cc = config.cache
@@ -402,17 +403,10 @@ def compute_capacity(config: EngineConfig) -> Capacity:
         num_blocks = available // block_bytes
     per_request = group_blocks_per_request(config, mml, startup=True) if hybrid else -(-mml // bs)
     needed = per_request * block_bytes
-    usable_blocks = num_blocks - 1 if cc.reserve_null_block else num_blocks  # block 0: the null block
+    usable_blocks = _usable_blocks(config, num_blocks)
     usable_bytes = usable_blocks * block_bytes
-    if needed > usable_bytes:
-        if hybrid:  # the longest request whose blocks over all groups fit
-            lo, hi = 0, mml
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if group_blocks_per_request(config, mid) <= usable_blocks else (lo, mid - 1)
-            estimated = lo
-        else:
-            estimated = (usable_bytes // block_bytes) * bs
+    if needed > usable_bytes and check_fit:
+        estimated = _longest_request(config, usable_blocks)
         msg = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated > 0 else ""
         raise ConfigError(
             f"To serve at least one request with the model's max seq len ({mml}), ({_gib(needed)} GiB KV "
@@ -432,6 +426,27 @@ def compute_capacity(config: EngineConfig) -> Capacity:
     return Capacity(per_token // dcp, int(num_blocks), int(available), bs, mml, num_cpu_blocks,
                     per_request if hybrid else 0, int(block_bytes), num_offload_chunks, chunk_bytes, lora_bytes,
                     stages, binding, stage_weights)
+
+
+def _usable_blocks(config: EngineConfig, num_blocks: int) -> int:
+    return num_blocks - 1 if config.cache.reserve_null_block else num_blocks  # block 0: the null block
+
+
+def _longest_request(config: EngineConfig, usable_blocks: int) -> int:
+    """The longest request whose blocks, over every KV-cache group, fit in `usable_blocks`
+    (vLLM's estimated maximum model length), searched up to max_model_len where groups differ."""
+    if not config.kv_cache_groups.is_hybrid:
+        return usable_blocks * config.kv_manager_block_size
+    lo, hi = 0, config.max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if group_blocks_per_request(config, mid) <= usable_blocks else (lo, mid - 1)
+    return lo
+
+
+def estimated_max_model_len(config: EngineConfig, capacity: Capacity) -> int:
+    """vLLM's estimate of the longest request `capacity` holds (what --max-model-len auto fits)."""
+    return _longest_request(config, _usable_blocks(config, capacity.num_gpu_blocks))
 
 
 def offload_copies(config: EngineConfig) -> int:

@@ -258,7 +258,10 @@ class SchedulerConfig:
     # set by EngineConfig: which of max_num_seqs and max_num_batched_tokens it defaulted (a config
     # derived from this one with other options re-derives them: EngineConfig.given_options)
     defaulted_batch_options: tuple[str, ...] = ()
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's max_position_embeddings; -1: vLLM's --max-model-len auto, the longest
+    # request the KV cache holds (at most the model's length), fitted by EngineConfig
+    max_model_len: int | None = None
+    max_model_len_fitted: bool = False  # set by EngineConfig: max_model_len was -1 and is the fitted length
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
@@ -356,6 +359,8 @@ class SchedulerConfig:
                               "max_num_queued_tokens, whose HTTP 503s the clients retry)")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:
+            raise ConfigError(f"max_model_len must be >= 1, or -1 (auto: fitted to the KV cache), got {self.max_model_len}")
         if self.ec_role not in (None, "ec_producer", "ec_consumer"):
             raise ConfigError(f"ec_role must be ec_producer or ec_consumer, got {self.ec_role!r}")
         if not self.ec_store_gbs > 0:
@@ -945,6 +950,9 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self) -> None:
+        auto_fit = self.scheduler.max_model_len == -1  # (vLLM checks everything with the model's length first)
+        if auto_fit:
+            object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler, max_model_len=None))
         sc = self.scheduler
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:  # (the defaults, on this GPU)
             if sc.vllm_batch_defaults:
@@ -997,6 +1005,20 @@ class EngineConfig:
             raise ConfigError("kv_offloading_block_size, kv_offloading_prompt_only, kv_offloading_policy, "
                               "kv_offloading_store_threshold and kv_offloading_max_tracker_size set KV "
                               "offloading's CPU tier: they need kv_offloading_size")
+        if auto_fit:
+            self._auto_fit_max_model_len()
+
+    def _auto_fit_max_model_len(self) -> None:
+        """vLLM's --max-model-len auto (-1): the longest request whose blocks the KV cache holds,
+        if shorter than the model's length (_auto_fit_max_model_len)."""
+        from simkv.capacity import compute_capacity, estimated_max_model_len
+
+        fitted = estimated_max_model_len(self, compute_capacity(self, check_fit=False))
+        if fitted <= 0:
+            raise ConfigError("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single "
+                              "token. Try increasing `gpu_memory_utilization`.")
+        object.__setattr__(self, "scheduler", dataclasses.replace(
+            self.scheduler, max_model_len=min(fitted, self.max_model_len), max_model_len_fitted=True))
 
     def _verify_unchunked_mm_input(self) -> None:
         """vLLM's checks of disable_chunked_mm_input (compute_mm_encoder_budget, VllmConfig)."""
@@ -1484,6 +1506,8 @@ class EngineConfig:
         if self.scheduler.performance_mode == "balanced":  # (likewise)
             del out["performance_mode"]
         del out["defaulted_batch_options"]
+        if not self.scheduler.max_model_len_fitted:  # (configs without it read as before)
+            del out["max_model_len_fitted"]
         if self.scheduler.prefill_schedule_interval == 1:
             del out["prefill_schedule_interval"]
         for key in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -1542,6 +1566,8 @@ class EngineConfig:
         out = self.to_dict()
         for name in self.scheduler.defaulted_batch_options:
             del out[name]
+        if out.pop("max_model_len_fitted", False):  # (fitted again to the derived config's memory)
+            out["max_model_len"] = -1
         return out
 
     @classmethod
@@ -1552,7 +1578,7 @@ class EngineConfig:
         types = {f.name: f.type for klass in groups for f in fields(klass)}
         for key, value in options.items():
             norm = key.replace("-", "_")
-            if norm not in names or norm == "defaulted_batch_options":  # (EngineConfig's record, not an option)
+            if norm not in names or norm in ("defaulted_batch_options", "max_model_len_fitted"):  # (records, not options)
                 raise ConfigError(f"unknown option '{key}'")
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value

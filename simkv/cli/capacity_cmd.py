@@ -9,7 +9,7 @@ import click
 from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes,
                              kv_bytes_per_token, offloaded_weight_bytes, prefetched_weight_bytes, request_concurrency,
                              resident_weight_bytes)
-from simkv.cli.replay_cmd import VLLM_SERVE_HELP, ByteCount, ImageLimit, flat_options
+from simkv.cli.replay_cmd import MAX_MODEL_LEN_HELP, VLLM_SERVE_HELP, ByteCount, ImageLimit, MaxModelLen, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.specs import MAMBA_DTYPE_BYTES
 
@@ -326,7 +326,7 @@ def print_report(rep: dict) -> None:
 @click.option("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None, help="[default: 0.92]")
 @click.option("--kv-cache-memory-bytes", "--kv-cache-memory", type=ByteCount(), default=None, metavar="BYTES",
               help="vLLM's: the KV cache's bytes per GPU (e.g. 40g, 37G), gpu_memory_utilization then ignored")
-@click.option("--max-model-len", type=int, default=None, help="[default: the model's]")
+@click.option("--max-model-len", type=MaxModelLen(), default=None, help=MAX_MODEL_LEN_HELP)
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None, help="[default: auto]")
 @click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
               help="vLLM's: linear-attention states (convolution, and recurrent unless the checkpoint sets it)")

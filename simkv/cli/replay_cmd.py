@@ -94,6 +94,26 @@ class RetentionInterval(click.ParamType):
 _DENSE = "none"  # CLI spelling of a null retention interval (flat_options turns it into None)
 
 
+class MaxModelLen(click.ParamType):
+    """A number of tokens, or auto (vLLM's -1: the longest request the KV cache holds)."""
+
+    name = "tokens|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        if text in ("auto", "-1"):
+            return -1
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of tokens nor 'auto'", param, ctx)
+
+
+MAX_MODEL_LEN_HELP = "auto: the longest request the KV cache holds, as vLLM fits it [default: the model's]"
+
+
 class ByteCount(click.ParamType):
     """A number of bytes as vLLM's human-readable integers take it: 40000000000, 40g (decimal:
     k, m, g, t are powers of 1,000) or 37G (binary: K, M, G, T are powers of 1,024, whole numbers
@@ -377,7 +397,7 @@ _ENGINE_OPTIONS = [
     click.option("--max-num-scheduled-tokens", type=int, default=None,
                  help="vLLM's: the tokens a step may schedule, where --max-num-batched-tokens stays the batch's rows "
                       "(the scheduled tokens and a draft model's drafting slots) [default: max-num-batched-tokens]"),
-    click.option("--max-model-len", type=int, default=None, help="[default: the model's]"),
+    click.option("--max-model-len", type=MaxModelLen(), default=None, help=MAX_MODEL_LEN_HELP),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="[default: on]"),
     click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="[default: on]"),
     click.option("--long-prefill-token-threshold", type=int, default=None, help="[default: 0]"),

@@ -401,10 +401,9 @@ def _convert(name: str, values: list[str], negative: bool, word: str):
         text = ",".join(values)
     else:
         text = values[0]
+    if name == "max_model_len" and text.strip().lower() in ("auto", "-1"):
+        return -1  # (fitted to the KV cache)
     if name in _HUMAN_INTS:
-        if text.strip().lower() in ("auto", "-1"):
-            raise ServeCommandError(f"vllm serve {word} {text}: fitting max_model_len to memory is not modelled; "
-                                    "give a length")
         return human_int(text, word)
     param = _simkv_params().get(name)
     if param is None:

@@ -53,7 +53,7 @@ def test_human_readable_integers(text, value):
     assert human_int(text, "--max-model-len") == value
 
 
-@pytest.mark.parametrize("text", ["1.5K", "auto", "12x", "1.5"])
+@pytest.mark.parametrize("text", ["1.5K", "-2", "12x", "1.5"])
 def test_bad_integers_are_refused(text):
     with pytest.raises(ServeCommandError, match="--max-model-len"):
         serve_options(f"vllm serve --max-model-len {text}")
@@ -76,7 +76,6 @@ def test_refused_flags_are_named_unless_at_vllms_default():
     ("vllm serve --enforce-eager=1", "takes no value"),
     ("vllm serve x --max-num-seqs 4 stray", "'stray' is neither"),
     ("vllm serve --dtype float32", "16-bit"),
-    ("vllm serve --max-model-len auto", "fitting max_model_len"),
     ("vllm serve --kv-cache-dtype fp4", "--kv-cache-dtype 'fp4'"),
     ("vllm serve --speculative-config '{\"method\": \"custom_class\"}'", "not modelled"),
 ])
@@ -213,3 +212,49 @@ def test_other_modalities_may_be_limited_to_none():
         "limit_mm_per_prompt": 2}
     with pytest.raises(ServeCommandError, match="only the image limit"):
         serve_options("vllm serve --limit-mm-per-prompt '{\"image\": 2, \"video\": 1}'")
+
+
+# vLLM's --max-model-len auto (-1): the longest request the KV cache holds
+
+def _estimate_in_error(options: dict) -> int:
+    from simkv.capacity import compute_capacity
+
+    with pytest.raises(ConfigError, match="estimated maximum model length is") as err:
+        compute_capacity(EngineConfig.from_flat(options))
+    return int(str(err.value).split("estimated maximum model length is ")[1].split(".")[0])
+
+
+@pytest.mark.parametrize("options", [
+    {"model": "llama-3.1-405b", "gpu": "H100-SXM", "tensor_parallel_size": 8, "quantization": "fp8",
+     "gpu_memory_utilization": 0.7},
+    {"model": "gemma-3-27b", "gpu": "H100-SXM", "quantization": "fp8", "gpu_memory_utilization": 0.42},
+])
+def test_auto_fits_max_model_len_to_vllms_estimate(options):
+    """Where the model's length does not fit, auto serves the length vLLM's error names (a
+    full-attention model, and a sliding-window one whose groups hold different blocks)."""
+    from simkv.capacity import compute_capacity
+
+    estimate = _estimate_in_error(options)
+    config = EngineConfig.from_flat(options | {"max_model_len": -1})
+    assert 0 < config.max_model_len == estimate < 131072
+    compute_capacity(config)  # (which now fits)
+    assert config.to_dict()["max_model_len_fitted"] is True
+    assert config.given_options()["max_model_len"] == -1  # (a derived config fits its own)
+
+
+def test_auto_keeps_the_models_length_where_it_fits_and_refuses_an_empty_cache():
+    config = EngineConfig.from_flat({"model": "llama-3-8b", "max_model_len": -1})
+    assert config.max_model_len == 8192
+    with pytest.raises(ConfigError, match="Cannot auto-fit max_model_len"):
+        EngineConfig.from_flat({"model": "llama-3-8b", "max_model_len": -1, "kv_cache_memory_bytes": 100_000})
+    for bad in (0, -2):
+        with pytest.raises(ConfigError, match="max_model_len must be >= 1, or -1"):
+            EngineConfig.from_flat({"max_model_len": bad})
+
+
+def test_auto_from_the_cli_and_a_serve_command():
+    assert serve_options("vllm serve --max-model-len auto").options == {"max_model_len": -1}
+    flags = ["capacity", "--model", "llama-3.1-405b", "-tp", "8", "--quantization", "fp8",
+             "--gpu-memory-utilization", "0.7", "--json"]
+    assert json.loads(cli_ok(flags + ["--max-model-len", "auto"]))["max_model_len"] == 100832
+    assert "estimated maximum model length is 100832" in cli_fails(flags)
