@@ -135,6 +135,11 @@ def grid_markdown(record: dict) -> str:
         best = record["cells"][record["best_index"]]
         lines.append("**Best: " + ", ".join(f"{k}={best['swept'][k]}" for k in keys)
                      + f"** ({best['max_rate_req_s']:.3f} req/s).")
+        if record.get("best_vllm_serve"):
+            serve = record["best_vllm_serve"]
+            lines += ["", "Served by vLLM as" + (f" ({', '.join(serve['not_vllm_flags'])}: simkv's, not vLLM flags)"
+                                                 if serve["not_vllm_flags"] else "") + ":", "",
+                      f"    {serve['command']}", ""]
     else:
         lines.append("No combination met the target at any probed rate.")
     if priced:
@@ -405,12 +410,24 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
     n = fleet.num_replicas
     record = {"trace": trace, "cost_model": cost_model, "base_options": base,
               "fleet": fleet.to_dict(), **record}
+    if record["best_index"] is not None:
+        record["best_vllm_serve"] = _serve_line(base, record["cells"][record["best_index"]]["swept"])
     if target_rate is not None:
         record["target_rate_req_s"] = target_rate
         for cell in record["cells"]:
             per_replica = cell["max_rate_req_s"] / cell.get("num_replicas", n) if cell["status"] == "found" else None
             cell["replicas"] = replicas_for(target_rate, per_replica) if per_replica else None
     return record
+
+
+def _serve_line(base: dict, swept: dict) -> dict:
+    """The `vllm serve` command of the base options with a combination's engine options, and
+    the options it cannot say (simkv's own, such as the GPU)."""
+    from simkv.cli.vllm_serve import serve_command
+    from simkv.sweep.grid import ENGINE_KEYS
+
+    command, left = serve_command(base | {k: v for k, v in swept.items() if k in ENGINE_KEYS})
+    return {"command": command, "not_vllm_flags": left}
 
 
 def _write(record: dict, text: str, out_dir: str | None, quiet: bool) -> None:

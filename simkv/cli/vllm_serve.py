@@ -532,3 +532,66 @@ def serve_options(command: str, model_given: bool = False, source: str = "--vllm
     if speculative:
         _speculative(speculative, "--speculative-config", out, model_given)
     return out
+
+
+def _repository(model: str) -> str:
+    """A shipped model's first Hugging Face repository, a config.json's folder, else MODEL."""
+    if is_config_path(model):
+        return str(Path(model).parent)
+    repos = [repo for repo, name in _repositories().items() if name == model]
+    served = [r for r in repos if re.search(r"instruct|-it$|chat", r, re.IGNORECASE)]  # (a chat model if listed)
+    return (served or repos or ["MODEL"])[0]
+
+
+@cache
+def _repositories() -> dict[str, str]:
+    table = yaml.safe_load(_HF_MODELS_FILE.read_text())
+    return {repo: name for name, repos in table.items() for repo in repos}
+
+
+def _flag_words(name: str, value) -> list[str]:
+    """A modelled option as vLLM's flag words."""
+    flag = vllm_flags()[name]
+    option = max(flag["options"], key=len)  # (the long form)
+    if flag["nargs"] == "0":
+        if value:
+            return [option]
+        negatives = [o for o in flag["negative"] if not o.startswith("--no-")] or flag["negative"]
+        return [negatives[0]]
+    if name == "limit_mm_per_prompt":
+        return [option, json.dumps({"image": value})]
+    if flag["nargs"] == "+":
+        return [option, *str(value).split(",")]
+    return [option, "None" if value is None else "auto" if (name, value) == ("max_model_len", -1) else str(value)]
+
+
+def serve_command(options: dict) -> tuple[str, list[str]]:
+    """The `vllm serve` command line of simkv engine options (flat, as given), and the options
+    it cannot carry (simkv's own, such as gpu). Async scheduling is always spelled out: vLLM
+    serves with it by default, simkv replays without unless asked."""
+    options = {k.replace("-", "_"): v for k, v in options.items()}
+    words = ["vllm", "serve", _repository(str(options.pop("model", "llama-3-8b")))]
+    speculative, left = {}, []
+    options.setdefault("async_scheduling", False)
+    translate = {"speculative_method": "method", "num_speculative_tokens": "num_speculative_tokens",
+                 "spec_parallel_drafting": "parallel_drafting"}
+    for key, value in options.items():
+        if key in modelled_flags():
+            words += _flag_words(key, value)
+        elif key == "num_gpu_blocks" and value is not None:
+            words += ["--num-gpu-blocks-override", str(value)]
+        elif key == "indexer_tp_shard_min_rows":
+            words += ["--attention-config", json.dumps({key: value})]
+        elif key in translate:
+            speculative[translate[key]] = value
+        elif key == "spec_draft_model" and value is not None:
+            speculative["model"] = _repository(str(value))
+        elif key == "spec_tokens_per_batch_size" and value:
+            speculative["num_speculative_tokens_per_batch_size"] = [
+                [int(x) for x in span.split("-")] + [int(k)]
+                for span, k in (part.split(":") for part in str(value).split(","))]
+        else:
+            left.append(key)
+    if speculative.get("method"):
+        words += ["--speculative-config", json.dumps(speculative)]
+    return " ".join(shlex.quote(w) for w in words), left

@@ -258,3 +258,37 @@ def test_auto_from_the_cli_and_a_serve_command():
              "--gpu-memory-utilization", "0.7", "--json"]
     assert json.loads(cli_ok(flags + ["--max-model-len", "auto"]))["max_model_len"] == 100832
     assert "estimated maximum model length is 100832" in cli_fails(flags)
+
+
+# simkv's options as a `vllm serve` command (goodput --grid's best combination)
+
+@pytest.mark.parametrize("options", [
+    {"model": "llama-3-70b", "tensor_parallel_size": 4, "max_num_seqs": 128, "max_num_batched_tokens": 2048,
+     "enable_prefix_caching": False, "kv_cache_dtype": "fp8", "max_model_len": -1, "block_size": 32},
+    {"model": "qwen2.5-vl-7b", "limit_mm_per_prompt": 2, "mm_encoder_tp_mode": "data", "async_scheduling": True,
+     "kv_cache_memory_bytes": 40 * 10**9, "watermark": 0.01},
+    {"model": "gpt-oss-120b", "speculative_method": "draft_model", "spec_draft_model": "llama-3.2-1b",
+     "num_speculative_tokens": 4, "spec_tokens_per_batch_size": "1-16:4,17-64:2", "disable_sliding_window": True,
+     "num_gpu_blocks": 5000, "prefix_cache_retention_interval": 1024},
+    {"model": "deepseek-v3", "cpu_offload_gb": 10.0, "cpu_offload_params": "experts,w2_weight",
+     "indexer_tp_shard_min_rows": 100, "speculative_method": "mtp", "num_speculative_tokens": 1,
+     "data_parallel_size": 8},
+])
+def test_options_as_a_serve_command_read_back_the_same(options):
+    from simkv.cli.vllm_serve import serve_command
+
+    command, left = serve_command(options | {"gpu": "H200"})
+    assert left == ["gpu"] and command.startswith("vllm serve ")
+    assert serve_options(command).options == {"async_scheduling": False} | options
+
+
+def test_a_goodput_grid_names_the_serve_command_of_its_best(tmp_path):
+    cli_ok(["goodput", "traces/azure_conv_slice.parquet", "--goodput", "ttft:2000", "--grid", "max_num_seqs=32,128",
+            "--gpu", "H200", "--tolerance", "0.25", "--quiet", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "goodput.json").read_text())
+    best = record["cells"][record["best_index"]]["swept"]["max_num_seqs"]
+    serve = record["best_vllm_serve"]
+    assert serve["not_vllm_flags"] == ["gpu"]
+    assert serve_options(serve["command"]).options == {"model": "llama-3-8b", "max_num_seqs": best,
+                                                       "async_scheduling": False}
+    assert serve["command"] in (tmp_path / "goodput.md").read_text()
