@@ -216,9 +216,10 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
             raise click.UsageError("P/D disaggregation (--prefill-replicas/--decode-replicas) searches one setup: "
                                    "drop --replicas/--router/--grid/--target-rate")
         router_options = ()
+    router_flag = router
     fleet = read_fleet(replicas, router, router_options, config_file)
     replicas, router = fleet.num_replicas, fleet.policy
-    slo, config, data = read_inputs(trace, flags, config_file, goodput, _first_cell(grids))
+    slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids))
     if config.hardware.data_parallel_size > 1 and (replicas > 1 or target_rate is not None):
         raise click.UsageError("a data-parallel engine (--data-parallel-size) is searched alone: fleets of them "
                                "are not modelled; drop --replicas/--target-rate")

@@ -186,23 +186,28 @@ FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation", "
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
     """Engine options from --config, then --vllm-serve's command, then the flags (vLLM's names,
     underscores)."""
-    options = load_config_file(config_file) if config_file else {}
-    options = {k.replace("-", "_"): v for k, v in options.items()}
-    options = {k: v for k, v in options.items() if k not in FLEET_CONFIG_KEYS}
+    raw = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    options = {k: v for k, v in raw.items() if k not in FLEET_CONFIG_KEYS}
     if cli_values.get("vllm_serve"):
-        options.update(served_options(cli_values["vllm_serve"], model_given=cli_values.get("model") is not None))
+        router_given = (cli_values["router"] is not None or "router" in raw) if "router" in cli_values else None
+        options.update(served_options(cli_values["vllm_serve"], model_given=cli_values.get("model") is not None,
+                                      router_given=router_given))
     for flag, name in _ENGINE_FLAGS.items():
         if cli_values.get(flag) is not None:
             options[name] = None if cli_values[flag] is _DENSE else cli_values[flag]
     return options
 
 
-def served_options(command: str, model_given: bool) -> dict:
+def served_options(command: str, model_given: bool, router_given: bool | None = None) -> dict:
     """The engine options of a `vllm serve` command (cli/vllm_serve.py); what it leaves out is
-    said once on stderr."""
+    said once on stderr. `router_given`: whether a command that replays a fleet names its router
+    (None: no fleet, as for capacity), which a command with an external load balancer needs."""
     from simkv.cli.vllm_serve import serve_options
 
     served = serve_options(command, model_given)
+    if router_given is False and served.external_router:
+        raise ConfigError(f"--vllm-serve: {served.external_router} puts your own router in front of the "
+                          "data-parallel ranks: give simkv's --router (round_robin, least_outstanding, prefix_aware)")
     if served.note():
         _say_once(served.note())
     return served.options
@@ -624,7 +629,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")
-    slo, config, data = read_inputs(trace, flags, config_file, goodput)
+    slo, config, data = read_inputs(trace, flags | {"router": router}, config_file, goodput)
     if disaggregation is not None:
         check_pools(disaggregation, config)
     if backend == "gpu" and (config.cache.cpu_offload_gb or config.cache.offload_group_size):

@@ -31,7 +31,7 @@ from pathlib import Path
 import click
 import yaml
 
-from simkv.config import ConfigError, EngineConfig
+from simkv.config import ConfigError
 from simkv.specs.hf_config import is_config_path
 
 _FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.json")
@@ -100,9 +100,6 @@ REFUSED = {
     "kv_transfer_config": "prefill/decode disaggregation: give simkv's --prefill-replicas/--decode-replicas",
     "ec_transfer_config": "encoder disaggregation: give simkv's --encode-replicas",
     "ec_manager_config": "encoder disaggregation: give simkv's --encode-replicas",
-    "data_parallel_external_lb": "an external router in front of the ranks: give simkv's --router",
-    "data_parallel_hybrid_lb": "a router per node in front of the ranks: give simkv's --router",
-    "data_parallel_multi_port_external_lb": "an external router in front of the ranks: give simkv's --router",
     "prefill_context_parallel_size": "prefill context parallelism is not modelled",
     "cp_kv_cache_interleave_size": "the context-parallel KV interleave is not modelled",
     "dcp_kv_cache_interleave_size": "the DCP KV interleave is not modelled (simkv interleaves by token)",
@@ -125,7 +122,6 @@ REFUSED = {
 }
 
 _HUMAN_INTS = ("max_model_len", "max_num_batched_tokens")  # vLLM reads these as 32k, 1M, ...
-_OPTIONS_THAT_ARE_FILES = ("config",)
 
 
 class ServeCommandError(ConfigError):
@@ -140,6 +136,7 @@ class ServeOptions:
     options: dict = field(default_factory=dict)
     unmodelled: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    external_router: str | None = None  # the flag that puts the user's own router in front of the DP ranks
 
     def note(self) -> str | None:
         """One line for the user on what was not carried over (None: everything was)."""
@@ -368,10 +365,6 @@ def _simkv_params() -> dict[str, click.Option]:
     return {_ENGINE_FLAGS[p.name]: p for p in holder.__click_params__ if p.name in _ENGINE_FLAGS}
 
 
-def _engine_field_names() -> set[str]:
-    return set(EngineConfig.from_flat({}).to_dict()) | _all_fields()
-
-
 @cache
 def _all_fields() -> frozenset[str]:
     from dataclasses import fields
@@ -389,7 +382,8 @@ def modelled_flags() -> set[str]:
 
 SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "runner", "convert", "mamba_cache_mode",
                      "kv_offloading_backend", "offload_backend", "speculative_config", "spec_method", "spec_model",
-                     "spec_tokens", "attention_config"})
+                     "spec_tokens", "attention_config", "data_parallel_external_lb", "data_parallel_hybrid_lb",
+                     "data_parallel_multi_port_external_lb"})
 
 
 def _convert(name: str, values: list[str], negative: bool, word: str):
@@ -417,7 +411,7 @@ def _convert(name: str, values: list[str], negative: bool, word: str):
 _MTP = re.compile(r"(.+_)?mtp")
 
 
-def _speculative(spec: dict, word: str, out: ServeOptions, model_given: bool) -> None:
+def _speculative(spec: dict, word: str, out: ServeOptions) -> None:
     """vLLM's speculative config as simkv's speculative options."""
     spec = dict(spec)
     method, model = spec.pop("method", None), spec.pop("model", None)
@@ -448,8 +442,11 @@ def _speculative(spec: dict, word: str, out: ServeOptions, model_given: bool) ->
             out.unmodelled.append(f"{word} {key}")
 
 
-def _special(name: str, word: str, values: list[str], negative: bool, out: ServeOptions, model_given: bool) -> None:
+def _special(name: str, word: str, values: list[str], negative: bool, out: ServeOptions) -> None:
     value = values[0] if values else None
+    if name.startswith("data_parallel_"):  # (a router in front of the ranks: simkv's --router says which)
+        out.external_router = None if negative else word
+        return
     if name == "num_gpu_blocks_override":
         out.options["num_gpu_blocks"] = human_int(value, word)
     elif name == "dtype":
@@ -515,7 +512,7 @@ def serve_options(command: str, model_given: bool = False, source: str = "--vllm
             key = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}[name]
             speculative[key] = int(values[0]) if key == "num_speculative_tokens" else values[0]
         elif name in SPECIAL:
-            _special(name, word, values, negative, out, model_given)
+            _special(name, word, values, negative, out)
         elif name in modelled_flags():
             out.options[name] = _convert(name, values, negative, word)
         elif name in IGNORED:
@@ -530,7 +527,7 @@ def serve_options(command: str, model_given: bool = False, source: str = "--vllm
     if refused:
         raise ServeCommandError(f"{source}: simkv cannot honour " + "; ".join(refused))
     if speculative:
-        _speculative(speculative, "--speculative-config", out, model_given)
+        _speculative(speculative, "--speculative-config", out)
     return out
 
 

@@ -292,3 +292,12 @@ def test_a_goodput_grid_names_the_serve_command_of_its_best(tmp_path):
     assert serve_options(serve["command"]).options == {"model": "llama-3-8b", "max_num_seqs": best,
                                                        "async_scheduling": False}
     assert serve["command"] in (tmp_path / "goodput.md").read_text()
+
+
+def test_an_external_load_balancer_needs_simkvs_router(tmp_path):
+    command = "vllm serve deepseek-ai/DeepSeek-V2-Lite -dp 2 --data-parallel-external-lb"
+    assert serve_options(command).external_router == "--data-parallel-external-lb"
+    assert "give simkv's --router" in cli_fails(["replay", TRACE, "--out", str(tmp_path / "a"), "--vllm-serve", command])
+    cli_ok(["replay", TRACE, "--out", str(tmp_path / "b"), "--quiet", "--vllm-serve", command, "--router",
+            "least_outstanding"])
+    cli_ok(["capacity", "--vllm-serve", command])  # (no ranks to route to in a capacity question)
