@@ -74,41 +74,39 @@ _ENGINE_FLAGS = {
 DEFAULT_TRACE = "traces/azure_conv_slice.parquet"
 
 
-class RetentionInterval(click.ParamType):
-    """A whole number of tokens, or "none" (vLLM's None: retain every block)."""
+class TokensOrWord(click.ParamType):
+    """A whole number of tokens, or one of `words`, which stands for `meaning`."""
 
-    name = "retention"
+    def __init__(self, name: str, words: tuple[str, ...], meaning) -> None:
+        self.name, self.words, self.meaning = name, words, meaning
 
     def convert(self, value, param, ctx):
         if value is None or isinstance(value, int):
             return value
         text = str(value).strip().lower()
-        if text in ("none", "null", "dense"):
-            return _DENSE
+        if text in self.words:
+            return self.meaning
         try:
             return int(text)
         except ValueError:
-            self.fail(f"{value!r} is neither a whole number of tokens nor 'none'", param, ctx)
+            self.fail(f"{value!r} is neither a whole number of tokens nor '{self.words[0]}'", param, ctx)
 
 
 _DENSE = "none"  # CLI spelling of a null retention interval (flat_options turns it into None)
 
 
-class MaxModelLen(click.ParamType):
+class RetentionInterval(TokensOrWord):
+    """A whole number of tokens, or "none" (vLLM's None: retain every block)."""
+
+    def __init__(self) -> None:
+        super().__init__("retention", ("none", "null", "dense"), _DENSE)
+
+
+class MaxModelLen(TokensOrWord):
     """A number of tokens, or auto (vLLM's -1: the longest request the KV cache holds)."""
 
-    name = "tokens|auto"
-
-    def convert(self, value, param, ctx):
-        if value is None or isinstance(value, int):
-            return value
-        text = str(value).strip().lower()
-        if text in ("auto", "-1"):
-            return -1
-        try:
-            return int(text)
-        except ValueError:
-            self.fail(f"{value!r} is neither a number of tokens nor 'auto'", param, ctx)
+    def __init__(self) -> None:
+        super().__init__("tokens|auto", ("auto", "-1"), -1)
 
 
 MAX_MODEL_LEN_HELP = "auto: the longest request the KV cache holds, as vLLM fits it [default: the model's]"
