@@ -168,10 +168,15 @@ def _option_index() -> dict[str, tuple[str, bool]]:
 
 
 @cache
+def _hf_table() -> dict[str, list[str]]:
+    """Shipped model name -> its Hugging Face repositories (specs/hf_models.yaml)."""
+    return yaml.safe_load(_HF_MODELS_FILE.read_text())
+
+
+@cache
 def hf_models() -> dict[str, str]:
     """Hugging Face repository (lower case) -> shipped model name."""
-    table = yaml.safe_load(_HF_MODELS_FILE.read_text())
-    return {repo.lower(): name for name, repos in table.items() for repo in repos}
+    return {repo.lower(): name for name, repos in _hf_table().items() for repo in repos}
 
 
 def resolve_model(model: str, what: str = "model") -> str:
@@ -535,15 +540,9 @@ def _repository(model: str) -> str:
     """A shipped model's first Hugging Face repository, a config.json's folder, else MODEL."""
     if is_config_path(model):
         return str(Path(model).parent)
-    repos = [repo for repo, name in _repositories().items() if name == model]
+    repos = _hf_table().get(model, [])
     served = [r for r in repos if re.search(r"instruct|-it$|chat", r, re.IGNORECASE)]  # (a chat model if listed)
     return (served or repos or ["MODEL"])[0]
-
-
-@cache
-def _repositories() -> dict[str, str]:
-    table = yaml.safe_load(_HF_MODELS_FILE.read_text())
-    return {repo: name for name, repos in table.items() for repo in repos}
 
 
 def _flag_words(name: str, value) -> list[str]:

@@ -24,6 +24,19 @@ def test_every_vllm_flag_is_sorted_once():
     assert sum(len(c) for c in classes) == len(flags)
 
 
+def test_every_modelled_flag_with_a_value_has_simkvs_reader():
+    """A valued flag is read by simkv's own flag of that name (so 40g or 32K mean what they mean
+    to vLLM), and a switch in vLLM is a switch in simkv."""
+    from simkv.cli.vllm_serve import _simkv_params
+
+    for name in modelled_flags():
+        param = _simkv_params().get(name)
+        if vllm_flags()[name]["nargs"] == "0":
+            assert param is None or param.is_flag, name
+        else:
+            assert param is not None and not param.is_flag, name
+
+
 def test_a_typical_command():
     served = serve_options(
         "CUDA_VISIBLE_DEVICES=0,1 vllm serve meta-llama/Meta-Llama-3-70B-Instruct \\\n"
