@@ -675,9 +675,12 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     requests = result.requests  # (those refused by the admission control have their own row; a retried 503 is no rejection)
     rejected = int(((requests["status"] == "rejected") & (requests["prompt_tokens"] >= config.max_model_len)).sum())
     if rejected:  # vLLM refuses these prompts the same way; say how to serve them
+        how = ("the model's sliding window under --disable-sliding-window" if config.attention.disable_sliding_window
+               and config.max_model_len == config.hardware.model_spec().sliding_window
+               else "the longest request the KV cache holds (--max-model-len auto)" if config.scheduler.max_model_len_fitted
+               else "--max-model-len raises it")
         click.echo(f"warning: {rejected:,} of {result.summary['num_requests']:,} requests were rejected: their prompts "
-                   f"have at least max_model_len = {config.max_model_len:,} tokens (--max-model-len raises it)",
-                   err=True)
+                   f"have at least max_model_len = {config.max_model_len:,} tokens ({how})", err=True)
     from simkv.calibration.coverage import cost_model_warnings
 
     for line in cost_model_warnings(result.summary.get("cost_model") or {}, cost_model):

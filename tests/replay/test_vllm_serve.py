@@ -314,3 +314,11 @@ def test_an_external_load_balancer_needs_simkvs_router(tmp_path):
     cli_ok(["replay", TRACE, "--out", str(tmp_path / "b"), "--quiet", "--vllm-serve", command, "--router",
             "least_outstanding"])
     cli_ok(["capacity", "--vllm-serve", command])  # (no ranks to route to in a capacity question)
+
+
+def test_a_replay_at_an_auto_fitted_length_rejects_longer_prompts_and_says_why(tmp_path):
+    out = cli_ok(["replay", TRACE, "--out", str(tmp_path), "--model", "llama-3-8b", "--num-gpu-blocks", "40",
+                  "--max-model-len", "auto"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["max_model_len"] == 39 * 16  # (40 blocks less the null block)
+    assert summary["num_rejected"] > 0 and "(the longest request the KV cache holds" in out
