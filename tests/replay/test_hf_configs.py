@@ -54,6 +54,19 @@ QWEN3_VL_30B_A3B = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeF
                     "vision_config": {"depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152,
                                       "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 2048,
                                       "patch_size": 16, "spatial_merge_size": 2, "deepstack_visual_indexes": [8, 16, 24]}}
+# (the configs' fields as the public config.json files give them; Qwen3's dense and MoE models)
+LLAMA31_8B = LLAMA3_8B | {"max_position_embeddings": 131072,
+                          "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 5120,
+             "intermediate_size": 25600, "max_position_embeddings": 40960, "num_attention_heads": 64,
+             "num_hidden_layers": 64, "num_key_value_heads": 8, "sliding_window": None, "use_sliding_window": False,
+             "tie_word_embeddings": False, "vocab_size": 151936}
+QWEN3_235B_A22B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
+                   "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                   "num_attention_heads": 64, "num_key_value_heads": 4, "num_hidden_layers": 94, "num_experts": 128,
+                   "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "max_position_embeddings": 40960, "tie_word_embeddings": False, "vocab_size": 151936}
 
 
 def _write(tmp_path, name, cfg) -> str:
@@ -65,7 +78,8 @@ def _write(tmp_path, name, cfg) -> str:
 @pytest.mark.parametrize("shipped, cfg", [("llama-3-8b", LLAMA3_8B), ("gpt-oss-120b", GPT_OSS_120B),
                                           ("gemma-3-27b", GEMMA3_27B), ("qwen3-30b-a3b", QWEN3_30B_A3B),
                                           ("qwen2.5-7b", QWEN25_7B), ("qwen2.5-vl-7b", QWEN25_VL_7B),
-                                          ("qwen3-vl-30b-a3b", QWEN3_VL_30B_A3B)])
+                                          ("qwen3-vl-30b-a3b", QWEN3_VL_30B_A3B), ("llama-3.1-8b", LLAMA31_8B),
+                                          ("qwen3-32b", QWEN3_32B), ("qwen3-235b-a22b", QWEN3_235B_A22B)])
 def test_a_config_gives_the_shipped_spec(tmp_path, shipped, cfg):
     spec = get_model_spec(_write(tmp_path, shipped, cfg))
     expected = dataclasses.replace(get_model_spec(shipped), name=spec.name, eagle_head_intermediate_size=0)

@@ -101,6 +101,8 @@ def test_a_served_model_is_a_shipped_one_or_a_config(tmp_path):
     assert all(resolve_model(repo) in model_names() for repo in ["openai/gpt-oss-120b", "deepseek-ai/DeepSeek-R1",
                                                                "google/gemma-3-27b-it"])
     assert resolve_model("META-LLAMA/Meta-Llama-3-8B/") == "llama-3-8b"
+    assert resolve_model("meta-llama/Llama-3.3-70B-Instruct") == "llama-3.1-70b"
+    assert EngineConfig.from_flat({"model": resolve_model("meta-llama/Llama-3.1-8B-Instruct")}).max_model_len == 131072
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == str(tmp_path / "config.json")
     assert serve_options("vllm serve some-org/some-model -tp 2", model_given=True).options == {"tensor_parallel_size": 2}
