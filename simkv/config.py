@@ -301,6 +301,10 @@ class SchedulerConfig:
     # previous turn's finish + its think time (simkv/replay/sessions.py); False replays the
     # trace's arrival times as they are (open loop).
     session_pacing: bool = True
+    # A client that keeps at most this many requests in flight (vllm bench serve's
+    # --max-concurrency): a request is sent at its trace time or, when that many are in flight,
+    # once one of them finishes (simkv/replay/sessions.py's ConcurrencyPacing); None: no limit
+    client_max_concurrency: int | None = None
     # Clients that give up (simkv/replay/client_timeouts.py): a request without its first token
     # `client_ttft_timeout_s` after it was sent, or unfinished `client_timeout_s` after, is
     # abandoned, and vLLM aborts it; the client sends it again up to `client_max_retries` times,
@@ -359,6 +363,8 @@ class SchedulerConfig:
                               "max_num_queued_tokens, whose HTTP 503s the clients retry)")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.client_max_concurrency is not None and self.client_max_concurrency < 1:
+            raise ConfigError(f"client_max_concurrency must be >= 1, got {self.client_max_concurrency}")
         if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:
             raise ConfigError(f"max_model_len must be >= 1, or -1 (auto: fitted to the KV cache), got {self.max_model_len}")
         if self.ec_role not in (None, "ec_producer", "ec_consumer"):
@@ -1538,6 +1544,8 @@ class EngineConfig:
             del out["client_retry_max_backoff_s"], out["client_retry_jitter"]
         if self.scheduler.model_runner == "auto":  # (the default: configs read as before)
             del out["model_runner"]
+        if self.scheduler.client_max_concurrency is None:  # (likewise)
+            del out["client_max_concurrency"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
             if self.speculative.spec_ngram_match_rate == 1.0:  # (likewise)

@@ -47,6 +47,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
+    "client_max_concurrency": "client_max_concurrency",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
     "client_retry_max_backoff": "client_retry_max_backoff_s", "client_retry_jitter": "client_retry_jitter",
@@ -470,6 +471,9 @@ _ENGINE_OPTIONS = [
                       "step, and takes async scheduling with them and with pipeline stages; v1 proposes n-grams on "
                       "the host, none without a match [default: auto, v2 unless suffix decoding or parallel "
                       "drafting needs v1, as vLLM 0.33 picks]"),
+    click.option("--client-max-concurrency", type=int, default=None, metavar="N",
+                 help="The client keeps at most N requests in flight (vllm bench serve's --max-concurrency): a "
+                      "request waits past its trace time for one to finish [default: no limit]"),
     click.option("--session-pacing/--no-session-pacing", default=None,
                  help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
                       "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "

@@ -238,9 +238,11 @@ class ReplayEngine:
             self._client.on_timed_out = on_progress
         elif make_feed is not None:
             self.feed = make_feed(self.scheduler, self.requests)
-        elif trace.session_id is not None and config.scheduler.session_pacing:  # (simkv/replay/sessions.py)
+        elif (trace.session_id is not None and config.scheduler.session_pacing
+              or config.scheduler.client_max_concurrency is not None):  # (simkv/replay/sessions.py)
             from simkv.replay.sessions import SessionFeed
-            self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len)
+            self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len,
+                                    config.scheduler.client_max_concurrency)
         else:
             self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         self.arrival_feed = self.feed  # (the feed that makes its requests: a fleet replica's, P/D's)

@@ -114,6 +114,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         sp = summary["session_pacing"]
         rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
                                                     f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
+    if summary.get("client_concurrency"):
+        cc = summary["client_concurrency"]
+        rows.append(("client concurrency limit", f"{cc['max_concurrency']:,} in flight; {cc['requests_held']:,} requests "
+                                                 f"sent later than the trace's times, by {cc['mean_hold_s']:,.2f} s on average"))
     if client:
         from simkv.replay.client_timeouts import client_row
 

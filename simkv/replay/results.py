@@ -357,9 +357,10 @@ def client_summary(run: ReplayRun, requests: pd.DataFrame) -> dict:
 
 def session_summary(run: ReplayRun) -> dict:
     """Session pacing (simkv/replay/sessions.py): sessions, and the turns held for their previous
-    replies (how many, and by how long on average)."""
+    replies (how many, and by how long on average); or a client's concurrency limit and the
+    requests it held."""
     pacing = getattr(run.feed, "pacing_summary", None)
-    return {"session_pacing": pacing()} if pacing is not None else {}
+    return {run.feed.pacing.summary_key: pacing()} if pacing is not None else {}
 
 
 def offload_summary(runs, capacity, prefix_queries: int) -> dict:

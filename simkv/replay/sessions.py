@@ -44,30 +44,22 @@ def next_turns(session_id: np.ndarray) -> np.ndarray:
     return following
 
 
-class SessionPacing:
-    """The rows of a trace with sessions, handed out when due: first turns at their trace times,
-    a next turn once its previous turn is released (finished or rejected). `rows`' arrival lists
-    become this pacing's own: a held turn's entries move to when it was sent."""
+class Pacing:
+    """Rows handed out when due, from a heap of (tick, row); a release (a finish or a rejection)
+    may make another row due. `rows`' arrival lists become the pacing's own: a held row's
+    entries move to when it was sent."""
 
-    def __init__(self, trace, rows: TraceRows) -> None:
+    summary_key = ""
+
+    def __init__(self, rows: TraceRows, n: int) -> None:
         self._trace_ticks = list(rows.arrival_ticks)
         rows.arrival_ticks = list(rows.arrival_ticks)
         rows.arrival_s = list(rows.arrival_s)
         self.rows = rows
-        n = len(trace)
-        self.next_turn = next_turns(trace.session_id).tolist()
-        think = trace.think_time_s
-        # (at least a tick after the finish that releases it)
-        self.think_ticks = [max(1, to_ticks(t)) for t in think.tolist()] if think is not None else [1] * n
-        has_previous = np.zeros(n, bool)
-        following = np.asarray(self.next_turn)
-        has_previous[following[following >= 0]] = True
-        # (first turns in arrival order: already a heap of (tick, row))
-        self._ready = [(self._trace_ticks[i], i) for i in np.flatnonzero(~has_previous).tolist()]
+        self._ready: list[tuple[int, int]] = []
         self._num_rows = n
         self.num_out = 0  # rows handed out
-        self.num_sessions = len({s for s in trace.session_id.tolist() if s is not None})
-        self.num_held = 0  # turns sent later than their trace arrival
+        self.num_held = 0  # rows sent later than their trace arrival
         self.held_ticks = 0  # ... by this much in all
 
     @property
@@ -94,6 +86,56 @@ class SessionPacing:
         self.num_out += 1
         return heapq.heappop(self._ready)
 
+    def _send_at(self, row: int, due: int) -> int:
+        """Row `row` becomes due at the later of `due` and its trace time; returns that tick."""
+        if due > self._trace_ticks[row]:
+            self.num_held += 1
+            self.held_ticks += due - self._trace_ticks[row]
+            self.rows.arrival_ticks[row] = due
+            self.rows.arrival_s[row] = due / TICKS_PER_SECOND
+        heapq.heappush(self._ready, (self.rows.arrival_ticks[row], row))
+        return self.rows.arrival_ticks[row]
+
+    def release(self, row: int, tick: int) -> int | None:
+        """Row `row` finished (or was rejected) at `tick`. Returns the due tick of the row that
+        makes due (None: none)."""
+        raise NotImplementedError
+
+    def release_finished(self, finished: list[Request], tick: int) -> int | None:
+        """These requests finished at `tick`: the rows they release become due. Returns the
+        earliest due tick (None: none)."""
+        earliest = None
+        for request in finished:
+            if request.index < self._num_rows:  # (not a parallel-sampling sequence of its own)
+                due = self.release(request.index, tick)
+                if due is not None and (earliest is None or due < earliest):
+                    earliest = due
+        return earliest
+
+    def last_trace_ticks(self) -> int:
+        return max(self._trace_ticks, default=0)
+
+
+class SessionPacing(Pacing):
+    """The rows of a trace with sessions: first turns at their trace times, a next turn once its
+    previous turn is released (finished or rejected), after its think time."""
+
+    summary_key = "session_pacing"
+
+    def __init__(self, trace, rows: TraceRows) -> None:
+        n = len(trace)
+        super().__init__(rows, n)
+        self.next_turn = next_turns(trace.session_id).tolist()
+        think = trace.think_time_s
+        # (at least a tick after the finish that releases it)
+        self.think_ticks = [max(1, to_ticks(t)) for t in think.tolist()] if think is not None else [1] * n
+        has_previous = np.zeros(n, bool)
+        following = np.asarray(self.next_turn)
+        has_previous[following[following >= 0]] = True
+        # (first turns in arrival order: already a heap of (tick, row))
+        self._ready = [(self._trace_ticks[i], i) for i in np.flatnonzero(~has_previous).tolist()]
+        self.num_sessions = len({s for s in trace.session_id.tolist() if s is not None})
+
     def end_session(self, row: int) -> list[int]:
         """Row `row` ends its session (its client gave up): the session's later turns are never
         sent. Returns their rows."""
@@ -114,34 +156,39 @@ class SessionPacing:
         """Row `row` finished (or was rejected) at `tick`: its session's next turn becomes due.
         Returns that turn's due tick (None: no next turn)."""
         nxt = self.next_turn[row]
-        if nxt < 0:
-            return None
-        due = tick + self.think_ticks[nxt]
-        if due > self._trace_ticks[nxt]:
-            self.num_held += 1
-            self.held_ticks += due - self._trace_ticks[nxt]
-            self.rows.arrival_ticks[nxt] = due
-            self.rows.arrival_s[nxt] = due / TICKS_PER_SECOND
-        heapq.heappush(self._ready, (self.rows.arrival_ticks[nxt], nxt))
-        return self.rows.arrival_ticks[nxt]
-
-    def release_finished(self, finished: list[Request], tick: int) -> int | None:
-        """These requests finished at `tick`: their sessions' next turns become due. Returns the
-        earliest due tick (None: no next turn)."""
-        earliest = None
-        for request in finished:
-            if request.index < self._num_rows:  # (not a parallel-sampling sequence of its own)
-                due = self.release(request.index, tick)
-                if due is not None and (earliest is None or due < earliest):
-                    earliest = due
-        return earliest
-
-    def last_trace_ticks(self) -> int:
-        return max(self._trace_ticks, default=0)
+        return None if nxt < 0 else self._send_at(nxt, tick + self.think_ticks[nxt])
 
     def summary(self) -> dict:
         held_s = self.held_ticks / TICKS_PER_SECOND
         return {"sessions": self.num_sessions, "turns_held": self.num_held,
+                "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
+
+
+class ConcurrencyPacing(Pacing):
+    """A client that keeps at most `limit` requests in flight (vllm bench serve's
+    --max-concurrency, a semaphore its requests queue on in order): the first `limit` rows go at
+    their trace times; each release (a finish or a rejection) sends the next row in arrival
+    order, at the later of its trace time and a tick after the release."""
+
+    summary_key = "client_concurrency"
+
+    def __init__(self, trace, rows: TraceRows, limit: int) -> None:
+        n = len(trace)
+        super().__init__(rows, n)
+        self.limit = limit
+        first = min(limit, n)
+        self._ready = [(self._trace_ticks[i], i) for i in range(first)]  # (in arrival order: a heap)
+        self._next_row = first
+
+    def release(self, row: int, tick: int) -> int | None:
+        if self._next_row >= self._num_rows:
+            return None
+        nxt, self._next_row = self._next_row, self._next_row + 1
+        return self._send_at(nxt, tick + 1)
+
+    def summary(self) -> dict:
+        held_s = self.held_ticks / TICKS_PER_SECOND
+        return {"max_concurrency": self.limit, "requests_held": self.num_held,
                 "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
 
 
@@ -187,11 +234,13 @@ def earliest_release(engines: list, skip: int = -1) -> int | None:
 
 
 class SessionFeed(ArrivalFeed):
-    """One engine's ArrivalFeed that holds each turn until its previous turn has finished."""
+    """One engine's ArrivalFeed that holds each turn until its previous turn has finished (or,
+    with `max_concurrency`, each request until fewer than that many are in flight)."""
 
-    def __init__(self, trace, scheduler, request_log, max_model_len: int) -> None:
+    def __init__(self, trace, scheduler, request_log, max_model_len: int, max_concurrency: int | None = None) -> None:
         rows = TraceRows(trace)
-        self.pacing = SessionPacing(trace, rows)
+        self.pacing = (SessionPacing(trace, rows) if max_concurrency is None
+                       else ConcurrencyPacing(trace, rows, max_concurrency))
         super().__init__(trace, scheduler, request_log, max_model_len, rows)
 
     @property
