@@ -101,3 +101,10 @@ def test_from_the_cli(tmp_path):
     assert "client concurrency limit" in out
     assert "not modelled with a fleet" in cli_fails(["replay", "traces/req400.parquet", "--out", str(tmp_path / "f"),
                                                       "--client-max-concurrency", "4", "--replicas", "2"])
+
+
+@pytest.mark.parametrize("options", [{"async_scheduling": True},
+                                     {"model": "llama-3-70b", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}])
+def test_the_limit_holds_under_async_scheduling_and_pipeline_stages(options):
+    requests = _replay("traces/req400.parquet", client_max_concurrency=4, **options).requests
+    assert _in_flight(requests) == 4 and (requests["status"] == "finished").all()
