@@ -31,10 +31,9 @@ from pathlib import Path
 import click
 import yaml
 
-from simkv.config import ConfigError
+from simkv.cli.vllm_command_line import CommandLineError, Flag, flag_table, human_int, json_object, read_command
 from simkv.specs.hf_config import is_config_path
 
-_FLAGS_FILE = Path(__file__).with_name("vllm_serve_flags.json")
 _HF_MODELS_FILE = Path(__file__).resolve().parent.parent / "specs" / "hf_models.yaml"
 
 IGNORED = frozenset("""
@@ -124,8 +123,16 @@ REFUSED = {
 _HUMAN_INTS = ("max_model_len", "max_num_batched_tokens")  # vLLM reads these as 32k, 1M, ...
 
 
-class ServeCommandError(ConfigError):
-    """A `vllm serve` command simkv cannot take, with what to do instead."""
+ServeCommandError = CommandLineError  # (a ConfigError)
+
+
+def vllm_flags() -> dict:
+    """vLLM's serve flags by name (its `dest`): option strings, negative ones, arity, default."""
+    return _table().flags
+
+
+def _table():
+    return flag_table("vllm_serve_flags.json", ("serve",))
 
 
 @dataclass
@@ -147,24 +154,6 @@ class ServeOptions:
         if self.ignored:
             parts.append(f"ignored (server, logging, loading): {', '.join(self.ignored)}")
         return "vllm serve: " + "; ".join(parts) if parts else None
-
-
-@cache
-def vllm_flags() -> dict:
-    """vLLM's flags by name (its `dest`): option strings, negative ones, arity, default."""
-    return json.loads(_FLAGS_FILE.read_text())["flags"]
-
-
-@cache
-def _option_index() -> dict[str, tuple[str, bool]]:
-    """Option string -> (flag name, whether it is a negative form such as --no-x or --disable-x)."""
-    index = {}
-    for name, flag in vllm_flags().items():
-        for opt in flag["options"]:
-            index[opt] = (name, False)
-        for opt in flag["negative"]:
-            index[opt] = (name, True)
-    return index
 
 
 @cache
@@ -192,168 +181,6 @@ def resolve_model(model: str, what: str = "model") -> str:
             f"vllm serve's {what} '{model}' is not a model simkv ships (simkv/specs/hf_models.yaml lists the "
             "Hugging Face repositories it knows): give its config.json with --model")
     return name
-
-
-def human_int(text: str, flag: str) -> int:
-    """vLLM's human-readable integers: 32k = 32,000 and 32K = 32,768 (decimals only with k, m, g, t)."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
-    if m:
-        number, suffix = m.groups()
-        if not suffix:
-            if "." not in number:
-                return int(number)
-        elif suffix.islower():
-            return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-        elif "." not in number:
-            return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
-    raise ServeCommandError(f"vllm serve's {flag} {text!r}: not a whole number (vLLM takes 32768, 32k or 32K)")
-
-
-def _tokens(text: str) -> list[str]:
-    """The command's words, less a leading `vllm serve` (or `python -m vllm.entrypoints...`),
-    environment assignments and line continuations."""
-    try:
-        words = shlex.split(text.replace("\\\n", " "))
-    except ValueError as exc:
-        raise ServeCommandError(f"vllm serve command: {exc}") from None
-    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
-        words.pop(0)  # (CUDA_VISIBLE_DEVICES=0,1 vllm serve ...)
-    if words[:2] == ["vllm", "serve"] or words[:1] == ["serve"]:
-        words = words[words.index("serve") + 1:]
-    elif len(words) >= 3 and words[1] == "-m" and words[2].startswith("vllm.entrypoints"):
-        words = words[3:]
-    return words
-
-
-def _normalize(word: str) -> tuple[str, str | None]:
-    """A flag word as vLLM reads it: underscores to dashes in the name, `--x=v` split, `-O3`
-    as --optimization-level 3."""
-    if word.startswith("--"):
-        name, eq, value = word.partition("=")
-        head, dot, rest = name[2:].partition(".")
-        return "--" + head.replace("_", "-") + dot + rest, (value if eq else None)
-    if word.startswith("-O") and word != "-O":
-        return "--optimization-level", word[3:] if word[2:3] == "=" else word[2:]
-    if word == "-O":
-        return "--optimization-level", None
-    name, eq, value = word.partition("=")
-    return name, (value if eq else None)
-
-
-def _parse_words(words: list[str], source: str) -> tuple[str | None, list[tuple[str, str, bool, list[str]]]]:
-    """The positional model and every flag as (name, word as given, negative, values)."""
-    model, flags, i = None, [], 0
-    index = _option_index()
-    while i < len(words):
-        word = words[i]
-        i += 1
-        if not word.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", word):
-            if model is None and not flags:
-                model = word
-                continue
-            raise ServeCommandError(f"{source}: '{word}' is neither a flag nor a flag's value")
-        opt, inline = _normalize(word)
-        base = opt.split(".", 1)[0]
-        if base not in index:
-            raise ServeCommandError(f"{source}: {word} is not a flag of vLLM 0.33's `vllm serve`")
-        name, negative = index[base]
-        arity = "1" if "." in opt else vllm_flags()[name]["nargs"]  # (--compilation-config.mode 3: one key)
-        values = [] if inline is None else [inline]
-        if inline is None and arity != "0":
-            while i < len(words) and (not words[i].startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", words[i])):
-                values.append(words[i])
-                i += 1
-                if arity in ("1", "?"):
-                    break
-            if not values and arity != "?":
-                raise ServeCommandError(f"{source}: {word} needs a value")
-        if arity == "0" and values:
-            raise ServeCommandError(f"{source}: {word} takes no value")
-        if "." in opt:
-            word, values = base, [json.dumps(_nested(opt.split(".")[1:], values[0]))]
-        flags.append((name, word, negative, values))
-        if name == "model" and values:
-            model = values[0]
-    return model, flags
-
-
-def _nested(keys: list[str], text: str) -> dict:
-    """--x.a.b V as x's JSON {"a": {"b": V}} (V read as JSON where it is, else a string)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = text
-    for key in reversed(keys):
-        value = {key.replace("-", "_"): value}
-    return value
-
-
-def _merged(flags: list[tuple[str, str, bool, list[str]]]) -> list[tuple[str, str, bool, list[str]]]:
-    """A JSON option given several times (whole, or key by key) as one object, merged in order as
-    vLLM merges them, where its first mention stood."""
-    objects: dict[str, dict] = {}
-    for name, _, _, values in flags:
-        value = _json_object(values)
-        if value is not None:
-            _merge_into(objects.setdefault(name, {}), value)
-    out, seen = [], set()
-    for name, word, negative, values in flags:
-        if name not in objects or _json_object(values) is None:
-            out.append((name, word, negative, values))
-        elif name not in seen:
-            seen.add(name)
-            out.append((name, word, negative, [json.dumps(objects[name])]))
-    return out
-
-
-def _json_object(values: list[str]) -> dict | None:
-    if len(values) != 1 or not values[0].lstrip().startswith("{"):
-        return None
-    try:
-        value = json.loads(values[0])
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _merge_into(target: dict, update: dict) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge_into(target[key], value)
-        else:
-            target[key] = value
-
-
-def _config_words(path: str) -> list[str]:
-    """vLLM's --config YAML as flag words (its keys are flag names; true flags stand alone,
-    false ones take their --no- form, lists give several values, mappings JSON)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ServeCommandError(f"vllm serve --config {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ServeCommandError(f"vllm serve --config {path}: expected a mapping of flag: value")
-    words = []
-    for key, value in data.items():
-        if isinstance(value, bool):
-            words.append(f"--{key}" if value else f"--no-{key}")
-        elif isinstance(value, list):
-            words += [f"--{key}", *map(str, value)] if value else []
-        elif isinstance(value, dict):
-            words += [f"--{key}", json.dumps(value)]
-        elif value is not None:
-            words += [f"--{key}", str(value)]
-    return words
-
-
-def _json_value(text: str, flag: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ServeCommandError(f"vllm serve {flag}: not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ServeCommandError(f"vllm serve {flag}: expected a JSON object")
-    return value
 
 
 @cache
@@ -391,26 +218,23 @@ SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "run
                      "data_parallel_multi_port_external_lb"})
 
 
-def _convert(name: str, values: list[str], negative: bool, word: str):
+def _convert(flag: Flag):
     """A modelled flag's value, read by simkv's flag of the same name where it has one."""
-    flag = vllm_flags()[name]
-    if flag["nargs"] == "0":
-        return not negative
-    if flag["nargs"] == "+":
-        text = ",".join(values)
-    else:
-        text = values[0]
+    name, word = flag.name, f"vllm serve {flag.word}"
+    if _table().nargs(name) == "0":
+        return not flag.negative
+    text = ",".join(flag.values) if _table().nargs(name) == "+" else flag.value
     if name == "max_model_len" and text.strip().lower() in ("auto", "-1"):
         return -1  # (fitted to the KV cache)
     if name in _HUMAN_INTS:
         return human_int(text, word)
     param = _simkv_params().get(name)
     if param is None:
-        raise ServeCommandError(f"vllm serve {word}: simkv has no reader for it")  # (every valued one has one)
+        raise ServeCommandError(f"{word}: simkv has no reader for it")  # (every valued one has one: tested)
     try:
         return param.type.convert(text, param, None)
     except click.BadParameter as exc:
-        raise ServeCommandError(f"vllm serve {word} {text!r}: {exc.format_message()}") from None
+        raise ServeCommandError(f"{word} {text!r}: {exc.format_message()}") from None
 
 
 _MTP = re.compile(r"(.+_)?mtp")
@@ -447,13 +271,13 @@ def _speculative(spec: dict, word: str, out: ServeOptions) -> None:
             out.unmodelled.append(f"{word} {key}")
 
 
-def _special(name: str, word: str, values: list[str], negative: bool, out: ServeOptions) -> None:
-    value = values[0] if values else None
+def _special(flag: Flag, out: ServeOptions) -> None:
+    name, word, value = flag.name, flag.word, flag.value
     if name.startswith("data_parallel_"):  # (a router in front of the ranks: simkv's --router says which)
-        out.external_router = None if negative else word
+        out.external_router = None if flag.negative else word
         return
     if name == "num_gpu_blocks_override":
-        out.options["num_gpu_blocks"] = human_int(value, word)
+        out.options["num_gpu_blocks"] = human_int(value, f"vllm serve {word}")
     elif name == "dtype":
         if value in ("float32", "float"):
             raise ServeCommandError(f"vllm serve {word} {value}: simkv models 16-bit weights and activations")
@@ -471,61 +295,50 @@ def _special(name: str, word: str, values: list[str], negative: bool, out: Serve
     elif name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
         pass  # (gathered by serve_options)
     elif name == "attention_config":
-        for key, item in _json_value(value, word).items():
+        for key, item in json_object(value, f"vllm serve {word}").items():
             if key == "indexer_tp_shard_min_rows":
                 out.options[key] = int(item)
             else:
                 out.unmodelled.append(f"{word} {key}")
 
 
-def _refused(name: str, values: list[str], negative: bool) -> bool:
+def _refused(flag: Flag) -> bool:
     """Whether a REFUSED flag's value differs from vLLM's default."""
-    default = vllm_flags()[name]["default"]
-    if vllm_flags()[name]["nargs"] == "0":
-        return (not negative) != bool(default)
-    value = values[0] if values else None
-    return value not in (None, "None", "null") and str(value) != str(default)
+    default = _table().default(flag.name)
+    if _table().nargs(flag.name) == "0":
+        return (not flag.negative) != bool(default)
+    return flag.value not in (None, "None", "null") and str(flag.value) != str(default)
 
 
 def serve_options(command: str, model_given: bool = False, source: str = "--vllm-serve") -> ServeOptions:
     """simkv's engine options from a `vllm serve` command line (a @FILE holds one); a flag simkv
     cannot honour raises ServeCommandError naming it. `model_given`: simkv's own --model is set
     (the served model is then not looked up)."""
-    if command.startswith("@"):
-        try:
-            command = Path(command[1:]).read_text()
-        except OSError as exc:
-            raise ServeCommandError(f"{source} {command}: {exc}") from None
-    model, flags = _parse_words(_tokens(command), source)
-    for name, word, _, values in [f for f in flags if f[0] == "config"]:
-        config_model, config_flags = _parse_words(_config_words(values[0]), f"vllm serve --config {values[0]}")
-        model = model or config_model
-        given = {f[0] for f in flags}
-        flags = [f for f in config_flags if f[0] not in given] + flags  # (the command line wins)
-    flags = _merged(flags)
+    model, flags = read_command(command, _table(), source)
     out = ServeOptions()
     if model is not None and not model_given:
         out.options["model"] = resolve_model(model)
     speculative = {}
     refused = []
-    for name, word, negative, values in flags:
+    for flag in flags:
+        name, word = flag.name, flag.word
         if name in ("model", "config"):
             continue
         if name == "speculative_config":
-            speculative.update(_json_value(values[0], word))
+            speculative.update(json_object(flag.value, f"vllm serve {word}"))
         elif name in ("spec_method", "spec_model", "spec_tokens"):
             key = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}[name]
-            speculative[key] = int(values[0]) if key == "num_speculative_tokens" else values[0]
+            speculative[key] = int(flag.value) if key == "num_speculative_tokens" else flag.value
         elif name in SPECIAL:
-            _special(name, word, values, negative, out)
+            _special(flag, out)
         elif name in modelled_flags():
-            out.options[name] = _convert(name, values, negative, word)
+            out.options[name] = _convert(flag)
         elif name in IGNORED:
             out.ignored.append(word)
         elif name in UNMODELLED:
             out.unmodelled.append(word)
         elif name in REFUSED:
-            if _refused(name, values, negative):
+            if _refused(flag):
                 refused.append(f"{word} ({REFUSED[name]})")
         else:  # (a flag of a newer vLLM, not sorted yet)
             raise ServeCommandError(f"{source}: {word} is not sorted by simkv/cli/vllm_serve.py")
