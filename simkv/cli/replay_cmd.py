@@ -222,20 +222,34 @@ def build_config(cli_values: dict, config_file: str | None, overrides: dict | No
 
 
 def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple[str, ...],
-                overrides: dict | None = None):
+                overrides: dict | None = None, vllm_bench: str | None = None):
     """The --goodput SLOs, the engine config and the trace of a command, or a one-line click error.
-    `overrides`: options over the flags (a grid's first cell, so that its keys count in the checks)."""
+    `overrides`: options over the flags (a grid's first cell, so that its keys count in the checks).
+    `vllm_bench`: a `vllm bench serve` command whose traffic replaces the trace (its
+    --max-concurrency and --goodput too, unless simkv's own flags give them)."""
     from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.traces.schema import read_trace
 
     try:
-        slo = parse_goodput(goodput)
-    except GoodputError as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
         config = build_config(flags, config_file, overrides)
+        bench = None
+        if vllm_bench:
+            from simkv.cli.vllm_bench_command import bench_command
+
+            bench = bench_command(vllm_bench, config.hardware.model)
+            if bench.note():
+                _say_once(bench.note())
+            if bench.max_concurrency is not None and flags.get("client_max_concurrency") is None:
+                config = build_config(flags, config_file, (overrides or {})
+                                      | {"client_max_concurrency": bench.max_concurrency})
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
+    try:
+        slo = parse_goodput(goodput or (bench.goodput if bench is not None else ()))
+    except GoodputError as exc:
+        raise click.UsageError(str(exc)) from None
+    if bench is not None:
+        return slo, config, bench.trace
     try:
         data = read_trace(trace)
     except (ValueError, OSError) as exc:
@@ -570,6 +584,9 @@ _ENGINE_OPTIONS = [
 @click.argument("trace", required=False, default=DEFAULT_TRACE)
 @click.option("--out", "out_dir", default="out/replay", show_default=True, help="Output folder.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
+@click.option("--vllm-bench", "vllm_bench", default=None, metavar="COMMAND|@FILE",
+              help="Instead of TRACE: the traffic of a `vllm bench serve` command (its random dataset and schedule, "
+                   "drawn as vLLM's client draws them; its --max-concurrency and --goodput) (docs/vllm_serve.md).")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="A cost model name, or a calib.json fitted by `simkv calibrate`.")
 @click.option("--backend", type=click.Choice(["sim", "gpu"]), default="sim", show_default=True,
@@ -601,7 +618,8 @@ _ENGINE_OPTIONS = [
 @encode_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
-def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: str, step_base_s: float,
+def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: str | None, cost_model: str,
+               step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
                noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
@@ -631,7 +649,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, cost_model: st
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")
-    slo, config, data = read_inputs(trace, flags | {"router": router}, config_file, goodput)
+    if vllm_bench and trace != DEFAULT_TRACE:
+        raise click.UsageError("give TRACE or --vllm-bench (whose traffic is the trace), not both")
+    slo, config, data = read_inputs(trace, flags | {"router": router}, config_file, goodput, vllm_bench=vllm_bench)
     if disaggregation is not None:
         check_pools(disaggregation, config)
     if backend == "gpu" and (config.cache.cpu_offload_gb or config.cache.offload_group_size):

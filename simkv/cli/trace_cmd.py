@@ -245,3 +245,31 @@ def export_cmd(path: str, out: str, block_size: int, trace_out: str | None, mode
                f"(--model, --gpu, -tp, --async-scheduling as vLLM serves by default, ...)")
     click.echo("  simkv compare sim bench.json --out compare   # + --server-metrics BEFORE AFTER (/metrics snapshots)")
     click.echo("  simkv calibrate --from-bench bench.json --sim sim --out fit.json   # then --cost-model fit.json")
+
+
+@trace.command("from-vllm-bench")
+@click.argument("command")
+@click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
+@click.option("--model", default="llama-3-8b", show_default=True,
+              help="The served model: whether its tokenizer puts a BOS token in front of every prompt (Qwen's and "
+                   "gpt-oss's do not).")
+@clean_errors
+def from_vllm_bench_cmd(command: str, out: str, model: str) -> None:
+    """Write the traffic of a `vllm bench serve` COMMAND (or @FILE) as a trace: its random
+    dataset and schedule, drawn as vLLM's client draws them (`simkv replay --vllm-bench` replays
+    it directly)."""
+    from simkv.cli.vllm_bench_command import bench_command
+    from simkv.config import ConfigError
+
+    try:
+        bench = bench_command(command, model, source="COMMAND")
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    write_trace(bench.trace, out)
+    click.echo(f"wrote {len(bench.trace):,} requests to {out}")
+    if bench.note():
+        click.echo(f"note: {bench.note()}")
+    flags = ([f"--client-max-concurrency {bench.max_concurrency}"] if bench.max_concurrency else []) + [
+        f"--goodput {slo}" for slo in bench.goodput]
+    if flags:
+        click.echo(f"replay it as the client sends it: simkv replay {out} {' '.join(flags)} ...")

@@ -1,0 +1,197 @@
+"""`--vllm-bench`: the traffic of a `vllm bench serve` command line, so that a replay predicts
+what that benchmark would measure against the server simulated.
+
+The client's 101 flags (vLLM 0.33: vllm_bench_flags.json) are sorted as the server's are
+(cli/vllm_serve.py): the random dataset's and the schedule's flags make the trace
+(simkv/traces/vllm_random.py, draw for draw as the client draws it), --max-concurrency becomes
+`client_max_concurrency`, --goodput becomes simkv's --goodput; flags with no bearing on the
+traffic are ignored; flags that change it in ways simkv does not model are named in a note
+(warm-up requests, replies that may stop at EOS); the other datasets and the flags that need
+them are refused (import a finished benchmark's result with `simkv trace import vllm-bench`
+instead, or replay a trace exported for its timed_trace dataset).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from simkv.cli.vllm_command_line import CommandLineError, flag_table, read_command
+from simkv.traces.errors import TraceError
+from simkv.traces.schema import Trace
+from simkv.traces.vllm_random import RandomDataset
+
+SCHEDULE = {"num_prompts": int, "request_rate": float, "burstiness": float, "seed": int,
+            "random_input_len": int, "random_output_len": int, "random_prefix_len": int,
+            "input_len": int, "output_len": int, "ramp_up_strategy": str, "ramp_up_start_rps": float,
+            "ramp_up_end_rps": float}
+SPECIAL = frozenset({"dataset_name", "max_concurrency", "goodput", "random_range_ratio", "ignore_eos",
+                     "ready_check_timeout_sec", "num_warmups"})
+IGNORED = frozenset("""
+    label backend base_url host port endpoint header insecure model tokenizer tokenizer_mode trust_remote_code
+    served_model_name skip_tokenizer_init request_id_prefix save_result save_detailed append_result metadata
+    result_dir result_filename percentile_metrics metric_percentiles disable_tqdm profile plot_timeline
+    plot_dataset_stats timeline_itl_thresholds extra_body chat_template_kwargs skip_chat_template
+    enable_multimodal_chat disable_shuffle no_oversample dataset_path
+""".split())
+UNMODELLED = frozenset("temperature top_p top_k min_p frequency_penalty presence_penalty repetition_penalty "
+                       "logprobs no_stream".split())
+# flags of the client's other datasets: vLLM ignores them with the random dataset, as simkv does
+OTHER_DATASETS = frozenset("""
+    sharegpt_output_len hf_name hf_split hf_subset hf_output_len custom_output_len custom_ensure_client_side_data
+    asr_max_audio_len_sec asr_min_audio_len_sec blazedit_min_distance blazedit_max_distance bfcl_categories
+    spec_bench_category spec_bench_output_len speed_bench_category speed_bench_dataset_subset speed_bench_output_len
+    prefix_repetition_prefix_len prefix_repetition_suffix_len prefix_repetition_num_prefixes
+    prefix_repetition_output_len random_mm_base_items_per_request random_mm_num_mm_items_range_ratio
+    random_mm_limit_mm_per_prompt random_mm_bucket_config timed_trace_chunk_hash_size timed_trace_label_hash_ids
+    timed_trace_label_input_length timed_trace_label_output_length timed_trace_label_timestamp
+    timed_trace_sec_multiplier self_timed no_reranker
+""".split())
+REFUSED = {"probe_request_rate": "probe requests on a connection of their own are not modelled",
+           "random_batch_size": "batched prompts are an embeddings benchmark's",
+           "use_beam_search": "beam search is not modelled",
+           "lora_modules": "requests spread over LoRA adapters: give the trace a LoRA column "
+                           "(`simkv trace transform --lora-adapters`)",
+           "lora_assignment": "requests spread over LoRA adapters are not modelled from the bench command"}
+
+
+@dataclass
+class BenchCommand:
+    """What a `vllm bench serve` command sends: its trace, the client's concurrency limit, its
+    goodput SLOs (vLLM's KEY:MS), and the flags simkv did not carry over."""
+
+    trace: Trace
+    max_concurrency: int | None = None
+    goodput: tuple[str, ...] = ()
+    unmodelled: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def note(self) -> str | None:
+        parts = []
+        if self.unmodelled:
+            parts.append(f"not modelled: {'; '.join(self.unmodelled)}")
+        if self.ignored:
+            parts.append(f"ignored (client, output, other datasets): {', '.join(self.ignored)}")
+        return "vllm bench serve: " + "; ".join(parts) if parts else None
+
+
+def _table():
+    return flag_table("vllm_bench_flags.json", ("bench", "serve"))
+
+
+def bench_flags() -> dict:
+    """vLLM's bench client flags by name (its `dest`)."""
+    return _table().flags
+
+
+def sorted_flags() -> list[frozenset]:
+    """The classes the client's flags are sorted into (every flag in exactly one: tested)."""
+    return [frozenset(SCHEDULE), SPECIAL, IGNORED, UNMODELLED, OTHER_DATASETS, frozenset(REFUSED)]
+
+
+def special_tokens(model: str) -> int:
+    """The special tokens the model's tokenizer puts in front of a prompt: Qwen's and gpt-oss's
+    none, the others' (Llama, Mistral, Gemma, DeepSeek) a BOS token."""
+    name = model.lower()
+    if name.endswith(".json"):
+        try:
+            with open(model) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return 1  # (the model option reports a bad file itself)
+        name = str(config.get("model_type", "")) + str((config.get("text_config") or {}).get("model_type", ""))
+    return 0 if "qwen" in name or "gpt-oss" in name or "gpt_oss" in name else 1
+
+
+def bench_command(command: str, model: str, source: str = "--vllm-bench") -> BenchCommand:
+    """The traffic of a `vllm bench serve` command line (a @FILE holds one) against `model`
+    (whose tokenizer's special tokens count in every prompt); a flag simkv cannot honour raises
+    CommandLineError naming it."""
+    positional, flags = read_command(command, _table(), source)
+    if positional is not None and not any(f.name == "model" for f in flags):  # (--model's value is one)
+        raise CommandLineError(f"{source}: '{positional}' is neither a flag nor a flag's value")
+    schedule: dict = {}
+    out_flags = {"unmodelled": [], "ignored": []}
+    max_concurrency, goodput, refused = None, (), []
+    ratio = (0.0, 0.0)
+    ignore_eos = ready_check = False
+    warmups = 0
+    for flag in flags:
+        name, word = flag.name, flag.word
+        if name in SCHEDULE:
+            schedule[name] = _number(flag, SCHEDULE[name], source)
+        elif name == "dataset_name":
+            if flag.value != "random":
+                raise CommandLineError(
+                    f"{source}: --dataset-name {flag.value}: simkv draws the random dataset only; replay another "
+                    "dataset's benchmark from its result (`simkv trace import vllm-bench bench.json`), or a "
+                    "timed trace from the parquet `simkv trace export` wrote beside it")
+        elif name == "max_concurrency":
+            max_concurrency = int(_number(flag, int, source))
+        elif name == "goodput":
+            goodput = flag.values
+        elif name == "random_range_ratio":
+            ratio = _range_ratio(flag.value, source)
+        elif name == "ignore_eos":
+            ignore_eos = not flag.negative
+        elif name == "ready_check_timeout_sec":
+            ready_check = float(flag.value) > 0
+        elif name == "num_warmups":
+            warmups = int(_number(flag, int, source))
+        elif name in IGNORED or name in OTHER_DATASETS:
+            out_flags["ignored"].append(word)
+        elif name in UNMODELLED:
+            out_flags["unmodelled"].append(f"{word} (its cost)")
+        elif name in REFUSED:
+            default = _table().default(name)
+            if (not flag.negative) if _table().nargs(name) == "0" else str(flag.value) != str(default):
+                refused.append(f"{word} ({REFUSED[name]})")
+        else:  # (a flag of a newer vLLM, not sorted yet)
+            raise CommandLineError(f"{source}: {word} is not sorted by simkv/cli/vllm_bench_command.py")
+    if refused:
+        raise CommandLineError(f"{source}: simkv cannot honour " + "; ".join(refused))
+    if not ignore_eos:
+        out_flags["unmodelled"].append("replies end at their drawn length, as with --ignore-eos (without it the "
+                                       "model may stop one early)")
+    if ready_check or "ready_check_timeout_sec" not in {f.name for f in flags}:
+        out_flags["unmodelled"].append("the ready check's request (the first prompt, sent once before the run, "
+                                       "which leaves it cached; --ready-check-timeout-sec 0 skips it)")
+    if warmups:
+        out_flags["unmodelled"].append(f"{warmups} warm-up requests of the first prompt")
+    for general, specific in (("input_len", "random_input_len"), ("output_len", "random_output_len")):
+        if general in schedule:  # (the client's general flags win over the random dataset's)
+            schedule[specific] = schedule.pop(general)
+    dataset = RandomDataset(**schedule, input_range_ratio=ratio[0], output_range_ratio=ratio[1],
+                            num_special_tokens=special_tokens(model))
+    try:
+        trace = dataset.trace()
+    except TraceError as exc:
+        raise CommandLineError(f"{source}: {exc}") from None
+    if max_concurrency is not None and max_concurrency < 1:
+        raise CommandLineError(f"{source}: --max-concurrency must be greater than 0")
+    return BenchCommand(trace, max_concurrency, tuple(goodput), **out_flags)
+
+
+def _number(flag, kind, source: str):
+    try:
+        return kind(flag.value)
+    except (TypeError, ValueError):
+        what = {int: "a whole number", float: "a number", str: "a word"}[kind]
+        raise CommandLineError(f"{source}: {flag.word} {flag.value!r} is not {what}") from None
+
+
+def _range_ratio(text: str, source: str) -> tuple[float, float]:
+    """A float for both lengths, or vLLM's JSON {"input": a, "output": b}."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise CommandLineError(f"{source}: --random-range-ratio {text!r} is neither a number nor JSON") from None
+    if isinstance(value, dict):
+        try:
+            return float(value["input"]), float(value["output"])
+        except (KeyError, TypeError, ValueError):
+            raise CommandLineError(f"{source}: --random-range-ratio as JSON needs 'input' and 'output' numbers, "
+                                   f"got {text}") from None
+    if isinstance(value, (int, float)):
+        return float(value), float(value)
+    raise CommandLineError(f"{source}: --random-range-ratio {text!r} is neither a number nor JSON")

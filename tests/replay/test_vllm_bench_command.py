@@ -1,0 +1,103 @@
+"""--vllm-bench: the traffic of a `vllm bench serve` command (simkv/cli/vllm_bench_command.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from simkv.cli.vllm_bench_command import bench_command, bench_flags, sorted_flags, special_tokens
+from simkv.cli.vllm_command_line import CommandLineError
+from simkv.traces.schema import read_trace
+from simkv.traces.vllm_random import RandomDataset
+from tests.cli_runs import cli_fails, cli_ok
+
+BENCH = ("vllm bench serve --model meta-llama/Llama-3.1-8B-Instruct --dataset-name random --random-input-len 512 "
+         "--random-output-len 64 --random-range-ratio 0.25 --random-prefix-len 100 --num-prompts 300 "
+         "--request-rate 12 --burstiness 0.8 --seed 3 --max-concurrency 16 --goodput ttft:400 tpot:40 "
+         "--ignore-eos --ready-check-timeout-sec 0 --save-result --result-filename b.json")
+
+
+def test_every_bench_flag_is_sorted_once():
+    classes = sorted_flags()
+    assert len(bench_flags()) == 101
+    assert set().union(*classes) == set(bench_flags()) and sum(len(c) for c in classes) == 101
+
+
+def test_a_typical_command():
+    bench = bench_command(BENCH, "llama-3.1-8b")
+    expected = RandomDataset(num_prompts=300, random_input_len=512, random_output_len=64, input_range_ratio=0.25,
+                             output_range_ratio=0.25, random_prefix_len=100, seed=3, request_rate=12.0,
+                             burstiness=0.8).trace()
+    assert np.array_equal(bench.trace.arrival_time_s, expected.arrival_time_s)
+    assert np.array_equal(bench.trace.prompt_tokens, expected.prompt_tokens)
+    assert np.array_equal(bench.trace.output_tokens, expected.output_tokens)
+    assert (bench.max_concurrency, bench.goodput) == (16, ("ttft:400", "tpot:40"))
+    assert bench.unmodelled == [] and bench.ignored == ["--model", "--save-result", "--result-filename"]
+
+
+def test_defaults_and_what_is_noted():
+    bench = bench_command("vllm bench serve", "qwen2.5-7b")
+    assert len(bench.trace) == 1000 and (bench.trace.arrival_time_s == 0).all()  # (--request-rate inf)
+    assert (bench.trace.prompt_tokens == 1024).all() and (bench.trace.output_tokens == 128).all()
+    note = bench.note()
+    assert "--ignore-eos" in note and "ready check" in note
+    assert "warm-up" in bench_command("vllm bench serve --num-warmups 3", "llama-3-8b").note()
+
+
+def test_the_general_lengths_win_and_ratios_may_differ():
+    bench = bench_command("vllm bench serve --random-input-len 100 --input-len 200 --output-len 7 "
+                          "--random-range-ratio '{\"input\": 0.0, \"output\": 0.5}' --num-prompts 50", "llama-3-8b")
+    assert (bench.trace.prompt_tokens == 200).all()
+    assert bench.trace.output_tokens.min() >= 3 and bench.trace.output_tokens.max() <= 11
+    assert len(set(bench.trace.output_tokens.tolist())) > 1
+
+
+@pytest.mark.parametrize("model, tokens", [("llama-3-8b", 1), ("qwen3-8b", 0), ("gpt-oss-20b", 0),
+                                           ("deepseek-v3", 1), ("gemma-3-12b", 1)])
+def test_special_tokens_by_model(model, tokens):
+    assert special_tokens(model) == tokens
+
+
+@pytest.mark.parametrize("command, match", [
+    ("vllm bench serve --dataset-name sharegpt", "random dataset only"),
+    ("vllm bench serve --probe-request-rate 2", "--probe-request-rate"),
+    ("vllm bench serve --lora-modules a b", "LoRA"),
+    ("vllm bench serve --num-prompts x", "not a whole number"),
+    ("vllm bench serve --random-range-ratio 1.5", "ratio must be in"),
+    ("vllm bench serve --max-concurrency 0", "greater than 0"),
+    ("vllm bench serve --no-such-flag", "not a flag of vLLM 0.33"),
+    ("vllm bench serve stray", "'stray' is neither"),
+])
+def test_bad_commands_name_what_is_wrong(command, match):
+    with pytest.raises(CommandLineError, match=match):
+        bench_command(command, "llama-3-8b")
+
+
+def test_a_replay_of_the_command_is_the_replay_of_its_trace(tmp_path):
+    """--vllm-bench replays what `simkv trace from-vllm-bench` writes, with the client's limit
+    and SLOs: byte for byte the same as giving those by hand."""
+    (tmp_path / "bench.sh").write_text(BENCH + "\n")
+    cli_ok(["replay", "--vllm-bench", f"@{tmp_path / 'bench.sh'}", "--model", "llama-3.1-8b", "--out",
+            str(tmp_path / "a"), "--quiet"])
+    out = cli_ok(["trace", "from-vllm-bench", BENCH, "--model", "llama-3.1-8b", "--out", str(tmp_path / "t.parquet")])
+    assert "--client-max-concurrency 16 --goodput ttft:400 --goodput tpot:40" in out
+    cli_ok(["replay", str(tmp_path / "t.parquet"), "--model", "llama-3.1-8b", "--client-max-concurrency", "16",
+            "--goodput", "ttft:400", "--goodput", "tpot:40", "--out", str(tmp_path / "b"), "--quiet"])
+    for name in ("requests.parquet", "steps.parquet"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    a, b = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("a", "b"))
+    a.pop("wall_time_s"), b.pop("wall_time_s")
+    assert a.pop("trace") != b.pop("trace")  # (only where the trace came from differs)
+    assert a == b and a["client_concurrency"]["max_concurrency"] == 16 and "goodput" in a
+    assert a["prefix_cache_hits_tokens"] > 0  # (the shared 100-token prefix, BOS included)
+    assert len(read_trace(str(tmp_path / "t.parquet"))) == 300
+
+
+def test_simkvs_own_flags_win_and_a_trace_is_not_given_twice(tmp_path):
+    cli_ok(["replay", "--vllm-bench", BENCH, "--client-max-concurrency", "4", "--goodput", "ttft:100",
+            "--out", str(tmp_path), "--quiet"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["client_concurrency"]["max_concurrency"] == 4
+    assert summary["goodput"]["slo_ms"] == {"ttft": 100.0}
+    assert "not both" in cli_fails(["replay", "traces/req400.parquet", "--vllm-bench", BENCH, "--out",
+                                    str(tmp_path / "x")])
