@@ -2,8 +2,8 @@
 what that benchmark would measure against the server simulated.
 
 The client's 101 flags (vLLM 0.33: vllm_bench_flags.json) are sorted as the server's are
-(cli/vllm_serve.py): the random dataset's and the schedule's flags make the trace
-(simkv/traces/vllm_random.py, draw for draw as the client draws it), --max-concurrency becomes
+(cli/vllm_serve.py): the random and prefix_repetition datasets' and the schedule's flags make
+the trace (simkv/traces/vllm_random.py, as the client draws it), --max-concurrency becomes
 `client_max_concurrency`, --goodput becomes simkv's --goodput; flags with no bearing on the
 traffic are ignored; flags that change it in ways simkv does not model are named in a note
 (warm-up requests, replies that may stop at EOS); the other datasets and the flags that need
@@ -19,12 +19,16 @@ from dataclasses import dataclass, field
 from simkv.cli.vllm_command_line import CommandLineError, flag_table, read_command
 from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
-from simkv.traces.vllm_random import RandomDataset
+from simkv.traces.vllm_random import PrefixRepetitionDataset, RandomDataset, Schedule
 
-SCHEDULE = {"num_prompts": int, "request_rate": float, "burstiness": float, "seed": int,
-            "random_input_len": int, "random_output_len": int, "random_prefix_len": int,
-            "input_len": int, "output_len": int, "ramp_up_strategy": str, "ramp_up_start_rps": float,
+DATASETS = ("random", "prefix_repetition")
+SCHEDULE = {"request_rate": float, "burstiness": float, "ramp_up_strategy": str, "ramp_up_start_rps": float,
             "ramp_up_end_rps": float}
+# the datasets' own flags (the general --input-len / --output-len win over the dataset's)
+DATASET_FLAGS = {"num_prompts": int, "seed": int, "input_len": int, "output_len": int, "random_input_len": int,
+                 "random_output_len": int, "random_prefix_len": int, "prefix_repetition_prefix_len": int,
+                 "prefix_repetition_suffix_len": int, "prefix_repetition_num_prefixes": int,
+                 "prefix_repetition_output_len": int, "disable_shuffle": bool}
 SPECIAL = frozenset({"dataset_name", "max_concurrency", "goodput", "random_range_ratio", "ignore_eos",
                      "ready_check_timeout_sec", "num_warmups"})
 IGNORED = frozenset("""
@@ -32,7 +36,7 @@ IGNORED = frozenset("""
     served_model_name skip_tokenizer_init request_id_prefix save_result save_detailed append_result metadata
     result_dir result_filename percentile_metrics metric_percentiles disable_tqdm profile plot_timeline
     plot_dataset_stats timeline_itl_thresholds extra_body chat_template_kwargs skip_chat_template
-    enable_multimodal_chat disable_shuffle no_oversample dataset_path
+    enable_multimodal_chat no_oversample dataset_path
 """.split())
 UNMODELLED = frozenset("temperature top_p top_k min_p frequency_penalty presence_penalty repetition_penalty "
                        "logprobs no_stream".split())
@@ -41,8 +45,7 @@ OTHER_DATASETS = frozenset("""
     sharegpt_output_len hf_name hf_split hf_subset hf_output_len custom_output_len custom_ensure_client_side_data
     asr_max_audio_len_sec asr_min_audio_len_sec blazedit_min_distance blazedit_max_distance bfcl_categories
     spec_bench_category spec_bench_output_len speed_bench_category speed_bench_dataset_subset speed_bench_output_len
-    prefix_repetition_prefix_len prefix_repetition_suffix_len prefix_repetition_num_prefixes
-    prefix_repetition_output_len random_mm_base_items_per_request random_mm_num_mm_items_range_ratio
+    random_mm_base_items_per_request random_mm_num_mm_items_range_ratio
     random_mm_limit_mm_per_prompt random_mm_bucket_config timed_trace_chunk_hash_size timed_trace_label_hash_ids
     timed_trace_label_input_length timed_trace_label_output_length timed_trace_label_timestamp
     timed_trace_sec_multiplier self_timed no_reranker
@@ -86,7 +89,8 @@ def bench_flags() -> dict:
 
 def sorted_flags() -> list[frozenset]:
     """The classes the client's flags are sorted into (every flag in exactly one: tested)."""
-    return [frozenset(SCHEDULE), SPECIAL, IGNORED, UNMODELLED, OTHER_DATASETS, frozenset(REFUSED)]
+    return [frozenset(SCHEDULE), frozenset(DATASET_FLAGS), SPECIAL, IGNORED, UNMODELLED, OTHER_DATASETS,
+            frozenset(REFUSED)]
 
 
 def special_tokens(model: str) -> int:
@@ -111,6 +115,8 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     if positional is not None and not any(f.name == "model" for f in flags):  # (--model's value is one)
         raise CommandLineError(f"{source}: '{positional}' is neither a flag nor a flag's value")
     schedule: dict = {}
+    given: dict = {}
+    dataset_name = "random"
     out_flags = {"unmodelled": [], "ignored": []}
     max_concurrency, goodput, refused = None, (), []
     ratio = (0.0, 0.0)
@@ -120,12 +126,16 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
         name, word = flag.name, flag.word
         if name in SCHEDULE:
             schedule[name] = _number(flag, SCHEDULE[name], source)
+        elif name in DATASET_FLAGS:
+            given[name] = (not flag.negative) if DATASET_FLAGS[name] is bool else _number(flag, DATASET_FLAGS[name],
+                                                                                          source)
         elif name == "dataset_name":
-            if flag.value != "random":
+            if flag.value not in DATASETS:
                 raise CommandLineError(
-                    f"{source}: --dataset-name {flag.value}: simkv draws the random dataset only; replay another "
-                    "dataset's benchmark from its result (`simkv trace import vllm-bench bench.json`), or a "
-                    "timed trace from the parquet `simkv trace export` wrote beside it")
+                    f"{source}: --dataset-name {flag.value}: simkv draws the {' and '.join(DATASETS)} datasets; "
+                    "replay another dataset's benchmark from its result (`simkv trace import vllm-bench "
+                    "bench.json`), or a timed trace from the parquet `simkv trace export` wrote beside it")
+            dataset_name = flag.value
         elif name == "max_concurrency":
             max_concurrency = int(_number(flag, int, source))
         elif name == "goodput":
@@ -158,11 +168,7 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
                                        "which leaves it cached; --ready-check-timeout-sec 0 skips it)")
     if warmups:
         out_flags["unmodelled"].append(f"{warmups} warm-up requests of the first prompt")
-    for general, specific in (("input_len", "random_input_len"), ("output_len", "random_output_len")):
-        if general in schedule:  # (the client's general flags win over the random dataset's)
-            schedule[specific] = schedule.pop(general)
-    dataset = RandomDataset(**schedule, input_range_ratio=ratio[0], output_range_ratio=ratio[1],
-                            num_special_tokens=special_tokens(model))
+    dataset = _dataset(dataset_name, given, ratio, Schedule(**schedule), special_tokens(model))
     try:
         trace = dataset.trace()
     except TraceError as exc:
@@ -170,6 +176,22 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     if max_concurrency is not None and max_concurrency < 1:
         raise CommandLineError(f"{source}: --max-concurrency must be greater than 0")
     return BenchCommand(trace, max_concurrency, tuple(goodput), **out_flags)
+
+
+def _dataset(name: str, given: dict, ratio: tuple[float, float], schedule: Schedule, special: int):
+    """The dataset of `name` from its flags (those of the other dataset are ignored, as vLLM does)."""
+    common = {"num_prompts": given.get("num_prompts", 1000), "seed": given.get("seed", 0),
+              "num_special_tokens": special, "schedule": schedule}
+    if name == "random":
+        return RandomDataset(**common, random_input_len=given.get("input_len", given.get("random_input_len", 1024)),
+                             random_output_len=given.get("output_len", given.get("random_output_len", 128)),
+                             random_prefix_len=given.get("random_prefix_len", 0),
+                             input_range_ratio=ratio[0], output_range_ratio=ratio[1])
+    return PrefixRepetitionDataset(**common, prefix_len=given.get("prefix_repetition_prefix_len", 256),
+                                   suffix_len=given.get("prefix_repetition_suffix_len", 256),
+                                   num_prefixes=given.get("prefix_repetition_num_prefixes", 10),
+                                   output_len=given.get("output_len", given.get("prefix_repetition_output_len", 128)),
+                                   disable_shuffle=given.get("disable_shuffle", False))
 
 
 def _number(flag, kind, source: str):

@@ -8,7 +8,7 @@ import pytest
 from simkv.cli.vllm_bench_command import bench_command, bench_flags, sorted_flags, special_tokens
 from simkv.cli.vllm_command_line import CommandLineError
 from simkv.traces.schema import read_trace
-from simkv.traces.vllm_random import RandomDataset
+from simkv.traces.vllm_random import PrefixRepetitionDataset, RandomDataset, Schedule
 from tests.cli_runs import cli_fails, cli_ok
 
 BENCH = ("vllm bench serve --model meta-llama/Llama-3.1-8B-Instruct --dataset-name random --random-input-len 512 "
@@ -26,8 +26,8 @@ def test_every_bench_flag_is_sorted_once():
 def test_a_typical_command():
     bench = bench_command(BENCH, "llama-3.1-8b")
     expected = RandomDataset(num_prompts=300, random_input_len=512, random_output_len=64, input_range_ratio=0.25,
-                             output_range_ratio=0.25, random_prefix_len=100, seed=3, request_rate=12.0,
-                             burstiness=0.8).trace()
+                             output_range_ratio=0.25, random_prefix_len=100, seed=3,
+                             schedule=Schedule(request_rate=12.0, burstiness=0.8)).trace()
     assert np.array_equal(bench.trace.arrival_time_s, expected.arrival_time_s)
     assert np.array_equal(bench.trace.prompt_tokens, expected.prompt_tokens)
     assert np.array_equal(bench.trace.output_tokens, expected.output_tokens)
@@ -59,7 +59,7 @@ def test_special_tokens_by_model(model, tokens):
 
 
 @pytest.mark.parametrize("command, match", [
-    ("vllm bench serve --dataset-name sharegpt", "random dataset only"),
+    ("vllm bench serve --dataset-name sharegpt", "random and prefix_repetition datasets"),
     ("vllm bench serve --probe-request-rate 2", "--probe-request-rate"),
     ("vllm bench serve --lora-modules a b", "LoRA"),
     ("vllm bench serve --num-prompts x", "not a whole number"),
@@ -101,3 +101,15 @@ def test_simkvs_own_flags_win_and_a_trace_is_not_given_twice(tmp_path):
     assert summary["goodput"]["slo_ms"] == {"ttft": 100.0}
     assert "not both" in cli_fails(["replay", "traces/req400.parquet", "--vllm-bench", BENCH, "--out",
                                     str(tmp_path / "x")])
+
+
+def test_a_prefix_repetition_command():
+    bench = bench_command("vllm bench serve --dataset-name prefix_repetition --num-prompts 45 --seed 2 "
+                          "--prefix-repetition-num-prefixes 4 --prefix-repetition-prefix-len 1000 "
+                          "--prefix-repetition-suffix-len 100 --output-len 20 --request-rate 5 "
+                          "--random-input-len 7", "qwen2.5-7b")
+    expected = PrefixRepetitionDataset(num_prompts=45, seed=2, num_prefixes=4, prefix_len=1000, suffix_len=100,
+                                       output_len=20, num_special_tokens=0, schedule=Schedule(request_rate=5.0))
+    assert len(bench.trace) == 44 and (bench.trace.prompt_tokens == 1100).all()  # (45 // 4 = 11 per prefix)
+    assert np.array_equal(bench.trace.arrival_time_s, expected.trace().arrival_time_s)
+    assert bench.ignored == []  # (--random-input-len: another dataset's flag, dropped as vLLM drops it)
