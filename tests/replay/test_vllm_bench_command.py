@@ -113,3 +113,17 @@ def test_a_prefix_repetition_command():
     assert len(bench.trace) == 44 and (bench.trace.prompt_tokens == 1100).all()  # (45 // 4 = 11 per prefix)
     assert np.array_equal(bench.trace.arrival_time_s, expected.trace().arrival_time_s)
     assert bench.ignored == []  # (--random-input-len: another dataset's flag, dropped as vLLM drops it)
+
+
+@pytest.mark.parametrize("name", sorted(bench_flags()))
+def test_each_bench_flag_alone_is_taken_or_refused_cleanly(name):
+    """Every client flag, alone with vLLM's default value (or 1): a trace, or a CommandLineError."""
+    flag = bench_flags()[name]
+    option = max(flag["options"] or flag["negative"], key=len)
+    default = flag["default"]
+    value = [] if flag["nargs"] == "0" else ["1" if default is None or isinstance(default, bool) else str(default)]
+    try:
+        bench = bench_command(" ".join(["vllm bench serve --num-prompts 20", option, *value]), "llama-3-8b")
+    except CommandLineError:
+        return
+    assert len(bench.trace) > 0

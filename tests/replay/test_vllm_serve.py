@@ -324,3 +324,23 @@ def test_a_replay_at_an_auto_fitted_length_rejects_longer_prompts_and_says_why(t
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["max_model_len"] == 39 * 16  # (40 blocks less the null block)
     assert summary["num_rejected"] > 0 and "(the longest request the KV cache holds" in out
+
+
+@pytest.mark.parametrize("name", sorted(vllm_flags()))
+def test_each_flag_alone_is_taken_or_refused_cleanly(name):
+    """Every serve flag, alone with vLLM's default value (or 1): its options build an engine
+    config, or the command is refused with a ServeCommandError or the config with a ConfigError;
+    nothing else escapes."""
+    flag = vllm_flags()[name]
+    option = max(flag["options"] or flag["negative"], key=len)
+    default = flag["default"]
+    value = [] if flag["nargs"] == "0" else [
+        json.dumps(default) if isinstance(default, bool) else "1" if default is None else str(default)]
+    try:
+        served = serve_options(" ".join(["vllm serve", option, *value]), model_given=True)
+    except ServeCommandError:
+        return
+    try:
+        EngineConfig.from_flat(served.options)
+    except ConfigError:
+        pass
