@@ -440,6 +440,12 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
         raise ConfigError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
     if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
+    given = flat_options({k: v for k, v in flags.items() if k not in ("tensor_parallel_size", "data_parallel_size",
+                                                                       "pipeline_parallel_size")}, config_file)
+    layout = [k for k in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size") if k in given]
+    if layout:
+        raise ConfigError(f"--layouts tries every layout itself, but --config or --vllm-serve gives {', '.join(layout)}: "
+                          "drop it there")
     dcp = flags.get("decode_context_parallel_size") or 1
     base = capacity_config(flags, config_file, {"tensor_parallel_size": dcp} if dcp > 1 else None)
     spec = base.hardware.model_spec()

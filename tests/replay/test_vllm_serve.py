@@ -344,3 +344,9 @@ def test_each_flag_alone_is_taken_or_refused_cleanly(name):
         EngineConfig.from_flat(served.options)
     except ConfigError:
         pass
+
+
+def test_layouts_refuse_a_layout_the_command_gives():
+    assert "--vllm-serve gives tensor_parallel_size" in cli_fails(
+        ["capacity", "--vllm-serve", "vllm serve meta-llama/Meta-Llama-3-70B -tp 2", "--layouts", "8"])
+    cli_ok(["capacity", "--vllm-serve", "vllm serve meta-llama/Meta-Llama-3-70B", "--layouts", "8"])
