@@ -81,7 +81,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py).
     `encode`: an `EncodeSpec`, encode instances in front (simkv/replay/encode_pool.py)."""
     _check_lora(trace, config, disaggregation)
-    _check_client_concurrency(trace, config, fleet, disaggregation, encode)
+    _check_client_concurrency(trace, config, encode)
     config = _multimodal_config(trace, config, backend, disaggregation)
     if encode is not None:
         return _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode_runs, on_progress,
@@ -234,17 +234,16 @@ def _check_unchunked_items_fit(trace, config: EngineConfig, largest: int) -> Non
                              "budget or the threshold")
 
 
-def _check_client_concurrency(trace, config: EngineConfig, fleet, disaggregation, encode) -> None:
+def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
     """A client's concurrency limit (vllm bench serve's --max-concurrency) is modelled in front
-    of one engine, for requests that are not paced on their replies otherwise."""
+    of one engine, a fleet, data-parallel ranks or a P/D pair, for requests that are not paced on
+    their replies otherwise."""
     sc = config.scheduler
     if sc.client_max_concurrency is None:
         return
     unsupported = [(trace.session_id is not None and sc.session_pacing,
                     "sessions paced on their replies (--no-session-pacing sends every turn as a request of its own)"),
-                   (fleet is not None and fleet.num_replicas > 1, "a fleet of replicas"),
-                   (config.hardware.data_parallel_size > 1, "data-parallel ranks"),
-                   (disaggregation is not None, "P/D disaggregation"), (encode is not None, "encode instances"),
+                   (encode is not None, "encode instances"),
                    (sc.has_clients, "clients that give up or retry"),
                    (sc.max_num_queued_reqs is not None or sc.max_num_queued_tokens is not None,
                     "vLLM's admission control (max_num_queued_reqs / max_num_queued_tokens)")]

@@ -70,8 +70,9 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
     summary = {k: v for k, v in decode.items() if k not in ("fleet", "kv_offloading", "multimodal")}
     summary |= multimodal_summary(run.prefill_runs + run.decode_runs, trace)
     summary |= admission_limits_summary([r.steps.columns() for r in run.prefill_runs + run.decode_runs])
-    if "session_pacing" in prefill:  # (the prefill router paces the turns)
-        summary["session_pacing"] = prefill["session_pacing"]
+    for key in ("session_pacing", "client_concurrency"):  # (the prefill router paces the turns, holds the requests)
+        if key in prefill:
+            summary[key] = prefill[key]
     if "admission_control" in prefill:  # (the prefill pool's front ends refuse: simkv/replay/admission.py)
         summary["admission_control"] = prefill["admission_control"]
     summary["duration_s"] = max(decode["duration_s"], prefill["duration_s"])

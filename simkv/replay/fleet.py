@@ -24,7 +24,7 @@ from simkv.replay.results import (admission_limits_summary, admission_summary, l
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
-from simkv.replay.sessions import ReleaseWatch, SessionPacing, earliest_release
+from simkv.replay.sessions import ConcurrencyPacing, ReleaseWatch, SessionPacing, earliest_release
 from simkv.replay.step_log import SPEC_COLUMNS
 from simkv.traces.lora import content_namespaces
 
@@ -33,13 +33,15 @@ class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
     def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None,
-                 session_pacing: bool = False, clients=None) -> None:
+                 session_pacing: bool = False, clients=None, max_concurrency: int | None = None) -> None:
         self.trace = trace
         self.router = router
         n = router.num_replicas
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
-        # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done
-        self.sessions = (SessionPacing(trace, self.rows) if session_pacing and trace.session_id is not None
+        # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done; or a
+        # client's concurrency limit: a request is routed once fewer than that many are in flight
+        self.sessions = (ConcurrencyPacing(trace, self.rows, max_concurrency) if max_concurrency is not None
+                         else SessionPacing(trace, self.rows) if session_pacing and trace.session_id is not None
                          else None)
         self.engines: list[ReplayEngine] = []  # (the replicas: the runner sets them)
         self._wake: simpy.Event | None = None  # the router's, while it sleeps (a release may wake it)
@@ -320,7 +322,7 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
     routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing,
-                           clients=clients)
+                           clients=clients, max_concurrency=config.scheduler.client_max_concurrency)
     routing.on_reject = on_progress
 
     def feed_of(replica):
@@ -447,7 +449,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
     summary |= admission_summary(runs, routing) | admission_limits_summary([run.steps.columns() for run in runs])
     if routing.sessions is not None:
-        summary["session_pacing"] = routing.sessions.summary()
+        summary[routing.sessions.summary_key] = routing.sessions.summary()
     if routing.clients is not None:
         from simkv.replay.client_timeouts import client_section
         summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,

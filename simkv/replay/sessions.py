@@ -180,6 +180,10 @@ class ConcurrencyPacing(Pacing):
         self._ready = [(self._trace_ticks[i], i) for i in range(first)]  # (in arrival order: a heap)
         self._next_row = first
 
+    def successor_think(self, row: int) -> int | None:
+        """A tick: any finish may send the next row (None once every row is sent)."""
+        return 1 if self._next_row < self._num_rows else None
+
     def release(self, row: int, tick: int) -> int | None:
         if self._next_row >= self._num_rows:
             return None

@@ -74,7 +74,6 @@ def test_rejected_requests_free_their_slot():
 
 
 @pytest.mark.parametrize("options, extra, match", [
-    ({"client_max_concurrency": 4}, {"fleet": FleetSpec(2, "round_robin")}, "a fleet of replicas"),
     ({"client_max_concurrency": 4, "client_timeout_s": 5.0}, {}, "clients that give up"),
     ({"client_max_concurrency": 4, "max_num_queued_reqs": 8}, {}, "admission control"),
 ])
@@ -99,8 +98,9 @@ def test_from_the_cli(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["client_max_concurrency"] == 16 and summary["peak_running"] <= 16
     assert "client concurrency limit" in out
-    assert "not modelled with a fleet" in cli_fails(["replay", "traces/req400.parquet", "--out", str(tmp_path / "f"),
-                                                      "--client-max-concurrency", "4", "--replicas", "2"])
+    assert "not modelled with clients that give up" in cli_fails(
+        ["replay", "traces/req400.parquet", "--out", str(tmp_path / "f"), "--client-max-concurrency", "4",
+         "--client-timeout", "5"])
 
 
 @pytest.mark.parametrize("options", [{"async_scheduling": True},
@@ -108,3 +108,31 @@ def test_from_the_cli(tmp_path):
 def test_the_limit_holds_under_async_scheduling_and_pipeline_stages(options):
     requests = _replay("traces/req400.parquet", client_max_concurrency=4, **options).requests
     assert _in_flight(requests) == 4 and (requests["status"] == "finished").all()
+
+
+
+def _pd():
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    return DisaggregationSpec(num_prefill=1, num_decode=1)
+
+
+FLEETS = {"fleet": ({}, lambda: {"fleet": FleetSpec(3, "least_outstanding")}),
+          "data-parallel ranks": ({"model": "deepseek-v2-lite", "data_parallel_size": 2}, dict),
+          "P/D": ({}, lambda: {"disaggregation": _pd()})}
+
+
+@pytest.mark.parametrize("kind", sorted(FLEETS))
+def test_a_limit_in_front_of_several_engines(kind):
+    """A fleet, data-parallel ranks or a P/D pair: a limit above what they run at once changes
+    nothing; a small one keeps exactly that many in flight over all of them."""
+    options, extra = FLEETS[kind]
+    trace = read_trace("traces/azure_conv_slice.parquet")
+    free = replay(trace, EngineConfig.from_flat(options), **extra())
+    capped = replay(trace, EngineConfig.from_flat(options | {"client_max_concurrency": 1000}), **extra())
+    pd.testing.assert_frame_equal(free.requests, capped.requests)
+    assert capped.summary["client_concurrency"]["requests_held"] == 0
+    small = replay(read_trace("traces/req400.parquet"), EngineConfig.from_flat(options | {"client_max_concurrency": 6}),
+                   **extra())
+    assert _in_flight(small.requests) == 6 and (small.requests["status"] == "finished").all()
+    assert small.summary["client_concurrency"]["requests_held"] == 394
