@@ -13,6 +13,7 @@ instead, or replay a trace exported for its timed_trace dataset).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -21,14 +22,17 @@ from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
 from simkv.traces.vllm_random import PrefixRepetitionDataset, RandomDataset, Schedule
 
-DATASETS = ("random", "prefix_repetition")
+DATASETS = ("random", "prefix_repetition", "timed_trace")
 SCHEDULE = {"request_rate": float, "burstiness": float, "ramp_up_strategy": str, "ramp_up_start_rps": float,
             "ramp_up_end_rps": float}
 # the datasets' own flags (the general --input-len / --output-len win over the dataset's)
 DATASET_FLAGS = {"num_prompts": int, "seed": int, "input_len": int, "output_len": int, "random_input_len": int,
                  "random_output_len": int, "random_prefix_len": int, "prefix_repetition_prefix_len": int,
                  "prefix_repetition_suffix_len": int, "prefix_repetition_num_prefixes": int,
-                 "prefix_repetition_output_len": int, "disable_shuffle": bool}
+                 "prefix_repetition_output_len": int, "disable_shuffle": bool, "dataset_path": str,
+                 "timed_trace_chunk_hash_size": int, "timed_trace_sec_multiplier": float,
+                 "timed_trace_label_timestamp": str, "timed_trace_label_input_length": str,
+                 "timed_trace_label_output_length": str, "timed_trace_label_hash_ids": str, "self_timed": bool}
 SPECIAL = frozenset({"dataset_name", "max_concurrency", "goodput", "random_range_ratio", "ignore_eos",
                      "ready_check_timeout_sec", "num_warmups"})
 IGNORED = frozenset("""
@@ -36,7 +40,7 @@ IGNORED = frozenset("""
     served_model_name skip_tokenizer_init request_id_prefix save_result save_detailed append_result metadata
     result_dir result_filename percentile_metrics metric_percentiles disable_tqdm profile plot_timeline
     plot_dataset_stats timeline_itl_thresholds extra_body chat_template_kwargs skip_chat_template
-    enable_multimodal_chat no_oversample dataset_path
+    enable_multimodal_chat no_oversample
 """.split())
 UNMODELLED = frozenset("temperature top_p top_k min_p frequency_penalty presence_penalty repetition_penalty "
                        "logprobs no_stream".split())
@@ -46,9 +50,7 @@ OTHER_DATASETS = frozenset("""
     asr_max_audio_len_sec asr_min_audio_len_sec blazedit_min_distance blazedit_max_distance bfcl_categories
     spec_bench_category spec_bench_output_len speed_bench_category speed_bench_dataset_subset speed_bench_output_len
     random_mm_base_items_per_request random_mm_num_mm_items_range_ratio
-    random_mm_limit_mm_per_prompt random_mm_bucket_config timed_trace_chunk_hash_size timed_trace_label_hash_ids
-    timed_trace_label_input_length timed_trace_label_output_length timed_trace_label_timestamp
-    timed_trace_sec_multiplier self_timed no_reranker
+    random_mm_limit_mm_per_prompt random_mm_bucket_config no_reranker
 """.split())
 REFUSED = {"probe_request_rate": "probe requests on a connection of their own are not modelled",
            "random_batch_size": "batched prompts are an embeddings benchmark's",
@@ -132,9 +134,9 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
         elif name == "dataset_name":
             if flag.value not in DATASETS:
                 raise CommandLineError(
-                    f"{source}: --dataset-name {flag.value}: simkv draws the {' and '.join(DATASETS)} datasets; "
-                    "replay another dataset's benchmark from its result (`simkv trace import vllm-bench "
-                    "bench.json`), or a timed trace from the parquet `simkv trace export` wrote beside it")
+                    f"{source}: --dataset-name {flag.value}: simkv takes the random, prefix_repetition and "
+                    "timed_trace datasets (the others need their data); replay such a benchmark from its result "
+                    "(`simkv trace import vllm-bench bench.json`)")
             dataset_name = flag.value
         elif name == "max_concurrency":
             max_concurrency = int(_number(flag, int, source))
@@ -168,9 +170,11 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
                                        "which leaves it cached; --ready-check-timeout-sec 0 skips it)")
     if warmups:
         out_flags["unmodelled"].append(f"{warmups} warm-up requests of the first prompt")
-    dataset = _dataset(dataset_name, given, ratio, Schedule(**schedule), special_tokens(model))
     try:
-        trace = dataset.trace()
+        if dataset_name == "timed_trace":
+            trace = _timed_trace(given, Schedule(**schedule), source)
+        else:
+            trace = _dataset(dataset_name, given, ratio, Schedule(**schedule), special_tokens(model)).trace()
     except TraceError as exc:
         raise CommandLineError(f"{source}: {exc}") from None
     if max_concurrency is not None and max_concurrency < 1:
@@ -192,6 +196,24 @@ def _dataset(name: str, given: dict, ratio: tuple[float, float], schedule: Sched
                                    num_prefixes=given.get("prefix_repetition_num_prefixes", 10),
                                    output_len=given.get("output_len", given.get("prefix_repetition_output_len", 128)),
                                    disable_shuffle=given.get("disable_shuffle", False))
+
+
+def _timed_trace(given: dict, schedule: Schedule, source: str) -> Trace:
+    """A timed trace (JSON Lines), read as the client reads it: sent at its timestamps (unless
+    --no-self-timed: at the schedule's times), its prompts as token ids (no BOS added)."""
+    from simkv.traces.vllm_bench import TimedTraceLabels, read_timed_trace
+
+    if "dataset_path" not in given:
+        raise CommandLineError(f"{source}: --dataset-name timed_trace needs --dataset-path")
+    labels = TimedTraceLabels(**{field: given[f"timed_trace_label_{field}"] for field in
+                                 ("timestamp", "input_length", "output_length", "hash_ids")
+                                 if f"timed_trace_label_{field}" in given})
+    trace = read_timed_trace(given["dataset_path"], given.get("timed_trace_chunk_hash_size", 16),
+                             given.get("timed_trace_sec_multiplier", 1.0), given.get("num_prompts", 1000), labels)
+    if given.get("self_timed", True):
+        return trace
+    schedule.check()
+    return dataclasses.replace(trace, arrival_time_s=schedule.send_times(len(trace), given.get("seed", 0)))
 
 
 def _number(flag, kind, source: str):

@@ -1,4 +1,5 @@
-"""Export a trace for vLLM's own benchmark client (`vllm bench serve --dataset-name timed_trace`).
+"""Export a trace for vLLM's own benchmark client (`vllm bench serve --dataset-name timed_trace`),
+and read one back as the client reads it (`read_timed_trace`).
 
 vLLM's timed-trace dataset is JSON Lines, one request a line: ``timestamp`` (seconds from the
 benchmark's start), ``input_length``, ``output_length`` and ``hash_ids``. The client builds each
@@ -176,3 +177,71 @@ def bench_command(jsonl_path: str, num_requests: int, chunk_tokens: int, model: 
             f"--dataset-path {jsonl_path} --timed-trace-chunk-hash-size {chunk_tokens} "
             f"--num-prompts {num_requests} --ready-check-timeout-sec 0 "
             f"--save-result --save-detailed --result-filename bench.json")
+
+
+@dataclass(frozen=True)
+class TimedTraceLabels:
+    """The field names `--timed-trace-label-*` give (vLLM's defaults)."""
+
+    timestamp: str = TIMESTAMP
+    input_length: str = INPUT_LENGTH
+    output_length: str = OUTPUT_LENGTH
+    hash_ids: str = HASH_IDS
+
+
+def read_timed_trace(path: str | os.PathLike, chunk_tokens: int = 16, sec_multiplier: float = 1.0,
+                     num_prompts: int | None = None, labels: TimedTraceLabels = TimedTraceLabels()) -> Trace:
+    """A timed trace as vLLM's client reads it (its TimedTrace dataset): the first
+    `num_prompts` lines, each sent at its timestamp x `sec_multiplier` as the token ids its hash
+    ids expand to, `chunk_tokens` an id and the rest of the input length for the last (the
+    prompt is only as long as its ids reach), generating its output length. The same id (and
+    size) gives the same tokens within a run: the ids are the trace's hash ids, `chunk_tokens`
+    tokens a block. Rows are named `bench-<line index>`."""
+    import json
+
+    if chunk_tokens < 1:
+        raise TraceError(f"--timed-trace-chunk-hash-size must be >= 1, got {chunk_tokens}")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TraceError(f"{path}: {exc}") from None
+    times, prompts, outputs, ids, offsets = [], [], [], [], [0]
+    for number, line in enumerate(text.splitlines(), 1):
+        if num_prompts is not None and len(times) >= num_prompts:
+            break
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            raise TraceError(f"{path}: line {number}: not JSON ({exc})") from None
+        values = {}
+        for key, name in (("timestamp", labels.timestamp), ("input_length", labels.input_length),
+                          ("output_length", labels.output_length)):
+            value = entry.get(name) if isinstance(entry, dict) else None
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise TraceError(f"{path}: line {number}: field '{name}' must be a number >= 0, got {value!r}")
+            values[key] = value
+        hashes = entry.get(labels.hash_ids, [])
+        if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
+            raise TraceError(f"{path}: line {number}: field '{labels.hash_ids}' must be a list of integers")
+        need = -(-int(values["input_length"]) // chunk_tokens)
+        used = hashes[:need]
+        prompt = min(int(values["input_length"]), len(used) * chunk_tokens)
+        if prompt < 1 or int(values["output_length"]) < 1:
+            raise TraceError(f"{path}: line {number}: a request needs a prompt of at least one token (hash ids to "
+                             "cover it) and an output length of at least 1")
+        times.append(float(values["timestamp"]) * sec_multiplier)
+        prompts.append(prompt)
+        outputs.append(int(values["output_length"]))
+        ids.extend(used)
+        offsets.append(len(ids))
+    if not times:
+        raise TraceError(f"{path}: no requests")
+    from simkv.traces.build import build_trace
+
+    n = len(times)
+    return build_trace(f"{path} (vllm bench serve --dataset-name timed_trace)", arrival_time_s=np.asarray(times),
+                       prompt_tokens=np.asarray(prompts), output_tokens=np.asarray(outputs),
+                       request_id=[f"bench-{i}" for i in range(n)], hash_ids=np.asarray(ids, np.int64),
+                       hash_offsets=np.asarray(offsets, np.int64), hash_block_tokens=chunk_tokens)

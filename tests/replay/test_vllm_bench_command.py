@@ -59,7 +59,7 @@ def test_special_tokens_by_model(model, tokens):
 
 
 @pytest.mark.parametrize("command, match", [
-    ("vllm bench serve --dataset-name sharegpt", "random and prefix_repetition datasets"),
+    ("vllm bench serve --dataset-name sharegpt", "random, prefix_repetition and timed_trace datasets"),
     ("vllm bench serve --probe-request-rate 2", "--probe-request-rate"),
     ("vllm bench serve --lora-modules a b", "LoRA"),
     ("vllm bench serve --num-prompts x", "not a whole number"),
@@ -127,3 +127,37 @@ def test_each_bench_flag_alone_is_taken_or_refused_cleanly(name):
     except CommandLineError:
         return
     assert len(bench.trace) > 0
+
+
+def test_a_timed_trace_reads_back_as_simkv_exported_it(tmp_path):
+    """`simkv trace export` writes a timed trace and the trace the server sees beside it; the
+    bench command that replays the first gives the second, and the same replay."""
+    out = cli_ok(["trace", "export", "traces/req400_prefix10.parquet", "--out", str(tmp_path / "t.jsonl")])
+    chunk = int(out.split("(")[1].split("-token")[0])
+    command = (f"vllm bench serve --dataset-name timed_trace --dataset-path {tmp_path / 't.jsonl'} "
+               f"--timed-trace-chunk-hash-size {chunk} --num-prompts 400 --ignore-eos --ready-check-timeout-sec 0")
+    served = read_trace(str(tmp_path / "t.parquet"))
+    trace = bench_command(command, "llama-3-8b").trace
+    assert np.array_equal(trace.prompt_tokens, served.prompt_tokens)
+    assert all(np.array_equal(trace.block_hashes(i), served.block_hashes(i)) for i in range(len(trace)))
+    cli_ok(["replay", "--vllm-bench", command, "--out", str(tmp_path / "a"), "--quiet"])
+    cli_ok(["replay", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "b"), "--quiet"])
+    assert (tmp_path / "a" / "steps.parquet").read_bytes() == (tmp_path / "b" / "steps.parquet").read_bytes()
+    few = bench_command(command.replace("--num-prompts 400", "--num-prompts 10 --no-self-timed --request-rate 2"),
+                        "llama-3-8b").trace
+    assert len(few) == 10 and few.arrival_time_s[-1] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("lines, match", [
+    (['{"timestamp": 0, "input_length": 20, "output_length": 5}'], "at least one token"),
+    (['{"timestamp": 0, "input_length": 20}'], "field 'output_length'"),
+    (["{not json"], "line 1: not JSON"),
+    (['{"timestamp": 0, "input_length": 20, "output_length": 5, "hash_ids": ["a"]}'], "list of integers"),
+])
+def test_a_bad_timed_trace_names_its_line(tmp_path, lines, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CommandLineError, match=match):
+        bench_command(f"vllm bench serve --dataset-name timed_trace --dataset-path {path}", "llama-3-8b")
+    with pytest.raises(CommandLineError, match="needs --dataset-path"):
+        bench_command("vllm bench serve --dataset-name timed_trace", "llama-3-8b")
