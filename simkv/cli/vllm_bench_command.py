@@ -2,13 +2,13 @@
 what that benchmark would measure against the server simulated.
 
 The client's 101 flags (vLLM 0.33: vllm_bench_flags.json) are sorted as the server's are
-(cli/vllm_serve.py): the random and prefix_repetition datasets' and the schedule's flags make
-the trace (simkv/traces/vllm_random.py, as the client draws it), --max-concurrency becomes
-`client_max_concurrency`, --goodput becomes simkv's --goodput; flags with no bearing on the
-traffic are ignored; flags that change it in ways simkv does not model are named in a note
-(warm-up requests, replies that may stop at EOS); the other datasets and the flags that need
-them are refused (import a finished benchmark's result with `simkv trace import vllm-bench`
-instead, or replay a trace exported for its timed_trace dataset).
+(cli/vllm_serve.py): the random, prefix_repetition and timed_trace datasets' and the schedule's
+flags make the trace (simkv/traces/vllm_random.py and vllm_bench.py, as the client draws or
+reads it), --max-concurrency becomes `client_max_concurrency`, --goodput becomes simkv's
+--goodput; flags with no bearing on the traffic are ignored; what changes it in ways simkv does
+not model is named in a note (warm-up requests, the ready check's request, replies that may
+stop at EOS, a chat template's tokens); the other datasets, which need their data, are refused
+(import a finished benchmark's result with `simkv trace import vllm-bench` instead).
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ DATASET_FLAGS = {"num_prompts": int, "seed": int, "input_len": int, "output_len"
                  "timed_trace_label_timestamp": str, "timed_trace_label_input_length": str,
                  "timed_trace_label_output_length": str, "timed_trace_label_hash_ids": str, "self_timed": bool}
 SPECIAL = frozenset({"dataset_name", "max_concurrency", "goodput", "random_range_ratio", "ignore_eos",
-                     "ready_check_timeout_sec", "num_warmups"})
+                     "ready_check_timeout_sec", "num_warmups", "backend"})
+COMPLETIONS = ("openai", "vllm")  # (the backends that send the prompt as it is)
+CHAT = ("openai-chat", "openai-responses")  # (... and those that wrap it in the model's chat template)
 IGNORED = frozenset("""
-    label backend base_url host port endpoint header insecure model tokenizer tokenizer_mode trust_remote_code
+    label base_url host port endpoint header insecure model tokenizer tokenizer_mode trust_remote_code
     served_model_name skip_tokenizer_init request_id_prefix save_result save_detailed append_result metadata
     result_dir result_filename percentile_metrics metric_percentiles disable_tqdm profile plot_timeline
     plot_dataset_stats timeline_itl_thresholds extra_body chat_template_kwargs skip_chat_template
@@ -124,6 +126,7 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     ratio = (0.0, 0.0)
     ignore_eos = ready_check = False
     warmups = 0
+    backend = "openai"
     for flag in flags:
         name, word = flag.name, flag.word
         if name in SCHEDULE:
@@ -146,6 +149,8 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
             ratio = _range_ratio(flag.value, source)
         elif name == "ignore_eos":
             ignore_eos = not flag.negative
+        elif name == "backend":
+            backend = flag.value
         elif name == "ready_check_timeout_sec":
             ready_check = float(flag.value) > 0
         elif name == "num_warmups":
@@ -162,7 +167,20 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
             raise CommandLineError(f"{source}: {word} is not sorted by simkv/cli/vllm_bench_command.py")
     if refused:
         raise CommandLineError(f"{source}: simkv cannot honour " + "; ".join(refused))
-    if not ignore_eos:
+    if backend not in COMPLETIONS + CHAT:
+        raise CommandLineError(f"{source}: --backend {backend}: simkv models text generation (backends "
+                               f"{', '.join(COMPLETIONS + CHAT)})")
+    if self_timed_given(flags) and dataset_name != "timed_trace":  # (vLLM's check, its words)
+        raise CommandLineError(f"{source}: --self-timed/--no-self-timed is only supported with "
+                               "--dataset-name=timed_trace")
+    if dataset_name == "timed_trace" and backend not in COMPLETIONS:
+        raise CommandLineError(f"{source}: timed_trace dataset passes pre-tokenized prompts (list[int]) and requires "
+                               "a completions backend ('vllm' or 'openai').")
+    if backend in CHAT:
+        out_flags["unmodelled"].append(f"--backend {backend} wraps every prompt in the model's chat template, whose "
+                                       "tokens are not counted")
+    # (the client forces --ignore-eos for random prompts and timed traces, so replies run to their length)
+    if not ignore_eos and dataset_name == "prefix_repetition":
         out_flags["unmodelled"].append("replies end at their drawn length, as with --ignore-eos (without it the "
                                        "model may stop one early)")
     if ready_check or "ready_check_timeout_sec" not in {f.name for f in flags}:
@@ -196,6 +214,10 @@ def _dataset(name: str, given: dict, ratio: tuple[float, float], schedule: Sched
                                    num_prefixes=given.get("prefix_repetition_num_prefixes", 10),
                                    output_len=given.get("output_len", given.get("prefix_repetition_output_len", 128)),
                                    disable_shuffle=given.get("disable_shuffle", False))
+
+
+def self_timed_given(flags) -> bool:
+    return any(f.name == "self_timed" for f in flags)
 
 
 def _timed_trace(given: dict, schedule: Schedule, source: str) -> Trace:

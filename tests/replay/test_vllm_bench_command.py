@@ -40,8 +40,21 @@ def test_defaults_and_what_is_noted():
     assert len(bench.trace) == 1000 and (bench.trace.arrival_time_s == 0).all()  # (--request-rate inf)
     assert (bench.trace.prompt_tokens == 1024).all() and (bench.trace.output_tokens == 128).all()
     note = bench.note()
-    assert "--ignore-eos" in note and "ready check" in note
+    assert "ready check" in note and "--ignore-eos" not in note  # (the client forces it for random prompts)
     assert "warm-up" in bench_command("vllm bench serve --num-warmups 3", "llama-3-8b").note()
+    assert "--ignore-eos" in bench_command("vllm bench serve --dataset-name prefix_repetition", "llama-3-8b").note()
+    assert "chat template" in bench_command("vllm bench serve --backend openai-chat", "llama-3-8b").note()
+
+
+@pytest.mark.parametrize("command, match", [
+    ("vllm bench serve --backend openai-embeddings", "text generation"),
+    ("vllm bench serve --self-timed", "only supported with --dataset-name=timed_trace"),
+    ("vllm bench serve --dataset-name timed_trace --dataset-path x.jsonl --backend openai-chat",
+     "requires a completions backend"),
+])
+def test_what_vllms_client_refuses_too(command, match):
+    with pytest.raises(CommandLineError, match=match):
+        bench_command(command, "llama-3-8b")
 
 
 def test_the_general_lengths_win_and_ratios_may_differ():
