@@ -22,8 +22,11 @@ def _check_cost_model(value) -> None:
 
 
 def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
-         cost_model: str, goodput: tuple[str, ...] = (), vllm_serve: str | None = None):
-    """Cells and swept keys from the command line; raises SweepError / click.BadParameter."""
+         cost_model: str, goodput: tuple[str, ...] = (), vllm_serve: str | None = None,
+         vllm_bench: str | None = None, out_dir: str | None = None):
+    """Cells and swept keys from the command line; raises SweepError / click.BadParameter.
+    `vllm_bench`: a `vllm bench serve` command whose traffic is written into `out_dir` as one
+    more trace (its --max-concurrency and --goodput fixed unless given)."""
     from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
     from simkv.sweep.grid import normalize_key
@@ -41,6 +44,16 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
         except ConfigError as exc:
             raise SweepError(str(exc)) from None
     fixed.update(given)
+    if vllm_bench:
+        bench_path, bench_goodput = _bench_trace(vllm_bench, fixed, out_dir)
+        traces = (*traces, bench_path)
+        if not goodput and bench_goodput:
+            try:
+                slo = parse_goodput(bench_goodput)
+            except GoodputError as exc:
+                raise SweepError(str(exc)) from None
+    if not traces:
+        raise SweepError("TRACE: give one or more traces, or --vllm-bench")
     for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
         _check_cost_model(value)
     for trace in traces:
@@ -51,14 +64,39 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     return make_cells(list(traces), grid, fixed, cost_model, slo), list(grid)
 
 
+def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[str, ...]]:
+    """Write the bench command's traffic into the sweep folder, its client limit into `fixed`;
+    the trace's path and the command's --goodput."""
+    from simkv.cli.replay_cmd import _say_once
+    from simkv.cli.vllm_bench_command import bench_command
+    from simkv.sweep import SweepError
+    from simkv.traces.schema import write_trace
+
+    try:
+        bench = bench_command(command, str(fixed.get("model", "llama-3-8b")))
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
+    if bench.note():
+        _say_once(bench.note())
+    if bench.max_concurrency is not None:
+        fixed.setdefault("client_max_concurrency", bench.max_concurrency)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = str(Path(out_dir) / "vllm_bench_trace.parquet")
+    write_trace(bench.trace, path)
+    return path, bench.goodput
+
+
 @click.command("sweep")
-@click.argument("traces", nargs=-1, required=True)
+@click.argument("traces", nargs=-1, required=False)
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
               help="Swept option (engine option names, cost_model, step_base_s, step_per_token_s, replicas, router, "
                    "and prefix_aware's cache_threshold, balance_abs, balance_rel); repeatable.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Fixed option; repeatable.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
 @click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP)
+@click.option("--vllm-bench", "vllm_bench", default=None, metavar="COMMAND|@FILE",
+              help="One more trace: the traffic of a `vllm bench serve` command, written into the sweep folder "
+                   "(its --max-concurrency and --goodput hold in every cell unless given).")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="Cost model of every cell unless swept.")
 @click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
@@ -72,7 +110,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
 @click.option("--quiet", is_flag=True, help="No progress bar or summary line.")
 def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
               cost_model: str, out_dir: str, executor: str, workers: int | None, ray_address: str | None,
-              quiet: bool, goodput: tuple[str, ...], vllm_serve: str | None) -> None:
+              quiet: bool, goodput: tuple[str, ...], vllm_serve: str | None, vllm_bench: str | None) -> None:
     """Replay every TRACE under every combination of the --grid options; write DIR/sweep.parquet,
     DIR/sweep.md and DIR/plots.html. Exits 1 when a cell failed (the table is still written)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -80,7 +118,8 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
     from simkv.sweep import SweepError, run_sweep
 
     try:
-        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput, vllm_serve)
+        cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput, vllm_serve, vllm_bench,
+                                 out_dir)
     except click.BadParameter as exc:
         raise click.ClickException(exc.format_message()) from None
     except SweepError as exc:

@@ -174,3 +174,18 @@ def test_a_bad_timed_trace_names_its_line(tmp_path, lines, match):
         bench_command(f"vllm bench serve --dataset-name timed_trace --dataset-path {path}", "llama-3-8b")
     with pytest.raises(CommandLineError, match="needs --dataset-path"):
         bench_command("vllm bench serve --dataset-name timed_trace", "llama-3-8b")
+
+
+def test_a_sweep_over_a_bench_commands_traffic(tmp_path):
+    """`simkv sweep --vllm-bench`: the traffic written into the sweep folder, the client's limit
+    and SLOs held in every cell."""
+    cli_ok(["sweep", "--vllm-bench", "vllm bench serve --num-prompts 60 --random-input-len 256 --random-output-len 32 "
+            "--max-concurrency 8 --goodput ttft:500", "--grid", "block_size=16,32", "--out", str(tmp_path),
+            "--quiet", "--workers", "1"])
+    import pandas as pd
+
+    table = pd.read_parquet(tmp_path / "sweep.parquet")
+    assert len(table) == 2 and (table["status"] == "ok").all() and "slo_attainment" in table
+    assert (table["peak_running"] == 8).all()
+    assert len(read_trace(str(tmp_path / "vllm_bench_trace.parquet"))) == 60
+    assert "give one or more traces" in cli_fails(["sweep", "--grid", "block_size=16", "--out", str(tmp_path / "x")])
