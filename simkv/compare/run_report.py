@@ -61,6 +61,9 @@ def _summary_table(summary: dict) -> str:
     if groups:
         rows.insert(1, ("model", (summary.get("config") or {}).get("model")))
         rows += kv_cache_groups_rows(groups)
+    from simkv.replay.sessions import pacing_rows
+
+    rows += pacing_rows(summary)
     if summary.get("client"):
         from simkv.replay.client_timeouts import client_row
 

@@ -110,14 +110,9 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
                      f"{100 * off['hit_rate']:.2f} % ({off['loaded_tokens']:,} tokens in {off['loads']:,} loads, "
                      f"{off['mean_load_s'] * 1e3:,.1f} ms each); {off['stored_blocks']:,} blocks stored, "
                      f"{off['evicted_blocks']:,} evicted, {off['cpu_chunks']:,} chunks"))
-    if summary.get("session_pacing"):
-        sp = summary["session_pacing"]
-        rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
-                                                    f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
-    if summary.get("client_concurrency"):
-        cc = summary["client_concurrency"]
-        rows.append(("client concurrency limit", f"{cc['max_concurrency']:,} in flight; {cc['requests_held']:,} requests "
-                                                 f"sent later than the trace's times, by {cc['mean_hold_s']:,.2f} s on average"))
+    from simkv.replay.sessions import pacing_rows
+
+    rows += pacing_rows(summary)
     if client:
         from simkv.replay.client_timeouts import client_row
 

@@ -196,6 +196,22 @@ class ConcurrencyPacing(Pacing):
                 "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
 
 
+def pacing_rows(summary: dict) -> list[tuple[str, str]]:
+    """The report's rows on the client's pacing: sessions paced on their replies, or a
+    concurrency limit, and the requests each held back."""
+    rows = []
+    if summary.get("session_pacing"):
+        sp = summary["session_pacing"]
+        rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
+                                                    f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
+    if summary.get("client_concurrency"):
+        cc = summary["client_concurrency"]
+        rows.append(("client concurrency limit", f"{cc['max_concurrency']:,} in flight; {cc['requests_held']:,} requests "
+                                                 f"sent later than the trace's times, by {cc['mean_hold_s']:,.2f} s on "
+                                                 "average"))
+    return rows
+
+
 class ReleaseWatch:
     """What one engine could release (fleets, P/D): (think ticks of the next turn, row) of the
     rows it was given that have a next turn, in a heap; rows since finished are dropped when

@@ -97,7 +97,7 @@ def test_from_the_cli(tmp_path):
     out = cli_ok(["replay", "traces/req400.parquet", "--out", str(tmp_path), "--client-max-concurrency", "16"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["client_max_concurrency"] == 16 and summary["peak_running"] <= 16
-    assert "client concurrency limit" in out
+    assert "client concurrency limit" in out and "client concurrency limit" in (tmp_path / "report.html").read_text()
     assert "not modelled with clients that give up" in cli_fails(
         ["replay", "traces/req400.parquet", "--out", str(tmp_path / "f"), "--client-max-concurrency", "4",
          "--client-timeout", "5"])
