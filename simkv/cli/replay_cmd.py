@@ -585,8 +585,9 @@ _ENGINE_OPTIONS = [
 @click.option("--out", "out_dir", default="out/replay", show_default=True, help="Output folder.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--vllm-bench", "vllm_bench", default=None, metavar="COMMAND|@FILE",
-              help="Instead of TRACE: the traffic of a `vllm bench serve` command (its random dataset and schedule, "
-                   "drawn as vLLM's client draws them; its --max-concurrency and --goodput) (docs/vllm_serve.md).")
+              help="Instead of TRACE: the traffic of a `vllm bench serve` command, or @FILE holding one (its random, "
+                   "prefix_repetition or timed_trace dataset and schedule, as vLLM's client draws them; its "
+                   "--max-concurrency and --goodput) (docs/vllm_serve.md).")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="A cost model name, or a calib.json fitted by `simkv calibrate`.")
 @click.option("--backend", type=click.Choice(["sim", "gpu"]), default="sim", show_default=True,
