@@ -231,10 +231,13 @@ def _convert(flag: Flag):
     param = _simkv_params().get(name)
     if param is None:
         raise ServeCommandError(f"{word}: simkv has no reader for it")  # (every valued one has one: tested)
+    from simkv.cli.replay_cmd import _DENSE
+
     try:
-        return param.type.convert(text, param, None)
+        value = param.type.convert(text, param, None)
     except click.BadParameter as exc:
         raise ServeCommandError(f"{word} {text!r}: {exc.format_message()}") from None
+    return None if value is _DENSE else value  # (the CLI's spelling of None: retain every block)
 
 
 _MTP = re.compile(r"(.+_)?mtp")

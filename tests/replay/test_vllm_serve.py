@@ -52,6 +52,15 @@ def test_a_typical_command():
     assert "--enforce-eager" in served.note() and "--port" in served.note()
 
 
+@pytest.mark.parametrize("text, value", [("None", None), ("none", None), ("1024", 1024), ("0", 0)])
+def test_a_retention_interval_of_none_is_none(text, value):
+    """vLLM's None (retain every sliding-window block) reaches the config as None, as simkv's
+    own flag's `none` does."""
+    options = serve_options(f"vllm serve google/gemma-3-12b-it --prefix-cache-retention-interval {text}").options
+    assert options["prefix_cache_retention_interval"] == value
+    assert EngineConfig.from_flat(options).attention.prefix_cache_retention_interval == value
+
+
 def test_negative_forms_and_the_model_flag():
     served = serve_options("vllm serve --model Qwen/Qwen2.5-7B-Instruct --disable-prefix-caching "
                            "--disable-chunked-prefill --enable-chunked-mm-input --num-gpu-blocks-override 1000")
@@ -285,6 +294,7 @@ def test_auto_from_the_cli_and_a_serve_command():
     {"model": "gpt-oss-120b", "speculative_method": "draft_model", "spec_draft_model": "llama-3.2-1b",
      "num_speculative_tokens": 4, "spec_tokens_per_batch_size": "1-16:4,17-64:2", "disable_sliding_window": True,
      "num_gpu_blocks": 5000, "prefix_cache_retention_interval": 1024},
+    {"model": "gemma-3-27b", "prefix_cache_retention_interval": None, "kv_offloading_size": 64.0},
     {"model": "deepseek-v3", "cpu_offload_gb": 10.0, "cpu_offload_params": "experts,w2_weight",
      "indexer_tp_shard_min_rows": 100, "speculative_method": "mtp", "num_speculative_tokens": 1,
      "data_parallel_size": 8},
