@@ -725,3 +725,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
     report = write_run_report_safely(out_dir)
     if not quiet:
         print_summary(result.summary, Path(out_dir), with_report=report is not None)
+        if vllm_bench:  # (the same figures as the benchmark prints its own)
+            from simkv.cli.vllm_bench_command import bench_report
+
+            click.echo(bench_report(result.summary, result.requests))

@@ -261,3 +261,42 @@ def _range_ratio(text: str, source: str) -> tuple[float, float]:
     if isinstance(value, (int, float)):
         return float(value), float(value)
     raise CommandLineError(f"{source}: --random-range-ratio {text!r} is neither a number nor JSON")
+
+
+def bench_report(summary: dict, requests) -> str:
+    """The replay's figures in the layout `vllm bench serve` prints its result in, for reading
+    side by side with a real run's (tokens as the server counts them, BOS included)."""
+    finished = requests[requests["status"] == "finished"]
+    times = sorted([(t, 1) for t in requests["arrival_time_s"]]
+                   + [(t, -1) for t in requests["finish_time_s"].fillna(requests["arrival_time_s"])])
+    level = peak = 0
+    for _, step in times:
+        level += step
+        peak = max(peak, level)
+    duration = summary["duration_s"]
+    prompt, output = int(finished["prompt_tokens"].sum()), int(finished["output_tokens"].sum())
+
+    def line(name: str, value) -> str:
+        return f"{name:<40} {value:<10.2f}" if isinstance(value, float) else f"{name:<40} {value:<10}"
+
+    lines = [f"{' Serving Benchmark Result (simkv, simulated) ':=^50}",
+             line("Successful requests:", len(finished)), line("Failed requests:", len(requests) - len(finished))]
+    if summary.get("client_concurrency"):
+        lines.append(line("Maximum request concurrency:", summary["client_concurrency"]["max_concurrency"]))
+    lines += [line("Benchmark duration (s):", float(duration)), line("Total input tokens:", prompt),
+              line("Total generated tokens:", output),
+              line("Request throughput (req/s):", float(summary["request_throughput_req_s"]))]
+    if summary.get("goodput"):
+        lines.append(line("Request goodput (req/s):", float(summary["goodput"]["request_goodput_req_s"])))
+    lines += [line("Output token throughput (tok/s):", float(summary["output_throughput_tok_s"])),
+              line("Peak concurrent requests:", float(peak)),
+              line("Total token throughput (tok/s):", (prompt + output) / duration if duration else 0.0)]
+    for key, name, header in (("ttft_s", "TTFT", "Time to First Token"),
+                              ("tpot_s", "TPOT", "Time per Output Token (excl. 1st token)"),
+                              ("itl_s", "ITL", "Inter-token Latency"), ("e2e_s", "E2EL", "End-to-end Latency")):
+        d = summary.get(key) or {}
+        if d.get("mean") is None:
+            continue
+        lines += [f"{header:-^50}", line(f"Mean {name} (ms):", 1e3 * d["mean"]),
+                  line(f"Median {name} (ms):", 1e3 * d["p50"]), line(f"P99 {name} (ms):", 1e3 * d["p99"])]
+    return "\n".join(lines + ["=" * 50])

@@ -189,3 +189,20 @@ def test_a_sweep_over_a_bench_commands_traffic(tmp_path):
     assert (table["peak_running"] == 8).all()
     assert len(read_trace(str(tmp_path / "vllm_bench_trace.parquet"))) == 60
     assert "give one or more traces" in cli_fails(["sweep", "--grid", "block_size=16", "--out", str(tmp_path / "x")])
+
+
+def test_the_replay_prints_the_benchmarks_own_layout(tmp_path):
+    """With --vllm-bench the replay also prints its figures as `vllm bench serve` prints its
+    result: the same keys, the summary's values."""
+    out = cli_ok(["replay", "--vllm-bench", "vllm bench serve --num-prompts 80 --random-input-len 300 "
+                  "--random-output-len 40 --request-rate 20 --max-concurrency 6 --goodput ttft:300",
+                  "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    block = out[out.index(" Serving Benchmark Result"):]
+    values = {line[:40].strip(): line[40:].strip() for line in block.splitlines() if line[:40].strip().endswith(":")}
+    assert values["Successful requests:"] == "80" and values["Maximum request concurrency:"] == "6"
+    assert values["Peak concurrent requests:"] == "6.00"
+    assert values["Median TTFT (ms):"] == f"{1e3 * summary['ttft_s']['p50']:.2f}"
+    assert values["P99 ITL (ms):"] == f"{1e3 * summary['itl_s']['p99']:.2f}"
+    assert values["Request goodput (req/s):"] == f"{summary['goodput']['request_goodput_req_s']:.2f}"
+    assert values["Total input tokens:"] == str(80 * 300)  # (BOS + 299 sampled: the server's count)
