@@ -124,7 +124,8 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     out_flags = {"unmodelled": [], "ignored": []}
     max_concurrency, goodput, refused = None, (), []
     ratio = (0.0, 0.0)
-    ignore_eos = ready_check = False
+    ignore_eos = False
+    ready_check = float(_table().default("ready_check_timeout_sec")) > 0  # (the client's initial test run)
     warmups = 0
     backend = "openai"
     for flag in flags:
@@ -170,7 +171,7 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     if backend not in COMPLETIONS + CHAT:
         raise CommandLineError(f"{source}: --backend {backend}: simkv models text generation (backends "
                                f"{', '.join(COMPLETIONS + CHAT)})")
-    if self_timed_given(flags) and dataset_name != "timed_trace":  # (vLLM's check, its words)
+    if any(f.name == "self_timed" for f in flags) and dataset_name != "timed_trace":  # (vLLM's check, its words)
         raise CommandLineError(f"{source}: --self-timed/--no-self-timed is only supported with "
                                "--dataset-name=timed_trace")
     if dataset_name == "timed_trace" and backend not in COMPLETIONS:
@@ -183,9 +184,9 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     if not ignore_eos and dataset_name == "prefix_repetition":
         out_flags["unmodelled"].append("replies end at their drawn length, as with --ignore-eos (without it the "
                                        "model may stop one early)")
-    if ready_check or "ready_check_timeout_sec" not in {f.name for f in flags}:
+    if ready_check:
         out_flags["unmodelled"].append("the ready check's request (the first prompt, sent once before the run, "
-                                       "which leaves it cached; --ready-check-timeout-sec 0 skips it)")
+                                       "which leaves it cached; vLLM's client skips it at its default, 0)")
     if warmups:
         out_flags["unmodelled"].append(f"{warmups} warm-up requests of the first prompt")
     try:
@@ -214,10 +215,6 @@ def _dataset(name: str, given: dict, ratio: tuple[float, float], schedule: Sched
                                    num_prefixes=given.get("prefix_repetition_num_prefixes", 10),
                                    output_len=given.get("output_len", given.get("prefix_repetition_output_len", 128)),
                                    disable_shuffle=given.get("disable_shuffle", False))
-
-
-def self_timed_given(flags) -> bool:
-    return any(f.name == "self_timed" for f in flags)
 
 
 def _timed_trace(given: dict, schedule: Schedule, source: str) -> Trace:
