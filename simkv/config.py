@@ -1581,12 +1581,12 @@ class EngineConfig:
     @classmethod
     def from_flat(cls, options: dict) -> "EngineConfig":
         """Build from a flat {option: value} mapping (CLI, --config files). Unknown keys raise."""
-        groups = {CacheConfig: {}, SchedulerConfig: {}, HardwareConfig: {}, SpeculativeConfig: {}, AttentionConfig: {}}
+        groups = {klass: {} for klass in OPTION_GROUPS}
         names = {f.name: klass for klass in groups for f in fields(klass)}
         types = {f.name: f.type for klass in groups for f in fields(klass)}
         for key, value in options.items():
             norm = key.replace("-", "_")
-            if norm not in names or norm in ("defaulted_batch_options", "max_model_len_fitted"):  # (records, not options)
+            if norm not in names or norm in OPTION_RECORDS:
                 raise ConfigError(f"unknown option '{key}'")
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
@@ -1601,6 +1601,17 @@ class EngineConfig:
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
                    AttentionConfig(**groups[AttentionConfig]))
+
+
+# The configs a flat option belongs to, and the fields EngineConfig sets as records of what it
+# derived (not options one gives)
+OPTION_GROUPS = (CacheConfig, SchedulerConfig, HardwareConfig, SpeculativeConfig, AttentionConfig)
+OPTION_RECORDS = ("defaulted_batch_options", "max_model_len_fitted")
+
+
+def engine_option_names() -> tuple[str, ...]:
+    """Every engine option from_flat takes (vLLM's names where vLLM has the option)."""
+    return tuple(f.name for klass in OPTION_GROUPS for f in fields(klass) if f.name not in OPTION_RECORDS)
 
 
 _KERNEL_BLOCK_ALIGNMENT = 16  # the smallest kernel block of vLLM's attention backends (FlashAttention, FlashInfer, Triton)

@@ -12,7 +12,8 @@ from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
                                        read_encode)
-from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
+from simkv.config import (KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig,
+                          HardwareConfig)
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
 from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec, gpu_names
@@ -231,17 +232,17 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
     from simkv.traces.schema import read_trace
 
     try:
-        config = build_config(flags, config_file, overrides)
+        options = flat_options(flags, config_file) | (overrides or {})
         bench = None
         if vllm_bench:
             from simkv.cli.vllm_bench_command import bench_command
 
-            bench = bench_command(vllm_bench, config.hardware.model)
+            bench = bench_command(vllm_bench, options.get("model", HardwareConfig().model))
             if bench.note():
                 _say_once(bench.note())
-            if bench.max_concurrency is not None and flags.get("client_max_concurrency") is None:
-                config = build_config(flags, config_file, (overrides or {})
-                                      | {"client_max_concurrency": bench.max_concurrency})
+            if bench.max_concurrency is not None:  # (simkv's own flag or file wins)
+                options.setdefault("client_max_concurrency", bench.max_concurrency)
+        config = EngineConfig.from_flat(options)
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
     try:

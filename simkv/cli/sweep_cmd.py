@@ -10,7 +10,7 @@ import click
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.replay_cmd import VLLM_SERVE_HELP, load_config_file, served_options
-from simkv.config import ConfigError
+from simkv.config import ConfigError, HardwareConfig
 
 
 def _check_cost_model(value) -> None:
@@ -73,7 +73,7 @@ def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[st
     from simkv.traces.schema import write_trace
 
     try:
-        bench = bench_command(command, str(fixed.get("model", "llama-3-8b")))
+        bench = bench_command(command, str(fixed.get("model", HardwareConfig().model)))
     except ConfigError as exc:
         raise SweepError(str(exc)) from None
     if bench.note():

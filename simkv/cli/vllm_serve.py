@@ -32,6 +32,7 @@ import click
 import yaml
 
 from simkv.cli.vllm_command_line import CommandLineError, Flag, flag_table, human_int, json_object, read_command
+from simkv.config import engine_option_names
 from simkv.specs.hf_config import is_config_path
 
 _HF_MODELS_FILE = Path(__file__).resolve().parent.parent / "specs" / "hf_models.yaml"
@@ -197,19 +198,9 @@ def _simkv_params() -> dict[str, click.Option]:
     return {_ENGINE_FLAGS[p.name]: p for p in holder.__click_params__ if p.name in _ENGINE_FLAGS}
 
 
-@cache
-def _all_fields() -> frozenset[str]:
-    from dataclasses import fields
-
-    from simkv.config import AttentionConfig, CacheConfig, HardwareConfig, SchedulerConfig, SpeculativeConfig
-
-    return frozenset(f.name for k in (CacheConfig, SchedulerConfig, HardwareConfig, SpeculativeConfig, AttentionConfig)
-                     for f in fields(k)) - {"defaulted_batch_options"}
-
-
 def modelled_flags() -> set[str]:
     """vLLM's flags that simkv takes as its engine option of the same name (SPECIAL's aside)."""
-    return (set(vllm_flags()) & _all_fields()) - SPECIAL
+    return (set(vllm_flags()) & set(engine_option_names())) - SPECIAL
 
 
 SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "runner", "convert", "mamba_cache_mode",
@@ -241,6 +232,10 @@ def _convert(flag: Flag):
 
 
 _MTP = re.compile(r"(.+_)?mtp")
+# vLLM's speculative-config keys that are simkv options as they are, both ways (serve_options,
+# serve_command); acceptance (synthetic_acceptance_*) is read but not written: it is the traffic's
+SPECULATIVE_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                    "parallel_drafting": "spec_parallel_drafting"}
 
 
 def _speculative(spec: dict, word: str, out: ServeOptions) -> None:
@@ -255,13 +250,12 @@ def _speculative(spec: dict, word: str, out: ServeOptions) -> None:
     method = "mtp" if _MTP.fullmatch(str(method)) else str(method)
     if method not in ("ngram", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash"):
         raise ServeCommandError(f"vllm serve {word}: speculative method {method!r} is not modelled")
-    out.options["speculative_method"] = method
+    spec["method"] = method
     if method == "draft_model" and model is not None:
         out.options["spec_draft_model"] = resolve_model(str(model), "draft model")
     elif model is not None:
         out.unmodelled.append(f"{word} model (simkv sizes the {method} drafter from the target)")
-    translate = {"num_speculative_tokens": "num_speculative_tokens", "parallel_drafting": "spec_parallel_drafting",
-                 "synthetic_acceptance_length": "spec_acceptance_length"}
+    translate = SPECULATIVE_KEYS | {"synthetic_acceptance_length": "spec_acceptance_length"}
     for key in list(spec):
         value = spec.pop(key)
         if key in translate:
@@ -295,8 +289,6 @@ def _special(flag: Flag, out: ServeOptions) -> None:
     elif name == "offload_backend":
         if value != "auto":
             out.unmodelled.append(f"{word} {value} (simkv picks as auto does: prefetch with --offload-group-size)")
-    elif name in ("speculative_config", "spec_method", "spec_model", "spec_tokens"):
-        pass  # (gathered by serve_options)
     elif name == "attention_config":
         for key, item in json_object(value, f"vllm serve {word}").items():
             if key == "indexer_tp_shard_min_rows":
@@ -385,8 +377,7 @@ def serve_command(options: dict) -> tuple[str, list[str]]:
     words = ["vllm", "serve", _repository(str(options.pop("model", "llama-3-8b")))]
     speculative, left = {}, []
     options.setdefault("async_scheduling", False)
-    translate = {"speculative_method": "method", "num_speculative_tokens": "num_speculative_tokens",
-                 "spec_parallel_drafting": "parallel_drafting"}
+    translate = {option: key for key, option in SPECULATIVE_KEYS.items()}
     for key, value in options.items():
         if key in modelled_flags():
             words += _flag_words(key, value)

@@ -40,7 +40,7 @@ class FleetRouting:
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
         # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done; or a
         # client's concurrency limit: a request is routed once fewer than that many are in flight
-        self.sessions = (ConcurrencyPacing(trace, self.rows, max_concurrency) if max_concurrency is not None
+        self.sessions = (ConcurrencyPacing(self.rows, max_concurrency) if max_concurrency is not None
                          else SessionPacing(trace, self.rows) if session_pacing and trace.session_id is not None
                          else None)
         self.engines: list[ReplayEngine] = []  # (the replicas: the runner sets them)

@@ -51,13 +51,13 @@ class Pacing:
 
     summary_key = ""
 
-    def __init__(self, rows: TraceRows, n: int) -> None:
+    def __init__(self, rows: TraceRows) -> None:
         self._trace_ticks = list(rows.arrival_ticks)
         rows.arrival_ticks = list(rows.arrival_ticks)
         rows.arrival_s = list(rows.arrival_s)
         self.rows = rows
         self._ready: list[tuple[int, int]] = []
-        self._num_rows = n
+        self._num_rows = len(self._trace_ticks)
         self.num_out = 0  # rows handed out
         self.num_held = 0  # rows sent later than their trace arrival
         self.held_ticks = 0  # ... by this much in all
@@ -115,6 +115,11 @@ class Pacing:
     def last_trace_ticks(self) -> int:
         return max(self._trace_ticks, default=0)
 
+    @property
+    def mean_hold_s(self) -> float:
+        """How long a held row was held on average (0 when none was)."""
+        return self.held_ticks / TICKS_PER_SECOND / self.num_held if self.num_held else 0.0
+
 
 class SessionPacing(Pacing):
     """The rows of a trace with sessions: first turns at their trace times, a next turn once its
@@ -123,8 +128,8 @@ class SessionPacing(Pacing):
     summary_key = "session_pacing"
 
     def __init__(self, trace, rows: TraceRows) -> None:
-        n = len(trace)
-        super().__init__(rows, n)
+        super().__init__(rows)
+        n = self._num_rows
         self.next_turn = next_turns(trace.session_id).tolist()
         think = trace.think_time_s
         # (at least a tick after the finish that releases it)
@@ -159,9 +164,7 @@ class SessionPacing(Pacing):
         return None if nxt < 0 else self._send_at(nxt, tick + self.think_ticks[nxt])
 
     def summary(self) -> dict:
-        held_s = self.held_ticks / TICKS_PER_SECOND
-        return {"sessions": self.num_sessions, "turns_held": self.num_held,
-                "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
+        return {"sessions": self.num_sessions, "turns_held": self.num_held, "mean_hold_s": self.mean_hold_s}
 
 
 class ConcurrencyPacing(Pacing):
@@ -172,11 +175,10 @@ class ConcurrencyPacing(Pacing):
 
     summary_key = "client_concurrency"
 
-    def __init__(self, trace, rows: TraceRows, limit: int) -> None:
-        n = len(trace)
-        super().__init__(rows, n)
+    def __init__(self, rows: TraceRows, limit: int) -> None:
+        super().__init__(rows)
         self.limit = limit
-        first = min(limit, n)
+        first = min(limit, self._num_rows)
         self._ready = [(self._trace_ticks[i], i) for i in range(first)]  # (in arrival order: a heap)
         self._next_row = first
 
@@ -191,9 +193,7 @@ class ConcurrencyPacing(Pacing):
         return self._send_at(nxt, tick + 1)
 
     def summary(self) -> dict:
-        held_s = self.held_ticks / TICKS_PER_SECOND
-        return {"max_concurrency": self.limit, "requests_held": self.num_held,
-                "mean_hold_s": held_s / self.num_held if self.num_held else 0.0}
+        return {"max_concurrency": self.limit, "requests_held": self.num_held, "mean_hold_s": self.mean_hold_s}
 
 
 def pacing_rows(summary: dict) -> list[tuple[str, str]]:
@@ -260,7 +260,7 @@ class SessionFeed(ArrivalFeed):
     def __init__(self, trace, scheduler, request_log, max_model_len: int, max_concurrency: int | None = None) -> None:
         rows = TraceRows(trace)
         self.pacing = (SessionPacing(trace, rows) if max_concurrency is None
-                       else ConcurrencyPacing(trace, rows, max_concurrency))
+                       else ConcurrencyPacing(rows, max_concurrency))
         super().__init__(trace, scheduler, request_log, max_model_len, rows)
 
     @property

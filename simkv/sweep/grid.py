@@ -6,13 +6,12 @@ import hashlib
 import itertools
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from simkv.config import AttentionConfig, CacheConfig, HardwareConfig, SchedulerConfig, SpeculativeConfig
+from simkv.config import CacheConfig, engine_option_names
 
 COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
-ENGINE_KEYS = tuple(f.name for klass in (CacheConfig, SchedulerConfig, HardwareConfig, SpeculativeConfig, AttentionConfig)
-                    for f in fields(klass) if f.name != "defaulted_batch_options")
+ENGINE_KEYS = engine_option_names()
 # A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds;
 # or a prefill pool and a decode pool (simkv/replay/disaggregated.py).
 PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
