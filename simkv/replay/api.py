@@ -236,17 +236,15 @@ def _check_unchunked_items_fit(trace, config: EngineConfig, largest: int) -> Non
 
 def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
     """A client's concurrency limit (vllm bench serve's --max-concurrency) is modelled in front
-    of one engine, a fleet, data-parallel ranks or a P/D pair, for requests that are not paced on
-    their replies otherwise."""
+    of one engine, a fleet, data-parallel ranks or a P/D pair, with clients that give up or retry
+    and with vLLM's admission control, for requests that are not paced on their replies
+    otherwise."""
     sc = config.scheduler
     if sc.client_max_concurrency is None:
         return
     unsupported = [(trace.session_id is not None and sc.session_pacing,
                     "sessions paced on their replies (--no-session-pacing sends every turn as a request of its own)"),
-                   (encode is not None, "encode instances"),
-                   (sc.has_clients, "clients that give up or retry"),
-                   (sc.max_num_queued_reqs is not None or sc.max_num_queued_tokens is not None,
-                    "vLLM's admission control (max_num_queued_reqs / max_num_queued_tokens)")]
+                   (encode is not None, "encode instances")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"client_max_concurrency (a client's limit on requests in flight) is not modelled with "
@@ -256,14 +254,14 @@ def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
 def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:
     """vLLM's API-server admission control (simkv/replay/admission.py) is modelled for one
     engine, a fleet (its clients may retry: the router routes the retry), data-parallel ranks
-    whose clients do not retry and a P/D prefill pool (`config` is then the pool's), with
-    requests that come as the trace sends them (not paced on their replies)."""
+    whose clients do not retry and a P/D prefill pool (`config` is then the pool's). A request
+    refused for good is done with, as a rejected one: paced on replies or on a concurrency
+    limit, it releases the next."""
     sc = config.scheduler
     if sc.max_num_queued_reqs is None and sc.max_num_queued_tokens is None:
         return
     unsupported = [(config.hardware.data_parallel_size > 1 and sc.has_clients,
-                    "data-parallel ranks whose clients retry"),
-                   (trace.session_id is not None and sc.session_pacing, "sessions paced on their replies")]
+                    "data-parallel ranks whose clients retry")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"max_num_queued_reqs / max_num_queued_tokens (vLLM's admission control) are not "

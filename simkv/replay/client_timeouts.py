@@ -49,7 +49,7 @@ from simkv.core.scheduler import Scheduler
 from simkv.core.spec_decode import mix64
 from simkv.replay.engine import ArrivalFeed
 from simkv.replay.fleet import ReplicaFeed, row_of
-from simkv.replay.sessions import SessionFeed
+from simkv.replay.sessions import SessionFeed, SessionPacing
 from simkv.replay.step_log import RequestLog
 
 TTFT, E2E = 0, 1  # which deadline a client missed
@@ -275,7 +275,7 @@ class OneEngineClients(ClientDeadlines):
 
     def client_summary(self, requests) -> dict:
         """summary.json's `client` section."""
-        return client_section(self.clients, self.attempts, requests, [self], isinstance(self, SessionFeed))
+        return client_section(self.clients, self.attempts, requests, [self], getattr(self, "pacing", None))
 
     # (the feed's first attempts)
     def _peek_first(self) -> tuple[int, int] | None:
@@ -310,13 +310,14 @@ class ClientTimeoutFeed(OneEngineClients, ArrivalFeed):
 
 
 class SessionClientFeed(OneEngineClients, SessionFeed):
-    """One engine's conversations (session pacing), sent by clients that give up and retry. A
-    turn's retries are sent as one engine's clients send them; a turn that finishes (or is
-    rejected) releases the next, as without time-outs; a turn whose client gave up for good ends
-    its conversation: the later turns are never sent (status `abandoned`)."""
+    """One engine's paced requests (conversations, or a client's concurrency limit), sent by
+    clients that give up and retry. A request's retries are sent as one engine's clients send
+    them; one that finishes (or is rejected, for good) releases the next, as without time-outs; a
+    turn whose client gave up for good ends its conversation: the later turns are never sent
+    (status `abandoned`), while a concurrency limit's slot goes to the next request."""
 
     def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig) -> None:
-        super().__init__(trace, scheduler, request_log, config.max_model_len)
+        super().__init__(trace, scheduler, request_log, config.max_model_len, config.scheduler.client_max_concurrency)
         self._init_one_engine(config, len(trace))
 
     def _peek_first(self) -> tuple[int, int] | None:
@@ -336,12 +337,17 @@ class SessionClientFeed(OneEngineClients, SessionFeed):
 
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         super()._give_up(row, request, attempt, at, kind, now)
-        if attempt >= self.max_retries:  # (for good: the conversation ends)
-            dropped = self.pacing.end_session(row)
+        if attempt >= self.max_retries:  # (for good: the conversation ends, or the slot frees)
+            dropped, _ = self.pacing.give_up(row, at)
             for later in dropped:
                 self.request_log.abandon(later)
             if self.on_timed_out is not None and dropped:
                 self.on_timed_out(len(dropped))  # (done with, for the progress bar)
+
+    def _refused(self, row: int, attempt: int, tick: int) -> None:
+        super()._refused(row, attempt, tick)
+        if attempt >= self.max_retries:  # (refused for good: done with, as a rejected request is)
+            self.pacing.release(row, tick)
 
 
 class FleetClients:
@@ -375,10 +381,13 @@ class RoutedClients(ClientDeadlines):
     def _init_routed(self, routing, config: EngineConfig) -> None:
         self.fleet_clients = routing.clients
         self._init_clients(config, self.fleet_clients.attempts)
-        self._resend_bounds: list[tuple[int, int, int, int]] = []  # (deadline + back-off, row, attempt, kind)
+        # (deadline + back-off, row, attempt, kind); a concurrency limit's last attempts: deadline + a tick
+        self._resend_bounds: list[tuple[int, int, int, int]] = []
+        self._frees_on_give_up = routing.sessions is not None and routing.sessions.frees_on_give_up
 
     def earliest_resend(self) -> int | None:
-        """The earliest send time of a retry of an attempt in flight here (None: none can be)."""
+        """The earliest send time of a retry of an attempt in flight here, or of the next request
+        its client's concurrency slot would free if given up on for good (None: none can be)."""
         bounds = self._resend_bounds
         while bounds:
             _, row, attempt, kind = bounds[0]
@@ -391,10 +400,10 @@ class RoutedClients(ClientDeadlines):
 
     def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
         super()._send(request, row, tick, attempt)
-        if request.may_resend:  # (counted as resendable when it was routed)
+        if request.may_resend or self._frees_on_give_up:  # (counted as resendable when it was routed)
             for kind, timeout in enumerate(self._timeouts):
                 if timeout is not None:
-                    bound = tick + timeout + self.backoff_ticks(row, attempt)
+                    bound = tick + timeout + (self.backoff_ticks(row, attempt) if request.may_resend else 1)
                     heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
 
     def _finished_for_good(self, finished: list[Request], tick: int) -> None:
@@ -485,11 +494,14 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
 
     def _refused(self, row: int, attempt: int, tick: int) -> None:
         """The replica's front end answered 503: the attempt no longer counts here, and its retry
-        (if any) goes back to the router, which may send it to another replica."""
+        (if any) goes back to the router, which may send it to another replica; refused for good,
+        it is done with, as a rejected request is (paced requests: it releases the next)."""
         self.routing.note_aborted(self.replica, tick)
         super()._refused(row, attempt, tick)
         if attempt < self.max_retries:  # (counted as resendable when it was routed)
             self._no_longer_resendable(1, tick)
+        else:
+            self.routing.refused_for_good(row, tick)
 
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         routing = self.routing
@@ -499,15 +511,16 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         super()._give_up(row, request, attempt, at, kind, now)  # (a retry: first in the router's queue)
         if request.may_resend:
             self._no_longer_resendable(1, now)
-        elif routing.sessions is not None:  # (for good: the conversation ends)
-            dropped = routing.end_session(row, now)
+        elif routing.sessions is not None:  # (for good: the conversation ends, or the slot frees)
+            dropped = routing.client_gave_up(row, at)
             if self.on_timed_out is not None and dropped:
                 self.on_timed_out(len(dropped))  # (done with, for the progress bar)
 
 
-def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlines], paced: bool = False) -> dict:
-    """summary.json's `client` section, over the engines whose `feeds` these are (`paced`:
-    conversations that a time-out ends, and the turns they never sent)."""
+def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlines], pacing=None) -> dict:
+    """summary.json's `client` section, over the engines whose `feeds` these are (`pacing`, if
+    any: paced conversations end at a time-out, and the turns they never sent are counted)."""
+    paced = isinstance(pacing, SessionPacing)
     status = requests["status"].to_numpy()
     abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E)]
     return {

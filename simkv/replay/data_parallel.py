@@ -94,6 +94,7 @@ class DPRouting(FleetRouting):
             self.num_rejected += 1  # (HTTP 503: never routed, as a prompt too long is not)
             if self.on_reject is not None:
                 self.on_reject(1)
+            self.refused_for_good(i, tick)
             return
         if not self.fan_out or self.trace.n[i] <= 1 or self._prompts[i] >= self.max_model_len:
             super()._route(i, tick)

@@ -36,12 +36,12 @@ from simkv.replay.disaggregated import (IF_WAITING, NEVER, SEND_ABANDONED, TRANS
 STAGES = ("prefill", "handoff", "decode_queue", "decode")
 
 
-def _end_conversation(feed, row: int, now: int) -> None:
-    """Paced conversations: `row`'s client gave up on it for good at `now`, in `feed`'s pool;
-    its conversation's later turns are never sent."""
+def _end_conversation(feed, row: int, at: int) -> None:
+    """Paced requests: `row`'s client gave up on it for good at tick `at`, in `feed`'s pool; its
+    conversation's later turns are never sent, or its concurrency slot goes to the next request."""
     prefill = feed.pd.prefill
     if prefill.sessions is not None:
-        dropped = prefill.end_session(row, now)
+        dropped = prefill.client_gave_up(row, at)
         if feed.on_timed_out is not None and dropped:
             feed.on_timed_out(len(dropped))  # (done with, for the progress bar)
 
@@ -140,7 +140,7 @@ class PrefillClientFeed(_WakesAtDeadlines, ReplicaClientFeed, PrefillFeed):
         if send.may_resend:
             self._no_longer_resendable(1, now)
         else:
-            _end_conversation(self, row, now)
+            _end_conversation(self, row, deadline)
 
 
 class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
@@ -203,4 +203,4 @@ class DecodeClientFeed(_WakesAtDeadlines, RoutedClients, DecodeFeed):
         if request.may_resend:
             self._no_longer_resendable(1, now)
         else:
-            _end_conversation(self, row, now)
+            _end_conversation(self, row, at)

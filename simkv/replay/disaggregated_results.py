@@ -82,7 +82,7 @@ def pd_summary(run: DisaggregatedRun, trace, spec, configs, backends, capacities
 
         summary["client"] = client_section(prefill_config.scheduler, clients.attempts, requests,
                                            [r.feed for r in run.prefill_runs + run.decode_runs],
-                                           pd_.prefill.sessions is not None)
+                                           pd_.prefill.sessions)
         summary["client"]["aborted_in"] = dict(pd_.transit.aborted_in)
     pulled = pd_.pull_end >= 0
     pull_s = (pd_.pull_end[pulled] - pd_.pull_start[pulled]) / TICKS_PER_SECOND

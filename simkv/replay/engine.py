@@ -231,7 +231,8 @@ class ReplayEngine:
             check_supported(trace, config)
             if make_feed is not None:  # (a fleet's replica)
                 self.feed = self._client = make_feed(self.scheduler, self.requests)
-            elif trace.session_id is not None and config.scheduler.session_pacing:
+            elif (trace.session_id is not None and config.scheduler.session_pacing
+                  or config.scheduler.client_max_concurrency is not None):  # (paced: simkv/replay/sessions.py)
                 self.feed = self._client = SessionClientFeed(trace, self.scheduler, self.requests, config)
             else:
                 self.feed = self._client = ClientTimeoutFeed(trace, self.scheduler, self.requests, config)

@@ -97,14 +97,23 @@ class FleetRouting:
         """Something the router waits for happened at `tick` (now)."""
         self._wake_for(tick)
 
-    def end_session(self, row: int, tick: int) -> list[int]:
-        """Sessions: `row`'s client gave up on it for good at `tick`: its session's later turns are
-        never sent (returned)."""
-        dropped = self.sessions.end_session(row)
+    def client_gave_up(self, row: int, tick: int) -> list[int]:
+        """Paced requests: `row`'s client gave up on it for good at `tick`: its session's later
+        turns are never sent (returned), or its concurrency slot goes to the next request."""
+        dropped, due = self.sessions.give_up(row, tick)
         self.clients.abandoned += dropped
-        if dropped and self.all_routed:
+        if due is not None:
+            self._wake_for(due)
+        elif dropped and self.all_routed:
             self._wake_for(tick)
         return dropped
+
+    def refused_for_good(self, row: int, tick: int) -> None:
+        """A replica's front end refused `row` (HTTP 503) at `tick`, and its client will not
+        retry: paced requests count it done, as a rejected one (its next turn, or the next request
+        in a concurrency slot, becomes due)."""
+        if self.sessions is not None:
+            self._wake_for(self.sessions.release(row, tick))
 
     def log_finished(self, feed, request, tick: int) -> None:
         """A row's request completed on `feed`'s replica: into its log."""
@@ -286,9 +295,10 @@ class ReplicaFeed(ArrivalFeed):
             if isinstance(row, Request):  # (a sequence of a row fanned out over data-parallel ranks)
                 self.scheduler.add_request(row)
                 row = row.prompt_owner  # (sessions: the row's turn may end here)
-            else:
-                if not self._deliver(row):  # (the replica's front end answered 503: simkv/replay/admission.py)
-                    self.routing.note_aborted(self.replica, now)
+            elif not self._deliver(row):  # (the replica's front end answered 503: simkv/replay/admission.py)
+                self.routing.note_aborted(self.replica, now)
+                self.routing.refused_for_good(row, ticks[row])  # (answered when sent)
+                continue
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)
 
@@ -453,7 +463,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     if routing.clients is not None:
         from simkv.replay.client_timeouts import client_section
         summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,
-                                           [run.feed for run in runs], routing.sessions is not None)
+                                           [run.feed for run in runs], routing.sessions)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
                         "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
     return summary

@@ -50,6 +50,9 @@ class Pacing:
     entries move to when it was sent."""
 
     summary_key = ""
+    #: A row given up on for good makes another due (a concurrency slot frees): engines behind a
+    #: router stop their decode runs at such a row's deadlines, as at a retry's send time.
+    frees_on_give_up = False
 
     def __init__(self, rows: TraceRows) -> None:
         self._trace_ticks = list(rows.arrival_ticks)
@@ -86,19 +89,30 @@ class Pacing:
         self.num_out += 1
         return heapq.heappop(self._ready)
 
-    def _send_at(self, row: int, due: int) -> int:
-        """Row `row` becomes due at the later of `due` and its trace time; returns that tick."""
+    def _hold(self, row: int, due: int) -> int:
+        """Row `row` is sent at the later of `due` and its trace time (returned)."""
         if due > self._trace_ticks[row]:
             self.num_held += 1
             self.held_ticks += due - self._trace_ticks[row]
             self.rows.arrival_ticks[row] = due
             self.rows.arrival_s[row] = due / TICKS_PER_SECOND
-        heapq.heappush(self._ready, (self.rows.arrival_ticks[row], row))
         return self.rows.arrival_ticks[row]
+
+    def _send_at(self, row: int, due: int) -> int:
+        """Row `row` becomes due at the later of `due` and its trace time; returns that tick."""
+        tick = self._hold(row, due)
+        heapq.heappush(self._ready, (tick, row))
+        return tick
 
     def release(self, row: int, tick: int) -> int | None:
         """Row `row` finished (or was rejected) at `tick`. Returns the due tick of the row that
         makes due (None: none)."""
+        raise NotImplementedError
+
+    def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
+        """Row `row`'s client gave up on it for good at `tick` (its last attempt timed out).
+        Returns the rows never sent because of it, and the due tick of a row it makes due (None:
+        none)."""
         raise NotImplementedError
 
     def release_finished(self, finished: list[Request], tick: int) -> int | None:
@@ -141,16 +155,15 @@ class SessionPacing(Pacing):
         self._ready = [(self._trace_ticks[i], i) for i in np.flatnonzero(~has_previous).tolist()]
         self.num_sessions = len({s for s in trace.session_id.tolist() if s is not None})
 
-    def end_session(self, row: int) -> list[int]:
-        """Row `row` ends its session (its client gave up): the session's later turns are never
-        sent. Returns their rows."""
+    def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
+        """The conversation ends: its later turns are never sent."""
         dropped = []
         nxt = self.next_turn[row]
         while nxt >= 0:
             dropped.append(nxt)
             nxt = self.next_turn[nxt]
         self.num_out += len(dropped)
-        return dropped
+        return dropped, None
 
     def successor_think(self, row: int) -> int | None:
         """The think ticks of `row`'s next turn (None: it has none)."""
@@ -170,10 +183,18 @@ class SessionPacing(Pacing):
 class ConcurrencyPacing(Pacing):
     """A client that keeps at most `limit` requests in flight (vllm bench serve's
     --max-concurrency, a semaphore its requests queue on in order): the first `limit` rows go at
-    their trace times; each release (a finish or a rejection) sends the next row in arrival
-    order, at the later of its trace time and a tick after the release."""
+    their trace times; each release (a finish or a rejection) frees a slot a tick later, and the
+    next row in arrival order takes the earliest free slot, at the later of that tick and its
+    trace time. A request whose client gives up and retries keeps its slot through the back-off;
+    one given up on for good frees it at its last deadline, one refused for good (HTTP 503) when
+    it is refused.
+
+    Slots are taken when rows are handed out, not when they free: engines may report releases
+    out of time order (a step's finishes before a refusal during that step, taken at its end),
+    and the earliest free slot still goes to the next row."""
 
     summary_key = "client_concurrency"
+    frees_on_give_up = True
 
     def __init__(self, rows: TraceRows, limit: int) -> None:
         super().__init__(rows)
@@ -181,6 +202,36 @@ class ConcurrencyPacing(Pacing):
         first = min(limit, self._num_rows)
         self._ready = [(self._trace_ticks[i], i) for i in range(first)]  # (in arrival order: a heap)
         self._next_row = first
+        self._free: list[int] = []  # ticks at which slots free, not yet taken (a heap)
+
+    def _freed(self) -> tuple[int, int] | None:
+        """The next row as the earliest free slot would send it, as (tick, row) (None: no row
+        waits for a slot, or no slot is free)."""
+        if not self._free or self._next_row >= self._num_rows:
+            return None
+        row = self._next_row
+        return max(self._free[0], self._trace_ticks[row]), row
+
+    def peek(self) -> tuple[int, int] | None:
+        freed, ready = self._freed(), self._ready[0] if self._ready else None
+        return ready if freed is None else freed if ready is None else min(freed, ready)
+
+    def next_ticks(self) -> int | None:
+        nxt = self.peek()
+        return None if nxt is None else nxt[0]
+
+    def pop_next(self) -> tuple[int, int]:
+        freed = self._freed()
+        self.num_out += 1
+        if freed is None or (self._ready and self._ready[0] < freed):
+            return heapq.heappop(self._ready)
+        heapq.heappop(self._free)
+        self._next_row += 1
+        return self._hold(freed[1], freed[0]), freed[1]
+
+    def pop_due(self, now: int):
+        while (nxt := self.peek()) is not None and nxt[0] <= now:
+            yield self.pop_next()
 
     def successor_think(self, row: int) -> int | None:
         """A tick: any finish may send the next row (None once every row is sent)."""
@@ -189,8 +240,12 @@ class ConcurrencyPacing(Pacing):
     def release(self, row: int, tick: int) -> int | None:
         if self._next_row >= self._num_rows:
             return None
-        nxt, self._next_row = self._next_row, self._next_row + 1
-        return self._send_at(nxt, tick + 1)
+        heapq.heappush(self._free, tick + 1)
+        return max(tick + 1, self._trace_ticks[self._next_row])  # (when the next row could go, at the soonest)
+
+    def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
+        """The client's slot is free again: the next row is sent."""
+        return [], self.release(row, tick)
 
     def summary(self) -> dict:
         return {"max_concurrency": self.limit, "requests_held": self.num_held, "mean_hold_s": self.mean_hold_s}

@@ -73,13 +73,60 @@ def test_rejected_requests_free_their_slot():
     assert _in_flight(requests.fillna({"finish_time_s": requests["arrival_time_s"]})) <= 2
 
 
-@pytest.mark.parametrize("options, extra, match", [
-    ({"client_max_concurrency": 4, "client_timeout_s": 5.0}, {}, "clients that give up"),
-    ({"client_max_concurrency": 4, "max_num_queued_reqs": 8}, {}, "admission control"),
-])
-def test_what_a_limit_is_not_modelled_with(options, extra, match):
-    with pytest.raises(ValueError, match=match):
-        replay(read_trace("traces/req400.parquet"), EngineConfig.from_flat(options), **extra)
+def _released_at(requests: pd.DataFrame, sc: dict) -> np.ndarray:
+    """When each row's client was done with it: its finish; its last deadline (given up on for
+    good: every attempt timed out on its first token, the back-offs between them); or when the
+    front end refused it for good (refused at each attempt: only the back-offs)."""
+    arrival = requests["arrival_time_s"].to_numpy()
+    attempts = requests["attempts"].to_numpy() if "attempts" in requests else np.ones(len(requests), np.int64)
+    backoffs = np.array([sum(sc.get("client_retry_backoff_s", 0.5) * 2 ** k for k in range(a - 1)) for a in attempts])
+    status = requests["status"].to_numpy()
+    released = np.where(status == "finished", requests["finish_time_s"].to_numpy(), arrival + backoffs)
+    timed_out = status == "timed_out"
+    released[timed_out] += attempts[timed_out] * sc.get("client_ttft_timeout_s", 0.0)
+    return released
+
+
+def _check_closed_loop(requests: pd.DataFrame, sc: dict, limit: int, exact: bool = True) -> None:
+    """All rows sent at once: exactly `limit` in flight, and after the first `limit` each send a
+    tick after the next release (a finish, a last deadline or a refusal for good). Not `exact`:
+    each a tick after a release of its own, not always the next (a replica busy with a step
+    answers the HTTP 503s of requests sent meanwhile at its next step boundary, dated when they
+    were sent: a finish elsewhere before that boundary may have taken the last rows)."""
+    released = np.sort(_released_at(requests, sc))
+    sent = np.sort(requests["arrival_time_s"].to_numpy())
+    # in flight at each send: rows sent by then, less those released before (a refusal is instant)
+    in_flight = np.arange(1, len(sent) + 1) - np.searchsorted(released, sent, side="left")
+    assert in_flight.max() == limit
+    later = sent[limit:]
+    if exact:
+        assert np.allclose(later, released[:len(later)] + TICK, rtol=0, atol=1e-9)
+        return
+    slots = list(np.round((released + TICK) * TICKS_PER_SECOND).astype(np.int64))
+    for tick in np.round(later * TICKS_PER_SECOND).astype(np.int64):  # (a slot of its own each)
+        slots.remove(tick)
+
+
+GIVE_UPS = {  # (A100's 2,048-token steps: a queue builds; each case has releases of every kind it names)
+    "time-outs": {"client_ttft_timeout_s": 0.5, "client_max_retries": 1},
+    "time-outs, no retries": {"client_ttft_timeout_s": 0.5},
+    "refusals (HTTP 503), no retries": {"max_num_queued_reqs": 16},
+    "refusals (HTTP 503), retried": {"max_num_queued_reqs": 16, "client_max_retries": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(GIVE_UPS))
+def test_requests_given_up_on_free_their_slot_when_their_client_is_done(case):
+    """A client that gives up keeps its slot through its back-offs and frees it at its last
+    deadline; a request refused for good frees it when refused."""
+    sc = GIVE_UPS[case]
+    result = _replay("traces/req400.parquet", client_max_concurrency=64, gpu="A100-80GB", **sc)
+    requests = result.requests
+    status = set(requests["status"])
+    assert "finished" in status and status & {"timed_out", "rejected"}
+    if sc.get("client_max_retries"):
+        assert (requests["attempts"] > 1).any()
+    _check_closed_loop(requests, sc, 64)
 
 
 def test_sessions_need_no_pacing_under_a_limit():
@@ -98,9 +145,9 @@ def test_from_the_cli(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["client_max_concurrency"] == 16 and summary["peak_running"] <= 16
     assert "client concurrency limit" in out and "client concurrency limit" in (tmp_path / "report.html").read_text()
-    assert "not modelled with clients that give up" in cli_fails(
+    assert "not modelled with encode instances" in cli_fails(
         ["replay", "traces/req400.parquet", "--out", str(tmp_path / "f"), "--client-max-concurrency", "4",
-         "--client-timeout", "5"])
+         "--model", "qwen2.5-vl-7b", "--encode-replicas", "1"])
 
 
 @pytest.mark.parametrize("options", [{"async_scheduling": True},
@@ -136,3 +183,22 @@ def test_a_limit_in_front_of_several_engines(kind):
                    **extra())
     assert _in_flight(small.requests) == 6 and (small.requests["status"] == "finished").all()
     assert small.summary["client_concurrency"]["requests_held"] == 394
+
+
+@pytest.mark.parametrize("kind", sorted(FLEETS))
+@pytest.mark.parametrize("case", ["time-outs", "refusals (HTTP 503), no retries"])
+def test_given_up_requests_free_their_slot_in_front_of_several_engines(kind, case):
+    """The same rule over a fleet, data-parallel ranks or a P/D pair; decode runs stop where a
+    give-up elsewhere could send a request (stepping gives the same replay)."""
+    options, extra = FLEETS[kind]
+    sc = GIVE_UPS[case]
+    if kind == "data-parallel ranks" and "client_ttft_timeout_s" in sc:
+        sc = sc | {"client_ttft_timeout_s": 0.2}  # (its ranks prefill faster: a tighter deadline for some to miss)
+    config = EngineConfig.from_flat(options | {"gpu": "A100-80GB", "client_max_concurrency": 64} | sc)
+    trace = read_trace("traces/req400.parquet")
+    result = replay(trace, config, **extra())
+    status = set(result.requests["status"])
+    assert "finished" in status and status & {"timed_out", "rejected"}
+    _check_closed_loop(result.requests, sc, 64, exact=kind == "data-parallel ranks" or "max_num_queued_reqs" not in sc)
+    stepped = replay(trace, config, use_decode_runs=False, **extra())
+    pd.testing.assert_frame_equal(result.requests, stepped.requests)

@@ -187,3 +187,45 @@ def test_a_fleet_of_one_paces_as_one_engine() -> None:
                               Router("round_robin", 1), capacity)
     assert runs[0].steps.num_steps == one.summary["num_steps"]
     assert np.array_equal(np.asarray(routing.rows.arrival_s), one.requests["arrival_time_s"].to_numpy())
+
+
+def _refused_turns_release_the_next(res, trace) -> int:
+    """Every turn after a turn the front end refused (HTTP 503) for good is sent when the refused
+    turn was sent, plus its think time, or at its trace time if later. Returns how many turns
+    followed a refused one."""
+    req = res.requests.set_index("request_id")
+    think = dict(zip(trace.request_id, trace.think_time_s))
+    trace_at = dict(zip(trace.request_id, trace.arrival_time_s))
+    followed = 0
+    for rid in req.index:
+        s, t = rid.rsplit("-t", 1)
+        before = f"{s}-t{int(t) - 1}"
+        if int(t) == 0 or req.loc[before, "status"] != "rejected":
+            continue
+        followed += 1
+        due = req.loc[before, "arrival_time_s"] + think[rid]
+        assert req.loc[rid, "arrival_time_s"] == pytest.approx(max(due, trace_at[rid]), abs=1e-9)
+    assert set(req["status"]) == {"finished", "rejected"}  # (none abandoned: a refusal ends nothing)
+    return followed
+
+
+@pytest.mark.parametrize("kind", ["one engine", "fleet", "data-parallel ranks", "P/D"])
+def test_a_turn_the_front_end_refuses_releases_the_next(kind, tmp_path) -> None:
+    """vLLM's admission control (max_num_queued_reqs) under session pacing: a turn refused with
+    HTTP 503 is done with, as a rejected turn is, and its conversation goes on."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = multi_turn(SessionShape(sessions=200, turns=4, think_time_s=1.0), seed=6)
+    options = dict(num_gpu_blocks=600, max_model_len=8192, max_num_queued_reqs=16)
+    extra = {}
+    if kind == "data-parallel ranks":
+        options = dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=8192, max_num_queued_reqs=16)
+    elif kind == "fleet":
+        extra = {"fleet": FleetSpec(3, "least_outstanding")}
+    elif kind == "P/D":
+        extra = {"disaggregation": DisaggregationSpec(num_prefill=1, num_decode=1)}
+    config = EngineConfig.from_flat(options)
+    res = (assert_decode_runs_change_no_bytes(trace, config, tmp_path, **extra) if kind == "fleet"
+           else replay(trace, config, **extra))
+    assert _refused_turns_release_the_next(res, trace) > 50
+    assert res.summary["session_pacing"]["turns_held"] > 0
