@@ -381,13 +381,10 @@ class RoutedClients(ClientDeadlines):
     def _init_routed(self, routing, config: EngineConfig) -> None:
         self.fleet_clients = routing.clients
         self._init_clients(config, self.fleet_clients.attempts)
-        # (deadline + back-off, row, attempt, kind); a concurrency limit's last attempts: deadline + a tick
-        self._resend_bounds: list[tuple[int, int, int, int]] = []
-        self._frees_on_give_up = routing.sessions is not None and routing.sessions.frees_on_give_up
+        self._resend_bounds: list[tuple[int, int, int, int]] = []  # (deadline + back-off, row, attempt, kind)
 
     def earliest_resend(self) -> int | None:
-        """The earliest send time of a retry of an attempt in flight here, or of the next request
-        its client's concurrency slot would free if given up on for good (None: none can be)."""
+        """The earliest send time of a retry of an attempt in flight here (None: none can be)."""
         bounds = self._resend_bounds
         while bounds:
             _, row, attempt, kind = bounds[0]
@@ -400,10 +397,10 @@ class RoutedClients(ClientDeadlines):
 
     def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
         super()._send(request, row, tick, attempt)
-        if request.may_resend or self._frees_on_give_up:  # (counted as resendable when it was routed)
+        if request.may_resend:  # (counted as resendable when it was routed)
             for kind, timeout in enumerate(self._timeouts):
                 if timeout is not None:
-                    bound = tick + timeout + (self.backoff_ticks(row, attempt) if request.may_resend else 1)
+                    bound = tick + timeout + self.backoff_ticks(row, attempt)
                     heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
 
     def _finished_for_good(self, finished: list[Request], tick: int) -> None:

@@ -50,9 +50,6 @@ class Pacing:
     entries move to when it was sent."""
 
     summary_key = ""
-    #: A row given up on for good makes another due (a concurrency slot frees): engines behind a
-    #: router stop their decode runs at such a row's deadlines, as at a retry's send time.
-    frees_on_give_up = False
 
     def __init__(self, rows: TraceRows) -> None:
         self._trace_ticks = list(rows.arrival_ticks)
@@ -194,7 +191,6 @@ class ConcurrencyPacing(Pacing):
     and the earliest free slot still goes to the next row."""
 
     summary_key = "client_concurrency"
-    frees_on_give_up = True
 
     def __init__(self, rows: TraceRows, limit: int) -> None:
         super().__init__(rows)
@@ -234,7 +230,9 @@ class ConcurrencyPacing(Pacing):
             yield self.pop_next()
 
     def successor_think(self, row: int) -> int | None:
-        """A tick: any finish may send the next row (None once every row is sent)."""
+        """A tick: any finish, refusal or give-up may send the next row (None once every row is
+        sent). Behind a router, other engines' decode runs stop a tick after an engine's step
+        ends (ReleaseWatch), where it learns of them."""
         return 1 if self._next_row < self._num_rows else None
 
     def release(self, row: int, tick: int) -> int | None:
