@@ -302,8 +302,9 @@ class SchedulerConfig:
     # trace's arrival times as they are (open loop).
     session_pacing: bool = True
     # A client that keeps at most this many requests in flight (vllm bench serve's
-    # --max-concurrency): a request is sent at its trace time or, when that many are in flight,
-    # once one of them finishes (simkv/replay/sessions.py's ConcurrencyPacing); None: no limit
+    # --max-concurrency): a request is sent at its trace time (paced sessions: when its turn is
+    # due) or, when that many are in flight, once one of them is done with (simkv/replay/
+    # sessions.py's Pacing); None: no limit
     client_max_concurrency: int | None = None
     # Clients that give up (simkv/replay/client_timeouts.py): a request without its first token
     # `client_ttft_timeout_s` after it was sent, or unfinished `client_timeout_s` after, is

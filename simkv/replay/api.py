@@ -236,19 +236,14 @@ def _check_unchunked_items_fit(trace, config: EngineConfig, largest: int) -> Non
 
 def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
     """A client's concurrency limit (vllm bench serve's --max-concurrency) is modelled in front
-    of one engine, a fleet, data-parallel ranks or a P/D pair, with clients that give up or retry
-    and with vLLM's admission control, for requests that are not paced on their replies
-    otherwise."""
+    of one engine, a fleet, data-parallel ranks or a P/D pair, with clients that give up or retry,
+    with vLLM's admission control and with sessions paced on their replies."""
     sc = config.scheduler
     if sc.client_max_concurrency is None:
         return
-    unsupported = [(trace.session_id is not None and sc.session_pacing,
-                    "sessions paced on their replies (--no-session-pacing sends every turn as a request of its own)"),
-                   (encode is not None, "encode instances")]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"client_max_concurrency (a client's limit on requests in flight) is not modelled with "
-                             f"{what} yet")
+    if encode is not None:
+        raise ValueError("client_max_concurrency (a client's limit on requests in flight) is not modelled with "
+                         "encode instances yet")
 
 
 def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:

@@ -243,7 +243,7 @@ class ReplayEngine:
               or config.scheduler.client_max_concurrency is not None):  # (simkv/replay/sessions.py)
             from simkv.replay.sessions import SessionFeed
             self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len,
-                                    config.scheduler.client_max_concurrency)
+                                    config.scheduler.client_max_concurrency, config.scheduler.session_pacing)
         else:
             self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         self.arrival_feed = self.feed  # (the feed that makes its requests: a fleet replica's, P/D's)

@@ -24,7 +24,7 @@ from simkv.replay.results import (admission_limits_summary, admission_summary, l
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
-from simkv.replay.sessions import ConcurrencyPacing, ReleaseWatch, SessionPacing, earliest_release
+from simkv.replay.sessions import ReleaseWatch, earliest_release, make_pacing
 from simkv.replay.step_log import SPEC_COLUMNS
 from simkv.traces.lora import content_namespaces
 
@@ -40,9 +40,7 @@ class FleetRouting:
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
         # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done; or a
         # client's concurrency limit: a request is routed once fewer than that many are in flight
-        self.sessions = (ConcurrencyPacing(self.rows, max_concurrency) if max_concurrency is not None
-                         else SessionPacing(trace, self.rows) if session_pacing and trace.session_id is not None
-                         else None)
+        self.sessions = make_pacing(trace, self.rows, session_pacing, max_concurrency)
         self.engines: list[ReplayEngine] = []  # (the replicas: the runner sets them)
         self._wake: simpy.Event | None = None  # the router's, while it sleeps (a release may wake it)
         self._sleep_until: int | None = None
@@ -459,7 +457,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
     summary |= admission_summary(runs, routing) | admission_limits_summary([run.steps.columns() for run in runs])
     if routing.sessions is not None:
-        summary[routing.sessions.summary_key] = routing.sessions.summary()
+        summary |= routing.sessions.summary()
     if routing.clients is not None:
         from simkv.replay.client_timeouts import client_section
         summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,

@@ -360,7 +360,7 @@ def session_summary(run: ReplayRun) -> dict:
     replies (how many, and by how long on average); or a client's concurrency limit and the
     requests it held."""
     pacing = getattr(run.feed, "pacing_summary", None)
-    return {run.feed.pacing.summary_key: pacing()} if pacing is not None else {}
+    return pacing() if pacing is not None else {}
 
 
 def offload_summary(runs, capacity, prefix_queries: int) -> dict:

@@ -45,101 +45,155 @@ def next_turns(session_id: np.ndarray) -> np.ndarray:
 
 
 class Pacing:
-    """Rows handed out when due, from a heap of (tick, row); a release (a finish or a rejection)
-    may make another row due. `rows`' arrival lists become the pacing's own: a held row's
-    entries move to when it was sent."""
+    """Rows handed out when due, from a heap of (tick, row) of the rows due by the pacing's own
+    rule; a release (a finish, a rejection, a give-up) may make another row due. With a `limit`
+    (a client's concurrency limit: vllm bench serve's --max-concurrency, a semaphore its requests
+    queue on) a due row also waits for a free slot: at most `limit` rows are out and not yet
+    released, and the earliest due row takes the earliest free slot, at the later of the two
+    ticks. A release frees its slot a tick later. A request whose client gives up and retries
+    keeps its slot through its back-offs; one given up on for good frees it at its last
+    deadline, one refused for good (HTTP 503) when it is refused.
 
-    summary_key = ""
+    Slots are taken when rows are handed out, not when they free: engines may report releases
+    out of time order (a step's finishes before a refusal during that step, taken at its end),
+    and the earliest free slot still goes to the earliest due row. `rows`' arrival lists become
+    the pacing's own: a held row's entries move to when it was sent."""
 
-    def __init__(self, rows: TraceRows) -> None:
+    def __init__(self, rows: TraceRows, limit: int | None = None) -> None:
         self._trace_ticks = list(rows.arrival_ticks)
         rows.arrival_ticks = list(rows.arrival_ticks)
         rows.arrival_s = list(rows.arrival_s)
         self.rows = rows
         self._ready: list[tuple[int, int]] = []
         self._num_rows = len(self._trace_ticks)
+        self.limit = limit
+        # ticks from which slots are free, not yet taken (a heap; None: no limit)
+        self._free = None if limit is None else [0] * min(limit, self._num_rows)
         self.num_out = 0  # rows handed out
-        self.num_held = 0  # rows sent later than their trace arrival
-        self.held_ticks = 0  # ... by this much in all
+        self.holds = [[0, 0], [0, 0]]  # (rows held, ticks in all): by the pacing's rule, for a slot
 
     @property
     def all_out(self) -> bool:
         return self.num_out >= self._num_rows
 
-    def next_ticks(self) -> int | None:
-        """When the next row is due (None: none is, until a release)."""
-        return self._ready[0][0] if self._ready else None
-
-    def pop_due(self, now: int):
-        """The rows due by tick `now`, as (tick, row), in (tick, row) order."""
-        ready = self._ready
-        while ready and ready[0][0] <= now:
-            self.num_out += 1
-            yield heapq.heappop(ready)
-
     def peek(self) -> tuple[int, int] | None:
         """The next row due, as (tick, row), without handing it out (None: none is, until a release)."""
-        return self._ready[0] if self._ready else None
+        if not self._ready:
+            return None
+        tick, row = self._ready[0]
+        free = self._free
+        if free is None:
+            return tick, row
+        return (max(tick, free[0]), row) if free else None
+
+    def next_ticks(self) -> int | None:
+        """When the next row is due (None: none is, until a release)."""
+        nxt = self.peek()
+        return None if nxt is None else nxt[0]
 
     def pop_next(self) -> tuple[int, int]:
         """The next row due, as (tick, row) (there must be one)."""
+        due, row = heapq.heappop(self._ready)
+        sent = due if self._free is None else max(due, heapq.heappop(self._free))
         self.num_out += 1
-        return heapq.heappop(self._ready)
+        trace_tick = self._trace_ticks[row]
+        for hold, (start, end) in zip(self.holds, ((trace_tick, due), (due, sent))):
+            if end > start:
+                hold[0] += 1
+                hold[1] += end - start
+        if sent > trace_tick:
+            self.rows.arrival_ticks[row] = sent
+            self.rows.arrival_s[row] = sent / TICKS_PER_SECOND
+        return sent, row
 
-    def _hold(self, row: int, due: int) -> int:
-        """Row `row` is sent at the later of `due` and its trace time (returned)."""
-        if due > self._trace_ticks[row]:
-            self.num_held += 1
-            self.held_ticks += due - self._trace_ticks[row]
-            self.rows.arrival_ticks[row] = due
-            self.rows.arrival_s[row] = due / TICKS_PER_SECOND
-        return self.rows.arrival_ticks[row]
+    def pop_due(self, now: int):
+        """The rows due by tick `now`, as (tick, row), in (tick, row) order."""
+        while (nxt := self.peek()) is not None and nxt[0] <= now:
+            yield self.pop_next()
 
-    def _send_at(self, row: int, due: int) -> int:
-        """Row `row` becomes due at the later of `due` and its trace time; returns that tick."""
-        tick = self._hold(row, due)
-        heapq.heappush(self._ready, (tick, row))
-        return tick
+    def _free_slot(self, tick: int) -> None:
+        if self._free is not None and self.num_out < self._num_rows:
+            heapq.heappush(self._free, tick + 1)
+
+    def _next_due(self, row: int, tick: int) -> None:
+        """Row `row` was released at `tick`: the rows that makes due by the pacing's rule."""
 
     def release(self, row: int, tick: int) -> int | None:
-        """Row `row` finished (or was rejected) at `tick`. Returns the due tick of the row that
-        makes due (None: none)."""
-        raise NotImplementedError
+        """Row `row` finished (or was rejected) at `tick`. Returns when the next row is due (None:
+        none is, until another release)."""
+        self._free_slot(tick)
+        self._next_due(row, tick)
+        return self.next_ticks()
+
+    def _drop_after(self, row: int) -> list[int]:
+        """Row `row` was given up on for good: the rows never sent because of it."""
+        return []
 
     def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
         """Row `row`'s client gave up on it for good at `tick` (its last attempt timed out).
-        Returns the rows never sent because of it, and the due tick of a row it makes due (None:
-        none)."""
-        raise NotImplementedError
+        Returns the rows never sent because of it, and when the next row is due (None: none is,
+        until another release)."""
+        dropped = self._drop_after(row)
+        self.num_out += len(dropped)
+        self._free_slot(tick)
+        return dropped, self.next_ticks()
 
     def release_finished(self, finished: list[Request], tick: int) -> int | None:
-        """These requests finished at `tick`: the rows they release become due. Returns the
-        earliest due tick (None: none)."""
-        earliest = None
+        """These requests finished at `tick`: the rows they release become due. Returns when the
+        next row is due (None: none is, until another release)."""
         for request in finished:
             if request.index < self._num_rows:  # (not a parallel-sampling sequence of its own)
-                due = self.release(request.index, tick)
-                if due is not None and (earliest is None or due < earliest):
-                    earliest = due
-        return earliest
+                self._free_slot(tick)
+                self._next_due(request.index, tick)
+        return self.next_ticks()
+
+    def successor_think(self, row: int) -> int | None:
+        """How soon after `row` is released another row could be due (None: none could): under a
+        limit a tick, while rows wait to be sent (behind a router, other engines' decode runs then
+        stop a tick after an engine's step ends, where it learns of its releases: ReleaseWatch)."""
+        return 1 if self._free is not None and not self.all_out else None
 
     def last_trace_ticks(self) -> int:
         return max(self._trace_ticks, default=0)
 
-    @property
-    def mean_hold_s(self) -> float:
-        """How long a held row was held on average (0 when none was)."""
-        return self.held_ticks / TICKS_PER_SECOND / self.num_held if self.num_held else 0.0
+    def _hold_summary(self, which: int) -> tuple[int, float]:
+        rows, ticks = self.holds[which]
+        return rows, ticks / TICKS_PER_SECOND / rows if rows else 0.0
+
+    def summary(self) -> dict:
+        """summary.json's sections on the pacing."""
+        if self.limit is None:
+            return {}
+        held, mean = self._hold_summary(1)
+        return {"client_concurrency": {"max_concurrency": self.limit, "requests_held": held, "mean_hold_s": mean}}
+
+
+def make_pacing(trace, rows: TraceRows, session_pacing: bool, max_concurrency: int | None) -> Pacing | None:
+    """The pacing of `trace`'s rows: sessions paced on their replies (`session_pacing` and a
+    trace with sessions), a client's concurrency limit, both, or None (the trace's times)."""
+    if session_pacing and trace.session_id is not None:
+        return SessionPacing(trace, rows, max_concurrency)
+    return ConcurrencyPacing(rows, max_concurrency) if max_concurrency is not None else None
+
+
+class ConcurrencyPacing(Pacing):
+    """A client's concurrency limit alone: every row is due at its trace time, and waits for a
+    slot (the next row in arrival order takes the earliest free slot)."""
+
+    def __init__(self, rows: TraceRows, limit: int) -> None:
+        super().__init__(rows, limit)
+        self._ready = [(tick, i) for i, tick in enumerate(self._trace_ticks)]  # (in arrival order: a heap)
 
 
 class SessionPacing(Pacing):
     """The rows of a trace with sessions: first turns at their trace times, a next turn once its
-    previous turn is released (finished or rejected), after its think time."""
+    previous turn is released (finished or rejected), after its think time; a conversation whose
+    turn was given up on for good ends. With a `limit`, a due turn also waits for a slot: at
+    most `limit` requests of all conversations in flight (vLLM's multi-turn benchmark's
+    --num-clients, clients that each send one turn at a time)."""
 
-    summary_key = "session_pacing"
-
-    def __init__(self, trace, rows: TraceRows) -> None:
-        super().__init__(rows)
+    def __init__(self, trace, rows: TraceRows, limit: int | None = None) -> None:
+        super().__init__(rows, limit)
         n = self._num_rows
         self.next_turn = next_turns(trace.session_id).tolist()
         think = trace.think_time_s
@@ -152,101 +206,33 @@ class SessionPacing(Pacing):
         self._ready = [(self._trace_ticks[i], i) for i in np.flatnonzero(~has_previous).tolist()]
         self.num_sessions = len({s for s in trace.session_id.tolist() if s is not None})
 
-    def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
+    def _drop_after(self, row: int) -> list[int]:
         """The conversation ends: its later turns are never sent."""
         dropped = []
         nxt = self.next_turn[row]
         while nxt >= 0:
             dropped.append(nxt)
             nxt = self.next_turn[nxt]
-        self.num_out += len(dropped)
-        return dropped, None
+        return dropped
 
     def successor_think(self, row: int) -> int | None:
-        """The think ticks of `row`'s next turn (None: it has none)."""
+        """The think ticks of `row`'s next turn (None: it has none); under a limit, a tick."""
         nxt = self.next_turn[row]
-        return self.think_ticks[nxt] if nxt >= 0 else None
+        think = self.think_ticks[nxt] if nxt >= 0 else None
+        slot = super().successor_think(row)
+        return think if slot is None else slot
 
-    def release(self, row: int, tick: int) -> int | None:
-        """Row `row` finished (or was rejected) at `tick`: its session's next turn becomes due.
-        Returns that turn's due tick (None: no next turn)."""
+    def _next_due(self, row: int, tick: int) -> None:
+        """Row `row`'s session's next turn becomes due at `tick` plus its think time, or at its
+        trace time if later."""
         nxt = self.next_turn[row]
-        return None if nxt < 0 else self._send_at(nxt, tick + self.think_ticks[nxt])
+        if nxt >= 0:
+            heapq.heappush(self._ready, (max(tick + self.think_ticks[nxt], self._trace_ticks[nxt]), nxt))
 
     def summary(self) -> dict:
-        return {"sessions": self.num_sessions, "turns_held": self.num_held, "mean_hold_s": self.mean_hold_s}
-
-
-class ConcurrencyPacing(Pacing):
-    """A client that keeps at most `limit` requests in flight (vllm bench serve's
-    --max-concurrency, a semaphore its requests queue on in order): the first `limit` rows go at
-    their trace times; each release (a finish or a rejection) frees a slot a tick later, and the
-    next row in arrival order takes the earliest free slot, at the later of that tick and its
-    trace time. A request whose client gives up and retries keeps its slot through the back-off;
-    one given up on for good frees it at its last deadline, one refused for good (HTTP 503) when
-    it is refused.
-
-    Slots are taken when rows are handed out, not when they free: engines may report releases
-    out of time order (a step's finishes before a refusal during that step, taken at its end),
-    and the earliest free slot still goes to the next row."""
-
-    summary_key = "client_concurrency"
-
-    def __init__(self, rows: TraceRows, limit: int) -> None:
-        super().__init__(rows)
-        self.limit = limit
-        first = min(limit, self._num_rows)
-        self._ready = [(self._trace_ticks[i], i) for i in range(first)]  # (in arrival order: a heap)
-        self._next_row = first
-        self._free: list[int] = []  # ticks at which slots free, not yet taken (a heap)
-
-    def _freed(self) -> tuple[int, int] | None:
-        """The next row as the earliest free slot would send it, as (tick, row) (None: no row
-        waits for a slot, or no slot is free)."""
-        if not self._free or self._next_row >= self._num_rows:
-            return None
-        row = self._next_row
-        return max(self._free[0], self._trace_ticks[row]), row
-
-    def peek(self) -> tuple[int, int] | None:
-        freed, ready = self._freed(), self._ready[0] if self._ready else None
-        return ready if freed is None else freed if ready is None else min(freed, ready)
-
-    def next_ticks(self) -> int | None:
-        nxt = self.peek()
-        return None if nxt is None else nxt[0]
-
-    def pop_next(self) -> tuple[int, int]:
-        freed = self._freed()
-        self.num_out += 1
-        if freed is None or (self._ready and self._ready[0] < freed):
-            return heapq.heappop(self._ready)
-        heapq.heappop(self._free)
-        self._next_row += 1
-        return self._hold(freed[1], freed[0]), freed[1]
-
-    def pop_due(self, now: int):
-        while (nxt := self.peek()) is not None and nxt[0] <= now:
-            yield self.pop_next()
-
-    def successor_think(self, row: int) -> int | None:
-        """A tick: any finish, refusal or give-up may send the next row (None once every row is
-        sent). Behind a router, other engines' decode runs stop a tick after an engine's step
-        ends (ReleaseWatch), where it learns of them."""
-        return 1 if self._next_row < self._num_rows else None
-
-    def release(self, row: int, tick: int) -> int | None:
-        if self._next_row >= self._num_rows:
-            return None
-        heapq.heappush(self._free, tick + 1)
-        return max(tick + 1, self._trace_ticks[self._next_row])  # (when the next row could go, at the soonest)
-
-    def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
-        """The client's slot is free again: the next row is sent."""
-        return [], self.release(row, tick)
-
-    def summary(self) -> dict:
-        return {"max_concurrency": self.limit, "requests_held": self.num_held, "mean_hold_s": self.mean_hold_s}
+        held, mean = self._hold_summary(0)
+        return {"session_pacing": {"sessions": self.num_sessions, "turns_held": held, "mean_hold_s": mean}
+                } | super().summary()
 
 
 def pacing_rows(summary: dict) -> list[tuple[str, str]]:
@@ -307,13 +293,14 @@ def earliest_release(engines: list, skip: int = -1) -> int | None:
 
 
 class SessionFeed(ArrivalFeed):
-    """One engine's ArrivalFeed that holds each turn until its previous turn has finished (or,
-    with `max_concurrency`, each request until fewer than that many are in flight)."""
+    """One engine's ArrivalFeed that holds each turn until its previous turn has finished (with
+    `session_pacing` and a trace with sessions), and with `max_concurrency` each request until
+    fewer than that many are in flight."""
 
-    def __init__(self, trace, scheduler, request_log, max_model_len: int, max_concurrency: int | None = None) -> None:
+    def __init__(self, trace, scheduler, request_log, max_model_len: int, max_concurrency: int | None = None,
+                 session_pacing: bool = True) -> None:
         rows = TraceRows(trace)
-        self.pacing = (SessionPacing(trace, rows) if max_concurrency is None
-                       else ConcurrencyPacing(rows, max_concurrency))
+        self.pacing = make_pacing(trace, rows, session_pacing, max_concurrency)
         super().__init__(trace, scheduler, request_log, max_model_len, rows)
 
     @property

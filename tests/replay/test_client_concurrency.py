@@ -129,10 +129,80 @@ def test_requests_given_up_on_free_their_slot_when_their_client_is_done(case):
     _check_closed_loop(requests, sc, 64)
 
 
-def test_sessions_need_no_pacing_under_a_limit():
-    with pytest.raises(ValueError, match="--no-session-pacing"):
-        _replay("traces/kvcache_coding_sessions.parquet", client_max_concurrency=4)
-    _replay("traces/kvcache_coding_sessions.parquet", client_max_concurrency=4, session_pacing=False)
+def _check_paced_turns_under_a_limit(result, trace, limit: int) -> None:
+    """Paced sessions under a limit: a turn goes no sooner than its previous turn's finish plus
+    its think time (or its trace time); never more than `limit` in flight, and exactly `limit`
+    when a due turn waits: it is then sent a tick after a release, while `limit` were in flight."""
+    req = result.requests.set_index("request_id")
+    assert set(req["status"]) == {"finished"}
+    think = dict(zip(trace.request_id, trace.think_time_s if trace.think_time_s is not None
+                     else np.zeros(len(trace))))
+    trace_at = dict(zip(trace.request_id, trace.arrival_time_s))
+    session = dict(zip(trace.request_id, trace.session_id))
+    previous, last = {}, {}
+    for rid in trace.request_id:  # (rows in arrival order: each turn after its session's previous)
+        if session[rid] in last:
+            previous[rid] = last[session[rid]]
+        last[session[rid]] = rid
+    sent = req["arrival_time_s"]
+    finish = req["finish_time_s"]
+    order = np.sort(sent.to_numpy())
+    ends = np.sort(finish.to_numpy())
+    held = 0
+    for rid in req.index:
+        due = trace_at[rid]
+        if rid in previous:
+            due = max(due, finish[previous[rid]] + max(think[rid], TICK))
+        assert sent[rid] >= due - 1e-9
+        in_flight = np.searchsorted(order, sent[rid], side="right") - np.searchsorted(ends, sent[rid], side="left")
+        assert in_flight <= limit
+        if sent[rid] > due + 1e-9:  # (held for a slot: freed a tick before, with every slot taken)
+            held += 1
+            freed = sent[rid] - TICK
+            assert np.isclose(ends, freed, rtol=0, atol=1e-9).any()
+            busy = np.searchsorted(order, freed, side="right") - np.searchsorted(ends, freed - 1e-9, side="left")
+            assert busy == limit
+    assert held == result.summary["client_concurrency"]["requests_held"] > 0
+
+
+@pytest.mark.parametrize("kind", ["one engine", "fleet", "data-parallel ranks", "P/D"])
+def test_paced_sessions_under_a_limit(kind, tmp_path):
+    """Conversations paced on their replies, at most N requests of them in flight (vLLM's
+    multi-turn benchmark's --num-clients): a turn waits for its reply, then for a slot."""
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=60, turns=4, think_time_s=1.0), seed=6)
+    options = dict(num_gpu_blocks=2000, max_model_len=8192, client_max_concurrency=12)
+    extra = {}
+    if kind == "data-parallel ranks":
+        options = dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=8192, client_max_concurrency=12)
+    elif kind == "fleet":
+        extra = {"fleet": FleetSpec(3, "least_outstanding")}
+    elif kind == "P/D":
+        extra = {"disaggregation": _pd()}
+    config = EngineConfig.from_flat(options)
+    result = replay(trace, config, **extra)
+    _check_paced_turns_under_a_limit(result, trace, 12)
+    assert result.summary["session_pacing"]["turns_held"] > 0
+    stepped = replay(trace, config, use_decode_runs=False, **extra)
+    pd.testing.assert_frame_equal(result.requests, stepped.requests)
+    free = replay(trace, EngineConfig.from_flat(options | {"client_max_concurrency": 10_000}), **extra)
+    assert "client_concurrency" in free.summary and free.summary["client_concurrency"]["requests_held"] == 0
+    paced = replay(trace, EngineConfig.from_flat({k: v for k, v in options.items() if k != "client_max_concurrency"}),
+                   **extra)
+    pd.testing.assert_frame_equal(free.requests, paced.requests)
+
+
+def test_a_conversation_given_up_on_ends_and_frees_its_slot():
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=60, turns=4, think_time_s=1.0), seed=6)
+    result = replay(trace, EngineConfig.from_flat(dict(gpu="A100-80GB", max_model_len=8192, client_max_concurrency=24,
+                                                       client_ttft_timeout_s=0.3)))
+    status = result.requests["status"].value_counts()
+    assert status["timed_out"] > 0 and status["abandoned"] > 0 and status["finished"] > 0
+    assert result.summary["client"]["abandoned_turns"] == status["abandoned"]
+    assert "client_concurrency" in result.summary and "session_pacing" in result.summary
 
 
 def test_a_limit_must_be_positive():
