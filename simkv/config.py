@@ -306,6 +306,11 @@ class SchedulerConfig:
     # due) or, when that many are in flight, once one of them is done with (simkv/replay/
     # sessions.py's Pacing); None: no limit
     client_max_concurrency: int | None = None
+    # Sessions paced on their replies: at most this many conversations in progress (vLLM's
+    # multi-turn benchmark's --max-active-conversations; it defaults to --num-clients, one each).
+    # A conversation starts at its first turn's trace time or, when that many are in progress,
+    # once one of them ends (its last turn done with); None: every conversation at its own time
+    client_max_active_sessions: int | None = None
     # Clients that give up (simkv/replay/client_timeouts.py): a request without its first token
     # `client_ttft_timeout_s` after it was sent, or unfinished `client_timeout_s` after, is
     # abandoned, and vLLM aborts it; the client sends it again up to `client_max_retries` times,
@@ -366,6 +371,12 @@ class SchedulerConfig:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.client_max_concurrency is not None and self.client_max_concurrency < 1:
             raise ConfigError(f"client_max_concurrency must be >= 1, got {self.client_max_concurrency}")
+        if self.client_max_active_sessions is not None:
+            if self.client_max_active_sessions < 1:
+                raise ConfigError(f"client_max_active_sessions must be >= 1, got {self.client_max_active_sessions}")
+            if not self.session_pacing:
+                raise ConfigError("client_max_active_sessions limits conversations paced on their replies: it needs "
+                                  "session pacing (not --no-session-pacing)")
         if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:
             raise ConfigError(f"max_model_len must be >= 1, or -1 (auto: fitted to the KV cache), got {self.max_model_len}")
         if self.ec_role not in (None, "ec_producer", "ec_consumer"):
@@ -1547,6 +1558,8 @@ class EngineConfig:
             del out["model_runner"]
         if self.scheduler.client_max_concurrency is None:  # (likewise)
             del out["client_max_concurrency"]
+        if self.scheduler.client_max_active_sessions is None:  # (likewise)
+            del out["client_max_active_sessions"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
             if self.speculative.spec_ngram_match_rate == 1.0:  # (likewise)

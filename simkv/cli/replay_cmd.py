@@ -48,7 +48,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_store_threshold": "kv_offloading_store_threshold",
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
-    "client_max_concurrency": "client_max_concurrency",
+    "client_max_concurrency": "client_max_concurrency", "client_max_active_sessions": "client_max_active_sessions",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
     "client_retry_max_backoff": "client_retry_max_backoff_s", "client_retry_jitter": "client_retry_jitter",
@@ -488,7 +488,11 @@ _ENGINE_OPTIONS = [
                       "drafting needs v1, as vLLM 0.33 picks]"),
     click.option("--client-max-concurrency", type=int, default=None, metavar="N",
                  help="The client keeps at most N requests in flight (vllm bench serve's --max-concurrency): a "
-                      "request waits past its trace time for one to finish [default: no limit]"),
+                      "request waits past its trace time for one to finish; with paced sessions, a due turn "
+                      "waits (vLLM's multi-turn benchmark's --num-clients) [default: no limit]"),
+    click.option("--client-max-active-sessions", type=int, default=None, metavar="M",
+                 help="Paced sessions: at most M conversations in progress; the next starts when one ends (vLLM's "
+                      "multi-turn benchmark's --max-active-conversations) [default: no limit]"),
     click.option("--session-pacing/--no-session-pacing", default=None,
                  help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
                       "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "

@@ -237,8 +237,12 @@ def _check_unchunked_items_fit(trace, config: EngineConfig, largest: int) -> Non
 def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
     """A client's concurrency limit (vllm bench serve's --max-concurrency) is modelled in front
     of one engine, a fleet, data-parallel ranks or a P/D pair, with clients that give up or retry,
-    with vLLM's admission control and with sessions paced on their replies."""
+    with vLLM's admission control and with sessions paced on their replies; a limit on the
+    conversations in progress needs a trace with sessions."""
     sc = config.scheduler
+    if sc.client_max_active_sessions is not None and trace.session_id is None:
+        raise ValueError(f"{trace.source}: client_max_active_sessions limits the conversations in progress, and the "
+                         "trace has none (no session_id column)")
     if sc.client_max_concurrency is None:
         return
     if encode is not None:

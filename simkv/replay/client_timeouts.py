@@ -317,8 +317,7 @@ class SessionClientFeed(OneEngineClients, SessionFeed):
     (status `abandoned`), while a concurrency limit's slot goes to the next request."""
 
     def __init__(self, trace, scheduler: Scheduler, request_log: RequestLog, config: EngineConfig) -> None:
-        super().__init__(trace, scheduler, request_log, config.max_model_len, config.scheduler.client_max_concurrency,
-                         config.scheduler.session_pacing)
+        super().__init__(trace, scheduler, request_log, config.max_model_len, config.scheduler)
         self._init_one_engine(config, len(trace))
 
     def _peek_first(self) -> tuple[int, int] | None:

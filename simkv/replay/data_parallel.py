@@ -58,10 +58,9 @@ class DPRouting(FleetRouting):
     the rank of its first (`assignment`), whose feed watches its client: a client that gives up
     has every member aborted on its own rank (`abort_group`), and its retry fans out again."""
 
-    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, session_pacing: bool = False,
-                 clients=None, fan_out: bool = False, router=None, max_concurrency: int | None = None) -> None:
-        super().__init__(trace, router or DPBalancer(num_ranks), max_model_len, rows, session_pacing=session_pacing,
-                         clients=clients, max_concurrency=max_concurrency)
+    def __init__(self, trace, num_ranks: int, max_model_len: int, rows=None, clients=None, fan_out: bool = False,
+                 router=None, pacing=None) -> None:
+        super().__init__(trace, router or DPBalancer(num_ranks), max_model_len, rows, clients=clients, pacing=pacing)
         # an external router (vLLM's --data-parallel-external-lb: each rank behind its own API
         # server) picks the ranks as a fleet's picks replicas; a row's samples then stay on its rank
         self.external = router is not None
@@ -232,9 +231,8 @@ def run_data_parallel(trace, config, backend, num_gpu_blocks: int, capacity,
     dp = config.hardware.data_parallel_size
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
-    routing = DPRouting(trace, dp, config.max_model_len, session_pacing=config.scheduler.session_pacing,
-                        clients=clients, fan_out=config.scheduler.parallel_sampling == "fan_out", router=router,
-                        max_concurrency=config.scheduler.client_max_concurrency)
+    routing = DPRouting(trace, dp, config.max_model_len, clients=clients,
+                        fan_out=config.scheduler.parallel_sampling == "fan_out", router=router, pacing=config.scheduler)
     routing.on_reject = on_progress
     if router is None:  # (one API server in front of every rank; else each rank's own, as a fleet's replicas)
         routing.queue_limits = queue_limits(config)

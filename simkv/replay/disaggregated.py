@@ -171,10 +171,8 @@ class PrefillRouting(FleetRouting):
 
     finishes_turns = False
 
-    def __init__(self, trace, router: Router, max_model_len: int, session_pacing: bool = False,
-                 clients=None, max_concurrency: int | None = None) -> None:
-        super().__init__(trace, router, max_model_len, session_pacing=session_pacing, clients=clients,
-                         max_concurrency=max_concurrency)
+    def __init__(self, trace, router: Router, max_model_len: int, clients=None, pacing=None) -> None:
+        super().__init__(trace, router, max_model_len, clients=clients, pacing=pacing)
         self.num_in_prefill = 0
         self.pd: PDRouting | None = None
 
@@ -201,12 +199,11 @@ class PDRouting:
     a row reaches the decode pool at `handoff_tick(row)`)."""
 
     def __init__(self, trace, spec: DisaggregationSpec, prefill_router: Router, decode_router: Router,
-                 max_model_len: int, decode_data_parallel_size: int = 1, session_pacing: bool = False,
-                 clients=None, max_concurrency: int | None = None) -> None:
+                 max_model_len: int, decode_data_parallel_size: int = 1, clients=None, pacing=None) -> None:
         self.trace = trace
         self.spec = spec
         # (sessions: turns paced by the prefill router, released by the decode side's finishes)
-        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, session_pacing, clients, max_concurrency)
+        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, clients, pacing)
         self.prefill.pd = self
         self.rows = self.prefill.rows
         if decode_data_parallel_size > 1:  # one data-parallel decode engine: its ranks, its balancer
@@ -504,8 +501,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
                            cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
     decode_dp = decode_config.hardware.data_parallel_size
     pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp,
-                   session_pacing=prefill_config.scheduler.session_pacing, clients=clients,
-                   max_concurrency=prefill_config.scheduler.client_max_concurrency)
+                   clients=clients, pacing=prefill_config.scheduler)
     pd.env = env
     if clients is not None:
         pd.transit = TransitClients(pd, prefill_config)

@@ -225,25 +225,24 @@ class ReplayEngine:
         self.steps = StepLog(config.speculative.enabled, multimodal=config.scheduler.mm_max_tokens_per_item is not None)
         self.requests = RequestLog(len(trace), config.speculative.enabled)
         self._client = None  # clients that give up and retry (simkv/replay/client_timeouts.py)
+        from simkv.replay.sessions import paces
         if config.scheduler.has_clients:
             from simkv.replay.client_timeouts import ClientTimeoutFeed, SessionClientFeed, check_supported
 
             check_supported(trace, config)
             if make_feed is not None:  # (a fleet's replica)
                 self.feed = self._client = make_feed(self.scheduler, self.requests)
-            elif (trace.session_id is not None and config.scheduler.session_pacing
-                  or config.scheduler.client_max_concurrency is not None):  # (paced: simkv/replay/sessions.py)
+            elif paces(trace, config.scheduler):  # (simkv/replay/sessions.py)
                 self.feed = self._client = SessionClientFeed(trace, self.scheduler, self.requests, config)
             else:
                 self.feed = self._client = ClientTimeoutFeed(trace, self.scheduler, self.requests, config)
             self._client.on_timed_out = on_progress
         elif make_feed is not None:
             self.feed = make_feed(self.scheduler, self.requests)
-        elif (trace.session_id is not None and config.scheduler.session_pacing
-              or config.scheduler.client_max_concurrency is not None):  # (simkv/replay/sessions.py)
+        elif paces(trace, config.scheduler):  # (simkv/replay/sessions.py)
             from simkv.replay.sessions import SessionFeed
-            self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len,
-                                    config.scheduler.client_max_concurrency, config.scheduler.session_pacing)
+
+            self.feed = SessionFeed(trace, self.scheduler, self.requests, config.max_model_len, config.scheduler)
         else:
             self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         self.arrival_feed = self.feed  # (the feed that makes its requests: a fleet replica's, P/D's)

@@ -33,14 +33,14 @@ class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
     def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None,
-                 session_pacing: bool = False, clients=None, max_concurrency: int | None = None) -> None:
+                 clients=None, pacing=None) -> None:
         self.trace = trace
         self.router = router
         n = router.num_replicas
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
         # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done; or a
         # client's concurrency limit: a request is routed once fewer than that many are in flight
-        self.sessions = make_pacing(trace, self.rows, session_pacing, max_concurrency)
+        self.sessions = make_pacing(trace, self.rows, pacing) if pacing is not None else None
         self.engines: list[ReplayEngine] = []  # (the replicas: the runner sets them)
         self._wake: simpy.Event | None = None  # the router's, while it sleeps (a release may wake it)
         self._sleep_until: int | None = None
@@ -329,8 +329,7 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
     called with each engine before the run (an encode pool's shared store)."""
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
-    routing = FleetRouting(trace, router, config.max_model_len, session_pacing=config.scheduler.session_pacing,
-                           clients=clients, max_concurrency=config.scheduler.client_max_concurrency)
+    routing = FleetRouting(trace, router, config.max_model_len, clients=clients, pacing=config.scheduler)
     routing.on_reject = on_progress
 
     def feed_of(replica):

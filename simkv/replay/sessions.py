@@ -21,6 +21,7 @@ processes at T).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 import numpy as np
 
@@ -168,12 +169,19 @@ class Pacing:
         return {"client_concurrency": {"max_concurrency": self.limit, "requests_held": held, "mean_hold_s": mean}}
 
 
-def make_pacing(trace, rows: TraceRows, session_pacing: bool, max_concurrency: int | None) -> Pacing | None:
-    """The pacing of `trace`'s rows: sessions paced on their replies (`session_pacing` and a
-    trace with sessions), a client's concurrency limit, both, or None (the trace's times)."""
-    if session_pacing and trace.session_id is not None:
-        return SessionPacing(trace, rows, max_concurrency)
-    return ConcurrencyPacing(rows, max_concurrency) if max_concurrency is not None else None
+def paces(trace, sc) -> bool:
+    """The replay of `trace` holds rows back: sessions paced on their replies (SchedulerConfig
+    `sc`'s session_pacing and a trace with sessions), or a client's concurrency limit."""
+    return sc.session_pacing and trace.session_id is not None or sc.client_max_concurrency is not None
+
+
+def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
+    """The pacing of `trace`'s rows under SchedulerConfig `sc`: sessions paced on their replies
+    (at most `client_max_active_sessions` in progress), a client's concurrency limit, both, or
+    None (the trace's times)."""
+    if sc.session_pacing and trace.session_id is not None:
+        return SessionPacing(trace, rows, sc.client_max_concurrency, sc.client_max_active_sessions)
+    return ConcurrencyPacing(rows, sc.client_max_concurrency) if sc.client_max_concurrency is not None else None
 
 
 class ConcurrencyPacing(Pacing):
@@ -190,9 +198,12 @@ class SessionPacing(Pacing):
     previous turn is released (finished or rejected), after its think time; a conversation whose
     turn was given up on for good ends. With a `limit`, a due turn also waits for a slot: at
     most `limit` requests of all conversations in flight (vLLM's multi-turn benchmark's
-    --num-clients, clients that each send one turn at a time)."""
+    --num-clients, clients that each send one turn at a time). With `max_active`, at most that
+    many conversations are in progress (its --max-active-conversations): the next conversation,
+    in the order of their first turns, starts a tick after one ends, or at its trace time if
+    later. A row without a session is a conversation of one turn."""
 
-    def __init__(self, trace, rows: TraceRows, limit: int | None = None) -> None:
+    def __init__(self, trace, rows: TraceRows, limit: int | None = None, max_active: int | None = None) -> None:
         super().__init__(rows, limit)
         n = self._num_rows
         self.next_turn = next_turns(trace.session_id).tolist()
@@ -202,9 +213,24 @@ class SessionPacing(Pacing):
         has_previous = np.zeros(n, bool)
         following = np.asarray(self.next_turn)
         has_previous[following[following >= 0]] = True
-        # (first turns in arrival order: already a heap of (tick, row))
-        self._ready = [(self._trace_ticks[i], i) for i in np.flatnonzero(~has_previous).tolist()]
+        first_turns = np.flatnonzero(~has_previous).tolist()  # (in arrival order)
         self.num_sessions = len({s for s in trace.session_id.tolist() if s is not None})
+        self.max_active = max_active
+        start = len(first_turns) if max_active is None else min(max_active, len(first_turns))
+        self._ready = [(self._trace_ticks[i], i) for i in first_turns[:start]]  # (already a heap)
+        self._unstarted = deque(first_turns[start:])  # conversations waiting to start
+        self.num_started_late = 0  # conversations started later than their first turn's trace time
+        self.start_ticks = 0  # ... by this much in all
+
+    def _start_next(self, tick: int) -> None:
+        """A conversation ended at `tick`: the next waiting one starts a tick later."""
+        if self._unstarted:
+            row = self._unstarted.popleft()
+            due = max(tick + 1, self._trace_ticks[row])
+            if due > self._trace_ticks[row]:
+                self.num_started_late += 1
+                self.start_ticks += due - self._trace_ticks[row]
+            heapq.heappush(self._ready, (due, row))
 
     def _drop_after(self, row: int) -> list[int]:
         """The conversation ends: its later turns are never sent."""
@@ -215,24 +241,36 @@ class SessionPacing(Pacing):
             nxt = self.next_turn[nxt]
         return dropped
 
+    def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
+        dropped, _ = super().give_up(row, tick)
+        self._start_next(tick)
+        return dropped, self.next_ticks()
+
     def successor_think(self, row: int) -> int | None:
-        """The think ticks of `row`'s next turn (None: it has none); under a limit, a tick."""
+        """The think ticks of `row`'s next turn (None: it has none); a tick under a limit, or if
+        `row` ends its conversation and another waits to start."""
         nxt = self.next_turn[row]
-        think = self.think_ticks[nxt] if nxt >= 0 else None
-        slot = super().successor_think(row)
-        return think if slot is None else slot
+        if super().successor_think(row) is not None or (nxt < 0 and self._unstarted):
+            return 1
+        return self.think_ticks[nxt] if nxt >= 0 else None
 
     def _next_due(self, row: int, tick: int) -> None:
         """Row `row`'s session's next turn becomes due at `tick` plus its think time, or at its
-        trace time if later."""
+        trace time if later; a conversation that ends lets the next one start."""
         nxt = self.next_turn[row]
         if nxt >= 0:
             heapq.heappush(self._ready, (max(tick + self.think_ticks[nxt], self._trace_ticks[nxt]), nxt))
+        else:
+            self._start_next(tick)
 
     def summary(self) -> dict:
         held, mean = self._hold_summary(0)
-        return {"session_pacing": {"sessions": self.num_sessions, "turns_held": held, "mean_hold_s": mean}
-                } | super().summary()
+        section = {"sessions": self.num_sessions, "turns_held": held, "mean_hold_s": mean}
+        if self.max_active is not None:
+            late = self.num_started_late
+            section |= {"max_active_sessions": self.max_active, "sessions_started_late": late,
+                        "mean_start_delay_s": self.start_ticks / TICKS_PER_SECOND / late if late else 0.0}
+        return {"session_pacing": section} | super().summary()
 
 
 def pacing_rows(summary: dict) -> list[tuple[str, str]]:
@@ -243,6 +281,10 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
         sp = summary["session_pacing"]
         rows.append(("sessions (paced on replies)", f"{sp['sessions']:,}; {sp['turns_held']:,} turns sent later than "
                                                     f"the trace's times, by {sp['mean_hold_s']:,.2f} s on average"))
+        if "max_active_sessions" in sp:
+            rows.append(("active sessions limit", f"{sp['max_active_sessions']:,} in progress; "
+                                                  f"{sp['sessions_started_late']:,} started later than their first "
+                                                  f"turn's time, by {sp['mean_start_delay_s']:,.2f} s on average"))
     if summary.get("client_concurrency"):
         cc = summary["client_concurrency"]
         rows.append(("client concurrency limit", f"{cc['max_concurrency']:,} in flight; {cc['requests_held']:,} requests "
@@ -293,14 +335,12 @@ def earliest_release(engines: list, skip: int = -1) -> int | None:
 
 
 class SessionFeed(ArrivalFeed):
-    """One engine's ArrivalFeed that holds each turn until its previous turn has finished (with
-    `session_pacing` and a trace with sessions), and with `max_concurrency` each request until
-    fewer than that many are in flight."""
+    """One engine's ArrivalFeed that paces its rows as `pacing` (the SchedulerConfig) says
+    (`make_pacing`)."""
 
-    def __init__(self, trace, scheduler, request_log, max_model_len: int, max_concurrency: int | None = None,
-                 session_pacing: bool = True) -> None:
+    def __init__(self, trace, scheduler, request_log, max_model_len: int, pacing) -> None:
         rows = TraceRows(trace)
-        self.pacing = make_pacing(trace, rows, session_pacing, max_concurrency)
+        self.pacing = make_pacing(trace, rows, pacing)
         super().__init__(trace, scheduler, request_log, max_model_len, rows)
 
     @property

@@ -272,3 +272,72 @@ def test_given_up_requests_free_their_slot_in_front_of_several_engines(kind, cas
     _check_closed_loop(result.requests, sc, 64, exact=kind == "data-parallel ranks" or "max_num_queued_reqs" not in sc)
     stepped = replay(trace, config, use_decode_runs=False, **extra())
     pd.testing.assert_frame_equal(result.requests, stepped.requests)
+
+
+def _check_active_sessions(result, trace, max_active: int, exact: bool = True) -> None:
+    """At most `max_active` conversations in progress (first turn sent to last turn finished);
+    one that starts later than its first turn's trace time starts a tick after another ended,
+    while `max_active` were in progress (not `exact`: or later, waiting for a request slot)."""
+    req = result.requests.set_index("request_id")
+    assert set(req["status"]) == {"finished"}
+    frame = pd.DataFrame({"request_id": trace.request_id, "session": trace.session_id,
+                          "trace_at": trace.arrival_time_s})
+    frame = frame.join(req[["arrival_time_s", "finish_time_s"]], on="request_id")
+    sessions = frame.groupby("session", sort=False).agg(start=("arrival_time_s", "first"), end=("finish_time_s", "last"),
+                                                        trace_at=("trace_at", "first"))
+    starts, ends = np.sort(sessions["start"].to_numpy()), np.sort(sessions["end"].to_numpy())
+    late = 0
+    for start, trace_at in zip(sessions["start"], sessions["trace_at"]):
+        assert np.searchsorted(starts, start, side="right") - np.searchsorted(ends, start, side="left") <= max_active
+        if start > trace_at + 1e-9 and exact:
+            late += 1
+            freed = start - TICK
+            assert np.isclose(ends, freed, rtol=0, atol=1e-9).any()
+            assert np.searchsorted(starts, freed, side="right") - np.searchsorted(ends, freed - 1e-9, side="left") \
+                == max_active
+    assert result.summary["session_pacing"]["sessions_started_late"] > 0
+    if exact:
+        assert late == result.summary["session_pacing"]["sessions_started_late"]
+
+
+@pytest.mark.parametrize("kind", ["one engine", "fleet", "data-parallel ranks", "P/D"])
+@pytest.mark.parametrize("clients", [None, 4])
+def test_at_most_m_conversations_in_progress(kind, clients):
+    """vLLM's multi-turn benchmark's --max-active-conversations (`client_max_active_sessions`):
+    the next conversation starts a tick after one ends; with a concurrency limit too, its turns
+    also wait for a slot."""
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=40, turns=4, think_time_s=1.0), seed=6)
+    options = dict(num_gpu_blocks=2000, max_model_len=8192, client_max_active_sessions=8,
+                   client_max_concurrency=clients)
+    extra = {}
+    if kind == "data-parallel ranks":
+        options |= dict(model="deepseek-v2-lite", data_parallel_size=2, num_gpu_blocks=None)
+    elif kind == "fleet":
+        extra = {"fleet": FleetSpec(3, "least_outstanding")}
+    elif kind == "P/D":
+        extra = {"disaggregation": _pd()}
+    config = EngineConfig.from_flat({k: v for k, v in options.items() if v is not None})
+    result = replay(trace, config, **extra)
+    _check_active_sessions(result, trace, 8, exact=clients is None)
+    if clients is not None:  # (never more than `clients` requests in flight, and some held for a slot)
+        sent = np.sort(result.requests["arrival_time_s"].to_numpy())
+        ends = np.sort(result.requests["finish_time_s"].to_numpy())
+        assert (np.arange(1, len(sent) + 1) - np.searchsorted(ends, sent, side="left")).max() == clients
+        assert result.summary["client_concurrency"]["requests_held"] > 0
+    stepped = replay(trace, config, use_decode_runs=False, **extra)
+    pd.testing.assert_frame_equal(result.requests, stepped.requests)
+
+
+def test_an_active_sessions_limit_needs_sessions(tmp_path):
+    with pytest.raises(ValueError, match="no session_id column"):
+        _replay("traces/req400.parquet", client_max_active_sessions=4)
+    with pytest.raises(ConfigError, match="needs session pacing"):
+        EngineConfig.from_flat({"client_max_active_sessions": 4, "session_pacing": False})
+    out = cli_ok(["replay", "traces/kvcache_coding_sessions.parquet", "--out", str(tmp_path),
+                  "--client-max-active-sessions", "2", "--client-max-concurrency", "2"])
+    assert "active sessions limit" in out and "client concurrency limit" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["client_max_active_sessions"] == 2
+    assert summary["session_pacing"]["max_active_sessions"] == 2 and summary["peak_running"] <= 2
