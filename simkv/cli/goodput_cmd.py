@@ -94,6 +94,45 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def clients_markdown(record: dict) -> str:
+    """goodput.md of a closed-loop search (--clients)."""
+    from simkv.replay.goodput import describe_slo
+
+    slo = describe_slo(record["slo_ms"])
+    per = ("one conversation in progress each (the trace's sessions, paced on their replies: vLLM's multi-turn "
+           "benchmark's default)" if record.get("session_paced") else "one request in flight each")
+    lines = [f"# simkv goodput, closed loop: {record['trace']}", "",
+             f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. Clients "
+             f"keep {per}, no sooner than the trace's times; cost model: {record['cost_model']}." + _setup(record), "",
+             "| probe | clients | met | attainment | goodput req/s | req/s sent | TTFT p99 s | TPOT p99 ms | preemptions | "
+             "peak running | waiting held by |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for i, p in enumerate(record["probes"], 1):
+        lines.append(f"| {i} | {p['clients']:,} | {'yes' if p['met'] else 'no'} | {100 * p['slo_attainment']:.1f} % | "
+                     f"{p['request_goodput_req_s']:.3f} | {p['rate_req_s']:.3f} | {num(p['ttft_p99_s'], '.3f')} | "
+                     f"{num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | {p['num_preemptions']} | "
+                     f"{p['peak_running']} | {p.get('waiting_held_by') or '-'} |")
+    lines.append("")
+    lo, hi = record["bracket_clients"]
+    if record["status"] == "found":
+        at = next(p for p in record["probes"] if p["clients"] == lo)
+        lines.append(f"**Most clients meeting the target: {lo:,}** ({hi:,} missed it), sending "
+                     f"{at['rate_req_s']:.3f} req/s.")
+    elif record["status"] == "unbounded":
+        lines.append(f"The target was met with {lo:,} clients, one per {'conversation' if record.get('session_paced') else 'request'} "
+                     "of the trace: more change nothing; use a longer trace to load the engine past its SLOs.")
+    elif record.get("reason"):
+        lines.append(f"No number of clients can meet the target: {record['reason']}.")
+    else:
+        lines.append("The target was missed even with one client: the SLOs cannot be met on this engine for this "
+                     "request mix, whatever the load.")
+    return "\n".join(lines) + "\n"
+
+
 def grid_markdown(record: dict) -> str:
     from simkv.replay.goodput import describe_slo
 
@@ -170,6 +209,10 @@ def grid_markdown(record: dict) -> str:
                    "that sustains the highest rate; repeatable.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Local processes for --grid searches.")
+@click.option("--clients", "closed_loop", is_flag=True,
+              help="Search the most clients of a closed loop instead of the highest rate: each client keeps one "
+                   "request in flight (--client-max-concurrency) and, on a trace of paced sessions, one "
+                   "conversation in progress (--client-max-active-sessions; vLLM's multi-turn benchmark).")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="A cost model name, or a calib.json fitted by `simkv calibrate`.")
@@ -187,15 +230,20 @@ def grid_markdown(record: dict) -> str:
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
                 pd_splits: int | None,
-                grids: tuple[str, ...], workers: int, config_file: str | None, cost_model: str, step_base_s: float,
+                grids: tuple[str, ...], workers: int, closed_loop: bool, config_file: str | None, cost_model: str,
+                step_base_s: float,
                 step_per_token_s: float, gpu_prices: tuple[str, ...], out_dir: str | None, quiet: bool, replicas: int,
                 router: str, router_options: tuple[str, ...], **flags) -> None:
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
     (or --replicas of it behind --router) still meets the --goodput SLOs for --attainment of the
     requests. With --target-rate: the replicas that rate needs, checked by replaying the trace at
-    that rate on fleets of them."""
+    that rate on fleets of them. With --clients: the most clients of a closed loop instead."""
     from simkv.studies.goodput_search import check_replicas, replicas_for, search_max_rate
 
+    if closed_loop and (grids or target_rate is not None or pd_splits is not None or gpu_prices
+                        or flags.get("encode_replicas") is not None):
+        raise click.UsageError("--clients searches one setup's clients: drop --grid/--target-rate/--pd-splits/"
+                               "--gpu-price/--encode-replicas")
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
@@ -246,8 +294,27 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
 
     def show(p) -> None:
         if not quiet:
-            click.echo(f"  {p.rate_req_s:10.3f} req/s: {100 * p.slo_attainment:5.1f} % met the SLOs "
+            who = f"{p.clients:6,d} clients" if p.clients is not None else f"{p.rate_req_s:10.3f} req/s"
+            click.echo(f"  {who}: {100 * p.slo_attainment:5.1f} % met the SLOs "
                        f"({'meets' if p.met else 'misses'} the target)", err=True)
+
+    if closed_loop:
+        from simkv.studies.goodput_search import search_max_clients
+
+        try:
+            record = search_max_clients(data, config, slo, target=attainment, tolerance=tolerance,
+                                        cost_model=cost_model, cost_options=cost_options, on_probe=show, fleet=fleet,
+                                        disaggregation=disaggregation)
+        except (ConfigError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        record = {"trace": trace, "cost_model": cost_model, "config": config.to_dict(), "fleet": fleet.to_dict(),
+                  **record}
+        if data.session_id is not None and config.scheduler.session_pacing:
+            record["session_paced"] = True
+        if disaggregation is not None:
+            record["disaggregation"] = disaggregation.to_dict()
+        _write(record, clients_markdown(record), out_dir, quiet)
+        return
 
     def show_fleet(n, p) -> None:
         if not quiet:

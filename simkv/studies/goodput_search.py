@@ -39,6 +39,7 @@ class Probe:
     peak_running: int
     num_rejected: int = 0  # (prompts at or past max_model_len: they meet no SLO at any rate)
     waiting_held_by: str | None = None  # the limit that held the waiting queue longest, with its share
+    clients: int | None = None  # a closed loop's clients (search_max_clients; rate_req_s is then what they sent)
 
 
 def trace_rate(trace) -> float:
@@ -165,6 +166,94 @@ def _record(status: str, slo_ms: dict, target: float, tolerance: float, base_rat
         "bracket_factors": [lo, hi],
         "probes": [asdict(p) for p in probes],
     }
+
+
+def client_options(trace, config, clients: int):
+    """`config` with `clients` clients in a closed loop: at most that many requests in flight
+    (client_max_concurrency) and, where the trace's sessions are paced on their replies, one
+    conversation in progress each (client_max_active_sessions: vLLM's multi-turn benchmark's
+    default, one active conversation per client)."""
+    sc = replace(config.scheduler, client_max_concurrency=clients)
+    if trace.session_id is not None and sc.session_pacing:
+        sc = replace(sc, client_max_active_sessions=clients)
+    return replace(config, scheduler=sc)
+
+
+def max_clients_bound(trace, config) -> int:
+    """More clients than this change nothing: one per request, or per conversation where the
+    trace's sessions are paced."""
+    if trace.session_id is not None and config.scheduler.session_pacing:
+        from simkv.replay.sessions import next_turns
+
+        return int(len(trace.session_id) - np.count_nonzero(next_turns(trace.session_id) >= 0))
+    return len(trace.arrival_time_s)
+
+
+def probe_clients(trace, config, clients: int, slo_ms: dict, target: float, cost_model: str,
+                  cost_options: dict | None, fleet=None, disaggregation=None) -> Probe:
+    from simkv.replay.api import replay
+    from simkv.replay.results import largest_admission_limit
+
+    s = replay(trace, client_options(trace, config, clients), cost_model, cost_options, goodput=slo_ms, fleet=fleet,
+               disaggregation=disaggregation).summary
+    g = s["goodput"]
+    return Probe(1.0, s["request_throughput_req_s"], g["slo_attainment"], g["request_goodput_req_s"],
+                 g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
+                 int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)),
+                 largest_admission_limit(s), clients)
+
+
+def search_max_clients(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
+                       cost_model: str = "roofline", cost_options: dict | None = None, max_probes: int = 40,
+                       on_probe=None, fleet=None, disaggregation=None) -> dict:
+    """The most clients of a closed loop (`client_options`: each keeps one request in flight,
+    and one conversation in progress where the trace's sessions are paced) for which the target
+    share of the trace's requests meets every SLO. The trace's times still bound when a request
+    may go (all at once: a pure closed loop). The search doubles the clients from 1 until a
+    probe misses the target, then bisects (whole clients) until the bracket is within
+    ``tolerance`` (at least one client). The record: ``status`` ('found'; 'unbounded': met even
+    with a client per request or conversation, ``max_clients_bound``; 'unattainable': missed with
+    one client, or rejected requests alone make the target unreachable: ``reason``),
+    ``max_clients``, the bracket and every probe."""
+    if not slo_ms:
+        raise GoodputSearchError("give at least one SLO (--goodput ttft:MS, tpot:MS or e2el:MS)")
+    if not 0 < target <= 1:
+        raise GoodputSearchError(f"--attainment must be in (0, 1], got {target}")
+    if not 0 < tolerance < 1:
+        raise GoodputSearchError(f"--tolerance must be in (0, 1), got {tolerance}")
+    bound = max_clients_bound(trace, config)
+    probes: list[Probe] = []
+
+    def run(clients: int) -> bool:
+        p = probe_clients(trace, config, clients, slo_ms, target, cost_model, cost_options, fleet, disaggregation)
+        probes.append(p)
+        if on_probe is not None:
+            on_probe(p)
+        return p.met
+
+    def record(status: str, lo: int | None, hi: int | None) -> dict:
+        return {"status": status, "slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance,
+                "max_clients": lo, "bracket_clients": [lo, hi], "max_clients_bound": bound,
+                "probes": [asdict(p) for p in probes]}
+
+    if not run(1):
+        return record("unattainable", None, 1) | (_rejection_cap(probes[0], len(trace.arrival_time_s), target) or {})
+    lo, hi = 1, None
+    while hi is None and lo < bound:
+        n = min(2 * lo, bound)
+        if run(n):
+            lo = n
+        else:
+            hi = n
+    if hi is None:
+        return record("unbounded", lo, None)
+    while hi - lo > max(1, int(tolerance * lo)) and len(probes) < max_probes:
+        mid = (lo + hi) // 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    return record("found", lo, hi)
 
 
 def replicas_for(target_rate: float, max_rate: float) -> int:

@@ -281,3 +281,60 @@ def test_a_grid_may_sweep_the_fleet_itself(tmp_path):
         assert cell["max_rate_req_s"] == direct["max_rate_req_s"]
     bad = search_grid(str(trace), {}, {"replicas": [0]}, slo, **kwargs)
     assert bad["cells"][0]["status"] == "failed" and "replicas" in bad["cells"][0]["error"]
+
+
+def _chat(sessions: int = 60):
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    return multi_turn(SessionShape(sessions=sessions, turns=4, think_time_s=0.0), seed=3)
+
+
+def test_the_clients_search_brackets_the_most_clients_that_meet_the_target():
+    """A closed loop (`--clients`): each probe replays the trace with N clients, one conversation
+    each; the found N met the target and N + 1 (or the bracket's other end) missed it."""
+    from simkv.studies.goodput_search import client_options, search_max_clients
+
+    trace = _chat()
+    config = EngineConfig.from_flat(dict(model="llama-3.1-8b", gpu="A100-80GB"))
+    record = search_max_clients(trace, config, {"ttft": 300}, target=0.95, tolerance=0.01)
+    assert record["status"] == "found"
+    lo, hi = record["bracket_clients"]
+    assert hi == lo + 1 and record["max_clients"] == lo and 1 < lo < 60
+    by_clients = {p["clients"]: p for p in record["probes"]}
+    assert by_clients[lo]["met"] and not by_clients[hi]["met"]
+    assert [p["clients"] for p in record["probes"]][:3] == [1, 2, 4]  # (doubling first)
+    # a probe is the replay with that many clients: one request in flight and one conversation each
+    from simkv.replay.api import replay
+
+    s = replay(trace, client_options(trace, config, lo), goodput={"ttft": 300}).summary
+    assert s["goodput"]["slo_attainment"] == by_clients[lo]["slo_attainment"]
+    assert s["peak_running"] <= lo and s["session_pacing"]["max_active_sessions"] == lo
+
+
+def test_the_clients_search_says_when_no_count_or_every_count_meets_the_target():
+    from simkv.studies.goodput_search import search_max_clients
+
+    trace = _chat(20)
+    config = EngineConfig.from_flat(dict(model="llama-3.1-8b"))
+    assert search_max_clients(trace, config, {"ttft": 0.01})["status"] == "unattainable"
+    easy = search_max_clients(trace, config, {"e2el": 10 ** 7})
+    assert easy["status"] == "unbounded" and easy["max_clients"] == easy["max_clients_bound"] == 20
+    req400 = read_trace("traces/req400.parquet")  # (no sessions: a client per request at most)
+    assert search_max_clients(req400, config, {"e2el": 10 ** 7})["max_clients_bound"] == 400
+
+
+def test_goodput_clients_command(tmp_path):
+    trace = tmp_path / "chat.parquet"
+    from simkv.traces.schema import write_trace
+
+    write_trace(_chat(), trace)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:300", "--clients", "--gpu", "A100-80GB",
+                                       "--model", "llama-3.1-8b", "--attainment", "0.95", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "goodput.json").read_text())
+    assert record["status"] == "found" and record["session_paced"]
+    assert f"**Most clients meeting the target: {record['max_clients']}**" in (out / "goodput.md").read_text()
+    refused = CliRunner().invoke(main, ["goodput", str(trace), "--goodput", "ttft:300", "--clients",
+                                        "--target-rate", "5"])
+    assert refused.exit_code == 2 and "--clients searches one setup" in refused.output
