@@ -30,6 +30,21 @@ def _setup(record: dict) -> str:
     return front
 
 
+PROBE_HEADER = "met | attainment | goodput req/s | TTFT p99 s | TPOT p99 ms | preemptions | peak running | waiting held by |"
+PROBE_RULE = "---|---:|---:|---:|---:|---:|---:|---|"
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def probe_cells(p: dict) -> str:
+    """A search probe's cells under PROBE_HEADER."""
+    return (f"{'yes' if p['met'] else 'no'} | {100 * p['slo_attainment']:.1f} % | {p['request_goodput_req_s']:.3f} | "
+            f"{_num(p['ttft_p99_s'], '.3f')} | {_num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | "
+            f"{p['num_preemptions']} | {p['peak_running']} | {p.get('waiting_held_by') or '-'} |")
+
+
 def to_markdown(record: dict) -> str:
     from simkv.replay.goodput import describe_slo
 
@@ -38,18 +53,9 @@ def to_markdown(record: dict) -> str:
              f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. "
              f"The trace's own rate: {record['trace_rate_req_s']:.3f} req/s; cost model: {record['cost_model']}."
              + _setup(record), "",
-             "| probe | rate req/s | x trace | met | attainment | goodput req/s | TTFT p99 s | TPOT p99 ms | preemptions | "
-             "peak running | waiting held by |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
+             "| probe | rate req/s | x trace | " + PROBE_HEADER, "|---:|---:|---:|" + PROBE_RULE]
     for i, p in enumerate(record["probes"], 1):
-        lines.append(f"| {i} | {p['rate_req_s']:.3f} | {p['factor']:.4g} | {'yes' if p['met'] else 'no'} | "
-                     f"{100 * p['slo_attainment']:.1f} % | {p['request_goodput_req_s']:.3f} | {num(p['ttft_p99_s'], '.3f')} | "
-                     f"{num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | {p['num_preemptions']} | {p['peak_running']} | "
-                     f"{p.get('waiting_held_by') or '-'} |")
+        lines.append(f"| {i} | {p['rate_req_s']:.3f} | {p['factor']:.4g} | " + probe_cells(p))
     lines.append("")
     lo, hi = record["bracket_factors"]
     base = record["trace_rate_req_s"]
@@ -82,7 +88,7 @@ def to_markdown(record: dict) -> str:
                   "|---:|---:|---|---:|---:|---:|---:|"]
         for p in check["probes"]:
             lines.append(f"| {p['replicas']} | {100 * p['slo_attainment']:.1f} % | {'yes' if p['met'] else 'no'} | "
-                         f"{num(p['ttft_p99_s'], '.3f')} | {num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | "
+                         f"{_num(p['ttft_p99_s'], '.3f')} | {_num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | "
                          f"{p['num_preemptions']} | {p['peak_running']} |")
         lines.append("")
         lines.append(f"**{check['replicas']} replicas meet the target at {check['target_rate_req_s']:g} req/s"
@@ -104,18 +110,9 @@ def clients_markdown(record: dict) -> str:
     lines = [f"# simkv goodput, closed loop: {record['trace']}", "",
              f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. Clients "
              f"keep {per}, no sooner than the trace's times; cost model: {record['cost_model']}." + _setup(record), "",
-             "| probe | clients | met | attainment | goodput req/s | req/s sent | TTFT p99 s | TPOT p99 ms | preemptions | "
-             "peak running | waiting held by |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
+             "| probe | clients | req/s sent | " + PROBE_HEADER, "|---:|---:|---:|" + PROBE_RULE]
     for i, p in enumerate(record["probes"], 1):
-        lines.append(f"| {i} | {p['clients']:,} | {'yes' if p['met'] else 'no'} | {100 * p['slo_attainment']:.1f} % | "
-                     f"{p['request_goodput_req_s']:.3f} | {p['rate_req_s']:.3f} | {num(p['ttft_p99_s'], '.3f')} | "
-                     f"{num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | {p['num_preemptions']} | "
-                     f"{p['peak_running']} | {p.get('waiting_held_by') or '-'} |")
+        lines.append(f"| {i} | {p['clients']:,} | {p['rate_req_s']:.3f} | " + probe_cells(p))
     lines.append("")
     lo, hi = record["bracket_clients"]
     if record["status"] == "found":

@@ -80,6 +80,15 @@ def lowest_factor(trace) -> float:
     return max(1 / MAX_FACTOR, span / limit)
 
 
+def _check_search(slo_ms: dict, target: float, tolerance: float) -> None:
+    if not slo_ms:
+        raise GoodputSearchError("give at least one SLO (--goodput ttft:MS, tpot:MS or e2el:MS)")
+    if not 0 < target <= 1:
+        raise GoodputSearchError(f"--attainment must be in (0, 1], got {target}")
+    if not 0 < tolerance < 1:
+        raise GoodputSearchError(f"--tolerance must be in (0, 1), got {tolerance}")
+
+
 def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
                     cost_model: str = "roofline", cost_options: dict | None = None, max_probes: int = 40,
                     on_probe=None, fleet=None, disaggregation=None, encode=None) -> dict:
@@ -91,12 +100,7 @@ def search_max_rate(trace, config, slo_ms: dict, *, target: float = 0.99, tolera
     once where the requests the engine rejects already leave fewer than the target's share:
     ``reason`` says so), ``max_rate_req_s`` (None unless found or unbounded), the bracket and every
     probe in the order run."""
-    if not slo_ms:
-        raise GoodputSearchError("give at least one SLO (--goodput ttft:MS, tpot:MS or e2el:MS)")
-    if not 0 < target <= 1:
-        raise GoodputSearchError(f"--attainment must be in (0, 1], got {target}")
-    if not 0 < tolerance < 1:
-        raise GoodputSearchError(f"--tolerance must be in (0, 1), got {tolerance}")
+    _check_search(slo_ms, target, tolerance)
     base_rate = trace_rate(trace)
     probes: list[Probe] = []
 
@@ -215,12 +219,7 @@ def search_max_clients(trace, config, slo_ms: dict, *, target: float = 0.99, tol
     with a client per request or conversation, ``max_clients_bound``; 'unattainable': missed with
     one client, or rejected requests alone make the target unreachable: ``reason``),
     ``max_clients``, the bracket and every probe."""
-    if not slo_ms:
-        raise GoodputSearchError("give at least one SLO (--goodput ttft:MS, tpot:MS or e2el:MS)")
-    if not 0 < target <= 1:
-        raise GoodputSearchError(f"--attainment must be in (0, 1], got {target}")
-    if not 0 < tolerance < 1:
-        raise GoodputSearchError(f"--tolerance must be in (0, 1), got {tolerance}")
+    _check_search(slo_ms, target, tolerance)
     bound = max_clients_bound(trace, config)
     probes: list[Probe] = []
 

@@ -9,9 +9,10 @@ import pytest
 
 from simkv.clock import TICKS_PER_SECOND
 from simkv.config import ConfigError, EngineConfig
-from simkv.replay.api import FleetSpec, replay
+from simkv.replay.api import replay
 from simkv.traces.schema import read_trace
 from tests.cli_runs import cli_fails, cli_ok
+from tests.replay.engine_setups import KINDS, engine_setup
 
 TICK = 1 / TICKS_PER_SECOND
 
@@ -165,21 +166,14 @@ def _check_paced_turns_under_a_limit(result, trace, limit: int) -> None:
     assert held == result.summary["client_concurrency"]["requests_held"] > 0
 
 
-@pytest.mark.parametrize("kind", ["one engine", "fleet", "data-parallel ranks", "P/D"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_paced_sessions_under_a_limit(kind, tmp_path):
     """Conversations paced on their replies, at most N requests of them in flight (vLLM's
     multi-turn benchmark's --num-clients): a turn waits for its reply, then for a slot."""
     from simkv.traces.synth_sessions import SessionShape, multi_turn
 
     trace = multi_turn(SessionShape(sessions=60, turns=4, think_time_s=1.0), seed=6)
-    options = dict(num_gpu_blocks=2000, max_model_len=8192, client_max_concurrency=12)
-    extra = {}
-    if kind == "data-parallel ranks":
-        options = dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=8192, client_max_concurrency=12)
-    elif kind == "fleet":
-        extra = {"fleet": FleetSpec(3, "least_outstanding")}
-    elif kind == "P/D":
-        extra = {"disaggregation": _pd()}
+    options, extra = engine_setup(kind, dict(num_gpu_blocks=2000, max_model_len=8192, client_max_concurrency=12))
     config = EngineConfig.from_flat(options)
     result = replay(trace, config, **extra)
     _check_paced_turns_under_a_limit(result, trace, 12)
@@ -228,49 +222,41 @@ def test_the_limit_holds_under_async_scheduling_and_pipeline_stages(options):
 
 
 
-def _pd():
-    from simkv.replay.disaggregated import DisaggregationSpec
-
-    return DisaggregationSpec(num_prefill=1, num_decode=1)
+SEVERAL = KINDS[1:]  # (a fleet, data-parallel ranks, a P/D pair)
 
 
-FLEETS = {"fleet": ({}, lambda: {"fleet": FleetSpec(3, "least_outstanding")}),
-          "data-parallel ranks": ({"model": "deepseek-v2-lite", "data_parallel_size": 2}, dict),
-          "P/D": ({}, lambda: {"disaggregation": _pd()})}
-
-
-@pytest.mark.parametrize("kind", sorted(FLEETS))
+@pytest.mark.parametrize("kind", SEVERAL)
 def test_a_limit_in_front_of_several_engines(kind):
     """A fleet, data-parallel ranks or a P/D pair: a limit above what they run at once changes
     nothing; a small one keeps exactly that many in flight over all of them."""
-    options, extra = FLEETS[kind]
+    options, extra = engine_setup(kind, {})
     trace = read_trace("traces/azure_conv_slice.parquet")
-    free = replay(trace, EngineConfig.from_flat(options), **extra())
-    capped = replay(trace, EngineConfig.from_flat(options | {"client_max_concurrency": 1000}), **extra())
+    free = replay(trace, EngineConfig.from_flat(options), **extra)
+    capped = replay(trace, EngineConfig.from_flat(options | {"client_max_concurrency": 1000}), **extra)
     pd.testing.assert_frame_equal(free.requests, capped.requests)
     assert capped.summary["client_concurrency"]["requests_held"] == 0
     small = replay(read_trace("traces/req400.parquet"), EngineConfig.from_flat(options | {"client_max_concurrency": 6}),
-                   **extra())
+                   **extra)
     assert _in_flight(small.requests) == 6 and (small.requests["status"] == "finished").all()
     assert small.summary["client_concurrency"]["requests_held"] == 394
 
 
-@pytest.mark.parametrize("kind", sorted(FLEETS))
+@pytest.mark.parametrize("kind", SEVERAL)
 @pytest.mark.parametrize("case", ["time-outs", "refusals (HTTP 503), no retries"])
 def test_given_up_requests_free_their_slot_in_front_of_several_engines(kind, case):
     """The same rule over a fleet, data-parallel ranks or a P/D pair; decode runs stop where a
     give-up elsewhere could send a request (stepping gives the same replay)."""
-    options, extra = FLEETS[kind]
+    options, extra = engine_setup(kind, {})
     sc = GIVE_UPS[case]
     if kind == "data-parallel ranks" and "client_ttft_timeout_s" in sc:
         sc = sc | {"client_ttft_timeout_s": 0.2}  # (its ranks prefill faster: a tighter deadline for some to miss)
     config = EngineConfig.from_flat(options | {"gpu": "A100-80GB", "client_max_concurrency": 64} | sc)
     trace = read_trace("traces/req400.parquet")
-    result = replay(trace, config, **extra())
+    result = replay(trace, config, **extra)
     status = set(result.requests["status"])
     assert "finished" in status and status & {"timed_out", "rejected"}
     _check_closed_loop(result.requests, sc, 64, exact=kind == "data-parallel ranks" or "max_num_queued_reqs" not in sc)
-    stepped = replay(trace, config, use_decode_runs=False, **extra())
+    stepped = replay(trace, config, use_decode_runs=False, **extra)
     pd.testing.assert_frame_equal(result.requests, stepped.requests)
 
 
@@ -300,7 +286,7 @@ def _check_active_sessions(result, trace, max_active: int, exact: bool = True) -
         assert late == result.summary["session_pacing"]["sessions_started_late"]
 
 
-@pytest.mark.parametrize("kind", ["one engine", "fleet", "data-parallel ranks", "P/D"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("clients", [None, 4])
 def test_at_most_m_conversations_in_progress(kind, clients):
     """vLLM's multi-turn benchmark's --max-active-conversations (`client_max_active_sessions`):
@@ -309,16 +295,9 @@ def test_at_most_m_conversations_in_progress(kind, clients):
     from simkv.traces.synth_sessions import SessionShape, multi_turn
 
     trace = multi_turn(SessionShape(sessions=40, turns=4, think_time_s=1.0), seed=6)
-    options = dict(num_gpu_blocks=2000, max_model_len=8192, client_max_active_sessions=8,
-                   client_max_concurrency=clients)
-    extra = {}
-    if kind == "data-parallel ranks":
-        options |= dict(model="deepseek-v2-lite", data_parallel_size=2, num_gpu_blocks=None)
-    elif kind == "fleet":
-        extra = {"fleet": FleetSpec(3, "least_outstanding")}
-    elif kind == "P/D":
-        extra = {"disaggregation": _pd()}
-    config = EngineConfig.from_flat({k: v for k, v in options.items() if v is not None})
+    options, extra = engine_setup(kind, dict(num_gpu_blocks=2000, max_model_len=8192, client_max_active_sessions=8)
+                                  | ({"client_max_concurrency": clients} if clients else {}))
+    config = EngineConfig.from_flat(options)
     result = replay(trace, config, **extra)
     _check_active_sessions(result, trace, 8, exact=clients is None)
     if clients is not None:  # (never more than `clients` requests in flight, and some held for a slot)

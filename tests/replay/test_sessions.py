@@ -13,6 +13,7 @@ from simkv.replay.api import FleetSpec, replay
 from simkv.traces import TraceError, trace_from_frame
 from simkv.traces.synth_sessions import SessionShape, multi_turn
 from tests.core.helpers import assert_decode_runs_change_no_bytes, assert_decode_runs_change_nothing
+from tests.replay.engine_setups import KINDS, engine_setup
 
 CONFIG = EngineConfig.from_flat(dict(block_size=16, num_gpu_blocks=400, max_model_len=2048))
 
@@ -209,21 +210,12 @@ def _refused_turns_release_the_next(res, trace) -> int:
     return followed
 
 
-@pytest.mark.parametrize("kind", ["one engine", "fleet", "data-parallel ranks", "P/D"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_turn_the_front_end_refuses_releases_the_next(kind, tmp_path) -> None:
     """vLLM's admission control (max_num_queued_reqs) under session pacing: a turn refused with
     HTTP 503 is done with, as a rejected turn is, and its conversation goes on."""
-    from simkv.replay.disaggregated import DisaggregationSpec
-
     trace = multi_turn(SessionShape(sessions=200, turns=4, think_time_s=1.0), seed=6)
-    options = dict(num_gpu_blocks=600, max_model_len=8192, max_num_queued_reqs=16)
-    extra = {}
-    if kind == "data-parallel ranks":
-        options = dict(model="deepseek-v2-lite", data_parallel_size=2, max_model_len=8192, max_num_queued_reqs=16)
-    elif kind == "fleet":
-        extra = {"fleet": FleetSpec(3, "least_outstanding")}
-    elif kind == "P/D":
-        extra = {"disaggregation": DisaggregationSpec(num_prefill=1, num_decode=1)}
+    options, extra = engine_setup(kind, dict(num_gpu_blocks=600, max_model_len=8192, max_num_queued_reqs=16))
     config = EngineConfig.from_flat(options)
     res = (assert_decode_runs_change_no_bytes(trace, config, tmp_path, **extra) if kind == "fleet"
            else replay(trace, config, **extra))
