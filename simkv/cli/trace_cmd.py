@@ -247,6 +247,32 @@ def export_cmd(path: str, out: str, block_size: int, trace_out: str | None, mode
     click.echo("  simkv calibrate --from-bench bench.json --sim sim --out fit.json   # then --cost-model fit.json")
 
 
+@trace.command("from-vllm-multi-turn")
+@click.argument("config_path", metavar="CONFIG.json")
+@click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
+@click.option("--seed", default=0, show_default=True, help="The benchmark's --seed.")
+@click.option("--max-turns", type=int, default=None, help="The benchmark's --max-turns: messages (user and answer) "
+                                                          "per conversation at most.")
+@click.option("--hash-block-tokens", default=16, show_default=True, help="Tokens per hash block.")
+@clean_errors
+def from_vllm_multi_turn_cmd(config_path: str, out: str, seed: int, max_turns: int | None,
+                             hash_block_tokens: int) -> None:
+    """Write the conversations vLLM's multi-turn benchmark generates from CONFIG.json (its
+    generate_multi_turn.json) as a trace of paced sessions: the generator's draws, with Llama 3's
+    token counts for its fixed texts and chat template (simkv/traces/vllm_multi_turn.py)."""
+    from simkv.traces.vllm_multi_turn import multi_turn_trace, read_config
+
+    if max_turns is not None and max_turns < 2:
+        raise click.BadParameter("must be >= 2 (a user message and its answer)", param_hint="--max-turns")
+    trace = multi_turn_trace(read_config(config_path), seed, max_turns, hash_block_tokens,
+                             source=f"vllm-multi-turn:{config_path}")
+    write_trace(trace, out)
+    sessions = len(set(trace.session_id.tolist()))
+    click.echo(f"wrote {len(trace):,} turns of {sessions:,} conversations to {out}")
+    click.echo(f"replay it as --num-clients N --max-active-conversations M: simkv replay {out} "
+               "--client-max-concurrency N --client-max-active-sessions M (M defaults to N there)")
+
+
 @trace.command("from-vllm-bench")
 @click.argument("command")
 @click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
