@@ -311,6 +311,11 @@ class SchedulerConfig:
     # A conversation starts at its first turn's trace time or, when that many are in progress,
     # once one of them ends (its last turn done with); None: every conversation at its own time
     client_max_active_sessions: int | None = None
+    # A client (or a gateway in front) that keeps the requests in flight at most this many tokens:
+    # each holds its prompt and its output as the trace gives it (n outputs for n samples: what
+    # its max_tokens lets the KV cache grow to); a request waits until it fits, and those behind
+    # it too (one larger than the whole budget goes alone); None: no limit
+    client_max_inflight_tokens: int | None = None
     # Clients that give up (simkv/replay/client_timeouts.py): a request without its first token
     # `client_ttft_timeout_s` after it was sent, or unfinished `client_timeout_s` after, is
     # abandoned, and vLLM aborts it; the client sends it again up to `client_max_retries` times,
@@ -371,6 +376,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.client_max_concurrency is not None and self.client_max_concurrency < 1:
             raise ConfigError(f"client_max_concurrency must be >= 1, got {self.client_max_concurrency}")
+        if self.client_max_inflight_tokens is not None and self.client_max_inflight_tokens < 1:
+            raise ConfigError(f"client_max_inflight_tokens must be >= 1, got {self.client_max_inflight_tokens}")
         if self.client_max_active_sessions is not None:
             if self.client_max_active_sessions < 1:
                 raise ConfigError(f"client_max_active_sessions must be >= 1, got {self.client_max_active_sessions}")
@@ -1560,6 +1567,8 @@ class EngineConfig:
             del out["client_max_concurrency"]
         if self.scheduler.client_max_active_sessions is None:  # (likewise)
             del out["client_max_active_sessions"]
+        if self.scheduler.client_max_inflight_tokens is None:  # (likewise)
+            del out["client_max_inflight_tokens"]
         if self.speculative.enabled:  # (only then: configs without it read as before)
             out.update(dataclasses.asdict(self.speculative))
             if self.speculative.spec_ngram_match_rate == 1.0:  # (likewise)

@@ -49,6 +49,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
     "client_max_concurrency": "client_max_concurrency", "client_max_active_sessions": "client_max_active_sessions",
+    "client_max_inflight_tokens": "client_max_inflight_tokens",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
     "client_retry_max_backoff": "client_retry_max_backoff_s", "client_retry_jitter": "client_retry_jitter",
@@ -490,6 +491,10 @@ _ENGINE_OPTIONS = [
                  help="The client keeps at most N requests in flight (vllm bench serve's --max-concurrency): a "
                       "request waits past its trace time for one to finish; with paced sessions, a due turn "
                       "waits (vLLM's multi-turn benchmark's --num-clients) [default: no limit]"),
+    click.option("--client-max-inflight-tokens", type=int, default=None, metavar="TOKENS",
+                 help="The client (or a gateway) keeps the requests in flight at most this many prompt + output "
+                      "tokens (a request's KV footprint at its max_tokens): a request waits until it fits "
+                      "[default: no limit]"),
     click.option("--client-max-active-sessions", type=int, default=None, metavar="M",
                  help="Paced sessions: at most M conversations in progress; the next starts when one ends (vLLM's "
                       "multi-turn benchmark's --max-active-conversations) [default: no limit]"),

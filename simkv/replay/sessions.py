@@ -20,6 +20,7 @@ processes at T).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 
@@ -45,22 +46,63 @@ def next_turns(session_id: np.ndarray) -> np.ndarray:
     return following
 
 
+class Budget:
+    """What a client's limit lets out at once: rows take their share of it when sent and give it
+    back a tick after they are released. What is free is kept by the tick from which it is free,
+    so a release reported late still counts from when it came, and a row takes what freed
+    earliest."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[list[int]] = [[0, capacity]]  # [tick, amount] free from then, in tick order
+
+    def ready_at(self, need: int) -> int | None:
+        """The earliest tick from which `need` (at most the capacity: a row larger than the whole
+        budget goes alone) is free (None: not until more is released)."""
+        need = min(need, self.capacity)
+        have = 0
+        for tick, amount in self._free:
+            have += amount
+            if have >= need:
+                return tick
+        return None
+
+    def take(self, need: int) -> None:
+        """A row sent takes `need` from what freed earliest (`ready_at` said it is there)."""
+        need = min(need, self.capacity)
+        free = self._free
+        while need:
+            if free[0][1] > need:
+                free[0][1] -= need
+                return
+            need -= free.pop(0)[1]
+
+    def give(self, need: int, tick: int) -> None:
+        """A row released at `tick` gives back what it took, from the next tick."""
+        bisect.insort(self._free, [tick + 1, min(need, self.capacity)])
+
+
 class Pacing:
     """Rows handed out when due, from a heap of (tick, row) of the rows due by the pacing's own
     rule; a release (a finish, a rejection, a give-up) may make another row due. With a `limit`
     (a client's concurrency limit: vllm bench serve's --max-concurrency, a semaphore its requests
     queue on) a due row also waits for a free slot: at most `limit` rows are out and not yet
     released, and the earliest due row takes the earliest free slot, at the later of the two
-    ticks. A release frees its slot a tick later. A request whose client gives up and retries
-    keeps its slot through its back-offs; one given up on for good frees it at its last
+    ticks. With a `token_limit` likewise for tokens: the rows out hold their prompt and output
+    tokens (n outputs for n samples), at most `token_limit` in all (a gateway that admits by a
+    request's KV footprint, its output as the trace gives it, the client's max_tokens; a row
+    larger than the whole budget goes alone); the earliest due row waits, and those behind it
+    too. A release frees its share a tick later. A request whose client gives up and retries
+    keeps its share through its back-offs; one given up on for good frees it at its last
     deadline, one refused for good (HTTP 503) when it is refused.
 
-    Slots are taken when rows are handed out, not when they free: engines may report releases
+    Shares are taken when rows are handed out, not when they free: engines may report releases
     out of time order (a step's finishes before a refusal during that step, taken at its end),
-    and the earliest free slot still goes to the earliest due row. `rows`' arrival lists become
-    the pacing's own: a held row's entries move to when it was sent."""
+    and what freed earliest still goes to the earliest due row. `rows`' arrival lists become the
+    pacing's own: a held row's entries move to when it was sent."""
 
-    def __init__(self, rows: TraceRows, limit: int | None = None) -> None:
+    def __init__(self, rows: TraceRows, limit: int | None = None, token_limit: int | None = None,
+                 samples: list[int] | None = None) -> None:
         self._trace_ticks = list(rows.arrival_ticks)
         rows.arrival_ticks = list(rows.arrival_ticks)
         rows.arrival_s = list(rows.arrival_s)
@@ -68,10 +110,16 @@ class Pacing:
         self._ready: list[tuple[int, int]] = []
         self._num_rows = len(self._trace_ticks)
         self.limit = limit
-        # ticks from which slots are free, not yet taken (a heap; None: no limit)
-        self._free = None if limit is None else [0] * min(limit, self._num_rows)
+        self.token_limit = token_limit
+        self._gates: list[tuple[Budget, list[int] | None]] = []  # (budget, each row's share; None: one)
+        if limit is not None:
+            self._gates.append((Budget(limit), None))
+        if token_limit is not None:
+            n = samples or [1] * self._num_rows
+            self._gates.append((Budget(token_limit), [p + k * o for p, o, k in
+                                                      zip(rows.prompt_tokens, rows.output_tokens, n)]))
         self.num_out = 0  # rows handed out
-        self.holds = [[0, 0], [0, 0]]  # (rows held, ticks in all): by the pacing's rule, for a slot
+        self.holds = [[0, 0], [0, 0]]  # (rows held, ticks in all): by the pacing's rule, for the client's limits
 
     @property
     def all_out(self) -> bool:
@@ -82,10 +130,12 @@ class Pacing:
         if not self._ready:
             return None
         tick, row = self._ready[0]
-        free = self._free
-        if free is None:
-            return tick, row
-        return (max(tick, free[0]), row) if free else None
+        for budget, shares in self._gates:
+            ready = budget.ready_at(1 if shares is None else shares[row])
+            if ready is None:
+                return None
+            tick = max(tick, ready)
+        return tick, row
 
     def next_ticks(self) -> int | None:
         """When the next row is due (None: none is, until a release)."""
@@ -94,8 +144,10 @@ class Pacing:
 
     def pop_next(self) -> tuple[int, int]:
         """The next row due, as (tick, row) (there must be one)."""
-        due, row = heapq.heappop(self._ready)
-        sent = due if self._free is None else max(due, heapq.heappop(self._free))
+        sent, row = self.peek()
+        due, _ = heapq.heappop(self._ready)
+        for budget, shares in self._gates:
+            budget.take(1 if shares is None else shares[row])
         self.num_out += 1
         trace_tick = self._trace_ticks[row]
         for hold, (start, end) in zip(self.holds, ((trace_tick, due), (due, sent))):
@@ -112,9 +164,10 @@ class Pacing:
         while (nxt := self.peek()) is not None and nxt[0] <= now:
             yield self.pop_next()
 
-    def _free_slot(self, tick: int) -> None:
-        if self._free is not None and self.num_out < self._num_rows:
-            heapq.heappush(self._free, tick + 1)
+    def _free_share(self, row: int, tick: int) -> None:
+        if self.num_out < self._num_rows:
+            for budget, shares in self._gates:
+                budget.give(1 if shares is None else shares[row], tick)
 
     def _next_due(self, row: int, tick: int) -> None:
         """Row `row` was released at `tick`: the rows that makes due by the pacing's rule."""
@@ -122,7 +175,7 @@ class Pacing:
     def release(self, row: int, tick: int) -> int | None:
         """Row `row` finished (or was rejected) at `tick`. Returns when the next row is due (None:
         none is, until another release)."""
-        self._free_slot(tick)
+        self._free_share(row, tick)
         self._next_due(row, tick)
         return self.next_ticks()
 
@@ -136,7 +189,7 @@ class Pacing:
         until another release)."""
         dropped = self._drop_after(row)
         self.num_out += len(dropped)
-        self._free_slot(tick)
+        self._free_share(row, tick)
         return dropped, self.next_ticks()
 
     def release_finished(self, finished: list[Request], tick: int) -> int | None:
@@ -144,7 +197,7 @@ class Pacing:
         next row is due (None: none is, until another release)."""
         for request in finished:
             if request.index < self._num_rows:  # (not a parallel-sampling sequence of its own)
-                self._free_slot(tick)
+                self._free_share(request.index, tick)
                 self._next_due(request.index, tick)
         return self.next_ticks()
 
@@ -152,7 +205,7 @@ class Pacing:
         """How soon after `row` is released another row could be due (None: none could): under a
         limit a tick, while rows wait to be sent (behind a router, other engines' decode runs then
         stop a tick after an engine's step ends, where it learns of its releases: ReleaseWatch)."""
-        return 1 if self._free is not None and not self.all_out else None
+        return 1 if self._gates and not self.all_out else None
 
     def last_trace_ticks(self) -> int:
         return max(self._trace_ticks, default=0)
@@ -163,33 +216,39 @@ class Pacing:
 
     def summary(self) -> dict:
         """summary.json's sections on the pacing."""
-        if self.limit is None:
+        if not self._gates:
             return {}
         held, mean = self._hold_summary(1)
-        return {"client_concurrency": {"max_concurrency": self.limit, "requests_held": held, "mean_hold_s": mean}}
+        limits = ({"max_concurrency": self.limit} if self.limit is not None else {}) | (
+            {"max_inflight_tokens": self.token_limit} if self.token_limit is not None else {})
+        return {"client_concurrency": limits | {"requests_held": held, "mean_hold_s": mean}}
 
 
 def paces(trace, sc) -> bool:
     """The replay of `trace` holds rows back: sessions paced on their replies (SchedulerConfig
-    `sc`'s session_pacing and a trace with sessions), or a client's concurrency limit."""
-    return sc.session_pacing and trace.session_id is not None or sc.client_max_concurrency is not None
+    `sc`'s session_pacing and a trace with sessions), or a client's limit on what is in flight."""
+    return (sc.session_pacing and trace.session_id is not None or sc.client_max_concurrency is not None
+            or sc.client_max_inflight_tokens is not None)
 
 
 def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
     """The pacing of `trace`'s rows under SchedulerConfig `sc`: sessions paced on their replies
-    (at most `client_max_active_sessions` in progress), a client's concurrency limit, both, or
-    None (the trace's times)."""
+    (at most `client_max_active_sessions` in progress), a client's limits on requests and tokens
+    in flight, both, or None (the trace's times)."""
+    limits = (sc.client_max_concurrency, sc.client_max_inflight_tokens,
+              trace.n.tolist() if trace.n is not None else None)
     if sc.session_pacing and trace.session_id is not None:
-        return SessionPacing(trace, rows, sc.client_max_concurrency, sc.client_max_active_sessions)
-    return ConcurrencyPacing(rows, sc.client_max_concurrency) if sc.client_max_concurrency is not None else None
+        return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions)
+    return ClientLimits(rows, *limits) if limits[:2] != (None, None) else None
 
 
-class ConcurrencyPacing(Pacing):
-    """A client's concurrency limit alone: every row is due at its trace time, and waits for a
-    slot (the next row in arrival order takes the earliest free slot)."""
+class ClientLimits(Pacing):
+    """A client's limits alone: every row is due at its trace time, and waits until it fits (the
+    next row in arrival order takes what freed earliest)."""
 
-    def __init__(self, rows: TraceRows, limit: int) -> None:
-        super().__init__(rows, limit)
+    def __init__(self, rows: TraceRows, limit: int | None, token_limit: int | None = None,
+                 samples: list[int] | None = None) -> None:
+        super().__init__(rows, limit, token_limit, samples)
         self._ready = [(tick, i) for i, tick in enumerate(self._trace_ticks)]  # (in arrival order: a heap)
 
 
@@ -203,8 +262,9 @@ class SessionPacing(Pacing):
     in the order of their first turns, starts a tick after one ends, or at its trace time if
     later. A row without a session is a conversation of one turn."""
 
-    def __init__(self, trace, rows: TraceRows, limit: int | None = None, max_active: int | None = None) -> None:
-        super().__init__(rows, limit)
+    def __init__(self, trace, rows: TraceRows, limit: int | None = None, token_limit: int | None = None,
+                 samples: list[int] | None = None, max_active: int | None = None) -> None:
+        super().__init__(rows, limit, token_limit, samples)
         n = self._num_rows
         self.next_turn = next_turns(trace.session_id).tolist()
         think = trace.think_time_s
@@ -287,9 +347,11 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
                                                   f"turn's time, by {sp['mean_start_delay_s']:,.2f} s on average"))
     if summary.get("client_concurrency"):
         cc = summary["client_concurrency"]
-        rows.append(("client concurrency limit", f"{cc['max_concurrency']:,} in flight; {cc['requests_held']:,} requests "
-                                                 f"sent later than the trace's times, by {cc['mean_hold_s']:,.2f} s on "
-                                                 "average"))
+        limits = [f"{cc[key]:,} {what}" for key, what in (("max_concurrency", "requests"),
+                                                         ("max_inflight_tokens", "tokens")) if key in cc]
+        rows.append(("client concurrency limit", f"{' and '.join(limits)} in flight; {cc['requests_held']:,} "
+                                                 f"requests sent later than the trace's times, by "
+                                                 f"{cc['mean_hold_s']:,.2f} s on average"))
     return rows
 
 

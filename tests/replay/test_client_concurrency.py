@@ -1,5 +1,5 @@
 """A client that keeps at most N requests in flight (`--client-max-concurrency`, vllm bench
-serve's --max-concurrency): simkv/replay/sessions.py's ConcurrencyPacing."""
+serve's --max-concurrency): simkv/replay/sessions.py's Pacing."""
 
 import json
 
@@ -320,3 +320,65 @@ def test_an_active_sessions_limit_needs_sessions(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["client_max_active_sessions"] == 2
     assert summary["session_pacing"]["max_active_sessions"] == 2 and summary["peak_running"] <= 2
+
+
+def _check_token_budget(requests: pd.DataFrame, budget: int) -> None:
+    """Rows go in arrival order; at every send the rows in flight hold at most `budget` prompt +
+    output tokens (a row larger than the budget alone), and a held row went a tick after a
+    release, when it did not fit before, or with the row ahead of it (which it waited behind)."""
+    sent, ends = requests["arrival_time_s"].to_numpy(), requests["finish_time_s"].to_numpy()
+    weight = (requests["prompt_tokens"] + requests["output_tokens"]).to_numpy()
+    assert (np.diff(sent) >= 0).all()
+    held = 0
+    for i in range(len(requests)):
+        out = (sent <= sent[i]) & (ends > sent[i])
+        assert weight[out].sum() <= budget or out.sum() == 1
+        if sent[i] > 0:  # (req400: every row arrives at 0)
+            held += 1
+            freed = sent[i] - TICK
+            assert np.isclose(ends, freed, rtol=0, atol=1e-9).any()
+            before = (sent < sent[i]) & (ends >= freed - 1e-9)  # (in flight just before the release)
+            assert weight[before].sum() + weight[i] > budget or sent[i] == sent[i - 1]
+    assert held > 0
+
+
+@pytest.mark.parametrize("budget", [3_000, 20_000])
+def test_a_token_budget_holds_rows_until_they_fit(budget):
+    result = _replay("traces/req400.parquet", client_max_inflight_tokens=budget)
+    _check_token_budget(result.requests, budget)
+    cc = result.summary["client_concurrency"]
+    assert cc["max_inflight_tokens"] == budget and "max_concurrency" not in cc and cc["requests_held"] > 0
+
+
+def test_a_row_larger_than_the_budget_goes_alone():
+    requests = _replay("traces/req400.parquet", client_max_inflight_tokens=500, max_model_len=8192).requests
+    weight = (requests["prompt_tokens"] + requests["output_tokens"]).to_numpy()
+    assert (weight > 500).any()
+    _check_token_budget(requests, 500)
+    assert _in_flight(requests) == 1  # (every row but the smallest fills the budget alone)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_limits_on_every_way_of_serving(kind):
+    options, extra = engine_setup(kind, {"client_max_concurrency": 8, "client_max_inflight_tokens": 6_000})
+    config = EngineConfig.from_flat(options)
+    trace = read_trace("traces/req400.parquet")
+    result = replay(trace, config, **extra)
+    assert _in_flight(result.requests) <= 8
+    r = result.requests
+    sent, ends = r["arrival_time_s"].to_numpy(), r["finish_time_s"].to_numpy()
+    weight = (r["prompt_tokens"] + r["output_tokens"]).to_numpy()
+    for i in range(len(r)):
+        out = (sent <= sent[i]) & (ends > sent[i])
+        assert weight[out].sum() <= 6_000 or out.sum() == 1
+    stepped = replay(trace, config, use_decode_runs=False, **extra)
+    pd.testing.assert_frame_equal(r, stepped.requests)
+
+
+def test_a_token_budget_from_the_cli(tmp_path):
+    out = cli_ok(["replay", "traces/req400.parquet", "--out", str(tmp_path), "--client-max-inflight-tokens", "20000"])
+    assert "20,000 tokens in flight" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["client_max_inflight_tokens"] == 20_000
+    with pytest.raises(ConfigError, match="client_max_inflight_tokens must be >= 1"):
+        EngineConfig.from_flat({"client_max_inflight_tokens": 0})
