@@ -9,6 +9,10 @@ within 3 minutes at <= 2 GB peak memory).
     .venv/bin/python bench/replay_speed.py azure-async  # the Azure trace with --async-scheduling
     .venv/bin/python bench/replay_speed.py chat-paced chat-open  # 120,000 multi-turn chat requests (20,000
                                                         # sessions), sessions paced on their replies / open loop
+    .venv/bin/python bench/replay_speed.py chat-clients # the same chat turns from 1,024 clients, one conversation
+                                                        # each (client limits: Budget per send and release)
+    .venv/bin/python bench/replay_speed.py azure-tokens # the Azure trace behind a KV-footprint gateway of 233,280
+                                                        # tokens (--client-max-inflight-tokens)
     .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
                                                         # replicas (P/D disaggregation)
     .venv/bin/python bench/replay_speed.py azure-pd4-async  # the same with --async-scheduling in both pools
@@ -80,7 +84,7 @@ def load(case: str):
         from simkv.traces.lora import assign_adapters
 
         return assign_adapters(import_trace("azure", [AZURE])[0], 16, 1.0, seed=0)
-    if case in ("azure", "azure-async", "azure-spec", "azure-spec-async", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async",
+    if case in ("azure", "azure-tokens", "azure-async", "azure-spec", "azure-spec-async", "azure-70b-tp4", "azure-70b-pp2", "azure-70b-pp2-async",
                 "azure-gemma3", "azure-llama4", "azure-qwen3next",
                 "azure-qwen3next-pc",
                 "azure-oss-spec", "azure-dsv3", "azure-dsv3-dp8", "azure-dsv32"):
@@ -100,7 +104,7 @@ def load(case: str):
 
         trace = import_trace("azure", [AZURE])[0]
         return replace(trace, arrival_time_s=trace.arrival_time_s / 4.0)
-    if case in ("chat-paced", "chat-open"):
+    if case in ("chat-paced", "chat-open", "chat-clients"):
         from simkv.traces.synth_sessions import SessionShape, multi_turn
 
         return multi_turn(SessionShape(sessions=20_000, turns=6), seed=1, arrival=ArrivalProcess(kind="poisson", rate=20.0))
@@ -158,6 +162,10 @@ def run_case(case: str) -> dict:
         options |= {"enable_lora": True, "max_loras": 4}
     if case in ("azure-vl", "azure-images"):
         options |= {"model": "qwen2.5-vl-7b", "max_model_len": 32768}
+    if case == "chat-clients":  # (1,024 clients, one conversation each: vLLM's multi-turn benchmark's way)
+        options |= {"client_max_concurrency": 1024, "client_max_active_sessions": 1024}
+    if case == "azure-tokens":  # (a gateway admitting by KV footprint, half the cache's tokens)
+        options |= {"client_max_inflight_tokens": 233_280}
     if case_setup in ("azure-clients", "azure-pd2-clients"):
         options |= {"client_ttft_timeout_s": 10.0, "client_max_retries": 2}
     if case == "rollout-dp8":
