@@ -224,11 +224,12 @@ def build_config(cli_values: dict, config_file: str | None, overrides: dict | No
 
 
 def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple[str, ...],
-                overrides: dict | None = None, vllm_bench: str | None = None):
+                overrides: dict | None = None, vllm_bench: str | None = None, vllm_multi_turn: str | None = None):
     """The --goodput SLOs, the engine config and the trace of a command, or a one-line click error.
     `overrides`: options over the flags (a grid's first cell, so that its keys count in the checks).
     `vllm_bench`: a `vllm bench serve` command whose traffic replaces the trace (its
-    --max-concurrency and --goodput too, unless simkv's own flags give them)."""
+    --max-concurrency and --goodput too, unless simkv's own flags give them). `vllm_multi_turn`:
+    likewise a command of vLLM's multi-turn benchmark (its clients and conversations)."""
     from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.traces.schema import read_trace
 
@@ -243,11 +244,22 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
                 _say_once(bench.note())
             if bench.max_concurrency is not None:  # (simkv's own flag or file wins)
                 options.setdefault("client_max_concurrency", bench.max_concurrency)
+        if vllm_multi_turn:
+            from simkv.cli.vllm_multi_turn_command import multi_turn_command
+            from simkv.cli.vllm_serve import resolve_model
+
+            bench = multi_turn_command(vllm_multi_turn)
+            if bench.note():
+                _say_once(bench.note())
+            options.setdefault("client_max_concurrency", bench.num_clients)  # (simkv's own flags win)
+            options.setdefault("client_max_active_sessions", bench.max_active_conversations)
+            if bench.model is not None and "model" not in options:
+                options["model"] = resolve_model(bench.model)
         config = EngineConfig.from_flat(options)
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        slo = parse_goodput(goodput or (bench.goodput if bench is not None else ()))
+        slo = parse_goodput(goodput or getattr(bench, "goodput", ()))
     except GoodputError as exc:
         raise click.UsageError(str(exc)) from None
     if bench is not None:
@@ -598,6 +610,10 @@ _ENGINE_OPTIONS = [
               help="Instead of TRACE: the traffic of a `vllm bench serve` command, or @FILE holding one (its random, "
                    "prefix_repetition or timed_trace dataset and schedule, as vLLM's client draws them; its "
                    "--max-concurrency and --goodput) (docs/vllm_serve.md).")
+@click.option("--vllm-multi-turn", "vllm_multi_turn", default=None, metavar="COMMAND|@FILE",
+              help="Instead of TRACE: the conversations and clients of a command of vLLM's multi-turn benchmark "
+                   "(benchmark_serving_multi_turn.py --input-file GEN.json --num-clients N ...), or @FILE holding "
+                   "one; its statistics are printed in its layout too (docs/traces.md).")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="A cost model name, or a calib.json fitted by `simkv calibrate`.")
 @click.option("--backend", type=click.Choice(["sim", "gpu"]), default="sim", show_default=True,
@@ -629,7 +645,8 @@ _ENGINE_OPTIONS = [
 @encode_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
-def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: str | None, cost_model: str,
+def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: str | None,
+               vllm_multi_turn: str | None, cost_model: str,
                step_base_s: float,
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
@@ -660,9 +677,12 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")
-    if vllm_bench and trace != DEFAULT_TRACE:
-        raise click.UsageError("give TRACE or --vllm-bench (whose traffic is the trace), not both")
-    slo, config, data = read_inputs(trace, flags | {"router": router}, config_file, goodput, vllm_bench=vllm_bench)
+    if (vllm_bench or vllm_multi_turn) and trace != DEFAULT_TRACE:
+        raise click.UsageError("give TRACE or --vllm-bench / --vllm-multi-turn (whose traffic is the trace), not both")
+    if vllm_bench and vllm_multi_turn:
+        raise click.UsageError("give --vllm-bench or --vllm-multi-turn, not both")
+    slo, config, data = read_inputs(trace, flags | {"router": router}, config_file, goodput, vllm_bench=vllm_bench,
+                                    vllm_multi_turn=vllm_multi_turn)
     if disaggregation is not None:
         check_pools(disaggregation, config)
     if backend == "gpu" and (config.cache.cpu_offload_gb or config.cache.offload_group_size):
@@ -739,3 +759,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
             from simkv.cli.vllm_bench_command import bench_report
 
             click.echo(bench_report(result.summary, result.requests))
+        if vllm_multi_turn:  # (likewise, the multi-turn benchmark's statistics)
+            from simkv.cli.vllm_multi_turn_command import multi_turn_report
+
+            click.echo(multi_turn_report(result.summary, result.requests))

@@ -1,0 +1,83 @@
+"""`simkv replay --vllm-multi-turn "python benchmark_serving_multi_turn.py ..."`
+(simkv/cli/vllm_multi_turn_command.py)."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.cli.vllm_command_line import CommandLineError
+from simkv.cli.vllm_multi_turn_command import multi_turn_command
+from simkv.traces.schema import read_trace
+from tests.cli_runs import cli_fails, cli_ok
+from tests.traces.test_vllm_multi_turn import EXAMPLE
+
+
+@pytest.fixture
+def generator(tmp_path):
+    path = tmp_path / "generate_multi_turn.json"
+    path.write_text(json.dumps(EXAMPLE))
+    return path
+
+
+def test_a_command_replays_as_the_trace_and_limits_it_names(generator, tmp_path):
+    command = (f"python benchmark_serving_multi_turn.py --model meta-llama/Llama-3.1-8B-Instruct --served-model-name "
+               f"Llama --input-file {generator} --num-clients 2 --max-active-conversations 6 --no-early-stop")
+    out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "a")])
+    cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--out", str(tmp_path / "t.parquet")])
+    cli_ok(["replay", str(tmp_path / "t.parquet"), "--model", "llama-3.1-8b", "--client-max-concurrency", "2",
+            "--client-max-active-sessions", "6", "--out", str(tmp_path / "b")])
+    a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
+    pd.testing.assert_frame_equal(a, b)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["config"]["client_max_concurrency"] == 2 and summary["config"]["client_max_active_sessions"] == 6
+    assert summary["config"]["model"] == "llama-3.1-8b"
+    # the script's statistics, from the same replay
+    assert "Statistics summary (simkv, simulated):" in out and f"runtime_sec = {summary['duration_s']:.3f}" in out
+    row = next(line for line in out.splitlines() if line.startswith("output_num_tokens"))
+    assert float(row.split()[1]) == 185 and float(row.split()[2]) == pytest.approx(a["output_tokens"].mean(), abs=0.005)
+    turns = next(line for line in out.splitlines() if line.startswith("input_num_turns")).split()
+    assert float(turns[4]) == 1 and float(turns[-1]) == 17  # (min: a first turn; max: the ninth user turn)
+
+
+def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
+    bench = multi_turn_command(f"--input-file {generator} -p 2 --request-rate 1 --warmup-step -k 4")
+    assert bench.num_clients == 2 and bench.max_active_conversations == 4
+    note = bench.note()
+    for named in ("early stop", "--request-rate", "--warmup-step", "round-robin over its own conversations"):
+        assert named in note
+    assert multi_turn_command(f"-i {generator} --no-early-stop").note() == ""
+    fixed = multi_turn_command(f"-i {generator} --no-early-stop --limit-min-tokens 64 --limit-max-tokens 64")
+    assert set(fixed.trace.output_tokens.tolist()) == {64} and fixed.note() == ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--num-clients 2 --frobnicate 3", "unrecognized arguments: --frobnicate"),
+    ("--num-clients 4 --max-active-conversations 2", "must be at least --num-clients"),
+    ("--num-clients 2 --max-active-conversations 30", "more than the file's 24 conversations"),
+    ("--max-turns 1", "--max-turns must be 2 or more"),
+])
+def test_commands_the_script_would_refuse_are_refused(generator, flags, message):
+    with pytest.raises(CommandLineError, match=message):
+        multi_turn_command(f"python benchmark_serving_multi_turn.py -i {generator} {flags}")
+
+
+def test_conversation_files_and_a_trace_beside_it_are_refused(generator, tmp_path):
+    listed = tmp_path / "conversations.json"
+    listed.write_text(json.dumps([{"id": "a", "messages": [{"role": "user", "content": "hi"}]}]))
+    with pytest.raises(CommandLineError, match="simkv runs no tokenizer"):
+        multi_turn_command(f"-i {listed}")
+    assert "not both" in cli_fails(["replay", "traces/req400.parquet", "--vllm-multi-turn", f"-i {generator}",
+                                    "--out", str(tmp_path / "x")])
+    command_file = tmp_path / "bench.sh"
+    command_file.write_text(f"python benchmark_serving_multi_turn.py \\\n  --input-file {generator} \\\n  -p 3\n")
+    assert multi_turn_command(f"@{command_file}").num_clients == 3
+    assert np.array_equal(multi_turn_command(f"@{command_file}").trace.prompt_tokens,
+                          read_trace(_written(generator, tmp_path)).prompt_tokens)
+
+
+def _written(generator, tmp_path):
+    out = tmp_path / "w.parquet"
+    cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--out", str(out)])
+    return out
