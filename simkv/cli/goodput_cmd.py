@@ -206,6 +206,10 @@ def grid_markdown(record: dict) -> str:
                    "that sustains the highest rate; repeatable.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Local processes for --grid searches.")
+@click.option("--vllm-multi-turn", "vllm_multi_turn", default=None, metavar="COMMAND|@FILE",
+              help="Instead of TRACE: the conversations of a command of vLLM's multi-turn benchmark "
+                   "(benchmark_serving_multi_turn.py --input-file GEN.json ...); searches its --num-clients "
+                   "(implies --clients).")
 @click.option("--clients", "closed_loop", is_flag=True,
               help="Search the most clients of a closed loop instead of the highest rate: each client keeps one "
                    "request in flight (--client-max-concurrency) and, on a trace of paced sessions, one "
@@ -227,7 +231,8 @@ def grid_markdown(record: dict) -> str:
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
                 pd_splits: int | None,
-                grids: tuple[str, ...], workers: int, closed_loop: bool, config_file: str | None, cost_model: str,
+                grids: tuple[str, ...], workers: int, vllm_multi_turn: str | None, closed_loop: bool,
+                config_file: str | None, cost_model: str,
                 step_base_s: float,
                 step_per_token_s: float, gpu_prices: tuple[str, ...], out_dir: str | None, quiet: bool, replicas: int,
                 router: str, router_options: tuple[str, ...], **flags) -> None:
@@ -237,6 +242,10 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     that rate on fleets of them. With --clients: the most clients of a closed loop instead."""
     from simkv.studies.goodput_search import check_replicas, replicas_for, search_max_rate
 
+    if vllm_multi_turn:
+        if trace != DEFAULT_TRACE:
+            raise click.UsageError("give TRACE or --vllm-multi-turn (whose conversations are the trace), not both")
+        closed_loop = True
     if closed_loop and (grids or target_rate is not None or pd_splits is not None or gpu_prices
                         or flags.get("encode_replicas") is not None):
         raise click.UsageError("--clients searches one setup's clients: drop --grid/--target-rate/--pd-splits/"
@@ -264,7 +273,10 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     router_flag = router
     fleet = read_fleet(replicas, router, router_options, config_file)
     replicas, router = fleet.num_replicas, fleet.policy
-    slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids))
+    slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids),
+                                    vllm_multi_turn=vllm_multi_turn)
+    if vllm_multi_turn:
+        trace = data.source  # (goodput.md's title)
     if config.hardware.data_parallel_size > 1 and (replicas > 1 or target_rate is not None):
         raise click.UsageError("a data-parallel engine (--data-parallel-size) is searched alone: fleets of them "
                                "are not modelled; drop --replicas/--target-rate")

@@ -81,3 +81,15 @@ def _written(generator, tmp_path):
     out = tmp_path / "w.parquet"
     cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--out", str(out)])
     return out
+
+
+def test_goodput_searches_the_benchmarks_clients(generator, tmp_path):
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --no-early-stop"
+    cli_ok(["goodput", "--vllm-multi-turn", command, "--goodput", "ttft:60",
+            "--attainment", "0.9", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "goodput.json").read_text())
+    assert record["trace"].startswith("vllm-multi-turn:") and record["session_paced"]
+    assert record["status"] == "found" and record["probes"][0]["clients"] == 1
+    assert 1 < record["max_clients"] < 24  # (the file's 24 conversations: a client each at most)
+    assert "not both" in cli_fails(["goodput", "traces/req400.parquet", "--vllm-multi-turn", command,
+                                    "--goodput", "ttft:40"])
