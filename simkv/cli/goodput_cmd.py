@@ -206,6 +206,9 @@ def grid_markdown(record: dict) -> str:
                    "that sustains the highest rate; repeatable.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Local processes for --grid searches.")
+@click.option("--vllm-bench", "vllm_bench", default=None, metavar="COMMAND|@FILE",
+              help="Instead of TRACE: the traffic of a `vllm bench serve` command (its dataset and schedule, "
+                   "scaled by the search; its --max-concurrency and --goodput) (docs/vllm_serve.md).")
 @click.option("--vllm-multi-turn", "vllm_multi_turn", default=None, metavar="COMMAND|@FILE",
               help="Instead of TRACE: the conversations of a command of vLLM's multi-turn benchmark "
                    "(benchmark_serving_multi_turn.py --input-file GEN.json ...); searches its --num-clients "
@@ -231,7 +234,8 @@ def grid_markdown(record: dict) -> str:
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
                 pd_splits: int | None,
-                grids: tuple[str, ...], workers: int, vllm_multi_turn: str | None, closed_loop: bool,
+                grids: tuple[str, ...], workers: int, vllm_bench: str | None, vllm_multi_turn: str | None,
+                closed_loop: bool,
                 config_file: str | None, cost_model: str,
                 step_base_s: float,
                 step_per_token_s: float, gpu_prices: tuple[str, ...], out_dir: str | None, quiet: bool, replicas: int,
@@ -242,9 +246,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     that rate on fleets of them. With --clients: the most clients of a closed loop instead."""
     from simkv.studies.goodput_search import check_replicas, replicas_for, search_max_rate
 
+    if (vllm_bench or vllm_multi_turn) and trace != DEFAULT_TRACE:
+        raise click.UsageError("give TRACE or --vllm-bench / --vllm-multi-turn (whose traffic is the trace), not both")
+    if vllm_bench and vllm_multi_turn:
+        raise click.UsageError("give --vllm-bench or --vllm-multi-turn, not both")
     if vllm_multi_turn:
-        if trace != DEFAULT_TRACE:
-            raise click.UsageError("give TRACE or --vllm-multi-turn (whose conversations are the trace), not both")
         closed_loop = True
     if closed_loop and (grids or target_rate is not None or pd_splits is not None or gpu_prices
                         or flags.get("encode_replicas") is not None):
@@ -274,8 +280,8 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     fleet = read_fleet(replicas, router, router_options, config_file)
     replicas, router = fleet.num_replicas, fleet.policy
     slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids),
-                                    vllm_multi_turn=vllm_multi_turn)
-    if vllm_multi_turn:
+                                    vllm_bench=vllm_bench, vllm_multi_turn=vllm_multi_turn)
+    if vllm_bench or vllm_multi_turn:
         trace = data.source  # (goodput.md's title)
     if config.hardware.data_parallel_size > 1 and (replicas > 1 or target_rate is not None):
         raise click.UsageError("a data-parallel engine (--data-parallel-size) is searched alone: fleets of them "

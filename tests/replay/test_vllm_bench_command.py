@@ -206,3 +206,22 @@ def test_the_replay_prints_the_benchmarks_own_layout(tmp_path):
     assert values["P99 ITL (ms):"] == f"{1e3 * summary['itl_s']['p99']:.2f}"
     assert values["Request goodput (req/s):"] == f"{summary['goodput']['request_goodput_req_s']:.2f}"
     assert values["Total input tokens:"] == str(80 * 300)  # (BOS + 299 sampled: the server's count)
+
+
+def test_goodput_searches_a_bench_commands_rate(tmp_path):
+    """`simkv goodput --vllm-bench`: the benchmark's traffic, its schedule scaled by the search;
+    a probe at the command's own rate is the replay of that command."""
+    command = ("vllm bench serve --dataset-name random --random-input-len 1024 --random-output-len 128 "
+               "--num-prompts 300 --request-rate 10")
+    cli_ok(["goodput", "--vllm-bench", command, "--goodput", "ttft:200", "--goodput", "tpot:20",
+            "--model", "llama-3.1-8b", "--out", str(tmp_path / "g")])
+    record = json.loads((tmp_path / "g" / "goodput.json").read_text())
+    assert record["trace"].startswith("vllm bench serve") and record["status"] == "found"
+    first = record["probes"][0]
+    assert first["factor"] == 1.0
+    cli_ok(["replay", "--vllm-bench", command, "--model", "llama-3.1-8b", "--goodput", "ttft:200", "--goodput",
+            "tpot:20", "--out", str(tmp_path / "r")])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["goodput"]["slo_attainment"] == first["slo_attainment"]
+    assert "not both" in cli_fails(["goodput", "traces/req400.parquet", "--vllm-bench", command, "--goodput",
+                                    "ttft:200"])
