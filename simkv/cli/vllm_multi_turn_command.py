@@ -31,6 +31,7 @@ class MultiTurnCommand:
     num_clients: int
     max_active_conversations: int
     model: str | None
+    early_stop: bool = True  # (the script's default; --no-early-stop)
     not_modelled: list[str] = field(default_factory=list)
 
     def note(self) -> str:
@@ -130,8 +131,8 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
                                f"{len(set(trace.session_id.tolist()))} conversations (the script refuses it too)")
     unmodelled = []
     if not args.no_early_stop:
-        unmodelled.append("the early stop when the first client runs out of conversations (simkv runs every "
-                          "conversation to its end, as --no-early-stop does)")
+        unmodelled.append("the early stop is applied to the statistics only (the requests simkv sends after it "
+                          "still run in the replay)")
     if args.limit_max_tokens > 0 or args.limit_min_tokens > 0:
         if args.limit_max_tokens != args.limit_min_tokens:
             unmodelled.append("--limit-min-tokens/--limit-max-tokens that differ (the outputs are the file's)")
@@ -148,14 +149,35 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     if active > args.num_clients:
         unmodelled.append("each client's round-robin over its own conversations (simkv's clients share one pool "
                           "of due turns)")
-    return MultiTurnCommand(trace, args.num_clients, active, args.model, unmodelled)
+    return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, unmodelled)
 
 
-def multi_turn_report(summary: dict, requests) -> str:
+def early_stop_s(requests) -> float | None:
+    """When the script stops by default: its clients take conversations from one queue, and the
+    first client that wants another once the queue is empty ends the run (no request is sent
+    after that; those in flight finish). In simkv's replay that is the first conversation to end
+    after the last one started (None: none did)."""
+    rid = requests["request_id"].str.rsplit("/turn", n=1, expand=True)
+    frame = requests.assign(conversation=rid[0], turn=rid[1].astype(int))
+    by = frame.groupby("conversation")
+    start = by["arrival_time_s"].min()
+    end = by["finish_time_s"].max()
+    last_start = float(start.max())
+    after = end[end >= last_start]
+    return float(after.min()) if len(after) else None
+
+
+def multi_turn_report(summary: dict, requests, early_stop: bool = False) -> str:
     """The statistics the script prints, from a replay of its traffic: runtime, requests per
     second, and per request TTFT, TPOT, latency, turns and tokens (count, mean, std, min,
-    percentiles, max)."""
+    percentiles, max). `early_stop` (the script's default): of the requests sent by
+    `early_stop_s`, the run ending when the last of them finishes."""
     done = requests[requests["status"] == "finished"]
+    runtime = summary["duration_s"]
+    stop = early_stop_s(requests) if early_stop else None
+    if stop is not None:
+        done = done[done["arrival_time_s"] <= stop]
+        runtime = float(done["finish_time_s"].max()) if len(done) else 0.0
     out = done["output_tokens"].to_numpy(dtype=np.float64)
     ttft = done["ttft_s"].to_numpy() * 1e3
     latency = done["e2e_s"].to_numpy() * 1e3
@@ -164,8 +186,9 @@ def multi_turn_report(summary: dict, requests) -> str:
                       for rid in done["request_id"].tolist()], dtype=np.float64)
     columns = {"ttft_ms": ttft, "tpot_ms": tpot, "latency_ms": latency, "input_num_turns": turns,
                "input_num_tokens": done["prompt_tokens"].to_numpy(dtype=np.float64), "output_num_tokens": out}
-    runtime = summary["duration_s"]
-    lines = ["-" * 100, "Statistics summary (simkv, simulated):",
+    stopped = ([f"(early stop at {stop:.3f} s: {len(done):,} of {int((requests['status'] == 'finished').sum()):,} "
+                "finished requests had been sent by then)"] if stop is not None else [])
+    lines = ["-" * 100, "Statistics summary (simkv, simulated):", *stopped,
              f"runtime_sec = {runtime:.3f}", f"requests_per_sec = {len(done) / runtime if runtime else 0.0:.3f}",
              "-" * 100,
              f"{'':<18}{'count':>9}{'mean':>10}{'std':>10}{'min':>10}{'25%':>10}{'50%':>10}{'75%':>10}"

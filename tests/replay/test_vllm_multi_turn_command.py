@@ -93,3 +93,26 @@ def test_goodput_searches_the_benchmarks_clients(generator, tmp_path):
     assert 1 < record["max_clients"] < 24  # (the file's 24 conversations: a client each at most)
     assert "not both" in cli_fails(["goodput", "traces/req400.parquet", "--vllm-multi-turn", command,
                                     "--goodput", "ttft:40"])
+
+
+def test_the_early_stop_counts_the_requests_sent_before_the_first_client_would_leave(generator, tmp_path):
+    """By default the script ends when the first client wants a conversation after the queue is
+    empty: simkv's statistics then keep the requests sent by the first conversation end after
+    the last conversation started."""
+    from simkv.cli.vllm_multi_turn_command import early_stop_s, multi_turn_report
+
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --max-active-conversations 6"
+    out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path)])
+    requests = pd.read_parquet(tmp_path / "requests.parquet")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stop = early_stop_s(requests)
+    conversation = requests["request_id"].str.rsplit("/turn", n=1).str[0]
+    starts = requests.groupby(conversation)["arrival_time_s"].min()
+    ends = requests.groupby(conversation)["finish_time_s"].max()
+    assert stop == ends[ends >= starts.max()].min() and stop < summary["duration_s"]
+    kept = requests[requests["arrival_time_s"] <= stop]
+    assert 0 < len(kept) < len(requests)
+    assert f"early stop at {stop:.3f} s: {len(kept):,} of {len(requests):,}" in out
+    assert f"runtime_sec = {kept['finish_time_s'].max():.3f}" in out
+    whole = multi_turn_report(summary, requests)
+    assert f"runtime_sec = {summary['duration_s']:.3f}" in whole and "early stop" not in whole
