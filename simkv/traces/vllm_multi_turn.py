@@ -13,7 +13,9 @@ even places and the answers the odd ones. Distributions: constant, uniform (whol
 ``sigma``, or an ``average`` with a ``median_ratio``, 0.85 by default: the draws scaled so
 that their mean is the average, capped at ``max``, rounded). `draw_conversations` makes the
 same draws, in the same order, as the generator's source reads (vLLM's bench_dataset.py of
-2026; not checked against a run of it: the benchmark is not part of the vllm package).
+2026; the benchmark is not part of the vllm package, so no run of it was recorded, but the turn
+counts and answer lengths of vLLM's README example agree with a replay of its command:
+docs/traces.md).
 
 Token counts come from the model's tokenizer, which simkv does not run; these are Llama 3's,
 counted on the generator's fixed texts: a user message is the conversation's tag ("<id> is a
