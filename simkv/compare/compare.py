@@ -52,6 +52,9 @@ def metric_rows(sim: dict, meas: dict) -> list[dict]:
     for key in DIST_METRICS:
         for stat in STATS:
             rows.append(_metric_row(f"{key}.{stat}", (sim.get(key) or {}).get(stat), (meas.get(key) or {}).get(stat)))
+    if not any((meas.get("itl_s") or {}).values()) and meas.get("tpot_s"):  # (no token gaps measured: TPOT)
+        for stat in STATS:
+            rows.append(_metric_row(f"tpot_s.{stat}", (sim.get("tpot_s") or {}).get(stat), meas["tpot_s"].get(stat)))
     ls, lm = sim.get("admission_limits"), meas.get("admission_limits")
     if ls and lm:  # (two simkv replays: what held each one's waiting queue, share by share)
         rows.append(_metric_row("admission_limits.waiting_request_s", ls["waiting_request_s"], lm["waiting_request_s"]))
@@ -161,12 +164,20 @@ def _diagnostic(fn, *args) -> dict:
 
 def load_pair(sim_dir, measured, metrics: tuple[str, str] | None = None) -> tuple[tuple, tuple]:
     """The simulated run and the measured one: a replay's folder (`--backend gpu`), or a result
-    file of vLLM's own benchmark client (simkv/compare/vllm_bench.py; no steps). Each as
-    (summary, requests, steps or None, inter-token gaps as (values, weights))."""
+    file of vLLM's own benchmark client (simkv/compare/vllm_bench.py) or of its multi-turn
+    benchmark (simkv/compare/vllm_multi_turn.py; no steps). Each as (summary, requests, steps or
+    None, inter-token gaps as (values, weights))."""
     from simkv.compare.vllm_bench import is_vllm_bench_result, load_bench_run
+    from simkv.compare.vllm_multi_turn import is_multi_turn_stats, load_multi_turn_run
 
     sim, sim_req, sim_steps = load_run(sim_dir)
     sim_run = (sim, sim_req, sim_steps, token_itl(sim_steps))
+    if is_multi_turn_stats(measured):  # (per request: no token gaps; both sides over its requests)
+        if metrics:
+            raise ValueError("--server-metrics goes with a `vllm bench serve` result")
+        sim, sim_req, meas, meas_req = load_multi_turn_run(measured, sim, sim_req)
+        none = (np.array([]), np.array([], np.int64))
+        return (sim, sim_req, sim_steps, none), (meas, meas_req, None, none)
     if is_vllm_bench_result(measured):
         meas, meas_req, itls = load_bench_run(measured, sim_req, metrics)
         return sim_run, (meas, meas_req, None, (itls, np.ones(len(itls), np.int64)))
@@ -259,9 +270,11 @@ def to_markdown(result: dict) -> str:
 
 def _bench_lines(bench: dict) -> list[str]:
     """compare.md's section on a run measured by vLLM's benchmark client."""
-    lines = ["", "## Measured by `vllm bench serve`", "",
+    first = (f"- {bench['completed']} requests counted (from {bench['clients']} clients); the simulated figures are "
+             "recomputed over the same requests" if "tool" in bench else
              f"- model {bench.get('model_id')}, {bench.get('completed')} requests completed, {bench.get('failed') or 0} "
-             f"failed, run of {bench.get('date')}",
+             f"failed, run of {bench.get('date')}")
+    lines = ["", f"## Measured by {bench.get('tool', '`vllm bench serve`')}", "", first,
              "- measured TTFT and E2E count from the client's send and include the HTTP server, tokenizer and "
              "detokenizer; the simulation counts from the arrival at the engine"]
     own = bench.get("vllm_aggregates") or {}

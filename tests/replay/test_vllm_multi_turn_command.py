@@ -116,3 +116,32 @@ def test_the_early_stop_counts_the_requests_sent_before_the_first_client_would_l
     assert f"runtime_sec = {kept['finish_time_s'].max():.3f}" in out
     whole = multi_turn_report(summary, requests)
     assert f"runtime_sec = {summary['duration_s']:.3f}" in whole and "early stop" not in whole
+
+
+def test_compare_reads_the_benchmarks_per_request_stats(generator, tmp_path):
+    """`simkv compare SIM_DIR stats.json`: the benchmark's --stats-json-output, matched by
+    conversation and turn; both sides over the requests it counted. Here the "measured" file is
+    the simulated run itself with every latency 10 % longer, its last requests left out (as an
+    early stop leaves them)."""
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --no-early-stop"
+    cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "sim")])
+    req = pd.read_parquet(tmp_path / "sim" / "requests.parquet").sort_values("arrival_time_s").iloc[:150]
+    parts = req["request_id"].str.rsplit("/turn", n=1, expand=True)
+    conv, turn = parts[0].tolist(), parts[1].tolist()
+    records = [{"ttft_ms": 1.1e3 * r.ttft_s, "tpot_ms": 1.1e3 * r.mean_itl_s, "latency_ms": 1.1e3 * r.e2e_s,
+                "start_time_ms": 1e3 * r.arrival_time_s, "input_num_turns": 2 * int(t) + 1,
+                "input_num_tokens": int(r.prompt_tokens) - 20, "output_num_tokens": int(r.output_tokens),
+                "output_num_chunks": int(r.output_tokens) - 1, "output_num_first_chunk_tokens": 1,
+                "approx_cached_percent": 0.0, "conversation_id": c, "client_id": i % 2}
+               for i, (r, c, t) in enumerate(zip(req.itertuples(), conv, turn))]
+    (tmp_path / "stats.json").write_text(json.dumps(records))
+    cli_ok(["compare", str(tmp_path / "sim"), str(tmp_path / "stats.json"), "--out", str(tmp_path / "cmp")])
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    rows = {r["metric"]: r for r in result["metrics"]}
+    for metric in ("ttft_s.p50", "e2e_s.mean", "e2e_s.p99", "tpot_s.p90"):
+        assert rows[metric]["rel_error"] == pytest.approx(1 / 1.1 - 1, abs=1e-9), metric
+    assert result["requests"]["matched_requests"] == 150
+    assert "Measured by vLLM's multi-turn benchmark" in (tmp_path / "cmp" / "compare.md").read_text()
+    (tmp_path / "bad.json").write_text(json.dumps([records[0] | {"conversation_id": "CONV_ID_99"}]))
+    assert "CONV_ID_99/turn" in cli_fails(["compare", str(tmp_path / "sim"), str(tmp_path / "bad.json"), "--out",
+                                           str(tmp_path / "cmp2")])
