@@ -55,18 +55,24 @@ def trace_rate(trace) -> float:
 def probe(trace, config, factor: float, slo_ms: dict, target: float, cost_model: str, cost_options: dict | None,
           fleet=None, disaggregation=None, encode=None) -> Probe:
     from simkv.replay.api import replay
-    from simkv.replay.results import largest_admission_limit
 
     scaled = replace(trace, arrival_time_s=np.asarray(trace.arrival_time_s, dtype=np.float64) / factor)
     if trace.think_time_s is not None:  # (sessions' users think faster too)
         scaled = replace(scaled, think_time_s=np.asarray(trace.think_time_s, dtype=np.float64) / factor)
     s = replay(scaled, config, cost_model, cost_options, goodput=slo_ms, fleet=fleet,
                disaggregation=disaggregation, encode=encode).summary
+    return _probe_of(s, factor, trace_rate(scaled), target)
+
+
+def _probe_of(s: dict, factor: float, rate: float, target: float, clients: int | None = None) -> Probe:
+    """A probe's record from its replay's summary `s` (with its goodput section)."""
+    from simkv.replay.results import largest_admission_limit
+
     g = s["goodput"]
-    return Probe(factor, trace_rate(scaled), g["slo_attainment"], g["request_goodput_req_s"],
+    return Probe(factor, rate, g["slo_attainment"], g["request_goodput_req_s"],
                  g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
                  int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)),
-                 largest_admission_limit(s))
+                 largest_admission_limit(s), clients)
 
 
 def lowest_factor(trace) -> float:
@@ -196,15 +202,10 @@ def max_clients_bound(trace, config) -> int:
 def probe_clients(trace, config, clients: int, slo_ms: dict, target: float, cost_model: str,
                   cost_options: dict | None, fleet=None, disaggregation=None) -> Probe:
     from simkv.replay.api import replay
-    from simkv.replay.results import largest_admission_limit
 
     s = replay(trace, client_options(trace, config, clients), cost_model, cost_options, goodput=slo_ms, fleet=fleet,
                disaggregation=disaggregation).summary
-    g = s["goodput"]
-    return Probe(1.0, s["request_throughput_req_s"], g["slo_attainment"], g["request_goodput_req_s"],
-                 g["slo_attainment"] >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
-                 int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)),
-                 largest_admission_limit(s), clients)
+    return _probe_of(s, 1.0, s["request_throughput_req_s"], target, clients)
 
 
 def search_max_clients(trace, config, slo_ms: dict, *, target: float = 0.99, tolerance: float = 0.02,
