@@ -172,11 +172,14 @@ class Pacing:
     def _next_due(self, row: int, tick: int) -> None:
         """Row `row` was released at `tick`: the rows that makes due by the pacing's rule."""
 
+    def _release(self, row: int, tick: int) -> None:
+        self._free_share(row, tick)
+        self._next_due(row, tick)
+
     def release(self, row: int, tick: int) -> int | None:
         """Row `row` finished (or was rejected) at `tick`. Returns when the next row is due (None:
         none is, until another release)."""
-        self._free_share(row, tick)
-        self._next_due(row, tick)
+        self._release(row, tick)
         return self.next_ticks()
 
     def _drop_after(self, row: int) -> list[int]:
@@ -197,8 +200,7 @@ class Pacing:
         next row is due (None: none is, until another release)."""
         for request in finished:
             if request.index < self._num_rows:  # (not a parallel-sampling sequence of its own)
-                self._free_share(request.index, tick)
-                self._next_due(request.index, tick)
+                self._release(request.index, tick)
         return self.next_ticks()
 
     def successor_think(self, row: int) -> int | None:
@@ -235,11 +237,13 @@ def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
     """The pacing of `trace`'s rows under SchedulerConfig `sc`: sessions paced on their replies
     (at most `client_max_active_sessions` in progress), a client's limits on requests and tokens
     in flight, both, or None (the trace's times)."""
+    if not paces(trace, sc):
+        return None
     limits = (sc.client_max_concurrency, sc.client_max_inflight_tokens,
               trace.n.tolist() if trace.n is not None else None)
     if sc.session_pacing and trace.session_id is not None:
         return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions)
-    return ClientLimits(rows, *limits) if limits[:2] != (None, None) else None
+    return ClientLimits(rows, *limits)
 
 
 class ClientLimits(Pacing):
