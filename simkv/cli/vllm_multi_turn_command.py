@@ -31,7 +31,6 @@ class MultiTurnCommand:
     num_clients: int
     max_active_conversations: int
     model: str | None
-    early_stop: bool = True  # (the script's default; --no-early-stop)
     not_modelled: list[str] = field(default_factory=list)
 
     def note(self) -> str:
@@ -95,16 +94,22 @@ def _words(text: str, source: str) -> list[str]:
     return words
 
 
+def command_args(text: str, source: str = "--vllm-multi-turn") -> argparse.Namespace:
+    """The benchmark command's flags, as the script parses them (no file read); CommandLineError
+    naming a flag it does not have."""
+    try:
+        return _parser().parse_args(_words(text, source))
+    except _Refusal as exc:
+        raise CommandLineError(f"{source}: {exc} (vLLM's benchmarks/multi_turn/benchmark_serving_multi_turn.py "
+                               "flags)") from None
+
+
 def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTurnCommand:
     """The benchmark command `text` (or @FILE holding one), read; CommandLineError naming the
     flag it cannot take."""
     from simkv.traces.vllm_multi_turn import multi_turn_trace, read_config
 
-    try:
-        args = _parser().parse_args(_words(text, source))
-    except _Refusal as exc:
-        raise CommandLineError(f"{source}: {exc} (vLLM's benchmarks/multi_turn/benchmark_serving_multi_turn.py "
-                               "flags)") from None
+    args = command_args(text, source)
     if args.num_clients < 1:
         raise CommandLineError(f"{source}: --num-clients must be a positive number, got {args.num_clients}")
     active = args.max_active_conversations if args.max_active_conversations is not None else args.num_clients
@@ -126,9 +131,10 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
                                  source=f"vllm-multi-turn:{args.input_file}")
     except TraceError as exc:
         raise CommandLineError(f"{source}: --input-file: {exc}") from None
-    if active > len(set(trace.session_id.tolist())):
+    conversations = len(set(trace.session_id.tolist()))
+    if active > conversations:
         raise CommandLineError(f"{source}: --max-active-conversations {active} is more than the file's "
-                               f"{len(set(trace.session_id.tolist()))} conversations (the script refuses it too)")
+                               f"{conversations} conversations (the script refuses it too)")
     unmodelled = []
     if not args.no_early_stop:
         unmodelled.append("the early stop is applied to the statistics only (the requests simkv sends after it "
@@ -149,7 +155,7 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     if active > args.num_clients:
         unmodelled.append("each client's round-robin over its own conversations (simkv's clients share one pool "
                           "of due turns)")
-    return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, unmodelled)
+    return MultiTurnCommand(trace, args.num_clients, active, args.model, unmodelled)
 
 
 def early_stop_s(requests) -> float | None:
