@@ -168,14 +168,15 @@ def load_pair(sim_dir, measured, metrics: tuple[str, str] | None = None) -> tupl
     benchmark (simkv/compare/vllm_multi_turn.py; no steps). Each as (summary, requests, steps or
     None, inter-token gaps as (values, weights))."""
     from simkv.compare.vllm_bench import is_vllm_bench_result, load_bench_run
-    from simkv.compare.vllm_multi_turn import is_multi_turn_stats, load_multi_turn_run
+    from simkv.compare.vllm_multi_turn import load_multi_turn_run, multi_turn_records
 
     sim, sim_req, sim_steps = load_run(sim_dir)
     sim_run = (sim, sim_req, sim_steps, token_itl(sim_steps))
-    if is_multi_turn_stats(measured):  # (per request: no token gaps; both sides over its requests)
+    records = multi_turn_records(measured)
+    if records is not None:  # (per request: no token gaps; both sides over its requests)
         if metrics:
             raise ValueError("--server-metrics goes with a `vllm bench serve` result")
-        sim, sim_req, meas, meas_req = load_multi_turn_run(measured, sim, sim_req)
+        sim, sim_req, meas, meas_req = load_multi_turn_run(measured, records, sim, sim_req)
         none = (np.array([]), np.array([], np.int64))
         return (sim, sim_req, sim_steps, none), (meas, meas_req, None, none)
     if is_vllm_bench_result(measured):

@@ -25,7 +25,11 @@ FIELDS = ("ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns"
           "conversation_id")
 
 
-def _records(path: str | Path):
+def multi_turn_records(path: str | Path) -> list[dict] | None:
+    """The multi-turn benchmark's per-request records, if `path` is a JSON list of them (None:
+    it is not: another file, or vllm bench serve's result object)."""
+    if not (Path(path).is_file() and str(path).endswith(".json")):
+        return None
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -33,11 +37,6 @@ def _records(path: str | Path):
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data) and "conversation_id" in data[0]:
         return data
     return None
-
-
-def is_multi_turn_stats(path: str | Path) -> bool:
-    """A JSON list of the multi-turn benchmark's per-request records."""
-    return Path(path).is_file() and str(path).endswith(".json") and _records(path) is not None
 
 
 def _span(sent: np.ndarray, finish: np.ndarray) -> float:
@@ -57,13 +56,10 @@ def _summary(base: dict, requests: pd.DataFrame, sent: np.ndarray, finish: np.nd
         "itl_s": {"mean": None, "p50": None, "p90": None, "p99": None}}
 
 
-def load_multi_turn_run(path: str | Path, sim: dict, sim_requests: pd.DataFrame) -> tuple:
+def load_multi_turn_run(path: str | Path, records: list[dict], sim: dict, sim_requests: pd.DataFrame) -> tuple:
     """(simulated summary, simulated requests, measured summary, measured requests), both over
-    the requests the benchmark counted; a one-line ValueError naming the first record that the
-    simulated run lacks."""
-    records = _records(path)
-    if records is None:
-        raise ValueError(f"{path}: not the multi-turn benchmark's --stats-json-output (a list of per-request records)")
+    the requests the benchmark counted (`records`, read from `path`: `multi_turn_records`); a
+    one-line ValueError naming the first record that the simulated run lacks."""
     missing = [f for f in FIELDS if f not in records[0]]
     if missing:
         raise ValueError(f"{path}: records lack {', '.join(missing)}")
