@@ -311,6 +311,10 @@ class SchedulerConfig:
     # A conversation starts at its first turn's trace time or, when that many are in progress,
     # once one of them ends (its last turn done with); None: every conversation at its own time
     client_max_active_sessions: int | None = None
+    # Sessions paced on their replies: the client stops sending once a conversation ends and
+    # none is left to start (vLLM's multi-turn benchmark's default early stop; its --no-early-stop
+    # sends every turn). Turns not sent by then never are (status not_sent); those in flight finish
+    client_early_stop: bool = False
     # A client (or a gateway in front) that keeps the requests in flight at most this many tokens:
     # each holds its prompt and its output as the trace gives it (n outputs for n samples: what
     # its max_tokens lets the KV cache grow to); a request waits until it fits, and those behind
@@ -384,6 +388,9 @@ class SchedulerConfig:
             if not self.session_pacing:
                 raise ConfigError("client_max_active_sessions limits conversations paced on their replies: it needs "
                                   "session pacing (not --no-session-pacing)")
+        if self.client_early_stop and not self.session_pacing:
+            raise ConfigError("client_early_stop stops a client of conversations paced on their replies: it needs "
+                              "session pacing (not --no-session-pacing)")
         if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:
             raise ConfigError(f"max_model_len must be >= 1, or -1 (auto: fitted to the KV cache), got {self.max_model_len}")
         if self.ec_role not in (None, "ec_producer", "ec_consumer"):
@@ -1567,6 +1574,8 @@ class EngineConfig:
             del out["client_max_concurrency"]
         if self.scheduler.client_max_active_sessions is None:  # (likewise)
             del out["client_max_active_sessions"]
+        if not self.scheduler.client_early_stop:  # (likewise)
+            del out["client_early_stop"]
         if self.scheduler.client_max_inflight_tokens is None:  # (likewise)
             del out["client_max_inflight_tokens"]
         if self.speculative.enabled:  # (only then: configs without it read as before)

@@ -49,6 +49,7 @@ _ENGINE_FLAGS = {
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
     "client_max_concurrency": "client_max_concurrency", "client_max_active_sessions": "client_max_active_sessions",
+    "client_early_stop": "client_early_stop",
     "client_max_inflight_tokens": "client_max_inflight_tokens",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
@@ -253,6 +254,7 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
                 _say_once(bench.note())
             options.setdefault("client_max_concurrency", bench.num_clients)  # (simkv's own flags win)
             options.setdefault("client_max_active_sessions", bench.max_active_conversations)
+            options.setdefault("client_early_stop", bench.early_stop)
             if bench.model is not None and "model" not in options:
                 options["model"] = resolve_model(bench.model)
         config = EngineConfig.from_flat(options)
@@ -510,6 +512,10 @@ _ENGINE_OPTIONS = [
     click.option("--client-max-active-sessions", type=int, default=None, metavar="M",
                  help="Paced sessions: at most M conversations in progress; the next starts when one ends (vLLM's "
                       "multi-turn benchmark's --max-active-conversations) [default: no limit]"),
+    click.option("--client-early-stop/--no-client-early-stop", default=None,
+                 help="Paced sessions: the client stops sending once a conversation ends and none is left to start; "
+                      "later turns are never sent (vLLM's multi-turn benchmark's default; with --vllm-multi-turn, "
+                      "on unless its command says --no-early-stop) [default: off]"),
     click.option("--session-pacing/--no-session-pacing", default=None,
                  help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
                       "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "
@@ -760,7 +766,6 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
 
             click.echo(bench_report(result.summary, result.requests))
         if vllm_multi_turn:  # (likewise, the multi-turn benchmark's statistics)
-            from simkv.cli.vllm_multi_turn_command import command_args, multi_turn_report
+            from simkv.cli.vllm_multi_turn_command import multi_turn_report
 
-            early_stop = not command_args(vllm_multi_turn).no_early_stop  # (its flags only: the trace is built)
-            click.echo(multi_turn_report(result.summary, result.requests, early_stop))
+            click.echo(multi_turn_report(result.summary, result.requests))

@@ -31,6 +31,7 @@ class MultiTurnCommand:
     num_clients: int
     max_active_conversations: int
     model: str | None
+    early_stop: bool = True  # (the script's default: its clients stop once the conversations run out)
     not_modelled: list[str] = field(default_factory=list)
 
     def note(self) -> str:
@@ -136,9 +137,6 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
         raise CommandLineError(f"{source}: --max-active-conversations {active} is more than the file's "
                                f"{conversations} conversations (the script refuses it too)")
     unmodelled = []
-    if not args.no_early_stop:
-        unmodelled.append("the early stop is applied to the statistics only (the requests simkv sends after it "
-                          "still run in the replay)")
     if args.limit_max_tokens > 0 or args.limit_min_tokens > 0:
         if args.limit_max_tokens != args.limit_min_tokens:
             unmodelled.append("--limit-min-tokens/--limit-max-tokens that differ (the outputs are the file's)")
@@ -155,45 +153,32 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     if active > args.num_clients:
         unmodelled.append("each client's round-robin over its own conversations (simkv's clients share one pool "
                           "of due turns)")
-    return MultiTurnCommand(trace, args.num_clients, active, args.model, unmodelled)
+    return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, unmodelled)
 
 
-def early_stop_s(requests) -> float | None:
-    """When the script stops by default: its clients take conversations from one queue, and the
-    first client that wants another once the queue is empty ends the run (no request is sent
-    after that; those in flight finish). In simkv's replay that is the first conversation to end
-    after the last one started (None: none did)."""
-    rid = requests["request_id"].str.rsplit("/turn", n=1, expand=True)
-    frame = requests.assign(conversation=rid[0], turn=rid[1].astype(int))
-    by = frame.groupby("conversation")
-    start = by["arrival_time_s"].min()
-    end = by["finish_time_s"].max()
-    last_start = float(start.max())
-    after = end[end >= last_start]
-    return float(after.min()) if len(after) else None
+def multi_turn_report(summary: dict, requests) -> str:
+    """The statistics the script prints, from a replay of its traffic: runtime (its first
+    request's send to its last one's end), requests per second, and per request TTFT, TPOT,
+    latency, turns and tokens (count, mean, std, min, percentiles, max), over the requests that
+    finished (with its early stop, those sent before the client stopped). Its input_num_tokens
+    counts the messages' text only: the prompt less the chat template's tokens."""
+    from simkv.traces.vllm_multi_turn import chat_template_tokens
 
-
-def multi_turn_report(summary: dict, requests, early_stop: bool = False) -> str:
-    """The statistics the script prints, from a replay of its traffic: runtime, requests per
-    second, and per request TTFT, TPOT, latency, turns and tokens (count, mean, std, min,
-    percentiles, max). `early_stop` (the script's default): of the requests sent by
-    `early_stop_s`, the run ending when the last of them finishes."""
     done = requests[requests["status"] == "finished"]
-    runtime = summary["duration_s"]
-    stop = early_stop_s(requests) if early_stop else None
-    if stop is not None:
-        done = done[done["arrival_time_s"] <= stop]
-        runtime = float(done["finish_time_s"].max()) if len(done) else 0.0
+    runtime = float(done["finish_time_s"].max() - done["arrival_time_s"].min()) if len(done) else 0.0
+    pacing = summary.get("session_pacing", {})
+    stop = pacing.get("early_stop_s")
     out = done["output_tokens"].to_numpy(dtype=np.float64)
     ttft = done["ttft_s"].to_numpy() * 1e3
     latency = done["e2e_s"].to_numpy() * 1e3
     tpot = np.where(out > 1, (latency - ttft) / np.maximum(out - 1, 1), 0.0)
     turns = np.array([2 * int(rid.rsplit("/turn", 1)[1]) + 1 if "/turn" in rid else 1
                       for rid in done["request_id"].tolist()], dtype=np.float64)
+    text_tokens = done["prompt_tokens"].to_numpy(dtype=np.float64) - chat_template_tokens(turns)  # (what it counts)
     columns = {"ttft_ms": ttft, "tpot_ms": tpot, "latency_ms": latency, "input_num_turns": turns,
-               "input_num_tokens": done["prompt_tokens"].to_numpy(dtype=np.float64), "output_num_tokens": out}
-    stopped = ([f"(early stop at {stop:.3f} s: {len(done):,} of {int((requests['status'] == 'finished').sum()):,} "
-                "finished requests had been sent by then)"] if stop is not None else [])
+               "input_num_tokens": text_tokens, "output_num_tokens": out}
+    stopped = ([f"(early stop at {stop:.3f} s: {pacing['turns_not_sent']:,} turns not sent)"]
+               if stop is not None else [])
     lines = ["-" * 100, "Statistics summary (simkv, simulated):", *stopped,
              f"runtime_sec = {runtime:.3f}", f"requests_per_sec = {len(done) / runtime if runtime else 0.0:.3f}",
              "-" * 100,

@@ -243,6 +243,9 @@ def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
     if sc.client_max_active_sessions is not None and trace.session_id is None:
         raise ValueError(f"{trace.source}: client_max_active_sessions limits the conversations in progress, and the "
                          "trace has none (no session_id column)")
+    if sc.client_early_stop and trace.session_id is None:
+        raise ValueError(f"{trace.source}: client_early_stop stops a client when its conversations run out, and the "
+                         "trace has none (no session_id column)")
     if encode is not None and (sc.client_max_concurrency is not None or sc.client_max_inflight_tokens is not None):
         raise ValueError("client_max_concurrency / client_max_inflight_tokens (a client's limits on what is in "
                          "flight) are not modelled with encode instances yet")

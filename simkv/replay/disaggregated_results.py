@@ -21,6 +21,7 @@ from simkv.replay.disaggregated import DisaggregatedRun
 from simkv.replay.fleet import fleet_summary, fleet_tables
 from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import admission_limits_summary, dist, multimodal_summary
+from simkv.replay.sessions import mark_not_sent
 
 _POOL_KEYS = ("duration_s", "num_steps", "peak_running", "mean_running", "peak_waiting", "num_gpu_blocks",
               "peak_blocks_used", "num_preemptions", "num_preempted_requests", "prefix_cache_queries_tokens",
@@ -44,6 +45,7 @@ def pd_tables(run: DisaggregatedRun, trace, frontend_latency_s: float = 0.0):
         requests.loc[timed_out, "status"] = "timed_out"
         if clients.abandoned:  # (turns never sent: their conversations ended)
             requests.loc[clients.abandoned, "status"] = "abandoned"
+    mark_not_sent(requests, pd_.prefill.sessions)
     requests = requests.rename(columns={"replica": "decode_replica"})
     requests.insert(1, "prefill_replica", pd_.prefill.assignment)
     requests["queue_held_by"] = prefill_requests["queue_held_by"]  # (its first step: on the prefill pool)

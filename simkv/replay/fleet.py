@@ -24,7 +24,7 @@ from simkv.replay.results import (admission_limits_summary, admission_summary, l
                                   parallel_sampling_summary,
                                   request_table, spec_summary, stored_and_wasted_slots, summarize, weighted_dist)
 from simkv.replay.router import Router
-from simkv.replay.sessions import ReleaseWatch, earliest_release, make_pacing
+from simkv.replay.sessions import ReleaseWatch, earliest_release, make_pacing, mark_not_sent
 from simkv.replay.step_log import SPEC_COLUMNS
 from simkv.traces.lora import content_namespaces
 
@@ -100,10 +100,7 @@ class FleetRouting:
         turns are never sent (returned), or its concurrency slot goes to the next request."""
         dropped, due = self.sessions.give_up(row, tick)
         self.clients.abandoned += dropped
-        if due is not None:
-            self._wake_for(due)
-        elif dropped and self.all_routed:
-            self._wake_for(tick)
+        self._wake_after_release(due, tick)
         return dropped
 
     def refused_for_good(self, row: int, tick: int) -> None:
@@ -111,7 +108,7 @@ class FleetRouting:
         retry: paced requests count it done, as a rejected one (its next turn, or the next request
         in a concurrency slot, becomes due)."""
         if self.sessions is not None:
-            self._wake_for(self.sessions.release(row, tick))
+            self._wake_after_release(self.sessions.release(row, tick), tick)
 
     def log_finished(self, feed, request, tick: int) -> None:
         """A row's request completed on `feed`'s replica: into its log."""
@@ -139,7 +136,12 @@ class FleetRouting:
 
     def turns_done(self, finished, tick: int) -> None:
         """Sessions: these requests' turns ended at `tick` (here, or P/D's decode side)."""
-        self._wake_for(self.sessions.release_finished(finished, tick))
+        self._wake_after_release(self.sessions.release_finished(finished, tick), tick)
+
+    def _wake_after_release(self, due: int | None, tick: int) -> None:
+        """A release at `tick` made a turn due at `due`, or (None) made none due: the router
+        wakes then, or now if that release ended its work (a client that stopped early)."""
+        self._wake_for(tick if due is None and self.all_routed else due)
 
     def _wake_for(self, due: int | None) -> None:
         """A turn (sessions) or a retry (clients) became due at `due`, or the router's work ended;
@@ -370,6 +372,7 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace,
     merged.loc[rejected, "status"] = "rejected"
     if routing.clients is not None and routing.clients.abandoned:  # (turns never sent: their sessions ended)
         merged.loc[routing.clients.abandoned, "status"] = "abandoned"
+    mark_not_sent(merged, routing.sessions)
     merged.insert(1, "replica", assignment)
     steps: dict[str, list] = {}
     for r, run in enumerate(runs):

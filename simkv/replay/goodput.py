@@ -6,7 +6,7 @@ limit: TTFT (arrival to first token), TPOT (time per output token after the firs
 TTFT) / (output tokens - 1), 0 for a one-token answer) and E2EL (arrival to last token). Limits
 are in milliseconds, as vLLM takes them. Goodput is good requests / duration of the run; the
 attainment is good requests / all requests of the trace (a rejected or unfinished request is
-never good).
+never good) but those its client never sent (status not_sent: it stopped early).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def good_requests(requests: pd.DataFrame, slo_ms: dict[str, float]) -> tuple[np.
 def goodput_summary(requests: pd.DataFrame, slo_ms: dict[str, float], duration_s: float) -> dict:
     """What summary.json records under ``goodput``."""
     good, each = good_requests(requests, slo_ms)
-    n = len(requests)
+    n = int((requests["status"].to_numpy() != "not_sent").sum())
     return {
         "slo_ms": dict(slo_ms),
         "num_good": int(good.sum()),

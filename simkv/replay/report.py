@@ -84,6 +84,8 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         outcomes["timed out"] = client["timed_out_requests"]
         if "abandoned_turns" in client:
             outcomes["abandoned"] = client["abandoned_turns"]
+    if "turns_not_sent" in summary.get("session_pacing", {}):  # (the client stopped early)
+        outcomes["not sent"] = summary["session_pacing"]["turns_not_sent"]
     rows = head + [
         (f"requests ({' / '.join(outcomes)})",
          f"{summary['num_requests']:,} ({' / '.join(f'{c:,}' for c in outcomes.values())})"),

@@ -15,6 +15,7 @@ from simkv.clock import TICKS_PER_SECOND
 from simkv.core.admission_limits import ADMISSION_LIMITS
 from simkv.replay.engine import ReplayRun
 from simkv.replay.pipeline import pipeline_summary
+from simkv.replay.sessions import mark_not_sent
 from simkv.replay.step_log import SPEC_COLUMNS, RequestLog
 
 
@@ -88,6 +89,7 @@ def request_table(run: ReplayRun, trace, frontend_latency_s: float = 0.0) -> pd.
     } | {c: np.where(finished, ints[c], 0) for c in SPEC_COLUMNS if c in ints})
     if attempts is not None:
         frame["attempts"] = attempts
+    mark_not_sent(frame, getattr(run.feed, "pacing", None))
     return frame
 
 

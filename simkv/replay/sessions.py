@@ -118,7 +118,8 @@ class Pacing:
             n = samples or [1] * self._num_rows
             self._gates.append((Budget(token_limit), [p + k * o for p, o, k in
                                                       zip(rows.prompt_tokens, rows.output_tokens, n)]))
-        self.num_out = 0  # rows handed out
+        self.num_out = 0  # rows handed out (or dropped: never to be sent)
+        self._out = bytearray(self._num_rows)  # per row: handed out or dropped
         self.holds = [[0, 0], [0, 0]]  # (rows held, ticks in all): by the pacing's rule, for the client's limits
 
     @property
@@ -149,6 +150,7 @@ class Pacing:
         for budget, shares in self._gates:
             budget.take(1 if shares is None else shares[row])
         self.num_out += 1
+        self._out[row] = 1
         trace_tick = self._trace_ticks[row]
         for hold, (start, end) in zip(self.holds, ((trace_tick, due), (due, sent))):
             if end > start:
@@ -192,6 +194,8 @@ class Pacing:
         until another release)."""
         dropped = self._drop_after(row)
         self.num_out += len(dropped)
+        for later in dropped:
+            self._out[later] = 1
         self._free_share(row, tick)
         return dropped, self.next_ticks()
 
@@ -242,7 +246,8 @@ def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
     limits = (sc.client_max_concurrency, sc.client_max_inflight_tokens,
               trace.n.tolist() if trace.n is not None else None)
     if sc.session_pacing and trace.session_id is not None:
-        return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions)
+        return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions,
+                             early_stop=sc.client_early_stop)
     return ClientLimits(rows, *limits)
 
 
@@ -264,10 +269,14 @@ class SessionPacing(Pacing):
     --num-clients, clients that each send one turn at a time). With `max_active`, at most that
     many conversations are in progress (its --max-active-conversations): the next conversation,
     in the order of their first turns, starts a tick after one ends, or at its trace time if
-    later. A row without a session is a conversation of one turn."""
+    later. A row without a session is a conversation of one turn.
+
+    With `early_stop` (the multi-turn benchmark's default) the client stops sending once a
+    conversation ends and none is left to start: a row is sent only if it goes out by the tick
+    of that end; every later one is never sent (`not_sent`), while those in flight finish."""
 
     def __init__(self, trace, rows: TraceRows, limit: int | None = None, token_limit: int | None = None,
-                 samples: list[int] | None = None, max_active: int | None = None) -> None:
+                 samples: list[int] | None = None, max_active: int | None = None, early_stop: bool = False) -> None:
         super().__init__(rows, limit, token_limit, samples)
         n = self._num_rows
         self.next_turn = next_turns(trace.session_id).tolist()
@@ -285,9 +294,28 @@ class SessionPacing(Pacing):
         self._unstarted = deque(first_turns[start:])  # conversations waiting to start
         self.num_started_late = 0  # conversations started later than their first turn's trace time
         self.start_ticks = 0  # ... by this much in all
+        self.early_stop = early_stop
+        self.stop_tick: int | None = None  # when the client stopped sending (early stop)
+
+    @property
+    def all_out(self) -> bool:
+        return self.num_out >= self._num_rows or (self.stop_tick is not None and self.peek() is None)
+
+    def peek(self) -> tuple[int, int] | None:
+        nxt = super().peek()
+        if nxt is not None and self.stop_tick is not None and nxt[0] > self.stop_tick:
+            return None  # (stopped: it is never sent)
+        return nxt
+
+    def not_sent(self) -> list[int]:
+        """The rows never sent because the client stopped (early stop), once the replay is over."""
+        if self.stop_tick is None:
+            return []
+        return np.flatnonzero(np.frombuffer(bytes(self._out), dtype=np.uint8) == 0).tolist()
 
     def _start_next(self, tick: int) -> None:
-        """A conversation ended at `tick`: the next waiting one starts a tick later."""
+        """A conversation ended at `tick`: the next waiting one starts a tick later; with none
+        left, an early stop stops the client."""
         if self._unstarted:
             row = self._unstarted.popleft()
             due = max(tick + 1, self._trace_ticks[row])
@@ -295,6 +323,8 @@ class SessionPacing(Pacing):
                 self.num_started_late += 1
                 self.start_ticks += due - self._trace_ticks[row]
             heapq.heappush(self._ready, (due, row))
+        elif self.early_stop and self.stop_tick is None:
+            self.stop_tick = tick
 
     def _drop_after(self, row: int) -> list[int]:
         """The conversation ends: its later turns are never sent."""
@@ -334,7 +364,18 @@ class SessionPacing(Pacing):
             late = self.num_started_late
             section |= {"max_active_sessions": self.max_active, "sessions_started_late": late,
                         "mean_start_delay_s": self.start_ticks / TICKS_PER_SECOND / late if late else 0.0}
+        if self.early_stop:
+            section |= {"early_stop_s": None if self.stop_tick is None else self.stop_tick / TICKS_PER_SECOND,
+                        "turns_not_sent": len(self.not_sent())}
         return {"session_pacing": section} | super().summary()
+
+
+def mark_not_sent(requests, pacing) -> None:
+    """The rows of `requests` (requests.parquet's table) that `pacing`'s client never sent
+    because it stopped early: status not_sent."""
+    rows = pacing.not_sent() if isinstance(pacing, SessionPacing) else []
+    if rows:
+        requests.loc[rows, "status"] = "not_sent"
 
 
 def pacing_rows(summary: dict) -> list[tuple[str, str]]:
@@ -349,6 +390,11 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
             rows.append(("active sessions limit", f"{sp['max_active_sessions']:,} in progress; "
                                                   f"{sp['sessions_started_late']:,} started later than their first "
                                                   f"turn's time, by {sp['mean_start_delay_s']:,.2f} s on average"))
+        if "early_stop_s" in sp:
+            stop = sp["early_stop_s"]
+            rows.append(("early stop", "never (no conversation ended)" if stop is None
+                         else f"at {stop:,.3f} s (no conversation left to start); "
+                              f"{sp['turns_not_sent']:,} turns not sent"))
     if summary.get("client_concurrency"):
         cc = summary["client_concurrency"]
         limits = [f"{cc[key]:,} {what}" for key, what in (("max_concurrency", "requests"),

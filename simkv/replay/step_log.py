@@ -135,7 +135,7 @@ class RequestLog:
     """One slot per trace row, filled when the request finishes (or is rejected). Finished
     requests are kept as a flat int64 array (9 values each) until the columns are asked for."""
 
-    STATUS_NAMES = ("unfinished", "finished", "rejected", "timed_out", "abandoned")
+    STATUS_NAMES = ("unfinished", "finished", "rejected", "timed_out", "abandoned", "not_sent")
 
     def __init__(self, num_requests: int, speculative: bool = False) -> None:
         self.num_requests = num_requests
@@ -190,7 +190,8 @@ class RequestLog:
 
     @property
     def status(self) -> np.ndarray:
-        """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out, 4 abandoned (STATUS_NAMES)."""
+        """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out, 4 abandoned (STATUS_NAMES;
+        5, not sent, is the pacing's to say: `mark_not_sent`)."""
         return self._build()[0]
 
     @property

@@ -206,6 +206,13 @@ def user_message_tokens(drawn: int, turn: int, common: int, prefix: int) -> int:
     return max(drawn, fixed) + own
 
 
+def chat_template_tokens(num_messages) -> int:
+    """The tokens Llama 3's chat template adds to a prompt of `num_messages` messages (a BOS, a
+    header and an end-of-turn token per message, the assistant's header last): what a prompt
+    has beyond its messages' text, which is all the benchmark counts as its input_num_tokens."""
+    return BOS_TOKENS + num_messages * (HEADER_TOKENS + EOT_TOKENS) + HEADER_TOKENS
+
+
 def multi_turn_trace(config: MultiTurnConfig, seed: int = 0, max_turns: int | None = None,
                      hash_block_tokens: int = 16, source: str = "vllm-multi-turn") -> Trace:
     """The conversations as a trace: one row per user turn, every row at time 0 and its session

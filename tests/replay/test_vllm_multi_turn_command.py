@@ -45,9 +45,10 @@ def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
     bench = multi_turn_command(f"--input-file {generator} -p 2 --request-rate 1 --warmup-step -k 4")
     assert bench.num_clients == 2 and bench.max_active_conversations == 4
     note = bench.note()
-    for named in ("early stop", "--request-rate", "--warmup-step", "round-robin over its own conversations"):
+    for named in ("--request-rate", "--warmup-step", "round-robin over its own conversations"):
         assert named in note
-    assert multi_turn_command(f"-i {generator} --no-early-stop").note() == ""
+    assert bench.early_stop and multi_turn_command(f"-i {generator}").note() == ""
+    assert not multi_turn_command(f"-i {generator} --no-early-stop").early_stop
     fixed = multi_turn_command(f"-i {generator} --no-early-stop --limit-min-tokens 64 --limit-max-tokens 64")
     assert set(fixed.trace.output_tokens.tolist()) == {64} and fixed.note() == ""
 
@@ -95,27 +96,31 @@ def test_goodput_searches_the_benchmarks_clients(generator, tmp_path):
                                     "--goodput", "ttft:40"])
 
 
-def test_the_early_stop_counts_the_requests_sent_before_the_first_client_would_leave(generator, tmp_path):
+def test_the_early_stop_stops_the_replays_client_as_the_script_stops(generator, tmp_path):
     """By default the script ends when the first client wants a conversation after the queue is
-    empty: simkv's statistics then keep the requests sent by the first conversation end after
-    the last conversation started."""
-    from simkv.cli.vllm_multi_turn_command import early_stop_s, multi_turn_report
-
+    empty; no client sends after that. The replay stops there too (client_early_stop): the
+    requests sent by then are sent as the whole replay sends them, the rest never are, and the
+    statistics are over those that finished."""
     command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --max-active-conversations 6"
-    out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path)])
-    requests = pd.read_parquet(tmp_path / "requests.parquet")
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    stop = early_stop_s(requests)
-    conversation = requests["request_id"].str.rsplit("/turn", n=1).str[0]
-    starts = requests.groupby(conversation)["arrival_time_s"].min()
-    ends = requests.groupby(conversation)["finish_time_s"].max()
-    assert stop == ends[ends >= starts.max()].min() and stop < summary["duration_s"]
-    kept = requests[requests["arrival_time_s"] <= stop]
-    assert 0 < len(kept) < len(requests)
-    assert f"early stop at {stop:.3f} s: {len(kept):,} of {len(requests):,}" in out
-    assert f"runtime_sec = {kept['finish_time_s'].max():.3f}" in out
-    whole = multi_turn_report(summary, requests)
-    assert f"runtime_sec = {summary['duration_s']:.3f}" in whole and "early stop" not in whole
+    out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "stop")])
+    cli_ok(["replay", "--vllm-multi-turn", command + " --no-early-stop", "--out", str(tmp_path / "all")])
+    stopped, whole = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in ("stop", "all"))
+    summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
+    assert summary["config"]["client_early_stop"] is True
+    stop = summary["session_pacing"]["early_stop_s"]
+    conversation = whole["request_id"].str.rsplit("/turn", n=1).str[0]
+    ends = np.sort(whole.groupby(conversation)["finish_time_s"].max().to_numpy())
+    assert stop == pytest.approx(ends[24 - 6], abs=1e-9)  # (the 19th end: the 18th started the last one)
+    sent = stopped["status"] != "not_sent"
+    assert 0 < (~sent).sum() == summary["session_pacing"]["turns_not_sent"]
+    assert np.array_equal(sent, whole["arrival_time_s"] <= stop) and (stopped.loc[sent, "status"] == "finished").all()
+    done = stopped[sent]
+    assert f"early stop at {stop:.3f} s: {(~sent).sum():,} turns not sent" in out
+    runtime = done["finish_time_s"].max() - done["arrival_time_s"].min()
+    assert f"runtime_sec = {runtime:.3f}" in out
+    assert f"requests_per_sec = {len(done) / runtime:.3f}" in out
+    count = next(line for line in out.splitlines() if line.startswith("ttft_ms")).split()[1]
+    assert float(count) == len(done) < len(whole)
 
 
 def test_compare_reads_the_benchmarks_per_request_stats(generator, tmp_path):
