@@ -315,6 +315,13 @@ class SchedulerConfig:
     # none is left to start (vLLM's multi-turn benchmark's default early stop; its --no-early-stop
     # sends every turn). Turns not sent by then never are (status not_sent); those in flight finish
     client_early_stop: bool = False
+    # Sessions paced on their replies: each client (a chain of conversations: one per conversation
+    # in progress) sends at most this many requests per second, as a Poisson process: after a
+    # request of d seconds it pauses for an exponential draw of mean 1 / rate - d, from numpy's
+    # state seeded client_seed + client + 1 (vLLM's multi-turn benchmark's --request-rate and
+    # --seed); None: no pause
+    client_request_rate: float | None = None
+    client_seed: int = 0
     # A client (or a gateway in front) that keeps the requests in flight at most this many tokens:
     # each holds its prompt and its output as the trace gives it (n outputs for n samples: what
     # its max_tokens lets the KV cache grow to); a request waits until it fits, and those behind
@@ -388,6 +395,12 @@ class SchedulerConfig:
             if not self.session_pacing:
                 raise ConfigError("client_max_active_sessions limits conversations paced on their replies: it needs "
                                   "session pacing (not --no-session-pacing)")
+        if self.client_request_rate is not None and not self.client_request_rate > 0:
+            raise ConfigError(f"client_request_rate must be > 0 (requests per second per client), got "
+                              f"{self.client_request_rate}")
+        if self.client_request_rate is not None and not self.session_pacing:
+            raise ConfigError("client_request_rate paces the clients of conversations paced on their replies: it "
+                              "needs session pacing (not --no-session-pacing)")
         if self.client_early_stop and not self.session_pacing:
             raise ConfigError("client_early_stop stops a client of conversations paced on their replies: it needs "
                               "session pacing (not --no-session-pacing)")
@@ -1576,6 +1589,8 @@ class EngineConfig:
             del out["client_max_active_sessions"]
         if not self.scheduler.client_early_stop:  # (likewise)
             del out["client_early_stop"]
+        if self.scheduler.client_request_rate is None:  # (likewise)
+            del out["client_request_rate"], out["client_seed"]
         if self.scheduler.client_max_inflight_tokens is None:  # (likewise)
             del out["client_max_inflight_tokens"]
         if self.speculative.enabled:  # (only then: configs without it read as before)

@@ -49,7 +49,8 @@ _ENGINE_FLAGS = {
     "kv_offloading_max_tracker_size": "kv_offloading_max_tracker_size",
     "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
     "client_max_concurrency": "client_max_concurrency", "client_max_active_sessions": "client_max_active_sessions",
-    "client_early_stop": "client_early_stop",
+    "client_early_stop": "client_early_stop", "client_request_rate": "client_request_rate",
+    "client_seed": "client_seed",
     "client_max_inflight_tokens": "client_max_inflight_tokens",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
@@ -255,6 +256,9 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
             options.setdefault("client_max_concurrency", bench.num_clients)  # (simkv's own flags win)
             options.setdefault("client_max_active_sessions", bench.max_active_conversations)
             options.setdefault("client_early_stop", bench.early_stop)
+            if bench.request_rate:
+                options.setdefault("client_request_rate", bench.request_rate)
+                options.setdefault("client_seed", bench.seed)
             if bench.model is not None and "model" not in options:
                 options["model"] = resolve_model(bench.model)
         config = EngineConfig.from_flat(options)
@@ -516,6 +520,13 @@ _ENGINE_OPTIONS = [
                  help="Paced sessions: the client stops sending once a conversation ends and none is left to start; "
                       "later turns are never sent (vLLM's multi-turn benchmark's default; with --vllm-multi-turn, "
                       "on unless its command says --no-early-stop) [default: off]"),
+    click.option("--client-request-rate", type=float, default=None, metavar="R",
+                 help="Paced sessions: each client (one per conversation in progress) sends at most R requests "
+                      "per second, pausing after a request of d seconds for an exponential draw of mean 1/R - d "
+                      "(vLLM's multi-turn benchmark's --request-rate) [default: no pause]"),
+    click.option("--client-seed", type=int, default=None, metavar="N",
+                 help="Seed of the clients' pauses: client c draws from numpy's state seeded N + c + 1 (the "
+                      "multi-turn benchmark's --seed) [default: 0]"),
     click.option("--session-pacing/--no-session-pacing", default=None,
                  help="A trace with session_id: send a turn no earlier than its previous turn's finish + its "
                       "think_time_s (a client answering a reply); --no-...: the trace's arrival times as they are "

@@ -32,6 +32,8 @@ class MultiTurnCommand:
     max_active_conversations: int
     model: str | None
     early_stop: bool = True  # (the script's default: its clients stop once the conversations run out)
+    request_rate: float = 0.0  # (per client; 0: no pause)
+    seed: int = 0
     not_modelled: list[str] = field(default_factory=list)
 
     def note(self) -> str:
@@ -63,8 +65,8 @@ def _parser() -> _Parser:
     p.add_argument("--warmup-step", action="store_true")
     p.add_argument("--max-turns", type=int)
     p.add_argument("--no-early-stop", action="store_true")
-    p.add_argument("--limit-max-tokens", type=int, default=-1)
-    p.add_argument("--limit-min-tokens", type=int, default=-1)
+    p.add_argument("--limit-max-tokens", type=int, default=0)  # (0: the answer's length in the file)
+    p.add_argument("--limit-min-tokens", type=int, default=0)
     p.add_argument("--request-rate", type=float, default=0.0)
     p.add_argument("--max-retries", type=int, default=0)
     p.add_argument("--conversation-sampling", default="round_robin", choices=["round_robin", "random"])
@@ -133,18 +135,31 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     except TraceError as exc:
         raise CommandLineError(f"{source}: --input-file: {exc}") from None
     conversations = len(set(trace.session_id.tolist()))
+    if conversations < args.num_clients:
+        raise CommandLineError(f"{source}: --num-clients {args.num_clients} is more than the file's {conversations} "
+                               "conversations (the script refuses it too)")
     if active > conversations:
         raise CommandLineError(f"{source}: --max-active-conversations {active} is more than the file's "
                                f"{conversations} conversations (the script refuses it too)")
+    active = args.num_clients * (active // args.num_clients)  # (each client keeps M // N of them)
     unmodelled = []
-    if args.limit_max_tokens > 0 or args.limit_min_tokens > 0:
-        if args.limit_max_tokens != args.limit_min_tokens:
-            unmodelled.append("--limit-min-tokens/--limit-max-tokens that differ (the outputs are the file's)")
-        else:
-            from dataclasses import replace
+    if (args.limit_max_tokens > 0 or args.limit_min_tokens > 0) and (
+            args.limit_max_tokens < 1 or args.limit_min_tokens < 1 or args.limit_min_tokens > args.limit_max_tokens):
+        raise CommandLineError(f"{source}: --limit-min-tokens {args.limit_min_tokens} and --limit-max-tokens "
+                               f"{args.limit_max_tokens}: give both, min at most max (the script refuses it too)")
+    if args.limit_max_tokens > 0:  # (the script sends max_tokens only: min_tokens is left out of its requests)
+        from dataclasses import replace
 
-            trace = replace(trace, output_tokens=np.full(len(trace), args.limit_max_tokens, dtype=np.int64))
-    for flag, given in (("--request-rate", args.request_rate > 0), ("--warmup-step", args.warmup_step),
+        trace = replace(trace, output_tokens=np.full(len(trace), args.limit_max_tokens, dtype=np.int64))
+    elif args.limit_max_tokens < 0:
+        unmodelled.append("--limit-max-tokens below 0 (no max_tokens: answers end where the model ends them; "
+                          "simkv keeps the file's lengths)")
+    if args.request_rate < 0:
+        raise CommandLineError(f"{source}: --request-rate {args.request_rate} must be 0 (no pause) or more")
+    if args.request_rate > 0 and active > args.num_clients:
+        unmodelled.append("--request-rate with more conversations than clients (simkv pauses each conversation in "
+                          "progress as a client of its own)")
+    for flag, given in (("--warmup-step", args.warmup_step),
                         ("--max-num-requests", args.max_num_requests is not None),
                         ("--conversation-sampling random", args.conversation_sampling == "random"),
                         ("--max-retries", args.max_retries > 0)):
@@ -153,7 +168,8 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     if active > args.num_clients:
         unmodelled.append("each client's round-robin over its own conversations (simkv's clients share one pool "
                           "of due turns)")
-    return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, unmodelled)
+    return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, args.request_rate,
+                            args.seed, unmodelled)
 
 
 def multi_turn_report(summary: dict, requests) -> str:

@@ -243,6 +243,9 @@ def _check_client_concurrency(trace, config: EngineConfig, encode) -> None:
     if sc.client_max_active_sessions is not None and trace.session_id is None:
         raise ValueError(f"{trace.source}: client_max_active_sessions limits the conversations in progress, and the "
                          "trace has none (no session_id column)")
+    if sc.client_request_rate is not None and trace.session_id is None:
+        raise ValueError(f"{trace.source}: client_request_rate paces the clients of conversations, and the trace "
+                         "has none (no session_id column)")
     if sc.client_early_stop and trace.session_id is None:
         raise ValueError(f"{trace.source}: client_early_stop stops a client when its conversations run out, and the "
                          "trace has none (no session_id column)")

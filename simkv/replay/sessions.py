@@ -119,6 +119,7 @@ class Pacing:
             self._gates.append((Budget(token_limit), [p + k * o for p, o, k in
                                                       zip(rows.prompt_tokens, rows.output_tokens, n)]))
         self.num_out = 0  # rows handed out (or dropped: never to be sent)
+        self.num_in_flight = 0  # rows handed out and not yet released (or given up on for good)
         self._out = bytearray(self._num_rows)  # per row: handed out or dropped
         self.holds = [[0, 0], [0, 0]]  # (rows held, ticks in all): by the pacing's rule, for the client's limits
 
@@ -150,6 +151,7 @@ class Pacing:
         for budget, shares in self._gates:
             budget.take(1 if shares is None else shares[row])
         self.num_out += 1
+        self.num_in_flight += 1
         self._out[row] = 1
         trace_tick = self._trace_ticks[row]
         for hold, (start, end) in zip(self.holds, ((trace_tick, due), (due, sent))):
@@ -175,6 +177,7 @@ class Pacing:
         """Row `row` was released at `tick`: the rows that makes due by the pacing's rule."""
 
     def _release(self, row: int, tick: int) -> None:
+        self.num_in_flight -= 1
         self._free_share(row, tick)
         self._next_due(row, tick)
 
@@ -194,6 +197,7 @@ class Pacing:
         until another release)."""
         dropped = self._drop_after(row)
         self.num_out += len(dropped)
+        self.num_in_flight -= 1
         for later in dropped:
             self._out[later] = 1
         self._free_share(row, tick)
@@ -247,7 +251,8 @@ def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
               trace.n.tolist() if trace.n is not None else None)
     if sc.session_pacing and trace.session_id is not None:
         return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions,
-                             early_stop=sc.client_early_stop)
+                             early_stop=sc.client_early_stop, request_rate=sc.client_request_rate,
+                             seed=sc.client_seed)
     return ClientLimits(rows, *limits)
 
 
@@ -273,10 +278,19 @@ class SessionPacing(Pacing):
 
     With `early_stop` (the multi-turn benchmark's default) the client stops sending once a
     conversation ends and none is left to start: a row is sent only if it goes out by the tick
-    of that end; every later one is never sent (`not_sent`), while those in flight finish."""
+    of that end; every later one is never sent (`not_sent`), while those in flight finish.
+
+    With a `request_rate` (its --request-rate, per client) each client pauses after every
+    request: a request that took d seconds is followed by a pause drawn from an exponential of
+    mean 1 / rate - d (none if that is not positive), from the client's own numpy state seeded
+    `seed` + client + 1, as the script's client processes draw it. A client is a chain of
+    conversations: each of the first ones in progress is a client of its own, and the next
+    conversation goes to the client whose conversation ended (and after its pause); an early
+    stop comes after that pause too."""
 
     def __init__(self, trace, rows: TraceRows, limit: int | None = None, token_limit: int | None = None,
-                 samples: list[int] | None = None, max_active: int | None = None, early_stop: bool = False) -> None:
+                 samples: list[int] | None = None, max_active: int | None = None, early_stop: bool = False,
+                 request_rate: float | None = None, seed: int = 0) -> None:
         super().__init__(rows, limit, token_limit, samples)
         n = self._num_rows
         self.next_turn = next_turns(trace.session_id).tolist()
@@ -296,10 +310,36 @@ class SessionPacing(Pacing):
         self.start_ticks = 0  # ... by this much in all
         self.early_stop = early_stop
         self.stop_tick: int | None = None  # when the client stopped sending (early stop)
+        self.request_rate = request_rate
+        self._seed = seed
+        self._client = np.full(n, -1, np.int64)  # per row: its client (with a request rate)
+        self._client[first_turns[:start]] = np.arange(start)
+        self._client_rngs: dict[int, np.random.RandomState] = {}
+        self.num_clients = start
+        self.pauses = [0, 0]  # (requests released, ticks paused after them in all)
 
     @property
     def all_out(self) -> bool:
-        return self.num_out >= self._num_rows or (self.stop_tick is not None and self.peek() is None)
+        """Every row handed out, or the client stopped: nothing is due by its stop, and nothing in
+        flight could still make a row due (a stop after a pause is ahead of its end)."""
+        return self.num_out >= self._num_rows or (
+            self.stop_tick is not None and self.num_in_flight == 0 and self.peek() is None)
+
+    def _pause(self, row: int, tick: int) -> int:
+        """The ticks `row`'s client pauses after it, released at `tick` (its request rate)."""
+        if not self.request_rate:
+            return 0
+        self.pauses[0] += 1
+        mean = 1.0 / self.request_rate - (tick - self.rows.arrival_ticks[row]) / TICKS_PER_SECOND
+        if mean <= 0:
+            return 0
+        client = int(self._client[row])
+        rng = self._client_rngs.get(client)
+        if rng is None:
+            rng = self._client_rngs[client] = np.random.RandomState(self._seed + client + 1)
+        pause = to_ticks(float(rng.exponential(mean)))
+        self.pauses[1] += pause
+        return pause
 
     def peek(self) -> tuple[int, int] | None:
         nxt = super().peek()
@@ -313,18 +353,20 @@ class SessionPacing(Pacing):
             return []
         return np.flatnonzero(np.frombuffer(bytes(self._out), dtype=np.uint8) == 0).tolist()
 
-    def _start_next(self, tick: int) -> None:
-        """A conversation ended at `tick`: the next waiting one starts a tick later; with none
-        left, an early stop stops the client."""
+    def _start_next(self, row: int, tick: int) -> None:
+        """Row `row`'s conversation ended at `tick`: the next waiting one starts a tick later (after
+        its client's pause); with none left, an early stop stops the client then."""
+        pause = self._pause(row, tick)
         if self._unstarted:
-            row = self._unstarted.popleft()
-            due = max(tick + 1, self._trace_ticks[row])
-            if due > self._trace_ticks[row]:
+            first = self._unstarted.popleft()
+            self._client[first] = self._client[row]
+            due = max(tick + 1 + pause, self._trace_ticks[first])
+            if due > self._trace_ticks[first]:
                 self.num_started_late += 1
-                self.start_ticks += due - self._trace_ticks[row]
-            heapq.heappush(self._ready, (due, row))
-        elif self.early_stop and self.stop_tick is None:
-            self.stop_tick = tick
+                self.start_ticks += due - self._trace_ticks[first]
+            heapq.heappush(self._ready, (due, first))
+        elif self.early_stop and (self.stop_tick is None or tick + pause < self.stop_tick):
+            self.stop_tick = tick + pause
 
     def _drop_after(self, row: int) -> list[int]:
         """The conversation ends: its later turns are never sent."""
@@ -337,7 +379,7 @@ class SessionPacing(Pacing):
 
     def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
         dropped, _ = super().give_up(row, tick)
-        self._start_next(tick)
+        self._start_next(row, tick)
         return dropped, self.next_ticks()
 
     def successor_think(self, row: int) -> int | None:
@@ -353,9 +395,11 @@ class SessionPacing(Pacing):
         trace time if later; a conversation that ends lets the next one start."""
         nxt = self.next_turn[row]
         if nxt >= 0:
-            heapq.heappush(self._ready, (max(tick + self.think_ticks[nxt], self._trace_ticks[nxt]), nxt))
+            self._client[nxt] = self._client[row]
+            due = tick + self.think_ticks[nxt] + self._pause(row, tick)
+            heapq.heappush(self._ready, (max(due, self._trace_ticks[nxt]), nxt))
         else:
-            self._start_next(tick)
+            self._start_next(row, tick)
 
     def summary(self) -> dict:
         held, mean = self._hold_summary(0)
@@ -364,6 +408,9 @@ class SessionPacing(Pacing):
             late = self.num_started_late
             section |= {"max_active_sessions": self.max_active, "sessions_started_late": late,
                         "mean_start_delay_s": self.start_ticks / TICKS_PER_SECOND / late if late else 0.0}
+        if self.request_rate:
+            section |= {"request_rate": self.request_rate, "clients": self.num_clients,
+                        "mean_pause_s": self.pauses[1] / TICKS_PER_SECOND / max(1, self.pauses[0])}
         if self.early_stop:
             section |= {"early_stop_s": None if self.stop_tick is None else self.stop_tick / TICKS_PER_SECOND,
                         "turns_not_sent": len(self.not_sent())}
@@ -390,6 +437,10 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
             rows.append(("active sessions limit", f"{sp['max_active_sessions']:,} in progress; "
                                                   f"{sp['sessions_started_late']:,} started later than their first "
                                                   f"turn's time, by {sp['mean_start_delay_s']:,.2f} s on average"))
+        if "request_rate" in sp:
+            rows.append(("client request rate", f"{sp['request_rate']:g} req/s per client ({sp['clients']:,} "
+                                                f"clients): {sp['mean_pause_s']:,.2f} s paused after a request "
+                                                "on average"))
         if "early_stop_s" in sp:
             stop = sp["early_stop_s"]
             rows.append(("early stop", "never (no conversation ended)" if stop is None

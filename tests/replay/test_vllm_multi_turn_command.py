@@ -45,12 +45,30 @@ def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
     bench = multi_turn_command(f"--input-file {generator} -p 2 --request-rate 1 --warmup-step -k 4")
     assert bench.num_clients == 2 and bench.max_active_conversations == 4
     note = bench.note()
-    for named in ("--request-rate", "--warmup-step", "round-robin over its own conversations"):
+    for named in ("--request-rate with more conversations than clients", "--warmup-step",
+                  "round-robin over its own conversations"):
         assert named in note
     assert bench.early_stop and multi_turn_command(f"-i {generator}").note() == ""
     assert not multi_turn_command(f"-i {generator} --no-early-stop").early_stop
-    fixed = multi_turn_command(f"-i {generator} --no-early-stop --limit-min-tokens 64 --limit-max-tokens 64")
-    assert set(fixed.trace.output_tokens.tolist()) == {64} and fixed.note() == ""
+    paced = multi_turn_command(f"-i {generator} -p 3 --request-rate 0.5 --seed 7")
+    assert (paced.request_rate, paced.seed) == (0.5, 7) and paced.note() == ""
+    assert "answers end where the model ends them" in multi_turn_command(f"-i {generator} --limit-max-tokens -1").note()
+
+
+@pytest.mark.parametrize("limits, output", [("--limit-min-tokens 64 --limit-max-tokens 64", 64),
+                                            ("--limit-min-tokens 16 --limit-max-tokens 96", 96)])
+def test_the_token_limits_set_max_tokens_only(generator, limits, output):
+    """The script sends max_tokens and leaves min_tokens out of its requests: every answer is
+    --limit-max-tokens long."""
+    fixed = multi_turn_command(f"-i {generator} {limits}")
+    assert set(fixed.trace.output_tokens.tolist()) == {output} and fixed.note() == ""
+
+
+def test_each_client_keeps_its_share_of_the_active_conversations(generator):
+    """The script gives each client --max-active-conversations // --num-clients: 5 over 2 clients
+    are 4 in progress."""
+    assert multi_turn_command(f"-i {generator} -p 2 -k 5").max_active_conversations == 4
+    assert multi_turn_command(f"-i {generator} -p 3 -k 9").max_active_conversations == 9
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -58,6 +76,10 @@ def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
     ("--num-clients 4 --max-active-conversations 2", "must be at least --num-clients"),
     ("--num-clients 2 --max-active-conversations 30", "more than the file's 24 conversations"),
     ("--max-turns 1", "--max-turns must be 2 or more"),
+    ("--num-clients 30", "--num-clients 30 is more than the file's 24 conversations"),
+    ("--limit-max-tokens 64", "give both, min at most max"),
+    ("--limit-min-tokens 96 --limit-max-tokens 64", "give both, min at most max"),
+    ("--request-rate -1", "--request-rate -1.0 must be 0"),
 ])
 def test_commands_the_script_would_refuse_are_refused(generator, flags, message):
     with pytest.raises(CommandLineError, match=message):
@@ -150,3 +172,19 @@ def test_compare_reads_the_benchmarks_per_request_stats(generator, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps([records[0] | {"conversation_id": "CONV_ID_99"}]))
     assert "CONV_ID_99/turn" in cli_fails(["compare", str(tmp_path / "sim"), str(tmp_path / "bad.json"), "--out",
                                            str(tmp_path / "cmp2")])
+
+
+def test_a_request_rate_replays_as_the_clients_pauses(generator, tmp_path):
+    """--request-rate R --seed S: each of the clients pauses as `--client-request-rate R
+    --client-seed S` pauses it."""
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 3 --request-rate 0.5 --seed 4"
+    cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "a")])
+    cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--seed", "4", "--out", str(tmp_path / "w.parquet")])
+    cli_ok(["replay", str(tmp_path / "w.parquet"), "--model", "llama-3-8b", "--client-max-concurrency", "3",
+            "--client-max-active-sessions", "3", "--client-early-stop", "--client-request-rate", "0.5",
+            "--client-seed", "4", "--out", str(tmp_path / "b")])
+    a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
+    pd.testing.assert_frame_equal(a, b)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["config"]["client_request_rate"] == 0.5 and summary["config"]["client_seed"] == 4
+    assert summary["session_pacing"]["clients"] == 3 and summary["session_pacing"]["mean_pause_s"] > 0
