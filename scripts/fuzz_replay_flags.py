@@ -61,6 +61,7 @@ OPTIONS = [
     (0.12, lambda r: ["--client-max-active-sessions", r.choice(["2", "5"])]),
     (0.15, ["--client-early-stop"]),
     (0.12, lambda r: ["--client-request-rate", r.choice(["0.5", "4"])]),
+    (0.12, ["--client-rotation"]),
     (0.12, lambda r: ["--client-max-inflight-tokens", r.choice(["3000", "50000"])]),
     (0.12, lambda r: ["--max-num-queued-reqs", r.choice(["4", "16"])]),
     (0.08, ["--max-num-queued-tokens", "8000"]),

@@ -322,6 +322,12 @@ class SchedulerConfig:
     # --seed); None: no pause
     client_request_rate: float | None = None
     client_seed: int = 0
+    # Sessions paced on their replies, as vLLM's multi-turn benchmark's clients take them: each of
+    # the client_max_concurrency clients keeps client_max_active_sessions // that many
+    # conversations and sends their turns in rotation, one request at a time; a client leaves when
+    # it wants a conversation and none is left (simkv/replay/client_rotation.py). False: the
+    # clients share one pool of due turns
+    client_rotation: bool = False
     # A client (or a gateway in front) that keeps the requests in flight at most this many tokens:
     # each holds its prompt and its output as the trace gives it (n outputs for n samples: what
     # its max_tokens lets the KV cache grow to); a request waits until it fits, and those behind
@@ -401,6 +407,13 @@ class SchedulerConfig:
         if self.client_request_rate is not None and not self.session_pacing:
             raise ConfigError("client_request_rate paces the clients of conversations paced on their replies: it "
                               "needs session pacing (not --no-session-pacing)")
+        if self.client_rotation:
+            if self.client_max_concurrency is None or not self.session_pacing:
+                raise ConfigError("client_rotation gives each of client_max_concurrency clients its conversations "
+                                  "paced on their replies: it needs client_max_concurrency and session pacing")
+            if (self.client_max_active_sessions or self.client_max_concurrency) < self.client_max_concurrency:
+                raise ConfigError(f"client_rotation: client_max_active_sessions {self.client_max_active_sessions} "
+                                  f"gives none of the {self.client_max_concurrency} clients a conversation")
         if self.client_early_stop and not self.session_pacing:
             raise ConfigError("client_early_stop stops a client of conversations paced on their replies: it needs "
                               "session pacing (not --no-session-pacing)")
@@ -1591,6 +1604,8 @@ class EngineConfig:
             del out["client_early_stop"]
         if self.scheduler.client_request_rate is None:  # (likewise)
             del out["client_request_rate"], out["client_seed"]
+        if not self.scheduler.client_rotation:  # (likewise)
+            del out["client_rotation"]
         if self.scheduler.client_max_inflight_tokens is None:  # (likewise)
             del out["client_max_inflight_tokens"]
         if self.speculative.enabled:  # (only then: configs without it read as before)

@@ -50,7 +50,7 @@ _ENGINE_FLAGS = {
     "async_scheduling": "async_scheduling", "model_runner": "model_runner", "session_pacing": "session_pacing",
     "client_max_concurrency": "client_max_concurrency", "client_max_active_sessions": "client_max_active_sessions",
     "client_early_stop": "client_early_stop", "client_request_rate": "client_request_rate",
-    "client_seed": "client_seed",
+    "client_seed": "client_seed", "client_rotation": "client_rotation",
     "client_max_inflight_tokens": "client_max_inflight_tokens",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
@@ -256,6 +256,7 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
             options.setdefault("client_max_concurrency", bench.num_clients)  # (simkv's own flags win)
             options.setdefault("client_max_active_sessions", bench.max_active_conversations)
             options.setdefault("client_early_stop", bench.early_stop)
+            options.setdefault("client_rotation", True)
             if bench.request_rate:
                 options.setdefault("client_request_rate", bench.request_rate)
                 options.setdefault("client_seed", bench.seed)
@@ -520,6 +521,11 @@ _ENGINE_OPTIONS = [
                  help="Paced sessions: the client stops sending once a conversation ends and none is left to start; "
                       "later turns are never sent (vLLM's multi-turn benchmark's default; with --vllm-multi-turn, "
                       "on unless its command says --no-early-stop) [default: off]"),
+    click.option("--client-rotation/--no-client-rotation", default=None,
+                 help="Paced sessions: each of the --client-max-concurrency N clients keeps M // N of the "
+                      "--client-max-active-sessions M conversations and sends their turns in rotation, leaving "
+                      "when none is left to take (vLLM's multi-turn benchmark's clients; on with "
+                      "--vllm-multi-turn) [default: off, the clients share one pool of due turns]"),
     click.option("--client-request-rate", type=float, default=None, metavar="R",
                  help="Paced sessions: each client (one per conversation in progress) sends at most R requests "
                       "per second, pausing after a request of d seconds for an exponential draw of mean 1/R - d "

@@ -156,18 +156,12 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
                           "simkv keeps the file's lengths)")
     if args.request_rate < 0:
         raise CommandLineError(f"{source}: --request-rate {args.request_rate} must be 0 (no pause) or more")
-    if args.request_rate > 0 and active > args.num_clients:
-        unmodelled.append("--request-rate with more conversations than clients (simkv pauses each conversation in "
-                          "progress as a client of its own)")
     for flag, given in (("--warmup-step", args.warmup_step),
                         ("--max-num-requests", args.max_num_requests is not None),
                         ("--conversation-sampling random", args.conversation_sampling == "random"),
                         ("--max-retries", args.max_retries > 0)):
         if given:
             unmodelled.append(flag)
-    if active > args.num_clients:
-        unmodelled.append("each client's round-robin over its own conversations (simkv's clients share one pool "
-                          "of due turns)")
     return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, args.request_rate,
                             args.seed, unmodelled)
 

@@ -223,7 +223,7 @@ class FleetRouting:
             if self.on_reject is not None:
                 self.on_reject(1)
             if self.sessions is not None:
-                self._wake_for(self.sessions.release(i, tick))
+                self._wake_after_release(self.sessions.release(i, tick), tick)
             return
         self.queues[self.assign(i, tick)].append(i)
         if self.clients is not None:

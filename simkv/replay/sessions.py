@@ -249,6 +249,13 @@ def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
         return None
     limits = (sc.client_max_concurrency, sc.client_max_inflight_tokens,
               trace.n.tolist() if trace.n is not None else None)
+    if sc.session_pacing and trace.session_id is not None and sc.client_rotation:
+        from simkv.replay.client_rotation import RotatingClients
+
+        clients = sc.client_max_concurrency
+        per_client = (sc.client_max_active_sessions or clients) // clients
+        return RotatingClients(trace, rows, clients, per_client, *limits[1:], early_stop=sc.client_early_stop,
+                               request_rate=sc.client_request_rate, seed=sc.client_seed)
     if sc.session_pacing and trace.session_id is not None:
         return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions,
                              early_stop=sc.client_early_stop, request_rate=sc.client_request_rate,
@@ -396,7 +403,8 @@ class SessionPacing(Pacing):
         nxt = self.next_turn[row]
         if nxt >= 0:
             self._client[nxt] = self._client[row]
-            due = tick + self.think_ticks[nxt] + self._pause(row, tick)
+            # (the client's pause and the turn's think time run together)
+            due = tick + max(self.think_ticks[nxt], 1 + self._pause(row, tick))
             heapq.heappush(self._ready, (max(due, self._trace_ticks[nxt]), nxt))
         else:
             self._start_next(row, tick)
@@ -437,6 +445,9 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
             rows.append(("active sessions limit", f"{sp['max_active_sessions']:,} in progress; "
                                                   f"{sp['sessions_started_late']:,} started later than their first "
                                                   f"turn's time, by {sp['mean_start_delay_s']:,.2f} s on average"))
+        if "sessions_per_client" in sp:
+            rows.append(("clients (rotating)", f"{sp['clients']:,} of {sp['sessions_per_client']:,} conversations each; "
+                                               f"{sp['clients_left']:,} left finding none to take"))
         if "request_rate" in sp:
             rows.append(("client request rate", f"{sp['request_rate']:g} req/s per client ({sp['clients']:,} "
                                                 f"clients): {sp['mean_pause_s']:,.2f} s paused after a request "

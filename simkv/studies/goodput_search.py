@@ -183,9 +183,9 @@ def client_options(trace, config, clients: int):
     (client_max_concurrency) and, where the trace's sessions are paced on their replies, one
     conversation in progress each (client_max_active_sessions: vLLM's multi-turn benchmark's
     default, one active conversation per client)."""
-    sc = replace(config.scheduler, client_max_concurrency=clients)
-    if trace.session_id is not None and sc.session_pacing:
-        sc = replace(sc, client_max_active_sessions=clients)
+    paced = trace.session_id is not None and config.scheduler.session_pacing
+    sc = replace(config.scheduler, client_max_concurrency=clients,
+                 **({"client_max_active_sessions": clients} if paced else {}))
     return replace(config, scheduler=sc)
 
 

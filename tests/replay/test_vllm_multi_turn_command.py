@@ -27,16 +27,20 @@ def test_a_command_replays_as_the_trace_and_limits_it_names(generator, tmp_path)
     out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "a")])
     cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--out", str(tmp_path / "t.parquet")])
     cli_ok(["replay", str(tmp_path / "t.parquet"), "--model", "llama-3.1-8b", "--client-max-concurrency", "2",
-            "--client-max-active-sessions", "6", "--out", str(tmp_path / "b")])
+            "--client-max-active-sessions", "6", "--client-rotation", "--out", str(tmp_path / "b")])
     a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
     pd.testing.assert_frame_equal(a, b)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["config"]["client_max_concurrency"] == 2 and summary["config"]["client_max_active_sessions"] == 6
+    assert summary["config"]["client_rotation"] is True
     assert summary["config"]["model"] == "llama-3.1-8b"
     # the script's statistics, from the same replay
     assert "Statistics summary (simkv, simulated):" in out and f"runtime_sec = {summary['duration_s']:.3f}" in out
     row = next(line for line in out.splitlines() if line.startswith("output_num_tokens"))
-    assert float(row.split()[1]) == 185 and float(row.split()[2]) == pytest.approx(a["output_tokens"].mean(), abs=0.005)
+    done = a[a["status"] == "finished"]  # (without an early stop a client still leaves its conversations when
+    assert 0 < (a["status"] == "not_sent").sum() == len(a) - len(done)  # it finds the queue empty)
+    assert float(row.split()[1]) == len(done) and float(row.split()[2]) == pytest.approx(done["output_tokens"].mean(),
+                                                                                         abs=0.005)
     turns = next(line for line in out.splitlines() if line.startswith("input_num_turns")).split()
     assert float(turns[4]) == 1 and float(turns[-1]) == 17  # (min: a first turn; max: the ninth user turn)
 
@@ -44,9 +48,10 @@ def test_a_command_replays_as_the_trace_and_limits_it_names(generator, tmp_path)
 def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
     bench = multi_turn_command(f"--input-file {generator} -p 2 --request-rate 1 --warmup-step -k 4")
     assert bench.num_clients == 2 and bench.max_active_conversations == 4
-    note = bench.note()
-    for named in ("--request-rate with more conversations than clients", "--warmup-step",
-                  "round-robin over its own conversations"):
+    assert bench.note() == "not modelled: --warmup-step"
+    note = multi_turn_command(f"-i {generator} --max-num-requests 40 --conversation-sampling random "
+                              "--max-retries 2").note()
+    for named in ("--max-num-requests", "--conversation-sampling random", "--max-retries"):
         assert named in note
     assert bench.early_stop and multi_turn_command(f"-i {generator}").note() == ""
     assert not multi_turn_command(f"-i {generator} --no-early-stop").early_stop
@@ -130,12 +135,16 @@ def test_the_early_stop_stops_the_replays_client_as_the_script_stops(generator, 
     summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
     assert summary["config"]["client_early_stop"] is True
     stop = summary["session_pacing"]["early_stop_s"]
+    # the first 18 conversation ends start the 18 waiting conversations; at the 19th its client
+    # finds the queue empty and leaves (whole: with the conversations it had, never finished)
     conversation = whole["request_id"].str.rsplit("/turn", n=1).str[0]
-    ends = np.sort(whole.groupby(conversation)["finish_time_s"].max().to_numpy())
-    assert stop == pytest.approx(ends[24 - 6], abs=1e-9)  # (the 19th end: the 18th started the last one)
+    complete = ~conversation.isin(set(conversation[whole["status"] == "not_sent"]))
+    ends = np.sort(whole[complete].groupby(conversation[complete])["finish_time_s"].max().to_numpy())
+    assert stop == pytest.approx(ends[24 - 6], abs=1e-9)
     sent = stopped["status"] != "not_sent"
     assert 0 < (~sent).sum() == summary["session_pacing"]["turns_not_sent"]
-    assert np.array_equal(sent, whole["arrival_time_s"] <= stop) and (stopped.loc[sent, "status"] == "finished").all()
+    sent_by_then = (whole["status"] != "not_sent") & (whole["arrival_time_s"] <= stop)
+    assert np.array_equal(sent, sent_by_then) and (stopped.loc[sent, "status"] == "finished").all()
     done = stopped[sent]
     assert f"early stop at {stop:.3f} s: {(~sent).sum():,} turns not sent" in out
     runtime = done["finish_time_s"].max() - done["arrival_time_s"].min()
@@ -181,10 +190,27 @@ def test_a_request_rate_replays_as_the_clients_pauses(generator, tmp_path):
     cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "a")])
     cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--seed", "4", "--out", str(tmp_path / "w.parquet")])
     cli_ok(["replay", str(tmp_path / "w.parquet"), "--model", "llama-3-8b", "--client-max-concurrency", "3",
-            "--client-max-active-sessions", "3", "--client-early-stop", "--client-request-rate", "0.5",
+            "--client-max-active-sessions", "3", "--client-rotation", "--client-early-stop", "--client-request-rate", "0.5",
             "--client-seed", "4", "--out", str(tmp_path / "b")])
     a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
     pd.testing.assert_frame_equal(a, b)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["config"]["client_request_rate"] == 0.5 and summary["config"]["client_seed"] == 4
     assert summary["session_pacing"]["clients"] == 3 and summary["session_pacing"]["mean_pause_s"] > 0
+
+
+def test_vllms_readme_example_sends_the_requests_it_counted(generator, tmp_path):
+    """vLLM's benchmarks/multi_turn/README.md prints the statistics of `--num-clients 2
+    --max-active-conversations 6` on this generator file: 166 requests, and rows of turns and
+    answer lengths that depend only on which requests its clients sent before the early stop.
+    The replay sends the same: both rows equal the README's to the printed digit (latencies and
+    prompt lengths differ: its hardware, and its tokenizer's text)."""
+    command = (f"python benchmark_serving_multi_turn.py --model meta-llama/Llama-3.1-8B-Instruct "
+               f"--served-model-name Llama --input-file {generator} --num-clients 2 --max-active-conversations 6")
+    out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path)])
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("input_num_turns", "output_num_tokens"))}
+    assert rows["input_num_turns"] == ["166.0", "7.43", "4.57", "1.00", "3.00", "7.00", "11.00", "13.00", "17.00",
+                                       "17.00"]
+    assert rows["output_num_tokens"] == ["166.0", "100.01", "11.80", "80.00", "91.00", "99.00", "109.75", "116.00",
+                                         "120.00", "120.00"]

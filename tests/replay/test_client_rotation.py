@@ -1,0 +1,113 @@
+"""Clients that rotate over their own conversations (`client_rotation`, vLLM's multi-turn
+benchmark's clients): simkv/replay/client_rotation.py."""
+
+import json
+from collections import Counter, deque
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.config import ConfigError, EngineConfig
+from simkv.replay.api import replay
+from simkv.traces.synth_sessions import SessionShape, multi_turn
+from simkv.traces.vllm_multi_turn import multi_turn_trace, read_config
+from tests.replay.engine_setups import KINDS, engine_setup
+from tests.traces.test_vllm_multi_turn import EXAMPLE
+
+
+@pytest.fixture(scope="module")
+def benchmark_trace(tmp_path_factory):
+    """The conversations of vLLM's example generator file: 24, all ready at 0."""
+    path = tmp_path_factory.mktemp("gen") / "generate_multi_turn.json"
+    path.write_text(json.dumps(EXAMPLE))
+    return multi_turn_trace(read_config(path))
+
+
+def _script_order(turns: list[int], per_client: int) -> list[tuple[int, int]]:
+    """One client of the benchmark script, written from its loop: (conversation, turn) in the
+    order it sends them. It fills up to `per_client` conversations from the queue (leaving when
+    the queue is empty), sends the next turn of the newest, and puts a conversation that goes on
+    at the back."""
+    queue, active, sent, order = deque(range(len(turns))), deque(), Counter(), []
+    while True:
+        while len(active) < per_client and queue:
+            active.append(queue.popleft())
+        if len(active) < per_client:
+            return order  # (the queue ran dry: the client leaves)
+        conversation = active.pop()
+        order.append((conversation, sent[conversation]))
+        sent[conversation] += 1
+        if sent[conversation] < turns[conversation]:
+            active.appendleft(conversation)
+
+
+@pytest.mark.parametrize("per_client", [1, 3])
+def test_one_client_sends_in_the_scripts_order(benchmark_trace, per_client):
+    config = EngineConfig.from_flat({"client_max_concurrency": 1, "client_max_active_sessions": per_client,
+                                     "client_rotation": True, "model": "llama-3.1-8b"})
+    requests = replay(benchmark_trace, config).requests
+    sent = requests[requests["status"] != "not_sent"].sort_values("arrival_time_s")
+    parts = sent["request_id"].str.extract(r"CONV_ID_(\d+)/turn(\d+)").astype(int)
+    turns = pd.Series(benchmark_trace.session_id).value_counts().reindex(
+        [f"CONV_ID_{c}" for c in range(24)]).tolist()
+    expected = _script_order(turns, per_client)
+    assert list(zip(parts[0], parts[1])) == expected
+    assert (sent["status"] == "finished").all() and len(requests) - len(sent) == sum(turns) - len(expected)
+    if per_client == 1:
+        assert len(expected) == sum(turns)  # (one conversation at a time: every turn)
+    times = sent[["arrival_time_s", "finish_time_s"]].to_numpy()
+    assert (times[1:, 0] > times[:-1, 1]).all()  # (one request at a time)
+
+
+@pytest.mark.parametrize("options", [{}, {"client_early_stop": True}, {"client_request_rate": 0.8}])
+def test_one_conversation_per_client_is_the_shared_pool(options):
+    """With M = N each client has one conversation: the rotation is SessionPacing's shared pool
+    of due turns, byte for byte."""
+    trace = multi_turn(SessionShape(sessions=30, turns=4, think_time_s=0.0), seed=9)
+    base = {"client_max_concurrency": 5, "client_max_active_sessions": 5} | options
+    pool = replay(trace, EngineConfig.from_flat(base)).requests
+    rotation = replay(trace, EngineConfig.from_flat(base | {"client_rotation": True})).requests
+    pd.testing.assert_frame_equal(pool, rotation)
+
+
+def test_a_rejected_turn_ends_its_conversation_and_the_client_goes_on(benchmark_trace):
+    """The script drops a conversation whose request failed (here: a prompt past max_model_len)
+    and takes the next: the conversation's later turns are never sent."""
+    config = EngineConfig.from_flat({"client_max_concurrency": 2, "client_max_active_sessions": 4,
+                                     "client_rotation": True, "model": "llama-3.1-8b", "max_model_len": 3000})
+    requests = replay(benchmark_trace, config).requests
+    conversation = requests["request_id"].str.rsplit("/turn", n=1).str[0]
+    turn = requests["request_id"].str.rsplit("/turn", n=1).str[1].astype(int)
+    rejected = requests[requests["status"] == "rejected"]
+    assert len(rejected) > 0
+    for rid in rejected["request_id"]:
+        c, t = rid.rsplit("/turn", 1)
+        later = requests[(conversation == c) & (turn > int(t))]
+        assert (later["status"] == "not_sent").all()
+    assert (requests["status"] == "finished").sum() > len(requests) // 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rotating_clients_replay_the_same_by_decode_runs_and_steps(kind):
+    trace = multi_turn(SessionShape(sessions=24, turns=4, think_time_s=0.0), seed=2)
+    options, extra = engine_setup(kind, dict(num_gpu_blocks=2000, max_model_len=8192, client_max_concurrency=3,
+                                             client_max_active_sessions=6, client_rotation=True,
+                                             client_early_stop=True, client_request_rate=1.0))
+    config = EngineConfig.from_flat(options)
+    result = replay(trace, config, **extra)
+    pacing = result.summary["session_pacing"]
+    assert pacing["clients"] == 3 and pacing["sessions_per_client"] == 2 and pacing["clients_left"] == 1
+    assert (result.requests["status"] == "not_sent").sum() == pacing["turns_not_sent"] > 0
+    sent = np.sort(result.requests.loc[result.requests["status"] != "not_sent", "arrival_time_s"].to_numpy())
+    ends = np.sort(result.requests["finish_time_s"].dropna().to_numpy())
+    assert (np.arange(1, len(sent) + 1) - np.searchsorted(ends, sent, side="left")).max() <= 3
+    stepped = replay(trace, config, use_decode_runs=False, **extra)
+    pd.testing.assert_frame_equal(result.requests, stepped.requests)
+
+
+def test_rotation_needs_clients():
+    with pytest.raises(ConfigError, match="needs client_max_concurrency"):
+        EngineConfig.from_flat({"client_rotation": True})
+    with pytest.raises(ConfigError, match="gives none of the 4 clients"):
+        EngineConfig.from_flat({"client_rotation": True, "client_max_concurrency": 4, "client_max_active_sessions": 2})
