@@ -328,6 +328,15 @@ class SchedulerConfig:
     # it wants a conversation and none is left (simkv/replay/client_rotation.py). False: the
     # clients share one pool of due turns
     client_rotation: bool = False
+    # Rotating clients: how a client picks the conversation of its next request, "round_robin"
+    # (the newest first, then the one waiting longest) or "random" (Python's random.choice,
+    # seeded client_seed + client + 1); the requests the clients send in all at most (each its
+    # share, // client_max_concurrency; None: no limit); and a warm-up first (every conversation's
+    # first turn alone, then the rest from the second turn): the benchmark's
+    # --conversation-sampling, --max-num-requests and --warmup-step
+    client_conversation_sampling: str = "round_robin"
+    client_max_requests: int | None = None
+    client_warmup: bool = False
     # A client (or a gateway in front) that keeps the requests in flight at most this many tokens:
     # each holds its prompt and its output as the trace gives it (n outputs for n samples: what
     # its max_tokens lets the KV cache grow to); a request waits until it fits, and those behind
@@ -414,6 +423,19 @@ class SchedulerConfig:
             if (self.client_max_active_sessions or self.client_max_concurrency) < self.client_max_concurrency:
                 raise ConfigError(f"client_rotation: client_max_active_sessions {self.client_max_active_sessions} "
                                   f"gives none of the {self.client_max_concurrency} clients a conversation")
+        if self.client_conversation_sampling not in ("round_robin", "random"):
+            raise ConfigError(f"client_conversation_sampling must be round_robin or random, got "
+                              f"{self.client_conversation_sampling!r}")
+        rotating = {"client_conversation_sampling": self.client_conversation_sampling != "round_robin",
+                    "client_max_requests": self.client_max_requests is not None, "client_warmup": self.client_warmup}
+        for name, given in rotating.items():
+            if given and not self.client_rotation:
+                raise ConfigError(f"{name} is a rotating client's (vLLM's multi-turn benchmark's): it needs "
+                                  "client_rotation")
+        if self.client_max_requests is not None and self.client_max_concurrency is not None and (
+                self.client_max_requests < self.client_max_concurrency):
+            raise ConfigError(f"client_max_requests {self.client_max_requests} leaves none of the "
+                              f"{self.client_max_concurrency} clients a request")
         if self.client_early_stop and not self.session_pacing:
             raise ConfigError("client_early_stop stops a client of conversations paced on their replies: it needs "
                               "session pacing (not --no-session-pacing)")
@@ -1605,7 +1627,8 @@ class EngineConfig:
         if self.scheduler.client_request_rate is None:  # (likewise)
             del out["client_request_rate"], out["client_seed"]
         if not self.scheduler.client_rotation:  # (likewise)
-            del out["client_rotation"]
+            del out["client_rotation"], out["client_conversation_sampling"], out["client_max_requests"]
+            del out["client_warmup"]
         if self.scheduler.client_max_inflight_tokens is None:  # (likewise)
             del out["client_max_inflight_tokens"]
         if self.speculative.enabled:  # (only then: configs without it read as before)

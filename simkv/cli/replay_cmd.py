@@ -51,6 +51,8 @@ _ENGINE_FLAGS = {
     "client_max_concurrency": "client_max_concurrency", "client_max_active_sessions": "client_max_active_sessions",
     "client_early_stop": "client_early_stop", "client_request_rate": "client_request_rate",
     "client_seed": "client_seed", "client_rotation": "client_rotation",
+    "client_conversation_sampling": "client_conversation_sampling", "client_max_requests": "client_max_requests",
+    "client_warmup": "client_warmup",
     "client_max_inflight_tokens": "client_max_inflight_tokens",
     "client_ttft_timeout": "client_ttft_timeout_s", "client_timeout": "client_timeout_s",
     "client_max_retries": "client_max_retries", "client_retry_backoff": "client_retry_backoff_s",
@@ -253,13 +255,8 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
             bench = multi_turn_command(vllm_multi_turn)
             if bench.note():
                 _say_once(bench.note())
-            options.setdefault("client_max_concurrency", bench.num_clients)  # (simkv's own flags win)
-            options.setdefault("client_max_active_sessions", bench.max_active_conversations)
-            options.setdefault("client_early_stop", bench.early_stop)
-            options.setdefault("client_rotation", True)
-            if bench.request_rate:
-                options.setdefault("client_request_rate", bench.request_rate)
-                options.setdefault("client_seed", bench.seed)
+            for key, value in bench.client_options.items():  # (simkv's own flags win)
+                options.setdefault(key, value)
             if bench.model is not None and "model" not in options:
                 options["model"] = resolve_model(bench.model)
         config = EngineConfig.from_flat(options)
@@ -526,6 +523,15 @@ _ENGINE_OPTIONS = [
                       "--client-max-active-sessions M conversations and sends their turns in rotation, leaving "
                       "when none is left to take (vLLM's multi-turn benchmark's clients; on with "
                       "--vllm-multi-turn) [default: off, the clients share one pool of due turns]"),
+    click.option("--client-conversation-sampling", type=click.Choice(["round_robin", "random"]), default=None,
+                 help="Rotating clients: the conversation of a client's next request, round-robin or at random "
+                      "(the multi-turn benchmark's --conversation-sampling) [default: round_robin]"),
+    click.option("--client-max-requests", type=int, default=None, metavar="N",
+                 help="Rotating clients: N requests in all at most, each client its share (the multi-turn "
+                      "benchmark's --max-num-requests) [default: no limit]"),
+    click.option("--client-warmup/--no-client-warmup", default=None,
+                 help="Rotating clients: first every conversation's first turn alone, then the rest from the "
+                      "second turn (the multi-turn benchmark's --warmup-step) [default: off]"),
     click.option("--client-request-rate", type=float, default=None, metavar="R",
                  help="Paced sessions: each client (one per conversation in progress) sends at most R requests "
                       "per second, pausing after a request of d seconds for an exponential draw of mean 1/R - d "

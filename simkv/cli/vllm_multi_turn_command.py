@@ -31,9 +31,7 @@ class MultiTurnCommand:
     num_clients: int
     max_active_conversations: int
     model: str | None
-    early_stop: bool = True  # (the script's default: its clients stop once the conversations run out)
-    request_rate: float = 0.0  # (per client; 0: no pause)
-    seed: int = 0
+    client_options: dict = field(default_factory=dict)  # (the replay's client_* options: its clients)
     not_modelled: list[str] = field(default_factory=list)
 
     def note(self) -> str:
@@ -156,14 +154,20 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
                           "simkv keeps the file's lengths)")
     if args.request_rate < 0:
         raise CommandLineError(f"{source}: --request-rate {args.request_rate} must be 0 (no pause) or more")
-    for flag, given in (("--warmup-step", args.warmup_step),
-                        ("--max-num-requests", args.max_num_requests is not None),
-                        ("--conversation-sampling random", args.conversation_sampling == "random"),
-                        ("--max-retries", args.max_retries > 0)):
-        if given:
-            unmodelled.append(flag)
-    return MultiTurnCommand(trace, args.num_clients, active, args.model, not args.no_early_stop, args.request_rate,
-                            args.seed, unmodelled)
+    if args.max_num_requests is not None and args.max_num_requests // args.num_clients < 1:
+        raise CommandLineError(f"{source}: --max-num-requests {args.max_num_requests} is less than one request per "
+                               "client (the script refuses it too)")
+    if args.max_retries > 0:
+        unmodelled.append("--max-retries (its clients retry a failed request after a back-off)")
+    options = {"client_max_concurrency": args.num_clients, "client_max_active_sessions": active,
+               "client_rotation": True, "client_early_stop": not args.no_early_stop,
+               "client_conversation_sampling": args.conversation_sampling, "client_seed": args.seed,
+               "client_warmup": args.warmup_step}
+    if args.request_rate > 0:
+        options["client_request_rate"] = args.request_rate
+    if args.max_num_requests is not None:
+        options["client_max_requests"] = args.max_num_requests
+    return MultiTurnCommand(trace, args.num_clients, active, args.model, options, unmodelled)
 
 
 def multi_turn_report(summary: dict, requests) -> str:
@@ -171,12 +175,16 @@ def multi_turn_report(summary: dict, requests) -> str:
     request's send to its last one's end), requests per second, and per request TTFT, TPOT,
     latency, turns and tokens (count, mean, std, min, percentiles, max), over the requests that
     finished (with its early stop, those sent before the client stopped). Its input_num_tokens
-    counts the messages' text only: the prompt less the chat template's tokens."""
+    counts the messages' text only: the prompt less the chat template's tokens. After a warm-up
+    (--warmup-step) its requests are left out, and its time is printed beside, as the script does."""
     from simkv.traces.vllm_multi_turn import chat_template_tokens
 
     done = requests[requests["status"] == "finished"]
-    runtime = float(done["finish_time_s"].max() - done["arrival_time_s"].min()) if len(done) else 0.0
     pacing = summary.get("session_pacing", {})
+    warmup = pacing.get("warmup_end_s")
+    if warmup is not None:  # (the warm-up's requests are not counted)
+        done = done[done["arrival_time_s"] >= warmup]
+    runtime = float(done["finish_time_s"].max() - done["arrival_time_s"].min()) if len(done) else 0.0
     stop = pacing.get("early_stop_s")
     out = done["output_tokens"].to_numpy(dtype=np.float64)
     ttft = done["ttft_s"].to_numpy() * 1e3
@@ -191,6 +199,8 @@ def multi_turn_report(summary: dict, requests) -> str:
                if stop is not None else [])
     lines = ["-" * 100, "Statistics summary (simkv, simulated):", *stopped,
              f"runtime_sec = {runtime:.3f}", f"requests_per_sec = {len(done) / runtime if runtime else 0.0:.3f}",
+             *([f"warmup_runtime_sec = {warmup:.3f}", f"total_runtime_incl_warmup_sec = {runtime + warmup:.3f}"]
+               if warmup is not None else []),
              "-" * 100,
              f"{'':<18}{'count':>9}{'mean':>10}{'std':>10}{'min':>10}{'25%':>10}{'50%':>10}{'75%':>10}"
              f"{'90%':>10}{'99%':>10}{'max':>10}"]

@@ -255,7 +255,9 @@ def make_pacing(trace, rows: TraceRows, sc) -> Pacing | None:
         clients = sc.client_max_concurrency
         per_client = (sc.client_max_active_sessions or clients) // clients
         return RotatingClients(trace, rows, clients, per_client, *limits[1:], early_stop=sc.client_early_stop,
-                               request_rate=sc.client_request_rate, seed=sc.client_seed)
+                               request_rate=sc.client_request_rate, seed=sc.client_seed,
+                               sampling=sc.client_conversation_sampling, max_requests=sc.client_max_requests,
+                               warmup=sc.client_warmup)
     if sc.session_pacing and trace.session_id is not None:
         return SessionPacing(trace, rows, *limits, max_active=sc.client_max_active_sessions,
                              early_stop=sc.client_early_stop, request_rate=sc.client_request_rate,

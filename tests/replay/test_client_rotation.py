@@ -2,6 +2,7 @@
 benchmark's clients): simkv/replay/client_rotation.py."""
 
 import json
+import random
 from collections import Counter, deque
 
 import numpy as np
@@ -24,35 +25,92 @@ def benchmark_trace(tmp_path_factory):
     return multi_turn_trace(read_config(path))
 
 
-def _script_order(turns: list[int], per_client: int) -> list[tuple[int, int]]:
+def _script_order(turns: list[int], per_client: int, chooser: random.Random | None = None,
+                  max_requests: int | None = None, first_turn: int = 0) -> list[tuple[int, int]]:
     """One client of the benchmark script, written from its loop: (conversation, turn) in the
-    order it sends them. It fills up to `per_client` conversations from the queue (leaving when
-    the queue is empty), sends the next turn of the newest, and puts a conversation that goes on
-    at the back."""
-    queue, active, sent, order = deque(range(len(turns))), deque(), Counter(), []
-    while True:
+    order it sends them. It leaves after `max_requests`; it fills up to `per_client` conversations
+    from the queue (leaving when the queue is empty), sends the next turn of the newest (or, with
+    a `chooser`, of one drawn from those it has, in the order it took them), and puts a
+    conversation that goes on at the back. `first_turn`: 1 after a warm-up (conversations of one
+    turn are passed over)."""
+    queue = deque(c for c in range(len(turns)) if turns[c] > first_turn)
+    active, taken, sent, order = deque(), [], Counter({c: first_turn for c in range(len(turns))}), []
+    while max_requests is None or len(order) < max_requests:
         while len(active) < per_client and queue:
             active.append(queue.popleft())
+            taken.append(active[-1])
         if len(active) < per_client:
-            return order  # (the queue ran dry: the client leaves)
-        conversation = active.pop()
+            break  # (the queue ran dry: the client leaves)
+        if chooser is None:
+            conversation = active.pop()
+        else:
+            conversation = chooser.choice(taken)
+            active.remove(conversation)
         order.append((conversation, sent[conversation]))
         sent[conversation] += 1
         if sent[conversation] < turns[conversation]:
             active.appendleft(conversation)
+        else:
+            taken.remove(conversation)
+    return order
+
+
+def _sent_order(requests: pd.DataFrame) -> list[tuple[int, int]]:
+    sent = requests[requests["status"] != "not_sent"].sort_values("arrival_time_s")
+    parts = sent["request_id"].str.extract(r"CONV_ID_(\d+)/turn(\d+)").astype(int)
+    return list(zip(parts[0], parts[1]))
+
+
+def _turns(trace) -> list[int]:
+    return pd.Series(trace.session_id).value_counts().reindex([f"CONV_ID_{c}" for c in range(24)]).tolist()
+
+
+def _one_client(trace, per_client: int, **options) -> pd.DataFrame:
+    config = EngineConfig.from_flat({"client_max_concurrency": 1, "client_max_active_sessions": per_client,
+                                     "client_rotation": True, "model": "llama-3.1-8b"} | options)
+    return replay(trace, config).requests
+
+
+@pytest.mark.parametrize("per_client", [2, 5])
+def test_one_client_draws_its_conversations_as_the_script(benchmark_trace, per_client):
+    """--conversation-sampling random: Python's random.choice over the conversations the client
+    has, seeded --seed + client + 1."""
+    requests = _one_client(benchmark_trace, per_client, client_conversation_sampling="random", client_seed=5)
+    expected = _script_order(_turns(benchmark_trace), per_client, chooser=random.Random(5 + 0 + 1))
+    assert _sent_order(requests) == expected
+    assert expected != _script_order(_turns(benchmark_trace), per_client)
+
+
+def test_a_client_leaves_after_its_share_of_the_requests(benchmark_trace):
+    requests = _one_client(benchmark_trace, 3, client_max_requests=40, client_early_stop=True)
+    assert _sent_order(requests) == _script_order(_turns(benchmark_trace), 3, max_requests=40)
+    assert (requests["status"] == "not_sent").sum() == len(requests) - 40
+
+
+def test_a_warmup_sends_every_first_turn_alone_then_the_rest(benchmark_trace):
+    """--warmup-step: every conversation's first turn, one client after another taking them from
+    the queue; once all are answered the clients start over from the second turns (whose prompts
+    then find the first turns' blocks)."""
+    requests = _one_client(benchmark_trace, 3, client_warmup=True)
+    order = _sent_order(requests)
+    assert order[:24] == [(c, 0) for c in range(24)]
+    assert order[24:] == _script_order(_turns(benchmark_trace), 3, first_turn=1)
+    two = replay(benchmark_trace, EngineConfig.from_flat({
+        "client_max_concurrency": 2, "client_max_active_sessions": 6, "client_rotation": True,
+        "client_warmup": True, "client_early_stop": True, "model": "llama-3.1-8b"}))
+    end = two.summary["session_pacing"]["warmup_end_s"]
+    first = two.requests["request_id"].str.endswith("/turn0")
+    assert (two.requests.loc[first, "finish_time_s"] < end).all()
+    assert (two.requests.loc[~first & (two.requests["status"] == "finished"), "arrival_time_s"] >= end).all()
 
 
 @pytest.mark.parametrize("per_client", [1, 3])
 def test_one_client_sends_in_the_scripts_order(benchmark_trace, per_client):
-    config = EngineConfig.from_flat({"client_max_concurrency": 1, "client_max_active_sessions": per_client,
-                                     "client_rotation": True, "model": "llama-3.1-8b"})
-    requests = replay(benchmark_trace, config).requests
-    sent = requests[requests["status"] != "not_sent"].sort_values("arrival_time_s")
-    parts = sent["request_id"].str.extract(r"CONV_ID_(\d+)/turn(\d+)").astype(int)
-    turns = pd.Series(benchmark_trace.session_id).value_counts().reindex(
-        [f"CONV_ID_{c}" for c in range(24)]).tolist()
+    requests = _one_client(benchmark_trace, per_client)
+    turns = _turns(benchmark_trace)
     expected = _script_order(turns, per_client)
-    assert list(zip(parts[0], parts[1])) == expected
+    assert _sent_order(requests) == expected
+    sent = requests[requests["status"] != "not_sent"].sort_values("arrival_time_s")
     assert (sent["status"] == "finished").all() and len(requests) - len(sent) == sum(turns) - len(expected)
     if per_client == 1:
         assert len(expected) == sum(turns)  # (one conversation at a time: every turn)

@@ -48,15 +48,16 @@ def test_a_command_replays_as_the_trace_and_limits_it_names(generator, tmp_path)
 def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
     bench = multi_turn_command(f"--input-file {generator} -p 2 --request-rate 1 --warmup-step -k 4")
     assert bench.num_clients == 2 and bench.max_active_conversations == 4
-    assert bench.note() == "not modelled: --warmup-step"
-    note = multi_turn_command(f"-i {generator} --max-num-requests 40 --conversation-sampling random "
-                              "--max-retries 2").note()
-    for named in ("--max-num-requests", "--conversation-sampling random", "--max-retries"):
-        assert named in note
-    assert bench.early_stop and multi_turn_command(f"-i {generator}").note() == ""
-    assert not multi_turn_command(f"-i {generator} --no-early-stop").early_stop
+    assert bench.note() == "" and bench.client_options["client_warmup"]
+    taken = multi_turn_command(f"-i {generator} --max-num-requests 40 --conversation-sampling random -p 2")
+    assert taken.client_options["client_max_requests"] == 40 and taken.note() == ""
+    assert taken.client_options["client_conversation_sampling"] == "random"
+    assert "--max-retries" in multi_turn_command(f"-i {generator} --max-retries 2").note()
+    assert bench.client_options["client_early_stop"] and multi_turn_command(f"-i {generator}").note() == ""
+    assert not multi_turn_command(f"-i {generator} --no-early-stop").client_options["client_early_stop"]
     paced = multi_turn_command(f"-i {generator} -p 3 --request-rate 0.5 --seed 7")
-    assert (paced.request_rate, paced.seed) == (0.5, 7) and paced.note() == ""
+    assert paced.client_options["client_request_rate"] == 0.5 and paced.client_options["client_seed"] == 7
+    assert paced.note() == ""
     assert "answers end where the model ends them" in multi_turn_command(f"-i {generator} --limit-max-tokens -1").note()
 
 
@@ -85,6 +86,7 @@ def test_each_client_keeps_its_share_of_the_active_conversations(generator):
     ("--limit-max-tokens 64", "give both, min at most max"),
     ("--limit-min-tokens 96 --limit-max-tokens 64", "give both, min at most max"),
     ("--request-rate -1", "--request-rate -1.0 must be 0"),
+    ("--num-clients 4 --max-num-requests 3", "less than one request per client"),
 ])
 def test_commands_the_script_would_refuse_are_refused(generator, flags, message):
     with pytest.raises(CommandLineError, match=message):
