@@ -157,12 +157,22 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     if args.max_num_requests is not None and args.max_num_requests // args.num_clients < 1:
         raise CommandLineError(f"{source}: --max-num-requests {args.max_num_requests} is less than one request per "
                                "client (the script refuses it too)")
+    if args.request_timeout_sec <= 0:
+        raise CommandLineError(f"{source}: --request-timeout-sec {args.request_timeout_sec} must be positive (the "
+                               "script refuses it too)")
+    # its clients give up on a request after --request-timeout-sec (longer where max_tokens x 0.2 s is),
+    # retry it --max-retries times after 1, 2, 4 ... s, and leave once one failed for good
+    timeout = max(args.request_timeout_sec, int(int(trace.output_tokens.max()) * 0.2))
+    if timeout > args.request_timeout_sec and int(int(trace.output_tokens.min()) * 0.2) < timeout:
+        unmodelled.append(f"--request-timeout-sec raised per request for long answers (simkv waits the longest, "
+                          f"{timeout} s, for every request)")
     if args.max_retries > 0:
-        unmodelled.append("--max-retries (its clients retry a failed request after a back-off)")
+        unmodelled.append("the +/-10 % jitter of its back-off (simkv waits its mean)")
     options = {"client_max_concurrency": args.num_clients, "client_max_active_sessions": active,
                "client_rotation": True, "client_early_stop": not args.no_early_stop,
                "client_conversation_sampling": args.conversation_sampling, "client_seed": args.seed,
-               "client_warmup": args.warmup_step}
+               "client_warmup": args.warmup_step, "client_timeout_s": float(timeout),
+               "client_max_retries": args.max_retries, "client_retry_backoff_s": 1.0}
     if args.request_rate > 0:
         options["client_request_rate"] = args.request_rate
     if args.max_num_requests is not None:

@@ -32,6 +32,8 @@ import heapq
 import random
 from collections import deque
 
+import numpy as np
+
 from simkv.clock import TICKS_PER_SECOND
 from simkv.replay.engine import TraceRows
 from simkv.replay.sessions import SessionPacing
@@ -196,11 +198,19 @@ class RotatingClients(SessionPacing):
         self._end_warmup(tick)
         return dropped, self.next_ticks()
 
+    @property
+    def all_out(self) -> bool:
+        """As SessionPacing's, or every client left and none can send again (the conversations
+        still in the queue are never sent: the script discards them)."""
+        return super().all_out or (all(c.gone for c in self._clients) and self.num_in_flight == 0
+                                   and self.peek() is None)
+
     def successor_think(self, row: int) -> int | None:
         return 1  # (its client may send its next turn a tick after the reply)
 
     def not_sent(self) -> list[int]:
-        return sorted(self._left_behind + super().not_sent())
+        """Once the replay is over: the rows its clients never sent (left behind, or never reached)."""
+        return np.flatnonzero(np.frombuffer(bytes(self._out), dtype=np.uint8) == 0).tolist() + self._left_behind
 
     def summary(self) -> dict:
         section = super().summary()

@@ -449,7 +449,8 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
                                                   f"turn's time, by {sp['mean_start_delay_s']:,.2f} s on average"))
         if "sessions_per_client" in sp:
             rows.append(("clients (rotating)", f"{sp['clients']:,} of {sp['sessions_per_client']:,} conversations each; "
-                                               f"{sp['clients_left']:,} left finding none to take"))
+                                               f"{sp['clients_left']:,} left early (none to take, their share of "
+                                               "requests sent, or a request failed)"))
         if "request_rate" in sp:
             rows.append(("client request rate", f"{sp['request_rate']:g} req/s per client ({sp['clients']:,} "
                                                 f"clients): {sp['mean_pause_s']:,.2f} s paused after a request "

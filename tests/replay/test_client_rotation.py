@@ -169,3 +169,18 @@ def test_rotation_needs_clients():
         EngineConfig.from_flat({"client_rotation": True})
     with pytest.raises(ConfigError, match="gives none of the 4 clients"):
         EngineConfig.from_flat({"client_rotation": True, "client_max_concurrency": 4, "client_max_active_sessions": 2})
+
+
+def test_a_request_that_times_out_ends_its_client(benchmark_trace):
+    """The script's client leaves once a request failed for good by a time-out (an exception):
+    one client sends the script's order up to that request, and nothing after it."""
+    requests = _one_client(benchmark_trace, 3, client_timeout_s=0.7)
+    order = _sent_order(requests[requests["status"] != "abandoned"])
+    timed_out = requests[requests["status"] == "timed_out"]
+    assert len(timed_out) == 1
+    c, t = timed_out["request_id"].iloc[0].removeprefix("CONV_ID_").split("/turn")
+    expected = _script_order(_turns(benchmark_trace), 3)
+    assert order == expected[:expected.index((int(c), int(t))) + 1]
+    later = requests["request_id"].str.startswith(f"CONV_ID_{c}/") & (
+        requests["request_id"].str.split("/turn").str[1].astype(int) > int(t))
+    assert (requests.loc[later, "status"] == "abandoned").all() and later.any()

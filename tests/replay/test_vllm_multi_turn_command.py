@@ -27,7 +27,8 @@ def test_a_command_replays_as_the_trace_and_limits_it_names(generator, tmp_path)
     out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "a")])
     cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--out", str(tmp_path / "t.parquet")])
     cli_ok(["replay", str(tmp_path / "t.parquet"), "--model", "llama-3.1-8b", "--client-max-concurrency", "2",
-            "--client-max-active-sessions", "6", "--client-rotation", "--out", str(tmp_path / "b")])
+            "--client-max-active-sessions", "6", "--client-rotation", "--client-timeout", "120",
+            "--out", str(tmp_path / "b")])
     a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
     pd.testing.assert_frame_equal(a, b)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
@@ -52,7 +53,11 @@ def test_flags_the_script_has_and_simkv_does_not_model_are_named(generator):
     taken = multi_turn_command(f"-i {generator} --max-num-requests 40 --conversation-sampling random -p 2")
     assert taken.client_options["client_max_requests"] == 40 and taken.note() == ""
     assert taken.client_options["client_conversation_sampling"] == "random"
-    assert "--max-retries" in multi_turn_command(f"-i {generator} --max-retries 2").note()
+    retrying = multi_turn_command(f"-i {generator} --max-retries 2 --request-timeout-sec 30")
+    assert "jitter of its back-off" in retrying.note()
+    assert (retrying.client_options["client_max_retries"], retrying.client_options["client_timeout_s"]) == (2, 30.0)
+    long_answers = multi_turn_command(f"-i {generator} --limit-min-tokens 1000 --limit-max-tokens 1000")
+    assert long_answers.client_options["client_timeout_s"] == 200.0  # (max_tokens x 0.2 s, past 120 s)
     assert bench.client_options["client_early_stop"] and multi_turn_command(f"-i {generator}").note() == ""
     assert not multi_turn_command(f"-i {generator} --no-early-stop").client_options["client_early_stop"]
     paced = multi_turn_command(f"-i {generator} -p 3 --request-rate 0.5 --seed 7")
@@ -87,6 +92,7 @@ def test_each_client_keeps_its_share_of_the_active_conversations(generator):
     ("--limit-min-tokens 96 --limit-max-tokens 64", "give both, min at most max"),
     ("--request-rate -1", "--request-rate -1.0 must be 0"),
     ("--num-clients 4 --max-num-requests 3", "less than one request per client"),
+    ("--request-timeout-sec 0", "--request-timeout-sec 0 must be positive"),
 ])
 def test_commands_the_script_would_refuse_are_refused(generator, flags, message):
     with pytest.raises(CommandLineError, match=message):
@@ -193,7 +199,7 @@ def test_a_request_rate_replays_as_the_clients_pauses(generator, tmp_path):
     cli_ok(["trace", "from-vllm-multi-turn", str(generator), "--seed", "4", "--out", str(tmp_path / "w.parquet")])
     cli_ok(["replay", str(tmp_path / "w.parquet"), "--model", "llama-3-8b", "--client-max-concurrency", "3",
             "--client-max-active-sessions", "3", "--client-rotation", "--client-early-stop", "--client-request-rate", "0.5",
-            "--client-seed", "4", "--out", str(tmp_path / "b")])
+            "--client-seed", "4", "--client-timeout", "120", "--out", str(tmp_path / "b")])
     a, b = (pd.read_parquet(tmp_path / d / "requests.parquet") for d in "ab")
     pd.testing.assert_frame_equal(a, b)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
