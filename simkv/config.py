@@ -423,6 +423,8 @@ class SchedulerConfig:
             if (self.client_max_active_sessions or self.client_max_concurrency) < self.client_max_concurrency:
                 raise ConfigError(f"client_rotation: client_max_active_sessions {self.client_max_active_sessions} "
                                   f"gives none of the {self.client_max_concurrency} clients a conversation")
+        if not 0 <= self.client_seed < 2**31:
+            raise ConfigError(f"client_seed must be a whole number from 0 to 2**31 - 1, got {self.client_seed}")
         if self.client_conversation_sampling not in ("round_robin", "random"):
             raise ConfigError(f"client_conversation_sampling must be round_robin or random, got "
                               f"{self.client_conversation_sampling!r}")
@@ -1625,7 +1627,9 @@ class EngineConfig:
         if not self.scheduler.client_early_stop:  # (likewise)
             del out["client_early_stop"]
         if self.scheduler.client_request_rate is None:  # (likewise)
-            del out["client_request_rate"], out["client_seed"]
+            del out["client_request_rate"]
+            if not self.scheduler.client_rotation:  # (its random conversation sampling draws from it)
+                del out["client_seed"]
         if not self.scheduler.client_rotation:  # (likewise)
             del out["client_rotation"], out["client_conversation_sampling"], out["client_max_requests"]
             del out["client_warmup"]

@@ -32,8 +32,6 @@ import heapq
 import random
 from collections import deque
 
-import numpy as np
-
 from simkv.clock import TICKS_PER_SECOND
 from simkv.replay.engine import TraceRows
 from simkv.replay.sessions import SessionPacing
@@ -210,7 +208,7 @@ class RotatingClients(SessionPacing):
 
     def not_sent(self) -> list[int]:
         """Once the replay is over: the rows its clients never sent (left behind, or never reached)."""
-        return np.flatnonzero(np.frombuffer(bytes(self._out), dtype=np.uint8) == 0).tolist() + self._left_behind
+        return self._never_out() + self._left_behind
 
     def summary(self) -> dict:
         section = super().summary()

@@ -127,6 +127,10 @@ class Pacing:
     def all_out(self) -> bool:
         return self.num_out >= self._num_rows
 
+    def _never_out(self) -> list[int]:
+        """The rows neither handed out nor dropped (so far)."""
+        return np.flatnonzero(np.frombuffer(bytes(self._out), dtype=np.uint8) == 0).tolist()
+
     def peek(self) -> tuple[int, int] | None:
         """The next row due, as (tick, row), without handing it out (None: none is, until a release)."""
         if not self._ready:
@@ -358,9 +362,7 @@ class SessionPacing(Pacing):
 
     def not_sent(self) -> list[int]:
         """The rows never sent because the client stopped (early stop), once the replay is over."""
-        if self.stop_tick is None:
-            return []
-        return np.flatnonzero(np.frombuffer(bytes(self._out), dtype=np.uint8) == 0).tolist()
+        return [] if self.stop_tick is None else self._never_out()
 
     def _start_next(self, row: int, tick: int) -> None:
         """Row `row`'s conversation ended at `tick`: the next waiting one starts a tick later (after
@@ -428,8 +430,8 @@ class SessionPacing(Pacing):
 
 
 def mark_not_sent(requests, pacing) -> None:
-    """The rows of `requests` (requests.parquet's table) that `pacing`'s client never sent
-    because it stopped early: status not_sent."""
+    """The rows of `requests` (requests.parquet's table) that `pacing`'s clients never sent
+    (they stopped early, or left): status not_sent."""
     rows = pacing.not_sent() if isinstance(pacing, SessionPacing) else []
     if rows:
         requests.loc[rows, "status"] = "not_sent"
@@ -457,9 +459,8 @@ def pacing_rows(summary: dict) -> list[tuple[str, str]]:
                                                 "on average"))
         if "early_stop_s" in sp:
             stop = sp["early_stop_s"]
-            rows.append(("early stop", "never (no conversation ended)" if stop is None
-                         else f"at {stop:,.3f} s (no conversation left to start); "
-                              f"{sp['turns_not_sent']:,} turns not sent"))
+            rows.append(("early stop", "never" if stop is None
+                         else f"at {stop:,.3f} s; {sp['turns_not_sent']:,} turns not sent"))
     if summary.get("client_concurrency"):
         cc = summary["client_concurrency"]
         limits = [f"{cc[key]:,} {what}" for key, what in (("max_concurrency", "requests"),
