@@ -167,7 +167,9 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
         unmodelled.append(f"--request-timeout-sec raised per request for long answers (simkv waits the longest, "
                           f"{timeout} s, for every request)")
     if args.max_retries > 0:
-        unmodelled.append("the +/-10 % jitter of its back-off (simkv waits its mean)")
+        unmodelled.append("the +/-10 % jitter of its back-off (simkv waits its mean, and its --request-rate pauses "
+                          "do not skip the jitter's draws)" if args.request_rate > 0
+                          else "the +/-10 % jitter of its back-off (simkv waits its mean)")
     options = {"client_max_concurrency": args.num_clients, "client_max_active_sessions": active,
                "client_rotation": True, "client_early_stop": not args.no_early_stop,
                "client_conversation_sampling": args.conversation_sampling, "client_seed": args.seed,

@@ -178,24 +178,40 @@ def _record(status: str, slo_ms: dict, target: float, tolerance: float, base_rat
     }
 
 
+def _per_client(config) -> tuple[int, int | None]:
+    """Rotating clients (vLLM's multi-turn benchmark's): the conversations each keeps in progress
+    and the requests each sends at most, as `config` gives them to its clients; (1, None) else."""
+    sc = config.scheduler
+    if not sc.client_rotation:
+        return 1, None
+    clients = sc.client_max_concurrency
+    share = None if sc.client_max_requests is None else sc.client_max_requests // clients
+    return (sc.client_max_active_sessions or clients) // clients, share
+
+
 def client_options(trace, config, clients: int):
     """`config` with `clients` clients in a closed loop: at most that many requests in flight
     (client_max_concurrency) and, where the trace's sessions are paced on their replies, one
     conversation in progress each (client_max_active_sessions: vLLM's multi-turn benchmark's
-    default, one active conversation per client)."""
+    default, one active conversation per client), or as many as each of `config`'s rotating
+    clients keeps (and the same share of a cap on requests)."""
     paced = trace.session_id is not None and config.scheduler.session_pacing
+    per_client, share = _per_client(config)
     sc = replace(config.scheduler, client_max_concurrency=clients,
-                 **({"client_max_active_sessions": clients} if paced else {}))
+                 **({"client_max_active_sessions": clients * per_client} if paced else {}),
+                 **({"client_max_requests": clients * share} if share is not None else {}))
     return replace(config, scheduler=sc)
 
 
 def max_clients_bound(trace, config) -> int:
     """More clients than this change nothing: one per request, or per conversation where the
-    trace's sessions are paced."""
+    trace's sessions are paced (per so many conversations for rotating clients that keep
+    several)."""
     if trace.session_id is not None and config.scheduler.session_pacing:
         from simkv.replay.sessions import next_turns
 
-        return int(len(trace.session_id) - np.count_nonzero(next_turns(trace.session_id) >= 0))
+        conversations = int(len(trace.session_id) - np.count_nonzero(next_turns(trace.session_id) >= 0))
+        return max(1, conversations // _per_client(config)[0])
     return len(trace.arrival_time_s)
 
 
@@ -212,7 +228,8 @@ def search_max_clients(trace, config, slo_ms: dict, *, target: float = 0.99, tol
                        cost_model: str = "roofline", cost_options: dict | None = None, max_probes: int = 40,
                        on_probe=None, fleet=None, disaggregation=None) -> dict:
     """The most clients of a closed loop (`client_options`: each keeps one request in flight,
-    and one conversation in progress where the trace's sessions are paced) for which the target
+    and one conversation in progress where the trace's sessions are paced, or as many as each of
+    `config`'s rotating clients keeps) for which the target
     share of the trace's requests meets every SLO. The trace's times still bound when a request
     may go (all at once: a pure closed loop). The search doubles the clients from 1 until a
     probe misses the target, then bisects (whole clients) until the bracket is within

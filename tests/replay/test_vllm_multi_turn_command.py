@@ -222,3 +222,18 @@ def test_vllms_readme_example_sends_the_requests_it_counted(generator, tmp_path)
                                        "17.00"]
     assert rows["output_num_tokens"] == ["166.0", "100.01", "11.80", "80.00", "91.00", "99.00", "109.75", "116.00",
                                          "120.00", "120.00"]
+
+
+def test_goodput_keeps_the_commands_conversations_per_client(generator):
+    """A command whose clients keep 3 conversations each (-p 2 -k 6) is searched with 3 a client:
+    5 clients keep 15, and more than 24 // 3 = 8 clients change nothing."""
+    from simkv.config import EngineConfig
+    from simkv.studies.goodput_search import client_options, max_clients_bound
+
+    bench = multi_turn_command(f"-i {generator} -p 2 -k 6 --max-num-requests 40")
+    config = EngineConfig.from_flat(bench.client_options)
+    five = client_options(bench.trace, config, 5).scheduler
+    assert (five.client_max_concurrency, five.client_max_active_sessions, five.client_max_requests) == (5, 15, 100)
+    assert max_clients_bound(bench.trace, config) == 8
+    one_each = EngineConfig.from_flat({"client_max_concurrency": 2})
+    assert client_options(bench.trace, one_each, 5).scheduler.client_max_active_sessions == 5
