@@ -194,8 +194,9 @@ NO_STEPS = {"available": False, "reason": "vLLM's benchmark client records no en
 
 
 def compare_runs(sim_dir: str | Path, meas_dir: str | Path, targets: str | None = None,
-                 metrics: tuple[str, str] | None = None) -> dict:
-    (sim, sim_req, sim_steps, _), (meas, meas_req, meas_steps, _) = load_pair(sim_dir, meas_dir, metrics)
+                 metrics: tuple[str, str] | None = None, pair: tuple | None = None) -> dict:
+    """compare.json's record of the two runs (`pair`: `load_pair`'s, when already loaded)."""
+    (sim, sim_req, sim_steps, _), (meas, meas_req, meas_steps, _) = pair or load_pair(sim_dir, meas_dir, metrics)
     rows = metric_rows(sim, meas)
     _, req = request_comparison(sim_req, meas_req)
     stepped = meas_steps is not None
@@ -297,8 +298,9 @@ def _bench_lines(bench: dict) -> list[str]:
     return lines
 
 
-def to_html(result: dict, sim_dir, meas_dir, metrics: tuple[str, str] | None = None) -> str:
-    (sim, sim_req, sim_steps, (si_v, si_w)), (_, meas_req, meas_steps, (me_v, me_w)) = load_pair(sim_dir, meas_dir, metrics)
+def to_html(result: dict, sim_dir, meas_dir, metrics: tuple[str, str] | None = None, pair: tuple | None = None) -> str:
+    (sim, sim_req, sim_steps, (si_v, si_w)), (_, meas_req, meas_steps, (me_v, me_w)) = (
+        pair or load_pair(sim_dir, meas_dir, metrics))
     both, _ = request_comparison(sim_req, meas_req)
     rows = "".join(
         f"<tr><td>{html.escape(r['metric'])}</td><td>{_num(r['simulated'])}</td><td>{_num(r['measured'])}</td>"
@@ -356,9 +358,10 @@ def _cost_model_charts(sim: dict, meas_dir) -> list[str]:
 def write_comparison(sim_dir, meas_dir, out_dir, targets: str | None = None,
                      metrics: tuple[str, str] | None = None) -> dict:
     out = Path(out_dir)
-    result = compare_runs(sim_dir, meas_dir, targets, metrics)
+    pair = load_pair(sim_dir, meas_dir, metrics)  # (read once, for the record and the page)
+    result = compare_runs(sim_dir, meas_dir, targets, metrics, pair)
     texts = {"compare.json": json.dumps(result, indent=2) + "\n", "compare.md": to_markdown(result),
-             "report.html": to_html(result, sim_dir, meas_dir, metrics)}  # all made before any is written
+             "report.html": to_html(result, sim_dir, meas_dir, metrics, pair)}  # all made before any is written
     out.mkdir(parents=True, exist_ok=True)
     from simkv.atomic import atomic_write
 
