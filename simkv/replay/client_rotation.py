@@ -18,7 +18,8 @@ that tick.
 
 With a warm-up (`client_warmup`, the script's --warmup-step) the clients first send every
 conversation's first turn alone (one conversation each, no early stop); once all are done, the
-clients start over, their random states too, on every conversation from its second turn.
+clients start over, their random states too, from the second turn of every conversation whose
+first turn was answered (the script goes on with the conversations its warm-up returned).
 
 Where M = N this is SessionPacing's shared pool of due turns (one conversation per client), turn
 for turn. Client c is given conversations c k .. c k + k - 1 first (the benchmark's processes race
@@ -74,6 +75,7 @@ class RotatingClients(SessionPacing):
         self.warmup = warmup
         self.warmup_end_tick: int | None = None  # when the clients started over after the warm-up
         self._warmup_leave = 0  # the last client's leaving of the warm-up (after its pause)
+        self._warmed: set[int] = set()  # the conversations whose first turn the warm-up had answered
         self._start_clients(0)
 
     @property
@@ -85,9 +87,10 @@ class RotatingClients(SessionPacing):
         if self._warming_up:
             self._unstarted = deque(self._first_rows)
         else:
-            # (after a warm-up: from the second turn, of the conversations whose first turn went well)
-            start = (lambda first: self.next_turn[first]) if self.warmup else (lambda first: first)
-            self._unstarted = deque(row for row in map(start, self._first_rows) if row >= 0 and not self._out[row])
+            # (after a warm-up: from the second turn, of the conversations whose first turn was answered)
+            rows = ([self.next_turn[first] for first in self._first_rows if first in self._warmed] if self.warmup
+                    else self._first_rows)
+            self._unstarted = deque(row for row in rows if row >= 0)
         self._clients = [_Client() for _ in range(self.num_clients)]
         self._client_rngs = {}
         self._choosers: dict[int, random.Random] = {}
@@ -149,6 +152,8 @@ class RotatingClients(SessionPacing):
         client = int(self._client[row])
         state = self._clients[client]
         first, nxt = self._conversation[row], self.next_turn[row]
+        if goes_on and self._warming_up:
+            self._warmed.add(first)
         if goes_on and nxt >= 0 and not self._warming_up:
             self._turn_ready[nxt] = max(tick + self.think_ticks[nxt], self._trace_ticks[nxt])
             state.active[first] = nxt

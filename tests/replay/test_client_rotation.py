@@ -184,3 +184,13 @@ def test_a_request_that_times_out_ends_its_client(benchmark_trace):
     later = requests["request_id"].str.startswith(f"CONV_ID_{c}/") & (
         requests["request_id"].str.split("/turn").str[1].astype(int) > int(t))
     assert (requests.loc[later, "status"] == "abandoned").all() and later.any()
+
+
+def test_a_warmup_cut_short_leaves_the_conversations_it_did_not_answer(benchmark_trace):
+    """With a request cap the warm-up's client leaves after its share: the benchmark proper goes
+    on with the conversations the warm-up answered only, from their second turns."""
+    requests = _one_client(benchmark_trace, 2, client_warmup=True, client_max_requests=10)
+    order = _sent_order(requests)
+    assert order[:10] == [(c, 0) for c in range(10)]
+    assert {c for c, _ in order[10:]} <= set(range(10)) and all(t >= 1 for _, t in order[10:])
+    assert len(order) == 20  # (ten in each phase: the client's share)
