@@ -789,6 +789,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
 
             click.echo(bench_report(result.summary, result.requests))
         if vllm_multi_turn:  # (likewise, the multi-turn benchmark's statistics)
-            from simkv.cli.vllm_multi_turn_command import multi_turn_report
+            from simkv.cli.vllm_multi_turn_command import command_args, multi_turn_report
 
-            click.echo(multi_turn_report(result.summary, result.requests))
+            stream = not command_args(vllm_multi_turn).no_stream  # (its flags only: the trace is built)
+            click.echo(multi_turn_report(result.summary, result.requests, stream))

@@ -182,13 +182,15 @@ def multi_turn_command(text: str, source: str = "--vllm-multi-turn") -> MultiTur
     return MultiTurnCommand(trace, args.num_clients, active, args.model, options, unmodelled)
 
 
-def multi_turn_report(summary: dict, requests) -> str:
+def multi_turn_report(summary: dict, requests, stream: bool = True) -> str:
     """The statistics the script prints, from a replay of its traffic: runtime (its first
     request's send to its last one's end), requests per second, and per request TTFT, TPOT,
     latency, turns and tokens (count, mean, std, min, percentiles, max), over the requests that
     finished (with its early stop, those sent before the client stopped). Its input_num_tokens
     counts the messages' text only: the prompt less the chat template's tokens. After a warm-up
-    (--warmup-step) its requests are left out, and its time is printed beside, as the script does."""
+    (--warmup-step) its requests are left out, and its time is printed beside, as the script does.
+    Without streaming (`stream` False: its --no-stream) it takes the whole answer's time as TTFT and
+    has no TPOT (0), as the script does."""
     from simkv.traces.vllm_multi_turn import chat_template_tokens
 
     done = requests[requests["status"] == "finished"]
@@ -202,6 +204,8 @@ def multi_turn_report(summary: dict, requests) -> str:
     ttft = done["ttft_s"].to_numpy() * 1e3
     latency = done["e2e_s"].to_numpy() * 1e3
     tpot = np.where(out > 1, (latency - ttft) / np.maximum(out - 1, 1), 0.0)
+    if not stream:  # (one chunk, at the end)
+        ttft, tpot = latency, np.zeros_like(latency)
     turns = np.array([2 * int(rid.rsplit("/turn", 1)[1]) + 1 if "/turn" in rid else 1
                       for rid in done["request_id"].tolist()], dtype=np.float64)
     text_tokens = done["prompt_tokens"].to_numpy(dtype=np.float64) - chat_template_tokens(turns)  # (what it counts)

@@ -7,7 +7,9 @@ the chat template), ``output_num_tokens``, ``conversation_id`` and ``client_id``
 Each is matched to the simulated run's request ``<conversation_id>/turn<k>`` (the names
 `simkv replay --vllm-multi-turn` and `simkv trace from-vllm-multi-turn` give). The benchmark
 counts only the requests it sent before it stopped, so both sides are compared over the
-matched requests: the simulated run's figures are recomputed over them (duration from the first
+matched requests (and where it did not stream, `output_num_chunks` 0 everywhere, its TTFT is the
+whole answer's time and it has no TPOT: the simulated TTFT is taken as the whole answer's too,
+and TPOT is left out): the simulated run's figures are recomputed over them (duration from the first
 send to the last finish, throughputs, TTFT, TPOT, E2E); its engine-wide figures (steps,
 preemptions, prefix hits) stay the whole run's, and the benchmark measures none of them.
 """
@@ -69,6 +71,7 @@ def load_multi_turn_run(path: str | Path, records: list[dict], sim: dict, sim_re
     if absent:
         raise ValueError(f"{path}: request '{absent[0]}' (and {len(absent) - 1} more) is not in the simulated run: "
                          "simulate the same command (simkv replay --vllm-multi-turn) or its generator file")
+    streamed = not all(r.get("output_num_chunks", 1) == 0 for r in records)  # (--no-stream: none)
     start = np.array([r["start_time_ms"] for r in records], dtype=float) / 1e3
     latency = np.array([r["latency_ms"] for r in records], dtype=float) / 1e3
     measured = pd.DataFrame({
@@ -76,12 +79,14 @@ def load_multi_turn_run(path: str | Path, records: list[dict], sim: dict, sim_re
         "prompt_tokens": known.loc[ids, "prompt_tokens"].to_numpy(),
         "output_tokens": np.array([r["output_num_tokens"] for r in records], dtype=np.int64),
         "queue_s": np.nan, "ttft_s": np.array([r["ttft_ms"] for r in records], dtype=float) / 1e3, "e2e_s": latency,
-        "mean_itl_s": np.array([r["tpot_ms"] for r in records], dtype=float) / 1e3})
+        "mean_itl_s": np.array([r["tpot_ms"] if streamed else np.nan for r in records], dtype=float) / 1e3})
     meas = _summary({"backend": "vllm-multi-turn", "device": None, "config": {}, "trace": None},
                     measured, start, start + latency)
     meas["vllm_bench"] = {"tool": "vLLM's multi-turn benchmark", "completed": len(records), "failed": 0,
                           "clients": len({r.get("client_id") for r in records})}
     sim_sub = sim_requests[sim_requests["request_id"].isin(set(ids)) & (sim_requests["status"] == "finished")]
+    if not streamed:  # (one chunk, at the end)
+        sim_sub = sim_sub.assign(ttft_s=sim_sub["e2e_s"], mean_itl_s=np.nan)
     sim_sent = sim_sub["arrival_time_s"].to_numpy()
     sim_out = _summary(sim, sim_sub, sim_sent, sim_sub["finish_time_s"].to_numpy())
     return sim_out, sim_sub.reset_index(drop=True), meas, measured

@@ -237,3 +237,30 @@ def test_goodput_keeps_the_commands_conversations_per_client(generator):
     assert max_clients_bound(bench.trace, config) == 8
     one_each = EngineConfig.from_flat({"client_max_concurrency": 2})
     assert client_options(bench.trace, one_each, 5).scheduler.client_max_active_sessions == 5
+
+
+def test_without_streaming_the_script_takes_the_whole_answer_as_ttft(generator, tmp_path):
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --no-stream"
+    out = cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path)])
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("ttft_ms", "tpot_ms", "latency_ms"))}
+    assert rows["ttft_ms"] == rows["latency_ms"] and set(rows["tpot_ms"][1:]) == {"0.00"}
+
+
+def test_compare_takes_a_run_without_streaming(generator, tmp_path):
+    """A --no-stream run's records (no chunks; TTFT = the whole answer's time, TPOT 0): the
+    simulated TTFT is compared as the whole answer's time, and TPOT is left out."""
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --no-stream"
+    cli_ok(["replay", "--vllm-multi-turn", command, "--out", str(tmp_path / "sim")])
+    req = pd.read_parquet(tmp_path / "sim" / "requests.parquet")
+    req = req[req["status"] == "finished"]
+    parts = req["request_id"].str.rsplit("/turn", n=1, expand=True)
+    records = [{"ttft_ms": 1e3 * r.e2e_s, "tpot_ms": 0.0, "latency_ms": 1e3 * r.e2e_s,
+                "start_time_ms": 1e3 * r.arrival_time_s, "input_num_turns": 2 * int(t) + 1,
+                "output_num_tokens": int(r.output_tokens), "output_num_chunks": 0, "conversation_id": c}
+               for r, c, t in zip(req.itertuples(), parts[0], parts[1])]
+    (tmp_path / "stats.json").write_text(json.dumps(records))
+    cli_ok(["compare", str(tmp_path / "sim"), str(tmp_path / "stats.json"), "--out", str(tmp_path / "cmp")])
+    rows = {r["metric"]: r for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())["metrics"]}
+    assert rows["ttft_s.p50"]["rel_error"] == pytest.approx(0, abs=1e-9)
+    assert rows["tpot_s.p50"]["measured"] is None and rows["tpot_s.p50"]["simulated"] is None
