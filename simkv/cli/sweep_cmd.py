@@ -23,10 +23,11 @@ def _check_cost_model(value) -> None:
 
 def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
          cost_model: str, goodput: tuple[str, ...] = (), vllm_serve: str | None = None,
-         vllm_bench: str | None = None, out_dir: str | None = None):
+         vllm_bench: str | None = None, out_dir: str | None = None, vllm_multi_turn: str | None = None):
     """Cells and swept keys from the command line; raises SweepError / click.BadParameter.
     `vllm_bench`: a `vllm bench serve` command whose traffic is written into `out_dir` as one
-    more trace (its --max-concurrency and --goodput fixed unless given)."""
+    more trace (its --max-concurrency and --goodput fixed unless given); `vllm_multi_turn`: vLLM's
+    multi-turn benchmark's command likewise (its clients fixed unless given)."""
     from simkv.replay.goodput import GoodputError, parse_goodput
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
     from simkv.sweep.grid import normalize_key
@@ -52,8 +53,10 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
                 slo = parse_goodput(bench_goodput)
             except GoodputError as exc:
                 raise SweepError(str(exc)) from None
+    if vllm_multi_turn:
+        traces = (*traces, _multi_turn_trace(vllm_multi_turn, fixed, out_dir))
     if not traces:
-        raise SweepError("TRACE: give one or more traces, or --vllm-bench")
+        raise SweepError("TRACE: give one or more traces, --vllm-bench or --vllm-multi-turn")
     for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
         _check_cost_model(value)
     for trace in traces:
@@ -86,6 +89,32 @@ def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[st
     return path, bench.goodput
 
 
+def _multi_turn_trace(command: str, fixed: dict, out_dir: str) -> str:
+    """Write the multi-turn benchmark command's conversations into the sweep folder, its clients
+    (and its model) into `fixed` where not given; the trace's path."""
+    from simkv.cli.replay_cmd import _say_once
+    from simkv.cli.vllm_command_line import CommandLineError
+    from simkv.cli.vllm_multi_turn_command import multi_turn_command
+    from simkv.cli.vllm_serve import ServeCommandError, resolve_model
+    from simkv.sweep import SweepError
+    from simkv.traces.schema import write_trace
+
+    try:
+        bench = multi_turn_command(command)
+        if bench.model is not None:
+            fixed.setdefault("model", resolve_model(bench.model))
+    except (CommandLineError, ConfigError, ServeCommandError) as exc:
+        raise SweepError(str(exc)) from None
+    if bench.note():
+        _say_once(bench.note())
+    for key, value in bench.client_options.items():
+        fixed.setdefault(key, value)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = str(Path(out_dir) / "vllm_multi_turn_trace.parquet")
+    write_trace(bench.trace, path)
+    return path
+
+
 @click.command("sweep")
 @click.argument("traces", nargs=-1, required=False)
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
@@ -97,6 +126,10 @@ def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[st
 @click.option("--vllm-bench", "vllm_bench", default=None, metavar="COMMAND|@FILE",
               help="One more trace: the traffic of a `vllm bench serve` command, written into the sweep folder "
                    "(its --max-concurrency and --goodput hold in every cell unless given).")
+@click.option("--vllm-multi-turn", "vllm_multi_turn", default=None, metavar="COMMAND|@FILE",
+              help="One more trace: the conversations of vLLM's multi-turn benchmark command "
+                   "(benchmark_serving_multi_turn.py --input-file GEN.json ...), written into the sweep folder "
+                   "(its clients hold in every cell unless given).")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="Cost model of every cell unless swept.")
 @click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
@@ -110,7 +143,8 @@ def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[st
 @click.option("--quiet", is_flag=True, help="No progress bar or summary line.")
 def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
               cost_model: str, out_dir: str, executor: str, workers: int | None, ray_address: str | None,
-              quiet: bool, goodput: tuple[str, ...], vllm_serve: str | None, vllm_bench: str | None) -> None:
+              quiet: bool, goodput: tuple[str, ...], vllm_serve: str | None, vllm_bench: str | None,
+              vllm_multi_turn: str | None) -> None:
     """Replay every TRACE under every combination of the --grid options; write DIR/sweep.parquet,
     DIR/sweep.md and DIR/plots.html. Exits 1 when a cell failed (the table is still written)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -119,7 +153,7 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
 
     try:
         cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput, vllm_serve, vllm_bench,
-                                 out_dir)
+                                 out_dir, vllm_multi_turn)
     except click.BadParameter as exc:
         raise click.ClickException(exc.format_message()) from None
     except SweepError as exc:

@@ -264,3 +264,18 @@ def test_compare_takes_a_run_without_streaming(generator, tmp_path):
     rows = {r["metric"]: r for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())["metrics"]}
     assert rows["ttft_s.p50"]["rel_error"] == pytest.approx(0, abs=1e-9)
     assert rows["tpot_s.p50"]["measured"] is None and rows["tpot_s.p50"]["simulated"] is None
+
+
+def test_a_sweep_over_a_multi_turn_command(generator, tmp_path):
+    """`simkv sweep --vllm-multi-turn`: its conversations written into the sweep folder, its
+    clients held in every cell (each cell is the replay of the command under that cell's options)."""
+    command = f"python benchmark_serving_multi_turn.py -i {generator} --num-clients 2 --max-active-conversations 6"
+    cli_ok(["sweep", "--vllm-multi-turn", command, "--grid", "block_size=16,32", "--out", str(tmp_path / "sw"),
+            "--quiet", "--workers", "1"])
+    table = pd.read_parquet(tmp_path / "sw" / "sweep.parquet")
+    assert len(table) == 2 and (table["status"] == "ok").all() and (table["peak_running"] <= 2).all()
+    cli_ok(["replay", "--vllm-multi-turn", command, "--block-size", "32", "--out", str(tmp_path / "one")])
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    cell = table[table["block_size"] == 32].iloc[0]
+    assert cell["num_finished"] == one["num_finished"] and cell["duration_s"] == pytest.approx(one["duration_s"])
+    assert "--vllm-multi-turn" in cli_fails(["sweep", "--grid", "block_size=16", "--out", str(tmp_path / "x")])
