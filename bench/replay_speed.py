@@ -11,6 +11,8 @@ within 3 minutes at <= 2 GB peak memory).
                                                         # sessions), sessions paced on their replies / open loop
     .venv/bin/python bench/replay_speed.py chat-clients # the same chat turns from 1,024 clients, one conversation
                                                         # each (client limits: Budget per send and release)
+    .venv/bin/python bench/replay_speed.py chat-rotation # the same from 1,024 rotating clients of 4 conversations
+                                                        # each (vLLM's multi-turn benchmark's clients)
     .venv/bin/python bench/replay_speed.py azure-tokens # the Azure trace behind a KV-footprint gateway of 233,280
                                                         # tokens (--client-max-inflight-tokens)
     .venv/bin/python bench/replay_speed.py azure-pd4    # the Azure trace at 4x its rate on 2 prefill + 2 decode
@@ -104,7 +106,7 @@ def load(case: str):
 
         trace = import_trace("azure", [AZURE])[0]
         return replace(trace, arrival_time_s=trace.arrival_time_s / 4.0)
-    if case in ("chat-paced", "chat-open", "chat-clients"):
+    if case in ("chat-paced", "chat-open", "chat-clients", "chat-rotation"):
         from simkv.traces.synth_sessions import SessionShape, multi_turn
 
         return multi_turn(SessionShape(sessions=20_000, turns=6), seed=1, arrival=ArrivalProcess(kind="poisson", rate=20.0))
@@ -164,6 +166,8 @@ def run_case(case: str) -> dict:
         options |= {"model": "qwen2.5-vl-7b", "max_model_len": 32768}
     if case == "chat-clients":  # (1,024 clients, one conversation each: vLLM's multi-turn benchmark's way)
         options |= {"client_max_concurrency": 1024, "client_max_active_sessions": 1024}
+    if case == "chat-rotation":  # (1,024 clients of 4 conversations each, each rotating over its own)
+        options |= {"client_max_concurrency": 1024, "client_max_active_sessions": 4096, "client_rotation": True}
     if case == "azure-tokens":  # (a gateway admitting by KV footprint, half the cache's tokens)
         options |= {"client_max_inflight_tokens": 233_280}
     if case_setup in ("azure-clients", "azure-pd2-clients"):
