@@ -42,10 +42,10 @@ IGNORED = frozenset("""
     served_model_name skip_tokenizer_init request_id_prefix save_result save_detailed append_result metadata
     result_dir result_filename percentile_metrics metric_percentiles disable_tqdm profile plot_timeline
     plot_dataset_stats timeline_itl_thresholds extra_body chat_template_kwargs skip_chat_template
-    enable_multimodal_chat no_oversample
-""".split())
+    enable_multimodal_chat no_oversample no_stream
+""".split())  # (no_stream: the client loads a Hugging Face dataset without streaming it; the replies still stream)
 UNMODELLED = frozenset("temperature top_p top_k min_p frequency_penalty presence_penalty repetition_penalty "
-                       "logprobs no_stream".split())
+                       "logprobs".split())
 # flags of the client's other datasets: vLLM ignores them with the random dataset, as simkv does
 OTHER_DATASETS = frozenset("""
     sharegpt_output_len hf_name hf_split hf_subset hf_output_len custom_output_len custom_ensure_client_side_data
