@@ -105,8 +105,10 @@ def clients_markdown(record: dict) -> str:
     from simkv.replay.goodput import describe_slo
 
     slo = describe_slo(record["slo_ms"])
-    per = ("one conversation in progress each (the trace's sessions, paced on their replies: vLLM's multi-turn "
-           "benchmark's default)" if record.get("session_paced") else "one request in flight each")
+    k = record.get("conversations_per_client", 1)
+    conversations = "one conversation" if k == 1 else f"{k:,} conversations"
+    per = (f"{conversations} in progress each (the trace's sessions, paced on their replies: vLLM's multi-turn "
+           "benchmark's clients)" if record.get("session_paced") else "one request in flight each")
     lines = [f"# simkv goodput, closed loop: {record['trace']}", "",
              f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. Clients "
              f"keep {per}, no sooner than the trace's times; cost model: {record['cost_model']}." + _setup(record), "",
@@ -120,8 +122,10 @@ def clients_markdown(record: dict) -> str:
         lines.append(f"**Most clients meeting the target: {lo:,}** ({hi:,} missed it), sending "
                      f"{at['rate_req_s']:.3f} req/s.")
     elif record["status"] == "unbounded":
-        lines.append(f"The target was met with {lo:,} clients, one per {'conversation' if record.get('session_paced') else 'request'} "
-                     "of the trace: more change nothing; use a longer trace to load the engine past its SLOs.")
+        unit = ("request" if not record.get("session_paced") else "conversation" if k == 1
+                else f"{k:,} conversations")
+        lines.append(f"The target was met with {lo:,} clients, one per {unit} of the trace: more change nothing; "
+                     "use a longer trace to load the engine past its SLOs.")
     elif record.get("reason"):
         lines.append(f"No number of clients can meet the target: {record['reason']}.")
     else:

@@ -251,6 +251,7 @@ def search_max_clients(trace, config, slo_ms: dict, *, target: float = 0.99, tol
     def record(status: str, lo: int | None, hi: int | None) -> dict:
         return {"status": status, "slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance,
                 "max_clients": lo, "bracket_clients": [lo, hi], "max_clients_bound": bound,
+                "conversations_per_client": _per_client(config)[0],
                 "probes": [asdict(p) for p in probes]}
 
     if not run(1):

@@ -127,6 +127,8 @@ def test_goodput_searches_the_benchmarks_clients(generator, tmp_path):
     assert record["trace"].startswith("vllm-multi-turn:") and record["session_paced"]
     assert record["status"] == "found" and record["probes"][0]["clients"] == 1
     assert 1 < record["max_clients"] < 24  # (the file's 24 conversations: a client each at most)
+    assert record["conversations_per_client"] == 1
+    assert "one conversation in progress each" in (tmp_path / "goodput.md").read_text()
     assert "not both" in cli_fails(["goodput", "traces/req400.parquet", "--vllm-multi-turn", command,
                                     "--goodput", "ttft:40"])
 
