@@ -92,15 +92,21 @@ class RotatingClients(SessionPacing):
                     else self._first_rows)
             self._unstarted = deque(row for row in rows if row >= 0)
         self._clients = [_Client() for _ in range(self.num_clients)]
+        self._num_gone = 0  # (clients that left, or saw the stop)
         self._client_rngs = {}
         self._choosers: dict[int, random.Random] = {}
         for client in range(self.num_clients):
             self._client_next(client, tick)
 
+    def _go(self, state: _Client) -> None:
+        if not state.gone:
+            state.gone = True
+            self._num_gone += 1
+
     def _leave(self, client: int, tick: int) -> None:
         """`client` leaves at `tick`: its conversations' turns not yet sent never are."""
         state = self._clients[client]
-        state.gone = True
+        self._go(state)
         if self._warming_up:  # (with none in progress: the benchmark proper starts once every client left)
             self._warmup_leave = max(self._warmup_leave, tick)
             return
@@ -130,7 +136,7 @@ class RotatingClients(SessionPacing):
             self._leave(client, tick)
             return
         if self.stop_tick is not None and tick > self.stop_tick:
-            state.gone = True  # (it sees the stop before its next request)
+            self._go(state)  # (it sees the stop before its next request)
             return
         per_client = 1 if self._warming_up else self.per_client
         while len(state.active) < per_client:
@@ -167,34 +173,24 @@ class RotatingClients(SessionPacing):
     def _end_warmup(self, tick: int) -> None:
         """The warm-up is over once every client left and every answer came: the clients start
         over a tick later."""
-        if self._warming_up and self.num_in_flight == 0 and all(c.gone for c in self._clients):
+        if self._warming_up and self.num_in_flight == 0 and self._num_gone == self.num_clients:
             self.warmup_end_tick = max(tick + 1, self._warmup_leave)
             self._start_clients(self.warmup_end_tick)
 
     def _next_due(self, row: int, tick: int) -> None:
         self._after_reply(row, tick, goes_on=True)
 
-    def _drop_conversation(self, row: int) -> list[int]:
-        """The turns after `row` (its conversation dropped), accounted for as never sent."""
-        later = self._drop_after(row)  # (after a warm-up's failure too: the benchmark proper skips it)
-        for nxt in later:
-            self._out[nxt] = 1
-        self.num_out += len(later)
-        self.num_in_flight -= 1
-        return later
-
     def release(self, row: int, tick: int) -> int | None:
         """Row `row` was rejected (or refused for good) at `tick`: its client drops the
-        conversation (its later turns are never sent) and goes on."""
-        self._left_behind += self._drop_conversation(row)
-        self._free_share(row, tick)
+        conversation (its later turns are never sent; after a warm-up's failure too: the benchmark
+        proper skips it) and goes on."""
+        self._left_behind += self._drop_with(row, tick)
         self._after_reply(row, tick, goes_on=False)
         return self.next_ticks()
 
     def give_up(self, row: int, tick: int) -> tuple[list[int], int | None]:
         """Row `row` timed out for good at `tick`: its conversation ends and its client leaves."""
-        dropped = self._drop_conversation(row)
-        self._free_share(row, tick)
+        dropped = self._drop_with(row, tick)
         client = int(self._client[row])
         del self._clients[client].active[self._conversation[row]]
         self._leave(client, tick)
@@ -205,7 +201,7 @@ class RotatingClients(SessionPacing):
     def all_out(self) -> bool:
         """As SessionPacing's, or every client left and none can send again (the conversations
         still in the queue are never sent: the script discards them)."""
-        return super().all_out or (all(c.gone for c in self._clients) and self.num_in_flight == 0
+        return super().all_out or (self._num_gone == self.num_clients and self.num_in_flight == 0
                                    and self.peek() is None)
 
     def successor_think(self, row: int) -> int | None:

@@ -199,13 +199,19 @@ class Pacing:
         """Row `row`'s client gave up on it for good at `tick` (its last attempt timed out).
         Returns the rows never sent because of it, and when the next row is due (None: none is,
         until another release)."""
+        dropped = self._drop_with(row, tick)
+        return dropped, self.next_ticks()
+
+    def _drop_with(self, row: int, tick: int) -> list[int]:
+        """Row `row` is done with at `tick` and the rows `_drop_after` names with it (never to be
+        sent): its share frees; returns those rows."""
         dropped = self._drop_after(row)
         self.num_out += len(dropped)
         self.num_in_flight -= 1
         for later in dropped:
             self._out[later] = 1
         self._free_share(row, tick)
-        return dropped, self.next_ticks()
+        return dropped
 
     def release_finished(self, finished: list[Request], tick: int) -> int | None:
         """These requests finished at `tick`: the rows they release become due. Returns when the
