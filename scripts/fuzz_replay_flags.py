@@ -55,6 +55,7 @@ OPTIONS = [
     (0.12, ["--prefill-replicas", "1", "--decode-replicas", "1"]),
     (0.08, ["-pp", "2"]),
     (0.08, ["-dp", "2"]),
+    (0.08, ["-pcp", "2"]),
     (0.15, lambda r: ["--client-ttft-timeout", r.choice(["0.5", "2"]), "--client-max-retries", r.choice(["0", "1"])]),
     (0.08, ["--client-timeout", "5"]),
     (0.2, lambda r: ["--client-max-concurrency", r.choice(["2", "8"])]),

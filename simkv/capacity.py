@@ -118,7 +118,7 @@ def resident_weight_bytes(config: EngineConfig) -> float:
     --cpu-offload-gb keeps in host memory."""
     hw = config.hardware
     spec = hw.model_spec()
-    weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size)
+    weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.expert_shards)
     weights += hw.vision_weight_bytes_per_gpu() - spec.vision_weight_bytes / hw.tensor_parallel_size  # (TP mode "data")
     offloaded, buffers = prefetched_weight_bytes(config)
     return weights - offloaded_weight_bytes(config, weights) - offloaded + buffers
@@ -126,11 +126,12 @@ def resident_weight_bytes(config: EngineConfig) -> float:
 
 def decoder_layer_bytes_per_gpu(config: EngineConfig) -> float:
     """One decoder layer's weights on one GPU (their mean over the layers): split by TP, the
-    routed experts over every data-parallel rank's GPUs, a sparse-attention indexer whole."""
+    routed experts over every data-parallel (and prefill-context-parallel) rank's GPUs, a
+    sparse-attention indexer whole."""
     hw = config.hardware
     spec = hw.model_spec()
     replicated = spec.indexer_weight_bytes
-    split = spec.layer_weight_bytes - replicated + spec.routed_expert_bytes / hw.data_parallel_size
+    split = spec.layer_weight_bytes - replicated + spec.routed_expert_bytes / hw.expert_shards
     return (split / hw.tensor_parallel_size + replicated) / spec.num_layers
 
 
@@ -170,7 +171,7 @@ def expert_bytes_named(config: EngineConfig, segments: tuple[str, ...]) -> float
     spec = hw.model_spec()
     m = spec.mlp_matrices
     share = 1.0 if "experts" in segments else ("w13_weight" in segments) * (m - 1) / m + ("w2_weight" in segments) / m
-    return spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.data_parallel_size) * share
+    return spec.routed_expert_bytes / (hw.tensor_parallel_size * hw.expert_shards) * share
 
 
 def offloadable_expert_bytes(config: EngineConfig, num_layers: float | None = None) -> float:

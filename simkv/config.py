@@ -544,6 +544,11 @@ class HardwareConfig:
     # by tokens (each stores block_size tokens of every block of block_size x DCP) instead of
     # each holding every token of its heads (a latent, or KV heads duplicated when TP > KV heads)
     decode_context_parallel_size: int = 1
+    # vLLM's --prefill-context-parallel-size (latent-attention models, its V2 model runner): that
+    # many copies of the TP group, each holding the whole KV cache, split every prefill chunk of
+    # a step between them (decodes round robin) and gather each layer's new latents; the expert
+    # layers span all their GPUs (simkv/backends/roofline.py, `pcp_rank_works`)
+    prefill_context_parallel_size: int = 1
     # vLLM's --pipeline-parallel-size: the model's layers split over that many stages (each on
     # its own TP GPUs, layers as vLLM's get_pp_indices splits them); the engine keeps that many
     # batches in flight, one more under async scheduling (simkv/replay/pipeline.py)
@@ -611,6 +616,7 @@ class HardwareConfig:
                                   f"divisible by `--decode-context-parallel-size` ({dcp}) for GQA/MQA.")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        self._check_prefill_context_parallel(spec)
         pp = self.pipeline_parallel_size
         if pp < 1:
             raise ConfigError(f"pipeline_parallel_size must be >= 1, got {pp}")
@@ -637,6 +643,38 @@ class HardwareConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
 
+    def _check_prefill_context_parallel(self, spec) -> None:
+        """vLLM 0.33's checks of --prefill-context-parallel-size (its texts), and what simkv does
+        not model with it."""
+        pcp, dcp, tp = self.prefill_context_parallel_size, self.decode_context_parallel_size, self.tensor_parallel_size
+        if pcp < 1:
+            raise ConfigError(f"prefill_context_parallel_size must be >= 1, got {pcp}")
+        if pcp == 1:
+            return
+        if not spec.is_mla:
+            raise ConfigError("MRV2 PCP currently supports MLA models only.")
+        if dcp not in (1, pcp, tp * pcp):
+            raise ConfigError("When PCP is enabled, DCP must be disabled, span the PCP axis, or span the full TP x "
+                              f"PCP axis. Got TP={tp}, PCP={pcp}, DCP={dcp}; valid DCP sizes are "
+                              f"{sorted({1, pcp, tp * pcp})}.")
+        if dcp > 1 and not spec.is_sparse:
+            raise ConfigError("MRV2 PCP + DCP supports sparse MLA models only.")
+        if spec.is_sparse:
+            raise ConfigError(f"prefill_context_parallel_size > 1 is not modelled with DeepSeek sparse attention "
+                              f"(model {self.model}) yet")
+
+    @property
+    def expert_shards(self) -> int:
+        """The copies of the attention layers a mixture of experts' routed experts are split over
+        (beside TP): data-parallel ranks times prefill-context-parallel ranks."""
+        return self.data_parallel_size * self.prefill_context_parallel_size
+
+    @property
+    def num_gpus(self) -> int:
+        """The GPUs one engine runs on: TP x PP x PCP x DP (vLLM's world size across DP)."""
+        return (self.tensor_parallel_size * self.pipeline_parallel_size * self.prefill_context_parallel_size
+                * self.data_parallel_size)
+
     def _link(self, across_nodes: bool) -> float:
         """GB/s one way per GPU: the GPU's interconnect, or between nodes the network's."""
         interconnect = get_gpu_spec(self.gpu).interconnect_gbs
@@ -662,11 +700,11 @@ class HardwareConfig:
 
     def stage_link_gbs(self, boundary: int) -> float:
         """Pipeline parallelism: the link between stage `boundary` and the next (stages of TP GPUs
-        each, laid out one after another): `pipeline_link_gbs` if set, else the interconnect
+        each, TP x PCP under prefill context parallelism, laid out one after another): `pipeline_link_gbs` if set, else the interconnect
         when both sides are on one node, the network's otherwise."""
         if self.pipeline_link_gbs is not None:
             return self.pipeline_link_gbs
-        first_next = (boundary + 1) * self.tensor_parallel_size
+        first_next = (boundary + 1) * self.tensor_parallel_size * self.prefill_context_parallel_size
         return self._link((first_next - 1) // self.gpus_per_node != first_next // self.gpus_per_node)
 
     def model_spec(self) -> ModelSpec:
@@ -1063,6 +1101,8 @@ class EngineConfig:
             self._verify_data_parallel()
         if self.hardware.decode_context_parallel_size > 1:
             self._verify_decode_context_parallel()
+        if self.hardware.prefill_context_parallel_size > 1:
+            self._verify_prefill_context_parallel()
         if self.hardware.pipeline_parallel_size > 1:
             self._verify_pipeline_parallel()
         if self.has_sliding_window:
@@ -1399,6 +1439,28 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"decode_context_parallel_size > 1 is not modelled with {what}")
 
+    def _verify_prefill_context_parallel(self) -> None:
+        """vLLM 0.33 runs PCP on its V2 model runner (PCPManager.validate_config), with its texts;
+        then what simkv does not model with it."""
+        if self.model_runner_in_force == "v1":
+            raise ConfigError("Model Runner V1 does not support: prefill context parallel")
+        if self.scheduler.enable_lora:
+            raise ConfigError("MRV2 PCP does not support LoRA yet.")
+        if self.hardware.has_vision_encoder:
+            raise ConfigError("MRV2 PCP does not support MM inputs yet.")
+        spec = self.speculative
+        if spec.enabled and (spec.speculative_method != "mtp"
+                             or spec.multi_module_mtp(self.hardware.model_spec())):
+            raise ConfigError("MRV2 PCP only supports DSpark or single-module MTP speculative decoding.")
+        unsupported = [(spec.enabled, "speculative decoding (vLLM runs single-module MTP with it)"),
+                       (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
+                       (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'"),
+                       (bool(self.cache.cpu_offload_gb or self.cache.offload_group_size),
+                        "weights kept in host memory (--cpu-offload-gb, --offload-group-size)")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"prefill_context_parallel_size > 1 is not modelled with {what} yet")
+
     @property
     def max_concurrent_batches(self) -> int:
         """Batches in flight (vLLM's max_concurrent_batches): one, two under async scheduling;
@@ -1579,6 +1641,8 @@ class EngineConfig:
             del out["language_model_only"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
+        if self.hardware.prefill_context_parallel_size == 1:
+            del out["prefill_context_parallel_size"]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)
             del out["max_num_active_seqs"]
         if self.scheduler.max_num_scheduled_tokens is None:  # (likewise)

@@ -49,9 +49,11 @@ def _cost_model(name: str, config: EngineConfig, step_base_s: float, step_per_to
             raise ValueError(f"--cost-model {name}: a calibration times steps with every weight in GPU memory; "
                              "weight offloading's host-link traffic (--cpu-offload-gb, --offload-group-size) "
                              "is the roofline's")
-        if config.hardware.quantization or config.hardware.decode_context_parallel_size > 1:
-            what = ("--quantization " + config.hardware.quantization if config.hardware.quantization
-                    else "decode context parallelism")
+        hw = config.hardware
+        if hw.quantization or hw.decode_context_parallel_size > 1 or hw.prefill_context_parallel_size > 1:
+            what = ("--quantization " + hw.quantization if hw.quantization
+                    else "decode context parallelism" if hw.decode_context_parallel_size > 1
+                    else "prefill context parallelism")
             raise ValueError(f"--cost-model {name}: a calibration times the GPU backend's bf16 weights on one "
                              f"GPU; {what} is the roofline's")
         if config.has_sliding_window:
@@ -75,7 +77,7 @@ def weight_offload_shares(config: EngineConfig) -> tuple[float, float]:
     hw = config.hardware
     pp = hw.pipeline_parallel_size
     spec = hw.model_spec()
-    weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.data_parallel_size) / pp
+    weights = spec.weight_bytes_per_gpu(hw.tensor_parallel_size, hw.expert_shards) / pp
     offloaded = offloaded_weight_bytes(config, weights, spec.num_layers / pp)
     if not config.cache.cpu_offload_params:
         return offloaded / weights, offloaded / weights
@@ -95,7 +97,9 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               decode_context_parallel_size=hw.decode_context_parallel_size,
                               lora_rank=config.scheduler.max_lora_rank if config.scheduler.enable_lora else 0,
                               tp_link_gbs=hw.link_gbs(hw.tensor_parallel_size),
-                              dp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.data_parallel_size),
+                              dp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.expert_shards),
+                              prefill_context_parallel_size=hw.prefill_context_parallel_size,
+                              pcp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.prefill_context_parallel_size),
                               indexer_tp_shard_min_rows=config.attention.indexer_tp_shard_min_rows,
                               weight_offload_shares=weight_offload_shares(config),
                               pcie_gbs=config.cache.pcie_bandwidth_gbs,

@@ -37,6 +37,11 @@ simkv/replay/data_parallel.py): each rank's time counts its own attention and de
 1 / data_parallel_size of the routed experts over every rank's tokens, plus the expert layers'
 all-gather and reduce-scatter; the step lasts as long as the slowest rank.
 
+Prefill context parallelism (PCP, latent attention: vLLM's PCPManager) runs a step on PCP
+copies of the TP group in lockstep the same way, their experts split over all of them: each
+copy runs its share of the step's tokens (`pcp_rank_works`), attending the whole cache it holds,
+and all-gathers every layer's new latents and the final hidden states (`pcp_gather_seconds`).
+
 Efficiencies and overheads are defaults until `simkv calibrate` fits them on real hardware.
 
 The overheads are the host's share of a step (scheduling, input preparation, output
@@ -83,10 +88,13 @@ class RooflineCostModel:
         indexer_tp_shard_min_rows: int = 65536,
         weight_offload_shares: tuple[float, float] = (0.0, 0.0),
         pcie_gbs: float = 63.0,
+        prefill_context_parallel_size: int = 1,
+        pcp_link_gbs: float | None = None,
     ) -> None:
         """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
         expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
         HardwareConfig.link_gbs gives the network's for groups larger than a node).
+        `pcp_link_gbs`: the bandwidth of the PCP group's all-gathers (None: the GPU's interconnect).
         `weight_offload_shares`: the shares of each GPU's weights vLLM's --cpu-offload-gb keeps in
         host memory (of those outside the routed experts, of the experts); the kernels read that
         share of every weight read over the host link (`pcie_gbs`) instead of from GPU memory
@@ -165,20 +173,33 @@ class RooflineCostModel:
                 self.dcp_per_query = model.num_layers * share * heads * 2 * model.head_dim * 2
                 self.dcp_per_gathered = 0.0
             self.dcp_fixed = 2 * model.num_layers * allreduce_latency_s
-        self.dp = data_parallel_size
-        if self.dp > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
-            g = self.dp * tp  # the GPUs the expert layers span
+        self.dp, self.pcp = data_parallel_size, prefill_context_parallel_size
+        shards = self.dp * self.pcp  # (the lockstep ranks whose GPUs the routed experts are split over)
+        if shards > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
+            g = shards * tp  # the GPUs the expert layers span
             routed_flops = 2.0 * model.num_moe_layers * model.num_experts_per_tok * model.expert_params / tp
             if model.expert_weight_bytes == 1.0:
                 routed_flops *= 1.0 - self.fp8_discount
             self.flops_per_token_local = self.flops_per_token - routed_flops
-            self.expert_flops_per_group_token = routed_flops / self.dp
-            self.expert_bytes_per_rank = self.expert_bytes / self.dp
-            # each expert layer all-gathers every rank's tokens and reduce-scatters the results
-            # (vLLM's default allgather_reducescatter), bf16 hidden states over the interconnect
+            self.expert_flops_per_group_token = routed_flops / shards
+            self.expert_bytes_per_rank = self.expert_bytes / shards
+            # each expert layer all-gathers every data-parallel rank's tokens and reduce-scatters
+            # the results (vLLM's default allgather_reducescatter), bf16 hidden states over the
+            # interconnect (PCP ranks' own gather: `pcp_gather_seconds`)
             self.dp_comm_per_token = (2 * model.num_moe_layers * (g - 1) / g * h * 2
-                                      / ((dp_link_gbs or gpu.interconnect_gbs) * 1e9))
-            self.dp_comm_fixed = 2 * model.num_moe_layers * allreduce_latency_s
+                                      / ((dp_link_gbs or gpu.interconnect_gbs) * 1e9)) if self.dp > 1 else 0.0
+            self.dp_comm_fixed = 2 * model.num_moe_layers * allreduce_latency_s if self.dp > 1 else 0.0
+        if self.pcp > 1:
+            if not self.mla:
+                raise ValueError("prefill context parallelism is priced for latent attention (vLLM runs it there)")
+            # over the PCP group: every layer all-gathers the step's new latents (bf16, before the
+            # cache write); every expert layer all-gathers the ranks' hidden states to route them
+            # and reduce-scatters its output (vLLM's MoE runner without expert parallelism); the
+            # last layer's hidden states come back to every rank before sampling
+            share = (self.pcp - 1) / self.pcp / ((pcp_link_gbs or gpu.interconnect_gbs) * 1e9)
+            latent = model.kv_lora_rank + model.qk_rope_head_dim
+            self.pcp_gather_per_token = share * 2 * (model.num_layers * latent + 2 * model.num_moe_layers * h + h)
+            self.pcp_gather_fixed = (model.num_layers + 2 * model.num_moe_layers + 1) * allreduce_latency_s
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
@@ -367,6 +388,8 @@ class RooflineCostModel:
     def execute(self, output: SchedulerOutput) -> float:
         if self.dp > 1:
             raise RuntimeError("a data-parallel roofline times lockstep steps of all ranks (dp_step_seconds)")
+        if self.pcp > 1:  # (the PCP ranks' lockstep step; LoRA, DCP and sparse attention are refused with PCP)
+            return self.dp_step_seconds([output])
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self.step_work(output)
         seconds = self._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj, output.num_draft_tokens)
         if output.num_lora_tokens:
@@ -415,6 +438,12 @@ class RooflineCostModel:
         all-gather and reduce-scatter carry every rank's tokens. The step lasts as long as its
         slowest rank. `extra_s`: device time every rank adds (a drafter's); `overlap_host`
         (async scheduling): each rank's step lasts max(device time, host time), as one engine's."""
+        if self.pcp > 1:  # (each rank's PCP ranks: its step split between them, gathered in every layer)
+            works, collectives = [], []
+            for out in outputs:
+                works += self.pcp_rank_works(out)
+                collectives += [self.pcp_gather_seconds(out.total_num_scheduled_tokens)] * self.pcp
+            return self.dp_time(works, num_dummy, extra_s, overlap_host, collectives)
         # (decode context parallelism: each rank's DCP collectives within its TP group; a dummy
         # pass builds no attention metadata, so it runs no attention and gathers nothing)
         collectives = ([self.dcp_seconds(out) for out in outputs] if self.dcp > 1
@@ -454,6 +483,49 @@ class RooflineCostModel:
                 seconds = max(seconds + extra_s - host, host)
             longest = max(longest, seconds)
         return longest
+
+    def pcp_rank_works(self, output: SchedulerOutput) -> list[tuple]:
+        """The `step_work` of each PCP rank, as vLLM's PCPManager splits a step: a prefill chunk
+        of n tokens in 2 x PCP pieces of ceil(n / (2 x PCP)), rank r taking pieces r and
+        2 x PCP - 1 - r (one early, one late: their causal attention balances), each down the
+        expanded path (vLLM sends no PCP prefill piece down the decode path) with the chunk's
+        tokens before it as context; decodes dealt round robin, each rank taking its count's
+        share of their context. Every rank writes the whole step's latents into the cache it
+        holds (counted with the reads)."""
+        p = self.pcp
+        works = [[0, 0, 0, 0, 0, 0] for _ in range(p)]  # tokens, sequences, pairs, KV read, latent pairs, up-projected
+        for chunk in output.chunks:
+            n, c = chunk.num_new_tokens, chunk.num_computed_tokens
+            size = -(-n // (2 * p))
+            for rank, work in enumerate(works):
+                for piece in (rank, 2 * p - 1 - rank):
+                    start, end = piece * size, min((piece + 1) * size, n)
+                    if end <= start:
+                        continue
+                    m, context = end - start, c + start
+                    work[0] += m
+                    work[1] += 1
+                    work[2] += m * context + m * (m + 1) // 2
+                    work[3] += context + m
+                    work[5] += context
+        n, context = output.num_decode_reqs, output.decode_context_tokens
+        for rank, work in enumerate(works):
+            d = n // p + (rank < n % p)
+            if d:
+                share = context * d / n
+                work[0] += d
+                work[1] += d
+                work[3] += share
+                work[4] += share
+        total = sum(work[0] for work in works)
+        for work in works:
+            work[3] += total - work[0]  # (the other ranks' tokens' latents, written here too)
+        return [tuple(work) for work in works]
+
+    def pcp_gather_seconds(self, num_tokens: int) -> float:
+        """A PCP rank's all-gathers in a step of `num_tokens` tokens: each layer's new latents
+        and the last hidden states."""
+        return self.pcp_gather_per_token * num_tokens + self.pcp_gather_fixed
 
     def mla_chunk_work(self, chunks) -> tuple[int, int, int, int, int]:
         """Latent attention: (tokens, expanded-path pairs, absorbed-path pairs, KV tokens read,
@@ -498,6 +570,8 @@ class RooflineCostModel:
         """A pure-decode step in ticks: max(compute, memory) + overheads, both affine in the
         context attended (attention FLOPs per query-key pair; K/V bytes per token)."""
         line = self._decode_lines.get(num_decodes)
+        if line is None and self.pcp > 1:
+            line = self._decode_lines[num_decodes] = self._pcp_decode_line(num_decodes)
         if line is None:
             n = num_decodes
             overhead = self.comm_per_token * n + self.fixed_s + self.seq_overhead_s * n
@@ -516,6 +590,22 @@ class RooflineCostModel:
                 to_ticks(compute + overhead), per_token_ticks(pair / self.flop_rate),
                 to_ticks(memory + overhead), per_token_ticks(token / self.byte_rate))
         return line
+
+    def _pcp_decode_line(self, n: int) -> tuple[int, int, int, int]:
+        """`decode_step_line` under PCP: the step of PCP rank 0, which takes the most decodes
+        (ceil(n / PCP)) and their share of the context (`pcp_rank_works`); the others take
+        no more of anything."""
+        own = n // self.pcp + (n % self.pcp > 0)
+        overhead = (self.comm_per_token * own + self.fixed_s + self.seq_overhead_s * own
+                    + self.dp_comm_per_token * n + self.dp_comm_fixed + self.pcp_gather_seconds(n))
+        expert_traffic = self.expert_bytes_per_rank * self.moe.experts_touched(n) if self.moe is not None else 0.0
+        compute = ((self.flops_per_token_local + self.flops_per_seq) * own
+                   + self.expert_flops_per_group_token * n) / self.flop_rate
+        memory = (self.weight_bytes + expert_traffic + self.kv_bytes_per_token * n
+                  + self.state_bytes_per_seq * own) / self.byte_rate
+        share = own / n
+        return (to_ticks(compute + overhead), per_token_ticks(self.flops_per_decode_pair * share / self.flop_rate),
+                to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token * share / self.byte_rate))
 
     @property
     def capped_line_slopes(self) -> tuple[int, int] | None:

@@ -34,8 +34,9 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
     per_request_gpu = cap.blocks_per_request * cap.block_bytes if hybrid else gpu_per_token * mml
     extra = {"draft_network": draft.name} if draft is not None else {}
     dcp = config.hardware.decode_context_parallel_size
-    if spec.is_mla:  # every GPU holds the whole latent cache (DCP: its share): all GPUs hold TP / DCP copies
-        model_per_token = kv_bytes_per_token(config, tp) // dcp * tp  # (of every stage's layers)
+    pcp = config.hardware.prefill_context_parallel_size
+    if spec.is_mla:  # every GPU holds the whole latent cache (DCP: its share): all GPUs hold TP x PCP / DCP copies
+        model_per_token = kv_bytes_per_token(config, tp) // dcp * tp * pcp  # (of every stage's layers)
         extra["latent_cache_on_every_gpu"] = dcp == 1
     if spec.is_sparse:  # (DeepSeek sparse attention: the indexer's keys ride in every block beside the latent)
         extra["sparse_attention"] = {"index_topk": spec.index_topk,
@@ -43,6 +44,8 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
                                      "latent_bytes_per_token": spec.latent_bytes_per_token(config.cache.kv_dtype_bytes)}
     if dcp > 1:
         extra |= {"decode_context_parallel_size": dcp, "kv_manager_block_size": config.kv_manager_block_size}
+    if pcp > 1:  # (each PCP rank's TP group holds the whole cache; the routed experts span them all)
+        extra["prefill_context_parallel_size"] = pcp
     if dp > 1:  # every rank has its own pool of that many blocks
         extra |= {"data_parallel_size": dp, "kv_cache_tokens_all_ranks": dp * cap.kv_cache_tokens}
     if config.hardware.quantization:
@@ -50,7 +53,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
     pp = config.hardware.pipeline_parallel_size
     weights_per_gpu = int(resident_weight_bytes(config))
     if config.cache.cpu_offload_gb and pp == 1:  # (vLLM's --cpu-offload-gb, per GPU; under PP each stage's GPUs)
-        offloaded = offloaded_weight_bytes(config, spec.weight_bytes_per_gpu(tp, dp))
+        offloaded = offloaded_weight_bytes(config, spec.weight_bytes_per_gpu(tp, config.hardware.expert_shards))
         extra["cpu_offload"] = {"cpu_offload_gb": config.cache.cpu_offload_gb,
                                 "offloaded_weight_bytes_per_gpu": int(offloaded)}
         if config.cache.cpu_offload_params:
@@ -183,6 +186,8 @@ def print_report(rep: dict) -> None:
     gpus = f"{rep['data_parallel_size']} x {tp}" if rep.get("data_parallel_size") else f"{tp}"
     if rep.get("pipeline"):
         gpus = f"{rep['pipeline']['pipeline_parallel_size']} stages x {tp}"
+    if rep.get("prefill_context_parallel_size"):
+        gpus = f"{rep['prefill_context_parallel_size']} PCP ranks x {gpus}"
     table = Table(title=f"KV cache capacity: {rep['model']} on {gpus} x {rep['gpu']}", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -217,6 +222,9 @@ def print_report(rep: dict) -> None:
     if rep.get("data_parallel_size"):
         rows.append(("data-parallel ranks (each its own KV cache)", f"{rep['data_parallel_size']}"))
         rows.append(("KV cache tokens, all ranks", f"{rep['kv_cache_tokens_all_ranks']:,}"))
+    if rep.get("prefill_context_parallel_size"):
+        rows.append(("prefill-context-parallel ranks (each holds the whole KV cache)",
+                     f"{rep['prefill_context_parallel_size']}"))
     if rep.get("decode_context_parallel_size"):
         rows.insert(0, ("decode context parallelism: tokens per block (per GPU)",
                         f"DCP {rep['decode_context_parallel_size']}: {rep['kv_manager_block_size']} ({rep['block_size']})"))
@@ -308,6 +316,9 @@ def print_report(rep: dict) -> None:
               help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")
 @click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
               help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens [default: 1]")
+@click.option("--prefill-context-parallel-size", "-pcp", type=int, default=None,
+              help="vLLM's (latent attention): that many TP groups, each holding the whole KV cache, split "
+                   "each prefill between them [default: 1]")
 @click.option("--pipeline-parallel-size", "-pp", type=int, default=None,
               help="vLLM's: the layers split over that many stages of TP GPUs each [default: 1]")
 @click.option("--mm-encoder-tp-mode", type=click.Choice(["weights", "data"]), default=None,
@@ -433,19 +444,22 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     """Every layout of `num_gpus` GPUs: engines of TP GPUs (num_gpus / TP of them, independent),
     engines of PP pipeline stages of TP GPUs each (where simkv models pipeline parallelism), and
     for a mixture of experts one engine of num_gpus / TP data-parallel ranks (and of ranks of
-    PP stages); for each, the
+    PP stages), for latent attention engines of PCP copies of TP GPUs (prefill context
+    parallelism: each copy holds the engine's whole cache); for each, the
     weights and KV memory per GPU and the KV cache tokens in all (or why it does not fit). With
     -dcp D, the layouts whose TP D divides, each with decode context parallelism D."""
     if num_gpus < 1:
         raise ConfigError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
     if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
-    given = flat_options({k: v for k, v in flags.items() if k not in ("tensor_parallel_size", "data_parallel_size",
-                                                                       "pipeline_parallel_size")}, config_file)
-    layout = [k for k in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size") if k in given]
+    axes = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
+    given = flat_options({k: v for k, v in flags.items() if k not in axes}, config_file)
+    layout = [k for k in axes if k in given]
     if layout:
         raise ConfigError(f"--layouts tries every layout itself, but --config or --vllm-serve gives {', '.join(layout)}: "
                           "drop it there")
+    if flags.get("prefill_context_parallel_size") is not None:
+        raise ConfigError("--layouts tries every prefill context parallelism itself: drop -pcp")
     dcp = flags.get("decode_context_parallel_size") or 1
     base = capacity_config(flags, config_file, {"tensor_parallel_size": dcp} if dcp > 1 else None)
     spec = base.hardware.model_spec()
@@ -463,18 +477,24 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
         if spec.is_moe:
             kinds += [("data-parallel ranks", num_gpus // (tp * pp), pp) for pp in stage_counts
                       if num_gpus // (tp * pp) > 1]
-        for kind, dp, pp in kinds:
-            copies = num_gpus // (tp * pp)
+        kinds = [(kind, dp, pp, 1) for kind, dp, pp in kinds]
+        if spec.is_mla and not spec.is_sparse and dcp == 1:  # (engines of PCP copies of TP GPUs: vLLM's V2 runner)
+            kinds += [("pcp", 1, 1, pcp) for pcp in stage_counts]
+        for kind, dp, pp, pcp in kinds:
+            copies = num_gpus // (tp * pp * pcp)
             row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "pipeline_parallel_size": pp,
                    "copies": copies,
                    "layout": (f"{copies} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}" if dp > 1
                               else f"{copies} x TP {tp}") + (f" x PP {pp}" if pp > 1 else "")
-                   + (f" DCP {dcp}" if dcp > 1 else "")}
+                   + (f" x PCP {pcp}" if pcp > 1 else "") + (f" DCP {dcp}" if dcp > 1 else "")}
             if dcp > 1:
                 row["decode_context_parallel_size"] = dcp
+            if pcp > 1:
+                row["prefill_context_parallel_size"] = pcp
             try:
                 config = capacity_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp}
-                                      | ({"pipeline_parallel_size": pp} if pp > 1 else {}))
+                                      | ({"pipeline_parallel_size": pp} if pp > 1 else {})
+                                      | ({"prefill_context_parallel_size": pcp} if pcp > 1 else {}))
                 cap = compute_capacity(config)
             except ConfigError as exc:
                 if pp > 1 and "not modelled" in str(exc):

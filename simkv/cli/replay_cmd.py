@@ -34,6 +34,7 @@ _ENGINE_FLAGS = {
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
     "data_parallel_size": "data_parallel_size", "quantization": "quantization",
     "decode_context_parallel_size": "decode_context_parallel_size",
+    "prefill_context_parallel_size": "prefill_context_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
     "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
@@ -362,6 +363,9 @@ _ENGINE_OPTIONS = [
     click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
                  help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens (a latent, or KV heads "
                       "duplicated when TP exceeds them, is then not held whole on every GPU) [default: 1]"),
+    click.option("--prefill-context-parallel-size", "-pcp", type=int, default=None,
+                 help="vLLM's, for latent-attention models: that many TP groups, each holding the whole KV "
+                      "cache, split every prefill chunk between them (decodes round robin) [default: 1]"),
     click.option("--pipeline-parallel-size", "-pp", type=int, default=None,
                  help="vLLM's: the layers split over that many stages of TP GPUs each; the engine keeps that many "
                       "batches in flight (one more under async scheduling) [default: 1]"),

@@ -100,7 +100,6 @@ REFUSED = {
     "kv_transfer_config": "prefill/decode disaggregation: give simkv's --prefill-replicas/--decode-replicas",
     "ec_transfer_config": "encoder disaggregation: give simkv's --encode-replicas",
     "ec_manager_config": "encoder disaggregation: give simkv's --encode-replicas",
-    "prefill_context_parallel_size": "prefill context parallelism is not modelled",
     "cp_kv_cache_interleave_size": "the context-parallel KV interleave is not modelled",
     "dcp_kv_cache_interleave_size": "the DCP KV interleave is not modelled (simkv interleaves by token)",
     "kv_cache_dtype_skip_layers": "layers left out of KV quantization are not modelled",

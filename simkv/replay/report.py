@@ -56,6 +56,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         if cfg.get("data_parallel_size", 1) > 1:
             head.insert(1, ("data-parallel ranks", f"{cfg['data_parallel_size']} in lockstep, experts over all "
                                                    f"{cfg['data_parallel_size'] * cfg['tensor_parallel_size']} GPUs"))
+        if cfg.get("prefill_context_parallel_size", 1) > 1:
+            pcp = cfg["prefill_context_parallel_size"]
+            head.insert(1, ("prefill-context-parallel ranks", f"{pcp} TP groups, each with the whole KV cache, "
+                                                              "splitting every prefill"))
     if cfg.get("async_scheduling"):
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
     groups = summary.get("kv_cache_groups")

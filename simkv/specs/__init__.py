@@ -513,15 +513,16 @@ class ModelSpec:
         """Bytes of the routed experts (what expert or data parallelism spreads over its GPUs)."""
         return self.expert_weight_bytes * self.num_moe_layers * self.num_layer_expert_params
 
-    def weight_bytes_per_gpu(self, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> float:
-        """Weights on one GPU: split by TP, and under data parallelism the routed experts split over
-        every rank's GPUs (data_parallel_size x TP) while the rest is replicated on each rank."""
+    def weight_bytes_per_gpu(self, tensor_parallel_size: int = 1, expert_shards: int = 1) -> float:
+        """Weights on one GPU: split by TP, and under data (or prefill context) parallelism the
+        routed experts split over every rank's GPUs (expert_shards x TP: HardwareConfig's) while
+        the rest is replicated on each rank."""
         replicated = self.indexer_weight_bytes  # (on every GPU whole)
         split = self.weight_bytes - replicated
-        if data_parallel_size == 1:
+        if expert_shards == 1:
             return split / tensor_parallel_size + replicated
         routed = self.routed_expert_bytes
-        return ((split - routed) / tensor_parallel_size + routed / (tensor_parallel_size * data_parallel_size)
+        return ((split - routed) / tensor_parallel_size + routed / (tensor_parallel_size * expert_shards)
                 + replicated)
 
     def experts_touched(self, num_tokens):

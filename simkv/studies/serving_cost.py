@@ -45,8 +45,7 @@ def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
 
 
 def engine_gpus(config) -> int:
-    hw = config.hardware
-    return hw.tensor_parallel_size * hw.data_parallel_size
+    return config.hardware.num_gpus
 
 
 @dataclass(frozen=True)

@@ -84,11 +84,11 @@ def test_bad_integers_are_refused(text):
 def test_refused_flags_are_named_unless_at_vllms_default():
     with pytest.raises(ServeCommandError) as err:
         serve_options("vllm serve Qwen/Qwen2.5-7B --kv-transfer-config '{\"kv_connector\": \"NixlConnector\"}' "
-                      "--prefix-match-unit 8 -pcp 1")
+                      "--prefix-match-unit 8 --dcp-kv-cache-interleave-size 1")
     assert "--kv-transfer-config" in str(err.value) and "--prefix-match-unit" in str(err.value)
-    assert "-pcp" not in str(err.value)  # (1 is vLLM's default)
-    with pytest.raises(ServeCommandError, match="-pcp"):
-        serve_options("vllm serve -pcp 2")
+    assert "--dcp-kv-cache-interleave-size" not in str(err.value)  # (1 is vLLM's default)
+    with pytest.raises(ServeCommandError, match="--dcp-kv-cache-interleave-size"):
+        serve_options("vllm serve --dcp-kv-cache-interleave-size 2")
 
 
 @pytest.mark.parametrize("command, match", [
