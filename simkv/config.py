@@ -1452,7 +1452,8 @@ class EngineConfig:
         if spec.enabled and (spec.speculative_method != "mtp"
                              or spec.multi_module_mtp(self.hardware.model_spec())):
             raise ConfigError("MRV2 PCP only supports DSpark or single-module MTP speculative decoding.")
-        unsupported = [(spec.enabled, "speculative decoding (vLLM runs single-module MTP with it)"),
+        unsupported = [(spec.enabled and self.hardware.data_parallel_size > 1,
+                        "MTP and data-parallel ranks together"),
                        (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'"),
                        (bool(self.cache.cpu_offload_gb or self.cache.offload_group_size),

@@ -61,7 +61,10 @@ class Drafter:
                                              block_size=config.cache.block_size,
                                              # (the drafter's attention is sharded as the target's: vLLM
                                              # gives its proposers the DCP groups' local lengths)
-                                             decode_context_parallel_size=hw.decode_context_parallel_size)
+                                             decode_context_parallel_size=hw.decode_context_parallel_size,
+                                             prefill_context_parallel_size=hw.prefill_context_parallel_size,
+                                             pcp_link_gbs=hw.link_gbs(hw.tensor_parallel_size
+                                                                      * hw.prefill_context_parallel_size))
         if self.dflash:
             tp, target = hw.tensor_parallel_size, get_model_spec(hw.model)
             fc = spec.dflash_fc_params(target, draft)
@@ -125,6 +128,8 @@ class Drafter:
         if self.network is None:
             return sampling * self.per_request_s
         net = self.network
+        if net.pcp > 1:
+            return self._pcp_seconds(output, sampling, context, k)
         if self.dflash:
             tokens, seqs, pairs, kv_read, _, _ = self._dflash_query_work(sampling, context, k)
             return self._dflash_context_seconds(output) + net._time(tokens, seqs, pairs, kv_read, max)
@@ -136,6 +141,20 @@ class Drafter:
             return k * first  # (every module over the whole step)
         tokens, seqs, pairs, kv_read, latent_pairs, upproj = self._later_work(output, sampling, context)
         return first + (k - 1) * net._time(tokens, seqs, pairs, kv_read, max, latent_pairs, upproj)
+
+    def _pcp_seconds(self, output: SchedulerOutput, sampling: int, context: int, k: int) -> float:
+        """MTP under prefill context parallelism (vLLM runs single-module MTP with it): the first
+        pass over the step's tokens is split over the PCP ranks as the target's step is (vLLM's
+        draft prefill batch), with its own gathers; each later pass runs every sampling
+        request's token on every rank (the whole batch, as vLLM's drafter keeps it), whose expert
+        layer gathers the ranks' copies."""
+        net, p = self.network, self.network.pcp
+        firsts = [work[:1] + (sampling,) + work[2:] for work in net.pcp_rank_works(output)]
+        seconds = net.dp_time(firsts, collectives=[net.pcp_gather_seconds(output.total_num_scheduled_tokens)] * p)
+        if k > 1:
+            later = net.decode_pass_work(sampling, context)
+            seconds += (k - 1) * net.dp_time([later] * p, collectives=[net.pcp_gather_seconds(p * sampling)] * p)
+        return seconds
 
     @staticmethod
     def _dflash_query_work(sampling: int, context: int, k: int) -> tuple:

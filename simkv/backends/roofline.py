@@ -489,13 +489,23 @@ class RooflineCostModel:
         of n tokens in 2 x PCP pieces of ceil(n / (2 x PCP)), rank r taking pieces r and
         2 x PCP - 1 - r (one early, one late: their causal attention balances), each down the
         expanded path (vLLM sends no PCP prefill piece down the decode path) with the chunk's
-        tokens before it as context; decodes dealt round robin, each rank taking its count's
-        share of their context. Every rank writes the whole step's latents into the cache it
-        holds (counted with the reads)."""
+        tokens before it as context; decode rows (verifications of 1 + K tokens first, in the
+        step's order, then single-token decodes, each taking its count's share of their
+        context) dealt round robin down the decode path. Every rank writes the whole step's
+        latents into the cache it holds (counted with the reads), and computes every sequence's
+        logits on the hidden states gathered back (vLLM samples on the whole batch)."""
         p = self.pcp
         works = [[0, 0, 0, 0, 0, 0] for _ in range(p)]  # tokens, sequences, pairs, KV read, latent pairs, up-projected
+        ordinal = 0  # (decode rows dealt so far)
         for chunk in output.chunks:
             n, c = chunk.num_new_tokens, chunk.num_computed_tokens
+            if chunk.num_spec_tokens or chunk.spec_placeholder:  # a verification: one decode row, whole
+                work = works[ordinal % p]
+                ordinal += 1
+                work[0] += n
+                work[3] += c + n
+                work[4] += n * c + n * (n + 1) // 2
+                continue
             size = -(-n // (2 * p))
             for rank, work in enumerate(works):
                 for piece in (rank, 2 * p - 1 - rank):
@@ -504,21 +514,21 @@ class RooflineCostModel:
                         continue
                     m, context = end - start, c + start
                     work[0] += m
-                    work[1] += 1
                     work[2] += m * context + m * (m + 1) // 2
                     work[3] += context + m
                     work[5] += context
         n, context = output.num_decode_reqs, output.decode_context_tokens
         for rank, work in enumerate(works):
-            d = n // p + (rank < n % p)
+            d = max(0, n - (rank - ordinal) % p + p - 1) // p  # (decode rows ordinal, ordinal + 1, ... dealt on)
             if d:
                 share = context * d / n
                 work[0] += d
-                work[1] += d
                 work[3] += share
                 work[4] += share
         total = sum(work[0] for work in works)
+        seqs = len(output.chunks) + n
         for work in works:
+            work[1] = seqs
             work[3] += total - work[0]  # (the other ranks' tokens' latents, written here too)
         return [tuple(work) for work in works]
 
@@ -594,15 +604,15 @@ class RooflineCostModel:
     def _pcp_decode_line(self, n: int) -> tuple[int, int, int, int]:
         """`decode_step_line` under PCP: the step of PCP rank 0, which takes the most decodes
         (ceil(n / PCP)) and their share of the context (`pcp_rank_works`); the others take
-        no more of anything."""
+        no more of anything, and every rank computes all n logits."""
         own = n // self.pcp + (n % self.pcp > 0)
-        overhead = (self.comm_per_token * own + self.fixed_s + self.seq_overhead_s * own
+        overhead = (self.comm_per_token * own + self.fixed_s + self.seq_overhead_s * n
                     + self.dp_comm_per_token * n + self.dp_comm_fixed + self.pcp_gather_seconds(n))
         expert_traffic = self.expert_bytes_per_rank * self.moe.experts_touched(n) if self.moe is not None else 0.0
-        compute = ((self.flops_per_token_local + self.flops_per_seq) * own
+        compute = (self.flops_per_token_local * own + self.flops_per_seq * n
                    + self.expert_flops_per_group_token * n) / self.flop_rate
         memory = (self.weight_bytes + expert_traffic + self.kv_bytes_per_token * n
-                  + self.state_bytes_per_seq * own) / self.byte_rate
+                  + self.state_bytes_per_seq * n) / self.byte_rate
         share = own / n
         return (to_ticks(compute + overhead), per_token_ticks(self.flops_per_decode_pair * share / self.flop_rate),
                 to_ticks(memory + overhead), per_token_ticks(self.kv_bytes_per_token * share / self.byte_rate))

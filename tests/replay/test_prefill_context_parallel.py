@@ -39,8 +39,10 @@ TRACES = Path(__file__).parents[2] / "traces"
     (V3 | {"prefill_context_parallel_size": 2, "enable_lora": True}, "MRV2 PCP does not support LoRA yet."),
     (V3 | {"prefill_context_parallel_size": 2, "speculative_method": "ngram", "num_speculative_tokens": 2},
      "only supports DSpark or single-module MTP"),
-    (V3 | {"prefill_context_parallel_size": 2, "speculative_method": "mtp", "num_speculative_tokens": 1},
-     "not modelled with speculative decoding"),
+    (V3 | {"prefill_context_parallel_size": 2, "speculative_method": "mtp", "num_speculative_tokens": 3,
+           "spec_mtp_modules": 3}, "only supports DSpark or single-module MTP"),
+    (V3 | {"prefill_context_parallel_size": 2, "speculative_method": "mtp", "num_speculative_tokens": 1,
+           "data_parallel_size": 2}, "not modelled with MTP and data-parallel ranks together"),
     (V3 | {"prefill_context_parallel_size": 2, "cpu_offload_gb": 10}, "not modelled with weights kept in host"),
     (V3 | {"prefill_context_parallel_size": 0}, "must be >= 1"),
 ])
@@ -103,7 +105,7 @@ def test_a_chunk_is_split_as_vllms_dual_chunk_swap():
     and 3, rank 1 pieces 1 and 2; each piece runs the expanded path with the chunk's earlier
     tokens as its context; every rank writes all 10 tokens' latents."""
     _, _, (r0, r1) = _ranks(2, 10, cached=100)
-    assert (r0[0], r0[1], r1[0], r1[1]) == (4, 2, 6, 2)  # (tokens, rows)
+    assert (r0[0], r0[1], r1[0], r1[1]) == (4, 1, 6, 1)  # (tokens; each rank computes the one logit row)
     assert r0[2] == 3 * 100 + 6 + 1 * 109 + 1 and r1[2] == 3 * 103 + 6 + 3 * 106 + 6  # causal pairs
     assert (r0[5], r1[5]) == (100 + 109, 103 + 106)  # contexts up-projected
     assert (r0[4], r1[4]) == (0, 0)  # (no piece runs the decode path under PCP)
@@ -226,3 +228,42 @@ def test_vllm_serve_takes_pcp():
     assert config.hardware.num_gpus == 16
     with pytest.raises(ValueError, match="prefill context parallelism"):
         make_backend("calib.json", config)
+
+
+def test_verifications_are_decode_rows_dealt_round_robin():
+    """Under MTP a verification (the last sampled token and K drafts) is a decode row: vLLM deals
+    it whole to one rank, down the decode (absorbed) path; single-token decodes are dealt on
+    after the verifications."""
+    model = make_roofline(EngineConfig.from_flat(V3 | {"prefill_context_parallel_size": 2}))
+    verifications = []
+    for i, context in enumerate((1000, 2000, 3000)):
+        chunk = ScheduledChunk(make_request(i, context + 10, 20), context, 2)
+        chunk.num_spec_tokens = 1
+        verifications.append(chunk)
+    r0, r1 = model.pcp_rank_works(make_step(verifications, decodes=3, context=3 * 600))
+    # rank 0: verifications 0 and 2, then decode 4 of 3..5; rank 1: verification 1, decodes 3 and 5
+    assert (r0[0], r1[0]) == (2 + 2 + 1, 2 + 2)
+    assert r0[4] == (2 * 1000 + 3) + (2 * 3000 + 3) + 600 and r1[4] == (2 * 2000 + 3) + 1200
+    assert r0[2] == r1[2] == r0[5] == r1[5] == 0  # (nothing down the expanded path)
+    assert r0[1] == r1[1] == 6
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_under_pcp(k):
+    """Single-module MTP, which vLLM runs with PCP: the drafter's first pass is split over the
+    ranks as the target's step is, so a long prefill's drafting shrinks in one NVLink domain;
+    a replay is whole, deterministic, and accepts drafts."""
+    from simkv.backends.drafting import Drafter
+
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": k, "gpus_per_node": 16}
+    plain, split = (Drafter(EngineConfig.from_flat(V3 | mtp | {"prefill_context_parallel_size": p})) for p in (1, 2))
+    request = make_request(0, 32768, 10)
+    step = make_step([ScheduledChunk(request, 0, 32768)])
+    step.num_spec_tokens_to_schedule = k
+    assert 0 < split.seconds(step) < 0.7 * plain.seconds(step)
+    trace = take_rows(read_trace(TRACES / "azure_conv_slice.parquet"), np.arange(150))
+    config = EngineConfig.from_flat(V3 | mtp | {"prefill_context_parallel_size": 2})
+    first, again = (_summary(replay(trace, config)) for _ in range(2))
+    assert first == again
+    summary = json.loads(first)
+    assert summary["num_finished"] == 150 and summary["speculative_decoding"]["num_accepted_tokens"] > 0
