@@ -72,3 +72,39 @@ def test_every_tour_line_names_a_command_and_its_options():
                 assert flag in known, f"README tour: `simkv {name}` has no option {flag} ({line.strip()})"
                 checked += 1
     assert checked > 150
+
+
+DOCS = [README, README.parent / "traces" / "README.md", *sorted((README.parent / "docs").glob("*.md")),
+        *sorted((README.parent / "reports").rglob("*.md"))]
+
+
+def _doc_commands(text: str) -> list[str]:
+    """`simkv ...` commands in a page's code spans and code blocks, `&&` chains split."""
+    spans = re.findall(r"`((?:\.venv/bin/)?simkv [^`]+)`", text)
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+        spans += [line for line in block.splitlines() if re.match(r"\s*(\.venv/bin/)?simkv ", line)]
+    out = []
+    for span in spans:
+        for part in span.split("#", 1)[0].split("&&"):
+            part = part.strip().replace(".venv/bin/simkv", "simkv")
+            if part.startswith("simkv "):
+                out.append(part)
+    return out
+
+
+def test_every_documented_command_names_options_simkv_has():
+    """The same check over every `simkv ...` command the docs, the traces' README and the
+    reports show (a group named alone, `simkv trace`, is a reference, not a command)."""
+    checked = 0
+    for page in DOCS:
+        for code in _doc_commands(page.read_text()):
+            words = [w.strip("[]|(),;") for w in re.sub(r"\"[^\"]*\"|'[^']*'", "Q", code).split() if w != "\\"]
+            if len(words) == 2 and isinstance(main.commands.get(words[1]), click.Group):
+                continue
+            for name in words[1].split("|"):
+                command, rest = _command([words[0], name] + words[2:])
+                known = {opt for param in command.params for opt in param.opts + param.secondary_opts}
+                for flag in _names(rest):
+                    assert flag in known, f"{page.name}: `simkv {name}` has no option {flag} ({code[:120]})"
+                    checked += 1
+    assert checked > 400
