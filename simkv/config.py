@@ -659,9 +659,6 @@ class HardwareConfig:
                               f"{sorted({1, pcp, tp * pcp})}.")
         if dcp > 1 and not spec.is_sparse:
             raise ConfigError("MRV2 PCP + DCP supports sparse MLA models only.")
-        if spec.is_sparse:
-            raise ConfigError(f"prefill_context_parallel_size > 1 is not modelled with DeepSeek sparse attention "
-                              f"(model {self.model}) yet")
 
     @property
     def expert_shards(self) -> int:

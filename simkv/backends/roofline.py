@@ -54,6 +54,7 @@ from __future__ import annotations
 import numpy as np
 
 from simkv.backends.base import layer_window_counts, prefill_work, windowed_prefill_work
+from simkv.backends.pcp_split import split_step
 from simkv.core.outputs import SchedulerOutput
 from simkv.clock import per_token_ticks, to_ticks
 from simkv.specs import GPUSpec, ModelSpec
@@ -133,8 +134,9 @@ class RooflineCostModel:
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         self.sparse_topk = model.index_topk
         if self.sparse_topk:
-            # (vLLM splits the prefill rows over TP ranks on CUDA, without DCP)
-            shard = tp > 1 and gpu.platform == "cuda" and decode_context_parallel_size == 1
+            # (vLLM splits the prefill rows over TP ranks on CUDA, without DCP or PCP)
+            shard = (tp > 1 and gpu.platform == "cuda" and decode_context_parallel_size == 1
+                     and prefill_context_parallel_size == 1)
             self._sparse_setup(kv_dtype_bytes, num_speculative_tokens, indexer_tp_shard_min_rows if shard else None,
                                tp_link_gbs, allreduce_latency_s)
         # Mixture of experts: a step reads the experts its tokens were routed to (expected count
@@ -193,12 +195,14 @@ class RooflineCostModel:
             if not self.mla:
                 raise ValueError("prefill context parallelism is priced for latent attention (vLLM runs it there)")
             # over the PCP group: every layer all-gathers the step's new latents (bf16, before the
-            # cache write); every expert layer all-gathers the ranks' hidden states to route them
+            # cache write; and the indexer's keys under sparse attention); every expert layer all-gathers the ranks' hidden states to route them
             # and reduce-scatters its output (vLLM's MoE runner without expert parallelism); the
             # last layer's hidden states come back to every rank before sampling
             share = (self.pcp - 1) / self.pcp / ((pcp_link_gbs or gpu.interconnect_gbs) * 1e9)
-            latent = model.kv_lora_rank + model.qk_rope_head_dim
+            latent = model.kv_lora_rank + model.qk_rope_head_dim + (model.index_head_dim if self.sparse_topk else 0)
             self.pcp_gather_per_token = share * 2 * (model.num_layers * latent + 2 * model.num_moe_layers * h + h)
+            if self.sparse_topk:  # (the rank steps' decodes are shares: price every decode step as a step)
+                self.supports_decode_runs = False
             self.pcp_gather_fixed = (model.num_layers + 2 * model.num_moe_layers + 1) * allreduce_latency_s
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
@@ -485,52 +489,38 @@ class RooflineCostModel:
         return longest
 
     def pcp_rank_works(self, output: SchedulerOutput) -> list[tuple]:
-        """The `step_work` of each PCP rank, as vLLM's PCPManager splits a step: a prefill chunk
-        of n tokens in 2 x PCP pieces of ceil(n / (2 x PCP)), rank r taking pieces r and
-        2 x PCP - 1 - r (one early, one late: their causal attention balances), each down the
-        expanded path (vLLM sends no PCP prefill piece down the decode path) with the chunk's
-        tokens before it as context; decode rows (verifications of 1 + K tokens first, in the
-        step's order, then single-token decodes, each taking its count's share of their
-        context) dealt round robin down the decode path. Every rank writes the whole step's
-        latents into the cache it holds (counted with the reads), and computes every sequence's
-        logits on the hidden states gathered back (vLLM samples on the whole batch)."""
-        p = self.pcp
-        works = [[0, 0, 0, 0, 0, 0] for _ in range(p)]  # tokens, sequences, pairs, KV read, latent pairs, up-projected
-        ordinal = 0  # (decode rows dealt so far)
-        for chunk in output.chunks:
-            n, c = chunk.num_new_tokens, chunk.num_computed_tokens
-            if chunk.num_spec_tokens or chunk.spec_placeholder:  # a verification: one decode row, whole
-                work = works[ordinal % p]
-                ordinal += 1
-                work[0] += n
-                work[3] += c + n
-                work[4] += n * c + n * (n + 1) // 2
-                continue
-            size = -(-n // (2 * p))
-            for rank, work in enumerate(works):
-                for piece in (rank, 2 * p - 1 - rank):
-                    start, end = piece * size, min((piece + 1) * size, n)
-                    if end <= start:
-                        continue
-                    m, context = end - start, c + start
-                    work[0] += m
-                    work[2] += m * context + m * (m + 1) // 2
-                    work[3] += context + m
-                    work[5] += context
-        n, context = output.num_decode_reqs, output.decode_context_tokens
-        for rank, work in enumerate(works):
-            d = max(0, n - (rank - ordinal) % p + p - 1) // p  # (decode rows ordinal, ordinal + 1, ... dealt on)
-            if d:
-                share = context * d / n
-                work[0] += d
-                work[3] += share
-                work[4] += share
+        """The `step_work` of each PCP rank, its share as vLLM's PCPManager splits the step
+        (simkv/backends/pcp_split.py): prefill pieces down the expanded path, their context
+        up-projected, decode rows down the absorbed path (under sparse attention `sparse_work`
+        of the rank's rows: an indexer on each rank scores its own rows). Every rank writes the
+        whole step's latents into the cache it holds (counted with the reads), and computes
+        every sequence's logits on the hidden states gathered back (vLLM samples the whole
+        batch on each)."""
+        steps = split_step(output, self.pcp)
+        works = [list(self.sparse_work(step) if self.sparse_topk else self._pcp_mla_work(step)) for step in steps]
         total = sum(work[0] for work in works)
-        seqs = len(output.chunks) + n
+        seqs = len(output.chunks) + output.num_decode_reqs
         for work in works:
             work[1] = seqs
             work[3] += total - work[0]  # (the other ranks' tokens' latents, written here too)
         return [tuple(work) for work in works]
+
+    @staticmethod
+    def _pcp_mla_work(step) -> tuple:
+        """A PCP rank's `step_work` (its sequences left to `pcp_rank_works`)."""
+        tokens = pairs = latent_pairs = kv_read = upproj = 0
+        for piece in step.chunks:
+            m, c = piece.num_new_tokens, piece.num_computed_tokens
+            causal = m * c + m * (m + 1) // 2
+            tokens += m
+            kv_read += c + m
+            if piece.prefill:
+                pairs += causal
+                upproj += c
+            else:
+                latent_pairs += causal
+        d, context = step.num_decode_reqs, step.decode_context_tokens
+        return tokens + d, 0, pairs, kv_read + context, latent_pairs + context, upproj
 
     def pcp_gather_seconds(self, num_tokens: int) -> float:
         """A PCP rank's all-gathers in a step of `num_tokens` tokens: each layer's new latents

@@ -33,7 +33,8 @@ TRACES = Path(__file__).parents[2] / "traces"
      r"valid DCP sizes are \[1, 2, 16\]"),
     (V3 | {"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
      "MRV2 PCP \\+ DCP supports sparse MLA models only."),
-    (V3 | {"model": "deepseek-v3.2", "prefill_context_parallel_size": 2}, "not modelled with DeepSeek sparse"),
+    (V3 | {"model": "deepseek-v3.2", "prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
+     "not modelled with decode_context_parallel_size > 1"),
     (V3 | {"prefill_context_parallel_size": 2, "model_runner": "v1"},
      "Model Runner V1 does not support: prefill context parallel"),
     (V3 | {"prefill_context_parallel_size": 2, "enable_lora": True}, "MRV2 PCP does not support LoRA yet."),
@@ -267,3 +268,26 @@ def test_mtp_under_pcp(k):
     assert first == again
     summary = json.loads(first)
     assert summary["num_finished"] == 150 and summary["speculative_decoding"]["num_accepted_tokens"] > 0
+
+
+def test_sparse_attention_under_pcp():
+    """DeepSeek-V3.2 (vLLM runs sparse MLA with PCP): each rank's indexer scores its own rows
+    against the whole context and its queries attend their top 2,048, the TP ranks no longer
+    split the prefill rows (vLLM's row sharding is off under PCP), and the indexer's keys are
+    gathered with the latents. A 32k-token prompt's pieces: every causal pair scored once over
+    the ranks, every query's capped pairs attended once."""
+    v32 = V3 | {"model": "deepseek-v3.2", "gpus_per_node": 16}
+    plain = make_roofline(EngineConfig.from_flat(v32))
+    pcp = make_roofline(EngineConfig.from_flat(v32 | {"prefill_context_parallel_size": 2}))
+    assert pcp.indexer_shard_min_rows is None and not pcp.supports_decode_runs
+    chunk = ScheduledChunk(make_request(0, 32769, 1), 0, 32768)
+    step = make_step([chunk])
+    whole, ranks = plain.sparse_work(step), pcp.pcp_rank_works(step)
+    assert sum(r[0] for r in ranks) == whole[0] == 32768
+    assert sum(r[4] for r in ranks) == pytest.approx(whole[4])  # (attended + scored at the indexer's ratio)
+    assert max(r[4] for r in ranks) < 0.52 * whole[4]  # (balanced: an early and a late piece each)
+    assert pcp.execute(step) < 0.65 * plain.execute(step)
+    trace = take_rows(read_trace(TRACES / "mooncake_synthetic_slice.parquet"), np.arange(40))
+    config = EngineConfig.from_flat(v32 | {"prefill_context_parallel_size": 2})
+    first, again = (_summary(replay(trace, config)) for _ in range(2))
+    assert first == again and json.loads(first)["num_finished"] == 40
