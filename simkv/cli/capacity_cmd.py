@@ -478,7 +478,7 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
             kinds += [("data-parallel ranks", num_gpus // (tp * pp), pp) for pp in stage_counts
                       if num_gpus // (tp * pp) > 1]
         kinds = [(kind, dp, pp, 1) for kind, dp, pp in kinds]
-        if spec.is_mla and not spec.is_sparse and dcp == 1:  # (engines of PCP copies of TP GPUs: vLLM's V2 runner)
+        if spec.is_mla and dcp == 1:  # (engines of PCP copies of TP GPUs: vLLM's V2 runner)
             kinds += [("pcp", 1, 1, pcp) for pcp in stage_counts]
         for kind, dp, pp, pcp in kinds:
             copies = num_gpus // (tp * pp * pcp)
