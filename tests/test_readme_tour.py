@@ -21,13 +21,19 @@ def _tour() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
+def _words(code: str) -> list[str]:
+    """A command's words, quoted strings (another tool's command line) as one placeholder, the
+    brackets and bars of optional parts stripped."""
+    return [w.strip("[]|(),;") for w in re.sub(r"\"[^\"]*\"|'[^']*'", "Q", code).split() if w != "\\"]
+
+
 def _commands() -> list[tuple[str, list[str]]]:
     """(the line, its words) for each tour command, continuation lines joined to theirs;
     comments and quoted strings (another tool's command line) dropped."""
     out: list[tuple[str, list[str]]] = []
     for line in _tour():
         code = line.split("#", 1)[0]
-        words = [w.strip("[]|") for w in re.sub(r"\"[^\"]*\"|'[^']*'", "Q", code).split() if w != "\\"]
+        words = _words(code)
         if line.startswith("simkv"):
             out.append((line, words))
         elif out and line[0].isspace():
@@ -58,20 +64,23 @@ def _names(words: list[str]) -> list[str]:
     return names
 
 
+def _check(words: list[str], where: str) -> int:
+    """Assert that `simkv A[|B] ...` names commands that take every option among the words (a
+    line may name several commands, `simkv replay|goodput ...`); the options checked."""
+    checked = 0
+    for name in words[1].split("|"):
+        command, rest = _command([words[0], name] + words[2:])
+        known = {opt for param in command.params for opt in param.opts + param.secondary_opts}
+        for flag in _names(rest):
+            assert flag in known, f"{where}: `simkv {name}` has no option {flag}"
+            checked += 1
+    return checked
+
+
 def test_every_tour_line_names_a_command_and_its_options():
     commands = _commands()
     assert len(commands) > 50  # (the tour is read: a change to its layout would fail here)
-    checked = 0
-    for line, words in commands:
-        # `simkv replay|goodput|capacity|sweep ...`: every command named must take the options
-        names = words[1].split("|") if "|" in words[1] else [words[1]]
-        for name in names:
-            command, rest = _command([words[0], name] + words[2:])
-            known = {opt for param in command.params for opt in param.opts + param.secondary_opts}
-            for flag in _names(rest):
-                assert flag in known, f"README tour: `simkv {name}` has no option {flag} ({line.strip()})"
-                checked += 1
-    assert checked > 150
+    assert sum(_check(words, f"README tour ({line.strip()})") for line, words in commands) > 150
 
 
 DOCS = [README, README.parent / "traces" / "README.md", *sorted((README.parent / "docs").glob("*.md")),
@@ -79,8 +88,14 @@ DOCS = [README, README.parent / "traces" / "README.md", *sorted((README.parent /
 
 
 def _doc_commands(text: str) -> list[str]:
-    """`simkv ...` commands in a page's code spans and code blocks, `&&` chains split."""
+    """`simkv ...` commands in a page's code spans and code blocks, fenced or indented (lines
+    ending in a backslash joined), `&&` chains split."""
+    text = text.replace("\\\n", " ")  # (a command continued on the next line)
     spans = re.findall(r"`((?:\.venv/bin/)?simkv [^`]+)`", text)
+    # indented code blocks (a list item's indented prose may start with "simkv" too: a command's
+    # name must follow)
+    spans += [line for line in re.findall(r"^ {4,}((?:\.venv/bin/)?simkv .*)$", text, re.M)
+              if line.split()[1].split("|")[0] in main.commands]
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
         spans += [line for line in block.splitlines() if re.match(r"\s*(\.venv/bin/)?simkv ", line)]
     out = []
@@ -98,13 +113,7 @@ def test_every_documented_command_names_options_simkv_has():
     checked = 0
     for page in DOCS:
         for code in _doc_commands(page.read_text()):
-            words = [w.strip("[]|(),;") for w in re.sub(r"\"[^\"]*\"|'[^']*'", "Q", code).split() if w != "\\"]
-            if len(words) == 2 and isinstance(main.commands.get(words[1]), click.Group):
-                continue
-            for name in words[1].split("|"):
-                command, rest = _command([words[0], name] + words[2:])
-                known = {opt for param in command.params for opt in param.opts + param.secondary_opts}
-                for flag in _names(rest):
-                    assert flag in known, f"{page.name}: `simkv {name}` has no option {flag} ({code[:120]})"
-                    checked += 1
-    assert checked > 400
+            words = _words(code)
+            if len(words) > 2 or not isinstance(main.commands.get(words[1]), click.Group):
+                checked += _check(words, f"{page.name} ({code[:120]})")
+    assert checked > 800
