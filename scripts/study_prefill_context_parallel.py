@@ -71,7 +71,8 @@ def main() -> None:
             s, req = res.summary, res.requests
             ttft = req["ttft_s"].to_numpy()
             lt = ttft[long]
-            print(f"| {model.removeprefix('deepseek-')} | {rate:g}/s | {gpus} | {name} | {s['ttft_s']['mean']:.2f} / {s['ttft_s']['p50']:.2f} / "
+            print(f"| {model.removeprefix('deepseek-')} | {rate:g}/s | {gpus} | {name} | "
+                  f"{s['ttft_s']['mean']:.2f} / {s['ttft_s']['p50']:.2f} / "
                   f"{s['ttft_s']['p99']:.2f} | {np.percentile(lt, 50):.2f} / {np.percentile(lt, 99):.2f} | "
                   f"{1e3 * s['tpot_s']['mean']:.1f} | {s['output_throughput_tok_s']:,.0f} |", flush=True)
 

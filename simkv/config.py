@@ -697,8 +697,9 @@ class HardwareConfig:
 
     def stage_link_gbs(self, boundary: int) -> float:
         """Pipeline parallelism: the link between stage `boundary` and the next (stages of TP GPUs
-        each, TP x PCP under prefill context parallelism, laid out one after another): `pipeline_link_gbs` if set, else the interconnect
-        when both sides are on one node, the network's otherwise."""
+        each, TP x PCP under prefill context parallelism, laid out one after another):
+        `pipeline_link_gbs` if set, else the interconnect when both sides are on one node, the
+        network's otherwise."""
         if self.pipeline_link_gbs is not None:
             return self.pipeline_link_gbs
         first_next = (boundary + 1) * self.tensor_parallel_size * self.prefill_context_parallel_size
@@ -1449,9 +1450,10 @@ class EngineConfig:
         if spec.enabled and (spec.speculative_method != "mtp"
                              or spec.multi_module_mtp(self.hardware.model_spec())):
             raise ConfigError("MRV2 PCP only supports DSpark or single-module MTP speculative decoding.")
+        mode = self.scheduler.preemption_mode
         unsupported = [(spec.enabled and self.hardware.data_parallel_size > 1,
                         "MTP and data-parallel ranks together"),
-                       (self.scheduler.preemption_mode != "recompute", f"preemption_mode '{self.scheduler.preemption_mode}'"),
+                       (mode != "recompute", f"preemption_mode '{mode}'"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'"),
                        (bool(self.cache.cpu_offload_gb or self.cache.offload_group_size),
                         "weights kept in host memory (--cpu-offload-gb, --offload-group-size)")]

@@ -195,9 +195,10 @@ class RooflineCostModel:
             if not self.mla:
                 raise ValueError("prefill context parallelism is priced for latent attention (vLLM runs it there)")
             # over the PCP group: every layer all-gathers the step's new latents (bf16, before the
-            # cache write; and the indexer's keys under sparse attention); every expert layer all-gathers the ranks' hidden states to route them
-            # and reduce-scatters its output (vLLM's MoE runner without expert parallelism); the
-            # last layer's hidden states come back to every rank before sampling
+            # cache write; and the indexer's keys under sparse attention); every expert layer
+            # all-gathers the ranks' hidden states to route them and reduce-scatters its output
+            # (vLLM's MoE runner without expert parallelism); the last layer's hidden states come
+            # back to every rank before sampling
             share = (self.pcp - 1) / self.pcp / ((pcp_link_gbs or gpu.interconnect_gbs) * 1e9)
             latent = model.kv_lora_rank + model.qk_rope_head_dim + (model.index_head_dim if self.sparse_topk else 0)
             self.pcp_gather_per_token = share * 2 * (model.num_layers * latent + 2 * model.num_moe_layers * h + h)

@@ -47,8 +47,9 @@ def test_capacity_lays_a_model_out_every_way():
     res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "--layouts", "8", "--json"])
     assert res.exit_code == 0, res.output
     rows = {r["layout"]: r for r in json.loads(res.output)["layouts"]}
-    assert [k for k in rows if "PP" not in k and "PCP" not in k] == ["8 x TP 1", "DP 8 x TP 1", "4 x TP 2", "DP 4 x TP 2", "2 x TP 4",
-                                                  "DP 2 x TP 4", "1 x TP 8"]
+    plain = [k for k in rows if "PP" not in k and "PCP" not in k]
+    assert plain == ["8 x TP 1", "DP 8 x TP 1", "4 x TP 2", "DP 4 x TP 2", "2 x TP 4",
+                     "DP 2 x TP 4", "1 x TP 8"]
     assert {"1 x TP 4 x PP 2", "1 x TP 1 x PP 8"} <= set(rows)  # (and pipelines: test_pipeline_parallel.py)
     assert "1 x TP 4 x PCP 2" in rows  # (and PCP copies: test_prefill_context_parallel.py)
     assert not rows["8 x TP 1"]["fits"] and not rows["2 x TP 4"]["fits"]

@@ -96,7 +96,8 @@ def test_an_engines_gpus_count_its_stages_and_pcp_ranks():
 
 def _ranks(p: int, chunk_tokens: int, cached: int = 0, decodes: int = 0, context: int = 0):
     model = make_roofline(EngineConfig.from_flat(V3 | {"prefill_context_parallel_size": p}))
-    chunks = [ScheduledChunk(make_request(0, cached + chunk_tokens + 1, 1), cached, chunk_tokens)] if chunk_tokens else []
+    request = make_request(0, cached + chunk_tokens + 1, 1)
+    chunks = [ScheduledChunk(request, cached, chunk_tokens)] if chunk_tokens else []
     step = make_step(chunks, decodes=decodes, context=context)
     return model, step, model.pcp_rank_works(step)
 
