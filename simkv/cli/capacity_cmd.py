@@ -9,6 +9,7 @@ import click
 from simkv.capacity import (GIB, activation_reserve_bytes, compute_capacity, encoder_profile, encoder_profile_bytes,
                              kv_bytes_per_token, offloaded_weight_bytes, prefetched_weight_bytes, request_concurrency,
                              resident_weight_bytes)
+from simkv.cli.help_sections import SectionedCommand
 from simkv.cli.replay_cmd import MAX_MODEL_LEN_HELP, VLLM_SERVE_HELP, ByteCount, ImageLimit, MaxModelLen, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.specs import MAMBA_DTYPE_BYTES
@@ -307,7 +308,7 @@ def print_report(rep: dict) -> None:
         console.print(line, highlight=False, markup=False)
 
 
-@click.command("capacity")
+@click.command("capacity", cls=SectionedCommand)
 @click.option("--model", default=None,
               help="A model of simkv/specs/models.yaml, or a Hugging Face config.json [default: llama-3-8b]")
 @click.option("--gpu", default=None, help="A GPU of simkv/specs/gpus.yaml [default: H100-SXM]")
@@ -400,8 +401,9 @@ def print_report(rep: dict) -> None:
 @click.option("--async-scheduling", is_flag=True, default=None,
               help="vLLM's: two batches in flight, which a sliding-window group's admission cap counts")
 @click.option("--layouts", "num_gpus", type=int, default=None, metavar="N",
-              help="Instead: every way to lay the model out over N GPUs (TP engines, or for a mixture of "
-                   "experts data-parallel ranks of TP), with the KV cache each gives in all.")
+              help="Instead: every way to lay the model out over N GPUs (TP engines, pipelines, for a mixture "
+                   "of experts data-parallel ranks of TP, for latent attention PCP copies of TP), with the KV "
+                   "cache each gives in all.")
 @click.option("--request-tokens", type=int, multiple=True, metavar="TOKENS",
               help="Also: how many requests of TOKENS tokens (prompt and output) fit at once, counting whole "
                    "blocks and every KV-cache group's (state blocks, windows); repeat for several lengths.")

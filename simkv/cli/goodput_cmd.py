@@ -12,6 +12,7 @@ from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
                                        read_encode)
+from simkv.cli.help_sections import SectionedCommand
 from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, fleet_options, read_fleet, read_inputs
 from simkv.config import ConfigError
 
@@ -193,7 +194,7 @@ def grid_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.command("goodput")
+@click.command("goodput", cls=SectionedCommand)
 @click.argument("trace", required=False, default=DEFAULT_TRACE)
 @click.option("--goodput", "goodput", multiple=True, required=True, metavar="KEY:MS",
               help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms; repeat for each.")

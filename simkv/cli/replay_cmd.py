@@ -12,6 +12,7 @@ from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
                                        read_encode)
+from simkv.cli.help_sections import SectionedCommand
 from simkv.config import (KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig,
                           HardwareConfig)
 from simkv.replay.engine import ReplayError
@@ -635,7 +636,7 @@ _ENGINE_OPTIONS = [
 ]
 
 
-@click.command("replay")
+@click.command("replay", cls=SectionedCommand)
 @click.argument("trace", required=False, default=DEFAULT_TRACE)
 @click.option("--out", "out_dir", default="out/replay", show_default=True, help="Output folder.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of engine options.")
