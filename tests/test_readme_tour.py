@@ -70,7 +70,7 @@ def _check(words: list[str], where: str) -> int:
     checked = 0
     for name in words[1].split("|"):
         command, rest = _command([words[0], name] + words[2:])
-        known = {opt for param in command.params for opt in param.opts + param.secondary_opts}
+        known = {opt for param in command.params for opt in param.opts + param.secondary_opts} | {"--help"}
         for flag in _names(rest):
             assert flag in known, f"{where}: `simkv {name}` has no option {flag}"
             checked += 1
