@@ -34,6 +34,13 @@ def _check_type(key: str, value, annotation: str) -> None:
 CPU_OFFLOAD_PARAM_SEGMENTS = ("experts", "w13_weight", "w2_weight")
 
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
+# vLLM 0.33's --all2all-backend values: those that exchange tokens all-to-all (simkv prices them
+# alike: simkv/backends/expert_exchange.py), and those that gather every rank's tokens (vLLM falls
+# back from its removed naive and pplx backends to allgather_reducescatter)
+ALL2ALL_BACKENDS = ("deepep_high_throughput", "deepep_low_latency", "deepep_v2", "mori_high_throughput",
+                    "mori_low_latency", "moonep", "nixl_ep", "flashinfer_nvlink_two_sided",
+                    "flashinfer_nvlink_one_sided", "flashinfer_all2allv")
+GATHER_BACKENDS = ("allgather_reducescatter", "naive", "pplx")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES)
 
 
@@ -549,6 +556,19 @@ class HardwareConfig:
     # a step between them (decodes round robin) and gather each layer's new latents; the expert
     # layers span all their GPUs (simkv/backends/roofline.py, `pcp_rank_works`)
     prefill_context_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel and --all2all-backend: with expert parallelism and data- (or
+    # prefill-context-) parallel ranks, an all-to-all backend (DeepEP and kin, ALL2ALL_BACKENDS)
+    # sends each token's hidden state only to the GPUs holding its experts instead of gathering
+    # every rank's tokens on every GPU (allgather_reducescatter, vLLM's default, and what runs
+    # without expert parallelism); simkv/backends/expert_exchange.py prices both
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
+    # vLLM's --enable-dbo (dual batch overlap, data-parallel ranks): a step of at least
+    # dbo_decode_token_threshold tokens (decodes only) or dbo_prefill_token_threshold (with a
+    # prefill) on every rank runs as two microbatches, one's expert exchange under the other's work
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
     # vLLM's --pipeline-parallel-size: the model's layers split over that many stages (each on
     # its own TP GPUs, layers as vLLM's get_pp_indices splits them); the engine keeps that many
     # batches in flight, one more under async scheduling (simkv/replay/pipeline.py)
@@ -617,6 +637,7 @@ class HardwareConfig:
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         self._check_prefill_context_parallel(spec)
+        self._check_expert_exchange()
         pp = self.pipeline_parallel_size
         if pp < 1:
             raise ConfigError(f"pipeline_parallel_size must be >= 1, got {pp}")
@@ -659,6 +680,39 @@ class HardwareConfig:
                               f"{sorted({1, pcp, tp * pcp})}.")
         if dcp > 1 and not spec.is_sparse:
             raise ConfigError("MRV2 PCP + DCP supports sparse MLA models only.")
+
+    def _check_expert_exchange(self) -> None:
+        """vLLM 0.33's --all2all-backend values and its checks of dual batch overlap (its texts)."""
+        backend = self.all2all_backend
+        if backend not in ALL2ALL_BACKENDS + GATHER_BACKENDS:
+            raise ConfigError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS + GATHER_BACKENDS)} "
+                              f"(vLLM's), got {backend!r}")
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.enable_dbo:
+            return
+        if min(self.dbo_decode_token_threshold, self.dbo_prefill_token_threshold) < 2:
+            raise ConfigError("dbo_decode_token_threshold and dbo_prefill_token_threshold must be at least the "
+                              "number of microbatches (2).")
+        supported = (("deepep_low_latency", "deepep_high_throughput", "nixl_ep")
+                     + (("allgather_reducescatter",) if get_gpu_spec(self.gpu).platform == "rocm" else ()))
+        if backend not in supported:
+            raise ConfigError(f"Microbatching currently only supports the {', '.join(supported)} all2all backends on "
+                              f"this platform. {backend} is not supported. To fix use one of "
+                              f"{', '.join('--all2all-backend=' + b for b in supported)} and install the matching "
+                              "kernels.")
+        if self.data_parallel_size == 1:
+            raise ConfigError("enable_dbo is modelled with data-parallel ranks (a mixture of experts' expert "
+                              "exchange between them is what the microbatches overlap)")
+
+    @property
+    def all_to_all(self) -> bool:
+        """The expert layers exchange tokens all-to-all (vLLM's all2all kernels: expert parallelism,
+        an all-to-all backend, and data- or prefill-context-parallel ranks) rather than gathering
+        them."""
+        return (self.enable_expert_parallel and self.all2all_backend in ALL2ALL_BACKENDS
+                and self.expert_shards > 1)
 
     @property
     def expert_shards(self) -> int:
@@ -1101,6 +1155,8 @@ class EngineConfig:
             self._verify_decode_context_parallel()
         if self.hardware.prefill_context_parallel_size > 1:
             self._verify_prefill_context_parallel()
+        if self.hardware.enable_dbo:
+            self._verify_dual_batch_overlap()
         if self.hardware.pipeline_parallel_size > 1:
             self._verify_pipeline_parallel()
         if self.has_sliding_window:
@@ -1461,6 +1517,20 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"prefill_context_parallel_size > 1 is not modelled with {what} yet")
 
+    def _verify_dual_batch_overlap(self) -> None:
+        """What simkv does not model dual batch overlap with (what vLLM's V2 runner refuses it with)."""
+        hw = self.hardware
+        unsupported = [(self.speculative.enabled, "speculative decoding"),
+                       (hw.pipeline_parallel_size > 1, "pipeline parallelism"),
+                       (hw.decode_context_parallel_size > 1 or hw.prefill_context_parallel_size > 1,
+                        "context parallelism"),
+                       (self.scheduler.enable_lora, "LoRA"),
+                       (hw.has_vision_encoder, "multimodal models"),
+                       (self.has_linear_attention, "hybrid models")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"enable_dbo is not modelled with {what} (vLLM's V2 model runner refuses it)")
+
     @property
     def max_concurrent_batches(self) -> int:
         """Batches in flight (vLLM's max_concurrent_batches): one, two under async scheduling;
@@ -1506,6 +1576,8 @@ class EngineConfig:
             out.append("speculative method 'suffix'")
         if spec.spec_parallel_drafting:  # (EAGLE heads and draft models: simkv's methods that draft in parallel)
             out.append("parallel drafting for EAGLE speculative decoding")
+        if self.hardware.enable_dbo and self.scheduler.model_runner == "auto":  # (V2 takes DBO only when asked for)
+            out.append("dual batch overlap")
         return out
 
     @property
@@ -1643,6 +1715,11 @@ class EngineConfig:
             del out["decode_context_parallel_size"]
         if self.hardware.prefill_context_parallel_size == 1:
             del out["prefill_context_parallel_size"]
+        defaults = HardwareConfig()
+        for key in ("enable_expert_parallel", "all2all_backend", "enable_dbo", "dbo_decode_token_threshold",
+                    "dbo_prefill_token_threshold"):  # (only when set: configs without them read as before)
+            if out[key] == getattr(defaults, key):
+                del out[key]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)
             del out["max_num_active_seqs"]
         if self.scheduler.max_num_scheduled_tokens is None:  # (likewise)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import numpy as np
 
 from simkv.backends.base import layer_window_counts, prefill_work, windowed_prefill_work
+from simkv.backends.expert_exchange import all_to_all_exchange, gather_exchange
 from simkv.backends.pcp_split import split_step
 from simkv.core.outputs import SchedulerOutput
 from simkv.clock import per_token_ticks, to_ticks
@@ -91,11 +92,19 @@ class RooflineCostModel:
         pcie_gbs: float = 63.0,
         prefill_context_parallel_size: int = 1,
         pcp_link_gbs: float | None = None,
+        all_to_all: bool = False,
+        gpus_per_node: int = 8,
+        inter_node_gbs: float = 50.0,
+        dbo_thresholds: tuple[int, int] | None = None,
     ) -> None:
         """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
         expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
         HardwareConfig.link_gbs gives the network's for groups larger than a node).
         `pcp_link_gbs`: the bandwidth of the PCP group's all-gathers (None: the GPU's interconnect).
+        `all_to_all`: the expert layers exchange tokens all-to-all (expert parallelism with an
+        all-to-all backend) over GPUs `gpus_per_node` to a node, `inter_node_gbs` between nodes,
+        instead of gathering them (simkv/backends/expert_exchange.py). `dbo_thresholds`: vLLM's
+        dual batch overlap, (decode-only, with prefill) tokens a rank's step needs (`dp_time`).
         `weight_offload_shares`: the shares of each GPU's weights vLLM's --cpu-offload-gb keeps in
         host memory (of those outside the routed experts, of the experts); the kernels read that
         share of every weight read over the host link (`pcie_gbs`) instead of from GPU memory
@@ -185,12 +194,21 @@ class RooflineCostModel:
             self.flops_per_token_local = self.flops_per_token - routed_flops
             self.expert_flops_per_group_token = routed_flops / shards
             self.expert_bytes_per_rank = self.expert_bytes / shards
-            # each expert layer all-gathers every data-parallel rank's tokens and reduce-scatters
-            # the results (vLLM's default allgather_reducescatter), bf16 hidden states over the
-            # interconnect (PCP ranks' own gather: `pcp_gather_seconds`)
-            self.dp_comm_per_token = (2 * model.num_moe_layers * (g - 1) / g * h * 2
-                                      / ((dp_link_gbs or gpu.interconnect_gbs) * 1e9)) if self.dp > 1 else 0.0
-            self.dp_comm_fixed = 2 * model.num_moe_layers * allreduce_latency_s if self.dp > 1 else 0.0
+            # the expert layers' exchange of the ranks' tokens (simkv/backends/expert_exchange.py):
+            # all-to-all, or gathered over the data-parallel ranks (vLLM's default; PCP ranks'
+            # own gather: `pcp_gather_seconds`)
+            self.all_to_all = all_to_all
+            if all_to_all:
+                self.dp_comm_per_token, self.dp_comm_fixed = all_to_all_exchange(
+                    model, g, gpus_per_node, gpu.interconnect_gbs, inter_node_gbs, allreduce_latency_s)
+            elif self.dp > 1:
+                self.dp_comm_per_token, self.dp_comm_fixed = gather_exchange(
+                    model, g, dp_link_gbs or gpu.interconnect_gbs, allreduce_latency_s)
+            else:
+                self.dp_comm_per_token = self.dp_comm_fixed = 0.0
+            self.dbo_thresholds = dbo_thresholds
+            if dbo_thresholds is not None:
+                self.params["dbo_thresholds"] = dbo_thresholds
         if self.pcp > 1:
             if not self.mla:
                 raise ValueError("prefill context parallelism is priced for latent attention (vLLM runs it there)")
@@ -201,10 +219,11 @@ class RooflineCostModel:
             # back to every rank before sampling
             share = (self.pcp - 1) / self.pcp / ((pcp_link_gbs or gpu.interconnect_gbs) * 1e9)
             latent = model.kv_lora_rank + model.qk_rope_head_dim + (model.index_head_dim if self.sparse_topk else 0)
-            self.pcp_gather_per_token = share * 2 * (model.num_layers * latent + 2 * model.num_moe_layers * h + h)
+            moe_gathers = 0 if all_to_all else 2 * model.num_moe_layers  # (all-to-all: the exchange above instead)
+            self.pcp_gather_per_token = share * 2 * (model.num_layers * latent + moe_gathers * h + h)
             if self.sparse_topk:  # (the rank steps' decodes are shares: price every decode step as a step)
                 self.supports_decode_runs = False
-            self.pcp_gather_fixed = (model.num_layers + 2 * model.num_moe_layers + 1) * allreduce_latency_s
+            self.pcp_gather_fixed = (model.num_layers + moe_gathers + 1) * allreduce_latency_s
         self._decode_lines: dict[int, tuple[int, int, int, int]] = {}
         self.seq_overhead_s = seq_overhead_s
         # Sliding-window layers attend (and read) at most their window (None: every layer attends all).
@@ -470,6 +489,7 @@ class RooflineCostModel:
         touched = self.moe.experts_touched(total) if total and self.moe is not None else 0.0
         expert_traffic = self.expert_bytes_per_rank * touched
         comm = self.dp_comm_per_token * total + self.dp_comm_fixed
+        microbatched = self._microbatched(works)
         longest = 0.0
         for i, (tokens, seqs, pairs, kv_read, latent_pairs, upproj) in enumerate(works):
             flops = self.flops_per_token_local * tokens + self.flops_per_seq * seqs + self.flops_per_pair * pairs
@@ -479,8 +499,14 @@ class RooflineCostModel:
                        + self.state_bytes_per_seq * seqs)
             if draft_tokens is not None and i < len(draft_tokens):
                 traffic += self.state_bytes_per_draft * draft_tokens[i]
-            busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
-            seconds = busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm
+            if microbatched:  # (two microbatches: each reads the weights; one's exchange under the other's work)
+                busy = max((flops + expert_flops) / self.flop_rate,
+                           (traffic + self.weight_bytes + expert_traffic) / self.byte_rate)
+                overlapped = max(busy, comm) + min(busy, comm) / (2 * max(1, self.model.num_moe_layers))
+                seconds = overlapped + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs
+            else:
+                busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
+                seconds = busy + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs + comm
             if collectives is not None:
                 seconds += collectives[i]
             if overlap_host:
@@ -488,6 +514,15 @@ class RooflineCostModel:
                 seconds = max(seconds + extra_s - host, host)
             longest = max(longest, seconds)
         return longest
+
+    def _microbatched(self, works: list[tuple]) -> bool:
+        """Dual batch overlap runs this lockstep step as two microbatches: every rank (a dummy
+        pass has no tokens) has at least the threshold's tokens, the decode threshold where its
+        step is decodes only (a token per sequence), else the prefill one (vLLM's ranks agree)."""
+        if getattr(self, "dbo_thresholds", None) is None:
+            return False
+        decode, prefill = self.dbo_thresholds
+        return all(tokens >= (decode if tokens == seqs else prefill) for tokens, seqs, *_ in works)
 
     def pcp_rank_works(self, output: SchedulerOutput) -> list[tuple]:
         """The `step_work` of each PCP rank, its share as vLLM's PCPManager splits the step

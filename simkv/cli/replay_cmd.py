@@ -13,8 +13,8 @@ from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
                                        read_encode)
 from simkv.cli.help_sections import SectionedCommand
-from simkv.config import (KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig,
-                          HardwareConfig)
+from simkv.config import (ALL2ALL_BACKENDS, GATHER_BACKENDS, KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE,
+                          SPEC_METHODS, ConfigError, EngineConfig, HardwareConfig)
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
 from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec, gpu_names
@@ -36,6 +36,9 @@ _ENGINE_FLAGS = {
     "data_parallel_size": "data_parallel_size", "quantization": "quantization",
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefill_context_parallel_size": "prefill_context_parallel_size",
+    "enable_expert_parallel": "enable_expert_parallel", "all2all_backend": "all2all_backend",
+    "enable_dbo": "enable_dbo", "dbo_decode_token_threshold": "dbo_decode_token_threshold",
+    "dbo_prefill_token_threshold": "dbo_prefill_token_threshold",
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
     "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
     "prefix_caching_hash_bits": "prefix_caching_hash_bits", "swap_space": "swap_space",
@@ -367,6 +370,21 @@ _ENGINE_OPTIONS = [
     click.option("--prefill-context-parallel-size", "-pcp", type=int, default=None,
                  help="vLLM's, for latent-attention models: that many TP groups, each holding the whole KV "
                       "cache, split every prefill chunk between them (decodes round robin) [default: 1]"),
+    click.option("--enable-expert-parallel/--no-enable-expert-parallel", "-ep", default=None,
+                 help="vLLM's, a mixture of experts: whole experts over the GPUs, which --all2all-backend's "
+                      "all-to-all kernels then exchange tokens between [default: off]"),
+    click.option("--all2all-backend", type=click.Choice(ALL2ALL_BACKENDS + GATHER_BACKENDS), default=None,
+                 help="vLLM's: with -ep and data- (or prefill-context-) parallel ranks, an all-to-all backend "
+                      "(deepep_*, ...) sends each token only to its experts' GPUs; allgather_reducescatter "
+                      "gathers every rank's tokens on every GPU [default: allgather_reducescatter]"),
+    click.option("--enable-dbo/--no-enable-dbo", default=None,
+                 help="vLLM's dual batch overlap (data-parallel ranks, a DeepEP or nixl_ep backend): steps of "
+                      "enough tokens on every rank run as two microbatches, one's expert exchange under the "
+                      "other's work [default: off]"),
+    click.option("--dbo-decode-token-threshold", type=int, default=None,
+                 help="vLLM's: the tokens a decode-only step needs on every rank for DBO [default: 32]"),
+    click.option("--dbo-prefill-token-threshold", type=int, default=None,
+                 help="vLLM's: the tokens a step with a prefill needs on every rank for DBO [default: 512]"),
     click.option("--pipeline-parallel-size", "-pp", type=int, default=None,
                  help="vLLM's: the layers split over that many stages of TP GPUs each; the engine keeps that many "
                       "batches in flight (one more under async scheduling) [default: 1]"),

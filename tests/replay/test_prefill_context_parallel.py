@@ -292,3 +292,18 @@ def test_sparse_attention_under_pcp():
     config = EngineConfig.from_flat(v32 | {"prefill_context_parallel_size": 2})
     first, again = (_summary(replay(trace, config)) for _ in range(2))
     assert first == again and json.loads(first)["num_finished"] == 40
+
+
+def test_pcp_with_an_all_to_all_backend_exchanges_tokens_instead_of_gathering_them():
+    """With -ep and a DeepEP backend vLLM's MoE dispatches PCP ranks' tokens all-to-all (its
+    use_all2all_kernels): the PCP group then gathers only the latents and the last hidden states."""
+    spec = make_roofline(EngineConfig.from_flat(V3)).model
+    gathered = make_roofline(EngineConfig.from_flat(V3 | {"prefill_context_parallel_size": 2}))
+    deepep = make_roofline(EngineConfig.from_flat(V3 | {"prefill_context_parallel_size": 2,
+                                                        "enable_expert_parallel": True,
+                                                        "all2all_backend": "deepep_high_throughput"}))
+    assert gathered.dp_comm_per_token == 0.0 < deepep.dp_comm_per_token
+    moe_share = 2 * spec.num_moe_layers * spec.hidden_size
+    assert gathered.pcp_gather_per_token / deepep.pcp_gather_per_token == pytest.approx(
+        (spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) + moe_share + spec.hidden_size)
+        / (spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) + spec.hidden_size))

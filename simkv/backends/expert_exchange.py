@@ -1,0 +1,48 @@
+"""The expert layers' token exchange between lockstep ranks (data-parallel or prefill-context-
+parallel copies of a TP group) of a mixture of experts, as vLLM 0.33's MoE runs it. The roofline
+(simkv/backends/roofline.py) adds it to every lockstep step; each function gives (seconds per
+token of the whole step, over all ranks; fixed seconds per step).
+
+- Gathered (`gather_exchange`: vLLM's default allgather_reducescatter backend, and its MoE
+  without expert parallelism): every expert layer all-gathers every rank's tokens' hidden states
+  (bf16) on every GPU and reduce-scatters the outputs: each GPU receives (g - 1) / g of the
+  step's tokens twice, over the slowest link of the group.
+- All-to-all (`all_to_all_exchange`: --enable-expert-parallel with DeepEP and the other
+  all-to-all backends, priced alike): each GPU holds whole experts and sends each of its tokens
+  (its 1 / g share of the step's: the TP ranks split their rank's tokens, vLLM's sequence-parallel
+  MoE) to the GPUs holding the token's k experts, once per GPU, and gets the outputs back.
+  Routing taken as uniform: a token's k experts lie on g x (1 - (1 - 1 / g)^k) GPUs on average,
+  all but 1 / g of them remote; of those, a node's share over NVLink and the rest over the
+  network, both links at once. Dispatch in fp8 with its block scales (1 + 4 / 128 bytes a value)
+  for an FP8 checkpoint's experts (DeepEP quantizes before sending), else bf16; combine bf16.
+  Not modelled: DeepSeek's group-limited routing (a token's experts on at most 4 nodes), load
+  imbalance, and the kernels' own efficiency (every byte at the link's rate).
+"""
+
+from __future__ import annotations
+
+from simkv.specs import ModelSpec
+
+_BF16 = 2
+_FP8_WITH_SCALES = 1 + 4 / 128
+
+
+def gather_exchange(model: ModelSpec, num_gpus: int, link_gbs: float, latency_s: float) -> tuple[float, float]:
+    """All-gather and reduce-scatter of every token over `num_gpus` GPUs, each expert layer."""
+    per_token = 2 * model.num_moe_layers * (num_gpus - 1) / num_gpus * model.hidden_size * _BF16 / (link_gbs * 1e9)
+    return per_token, 2 * model.num_moe_layers * latency_s
+
+
+def all_to_all_exchange(model: ModelSpec, num_gpus: int, gpus_per_node: int, nvlink_gbs: float,
+                        network_gbs: float, latency_s: float) -> tuple[float, float]:
+    """Dispatch to and combine from the GPUs holding each token's experts, each expert layer, over
+    an expert-parallel group of `num_gpus` GPUs laid out `gpus_per_node` to a node."""
+    g, k = num_gpus, model.num_experts_per_tok
+    remote = g * (1 - (1 - 1 / g) ** k) * (g - 1) / g  # GPUs a token goes to, other than its own
+    dispatch = _FP8_WITH_SCALES if model.expert_weight_bytes == 1.0 else _BF16
+    bytes_per_copy = model.hidden_size * (dispatch + _BF16)
+    node = min(gpus_per_node, g)
+    near, far = (node - 1) / (g - 1), (g - node) / (g - 1)  # shares of the remote GPUs in the node and beyond
+    seconds_per_byte = max(near / (nvlink_gbs * 1e9), far / (network_gbs * 1e9))
+    per_token = model.num_moe_layers * remote / g * bytes_per_copy * seconds_per_byte
+    return per_token, 2 * model.num_moe_layers * latency_s

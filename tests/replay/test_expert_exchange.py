@@ -1,0 +1,139 @@
+"""The expert layers' token exchange between lockstep ranks (vLLM's --enable-expert-parallel,
+--all2all-backend) and dual batch overlap (--enable-dbo): simkv/backends/expert_exchange.py and
+the roofline's lockstep step (`RooflineCostModel.dp_time`)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from simkv.backends.expert_exchange import all_to_all_exchange, gather_exchange
+from simkv.backends.factory import make_roofline
+from simkv.cli.vllm_serve import serve_options
+from simkv.config import ConfigError, EngineConfig
+from simkv.replay.api import replay
+from simkv.specs import get_model_spec
+from simkv.traces.schema import read_trace, take_rows
+
+V3 = {"model": "deepseek-v3", "gpu": "H200"}
+DEEPEP = {"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"}
+TRACES = Path(__file__).parents[2] / "traces"
+
+
+def test_gathering_moves_every_token_to_every_gpu():
+    """allgather_reducescatter: each GPU gets (g - 1) / g of the step's tokens twice an expert layer."""
+    spec = get_model_spec("deepseek-v3")
+    per_token, fixed = gather_exchange(spec, 16, 50.0, 8e-6)
+    assert per_token == pytest.approx(2 * 58 * 15 / 16 * 7168 * 2 / 50e9)
+    assert fixed == pytest.approx(2 * 58 * 8e-6)
+
+
+def test_all_to_all_sends_a_token_to_its_experts_gpus():
+    """DeepEP: a token's 8 experts lie on 16 x (1 - (15/16)^8) = 6.45 of 16 GPUs, all but 1/16 of
+    them remote; an FP8 checkpoint dispatches fp8 with scales and combines bf16; within a node
+    everything goes over NVLink, across two nodes 8 of the 15 other GPUs are behind the network."""
+    spec = get_model_spec("deepseek-v3")
+    remote = 16 * (1 - (15 / 16) ** 8) * 15 / 16
+    copy = 7168 * (1 + 4 / 128 + 2)
+    one_node = all_to_all_exchange(spec, 16, 16, 450.0, 50.0, 8e-6)[0]
+    assert one_node == pytest.approx(58 * remote / 16 * copy * (15 / 15) / 450e9)
+    two_nodes = all_to_all_exchange(spec, 16, 8, 450.0, 50.0, 8e-6)[0]
+    assert two_nodes == pytest.approx(58 * remote / 16 * copy * max(7 / 15 / 450e9, 8 / 15 / 50e9))
+    # a third of the gathered bytes or less, over the same network
+    assert two_nodes < 0.35 * gather_exchange(spec, 16, 50.0, 8e-6)[0]
+    bf16 = get_model_spec("qwen3-30b-a3b")  # (bf16 experts: bf16 dispatch)
+    assert all_to_all_exchange(bf16, 8, 8, 450.0, 50.0, 0.0)[0] == pytest.approx(
+        bf16.num_moe_layers * 8 * (1 - (7 / 8) ** bf16.num_experts_per_tok) * 7 / 8 / 8
+        * bf16.hidden_size * 4 / 450e9)
+
+
+@pytest.mark.parametrize("options, message", [
+    (V3 | {"data_parallel_size": 8, "all2all_backend": "alltoall"}, "all2all_backend must be one of"),
+    (V3 | {"data_parallel_size": 8, "enable_dbo": True},
+     "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, nixl_ep all2all"),
+    (V3 | {"data_parallel_size": 8, "enable_dbo": True, "dbo_decode_token_threshold": 1} | DEEPEP,
+     "must be at least the number of microbatches"),
+    (V3 | {"tensor_parallel_size": 8, "enable_dbo": True} | DEEPEP, "modelled with data-parallel ranks"),
+    (V3 | {"data_parallel_size": 8, "enable_dbo": True, "speculative_method": "mtp",
+           "num_speculative_tokens": 1} | DEEPEP, "enable_dbo is not modelled with speculative decoding"),
+])
+def test_what_is_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(options)
+
+
+def test_which_exchange_runs():
+    """All-to-all needs expert parallelism, an all-to-all backend and lockstep ranks (vLLM's
+    use_all2all_kernels); vLLM's removed naive and pplx backends gather; DBO puts vLLM on its V1
+    model runner unless V2 is asked for."""
+    assert EngineConfig.from_flat(V3 | {"data_parallel_size": 8} | DEEPEP).hardware.all_to_all
+    assert not EngineConfig.from_flat(V3 | {"data_parallel_size": 8, "all2all_backend": "deepep_low_latency"}
+                                      ).hardware.all_to_all
+    assert not EngineConfig.from_flat(V3 | {"tensor_parallel_size": 8} | DEEPEP).hardware.all_to_all
+    assert not EngineConfig.from_flat(V3 | {"data_parallel_size": 8, "enable_expert_parallel": True,
+                                            "all2all_backend": "pplx"}).hardware.all_to_all
+    dbo = V3 | {"data_parallel_size": 8, "enable_dbo": True} | DEEPEP
+    assert EngineConfig.from_flat(dbo).model_runner_in_force == "v1"
+    assert EngineConfig.from_flat(dbo | {"model_runner": "v2"}).model_runner_in_force == "v2"
+    out = serve_options("vllm serve deepseek-ai/DeepSeek-V3 -dp 16 -ep --all2all-backend deepep_low_latency "
+                        "--enable-dbo --dbo-decode-token-threshold 64")
+    assert out.options == {"model": "deepseek-v3", "data_parallel_size": 16, "enable_expert_parallel": True,
+                           "all2all_backend": "deepep_low_latency", "enable_dbo": True,
+                           "dbo_decode_token_threshold": 64} and not out.unmodelled
+
+
+def _decodes(n: int, context: int = 1000) -> tuple:
+    return n, n, 0, n * context, n * context, 0  # (a latent-attention decode step's step_work)
+
+
+def test_dual_batch_overlap_hides_the_exchange_when_every_rank_has_enough_tokens():
+    """Two microbatches: each reads the weights (the memory term counts them twice) and one's
+    exchange runs under the other's work, all but one expert layer's share at each end. Every
+    rank needs the threshold's tokens (decode-only: 32; with a prefill: 512), a dummy rank has
+    none."""
+    options = V3 | {"data_parallel_size": 16, "gpus_per_node": 8} | DEEPEP
+    plain = make_roofline(EngineConfig.from_flat(options))
+    dbo = make_roofline(EngineConfig.from_flat(options | {"enable_dbo": True}))
+    works = [_decodes(64)] * 16
+    assert dbo._microbatched(works) and not dbo._microbatched([_decodes(64)] * 15 + [_decodes(31)])
+    assert not dbo._microbatched(works + [(0, 0, 0, 0, 0, 0)])
+    prefill = (600, 3, 300_000, 600, 0, 0)  # (a rank with a 598-token chunk and two decodes: 512 needed)
+    assert dbo._microbatched([prefill] * 16) and not dbo._microbatched([(500, 3, 1, 500, 0, 0)] * 16)
+    # a step of 2,048-token prefill chunks, whose exchange is long: DBO hides it; a decode step of
+    # 64 a rank, which reads its experts' weights (41 GB a GPU) once: DBO reads them twice
+    chunks = [(2048, 1, 2048 * 2049 // 2, 2048, 0, 0)] * 16
+    assert dbo.dp_time(chunks) < 0.8 * plain.dp_time(chunks)
+    assert dbo.dp_time(works) > 1.2 * plain.dp_time(works)
+    assert dbo.dp_time(works, num_dummy=1) == pytest.approx(plain.dp_time(works, num_dummy=1))
+    # with DBO a step lasts max(work, exchange) + a layer's share of the smaller, the work reading
+    # the weights twice
+    total = sum(w[0] for w in works)
+    exchange = plain.dp_comm_per_token * total + plain.dp_comm_fixed
+    tokens, seqs, _, kv_read, latent_pairs, _ = works[0]
+    flops = (plain.flops_per_token_local * tokens + plain.flops_per_seq * seqs
+             + plain.flops_per_latent_pair * latent_pairs + plain.expert_flops_per_group_token * total)
+    traffic = (2 * plain.weight_bytes + 2 * plain.expert_bytes_per_rank * plain.moe.experts_touched(total)
+               + plain.kv_bytes_per_token * (kv_read + tokens))
+    busy = max(flops / plain.flop_rate, traffic / plain.byte_rate)
+    overhead = plain.comm_per_token * tokens + plain.fixed_s + plain.seq_overhead_s * seqs
+    assert dbo.dp_time(works) == pytest.approx(max(busy, exchange) + min(busy, exchange) / (2 * 58) + overhead)
+
+
+def test_deepep_across_two_nodes_serves_what_gathering_cannot():
+    """DeepSeek-V3 as 16 data-parallel ranks on two nodes of H200s, the Azure slice at 10x: with
+    the default allgather_reducescatter every expert layer gathers all 16 ranks' tokens over the
+    network and the engine falls behind; DeepEP's all-to-all keeps up. Replays are deterministic."""
+    trace = take_rows(read_trace(TRACES / "azure_conv_slice.parquet"), np.arange(400))
+    from dataclasses import replace
+
+    trace = replace(trace, arrival_time_s=trace.arrival_time_s / 10)
+    base = V3 | {"data_parallel_size": 16}
+    gathered = replay(trace, EngineConfig.from_flat(base)).summary
+    runs = [replay(trace, EngineConfig.from_flat(base | DEEPEP)).summary for _ in range(2)]
+    for s in runs:
+        s.pop("wall_time_s")
+    assert json.dumps(runs[0], sort_keys=True, default=str) == json.dumps(runs[1], sort_keys=True, default=str)
+    assert runs[0]["num_finished"] == gathered["num_finished"] == 400
+    assert runs[0]["ttft_s"]["mean"] < 0.2 * gathered["ttft_s"]["mean"]
+    assert runs[0]["config"]["all2all_backend"] == "deepep_low_latency"
