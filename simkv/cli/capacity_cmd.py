@@ -13,6 +13,7 @@ from simkv.cli.help_sections import SectionedCommand
 from simkv.cli.replay_cmd import MAX_MODEL_LEN_HELP, VLLM_SERVE_HELP, ByteCount, ImageLimit, MaxModelLen, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.specs import MAMBA_DTYPE_BYTES
+from simkv.studies.layouts import layouts_of
 
 
 def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) -> dict:
@@ -468,47 +469,24 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
     if flags.get("pipeline_parallel_size") is not None:
         raise ConfigError("--layouts tries every pipeline parallelism itself: drop -pp")
     rows = []
-    for tp in (t for t in range(1, num_gpus + 1) if num_gpus % t == 0 and t % dcp == 0):
-        kinds = [("engines", 1, 1)]
-        if spec.is_moe and tp < num_gpus:
-            kinds.append(("data-parallel ranks", num_gpus // tp, 1))
-        # (pipelines of PP stages of TP GPUs each, where simkv models them; for a mixture of
-        # experts also data-parallel ranks of such pipelines)
-        stage_counts = [pp for pp in range(2, num_gpus // tp + 1) if num_gpus // tp % pp == 0]
-        kinds += [("pipelines", 1, pp) for pp in stage_counts]
-        if spec.is_moe:
-            kinds += [("data-parallel ranks", num_gpus // (tp * pp), pp) for pp in stage_counts
-                      if num_gpus // (tp * pp) > 1]
-        kinds = [(kind, dp, pp, 1) for kind, dp, pp in kinds]
-        if spec.is_mla and dcp == 1:  # (engines of PCP copies of TP GPUs: vLLM's V2 runner)
-            kinds += [("pcp", 1, 1, pcp) for pcp in stage_counts]
-        for kind, dp, pp, pcp in kinds:
-            copies = num_gpus // (tp * pp * pcp)
-            row = {"tensor_parallel_size": tp, "data_parallel_size": dp, "pipeline_parallel_size": pp,
-                   "copies": copies,
-                   "layout": (f"{copies} x TP {tp}" if kind == "engines" else f"DP {dp} x TP {tp}" if dp > 1
-                              else f"{copies} x TP {tp}") + (f" x PP {pp}" if pp > 1 else "")
-                   + (f" x PCP {pcp}" if pcp > 1 else "") + (f" DCP {dcp}" if dcp > 1 else "")}
-            if dcp > 1:
-                row["decode_context_parallel_size"] = dcp
-            if pcp > 1:
-                row["prefill_context_parallel_size"] = pcp
-            try:
-                config = capacity_config(flags, config_file, {"tensor_parallel_size": tp, "data_parallel_size": dp}
-                                      | ({"pipeline_parallel_size": pp} if pp > 1 else {})
-                                      | ({"prefill_context_parallel_size": pcp} if pcp > 1 else {}))
-                cap = compute_capacity(config)
-            except ConfigError as exc:
-                if pp > 1 and "not modelled" in str(exc):
-                    continue
-                rows.append(row | {"fits": False, "why": str(exc)})
+    for layout in layouts_of(num_gpus, spec, dcp):
+        pp = layout.pipeline_parallel_size
+        row = layout.options() | {"data_parallel_size": layout.data_parallel_size,
+                                  "pipeline_parallel_size": pp, "copies": layout.num_kv_caches, "layout": layout.name}
+        try:
+            config = capacity_config(flags, config_file, layout.options())
+            cap = compute_capacity(config)
+        except ConfigError as exc:
+            if pp > 1 and "not modelled" in str(exc):
                 continue
-            weights = cap.pipeline_stage_weight_bytes if pp > 1 else int(resident_weight_bytes(config))
-            rows.append(row | {"fits": True, "weight_bytes_per_gpu": weights,
-                               "available_kv_bytes_per_gpu": cap.available_kv_bytes,
-                               "num_gpu_blocks": cap.num_gpu_blocks, "block_size": cap.block_size,
-                               "kv_cache_tokens_all": cap.kv_cache_tokens * copies,
-                               "max_concurrency_all": cap.max_concurrency * copies})
+            rows.append(row | {"fits": False, "why": str(exc)})
+            continue
+        weights = cap.pipeline_stage_weight_bytes if pp > 1 else int(resident_weight_bytes(config))
+        rows.append(row | {"fits": True, "weight_bytes_per_gpu": weights,
+                           "available_kv_bytes_per_gpu": cap.available_kv_bytes,
+                           "num_gpu_blocks": cap.num_gpu_blocks, "block_size": cap.block_size,
+                           "kv_cache_tokens_all": cap.kv_cache_tokens * layout.num_kv_caches,
+                           "max_concurrency_all": cap.max_concurrency * layout.num_kv_caches})
     return {"model": base.hardware.model, "gpu": base.hardware.gpu, "num_gpus": num_gpus,
             "max_model_len": base.max_model_len, "layouts": rows} | (
         {"quantization": base.hardware.quantization} if base.hardware.quantization else {})

@@ -144,10 +144,12 @@ def grid_markdown(record: dict) -> str:
                 for c in record["cells"])
     head_keys = keys + (["engine block size"] if grown else [])
     priced = "gpu_prices_usd_per_hour" in record
-    lines = [f"# simkv goodput over a grid: {record['trace']}", "",
+    over = (f"the layouts of {record['num_gpus']} GPUs" if "num_gpus" in record else "a grid")
+    lines = [f"# simkv goodput over {over}: {record['trace']}", "",
              f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests meet "
              f"all of them; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
-             f"(to {100 * record['tolerance']:g} %).", "",
+             f"(to {100 * record['tolerance']:g} %)"
+             + (f"; independent engines behind a {record['router']} router" if "num_gpus" in record else "") + ".", "",
              "| " + " | ".join(head_keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | waiting held by | probes |"
              + (" replicas |" if record.get("target_rate_req_s") else "")
              + (" GPUs | USD/h | USD per 1M output tokens |" if priced else ""),
@@ -206,6 +208,10 @@ def grid_markdown(record: dict) -> str:
 @click.option("--pd-splits", type=int, default=None, metavar="N",
               help="Compare every way to run N engines: all colocated (behind --router) and each split into P "
                    "prefill + N-P decode replicas (with the P/D options below); the highest rate of each.")
+@click.option("--layouts", "layouts", type=int, default=None, metavar="N",
+              help="Compare every way to lay the model out over N GPUs (as `simkv capacity --layouts`: TP engines as "
+                   "replicas behind --router, least_outstanding unless given; pipelines; for a mixture of experts "
+                   "data-parallel ranks; for latent attention PCP copies); the highest rate of each.")
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
               help="Search every combination of these engine options (as `simkv sweep --grid`) and name the one "
                    "that sustains the highest rate; repeatable.")
@@ -238,7 +244,7 @@ def grid_markdown(record: dict) -> str:
 @click.option("--out", "out_dir", default=None, help="Also write goodput.json and goodput.md into this folder.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, tolerance: float, target_rate: float | None,
-                pd_splits: int | None,
+                pd_splits: int | None, layouts: int | None,
                 grids: tuple[str, ...], workers: int, vllm_bench: str | None, vllm_multi_turn: str | None,
                 closed_loop: bool,
                 config_file: str | None, cost_model: str,
@@ -267,6 +273,14 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     encode = read_encode(flags, config_file)
     if encode is not None and (grids or target_rate is not None or prices or pd_splits is not None):
         raise click.UsageError("--encode-replicas searches one setup: drop --grid/--target-rate/--gpu-price/--pd-splits")
+    if layouts is not None:
+        if closed_loop or pd_splits is not None or grids or target_rate is not None or vllm_bench or vllm_multi_turn:
+            raise click.UsageError("--layouts compares the layouts of N GPUs on TRACE: drop --clients/--pd-splits/"
+                                   "--grid/--target-rate/--vllm-bench/--vllm-multi-turn")
+        _search_layouts(trace, layouts, goodput, attainment, tolerance, config_file, cost_model,
+                        {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}, workers, prices,
+                        out_dir, quiet, replicas, router, router_options, flags)
+        return
     if pd_splits is not None:
         if prices:
             raise click.UsageError("--gpu-price goes with one search or a --grid, not --pd-splits (every split "
@@ -397,6 +411,53 @@ def _grid_costs(record: dict, prices: dict[str, float], mean_output_tokens: floa
     record["unpriced_gpus"] = sorted({c["gpu"] for c in record["cells"] if "gpu" in c and c["gpu"] not in prices})
     cheapest = min(priced, key=lambda c: (c["cost"]["usd_per_1m_output_tokens"], c["index"])) if priced else None
     record["cheapest_index"] = cheapest["index"] if cheapest else None
+
+
+def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file, cost_model, cost_options, workers,
+                    prices, out_dir, quiet, replicas, router, router_options, flags) -> None:
+    from simkv.replay.router import RouterError, RouterOptions
+    from simkv.studies.goodput_search import search_layouts
+    from simkv.studies.layouts import LAYOUT_KEYS, layouts_of
+
+    if num_gpus < 1:
+        raise click.UsageError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
+    if replicas is not None:
+        raise click.UsageError("--layouts runs each layout's engines as its own replicas: drop --replicas")
+    if flags.get("prefill_replicas") is not None or flags.get("decode_replicas") is not None \
+            or flags.get("encode_replicas") is not None:
+        raise click.UsageError("--layouts compares colocated engines: drop --prefill-replicas/--decode-replicas/"
+                               "--encode-replicas")
+    base = flat_options(flags, config_file)
+    given = [key for key in LAYOUT_KEYS if key in base]
+    if given:
+        raise click.UsageError(f"--layouts tries every layout itself: drop {', '.join(given)} (a flag, --config or "
+                               "--vllm-serve)")
+    slo, config, _ = read_inputs(trace, flags, config_file, goodput)
+    try:
+        options = RouterOptions.parse(list(router_options))
+    except RouterError as exc:
+        raise click.UsageError(str(exc)) from None
+    router = router or "least_outstanding"
+
+    def show(cell: dict) -> None:
+        if not quiet:
+            what = cell.get("error") or (f"{cell['max_rate_req_s']:.3f} req/s" if cell["max_rate_req_s"]
+                                         else cell["status"])
+            click.echo(f"  {cell['swept']['layout']}: {what}", err=True)
+
+    found = layouts_of(num_gpus, config.hardware.model_spec(), config.hardware.decode_context_parallel_size)
+    record = search_layouts(trace, base, found, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
+                            cost_options=cost_options, workers=workers, on_cell=show, router=router,
+                            router_options=options)
+    record = {"trace": trace, "cost_model": cost_model, "base_options": base, "num_gpus": num_gpus,
+              "router": router, **record}
+    if record["best_index"] is not None:
+        record["best_vllm_serve"] = _serve_line(base | found[record["best_index"]].options(), {})
+    if prices:
+        from simkv.traces.schema import read_trace
+
+        _grid_costs(record, prices, float(read_trace(trace).output_tokens.mean()))
+    _write(record, grid_markdown(record), out_dir, quiet)
 
 
 def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_model, cost_options, out_dir, quiet,

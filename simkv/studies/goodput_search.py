@@ -364,11 +364,51 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
     linear model's ``step_base_s`` / ``step_per_token_s``) over ``base_options``, the combinations
     made and run as `simkv sweep` makes and runs its cells; cells in grid order (the last key
     fastest) and the combination that sustains the highest rate."""
-    from simkv.sweep.executors import run_local
     from simkv.sweep.grid import make_cells
 
+    cells = _search_cells(make_cells([trace_path], grid, base_options, cost_model), slo_ms, target, tolerance,
+                          cost_options, workers, on_cell, fleet)
+    return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance, "grid": grid,
+            "cells": cells, "best_index": _best_index(cells)}
+
+
+def search_layouts(trace_path: str, base_options: dict, layouts: list, slo_ms: dict, *, target: float = 0.99,
+                   tolerance: float = 0.02, cost_model: str = "roofline", cost_options: dict | None = None,
+                   workers: int = 1, on_cell=None, router: str = "least_outstanding", router_options=None) -> dict:
+    """``search_max_rate`` for every layout of a number of GPUs (simkv.studies.layouts.Layout): the
+    engine options of one engine of it over ``base_options``, and its copies as replicas behind
+    ``router``; run as `search_grid`'s combinations are, a "layout" column for their key."""
+    import os
+
+    from simkv.sweep.grid import Cell
+
+    cells = []
+    for index, layout in enumerate(layouts):
+        fleet = {"replicas": layout.copies, "router": router} if layout.copies > 1 else {}
+        if fleet and router_options is not None and router_options != type(router_options)():
+            fleet["router_options"] = router_options.to_dict()
+        cells.append(Cell(index, os.path.normpath(trace_path), (("layout", layout.name),),
+                          tuple(sorted((base_options | layout.options()).items())), cost_model, (), (),
+                          tuple(sorted(fleet.items()))))
+    done = _search_cells(cells, slo_ms, target, tolerance, cost_options, workers, on_cell, None)
+    return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance,
+            "grid": {"layout": [layout.name for layout in layouts]}, "cells": done, "best_index": _best_index(done)}
+
+
+def _best_index(cells: list[dict]) -> int | None:
+    """The cell that sustains the highest rate (the first of equals), None if none met the target."""
+    found = [c for c in cells if c["status"] in ("found", "unbounded")]
+    return max(found, key=lambda c: (c["max_rate_req_s"], -c["index"]))["index"] if found else None
+
+
+def _search_cells(cells: list, slo_ms: dict, target: float, tolerance: float, cost_options: dict | None,
+                  workers: int, on_cell, fleet) -> list[dict]:
+    """Search every cell (`_search_cell`, in `workers` processes), under the command's ``fleet``
+    where a cell names none; the cells' results in their order."""
+    from simkv.sweep.executors import run_local
+
     tasks = {}
-    for cell in make_cells([trace_path], grid, base_options, cost_model):
+    for cell in cells:
         task = cell.task()
         task.update(index=cell.index, swept=dict(cell.swept), slo_ms=dict(slo_ms), target=target, tolerance=tolerance,
                     cost_options=dict(cost_options or {}) | task["cost_options"])
@@ -394,10 +434,7 @@ def search_grid(trace_path: str, base_options: dict, grid: dict[str, list], slo_
         if on_cell is not None:
             on_cell(cell)
     cells.sort(key=lambda c: c["index"])
-    found = [c for c in cells if c["status"] in ("found", "unbounded")]
-    best = max(found, key=lambda c: (c["max_rate_req_s"], -c["index"])) if found else None
-    return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance, "grid": grid,
-            "cells": cells, "best_index": best["index"] if best else None}
+    return cells
 
 
 def search_splits(trace, config, slo_ms: dict, num_gpus: int, *, spec=None, router: str = "least_outstanding",
