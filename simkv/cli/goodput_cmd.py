@@ -270,6 +270,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
+    cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     encode = read_encode(flags, config_file)
     if encode is not None and (grids or target_rate is not None or prices or pd_splits is not None):
         raise click.UsageError("--encode-replicas searches one setup: drop --grid/--target-rate/--gpu-price/--pd-splits")
@@ -277,17 +278,15 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         if closed_loop or pd_splits is not None or grids or target_rate is not None or vllm_bench or vllm_multi_turn:
             raise click.UsageError("--layouts compares the layouts of N GPUs on TRACE: drop --clients/--pd-splits/"
                                    "--grid/--target-rate/--vllm-bench/--vllm-multi-turn")
-        _search_layouts(trace, layouts, goodput, attainment, tolerance, config_file, cost_model,
-                        {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}, workers, prices,
-                        out_dir, quiet, replicas, router, router_options, flags)
+        _search_layouts(trace, layouts, goodput, attainment, tolerance, config_file, cost_model, cost_options,
+                        workers, prices, out_dir, quiet, replicas, router, router_options, flags)
         return
     if pd_splits is not None:
         if prices:
             raise click.UsageError("--gpu-price goes with one search or a --grid, not --pd-splits (every split "
                                    "runs the same GPUs)")
-        _search_splits(trace, pd_splits, goodput, attainment, tolerance, config_file, cost_model,
-                       {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}, out_dir, quiet,
-                       replicas, router, router_options, grids, target_rate, flags)
+        _search_splits(trace, pd_splits, goodput, attainment, tolerance, config_file, cost_model, cost_options,
+                       out_dir, quiet, replicas, router, router_options, grids, target_rate, flags)
         return
     disaggregation = read_disaggregation(flags, config_file, router_options)
     if disaggregation is not None:
@@ -307,7 +306,6 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                                "are not modelled; drop --replicas/--target-rate")
     if disaggregation is not None:
         check_pools(disaggregation, config)
-    cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     if grids:
         record = _grid_search(trace, grids, flat_options(flags, config_file), slo, attainment, tolerance, cost_model,
                               cost_options, workers, target_rate, quiet, fleet)
