@@ -207,8 +207,7 @@ class RooflineCostModel:
             else:
                 self.dp_comm_per_token = self.dp_comm_fixed = 0.0
             self.dbo_thresholds = dbo_thresholds
-            if dbo_thresholds is not None:
-                self.params["dbo_thresholds"] = dbo_thresholds
+            self.dbo_steps = [0, 0]  # (lockstep steps run as two microbatches, lockstep steps)
         if self.pcp > 1:
             if not self.mla:
                 raise ValueError("prefill context parallelism is priced for latent attention (vLLM runs it there)")
@@ -490,6 +489,9 @@ class RooflineCostModel:
         expert_traffic = self.expert_bytes_per_rank * touched
         comm = self.dp_comm_per_token * total + self.dp_comm_fixed
         microbatched = self._microbatched(works)
+        if self.dbo_thresholds is not None:
+            self.dbo_steps[0] += microbatched
+            self.dbo_steps[1] += 1
         longest = 0.0
         for i, (tokens, seqs, pairs, kv_read, latent_pairs, upproj) in enumerate(works):
             flops = self.flops_per_token_local * tokens + self.flops_per_seq * seqs + self.flops_per_pair * pairs
@@ -519,7 +521,7 @@ class RooflineCostModel:
         """Dual batch overlap runs this lockstep step as two microbatches: every rank (a dummy
         pass has no tokens) has at least the threshold's tokens, the decode threshold where its
         step is decodes only (a token per sequence), else the prefill one (vLLM's ranks agree)."""
-        if getattr(self, "dbo_thresholds", None) is None:
+        if self.dbo_thresholds is None:
             return False
         decode, prefill = self.dbo_thresholds
         return all(tokens >= (decode if tokens == seqs else prefill) for tokens, seqs, *_ in works)
@@ -653,6 +655,7 @@ class RooflineCostModel:
                 per_token_ticks(self.kv_bytes_per_token * self.latent_read_share / self.byte_rate))
 
     fitted_from: dict | None = None  # (a fit file's name, warnings and front-end latency: simkv/backends/roofline_fit.py)
+    dbo_thresholds: tuple[int, int] | None = None  # (dual batch overlap: set with lockstep ranks)
 
     @property
     def frontend_latency_s(self) -> float:
@@ -660,9 +663,14 @@ class RooflineCostModel:
         return self.fitted_from["frontend_latency_s"] if self.fitted_from else 0.0
 
     def describe(self) -> dict:
-        return {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
-                "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {}),
-                **({"weight_offload": self.weight_offload} if self.weight_offload else {})}
+        out = {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
+               "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {}),
+               **({"weight_offload": self.weight_offload} if self.weight_offload else {})}
+        if self.dbo_thresholds is not None:
+            decode, prefill = self.dbo_thresholds
+            out["dual_batch_overlap"] = {"decode_token_threshold": decode, "prefill_token_threshold": prefill,
+                                         "microbatched_steps": self.dbo_steps[0], "lockstep_steps": self.dbo_steps[1]}
+        return out
 
 
 _LINEAR_CHUNK = 64  # the chunk of vLLM's chunked Gated DeltaNet and Mamba2 (SSD) prefill kernels

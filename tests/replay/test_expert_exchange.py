@@ -137,3 +137,17 @@ def test_deepep_across_two_nodes_serves_what_gathering_cannot():
     assert runs[0]["num_finished"] == gathered["num_finished"] == 400
     assert runs[0]["ttft_s"]["mean"] < 0.2 * gathered["ttft_s"]["mean"]
     assert runs[0]["config"]["all2all_backend"] == "deepep_low_latency"
+
+
+def test_a_dbo_replay_counts_its_microbatched_steps():
+    """summary.json's cost model says how many lockstep steps ran as two microbatches."""
+    from dataclasses import replace
+
+    trace = take_rows(read_trace(TRACES / "azure_conv_slice.parquet"), np.arange(300))
+    trace = replace(trace, arrival_time_s=trace.arrival_time_s / 10)
+    options = V3 | {"data_parallel_size": 2, "tensor_parallel_size": 8, "enable_dbo": True} | DEEPEP
+    dbo = replay(trace, EngineConfig.from_flat(options)).summary["cost_model"]["dual_batch_overlap"]
+    assert 0 < dbo["microbatched_steps"] < dbo["lockstep_steps"]
+    assert (dbo["decode_token_threshold"], dbo["prefill_token_threshold"]) == (32, 512)
+    assert "dual_batch_overlap" not in replay(trace, EngineConfig.from_flat(
+        V3 | {"data_parallel_size": 2, "tensor_parallel_size": 8} | DEEPEP)).summary["cost_model"]
