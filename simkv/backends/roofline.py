@@ -37,6 +37,10 @@ simkv/replay/data_parallel.py): each rank's time counts its own attention and de
 1 / data_parallel_size of the routed experts over every rank's tokens, plus the expert layers'
 all-gather and reduce-scatter; the step lasts as long as the slowest rank.
 
+The expert layers' exchange between lockstep ranks is gathered (vLLM's default) or all-to-all
+(expert parallelism with DeepEP and kin): simkv/backends/expert_exchange.py. Under dual batch
+overlap a step with enough tokens on every rank runs as two microbatches (`dp_time`).
+
 Prefill context parallelism (PCP, latent attention: vLLM's PCPManager) runs a step on PCP
 copies of the TP group in lockstep the same way, their experts split over all of them: each
 copy runs its share of the step's tokens (`pcp_rank_works`), attending the whole cache it holds,
@@ -197,7 +201,6 @@ class RooflineCostModel:
             # the expert layers' exchange of the ranks' tokens (simkv/backends/expert_exchange.py):
             # all-to-all, or gathered over the data-parallel ranks (vLLM's default; PCP ranks'
             # own gather: `pcp_gather_seconds`)
-            self.all_to_all = all_to_all
             if all_to_all:
                 self.dp_comm_per_token, self.dp_comm_fixed = all_to_all_exchange(
                     model, g, gpus_per_node, gpu.interconnect_gbs, inter_node_gbs, allreduce_latency_s)
