@@ -211,7 +211,8 @@ def grid_markdown(record: dict) -> str:
 @click.option("--layouts", "layouts", type=int, default=None, metavar="N",
               help="Compare every way to lay the model out over N GPUs (as `simkv capacity --layouts`: TP engines as "
                    "replicas behind --router, least_outstanding unless given; pipelines; for a mixture of experts "
-                   "data-parallel ranks; for latent attention PCP copies); the highest rate of each.")
+                   "data-parallel ranks, which alone take --enable-dbo; for latent attention PCP copies); the "
+                   "highest rate of each.")
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
               help="Search every combination of these engine options (as `simkv sweep --grid`) and name the one "
                    "that sustains the highest rate; repeatable.")
@@ -430,7 +431,18 @@ def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file
     if given:
         raise click.UsageError(f"--layouts tries every layout itself: drop {', '.join(given)} (a flag, --config or "
                                "--vllm-serve)")
-    slo, config, _ = read_inputs(trace, flags, config_file, goodput)
+    from simkv.config import HardwareConfig
+    from simkv.specs import get_model_spec
+
+    try:
+        spec = get_model_spec(base.get("model", HardwareConfig().model))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    found = layouts_of(num_gpus, spec, base.get("decode_context_parallel_size", 1))
+    # (the options are checked on a layout they apply to: dual batch overlap's on data-parallel ranks)
+    ranks = [layout for layout in found if layout.data_parallel_size > 1]
+    checked = ranks[0] if base.get("enable_dbo") and ranks else found[0]
+    slo, config, _ = read_inputs(trace, flags, config_file, goodput, checked.options())
     try:
         options = RouterOptions.parse(list(router_options))
     except RouterError as exc:
@@ -443,7 +455,6 @@ def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file
                                          else cell["status"])
             click.echo(f"  {cell['swept']['layout']}: {what}", err=True)
 
-    found = layouts_of(num_gpus, config.hardware.model_spec(), config.hardware.decode_context_parallel_size)
     record = search_layouts(trace, base, found, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
                             cost_options=cost_options, workers=workers, on_cell=show, router=router,
                             router_options=options)

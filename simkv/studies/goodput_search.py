@@ -376,8 +376,9 @@ def search_layouts(trace_path: str, base_options: dict, layouts: list, slo_ms: d
                    tolerance: float = 0.02, cost_model: str = "roofline", cost_options: dict | None = None,
                    workers: int = 1, on_cell=None, router: str = "least_outstanding", router_options=None) -> dict:
     """``search_max_rate`` for every layout of a number of GPUs (simkv.studies.layouts.Layout): the
-    engine options of one engine of it over ``base_options``, and its copies as replicas behind
-    ``router``; run as `search_grid`'s combinations are, a "layout" column for their key."""
+    engine options of one engine of it over ``base_options`` (dual batch overlap's only for
+    layouts of data-parallel ranks), and its copies as replicas behind ``router``; run as
+    `search_grid`'s combinations are, a "layout" column for their key."""
     import os
 
     from simkv.sweep.grid import Cell
@@ -387,9 +388,11 @@ def search_layouts(trace_path: str, base_options: dict, layouts: list, slo_ms: d
         fleet = {"replicas": layout.copies, "router": router} if layout.copies > 1 else {}
         if fleet and router_options is not None and router_options != type(router_options)():
             fleet["router_options"] = router_options.to_dict()
+        options = base_options | layout.options()
+        if layout.data_parallel_size == 1:  # (dual batch overlap splits data-parallel ranks' steps)
+            options = {k: v for k, v in options.items() if not k.startswith(("enable_dbo", "dbo_"))}
         cells.append(Cell(index, os.path.normpath(trace_path), (("layout", layout.name),),
-                          tuple(sorted((base_options | layout.options()).items())), cost_model, (), (),
-                          tuple(sorted(fleet.items()))))
+                          tuple(sorted(options.items())), cost_model, (), (), tuple(sorted(fleet.items()))))
     done = _search_cells(cells, slo_ms, target, tolerance, cost_options, workers, on_cell, None)
     return {"slo_ms": dict(slo_ms), "target_attainment": target, "tolerance": tolerance,
             "grid": {"layout": [layout.name for layout in layouts]}, "cells": done, "best_index": _best_index(done)}

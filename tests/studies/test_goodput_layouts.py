@@ -64,3 +64,20 @@ def test_what_layouts_refuse(trace):
                            (["--grid", "max_num_seqs=8,16"], "drop --clients/--pd-splits/--grid")):
         res = runner.invoke(main, ["goodput", trace] + OPTIONS + ["--layouts", "2"] + extra)
         assert res.exit_code != 0 and message in res.output, res.output
+
+
+def test_dual_batch_overlap_goes_to_the_data_parallel_layouts_only(monkeypatch):
+    """`--enable-dbo` (vLLM's, with DeepEP) splits data-parallel ranks' steps: the layouts of TP
+    engines and pipelines are searched without it rather than refused."""
+    import simkv.studies.goodput_search as module
+
+    seen = []
+    monkeypatch.setattr(module, "_search_cells", lambda cells, *args: seen.extend(cells) or [])
+    base = {"model": "qwen3-30b-a3b", "enable_expert_parallel": True, "all2all_backend": "deepep_low_latency",
+            "enable_dbo": True, "dbo_decode_token_threshold": 8}
+    module.search_layouts("t.parquet", base, layouts_of(2, get_model_spec("qwen3-30b-a3b")), {"ttft": 1000.0})
+    options = {dict(cell.swept)["layout"]: dict(cell.options) for cell in seen}
+    assert options["DP 2 x TP 1"]["enable_dbo"] and options["DP 2 x TP 1"]["dbo_decode_token_threshold"] == 8
+    for name in ("2 x TP 1", "1 x TP 1 x PP 2", "1 x TP 2"):
+        assert "enable_dbo" not in options[name] and "dbo_decode_token_threshold" not in options[name]
+        assert options[name]["enable_expert_parallel"]  # (harmless without lockstep ranks: kept)
