@@ -34,6 +34,22 @@ def admission_limit_rows(limits: dict | None) -> list[tuple[str, str]]:
     return [("waiting held by (time share)" if i == 0 else "", share) for i, share in enumerate(shares)]
 
 
+def _expert_exchange_rows(cfg: dict, cost: dict) -> list[tuple[str, str]]:
+    """How lockstep ranks exchange their tokens in the expert layers, where it is not vLLM's
+    default gather, and how many steps dual batch overlap split."""
+    from simkv.config import ALL2ALL_BACKENDS
+
+    rows = []
+    if cfg.get("enable_expert_parallel") and cfg.get("all2all_backend") in ALL2ALL_BACKENDS \
+            and cfg.get("data_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1) > 1:
+        rows.append(("expert exchange", f"all-to-all ({cfg['all2all_backend']}, expert parallelism)"))
+    dbo = cost.get("dual_batch_overlap")
+    if dbo:
+        rows.append(("dual batch overlap", f"{dbo['microbatched_steps']:,} of {dbo['lockstep_steps']:,} lockstep "
+                                           "steps as two microbatches"))
+    return rows
+
+
 def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None,
                   with_report: bool = False) -> None:
     console = console or Console()
@@ -60,6 +76,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
             pcp = cfg["prefill_context_parallel_size"]
             head.insert(1, ("prefill-context-parallel ranks", f"{pcp} TP groups, each with the whole KV cache, "
                                                               "splitting every prefill"))
+        head += _expert_exchange_rows(cfg, cost)
     if cfg.get("async_scheduling"):
         head.append(("scheduling", "async (step N+1 scheduled while N runs)"))
     groups = summary.get("kv_cache_groups")

@@ -151,3 +151,24 @@ def test_a_dbo_replay_counts_its_microbatched_steps():
     assert (dbo["decode_token_threshold"], dbo["prefill_token_threshold"]) == (32, 512)
     assert "dual_batch_overlap" not in replay(trace, EngineConfig.from_flat(
         V3 | {"data_parallel_size": 2, "tensor_parallel_size": 8} | DEEPEP)).summary["cost_model"]
+
+
+def test_the_replay_table_names_the_exchange_and_the_split_steps(tmp_path):
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+    from simkv.traces.schema import write_trace
+
+    path = tmp_path / "t.parquet"
+    write_trace(take_rows(read_trace(TRACES / "azure_conv_slice.parquet"), np.arange(100)), path)
+    res = CliRunner().invoke(main, ["replay", str(path), "--model", "deepseek-v3", "--gpu", "H200", "-dp", "2",
+                                    "-tp", "8", "-ep", "--all2all-backend", "deepep_low_latency", "--enable-dbo",
+                                    "--out", str(tmp_path / "out")], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "all-to-all (deepep_low_latency, expert parallelism)" in res.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    dbo = summary["cost_model"]["dual_batch_overlap"]
+    assert f"{dbo['microbatched_steps']:,} of {dbo['lockstep_steps']:,} lockstep steps" in res.output
+    plain = CliRunner().invoke(main, ["replay", str(path), "--model", "deepseek-v3", "--gpu", "H200", "-dp", "2",
+                                      "-tp", "8", "--out", str(tmp_path / "plain")], env={"COLUMNS": "200"})
+    assert "expert exchange" not in plain.output and "dual batch overlap" not in plain.output
