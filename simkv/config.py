@@ -41,6 +41,12 @@ ALL2ALL_BACKENDS = ("deepep_high_throughput", "deepep_low_latency", "deepep_v2",
                     "mori_low_latency", "moonep", "nixl_ep", "flashinfer_nvlink_two_sided",
                     "flashinfer_nvlink_one_sided", "flashinfer_all2allv")
 GATHER_BACKENDS = ("allgather_reducescatter", "naive", "pplx")
+
+
+def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, expert_shards: int) -> bool:
+    """The expert layers exchange tokens all-to-all (vLLM's all2all kernels: expert parallelism,
+    an all-to-all backend, and data- or prefill-context-parallel ranks) rather than gathering them."""
+    return enable_expert_parallel and all2all_backend in ALL2ALL_BACKENDS and expert_shards > 1
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES)
 
 
@@ -708,11 +714,8 @@ class HardwareConfig:
 
     @property
     def all_to_all(self) -> bool:
-        """The expert layers exchange tokens all-to-all (vLLM's all2all kernels: expert parallelism,
-        an all-to-all backend, and data- or prefill-context-parallel ranks) rather than gathering
-        them."""
-        return (self.enable_expert_parallel and self.all2all_backend in ALL2ALL_BACKENDS
-                and self.expert_shards > 1)
+        """The expert layers exchange tokens all-to-all (`exchanges_all_to_all`)."""
+        return exchanges_all_to_all(self.enable_expert_parallel, self.all2all_backend, self.expert_shards)
 
     @property
     def expert_shards(self) -> int:
@@ -1713,12 +1716,11 @@ class EngineConfig:
             del out["language_model_only"]
         if self.hardware.decode_context_parallel_size == 1:
             del out["decode_context_parallel_size"]
-        if self.hardware.prefill_context_parallel_size == 1:
-            del out["prefill_context_parallel_size"]
-        defaults = HardwareConfig()
-        for key in ("enable_expert_parallel", "all2all_backend", "enable_dbo", "dbo_decode_token_threshold",
-                    "dbo_prefill_token_threshold"):  # (only when set: configs without them read as before)
-            if out[key] == getattr(defaults, key):
+        # (only when set: configs without them read as before)
+        defaults = {f.name: f.default for f in dataclasses.fields(HardwareConfig)}
+        for key in ("prefill_context_parallel_size", "enable_expert_parallel", "all2all_backend", "enable_dbo",
+                    "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if out[key] == defaults[key]:
                 del out[key]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)
             del out["max_num_active_seqs"]

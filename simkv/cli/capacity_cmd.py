@@ -13,7 +13,7 @@ from simkv.cli.help_sections import SectionedCommand
 from simkv.cli.replay_cmd import MAX_MODEL_LEN_HELP, VLLM_SERVE_HELP, ByteCount, ImageLimit, MaxModelLen, flat_options
 from simkv.config import KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig
 from simkv.specs import MAMBA_DTYPE_BYTES
-from simkv.studies.layouts import layouts_of
+from simkv.studies.layouts import LAYOUT_KEYS, layouts_of
 
 
 def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) -> dict:
@@ -455,9 +455,8 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
         raise ConfigError(f"--layouts must be >= 1 GPUs, got {num_gpus}")
     if flags.get("tensor_parallel_size") is not None or flags.get("data_parallel_size") is not None:
         raise ConfigError("--layouts tries every tensor and data parallelism itself: drop -tp/-dp")
-    axes = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
-    given = flat_options({k: v for k, v in flags.items() if k not in axes}, config_file)
-    layout = [k for k in axes if k in given]
+    given = flat_options({k: v for k, v in flags.items() if k not in LAYOUT_KEYS}, config_file)
+    layout = [k for k in LAYOUT_KEYS if k in given]
     if layout:
         raise ConfigError(f"--layouts tries every layout itself, but --config or --vllm-serve gives {', '.join(layout)}: "
                           "drop it there")

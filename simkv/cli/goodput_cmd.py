@@ -414,7 +414,9 @@ def _grid_costs(record: dict, prices: dict[str, float], mean_output_tokens: floa
 
 def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file, cost_model, cost_options, workers,
                     prices, out_dir, quiet, replicas, router, router_options, flags) -> None:
+    from simkv.config import HardwareConfig
     from simkv.replay.router import RouterError, RouterOptions
+    from simkv.specs import get_model_spec
     from simkv.studies.goodput_search import search_layouts
     from simkv.studies.layouts import LAYOUT_KEYS, layouts_of
 
@@ -431,9 +433,6 @@ def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file
     if given:
         raise click.UsageError(f"--layouts tries every layout itself: drop {', '.join(given)} (a flag, --config or "
                                "--vllm-serve)")
-    from simkv.config import HardwareConfig
-    from simkv.specs import get_model_spec
-
     try:
         spec = get_model_spec(base.get("model", HardwareConfig().model))
     except ValueError as exc:
@@ -442,30 +441,21 @@ def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file
     # (the options are checked on a layout they apply to: dual batch overlap's on data-parallel ranks)
     ranks = [layout for layout in found if layout.data_parallel_size > 1]
     checked = ranks[0] if base.get("enable_dbo") and ranks else found[0]
-    slo, config, _ = read_inputs(trace, flags, config_file, goodput, checked.options())
+    slo, _, data = read_inputs(trace, flags, config_file, goodput, checked.options())
     try:
         options = RouterOptions.parse(list(router_options))
     except RouterError as exc:
         raise click.UsageError(str(exc)) from None
     router = router or "least_outstanding"
-
-    def show(cell: dict) -> None:
-        if not quiet:
-            what = cell.get("error") or (f"{cell['max_rate_req_s']:.3f} req/s" if cell["max_rate_req_s"]
-                                         else cell["status"])
-            click.echo(f"  {cell['swept']['layout']}: {what}", err=True)
-
     record = search_layouts(trace, base, found, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                            cost_options=cost_options, workers=workers, on_cell=show, router=router,
+                            cost_options=cost_options, workers=workers, on_cell=_cell_echo(quiet), router=router,
                             router_options=options)
     record = {"trace": trace, "cost_model": cost_model, "base_options": base, "num_gpus": num_gpus,
               "router": router, **record}
     if record["best_index"] is not None:
         record["best_vllm_serve"] = _serve_line(base | found[record["best_index"]].options(), {})
     if prices:
-        from simkv.traces.schema import read_trace
-
-        _grid_costs(record, prices, float(read_trace(trace).output_tokens.mean()))
+        _grid_costs(record, prices, float(data.output_tokens.mean()))
     _write(record, grid_markdown(record), out_dir, quiet)
 
 
@@ -558,13 +548,8 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
     except SweepError as exc:
         raise click.UsageError(str(exc)) from None
 
-    def show(cell: dict) -> None:
-        if not quiet:
-            what = cell.get("error") or (f"{cell['max_rate_req_s']:.3f} req/s" if cell["max_rate_req_s"] else cell["status"])
-            click.echo("  " + ", ".join(f"{k}={v}" for k, v in cell["swept"].items()) + f": {what}", err=True)
-
     record = search_grid(trace, base, grid, slo, target=attainment, tolerance=tolerance, cost_model=cost_model,
-                         cost_options=cost_options, workers=workers, on_cell=show, fleet=fleet)
+                         cost_options=cost_options, workers=workers, on_cell=_cell_echo(quiet), fleet=fleet)
     n = fleet.num_replicas
     record = {"trace": trace, "cost_model": cost_model, "base_options": base,
               "fleet": fleet.to_dict(), **record}
@@ -576,6 +561,15 @@ def _grid_search(trace: str, grids: tuple[str, ...], base: dict, slo: dict, atta
             per_replica = cell["max_rate_req_s"] / cell.get("num_replicas", n) if cell["status"] == "found" else None
             cell["replicas"] = replicas_for(target_rate, per_replica) if per_replica else None
     return record
+
+
+def _cell_echo(quiet: bool):
+    """What a grid or layout search prints as each combination ends (on stderr; nothing if quiet)."""
+    def echo(cell: dict) -> None:
+        if not quiet:
+            what = cell.get("error") or (f"{cell['max_rate_req_s']:.3f} req/s" if cell["max_rate_req_s"] else cell["status"])
+            click.echo("  " + ", ".join(f"{k}={v}" for k, v in cell["swept"].items()) + f": {what}", err=True)
+    return echo
 
 
 def _serve_line(base: dict, swept: dict) -> dict:

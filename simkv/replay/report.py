@@ -37,11 +37,11 @@ def admission_limit_rows(limits: dict | None) -> list[tuple[str, str]]:
 def _expert_exchange_rows(cfg: dict, cost: dict) -> list[tuple[str, str]]:
     """How lockstep ranks exchange their tokens in the expert layers, where it is not vLLM's
     default gather, and how many steps dual batch overlap split."""
-    from simkv.config import ALL2ALL_BACKENDS
+    from simkv.config import exchanges_all_to_all
 
     rows = []
-    if cfg.get("enable_expert_parallel") and cfg.get("all2all_backend") in ALL2ALL_BACKENDS \
-            and cfg.get("data_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1) > 1:
+    if exchanges_all_to_all(cfg.get("enable_expert_parallel", False), cfg.get("all2all_backend", ""),
+                            cfg.get("data_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1)):
         rows.append(("expert exchange", f"all-to-all ({cfg['all2all_backend']}, expert parallelism)"))
     dbo = cost.get("dual_batch_overlap")
     if dbo:
