@@ -571,8 +571,10 @@ class HardwareConfig:
     all2all_backend: str = "allgather_reducescatter"
     # vLLM's --enable-dbo (dual batch overlap, data-parallel ranks): a step of at least
     # dbo_decode_token_threshold tokens (decodes only) or dbo_prefill_token_threshold (with a
-    # prefill) on every rank runs as two microbatches, one's expert exchange under the other's work
+    # prefill) on every rank runs as two microbatches, one's expert exchange under the other's work;
+    # vLLM's --ubatch-size N (N > 1, without --enable-dbo) splits such steps into N microbatches
     enable_dbo: bool = False
+    ubatch_size: int = 0
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     # vLLM's --pipeline-parallel-size: the model's layers split over that many stages (each on
@@ -693,14 +695,14 @@ class HardwareConfig:
         if backend not in ALL2ALL_BACKENDS + GATHER_BACKENDS:
             raise ConfigError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS + GATHER_BACKENDS)} "
                               f"(vLLM's), got {backend!r}")
-        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold", "ubatch_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.enable_dbo:
+        if not self.use_ubatching:
             return
-        if min(self.dbo_decode_token_threshold, self.dbo_prefill_token_threshold) < 2:
+        if min(self.dbo_decode_token_threshold, self.dbo_prefill_token_threshold) < self.num_ubatches:
             raise ConfigError("dbo_decode_token_threshold and dbo_prefill_token_threshold must be at least the "
-                              "number of microbatches (2).")
+                              f"number of microbatches ({self.num_ubatches}).")
         supported = (("deepep_low_latency", "deepep_high_throughput", "nixl_ep")
                      + (("allgather_reducescatter",) if get_gpu_spec(self.gpu).platform == "rocm" else ()))
         if backend not in supported:
@@ -709,8 +711,23 @@ class HardwareConfig:
                               f"{', '.join('--all2all-backend=' + b for b in supported)} and install the matching "
                               "kernels.")
         if self.data_parallel_size == 1:
-            raise ConfigError("enable_dbo is modelled with data-parallel ranks (a mixture of experts' expert "
-                              "exchange between them is what the microbatches overlap)")
+            raise ConfigError(f"{self.ubatching_option} is modelled with data-parallel ranks (a mixture of experts' "
+                              "expert exchange between them is what the microbatches overlap)")
+
+    @property
+    def use_ubatching(self) -> bool:
+        """Lockstep steps of enough tokens run as microbatches (vLLM's use_ubatching)."""
+        return self.enable_dbo or self.ubatch_size > 1
+
+    @property
+    def num_ubatches(self) -> int:
+        """Microbatches of a microbatched step: two under --enable-dbo, else ubatch_size (vLLM's)."""
+        return 2 if self.enable_dbo else self.ubatch_size
+
+    @property
+    def ubatching_option(self) -> str:
+        """The option that turned microbatching on, for messages."""
+        return "enable_dbo" if self.enable_dbo else f"ubatch_size {self.ubatch_size}"
 
     @property
     def all_to_all(self) -> bool:
@@ -1158,7 +1175,7 @@ class EngineConfig:
             self._verify_decode_context_parallel()
         if self.hardware.prefill_context_parallel_size > 1:
             self._verify_prefill_context_parallel()
-        if self.hardware.enable_dbo:
+        if self.hardware.use_ubatching:
             self._verify_dual_batch_overlap()
         if self.hardware.pipeline_parallel_size > 1:
             self._verify_pipeline_parallel()
@@ -1532,7 +1549,8 @@ class EngineConfig:
                        (self.has_linear_attention, "hybrid models")]
         for bad, what in unsupported:
             if bad:
-                raise ConfigError(f"enable_dbo is not modelled with {what} (vLLM's V2 model runner refuses it)")
+                raise ConfigError(f"{hw.ubatching_option} is not modelled with {what} (vLLM's V2 model runner "
+                                  "refuses microbatching with it)")
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -1579,7 +1597,7 @@ class EngineConfig:
             out.append("speculative method 'suffix'")
         if spec.spec_parallel_drafting:  # (EAGLE heads and draft models: simkv's methods that draft in parallel)
             out.append("parallel drafting for EAGLE speculative decoding")
-        if self.hardware.enable_dbo and self.scheduler.model_runner == "auto":  # (V2 takes DBO only when asked for)
+        if self.hardware.use_ubatching and self.scheduler.model_runner == "auto":  # (V2 takes DBO only when asked for)
             out.append("dual batch overlap")
         return out
 
@@ -1719,7 +1737,7 @@ class EngineConfig:
         # (only when set: configs without them read as before)
         defaults = {f.name: f.default for f in dataclasses.fields(HardwareConfig)}
         for key in ("prefill_context_parallel_size", "enable_expert_parallel", "all2all_backend", "enable_dbo",
-                    "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+                    "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if out[key] == defaults[key]:
                 del out[key]
         if self.scheduler.max_num_active_seqs is None:  # (the defaults: configs read as before)

@@ -102,8 +102,8 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
                               pcp_link_gbs=hw.link_gbs(hw.tensor_parallel_size * hw.prefill_context_parallel_size),
                               all_to_all=hw.all_to_all, gpus_per_node=hw.gpus_per_node,
                               inter_node_gbs=hw.inter_node_gbs,
-                              dbo_thresholds=((hw.dbo_decode_token_threshold, hw.dbo_prefill_token_threshold)
-                                              if hw.enable_dbo else None),
+                              ubatching=((hw.num_ubatches, hw.dbo_decode_token_threshold,
+                                          hw.dbo_prefill_token_threshold) if hw.use_ubatching else None),
                               indexer_tp_shard_min_rows=config.attention.indexer_tp_shard_min_rows,
                               weight_offload_shares=weight_offload_shares(config),
                               pcie_gbs=config.cache.pcie_bandwidth_gbs,

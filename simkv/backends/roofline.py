@@ -99,7 +99,7 @@ class RooflineCostModel:
         all_to_all: bool = False,
         gpus_per_node: int = 8,
         inter_node_gbs: float = 50.0,
-        dbo_thresholds: tuple[int, int] | None = None,
+        ubatching: tuple[int, int, int] | None = None,
     ) -> None:
         """`tp_link_gbs`, `dp_link_gbs`: the bandwidth of the TP group's all-reduce and of the
         expert layers' collectives over the data-parallel ranks (None: the GPU's interconnect;
@@ -107,8 +107,9 @@ class RooflineCostModel:
         `pcp_link_gbs`: the bandwidth of the PCP group's all-gathers (None: the GPU's interconnect).
         `all_to_all`: the expert layers exchange tokens all-to-all (expert parallelism with an
         all-to-all backend) over GPUs `gpus_per_node` to a node, `inter_node_gbs` between nodes,
-        instead of gathering them (simkv/backends/expert_exchange.py). `dbo_thresholds`: vLLM's
-        dual batch overlap, (decode-only, with prefill) tokens a rank's step needs (`dp_time`).
+        instead of gathering them (simkv/backends/expert_exchange.py). `ubatching`: vLLM's
+        microbatching (dual batch overlap, --ubatch-size): (microbatches, the tokens a rank's
+        decode-only step needs, those a step with a prefill needs) (`dp_time`).
         `weight_offload_shares`: the shares of each GPU's weights vLLM's --cpu-offload-gb keeps in
         host memory (of those outside the routed experts, of the experts); the kernels read that
         share of every weight read over the host link (`pcie_gbs`) instead of from GPU memory
@@ -209,8 +210,8 @@ class RooflineCostModel:
                     model, g, dp_link_gbs or gpu.interconnect_gbs, allreduce_latency_s)
             else:
                 self.dp_comm_per_token = self.dp_comm_fixed = 0.0
-            self.dbo_thresholds = dbo_thresholds
-            self.dbo_steps = [0, 0]  # (lockstep steps run as two microbatches, lockstep steps)
+            self.ubatching = ubatching
+            self.dbo_steps = [0, 0]  # (lockstep steps run as microbatches, lockstep steps)
         if self.pcp > 1:
             if not self.mla:
                 raise ValueError("prefill context parallelism is priced for latent attention (vLLM runs it there)")
@@ -492,7 +493,7 @@ class RooflineCostModel:
         expert_traffic = self.expert_bytes_per_rank * touched
         comm = self.dp_comm_per_token * total + self.dp_comm_fixed
         microbatched = self._microbatched(works)
-        if self.dbo_thresholds is not None:
+        if self.ubatching is not None:
             self.dbo_steps[0] += microbatched
             self.dbo_steps[1] += 1
         longest = 0.0
@@ -504,10 +505,11 @@ class RooflineCostModel:
                        + self.state_bytes_per_seq * seqs)
             if draft_tokens is not None and i < len(draft_tokens):
                 traffic += self.state_bytes_per_draft * draft_tokens[i]
-            if microbatched:  # (two microbatches: each reads the weights; one's exchange under the other's work)
+            if microbatched:  # (n microbatches: each reads the weights; one's exchange under another's work)
+                n = self.ubatching[0]
                 busy = max((flops + expert_flops) / self.flop_rate,
-                           (traffic + self.weight_bytes + expert_traffic) / self.byte_rate)
-                overlapped = max(busy, comm) + min(busy, comm) / (2 * max(1, self.model.num_moe_layers))
+                           (traffic + (n - 1) * (self.weight_bytes + expert_traffic)) / self.byte_rate)
+                overlapped = max(busy, comm) + min(busy, comm) / (n * max(1, self.model.num_moe_layers))
                 seconds = overlapped + self.comm_per_token * tokens + self.fixed_s + self.seq_overhead_s * seqs
             else:
                 busy = max((flops + expert_flops) / self.flop_rate, traffic / self.byte_rate)
@@ -521,12 +523,13 @@ class RooflineCostModel:
         return longest
 
     def _microbatched(self, works: list[tuple]) -> bool:
-        """Dual batch overlap runs this lockstep step as two microbatches: every rank (a dummy
-        pass has no tokens) has at least the threshold's tokens, the decode threshold where its
-        step is decodes only (a token per sequence), else the prefill one (vLLM's ranks agree)."""
-        if self.dbo_thresholds is None:
+        """Microbatching (dual batch overlap, --ubatch-size) runs this lockstep step as
+        microbatches: every rank (a dummy pass has no tokens) has at least the threshold's tokens,
+        the decode threshold where its step is decodes only (a token per sequence), else the
+        prefill one (vLLM's ranks agree)."""
+        if self.ubatching is None:
             return False
-        decode, prefill = self.dbo_thresholds
+        _, decode, prefill = self.ubatching
         return all(tokens >= (decode if tokens == seqs else prefill) for tokens, seqs, *_ in works)
 
     def pcp_rank_works(self, output: SchedulerOutput) -> list[tuple]:
@@ -658,7 +661,7 @@ class RooflineCostModel:
                 per_token_ticks(self.kv_bytes_per_token * self.latent_read_share / self.byte_rate))
 
     fitted_from: dict | None = None  # (a fit file's name, warnings and front-end latency: simkv/backends/roofline_fit.py)
-    dbo_thresholds: tuple[int, int] | None = None  # (dual batch overlap: set with lockstep ranks)
+    ubatching: tuple[int, int, int] | None = None  # (microbatching: set with lockstep ranks)
 
     @property
     def frontend_latency_s(self) -> float:
@@ -669,9 +672,10 @@ class RooflineCostModel:
         out = {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
                "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {}),
                **({"weight_offload": self.weight_offload} if self.weight_offload else {})}
-        if self.dbo_thresholds is not None:
-            decode, prefill = self.dbo_thresholds
-            out["dual_batch_overlap"] = {"decode_token_threshold": decode, "prefill_token_threshold": prefill,
+        if self.ubatching is not None:
+            n, decode, prefill = self.ubatching
+            out["dual_batch_overlap"] = {"microbatches": n, "decode_token_threshold": decode,
+                                         "prefill_token_threshold": prefill,
                                          "microbatched_steps": self.dbo_steps[0], "lockstep_steps": self.dbo_steps[1]}
         return out
 

@@ -440,7 +440,8 @@ def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file
     found = layouts_of(num_gpus, spec, base.get("decode_context_parallel_size", 1))
     # (the options are checked on a layout they apply to: dual batch overlap's on data-parallel ranks)
     ranks = [layout for layout in found if layout.data_parallel_size > 1]
-    checked = ranks[0] if base.get("enable_dbo") and ranks else found[0]
+    microbatched = base.get("enable_dbo") or (base.get("ubatch_size") or 0) > 1
+    checked = ranks[0] if microbatched and ranks else found[0]
     slo, _, data = read_inputs(trace, flags, config_file, goodput, checked.options())
     try:
         options = RouterOptions.parse(list(router_options))

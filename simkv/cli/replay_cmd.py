@@ -37,7 +37,7 @@ _ENGINE_FLAGS = {
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefill_context_parallel_size": "prefill_context_parallel_size",
     "enable_expert_parallel": "enable_expert_parallel", "all2all_backend": "all2all_backend",
-    "enable_dbo": "enable_dbo", "dbo_decode_token_threshold": "dbo_decode_token_threshold",
+    "enable_dbo": "enable_dbo", "ubatch_size": "ubatch_size", "dbo_decode_token_threshold": "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold": "dbo_prefill_token_threshold",
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
     "gpus_per_node": "gpus_per_node", "inter_node_gbs": "inter_node_gbs",
@@ -381,6 +381,9 @@ _ENGINE_OPTIONS = [
                  help="vLLM's dual batch overlap (data-parallel ranks, a DeepEP or nixl_ep backend): steps of "
                       "enough tokens on every rank run as two microbatches, one's expert exchange under the "
                       "other's work [default: off]"),
+    click.option("--ubatch-size", type=int, default=None,
+                 help="vLLM's microbatching without --enable-dbo: N > 1 splits steps of enough tokens on every "
+                      "rank into N microbatches (the DBO thresholds apply) [default: 0, off]"),
     click.option("--dbo-decode-token-threshold", type=int, default=None,
                  help="vLLM's: the tokens a decode-only step needs on every rank for DBO [default: 32]"),
     click.option("--dbo-prefill-token-threshold", type=int, default=None,

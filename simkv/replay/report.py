@@ -45,8 +45,10 @@ def _expert_exchange_rows(cfg: dict, cost: dict) -> list[tuple[str, str]]:
         rows.append(("expert exchange", f"all-to-all ({cfg['all2all_backend']}, expert parallelism)"))
     dbo = cost.get("dual_batch_overlap")
     if dbo:
-        rows.append(("dual batch overlap", f"{dbo['microbatched_steps']:,} of {dbo['lockstep_steps']:,} lockstep "
-                                           "steps as two microbatches"))
+        n = dbo.get("microbatches", 2)
+        rows.append(("dual batch overlap" if n == 2 else "microbatching",
+                     f"{dbo['microbatched_steps']:,} of {dbo['lockstep_steps']:,} lockstep steps as "
+                     f"{'two' if n == 2 else n} microbatches"))
     return rows
 
 

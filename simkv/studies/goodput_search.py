@@ -390,7 +390,7 @@ def search_layouts(trace_path: str, base_options: dict, layouts: list, slo_ms: d
             fleet["router_options"] = router_options.to_dict()
         options = base_options | layout.options()
         if layout.data_parallel_size == 1:  # (dual batch overlap splits data-parallel ranks' steps)
-            options = {k: v for k, v in options.items() if not k.startswith(("enable_dbo", "dbo_"))}
+            options = {k: v for k, v in options.items() if not k.startswith(("enable_dbo", "dbo_", "ubatch_"))}
         cells.append(Cell(index, os.path.normpath(trace_path), (("layout", layout.name),),
                           tuple(sorted(options.items())), cost_model, (), (), tuple(sorted(fleet.items()))))
     done = _search_cells(cells, slo_ms, target, tolerance, cost_options, workers, on_cell, None)

@@ -57,6 +57,13 @@ def test_all_to_all_sends_a_token_to_its_experts_gpus():
     (V3 | {"tensor_parallel_size": 8, "enable_dbo": True} | DEEPEP, "modelled with data-parallel ranks"),
     (V3 | {"data_parallel_size": 8, "enable_dbo": True, "speculative_method": "mtp",
            "num_speculative_tokens": 1} | DEEPEP, "enable_dbo is not modelled with speculative decoding"),
+    (V3 | {"data_parallel_size": 8, "ubatch_size": 4}, "Microbatching currently only supports"),
+    (V3 | {"data_parallel_size": 8, "ubatch_size": 4, "dbo_decode_token_threshold": 3} | DEEPEP,
+     r"must be at least the number of microbatches \(4\)"),
+    (V3 | {"tensor_parallel_size": 8, "ubatch_size": 3} | DEEPEP, "ubatch_size 3 is modelled with data-parallel"),
+    (V3 | {"data_parallel_size": 8, "ubatch_size": 3, "pipeline_parallel_size": 2} | DEEPEP,
+     "ubatch_size 3 is not modelled with pipeline parallelism"),
+    (V3 | {"data_parallel_size": 8, "ubatch_size": -1}, "ubatch_size must be >= 0"),
 ])
 def test_what_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -81,6 +88,23 @@ def test_which_exchange_runs():
     assert out.options == {"model": "deepseek-v3", "data_parallel_size": 16, "enable_expert_parallel": True,
                            "all2all_backend": "deepep_low_latency", "enable_dbo": True,
                            "dbo_decode_token_threshold": 64} and not out.unmodelled
+
+
+def test_ubatch_size_is_the_number_of_microbatches_unless_dbo_is_on():
+    """vLLM's num_ubatches: 2 under --enable-dbo whatever --ubatch-size says, else --ubatch-size;
+    0 and 1 leave steps whole (no checks apply)."""
+    base = V3 | {"data_parallel_size": 8} | DEEPEP
+    assert EngineConfig.from_flat(base | {"ubatch_size": 4}).hardware.num_ubatches == 4
+    assert EngineConfig.from_flat(base | {"ubatch_size": 4, "enable_dbo": True}).hardware.num_ubatches == 2
+    for off in (0, 1):
+        hw = EngineConfig.from_flat(V3 | {"tensor_parallel_size": 8, "ubatch_size": off}).hardware
+        assert not hw.use_ubatching
+    assert make_roofline(EngineConfig.from_flat(base | {"ubatch_size": 1})).ubatching is None
+    out = serve_options("vllm serve deepseek-ai/DeepSeek-V3 -dp 8 -ep --all2all-backend deepep_low_latency "
+                        "--ubatch-size 4")
+    assert out.options["ubatch_size"] == 4 and not out.unmodelled
+    assert EngineConfig.from_flat(base | {"ubatch_size": 4}).to_dict()["ubatch_size"] == 4
+    assert "ubatch_size" not in EngineConfig.from_flat(base).to_dict()
 
 
 def _decodes(n: int, context: int = 1000) -> tuple:
@@ -118,6 +142,30 @@ def test_dual_batch_overlap_hides_the_exchange_when_every_rank_has_enough_tokens
     busy = max(flops / plain.flop_rate, traffic / plain.byte_rate)
     overhead = plain.comm_per_token * tokens + plain.fixed_s + plain.seq_overhead_s * seqs
     assert dbo.dp_time(works) == pytest.approx(max(busy, exchange) + min(busy, exchange) / (2 * 58) + overhead)
+
+
+def test_more_microbatches_read_the_weights_more_often_and_expose_less_exchange():
+    """--ubatch-size 4: every microbatch reads the weights (four reads of them), one microbatch's
+    share of an expert layer's exchange or work stays exposed at each end."""
+    options = V3 | {"data_parallel_size": 16, "gpus_per_node": 8} | DEEPEP
+    plain = make_roofline(EngineConfig.from_flat(options))
+    four = make_roofline(EngineConfig.from_flat(options | {"ubatch_size": 4}))
+    two = make_roofline(EngineConfig.from_flat(options | {"enable_dbo": True}))
+    works = [_decodes(64)] * 16
+    total = sum(w[0] for w in works)
+    exchange = plain.dp_comm_per_token * total + plain.dp_comm_fixed
+    tokens, seqs, _, kv_read, latent_pairs, _ = works[0]
+    flops = (plain.flops_per_token_local * tokens + plain.flops_per_seq * seqs
+             + plain.flops_per_latent_pair * latent_pairs + plain.expert_flops_per_group_token * total)
+    traffic = (4 * plain.weight_bytes + 4 * plain.expert_bytes_per_rank * plain.moe.experts_touched(total)
+               + plain.kv_bytes_per_token * (kv_read + tokens))
+    busy = max(flops / plain.flop_rate, traffic / plain.byte_rate)
+    overhead = plain.comm_per_token * tokens + plain.fixed_s + plain.seq_overhead_s * seqs
+    assert four.dp_time(works) == pytest.approx(max(busy, exchange) + min(busy, exchange) / (4 * 58) + overhead)
+    assert four.dp_time(works) > two.dp_time(works) > plain.dp_time(works)  # (decodes: weight reads dominate)
+    # long prefill chunks, whose exchange outlasts the work: four microbatches hide more of it than two
+    chunks = [(2048, 1, 2048 * 2049 // 2, 2048, 0, 0)] * 16
+    assert four.dp_time(chunks) < two.dp_time(chunks) < plain.dp_time(chunks)
 
 
 def test_deepep_across_two_nodes_serves_what_gathering_cannot():
@@ -172,3 +220,10 @@ def test_the_replay_table_names_the_exchange_and_the_split_steps(tmp_path):
     plain = CliRunner().invoke(main, ["replay", str(path), "--model", "deepseek-v3", "--gpu", "H200", "-dp", "2",
                                       "-tp", "8", "--out", str(tmp_path / "plain")], env={"COLUMNS": "200"})
     assert "expert exchange" not in plain.output and "dual batch overlap" not in plain.output
+    four = CliRunner().invoke(main, ["replay", str(path), "--model", "deepseek-v3", "--gpu", "H200", "-dp", "2",
+                                     "-tp", "8", "-ep", "--all2all-backend", "deepep_low_latency", "--ubatch-size",
+                                     "4", "--out", str(tmp_path / "four")], env={"COLUMNS": "200"})
+    assert four.exit_code == 0, four.output
+    dbo = json.loads((tmp_path / "four" / "summary.json").read_text())["cost_model"]["dual_batch_overlap"]
+    assert dbo["microbatches"] == 4
+    assert f"{dbo['microbatched_steps']:,} of {dbo['lockstep_steps']:,} lockstep steps as 4 microbatches" in four.output
