@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -656,10 +658,14 @@ def canonical_gpu(name: str | None) -> str | None:
     if not name:
         return None
     n = name.upper()
-    for key, spec in (("MI300X", "MI300X"), ("MI325X", "MI325X"), ("GB200", "GB200"), ("B300", "B300"), ("B200", "B200"), ("H200", "H200"), ("H100", "H100-SXM"),
-                      ("H20", "H20"), ("L40S", "L40S")):
+    if "H100" in n and "PCIE" in n:
+        return "H100-PCIe"
+    for key, spec in (("MI300X", "MI300X"), ("MI325X", "MI325X"), ("MI355X", "MI355X"), ("GB200", "GB200"), ("B300", "B300"),
+                      ("B200", "B200"), ("H200", "H200"), ("H100", "H100-SXM"), ("H20", "H20"), ("L40S", "L40S")):
         if key in n:
             return spec
-    if "A100" in n and "80" in n:
-        return "A100-80GB"
+    if "A100" in n and ("80" in n or "40" in n):
+        return "A100-80GB" if "80" in n else "A100-40GB"
+    if re.search(r"\bL4\b", n):
+        return "L4"
     return None

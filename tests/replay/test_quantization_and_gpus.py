@@ -144,6 +144,11 @@ def test_the_catalogue_and_cuda_device_names():
     assert canonical_gpu("NVIDIA L40S") == "L40S"
     assert canonical_gpu("NVIDIA H100 80GB HBM3") == "H100-SXM"
     assert canonical_gpu("AMD Instinct MI300X") == "MI300X"
+    assert canonical_gpu("NVIDIA H100 PCIe") == "H100-PCIe"
+    assert canonical_gpu("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert canonical_gpu("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert canonical_gpu("NVIDIA L4") == "L4" and canonical_gpu("NVIDIA L40") is None
+    assert canonical_gpu("AMD Instinct MI355X") == "MI355X"
     assert canonical_gpu("Tesla T4") is None
 
 
