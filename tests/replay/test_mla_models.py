@@ -71,6 +71,9 @@ def test_configs_give_the_shipped_specs_and_kimi_k2(tmp_path):
     assert kimi.num_params / 1e12 == pytest.approx(1.0, abs=0.03)
     assert kimi.num_active_params / 1e9 == pytest.approx(32.9, abs=0.5)
     assert (kimi.num_dense_layers, kimi.shared_expert_intermediate_size, kimi.q_lora_rank) == (1, 2048, 1536)
+    # the shipped kimi-k2 (Kimi-K2-Instruct: 131,072 positions, an FP8 checkpoint) is that text model
+    assert get_model_spec("kimi-k2") == dataclasses.replace(
+        kimi, name="kimi-k2", max_position_embeddings=131072, linear_weight_bytes=1.0, expert_weight_bytes=1.0)
     qwen = get_model_spec(_write(tmp_path, "qwen", QWEN15_MOE))
     assert qwen.shared_expert_intermediate_size == 5632 and qwen.num_dense_layers == 0
     assert qwen.num_params / 1e9 == pytest.approx(14.3, abs=0.05)

@@ -26,6 +26,9 @@ def test_published_sizes():
     assert small.weight_bytes / 2**30 == pytest.approx(12.8, abs=0.1)
     assert qwen.num_params / 1e9 == pytest.approx(30.5, abs=0.1)
     assert qwen.num_active_params / 1e9 == pytest.approx(3.35, abs=0.05)
+    mixtral = get_model_spec("mixtral-8x7b")  # (46.7B, 12.9B active: Mistral's figures)
+    assert mixtral.num_params / 1e9 == pytest.approx(46.7, abs=0.05)
+    assert mixtral.num_active_params / 1e9 == pytest.approx(12.9, abs=0.05)
     dense = get_model_spec("llama-3-8b")
     assert dense.num_active_params == dense.num_params and dense.weight_bytes == 2 * dense.num_params
 

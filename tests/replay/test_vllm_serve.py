@@ -111,6 +111,8 @@ def test_a_served_model_is_a_shipped_one_or_a_config(tmp_path):
                                                                "google/gemma-3-27b-it"])
     assert resolve_model("META-LLAMA/Meta-Llama-3-8B/") == "llama-3-8b"
     assert resolve_model("meta-llama/Llama-3.3-70B-Instruct") == "llama-3.1-70b"
+    assert [resolve_model(repo) for repo in ("Qwen/Qwen2.5-72B-Instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1",
+                                             "moonshotai/Kimi-K2-Instruct")] == ["qwen2.5-72b", "mixtral-8x7b", "kimi-k2"]
     assert EngineConfig.from_flat({"model": resolve_model("meta-llama/Llama-3.1-8B-Instruct")}).max_model_len == 131072
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == str(tmp_path / "config.json")
