@@ -254,7 +254,7 @@ def vit_activation_bytes(spec, patches: int, split: int = 1) -> int:
 def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
     """K and V of one token on one GPU under that tensor parallelism (1: the whole model), the
     draft network's layers included under speculative decoding."""
-    spec = config.hardware.model_spec()
+    spec = config.kv_spec()
     dtype_bytes = config.cache.kv_element
     per_token = spec.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
     draft = config.draft_network

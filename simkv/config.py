@@ -33,7 +33,6 @@ def _check_type(key: str, value, annotation: str) -> None:
 # gate and up projections of every routed expert, mlp.experts.w2_weight: the down projection)
 CPU_OFFLOAD_PARAM_SEGMENTS = ("experts", "w13_weight", "w2_weight")
 
-# vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
 # vLLM 0.33's --all2all-backend values: those that exchange tokens all-to-all (simkv prices them
 # alike: simkv/backends/expert_exchange.py), and those that gather every rank's tokens (vLLM falls
 # back from its removed naive and pplx backends to allgather_reducescatter)
@@ -47,6 +46,7 @@ def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, exp
     """The expert layers exchange tokens all-to-all (vLLM's all2all kernels: expert parallelism,
     an all-to-all backend, and data- or prefill-context-parallel ranks) rather than gathering them."""
     return enable_expert_parallel and all2all_backend in ALL2ALL_BACKENDS and expert_shards > 1
+# vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES)
 
 
@@ -62,6 +62,10 @@ class CacheConfig:
     watermark: float = 0.0
     num_lookahead_tokens: int = 0
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto (= model dtype, bf16), 16-bit or fp8 (one byte)
+    # vLLM's --kv-cache-dtype-skip-layers: the decoder layers (indices, comma-separated) whose K and
+    # V stay in the model's dtype under an fp8 kv_cache_dtype (EngineConfig.kv_skip_layers); the
+    # block size then grows so that a quantized layer's page covers a skipped layer's 16 tokens
+    kv_cache_dtype_skip_layers: str = ""
     prefix_caching_hash_bits: int = 63
     reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
     allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
@@ -119,6 +123,10 @@ class CacheConfig:
                 raise ConfigError(f"{name}: '{unknown[0]}' is not a parameter name segment simkv models; give "
                                   f"{', '.join(CPU_OFFLOAD_PARAM_SEGMENTS)} (a mixture of experts' routed experts, "
                                   "vLLM's names)")
+        for entry in self.kv_skip_layer_names:
+            if not entry.isdigit() and entry != "sliding_window":
+                raise ConfigError(f"kv_cache_dtype_skip_layers: '{entry}' is neither a layer index nor "
+                                  "'sliding_window' (vLLM's two kinds of entry)")
         if self.cpu_offload_params and not self.cpu_offload_gb:
             raise ConfigError("cpu_offload_params selects what --cpu-offload-gb offloads: give cpu_offload_gb too")
         if self.offload_params and not self.offload_group_size:
@@ -166,6 +174,11 @@ class CacheConfig:
         if tpc is not None and (tpc < 1 or tpc % self.block_size):
             raise ConfigError(f"kv_offloading_block_size {tpc} must be a positive multiple of block_size "
                               f"{self.block_size} (use {max(-(-tpc // self.block_size), 1) * self.block_size})")
+
+    @property
+    def kv_skip_layer_names(self) -> tuple[str, ...]:
+        """kv_cache_dtype_skip_layers' entries: layer indices, or 'sliding_window'."""
+        return tuple(e.strip() for e in self.kv_cache_dtype_skip_layers.split(",") if e.strip())
 
     @property
     def cpu_offload_param_segments(self) -> tuple[str, ...]:
@@ -1190,6 +1203,8 @@ class EngineConfig:
         if self.cache.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES and self.hardware.model_spec().is_mla:
             raise ConfigError(f"kv_cache_dtype {self.cache.kv_cache_dtype}: vLLM runs per-token-head KV quantization on "
                               f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
+        if self.cache.kv_skip_layer_names:
+            self._verify_kv_skip_layers()
         for name in ("cpu_offload_params", "offload_params"):
             if getattr(self.cache, name) and not self.hardware.model_spec().is_moe:
                 raise ConfigError(f"{name} {getattr(self.cache, name)}: {self.hardware.model} has no routed experts, "
@@ -1537,6 +1552,39 @@ class EngineConfig:
             if bad:
                 raise ConfigError(f"prefill_context_parallel_size > 1 is not modelled with {what} yet")
 
+    def _verify_kv_skip_layers(self) -> None:
+        """kv_cache_dtype_skip_layers: what simkv models of it (a model whose layers all attend the
+        whole context, an fp8 or 16-bit cache), and entries that match a layer."""
+        spec = self.hardware.model_spec()
+        entries = self.cache.kv_skip_layer_names
+        dtype = self.cache.kv_cache_dtype
+        unsupported = [(spec.is_mla, "latent attention"),
+                       (self.has_sliding_window or bool(self.attention_chunk_size), "sliding-window or chunked "
+                        "local attention layers"),
+                       (self.has_linear_attention, "linear-attention layers"),
+                       (dtype in PER_TOKEN_HEAD_KV_DTYPES, f"kv_cache_dtype {dtype}"),
+                       (self.hardware.pipeline_parallel_size > 1, "pipeline parallelism"),
+                       (self.draft_network is not None, "a drafter's layers (EAGLE, MTP, a draft model)")]
+        for bad, what in unsupported:
+            if bad:
+                raise ConfigError(f"kv_cache_dtype_skip_layers is not modelled with {what} yet")
+        for entry in entries:
+            if entry == "sliding_window" or int(entry) >= spec.num_layers:
+                raise ConfigError(f"kv_cache_dtype_skip_layers: '{entry}' matches no layer of {self.hardware.model} "
+                                  f"(its layers 0-{spec.num_layers - 1} all attend the whole context), so vLLM "
+                                  "would skip nothing for it")
+
+    @property
+    def kv_skip_layers(self) -> int:
+        """Decoder layers whose K and V stay in the model's dtype (kv_cache_dtype_skip_layers)."""
+        return len({int(e) for e in self.cache.kv_skip_layer_names})
+
+    def kv_spec(self) -> ModelSpec:
+        """The served model (HardwareConfig.model_spec) with the layers its KV cache keeps
+        unquantized: the spec whose kv_bytes_per_token sizes the cache and its reads."""
+        spec = self.hardware.model_spec()
+        return dataclasses.replace(spec, kv_skip_layers=self.kv_skip_layers) if self.kv_skip_layers else spec
+
     def _verify_dual_batch_overlap(self) -> None:
         """What simkv does not model dual batch overlap with (what vLLM's V2 runner refuses it with)."""
         hw = self.hardware
@@ -1721,6 +1769,8 @@ class EngineConfig:
             del out["cpu_offload_gb"]
         if not self.cache.cpu_offload_params:  # (likewise)
             del out["cpu_offload_params"]
+        if not self.cache.kv_cache_dtype_skip_layers:  # (likewise)
+            del out["kv_cache_dtype_skip_layers"]
         if self.hardware.data_parallel_size == 1:  # (only with data parallelism: configs without it read as before)
             del out["data_parallel_size"]
         if self.hardware.quantization is None:  # (likewise)
@@ -1848,6 +1898,9 @@ class EngineConfig:
                                                   groups[SpeculativeConfig], groups[AttentionConfig])
         if block_size is not None:
             groups[CacheConfig]["block_size"] = block_size
+        block_size = _skip_layers_block_size(groups[CacheConfig])
+        if block_size is not None:
+            groups[CacheConfig]["block_size"] = block_size
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
                    HardwareConfig(**groups[HardwareConfig]), SpeculativeConfig(**groups[SpeculativeConfig]),
                    AttentionConfig(**groups[AttentionConfig]))
@@ -1882,6 +1935,34 @@ def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_d
     need = align * -(-state // (align * per_token))
     need = _KERNEL_BLOCK_ALIGNMENT * -(-need // _KERNEL_BLOCK_ALIGNMENT)
     return max(block_size, need)
+
+
+def skip_layers_block_size(kv_cache_dtype: str, block_size: int) -> int:
+    """The block size vLLM 0.33 runs at, given `block_size`, when some layers keep their K and V
+    unquantized (Platform._align_heterogeneous_kv_block_size): the block grows, in steps of
+    max(16, block_size), until a quantized layer's page covers a skipped layer's page of 16
+    tokens (the backends' smallest kernel block), even over a --block-size given. All layers then
+    share one group of that block size, each with pages of its own dtype. An fp8 cache under a
+    bf16 model: 16 -> 32."""
+    primary, skipped = kv_dtype_bytes(kv_cache_dtype), kv_dtype_bytes("auto")
+    if skipped <= primary:
+        return block_size
+    align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
+    return max(block_size, align * -(-(skipped * _KERNEL_BLOCK_ALIGNMENT) // (align * primary)))
+
+
+def _skip_layers_block_size(cache: dict) -> int | None:
+    """`skip_layers_block_size` for from_flat's options (None: no skipped layers, or a bad value
+    that the configs' own checks name)."""
+    try:
+        dtype = cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype)
+        if not str(cache.get("kv_cache_dtype_skip_layers", "")).strip(",").strip() or dtype not in KV_CACHE_DTYPES \
+                or dtype in PER_TOKEN_HEAD_KV_DTYPES:
+            return None
+        block_size = int(cache.get("block_size", CacheConfig().block_size))
+        return skip_layers_block_size(dtype, block_size) if block_size >= 1 else None
+    except (ValueError, TypeError):
+        return None
 
 
 def _linear_attention_block_size(hardware: dict, cache: dict, speculative: dict, attention: dict) -> int | None:

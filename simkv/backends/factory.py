@@ -89,7 +89,7 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
     overheads; `fitted_from`: the fit file's name, warnings and front-end latency
     (simkv/backends/roofline_fit.py)."""
     hw = config.hardware
-    model = RooflineCostModel(hw.model_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
+    model = RooflineCostModel(config.kv_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
                               config.cache.kv_element, layer_windows=config.layer_windows,
                               attention_chunked=bool(config.attention_chunk_size),
                               num_speculative_tokens=config.speculative.num_speculative_tokens,

@@ -25,6 +25,7 @@ _ENGINE_FLAGS = {
     "gpu_memory_utilization": "gpu_memory_utilization", "enable_prefix_caching": "enable_prefix_caching",
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
+    "kv_cache_dtype_skip_layers": "kv_cache_dtype_skip_layers",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "vllm_batch_defaults": "vllm_batch_defaults",
     "performance_mode": "performance_mode",
@@ -469,6 +470,10 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: fp8 (fp8_e4m3, fp8_e5m2) stores one byte an element; int8_per_token_head, "
                       "fp8_per_token_head (one byte) and int4_per_token_head (half) add a float32 scale per head "
                       "and token for K and V each [default: auto, the model's bf16]"),
+    click.option("--kv-cache-dtype-skip-layers", default=None, metavar="I,J,...",
+                 help="vLLM's: decoder layers whose K and V stay bf16 under an fp8 --kv-cache-dtype; the block "
+                      "size grows so a quantized layer's page covers 16 tokens of a skipped one (16 -> 32) "
+                      "[default: none]"),
     click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
                  help="vLLM's: a linear-attention (Mamba) layer's convolution state, and its recurrent state "
                       "unless the checkpoint sets that [default: auto, the model's bf16]"),

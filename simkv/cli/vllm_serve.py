@@ -102,7 +102,6 @@ REFUSED = {
     "ec_manager_config": "encoder disaggregation: give simkv's --encode-replicas",
     "cp_kv_cache_interleave_size": "the context-parallel KV interleave is not modelled",
     "dcp_kv_cache_interleave_size": "the DCP KV interleave is not modelled (simkv interleaves by token)",
-    "kv_cache_dtype_skip_layers": "layers left out of KV quantization are not modelled",
     "kv_sharing_fast_prefill": "KV sharing across layers is not modelled",
     "swa_bounded_replay": "DeepSeek-V4's bounded sliding-window replay is not modelled",
     "prefix_match_unit": "prefix hits finer than a block are not modelled",

@@ -104,9 +104,9 @@ class DisaggregationSpec:
             raise ConfigError(f"decode pool: with data_parallel_size > 1 the pool is one data-parallel engine "
                               f"(--decode-replicas 1), got {self.num_decode} replicas")
         prefill, decode = configs[0].to_dict(), configs[1].to_dict()
-        for key in ("model", "block_size", "kv_cache_dtype"):
-            if prefill[key] != decode[key]:
-                raise ConfigError(f"the pools' {key} differ ({prefill[key]} and {decode[key]}): the decode side "
+        for key in ("model", "block_size", "kv_cache_dtype", "kv_cache_dtype_skip_layers"):
+            if prefill.get(key) != decode.get(key):
+                raise ConfigError(f"the pools' {key} differ ({prefill.get(key)} and {decode.get(key)}): the decode side "
                                   "reads the prefill side's blocks as they are")
         for key in ("speculative_method", "num_speculative_tokens", "spec_draft_model"):
             if prefill.get(key) != decode.get(key):

@@ -103,6 +103,9 @@ class ModelSpec:
     linear_conv_dtype_bytes: int = 2
     # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
     attention_output_gate: bool = False
+    # Attention layers whose K and V a quantized KV cache keeps in the model's 2-byte dtype (vLLM's
+    # --kv-cache-dtype-skip-layers; set as served: simkv.config.EngineConfig.kv_spec)
+    kv_skip_layers: int = 0
     # Nemotron-H's layout (its hybrid_override_pattern; "": every layer a mixer and an MLP): one
     # letter a layer, each layer one block: M a Mamba2 mixer, * attention, - a dense MLP, E experts.
     layer_pattern: str = ""
@@ -561,7 +564,9 @@ class ModelSpec:
                 raise ValueError(f"{dtype_bytes}: a per-token-head KV cache has no latent-attention layout")
             return self.latent_bytes_per_token(dtype_bytes) + self.indexer_bytes_per_token()
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
-        return self.num_attention_layers * kv_heads * kv_head_token_bytes(dtype_bytes, self.head_dim)
+        skipped = self.kv_skip_layers
+        return kv_heads * ((self.num_attention_layers - skipped) * kv_head_token_bytes(dtype_bytes, self.head_dim)
+                           + skipped * kv_head_token_bytes(2, self.head_dim))
 
 
 # vLLM's MambaDType choices (--mamba-cache-dtype, --mamba-ssm-cache-dtype): bytes per element;

@@ -1,0 +1,105 @@
+"""vLLM 0.33's own code on --kv-cache-dtype-skip-layers, against simkv's: the block size it
+aligns to (Platform._align_heterogeneous_kv_block_size), the KV-cache groups of the layers'
+specs (kv_cache_planning.get_kv_cache_groups) and the blocks a given memory holds
+(get_kv_cache_config_from_groups), for models of simkv's catalogue.
+
+A development aid, not a test dependency. Run it with the vLLM oracle's Python:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    PYTHONPATH=. /tmp/vllm-oracle-venv/bin/python scripts/oracle_kv_skip_layers.py
+
+Each case prints vLLM's (block size, groups, blocks) and simkv's, and 'equal' or 'DIFFERENT';
+the exit status is the number of cases that differ. vLLM's attention layers are not built (no
+GPU here): each layer's spec is made as vLLM's Attention.get_kv_cache_spec makes a full-attention
+layer's, with the layer's dtype (the model's for a skipped layer), after the alignment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor parallel size)
+    ("llama-3-8b", "fp8", "0,1,30,31", 16, 1),
+    ("llama-3-8b", "fp8", "0", 32, 1),
+    ("llama-3-8b", "fp8_e5m2", "5", 64, 1),
+    ("llama-3-8b", "auto", "0,31", 16, 1),
+    ("llama-3-70b", "fp8", "0,1,78,79", 16, 4),
+    ("qwen3-30b-a3b", "fp8", "0,47", 16, 2),
+    ("mistral-7b", "fp8", "0,1,2,3,28,29,30,31", 8, 1),
+]
+MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
+
+
+def hf_config(spec) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size, "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "num_hidden_layers": spec.num_layers, "vocab_size": 32000, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tuple[int, list[str], int]:
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.platforms.interface import Platform
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from simkv.specs import get_model_spec
+
+    spec = get_model_spec(model)
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(hf_config(spec)))
+    cache = CacheConfig(block_size=block_size, cache_dtype=dtype,
+                        kv_cache_dtype_skip_layers=[e for e in skip.split(",") if e])
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
+                        cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                        device_config=DeviceConfig(device="cpu"))
+    config.cache_config.block_size = block_size
+    config.cache_config.kv_cache_layout = "LBNHC"  # (FlashAttention's NHD: one tensor a layer)
+    if config.cache_config.kv_cache_dtype_skip_layers:
+        Platform._align_heterogeneous_kv_block_size(config, FlashAttentionBackend)
+    bs = config.cache_config.block_size
+    skipped = set(config.cache_config.kv_cache_dtype_skip_layers)
+    specs = {}
+    for i in range(spec.num_layers):
+        layer_dtype = "auto" if (str(i) in skipped or dtype == "auto") else dtype
+        torch_dtype = torch.bfloat16 if layer_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[layer_dtype]
+        specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+            block_size=bs, num_kv_heads=max(spec.num_kv_heads // tp, 1), head_size=spec.head_dim,
+            dtype=torch_dtype, kv_quant_mode=get_kv_quant_mode(layer_dtype))
+    groups = get_kv_cache_groups(config, specs)
+    kv_config = get_kv_cache_config_from_groups(config, groups, MEMORY)
+    return bs, [type(g.kv_cache_spec).__name__ + f"({g.kv_cache_spec.block_size})" for g in groups], kv_config.num_blocks
+
+
+def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tuple[int, list[str], int]:
+    from simkv.capacity import compute_capacity
+    from simkv.config import EngineConfig
+
+    config = EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
+                                     "block_size": block_size, "tensor_parallel_size": tp,
+                                     "kv_cache_memory_bytes": MEMORY})
+    groups = config.kv_cache_groups
+    kinds = ["UniformTypeKVCacheSpecs" if config.kv_skip_layers and dtype != "auto" else "FullAttentionSpec"]
+    assert len(groups.groups) == 1
+    bs = config.cache.block_size
+    return bs, [f"{kinds[0]}({bs})"], compute_capacity(config).num_gpu_blocks
+
+
+def main() -> int:
+    differ = 0
+    for case in CASES:
+        theirs, ours = vllm_case(*case), simkv_case(*case)
+        same = theirs == ours
+        differ += not same
+        print(f"{case}: vLLM {theirs}, simkv {ours}: {'equal' if same else 'DIFFERENT'}")
+    return differ
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""vLLM's --kv-cache-dtype-skip-layers: layers whose K and V stay bf16 under an fp8 KV cache
+(simkv.config.skip_layers_block_size, EngineConfig.kv_spec, ModelSpec.kv_skip_layers)."""
+
+import pytest
+
+from simkv.backends.factory import make_roofline
+from simkv.capacity import compute_capacity
+from simkv.cli.vllm_serve import serve_options
+from simkv.config import ConfigError, EngineConfig, skip_layers_block_size
+
+MEMORY = 20 * 2**30
+
+# vLLM 0.33's own code (scripts/oracle_kv_skip_layers.py: Platform._align_heterogeneous_kv_block_size,
+# get_kv_cache_groups, get_kv_cache_config_from_groups) on 20 GiB of KV cache a GPU: the block
+# size it runs at and the blocks; its layers all in one group (UniformTypeKVCacheSpecs)
+VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP), (block size, blocks)
+    (("llama-3-8b", "fp8", "0,1,30,31", 16, 1), (32, 9102)),
+    (("llama-3-8b", "fp8", "0", 32, 1), (32, 9929)),
+    (("llama-3-8b", "fp8_e5m2", "5", 64, 1), (64, 4964)),
+    (("llama-3-8b", "auto", "0,31", 16, 1), (16, 10240)),
+    (("llama-3-70b", "fp8", "0,1,78,79", 16, 4), (32, 15603)),
+    (("qwen3-30b-a3b", "fp8", "0,47", 16, 2), (32, 26214)),
+    (("mistral-7b", "fp8", "0,1,2,3,28,29,30,31", 8, 1), (32, 8192)),
+]
+
+
+def _config(model, dtype, skip, block_size, tp, **more):
+    return EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
+                                   "block_size": block_size, "tensor_parallel_size": tp,
+                                   "kv_cache_memory_bytes": MEMORY} | more)
+
+
+@pytest.mark.parametrize("case, expected", VLLM_CASES)
+def test_block_size_and_blocks_are_vllms(case, expected):
+    config = _config(*case)
+    assert (config.cache.block_size, compute_capacity(config).num_gpu_blocks) == expected
+    assert len(config.kv_cache_groups.groups) == 1
+
+
+def test_the_skipped_layers_cost_their_bf16_bytes():
+    """llama-3-8b: 28 layers at 2 KiB a token in fp8 and 4 at 4 KiB: 73,728 bytes, against 65,536
+    all fp8 and 131,072 in bf16; the roofline reads the same per cached token."""
+    skipped = _config("llama-3-8b", "fp8", "0,1,30,31", 16, 1)
+    assert skipped.kv_skip_layers == 4
+    assert compute_capacity(skipped).kv_bytes_per_token == 28 * 2048 + 4 * 4096
+    assert make_roofline(skipped).kv_bytes_per_token == 28 * 2048 + 4 * 4096
+    plain = _config("llama-3-8b", "fp8", "", 16, 1)
+    assert compute_capacity(plain).kv_bytes_per_token == 65536 and plain.cache.block_size == 16
+    # a repeated index is one layer
+    assert _config("llama-3-8b", "fp8", "3,3", 16, 1).kv_skip_layers == 1
+
+
+def test_the_block_grows_until_a_quantized_page_covers_16_skipped_tokens():
+    assert [skip_layers_block_size("fp8", b) for b in (8, 16, 32, 64, 128)] == [32, 32, 32, 64, 128]
+    assert skip_layers_block_size("auto", 16) == 16 and skip_layers_block_size("bfloat16", 16) == 16
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"kv_cache_dtype_skip_layers": "0,x"}, "'x' is neither a layer index nor 'sliding_window'"),
+    ({"kv_cache_dtype_skip_layers": "32"}, "'32' matches no layer of llama-3-8b"),
+    ({"kv_cache_dtype_skip_layers": "sliding_window"}, "'sliding_window' matches no layer"),
+    ({"kv_cache_dtype_skip_layers": "0", "model": "gemma-3-12b"}, "not modelled with sliding-window"),
+    ({"kv_cache_dtype_skip_layers": "0", "model": "deepseek-v2-lite"}, "not modelled with latent attention"),
+    ({"kv_cache_dtype_skip_layers": "0", "kv_cache_dtype": "int8_per_token_head"},
+     "not modelled with kv_cache_dtype int8_per_token_head"),
+    ({"kv_cache_dtype_skip_layers": "0", "pipeline_parallel_size": 2}, "not modelled with pipeline parallelism"),
+    ({"kv_cache_dtype_skip_layers": "0", "speculative_method": "eagle3", "num_speculative_tokens": 2},
+     "not modelled with a drafter's layers"),
+])
+def test_what_is_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat({"model": "llama-3-8b", "kv_cache_dtype": "fp8"} | options)
+
+
+def test_a_serve_command_takes_it():
+    out = serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype fp8 "
+                        "--kv-cache-dtype-skip-layers 0 1 30 31")
+    assert out.options["kv_cache_dtype_skip_layers"] == "0,1,30,31"
+    config = EngineConfig.from_flat(out.options)
+    assert config.kv_skip_layers == 4 and config.cache.block_size == 32
+    assert EngineConfig.from_flat(config.given_options()).cache == config.cache
+    assert config.to_dict()["kv_cache_dtype_skip_layers"] == "0,1,30,31"
