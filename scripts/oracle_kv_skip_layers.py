@@ -1,4 +1,4 @@
-"""vLLM 0.33's own code on --kv-cache-dtype-skip-layers, against simkv's: the block size it
+"""vLLM 0.33's own code on --kv-cache-dtype-skip-layers and TurboQuant's KV cache, against simkv's: the block size it
 aligns to (Platform._align_heterogeneous_kv_block_size), the KV-cache groups of the layers'
 specs (kv_cache_planning.get_kv_cache_groups) and the blocks a given memory holds
 (get_kv_cache_config_from_groups), for models of simkv's catalogue.
@@ -28,6 +28,13 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
     ("llama-3-70b", "fp8", "0,1,78,79", 16, 4),
     ("qwen3-30b-a3b", "fp8", "0,47", 16, 2),
     ("mistral-7b", "fp8", "0,1,2,3,28,29,30,31", 8, 1),
+    # TurboQuant: vLLM adds the first and last two layers to the skipped ones (its boundary layers)
+    ("llama-3-8b", "turboquant_k8v4", "", 16, 1),
+    ("llama-3-8b", "turboquant_4bit_nc", "", 16, 1),
+    ("llama-3-8b", "turboquant_k3v4_nc", "10", 16, 1),
+    ("llama-3-70b", "turboquant_3bit_nc", "", 16, 4),
+    ("qwen3-8b", "turboquant_4bit_nc", "", 64, 1),
+    ("llama-3.2-1b", "turboquant_4bit_nc", "", 16, 1),
 ]
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 
@@ -43,6 +50,8 @@ def hf_config(spec) -> dict:
 def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tuple[int, list[str], int]:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
     from vllm.platforms.interface import Platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -61,7 +70,12 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tu
                         device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = block_size
     config.cache_config.kv_cache_layout = "LBNHC"  # (FlashAttention's NHD: one tensor a layer)
+    if dtype.startswith("turboquant_"):  # (EngineArgs.create_engine_config's boundary layers)
+        boundary = TurboQuantConfig.get_boundary_skip_layers(config.model_config)
+        config.cache_config.kv_cache_dtype_skip_layers = sorted(set(config.cache_config.kv_cache_dtype_skip_layers)
+                                                                | set(boundary))
     if config.cache_config.kv_cache_dtype_skip_layers:
+        # (the first backend in layer order: layer 0's, a skipped layer's FlashAttention, FA2 under TurboQuant)
         Platform._align_heterogeneous_kv_block_size(config, FlashAttentionBackend)
     bs = config.cache_config.block_size
     skipped = set(config.cache_config.kv_cache_dtype_skip_layers)
@@ -69,9 +83,12 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tu
     for i in range(spec.num_layers):
         layer_dtype = "auto" if (str(i) in skipped or dtype == "auto") else dtype
         torch_dtype = torch.bfloat16 if layer_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[layer_dtype]
-        specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+        layer_spec = FullAttentionSpec(
             block_size=bs, num_kv_heads=max(spec.num_kv_heads // tp, 1), head_size=spec.head_dim,
             dtype=torch_dtype, kv_quant_mode=get_kv_quant_mode(layer_dtype))
+        if layer_dtype.startswith("turboquant_"):
+            layer_spec = TurboQuantAttentionBackend.customize_spec(layer_spec)
+        specs[f"model.layers.{i}.self_attn.attn"] = layer_spec
     groups = get_kv_cache_groups(config, specs)
     kv_config = get_kv_cache_config_from_groups(config, groups, MEMORY)
     return bs, [type(g.kv_cache_spec).__name__ + f"({g.kv_cache_spec.block_size})" for g in groups], kv_config.num_blocks

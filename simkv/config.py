@@ -6,7 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import MAMBA_DTYPE_BYTES, PER_TOKEN_HEAD_KV_DTYPES, ModelSpec, get_gpu_spec, get_model_spec
+from simkv.specs import (MAMBA_DTYPE_BYTES, PER_TOKEN_HEAD_KV_DTYPES, TURBOQUANT_KV_DTYPES, ModelSpec, get_gpu_spec,
+                         get_model_spec)
 
 
 class ConfigError(ValueError):
@@ -47,7 +48,10 @@ def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, exp
     an all-to-all backend, and data- or prefill-context-parallel ranks) rather than gathering them."""
     return enable_expert_parallel and all2all_backend in ALL2ALL_BACKENDS and expert_shards > 1
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES,
+                   *TURBOQUANT_KV_DTYPES)
+# KV dtypes whose pages a backend packs (ModelSpec.kv_bytes_per_token takes their names)
+PACKED_KV_DTYPES = (*PER_TOKEN_HEAD_KV_DTYPES, *TURBOQUANT_KV_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +249,10 @@ PERFORMANCE_MODE_BATCH_SCALE = {"balanced": 1, "throughput": 2}
 
 def kv_dtype_bytes(kv_cache_dtype: str) -> int:
     """Bytes of one cached K or V element: fp8 (either format) and the 8-bit per-token-head
-    dtypes 1 (int4's packs two: ModelSpec.kv_bytes_per_token sizes those), the model's bf16
-    (auto) or fp16 2."""
-    return 1 if is_fp8_kv(kv_cache_dtype) or kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else 2
+    dtypes 1 (int4's packs two: ModelSpec.kv_bytes_per_token sizes those), TurboQuant's 1 (its
+    uint8 storage; its packed slot is ModelSpec.kv_bytes_per_token's), the model's bf16 (auto) or
+    fp16 2."""
+    return 1 if is_fp8_kv(kv_cache_dtype) or kv_cache_dtype in PACKED_KV_DTYPES else 2
 
 
 def _param_segments(text: str) -> tuple[str, ...]:
@@ -257,7 +262,7 @@ def _param_segments(text: str) -> tuple[str, ...]:
 
 def kv_element(kv_cache_dtype: str) -> int | str:
     """CacheConfig.kv_element of a kv_cache_dtype."""
-    return kv_cache_dtype if kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES else kv_dtype_bytes(kv_cache_dtype)
+    return kv_cache_dtype if kv_cache_dtype in PACKED_KV_DTYPES else kv_dtype_bytes(kv_cache_dtype)
 
 
 def is_fp8_kv(kv_cache_dtype: str | None) -> bool:
@@ -1203,7 +1208,7 @@ class EngineConfig:
         if self.cache.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES and self.hardware.model_spec().is_mla:
             raise ConfigError(f"kv_cache_dtype {self.cache.kv_cache_dtype}: vLLM runs per-token-head KV quantization on "
                               f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
-        if self.cache.kv_skip_layer_names:
+        if self.cache.kv_skip_layer_names or self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES:
             self._verify_kv_skip_layers()
         for name in ("cpu_offload_params", "offload_params"):
             if getattr(self.cache, name) and not self.hardware.model_spec().is_moe:
@@ -1553,11 +1558,13 @@ class EngineConfig:
                 raise ConfigError(f"prefill_context_parallel_size > 1 is not modelled with {what} yet")
 
     def _verify_kv_skip_layers(self) -> None:
-        """kv_cache_dtype_skip_layers: what simkv models of it (a model whose layers all attend the
-        whole context, an fp8 or 16-bit cache), and entries that match a layer."""
+        """kv_cache_dtype_skip_layers and TurboQuant (which skips its boundary layers): what simkv
+        models of them (a model whose layers all attend the whole context, an fp8, TurboQuant or
+        16-bit cache), and entries that match a layer."""
         spec = self.hardware.model_spec()
         entries = self.cache.kv_skip_layer_names
         dtype = self.cache.kv_cache_dtype
+        what = "kv_cache_dtype_skip_layers" if dtype not in TURBOQUANT_KV_DTYPES else f"kv_cache_dtype {dtype}"
         unsupported = [(spec.is_mla, "latent attention"),
                        (self.has_sliding_window or bool(self.attention_chunk_size), "sliding-window or chunked "
                         "local attention layers"),
@@ -1565,9 +1572,9 @@ class EngineConfig:
                        (dtype in PER_TOKEN_HEAD_KV_DTYPES, f"kv_cache_dtype {dtype}"),
                        (self.hardware.pipeline_parallel_size > 1, "pipeline parallelism"),
                        (self.draft_network is not None, "a drafter's layers (EAGLE, MTP, a draft model)")]
-        for bad, what in unsupported:
+        for bad, bad_what in unsupported:
             if bad:
-                raise ConfigError(f"kv_cache_dtype_skip_layers is not modelled with {what} yet")
+                raise ConfigError(f"{what} is not modelled with {bad_what} yet")
         for entry in entries:
             if entry == "sliding_window" or int(entry) >= spec.num_layers:
                 raise ConfigError(f"kv_cache_dtype_skip_layers: '{entry}' matches no layer of {self.hardware.model} "
@@ -1576,8 +1583,12 @@ class EngineConfig:
 
     @property
     def kv_skip_layers(self) -> int:
-        """Decoder layers whose K and V stay in the model's dtype (kv_cache_dtype_skip_layers)."""
-        return len({int(e) for e in self.cache.kv_skip_layer_names})
+        """Decoder layers whose K and V stay in the model's dtype: kv_cache_dtype_skip_layers' and,
+        under TurboQuant, its boundary layers (`turboquant_boundary_layers`)."""
+        skipped = {int(e) for e in self.cache.kv_skip_layer_names}
+        if self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES:
+            skipped |= set(turboquant_boundary_layers(self.hardware.model_spec().num_layers))
+        return len(skipped)
 
     def kv_spec(self) -> ModelSpec:
         """The served model (HardwareConfig.model_spec) with the layers its KV cache keeps
@@ -1937,6 +1948,14 @@ def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_d
     return max(block_size, need)
 
 
+def turboquant_boundary_layers(num_layers: int, n: int = 2) -> list[int]:
+    """The layers vLLM 0.33 keeps at the model's dtype under a TurboQuant KV cache on a model whose
+    layers all attend (TurboQuantConfig.get_boundary_skip_layers): the first and last n, at most
+    half the layers each."""
+    n = min(n, num_layers // 2)
+    return sorted(set(range(n)) | set(range(num_layers - n, num_layers)))
+
+
 def skip_layers_block_size(kv_cache_dtype: str, block_size: int) -> int:
     """The block size vLLM 0.33 runs at, given `block_size`, when some layers keep their K and V
     unquantized (Platform._align_heterogeneous_kv_block_size): the block grows, in steps of
@@ -1956,8 +1975,8 @@ def _skip_layers_block_size(cache: dict) -> int | None:
     that the configs' own checks name)."""
     try:
         dtype = cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype)
-        if not str(cache.get("kv_cache_dtype_skip_layers", "")).strip(",").strip() or dtype not in KV_CACHE_DTYPES \
-                or dtype in PER_TOKEN_HEAD_KV_DTYPES:
+        skipping = str(cache.get("kv_cache_dtype_skip_layers", "")).strip(",").strip() or dtype in TURBOQUANT_KV_DTYPES
+        if not skipping or dtype not in KV_CACHE_DTYPES or dtype in PER_TOKEN_HEAD_KV_DTYPES:
             return None
         block_size = int(cache.get("block_size", CacheConfig().block_size))
         return skip_layers_block_size(dtype, block_size) if block_size >= 1 else None

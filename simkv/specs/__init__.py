@@ -579,11 +579,30 @@ MAMBA_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 PER_TOKEN_HEAD_KV_DTYPES = {"int8_per_token_head": 1.0, "fp8_per_token_head": 1.0, "int4_per_token_head": 0.5}
 
 
+# vLLM's TurboQuant KV presets (--kv-cache-dtype turboquant_*): (key bits, value bits); 8-bit keys
+# are fp8, fewer bits Lloyd-Max indices after a Hadamard rotation; values uniformly quantized
+TURBOQUANT_KV_DTYPES = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4), "turboquant_k3v4_nc": (3, 4),
+                        "turboquant_3bit_nc": (3, 3)}
+
+
+def turboquant_slot_bytes(kv_cache_dtype: str, head_dim: int) -> int:
+    """One token's packed K and V in one KV head under a TurboQuant preset (vLLM's
+    TurboQuantConfig.slot_size_aligned): the key (fp8: a byte an element; else its indices and an
+    fp16 norm), the value (its bits and an fp16 scale and zero), rounded up to an even count."""
+    key_bits, value_bits = TURBOQUANT_KV_DTYPES[kv_cache_dtype]
+    key = head_dim if key_bits == 8 else -(-head_dim * key_bits // 8) + 2
+    slot = key + -(-head_dim * value_bits // 8) + 4
+    return slot + slot % 2
+
+
 def kv_head_token_bytes(dtype_bytes: int | str, head_dim: int) -> int:
     """One token's K and V in one KV head: 2 x head_dim elements of `dtype_bytes` bytes, or under
     a per-token-head KV dtype (its name) the quantized K and V (int4: two values a byte) and a
-    float32 scale each (vLLM's TritonAttentionBackend.customize_spec)."""
+    float32 scale each (vLLM's TritonAttentionBackend.customize_spec), or a TurboQuant preset's
+    packed slot (`turboquant_slot_bytes`)."""
     if isinstance(dtype_bytes, str):
+        if dtype_bytes in TURBOQUANT_KV_DTYPES:
+            return turboquant_slot_bytes(dtype_bytes, head_dim)
         if dtype_bytes == "int4_per_token_head":
             return 2 * (head_dim // 2) + 8
         if dtype_bytes in PER_TOKEN_HEAD_KV_DTYPES:

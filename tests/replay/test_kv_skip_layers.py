@@ -1,12 +1,14 @@
 """vLLM's --kv-cache-dtype-skip-layers: layers whose K and V stay bf16 under an fp8 KV cache
-(simkv.config.skip_layers_block_size, EngineConfig.kv_spec, ModelSpec.kv_skip_layers)."""
+(simkv.config.skip_layers_block_size, EngineConfig.kv_spec, ModelSpec.kv_skip_layers), and
+TurboQuant's KV presets, which skip their boundary layers (simkv.specs.turboquant_slot_bytes)."""
 
 import pytest
 
 from simkv.backends.factory import make_roofline
 from simkv.capacity import compute_capacity
 from simkv.cli.vllm_serve import serve_options
-from simkv.config import ConfigError, EngineConfig, skip_layers_block_size
+from simkv.config import ConfigError, EngineConfig, skip_layers_block_size, turboquant_boundary_layers
+from simkv.specs import turboquant_slot_bytes
 
 MEMORY = 20 * 2**30
 
@@ -21,6 +23,13 @@ VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP), (b
     (("llama-3-70b", "fp8", "0,1,78,79", 16, 4), (32, 15603)),
     (("qwen3-30b-a3b", "fp8", "0,47", 16, 2), (32, 26214)),
     (("mistral-7b", "fp8", "0,1,2,3,28,29,30,31", 8, 1), (32, 8192)),
+    # TurboQuant, which also skips the first and last two layers
+    (("llama-3-8b", "turboquant_k8v4", "", 16, 1), (32, 11131)),
+    (("llama-3-8b", "turboquant_4bit_nc", "", 16, 1), (32, 14463)),
+    (("llama-3-8b", "turboquant_k3v4_nc", "10", 16, 1), (32, 14599)),
+    (("llama-3-70b", "turboquant_3bit_nc", "", 16, 4), (32, 34239)),
+    (("qwen3-8b", "turboquant_4bit_nc", "", 64, 1), (64, 6619)),
+    (("llama-3.2-1b", "turboquant_4bit_nc", "", 16, 1), (32, 45003)),
 ]
 
 
@@ -55,7 +64,26 @@ def test_the_block_grows_until_a_quantized_page_covers_16_skipped_tokens():
     assert skip_layers_block_size("auto", 16) == 16 and skip_layers_block_size("bfloat16", 16) == 16
 
 
+def test_turboquant_packs_a_heads_k_and_v_into_a_slot():
+    """vLLM's TurboQuantConfig.slot_size_aligned for head_dim 128: fp8 keys (128) or 4-/3-bit key
+    indices with an fp16 norm (66, 50), 4-/3-bit values with an fp16 scale and zero (68, 52);
+    2.6x, 3.8x, 4.3x and 5.0x smaller than bf16's 512 bytes."""
+    assert [turboquant_slot_bytes(d, 128) for d in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                                     "turboquant_3bit_nc")] == [196, 134, 118, 102]
+    assert turboquant_slot_bytes("turboquant_3bit_nc", 64) == 26 + 28  # (key 24 + 2, value 24 + 4: even already)
+    # the boundary layers: the first and last two, or fewer on a shallow model
+    assert turboquant_boundary_layers(32) == [0, 1, 30, 31] and turboquant_boundary_layers(3) == [0, 2]
+    config = _config("llama-3-8b", "turboquant_4bit_nc", "0,5", 16, 1)  # (0 is a boundary layer already)
+    assert config.kv_skip_layers == 5
+    assert compute_capacity(config).kv_bytes_per_token == 8 * (27 * 134 + 5 * 512)
+    assert make_roofline(config).kv_bytes_per_token == 8 * (27 * 134 + 5 * 512)
+
+
 @pytest.mark.parametrize("options, message", [
+    ({"kv_cache_dtype": "turboquant_k8v4", "model": "gpt-oss-20b"},
+     "kv_cache_dtype turboquant_k8v4 is not modelled with sliding-window"),
+    ({"kv_cache_dtype": "turboquant_k8v4", "model": "qwen3-next-80b-a3b"},
+     "kv_cache_dtype turboquant_k8v4 is not modelled with"),
     ({"kv_cache_dtype_skip_layers": "0,x"}, "'x' is neither a layer index nor 'sliding_window'"),
     ({"kv_cache_dtype_skip_layers": "32"}, "'32' matches no layer of llama-3-8b"),
     ({"kv_cache_dtype_skip_layers": "sliding_window"}, "'sliding_window' matches no layer"),
@@ -80,3 +108,6 @@ def test_a_serve_command_takes_it():
     assert config.kv_skip_layers == 4 and config.cache.block_size == 32
     assert EngineConfig.from_flat(config.given_options()).cache == config.cache
     assert config.to_dict()["kv_cache_dtype_skip_layers"] == "0,1,30,31"
+    tq = serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype turboquant_4bit_nc")
+    assert tq.options["kv_cache_dtype"] == "turboquant_4bit_nc"
+    assert EngineConfig.from_flat(tq.options).kv_skip_layers == 4
