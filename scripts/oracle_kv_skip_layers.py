@@ -37,6 +37,18 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
     ("llama-3.2-1b", "turboquant_4bit_nc", "", 16, 1),
 ]
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
+# TurboQuant on Qwen3-Next (linear attention: no boundary layers; the attention page is the packed
+# one, to which Platform._align_hybrid_block_size aligns the states' page): (dtype, TP, block size given)
+HYBRID_CASES = [(d, tp, bs) for d in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc")
+                for tp in (1, 4) for bs in (16, 64)]
+QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "full_attention_interval": 4,
+              "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+              "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+              "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+              "decoder_sparse_step": 1, "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 512,
+              "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+              "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 151936,
+              "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
 
 
 def hf_config(spec) -> dict:
@@ -108,13 +120,41 @@ def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> t
     return bs, [f"{kinds[0]}({bs})"], compute_capacity(config).num_gpu_blocks
 
 
+def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int) -> int:
+    """vLLM's block size for Qwen3-Next without prefix caching (its model class reads the config;
+    the oracle's venv needs compressed-tensors and loguru for that import)."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(QWEN3_NEXT))
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
+                        cache_config=CacheConfig(block_size=block_size, cache_dtype=dtype, enable_prefix_caching=False),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig(device="cpu"))
+    config.cache_config.block_size = block_size
+    config.cache_config.enable_prefix_caching = False
+    config.cache_config.mamba_cache_mode = "none"
+    Platform._align_hybrid_block_size(config, FlashAttentionBackend)
+    return config.cache_config.block_size
+
+
 def main() -> int:
+    from simkv.config import EngineConfig
+
     differ = 0
     for case in CASES:
         theirs, ours = vllm_case(*case), simkv_case(*case)
         same = theirs == ours
         differ += not same
         print(f"{case}: vLLM {theirs}, simkv {ours}: {'equal' if same else 'DIFFERENT'}")
+    for dtype, tp, bs in HYBRID_CASES:
+        theirs = vllm_hybrid_block_size(dtype, tp, bs)
+        ours = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_cache_dtype": dtype, "tensor_parallel_size": tp,
+                                       "block_size": bs, "enable_prefix_caching": False}).cache.block_size
+        differ += theirs != ours
+        print(f"qwen3-next {dtype} TP {tp} block {bs}: vLLM {theirs}, simkv {ours}: "
+              f"{'equal' if theirs == ours else 'DIFFERENT'}")
     return differ
 
 

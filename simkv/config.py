@@ -1568,7 +1568,7 @@ class EngineConfig:
         unsupported = [(spec.is_mla, "latent attention"),
                        (self.has_sliding_window or bool(self.attention_chunk_size), "sliding-window or chunked "
                         "local attention layers"),
-                       (self.has_linear_attention, "linear-attention layers"),
+                       (self.has_linear_attention and bool(entries), "linear-attention layers"),
                        (dtype in PER_TOKEN_HEAD_KV_DTYPES, f"kv_cache_dtype {dtype}"),
                        (self.hardware.pipeline_parallel_size > 1, "pipeline parallelism"),
                        (self.draft_network is not None, "a drafter's layers (EAGLE, MTP, a draft model)")]
@@ -1586,7 +1586,7 @@ class EngineConfig:
         """Decoder layers whose K and V stay in the model's dtype: kv_cache_dtype_skip_layers' and,
         under TurboQuant, its boundary layers (`turboquant_boundary_layers`)."""
         skipped = {int(e) for e in self.cache.kv_skip_layer_names}
-        if self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES:
+        if self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES and not self.has_linear_attention:
             skipped |= set(turboquant_boundary_layers(self.hardware.model_spec().num_layers))
         return len(skipped)
 
@@ -1909,7 +1909,7 @@ class EngineConfig:
                                                   groups[SpeculativeConfig], groups[AttentionConfig])
         if block_size is not None:
             groups[CacheConfig]["block_size"] = block_size
-        block_size = _skip_layers_block_size(groups[CacheConfig])
+        block_size = _skip_layers_block_size(groups[HardwareConfig], groups[CacheConfig])
         if block_size is not None:
             groups[CacheConfig]["block_size"] = block_size
         return cls(CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]),
@@ -1951,7 +1951,8 @@ def linear_attention_block_size(spec: ModelSpec, tensor_parallel_size: int, kv_d
 def turboquant_boundary_layers(num_layers: int, n: int = 2) -> list[int]:
     """The layers vLLM 0.33 keeps at the model's dtype under a TurboQuant KV cache on a model whose
     layers all attend (TurboQuantConfig.get_boundary_skip_layers): the first and last n, at most
-    half the layers each."""
+    half the layers each. (On a model with linear-attention layers none: its attention page is
+    the packed one, which `linear_attention_block_size` aligns the state's page to.)"""
     n = min(n, num_layers // 2)
     return sorted(set(range(n)) | set(range(num_layers - n, num_layers)))
 
@@ -1970,13 +1971,15 @@ def skip_layers_block_size(kv_cache_dtype: str, block_size: int) -> int:
     return max(block_size, align * -(-(skipped * _KERNEL_BLOCK_ALIGNMENT) // (align * primary)))
 
 
-def _skip_layers_block_size(cache: dict) -> int | None:
+def _skip_layers_block_size(hardware: dict, cache: dict) -> int | None:
     """`skip_layers_block_size` for from_flat's options (None: no skipped layers, or a bad value
     that the configs' own checks name)."""
     try:
         dtype = cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype)
-        skipping = str(cache.get("kv_cache_dtype_skip_layers", "")).strip(",").strip() or dtype in TURBOQUANT_KV_DTYPES
-        if not skipping or dtype not in KV_CACHE_DTYPES or dtype in PER_TOKEN_HEAD_KV_DTYPES:
+        entries = str(cache.get("kv_cache_dtype_skip_layers", "")).strip(",").strip()
+        if dtype in TURBOQUANT_KV_DTYPES and not entries:  # (its boundary layers, unless linear attention)
+            entries = not get_model_spec(hardware.get("model", HardwareConfig().model)).linear_attention
+        if not entries or dtype not in KV_CACHE_DTYPES or dtype in PER_TOKEN_HEAD_KV_DTYPES:
             return None
         block_size = int(cache.get("block_size", CacheConfig().block_size))
         return skip_layers_block_size(dtype, block_size) if block_size >= 1 else None

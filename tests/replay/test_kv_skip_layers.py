@@ -79,11 +79,26 @@ def test_turboquant_packs_a_heads_k_and_v_into_a_slot():
     assert make_roofline(config).kv_bytes_per_token == 8 * (27 * 134 + 5 * 512)
 
 
+# vLLM 0.33's Platform._align_hybrid_block_size on Qwen3-Next without prefix caching (scripts/
+# oracle_kv_skip_layers.py): TurboQuant skips no layer there, and the states' page is aligned to
+# the packed attention page
+@pytest.mark.parametrize("dtype, tp, block_size, expected", [
+    ("turboquant_4bit_nc", 1, 16, 2096), ("turboquant_4bit_nc", 4, 64, 1088), ("turboquant_k8v4", 1, 16, 1424),
+    ("turboquant_k8v4", 4, 64, 768), ("turboquant_3bit_nc", 1, 64, 2816), ("turboquant_3bit_nc", 4, 16, 1392),
+])
+def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dtype, tp, block_size, expected):
+    config = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_cache_dtype": dtype, "tensor_parallel_size": tp,
+                                     "block_size": block_size, "enable_prefix_caching": False})
+    assert config.cache.block_size == expected and config.kv_skip_layers == 0
+    if tp == 4:  # (the model fits on four H100s)
+        assert compute_capacity(config).num_gpu_blocks > 0
+
+
 @pytest.mark.parametrize("options, message", [
     ({"kv_cache_dtype": "turboquant_k8v4", "model": "gpt-oss-20b"},
      "kv_cache_dtype turboquant_k8v4 is not modelled with sliding-window"),
-    ({"kv_cache_dtype": "turboquant_k8v4", "model": "qwen3-next-80b-a3b"},
-     "kv_cache_dtype turboquant_k8v4 is not modelled with"),
+    ({"kv_cache_dtype": "turboquant_k8v4", "kv_cache_dtype_skip_layers": "3", "model": "qwen3-next-80b-a3b",
+      "tensor_parallel_size": 4}, "kv_cache_dtype turboquant_k8v4 is not modelled with linear-attention layers"),
     ({"kv_cache_dtype_skip_layers": "0,x"}, "'x' is neither a layer index nor 'sliding_window'"),
     ({"kv_cache_dtype_skip_layers": "32"}, "'32' matches no layer of llama-3-8b"),
     ({"kv_cache_dtype_skip_layers": "sliding_window"}, "'sliding_window' matches no layer"),
