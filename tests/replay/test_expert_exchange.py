@@ -132,16 +132,22 @@ def test_dual_batch_overlap_hides_the_exchange_when_every_rank_has_enough_tokens
     assert dbo.dp_time(works, num_dummy=1) == pytest.approx(plain.dp_time(works, num_dummy=1))
     # with DBO a step lasts max(work, exchange) + a layer's share of the smaller, the work reading
     # the weights twice
+    assert dbo.dp_time(works) == pytest.approx(_microbatched_seconds(plain, works, 2))
+
+
+def _microbatched_seconds(plain, works: list[tuple], n: int) -> float:
+    """A lockstep step of equal ranks (`works`) as n microbatches, from the roofline's terms:
+    max(work with the weights read n times, exchange) + 1 / n of an expert layer's (58) smaller."""
     total = sum(w[0] for w in works)
     exchange = plain.dp_comm_per_token * total + plain.dp_comm_fixed
     tokens, seqs, _, kv_read, latent_pairs, _ = works[0]
     flops = (plain.flops_per_token_local * tokens + plain.flops_per_seq * seqs
              + plain.flops_per_latent_pair * latent_pairs + plain.expert_flops_per_group_token * total)
-    traffic = (2 * plain.weight_bytes + 2 * plain.expert_bytes_per_rank * plain.moe.experts_touched(total)
+    traffic = (n * plain.weight_bytes + n * plain.expert_bytes_per_rank * plain.moe.experts_touched(total)
                + plain.kv_bytes_per_token * (kv_read + tokens))
     busy = max(flops / plain.flop_rate, traffic / plain.byte_rate)
     overhead = plain.comm_per_token * tokens + plain.fixed_s + plain.seq_overhead_s * seqs
-    assert dbo.dp_time(works) == pytest.approx(max(busy, exchange) + min(busy, exchange) / (2 * 58) + overhead)
+    return max(busy, exchange) + min(busy, exchange) / (n * 58) + overhead
 
 
 def test_more_microbatches_read_the_weights_more_often_and_expose_less_exchange():
@@ -152,16 +158,7 @@ def test_more_microbatches_read_the_weights_more_often_and_expose_less_exchange(
     four = make_roofline(EngineConfig.from_flat(options | {"ubatch_size": 4}))
     two = make_roofline(EngineConfig.from_flat(options | {"enable_dbo": True}))
     works = [_decodes(64)] * 16
-    total = sum(w[0] for w in works)
-    exchange = plain.dp_comm_per_token * total + plain.dp_comm_fixed
-    tokens, seqs, _, kv_read, latent_pairs, _ = works[0]
-    flops = (plain.flops_per_token_local * tokens + plain.flops_per_seq * seqs
-             + plain.flops_per_latent_pair * latent_pairs + plain.expert_flops_per_group_token * total)
-    traffic = (4 * plain.weight_bytes + 4 * plain.expert_bytes_per_rank * plain.moe.experts_touched(total)
-               + plain.kv_bytes_per_token * (kv_read + tokens))
-    busy = max(flops / plain.flop_rate, traffic / plain.byte_rate)
-    overhead = plain.comm_per_token * tokens + plain.fixed_s + plain.seq_overhead_s * seqs
-    assert four.dp_time(works) == pytest.approx(max(busy, exchange) + min(busy, exchange) / (4 * 58) + overhead)
+    assert four.dp_time(works) == pytest.approx(_microbatched_seconds(plain, works, 4))
     assert four.dp_time(works) > two.dp_time(works) > plain.dp_time(works)  # (decodes: weight reads dominate)
     # long prefill chunks, whose exchange outlasts the work: four microbatches hide more of it than two
     chunks = [(2048, 1, 2048 * 2049 // 2, 2048, 0, 0)] * 16
