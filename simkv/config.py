@@ -65,10 +65,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.0
     num_lookahead_tokens: int = 0
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto (= model dtype, bf16), 16-bit or fp8 (one byte)
+    # KV_CACHE_DTYPES: auto (= model dtype, bf16), 16-bit, fp8 (one byte), vLLM's per-token-head
+    # and TurboQuant formats (packed pages: simkv.specs.kv_head_token_bytes)
+    kv_cache_dtype: str = "auto"
     # vLLM's --kv-cache-dtype-skip-layers: the decoder layers (indices, comma-separated) whose K and
-    # V stay in the model's dtype under an fp8 kv_cache_dtype (EngineConfig.kv_skip_layers); the
-    # block size then grows so that a quantized layer's page covers a skipped layer's 16 tokens
+    # V stay in the model's dtype under an fp8 or TurboQuant cache (EngineConfig.kv_skip_layers);
+    # the block size then grows so that a quantized layer's page covers a skipped layer's 16 tokens
     kv_cache_dtype_skip_layers: str = ""
     prefix_caching_hash_bits: int = 63
     reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
