@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor parallel size)
+CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor parallel size[, pipeline stages])
     ("llama-3-8b", "fp8", "0,1,30,31", 16, 1),
     ("llama-3-8b", "fp8", "0", 32, 1),
     ("llama-3-8b", "fp8_e5m2", "5", 64, 1),
@@ -35,6 +35,11 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
     ("llama-3-70b", "turboquant_3bit_nc", "", 16, 4),
     ("qwen3-8b", "turboquant_4bit_nc", "", 64, 1),
     ("llama-3.2-1b", "turboquant_4bit_nc", "", 16, 1),
+    # pipeline stages: each worker sums its own layers' pages; every stage gets the fewest blocks
+    ("llama-3-8b", "turboquant_4bit_nc", "", 16, 1, 2),
+    ("llama-3-8b", "turboquant_k8v4", "", 16, 1, 3),
+    ("llama-3-8b", "fp8", "0,1,2,3,4,5", 16, 1, 4),
+    ("llama-3-70b", "turboquant_3bit_nc", "", 16, 2, 4),
 ]
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 # TurboQuant on Qwen3-Next (linear attention: no boundary layers; the attention page is the packed
@@ -59,7 +64,7 @@ def hf_config(spec) -> dict:
             "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 
 
-def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tuple[int, list[str], int]:
+def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1) -> tuple[int, list[str], int]:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
@@ -67,7 +72,9 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tu
     from vllm.platforms.interface import Platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.v1.core.kv_cache_planning import (get_global_kv_cache_groups, get_kv_cache_config_from_groups,
+                                                get_kv_cache_configs, get_kv_cache_groups)
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
     from simkv.specs import get_model_spec
@@ -78,7 +85,8 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tu
     cache = CacheConfig(block_size=block_size, cache_dtype=dtype,
                         kv_cache_dtype_skip_layers=[e for e in skip.split(",") if e])
     config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
-                        cache_config=cache, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                        cache_config=cache,
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                         device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = block_size
     config.cache_config.kv_cache_layout = "LBNHC"  # (FlashAttention's NHD: one tensor a layer)
@@ -101,18 +109,27 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tu
         if layer_dtype.startswith("turboquant_"):
             layer_spec = TurboQuantAttentionBackend.customize_spec(layer_spec)
         specs[f"model.layers.{i}.self_attn.attn"] = layer_spec
+    if pp > 1:  # (the workers' layers as vLLM's get_pp_indices splits them)
+        workers = []
+        for rank in range(pp):
+            start, end = get_pp_indices(spec.num_layers, rank, pp)
+            workers.append({k: v for k, v in specs.items() if start <= int(k.split(".")[2]) < end})
+        groups = get_global_kv_cache_groups(config, workers)
+        configs = get_kv_cache_configs(config, workers, [MEMORY] * pp, groups)
+        return bs, [type(g.kv_cache_spec).__name__ + f"({g.kv_cache_spec.block_size})" for g in groups], \
+            configs[0].num_blocks
     groups = get_kv_cache_groups(config, specs)
     kv_config = get_kv_cache_config_from_groups(config, groups, MEMORY)
     return bs, [type(g.kv_cache_spec).__name__ + f"({g.kv_cache_spec.block_size})" for g in groups], kv_config.num_blocks
 
 
-def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int) -> tuple[int, list[str], int]:
+def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1) -> tuple[int, list[str], int]:
     from simkv.capacity import compute_capacity
     from simkv.config import EngineConfig
 
     config = EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
                                      "block_size": block_size, "tensor_parallel_size": tp,
-                                     "kv_cache_memory_bytes": MEMORY})
+                                     "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY})
     groups = config.kv_cache_groups
     kinds = ["UniformTypeKVCacheSpecs" if config.kv_skip_layers and dtype != "auto" else "FullAttentionSpec"]
     assert len(groups.groups) == 1

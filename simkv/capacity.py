@@ -19,6 +19,8 @@ may exceed the forward pass's.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from simkv.config import ConfigError, EngineConfig
@@ -297,6 +299,8 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
         if groups.is_hybrid:
             lpb = groups.layers_per_block
             stage_block = block_bytes // lpb * -(-lpb * n // spec.num_layers)
+        elif config.kv_skip_layers:  # (the stage's own layers' pages: its unquantized ones count double or more)
+            stage_block = _stage_block_bytes(config, range(first_layer, first_layer + n))
         else:
             stage_block = (block_bytes - draft_block) * n // spec.num_layers + (draft_block if last else 0)
         weights -= offloaded_weight_bytes(config, weights, n)  # (--cpu-offload-gb: per GPU, each stage's)
@@ -305,6 +309,18 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
         stages.append((n, int(weights + (draft_weights if last else 0)), stage_block))
         first_layer += n
     return stages
+
+
+def _stage_block_bytes(config: EngineConfig, layers: range) -> int:
+    """One block of these decoder layers on one GPU, each at its dtype: those the KV cache keeps
+    unquantized (EngineConfig.kv_skip_layer_indices) at the model's, the others at kv_cache_dtype
+    (vLLM sums a worker's layers' pages)."""
+    spec, tp = config.kv_spec(), config.hardware.tensor_parallel_size
+    n = spec.num_layers
+    quantized = dataclasses.replace(spec, kv_skip_layers=0).kv_bytes_per_token(config.cache.kv_element, tp) // n
+    kept = dataclasses.replace(spec, kv_skip_layers=n).kv_bytes_per_token(config.cache.kv_element, tp) // n
+    skipped = len(config.kv_skip_layer_indices.intersection(layers))
+    return config.cache.block_size * ((len(layers) - skipped) * quantized + skipped * kept)
 
 
 def _pipeline_stage_blocks(config: EngineConfig, stages: list[tuple[int, int, int]],

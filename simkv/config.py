@@ -1572,7 +1572,6 @@ class EngineConfig:
                         "local attention layers"),
                        (self.has_linear_attention and bool(entries), "linear-attention layers"),
                        (dtype in PER_TOKEN_HEAD_KV_DTYPES, f"kv_cache_dtype {dtype}"),
-                       (self.hardware.pipeline_parallel_size > 1, "pipeline parallelism"),
                        (self.draft_network is not None, "a drafter's layers (EAGLE, MTP, a draft model)")]
         for bad, bad_what in unsupported:
             if bad:
@@ -1584,13 +1583,18 @@ class EngineConfig:
                                   "would skip nothing for it")
 
     @property
-    def kv_skip_layers(self) -> int:
+    def kv_skip_layer_indices(self) -> frozenset[int]:
         """Decoder layers whose K and V stay in the model's dtype: kv_cache_dtype_skip_layers' and,
         under TurboQuant, its boundary layers (`turboquant_boundary_layers`)."""
         skipped = {int(e) for e in self.cache.kv_skip_layer_names}
         if self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES and not self.has_linear_attention:
             skipped |= set(turboquant_boundary_layers(self.hardware.model_spec().num_layers))
-        return len(skipped)
+        return frozenset(skipped)
+
+    @property
+    def kv_skip_layers(self) -> int:
+        """How many layers `kv_skip_layer_indices` keeps unquantized."""
+        return len(self.kv_skip_layer_indices)
 
     def kv_spec(self) -> ModelSpec:
         """The served model (HardwareConfig.model_spec) with the layers its KV cache keeps

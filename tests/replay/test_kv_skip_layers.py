@@ -15,7 +15,7 @@ MEMORY = 20 * 2**30
 # vLLM 0.33's own code (scripts/oracle_kv_skip_layers.py: Platform._align_heterogeneous_kv_block_size,
 # get_kv_cache_groups, get_kv_cache_config_from_groups) on 20 GiB of KV cache a GPU: the block
 # size it runs at and the blocks; its layers all in one group (UniformTypeKVCacheSpecs)
-VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP), (block size, blocks)
+VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP[, PP]), (block size, blocks)
     (("llama-3-8b", "fp8", "0,1,30,31", 16, 1), (32, 9102)),
     (("llama-3-8b", "fp8", "0", 32, 1), (32, 9929)),
     (("llama-3-8b", "fp8_e5m2", "5", 64, 1), (64, 4964)),
@@ -30,13 +30,18 @@ VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP), (b
     (("llama-3-70b", "turboquant_3bit_nc", "", 16, 4), (32, 34239)),
     (("qwen3-8b", "turboquant_4bit_nc", "", 64, 1), (64, 6619)),
     (("llama-3.2-1b", "turboquant_4bit_nc", "", 16, 1), (32, 45003)),
+    # pipeline stages: each stage sums its own layers' pages, and all get the fewest blocks
+    (("llama-3-8b", "turboquant_4bit_nc", "", 16, 1, 2), (32, 28926)),
+    (("llama-3-8b", "turboquant_k8v4", "", 16, 1, 3), (32, 30088)),
+    (("llama-3-8b", "fp8", "0,1,2,3,4,5", 16, 1, 4), (32, 23405)),
+    (("llama-3-70b", "turboquant_3bit_nc", "", 16, 2, 4), (32, 58661)),
 ]
 
 
-def _config(model, dtype, skip, block_size, tp, **more):
+def _config(model, dtype, skip, block_size, tp, pp=1, **more):
     return EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
                                    "block_size": block_size, "tensor_parallel_size": tp,
-                                   "kv_cache_memory_bytes": MEMORY} | more)
+                                   "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY} | more)
 
 
 @pytest.mark.parametrize("case, expected", VLLM_CASES)
@@ -106,7 +111,6 @@ def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dty
     ({"kv_cache_dtype_skip_layers": "0", "model": "deepseek-v2-lite"}, "not modelled with latent attention"),
     ({"kv_cache_dtype_skip_layers": "0", "kv_cache_dtype": "int8_per_token_head"},
      "not modelled with kv_cache_dtype int8_per_token_head"),
-    ({"kv_cache_dtype_skip_layers": "0", "pipeline_parallel_size": 2}, "not modelled with pipeline parallelism"),
     ({"kv_cache_dtype_skip_layers": "0", "speculative_method": "eagle3", "num_speculative_tokens": 2},
      "not modelled with a drafter's layers"),
 ])
