@@ -129,6 +129,8 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
         extra["request_concurrency"] = [
             {"tokens": n, "blocks_per_request": blocks, "max_concurrency": at_once}
             for n in request_tokens for blocks, at_once in [request_concurrency(config, cap, n)]]
+    if config.kv_skip_layers:  # (kv_cache_dtype_skip_layers, TurboQuant's boundary layers)
+        extra["kv_unquantized_layers"] = sorted(config.kv_skip_layer_indices)
     if config.has_linear_attention:  # a state per layer and request, padded to an attention layer's page
         page = cap.block_bytes // groups.layers_per_block
         extra["linear_attention"] = {"kind": spec.linear_attention, "state_bytes_per_layer": config.linear_state_bytes,
@@ -209,6 +211,8 @@ def print_report(rep: dict) -> None:
         ("KV cache memory per GPU", _bytes(rep["available_kv_bytes_per_gpu"])),
         ("num_gpu_blocks" + (" (given)" if rep["num_gpu_blocks_given"] else ""), f"{rep['num_gpu_blocks']:,}"),
     ]
+    if rep.get("kv_unquantized_layers"):
+        rows.insert(1, ("layers whose KV stays bf16", ", ".join(map(str, rep["kv_unquantized_layers"]))))
     if rep["num_active_params"] != rep["num_params"]:
         rows.insert(0, ("parameters (active per token)",
                         f"{rep['num_params'] / 1e9:.1f}B ({rep['num_active_params'] / 1e9:.2f}B)"))

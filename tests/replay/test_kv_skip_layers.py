@@ -2,6 +2,8 @@
 (simkv.config.skip_layers_block_size, EngineConfig.kv_spec, ModelSpec.kv_skip_layers), and
 TurboQuant's KV presets, which skip their boundary layers (simkv.specs.turboquant_slot_bytes)."""
 
+import json
+
 import pytest
 
 from simkv.backends.factory import make_roofline
@@ -117,6 +119,20 @@ def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dty
 def test_what_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flat({"model": "llama-3-8b", "kv_cache_dtype": "fp8"} | options)
+
+
+def test_capacity_names_the_layers_kept_bf16():
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    res = CliRunner().invoke(main, ["capacity", "--kv-cache-dtype", "turboquant_4bit_nc",
+                                    "--kv-cache-dtype-skip-layers", "7", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["kv_unquantized_layers"] == [0, 1, 7, 30, 31] and rep["block_size"] == 32
+    plain = json.loads(CliRunner().invoke(main, ["capacity", "--kv-cache-dtype", "fp8", "--json"]).output)
+    assert "kv_unquantized_layers" not in plain
 
 
 def test_a_serve_command_takes_it():
