@@ -44,8 +44,11 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 # TurboQuant on Qwen3-Next (linear attention: no boundary layers; the attention page is the packed
 # one, to which Platform._align_hybrid_block_size aligns the states' page): (dtype, TP, block size given)
-HYBRID_CASES = [(d, tp, bs) for d in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc")
-                for tp in (1, 4) for bs in (16, 64)]
+# one dtype, TP, block size given, prefix caching: on, vLLM's mamba_cache_mode "align" with the Triton
+# GDN prefill's checkpoints (vLLM on this CPU; simkv on an A100, whose GDN prefill is Triton's too)
+HYBRID_CASES = [(d, tp, bs, caching) for d in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k8v4",
+                                               "turboquant_3bit_nc")
+                for tp in (1, 4) for bs in (16, 64) for caching in (False, True)]
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "full_attention_interval": 4,
               "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
               "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
@@ -137,9 +140,9 @@ def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: 
     return bs, [f"{kinds[0]}({bs})"], compute_capacity(config).num_gpu_blocks
 
 
-def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int) -> int:
-    """vLLM's block size for Qwen3-Next without prefix caching (its model class reads the config;
-    the oracle's venv needs compressed-tensors and loguru for that import)."""
+def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int, caching: bool) -> int:
+    """vLLM's block size for Qwen3-Next (its model class reads the config; the oracle's venv needs
+    compressed-tensors and loguru for that import)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -147,11 +150,11 @@ def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int) -> int:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(QWEN3_NEXT))
     config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
-                        cache_config=CacheConfig(block_size=block_size, cache_dtype=dtype, enable_prefix_caching=False),
+                        cache_config=CacheConfig(block_size=block_size, cache_dtype=dtype,
+                                                 enable_prefix_caching=caching),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = block_size
-    config.cache_config.enable_prefix_caching = False
-    config.cache_config.mamba_cache_mode = "none"
+    assert config.cache_config.mamba_cache_mode == ("align" if caching else "none")
     Platform._align_hybrid_block_size(config, FlashAttentionBackend)
     return config.cache_config.block_size
 
@@ -165,12 +168,13 @@ def main() -> int:
         same = theirs == ours
         differ += not same
         print(f"{case}: vLLM {theirs}, simkv {ours}: {'equal' if same else 'DIFFERENT'}")
-    for dtype, tp, bs in HYBRID_CASES:
-        theirs = vllm_hybrid_block_size(dtype, tp, bs)
-        ours = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_cache_dtype": dtype, "tensor_parallel_size": tp,
-                                       "block_size": bs, "enable_prefix_caching": False}).cache.block_size
+    for dtype, tp, bs, caching in HYBRID_CASES:
+        theirs = vllm_hybrid_block_size(dtype, tp, bs, caching)
+        ours = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "A100-80GB", "kv_cache_dtype": dtype,
+                                       "tensor_parallel_size": tp, "block_size": bs,
+                                       "enable_prefix_caching": caching}).cache.block_size
         differ += theirs != ours
-        print(f"qwen3-next {dtype} TP {tp} block {bs}: vLLM {theirs}, simkv {ours}: "
+        print(f"qwen3-next {dtype} TP {tp} block {bs} prefix caching {caching}: vLLM {theirs}, simkv {ours}: "
               f"{'equal' if theirs == ours else 'DIFFERENT'}")
     return differ
 

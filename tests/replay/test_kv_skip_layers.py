@@ -99,6 +99,11 @@ def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dty
     assert config.cache.block_size == expected and config.kv_skip_layers == 0
     if tp == 4:  # (the model fits on four H100s)
         assert compute_capacity(config).num_gpu_blocks > 0
+    # with prefix caching (vLLM's mamba_cache_mode "align"; on an A100 the GDN prefill is Triton's, whose
+    # checkpoints add no alignment, as on the CPU vLLM ran on): the same block sizes
+    cached = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "A100-80GB", "kv_cache_dtype": dtype,
+                                     "tensor_parallel_size": tp, "block_size": block_size})
+    assert cached.cache.block_size == expected
 
 
 @pytest.mark.parametrize("options, message", [
