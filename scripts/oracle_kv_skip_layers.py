@@ -40,6 +40,10 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
     ("llama-3-8b", "turboquant_k8v4", "", 16, 1, 3),
     ("llama-3-8b", "fp8", "0,1,2,3,4,5", 16, 1, 4),
     ("llama-3-70b", "turboquant_3bit_nc", "", 16, 2, 4),
+    # NVFP4 (FlashInfer's layout: K and V slots of fp4 values and fp8 scales), no skipped layers
+    ("llama-3-8b", "nvfp4", "", 16, 1),
+    ("qwen3-30b-a3b", "nvfp4", "", 32, 2),
+    ("llama-3-70b", "nvfp4", "", 16, 4, 2),
 ]
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 # TurboQuant on Qwen3-Next (linear attention: no boundary layers; the attention page is the packed
@@ -47,7 +51,7 @@ MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 # one dtype, TP, block size given, prefix caching: on, vLLM's mamba_cache_mode "align" with the Triton
 # GDN prefill's checkpoints (vLLM on this CPU; simkv on an A100, whose GDN prefill is Triton's too)
 HYBRID_CASES = [(d, tp, bs, caching) for d in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k8v4",
-                                               "turboquant_3bit_nc")
+                                               "turboquant_3bit_nc", "nvfp4")
                 for tp in (1, 4) for bs in (16, 64) for caching in (False, True)]
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "full_attention_interval": 4,
               "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
@@ -71,6 +75,7 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: i
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
     from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
     from vllm.platforms.interface import Platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
@@ -111,6 +116,8 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: i
             dtype=torch_dtype, kv_quant_mode=get_kv_quant_mode(layer_dtype))
         if layer_dtype.startswith("turboquant_"):
             layer_spec = TurboQuantAttentionBackend.customize_spec(layer_spec)
+        elif layer_dtype.startswith("nvfp4"):
+            layer_spec = FlashInferBackend.customize_spec(layer_spec)
         specs[f"model.layers.{i}.self_attn.attn"] = layer_spec
     if pp > 1:  # (the workers' layers as vLLM's get_pp_indices splits them)
         workers = []
@@ -155,7 +162,10 @@ def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int, caching: bool) 
                         parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = block_size
     assert config.cache_config.mamba_cache_mode == ("align" if caching else "none")
-    Platform._align_hybrid_block_size(config, FlashAttentionBackend)
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    # (the first attention backend: FlashInfer's where it runs the NVFP4 layers)
+    Platform._align_hybrid_block_size(config, FlashInferBackend if dtype.startswith("nvfp4") else FlashAttentionBackend)
     return config.cache_config.block_size
 
 

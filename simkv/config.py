@@ -6,8 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import (MAMBA_DTYPE_BYTES, PER_TOKEN_HEAD_KV_DTYPES, TURBOQUANT_KV_DTYPES, ModelSpec, get_gpu_spec,
-                         get_model_spec)
+from simkv.specs import (MAMBA_DTYPE_BYTES, NVFP4_KV_DTYPES, PER_TOKEN_HEAD_KV_DTYPES, TURBOQUANT_KV_DTYPES, ModelSpec,
+                         get_gpu_spec, get_model_spec)
 
 
 class ConfigError(ValueError):
@@ -49,9 +49,9 @@ def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, exp
     return enable_expert_parallel and all2all_backend in ALL2ALL_BACKENDS and expert_shards > 1
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES,
-                   *TURBOQUANT_KV_DTYPES)
+                   *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES)
 # KV dtypes whose pages a backend packs (ModelSpec.kv_bytes_per_token takes their names)
-PACKED_KV_DTYPES = (*PER_TOKEN_HEAD_KV_DTYPES, *TURBOQUANT_KV_DTYPES)
+PACKED_KV_DTYPES = (*PER_TOKEN_HEAD_KV_DTYPES, *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1212,6 +1212,8 @@ class EngineConfig:
                               f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
         if self.cache.kv_skip_layer_names or self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES:
             self._verify_kv_skip_layers()
+        if self.cache.kv_cache_dtype in NVFP4_KV_DTYPES:
+            self._verify_nvfp4_kv()
         for name in ("cpu_offload_params", "offload_params"):
             if getattr(self.cache, name) and not self.hardware.model_spec().is_moe:
                 raise ConfigError(f"{name} {getattr(self.cache, name)}: {self.hardware.model} has no routed experts, "
@@ -1581,6 +1583,30 @@ class EngineConfig:
                 raise ConfigError(f"kv_cache_dtype_skip_layers: '{entry}' matches no layer of {self.hardware.model} "
                                   f"(its layers 0-{spec.num_layers - 1} all attend the whole context), so vLLM "
                                   "would skip nothing for it")
+
+    def _verify_nvfp4_kv(self) -> None:
+        """An NVFP4 KV cache as vLLM 0.33 runs it: on FlashInfer (CUDA only), whose FA2 path
+        (Ampere, Ada, Hopper, consumer Blackwell) takes plain nvfp4 only, no 64-wide heads and no
+        decode context parallelism, and trtllm-gen path (data-center Blackwell) both; not with
+        latent attention. vLLM's words where it has them."""
+        dtype, gpu, spec = self.cache.kv_cache_dtype, get_gpu_spec(self.hardware.gpu), self.hardware.model_spec()
+        if spec.is_mla:
+            raise ConfigError("nvfp4 KV cache is not supported with MLA (Multi-head Latent Attention) models")
+        if gpu.platform != "cuda":
+            raise ConfigError(f"kv_cache_dtype {dtype}: vLLM runs it on FlashInfer, which {self.hardware.gpu} "
+                              f"({gpu.platform}) does not have")
+        if gpu.cuda_major in (8, 9, 12):  # (FlashInfer's FA2 path)
+            if dtype != "nvfp4":
+                raise ConfigError(f"kv_cache_dtype {dtype}: on {self.hardware.gpu} vLLM writes NVFP4 through FlashInfer's "
+                                  "FA2 path, whose slot-mapping writer has no scale search (use nvfp4)")
+            if spec.head_dim == 64:
+                raise ConfigError(f"kv_cache_dtype nvfp4 on {self.hardware.gpu}: fa2 prefill misreads an NVFP4 KV cache "
+                                  f"at head_size 64 ({self.hardware.model})")
+            if self.hardware.decode_context_parallel_size > 1:
+                raise ConfigError("The DCP prefill wrapper cannot read NVFP4 block scales.")
+        if self.has_sliding_window or self.cache.kv_skip_layer_names:
+            raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with sliding-window or chunked local attention "
+                              "layers or with kv_cache_dtype_skip_layers yet")
 
     @property
     def kv_skip_layer_indices(self) -> frozenset[int]:

@@ -585,6 +585,11 @@ TURBOQUANT_KV_DTYPES = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
                         "turboquant_3bit_nc": (3, 3)}
 
 
+# vLLM's NVFP4 KV cache (--kv-cache-dtype nvfp4, nvfp4_4over6; FlashInfer's): K and V each in a slot
+# of their own, fp4 values (two a byte) and an fp8 scale for every 16 (nvfp4_kv_cache_full_dim)
+NVFP4_KV_DTYPES = ("nvfp4", "nvfp4_4over6")
+
+
 def turboquant_slot_bytes(kv_cache_dtype: str, head_dim: int) -> int:
     """One token's packed K and V in one KV head under a TurboQuant preset (vLLM's
     TurboQuantConfig.slot_size_aligned): the key (fp8: a byte an element; else its indices and an
@@ -598,11 +603,13 @@ def turboquant_slot_bytes(kv_cache_dtype: str, head_dim: int) -> int:
 def kv_head_token_bytes(dtype_bytes: int | str, head_dim: int) -> int:
     """One token's K and V in one KV head: 2 x head_dim elements of `dtype_bytes` bytes, or under
     a per-token-head KV dtype (its name) the quantized K and V (int4: two values a byte) and a
-    float32 scale each (vLLM's TritonAttentionBackend.customize_spec), or a TurboQuant preset's
-    packed slot (`turboquant_slot_bytes`)."""
+    float32 scale each (vLLM's TritonAttentionBackend.customize_spec), a TurboQuant preset's
+    packed slot (`turboquant_slot_bytes`), or NVFP4's K and V slots (FlashInferBackend.customize_spec)."""
     if isinstance(dtype_bytes, str):
         if dtype_bytes in TURBOQUANT_KV_DTYPES:
             return turboquant_slot_bytes(dtype_bytes, head_dim)
+        if dtype_bytes in NVFP4_KV_DTYPES:
+            return 2 * (head_dim // 2 + head_dim // 16)
         if dtype_bytes == "int4_per_token_head":
             return 2 * (head_dim // 2) + 8
         if dtype_bytes in PER_TOKEN_HEAD_KV_DTYPES:

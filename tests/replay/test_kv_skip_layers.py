@@ -37,6 +37,10 @@ VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP[, PP
     (("llama-3-8b", "turboquant_k8v4", "", 16, 1, 3), (32, 30088)),
     (("llama-3-8b", "fp8", "0,1,2,3,4,5", 16, 1, 4), (32, 23405)),
     (("llama-3-70b", "turboquant_3bit_nc", "", 16, 2, 4), (32, 58661)),
+    # NVFP4: FlashInfer's K and V slots, no layer kept bf16, the block size as given
+    (("llama-3-8b", "nvfp4", "", 16, 1), (16, 36408)),
+    (("qwen3-30b-a3b", "nvfp4", "", 32, 2), (32, 48545)),
+    (("llama-3-70b", "nvfp4", "", 16, 4, 2), (16, 116508)),
 ]
 
 
@@ -92,6 +96,7 @@ def test_turboquant_packs_a_heads_k_and_v_into_a_slot():
 @pytest.mark.parametrize("dtype, tp, block_size, expected", [
     ("turboquant_4bit_nc", 1, 16, 2096), ("turboquant_4bit_nc", 4, 64, 1088), ("turboquant_k8v4", 1, 16, 1424),
     ("turboquant_k8v4", 4, 64, 768), ("turboquant_3bit_nc", 1, 64, 2816), ("turboquant_3bit_nc", 4, 16, 1392),
+    ("nvfp4", 1, 16, 1920), ("nvfp4", 4, 64, 960),
 ])
 def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dtype, tp, block_size, expected):
     config = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_cache_dtype": dtype, "tensor_parallel_size": tp,
@@ -106,7 +111,23 @@ def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dty
     assert cached.cache.block_size == expected
 
 
+def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
+    """FlashInfer's NVFP4 slot (vLLM's nvfp4_kv_cache_full_dim): head_dim / 2 bytes of fp4 and
+    head_dim / 16 fp8 scales, for K and V each: 144 bytes a head and token at head_dim 128."""
+    config = EngineConfig.from_flat({"kv_cache_dtype": "nvfp4"})
+    assert compute_capacity(config).kv_bytes_per_token == 32 * 8 * 144
+    assert make_roofline(config).kv_bytes_per_token == 32 * 8 * 144
+    assert EngineConfig.from_flat({"kv_cache_dtype": "nvfp4_4over6", "gpu": "B200"}).cache.block_size == 16
+
+
 @pytest.mark.parametrize("options, message", [
+    ({"kv_cache_dtype": "nvfp4_4over6"}, "slot-mapping writer has no scale search"),
+    ({"kv_cache_dtype": "nvfp4", "model": "llama-3.2-1b"}, "fa2 prefill misreads an NVFP4 KV cache at head_size 64"),
+    ({"kv_cache_dtype": "nvfp4", "model": "qwen3-30b-a3b", "tensor_parallel_size": 8,
+      "decode_context_parallel_size": 2}, "The DCP prefill wrapper cannot read NVFP4 block scales"),
+    ({"kv_cache_dtype": "nvfp4", "gpu": "MI300X"}, "vLLM runs it on FlashInfer, which MI300X"),
+    ({"kv_cache_dtype": "nvfp4", "model": "deepseek-v2-lite"}, "nvfp4 KV cache is not supported with MLA"),
+    ({"kv_cache_dtype": "nvfp4", "model": "gemma-3-12b"}, "kv_cache_dtype nvfp4 is not modelled with sliding-window"),
     ({"kv_cache_dtype": "turboquant_k8v4", "model": "gpt-oss-20b"},
      "kv_cache_dtype turboquant_k8v4 is not modelled with sliding-window"),
     ({"kv_cache_dtype": "turboquant_k8v4", "kv_cache_dtype_skip_layers": "3", "model": "qwen3-next-80b-a3b",
