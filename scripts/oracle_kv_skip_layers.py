@@ -44,6 +44,9 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
     ("llama-3-8b", "nvfp4", "", 16, 1),
     ("qwen3-30b-a3b", "nvfp4", "", 32, 2),
     ("llama-3-70b", "nvfp4", "", 16, 4, 2),
+    # an EAGLE-3 head: its layer comes after the target's (vLLM's start_layer_id), so it stays quantized
+    ("llama-3-8b", "turboquant_4bit_nc", "", 16, 1, 1, "eagle3"),
+    ("llama-3-8b", "fp8", "0,31", 16, 1, 1, "eagle3"),
 ]
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 # TurboQuant on Qwen3-Next (linear attention: no boundary layers; the attention page is the packed
@@ -71,7 +74,8 @@ def hf_config(spec) -> dict:
             "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 
 
-def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1) -> tuple[int, list[str], int]:
+def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1,
+              drafter: str | None = None) -> tuple[int, list[str], int]:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
@@ -108,7 +112,7 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: i
     bs = config.cache_config.block_size
     skipped = set(config.cache_config.kv_cache_dtype_skip_layers)
     specs = {}
-    for i in range(spec.num_layers):
+    for i in range(spec.num_layers + (drafter is not None)):  # (an EAGLE head's layer: index num_layers)
         layer_dtype = "auto" if (str(i) in skipped or dtype == "auto") else dtype
         torch_dtype = torch.bfloat16 if layer_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[layer_dtype]
         layer_spec = FullAttentionSpec(
@@ -133,13 +137,15 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: i
     return bs, [type(g.kv_cache_spec).__name__ + f"({g.kv_cache_spec.block_size})" for g in groups], kv_config.num_blocks
 
 
-def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1) -> tuple[int, list[str], int]:
+def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1,
+               drafter: str | None = None) -> tuple[int, list[str], int]:
     from simkv.capacity import compute_capacity
     from simkv.config import EngineConfig
 
     config = EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
                                      "block_size": block_size, "tensor_parallel_size": tp,
-                                     "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY})
+                                     "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY}
+                                    | ({"speculative_method": drafter, "num_speculative_tokens": 2} if drafter else {}))
     groups = config.kv_cache_groups
     kinds = ["UniformTypeKVCacheSpecs" if config.kv_skip_layers and dtype != "auto" else "FullAttentionSpec"]
     assert len(groups.groups) == 1

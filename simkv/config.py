@@ -1574,7 +1574,9 @@ class EngineConfig:
                         "local attention layers"),
                        (self.has_linear_attention and bool(entries), "linear-attention layers"),
                        (dtype in PER_TOKEN_HEAD_KV_DTYPES, f"kv_cache_dtype {dtype}"),
-                       (self.draft_network is not None, "a drafter's layers (EAGLE, MTP, a draft model)")]
+                       # (an EAGLE head's layers come after the target's, vLLM's start_layer_id: never skipped)
+                       (self.draft_network is not None and self.speculative.speculative_method not in ("eagle", "eagle3"),
+                        "a drafter's layers (MTP, DFlash, a draft model)")]
         for bad, bad_what in unsupported:
             if bad:
                 raise ConfigError(f"{what} is not modelled with {bad_what} yet")

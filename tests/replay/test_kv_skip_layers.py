@@ -41,13 +41,17 @@ VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP[, PP
     (("llama-3-8b", "nvfp4", "", 16, 1), (16, 36408)),
     (("qwen3-30b-a3b", "nvfp4", "", 32, 2), (32, 48545)),
     (("llama-3-70b", "nvfp4", "", 16, 4, 2), (16, 116508)),
+    # an EAGLE-3 head, whose layer (index 32, after the target's) stays quantized
+    (("llama-3-8b", "turboquant_4bit_nc", "", 16, 1, 1, "eagle3"), (32, 14136)),
+    (("llama-3-8b", "fp8", "0,31", 16, 1, 1, "eagle3"), (32, 9362)),
 ]
 
 
-def _config(model, dtype, skip, block_size, tp, pp=1, **more):
+def _config(model, dtype, skip, block_size, tp, pp=1, drafter=None, **more):
+    spec = {"speculative_method": drafter, "num_speculative_tokens": 2} if drafter else {}
     return EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
                                    "block_size": block_size, "tensor_parallel_size": tp,
-                                   "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY} | more)
+                                   "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY} | spec | more)
 
 
 @pytest.mark.parametrize("case, expected", VLLM_CASES)
@@ -139,8 +143,8 @@ def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
     ({"kv_cache_dtype_skip_layers": "0", "model": "deepseek-v2-lite"}, "not modelled with latent attention"),
     ({"kv_cache_dtype_skip_layers": "0", "kv_cache_dtype": "int8_per_token_head"},
      "not modelled with kv_cache_dtype int8_per_token_head"),
-    ({"kv_cache_dtype_skip_layers": "0", "speculative_method": "eagle3", "num_speculative_tokens": 2},
-     "not modelled with a drafter's layers"),
+    ({"kv_cache_dtype_skip_layers": "0", "speculative_method": "draft_model", "spec_draft_model": "llama-3.2-1b",
+      "num_speculative_tokens": 2}, "not modelled with a drafter's layers"),
 ])
 def test_what_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
