@@ -5,7 +5,8 @@ Replays the bundled Azure conversation slice at 10x its rate (decode-heavy) and 
 slice at 2 requests/s (long prompts) with DeepSeek-V3 on 16 H200s, two nodes of 8 with 50 GB/s a
 GPU between them (roofline): two TP 8 replicas; 16 data-parallel ranks and DP 2 x TP 8, each with
 vLLM's default exchange (allgather_reducescatter), with expert parallelism and DeepEP's
-all-to-all, and with dual batch overlap on top. Prints one markdown row per replay.
+low-latency all-to-all at vLLM's token budget for it (256) and at the H200's usual 8,192, and with
+dual batch overlap on top. Prints one markdown row per replay.
 
     .venv/bin/python scripts/study_expert_exchange.py
 """
@@ -25,16 +26,18 @@ from simkv.traces.schema import read_trace  # noqa: E402
 
 V3 = {"model": "deepseek-v3", "gpu": "H200"}
 DEEPEP = {"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"}
+BUDGET = {"max_num_batched_tokens": 8192}  # (the H200's budget otherwise: vLLM gives DeepEP low-latency ranks 256)
 SETUPS = [  # (layout, exchange, engine options, replicas)
     ("2 x TP 8 (replicas)", "-", {"tensor_parallel_size": 8}, 2),
-    ("DP 16", "gathered (vLLM's default)", {"data_parallel_size": 16}, 1),
-    ("DP 16", "DeepEP all-to-all", {"data_parallel_size": 16} | DEEPEP, 1),
-    ("DP 16", "DeepEP + DBO", {"data_parallel_size": 16, "enable_dbo": True} | DEEPEP, 1),
-    ("DP 2 x TP 8", "gathered (vLLM's default)", {"data_parallel_size": 2, "tensor_parallel_size": 8}, 1),
-    ("DP 2 x TP 8", "DeepEP all-to-all", {"data_parallel_size": 2, "tensor_parallel_size": 8} | DEEPEP, 1),
-    ("DP 2 x TP 8", "DeepEP + DBO", {"data_parallel_size": 2, "tensor_parallel_size": 8, "enable_dbo": True}
-     | DEEPEP, 1),
 ]
+for _layout, _ranks in (("DP 16", {"data_parallel_size": 16}),
+                        ("DP 2 x TP 8", {"data_parallel_size": 2, "tensor_parallel_size": 8})):
+    SETUPS += [
+        (_layout, "gathered (vLLM's default)", _ranks, 1),
+        (_layout, "DeepEP, vLLM's 256-token budget", _ranks | DEEPEP, 1),
+        (_layout, "DeepEP, 8,192-token budget", _ranks | DEEPEP | BUDGET, 1),
+        (_layout, "DeepEP + DBO, 8,192 tokens", _ranks | DEEPEP | BUDGET | {"enable_dbo": True}, 1),
+    ]
 
 
 def main() -> None:

@@ -212,14 +212,15 @@ class CacheConfig:
 
 def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bool = True,
                         max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                        performance_mode: str = "balanced") -> tuple[int, int]:
+                        performance_mode: str = "balanced", batched_dp_moe: bool = False) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) as vLLM 0.33's API server takes them on this GPU, the
     ones not given defaulted (EngineArgs.get_batch_defaults and its adjustments): 16,384 and 1,024
-    with at least 160 GiB, 8,192 and 1,024 with at least 70 GiB (not an A100), else 2,048 and 256,
-    each doubled in the throughput performance mode; a defaulted token budget is at least
-    max_model_len without chunked prefill and at most max_num_seqs x max_model_len, defaulted
-    sequences at most the tokens. simkv's defaults, unless `vllm_batch_defaults` is off (then
-    FIXED_BATCH_DEFAULTS)."""
+    with at least 160 GiB, 8,192 and 1,024 with at least 70 GiB (not an A100), else 2,048 and 256;
+    a token budget of 256 for data-parallel ranks exchanging tokens through DeepEP's low-latency
+    or NIXL EP kernels (`batched_dp_moe`, vLLM's use_batched_dp_moe); each doubled in the
+    throughput performance mode; a defaulted token budget is at least max_model_len without
+    chunked prefill and at most max_num_seqs x max_model_len, defaulted sequences at most the
+    tokens. simkv's defaults, unless `vllm_batch_defaults` is off (then FIXED_BATCH_DEFAULTS)."""
     spec = get_gpu_spec(gpu)
     if spec.memory_gib >= 160:
         tokens, seqs = 16384, 1024
@@ -227,6 +228,8 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
         tokens, seqs = 8192, 1024
     else:
         tokens, seqs = 2048, 256
+    if batched_dp_moe:
+        tokens = BATCHED_DP_MOE_TOKENS
     scale = PERFORMANCE_MODE_BATCH_SCALE[performance_mode]
     tokens, seqs = tokens * scale, seqs * scale
     seqs = seqs if max_num_seqs is None else max_num_seqs
@@ -242,6 +245,9 @@ def vllm_batch_defaults(gpu: str, max_model_len: int, enable_chunked_prefill: bo
 # simkv's fixed defaults before it took vLLM 0.33's (vllm_batch_defaults off): vLLM V0's 256
 # sequences and V1's 8,192-token API-server budget on an H100, on every GPU
 FIXED_BATCH_DEFAULTS = (8192, 256)
+# vLLM's token budget for data-parallel ranks on DeepEP low-latency or NIXL EP all-to-all kernels
+# (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP)
+BATCHED_DP_MOE_TOKENS = 256
 
 MODEL_RUNNERS = ("auto", "v1", "v2")  # (SchedulerConfig.model_runner)
 # vLLM's --performance-mode: 'throughput' doubles the batch defaults (those not given); its other
@@ -735,6 +741,13 @@ class HardwareConfig:
                               "expert exchange between them is what the microbatches overlap)")
 
     @property
+    def batched_dp_moe(self) -> bool:
+        """Data-parallel ranks exchanging tokens through DeepEP's low-latency or NIXL EP kernels
+        (vLLM's use_batched_dp_moe), whose token budget vLLM defaults to 256."""
+        return (self.all2all_backend in ("deepep_low_latency", "nixl_ep") and self.enable_expert_parallel
+                and self.data_parallel_size > 1)
+
+    @property
     def use_ubatching(self) -> bool:
         """Lockstep steps of enough tokens run as microbatches (vLLM's use_ubatching)."""
         return self.enable_dbo or self.ubatch_size > 1
@@ -1169,7 +1182,8 @@ class EngineConfig:
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:  # (the defaults, on this GPU)
             if sc.vllm_batch_defaults:
                 tokens, seqs = vllm_batch_defaults(self.hardware.gpu, self.max_model_len, sc.enable_chunked_prefill,
-                                                   sc.max_num_seqs, sc.max_num_batched_tokens, sc.performance_mode)
+                                                   sc.max_num_seqs, sc.max_num_batched_tokens, sc.performance_mode,
+                                                   self.hardware.batched_dp_moe)
             else:
                 scale = PERFORMANCE_MODE_BATCH_SCALE[sc.performance_mode]
                 tokens, seqs = (sc.max_num_batched_tokens or FIXED_BATCH_DEFAULTS[0] * scale,

@@ -11,15 +11,20 @@ token of the whole step, over all ranks; fixed seconds per step).
   all-to-all backends, priced alike): each GPU holds whole experts and sends each of its tokens
   (its 1 / g share of the step's: the TP ranks split their rank's tokens, vLLM's sequence-parallel
   MoE) to the GPUs holding the token's k experts, once per GPU, and gets the outputs back.
-  Routing taken as uniform: a token's k experts lie on g x (1 - (1 - 1 / g)^k) GPUs on average,
-  all but 1 / g of them remote; of those, a node's share over NVLink and the rest over the
-  network, both links at once. Dispatch in fp8 with its block scales (1 + 4 / 128 bytes a value)
-  for an FP8 checkpoint's experts (DeepEP quantizes before sending), else bf16; combine bf16.
-  Not modelled: DeepSeek's group-limited routing (a token's experts on at most 4 nodes), load
+  Routing taken as uniform over the experts a token may reach (`token_gpus`): a token's k experts
+  lie on c x (1 - (1 - 1 / c)^k) of the c GPUs holding them, all but 1 / g of them remote; of
+  those, a node's share over NVLink and the rest over the network, both links at once. Without
+  group-limited routing c = g; with it (DeepSeek-V3: its 256 experts in 8 groups, a token's 8
+  from its best 4 groups, vLLM's grouped_topk) c is the GPUs holding the chosen groups' experts,
+  laid out in order over the GPUs (16 GPUs: 8 of them, so 5.25 GPUs a token instead of 6.45).
+  Dispatch in fp8 with its block scales (1 + 4 / 128 bytes a value) for an FP8 checkpoint's
+  experts (DeepEP quantizes before sending), else bf16; combine bf16. Not modelled: load
   imbalance, and the kernels' own efficiency (every byte at the link's rate).
 """
 
 from __future__ import annotations
+
+import math
 
 from simkv.specs import ModelSpec
 
@@ -37,8 +42,8 @@ def all_to_all_exchange(model: ModelSpec, num_gpus: int, gpus_per_node: int, nvl
                         network_gbs: float, latency_s: float) -> tuple[float, float]:
     """Dispatch to and combine from the GPUs holding each token's experts, each expert layer, over
     an expert-parallel group of `num_gpus` GPUs laid out `gpus_per_node` to a node."""
-    g, k = num_gpus, model.num_experts_per_tok
-    remote = g * (1 - (1 - 1 / g) ** k) * (g - 1) / g  # GPUs a token goes to, other than its own
+    g = num_gpus
+    remote = token_gpus(model, g) * (g - 1) / g  # GPUs a token goes to, other than its own
     dispatch = _FP8_WITH_SCALES if model.expert_weight_bytes == 1.0 else _BF16
     bytes_per_copy = model.hidden_size * (dispatch + _BF16)
     node = min(gpus_per_node, g)
@@ -46,3 +51,19 @@ def all_to_all_exchange(model: ModelSpec, num_gpus: int, gpus_per_node: int, nvl
     seconds_per_byte = max(near / (nvlink_gbs * 1e9), far / (network_gbs * 1e9))
     per_token = model.num_moe_layers * remote / g * bytes_per_copy * seconds_per_byte
     return per_token, 2 * model.num_moe_layers * latency_s
+
+
+def token_gpus(model: ModelSpec, num_gpus: int) -> float:
+    """The GPUs a token's k experts lie on, on average, with the experts laid out in order over
+    `num_gpus` GPUs: k draws over the c GPUs holding the experts it may reach (all g of them, or
+    under group-limited routing those holding its topk_group groups: topk_group x g / n_group
+    when a group spans whole GPUs, else the expected GPUs holding any of the chosen groups)."""
+    g, k = num_gpus, model.num_experts_per_tok
+    c = float(g)
+    if model.topk_group < model.n_group:
+        if g % model.n_group == 0:  # (each group on g / n_group GPUs of its own)
+            c = model.topk_group * g / model.n_group
+        elif model.n_group % g == 0:  # (n_group / g groups on each GPU: it holds a chosen one unless all miss it)
+            per_gpu = model.n_group // g
+            c = g * (1 - math.comb(model.n_group - per_gpu, model.topk_group) / math.comb(model.n_group, model.topk_group))
+    return c * (1 - (1 - 1 / c) ** k)

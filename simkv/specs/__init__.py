@@ -39,6 +39,10 @@ class ModelSpec:
     # `intermediate_size` and a router; each token runs `num_experts_per_tok` of them.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # Group-limited routing (DeepSeek-V3's n_group and topk_group, vLLM's grouped_topk): the experts
+    # fall in n_group groups, and a token's experts come from its best topk_group of them (1, 1: none)
+    n_group: int = 1
+    topk_group: int = 1
     # Bytes per expert weight in memory and in the step's reads: 2 (bf16), 0.53125 (MXFP4: 4 bits
     # and one 8-bit scale per 32, gpt-oss's checkpoints). Everything else is bf16.
     expert_weight_bytes: float = 2.0
@@ -160,6 +164,10 @@ class ModelSpec:
                              "and a dense_intermediate_size")
         if self.shared_expert_intermediate_size and not self.is_moe:
             raise ValueError(f"{where}: shared_expert_intermediate_size needs a mixture of experts")
+        if (self.n_group, self.topk_group) != (1, 1) and not (
+                self.is_moe and 1 <= self.topk_group <= self.n_group and self.num_experts % self.n_group == 0):
+            raise ValueError(f"{where}: n_group {self.n_group} and topk_group {self.topk_group} need a mixture of "
+                             "experts whose experts split evenly into n_group groups, and 1 <= topk_group <= n_group")
         if self.layer_pattern:
             self._check_layer_pattern(where)
         if self.linear_attention:

@@ -15,6 +15,7 @@ wrapper's vision tower is left out, its decoder sized alone):
   intermediate_size); DeepSeek's layout (V2, V3, Kimi K2, GLM-4.5): first_k_dense_replace
   leading layers with a dense MLP of intermediate_size, and n_shared_experts shared experts of
   moe_intermediate_size (Qwen2-MoE: one of shared_expert_intermediate_size) in every expert layer;
+  group-limited routing (n_group, topk_group: DeepSeek-V3's 8 and 4) where topk_group < n_group;
 - multi-head latent attention (kv_lora_rank: DeepSeek V2/V3, Kimi K2): kv_lora_rank,
   qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank (null: a direct query projection);
 - quantization_config: gpt-oss's MXFP4 experts ("mxfp4") at 0.53125 bytes a weight; FP8
@@ -125,6 +126,8 @@ def spec_fields_from_config(path: str) -> dict:
     if experts:
         fields["num_experts"] = need("num_local_experts", "num_experts", "n_routed_experts")
         fields["num_experts_per_tok"] = need("num_experts_per_tok")
+        if (get("n_group") or 1) > 1 and (get("topk_group") or 1) < get("n_group"):  # (DeepSeek-V3's grouped_topk)
+            fields.update(n_group=need("n_group"), topk_group=need("topk_group"))
         fields["intermediate_size"] = need("moe_intermediate_size", "intermediate_size")
         if get("interleave_moe_layer_step") is not None:  # Llama 4
             fields.update(_llama4_experts(get, need, where, fields["num_layers"]))

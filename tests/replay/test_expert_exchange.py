@@ -30,11 +30,13 @@ def test_gathering_moves_every_token_to_every_gpu():
 
 
 def test_all_to_all_sends_a_token_to_its_experts_gpus():
-    """DeepEP: a token's 8 experts lie on 16 x (1 - (15/16)^8) = 6.45 of 16 GPUs, all but 1/16 of
-    them remote; an FP8 checkpoint dispatches fp8 with scales and combines bf16; within a node
-    everything goes over NVLink, across two nodes 8 of the 15 other GPUs are behind the network."""
+    """DeepEP: DeepSeek-V3's token picks its 8 experts from its best 4 of 8 expert groups, which
+    lie on 8 of 16 GPUs: 8 x (1 - (7/8)^8) = 5.25 GPUs, all but 1/16 of them remote; an FP8
+    checkpoint dispatches fp8 with scales and combines bf16; within a node everything goes over
+    NVLink, across two nodes 8 of the 15 other GPUs are behind the network."""
     spec = get_model_spec("deepseek-v3")
-    remote = 16 * (1 - (15 / 16) ** 8) * 15 / 16
+    assert (spec.n_group, spec.topk_group) == (8, 4)
+    remote = 8 * (1 - (7 / 8) ** 8) * 15 / 16
     copy = 7168 * (1 + 4 / 128 + 2)
     one_node = all_to_all_exchange(spec, 16, 16, 450.0, 50.0, 8e-6)[0]
     assert one_node == pytest.approx(58 * remote / 16 * copy * (15 / 15) / 450e9)
@@ -68,6 +70,44 @@ def test_all_to_all_sends_a_token_to_its_experts_gpus():
 def test_what_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flat(options)
+
+
+def test_deepep_low_latency_ranks_default_to_vllms_256_token_budget():
+    """vLLM's use_batched_dp_moe (DeepEP low-latency or NIXL EP kernels, expert parallelism,
+    data-parallel ranks): a defaulted token budget of 256 (512 in throughput mode), sequences at
+    most that; another backend, no expert parallelism, or a budget given keep the GPU's."""
+    def budget(**options):
+        sc = EngineConfig.from_flat(V3 | {"data_parallel_size": 8} | options).scheduler
+        return sc.max_num_batched_tokens, sc.max_num_seqs
+
+    assert budget(**DEEPEP) == (256, 256)
+    assert budget(enable_expert_parallel=True, all2all_backend="nixl_ep") == (256, 256)
+    assert budget(**DEEPEP, performance_mode="throughput") == (512, 512)
+    assert budget(enable_expert_parallel=True, all2all_backend="deepep_high_throughput") == (8192, 1024)
+    assert budget(all2all_backend="deepep_low_latency") == (8192, 1024)
+    assert budget(**DEEPEP, max_num_batched_tokens=4096) == (4096, 1024)
+    tp = EngineConfig.from_flat(V3 | {"tensor_parallel_size": 8} | DEEPEP).scheduler
+    assert tp.max_num_batched_tokens == 8192  # (no data-parallel ranks)
+
+
+def test_group_limited_routing_narrows_the_gpus_a_token_reaches():
+    """vLLM's grouped_topk (DeepSeek-V3: n_group 8, topk_group 4): over 16 GPUs a token's experts
+    lie on 5.25 GPUs instead of 6.45, over 64 on 7.18 instead of 7.58; over 4 GPUs (two groups
+    each) the chosen groups miss a GPU with probability C(6, 4) / C(8, 4); without groups
+    (Kimi K2) routing is uniform over all experts."""
+    from dataclasses import replace
+
+    from simkv.backends.expert_exchange import token_gpus
+
+    v3 = get_model_spec("deepseek-v3")
+    flat = replace(v3, n_group=1, topk_group=1)
+    assert token_gpus(v3, 16) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    assert token_gpus(flat, 16) == pytest.approx(16 * (1 - (15 / 16) ** 8))
+    assert token_gpus(v3, 64) == pytest.approx(32 * (1 - (31 / 32) ** 8))
+    c = 4 * (1 - 15 / 70)
+    assert token_gpus(v3, 4) == pytest.approx(c * (1 - (1 - 1 / c) ** 8))
+    kimi = get_model_spec("kimi-k2")
+    assert token_gpus(kimi, 16) == pytest.approx(16 * (1 - (15 / 16) ** 8))
 
 
 def test_which_exchange_runs():

@@ -22,14 +22,15 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
-               "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+               "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "n_group": 8, "topk_group": 4,
                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
 DEEPSEEK_V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
                     "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
                     "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2,
                     "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512,
                     "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                    "vocab_size": 102400, "max_position_embeddings": 163840, "tie_word_embeddings": False}
+                    "vocab_size": 102400, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+                    "n_group": 1, "topk_group": 1}
 # Kimi K2's text model in a multimodal wrapper (Kimi K2.5's layout), bf16 here
 KIMI_K2 = {"model_type": "kimi_k25", "text_config": {
     "model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
