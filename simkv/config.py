@@ -41,6 +41,7 @@ ALL2ALL_BACKENDS = ("deepep_high_throughput", "deepep_low_latency", "deepep_v2",
                     "mori_low_latency", "moonep", "nixl_ep", "flashinfer_nvlink_two_sided",
                     "flashinfer_nvlink_one_sided", "flashinfer_all2allv")
 GATHER_BACKENDS = ("allgather_reducescatter", "naive", "pplx")
+EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")  # vLLM's --expert-placement-strategy
 
 
 def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, expert_shards: int) -> bool:
@@ -595,6 +596,10 @@ class HardwareConfig:
     # without expert parallelism); simkv/backends/expert_exchange.py prices both
     enable_expert_parallel: bool = False
     all2all_backend: str = "allgather_reducescatter"
+    # vLLM's --expert-placement-strategy: linear (each GPU a contiguous run of experts) or
+    # round_robin (expert e on GPU e mod g); vLLM keeps round_robin only for a model with expert
+    # groups on the DeepEP low-latency or NIXL EP kernels (`round_robin_experts`)
+    expert_placement_strategy: str = "linear"
     # vLLM's --enable-dbo (dual batch overlap, data-parallel ranks): a step of at least
     # dbo_decode_token_threshold tokens (decodes only) or dbo_prefill_token_threshold (with a
     # prefill) on every rank runs as two microbatches, one's expert exchange under the other's work;
@@ -721,6 +726,9 @@ class HardwareConfig:
         if backend not in ALL2ALL_BACKENDS + GATHER_BACKENDS:
             raise ConfigError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS + GATHER_BACKENDS)} "
                               f"(vLLM's), got {backend!r}")
+        if self.expert_placement_strategy not in EXPERT_PLACEMENT_STRATEGIES:
+            raise ConfigError(f"expert_placement_strategy must be one of {', '.join(EXPERT_PLACEMENT_STRATEGIES)} "
+                              f"(vLLM's), got {self.expert_placement_strategy!r}")
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold", "ubatch_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -739,6 +747,16 @@ class HardwareConfig:
         if self.data_parallel_size == 1:
             raise ConfigError(f"{self.ubatching_option} is modelled with data-parallel ranks (a mixture of experts' "
                               "expert exchange between them is what the microbatches overlap)")
+
+    @property
+    def round_robin_experts(self) -> bool:
+        """Experts placed round robin over the expert-parallel GPUs, as vLLM keeps
+        --expert-placement-strategy round_robin (determine_expert_placement_strategy): a model
+        with expert groups (n_group > 1), on the DeepEP low-latency or NIXL EP kernels where its
+        tokens go all-to-all; else vLLM falls back to linear."""
+        if self.expert_placement_strategy != "round_robin" or self.model_spec().n_group <= 1:
+            return False
+        return not self.all_to_all or self.all2all_backend in ("deepep_low_latency", "nixl_ep")
 
     @property
     def batched_dp_moe(self) -> bool:
@@ -1845,7 +1863,8 @@ class EngineConfig:
             del out["decode_context_parallel_size"]
         # (only when set: configs without them read as before)
         defaults = {f.name: f.default for f in dataclasses.fields(HardwareConfig)}
-        for key in ("prefill_context_parallel_size", "enable_expert_parallel", "all2all_backend", "enable_dbo",
+        for key in ("prefill_context_parallel_size", "enable_expert_parallel", "all2all_backend",
+                    "expert_placement_strategy", "enable_dbo",
                     "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if out[key] == defaults[key]:
                 del out[key]

@@ -97,6 +97,7 @@ class RooflineCostModel:
         prefill_context_parallel_size: int = 1,
         pcp_link_gbs: float | None = None,
         all_to_all: bool = False,
+        round_robin_experts: bool = False,
         gpus_per_node: int = 8,
         inter_node_gbs: float = 50.0,
         ubatching: tuple[int, int, int] | None = None,
@@ -107,7 +108,8 @@ class RooflineCostModel:
         `pcp_link_gbs`: the bandwidth of the PCP group's all-gathers (None: the GPU's interconnect).
         `all_to_all`: the expert layers exchange tokens all-to-all (expert parallelism with an
         all-to-all backend) over GPUs `gpus_per_node` to a node, `inter_node_gbs` between nodes,
-        instead of gathering them (simkv/backends/expert_exchange.py). `ubatching`: vLLM's
+        instead of gathering them (simkv/backends/expert_exchange.py), the experts laid out round robin
+        over the GPUs with `round_robin_experts` (else in order). `ubatching`: vLLM's
         microbatching (dual batch overlap, --ubatch-size): (microbatches, the tokens a rank's
         decode-only step needs, those a step with a prefill needs) (`dp_time`).
         `weight_offload_shares`: the shares of each GPU's weights vLLM's --cpu-offload-gb keeps in
@@ -204,7 +206,8 @@ class RooflineCostModel:
             # own gather: `pcp_gather_seconds`)
             if all_to_all:
                 self.dp_comm_per_token, self.dp_comm_fixed = all_to_all_exchange(
-                    model, g, gpus_per_node, gpu.interconnect_gbs, inter_node_gbs, allreduce_latency_s)
+                    model, g, gpus_per_node, gpu.interconnect_gbs, inter_node_gbs, allreduce_latency_s,
+                    round_robin_experts)
             elif self.dp > 1:
                 self.dp_comm_per_token, self.dp_comm_fixed = gather_exchange(
                     model, g, dp_link_gbs or gpu.interconnect_gbs, allreduce_latency_s)

@@ -13,8 +13,8 @@ from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
                                        read_encode)
 from simkv.cli.help_sections import SectionedCommand
-from simkv.config import (ALL2ALL_BACKENDS, GATHER_BACKENDS, KV_CACHE_DTYPES, PERFORMANCE_MODE_BATCH_SCALE,
-                          SPEC_METHODS, ConfigError, EngineConfig, HardwareConfig)
+from simkv.config import (ALL2ALL_BACKENDS, EXPERT_PLACEMENT_STRATEGIES, GATHER_BACKENDS, KV_CACHE_DTYPES,
+                          PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig, HardwareConfig)
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import ModelName
 from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec, gpu_names
@@ -38,6 +38,7 @@ _ENGINE_FLAGS = {
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefill_context_parallel_size": "prefill_context_parallel_size",
     "enable_expert_parallel": "enable_expert_parallel", "all2all_backend": "all2all_backend",
+    "expert_placement_strategy": "expert_placement_strategy",
     "enable_dbo": "enable_dbo", "ubatch_size": "ubatch_size", "dbo_decode_token_threshold": "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold": "dbo_prefill_token_threshold",
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
@@ -378,6 +379,10 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: with -ep and data- (or prefill-context-) parallel ranks, an all-to-all backend "
                       "(deepep_*, ...) sends each token only to its experts' GPUs; allgather_reducescatter "
                       "gathers every rank's tokens on every GPU [default: allgather_reducescatter]"),
+    click.option("--expert-placement-strategy", type=click.Choice(EXPERT_PLACEMENT_STRATEGIES), default=None,
+                 help="vLLM's: with -ep, experts in contiguous runs over the GPUs (linear) or round robin, which "
+                      "spreads DeepSeek's expert groups over every GPU (vLLM keeps it only on deepep_low_latency "
+                      "or nixl_ep) [default: linear]"),
     click.option("--enable-dbo/--no-enable-dbo", default=None,
                  help="vLLM's dual batch overlap (data-parallel ranks, a DeepEP or nixl_ep backend): steps of "
                       "enough tokens on every rank run as two microbatches, one's expert exchange under the "

@@ -82,7 +82,7 @@ UNMODELLED = frozenset("""
     disable_cascade_attn logits_processors io_processor_plugin structured_outputs_config prefix_caching_hash_algo
     distributed_executor_backend disable_custom_all_reduce nnodes numa_bind numa_bind_nodes numa_bind_cpus
     enable_ep_weight_filter enable_eplb eplb_config
-    expert_placement_strategy enable_elastic_ep elastic_ep_max_dp_size
+    enable_elastic_ep elastic_ep_max_dp_size
     enable_shm_tensor_arena enable_batch_sharded_sampling
     dp_sync_interval disable_nccl_for_dp_synchronization data_parallel_backend enable_hc_sp
     dcp_comm_backend dcp_q_replicate

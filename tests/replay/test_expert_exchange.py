@@ -110,6 +110,32 @@ def test_group_limited_routing_narrows_the_gpus_a_token_reaches():
     assert token_gpus(kimi, 16) == pytest.approx(16 * (1 - (15 / 16) ** 8))
 
 
+def test_round_robin_placement_spreads_every_group_over_every_gpu():
+    """--expert-placement-strategy round_robin (expert e on GPU e mod g): DeepSeek-V3's groups
+    then span all 16 GPUs, so a token reaches 6.45 of them, as without groups; vLLM keeps it only
+    for a model with expert groups on DeepEP low-latency or NIXL EP kernels, else linear."""
+    from simkv.backends.expert_exchange import token_gpus
+
+    v3 = get_model_spec("deepseek-v3")
+    assert token_gpus(v3, 16, round_robin=True) == pytest.approx(16 * (1 - (15 / 16) ** 8))
+    base = V3 | {"data_parallel_size": 16, "gpus_per_node": 8} | DEEPEP
+    linear = make_roofline(EngineConfig.from_flat(base))
+    spread = make_roofline(EngineConfig.from_flat(base | {"expert_placement_strategy": "round_robin"}))
+    assert spread.dp_comm_per_token / linear.dp_comm_per_token == pytest.approx(
+        token_gpus(v3, 16, True) / token_gpus(v3, 16))
+    kept = EngineConfig.from_flat(base | {"expert_placement_strategy": "round_robin"}).hardware
+    assert kept.round_robin_experts
+    for fallback in (base | {"all2all_backend": "deepep_high_throughput"},
+                     {"model": "qwen3-30b-a3b", "data_parallel_size": 4} | DEEPEP):
+        assert not EngineConfig.from_flat(fallback | {"expert_placement_strategy": "round_robin"}
+                                          ).hardware.round_robin_experts
+    with pytest.raises(ConfigError, match="expert_placement_strategy must be one of linear, round_robin"):
+        EngineConfig.from_flat(base | {"expert_placement_strategy": "random"})
+    out = serve_options("vllm serve deepseek-ai/DeepSeek-V3 -dp 16 -ep --all2all-backend deepep_low_latency "
+                        "--expert-placement-strategy round_robin")
+    assert out.options["expert_placement_strategy"] == "round_robin" and not out.unmodelled
+
+
 def test_which_exchange_runs():
     """All-to-all needs expert parallelism, an all-to-all backend and lockstep ranks (vLLM's
     use_all2all_kernels); vLLM's removed naive and pplx backends gather; DBO puts vLLM on its V1
