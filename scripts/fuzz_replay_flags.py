@@ -59,7 +59,8 @@ OPTIONS = [
     (0.08, ["-pcp", "2"]),
     (0.1, lambda r: ["-ep", "--all2all-backend", r.choice(["deepep_low_latency", "allgather_reducescatter"])]
      + r.choice([[], ["--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8"],
-                 ["--ubatch-size", "3", "--dbo-decode-token-threshold", "3", "--dbo-prefill-token-threshold", "8"]])),
+                 ["--ubatch-size", "3", "--dbo-decode-token-threshold", "3", "--dbo-prefill-token-threshold", "8"]])
+     + r.choice([[], ["--enable-eplb", "--num-redundant-experts", "8"], ["--expert-placement-strategy", "round_robin"]])),
     (0.15, lambda r: ["--client-ttft-timeout", r.choice(["0.5", "2"]), "--client-max-retries", r.choice(["0", "1"])]),
     (0.08, ["--client-timeout", "5"]),
     (0.2, lambda r: ["--client-max-concurrency", r.choice(["2", "8"])]),

@@ -600,6 +600,12 @@ class HardwareConfig:
     # round_robin (expert e on GPU e mod g); vLLM keeps round_robin only for a model with expert
     # groups on the DeepEP low-latency or NIXL EP kernels (`round_robin_experts`)
     expert_placement_strategy: str = "linear"
+    # vLLM's --enable-eplb (expert-parallel load balancing) and its --eplb-config
+    # num_redundant_experts: that many extra copies of routed experts spread over the expert-
+    # parallel GPUs, in memory (HardwareConfig.model_spec); the balancing itself is not modelled
+    # (simkv's routing is uniform, already balanced)
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
     # vLLM's --enable-dbo (dual batch overlap, data-parallel ranks): a step of at least
     # dbo_decode_token_threshold tokens (decodes only) or dbo_prefill_token_threshold (with a
     # prefill) on every rank runs as two microbatches, one's expert exchange under the other's work;
@@ -726,6 +732,7 @@ class HardwareConfig:
         if backend not in ALL2ALL_BACKENDS + GATHER_BACKENDS:
             raise ConfigError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS + GATHER_BACKENDS)} "
                               f"(vLLM's), got {backend!r}")
+        self._check_eplb()
         if self.expert_placement_strategy not in EXPERT_PLACEMENT_STRATEGIES:
             raise ConfigError(f"expert_placement_strategy must be one of {', '.join(EXPERT_PLACEMENT_STRATEGIES)} "
                               f"(vLLM's), got {self.expert_placement_strategy!r}")
@@ -748,13 +755,31 @@ class HardwareConfig:
             raise ConfigError(f"{self.ubatching_option} is modelled with data-parallel ranks (a mixture of experts' "
                               "expert exchange between them is what the microbatches overlap)")
 
+    def _check_eplb(self) -> None:
+        """vLLM 0.33's checks of EPLB (its texts)."""
+        if self.num_redundant_experts < 0:
+            raise ConfigError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if not self.enable_eplb:
+            if self.num_redundant_experts:
+                raise ConfigError(f"num_redundant_experts is set to {self.num_redundant_experts} but EPLB is not "
+                                  "enabled. Either enable EPLB or unset num_redundant_experts.")
+            return
+        if not self.enable_expert_parallel:
+            raise ConfigError("enable_expert_parallel must be True to use EPLB.")
+        if self.tensor_parallel_size * self.prefill_context_parallel_size * self.data_parallel_size <= 1:
+            raise ConfigError("EPLB requires tensor, prefill-context, or data parallelism, but got "
+                              f"TP={self.tensor_parallel_size}, PCP={self.prefill_context_parallel_size}, "
+                              f"DP={self.data_parallel_size}.")
+        if not get_model_spec(self.model).is_moe:
+            raise ConfigError(f"enable_eplb: {self.model} has no routed experts to balance")
+
     @property
     def round_robin_experts(self) -> bool:
         """Experts placed round robin over the expert-parallel GPUs, as vLLM keeps
         --expert-placement-strategy round_robin (determine_expert_placement_strategy): a model
-        with expert groups (n_group > 1), on the DeepEP low-latency or NIXL EP kernels where its
-        tokens go all-to-all; else vLLM falls back to linear."""
-        if self.expert_placement_strategy != "round_robin" or self.model_spec().n_group <= 1:
+        with expert groups (n_group > 1), without EPLB, on the DeepEP low-latency or NIXL EP
+        kernels where its tokens go all-to-all; else vLLM falls back to linear."""
+        if self.expert_placement_strategy != "round_robin" or self.model_spec().n_group <= 1 or self.enable_eplb:
             return False
         return not self.all_to_all or self.all2all_backend in ("deepep_low_latency", "nixl_ep")
 
@@ -831,9 +856,12 @@ class HardwareConfig:
         return self._link((first_next - 1) // self.gpus_per_node != first_next // self.gpus_per_node)
 
     def model_spec(self) -> ModelSpec:
-        """The model as served: its spec under `quantization` and the Mamba cache dtypes."""
+        """The model as served: its spec under `quantization` and the Mamba cache dtypes, with
+        EPLB's redundant experts."""
         spec = get_model_spec(self.model).quantized(self.quantization)
-        return spec.with_mamba_cache_dtypes(self.mamba_cache_dtype, self.mamba_ssm_cache_dtype)
+        spec = spec.with_mamba_cache_dtypes(self.mamba_cache_dtype, self.mamba_ssm_cache_dtype)
+        return (dataclasses.replace(spec, num_redundant_experts=self.num_redundant_experts)
+                if self.num_redundant_experts else spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1864,7 +1892,7 @@ class EngineConfig:
         # (only when set: configs without them read as before)
         defaults = {f.name: f.default for f in dataclasses.fields(HardwareConfig)}
         for key in ("prefill_context_parallel_size", "enable_expert_parallel", "all2all_backend",
-                    "expert_placement_strategy", "enable_dbo",
+                    "expert_placement_strategy", "enable_eplb", "num_redundant_experts", "enable_dbo",
                     "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if out[key] == defaults[key]:
                 del out[key]

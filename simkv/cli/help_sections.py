@@ -17,7 +17,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "model", "gpu", "tensor_parallel_size", "data_parallel_size", "decode_context_parallel_size",
         "prefill_context_parallel_size", "pipeline_parallel_size", "pipeline_link_gbs", "gpus_per_node",
         "inter_node_gbs", "quantization", "enable_expert_parallel", "all2all_backend",
-        "expert_placement_strategy", "enable_dbo",
+        "expert_placement_strategy", "enable_eplb", "num_redundant_experts", "enable_dbo",
         "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold"})),
     ("Scheduler (vLLM's options)", frozenset({
         "max_num_seqs", "max_num_active_seqs", "prefill_schedule_interval", "max_num_queued_reqs",

@@ -38,7 +38,8 @@ _ENGINE_FLAGS = {
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefill_context_parallel_size": "prefill_context_parallel_size",
     "enable_expert_parallel": "enable_expert_parallel", "all2all_backend": "all2all_backend",
-    "expert_placement_strategy": "expert_placement_strategy",
+    "expert_placement_strategy": "expert_placement_strategy", "enable_eplb": "enable_eplb",
+    "num_redundant_experts": "num_redundant_experts",
     "enable_dbo": "enable_dbo", "ubatch_size": "ubatch_size", "dbo_decode_token_threshold": "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold": "dbo_prefill_token_threshold",
     "pipeline_parallel_size": "pipeline_parallel_size", "pipeline_link_gbs": "pipeline_link_gbs",
@@ -383,6 +384,12 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: with -ep, experts in contiguous runs over the GPUs (linear) or round robin, which "
                       "spreads DeepSeek's expert groups over every GPU (vLLM keeps it only on deepep_low_latency "
                       "or nixl_ep) [default: linear]"),
+    click.option("--enable-eplb/--no-enable-eplb", default=None,
+                 help="vLLM's expert-parallel load balancing (with -ep): its redundant experts take GPU memory; "
+                      "its balancing is not modelled (simkv routes uniformly) [default: off]"),
+    click.option("--num-redundant-experts", type=int, default=None, metavar="R",
+                 help="vLLM's --eplb-config num_redundant_experts: R extra expert copies over the expert-parallel "
+                      "GPUs [default: 0]"),
     click.option("--enable-dbo/--no-enable-dbo", default=None,
                  help="vLLM's dual batch overlap (data-parallel ranks, a DeepEP or nixl_ep backend): steps of "
                       "enough tokens on every rank run as two microbatches, one's expert exchange under the "

@@ -81,7 +81,7 @@ UNMODELLED = frozenset("""
     mamba_cache_philox_rounds kda_prefill_backend kda_decode_backend use_replayssm replayssm_buffer_len
     disable_cascade_attn logits_processors io_processor_plugin structured_outputs_config prefix_caching_hash_algo
     distributed_executor_backend disable_custom_all_reduce nnodes numa_bind numa_bind_nodes numa_bind_cpus
-    enable_ep_weight_filter enable_eplb eplb_config
+    enable_ep_weight_filter
     enable_elastic_ep elastic_ep_max_dp_size
     enable_shm_tensor_arena enable_batch_sharded_sampling
     dp_sync_interval disable_nccl_for_dp_synchronization data_parallel_backend enable_hc_sp
@@ -203,8 +203,8 @@ def modelled_flags() -> set[str]:
 
 SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "runner", "convert", "mamba_cache_mode",
                      "kv_offloading_backend", "offload_backend", "speculative_config", "spec_method", "spec_model",
-                     "spec_tokens", "attention_config", "data_parallel_external_lb", "data_parallel_hybrid_lb",
-                     "data_parallel_multi_port_external_lb"})
+                     "spec_tokens", "attention_config", "eplb_config", "data_parallel_external_lb",
+                     "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb"})
 
 
 def _convert(flag: Flag):
@@ -287,9 +287,10 @@ def _special(flag: Flag, out: ServeOptions) -> None:
     elif name == "offload_backend":
         if value != "auto":
             out.unmodelled.append(f"{word} {value} (simkv picks as auto does: prefetch with --offload-group-size)")
-    elif name == "attention_config":
+    elif name in ("attention_config", "eplb_config"):
+        taken = "indexer_tp_shard_min_rows" if name == "attention_config" else "num_redundant_experts"
         for key, item in json_object(value, f"vllm serve {word}").items():
-            if key == "indexer_tp_shard_min_rows":
+            if key == taken:
                 out.options[key] = int(item)
             else:
                 out.unmodelled.append(f"{word} {key}")
@@ -383,6 +384,9 @@ def serve_command(options: dict) -> tuple[str, list[str]]:
             words += ["--num-gpu-blocks-override", str(value)]
         elif key == "indexer_tp_shard_min_rows":
             words += ["--attention-config", json.dumps({key: value})]
+        elif key == "num_redundant_experts":
+            if value:
+                words += ["--eplb-config", json.dumps({key: value})]
         elif key in translate:
             speculative[translate[key]] = value
         elif key == "spec_draft_model" and value is not None:

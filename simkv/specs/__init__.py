@@ -43,6 +43,9 @@ class ModelSpec:
     # fall in n_group groups, and a token's experts come from its best topk_group of them (1, 1: none)
     n_group: int = 1
     topk_group: int = 1
+    # Redundant copies of routed experts the GPUs hold besides the model's (vLLM's EPLB
+    # num_redundant_experts, set as served: HardwareConfig.model_spec): memory, not parameters
+    num_redundant_experts: int = 0
     # Bytes per expert weight in memory and in the step's reads: 2 (bf16), 0.53125 (MXFP4: 4 bits
     # and one 8-bit scale per 32, gpt-oss's checkpoints). Everything else is bf16.
     expert_weight_bytes: float = 2.0
@@ -523,8 +526,10 @@ class ModelSpec:
 
     @property
     def routed_expert_bytes(self) -> float:
-        """Bytes of the routed experts (what expert or data parallelism spreads over its GPUs)."""
-        return self.expert_weight_bytes * self.num_moe_layers * self.num_layer_expert_params
+        """Bytes of the routed experts (what expert or data parallelism spreads over its GPUs), the
+        redundant copies of EPLB included."""
+        return (self.expert_weight_bytes * self.num_moe_layers
+                * (self.num_experts + self.num_redundant_experts) * self.expert_params)
 
     def weight_bytes_per_gpu(self, tensor_parallel_size: int = 1, expert_shards: int = 1) -> float:
         """Weights on one GPU: split by TP, and under data (or prefill context) parallelism the

@@ -136,6 +136,35 @@ def test_round_robin_placement_spreads_every_group_over_every_gpu():
     assert out.options["expert_placement_strategy"] == "round_robin" and not out.unmodelled
 
 
+def test_eplb_redundant_experts_take_gpu_memory():
+    """--enable-eplb with num_redundant_experts 32 on 16 ranks: two more experts a GPU in each of
+    DeepSeek-V3's 58 expert layers (fp8, 3 x 7168 x 2048 bytes each), 5.1 GB a GPU less KV cache;
+    the parameters stay the model's. vLLM's checks in its words; EPLB keeps linear placement."""
+    from simkv.capacity import compute_capacity
+
+    base = V3 | {"data_parallel_size": 16} | DEEPEP
+    plain, eplb = (EngineConfig.from_flat(base | extra) for extra in
+                   ({}, {"enable_eplb": True, "num_redundant_experts": 32}))
+    expert = 3 * 7168 * 2048
+    per_gpu = eplb.hardware.model_spec().weight_bytes_per_gpu(1, 16) - plain.hardware.model_spec().weight_bytes_per_gpu(1, 16)
+    assert per_gpu == pytest.approx(32 / 16 * 58 * expert)
+    assert eplb.hardware.model_spec().num_params == plain.hardware.model_spec().num_params
+    lost = compute_capacity(plain).available_kv_bytes - compute_capacity(eplb).available_kv_bytes
+    assert lost == pytest.approx(per_gpu, rel=1e-6)
+    for bad, message in ((base | {"num_redundant_experts": 32}, "but EPLB is not enabled"),
+                         (V3 | {"data_parallel_size": 16, "enable_eplb": True}, "enable_expert_parallel must be True"),
+                         ({"model": "llama-3-8b", "tensor_parallel_size": 2, "enable_expert_parallel": True,
+                           "enable_eplb": True}, "has no routed experts")):
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.from_flat(bad)
+    assert not EngineConfig.from_flat(base | {"enable_eplb": True, "expert_placement_strategy": "round_robin"}
+                                      ).hardware.round_robin_experts
+    out = serve_options("vllm serve deepseek-ai/DeepSeek-V3 -dp 16 -ep --all2all-backend deepep_low_latency "
+                        "--enable-eplb --eplb-config '{\"num_redundant_experts\": 32, \"window_size\": 500}'")
+    assert out.options["enable_eplb"] and out.options["num_redundant_experts"] == 32
+    assert out.unmodelled == ["--eplb-config window_size"]
+
+
 def test_which_exchange_runs():
     """All-to-all needs expert parallelism, an all-to-all backend and lockstep ranks (vLLM's
     use_all2all_kernels); vLLM's removed naive and pplx backends gather; DBO puts vLLM on its V1
