@@ -394,7 +394,7 @@ _ENGINE_OPTIONS = [
                  help="vLLM's dual batch overlap (data-parallel ranks, a DeepEP or nixl_ep backend): steps of "
                       "enough tokens on every rank run as two microbatches, one's expert exchange under the "
                       "other's work [default: off]"),
-    click.option("--ubatch-size", type=int, default=None,
+    click.option("--ubatch-size", type=int, default=None, metavar="N",
                  help="vLLM's microbatching without --enable-dbo: N > 1 splits steps of enough tokens on every "
                       "rank into N microbatches (the DBO thresholds apply) [default: 0, off]"),
     click.option("--dbo-decode-token-threshold", type=int, default=None,
@@ -485,8 +485,8 @@ _ENGINE_OPTIONS = [
                       "first and last two layers bf16; nvfp4 (FlashInfer's) stores fp4 with an fp8 scale per 16 "
                       "[default: auto, the model's bf16]"),
     click.option("--kv-cache-dtype-skip-layers", default=None, metavar="I,J,...",
-                 help="vLLM's: decoder layers whose K and V stay bf16 under an fp8 --kv-cache-dtype; the block "
-                      "size grows so a quantized layer's page covers 16 tokens of a skipped one (16 -> 32) "
+                 help="vLLM's: decoder layers whose K and V stay bf16 under an fp8 or TurboQuant --kv-cache-dtype; "
+                      "the block size grows so a quantized layer's page covers 16 tokens of a skipped one (16 -> 32) "
                       "[default: none]"),
     click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
                  help="vLLM's: a linear-attention (Mamba) layer's convolution state, and its recurrent state "
