@@ -320,6 +320,12 @@ def print_report(rep: dict) -> None:
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
 @click.option("--data-parallel-size", "-dp", type=int, default=None,
               help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")
+@click.option("--enable-expert-parallel/--no-enable-expert-parallel", "-ep", default=None,
+              help="vLLM's, a mixture of experts: whole experts over the GPUs (EPLB needs it) [default: off]")
+@click.option("--enable-eplb/--no-enable-eplb", default=None,
+              help="vLLM's expert-parallel load balancing: its redundant experts take GPU memory [default: off]")
+@click.option("--num-redundant-experts", type=int, default=None, metavar="R",
+              help="vLLM's --eplb-config num_redundant_experts: R extra expert copies over the GPUs [default: 0]")
 @click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
               help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens [default: 1]")
 @click.option("--prefill-context-parallel-size", "-pcp", type=int, default=None,

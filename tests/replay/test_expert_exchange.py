@@ -163,6 +163,17 @@ def test_eplb_redundant_experts_take_gpu_memory():
                         "--enable-eplb --eplb-config '{\"num_redundant_experts\": 32, \"window_size\": 500}'")
     assert out.options["enable_eplb"] and out.options["num_redundant_experts"] == 32
     assert out.unmodelled == ["--eplb-config window_size"]
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    def weights(*flags):
+        res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3", "--gpu", "H200", "-dp", "16", "-ep",
+                                        *flags, "--json"])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)["weight_bytes_per_gpu"]
+
+    assert weights("--enable-eplb", "--num-redundant-experts", "32") - weights() == pytest.approx(per_gpu)
 
 
 def test_which_exchange_runs():
