@@ -1,10 +1,13 @@
-"""vLLM 0.33's own code on --kv-cache-dtype-skip-layers and TurboQuant's KV cache, against simkv's: the block size it
-aligns to (Platform._align_heterogeneous_kv_block_size), the KV-cache groups of the layers'
-specs (kv_cache_planning.get_kv_cache_groups) and the blocks a given memory holds
-(get_kv_cache_config_from_groups), for models of simkv's catalogue.
+"""vLLM 0.33's own code on --kv-cache-dtype-skip-layers and the packed KV caches (TurboQuant,
+NVFP4), against simkv's: the block size it aligns to (Platform._align_heterogeneous_kv_block_size,
+and _align_hybrid_block_size for Qwen3-Next), the KV-cache groups of the layers' specs
+(kv_cache_planning.get_kv_cache_groups; get_kv_cache_configs over pipeline workers) and the
+blocks a given memory holds (get_kv_cache_config_from_groups), for models of simkv's catalogue.
 
-A development aid, not a test dependency. Run it with the vLLM oracle's Python:
+A development aid, not a test dependency. Run it with the vLLM oracle's Python, to which the
+imports of Qwen3-Next's model class and of FlashInfer's backend add four packages:
     bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    /tmp/vllm-oracle-venv/bin/python -m pip install compressed-tensors loguru flashinfer-python nvidia-ml-py --no-deps
     PYTHONPATH=. /tmp/vllm-oracle-venv/bin/python scripts/oracle_kv_skip_layers.py
 
 Each case prints vLLM's (block size, groups, blocks) and simkv's, and 'equal' or 'DIFFERENT';
