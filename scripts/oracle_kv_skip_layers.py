@@ -59,14 +59,10 @@ MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 HYBRID_CASES = [(d, tp, bs, caching) for d in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k8v4",
                                                "turboquant_3bit_nc", "nvfp4")
                 for tp in (1, 4) for bs in (16, 64) for caching in (False, True)]
-QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "full_attention_interval": 4,
-              "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
-              "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-              "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
-              "decoder_sparse_step": 1, "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 512,
-              "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
-              "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 151936,
-              "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
+# Qwen3-Next's published config.json fields (shared with tests/replay/test_linear_attention.py), and what
+# vLLM's ModelConfig reads besides
+QWEN3_NEXT = json.loads((Path(__file__).resolve().parent.parent / "tests" / "core" / "data"
+                         / "qwen3_next_80b_a3b_config.json").read_text()) | {"torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
 
 
 def hf_config(spec) -> dict:

@@ -19,8 +19,6 @@ may exceed the forward pass's.
 
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass
 
 from simkv.config import ConfigError, EngineConfig
@@ -315,10 +313,8 @@ def _stage_block_bytes(config: EngineConfig, layers: range) -> int:
     """One block of these decoder layers on one GPU, each at its dtype: those the KV cache keeps
     unquantized (EngineConfig.kv_skip_layer_indices) at the model's, the others at kv_cache_dtype
     (vLLM sums a worker's layers' pages)."""
-    spec, tp = config.kv_spec(), config.hardware.tensor_parallel_size
-    n = spec.num_layers
-    quantized = dataclasses.replace(spec, kv_skip_layers=0).kv_bytes_per_token(config.cache.kv_element, tp) // n
-    kept = dataclasses.replace(spec, kv_skip_layers=n).kv_bytes_per_token(config.cache.kv_element, tp) // n
+    spec, tp = config.hardware.model_spec(), config.hardware.tensor_parallel_size  # (every layer at one dtype)
+    quantized, kept = spec.kv_bytes_per_layer_token(config.cache.kv_element, tp), spec.kv_bytes_per_layer_token(2, tp)
     skipped = len(config.kv_skip_layer_indices.intersection(layers))
     return config.cache.block_size * ((len(layers) - skipped) * quantized + skipped * kept)
 

@@ -254,13 +254,7 @@ def test_config_json_import():
     """Qwen3-Next's published config.json gives the shipped spec; a Mamba2 hybrid (Granite 4.0-H's
     fields) reads its mamba_* fields; Nemotron-H's MLP-only layers and an attention layer first are
     refused with the field named."""
-    cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "full_attention_interval": 4,
-           "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
-           "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-           "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
-           "decoder_sparse_step": 1, "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 512,
-           "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
-           "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 151936}
+    cfg = json.loads((DATA / "qwen3_next_80b_a3b_config.json").read_text())  # (its published config.json's fields)
     path = DATA / "tiny_mamba2_10x5.json"
 
     with tempfile.TemporaryDirectory() as tmp:
