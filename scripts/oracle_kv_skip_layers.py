@@ -1,5 +1,5 @@
 """vLLM 0.33's own code on --kv-cache-dtype-skip-layers and the packed KV caches (TurboQuant,
-NVFP4), against simkv's: the block size it aligns to (Platform._align_heterogeneous_kv_block_size,
+NVFP4, and ROCm's UltraQuant and Octave), against simkv's: the block size it aligns to (Platform._align_heterogeneous_kv_block_size,
 and _align_hybrid_block_size for Qwen3-Next), the KV-cache groups of the layers' specs
 (kv_cache_planning.get_kv_cache_groups; get_kv_cache_configs over pipeline workers) and the
 blocks a given memory holds (get_kv_cache_config_from_groups), for models of simkv's catalogue.
@@ -50,7 +50,16 @@ CASES = [  # (model, kv_cache_dtype, skip layers, block size given, tensor paral
     # an EAGLE-3 head: its layer comes after the target's (vLLM's start_layer_id), so it stays quantized
     ("llama-3-8b", "turboquant_4bit_nc", "", 16, 1, 1, "eagle3"),
     ("llama-3-8b", "fp8", "0,31", 16, 1, 1, "eagle3"),
+    # UltraQuant (ROCm): TurboQuant's boundary layers, on ROCM_ATTN (the first ROCm backend), which
+    # aligns the block; the other layers' pages packed by UltraQuant's backend
+    ("llama-3-8b", "ultraquant_4bit", "", 16, 1),
+    ("llama-3-8b", "ultraquant_4bit", "7", 64, 1),
+    ("qwen3-8b", "ultraquant_4bit", "", 16, 1),
+    ("llama-3-70b", "ultraquant_4bit", "", 16, 4),
+    ("llama-3-8b", "ultraquant_4bit", "", 16, 1, 2),
+    ("llama-3.2-1b", "ultraquant_4bit", "", 32, 1),
 ]
+ROCM_DTYPES = ("ultraquant_4bit", "octave_k3v4", "octave_k3v3", "octave_k3v3_compact")
 MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 # TurboQuant on Qwen3-Next (linear attention: no boundary layers; the attention page is the packed
 # one, to which Platform._align_hybrid_block_size aligns the states' page): (dtype, TP, block size given)
@@ -59,6 +68,10 @@ MEMORY = 20 * 2**30  # bytes of KV cache on a GPU, for the block count
 HYBRID_CASES = [(d, tp, bs, caching) for d in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k8v4",
                                                "turboquant_3bit_nc", "nvfp4")
                 for tp in (1, 4) for bs in (16, 64) for caching in (False, True)]
+# ... and ROCm's packed formats (simkv on an MI300X), with no block size given too (None: vLLM's
+# backends' preferred one, UltraQuant's 64)
+HYBRID_CASES += [(d, tp, bs, caching) for d in ROCM_DTYPES for tp in (1, 2, 4) for bs in (None, 16, 64)
+                 for caching in (False, True)]
 # Qwen3-Next's published config.json fields (shared with tests/replay/test_linear_attention.py), and what
 # vLLM's ModelConfig reads besides
 QWEN3_NEXT = json.loads((Path(__file__).resolve().parent.parent / "tests" / "core" / "data"
@@ -73,13 +86,39 @@ def hf_config(spec) -> dict:
             "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 
 
+def _stub_triton() -> None:
+    """vLLM's placeholder triton.language (no GPU here) lacks the dtypes UltraQuant's kernel modules
+    name at import; the oracle runs none of them."""
+    import vllm.triton_utils as triton_utils
+
+    for name in ("float16", "bfloat16", "float32", "int8", "uint8", "int32"):
+        if not hasattr(triton_utils.tl, name):
+            setattr(triton_utils.tl, name, None)
+
+
+def packing_backend(dtype: str):
+    """The vLLM attention backend whose customize_spec packs a layer of `dtype` (None: unpacked)."""
+    _stub_triton()
+    if dtype.startswith("turboquant_"):
+        from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+        return TurboQuantAttentionBackend
+    if dtype.startswith("nvfp4"):
+        from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+        return FlashInferBackend
+    if dtype == "ultraquant_4bit":
+        from vllm.v1.attention.backends.ultraquant_attn import UltraQuantAttentionBackend
+        return UltraQuantAttentionBackend
+    if dtype.startswith("octave_"):
+        from vllm.v1.attention.backends.rocm_octave_attn import RocmOctaveAttentionBackend
+        return RocmOctaveAttentionBackend
+    return None
+
+
 def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: int = 1,
               drafter: str | None = None) -> tuple[int, list[str], int]:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
     from vllm.platforms.interface import Platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -101,13 +140,18 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: i
                         device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = block_size
     config.cache_config.kv_cache_layout = "LBNHC"  # (FlashAttention's NHD: one tensor a layer)
-    if dtype.startswith("turboquant_"):  # (EngineArgs.create_engine_config's boundary layers)
+    if dtype.startswith("turboquant_") or dtype == "ultraquant_4bit":  # (create_engine_config's boundary layers)
         boundary = TurboQuantConfig.get_boundary_skip_layers(config.model_config)
         config.cache_config.kv_cache_dtype_skip_layers = sorted(set(config.cache_config.kv_cache_dtype_skip_layers)
                                                                 | set(boundary))
     if config.cache_config.kv_cache_dtype_skip_layers:
-        # (the first backend in layer order: layer 0's, a skipped layer's FlashAttention, FA2 under TurboQuant)
-        Platform._align_heterogeneous_kv_block_size(config, FlashAttentionBackend)
+        # (the first backend in layer order: layer 0's, a skipped layer's FlashAttention, FA2 under TurboQuant;
+        # on ROCm its first backend, ROCM_ATTN)
+        if dtype in ROCM_DTYPES:
+            from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
+            Platform._align_heterogeneous_kv_block_size(config, RocmAttentionBackend)
+        else:
+            Platform._align_heterogeneous_kv_block_size(config, FlashAttentionBackend)
     bs = config.cache_config.block_size
     skipped = set(config.cache_config.kv_cache_dtype_skip_layers)
     specs = {}
@@ -117,10 +161,8 @@ def vllm_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: i
         layer_spec = FullAttentionSpec(
             block_size=bs, num_kv_heads=max(spec.num_kv_heads // tp, 1), head_size=spec.head_dim,
             dtype=torch_dtype, kv_quant_mode=get_kv_quant_mode(layer_dtype))
-        if layer_dtype.startswith("turboquant_"):
-            layer_spec = TurboQuantAttentionBackend.customize_spec(layer_spec)
-        elif layer_dtype.startswith("nvfp4"):
-            layer_spec = FlashInferBackend.customize_spec(layer_spec)
+        if (backend := packing_backend(layer_dtype)) is not None:
+            layer_spec = backend.customize_spec(layer_spec)
         specs[f"model.layers.{i}.self_attn.attn"] = layer_spec
     if pp > 1:  # (the workers' layers as vLLM's get_pp_indices splits them)
         workers = []
@@ -142,6 +184,7 @@ def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: 
     from simkv.config import EngineConfig
 
     config = EngineConfig.from_flat({"model": model, "kv_cache_dtype": dtype, "kv_cache_dtype_skip_layers": skip,
+                                     "gpu": "MI300X" if dtype in ROCM_DTYPES else "H100-SXM",
                                      "block_size": block_size, "tensor_parallel_size": tp,
                                      "pipeline_parallel_size": pp, "kv_cache_memory_bytes": MEMORY}
                                     | ({"speculative_method": drafter, "num_speculative_tokens": 2} if drafter else {}))
@@ -152,7 +195,7 @@ def simkv_case(model: str, dtype: str, skip: str, block_size: int, tp: int, pp: 
     return bs, [f"{kinds[0]}({bs})"], compute_capacity(config).num_gpu_blocks
 
 
-def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int, caching: bool) -> int:
+def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int | None, caching: bool) -> int:
     """vLLM's block size for Qwen3-Next (its model class reads the config; the oracle's venv needs
     compressed-tensors and loguru for that import)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
@@ -161,16 +204,20 @@ def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int, caching: bool) 
 
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(QWEN3_NEXT))
+    from vllm.config.vllm import set_current_vllm_config
+
     config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
-                        cache_config=CacheConfig(block_size=block_size, cache_dtype=dtype,
+                        cache_config=CacheConfig(block_size=block_size or 16, cache_dtype=dtype,
                                                  enable_prefix_caching=caching),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig(device="cpu"))
-    config.cache_config.block_size = block_size
     assert config.cache_config.mamba_cache_mode == ("align" if caching else "none")
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-
-    # (the first attention backend: FlashInfer's where it runs the NVFP4 layers)
-    Platform._align_hybrid_block_size(config, FlashInferBackend if dtype.startswith("nvfp4") else FlashAttentionBackend)
+    # (the attention layers' one backend: the packing one, FlashAttention's for the others)
+    backend = packing_backend(dtype) or FlashAttentionBackend
+    if block_size is None:  # (update_block_size_for_backend's phase 1: the backends' preferred block)
+        block_size = Platform._preferred_block_size_for_backends([backend], CacheConfig.DEFAULT_BLOCK_SIZE, config)
+    config.cache_config.block_size = block_size
+    with set_current_vllm_config(config):
+        Platform._align_hybrid_block_size(config, backend)
     return config.cache_config.block_size
 
 
@@ -185,9 +232,10 @@ def main() -> int:
         print(f"{case}: vLLM {theirs}, simkv {ours}: {'equal' if same else 'DIFFERENT'}")
     for dtype, tp, bs, caching in HYBRID_CASES:
         theirs = vllm_hybrid_block_size(dtype, tp, bs, caching)
-        ours = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "A100-80GB", "kv_cache_dtype": dtype,
-                                       "tensor_parallel_size": tp, "block_size": bs,
-                                       "enable_prefix_caching": caching}).cache.block_size
+        ours = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "kv_cache_dtype": dtype,
+                                       "gpu": "MI300X" if dtype in ROCM_DTYPES else "A100-80GB",
+                                       "tensor_parallel_size": tp, "enable_prefix_caching": caching}
+                                      | ({"block_size": bs} if bs else {})).cache.block_size
         differ += theirs != ours
         print(f"qwen3-next {dtype} TP {tp} block {bs} prefix caching {caching}: vLLM {theirs}, simkv {ours}: "
               f"{'equal' if theirs == ours else 'DIFFERENT'}")

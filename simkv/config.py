@@ -6,7 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import (MAMBA_DTYPE_BYTES, NVFP4_KV_DTYPES, PER_TOKEN_HEAD_KV_DTYPES, TURBOQUANT_KV_DTYPES, ModelSpec,
+from simkv.specs import (MAMBA_DTYPE_BYTES, NVFP4_KV_DTYPES, OCTAVE_HEAD_DIM, OCTAVE_KV_DTYPES, OCTAVE_ROTARY_DIM,
+                         PER_TOKEN_HEAD_KV_DTYPES, TURBOQUANT_KV_DTYPES, ULTRAQUANT_GROUP, ULTRAQUANT_KV_DTYPES, ModelSpec,
                          get_gpu_spec, get_model_spec)
 
 
@@ -50,9 +51,17 @@ def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, exp
     return enable_expert_parallel and all2all_backend in ALL2ALL_BACKENDS and expert_shards > 1
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES,
-                   *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES)
+                   *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES, *ULTRAQUANT_KV_DTYPES, *OCTAVE_KV_DTYPES)
 # KV dtypes whose pages a backend packs (ModelSpec.kv_bytes_per_token takes their names)
-PACKED_KV_DTYPES = (*PER_TOKEN_HEAD_KV_DTYPES, *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES)
+PACKED_KV_DTYPES = (*PER_TOKEN_HEAD_KV_DTYPES, *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES, *ULTRAQUANT_KV_DTYPES,
+                    *OCTAVE_KV_DTYPES)
+# UltraQuantAttentionBackend.get_preferred_block_size (its FlyDSL decode kernel's KV block)
+ULTRAQUANT_BLOCK_SIZE = 64
+# KV dtypes under which vLLM keeps a dense model's first and last two layers at the model's dtype
+# (EngineArgs.create_engine_config: TurboQuant's and UltraQuant's boundary layers)
+BOUNDARY_SKIP_KV_DTYPES = (*TURBOQUANT_KV_DTYPES, *ULTRAQUANT_KV_DTYPES)
+# vLLM's ROCm-only packed KV formats (its ULTRAQUANT and ROCM_OCTAVE attention backends)
+ROCM_PACKED_KV_DTYPES = (*ULTRAQUANT_KV_DTYPES, *OCTAVE_KV_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1270,7 +1279,9 @@ class EngineConfig:
         if self.cache.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES and self.hardware.model_spec().is_mla:
             raise ConfigError(f"kv_cache_dtype {self.cache.kv_cache_dtype}: vLLM runs per-token-head KV quantization on "
                               f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
-        if self.cache.kv_skip_layer_names or self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES:
+        if self.cache.kv_cache_dtype in ROCM_PACKED_KV_DTYPES:
+            self._verify_rocm_packed_kv()
+        if self.cache.kv_skip_layer_names or self.cache.kv_cache_dtype in BOUNDARY_SKIP_KV_DTYPES:
             self._verify_kv_skip_layers()
         if self.cache.kv_cache_dtype in NVFP4_KV_DTYPES:
             self._verify_nvfp4_kv()
@@ -1628,12 +1639,12 @@ class EngineConfig:
         spec = self.hardware.model_spec()
         entries = self.cache.kv_skip_layer_names
         dtype = self.cache.kv_cache_dtype
-        what = "kv_cache_dtype_skip_layers" if dtype not in TURBOQUANT_KV_DTYPES else f"kv_cache_dtype {dtype}"
+        what = "kv_cache_dtype_skip_layers" if dtype not in BOUNDARY_SKIP_KV_DTYPES else f"kv_cache_dtype {dtype}"
         unsupported = [(spec.is_mla, "latent attention"),
                        (self.has_sliding_window or bool(self.attention_chunk_size), "sliding-window or chunked "
                         "local attention layers"),
                        (self.has_linear_attention and bool(entries), "linear-attention layers"),
-                       (dtype in PER_TOKEN_HEAD_KV_DTYPES, f"kv_cache_dtype {dtype}"),
+                       (dtype in PER_TOKEN_HEAD_KV_DTYPES or dtype in OCTAVE_KV_DTYPES, f"kv_cache_dtype {dtype}"),
                        # (an EAGLE head's layers come after the target's, vLLM's start_layer_id: never skipped)
                        (self.draft_network is not None and self.speculative.speculative_method not in ("eagle", "eagle3"),
                         "a drafter's layers (MTP, DFlash, a draft model)")]
@@ -1670,12 +1681,41 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with sliding-window or chunked local attention "
                               "layers or with kv_cache_dtype_skip_layers yet")
 
+    def _verify_rocm_packed_kv(self) -> None:
+        """UltraQuant and Octave KV caches as vLLM 0.33 runs them: on ROCm only (its ULTRAQUANT and
+        ROCM_OCTAVE backends), never with latent attention; Octave's kernels on CDNA3 (MI300X,
+        MI325X) or RDNA3, at head_dim 256 with 64 rotary dims; UltraQuant's scale groups need a
+        head_dim that is a multiple of 32. vLLM's words where it has them."""
+        dtype, gpu, spec = self.cache.kv_cache_dtype, get_gpu_spec(self.hardware.gpu), self.hardware.model_spec()
+        octave = dtype in OCTAVE_KV_DTYPES
+        backend = "ROCM_OCTAVE" if octave else "ULTRAQUANT"
+        if gpu.platform != "rocm":
+            raise ConfigError(f"kv_cache_dtype {dtype}: vLLM runs it on its ROCm attention backend {backend}, which "
+                              f"{self.hardware.gpu} ({gpu.platform}) does not have")
+        if spec.is_mla:
+            raise ConfigError(f"kv_cache_dtype {dtype}: vLLM's ROCm MLA backends do not take it, and {backend} has no "
+                              f"latent attention ({self.hardware.model})")
+        if octave:
+            if gpu.compute_capability != 9.4:  # (gfx942: CDNA3)
+                raise ConfigError(f"kv_cache_dtype {dtype} on {self.hardware.gpu}: ROCM_OCTAVE supports RDNA3 and CDNA3 "
+                                  "only")
+            if (spec.head_dim, spec.rotary_dim) != (OCTAVE_HEAD_DIM, OCTAVE_ROTARY_DIM):
+                raise ConfigError(f"kv_cache_dtype {dtype}: ROCM_OCTAVE kernels need ROCm, head_size={OCTAVE_HEAD_DIM} "
+                                  f"and {OCTAVE_ROTARY_DIM} rotary dims; got head_size={spec.head_dim}, rotary "
+                                  f"dims={spec.rotary_dim} ({self.hardware.model})")
+        elif spec.head_dim % ULTRAQUANT_GROUP:
+            raise ConfigError(f"kv_cache_dtype {dtype}: head_dim={spec.head_dim} must be a multiple of "
+                              f"group_size={ULTRAQUANT_GROUP} ({self.hardware.model})")
+        if octave and (self.has_sliding_window or self.attention_chunk_size):
+            raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with sliding-window or chunked local attention "
+                              "layers yet")
+
     @property
     def kv_skip_layer_indices(self) -> frozenset[int]:
         """Decoder layers whose K and V stay in the model's dtype: kv_cache_dtype_skip_layers' and,
-        under TurboQuant, its boundary layers (`turboquant_boundary_layers`)."""
+        under TurboQuant or UltraQuant, their boundary layers (`turboquant_boundary_layers`)."""
         skipped = {int(e) for e in self.cache.kv_skip_layer_names}
-        if self.cache.kv_cache_dtype in TURBOQUANT_KV_DTYPES and not self.has_linear_attention:
+        if self.cache.kv_cache_dtype in BOUNDARY_SKIP_KV_DTYPES and not self.has_linear_attention:
             skipped |= set(turboquant_boundary_layers(self.hardware.model_spec().num_layers))
         return frozenset(skipped)
 
@@ -2072,7 +2112,7 @@ def _skip_layers_block_size(hardware: dict, cache: dict) -> int | None:
     try:
         dtype = cache.get("kv_cache_dtype", CacheConfig().kv_cache_dtype)
         entries = str(cache.get("kv_cache_dtype_skip_layers", "")).strip(",").strip()
-        if dtype in TURBOQUANT_KV_DTYPES and not entries:  # (its boundary layers, unless linear attention)
+        if dtype in BOUNDARY_SKIP_KV_DTYPES and not entries:  # (its boundary layers, unless linear attention)
             entries = not get_model_spec(hardware.get("model", HardwareConfig().model)).linear_attention
         if not entries or dtype not in KV_CACHE_DTYPES or dtype in PER_TOKEN_HEAD_KV_DTYPES:
             return None
@@ -2129,15 +2169,20 @@ def gdn_prefill_backend(requested: str, gpu, spec: ModelSpec) -> str:
 
 def _backend_block_size(hardware: dict, cache: dict) -> int | None:
     """The block size vLLM 0.33 picks when none is given, where its attention backend needs
-    another than 16 (None: 16). Latent attention only: on Hopper an fp8 cache runs FlashMLA,
+    another than 16 (None: 16). Latent attention: on Hopper an fp8 cache runs FlashMLA,
     64-token blocks; on Blackwell FlashInfer MLA takes 32 or 64 (32) where it takes the model's
-    qk_nope_head_dim (64, 128 or 192), CUTLASS MLA 128 otherwise."""
+    qk_nope_head_dim (64, 128 or 192), CUTLASS MLA 128 otherwise. UltraQuant on a model with
+    linear attention (whose attention layers then all run UltraQuant's backend): 64, its FlyDSL
+    decode kernel's block."""
     defaults = HardwareConfig()
     try:
         spec = get_model_spec(hardware.get("model", defaults.model))
         gpu = get_gpu_spec(hardware.get("gpu", defaults.gpu))
     except ValueError:
         return None  # (HardwareConfig names the bad value)
+    if cache.get("kv_cache_dtype") in ULTRAQUANT_KV_DTYPES and spec.linear_attention:
+        return ULTRAQUANT_BLOCK_SIZE  # (its one attention backend's preferred block; dense models keep
+        #                                their boundary layers on another backend, and 16)
     if not spec.is_mla:
         return None
     if spec.is_sparse:  # (the sparse MLA backends and the indexer's take multiples of 64)

@@ -352,7 +352,7 @@ def print_report(rep: dict) -> None:
 @click.option("--max-model-len", type=MaxModelLen(), default=None, help=MAX_MODEL_LEN_HELP)
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None, help="[default: auto]")
 @click.option("--kv-cache-dtype-skip-layers", default=None, metavar="I,J,...",
-              help="vLLM's: decoder layers whose K and V stay bf16 under an fp8 or TurboQuant cache (the block "
+              help="vLLM's: decoder layers whose K and V stay bf16 under an fp8, TurboQuant or UltraQuant cache (the block "
                    "size grows: 16 -> 32)")
 @click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,
               help="vLLM's: linear-attention states (convolution, and recurrent unless the checkpoint sets it)")

@@ -482,10 +482,13 @@ _ENGINE_OPTIONS = [
                  help="vLLM's: fp8 (fp8_e4m3, fp8_e5m2) stores one byte an element; int8_per_token_head, "
                       "fp8_per_token_head (one byte) and int4_per_token_head (half) add a float32 scale per head "
                       "and token for K and V each; turboquant_* pack a head's K and V into one slot and keep the "
-                      "first and last two layers bf16; nvfp4 (FlashInfer's) stores fp4 with an fp8 scale per 16 "
+                      "first and last two layers bf16; nvfp4 (FlashInfer's) stores fp4 with an fp8 scale per 16; "
+                      "on ROCm, ultraquant_4bit packs fp4 with a scale byte per 32 (and keeps TurboQuant's bf16 "
+                      "layers), octave_* pack 3- and 4-bit codes (head_dim 256, 64 rotary dims, MI300X/MI325X) "
                       "[default: auto, the model's bf16]"),
     click.option("--kv-cache-dtype-skip-layers", default=None, metavar="I,J,...",
-                 help="vLLM's: decoder layers whose K and V stay bf16 under an fp8 or TurboQuant --kv-cache-dtype; "
+                 help="vLLM's: decoder layers whose K and V stay bf16 under an fp8, TurboQuant or UltraQuant "
+                      "--kv-cache-dtype; "
                       "the block size grows so a quantized layer's page covers 16 tokens of a skipped one (16 -> 32) "
                       "[default: none]"),
     click.option("--mamba-cache-dtype", type=click.Choice(list(MAMBA_DTYPE_BYTES)), default=None,

@@ -110,6 +110,9 @@ class ModelSpec:
     linear_conv_dtype_bytes: int = 2
     # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
     attention_output_gate: bool = False
+    # The share of a head's dimensions that rotary embeddings turn (partial_rotary_factor: Qwen3-Next
+    # 0.25, its first 64 of 256); vLLM's Octave KV cache stores those at more bits
+    partial_rotary_factor: float = 1.0
     # Attention layers whose K and V a quantized KV cache keeps in the model's 2-byte dtype (vLLM's
     # --kv-cache-dtype-skip-layers; set as served: simkv.config.EngineConfig.kv_spec)
     kv_skip_layers: int = 0
@@ -238,6 +241,11 @@ class ModelSpec:
                              f"{self.linear_weight_bytes:g}, experts at {experts:g} bytes a weight), and vLLM "
                              "refuses a --quantization that differs from the checkpoint's")
         return replace(self, linear_weight_bytes=1.0, expert_weight_bytes=1.0 if self.is_moe else self.expert_weight_bytes)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head that rotary embeddings turn (vLLM's head_size x partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def fp8_matmul_params(self) -> int:
@@ -603,6 +611,36 @@ TURBOQUANT_KV_DTYPES = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
 NVFP4_KV_DTYPES = ("nvfp4", "nvfp4_4over6")
 
 
+# vLLM's ROCm KV formats. UltraQuant (--kv-cache-dtype ultraquant_4bit): a head's K and V in one slot,
+# fp4 values (two a byte) and a one-byte power-of-two scale for every 32 (ultraquant/format.py).
+# Octave (octave_*): one slot of Hadamard-rotated Lloyd-Max codes (rocm_octave.py): V at its bits,
+# K at 3 bits but its rotary 64-dim blocks at 4 (compact: all K at 3 bits, one scale), an fp16
+# scale per 64-dim K block and one for V, the slot padded to 8 bytes (compact: 4).
+ULTRAQUANT_KV_DTYPES = ("ultraquant_4bit",)
+ULTRAQUANT_GROUP = 32
+OCTAVE_KV_DTYPES = {"octave_k3v4": (4, False), "octave_k3v3": (3, False), "octave_k3v3_compact": (3, True)}
+OCTAVE_BLOCK = 64  # (its Hadamard blocks; its kernels take head_dim 256 with 64 rotary dims only)
+OCTAVE_HEAD_DIM, OCTAVE_ROTARY_DIM = 256, 64
+
+
+def ultraquant_slot_bytes(head_dim: int) -> int:
+    """One token's K and V in one KV head under UltraQuant: head_dim / 2 bytes of fp4 codes and
+    head_dim / 32 scale bytes each (vLLM's ultraquant slot_size: 136 at head_dim 128)."""
+    return 2 * (head_dim // 2 + head_dim // ULTRAQUANT_GROUP)
+
+
+def octave_slot_bytes(kv_cache_dtype: str, head_dim: int, rotary_dim: int = OCTAVE_ROTARY_DIM) -> int:
+    """One token's K and V in one KV head under an Octave preset (vLLM's OctaveFormat.slot_bytes):
+    the rotary dims' 4-bit K codes (none when compact), the others' 3-bit ones, V's codes, and the
+    fp16 scales, padded: 248 / 216 / 196 bytes for k3v4 / k3v3 / k3v3_compact at head_dim 256."""
+    value_bits, compact = OCTAVE_KV_DTYPES[kv_cache_dtype]
+    wide = 0 if compact else rotary_dim
+    scales = (1 if compact else head_dim // OCTAVE_BLOCK) + 1
+    raw = wide * 4 // 8 + (head_dim - wide) * 3 // 8 + head_dim * value_bits // 8 + 2 * scales
+    align = 4 if compact else 8
+    return -(-raw // align) * align
+
+
 def turboquant_slot_bytes(kv_cache_dtype: str, head_dim: int) -> int:
     """One token's packed K and V in one KV head under a TurboQuant preset (vLLM's
     TurboQuantConfig.slot_size_aligned): the key (fp8: a byte an element; else its indices and an
@@ -617,10 +655,15 @@ def kv_head_token_bytes(dtype_bytes: int | str, head_dim: int) -> int:
     """One token's K and V in one KV head: 2 x head_dim elements of `dtype_bytes` bytes, or under
     a per-token-head KV dtype (its name) the quantized K and V (int4: two values a byte) and a
     float32 scale each (vLLM's TritonAttentionBackend.customize_spec), a TurboQuant preset's
-    packed slot (`turboquant_slot_bytes`), or NVFP4's K and V slots (FlashInferBackend.customize_spec)."""
+    packed slot (`turboquant_slot_bytes`), NVFP4's K and V slots (FlashInferBackend.customize_spec),
+    or UltraQuant's or Octave's slot (`ultraquant_slot_bytes`, `octave_slot_bytes`)."""
     if isinstance(dtype_bytes, str):
         if dtype_bytes in TURBOQUANT_KV_DTYPES:
             return turboquant_slot_bytes(dtype_bytes, head_dim)
+        if dtype_bytes in ULTRAQUANT_KV_DTYPES:
+            return ultraquant_slot_bytes(head_dim)
+        if dtype_bytes in OCTAVE_KV_DTYPES:
+            return octave_slot_bytes(dtype_bytes, head_dim)
         if dtype_bytes in NVFP4_KV_DTYPES:
             return 2 * (head_dim // 2 + head_dim // 16)
         if dtype_bytes == "int4_per_token_head":

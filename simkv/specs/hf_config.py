@@ -54,6 +54,23 @@ class ModelConfigError(ValueError):
     """A config.json that cannot be turned into a model spec (the message names file and field)."""
 
 
+# model types whose transformers config class sets a partial_rotary_factor the file may leave out
+_PARTIAL_ROTARY_DEFAULTS = {"qwen3_next": 0.25, "qwen3_5": 0.25, "qwen3_5_moe": 0.25}
+
+
+def _partial_rotary_factor(cfg: dict, raw: dict, where: str) -> float:
+    """The share of a head's dims rotary embeddings turn: partial_rotary_factor (or rope_parameters'),
+    else the config class's default (Qwen3-Next and Qwen3.5: 0.25), else 1."""
+    value = cfg.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if value is None and isinstance(cfg.get("rope_parameters"), dict):
+        value = cfg["rope_parameters"].get("partial_rotary_factor")
+    if value is None:
+        return _PARTIAL_ROTARY_DEFAULTS.get(_model_type(cfg, raw), 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ModelConfigError(f"{where}: field 'partial_rotary_factor' must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
 def is_config_path(name: str) -> bool:
     return name.endswith(".json")
 
@@ -107,6 +124,9 @@ def spec_fields_from_config(path: str) -> dict:
         "max_position_embeddings": need("max_position_embeddings"),
         "tie_word_embeddings": _tied(cfg, raw),
     }
+    rotary = _partial_rotary_factor(cfg, raw, where)
+    if rotary != 1.0:
+        fields["partial_rotary_factor"] = rotary
     for name in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):  # (MTP modules: DeepSeek's name, Qwen's)
         if get(name):
             fields["num_nextn_predict_layers"] = need(name)

@@ -1,6 +1,8 @@
 """vLLM's --kv-cache-dtype-skip-layers: layers whose K and V stay bf16 under an fp8 KV cache
 (simkv.config.skip_layers_block_size, EngineConfig.kv_spec, ModelSpec.kv_skip_layers), and
-TurboQuant's KV presets, which skip their boundary layers (simkv.specs.turboquant_slot_bytes)."""
+the packed KV formats: TurboQuant's presets and ROCm's UltraQuant, which skip their boundary
+layers (simkv.specs.turboquant_slot_bytes, ultraquant_slot_bytes), NVFP4, and ROCm's Octave
+(octave_slot_bytes)."""
 
 import json
 
@@ -10,7 +12,7 @@ from simkv.backends.factory import make_roofline
 from simkv.capacity import compute_capacity
 from simkv.cli.vllm_serve import serve_options
 from simkv.config import ConfigError, EngineConfig, skip_layers_block_size, turboquant_boundary_layers
-from simkv.specs import turboquant_slot_bytes
+from simkv.specs import get_model_spec, octave_slot_bytes, turboquant_slot_bytes, ultraquant_slot_bytes
 
 MEMORY = 20 * 2**30
 
@@ -45,6 +47,16 @@ VLLM_CASES = [  # (model, kv_cache_dtype, skip layers, block size given, TP[, PP
     (("llama-3-8b", "turboquant_4bit_nc", "", 16, 1, 1, "eagle3"), (32, 14136)),
     (("llama-3-8b", "fp8", "0,31", 16, 1, 1, "eagle3"), (32, 9362)),
 ]
+# ... and ROCm's UltraQuant on an MI300X: TurboQuant's boundary layers, aligned by ROCM_ATTN (the
+# boundary layers' backend; its smallest kernel block is 16 as FlashAttention's)
+ROCM_CASES = [
+    (("llama-3-8b", "ultraquant_4bit", "", 16, 1), (32, 14324)),
+    (("llama-3-8b", "ultraquant_4bit", "7", 64, 1), (64, 6730)),
+    (("qwen3-8b", "ultraquant_4bit", "", 16, 1), (32, 13107)),
+    (("llama-3-70b", "ultraquant_4bit", "", 16, 4), (32, 27094)),
+    (("llama-3-8b", "ultraquant_4bit", "", 16, 1, 2), (32, 28649)),
+    (("llama-3.2-1b", "ultraquant_4bit", "", 32, 1), (32, 45590)),
+]
 
 
 def _config(model, dtype, skip, block_size, tp, pp=1, drafter=None, **more):
@@ -57,6 +69,13 @@ def _config(model, dtype, skip, block_size, tp, pp=1, drafter=None, **more):
 @pytest.mark.parametrize("case, expected", VLLM_CASES)
 def test_block_size_and_blocks_are_vllms(case, expected):
     config = _config(*case)
+    assert (config.cache.block_size, compute_capacity(config).num_gpu_blocks) == expected
+    assert len(config.kv_cache_groups.groups) == 1
+
+
+@pytest.mark.parametrize("case, expected", ROCM_CASES)
+def test_ultraquants_block_size_and_blocks_are_vllms(case, expected):
+    config = _config(*case, gpu="MI300X")
     assert (config.cache.block_size, compute_capacity(config).num_gpu_blocks) == expected
     assert len(config.kv_cache_groups.groups) == 1
 
@@ -115,6 +134,63 @@ def test_turboquant_on_linear_attention_grows_the_block_from_the_packed_page(dty
     assert cached.cache.block_size == expected
 
 
+def test_rocms_formats_pack_a_heads_k_and_v_into_a_slot():
+    """vLLM's slot sizes: UltraQuant's fp4 codes and a scale byte per 32 for K and V (136 bytes at
+    head_dim 128, 272 at 256); Octave's codes (its rotary 64 dims' K at 4 bits, the rest at 3; V
+    at its bits) and fp16 scales, padded to 8 bytes (compact: 4)."""
+    assert [ultraquant_slot_bytes(d) for d in (64, 128, 256)] == [68, 136, 272]
+    assert [octave_slot_bytes(d, 256) for d in ("octave_k3v4", "octave_k3v3", "octave_k3v3_compact")] == [248, 216, 196]
+    # UltraQuant keeps TurboQuant's boundary layers: 28 packed layers and 4 bf16 ones of llama-3-8b
+    config = _config("llama-3-8b", "ultraquant_4bit", "", 16, 1, gpu="MI300X")
+    assert config.kv_skip_layer_indices == {0, 1, 30, 31}
+    assert compute_capacity(config).kv_bytes_per_token == 8 * (28 * 136 + 4 * 512)
+    assert make_roofline(config).kv_bytes_per_token == 8 * (28 * 136 + 4 * 512)
+    # Octave keeps none: Qwen3-Next's 12 attention layers of 2 KV heads, on four MI300Xs
+    octave = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "MI300X", "tensor_parallel_size": 4,
+                                     "kv_cache_dtype": "octave_k3v4"})
+    assert octave.kv_skip_layers == 0 and get_model_spec("qwen3-next-80b-a3b").rotary_dim == 64
+    assert make_roofline(octave).kv_bytes_per_token == 12 * 1 * 248
+
+
+# vLLM 0.33's Platform._align_hybrid_block_size on Qwen3-Next (scripts/oracle_kv_skip_layers.py; None:
+# no block size given, where UltraQuant's backend prefers 64)
+@pytest.mark.parametrize("dtype, tp, block_size, expected", [
+    ("ultraquant_4bit", 1, None, 2048), ("ultraquant_4bit", 1, 16, 2032), ("ultraquant_4bit", 4, None, 1024),
+    ("octave_k3v4", 1, None, 2224), ("octave_k3v4", 2, 64, 2240), ("octave_k3v4", 4, 16, 1120),
+    ("octave_k3v3", 1, 16, 2544), ("octave_k3v3", 4, 64, 1280), ("octave_k3v3_compact", 2, None, 2816),
+    ("octave_k3v3_compact", 4, 64, 1408),
+])
+def test_rocms_formats_on_linear_attention_grow_the_block_from_the_packed_page(dtype, tp, block_size, expected):
+    given = {"block_size": block_size} if block_size else {}
+    for caching in (False, True):  # (on ROCm the GDN prefill is Triton's: no checkpoint alignment)
+        config = EngineConfig.from_flat({"model": "qwen3-next-80b-a3b", "gpu": "MI300X", "kv_cache_dtype": dtype,
+                                         "tensor_parallel_size": tp, "enable_prefix_caching": caching} | given)
+        assert config.cache.block_size == expected and config.kv_skip_layers == 0
+
+
+def test_octave_reads_the_rotary_dims_from_a_models_config(tmp_path):
+    """A dense model of head_dim 256 with a quarter of it rotary runs Octave; skipped layers with it
+    are not modelled. The factor comes from the config (or Qwen3-Next's class default, 0.25)."""
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+            "num_hidden_layers": 16, "vocab_size": 32000, "max_position_embeddings": 8192}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base | {"partial_rotary_factor": 0.25}))
+    config = EngineConfig.from_flat({"model": str(path), "gpu": "MI325X", "kv_cache_dtype": "octave_k3v3_compact"})
+    assert compute_capacity(config).kv_bytes_per_token == 16 * 2 * 196 and config.cache.block_size == 16
+    with pytest.raises(ConfigError, match="kv_cache_dtype_skip_layers is not modelled with kv_cache_dtype octave_k3v3"):
+        EngineConfig.from_flat({"model": str(path), "gpu": "MI300X", "kv_cache_dtype": "octave_k3v3",
+                                "kv_cache_dtype_skip_layers": "0"})
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(base | {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}}))
+    with pytest.raises(ConfigError, match="got head_size=256, rotary dims=256"):
+        EngineConfig.from_flat({"model": str(whole), "gpu": "MI300X", "kv_cache_dtype": "octave_k3v4"})
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(base | {"partial_rotary_factor": 0}))
+    with pytest.raises(ValueError, match="field 'partial_rotary_factor' must be a number in"):
+        EngineConfig.from_flat({"model": str(bad)})
+
+
 def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
     """FlashInfer's NVFP4 slot (vLLM's nvfp4_kv_cache_full_dim): head_dim / 2 bytes of fp4 and
     head_dim / 16 fp8 scales, for K and V each: 144 bytes a head and token at head_dim 128."""
@@ -136,6 +212,16 @@ def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
      "kv_cache_dtype turboquant_k8v4 is not modelled with sliding-window"),
     ({"kv_cache_dtype": "turboquant_k8v4", "kv_cache_dtype_skip_layers": "3", "model": "qwen3-next-80b-a3b",
       "tensor_parallel_size": 4}, "kv_cache_dtype turboquant_k8v4 is not modelled with linear-attention layers"),
+    ({"kv_cache_dtype": "ultraquant_4bit"}, "vLLM runs it on its ROCm attention backend ULTRAQUANT, which H100-SXM"),
+    ({"kv_cache_dtype": "octave_k3v4", "model": "qwen3-next-80b-a3b", "gpu": "MI355X", "tensor_parallel_size": 2},
+     "ROCM_OCTAVE supports RDNA3 and CDNA3 only"),
+    ({"kv_cache_dtype": "octave_k3v4", "gpu": "MI300X"},
+     "ROCM_OCTAVE kernels need ROCm, head_size=256 and 64 rotary dims; got head_size=128, rotary dims=128"),
+    ({"kv_cache_dtype": "octave_k3v4", "model": "gemma-3-12b", "gpu": "MI300X"}, "rotary dims=256"),
+    ({"kv_cache_dtype": "ultraquant_4bit", "model": "deepseek-v2-lite", "gpu": "MI300X"},
+     "vLLM's ROCm MLA backends do not take it"),
+    ({"kv_cache_dtype": "ultraquant_4bit", "model": "gemma-3-12b", "gpu": "MI300X"},
+     "kv_cache_dtype ultraquant_4bit is not modelled with sliding-window"),
     ({"kv_cache_dtype_skip_layers": "0,x"}, "'x' is neither a layer index nor 'sliding_window'"),
     ({"kv_cache_dtype_skip_layers": "32"}, "'32' matches no layer of llama-3-8b"),
     ({"kv_cache_dtype_skip_layers": "sliding_window"}, "'sliding_window' matches no layer"),
@@ -176,3 +262,11 @@ def test_a_serve_command_takes_it():
     tq = serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype turboquant_4bit_nc")
     assert tq.options["kv_cache_dtype"] == "turboquant_4bit_nc"
     assert EngineConfig.from_flat(tq.options).kv_skip_layers == 4
+
+
+def test_a_serve_command_takes_rocms_formats():
+    for dtype, block_size in (("octave_k3v4", 2224), ("ultraquant_4bit", 2048)):
+        out = serve_options(f"vllm serve Qwen/Qwen3-Next-80B-A3B-Instruct -tp 2 --kv-cache-dtype {dtype}")
+        config = EngineConfig.from_flat(out.options | {"gpu": "MI300X"})
+        assert config.cache.kv_cache_dtype == dtype and config.cache.block_size == block_size
+        assert EngineConfig.from_flat(config.given_options()).cache == config.cache
