@@ -255,11 +255,10 @@ def kv_bytes_per_token(config: EngineConfig, tensor_parallel_size: int) -> int:
     """K and V of one token on one GPU under that tensor parallelism (1: the whole model), the
     draft network's layers included under speculative decoding."""
     spec = config.kv_spec()
-    dtype_bytes = config.cache.kv_element
-    per_token = spec.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
+    per_token = spec.kv_bytes_per_token(config.kv_element, tensor_parallel_size)
     draft = config.draft_network
     if draft is not None:
-        per_token += draft.kv_bytes_per_token(dtype_bytes, tensor_parallel_size)
+        per_token += draft.kv_bytes_per_token(config.kv_element_for(draft), tensor_parallel_size)
     return per_token
 
 
@@ -286,7 +285,7 @@ def _pipeline_stages(config: EngineConfig, block_bytes: int, draft_weights: floa
     embedding_bytes = 2.0 * spec.vocab_size * spec.hidden_size  # (each end holds its own matrix, tied or not)
     groups = config.kv_cache_groups
     draft = config.draft_network
-    draft_block = (draft.kv_bytes_per_token(config.cache.kv_element, tp) * config.cache.block_size
+    draft_block = (draft.kv_bytes_per_token(config.kv_element_for(draft), tp) * config.cache.block_size
                    if draft is not None and not groups.is_hybrid else 0)
     stages = []
     first_layer = 0
@@ -314,7 +313,7 @@ def _stage_block_bytes(config: EngineConfig, layers: range) -> int:
     unquantized (EngineConfig.kv_skip_layer_indices) at the model's, the others at kv_cache_dtype
     (vLLM sums a worker's layers' pages)."""
     spec, tp = config.hardware.model_spec(), config.hardware.tensor_parallel_size  # (every layer at one dtype)
-    quantized, kept = spec.kv_bytes_per_layer_token(config.cache.kv_element, tp), spec.kv_bytes_per_layer_token(2, tp)
+    quantized, kept = spec.kv_bytes_per_layer_token(config.kv_element, tp), spec.kv_bytes_per_layer_token(2, tp)
     skipped = len(config.kv_skip_layer_indices.intersection(layers))
     return config.cache.block_size * ((len(layers) - skipped) * quantized + skipped * kept)
 
@@ -377,7 +376,7 @@ def compute_capacity(config: EngineConfig, check_fit: bool = True) -> Capacity:
     groups = config.kv_cache_groups
     hybrid = groups.is_hybrid
     if hybrid:  # one block holds `layers_per_block` layers (an EAGLE layer among them, its attention the target's)
-        block_bytes = spec.kv_bytes_per_layer_token(cc.kv_element, tp) * groups.layers_per_block * cc.block_size
+        block_bytes = spec.kv_bytes_per_layer_token(config.kv_element, tp) * groups.layers_per_block * cc.block_size
     else:
         block_bytes = per_token * cc.block_size
     mml = config.max_model_len

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-from simkv.specs import (MAMBA_DTYPE_BYTES, NVFP4_KV_DTYPES, OCTAVE_HEAD_DIM, OCTAVE_KV_DTYPES, OCTAVE_ROTARY_DIM,
+from simkv.specs import (DS_MLA_KV_DTYPES, MAMBA_DTYPE_BYTES, NVFP4_KV_DTYPES, OCTAVE_HEAD_DIM, OCTAVE_KV_DTYPES, OCTAVE_ROTARY_DIM,
                          PER_TOKEN_HEAD_KV_DTYPES, TURBOQUANT_KV_DTYPES, ULTRAQUANT_GROUP, ULTRAQUANT_KV_DTYPES, ModelSpec,
                          get_gpu_spec, get_model_spec)
 
@@ -51,10 +51,10 @@ def exchanges_all_to_all(enable_expert_parallel: bool, all2all_backend: str, exp
     return enable_expert_parallel and all2all_backend in ALL2ALL_BACKENDS and expert_shards > 1
 # vLLM's --kv-cache-dtype choices simkv models (fp16 is simkv's older spelling of float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", *PER_TOKEN_HEAD_KV_DTYPES,
-                   *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES, *ULTRAQUANT_KV_DTYPES, *OCTAVE_KV_DTYPES)
+                   *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES, *ULTRAQUANT_KV_DTYPES, *OCTAVE_KV_DTYPES, *DS_MLA_KV_DTYPES)
 # KV dtypes whose pages a backend packs (ModelSpec.kv_bytes_per_token takes their names)
 PACKED_KV_DTYPES = (*PER_TOKEN_HEAD_KV_DTYPES, *TURBOQUANT_KV_DTYPES, *NVFP4_KV_DTYPES, *ULTRAQUANT_KV_DTYPES,
-                    *OCTAVE_KV_DTYPES)
+                    *OCTAVE_KV_DTYPES, "nvfp4_ds_mla")
 # UltraQuantAttentionBackend.get_preferred_block_size (its FlyDSL decode kernel's KV block)
 ULTRAQUANT_BLOCK_SIZE = 64
 # KV dtypes under which vLLM keeps a dense model's first and last two layers at the model's dtype
@@ -284,8 +284,9 @@ def kv_element(kv_cache_dtype: str) -> int | str:
 
 
 def is_fp8_kv(kv_cache_dtype: str | None) -> bool:
-    """vLLM's fp8 KV caches: fp8 (its e4m3 on CUDA), fp8_e4m3, fp8_e5m2."""
-    return kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
+    """vLLM's fp8 KV caches: fp8 (its e4m3 on CUDA), fp8_e4m3, fp8_e5m2, and fp8_ds_mla (the
+    sparse-MLA layout of fp8 values, its scales and a bf16 rotary key)."""
+    return kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1281,6 +1282,8 @@ class EngineConfig:
                               f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
         if self.cache.kv_cache_dtype in ROCM_PACKED_KV_DTYPES:
             self._verify_rocm_packed_kv()
+        if self.cache.kv_cache_dtype in DS_MLA_KV_DTYPES:
+            self._verify_ds_mla_kv()
         if self.cache.kv_skip_layer_names or self.cache.kv_cache_dtype in BOUNDARY_SKIP_KV_DTYPES:
             self._verify_kv_skip_layers()
         if self.cache.kv_cache_dtype in NVFP4_KV_DTYPES:
@@ -1709,6 +1712,43 @@ class EngineConfig:
         if octave and (self.has_sliding_window or self.attention_chunk_size):
             raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with sliding-window or chunked local attention "
                               "layers yet")
+
+    def _verify_ds_mla_kv(self) -> None:
+        """vLLM's sparse-MLA layouts by name: a sparse latent-attention model on CUDA (ROCm's
+        sparse backend takes neither), nvfp4_ds_mla on data-center Blackwell (FLASHMLA_SPARSE's
+        SM100 kernels) at DeepSeek-V3.2's latent shape, whose 352-byte record vLLM fixes."""
+        dtype, gpu, spec = self.cache.kv_cache_dtype, get_gpu_spec(self.hardware.gpu), self.hardware.model_spec()
+        if not spec.is_sparse:
+            raise ConfigError(f"kv_cache_dtype {dtype}: vLLM's sparse latent-attention layout (FLASHMLA_SPARSE's), "
+                              f"and {self.hardware.model} has no sparse attention (use fp8)")
+        if gpu.platform != "cuda":
+            raise ConfigError(f"kv_cache_dtype {dtype}: vLLM's sparse MLA backend on {self.hardware.gpu} "
+                              "(ROCM_AITER_MLA_SPARSE) takes auto, float16, bfloat16, fp8 and fp8_e4m3 only")
+        if dtype == "nvfp4_ds_mla":
+            if gpu.cuda_major != 10:
+                raise ConfigError(f"kv_cache_dtype {dtype} on {self.hardware.gpu}: FLASHMLA_SPARSE only supports the "
+                                  "nvfp4_ds_mla kv-cache dtype on SM100 (Blackwell)")
+            if (spec.kv_lora_rank, spec.qk_rope_head_dim) != (512, 64):
+                raise ConfigError(f"kv_cache_dtype {dtype} is modelled at DeepSeek-V3.2's latent shape only (512 "
+                                  f"latent and 64 rotary dims; {self.hardware.model}: {spec.kv_lora_rank} and "
+                                  f"{spec.qk_rope_head_dim})")
+
+    @property
+    def kv_element(self) -> int | str:
+        """What sizes the served model's cache entries (ModelSpec.kv_bytes_per_token): `kv_element_for`
+        the model."""
+        return self.kv_element_for(self.hardware.model_spec())
+
+    def kv_element_for(self, spec: ModelSpec) -> int | str:
+        """What sizes `spec`'s cache entries (the served model's or a drafter's): CacheConfig.kv_element,
+        but on a sparse latent-attention model an fp8 cache is FlashMLA's fp8_ds_mla layout where
+        vLLM runs its FLASHMLA_SPARSE backend on it (Hopper, or that layout asked for by name),
+        and plain fp8 latents where FlashInfer's sparse backend (Blackwell's first choice for fp8)
+        or AITER's (ROCm) runs it."""
+        dtype = self.cache.kv_cache_dtype
+        if spec.is_sparse and is_fp8_kv(dtype):
+            return "fp8_ds_mla" if dtype == "fp8_ds_mla" or get_gpu_spec(self.hardware.gpu).cuda_major == 9 else 1
+        return self.cache.kv_element
 
     @property
     def kv_skip_layer_indices(self) -> frozenset[int]:

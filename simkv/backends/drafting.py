@@ -54,7 +54,7 @@ class Drafter:
             if self.method == "mtp":  # (a pass runs one MTP module; memory holds them all)
                 draft = dataclasses.replace(draft, num_layers=1)
             self.network = RooflineCostModel(draft, get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
-                                             config.cache.kv_element,
+                                             config.kv_element_for(draft),
                                              step_overhead_s=spec.spec_draft_pass_overhead_ms * 1e-3,
                                              seq_overhead_s=0.0, num_speculative_tokens=self.k,
                                              data_parallel_size=hw.data_parallel_size,
@@ -73,7 +73,7 @@ class Drafter:
             self.context_weight_bytes = 2.0 * (fc + kv_proj)  # (bf16)
             # per context token: its tapped hidden states in, its K and V in every layer out
             self.context_bytes_per_token = (2.0 * draft.num_layers * target.hidden_size
-                                            + draft.kv_bytes_per_token(config.cache.kv_element, tp))
+                                            + draft.kv_bytes_per_token(config.kv_element_for(draft), tp))
 
     @staticmethod
     def _sampling_contexts(output: SchedulerOutput) -> list[int]:

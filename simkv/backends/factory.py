@@ -90,7 +90,7 @@ def make_roofline(config: EngineConfig, params: dict | None = None, fitted_from:
     (simkv/backends/roofline_fit.py)."""
     hw = config.hardware
     model = RooflineCostModel(config.kv_spec(), get_gpu_spec(hw.gpu), hw.tensor_parallel_size,
-                              config.cache.kv_element, layer_windows=config.layer_windows,
+                              config.kv_element, layer_windows=config.layer_windows,
                               attention_chunked=bool(config.attention_chunk_size),
                               num_speculative_tokens=config.speculative.num_speculative_tokens,
                               data_parallel_size=hw.data_parallel_size, block_size=config.cache.block_size,

@@ -137,7 +137,7 @@ class RooflineCostModel:
             self.flops_per_pair = 2.0 * heads_layers * (model.head_dim + model.v_head_dim) / tp
             self.flops_per_latent_pair = 2.0 * heads_layers * (2 * model.kv_lora_rank + model.qk_rope_head_dim) / tp
             self.flops_per_upproj_token = 2.0 * model.num_layers * model.kv_up_params / tp
-            self.mla_decode_query_len = mla_decode_query_len(gpu, num_speculative_tokens, kv_dtype_bytes == 1,
+            self.mla_decode_query_len = mla_decode_query_len(gpu, num_speculative_tokens, kv_dtype_bytes in (1, "fp8_ds_mla"),
                                                              block_size)
         # FLOPs are counted at the bf16 rate: a matmul vLLM runs in fp8 (ModelSpec.fp8_matmul_params,
         # on a GPU with fp8 tensor cores) counts bf16_tflops / fp8_tflops of its FLOPs.
@@ -260,7 +260,7 @@ class RooflineCostModel:
         if self.dp > 1:
             self.expert_bytes_per_rank *= expert_factor
 
-    def _sparse_setup(self, kv_dtype_bytes: int, num_speculative_tokens: int, shard_min_rows: int | None,
+    def _sparse_setup(self, kv_dtype_bytes: int | str, num_speculative_tokens: int, shard_min_rows: int | None,
                       tp_link_gbs: float | None, allreduce_latency_s: float) -> None:
         """DeepSeek sparse attention (`sparse_work`). Every GPU runs the whole indexer (vLLM
         replicates its projections): its weights and per-token FLOPs are not split by TP, and

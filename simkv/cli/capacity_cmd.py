@@ -43,7 +43,7 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
     if spec.is_sparse:  # (DeepSeek sparse attention: the indexer's keys ride in every block beside the latent)
         extra["sparse_attention"] = {"index_topk": spec.index_topk,
                                      "indexer_bytes_per_token": spec.indexer_bytes_per_token(),
-                                     "latent_bytes_per_token": spec.latent_bytes_per_token(config.cache.kv_dtype_bytes)}
+                                     "latent_bytes_per_token": spec.latent_bytes_per_token(config.kv_element)}
     if dcp > 1:
         extra |= {"decode_context_parallel_size": dcp, "kv_manager_block_size": config.kv_manager_block_size}
     if pcp > 1:  # (each PCP rank's TP group holds the whole cache; the routed experts span them all)

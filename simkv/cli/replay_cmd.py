@@ -484,7 +484,8 @@ _ENGINE_OPTIONS = [
                       "and token for K and V each; turboquant_* pack a head's K and V into one slot and keep the "
                       "first and last two layers bf16; nvfp4 (FlashInfer's) stores fp4 with an fp8 scale per 16; "
                       "on ROCm, ultraquant_4bit packs fp4 with a scale byte per 32 (and keeps TurboQuant's bf16 "
-                      "layers), octave_* pack 3- and 4-bit codes (head_dim 256, 64 rotary dims, MI300X/MI325X) "
+                      "layers), octave_* pack 3- and 4-bit codes (head_dim 256, 64 rotary dims, MI300X/MI325X); "
+                      "on sparse latent attention, fp8_ds_mla and nvfp4_ds_mla (Blackwell) name FlashMLA's layouts "
                       "[default: auto, the model's bf16]"),
     click.option("--kv-cache-dtype-skip-layers", default=None, metavar="I,J,...",
                  help="vLLM's: decoder layers whose K and V stay bf16 under an fp8, TurboQuant or UltraQuant "

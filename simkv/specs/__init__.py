@@ -383,12 +383,19 @@ class ModelSpec:
         d = self.index_head_dim
         return self.num_layers * (d + d // INDEXER_QUANT_BLOCK * 4) if self.is_sparse else 0
 
-    def latent_bytes_per_token(self, dtype_bytes: int) -> int:
-        """One token's latent and rotary key over all layers. A sparse model's fp8 cache is vLLM's
-        fp8_ds_mla layout: the latent in fp8 with a float32 scale per 128, the rotary key bf16."""
+    def latent_bytes_per_token(self, dtype_bytes: int | str) -> int:
+        """One token's latent and rotary key over all layers, at `dtype_bytes` an element, or in one
+        of vLLM's sparse-MLA layouts (FlashMLA's, DS_MLA_KV_DTYPES): fp8_ds_mla, the latent in fp8
+        with a float32 scale per 128 and the rotary key bf16 (656 B a layer at DeepSeek-V3.2's
+        shape); nvfp4_ds_mla, the latent in fp4 with an fp8 scale per 16 and the rotary key fp8
+        (352 B)."""
         r, rope = self.kv_lora_rank, self.qk_rope_head_dim
-        if self.is_sparse and dtype_bytes == 1:
+        if dtype_bytes == "fp8_ds_mla":
             return self.num_layers * (r + r // INDEXER_QUANT_BLOCK * 4 + 2 * rope)
+        if dtype_bytes == "nvfp4_ds_mla":
+            return self.num_layers * (r // 2 + r // 16 + rope)
+        if isinstance(dtype_bytes, str):
+            raise ValueError(f"{dtype_bytes}: a KV format with no latent-attention layout")
         return self.num_layers * (r + rope) * dtype_bytes
 
     @property
@@ -578,11 +585,9 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_bytes: int | str, tensor_parallel_size: int = 1) -> int:
         """K and V of one token over all attention layers, per GPU under tensor parallelism (latent
         attention: the latent and rotary key, which every GPU holds whole; linear-attention layers
-        hold none). `dtype_bytes`: an element's bytes, or a per-token-head KV dtype's name
-        (`kv_head_token_bytes`)."""
+        hold none). `dtype_bytes`: an element's bytes, or a packed KV format's name
+        (`kv_head_token_bytes`; latent attention: `latent_bytes_per_token`)."""
         if self.is_mla:  # (sparse attention: the indexer's keys too)
-            if isinstance(dtype_bytes, str):
-                raise ValueError(f"{dtype_bytes}: a per-token-head KV cache has no latent-attention layout")
             return self.latent_bytes_per_token(dtype_bytes) + self.indexer_bytes_per_token()
         kv_heads = max(self.num_kv_heads // tensor_parallel_size, 1)
         skipped = self.kv_skip_layers
@@ -609,6 +614,12 @@ TURBOQUANT_KV_DTYPES = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
 # vLLM's NVFP4 KV cache (--kv-cache-dtype nvfp4, nvfp4_4over6; FlashInfer's): K and V each in a slot
 # of their own, fp4 values (two a byte) and an fp8 scale for every 16 (nvfp4_kv_cache_full_dim)
 NVFP4_KV_DTYPES = ("nvfp4", "nvfp4_4over6")
+
+
+# vLLM's sparse-MLA KV layouts (--kv-cache-dtype, its FlashMLA sparse kernels; ModelSpec.latent_bytes_per_token):
+# fp8_ds_mla is the layout its fp8 cache takes where FLASHMLA_SPARSE runs it (Hopper), nvfp4_ds_mla its
+# Blackwell fp4 one
+DS_MLA_KV_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
 
 
 # vLLM's ROCm KV formats. UltraQuant (--kv-cache-dtype ultraquant_4bit): a head's K and V in one slot,

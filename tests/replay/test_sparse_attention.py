@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from simkv.backends.drafting import Drafter
+from simkv.backends.factory import make_roofline
 from simkv.backends.roofline import RooflineCostModel, capped_pairs
 from simkv.capacity import compute_capacity
 from simkv.cli.main import main
@@ -30,7 +31,8 @@ def test_the_cache_holds_the_latent_and_the_indexer_key():
     one float32 scale, 132 B; vLLM's sparse kernels take 64-token blocks."""
     spec = get_model_spec("deepseek-v3.2")
     assert spec.kv_bytes_per_token(2) == 61 * (1152 + 132) == 78_324
-    assert spec.kv_bytes_per_token(1) == 61 * (656 + 132) == 48_068
+    assert spec.kv_bytes_per_token("fp8_ds_mla") == 61 * (656 + 132) == 48_068
+    assert spec.kv_bytes_per_token(1) == 61 * (576 + 132)  # (plain fp8 latents: FlashInfer's and AITER's)
     assert get_model_spec("deepseek-v3").kv_bytes_per_token(2) == 61 * 1152
     bf16 = compute_capacity(EngineConfig.from_flat(V32))
     fp8 = compute_capacity(EngineConfig.from_flat(V32 | {"kv_cache_dtype": "fp8"}))
@@ -247,3 +249,32 @@ def test_the_tp_ranks_split_the_prefill_rows_past_a_threshold():
     assert config.attention.indexer_tp_shard_min_rows == 4096
     with pytest.raises(ConfigError, match="indexer_tp_shard_min_rows must be >= 1"):
         EngineConfig.from_flat(V32 | {"indexer_tp_shard_min_rows": 0})
+
+
+# vLLM 0.33's backend choice for DeepSeek-V3.2's sparse attention (scripts/oracle_sparse_mla_kv.py: its
+# platform's priorities, each backend's validate_configuration and _canonicalize_sparse_mla_kv_cache_dtype):
+# fp8 on Hopper runs FLASHMLA_SPARSE, which stores fp8_ds_mla; on Blackwell FLASHINFER_MLA_SPARSE,
+# plain fp8 latents, unless fp8_ds_mla or nvfp4_ds_mla is asked for by name (then FLASHMLA_SPARSE)
+@pytest.mark.parametrize("gpu, dtype, latent", [
+    ("H200", "fp8", 656), ("H200", "fp8_ds_mla", 656), ("B200", "fp8", 576), ("B200", "fp8_ds_mla", 656),
+    ("B200", "nvfp4_ds_mla", 352), ("B300", "nvfp4_ds_mla", 352), ("MI300X", "fp8", 576), ("B200", "auto", 1152),
+])
+def test_the_latent_layout_is_the_sparse_backends(gpu, dtype, latent):
+    config = EngineConfig.from_flat(V32 | {"gpu": gpu, "kv_cache_dtype": dtype})
+    capacity = compute_capacity(config)
+    assert capacity.kv_bytes_per_token == 61 * (latent + 132)  # (on each GPU: every one holds it whole)
+    assert make_roofline(config).kv_bytes_per_token == 61 * (latent + 132)
+    assert capacity.block_size == 64
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"gpu": "H200", "kv_cache_dtype": "nvfp4_ds_mla"},
+     "FLASHMLA_SPARSE only supports the nvfp4_ds_mla kv-cache dtype on SM100"),
+    ({"gpu": "MI300X", "kv_cache_dtype": "fp8_ds_mla"}, "ROCM_AITER_MLA_SPARSE\) takes auto, float16, bfloat16, fp8"),
+    ({"model": "deepseek-v3", "kv_cache_dtype": "fp8_ds_mla"}, "deepseek-v3 has no sparse attention"),
+    ({"model": "llama-3-8b", "tensor_parallel_size": 1, "kv_cache_dtype": "nvfp4_ds_mla"},
+     "llama-3-8b has no sparse attention"),
+])
+def test_the_sparse_layouts_by_name_are_refused_where_vllm_has_no_backend_for_them(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_flat(V32 | options)

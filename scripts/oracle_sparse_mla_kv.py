@@ -1,0 +1,102 @@
+"""vLLM 0.33's own choice of sparse-MLA backend and KV layout for DeepSeek-V3.2, by GPU generation
+and --kv-cache-dtype, against simkv's (EngineConfig.kv_element: the layout whose bytes a latent
+takes). vLLM's CUDA platform's backend priorities, each backend's validate_configuration and
+mla_attention's _canonicalize_sparse_mla_kv_cache_dtype run here on a CPU; no GPU is needed.
+
+A development aid, not a test dependency. Run it with the vLLM oracle's Python:
+    bash ../shared/tools/vllm_oracle/setup.sh /tmp/vllm-oracle-venv
+    PYTHONPATH=. /tmp/vllm-oracle-venv/bin/python scripts/oracle_sparse_mla_kv.py
+
+Each case prints vLLM's backend, its layout and simkv's, and 'equal' or 'DIFFERENT'; the exit
+status is the number of cases that differ. (ROCm's sparse backend, ROCM_AITER_MLA_SPARSE, takes
+auto, float16, bfloat16, fp8 and fp8_e4m3 with no renaming: read off its class, not run here.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+# DeepSeek-V3.2's published config.json fields that vLLM's ModelConfig reads
+DEEPSEEK_V32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 7168,
+                "num_attention_heads": 128, "num_key_value_heads": 128, "num_hidden_layers": 61, "vocab_size": 129280,
+                "max_position_embeddings": 163840, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536, "intermediate_size": 18432,
+                "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "index_topk": 2048,
+                "index_n_heads": 64, "index_head_dim": 128, "first_k_dense_replace": 3, "n_shared_experts": 1,
+                "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000}
+GPUS = {9: "H200", 10: "B200"}  # (CUDA major -> a catalogue GPU of that generation)
+DTYPES = ("auto", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+LAYOUT_BYTES = {"auto": 1152, "fp8": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}  # (a layer's latent record)
+
+
+def vllm_choice(major: int, dtype: str) -> tuple[str | None, str | None]:
+    """The backend vLLM's selector takes for V3.2's sparse layers and the layout it stores."""
+    # (no CUDA here: stand-ins for the compiled ops and FlashAttention's kernels, which the backends'
+    # modules import and their classes' choices do not run)
+    sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    for name in ("vllm.vllm_flash_attn", "vllm.vllm_flash_attn.flash_attn_interface"):
+        stand_in = sys.modules.setdefault(name, types.ModuleType(name))
+        stand_in.flash_attn_varlen_func = None
+    import torch
+    import vllm.triton_utils as triton_utils
+
+    for name in ("float16", "bfloat16", "float32", "int8", "uint8", "int32"):  # (its placeholder triton.language)
+        if not hasattr(triton_utils.tl, name):
+            setattr(triton_utils.tl, name, None)
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.model_executor.layers.attention.mla_attention import _canonicalize_sparse_mla_kv_cache_dtype
+    from vllm.platforms.cuda import _get_backend_priorities
+    from vllm.platforms.interface import DeviceCapability
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V32))
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
+                        device_config=DeviceConfig(device="cpu"))
+    capability = DeviceCapability(major, 0)
+    head_size = DEEPSEEK_V32["kv_lora_rank"] + DEEPSEEK_V32["qk_rope_head_dim"]
+    with set_current_vllm_config(config):
+        for backend in _get_backend_priorities(True, capability, DEEPSEEK_V32["num_attention_heads"], dtype, False,
+                                               head_size, False):
+            if "SPARSE" not in backend.name:  # (dense MLA backends, which refuse sparse layers; some of them
+                continue                      # allocate CUDA memory at import)
+            cls = backend.get_class()
+            if not cls.validate_configuration(head_size=head_size, dtype=torch.bfloat16, kv_cache_dtype=dtype,
+                                              block_size=64, use_mla=True, has_sink=False, use_sparse=True,
+                                              use_mm_prefix=False, use_per_head_quant_scales=False,
+                                              device_capability=capability, attn_type="decoder"):
+                return cls.get_name(), _canonicalize_sparse_mla_kv_cache_dtype(cls, dtype)
+    return None, None
+
+
+def simkv_layout(major: int, dtype: str) -> str | None:
+    """The layout simkv sizes the latent at (None: refused)."""
+    from simkv.config import ConfigError, EngineConfig
+
+    try:
+        config = EngineConfig.from_flat({"model": "deepseek-v3.2", "gpu": GPUS[major], "tensor_parallel_size": 8,
+                                         "kv_cache_dtype": dtype})
+    except ConfigError:
+        return None
+    latent = config.hardware.model_spec().latent_bytes_per_token(config.kv_element) // 61
+    return {v: k for k, v in LAYOUT_BYTES.items()}[latent]
+
+
+def main() -> int:
+    differ = 0
+    for major in GPUS:
+        for dtype in DTYPES:
+            backend, layout = vllm_choice(major, dtype)
+            ours = simkv_layout(major, dtype)
+            same = layout == ours
+            differ += not same
+            print(f"SM{major}0 {dtype}: vLLM {backend} storing {layout}; simkv {ours}: {'equal' if same else 'DIFFERENT'}")
+    return differ
+
+
+if __name__ == "__main__":
+    sys.exit(main())
