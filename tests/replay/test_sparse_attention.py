@@ -270,7 +270,7 @@ def test_the_latent_layout_is_the_sparse_backends(gpu, dtype, latent):
 @pytest.mark.parametrize("options, message", [
     ({"gpu": "H200", "kv_cache_dtype": "nvfp4_ds_mla"},
      "FLASHMLA_SPARSE only supports the nvfp4_ds_mla kv-cache dtype on SM100"),
-    ({"gpu": "MI300X", "kv_cache_dtype": "fp8_ds_mla"}, "ROCM_AITER_MLA_SPARSE\) takes auto, float16, bfloat16, fp8"),
+    ({"gpu": "MI300X", "kv_cache_dtype": "fp8_ds_mla"}, r"ROCM_AITER_MLA_SPARSE\) takes auto, float16, bfloat16, fp8"),
     ({"model": "deepseek-v3", "kv_cache_dtype": "fp8_ds_mla"}, "deepseek-v3 has no sparse attention"),
     ({"model": "llama-3-8b", "tensor_parallel_size": 1, "kv_cache_dtype": "nvfp4_ds_mla"},
      "llama-3-8b has no sparse attention"),
