@@ -1,6 +1,7 @@
 """vLLM 0.33's own choice of sparse-MLA backend and KV layout for DeepSeek-V3.2, by GPU generation
 and --kv-cache-dtype, against simkv's (EngineConfig.kv_element: the layout whose bytes a latent
-takes). vLLM's CUDA platform's backend priorities, each backend's validate_configuration and
+takes), and the blocks 40 GiB of KV cache hold in that layout (vLLM's grouping and block count
+on the latent and indexer caches' specs, kv_cache_planning). vLLM's CUDA platform's backend priorities, each backend's validate_configuration and
 mla_attention's _canonicalize_sparse_mla_kv_cache_dtype run here on a CPU; no GPU is needed.
 
 A development aid, not a test dependency. Run it with the vLLM oracle's Python:
@@ -86,6 +87,47 @@ def simkv_layout(major: int, dtype: str) -> str | None:
     return {v: k for k, v in LAYOUT_BYTES.items()}[latent]
 
 
+MEMORY = 40 * 2**30  # bytes of KV cache on a GPU, for the block count
+
+
+def vllm_blocks(layout: str) -> tuple[list[str], int]:
+    """vLLM's KV-cache groups and block count for V3.2's layers (each an MLA spec as
+    MLAAttention.get_kv_cache_spec makes it, in `layout`, and its indexer's key cache as
+    DeepseekV32IndexerCache's) on MEMORY bytes, at 64-token blocks."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V32))
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
+                        cache_config=CacheConfig(block_size=64), device_config=DeviceConfig(device="cpu"))
+    config.cache_config.kv_cache_layout = "LBNHC"  # (as oracle_kv_skip_layers.py sets it)
+    dtype = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(layout, torch.uint8)
+    index_dim = DEEPSEEK_V32["index_head_dim"]
+    specs = {}
+    for i in range(DEEPSEEK_V32["num_hidden_layers"]):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=dtype, cache_dtype_str=layout,
+            kv_quant_mode=get_kv_quant_mode(layout), state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(layout),
+            is_index_group_leader=True)
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=index_dim + index_dim // 128 * 4,
+            dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+    groups = get_kv_cache_groups(config, specs)
+    return ([type(g.kv_cache_spec).__name__ for g in groups],
+            get_kv_cache_config_from_groups(config, groups, MEMORY).num_blocks)
+
+
+def simkv_blocks(major: int, dtype: str) -> int:
+    from simkv.capacity import compute_capacity
+    from simkv.config import EngineConfig
+
+    return compute_capacity(EngineConfig.from_flat({"model": "deepseek-v3.2", "gpu": GPUS[major], "tensor_parallel_size": 8,
+                                                    "kv_cache_dtype": dtype, "kv_cache_memory_bytes": MEMORY})).num_gpu_blocks
+
+
 def main() -> int:
     differ = 0
     for major in GPUS:
@@ -95,6 +137,11 @@ def main() -> int:
             same = layout == ours
             differ += not same
             print(f"SM{major}0 {dtype}: vLLM {backend} storing {layout}; simkv {ours}: {'equal' if same else 'DIFFERENT'}")
+            if layout is not None:  # (the blocks 40 GiB of KV cache a GPU hold in that layout)
+                groups, theirs = vllm_blocks(layout)
+                mine = simkv_blocks(major, dtype)
+                differ += theirs != mine
+                print(f"    groups {groups}, blocks: vLLM {theirs}, simkv {mine}: {'equal' if theirs == mine else 'DIFFERENT'}")
     return differ
 
 

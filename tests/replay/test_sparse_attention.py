@@ -254,17 +254,23 @@ def test_the_tp_ranks_split_the_prefill_rows_past_a_threshold():
 # vLLM 0.33's backend choice for DeepSeek-V3.2's sparse attention (scripts/oracle_sparse_mla_kv.py: its
 # platform's priorities, each backend's validate_configuration and _canonicalize_sparse_mla_kv_cache_dtype):
 # fp8 on Hopper runs FLASHMLA_SPARSE, which stores fp8_ds_mla; on Blackwell FLASHINFER_MLA_SPARSE,
-# plain fp8 latents, unless fp8_ds_mla or nvfp4_ds_mla is asked for by name (then FLASHMLA_SPARSE)
-@pytest.mark.parametrize("gpu, dtype, latent", [
-    ("H200", "fp8", 656), ("H200", "fp8_ds_mla", 656), ("B200", "fp8", 576), ("B200", "fp8_ds_mla", 656),
-    ("B200", "nvfp4_ds_mla", 352), ("B300", "nvfp4_ds_mla", 352), ("MI300X", "fp8", 576), ("B200", "auto", 1152),
+# plain fp8 latents, unless fp8_ds_mla or nvfp4_ds_mla is asked for by name (then FLASHMLA_SPARSE); and
+# the blocks vLLM's planning code gives 40 GiB of KV cache in that layout (the latent and indexer specs
+# in one group; None: not checked there)
+@pytest.mark.parametrize("gpu, dtype, latent, blocks", [
+    ("H200", "fp8", 656, 13961), ("H200", "fp8_ds_mla", 656, 13961), ("B200", "fp8", 576, 15538),
+    ("B200", "fp8_ds_mla", 656, 13961), ("B200", "nvfp4_ds_mla", 352, 22730), ("B300", "nvfp4_ds_mla", 352, None),
+    ("MI300X", "fp8", 576, None), ("B200", "auto", 1152, 8568), ("H200", "auto", 1152, 8568),
 ])
-def test_the_latent_layout_is_the_sparse_backends(gpu, dtype, latent):
+def test_the_latent_layout_is_the_sparse_backends(gpu, dtype, latent, blocks):
     config = EngineConfig.from_flat(V32 | {"gpu": gpu, "kv_cache_dtype": dtype})
     capacity = compute_capacity(config)
     assert capacity.kv_bytes_per_token == 61 * (latent + 132)  # (on each GPU: every one holds it whole)
     assert make_roofline(config).kv_bytes_per_token == 61 * (latent + 132)
     assert capacity.block_size == 64
+    if blocks is not None:
+        sized = EngineConfig.from_flat(V32 | {"gpu": gpu, "kv_cache_dtype": dtype, "kv_cache_memory_bytes": 40 * 2**30})
+        assert compute_capacity(sized).num_gpu_blocks == blocks
 
 
 @pytest.mark.parametrize("options, message", [
