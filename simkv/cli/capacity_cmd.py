@@ -43,7 +43,10 @@ def capacity_report(config: EngineConfig, request_tokens: tuple[int, ...] = ()) 
     if spec.is_sparse:  # (DeepSeek sparse attention: the indexer's keys ride in every block beside the latent)
         extra["sparse_attention"] = {"index_topk": spec.index_topk,
                                      "indexer_bytes_per_token": spec.indexer_bytes_per_token(),
-                                     "latent_bytes_per_token": spec.latent_bytes_per_token(config.kv_element)}
+                                     "latent_bytes_per_token": spec.latent_bytes_per_token(config.kv_element),
+                                     # (the latent's layout: FlashMLA's on Hopper, plain fp8 elsewhere)
+                                     "latent_layout": {1: "fp8", 2: "fp16" if cc.kv_cache_dtype in ("float16", "fp16")
+                                                       else "bf16"}.get(config.kv_element, config.kv_element)}
     if dcp > 1:
         extra |= {"decode_context_parallel_size": dcp, "kv_manager_block_size": config.kv_manager_block_size}
     if pcp > 1:  # (each PCP rank's TP group holds the whole cache; the routed experts span them all)
@@ -244,7 +247,8 @@ def print_report(rep: dict) -> None:
     if rep.get("sparse_attention"):
         sparse = rep["sparse_attention"]
         rows.insert(0, ("sparse attention: latent + indexer key per token",
-                        f"{sparse['latent_bytes_per_token']:,} + {sparse['indexer_bytes_per_token']:,} B "
+                        f"{sparse['latent_bytes_per_token']:,} ({sparse['latent_layout']}) + "
+                        f"{sparse['indexer_bytes_per_token']:,} B "
                         f"(each query attends its top {sparse['index_topk']:,})"))
     if rep.get("latent_cache_on_every_gpu"):
         rows.insert(0, ("attention", "MLA: each GPU holds the whole latent cache"))

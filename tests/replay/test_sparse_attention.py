@@ -284,3 +284,11 @@ def test_the_latent_layout_is_the_sparse_backends(gpu, dtype, latent, blocks):
 def test_the_sparse_layouts_by_name_are_refused_where_vllm_has_no_backend_for_them(options, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flat(V32 | options)
+
+
+def test_capacity_names_the_latents_layout():
+    for gpu, layout in (("H200", "fp8_ds_mla"), ("B200", "fp8")):
+        res = CliRunner().invoke(main, ["capacity", "--model", "deepseek-v3.2", "-tp", "8", "--gpu", gpu,
+                                        "--kv-cache-dtype", "fp8", "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["sparse_attention"]["latent_layout"] == layout
