@@ -55,6 +55,8 @@ device runs this one, and the engine makes a step last max(device time, host tim
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from simkv.backends.base import layer_window_counts, prefill_work, windowed_prefill_work
@@ -63,6 +65,7 @@ from simkv.backends.pcp_split import split_step
 from simkv.core.outputs import SchedulerOutput
 from simkv.clock import per_token_ticks, to_ticks
 from simkv.specs import GPUSpec, ModelSpec
+from simkv.specs.gpu_file import is_gpu_file
 
 
 class RooflineCostModel:
@@ -675,6 +678,8 @@ class RooflineCostModel:
         out = {"cost_model": "roofline", "model": self.model.name, "gpu": self.gpu.name,
                "tensor_parallel_size": self.tp, **self.params, **(self.fitted_from or {}),
                **({"weight_offload": self.weight_offload} if self.weight_offload else {})}
+        if is_gpu_file(self.gpu.name):  # (a GPU file's numbers, as read: the file may change later)
+            out["gpu_spec"] = {k: v for k, v in dataclasses.asdict(self.gpu).items() if k != "name"}
         if self.ubatching is not None:
             n, decode, prefill = self.ubatching
             out["dual_batch_overlap"] = {"microbatches": n, "decode_token_threshold": decode,

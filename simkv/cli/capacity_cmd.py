@@ -320,7 +320,8 @@ def print_report(rep: dict) -> None:
 @click.command("capacity", cls=SectionedCommand)
 @click.option("--model", default=None,
               help="A model of simkv/specs/models.yaml, or a Hugging Face config.json [default: llama-3-8b]")
-@click.option("--gpu", default=None, help="A GPU of simkv/specs/gpus.yaml [default: H100-SXM]")
+@click.option("--gpu", default=None,
+              help="A GPU of simkv/specs/gpus.yaml, or a YAML/JSON file of its datasheet's fields [default: H100-SXM]")
 @click.option("--tensor-parallel-size", "-tp", type=int, default=None, help="[default: 1]")
 @click.option("--data-parallel-size", "-dp", type=int, default=None,
               help="A mixture of experts: data-parallel attention ranks (their experts span all GPUs) [default: 1]")

@@ -16,8 +16,9 @@ from simkv.cli.help_sections import SectionedCommand
 from simkv.config import (ALL2ALL_BACKENDS, EXPERT_PLACEMENT_STRATEGIES, GATHER_BACKENDS, KV_CACHE_DTYPES,
                           PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig, HardwareConfig)
 from simkv.replay.engine import ReplayError
+from simkv.cli.gpu_option import GPUName
 from simkv.cli.model_option import ModelName
-from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec, gpu_names
+from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec
 
 # CLI flag -> engine option (vLLM's names).
 _ENGINE_FLAGS = {
@@ -362,7 +363,10 @@ _ENGINE_OPTIONS = [
     click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP),
     click.option("--model", type=ModelName(), default=None,
                  help="A shipped model, or a Hugging Face config.json of your own [default: llama-3-8b]"),
-    click.option("--gpu", type=click.Choice(gpu_names()), default=None, help="[default: H100-SXM]"),
+    click.option("--gpu", type=GPUName(), default=None,
+                 help="A GPU of the catalogue, or a YAML/JSON file of its datasheet's fields (memory_gib, "
+                      "mem_bandwidth_gbs, bf16_tflops, fp8_tflops, interconnect_gbs, compute_capability, platform) "
+                      "[default: H100-SXM]"),
     click.option("--tensor-parallel-size", "-tp", type=int, default=None),
     click.option("--data-parallel-size", "-dp", type=int, default=None,
                  help="A mixture of experts: data-parallel attention ranks in lockstep, their experts over "

@@ -745,9 +745,16 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def get_gpu_spec(name: str) -> GPUSpec:
+    """A catalogue GPU (simkv/specs/gpus.yaml), or one described by a YAML or JSON file given by
+    its path (simkv/specs/gpu_file.py)."""
+    from simkv.specs.gpu_file import gpu_fields_from_file, is_gpu_file
+
+    if is_gpu_file(name):
+        return GPUSpec(name=name, **gpu_fields_from_file(name))
     table = _load("gpus.yaml")
     if name not in table:
-        raise ValueError(f"unknown GPU '{name}'; known GPUs: {', '.join(sorted(table))}")
+        raise ValueError(f"unknown GPU '{name}'; known GPUs: {', '.join(sorted(table))} (or the path of a "
+                         "GPU file: .yaml or .json with a catalogue entry's fields, simkv/specs/gpu_file.py)")
     return GPUSpec(name=name, **table[name])
 
 

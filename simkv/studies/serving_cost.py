@@ -21,8 +21,10 @@ class PriceError(ValueError):
 
 
 def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
-    """``["H100-SXM=2.49", ...]`` -> {gpu: USD per GPU-hour}; GPU names from the catalogue."""
-    from simkv.specs import gpu_names
+    """``["H100-SXM=2.49", ...]`` -> {gpu: USD per GPU-hour}; GPU names from the catalogue, or the
+    paths of GPU files as --gpu takes them."""
+    from simkv.specs import get_gpu_spec, gpu_names
+    from simkv.specs.gpu_file import is_gpu_file
 
     known = gpu_names()
     prices: dict[str, float] = {}
@@ -30,8 +32,14 @@ def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
         name, sep, value = item.partition("=")
         if not sep:
             raise PriceError(f"--gpu-price {item!r}: expected GPU=USD_PER_GPU_HOUR, e.g. H100-SXM=2.49")
-        if name not in known:
-            raise PriceError(f"--gpu-price {item!r}: unknown GPU '{name}' (known: {', '.join(known)})")
+        if is_gpu_file(name):
+            try:
+                get_gpu_spec(name)
+            except ValueError as exc:
+                raise PriceError(f"--gpu-price {item!r}: {exc}") from None
+        elif name not in known:
+            raise PriceError(f"--gpu-price {item!r}: unknown GPU '{name}' (known: {', '.join(known)}, or a GPU "
+                             "file's path)")
         try:
             price = float(value)
         except ValueError:
