@@ -16,8 +16,7 @@ from simkv.cli.help_sections import SectionedCommand
 from simkv.config import (ALL2ALL_BACKENDS, EXPERT_PLACEMENT_STRATEGIES, GATHER_BACKENDS, KV_CACHE_DTYPES,
                           PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig, HardwareConfig)
 from simkv.replay.engine import ReplayError
-from simkv.cli.gpu_option import GPUName
-from simkv.cli.model_option import ModelName
+from simkv.cli.model_option import GPUName, ModelName
 from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec
 
 # CLI flag -> engine option (vLLM's names).
