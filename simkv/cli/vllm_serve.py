@@ -119,6 +119,9 @@ REFUSED = {
     "aux_output_config": "auxiliary outputs are not modelled",
 }
 
+# vLLM 0.33's --kv-cache-dtype choices that simkv does not model, and why
+UNMODELLED_KV_CACHE_DTYPES = {"fp8_inc": "Intel Gaudi's (HPU) fp8 cache: simkv models CUDA and ROCm GPUs"}
+
 _HUMAN_INTS = ("max_model_len", "max_num_batched_tokens")  # vLLM reads these as 32k, 1M, ...
 
 
@@ -217,6 +220,8 @@ def _convert(flag: Flag):
         return -1  # (fitted to the KV cache)
     if name in _HUMAN_INTS:
         return human_int(text, word)
+    if name == "kv_cache_dtype" and text in UNMODELLED_KV_CACHE_DTYPES:
+        raise ServeCommandError(f"{word} {text!r}: {UNMODELLED_KV_CACHE_DTYPES[text]}")
     param = _simkv_params().get(name)
     if param is None:
         raise ServeCommandError(f"{word}: simkv has no reader for it")  # (every valued one has one: tested)

@@ -362,3 +362,22 @@ def test_layouts_refuse_a_layout_the_command_gives():
     assert "--vllm-serve gives tensor_parallel_size" in cli_fails(
         ["capacity", "--vllm-serve", "vllm serve meta-llama/Meta-Llama-3-70B -tp 2", "--layouts", "8"])
     cli_ok(["capacity", "--vllm-serve", "vllm serve meta-llama/Meta-Llama-3-70B", "--layouts", "8"])
+
+
+# vLLM 0.33's --kv-cache-dtype choices (its CacheDType literal, vllm/config/cache.py)
+VLLM_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+                        "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                        "turboquant_3bit_nc", "octave_k3v4", "octave_k3v3", "octave_k3v3_compact", "ultraquant_4bit",
+                        "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6")
+
+
+def test_every_kv_cache_dtype_of_vllms_is_taken_or_named():
+    from simkv.cli.vllm_serve import UNMODELLED_KV_CACHE_DTYPES
+    from simkv.config import KV_CACHE_DTYPES
+
+    for dtype in VLLM_KV_CACHE_DTYPES:
+        assert (dtype in KV_CACHE_DTYPES) != (dtype in UNMODELLED_KV_CACHE_DTYPES), dtype
+    with pytest.raises(ServeCommandError, match="'fp8_inc': Intel Gaudi's \\(HPU\\) fp8 cache"):
+        serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype fp8_inc")
+    assert serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype ultraquant_4bit"
+                         ).options["kv_cache_dtype"] == "ultraquant_4bit"
