@@ -590,6 +590,10 @@ class HardwareConfig:
     # whose expert layers span all ranks' GPUs and whose steps run in lockstep
     # (simkv/replay/data_parallel.py)
     data_parallel_size: int = 1
+    # vLLM's --dp-sync-interval: data-parallel ranks agree whether any has requests on the first
+    # step of a wave and every this many steps after; a wave whose requests all finished runs
+    # dummy passes until its next such step (simkv/replay/data_parallel.py, PrefillCadence)
+    dp_sync_interval: int = 16
     # vLLM's --decode-context-parallel-size: groups of that many of the TP GPUs shard the KV cache
     # by tokens (each stores block_size tokens of every block of block_size x DCP) instead of
     # each holding every token of its heads (a latent, or KV heads duplicated when TP > KV heads)
@@ -691,6 +695,8 @@ class HardwareConfig:
                                   f"divisible by `--decode-context-parallel-size` ({dcp}) for GQA/MQA.")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.dp_sync_interval < 1:
+            raise ConfigError(f"dp_sync_interval must be >= 1, got {self.dp_sync_interval}")
         self._check_prefill_context_parallel(spec)
         self._check_expert_exchange()
         pp = self.pipeline_parallel_size

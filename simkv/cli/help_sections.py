@@ -14,7 +14,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "cost_model", "backend", "device", "enforce_eager", "cudagraph_mode", "dtype", "calibrate_alongside",
         "step_noise", "noise_seed", "step_base_s", "step_per_token_s"})),
     ("Model, GPUs and parallelism (vLLM's options)", frozenset({
-        "model", "gpu", "tensor_parallel_size", "data_parallel_size", "decode_context_parallel_size",
+        "model", "gpu", "tensor_parallel_size", "data_parallel_size", "dp_sync_interval", "decode_context_parallel_size",
         "prefill_context_parallel_size", "pipeline_parallel_size", "pipeline_link_gbs", "gpus_per_node",
         "inter_node_gbs", "quantization", "enable_expert_parallel", "all2all_backend",
         "expert_placement_strategy", "enable_eplb", "num_redundant_experts", "enable_dbo",

@@ -34,7 +34,7 @@ _ENGINE_FLAGS = {
     "max_model_len": "max_model_len", "enable_chunked_prefill": "enable_chunked_prefill",
     "long_prefill_token_threshold": "long_prefill_token_threshold", "scheduling_policy": "scheduling_policy",
     "model": "model", "gpu": "gpu", "tensor_parallel_size": "tensor_parallel_size",
-    "data_parallel_size": "data_parallel_size", "quantization": "quantization",
+    "data_parallel_size": "data_parallel_size", "dp_sync_interval": "dp_sync_interval", "quantization": "quantization",
     "decode_context_parallel_size": "decode_context_parallel_size",
     "prefill_context_parallel_size": "prefill_context_parallel_size",
     "enable_expert_parallel": "enable_expert_parallel", "all2all_backend": "all2all_backend",
@@ -370,6 +370,9 @@ _ENGINE_OPTIONS = [
     click.option("--data-parallel-size", "-dp", type=int, default=None,
                  help="A mixture of experts: data-parallel attention ranks in lockstep, their experts over "
                       "all GPUs (vLLM's --data-parallel-size) [default: 1]"),
+    click.option("--dp-sync-interval", type=int, default=None, metavar="N",
+                 help="vLLM's: data-parallel ranks agree whether any has requests every N steps; a wave whose "
+                      "requests all finished runs dummy passes until then [default: 16]"),
     click.option("--decode-context-parallel-size", "-dcp", type=int, default=None,
                  help="vLLM's: groups of DCP of the TP GPUs shard the KV cache by tokens (a latent, or KV heads "
                       "duplicated when TP exceeds them, is then not held whole on every GPU) [default: 1]"),

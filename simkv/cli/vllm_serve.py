@@ -84,7 +84,7 @@ UNMODELLED = frozenset("""
     enable_ep_weight_filter
     enable_elastic_ep elastic_ep_max_dp_size
     enable_shm_tensor_arena enable_batch_sharded_sampling
-    dp_sync_interval disable_nccl_for_dp_synchronization data_parallel_backend enable_hc_sp
+    disable_nccl_for_dp_synchronization data_parallel_backend enable_hc_sp
     dcp_comm_backend dcp_q_replicate
     mm_processor_cache_gb mm_processor_cache_type mm_hasher_algorithm mm_shm_cache_max_object_size_mb
     mm_processor_kwargs mm_processor_device mm_ipc_gpu_memory_gb mm_device_do_normalize mm_tensor_ipc

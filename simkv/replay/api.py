@@ -306,6 +306,10 @@ def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collec
         fleet_part = summary.pop("fleet")
         summary["data_parallel"] = {"data_parallel_size": fleet_part["num_replicas"], "router": fleet_part["router"],
                                     "ranks": fleet_part["replicas"]}
+        cadence = getattr(routing, "cadence", None)  # (the waves' tails: passes with no rank's requests)
+        if cadence is not None:
+            summary["data_parallel"] |= {"dp_sync_interval": cadence.sync_interval,
+                                         "wave_tail_dummy_passes": cadence.num_dummy_passes}
         summary |= pipeline_summary(runs[0], summary["duration_s"])  # (the group's stages: one set of clocks)
         if goodput:
             summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])

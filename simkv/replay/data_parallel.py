@@ -269,18 +269,32 @@ def group_process(config):
 
 
 class PrefillCadence:
-    """vLLM's DP prefill balancing (`--prefill-schedule-interval N` on data-parallel ranks): the
-    DP engine core counts the group's steps in a wave (its step_counter, the same on every rank)
-    and throttles prefill on every step whose count is not a multiple of N; each rank's
-    scheduler then holds prefill back unless it is capacity-bound or runs no decode
-    (core/scheduler.py). A wave ends when no rank has requests: the count starts again at 0,
-    so prefill goes at once after idle. (vLLM ends a wave only at its next finish-sync step,
-    every dp_sync_interval steps, running dummy passes until then; the replay ends it at once.)"""
+    """vLLM's DP engine core's count of the group's steps in a wave (its step_counter, the same
+    on every rank; dummy passes count) and what hangs on it. Prefill balancing
+    (`--prefill-schedule-interval N` on data-parallel ranks): prefill is throttled on every step
+    whose count is not a multiple of N; each rank's scheduler then holds prefill back unless it
+    is capacity-bound or runs no decode (core/scheduler.py). The wave's end: the ranks agree
+    whether any has requests after the wave's first step and every `dp_sync_interval` steps
+    (16); a wave whose requests all finished goes on in dummy passes on every rank until such a
+    step, and only then ends (the count starts again at 0, so prefill goes at once after idle).
+    A request that arrives meanwhile waits for the dummy pass under way and joins the wave."""
 
     def __init__(self, ranks: list[ReplayEngine]) -> None:
         self.schedulers = [rank.scheduler for rank in ranks]
         self.interval = ranks[0].config.scheduler.prefill_schedule_interval
+        self.sync_interval = ranks[0].config.hardware.dp_sync_interval
         self.count = 0
+        self.num_dummy_passes = 0  # (the waves' tails: passes every rank ran with no rank's requests)
+
+    def wave_goes_on(self) -> bool:
+        """Checked when no rank has requests, before the arrivals since the last step: whether the
+        wave goes on (its last step was not a sync step). At a sync step it ends (count 0)."""
+        if self.count == 0:
+            return False
+        if self.count == 1 or self.count % self.sync_interval == 0:
+            self.count = 0
+            return False
+        return True
 
     def before_schedule(self) -> None:
         if self.interval > 1:
@@ -294,15 +308,18 @@ def lockstep(env: simpy.Environment, ranks: list[ReplayEngine], backend, routing
     event, so whoever wakes an idle engine (the router at an arrival; under P/D a handoff or a
     transfer's end) wakes the group."""
     now = 0
-    cadence = PrefillCadence(ranks)
+    cadence = routing.cadence = PrefillCadence(ranks)
     while True:
+        waves_on = not _has_requests(ranks) and cadence.wave_goes_on()
         _take_arrivals(ranks, routing, now)
-        if not any(rank.scheduler.has_unfinished_requests() for rank in ranks):
+        if not _has_requests(ranks):
             if _retire_offloaded(ranks):
                 continue
             if all(rank.feed.exhausted for rank in ranks):
                 return
-            cadence.count = 0  # (the wave ends)
+            if waves_on:
+                now = yield from _dummy_pass(env, ranks, backend, cadence, now)
+                continue
             now = yield from _sleep(env, ranks, now)
             continue
         cadence.before_schedule()
@@ -332,11 +349,12 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
     max(device time, host time), and the group's as long as the slowest rank's."""
     now = 0
     in_flight = None  # (each rank's output or None, start tick, duration): the step on the devices
-    cadence = PrefillCadence(ranks)
+    cadence = routing.cadence = PrefillCadence(ranks)
     while True:
+        waves_on = in_flight is None and not _has_requests(ranks) and cadence.wave_goes_on()
         _take_arrivals(ranks, routing, now)
         queued = None
-        if any(rank.scheduler.has_unfinished_requests() for rank in ranks):
+        if _has_requests(ranks):
             start = now if in_flight is None else in_flight[1] + in_flight[2]
             cadence.before_schedule()
             outs, ran = _schedule_all(ranks, start)
@@ -358,7 +376,9 @@ def lockstep_async(env: simpy.Environment, ranks: list[ReplayEngine], backend, r
                 continue
             if all(rank.feed.exhausted for rank in ranks):
                 return
-            cadence.count = 0  # (the wave ends)
+            if waves_on:
+                now = yield from _dummy_pass(env, ranks, backend, cadence, now)
+                continue
             now = yield from _sleep(env, ranks, now)
             continue
         outs, start, duration = in_flight
@@ -465,6 +485,20 @@ def _process_outputs(ranks: list[ReplayEngine], outs: list, start: int, duration
         if finished:
             rank._record_finished(finished)
     return end
+
+
+def _has_requests(ranks: list[ReplayEngine]) -> bool:
+    return any(rank.scheduler.has_unfinished_requests() for rank in ranks)
+
+
+def _dummy_pass(env: simpy.Environment, ranks: list[ReplayEngine], backend, cadence: PrefillCadence, now: int):
+    """A pass every rank runs in a wave that no rank has requests for (vLLM's execute_dummy_batch);
+    the tick it ends at. It counts as a step of the wave."""
+    duration = to_ticks(backend.dp_step_seconds([], len(ranks)))
+    cadence.count += 1
+    cadence.num_dummy_passes += 1
+    yield env.timeout(duration)
+    return now + duration
 
 
 def _sleep(env: simpy.Environment, ranks: list[ReplayEngine], now: int):

@@ -9,7 +9,9 @@ rank's share of the lockstep step (`PipelineStages.launch_group`). A place where
 anything is an empty call, as one engine's. The oldest place's outputs are processed, every
 rank's, when its last stage ends. Each rank's scheduler is the one engine's under pipeline
 parallelism (decodes are chunks, the in-flight batches' tokens are not scheduled again), which
-the oracles check; the group's timing is a model (no oracle drives data-parallel ranks).
+the oracles check; the group's timing is a model (no oracle drives data-parallel ranks). A wave
+ends as soon as no rank has requests (the lockstep processes run vLLM's dummy passes until the
+wave's next sync step: data_parallel.PrefillCadence).
 """
 
 from __future__ import annotations

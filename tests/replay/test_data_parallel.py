@@ -577,3 +577,47 @@ def test_layouts_include_ranks_of_pipelines():
     assert row["weight_bytes_per_gpu"] == cap.pipeline_stage_weight_bytes
     dense = CliRunner().invoke(main, ["capacity", "--model", "qwen2.5-7b", "--layouts", "4", "--json"])
     assert not any(r["data_parallel_size"] > 1 for r in json.loads(dense.output)["layouts"])
+
+
+def _three_requests(gap_s: float):
+    """A request at 0, one `gap_s` later, and one 100 s after that."""
+    from simkv.traces.schema import trace_from_frame
+
+    return trace_from_frame(pd.DataFrame({"arrival_time_s": [0.0, gap_s, gap_s + 100.0],
+                                          "prompt_tokens": [300, 200, 100], "output_tokens": [4, 3, 2]}))
+
+
+def test_a_wave_whose_requests_finished_runs_dummy_passes_until_its_sync_step():
+    """vLLM's DP engine core agrees on the wave's end only on its first step and every
+    dp_sync_interval steps (16): the group runs dummy passes until then, and a request arriving
+    meanwhile waits for the pass under way and joins the wave. With an interval of 1 the wave ends
+    after its last step and the group sleeps until the arrival."""
+    options = dict(model="deepseek-v2-lite", gpu="H100-SXM", data_parallel_size=2)
+    sleepy = EngineConfig.from_flat(options | {"dp_sync_interval": 1})
+    first = replay(_three_requests(100.0), sleepy)
+    finish = float(pd.DataFrame(first.requests).sort_values("arrival_time_s")["finish_time_s"].iloc[0])
+    assert first.summary["data_parallel"]["wave_tail_dummy_passes"] == 0
+    # the second request arrives 1 ms after the first finished: within the tail's first dummy pass
+    trace = _three_requests(finish + 0.001)
+    ended = pd.DataFrame(replay(trace, sleepy).requests).sort_values("arrival_time_s")
+    assert ended["first_scheduled_time_s"].iloc[1] == pytest.approx(finish + 0.001, abs=1e-6)
+    waved = replay(trace, EngineConfig.from_flat(options))
+    rows = pd.DataFrame(waved.requests).sort_values("arrival_time_s")
+    dummy = RooflineCostModel(get_model_spec("deepseek-v2-lite"), get_gpu_spec("H100-SXM"),
+                              data_parallel_size=2).dp_step_seconds([], 2)
+    assert 0.001 < dummy and rows["first_scheduled_time_s"].iloc[1] == pytest.approx(finish + dummy, abs=1e-6)
+    # the third comes long after the wave ended: at once, as without the tail
+    assert rows["first_scheduled_time_s"].iloc[2] == pytest.approx(rows["arrival_time_s"].iloc[2], abs=1e-6)
+    # the first wave: 4 + 3 steps and 1 dummy pass between them, then 8 more to its 16th step;
+    # the last wave ends with the trace
+    assert waved.summary["data_parallel"]["dp_sync_interval"] == 16
+    assert pd.DataFrame(waved.steps)["start_time_s"].nunique() == 4 + 3 + 2
+    assert waved.summary["data_parallel"]["wave_tail_dummy_passes"] == 1 + 8
+    # under async scheduling the same: the arrival waits for the dummy pass
+    async_options = options | {"async_scheduling": True}
+    async_first = replay(_three_requests(100.0), EngineConfig.from_flat(async_options | {"dp_sync_interval": 1}))
+    async_finish = float(pd.DataFrame(async_first.requests).sort_values("arrival_time_s")["finish_time_s"].iloc[0])
+    async_waved = replay(_three_requests(async_finish + 0.001), EngineConfig.from_flat(async_options))
+    async_rows = pd.DataFrame(async_waved.requests).sort_values("arrival_time_s")
+    assert async_rows["first_scheduled_time_s"].iloc[1] == pytest.approx(async_finish + dummy, abs=1e-6)
+    assert async_waved.summary["data_parallel"]["wave_tail_dummy_passes"] == 1 + 8
