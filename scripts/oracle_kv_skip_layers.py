@@ -72,6 +72,12 @@ HYBRID_CASES = [(d, tp, bs, caching) for d in ("auto", "fp8", "turboquant_4bit_n
 # backends' preferred one, UltraQuant's 64)
 HYBRID_CASES += [(d, tp, bs, caching) for d in ROCM_DTYPES for tp in (1, 2, 4) for bs in (None, 16, 64)
                  for caching in (False, True)]
+# NVFP4 on models with sliding-window or chunked local layers (no layer skipped: every group's page
+# packed alike), on a B200: (model, dtype, block size given, TP, max_model_len)
+WINDOW_CASES = [("gpt-oss-20b", "auto", 16, 1, None), ("gpt-oss-20b", "nvfp4", 16, 1, None),
+                ("gpt-oss-120b", "nvfp4", 16, 2, None), ("gemma-3-12b", "nvfp4", 16, 1, None),
+                ("gemma-2-9b", "nvfp4", 32, 2, None), ("gemma-3-27b", "nvfp4", 16, 2, None),
+                ("llama-4-scout", "nvfp4", 16, 4, 131072)]
 # Qwen3-Next's published config.json fields (shared with tests/replay/test_linear_attention.py), and what
 # vLLM's ModelConfig reads besides
 QWEN3_NEXT = json.loads((Path(__file__).resolve().parent.parent / "tests" / "core" / "data"
@@ -221,7 +227,55 @@ def vllm_hybrid_block_size(dtype: str, tp: int, block_size: int | None, caching:
     return config.cache_config.block_size
 
 
+def vllm_window_case(model: str, dtype: str, block_size: int, tp: int, max_model_len: int | None) -> tuple[list, int]:
+    """vLLM's KV-cache groups and block count for a model with sliding-window (or chunked local)
+    layers: each layer's spec as Attention.get_kv_cache_spec makes it (a sliding-window layer's
+    block from _largest_kernel_block_within), packed by the dtype's backend."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec,
+                                            get_kv_quant_mode)
+
+    from simkv.specs import get_model_spec
+
+    spec = get_model_spec(model)
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(hf_config(spec)))
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
+                        cache_config=CacheConfig(block_size=block_size, cache_dtype=dtype),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig(device="cpu"))
+    config.cache_config.block_size = block_size
+    config.cache_config.kv_cache_layout = "LBNHC"
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False  # (its config has no windows: the specs do)
+    backend = packing_backend(dtype) or FlashAttentionBackend
+    common = dict(num_kv_heads=max(spec.num_kv_heads // tp, 1), head_size=spec.head_dim,
+                  dtype=torch.bfloat16 if dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[dtype],
+                  kv_quant_mode=get_kv_quant_mode(dtype))
+    specs = {}
+    with set_current_vllm_config(config):
+        for i, window in enumerate(spec.layer_windows()):
+            if window and spec.attention_chunk_size:
+                layer = ChunkedLocalAttentionSpec(block_size=block_size, attention_chunk_size=window, **common)
+            elif window:
+                one = backend.customize_spec(SlidingWindowSpec(block_size=1, sliding_window=window, **common))
+                sw_block = _largest_kernel_block_within(backend, one.real_page_size_bytes,
+                                                        one.real_page_size_bytes * block_size, block_size, one)
+                layer = SlidingWindowSpec(block_size=sw_block, sliding_window=window, **common)
+            else:
+                layer = FullAttentionSpec(block_size=block_size, **common)
+            specs[f"model.layers.{i}.self_attn.attn"] = backend.customize_spec(layer)
+        groups = get_kv_cache_groups(config, specs)
+        blocks = get_kv_cache_config_from_groups(config, groups, MEMORY).num_blocks
+    return [f"{type(g.kv_cache_spec).__name__}({g.kv_cache_spec.block_size})" for g in groups], blocks
+
+
 def main() -> int:
+    from simkv.capacity import compute_capacity
     from simkv.config import EngineConfig
 
     differ = 0
@@ -239,6 +293,16 @@ def main() -> int:
         differ += theirs != ours
         print(f"qwen3-next {dtype} TP {tp} block {bs} prefix caching {caching}: vLLM {theirs}, simkv {ours}: "
               f"{'equal' if theirs == ours else 'DIFFERENT'}")
+    for model, dtype, bs, tp, max_len in WINDOW_CASES:
+        groups, theirs = vllm_window_case(model, dtype, bs, tp, max_len)
+        config = EngineConfig.from_flat({"model": model, "gpu": "B200", "kv_cache_dtype": dtype, "block_size": bs,
+                                         "tensor_parallel_size": tp, "kv_cache_memory_bytes": MEMORY}
+                                        | ({"max_model_len": max_len} if max_len else {}))
+        ours = compute_capacity(config).num_gpu_blocks
+        same = theirs == ours and len(groups) == len(config.kv_cache_groups.groups)
+        differ += not same
+        print(f"{model} {dtype} block {bs} TP {tp}: vLLM {groups} {theirs} blocks, simkv "
+              f"{len(config.kv_cache_groups.groups)} groups {ours} blocks: {'equal' if same else 'DIFFERENT'}")
     return differ
 
 

@@ -1686,9 +1686,8 @@ class EngineConfig:
                                   f"at head_size 64 ({self.hardware.model})")
             if self.hardware.decode_context_parallel_size > 1:
                 raise ConfigError("The DCP prefill wrapper cannot read NVFP4 block scales.")
-        if self.has_sliding_window or self.cache.kv_skip_layer_names:
-            raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with sliding-window or chunked local attention "
-                              "layers or with kv_cache_dtype_skip_layers yet")
+        if self.cache.kv_skip_layer_names:  # (sliding-window layers: every group's page packed alike, one block size)
+            raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with kv_cache_dtype_skip_layers yet")
 
     def _verify_rocm_packed_kv(self) -> None:
         """UltraQuant and Octave KV caches as vLLM 0.33 runs them: on ROCm only (its ULTRAQUANT and

@@ -200,6 +200,25 @@ def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
     assert EngineConfig.from_flat({"kv_cache_dtype": "nvfp4_4over6", "gpu": "B200"}).cache.block_size == 16
 
 
+# vLLM 0.33's planning code on NVFP4 caches of models with sliding-window or chunked local layers on a
+# B200 (scripts/oracle_kv_skip_layers.py): every layer's page packed alike, so the groups keep one
+# block size; (model, block size, TP, max_model_len), (groups, blocks of 20 GiB)
+WINDOW_CASES = [
+    (("gpt-oss-20b", 16, 1, None), (2, 194180)), (("gpt-oss-120b", 16, 2, None), (2, 258907)),
+    (("gemma-3-12b", 16, 1, None), (6, 72817)), (("gemma-2-9b", 32, 2, None), (2, 27740)),
+    (("gemma-3-27b", 16, 2, None), (7, 116508)), (("llama-4-scout", 16, 4, 131072), (4, 388361)),
+]
+
+
+@pytest.mark.parametrize("case, expected", WINDOW_CASES)
+def test_nvfp4_on_sliding_window_models_is_vllms(case, expected):
+    model, block_size, tp, max_len = case
+    config = EngineConfig.from_flat({"model": model, "gpu": "B200", "kv_cache_dtype": "nvfp4", "block_size": block_size,
+                                     "tensor_parallel_size": tp, "kv_cache_memory_bytes": MEMORY}
+                                    | ({"max_model_len": max_len} if max_len else {}))
+    assert (len(config.kv_cache_groups.groups), compute_capacity(config).num_gpu_blocks) == expected
+
+
 @pytest.mark.parametrize("options, message", [
     ({"kv_cache_dtype": "nvfp4_4over6"}, "slot-mapping writer has no scale search"),
     ({"kv_cache_dtype": "nvfp4", "model": "llama-3.2-1b"}, "fa2 prefill misreads an NVFP4 KV cache at head_size 64"),
@@ -207,7 +226,8 @@ def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
       "decode_context_parallel_size": 2}, "The DCP prefill wrapper cannot read NVFP4 block scales"),
     ({"kv_cache_dtype": "nvfp4", "gpu": "MI300X"}, "vLLM runs it on FlashInfer, which MI300X"),
     ({"kv_cache_dtype": "nvfp4", "model": "deepseek-v2-lite"}, "nvfp4 KV cache is not supported with MLA"),
-    ({"kv_cache_dtype": "nvfp4", "model": "gemma-3-12b"}, "kv_cache_dtype nvfp4 is not modelled with sliding-window"),
+    ({"kv_cache_dtype": "nvfp4", "kv_cache_dtype_skip_layers": "0"},
+     "kv_cache_dtype nvfp4 is not modelled with kv_cache_dtype_skip_layers"),
     ({"kv_cache_dtype": "turboquant_k8v4", "model": "gpt-oss-20b"},
      "kv_cache_dtype turboquant_k8v4 is not modelled with sliding-window"),
     ({"kv_cache_dtype": "turboquant_k8v4", "kv_cache_dtype_skip_layers": "3", "model": "qwen3-next-80b-a3b",
