@@ -72,12 +72,15 @@ HYBRID_CASES = [(d, tp, bs, caching) for d in ("auto", "fp8", "turboquant_4bit_n
 # backends' preferred one, UltraQuant's 64)
 HYBRID_CASES += [(d, tp, bs, caching) for d in ROCM_DTYPES for tp in (1, 2, 4) for bs in (None, 16, 64)
                  for caching in (False, True)]
-# NVFP4 on models with sliding-window or chunked local layers (no layer skipped: every group's page
-# packed alike), on a B200: (model, dtype, block size given, TP, max_model_len)
+# NVFP4 and per-token-head caches on models with sliding-window or chunked local layers (no layer
+# skipped: every group's page packed alike), on a B200: (model, dtype, block size given, TP, max_model_len)
 WINDOW_CASES = [("gpt-oss-20b", "auto", 16, 1, None), ("gpt-oss-20b", "nvfp4", 16, 1, None),
                 ("gpt-oss-120b", "nvfp4", 16, 2, None), ("gemma-3-12b", "nvfp4", 16, 1, None),
                 ("gemma-2-9b", "nvfp4", 32, 2, None), ("gemma-3-27b", "nvfp4", 16, 2, None),
-                ("llama-4-scout", "nvfp4", 16, 4, 131072)]
+                ("llama-4-scout", "nvfp4", 16, 4, 131072),
+                # per-token-head (its Triton backend's pages)
+                ("gemma-3-12b", "int8_per_token_head", 16, 1, None), ("gpt-oss-20b", "int4_per_token_head", 16, 1, None),
+                ("gpt-oss-120b", "fp8_per_token_head", 32, 2, None)]
 # Qwen3-Next's published config.json fields (shared with tests/replay/test_linear_attention.py), and what
 # vLLM's ModelConfig reads besides
 QWEN3_NEXT = json.loads((Path(__file__).resolve().parent.parent / "tests" / "core" / "data"
@@ -117,6 +120,9 @@ def packing_backend(dtype: str):
     if dtype.startswith("octave_"):
         from vllm.v1.attention.backends.rocm_octave_attn import RocmOctaveAttentionBackend
         return RocmOctaveAttentionBackend
+    if dtype.endswith("_per_token_head"):
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+        return TritonAttentionBackend
     return None
 
 

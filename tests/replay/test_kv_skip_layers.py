@@ -200,20 +200,23 @@ def test_nvfp4_packs_k_and_v_with_a_scale_every_16_values():
     assert EngineConfig.from_flat({"kv_cache_dtype": "nvfp4_4over6", "gpu": "B200"}).cache.block_size == 16
 
 
-# vLLM 0.33's planning code on NVFP4 caches of models with sliding-window or chunked local layers on a
-# B200 (scripts/oracle_kv_skip_layers.py): every layer's page packed alike, so the groups keep one
-# block size; (model, block size, TP, max_model_len), (groups, blocks of 20 GiB)
+# vLLM 0.33's planning code on NVFP4 and per-token-head caches of models with sliding-window or chunked
+# local layers on a B200 (scripts/oracle_kv_skip_layers.py): every layer's page packed alike, so the
+# groups keep one block size; (model, dtype, block size, TP, max_model_len), (groups, blocks of 20 GiB)
 WINDOW_CASES = [
-    (("gpt-oss-20b", 16, 1, None), (2, 194180)), (("gpt-oss-120b", 16, 2, None), (2, 258907)),
-    (("gemma-3-12b", 16, 1, None), (6, 72817)), (("gemma-2-9b", 32, 2, None), (2, 27740)),
-    (("gemma-3-27b", 16, 2, None), (7, 116508)), (("llama-4-scout", 16, 4, 131072), (4, 388361)),
+    (("gpt-oss-20b", "nvfp4", 16, 1, None), (2, 194180)), (("gpt-oss-120b", "nvfp4", 16, 2, None), (2, 258907)),
+    (("gemma-3-12b", "nvfp4", 16, 1, None), (6, 72817)), (("gemma-2-9b", "nvfp4", 32, 2, None), (2, 27740)),
+    (("gemma-3-27b", "nvfp4", 16, 2, None), (7, 116508)), (("llama-4-scout", "nvfp4", 16, 4, 131072), (4, 388361)),
+    (("gemma-3-12b", "int8_per_token_head", 16, 1, None), (6, 40329)),
+    (("gpt-oss-20b", "int4_per_token_head", 16, 1, None), (2, 194180)),
+    (("gpt-oss-120b", "fp8_per_token_head", 32, 2, None), (2, 68534)),
 ]
 
 
 @pytest.mark.parametrize("case, expected", WINDOW_CASES)
-def test_nvfp4_on_sliding_window_models_is_vllms(case, expected):
-    model, block_size, tp, max_len = case
-    config = EngineConfig.from_flat({"model": model, "gpu": "B200", "kv_cache_dtype": "nvfp4", "block_size": block_size,
+def test_packed_caches_on_sliding_window_models_are_vllms(case, expected):
+    model, dtype, block_size, tp, max_len = case
+    config = EngineConfig.from_flat({"model": model, "gpu": "B200", "kv_cache_dtype": dtype, "block_size": block_size,
                                      "tensor_parallel_size": tp, "kv_cache_memory_bytes": MEMORY}
                                     | ({"max_model_len": max_len} if max_len else {}))
     assert (len(config.kv_cache_groups.groups), compute_capacity(config).num_gpu_blocks) == expected
