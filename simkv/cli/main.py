@@ -4,6 +4,7 @@ import click
 
 from simkv.cli.calibrate_cmd import calibrate_cmd
 from simkv.cli.capacity_cmd import capacity_cmd
+from simkv.cli.catalogue_cmd import catalogue_cmd
 from simkv.cli.compare_cmd import compare_cmd
 from simkv.cli.goodput_cmd import goodput_cmd
 from simkv.cli.replay_cmd import replay_cmd
@@ -24,3 +25,4 @@ main.add_command(compare_cmd)
 main.add_command(capacity_cmd)
 main.add_command(sweep_cmd)
 main.add_command(goodput_cmd)
+main.add_command(catalogue_cmd)
