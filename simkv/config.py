@@ -1704,7 +1704,7 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype {dtype}: vLLM's ROCm MLA backends do not take it, and {backend} has no "
                               f"latent attention ({self.hardware.model})")
         if octave:
-            if gpu.compute_capability != 9.4:  # (gfx942: CDNA3)
+            if gpu.compute_capability != 9.4 and int(gpu.compute_capability) != 11:  # (gfx942: CDNA3; gfx11: RDNA3)
                 raise ConfigError(f"kv_cache_dtype {dtype} on {self.hardware.gpu}: ROCM_OCTAVE supports RDNA3 and CDNA3 "
                                   "only")
             if (spec.head_dim, spec.rotary_dim) != (OCTAVE_HEAD_DIM, OCTAVE_ROTARY_DIM):
