@@ -2081,6 +2081,9 @@ class EngineConfig:
                 raise ConfigError(f"unknown option '{key}'")
             _check_type(key, value, types[norm])
             groups[names[norm]][norm] = value
+        checkpoint_dtype = _checkpoint_kv_cache_dtype(groups[HardwareConfig], groups[CacheConfig])
+        if checkpoint_dtype:  # (vLLM's resolve_kv_cache_dtype_string: `auto` is what the checkpoint asks)
+            groups[CacheConfig]["kv_cache_dtype"] = checkpoint_dtype
         if "block_size" not in groups[CacheConfig]:
             block_size = _backend_block_size(groups[HardwareConfig], groups[CacheConfig])
             if block_size is not None:
@@ -2149,6 +2152,18 @@ def skip_layers_block_size(kv_cache_dtype: str, block_size: int) -> int:
         return block_size
     align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
     return max(block_size, align * -(-(skipped * _KERNEL_BLOCK_ALIGNMENT) // (align * primary)))
+
+
+def _checkpoint_kv_cache_dtype(hardware: dict, cache: dict) -> str | None:
+    """The KV dtype a ModelOpt checkpoint asks for, where kv_cache_dtype is auto (given or not):
+    vLLM runs `auto` as it (ModelSpec.checkpoint_kv_cache_dtype). None otherwise, or for a bad
+    model name that HardwareConfig names."""
+    if cache.get("kv_cache_dtype", "auto") != "auto":
+        return None
+    try:
+        return get_model_spec(hardware.get("model", HardwareConfig().model)).checkpoint_kv_cache_dtype or None
+    except ValueError:
+        return None
 
 
 def _skip_layers_block_size(hardware: dict, cache: dict) -> int | None:

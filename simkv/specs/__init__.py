@@ -110,6 +110,9 @@ class ModelSpec:
     linear_conv_dtype_bytes: int = 2
     # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
     attention_output_gate: bool = False
+    # The KV cache dtype the checkpoint asks for (NVIDIA ModelOpt's kv_cache_quant_algo: vLLM then
+    # runs --kv-cache-dtype auto as this, fp8_e4m3 or nvfp4; "": the model's dtype)
+    checkpoint_kv_cache_dtype: str = ""
     # The share of a head's dimensions that rotary embeddings turn (partial_rotary_factor: Qwen3-Next
     # 0.25, its first 64 of 256); vLLM's Octave KV cache stores those at more bits
     partial_rotary_factor: float = 1.0

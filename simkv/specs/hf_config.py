@@ -19,9 +19,14 @@ wrapper's vision tower is left out, its decoder sized alone):
 - multi-head latent attention (kv_lora_rank: DeepSeek V2/V3, Kimi K2): kv_lora_rank,
   qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank (null: a direct query projection);
 - quantization_config: gpt-oss's MXFP4 experts ("mxfp4") at 0.53125 bytes a weight; FP8
-  checkpoints ("fp8", or compressed-tensors with 8-bit float weights) with every linear layer
-  at 1 byte (embeddings, LM head and norms stay bf16; the roofline multiplies them at the fp8
-  peak on GPUs with fp8 tensor cores);
+  checkpoints ("fp8", compressed-tensors with 8-bit float weights, or NVIDIA ModelOpt's FP8
+  formats, also from an hf_quant_config.json beside the config) with every linear layer at
+  1 byte (embeddings, LM head and norms stay bf16; the roofline multiplies them at the fp8
+  peak on GPUs with fp8 tensor cores); a ModelOpt checkpoint's KV-cache algorithm
+  (kv_cache_scheme or kv_cache_quant_algo), which vLLM runs `--kv-cache-dtype auto` as
+  (fp8_e4m3 or nvfp4: ModelSpec.checkpoint_kv_cache_dtype);
+- partial_rotary_factor (or rope_parameters'; Qwen3-Next and Qwen3.5's config classes default
+  to 0.25), which vLLM's Octave KV cache reads;
 - sliding windows: sliding_window with layer_types (sliding_attention / full_attention), or
   sliding_window_pattern (Gemma 3: every 6th layer is full), or Gemma 2's alternation; a
   window on every layer otherwise (Mistral 7B v0.1), none when use_sliding_window is false;
@@ -157,15 +162,18 @@ def spec_fields_from_config(path: str) -> dict:
         fields["intermediate_size"] = need("shared_intermediate_size")  # (a dense Granite 4.0-H's one MLP: shared_mlp)
     else:
         fields["intermediate_size"] = need("intermediate_size")
-    quant = raw.get("quantization_config") or cfg.get("quantization_config")
+    quant = raw.get("quantization_config") or cfg.get("quantization_config") or _hf_quant_config(file)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
+        modelopt = _modelopt(quant, where)
         if method == "mxfp4" and experts:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
-        elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)):
+        elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)) or modelopt:
             fields["linear_weight_bytes"] = 1.0  # (the scales are negligible)
             if experts:
                 fields["expert_weight_bytes"] = 1.0
+            if modelopt and modelopt[1]:
+                fields["checkpoint_kv_cache_dtype"] = modelopt[1]
         else:
             raise ModelConfigError(f"{where}: field 'quantization_config': quant_method {method!r} is not modelled "
                                    "(simkv sizes bf16, FP8 and MXFP4-expert weights); drop the field to size the "
@@ -398,6 +406,48 @@ def _nemotron_h(cfg: dict, raw: dict, where: str) -> dict:
         if cfg.get("n_shared_experts"):
             out["shared_expert_intermediate_size"] = need("n_shared_experts") * need("moe_shared_expert_intermediate_size")
     return out
+
+
+# NVIDIA ModelOpt's FP8 weight formats (vLLM's modelopt LINEAR_ALGOS of one byte a weight), and its
+# KV-cache algorithms as vLLM resolves --kv-cache-dtype auto from them (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP)
+MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8")
+MODELOPT_KV_CACHE_DTYPES = {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}
+
+
+def _hf_quant_config(config_file: Path) -> dict | None:
+    """A ModelOpt checkpoint's hf_quant_config.json beside its config.json (older exports keep the
+    quantization there), as vLLM reads it: a quantization_config of quant_method modelopt."""
+    side = config_file.parent / "hf_quant_config.json"
+    if not side.is_file():
+        return None
+    try:
+        raw = json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{side}: not readable JSON ({exc})") from None
+    return raw | {"quant_method": "modelopt"} if isinstance(raw, dict) else None
+
+
+def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
+    """A ModelOpt checkpoint's (weight algorithm, KV dtype vLLM runs `auto` as, "" for the model's),
+    in either of its layouts (vLLM's ModelOptQuantConfigBase.from_config); None if not ModelOpt."""
+    method = str(quant.get("quant_method", ""))
+    if not method.startswith("modelopt"):
+        return None
+    inner = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
+    algo = str(inner.get("quant_algo") or "").upper()
+    # (vLLM's get_kv_cache_quant_algo_string: the scheme, else the algorithm; what it does not know: auto)
+    kv = (inner.get("kv_cache_scheme") or quant.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
+          or quant.get("kv_cache_quant_algo"))
+    if isinstance(kv, dict):
+        floats = kv.get("type") == "float"
+        kv = "FP8" if floats and kv.get("num_bits") == 8 and kv.get("dynamic") is False else \
+            "NVFP4" if floats and kv.get("num_bits") == 4 else None
+    if algo not in MODELOPT_FP8_ALGOS:
+        raise ModelConfigError(f"{where}: field 'quantization_config': ModelOpt quant_algo {algo or None!r} is not "
+                               f"modelled (simkv sizes its FP8 formats: {', '.join(MODELOPT_FP8_ALGOS)}; NVFP4's fp4 "
+                               "matmuls are not); drop the field to size the model at bf16")
+    kv_dtype = MODELOPT_KV_CACHE_DTYPES.get(kv.upper(), "") if isinstance(kv, str) else ""
+    return algo, kv_dtype
 
 
 def _fp8_weights(quant: dict) -> bool:

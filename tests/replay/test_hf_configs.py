@@ -210,3 +210,51 @@ def test_bad_vision_fields_are_refused_with_the_field(tmp_path, vision, message)
     cfg = dict(QWEN3_VL_30B_A3B, vision_config=QWEN3_VL_30B_A3B["vision_config"] | vision)
     with pytest.raises(ValueError, match=r"q.json \(vision_config\): " + message.replace("(", r"\(").replace(")", r"\)")):
         get_model_spec(_write(tmp_path, "q", cfg))
+
+
+# NVIDIA ModelOpt quantization configs and the KV dtype vLLM 0.33 runs `--kv-cache-dtype auto` as for
+# each (its get_kv_cache_quant_algo_string on these dicts; "": the model's dtype)
+MODELOPT_CASES = [
+    ({"quant_method": "modelopt", "quant_algo": "FP8",
+      "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}}, "fp8_e4m3"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8",
+      "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": True}}, ""),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type": "float", "num_bits": 4}}, "nvfp4"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, ""),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, "fp8_e4m3"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8_PB_WO", "kv_cache_quant_algo": "NVFP4"}},
+     "nvfp4"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}}, ""),
+    ({"quant_method": "modelopt", "quant_algo": "fp8_per_channel_per_token", "kv_cache_quant_algo": "fp8"},
+     "fp8_e4m3"),
+]
+
+
+@pytest.mark.parametrize("quant, kv_dtype", MODELOPT_CASES)
+def test_a_modelopt_checkpoint_is_fp8_and_sets_the_kv_cache_dtype_auto_runs_as(tmp_path, quant, kv_dtype):
+    spec = get_model_spec(_write(tmp_path, "modelopt", LLAMA3_8B | {"quantization_config": quant}))
+    assert spec.linear_weight_bytes == 1.0 and spec.checkpoint_kv_cache_dtype == kv_dtype
+
+
+def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
+    from simkv.capacity import compute_capacity
+
+    quant = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}
+    path = _write(tmp_path, "fp8kv", LLAMA3_8B | {"quantization_config": quant})
+    for options in ({}, {"kv_cache_dtype": "auto"}):
+        config = EngineConfig.from_flat({"model": path} | options)
+        assert config.cache.kv_cache_dtype == "fp8_e4m3" and compute_capacity(config).kv_bytes_per_token == 65536
+    assert EngineConfig.from_flat({"model": path, "kv_cache_dtype": "bfloat16"}).cache.kv_cache_dtype == "bfloat16"
+    # an older export keeps its quantization in hf_quant_config.json beside config.json
+    folder = tmp_path / "older"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (folder / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+    older = get_model_spec(str(folder / "config.json"))
+    assert older.linear_weight_bytes == 1.0 and older.checkpoint_kv_cache_dtype == "fp8_e4m3"
+    # NVFP4 weights: their fp4 matmuls are not modelled
+    nvfp4 = _write(tmp_path, "nvfp4", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
+                                                                          "quant_algo": "NVFP4"}})
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not modelled"):
+        get_model_spec(nvfp4)
