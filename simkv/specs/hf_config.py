@@ -446,6 +446,12 @@ def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
         raise ModelConfigError(f"{where}: field 'quantization_config': ModelOpt quant_algo {algo or None!r} is not "
                                f"modelled (simkv sizes its FP8 formats: {', '.join(MODELOPT_FP8_ALGOS)}; NVFP4's fp4 "
                                "matmuls are not); drop the field to size the model at bf16")
+    excluded = inner.get("exclude_modules", quant.get("ignore", quant.get("exclude_modules"))) or []
+    inside = [p for p in excluded if isinstance(p, str) and "layers" in p and not p.rstrip("*").endswith(".gate")]
+    if inside:  # (simkv sizes every decoder linear layer at the checkpoint's format; routers are bf16 anyway)
+        raise ModelConfigError(f"{where}: field 'quantization_config': exclude_modules {', '.join(inside)} keeps "
+                               "decoder layers out of FP8, which is not modelled (simkv sizes every decoder linear "
+                               "layer at one byte)")
     kv_dtype = MODELOPT_KV_CACHE_DTYPES.get(kv.upper(), "") if isinstance(kv, str) else ""
     return algo, kv_dtype
 

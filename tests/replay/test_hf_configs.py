@@ -253,6 +253,13 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
         {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     older = get_model_spec(str(folder / "config.json"))
     assert older.linear_weight_bytes == 1.0 and older.checkpoint_kv_cache_dtype == "fp8_e4m3"
+    # exclusions outside the decoder layers (the LM head, routers) change nothing; inside them, refused
+    ok = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "model.layers.*.mlp.gate"]}
+    assert get_model_spec(_write(tmp_path, "ok", LLAMA3_8B | {"quantization_config": ok})).linear_weight_bytes == 1.0
+    attn = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8",
+                                                         "exclude_modules": ["lm_head", "model.layers.*.self_attn*"]}}
+    with pytest.raises(ValueError, match="exclude_modules model.layers.\\*.self_attn\\* keeps decoder layers out"):
+        get_model_spec(_write(tmp_path, "attn", LLAMA3_8B | {"quantization_config": attn}))
     # NVFP4 weights: their fp4 matmuls are not modelled
     nvfp4 = _write(tmp_path, "nvfp4", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
                                                                           "quant_algo": "NVFP4"}})
