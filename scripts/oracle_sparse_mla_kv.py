@@ -29,9 +29,11 @@ DEEPSEEK_V32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deep
                 "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "index_topk": 2048,
                 "index_n_heads": 64, "index_head_dim": 128, "first_k_dense_replace": 3, "n_shared_experts": 1,
                 "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000}
-GPUS = {9: "H200", 10: "B200"}  # (CUDA major -> a catalogue GPU of that generation)
-DTYPES = ("auto", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
-LAYOUT_BYTES = {"auto": 1152, "fp8": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}  # (a layer's latent record)
+# (CUDA major -> a GPU of that generation: the catalogue's, or for consumer Blackwell a GPU file)
+GPUS = {9: "H200", 10: "B200", 12: None}
+DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "nvfp4_ds_mla")
+# (a layer's latent record in each layout vLLM stores)
+LAYOUT_BYTES = {"auto": 1152, "bfloat16": 1152, "fp8": 576, "fp8_e4m3": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 
 
 def vllm_choice(major: int, dtype: str) -> tuple[str | None, str | None]:
@@ -74,17 +76,27 @@ def vllm_choice(major: int, dtype: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def simkv_layout(major: int, dtype: str) -> str | None:
-    """The layout simkv sizes the latent at (None: refused)."""
+def gpu_of(major: int) -> str:
+    """A GPU of that CUDA generation: the catalogue's, or a GPU file (an SM120 card, given the memory
+    for the block count's 40 GiB beside the weights)."""
+    if GPUS[major] is not None:
+        return GPUS[major]
+    path = Path(tempfile.mkdtemp()) / "sm120.yaml"
+    path.write_text("memory_gib: 192\nmem_bandwidth_gbs: 1600\nbf16_tflops: 500\nfp8_tflops: 1000\n"
+                    "interconnect_gbs: 64\ncompute_capability: 12.0\n")
+    return str(path)
+
+
+def simkv_bytes(major: int, dtype: str) -> int | None:
+    """The bytes of a layer's latent record simkv sizes (None: refused)."""
     from simkv.config import ConfigError, EngineConfig
 
     try:
-        config = EngineConfig.from_flat({"model": "deepseek-v3.2", "gpu": GPUS[major], "tensor_parallel_size": 8,
+        config = EngineConfig.from_flat({"model": "deepseek-v3.2", "gpu": gpu_of(major), "tensor_parallel_size": 8,
                                          "kv_cache_dtype": dtype})
     except ConfigError:
         return None
-    latent = config.hardware.model_spec().latent_bytes_per_token(config.kv_element) // 61
-    return {v: k for k, v in LAYOUT_BYTES.items()}[latent]
+    return config.hardware.model_spec().latent_bytes_per_token(config.kv_element) // 61
 
 
 MEMORY = 40 * 2**30  # bytes of KV cache on a GPU, for the block count
@@ -104,7 +116,8 @@ def vllm_blocks(layout: str) -> tuple[list[str], int]:
     config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True),
                         cache_config=CacheConfig(block_size=64), device_config=DeviceConfig(device="cpu"))
     config.cache_config.kv_cache_layout = "LBNHC"  # (as oracle_kv_skip_layers.py sets it)
-    dtype = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(layout, torch.uint8)
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+             "fp8_e4m3": torch.float8_e4m3fn}.get(layout, torch.uint8)
     index_dim = DEEPSEEK_V32["index_head_dim"]
     specs = {}
     for i in range(DEEPSEEK_V32["num_hidden_layers"]):
@@ -124,7 +137,7 @@ def simkv_blocks(major: int, dtype: str) -> int:
     from simkv.capacity import compute_capacity
     from simkv.config import EngineConfig
 
-    return compute_capacity(EngineConfig.from_flat({"model": "deepseek-v3.2", "gpu": GPUS[major], "tensor_parallel_size": 8,
+    return compute_capacity(EngineConfig.from_flat({"model": "deepseek-v3.2", "gpu": gpu_of(major), "tensor_parallel_size": 8,
                                                     "kv_cache_dtype": dtype, "kv_cache_memory_bytes": MEMORY})).num_gpu_blocks
 
 
@@ -133,10 +146,11 @@ def main() -> int:
     for major in GPUS:
         for dtype in DTYPES:
             backend, layout = vllm_choice(major, dtype)
-            ours = simkv_layout(major, dtype)
-            same = layout == ours
+            theirs_bytes, ours = LAYOUT_BYTES.get(layout), simkv_bytes(major, dtype)
+            same = theirs_bytes == ours
             differ += not same
-            print(f"SM{major}0 {dtype}: vLLM {backend} storing {layout}; simkv {ours}: {'equal' if same else 'DIFFERENT'}")
+            print(f"SM{major}0 {dtype}: vLLM {backend} storing {layout} ({theirs_bytes} B); simkv {ours} B: "
+                  f"{'equal' if same else 'DIFFERENT'}")
             if layout is not None:  # (the blocks 40 GiB of KV cache a GPU hold in that layout)
                 groups, theirs = vllm_blocks(layout)
                 mine = simkv_blocks(major, dtype)

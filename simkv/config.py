@@ -1575,6 +1575,10 @@ class EngineConfig:
         if gpu.platform == "cuda" and gpu.cuda_major < 9:
             raise ConfigError(f"{where}: vLLM has no sparse MLA backend for {gpu.name} (compute capability "
                               f"{gpu.compute_capability}; Hopper or Blackwell needed)")
+        if sparse_mla_layout(gpu, self.cache.kv_cache_dtype) is None:
+            raise ConfigError(f"{where}: no sparse MLA backend of vLLM's takes kv_cache_dtype "
+                              f"{self.cache.kv_cache_dtype} on {gpu.name}"
+                              + (" (its SM120 kernels store fp8_ds_mla: use auto or fp8)" if gpu.cuda_major == 12 else ""))
         unsupported = [(hw.decode_context_parallel_size > 1, "decode_context_parallel_size > 1"),
                        (self.cache.allocator != "paged", f"allocator '{self.cache.allocator}'")]
         for bad, what in unsupported:
@@ -1746,13 +1750,10 @@ class EngineConfig:
 
     def kv_element_for(self, spec: ModelSpec) -> int | str:
         """What sizes `spec`'s cache entries (the served model's or a drafter's): CacheConfig.kv_element,
-        but on a sparse latent-attention model an fp8 cache is FlashMLA's fp8_ds_mla layout where
-        vLLM runs its FLASHMLA_SPARSE backend on it (Hopper, or that layout asked for by name),
-        and plain fp8 latents where FlashInfer's sparse backend (Blackwell's first choice for fp8)
-        or AITER's (ROCm) runs it."""
-        dtype = self.cache.kv_cache_dtype
-        if spec.is_sparse and is_fp8_kv(dtype):
-            return "fp8_ds_mla" if dtype == "fp8_ds_mla" or get_gpu_spec(self.hardware.gpu).cuda_major == 9 else 1
+        but on a sparse latent-attention model the layout of the backend vLLM picks
+        (`sparse_mla_layout`)."""
+        if spec.is_sparse:
+            return sparse_mla_layout(get_gpu_spec(self.hardware.gpu), self.cache.kv_cache_dtype) or 2
         return self.cache.kv_element
 
     @property
@@ -2152,6 +2153,27 @@ def skip_layers_block_size(kv_cache_dtype: str, block_size: int) -> int:
         return block_size
     align = max(_KERNEL_BLOCK_ALIGNMENT, block_size)
     return max(block_size, align * -(-(skipped * _KERNEL_BLOCK_ALIGNMENT) // (align * primary)))
+
+
+def sparse_mla_layout(gpu, kv_cache_dtype: str) -> int | str | None:
+    """The layout a sparse latent-attention model's latents take under `kv_cache_dtype` on `gpu`:
+    the backend vLLM 0.33 picks there and how it renames the dtype (scripts/oracle_sparse_mla_kv.py).
+    Hopper: FLASHMLA_SPARSE takes auto/bfloat16 and fp8 as its fp8_ds_mla layout (656 B at
+    DeepSeek-V3.2's shape), FlashInfer's SM90 kernels fp8_e4m3 as plain fp8 (576 B). Data-center
+    Blackwell: FlashInfer's sparse backend (vLLM's first choice for fp8) plain fp8 and fp8_e4m3,
+    FLASHMLA_SPARSE fp8_ds_mla and nvfp4_ds_mla when named. Consumer Blackwell (SM120): only
+    FlashInfer's SM120 kernels, which store fp8_ds_mla whatever is asked. ROCm: AITER's, plain.
+    Returns the element's bytes or the layout's name, or None where no backend takes the dtype."""
+    if kv_cache_dtype == "fp8_e5m2":
+        return None  # (no sparse MLA backend takes e5m2)
+    major = gpu.cuda_major if gpu.platform == "cuda" else 0
+    if major == 12:  # (FLASHINFER_MLA_SPARSE_SM120: auto and fp8 as fp8_ds_mla; nothing else)
+        return "fp8_ds_mla" if kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla") else None
+    if kv_cache_dtype in ("fp8_ds_mla", "nvfp4_ds_mla"):
+        return kv_cache_dtype
+    if kv_cache_dtype == "fp8":
+        return "fp8_ds_mla" if major == 9 else 1
+    return kv_element(kv_cache_dtype)
 
 
 def _checkpoint_kv_cache_dtype(hardware: dict, cache: dict) -> str | None:

@@ -259,6 +259,7 @@ def test_the_tp_ranks_split_the_prefill_rows_past_a_threshold():
 # in one group; None: not checked there)
 @pytest.mark.parametrize("gpu, dtype, latent, blocks", [
     ("H200", "fp8", 656, 13961), ("H200", "fp8_ds_mla", 656, 13961), ("B200", "fp8", 576, 15538),
+    ("H200", "fp8_e4m3", 576, 15538), ("B200", "fp8_e4m3", 576, 15538),  # (FlashInfer's sparse kernels: plain)
     ("B200", "fp8_ds_mla", 656, 13961), ("B200", "nvfp4_ds_mla", 352, 22730), ("B300", "nvfp4_ds_mla", 352, None),
     ("MI300X", "fp8", 576, None), ("B200", "auto", 1152, 8568), ("H200", "auto", 1152, 8568),
 ])
@@ -280,6 +281,7 @@ def test_the_latent_layout_is_the_sparse_backends(gpu, dtype, latent, blocks):
     ({"model": "deepseek-v3", "kv_cache_dtype": "fp8_ds_mla"}, "deepseek-v3 has no sparse attention"),
     ({"model": "llama-3-8b", "tensor_parallel_size": 1, "kv_cache_dtype": "nvfp4_ds_mla"},
      "llama-3-8b has no sparse attention"),
+    ({"gpu": "H200", "kv_cache_dtype": "fp8_e5m2"}, "no sparse MLA backend of vLLM's takes kv_cache_dtype fp8_e5m2"),
 ])
 def test_the_sparse_layouts_by_name_are_refused_where_vllm_has_no_backend_for_them(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -292,3 +294,16 @@ def test_capacity_names_the_latents_layout():
                                         "--kv-cache-dtype", "fp8", "--json"])
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["sparse_attention"]["latent_layout"] == layout
+
+
+def test_consumer_blackwell_stores_flashmlas_layout_whatever_is_asked(tmp_path):
+    """An SM120 card (a GPU file: simkv's catalogue has none) runs vLLM's FlashInfer SM120 sparse
+    kernels, which store fp8_ds_mla for auto and every fp8 name and take no 16-bit cache."""
+    gpu = tmp_path / "sm120.yaml"
+    gpu.write_text("memory_gib: 192\nmem_bandwidth_gbs: 1600\nbf16_tflops: 500\nfp8_tflops: 1000\n"
+                   "interconnect_gbs: 64\ncompute_capability: 12.0\n")
+    for dtype in ("auto", "fp8", "fp8_e4m3"):
+        config = EngineConfig.from_flat(V32 | {"gpu": str(gpu), "kv_cache_dtype": dtype})
+        assert config.kv_element == "fp8_ds_mla" and compute_capacity(config).kv_bytes_per_token == 61 * (656 + 132)
+    with pytest.raises(ConfigError, match="its SM120 kernels store fp8_ds_mla: use auto or fp8"):
+        EngineConfig.from_flat(V32 | {"gpu": str(gpu), "kv_cache_dtype": "bfloat16"})
