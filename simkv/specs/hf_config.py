@@ -22,7 +22,8 @@ wrapper's vision tower is left out, its decoder sized alone):
   checkpoints ("fp8", compressed-tensors with 8-bit float weights, or NVIDIA ModelOpt's FP8
   formats, also from an hf_quant_config.json beside the config) with every linear layer at
   1 byte (embeddings, LM head and norms stay bf16; the roofline multiplies them at the fp8
-  peak on GPUs with fp8 tensor cores); a ModelOpt checkpoint's KV-cache algorithm
+  peak on GPUs with fp8 tensor cores); decoder layers kept out of FP8 (ignored_layers, ignore,
+  exclude_modules) are refused, the LM head, a vision tower and routers kept out change nothing; a ModelOpt checkpoint's KV-cache algorithm
   (kv_cache_scheme or kv_cache_quant_algo), which vLLM runs `--kv-cache-dtype auto` as
   (fp8_e4m3 or nvfp4: ModelSpec.checkpoint_kv_cache_dtype);
 - partial_rotary_factor (or rope_parameters'; Qwen3-Next and Qwen3.5's config classes default
@@ -169,6 +170,7 @@ def spec_fields_from_config(path: str) -> dict:
         if method == "mxfp4" and experts:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
         elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)) or modelopt:
+            _check_fp8_exclusions(quant, where)
             fields["linear_weight_bytes"] = 1.0  # (the scales are negligible)
             if experts:
                 fields["expert_weight_bytes"] = 1.0
@@ -446,14 +448,34 @@ def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
         raise ModelConfigError(f"{where}: field 'quantization_config': ModelOpt quant_algo {algo or None!r} is not "
                                f"modelled (simkv sizes its FP8 formats: {', '.join(MODELOPT_FP8_ALGOS)}; NVFP4's fp4 "
                                "matmuls are not); drop the field to size the model at bf16")
-    excluded = inner.get("exclude_modules", quant.get("ignore", quant.get("exclude_modules"))) or []
-    inside = [p for p in excluded if isinstance(p, str) and "layers" in p and not p.rstrip("*").endswith(".gate")]
-    if inside:  # (simkv sizes every decoder linear layer at the checkpoint's format; routers are bf16 anyway)
-        raise ModelConfigError(f"{where}: field 'quantization_config': exclude_modules {', '.join(inside)} keeps "
-                               "decoder layers out of FP8, which is not modelled (simkv sizes every decoder linear "
-                               "layer at one byte)")
     kv_dtype = MODELOPT_KV_CACHE_DTYPES.get(kv.upper(), "") if isinstance(kv, str) else ""
     return algo, kv_dtype
+
+
+def _check_fp8_exclusions(quant: dict, where: str) -> None:
+    """An FP8 checkpoint's modules kept out of FP8 (vLLM's fp8 ignored_layers, compressed-tensors'
+    ignore, ModelOpt's exclude_modules): the LM head, a vision tower and the MoE routers change
+    nothing simkv sizes (they are bf16 in it anyway); a decoder layer's linear layers would, and
+    are refused (simkv sizes every decoder linear layer at one byte)."""
+    inner = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else {}
+    excluded = [*(quant.get("ignored_layers") or []), *(quant.get("ignore") or []),
+                *(quant.get("exclude_modules") or []), *(inner.get("exclude_modules") or [])]
+    inside = [p for p in excluded if isinstance(p, str) and _inside_decoder(p)]
+    if inside:
+        raise ModelConfigError(f"{where}: field 'quantization_config': {', '.join(inside)} kept out of FP8 is not "
+                               "modelled (simkv sizes every decoder linear layer at one byte)")
+
+
+def _inside_decoder(pattern: str) -> bool:
+    """Whether a module name or pattern (regex 're:...' or glob) names a decoder layer's linear
+    layers: not the LM head, embeddings, a vision tower, or a router (mlp.gate, shared_expert_gate)."""
+    name = pattern.lower()
+    if any(part in name for part in ("visual", "vision", "mm_projector", "multi_modal", "lm_head", "embed")):
+        return False
+    tail = name.rstrip("*$)")
+    if tail.endswith(".gate") or tail.endswith("expert_gate"):
+        return False
+    return any(part in name for part in ("layers", "self_attn", "attn", "mlp", "expert", "proj"))
 
 
 def _fp8_weights(quant: dict) -> bool:

@@ -159,9 +159,12 @@ def test_sliding_windows_from_layer_types_and_on_every_layer(tmp_path):
     assert (gemma2.sliding_window, gemma2.full_attention_interval, gemma2.tie_word_embeddings) == (4096, 2, True)
 
 
-@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "activation_scheme": "dynamic"},
-                                   {"quant_method": "compressed-tensors",
-                                    "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}])
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+CT_FP8_CONFIG = {"quant_method": "compressed-tensors",
+                 "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}
+
+
+@pytest.mark.parametrize("quant", [FP8_CONFIG, CT_FP8_CONFIG])
 def test_fp8_checkpoints_hold_their_linear_layers_at_one_byte(tmp_path, quant):
     """An FP8 checkpoint (vLLM's fp8, or compressed-tensors' FP8 weights) keeps its layers' linear
     weights at 1 byte; embeddings, LM head and norms stay bf16. Its weights take about 7.5 GB
@@ -258,8 +261,16 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
     assert get_model_spec(_write(tmp_path, "ok", LLAMA3_8B | {"quantization_config": ok})).linear_weight_bytes == 1.0
     attn = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8",
                                                          "exclude_modules": ["lm_head", "model.layers.*.self_attn*"]}}
-    with pytest.raises(ValueError, match="exclude_modules model.layers.\\*.self_attn\\* keeps decoder layers out"):
+    with pytest.raises(ValueError, match="model.layers.\\*.self_attn\\* kept out of FP8 is not modelled"):
         get_model_spec(_write(tmp_path, "attn", LLAMA3_8B | {"quantization_config": attn}))
+    # the same for vLLM's fp8 (ignored_layers) and compressed-tensors (ignore) checkpoints
+    for quant, bad in ((FP8_CONFIG | {"ignored_layers": ["model.layers.0.mlp.down_proj"]}, "model.layers.0.mlp.down_proj"),
+                       (CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*self_attn.*"]}, "re:.\\*self_attn.\\*")):
+        with pytest.raises(ValueError, match=f"{bad} kept out of FP8"):
+            get_model_spec(_write(tmp_path, "ignored", LLAMA3_8B | {"quantization_config": quant}))
+    routers = CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
+    assert get_model_spec(_write(tmp_path, "routers", QWEN3_30B_A3B | {"quantization_config": routers})
+                          ).expert_weight_bytes == 1.0
     # NVFP4 weights: their fp4 matmuls are not modelled
     nvfp4 = _write(tmp_path, "nvfp4", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
                                                                           "quant_algo": "NVFP4"}})
