@@ -43,7 +43,8 @@ def test_it_shows_what_simkv_reads_from_your_files(tmp_path):
     assert fields["partial_rotary_factor"] == 0.25 and fields["linear_attention"] == "gated_deltanet"
     assert fields["head_dim"] == 256 and "sliding_window" not in fields  # (only what differs from the defaults)
     assert out["gpu"] == {"gpu": str(gpu), "memory_gib": 22.5, "mem_bandwidth_gbs": 600.0, "bf16_tflops": 125.0,
-                          "interconnect_gbs": 32.0, "compute_capability": 8.6, "fp8_tflops": 0.0, "platform": "cuda"}
+                          "interconnect_gbs": 32.0, "compute_capability": 8.6, "fp8_tflops": 0.0, "fp4_tflops": 0.0,
+                          "platform": "cuda"}
     shown = CliRunner().invoke(main, ["catalogue", "--model", "llama-3-8b"], env={"COLUMNS": "120"})
     assert shown.exit_code == 0 and "model: llama-3-8b" in shown.output and "131,072" in shown.output
     bad = CliRunner().invoke(main, ["catalogue", "--gpu", str(tmp_path / "none.yaml")])

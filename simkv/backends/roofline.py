@@ -64,7 +64,7 @@ from simkv.backends.expert_exchange import all_to_all_exchange, gather_exchange
 from simkv.backends.pcp_split import split_step
 from simkv.core.outputs import SchedulerOutput
 from simkv.clock import per_token_ticks, to_ticks
-from simkv.specs import GPUSpec, ModelSpec
+from simkv.specs import NVFP4_WEIGHT_BYTES, GPUSpec, ModelSpec
 from simkv.specs.gpu_file import is_gpu_file
 
 
@@ -145,10 +145,14 @@ class RooflineCostModel:
         # FLOPs are counted at the bf16 rate: a matmul vLLM runs in fp8 (ModelSpec.fp8_matmul_params,
         # on a GPU with fp8 tensor cores) counts bf16_tflops / fp8_tflops of its FLOPs.
         self.fp8_discount = 1.0 - gpu.bf16_tflops / gpu.fp8_tflops if gpu.runs_fp8_matmuls else 0.0
-        if self.fp8_discount and model.fp8_matmul_params:
-            self.flops_per_token -= self.fp8_discount * 2.0 * model.fp8_matmul_params / tp
-            if self.mla and model.linear_weight_bytes == 1.0:  # (kv_b_proj, an fp8 linear layer)
-                self.flops_per_upproj_token *= 1.0 - self.fp8_discount
+        # (NVFP4 weights: fp4 x fp4 matmuls where the GPU has fp4 tensor cores, vLLM's W4A4 kernels)
+        self.fp4_discount = 1.0 - gpu.bf16_tflops / gpu.fp4_tflops if gpu.fp4_tflops > 0 else 0.0
+        for discount, weight_bytes in ((self.fp8_discount, 1.0), (self.fp4_discount, NVFP4_WEIGHT_BYTES)):
+            params = model.matmul_params_at(weight_bytes)
+            if discount and params:
+                self.flops_per_token -= discount * 2.0 * params / tp
+                if self.mla and model.linear_weight_bytes == weight_bytes:  # (kv_b_proj, a quantized linear layer)
+                    self.flops_per_upproj_token *= 1.0 - discount
         self.flops_per_decode_pair = self.flops_per_latent_pair if self.mla else self.flops_per_pair
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)
         self.sparse_topk = model.index_topk
@@ -201,6 +205,8 @@ class RooflineCostModel:
             routed_flops = 2.0 * model.num_moe_layers * model.num_experts_per_tok * model.expert_params / tp
             if model.expert_weight_bytes == 1.0:
                 routed_flops *= 1.0 - self.fp8_discount
+            elif model.expert_weight_bytes == NVFP4_WEIGHT_BYTES:
+                routed_flops *= 1.0 - self.fp4_discount
             self.flops_per_token_local = self.flops_per_token - routed_flops
             self.expert_flops_per_group_token = routed_flops / shards
             self.expert_bytes_per_rank = self.expert_bytes / shards

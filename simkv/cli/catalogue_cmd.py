@@ -100,11 +100,13 @@ def _print(out: dict) -> None:
         console.print(table)
     if "gpus" in out:
         table = Table(title="GPUs (simkv/specs/gpus.yaml; --gpu also takes a GPU file: simkv/specs/gpu_file.py)")
-        for name in ("gpu", "memory GiB", "memory GB/s", "bf16 TFLOP/s", "fp8 TFLOP/s", "link GB/s", "capability"):
+        for name in ("gpu", "memory GiB", "memory GB/s", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp4 TFLOP/s", "link GB/s",
+                     "capability"):
             table.add_column(name, justify="left" if name == "gpu" else "right")
         for row in out["gpus"]:
             table.add_row(row["gpu"], f"{row['memory_gib']:g}", f"{row['mem_bandwidth_gbs']:,.0f}",
-                          f"{row['bf16_tflops']:,.0f}", f"{row['fp8_tflops']:,.0f}", f"{row['interconnect_gbs']:g}",
+                          f"{row['bf16_tflops']:,.0f}", f"{row['fp8_tflops']:,.0f}", f"{row['fp4_tflops']:,.0f}",
+                          f"{row['interconnect_gbs']:g}",
                           f"{row['compute_capability']:.1f}" + (" (rocm)" if row["platform"] == "rocm" else ""))
         console.print(table)
     for key in ("model", "gpu"):

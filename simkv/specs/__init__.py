@@ -255,12 +255,23 @@ class ModelSpec:
         """Parameters per token whose matmuls run in fp8 where the GPU has fp8 tensor cores: the
         linear layers stored at one byte (attention, dense MLPs, shared experts; not the bf16
         routers) and the routed experts a token runs when they are."""
+        return self.matmul_params_at(1.0)
+
+    @property
+    def fp4_matmul_params(self) -> int:
+        """... that run in fp4 where the GPU has fp4 tensor cores: those stored as NVFP4."""
+        return self.matmul_params_at(NVFP4_WEIGHT_BYTES)
+
+    def matmul_params_at(self, weight_bytes: float) -> int:
+        """Parameters per token whose weights are stored at `weight_bytes` a weight: the linear
+        layers (attention, dense MLPs, shared experts; not the bf16 routers) and the routed
+        experts a token runs."""
         n = 0
-        if self.linear_weight_bytes == 1.0:
+        if self.linear_weight_bytes == weight_bytes:
             n += self.num_linear_params - self.num_moe_layers * self.hidden_size * self.num_experts
             if self.is_sparse:  # (the indexers' bf16 key and head-weight projection)
                 n -= self.num_layers * self.hidden_size * (self.index_head_dim + self.index_n_heads)
-        if self.is_moe and self.expert_weight_bytes == 1.0:
+        if self.is_moe and self.expert_weight_bytes == weight_bytes:
             n += self.num_moe_layers * self.num_experts_per_tok * self.expert_params
         return n
 
@@ -598,6 +609,10 @@ class ModelSpec:
                            + skipped * kv_head_token_bytes(2, self.head_dim))
 
 
+# NVIDIA's NVFP4 weights (ModelOpt's NVFP4 checkpoints): 4 bits and an fp8 scale for every 16
+NVFP4_WEIGHT_BYTES = 0.5625
+
+
 # vLLM's MambaDType choices (--mamba-cache-dtype, --mamba-ssm-cache-dtype): bytes per element;
 # auto is the model's bf16
 MAMBA_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
@@ -698,6 +713,9 @@ class GPUSpec:
     compute_capability: float
     # Dense fp8 tensor-core peak (0: none; fp8 weights then run weight-only at the bf16 rate).
     fp8_tflops: float = 0.0
+    # Dense fp4 tensor-core peak (0: none; NVFP4 weights then run weight-only at the bf16 rate,
+    # vLLM's Marlin kernels).
+    fp4_tflops: float = 0.0
     # "cuda" or "rocm" (AMD: compute_capability is then the gfx version torch reports, 9.4 for
     # gfx942, and names none of vLLM's CUDA attention backends)
     platform: str = "cuda"

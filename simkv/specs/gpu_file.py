@@ -6,6 +6,7 @@ by the same fields as a catalogue entry, from its datasheet:
     mem_bandwidth_gbs: 600
     bf16_tflops: 125          # dense (no sparsity) tensor-core peak
     fp8_tflops: 0             # 0 or left out: no fp8 tensor cores
+    fp4_tflops: 0             # 0 or left out: no fp4 tensor cores (NVFP4 weights run at the bf16 rate)
     interconnect_gbs: 32      # GPU to GPU, per direction (NVLink, or the PCIe link)
     compute_capability: 8.6   # CUDA's (which attention backends vLLM picks); AMD's gfx version
     platform: cuda            # or rocm; left out: cuda
@@ -24,7 +25,7 @@ import yaml
 
 GPU_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 REQUIRED = ("memory_gib", "mem_bandwidth_gbs", "bf16_tflops", "interconnect_gbs", "compute_capability")
-OPTIONAL = {"fp8_tflops": 0.0, "platform": "cuda"}
+OPTIONAL = {"fp8_tflops": 0.0, "fp4_tflops": 0.0, "platform": "cuda"}
 PLATFORMS = ("cuda", "rocm")
 
 
@@ -56,15 +57,15 @@ def gpu_fields_from_file(path: str) -> dict:
     for name in REQUIRED:
         if name not in raw:
             raise GPUFileError(f"{where}: field '{name}' is missing")
-    for name in (*REQUIRED, "fp8_tflops"):
+    for name in (*REQUIRED, "fp8_tflops", "fp4_tflops"):
         if name not in raw:
             continue
         value = raw[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise GPUFileError(f"{where}: field '{name}' must be a number, got {value!r}")
-        if not (value >= 0 if name == "fp8_tflops" else value > 0):
-            raise GPUFileError(f"{where}: field '{name}' must be {'>= 0' if name == 'fp8_tflops' else '> 0'}, "
-                               f"got {value!r}")
+        optional = name in OPTIONAL
+        if not (value >= 0 if optional else value > 0):
+            raise GPUFileError(f"{where}: field '{name}' must be {'>= 0' if optional else '> 0'}, got {value!r}")
         fields[name] = float(value)
     if "platform" in raw:
         if raw["platform"] not in PLATFORMS:

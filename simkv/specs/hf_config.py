@@ -53,6 +53,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from simkv.specs import NVFP4_WEIGHT_BYTES
+
 _GEMMA2_INTERVAL = 2  # Gemma 2 alternates sliding-window and full-attention layers
 
 
@@ -171,9 +173,10 @@ def spec_fields_from_config(path: str) -> dict:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
         elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)) or modelopt:
             _check_fp8_exclusions(quant, where)
-            fields["linear_weight_bytes"] = 1.0  # (the scales are negligible)
+            weight_bytes = NVFP4_WEIGHT_BYTES if modelopt and modelopt[0] == "NVFP4" else 1.0  # (fp8: scales negligible)
+            fields["linear_weight_bytes"] = weight_bytes
             if experts:
-                fields["expert_weight_bytes"] = 1.0
+                fields["expert_weight_bytes"] = weight_bytes
             if modelopt and modelopt[1]:
                 fields["checkpoint_kv_cache_dtype"] = modelopt[1]
         else:
@@ -413,6 +416,8 @@ def _nemotron_h(cfg: dict, raw: dict, where: str) -> dict:
 # NVIDIA ModelOpt's FP8 weight formats (vLLM's modelopt LINEAR_ALGOS of one byte a weight), and its
 # KV-cache algorithms as vLLM resolves --kv-cache-dtype auto from them (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP)
 MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8")
+# ... and its NVFP4 (W4A4: fp4 weights and activations, NVFP4_WEIGHT_BYTES a weight)
+MODELOPT_ALGOS = (*MODELOPT_FP8_ALGOS, "NVFP4")
 MODELOPT_KV_CACHE_DTYPES = {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}
 
 
@@ -444,26 +449,26 @@ def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
         floats = kv.get("type") == "float"
         kv = "FP8" if floats and kv.get("num_bits") == 8 and kv.get("dynamic") is False else \
             "NVFP4" if floats and kv.get("num_bits") == 4 else None
-    if algo not in MODELOPT_FP8_ALGOS:
+    if algo not in MODELOPT_ALGOS:
         raise ModelConfigError(f"{where}: field 'quantization_config': ModelOpt quant_algo {algo or None!r} is not "
-                               f"modelled (simkv sizes its FP8 formats: {', '.join(MODELOPT_FP8_ALGOS)}; NVFP4's fp4 "
-                               "matmuls are not); drop the field to size the model at bf16")
+                               f"modelled (simkv sizes {', '.join(MODELOPT_ALGOS)}; W4A16_NVFP4's weight-only fp4 and "
+                               "mixed precision are not); drop the field to size the model at bf16")
     kv_dtype = MODELOPT_KV_CACHE_DTYPES.get(kv.upper(), "") if isinstance(kv, str) else ""
     return algo, kv_dtype
 
 
 def _check_fp8_exclusions(quant: dict, where: str) -> None:
-    """An FP8 checkpoint's modules kept out of FP8 (vLLM's fp8 ignored_layers, compressed-tensors'
-    ignore, ModelOpt's exclude_modules): the LM head, a vision tower and the MoE routers change
-    nothing simkv sizes (they are bf16 in it anyway); a decoder layer's linear layers would, and
-    are refused (simkv sizes every decoder linear layer at one byte)."""
+    """A quantized checkpoint's modules kept out of its format (vLLM's fp8 ignored_layers,
+    compressed-tensors' ignore, ModelOpt's exclude_modules): the LM head, a vision tower and the
+    MoE routers change nothing simkv sizes (they are bf16 in it anyway); a decoder layer's linear
+    layers would, and are refused (simkv sizes every decoder linear layer in the format)."""
     inner = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else {}
     excluded = [*(quant.get("ignored_layers") or []), *(quant.get("ignore") or []),
                 *(quant.get("exclude_modules") or []), *(inner.get("exclude_modules") or [])]
     inside = [p for p in excluded if isinstance(p, str) and _inside_decoder(p)]
     if inside:
-        raise ModelConfigError(f"{where}: field 'quantization_config': {', '.join(inside)} kept out of FP8 is not "
-                               "modelled (simkv sizes every decoder linear layer at one byte)")
+        raise ModelConfigError(f"{where}: field 'quantization_config': {', '.join(inside)} kept out of the "
+                               "quantized format is not modelled (simkv sizes every decoder linear layer in it)")
 
 
 def _inside_decoder(pattern: str) -> bool:

@@ -86,7 +86,7 @@ def test_the_cli_takes_a_file_where_it_takes_a_gpu(tmp_path):
     # the numbers the replay used, as read (the file may change later)
     assert summary["cost_model"]["gpu_spec"] == {"memory_gib": 22.5, "mem_bandwidth_gbs": 600.0, "bf16_tflops": 125.0,
                                                  "interconnect_gbs": 32.0, "compute_capability": 8.6,
-                                                 "fp8_tflops": 0.0, "platform": "cuda"}
+                                                 "fp8_tflops": 0.0, "fp4_tflops": 0.0, "platform": "cuda"}
     res = CliRunner().invoke(main, ["replay", "--gpu", "A10"])
     assert res.exit_code == 2 and "nor a GPU file" in res.output
     missing = CliRunner().invoke(main, ["replay", "--gpu", str(tmp_path / "none.yaml")])

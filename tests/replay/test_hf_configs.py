@@ -261,18 +261,49 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
     assert get_model_spec(_write(tmp_path, "ok", LLAMA3_8B | {"quantization_config": ok})).linear_weight_bytes == 1.0
     attn = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8",
                                                          "exclude_modules": ["lm_head", "model.layers.*.self_attn*"]}}
-    with pytest.raises(ValueError, match="model.layers.\\*.self_attn\\* kept out of FP8 is not modelled"):
+    with pytest.raises(ValueError, match="model.layers.\\*.self_attn\\* kept out of the quantized format"):
         get_model_spec(_write(tmp_path, "attn", LLAMA3_8B | {"quantization_config": attn}))
     # the same for vLLM's fp8 (ignored_layers) and compressed-tensors (ignore) checkpoints
     for quant, bad in ((FP8_CONFIG | {"ignored_layers": ["model.layers.0.mlp.down_proj"]}, "model.layers.0.mlp.down_proj"),
                        (CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*self_attn.*"]}, "re:.\\*self_attn.\\*")):
-        with pytest.raises(ValueError, match=f"{bad} kept out of FP8"):
+        with pytest.raises(ValueError, match=f"{bad} kept out of the quantized format"):
             get_model_spec(_write(tmp_path, "ignored", LLAMA3_8B | {"quantization_config": quant}))
     routers = CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
     assert get_model_spec(_write(tmp_path, "routers", QWEN3_30B_A3B | {"quantization_config": routers})
                           ).expert_weight_bytes == 1.0
-    # NVFP4 weights: their fp4 matmuls are not modelled
-    nvfp4 = _write(tmp_path, "nvfp4", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
-                                                                          "quant_algo": "NVFP4"}})
-    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not modelled"):
-        get_model_spec(nvfp4)
+    # weight-only NVFP4 is not modelled
+    w4a16 = _write(tmp_path, "w4a16", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
+                                                                          "quant_algo": "W4A16_NVFP4"}})
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'W4A16_NVFP4' is not modelled"):
+        get_model_spec(w4a16)
+
+
+def test_a_modelopt_nvfp4_checkpoint_holds_its_linear_layers_in_fp4(tmp_path):
+    """NVFP4 (W4A4): every linear layer at 4 bits and an fp8 scale per 16 weights (0.5625 bytes);
+    on a data-center Blackwell its matmuls run at the fp4 peak, elsewhere weight-only at the
+    bf16 rate (vLLM's Marlin kernels), as the roofline counts them."""
+    from simkv.backends.roofline import RooflineCostModel
+    from simkv.specs import NVFP4_WEIGHT_BYTES, get_gpu_spec
+
+    quant = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+                                                          "group_size": 16, "exclude_modules": ["lm_head"]}}
+    bf16 = get_model_spec("llama-3-8b")
+    fp4 = get_model_spec(_write(tmp_path, "fp4", LLAMA3_8B | {"quantization_config": quant}))
+    linear = bf16.num_linear_params
+    assert fp4.linear_weight_bytes == NVFP4_WEIGHT_BYTES and fp4.checkpoint_kv_cache_dtype == "fp8_e4m3"
+    assert bf16.weight_bytes - fp4.weight_bytes == pytest.approx(linear * (2 - 0.5625))
+    assert fp4.fp4_matmul_params == linear and fp4.fp8_matmul_params == 0
+    b200 = get_gpu_spec("B200")
+    a, b = RooflineCostModel(bf16, b200), RooflineCostModel(fp4, b200)
+    assert a.flops_per_token - b.flops_per_token == pytest.approx(2 * linear * (1 - 2250 / 9000), rel=1e-12)
+    assert b.weight_bytes == pytest.approx(a.weight_bytes - linear * (2 - 0.5625))
+    h200 = get_gpu_spec("H200")  # (no fp4 tensor cores: the bf16 rate, the smaller reads)
+    assert RooflineCostModel(fp4, h200).flops_per_token == RooflineCostModel(bf16, h200).flops_per_token
+    moe = get_model_spec(_write(tmp_path, "moe4", QWEN3_30B_A3B | {"quantization_config": quant}))
+    assert (moe.linear_weight_bytes, moe.expert_weight_bytes) == (NVFP4_WEIGHT_BYTES, NVFP4_WEIGHT_BYTES)
+    with pytest.raises(ValueError, match="its checkpoint is quantized already"):
+        moe.quantized("fp8")
+    # on data-parallel ranks each rank's share of the routed experts' FLOPs is at the fp4 peak too
+    dp = RooflineCostModel(moe, b200, data_parallel_size=2)
+    routed = 2 * moe.num_moe_layers * moe.num_experts_per_tok * moe.expert_params * 2250 / 9000
+    assert dp.expert_flops_per_group_token == pytest.approx(routed / 2, rel=1e-12)
