@@ -82,6 +82,9 @@ class CacheConfig:
     # V stay in the model's dtype under an fp8 or TurboQuant cache (EngineConfig.kv_skip_layers);
     # the block size then grows so that a quantized layer's page covers a skipped layer's 16 tokens
     kv_cache_dtype_skip_layers: str = ""
+    # vLLM's --prefix-match-unit: the finest token boundary a prefix-cache hit lands on (None: the
+    # block). simkv models it where it changes nothing (EngineConfig._verify_prefix_match_unit)
+    prefix_match_unit: int | None = None
     prefix_caching_hash_bits: int = 63
     reserve_null_block: bool = True  # vLLM keeps block 0 as a null block; False: all blocks usable
     allocator: str = "paged"  # or "contiguous": one max_model_len region per request (pre-paging engines)
@@ -163,6 +166,8 @@ class CacheConfig:
                                   "ignores cpu_offload_gb (with a warning); give one")
         if self.allocator not in ("paged", "contiguous"):
             raise ConfigError(f"allocator must be 'paged' or 'contiguous', got '{self.allocator}'")
+        if self.prefix_match_unit is not None and self.prefix_match_unit < 1:  # (vLLM's Field(gt=0))
+            raise ConfigError(f"prefix_match_unit must be > 0, got {self.prefix_match_unit}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
@@ -1286,6 +1291,8 @@ class EngineConfig:
         if self.cache.kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES and self.hardware.model_spec().is_mla:
             raise ConfigError(f"kv_cache_dtype {self.cache.kv_cache_dtype}: vLLM runs per-token-head KV quantization on "
                               f"its Triton attention backend, which has no latent attention ({self.hardware.model})")
+        if self.cache.prefix_match_unit is not None:
+            self._verify_prefix_match_unit()
         if self.cache.kv_cache_dtype in ROCM_PACKED_KV_DTYPES:
             self._verify_rocm_packed_kv()
         if self.cache.kv_cache_dtype in DS_MLA_KV_DTYPES:
@@ -1692,6 +1699,29 @@ class EngineConfig:
                 raise ConfigError("The DCP prefill wrapper cannot read NVFP4 block scales.")
         if self.cache.kv_skip_layer_names:  # (sliding-window layers: every group's page packed alike, one block size)
             raise ConfigError(f"kv_cache_dtype {dtype} is not modelled with kv_cache_dtype_skip_layers yet")
+
+    def _verify_prefix_match_unit(self) -> None:
+        """vLLM's --prefix-match-unit (resolve_scheduler_and_hash_block_size): with one KV-cache
+        group and prefix caching, anything but the block is an error (vLLM's words); with several
+        (sliding-window or linear-attention layers) a unit that divides the blocks sets how finely
+        blocks are hashed, so hits may land inside a block, which simkv does not model: it takes
+        the block itself. Without prefix caching nothing is hashed and it changes nothing."""
+        unit, cache = self.cache.prefix_match_unit, self.cache
+        block = self.kv_manager_block_size
+        if not cache.enable_prefix_caching or (unit == block and not self.has_linear_attention):
+            return
+        if len(self.kv_cache_groups.groups) == 1:
+            raise ConfigError(f"Invalid prefix_match_unit={unit}; with a single KV cache group, prefix-cache hits "
+                              f"land on the block size ({block}). Unset it or set it to {block}.")
+        if self.has_linear_attention:  # (it also aligns the states' checkpoints: vLLM's block size moves with it)
+            raise ConfigError("prefix_match_unit is not modelled with linear-attention layers and prefix caching")
+        if block % unit:
+            sizes = [block] * len(self.kv_cache_groups.groups)
+            raise ConfigError(f"Invalid prefix_match_unit={unit}; prefix-cacheable KV cache group block sizes must "
+                              f"be divisible by prefix_match_unit. Got group block sizes={sizes}, "
+                              f"prefix-cacheable={sizes}.")
+        raise ConfigError(f"prefix_match_unit {unit} below the block size {block}: prefix-cache hits inside a block "
+                          "are not modelled (leave it out, or set it to the block)")
 
     def _verify_rocm_packed_kv(self) -> None:
         """UltraQuant and Octave KV caches as vLLM 0.33 runs them: on ROCm only (its ULTRAQUANT and

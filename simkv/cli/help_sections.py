@@ -27,7 +27,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "async_scheduling", "model_runner"})),
     ("KV cache, attention and weights in memory (vLLM's options)", frozenset({
         "block_size", "num_gpu_blocks", "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype",
-        "kv_cache_dtype_skip_layers",
+        "kv_cache_dtype_skip_layers", "prefix_match_unit",
         "mamba_cache_dtype", "mamba_ssm_cache_dtype", "enable_prefix_caching", "prefix_caching_hash_bits",
         "swap_space", "pcie_bandwidth_gbs", "cpu_offload_gb", "cpu_offload_params", "offload_group_size",
         "offload_num_in_group", "offload_prefetch_step", "offload_params", "sliding_window",

@@ -25,7 +25,7 @@ _ENGINE_FLAGS = {
     "gpu_memory_utilization": "gpu_memory_utilization", "enable_prefix_caching": "enable_prefix_caching",
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "watermark": "watermark", "num_lookahead_tokens": "num_lookahead_tokens", "kv_cache_dtype": "kv_cache_dtype",
-    "kv_cache_dtype_skip_layers": "kv_cache_dtype_skip_layers",
+    "kv_cache_dtype_skip_layers": "kv_cache_dtype_skip_layers", "prefix_match_unit": "prefix_match_unit",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "vllm_batch_defaults": "vllm_batch_defaults",
     "performance_mode": "performance_mode",
@@ -493,6 +493,9 @@ _ENGINE_OPTIONS = [
                       "layers), octave_* pack 3- and 4-bit codes (head_dim 256, 64 rotary dims, MI300X/MI325X); "
                       "on sparse latent attention, fp8_ds_mla and nvfp4_ds_mla (Blackwell) name FlashMLA's layouts "
                       "[default: auto, the model's bf16]"),
+    click.option("--prefix-match-unit", type=int, default=None, metavar="TOKENS",
+                 help="vLLM's: the finest boundary a prefix-cache hit lands on; simkv takes the block itself "
+                      "(finer, on models with several KV-cache groups, is refused) [default: the block]"),
     click.option("--kv-cache-dtype-skip-layers", default=None, metavar="I,J,...",
                  help="vLLM's: decoder layers whose K and V stay bf16 under an fp8, TurboQuant or UltraQuant "
                       "--kv-cache-dtype; "

@@ -104,7 +104,6 @@ REFUSED = {
     "dcp_kv_cache_interleave_size": "the DCP KV interleave is not modelled (simkv interleaves by token)",
     "kv_sharing_fast_prefill": "KV sharing across layers is not modelled",
     "swa_bounded_replay": "DeepSeek-V4's bounded sliding-window replay is not modelled",
-    "prefix_match_unit": "prefix hits finer than a block are not modelled",
     "mamba_block_size": "a Mamba block size of its own is not modelled (simkv derives vLLM's)",
     "enable_mamba_shared_prefix_checkpoint": "Mamba checkpoints at shared-prefix junctions are not modelled",
     "scheduler_cls": "a scheduler class of its own is not modelled",

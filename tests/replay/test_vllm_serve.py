@@ -84,8 +84,8 @@ def test_bad_integers_are_refused(text):
 def test_refused_flags_are_named_unless_at_vllms_default():
     with pytest.raises(ServeCommandError) as err:
         serve_options("vllm serve Qwen/Qwen2.5-7B --kv-transfer-config '{\"kv_connector\": \"NixlConnector\"}' "
-                      "--prefix-match-unit 8 --dcp-kv-cache-interleave-size 1")
-    assert "--kv-transfer-config" in str(err.value) and "--prefix-match-unit" in str(err.value)
+                      "--mamba-block-size 8 --dcp-kv-cache-interleave-size 1")
+    assert "--kv-transfer-config" in str(err.value) and "--mamba-block-size" in str(err.value)
     assert "--dcp-kv-cache-interleave-size" not in str(err.value)  # (1 is vLLM's default)
     with pytest.raises(ServeCommandError, match="--dcp-kv-cache-interleave-size"):
         serve_options("vllm serve --dcp-kv-cache-interleave-size 2")
@@ -177,7 +177,8 @@ def test_the_cli_refuses_a_command_cleanly(tmp_path):
     out = cli_fails(["replay", TRACE, "--out", str(tmp_path / "o"), "--vllm-serve", "vllm serve --scheduler-cls x.Y"])
     assert "--scheduler-cls" in out
     assert not (tmp_path / "o").exists()
-    assert "prefix hits finer" in cli_fails(["capacity", "--vllm-serve", "vllm serve --prefix-match-unit 4"])
+    assert "Invalid prefix_match_unit=4; with a single KV cache group" in cli_fails(
+        ["capacity", "--vllm-serve", "vllm serve --prefix-match-unit 4"])
 
 
 def test_sweep_fixes_the_commands_options(tmp_path):
@@ -381,3 +382,29 @@ def test_every_kv_cache_dtype_of_vllms_is_taken_or_named():
         serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype fp8_inc")
     assert serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype ultraquant_4bit"
                          ).options["kv_cache_dtype"] == "ultraquant_4bit"
+
+
+# vLLM 0.33's resolve_kv_cache_block_sizes on these KV-cache groups (a 16-token block): the error it
+# raises, or None where the unit changes nothing; simkv refuses a unit below the block on several
+# groups, where vLLM would hash finer and hit inside blocks
+@pytest.mark.parametrize("options, error", [
+    ({"prefix_match_unit": 16}, None),
+    ({"prefix_match_unit": 32}, "Invalid prefix_match_unit=32; with a single KV cache group, prefix-cache hits land "
+                                "on the block size (16). Unset it or set it to 16."),
+    ({"prefix_match_unit": 32, "enable_prefix_caching": False}, None),
+    ({"model": "gemma-3-12b", "prefix_match_unit": 16}, None),
+    ({"model": "gemma-3-12b", "prefix_match_unit": 5}, "Invalid prefix_match_unit=5; prefix-cacheable KV cache group "
+                                                       "block sizes must be divisible by prefix_match_unit. Got group "
+                                                       "block sizes=[16, 16, 16, 16, 16, 16], prefix-cacheable=[16, 16, "
+                                                       "16, 16, 16, 16]."),
+    ({"model": "gemma-3-12b", "prefix_match_unit": 8}, "prefix-cache hits inside a block are not modelled"),
+])
+def test_prefix_match_unit_as_vllm_resolves_it(options, error):
+    if error is None:
+        assert EngineConfig.from_flat(options).cache.prefix_match_unit == options["prefix_match_unit"]
+    else:
+        with pytest.raises(ConfigError) as raised:
+            EngineConfig.from_flat(options)
+        assert error in str(raised.value)
+    out = serve_options("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --prefix-match-unit 16")
+    assert out.options["prefix_match_unit"] == 16
