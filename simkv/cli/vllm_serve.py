@@ -85,6 +85,7 @@ UNMODELLED = frozenset("""
     enable_elastic_ep elastic_ep_max_dp_size
     enable_shm_tensor_arena enable_batch_sharded_sampling
     disable_nccl_for_dp_synchronization data_parallel_backend enable_hc_sp
+    cp_kv_cache_interleave_size dcp_kv_cache_interleave_size
     dcp_comm_backend dcp_q_replicate
     mm_processor_cache_gb mm_processor_cache_type mm_hasher_algorithm mm_shm_cache_max_object_size_mb
     mm_processor_kwargs mm_processor_device mm_ipc_gpu_memory_gb mm_device_do_normalize mm_tensor_ipc
@@ -100,8 +101,6 @@ REFUSED = {
     "kv_transfer_config": "prefill/decode disaggregation: give simkv's --prefill-replicas/--decode-replicas",
     "ec_transfer_config": "encoder disaggregation: give simkv's --encode-replicas",
     "ec_manager_config": "encoder disaggregation: give simkv's --encode-replicas",
-    "cp_kv_cache_interleave_size": "the context-parallel KV interleave is not modelled",
-    "dcp_kv_cache_interleave_size": "the DCP KV interleave is not modelled (simkv interleaves by token)",
     "kv_sharing_fast_prefill": "KV sharing across layers is not modelled",
     "swa_bounded_replay": "DeepSeek-V4's bounded sliding-window replay is not modelled",
     "mamba_block_size": "a Mamba block size of its own is not modelled (simkv derives vLLM's)",

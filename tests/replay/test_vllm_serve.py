@@ -84,11 +84,14 @@ def test_bad_integers_are_refused(text):
 def test_refused_flags_are_named_unless_at_vllms_default():
     with pytest.raises(ServeCommandError) as err:
         serve_options("vllm serve Qwen/Qwen2.5-7B --kv-transfer-config '{\"kv_connector\": \"NixlConnector\"}' "
-                      "--mamba-block-size 8 --dcp-kv-cache-interleave-size 1")
+                      "--mamba-block-size 8 --no-kv-sharing-fast-prefill")
     assert "--kv-transfer-config" in str(err.value) and "--mamba-block-size" in str(err.value)
-    assert "--dcp-kv-cache-interleave-size" not in str(err.value)  # (1 is vLLM's default)
-    with pytest.raises(ServeCommandError, match="--dcp-kv-cache-interleave-size"):
-        serve_options("vllm serve --dcp-kv-cache-interleave-size 2")
+    assert "kv-sharing-fast-prefill" not in str(err.value)  # (off: vLLM's default)
+    with pytest.raises(ServeCommandError, match="--kv-sharing-fast-prefill"):
+        serve_options("vllm serve --kv-sharing-fast-prefill")
+    # the DCP interleave changes which rank holds a token, not what the blocks hold: a speed matter
+    out = serve_options("vllm serve --dcp-kv-cache-interleave-size 16 --cp-kv-cache-interleave-size 16")
+    assert "--dcp-kv-cache-interleave-size" in out.unmodelled and "--cp-kv-cache-interleave-size" in out.unmodelled
 
 
 @pytest.mark.parametrize("command, match", [
