@@ -182,7 +182,6 @@ def test_the_schedulers_capped_count_is_the_decoders_sum(tmp_path):
 
 
 def test_sparse_replays_on_data_parallel_ranks_and_pd_pools(tmp_path):
-    trace = read_trace(TRACES / "req400.parquet")
     runner = CliRunner()
     for name, extra in (("dp", ["-dp", "8"]), ("pd", ["-tp", "8", "--prefill-replicas", "1", "--decode-replicas", "1"])):
         res = runner.invoke(main, ["replay", "traces/req400.parquet", "--model", "deepseek-v3.2", "--gpu", "H200",
