@@ -146,7 +146,8 @@ class RooflineCostModel:
         # on a GPU with fp8 tensor cores) counts bf16_tflops / fp8_tflops of its FLOPs.
         self.fp8_discount = 1.0 - gpu.bf16_tflops / gpu.fp8_tflops if gpu.runs_fp8_matmuls else 0.0
         # (NVFP4 weights: fp4 x fp4 matmuls where the GPU has fp4 tensor cores, vLLM's W4A4 kernels)
-        self.fp4_discount = 1.0 - gpu.bf16_tflops / gpu.fp4_tflops if gpu.fp4_tflops > 0 else 0.0
+        self.fp4_discount = (1.0 - gpu.bf16_tflops / gpu.fp4_tflops
+                             if gpu.fp4_tflops > 0 and not model.fp4_weight_only else 0.0)
         for discount, weight_bytes in ((self.fp8_discount, 1.0), (self.fp4_discount, NVFP4_WEIGHT_BYTES)):
             params = model.matmul_params_at(weight_bytes)
             if discount and params:

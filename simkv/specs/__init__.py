@@ -110,6 +110,9 @@ class ModelSpec:
     linear_conv_dtype_bytes: int = 2
     # Qwen3-Next's gated attention: the query projection also yields a gate per head (twice as wide).
     attention_output_gate: bool = False
+    # NVFP4 weights dequantized to bf16 for their matmuls (ModelOpt's W4A16_NVFP4): the fp4 bytes
+    # in memory and reads, the bf16 rate on every GPU
+    fp4_weight_only: bool = False
     # The KV cache dtype the checkpoint asks for (NVIDIA ModelOpt's kv_cache_quant_algo: vLLM then
     # runs --kv-cache-dtype auto as this, fp8_e4m3 or nvfp4; "": the model's dtype)
     checkpoint_kv_cache_dtype: str = ""

@@ -25,7 +25,9 @@ wrapper's vision tower is left out, its decoder sized alone):
   peak on GPUs with fp8 tensor cores); decoder layers kept out of FP8 (ignored_layers, ignore,
   exclude_modules) are refused, the LM head, a vision tower and routers kept out change nothing; a ModelOpt checkpoint's KV-cache algorithm
   (kv_cache_scheme or kv_cache_quant_algo), which vLLM runs `--kv-cache-dtype auto` as
-  (fp8_e4m3 or nvfp4: ModelSpec.checkpoint_kv_cache_dtype);
+  (fp8_e4m3 or nvfp4: ModelSpec.checkpoint_kv_cache_dtype); ModelOpt's NVFP4 (every linear
+  layer at 0.5625 bytes, multiplied at the GPU's fp4 peak where it has one) and W4A16_NVFP4
+  (the same bytes, multiplied in bf16);
 - partial_rotary_factor (or rope_parameters'; Qwen3-Next and Qwen3.5's config classes default
   to 0.25), which vLLM's Octave KV cache reads;
 - sliding windows: sliding_window with layer_types (sliding_attention / full_attention), or
@@ -173,8 +175,11 @@ def spec_fields_from_config(path: str) -> dict:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
         elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)) or modelopt:
             _check_fp8_exclusions(quant, where)
-            weight_bytes = NVFP4_WEIGHT_BYTES if modelopt and modelopt[0] == "NVFP4" else 1.0  # (fp8: scales negligible)
+            fp4 = bool(modelopt) and modelopt[0] in MODELOPT_FP4_ALGOS
+            weight_bytes = NVFP4_WEIGHT_BYTES if fp4 else 1.0  # (fp8: the scales are negligible)
             fields["linear_weight_bytes"] = weight_bytes
+            if fp4 and modelopt[0] == "W4A16_NVFP4":
+                fields["fp4_weight_only"] = True
             if experts:
                 fields["expert_weight_bytes"] = weight_bytes
             if modelopt and modelopt[1]:
@@ -416,8 +421,10 @@ def _nemotron_h(cfg: dict, raw: dict, where: str) -> dict:
 # NVIDIA ModelOpt's FP8 weight formats (vLLM's modelopt LINEAR_ALGOS of one byte a weight), and its
 # KV-cache algorithms as vLLM resolves --kv-cache-dtype auto from them (MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP)
 MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8")
-# ... and its NVFP4 (W4A4: fp4 weights and activations, NVFP4_WEIGHT_BYTES a weight)
-MODELOPT_ALGOS = (*MODELOPT_FP8_ALGOS, "NVFP4")
+# ... and its NVFP4 (W4A4: fp4 weights and activations, NVFP4_WEIGHT_BYTES a weight; W4A16: the
+# same weights, multiplied in bf16)
+MODELOPT_FP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+MODELOPT_ALGOS = (*MODELOPT_FP8_ALGOS, *MODELOPT_FP4_ALGOS)
 MODELOPT_KV_CACHE_DTYPES = {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}
 
 
@@ -451,8 +458,8 @@ def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
             "NVFP4" if floats and kv.get("num_bits") == 4 else None
     if algo not in MODELOPT_ALGOS:
         raise ModelConfigError(f"{where}: field 'quantization_config': ModelOpt quant_algo {algo or None!r} is not "
-                               f"modelled (simkv sizes {', '.join(MODELOPT_ALGOS)}; W4A16_NVFP4's weight-only fp4 and "
-                               "mixed precision are not); drop the field to size the model at bf16")
+                               f"modelled (simkv sizes {', '.join(MODELOPT_ALGOS)}; mixed precision is not); drop the "
+                               "field to size the model at bf16")
     kv_dtype = MODELOPT_KV_CACHE_DTYPES.get(kv.upper(), "") if isinstance(kv, str) else ""
     return algo, kv_dtype
 

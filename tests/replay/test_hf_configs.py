@@ -271,11 +271,11 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
     routers = CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
     assert get_model_spec(_write(tmp_path, "routers", QWEN3_30B_A3B | {"quantization_config": routers})
                           ).expert_weight_bytes == 1.0
-    # weight-only NVFP4 is not modelled
-    w4a16 = _write(tmp_path, "w4a16", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
-                                                                          "quant_algo": "W4A16_NVFP4"}})
-    with pytest.raises(ValueError, match="ModelOpt quant_algo 'W4A16_NVFP4' is not modelled"):
-        get_model_spec(w4a16)
+    # mixed precision is not modelled
+    mixed = _write(tmp_path, "mixed", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
+                                                                          "quant_algo": "MIXED_PRECISION"}})
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'MIXED_PRECISION' is not modelled"):
+        get_model_spec(mixed)
 
 
 def test_a_modelopt_nvfp4_checkpoint_holds_its_linear_layers_in_fp4(tmp_path):
@@ -303,6 +303,12 @@ def test_a_modelopt_nvfp4_checkpoint_holds_its_linear_layers_in_fp4(tmp_path):
     assert (moe.linear_weight_bytes, moe.expert_weight_bytes) == (NVFP4_WEIGHT_BYTES, NVFP4_WEIGHT_BYTES)
     with pytest.raises(ValueError, match="its checkpoint is quantized already"):
         moe.quantized("fp8")
+    # weight-only NVFP4 (W4A16): the same bytes, multiplied in bf16 even on a B200
+    w4a16 = get_model_spec(_write(tmp_path, "w4a16", LLAMA3_8B | {"quantization_config": {
+        "quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}}))
+    assert w4a16.linear_weight_bytes == NVFP4_WEIGHT_BYTES and w4a16.fp4_weight_only
+    assert RooflineCostModel(w4a16, b200).flops_per_token == a.flops_per_token
+    assert RooflineCostModel(w4a16, b200).weight_bytes == b.weight_bytes
     # on data-parallel ranks each rank's share of the routed experts' FLOPs is at the fp4 peak too
     dp = RooflineCostModel(moe, b200, data_parallel_size=2)
     routed = 2 * moe.num_moe_layers * moe.num_experts_per_tok * moe.expert_params * 2250 / 9000
