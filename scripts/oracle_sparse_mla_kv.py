@@ -45,11 +45,9 @@ def vllm_choice(major: int, dtype: str) -> tuple[str | None, str | None]:
         stand_in = sys.modules.setdefault(name, types.ModuleType(name))
         stand_in.flash_attn_varlen_func = None
     import torch
-    import vllm.triton_utils as triton_utils
+    from oracle_kv_skip_layers import _stub_triton
 
-    for name in ("float16", "bfloat16", "float32", "int8", "uint8", "int32"):  # (its placeholder triton.language)
-        if not hasattr(triton_utils.tl, name):
-            setattr(triton_utils.tl, name, None)
+    _stub_triton()
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.layers.attention.mla_attention import _canonicalize_sparse_mla_kv_cache_dtype

@@ -2193,7 +2193,9 @@ def sparse_mla_layout(gpu, kv_cache_dtype: str) -> int | str | None:
     Blackwell: FlashInfer's sparse backend (vLLM's first choice for fp8) plain fp8 and fp8_e4m3,
     FLASHMLA_SPARSE fp8_ds_mla and nvfp4_ds_mla when named. Consumer Blackwell (SM120): only
     FlashInfer's SM120 kernels, which store fp8_ds_mla whatever is asked. ROCm: AITER's, plain.
-    Returns the element's bytes or the layout's name, or None where no backend takes the dtype."""
+    Returns the element's bytes or the layout's name, or None where no backend takes the dtype
+    (the layouts asked for by name, which need CUDA and nvfp4_ds_mla SM100, are checked with
+    vLLM's words in EngineConfig._verify_ds_mla_kv)."""
     if kv_cache_dtype == "fp8_e5m2":
         return None  # (no sparse MLA backend takes e5m2)
     major = gpu.cuda_major if gpu.platform == "cuda" else 0

@@ -148,8 +148,8 @@ class RooflineCostModel:
         # (NVFP4 weights: fp4 x fp4 matmuls where the GPU has fp4 tensor cores, vLLM's W4A4 kernels)
         self.fp4_discount = (1.0 - gpu.bf16_tflops / gpu.fp4_tflops
                              if gpu.fp4_tflops > 0 and not model.fp4_weight_only else 0.0)
-        for discount, weight_bytes in ((self.fp8_discount, 1.0), (self.fp4_discount, NVFP4_WEIGHT_BYTES)):
-            params = model.matmul_params_at(weight_bytes)
+        for weight_bytes in (1.0, NVFP4_WEIGHT_BYTES):
+            discount, params = self.matmul_discount(weight_bytes), model.matmul_params_at(weight_bytes)
             if discount and params:
                 self.flops_per_token -= discount * 2.0 * params / tp
                 if self.mla and model.linear_weight_bytes == weight_bytes:  # (kv_b_proj, a quantized linear layer)
@@ -204,10 +204,7 @@ class RooflineCostModel:
         if shards > 1:  # (dp_step_seconds: the experts' share of a lockstep step over every rank's tokens)
             g = shards * tp  # the GPUs the expert layers span
             routed_flops = 2.0 * model.num_moe_layers * model.num_experts_per_tok * model.expert_params / tp
-            if model.expert_weight_bytes == 1.0:
-                routed_flops *= 1.0 - self.fp8_discount
-            elif model.expert_weight_bytes == NVFP4_WEIGHT_BYTES:
-                routed_flops *= 1.0 - self.fp4_discount
+            routed_flops *= 1.0 - self.matmul_discount(model.expert_weight_bytes)
             self.flops_per_token_local = self.flops_per_token - routed_flops
             self.expert_flops_per_group_token = routed_flops / shards
             self.expert_bytes_per_rank = self.expert_bytes / shards
@@ -249,6 +246,11 @@ class RooflineCostModel:
         self.weight_offload: dict | None = None
         if any(weight_offload_shares):
             self._offload_weights(*weight_offload_shares, pcie_gbs)
+
+    def matmul_discount(self, weight_bytes: float) -> float:
+        """The share of its bf16-rate FLOPs a matmul of weights stored at `weight_bytes` saves: fp8
+        (one byte) at the fp8 peak, NVFP4 at the fp4 peak, where the GPU has them; 0 otherwise."""
+        return {1.0: self.fp8_discount, NVFP4_WEIGHT_BYTES: self.fp4_discount}.get(weight_bytes, 0.0)
 
     def _offload_weights(self, share: float, expert_share: float, pcie_gbs: float) -> None:
         """vLLM's UVA weight offloading (--cpu-offload-gb): the kernels read the offloaded share
