@@ -47,11 +47,11 @@ def probe_cells(p: dict) -> str:
 
 
 def to_markdown(record: dict) -> str:
-    from simkv.replay.goodput import describe_slo
+    from simkv.replay.goodput import describe_slo, describe_target
 
     slo = describe_slo(record["slo_ms"])
     lines = [f"# simkv goodput: {record['trace']}", "",
-             f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. "
+             f"SLOs: {slo}; target: {describe_target(record['slo_ms'], record['target_attainment'])}. "
              f"The trace's own rate: {record['trace_rate_req_s']:.3f} req/s; cost model: {record['cost_model']}."
              + _setup(record), "",
              "| probe | rate req/s | x trace | " + PROBE_HEADER, "|---:|---:|---:|" + PROBE_RULE]
@@ -103,7 +103,7 @@ def to_markdown(record: dict) -> str:
 
 def clients_markdown(record: dict) -> str:
     """goodput.md of a closed-loop search (--clients)."""
-    from simkv.replay.goodput import describe_slo
+    from simkv.replay.goodput import describe_slo, describe_target
 
     slo = describe_slo(record["slo_ms"])
     k = record.get("conversations_per_client", 1)
@@ -111,7 +111,7 @@ def clients_markdown(record: dict) -> str:
     per = (f"{conversations} in progress each (the trace's sessions, paced on their replies: vLLM's multi-turn "
            "benchmark's clients)" if record.get("session_paced") else "one request in flight each")
     lines = [f"# simkv goodput, closed loop: {record['trace']}", "",
-             f"SLOs: {slo}; target: {100 * record['target_attainment']:g} % of requests meet all of them. Clients "
+             f"SLOs: {slo}; target: {describe_target(record['slo_ms'], record['target_attainment'])}. Clients "
              f"keep {per}, no sooner than the trace's times; cost model: {record['cost_model']}." + _setup(record), "",
              "| probe | clients | req/s sent | " + PROBE_HEADER, "|---:|---:|---:|" + PROBE_RULE]
     for i, p in enumerate(record["probes"], 1):
@@ -136,7 +136,7 @@ def clients_markdown(record: dict) -> str:
 
 
 def grid_markdown(record: dict) -> str:
-    from simkv.replay.goodput import describe_slo
+    from simkv.replay.goodput import describe_slo, describe_target
 
     keys = list(record["grid"])
     # the block size the engine ran with, where some combination's is not the one it asked for
@@ -146,8 +146,8 @@ def grid_markdown(record: dict) -> str:
     priced = "gpu_prices_usd_per_hour" in record
     over = (f"the layouts of {record['num_gpus']} GPUs" if "num_gpus" in record else "a grid")
     lines = [f"# simkv goodput over {over}: {record['trace']}", "",
-             f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests meet "
-             f"all of them; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
+             f"SLOs: {describe_slo(record['slo_ms'])}; target: "
+             f"{describe_target(record['slo_ms'], record['target_attainment'])}; cost model: {record['cost_model']}. Per combination, the highest rate that met the target "
              f"(to {100 * record['tolerance']:g} %)"
              + (f"; independent engines behind a {record['router']} router" if "num_gpus" in record else "") + ".", "",
              "| " + " | ".join(head_keys) + " | max rate req/s | attainment there | TTFT p99 s | TPOT p99 ms | waiting held by | probes |"
@@ -198,10 +198,11 @@ def grid_markdown(record: dict) -> str:
 
 @click.command("goodput", cls=SectionedCommand)
 @click.argument("trace", required=False, default=DEFAULT_TRACE)
-@click.option("--goodput", "goodput", multiple=True, required=True, metavar="KEY:MS",
-              help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms; repeat for each.")
+@click.option("--goodput", "goodput", multiple=True, required=True, metavar="[CLASS:]KEY:MS",
+              help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms; repeat for each. CLASS:KEY:MS "
+                   "holds one request class (the trace's request_class) to its own limit.")
 @click.option("--attainment", type=float, default=0.99, show_default=True,
-              help="Share of the trace's requests that must meet every SLO.")
+              help="Share of the trace's requests that must meet every SLO (with SLOs per class: of each class's).")
 @click.option("--tolerance", type=float, default=0.02, show_default=True,
               help="Stop when the highest rate that met the target and the lowest that missed it are this close (relative).")
 @click.option("--target-rate", type=float, default=None, help="Also say how many replicas this rate (req/s) needs.")
@@ -500,12 +501,12 @@ def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_m
 
 
 def splits_markdown(record: dict) -> str:
-    from simkv.replay.goodput import describe_slo
+    from simkv.replay.goodput import describe_slo, describe_target
 
     pd = record["disaggregation"]
     lines = [f"# simkv goodput of {record['num_gpus']} engines, colocated or split: {record['trace']}", "",
-             f"SLOs: {describe_slo(record['slo_ms'])}; target: {100 * record['target_attainment']:g} % of requests "
-             f"meet all of them; cost model: {record['cost_model']}. Colocated engines behind a "
+             f"SLOs: {describe_slo(record['slo_ms'])}; target: "
+             f"{describe_target(record['slo_ms'], record['target_attainment'])}; cost model: {record['cost_model']}. Colocated engines behind a "
              f"{record['colocated_router']} router; split ones with a {pd['prefill_router']} prefill router, a "
              f"{pd['decode_router']} decode router and a {pd['kv_link_gbps']:g} GB/s KV link. Per setup, the highest "
              f"rate that met the target (to {100 * record['tolerance']:g} %).", "",

@@ -242,7 +242,8 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
     `vllm_bench`: a `vllm bench serve` command whose traffic replaces the trace (its
     --max-concurrency and --goodput too, unless simkv's own flags give them). `vllm_multi_turn`:
     likewise a command of vLLM's multi-turn benchmark (its clients and conversations)."""
-    from simkv.replay.goodput import GoodputError, parse_goodput
+    from simkv.replay.classes import trace_labels
+    from simkv.replay.goodput import GoodputError, check_slo_classes, parse_goodput
     from simkv.traces.schema import read_trace
 
     try:
@@ -275,11 +276,16 @@ def read_inputs(trace: str, flags: dict, config_file: str | None, goodput: tuple
     except GoodputError as exc:
         raise click.UsageError(str(exc)) from None
     if bench is not None:
-        return slo, config, bench.trace
-    try:
-        data = read_trace(trace)
-    except (ValueError, OSError) as exc:
-        raise click.ClickException(str(exc)) from None
+        data = bench.trace
+    else:
+        try:
+            data = read_trace(trace)
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
+    try:  # (an SLO for a class the trace lacks: said before anything runs)
+        check_slo_classes(slo, trace_labels(data), str(data.source or trace))
+    except GoodputError as exc:
+        raise click.UsageError(str(exc)) from None
     return slo, config, data
 
 
@@ -724,9 +730,10 @@ _ENGINE_OPTIONS = [
 @click.option("--step-base-s", type=float, default=0.015, show_default=True, help="linear cost model")
 @click.option("--step-per-token-s", type=float, default=2e-5, show_default=True, help="linear cost model")
 @engine_options
-@click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
+@click.option("--goodput", "goodput", multiple=True, metavar="[CLASS:]KEY:MS",
               help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms, e.g. --goodput ttft:2000 "
-                   "--goodput tpot:100; summary.json then counts the requests that met all of them.")
+                   "--goodput tpot:100; summary.json then counts the requests that met all of them. CLASS:KEY:MS "
+                   "holds one request class (the trace's request_class) to its own limit (batch:ttft:30000).")
 @fleet_options
 @disaggregation_options
 @encode_options

@@ -28,7 +28,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     `vllm_bench`: a `vllm bench serve` command whose traffic is written into `out_dir` as one
     more trace (its --max-concurrency and --goodput fixed unless given); `vllm_multi_turn`: vLLM's
     multi-turn benchmark's command likewise (its clients fixed unless given)."""
-    from simkv.replay.goodput import GoodputError, parse_goodput
+    from simkv.replay.goodput import GoodputError, check_slo_classes, parse_goodput, slo_classes
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
     from simkv.sweep.grid import normalize_key
 
@@ -57,6 +57,15 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
         traces = (*traces, _multi_turn_trace(vllm_multi_turn, fixed, out_dir))
     if not traces:
         raise SweepError("TRACE: give one or more traces, --vllm-bench or --vllm-multi-turn")
+    if slo_classes(slo):  # (an SLO for a class a trace lacks: said before any cell runs)
+        from simkv.replay.classes import trace_labels
+        from simkv.traces.schema import read_trace
+
+        for path in traces:
+            try:
+                check_slo_classes(slo, trace_labels(read_trace(path)), str(path))
+            except GoodputError as exc:
+                raise SweepError(str(exc)) from None
     for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
         _check_cost_model(value)
     for trace in traces:
@@ -132,8 +141,9 @@ def _multi_turn_trace(command: str, fixed: dict, out_dir: str) -> str:
                    "(its clients hold in every cell unless given).")
 @click.option("--cost-model", default="roofline", show_default=True, type=CostModelChoice(COST_MODELS),
               help="Cost model of every cell unless swept.")
-@click.option("--goodput", "goodput", multiple=True, metavar="KEY:MS",
-              help="Latency SLO judged in every cell (vLLM's --goodput: ttft, tpot or e2el and a limit in ms); "
+@click.option("--goodput", "goodput", multiple=True, metavar="[CLASS:]KEY:MS",
+              help="Latency SLO judged in every cell (vLLM's --goodput: ttft, tpot or e2el and a limit in ms; "
+                   "CLASS:KEY:MS for one request class); "
                    "adds the slo_attainment and goodput_req_s columns.")
 @click.option("--out", "out_dir", required=True, help="Sweep folder (resumable: finished cells are kept).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)

@@ -1,4 +1,4 @@
-"""``simkv trace``: import, synth, inspect, transform. Parses options; the work is in simkv.traces."""
+"""``simkv trace``: import, synth, inspect, transform, merge. Parses options; the work is in simkv.traces."""
 from __future__ import annotations
 
 import functools
@@ -161,6 +161,11 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
 @click.option("--samples", type=int, default=None, metavar="N",
               help="Every request asks for N sequences (parallel sampling, the n column: best-of-N, RL rollouts).")
+@click.option("--priority", type=int, default=None, metavar="P",
+              help="Give every request priority P (vLLM's: lower first under --scheduling-policy priority).")
+@click.option("--request-class", default=None, metavar="NAME",
+              help="Label every request with this class (the request_class column: a replay gives each class's "
+                   "latencies and takes SLOs per class, --goodput NAME:ttft:MS).")
 @click.option("--lora-adapters", type=int, default=None, metavar="N",
               help="Name a LoRA adapter for every request (lora-0 .. lora-N-1, a session's turns one adapter), "
                    "drawn with Zipf popularity (--lora-zipf); replay with --enable-lora --max-loras K.")
@@ -185,13 +190,14 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
                   time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
-                  seed: int, samples: int | None, lora_adapters: int | None, lora_zipf: float,
-                  images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
+                  seed: int, samples: int | None, priority: int | None, request_class: str | None,
+                  lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
                   image_zipf: float, image_text_after: int, link_replies: bool) -> None:
     """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, samples,
-    lora-adapters, images, link-replies)."""
+    priority, request-class, lora-adapters, images, link-replies)."""
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
-                  time_scale=time_scale, rate=rate, samples=samples, seed=seed)
+                  time_scale=time_scale, rate=rate, samples=samples, priority=priority, request_class=request_class,
+                  seed=seed)
     result = transform(read_trace(path), edits)
     note = ""
     if lora_adapters is not None:
@@ -208,12 +214,51 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
     if link_replies:
         had_sessions = result.session_id is not None
         result, linked = replies.link_replies(result)
-        note = f"; {linked:,} replies linked to the prompts that repeat them"
+        note += f"; {linked:,} replies linked to the prompts that repeat them"
         if not had_sessions and result.session_id is not None:
             chains = len({s for s in result.session_id.tolist() if s is not None})
             note += f", in {chains:,} sessions (chains of linked requests, paced in replays)"
     write_trace(result, out)
     click.echo(f"wrote {len(result):,} requests to {out}{note}")
+
+
+@trace.command("merge")
+@click.argument("inputs", nargs=-1, required=True, metavar="[NAME=]TRACE...")
+@click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
+@click.option("--shared-content", is_flag=True,
+              help="Keep the inputs' block hashes and image ids as they are (slices of one source whose prompts "
+                   "are shared); by default each input's content is its own.")
+@clean_errors
+def merge_cmd(inputs: tuple[str, ...], out: str, shared_content: bool) -> None:
+    """Merge traces onto one clock, each row's request_class naming its kind of traffic: NAME=TRACE labels an
+    input, a TRACE alone keeps its own request_class column or takes its file name. Ids are prefixed with the
+    label (chat/17); arrival times are kept (set each input's load with `trace transform` first)."""
+    from pathlib import Path
+
+    from simkv.traces.merge import merge_traces
+
+    parts = []
+    for item in inputs:
+        name, path = item.split("=", 1) if "=" in item and not Path(item).exists() else (None, item)
+        trace_in = read_trace(path)
+        if name is None and trace_in.request_class is None:
+            name = _stem(path)
+        parts.append((name, trace_in))
+    result = merge_traces(parts, shared_content=shared_content)
+    write_trace(result, out)
+    counts = {}
+    for label in result.request_class.tolist():
+        counts[label] = counts.get(label, 0) + 1
+    mix = ", ".join(f"{label} {n:,}" for label, n in counts.items())
+    click.echo(f"wrote {len(result):,} requests to {out} (request classes: {mix})")
+
+
+def _stem(path: str) -> str:
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    for suffix in (".csv.gz", ".parquet", ".pq", ".csv"):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 @trace.command("export")

@@ -65,6 +65,16 @@ def metric_rows(sim: dict, meas: dict) -> list[dict]:
     if gs and gm and gs.get("slo_ms") == gm.get("slo_ms"):  # both judged on the same SLOs (--goodput)
         for key in ("slo_attainment", "request_goodput_req_s"):
             rows.append(_metric_row(f"goodput.{key}", gs.get(key), gm.get(key)))
+    cs, cm = (sim.get("classes") or {}).get("classes") or {}, (meas.get("classes") or {}).get("classes") or {}
+    for name in (n for n in cs if n in cm):  # (request classes both runs have: simkv/replay/classes.py)
+        a, b = cs[name], cm[name]
+        rows.append(_metric_row(f"class.{name}.request_throughput_req_s", a["request_throughput_req_s"],
+                                b["request_throughput_req_s"]))
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            for stat in ("p50", "p99"):
+                rows.append(_metric_row(f"class.{name}.{key}.{stat}", a[key][stat], b[key][stat]))
+        if "slo_attainment" in a and "slo_attainment" in b and gs and gm and gs.get("slo_ms") == gm.get("slo_ms"):
+            rows.append(_metric_row(f"class.{name}.slo_attainment", a["slo_attainment"], b["slo_attainment"]))
     return rows
 
 

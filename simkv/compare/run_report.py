@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from simkv.compare.svg import cdf_chart, line_chart, page
+from simkv.replay.classes import request_labels
 from simkv.replay.results import kv_cache_groups_rows, largest_admission_limit
 
 
@@ -148,7 +149,15 @@ def run_report_html(run_dir: str | Path) -> str:
         charts.append(_held_by_chart(by_time, t))
     fin = requests[requests["status"] == "finished"]
     itl_v, itl_w = token_itl(steps)
-    charts += [cdf_chart([("TTFT", 1e3 * fin["ttft_s"].to_numpy())], "TTFT CDF", "TTFT (ms)"),
+    classes = summary.get("classes")
+    found = request_labels(requests) if classes else None
+    if found is not None:  # (one TTFT line per request class)
+        label = found[1][(requests["status"] == "finished").to_numpy()]
+        ttft = [(name, 1e3 * fin["ttft_s"].to_numpy()[label == name]) for name in classes["classes"]
+                if (label == name).any()][:MAX_REPLICA_SERIES]
+    else:
+        ttft = [("TTFT", 1e3 * fin["ttft_s"].to_numpy())]
+    charts += [cdf_chart(ttft, "TTFT CDF", "TTFT (ms)"),
                cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
                line_chart(_per_replica(steps, "step duration", 1e3 * steps["duration_s"].to_numpy()),
                           "Step durations", "time (s)", "ms")]
@@ -157,6 +166,8 @@ def run_report_html(run_dir: str | Path) -> str:
         body.append(_replica_table(summary["fleet"]))
     if summary.get("disaggregation"):
         body.append(_pool_table(summary["disaggregation"]))
+    if classes:
+        body.append(_class_table(classes))
     body.append("<div class='charts'>" + "".join(charts) + "</div>")
     return page(f"simkv replay report ({summary.get('backend')})", body)
 
@@ -189,6 +200,28 @@ def _replica_table(fleet: dict) -> str:
             f"{100 * r['prefix_cache_hit_rate']:.1f}", ms(r["ttft_s"]), f"{r['duration_s']:.1f}",
             html.escape(r.get("waiting_held_by") or "-"))) + "</tr>"
         for r in fleet["replicas"])
+    return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
+
+
+def _class_table(section: dict) -> str:
+    """Per request class (simkv/replay/classes.py): what each kind of traffic got."""
+    classes = section["classes"]
+    slo = any("slo_attainment" in c for c in classes.values())
+    cols = ("priority" if section["by"] == "priority" else "class", "requests", "finished", "prefix hit %",
+            "preemptions", "queue p50 / p99 (ms)", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "E2E p50 / p99 (s)",
+            "req/s", "output tok/s", *(["SLOs met %"] if slo else []))
+
+    def pair(d, scale=1e3):
+        return "-" if d["p50"] is None else f"{scale * d['p50']:,.1f} / {scale * d['p99']:,.1f}"
+
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{v}</td>" for v in (
+            html.escape(name), f"{c['num_requests']:,}", f"{c['num_finished']:,}",
+            f"{100 * c['prefix_hit_share']:.1f}", f"{c['num_preemptions']:,}", pair(c["queue_s"]), pair(c["ttft_s"]),
+            pair(c["tpot_s"]), pair(c["e2e_s"], 1.0), f"{c['request_throughput_req_s']:,.2f}",
+            f"{c['output_throughput_tok_s']:,.0f}", *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))) + "</tr>"
+        for name, c in classes.items())
+    head = "<p>Per request class (the trace's request_class column, or its priorities).</p>"
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 
 

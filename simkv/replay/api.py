@@ -17,7 +17,8 @@ from simkv.capacity import compute_capacity
 from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
-from simkv.replay.goodput import goodput_summary
+from simkv.replay.classes import classes_summary, trace_labels, with_class_columns
+from simkv.replay.goodput import check_slo_classes, goodput_summary
 from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
 from simkv.replay.router import Router, RouterOptions
@@ -79,13 +80,27 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     requests met them (`summary["goodput"]`). `fleet`: replay on that many replicas behind a
     router (simkv/replay/fleet.py); one replica is the plain replay. `disaggregation`: a
     `DisaggregationSpec`, a prefill pool and a decode pool (simkv/replay/disaggregated.py).
-    `encode`: an `EncodeSpec`, encode instances in front (simkv/replay/encode_pool.py)."""
+    `encode`: an `EncodeSpec`, encode instances in front (simkv/replay/encode_pool.py).
+    A trace with request classes (simkv/replay/classes.py) gets them in its request table and
+    its summary's `classes`."""
+    check_slo_classes(goodput, trace_labels(trace), str(getattr(trace, "source", "") or "the trace"))
+    result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
+                     fleet, disaggregation, encode)
+    result.requests = with_class_columns(result.requests, trace)
+    result.summary |= classes_summary(result.requests, result.summary["duration_s"], goodput)
+    if goodput:
+        result.summary["goodput"] = goodput_summary(result.requests, goodput, result.summary["duration_s"])
+    return result
+
+
+def _replay(trace, config: EngineConfig, cost_model, cost_options, use_decode_runs, on_progress, backend,
+            pause_collector, fleet, disaggregation, encode) -> ReplayResult:
     _check_lora(trace, config, disaggregation)
     _check_client_concurrency(trace, config, encode)
     config = _multimodal_config(trace, config, backend, disaggregation)
     if encode is not None:
         return _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode_runs, on_progress,
-                                        pause_collector, goodput, fleet, disaggregation, encode, backend)
+                                        pause_collector, fleet, disaggregation, encode, backend)
     # (under P/D the front end that refuses is the prefill pool's: its config carries the limits)
     _check_queue_limits(trace, disaggregation.pool_configs(config)[0] if disaggregation is not None else config,
                         fleet)
@@ -98,7 +113,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
         if backend is not None or (fleet is not None and fleet.num_replicas > 1):
             raise ValueError("a disaggregated replay sets its pools' replicas itself, on cost models only")
         return _replay_disaggregated(trace, config, cost_model, cost_options or {}, use_decode_runs, on_progress,
-                                     pause_collector, goodput, disaggregation)
+                                     pause_collector, disaggregation)
     capacity = compute_capacity(config)
     if config.hardware.data_parallel_size > 1:
         if fleet is not None and fleet.num_replicas > 1:
@@ -112,13 +127,13 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
         if fleet is not None and fleet.router is not None:
             router = Router(fleet.router, config.hardware.data_parallel_size, fleet.options,
                             cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
-        return _replay_data_parallel(trace, config, cost_options or {}, on_progress, pause_collector, goodput,
+        return _replay_data_parallel(trace, config, cost_options or {}, on_progress, pause_collector,
                                      capacity, router)
     if fleet is not None and fleet.num_replicas > 1:
         if backend is not None:
             raise ValueError("a fleet replays on cost models only (one backend per replica)")
         return _replay_fleet(trace, config, cost_model, cost_options or {}, use_decode_runs, on_progress,
-                             pause_collector, goodput, fleet, capacity)
+                             pause_collector, fleet, capacity)
     if backend is None:
         backend = make_backend(cost_model, config, **(cost_options or {}))
     with collector_paused(pause_collector):
@@ -129,14 +144,12 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
         wall = time.perf_counter() - t0
         requests = request_table(run, trace, frontend_latency(backend))
         summary = summarize(run, trace, config, backend, capacity, wall, requests)
-        if goodput:
-            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
         steps = run.steps.columns()
     return ReplayResult(summary, requests, steps, run)
 
 
 def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
-                             goodput, fleet, disaggregation, encode, backend) -> ReplayResult:
+                             fleet, disaggregation, encode, backend) -> ReplayResult:
     """Encoder disaggregation in two passes (simkv/replay/encode_pool.py): the encode pool on
     the requests with images, then the engines, each of those requests arriving when the proxy
     sends it on and loading its embeddings; latencies counted from the client's send."""
@@ -154,8 +167,6 @@ def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode
     summary["trace"] = str(trace.source)
     summary |= latencies_and_rates(requests, summary["itl_s"], summary["duration_s"], time.perf_counter() - t0)
     summary["encode_pool"] = section
-    if goodput:
-        summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, result.steps, result.run, result.fleet_runs)
 
 
@@ -271,7 +282,7 @@ def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:
                              f"modelled with {what} yet")
 
 
-def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector, goodput,
+def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
                   fleet: FleetSpec, capacity) -> ReplayResult:
     router = Router(fleet.policy, fleet.num_replicas, fleet.options,
                     cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
@@ -285,12 +296,10 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         wall = time.perf_counter() - t0
         requests, steps, per_replica = fleet_tables(runs, routing, trace, frontend_latency(backends[0]))
         summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica)
-        if goodput:
-            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 
-def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector, goodput,
+def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector,
                           capacity, router=None) -> ReplayResult:
     from simkv.replay.data_parallel import run_data_parallel
 
@@ -311,13 +320,11 @@ def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collec
             summary["data_parallel"] |= {"dp_sync_interval": cadence.sync_interval,
                                          "wave_tail_dummy_passes": cadence.num_dummy_passes}
         summary |= pipeline_summary(runs[0], summary["duration_s"])  # (the group's stages: one set of clocks)
-        if goodput:
-            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 
 def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
-                          goodput, spec) -> ReplayResult:
+                          spec) -> ReplayResult:
     from simkv.replay.disaggregated import check_pull_fits, run_disaggregated
     from simkv.replay.disaggregated_results import pd_summary, pd_tables
 
@@ -340,8 +347,6 @@ def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_ru
                                                                                frontend_latency(backends[1][0]))
         summary = pd_summary(run, trace, spec, configs, backends, capacities, wall, requests, prefill_requests,
                              per_prefill, per_decode)
-        if goodput:
-            summary["goodput"] = goodput_summary(requests, goodput, summary["duration_s"])
     return ReplayResult(summary, requests, steps, run.decode_runs[0], run.decode_runs)
 
 

@@ -7,6 +7,11 @@ TTFT) / (output tokens - 1), 0 for a one-token answer) and E2EL (arrival to last
 are in milliseconds, as vLLM takes them. Goodput is good requests / duration of the run; the
 attainment is good requests / all requests of the trace (a rejected or unfinished request is
 never good) but those its client never sent (status not_sent: it stopped early).
+
+An SLO may be given for one request class (simkv/replay/classes.py): ``chat:ttft:500`` holds the
+trace's "chat" requests to a 500 ms TTFT, in place of a ``ttft`` SLO given for all; the other
+classes keep the SLOs given for all. The summary then gives each class's attainment, and
+`lowest_class_attainment`, which `simkv goodput` holds to its target (every class must attain it).
 """
 from __future__ import annotations
 
@@ -25,18 +30,22 @@ class GoodputError(ValueError):
 
 def parse_goodput(specs: Iterable[str]) -> dict[str, float]:
     """``["ttft:2000", "tpot:100"]`` (or one comma-separated string) -> ``{"ttft": 2000.0, "tpot": 100.0}``
-    (milliseconds)."""
+    (milliseconds); ``"chat:ttft:500"`` -> ``{"chat:ttft": 500.0}`` (one request class's)."""
     slo: dict[str, float] = {}
     for spec in specs:
         for item in str(spec).split(","):
             item = item.strip()
             if not item:
                 continue
-            key, sep, value = item.partition(":")
+            head, sep, value = item.rpartition(":")
+            request_class, _, key = head.rpartition(":")
             key = key.strip().lower()
-            if not sep or key not in SLO_COLUMNS:
+            if not sep or key not in SLO_COLUMNS or (request_class != "" and not request_class.strip()) or \
+                    head.startswith(":"):
                 raise GoodputError(f"--goodput '{item}': expected KEY:MILLISECONDS with KEY one of "
-                                   f"{', '.join(SLO_COLUMNS)} (e.g. ttft:2000)")
+                                   f"{', '.join(SLO_COLUMNS)} (e.g. ttft:2000), or CLASS:KEY:MILLISECONDS for one "
+                                   "request class (chat:ttft:500)")
+            key = f"{request_class}:{key}" if request_class else key
             try:
                 ms = float(value)
             except ValueError:
@@ -49,34 +58,109 @@ def parse_goodput(specs: Iterable[str]) -> dict[str, float]:
     return slo
 
 
+def split_key(key: str) -> tuple[str | None, str]:
+    """``"chat:ttft"`` -> ``("chat", "ttft")``; ``"ttft"`` -> ``(None, "ttft")``."""
+    request_class, sep, metric = key.rpartition(":")
+    return (request_class if sep else None), metric
+
+
+def slo_classes(slo_ms: dict[str, float]) -> list[str]:
+    """The request classes the SLOs name, in the order given."""
+    return list(dict.fromkeys(c for c, _ in map(split_key, slo_ms) if c is not None))
+
+
+def check_slo_classes(slo_ms: dict[str, float] | None, labels: tuple[str, np.ndarray] | None, source: str) -> None:
+    """GoodputError unless every class an SLO names is one of the trace's (`labels`:
+    simkv.replay.classes.trace_labels)."""
+    named = slo_classes(slo_ms or {})
+    if not named:
+        return
+    if labels is None:
+        raise GoodputError(f"--goodput {named[0]}:...: {source} has no request classes (no request_class column, "
+                           "and no priority column with more than one value); label them with simkv trace merge or "
+                           "trace transform --request-class")
+    known = list(dict.fromkeys(labels[1].tolist()))
+    for name in named:
+        if name not in known:
+            shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
+            raise GoodputError(f"--goodput {name}:...: {source} has no request class '{name}' (its classes: {shown})")
+
+
+def describe_target(slo_ms: dict[str, float], target: float) -> str:
+    """How a search judges a probe: "99 % of requests meet all of them", or per class."""
+    if slo_classes(slo_ms):
+        return (f"{100 * target:g} % of each request class's requests meet the SLOs that apply to them (attainment: "
+                "the lowest class's)")
+    return f"{100 * target:g} % of requests meet all of them"
+
+
 def describe_slo(slo_ms: dict[str, float]) -> str:
     return ", ".join(f"{k} <= {v:g} ms" for k, v in slo_ms.items())
 
 
 def good_requests(requests: pd.DataFrame, slo_ms: dict[str, float]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Per request: meets every SLO; and per SLO: meets that one (both False when unfinished)."""
+    """Per request: meets every SLO that applies to it; and per SLO: meets that one (both False
+    when unfinished; an SLO's entry is False too for the requests it does not apply to, which
+    `applies_to` gives)."""
     finished = requests["status"].to_numpy() == "finished"
     each = {}
-    for key, limit in slo_ms.items():
-        values = requests[SLO_COLUMNS[key]].to_numpy(dtype=np.float64)
-        if key == "tpot":
-            values = np.where(np.isnan(values) & finished, 0.0, values)  # one output token: no TPOT
-        with np.errstate(invalid="ignore"):
-            each[key] = finished & (values <= limit / 1000.0)
     good = finished.copy()
-    for ok in each.values():
-        good &= ok
+    for key, limit in slo_ms.items():
+        metric = split_key(key)[1]
+        values = requests[SLO_COLUMNS[metric]].to_numpy(dtype=np.float64)
+        if metric == "tpot":
+            values = np.where(np.isnan(values) & finished, 0.0, values)  # one output token: no TPOT
+        applies = applies_to(requests, slo_ms, key)
+        with np.errstate(invalid="ignore"):
+            each[key] = finished & (values <= limit / 1000.0) & applies
+        good &= each[key] | ~applies
     return good, each
 
 
+def applies_to(requests: pd.DataFrame, slo_ms: dict[str, float], key: str) -> np.ndarray:
+    """Which requests an SLO holds: its class's, or (given for all) every request whose class has
+    no SLO of its own on that metric."""
+    request_class, metric = split_key(key)
+    named = slo_classes(slo_ms)
+    if not named:
+        return np.ones(len(requests), dtype=bool)
+    from simkv.replay.classes import request_labels
+
+    found = request_labels(requests)
+    labels = found[1] if found is not None else np.full(len(requests), None, dtype=object)
+    if request_class is not None:
+        return labels == request_class
+    own = [c for c in named if f"{c}:{metric}" in slo_ms]
+    return ~np.isin(labels, np.array(own, dtype=object))
+
+
 def goodput_summary(requests: pd.DataFrame, slo_ms: dict[str, float], duration_s: float) -> dict:
-    """What summary.json records under ``goodput``."""
+    """What summary.json records under ``goodput``: attainment over the requests sent, and per
+    SLO over the sent requests it applies to; per class where the trace has classes."""
     good, each = good_requests(requests, slo_ms)
-    n = int((requests["status"].to_numpy() != "not_sent").sum())
-    return {
+    sent = requests["status"].to_numpy() != "not_sent"
+    n = int(sent.sum())
+    by_slo = {}
+    for key, ok in each.items():
+        m = int((sent & applies_to(requests, slo_ms, key)).sum())
+        by_slo[key] = float(ok.sum() / m) if m else 0.0
+    out = {
         "slo_ms": dict(slo_ms),
         "num_good": int(good.sum()),
         "slo_attainment": float(good.sum() / n) if n else 0.0,
-        "attainment_by_slo": {k: float(v.sum() / n) if n else 0.0 for k, v in each.items()},
+        "attainment_by_slo": by_slo,
         "request_goodput_req_s": float(good.sum() / duration_s) if duration_s > 0 else 0.0,
     }
+    from simkv.replay.classes import class_order, request_labels
+
+    found = request_labels(requests)
+    if found is not None:
+        labels = found[1]
+        per_class = {}
+        for name in class_order(labels):
+            rows = (labels == name) & sent
+            per_class[name] = float(good[rows].sum() / rows.sum()) if rows.any() else 0.0
+        out["attainment_by_class"] = per_class
+        if slo_classes(slo_ms):
+            out["lowest_class_attainment"] = min(per_class.values())
+    return out

@@ -198,6 +198,8 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         console.print(replica_table(fleet))
     if pd:
         console.print(pool_table(pd))
+    if summary.get("classes"):
+        console.print(class_table(summary["classes"]))
     if out_dir is not None:
         console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet" + (", report.html" if with_report else ""))
 
@@ -226,6 +228,34 @@ def pool_table(pd: dict) -> Table:
         if stages:
             table.caption += (f"; {name} pool: {stages['pipeline_parallel_size']} stages busy "
                               f"{100 * stages['stage_busy_fraction']:.1f} % of the time")
+    return table
+
+
+def class_table(section: dict) -> Table:
+    """One row per request class (simkv/replay/classes.py): what each kind of traffic got
+    (TTFT and TPOT in ms; summary.json has the rest)."""
+    from rich import box
+
+    classes = section["classes"]
+    slo = any("slo_attainment" in c for c in classes.values())
+    table = Table(title="per request class" if section["by"] == "request_class" else "per priority",
+                  box=box.SIMPLE_HEAD, caption="TTFT and TPOT in ms", pad_edge=False)
+    by_priority = section["by"] == "priority"
+    for name in ("priority" if by_priority else "class", "done", "hit %", "preempt", "TTFT\np50", "TTFT\np99", "TPOT\np50", "TPOT\np99",
+                 *(["SLO %"] if slo else [])):
+        table.add_column(name, justify="right")
+
+    def num(d: dict, key: str, scale: float = 1e3) -> str:
+        if d[key] is None:
+            return "-"
+        x = scale * d[key]
+        return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+    for name, c in classes.items():
+        done = f"{c['num_finished']:,}" + ("" if c["num_finished"] == c["num_requests"] else f"/{c['num_requests']:,}")
+        table.add_row(name.split("=", 1)[1] if by_priority else name, done, f"{100 * c['prefix_hit_share']:.1f}", f"{c['num_preemptions']:,}",
+                      num(c["ttft_s"], "p50"), num(c["ttft_s"], "p99"), num(c["tpot_s"], "p50"), num(c["tpot_s"], "p99"),
+                      *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))
     return table
 
 

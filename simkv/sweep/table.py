@@ -55,6 +55,13 @@ OFFLOAD_METRICS: dict[str, tuple[str, ...]] = {
 }
 
 
+# with request classes in some cell's trace (simkv/replay/classes.py): per class, `CLASS:column`
+CLASS_METRICS: dict[str, tuple[str, ...]] = {
+    "ttft_p99_s": ("ttft_s", "p99"),
+    "tpot_p99_s": ("tpot_s", "p99"),
+}
+
+
 # the limit that held the waiting queue back longest (summary.json's admission_limits), and its share
 HELD_BY = "waiting_held_by"
 
@@ -62,7 +69,8 @@ HELD_BY = "waiting_held_by"
 def metric_columns(rows: list[dict]) -> list[str]:
     """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs,
     the offloading ones only when a cell offloads)."""
-    return [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS) if rows and c in rows[0]]
+    named = [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS) if rows and c in rows[0]]
+    return named + [c for c in (rows[0] if rows else ()) if ":" in c]
 
 
 def _get(summary: dict, path: tuple[str, ...]):
@@ -79,6 +87,7 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
     metrics = dict(METRICS) | (GOODPUT_METRICS if any(c.goodput for c in cells) else {})
     if any("kv_offloading" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
         metrics |= OFFLOAD_METRICS
+    metrics |= _class_metrics(cells, outcomes)
     for cell in cells:
         out = outcomes.get(cell.cell_id, {"status": "failed", "error": "not run"})
         row = {"cell": cell.index, "cell_id": cell.cell_id, "trace": cell.trace}
@@ -91,6 +100,17 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         row[HELD_BY] = largest_admission_limit(summary) if out["status"] == "ok" else None
         rows.append(row)
     return _with_engine_block_size(cells, outcomes, rows)
+
+
+def _class_metrics(cells: list[Cell], outcomes: dict[str, dict]) -> dict[str, tuple[str, ...]]:
+    """`CLASS:column` for each request class some cell's summary has (in the order they first
+    appear), with each class's SLO attainment where cells were judged on SLOs."""
+    names: dict[str, None] = {}
+    for c in cells:
+        section = _get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("classes", "classes")) or {}
+        names |= dict.fromkeys(section)
+    per_class = dict(CLASS_METRICS) | ({"slo_attainment": ("slo_attainment",)} if any(c.goodput for c in cells) else {})
+    return {f"{name}:{col}": ("classes", "classes", name, *path) for name in names for col, path in per_class.items()}
 
 
 def _with_engine_block_size(cells: list[Cell], outcomes: dict[str, dict], rows: list[dict]) -> list[dict]:
@@ -131,7 +151,7 @@ def to_arrow(rows: list[dict], swept_keys: list[str]) -> pa.Table:
             typ = pa.int64()
         elif col in swept_keys:
             typ = _key_type(values)
-        elif col in METRICS or col in GOODPUT_METRICS:
+        elif col in METRICS or col in GOODPUT_METRICS or ":" in col:  # (":": a request class's)
             typ = pa.float64()
         else:
             typ = pa.string()

@@ -19,7 +19,8 @@ from simkv.traces.errors import TraceError
 PARQUET_SUFFIXES = (".parquet", ".pq")
 CSV_SUFFIXES = (".csv", ".csv.gz")
 # Columns read from CSV as text whatever they look like ("007" must stay a string).
-TEXT_COLUMNS = ("request_id", "cache_salt", "block_hashes", "lora_name", "mm_offsets", "mm_lengths", "mm_hashes")
+TEXT_COLUMNS = ("request_id", "cache_salt", "block_hashes", "lora_name", "mm_offsets", "mm_lengths", "mm_hashes",
+                "request_class")
 # Fixed writer settings: the same table always gives the same bytes.
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=False, write_statistics=False)
 ROW_GROUP_ROWS = 1 << 20

@@ -13,7 +13,9 @@ Columns (parquet or CSV):
             mm_offsets + mm_lengths + mm_hashes (list<int64> each, one entry per multimodal item
             of the prompt, an image: where its placeholder tokens start, how many there are (its
             encoder embeddings) and an identifier, equal for equal images, which share vLLM's
-            encoder cache; items by offset, not overlapping, inside the prompt).
+            encoder cache; items by offset, not overlapping, inside the prompt), request_class
+            (str, not empty: a label such as "chat" or "batch" that a replay breaks its latencies
+            and SLOs down by; `simkv trace merge` sets it, simkv/replay/classes.py).
 
 Prefix rule: position p carries content (block_hashes[p // H], p % H) with H = hash_block_tokens;
 positions past the hash list carry content unique to the request. Positions from prompt_tokens on
@@ -76,6 +78,7 @@ class Trace:
     # an (items, 3) int64 array of (offset, length, mm_hash)
     mm_items: np.ndarray | None = None
     mm_item_offsets: np.ndarray | None = None
+    request_class: np.ndarray | None = None
     source: str = ""
 
     def __len__(self) -> int:
@@ -175,6 +178,8 @@ def _validated_columns(table: pa.Table, source: str, scalar_h: int | None, row_o
         parts["lora_name"] = col.string_column(get("lora_name"), source, "lora_name", row_offset, nullable=True)
     if any(name in table.column_names for name in MM_COLUMNS):
         parts.update(_multimodal_items(table, prompt, source, row_offset))
+    if "request_class" in table.column_names:
+        parts["request_class"] = _request_classes(table, source, row_offset)
     if "think_time_s" in table.column_names:
         if "session_id" not in table.column_names:
             raise TraceError(f"{source}: column 'think_time_s' needs a 'session_id' column (the turns it paces)")
@@ -231,6 +236,15 @@ def _multimodal_items(table: pa.Table, prompt: np.ndarray, source: str, row_offs
                  "hashes name one item")
     items = np.stack([starts, lengths, hashes], axis=1).astype(np.int64)
     return dict(mm_items=items, mm_item_offsets=offsets)
+
+
+def _request_classes(table: pa.Table, source: str, row_offset: int) -> np.ndarray:
+    labels = col.string_column(table.column("request_class"), source, "request_class", row_offset)
+    empty = np.array([not str(x).strip() for x in labels], dtype=bool)
+    if empty.any():
+        col.fail(source, "request_class", row_offset + int(np.argmax(empty)), "an empty label (name every row's "
+                 "class, or leave the column out)")
+    return labels
 
 
 def _request_ids(table: pa.Table, source: str, row_offset: int) -> np.ndarray:
@@ -337,6 +351,8 @@ def trace_to_table(trace: Trace) -> pa.Table:
     if trace.mm_items is not None and trace.mm_item_offsets is not None:
         for k, name in enumerate(MM_COLUMNS):
             columns[name] = _list_array(np.ascontiguousarray(trace.mm_items[:, k]), trace.mm_item_offsets)
+    if trace.request_class is not None:
+        columns["request_class"] = pa.array(trace.request_class, pa.string())
     return pa.table(columns)
 
 

@@ -63,6 +63,7 @@ class TraceStats:
     distinct_items: int | None = None
     mm_item_tokens: int | None = None  # their placeholder tokens, all rows
     max_items_per_row: int | None = None  # the most images one prompt shows (vLLM's --limit-mm-per-prompt)
+    request_classes: dict[str, int] | None = None  # rows per request_class, by first arrival (None: no such column)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,7 +107,17 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         else None,
         **_adapters(trace),
         **_items(trace),
+        request_classes=_classes(trace),
     )
+
+
+def _classes(trace: Trace) -> dict[str, int] | None:
+    if trace.request_class is None:
+        return None
+    counts: dict[str, int] = {}
+    for label in trace.request_class.tolist():
+        counts[label] = counts.get(label, 0) + 1
+    return counts
 
 
 def _items(trace: Trace) -> dict:
@@ -171,4 +182,8 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
         lines.append(f"images         {stats.mm_items:,} in {stats.rows_with_items:,} rows ({stats.distinct_items:,} "
                      f"distinct), {stats.mm_item_tokens:,} tokens ({100 * share:.1f} % of the prompts'); at most "
                      f"{stats.max_items_per_row:,} in one prompt")
+    if stats.request_classes is not None:
+        mix = ", ".join(f"{label} {n:,}" for label, n in stats.request_classes.items())
+        lines.append(f"classes        {len(stats.request_classes):,}: {mix} (a replay breaks its latencies down by "
+                     "them; --goodput NAME:ttft:MS holds one to its own SLO)")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """``simkv trace transform``: the edits users make before a replay.
 
 Edits apply in this fixed order, whatever the order of the options: window -> head -> sample ->
-max-prompt-tokens -> time-scale -> rate -> samples. Every edit keeps the request order (the trace
+max-prompt-tokens -> time-scale -> rate -> samples -> priority -> request-class. Every edit keeps the request order (the trace
 is sorted by arrival).
   window T0 T1   keep arrivals in [T0, T1) and shift them so that T0 becomes 0
   head N         keep the first N requests
@@ -12,6 +12,10 @@ is sorted by arrival).
   rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
   samples N      every request asks for N sequences (parallel sampling: the `n` column; best-of-N,
                  RL rollouts)
+  priority P     every request gets priority P (vLLM's: lower is served first under
+                 --scheduling-policy priority); merge traces to give each kind of traffic its own
+  request-class NAME   label every request with this class (the `request_class` column, which a
+                 replay breaks its latencies and SLOs down by; `simkv trace merge` sets it per input)
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ class Edits:
     time_scale: float | None = None
     rate: float | None = None
     samples: int | None = None
+    priority: int | None = None
+    request_class: str | None = None
     seed: int = 0
 
     def check(self) -> None:
@@ -52,6 +58,8 @@ class Edits:
             raise TraceError(f"--rate must be > 0, got {self.rate}")
         if self.samples is not None and self.samples < 1:
             raise TraceError(f"--samples must be >= 1, got {self.samples}")
+        if self.request_class is not None and not self.request_class.strip():
+            raise TraceError("--request-class must name a class, got an empty label")
 
 
 def transform(trace: Trace, edits: Edits) -> Trace:
@@ -76,6 +84,10 @@ def transform(trace: Trace, edits: Edits) -> Trace:
         trace = replace(trace, arrival_time_s=times)
     if edits.samples is not None:
         trace = replace(trace, n=np.full(len(trace), edits.samples, dtype=np.int64))
+    if edits.priority is not None:
+        trace = replace(trace, priority=np.full(len(trace), edits.priority, dtype=np.int64))
+    if edits.request_class is not None:
+        trace = replace(trace, request_class=np.full(len(trace), edits.request_class, dtype=object))
     return trace
 
 

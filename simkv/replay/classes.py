@@ -1,0 +1,110 @@
+"""Request classes: what each kind of traffic in a trace gets from the engine.
+
+A trace's `request_class` column (`simkv trace merge`, `trace transform --request-class`) labels
+each request, "chat" or "batch" say; without it, a trace whose `priority` column takes more than
+one value is broken down by priority ("priority=0", "priority=1", ...), which is what priority
+scheduling is for. A replay then writes the label into requests.parquet and, per class, into
+summary.json's `classes`: requests and their statuses, tokens, prefix-cache hits among the
+prompt tokens, preemptions, TTFT / TPOT / E2E / queueing distributions and throughputs over the
+whole run's duration (and, with --goodput, each class's attainment: simkv/replay/goodput.py,
+where an SLO may be given for one class, `chat:ttft:500`).
+
+ITL here is per request (TPOT, the mean gap between a request's tokens); the token-level ITL
+distribution stays whole-run only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from simkv.replay.results import dist
+
+CLASS_COLUMN = "request_class"
+
+
+def labels_of(request_class: np.ndarray | None, priority: np.ndarray | None) -> tuple[str, np.ndarray] | None:
+    """(what the classes are by, a label per request), or None when there is nothing to break down."""
+    if request_class is not None:
+        return CLASS_COLUMN, np.asarray(request_class, dtype=object)
+    if priority is not None and len(np.unique(priority)) > 1:
+        return "priority", np.array([f"priority={int(p)}" for p in priority], dtype=object)
+    return None
+
+
+def trace_labels(trace) -> tuple[str, np.ndarray] | None:
+    return labels_of(getattr(trace, "request_class", None), getattr(trace, "priority", None))
+
+
+def request_labels(requests: pd.DataFrame) -> tuple[str, np.ndarray] | None:
+    """As `trace_labels`, from the columns `with_class_columns` put into a request table."""
+    return labels_of(requests[CLASS_COLUMN].to_numpy(object) if CLASS_COLUMN in requests else None,
+                     requests["priority"].to_numpy() if "priority" in requests else None)
+
+
+def with_class_columns(requests: pd.DataFrame, trace) -> pd.DataFrame:
+    """The request table (rows in the trace's order) with the trace's `request_class` and
+    `priority` beside `request_id`, where the trace has them."""
+    if len(requests) != len(trace):
+        raise ValueError(f"request table of {len(requests)} rows for a trace of {len(trace)}")
+    frame = requests.drop(columns=[c for c in (CLASS_COLUMN, "priority") if c in requests.columns])
+    at = frame.columns.get_loc("request_id") + 1 if "request_id" in frame.columns else 0
+    if trace.priority is not None:
+        frame.insert(at, "priority", np.asarray(trace.priority, dtype=np.int64))
+    if trace.request_class is not None:
+        frame.insert(at, CLASS_COLUMN, pd.Series(trace.request_class, dtype=object).astype(str).to_numpy(object))
+    return frame
+
+
+def class_order(labels: np.ndarray) -> list[str]:
+    """Classes in the order their first requests arrive (priority classes: by priority)."""
+    first = dict.fromkeys(labels.tolist())
+    names = list(first)
+    if all(name.startswith("priority=") for name in names):
+        names.sort(key=lambda name: int(name.split("=", 1)[1]))
+    return names
+
+
+def classes_summary(requests: pd.DataFrame, duration_s: float, slo_ms: dict[str, float] | None = None) -> dict:
+    """summary.json's `classes` section ({} when the trace has no classes)."""
+    found = request_labels(requests)
+    if found is None:
+        return {}
+    by, labels = found
+    status = requests["status"].to_numpy()
+    good = None
+    if slo_ms:
+        from simkv.replay.goodput import good_requests
+
+        good = good_requests(requests, slo_ms)[0]
+    out = {}
+    for name in class_order(labels):
+        rows = labels == name
+        part = requests[rows]
+        finished = status[rows] == "finished"
+        prompt = int(part["prompt_tokens"].to_numpy()[finished].sum())
+        hits = int(part["prefix_hit_tokens"].to_numpy()[finished].sum())
+        out_tokens = int(part["output_tokens"].to_numpy()[finished].sum())
+        statuses = dict(sorted(pd.Series(status[rows]).value_counts().items()))
+        entry = {
+            "num_requests": int(rows.sum()),
+            "num_finished": int(finished.sum()),
+            "statuses": {str(k): int(v) for k, v in statuses.items()},
+            "prompt_tokens": prompt,
+            "output_tokens": out_tokens,
+            "prefix_hit_tokens": hits,
+            "prefix_hit_share": hits / prompt if prompt else 0.0,
+            "num_preemptions": int(part["num_preemptions"].to_numpy()[finished].sum()),
+            "ttft_s": dist(part["ttft_s"].to_numpy()),
+            "tpot_s": dist(part["mean_itl_s"].to_numpy()),
+            "e2e_s": dist(part["e2e_s"].to_numpy()),
+            "queue_s": dist(part["queue_s"].to_numpy()),
+            "request_throughput_req_s": float(finished.sum()) / duration_s if duration_s > 0 else 0.0,
+            "output_throughput_tok_s": out_tokens / duration_s if duration_s > 0 else 0.0,
+        }
+        if good is not None:
+            sent = int((status[rows] != "not_sent").sum())
+            num_good = int(good[rows].sum())
+            entry |= {"num_good": num_good, "slo_attainment": num_good / sent if sent else 0.0,
+                      "request_goodput_req_s": num_good / duration_s if duration_s > 0 else 0.0}
+        out[name] = entry
+    return {"classes": {"by": by, "classes": out}}

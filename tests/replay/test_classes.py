@@ -1,0 +1,189 @@
+"""Request classes in a replay (simkv/replay/classes.py) and SLOs per class (simkv/replay/goodput.py)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.config import EngineConfig
+from simkv.replay.api import FleetSpec, replay
+from simkv.replay.classes import classes_summary
+from simkv.replay.goodput import GoodputError, check_slo_classes, goodput_summary, parse_goodput
+from simkv.replay.results import dist
+from simkv.studies.goodput_search import search_max_rate
+from simkv.traces.merge import merge_traces
+from simkv.traces.schema import read_trace, take_rows, write_trace
+from simkv.traces.transform import Edits, transform
+from tests.cli_runs import cli_fails, cli_ok
+
+AZURE = "traces/azure_conv_slice.parquet"
+LINEAR = {"step_base_s": 0.015, "step_per_token_s": 2e-5}
+
+
+def mixed(n: int = 150):
+    """Azure's first n turns as "chat" beside the next n, twice as long to answer, as "batch"."""
+    azure = read_trace(AZURE)
+    chat = take_rows(azure, np.arange(n))
+    batch = take_rows(azure, np.arange(n, 2 * n))
+    batch = replace(batch, arrival_time_s=batch.arrival_time_s - batch.arrival_time_s[0],
+                    output_tokens=batch.output_tokens * 2)
+    return merge_traces([("chat", chat), ("batch", batch)])
+
+
+def test_slos_per_class_parse():
+    assert parse_goodput(["chat:ttft:500", "ttft:2000", "a:b:tpot:9"]) == {
+        "chat:ttft": 500.0, "ttft": 2000.0, "a:b:tpot": 9.0}
+    for bad in (":ttft:5", " :ttft:5", "chat:itl:5", "chat:ttft"):
+        with pytest.raises(GoodputError, match="CLASS:KEY:MILLISECONDS"):
+            parse_goodput([bad])
+    with pytest.raises(GoodputError, match="twice"):
+        parse_goodput(["chat:ttft:5", "chat:ttft:6"])
+
+
+def test_a_class_slo_replaces_the_slo_for_all_on_that_class_only():
+    requests = pd.DataFrame({
+        "request_class": ["chat", "chat", "batch", "batch", "batch"],
+        "status": ["finished"] * 4 + ["not_sent"],
+        "ttft_s": [0.1, 0.9, 0.9, 5.0, np.nan], "mean_itl_s": [0.01, 0.01, 0.05, 0.01, np.nan],
+        "e2e_s": [1.0, 1.0, 9.0, 9.0, np.nan]})
+    slo = {"ttft": 500.0, "batch:ttft": 2000.0, "tpot": 20.0}
+    g = goodput_summary(requests, slo, duration_s=2.0)
+    # chat: ttft 500 ms and tpot; batch: ttft 2 s (not 500 ms) and tpot; the unsent row counts nowhere
+    assert g["num_good"] == 1 and g["slo_attainment"] == 0.25
+    assert g["attainment_by_class"] == {"chat": 0.5, "batch": 0.0} and g["lowest_class_attainment"] == 0.0
+    assert g["attainment_by_slo"] == {"ttft": 0.5, "batch:ttft": 0.5, "tpot": 0.75}
+    # without a class SLO each class's attainment is reported and nothing is held per class
+    g = goodput_summary(requests, {"ttft": 1000.0}, duration_s=2.0)
+    assert g["attainment_by_class"] == {"chat": 1.0, "batch": 0.5} and "lowest_class_attainment" not in g
+    with pytest.raises(GoodputError, match="no request class 'bulk' \\(its classes: chat, batch\\)"):
+        check_slo_classes({"bulk:ttft": 5.0}, ("request_class", requests["request_class"].to_numpy()), "t.parquet")
+    with pytest.raises(GoodputError, match="t.parquet has no request classes"):
+        check_slo_classes({"bulk:ttft": 5.0}, None, "t.parquet")
+
+
+def test_replay_breaks_latencies_down_by_class_recomputably():
+    trace = mixed()
+    config = EngineConfig.from_flat({"max_num_seqs": 16})
+    result = replay(trace, config, "linear", LINEAR, goodput={"ttft": 300.0, "batch:e2el": 60000.0})
+    requests, summary = result.requests, result.summary
+    assert requests["request_class"].tolist() == trace.request_class.tolist()
+    classes = summary["classes"]
+    assert classes["by"] == "request_class" and list(classes["classes"]) == ["chat", "batch"]
+    assert sum(c["num_requests"] for c in classes["classes"].values()) == len(trace)
+    for name, c in classes["classes"].items():
+        rows = requests[requests["request_class"] == name]
+        assert c["ttft_s"] == dist(rows["ttft_s"].to_numpy())
+        assert c["prompt_tokens"] == int(rows["prompt_tokens"].sum())
+        assert c["prefix_hit_tokens"] == int(rows["prefix_hit_tokens"].sum())
+        assert c["slo_attainment"] == summary["goodput"]["attainment_by_class"][name]
+    chat, batch = classes["classes"]["chat"], classes["classes"]["batch"]
+    assert chat["output_tokens"] + batch["output_tokens"] == int(requests["output_tokens"].sum())
+    # the batch class is held to its E2E limit, not to the 300 ms TTFT every chat turn must meet
+    ok = requests["status"] == "finished"
+    chat_good = ok & (requests["request_class"] == "chat") & (requests["ttft_s"] <= 0.3)
+    batch_good = ok & (requests["request_class"] == "batch") & (requests["ttft_s"] <= 0.3) & (requests["e2e_s"] <= 60)
+    assert summary["goodput"]["num_good"] == int((chat_good | batch_good).sum())
+    assert 0 < chat_good.sum() < len(trace) / 2  # the limit bites
+
+
+def test_priorities_are_the_classes_of_a_trace_without_labels():
+    trace = transform(read_trace(AZURE), Edits(head=120))
+    config = EngineConfig.from_flat({"max_num_seqs": 8, "scheduling_policy": "priority"})
+    assert "classes" not in replay(trace, config, "linear", LINEAR).summary  # no column: nothing to break down
+    one = replace(trace, priority=np.zeros(len(trace), dtype=np.int64))
+    assert "classes" not in replay(one, config, "linear", LINEAR).summary  # one priority: nothing either
+    two = replace(trace, priority=(np.arange(len(trace)) % 2).astype(np.int64))
+    result = replay(two, config, "linear", LINEAR, goodput={"priority=0:ttft": 1e6, "ttft": 1.0})
+    classes = result.summary["classes"]
+    assert classes["by"] == "priority" and list(classes["classes"]) == ["priority=0", "priority=1"]
+    first, second = classes["classes"]["priority=0"], classes["classes"]["priority=1"]
+    assert first["ttft_s"]["mean"] < second["ttft_s"]["mean"]  # what priority scheduling is for
+    assert first["slo_attainment"] == 1.0 and second["slo_attainment"] == 0.0
+    assert result.requests["priority"].tolist() == two.priority.tolist()
+
+
+def test_fleets_and_disaggregated_pools_break_down_alike():
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = mixed(60)
+    config = EngineConfig.from_flat({})
+    for kwargs in ({"fleet": FleetSpec(2)}, {"disaggregation": DisaggregationSpec(1, 1)}):
+        result = replay(trace, config, "linear", LINEAR, **kwargs)
+        got = result.summary["classes"]["classes"]
+        assert [c["num_requests"] for c in got.values()] == [60, 60]
+        assert got == classes_summary(result.requests, result.summary["duration_s"])["classes"]["classes"]
+
+
+def test_the_search_holds_every_class_to_the_target():
+    trace = mixed(100)
+    config = EngineConfig.from_flat({"max_num_seqs": 32})
+    whole = search_max_rate(trace, config, {"ttft": 400.0}, target=0.9, tolerance=0.05, cost_model="linear",
+                            cost_options=LINEAR)
+    # the same limit for chat alone (batch unheld), then for chat while batch must meet an impossible one
+    chat_only = search_max_rate(trace, config, {"chat:ttft": 400.0, "e2el": 1e9}, target=0.9, tolerance=0.05,
+                                cost_model="linear", cost_options=LINEAR)
+    assert chat_only["status"] == "found" and whole["status"] == "found"
+    for p in chat_only["probes"]:
+        assert p["met"] == (p["slo_attainment"] >= 0.9)
+    never = search_max_rate(trace, config, {"chat:ttft": 400.0, "batch:ttft": 0.001}, target=0.5,
+                            cost_model="linear", cost_options=LINEAR)
+    assert never["status"] == "unattainable"  # half the requests (chat) could meet it; batch never
+
+
+def test_commands_show_and_check_classes(tmp_path):
+    trace = tmp_path / "mix.parquet"
+    write_trace(mixed(80), trace)
+    out = tmp_path / "r"
+    text = cli_ok(["replay", str(trace), "--out", str(out), "--cost-model", "linear", "--goodput", "chat:ttft:300",
+                   "--goodput", "tpot:50"])
+    assert "per request class" in text and "chat" in text and "SLO %" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["goodput"]["slo_ms"] == {"chat:ttft": 300.0, "tpot": 50.0}
+    assert pd.read_parquet(out / "requests.parquet")["request_class"].iloc[0] == "chat"
+    html = (out / "report.html").read_text()
+    assert "Per request class" in html and "<td>batch</td>" in html
+    assert "no request class 'bulk' (its classes: chat, batch)" in cli_fails(
+        ["replay", str(trace), "--out", str(tmp_path / "x"), "--goodput", "bulk:ttft:300"])
+    assert "has no request classes" in cli_fails(
+        ["replay", AZURE, "--out", str(tmp_path / "x"), "--goodput", "chat:ttft:300"])
+    assert not (tmp_path / "x").exists()  # refused before anything ran
+    record = tmp_path / "g"
+    cli_ok(["goodput", str(trace), "--goodput", "chat:ttft:300", "--goodput", "batch:e2el:60000", "--cost-model",
+            "linear", "--tolerance", "0.1", "--out", str(record)])
+    assert "of each request class's requests meet the SLOs" in (record / "goodput.md").read_text()
+
+
+def test_compare_puts_each_class_side_by_side(tmp_path):
+    from simkv.compare.compare import compare_runs
+
+    trace = tmp_path / "mix.parquet"
+    write_trace(mixed(60), trace)
+    for name, budget in (("a", "8192"), ("b", "1024")):
+        cli_ok(["replay", str(trace), "--out", str(tmp_path / name), "--cost-model", "linear",
+                "--max-num-batched-tokens", budget, "--quiet"])
+    rows = {r["metric"]: r for r in compare_runs(tmp_path / "a", tmp_path / "b")["metrics"]}
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())["classes"]["classes"]
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())["classes"]["classes"]
+    for name in ("chat", "batch"):
+        row = rows[f"class.{name}.ttft_s.p99"]
+        assert (row["simulated"], row["measured"]) == (a[name]["ttft_s"]["p99"], b[name]["ttft_s"]["p99"])
+
+
+def test_a_sweep_gives_each_class_its_columns(tmp_path):
+    import pyarrow.parquet as pq
+
+    trace = tmp_path / "mix.parquet"
+    write_trace(mixed(60), trace)
+    out = tmp_path / "sweep"
+    cli_ok(["sweep", str(trace), "--grid", "max_num_seqs=4,64", "--set", "cost_model=linear", "--goodput",
+            "chat:ttft:300", "--out", str(out)])
+    table = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert "batch:tpot_p99_s" in table[0] and "chat:slo_attainment" in (out / "sweep.md").read_text()
+    for row in table:
+        summary = json.loads((out / "cells" / row["cell_id"] / "summary.json").read_text())
+        chat = summary["classes"]["classes"]["chat"]
+        assert (row["chat:ttft_p99_s"], row["chat:slo_attainment"]) == (chat["ttft_s"]["p99"], chat["slo_attainment"])
+    assert table[0]["chat:ttft_p99_s"] > table[1]["chat:ttft_p99_s"]  # 4 sequences at once queue the chat
