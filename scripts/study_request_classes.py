@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from simkv.config import EngineConfig  # noqa: E402
-from simkv.replay.api import replay  # noqa: E402
+from simkv.replay.api import FleetSpec, replay  # noqa: E402
 from simkv.studies.goodput_search import search_max_rate  # noqa: E402
 from simkv.traces.merge import merge_traces  # noqa: E402
 from simkv.traces.schema import read_trace, take_rows  # noqa: E402
@@ -41,6 +41,14 @@ POLICIES = [("first come, first served", {}),
             ("long prefills 2,048 a step", {"long_prefill_token_threshold": 2048}),
             ("both", {"scheduling_policy": "priority", "long_prefill_token_threshold": 2048}),
             ("2,048-token steps", {"max_num_batched_tokens": 2048})]
+
+
+FLEETS = [("4 mixed", {}, ()),
+          ("4 mixed, long prefills 2,048", {"long_prefill_token_threshold": 2048}, ()),
+          ("3 chat + 1 docs", {}, (("docs", (3,)),)),
+          ("2 chat + 2 docs", {}, (("docs", (2, 3)),)),
+          ("3 chat + 1 docs, long prefills 2,048", {"long_prefill_token_threshold": 2048}, (("docs", (3,)),))]
+FLEET_LOAD = 4.0
 
 
 def mixed_trace():
@@ -76,6 +84,22 @@ def main() -> None:
         factor = r["bracket_factors"][0]
         rate = "-" if r["max_rate_req_s"] is None else f"{r['max_rate_req_s']:.2f}"
         print(f"| {name} | {'-' if factor is None else f'{factor:.3g}'} ({r['status']}) | {rate} |")
+    print()
+    print(f"Four replicas behind a least-outstanding router, the trace at {FLEET_LOAD:g}x:")
+    print()
+    print("| fleet | class | TTFT p50 / p99 s | TPOT p50 / p99 ms | SLOs met | highest load (x the trace's) |")
+    print("|---|---|---:|---:|---:|---:|")
+    fast = replace(trace, arrival_time_s=trace.arrival_time_s / FLEET_LOAD)
+    for name, options, classes in FLEETS:
+        config = EngineConfig.from_flat(BASE | options)
+        fleet = FleetSpec(4, "least_outstanding", class_replicas=classes)
+        s = replay(fast, config, goodput=SLO, fleet=fleet).summary
+        r = search_max_rate(trace, config, SLO, target=0.99, tolerance=0.02, fleet=fleet)
+        best = "-" if r["max_rate_req_s"] is None else f"{r['bracket_factors'][0]:.3g}"
+        for k, (cls, c) in enumerate(s["classes"]["classes"].items()):
+            print(f"| {name if k == 0 else ''} | {cls} | {c['ttft_s']['p50']:.2f} / {c['ttft_s']['p99']:.2f} | "
+                  f"{1e3 * c['tpot_s']['p50']:.1f} / {1e3 * c['tpot_s']['p99']:.1f} | "
+                  f"{100 * c['slo_attainment']:.1f} % | {best if k == 0 else ''} |")
     print(f"\n({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 

@@ -252,7 +252,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                 config_file: str | None, cost_model: str,
                 step_base_s: float,
                 step_per_token_s: float, gpu_prices: tuple[str, ...], out_dir: str | None, quiet: bool, replicas: int,
-                router: str, router_options: tuple[str, ...], **flags) -> None:
+                router: str, router_options: tuple[str, ...], class_replicas: tuple[str, ...], **flags) -> None:
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
     (or --replicas of it behind --router) still meets the --goodput SLOs for --attainment of the
     requests. With --target-rate: the replicas that rate needs, checked by replaying the trace at
@@ -269,6 +269,10 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                         or flags.get("encode_replicas") is not None):
         raise click.UsageError("--clients searches one setup's clients: drop --grid/--target-rate/--pd-splits/"
                                "--gpu-price/--encode-replicas")
+    if class_replicas and (layouts is not None or pd_splits is not None or grids or target_rate is not None
+                           or closed_loop or flags.get("prefill_replicas") or flags.get("decode_replicas")):
+        raise click.UsageError("--class-replicas goes with one fleet's search (--replicas N): drop --layouts/"
+                               "--pd-splits/--grid/--target-rate/--clients and the P/D pools")
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
@@ -297,7 +301,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                                    "drop --replicas/--router/--grid/--target-rate")
         router_options = ()
     router_flag = router
-    fleet = read_fleet(replicas, router, router_options, config_file)
+    fleet = read_fleet(replicas, router, router_options, config_file, class_replicas)
     replicas, router = fleet.num_replicas, fleet.policy
     slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids),
                                     vllm_bench=vllm_bench, vllm_multi_turn=vllm_multi_turn)

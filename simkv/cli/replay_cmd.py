@@ -310,18 +310,21 @@ def fleet_options(command):
                           "--data-parallel-external-lb) instead of vLLM's own balancer."),
         click.option("--router-option", "router_options", multiple=True, metavar="KEY=VALUE",
                      help="prefix_aware's thresholds: cache_threshold (0.3), balance_abs (64), balance_rel (1.5)."),
+        click.option("--class-replicas", "class_replicas", multiple=True, metavar="CLASS=REPLICAS",
+                     help="Give a request class (the trace's request_class) replicas of its own, e.g. docs=3 or "
+                          "chat=0-2: its requests go there only, other classes' to the unclaimed replicas."),
     ]):
         command = option(command)
     return command
 
 
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
-               config_file: str | None = None):
+               config_file: str | None = None, class_replicas: tuple[str, ...] = ()):
     """The FleetSpec of --replicas/--router/--router-option over the --config file's `replicas`,
     `router` and `router_options` mapping (flags win, router options key by key; one replica is
     the plain engine); a click error naming the flag or the file otherwise."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import ROUTERS, RouterError, RouterOptions
+    from simkv.replay.router import ROUTERS, RouterError, RouterOptions, parse_class_replicas
 
     file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
 
@@ -357,7 +360,11 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
         options = RouterOptions.parse([f"{k}={v}" for k, v in from_file.items()] + list(router_options))
     except RouterError as exc:
         raise bad(str(exc), False) from None
-    return FleetSpec(replicas, router, options)
+    flag = "--class-replicas"
+    try:
+        return FleetSpec(replicas, router, options, parse_class_replicas(class_replicas))
+    except RouterError as exc:
+        raise bad(str(exc), False) from None
 
 
 VLLM_SERVE_HELP = ("A `vllm serve ...` command line, or @FILE holding one (its --config YAML too): its engine "
@@ -745,7 +752,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
                noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
-               router_options: tuple[str, ...], **flags) -> None:
+               router_options: tuple[str, ...], class_replicas: tuple[str, ...], **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -765,9 +772,11 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                                    "--prefill-router/--decode-router; drop --replicas/--router")
         if backend == "gpu":
             raise click.UsageError("P/D disaggregation is simulated only (the gpu backend runs one engine)")
+        if class_replicas:
+            raise click.UsageError("--class-replicas is not modelled with P/D pools yet")
         fleet = None
     else:
-        fleet = read_fleet(replicas, router, router_options, config_file)
+        fleet = read_fleet(replicas, router, router_options, config_file, class_replicas)
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")

@@ -32,9 +32,11 @@ class FleetSpec:
     num_replicas: int = 1
     router: str | None = None
     options: RouterOptions = RouterOptions()
+    class_replicas: tuple = ()  # ((request class, replicas), ...): classes with replicas of their own (router.py)
 
     def __post_init__(self) -> None:
-        Router(self.policy, self.num_replicas, self.options)  # RouterError (a ValueError) names what is wrong
+        Router(self.policy, self.num_replicas, self.options,  # RouterError (a ValueError) names what is wrong
+               class_replicas=self.class_replicas)
 
     @property
     def policy(self) -> str:
@@ -43,7 +45,10 @@ class FleetSpec:
 
     def to_dict(self) -> dict:
         """As records (goodput.json) keep it."""
-        return {"num_replicas": self.num_replicas, "router": self.policy, "router_options": self.options.to_dict()}
+        out = {"num_replicas": self.num_replicas, "router": self.policy, "router_options": self.options.to_dict()}
+        if self.class_replicas:
+            out["class_replicas"] = {name: list(rs) for name, rs in self.class_replicas}
+        return out
 
 
 @dataclass
@@ -84,6 +89,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     A trace with request classes (simkv/replay/classes.py) gets them in its request table and
     its summary's `classes`."""
     check_slo_classes(goodput, trace_labels(trace), str(getattr(trace, "source", "") or "the trace"))
+    _check_class_replicas(trace, config, fleet, disaggregation, encode)
     result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
                      fleet, disaggregation, encode)
     result.requests = with_class_columns(result.requests, trace)
@@ -168,6 +174,27 @@ def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode
     summary |= latencies_and_rates(requests, summary["itl_s"], summary["duration_s"], time.perf_counter() - t0)
     summary["encode_pool"] = section
     return ReplayResult(summary, requests, result.steps, result.run, result.fleet_runs)
+
+
+def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, encode) -> None:
+    """Replicas of a class's own (`FleetSpec.class_replicas`) route a fleet by the trace's
+    request_class; on one engine's data-parallel ranks, P/D pools or behind encode instances
+    they are not modelled."""
+    if fleet is None or not fleet.class_replicas:
+        return
+    unsupported = [(config.hardware.data_parallel_size > 1, "data-parallel ranks"),
+                   (disaggregation is not None, "P/D pools"), (encode is not None, "encode instances")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"class_replicas (replicas of a request class's own) is not modelled with {what} yet")
+    if trace.request_class is None:
+        raise ValueError(f"{trace.source}: class_replicas routes by request class, and the trace has none (no "
+                         "request_class column; label it with simkv trace merge or trace transform --request-class)")
+    known = list(dict.fromkeys(trace.request_class.tolist()))
+    for name, _ in fleet.class_replicas:
+        if name not in known:
+            raise ValueError(f"class_replicas: {trace.source} has no request class '{name}' (its classes: "
+                             f"{', '.join(known[:8])})")
 
 
 def _check_lora(trace, config: EngineConfig, disaggregation) -> None:
@@ -285,7 +312,8 @@ def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
                   fleet: FleetSpec, capacity) -> ReplayResult:
     router = Router(fleet.policy, fleet.num_replicas, fleet.options,
-                    cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
+                    cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size,
+                    class_replicas=fleet.class_replicas)
     seed = cost_options.get("noise_seed", 0)  # replicas' step noise: independent draws
     backends = [make_backend(cost_model, config, **(cost_options | {"noise_seed": seed + r}))
                 for r in range(fleet.num_replicas)]

@@ -48,6 +48,8 @@ class FleetRouting:
         self._prompts = self.rows.prompt_tokens
         self._has_hashes = trace.hash_ids is not None
         self._namespaces = content_namespaces(trace)  # (cache_salt and LoRA adapter)
+        by_class = getattr(router, "class_replicas", None)  # (vLLM's data-parallel balancer has none)
+        self._by_class = bool(by_class) and getattr(trace, "request_class", None) is not None
         self.max_model_len = max_model_len
         self.next_index = 0
         self.queues: list[deque[int]] = [deque() for _ in range(n)]  # routed, not yet delivered
@@ -250,7 +252,8 @@ class FleetRouting:
         hashes = trace.block_hashes(i) if self._has_hashes else None
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0
         salt = self._namespaces[i] if self._namespaces is not None else None
-        r = self.router.choose(loads, hashes, block_tokens, salt)
+        request_class = trace.request_class[i] if self._by_class else None
+        r = self.router.choose(loads, hashes, block_tokens, salt, request_class)
         self.assignment[i] = r
         loads[r] += 1
         return r

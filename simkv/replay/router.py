@@ -15,6 +15,11 @@ as cache-aware routers (SGLang's, llm-d's) do.
   chains them, cache salt included, so a block matches only where the whole prefix up to it
   does, and a salted prompt only its own tenant's.
 Ties go to the first replica after the last one chosen, so equal replicas take turns.
+
+With `class_replicas` (`--class-replicas docs=3`) a request class (simkv/replay/classes.py) has
+replicas of its own: its requests go there only, the other classes' to the replicas no class
+claims, and the policy picks within those (turns and ties counted per set of replicas), as a
+gateway that sends long documents to a pool of their own does.
 """
 
 from __future__ import annotations
@@ -63,6 +68,40 @@ class RouterOptions:
                 "balance_rel": self.balance_rel}
 
 
+def parse_class_replicas(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``["docs=3", "chat=0-2"]`` (or ``chat=0,1,2``) -> ``(("docs", (3,)), ("chat", (0, 1, 2)))``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, spec = item.rpartition("=")
+        if not sep or not name.strip():
+            raise RouterError(f"--class-replicas {item!r}: expected CLASS=REPLICAS (docs=3, chat=0-2 or chat=0,1,2)")
+        replicas: list[int] = []
+        try:
+            for part in spec.split(","):
+                lo, dash, hi = part.strip().partition("-")
+                replicas += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+        except ValueError:
+            raise RouterError(f"--class-replicas {item!r}: {spec!r} is not a list of replica numbers "
+                              "(0-2 or 0,1,2)") from None
+        if not replicas:
+            raise RouterError(f"--class-replicas {item!r}: no replica")
+        if name in out:
+            raise RouterError(f"--class-replicas names class {name!r} twice")
+        out[name] = tuple(sorted(set(replicas)))
+    return tuple(out.items())
+
+
+def check_class_replicas(class_replicas: tuple, num_replicas: int) -> dict[str, tuple[int, ...]]:
+    """As a mapping, each replica number checked against the fleet's size."""
+    out = {}
+    for name, replicas in class_replicas:
+        bad = [r for r in replicas if not 0 <= r < num_replicas]
+        if bad:
+            raise RouterError(f"--class-replicas {name}: replica {bad[0]} is not one of the fleet's 0-{num_replicas - 1}")
+        out[name] = tuple(sorted(set(replicas)))
+    return out
+
+
 def chained(hashes: np.ndarray | None, salt: str | None = None) -> list[int]:
     """Keys of a prompt's blocks that, like the engine's block hashes, each stand for the whole
     prefix up to their block (and the request's cache salt): block i of two prompts matches
@@ -109,7 +148,10 @@ class PrefixIndex:
 
 class Router:
     def __init__(self, policy: str, num_replicas: int, options: RouterOptions | None = None,
-                 cache_tokens_per_replica: int = 0) -> None:
+                 cache_tokens_per_replica: int = 0, class_replicas: tuple = ()) -> None:
+        """`class_replicas`: ((request class, replicas), ...): that class's requests go to those
+        replicas only, the other classes' to the replicas no class claims (all, where every one
+        is claimed); the policy picks among them."""
         if policy not in ROUTERS:
             raise RouterError(f"unknown router {policy!r}; choose one of {', '.join(ROUTERS)}")
         if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
@@ -117,46 +159,57 @@ class Router:
         self.policy = policy
         self.num_replicas = num_replicas
         self.options = options or RouterOptions()
-        self.last = num_replicas - 1  # so that the first tie goes to replica 0
+        self.class_replicas = check_class_replicas(class_replicas, num_replicas)
+        claimed = {r for replicas in self.class_replicas.values() for r in replicas}
+        self._others = tuple(r for r in range(num_replicas) if r not in claimed) or tuple(range(num_replicas))
+        self._last: dict[tuple[int, ...], int] = {}  # per set of candidates, the replica it chose last
         self.num_by_reason = {"round_robin": 0, "least_loaded": 0, "prefix_match": 0, "rebalance": 0}
         self.indexes = ([PrefixIndex(cache_tokens_per_replica) for _ in range(num_replicas)]
                         if policy == "prefix_aware" else None)
 
-    def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int, salt: str | None = None) -> int:
+    def candidates(self, request_class: str | None) -> tuple[int, ...]:
+        """The replicas a request of this class may go to."""
+        return self.class_replicas.get(request_class, self._others) if request_class is not None else self._others
+
+    def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int, salt: str | None = None,
+               request_class: str | None = None) -> int:
         """The replica for one request, given each replica's outstanding requests (and, for
-        prefix_aware, the prompt's block hashes and cache salt)."""
+        prefix_aware, the prompt's block hashes and cache salt; with `class_replicas`, its class)."""
+        cands = self.candidates(request_class)
+        last = self._last.get(cands, self.num_replicas - 1)  # (so that the first tie goes to the first candidate)
         if self.policy == "round_robin":
-            choice, reason = (self.last + 1) % self.num_replicas, "round_robin"
+            choice, reason = self._first_after(list(cands), last), "round_robin"
         elif self.policy == "least_outstanding":
-            choice, reason = self._least_loaded(loads), "least_loaded"
+            choice, reason = self._least_loaded(loads, cands, last), "least_loaded"
         else:
-            choice, reason = self._prefix_aware(loads, chained(hashes, salt), block_tokens)
-        self.last = choice
+            choice, reason = self._prefix_aware(loads, chained(hashes, salt), block_tokens, cands, last)
+        self._last[cands] = choice
         self.num_by_reason[reason] += 1
         return choice
 
-    def _first_after_last(self, candidates: list[int]) -> int:
+    def _first_after(self, candidates: list[int], last: int) -> int:
         n = self.num_replicas
-        return min(candidates, key=lambda r: (r - self.last - 1) % n)
+        return min(candidates, key=lambda r: (r - last - 1) % n)
 
-    def _least_loaded(self, loads: list[int]) -> int:
-        low = min(loads)
-        return self._first_after_last([r for r, load in enumerate(loads) if load == low])
+    def _least_loaded(self, loads: list[int], cands: tuple[int, ...], last: int) -> int:
+        low = min(loads[r] for r in cands)
+        return self._first_after([r for r in cands if loads[r] == low], last)
 
-    def _prefix_aware(self, loads: list[int], keys: list[int], block_tokens: int) -> tuple[int, str]:
+    def _prefix_aware(self, loads: list[int], keys: list[int], block_tokens: int, cands: tuple[int, ...],
+                      last: int) -> tuple[int, str]:
         opts = self.options
-        low, high = min(loads), max(loads)
+        low, high = min(loads[r] for r in cands), max(loads[r] for r in cands)
         if high - low > opts.balance_abs and high > opts.balance_rel * low:
-            choice, reason = self._least_loaded(loads), "rebalance"
+            choice, reason = self._least_loaded(loads, cands, last), "rebalance"
         else:
-            choice, reason = self._least_loaded(loads), "least_loaded"
+            choice, reason = self._least_loaded(loads, cands, last), "least_loaded"
             if keys:
-                matched = [index.matched_blocks(keys) for index in self.indexes]
-                best = max(matched)
+                matched = {r: self.indexes[r].matched_blocks(keys) for r in cands}
+                best = max(matched.values())
                 if best > 0 and best >= opts.cache_threshold * len(keys):
-                    top = [r for r, m in enumerate(matched) if m == best]
+                    top = [r for r in cands if matched[r] == best]
                     least = min(loads[r] for r in top)
-                    choice, reason = self._first_after_last([r for r in top if loads[r] == least]), "prefix_match"
+                    choice, reason = self._first_after([r for r in top if loads[r] == least], last), "prefix_match"
         if keys:
             self.indexes[choice].insert(keys, block_tokens)
         return choice, reason
@@ -164,6 +217,8 @@ class Router:
     def describe(self) -> dict:
         out = {"policy": self.policy, "num_replicas": self.num_replicas,
                "decisions": {k: v for k, v in self.num_by_reason.items() if v}}
+        if self.class_replicas:
+            out["class_replicas"] = {name: list(rs) for name, rs in self.class_replicas.items()}
         if self.policy == "prefix_aware":
             out["options"] = self.options.to_dict()
         return out

@@ -187,3 +187,49 @@ def test_a_sweep_gives_each_class_its_columns(tmp_path):
         chat = summary["classes"]["classes"]["chat"]
         assert (row["chat:ttft_p99_s"], row["chat:slo_attainment"]) == (chat["ttft_s"]["p99"], chat["slo_attainment"])
     assert table[0]["chat:ttft_p99_s"] > table[1]["chat:ttft_p99_s"]  # 4 sequences at once queue the chat
+
+
+def test_a_class_may_have_replicas_of_its_own():
+    from simkv.replay.router import Router, RouterError, parse_class_replicas
+
+    assert parse_class_replicas(["docs=3", "chat=0-1,2"]) == (("docs", (3,)), ("chat", (0, 1, 2)))
+    for bad, message in (("docs", "CLASS=REPLICAS"), ("=3", "CLASS=REPLICAS"), ("docs=a", "not a list"),
+                         ("docs=2-x", "not a list")):
+        with pytest.raises(RouterError, match=message):
+            parse_class_replicas([bad])
+    with pytest.raises(RouterError, match="twice"):
+        parse_class_replicas(["a=1", "a=2"])
+    with pytest.raises(RouterError, match="replica 4 is not one of the fleet's 0-3"):
+        Router("round_robin", 4, class_replicas=(("docs", (4,)),))
+    router = Router("round_robin", 4, class_replicas=(("docs", (3,)), ("code", (2, 3))))
+    picks = [router.choose([0] * 4, None, 0, None, c) for c in ("chat", "docs", "chat", "code", "code", "chat", None)]
+    assert picks == [0, 3, 1, 2, 3, 0, 1]  # chat (and no class) take turns over the unclaimed 0 and 1
+    every = Router("least_outstanding", 2, class_replicas=(("a", (0,)), ("b", (1,))))
+    assert every.candidates("c") == (0, 1)  # every replica claimed: the others go anywhere
+    assert every.choose([5, 1], None, 0, None, "a") == 0 and every.choose([5, 1], None, 0, None, "c") == 1
+
+
+def test_a_fleet_routes_each_class_to_its_replicas(tmp_path):
+    trace = mixed(60)
+    fleet = FleetSpec(3, "least_outstanding", class_replicas=(("batch", (2,)),))
+    result = replay(trace, EngineConfig.from_flat({}), "linear", LINEAR, fleet=fleet)
+    requests = result.requests
+    batch = requests["request_class"] == "batch"
+    assert set(requests.loc[batch, "replica"]) == {2} and set(requests.loc[~batch, "replica"]) == {0, 1}
+    assert result.summary["fleet"]["router"]["class_replicas"] == {"batch": [2]}
+    with pytest.raises(ValueError, match="no request class 'docs'"):
+        replay(trace, EngineConfig.from_flat({}), "linear", LINEAR,
+               fleet=FleetSpec(3, class_replicas=(("docs", (2,)),)))
+    with pytest.raises(ValueError, match="no request_class column"):
+        replay(transform(read_trace(AZURE), Edits(head=20)), EngineConfig.from_flat({}), "linear", LINEAR,
+               fleet=FleetSpec(3, class_replicas=(("docs", (2,)),)))
+    path = tmp_path / "mix.parquet"
+    write_trace(trace, path)
+    text = cli_ok(["replay", str(path), "--out", str(tmp_path / "r"), "--replicas", "3", "--class-replicas", "batch=2",
+                   "--cost-model", "linear"])
+    assert "per request class" in text
+    assert "replica 3 is not one of the fleet's 0-2" in cli_fails(
+        ["replay", str(path), "--out", str(tmp_path / "x"), "--replicas", "3", "--class-replicas", "batch=3"])
+    assert "not modelled with P/D pools" in cli_fails(
+        ["replay", str(path), "--out", str(tmp_path / "x"), "--prefill-replicas", "1", "--decode-replicas", "1",
+         "--class-replicas", "batch=0"])
