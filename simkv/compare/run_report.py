@@ -157,6 +157,8 @@ def run_report_html(run_dir: str | Path) -> str:
                 if (label == name).any()][:MAX_REPLICA_SERIES]
     else:
         ttft = [("TTFT", 1e3 * fin["ttft_s"].to_numpy())]
+    charts.append(_ttft_over_time(fin, found[1][(requests["status"] == "finished").to_numpy()] if found is not None
+                                  else None, list(classes["classes"]) if found is not None else []))
     charts += [cdf_chart(ttft, "TTFT CDF", "TTFT (ms)"),
                cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
                line_chart(_per_replica(steps, "step duration", 1e3 * steps["duration_s"].to_numpy()),
@@ -170,6 +172,32 @@ def run_report_html(run_dir: str | Path) -> str:
         body.append(_class_table(classes))
     body.append("<div class='charts'>" + "".join(charts) + "</div>")
     return page(f"simkv replay report ({summary.get('backend')})", body)
+
+
+TTFT_WINDOWS = 60  # the TTFT-over-time chart's windows of arrival time
+
+
+def _ttft_over_time(fin: pd.DataFrame, labels: np.ndarray | None, classes: list[str]) -> str:
+    """TTFT p50 and p99 of the finished requests by arrival window (the run's span in
+    TTFT_WINDOWS), per request class where the trace has classes (the first few): when in the
+    trace the latencies broke, which a whole-run distribution hides."""
+    arrival, ttft = fin["arrival_time_s"].to_numpy(), 1e3 * fin["ttft_s"].to_numpy()
+    if not len(arrival):
+        return line_chart([], "TTFT over time", "arrival (s)", "ms")
+    width = max(float(arrival.max() - arrival.min()), 1e-9) / TTFT_WINDOWS
+    window = np.minimum(((arrival - arrival.min()) // width).astype(np.int64), TTFT_WINDOWS - 1)
+    groups = [("", np.ones(len(fin), dtype=bool))] if labels is None else \
+        [(f"{name} ", labels == name) for name in classes[:4]]
+    series = []
+    for name, rows in groups:
+        for q in (50, 99):
+            x, y = [], []
+            for w in np.unique(window[rows]):
+                values = ttft[rows & (window == w)]
+                x.append(arrival.min() + (w + 0.5) * width)
+                y.append(np.percentile(values, q))
+            series.append((f"{name}p{q}", np.array(x), np.array(y)))
+    return line_chart(series, "TTFT over time (by arrival)", "arrival (s)", "ms")
 
 
 def _held_by_chart(by_time: pd.DataFrame, t: np.ndarray) -> str:

@@ -145,6 +145,7 @@ def test_commands_show_and_check_classes(tmp_path):
     assert pd.read_parquet(out / "requests.parquet")["request_class"].iloc[0] == "chat"
     html = (out / "report.html").read_text()
     assert "Per request class" in html and "<td>batch</td>" in html
+    assert ">chat p99<" in html and ">batch p50<" in html  # TTFT over time, a line per class
     assert "no request class 'bulk' (its classes: chat, batch)" in cli_fails(
         ["replay", str(trace), "--out", str(tmp_path / "x"), "--goodput", "bulk:ttft:300"])
     assert "has no request classes" in cli_fails(
