@@ -90,7 +90,7 @@ OPTIONS = [
     (0.05, ["--goodput", "ttft:500", "--goodput", "tpot:50"]),
 ]
 
-TRACES = ["azure", "sessions", "mooncake", "images", "lora", "chat"]
+TRACES = ["azure", "sessions", "mooncake", "images", "lora", "chat", "mixed"]
 
 
 def make_traces(workdir: Path) -> None:
@@ -110,6 +110,13 @@ def make_traces(workdir: Path) -> None:
         out = workdir / f"{name}.parquet"
         if not out.exists():
             subprocess.run(simkv + args + ["--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    out = workdir / "mixed.parquet"  # (request classes: paced sessions beside long prompts at a lower priority)
+    if not out.exists():
+        docs = workdir / "docs.parquet"
+        subprocess.run(simkv + ["trace", "transform", str(workdir / "mooncake.parquet"), "--priority", "1",
+                                "--out", str(docs)], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(simkv + ["trace", "merge", f"chat={workdir / 'sessions.parquet'}", f"docs={docs}",
+                                "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
 
 
 def draw(rng: random.Random, workdir: Path, n: int) -> list[str]:
@@ -120,6 +127,11 @@ def draw(rng: random.Random, workdir: Path, n: int) -> list[str]:
     for p, flags in OPTIONS:
         if rng.random() < p:
             args += flags(rng) if callable(flags) else flags
+    if trace == "mixed":  # (SLOs per class; a replica of the fleet for one class)
+        if rng.random() < 0.4:
+            args += ["--goodput", "chat:ttft:500", "--goodput", "docs:e2el:60000"]
+        if rng.random() < 0.3:
+            args += ["--class-replicas", "docs=1"] + ([] if "--replicas" in args else ["--replicas", "2"])
     if trace == "lora" and rng.random() < 0.7:
         args += ["--enable-lora", "--max-loras", rng.choice(["1", "2"])]
     return args
