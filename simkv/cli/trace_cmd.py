@@ -156,6 +156,8 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--window", type=(float, float), help="Keep arrivals in [T0, T1), shifted to start at 0.")
 @click.option("--time-scale", type=float, help="Multiply arrival times by F.")
 @click.option("--rate", type=float, help="Re-time to Poisson arrivals at R req/s (order kept).")
+@click.option("--time-offset", type=float, default=None, metavar="S",
+              help="Add S seconds to every arrival (a trace that started S s after one it is merged with).")
 @click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
 @click.option("--max-prompt-tokens", type=int, help="Keep the requests whose prompt has at most N tokens.")
 @click.option("--seed", default=0, show_default=True, help="Seed of --sample and --rate.")
@@ -189,15 +191,15 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
                    "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
-                  time_scale: float | None, rate: float | None, sample: float | None, max_prompt_tokens: int | None,
-                  seed: int, samples: int | None, priority: int | None, request_class: str | None,
+                  time_scale: float | None, rate: float | None, time_offset: float | None, sample: float | None,
+                  max_prompt_tokens: int | None, seed: int, samples: int | None, priority: int | None, request_class: str | None,
                   lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
                   image_zipf: float, image_text_after: int, link_replies: bool) -> None:
-    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate, samples,
-    priority, request-class, lora-adapters, images, link-replies)."""
+    """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate,
+    time-offset, samples, priority, request-class, lora-adapters, images, link-replies)."""
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
-                  time_scale=time_scale, rate=rate, samples=samples, priority=priority, request_class=request_class,
-                  seed=seed)
+                  time_scale=time_scale, rate=rate, time_offset=time_offset, samples=samples, priority=priority,
+                  request_class=request_class, seed=seed)
     result = transform(read_trace(path), edits)
     note = ""
     if lora_adapters is not None:

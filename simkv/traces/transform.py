@@ -1,7 +1,8 @@
 """``simkv trace transform``: the edits users make before a replay.
 
 Edits apply in this fixed order, whatever the order of the options: window -> head -> sample ->
-max-prompt-tokens -> time-scale -> rate -> samples -> priority -> request-class. Every edit keeps the request order (the trace
+max-prompt-tokens -> time-scale -> rate -> time-offset -> samples -> priority ->
+request-class. Every edit keeps the request order (the trace
 is sorted by arrival).
   window T0 T1   keep arrivals in [T0, T1) and shift them so that T0 becomes 0
   head N         keep the first N requests
@@ -10,6 +11,8 @@ is sorted by arrival).
                  model's context length: an engine would reject the others)
   time-scale F   multiply every arrival time (and think time) by F (F < 1 compresses, F > 1 stretches)
   rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
+  time-offset S  add S seconds to every arrival (a trace that started S seconds after another
+                 it is merged with; the first arrival must stay >= 0)
   samples N      every request asks for N sequences (parallel sampling: the `n` column; best-of-N,
                  RL rollouts)
   priority P     every request gets priority P (vLLM's: lower is served first under
@@ -38,6 +41,7 @@ class Edits:
     max_prompt_tokens: int | None = None
     time_scale: float | None = None
     rate: float | None = None
+    time_offset: float | None = None
     samples: int | None = None
     priority: int | None = None
     request_class: str | None = None
@@ -56,6 +60,8 @@ class Edits:
             raise TraceError(f"--time-scale must be > 0, got {self.time_scale}")
         if self.rate is not None and not (0 < self.rate < float("inf")):
             raise TraceError(f"--rate must be > 0, got {self.rate}")
+        if self.time_offset is not None and not np.isfinite(self.time_offset):
+            raise TraceError(f"--time-offset must be a number of seconds, got {self.time_offset}")
         if self.samples is not None and self.samples < 1:
             raise TraceError(f"--samples must be >= 1, got {self.samples}")
         if self.request_class is not None and not self.request_class.strip():
@@ -82,6 +88,12 @@ def transform(trace: Trace, edits: Edits) -> Trace:
     if edits.rate is not None:
         times = ArrivalProcess("poisson", edits.rate).times(len(trace), arrival_rng(edits.seed, stream=6))
         trace = replace(trace, arrival_time_s=times)
+    if edits.time_offset is not None:
+        moved = trace.arrival_time_s + edits.time_offset
+        if moved[0] < 0:
+            raise TraceError(f"{trace.source}: --time-offset {edits.time_offset:g} moves the first arrival "
+                             f"({trace.arrival_time_s[0]:g} s) before 0")
+        trace = replace(trace, arrival_time_s=moved)
     if edits.samples is not None:
         trace = replace(trace, n=np.full(len(trace), edits.samples, dtype=np.int64))
     if edits.priority is not None:

@@ -13,6 +13,7 @@ from simkv.traces.synth_prefix import PrefixGroups, shared_prefix
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 BUNDLED = {
     "azure_conv_slice.parquet": ("azure_LICENSE", 2000),
+    "azure_code_slice.parquet": ("azure_LICENSE", 911),
     "mooncake_synthetic_slice.parquet": ("mooncake_LICENSE-APACHE", 1000),
     "kvcache_coding_sample.parquet": ("kvcache_tester_LICENSE", 115),
     "kvcache_coding_sessions.parquet": ("kvcache_tester_LICENSE", 115),
@@ -43,6 +44,17 @@ def test_bundled_generated_traces_are_byte_reproducible(tmp_path: Path) -> None:
 def test_azure_slice_is_the_start_of_the_conversation_trace() -> None:
     stats = trace_stats(read_trace(TRACES / "azure_conv_slice.parquet"))
     assert stats.first_arrival_s == 0.0 and 300 < stats.time_span_s < 480
+
+
+def test_bundled_code_slice_is_the_code_trace_on_the_conversation_trace_s_clock(shared_traces: Path,
+                                                                                tmp_path: Path) -> None:
+    from simkv.traces.importers import import_trace
+    from simkv.traces.transform import Edits, transform
+
+    code, _ = import_trace("azure", [shared_traces / "azure" / "AzureLLMInferenceTrace_code.csv"])
+    moved = transform(code, Edits(time_offset=77.29937))  # (18:17:03.97996 less 18:15:46.68059)
+    write_trace(transform(moved, Edits(window=(0.0, 424.26))), tmp_path / "c.parquet")
+    assert (tmp_path / "c.parquet").read_bytes() == (TRACES / "azure_code_slice.parquet").read_bytes()
 
 
 def test_bundled_sessions_trace_is_the_sample_with_sessions_and_replies(shared_traces: Path, tmp_path: Path) -> None:

@@ -112,3 +112,11 @@ def test_merge_command(tmp_path):
     assert read_trace(out).request_class.tolist() == ["chat", "chat", "summaries", "summaries", "chat"]
     cli_ok(["trace", "transform", str(out), "--request-class", "all", "--out", str(tmp_path / "t.parquet")])
     assert set(read_trace(tmp_path / "t.parquet").request_class) == {"all"}
+
+
+def test_time_offset_moves_every_arrival_and_keeps_them_non_negative():
+    out = transform(chat(), Edits(time_offset=2.5))
+    assert out.arrival_time_s.tolist() == [2.5, 3.5, 5.5] and out.think_time_s.tolist() == [0.0, 0.5, 0.5]
+    assert transform(out, Edits(time_offset=-2.5)).arrival_time_s.tolist() == [0.0, 1.0, 3.0]
+    with pytest.raises(TraceError, match="--time-offset -1 moves the first arrival"):
+        transform(chat(), Edits(time_offset=-1.0))
