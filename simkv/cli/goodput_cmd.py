@@ -41,7 +41,10 @@ def _num(x, fmt: str) -> str:
 
 def probe_cells(p: dict) -> str:
     """A search probe's cells under PROBE_HEADER."""
-    return (f"{'yes' if p['met'] else 'no'} | {100 * p['slo_attainment']:.1f} % | {p['request_goodput_req_s']:.3f} | "
+    by_class = p.get("attainment_by_class")
+    classes = (" (" + ", ".join(f"{name} {100 * a:.1f}" for name, a in by_class.items()) + ")") if by_class else ""
+    return (f"{'yes' if p['met'] else 'no'} | {100 * p['slo_attainment']:.1f} %{classes} | "
+            f"{p['request_goodput_req_s']:.3f} | "
             f"{_num(p['ttft_p99_s'], '.3f')} | {_num(p['tpot_p99_s'] and p['tpot_p99_s'] * 1e3, '.1f')} | "
             f"{p['num_preemptions']} | {p['peak_running']} | {p.get('waiting_held_by') or '-'} |")
 

@@ -193,7 +193,8 @@ def load_config_file(path: str) -> dict:
     return data
 
 
-FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "disaggregation", "encode_pool")  # --config keys that are not engine options
+FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "class_replicas", "disaggregation",
+                     "encode_pool")  # --config keys that are not engine options
 
 
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
@@ -320,9 +321,10 @@ def fleet_options(command):
 
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
                config_file: str | None = None, class_replicas: tuple[str, ...] = ()):
-    """The FleetSpec of --replicas/--router/--router-option over the --config file's `replicas`,
-    `router` and `router_options` mapping (flags win, router options key by key; one replica is
-    the plain engine); a click error naming the flag or the file otherwise."""
+    """The FleetSpec of --replicas/--router/--router-option/--class-replicas over the --config
+    file's `replicas`, `router`, `router_options` and `class_replicas` mappings (flags win, router
+    options key by key; one replica is the plain engine); a click error naming the flag or the
+    file otherwise."""
     from simkv.replay.api import FleetSpec
     from simkv.replay.router import ROUTERS, RouterError, RouterOptions, parse_class_replicas
 
@@ -361,10 +363,15 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     except RouterError as exc:
         raise bad(str(exc), False) from None
     flag = "--class-replicas"
+    from_file = file.get("class_replicas") or {}  # ({class: "0-2" | 3 | [0, 1]}; the flags replace it whole)
+    if not isinstance(from_file, dict):
+        raise bad("class_replicas must be a mapping of CLASS: REPLICAS", True)
+    items = list(class_replicas) or [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                                     for k, v in from_file.items()]
     try:
-        return FleetSpec(replicas, router, options, parse_class_replicas(class_replicas))
+        return FleetSpec(replicas, router, options, parse_class_replicas(items))
     except RouterError as exc:
-        raise bad(str(exc), False) from None
+        raise bad(str(exc), not class_replicas and bool(from_file)) from None
 
 
 VLLM_SERVE_HELP = ("A `vllm serve ...` command line, or @FILE holding one (its --config YAML too): its engine "

@@ -40,6 +40,7 @@ class Probe:
     num_rejected: int = 0  # (prompts at or past max_model_len: they meet no SLO at any rate)
     waiting_held_by: str | None = None  # the limit that held the waiting queue longest, with its share
     clients: int | None = None  # a closed loop's clients (search_max_clients; rate_req_s is then what they sent)
+    attainment_by_class: dict | None = None  # a trace with request classes: each class's (simkv/replay/classes.py)
 
 
 def trace_rate(trace) -> float:
@@ -70,9 +71,9 @@ def _probe_of(s: dict, factor: float, rate: float, target: float, clients: int |
 
     g = s["goodput"]
     attained = g.get("lowest_class_attainment", g["slo_attainment"])  # (SLOs per class: every class held to it)
-    return Probe(factor, rate, attained, g["request_goodput_req_s"], attained >= target, s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"],
-                 int(s["num_preemptions"]), int(s["peak_running"]), int(s.get("num_rejected", 0)),
-                 largest_admission_limit(s), clients)
+    return Probe(factor, rate, attained, g["request_goodput_req_s"], attained >= target, s["ttft_s"]["p99"],
+                 s["tpot_s"]["p99"], s["e2e_s"]["p99"], int(s["num_preemptions"]), int(s["peak_running"]),
+                 int(s.get("num_rejected", 0)), largest_admission_limit(s), clients, g.get("attainment_by_class"))
 
 
 def lowest_factor(trace) -> float:

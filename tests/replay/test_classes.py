@@ -234,3 +234,31 @@ def test_a_fleet_routes_each_class_to_its_replicas(tmp_path):
     assert "not modelled with P/D pools" in cli_fails(
         ["replay", str(path), "--out", str(tmp_path / "x"), "--prefill-replicas", "1", "--decode-replicas", "1",
          "--class-replicas", "batch=0"])
+
+
+def test_the_search_record_gives_each_class_s_attainment(tmp_path):
+    trace = tmp_path / "mix.parquet"
+    write_trace(mixed(60), trace)
+    out = tmp_path / "g"
+    cli_ok(["goodput", str(trace), "--goodput", "ttft:500", "--cost-model", "linear", "--tolerance", "0.2",
+            "--out", str(out), "--quiet"])
+    record = json.loads((out / "goodput.json").read_text())
+    for p in record["probes"]:
+        assert set(p["attainment_by_class"]) == {"chat", "batch"}
+        assert p["slo_attainment"] == pytest.approx(  # (no SLO per class: the whole trace's, between the classes')
+            (60 * p["attainment_by_class"]["chat"] + 60 * p["attainment_by_class"]["batch"]) / 120)
+    assert "% (chat " in (out / "goodput.md").read_text()
+
+
+def test_a_config_file_may_give_a_class_its_replicas(tmp_path):
+    trace = tmp_path / "mix.parquet"
+    write_trace(mixed(40), trace)
+    (tmp_path / "f.yaml").write_text("replicas: 3\nclass_replicas:\n  batch: [1, 2]\n")
+    cli_ok(["replay", str(trace), "--config", str(tmp_path / "f.yaml"), "--out", str(tmp_path / "r"), "--quiet",
+            "--cost-model", "linear"])
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    assert set(requests.loc[requests["request_class"] == "batch", "replica"]) <= {1, 2}
+    assert set(requests.loc[requests["request_class"] == "chat", "replica"]) == {0}
+    (tmp_path / "g.yaml").write_text("replicas: 3\nclass_replicas:\n  batch: 7\n")
+    assert "g.yaml: --class-replicas batch: replica 7" in cli_fails(
+        ["replay", str(trace), "--config", str(tmp_path / "g.yaml"), "--out", str(tmp_path / "x")])
