@@ -64,6 +64,7 @@ class TraceStats:
     mm_item_tokens: int | None = None  # their placeholder tokens, all rows
     max_items_per_row: int | None = None  # the most images one prompt shows (vLLM's --limit-mm-per-prompt)
     request_classes: dict[str, int] | None = None  # rows per request_class, by first arrival (None: no such column)
+    class_stats: dict[str, dict] | None = None  # per class: mean rate, prompt and output spreads
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,7 +109,24 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         **_adapters(trace),
         **_items(trace),
         request_classes=_classes(trace),
+        class_stats=_class_stats(trace),
     )
+
+
+def _class_stats(trace: Trace) -> dict[str, dict] | None:
+    """Each request class's rate over the whole trace's span and its prompt and output spreads."""
+    if trace.request_class is None:
+        return None
+    labels = trace.request_class
+    times = trace.arrival_time_s
+    span = float(times[-1] - times[0])
+    out = {}
+    for name in dict.fromkeys(labels.tolist()):
+        rows = labels == name
+        out[name] = {"rows": int(rows.sum()), "mean_rate_per_s": float(rows.sum()) / span if span > 0 else None,
+                     "prompt": asdict(Spread.of(trace.prompt_tokens[rows])),
+                     "output": asdict(Spread.of(trace.output_tokens[rows]))}
+    return out
 
 
 def _classes(trace: Trace) -> dict[str, int] | None:
@@ -186,4 +204,9 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
         mix = ", ".join(f"{label} {n:,}" for label, n in stats.request_classes.items())
         lines.append(f"classes        {len(stats.request_classes):,}: {mix} (a replay breaks its latencies down by "
                      "them; --goodput NAME:ttft:MS holds one to its own SLO)")
+        for label, c in (stats.class_stats or {}).items():
+            p, o = c["prompt"], c["output"]
+            rate = "-" if c["mean_rate_per_s"] is None else f"{c['mean_rate_per_s']:,.2f} req/s"
+            lines.append(f"  {label:<12} {rate}; prompt p50 {p['p50']:.0f} p99 {p['p99']:.0f} mean {p['mean']:.1f}; "
+                         f"output p50 {o['p50']:.0f} p99 {o['p99']:.0f} mean {o['mean']:.1f}")
     return "\n".join(lines)

@@ -90,7 +90,9 @@ def test_request_class_column_is_checked():
     frame["request_class"] = ["chat", "batch"]
     trace = trace_from_frame(frame)
     assert take_rows(trace, np.array([1])).request_class.tolist() == ["batch"]
-    assert trace_stats(trace).request_classes == {"chat": 1, "batch": 1}
+    stats = trace_stats(trace)
+    assert stats.request_classes == {"chat": 1, "batch": 1}
+    assert stats.class_stats["batch"]["rows"] == 1 and stats.class_stats["chat"]["mean_rate_per_s"] == 1.0
 
 
 def test_transform_labels_every_request():
@@ -107,7 +109,8 @@ def test_merge_command(tmp_path):
     text = cli_ok(["trace", "merge", str(tmp_path / "chat.parquet"), f"summaries={tmp_path / 'b.parquet'}",
                    "--out", str(out)])
     assert "wrote 5 requests" in text and "chat 3, summaries 2" in text  # a bare path: its file name
-    assert "classes        2: chat 3, summaries 2" in cli_ok(["trace", "inspect", str(out)])
+    shown = cli_ok(["trace", "inspect", str(out)])
+    assert "classes        2: chat 3, summaries 2" in shown and "  summaries    0.67 req/s; prompt p50 8" in shown
     assert "no such file" in cli_fails(["trace", "merge", "x=nope.parquet", f"y={out}", "--out", str(out)])
     assert read_trace(out).request_class.tolist() == ["chat", "chat", "summaries", "summaries", "chat"]
     cli_ok(["trace", "transform", str(out), "--request-class", "all", "--out", str(tmp_path / "t.parquet")])
