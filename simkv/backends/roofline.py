@@ -152,7 +152,7 @@ class RooflineCostModel:
             discount, params = self.matmul_discount(weight_bytes), model.matmul_params_at(weight_bytes)
             if discount and params:
                 self.flops_per_token -= discount * 2.0 * params / tp
-                if self.mla and model.linear_weight_bytes == weight_bytes:  # (kv_b_proj, a quantized linear layer)
+                if self.mla and model.attn_weight_bytes == weight_bytes:  # (kv_b_proj, a quantized linear layer)
                     self.flops_per_upproj_token *= 1.0 - discount
         self.flops_per_decode_pair = self.flops_per_latent_pair if self.mla else self.flops_per_pair
         self.weight_bytes = (model.layer_weight_bytes + 2.0 * h * v) / tp  # (the LM head's read; not the embedding's)

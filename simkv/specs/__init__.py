@@ -62,6 +62,10 @@ class ModelSpec:
     # Bytes per weight of the decoder layers' linear layers outside the experts (attention, the
     # dense MLP or the router): 2 (bf16), 1 (FP8 checkpoints). Embeddings, LM head and norms: bf16.
     linear_weight_bytes: float = 2.0
+    # ... of the attention layers' projections where a checkpoint keeps them out of its format
+    # (ModelOpt's exclude_modules "model.layers.*.self_attn*": bf16 beside NVFP4 or FP8 MLPs);
+    # None: `linear_weight_bytes`.
+    attention_weight_bytes: float | None = None
     # DeepSeek's layout of a mixture of experts: the first `num_dense_layers` layers have a dense
     # gated MLP of `dense_intermediate_size` instead of experts (first_k_dense_replace), and every
     # expert layer also runs a shared gated MLP of `shared_expert_intermediate_size` (all shared
@@ -265,15 +269,31 @@ class ModelSpec:
         """... that run in fp4 where the GPU has fp4 tensor cores: those stored as NVFP4."""
         return self.matmul_params_at(NVFP4_WEIGHT_BYTES)
 
+    @property
+    def attn_weight_bytes(self) -> float:
+        """Bytes per weight of the attention projections (`attention_weight_bytes`, else the
+        linear layers')."""
+        return self.linear_weight_bytes if self.attention_weight_bytes is None else self.attention_weight_bytes
+
+    @property
+    def attention_linear_params(self) -> int:
+        """The attention layers' projections over all layers (not linear attention's)."""
+        return self.num_attention_layers * self.attention_params
+
     def matmul_params_at(self, weight_bytes: float) -> int:
         """Parameters per token whose weights are stored at `weight_bytes` a weight: the linear
         layers (attention, dense MLPs, shared experts; not the bf16 routers) and the routed
         experts a token runs."""
         n = 0
+        apart = self.attn_weight_bytes != self.linear_weight_bytes  # (attention kept out of the format)
         if self.linear_weight_bytes == weight_bytes:
             n += self.num_linear_params - self.num_moe_layers * self.hidden_size * self.num_experts
             if self.is_sparse:  # (the indexers' bf16 key and head-weight projection)
                 n -= self.num_layers * self.hidden_size * (self.index_head_dim + self.index_n_heads)
+            if apart:
+                n -= self.attention_linear_params
+        if apart and self.attn_weight_bytes == weight_bytes:
+            n += self.attention_linear_params
         if self.is_moe and self.expert_weight_bytes == weight_bytes:
             n += self.num_moe_layers * self.num_experts_per_tok * self.expert_params
         return n
@@ -520,9 +540,10 @@ class ModelSpec:
     @property
     def layer_weight_bytes(self) -> float:
         """Bytes of the decoder layers' weights outside the routed experts: the linear ones at
-        `linear_weight_bytes`, the norms bf16."""
-        linear = self.num_linear_params - self.indexer_params
-        return self.linear_weight_bytes * linear + self.indexer_weight_bytes + 2.0 * self.num_norm_params
+        `linear_weight_bytes` (attention's at `attn_weight_bytes`), the norms bf16."""
+        linear = self.num_linear_params - self.indexer_params - self.attention_linear_params
+        return (self.linear_weight_bytes * linear + self.attn_weight_bytes * self.attention_linear_params
+                + self.indexer_weight_bytes + 2.0 * self.num_norm_params)
 
     @property
     def weight_bytes(self) -> float:

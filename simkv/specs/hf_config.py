@@ -22,8 +22,10 @@ wrapper's vision tower is left out, its decoder sized alone):
   checkpoints ("fp8", compressed-tensors with 8-bit float weights, or NVIDIA ModelOpt's FP8
   formats, also from an hf_quant_config.json beside the config) with every linear layer at
   1 byte (embeddings, LM head and norms stay bf16; the roofline multiplies them at the fp8
-  peak on GPUs with fp8 tensor cores); decoder layers kept out of FP8 (ignored_layers, ignore,
-  exclude_modules) are refused, the LM head, a vision tower and routers kept out change nothing; a ModelOpt checkpoint's KV-cache algorithm
+  peak on GPUs with fp8 tensor cores); every layer's attention kept out of the format
+  (ignored_layers, ignore, exclude_modules: `model.layers.*.self_attn*`) stays bf16
+  (ModelSpec.attention_weight_bytes), other decoder modules kept out are refused, the LM head, a
+  vision tower and routers kept out change nothing; a ModelOpt checkpoint's KV-cache algorithm
   (kv_cache_scheme or kv_cache_quant_algo), which vLLM runs `--kv-cache-dtype auto` as
   (fp8_e4m3 or nvfp4: ModelSpec.checkpoint_kv_cache_dtype); ModelOpt's NVFP4 (every linear
   layer at 0.5625 bytes, multiplied at the GPU's fp4 peak where it has one) and W4A16_NVFP4
@@ -52,6 +54,7 @@ other than one periodic full-attention layer (no_rope_layers likewise).
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -174,10 +177,15 @@ def spec_fields_from_config(path: str) -> dict:
         if method == "mxfp4" and experts:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
         elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)) or modelopt:
-            _check_fp8_exclusions(quant, where)
+            attention_kept_out = _check_fp8_exclusions(quant, where)
             fp4 = bool(modelopt) and modelopt[0] in MODELOPT_FP4_ALGOS
             weight_bytes = NVFP4_WEIGHT_BYTES if fp4 else 1.0  # (fp8: the scales are negligible)
             fields["linear_weight_bytes"] = weight_bytes
+            if attention_kept_out:
+                if get("index_topk"):
+                    raise ModelConfigError(f"{where}: field 'quantization_config': attention kept out of the "
+                                           "quantized format is not modelled with sparse attention's indexers")
+                fields["attention_weight_bytes"] = 2.0  # (the model's dtype, bf16)
             if fp4 and modelopt[0] == "W4A16_NVFP4":
                 fields["fp4_weight_only"] = True
             if experts:
@@ -464,18 +472,34 @@ def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
     return algo, kv_dtype
 
 
-def _check_fp8_exclusions(quant: dict, where: str) -> None:
+def _check_fp8_exclusions(quant: dict, where: str) -> bool:
     """A quantized checkpoint's modules kept out of its format (vLLM's fp8 ignored_layers,
     compressed-tensors' ignore, ModelOpt's exclude_modules): the LM head, a vision tower and the
-    MoE routers change nothing simkv sizes (they are bf16 in it anyway); a decoder layer's linear
-    layers would, and are refused (simkv sizes every decoder linear layer in the format)."""
+    MoE routers change nothing simkv sizes (they are bf16 in it anyway); every layer's attention
+    (`model.layers.*.self_attn*`, as NVIDIA's NVFP4 exports of DeepSeek keep it) stays bf16, and
+    the result says so; other decoder layers' linear layers (one layer's, one projection's, an
+    MLP's) would change what simkv sizes, and are refused."""
     inner = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else {}
     excluded = [*(quant.get("ignored_layers") or []), *(quant.get("ignore") or []),
                 *(quant.get("exclude_modules") or []), *(inner.get("exclude_modules") or [])]
     inside = [p for p in excluded if isinstance(p, str) and _inside_decoder(p)]
-    if inside:
-        raise ModelConfigError(f"{where}: field 'quantization_config': {', '.join(inside)} kept out of the "
-                               "quantized format is not modelled (simkv sizes every decoder linear layer in it)")
+    attention = [p for p in inside if _every_layers_attention(p)]
+    rest = [p for p in inside if p not in attention]
+    if rest:
+        raise ModelConfigError(f"{where}: field 'quantization_config': {', '.join(rest)} kept out of the "
+                               "quantized format is not modelled (simkv sizes every decoder linear layer in it but "
+                               "whole attention modules: model.layers.*.self_attn*)")
+    return bool(attention)
+
+
+def _every_layers_attention(pattern: str) -> bool:
+    """Whether a pattern names the whole attention module (`self_attn`, every projection in it)
+    of every decoder layer: nothing after `self_attn` but wildcards, no layer number before it."""
+    name = pattern.lower()
+    at = name.find("self_attn")
+    if at < 0 or re.search(r"layers?\.\d", name[:at]) or any(part in name for part in ("mlp", "expert")):
+        return False
+    return all(c in "*.$)" for c in name[at + len("self_attn"):])
 
 
 def _inside_decoder(pattern: str) -> bool:

@@ -260,12 +260,12 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
     ok = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "model.layers.*.mlp.gate"]}
     assert get_model_spec(_write(tmp_path, "ok", LLAMA3_8B | {"quantization_config": ok})).linear_weight_bytes == 1.0
     attn = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8",
-                                                         "exclude_modules": ["lm_head", "model.layers.*.self_attn*"]}}
-    with pytest.raises(ValueError, match="model.layers.\\*.self_attn\\* kept out of the quantized format"):
+                                                         "exclude_modules": ["lm_head", "model.layers.0.self_attn*"]}}
+    with pytest.raises(ValueError, match="model.layers.0.self_attn\\* kept out of the quantized format"):
         get_model_spec(_write(tmp_path, "attn", LLAMA3_8B | {"quantization_config": attn}))
     # the same for vLLM's fp8 (ignored_layers) and compressed-tensors (ignore) checkpoints
     for quant, bad in ((FP8_CONFIG | {"ignored_layers": ["model.layers.0.mlp.down_proj"]}, "model.layers.0.mlp.down_proj"),
-                       (CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*self_attn.*"]}, "re:.\\*self_attn.\\*")):
+                       (CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*self_attn.o_proj"]}, "re:.\\*self_attn.o_proj")):
         with pytest.raises(ValueError, match=f"{bad} kept out of the quantized format"):
             get_model_spec(_write(tmp_path, "ignored", LLAMA3_8B | {"quantization_config": quant}))
     routers = CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
@@ -276,6 +276,46 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
                                                                           "quant_algo": "MIXED_PRECISION"}})
     with pytest.raises(ValueError, match="ModelOpt quant_algo 'MIXED_PRECISION' is not modelled"):
         get_model_spec(mixed)
+
+
+def test_attention_kept_out_of_the_format_stays_bf16(tmp_path):
+    """NVIDIA's NVFP4 exports of DeepSeek keep every layer's attention out of the format
+    (`model.layers.*.self_attn*`): those projections stay bf16 and are multiplied at the bf16
+    rate, the MLPs and experts at 4 bits and the fp4 peak."""
+    from simkv.backends.roofline import RooflineCostModel
+    from simkv.specs import NVFP4_WEIGHT_BYTES, get_gpu_spec
+
+    patterns = (["lm_head", "model.layers.*.self_attn*"], ["re:.*self_attn.*"], ["*self_attn*"])
+    bf16 = get_model_spec("llama-3-8b")
+    attention = bf16.num_attention_layers * bf16.attention_params
+    for k, exclude in enumerate(patterns):
+        quant = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "exclude_modules": exclude}}
+        spec = get_model_spec(_write(tmp_path, f"a{k}", LLAMA3_8B | {"quantization_config": quant}))
+        assert (spec.linear_weight_bytes, spec.attention_weight_bytes) == (NVFP4_WEIGHT_BYTES, 2.0)
+        assert bf16.weight_bytes - spec.weight_bytes == pytest.approx(
+            (bf16.num_linear_params - attention) * (2 - NVFP4_WEIGHT_BYTES))
+        assert spec.fp4_matmul_params == bf16.num_linear_params - attention
+    b200 = get_gpu_spec("B200")
+    a, b = RooflineCostModel(bf16, b200), RooflineCostModel(spec, b200)
+    mlp = bf16.num_linear_params - attention
+    assert a.flops_per_token - b.flops_per_token == pytest.approx(2 * mlp * (1 - 2250 / 9000), rel=1e-12)
+    # FP8 likewise, and on a latent-attention model its KV up-projection keeps the bf16 rate too
+    quant = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["model.layers.*.self_attn*"]}
+    fp8 = get_model_spec(_write(tmp_path, "fp8a", LLAMA3_8B | {"quantization_config": quant}))
+    assert (fp8.fp8_matmul_params, fp8.matmul_params_at(2.0)) == (mlp, attention)
+    from tests.replay.test_mla_models import DEEPSEEK_V3
+
+    v3 = get_model_spec(_write(tmp_path, "v3a", DEEPSEEK_V3 | {"quantization_config": {
+        "quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "exclude_modules": ["*self_attn*"]}}}))
+    plain = get_model_spec(_write(tmp_path, "v3b", DEEPSEEK_V3 | {"quantization_config": {
+        "quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}}))
+    assert RooflineCostModel(v3, b200).flops_per_upproj_token > RooflineCostModel(plain, b200).flops_per_upproj_token
+    assert v3.weight_bytes - plain.weight_bytes == pytest.approx(
+        v3.num_attention_layers * v3.attention_params * (2 - NVFP4_WEIGHT_BYTES))
+    sparse = DEEPSEEK_V3 | {"index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128, "quantization_config": {
+        "quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "exclude_modules": ["*self_attn*"]}}}
+    with pytest.raises(ValueError, match="attention kept out of the quantized format is not modelled with sparse"):
+        get_model_spec(_write(tmp_path, "v32", sparse))
 
 
 def test_a_modelopt_nvfp4_checkpoint_holds_its_linear_layers_in_fp4(tmp_path):
