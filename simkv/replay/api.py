@@ -17,7 +17,7 @@ from simkv.capacity import compute_capacity
 from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
-from simkv.replay.classes import classes_summary, trace_labels, with_class_columns
+from simkv.replay.classes import classes_summary, trace_labels, with_trace_columns
 from simkv.replay.goodput import check_slo_classes, goodput_summary
 from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
@@ -92,7 +92,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     _check_class_replicas(trace, config, fleet, disaggregation, encode)
     result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
                      fleet, disaggregation, encode)
-    result.requests = with_class_columns(result.requests, trace)
+    result.requests = with_trace_columns(result.requests, trace)
     result.summary |= classes_summary(result.requests, result.summary["duration_s"], goodput)
     if goodput:
         result.summary["goodput"] = goodput_summary(result.requests, goodput, result.summary["duration_s"])

@@ -5,7 +5,7 @@ each request, "chat" or "batch" say; without it, a trace whose `priority` column
 one value is broken down by priority ("priority=0", "priority=1", ...), which is what priority
 scheduling is for. A replay then writes the label into requests.parquet and, per class, into
 summary.json's `classes`: requests and their statuses, tokens, prefix-cache hits among the
-prompt tokens, preemptions, TTFT / TPOT / E2E / queueing distributions and throughputs over the
+prompt tokens its sequences asked for (prompt x n under parallel sampling), preemptions, TTFT / TPOT / E2E / queueing distributions and throughputs over the
 whole run's duration (and, with --goodput, each class's attainment: simkv/replay/goodput.py,
 where an SLO may be given for one class, `chat:ttft:500`).
 
@@ -20,6 +20,7 @@ import pandas as pd
 from simkv.replay.results import dist
 
 CLASS_COLUMN = "request_class"
+TRACE_COLUMNS = (CLASS_COLUMN, "priority", "n")  # (the trace's columns a request table carries)
 
 
 def labels_of(request_class: np.ndarray | None, priority: np.ndarray | None) -> tuple[str, np.ndarray] | None:
@@ -36,22 +37,27 @@ def trace_labels(trace) -> tuple[str, np.ndarray] | None:
 
 
 def request_labels(requests: pd.DataFrame) -> tuple[str, np.ndarray] | None:
-    """As `trace_labels`, from the columns `with_class_columns` put into a request table."""
+    """As `trace_labels`, from the columns `with_trace_columns` put into a request table."""
     return labels_of(requests[CLASS_COLUMN].to_numpy(object) if CLASS_COLUMN in requests else None,
                      requests["priority"].to_numpy() if "priority" in requests else None)
 
 
-def with_class_columns(requests: pd.DataFrame, trace) -> pd.DataFrame:
-    """The request table (rows in the trace's order) with the trace's `request_class` and
-    `priority` beside `request_id`, where the trace has them."""
+def with_trace_columns(requests: pd.DataFrame, trace) -> pd.DataFrame:
+    """The request table (rows in the trace's order) with the trace's `request_class`,
+    `priority` and `n` (sequences asked for) beside `request_id`, where the trace has them."""
     if len(requests) != len(trace):
         raise ValueError(f"request table of {len(requests)} rows for a trace of {len(trace)}")
-    frame = requests.drop(columns=[c for c in (CLASS_COLUMN, "priority") if c in requests.columns])
+    frame = requests.drop(columns=[c for c in TRACE_COLUMNS if c in requests.columns])
     at = frame.columns.get_loc("request_id") + 1 if "request_id" in frame.columns else 0
-    if trace.priority is not None:
-        frame.insert(at, "priority", np.asarray(trace.priority, dtype=np.int64))
-    if trace.request_class is not None:
-        frame.insert(at, CLASS_COLUMN, pd.Series(trace.request_class, dtype=object).astype(str).to_numpy(object))
+    for name in reversed(TRACE_COLUMNS):
+        values = getattr(trace, name, None)
+        if values is None:
+            continue
+        if name == CLASS_COLUMN:
+            values = pd.Series(values, dtype=object).astype(str).to_numpy(object)
+        else:
+            values = np.asarray(values, dtype=np.int64)
+        frame.insert(at, name, values)
     return frame
 
 
@@ -81,7 +87,9 @@ def classes_summary(requests: pd.DataFrame, duration_s: float, slo_ms: dict[str,
         rows = labels == name
         part = requests[rows]
         finished = status[rows] == "finished"
+        sequences = part["n"].to_numpy()[finished] if "n" in part else 1  # (parallel sampling: each queries)
         prompt = int(part["prompt_tokens"].to_numpy()[finished].sum())
+        queried = int((part["prompt_tokens"].to_numpy()[finished] * sequences).sum())
         hits = int(part["prefix_hit_tokens"].to_numpy()[finished].sum())
         out_tokens = int(part["output_tokens"].to_numpy()[finished].sum())
         statuses = dict(sorted(pd.Series(status[rows]).value_counts().items()))
@@ -92,7 +100,7 @@ def classes_summary(requests: pd.DataFrame, duration_s: float, slo_ms: dict[str,
             "prompt_tokens": prompt,
             "output_tokens": out_tokens,
             "prefix_hit_tokens": hits,
-            "prefix_hit_share": hits / prompt if prompt else 0.0,
+            "prefix_hit_share": hits / queried if queried else 0.0,
             "num_preemptions": int(part["num_preemptions"].to_numpy()[finished].sum()),
             "ttft_s": dist(part["ttft_s"].to_numpy()),
             "tpot_s": dist(part["mean_itl_s"].to_numpy()),

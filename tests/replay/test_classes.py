@@ -262,3 +262,15 @@ def test_a_config_file_may_give_a_class_its_replicas(tmp_path):
     (tmp_path / "g.yaml").write_text("replicas: 3\nclass_replicas:\n  batch: 7\n")
     assert "g.yaml: --class-replicas batch: replica 7" in cli_fails(
         ["replay", str(trace), "--config", str(tmp_path / "g.yaml"), "--out", str(tmp_path / "x")])
+
+
+def test_under_parallel_sampling_each_sequence_queries_the_prompt():
+    trace = replace(mixed(30), n=np.full(60, 2, dtype=np.int64))
+    result = replay(trace, EngineConfig.from_flat({}), "linear", LINEAR)
+    requests, summary = result.requests, result.summary
+    assert requests["n"].tolist() == [2] * 60
+    queried = sum(c["prompt_tokens"] * 2 for c in summary["classes"]["classes"].values())
+    hits = sum(c["prefix_hit_tokens"] for c in summary["classes"]["classes"].values())
+    assert queried == summary["prefix_cache_queries_tokens"] and hits == summary["prefix_cache_hits_tokens"]
+    for c in summary["classes"]["classes"].values():  # (the second sample of every prompt hits the first's blocks)
+        assert 0.4 < c["prefix_hit_share"] == c["prefix_hit_tokens"] / (2 * c["prompt_tokens"]) <= 0.5
