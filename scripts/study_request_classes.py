@@ -52,10 +52,9 @@ FLEET_LOAD = 4.0
 
 
 def mixed_trace():
-    chat = read_trace(ROOT / "traces" / "azure_conv_slice.parquet")
+    chat = transform(read_trace(ROOT / "traces" / "azure_conv_slice.parquet"), Edits(priority=0))
     docs = transform(read_trace(ROOT / "traces" / "mooncake_synthetic_slice.parquet"),
                      Edits(time_scale=10.0, priority=1))
-    chat = replace(chat, priority=np.zeros(len(chat), dtype=np.int64))
     merged = merge_traces([("chat", chat), ("docs", docs)])
     keep = np.flatnonzero(merged.arrival_time_s <= chat.arrival_time_s[-1])
     return take_rows(merged, keep)
@@ -91,15 +90,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     fast = replace(trace, arrival_time_s=trace.arrival_time_s / FLEET_LOAD)
     for name, options, classes in FLEETS:
-        config = EngineConfig.from_flat(BASE | options)
-        fleet = FleetSpec(4, "least_outstanding", class_replicas=classes)
-        s = replay(fast, config, goodput=SLO, fleet=fleet).summary
-        r = search_max_rate(trace, config, SLO, target=0.99, tolerance=0.02, fleet=fleet)
-        best = "-" if r["max_rate_req_s"] is None else f"{r['bracket_factors'][0]:.3g}"
-        for k, (cls, c) in enumerate(s["classes"]["classes"].items()):
-            print(f"| {name if k == 0 else ''} | {cls} | {c['ttft_s']['p50']:.2f} / {c['ttft_s']['p99']:.2f} | "
-                  f"{1e3 * c['tpot_s']['p50']:.1f} / {1e3 * c['tpot_s']['p99']:.1f} | "
-                  f"{100 * c['slo_attainment']:.1f} % | {best if k == 0 else ''} |")
+        setup_rows(name, trace, fast, EngineConfig.from_flat(BASE | options), SLO,
+                   FleetSpec(4, "least_outstanding", class_replicas=classes))
     azure_mix()
     print(f"\n({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
@@ -123,16 +115,21 @@ def azure_mix() -> None:
           "highest load (x the trace's) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, options, replicas, classes in AZURE_SETUPS:
-        config = EngineConfig.from_flat(options)
         fleet = FleetSpec(replicas, "least_outstanding", class_replicas=classes) if replicas > 1 else None
-        s = replay(trace, config, goodput=AZURE_SLO, fleet=fleet).summary
-        r = search_max_rate(trace, config, AZURE_SLO, target=0.99, tolerance=0.02, fleet=fleet)
-        best = "-" if r["max_rate_req_s"] is None else f"{r['bracket_factors'][0]:.3g}"
-        for k, (cls, c) in enumerate(s["classes"]["classes"].items()):
-            print(f"| {name if k == 0 else ''} | {cls} | {c['queue_s']['p50']:.2f} / {c['queue_s']['p99']:.2f} | "
-                  f"{c['ttft_s']['p50']:.2f} / {c['ttft_s']['p99']:.2f} | "
-                  f"{1e3 * c['tpot_s']['p50']:.1f} / {1e3 * c['tpot_s']['p99']:.1f} | "
-                  f"{100 * c['slo_attainment']:.1f} % | {best if k == 0 else ''} |")
+        setup_rows(name, trace, trace, EngineConfig.from_flat(options), AZURE_SLO, fleet, queue=True)
+
+
+def setup_rows(name: str, trace, replayed, config, slo: dict, fleet, queue: bool = False) -> None:
+    """One setup's table rows, a row per class: `replayed` (the trace at the load shown) replayed,
+    and the highest load, both classes scaled together, at which 99 % of each meet `slo`."""
+    s = replay(replayed, config, goodput=slo, fleet=fleet).summary
+    r = search_max_rate(trace, config, slo, target=0.99, tolerance=0.02, fleet=fleet)
+    best = "-" if r["max_rate_req_s"] is None else f"{r['bracket_factors'][0]:.3g}"
+    for k, (cls, c) in enumerate(s["classes"]["classes"].items()):
+        waits = f"{c['queue_s']['p50']:.2f} / {c['queue_s']['p99']:.2f} | " if queue else ""
+        print(f"| {name if k == 0 else ''} | {cls} | {waits}{c['ttft_s']['p50']:.2f} / {c['ttft_s']['p99']:.2f} | "
+              f"{1e3 * c['tpot_s']['p50']:.1f} / {1e3 * c['tpot_s']['p99']:.1f} | "
+              f"{100 * c['slo_attainment']:.1f} % | {best if k == 0 else ''} |")
 
 
 if __name__ == "__main__":

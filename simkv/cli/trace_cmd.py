@@ -14,7 +14,7 @@ from simkv.traces.importers import FORMATS, ColumnMap, ConversationStarts, impor
 from simkv.traces.importers.tabular import TIME_UNITS
 from simkv.traces import replies
 from simkv.traces.schema import read_trace, write_trace
-from simkv.traces.stats import format_stats, trace_stats
+from simkv.traces.stats import class_counts, format_stats, trace_stats
 from simkv.traces.synth import ClippedLognormal, REQ400_REQUESTS, REQ400_SEED
 from simkv.traces.synth_cli import KINDS, SynthOptions, generate, parse_int_list
 from simkv.traces.transform import Edits, transform
@@ -248,10 +248,7 @@ def merge_cmd(inputs: tuple[str, ...], out: str, shared_content: bool) -> None:
         parts.append((name, trace_in))
     result = merge_traces(parts, shared_content=shared_content)
     write_trace(result, out)
-    counts = {}
-    for label in result.request_class.tolist():
-        counts[label] = counts.get(label, 0) + 1
-    mix = ", ".join(f"{label} {n:,}" for label, n in counts.items())
+    mix = ", ".join(f"{label} {n:,}" for label, n in class_counts(result).items())
     click.echo(f"wrote {len(result):,} requests to {out} (request classes: {mix})")
 
 

@@ -151,14 +151,13 @@ def run_report_html(run_dir: str | Path) -> str:
     itl_v, itl_w = token_itl(steps)
     classes = summary.get("classes")
     found = request_labels(requests) if classes else None
-    if found is not None:  # (one TTFT line per request class)
-        label = found[1][(requests["status"] == "finished").to_numpy()]
+    label = found[1][(requests["status"] == "finished").to_numpy()] if found is not None else None
+    if label is not None:  # (one TTFT line per request class)
         ttft = [(name, 1e3 * fin["ttft_s"].to_numpy()[label == name]) for name in classes["classes"]
                 if (label == name).any()][:MAX_REPLICA_SERIES]
     else:
         ttft = [("TTFT", 1e3 * fin["ttft_s"].to_numpy())]
-    charts.append(_ttft_over_time(fin, found[1][(requests["status"] == "finished").to_numpy()] if found is not None
-                                  else None, list(classes["classes"]) if found is not None else []))
+    charts.append(_ttft_over_time(fin, label, list(classes["classes"]) if label is not None else []))
     charts += [cdf_chart(ttft, "TTFT CDF", "TTFT (ms)"),
                cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
                line_chart(_per_replica(steps, "step duration", 1e3 * steps["duration_s"].to_numpy()),

@@ -17,8 +17,8 @@ from simkv.capacity import compute_capacity
 from simkv.config import EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
-from simkv.replay.classes import classes_summary, trace_labels, with_trace_columns
-from simkv.replay.goodput import check_slo_classes, goodput_summary
+from simkv.replay.classes import classes_summary, missing_class, trace_labels, with_trace_columns
+from simkv.replay.goodput import check_slo_classes, goodput_summary, judge
 from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
 from simkv.replay.router import Router, RouterOptions
@@ -92,10 +92,12 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     _check_class_replicas(trace, config, fleet, disaggregation, encode)
     result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
                      fleet, disaggregation, encode)
-    result.requests = with_trace_columns(result.requests, trace)
-    result.summary |= classes_summary(result.requests, result.summary["duration_s"], goodput)
-    if goodput:
-        result.summary["goodput"] = goodput_summary(result.requests, goodput, result.summary["duration_s"])
+    requests = result.requests = with_trace_columns(result.requests, trace)
+    duration = result.summary["duration_s"]
+    judged = judge(requests, goodput) if goodput else None
+    result.summary |= classes_summary(requests, duration, judged.good if judged is not None else None)
+    if judged is not None:
+        result.summary["goodput"] = goodput_summary(requests, goodput, duration, judged)
     return result
 
 
@@ -190,11 +192,9 @@ def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, en
     if trace.request_class is None:
         raise ValueError(f"{trace.source}: class_replicas routes by request class, and the trace has none (no "
                          "request_class column; label it with simkv trace merge or trace transform --request-class)")
-    known = list(dict.fromkeys(trace.request_class.tolist()))
-    for name, _ in fleet.class_replicas:
-        if name not in known:
-            raise ValueError(f"class_replicas: {trace.source} has no request class '{name}' (its classes: "
-                             f"{', '.join(known[:8])})")
+    missing = missing_class([name for name, _ in fleet.class_replicas], trace.request_class)
+    if missing is not None:
+        raise ValueError(f"class_replicas: {trace.source} {missing[1]}")
 
 
 def _check_lora(trace, config: EngineConfig, disaggregation) -> None:

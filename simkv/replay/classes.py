@@ -5,9 +5,10 @@ each request, "chat" or "batch" say; without it, a trace whose `priority` column
 one value is broken down by priority ("priority=0", "priority=1", ...), which is what priority
 scheduling is for. A replay then writes the label into requests.parquet and, per class, into
 summary.json's `classes`: requests and their statuses, tokens, prefix-cache hits among the
-prompt tokens its sequences asked for (prompt x n under parallel sampling), preemptions, TTFT / TPOT / E2E / queueing distributions and throughputs over the
-whole run's duration (and, with --goodput, each class's attainment: simkv/replay/goodput.py,
-where an SLO may be given for one class, `chat:ttft:500`).
+prompt tokens its sequences asked for (prompt x n under parallel sampling), preemptions,
+TTFT / TPOT / E2E / queueing distributions and throughputs over the whole run's duration (and,
+with --goodput, each class's attainment: simkv/replay/goodput.py, where an SLO may be given for
+one class, `chat:ttft:500`).
 
 ITL here is per request (TPOT, the mean gap between a request's tokens); the token-level ITL
 distribution stays whole-run only.
@@ -42,6 +43,17 @@ def request_labels(requests: pd.DataFrame) -> tuple[str, np.ndarray] | None:
                      requests["priority"].to_numpy() if "priority" in requests else None)
 
 
+def missing_class(names, labels: np.ndarray) -> tuple[str, str] | None:
+    """The first of `names` that no request is labelled with, and "has no request class 'X'
+    (its classes: ...)" to say so; None when every one is there."""
+    known = list(dict.fromkeys(labels.tolist()))
+    for name in names:
+        if name not in known:
+            shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
+            return name, f"has no request class '{name}' (its classes: {shown})"
+    return None
+
+
 def with_trace_columns(requests: pd.DataFrame, trace) -> pd.DataFrame:
     """The request table (rows in the trace's order) with the trace's `request_class`,
     `priority` and `n` (sequences asked for) beside `request_id`, where the trace has them."""
@@ -70,18 +82,31 @@ def class_order(labels: np.ndarray) -> list[str]:
     return names
 
 
-def classes_summary(requests: pd.DataFrame, duration_s: float, slo_ms: dict[str, float] | None = None) -> dict:
-    """summary.json's `classes` section ({} when the trace has no classes)."""
+def class_attainment(requests: pd.DataFrame, good: np.ndarray) -> dict[str, tuple[int, float]] | None:
+    """Per class (in `class_order`): its good requests and their share of the class's requests
+    sent (a client's unsent ones do not count); None without classes."""
+    found = request_labels(requests)
+    if found is None:
+        return None
+    labels = found[1]
+    sent = requests["status"].to_numpy() != "not_sent"
+    out = {}
+    for name in class_order(labels):
+        rows = (labels == name) & sent
+        num_good = int(good[rows].sum())
+        out[name] = (num_good, num_good / int(rows.sum()) if rows.any() else 0.0)
+    return out
+
+
+def classes_summary(requests: pd.DataFrame, duration_s: float, good: np.ndarray | None = None) -> dict:
+    """summary.json's `classes` section ({} when the trace has no classes). `good`: which
+    requests met their SLOs (simkv/replay/goodput.py's `judge`), for each class's attainment."""
     found = request_labels(requests)
     if found is None:
         return {}
     by, labels = found
     status = requests["status"].to_numpy()
-    good = None
-    if slo_ms:
-        from simkv.replay.goodput import good_requests
-
-        good = good_requests(requests, slo_ms)[0]
+    attained = class_attainment(requests, good) if good is not None else None
     out = {}
     for name in class_order(labels):
         rows = labels == name
@@ -109,10 +134,9 @@ def classes_summary(requests: pd.DataFrame, duration_s: float, slo_ms: dict[str,
             "request_throughput_req_s": float(finished.sum()) / duration_s if duration_s > 0 else 0.0,
             "output_throughput_tok_s": out_tokens / duration_s if duration_s > 0 else 0.0,
         }
-        if good is not None:
-            sent = int((status[rows] != "not_sent").sum())
-            num_good = int(good[rows].sum())
-            entry |= {"num_good": num_good, "slo_attainment": num_good / sent if sent else 0.0,
+        if attained is not None:
+            num_good, share = attained[name]
+            entry |= {"num_good": num_good, "slo_attainment": share,
                       "request_goodput_req_s": num_good / duration_s if duration_s > 0 else 0.0}
         out[name] = entry
     return {"classes": {"by": by, "classes": out}}

@@ -42,6 +42,7 @@ class DPBalancer:
 
     def __init__(self, num_ranks: int) -> None:
         self.num_replicas = num_ranks
+        self.class_replicas: dict = {}  # (it balances by load: no request class has ranks of its own)
 
     def describe(self) -> dict:
         return {"policy": "vllm_dp_load_balancer", "num_replicas": self.num_replicas,

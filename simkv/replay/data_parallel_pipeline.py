@@ -20,8 +20,8 @@ from collections import deque
 
 import simpy
 
-from simkv.replay.data_parallel import (DPRouting, _process_outputs, _retire_offloaded, _schedule_all, _sleep,
-                                        _start_transfers, _take_arrivals, encoder_ticks)
+from simkv.replay.data_parallel import (DPRouting, _has_requests, _process_outputs, _retire_offloaded, _schedule_all,
+                                        _sleep, _start_transfers, _take_arrivals, encoder_ticks)
 from simkv.replay.engine import ReplayEngine, ReplayError
 from simkv.replay.pipeline import PipelineStages
 
@@ -38,7 +38,7 @@ def lockstep_pipelined(env: simpy.Environment, ranks: list[ReplayEngine], backen
     now = 0
     while True:
         _take_arrivals(ranks, routing, now)
-        if any(rank.scheduler.has_unfinished_requests() for rank in ranks):
+        if _has_requests(ranks):
             outs, ran = _schedule_all(ranks, now)
             if ran:
                 start, end = stages.launch_group(ran, len(ranks) - len(ran), now, encoder_ticks(ranks, outs))
@@ -48,7 +48,7 @@ def lockstep_pipelined(env: simpy.Environment, ranks: list[ReplayEngine], backen
                 queue.appendleft(None)
                 stages.num_empty_calls += 1
             _start_transfers(ranks, outs, start, end)
-            if len(queue) < depth and (ran or any(rank.scheduler.has_unfinished_requests() for rank in ranks)):
+            if len(queue) < depth and (ran or _has_requests(ranks)):
                 continue
         elif not queue:
             if _retire_offloaded(ranks):

@@ -48,8 +48,7 @@ class FleetRouting:
         self._prompts = self.rows.prompt_tokens
         self._has_hashes = trace.hash_ids is not None
         self._namespaces = content_namespaces(trace)  # (cache_salt and LoRA adapter)
-        by_class = getattr(router, "class_replicas", None)  # (vLLM's data-parallel balancer has none)
-        self._by_class = bool(by_class) and getattr(trace, "request_class", None) is not None
+        self._by_class = bool(router.class_replicas) and getattr(trace, "request_class", None) is not None
         self.max_model_len = max_model_len
         self.next_index = 0
         self.queues: list[deque[int]] = [deque() for _ in range(n)]  # routed, not yet delivered

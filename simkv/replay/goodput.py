@@ -15,6 +15,7 @@ classes keep the SLOs given for all. The summary then gives each class's attainm
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -79,11 +80,11 @@ def check_slo_classes(slo_ms: dict[str, float] | None, labels: tuple[str, np.nda
         raise GoodputError(f"--goodput {named[0]}:...: {source} has no request classes (no request_class column, "
                            "and no priority column with more than one value); label them with simkv trace merge or "
                            "trace transform --request-class")
-    known = list(dict.fromkeys(labels[1].tolist()))
-    for name in named:
-        if name not in known:
-            shown = ", ".join(known[:8]) + (", ..." if len(known) > 8 else "")
-            raise GoodputError(f"--goodput {name}:...: {source} has no request class '{name}' (its classes: {shown})")
+    from simkv.replay.classes import missing_class
+
+    missing = missing_class(named, labels[1])
+    if missing is not None:
+        raise GoodputError(f"--goodput {missing[0]}:...: {source} {missing[1]}")
 
 
 def describe_target(slo_ms: dict[str, float], target: float) -> str:
@@ -98,51 +99,68 @@ def describe_slo(slo_ms: dict[str, float]) -> str:
     return ", ".join(f"{k} <= {v:g} ms" for k, v in slo_ms.items())
 
 
-def good_requests(requests: pd.DataFrame, slo_ms: dict[str, float]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Per request: meets every SLO that applies to it; and per SLO: meets that one (both False
-    when unfinished; an SLO's entry is False too for the requests it does not apply to, which
-    `applies_to` gives)."""
+@dataclass(frozen=True)
+class Judgement:
+    """What SLOs say of a request table: per request, whether it meets every SLO that applies to
+    it (`good`; False when unfinished); per SLO, the requests it applies to and those of them
+    that meet it."""
+    good: np.ndarray
+    applies: dict[str, np.ndarray]
+    meets: dict[str, np.ndarray]
+
+
+def judge(requests: pd.DataFrame, slo_ms: dict[str, float]) -> Judgement:
+    """Each request against the SLOs. An SLO given for one class applies to that class's
+    requests; one given for all, to every request whose class has no SLO of its own on that
+    metric (the request classes are read once: simkv/replay/classes.py)."""
     finished = requests["status"].to_numpy() == "finished"
-    each = {}
-    good = finished.copy()
+    named = slo_classes(slo_ms)
+    labels = None
+    if named:
+        from simkv.replay.classes import request_labels
+
+        found = request_labels(requests)
+        labels = found[1] if found is not None else np.full(len(requests), None, dtype=object)
+    good, applies, meets = finished.copy(), {}, {}
     for key, limit in slo_ms.items():
-        metric = split_key(key)[1]
+        request_class, metric = split_key(key)
         values = requests[SLO_COLUMNS[metric]].to_numpy(dtype=np.float64)
         if metric == "tpot":
             values = np.where(np.isnan(values) & finished, 0.0, values)  # one output token: no TPOT
-        applies = applies_to(requests, slo_ms, key)
+        if labels is None:
+            applies[key] = np.ones(len(requests), dtype=bool)
+        elif request_class is not None:
+            applies[key] = labels == request_class
+        else:
+            own = [c for c in named if f"{c}:{metric}" in slo_ms]
+            applies[key] = ~np.isin(labels, np.array(own, dtype=object))
         with np.errstate(invalid="ignore"):
-            each[key] = finished & (values <= limit / 1000.0) & applies
-        good &= each[key] | ~applies
-    return good, each
+            meets[key] = finished & (values <= limit / 1000.0) & applies[key]
+        good &= meets[key] | ~applies[key]
+    return Judgement(good, applies, meets)
 
 
-def applies_to(requests: pd.DataFrame, slo_ms: dict[str, float], key: str) -> np.ndarray:
-    """Which requests an SLO holds: its class's, or (given for all) every request whose class has
-    no SLO of its own on that metric."""
-    request_class, metric = split_key(key)
-    named = slo_classes(slo_ms)
-    if not named:
-        return np.ones(len(requests), dtype=bool)
-    from simkv.replay.classes import request_labels
-
-    found = request_labels(requests)
-    labels = found[1] if found is not None else np.full(len(requests), None, dtype=object)
-    if request_class is not None:
-        return labels == request_class
-    own = [c for c in named if f"{c}:{metric}" in slo_ms]
-    return ~np.isin(labels, np.array(own, dtype=object))
+def good_requests(requests: pd.DataFrame, slo_ms: dict[str, float]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per request: meets every SLO that applies to it; and per SLO: meets that one (both False
+    when unfinished; an SLO's entry is False too for the requests it does not apply to)."""
+    judged = judge(requests, slo_ms)
+    return judged.good, judged.meets
 
 
-def goodput_summary(requests: pd.DataFrame, slo_ms: dict[str, float], duration_s: float) -> dict:
+def goodput_summary(requests: pd.DataFrame, slo_ms: dict[str, float], duration_s: float,
+                    judged: Judgement | None = None) -> dict:
     """What summary.json records under ``goodput``: attainment over the requests sent, and per
-    SLO over the sent requests it applies to; per class where the trace has classes."""
-    good, each = good_requests(requests, slo_ms)
+    SLO over the sent requests it applies to; per class where the trace has classes. `judged`:
+    `judge(requests, slo_ms)`, where the caller has it already."""
+    from simkv.replay.classes import class_attainment
+
+    judged = judged or judge(requests, slo_ms)
+    good = judged.good
     sent = requests["status"].to_numpy() != "not_sent"
     n = int(sent.sum())
     by_slo = {}
-    for key, ok in each.items():
-        m = int((sent & applies_to(requests, slo_ms, key)).sum())
+    for key, ok in judged.meets.items():
+        m = int((sent & judged.applies[key]).sum())
         by_slo[key] = float(ok.sum() / m) if m else 0.0
     out = {
         "slo_ms": dict(slo_ms),
@@ -151,16 +169,9 @@ def goodput_summary(requests: pd.DataFrame, slo_ms: dict[str, float], duration_s
         "attainment_by_slo": by_slo,
         "request_goodput_req_s": float(good.sum() / duration_s) if duration_s > 0 else 0.0,
     }
-    from simkv.replay.classes import class_order, request_labels
-
-    found = request_labels(requests)
-    if found is not None:
-        labels = found[1]
-        per_class = {}
-        for name in class_order(labels):
-            rows = (labels == name) & sent
-            per_class[name] = float(good[rows].sum() / rows.sum()) if rows.any() else 0.0
-        out["attainment_by_class"] = per_class
+    per_class = class_attainment(requests, good)
+    if per_class is not None:
+        out["attainment_by_class"] = {name: a for name, (_, a) in per_class.items()}
         if slo_classes(slo_ms):
-            out["lowest_class_attainment"] = min(per_class.values())
+            out["lowest_class_attainment"] = min(out["attainment_by_class"].values())
     return out

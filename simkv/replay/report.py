@@ -238,24 +238,24 @@ def class_table(section: dict) -> Table:
 
     classes = section["classes"]
     slo = any("slo_attainment" in c for c in classes.values())
-    table = Table(title="per request class" if section["by"] == "request_class" else "per priority",
-                  box=box.SIMPLE_HEAD, caption="TTFT and TPOT in ms", pad_edge=False)
     by_priority = section["by"] == "priority"
-    for name in ("priority" if by_priority else "class", "done", "hit %", "preempt", "TTFT\np50", "TTFT\np99", "TPOT\np50", "TPOT\np99",
-                 *(["SLO %"] if slo else [])):
+    table = Table(title="per priority" if by_priority else "per request class", box=box.SIMPLE_HEAD,
+                  caption="TTFT and TPOT in ms", pad_edge=False)
+    for name in ("priority" if by_priority else "class", "done", "hit %", "preempt", "TTFT\np50", "TTFT\np99",
+                 "TPOT\np50", "TPOT\np99", *(["SLO %"] if slo else [])):
         table.add_column(name, justify="right")
 
-    def num(d: dict, key: str, scale: float = 1e3) -> str:
+    def ms(d: dict, key: str) -> str:
         if d[key] is None:
             return "-"
-        x = scale * d[key]
+        x = 1e3 * d[key]
         return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
     for name, c in classes.items():
         done = f"{c['num_finished']:,}" + ("" if c["num_finished"] == c["num_requests"] else f"/{c['num_requests']:,}")
-        table.add_row(name.split("=", 1)[1] if by_priority else name, done, f"{100 * c['prefix_hit_share']:.1f}", f"{c['num_preemptions']:,}",
-                      num(c["ttft_s"], "p50"), num(c["ttft_s"], "p99"), num(c["tpot_s"], "p50"), num(c["tpot_s"], "p99"),
-                      *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))
+        table.add_row(name.split("=", 1)[1] if by_priority else name, done, f"{100 * c['prefix_hit_share']:.1f}",
+                      f"{c['num_preemptions']:,}", ms(c["ttft_s"], "p50"), ms(c["ttft_s"], "p99"), ms(c["tpot_s"], "p50"),
+                      ms(c["tpot_s"], "p99"), *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))
     return table
 
 

@@ -518,7 +518,7 @@ class ModelSpec:
         dense_width = self.dense_intermediate_size if self.is_moe else self.intermediate_size
         dense_mlps = self.num_dense_mlp_layers * m * h * dense_width
         expert_layers = self.num_moe_layers * (h * self.num_experts + m * h * self.shared_expert_intermediate_size)
-        mixers = self.num_attention_layers * self.attention_params + self.num_linear_attention_layers * self.linear_attention_params
+        mixers = self.attention_linear_params + self.num_linear_attention_layers * self.linear_attention_params
         return mixers + dense_mlps + expert_layers + self.indexer_params
 
     @property

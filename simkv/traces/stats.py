@@ -6,6 +6,7 @@ arrivals in fixed windows [k*w, (k+1)*w) from t = 0.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -108,34 +109,33 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         else None,
         **_adapters(trace),
         **_items(trace),
-        request_classes=_classes(trace),
+        request_classes=class_counts(trace),
         class_stats=_class_stats(trace),
     )
 
 
 def _class_stats(trace: Trace) -> dict[str, dict] | None:
     """Each request class's rate over the whole trace's span and its prompt and output spreads."""
-    if trace.request_class is None:
+    counts = class_counts(trace)
+    if counts is None:
         return None
     labels = trace.request_class
     times = trace.arrival_time_s
     span = float(times[-1] - times[0])
     out = {}
-    for name in dict.fromkeys(labels.tolist()):
+    for name, n in counts.items():
         rows = labels == name
-        out[name] = {"rows": int(rows.sum()), "mean_rate_per_s": float(rows.sum()) / span if span > 0 else None,
+        out[name] = {"rows": n, "mean_rate_per_s": n / span if span > 0 else None,
                      "prompt": asdict(Spread.of(trace.prompt_tokens[rows])),
                      "output": asdict(Spread.of(trace.output_tokens[rows]))}
     return out
 
 
-def _classes(trace: Trace) -> dict[str, int] | None:
+def class_counts(trace: Trace) -> dict[str, int] | None:
+    """Rows per request class, in the order the classes first arrive (None: no such column)."""
     if trace.request_class is None:
         return None
-    counts: dict[str, int] = {}
-    for label in trace.request_class.tolist():
-        counts[label] = counts.get(label, 0) + 1
-    return counts
+    return dict(Counter(trace.request_class.tolist()))
 
 
 def _items(trace: Trace) -> dict:
