@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import click
+import numpy as np
 
 from simkv.backends.factory import COST_MODELS
 from simkv.calibration.cli_support import CostModelChoice
@@ -30,13 +31,16 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     multi-turn benchmark's command likewise (its clients fixed unless given)."""
     from simkv.replay.goodput import GoodputError, check_slo_classes, parse_goodput, slo_classes
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
-    from simkv.sweep.grid import normalize_key
+    from simkv.sweep.grid import normalize_key, typed_value
 
     try:
         slo = parse_goodput(goodput)
     except GoodputError as exc:
         raise SweepError(str(exc)) from None
-    fixed = {normalize_key(k, "--config"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    fixed = {}
+    for key, value in (load_config_file(config_file) if config_file else {}).items():
+        key = normalize_key(key, "--config")
+        fixed[key] = typed_value(key, value, "--config") if key == "class_replicas" else value
     given = dict(parse_assignment(text, "--set") for text in sets)
     grid = parse_grid(list(grids))
     if vllm_serve:
@@ -66,6 +70,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
                 check_slo_classes(slo, trace_labels(read_trace(path)), str(path))
             except GoodputError as exc:
                 raise SweepError(str(exc)) from None
+    _check_replica_classes(traces, grid.get("class_replicas", [fixed.get("class_replicas")]))
     for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
         _check_cost_model(value)
     for trace in traces:
@@ -74,6 +79,28 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     if len(set(map(os.path.normpath, traces))) != len(traces):
         raise SweepError("TRACE: a trace is given twice")
     return make_cells(list(traces), grid, fixed, cost_model, slo), list(grid)
+
+
+def _check_replica_classes(traces, values) -> None:
+    """Each class that class_replicas names (`values`: its canonical texts, None for none) must
+    be a request class of every trace; said before any cell runs."""
+    from simkv.replay.classes import missing_class
+    from simkv.sweep import SweepError
+    from simkv.traces.schema import read_trace
+
+    names = list(dict.fromkeys(item.partition("=")[0] for value in values if value for item in value.split(";")))
+    if not names:
+        return
+    for path in traces:
+        if not os.path.isfile(path):
+            continue  # (said below)
+        labels = getattr(read_trace(path), "request_class", None)
+        if labels is None:
+            raise SweepError(f"class_replicas: {path} has no request_class column (label it with `simkv trace "
+                             "transform --request-class` or `simkv trace merge`)")
+        missing = missing_class(names, np.asarray(labels, dtype=object))
+        if missing:
+            raise SweepError(f"class_replicas: {path} {missing[1]}")
 
 
 def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[str, ...]]:
@@ -128,7 +155,8 @@ def _multi_turn_trace(command: str, fixed: dict, out_dir: str) -> str:
 @click.argument("traces", nargs=-1, required=False)
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
               help="Swept option (engine option names, cost_model, step_base_s, step_per_token_s, replicas, router, "
-                   "and prefix_aware's cache_threshold, balance_abs, balance_rel); repeatable.")
+                   "prefix_aware's cache_threshold, balance_abs, balance_rel, and class_replicas as "
+                   "'none,docs=3,docs=2-3;chat=0'); repeatable.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Fixed option; repeatable.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
 @click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP)

@@ -18,7 +18,10 @@ PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_rout
            "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s")
 # An encode pool in front (simkv/replay/encode_pool.py; the store's bandwidth: the engine option ec_store_gbs).
 ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
-FLEET_KEYS = ("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + PD_KEYS + ENCODE_KEYS
+# class_replicas: replicas of a request class's own, one value "docs=3" or "docs=2-3;chat=0-1"
+# (in a config file, a mapping), kept as that canonical text.
+FLEET_KEYS = (("replicas", "router", "cache_threshold", "balance_abs", "balance_rel", "class_replicas")
+              + PD_KEYS + ENCODE_KEYS)
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 
@@ -53,7 +56,35 @@ def parse_assignment(text: str, flag: str = "--set") -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip() or not value.strip():
         raise SweepError(f"{flag}: expected KEY=VALUE, got '{text}'")
-    return normalize_key(key, flag), parse_value(value)
+    key = normalize_key(key, flag)
+    return key, typed_value(key, value, flag)
+
+
+def typed_value(key: str, value, flag: str):
+    """An option's value as a cell holds it: parse_value's, or class_replicas' canonical text."""
+    if key == "class_replicas":
+        return class_replicas_text(value, flag)
+    return parse_value(value) if isinstance(value, str) else value
+
+
+def class_replicas_text(value, flag: str) -> str | None:
+    """'docs=2-3;chat=0,1' or {docs: '2-3', chat: [0, 1]} -> 'docs=2,3;chat=0,1' (checked; None stays)."""
+    from simkv.replay.router import RouterError, parse_class_replicas
+
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        return None
+    if isinstance(value, dict):
+        items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in value.items()]
+    elif isinstance(value, str):
+        items = [part for part in value.split(";") if part.strip()]
+    else:
+        raise SweepError(f"{flag}: class_replicas is CLASS=REPLICAS[;CLASS=REPLICAS] (docs=3 or docs=2-3;chat=0-1), "
+                         f"got {value!r}")
+    try:
+        parsed = parse_class_replicas([item.strip() for item in items])
+    except RouterError as exc:
+        raise SweepError(f"{flag}: class_replicas: {str(exc).replace('--class-replicas ', '')}") from None
+    return ";".join(f"{name}={','.join(map(str, replicas))}" for name, replicas in parsed)
 
 
 def parse_grid(specs: list[str]) -> dict[str, list]:
@@ -69,7 +100,7 @@ def parse_grid(specs: list[str]) -> dict[str, list]:
         parts = [v for v in values.split(",")]
         if any(not v.strip() for v in parts):
             raise SweepError(f"--grid: empty value in '{text}'")
-        typed = [parse_value(v) for v in parts]
+        typed = [typed_value(norm, v, "--grid") for v in parts]
         if len({json.dumps(v) for v in typed}) != len(typed):
             raise SweepError(f"--grid: repeated value in '{text}'")
         grid[norm] = typed

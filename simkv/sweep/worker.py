@@ -61,7 +61,7 @@ def fleet_spec(fleet: dict | None):
     """A cell's `replicas`, `router` (and `router_options`, or the thresholds as keys of their
     own) as a FleetSpec (None: one engine)."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import RouterError, RouterOptions
+    from simkv.replay.router import RouterError, RouterOptions, parse_class_replicas
 
     if not fleet:
         return None
@@ -72,8 +72,10 @@ def fleet_spec(fleet: dict | None):
         raise RouterError(f"{', '.join(thresholds)}: thresholds of the prefix_aware router; this cell's router "
                           f"is {router or 'round_robin'} (set router=prefix_aware)")
     options.update(thresholds)
+    classes = fleet.get("class_replicas")
     # (FleetSpec builds the Router, which checks the replicas and the router's name)
-    return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]))
+    return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),
+                     parse_class_replicas(classes.split(";")) if classes else ())
 
 
 def encode_spec(cell: dict, config):
@@ -104,6 +106,9 @@ def pool_specs(fleet: dict | None):
     pd = {k: fleet.pop(k) for k in PD_KEYS if k in fleet}
     if not pd:
         return fleet_spec(fleet), None
+    if fleet.get("class_replicas"):
+        raise RouterError("class_replicas (replicas of a request class's own) is not modelled with P/D "
+                          "disaggregation yet")
     if fleet.get("replicas", 1) != 1:
         raise RouterError("replicas: a cell with P/D keys (prefill_replicas, decode_replicas, ...) sets its pools "
                           "itself; drop replicas")

@@ -274,3 +274,43 @@ def test_under_parallel_sampling_each_sequence_queries_the_prompt():
     assert queried == summary["prefix_cache_queries_tokens"] and hits == summary["prefix_cache_hits_tokens"]
     for c in summary["classes"]["classes"].values():  # (the second sample of every prompt hits the first's blocks)
         assert 0.4 < c["prefix_hit_share"] == c["prefix_hit_tokens"] / (2 * c["prompt_tokens"]) <= 0.5
+
+
+def test_a_sweep_may_give_a_class_replicas_of_its_own(tmp_path):
+    import pyarrow.parquet as pq
+
+    from simkv.sweep import SweepError
+    from simkv.sweep.grid import class_replicas_text
+
+    assert class_replicas_text("batch=1-2;chat=0", "--grid") == "batch=1,2;chat=0"
+    assert class_replicas_text({"batch": [2, 1], "chat": 0}, "--config") == "batch=1,2;chat=0"
+    assert class_replicas_text("none", "--grid") is None
+    with pytest.raises(SweepError, match="--set: class_replicas: 'batch': expected CLASS=REPLICAS"):
+        class_replicas_text("batch", "--set")
+    trace = tmp_path / "mix.parquet"
+    write_trace(mixed(40), trace)
+    out = tmp_path / "sweep"
+    cli_ok(["sweep", str(trace), "--set", "replicas=3", "--set", "cost_model=linear", "--grid",
+            "class_replicas=none,batch=2,batch=1-2", "--out", str(out), "--quiet"])
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [r["class_replicas"] for r in rows] == [None, "batch=2", "batch=1,2"]
+    served = []  # (round robin: 40 chat and 40 batch requests; a class with replicas takes turns over its own)
+    for row in rows:
+        fleet = json.loads((out / "cells" / row["cell_id"] / "summary.json").read_text())["fleet"]
+        served.append(([r["num_requests"] for r in fleet["replicas"]], fleet["router"].get("class_replicas")))
+    assert served == [([27, 27, 26], None), ([20, 20, 40], {"batch": [2]}), ([40, 20, 20], {"batch": [1, 2]})]
+    (tmp_path / "c.yaml").write_text("replicas: 2\nclass_replicas:\n  chat: 0\n")
+    cli_ok(["sweep", str(trace), "--config", str(tmp_path / "c.yaml"), "--set", "cost_model=linear",
+            "--out", str(tmp_path / "s2"), "--quiet"])
+    row = pq.read_table(tmp_path / "s2" / "sweep.parquet").to_pylist()[0]
+    fleet = json.loads((tmp_path / "s2" / "cells" / row["cell_id"] / "summary.json").read_text())["fleet"]
+    assert fleet["router"]["class_replicas"] == {"chat": [0]} and fleet["replicas"][1]["num_requests"] == 40
+    assert "has no request class 'docs' (its classes: chat, batch)" in cli_fails(
+        ["sweep", str(trace), "--set", "class_replicas=docs=1", "--out", str(tmp_path / "s3")])
+    plain = tmp_path / "plain.parquet"
+    write_trace(transform(read_trace(AZURE), Edits(head=20)), plain)
+    assert "has no request_class column" in cli_fails(
+        ["sweep", str(plain), "--set", "class_replicas=docs=1", "--out", str(tmp_path / "s4")])
+    failed = cli_fails(["sweep", str(trace), "--set", "class_replicas=batch=0", "--set", "prefill_replicas=1",
+                        "--set", "cost_model=linear", "--out", str(tmp_path / "s5")])
+    assert "not modelled with P/D disaggregation" in failed
