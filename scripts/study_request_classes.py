@@ -66,14 +66,15 @@ def main() -> None:
     print(f"trace: {len(trace):,} requests ({counts['chat']:,} chat, {counts['docs']:,} docs) over "
           f"{trace.arrival_time_s[-1]:.0f} s")
     print()
-    print("| engine | class | TTFT p50 / p99 s | TPOT p50 / p99 ms | preemptions | SLOs met |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| engine | class | TTFT p50 / p99 s | TPOT p50 / p99 ms | ITL p50 / p99 ms | preemptions | SLOs met |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     t0 = time.perf_counter()
     for name, options in POLICIES:
         s = replay(trace, EngineConfig.from_flat(BASE | options), goodput=SLO).summary
         for cls, c in s["classes"]["classes"].items():
             print(f"| {name} | {cls} | {c['ttft_s']['p50']:.2f} / {c['ttft_s']['p99']:.2f} | "
-                  f"{1e3 * c['tpot_s']['p50']:.1f} / {1e3 * c['tpot_s']['p99']:.1f} | {c['num_preemptions']:,} | "
+                  f"{1e3 * c['tpot_s']['p50']:.1f} / {1e3 * c['tpot_s']['p99']:.1f} | "
+                  f"{1e3 * c['itl_s']['p50']:.1f} / {1e3 * c['itl_s']['p99']:.1f} | {c['num_preemptions']:,} | "
                   f"{100 * c['slo_attainment']:.1f} % |")
     print()
     print("| engine | highest load meeting 99 % of each class's SLOs (x the trace's) | req/s |")

@@ -70,7 +70,9 @@ def metric_rows(sim: dict, meas: dict) -> list[dict]:
         a, b = cs[name], cm[name]
         rows.append(_metric_row(f"class.{name}.request_throughput_req_s", a["request_throughput_req_s"],
                                 b["request_throughput_req_s"]))
-        for key in ("ttft_s", "tpot_s", "e2e_s"):
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            if key not in a or key not in b:  # (token-level ITL per class: runs since 2026-12-07)
+                continue
             for stat in ("p50", "p99"):
                 rows.append(_metric_row(f"class.{name}.{key}.{stat}", a[key][stat], b[key][stat]))
         if "slo_attainment" in a and "slo_attainment" in b and gs and gm and gs.get("slo_ms") == gm.get("slo_ms"):

@@ -235,17 +235,17 @@ def _class_table(section: dict) -> str:
     classes = section["classes"]
     slo = any("slo_attainment" in c for c in classes.values())
     cols = ("priority" if section["by"] == "priority" else "class", "requests", "finished", "prefix hit %",
-            "preemptions", "queue p50 / p99 (ms)", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "E2E p50 / p99 (s)",
+            "preemptions", "queue p50 / p99 (ms)", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "ITL p50 / p99 (ms)", "E2E p50 / p99 (s)",
             "req/s", "output tok/s", *(["SLOs met %"] if slo else []))
 
     def pair(d, scale=1e3):
-        return "-" if d["p50"] is None else f"{scale * d['p50']:,.1f} / {scale * d['p99']:,.1f}"
+        return "-" if d is None or d["p50"] is None else f"{scale * d['p50']:,.1f} / {scale * d['p99']:,.1f}"
 
     rows = "".join(
         "<tr>" + "".join(f"<td>{v}</td>" for v in (
             html.escape(name), f"{c['num_requests']:,}", f"{c['num_finished']:,}",
             f"{100 * c['prefix_hit_share']:.1f}", f"{c['num_preemptions']:,}", pair(c["queue_s"]), pair(c["ttft_s"]),
-            pair(c["tpot_s"]), pair(c["e2e_s"], 1.0), f"{c['request_throughput_req_s']:,.2f}",
+            pair(c["tpot_s"]), pair(c.get("itl_s")), pair(c["e2e_s"], 1.0), f"{c['request_throughput_req_s']:,.2f}",
             f"{c['output_throughput_tok_s']:,.0f}", *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))) + "</tr>"
         for name, c in classes.items())
     head = "<p>Per request class (the trace's request_class column, or its priorities).</p>"

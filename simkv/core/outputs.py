@@ -69,6 +69,9 @@ class SchedulerOutput:
     # after update_from_output: decodes whose tokens follow the previous step's (pipeline
     # parallelism: every decode that sampled)
     num_spec_emissions: int = 0
+    # request classes (Scheduler.track_classes): num_decode_reqs and num_spec_emissions per class
+    decodes_by_class: list[int] | None = None
+    spec_emissions_by_class: list[int] | None = None
     # drafts each request sampling in this step gets for its next one (vLLM's name): K, or under
     # dynamic speculation the K of the step's number of requests
     num_spec_tokens_to_schedule: int = 0
@@ -147,6 +150,7 @@ class DecodeRun:
     earlier_preemptions: int = 0  # as SchedulerOutput's, counted on the run's first step
     context_per_step: int = -1  # (-1: num_decodes)
     admission_limit: int = 0  # what keeps the waiting requests waiting in every step of the run (as SchedulerOutput's)
+    decodes_by_class: list[int] | None = None  # request classes (Scheduler.track_classes): num_decodes per class
 
     def __post_init__(self) -> None:
         if self.context_per_step < 0:

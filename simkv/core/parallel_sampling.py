@@ -19,6 +19,7 @@ def sequence_of(root: Request, k: int, index: int) -> Request:
     child = Request(f"{root.request_id}#{k}", index, root.arrival_time, root.num_prompt_tokens, root.max_tokens,
                     root.priority, root.cache_salt, root.shared_hash_ids, root.hash_block_tokens, lora_id=root.lora_id)
     child.parent = root
+    child.class_code = root.class_code
     child.mm_items = root.mm_items  # (the prompt's images: fanned out, each member encodes or finds them)
     child.num_content_tokens = child.num_shared_tokens
     return child

@@ -45,12 +45,12 @@ class Request:
         "status", "num_computed_tokens", "num_output_tokens", "num_preemptions",
         "block_hashes", "seq", "decode_base", "decode_last_step", "decode_from_step", "is_finishing", "epoch",
         "window_below", "window_offset", "last_chunk_step", "last_chunk_tokens", "prev_chunk_step", "prev_chunk_tokens",
-        "stall_step", "prev_stall_step", "last_sched_step",
+        "stall_step", "prev_stall_step", "stall_gap_from", "last_sched_step",
         "has_own_cached_blocks", "kv_role", "kv_loaded", "kv_pull_blocks",
         "spec_drafts", "spec_prefill_chunk", "prefill_chunk", "set_aside", "num_draft_tokens", "num_accepted_tokens",
         "num_output_placeholders", "num_in_flight_tokens", "num_cached_blocks", "num_stale_tokens", "next_decode_call",
         "last_token_step", "swapped_blocks", "num_samples", "parent", "forked", "group_remaining", "group_output_tokens",
-        "lora_id", "mm_items", "may_resend", "prompt_owner", "tie_rank", "members", "num_keyed_tokens",
+        "lora_id", "class_code", "mm_items", "may_resend", "prompt_owner", "tie_rank", "members", "num_keyed_tokens",
         # metrics, filled by the scheduler (step indices) and the driver (times)
         "first_scheduled_step", "first_token_step", "finish_step", "num_prefix_hit_tokens",
         "num_total_prefix_hit_tokens", "first_scheduled_time", "first_token_time", "finish_time",
@@ -72,6 +72,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.lora_id = lora_id  # its LoRA adapter (vLLM's lora_int_id; 0: the base model)
+        # its trace row's request class, numbered (the replay's; 0 without classes): the tokens
+        # it decodes count towards its class's inter-token latencies
+        self.class_code = 0
         # multimodal items in its prompt, by offset: (offset, placeholder tokens = encoder
         # embeddings, mm_hash) each (core/encoder_cache.py); () for a text-only prompt
         self.mm_items: tuple[tuple[int, int, int], ...] = ()
@@ -126,6 +129,9 @@ class Request:
         self.prev_chunk_tokens = 0
         self.stall_step = -1
         self.prev_stall_step = -1  # (the stall before: async scheduling asks about the last two steps)
+        # a steady decoder left out of steps by the budget: the step of its last token before
+        # them (its next token's gap spans them), until it decodes again; -1 otherwise
+        self.stall_gap_from = -1
         # async scheduling (core/async_scheduling.py): the latest step that ran it as a chunk
         self.last_sched_step = -1
         self.has_own_cached_blocks = False

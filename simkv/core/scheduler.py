@@ -230,6 +230,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self._prefilling: list[Request] = []
         self._num_decoders = 0
         self._sum_decode_base = 0
+        self._resuming: list[Request] = []  # steady decoders the budget left out of the latest step
         self._boundary_heap: list[tuple] = []
         self._finish_heap: list[tuple] = []
         # Sliding-window layers (steady_decoders.py): (full-attention layers, window layers,
@@ -282,6 +283,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         self.total_swap_out_blocks = 0
         self.total_swap_in_blocks = 0
         self.irregular_gaps: list[tuple[int, int]] = []  # (last token step, token step)
+        # the steps in which a steady decoder the budget had left out decoded again: each has one
+        # irregular gap, and one fewer one-step gap than its num_decode_tokens
+        self.resumed_steps: list[int] = []
+        # Request classes (track_classes): the steady decoders of each class, and the class of
+        # each irregular gap (of each pipeline gap, keyed (previous step, step, class)); None: untracked
+        self.decoders_by_class: list[int] | None = None
+        self.irregular_gap_classes: list[int] | None = None
+        self.resumed_classes: list[int] | None = None
+        self.pipeline_gaps_by_class: dict[tuple[int, int, int], int] | None = None
         # Decodes as chunks (speculative decoding, pipeline stages), one KV-cache group and none of the
         # features that act on running requests: a step in which every running request with tokens to
         # run decodes or verifies its drafts may be scheduled by _decode_chunks_step (spec_decode.py)
@@ -330,6 +340,38 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.kv_holding)
 
+    def track_classes(self, num_classes: int) -> None:
+        """Count each step's token gaps per request class (`Request.class_code`, 0 to
+        num_classes - 1) beside the totals: SchedulerOutput.decodes_by_class and
+        spec_emissions_by_class, DecodeRun.decodes_by_class, irregular_gap_classes and
+        pipeline_gaps_by_class. Call before the first request arrives."""
+        self.decoders_by_class = [0] * num_classes
+        self.irregular_gap_classes = []
+        self.resumed_classes = []
+        if self.pipeline_gaps is not None:
+            self.pipeline_gaps_by_class = {}
+
+    def _resume(self, step: int) -> None:
+        """The steady decoders left out of the previous step that decode in `step`: their
+        tokens' gaps span the steps they missed, an irregular gap each, which `step`'s
+        one-step gaps (num_decode_tokens) leave out (`resumed_steps`)."""
+        for request in self._resuming:
+            if request.decode_base is None or request.stall_step == step or request.stall_gap_from < 0:
+                continue  # (preempted, finished or left out again)
+            request.last_token_step = request.stall_gap_from
+            request.stall_gap_from = -1
+            self._note_irregular_gap(request, step)
+            self.resumed_steps.append(step)
+            if self.resumed_classes is not None:
+                self.resumed_classes.append(request.class_code)
+        self._resuming = []
+
+    def _note_irregular_gap(self, request: Request, step: int) -> None:
+        """The request's token sampled in `step` follows its previous one by more than a step."""
+        self.irregular_gaps.append((request.last_token_step, step))
+        if self.irregular_gap_classes is not None:
+            self.irregular_gap_classes.append(request.class_code)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0 or len(self.kv_holding) > 0
 
@@ -373,7 +415,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         in_flight = self.async_scheduling and self._ran_in_flight(request)  # (before it leaves decoding)
         if request.decode_base is not None:
             computed = self._leave_decoding(request, step)
-            request.last_token_step = step - 1
+            request.last_token_step = step - 1 if request.stall_gap_from < 0 else request.stall_gap_from
+            request.stall_gap_from = -1
         else:
             computed = request.num_computed_tokens
             if not request.is_finishing:  # (a finishing request has left the prefilling list already)
@@ -484,6 +527,12 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if stalled:
             num_stalled, stalled_base, stalled_below, stalled_below_base = self._stall_counts(stalled)
         num_decodes = self._num_decoders - num_stalled
+        by_class = self.decoders_by_class
+        if by_class is not None:
+            by_class = list(by_class)
+            for request in stalled or ():
+                if request.decode_base is not None:
+                    by_class[request.class_code] -= 1
         decode_base_sum = self._sum_decode_base + num_stalled - stalled_base  # bases before slip
         num_below, below_base_sum = self._num_below - stalled_below, self._sum_base_below + stalled_below - stalled_below_base
         decode_context = self._decode_context(step, num_decodes, decode_base_sum, num_below, below_base_sum)
@@ -496,11 +545,15 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         elif plan.preempted and (not self.admit_before_running or self.admission_limit == NONE):
             # (vLLM admits nothing in a step that preempted; admitting first, only the victims wait)
             self.admission_limit = PREEMPTION
-        if num_stalled:
-            if plan.chunks or num_decodes or not self.async_scheduling:
+        if plan.chunks or num_decodes or not self.async_scheduling:  # (an executed step)
+            if num_stalled:
                 self._stall(stalled, step)
-            else:  # (an async schedule() that runs nothing is no step: nobody slips)
-                self._refile(stalled, step)
+            if self._resuming:
+                self._resume(step)
+            if num_stalled:
+                self._resuming = [request for request in stalled if request.decode_base is not None]
+        elif num_stalled:  # (an async schedule() that runs nothing is no step: nobody slips)
+            self._refile(stalled, step)
         if self.offload is not None:
             self._offload_stores(plan, stall_pos)
         if self.detail:
@@ -561,7 +614,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
             offload_jobs=self.offload.take_step_jobs() if self.offload is not None else None,
             num_lora_tokens=lora_tokens, num_active_loras=len(adapters), lora_adapters=adapters,
             encoder_item_embeds=encoded, encoder_loaded_embeds=loaded,
-            aborted=self._take_aborted(), admission_limit=self.admission_limit if num_waiting else NONE)
+            aborted=self._take_aborted(), admission_limit=self.admission_limit if num_waiting else NONE,
+            decodes_by_class=by_class)
 
     def _offload_tier(self, config: EngineConfig, num_chunks: int) -> KVOffload:
         """KV offloading's connector: one group's (core/kv_offload.py), or the groups' of a model
@@ -1280,7 +1334,7 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         if request.first_token_step < 0:
             request.first_token_step = step
         else:
-            self.irregular_gaps.append((request.last_token_step, step))
+            self._note_irregular_gap(request, step)
         sequences = [request]
         if request.num_samples > 1 and not request.forked:
             sequences += self._fork(request, step)

@@ -314,6 +314,7 @@ class SpecDecode:
         k = output.num_spec_tokens_to_schedule
         finished = []
         accepted_total = emissions = 0
+        by_class = [0] * len(self.decoders_by_class) if self.decoders_by_class is not None else None
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len
         # vLLM caches a sampling request's verified full blocks when its tokens arrive (under
@@ -352,8 +353,10 @@ class SpecDecode:
                 request.first_token_step = step
             elif request.last_token_step == step - 1:
                 emissions += 1
+                if by_class is not None:
+                    by_class[request.class_code] += 1
             else:
-                self.irregular_gaps.append((request.last_token_step, step))
+                self._note_irregular_gap(request, step)
             request.last_token_step = step
             # The bonus token and the accepted drafts, up to the first stop (max_tokens or
             # max_model_len, both still ahead: the request runs); the tokens after it are dropped.
@@ -375,6 +378,7 @@ class SpecDecode:
         stats["num_padded"] += num_padded
         output.num_accepted_tokens = accepted_total
         output.num_spec_emissions = emissions
+        output.spec_emissions_by_class = by_class
         return finished
 
     # ---- async scheduling: vLLM's AsyncScheduler, drafts kept on the device ----------------------
@@ -458,6 +462,8 @@ class SpecDecode:
         max_model_len = self.max_model_len
         placeholders_on = self.async_scheduling
         pipeline_gaps = self.pipeline_gaps
+        by_class = [0] * len(self.decoders_by_class) if self.decoders_by_class is not None else None
+        gaps_by_class = self.pipeline_gaps_by_class
         for chunk in output.chunks:
             request = chunk.request
             request.num_in_flight_tokens -= chunk.num_new_tokens
@@ -493,10 +499,16 @@ class SpecDecode:
                 gap = (request.last_token_step, step)
                 pipeline_gaps[gap] = pipeline_gaps.get(gap, 0) + 1
                 emissions += 1
+                if by_class is not None:
+                    by_class[request.class_code] += 1
+                    gap = (*gap, request.class_code)
+                    gaps_by_class[gap] = gaps_by_class.get(gap, 0) + 1
             elif request.last_token_step == step - 1:
                 emissions += 1
+                if by_class is not None:
+                    by_class[request.class_code] += 1
             else:
-                self.irregular_gaps.append((request.last_token_step, step))
+                self._note_irregular_gap(request, step)
             request.last_token_step = step
             new_tokens = 1 + accepted
             until_stop = min(request.max_tokens - num_outputs, max_model_len - request.num_tokens)
@@ -518,4 +530,5 @@ class SpecDecode:
                 finished.append(request)
         output.num_accepted_tokens = accepted_total
         output.num_spec_emissions = emissions
+        output.spec_emissions_by_class = by_class
         return finished

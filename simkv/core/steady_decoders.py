@@ -157,6 +157,8 @@ class SteadyDecoders:
         request.epoch += 1
         self._num_decoders += 1
         self._sum_decode_base += request.decode_base
+        if self.decoders_by_class is not None:
+            self.decoders_by_class[request.class_code] += 1
         chunk = self._window_chunk
         if self._window_context is not None and (chunk or request.num_computed_tokens + 1 < self._window_context[2]):
             # (chunked local attention: every decoder attends its chunk's tokens so far)
@@ -210,6 +212,8 @@ class SteadyDecoders:
             self._calendar_remove(request)
         self._num_decoders -= 1
         self._sum_decode_base -= request.decode_base
+        if self.decoders_by_class is not None:
+            self.decoders_by_class[request.class_code] -= 1
         if request.window_below:
             request.window_below = False
             self._num_below -= 1
@@ -253,6 +257,8 @@ class SteadyDecoders:
             if self._calendar is not None:
                 self._calendar_remove(request)  # it slips to the next residue
             request.prev_stall_step, request.stall_step = request.stall_step, step
+            if request.stall_gap_from < 0:  # (its last token: the step before its first missed one)
+                request.stall_gap_from = step - 1
             if request.window_below:
                 self._sum_base_below -= 1
             request.decode_base -= 1
@@ -322,7 +328,8 @@ class SteadyDecoders:
     def decode_run_limit(self) -> int:
         """Number of upcoming steps guaranteed to be plain decode steps (the last one may
         finish requests), or 0 when the next step must be scheduled normally."""
-        if self._prefilling or self._finishing or not self.running or self.detail or self._num_kv_ready:
+        if (self._prefilling or self._finishing or not self.running or self.detail or self._num_kv_ready
+                or self._resuming):  # (a decoder left out of the previous step: its next gap is irregular)
             return 0
         if self._deferred_frees:  # (an aborted request's blocks come back at a step's output)
             return 0
@@ -555,6 +562,7 @@ class SteadyDecoders:
         end = start + num_steps
         kv = self.kv_cache_manager
         n, first_context, per_step = self.decode_run_shape()
+        by_class = list(self.decoders_by_class) if self.decoders_by_class is not None else None
         first_used = kv.block_pool.get_num_used_blocks()
         counts: list[int] = []  # block allocations per step of the run
         early = 0  # allocations made for step `end`, which is not part of the run
@@ -588,7 +596,7 @@ class SteadyDecoders:
             finished.append(request)
         run = DecodeRun(start, end - start, n, first_context, len(self.running), self.num_waiting(),
                         first_used, counts, finished, num_swapped=self.num_swapped, context_per_step=per_step,
-                        admission_limit=admission_limit)
+                        admission_limit=admission_limit, decodes_by_class=by_class)
         if finished:
             finished.sort(key=_seq_of)
             run.finished = self._finish(finished, end - 1)

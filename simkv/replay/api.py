@@ -20,7 +20,7 @@ from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.classes import classes_summary, missing_class, trace_labels, with_trace_columns
 from simkv.replay.goodput import check_slo_classes, goodput_summary, judge
 from simkv.replay.pipeline import pipeline_summary
-from simkv.replay.results import frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
+from simkv.replay.results import class_itl, frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
 from simkv.replay.router import Router, RouterOptions
 
 
@@ -95,7 +95,8 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     requests = result.requests = with_trace_columns(result.requests, trace)
     duration = result.summary["duration_s"]
     judged = judge(requests, goodput) if goodput else None
-    result.summary |= classes_summary(requests, duration, judged.good if judged is not None else None)
+    result.summary |= classes_summary(requests, duration, judged.good if judged is not None else None,
+                                      class_itl(result.fleet_runs or [result.run]))
     if judged is not None:
         result.summary["goodput"] = goodput_summary(requests, goodput, duration, judged)
     return result

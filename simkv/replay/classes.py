@@ -10,8 +10,9 @@ TTFT / TPOT / E2E / queueing distributions and throughputs over the whole run's 
 with --goodput, each class's attainment: simkv/replay/goodput.py, where an SLO may be given for
 one class, `chat:ttft:500`).
 
-ITL here is per request (TPOT, the mean gap between a request's tokens); the token-level ITL
-distribution stays whole-run only.
+TPOT is per request (the mean gap between a request's tokens); `itl_s` is token-level, every
+gap between two tokens of the class's requests (the engine counts each step's gaps per class:
+Scheduler.track_classes), as the whole run's `itl_s` counts all.
 """
 from __future__ import annotations
 
@@ -98,9 +99,11 @@ def class_attainment(requests: pd.DataFrame, good: np.ndarray) -> dict[str, tupl
     return out
 
 
-def classes_summary(requests: pd.DataFrame, duration_s: float, good: np.ndarray | None = None) -> dict:
+def classes_summary(requests: pd.DataFrame, duration_s: float, good: np.ndarray | None = None,
+                    itl: dict[str, dict] | None = None) -> dict:
     """summary.json's `classes` section ({} when the trace has no classes). `good`: which
-    requests met their SLOs (simkv/replay/goodput.py's `judge`), for each class's attainment."""
+    requests met their SLOs (simkv/replay/goodput.py's `judge`), for each class's attainment;
+    `itl`: each class's token-level inter-token latencies (results.class_itl)."""
     found = request_labels(requests)
     if found is None:
         return {}
@@ -129,6 +132,7 @@ def classes_summary(requests: pd.DataFrame, duration_s: float, good: np.ndarray 
             "num_preemptions": int(part["num_preemptions"].to_numpy()[finished].sum()),
             "ttft_s": dist(part["ttft_s"].to_numpy()),
             "tpot_s": dist(part["mean_itl_s"].to_numpy()),
+            **({"itl_s": itl[name]} if itl and name in itl else {}),
             "e2e_s": dist(part["e2e_s"].to_numpy()),
             "queue_s": dist(part["queue_s"].to_numpy()),
             "request_throughput_req_s": float(finished.sum()) / duration_s if duration_s > 0 else 0.0,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import simpy
 
 from simkv.backends.base import StepBackend
@@ -41,6 +42,19 @@ class TraceRows:
         self.arrival_ticks = [to_ticks(a) for a in self.arrival_s]
         self.prompt_tokens = trace.prompt_tokens.tolist()
         self.output_tokens = trace.output_tokens.tolist()
+        self.class_names, self.class_codes = _class_codes(trace)
+
+
+def _class_codes(trace) -> tuple[tuple[str, ...], list[int] | None]:
+    """The trace's request classes (simkv/replay/classes.py; priorities where it has none), in
+    name order, and each row's number among them; ((), None) without classes."""
+    from simkv.replay.classes import trace_labels
+
+    found = trace_labels(trace)
+    if found is None:
+        return (), None
+    names, codes = np.unique(found[1].astype(str), return_inverse=True)
+    return tuple(names.tolist()), codes.tolist()
 
 
 class ArrivalFeed:
@@ -65,6 +79,7 @@ class ArrivalFeed:
         self._lora_ids = lora_ids(trace)
         self._priority = trace.priority
         self._has_hashes = trace.hash_ids is not None
+        self.class_names, self._class_codes = rows.class_names, rows.class_codes
         # vLLM's API-server admission control (None: no limit; simkv/replay/admission.py)
         self.queue_limits = queue_limits(scheduler.config)
 
@@ -135,6 +150,8 @@ class ArrivalFeed:
             lora_id=int(self._lora_ids[i]) if self._lora_ids is not None else 0)
         if trace.mm_items is not None:
             request.mm_items = trace.multimodal_items(i)
+        if self._class_codes is not None:
+            request.class_code = self._class_codes[i]
         return request
 
 
@@ -246,6 +263,10 @@ class ReplayEngine:
         else:
             self.feed = ArrivalFeed(trace, self.scheduler, self.requests, config.max_model_len)
         self.arrival_feed = self.feed  # (the feed that makes its requests: a fleet replica's, P/D's)
+        names = self.arrival_feed.class_names
+        if names:  # (each class's token gaps: its inter-token latencies)
+            self.scheduler.track_classes(len(names))
+            self.steps.track_classes(names)
         if num_offload_chunks:  # (its transfers on the host link: simkv/replay/offload_feed.py)
             from simkv.capacity import offload_copies
             from simkv.replay.offload_feed import OffloadFeed

@@ -240,13 +240,13 @@ def class_table(section: dict) -> Table:
     slo = any("slo_attainment" in c for c in classes.values())
     by_priority = section["by"] == "priority"
     table = Table(title="per priority" if by_priority else "per request class", box=box.SIMPLE_HEAD,
-                  caption="TTFT and TPOT in ms", pad_edge=False)
+                  caption="TTFT, TPOT and ITL in ms", pad_edge=False)
     for name in ("priority" if by_priority else "class", "done", "hit %", "preempt", "TTFT\np50", "TTFT\np99",
-                 "TPOT\np50", "TPOT\np99", *(["SLO %"] if slo else [])):
+                 "TPOT\np50", "TPOT\np99", "ITL\np99", *(["SLO %"] if slo else [])):
         table.add_column(name, justify="right")
 
-    def ms(d: dict, key: str) -> str:
-        if d[key] is None:
+    def ms(d: dict | None, key: str) -> str:
+        if d is None or d[key] is None:
             return "-"
         x = 1e3 * d[key]
         return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
@@ -255,7 +255,8 @@ def class_table(section: dict) -> Table:
         done = f"{c['num_finished']:,}" + ("" if c["num_finished"] == c["num_requests"] else f"/{c['num_requests']:,}")
         table.add_row(name.split("=", 1)[1] if by_priority else name, done, f"{100 * c['prefix_hit_share']:.1f}",
                       f"{c['num_preemptions']:,}", ms(c["ttft_s"], "p50"), ms(c["ttft_s"], "p99"), ms(c["tpot_s"], "p50"),
-                      ms(c["tpot_s"], "p99"), *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))
+                      ms(c["tpot_s"], "p99"), ms(c.get("itl_s"), "p99"),
+                      *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))
     return table
 
 

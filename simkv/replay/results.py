@@ -122,19 +122,48 @@ def frontend_latency(backend) -> float:
     return float(getattr(backend, "frontend_latency_s", 0.0))
 
 
+def class_itl_samples(runs: list[ReplayRun]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per request class (the runs' engines tracked them: simkv/replay/classes.py), the token
+    gaps of its requests over all `runs` as (value, count) pairs; {} without classes."""
+    names = runs[0].steps.class_names if runs else ()
+    out = {}
+    for code, name in enumerate(names):
+        samples = [itl_samples(run, code) for run in runs]
+        out[name] = (np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
+    return out
+
+
+def class_itl(runs: list[ReplayRun]) -> dict[str, dict]:
+    """Per request class, its tokens' inter-token latency distribution (`dist`'s keys)."""
+    return {name: weighted_dist(*samples) for name, samples in class_itl_samples(runs).items()}
+
+
 def itl_distribution(run: ReplayRun) -> dict:
     """Inter-token latency over every token gap: a decode token's gap is its step's duration;
     a recomputed request's first new token counts from its last token before preemption."""
     return weighted_dist(*itl_samples(run))
 
 
-def itl_samples(run: ReplayRun) -> tuple[np.ndarray, np.ndarray]:
-    """The token gaps of `itl_distribution` as (value, count) pairs."""
+def itl_samples(run: ReplayRun, class_code: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The token gaps of `itl_distribution` as (value, count) pairs; with `class_code`, those of
+    one request class's tokens (numbered as `run.steps.class_names`)."""
     steps = run.steps.columns()
     durations = steps["duration_s"]
-    weights = steps["num_decode_tokens"].astype(np.float64)
-    gaps = run.scheduler.irregular_gaps
-    counted = run.scheduler.pipeline_gaps  # (pipeline parallelism: every gap, counted by its pair of steps;
+    sched = run.scheduler
+    gaps = sched.irregular_gaps
+    counted = sched.pipeline_gaps  # (pipeline parallelism: every gap, counted by its pair of steps;
+    resumed = sched.resumed_steps  # (steady decoders the budget left out of steps: their gaps are irregular)
+    if class_code is None:
+        weights = steps["num_decode_tokens"].astype(np.float64)
+    else:
+        weights = run.steps.class_decode_tokens()[:, class_code].astype(np.float64)
+        gaps = [gap for gap, code in zip(gaps, sched.irregular_gap_classes) if code == class_code]
+        resumed = [s for s, code in zip(resumed, sched.resumed_classes) if code == class_code]
+        if counted is not None:
+            counted = {gap[:2]: n for gap, n in sched.pipeline_gaps_by_class.items() if gap[2] == class_code}
+    if resumed:  # (gap pairs, as these, are step numbers: the rows of `steps`)
+        weights = weights.copy()
+        np.subtract.at(weights, resumed, 1.0)
     if counted is not None:  # a step's duration, from its first stage's start, is no gap)
         weights = np.zeros_like(weights)
     if gaps or counted:

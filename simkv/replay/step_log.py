@@ -46,6 +46,22 @@ class StepLog:
         self._alloc_counts: list[int] = []  # per step: blocks allocated in runs (0 in single steps)
         self.num_steps = 0
         self._columns: dict[str, np.ndarray] | None = None
+        # Request classes (track_classes): their names, and per segment each one's token gaps per step
+        self.class_names: tuple[str, ...] = ()
+        self._class_rows: list[tuple[int, ...]] | None = None
+
+    def track_classes(self, names: tuple[str, ...]) -> None:
+        """Keep each step's token gaps per request class (the scheduler's, numbered as `names`)."""
+        self.class_names = tuple(names)
+        self._class_rows = []
+
+    def class_decode_tokens(self) -> np.ndarray:
+        """Per step (rows) and class (columns): the token gaps it closes, as `num_decode_tokens`
+        counts them for all; their row sums are that column."""
+        width = len(self.class_names)
+        rows = np.asarray(self._class_rows or [], dtype=np.int64).reshape(-1, width)
+        lengths = np.fromiter((row[1] for row in self._rows), dtype=np.int64, count=len(self._rows))
+        return np.repeat(rows, lengths, axis=0)
 
     def add_step(self, out: SchedulerOutput, start: int, duration: int) -> None:
         """One step, from tick `start`, lasting `duration` ticks. Its preemptions include those of
@@ -56,6 +72,11 @@ class StepLog:
                            out.num_swapped, out.num_swap_out_blocks + out.num_swap_in_blocks, out.admission_limit))
         self._columns = None
         self._alloc_counts.append(0)
+        if self._class_rows is not None:
+            decodes, emitted = out.decodes_by_class, out.spec_emissions_by_class
+            if decodes is None:
+                decodes = [0] * len(self.class_names)
+            self._class_rows.append(tuple(decodes) if emitted is None else tuple(map(int.__add__, decodes, emitted)))
         if self._encoded is not None and out.encoder_item_embeds:
             self._encoded.append((self.num_steps, out.num_encoder_embeds))
         self.num_steps += 1
@@ -70,6 +91,8 @@ class StepLog:
                            len(run.finished), run.num_swapped, 0, run.admission_limit))
         self._columns = None
         self._alloc_counts += run.allocation_counts
+        if self._class_rows is not None:
+            self._class_rows.append(tuple(run.decodes_by_class))
         self.num_steps += run.num_steps
 
     def columns(self) -> dict[str, np.ndarray]:

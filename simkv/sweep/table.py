@@ -59,6 +59,7 @@ OFFLOAD_METRICS: dict[str, tuple[str, ...]] = {
 CLASS_METRICS: dict[str, tuple[str, ...]] = {
     "ttft_p99_s": ("ttft_s", "p99"),
     "tpot_p99_s": ("tpot_s", "p99"),
+    "itl_p99_s": ("itl_s", "p99"),
 }
 
 

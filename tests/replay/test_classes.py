@@ -12,10 +12,10 @@ from simkv.config import EngineConfig
 from simkv.replay.api import FleetSpec, replay
 from simkv.replay.classes import classes_summary
 from simkv.replay.goodput import GoodputError, check_slo_classes, goodput_summary, parse_goodput
-from simkv.replay.results import dist
+from simkv.replay.results import class_itl, dist
 from simkv.studies.goodput_search import search_max_rate
 from simkv.traces.merge import merge_traces
-from simkv.traces.schema import read_trace, take_rows, write_trace
+from simkv.traces.schema import read_trace, take_rows, trace_from_frame, write_trace
 from simkv.traces.transform import Edits, transform
 from tests.cli_runs import cli_fails, cli_ok
 
@@ -114,7 +114,9 @@ def test_fleets_and_disaggregated_pools_break_down_alike():
         result = replay(trace, config, "linear", LINEAR, **kwargs)
         got = result.summary["classes"]["classes"]
         assert [c["num_requests"] for c in got.values()] == [60, 60]
-        assert got == classes_summary(result.requests, result.summary["duration_s"])["classes"]["classes"]
+        itl = class_itl(result.fleet_runs or [result.run])  # (the token gaps: from the engines, not the table)
+        assert got == classes_summary(result.requests, result.summary["duration_s"], itl=itl)["classes"]["classes"]
+        assert all(c["itl_s"]["p50"] > 0 for c in got.values())
 
 
 def test_the_search_holds_every_class_to_the_target():
@@ -314,3 +316,71 @@ def test_a_sweep_may_give_a_class_replicas_of_its_own(tmp_path):
     failed = cli_fails(["sweep", str(trace), "--set", "class_replicas=batch=0", "--set", "prefill_replicas=1",
                         "--set", "cost_model=linear", "--out", str(tmp_path / "s5")])
     assert "not modelled with P/D disaggregation" in failed
+
+
+def chat_and_long_prompts(n: int = 120, seed: int = 3):
+    """Short chat prompts beside long ones ("docs"), arriving together over 6 s."""
+    rng = np.random.default_rng(seed)
+    long_ = rng.random(n) < 0.4
+    return trace_from_frame(pd.DataFrame({
+        "request_id": [f"r{i}" for i in range(n)], "arrival_time_s": np.sort(rng.uniform(0, 6, n)),
+        "prompt_tokens": np.where(long_, rng.integers(1500, 3000, n), rng.integers(20, 100, n)),
+        "output_tokens": rng.integers(20, 200, n), "request_class": np.where(long_, "docs", "chat")}))
+
+
+QWEN3_NEXT = {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_size": 2, "max_num_batched_tokens": 512}
+
+
+@pytest.mark.parametrize("options, fleet", [
+    ({}, None),
+    ({"max_model_len": 4096, "num_gpu_blocks": 500, "max_num_batched_tokens": 512}, None),  # (preemptions)
+    (QWEN3_NEXT, None),  # (aligned chunks leave decoders out of steps: their gaps span the steps missed)
+    (QWEN3_NEXT | {"async_scheduling": True}, None),
+    ({"pipeline_parallel_size": 2}, None),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 3}, None),
+    ({}, FleetSpec(2, "least_outstanding")),
+], ids=["plain", "preempting", "qwen3-next", "qwen3-next-async", "pp2", "ngram", "fleet"])
+def test_each_class_gets_its_token_level_itl(options, fleet):
+    from simkv.replay.results import class_itl_samples, itl_samples, weighted_dist
+
+    result = replay(chat_and_long_prompts(), EngineConfig.from_flat(options), "linear", LINEAR, fleet=fleet)
+    runs = result.fleet_runs or [result.run]
+    for run in runs:  # each step's gaps, split by class, add up to the step's
+        np.testing.assert_array_equal(run.steps.class_decode_tokens().sum(axis=1),
+                                      run.steps.columns()["num_decode_tokens"])
+    requests = result.requests
+    per_class = class_itl_samples(runs)
+    assert list(per_class) == ["chat", "docs"]
+    total_time = total_gaps = 0.0
+    for name, (values, weights) in per_class.items():
+        done = requests[(requests["request_class"] == name) & (requests["status"] == "finished")]
+        # the class's gaps cover exactly the time from each request's first token to its last
+        span = (done["finish_time_s"] - done["first_token_time_s"]).sum()
+        assert float(values @ weights) == pytest.approx(span, rel=1e-9)
+        if "speculative_method" not in options:  # (a verify step's accepted tokens arrive at once: one gap)
+            assert weights.sum() == (done["output_tokens"] - 1).sum()
+        assert result.summary["classes"]["classes"][name]["itl_s"] == weighted_dist(values, weights)
+        total_time, total_gaps = total_time + float(values @ weights), total_gaps + weights.sum()
+    every = [itl_samples(run) for run in runs]
+    assert total_time == pytest.approx(sum(float(v @ w) for v, w in every), rel=1e-12)
+    assert total_gaps == sum(w.sum() for _, w in every)
+    assert result.summary["itl_s"]["mean"] == pytest.approx(total_time / total_gaps, rel=1e-9)
+    if options.get("model") == QWEN3_NEXT["model"]:
+        assert runs[0].scheduler.resumed_steps  # (the case has decoders left out of steps)
+
+
+def test_class_itl_reaches_the_tables(tmp_path):
+    trace = tmp_path / "mix.parquet"
+    write_trace(chat_and_long_prompts(60), trace)
+    text = cli_ok(["replay", str(trace), "--out", str(tmp_path / "r"), "--cost-model", "linear"])
+    assert "ITL" in text.split("per request class")[1]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    itl = summary["classes"]["classes"]["chat"]["itl_s"]
+    assert f"{1e3 * itl['p99']:.1f}" in text.split("per request class")[1]
+    assert "ITL p50 / p99 (ms)" in (tmp_path / "r" / "report.html").read_text()
+    cli_ok(["sweep", str(trace), "--grid", "max_num_seqs=4,64", "--set", "cost_model=linear", "--out",
+            str(tmp_path / "s"), "--quiet"])
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert all(row["chat:itl_p99_s"] > 0 and row["docs:itl_p99_s"] > 0 for row in rows)
