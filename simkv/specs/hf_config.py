@@ -29,7 +29,9 @@ wrapper's vision tower is left out, its decoder sized alone):
   (kv_cache_scheme or kv_cache_quant_algo), which vLLM runs `--kv-cache-dtype auto` as
   (fp8_e4m3 or nvfp4: ModelSpec.checkpoint_kv_cache_dtype); ModelOpt's NVFP4 (every linear
   layer at 0.5625 bytes, multiplied at the GPU's fp4 peak where it has one) and W4A16_NVFP4
-  (the same bytes, multiplied in bf16);
+  (the same bytes, multiplied in bf16); ModelOpt's MIXED_PRECISION, each module in the format its
+  quantized_layers entry names, sized by kind (attention, routed experts, the other linear
+  layers: simkv/specs/mixed_precision.py);
 - partial_rotary_factor (or rope_parameters'; Qwen3-Next and Qwen3.5's config classes default
   to 0.25), which vLLM's Octave KV cache reads;
 - sliding windows: sliding_window with layer_types (sliding_attention / full_attention), or
@@ -171,11 +173,19 @@ def spec_fields_from_config(path: str) -> dict:
     else:
         fields["intermediate_size"] = need("intermediate_size")
     quant = raw.get("quantization_config") or cfg.get("quantization_config") or _hf_quant_config(file)
+    mixed = None
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
         modelopt = _modelopt(quant, where)
         if method == "mxfp4" and experts:
             fields["expert_weight_bytes"] = 0.53125  # 4 bits and one 8-bit scale per 32 weights
+        elif modelopt and modelopt[0] == MIXED_PRECISION:
+            from simkv.specs.mixed_precision import mixed_precision_layers
+
+            mixed = mixed_precision_layers(quant, where, fields["num_layers"])
+            fields.update(mixed.fields())
+            if modelopt[1]:
+                fields["checkpoint_kv_cache_dtype"] = modelopt[1]
         elif method == "fp8" or (method == "compressed-tensors" and _fp8_weights(quant)) or modelopt:
             attention_kept_out = _check_fp8_exclusions(quant, where)
             fp4 = bool(modelopt) and modelopt[0] in MODELOPT_FP4_ALGOS
@@ -206,6 +216,8 @@ def spec_fields_from_config(path: str) -> dict:
     else:
         fields.update(_windows(merged, where, fields["num_layers"]))
     fields.update(_vision(raw, f"model config {path}"))
+    if mixed is not None:  # (its layers checked against the model's: every one of a kind, or none)
+        mixed.check_layers(fields)
     return fields
 
 
@@ -433,6 +445,8 @@ MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8")
 # same weights, multiplied in bf16)
 MODELOPT_FP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 MODELOPT_ALGOS = (*MODELOPT_FP8_ALGOS, *MODELOPT_FP4_ALGOS)
+# ... and a checkpoint whose layers each name their own format (quantized_layers: simkv/specs/mixed_precision.py)
+MIXED_PRECISION = "MIXED_PRECISION"
 MODELOPT_KV_CACHE_DTYPES = {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}
 
 
@@ -464,9 +478,9 @@ def _modelopt(quant: dict, where: str) -> tuple[str, str] | None:
         floats = kv.get("type") == "float"
         kv = "FP8" if floats and kv.get("num_bits") == 8 and kv.get("dynamic") is False else \
             "NVFP4" if floats and kv.get("num_bits") == 4 else None
-    if algo not in MODELOPT_ALGOS:
+    if algo not in MODELOPT_ALGOS and algo != MIXED_PRECISION:
         raise ModelConfigError(f"{where}: field 'quantization_config': ModelOpt quant_algo {algo or None!r} is not "
-                               f"modelled (simkv sizes {', '.join(MODELOPT_ALGOS)}; mixed precision is not); drop the "
+                               f"modelled (simkv sizes {', '.join(MODELOPT_ALGOS)} and {MIXED_PRECISION}); drop the "
                                "field to size the model at bf16")
     kv_dtype = MODELOPT_KV_CACHE_DTYPES.get(kv.upper(), "") if isinstance(kv, str) else ""
     return algo, kv_dtype

@@ -271,11 +271,11 @@ def test_auto_is_the_checkpoints_kv_dtype_and_a_given_one_wins(tmp_path):
     routers = CT_FP8_CONFIG | {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}
     assert get_model_spec(_write(tmp_path, "routers", QWEN3_30B_A3B | {"quantization_config": routers})
                           ).expert_weight_bytes == 1.0
-    # mixed precision is not modelled
-    mixed = _write(tmp_path, "mixed", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
-                                                                          "quant_algo": "MIXED_PRECISION"}})
-    with pytest.raises(ValueError, match="ModelOpt quant_algo 'MIXED_PRECISION' is not modelled"):
-        get_model_spec(mixed)
+    # an algorithm simkv does not size is refused by name
+    other = _write(tmp_path, "other", LLAMA3_8B | {"quantization_config": {"quant_method": "modelopt",
+                                                                          "quant_algo": "INT4_AWQ"}})
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'INT4_AWQ' is not modelled"):
+        get_model_spec(other)
 
 
 def test_attention_kept_out_of_the_format_stays_bf16(tmp_path):
@@ -353,3 +353,96 @@ def test_a_modelopt_nvfp4_checkpoint_holds_its_linear_layers_in_fp4(tmp_path):
     dp = RooflineCostModel(moe, b200, data_parallel_size=2)
     routed = 2 * moe.num_moe_layers * moe.num_experts_per_tok * moe.expert_params * 2250 / 9000
     assert dp.expert_flops_per_group_token == pytest.approx(routed / 2, rel=1e-12)
+
+
+def _mixed(layers: dict, **extra) -> dict:
+    """A ModelOpt MIXED_PRECISION quantization_config over `layers` (module name: quant_algo)."""
+    table = {name: {"quant_algo": algo} | ({"group_size": 16} if "NVFP4" in algo else {})
+             for name, algo in layers.items()}
+    return {"quant_method": "modelopt", "quantization": {"quant_algo": "MIXED_PRECISION",
+                                                         "quantized_layers": table, **extra}}
+
+
+def _modules(layers, kind: str, algo: str, experts: int = 2) -> dict:
+    """Module names of a kind in the given layers, as ModelOpt exports them (a few experts each)."""
+    names = {"attention": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"],
+             "mla": ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                     "self_attn.kv_b_proj", "self_attn.o_proj"],
+             "mlp": ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+             "shared": ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"],
+             "experts": [f"mlp.experts.{e}.{p}" for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")]}
+    return {f"model.layers.{i}.{n}": algo for i in layers for n in names[kind]}
+
+
+def test_a_mixed_precision_checkpoint_sizes_each_kind_of_module_in_its_format(tmp_path):
+    """ModelOpt's MIXED_PRECISION names each module's format: FP8 attention beside NVFP4 experts
+    (the router, the LM head and the modules it does not name stay bf16), or DeepSeek's dense and
+    shared MLPs in FP8 with NVFP4 experts and bf16 attention; an MTP layer's entries are not the
+    decoder's. The roofline multiplies each at its format's peak."""
+    from simkv.backends.roofline import RooflineCostModel
+    from simkv.specs import NVFP4_WEIGHT_BYTES, get_gpu_spec
+    from tests.replay.test_mla_models import DEEPSEEK_V3
+
+    layers = range(48)
+    quant = _mixed(_modules(layers, "attention", "FP8") | _modules(layers, "experts", "NVFP4")
+                   | {f"model.layers.{i}.mlp.gate": "FP8" for i in layers} | {"lm_head": "NVFP4"},
+                   kv_cache_quant_algo="FP8", exclude_modules=["lm_head"])
+    spec = get_model_spec(_write(tmp_path, "qmix", QWEN3_30B_A3B | {"quantization_config": quant}))
+    bf16 = get_model_spec("qwen3-30b-a3b")
+    assert (spec.attention_weight_bytes, spec.expert_weight_bytes, spec.linear_weight_bytes) == (
+        1.0, NVFP4_WEIGHT_BYTES, 2.0)
+    assert spec.checkpoint_kv_cache_dtype == "fp8_e4m3" and not spec.fp4_weight_only
+    attention = bf16.attention_linear_params
+    experts = bf16.num_moe_layers * bf16.num_experts * bf16.expert_params
+    assert bf16.weight_bytes - spec.weight_bytes == pytest.approx(attention * 1.0 + experts * (2 - NVFP4_WEIGHT_BYTES))
+    assert spec.fp8_matmul_params == attention
+    assert spec.fp4_matmul_params == bf16.num_moe_layers * bf16.num_experts_per_tok * bf16.expert_params
+    b200 = get_gpu_spec("B200")
+    assert RooflineCostModel(spec, b200).flops_per_token < RooflineCostModel(bf16, b200).flops_per_token
+    # DeepSeek-V3: dense MLPs (layers 0-2) and shared experts FP8, experts NVFP4, attention not named (bf16)
+    dense, moe = range(3), range(3, 61)
+    table = (_modules(dense, "mlp", "FP8") | _modules(moe, "shared", "FP8_PB_WO") | _modules(moe, "experts", "NVFP4")
+             | _modules([61], "experts", "FP8"))  # (layer 61: the MTP module)
+    v3 = get_model_spec(_write(tmp_path, "v3mix", DEEPSEEK_V3 | {"quantization_config": _mixed(table)}))
+    assert (v3.linear_weight_bytes, v3.attention_weight_bytes, v3.expert_weight_bytes) == (1.0, 2.0, NVFP4_WEIGHT_BYTES)
+    # an older export keeps it in hf_quant_config.json beside config.json; W4A16 experts multiply in bf16
+    folder = tmp_path / "side"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    (folder / "hf_quant_config.json").write_text(json.dumps(_mixed(_modules(layers, "experts", "W4A16_NVFP4"))))
+    side = get_model_spec(str(folder / "config.json"))
+    assert side.expert_weight_bytes == NVFP4_WEIGHT_BYTES and side.fp4_weight_only
+    assert side.attention_weight_bytes == side.linear_weight_bytes == 2.0
+    out = CliRunner().invoke(main, ["replay", "traces/req400.parquet", "--model", _write(tmp_path, "q", QWEN3_30B_A3B | {
+        "quantization_config": quant}), "--gpu", "B200", "--out", str(tmp_path / "r"), "--quiet"])
+    assert out.exit_code == 0, out.output
+
+
+@pytest.mark.parametrize("table, extra, message", [
+    (_modules(range(47), "attention", "FP8"), {}, "attention of 47 layers .* the model has 48 such layers"),
+    (_modules(range(48), "attention", "FP8"), {"exclude_modules": ["model.layers.0.self_attn*"]},
+     "attention of 47 layers"),
+    (_modules(range(48), "experts", "NVFP4") | {"model.layers.5.mlp.experts.9.up_proj": "W4A16_NVFP4"}, {},
+     "in NVFP4 and model.layers.5.mlp.experts.9.up_proj in W4A16_NVFP4: one kind of module .* two formats"),
+    (_modules(range(48), "experts", "NVFP4") | _modules(range(48), "attention", "W4A16_NVFP4"), {},
+     "both NVFP4 and W4A16_NVFP4"),
+    (_modules(range(48), "experts", "INT4_AWQ"), {}, "quant_algo 'INT4_AWQ' is not modelled"),
+    ({"model.layers.3.post_feedforward_norm_proj": "FP8"}, {}, "a decoder module simkv cannot place"),
+])
+def test_mixed_precision_that_simkv_cannot_size_is_refused(tmp_path, table, extra, message):
+    with pytest.raises(ValueError, match=message):
+        get_model_spec(_write(tmp_path, "bad", QWEN3_30B_A3B | {"quantization_config": _mixed(table, **extra)}))
+
+
+def test_mixed_precision_keeps_one_format_for_dense_and_shared_mlps(tmp_path):
+    from tests.replay.test_mla_models import DEEPSEEK_V3
+
+    moe = range(3, 61)
+    cases = [(_modules(range(3), "mlp", "FP8") | _modules(moe, "experts", "NVFP4"),  # (shared experts bf16)
+              "no module of the model's shared experts is named"),
+             (_modules(range(3), "mlp", "FP8") | _modules(moe, "shared", "NVFP4"), "in one format")]
+    for table, message in cases:
+        with pytest.raises(ValueError, match=message):
+            get_model_spec(_write(tmp_path, "v3bad", DEEPSEEK_V3 | {"quantization_config": _mixed(table)}))
+    with pytest.raises(ValueError, match="without a 'quantized_layers' mapping"):
+        get_model_spec(_write(tmp_path, "empty", LLAMA3_8B | {"quantization_config": _mixed({})}))
