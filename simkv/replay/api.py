@@ -35,8 +35,10 @@ class FleetSpec:
     class_replicas: tuple = ()  # ((request class, replicas), ...): classes with replicas of their own (router.py)
 
     def __post_init__(self) -> None:
-        Router(self.policy, self.num_replicas, self.options,  # RouterError (a ValueError) names what is wrong
-               class_replicas=self.class_replicas)
+        # (RouterError, a ValueError, names what is wrong; on one engine, class replicas number the
+        # data-parallel ranks, checked where the ranks' router is made)
+        Router(self.policy, self.num_replicas, self.options,
+               class_replicas=self.class_replicas if self.num_replicas > 1 else ())
 
     @property
     def policy(self) -> str:
@@ -135,7 +137,8 @@ def _replay(trace, config: EngineConfig, cost_model, cost_options, use_decode_ru
         router = None  # (vLLM's own balancer) or the external router named in front of the ranks
         if fleet is not None and fleet.router is not None:
             router = Router(fleet.router, config.hardware.data_parallel_size, fleet.options,
-                            cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size)
+                            cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size,
+                            class_replicas=fleet.class_replicas)
         return _replay_data_parallel(trace, config, cost_options or {}, on_progress, pause_collector,
                                      capacity, router)
     if fleet is not None and fleet.num_replicas > 1:
@@ -181,12 +184,19 @@ def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode
 
 def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, encode) -> None:
     """Replicas of a class's own (`FleetSpec.class_replicas`) route a fleet by the trace's
-    request_class; on one engine's data-parallel ranks, P/D pools or behind encode instances
-    they are not modelled."""
+    request_class, and data-parallel ranks behind an external router (their numbers then the
+    ranks'); with vLLM's own DP balancer, P/D pools or behind encode instances they are not
+    modelled."""
     if fleet is None or not fleet.class_replicas:
         return
-    unsupported = [(config.hardware.data_parallel_size > 1, "data-parallel ranks"),
-                   (disaggregation is not None, "P/D pools"), (encode is not None, "encode instances")]
+    if config.hardware.data_parallel_size == 1 and fleet.num_replicas == 1:
+        raise ValueError("class_replicas: one engine has no replicas to give a class (--replicas N, or "
+                         "data-parallel ranks behind a router)")
+    if config.hardware.data_parallel_size > 1 and fleet.router is None:
+        raise ValueError("class_replicas on data-parallel ranks: vLLM's own DP balancer picks ranks by load, not by "
+                         "request class; put the ranks behind an external router (--router round_robin, "
+                         "least_outstanding or prefix_aware: vLLM's --data-parallel-external-lb)")
+    unsupported = [(disaggregation is not None, "P/D pools"), (encode is not None, "encode instances")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"class_replicas (replicas of a request class's own) is not modelled with {what} yet")

@@ -384,3 +384,19 @@ def test_class_itl_reaches_the_tables(tmp_path):
 
     rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
     assert all(row["chat:itl_p99_s"] > 0 and row["docs:itl_p99_s"] > 0 for row in rows)
+
+
+def test_data_parallel_ranks_behind_a_router_may_give_a_class_its_ranks(tmp_path):
+    trace = mixed(40)
+    config = EngineConfig.from_flat({"model": "qwen3-30b-a3b", "data_parallel_size": 2})
+    result = replay(trace, config, fleet=FleetSpec(1, "least_outstanding", class_replicas=(("batch", (1,)),)))
+    requests = result.requests
+    batch = requests["request_class"] == "batch"
+    assert set(requests.loc[batch, "replica"]) == {1} and set(requests.loc[~batch, "replica"]) == {0}
+    assert result.summary["data_parallel"]["router"]["class_replicas"] == {"batch": [1]}
+    with pytest.raises(ValueError, match="vLLM's own DP balancer picks ranks by load"):
+        replay(trace, config, fleet=FleetSpec(1, class_replicas=(("batch", (1,)),)))
+    with pytest.raises(ValueError, match="replica 2 is not one of the fleet's 0-1"):
+        replay(trace, config, fleet=FleetSpec(1, "round_robin", class_replicas=(("batch", (2,)),)))
+    with pytest.raises(ValueError, match="one engine has no replicas to give a class"):
+        replay(trace, EngineConfig.from_flat({}), "linear", LINEAR, fleet=FleetSpec(1, class_replicas=(("batch", (0,)),)))
