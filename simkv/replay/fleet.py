@@ -49,6 +49,7 @@ class FleetRouting:
         self._has_hashes = trace.hash_ids is not None
         self._namespaces = content_namespaces(trace)  # (cache_salt and LoRA adapter)
         self._by_class = bool(router.class_replicas) and getattr(trace, "request_class", None) is not None
+        self._sessions = trace.session_id if getattr(router, "policy", None) == "session_affinity" else None
         self.max_model_len = max_model_len
         self.next_index = 0
         self.queues: list[deque[int]] = [deque() for _ in range(n)]  # routed, not yet delivered
@@ -252,7 +253,8 @@ class FleetRouting:
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0
         salt = self._namespaces[i] if self._namespaces is not None else None
         request_class = trace.request_class[i] if self._by_class else None
-        r = self.router.choose(loads, hashes, block_tokens, salt, request_class)
+        session = self._sessions[i] if self._sessions is not None else None
+        r = self.router.choose(loads, hashes, block_tokens, salt, request_class, session)
         self.assignment[i] = r
         loads[r] += 1
         return r

@@ -14,6 +14,11 @@ as cache-aware routers (SGLang's, llm-d's) do.
   `balance_abs` requests and by a factor `balance_rel`. Block hashes are chained as the engine
   chains them, cache salt included, so a block matches only where the whole prefix up to it
   does, and a salted prompt only its own tenant's.
+- `session_affinity`: every turn of a conversation (the trace's `session_id`) to the same
+  replica, picked by rendezvous hashing of the session id over the replicas (the highest
+  md5 of "session/replica": stable across runs and machines, and a replica added or removed
+  moves only its own sessions), as vLLM production-stack's `session` routing logic and
+  sticky-session gateways do; a request without a session goes to the least loaded replica.
 Ties go to the first replica after the last one chosen, so equal replicas take turns.
 
 With `class_replicas` (`--class-replicas docs=3`) a request class (simkv/replay/classes.py) has
@@ -24,12 +29,13 @@ gateway that sends long documents to a pool of their own does.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-ROUTERS = ("round_robin", "least_outstanding", "prefix_aware")
+ROUTERS = ("round_robin", "least_outstanding", "prefix_aware", "session_affinity")
 
 
 class RouterError(ValueError):
@@ -102,6 +108,14 @@ def check_class_replicas(class_replicas: tuple, num_replicas: int) -> dict[str, 
     return out
 
 
+def session_replica(session: str, candidates: tuple[int, ...]) -> int:
+    """The replica of `candidates` a session belongs to: rendezvous (highest random weight)
+    hashing, each replica's weight the md5 of "session/replica"."""
+    def weight(r: int) -> bytes:
+        return hashlib.md5(f"{session}/{r}".encode()).digest()
+    return max(candidates, key=weight)
+
+
 def chained(hashes: np.ndarray | None, salt: str | None = None) -> list[int]:
     """Keys of a prompt's blocks that, like the engine's block hashes, each stand for the whole
     prefix up to their block (and the request's cache salt): block i of two prompts matches
@@ -163,7 +177,7 @@ class Router:
         claimed = {r for replicas in self.class_replicas.values() for r in replicas}
         self._others = tuple(r for r in range(num_replicas) if r not in claimed) or tuple(range(num_replicas))
         self._last: dict[tuple[int, ...], int] = {}  # per set of candidates, the replica it chose last
-        self.num_by_reason = {"round_robin": 0, "least_loaded": 0, "prefix_match": 0, "rebalance": 0}
+        self.num_by_reason = {"round_robin": 0, "least_loaded": 0, "prefix_match": 0, "rebalance": 0, "session": 0}
         self.indexes = ([PrefixIndex(cache_tokens_per_replica) for _ in range(num_replicas)]
                         if policy == "prefix_aware" else None)
 
@@ -172,15 +186,18 @@ class Router:
         return self.class_replicas.get(request_class, self._others) if request_class is not None else self._others
 
     def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int, salt: str | None = None,
-               request_class: str | None = None) -> int:
+               request_class: str | None = None, session: str | None = None) -> int:
         """The replica for one request, given each replica's outstanding requests (and, for
-        prefix_aware, the prompt's block hashes and cache salt; with `class_replicas`, its class)."""
+        prefix_aware, the prompt's block hashes and cache salt; for session_affinity, its
+        session id; with `class_replicas`, its class)."""
         cands = self.candidates(request_class)
         last = self._last.get(cands, self.num_replicas - 1)  # (so that the first tie goes to the first candidate)
         if self.policy == "round_robin":
             choice, reason = self._first_after(list(cands), last), "round_robin"
-        elif self.policy == "least_outstanding":
+        elif self.policy == "least_outstanding" or (self.policy == "session_affinity" and session is None):
             choice, reason = self._least_loaded(loads, cands, last), "least_loaded"
+        elif self.policy == "session_affinity":
+            choice, reason = session_replica(session, cands), "session"
         else:
             choice, reason = self._prefix_aware(loads, chained(hashes, salt), block_tokens, cands, last)
         self._last[cands] = choice

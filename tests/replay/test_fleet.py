@@ -241,3 +241,40 @@ def test_config_file_errors_name_the_file_and_flags_override_key_by_key(tmp_path
         with pytest.raises(click.BadParameter) as info:
             read_fleet(None, None, (), str(cfg))
         assert message in str(info.value) and str(cfg) in str(info.value) and info.value.param_hint == "--config"
+
+
+def test_session_affinity_keeps_every_turn_of_a_conversation_on_one_replica():
+    import hashlib
+    from dataclasses import replace as with_fields
+
+    from simkv.replay.router import session_replica
+
+    # rendezvous hashing: the replica whose md5 of "session/replica" is highest, whatever the order given
+    weights = {r: hashlib.md5(f"chat-7/{r}".encode()).digest() for r in range(4)}
+    assert session_replica("chat-7", (0, 1, 2, 3)) == max(weights, key=weights.get)
+    assert session_replica("chat-7", (3, 1, 2, 0)) == session_replica("chat-7", (0, 1, 2, 3))
+    # a replica removed moves only the sessions it held
+    sessions = [f"s{k}" for k in range(400)]
+    before = {s: session_replica(s, (0, 1, 2, 3)) for s in sessions}
+    after = {s: session_replica(s, (0, 1, 3)) for s in sessions}
+    assert all(after[s] == before[s] for s in sessions if before[s] != 2)
+    assert 70 < sum(before[s] == 2 for s in sessions) < 130  # (about a quarter each)
+    trace = multi_turn(SessionShape(sessions=120, turns=5, think_time_s=8), seed=2,
+                       arrival=ArrivalProcess("poisson", rate=3.0))
+    cfg = EngineConfig.from_flat({"num_gpu_blocks": 3000})
+    result = replay(trace, cfg, fleet=FleetSpec(4, "session_affinity"))
+    replicas = pd.Series(result.requests["replica"].to_numpy(), index=trace.session_id)
+    assert (replicas.groupby(level=0).nunique() == 1).all()
+    assert {s: int(r) for s, r in replicas.groupby(level=0).first().items()} == {
+        s: session_replica(s, (0, 1, 2, 3)) for s in set(trace.session_id)}
+    assert result.summary["fleet"]["router"]["decisions"] == {"session": len(trace)}
+    rr = replay(trace, cfg, fleet=FleetSpec(4, "round_robin")).summary
+    assert result.summary["prefix_cache_hit_rate"] > 2 * rr["prefix_cache_hit_rate"]
+    # requests without a session go to the least loaded replica
+    loose = with_fields(trace, session_id=np.array([None] * len(trace), dtype=object))
+    assert replay(loose, cfg, fleet=FleetSpec(4, "session_affinity")).summary["fleet"]["router"]["decisions"] == {
+        "least_loaded": len(trace)}
+    # a class with replicas of its own: its sessions hash over those only
+    router = Router("session_affinity", 4, class_replicas=(("docs", (2, 3)),))
+    assert router.choose([0] * 4, None, 0, None, "docs", "chat-7") == session_replica("chat-7", (2, 3))
+    assert router.choose([0] * 4, None, 0, None, "chat", "chat-7") == session_replica("chat-7", (0, 1))
