@@ -2,8 +2,8 @@
 what that benchmark would measure against the server simulated.
 
 The client's 101 flags (vLLM 0.33: vllm_bench_flags.json) are sorted as the server's are
-(cli/vllm_serve.py): the random, prefix_repetition and timed_trace datasets' and the schedule's
-flags make the trace (simkv/traces/vllm_random.py and vllm_bench.py, as the client draws or
+(cli/vllm_serve.py): the random, random-mm, prefix_repetition and timed_trace datasets' and the schedule's
+flags make the trace (simkv/traces/vllm_random.py, vllm_random_mm.py and vllm_bench.py, as the client draws or
 reads it), --max-concurrency becomes `client_max_concurrency`, --goodput becomes simkv's
 --goodput; flags with no bearing on the traffic are ignored; what changes it in ways simkv does
 not model is named in a note (warm-up requests, the ready check's request, replies that may
@@ -22,7 +22,11 @@ from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
 from simkv.traces.vllm_random import PrefixRepetitionDataset, RandomDataset, Schedule
 
-DATASETS = ("random", "prefix_repetition", "timed_trace")
+DATASETS = ("random", "random-mm", "prefix_repetition", "timed_trace")
+# random-mm's own flags (simkv/traces/vllm_random_mm.py); vLLM ignores them with the other datasets, as simkv does
+RANDOM_MM_FLAGS = ("random_mm_base_items_per_request", "random_mm_num_mm_items_range_ratio",
+                   "random_mm_limit_mm_per_prompt", "random_mm_bucket_config")
+MULTIMODAL_BACKENDS = ("openai-chat",)  # (vLLM's client also takes openai-audio, whose audio simkv does not model)
 SCHEDULE = {"request_rate": float, "burstiness": float, "ramp_up_strategy": str, "ramp_up_start_rps": float,
             "ramp_up_end_rps": float}
 # the datasets' own flags (the general --input-len / --output-len win over the dataset's)
@@ -51,8 +55,7 @@ OTHER_DATASETS = frozenset("""
     sharegpt_output_len hf_name hf_split hf_subset hf_output_len custom_output_len custom_ensure_client_side_data
     asr_max_audio_len_sec asr_min_audio_len_sec blazedit_min_distance blazedit_max_distance bfcl_categories
     spec_bench_category spec_bench_output_len speed_bench_category speed_bench_dataset_subset speed_bench_output_len
-    random_mm_base_items_per_request random_mm_num_mm_items_range_ratio
-    random_mm_limit_mm_per_prompt random_mm_bucket_config no_reranker
+    no_reranker
 """.split())
 REFUSED = {"probe_request_rate": "probe requests on a connection of their own are not modelled",
            "random_batch_size": "batched prompts are an embeddings benchmark's",
@@ -94,6 +97,7 @@ def bench_flags() -> dict:
 def sorted_flags() -> list[frozenset]:
     """The classes the client's flags are sorted into (every flag in exactly one: tested)."""
     return [frozenset(SCHEDULE), frozenset(DATASET_FLAGS), SPECIAL, IGNORED, UNMODELLED, OTHER_DATASETS,
+            frozenset(RANDOM_MM_FLAGS),
             frozenset(REFUSED)]
 
 
@@ -128,6 +132,7 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     ready_check = float(_table().default("ready_check_timeout_sec")) > 0  # (the client's initial test run)
     warmups = 0
     backend = "openai"
+    mm_flags: dict = {}
     for flag in flags:
         name, word = flag.name, flag.word
         if name in SCHEDULE:
@@ -138,8 +143,8 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
         elif name == "dataset_name":
             if flag.value not in DATASETS:
                 raise CommandLineError(
-                    f"{source}: --dataset-name {flag.value}: simkv takes the random, prefix_repetition and "
-                    "timed_trace datasets (the others need their data); replay such a benchmark from its result "
+                    f"{source}: --dataset-name {flag.value}: simkv takes the random, random-mm, prefix_repetition "
+                    "and timed_trace datasets (the others need their data); replay such a benchmark from its result "
                     "(`simkv trace import vllm-bench bench.json`)")
             dataset_name = flag.value
         elif name == "max_concurrency":
@@ -156,6 +161,8 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
             ready_check = float(flag.value) > 0
         elif name == "num_warmups":
             warmups = int(_number(flag, int, source))
+        elif name in RANDOM_MM_FLAGS:
+            mm_flags[name] = flag
         elif name in IGNORED or name in OTHER_DATASETS:
             out_flags["ignored"].append(word)
         elif name in UNMODELLED:
@@ -177,6 +184,11 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     if dataset_name == "timed_trace" and backend not in COMPLETIONS:
         raise CommandLineError(f"{source}: timed_trace dataset passes pre-tokenized prompts (list[int]) and requires "
                                "a completions backend ('vllm' or 'openai').")
+    if dataset_name == "random-mm" and backend not in MULTIMODAL_BACKENDS:  # (vLLM's check, its words)
+        raise CommandLineError(f"{source}: Multi-modal content is not supported on backend {backend!r}; use one of "
+                               f"{sorted(MULTIMODAL_BACKENDS)}.")
+    if dataset_name != "random-mm":
+        out_flags["ignored"] += [f.word for f in mm_flags.values()]
     if backend in CHAT:
         out_flags["unmodelled"].append(f"--backend {backend} wraps every prompt in the model's chat template, whose "
                                        "tokens are not counted")
@@ -192,6 +204,9 @@ def bench_command(command: str, model: str, source: str = "--vllm-bench") -> Ben
     try:
         if dataset_name == "timed_trace":
             trace = _timed_trace(given, Schedule(**schedule), source)
+        elif dataset_name == "random-mm":
+            text = _dataset("random", given, ratio, Schedule(**schedule), special_tokens(model))
+            trace = _random_mm(text, mm_flags, model, source)
         else:
             trace = _dataset(dataset_name, given, ratio, Schedule(**schedule), special_tokens(model)).trace()
     except TraceError as exc:
@@ -215,6 +230,32 @@ def _dataset(name: str, given: dict, ratio: tuple[float, float], schedule: Sched
                                    num_prefixes=given.get("prefix_repetition_num_prefixes", 10),
                                    output_len=given.get("output_len", given.get("prefix_repetition_output_len", 128)),
                                    disable_shuffle=given.get("disable_shuffle", False))
+
+
+def _random_mm(text: RandomDataset, mm_flags: dict, model: str, source: str) -> Trace:
+    """random-mm's traffic: the random dataset's prompts, each followed by its images, of as many
+    tokens as the served model's processor makes of them."""
+    from simkv.specs import get_model_spec
+    from simkv.traces.vllm_random_mm import RandomMultiModalDataset, parse_buckets, parse_limits
+
+    spec = get_model_spec(model)
+    if not spec.vision_num_layers:
+        raise CommandLineError(f"{source}: --dataset-name random-mm sends images, and model {model} has no vision "
+                               "encoder in its spec (qwen2.5-vl-7b, qwen3-vl-30b-a3b, or a Qwen VL config.json)")
+    options: dict = {}
+    if "random_mm_base_items_per_request" in mm_flags:
+        options["base_items_per_request"] = int(_number(mm_flags["random_mm_base_items_per_request"], int, source))
+    if "random_mm_num_mm_items_range_ratio" in mm_flags:
+        options["num_mm_items_range_ratio"] = float(_number(mm_flags["random_mm_num_mm_items_range_ratio"], float,
+                                                            source))
+    if "random_mm_limit_mm_per_prompt" in mm_flags:
+        options["limit_mm_per_prompt"] = parse_limits(mm_flags["random_mm_limit_mm_per_prompt"].value)
+    if "random_mm_bucket_config" in mm_flags:
+        options["bucket_config"] = parse_buckets(mm_flags["random_mm_bucket_config"].value)
+    try:
+        return RandomMultiModalDataset(text, **options).trace(spec.image_embeddings)
+    except ValueError as exc:  # (an image's aspect ratio past the processor's limit)
+        raise CommandLineError(f"{source}: {exc}") from None
 
 
 def _timed_trace(given: dict, schedule: Schedule, source: str) -> Trace:

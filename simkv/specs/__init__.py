@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from dataclasses import dataclass, replace
@@ -150,6 +151,9 @@ class ModelSpec:
     vision_window_patches: int = 0
     vision_full_attention_layers: int = 0
     mm_max_tokens_per_item: int = 0
+    # The side of a patch in pixels (Qwen2-VL, Qwen2.5-VL: 14; Qwen3-VL: 16): an image of H x W
+    # pixels makes `image_embeddings(H, W)` embeddings
+    vision_patch_size: int = 14
 
     def __post_init__(self) -> None:
         where = f"model '{self.name}'"
@@ -551,6 +555,31 @@ class ModelSpec:
         `expert_weight_bytes`, the embeddings, LM head and final norm bf16."""
         return (self.layer_weight_bytes + 2.0 * (self.embedding_params + self.hidden_size) + self.routed_expert_bytes
                 + self.vision_weight_bytes)
+
+    def image_embeddings(self, height: int, width: int) -> int:
+        """The embeddings (placeholder tokens) vLLM's Qwen VL processor makes of an image of
+        height x width pixels: resized to multiples of an embedding's side (the patch times
+        the merge), within the processor's pixel limits (the checkpoints' preprocessor configs:
+        56 x 56 to 16,384 embeddings for 14-pixel patches, 256 x 256 to 16,384 for 16-pixel
+        ones), as transformers' smart_resize does."""
+        if not self.vision_num_layers:
+            raise ValueError(f"model '{self.name}' has no vision encoder in its spec")
+        factor = self.vision_patch_size * math.isqrt(self.vision_patches_per_embed)
+        min_pixels = 56 * 56 if self.vision_patch_size == 14 else 256 * 256
+        max_pixels = factor * factor * self.mm_max_tokens_per_item
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError(f"an image of {height} x {width} pixels: its aspect ratio must be below 200 "
+                             "(the processor's limit)")
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > max_pixels:
+            beta = math.sqrt(height * width / max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
+            h = math.ceil(height * beta / factor) * factor
+            w = math.ceil(width * beta / factor) * factor
+        return (h // factor) * (w // factor)
 
     @property
     def vision_weight_bytes(self) -> float:

@@ -250,7 +250,8 @@ def _vision(raw: dict, where: str) -> dict:
     depth = need("depth")
     merge = need("spatial_merge_size")
     fields = {"vision_num_layers": depth, "vision_patches_per_embed": merge * merge,
-              "vision_full_attention_layers": depth, "mm_max_tokens_per_item": _QWEN_VL_MAX_EMBEDS}
+              "vision_full_attention_layers": depth, "mm_max_tokens_per_item": _QWEN_VL_MAX_EMBEDS,
+              "vision_patch_size": need("patch_size")}
     if kind == "qwen2_vl":  # (embed_dim wide, an MLP of mlp_ratio x that with two projections)
         width = need("embed_dim")
         ratio = vision.get("mlp_ratio", 4)

@@ -72,7 +72,7 @@ def test_special_tokens_by_model(model, tokens):
 
 
 @pytest.mark.parametrize("command, match", [
-    ("vllm bench serve --dataset-name sharegpt", "random, prefix_repetition and timed_trace datasets"),
+    ("vllm bench serve --dataset-name sharegpt", "random, random-mm, prefix_repetition and timed_trace datasets"),
     ("vllm bench serve --probe-request-rate 2", "--probe-request-rate"),
     ("vllm bench serve --lora-modules a b", "LoRA"),
     ("vllm bench serve --num-prompts x", "not a whole number"),
@@ -225,3 +225,41 @@ def test_goodput_searches_a_bench_commands_rate(tmp_path):
     assert summary["goodput"]["slo_attainment"] == first["slo_attainment"]
     assert "not both" in cli_fails(["goodput", "traces/req400.parquet", "--vllm-bench", command, "--goodput",
                                     "ttft:200"])
+
+
+RANDOM_MM = ("vllm bench serve --backend openai-chat --dataset-name random-mm --random-input-len 300 "
+             "--random-output-len 80 --num-prompts 200 --request-rate 6 --seed 5 "
+             "--random-mm-base-items-per-request 2 --random-mm-num-mm-items-range-ratio 0.5 "
+             "--random-mm-limit-mm-per-prompt '{\"image\": 3, \"video\": 0}' "
+             "--random-mm-bucket-config '{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}'")
+
+
+def test_a_random_mm_command_sends_the_random_text_and_its_images(tmp_path):
+    from simkv.specs import get_model_spec
+    from simkv.traces.vllm_random_mm import RandomMultiModalDataset
+
+    bench = bench_command(RANDOM_MM, "qwen2.5-vl-7b")
+    text = RandomDataset(num_prompts=200, random_input_len=300, random_output_len=80, seed=5, num_special_tokens=0,
+                         schedule=Schedule(request_rate=6.0))
+    expected = RandomMultiModalDataset(text, 2, 0.5, (("image", 3), ("video", 0)),
+                                       (((256, 256, 1), 0.5), ((720, 1280, 1), 0.5), ((720, 1280, 16), 0.0)))
+    want = expected.trace(get_model_spec("qwen2.5-vl-7b").image_embeddings)
+    np.testing.assert_array_equal(bench.trace.prompt_tokens, want.prompt_tokens)
+    np.testing.assert_array_equal(bench.trace.mm_items, want.mm_items)
+    np.testing.assert_array_equal(bench.trace.arrival_time_s, text.trace().arrival_time_s)
+    assert set(bench.trace.mm_items[:, 1].tolist()) == {81, 1196}  # (Qwen2.5-VL's 256 x 256 and 720 x 1280 images)
+    # the replay encodes every image (each new: random pixels)
+    text_out = cli_ok(["replay", "--model", "qwen2.5-vl-7b", "--vllm-bench", RANDOM_MM, "--out", str(tmp_path / "r")])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["multimodal"]["items"] == summary["multimodal"]["items_encoded"] == len(bench.trace.mm_items)
+    assert "Serving Benchmark Result" in text_out
+    # as vLLM's client: images only on the chat backend; and the model must see images
+    with pytest.raises(CommandLineError, match="Multi-modal content is not supported on backend 'openai'"):
+        bench_command(RANDOM_MM.replace("--backend openai-chat", "--backend openai"), "qwen2.5-vl-7b")
+    with pytest.raises(CommandLineError, match="model llama-3-8b has no vision encoder"):
+        bench_command(RANDOM_MM, "llama-3-8b")
+    with pytest.raises(CommandLineError, match="videos .* are not modelled"):
+        bench_command(RANDOM_MM.replace("16): 0.0", "16): 0.2"), "qwen2.5-vl-7b")
+    # with another dataset its flags are ignored, as vLLM ignores them
+    plain = bench_command(RANDOM_MM.replace("--dataset-name random-mm", "--dataset-name random"), "qwen2.5-vl-7b")
+    assert plain.trace.mm_items is None and "--random-mm-bucket-config" in plain.ignored
