@@ -322,7 +322,7 @@ def from_vllm_multi_turn_cmd(config_path: str, out: str, seed: int, max_turns: i
 @click.option("--out", required=True, help="Output trace (.parquet, or .csv / .csv.gz).")
 @click.option("--model", default="llama-3-8b", show_default=True,
               help="The served model: whether its tokenizer puts a BOS token in front of every prompt (Qwen's and "
-                   "gpt-oss's do not).")
+                   "gpt-oss's do not), and with random-mm how many tokens its processor makes of an image.")
 @clean_errors
 def from_vllm_bench_cmd(command: str, out: str, model: str) -> None:
     """Write the traffic of a `vllm bench serve` COMMAND (or @FILE) as a trace: its random
