@@ -339,11 +339,16 @@ QWEN3_NEXT = {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_siz
     ({"pipeline_parallel_size": 2}, None),
     ({"speculative_method": "ngram", "num_speculative_tokens": 3}, None),
     ({}, FleetSpec(2, "least_outstanding")),
-], ids=["plain", "preempting", "qwen3-next", "qwen3-next-async", "pp2", "ngram", "fleet"])
+    ({}, "pd"),  # (the decode pool's gaps: a request's first token comes from its prefill)
+    ({"model": "qwen3-30b-a3b", "data_parallel_size": 2}, None),  # (DP ranks: the roofline only)
+], ids=["plain", "preempting", "qwen3-next", "qwen3-next-async", "pp2", "ngram", "fleet", "pd", "dp2"])
 def test_each_class_gets_its_token_level_itl(options, fleet):
+    from simkv.replay.disaggregated import DisaggregationSpec
     from simkv.replay.results import class_itl_samples, itl_samples, weighted_dist
 
-    result = replay(chat_and_long_prompts(), EngineConfig.from_flat(options), "linear", LINEAR, fleet=fleet)
+    pools = {"disaggregation": DisaggregationSpec(1, 1)} if fleet == "pd" else {"fleet": fleet}
+    cost = ("roofline", None) if "data_parallel_size" in options else ("linear", LINEAR)
+    result = replay(chat_and_long_prompts(), EngineConfig.from_flat(options), *cost, **pools)
     runs = result.fleet_runs or [result.run]
     for run in runs:  # each step's gaps, split by class, add up to the step's
         np.testing.assert_array_equal(run.steps.class_decode_tokens().sum(axis=1),
