@@ -13,7 +13,8 @@ from simkv.calibration.cli_support import CostModelChoice
 from simkv.cli.disagg_options import (check_pools, disaggregation_options, encode_options, read_disaggregation,
                                        read_encode)
 from simkv.cli.help_sections import SectionedCommand
-from simkv.cli.replay_cmd import DEFAULT_TRACE, engine_options, flat_options, fleet_options, read_fleet, read_inputs
+from simkv.cli.replay_cmd import (DEFAULT_TRACE, engine_options, flat_options, fleet_options, pool_class_replicas,
+                                  read_fleet, read_inputs)
 from simkv.config import ConfigError
 
 
@@ -273,9 +274,9 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         raise click.UsageError("--clients searches one setup's clients: drop --grid/--target-rate/--pd-splits/"
                                "--gpu-price/--encode-replicas")
     if class_replicas and (layouts is not None or pd_splits is not None or grids or target_rate is not None
-                           or closed_loop or flags.get("prefill_replicas") or flags.get("decode_replicas")):
-        raise click.UsageError("--class-replicas goes with one fleet's search (--replicas N): drop --layouts/"
-                               "--pd-splits/--grid/--target-rate/--clients and the P/D pools")
+                           or closed_loop):
+        raise click.UsageError("--class-replicas goes with one fleet's or one pair of P/D pools' search: drop "
+                               "--layouts/--pd-splits/--grid/--target-rate/--clients")
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
@@ -303,8 +304,9 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
             raise click.UsageError("P/D disaggregation (--prefill-replicas/--decode-replicas) searches one setup: "
                                    "drop --replicas/--router/--grid/--target-rate")
         router_options = ()
+        disaggregation = pool_class_replicas(disaggregation, class_replicas, config_file)
     router_flag = router
-    fleet = read_fleet(replicas, router, router_options, config_file, class_replicas)
+    fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, pools=disaggregation is not None)
     replicas, router = fleet.num_replicas, fleet.policy
     slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids),
                                     vllm_bench=vllm_bench, vllm_multi_turn=vllm_multi_turn)

@@ -313,18 +313,19 @@ def fleet_options(command):
                      help="prefix_aware's thresholds: cache_threshold (0.3), balance_abs (64), balance_rel (1.5)."),
         click.option("--class-replicas", "class_replicas", multiple=True, metavar="CLASS=REPLICAS",
                      help="Give a request class (the trace's request_class) replicas of its own, e.g. docs=3 or "
-                          "chat=0-2: its requests go there only, other classes' to the unclaimed replicas."),
+                          "chat=0-2: its requests go there only, other classes' to the unclaimed replicas (DP "
+                          "ranks behind --router likewise; P/D pools: prefill:docs=1, decode:chat=0)."),
     ]):
         command = option(command)
     return command
 
 
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
-               config_file: str | None = None, class_replicas: tuple[str, ...] = ()):
+               config_file: str | None = None, class_replicas: tuple[str, ...] = (), pools: bool = False):
     """The FleetSpec of --replicas/--router/--router-option/--class-replicas over the --config
     file's `replicas`, `router`, `router_options` and `class_replicas` mappings (flags win, router
     options key by key; one replica is the plain engine); a click error naming the flag or the
-    file otherwise."""
+    file otherwise. `pools`: P/D pools take the class replicas (pool_class_replicas), not the fleet."""
     from simkv.replay.api import FleetSpec
     from simkv.replay.router import ROUTERS, RouterError, RouterOptions, parse_class_replicas
 
@@ -363,15 +364,42 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     except RouterError as exc:
         raise bad(str(exc), False) from None
     flag = "--class-replicas"
-    from_file = file.get("class_replicas") or {}  # ({class: "0-2" | 3 | [0, 1]}; the flags replace it whole)
-    if not isinstance(from_file, dict):
-        raise bad("class_replicas must be a mapping of CLASS: REPLICAS", True)
-    items = list(class_replicas) or [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-                                     for k, v in from_file.items()]
+    items, from_file = class_replica_items(class_replicas, file, config_file) if not pools else ([], False)
     try:
         return FleetSpec(replicas, router, options, parse_class_replicas(items))
     except RouterError as exc:
-        raise bad(str(exc), not class_replicas and bool(from_file)) from None
+        raise bad(str(exc), from_file) from None
+
+
+def class_replica_items(class_replicas: tuple[str, ...], file: dict, config_file: str | None) -> tuple[list, bool]:
+    """--class-replicas' items, else the --config file's `class_replicas` mapping ({class: "0-2" |
+    3 | [0, 1]}) as items (the flags replace it whole); and whether they came from the file."""
+    from_file = file.get("class_replicas") or {}
+    if not isinstance(from_file, dict):
+        raise click.BadParameter(f"{config_file}: class_replicas must be a mapping of CLASS: REPLICAS",
+                                 param_hint="--config")
+    if class_replicas:
+        return list(class_replicas), False
+    return [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in from_file.items()], bool(from_file)
+
+
+def pool_class_replicas(disaggregation, class_replicas: tuple[str, ...], config_file: str | None):
+    """The P/D spec with each pool's class replicas (`prefill:docs=1`, `decode:docs=0`; from the
+    flags or the --config file's class_replicas)."""
+    import dataclasses
+
+    from simkv.replay.router import RouterError, split_pool_class_replicas
+
+    file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    items, from_file = class_replica_items(class_replicas, file, config_file)
+    if not items:
+        return disaggregation
+    try:
+        prefill, decode = split_pool_class_replicas(items)
+        return dataclasses.replace(disaggregation, prefill_class_replicas=prefill, decode_class_replicas=decode)
+    except (RouterError, ConfigError) as exc:
+        raise click.BadParameter(f"{config_file}: {exc}" if from_file else str(exc),
+                                 param_hint="--config" if from_file else "--class-replicas") from None
 
 
 VLLM_SERVE_HELP = ("A `vllm serve ...` command line, or @FILE holding one (its --config YAML too): its engine "
@@ -779,8 +807,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                                    "--prefill-router/--decode-router; drop --replicas/--router")
         if backend == "gpu":
             raise click.UsageError("P/D disaggregation is simulated only (the gpu backend runs one engine)")
-        if class_replicas:
-            raise click.UsageError("--class-replicas is not modelled with P/D pools yet")
+        disaggregation = pool_class_replicas(disaggregation, class_replicas, config_file)
         fleet = None
     else:
         fleet = read_fleet(replicas, router, router_options, config_file, class_replicas)

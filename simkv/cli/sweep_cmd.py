@@ -88,7 +88,8 @@ def _check_replica_classes(traces, values) -> None:
     from simkv.sweep import SweepError
     from simkv.traces.schema import read_trace
 
-    names = list(dict.fromkeys(item.partition("=")[0] for value in values if value for item in value.split(";")))
+    names = list(dict.fromkeys(_without_pool(item.partition("=")[0]) for value in values if value
+                               for item in value.split(";")))
     if not names:
         return
     for path in traces:
@@ -101,6 +102,12 @@ def _check_replica_classes(traces, values) -> None:
         missing = missing_class(names, np.asarray(labels, dtype=object))
         if missing:
             raise SweepError(f"class_replicas: {path} {missing[1]}")
+
+
+def _without_pool(name: str) -> str:
+    """A class name without a P/D pool's prefix (prefill:docs -> docs)."""
+    pool, sep, rest = name.partition(":")
+    return rest if sep and pool in ("prefill", "decode") else name
 
 
 def _bench_trace(command: str, fixed: dict, out_dir: str) -> tuple[str, tuple[str, ...]]:

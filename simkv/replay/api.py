@@ -185,8 +185,17 @@ def _replay_with_encode_pool(trace, config, cost_model, cost_options, use_decode
 def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, encode) -> None:
     """Replicas of a class's own (`FleetSpec.class_replicas`) route a fleet by the trace's
     request_class, and data-parallel ranks behind an external router (their numbers then the
-    ranks'); with vLLM's own DP balancer, P/D pools or behind encode instances they are not
-    modelled."""
+    ranks'), and each P/D pool (`DisaggregationSpec.prefill_class_replicas`, ...); with vLLM's
+    own DP balancer or behind encode instances they are not modelled."""
+    if disaggregation is not None and disaggregation.class_names:
+        if encode is not None:
+            raise ValueError("class_replicas (replicas of a request class's own) is not modelled with encode "
+                             "instances yet")
+        decode_dp = disaggregation.pool_configs(config)[1].hardware.data_parallel_size
+        if disaggregation.decode_class_replicas and decode_dp > 1:
+            raise ValueError("decode class_replicas: the decode pool's data-parallel ranks are behind vLLM's own "
+                             "DP balancer, which picks ranks by load, not by request class")
+        _check_classes_in(trace, disaggregation.class_names)
     if fleet is None or not fleet.class_replicas:
         return
     if config.hardware.data_parallel_size == 1 and fleet.num_replicas == 1:
@@ -196,14 +205,20 @@ def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, en
         raise ValueError("class_replicas on data-parallel ranks: vLLM's own DP balancer picks ranks by load, not by "
                          "request class; put the ranks behind an external router (--router round_robin, "
                          "least_outstanding or prefix_aware: vLLM's --data-parallel-external-lb)")
-    unsupported = [(disaggregation is not None, "P/D pools"), (encode is not None, "encode instances")]
+    unsupported = [(disaggregation is not None, "P/D pools (give each pool's: prefill:CLASS=REPLICAS, "
+                                                "decode:CLASS=REPLICAS)"), (encode is not None, "encode instances")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"class_replicas (replicas of a request class's own) is not modelled with {what} yet")
+    _check_classes_in(trace, [name for name, _ in fleet.class_replicas])
+
+
+def _check_classes_in(trace, names: list[str]) -> None:
+    """The trace labels its requests with every one of these classes."""
     if trace.request_class is None:
         raise ValueError(f"{trace.source}: class_replicas routes by request class, and the trace has none (no "
                          "request_class column; label it with simkv trace merge or trace transform --request-class)")
-    missing = missing_class([name for name, _ in fleet.class_replicas], trace.request_class)
+    missing = missing_class(names, trace.request_class)
     if missing is not None:
         raise ValueError(f"class_replicas: {trace.source} {missing[1]}")
 

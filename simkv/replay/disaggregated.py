@@ -41,7 +41,7 @@ from simkv.core.request import KV_PULL, KV_SEND, Request
 from simkv.replay.engine import ArrivalFeed, ReplayEngine, ReplayError, ReplayRun
 from simkv.replay.fleet import FleetRouting, ReplicaFeed, fleet_clients
 from simkv.replay.sessions import ReleaseWatch, earliest_release
-from simkv.replay.router import ROUTERS, Router, RouterOptions
+from simkv.replay.router import ROUTERS, Router, RouterError, RouterOptions, check_class_replicas
 
 TRANSFER_DONE, SEND_ABANDONED = 1, 0  # a transfer event's kind (SEND_ABANDONED: its client gave up)
 IF_IDLE, IF_WAITING, NEVER = "if idle", "if waiting", "never"  # whom a transfer event wakes (add_event)
@@ -66,6 +66,10 @@ class DisaggregationSpec:
     # decode replica will read (the proxy dropped the request in its hop): NIXL's lease,
     # VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s by default)
     kv_abort_timeout_s: float = 480.0
+    # Replicas of a request class's own in each pool (`--class-replicas prefill:docs=1`; router.py):
+    # ((request class, replicas), ...)
+    prefill_class_replicas: tuple = ()
+    decode_class_replicas: tuple = ()
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):
@@ -83,6 +87,16 @@ class DisaggregationSpec:
             raise ConfigError(f"handoff_ms must be > 0 (the proxy's hop takes time), got {self.handoff_ms}")
         if not self.kv_abort_timeout_s >= 0:
             raise ConfigError(f"kv_abort_timeout_s must be >= 0, got {self.kv_abort_timeout_s}")
+        for pool, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            try:
+                check_class_replicas(getattr(self, f"{pool}_class_replicas"), count)
+            except RouterError as exc:
+                raise ConfigError(f"{pool} pool: {exc}") from None
+
+    @property
+    def class_names(self) -> list[str]:
+        """The request classes with replicas of their own in either pool."""
+        return list(dict.fromkeys(c for c, _ in self.prefill_class_replicas + self.decode_class_replicas))
 
     def pool_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """The prefill pool's and the decode pool's engine configs: `base` with each pool's options."""
@@ -126,7 +140,9 @@ class DisaggregationSpec:
                 "prefill_options": dict(self.prefill_options), "decode_options": dict(self.decode_options),
                 "prefill_router": self.prefill_router, "decode_router": self.decode_router,
                 "router_options": self.router_options.to_dict(), "kv_link_gbps": self.kv_link_gbps,
-                "kv_link_latency_ms": self.kv_link_latency_ms, "handoff_ms": self.handoff_ms}
+                "kv_link_latency_ms": self.kv_link_latency_ms, "handoff_ms": self.handoff_ms} | {
+            f"{pool}_class_replicas": {name: list(rs) for name, rs in getattr(self, f"{pool}_class_replicas")}
+            for pool in ("prefill", "decode") if getattr(self, f"{pool}_class_replicas")}
 
 
 def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
@@ -496,9 +512,11 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     if clients is not None:
         from simkv.replay.disaggregated_clients import DecodeClientFeed, PrefillClientFeed, TransitClients
     prefill_router = Router(spec.prefill_router, spec.num_prefill, spec.router_options,
-                            cache_tokens_per_replica=prefill_capacity.kv_cache_tokens)
+                            cache_tokens_per_replica=prefill_capacity.kv_cache_tokens,
+                            class_replicas=spec.prefill_class_replicas)
     decode_router = Router(spec.decode_router, spec.num_decode, spec.router_options,
-                           cache_tokens_per_replica=decode_capacity.kv_cache_tokens)
+                           cache_tokens_per_replica=decode_capacity.kv_cache_tokens,
+                           class_replicas=spec.decode_class_replicas)
     decode_dp = decode_config.hardware.data_parallel_size
     pd = PDRouting(trace, spec, prefill_router, decode_router, max_model_len, decode_dp,
                    clients=clients, pacing=prefill_config.scheduler)

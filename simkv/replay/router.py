@@ -97,6 +97,18 @@ def parse_class_replicas(items: tuple[str, ...] | list[str]) -> tuple[tuple[str,
     return tuple(out.items())
 
 
+def split_pool_class_replicas(items: list[str]) -> tuple[tuple, tuple]:
+    """P/D pools: ``["prefill:docs=1", "decode:docs=0-1"]`` -> each pool's parse_class_replicas."""
+    pools: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for item in items:
+        pool, sep, rest = item.partition(":")
+        if not sep or pool not in pools:
+            raise RouterError(f"--class-replicas {item!r}: with P/D pools an item names its pool "
+                              "(prefill:docs=1 or decode:docs=0-1)")
+        pools[pool].append(rest)
+    return parse_class_replicas(pools["prefill"]), parse_class_replicas(pools["decode"])
+
+
 def check_class_replicas(class_replicas: tuple, num_replicas: int) -> dict[str, tuple[int, ...]]:
     """As a mapping, each replica number checked against the fleet's size."""
     out = {}

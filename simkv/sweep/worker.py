@@ -99,23 +99,23 @@ def pool_specs(fleet: dict | None):
     (`prefill_replicas`, `decode_replicas`, the pools' routers, the link) has two pools; prefix_aware's
     thresholds then apply to whichever pool routes with it."""
     from simkv.replay.disaggregated import DisaggregationSpec
-    from simkv.replay.router import RouterError, RouterOptions
+    from simkv.replay.router import RouterError, RouterOptions, split_pool_class_replicas
     from simkv.sweep.grid import PD_KEYS
 
     fleet = dict(fleet or {})
     pd = {k: fleet.pop(k) for k in PD_KEYS if k in fleet}
     if not pd:
         return fleet_spec(fleet), None
-    if fleet.get("class_replicas"):
-        raise RouterError("class_replicas (replicas of a request class's own) is not modelled with P/D "
-                          "disaggregation yet")
+    classes = fleet.pop("class_replicas", None)  # (each pool's: prefill:docs=1;decode:docs=0)
+    prefill_classes, decode_classes = split_pool_class_replicas(classes.split(";")) if classes else ((), ())
     if fleet.get("replicas", 1) != 1:
         raise RouterError("replicas: a cell with P/D keys (prefill_replicas, decode_replicas, ...) sets its pools "
                           "itself; drop replicas")
     options = dict(fleet.get("router_options") or {}) | {k: fleet[k] for k in ROUTER_OPTION_KEYS if k in fleet}
     return None, DisaggregationSpec(
         num_prefill=pd.pop("prefill_replicas", 1), num_decode=pd.pop("decode_replicas", 1),
-        router_options=RouterOptions.parse([f"{k}={v}" for k, v in options.items()]), **pd)
+        router_options=RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),
+        prefill_class_replicas=prefill_classes, decode_class_replicas=decode_classes, **pd)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -233,7 +233,7 @@ def test_a_fleet_routes_each_class_to_its_replicas(tmp_path):
     assert "per request class" in text
     assert "replica 3 is not one of the fleet's 0-2" in cli_fails(
         ["replay", str(path), "--out", str(tmp_path / "x"), "--replicas", "3", "--class-replicas", "batch=3"])
-    assert "not modelled with P/D pools" in cli_fails(
+    assert "with P/D pools an item names its pool" in cli_fails(
         ["replay", str(path), "--out", str(tmp_path / "x"), "--prefill-replicas", "1", "--decode-replicas", "1",
          "--class-replicas", "batch=0"])
 
@@ -315,7 +315,12 @@ def test_a_sweep_may_give_a_class_replicas_of_its_own(tmp_path):
         ["sweep", str(plain), "--set", "class_replicas=docs=1", "--out", str(tmp_path / "s4")])
     failed = cli_fails(["sweep", str(trace), "--set", "class_replicas=batch=0", "--set", "prefill_replicas=1",
                         "--set", "cost_model=linear", "--out", str(tmp_path / "s5")])
-    assert "not modelled with P/D disaggregation" in failed
+    assert "with P/D pools an item names its pool" in failed
+    cli_ok(["sweep", str(trace), "--set", "class_replicas=prefill:batch=1", "--set", "prefill_replicas=2",
+            "--set", "cost_model=linear", "--out", str(tmp_path / "s6"), "--quiet"])
+    row = pq.read_table(tmp_path / "s6" / "sweep.parquet").to_pylist()[0]
+    pd_section = json.loads((tmp_path / "s6" / "cells" / row["cell_id"] / "summary.json").read_text())["disaggregation"]
+    assert pd_section["prefill"]["router"]["class_replicas"] == {"batch": [1]}
 
 
 def chat_and_long_prompts(n: int = 120, seed: int = 3):
@@ -405,3 +410,40 @@ def test_data_parallel_ranks_behind_a_router_may_give_a_class_its_ranks(tmp_path
         replay(trace, config, fleet=FleetSpec(1, "round_robin", class_replicas=(("batch", (2,)),)))
     with pytest.raises(ValueError, match="one engine has no replicas to give a class"):
         replay(trace, EngineConfig.from_flat({}), "linear", LINEAR, fleet=FleetSpec(1, class_replicas=(("batch", (0,)),)))
+
+
+def test_each_pd_pool_may_give_a_class_replicas_of_its_own(tmp_path):
+    from simkv.config import ConfigError
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    trace = mixed(40)
+    spec = DisaggregationSpec(2, 2, prefill_class_replicas=(("batch", (1,)),), decode_class_replicas=(("chat", (0,)),))
+    result = replay(trace, EngineConfig.from_flat({}), "linear", LINEAR, disaggregation=spec)
+    requests = result.requests
+    batch = requests["request_class"] == "batch"
+    assert set(requests.loc[batch, "prefill_replica"]) == {1} and set(requests.loc[~batch, "prefill_replica"]) == {0}
+    assert set(requests.loc[~batch, "decode_replica"]) == {0} and set(requests.loc[batch, "decode_replica"]) == {1}
+    section = result.summary["disaggregation"]
+    assert section["prefill"]["router"]["class_replicas"] == {"batch": [1]}
+    assert section["prefill_class_replicas"] == {"batch": [1]} and section["decode_class_replicas"] == {"chat": [0]}
+    with pytest.raises(ConfigError, match="decode pool: --class-replicas chat: replica 2 is not one of the fleet's 0-1"):
+        DisaggregationSpec(2, 2, decode_class_replicas=(("chat", (2,)),))
+    with pytest.raises(ValueError, match="no request class 'docs'"):
+        replay(trace, EngineConfig.from_flat({}), "linear", LINEAR,
+               disaggregation=DisaggregationSpec(2, 1, prefill_class_replicas=(("docs", (1,)),)))
+    path = tmp_path / "mix.parquet"
+    write_trace(trace, path)
+    cli_ok(["replay", str(path), "--prefill-replicas", "2", "--class-replicas", "prefill:batch=1", "--cost-model",
+            "linear", "--out", str(tmp_path / "r"), "--quiet"])
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    assert set(requests.loc[requests["request_class"] == "batch", "prefill_replica"]) == {1}
+    (tmp_path / "c.yaml").write_text("class_replicas:\n  prefill:batch: 1\n")
+    cli_ok(["replay", str(path), "--prefill-replicas", "2", "--config", str(tmp_path / "c.yaml"), "--cost-model",
+            "linear", "--out", str(tmp_path / "r2"), "--quiet"])
+    requests = pd.read_parquet(tmp_path / "r2" / "requests.parquet")
+    assert set(requests.loc[requests["request_class"] == "batch", "prefill_replica"]) == {1}
+    out = tmp_path / "g"
+    cli_ok(["goodput", str(path), "--prefill-replicas", "2", "--class-replicas", "prefill:batch=1", "--goodput",
+            "ttft:500", "--cost-model", "linear", "--tolerance", "0.3", "--out", str(out), "--quiet"])
+    record = json.loads((out / "goodput.json").read_text())
+    assert record["disaggregation"]["prefill_class_replicas"] == {"batch": [1]}
