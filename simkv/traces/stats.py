@@ -57,6 +57,8 @@ class TraceStats:
     replies_described: int | None = None  # rows whose hash list goes on over the reply
     sessions: int | None = None  # distinct session_id values (None: no such column)
     turns_in_sessions: int | None = None
+    max_turns_per_session: int | None = None  # the longest session's rows (sticky routing piles them on one replica)
+    largest_session_tokens_share: float | None = None  # the share of all prompt tokens the largest session sends
     lora_adapters: int | None = None  # distinct lora_name values (None: no adapter named)
     rows_with_adapter: int | None = None
     mm_items: int | None = None  # multimodal items (images; None: no mm_* columns)
@@ -104,9 +106,7 @@ def trace_stats(trace: Trace, block_size: int = 16) -> TraceStats:
         reused_blocks=reuse.reused_blocks if reuse else None,
         distinct_first_blocks=reuse.distinct_first_blocks if reuse else None,
         replies_described=_replies_described(trace),
-        sessions=len({x for x in trace.session_id.tolist() if x is not None}) if trace.session_id is not None else None,
-        turns_in_sessions=int(sum(x is not None for x in trace.session_id.tolist())) if trace.session_id is not None
-        else None,
+        **_sessions(trace),
         **_adapters(trace),
         **_items(trace),
         request_classes=class_counts(trace),
@@ -192,6 +192,10 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
     if stats.sessions is not None:
         lines.append(f"sessions       {stats.sessions:,} ({stats.turns_in_sessions:,} rows; a replay paces each turn on "
                      "its previous reply)")
+        if stats.sessions:
+            lines.append(f"               longest {stats.max_turns_per_session:,} turns; the largest sends "
+                         f"{100 * stats.largest_session_tokens_share:.1f} % of the prompt tokens (one replica's "
+                         "under --router session_affinity)")
     if stats.lora_adapters is not None:
         lines.append(f"lora adapters  {stats.lora_adapters:,} ({stats.rows_with_adapter:,} rows name one; replay with "
                      "--enable-lora --max-loras K)")
@@ -210,3 +214,21 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
             lines.append(f"  {label:<12} {rate}; prompt p50 {p['p50']:.0f} p99 {p['p99']:.0f} mean {p['mean']:.1f}; "
                          f"output p50 {o['p50']:.0f} p99 {o['p99']:.0f} mean {o['mean']:.1f}")
     return "\n".join(lines)
+
+
+def _sessions(trace) -> dict:
+    """Sessions: how many, their rows, the longest's turns and the largest's share of the prompt
+    tokens (None each without a session_id column)."""
+    if trace.session_id is None:
+        return {}
+    ids = trace.session_id.tolist()
+    turns: dict = {}
+    tokens: dict = {}
+    for sid, prompt in zip(ids, trace.prompt_tokens.tolist()):
+        if sid is not None:
+            turns[sid] = turns.get(sid, 0) + 1
+            tokens[sid] = tokens.get(sid, 0) + prompt
+    total = int(trace.prompt_tokens.sum())
+    return {"sessions": len(turns), "turns_in_sessions": sum(turns.values()),
+            "max_turns_per_session": max(turns.values(), default=0),
+            "largest_session_tokens_share": max(tokens.values(), default=0) / total if total else 0.0}

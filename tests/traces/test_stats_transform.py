@@ -166,7 +166,13 @@ def test_inspect_counts_described_replies_and_sessions() -> None:
     described = sum(len(trace.block_hashes(i)) * 16 >= trace.prompt_tokens[i] + 16 for i in range(len(trace)))
     assert stats.replies_described == described > 0
     assert (stats.sessions, stats.turns_in_sessions) == (10, len(trace))
+    by_session = {}
+    for sid, prompt in zip(trace.session_id.tolist(), trace.prompt_tokens.tolist()):
+        by_session[sid] = by_session.get(sid, 0) + prompt
+    assert stats.max_turns_per_session == 3
+    assert stats.largest_session_tokens_share == max(by_session.values()) / trace.prompt_tokens.sum()
     text = format_stats(stats)
+    assert f"longest 3 turns; the largest sends {100 * stats.largest_session_tokens_share:.1f} %" in text
     assert f"sessions       10 ({len(trace)} rows" in text and f"replies        {described} rows" in text
     bare = trace_stats(multi_turn(SessionShape(sessions=10, turns=3, reply_hashes=False), seed=4), 16)
     assert bare.replies_described == 0
