@@ -56,8 +56,9 @@ OPTIONS = [
     (0.15, lambda r: ["--kv-offloading-size", r.choice(["1", "4"])] + r.choice(
         [[], ["--no-kv-offloading-prompt-only"], ["--kv-offloading-block-size", "256"]])),
     (0.12, lambda r: ["--replicas", r.choice(["2", "3"]), "--router",
-                      r.choice(["round_robin", "least_outstanding", "prefix_aware"])]),
-    (0.12, ["--prefill-replicas", "1", "--decode-replicas", "1"]),
+                      r.choice(["round_robin", "least_outstanding", "prefix_aware", "session_affinity"])]),
+    (0.12, lambda r: ["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"]
+     + r.choice([[], ["--prefill-router", "session_affinity"]])),
     (0.08, ["-pp", "2"]),
     (0.08, ["-dp", "2"]),
     (0.08, ["-pcp", "2"]),
@@ -131,7 +132,12 @@ def draw(rng: random.Random, workdir: Path, n: int) -> list[str]:
         if rng.random() < 0.4:
             args += ["--goodput", "chat:ttft:500", "--goodput", "docs:e2el:60000"]
         if rng.random() < 0.3:
-            args += ["--class-replicas", "docs=1"] + ([] if "--replicas" in args else ["--replicas", "2"])
+            if "--prefill-replicas" in args:  # (each P/D pool's; a decode pool of DP ranks refuses)
+                args += ["--class-replicas", rng.choice(["prefill:docs=0", "decode:chat=0"])]
+            elif "-dp" in args:  # (DP ranks: behind an external router only)
+                args += ["--class-replicas", "docs=1", "--router", "least_outstanding"]
+            else:
+                args += ["--class-replicas", "docs=1"] + ([] if "--replicas" in args else ["--replicas", "2"])
     if trace == "lora" and rng.random() < 0.7:
         args += ["--enable-lora", "--max-loras", rng.choice(["1", "2"])]
     return args
