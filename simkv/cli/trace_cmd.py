@@ -17,7 +17,7 @@ from simkv.traces.schema import read_trace, write_trace
 from simkv.traces.stats import class_counts, format_stats, trace_stats
 from simkv.traces.synth import ClippedLognormal, REQ400_REQUESTS, REQ400_SEED
 from simkv.traces.synth_cli import KINDS, SynthOptions, generate, parse_int_list
-from simkv.traces.transform import Edits, transform
+from simkv.traces.transform import Edits, parse_class_bins, transform
 
 
 def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,6 +168,11 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--request-class", default=None, metavar="NAME",
               help="Label every request with this class (the request_class column: a replay gives each class's "
                    "latencies and takes SLOs per class, --goodput NAME:ttft:MS).")
+@click.option("--class-by-prompt-tokens", default=None, metavar="BINS",
+              help="Label each request by its prompt's size instead: short<2048,medium<8192,long (a class below "
+                   "each bound, the last for the rest).")
+@click.option("--class-by-output-tokens", default=None, metavar="BINS",
+              help="... by its reply's size: short<128,long.")
 @click.option("--lora-adapters", type=int, default=None, metavar="N",
               help="Name a LoRA adapter for every request (lora-0 .. lora-N-1, a session's turns one adapter), "
                    "drawn with Zipf popularity (--lora-zipf); replay with --enable-lora --max-loras K.")
@@ -193,13 +198,19 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
                   time_scale: float | None, rate: float | None, time_offset: float | None, sample: float | None,
                   max_prompt_tokens: int | None, seed: int, samples: int | None, priority: int | None, request_class: str | None,
-                  lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
+                  class_by_prompt_tokens: str | None, class_by_output_tokens: str | None, lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
                   image_zipf: float, image_text_after: int, link_replies: bool) -> None:
     """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate,
-    time-offset, samples, priority, request-class, lora-adapters, images, link-replies)."""
+    time-offset, samples, priority, request-class or class-by-*, lora-adapters, images, link-replies)."""
+    if class_by_prompt_tokens is not None and class_by_output_tokens is not None:
+        raise click.UsageError("give --class-by-prompt-tokens or --class-by-output-tokens, not both")
+    class_by = None
+    for column, text in (("prompt_tokens", class_by_prompt_tokens), ("output_tokens", class_by_output_tokens)):
+        if text is not None:
+            class_by = (column, *parse_class_bins(text, f"--class-by-{column.replace('_', '-')}"))
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
                   time_scale=time_scale, rate=rate, time_offset=time_offset, samples=samples, priority=priority,
-                  request_class=request_class, seed=seed)
+                  request_class=request_class, class_by=class_by, seed=seed)
     result = transform(read_trace(path), edits)
     note = ""
     if lora_adapters is not None:

@@ -19,6 +19,8 @@ is sorted by arrival).
                  --scheduling-policy priority); merge traces to give each kind of traffic its own
   request-class NAME   label every request with this class (the `request_class` column, which a
                  replay breaks its latencies and SLOs down by; `simkv trace merge` sets it per input)
+  class-by-prompt-tokens / class-by-output-tokens BINS   label each request by its size instead:
+                 "short<2048,medium<8192,long" (a class below each bound, the last for the rest)
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ class Edits:
     samples: int | None = None
     priority: int | None = None
     request_class: str | None = None
+    # ("prompt_tokens" or "output_tokens", ((class, upper bound), ...), the last class): classes by size
+    class_by: tuple[str, tuple[tuple[str, int], ...], str] | None = None
     seed: int = 0
 
     def check(self) -> None:
@@ -66,6 +70,8 @@ class Edits:
             raise TraceError(f"--samples must be >= 1, got {self.samples}")
         if self.request_class is not None and not self.request_class.strip():
             raise TraceError("--request-class must name a class, got an empty label")
+        if self.request_class is not None and self.class_by is not None:
+            raise TraceError("--request-class labels every request alike, --class-by-* by size: give one")
 
 
 def transform(trace: Trace, edits: Edits) -> Trace:
@@ -100,7 +106,39 @@ def transform(trace: Trace, edits: Edits) -> Trace:
         trace = replace(trace, priority=np.full(len(trace), edits.priority, dtype=np.int64))
     if edits.request_class is not None:
         trace = replace(trace, request_class=np.full(len(trace), edits.request_class, dtype=object))
+    if edits.class_by is not None:
+        column, bins, last = edits.class_by
+        names = np.array([name for name, _ in bins] + [last], dtype=object)
+        bounds = np.array([bound for _, bound in bins], dtype=np.int64)
+        trace = replace(trace, request_class=names[np.searchsorted(bounds, getattr(trace, column), side="right")])
     return trace
+
+
+def parse_class_bins(text: str, flag: str) -> tuple[tuple[tuple[str, int], ...], str]:
+    """'short<2048,medium<8192,long' -> ((('short', 2048), ('medium', 8192)), 'long'): a class
+    for the sizes below each bound (bounds increasing), the last for the rest."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) < 2:
+        raise TraceError(f"{flag} {text!r}: give two classes or more, e.g. short<2048,long")
+    bins: list[tuple[str, int]] = []
+    for part in parts[:-1]:
+        name, sep, bound = part.partition("<")
+        try:
+            value = int(bound)
+        except ValueError:
+            value = 0
+        if not sep or not name.strip() or value < 1:
+            raise TraceError(f"{flag} {text!r}: {part!r} is not CLASS<TOKENS (a class name, a bound >= 1)")
+        if bins and value <= bins[-1][1]:
+            raise TraceError(f"{flag} {text!r}: the bounds must increase ({bins[-1][1]} then {value})")
+        bins.append((name.strip(), value))
+    last = parts[-1]
+    if not last or "<" in last:
+        raise TraceError(f"{flag} {text!r}: the last class takes the rest and has no bound, e.g. ...,long")
+    names = [name for name, _ in bins] + [last]
+    if len(set(names)) != len(names):
+        raise TraceError(f"{flag} {text!r}: a class is named twice")
+    return tuple(bins), last
 
 
 def _window(trace: Trace, start: float, end: float) -> Trace:

@@ -447,3 +447,30 @@ def test_each_pd_pool_may_give_a_class_replicas_of_its_own(tmp_path):
             "ttft:500", "--cost-model", "linear", "--tolerance", "0.3", "--out", str(out), "--quiet"])
     record = json.loads((out / "goodput.json").read_text())
     assert record["disaggregation"]["prefill_class_replicas"] == {"batch": [1]}
+
+
+def test_requests_may_be_classed_by_their_size(tmp_path):
+    from simkv.traces.errors import TraceError
+    from simkv.traces.transform import parse_class_bins
+
+    azure = read_trace(AZURE)
+    bins = parse_class_bins("short<1024, medium<4096, long", "--class-by-prompt-tokens")
+    assert bins == ((("short", 1024), ("medium", 4096)), "long")
+    sized = transform(azure, Edits(class_by=("prompt_tokens", *bins)))
+    prompt = azure.prompt_tokens
+    expected = np.where(prompt < 1024, "short", np.where(prompt < 4096, "medium", "long"))
+    assert sized.request_class.tolist() == expected.tolist() and {"short", "medium", "long"} == set(expected)
+    by_reply = transform(azure, Edits(class_by=("output_tokens", (("brief", 64),), "long")))
+    assert by_reply.request_class.tolist() == np.where(azure.output_tokens < 64, "brief", "long").tolist()
+    for bad, message in (("long", "two classes or more"), ("a<0,b", "not CLASS<TOKENS"), ("a<x,b", "not CLASS<TOKENS"),
+                         ("a<10,b<10,c", "the bounds must increase"), ("a<10,b<20", "the last class takes the rest"),
+                         ("a<10,a", "named twice")):
+        with pytest.raises(TraceError, match=message):
+            parse_class_bins(bad, "--class-by-prompt-tokens")
+    with pytest.raises(TraceError, match="give one"):
+        transform(azure, Edits(request_class="chat", class_by=("prompt_tokens", *bins)))
+    out = tmp_path / "sized.parquet"
+    cli_ok(["trace", "transform", AZURE, "--class-by-prompt-tokens", "short<1024,long", "--out", str(out)])
+    assert read_trace(out).request_class.tolist() == np.where(prompt < 1024, "short", "long").tolist()
+    assert "not both" in cli_fails(["trace", "transform", AZURE, "--class-by-prompt-tokens", "a<9,b",
+                                    "--class-by-output-tokens", "a<9,b", "--out", str(out)])
