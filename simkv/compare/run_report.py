@@ -236,7 +236,7 @@ def _class_table(section: dict) -> str:
     slo = any("slo_attainment" in c for c in classes.values())
     cols = ("priority" if section["by"] == "priority" else "class", "requests", "finished", "prefix hit %",
             "preemptions", "queue p50 / p99 (ms)", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "ITL p50 / p99 (ms)", "E2E p50 / p99 (s)",
-            "req/s", "output tok/s", *(["SLOs met %"] if slo else []))
+            "req/s", "output tok/s", "waited most on (requests)", *(["SLOs met %"] if slo else []))
 
     def pair(d, scale=1e3):
         return "-" if d is None or d["p50"] is None else f"{scale * d['p50']:,.1f} / {scale * d['p99']:,.1f}"
@@ -246,10 +246,18 @@ def _class_table(section: dict) -> str:
             html.escape(name), f"{c['num_requests']:,}", f"{c['num_finished']:,}",
             f"{100 * c['prefix_hit_share']:.1f}", f"{c['num_preemptions']:,}", pair(c["queue_s"]), pair(c["ttft_s"]),
             pair(c["tpot_s"]), pair(c.get("itl_s")), pair(c["e2e_s"], 1.0), f"{c['request_throughput_req_s']:,.2f}",
-            f"{c['output_throughput_tok_s']:,.0f}", *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))) + "</tr>"
+            f"{c['output_throughput_tok_s']:,.0f}", _held(c.get("queue_held_by")),
+            *([f"{100 * c['slo_attainment']:.1f}"] if slo else []))) + "</tr>"
         for name, c in classes.items())
     head = "<p>Per request class (the trace's request_class column, or its priorities).</p>"
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
+
+
+def _held(counts: dict | None) -> str:
+    """The limits that held a class's requests waiting longest, with how many each."""
+    if not counts:
+        return "-"
+    return html.escape(", ".join(f"{name} {n:,}" for name, n in list(counts.items())[:3]))
 
 
 def _pool_table(pd: dict) -> str:

@@ -99,6 +99,13 @@ def class_attainment(requests: pd.DataFrame, good: np.ndarray) -> dict[str, tupl
     return out
 
 
+def held_by(column: pd.Series) -> dict[str, int]:
+    """Requests per limit that held them in the waiting queue longest (requests.parquet's
+    queue_held_by; those that waited on none left out), most first."""
+    counts = pd.Series(column.astype(str)).value_counts()
+    return {str(k): int(v) for k, v in counts.items() if v and k != "none"}
+
+
 def classes_summary(requests: pd.DataFrame, duration_s: float, good: np.ndarray | None = None,
                     itl: dict[str, dict] | None = None) -> dict:
     """summary.json's `classes` section ({} when the trace has no classes). `good`: which
@@ -135,6 +142,7 @@ def classes_summary(requests: pd.DataFrame, duration_s: float, good: np.ndarray 
             **({"itl_s": itl[name]} if itl and name in itl else {}),
             "e2e_s": dist(part["e2e_s"].to_numpy()),
             "queue_s": dist(part["queue_s"].to_numpy()),
+            **({"queue_held_by": held_by(part["queue_held_by"])} if "queue_held_by" in part else {}),
             "request_throughput_req_s": float(finished.sum()) / duration_s if duration_s > 0 else 0.0,
             "output_throughput_tok_s": out_tokens / duration_s if duration_s > 0 else 0.0,
         }

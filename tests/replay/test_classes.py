@@ -79,6 +79,8 @@ def test_replay_breaks_latencies_down_by_class_recomputably():
         assert c["prompt_tokens"] == int(rows["prompt_tokens"].sum())
         assert c["prefix_hit_tokens"] == int(rows["prefix_hit_tokens"].sum())
         assert c["slo_attainment"] == summary["goodput"]["attainment_by_class"][name]
+        waited = rows["queue_held_by"].astype(str)
+        assert c["queue_held_by"] == {k: int((waited == k).sum()) for k in set(waited) - {"none"}}
     chat, batch = classes["classes"]["chat"], classes["classes"]["batch"]
     assert chat["output_tokens"] + batch["output_tokens"] == int(requests["output_tokens"].sum())
     # the batch class is held to its E2E limit, not to the 300 ms TTFT every chat turn must meet
@@ -87,6 +89,7 @@ def test_replay_breaks_latencies_down_by_class_recomputably():
     batch_good = ok & (requests["request_class"] == "batch") & (requests["ttft_s"] <= 0.3) & (requests["e2e_s"] <= 60)
     assert summary["goodput"]["num_good"] == int((chat_good | batch_good).sum())
     assert 0 < chat_good.sum() < len(trace) / 2  # the limit bites
+    assert sum(classes["classes"]["chat"]["queue_held_by"].values()) > 0  # (16 sequences: the chat waits on them)
 
 
 def test_priorities_are_the_classes_of_a_trace_without_labels():
