@@ -256,7 +256,8 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                 config_file: str | None, cost_model: str,
                 step_base_s: float,
                 step_per_token_s: float, gpu_prices: tuple[str, ...], out_dir: str | None, quiet: bool, replicas: int,
-                router: str, router_options: tuple[str, ...], class_replicas: tuple[str, ...], **flags) -> None:
+                router: str, router_options: tuple[str, ...], class_replicas: tuple[str, ...],
+                replica_sets: tuple[str, ...], **flags) -> None:
     """Replay TRACE at scaled arrival rates to find the highest request rate at which the engine
     (or --replicas of it behind --router) still meets the --goodput SLOs for --attainment of the
     requests. With --target-rate: the replicas that rate needs, checked by replaying the trace at
@@ -277,6 +278,8 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                            or closed_loop):
         raise click.UsageError("--class-replicas goes with one fleet's or one pair of P/D pools' search: drop "
                                "--layouts/--pd-splits/--grid/--target-rate/--clients")
+    if replica_sets and (layouts is not None or pd_splits is not None or closed_loop):
+        raise click.UsageError("--replica-set searches one fleet of mixed engines: drop --layouts/--pd-splits/--clients")
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
@@ -306,7 +309,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         router_options = ()
         disaggregation = pool_class_replicas(disaggregation, class_replicas, config_file)
     router_flag = router
-    fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, pools=disaggregation is not None)
+    if replica_sets and (disaggregation is not None or prices or grids or target_rate is not None):
+        raise click.UsageError("--replica-set searches one fleet of mixed engines: drop --gpu-price/--grid/"
+                               "--target-rate and the P/D pools")
+    fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, pools=disaggregation is not None,
+                       replica_sets=replica_sets)
     replicas, router = fleet.num_replicas, fleet.policy
     slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids),
                                     vllm_bench=vllm_bench, vllm_multi_turn=vllm_multi_turn)

@@ -311,6 +311,9 @@ def fleet_options(command):
                           "--data-parallel-external-lb) instead of vLLM's own balancer."),
         click.option("--router-option", "router_options", multiple=True, metavar="KEY=VALUE",
                      help="prefix_aware's thresholds: cache_threshold (0.3), balance_abs (64), balance_rel (1.5)."),
+        click.option("--replica-set", "replica_sets", multiple=True, metavar="REPLICAS:KEY=VALUE,...",
+                     help="Replicas whose engines differ from the others, e.g. 2-3:gpu=H200,tensor_parallel_size=2 "
+                          "(engine option names; the rest run the common options): a fleet of mixed GPUs."),
         click.option("--class-replicas", "class_replicas", multiple=True, metavar="CLASS=REPLICAS",
                      help="Give a request class (the trace's request_class) replicas of its own, e.g. docs=3 or "
                           "chat=0-2: its requests go there only, other classes' to the unclaimed replicas (DP "
@@ -321,7 +324,8 @@ def fleet_options(command):
 
 
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
-               config_file: str | None = None, class_replicas: tuple[str, ...] = (), pools: bool = False):
+               config_file: str | None = None, class_replicas: tuple[str, ...] = (), pools: bool = False,
+               replica_sets: tuple[str, ...] = ()):
     """The FleetSpec of --replicas/--router/--router-option/--class-replicas over the --config
     file's `replicas`, `router`, `router_options` and `class_replicas` mappings (flags win, router
     options key by key; one replica is the plain engine); a click error naming the flag or the
@@ -366,9 +370,41 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     flag = "--class-replicas"
     items, from_file = class_replica_items(class_replicas, file, config_file) if not pools else ([], False)
     try:
-        return FleetSpec(replicas, router, options, parse_class_replicas(items))
+        classes = parse_class_replicas(items)
     except RouterError as exc:
         raise bad(str(exc), from_file) from None
+    flag = "--replica-set"
+    try:
+        return FleetSpec(replicas, router, options, classes, parse_replica_sets(replica_sets))
+    except RouterError as exc:
+        raise bad(str(exc), False) from None
+
+
+def parse_replica_sets(items: tuple[str, ...]) -> tuple:
+    """``("2-3:gpu=H200,tensor_parallel_size=2",)`` -> ``(((2, 3), (("gpu", "H200"), ("tensor_parallel_size",
+    2))),)`` (FleetSpec.replica_sets; the options checked when the replicas' configs are built)."""
+    from simkv.replay.router import RouterError
+    from simkv.sweep.grid import parse_value
+
+    out = []
+    for item in items:
+        span, sep, rest = item.partition(":")
+        lo, dash, hi = span.strip().partition("-")
+        try:
+            replicas = tuple(range(int(lo), int(hi) + 1)) if dash else (int(lo),)
+        except ValueError:
+            replicas = ()
+        options = []
+        for part in rest.split(",") if sep else ():
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip() or not value.strip():
+                replicas = ()
+                break
+            options.append((key.strip().replace("-", "_"), parse_value(value)))
+        if not replicas or not options:
+            raise RouterError(f"--replica-set {item!r}: expected REPLICAS:KEY=VALUE,... (2-3:gpu=H200)")
+        out.append((replicas, tuple(options)))
+    return tuple(out)
 
 
 def class_replica_items(class_replicas: tuple[str, ...], file: dict, config_file: str | None) -> tuple[list, bool]:
@@ -787,7 +823,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                step_per_token_s: float, no_decode_runs: bool, quiet: bool, backend: str, device: str | None,
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
                noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
-               router_options: tuple[str, ...], class_replicas: tuple[str, ...], **flags) -> None:
+               router_options: tuple[str, ...], class_replicas: tuple[str, ...], replica_sets: tuple[str, ...],
+               **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -807,10 +844,12 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                                    "--prefill-router/--decode-router; drop --replicas/--router")
         if backend == "gpu":
             raise click.UsageError("P/D disaggregation is simulated only (the gpu backend runs one engine)")
+        if replica_sets:
+            raise click.UsageError("--replica-set: P/D pools set each pool's engines with --prefill-set/--decode-set")
         disaggregation = pool_class_replicas(disaggregation, class_replicas, config_file)
         fleet = None
     else:
-        fleet = read_fleet(replicas, router, router_options, config_file, class_replicas)
+        fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, replica_sets=replica_sets)
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")

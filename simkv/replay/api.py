@@ -21,7 +21,7 @@ from simkv.replay.classes import classes_summary, missing_class, trace_labels, w
 from simkv.replay.goodput import check_slo_classes, goodput_summary, judge
 from simkv.replay.pipeline import pipeline_summary
 from simkv.replay.results import class_itl, frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
-from simkv.replay.router import Router, RouterOptions
+from simkv.replay.router import Router, RouterError, RouterOptions
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,47 @@ class FleetSpec:
     router: str | None = None
     options: RouterOptions = RouterOptions()
     class_replicas: tuple = ()  # ((request class, replicas), ...): classes with replicas of their own (router.py)
+    # ((replicas, ((engine option, value), ...)), ...): replicas whose engines differ from the others
+    # (another GPU, TP size, batch limits: `--replica-set 2-3:gpu=H200`); the rest run the common options
+    replica_sets: tuple = ()
 
     def __post_init__(self) -> None:
         # (RouterError, a ValueError, names what is wrong; on one engine, class replicas number the
         # data-parallel ranks, checked where the ranks' router is made)
         Router(self.policy, self.num_replicas, self.options,
                class_replicas=self.class_replicas if self.num_replicas > 1 else ())
+        seen: set[int] = set()
+        for replicas, _ in self.replica_sets:
+            for r in replicas:
+                if not 0 <= r < self.num_replicas:
+                    raise RouterError(f"--replica-set: replica {r} is not one of the fleet's 0-{self.num_replicas - 1}")
+                if r in seen:
+                    raise RouterError(f"--replica-set: replica {r} is in two sets")
+                seen.add(r)
+
+    def replica_configs(self, base: EngineConfig) -> list[EngineConfig] | None:
+        """Each replica's engine config where replica sets differ (None: every replica runs `base`);
+        ConfigError naming the set whose options do not build or change what every replica
+        must share (max_model_len: the router refuses a prompt for the fleet)."""
+        if not self.replica_sets:
+            return None
+        from simkv.config import ConfigError
+
+        configs = [base] * self.num_replicas
+        for replicas, options in self.replica_sets:
+            where = f"--replica-set {','.join(map(str, replicas))}"
+            try:
+                config = EngineConfig.from_flat(base.given_options() | dict(options))
+            except (ConfigError, TypeError, ValueError) as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            if config.max_model_len != base.max_model_len:
+                raise ConfigError(f"{where}: max_model_len {config.max_model_len} differs from the fleet's "
+                                  f"{base.max_model_len}; every replica takes the same prompts (give max_model_len)")
+            if config.hardware.data_parallel_size > 1:
+                raise ConfigError(f"{where}: data-parallel ranks in a fleet are not modelled")
+            for r in replicas:
+                configs[r] = config
+        return configs
 
     @property
     def policy(self) -> str:
@@ -50,6 +85,8 @@ class FleetSpec:
         out = {"num_replicas": self.num_replicas, "router": self.policy, "router_options": self.options.to_dict()}
         if self.class_replicas:
             out["class_replicas"] = {name: list(rs) for name, rs in self.class_replicas}
+        if self.replica_sets:
+            out["replica_sets"] = [{"replicas": list(rs), "options": dict(opts)} for rs, opts in self.replica_sets]
         return out
 
 
@@ -337,20 +374,40 @@ def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:
 
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
                   fleet: FleetSpec, capacity) -> ReplayResult:
+    configs = fleet.replica_configs(config)
+    if configs is not None:
+        _check_replica_sets(config)
+    configs = configs or [config] * fleet.num_replicas
+    capacities = [capacity if c is config else compute_capacity(c) for c in configs]
     router = Router(fleet.policy, fleet.num_replicas, fleet.options,
-                    cache_tokens_per_replica=capacity.num_gpu_blocks * config.kv_manager_block_size,
+                    cache_tokens_per_replica=[cap.num_gpu_blocks * c.kv_manager_block_size
+                                              for c, cap in zip(configs, capacities)],
                     class_replicas=fleet.class_replicas)
     seed = cost_options.get("noise_seed", 0)  # replicas' step noise: independent draws
-    backends = [make_backend(cost_model, config, **(cost_options | {"noise_seed": seed + r}))
+    backends = [make_backend(cost_model, configs[r], **(cost_options | {"noise_seed": seed + r}))
                 for r in range(fleet.num_replicas)]
+    replicas = (configs, capacities) if fleet.replica_sets else None
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
         runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,
-                                  use_decode_runs, on_progress)
+                                  use_decode_runs, on_progress, replicas=replicas)
         wall = time.perf_counter() - t0
         requests, steps, per_replica = fleet_tables(runs, routing, trace, frontend_latency(backends[0]))
-        summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica)
+        summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica,
+                                replicas=replicas)
+    if fleet.replica_sets:
+        summary["fleet"]["replica_sets"] = fleet.to_dict()["replica_sets"]
     return ReplayResult(summary, requests, steps, runs[0], runs)
+
+
+def _check_replica_sets(config: EngineConfig) -> None:
+    """Replicas of different engines: what the fleet's summary pools over its replicas as one
+    engine's (a CPU tier's, LoRA adapters') is not modelled across differing replicas."""
+    unsupported = [(config.cache.kv_offloading_size is not None, "KV offloading (kv_offloading_size)"),
+                   (config.scheduler.enable_lora, "LoRA adapters")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"replica sets (replicas of different engines) are not modelled with {what} yet")
 
 
 def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector,

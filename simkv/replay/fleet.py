@@ -330,9 +330,11 @@ def fleet_clients(trace, config):
 
 
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
-              use_decode_runs: bool = True, on_progress=None, prepare=None) -> tuple[list[ReplayRun], FleetRouting]:
+              use_decode_runs: bool = True, on_progress=None, prepare=None,
+              replicas: tuple[list, list] | None = None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on len(backends) replicas (one backend each) behind `router`; `prepare`:
-    called with each engine before the run (an encode pool's shared store)."""
+    called with each engine before the run (an encode pool's shared store); `replicas`: each
+    replica's (engine config, capacity) where they differ (FleetSpec.replica_sets)."""
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
     routing = FleetRouting(trace, router, config.max_model_len, clients=clients, pacing=config.scheduler)
@@ -344,8 +346,10 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
             return lambda scheduler, log: ReplicaClientFeed(routing, replica, trace, scheduler, log, config)
         return lambda scheduler, log: ReplicaFeed(routing, replica, trace, scheduler, log, config.max_model_len)
 
-    engines = [ReplayEngine(trace, config, backend, num_gpu_blocks, use_decode_runs, on_progress, capacity=capacity,
-                            env=env, make_feed=feed_of(r)) for r, backend in enumerate(backends)]
+    configs, capacities = replicas or ([config] * len(backends), [capacity] * len(backends))
+    engines = [ReplayEngine(trace, configs[r], backend, capacities[r].num_gpu_blocks if replicas else num_gpu_blocks,
+                            use_decode_runs, on_progress, capacity=capacities[r], env=env, make_feed=feed_of(r))
+               for r, backend in enumerate(backends)]
     routing.engines = engines
     for engine in engines if prepare is not None else ():
         prepare(engine)
@@ -388,14 +392,16 @@ def fleet_tables(runs: list[ReplayRun], routing: FleetRouting, trace,
 
 
 def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, backends, capacity, wall_time_s: float,
-                  requests: pd.DataFrame, per_replica: list[pd.DataFrame]) -> dict:
+                  requests: pd.DataFrame, per_replica: list[pd.DataFrame], replicas: tuple[list, list] | None = None) -> dict:
     """summary.json of a fleet: the same keys as one engine's, over the whole fleet (latencies over
     all requests, counts summed, ratios pooled; per-engine peaks and `num_gpu_blocks` are per
     replica, the largest over the replicas; `mean_running` is the mean over all replicas' steps),
     plus `fleet`: the router and one row per replica."""
+    configs, capacities = replicas or ([config] * len(runs), [capacity] * len(runs))
+    differ = replicas is not None
     replicas = []
     for r, (run, frame) in enumerate(zip(runs, per_replica)):
-        s = summarize(run, trace, config, backends[r], capacity, 0.0, frame)
+        s = summarize(run, trace, configs[r], backends[r], capacities[r], 0.0, frame)
         s["num_requests"] = int((routing.assignment == r).sum())
         s["num_rejected"] = 0
         replicas.append(s)
@@ -403,8 +409,8 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
     finished = status == "finished"
     duration = max((s["duration_s"] for s in replicas), default=0.0)
     stored = wasted = 0
-    for run, frame in zip(runs, per_replica):
-        a, b = stored_and_wasted_slots(run, config, frame["status"].to_numpy() == "finished")
+    for run, frame, replica_config in zip(runs, per_replica, configs):
+        a, b = stored_and_wasted_slots(run, replica_config, frame["status"].to_numpy() == "finished")
         stored, wasted = stored + a, wasted + b
     samples = [itl_samples(run) for run in runs]
     queries = sum(s["prefix_cache_queries_tokens"] for s in replicas)
@@ -438,7 +444,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "peak_running": largest("peak_running"),
         "mean_running": float(sum(s["mean_running"] * s["num_steps"] for s in replicas) / max(total("num_steps"), 1)),
         "peak_waiting": largest("peak_waiting"),
-        "num_gpu_blocks": replicas[0]["num_gpu_blocks"],
+        "num_gpu_blocks": largest("num_gpu_blocks"),
         "peak_blocks_used": largest("peak_blocks_used"),
         "num_preemptions": total("num_preemptions"),
         "num_preempted_requests": total("num_preempted_requests"),
@@ -469,8 +475,17 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         summary["client"] = client_section(config.scheduler, routing.clients.attempts, requests,
                                            [run.feed for run in runs], routing.sessions)
     summary["fleet"] = {"num_replicas": len(runs), "router": routing.router.describe(),
-                        "replicas": [_replica_row(r, s) for r, s in enumerate(replicas)]}
+                        "replicas": [_replica_row(r, s) | (_engine_of(s) if differ else {})
+                                     for r, s in enumerate(replicas)]}
     return summary
+
+
+def _engine_of(s: dict) -> dict:
+    """Where replicas differ (replica sets): a replica's GPU, parallelism and KV cache."""
+    config = s["config"]
+    return {"gpu": config["gpu"], "tensor_parallel_size": config["tensor_parallel_size"],
+            "pipeline_parallel_size": config["pipeline_parallel_size"], "num_gpu_blocks": s["num_gpu_blocks"],
+            "max_num_seqs": config["max_num_seqs"], "max_num_batched_tokens": config["max_num_batched_tokens"]}
 
 
 def _replica_row(replica: int, s: dict) -> dict:

@@ -263,13 +263,15 @@ def class_table(section: dict) -> Table:
 def replica_table(fleet: dict) -> Table:
     """One row per replica of a fleet (peaks are per replica; the table above takes the largest)."""
     table = Table(title="per replica")
-    for name in ("replica", "requests", "running peak / mean", "preemptions", "prefix hit %",
-                 "TTFT ms p50 / p99", "ITL ms p50 / p99", "busy until s"):
+    mixed = "gpu" in fleet["replicas"][0]  # (replica sets: the replicas' engines differ)
+    for name in ("replica", *(["GPU x TP", "KV blocks"] if mixed else []), "requests", "running peak / mean",
+                 "preemptions", "prefix hit %", "TTFT ms p50 / p99", "ITL ms p50 / p99", "busy until s"):
         table.add_column(name, justify="right")
     for row in fleet["replicas"]:
         def pair(d):
             return "-" if d["p50"] is None else f"{1e3 * d['p50']:,.1f} / {1e3 * d['p99']:,.1f}"
-        table.add_row(str(row["replica"]), f"{row['num_requests']:,}",
+        engine = [f"{row['gpu']} x {row['tensor_parallel_size']}", f"{row['num_gpu_blocks']:,}"] if mixed else []
+        table.add_row(str(row["replica"]), *engine, f"{row['num_requests']:,}",
                       f"{row['peak_running']:,} / {row['mean_running']:,.1f}", f"{row['num_preemptions']:,}",
                       f"{100 * row['prefix_cache_hit_rate']:.1f}", pair(row["ttft_s"]), pair(row["itl_s"]),
                       f"{row['duration_s']:,.1f}")

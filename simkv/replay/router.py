@@ -174,7 +174,7 @@ class PrefixIndex:
 
 class Router:
     def __init__(self, policy: str, num_replicas: int, options: RouterOptions | None = None,
-                 cache_tokens_per_replica: int = 0, class_replicas: tuple = ()) -> None:
+                 cache_tokens_per_replica: int | list[int] = 0, class_replicas: tuple = ()) -> None:
         """`class_replicas`: ((request class, replicas), ...): that class's requests go to those
         replicas only, the other classes' to the replicas no class claims (all, where every one
         is claimed); the policy picks among them."""
@@ -190,8 +190,9 @@ class Router:
         self._others = tuple(r for r in range(num_replicas) if r not in claimed) or tuple(range(num_replicas))
         self._last: dict[tuple[int, ...], int] = {}  # per set of candidates, the replica it chose last
         self.num_by_reason = {"round_robin": 0, "least_loaded": 0, "prefix_match": 0, "rebalance": 0, "session": 0}
-        self.indexes = ([PrefixIndex(cache_tokens_per_replica) for _ in range(num_replicas)]
-                        if policy == "prefix_aware" else None)
+        capacities = (cache_tokens_per_replica if isinstance(cache_tokens_per_replica, list)
+                      else [cache_tokens_per_replica] * num_replicas)  # (replicas of different engines: each its own)
+        self.indexes = ([PrefixIndex(tokens) for tokens in capacities] if policy == "prefix_aware" else None)
 
     def candidates(self, request_class: str | None) -> tuple[int, ...]:
         """The replicas a request of this class may go to."""

@@ -278,3 +278,57 @@ def test_session_affinity_keeps_every_turn_of_a_conversation_on_one_replica():
     router = Router("session_affinity", 4, class_replicas=(("docs", (2, 3)),))
     assert router.choose([0] * 4, None, 0, None, "docs", "chat-7") == session_replica("chat-7", (2, 3))
     assert router.choose([0] * 4, None, 0, None, "chat", "chat-7") == session_replica("chat-7", (0, 1))
+
+
+def test_replicas_may_run_different_engines():
+    from simkv.config import ConfigError
+
+    trace = loaded_trace(200, seed=5)
+    cfg = EngineConfig.from_flat({"max_model_len": 2048, "max_num_batched_tokens": 512})
+    plain = replay(trace, cfg, fleet=FleetSpec(3, "least_outstanding"))
+    same = replay(trace, cfg, fleet=FleetSpec(3, "least_outstanding", replica_sets=(((2,), (("gpu", "H100-SXM"),)),)))
+    pd.testing.assert_frame_equal(plain.requests, same.requests)  # (a set of the common engine changes nothing)
+    mixed = replay(trace, cfg, fleet=FleetSpec(3, "least_outstanding",
+                                               replica_sets=(((1, 2), (("gpu", "H200"), ("max_num_seqs", 8))),)))
+    rows = mixed.summary["fleet"]["replicas"]
+    h200 = EngineConfig.from_flat(cfg.given_options() | {"gpu": "H200", "max_num_seqs": 8})
+    assert [(r["gpu"], r["num_gpu_blocks"], r["max_num_seqs"]) for r in rows] == [
+        ("H100-SXM", compute_capacity(cfg).num_gpu_blocks, cfg.scheduler.max_num_seqs),
+        ("H200", compute_capacity(h200).num_gpu_blocks, 8), ("H200", compute_capacity(h200).num_gpu_blocks, 8)]
+    assert mixed.summary["fleet"]["replica_sets"] == [{"replicas": [1, 2], "options": {"gpu": "H200", "max_num_seqs": 8}}]
+    assert mixed.summary["num_gpu_blocks"] == compute_capacity(h200).num_gpu_blocks  # (the largest replica's)
+    steps = pd.DataFrame(mixed.steps)
+    assert steps[steps["replica"] > 0]["num_running"].max() <= 8 < steps[steps["replica"] == 0]["num_running"].max()
+    # the prefix-aware router's index holds as many tokens as each replica's cache
+    router = Router("prefix_aware", 2, cache_tokens_per_replica=[100, 300])
+    assert [index.capacity_tokens for index in router.indexes] == [100, 300]
+    for sets, message in (((((3,), (("gpu", "H200"),)),), "replica 3 is not one of the fleet's 0-2"),
+                          ((((1,), (("gpu", "H200"),)), ((1,), (("gpu", "A100-80GB"),))), "replica 1 is in two sets")):
+        with pytest.raises(RouterError, match=message):
+            FleetSpec(3, replica_sets=sets)
+    for options, message in (((("gpu", "Z9"),), "--replica-set 1: unknown GPU 'Z9'"),
+                             ((("max_model_len", 1024),), "max_model_len 1024 differs from the fleet's 2048")):
+        with pytest.raises(ConfigError, match=message):
+            replay(trace, cfg, fleet=FleetSpec(3, replica_sets=(((1,), options),)))
+    with pytest.raises(ValueError, match="not modelled with KV offloading"):
+        replay(trace, EngineConfig.from_flat(cfg.given_options() | {"kv_offloading_size": 4}),
+               fleet=FleetSpec(3, replica_sets=(((1,), (("gpu", "H200"),)),)))
+
+
+def test_cli_replica_sets(tmp_path):
+    trace = loaded_trace(60, seed=6)
+    path = tmp_path / "t.parquet"
+    from simkv.traces.schema import write_trace
+
+    write_trace(trace, path)
+    result = CliRunner().invoke(main, ["replay", str(path), "--replicas", "2", "--replica-set", "1:gpu=H200",
+                                       "--max-model-len", "2048", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "r" / "summary.json").read_text())["fleet"]["replicas"]
+    assert [row["gpu"] for row in rows] == ["H100-SXM", "H200"] and "per replica" in result.output
+    for args, message in ((["--replica-set", "1"], "expected REPLICAS:KEY=VALUE"),
+                          (["--replica-set", "1:gpu=H200", "--prefill-replicas", "1"], "--prefill-set/--decode-set")):
+        result = CliRunner().invoke(main, ["replay", str(path), "--replicas", "2", "--out", str(tmp_path / "x")] + args
+                                    if "--prefill-replicas" not in args else
+                                    ["replay", str(path), "--out", str(tmp_path / "x")] + args)
+        assert result.exit_code != 0 and message in result.output, result.output
