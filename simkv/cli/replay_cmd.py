@@ -371,6 +371,7 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     items, from_file = class_replica_items(class_replicas, file, config_file) if not pools else ([], False)
     try:
         classes = parse_class_replicas(items)
+        FleetSpec(replicas, router, options, classes)  # (the class replicas checked against the fleet)
     except RouterError as exc:
         raise bad(str(exc), from_file) from None
     flag = "--replica-set"
