@@ -56,7 +56,8 @@ OPTIONS = [
     (0.15, lambda r: ["--kv-offloading-size", r.choice(["1", "4"])] + r.choice(
         [[], ["--no-kv-offloading-prompt-only"], ["--kv-offloading-block-size", "256"]])),
     (0.12, lambda r: ["--replicas", r.choice(["2", "3"]), "--router",
-                      r.choice(["round_robin", "least_outstanding", "prefix_aware", "session_affinity"])]),
+                      r.choice(["round_robin", "least_outstanding", "prefix_aware", "session_affinity"])]
+     + r.choice([[], ["--replica-set", "1:gpu=H200"], ["--replica-set", "0:max_num_seqs=4,kv_cache_dtype=fp8"]])),
     (0.12, lambda r: ["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"]
      + r.choice([[], ["--prefill-router", "session_affinity"]])),
     (0.08, ["-pp", "2"]),
