@@ -193,7 +193,7 @@ def load_config_file(path: str) -> dict:
     return data
 
 
-FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "class_replicas", "disaggregation",
+FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "class_replicas", "replica_sets", "disaggregation",
                      "encode_pool")  # --config keys that are not engine options
 
 
@@ -375,10 +375,15 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     except RouterError as exc:
         raise bad(str(exc), from_file) from None
     flag = "--replica-set"
+    sets = file.get("replica_sets") or {}  # ({"2-3": {gpu: H200, ...}}; the flags replace it whole)
+    if not isinstance(sets, dict) or not all(isinstance(v, dict) for v in sets.values()):
+        raise bad("replica_sets must be a mapping of REPLICAS: {option: value, ...}", True)
+    items = replica_sets or tuple(f"{span}:" + ",".join(f"{k}={v}" for k, v in options_of.items())
+                                  for span, options_of in sets.items())
     try:
-        return FleetSpec(replicas, router, options, classes, parse_replica_sets(replica_sets))
+        return FleetSpec(replicas, router, options, classes, parse_replica_sets(items))
     except RouterError as exc:
-        raise bad(str(exc), False) from None
+        raise bad(str(exc), not replica_sets and bool(sets)) from None
 
 
 def parse_replica_sets(items: tuple[str, ...]) -> tuple:

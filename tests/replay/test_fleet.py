@@ -332,3 +332,21 @@ def test_cli_replica_sets(tmp_path):
                                     if "--prefill-replicas" not in args else
                                     ["replay", str(path), "--out", str(tmp_path / "x")] + args)
         assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_a_config_file_may_give_the_replica_sets(tmp_path):
+    from simkv.traces.schema import write_trace
+
+    path = tmp_path / "t.parquet"
+    write_trace(loaded_trace(40, seed=7), path)
+    (tmp_path / "f.yaml").write_text("replicas: 2\nmax_model_len: 2048\nreplica_sets:\n  '1':\n    gpu: H200\n"
+                                     "    max_num_seqs: 16\n")
+    result = CliRunner().invoke(main, ["replay", str(path), "--config", str(tmp_path / "f.yaml"), "--quiet",
+                                       "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "r" / "summary.json").read_text())["fleet"]["replicas"]
+    assert [(row["gpu"], row["max_num_seqs"]) for row in rows][1] == ("H200", 16)
+    (tmp_path / "g.yaml").write_text("replicas: 2\nreplica_sets: [1]\n")
+    result = CliRunner().invoke(main, ["replay", str(path), "--config", str(tmp_path / "g.yaml"),
+                                       "--out", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "g.yaml: replica_sets must be a mapping" in result.output
