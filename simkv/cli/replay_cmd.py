@@ -331,7 +331,7 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     options key by key; one replica is the plain engine); a click error naming the flag or the
     file otherwise. `pools`: P/D pools take the class replicas (pool_class_replicas), not the fleet."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import ROUTERS, RouterError, RouterOptions, parse_class_replicas
+    from simkv.replay.router import ROUTERS, RouterError, RouterOptions, check_class_replicas, parse_class_replicas
 
     file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
 
@@ -371,7 +371,8 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     items, from_file = class_replica_items(class_replicas, file, config_file) if not pools else ([], False)
     try:
         classes = parse_class_replicas(items)
-        FleetSpec(replicas, router, options, classes)  # (the class replicas checked against the fleet)
+        if replicas > 1:  # (on one engine they number the DP ranks: checked where their router is made)
+            check_class_replicas(classes, replicas)
     except RouterError as exc:
         raise bad(str(exc), from_file) from None
     flag = "--replica-set"
@@ -416,13 +417,15 @@ def parse_replica_sets(items: tuple[str, ...]) -> tuple:
 def class_replica_items(class_replicas: tuple[str, ...], file: dict, config_file: str | None) -> tuple[list, bool]:
     """--class-replicas' items, else the --config file's `class_replicas` mapping ({class: "0-2" |
     3 | [0, 1]}) as items (the flags replace it whole); and whether they came from the file."""
+    from simkv.replay.router import class_replica_items_of
+
     from_file = file.get("class_replicas") or {}
     if not isinstance(from_file, dict):
         raise click.BadParameter(f"{config_file}: class_replicas must be a mapping of CLASS: REPLICAS",
                                  param_hint="--config")
     if class_replicas:
         return list(class_replicas), False
-    return [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in from_file.items()], bool(from_file)
+    return class_replica_items_of(from_file), bool(from_file)
 
 
 def pool_class_replicas(disaggregation, class_replicas: tuple[str, ...], config_file: str | None):

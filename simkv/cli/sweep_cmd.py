@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -61,16 +62,18 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
         traces = (*traces, _multi_turn_trace(vllm_multi_turn, fixed, out_dir))
     if not traces:
         raise SweepError("TRACE: give one or more traces, --vllm-bench or --vllm-multi-turn")
+    from simkv.traces.schema import read_trace
+
+    read = functools.lru_cache(maxsize=None)(read_trace)  # (the class checks below read each trace once)
     if slo_classes(slo):  # (an SLO for a class a trace lacks: said before any cell runs)
         from simkv.replay.classes import trace_labels
-        from simkv.traces.schema import read_trace
 
         for path in traces:
             try:
-                check_slo_classes(slo, trace_labels(read_trace(path)), str(path))
+                check_slo_classes(slo, trace_labels(read(path)), str(path))
             except GoodputError as exc:
                 raise SweepError(str(exc)) from None
-    _check_replica_classes(traces, grid.get("class_replicas", [fixed.get("class_replicas")]))
+    _check_replica_classes(traces, grid.get("class_replicas", [fixed.get("class_replicas")]), read)
     for value in grid.get("cost_model", [fixed.get("cost_model", cost_model)]):
         _check_cost_model(value)
     for trace in traces:
@@ -81,12 +84,11 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     return make_cells(list(traces), grid, fixed, cost_model, slo), list(grid)
 
 
-def _check_replica_classes(traces, values) -> None:
+def _check_replica_classes(traces, values, read) -> None:
     """Each class that class_replicas names (`values`: its canonical texts, None for none) must
-    be a request class of every trace; said before any cell runs."""
+    be a request class of every trace (`read`: a trace by its path); said before any cell runs."""
     from simkv.replay.classes import missing_class
     from simkv.sweep import SweepError
-    from simkv.traces.schema import read_trace
 
     names = list(dict.fromkeys(_without_pool(item.partition("=")[0]) for value in values if value
                                for item in value.split(";")))
@@ -95,7 +97,7 @@ def _check_replica_classes(traces, values) -> None:
     for path in traces:
         if not os.path.isfile(path):
             continue  # (said below)
-        labels = getattr(read_trace(path), "request_class", None)
+        labels = getattr(read(path), "request_class", None)
         if labels is None:
             raise SweepError(f"class_replicas: {path} has no request_class column (label it with `simkv trace "
                              "transform --request-class` or `simkv trace merge`)")

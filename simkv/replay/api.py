@@ -59,6 +59,7 @@ class FleetSpec:
             return None
         from simkv.config import ConfigError
 
+        _check_replica_sets(base)
         configs = [base] * self.num_replicas
         for replicas, options in self.replica_sets:
             where = f"--replica-set {','.join(map(str, replicas))}"
@@ -374,10 +375,7 @@ def _check_queue_limits(trace, config: EngineConfig, fleet) -> None:
 
 def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_progress, pause_collector,
                   fleet: FleetSpec, capacity) -> ReplayResult:
-    configs = fleet.replica_configs(config)
-    if configs is not None:
-        _check_replica_sets(config)
-    configs = configs or [config] * fleet.num_replicas
+    configs = fleet.replica_configs(config) or [config] * fleet.num_replicas
     capacities = [capacity if c is config else compute_capacity(c) for c in configs]
     router = Router(fleet.policy, fleet.num_replicas, fleet.options,
                     cache_tokens_per_replica=[cap.num_gpu_blocks * c.kv_manager_block_size

@@ -97,6 +97,11 @@ def parse_class_replicas(items: tuple[str, ...] | list[str]) -> tuple[tuple[str,
     return tuple(out.items())
 
 
+def class_replica_items_of(mapping: dict) -> list[str]:
+    """A config file's class_replicas mapping ({class: "0-2" | 3 | [0, 1]}) as CLASS=REPLICAS items."""
+    return [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in mapping.items()]
+
+
 def split_pool_class_replicas(items: list[str]) -> tuple[tuple, tuple]:
     """P/D pools: ``["prefill:docs=1", "decode:docs=0-1"]`` -> each pool's parse_class_replicas."""
     pools: dict[str, list[str]] = {"prefill": [], "decode": []}

@@ -69,12 +69,12 @@ def typed_value(key: str, value, flag: str):
 
 def class_replicas_text(value, flag: str) -> str | None:
     """'docs=2-3;chat=0,1' or {docs: '2-3', chat: [0, 1]} -> 'docs=2,3;chat=0,1' (checked; None stays)."""
-    from simkv.replay.router import RouterError, parse_class_replicas
+    from simkv.replay.router import RouterError, class_replica_items_of, parse_class_replicas
 
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
         return None
     if isinstance(value, dict):
-        items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in value.items()]
+        items = class_replica_items_of(value)
     elif isinstance(value, str):
         items = [part for part in value.split(";") if part.strip()]
     else:
