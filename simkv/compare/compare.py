@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.compare.run_report import expand_weighted, load_run, token_itl
+from simkv.compare.run_report import expand_weighted, gap_samples, load_run, load_token_gaps
 from simkv.compare.step_model import cost_model_on_measured, measured_step_profile, profile_markdown_lines
 from simkv.compare.step_model import to_markdown_lines as step_model_lines
 from simkv.compare.svg import cdf_chart, line_chart, page, scatter_chart
@@ -183,7 +183,7 @@ def load_pair(sim_dir, measured, metrics: tuple[str, str] | None = None) -> tupl
     from simkv.compare.vllm_multi_turn import load_multi_turn_run, multi_turn_records
 
     sim, sim_req, sim_steps = load_run(sim_dir)
-    sim_run = (sim, sim_req, sim_steps, token_itl(sim_steps))
+    sim_run = (sim, sim_req, sim_steps, gap_samples(load_token_gaps(sim_dir, sim_steps)))
     records = multi_turn_records(measured)
     if records is not None:  # (per request: no token gaps; both sides over its requests)
         if metrics:
@@ -199,7 +199,7 @@ def load_pair(sim_dir, measured, metrics: tuple[str, str] | None = None) -> tupl
     meas, meas_req, meas_steps = load_run(measured)
     if sim.get("trace") != meas.get("trace"):
         raise ValueError(f"the two runs replayed different traces: {sim.get('trace')} vs {meas.get('trace')}")
-    return sim_run, (meas, meas_req, meas_steps, token_itl(meas_steps))
+    return sim_run, (meas, meas_req, meas_steps, gap_samples(load_token_gaps(measured, meas_steps)))
 
 
 NO_STEPS = {"available": False, "reason": "vLLM's benchmark client records no engine steps"}

@@ -1,5 +1,6 @@
 """report.html for one replay: KV usage, running/waiting over time, preemptions, prefix hits,
-TTFT/ITL CDFs. Reads only the replay's output folder (summary.json, requests/steps.parquet)."""
+TTFT/ITL CDFs. Reads only the replay's output folder (summary.json, requests/steps.parquet,
+token_gaps.parquet)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pandas as pd
 
 from simkv.compare.svg import cdf_chart, line_chart, page
 from simkv.replay.classes import request_labels
-from simkv.replay.results import kv_cache_groups_rows, largest_admission_limit
+from simkv.replay.results import TOKEN_GAPS, kv_cache_groups_rows, largest_admission_limit
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
@@ -26,9 +27,29 @@ def load_run(run_dir: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
 
 
 def token_itl(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Inter-token gaps as (value, weight): each step's duration counts once per decode token in it."""
+    """Inter-token gaps as (value, weight) from the steps alone: each step's duration counts once
+    per decode token in it (a folder without token_gaps.parquet; it misses the gaps of preempted,
+    stalled and pipelined requests, which span several steps)."""
     w = steps["num_decode_tokens"].to_numpy()
     return steps["duration_s"].to_numpy(), w
+
+
+def load_token_gaps(run_dir: str | Path, steps: pd.DataFrame) -> pd.DataFrame:
+    """The run's inter-token gaps (`itl_s`, `tokens`, per `class` where it has classes): its
+    token_gaps.parquet, the samples of summary.json's `itl_s`; for a folder written before that
+    file existed, approximated from its steps (`token_itl`)."""
+    path = Path(run_dir) / TOKEN_GAPS
+    if path.is_file():
+        return pd.read_parquet(path)
+    values, weights = token_itl(steps)
+    return pd.DataFrame({"itl_s": values, "tokens": weights})
+
+
+def gap_samples(gaps: pd.DataFrame, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(values, counts) of `load_token_gaps`'s table: all of them, or one class's."""
+    if name is not None:
+        gaps = gaps[gaps["class"] == name]
+    return gaps["itl_s"].to_numpy(), gaps["tokens"].to_numpy()
 
 
 def expand_weighted(values: np.ndarray, weights: np.ndarray, limit: int = 20000) -> np.ndarray:
@@ -148,7 +169,7 @@ def run_report_html(run_dir: str | Path) -> str:
     if "admission_limit" in by_time:
         charts.append(_held_by_chart(by_time, t))
     fin = requests[requests["status"] == "finished"]
-    itl_v, itl_w = token_itl(steps)
+    gaps = load_token_gaps(run_dir, steps)
     classes = summary.get("classes")
     found = request_labels(requests) if classes else None
     label = found[1][(requests["status"] == "finished").to_numpy()] if found is not None else None
@@ -157,9 +178,14 @@ def run_report_html(run_dir: str | Path) -> str:
                 if (label == name).any()][:MAX_REPLICA_SERIES]
     else:
         ttft = [("TTFT", 1e3 * fin["ttft_s"].to_numpy())]
+    if "class" in gaps:  # (one ITL line per request class)
+        itl = [(name, 1e3 * expand_weighted(*gap_samples(gaps, name))) for name in classes["classes"]
+               if gaps.loc[gaps["class"] == name, "tokens"].sum() > 0][:MAX_REPLICA_SERIES]
+    else:
+        itl = [("ITL", 1e3 * expand_weighted(*gap_samples(gaps)))]
     charts.append(_ttft_over_time(fin, label, list(classes["classes"]) if label is not None else []))
     charts += [cdf_chart(ttft, "TTFT CDF", "TTFT (ms)"),
-               cdf_chart([("ITL", 1e3 * expand_weighted(itl_v, itl_w))], "Inter-token latency CDF", "ITL (ms)"),
+               cdf_chart(itl, "Inter-token latency CDF", "ITL (ms)"),
                line_chart(_per_replica(steps, "step duration", 1e3 * steps["duration_s"].to_numpy()),
                           "Step durations", "time (s)", "ms")]
     body = [f"<p>trace: {html.escape(str(summary.get('trace')))}</p>", _summary_table(summary)]

@@ -20,7 +20,8 @@ from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.classes import classes_summary, missing_class, trace_labels, with_trace_columns
 from simkv.replay.goodput import check_slo_classes, goodput_summary, judge
 from simkv.replay.pipeline import pipeline_summary
-from simkv.replay.results import class_itl, frontend_latency, latencies_and_rates, request_table, summarize, write_outputs
+from simkv.replay.results import (class_itl, frontend_latency, latencies_and_rates, request_table, summarize,
+                                  token_gap_table, write_outputs)
 from simkv.replay.router import Router, RouterError, RouterOptions
 
 
@@ -460,4 +461,5 @@ def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_ru
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:
-    write_outputs(Path(out_dir), result.summary, result.requests, result.steps)
+    write_outputs(Path(out_dir), result.summary, result.requests, result.steps,
+                  token_gap_table(result.fleet_runs or [result.run]))

@@ -201,7 +201,8 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if summary.get("classes"):
         console.print(class_table(summary["classes"]))
     if out_dir is not None:
-        console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet" + (", report.html" if with_report else ""))
+        console.print(f"wrote {out_dir}/summary.json, requests.parquet, steps.parquet, token_gaps.parquet"
+                      + (", report.html" if with_report else ""))
 
 
 def pool_table(pd: dict) -> Table:

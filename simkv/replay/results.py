@@ -1,4 +1,4 @@
-"""Turn a finished replay into summary.json, requests.parquet and steps.parquet."""
+"""Turn a finished replay into summary.json, requests.parquet, steps.parquet and token_gaps.parquet."""
 
 from __future__ import annotations
 
@@ -174,6 +174,33 @@ def itl_samples(run: ReplayRun, class_code: int | None = None) -> tuple[np.ndarr
         counts = np.fromiter(counted.values(), dtype=np.float64, count=len(counted)) if counted else []
         weights = np.concatenate([weights, np.ones(len(gaps)), counts])
     return durations, weights
+
+
+TOKEN_GAPS = "token_gaps.parquet"
+
+
+def token_gap_table(runs: list[ReplayRun]) -> pd.DataFrame:
+    """token_gaps.parquet: every inter-token gap of the run, the samples of summary.json's `itl_s`
+    (and, with request classes, of each class's), as distinct values (`itl_s`) with how many gaps
+    took each (`tokens`); per class (`class`) when the engine tracked classes."""
+    names = runs[0].steps.class_names if runs else ()
+    parts = [(name, [itl_samples(run, code) for run in runs]) for code, name in enumerate(names)] if names else \
+        [(None, [itl_samples(run) for run in runs])]
+    frames = []
+    for name, samples in parts:
+        values = np.concatenate([v for v, _ in samples]) if samples else np.zeros(0)
+        weights = np.rint(np.concatenate([w for _, w in samples])).astype(np.int64) if samples else np.zeros(0, np.int64)
+        keep = weights > 0
+        distinct, index = np.unique(values[keep], return_inverse=True)
+        frame = pd.DataFrame({"itl_s": distinct, "tokens": np.bincount(index, weights[keep]).astype(np.int64)
+                              if distinct.size else np.zeros(0, np.int64)})
+        if name is not None:
+            frame.insert(0, "class", name)
+        frames.append(frame)
+    table = pd.concat(frames, ignore_index=True)
+    if names:
+        table["class"] = pd.Categorical(table["class"], categories=list(names))
+    return table
 
 
 def stored_and_wasted_slots(run: ReplayRun, config, finished: np.ndarray) -> tuple[int, int]:
@@ -515,10 +542,13 @@ def steps_frame(steps: dict) -> pd.DataFrame:
     return frame
 
 
-def write_outputs(out_dir: Path, summary: dict, requests: pd.DataFrame, steps: dict) -> None:
-    """All three files, each written to a temporary name and renamed into place."""
+def write_outputs(out_dir: Path, summary: dict, requests: pd.DataFrame, steps: dict,
+                  token_gaps: pd.DataFrame | None = None) -> None:
+    """All the files, each written to a temporary name and renamed into place (summary.json last)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_parquet(requests, out_dir / "requests.parquet")
     _write_parquet(steps_frame(steps), out_dir / "steps.parquet")
+    if token_gaps is not None:
+        _write_parquet(token_gaps, out_dir / TOKEN_GAPS)
     text = json.dumps(summary, indent=2, sort_keys=False) + "\n"
     atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))

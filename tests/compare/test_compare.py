@@ -35,6 +35,31 @@ def test_compare_identical_runs_zero_error(tmp_path):
     assert (tmp_path / "a" / "report.html").is_file()
 
 
+def test_the_itl_charts_draw_every_token_gap_of_the_summary(tmp_path):
+    """token_gaps.parquet holds the gaps summary.json's itl_s comes from, those that span several
+    steps too (preemptions, pipeline stages); without the file, the steps give an estimate."""
+    import numpy as np
+    import pandas as pd
+
+    from simkv.compare.run_report import gap_samples, load_token_gaps, token_itl
+    from simkv.replay.results import weighted_dist
+
+    for name, extra in (("preempting", ["--num-gpu-blocks", "20", "--max-model-len", "256"]), ("pp2", ["-pp", "2"])):
+        out = tmp_path / name
+        _invoke(["replay", TRACE, "--cost-model", "roofline", *OPTS, *extra, "--out", str(out), "--quiet"])
+        summary = json.loads((out / "summary.json").read_text())
+        steps = pd.read_parquet(out / "steps.parquet")
+        gaps = gap_samples(load_token_gaps(out, steps))
+        assert weighted_dist(*gaps)["p99"] == summary["itl_s"]["p99"]
+        assert weighted_dist(*gaps)["mean"] == summary["itl_s"]["mean"]
+        by_steps = token_itl(steps)  # (what the charts drew before: each step's duration per decode token)
+        assert weighted_dist(*by_steps)["mean"] != summary["itl_s"]["mean"]
+        if name == "preempting":
+            assert summary["num_preemptions"] > 0
+        (out / "token_gaps.parquet").unlink()  # (a folder from before the file: the steps' estimate)
+        np.testing.assert_array_equal(gap_samples(load_token_gaps(out, steps))[0], by_steps[0])
+
+
 def test_compare_refuses_different_traces(tmp_path):
     _invoke(["replay", TRACE, "--cost-model", "unit", *OPTS, "--out", str(tmp_path / "a"), "--quiet"])
     _invoke(["replay", "traces/req400.parquet", "--cost-model", "unit", "--model", "tiny-llama", "--num-gpu-blocks",

@@ -352,7 +352,7 @@ QWEN3_NEXT = {"model": "qwen3-next-80b-a3b", "gpu": "H200", "tensor_parallel_siz
 ], ids=["plain", "preempting", "qwen3-next", "qwen3-next-async", "pp2", "ngram", "fleet", "pd", "dp2"])
 def test_each_class_gets_its_token_level_itl(options, fleet):
     from simkv.replay.disaggregated import DisaggregationSpec
-    from simkv.replay.results import class_itl_samples, itl_samples, weighted_dist
+    from simkv.replay.results import class_itl_samples, itl_samples, token_gap_table, weighted_dist
 
     pools = {"disaggregation": DisaggregationSpec(1, 1)} if fleet == "pd" else {"fleet": fleet}
     cost = ("roofline", None) if "data_parallel_size" in options else ("linear", LINEAR)
@@ -380,6 +380,15 @@ def test_each_class_gets_its_token_level_itl(options, fleet):
     assert result.summary["itl_s"]["mean"] == pytest.approx(total_time / total_gaps, rel=1e-9)
     if options.get("model") == QWEN3_NEXT["model"]:
         assert runs[0].scheduler.resumed_steps  # (the case has decoders left out of steps)
+    table = token_gap_table(runs)  # (token_gaps.parquet: the same samples, class by class)
+    for name in per_class:
+        rows = table[table["class"] == name]
+        assert weighted_dist(rows["itl_s"].to_numpy(), rows["tokens"].to_numpy()) == \
+            result.summary["classes"]["classes"][name]["itl_s"]
+    whole = weighted_dist(table["itl_s"].to_numpy(), table["tokens"].to_numpy())
+    assert {k: v for k, v in whole.items() if k != "mean"} == \
+        {k: v for k, v in result.summary["itl_s"].items() if k != "mean"}
+    assert whole["mean"] == pytest.approx(result.summary["itl_s"]["mean"], rel=1e-12)
 
 
 def test_class_itl_reaches_the_tables(tmp_path):
