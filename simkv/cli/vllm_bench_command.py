@@ -303,7 +303,9 @@ def _range_ratio(text: str, source: str) -> tuple[float, float]:
 
 def bench_report(summary: dict, requests) -> str:
     """The replay's figures in the layout `vllm bench serve` prints its result in, for reading
-    side by side with a real run's (tokens as the server counts them, BOS included)."""
+    side by side with a real run's (tokens as the server counts them, BOS included). The input
+    tokens are the client's count, the prompts' text: the images' placeholder tokens
+    (`mm_tokens`) are left out, as vLLM's client leaves them out (its throughput too)."""
     finished = requests[requests["status"] == "finished"]
     times = sorted([(t, 1) for t in requests["arrival_time_s"]]
                    + [(t, -1) for t in requests["finish_time_s"].fillna(requests["arrival_time_s"])])
@@ -313,6 +315,8 @@ def bench_report(summary: dict, requests) -> str:
         peak = max(peak, level)
     duration = summary["duration_s"]
     prompt, output = int(finished["prompt_tokens"].sum()), int(finished["output_tokens"].sum())
+    if "mm_tokens" in finished:
+        prompt -= int(finished["mm_tokens"].sum())
 
     def line(name: str, value) -> str:
         return f"{name:<40} {value:<10.2f}" if isinstance(value, float) else f"{name:<40} {value:<10}"

@@ -100,12 +100,16 @@ def load_bench_run(path: str | Path, sim_requests: pd.DataFrame,
         raise ValueError(f"{path}: the benchmark sent {n:,} requests, the simulated run replayed "
                          f"{len(sim_requests):,}: give `vllm bench serve` --num-prompts {len(sim_requests)}, "
                          f"or replay the same rows")
-    prompt = np.asarray(result["input_lens"], dtype=np.int64)
+    # (the client counts the prompt's text; the server, and simkv, its image placeholders too)
+    images = (sim_requests["mm_tokens"].fillna(0).to_numpy(np.int64) if "mm_tokens" in sim_requests
+              else np.zeros(n, np.int64))
+    prompt = np.asarray(result["input_lens"], dtype=np.int64) + images
     differs = prompt != sim_requests["prompt_tokens"].to_numpy()
     if differs.any():
         i = int(np.argmax(differs))
-        raise ValueError(f"{path}: request {i} has {prompt[i]} prompt tokens, the simulated run's "
-                         f"'{sim_requests['request_id'].iloc[i]}' {sim_requests['prompt_tokens'].iloc[i]}: "
+        text = f" ({images[i]} of them the images')" if images[i] else ""
+        raise ValueError(f"{path}: request {i} has {prompt[i] - images[i]} prompt tokens, the simulated run's "
+                         f"'{sim_requests['request_id'].iloc[i]}' {sim_requests['prompt_tokens'].iloc[i]}{text}: "
                          f"not the trace the simulation replayed (simulate the .parquet `simkv trace export` wrote)")
     ok = np.array([not e for e in result["errors"]])
     ttft = np.where(ok, np.asarray(result["ttfts"], dtype=float), np.nan)

@@ -57,7 +57,9 @@ def missing_class(names, labels: np.ndarray) -> tuple[str, str] | None:
 
 def with_trace_columns(requests: pd.DataFrame, trace) -> pd.DataFrame:
     """The request table (rows in the trace's order) with the trace's `request_class`,
-    `priority` and `n` (sequences asked for) beside `request_id`, where the trace has them."""
+    `priority` and `n` (sequences asked for) beside `request_id`, where the trace has them, and
+    for a trace with images each prompt's image placeholder tokens (`mm_tokens`, counted in
+    `prompt_tokens`) after `prompt_tokens`."""
     if len(requests) != len(trace):
         raise ValueError(f"request table of {len(requests)} rows for a trace of {len(trace)}")
     frame = requests.drop(columns=[c for c in TRACE_COLUMNS if c in requests.columns])
@@ -71,6 +73,9 @@ def with_trace_columns(requests: pd.DataFrame, trace) -> pd.DataFrame:
         else:
             values = np.asarray(values, dtype=np.int64)
         frame.insert(at, name, values)
+    if getattr(trace, "mm_items", None) is not None and "prompt_tokens" in frame.columns:
+        frame = frame.drop(columns=["mm_tokens"], errors="ignore")
+        frame.insert(frame.columns.get_loc("prompt_tokens") + 1, "mm_tokens", trace.mm_tokens())
     return frame
 
 

@@ -97,6 +97,14 @@ class Trace:
         rows = self.mm_items[self.mm_item_offsets[i] : self.mm_item_offsets[i + 1]]
         return tuple(map(tuple, rows.tolist()))
 
+    def mm_tokens(self) -> np.ndarray:
+        """Per row, its multimodal items' placeholder tokens (zeros for a text-only trace)."""
+        out = np.zeros(len(self.prompt_tokens), np.int64)
+        if self.mm_items is not None and self.mm_item_offsets is not None and len(self.mm_items):
+            rows = np.repeat(np.arange(len(out)), np.diff(self.mm_item_offsets))
+            np.add.at(out, rows, self.mm_items[:, 1])
+        return out
+
     def max_mm_item_tokens(self) -> int:
         """The largest multimodal item's placeholder tokens (0 for a text-only trace)."""
         return int(self.mm_items[:, 1].max()) if self.mm_items is not None and len(self.mm_items) else 0

@@ -20,7 +20,8 @@ def bench_result(sim_dir: Path) -> dict:
     latencies = [t[-1] - a for t, a in zip(times, arrival)]
     return {"date": "synthetic", "backend": "vllm", "model_id": "synthetic", "num_prompts": len(req),
             "duration": float(max(t[-1] for t in times)), "completed": len(req), "failed": 0,
-            "input_lens": req["prompt_tokens"].tolist(), "output_lens": req["output_tokens"].tolist(),
+            "input_lens": (req["prompt_tokens"] - req.get("mm_tokens", 0)).tolist(),  # (the client: the text)
+            "output_lens": req["output_tokens"].tolist(),
             "ttfts": ttfts, "itls": [np.diff(t).tolist() for t in times], "latencies": latencies,
             "start_times": (1000.0 + arrival).tolist(), "errors": [""] * len(req)}
 

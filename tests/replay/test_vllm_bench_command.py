@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from simkv.cli.vllm_bench_command import bench_command, bench_flags, sorted_flags, special_tokens
@@ -253,6 +254,23 @@ def test_a_random_mm_command_sends_the_random_text_and_its_images(tmp_path):
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["multimodal"]["items"] == summary["multimodal"]["items_encoded"] == len(bench.trace.mm_items)
     assert "Serving Benchmark Result" in text_out
+    # requests.parquet counts each prompt's image tokens; the benchmark's report, as vLLM's
+    # client, counts the text alone, and a result of the client's compares with the replay
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    np.testing.assert_array_equal(requests["prompt_tokens"] - requests["mm_tokens"], text.trace().prompt_tokens)
+    assert requests["mm_tokens"].min() >= 81
+    done = requests["status"] == "finished"
+    client_count = int((requests["prompt_tokens"] - requests["mm_tokens"])[done].sum())
+    assert f"Total input tokens:                      {client_count} " in text_out
+    from tests.compare.bench_synth import write_bench_result
+
+    measured = write_bench_result(tmp_path / "r", tmp_path / "bench.json")
+    cli_ok(["compare", str(tmp_path / "r"), str(measured), "--out", str(tmp_path / "c"), "--quiet"])
+    result = json.loads(measured.read_text())
+    result["input_lens"][3] += 1
+    measured.write_text(json.dumps(result))
+    failed = cli_fails(["compare", str(tmp_path / "r"), str(measured), "--out", str(tmp_path / "c2")])
+    assert "request 3 has" in failed and "of them the images'" in failed
     # as vLLM's client: images only on the chat backend; and the model must see images
     with pytest.raises(CommandLineError, match="Multi-modal content is not supported on backend 'openai'"):
         bench_command(RANDOM_MM.replace("--backend openai-chat", "--backend openai"), "qwen2.5-vl-7b")
