@@ -331,7 +331,8 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     options key by key; one replica is the plain engine); a click error naming the flag or the
     file otherwise. `pools`: P/D pools take the class replicas (pool_class_replicas), not the fleet."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import ROUTERS, RouterError, RouterOptions, check_class_replicas, parse_class_replicas
+    from simkv.replay.router import (ROUTERS, RouterError, RouterOptions, check_class_replicas, parse_class_replicas,
+                                     parse_replica_sets, replica_set_items_of)
 
     file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
 
@@ -377,41 +378,14 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
         raise bad(str(exc), from_file) from None
     flag = "--replica-set"
     sets = file.get("replica_sets") or {}  # ({"2-3": {gpu: H200, ...}}; the flags replace it whole)
-    if not isinstance(sets, dict) or not all(isinstance(v, dict) for v in sets.values()):
-        raise bad("replica_sets must be a mapping of REPLICAS: {option: value, ...}", True)
-    items = replica_sets or tuple(f"{span}:" + ",".join(f"{k}={v}" for k, v in options_of.items())
-                                  for span, options_of in sets.items())
+    try:
+        items = replica_sets or replica_set_items_of(sets)
+    except RouterError as exc:
+        raise bad(str(exc), True) from None
     try:
         return FleetSpec(replicas, router, options, classes, parse_replica_sets(items))
     except RouterError as exc:
         raise bad(str(exc), not replica_sets and bool(sets)) from None
-
-
-def parse_replica_sets(items: tuple[str, ...]) -> tuple:
-    """``("2-3:gpu=H200,tensor_parallel_size=2",)`` -> ``(((2, 3), (("gpu", "H200"), ("tensor_parallel_size",
-    2))),)`` (FleetSpec.replica_sets; the options checked when the replicas' configs are built)."""
-    from simkv.replay.router import RouterError
-    from simkv.sweep.grid import parse_value
-
-    out = []
-    for item in items:
-        span, sep, rest = item.partition(":")
-        lo, dash, hi = span.strip().partition("-")
-        try:
-            replicas = tuple(range(int(lo), int(hi) + 1)) if dash else (int(lo),)
-        except ValueError:
-            replicas = ()
-        options = []
-        for part in rest.split(",") if sep else ():
-            key, eq, value = part.partition("=")
-            if not eq or not key.strip() or not value.strip():
-                replicas = ()
-                break
-            options.append((key.strip().replace("-", "_"), parse_value(value)))
-        if not replicas or not options:
-            raise RouterError(f"--replica-set {item!r}: expected REPLICAS:KEY=VALUE,... (2-3:gpu=H200)")
-        out.append((replicas, tuple(options)))
-    return tuple(out)
 
 
 def class_replica_items(class_replicas: tuple[str, ...], file: dict, config_file: str | None) -> tuple[list, bool]:

@@ -32,7 +32,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     multi-turn benchmark's command likewise (its clients fixed unless given)."""
     from simkv.replay.goodput import GoodputError, check_slo_classes, parse_goodput, slo_classes
     from simkv.sweep import SweepError, make_cells, parse_assignment, parse_grid
-    from simkv.sweep.grid import normalize_key, typed_value
+    from simkv.sweep.grid import TEXT_KEYS, normalize_key, typed_value
 
     try:
         slo = parse_goodput(goodput)
@@ -41,7 +41,7 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
     fixed = {}
     for key, value in (load_config_file(config_file) if config_file else {}).items():
         key = normalize_key(key, "--config")
-        fixed[key] = typed_value(key, value, "--config") if key == "class_replicas" else value
+        fixed[key] = typed_value(key, value, "--config") if key in TEXT_KEYS else value
     given = dict(parse_assignment(text, "--set") for text in sets)
     grid = parse_grid(list(grids))
     if vllm_serve:
@@ -164,8 +164,9 @@ def _multi_turn_trace(command: str, fixed: dict, out_dir: str) -> str:
 @click.argument("traces", nargs=-1, required=False)
 @click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
               help="Swept option (engine option names, cost_model, step_base_s, step_per_token_s, replicas, router, "
-                   "prefix_aware's cache_threshold, balance_abs, balance_rel, and class_replicas as "
-                   "'none,docs=3,docs=2-3;chat=0'); repeatable.")
+                   "prefix_aware's cache_threshold, balance_abs, balance_rel, class_replicas as "
+                   "'none,docs=3,docs=2-3;chat=0', and replica_sets (replicas of other engines) as "
+                   "'none,2-3:gpu=H200,0-3:gpu=H200' (sets of one value joined by ';')); repeatable.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Fixed option; repeatable.")
 @click.option("--config", "config_file", default=None, help="YAML or JSON file of fixed engine options.")
 @click.option("--vllm-serve", "vllm_serve", default=None, metavar="COMMAND|@FILE", help=VLLM_SERVE_HELP)

@@ -102,6 +102,50 @@ def class_replica_items_of(mapping: dict) -> list[str]:
     return [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in mapping.items()]
 
 
+def parse_replica_sets(items: tuple[str, ...] | list[str]) -> tuple:
+    """``("2-3:gpu=H200,tensor_parallel_size=2",)`` -> ``(((2, 3), (("gpu", "H200"), ("tensor_parallel_size",
+    2))),)`` (FleetSpec.replica_sets; the options checked when the replicas' configs are built)."""
+    from simkv.sweep.grid import parse_value
+
+    out = []
+    for item in items:
+        span, sep, rest = item.partition(":")
+        lo, dash, hi = span.strip().partition("-")
+        try:
+            replicas = tuple(range(int(lo), int(hi) + 1)) if dash else (int(lo),)
+        except ValueError:
+            replicas = ()
+        options = []
+        for part in rest.split(",") if sep else ():
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip() or not value.strip():
+                replicas = ()
+                break
+            options.append((key.strip().replace("-", "_"), parse_value(value)))
+        if not replicas or not options:
+            raise RouterError(f"--replica-set {item!r}: expected REPLICAS:KEY=VALUE,... (2-3:gpu=H200)")
+        out.append((replicas, tuple(options)))
+    return tuple(out)
+
+
+def replica_set_items_of(mapping) -> list[str]:
+    """A config file's replica_sets mapping ({"2-3": {gpu: H200, ...}}) as REPLICAS:KEY=VALUE,... items;
+    RouterError if it is not such a mapping."""
+    if not isinstance(mapping, dict) or not all(isinstance(v, dict) for v in mapping.values()):
+        raise RouterError("replica_sets must be a mapping of REPLICAS: {option: value, ...}")
+    return [f"{span}:" + ",".join(f"{k}={v}" for k, v in options.items()) for span, options in mapping.items()]
+
+
+def replica_sets_text(sets: tuple) -> str:
+    """parse_replica_sets' result as one canonical line: sets by first replica, options by name
+    (``0-1:gpu=H200,tensor_parallel_size=2;3:gpu=A100-80GB``)."""
+    def span(replicas):
+        return f"{replicas[0]}-{replicas[-1]}" if len(replicas) > 1 else str(replicas[0])
+
+    return ";".join(span(replicas) + ":" + ",".join(f"{k}={v}" for k, v in sorted(options))
+                    for replicas, options in sorted(sets))
+
+
 def split_pool_class_replicas(items: list[str]) -> tuple[tuple, tuple]:
     """P/D pools: ``["prefill:docs=1", "decode:docs=0-1"]`` -> each pool's parse_class_replicas."""
     pools: dict[str, list[str]] = {"prefill": [], "decode": []}

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from simkv.config import CacheConfig, engine_option_names
@@ -19,8 +20,11 @@ PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_rout
 # An encode pool in front (simkv/replay/encode_pool.py; the store's bandwidth: the engine option ec_store_gbs).
 ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
 # class_replicas: replicas of a request class's own, one value "docs=3" or "docs=2-3;chat=0-1"
-# (in a config file, a mapping), kept as that canonical text.
-FLEET_KEYS = (("replicas", "router", "cache_threshold", "balance_abs", "balance_rel", "class_replicas")
+# (in a config file, a mapping), kept as that canonical text. replica_sets: replicas of other
+# engines, one value "2-3:gpu=H200,tensor_parallel_size=2" or "0-1:gpu=H200;2:gpu=A100-80GB"
+# (a config file's mapping {"2-3": {gpu: H200}}), kept as canonical text too.
+TEXT_KEYS = ("class_replicas", "replica_sets")
+FLEET_KEYS = (("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + TEXT_KEYS
               + PD_KEYS + ENCODE_KEYS)
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
@@ -61,10 +65,51 @@ def parse_assignment(text: str, flag: str = "--set") -> tuple[str, object]:
 
 
 def typed_value(key: str, value, flag: str):
-    """An option's value as a cell holds it: parse_value's, or class_replicas' canonical text."""
+    """An option's value as a cell holds it: parse_value's, or class_replicas' or replica_sets'
+    canonical text."""
     if key == "class_replicas":
         return class_replicas_text(value, flag)
+    if key == "replica_sets":
+        return replica_sets_text(value, flag)
     return parse_value(value) if isinstance(value, str) else value
+
+
+def replica_sets_text(value, flag: str) -> str | None:
+    """'2-3:gpu=H200,tensor_parallel_size=2;0:gpu=A100-80GB' or {"2-3": {gpu: H200}} -> the
+    canonical line (sets by first replica, options by name; checked; None stays)."""
+    from simkv.replay.router import RouterError, parse_replica_sets, replica_set_items_of
+    from simkv.replay.router import replica_sets_text as canonical
+
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        return None
+    try:
+        if isinstance(value, dict):
+            items = replica_set_items_of(value)
+        elif isinstance(value, str):
+            items = [part.strip() for part in value.split(";") if part.strip()]
+        else:
+            raise RouterError(f"expected REPLICAS:KEY=VALUE,...[;REPLICAS:KEY=VALUE,...] (2-3:gpu=H200), got {value!r}")
+        return canonical(parse_replica_sets(items))
+    except RouterError as exc:
+        raise SweepError(f"{flag}: replica_sets: {str(exc).replace('--replica-set ', '')}") from None
+
+
+# (a replica_sets value holds commas of its own: a grid value begins with "none" or "REPLICAS:")
+_REPLICA_SET_START = re.compile(r"\s*(none|null|\d+(-\d+)?\s*:)", re.IGNORECASE)
+
+
+def _grid_values(key: str, text: str) -> list[str]:
+    """A --grid's values: split at commas, but a replica_sets value keeps its options' commas."""
+    parts = text.split(",")
+    if key != "replica_sets":
+        return parts
+    values: list[str] = []
+    for part in parts:
+        if values and part.strip() and not _REPLICA_SET_START.match(part):
+            values[-1] += "," + part
+        else:
+            values.append(part)
+    return values
 
 
 def class_replicas_text(value, flag: str) -> str | None:
@@ -97,7 +142,7 @@ def parse_grid(specs: list[str]) -> dict[str, list]:
         norm = normalize_key(key, "--grid")
         if norm in grid:
             raise SweepError(f"--grid: option '{norm}' is given twice")
-        parts = [v for v in values.split(",")]
+        parts = _grid_values(norm, values)
         if any(not v.strip() for v in parts):
             raise SweepError(f"--grid: empty value in '{text}'")
         typed = [typed_value(norm, v, "--grid") for v in parts]

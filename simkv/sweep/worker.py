@@ -61,7 +61,7 @@ def fleet_spec(fleet: dict | None):
     """A cell's `replicas`, `router` (and `router_options`, or the thresholds as keys of their
     own) as a FleetSpec (None: one engine)."""
     from simkv.replay.api import FleetSpec
-    from simkv.replay.router import RouterError, RouterOptions, parse_class_replicas
+    from simkv.replay.router import RouterError, RouterOptions, parse_class_replicas, parse_replica_sets
 
     if not fleet:
         return None
@@ -72,10 +72,11 @@ def fleet_spec(fleet: dict | None):
         raise RouterError(f"{', '.join(thresholds)}: thresholds of the prefix_aware router; this cell's router "
                           f"is {router or 'round_robin'} (set router=prefix_aware)")
     options.update(thresholds)
-    classes = fleet.get("class_replicas")
+    classes, sets = fleet.get("class_replicas"), fleet.get("replica_sets")
     # (FleetSpec builds the Router, which checks the replicas and the router's name)
     return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),
-                     parse_class_replicas(classes.split(";")) if classes else ())
+                     parse_class_replicas(classes.split(";")) if classes else (),
+                     parse_replica_sets(sets.split(";")) if sets else ())
 
 
 def encode_spec(cell: dict, config):
@@ -108,6 +109,10 @@ def pool_specs(fleet: dict | None):
         return fleet_spec(fleet), None
     classes = fleet.pop("class_replicas", None)  # (each pool's: prefill:docs=1;decode:docs=0)
     prefill_classes, decode_classes = split_pool_class_replicas(classes.split(";")) if classes else ((), ())
+    if fleet.get("replica_sets"):
+        raise RouterError("replica_sets: a cell with P/D keys (prefill_replicas, decode_replicas, ...) has two "
+                          "pools, not one fleet (`simkv replay --prefill-set/--decode-set` gives a pool other "
+                          "engines); drop replica_sets")
     if fleet.get("replicas", 1) != 1:
         raise RouterError("replicas: a cell with P/D keys (prefill_replicas, decode_replicas, ...) sets its pools "
                           "itself; drop replicas")

@@ -350,3 +350,45 @@ def test_a_config_file_may_give_the_replica_sets(tmp_path):
     result = CliRunner().invoke(main, ["replay", str(path), "--config", str(tmp_path / "g.yaml"),
                                        "--out", str(tmp_path / "x")])
     assert result.exit_code != 0 and "g.yaml: replica_sets must be a mapping" in result.output
+
+
+def test_a_sweep_may_give_replicas_other_engines(tmp_path):
+    """replica_sets as a sweep key: each value one fleet's sets (canonical text), the options'
+    commas kept inside a --grid value; the cell replays what `simkv replay --replica-set` does."""
+    import pyarrow.parquet as pq
+
+    from simkv.sweep import SweepError, parse_grid
+    from simkv.traces.schema import write_trace
+
+    grid = parse_grid(["replica_sets=none,2-3:max_num_seqs=8,gpu=H200,0:gpu=A100-80GB;1-2:gpu=H200"])
+    assert grid["replica_sets"] == [None, "2-3:gpu=H200,max_num_seqs=8", "0:gpu=A100-80GB;1-2:gpu=H200"]
+    for bad, message in (("replica_sets=2-3", "expected REPLICAS:KEY=VALUE"),
+                         ("replica_sets=x:gpu=H200", "expected REPLICAS:KEY=VALUE")):
+        with pytest.raises(SweepError, match=message):
+            parse_grid([bad])
+    path = tmp_path / "t.parquet"
+    write_trace(loaded_trace(60, seed=8), path)
+    (tmp_path / "f.yaml").write_text("replica_sets:\n  '1':\n    gpu: H200\n")
+    out = tmp_path / "s"
+    result = CliRunner().invoke(main, ["sweep", str(path), "--config", str(tmp_path / "f.yaml"), "--set", "replicas=2",
+                                       "--set", "max_model_len=2048", "--grid", "max_num_seqs=8,32", "--out", str(out),
+                                       "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    for row in rows:
+        summary = json.loads((out / "cells" / row["cell_id"] / "summary.json").read_text())
+        assert [r["gpu"] for r in summary["fleet"]["replicas"]] == ["H100-SXM", "H200"]
+    # the same fleet replayed by hand gives the cell's figures
+    alone = CliRunner().invoke(main, ["replay", str(path), "--replicas", "2", "--replica-set", "1:gpu=H200",
+                                      "--max-model-len", "2048", "--max-num-seqs", "8", "--out", str(tmp_path / "r"),
+                                      "--quiet"])
+    assert alone.exit_code == 0, alone.output
+    by_hand = json.loads((tmp_path / "r" / "summary.json").read_text())
+    cell = json.loads((out / "cells" / rows[0]["cell_id"] / "summary.json").read_text())
+    assert cell["ttft_s"] == by_hand["ttft_s"] and cell["fleet"]["replicas"] == by_hand["fleet"]["replicas"]
+    # with P/D pools a cell has no one fleet to give sets to
+    result = CliRunner().invoke(main, ["sweep", str(path), "--set", "replica_sets=0:gpu=H200", "--set",
+                                       "prefill_replicas=1", "--out", str(tmp_path / "pd"), "--quiet"])
+    rows = pq.read_table(tmp_path / "pd" / "sweep.parquet").to_pylist()
+    assert rows[0]["status"] == "failed" and "two pools, not one fleet" in rows[0]["error"]
