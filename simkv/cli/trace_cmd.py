@@ -61,19 +61,25 @@ def trace() -> None:
               help="kvcache-tester: seconds between conversation starts.")
 @click.option("--conversation-rate", type=float, help="kvcache-tester: Poisson conversation starts per second.")
 @click.option("--seed", default=0, show_default=True, help="kvcache-tester: seed of the Poisson starts.")
+@click.option("--model-name", "models", multiple=True,
+              help="burstgpt: keep this model's rows (ChatGPT, GPT-4); repeatable [default: all].")
+@click.option("--log-type", type=click.Choice(["conversation", "api"]),
+              help="burstgpt: keep the conversation log's rows or the API log's [default: both].")
 @clean_errors
 def import_cmd(fmt: str, sources: tuple[str, ...], out: str, block_tokens: int, time_col: str | None,
                prompt_col: str | None, output_col: str | None, id_col: str | None, time_unit: str,
-               time_origin: str, conversation_gap: float, conversation_rate: float | None, seed: int) -> None:
-    """Import a raw public trace (FORMAT: mooncake, azure, kvcache-tester, csv), or the requests a
-    `vllm bench serve --save-detailed` result sent (vllm-bench), into OUT."""
+               time_origin: str, conversation_gap: float, conversation_rate: float | None, seed: int,
+               models: tuple[str, ...], log_type: str | None) -> None:
+    """Import a raw public trace (FORMAT: mooncake, azure, burstgpt, kvcache-tester, csv), or the
+    requests a `vllm bench serve --save-detailed` result sent (vllm-bench), into OUT."""
     mapping = None
     if fmt == "csv":
         if not (time_col and prompt_col and output_col):
             raise TraceError("format csv needs --time-col, --prompt-col and --output-col")
         mapping = ColumnMap(time_col, prompt_col, output_col, id_col, time_unit, time_origin)
     starts = ConversationStarts(conversation_gap, conversation_rate, seed)
-    report = import_to_file(fmt, list(sources), out, block_tokens=block_tokens, mapping=mapping, starts=starts)
+    report = import_to_file(fmt, list(sources), out, block_tokens=block_tokens, mapping=mapping, starts=starts,
+                            models=models, log_type=log_type)
     click.echo(f"{report.summary()}; wrote {out}")
 
 

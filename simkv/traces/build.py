@@ -20,6 +20,7 @@ def canonical_table(
     cache_salt: np.ndarray | list[str | None] | None = None,
     session_id: np.ndarray | list[str | None] | None = None,
     think_time_s: np.ndarray | None = None,
+    request_class: np.ndarray | list[str] | None = None,
 ) -> pa.Table:
     """A table in the canonical column order; hashes given as CSR (values + offsets of len n+1)."""
     columns: dict[str, pa.Array] = {
@@ -40,6 +41,8 @@ def canonical_table(
         columns["session_id"] = pa.array(session_id, pa.string())
     if think_time_s is not None:
         columns["think_time_s"] = pa.array(np.asarray(think_time_s, np.float64))
+    if request_class is not None:
+        columns["request_class"] = pa.array(request_class, pa.string())
     return pa.table(columns)
 
 

@@ -58,6 +58,20 @@ def test_import_csv_reports_drops(tmp_path: Path) -> None:
     assert code == 0 and "1 with zero output tokens" in output and len(read_trace(out)) == 1
 
 
+def test_import_burstgpt_selects_and_reports(tmp_path: Path) -> None:
+    from tests.traces.test_importers import BURSTGPT_V2
+
+    source = tmp_path / "BurstGPT_3.csv"
+    source.write_text(BURSTGPT_V2)
+    out = tmp_path / "gpt4.parquet"
+    code, output = run("import", "burstgpt", str(source), "--out", str(out), "--model-name", "GPT-4",
+                       "--log-type", "conversation")
+    assert code == 0 and "kept 2" in output and "3 with another model" in output and "1 conversation;" in output
+    assert read_trace(out).request_class.tolist() == ["GPT-4", "GPT-4"]
+    code, output = run("import", "azure", str(source), "--out", str(tmp_path / "x.parquet"), "--log-type", "api")
+    assert code != 0 and "select rows of a burstgpt import" in output and not (tmp_path / "x.parquet").exists()
+
+
 def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"timestamp": 0, "input_length": 5, "output_length": 1}\n\xff\xfe\n')

@@ -190,6 +190,50 @@ def test_csv_missing_column_and_parquet_source(tmp_path: Path) -> None:
     assert back == trace
 
 
+BURSTGPT_V2 = (  # (the newer releases' columns: sessions and each request's elapsed time)
+    "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+    "5,,1.2,ChatGPT,472,18,490,API log\n"
+    "45,s-1,3.5,ChatGPT,1020,120,1140,Conversation log\n"
+    "47,,,GPT-4,300,0,300,API log\n"
+    "60,s-1,2.0,ChatGPT,1300,80,1380,Conversation log\n"
+    "52,s-2,10.0,GPT-4,900,300,1200,Conversation log\n"
+    "58,s-2,4.0,GPT-4,1500,200,1700,Conversation log\n")
+
+
+def test_burstgpt_keeps_models_sessions_and_the_users_think_times(tmp_path: Path) -> None:
+    path = tmp_path / "BurstGPT_3.csv"
+    path.write_text(BURSTGPT_V2)
+    trace, report = import_trace("burstgpt", [path])
+    assert report.rows_read == 6 and report.dropped == {"zero response tokens (failed)": 1}
+    # sorted by Timestamp, from the first kept row; the model is each row's class
+    assert trace.arrival_time_s.tolist() == [0.0, 40.0, 47.0, 53.0, 55.0]
+    assert trace.prompt_tokens.tolist() == [472, 1020, 900, 1500, 1300]
+    assert trace.request_class.tolist() == ["ChatGPT", "ChatGPT", "GPT-4", "GPT-4", "ChatGPT"]
+    assert trace.session_id.tolist() == [None, "s-1", "s-2", "s-2", "s-1"]
+    # s-1's second turn came 11.5 s after its first reply (45 + 3.5); s-2's before its reply ended: 0
+    assert trace.think_time_s.tolist() == [0.0, 0.0, 0.0, 0.0, 11.5]
+    # the selections, each counted
+    chat, report = import_trace("burstgpt", [path], models=("ChatGPT",), log_type="conversation")
+    assert chat.prompt_tokens.tolist() == [1020, 1300] and chat.arrival_time_s.tolist() == [0.0, 15.0]
+    assert report.dropped == {"zero response tokens (failed)": 1, "another model": 2, "another log type": 1}
+    with pytest.raises(TraceError, match="no requests left to import"):
+        import_trace("burstgpt", [path], models=("GPT-5",))
+    with pytest.raises(TraceError, match="select rows of a burstgpt import"):
+        import_trace("csv", [path], models=("GPT-4",), mapping=ColumnMap("Timestamp", "Request tokens",
+                                                                          "Response tokens"))
+    # the first releases' columns: no sessions, no think times
+    old, report = import_trace("burstgpt", [burstgpt_like(tmp_path)])
+    assert old.session_id is None and old.think_time_s is None
+    assert old.arrival_time_s.tolist() == [0.0, 1.0] and old.request_class.tolist() == ["ChatGPT", "ChatGPT"]
+    # bad cells name their row and column
+    path.write_text(BURSTGPT_V2 + "61,s-3,soon,GPT-4,10,10,20,API log\n")
+    with pytest.raises(TraceError, match="column 'Elapsed time', row 6: not a number: 'soon'"):
+        import_trace("burstgpt", [path])
+    path.write_text(BURSTGPT_V2.replace("Model,", "Engine,"))
+    with pytest.raises(TraceError, match="Model"):
+        import_trace("burstgpt", [path])
+
+
 @pytest.mark.parametrize("fmt", ["mooncake", "azure", "kvcache-tester"])
 def test_import_write_read_round_trip(shared_traces: Path, tmp_path: Path, fmt: str) -> None:
     source = {

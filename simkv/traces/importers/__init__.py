@@ -20,7 +20,7 @@ from simkv.traces.importers.report import ImportReport
 from simkv.traces.importers.tabular import AZURE, ColumnMap, tabular_batches
 from simkv.traces.schema import Trace, trace_from_table, write_trace
 
-FORMATS = ("mooncake", "azure", "kvcache-tester", "csv", "vllm-bench")
+FORMATS = ("mooncake", "azure", "burstgpt", "kvcache-tester", "csv", "vllm-bench")
 
 __all__ = ["FORMATS", "ColumnMap", "ConversationStarts", "ImportReport", "import_to_file", "import_trace"]
 
@@ -33,10 +33,14 @@ def import_batches(
     block_tokens: int = 512,
     mapping: ColumnMap | None = None,
     starts: ConversationStarts = ConversationStarts(),
+    models: tuple[str, ...] = (),
+    log_type: str | None = None,
 ) -> Iterator[pa.Table]:
     """Canonical tables of one import, in source order."""
     if fmt not in FORMATS:
         raise TraceError(f"unknown import format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if fmt != "burstgpt" and (models or log_type is not None):
+        raise TraceError("--model-name and --log-type select rows of a burstgpt import")
     if fmt == "kvcache-tester":
         return kvcache_batches(list(sources), report, starts)
     if len(sources) != 1:
@@ -48,6 +52,10 @@ def import_batches(
         return mooncake_batches(source, report, block_tokens)
     if fmt == "azure":
         return tabular_batches(source, AZURE, report)
+    if fmt == "burstgpt":
+        from simkv.traces.importers.burstgpt import burstgpt_batches
+
+        return burstgpt_batches(source, report, models, log_type)
     if fmt == "vllm-bench":
         from simkv.traces.importers.vllm_bench import vllm_bench_batches
 

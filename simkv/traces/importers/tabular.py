@@ -41,6 +41,7 @@ class ColumnMap:
     request_id: str | None = None
     time_unit: str = "s"
     origin: str = "first"
+    extra: tuple[str, ...] = ()  # more columns read as text, for importers built on this one (burstgpt)
 
     def check(self) -> None:
         if self.time_unit not in TIME_UNITS:
@@ -49,7 +50,7 @@ class ColumnMap:
             raise TraceError(f"--time-origin must be 'first' or 'zero', got {self.origin!r}")
 
     def names(self) -> list[str]:
-        return [name for name in (self.time, self.prompt, self.output, self.request_id) if name]
+        return [name for name in (self.time, self.prompt, self.output, self.request_id, *self.extra) if name]
 
 
 AZURE = ColumnMap(time="TIMESTAMP", prompt="ContextTokens", output="GeneratedTokens", time_unit="datetime")
@@ -60,7 +61,7 @@ def tabular_batches(path: str | Path, mapping: ColumnMap, report: ImportReport) 
     mapping.check()
     state = _Origin()
     row = 0
-    for batch in _source_batches(path, mapping):
+    for batch in source_batches(path, mapping):
         report.rows_read += batch.num_rows
         table = _convert(batch, path, mapping, row, state, report)
         row += batch.num_rows
@@ -74,7 +75,7 @@ class _Origin:
     value: float | None = None
 
 
-def _source_batches(path: str | Path, mapping: ColumnMap) -> Iterator[pa.RecordBatch]:
+def source_batches(path: str | Path, mapping: ColumnMap) -> Iterator[pa.RecordBatch]:
     name = str(path).lower()
     if name.endswith((".parquet", ".pq")):
         yield from _parquet_batches(path, mapping)
@@ -126,9 +127,9 @@ def _convert(
     batch: pa.RecordBatch, path: str | Path, mapping: ColumnMap, row: int, origin: _Origin, report: ImportReport
 ) -> pa.Table:
     source = str(path)
-    times, divisor = _times(batch.column(mapping.time), source, mapping, row)
-    prompt = _counts(batch.column(mapping.prompt), source, mapping.prompt, row)
-    output = _counts(batch.column(mapping.output), source, mapping.output, row)
+    times, divisor = times_of(batch.column(mapping.time), source, mapping, row)
+    prompt = token_counts(batch.column(mapping.prompt), source, mapping.prompt, row)
+    output = token_counts(batch.column(mapping.output), source, mapping.output, row)
     ids = col.string_column(batch.column(mapping.request_id), source, mapping.request_id, row) if mapping.request_id else None
     if origin.value is None and len(times):
         origin.value = times[0] if mapping.origin == "first" else 0
@@ -143,7 +144,7 @@ def _convert(
     return canonical_table(arrival[keep], prompt[keep], output[keep], request_id=None if ids is None else ids[keep])
 
 
-def _counts(arr: pa.Array, source: str, name: str, row: int) -> np.ndarray:
+def token_counts(arr: pa.Array, source: str, name: str, row: int) -> np.ndarray:
     if pa.types.is_string(arr.type):
         try:
             arr = pc.cast(arr, pa.int64())
@@ -152,7 +153,7 @@ def _counts(arr: pa.Array, source: str, name: str, row: int) -> np.ndarray:
     return col.int_column(arr, source, name, row, minimum=0)
 
 
-def _times(arr: pa.Array, source: str, mapping: ColumnMap, row: int) -> tuple[np.ndarray, float]:
+def times_of(arr: pa.Array, source: str, mapping: ColumnMap, row: int) -> tuple[np.ndarray, float]:
     """Times in source units and the divisor to seconds (date-times: int64 ns, exact differences)."""
     if mapping.time_unit == "datetime":
         return _wall_clock(arr, source, mapping.time, row), TIME_UNITS["datetime"]
