@@ -53,6 +53,8 @@ def trace() -> None:
 @click.option("--prompt-col", help="csv: column with prompt tokens.")
 @click.option("--output-col", help="csv: column with output tokens.")
 @click.option("--id-col", help="csv: optional column with request ids.")
+@click.option("--session-col", help="csv: optional column naming each row's conversation (session_id; "
+                                    "then `trace transform --session-history` can give the turns their history).")
 @click.option("--time-unit", type=click.Choice(list(TIME_UNITS)), default="s", show_default=True,
               help="csv: unit of the time column ('datetime' = wall-clock strings).")
 @click.option("--time-origin", type=click.Choice(["first", "zero"]), default="first", show_default=True,
@@ -67,7 +69,8 @@ def trace() -> None:
               help="burstgpt: keep the conversation log's rows or the API log's [default: both].")
 @clean_errors
 def import_cmd(fmt: str, sources: tuple[str, ...], out: str, block_tokens: int, time_col: str | None,
-               prompt_col: str | None, output_col: str | None, id_col: str | None, time_unit: str,
+               prompt_col: str | None, output_col: str | None, id_col: str | None, session_col: str | None,
+               time_unit: str,
                time_origin: str, conversation_gap: float, conversation_rate: float | None, seed: int,
                models: tuple[str, ...], log_type: str | None) -> None:
     """Import a raw public trace (FORMAT: mooncake, azure, burstgpt, kvcache-tester, csv), or the
@@ -76,7 +79,9 @@ def import_cmd(fmt: str, sources: tuple[str, ...], out: str, block_tokens: int, 
     if fmt == "csv":
         if not (time_col and prompt_col and output_col):
             raise TraceError("format csv needs --time-col, --prompt-col and --output-col")
-        mapping = ColumnMap(time_col, prompt_col, output_col, id_col, time_unit, time_origin)
+        mapping = ColumnMap(time_col, prompt_col, output_col, id_col, time_unit, time_origin, session=session_col)
+    elif session_col:
+        raise TraceError("--session-col names a column of a csv import")
     starts = ConversationStarts(conversation_gap, conversation_rate, seed)
     report = import_to_file(fmt, list(sources), out, block_tokens=block_tokens, mapping=mapping, starts=starts,
                             models=models, log_type=log_type)
@@ -197,6 +202,12 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
               help="With --distinct-images: image k is drawn with weight 1 / (k + 1)^S.")
 @click.option("--image-text-after", type=int, default=16, show_default=True,
               help="With --images: the prompt's tokens after its images (the rest of the user message).")
+@click.option("--session-history", is_flag=True,
+              help="A trace with session_id but no content ids: take a turn whose prompt holds its session's "
+                   "previous prompt and reply (is at least as long) to repeat them, and write content ids that say "
+                   "so, so a replay finds them in the prefix cache; applied before lora-adapters and images.")
+@click.option("--history-block-tokens", type=int, default=16, show_default=True,
+              help="With --session-history: tokens per content id.")
 @click.option("--link-replies", is_flag=True,
               help="Lengthen a request's hash list over its reply where a later prompt repeats prompt and reply "
                    "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
@@ -205,9 +216,13 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
                   time_scale: float | None, rate: float | None, time_offset: float | None, sample: float | None,
                   max_prompt_tokens: int | None, seed: int, samples: int | None, priority: int | None, request_class: str | None,
                   class_by_prompt_tokens: str | None, class_by_output_tokens: str | None, lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
-                  image_zipf: float, image_text_after: int, link_replies: bool) -> None:
+                  image_zipf: float, image_text_after: int, session_history: bool, history_block_tokens: int,
+                  link_replies: bool) -> None:
     """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate,
-    time-offset, samples, priority, request-class or class-by-*, lora-adapters, images, link-replies)."""
+    time-offset, samples, priority, request-class or class-by-*, session-history, lora-adapters, images,
+    link-replies)."""
+    if session_history and link_replies:
+        raise click.UsageError("--session-history links each turn to its previous reply itself; drop --link-replies")
     if class_by_prompt_tokens is not None and class_by_output_tokens is not None:
         raise click.UsageError("give --class-by-prompt-tokens or --class-by-output-tokens, not both")
     class_by = None
@@ -219,6 +234,12 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
                   request_class=request_class, class_by=class_by, seed=seed)
     result = transform(read_trace(path), edits)
     note = ""
+    if session_history:
+        from simkv.traces.history import session_history as with_history
+
+        result, linked, later = with_history(result, history_block_tokens)
+        note = (f"; {linked:,} of {later:,} later turns hold their session's previous prompt and reply "
+                f"(the rest, and first turns, are content of their own)")
     if lora_adapters is not None:
         from simkv.traces.lora import assign_adapters
 

@@ -72,6 +72,25 @@ def test_import_burstgpt_selects_and_reports(tmp_path: Path) -> None:
     assert code != 0 and "select rows of a burstgpt import" in output and not (tmp_path / "x.parquet").exists()
 
 
+def test_a_csv_with_conversations_gets_their_history(tmp_path: Path) -> None:
+    source = tmp_path / "conv.csv"
+    source.write_text("t,conv,in,out\n0,a,500,100\n2,b,300,50\n9,a,700,80\n12,,900,60\n20,b,200,40\n")
+    out = tmp_path / "conv.parquet"
+    code, _ = run("import", "csv", str(source), "--out", str(out), "--time-col", "t", "--prompt-col", "in",
+                  "--output-col", "out", "--session-col", "conv")
+    assert code == 0 and read_trace(out).session_id.tolist() == ["a", "b", "a", None, "b"]
+    code, output = run("transform", str(out), "--session-history", "--out", str(tmp_path / "h.parquet"))
+    assert code == 0 and "1 of 2 later turns hold their session's previous prompt and reply" in output
+    code, output = run("inspect", str(tmp_path / "h.parquet"))
+    # a's second turn repeats the first's prompt and reply, 600 tokens: 37 of the 165 blocks
+    assert "prefix reuse   0.2242 at 16-token blocks (37 of 165 blocks)" in output
+    code, output = run("transform", str(out), "--session-history", "--link-replies", "--out",
+                       str(tmp_path / "x.parquet"))
+    assert code != 0 and "drop --link-replies" in output
+    code, output = run("import", "azure", str(source), "--out", str(tmp_path / "y.parquet"), "--session-col", "c")
+    assert code != 0 and "--session-col names a column of a csv import" in output
+
+
 def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"timestamp": 0, "input_length": 5, "output_length": 1}\n\xff\xfe\n')

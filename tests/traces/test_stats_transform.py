@@ -158,6 +158,49 @@ def test_link_replies_needs_the_whole_reply_in_the_next_prompt() -> None:
     assert count == 0 and linked.block_hashes(0).tolist() == [1, 2] and linked.session_id is None
 
 
+def test_session_history_rebuilds_the_multi_turn_sharing_from_lengths() -> None:
+    """simkv's multi-turn synth sends each turn with the conversation so far: content ids rebuilt
+    from its lengths and sessions alone reuse what the generator's own ids reuse."""
+    from dataclasses import replace
+
+    from simkv.traces.history import session_history
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    truth = multi_turn(SessionShape(sessions=40, turns=5), seed=5)
+    bare = replace(truth, hash_ids=None, hash_offsets=None, hash_block_tokens=None)
+    rebuilt, linked, later = session_history(bare)
+    assert linked == later == len(truth) - 40  # (every later turn holds the history)
+    want, got = prefix_reuse(truth, 16), prefix_reuse(rebuilt, 16)
+    assert got.total_blocks == want.total_blocks
+    assert abs(got.reused_blocks - want.reused_blocks) <= 0.002 * want.total_blocks
+    # each later turn starts with its previous turn's prompt and reply, to the last whole chunk
+    for sid in ("s0", "s7"):
+        rows = [i for i, s in enumerate(rebuilt.session_id.tolist()) if s == sid]
+        for i, j in zip(rows, rows[1:]):
+            shared = (truth.prompt_tokens[i] + truth.output_tokens[i]) // 16
+            assert rebuilt.block_hashes(j)[:shared].tolist() == rebuilt.block_hashes(i)[:shared].tolist()
+            assert len(rebuilt.block_hashes(i)) >= shared
+            assert not set(rebuilt.block_hashes(j)[shared:].tolist()) & set(rebuilt.block_hashes(i).tolist())
+
+
+def test_session_history_leaves_short_turns_and_loose_rows_their_own_content() -> None:
+    from simkv.traces.history import session_history
+
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0, 2.0, 3.0], "prompt_tokens": [40, 30, 100, 8],
+                          "output_tokens": [20, 5, 5, 5], "session_id": ["a", None, "a", "a"]})
+    rebuilt, linked, later = session_history(trace_from_frame(frame), block_tokens=8)
+    assert (linked, later) == (1, 2)  # (100 >= 40 + 20; 8 < 100 + 5: a log of new messages only)
+    assert rebuilt.block_hashes(1).tolist() == []  # (no session: nothing to infer)
+    assert rebuilt.block_hashes(2)[:7].tolist() == rebuilt.block_hashes(0).tolist()  # (60 // 8 chunks)
+    assert len(rebuilt.block_hashes(2)) == 13 and len(rebuilt.block_hashes(3)) == 1
+    assert not set(rebuilt.block_hashes(3).tolist()) & set(rebuilt.block_hashes(2).tolist())
+    with pytest.raises(TraceError, match="needs session_id"):
+        session_history(trace_from_frame(frame.drop(columns=["session_id"])))
+    hashed = frame.assign(block_hashes=[[1], [2], [3], [4]], hash_block_tokens=64)
+    with pytest.raises(TraceError, match="has block_hashes"):
+        session_history(trace_from_frame(hashed))
+
+
 def test_inspect_counts_described_replies_and_sessions() -> None:
     from simkv.traces.synth_sessions import SessionShape, multi_turn
 

@@ -42,6 +42,7 @@ class ColumnMap:
     time_unit: str = "s"
     origin: str = "first"
     extra: tuple[str, ...] = ()  # more columns read as text, for importers built on this one (burstgpt)
+    session: str | None = None  # the conversation a row belongs to (empty cells: none)
 
     def check(self) -> None:
         if self.time_unit not in TIME_UNITS:
@@ -50,7 +51,8 @@ class ColumnMap:
             raise TraceError(f"--time-origin must be 'first' or 'zero', got {self.origin!r}")
 
     def names(self) -> list[str]:
-        return [name for name in (self.time, self.prompt, self.output, self.request_id, *self.extra) if name]
+        return [name for name in (self.time, self.prompt, self.output, self.request_id, self.session, *self.extra)
+                if name]
 
 
 AZURE = ColumnMap(time="TIMESTAMP", prompt="ContextTokens", output="GeneratedTokens", time_unit="datetime")
@@ -131,6 +133,10 @@ def _convert(
     prompt = token_counts(batch.column(mapping.prompt), source, mapping.prompt, row)
     output = token_counts(batch.column(mapping.output), source, mapping.output, row)
     ids = col.string_column(batch.column(mapping.request_id), source, mapping.request_id, row) if mapping.request_id else None
+    sessions = None
+    if mapping.session:
+        sessions = col.string_column(batch.column(mapping.session), source, mapping.session, row, nullable=True)
+        sessions = np.array([None if s in (None, "") else s for s in sessions.tolist()], dtype=object)
     if origin.value is None and len(times):
         origin.value = times[0] if mapping.origin == "first" else 0
     arrival = (times - origin.value) / divisor
@@ -141,7 +147,8 @@ def _convert(
     keep = (prompt > 0) & (output > 0)
     report.drop("zero prompt tokens", int((prompt == 0).sum()))
     report.drop("zero output tokens", int(((output == 0) & (prompt > 0)).sum()))
-    return canonical_table(arrival[keep], prompt[keep], output[keep], request_id=None if ids is None else ids[keep])
+    return canonical_table(arrival[keep], prompt[keep], output[keep], request_id=None if ids is None else ids[keep],
+                           session_id=None if sessions is None else sessions[keep])
 
 
 def token_counts(arr: pa.Array, source: str, name: str, row: int) -> np.ndarray:

@@ -1,0 +1,81 @@
+"""``simkv trace transform --session-history``: content ids for conversations that have lengths only.
+
+Production logs and public traces (BurstGPT, a CSV with a conversation column) often tell which
+conversation a request belongs to but not what its prompt holds, so a replay finds no prefix hits
+in them. A chat client, though, sends each turn with the conversation so far: the system prompt,
+every earlier message and reply, then the new message, so turn j's prompt starts with turn
+j-1's prompt and reply. This edit writes hash lists that say so, in `block_tokens`-token chunks:
+
+- a turn whose prompt is at least its session's previous prompt + reply
+  (P_j >= P_{j-1} + O_{j-1}) repeats them: its list starts with the previous turn's first
+  floor((P_{j-1} + O_{j-1}) / H) ids (the chunks that held nothing after the reply), and the
+  previous turn's list goes on over its reply to that length (docs/traces.md: a list longer than
+  its prompt needs goes on over the reply, whose cached blocks a replay then finds);
+- the rest of a prompt, and every prompt of a turn that is shorter (a log that keeps only each
+  new message) or opens a session, is content of its own (fresh ids).
+
+This is an inference from lengths: a client that trims the history, summarises it or drops the
+reasoning, and conversations that share a system prompt, defeat it, and the count of turns it
+linked is reported so that it can be checked against what the trace is. Rows without a session
+keep no list.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from simkv.traces.errors import TraceError
+from simkv.traces.schema import Trace
+
+DEFAULT_BLOCK_TOKENS = 16
+
+
+def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[Trace, int, int]:
+    """The trace with hash lists for its sessions' turns; how many turns repeat their previous
+    turn's prompt and reply, and how many later turns there are in all."""
+    if trace.session_id is None:
+        raise TraceError(f"{trace.source}: --session-history needs session_id (which request belongs to which "
+                         "conversation); the trace has none")
+    if trace.hash_ids is not None and len(trace.hash_ids):
+        raise TraceError(f"{trace.source}: --session-history writes content ids for a trace that has none; this "
+                         "one has block_hashes (--link-replies lengthens them over replies instead)")
+    if block_tokens < 1:
+        raise TraceError(f"--history-block-tokens must be >= 1, got {block_tokens}")
+    prompt = trace.prompt_tokens.tolist()
+    output = trace.output_tokens.tolist()
+    lists: list[list[int]] = [[] for _ in prompt]
+    previous: dict[str, int] = {}
+    next_id = 1
+    linked = later = 0
+
+    def fresh(count: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + count))
+        next_id += count
+        return ids
+
+    for j, session in enumerate(trace.session_id.tolist()):  # (rows are in arrival order)
+        if session is None:
+            continue
+        need = -(-prompt[j] // block_tokens)
+        i = previous.get(session)
+        previous[session] = j
+        if i is None:
+            lists[j] = fresh(need)
+            continue
+        later += 1
+        history = prompt[i] + output[i]
+        if prompt[j] < history:
+            lists[j] = fresh(need)
+            continue
+        linked += 1
+        shared = history // block_tokens
+        if len(lists[i]) < shared:  # (the previous turn's list goes on over its reply)
+            lists[i] += fresh(shared - len(lists[i]))
+        lists[j] = lists[i][:shared] + fresh(need - shared)
+    lengths = np.array([len(ids) for ids in lists], np.int64)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(offsets[-1]))
+    return replace(trace, hash_ids=ids, hash_offsets=offsets,
+                   hash_block_tokens=np.where(lengths > 0, block_tokens, 0).astype(np.int64)), linked, later
