@@ -181,7 +181,8 @@ def format_stats(stats: TraceStats, source: str = "") -> str:
         f"longest request {stats.longest_request_tokens:,}",
     ]
     if stats.reuse_ratio is None:
-        lines.append("prefix reuse   - (no block_hashes)")
+        lines.append("prefix reuse   - (no block_hashes" + ("; with sessions, `simkv trace transform --session-history` "
+                                                           "infers the turns' history)" if stats.sessions else ")"))
     else:
         lines.append(
             f"prefix reuse   {stats.reuse_ratio:.4f} at {stats.block_size}-token blocks "

@@ -79,6 +79,7 @@ def test_a_csv_with_conversations_gets_their_history(tmp_path: Path) -> None:
     code, _ = run("import", "csv", str(source), "--out", str(out), "--time-col", "t", "--prompt-col", "in",
                   "--output-col", "out", "--session-col", "conv")
     assert code == 0 and read_trace(out).session_id.tolist() == ["a", "b", "a", None, "b"]
+    assert "`simkv trace transform --session-history` infers the turns' history" in run("inspect", str(out))[1]
     code, output = run("transform", str(out), "--session-history", "--out", str(tmp_path / "h.parquet"))
     assert code == 0 and "1 of 2 later turns hold their session's previous prompt and reply" in output
     code, output = run("inspect", str(tmp_path / "h.parquet"))
