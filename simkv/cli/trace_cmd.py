@@ -237,9 +237,9 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
     if session_history:
         from simkv.traces.history import session_history as with_history
 
-        result, linked, later = with_history(result, history_block_tokens)
-        note = (f"; {linked:,} of {later:,} later turns hold their session's previous prompt and reply "
-                f"(the rest, and first turns, are content of their own)")
+        result, linked, prompt_only, later = with_history(result, history_block_tokens)
+        note = (f"; {linked:,} of {later:,} later turns hold their session's previous prompt and reply, "
+                f"{prompt_only:,} more its prompt only (the rest, and first turns, are content of their own)")
     if lora_adapters is not None:
         from simkv.traces.lora import assign_adapters
 

@@ -11,8 +11,11 @@ j-1's prompt and reply. This edit writes hash lists that say so, in `block_token
   floor((P_{j-1} + O_{j-1}) / H) ids (the chunks that held nothing after the reply), and the
   previous turn's list goes on over its reply to that length (docs/traces.md: a list longer than
   its prompt needs goes on over the reply, whose cached blocks a replay then finds);
-- the rest of a prompt, and every prompt of a turn that is shorter (a log that keeps only each
-  new message) or opens a session, is content of its own (fresh ids).
+- a turn at least as long as the previous prompt but shorter than prompt + reply (a client that
+  sends the reply back without its reasoning, say) repeats that prompt only: its first
+  floor(P_{j-1} / H) ids;
+- the rest of a prompt, and every prompt of a turn shorter than the previous prompt (a log that
+  keeps only each new message) or that opens a session, is content of its own (fresh ids).
 
 This is an inference from lengths: a client that trims the history, summarises it or drops the
 reasoning, and conversations that share a system prompt, defeat it, and the count of turns it
@@ -31,9 +34,9 @@ from simkv.traces.schema import Trace
 DEFAULT_BLOCK_TOKENS = 16
 
 
-def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[Trace, int, int]:
+def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[Trace, int, int, int]:
     """The trace with hash lists for its sessions' turns; how many turns repeat their previous
-    turn's prompt and reply, and how many later turns there are in all."""
+    turn's prompt and reply, how many its prompt only, and how many later turns there are in all."""
     if trace.session_id is None:
         raise TraceError(f"{trace.source}: --session-history needs session_id (which request belongs to which "
                          "conversation); the trace has none")
@@ -47,7 +50,7 @@ def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> t
     lists: list[list[int]] = [[] for _ in prompt]
     previous: dict[str, int] = {}
     next_id = 1
-    linked = later = 0
+    linked = prompt_only = later = 0
 
     def fresh(count: int) -> list[int]:
         nonlocal next_id
@@ -66,11 +69,15 @@ def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> t
             continue
         later += 1
         history = prompt[i] + output[i]
-        if prompt[j] < history:
+        if prompt[j] < prompt[i]:
             lists[j] = fresh(need)
             continue
-        linked += 1
-        shared = history // block_tokens
+        if prompt[j] >= history:
+            linked += 1
+            shared = history // block_tokens
+        else:  # (the reply was not sent back whole: reasoning dropped, say)
+            prompt_only += 1
+            shared = prompt[i] // block_tokens
         if len(lists[i]) < shared:  # (the previous turn's list goes on over its reply)
             lists[i] += fresh(shared - len(lists[i]))
         lists[j] = lists[i][:shared] + fresh(need - shared)
@@ -78,4 +85,4 @@ def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> t
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(offsets[-1]))
     return replace(trace, hash_ids=ids, hash_offsets=offsets,
-                   hash_block_tokens=np.where(lengths > 0, block_tokens, 0).astype(np.int64)), linked, later
+                   hash_block_tokens=np.where(lengths > 0, block_tokens, 0).astype(np.int64)), linked, prompt_only, later

@@ -81,7 +81,7 @@ def test_a_csv_with_conversations_gets_their_history(tmp_path: Path) -> None:
     assert code == 0 and read_trace(out).session_id.tolist() == ["a", "b", "a", None, "b"]
     assert "`simkv trace transform --session-history` infers the turns' history" in run("inspect", str(out))[1]
     code, output = run("transform", str(out), "--session-history", "--out", str(tmp_path / "h.parquet"))
-    assert code == 0 and "1 of 2 later turns hold their session's previous prompt and reply" in output
+    assert code == 0 and "1 of 2 later turns hold their session's previous prompt and reply, 0 more" in output
     code, output = run("inspect", str(tmp_path / "h.parquet"))
     # a's second turn repeats the first's prompt and reply, 600 tokens: 37 of the 165 blocks
     assert "prefix reuse   0.2242 at 16-token blocks (37 of 165 blocks)" in output

@@ -168,8 +168,8 @@ def test_session_history_rebuilds_the_multi_turn_sharing_from_lengths() -> None:
 
     truth = multi_turn(SessionShape(sessions=40, turns=5), seed=5)
     bare = replace(truth, hash_ids=None, hash_offsets=None, hash_block_tokens=None)
-    rebuilt, linked, later = session_history(bare)
-    assert linked == later == len(truth) - 40  # (every later turn holds the history)
+    rebuilt, linked, prompt_only, later = session_history(bare)
+    assert linked == later == len(truth) - 40 and prompt_only == 0  # (every later turn holds the history)
     want, got = prefix_reuse(truth, 16), prefix_reuse(rebuilt, 16)
     assert got.total_blocks == want.total_blocks
     assert abs(got.reused_blocks - want.reused_blocks) <= 0.002 * want.total_blocks
@@ -186,17 +186,20 @@ def test_session_history_rebuilds_the_multi_turn_sharing_from_lengths() -> None:
 def test_session_history_leaves_short_turns_and_loose_rows_their_own_content() -> None:
     from simkv.traces.history import session_history
 
-    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0, 2.0, 3.0], "prompt_tokens": [40, 30, 100, 8],
-                          "output_tokens": [20, 5, 5, 5], "session_id": ["a", None, "a", "a"]})
-    rebuilt, linked, later = session_history(trace_from_frame(frame), block_tokens=8)
-    assert (linked, later) == (1, 2)  # (100 >= 40 + 20; 8 < 100 + 5: a log of new messages only)
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0, 2.0, 3.0, 4.0], "prompt_tokens": [40, 30, 100, 8, 10],
+                          "output_tokens": [20, 5, 5, 5, 5], "session_id": ["a", None, "a", "a", "a"]})
+    rebuilt, linked, prompt_only, later = session_history(trace_from_frame(frame), block_tokens=8)
+    # 100 >= 40 + 20: prompt and reply; 8 < 100: a new message only; 8 <= 10 < 8 + 5: the prompt only
+    assert (linked, prompt_only, later) == (1, 1, 3)
     assert rebuilt.block_hashes(1).tolist() == []  # (no session: nothing to infer)
     assert rebuilt.block_hashes(2)[:7].tolist() == rebuilt.block_hashes(0).tolist()  # (60 // 8 chunks)
     assert len(rebuilt.block_hashes(2)) == 13 and len(rebuilt.block_hashes(3)) == 1
     assert not set(rebuilt.block_hashes(3).tolist()) & set(rebuilt.block_hashes(2).tolist())
+    assert rebuilt.block_hashes(4)[:1].tolist() == rebuilt.block_hashes(3).tolist()  # (8 // 8: its one chunk)
+    assert len(rebuilt.block_hashes(3)) == 1 and len(rebuilt.block_hashes(4)) == 2  # (no reply chunk added)
     with pytest.raises(TraceError, match="needs session_id"):
         session_history(trace_from_frame(frame.drop(columns=["session_id"])))
-    hashed = frame.assign(block_hashes=[[1], [2], [3], [4]], hash_block_tokens=64)
+    hashed = frame.assign(block_hashes=[[1], [2], [3], [4], [5]], hash_block_tokens=64)
     with pytest.raises(TraceError, match="has block_hashes"):
         session_history(trace_from_frame(hashed))
 
