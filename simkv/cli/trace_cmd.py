@@ -206,8 +206,12 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
               help="A trace with session_id but no content ids: take a turn whose prompt holds its session's "
                    "previous prompt and reply (is at least as long) to repeat them, and write content ids that say "
                    "so, so a replay finds them in the prefix cache; applied before lora-adapters and images.")
+@click.option("--system-prompt-tokens", type=int, default=None, metavar="N",
+              help="Every prompt of at least N tokens starts with the same N-token system prompt (an "
+                   "application's instructions), shared in the prefix cache; the rest as the trace says. "
+                   "Applied after --session-history.")
 @click.option("--history-block-tokens", type=int, default=16, show_default=True,
-              help="With --session-history: tokens per content id.")
+              help="With --session-history or --system-prompt-tokens: tokens per content id of rows without.")
 @click.option("--link-replies", is_flag=True,
               help="Lengthen a request's hash list over its reply where a later prompt repeats prompt and reply "
                    "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
@@ -216,11 +220,11 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
                   time_scale: float | None, rate: float | None, time_offset: float | None, sample: float | None,
                   max_prompt_tokens: int | None, seed: int, samples: int | None, priority: int | None, request_class: str | None,
                   class_by_prompt_tokens: str | None, class_by_output_tokens: str | None, lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
-                  image_zipf: float, image_text_after: int, session_history: bool, history_block_tokens: int,
-                  link_replies: bool) -> None:
+                  image_zipf: float, image_text_after: int, session_history: bool, system_prompt_tokens: int | None,
+                  history_block_tokens: int, link_replies: bool) -> None:
     """Edit a trace before a replay (order: window, head, sample, max-prompt-tokens, time-scale, rate,
-    time-offset, samples, priority, request-class or class-by-*, session-history, lora-adapters, images,
-    link-replies)."""
+    time-offset, samples, priority, request-class or class-by-*, session-history, system-prompt-tokens,
+    lora-adapters, images, link-replies)."""
     if session_history and link_replies:
         raise click.UsageError("--session-history links each turn to its previous reply itself; drop --link-replies")
     if class_by_prompt_tokens is not None and class_by_output_tokens is not None:
@@ -240,6 +244,12 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
         result, linked, prompt_only, later = with_history(result, history_block_tokens)
         note = (f"; {linked:,} of {later:,} later turns hold their session's previous prompt and reply, "
                 f"{prompt_only:,} more its prompt only (the rest, and first turns, are content of their own)")
+    if system_prompt_tokens is not None:
+        from simkv.traces.history import with_system_prompt
+
+        result, given = with_system_prompt(result, system_prompt_tokens, history_block_tokens)
+        note += (f"; {given:,} of {len(result):,} prompts start with the {system_prompt_tokens:,}-token system "
+                 "prompt (the shorter ones are left as they are)")
     if lora_adapters is not None:
         from simkv.traces.lora import assign_adapters
 

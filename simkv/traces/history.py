@@ -86,3 +86,45 @@ def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> t
     ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(offsets[-1]))
     return replace(trace, hash_ids=ids, hash_offsets=offsets,
                    hash_block_tokens=np.where(lengths > 0, block_tokens, 0).astype(np.int64)), linked, prompt_only, later
+
+
+def with_system_prompt(trace: Trace, tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[Trace, int]:
+    """``--system-prompt-tokens N``: every prompt of at least N tokens starts with the same N-token
+    system prompt (an application's instructions), the rest of it as the trace says (its own ids,
+    or content of its own for a row without). In content ids: the first floor(N / H) ids of each
+    such row become ids that all rows share (H: the row's hash block tokens, `block_tokens` for a
+    row without a list; a chunk that holds the system prompt's end and the row's own tokens stays
+    the row's). Rows with shorter prompts are left as they are. The trace and how many rows start
+    with the system prompt."""
+    if tokens < 1:
+        raise TraceError(f"--system-prompt-tokens must be >= 1, got {tokens}")
+    if block_tokens < 1:
+        raise TraceError(f"--history-block-tokens must be >= 1, got {block_tokens}")
+    n = len(trace)
+    offsets = trace.hash_offsets if trace.hash_offsets is not None else np.zeros(n + 1, np.int64)
+    ids = trace.hash_ids if trace.hash_ids is not None else np.zeros(0, np.int64)
+    chunk = (trace.hash_block_tokens if trace.hash_block_tokens is not None else np.zeros(n, np.int64)).copy()
+    chunk[chunk == 0] = block_tokens
+    next_id = int(ids.max()) + 1 if len(ids) else 1
+    shared: dict[int, list[int]] = {}  # chunk size -> the system prompt's ids at it
+    lists, given = [], 0
+    for i, (prompt, h) in enumerate(zip(trace.prompt_tokens.tolist(), chunk.tolist())):
+        own = ids[offsets[i]:offsets[i + 1]].tolist()
+        if prompt < tokens:
+            lists.append(own)
+            continue
+        given += 1
+        k = tokens // h
+        if h not in shared:
+            shared[h] = list(range(next_id, next_id + k))
+            next_id += k
+        if not own:  # (content of its own after the system prompt)
+            rest = -(-prompt // h) - k
+            own = [0] * k + list(range(next_id, next_id + rest))
+            next_id += rest
+        lists.append(shared[h] + own[k:])
+    lengths = np.array([len(row) for row in lists], np.int64)
+    new_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    new_ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(new_offsets[-1]))
+    return replace(trace, hash_ids=new_ids, hash_offsets=new_offsets,
+                   hash_block_tokens=np.where(lengths > 0, chunk, 0).astype(np.int64)), given

@@ -92,6 +92,16 @@ def test_a_csv_with_conversations_gets_their_history(tmp_path: Path) -> None:
     assert code != 0 and "--session-col names a column of a csv import" in output
 
 
+def test_a_system_prompt_what_if_on_the_azure_slice(tmp_path: Path) -> None:
+    out = tmp_path / "sp.parquet"
+    code, output = run("transform", "traces/azure_conv_slice.parquet", "--system-prompt-tokens", "1000",
+                       "--out", str(out))
+    assert code == 0 and "1,187 of 2,000 prompts start with the 1,000-token system prompt" in output
+    trace = read_trace(out)
+    long_rows = [i for i in range(len(trace)) if trace.prompt_tokens[i] >= 1000]
+    assert len({tuple(trace.block_hashes(i)[:62].tolist()) for i in long_rows}) == 1  # (1000 // 16 chunks)
+
+
 def test_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"timestamp": 0, "input_length": 5, "output_length": 1}\n\xff\xfe\n')

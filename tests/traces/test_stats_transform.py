@@ -204,6 +204,38 @@ def test_session_history_leaves_short_turns_and_loose_rows_their_own_content() -
         session_history(trace_from_frame(hashed))
 
 
+def test_a_system_prompt_is_shared_by_every_prompt_long_enough() -> None:
+    from simkv.traces.history import session_history, with_system_prompt
+
+    frame = pd.DataFrame({"arrival_time_s": [0.0, 1.0, 2.0, 3.0], "prompt_tokens": [40, 12, 100, 30],
+                          "output_tokens": [5, 5, 5, 5], "session_id": ["a", "b", "a", "c"]})
+    plain = trace_from_frame(frame)
+    given, count = with_system_prompt(plain, 20, block_tokens=8)
+    assert count == 3  # (row 1's 12 tokens cannot hold it: left without ids)
+    assert given.block_hashes(1).tolist() == []
+    firsts = {tuple(given.block_hashes(i)[:2].tolist()) for i in (0, 2, 3)}
+    assert len(firsts) == 1  # (20 // 8 = 2 shared chunks; the third holds the prompt's end and the row's own)
+    rests = [set(given.block_hashes(i)[2:].tolist()) for i in (0, 2, 3)]
+    assert not (rests[0] & rests[1]) and not (rests[0] & rests[2]) and not (rests[1] & rests[2])
+    assert [len(given.block_hashes(i)) for i in (0, 2, 3)] == [5, 13, 4]
+    # after --session-history: the turns keep their history, and every conversation the system prompt
+    history, *_ = session_history(plain, block_tokens=8)
+    both, _ = with_system_prompt(history, 20, block_tokens=8)
+    assert both.block_hashes(2)[:5].tolist() == both.block_hashes(0)[:5].tolist()  # (45 // 8 chunks)
+    assert both.block_hashes(3)[:2].tolist() == both.block_hashes(0)[:2].tolist()
+    assert both.block_hashes(3)[2] != both.block_hashes(0)[2]
+    # a trace with ids of its own at its own chunk size: only the first floor(N / H) are replaced
+    hashed = trace_from_frame(pd.DataFrame({"arrival_time_s": [0.0, 1.0], "prompt_tokens": [64, 64],
+                                            "output_tokens": [1, 1], "block_hashes": [[1, 2, 3, 4], [5, 6, 7, 8]],
+                                            "hash_block_tokens": [16, 16]}))
+    shared, _ = with_system_prompt(hashed, 40, block_tokens=8)
+    assert shared.block_hashes(0)[:2].tolist() == shared.block_hashes(1)[:2].tolist()
+    assert shared.block_hashes(0)[2:].tolist() == [3, 4] and shared.block_hashes(1)[2:].tolist() == [7, 8]
+    assert prefix_reuse(shared, 16).reused_blocks == 2 and prefix_reuse(hashed, 16).reused_blocks == 0
+    with pytest.raises(TraceError, match="--system-prompt-tokens must be >= 1"):
+        with_system_prompt(plain, 0)
+
+
 def test_inspect_counts_described_replies_and_sessions() -> None:
     from simkv.traces.synth_sessions import SessionShape, multi_turn
 
