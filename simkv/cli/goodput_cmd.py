@@ -141,6 +141,7 @@ def clients_markdown(record: dict) -> str:
 
 def grid_markdown(record: dict) -> str:
     from simkv.replay.goodput import describe_slo, describe_target
+    from simkv.studies.serving_cost import gpus_text
 
     keys = list(record["grid"])
     # the block size the engine ran with, where some combination's is not the one it asked for
@@ -173,7 +174,7 @@ def grid_markdown(record: dict) -> str:
             row += f" {c.get('replicas') or '-'} |"
         if priced:
             cost = c.get("cost")
-            row += (f" {cost['gpus']} x {cost['gpu']} | {cost['usd_per_hour']:,.2f} | "
+            row += (f" {gpus_text(cost)} | {cost['usd_per_hour']:,.2f} | "
                     + (f"{cost['usd_per_1m_output_tokens']:,.3f} |" if cost["usd_per_1m_output_tokens"] is not None
                        else "- |") if cost else " - | - | - |")
         lines.append(row)
@@ -194,7 +195,7 @@ def grid_markdown(record: dict) -> str:
             cheap = record["cells"][record["cheapest_index"]]
             lines.append("**Cheapest per output token: " + ", ".join(f"{k}={cheap['swept'][k]}" for k in keys)
                          + f"** (${cheap['cost']['usd_per_1m_output_tokens']:,.3f} per 1M output tokens at "
-                           f"{cheap['max_rate_req_s']:.3f} req/s on {cheap['cost']['gpus']} x {cheap['cost']['gpu']}).")
+                           f"{cheap['max_rate_req_s']:.3f} req/s on {gpus_text(cheap['cost'])}).")
         if record.get("unpriced_gpus"):
             lines.append(f"No --gpu-price for {', '.join(record['unpriced_gpus'])}: those rows are not costed.")
     return "\n".join(lines) + "\n"
@@ -309,9 +310,9 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
         router_options = ()
         disaggregation = pool_class_replicas(disaggregation, class_replicas, config_file)
     router_flag = router
-    if replica_sets and (disaggregation is not None or prices or grids or target_rate is not None):
-        raise click.UsageError("--replica-set searches one fleet of mixed engines: drop --gpu-price/--grid/"
-                               "--target-rate and the P/D pools")
+    if replica_sets and (disaggregation is not None or grids or target_rate is not None):
+        raise click.UsageError("--replica-set searches one fleet of mixed engines: drop --grid/--target-rate and "
+                               "the P/D pools")
     fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, pools=disaggregation is not None,
                        replica_sets=replica_sets)
     replicas, router = fleet.num_replicas, fleet.policy
@@ -339,8 +340,10 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
             gpus = SetupGPUs.of(config, fleet, disaggregation)
         except (PriceError, ConfigError) as exc:
             raise click.UsageError(str(exc)) from None
-        if gpus.gpu not in prices:
-            raise click.UsageError(f"--gpu-price: no price for {gpus.gpu}, the GPU this search runs")
+        missing = gpus.unpriced(prices)
+        if missing:
+            raise click.UsageError(f"--gpu-price: no price for {', '.join(missing)}, "
+                                   f"{'a GPU' if gpus.mixed else 'the GPU'} this search runs")
 
     def show(p) -> None:
         if not quiet:
@@ -413,20 +416,26 @@ def _prices(items: tuple[str, ...]) -> dict[str, float]:
 
 def _grid_costs(record: dict, prices: dict[str, float], mean_output_tokens: float) -> None:
     """Each combination's cost at its highest rate, and the cheapest per output token."""
-    from simkv.studies.serving_cost import SetupGPUs, serving_cost
+    from simkv.studies.serving_cost import serving_cost
 
     record["gpu_prices_usd_per_hour"] = prices
     priced = []
     for cell in record["cells"]:
         if cell["status"] == "failed" or "gpu" not in cell:
             continue
-        cell["cost"] = serving_cost(SetupGPUs(cell["gpu"], cell["gpus"]), prices, cell["max_rate_req_s"],
-                                    mean_output_tokens)
+        cell["cost"] = serving_cost(_cell_gpus(cell), prices, cell["max_rate_req_s"], mean_output_tokens)
         if cell["cost"] and cell["cost"]["usd_per_1m_output_tokens"] is not None:
             priced.append(cell)
-    record["unpriced_gpus"] = sorted({c["gpu"] for c in record["cells"] if "gpu" in c and c["gpu"] not in prices})
+    record["unpriced_gpus"] = sorted({gpu for c in record["cells"] if "gpu" in c
+                                      for gpu in _cell_gpus(c).unpriced(prices)})
     cheapest = min(priced, key=lambda c: (c["cost"]["usd_per_1m_output_tokens"], c["index"])) if priced else None
     record["cheapest_index"] = cheapest["index"] if cheapest else None
+
+
+def _cell_gpus(cell: dict):
+    from simkv.studies.serving_cost import SetupGPUs
+
+    return SetupGPUs(cell["gpu"], cell["gpus"], tuple(tuple(kind) for kind in cell.get("gpu_kinds", ())))
 
 
 def _search_layouts(trace, num_gpus, goodput, attainment, tolerance, config_file, cost_model, cost_options, workers,

@@ -331,13 +331,12 @@ def _search_cell(task: dict) -> dict:
         if pd is not None:
             out["num_replicas"] = pd.num_prefill + pd.num_decode
         config = EngineConfig.from_flat(task["options"])
-        from simkv.studies.serving_cost import PriceError, SetupGPUs
+        from simkv.studies.serving_cost import SetupGPUs
 
-        try:
-            gpus = SetupGPUs.of(config, fleet, pd)
-            out |= {"gpu": gpus.gpu, "gpus": gpus.count}  # (for --gpu-price)
-        except PriceError:
-            pass  # (pools on different GPUs: not costed)
+        gpus = SetupGPUs.of(config, fleet, pd)
+        out |= {"gpu": gpus.gpu, "gpus": gpus.count}  # (for --gpu-price)
+        if gpus.mixed:  # (P/D pools on different GPUs)
+            out["gpu_kinds"] = [list(kind) for kind in gpus.mixed]
         record = search_max_rate(read_trace(task["trace"]), config, task["slo_ms"],
                                  target=task["target"], tolerance=task["tolerance"], cost_model=task["cost_model"],
                                  cost_options=task["cost_options"], fleet=fleet, disaggregation=pd)

@@ -4,7 +4,9 @@
 Prices are the user's (per GPU-hour: cloud list prices, reserved rates, or an amortised purchase
 price; simkv ships none, they differ too much). A setup's GPUs are its engines' GPUs: tensor
 parallel x data parallel per engine (decode context parallelism runs on the TP GPUs), times the
-replicas of a fleet, or summed over a P/D setup's two pools with their own options. At the
+replicas of a fleet, or summed over a P/D setup's two pools with their own options, or over a
+fleet's replicas where replica sets give some of them other engines; a setup of several GPU
+kinds is priced kind by kind. At the
 highest rate R (req/s) that met the SLOs, with the trace's mean output length L:
 
     USD per hour                = GPUs x price
@@ -58,41 +60,72 @@ def engine_gpus(config) -> int:
 
 @dataclass(frozen=True)
 class SetupGPUs:
+    """A setup's GPUs: `count` of `gpu`; a setup of several kinds (a fleet with replica sets, P/D
+    pools on different GPUs) has `mixed`, (gpu, count) per kind, `gpu` their names joined by '+'
+    and `count` their sum."""
+
     gpu: str
     count: int
+    mixed: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, config, fleet=None, disaggregation=None) -> "SetupGPUs":
-        """The GPUs of one engine, a fleet of it, or a P/D setup (each pool's own config)."""
+        """The GPUs of one engine, a fleet of it (each replica's own config where replica sets
+        differ), or a P/D setup (each pool's own config)."""
         if disaggregation is not None:
             prefill, decode = disaggregation.pool_configs(config)
-            if prefill.hardware.gpu != decode.hardware.gpu:
-                raise PriceError(f"the pools run on different GPUs ({prefill.hardware.gpu}, {decode.hardware.gpu})")
-            count = (disaggregation.num_prefill * engine_gpus(prefill)
-                     + disaggregation.num_decode * engine_gpus(decode))
-            return cls(config.hardware.gpu, count)
+            return cls.summed([(prefill, disaggregation.num_prefill), (decode, disaggregation.num_decode)])
+        configs = fleet.replica_configs(config) if fleet is not None else None
+        if configs is not None:
+            return cls.summed([(replica, 1) for replica in configs])
         replicas = fleet.num_replicas if fleet is not None else 1
         return cls(config.hardware.gpu, replicas * engine_gpus(config))
+
+    @classmethod
+    def summed(cls, engines: list) -> "SetupGPUs":
+        """The GPUs of (engine config, how many) pairs, kinds in the order first seen."""
+        counts: dict[str, int] = {}
+        for config, n in engines:
+            counts[config.hardware.gpu] = counts.get(config.hardware.gpu, 0) + n * engine_gpus(config)
+        if len(counts) == 1:
+            (gpu, count), = counts.items()
+            return cls(gpu, count)
+        return cls("+".join(counts), sum(counts.values()), tuple(counts.items()))
+
+    def kinds(self) -> tuple[tuple[str, int], ...]:
+        return self.mixed or ((self.gpu, self.count),)
+
+    def unpriced(self, prices: dict[str, float]) -> list[str]:
+        """The setup's GPUs that `prices` lacks."""
+        return [gpu for gpu, _ in self.kinds() if gpu not in prices]
 
 
 def serving_cost(gpus: SetupGPUs, prices: dict[str, float], max_rate_req_s: float | None,
                  mean_output_tokens: float) -> dict | None:
-    """The cost record of a setup (None when its GPU has no price)."""
-    price = prices.get(gpus.gpu)
-    if price is None:
+    """The cost record of a setup (None when one of its GPUs has no price)."""
+    if gpus.unpriced(prices):
         return None
-    per_hour = gpus.count * price
-    out = {"gpu": gpus.gpu, "gpus": gpus.count, "usd_per_gpu_hour": price, "usd_per_hour": per_hour,
-           "usd_per_1k_requests": None, "usd_per_1m_output_tokens": None}
+    per_hour = sum(count * prices[gpu] for gpu, count in gpus.kinds())
+    out = {"gpu": gpus.gpu, "gpus": gpus.count, "usd_per_gpu_hour": None if gpus.mixed else prices[gpus.gpu],
+           "usd_per_hour": per_hour, "usd_per_1k_requests": None, "usd_per_1m_output_tokens": None}
+    if gpus.mixed:
+        out["kinds"] = [{"gpu": gpu, "gpus": count, "usd_per_gpu_hour": prices[gpu]} for gpu, count in gpus.mixed]
     if max_rate_req_s:
         out["usd_per_1k_requests"] = per_hour / (3600.0 * max_rate_req_s) * 1e3
         out["usd_per_1m_output_tokens"] = per_hour / (3600.0 * max_rate_req_s * mean_output_tokens) * 1e6
     return out
 
 
+def gpus_text(cost: dict) -> str:
+    """'4 x H200', or '2 x H100-SXM + 2 x H200' for a setup of several kinds."""
+    return " + ".join(f"{k['gpus']} x {k['gpu']}" for k in cost.get("kinds") or [cost])
+
+
 def describe(cost: dict) -> str:
     """One line for goodput.md."""
-    text = f"{cost['gpus']} x {cost['gpu']} at ${cost['usd_per_gpu_hour']:g}/h = ${cost['usd_per_hour']:,.2f}/h"
+    kinds = cost.get("kinds") or [cost]
+    text = " + ".join(f"{k['gpus']} x {k['gpu']} at ${k['usd_per_gpu_hour']:g}/h" for k in kinds)
+    text += f" = ${cost['usd_per_hour']:,.2f}/h"
     if cost["usd_per_1m_output_tokens"] is not None:
         text += (f"; at the highest rate within the SLOs: ${cost['usd_per_1k_requests']:,.4f} per 1,000 requests, "
                  f"${cost['usd_per_1m_output_tokens']:,.3f} per 1M output tokens")

@@ -36,6 +36,23 @@ def test_a_setups_gpus_count_tp_dp_replicas_and_both_pools():
     assert SetupGPUs.of(dsv3) == SetupGPUs("H200", 8)
 
 
+def test_a_setup_of_several_gpus_is_priced_kind_by_kind():
+    config = EngineConfig.from_flat({"model": "llama-3-70b", "gpu": "H100-SXM", "tensor_parallel_size": 4})
+    fleet = FleetSpec(4, "least_outstanding", replica_sets=(((2, 3), (("gpu", "H200"), ("tensor_parallel_size", 2))),))
+    gpus = SetupGPUs.of(config, fleet)
+    assert gpus == SetupGPUs("H100-SXM+H200", 12, (("H100-SXM", 8), ("H200", 4)))
+    same = FleetSpec(2, "round_robin", replica_sets=(((1,), (("max_num_seqs", 8),)),))
+    assert SetupGPUs.of(config, same) == SetupGPUs("H100-SXM", 8)  # (one kind: not mixed)
+    pools = DisaggregationSpec(num_prefill=2, num_decode=1, decode_options=(("gpu", "H200"),))
+    assert SetupGPUs.of(config, disaggregation=pools) == SetupGPUs("H100-SXM+H200", 12, (("H100-SXM", 8),
+                                                                                           ("H200", 4)))
+    cost = serving_cost(gpus, {"H100-SXM": 2.0, "H200": 3.0}, 10.0, 250.0)
+    assert cost["usd_per_hour"] == 8 * 2.0 + 4 * 3.0 and cost["usd_per_gpu_hour"] is None
+    assert cost["kinds"] == [{"gpu": "H100-SXM", "gpus": 8, "usd_per_gpu_hour": 2.0},
+                             {"gpu": "H200", "gpus": 4, "usd_per_gpu_hour": 3.0}]
+    assert serving_cost(gpus, {"H100-SXM": 2.0}, 10.0, 250.0) is None and gpus.unpriced({"H100-SXM": 2.0}) == ["H200"]
+
+
 def test_cost_at_the_highest_rate():
     cost = serving_cost(SetupGPUs("H100-SXM", 2), {"H100-SXM": 3.0}, 10.0, 250.0)
     assert cost["usd_per_hour"] == 6.0
@@ -67,6 +84,18 @@ def test_goodput_prices_one_search_and_a_grid(tmp_path):
     assert grid["cheapest_index"] == cheapest["index"] and grid["unpriced_gpus"] == ["L40S"]
     md = (tmp_path / "grid" / "goodput.md").read_text()
     assert "**Cheapest per output token: gpu=" in md and "No --gpu-price for L40S" in md
+
+
+def test_goodput_prices_a_mixed_fleet(tmp_path):
+    trace = tmp_path / "head.parquet"
+    cli_ok(["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "200", "--out", str(trace)])
+    cli_ok(["goodput", str(trace), *SLO, "--replicas", "2", "--replica-set", "1:gpu=H200", "--gpu-price",
+            "H100-SXM=2.0", "--gpu-price", "H200=3.0", "--out", str(tmp_path / "mixed"), "--quiet"])
+    record = json.loads((tmp_path / "mixed" / "goodput.json").read_text())
+    assert record["cost"]["usd_per_hour"] == 5.0 and record["cost"]["gpu"] == "H100-SXM+H200"
+    assert "Cost: 1 x H100-SXM at $2/h + 1 x H200 at $3/h = $5.00/h" in (tmp_path / "mixed" / "goodput.md").read_text()
+    assert "no price for H200, a GPU this search runs" in cli_fails(
+        ["goodput", str(trace), *SLO, "--replicas", "2", "--replica-set", "1:gpu=H200", "--gpu-price", "H100-SXM=2"])
 
 
 def test_goodput_price_errors(tmp_path):
