@@ -92,7 +92,7 @@ OPTIONS = [
     (0.05, ["--goodput", "ttft:500", "--goodput", "tpot:50"]),
 ]
 
-TRACES = ["azure", "sessions", "mooncake", "images", "lora", "chat", "mixed"]
+TRACES = ["azure", "sessions", "mooncake", "images", "lora", "chat", "mixed", "sysprompt"]
 
 
 def make_traces(workdir: Path) -> None:
@@ -107,6 +107,8 @@ def make_traces(workdir: Path) -> None:
         "lora": ["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "150", "--time-scale", "0.2",
                  "--lora-adapters", "4"],
         "chat": ["trace", "synth", "multi-turn", "--sessions", "30", "--turns", "4", "--think-time", "1"],
+        "sysprompt": ["trace", "transform", "traces/azure_conv_slice.parquet", "--head", "150", "--time-scale", "0.2",
+                      "--system-prompt-tokens", "300"],
     }
     for name, args in runs.items():
         out = workdir / f"{name}.parquet"

@@ -225,6 +225,12 @@ def test_burstgpt_keeps_models_sessions_and_the_users_think_times(tmp_path: Path
     old, report = import_trace("burstgpt", [burstgpt_like(tmp_path)])
     assert old.session_id is None and old.think_time_s is None
     assert old.arrival_time_s.tolist() == [0.0, 1.0] and old.request_class.tolist() == ["ChatGPT", "ChatGPT"]
+    # a release converted to parquet reads alike
+    import pandas as pd
+
+    pd.read_csv(path, dtype={"Session ID": str}).to_parquet(tmp_path / "v2.parquet")
+    again, _ = import_trace("burstgpt", [tmp_path / "v2.parquet"])
+    assert again == trace
     # bad cells name their row and column
     path.write_text(BURSTGPT_V2 + "61,s-3,soon,GPT-4,10,10,20,API log\n")
     with pytest.raises(TraceError, match="column 'Elapsed time', row 6: not a number: 'soon'"):

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from simkv.traces import _columns as col
 from simkv.traces._tableio import _csv_header
@@ -42,8 +43,7 @@ def burstgpt_batches(path: str | Path, report: ImportReport, models: tuple[str, 
     """One canonical table of the file's kept rows, in Timestamp order."""
     if log_type is not None and log_type not in LOG_TYPES:
         raise TraceError(f"--log-type must be one of {', '.join(LOG_TYPES)}, got {log_type!r}")
-    header = _csv_header(path) if not str(path).lower().endswith((".parquet", ".pq")) else None
-    optional = tuple(name for name in (SESSION, ELAPSED) if header is None or name in header)
+    optional = tuple(name for name in (SESSION, ELAPSED) if name in _columns(path))
     mapping = ColumnMap(TIME, PROMPT, OUTPUT, extra=(MODEL, LOG_TYPE) + optional)
     source = str(path)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("time", "prompt", "output", "model", "session", "elapsed")}
@@ -88,6 +88,16 @@ def burstgpt_batches(path: str | Path, report: ImportReport, models: tuple[str, 
     yield canonical_table(data["time"] - data["time"][0], data["prompt"], data["output"],
                           session_id=session if has_sessions else None, think_time_s=think,
                           request_class=data["model"])
+
+
+def _columns(path: str | Path) -> list[str]:
+    """The source's column names (a CSV's header line, a parquet file's schema)."""
+    if str(path).lower().endswith((".parquet", ".pq")):
+        try:
+            return pq.ParquetFile(path).schema_arrow.names
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0][:120]})") from None
+    return _csv_header(path)
 
 
 def _elapsed(arr: pa.Array, source: str, row: int) -> np.ndarray:
