@@ -402,8 +402,7 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 def _check_replica_sets(config: EngineConfig) -> None:
     """Replicas of different engines: what the fleet's summary pools over its replicas as one
     engine's (a CPU tier's, LoRA adapters') is not modelled across differing replicas."""
-    unsupported = [(config.cache.kv_offloading_size is not None, "KV offloading (kv_offloading_size)"),
-                   (config.scheduler.enable_lora, "LoRA adapters")]
+    unsupported = [(config.scheduler.enable_lora, "LoRA adapters")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"replica sets (replicas of different engines) are not modelled with {what} yet")

@@ -424,11 +424,13 @@ def session_summary(run: ReplayRun) -> dict:
 def offload_summary(runs, capacity, prefix_queries: int) -> dict:
     """KV offloading (core/kv_offload.py): the CPU tier's use, its hits and the host link's bytes,
     of one engine or summed over a fleet's replicas (each has its own tier: `cpu_chunks`,
-    `cpu_tier_gib` and `chunk_tokens` are one replica's; `cpu_chunks_used` the largest)."""
+    `cpu_tier_gib` and `chunk_tokens` are one replica's, the largest where replica sets make
+    them differ; `cpu_chunks_used` the largest). `capacity`: the engine's, or one per replica."""
     if not isinstance(runs, (list, tuple)):
         runs = [runs]
     if runs[0].scheduler.offload is None:
         return {}
+    capacities = capacity if isinstance(capacity, (list, tuple)) else [capacity] * len(runs)
     per_run = [run.scheduler.offload.stats() for run in runs]
     stats = {key: sum(s[key] for s in per_run) for key in per_run[0]}
     for key in ("cpu_chunks", "chunk_tokens", "cpu_chunks_used", "store_threshold"):
@@ -438,7 +440,8 @@ def offload_summary(runs, capacity, prefix_queries: int) -> dict:
     loads = stats["loads"]
     load_ticks = sum(feed.load_ticks for feed in feeds)
     return {"kv_offloading": stats | {
-        "cpu_tier_gib": capacity.num_offload_chunks * feeds[0].chunk_bytes / (1 << 30),
+        "cpu_tier_gib": max(cap.num_offload_chunks * feed.chunk_bytes for cap, feed in zip(capacities, feeds))
+        / (1 << 30),
         "hit_rate": stats["loaded_tokens"] / prefix_queries if prefix_queries else 0.0,
         "load_bytes": int(sum(feed.load_bytes for feed in feeds)),
         "store_bytes": int(sum(feed.store_bytes for feed in feeds)),

@@ -310,9 +310,26 @@ def test_replicas_may_run_different_engines():
                              ((("max_model_len", 1024),), "max_model_len 1024 differs from the fleet's 2048")):
         with pytest.raises(ConfigError, match=message):
             replay(trace, cfg, fleet=FleetSpec(3, replica_sets=(((1,), options),)))
-    with pytest.raises(ValueError, match="not modelled with KV offloading"):
-        replay(trace, EngineConfig.from_flat(cfg.given_options() | {"kv_offloading_size": 4}),
+    with pytest.raises(ValueError, match="not modelled with LoRA adapters"):
+        replay(trace, EngineConfig.from_flat(cfg.given_options() | {"enable_lora": True}),
                fleet=FleetSpec(3, replica_sets=(((1,), (("gpu", "H200"),)),)))
+
+
+def test_replicas_of_different_engines_keep_cpu_tiers_of_their_own():
+    from simkv.traces.synth_sessions import SessionShape, multi_turn
+
+    trace = multi_turn(SessionShape(sessions=60, turns=4, think_time_s=2), seed=3,
+                       arrival=ArrivalProcess("poisson", rate=4.0))
+    cfg = EngineConfig.from_flat({"num_gpu_blocks": 400, "kv_offloading_size": 1, "max_model_len": 6000})
+    plain = replay(trace, cfg, fleet=FleetSpec(2, "session_affinity"))
+    same = replay(trace, cfg, fleet=FleetSpec(2, "session_affinity", replica_sets=(((1,), (("kv_offloading_size", 1),)),)))
+    pd.testing.assert_frame_equal(plain.requests, same.requests)  # (a set of the common engine changes nothing)
+    mixed = replay(trace, cfg, fleet=FleetSpec(2, "session_affinity",
+                                               replica_sets=(((1,), (("kv_offloading_size", 2),)),)))
+    rows = mixed.summary["fleet"]["replicas"]
+    tier = mixed.summary["kv_offloading"]
+    assert [r["cpu_tier_gib"] for r in rows] == [1.0, 2.0] and tier["cpu_tier_gib"] == 2.0  # (the largest)
+    assert tier["loaded_tokens"] == sum(r["kv_offloading_loaded_tokens"] for r in rows) > 0
 
 
 def test_cli_replica_sets(tmp_path):
