@@ -60,7 +60,6 @@ class FleetSpec:
             return None
         from simkv.config import ConfigError
 
-        _check_replica_sets(base)
         configs = [base] * self.num_replicas
         for replicas, options in self.replica_sets:
             where = f"--replica-set {','.join(map(str, replicas))}"
@@ -73,6 +72,9 @@ class FleetSpec:
                                   f"{base.max_model_len}; every replica takes the same prompts (give max_model_len)")
             if config.hardware.data_parallel_size > 1:
                 raise ConfigError(f"{where}: data-parallel ranks in a fleet are not modelled")
+            if config.scheduler.enable_lora != base.scheduler.enable_lora:
+                raise ConfigError(f"{where}: enable_lora differs from the fleet's; every replica takes the same "
+                                  "requests, adapters or not")
             for r in replicas:
                 configs[r] = config
         return configs
@@ -399,13 +401,6 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 
-def _check_replica_sets(config: EngineConfig) -> None:
-    """Replicas of different engines: what the fleet's summary pools over its replicas as one
-    engine's (a CPU tier's, LoRA adapters') is not modelled across differing replicas."""
-    unsupported = [(config.scheduler.enable_lora, "LoRA adapters")]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"replica sets (replicas of different engines) are not modelled with {what} yet")
 
 
 def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector,

@@ -463,7 +463,7 @@ def fleet_summary(runs: list[ReplayRun], routing: FleetRouting, trace, config, b
         "allocator_stats": allocator,
         "num_prefill_tokens": total("num_prefill_tokens"),
         "num_decode_tokens": total("num_decode_tokens"),
-    } | parallel_sampling_summary(config, trace, [run.requests for run in runs], getattr(routing, "ranks_per_row", None)) | lora_summary(config, runs, trace, capacity, backends[0]) | multimodal_summary(runs, trace) | offload_summary(runs, capacities, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
+    } | parallel_sampling_summary(config, trace, [run.requests for run in runs], getattr(routing, "ranks_per_row", None)) | lora_summary(config, runs, trace, capacities, backends[0], configs) | multimodal_summary(runs, trace) | offload_summary(runs, capacities, queries) | kv_cache_groups_summary(config, capacity) | spec_summary(
         config, [run.scheduler for run in runs], backends, duration)
     itl = weighted_dist(np.concatenate([v for v, _ in samples]), np.concatenate([w for _, w in samples]))
     summary |= latencies_and_rates(requests, itl, duration, wall_time_s)
@@ -486,7 +486,9 @@ def _engine_of(s: dict) -> dict:
     return {"gpu": config["gpu"], "tensor_parallel_size": config["tensor_parallel_size"],
             "pipeline_parallel_size": config["pipeline_parallel_size"], "num_gpu_blocks": s["num_gpu_blocks"],
             "max_num_seqs": config["max_num_seqs"], "max_num_batched_tokens": config["max_num_batched_tokens"]} | (
-                {"cpu_tier_gib": s["kv_offloading"]["cpu_tier_gib"]} if "kv_offloading" in s else {})
+                {"cpu_tier_gib": s["kv_offloading"]["cpu_tier_gib"]} if "kv_offloading" in s else {}) | (
+                {"max_loras": s["lora"]["max_loras"], "lora_slots_gib_per_gpu": s["lora"].get("slots_gib_per_gpu")}
+                if "lora" in s else {})
 
 
 def _replica_row(replica: int, s: dict) -> dict:

@@ -380,8 +380,9 @@ def multimodal_summary(runs: list[ReplayRun], trace) -> dict:
            if runs[0].scheduler.ec_store is not None else {})}
 
 
-def lora_summary(config, runs, trace, capacity=None, backend=None) -> dict:
-    """LoRA (--enable-lora): the adapters the trace names, max_loras, how often a waiting
+def lora_summary(config, runs, trace, capacity=None, backend=None, configs=None) -> dict:
+    """LoRA (--enable-lora): the adapters the trace names, max_loras (the largest of `configs`,
+    a fleet's replicas, where replica sets make it differ), how often a waiting
     request was passed over for want of an adapter slot (once per request and step), the
     worker's adapter loads (from disk into its max_cpu_loras host cache, into a GPU slot) and the
     seconds they held up steps, over every engine, the GPU memory the slots take from the KV
@@ -393,13 +394,16 @@ def lora_summary(config, runs, trace, capacity=None, backend=None) -> dict:
 
     sc = config.scheduler
     loads = [run.adapters.summary() for run in runs if run.adapters is not None]
-    out = {"adapters": len(set(named_adapters(trace))), "max_loras": sc.max_loras,
+    out = {"adapters": len(set(named_adapters(trace))),
+           "max_loras": max(c.scheduler.max_loras for c in configs or [config]),
            "max_cpu_loras": sc.cpu_loras, "max_lora_rank": sc.max_lora_rank,
            "deferrals": int(sum(run.scheduler.num_lora_deferrals for run in runs)),
            "disk_loads": sum(x["disk_loads"] for x in loads), "slot_loads": sum(x["slot_loads"] for x in loads),
            "load_seconds": float(sum(x["load_seconds"] for x in loads)), "lora_load_gbs": sc.lora_load_gbs}
-    if capacity is not None and not isinstance(capacity, int):
-        out["slots_gib_per_gpu"] = None if capacity.lora_bytes is None else capacity.lora_bytes / (1 << 30)
+    if capacity is not None and not isinstance(capacity, int):  # (a fleet's replicas: the largest)
+        capacities = capacity if isinstance(capacity, (list, tuple)) else [capacity]
+        sizes = [cap.lora_bytes for cap in capacities]
+        out["slots_gib_per_gpu"] = None if None in sizes else max(sizes) / (1 << 30)
     if backend is not None:
         from simkv.backends.lora_adapters import lora_priced
 

@@ -310,9 +310,19 @@ def test_replicas_may_run_different_engines():
                              ((("max_model_len", 1024),), "max_model_len 1024 differs from the fleet's 2048")):
         with pytest.raises(ConfigError, match=message):
             replay(trace, cfg, fleet=FleetSpec(3, replica_sets=(((1,), options),)))
-    with pytest.raises(ValueError, match="not modelled with LoRA adapters"):
-        replay(trace, EngineConfig.from_flat(cfg.given_options() | {"enable_lora": True}),
-               fleet=FleetSpec(3, replica_sets=(((1,), (("gpu", "H200"),)),)))
+    # LoRA adapters: each replica its own slots (a set may change max_loras), but all or none take them
+    from simkv.traces.lora import assign_adapters
+
+    named = assign_adapters(trace, 6, 1.0, 0)
+    lora = EngineConfig.from_flat(cfg.given_options() | {"enable_lora": True, "max_loras": 1})
+    mixed = replay(named, lora, fleet=FleetSpec(3, "least_outstanding",
+                                                replica_sets=(((1, 2), (("gpu", "H200"), ("max_loras", 4))),)))
+    rows = mixed.summary["fleet"]["replicas"]
+    assert [r["max_loras"] for r in rows] == [1, 4, 4] and mixed.summary["lora"]["max_loras"] == 4
+    alone = [replay(named, lora, fleet=FleetSpec(3, "least_outstanding")).summary["lora"]["deferrals"]]
+    assert mixed.summary["lora"]["deferrals"] < alone[0]  # (four slots on two replicas: fewer waits for one)
+    with pytest.raises(ConfigError, match="enable_lora differs from the fleet's"):
+        replay(named, lora, fleet=FleetSpec(3, replica_sets=(((1,), (("enable_lora", False),)),)))
 
 
 def test_replicas_of_different_engines_keep_cpu_tiers_of_their_own():
