@@ -227,11 +227,9 @@ def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, en
     """Replicas of a class's own (`FleetSpec.class_replicas`) route a fleet by the trace's
     request_class, and data-parallel ranks behind an external router (their numbers then the
     ranks'), and each P/D pool (`DisaggregationSpec.prefill_class_replicas`, ...); with vLLM's
-    own DP balancer or behind encode instances they are not modelled."""
+    own DP balancer they are not modelled. Behind encode instances the engines' pass routes as
+    without them (the instances themselves are shared by every class)."""
     if disaggregation is not None and disaggregation.class_names:
-        if encode is not None:
-            raise ValueError("class_replicas (replicas of a request class's own) is not modelled with encode "
-                             "instances yet")
         decode_dp = disaggregation.pool_configs(config)[1].hardware.data_parallel_size
         if disaggregation.decode_class_replicas and decode_dp > 1:
             raise ValueError("decode class_replicas: the decode pool's data-parallel ranks are behind vLLM's own "
@@ -246,11 +244,9 @@ def _check_class_replicas(trace, config: EngineConfig, fleet, disaggregation, en
         raise ValueError("class_replicas on data-parallel ranks: vLLM's own DP balancer picks ranks by load, not by "
                          "request class; put the ranks behind an external router (--router round_robin, "
                          "least_outstanding or prefix_aware: vLLM's --data-parallel-external-lb)")
-    unsupported = [(disaggregation is not None, "P/D pools (give each pool's: prefill:CLASS=REPLICAS, "
-                                                "decode:CLASS=REPLICAS)"), (encode is not None, "encode instances")]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"class_replicas (replicas of a request class's own) is not modelled with {what} yet")
+    if disaggregation is not None:
+        raise ValueError("class_replicas (replicas of a request class's own) is not modelled with P/D pools as a "
+                         "fleet's: give each pool's (prefill:CLASS=REPLICAS, decode:CLASS=REPLICAS)")
     _check_classes_in(trace, [name for name, _ in fleet.class_replicas])
 
 

@@ -93,6 +93,25 @@ def test_an_encode_instance_batches_within_its_token_budget():
     assert len(steps[8192]) == 2 and len(steps[16384]) == 1
 
 
+def test_a_class_keeps_its_replicas_behind_the_encode_instances():
+    """The engines' pass routes by request class as a fleet without encode instances does; the
+    instances encode every class's images."""
+    trace = _trace([1, 2, 3, 4, 5, 6], arrivals=[0.0, 0.01, 0.02, 0.03, 0.04, 0.05])
+    from dataclasses import replace
+
+    trace = replace(trace, request_class=np.array(["docs", "chat"] * 3, dtype=object))
+    fleet = FleetSpec(3, "least_outstanding", class_replicas=(("docs", (2,)),))
+    result = replay(trace, _config(), fleet=fleet, encode=EncodeSpec(1))
+    requests = result.requests
+    assert set(requests.loc[requests["request_class"] == "docs", "replica"]) == {2}
+    assert set(requests.loc[requests["request_class"] == "chat", "replica"]) <= {0, 1}
+    assert result.summary["encode_pool"]["items_encoded"] == 6
+    assert (requests["encode_s"] > 0).all()
+    pools = DisaggregationSpec(1, 2, decode_class_replicas=(("docs", (1,)),))
+    split = replay(trace, _config(), disaggregation=pools, encode=EncodeSpec(1)).requests
+    assert set(split.loc[split["request_class"] == "docs", "decode_replica"]) == {1}
+
+
 @pytest.mark.parametrize("frame_change, options, message", [
     ({"mm_offsets": [[]] * 2, "mm_lengths": [[]] * 2, "mm_hashes": [[]] * 2}, {},
      "the trace has no multimodal items"),
