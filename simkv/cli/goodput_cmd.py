@@ -14,6 +14,7 @@ from simkv.cli.disagg_options import (check_pools, disaggregation_options, encod
                                        read_encode)
 from simkv.cli.help_sections import SectionedCommand
 from simkv.cli.replay_cmd import (DEFAULT_TRACE, engine_options, flat_options, fleet_options, pool_class_replicas,
+                                  read_autoscale,
                                   read_fleet, read_inputs)
 from simkv.config import ConfigError
 
@@ -27,6 +28,11 @@ def _setup(record: dict) -> str:
         return (f" P/D disaggregation: {pd['prefill_replicas']} prefill + {pd['decode_replicas']} decode replicas, "
                 f"KV link {pd['kv_link_gbps']:g} GB/s." + front)
     fleet = record.get("fleet") or {}
+    scaling = fleet.get("autoscale")
+    if scaling:
+        return (f" An autoscaled fleet of {scaling['min_replicas']}-{scaling['max_replicas']} replicas "
+                f"({scaling['target']:g} requests in flight each, cold start {scaling['cold_start_s']:g} s) behind "
+                f"a {fleet['router']} router." + front)
     if fleet.get("num_replicas", 1) > 1:
         return f" {fleet['num_replicas']} replicas behind a {fleet['router']} router." + front
     return front
@@ -284,6 +290,11 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if target_rate is not None and not target_rate > 0:
         raise click.UsageError(f"--target-rate must be > 0 req/s, got {target_rate}")
     prices = _prices(gpu_prices)
+    autoscale = read_autoscale(flags, config_file)
+    if autoscale is not None and (layouts is not None or pd_splits is not None or grids or target_rate is not None
+                                  or closed_loop or prices):
+        raise click.UsageError("--autoscale searches one scaling fleet's highest rate: drop --layouts/--pd-splits/"
+                               "--grid/--target-rate/--clients/--gpu-price")
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     encode = read_encode(flags, config_file)
     if encode is not None and (grids or target_rate is not None or prices or pd_splits is not None):
@@ -313,8 +324,10 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     if replica_sets and (disaggregation is not None or grids or target_rate is not None):
         raise click.UsageError("--replica-set searches one fleet of mixed engines: drop --grid/--target-rate and "
                                "the P/D pools")
+    if autoscale is not None and disaggregation is not None:
+        raise click.UsageError("--autoscale scales a fleet of replicas, not P/D pools")
     fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, pools=disaggregation is not None,
-                       replica_sets=replica_sets)
+                       replica_sets=replica_sets, autoscale=autoscale)
     replicas, router = fleet.num_replicas, fleet.policy
     slo, config, data = read_inputs(trace, flags | {"router": router_flag}, config_file, goodput, _first_cell(grids),
                                     vllm_bench=vllm_bench, vllm_multi_turn=vllm_multi_turn)

@@ -194,7 +194,8 @@ def load_config_file(path: str) -> dict:
 
 
 FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "class_replicas", "replica_sets", "disaggregation",
-                     "encode_pool")  # --config keys that are not engine options
+                     "encode_pool", "autoscale", "autoscale_target", "autoscale_interval_s", "cold_start_s",
+                     "scale_down_window_s")  # --config keys that are not engine options
 
 
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
@@ -318,14 +319,57 @@ def fleet_options(command):
                      help="Give a request class (the trace's request_class) replicas of its own, e.g. docs=3 or "
                           "chat=0-2: its requests go there only, other classes' to the unclaimed replicas (DP "
                           "ranks behind --router likewise; P/D pools: prefill:docs=1, decode:chat=0)."),
+        click.option("--autoscale", default=None, metavar="MIN-MAX",
+                     help="A fleet that scales with its load, as a Kubernetes autoscaler in front of vLLM "
+                          "(simkv/replay/autoscale.py): MIN replicas up from the start, at most MAX (--replicas, "
+                          "if given, must be MAX); summary.json's fleet.autoscaling gives the replicas over time "
+                          "and the GPU-hours paid."),
+        click.option("--autoscale-target", type=float, default=None, metavar="N",
+                     help="With --autoscale: requests in flight (running + waiting) per replica it aims at "
+                          "[default: 8]."),
+        click.option("--autoscale-interval-s", type=float, default=None, metavar="S",
+                     help="With --autoscale: seconds between its decisions (HPA's sync period) [default: 15]."),
+        click.option("--cold-start-s", type=float, default=None, metavar="S",
+                     help="With --autoscale: seconds from starting a replica to its first request (scheduling, "
+                          "image and weights, CUDA graphs), paid for [default: 120]."),
+        click.option("--scale-down-window-s", type=float, default=None, metavar="S",
+                     help="With --autoscale: a replica is drained only once every decision over this window "
+                          "wanted fewer (HPA's stabilisation window) [default: 300]."),
     ]):
         command = option(command)
     return command
 
 
+AUTOSCALE_FLAGS = {"autoscale_target": "target", "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
+                   "scale_down_window_s": "scale_down_window_s"}
+
+
+def read_autoscale(flags: dict, config_file: str | None = None):
+    """The AutoscaleSpec of --autoscale and its settings over the --config file's keys of the same
+    names (None without --autoscale; its settings alone are refused); takes them out of `flags`."""
+    from simkv.replay.autoscale import AutoscaleError, AutoscaleSpec
+
+    file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    values = {k: flags.pop(k, None) for k in ("autoscale", *AUTOSCALE_FLAGS)}
+    for key in values:
+        if values[key] is None and key in file:
+            values[key] = file[key]
+    text = values.pop("autoscale")
+    if text is None:
+        given = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} sets the autoscaler: give --autoscale MIN-MAX too")
+        return None
+    try:
+        return AutoscaleSpec.parse(str(text), **{AUTOSCALE_FLAGS[k]: float(v) for k, v in values.items()
+                                                if v is not None})
+    except (AutoscaleError, TypeError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--autoscale") from None
+
+
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
                config_file: str | None = None, class_replicas: tuple[str, ...] = (), pools: bool = False,
-               replica_sets: tuple[str, ...] = ()):
+               replica_sets: tuple[str, ...] = (), autoscale=None):
     """The FleetSpec of --replicas/--router/--router-option/--class-replicas over the --config
     file's `replicas`, `router`, `router_options` and `class_replicas` mappings (flags win, router
     options key by key; one replica is the plain engine); a click error naming the flag or the
@@ -341,6 +385,8 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
                                   param_hint="--config" if from_file else flag)
 
     flag = "--replicas"
+    if replicas is None and autoscale is not None and "replicas" not in file:
+        replicas = autoscale.max_replicas
     if replicas is None:
         replicas = file.get("replicas", 1)
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -383,7 +429,7 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
     except RouterError as exc:
         raise bad(str(exc), True) from None
     try:
-        return FleetSpec(replicas, router, options, classes, parse_replica_sets(items))
+        return FleetSpec(replicas, router, options, classes, parse_replica_sets(items), autoscale)
     except RouterError as exc:
         raise bad(str(exc), not replica_sets and bool(sets)) from None
 
@@ -819,6 +865,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
     disaggregation = read_disaggregation(flags, config_file, router_options)
     encode = read_encode(flags, config_file)
+    autoscale = read_autoscale(flags, config_file)
+    if autoscale is not None and (disaggregation is not None or backend == "gpu"):
+        raise click.UsageError("--autoscale scales a fleet of simulated replicas: not P/D pools or the gpu backend")
     if encode is not None and backend == "gpu":
         raise click.UsageError("--encode-replicas is simulated only (the gpu backend runs one text-only engine)")
     if disaggregation is not None:
@@ -832,7 +881,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
         disaggregation = pool_class_replicas(disaggregation, class_replicas, config_file)
         fleet = None
     else:
-        fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, replica_sets=replica_sets)
+        fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, replica_sets=replica_sets,
+                           autoscale=autoscale)
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")

@@ -168,6 +168,13 @@ def run_report_html(run_dir: str | Path) -> str:
     ]
     if "admission_limit" in by_time:
         charts.append(_held_by_chart(by_time, t))
+    scaling = (summary.get("fleet") or {}).get("autoscaling")
+    if scaling:  # (an autoscaled fleet: its replicas up and starting over time)
+        points = scaling["timeline"] + [scaling["timeline"][-1] | {"time_s": summary.get("duration_s") or 0.0}]
+        times = np.array([p["time_s"] for p in points])
+        charts.append(line_chart([("up", times, np.array([p["ready"] for p in points])),
+                                  ("starting", times, np.array([p["starting"] for p in points]))],
+                                 "Autoscaled replicas", "time (s)", "replicas", step=True))
     fin = requests[requests["status"] == "finished"]
     gaps = load_token_gaps(run_dir, steps)
     classes = summary.get("classes")

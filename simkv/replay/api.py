@@ -37,8 +37,17 @@ class FleetSpec:
     # ((replicas, ((engine option, value), ...)), ...): replicas whose engines differ from the others
     # (another GPU, TP size, batch limits: `--replica-set 2-3:gpu=H200`); the rest run the common options
     replica_sets: tuple = ()
+    # AutoscaleSpec (simkv/replay/autoscale.py): num_replicas slots, as many up as the load asks for
+    autoscale: object = None
 
     def __post_init__(self) -> None:
+        if self.autoscale is not None:
+            if self.autoscale.max_replicas != self.num_replicas:
+                raise RouterError(f"--autoscale {self.autoscale.min_replicas}-{self.autoscale.max_replicas}: the "
+                                  f"fleet has {self.num_replicas} replicas (MAX is the fleet's size)")
+            if self.class_replicas:
+                raise RouterError("--autoscale: replicas of a class's own (--class-replicas) are not modelled in "
+                                  "a fleet that scales")
         # (RouterError, a ValueError, names what is wrong; on one engine, class replicas number the
         # data-parallel ranks, checked where the ranks' router is made)
         Router(self.policy, self.num_replicas, self.options,
@@ -91,6 +100,8 @@ class FleetSpec:
             out["class_replicas"] = {name: list(rs) for name, rs in self.class_replicas}
         if self.replica_sets:
             out["replica_sets"] = [{"replicas": list(rs), "options": dict(opts)} for rs, opts in self.replica_sets]
+        if self.autoscale is not None:
+            out["autoscale"] = self.autoscale.to_dict()
         return out
 
 
@@ -384,16 +395,28 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     backends = [make_backend(cost_model, configs[r], **(cost_options | {"noise_seed": seed + r}))
                 for r in range(fleet.num_replicas)]
     replicas = (configs, capacities) if fleet.replica_sets else None
+    autoscaler = None
+    if fleet.autoscale is not None:
+        from simkv.replay.autoscale import Autoscaler
+
+        autoscaler = Autoscaler(fleet.autoscale)
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
         runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,
-                                  use_decode_runs, on_progress, replicas=replicas)
+                                  use_decode_runs, on_progress, replicas=replicas, autoscaler=autoscaler)
         wall = time.perf_counter() - t0
         requests, steps, per_replica = fleet_tables(runs, routing, trace, frontend_latency(backends[0]))
         summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica,
                                 replicas=replicas)
     if fleet.replica_sets:
         summary["fleet"]["replica_sets"] = fleet.to_dict()["replica_sets"]
+    if autoscaler is not None:
+        from simkv.clock import to_ticks
+        from simkv.studies.serving_cost import engine_gpus
+
+        end = to_ticks(summary["duration_s"])
+        autoscaler.settle(end, routing.loads_at)
+        summary["fleet"]["autoscaling"] = autoscaler.summary(end, [engine_gpus(c) for c in configs])
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 

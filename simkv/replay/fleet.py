@@ -33,9 +33,10 @@ class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
     def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None,
-                 clients=None, pacing=None) -> None:
+                 clients=None, pacing=None, autoscaler=None) -> None:
         self.trace = trace
         self.router = router
+        self.autoscaler = autoscaler  # (simkv/replay/autoscale.py: which replicas are up, decided as time passes)
         n = router.num_replicas
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
         # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done; or a
@@ -239,14 +240,21 @@ class FleetRouting:
     def loads_at(self, tick: int) -> list[int]:
         """Each replica's requests in flight at `tick`: sent, less the finishes strictly before it."""
         loads = self.outstanding
+        last = self.autoscaler.last_finish if self.autoscaler is not None else None
         for r, finishes in enumerate(self._finishes):
             while finishes and finishes[0][0] < tick:
-                loads[r] -= finishes.popleft()[1]
+                done, count = finishes.popleft()
+                loads[r] -= count
+                if last is not None:
+                    last[r] = max(last[r], done)
         return loads
 
     def assign(self, i: int, tick: int) -> int:
         """The replica for trace row `i` at `tick`, chosen on the finishes strictly before `tick`;
         it counts the request as outstanding there."""
+        if self.autoscaler is not None:
+            self.autoscaler.advance(tick, self.loads_at)
+            self.router.up = self.autoscaler.up(tick)
         loads = self.loads_at(tick)
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
@@ -331,13 +339,15 @@ def fleet_clients(trace, config):
 
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
               use_decode_runs: bool = True, on_progress=None, prepare=None,
-              replicas: tuple[list, list] | None = None) -> tuple[list[ReplayRun], FleetRouting]:
+              replicas: tuple[list, list] | None = None, autoscaler=None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on len(backends) replicas (one backend each) behind `router`; `prepare`:
     called with each engine before the run (an encode pool's shared store); `replicas`: each
-    replica's (engine config, capacity) where they differ (FleetSpec.replica_sets)."""
+    replica's (engine config, capacity) where they differ (FleetSpec.replica_sets); `autoscaler`:
+    which replicas are up as time passes (simkv/replay/autoscale.py)."""
     env = simpy.Environment()
     clients = fleet_clients(trace, config)
-    routing = FleetRouting(trace, router, config.max_model_len, clients=clients, pacing=config.scheduler)
+    routing = FleetRouting(trace, router, config.max_model_len, clients=clients, pacing=config.scheduler,
+                           autoscaler=autoscaler)
     routing.on_reject = on_progress
 
     def feed_of(replica):

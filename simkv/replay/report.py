@@ -101,6 +101,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
+        if fleet.get("autoscaling"):
+            from simkv.replay.autoscale import describe
+
+            head.append(("autoscaling", describe(fleet["autoscaling"])))
     client = summary.get("client")
     outcomes = {"finished": summary["num_finished"], "rejected": summary["num_rejected"]}
     if client:

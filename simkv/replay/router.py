@@ -243,9 +243,13 @@ class Router:
                       else [cache_tokens_per_replica] * num_replicas)  # (replicas of different engines: each its own)
         self.indexes = ([PrefixIndex(tokens) for tokens in capacities] if policy == "prefix_aware" else None)
 
+    #: An autoscaled fleet's replicas that are up (simkv/replay/autoscale.py); None: every one.
+    up: tuple[int, ...] | None = None
+
     def candidates(self, request_class: str | None) -> tuple[int, ...]:
         """The replicas a request of this class may go to."""
-        return self.class_replicas.get(request_class, self._others) if request_class is not None else self._others
+        cands = self.class_replicas.get(request_class, self._others) if request_class is not None else self._others
+        return cands if self.up is None else tuple(r for r in cands if r in self.up)
 
     def choose(self, loads: list[int], hashes: np.ndarray | None, block_tokens: int, salt: str | None = None,
                request_class: str | None = None, session: str | None = None) -> int:

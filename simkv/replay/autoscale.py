@@ -1,0 +1,200 @@
+"""A fleet that grows and shrinks with its load (`--autoscale MIN-MAX`), as a Kubernetes
+autoscaler does in front of vLLM replicas (HPA, or KEDA on vLLM's request gauges).
+
+The fleet has MAX replica slots; MIN are up from the start. Every `interval_s` (HPA's sync
+period, 15 s) the autoscaler reads the requests in flight on the replicas that are up (sent, less
+the finishes strictly before that instant: what vLLM's `num_requests_running` +
+`num_requests_waiting` gauges add up to) and wants ceil(in flight / `target`) replicas, within
+[MIN, MAX]:
+- more than it has (ready or starting): it starts the lowest slots that are down at once; a slot
+  takes requests `cold_start_s` later (the pod's scheduling, image and weights loading, CUDA
+  graphs: 120 s by default), and is paid for from its start;
+- fewer: only once every wish over the last `scale_down_window_s` (HPA's stabilisation window,
+  300 s) has been below what it has, it drains the highest slots that are up: they take no new
+  requests, finish the ones they have, and are paid for until then. A drained slot that is
+  started again before its last request finishes is still warm: it takes requests at once.
+A scale-down drains the slots still starting first (their start is called off), then the
+highest that are up, so the MIN lowest slots, up from the start, always take requests. The
+router chooses among the slots that are up (ready and not draining). Decisions are made at
+fixed instants on the finishes strictly before them, so the replay stays deterministic, byte
+for byte.
+
+Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
+each slot's GPUs. Not modelled: scaling on other metrics (GPU utilisation, KV usage), HPA's 10 %
+tolerance and its rate limits on scale-up, pods that fail to start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simkv.clock import TICKS_PER_SECOND, to_ticks
+
+
+class AutoscaleError(ValueError):
+    """A bad --autoscale setting: one line that names it."""
+
+
+@dataclass(frozen=True)
+class AutoscaleSpec:
+    min_replicas: int
+    max_replicas: int
+    target: float = 8.0  # requests in flight per replica the autoscaler aims at
+    interval_s: float = 15.0
+    cold_start_s: float = 120.0
+    scale_down_window_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas < self.max_replicas:
+            raise AutoscaleError(f"--autoscale {self.min_replicas}-{self.max_replicas}: expected MIN-MAX replicas "
+                                 "with 1 <= MIN < MAX")
+        for name, value, low in (("--autoscale-target", self.target, 0.0), ("--autoscale-interval", self.interval_s, 0.0)):
+            if not (value > low and math.isfinite(value)):
+                raise AutoscaleError(f"{name} must be a number > 0, got {value}")
+        for name, value in (("--cold-start-s", self.cold_start_s), ("--scale-down-window-s", self.scale_down_window_s)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
+
+    @classmethod
+    def parse(cls, text: str, **options) -> "AutoscaleSpec":
+        """'2-8' with the other settings by name."""
+        low, dash, high = text.strip().partition("-")
+        try:
+            lo, hi = int(low), int(high)
+        except ValueError:
+            raise AutoscaleError(f"--autoscale {text!r}: expected MIN-MAX replicas, e.g. 2-8") from None
+        return cls(lo, hi, **{k: v for k, v in options.items() if v is not None})
+
+    def to_dict(self) -> dict:
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "target": self.target,
+                "interval_s": self.interval_s, "cold_start_s": self.cold_start_s,
+                "scale_down_window_s": self.scale_down_window_s}
+
+
+class Autoscaler:
+    """The slots' states over simulated time, advanced by FleetRouting before each routing."""
+
+    def __init__(self, spec: AutoscaleSpec) -> None:
+        self.spec = spec
+        n = spec.max_replicas
+        self.interval = max(1, to_ticks(spec.interval_s))
+        self.cold_start = to_ticks(spec.cold_start_s)
+        self.window = to_ticks(spec.scale_down_window_s)
+        self.next_eval = self.interval
+        self.ready_at: list[int | None] = [0 if r < spec.min_replicas else None for r in range(n)]  # None: down
+        self.last_finish = [0] * n  # (each slot's last finish the router has seen: FleetRouting.loads_at's)
+        self.draining_since: list[int | None] = [None] * n
+        self.paid: list[list[tuple[int, int | None]]] = [[(0, None)] if r < spec.min_replicas else [] for r in range(n)]
+        self.wishes: list[tuple[int, int]] = []  # (tick, replicas wanted) within the window
+        self.events: list[dict] = []
+        self.timeline: list[tuple[int, int, int]] = [(0, spec.min_replicas, 0)]  # (tick, ready, starting)
+
+    def up(self, tick: int) -> tuple[int, ...]:
+        """The slots that take requests at `tick`: ready by then and not draining."""
+        return tuple(r for r, at in enumerate(self.ready_at)
+                     if at is not None and at <= tick and self.draining_since[r] is None)
+
+    def first_ready_after(self, tick: int) -> int | None:
+        """The earliest tick after `tick` at which a slot that is starting becomes ready."""
+        later = [at for r, at in enumerate(self.ready_at)
+                 if at is not None and at > tick and self.draining_since[r] is None]
+        return min(later) if later else None
+
+    def advance(self, tick: int, loads_at) -> None:
+        """Make every decision due at or before `tick`; `loads_at(t)`: each slot's requests in
+        flight at t (the finishes strictly before t)."""
+        while self.next_eval <= tick:
+            self._evaluate(self.next_eval, loads_at(self.next_eval))
+            self.next_eval += self.interval
+
+    def _evaluate(self, tick: int, loads: list[int]) -> None:
+        spec = self.spec
+        live = [r for r, at in enumerate(self.ready_at) if at is not None and self.draining_since[r] is None]
+        in_flight = sum(loads[r] for r in live)
+        wanted = min(spec.max_replicas, max(spec.min_replicas, math.ceil(in_flight / spec.target)))
+        self.wishes.append((tick, wanted))
+        while self.wishes and self.wishes[0][0] < tick - self.window:
+            self.wishes.pop(0)
+        have = len(live)
+        if wanted > have:
+            for r in [r for r in range(spec.max_replicas) if r not in live][:wanted - have]:
+                self._start(r, tick, loads[r])
+            self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
+                                "in_flight": in_flight})
+        elif max(w for _, w in self.wishes) < have:
+            keep = max(w for _, w in self.wishes)
+            starting = [r for r in live if self.ready_at[r] > tick]
+            ready = [r for r in live if self.ready_at[r] <= tick]
+            for r in (sorted(starting, reverse=True) + sorted(ready, reverse=True))[:have - keep]:
+                if self.ready_at[r] > tick:  # (called off: down at once, paid until now)
+                    self.ready_at[r] = None
+                    self.paid[r][-1] = (self.paid[r][-1][0], tick)
+                else:
+                    self.draining_since[r] = tick
+            self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "down", "replicas": keep,
+                                "in_flight": in_flight})
+        self._mark(tick)
+
+    def _start(self, r: int, tick: int, in_flight: int) -> None:
+        drained = self.draining_since[r]
+        self.draining_since[r] = None
+        if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)
+            return
+        if drained is not None:  # (its last request finished before now: paid until then)
+            self.paid[r][-1] = (self.paid[r][-1][0], max(drained, self.last_finish[r]))
+        self.ready_at[r] = tick + self.cold_start
+        self.paid[r].append((tick, None))
+
+    def _mark(self, tick: int) -> None:
+        """The timeline up to `tick`: each slot that became ready since, at its own instant."""
+        last = self.timeline[-1][0]
+        for at in sorted({at for at in self.ready_at if at is not None and last < at < tick}):
+            self._mark_at(at)
+        self._mark_at(tick)
+
+    def _mark_at(self, tick: int) -> None:
+        ready = len(self.up(tick))
+        starting = sum(1 for r, at in enumerate(self.ready_at) if at is not None and at > tick)
+        if (ready, starting) != self.timeline[-1][1:]:
+            self.timeline.append((tick, ready, starting))
+
+    def settle(self, end: int, loads_at) -> None:
+        """After the replay (its last step ends at `end`): the decisions up to then, and the
+        paid time of each slot still up closed then, of a drained one at its last finish."""
+        self.advance(end, loads_at)
+        self._mark(end)
+        loads_at(end + 1)  # (every finish seen)
+        for r, spans in enumerate(self.paid):
+            if spans and spans[-1][1] is None:
+                drained = self.draining_since[r]
+                stop = max(drained, self.last_finish[r]) if drained is not None else end
+                spans[-1] = (spans[-1][0], min(max(stop, spans[-1][0]), end))
+
+    def summary(self, end: int, gpus_per_slot: list[int]) -> dict:
+        spec = self.spec
+        seconds = [sum(e - s for s, e in spans) / TICKS_PER_SECOND for spans in self.paid]
+        duration = end / TICKS_PER_SECOND
+        ready_seconds = 0.0
+        for (t, ready, _), nxt in zip(self.timeline, self.timeline[1:] + [(end, 0, 0)]):
+            ready_seconds += ready * max(0, min(nxt[0], end) - t) / TICKS_PER_SECOND
+        return spec.to_dict() | {
+            "scale_ups": sum(1 for e in self.events if e["action"] == "up"),
+            "scale_downs": sum(1 for e in self.events if e["action"] == "down"),
+            "peak_ready": max(ready for _, ready, _ in self.timeline),
+            "mean_ready": ready_seconds / duration if duration > 0 else float(spec.min_replicas),
+            "replica_seconds": sum(seconds),
+            "gpu_hours": sum(s * g for s, g in zip(seconds, gpus_per_slot)) / 3600.0,
+            "fixed_fleet_gpu_hours": duration * sum(gpus_per_slot) / 3600.0,
+            "events": self.events,
+            "timeline": [{"time_s": t / TICKS_PER_SECOND, "ready": ready, "starting": starting}
+                         for t, ready, starting in self.timeline]}
+
+
+def describe(section: dict) -> str:
+    """One line for the terminal and report.html."""
+    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({section['target']:g} in flight each, "
+            f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
+            f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "
+            f"{section['gpu_hours']:.3f} GPU-h paid, {section['fixed_fleet_gpu_hours']:.3f} for "
+            f"{section['max_replicas']} always up")

@@ -1,0 +1,104 @@
+"""A fleet that scales with its load (`--autoscale MIN-MAX`, simkv/replay/autoscale.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.config import EngineConfig
+from simkv.replay.api import FleetSpec, replay
+from simkv.replay.autoscale import AutoscaleError, AutoscaleSpec
+from simkv.replay.router import RouterError
+from simkv.traces import trace_from_frame
+from tests.cli_runs import cli_fails, cli_ok
+
+CONFIG = EngineConfig.from_flat({"max_model_len": 4096})
+
+
+def bursts() -> object:
+    """A quiet minute, a 60-second burst of 40 requests a second, then quiet again."""
+    rng = np.random.default_rng(1)
+    quiet = np.arange(0.0, 60.0, 2.0)
+    burst = np.sort(rng.uniform(60.0, 120.0, 2400))
+    tail = np.arange(120.0, 900.0, 2.0)
+    arrivals = np.concatenate([quiet, burst, tail])
+    n = len(arrivals)
+    return trace_from_frame(pd.DataFrame({"arrival_time_s": arrivals, "prompt_tokens": rng.integers(200, 1500, n),
+                                          "output_tokens": rng.integers(50, 300, n)}))
+
+
+def test_the_fleet_grows_for_a_burst_and_shrinks_after_it():
+    spec = AutoscaleSpec(1, 4, target=8, interval_s=15, cold_start_s=45, scale_down_window_s=120)
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    events = scaling["events"]
+    first_up = next(e for e in events if e["action"] == "up")
+    assert first_up["time_s"] == 75.0 and first_up["replicas"] == 4  # (the first decision in the burst)
+    # no request goes to a replica before it is ready, 45 s after it was started
+    requests = result.requests
+    later = requests[requests["replica"] > 0]
+    assert later["arrival_time_s"].min() >= 75.0 + 45.0
+    assert (requests.loc[requests["arrival_time_s"] < 120.0, "replica"] == 0).all()
+    # once the burst is served and the window has passed, back to one
+    down = [e for e in events if e["action"] == "down"]
+    assert down and down[-1]["replicas"] == 1 and down[0]["time_s"] >= first_up["time_s"] + 120.0
+    assert scaling["timeline"][-1]["ready"] == 1
+    # paid: replica 0 the whole replay, the others from their start to their drain's last finish
+    duration = result.summary["duration_s"]
+    assert duration < scaling["replica_seconds"] < 4 * duration
+    assert scaling["gpu_hours"] == pytest.approx(scaling["replica_seconds"] / 3600)
+    assert scaling["fixed_fleet_gpu_hours"] == pytest.approx(4 * duration / 3600)
+    assert 1.0 < scaling["mean_ready"] < 4.0 and scaling["peak_ready"] == 4
+    # the same inputs, the same fleet
+    again = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    pd.testing.assert_frame_equal(requests, again.requests)
+    assert again.summary["fleet"]["autoscaling"] == scaling
+
+
+def test_a_cold_start_costs_the_burst_its_latency():
+    fast = AutoscaleSpec(1, 4, target=8, cold_start_s=0)
+    slow = AutoscaleSpec(1, 4, target=8, cold_start_s=60)
+    ttft = {name: replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec)).summary["ttft_s"]
+            for name, spec in (("fast", fast), ("slow", slow))}
+    assert ttft["slow"]["p99"] > 2 * ttft["fast"]["p99"]
+
+
+def test_settings_are_checked():
+    for text, message in (("4-2", "1 <= MIN < MAX"), ("0-3", "1 <= MIN < MAX"), ("3", "expected MIN-MAX"),
+                          ("a-b", "expected MIN-MAX")):
+        with pytest.raises(AutoscaleError, match=message):
+            AutoscaleSpec.parse(text)
+    with pytest.raises(AutoscaleError, match="--cold-start-s must be a number of seconds >= 0"):
+        AutoscaleSpec(1, 2, cold_start_s=-1)
+    with pytest.raises(AutoscaleError, match="--autoscale-target must be a number > 0"):
+        AutoscaleSpec(1, 2, target=0)
+    with pytest.raises(RouterError, match="the fleet has 3 replicas"):
+        FleetSpec(3, autoscale=AutoscaleSpec(1, 4))
+    with pytest.raises(RouterError, match="not modelled in a fleet that scales"):
+        FleetSpec(4, class_replicas=(("docs", (3,)),), autoscale=AutoscaleSpec(1, 4))
+
+
+def test_the_cli_scales_and_says_so(tmp_path):
+    trace = tmp_path / "b.parquet"
+    from simkv.traces import write_trace
+
+    write_trace(bursts(), trace)
+    text = cli_ok(["replay", str(trace), "--autoscale", "1-3", "--cold-start-s", "30", "--autoscale-target", "8",
+                   "--router", "least_outstanding", "--max-model-len", "4096", "--out", str(tmp_path / "r")])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["fleet"]["num_replicas"] == 3 and summary["fleet"]["autoscaling"]["cold_start_s"] == 30.0
+    assert "autoscaling" in text and "Autoscaled replicas" in (tmp_path / "r" / "report.html").read_text()
+    (tmp_path / "f.yaml").write_text("autoscale: 1-3\ncold_start_s: 30\n")
+    cli_ok(["replay", str(trace), "--config", str(tmp_path / "f.yaml"), "--max-model-len", "4096", "--out",
+            str(tmp_path / "c"), "--quiet"])
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["fleet"]["autoscaling"]["cold_start_s"] == 30.0
+    cli_ok(["goodput", str(trace), "--autoscale", "1-3", "--cold-start-s", "30", "--goodput", "ttft:2000",
+            "--max-model-len", "4096", "--cost-model", "linear", "--tolerance", "0.2", "--out", str(tmp_path / "g"),
+            "--quiet"])
+    assert "An autoscaled fleet of 1-3 replicas" in (tmp_path / "g" / "goodput.md").read_text()
+    assert "give --autoscale MIN-MAX too" in cli_fails(["replay", str(trace), "--cold-start-s", "30"])
+    assert "the fleet has 2 replicas" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--replicas", "2"])
+    assert "not P/D pools" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--prefill-replicas", "1"])
