@@ -24,8 +24,10 @@ ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
 # engines, one value "2-3:gpu=H200,tensor_parallel_size=2" or "0-1:gpu=H200;2:gpu=A100-80GB"
 # (a config file's mapping {"2-3": {gpu: H200}}), kept as canonical text too.
 TEXT_KEYS = ("class_replicas", "replica_sets")
+# autoscale: "MIN-MAX" (simkv/replay/autoscale.py), with its settings
+AUTOSCALE_KEYS = ("autoscale", "autoscale_target", "autoscale_interval_s", "cold_start_s", "scale_down_window_s")
 FLEET_KEYS = (("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + TEXT_KEYS
-              + PD_KEYS + ENCODE_KEYS)
+              + PD_KEYS + ENCODE_KEYS + AUTOSCALE_KEYS)
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 

@@ -55,6 +55,13 @@ OFFLOAD_METRICS: dict[str, tuple[str, ...]] = {
 }
 
 
+# with an autoscaled fleet in some cell (only then): what it paid and how many replicas were up
+AUTOSCALE_METRICS: dict[str, tuple[str, ...]] = {
+    "gpu_hours": ("fleet", "autoscaling", "gpu_hours"),
+    "mean_replicas_up": ("fleet", "autoscaling", "mean_ready"),
+}
+
+
 # with request classes in some cell's trace (simkv/replay/classes.py): per class, `CLASS:column`
 CLASS_METRICS: dict[str, tuple[str, ...]] = {
     "ttft_p99_s": ("ttft_s", "p99"),
@@ -70,7 +77,7 @@ HELD_BY = "waiting_held_by"
 def metric_columns(rows: list[dict]) -> list[str]:
     """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs,
     the offloading ones only when a cell offloads)."""
-    named = [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS) if rows and c in rows[0]]
+    named = [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS, *AUTOSCALE_METRICS) if rows and c in rows[0]]
     return named + [c for c in (rows[0] if rows else ()) if ":" in c]
 
 
@@ -88,6 +95,8 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
     metrics = dict(METRICS) | (GOODPUT_METRICS if any(c.goodput for c in cells) else {})
     if any("kv_offloading" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
         metrics |= OFFLOAD_METRICS
+    if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("fleet", "autoscaling")) for c in cells):
+        metrics |= AUTOSCALE_METRICS
     metrics |= _class_metrics(cells, outcomes)
     for cell in cells:
         out = outcomes.get(cell.cell_id, {"status": "failed", "error": "not run"})
@@ -152,7 +161,8 @@ def to_arrow(rows: list[dict], swept_keys: list[str]) -> pa.Table:
             typ = pa.int64()
         elif col in swept_keys:
             typ = _key_type(values)
-        elif col in METRICS or col in GOODPUT_METRICS or ":" in col:  # (":": a request class's)
+        elif col in METRICS or col in GOODPUT_METRICS or col in OFFLOAD_METRICS or col in AUTOSCALE_METRICS \
+                or ":" in col:  # (":": a request class's)
             typ = pa.float64()
         else:
             typ = pa.string()

@@ -73,10 +73,25 @@ def fleet_spec(fleet: dict | None):
                           f"is {router or 'round_robin'} (set router=prefix_aware)")
     options.update(thresholds)
     classes, sets = fleet.get("class_replicas"), fleet.get("replica_sets")
+    autoscale = autoscale_spec(fleet)
+    replicas = fleet.get("replicas", autoscale.max_replicas if autoscale is not None else 1)
     # (FleetSpec builds the Router, which checks the replicas and the router's name)
-    return FleetSpec(fleet.get("replicas", 1), router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),
+    return FleetSpec(replicas, router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),
                      parse_class_replicas(classes.split(";")) if classes else (),
-                     parse_replica_sets(sets.split(";")) if sets else ())
+                     parse_replica_sets(sets.split(";")) if sets else (), autoscale)
+
+
+def autoscale_spec(fleet: dict):
+    """A cell's `autoscale` ("MIN-MAX") and its settings as an AutoscaleSpec (None without: a
+    grid's `autoscale=none` cells then run the fixed fleet, whatever the settings swept beside)."""
+    from simkv.replay.autoscale import AutoscaleSpec
+    from simkv.sweep.grid import AUTOSCALE_KEYS
+
+    settings = {k: fleet[k] for k in AUTOSCALE_KEYS[1:] if fleet.get(k) is not None}
+    if fleet.get("autoscale") is None:
+        return None
+    names = {"autoscale_target": "target", "autoscale_interval_s": "interval_s"}
+    return AutoscaleSpec.parse(str(fleet["autoscale"]), **{names.get(k, k): float(v) for k, v in settings.items()})
 
 
 def encode_spec(cell: dict, config):
@@ -107,6 +122,9 @@ def pool_specs(fleet: dict | None):
     pd = {k: fleet.pop(k) for k in PD_KEYS if k in fleet}
     if not pd:
         return fleet_spec(fleet), None
+    if fleet.get("autoscale") is not None:
+        raise RouterError("autoscale: a cell with P/D keys (prefill_replicas, decode_replicas, ...) has two pools, not "
+                          "one fleet that scales; drop autoscale")
     classes = fleet.pop("class_replicas", None)  # (each pool's: prefill:docs=1;decode:docs=0)
     prefill_classes, decode_classes = split_pool_class_replicas(classes.split(";")) if classes else ((), ())
     if fleet.get("replica_sets"):

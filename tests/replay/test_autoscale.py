@@ -102,3 +102,26 @@ def test_the_cli_scales_and_says_so(tmp_path):
     assert "give --autoscale MIN-MAX too" in cli_fails(["replay", str(trace), "--cold-start-s", "30"])
     assert "the fleet has 2 replicas" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--replicas", "2"])
     assert "not P/D pools" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--prefill-replicas", "1"])
+
+
+def test_a_sweep_grids_the_autoscaler(tmp_path):
+    import pyarrow.parquet as pq
+
+    from simkv.traces import write_trace
+
+    trace = tmp_path / "b.parquet"
+    write_trace(bursts(), trace)
+    cli_ok(["sweep", str(trace), "--set", "router=least_outstanding", "--set", "replicas=3", "--set",
+            "max_model_len=4096", "--set", "cold_start_s=30", "--grid", "autoscale=none,1-3", "--grid",
+            "autoscale_target=4,8", "--out", str(tmp_path / "s"), "--quiet"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok"] * 4
+    fixed, scaled = rows[:2], rows[2:]
+    assert all(row["gpu_hours"] is None for row in fixed) and fixed[0]["ttft_p99_s"] == fixed[1]["ttft_p99_s"]
+    assert all(row["gpu_hours"] > 0 and 1 <= row["mean_replicas_up"] <= 3 for row in scaled)
+    assert scaled[0]["mean_replicas_up"] >= scaled[1]["mean_replicas_up"]  # (4 in flight each: no fewer replicas)
+    # a cell replays what `simkv replay --autoscale` does
+    cli_ok(["replay", str(trace), "--autoscale", "1-3", "--autoscale-target", "8", "--cold-start-s", "30",
+            "--router", "least_outstanding", "--max-model-len", "4096", "--out", str(tmp_path / "r"), "--quiet"])
+    by_hand = json.loads((tmp_path / "r" / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert by_hand["gpu_hours"] == scaled[1]["gpu_hours"]

@@ -372,6 +372,7 @@ def test_a_sweep_over_the_cpu_tier_has_its_columns(tmp_path):
     assert set(OFFLOAD_METRICS) <= set(tier) and plain["offload_loaded_tokens"] is None
     assert tier["offload_loaded_tokens"] > 0 and tier["offload_evicted_blocks"] > 0
     assert tier["num_prefill_tokens"] < plain["num_prefill_tokens"]
+    assert 0 < tier["offload_hit_rate"] < 1  # (a number, as every rate: until 2026-12-07 it was written as text)
     without = sweep(TRACE, "--grid", "watermark=0,0.01", *FIXED, "--out", str(tmp_path / "w"))
     assert without.exit_code == 0 and "offload_loaded_tokens" not in pq.read_table(tmp_path / "w" / "sweep.parquet").column_names
 
