@@ -292,9 +292,9 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
     prices = _prices(gpu_prices)
     autoscale = read_autoscale(flags, config_file)
     if autoscale is not None and (layouts is not None or pd_splits is not None or grids or target_rate is not None
-                                  or closed_loop or prices):
+                                  or closed_loop):
         raise click.UsageError("--autoscale searches one scaling fleet's highest rate: drop --layouts/--pd-splits/"
-                               "--grid/--target-rate/--clients/--gpu-price")
+                               "--grid/--target-rate/--clients")
     cost_options = {"step_base_s": step_base_s, "step_per_token_s": step_per_token_s}
     encode = read_encode(flags, config_file)
     if encode is not None and (grids or target_rate is not None or prices or pd_splits is not None):
@@ -411,7 +411,13 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                 record["replicas"] = None
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
-    if gpus is not None:
+    if gpus is not None and fleet.autoscale is not None:  # (what the fleet paid for at its highest rate)
+        from simkv.studies.serving_cost import paid_cost
+
+        best = [p for p in record["probes"] if p["met"] and p["factor"] == record["bracket_factors"][0]]
+        record["cost"] = (paid_cost(best[0]["gpu_hours_by_gpu"], best[0]["duration_s"], prices,
+                                    record["max_rate_req_s"], float(data.output_tokens.mean())) if best else None)
+    elif gpus is not None:
         from simkv.studies.serving_cost import serving_cost
 
         record["cost"] = serving_cost(gpus, prices, record["max_rate_req_s"], float(data.output_tokens.mean()))

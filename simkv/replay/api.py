@@ -416,7 +416,8 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 
         end = to_ticks(summary["duration_s"])
         autoscaler.settle(end, routing.loads_at)
-        summary["fleet"]["autoscaling"] = autoscaler.summary(end, [engine_gpus(c) for c in configs])
+        summary["fleet"]["autoscaling"] = autoscaler.summary(end, [engine_gpus(c) for c in configs],
+                                                             [c.hardware.gpu for c in configs])
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 

@@ -171,9 +171,12 @@ class Autoscaler:
                 stop = max(drained, self.last_finish[r]) if drained is not None else end
                 spans[-1] = (spans[-1][0], min(max(stop, spans[-1][0]), end))
 
-    def summary(self, end: int, gpus_per_slot: list[int]) -> dict:
+    def summary(self, end: int, gpus_per_slot: list[int], gpu_of_slot: list[str]) -> dict:
         spec = self.spec
         seconds = [sum(e - s for s, e in spans) / TICKS_PER_SECOND for spans in self.paid]
+        by_gpu: dict[str, float] = {}
+        for sec, gpus, gpu in zip(seconds, gpus_per_slot, gpu_of_slot):
+            by_gpu[gpu] = by_gpu.get(gpu, 0.0) + sec * gpus / 3600.0
         duration = end / TICKS_PER_SECOND
         ready_seconds = 0.0
         for (t, ready, _), nxt in zip(self.timeline, self.timeline[1:] + [(end, 0, 0)]):
@@ -185,6 +188,7 @@ class Autoscaler:
             "mean_ready": ready_seconds / duration if duration > 0 else float(spec.min_replicas),
             "replica_seconds": sum(seconds),
             "gpu_hours": sum(s * g for s, g in zip(seconds, gpus_per_slot)) / 3600.0,
+            "gpu_hours_by_gpu": by_gpu,
             "fixed_fleet_gpu_hours": duration * sum(gpus_per_slot) / 3600.0,
             "events": self.events,
             "timeline": [{"time_s": t / TICKS_PER_SECOND, "ready": ready, "starting": starting}

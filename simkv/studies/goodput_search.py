@@ -41,6 +41,8 @@ class Probe:
     waiting_held_by: str | None = None  # the limit that held the waiting queue longest, with its share
     clients: int | None = None  # a closed loop's clients (search_max_clients; rate_req_s is then what they sent)
     attainment_by_class: dict | None = None  # a trace with request classes: each class's (simkv/replay/classes.py)
+    duration_s: float | None = None  # an autoscaled fleet (simkv/replay/autoscale.py): the replay's length,
+    gpu_hours_by_gpu: dict | None = None  # and the GPU-hours it paid for, per GPU kind
 
 
 def trace_rate(trace) -> float:
@@ -71,9 +73,11 @@ def _probe_of(s: dict, factor: float, rate: float, target: float, clients: int |
 
     g = s["goodput"]
     attained = g.get("lowest_class_attainment", g["slo_attainment"])  # (SLOs per class: every class held to it)
+    scaling = (s.get("fleet") or {}).get("autoscaling")
     return Probe(factor, rate, attained, g["request_goodput_req_s"], attained >= target, s["ttft_s"]["p99"],
                  s["tpot_s"]["p99"], s["e2e_s"]["p99"], int(s["num_preemptions"]), int(s["peak_running"]),
-                 int(s.get("num_rejected", 0)), largest_admission_limit(s), clients, g.get("attainment_by_class"))
+                 int(s.get("num_rejected", 0)), largest_admission_limit(s), clients, g.get("attainment_by_class"),
+                 s["duration_s"] if scaling else None, scaling["gpu_hours_by_gpu"] if scaling else None)
 
 
 def lowest_factor(trace) -> float:

@@ -116,6 +116,23 @@ def serving_cost(gpus: SetupGPUs, prices: dict[str, float], max_rate_req_s: floa
     return out
 
 
+def paid_cost(gpu_hours_by_gpu: dict[str, float], duration_s: float, prices: dict[str, float],
+              max_rate_req_s: float, mean_output_tokens: float) -> dict | None:
+    """The cost record of an autoscaled fleet at its highest rate within the SLOs: the GPU-hours it
+    paid for over that replay, priced per kind, as a mean spend per hour (None when a kind has
+    no price)."""
+    if any(gpu not in prices for gpu in gpu_hours_by_gpu) or not duration_s > 0:
+        return None
+    spent = sum(hours * prices[gpu] for gpu, hours in gpu_hours_by_gpu.items())
+    per_hour = spent / (duration_s / 3600.0)
+    return {"gpu": "+".join(gpu_hours_by_gpu), "gpu_hours_paid": sum(gpu_hours_by_gpu.values()),
+            "replay_hours": duration_s / 3600.0, "usd_spent": spent, "usd_per_hour": per_hour,
+            "kinds": [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]}
+                      for gpu, hours in gpu_hours_by_gpu.items()],
+            "usd_per_1k_requests": per_hour / (3600.0 * max_rate_req_s) * 1e3,
+            "usd_per_1m_output_tokens": per_hour / (3600.0 * max_rate_req_s * mean_output_tokens) * 1e6}
+
+
 def gpus_text(cost: dict) -> str:
     """'4 x H200', or '2 x H100-SXM + 2 x H200' for a setup of several kinds."""
     return " + ".join(f"{k['gpus']} x {k['gpu']}" for k in cost.get("kinds") or [cost])
@@ -123,6 +140,12 @@ def gpus_text(cost: dict) -> str:
 
 def describe(cost: dict) -> str:
     """One line for goodput.md."""
+    if "gpu_hours_paid" in cost:  # (an autoscaled fleet: paid_cost's)
+        kinds = " + ".join(f"{k['gpu_hours']:.3f} {k['gpu']} GPU-h at ${k['usd_per_gpu_hour']:g}/h" for k in cost["kinds"])
+        return (f"autoscaled, {kinds} over the {cost['replay_hours']:.3f} h replay at the highest rate within the "
+                f"SLOs = ${cost['usd_spent']:,.2f}, ${cost['usd_per_hour']:,.2f}/h on average: "
+                f"${cost['usd_per_1k_requests']:,.4f} per 1,000 requests, ${cost['usd_per_1m_output_tokens']:,.3f} "
+                "per 1M output tokens")
     kinds = cost.get("kinds") or [cost]
     text = " + ".join(f"{k['gpus']} x {k['gpu']} at ${k['usd_per_gpu_hour']:g}/h" for k in kinds)
     text += f" = ${cost['usd_per_hour']:,.2f}/h"

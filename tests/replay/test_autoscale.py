@@ -99,6 +99,16 @@ def test_the_cli_scales_and_says_so(tmp_path):
             "--max-model-len", "4096", "--cost-model", "linear", "--tolerance", "0.2", "--out", str(tmp_path / "g"),
             "--quiet"])
     assert "An autoscaled fleet of 1-3 replicas" in (tmp_path / "g" / "goodput.md").read_text()
+    cli_ok(["goodput", str(trace), "--autoscale", "1-3", "--cold-start-s", "30", "--goodput", "ttft:2000",
+            "--max-model-len", "4096", "--cost-model", "linear", "--tolerance", "0.2", "--gpu-price", "H100-SXM=2",
+            "--out", str(tmp_path / "p"), "--quiet"])
+    record = json.loads((tmp_path / "p" / "goodput.json").read_text())
+    best = next(p for p in record["probes"] if p["met"] and p["factor"] == record["bracket_factors"][0])
+    cost = record["cost"]  # (the GPU-hours paid in the highest rate's replay, as a mean spend per hour)
+    assert cost["usd_spent"] == pytest.approx(2 * best["gpu_hours_by_gpu"]["H100-SXM"])
+    assert cost["usd_per_hour"] == pytest.approx(cost["usd_spent"] / (best["duration_s"] / 3600))
+    assert 2 <= cost["usd_per_hour"] <= 3 * 2  # (between MIN and MAX replicas always up)
+    assert "Cost: autoscaled," in (tmp_path / "p" / "goodput.md").read_text()
     assert "give --autoscale MIN-MAX too" in cli_fails(["replay", str(trace), "--cold-start-s", "30"])
     assert "the fleet has 2 replicas" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--replicas", "2"])
     assert "not P/D pools" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--prefill-replicas", "1"])
