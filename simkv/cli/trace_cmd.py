@@ -17,7 +17,7 @@ from simkv.traces.schema import read_trace, write_trace
 from simkv.traces.stats import class_counts, format_stats, trace_stats
 from simkv.traces.synth import ClippedLognormal, REQ400_REQUESTS, REQ400_SEED
 from simkv.traces.synth_cli import KINDS, SynthOptions, generate, parse_int_list
-from simkv.traces.transform import Edits, parse_class_bins, transform
+from simkv.traces.transform import Edits, parse_class_bins, parse_rate_profile, transform
 
 
 def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,6 +167,9 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
 @click.option("--window", type=(float, float), help="Keep arrivals in [T0, T1), shifted to start at 0.")
 @click.option("--time-scale", type=float, help="Multiply arrival times by F.")
 @click.option("--rate", type=float, help="Re-time to Poisson arrivals at R req/s (order kept).")
+@click.option("--rate-profile", default=None, metavar="T0=R0,T1=R1,...",
+              help="Re-time to Poisson arrivals whose rate is R0 req/s from T0 (0), R1 from T1, ... "
+                   "(a day's load, a burst: e.g. 0=2,600=10,1200=2), order kept.")
 @click.option("--time-offset", type=float, default=None, metavar="S",
               help="Add S seconds to every arrival (a trace that started S s after one it is merged with).")
 @click.option("--sample", type=float, help="Keep each request with probability FRACTION.")
@@ -217,7 +220,8 @@ def inspect_cmd(path: str, block_size: int, as_json: bool) -> None:
                    "(a chat's next turn), so the replay's next turn hits the reply's cached blocks; applied last.")
 @clean_errors
 def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, float] | None,
-                  time_scale: float | None, rate: float | None, time_offset: float | None, sample: float | None,
+                  time_scale: float | None, rate: float | None, rate_profile: str | None, time_offset: float | None,
+                  sample: float | None,
                   max_prompt_tokens: int | None, seed: int, samples: int | None, priority: int | None, request_class: str | None,
                   class_by_prompt_tokens: str | None, class_by_output_tokens: str | None, lora_adapters: int | None, lora_zipf: float, images: float | None, image_tokens: int, images_per_request: int, distinct_images: int | None,
                   image_zipf: float, image_text_after: int, session_history: bool, system_prompt_tokens: int | None,
@@ -235,6 +239,7 @@ def transform_cmd(path: str, out: str, head: int | None, window: tuple[float, fl
             class_by = (column, *parse_class_bins(text, f"--class-by-{column.replace('_', '-')}"))
     edits = Edits(window=window, head=head, sample=sample, max_prompt_tokens=max_prompt_tokens,
                   time_scale=time_scale, rate=rate, time_offset=time_offset, samples=samples, priority=priority,
+                  rate_profile=parse_rate_profile(rate_profile) if rate_profile is not None else None,
                   request_class=request_class, class_by=class_by, seed=seed)
     result = transform(read_trace(path), edits)
     note = ""

@@ -1,7 +1,7 @@
 """``simkv trace transform``: the edits users make before a replay.
 
 Edits apply in this fixed order, whatever the order of the options: window -> head -> sample ->
-max-prompt-tokens -> time-scale -> rate -> time-offset -> samples -> priority ->
+max-prompt-tokens -> time-scale -> rate (or rate-profile) -> time-offset -> samples -> priority ->
 request-class. Every edit keeps the request order (the trace
 is sorted by arrival).
   window T0 T1   keep arrivals in [T0, T1) and shift them so that T0 becomes 0
@@ -11,6 +11,8 @@ is sorted by arrival).
                  model's context length: an engine would reject the others)
   time-scale F   multiply every arrival time (and think time) by F (F < 1 compresses, F > 1 stretches)
   rate R         re-time to a Poisson process at R req/s (first request at 0), order kept
+  rate-profile T0=R0,T1=R1,...   re-time to a Poisson process whose rate is R0 req/s from T0 (0),
+                 R1 from T1, ... (piecewise constant: a day's load, a burst), order kept
   time-offset S  add S seconds to every arrival (a trace that started S seconds after another
                  it is merged with; the first arrival must stay >= 0)
   samples N      every request asks for N sequences (parallel sampling: the `n` column; best-of-N,
@@ -43,6 +45,7 @@ class Edits:
     max_prompt_tokens: int | None = None
     time_scale: float | None = None
     rate: float | None = None
+    rate_profile: tuple[tuple[float, float], ...] | None = None  # ((from second, req/s), ...), the first from 0
     time_offset: float | None = None
     samples: int | None = None
     priority: int | None = None
@@ -64,6 +67,14 @@ class Edits:
             raise TraceError(f"--time-scale must be > 0, got {self.time_scale}")
         if self.rate is not None and not (0 < self.rate < float("inf")):
             raise TraceError(f"--rate must be > 0, got {self.rate}")
+        if self.rate_profile is not None:
+            if self.rate is not None:
+                raise TraceError("--rate re-times at one rate, --rate-profile at several: give one")
+            starts = [t for t, _ in self.rate_profile]
+            if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+                raise TraceError("--rate-profile: the times must start at 0 and increase (0=2,600=10,1200=2)")
+            if any(not (0 <= r < float("inf")) for _, r in self.rate_profile) or not any(r > 0 for _, r in self.rate_profile):
+                raise TraceError("--rate-profile: rates must be >= 0 req/s, and one of them > 0")
         if self.time_offset is not None and not np.isfinite(self.time_offset):
             raise TraceError(f"--time-offset must be a number of seconds, got {self.time_offset}")
         if self.samples is not None and self.samples < 1:
@@ -94,6 +105,9 @@ def transform(trace: Trace, edits: Edits) -> Trace:
     if edits.rate is not None:
         times = ArrivalProcess("poisson", edits.rate).times(len(trace), arrival_rng(edits.seed, stream=6))
         trace = replace(trace, arrival_time_s=times)
+    if edits.rate_profile is not None:
+        trace = replace(trace, arrival_time_s=profile_times(edits.rate_profile, len(trace),
+                                                            arrival_rng(edits.seed, stream=6)))
     if edits.time_offset is not None:
         moved = trace.arrival_time_s + edits.time_offset
         if moved[0] < 0:
@@ -112,6 +126,36 @@ def transform(trace: Trace, edits: Edits) -> Trace:
         bounds = np.array([bound for _, bound in bins], dtype=np.int64)
         trace = replace(trace, request_class=names[np.searchsorted(bounds, getattr(trace, column), side="right")])
     return trace
+
+
+def profile_times(profile: tuple[tuple[float, float], ...], count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` arrival times of a Poisson process with a piecewise-constant rate (the first at 0):
+    unit-rate arrivals mapped through the inverse of the profile's cumulative rate."""
+    starts = np.array([t for t, _ in profile], dtype=np.float64)
+    rates = np.array([r for _, r in profile], dtype=np.float64)
+    cumulative = np.concatenate(([0.0], np.cumsum(rates[:-1] * np.diff(starts))))  # expected arrivals by each start
+    unit = np.concatenate(([0.0], np.cumsum(rng.exponential(1.0, count - 1)))) if count else np.zeros(0)
+    segment = np.searchsorted(cumulative, unit, side="right") - 1
+    if rates[-1] == 0 and (unit > cumulative[-1]).any():
+        left = int((unit > cumulative[-1]).sum())
+        raise TraceError(f"--rate-profile: its last rate is 0 from {starts[-1]:g} s and {left:,} requests are left "
+                         "(end it on a rate > 0, or keep fewer requests with --head)")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return starts[segment] + np.where(rates[segment] > 0, (unit - cumulative[segment]) / rates[segment], 0.0)
+
+
+def parse_rate_profile(text: str) -> tuple[tuple[float, float], ...]:
+    """'0=2,600=10,1200=2' -> ((0.0, 2.0), (600.0, 10.0), (1200.0, 2.0))."""
+    out = []
+    for item in text.split(","):
+        t, sep, r = item.partition("=")
+        try:
+            out.append((float(t), float(r)))
+        except ValueError:
+            raise TraceError(f"--rate-profile {item!r}: expected SECONDS=REQ_PER_S (0=2,600=10,1200=2)") from None
+        if not sep:
+            raise TraceError(f"--rate-profile {item!r}: expected SECONDS=REQ_PER_S (0=2,600=10,1200=2)")
+    return tuple(out)
 
 
 def parse_class_bins(text: str, flag: str) -> tuple[tuple[tuple[str, int], ...], str]:

@@ -236,6 +236,29 @@ def test_a_system_prompt_is_shared_by_every_prompt_long_enough() -> None:
         with_system_prompt(plain, 0)
 
 
+def test_a_rate_profile_retimes_the_trace_piece_by_piece() -> None:
+    from simkv.traces.transform import parse_rate_profile
+
+    trace = lognormal(n_requests=6000, seed=3)
+    profile = parse_rate_profile("0=2,500=20,600=0,700=5")
+    out = transform(trace, Edits(rate_profile=profile, seed=1))
+    a = out.arrival_time_s
+    assert a[0] == 0 and (np.diff(a) >= 0).all() and np.array_equal(out.prompt_tokens, trace.prompt_tokens)
+    counts = np.histogram(a, bins=[0, 500, 600, 700, np.inf])[0]
+    assert abs(counts[0] / 500 - 2) < 0.3 and abs(counts[1] / 100 - 20) < 2.5 and counts[2] == 0
+    assert abs(counts[3] / (a[-1] - 700) - 5) < 0.3
+    again = transform(trace, Edits(rate_profile=profile, seed=1))
+    assert np.array_equal(again.arrival_time_s, a)
+    for edits, message in ((Edits(rate_profile=((10.0, 1.0),)), "must start at 0"),
+                           (Edits(rate_profile=((0.0, 1.0), (5.0, -1.0))), "rates must be >= 0"),
+                           (Edits(rate=2.0, rate_profile=((0.0, 1.0),)), "give one"),
+                           (Edits(rate_profile=((0.0, 1.0), (10.0, 0.0))), "last rate is 0 from 10 s")):
+        with pytest.raises(TraceError, match=message):
+            transform(trace, edits)
+    with pytest.raises(TraceError, match="expected SECONDS=REQ_PER_S"):
+        parse_rate_profile("0=2,600")
+
+
 def test_inspect_counts_described_replies_and_sessions() -> None:
     from simkv.traces.synth_sessions import SessionShape, multi_turn
 
