@@ -399,6 +399,9 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     if fleet.autoscale is not None:
         from simkv.replay.autoscale import Autoscaler
 
+        if fleet.autoscale.min_replicas == 0 and config.scheduler.has_clients:
+            raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
+
         autoscaler = Autoscaler(fleet.autoscale)
     with collector_paused(pause_collector):
         t0 = time.perf_counter()

@@ -15,7 +15,10 @@ the finishes strictly before that instant: what vLLM's `num_requests_running` +
   started again before its last request finishes is still warm: it takes requests at once.
 A scale-down drains the slots still starting first (their start is called off), then the
 highest that are up, so the MIN lowest slots, up from the start, always take requests. The
-router chooses among the slots that are up (ready and not draining). Decisions are made at
+router chooses among the slots that are up (ready and not draining). With MIN 0 the fleet may
+scale to zero: a request that finds no slot up goes to the slot that will be ready first, and
+waits for it; if none is starting, it starts the lowest slot at once (KEDA's activation) and
+waits for its cold start (`held_requests`, `mean_hold_s`). Decisions are made at
 fixed instants on the finishes strictly before them, so the replay stays deterministic, byte
 for byte.
 
@@ -46,9 +49,9 @@ class AutoscaleSpec:
     scale_down_window_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_replicas < self.max_replicas:
+        if not 0 <= self.min_replicas < self.max_replicas:
             raise AutoscaleError(f"--autoscale {self.min_replicas}-{self.max_replicas}: expected MIN-MAX replicas "
-                                 "with 1 <= MIN < MAX")
+                                 "with 0 <= MIN < MAX")
         for name, value, low in (("--autoscale-target", self.target, 0.0), ("--autoscale-interval", self.interval_s, 0.0)):
             if not (value > low and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number > 0, got {value}")
@@ -89,17 +92,31 @@ class Autoscaler:
         self.wishes: list[tuple[int, int]] = []  # (tick, replicas wanted) within the window
         self.events: list[dict] = []
         self.timeline: list[tuple[int, int, int]] = [(0, spec.min_replicas, 0)]  # (tick, ready, starting)
+        self.held = 0  # (scale to zero: requests that waited for a slot to be ready, and how long in all)
+        self.held_ticks = 0
 
     def up(self, tick: int) -> tuple[int, ...]:
         """The slots that take requests at `tick`: ready by then and not draining."""
         return tuple(r for r, at in enumerate(self.ready_at)
                      if at is not None and at <= tick and self.draining_since[r] is None)
 
-    def first_ready_after(self, tick: int) -> int | None:
-        """The earliest tick after `tick` at which a slot that is starting becomes ready."""
-        later = [at for r, at in enumerate(self.ready_at)
-                 if at is not None and at > tick and self.draining_since[r] is None]
-        return min(later) if later else None
+    def hold_slots(self, tick: int, arrival: int) -> tuple[tuple[int, ...], int]:
+        """No slot is up at `tick`: the slots that will be ready first, and when; a request that
+        arrived at `arrival` waits for them. If none is starting, the lowest slot that is down
+        starts now (activation)."""
+        starting = {r: at for r, at in enumerate(self.ready_at)
+                    if at is not None and at > tick and self.draining_since[r] is None}
+        if not starting:
+            r = next(r for r, at in enumerate(self.ready_at) if at is None or self.draining_since[r] is not None)
+            self._start(r, tick, 0)
+            self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "activate", "replicas": 1,
+                                "in_flight": 0})
+            self._mark(tick)
+            starting = {r: self.ready_at[r]}
+        first = min(starting.values())
+        self.held += 1
+        self.held_ticks += first - arrival
+        return tuple(r for r, at in starting.items() if at == first), first
 
     def advance(self, tick: int, loads_at) -> None:
         """Make every decision due at or before `tick`; `loads_at(t)`: each slot's requests in
@@ -182,7 +199,7 @@ class Autoscaler:
         for (t, ready, _), nxt in zip(self.timeline, self.timeline[1:] + [(end, 0, 0)]):
             ready_seconds += ready * max(0, min(nxt[0], end) - t) / TICKS_PER_SECOND
         return spec.to_dict() | {
-            "scale_ups": sum(1 for e in self.events if e["action"] == "up"),
+            "scale_ups": sum(1 for e in self.events if e["action"] in ("up", "activate")),
             "scale_downs": sum(1 for e in self.events if e["action"] == "down"),
             "peak_ready": max(ready for _, ready, _ in self.timeline),
             "mean_ready": ready_seconds / duration if duration > 0 else float(spec.min_replicas),
@@ -190,6 +207,8 @@ class Autoscaler:
             "gpu_hours": sum(s * g for s, g in zip(seconds, gpus_per_slot)) / 3600.0,
             "gpu_hours_by_gpu": by_gpu,
             "fixed_fleet_gpu_hours": duration * sum(gpus_per_slot) / 3600.0,
+            "held_requests": self.held,
+            "mean_hold_s": self.held_ticks / self.held / TICKS_PER_SECOND if self.held else 0.0,
             "events": self.events,
             "timeline": [{"time_s": t / TICKS_PER_SECOND, "ready": ready, "starting": starting}
                          for t, ready, starting in self.timeline]}

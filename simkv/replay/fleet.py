@@ -37,6 +37,7 @@ class FleetRouting:
         self.trace = trace
         self.router = router
         self.autoscaler = autoscaler  # (simkv/replay/autoscale.py: which replicas are up, decided as time passes)
+        self.hold: dict[int, int] = {}  # (scale to zero: rows waiting for a replica to be ready, until when)
         n = router.num_replicas
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
         # Sessions (simkv/replay/sessions.py): a turn is routed once its previous turn is done; or a
@@ -252,9 +253,13 @@ class FleetRouting:
     def assign(self, i: int, tick: int) -> int:
         """The replica for trace row `i` at `tick`, chosen on the finishes strictly before `tick`;
         it counts the request as outstanding there."""
+        hold = None
         if self.autoscaler is not None:
             self.autoscaler.advance(tick, self.loads_at)
-            self.router.up = self.autoscaler.up(tick)
+            up = self.autoscaler.up(tick)
+            if not up:  # (scaled to zero: it waits for the first slot to be ready)
+                up, hold = self.autoscaler.hold_slots(tick, self._arrival_ticks[i])
+            self.router.up = up
         loads = self.loads_at(tick)
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
@@ -265,7 +270,22 @@ class FleetRouting:
         r = self.router.choose(loads, hashes, block_tokens, salt, request_class, session)
         self.assignment[i] = r
         loads[r] += 1
+        if hold is not None:
+            self.hold[i] = hold
+            engine = self.engines[r]
+            engine.env.process(self._wake_at(engine, hold))
         return r
+
+    def due(self, row: int) -> int:
+        """When a routed row reaches its replica: its arrival, or when the slot it waits for is ready."""
+        return self.hold.get(row, self._arrival_ticks[row])
+
+    @staticmethod
+    def _wake_at(engine, tick: int):
+        """Scale to zero: the replica a held request waits for takes it once it is ready."""
+        yield engine.env.timeout(tick - engine.env.now)
+        if engine.idle:
+            engine.wake(tick)
 
 
 def row_of(entry) -> int:
@@ -291,7 +311,7 @@ class ReplicaFeed(ArrivalFeed):
 
     def next_arrival_ticks(self) -> int | None:
         routing = self.routing
-        nxt = self._arrival_ticks[row_of(self.queue[0])] if self.queue else routing.next_unrouted_ticks()
+        nxt = routing.due(row_of(self.queue[0])) if self.queue else routing.next_unrouted_ticks()
         if routing.sessions is not None:  # (a turn another replica may release comes to any of them)
             bound = earliest_release(routing.engines, skip=self.replica)
             if bound is not None and (nxt is None or bound < nxt):
@@ -300,16 +320,16 @@ class ReplicaFeed(ArrivalFeed):
 
     def deliver_until(self, now: int) -> None:
         self.routing.route_until(now)
-        queue, ticks = self.queue, self._arrival_ticks
+        queue, ticks, due = self.queue, self._arrival_ticks, self.routing.due
         sessions = self.routing.sessions
-        while queue and ticks[row_of(queue[0])] <= now:
+        while queue and due(row_of(queue[0])) <= now:
             row = queue.popleft()
             if isinstance(row, Request):  # (a sequence of a row fanned out over data-parallel ranks)
                 self.scheduler.add_request(row)
                 row = row.prompt_owner  # (sessions: the row's turn may end here)
             elif not self._deliver(row):  # (the replica's front end answered 503: simkv/replay/admission.py)
                 self.routing.note_aborted(self.replica, now)
-                self.routing.refused_for_good(row, ticks[row])  # (answered when sent)
+                self.routing.refused_for_good(row, due(row))  # (answered when it reached the replica)
                 continue
             if sessions is not None:
                 self.release_watch.delivered(sessions, row)

@@ -67,7 +67,7 @@ def test_a_cold_start_costs_the_burst_its_latency():
 
 
 def test_settings_are_checked():
-    for text, message in (("4-2", "1 <= MIN < MAX"), ("0-3", "1 <= MIN < MAX"), ("3", "expected MIN-MAX"),
+    for text, message in (("4-2", "0 <= MIN < MAX"), ("2-2", "0 <= MIN < MAX"), ("3", "expected MIN-MAX"),
                           ("a-b", "expected MIN-MAX")):
         with pytest.raises(AutoscaleError, match=message):
             AutoscaleSpec.parse(text)
@@ -135,3 +135,30 @@ def test_a_sweep_grids_the_autoscaler(tmp_path):
             "--router", "least_outstanding", "--max-model-len", "4096", "--out", str(tmp_path / "r"), "--quiet"])
     by_hand = json.loads((tmp_path / "r" / "summary.json").read_text())["fleet"]["autoscaling"]
     assert by_hand["gpu_hours"] == scaled[1]["gpu_hours"]
+
+
+def test_a_fleet_scaled_to_zero_wakes_for_a_request_and_it_waits_the_cold_start():
+    """MIN 0: the first request starts a replica and waits for it; after a quiet spell longer
+    than the window the fleet is back at zero, and the next request waits again."""
+    arrivals = np.concatenate([np.arange(0.0, 20.0, 0.5), [400.0, 400.5]])
+    n = len(arrivals)
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": arrivals, "prompt_tokens": [500] * n,
+                                           "output_tokens": [50] * n}))
+    spec = AutoscaleSpec(0, 2, target=8, interval_s=15, cold_start_s=20, scale_down_window_s=60)
+    result = replay(trace, CONFIG, fleet=FleetSpec(2, "least_outstanding", autoscale=spec))
+    scaling, requests = result.summary["fleet"]["autoscaling"], result.requests
+    actions = [e["action"] for e in scaling["events"]]
+    assert actions[0] == "activate" and actions.count("activate") == 2 and "down" in actions
+    # nothing runs before a replica is ready: the first waits the whole cold start, the late pair too
+    assert requests["first_scheduled_time_s"].iloc[0] == pytest.approx(20.0)
+    assert requests["first_scheduled_time_s"].iloc[-2] == pytest.approx(420.0)
+    assert (requests["ttft_s"].iloc[[0, -2]] >= 20.0).all()
+    assert scaling["held_requests"] >= 3 and scaling["mean_hold_s"] > 0
+    assert [p["ready"] for p in scaling["timeline"]][0] == 0
+    # paid: from each start to the last finish of its work, nothing while at zero
+    assert scaling["replica_seconds"] < 0.5 * result.summary["duration_s"]
+    again = replay(trace, CONFIG, fleet=FleetSpec(2, "least_outstanding", autoscale=spec))
+    pd.testing.assert_frame_equal(requests, again.requests)
+    with pytest.raises(ValueError, match="scale to zero"):
+        replay(trace, EngineConfig.from_flat({"max_model_len": 4096, "client_ttft_timeout_s": 5.0}),
+               fleet=FleetSpec(2, autoscale=spec))
