@@ -58,7 +58,7 @@ OPTIONS = [
     (0.12, lambda r: ["--replicas", r.choice(["2", "3"]), "--router",
                       r.choice(["round_robin", "least_outstanding", "prefix_aware", "session_affinity"])]
      + r.choice([[], ["--replica-set", "1:gpu=H200"], ["--replica-set", "0:max_num_seqs=4,kv_cache_dtype=fp8"]])),
-    (0.08, lambda r: ["--autoscale", r.choice(["1-2", "1-3"]), "--autoscale-interval-s", r.choice(["1", "5"]),
+    (0.08, lambda r: ["--autoscale", r.choice(["0-2", "1-2", "1-3"]), "--autoscale-interval-s", r.choice(["1", "5"]),
                       "--cold-start-s", r.choice(["0", "3"]), "--scale-down-window-s", r.choice(["0", "5"]),
                       "--autoscale-target", r.choice(["1", "4"])]),
     (0.12, lambda r: ["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"]
