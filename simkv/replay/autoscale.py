@@ -100,18 +100,22 @@ class Autoscaler:
         return tuple(r for r, at in enumerate(self.ready_at)
                      if at is not None and at <= tick and self.draining_since[r] is None)
 
-    def hold_slots(self, tick: int, arrival: int) -> tuple[tuple[int, ...], int]:
+    def hold_slots(self, tick: int, arrival: int, loads: list[int]) -> tuple[tuple[int, ...], int]:
         """No slot is up at `tick`: the slots that will be ready first, and when; a request that
         arrived at `arrival` waits for them. If none is starting, the lowest slot that is down
-        starts now (activation)."""
+        (or drained and done) starts now (activation); with none, the lowest still draining
+        keeps its place, warm, and takes it now. `loads`: each slot's requests in flight."""
         starting = {r: at for r, at in enumerate(self.ready_at)
                     if at is not None and at > tick and self.draining_since[r] is None}
         if not starting:
-            r = next(r for r, at in enumerate(self.ready_at) if at is None or self.draining_since[r] is not None)
-            self._start(r, tick, 0)
+            idle = [r for r, at in enumerate(self.ready_at) if at is None or loads[r] == 0]
+            r = idle[0] if idle else min(r for r, since in enumerate(self.draining_since) if since is not None)
+            self._start(r, tick, loads[r])
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "activate", "replicas": 1,
                                 "in_flight": 0})
             self._mark(tick)
+            if self.ready_at[r] <= tick:  # (warm: no wait)
+                return (r,), tick
             starting = {r: self.ready_at[r]}
         first = min(starting.values())
         self.held += 1

@@ -258,7 +258,7 @@ class FleetRouting:
             self.autoscaler.advance(tick, self.loads_at)
             up = self.autoscaler.up(tick)
             if not up:  # (scaled to zero: it waits for the first slot to be ready)
-                up, hold = self.autoscaler.hold_slots(tick, self._arrival_ticks[i])
+                up, hold = self.autoscaler.hold_slots(tick, self._arrival_ticks[i], self.loads_at(tick))
             self.router.up = up
         loads = self.loads_at(tick)
         trace = self.trace
