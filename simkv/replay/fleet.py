@@ -320,7 +320,7 @@ class ReplicaFeed(ArrivalFeed):
 
     def deliver_until(self, now: int) -> None:
         self.routing.route_until(now)
-        queue, ticks, due = self.queue, self._arrival_ticks, self.routing.due
+        queue, due = self.queue, self.routing.due
         sessions = self.routing.sessions
         while queue and due(row_of(queue[0])) <= now:
             row = queue.popleft()
