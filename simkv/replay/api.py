@@ -419,8 +419,10 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 
         end = to_ticks(summary["duration_s"])
         autoscaler.settle(end, routing.loads_at)
-        summary["fleet"]["autoscaling"] = autoscaler.summary(end, [engine_gpus(c) for c in configs],
-                                                             [c.hardware.gpu for c in configs])
+        scaling = summary["fleet"]["autoscaling"] = autoscaler.summary(end, [engine_gpus(c) for c in configs],
+                                                                       [c.hardware.gpu for c in configs])
+        for row, paid in zip(summary["fleet"]["replicas"], scaling["paid_s_by_replica"]):
+            row["paid_s"] = paid  # (each replica's time up or starting, paid for)
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 

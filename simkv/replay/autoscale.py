@@ -208,6 +208,7 @@ class Autoscaler:
             "peak_ready": max(ready for _, ready, _ in self.timeline),
             "mean_ready": ready_seconds / duration if duration > 0 else float(spec.min_replicas),
             "replica_seconds": sum(seconds),
+            "paid_s_by_replica": seconds,
             "gpu_hours": sum(s * g for s, g in zip(seconds, gpus_per_slot)) / 3600.0,
             "gpu_hours_by_gpu": by_gpu,
             "fixed_fleet_gpu_hours": duration * sum(gpus_per_slot) / 3600.0,

@@ -269,8 +269,10 @@ def replica_table(fleet: dict) -> Table:
     """One row per replica of a fleet (peaks are per replica; the table above takes the largest)."""
     table = Table(title="per replica")
     mixed = "gpu" in fleet["replicas"][0]  # (replica sets: the replicas' engines differ)
+    scaled = "paid_s" in fleet["replicas"][0]  # (an autoscaled fleet: each replica's paid time)
     for name in ("replica", *(["GPU x TP", "KV blocks"] if mixed else []), "requests", "running peak / mean",
-                 "preemptions", "prefix hit %", "TTFT ms p50 / p99", "ITL ms p50 / p99", "busy until s"):
+                 "preemptions", "prefix hit %", "TTFT ms p50 / p99", "ITL ms p50 / p99", "busy until s",
+                 *(["paid s"] if scaled else [])):
         table.add_column(name, justify="right")
     for row in fleet["replicas"]:
         def pair(d):
@@ -279,5 +281,5 @@ def replica_table(fleet: dict) -> Table:
         table.add_row(str(row["replica"]), *engine, f"{row['num_requests']:,}",
                       f"{row['peak_running']:,} / {row['mean_running']:,.1f}", f"{row['num_preemptions']:,}",
                       f"{100 * row['prefix_cache_hit_rate']:.1f}", pair(row["ttft_s"]), pair(row["itl_s"]),
-                      f"{row['duration_s']:,.1f}")
+                      f"{row['duration_s']:,.1f}", *([f"{row['paid_s']:,.1f}"] if scaled else []))
     return table

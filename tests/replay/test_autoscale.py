@@ -50,6 +50,9 @@ def test_the_fleet_grows_for_a_burst_and_shrinks_after_it():
     duration = result.summary["duration_s"]
     assert duration < scaling["replica_seconds"] < 4 * duration
     assert scaling["gpu_hours"] == pytest.approx(scaling["replica_seconds"] / 3600)
+    rows = result.summary["fleet"]["replicas"]
+    assert rows[0]["paid_s"] == pytest.approx(duration)  # (up from the start to the end)
+    assert sum(r["paid_s"] for r in rows) == pytest.approx(scaling["replica_seconds"])
     assert scaling["fixed_fleet_gpu_hours"] == pytest.approx(4 * duration / 3600)
     assert 1.0 < scaling["mean_ready"] < 4.0 and scaling["peak_ready"] == 4
     # the same inputs, the same fleet
@@ -91,6 +94,7 @@ def test_the_cli_scales_and_says_so(tmp_path):
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["fleet"]["num_replicas"] == 3 and summary["fleet"]["autoscaling"]["cold_start_s"] == 30.0
     assert "autoscaling" in text and "Autoscaled replicas" in (tmp_path / "r" / "report.html").read_text()
+    assert "paid" in text.split("per replica")[-1]  # (the replica table's column)
     (tmp_path / "f.yaml").write_text("autoscale: 1-3\ncold_start_s: 30\n")
     cli_ok(["replay", str(trace), "--config", str(tmp_path / "f.yaml"), "--max-model-len", "4096", "--out",
             str(tmp_path / "c"), "--quiet"])
