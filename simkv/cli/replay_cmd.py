@@ -15,6 +15,7 @@ from simkv.cli.disagg_options import (check_pools, disaggregation_options, encod
 from simkv.cli.help_sections import SectionedCommand
 from simkv.config import (ALL2ALL_BACKENDS, EXPERT_PLACEMENT_STRATEGIES, GATHER_BACKENDS, KV_CACHE_DTYPES,
                           PERFORMANCE_MODE_BATCH_SCALE, SPEC_METHODS, ConfigError, EngineConfig, HardwareConfig)
+from simkv.replay.autoscale import SETTINGS as AUTOSCALE_SETTINGS
 from simkv.replay.engine import ReplayError
 from simkv.cli.model_option import GPUName, ModelName
 from simkv.specs import MAMBA_DTYPE_BYTES, get_model_spec
@@ -193,9 +194,9 @@ def load_config_file(path: str) -> dict:
     return data
 
 
+AUTOSCALE_KEYS = ("autoscale", *AUTOSCALE_SETTINGS)  # (simkv/replay/autoscale.py)
 FLEET_CONFIG_KEYS = ("replicas", "router", "router_options", "class_replicas", "replica_sets", "disaggregation",
-                     "encode_pool", "autoscale", "autoscale_target", "autoscale_interval_s", "cold_start_s",
-                     "scale_down_window_s")  # --config keys that are not engine options
+                     "encode_pool", *AUTOSCALE_KEYS)  # --config keys that are not engine options
 
 
 def flat_options(cli_values: dict, config_file: str | None) -> dict:
@@ -340,17 +341,13 @@ def fleet_options(command):
     return command
 
 
-AUTOSCALE_FLAGS = {"autoscale_target": "target", "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
-                   "scale_down_window_s": "scale_down_window_s"}
-
-
 def read_autoscale(flags: dict, config_file: str | None = None):
     """The AutoscaleSpec of --autoscale and its settings over the --config file's keys of the same
     names (None without --autoscale; its settings alone are refused); takes them out of `flags`."""
     from simkv.replay.autoscale import AutoscaleError, AutoscaleSpec
 
     file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
-    values = {k: flags.pop(k, None) for k in ("autoscale", *AUTOSCALE_FLAGS)}
+    values = {k: flags.pop(k, None) for k in AUTOSCALE_KEYS}
     for key in values:
         if values[key] is None and key in file:
             values[key] = file[key]
@@ -361,9 +358,8 @@ def read_autoscale(flags: dict, config_file: str | None = None):
             raise click.UsageError(f"{', '.join(given)} sets the autoscaler: give --autoscale MIN-MAX too")
         return None
     try:
-        return AutoscaleSpec.parse(str(text), **{AUTOSCALE_FLAGS[k]: float(v) for k, v in values.items()
-                                                if v is not None})
-    except (AutoscaleError, TypeError, ValueError) as exc:
+        return AutoscaleSpec.of(text, values)
+    except AutoscaleError as exc:
         raise click.BadParameter(str(exc), param_hint="--autoscale") from None
 
 

@@ -401,7 +401,6 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 
         if fleet.autoscale.min_replicas == 0 and config.scheduler.has_clients:
             raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
-
         autoscaler = Autoscaler(fleet.autoscale)
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
@@ -424,8 +423,6 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         for row, paid in zip(summary["fleet"]["replicas"], scaling["paid_s_by_replica"]):
             row["paid_s"] = paid  # (each replica's time up or starting, paid for)
     return ReplayResult(summary, requests, steps, runs[0], runs)
-
-
 
 
 def _replay_data_parallel(trace, config, cost_options, on_progress, pause_collector,

@@ -39,6 +39,12 @@ class AutoscaleError(ValueError):
     """A bad --autoscale setting: one line that names it."""
 
 
+# The settings beside `autoscale` ("MIN-MAX"), by the names flags, --config files and sweep keys
+# give them, and the AutoscaleSpec fields they set.
+SETTINGS = {"autoscale_target": "target", "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
+            "scale_down_window_s": "scale_down_window_s"}
+
+
 @dataclass(frozen=True)
 class AutoscaleSpec:
     min_replicas: int
@@ -68,6 +74,19 @@ class AutoscaleSpec:
         except ValueError:
             raise AutoscaleError(f"--autoscale {text!r}: expected MIN-MAX replicas, e.g. 2-8") from None
         return cls(lo, hi, **{k: v for k, v in options.items() if v is not None})
+
+    @classmethod
+    def of(cls, text, settings: dict) -> "AutoscaleSpec":
+        """'MIN-MAX' with `settings` by their option names (SETTINGS; None: the default)."""
+        fields = {}
+        for name, value in settings.items():
+            if value is None:
+                continue
+            try:
+                fields[SETTINGS[name]] = float(value)
+            except (TypeError, ValueError):
+                raise AutoscaleError(f"--{name.replace('_', '-')}: {value!r} is not a number") from None
+        return cls.parse(str(text), **fields)
 
     def to_dict(self) -> dict:
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "target": self.target,

@@ -254,13 +254,14 @@ class FleetRouting:
         """The replica for trace row `i` at `tick`, chosen on the finishes strictly before `tick`;
         it counts the request as outstanding there."""
         hold = None
-        if self.autoscaler is not None:
+        if self.autoscaler is not None:  # (its decisions due by `tick` first: they read earlier loads)
             self.autoscaler.advance(tick, self.loads_at)
+        loads = self.loads_at(tick)
+        if self.autoscaler is not None:
             up = self.autoscaler.up(tick)
             if not up:  # (scaled to zero: it waits for the first slot to be ready)
-                up, hold = self.autoscaler.hold_slots(tick, self._arrival_ticks[i], self.loads_at(tick))
+                up, hold = self.autoscaler.hold_slots(tick, self._arrival_ticks[i], loads)
             self.router.up = up
-        loads = self.loads_at(tick)
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from simkv.config import CacheConfig, engine_option_names
+from simkv.replay.autoscale import SETTINGS as AUTOSCALE_SETTINGS
 
 COST_KEYS = ("step_base_s", "step_per_token_s")  # options of the linear cost model
 ENGINE_KEYS = engine_option_names()
@@ -25,7 +26,7 @@ ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
 # (a config file's mapping {"2-3": {gpu: H200}}), kept as canonical text too.
 TEXT_KEYS = ("class_replicas", "replica_sets")
 # autoscale: "MIN-MAX" (simkv/replay/autoscale.py), with its settings
-AUTOSCALE_KEYS = ("autoscale", "autoscale_target", "autoscale_interval_s", "cold_start_s", "scale_down_window_s")
+AUTOSCALE_KEYS = ("autoscale", *AUTOSCALE_SETTINGS)
 FLEET_KEYS = (("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + TEXT_KEYS
               + PD_KEYS + ENCODE_KEYS + AUTOSCALE_KEYS)
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS

@@ -84,14 +84,11 @@ def fleet_spec(fleet: dict | None):
 def autoscale_spec(fleet: dict):
     """A cell's `autoscale` ("MIN-MAX") and its settings as an AutoscaleSpec (None without: a
     grid's `autoscale=none` cells then run the fixed fleet, whatever the settings swept beside)."""
-    from simkv.replay.autoscale import AutoscaleSpec
-    from simkv.sweep.grid import AUTOSCALE_KEYS
+    from simkv.replay.autoscale import SETTINGS, AutoscaleSpec
 
-    settings = {k: fleet[k] for k in AUTOSCALE_KEYS[1:] if fleet.get(k) is not None}
     if fleet.get("autoscale") is None:
         return None
-    names = {"autoscale_target": "target", "autoscale_interval_s": "interval_s"}
-    return AutoscaleSpec.parse(str(fleet["autoscale"]), **{names.get(k, k): float(v) for k, v in settings.items()})
+    return AutoscaleSpec.of(fleet["autoscale"], {k: fleet.get(k) for k in SETTINGS})
 
 
 def encode_spec(cell: dict, config):

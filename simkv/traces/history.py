@@ -81,11 +81,7 @@ def session_history(trace: Trace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> t
         if len(lists[i]) < shared:  # (the previous turn's list goes on over its reply)
             lists[i] += fresh(shared - len(lists[i]))
         lists[j] = lists[i][:shared] + fresh(need - shared)
-    lengths = np.array([len(ids) for ids in lists], np.int64)
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(offsets[-1]))
-    return replace(trace, hash_ids=ids, hash_offsets=offsets,
-                   hash_block_tokens=np.where(lengths > 0, block_tokens, 0).astype(np.int64)), linked, prompt_only, later
+    return _with_hash_lists(trace, lists, np.full(len(lists), block_tokens, np.int64)), linked, prompt_only, later
 
 
 def with_system_prompt(trace: Trace, tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> tuple[Trace, int]:
@@ -118,13 +114,19 @@ def with_system_prompt(trace: Trace, tokens: int, block_tokens: int = DEFAULT_BL
         if h not in shared:
             shared[h] = list(range(next_id, next_id + k))
             next_id += k
-        if not own:  # (content of its own after the system prompt)
+        if own:
+            lists.append(shared[h] + own[k:])
+        else:  # (content of its own after the system prompt)
             rest = -(-prompt // h) - k
-            own = [0] * k + list(range(next_id, next_id + rest))
+            lists.append(shared[h] + list(range(next_id, next_id + rest)))
             next_id += rest
-        lists.append(shared[h] + own[k:])
+    return _with_hash_lists(trace, lists, chunk), given
+
+
+def _with_hash_lists(trace: Trace, lists: list[list[int]], chunk: np.ndarray) -> Trace:
+    """`trace` with row i's content ids `lists[i]` at `chunk[i]` tokens each (rows with none: none)."""
     lengths = np.array([len(row) for row in lists], np.int64)
-    new_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    new_ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(new_offsets[-1]))
-    return replace(trace, hash_ids=new_ids, hash_offsets=new_offsets,
-                   hash_block_tokens=np.where(lengths > 0, chunk, 0).astype(np.int64)), given
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(offsets[-1]))
+    return replace(trace, hash_ids=ids, hash_offsets=offsets,
+                   hash_block_tokens=np.where(lengths > 0, chunk, 0).astype(np.int64))

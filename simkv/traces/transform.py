@@ -129,8 +129,9 @@ def transform(trace: Trace, edits: Edits) -> Trace:
 
 
 def profile_times(profile: tuple[tuple[float, float], ...], count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` arrival times of a Poisson process with a piecewise-constant rate (the first at 0):
-    unit-rate arrivals mapped through the inverse of the profile's cumulative rate."""
+    """`count` arrival times of a Poisson process with a piecewise-constant rate (the first at the
+    profile's first instant of a rate > 0): unit-rate arrivals mapped through the inverse of the
+    profile's cumulative rate."""
     starts = np.array([t for t, _ in profile], dtype=np.float64)
     rates = np.array([r for _, r in profile], dtype=np.float64)
     cumulative = np.concatenate(([0.0], np.cumsum(rates[:-1] * np.diff(starts))))  # expected arrivals by each start
