@@ -51,9 +51,9 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "client_request_rate", "client_seed", "session_pacing", "client_ttft_timeout", "client_timeout",
         "client_max_retries", "client_retry_backoff", "client_retry_max_backoff", "client_retry_jitter"})),
     ("Fleets, P/D and encoder disaggregation", frozenset({
-        "replicas", "router", "router_options", "replica_sets", "class_replicas", "autoscale", "autoscale_target",
-        "autoscale_interval_s", "cold_start_s", "scale_down_window_s", "prefill_replicas", "decode_replicas",
-        "prefill_sets",
+        "replicas", "router", "router_options", "replica_sets", "class_replicas", "autoscale", "autoscale_metric",
+        "autoscale_target", "autoscale_tolerance", "autoscale_interval_s", "cold_start_s", "scale_down_window_s",
+        "prefill_replicas", "decode_replicas", "prefill_sets",
         "decode_sets", "prefill_router", "decode_router", "kv_link_gbps", "kv_link_latency_ms", "handoff_ms",
         "kv_abort_timeout_s", "encode_replicas", "encode_router", "encode_sets", "ec_store_gbs",
         "encode_hop_ms"})),

@@ -325,9 +325,17 @@ def fleet_options(command):
                           "(simkv/replay/autoscale.py): MIN replicas up from the start, at most MAX (--replicas, "
                           "if given, must be MAX); summary.json's fleet.autoscaling gives the replicas over time "
                           "and the GPU-hours paid."),
+        click.option("--autoscale-metric", default=None,
+                     type=click.Choice(["in_flight", "waiting", "running", "kv_usage"]),
+                     help="With --autoscale: what it scales on, as vLLM's gauges report it: requests in flight "
+                          "(running + waiting), vLLM's num_requests_waiting or num_requests_running, or "
+                          "kv_cache_usage_perc (0-1) [default: in_flight]."),
         click.option("--autoscale-target", type=float, default=None, metavar="N",
-                     help="With --autoscale: requests in flight (running + waiting) per replica it aims at "
-                          "[default: 8]."),
+                     help="With --autoscale: the metric per replica it aims at: it wants ceil(sum over the "
+                          "replicas up / N) [default: in_flight 8, waiting 5, running 8, kv_usage 0.5]."),
+        click.option("--autoscale-tolerance", type=float, default=None, metavar="F",
+                     help="With --autoscale: a sum within this share of what the replicas it has aim at "
+                          "changes nothing (HPA's tolerance) [default: 0.1]."),
         click.option("--autoscale-interval-s", type=float, default=None, metavar="S",
                      help="With --autoscale: seconds between its decisions (HPA's sync period) [default: 15]."),
         click.option("--cold-start-s", type=float, default=None, metavar="S",

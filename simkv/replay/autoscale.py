@@ -2,10 +2,18 @@
 autoscaler does in front of vLLM replicas (HPA, or KEDA on vLLM's request gauges).
 
 The fleet has MAX replica slots; MIN are up from the start. Every `interval_s` (HPA's sync
-period, 15 s) the autoscaler reads the requests in flight on the replicas that are up (sent, less
-the finishes strictly before that instant: what vLLM's `num_requests_running` +
-`num_requests_waiting` gauges add up to) and wants ceil(in flight / `target`) replicas, within
-[MIN, MAX]:
+period, 15 s) the autoscaler reads its metric over the replicas that are up, adds it up, and
+wants ceil(sum / `target`) replicas, within [MIN, MAX] (an HPA or KEDA AverageValue target).
+The metrics (`metric`):
+- `in_flight` (default, target 8): requests sent and not finished (the finishes strictly before
+  that instant), what vLLM's `num_requests_running` + `num_requests_waiting` add up to;
+- `waiting` (5), `running` (8): vLLM's `num_requests_waiting` or `num_requests_running` alone;
+- `kv_usage` (0.5): vLLM's `kv_cache_usage_perc`, the share of the usable KV blocks in use.
+The engine gauges are read as vLLM's engine last reported them: after its last step that ended
+strictly before that instant (StepLog.gauges_before); a replica still starting reads 0.
+As HPA does, a sum within `tolerance` (10 %) of what the replicas it has aim at changes
+nothing, and a scale-up adds at most max(4 replicas, 100 %) of those it had 15 s before (HPA's
+default scale-up policies). It then wants:
 - more than it has (ready or starting): it starts the lowest slots that are down at once; a slot
   takes requests `cold_start_s` later (the pod's scheduling, image and weights loading, CUDA
   graphs: 120 s by default), and is paid for from its start;
@@ -23,8 +31,8 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: scaling on other metrics (GPU utilisation, KV usage), HPA's 10 %
-tolerance and its rate limits on scale-up, pods that fail to start.
+each slot's GPUs. Not modelled: GPU utilisation (DCGM's), several metrics at once, scale-up or
+scale-down policies other than HPA's defaults, pods that fail to start.
 """
 
 from __future__ import annotations
@@ -41,23 +49,41 @@ class AutoscaleError(ValueError):
 
 # The settings beside `autoscale` ("MIN-MAX"), by the names flags, --config files and sweep keys
 # give them, and the AutoscaleSpec fields they set.
-SETTINGS = {"autoscale_target": "target", "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
+SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autoscale_tolerance": "tolerance",
+            "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
             "scale_down_window_s": "scale_down_window_s"}
+
+# Each metric: its default target per replica, and how a line names it.
+METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
+           "kv_usage": (0.5, "KV-cache usage")}
+SCALE_UP_PERIOD_S = 15.0  # HPA's default scale-up policies: 4 pods or 100 % per 15 s, whichever is more
+SCALE_UP_PODS = 4
 
 
 @dataclass(frozen=True)
 class AutoscaleSpec:
     min_replicas: int
     max_replicas: int
-    target: float = 8.0  # requests in flight per replica the autoscaler aims at
+    target: float | None = None  # the metric per replica it aims at (None: METRICS' default)
     interval_s: float = 15.0
     cold_start_s: float = 120.0
     scale_down_window_s: float = 300.0
+    metric: str = "in_flight"
+    tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas < self.max_replicas:
             raise AutoscaleError(f"--autoscale {self.min_replicas}-{self.max_replicas}: expected MIN-MAX replicas "
                                  "with 0 <= MIN < MAX")
+        if self.metric not in METRICS:
+            raise AutoscaleError(f"--autoscale-metric {self.metric!r}: expected one of {', '.join(METRICS)}")
+        if self.target is None:
+            object.__setattr__(self, "target", METRICS[self.metric][0])
+        if self.metric == "kv_usage" and not 0 < self.target <= 1:
+            raise AutoscaleError(f"--autoscale-target {self.target}: kv_usage aims at a share of the KV blocks, "
+                                 "in (0, 1]")
+        if not (0 <= self.tolerance < 1):
+            raise AutoscaleError(f"--autoscale-tolerance must be in [0, 1), got {self.tolerance}")
         for name, value, low in (("--autoscale-target", self.target, 0.0), ("--autoscale-interval", self.interval_s, 0.0)):
             if not (value > low and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number > 0, got {value}")
@@ -82,6 +108,9 @@ class AutoscaleSpec:
         for name, value in settings.items():
             if value is None:
                 continue
+            if name == "autoscale_metric":
+                fields["metric"] = str(value).replace("-", "_")
+                continue
             try:
                 fields[SETTINGS[name]] = float(value)
             except (TypeError, ValueError):
@@ -89,8 +118,8 @@ class AutoscaleSpec:
         return cls.parse(str(text), **fields)
 
     def to_dict(self) -> dict:
-        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "target": self.target,
-                "interval_s": self.interval_s, "cold_start_s": self.cold_start_s,
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
+                "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s, "cold_start_s": self.cold_start_s,
                 "scale_down_window_s": self.scale_down_window_s}
 
 
@@ -113,6 +142,22 @@ class Autoscaler:
         self.timeline: list[tuple[int, int, int]] = [(0, spec.min_replicas, 0)]  # (tick, ready, starting)
         self.held = 0  # (scale to zero: requests that waited for a slot to be ready, and how long in all)
         self.held_ticks = 0
+        self.scale_up_period = to_ticks(SCALE_UP_PERIOD_S)
+        self.started: list[tuple[int, int]] = []  # (tick, slots started) within the scale-up period
+        self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
+
+    def watch(self, engines) -> None:
+        """The replicas' engines, whose step logs the engine-gauge metrics read."""
+        if self.spec.metric != "in_flight":
+            self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
+                           for engine in engines]
+
+    def reading(self, r: int, tick: int) -> float:
+        """Slot `r`'s metric (other than in_flight) as its engine last reported it before `tick`."""
+        gauges_before, usable = self.gauges[r]
+        running, waiting, used = gauges_before(tick)
+        metric = self.spec.metric
+        return running if metric == "running" else waiting if metric == "waiting" else used / max(usable, 1)
 
     def up(self, tick: int) -> tuple[int, ...]:
         """The slots that take requests at `tick`: ready by then and not draining."""
@@ -130,8 +175,9 @@ class Autoscaler:
             idle = [r for r, at in enumerate(self.ready_at) if at is None or loads[r] == 0]
             r = idle[0] if idle else min(r for r, since in enumerate(self.draining_since) if since is not None)
             self._start(r, tick, loads[r])
+            self.started.append((tick, 1))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "activate", "replicas": 1,
-                                "in_flight": 0})
+                                "in_flight": 0, "value": 0})
             self._mark(tick)
             if self.ready_at[r] <= tick:  # (warm: no wait)
                 return (r,), tick
@@ -152,16 +198,23 @@ class Autoscaler:
         spec = self.spec
         live = [r for r, at in enumerate(self.ready_at) if at is not None and self.draining_since[r] is None]
         in_flight = sum(loads[r] for r in live)
-        wanted = min(spec.max_replicas, max(spec.min_replicas, math.ceil(in_flight / spec.target)))
+        if self.gauges is None:
+            value = in_flight
+        else:  # (a replica still starting has reported nothing: 0)
+            value = sum(self.reading(r, tick) for r in live if self.ready_at[r] <= tick)
+        have = len(live)
+        wanted = self._recommend(value, have)
         self.wishes.append((tick, wanted))
         while self.wishes and self.wishes[0][0] < tick - self.window:
             self.wishes.pop(0)
-        have = len(live)
+        if wanted > have:
+            wanted = min(wanted, self._scale_up_limit(tick, have))
         if wanted > have:
             for r in [r for r in range(spec.max_replicas) if r not in live][:wanted - have]:
                 self._start(r, tick, loads[r])
+            self.started.append((tick, wanted - have))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
-                                "in_flight": in_flight})
+                                "in_flight": in_flight, "value": value})
         elif max(w for _, w in self.wishes) < have:
             keep = max(w for _, w in self.wishes)
             starting = [r for r in live if self.ready_at[r] > tick]
@@ -173,8 +226,26 @@ class Autoscaler:
                 else:
                     self.draining_since[r] = tick
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "down", "replicas": keep,
-                                "in_flight": in_flight})
+                                "in_flight": in_flight, "value": value})
         self._mark(tick)
+
+    def _recommend(self, value: float, have: int) -> int:
+        """The replicas `value` (the metric's sum) asks for, within [MIN, MAX]: ceil(value /
+        target), or `have` when that is within the tolerance of what `have` replicas aim at."""
+        spec = self.spec
+        if have > 0 and abs(value / (have * spec.target) - 1.0) <= spec.tolerance:
+            wanted = have
+        else:
+            wanted = math.ceil(value / spec.target - 1e-9)  # (1.2 / 0.6 is 2, not 2.0000000000000004)
+        return min(spec.max_replicas, max(spec.min_replicas, wanted))
+
+    def _scale_up_limit(self, tick: int, have: int) -> int:
+        """HPA's default scale-up policies: the replicas it had at the period's start (those it
+        has, less the ones started within the last 15 s), plus 4 or doubled, whichever is more."""
+        while self.started and self.started[0][0] <= tick - self.scale_up_period:
+            self.started.pop(0)
+        base = have - sum(n for _, n in self.started)
+        return max(base + SCALE_UP_PODS, 2 * base)
 
     def _start(self, r: int, tick: int, in_flight: int) -> None:
         drained = self.draining_since[r]
@@ -240,7 +311,10 @@ class Autoscaler:
 
 def describe(section: dict) -> str:
     """One line for the terminal and report.html."""
-    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({section['target']:g} in flight each, "
+    metric = section.get("metric", "in_flight")
+    aim = (f"{section['target']:.0%} KV-cache usage" if metric == "kv_usage"
+           else f"{section['target']:g} {METRICS[metric][1]}")
+    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aim} each, "
             f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
             f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "
             f"{section['gpu_hours']:.3f} GPU-h paid, {section['fixed_fleet_gpu_hours']:.3f} for "

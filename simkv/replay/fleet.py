@@ -382,6 +382,8 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
                             use_decode_runs, on_progress, capacity=capacities[r], env=env, make_feed=feed_of(r))
                for r, backend in enumerate(backends)]
     routing.engines = engines
+    if autoscaler is not None:
+        autoscaler.watch(engines)
     for engine in engines if prepare is not None else ():
         prepare(engine)
     processes = [engine.start(own_arrivals=False) for engine in engines]

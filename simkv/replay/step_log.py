@@ -7,7 +7,7 @@ from itertools import chain
 
 import numpy as np
 
-from simkv.clock import TICKS_PER_SECOND
+from simkv.clock import TICKS_PER_SECOND, run_ticks, steps_to_reach
 from simkv.core.outputs import DecodeRun, SchedulerOutput
 from simkv.core.request import Request
 
@@ -49,6 +49,7 @@ class StepLog:
         # Request classes (track_classes): their names, and per segment each one's token gaps per step
         self.class_names: tuple[str, ...] = ()
         self._class_rows: list[tuple[int, ...]] | None = None
+        self._gauge_cursor = (0, 0)  # (gauges_before: a segment, the index of its first step)
 
     def track_classes(self, names: tuple[str, ...]) -> None:
         """Keep each step's token gaps per request class (the scheduler's, numbered as `names`)."""
@@ -94,6 +95,28 @@ class StepLog:
         if self._class_rows is not None:
             self._class_rows.append(tuple(run.decodes_by_class))
         self.num_steps += run.num_steps
+
+    def gauges_before(self, tick: int) -> tuple[int, int, int]:
+        """(running, waiting, blocks used) after the last step that ended strictly before `tick`,
+        as vLLM's engine reports them at a step's end (`num_requests_running`, `num_requests_waiting`,
+        the blocks behind `kv_cache_usage_perc`): (0, 0, 0) before the first. Asked at ticks that
+        never decrease (an autoscaler's decisions): a cursor skips the segments behind it."""
+        rows = self._rows
+        seg, first = self._gauge_cursor
+        while seg + 1 < len(rows) and rows[seg + 1][4] + _segment_ticks(rows[seg + 1], 1) < tick:  # (a step of it ended)
+            first += rows[seg][1]
+            seg += 1
+        self._gauge_cursor = (seg, first)
+        if not rows:
+            return 0, 0, 0
+        row = rows[seg]
+        length, start = row[1], row[4]
+        done = length if start + _segment_ticks(row, length) < tick else _steps_before(row, tick - start)
+        if done == length:  # (the whole segment: its finished requests released)
+            return row[12] - row[19], row[13], row[3]
+        if done == 0:  # (the first segment, not yet through its first step)
+            return 0, 0, 0
+        return row[12], row[13], row[2] + sum(self._alloc_counts[first:first + done])
 
     def columns(self) -> dict[str, np.ndarray]:
         if self._columns is not None:
@@ -148,6 +171,19 @@ class StepLog:
                 col[rows_at] = embeds
             self._columns[ENCODER_COLUMN] = col
         return self._columns
+
+
+def _segment_ticks(row: tuple, num_steps: int) -> int:
+    """The ticks of a segment's first `num_steps` steps."""
+    return run_ticks(row[5:10], num_steps)
+
+
+def _steps_before(row: tuple, ticks: int) -> int:
+    """How many of a segment's steps end strictly within its first `ticks` ticks."""
+    if ticks <= 0:
+        return 0
+    reached = steps_to_reach(row[5:10], ticks, row[1])
+    return reached - 1 if _segment_ticks(row, reached) >= ticks else reached
 
 
 REQUEST_INT_COLUMNS = ("first_scheduled_step", "first_token_step", "finish_step", "num_output_tokens",

@@ -166,3 +166,128 @@ def test_a_fleet_scaled_to_zero_wakes_for_a_request_and_it_waits_the_cold_start(
     with pytest.raises(ValueError, match="scale to zero"):
         replay(trace, EngineConfig.from_flat({"max_model_len": 4096, "client_ttft_timeout_s": 5.0}),
                fleet=FleetSpec(2, autoscale=spec))
+
+
+def _ticks(seconds) -> np.ndarray:
+    from simkv.clock import TICKS_PER_SECOND
+
+    return np.rint(np.asarray(seconds, dtype=np.float64) * TICKS_PER_SECOND).astype(np.int64)
+
+
+def _gauges_from_steps(steps: dict, tick: int) -> tuple[int, int, int]:
+    """What vLLM's engine reported after its last step that ended strictly before `tick`, read
+    from the step table: running less those the step finished, waiting, blocks used at its end."""
+    ends = _ticks(steps["start_time_s"]) + _ticks(steps["duration_s"])
+    before = np.flatnonzero(ends < tick)
+    if not len(before):
+        return 0, 0, 0
+    j = before[-1]
+    return (int(steps["num_running"][j] - steps["num_finished"][j]), int(steps["num_waiting"][j]),
+            int(steps["num_blocks_used_end"][j]))
+
+
+def test_engine_gauges_are_those_of_the_last_step_ended_before():
+    """StepLog.gauges_before, read inside decode runs as well as at single steps, agrees with
+    the step table it expands to, at each step's end and a tick after it."""
+    config = EngineConfig.from_flat({"max_model_len": 4096, "max_num_seqs": 24})
+    result = replay(bursts(), config)
+    steps = result.steps
+    log = result.run.steps
+    assert len(steps["step"]) > log._rows.__len__()  # (decode runs: fewer segments than steps)
+    ends = _ticks(steps["start_time_s"]) + _ticks(steps["duration_s"])
+    picks = np.sort(np.concatenate([ends[::7], ends[::7] + 1, ends[3::11] - 1, [0, 1, int(ends[-1]) + 5]]))
+    seen_waiting = seen_partial_run = False
+    for tick in picks:
+        got = log.gauges_before(int(tick))
+        assert got == _gauges_from_steps(steps, int(tick)), tick
+        seen_waiting |= got[1] > 0
+    for row in log._rows:  # (some pick fell inside a decode run, after its first step)
+        inside = picks[(picks > row[4]) & (picks < row[4] + sum(row[5:7]) * row[1])]
+        seen_partial_run |= row[1] > 2 and len(inside) > 0
+    assert seen_waiting and seen_partial_run
+
+
+def test_the_fleet_scales_on_the_engines_gauges():
+    """--autoscale-metric waiting/kv_usage: each decision's value is the sum of the ready
+    replicas' gauges after their last step before it, read back from the step table."""
+    config = EngineConfig.from_flat({"max_model_len": 4096, "max_num_seqs": 16})
+    for metric, target, column in (("waiting", 5.0, 1), ("running", 8.0, 0), ("kv_usage", 0.02, 2)):
+        spec = AutoscaleSpec(1, 4, target=target, cold_start_s=30, scale_down_window_s=120, metric=metric)
+        result = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+        scaling = result.summary["fleet"]["autoscaling"]
+        assert scaling["metric"] == metric and scaling["target"] == target
+        events = [e for e in scaling["events"] if e["action"] in ("up", "down")]
+        assert any(e["action"] == "up" for e in events) and any(e["action"] == "down" for e in events)
+        replica = result.steps["replica"]
+        usable = result.run.scheduler.kv_cache_manager.block_pool.num_usable_blocks
+        for event in events[:6]:
+            tick = int(_ticks(event["time_s"]))
+            ready = [r for r in range(4) if (replica == r).any()]
+            total = 0.0
+            for r in ready:
+                mine = {k: np.asarray(v)[replica == r] for k, v in result.steps.items()}
+                gauge = _gauges_from_steps(mine, tick)[column]
+                total += gauge / usable if metric == "kv_usage" else gauge
+            # (a replica that had not started has no steps before then, and reads 0 as it should)
+            assert event["value"] == pytest.approx(total), (metric, event)
+        if metric == "waiting":  # (the first scale-up: the queue passed what one replica aims at)
+            first = next(e for e in events if e["action"] == "up")
+            assert first["value"] > target * 1.1
+
+
+def test_hpa_tolerance_and_scale_up_rate():
+    """A sum within 10 % of what the replicas aim at changes nothing; a scale-up adds at most
+    max(4, 100 %) of the replicas had 15 s before."""
+    from simkv.replay.autoscale import Autoscaler
+
+    scaler = Autoscaler(AutoscaleSpec(1, 20, target=10))
+    assert scaler._recommend(21, 2) == 2 and scaler._recommend(23, 2) == 3 and scaler._recommend(17, 2) == 2
+    assert scaler._recommend(0, 2) == 1  # (within [MIN, MAX])
+    assert Autoscaler(AutoscaleSpec(1, 20, target=10, tolerance=0))._recommend(21, 2) == 3
+    assert Autoscaler(AutoscaleSpec(1, 20, target=0.6, metric="kv_usage"))._recommend(1.2, 1) == 2
+    scaler = Autoscaler(AutoscaleSpec(1, 20, target=1, interval_s=5))
+    loads = [40] + [0] * 19
+    second = int(_ticks(1.0))
+    live = []
+    for t in (5, 10, 15, 20, 25, 30, 35):
+        scaler._evaluate(t * second, loads)
+        live.append(sum(at is not None for at in scaler.ready_at))
+    assert live == [5, 5, 5, 10, 10, 10, 20]  # (1 + 4, then doubled every 15 s)
+    with pytest.raises(AutoscaleError, match="--autoscale-metric 'queue': expected one of"):
+        AutoscaleSpec(1, 2, metric="queue")
+    with pytest.raises(AutoscaleError, match="kv_usage aims at a share"):
+        AutoscaleSpec(1, 2, metric="kv_usage", target=50)
+    with pytest.raises(AutoscaleError, match="--autoscale-tolerance must be in"):
+        AutoscaleSpec(1, 2, tolerance=1.5)
+    assert AutoscaleSpec(1, 2, metric="waiting").target == 5.0
+    assert AutoscaleSpec.of("1-2", {"autoscale_metric": "kv-usage", "autoscale_target": "0.7"}).metric == "kv_usage"
+
+
+def test_the_cli_takes_the_metric(tmp_path):
+    from simkv.traces import write_trace
+
+    trace = tmp_path / "b.parquet"
+    write_trace(bursts(), trace)
+    text = cli_ok(["replay", str(trace), "--autoscale", "1-3", "--autoscale-metric", "kv_usage", "--autoscale-target",
+                   "0.4", "--cold-start-s", "30", "--router", "least_outstanding", "--max-model-len", "4096",
+                   "--out", str(tmp_path / "r")])
+    assert "KV-cache" in text  # (the autoscaling line names the metric)
+    scaling = json.loads((tmp_path / "r" / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert scaling["metric"] == "kv_usage" and scaling["tolerance"] == 0.1
+    (tmp_path / "f.yaml").write_text("autoscale: 1-3\nautoscale_metric: waiting\nautoscale_tolerance: 0\n")
+    cli_ok(["replay", str(trace), "--config", str(tmp_path / "f.yaml"), "--max-model-len", "4096", "--out",
+            str(tmp_path / "c"), "--quiet"])
+    scaling = json.loads((tmp_path / "c" / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert (scaling["metric"], scaling["target"], scaling["tolerance"]) == ("waiting", 5.0, 0.0)
+    assert "kv_usage aims at a share" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--autoscale-metric",
+                                                    "kv_usage", "--autoscale-target", "70"])
+    assert "queue" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--autoscale-metric", "queue"])
+    import pyarrow.parquet as pq
+
+    cli_ok(["sweep", str(trace), "--set", "router=least_outstanding", "--set", "autoscale=1-3", "--set",
+            "max_model_len=4096", "--set", "cold_start_s=30", "--grid", "autoscale_metric=in_flight,running",
+            "--out", str(tmp_path / "s"), "--quiet"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok"] * 2 and all(row["gpu_hours"] > 0 for row in rows)
+    cell = json.loads((tmp_path / "s" / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
+    assert cell["fleet"]["autoscaling"]["metric"] == "running"
