@@ -325,11 +325,11 @@ def fleet_options(command):
                           "(simkv/replay/autoscale.py): MIN replicas up from the start, at most MAX (--replicas, "
                           "if given, must be MAX); summary.json's fleet.autoscaling gives the replicas over time "
                           "and the GPU-hours paid."),
-        click.option("--autoscale-metric", default=None,
-                     type=click.Choice(["in_flight", "waiting", "running", "kv_usage"]),
-                     help="With --autoscale: what it scales on, as vLLM's gauges report it: requests in flight "
-                          "(running + waiting), vLLM's num_requests_waiting or num_requests_running, or "
-                          "kv_cache_usage_perc (0-1) [default: in_flight]."),
+        click.option("--autoscale-metric", default=None, metavar="METRIC[=TARGET],...",
+                     help="With --autoscale: what it scales on, as vLLM's gauges report it: in_flight (requests "
+                          "running + waiting), waiting or running (vLLM's num_requests_waiting / _running), "
+                          "kv_usage (kv_cache_usage_perc, 0-1); several with their targets, e.g. "
+                          "waiting=5,kv_usage=0.7: the largest recommendation wins, as HPA's [default: in_flight]."),
         click.option("--autoscale-target", type=float, default=None, metavar="N",
                      help="With --autoscale: the metric per replica it aims at: it wants ceil(sum over the "
                           "replicas up / N) [default: in_flight 8, waiting 5, running 8, kv_usage 0.5]."),

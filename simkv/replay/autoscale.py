@@ -9,6 +9,8 @@ The metrics (`metric`):
   that instant), what vLLM's `num_requests_running` + `num_requests_waiting` add up to;
 - `waiting` (5), `running` (8): vLLM's `num_requests_waiting` or `num_requests_running` alone;
 - `kv_usage` (0.5): vLLM's `kv_cache_usage_perc`, the share of the usable KV blocks in use.
+Several metrics, each with its target (`waiting=5,kv_usage=0.7`), as an HPA with several: each
+recommends, and the largest recommendation wins.
 The engine gauges are read as vLLM's engine last reported them: after its last step that ended
 strictly before that instant (StepLog.gauges_before); a replica still starting reads 0.
 As HPA does, a sum within `tolerance` (10 %) of what the replicas it has aim at changes
@@ -31,7 +33,7 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: GPU utilisation (DCGM's), several metrics at once, scale-up or
+each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics, scale-up or
 scale-down policies other than HPA's defaults, pods that fail to start.
 """
 
@@ -64,32 +66,67 @@ SCALE_UP_PODS = 4
 class AutoscaleSpec:
     min_replicas: int
     max_replicas: int
-    target: float | None = None  # the metric per replica it aims at (None: METRICS' default)
+    target: float | None = None  # the metric per replica it aims at (None: METRICS' default; several: None)
     interval_s: float = 15.0
     cold_start_s: float = 120.0
     scale_down_window_s: float = 300.0
-    metric: str = "in_flight"
+    metric: str = "in_flight"  # a name, or several with their targets: "waiting=5;kv_usage=0.7"
     tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas < self.max_replicas:
             raise AutoscaleError(f"--autoscale {self.min_replicas}-{self.max_replicas}: expected MIN-MAX replicas "
                                  "with 0 <= MIN < MAX")
-        if self.metric not in METRICS:
-            raise AutoscaleError(f"--autoscale-metric {self.metric!r}: expected one of {', '.join(METRICS)}")
-        if self.target is None:
-            object.__setattr__(self, "target", METRICS[self.metric][0])
-        if self.metric == "kv_usage" and not 0 < self.target <= 1:
-            raise AutoscaleError(f"--autoscale-target {self.target}: kv_usage aims at a share of the KV blocks, "
-                                 "in (0, 1]")
+        targets = self._targets()
+        if len(targets) == 1:
+            (name, target), = targets
+            object.__setattr__(self, "metric", name)
+            object.__setattr__(self, "target", target)
+        else:
+            object.__setattr__(self, "metric", ";".join(f"{name}={_number(target)}" for name, target in targets))
+        object.__setattr__(self, "targets", targets)
         if not (0 <= self.tolerance < 1):
             raise AutoscaleError(f"--autoscale-tolerance must be in [0, 1), got {self.tolerance}")
-        for name, value, low in (("--autoscale-target", self.target, 0.0), ("--autoscale-interval", self.interval_s, 0.0)):
-            if not (value > low and math.isfinite(value)):
-                raise AutoscaleError(f"{name} must be a number > 0, got {value}")
+        if not (self.interval_s > 0 and math.isfinite(self.interval_s)):
+            raise AutoscaleError(f"--autoscale-interval-s must be a number > 0, got {self.interval_s}")
         for name, value in (("--cold-start-s", self.cold_start_s), ("--scale-down-window-s", self.scale_down_window_s)):
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
+
+    def _targets(self) -> tuple[tuple[str, float], ...]:
+        """(metric, target per replica) of each metric, checked."""
+        items = [item.strip() for item in self.metric.replace(";", ",").split(",") if item.strip()]
+        if not items:
+            raise AutoscaleError(f"--autoscale-metric {self.metric!r}: expected one of {', '.join(METRICS)}")
+        targets = []
+        for item in items:
+            name, eq, value = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if name not in METRICS:
+                raise AutoscaleError(f"--autoscale-metric {name!r}: expected one of {', '.join(METRICS)}")
+            if any(name == seen for seen, _ in targets):
+                raise AutoscaleError(f"--autoscale-metric {self.metric!r}: {name} twice")
+            if eq:
+                if self.target is not None:
+                    raise AutoscaleError(f"--autoscale-metric {self.metric!r} gives its targets: drop "
+                                         "--autoscale-target")
+                try:
+                    target = float(value)
+                except ValueError:
+                    raise AutoscaleError(f"--autoscale-metric {item!r}: {value!r} is not a number") from None
+            elif len(items) > 1:
+                raise AutoscaleError(f"--autoscale-metric {self.metric!r}: with several metrics give each its "
+                                     "target, e.g. waiting=5,kv_usage=0.7")
+            else:
+                target = self.target if self.target is not None else METRICS[name][0]
+            where = f"--autoscale-metric {item}" if eq else "--autoscale-target"
+            if not (target > 0 and math.isfinite(target)):
+                raise AutoscaleError(f"{where} must be a number > 0, got {target} ({name})")
+            if name == "kv_usage" and target > 1:
+                raise AutoscaleError(f"{where}: {target:g} is above 1; kv_usage aims at a share of the KV blocks, "
+                                     "in (0, 1]")
+            targets.append((name, target))
+        return tuple(targets)
 
     @classmethod
     def parse(cls, text: str, **options) -> "AutoscaleSpec":
@@ -108,8 +145,8 @@ class AutoscaleSpec:
         for name, value in settings.items():
             if value is None:
                 continue
-            if name == "autoscale_metric":
-                fields["metric"] = str(value).replace("-", "_")
+            if name == "autoscale_metric":  # (a config file may list them: [waiting=5, kv_usage=0.7])
+                fields["metric"] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
                 continue
             try:
                 fields[SETTINGS[name]] = float(value)
@@ -121,6 +158,10 @@ class AutoscaleSpec:
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
                 "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s, "cold_start_s": self.cold_start_s,
                 "scale_down_window_s": self.scale_down_window_s}
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if x.is_integer() else repr(x)
 
 
 class Autoscaler:
@@ -148,16 +189,15 @@ class Autoscaler:
 
     def watch(self, engines) -> None:
         """The replicas' engines, whose step logs the engine-gauge metrics read."""
-        if self.spec.metric != "in_flight":
+        if any(name != "in_flight" for name, _ in self.spec.targets):
             self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
                            for engine in engines]
 
-    def reading(self, r: int, tick: int) -> float:
-        """Slot `r`'s metric (other than in_flight) as its engine last reported it before `tick`."""
+    def readings(self, r: int, tick: int) -> dict[str, float]:
+        """Slot `r`'s engine gauges as its engine last reported them before `tick`."""
         gauges_before, usable = self.gauges[r]
         running, waiting, used = gauges_before(tick)
-        metric = self.spec.metric
-        return running if metric == "running" else waiting if metric == "waiting" else used / max(usable, 1)
+        return {"running": running, "waiting": waiting, "kv_usage": used / max(usable, 1)}
 
     def up(self, tick: int) -> tuple[int, ...]:
         """The slots that take requests at `tick`: ready by then and not draining."""
@@ -177,7 +217,7 @@ class Autoscaler:
             self._start(r, tick, loads[r])
             self.started.append((tick, 1))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "activate", "replicas": 1,
-                                "in_flight": 0, "value": 0})
+                                "in_flight": 0, "values": {}})
             self._mark(tick)
             if self.ready_at[r] <= tick:  # (warm: no wait)
                 return (r,), tick
@@ -198,12 +238,13 @@ class Autoscaler:
         spec = self.spec
         live = [r for r, at in enumerate(self.ready_at) if at is not None and self.draining_since[r] is None]
         in_flight = sum(loads[r] for r in live)
-        if self.gauges is None:
-            value = in_flight
-        else:  # (a replica still starting has reported nothing: 0)
-            value = sum(self.reading(r, tick) for r in live if self.ready_at[r] <= tick)
+        values = {"in_flight": in_flight}
+        if self.gauges is not None:  # (a replica still starting has reported nothing: 0)
+            gauges = [self.readings(r, tick) for r in live if self.ready_at[r] <= tick]
+            values |= {name: sum(g[name] for g in gauges) for name in ("running", "waiting", "kv_usage")}
+        values = {name: values[name] for name, _ in spec.targets}
         have = len(live)
-        wanted = self._recommend(value, have)
+        wanted = max(self._recommend(values[name], target, have) for name, target in spec.targets)
         self.wishes.append((tick, wanted))
         while self.wishes and self.wishes[0][0] < tick - self.window:
             self.wishes.pop(0)
@@ -214,7 +255,7 @@ class Autoscaler:
                 self._start(r, tick, loads[r])
             self.started.append((tick, wanted - have))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
-                                "in_flight": in_flight, "value": value})
+                                "in_flight": in_flight, "values": values})
         elif max(w for _, w in self.wishes) < have:
             keep = max(w for _, w in self.wishes)
             starting = [r for r in live if self.ready_at[r] > tick]
@@ -226,17 +267,17 @@ class Autoscaler:
                 else:
                     self.draining_since[r] = tick
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "down", "replicas": keep,
-                                "in_flight": in_flight, "value": value})
+                                "in_flight": in_flight, "values": values})
         self._mark(tick)
 
-    def _recommend(self, value: float, have: int) -> int:
-        """The replicas `value` (the metric's sum) asks for, within [MIN, MAX]: ceil(value /
+    def _recommend(self, value: float, target: float, have: int) -> int:
+        """The replicas `value` (a metric's sum) asks for, within [MIN, MAX]: ceil(value /
         target), or `have` when that is within the tolerance of what `have` replicas aim at."""
         spec = self.spec
-        if have > 0 and abs(value / (have * spec.target) - 1.0) <= spec.tolerance:
+        if have > 0 and abs(value / (have * target) - 1.0) <= spec.tolerance:
             wanted = have
         else:
-            wanted = math.ceil(value / spec.target - 1e-9)  # (1.2 / 0.6 is 2, not 2.0000000000000004)
+            wanted = math.ceil(value / target - 1e-9)  # (1.2 / 0.6 is 2, not 2.0000000000000004)
         return min(spec.max_replicas, max(spec.min_replicas, wanted))
 
     def _scale_up_limit(self, tick: int, have: int) -> int:
@@ -311,9 +352,9 @@ class Autoscaler:
 
 def describe(section: dict) -> str:
     """One line for the terminal and report.html."""
-    metric = section.get("metric", "in_flight")
-    aim = (f"{section['target']:.0%} KV-cache usage" if metric == "kv_usage"
-           else f"{section['target']:g} {METRICS[metric][1]}")
+    targets = AutoscaleSpec(1, 2, target=section["target"], metric=section.get("metric", "in_flight")).targets
+    aim = " or ".join(f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
+                      for name, target in targets)
     return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aim} each, "
             f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
             f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "

@@ -229,10 +229,10 @@ def test_the_fleet_scales_on_the_engines_gauges():
                 gauge = _gauges_from_steps(mine, tick)[column]
                 total += gauge / usable if metric == "kv_usage" else gauge
             # (a replica that had not started has no steps before then, and reads 0 as it should)
-            assert event["value"] == pytest.approx(total), (metric, event)
+            assert event["values"] == {metric: pytest.approx(total)}, (metric, event)
         if metric == "waiting":  # (the first scale-up: the queue passed what one replica aims at)
             first = next(e for e in events if e["action"] == "up")
-            assert first["value"] > target * 1.1
+            assert first["values"]["waiting"] > target * 1.1
 
 
 def test_hpa_tolerance_and_scale_up_rate():
@@ -241,10 +241,10 @@ def test_hpa_tolerance_and_scale_up_rate():
     from simkv.replay.autoscale import Autoscaler
 
     scaler = Autoscaler(AutoscaleSpec(1, 20, target=10))
-    assert scaler._recommend(21, 2) == 2 and scaler._recommend(23, 2) == 3 and scaler._recommend(17, 2) == 2
-    assert scaler._recommend(0, 2) == 1  # (within [MIN, MAX])
-    assert Autoscaler(AutoscaleSpec(1, 20, target=10, tolerance=0))._recommend(21, 2) == 3
-    assert Autoscaler(AutoscaleSpec(1, 20, target=0.6, metric="kv_usage"))._recommend(1.2, 1) == 2
+    assert scaler._recommend(21, 10, 2) == 2 and scaler._recommend(23, 10, 2) == 3
+    assert scaler._recommend(17, 10, 2) == 2 and scaler._recommend(0, 10, 2) == 1  # (within [MIN, MAX])
+    assert Autoscaler(AutoscaleSpec(1, 20, target=10, tolerance=0))._recommend(21, 10, 2) == 3
+    assert scaler._recommend(1.2, 0.6, 1) == 2  # (1.2 / 0.6 in floating point is 2.0000000000000004)
     scaler = Autoscaler(AutoscaleSpec(1, 20, target=1, interval_s=5))
     loads = [40] + [0] * 19
     second = int(_ticks(1.0))
@@ -291,3 +291,33 @@ def test_the_cli_takes_the_metric(tmp_path):
     assert [row["status"] for row in rows] == ["ok"] * 2 and all(row["gpu_hours"] > 0 for row in rows)
     cell = json.loads((tmp_path / "s" / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
     assert cell["fleet"]["autoscaling"]["metric"] == "running"
+
+
+def test_several_metrics_each_recommend_and_the_largest_wins():
+    """waiting=5,running=4: each metric recommends with its own target; the decision takes the
+    largest, and a decision's values name both sums."""
+    spec = AutoscaleSpec(1, 4, cold_start_s=30, scale_down_window_s=120, metric="waiting=5, running=4")
+    assert spec.metric == "waiting=5;running=4" and spec.target is None
+    assert spec.targets == (("waiting", 5.0), ("running", 4.0))
+    config = EngineConfig.from_flat({"max_model_len": 4096, "max_num_seqs": 16})
+    result = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    assert scaling["metric"] == "waiting=5;running=4"
+    from simkv.replay.autoscale import Autoscaler, describe
+
+    ups = [e for e in scaling["events"] if e["action"] == "up"]
+    assert ups and all(set(e["values"]) == {"waiting", "running"} for e in ups)
+    assert "5 waiting or 4 running each" in describe(scaling)
+    for running, waiting, replicas in ((4, 12, 3), (9, 0, 3), (2, 1, 1), (30, 30, 4)):
+        scaler = Autoscaler(spec)  # (one replica up, whose engine last reported these gauges)
+        scaler.gauges = [(lambda tick, g=(running, waiting, 0): g, 100)] * 4
+        scaler._evaluate(int(_ticks(15.0)), [0] * 4)
+        assert sum(at is not None for at in scaler.ready_at) == replicas, (running, waiting)
+    for metric, message in (("waiting,running", "give each its target"), ("waiting=5,waiting=2", "waiting twice"),
+                            ("kv_usage=2", "in \\(0, 1\\]"), ("running=x", "is not a number")):
+        with pytest.raises(AutoscaleError, match=message):
+            AutoscaleSpec(1, 2, metric=metric)
+    with pytest.raises(AutoscaleError, match="drop --autoscale-target"):
+        AutoscaleSpec(1, 2, metric="waiting=5", target=3)
+    assert AutoscaleSpec(1, 2, metric="kv_usage=0.7") == AutoscaleSpec(1, 2, metric="kv_usage", target=0.7)
+    assert AutoscaleSpec.of("1-2", {"autoscale_metric": ["waiting=5", "kv_usage=0.7"]}).metric == "waiting=5;kv_usage=0.7"
