@@ -8,7 +8,7 @@ import click
 from simkv.config import ConfigError
 
 _PD_FLAGS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
-             "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s")
+             "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s", "prefill_autoscale", "decode_autoscale")
 _FILE_KEYS = set(_PD_FLAGS) | {"prefill", "decode"}
 
 
@@ -37,6 +37,14 @@ def disaggregation_options(command):
                      help="P/D: from a pull's last byte sent to the decode side knowing it [default: 0.1]."),
         click.option("--handoff-ms", type=float, default=None,
                      help="P/D: from the prefill's answer to the decode replica getting the request [default: 1]."),
+        click.option("--prefill-autoscale", default=None, metavar="MIN-MAX[:KEY=VALUE,...]",
+                     help="P/D: the prefill pool scales with its load (simkv/replay/autoscale.py), e.g. "
+                          "1-4:metric=waiting,target=2; KEY: metric, target, tolerance, interval_s, cold_start_s, "
+                          "scale_down_window_s (several metrics: metric=waiting=2;kv_usage=0.7); the --autoscale-* "
+                          "and --cold-start-s flags set both pools' defaults."),
+        click.option("--decode-autoscale", default=None, metavar="MIN-MAX[:KEY=VALUE,...]",
+                     help="P/D: the decode pool scales with its load, as --prefill-autoscale "
+                          "(e.g. 2-8:metric=kv_usage,target=0.7)."),
         click.option("--kv-abort-timeout-s", type=float, default=None,
                      help="P/D with --client-*timeout: how long a prefill replica holds the blocks of a request "
                           "the proxy dropped after its prefill (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT) "
@@ -104,6 +112,12 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
         return None
     file = file or {}
     values = {k: (pd_flags[k] if pd_flags[k] is not None else file.get(k)) for k in _PD_FLAGS}
+    scaling = {}
+    for pool in ("prefill", "decode"):
+        if values[f"{pool}_autoscale"] is not None:
+            scaling[f"{pool}_autoscale"] = _pool_autoscale(values[f"{pool}_autoscale"], pool, flags, config_file)
+            if values[f"{pool}_replicas"] is None:  # (the pool's slots: MAX)
+                values[f"{pool}_replicas"] = scaling[f"{pool}_autoscale"].max_replicas
     if router_options and "prefix_aware" not in (values["prefill_router"], values["decode_router"]):
         raise click.UsageError("--router-option sets prefix_aware's thresholds; add --prefill-router prefix_aware "
                                "or --decode-router prefix_aware")
@@ -134,9 +148,21 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
             prefill_options=pools["prefill"], decode_options=pools["decode"],
             prefill_router=values["prefill_router"] or "least_outstanding",
             decode_router=values["decode_router"] or "least_outstanding",
-            router_options=parsed_router_options, **link)
+            router_options=parsed_router_options, **link, **scaling)
     except (ConfigError, TypeError, ValueError) as exc:
         raise click.UsageError(f"P/D disaggregation: {exc}") from None
+
+
+def _pool_autoscale(text, pool: str, flags: dict, config_file: str | None):
+    """--prefill-autoscale / --decode-autoscale as an AutoscaleSpec, over the common --autoscale-*
+    settings (flags, then the --config file's keys of the same names) as its defaults."""
+    from simkv.cli.replay_cmd import autoscale_settings
+    from simkv.replay.autoscale import AutoscaleError, parse_pool
+
+    try:
+        return parse_pool(str(text), autoscale_settings(flags, config_file), f"--{pool}-autoscale")
+    except AutoscaleError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"--{pool}-autoscale") from None
 
 
 _ENCODE_FLAGS = ("encode_replicas", "encode_router", "encode_sets", "ec_store_gbs", "encode_hop_ms")

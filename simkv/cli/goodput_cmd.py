@@ -314,6 +314,7 @@ def goodput_cmd(trace: str, goodput: tuple[str, ...], attainment: float, toleran
                        out_dir, quiet, replicas, router, router_options, grids, target_rate, flags)
         return
     disaggregation = read_disaggregation(flags, config_file, router_options)
+    _refuse_pools_scaling(disaggregation)
     if disaggregation is not None:
         if replicas is not None or router is not None or grids or target_rate is not None:
             raise click.UsageError("P/D disaggregation (--prefill-replicas/--decode-replicas) searches one setup: "
@@ -519,6 +520,7 @@ def _search_splits(trace, n, goodput, attainment, tolerance, config_file, cost_m
         raise click.UsageError("--pd-splits tries every split itself: drop --prefill-replicas/--decode-replicas")
 
     spec = read_disaggregation(flags, config_file, ()) or DisaggregationSpec()
+    _refuse_pools_scaling(spec)
     router = router or "least_outstanding"
     if router_options and "prefix_aware" not in (router, spec.prefill_router, spec.decode_router):
         raise click.UsageError("--router-option sets prefix_aware's thresholds; no router here is prefix_aware")
@@ -640,3 +642,9 @@ def _write(record: dict, text: str, out_dir: str | None, quiet: bool) -> None:
         click.echo(text)
         if out_dir is not None:
             click.echo(f"wrote {out_dir}/goodput.json, goodput.md")
+
+
+def _refuse_pools_scaling(spec) -> None:
+    if spec is not None and (spec.prefill_autoscale is not None or spec.decode_autoscale is not None):
+        raise click.UsageError("--prefill-autoscale / --decode-autoscale: P/D pools that scale are replayed by "
+                               "`simkv replay` and `simkv sweep`; goodput searches fixed pools")

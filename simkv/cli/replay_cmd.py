@@ -349,26 +349,39 @@ def fleet_options(command):
     return command
 
 
-def read_autoscale(flags: dict, config_file: str | None = None):
+def autoscale_settings(flags: dict, config_file: str | None = None) -> dict:
+    """--autoscale and its settings (AUTOSCALE_KEYS) from `flags`, else the --config file's keys of
+    the same names (None: not given)."""
+    file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+    values = {k: flags.get(k) for k in AUTOSCALE_KEYS}
+    return {k: (file.get(k) if v is None else v) for k, v in values.items()}
+
+
+def read_autoscale(flags: dict, config_file: str | None = None, pools: bool = False):
     """The AutoscaleSpec of --autoscale and its settings over the --config file's keys of the same
-    names (None without --autoscale; its settings alone are refused); takes them out of `flags`."""
+    names (None without --autoscale; its settings alone are refused, unless `pools`: P/D pools
+    that scale took them as defaults); takes them out of `flags`."""
     from simkv.replay.autoscale import AutoscaleError, AutoscaleSpec
 
-    file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
-    values = {k: flags.pop(k, None) for k in AUTOSCALE_KEYS}
-    for key in values:
-        if values[key] is None and key in file:
-            values[key] = file[key]
+    values = autoscale_settings(flags, config_file)
+    for key in AUTOSCALE_KEYS:
+        flags.pop(key, None)
     text = values.pop("autoscale")
     if text is None:
         given = [f"--{k.replace('_', '-')}" for k, v in values.items() if v is not None]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} sets the autoscaler: give --autoscale MIN-MAX too")
+        if given and not pools:
+            raise click.UsageError(f"{', '.join(given)} sets the autoscaler: give --autoscale MIN-MAX (or "
+                                   "--prefill-autoscale / --decode-autoscale) too")
         return None
     try:
         return AutoscaleSpec.of(text, values)
     except AutoscaleError as exc:
         raise click.BadParameter(str(exc), param_hint="--autoscale") from None
+
+
+def _pools_scale(disaggregation) -> bool:
+    return disaggregation is not None and (disaggregation.prefill_autoscale is not None
+                                           or disaggregation.decode_autoscale is not None)
 
 
 def read_fleet(replicas: int | None, router: str | None, router_options: tuple[str, ...],
@@ -869,7 +882,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
         raise click.UsageError("--calibrate-alongside needs --backend gpu (it times grid points between measured steps)")
     disaggregation = read_disaggregation(flags, config_file, router_options)
     encode = read_encode(flags, config_file)
-    autoscale = read_autoscale(flags, config_file)
+    autoscale = read_autoscale(flags, config_file, pools=_pools_scale(disaggregation))
     if autoscale is not None and (disaggregation is not None or backend == "gpu"):
         raise click.UsageError("--autoscale scales a fleet of simulated replicas: not P/D pools or the gpu backend")
     if encode is not None and backend == "gpu":

@@ -168,13 +168,16 @@ def run_report_html(run_dir: str | Path) -> str:
     ]
     if "admission_limit" in by_time:
         charts.append(_held_by_chart(by_time, t))
-    scaling = (summary.get("fleet") or {}).get("autoscaling")
-    if scaling:  # (an autoscaled fleet: its replicas up and starting over time)
-        points = scaling["timeline"] + [scaling["timeline"][-1] | {"time_s": summary.get("duration_s") or 0.0}]
-        times = np.array([p["time_s"] for p in points])
-        charts.append(line_chart([("up", times, np.array([p["ready"] for p in points])),
-                                  ("starting", times, np.array([p["starting"] for p in points]))],
-                                 "Autoscaled replicas", "time (s)", "replicas", step=True))
+    pools = summary.get("disaggregation") or {}
+    for title, scaling in (("Autoscaled replicas", (summary.get("fleet") or {}).get("autoscaling")),
+                           ("Autoscaled prefill replicas", (pools.get("prefill") or {}).get("autoscaling")),
+                           ("Autoscaled decode replicas", (pools.get("decode") or {}).get("autoscaling"))):
+        if scaling:  # (an autoscaled fleet or P/D pool: its replicas up and starting over time)
+            points = scaling["timeline"] + [scaling["timeline"][-1] | {"time_s": summary.get("duration_s") or 0.0}]
+            times = np.array([p["time_s"] for p in points])
+            charts.append(line_chart([("up", times, np.array([p["ready"] for p in points])),
+                                      ("starting", times, np.array([p["starting"] for p in points]))],
+                                     title, "time (s)", "replicas", step=True))
     fin = requests[requests["status"] == "finished"]
     gaps = load_token_gaps(run_dir, steps)
     classes = summary.get("classes")
@@ -314,6 +317,10 @@ def _pool_table(pd: dict) -> str:
             f"{p['peak_blocks_used']:,} / {p['num_gpu_blocks']:,}", p["num_preemptions"],
             f"{100 * p['prefix_cache_hit_rate']:.1f}", html.escape(largest_admission_limit(p) or "-"))) + "</tr>"
         for name, p in (("prefill", pd["prefill"]), ("decode", pd["decode"])))
+    from simkv.replay.autoscale import describe
+
+    head += "".join(f"<p>{name} pool autoscaling: {html.escape(describe(pd[name]['autoscaling']))}</p>"
+                    for name in ("prefill", "decode") if pd[name].get("autoscaling"))
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 
 

@@ -413,15 +413,10 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     if fleet.replica_sets:
         summary["fleet"]["replica_sets"] = fleet.to_dict()["replica_sets"]
     if autoscaler is not None:
-        from simkv.clock import to_ticks
-        from simkv.studies.serving_cost import engine_gpus
+        from simkv.replay.autoscale import autoscaling_section
 
-        end = to_ticks(summary["duration_s"])
-        autoscaler.settle(end, routing.loads_at)
-        scaling = summary["fleet"]["autoscaling"] = autoscaler.summary(end, [engine_gpus(c) for c in configs],
-                                                                       [c.hardware.gpu for c in configs])
-        for row, paid in zip(summary["fleet"]["replicas"], scaling["paid_s_by_replica"]):
-            row["paid_s"] = paid  # (each replica's time up or starting, paid for)
+        summary["fleet"]["autoscaling"] = autoscaling_section(autoscaler, summary["duration_s"], routing.loads_at,
+                                                              configs, summary["fleet"]["replicas"])
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 
@@ -473,7 +468,33 @@ def _replay_disaggregated(trace, config, cost_model, cost_options, use_decode_ru
                                                                                frontend_latency(backends[1][0]))
         summary = pd_summary(run, trace, spec, configs, backends, capacities, wall, requests, prefill_requests,
                              per_prefill, per_decode)
+    if spec.prefill_autoscale is not None or spec.decode_autoscale is not None:
+        _pools_autoscaling(summary, run.routing, configs)
     return ReplayResult(summary, requests, steps, run.decode_runs[0], run.decode_runs)
+
+
+def _pools_autoscaling(summary: dict, routing, configs) -> None:
+    """P/D pools that scale (simkv/replay/autoscale.py): each one's section, and the GPU-hours
+    both pools paid (a pool that does not scale: its replicas the whole replay)."""
+    from simkv.replay.autoscale import autoscaling_section
+    from simkv.studies.serving_cost import engine_gpus
+
+    duration = summary["duration_s"]
+    gpu_hours = replicas_up = 0.0
+    for pool, pool_routing, pool_config in (("prefill", routing.prefill, configs[0]),
+                                            ("decode", routing.decode, configs[1])):
+        section = summary["disaggregation"][pool]
+        n = len(section["replicas"])
+        if pool_routing.autoscaler is None:
+            gpu_hours += n * engine_gpus(pool_config) * duration / 3600.0
+            replicas_up += n
+            continue
+        scaling = section["autoscaling"] = autoscaling_section(pool_routing.autoscaler, duration,
+                                                               pool_routing.loads_at, [pool_config] * n,
+                                                               section["replicas"])
+        gpu_hours += scaling["gpu_hours"]
+        replicas_up += scaling["mean_ready"]
+    summary["disaggregation"]["autoscaling"] = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up}
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:

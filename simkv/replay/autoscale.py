@@ -160,6 +160,29 @@ class AutoscaleSpec:
                 "scale_down_window_s": self.scale_down_window_s}
 
 
+def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
+    """A P/D pool's 'MIN-MAX[:KEY=VALUE,...]' over `defaults` (SETTINGS' names; None: unset).
+    KEY: a setting's name, its `autoscale_` prefix optional; several metrics separated by ';'."""
+    span, _, rest = str(text).partition(":")
+    settings = {k: v for k, v in defaults.items() if k in SETTINGS}
+    given = set()
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        name = key if key in SETTINGS else f"autoscale_{key}"
+        if not eq or name not in SETTINGS or not value.strip():
+            raise AutoscaleError(f"{flag} {text!r}: expected MIN-MAX[:KEY=VALUE,...] with KEY one of "
+                                 f"{', '.join(k.removeprefix('autoscale_') for k in SETTINGS)}, got {item!r}")
+        settings[name] = value.strip()
+        given.add(name)
+    if "autoscale_target" not in given and "=" in str(settings.get("autoscale_metric") or ""):
+        settings.pop("autoscale_target", None)  # (a common default target gives way to the metrics' own)
+    try:
+        return AutoscaleSpec.of(span, settings)
+    except AutoscaleError as exc:
+        raise AutoscaleError(f"{flag} {text!r}: {exc}") from None
+
+
 def _number(x: float) -> str:
     return str(int(x)) if x.is_integer() else repr(x)
 
@@ -348,6 +371,20 @@ class Autoscaler:
             "events": self.events,
             "timeline": [{"time_s": t / TICKS_PER_SECOND, "ready": ready, "starting": starting}
                          for t, ready, starting in self.timeline]}
+
+
+def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, configs, replica_rows: list[dict]) -> dict:
+    """After the replay (`duration_s`: its end): the autoscaler's summary section, each
+    replica's paid seconds written into its row of the summary's replica table (`paid_s`).
+    `configs`: each slot's engine config (its GPUs, and which)."""
+    from simkv.studies.serving_cost import engine_gpus
+
+    end = to_ticks(duration_s)
+    autoscaler.settle(end, loads_at)
+    section = autoscaler.summary(end, [engine_gpus(c) for c in configs], [c.hardware.gpu for c in configs])
+    for row, paid in zip(replica_rows, section["paid_s_by_replica"]):
+        row["paid_s"] = paid  # (each replica's time up or starting, paid for)
+    return section
 
 
 def describe(section: dict) -> str:

@@ -70,6 +70,10 @@ class DisaggregationSpec:
     # ((request class, replicas), ...)
     prefill_class_replicas: tuple = ()
     decode_class_replicas: tuple = ()
+    # A pool that scales with its load (`--prefill-autoscale 1-4:metric=waiting`): its AutoscaleSpec
+    # (simkv/replay/autoscale.py), MAX being the pool's replicas
+    prefill_autoscale: object = None
+    decode_autoscale: object = None
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):
@@ -92,6 +96,18 @@ class DisaggregationSpec:
                 check_class_replicas(getattr(self, f"{pool}_class_replicas"), count)
             except RouterError as exc:
                 raise ConfigError(f"{pool} pool: {exc}") from None
+            scaling = getattr(self, f"{pool}_autoscale")
+            if scaling is None:
+                continue
+            if scaling.max_replicas != count:
+                raise ConfigError(f"{pool} pool: --{pool}-autoscale {scaling.min_replicas}-{scaling.max_replicas} "
+                                  f"scales up to {scaling.max_replicas} replicas, the pool has {count} (give "
+                                  f"--{pool}-replicas {scaling.max_replicas} or leave it out)")
+            if scaling.min_replicas == 0:
+                raise ConfigError(f"{pool} pool: scaling to zero (--{pool}-autoscale 0-N) is not modelled for a P/D "
+                                  "pool: MIN must be >= 1")
+            if getattr(self, f"{pool}_class_replicas"):
+                raise ConfigError(f"{pool} pool: a class's own replicas are not modelled in a pool that scales")
 
     @property
     def class_names(self) -> list[str]:
@@ -114,6 +130,9 @@ class DisaggregationSpec:
                 raise ConfigError(f"{pool} pool: {exc}") from None
             _check_pool(pool, config)
             configs.append(config)
+        if configs[1].hardware.data_parallel_size > 1 and self.decode_autoscale is not None:
+            raise ConfigError("decode pool: a data-parallel engine's ranks do not scale (--decode-autoscale with "
+                              "data_parallel_size > 1)")
         if configs[1].hardware.data_parallel_size > 1 and self.num_decode != 1:
             raise ConfigError(f"decode pool: with data_parallel_size > 1 the pool is one data-parallel engine "
                               f"(--decode-replicas 1), got {self.num_decode} replicas")
@@ -142,7 +161,9 @@ class DisaggregationSpec:
                 "router_options": self.router_options.to_dict(), "kv_link_gbps": self.kv_link_gbps,
                 "kv_link_latency_ms": self.kv_link_latency_ms, "handoff_ms": self.handoff_ms} | {
             f"{pool}_class_replicas": {name: list(rs) for name, rs in getattr(self, f"{pool}_class_replicas")}
-            for pool in ("prefill", "decode") if getattr(self, f"{pool}_class_replicas")}
+            for pool in ("prefill", "decode") if getattr(self, f"{pool}_class_replicas")} | {
+            f"{pool}_autoscale": getattr(self, f"{pool}_autoscale").to_dict()
+            for pool in ("prefill", "decode") if getattr(self, f"{pool}_autoscale") is not None}
 
 
 def check_pull_fits(decode_config: EngineConfig, capacity) -> None:
@@ -187,8 +208,8 @@ class PrefillRouting(FleetRouting):
 
     finishes_turns = False
 
-    def __init__(self, trace, router: Router, max_model_len: int, clients=None, pacing=None) -> None:
-        super().__init__(trace, router, max_model_len, clients=clients, pacing=pacing)
+    def __init__(self, trace, router: Router, max_model_len: int, clients=None, pacing=None, autoscaler=None) -> None:
+        super().__init__(trace, router, max_model_len, clients=clients, pacing=pacing, autoscaler=autoscaler)
         self.num_in_prefill = 0
         self.pd: PDRouting | None = None
 
@@ -218,8 +239,15 @@ class PDRouting:
                  max_model_len: int, decode_data_parallel_size: int = 1, clients=None, pacing=None) -> None:
         self.trace = trace
         self.spec = spec
+        scalers = {}  # (pools that scale: simkv/replay/autoscale.py)
+        for pool in ("prefill", "decode"):
+            if getattr(spec, f"{pool}_autoscale") is not None:
+                from simkv.replay.autoscale import Autoscaler
+
+                scalers[pool] = Autoscaler(getattr(spec, f"{pool}_autoscale"))
         # (sessions: turns paced by the prefill router, released by the decode side's finishes)
-        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, clients, pacing)
+        self.prefill = PrefillRouting(trace, prefill_router, max_model_len, clients, pacing,
+                                      autoscaler=scalers.get("prefill"))
         self.prefill.pd = self
         self.rows = self.prefill.rows
         if decode_data_parallel_size > 1:  # one data-parallel decode engine: its ranks, its balancer
@@ -227,7 +255,8 @@ class PDRouting:
 
             self.decode = DPRouting(trace, decode_data_parallel_size, max_model_len, self.rows)
         else:
-            self.decode = FleetRouting(trace, decode_router, max_model_len, self.rows)
+            self.decode = FleetRouting(trace, decode_router, max_model_len, self.rows,
+                                       autoscaler=scalers.get("decode"))
         self._handoffs: list[tuple[int, int]] = []  # heap of (tick, row): finished prefills on their way
         self.handoff_ticks = max(1, to_ticks(spec.handoff_ms / 1e3))
         self.prefill_engines: list[ReplayEngine] = []
@@ -558,6 +587,9 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
     else:
         pd.decode_engines = engines(decode_backends, decode_feed, decode_capacity, decode_config, on_progress)
         processes = [e.start(own_arrivals=False) for e in pd.prefill_engines + pd.decode_engines]
+    for routing, pool in ((pd.prefill, pd.prefill_engines), (pd.decode, pd.decode_engines)):
+        if routing.autoscaler is not None:
+            routing.autoscaler.watch(pool)
     if clients is not None:
         pd.prefill.engines = pd.prefill_engines + pd.decode_engines  # (whose clients may resend: the prefill router's)
         for engine in pd.prefill_engines:

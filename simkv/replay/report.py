@@ -98,6 +98,11 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         head.append(("P/D disaggregation", f"{pd['prefill_replicas']} prefill ({pd['prefill_router']}) + "
                                            f"{pd['decode_replicas']} decode ({pd['decode_router']}), "
                                            f"KV link {pd['kv_link_gbps']:g} GB/s"))
+        for pool in ("prefill", "decode"):
+            if pd[pool].get("autoscaling"):
+                from simkv.replay.autoscale import describe
+
+                head.append((f"{pool} pool autoscaling", describe(pd[pool]["autoscaling"])))
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))

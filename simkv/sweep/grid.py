@@ -17,7 +17,7 @@ ENGINE_KEYS = engine_option_names()
 # A fleet of the engine behind a router (simkv/replay/fleet.py), and prefix_aware's thresholds;
 # or a prefill pool and a decode pool (simkv/replay/disaggregated.py).
 PD_KEYS = ("prefill_replicas", "decode_replicas", "prefill_router", "decode_router", "kv_link_gbps",
-           "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s")
+           "kv_link_latency_ms", "handoff_ms", "kv_abort_timeout_s", "prefill_autoscale", "decode_autoscale")
 # An encode pool in front (simkv/replay/encode_pool.py; the store's bandwidth: the engine option ec_store_gbs).
 ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
 # class_replicas: replicas of a request class's own, one value "docs=3" or "docs=2-3;chat=0-1"

@@ -60,6 +60,9 @@ AUTOSCALE_METRICS: dict[str, tuple[str, ...]] = {
     "gpu_hours": ("fleet", "autoscaling", "gpu_hours"),
     "mean_replicas_up": ("fleet", "autoscaling", "mean_ready"),
 }
+# (P/D pools that scale: both pools' GPU-hours and replicas up, in their section)
+POOLS_AUTOSCALE_METRICS = {"gpu_hours": ("disaggregation", "autoscaling", "gpu_hours"),
+                           "mean_replicas_up": ("disaggregation", "autoscaling", "mean_replicas_up")}
 
 
 # with request classes in some cell's trace (simkv/replay/classes.py): per class, `CLASS:column`
@@ -95,7 +98,9 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
     metrics = dict(METRICS) | (GOODPUT_METRICS if any(c.goodput for c in cells) else {})
     if any("kv_offloading" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
         metrics |= OFFLOAD_METRICS
-    if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("fleet", "autoscaling")) for c in cells):
+    scaled = {path[0] for c in cells for path in (("fleet", "autoscaling"), ("disaggregation", "autoscaling"))
+              if _get((outcomes.get(c.cell_id) or {}).get("summary") or {}, path)}
+    if scaled:
         metrics |= AUTOSCALE_METRICS
     metrics |= _class_metrics(cells, outcomes)
     for cell in cells:
@@ -107,6 +112,8 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         summary = out.get("summary") or {}
         for col, path in metrics.items():
             row[col] = _get(summary, path)
+            if row[col] is None and col in POOLS_AUTOSCALE_METRICS and "disaggregation" in scaled:
+                row[col] = _get(summary, POOLS_AUTOSCALE_METRICS[col])
         row[HELD_BY] = largest_admission_limit(summary) if out["status"] == "ok" else None
         rows.append(row)
     return _with_engine_block_size(cells, outcomes, rows)

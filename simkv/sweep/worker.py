@@ -121,7 +121,7 @@ def pool_specs(fleet: dict | None):
         return fleet_spec(fleet), None
     if fleet.get("autoscale") is not None:
         raise RouterError("autoscale: a cell with P/D keys (prefill_replicas, decode_replicas, ...) has two pools, not "
-                          "one fleet that scales; drop autoscale")
+                          "one fleet that scales; scale them with prefill_autoscale / decode_autoscale")
     classes = fleet.pop("class_replicas", None)  # (each pool's: prefill:docs=1;decode:docs=0)
     prefill_classes, decode_classes = split_pool_class_replicas(classes.split(";")) if classes else ((), ())
     if fleet.get("replica_sets"):
@@ -132,6 +132,13 @@ def pool_specs(fleet: dict | None):
         raise RouterError("replicas: a cell with P/D keys (prefill_replicas, decode_replicas, ...) sets its pools "
                           "itself; drop replicas")
     options = dict(fleet.get("router_options") or {}) | {k: fleet[k] for k in ROUTER_OPTION_KEYS if k in fleet}
+    for pool in ("prefill", "decode"):  # (a pool that scales: its settings over the cell's autoscale_* keys)
+        text = pd.pop(f"{pool}_autoscale", None)
+        if text is not None:
+            from simkv.replay.autoscale import parse_pool
+
+            pd[f"{pool}_autoscale"] = scaling = parse_pool(str(text), fleet, f"{pool}_autoscale")
+            pd.setdefault(f"{pool}_replicas", scaling.max_replicas)
     return None, DisaggregationSpec(
         num_prefill=pd.pop("prefill_replicas", 1), num_decode=pd.pop("decode_replicas", 1),
         router_options=RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),

@@ -113,7 +113,7 @@ def test_the_cli_scales_and_says_so(tmp_path):
     assert cost["usd_per_hour"] == pytest.approx(cost["usd_spent"] / (best["duration_s"] / 3600))
     assert 2 <= cost["usd_per_hour"] <= 3 * 2  # (between MIN and MAX replicas always up)
     assert "Cost: autoscaled," in (tmp_path / "p" / "goodput.md").read_text()
-    assert "give --autoscale MIN-MAX too" in cli_fails(["replay", str(trace), "--cold-start-s", "30"])
+    assert "give --autoscale MIN-MAX (or" in cli_fails(["replay", str(trace), "--cold-start-s", "30"])
     assert "the fleet has 2 replicas" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--replicas", "2"])
     assert "not P/D pools" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--prefill-replicas", "1"])
 
@@ -321,3 +321,100 @@ def test_several_metrics_each_recommend_and_the_largest_wins():
         AutoscaleSpec(1, 2, metric="waiting=5", target=3)
     assert AutoscaleSpec(1, 2, metric="kv_usage=0.7") == AutoscaleSpec(1, 2, metric="kv_usage", target=0.7)
     assert AutoscaleSpec.of("1-2", {"autoscale_metric": ["waiting=5", "kv_usage=0.7"]}).metric == "waiting=5;kv_usage=0.7"
+
+
+def test_pd_pools_scale_each_on_its_own_metric():
+    """--prefill-autoscale / --decode-autoscale: each pool scales on its own gauges; no request
+    reaches a replica before it is ready; both pools' GPU-hours add up; the same inputs, the
+    same run."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    spec = DisaggregationSpec(
+        num_prefill=3, num_decode=3,
+        prefill_autoscale=AutoscaleSpec(1, 3, cold_start_s=30, scale_down_window_s=120, metric="waiting", target=2),
+        decode_autoscale=AutoscaleSpec(1, 3, cold_start_s=30, scale_down_window_s=120, metric="kv_usage",
+                                       target=0.02))
+    config = EngineConfig.from_flat({"max_model_len": 4096, "max_num_seqs": 16})
+    result = replay(bursts(), config, disaggregation=spec)
+    pools, requests = result.summary["disaggregation"], result.requests
+    duration = result.summary["duration_s"]
+    total = 0.0
+    for pool, metric in (("prefill", "waiting"), ("decode", "kv_usage")):
+        scaling = pools[pool]["autoscaling"]
+        assert scaling["metric"] == metric and pools[f"{pool}_autoscale"]["metric"] == metric
+        first_up = next(e for e in scaling["events"] if e["action"] == "up")
+        assert set(first_up["values"]) == {metric} and scaling["peak_ready"] == 3
+        assert any(e["action"] == "down" for e in scaling["events"])
+        # a replica started at the first scale-up takes its first request once ready, 30 s later
+        by_replica = requests[requests[f"{pool}_replica"] > 0]
+        reached = by_replica["arrival_time_s"] if pool == "prefill" else by_replica["prefill_end_time_s"]
+        assert reached.min() >= first_up["time_s"] + 30.0
+        rows = pools[pool]["replicas"]
+        assert rows[0]["paid_s"] == pytest.approx(duration)
+        assert sum(r["paid_s"] for r in rows) == pytest.approx(scaling["replica_seconds"])
+        total += scaling["gpu_hours"]
+    assert pools["autoscaling"]["gpu_hours"] == pytest.approx(total)
+    again = replay(bursts(), config, disaggregation=spec)
+    pd.testing.assert_frame_equal(requests, again.requests)
+    assert again.summary["disaggregation"] == pools
+    # one pool fixed: it is paid for all along
+    fixed = DisaggregationSpec(num_prefill=2, num_decode=3, decode_autoscale=spec.decode_autoscale)
+    summary = replay(bursts(), config, disaggregation=fixed).summary
+    assert summary["disaggregation"]["autoscaling"]["gpu_hours"] == pytest.approx(
+        summary["disaggregation"]["decode"]["autoscaling"]["gpu_hours"] + 2 * summary["duration_s"] / 3600)
+    assert "autoscaling" not in summary["disaggregation"]["prefill"]
+
+
+def test_pd_pool_scaling_is_checked():
+    from simkv.config import ConfigError
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    for kwargs, message in (
+            ({"num_decode": 2, "decode_autoscale": AutoscaleSpec(1, 3)}, "scales up to 3 replicas, the pool has 2"),
+            ({"num_prefill": 2, "prefill_autoscale": AutoscaleSpec(0, 2)}, "scaling to zero"),
+            ({"num_decode": 2, "decode_autoscale": AutoscaleSpec(1, 2), "decode_class_replicas": (("docs", (1,)),)},
+             "a class's own replicas")):
+        with pytest.raises(ConfigError, match=message):
+            DisaggregationSpec(**kwargs)
+    spec = DisaggregationSpec(num_decode=2, decode_autoscale=AutoscaleSpec(1, 2),
+                              decode_options=(("data_parallel_size", 2),))
+    with pytest.raises(ConfigError, match="data-parallel engine's ranks do not scale"):
+        spec.pool_configs(EngineConfig.from_flat({"model": "qwen3-30b-a3b", "gpu": "H200", "max_model_len": 4096}))
+
+
+def test_the_cli_scales_pd_pools(tmp_path):
+    from simkv.traces import write_trace
+
+    trace = tmp_path / "b.parquet"
+    write_trace(bursts(), trace)
+    text = cli_ok(["replay", str(trace), "--prefill-replicas", "1", "--decode-autoscale",
+                   "1-3:metric=kv_usage,target=0.02", "--cold-start-s", "30", "--max-model-len", "4096",
+                   "--max-num-seqs", "16", "--out", str(tmp_path / "r")])
+    assert "decode pool autoscaling" in text
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    scaling = summary["disaggregation"]["decode"]["autoscaling"]
+    assert (scaling["metric"], scaling["target"], scaling["cold_start_s"]) == ("kv_usage", 0.02, 30.0)
+    assert summary["disaggregation"]["decode_replicas"] == 3  # (MAX, --decode-replicas left out)
+    assert "Autoscaled decode replicas" in (tmp_path / "r" / "report.html").read_text()
+    (tmp_path / "f.yaml").write_text("cold_start_s: 45\ndisaggregation:\n  prefill_autoscale: "
+                                     "'1-2:metric=waiting=2;running=8,cold_start_s=20'\n")
+    cli_ok(["replay", str(trace), "--config", str(tmp_path / "f.yaml"), "--max-model-len", "4096", "--out",
+            str(tmp_path / "c"), "--quiet"])
+    scaling = json.loads((tmp_path / "c" / "summary.json").read_text())["disaggregation"]["prefill"]["autoscaling"]
+    assert (scaling["metric"], scaling["cold_start_s"]) == ("waiting=2;running=8", 20.0)
+    for args, message in ((["--decode-autoscale", "1-3:colds=3"], "KEY one of metric, target"),
+                          (["--decode-autoscale", "1-3", "--decode-replicas", "2"], "the pool has 2"),
+                          (["--decode-autoscale", "1-3:metric=kv_usage,target=7"], "kv_usage aims at a share")):
+        assert message in cli_fails(["replay", str(trace), "--max-model-len", "4096", *args])
+    assert "goodput searches fixed pools" in cli_fails(["goodput", str(trace), "--goodput", "ttft:2000",
+                                                        "--decode-autoscale", "1-2"])
+    import pyarrow.parquet as pq
+
+    cli_ok(["sweep", str(trace), "--set", "prefill_replicas=1", "--set", "max_model_len=4096", "--set", "cold_start_s=30",
+            "--grid", "decode_autoscale=none,1-3:metric=kv_usage=0.02;running=8", "--out", str(tmp_path / "s"),
+            "--quiet"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok"] * 2 and rows[0]["gpu_hours"] is None
+    cell = json.loads((tmp_path / "s" / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
+    assert rows[1]["gpu_hours"] == cell["disaggregation"]["autoscaling"]["gpu_hours"] > 0
+    assert cell["disaggregation"]["decode"]["autoscaling"]["metric"] == "kv_usage=0.02;running=8"
