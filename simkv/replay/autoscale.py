@@ -1,5 +1,7 @@
 """A fleet that grows and shrinks with its load (`--autoscale MIN-MAX`), as a Kubernetes
-autoscaler does in front of vLLM replicas (HPA, or KEDA on vLLM's request gauges).
+autoscaler does in front of vLLM replicas (HPA, or KEDA on vLLM's request gauges); or a P/D
+pool that does (`--prefill-autoscale`, `--decode-autoscale`: an Autoscaler per pool, each on
+its own metric, as a planner that scales prefill and decode workers apart).
 
 The fleet has MAX replica slots; MIN are up from the start. Every `interval_s` (HPA's sync
 period, 15 s) the autoscaler reads its metric over the replicas that are up, adds it up, and
