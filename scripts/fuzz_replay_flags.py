@@ -60,8 +60,15 @@ OPTIONS = [
      + r.choice([[], ["--replica-set", "1:gpu=H200"], ["--replica-set", "0:max_num_seqs=4,kv_cache_dtype=fp8"]])),
     (0.08, lambda r: ["--autoscale", r.choice(["0-2", "1-2", "1-3"]), "--autoscale-interval-s", r.choice(["1", "5"]),
                       "--cold-start-s", r.choice(["0", "3"]), "--scale-down-window-s", r.choice(["0", "5"]),
-                      "--autoscale-target", r.choice(["1", "4"])]),
-    (0.12, lambda r: ["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"]
+                      *r.choice([["--autoscale-target", r.choice(["1", "4"])],
+                                 ["--autoscale-metric", r.choice(["waiting", "running", "kv_usage"]),
+                                  "--autoscale-target", r.choice(["0.05", "1"])],
+                                 ["--autoscale-metric", "waiting=1,kv_usage=0.05,in_flight=2"]]),
+                      *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]])]),
+    (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],
+                               ["--prefill-autoscale", "1-2:interval_s=2,cold_start_s=1,scale_down_window_s=4",
+                                "--decode-autoscale", r.choice(["1-2:target=1", "1-3:metric=kv_usage=0.05;running=2"])
+                                + ",interval_s=3,cold_start_s=0,scale_down_window_s=0"]])
      + r.choice([[], ["--prefill-router", "session_affinity"]])),
     (0.08, ["-pp", "2"]),
     (0.08, ["-dp", "2"]),

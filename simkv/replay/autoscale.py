@@ -42,7 +42,7 @@ scale-down policies other than HPA's defaults, pods that fail to start.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 
@@ -74,6 +74,8 @@ class AutoscaleSpec:
     scale_down_window_s: float = 300.0
     metric: str = "in_flight"  # a name, or several with their targets: "waiting=5;kv_usage=0.7"
     tolerance: float = 0.1
+    # (metric, target) of each metric, from `metric` and `target`
+    targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas < self.max_replicas:
@@ -158,8 +160,8 @@ class AutoscaleSpec:
 
     def to_dict(self) -> dict:
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
-                "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s, "cold_start_s": self.cold_start_s,
-                "scale_down_window_s": self.scale_down_window_s}
+                "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s,
+                "cold_start_s": self.cold_start_s, "scale_down_window_s": self.scale_down_window_s}
 
 
 def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
