@@ -103,7 +103,7 @@ class StepLog:
         never decrease (an autoscaler's decisions): a cursor skips the segments behind it."""
         rows = self._rows
         seg, first = self._gauge_cursor
-        while seg + 1 < len(rows) and rows[seg + 1][4] + _segment_ticks(rows[seg + 1], 1) < tick:  # (a step of it ended)
+        while seg + 1 < len(rows) and rows[seg + 1][4] + _segment_ticks(rows[seg + 1], 1) < tick:  # (one ended)
             first += rows[seg][1]
             seg += 1
         self._gauge_cursor = (seg, first)

@@ -320,7 +320,8 @@ def test_several_metrics_each_recommend_and_the_largest_wins():
     with pytest.raises(AutoscaleError, match="drop --autoscale-target"):
         AutoscaleSpec(1, 2, metric="waiting=5", target=3)
     assert AutoscaleSpec(1, 2, metric="kv_usage=0.7") == AutoscaleSpec(1, 2, metric="kv_usage", target=0.7)
-    assert AutoscaleSpec.of("1-2", {"autoscale_metric": ["waiting=5", "kv_usage=0.7"]}).metric == "waiting=5;kv_usage=0.7"
+    listed = AutoscaleSpec.of("1-2", {"autoscale_metric": ["waiting=5", "kv_usage=0.7"]})  # (a config file's list)
+    assert listed.metric == "waiting=5;kv_usage=0.7"
 
 
 def test_pd_pools_scale_each_on_its_own_metric():
@@ -410,8 +411,8 @@ def test_the_cli_scales_pd_pools(tmp_path):
                                                         "--decode-autoscale", "1-2"])
     import pyarrow.parquet as pq
 
-    cli_ok(["sweep", str(trace), "--set", "prefill_replicas=1", "--set", "max_model_len=4096", "--set", "cold_start_s=30",
-            "--grid", "decode_autoscale=none,1-3:metric=kv_usage=0.02;running=8", "--out", str(tmp_path / "s"),
+    cli_ok(["sweep", str(trace), "--set", "prefill_replicas=1", "--set", "max_model_len=4096", "--set",
+            "cold_start_s=30", "--grid", "decode_autoscale=none,1-3:metric=kv_usage=0.02;running=8", "--out", str(tmp_path / "s"),
             "--quiet"])
     rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
     assert [row["status"] for row in rows] == ["ok"] * 2 and rows[0]["gpu_hours"] is None
