@@ -412,8 +412,8 @@ def test_the_cli_scales_pd_pools(tmp_path):
     import pyarrow.parquet as pq
 
     cli_ok(["sweep", str(trace), "--set", "prefill_replicas=1", "--set", "max_model_len=4096", "--set",
-            "cold_start_s=30", "--grid", "decode_autoscale=none,1-3:metric=kv_usage=0.02;running=8", "--out", str(tmp_path / "s"),
-            "--quiet"])
+            "cold_start_s=30", "--grid", "decode_autoscale=none,1-3:metric=kv_usage=0.02;running=8", "--out",
+            str(tmp_path / "s"), "--quiet"])
     rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
     assert [row["status"] for row in rows] == ["ok"] * 2 and rows[0]["gpu_hours"] is None
     cell = json.loads((tmp_path / "s" / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
