@@ -391,12 +391,17 @@ def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, con
     return section
 
 
+def aims(section: dict) -> str:
+    """What an autoscaler (its to_dict or summary section) aims at per replica, e.g. '5 waiting
+    or 30% KV-cache usage'."""
+    targets = AutoscaleSpec(1, 2, target=section["target"], metric=section.get("metric", "in_flight")).targets
+    return " or ".join(f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
+                       for name, target in targets)
+
+
 def describe(section: dict) -> str:
     """One line for the terminal and report.html."""
-    targets = AutoscaleSpec(1, 2, target=section["target"], metric=section.get("metric", "in_flight")).targets
-    aim = " or ".join(f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
-                      for name, target in targets)
-    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aim} each, "
+    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aims(section)} each, "
             f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
             f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "
             f"{section['gpu_hours']:.3f} GPU-h paid, {section['fixed_fleet_gpu_hours']:.3f} for "

@@ -282,6 +282,10 @@ def test_the_cli_takes_the_metric(tmp_path):
     assert "kv_usage aims at a share" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--autoscale-metric",
                                                     "kv_usage", "--autoscale-target", "70"])
     assert "queue" in cli_fails(["replay", str(trace), "--autoscale", "1-3", "--autoscale-metric", "queue"])
+    cli_ok(["goodput", str(trace), "--autoscale", "1-3", "--autoscale-metric", "waiting=2,kv_usage=0.3",
+            "--cold-start-s", "30", "--goodput", "ttft:2000", "--max-model-len", "4096", "--cost-model", "linear",
+            "--tolerance", "0.2", "--out", str(tmp_path / "g"), "--quiet"])
+    assert "(2 waiting or 30% KV-cache usage each, cold start 30 s)" in (tmp_path / "g" / "goodput.md").read_text()
     import pyarrow.parquet as pq
 
     cli_ok(["sweep", str(trace), "--set", "router=least_outstanding", "--set", "autoscale=1-3", "--set",
