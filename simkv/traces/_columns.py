@@ -186,6 +186,18 @@ def _arrow_lists(flat: pa.Array, source: str, row_offset: int, column: str) -> t
     return numbers.astype(np.int64, copy=False), offsets
 
 
+def offsets_of(lengths) -> np.ndarray:
+    """CSR offsets (len(lengths) + 1, from 0) of rows of these lengths."""
+    return np.concatenate(([0], np.cumsum(np.asarray(lengths, np.int64)))).astype(np.int64)
+
+
+def csr(rows) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of integers (lists or arrays) as CSR: (values, offsets)."""
+    offsets = offsets_of([len(row) for row in rows])
+    values = np.fromiter((x for row in rows for x in row), np.int64, count=int(offsets[-1]))
+    return values, offsets
+
+
 def concat_ranges(lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(l) for each l in lengths (vectorised)."""
     total = int(lengths.sum())
@@ -204,9 +216,7 @@ def _text_lists(flat: pa.Array, source: str, row_offset: int, column: str) -> tu
         ids = _parse_hash_text(texts[i], source, row_offset + int(i), column)
         lengths[i] = len(ids)
         parts.append(ids)
-    values = np.fromiter((h for ids in parts for h in ids), dtype=np.int64, count=int(lengths.sum()))
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    return values, offsets
+    return np.fromiter((h for ids in parts for h in ids), np.int64, count=int(lengths.sum())), offsets_of(lengths)
 
 
 def _parse_hash_text(text: str, source: str, row: int, column: str) -> list[int]:

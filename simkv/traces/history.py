@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from simkv.traces._columns import csr
 from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
 
@@ -125,8 +126,6 @@ def with_system_prompt(trace: Trace, tokens: int, block_tokens: int = DEFAULT_BL
 
 def _with_hash_lists(trace: Trace, lists: list[list[int]], chunk: np.ndarray) -> Trace:
     """`trace` with row i's content ids `lists[i]` at `chunk[i]` tokens each (rows with none: none)."""
-    lengths = np.array([len(row) for row in lists], np.int64)
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    ids = np.fromiter((x for row in lists for x in row), np.int64, count=int(offsets[-1]))
+    ids, offsets = csr(lists)
     return replace(trace, hash_ids=ids, hash_offsets=offsets,
-                   hash_block_tokens=np.where(lengths > 0, chunk, 0).astype(np.int64))
+                   hash_block_tokens=np.where(np.diff(offsets) > 0, chunk, 0).astype(np.int64))

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from simkv.traces._columns import csr, offsets_of
 from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
 
@@ -135,14 +136,11 @@ class _Placer:
         return np.concatenate(parts).astype(np.int64)
 
     def result(self) -> Trace:
-        counts = np.array([len(row) for row in self.items], np.int64)
-        offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        offsets = offsets_of([len(row) for row in self.items])
         flat = [item for row in self.items for item in row]
         items = np.array(flat, np.int64).reshape(len(flat), 3)
         changed = replace(self.trace, prompt_tokens=self.prompts, mm_items=items, mm_item_offsets=offsets)
         if self.has_hashes:
-            lengths = np.array([len(ids) for ids in self.hash_lists], np.int64)
-            values = np.concatenate(self.hash_lists).astype(np.int64) if len(lengths) else np.zeros(0, np.int64)
-            changed = replace(changed, hash_ids=values, hash_block_tokens=self.block_tokens,
-                              hash_offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+            values, hash_offsets = csr(self.hash_lists)
+            changed = replace(changed, hash_ids=values, hash_block_tokens=self.block_tokens, hash_offsets=hash_offsets)
         return changed

@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from simkv.traces._columns import csr, offsets_of
 from simkv.traces.errors import TraceError
 from simkv.traces.images import FIRST_IMAGE_HASH
 from simkv.traces.schema import Trace
@@ -182,10 +183,8 @@ class RandomMultiModalDataset:
             prompt[i] = at
             counts.append(len(buckets))
             kept.append(ids)
-        lengths = np.array([len(ids) for ids in kept], np.int64)
+        hash_ids, hash_offsets = csr(kept)
         items = np.array(rows, np.int64).reshape(len(rows), 3)
         return dataclasses.replace(
             text, source="vllm bench serve --dataset-name random-mm", prompt_tokens=prompt, mm_items=items,
-            mm_item_offsets=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-            hash_ids=np.concatenate(kept).astype(np.int64) if kept else np.zeros(0, np.int64),
-            hash_offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+            mm_item_offsets=offsets_of(counts), hash_ids=hash_ids, hash_offsets=hash_offsets)

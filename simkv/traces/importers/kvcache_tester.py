@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from simkv.traces.arrivals import ArrivalProcess, arrival_rng
+from simkv.traces._columns import csr
 from simkv.traces.build import canonical_table
 from simkv.traces.errors import TraceError
 from simkv.traces.importers.report import ImportReport
@@ -172,15 +173,15 @@ def _conversation_table(
     report.drop("zero output tokens", sum(row.prompt > 0 and row.output == 0 for row in rows))
     if not kept:
         return None, span
-    lengths = np.array([len(row.hashes) for row in kept], np.int64)
-    values = np.array([h for row in kept for h in row.hashes], np.int64) - low + base
+    values, offsets = csr([row.hashes for row in kept])
+    values += base - low
     table = canonical_table(
         np.array([start + row.t for row in kept]),
         np.array([row.prompt for row in kept]),
         np.array([row.output for row in kept]),
         request_id=[f"{path.stem}/{row.label}" for row in kept],
         hash_ids=values,
-        hash_offsets=np.concatenate(([0], np.cumsum(lengths))),
+        hash_offsets=offsets,
         hash_block_tokens=block,
         session_id=[row.session for row in kept],
         think_time_s=np.array([row.think for row in kept]),

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from simkv.traces._columns import csr
 from simkv.traces.build import canonical_table
 from simkv.traces.errors import TraceError
 from simkv.traces.importers.report import ImportReport
@@ -85,9 +86,7 @@ def _hash_ids(value: object, where: str, prompt: int, block_tokens: int) -> list
 
 def _table(rows: tuple[list, list, list, list], block_tokens: int) -> pa.Table:
     arrival, prompt, output, hashes = rows
-    lengths = np.fromiter((len(h) for h in hashes), np.int64, len(hashes))
-    values = np.fromiter((x for h in hashes for x in h), np.int64, int(lengths.sum()))
-    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    values, offsets = csr(hashes)
     return canonical_table(
         np.asarray(arrival), np.asarray(prompt), np.asarray(output),
         hash_ids=values, hash_offsets=offsets, hash_block_tokens=block_tokens,
