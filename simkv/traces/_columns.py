@@ -167,7 +167,7 @@ def _arrow_lists(flat: pa.Array, source: str, row_offset: int, column: str) -> t
         keep = np.repeat(starts, lengths) + concat_ranges(lengths)
         values_all = flat.values
         values = values_all.take(pa.array(keep)) if len(keep) else values_all.slice(0, 0)
-        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        offsets = offsets_of(lengths)
     else:
         values = flat.values.slice(offsets[0], offsets[-1] - offsets[0])
         offsets = offsets - offsets[0]

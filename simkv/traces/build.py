@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from simkv.traces._columns import concat_ranges
+from simkv.traces._columns import concat_ranges, offsets_of
 from simkv.traces.schema import Trace, trace_from_table
 
 
@@ -54,6 +54,6 @@ def build_trace(source: str, **columns: object) -> Trace:
 def consecutive_ids(bases: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """CSR where row i holds ``bases[i], bases[i]+1, ..., bases[i]+counts[i]-1``."""
     counts = np.asarray(counts, np.int64)
-    offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    offsets = offsets_of(counts)
     values = np.repeat(np.asarray(bases, np.int64), counts) + concat_ranges(counts)
     return values, offsets

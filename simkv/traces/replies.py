@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from simkv.traces._columns import offsets_of
 from simkv.traces.errors import TraceError
 from simkv.traces.reuse import _prefix_nodes, describes_reply
 from simkv.traces.schema import Trace
@@ -75,7 +76,7 @@ def link_replies(trace: Trace) -> tuple[Trace, int]:
         return trace, 0
     source_rows = np.where(np.array(continued_by) >= 0, continued_by, np.arange(len(trace)))
     starts = trace.hash_offsets[source_rows]
-    new_offsets = np.concatenate(([0], np.cumsum(new_lengths)))
+    new_offsets = offsets_of(new_lengths)
     positions = np.repeat(starts, new_lengths) + (np.arange(int(new_offsets[-1])) - np.repeat(new_offsets[:-1], new_lengths))
     trace = replace(trace, hash_ids=trace.hash_ids[positions], hash_offsets=new_offsets.astype(np.int64))
     if trace.session_id is None:

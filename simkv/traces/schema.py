@@ -328,7 +328,7 @@ def take_rows(trace: Trace, rows: np.ndarray) -> Trace:
 
 def _take_csr(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.diff(offsets)[rows]
-    new_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    new_offsets = col.offsets_of(lengths)
     gather = np.repeat(offsets[:-1][rows] - new_offsets[:-1], lengths) + np.arange(new_offsets[-1], dtype=np.int64)
     return values[gather], new_offsets
 

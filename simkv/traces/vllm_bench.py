@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from simkv.atomic import atomic_write
+from simkv.traces._columns import offsets_of
 from simkv.traces.errors import TraceError
 from simkv.traces.reuse import describes_reply, hashed_positions
 from simkv.traces.schema import Trace, write_trace
@@ -90,7 +91,7 @@ def _chunk_keys(trace: Trace, g: int) -> tuple[np.ndarray, np.ndarray, list[str]
     request's own. Returns the keys (n x 3), the rows' offsets into them, and notes."""
     n = len(trace)
     chunks = -(-trace.prompt_tokens // g)
-    offsets = np.concatenate(([0], np.cumsum(chunks))).astype(np.int64)
+    offsets = offsets_of(chunks)
     row = np.repeat(np.arange(n, dtype=np.int64), chunks)
     k = np.arange(offsets[-1], dtype=np.int64) - offsets[:-1][row]  # chunk index within its prompt
     keys = np.stack([np.zeros_like(k), row, k], axis=1)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from simkv.traces._columns import offsets_of
 from simkv.traces.build import build_trace
 from simkv.traces.errors import TraceError
 from simkv.traces.schema import Trace
@@ -203,7 +204,7 @@ def _trace(dataset: str, shared: int, group: np.ndarray, own: np.ndarray, output
     prompt = shared + own
     shared_blocks = shared // hbt
     counts = -(-prompt // hbt)
-    offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    offsets = offsets_of(counts)
     values = np.empty(int(offsets[-1]), np.int64)
     next_id = (int(group.max()) + 1) * shared_blocks if n else 0
     for row in range(n):
