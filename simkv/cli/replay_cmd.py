@@ -344,6 +344,10 @@ def fleet_options(command):
         click.option("--scale-down-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: a replica is drained only once every decision over this window "
                           "wanted fewer (HPA's stabilisation window) [default: 300]."),
+        click.option("--scale-up-window-s", type=float, default=None, metavar="S",
+                     help="With --autoscale: replicas are started only as far as every decision over this window "
+                          "wanted more (HPA's scale-up stabilisation window: a spike shorter than it starts "
+                          "none) [default: 0]."),
     ]):
         command = option(command)
     return command

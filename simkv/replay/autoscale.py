@@ -25,6 +25,8 @@ default scale-up policies). It then wants:
   300 s) has been below what it has, it drains the highest slots that are up: they take no new
   requests, finish the ones they have, and are paid for until then. A drained slot that is
   started again before its last request finishes is still warm: it takes requests at once.
+With `scale_up_window_s` (HPA's scale-up stabilisation window, 0 by default) it starts only as
+many as the least wish over that window asked for.
 A scale-down drains the slots still starting first (their start is called off), then the
 highest that are up, so the MIN lowest slots, up from the start, always take requests. The
 router chooses among the slots that are up (ready and not draining). With MIN 0 the fleet may
@@ -55,7 +57,7 @@ class AutoscaleError(ValueError):
 # give them, and the AutoscaleSpec fields they set.
 SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autoscale_tolerance": "tolerance",
             "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
-            "scale_down_window_s": "scale_down_window_s"}
+            "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s"}
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
@@ -74,6 +76,7 @@ class AutoscaleSpec:
     scale_down_window_s: float = 300.0
     metric: str = "in_flight"  # a name, or several with their targets: "waiting=5;kv_usage=0.7"
     tolerance: float = 0.1
+    scale_up_window_s: float = 0.0  # HPA's scale-up stabilisation window (0: its default)
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
 
@@ -93,7 +96,8 @@ class AutoscaleSpec:
             raise AutoscaleError(f"--autoscale-tolerance must be in [0, 1), got {self.tolerance}")
         if not (self.interval_s > 0 and math.isfinite(self.interval_s)):
             raise AutoscaleError(f"--autoscale-interval-s must be a number > 0, got {self.interval_s}")
-        for name, value in (("--cold-start-s", self.cold_start_s), ("--scale-down-window-s", self.scale_down_window_s)):
+        for name, value in (("--cold-start-s", self.cold_start_s), ("--scale-down-window-s", self.scale_down_window_s),
+                            ("--scale-up-window-s", self.scale_up_window_s)):
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
 
@@ -161,7 +165,8 @@ class AutoscaleSpec:
     def to_dict(self) -> dict:
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
                 "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s,
-                "cold_start_s": self.cold_start_s, "scale_down_window_s": self.scale_down_window_s}
+                "cold_start_s": self.cold_start_s, "scale_down_window_s": self.scale_down_window_s,
+                "scale_up_window_s": self.scale_up_window_s}
 
 
 def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
@@ -200,6 +205,7 @@ class Autoscaler:
         self.interval = max(1, to_ticks(spec.interval_s))
         self.cold_start = to_ticks(spec.cold_start_s)
         self.window = to_ticks(spec.scale_down_window_s)
+        self.up_window = to_ticks(spec.scale_up_window_s)
         self.next_eval = self.interval
         self.ready_at: list[int | None] = [0 if r < spec.min_replicas else None for r in range(n)]  # None: down
         self.last_finish = [0] * n  # (each slot's last finish the router has seen: FleetRouting.loads_at's)
@@ -273,8 +279,12 @@ class Autoscaler:
         have = len(live)
         wanted = max(self._recommend(values[name], target, have) for name, target in spec.targets)
         self.wishes.append((tick, wanted))
-        while self.wishes and self.wishes[0][0] < tick - self.window:
+        while self.wishes and self.wishes[0][0] < tick - max(self.window, self.up_window):
             self.wishes.pop(0)
+        # (HPA's stabilisation: up to the least wish within the scale-up window, down to the most
+        # within the scale-down window)
+        wanted = min(w for t, w in self.wishes if t >= tick - self.up_window)
+        keep = max(w for t, w in self.wishes if t >= tick - self.window)
         if wanted > have:
             wanted = min(wanted, self._scale_up_limit(tick, have))
         if wanted > have:
@@ -283,8 +293,7 @@ class Autoscaler:
             self.started.append((tick, wanted - have))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
                                 "in_flight": in_flight, "values": values})
-        elif max(w for _, w in self.wishes) < have:
-            keep = max(w for _, w in self.wishes)
+        elif keep < have:
             starting = [r for r in live if self.ready_at[r] > tick]
             ready = [r for r in live if self.ready_at[r] <= tick]
             for r in (sorted(starting, reverse=True) + sorted(ready, reverse=True))[:have - keep]:

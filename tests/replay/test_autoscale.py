@@ -423,3 +423,24 @@ def test_the_cli_scales_pd_pools(tmp_path):
     cell = json.loads((tmp_path / "s" / "cells" / rows[1]["cell_id"] / "summary.json").read_text())
     assert rows[1]["gpu_hours"] == cell["disaggregation"]["autoscaling"]["gpu_hours"] > 0
     assert cell["disaggregation"]["decode"]["autoscaling"]["metric"] == "kv_usage=0.02;running=8"
+
+
+def test_a_scale_up_window_lets_a_spike_pass():
+    """--scale-up-window-s: replicas start only as far as every wish over the window asked;
+    a spike shorter than the window starts none, a sustained load starts them at its end."""
+    from simkv.replay.autoscale import Autoscaler
+
+    second = int(_ticks(1.0))
+    for loads_by_time, started_at in (({10: 3}, None), ({10: 3, 15: 3, 20: 3}, 20)):
+        scaler = Autoscaler(AutoscaleSpec(1, 4, target=1, interval_s=5, scale_up_window_s=10))
+        live_after = {}
+        for t in (5, 10, 15, 20, 25):
+            scaler._evaluate(t * second, [loads_by_time.get(t, 0)] + [0] * 3)
+            live_after[t] = sum(at is not None for at in scaler.ready_at)
+        first = next((t for t, n in live_after.items() if n > 1), None)
+        assert first == started_at, live_after
+        if started_at is not None:
+            assert live_after[started_at] == 3
+    assert AutoscaleSpec.of("1-2", {"scale_up_window_s": "60"}).scale_up_window_s == 60.0
+    with pytest.raises(AutoscaleError, match="--scale-up-window-s must be a number of seconds >= 0"):
+        AutoscaleSpec(1, 2, scale_up_window_s=-1)
