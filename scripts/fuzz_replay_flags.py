@@ -64,7 +64,8 @@ OPTIONS = [
                                  ["--autoscale-metric", r.choice(["waiting", "running", "kv_usage"]),
                                   "--autoscale-target", r.choice(["0.05", "1"])],
                                  ["--autoscale-metric", "waiting=1,kv_usage=0.05,in_flight=2"]]),
-                      *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]])]),
+                      *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]]),
+                      *r.choice([[], ["--scale-up-window-s", r.choice(["0", "10"])]])]),
     (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],
                                ["--prefill-autoscale", "1-2:interval_s=2,cold_start_s=1,scale_down_window_s=4",
                                 "--decode-autoscale", r.choice(["1-2:target=1", "1-3:metric=kv_usage=0.05;running=2"])
