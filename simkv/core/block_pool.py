@@ -231,6 +231,22 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as a new engine's pool has none (vLLM's name); only with
+        no block in use. False, with nothing changed, if some block is."""
+        if self.get_num_used_blocks():
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.content_id = 0
+        self.cached_block_hash_to_block._cache.clear()
+        node = self.free_block_queue.fake_head.next_free_block
+        while node is not self.free_block_queue.fake_tail:
+            if type(node) is BlockChunk:
+                node.hashed = False  # (handing its blocks out evicts nothing now)
+            node = node.next_free_block
+        return True
+
     def get_num_used_blocks(self) -> int:
         return self.num_usable_blocks - self.free_block_queue.num_free_blocks
 

@@ -26,7 +26,10 @@ default scale-up policies). It then wants:
   requests, finish the ones they have, and are paid for until then. A drained slot that is
   started again before its last request finishes is still warm: it takes requests at once.
 With `scale_up_window_s` (HPA's scale-up stabilisation window, 0 by default) it starts only as
-many as the least wish over that window asked for.
+many as the least wish over that window asked for. A drained slot started again after its last
+request is a new pod: its engine's GPU prefix cache starts empty, and a prefix-aware router
+forgets what it sent there (`new_pods` counts them). Its CPU tier, encoder cache and LoRA
+adapters are kept as they were (a new pod's would be empty).
 A scale-down drains the slots still starting first (their start is called off), then the
 highest that are up, so the MIN lowest slots, up from the start, always take requests. The
 router chooses among the slots that are up (ready and not draining). With MIN 0 the fleet may
@@ -219,9 +222,15 @@ class Autoscaler:
         self.scale_up_period = to_ticks(SCALE_UP_PERIOD_S)
         self.started: list[tuple[int, int]] = []  # (tick, slots started) within the scale-up period
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
+        self.engines: list = []
+        self.router = None
+        self.renew: set[int] = set()  # slots started anew whose engine still held blocks then (P/D pulls)
+        self.num_renewed = 0
 
-    def watch(self, engines) -> None:
-        """The replicas' engines, whose step logs the engine-gauge metrics read."""
+    def watch(self, engines, router=None) -> None:
+        """The replicas' engines (whose step logs the engine-gauge metrics read, and whose caches
+        a slot started anew empties) and their router (which forgets what such a slot cached)."""
+        self.engines, self.router = engines, router
         if any(name != "in_flight" for name, _ in self.spec.targets):
             self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
                            for engine in engines]
@@ -234,8 +243,13 @@ class Autoscaler:
 
     def up(self, tick: int) -> tuple[int, ...]:
         """The slots that take requests at `tick`: ready by then and not draining."""
-        return tuple(r for r, at in enumerate(self.ready_at)
-                     if at is not None and at <= tick and self.draining_since[r] is None)
+        up = tuple(r for r, at in enumerate(self.ready_at)
+                   if at is not None and at <= tick and self.draining_since[r] is None)
+        for r in [r for r in self.renew if r in up]:  # (before its first request: its last pull is done)
+            self.renew.discard(r)
+            if self.engines[r].scheduler.kv_cache_manager.block_pool.reset_prefix_cache():
+                self.num_renewed += 1
+        return up
 
     def hold_slots(self, tick: int, arrival: int, loads: list[int]) -> tuple[tuple[int, ...], int]:
         """No slot is up at `tick`: the slots that will be ready first, and when; a request that
@@ -329,10 +343,24 @@ class Autoscaler:
         self.draining_since[r] = None
         if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)
             return
-        if drained is not None:  # (its last request finished before now: paid until then)
+        if drained is not None:  # (its last request finished before now: paid until then; a new pod)
             self.paid[r][-1] = (self.paid[r][-1][0], max(drained, self.last_finish[r]))
+            self._renew(r)
         self.ready_at[r] = tick + self.cold_start
         self.paid[r].append((tick, None))
+
+    def _renew(self, r: int) -> None:
+        """Slot `r` starts as a new pod: its engine's GPU prefix cache empty, and its router's
+        record of what it cached. An engine still holding blocks (a P/D prefill replica whose
+        last prompt's KV is being pulled) is emptied once ready, before its first request."""
+        if self.router is not None:
+            self.router.forget(r)
+        if not self.engines:
+            return
+        if self.engines[r].scheduler.kv_cache_manager.block_pool.reset_prefix_cache():
+            self.num_renewed += 1
+        else:
+            self.renew.add(r)
 
     def _mark(self, tick: int) -> None:
         """The timeline up to `tick`: each slot that became ready since, at its own instant."""
@@ -379,6 +407,7 @@ class Autoscaler:
             "gpu_hours": sum(s * g for s, g in zip(seconds, gpus_per_slot)) / 3600.0,
             "gpu_hours_by_gpu": by_gpu,
             "fixed_fleet_gpu_hours": duration * sum(gpus_per_slot) / 3600.0,
+            "new_pods": self.num_renewed,  # (slots started again after a drain: their prefix caches emptied)
             "held_requests": self.held,
             "mean_hold_s": self.held_ticks / self.held / TICKS_PER_SECOND if self.held else 0.0,
             "events": self.events,

@@ -589,7 +589,7 @@ def run_disaggregated(trace, spec: DisaggregationSpec, prefill_config: EngineCon
         processes = [e.start(own_arrivals=False) for e in pd.prefill_engines + pd.decode_engines]
     for routing, pool in ((pd.prefill, pd.prefill_engines), (pd.decode, pd.decode_engines)):
         if routing.autoscaler is not None:
-            routing.autoscaler.watch(pool)
+            routing.autoscaler.watch(pool, routing.router)
     if clients is not None:
         pd.prefill.engines = pd.prefill_engines + pd.decode_engines  # (whose clients may resend: the prefill router's)
         for engine in pd.prefill_engines:

@@ -243,6 +243,11 @@ class Router:
                       else [cache_tokens_per_replica] * num_replicas)  # (replicas of different engines: each its own)
         self.indexes = ([PrefixIndex(tokens) for tokens in capacities] if policy == "prefix_aware" else None)
 
+    def forget(self, replica: int) -> None:
+        """A replica started anew (a new pod): nothing it cached before is there any more."""
+        if self.indexes is not None:
+            self.indexes[replica] = PrefixIndex(self.indexes[replica].capacity_tokens)
+
     #: An autoscaled fleet's replicas that are up (simkv/replay/autoscale.py); None: every one.
     up: tuple[int, ...] | None = None
 

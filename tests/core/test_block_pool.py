@@ -68,6 +68,24 @@ def test_touch_removes_from_middle_and_lazy_eviction():
     pool.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_every_cached_block_only_when_none_is_used():
+    pool = BlockPool(11, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_block(a, 111)
+    pool.cache_block(b, 222)
+    pool.free_blocks([b, a])
+    assert not pool.reset_prefix_cache()  # (c is in use: nothing changes)
+    assert pool.get_cached_block(111) is a
+    pool.free_blocks([c])
+    order = pool.free_block_queue.block_ids()
+    assert pool.reset_prefix_cache()
+    assert pool.get_cached_block(111) is None and pool.get_cached_block(222) is None
+    assert a.block_hash is None and pool.free_block_queue.block_ids() == order
+    pool.get_new_blocks(10)  # (handing the once-cached blocks out evicts nothing now)
+    assert pool.num_evictions == 0
+    pool.check_invariants()
+
+
 def test_duplicate_hashes_keep_first_until_evicted():
     pool = BlockPool(5, enable_caching=True)
     a, b = pool.get_new_blocks(2)

@@ -447,3 +447,36 @@ def test_a_scale_up_window_lets_a_spike_pass():
     assert AutoscaleSpec.of("1-2", {"scale_up_window_s": "60"}).scale_up_window_s == 60.0
     with pytest.raises(AutoscaleError, match="--scale-up-window-s must be a number of seconds >= 0"):
         AutoscaleSpec(1, 2, scale_up_window_s=-1)
+
+
+def test_a_replica_started_again_is_a_new_pod_with_an_empty_prefix_cache():
+    """A slot drained and started again later is a new pod: its GPU prefix cache starts empty,
+    so its first request misses the prefix every request shares, while replica 0, up all
+    along, keeps hitting it; a prefix-aware router forgets what it had sent there."""
+    def burst(start, n):
+        return np.sort(np.random.default_rng(int(start)).uniform(start, start + 20.0, n))
+
+    arrivals = np.concatenate([burst(0.0, 400), burst(300.0, 400)])
+    n = len(arrivals)
+    shared = list(range(1, 33))  # (a 512-token system prompt, in 16-token blocks)
+    frame = pd.DataFrame({"arrival_time_s": arrivals, "prompt_tokens": [1024] * n, "output_tokens": [64] * n,
+                          "block_hashes": [shared + [1000 * i + k for k in range(32)] for i in range(n)]})
+    trace = trace_from_frame(frame, hash_block_tokens=16)
+    spec = AutoscaleSpec(1, 2, target=4, interval_s=5, cold_start_s=10, scale_down_window_s=60)
+    result = replay(trace, CONFIG, fleet=FleetSpec(2, "least_outstanding", autoscale=spec))
+    scaling, requests = result.summary["fleet"]["autoscaling"], result.requests
+    starts = [e["time_s"] for e in scaling["events"] if e["action"] == "up"]
+    assert len(starts) == 2 and scaling["new_pods"] == 1  # (up in each burst, drained between)
+    second_life = requests[(requests["replica"] == 1) & (requests["arrival_time_s"] >= starts[1])]
+    first = second_life.sort_values("first_scheduled_time_s").iloc[0]
+    assert first["prefix_hit_tokens"] == 0
+    assert (second_life["prefix_hit_tokens"] == 512).mean() > 0.9  # (then it has cached the prompt again)
+    on_zero = requests[(requests["replica"] == 0) & (requests["arrival_time_s"] >= starts[1])]
+    assert (on_zero["prefix_hit_tokens"] == 512).all()
+    from simkv.replay.router import Router
+
+    router = Router("prefix_aware", 2, cache_tokens_per_replica=4096)
+    keys = [1, 2, 3]
+    router.indexes[1].insert(keys, 16)
+    router.forget(1)
+    assert router.indexes[1].matched_blocks(keys) == 0 and router.indexes[1].capacity_tokens == 4096
