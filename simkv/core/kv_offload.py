@@ -586,6 +586,16 @@ class KVOffload:
     def has_pending_jobs(self) -> bool:
         return bool(self._jobs)
 
+    def reset_tier(self) -> bool:
+        """Empty the tier, as a new engine's is (its store admission's counts too); only with no
+        transfer in flight and no request tracked. False, with nothing changed, otherwise."""
+        if self._jobs or self._states or self._finished or self._being_loaded:
+            return False
+        if self.admission is not None:
+            self.admission = StoreAdmission(self.admission.threshold, self.admission.max_tracker_size)
+        self.manager = type(self.manager)(self.manager.num_chunks, self.admission)
+        return True
+
     def take_step_jobs(self) -> list[OffloadJob]:
         """The transfers the step just scheduled starts: its loads, then its stores."""
         jobs = self.step_loads + self.step_stores

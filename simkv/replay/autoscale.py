@@ -28,8 +28,8 @@ default scale-up policies). It then wants:
 With `scale_up_window_s` (HPA's scale-up stabilisation window, 0 by default) it starts only as
 many as the least wish over that window asked for. A drained slot started again after its last
 request is a new pod: its engine's GPU prefix cache starts empty, and a prefix-aware router
-forgets what it sent there (`new_pods` counts them). Its CPU tier, encoder cache and LoRA
-adapters are kept as they were (a new pod's would be empty).
+forgets what it sent there (`new_pods` counts them); so does its CPU tier. Its encoder cache
+and LoRA adapters are kept as they were (a new pod's would be empty).
 A scale-down drains the slots still starting first (their start is called off), then the
 highest that are up, so the MIN lowest slots, up from the start, always take requests. The
 router chooses among the slots that are up (ready and not draining). With MIN 0 the fleet may
@@ -247,7 +247,7 @@ class Autoscaler:
                    if at is not None and at <= tick and self.draining_since[r] is None)
         for r in [r for r in self.renew if r in up]:  # (before its first request: its last pull is done)
             self.renew.discard(r)
-            if self.engines[r].scheduler.kv_cache_manager.block_pool.reset_prefix_cache():
+            if self.engines[r].start_anew():
                 self.num_renewed += 1
         return up
 
@@ -350,14 +350,15 @@ class Autoscaler:
         self.paid[r].append((tick, None))
 
     def _renew(self, r: int) -> None:
-        """Slot `r` starts as a new pod: its engine's GPU prefix cache empty, and its router's
-        record of what it cached. An engine still holding blocks (a P/D prefill replica whose
-        last prompt's KV is being pulled) is emptied once ready, before its first request."""
+        """Slot `r` starts as a new pod: its engine's GPU prefix cache and CPU tier empty
+        (ReplayEngine.start_anew), and its router's record of what it cached. An engine still
+        holding blocks or transfers (a P/D prefill replica whose last prompt's KV is being
+        pulled, a store to the CPU tier) is emptied once ready, before its first request."""
         if self.router is not None:
             self.router.forget(r)
         if not self.engines:
             return
-        if self.engines[r].scheduler.kv_cache_manager.block_pool.reset_prefix_cache():
+        if self.engines[r].start_anew():
             self.num_renewed += 1
         else:
             self.renew.add(r)

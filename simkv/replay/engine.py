@@ -288,6 +288,18 @@ class ReplayEngine:
         self.busy_until = 0
         self.pipeline = None  # pipeline parallelism: the stages' clocks, set by run_batch_queue
 
+    def start_anew(self) -> bool:
+        """This replica's slot starts a new pod (an autoscaler's): its GPU prefix cache and CPU
+        tier empty. Only once it holds nothing (no request, no block in use, no transfer in
+        flight); False, with nothing changed, before."""
+        sched = self.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        offload = sched.offload
+        if sched.has_unfinished_requests() or pool.get_num_used_blocks() or (
+                offload is not None and not offload.reset_tier()):
+            return False
+        return pool.reset_prefix_cache()
+
     def run(self) -> ReplayRun:
         engine = self.start()
         self.env.run(until=engine)

@@ -269,3 +269,24 @@ def test_a_draft_model_has_no_volatile_last_chunk(monkeypatch):
         self.eagle = True
 
     assert_mutations_break(monkeypatch, [(KVOffload, "__init__", as_eagle, 4)], DRAFT["cases"], offload_as_recorded)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_reset_tier_empties_it_only_when_nothing_is_in_flight(policy):
+    """A new pod's tier (simkv/replay/autoscale.py): KVOffload.reset_tier keeps the kind and
+    size of the tier and its store admission's threshold, and forgets what it held."""
+    from simkv.core.kv_offload import KVOffload
+
+    offload = KVOffload(8, 16, hasher=None, policy=policy, store_threshold=2)
+    manager = offload.manager
+    manager.chunks[5] = 1 if policy == "lru" else None
+    if policy == "arc":
+        manager.t1[5] = [1]
+    offload.admission.counts[7] = 1
+    offload._jobs[1] = object()  # (a transfer in flight)
+    assert not offload.reset_tier() and offload.manager is manager
+    del offload._jobs[1]
+    assert offload.reset_tier()
+    assert type(offload.manager) is type(manager) and offload.manager.num_chunks == 8
+    assert offload.manager.lookup(5) == 0 and not offload.admission.counts
+    assert offload.admission.threshold == 2 and offload.manager.admission is offload.admission
