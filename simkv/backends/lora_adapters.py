@@ -43,6 +43,11 @@ class AdapterResidency:
         self.num_slot_loads = 0
         self.seconds = 0.0
 
+    def reset(self) -> None:
+        """A new worker's caches: no adapter in host memory or in a GPU slot (counters kept)."""
+        self.cpu.clear()
+        self.gpu.clear()
+
     def activate(self, adapters) -> float:
         """Make `adapters` (ids, in the order the worker walks them) active for a step: the
         seconds the loads take (0.0 when every one was in a GPU slot)."""

@@ -130,6 +130,17 @@ class EncoderCacheManager:
             if offset + length <= num_computed:
                 self.free_encoder_input(request, input_id)
 
+    def reset(self) -> bool:
+        """Forget every cached output, as a new engine's cache has none; only when no request
+        references one. False, with nothing changed, otherwise (counters are kept)."""
+        if self.request_inputs:
+            return False
+        self.cached.clear()
+        self.num_embeds_by_hash.clear()
+        self.freeable.clear()
+        self.num_free_slots = self.num_freeable_slots = self.cache_size
+        return True
+
     def num_cached_embeds(self) -> int:
         """Embeddings held by cached entries, referenced or not."""
         return self.cache_size - self.num_free_slots

@@ -28,8 +28,8 @@ default scale-up policies). It then wants:
 With `scale_up_window_s` (HPA's scale-up stabilisation window, 0 by default) it starts only as
 many as the least wish over that window asked for. A drained slot started again after its last
 request is a new pod: its engine's GPU prefix cache starts empty, and a prefix-aware router
-forgets what it sent there (`new_pods` counts them); so does its CPU tier. Its encoder cache
-and LoRA adapters are kept as they were (a new pod's would be empty).
+forgets what it sent there (`new_pods` counts them); so do its CPU tier, encoder cache and LoRA
+adapter caches (ReplayEngine.start_anew).
 A scale-down drains the slots still starting first (their start is called off), then the
 highest that are up, so the MIN lowest slots, up from the start, always take requests. The
 router chooses among the slots that are up (ready and not draining). With MIN 0 the fleet may
@@ -350,7 +350,7 @@ class Autoscaler:
         self.paid[r].append((tick, None))
 
     def _renew(self, r: int) -> None:
-        """Slot `r` starts as a new pod: its engine's GPU prefix cache and CPU tier empty
+        """Slot `r` starts as a new pod: its engine's caches empty
         (ReplayEngine.start_anew), and its router's record of what it cached. An engine still
         holding blocks or transfers (a P/D prefill replica whose last prompt's KV is being
         pulled, a store to the CPU tier) is emptied once ready, before its first request."""

@@ -289,15 +289,19 @@ class ReplayEngine:
         self.pipeline = None  # pipeline parallelism: the stages' clocks, set by run_batch_queue
 
     def start_anew(self) -> bool:
-        """This replica's slot starts a new pod (an autoscaler's): its GPU prefix cache and CPU
-        tier empty. Only once it holds nothing (no request, no block in use, no transfer in
-        flight); False, with nothing changed, before."""
+        """This replica's slot starts a new pod (an autoscaler's): its GPU prefix cache, CPU
+        tier, encoder cache and LoRA adapter caches empty. Only once it holds nothing (no
+        request, no block in use, no transfer in flight); False, with nothing changed, before."""
         sched = self.scheduler
         pool = sched.kv_cache_manager.block_pool
-        offload = sched.offload
+        offload, encoder = sched.offload, sched.encoder_cache
         if sched.has_unfinished_requests() or pool.get_num_used_blocks() or (
-                offload is not None and not offload.reset_tier()):
+                encoder is not None and encoder.request_inputs) or (offload is not None and not offload.reset_tier()):
             return False
+        if encoder is not None:
+            encoder.reset()
+        if self.adapters is not None:
+            self.adapters.reset()
         return pool.reset_prefix_cache()
 
     def run(self) -> ReplayRun:

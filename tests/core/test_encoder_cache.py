@@ -199,3 +199,22 @@ def test_encode_instances_step_as_vllm(index):
     unchunked["case"].pop("encode_only")  # (chunked prefill off, as a language model's engine takes it)
     with pytest.raises(AssertionError):
         assert_same_steps_as_vllm(unchunked)
+
+
+def test_reset_forgets_the_cached_outputs_only_when_none_is_referenced():
+    """A new pod's encoder cache (simkv/replay/autoscale.py): empty, its counters kept."""
+    scheduler = _scheduler()
+    request = _request(0, 200, [(10, 64, 7)])
+    scheduler.add_request(request)
+    cache = scheduler.encoder_cache
+    scheduler.schedule()  # (the first chunk: the item's output is allocated and referenced)
+    assert 7 in cache.cached and not cache.reset() and 7 in cache.cached
+    drive(scheduler, use_runs=False)
+    assert 7 in cache.cached and cache.num_free_slots < cache.cache_size  # (kept, unreferenced)
+    encoded = scheduler.num_encoded_items
+    assert cache.reset()
+    assert not cache.cached and not cache.freeable and cache.num_free_slots == cache.num_freeable_slots == 64
+    again = _request(1, 200, [(10, 64, 7)])
+    scheduler.add_request(again)
+    drive(scheduler, use_runs=False)
+    assert scheduler.num_encoded_items == encoded + 1  # (encoded again: nothing was cached)

@@ -165,3 +165,13 @@ def test_max_cpu_loras_below_max_loras_is_refused() -> None:
         EngineConfig.from_flat({"enable_lora": True, "lora_load_gbs": 0.0})
     out = cli_fails(["replay", "traces/req400.parquet", "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "1"])
     assert "max_cpu_loras (1) must be >= max_loras (3)" in out
+
+
+def test_a_new_workers_adapter_caches_are_empty():
+    """AdapterResidency.reset (a new pod, simkv/replay/autoscale.py): the next step loads every
+    adapter again, from disk; the counters are kept."""
+    residency = AdapterResidency(max_loras=2, max_cpu_loras=4, load_s=1.0, copy_s=0.1)
+    residency.activate([1, 2])
+    assert residency.activate([1, 2]) == 0.0
+    residency.reset()
+    assert residency.activate([1, 2]) > 0.0 and residency.num_disk_loads == 4
