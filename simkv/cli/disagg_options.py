@@ -112,10 +112,14 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
         return None
     file = file or {}
     values = {k: (pd_flags[k] if pd_flags[k] is not None else file.get(k)) for k in _PD_FLAGS}
-    scaling = {}
+    scaling, defaults = {}, None
     for pool in ("prefill", "decode"):
         if values[f"{pool}_autoscale"] is not None:
-            scaling[f"{pool}_autoscale"] = _pool_autoscale(values[f"{pool}_autoscale"], pool, flags, config_file)
+            if defaults is None:  # (the common --autoscale-* settings, flags over the --config file's)
+                from simkv.cli.replay_cmd import autoscale_settings
+
+                defaults = autoscale_settings(flags, config_file)
+            scaling[f"{pool}_autoscale"] = _pool_autoscale(values[f"{pool}_autoscale"], pool, defaults)
             if values[f"{pool}_replicas"] is None:  # (the pool's slots: MAX)
                 values[f"{pool}_replicas"] = scaling[f"{pool}_autoscale"].max_replicas
     if router_options and "prefix_aware" not in (values["prefill_router"], values["decode_router"]):
@@ -153,14 +157,13 @@ def read_disaggregation(flags: dict, config_file: str | None, router_options: tu
         raise click.UsageError(f"P/D disaggregation: {exc}") from None
 
 
-def _pool_autoscale(text, pool: str, flags: dict, config_file: str | None):
-    """--prefill-autoscale / --decode-autoscale as an AutoscaleSpec, over the common --autoscale-*
-    settings (flags, then the --config file's keys of the same names) as its defaults."""
-    from simkv.cli.replay_cmd import autoscale_settings
+def _pool_autoscale(text, pool: str, defaults: dict):
+    """--prefill-autoscale / --decode-autoscale as an AutoscaleSpec over `defaults`, the common
+    --autoscale-* settings."""
     from simkv.replay.autoscale import AutoscaleError, parse_pool
 
     try:
-        return parse_pool(str(text), autoscale_settings(flags, config_file), f"--{pool}-autoscale")
+        return parse_pool(str(text), defaults, f"--{pool}-autoscale")
     except AutoscaleError as exc:
         raise click.BadParameter(str(exc), param_hint=f"--{pool}-autoscale") from None
 

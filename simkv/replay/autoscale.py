@@ -220,7 +220,7 @@ class Autoscaler:
         self.held = 0  # (scale to zero: requests that waited for a slot to be ready, and how long in all)
         self.held_ticks = 0
         self.scale_up_period = to_ticks(SCALE_UP_PERIOD_S)
-        self.started: list[tuple[int, int]] = []  # (tick, slots started) within the scale-up period
+        self.started: list[int] = []  # the tick of each slot started within the scale-up period
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
         self.engines: list = []
         self.router = None
@@ -243,13 +243,8 @@ class Autoscaler:
 
     def up(self, tick: int) -> tuple[int, ...]:
         """The slots that take requests at `tick`: ready by then and not draining."""
-        up = tuple(r for r, at in enumerate(self.ready_at)
-                   if at is not None and at <= tick and self.draining_since[r] is None)
-        for r in [r for r in self.renew if r in up]:  # (before its first request: its last pull is done)
-            self.renew.discard(r)
-            if self.engines[r].start_anew():
-                self.num_renewed += 1
-        return up
+        return tuple(r for r, at in enumerate(self.ready_at)
+                     if at is not None and at <= tick and self.draining_since[r] is None)
 
     def hold_slots(self, tick: int, arrival: int, loads: list[int]) -> tuple[tuple[int, ...], int]:
         """No slot is up at `tick`: the slots that will be ready first, and when; a request that
@@ -262,7 +257,6 @@ class Autoscaler:
             idle = [r for r, at in enumerate(self.ready_at) if at is None or loads[r] == 0]
             r = idle[0] if idle else min(r for r, since in enumerate(self.draining_since) if since is not None)
             self._start(r, tick, loads[r])
-            self.started.append((tick, 1))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "activate", "replicas": 1,
                                 "in_flight": 0, "values": {}})
             self._mark(tick)
@@ -280,6 +274,10 @@ class Autoscaler:
         while self.next_eval <= tick:
             self._evaluate(self.next_eval, loads_at(self.next_eval))
             self.next_eval += self.interval
+        for r in [r for r in self.renew if self.ready_at[r] is not None and self.ready_at[r] <= tick]:
+            self.renew.discard(r)  # (started anew while its engine held blocks: ready now, before a request)
+            if self.engines[r].start_anew():
+                self.num_renewed += 1
 
     def _evaluate(self, tick: int, loads: list[int]) -> None:
         spec = self.spec
@@ -304,7 +302,6 @@ class Autoscaler:
         if wanted > have:
             for r in [r for r in range(spec.max_replicas) if r not in live][:wanted - have]:
                 self._start(r, tick, loads[r])
-            self.started.append((tick, wanted - have))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
                                 "in_flight": in_flight, "values": values})
         elif keep < have:
@@ -333,12 +330,13 @@ class Autoscaler:
     def _scale_up_limit(self, tick: int, have: int) -> int:
         """HPA's default scale-up policies: the replicas it had at the period's start (those it
         has, less the ones started within the last 15 s), plus 4 or doubled, whichever is more."""
-        while self.started and self.started[0][0] <= tick - self.scale_up_period:
+        while self.started and self.started[0] <= tick - self.scale_up_period:
             self.started.pop(0)
-        base = have - sum(n for _, n in self.started)
+        base = have - len(self.started)
         return max(base + SCALE_UP_PODS, 2 * base)
 
     def _start(self, r: int, tick: int, in_flight: int) -> None:
+        self.started.append(tick)  # (a replica more, for HPA's scale-up rate, warm or not)
         drained = self.draining_since[r]
         self.draining_since[r] = None
         if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)

@@ -98,9 +98,8 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
     metrics = dict(METRICS) | (GOODPUT_METRICS if any(c.goodput for c in cells) else {})
     if any("kv_offloading" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
         metrics |= OFFLOAD_METRICS
-    scaled = {path[0] for c in cells for path in (("fleet", "autoscaling"), ("disaggregation", "autoscaling"))
-              if _get((outcomes.get(c.cell_id) or {}).get("summary") or {}, path)}
-    if scaled:
+    if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, (section, "autoscaling"))
+           for c in cells for section in ("fleet", "disaggregation")):
         metrics |= AUTOSCALE_METRICS
     metrics |= _class_metrics(cells, outcomes)
     for cell in cells:
@@ -112,7 +111,7 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         summary = out.get("summary") or {}
         for col, path in metrics.items():
             row[col] = _get(summary, path)
-            if row[col] is None and col in POOLS_AUTOSCALE_METRICS and "disaggregation" in scaled:
+            if row[col] is None and col in POOLS_AUTOSCALE_METRICS:
                 row[col] = _get(summary, POOLS_AUTOSCALE_METRICS[col])
         row[HELD_BY] = largest_admission_limit(summary) if out["status"] == "ok" else None
         rows.append(row)
