@@ -33,7 +33,7 @@ def _setup(record: dict) -> str:
         from simkv.replay.autoscale import aims
 
         return (f" An autoscaled fleet of {scaling['min_replicas']}-{scaling['max_replicas']} replicas "
-                f"({aims(scaling)} each, cold start {scaling['cold_start_s']:g} s) behind "
+                f"({aims(scaling)}, cold start {scaling['cold_start_s']:g} s) behind "
                 f"a {fleet['router']} router." + front)
     if fleet.get("num_replicas", 1) > 1:
         return f" {fleet['num_replicas']} replicas behind a {fleet['router']} router." + front

@@ -328,8 +328,10 @@ def fleet_options(command):
         click.option("--autoscale-metric", default=None, metavar="METRIC[=TARGET],...",
                      help="With --autoscale: what it scales on, as vLLM's gauges report it: in_flight (requests "
                           "running + waiting), waiting or running (vLLM's num_requests_waiting / _running), "
-                          "kv_usage (kv_cache_usage_perc, 0-1); several with their targets, e.g. "
-                          "waiting=5,kv_usage=0.7: the largest recommendation wins, as HPA's [default: in_flight]."),
+                          "kv_usage (kv_cache_usage_perc, 0-1); or a percentile of vLLM's latency histograms "
+                          "over the fleet, its target in seconds: ttft_pQ or e2e_pQ (e.g. ttft_p95=2); several "
+                          "with their targets, e.g. waiting=5,kv_usage=0.7: the largest recommendation wins, as "
+                          "HPA's [default: in_flight]."),
         click.option("--autoscale-target", type=float, default=None, metavar="N",
                      help="With --autoscale: the metric per replica it aims at: it wants ceil(sum over the "
                           "replicas up / N) [default: in_flight 8, waiting 5, running 8, kv_usage 0.5]."),
@@ -344,6 +346,9 @@ def fleet_options(command):
         click.option("--scale-down-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: a replica is drained only once every decision over this window "
                           "wanted fewer (HPA's stabilisation window) [default: 300]."),
+        click.option("--autoscale-latency-window-s", type=float, default=None, metavar="S",
+                     help="With --autoscale on a latency (ttft_pQ, e2e_pQ): the seconds of observations its "
+                          "percentile reads, the range of the Prometheus query's rate() [default: 60]."),
         click.option("--scale-up-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: replicas are started only as far as every decision over this window "
                           "wanted more (HPA's scale-up stabilisation window: a spike shorter than it starts "

@@ -11,8 +11,12 @@ The metrics (`metric`):
   that instant), what vLLM's `num_requests_running` + `num_requests_waiting` add up to;
 - `waiting` (5), `running` (8): vLLM's `num_requests_waiting` or `num_requests_running` alone;
 - `kv_usage` (0.5): vLLM's `kv_cache_usage_perc`, the share of the usable KV blocks in use.
+- `ttft_pQ`, `e2e_pQ` (a target in seconds, no default): the Q-th percentile of vLLM's
+  time-to-first-token or end-to-end latency histogram over the fleet's last minute
+  (simkv/replay/autoscale_latency.py), an HPA Value target: it wants ceil(replicas * value /
+  target); with no observation in that minute it recommends nothing.
 Several metrics, each with its target (`waiting=5,kv_usage=0.7`), as an HPA with several: each
-recommends, and the largest recommendation wins.
+recommends, and the largest recommendation wins (with none, the fleet stays as it is).
 The engine gauges are read as vLLM's engine last reported them: after its last step that ended
 strictly before that instant (StepLog.gauges_before); a replica still starting reads 0.
 As HPA does, a sum within `tolerance` (10 %) of what the replicas it has aim at changes
@@ -40,8 +44,9 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics, scale-up or
-scale-down policies other than HPA's defaults, pods that fail to start.
+each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics of P/D pools, scale-up
+or scale-down policies other than HPA's defaults, Prometheus' scrape delay, pods that fail to
+start.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import math
 from dataclasses import dataclass, field
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
+from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, latency_metric
 
 
 class AutoscaleError(ValueError):
@@ -60,11 +66,14 @@ class AutoscaleError(ValueError):
 # give them, and the AutoscaleSpec fields they set.
 SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autoscale_tolerance": "tolerance",
             "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
-            "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s"}
+            "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s",
+            "autoscale_latency_window_s": "latency_window_s"}
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
            "kv_usage": (0.5, "KV-cache usage")}
+GAUGES = ("running", "waiting", "kv_usage")  # (read from the engines' step logs)
+LATENCY_METRICS = "ttft_pQ, e2e_pQ"  # (a percentile of vLLM's latency histograms: simkv/replay/autoscale_latency.py)
 SCALE_UP_PERIOD_S = 15.0  # HPA's default scale-up policies: 4 pods or 100 % per 15 s, whichever is more
 SCALE_UP_PODS = 4
 
@@ -80,6 +89,7 @@ class AutoscaleSpec:
     metric: str = "in_flight"  # a name, or several with their targets: "waiting=5;kv_usage=0.7"
     tolerance: float = 0.1
     scale_up_window_s: float = 0.0  # HPA's scale-up stabilisation window (0: its default)
+    latency_window_s: float = 60.0  # latency metrics: the range of the query's rate()
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
 
@@ -103,18 +113,29 @@ class AutoscaleSpec:
                             ("--scale-up-window-s", self.scale_up_window_s)):
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
+        if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
+            raise AutoscaleError(f"--autoscale-latency-window-s must be a number of seconds > 0, got "
+                                 f"{self.latency_window_s}")
+
+    @property
+    def latency_targets(self) -> tuple[tuple[str, float], ...]:
+        """The latency metrics among the targets (ttft_p95, ...)."""
+        return tuple((name, target) for name, target in self.targets if name not in METRICS)
 
     def _targets(self) -> tuple[tuple[str, float], ...]:
         """(metric, target per replica) of each metric, checked."""
         items = [item.strip() for item in self.metric.replace(";", ",").split(",") if item.strip()]
+        known = f"{', '.join(METRICS)}, {LATENCY_METRICS}"
         if not items:
-            raise AutoscaleError(f"--autoscale-metric {self.metric!r}: expected one of {', '.join(METRICS)}")
+            raise AutoscaleError(f"--autoscale-metric {self.metric!r}: expected one of {known}")
         targets = []
         for item in items:
             name, eq, value = item.partition("=")
             name = name.strip().replace("-", "_")
-            if name not in METRICS:
-                raise AutoscaleError(f"--autoscale-metric {name!r}: expected one of {', '.join(METRICS)}")
+            latency = latency_metric(name)
+            if name not in METRICS and latency is None:
+                raise AutoscaleError(f"--autoscale-metric {name!r}: expected one of {known} (Q a percentile "
+                                     "in (0, 100), e.g. ttft_p95)")
             if any(name == seen for seen, _ in targets):
                 raise AutoscaleError(f"--autoscale-metric {self.metric!r}: {name} twice")
             if eq:
@@ -128,6 +149,9 @@ class AutoscaleSpec:
             elif len(items) > 1:
                 raise AutoscaleError(f"--autoscale-metric {self.metric!r}: with several metrics give each its "
                                      "target, e.g. waiting=5,kv_usage=0.7")
+            elif latency is not None and self.target is None:
+                raise AutoscaleError(f"--autoscale-metric {name}: a latency aims at a number of seconds; give it, "
+                                     f"e.g. {name}=2")
             else:
                 target = self.target if self.target is not None else METRICS[name][0]
             where = f"--autoscale-metric {item}" if eq else "--autoscale-target"
@@ -166,10 +190,13 @@ class AutoscaleSpec:
         return cls.parse(str(text), **fields)
 
     def to_dict(self) -> dict:
-        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
-                "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s,
-                "cold_start_s": self.cold_start_s, "scale_down_window_s": self.scale_down_window_s,
-                "scale_up_window_s": self.scale_up_window_s}
+        out = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
+               "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s,
+               "cold_start_s": self.cold_start_s, "scale_down_window_s": self.scale_down_window_s,
+               "scale_up_window_s": self.scale_up_window_s}
+        if self.latency_targets:
+            out["latency_window_s"] = self.latency_window_s
+        return out
 
 
 def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
@@ -222,18 +249,26 @@ class Autoscaler:
         self.scale_up_period = to_ticks(SCALE_UP_PERIOD_S)
         self.started: list[int] = []  # the tick of each slot started within the scale-up period
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
+        self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ)
         self.engines: list = []
         self.router = None
         self.renew: set[int] = set()  # slots started anew whose engine still held blocks then (P/D pulls)
         self.num_renewed = 0
 
-    def watch(self, engines, router=None) -> None:
-        """The replicas' engines (whose step logs the engine-gauge metrics read, and whose caches
-        a slot started anew empties) and their router (which forgets what such a slot cached)."""
+    def watch(self, engines, router=None, held: dict[int, int] | None = None) -> None:
+        """The replicas' engines (whose step logs the engine-gauge metrics read, whose requests
+        the latency metrics observe, and whose caches a slot started anew empties), their router
+        (which forgets what such a slot cached), and the rows held for a slot to be ready (scale
+        to zero: FleetRouting.hold)."""
         self.engines, self.router = engines, router
-        if any(name != "in_flight" for name, _ in self.spec.targets):
+        if any(name in GAUGES for name, _ in self.spec.targets):
             self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
                            for engine in engines]
+        if self.spec.latency_targets:
+            self.latency = LatencyWatch({latency_metric(name)[0] for name, _ in self.spec.latency_targets},
+                                        self.spec.latency_window_s, held)
+            for engine in engines:
+                engine.latency_watch = self.latency
 
     def readings(self, r: int, tick: int) -> dict[str, float]:
         """Slot `r`'s engine gauges as its engine last reported them before `tick`."""
@@ -286,10 +321,14 @@ class Autoscaler:
         values = {"in_flight": in_flight}
         if self.gauges is not None:  # (a replica still starting has reported nothing: 0)
             gauges = [self.readings(r, tick) for r in live if self.ready_at[r] <= tick]
-            values |= {name: sum(g[name] for g in gauges) for name in ("running", "waiting", "kv_usage")}
+            values |= {name: sum(g[name] for g in gauges) for name in GAUGES}
+        for name, _ in spec.latency_targets:  # (None: no observation in the window)
+            values[name] = self.latency.quantile(*latency_metric(name), tick)
         values = {name: values[name] for name, _ in spec.targets}
         have = len(live)
-        wanted = max(self._recommend(values[name], target, have) for name, target in spec.targets)
+        wishes = [self._recommend(values[name], target, have, per_replica=name in METRICS)
+                  for name, target in spec.targets if values[name] is not None]
+        wanted = max(wishes) if wishes else min(spec.max_replicas, max(spec.min_replicas, have))
         self.wishes.append((tick, wanted))
         while self.wishes and self.wishes[0][0] < tick - max(self.window, self.up_window):
             self.wishes.pop(0)
@@ -317,14 +356,17 @@ class Autoscaler:
                                 "in_flight": in_flight, "values": values})
         self._mark(tick)
 
-    def _recommend(self, value: float, target: float, have: int) -> int:
-        """The replicas `value` (a metric's sum) asks for, within [MIN, MAX]: ceil(value /
-        target), or `have` when that is within the tolerance of what `have` replicas aim at."""
+    def _recommend(self, value: float, target: float, have: int, per_replica: bool = True) -> int:
+        """The replicas `value` asks for, within [MIN, MAX]. A metric summed over the replicas
+        (`per_replica`: an AverageValue target): ceil(value / target); a latency (a Value target):
+        ceil(have * value / target). Either: `have` when the ratio to what `have` replicas aim at
+        is within the tolerance."""
         spec = self.spec
-        if have > 0 and abs(value / (have * target) - 1.0) <= spec.tolerance:
+        ratio = value / target
+        if have > 0 and abs((ratio / have if per_replica else ratio) - 1.0) <= spec.tolerance:
             wanted = have
-        else:
-            wanted = math.ceil(value / target - 1e-9)  # (1.2 / 0.6 is 2, not 2.0000000000000004)
+        else:  # (1.2 / 0.6 is 2, not 2.0000000000000004)
+            wanted = math.ceil((ratio if per_replica else have * ratio) - 1e-9)
         return min(spec.max_replicas, max(spec.min_replicas, wanted))
 
     def _scale_up_limit(self, tick: int, have: int) -> int:
@@ -429,16 +471,22 @@ def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, con
 
 
 def aims(section: dict) -> str:
-    """What an autoscaler (its to_dict or summary section) aims at per replica, e.g. '5 waiting
-    or 30% KV-cache usage'."""
+    """What an autoscaler (its to_dict or summary section) aims at, e.g. '5 waiting or 30%
+    KV-cache usage each', or 'p95 time to first token 2 s'."""
     targets = AutoscaleSpec(1, 2, target=section["target"], metric=section.get("metric", "in_flight")).targets
-    return " or ".join(f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
-                       for name, target in targets)
+    each = [f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
+            for name, target in targets if name in METRICS]
+    latencies = []
+    for name, target in targets:
+        if name not in METRICS:
+            histogram, q = latency_metric(name)
+            latencies.append(f"p{q * 100:g} {HISTOGRAMS[histogram]} {target:g} s")
+    return " or ".join(([" or ".join(each) + " each"] if each else []) + latencies)
 
 
 def describe(section: dict) -> str:
     """One line for the terminal and report.html."""
-    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aims(section)} each, "
+    return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aims(section)}, "
             f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
             f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "
             f"{section['gpu_hours']:.3f} GPU-h paid, {section['fixed_fleet_gpu_hours']:.3f} for "

@@ -287,6 +287,7 @@ class ReplayEngine:
         # synchronous scheduling, set before the wait; async scheduling advances `now` after it
         self.busy_until = 0
         self.pipeline = None  # pipeline parallelism: the stages' clocks, set by run_batch_queue
+        self.latency_watch = None  # an autoscaler's latency metrics: the first tokens and finishes they observe
 
     def start_anew(self) -> bool:
         """This replica's slot starts a new pod (an autoscaler's): its GPU prefix cache, CPU
@@ -436,6 +437,8 @@ class ReplayEngine:
                 self._client.expire_during_step(self.now, [out])
             finished = sched.update_from_output(out)
             self.steps.add_step(out, start, duration)
+            if self.latency_watch is not None:
+                self.latency_watch.first_tokens(out, self.now)
             if finished:
                 self._record_finished(finished)
 
@@ -702,6 +705,8 @@ class ReplayEngine:
             self._client.expire_during_step(self.now, [out])
         finished = self.scheduler.update_from_output(out)
         self.steps.add_step(out, start, duration)
+        if self.latency_watch is not None:
+            self.latency_watch.first_tokens(out, self.now)
         if finished:
             self._record_finished(finished)
 
@@ -743,6 +748,8 @@ class ReplayEngine:
             self.feed.log_finished(request, self.now)
         if finished:
             self.feed.note_finished(finished, self.now)
+            if self.latency_watch is not None:
+                self.latency_watch.finished(finished, self.now)
             self._num_done += len(finished)
             if self.on_progress is not None:
                 self.on_progress(len(finished))

@@ -383,7 +383,7 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
                for r, backend in enumerate(backends)]
     routing.engines = engines
     if autoscaler is not None:
-        autoscaler.watch(engines, router)
+        autoscaler.watch(engines, router, routing.hold)
     for engine in engines if prepare is not None else ():
         prepare(engine)
     processes = [engine.start(own_arrivals=False) for engine in engines]

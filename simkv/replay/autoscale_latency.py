@@ -1,0 +1,113 @@
+"""Latency metrics an autoscaler reads (`--autoscale-metric ttft_p95=2`): a percentile of vLLM's
+own latency histograms over the fleet, as a Prometheus query behind KEDA or a custom-metrics
+adapter computes it:
+
+    histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[1m])))
+
+- `ttft_pQ`: vLLM's `time_to_first_token_seconds`, observed when a request's first token is
+  sampled (each sequence of a parallel-sampling request), from its arrival at the server;
+- `e2e_pQ`: `e2e_request_latency_seconds`, observed when a request (a sequence) finishes.
+
+Each observation falls into vLLM's default buckets for its histogram (an upper bound `le` it
+does not exceed); the query counts the observations of the last `window_s` seconds (the
+range of `rate`), strictly before the decision instant, over every replica, and interpolates
+within the bucket that holds the quantile as `histogram_quantile` does: linearly from the
+bucket's lower bound (0 for the first), and, past the last finite bound, that bound. With no
+observation in the window the query has no value (Prometheus: NaN) and the metric recommends
+nothing. A request held while the fleet scales from zero waits before the server: vLLM's
+clock for it starts once a replica is ready.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+
+from simkv.clock import TICKS_PER_SECOND
+
+# vLLM's default bucket bounds (vllm/v1/metrics: TIME_TO_FIRST_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS)
+BUCKETS = {
+    "ttft": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+             40.0, 80.0, 160.0, 640.0, 2560.0),
+    "e2e": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+            960.0, 1920.0, 7680.0),
+}
+HISTOGRAMS = {"ttft": "time to first token", "e2e": "end-to-end latency"}
+_NAME = re.compile(r"(ttft|e2e)_p(\d+(?:\.\d+)?)")
+
+
+def latency_metric(name: str) -> tuple[str, float] | None:
+    """('ttft', 0.95) for 'ttft_p95'; None for a name that is no latency metric."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    q = float(match.group(2)) / 100.0
+    return (match.group(1), q) if 0.0 < q < 1.0 else None
+
+
+def histogram_quantile(q: float, bounds: tuple[float, ...], counts: list[int]) -> float | None:
+    """Prometheus' histogram_quantile over buckets `bounds` (upper bounds, increasing; the last
+    count is the +Inf bucket's) holding `counts` observations each; None when empty."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = q * total
+    below = 0
+    for b, count in enumerate(counts):
+        if below + count >= rank and count > 0:
+            if b == len(bounds):  # (the +Inf bucket: the last finite bound)
+                return bounds[-1]
+            lower = bounds[b - 1] if b > 0 else 0.0
+            return lower + (bounds[b] - lower) * (rank - below) / count
+        below += count
+    return bounds[-1]
+
+
+class LatencyWatch:
+    """The fleet's latency observations, (tick, seconds) per histogram, fed by its engines
+    (ReplayEngine.latency_watch) and read by the autoscaler at its decision instants."""
+
+    def __init__(self, kinds, window_s: float, held: dict[int, int] | None = None) -> None:
+        self.window = max(1, math.ceil(window_s * TICKS_PER_SECOND))
+        self.samples: dict[str, list[tuple[int, float]]] = {kind: [] for kind in kinds}  # sorted by tick
+        self.held = held if held is not None else {}  # (scale to zero: row -> tick its replica is ready)
+
+    def _observe(self, kind: str, tick: int, request, times: int = 1) -> None:
+        samples = self.samples.get(kind)
+        if samples is None:
+            return
+        start = request.arrival_time
+        held = self.held.get(request.index)
+        if held is not None:
+            start = max(start, held / TICKS_PER_SECOND)
+        sample = (tick, max(0.0, tick / TICKS_PER_SECOND - start))
+        for _ in range(times):
+            bisect.insort(samples, sample)
+
+    def first_tokens(self, out, tick: int) -> None:
+        """After step `out`'s output, at `tick`: the requests whose first token it sampled."""
+        if "ttft" not in self.samples:
+            return
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.first_token_step == out.step:
+                self._observe("ttft", tick, request, request.num_samples)
+
+    def finished(self, requests, tick: int) -> None:
+        for request in requests:
+            self._observe("e2e", tick, request)
+
+    def quantile(self, kind: str, q: float, tick: int) -> float | None:
+        """The q-quantile of `kind` over the window before `tick` (None: no observation). Asked at
+        ticks that never decrease: the samples before the window are dropped."""
+        samples = self.samples[kind]
+        first = bisect.bisect_right(samples, (tick - self.window, math.inf))
+        del samples[:first]
+        bounds = BUCKETS[kind]
+        counts = [0] * (len(bounds) + 1)
+        for sample_tick, seconds in samples:
+            if sample_tick >= tick:
+                break
+            counts[bisect.bisect_left(bounds, seconds)] += 1
+        return histogram_quantile(q, bounds, counts)

@@ -1,0 +1,140 @@
+"""Autoscaling on a latency percentile (`--autoscale-metric ttft_p95=2`,
+simkv/replay/autoscale_latency.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from simkv.clock import TICKS_PER_SECOND
+from simkv.config import ConfigError, EngineConfig
+from simkv.replay.api import FleetSpec, replay
+from simkv.replay.autoscale import AutoscaleError, AutoscaleSpec, Autoscaler, aims
+from simkv.replay.autoscale_latency import BUCKETS, LatencyWatch, histogram_quantile, latency_metric
+from tests.cli_runs import cli_fails, cli_ok
+from tests.replay.test_autoscale import CONFIG, bursts
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_as_prometheus_does():
+    bounds = (1.0, 2.0, 4.0)
+    assert histogram_quantile(0.5, bounds, [2, 2, 0, 0]) == pytest.approx(1.0)  # (rank 2: the first bucket's top)
+    assert histogram_quantile(0.75, bounds, [2, 2, 0, 0]) == pytest.approx(1.5)
+    assert histogram_quantile(0.25, bounds, [2, 2, 0, 0]) == pytest.approx(0.5)  # (from 0 in the first bucket)
+    assert histogram_quantile(0.9, bounds, [0, 1, 0, 9]) == 4.0  # (in +Inf: the last finite bound)
+    assert histogram_quantile(0.5, bounds, [0, 0, 4, 0]) == pytest.approx(3.0)  # (empty buckets below skipped)
+    assert histogram_quantile(0.95, bounds, [0, 0, 0, 0]) is None  # (Prometheus: NaN)
+
+
+def test_metric_names():
+    assert latency_metric("ttft_p95") == ("ttft", 0.95)
+    assert latency_metric("e2e_p99.9") == ("e2e", pytest.approx(0.999))
+    assert latency_metric("ttft_p100") is None and latency_metric("ttft_p0") is None
+    assert latency_metric("ttft95") is None and latency_metric("itl_p95") is None
+    spec = AutoscaleSpec(1, 4, metric="ttft_p95=2,waiting=5")
+    assert spec.targets == (("ttft_p95", 2.0), ("waiting", 5.0)) and spec.latency_targets == (("ttft_p95", 2.0),)
+    assert AutoscaleSpec(1, 4, metric="e2e_p90", target=30).targets == (("e2e_p90", 30.0),)
+    assert aims(spec.to_dict()) == "5 waiting each or p95 time to first token 2 s"
+    assert spec.to_dict()["latency_window_s"] == 60.0 and "latency_window_s" not in AutoscaleSpec(1, 2).to_dict()
+    for kwargs, message in (
+            ({"metric": "ttft_p95"}, "a latency aims at a number of seconds; give it, e.g. ttft_p95=2"),
+            ({"metric": "ttft_p100=2"}, "ttft_pQ, e2e_pQ"),
+            ({"metric": "itl_p95=0.1"}, "expected one of in_flight, running, waiting, kv_usage, ttft_pQ"),
+            ({"metric": "e2e_p95=0"}, "must be a number > 0"),
+            ({"metric": "ttft_p95=2", "latency_window_s": 0}, "--autoscale-latency-window-s must be a number")):
+        with pytest.raises(AutoscaleError, match=message):
+            AutoscaleSpec(1, 4, **kwargs)
+
+
+def test_a_latency_recommends_in_proportion_to_the_replicas_it_has():
+    """An HPA Value target: ceil(replicas * value / target), the tolerance around 1."""
+    scaler = Autoscaler(AutoscaleSpec(1, 8, metric="ttft_p95=2"))
+    assert scaler._recommend(3.0, 2.0, 2, per_replica=False) == 3
+    assert scaler._recommend(2.1, 2.0, 4, per_replica=False) == 4  # (within 10 %)
+    assert scaler._recommend(0.1, 2.0, 4, per_replica=False) == 1  # (ceil(0.2), MIN 1)
+    assert scaler._recommend(20.0, 2.0, 4, per_replica=False) == 8  # (MAX)
+    assert scaler._recommend(3.0, 2.0, 2, per_replica=True) == 2  # (a gauge: ceil(3 / 2), not 2 * 3 / 2)
+
+
+def _request(index: int, arrival: float, **extra):
+    return SimpleNamespace(index=index, arrival_time=arrival, **extra)
+
+
+def test_the_window_reads_observations_strictly_before_the_decision():
+    watch = LatencyWatch({"e2e"}, window_s=10.0, held={3: 50 * TICKS_PER_SECOND})
+    at = lambda s: int(s * TICKS_PER_SECOND)  # noqa: E731
+    watch.finished([_request(0, 0.0)], at(5.0))  # e2e 5 s, outside a window (10, 20)
+    watch.finished([_request(1, 10.0)], at(11.0))  # 1 s
+    watch.finished([_request(2, 10.0)], at(13.0))  # 3 s
+    watch.finished([_request(4, 0.0)], at(20.0))  # at the decision: not yet seen
+    assert watch.quantile("e2e", 0.5, at(20.0)) == pytest.approx(1.0)  # (two samples: 1 s, 3 s; rank 1)
+    assert watch.quantile("e2e", 0.99, at(20.0)) == pytest.approx(2.5 + 2.5 * 0.98)  # (3 s in (2.5, 5])
+    # a request held for a replica to start (scale to zero): vLLM's clock starts once it is ready
+    watch.finished([_request(3, 40.0)], at(52.0))
+    assert watch.quantile("e2e", 0.5, at(60.0)) == pytest.approx(1.75)  # (2 s, not 12 s: in (1.5, 2])
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"pipeline_parallel_size": 2}])
+def test_a_latency_target_scales_the_fleet_as_the_requests_table_says(options):
+    """Each decision's value is the p95 of the TTFTs sampled in the minute before it, bucketed as
+    vLLM's histogram buckets them: recomputed here from requests.parquet."""
+    spec = AutoscaleSpec(1, 4, metric="ttft_p95=0.3", interval_s=15, cold_start_s=30, scale_down_window_s=120)
+    config = EngineConfig.from_flat({"max_model_len": 4096, **options})
+    result = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    events = scaling["events"]
+    assert [e["action"] for e in events][:1] == ["up"] and any(e["action"] == "down" for e in events)
+    requests = result.requests
+    first = requests["first_token_time_s"].to_numpy()
+    ttft = first - requests["arrival_time_s"].to_numpy()
+    bounds = BUCKETS["ttft"]
+    for event in events:
+        t = event["time_s"]
+        seen = ttft[(first < t) & (first > t - 60.0)]
+        counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
+        assert event["values"]["ttft_p95"] == pytest.approx(histogram_quantile(0.95, bounds, counts), rel=1e-9)
+    up = events[0]
+    assert up["values"]["ttft_p95"] > 0.3 * 1.1 and up["replicas"] == min(4, math.ceil(up["values"]["ttft_p95"] / 0.3))
+    again = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    assert again.summary["fleet"]["autoscaling"]["events"] == events
+
+
+def test_e2e_latency_and_a_quiet_minute_recommend_nothing():
+    """e2e_p90 observes finishes; a decision with no observation in its window changes nothing."""
+    spec = AutoscaleSpec(1, 3, metric="e2e_p90=5", interval_s=15, cold_start_s=30, scale_down_window_s=60,
+                         latency_window_s=15)
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(3, "least_outstanding", autoscale=spec))
+    events = result.summary["fleet"]["autoscaling"]["events"]
+    requests = result.requests
+    finish = requests["finish_time_s"].to_numpy()
+    e2e = finish - requests["arrival_time_s"].to_numpy()
+    bounds = BUCKETS["e2e"]
+    assert events
+    for event in events:
+        t = event["time_s"]
+        seen = e2e[(finish < t) & (finish > t - 15.0)]
+        counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
+        assert event["values"]["e2e_p90"] == pytest.approx(histogram_quantile(0.9, bounds, counts), rel=1e-9)
+    scaler = Autoscaler(AutoscaleSpec(1, 3, metric="e2e_p90=5"))
+    scaler.watch([], held=None)
+    scaler.ready_at = [0, 0, None]
+    scaler._evaluate(15 * TICKS_PER_SECOND, [0, 0, 0])  # (nothing observed: two stay)
+    assert scaler.events == [] and len(scaler.up(15 * TICKS_PER_SECOND)) == 2
+
+
+def test_the_cli_takes_a_latency_metric_and_pd_pools_refuse_it(tmp_path):
+    out = tmp_path / "r"
+    result = cli_ok(["replay", "traces/req400.parquet", "--replicas", "3", "--autoscale", "1-3",
+                     "--autoscale-metric", "ttft_p99=0.5", "--autoscale-latency-window-s", "30", "--out", str(out)])
+    scaling = json.loads((out / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert scaling["metric"] == "ttft_p99" and scaling["target"] == 0.5 and scaling["latency_window_s"] == 30.0
+    assert "(p99 time to first token 0.5 s, cold start 120 s)" in " ".join(result.replace("│", " ").split())
+    assert "a latency aims at a number of seconds" in cli_fails(
+        ["replay", "traces/req400.parquet", "--autoscale", "1-2", "--autoscale-metric", "e2e_p95"])
+    with pytest.raises(ConfigError, match="latency metrics \\(ttft_p95\\) scale a fleet"):
+        from simkv.replay.disaggregated import DisaggregationSpec
+
+        DisaggregationSpec(num_decode=2, decode_autoscale=AutoscaleSpec(1, 2, metric="ttft_p95=1"))
