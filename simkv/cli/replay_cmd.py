@@ -346,6 +346,14 @@ def fleet_options(command):
         click.option("--scale-down-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: a replica is drained only once every decision over this window "
                           "wanted fewer (HPA's stabilisation window) [default: 300]."),
+        click.option("--scale-up-policy", default=None, metavar="POLICIES",
+                     help="With --autoscale: how fast it may grow, as HPA's behavior.scaleUp policies: pods=N/S "
+                          "(N replicas within any S seconds), percent=P/S, several with select=max|min (the largest "
+                          "or smallest change), or disabled [default: pods=4/15,percent=100/15]."),
+        click.option("--scale-down-policy", default=None, metavar="POLICIES",
+                     help="With --autoscale: how fast it may shrink, as HPA's behavior.scaleDown policies, e.g. "
+                          "pods=1/60 (one replica a minute) [default: percent=100/15: anything at once, after the "
+                          "stabilisation window]."),
         click.option("--autoscale-latency-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale on a latency (ttft_pQ, e2e_pQ): the seconds of observations its "
                           "percentile reads, the range of the Prometheus query's rate() [default: 60]."),

@@ -20,8 +20,10 @@ recommends, and the largest recommendation wins (with none, the fleet stays as i
 The engine gauges are read as vLLM's engine last reported them: after its last step that ended
 strictly before that instant (StepLog.gauges_before); a replica still starting reads 0.
 As HPA does, a sum within `tolerance` (10 %) of what the replicas it has aim at changes
-nothing, and a scale-up adds at most max(4 replicas, 100 %) of those it had 15 s before (HPA's
-default scale-up policies). It then wants:
+nothing, and its scaling policies limit how many replicas it adds or removes at once
+(`scale_up_policy`, `scale_down_policy`, HPA's behavior policies: simkv/replay/autoscale_policy.py;
+by default a scale-up adds at most max(4 replicas, 100 %) of those it had 15 s before, and a
+scale-down may remove any number). It then wants:
 - more than it has (ready or starting): it starts the lowest slots that are down at once; a slot
   takes requests `cold_start_s` later (the pod's scheduling, image and weights loading, CUDA
   graphs: 120 s by default), and is paid for from its start;
@@ -44,9 +46,8 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics of P/D pools, scale-up
-or scale-down policies other than HPA's defaults, Prometheus' scrape delay, pods that fail to
-start.
+each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics of P/D pools,
+Prometheus' scrape delay, pods that fail to start.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, latency_metric
+from simkv.replay.autoscale_policy import DEFAULT_DOWN, DEFAULT_UP, PolicyError, ScalingRules
 
 
 class AutoscaleError(ValueError):
@@ -67,15 +69,15 @@ class AutoscaleError(ValueError):
 SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autoscale_tolerance": "tolerance",
             "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
             "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s",
-            "autoscale_latency_window_s": "latency_window_s"}
+            "autoscale_latency_window_s": "latency_window_s", "scale_up_policy": "scale_up_policy",
+            "scale_down_policy": "scale_down_policy"}
+TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy")  # (the others are numbers)
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
            "kv_usage": (0.5, "KV-cache usage")}
 GAUGES = ("running", "waiting", "kv_usage")  # (read from the engines' step logs)
 LATENCY_METRICS = "ttft_pQ, e2e_pQ"  # (a percentile of vLLM's latency histograms: simkv/replay/autoscale_latency.py)
-SCALE_UP_PERIOD_S = 15.0  # HPA's default scale-up policies: 4 pods or 100 % per 15 s, whichever is more
-SCALE_UP_PODS = 4
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class AutoscaleSpec:
     tolerance: float = 0.1
     scale_up_window_s: float = 0.0  # HPA's scale-up stabilisation window (0: its default)
     latency_window_s: float = 60.0  # latency metrics: the range of the query's rate()
+    scale_up_policy: str = DEFAULT_UP  # HPA's behavior.scaleUp policies (simkv/replay/autoscale_policy.py)
+    scale_down_policy: str = DEFAULT_DOWN
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
 
@@ -113,6 +117,11 @@ class AutoscaleSpec:
                             ("--scale-up-window-s", self.scale_up_window_s)):
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
+        for name in ("scale_up_policy", "scale_down_policy"):
+            try:  # (written as HPA would list them)
+                object.__setattr__(self, name, str(ScalingRules.parse(getattr(self, name), "--" + name.replace("_", "-"))))
+            except PolicyError as exc:
+                raise AutoscaleError(str(exc)) from None
         if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
             raise AutoscaleError(f"--autoscale-latency-window-s must be a number of seconds > 0, got "
                                  f"{self.latency_window_s}")
@@ -180,8 +189,8 @@ class AutoscaleSpec:
         for name, value in settings.items():
             if value is None:
                 continue
-            if name == "autoscale_metric":  # (a config file may list them: [waiting=5, kv_usage=0.7])
-                fields["metric"] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+            if name in TEXT_SETTINGS:  # (a config file may list them: [waiting=5, kv_usage=0.7])
+                fields[SETTINGS[name]] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
                 continue
             try:
                 fields[SETTINGS[name]] = float(value)
@@ -193,7 +202,8 @@ class AutoscaleSpec:
         out = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "metric": self.metric,
                "target": self.target, "tolerance": self.tolerance, "interval_s": self.interval_s,
                "cold_start_s": self.cold_start_s, "scale_down_window_s": self.scale_down_window_s,
-               "scale_up_window_s": self.scale_up_window_s}
+               "scale_up_window_s": self.scale_up_window_s, "scale_up_policy": self.scale_up_policy,
+               "scale_down_policy": self.scale_down_policy}
         if self.latency_targets:
             out["latency_window_s"] = self.latency_window_s
         return out
@@ -246,8 +256,10 @@ class Autoscaler:
         self.timeline: list[tuple[int, int, int]] = [(0, spec.min_replicas, 0)]  # (tick, ready, starting)
         self.held = 0  # (scale to zero: requests that waited for a slot to be ready, and how long in all)
         self.held_ticks = 0
-        self.scale_up_period = to_ticks(SCALE_UP_PERIOD_S)
-        self.started: list[int] = []  # the tick of each slot started within the scale-up period
+        self.up_rules = ScalingRules.parse(spec.scale_up_policy, "--scale-up-policy")
+        self.down_rules = ScalingRules.parse(spec.scale_down_policy, "--scale-down-policy")
+        self.changes: list[tuple[int, int]] = []  # (tick, +1 started / -1 drained or called off), for the policies
+        self.policy_period = to_ticks(max(self.up_rules.longest_period_s, self.down_rules.longest_period_s))
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
         self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ)
         self.engines: list = []
@@ -336,8 +348,10 @@ class Autoscaler:
         # within the scale-down window)
         wanted = min(w for t, w in self.wishes if t >= tick - self.up_window)
         keep = max(w for t, w in self.wishes if t >= tick - self.window)
-        if wanted > have:
-            wanted = min(wanted, self._scale_up_limit(tick, have))
+        if wanted > have:  # (HPA's scaling policies: how many it may add, or remove, now)
+            wanted = min(wanted, self._limit(tick, have, up=True))
+        elif keep < have:
+            keep = max(keep, self._limit(tick, have, up=False))
         if wanted > have:
             for r in [r for r in range(spec.max_replicas) if r not in live][:wanted - have]:
                 self._start(r, tick, loads[r])
@@ -352,6 +366,7 @@ class Autoscaler:
                     self.paid[r][-1] = (self.paid[r][-1][0], tick)
                 else:
                     self.draining_since[r] = tick
+                self.changes.append((tick, -1))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "down", "replicas": keep,
                                 "in_flight": in_flight, "values": values})
         self._mark(tick)
@@ -369,16 +384,21 @@ class Autoscaler:
             wanted = math.ceil((ratio if per_replica else have * ratio) - 1e-9)
         return min(spec.max_replicas, max(spec.min_replicas, wanted))
 
-    def _scale_up_limit(self, tick: int, have: int) -> int:
-        """HPA's default scale-up policies: the replicas it had at the period's start (those it
-        has, less the ones started within the last 15 s), plus 4 or doubled, whichever is more."""
-        while self.started and self.started[0] <= tick - self.scale_up_period:
-            self.started.pop(0)
-        base = have - len(self.started)
-        return max(base + SCALE_UP_PODS, 2 * base)
+    def _limit(self, tick: int, have: int, up: bool) -> int:
+        """The most replicas (`up`) or the fewest the scaling policies let `have` go to at `tick`
+        (simkv/replay/autoscale_policy.py), from the changes within each policy's period."""
+        while self.changes and self.changes[0][0] <= tick - self.policy_period:
+            self.changes.pop(0)
+
+        def changes_within(period_s: float) -> tuple[int, int]:
+            since = tick - to_ticks(period_s)
+            recent = [delta for t, delta in self.changes if t > since]
+            return sum(1 for d in recent if d > 0), sum(1 for d in recent if d < 0)
+
+        return (self.up_rules if up else self.down_rules).limit(have, changes_within, up)
 
     def _start(self, r: int, tick: int, in_flight: int) -> None:
-        self.started.append(tick)  # (a replica more, for HPA's scale-up rate, warm or not)
+        self.changes.append((tick, +1))  # (a replica more, for HPA's scaling policies, warm or not)
         drained = self.draining_since[r]
         self.draining_since[r] = None
         if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)

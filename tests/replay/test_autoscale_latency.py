@@ -138,3 +138,76 @@ def test_the_cli_takes_a_latency_metric_and_pd_pools_refuse_it(tmp_path):
         from simkv.replay.disaggregated import DisaggregationSpec
 
         DisaggregationSpec(num_decode=2, decode_autoscale=AutoscaleSpec(1, 2, metric="ttft_p95=1"))
+
+
+# HPA's behavior policies (--scale-up-policy, --scale-down-policy: simkv/replay/autoscale_policy.py)
+
+def test_scaling_policies_parse_and_limit_as_hpa_computes_them():
+    from simkv.replay.autoscale_policy import PolicyError, ScalingRules
+
+    up = ScalingRules.parse("pods=4/15,percent=100/15", "--scale-up-policy")
+    assert str(up) == "pods=4/15;percent=100/15" and up.longest_period_s == 15.0
+    none = lambda period: (0, 0)  # noqa: E731
+    assert up.limit(4, none, up=True) == 8 and up.limit(3, none, up=True) == 7  # (doubled; +4)
+    assert up.limit(3, lambda period: (2, 0), up=True) == 5  # (it had 1 a period ago: 1 + 4)
+    assert ScalingRules.parse("pods=4/15;percent=100/15;select=min", "f").limit(3, none, up=True) == 6
+    assert ScalingRules.parse("disabled", "f").limit(3, none, up=True) == 3
+    down = ScalingRules.parse("pods=1/60", "--scale-down-policy")
+    assert down.limit(4, none, up=False) == 3 and down.limit(3, lambda period: (0, 1), up=False) == 3
+    assert ScalingRules.parse("percent=10/60", "f").limit(4, none, up=False) == 3  # (4 x 0.9, rounded down)
+    assert ScalingRules.parse("percent=100/15", "f").limit(4, none, up=False) == 0
+    both = ScalingRules.parse("pods=1/60;percent=50/60", "f")
+    assert both.limit(4, none, up=False) == 2 and ScalingRules.parse(
+        "pods=1/60;percent=50/60;select=min", "f").limit(4, none, up=False) == 3
+    for text in ("pods=1.5/60", "pods=1", "pods=0/60", "percent=10/0", "percent=10/3600", "replicas=1/60", "select=min",
+                 ""):
+        with pytest.raises(PolicyError, match="--scale-down-policy"):
+            ScalingRules.parse(text, "--scale-down-policy")
+    spec = AutoscaleSpec(1, 4, scale_down_policy="pods=1/60,percent=50/120")
+    assert spec.to_dict()["scale_down_policy"] == "pods=1/60;percent=50/120"
+    assert spec.to_dict()["scale_up_policy"] == "pods=4/15;percent=100/15"
+    assert AutoscaleSpec.of("1-2", {"scale_up_policy": "disabled"}).scale_up_policy == "disabled"
+    with pytest.raises(AutoscaleError, match="--scale-up-policy 'pods=x/15'"):
+        AutoscaleSpec(1, 4, scale_up_policy="pods=x/15")
+
+
+def _steps(events, action):
+    return [(e["time_s"], e["replicas"]) for e in events if e["action"] == action]
+
+
+def test_policies_pace_the_fleet():
+    """pods=1/30 up: one replica at a time, 30 s apart at least; pods=1/60 down: likewise a
+    minute apart; disabled down: the fleet never shrinks."""
+    base = {"interval_s": 15, "cold_start_s": 30, "scale_down_window_s": 60, "target": 8}
+    free = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=AutoscaleSpec(1, 4, **base)))
+    free_events = free.summary["fleet"]["autoscaling"]["events"]
+    assert _steps(free_events, "up")[0][1] == 4  # (unpaced: from one to four at once)
+    spec = AutoscaleSpec(1, 4, scale_up_policy="pods=1/30", scale_down_policy="pods=1/60", **base)
+    paced = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    events = paced.summary["fleet"]["autoscaling"]["events"]
+    ups, downs = _steps(events, "up"), _steps(events, "down")
+    assert len(ups) >= 2 and len(downs) >= 2
+    replicas = 1
+    for e in events:  # (one replica a step, each way)
+        assert abs(e["replicas"] - replicas) == 1
+        replicas = e["replicas"]
+    assert all(b[0] - a[0] >= 30 for a, b in zip(ups, ups[1:]))
+    assert all(b[0] - a[0] >= 60 for a, b in zip(downs, downs[1:]))
+    held = AutoscaleSpec(1, 4, scale_down_policy="disabled", **base)
+    kept = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=held))
+    assert not _steps(kept.summary["fleet"]["autoscaling"]["events"], "down")
+    assert kept.summary["fleet"]["autoscaling"]["gpu_hours"] > free.summary["fleet"]["autoscaling"]["gpu_hours"]
+
+
+def test_the_cli_and_pd_pools_take_policies(tmp_path):
+    out = tmp_path / "r"
+    cli_ok(["replay", "traces/req400.parquet", "--autoscale", "1-3", "--scale-up-policy", "pods=1/60",
+            "--scale-down-policy", "percent=50/60,select=min", "--out", str(out)])
+    scaling = json.loads((out / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert scaling["scale_up_policy"] == "pods=1/60" and scaling["scale_down_policy"] == "percent=50/60;select=min"
+    assert "--scale-down-policy 'pods=1'" in cli_fails(["replay", "traces/req400.parquet", "--autoscale", "1-2",
+                                                        "--scale-down-policy", "pods=1"])
+    from simkv.replay.autoscale import parse_pool
+
+    pool = parse_pool("1-3:scale_down_policy=pods=1/60;percent=10/60", {}, "--decode-autoscale")
+    assert pool.scale_down_policy == "pods=1/60;percent=10/60"
