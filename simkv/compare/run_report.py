@@ -178,6 +178,8 @@ def run_report_html(run_dir: str | Path) -> str:
             charts.append(line_chart([("up", times, np.array([p["ready"] for p in points])),
                                       ("starting", times, np.array([p["starting"] for p in points]))],
                                      title, "time (s)", "replicas", step=True))
+            if (scaling.get("decisions") or {}).get("time_s"):  # (a replay shorter than a decision interval has none)
+                charts.append(_autoscaler_readings(scaling, title))
     fin = requests[requests["status"] == "finished"]
     gaps = load_token_gaps(run_dir, steps)
     classes = summary.get("classes")
@@ -207,6 +209,31 @@ def run_report_html(run_dir: str | Path) -> str:
         body.append(_class_table(classes))
     body.append("<div class='charts'>" + "".join(charts) + "</div>")
     return page(f"simkv replay report ({summary.get('backend')})", body)
+
+
+def _autoscaler_readings(scaling: dict, title: str) -> str:
+    """Each metric as the autoscaler read it at its decisions, over what it aims at (1: on
+    target; a summed gauge over its target times the replicas it had, a latency over its own),
+    beside the replicas its metrics asked for."""
+    from simkv.replay.autoscale import METRICS, AutoscaleSpec
+
+    decisions = scaling["decisions"]
+    times = np.asarray(decisions["time_s"], dtype=float)
+    have = np.asarray(decisions["replicas"], dtype=float)
+    targets = AutoscaleSpec(1, 2, target=scaling["target"], metric=scaling.get("metric", "in_flight")).targets
+    series = []
+    for name, target in targets:
+        values = np.array([np.nan if v is None else v for v in decisions.get(name, [])], dtype=float)
+        aim = target * have if name in METRICS else np.full(len(values), target)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = values / aim
+        ok = np.isfinite(ratio)
+        series.append((f"{name} / target", times[ok], ratio[ok]))
+    series.append(("on target", times[[0, -1]], np.ones(2)))
+    readings = line_chart(series, f"{title}: metrics at each decision", "time (s)", "reading / target", step=True)
+    wanted = line_chart([("asked for", times, np.asarray(decisions["wanted"], dtype=float)), ("had", times, have)],
+                        f"{title}: replicas asked for at each decision", "time (s)", "replicas", step=True)
+    return readings + wanted
 
 
 TTFT_WINDOWS = 60  # the TTFT-over-time chart's windows of arrival time

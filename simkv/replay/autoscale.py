@@ -253,6 +253,9 @@ class Autoscaler:
         self.paid: list[list[tuple[int, int | None]]] = [[(0, None)] if r < spec.min_replicas else [] for r in range(n)]
         self.wishes: list[tuple[int, int]] = []  # (tick, replicas wanted) within the window
         self.events: list[dict] = []
+        # every decision: its instant, the replicas it had, the wish of its metrics, their readings
+        self.decisions: dict[str, list] = {"time_s": [], "replicas": [], "wanted": []} | {
+            name: [] for name, _ in spec.targets}
         self.timeline: list[tuple[int, int, int]] = [(0, spec.min_replicas, 0)]  # (tick, ready, starting)
         self.held = 0  # (scale to zero: requests that waited for a slot to be ready, and how long in all)
         self.held_ticks = 0
@@ -341,6 +344,7 @@ class Autoscaler:
         wishes = [self._recommend(values[name], target, have, per_replica=name in METRICS)
                   for name, target in spec.targets if values[name] is not None]
         wanted = max(wishes) if wishes else min(spec.max_replicas, max(spec.min_replicas, have))
+        self._record(tick, have, wanted, values)
         self.wishes.append((tick, wanted))
         while self.wishes and self.wishes[0][0] < tick - max(self.window, self.up_window):
             self.wishes.pop(0)
@@ -370,6 +374,14 @@ class Autoscaler:
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "down", "replicas": keep,
                                 "in_flight": in_flight, "values": values})
         self._mark(tick)
+
+    def _record(self, tick: int, have: int, wanted: int, values: dict) -> None:
+        decisions = self.decisions
+        decisions["time_s"].append(tick / TICKS_PER_SECOND)
+        decisions["replicas"].append(have)
+        decisions["wanted"].append(wanted)
+        for name, value in values.items():
+            decisions[name].append(value)
 
     def _recommend(self, value: float, target: float, have: int, per_replica: bool = True) -> int:
         """The replicas `value` asks for, within [MIN, MAX]. A metric summed over the replicas
@@ -472,6 +484,7 @@ class Autoscaler:
             "held_requests": self.held,
             "mean_hold_s": self.held_ticks / self.held / TICKS_PER_SECOND if self.held else 0.0,
             "events": self.events,
+            "decisions": self.decisions,
             "timeline": [{"time_s": t / TICKS_PER_SECOND, "ready": ready, "starting": starting}
                          for t, ready, starting in self.timeline]}
 

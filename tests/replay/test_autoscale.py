@@ -93,7 +93,9 @@ def test_the_cli_scales_and_says_so(tmp_path):
                    "--router", "least_outstanding", "--max-model-len", "4096", "--out", str(tmp_path / "r")])
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["fleet"]["num_replicas"] == 3 and summary["fleet"]["autoscaling"]["cold_start_s"] == 30.0
-    assert "autoscaling" in text and "Autoscaled replicas" in (tmp_path / "r" / "report.html").read_text()
+    report = (tmp_path / "r" / "report.html").read_text()
+    assert "autoscaling" in text and "Autoscaled replicas" in report
+    assert "Autoscaled replicas: metrics at each decision" in report and "in_flight / target" in report
     assert "paid" in text.split("per replica")[-1]  # (the replica table's column)
     (tmp_path / "f.yaml").write_text("autoscale: 1-3\ncold_start_s: 30\n")
     cli_ok(["replay", str(trace), "--config", str(tmp_path / "f.yaml"), "--max-model-len", "4096", "--out",

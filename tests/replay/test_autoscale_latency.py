@@ -91,11 +91,20 @@ def test_a_latency_target_scales_the_fleet_as_the_requests_table_says(options):
     first = requests["first_token_time_s"].to_numpy()
     ttft = first - requests["arrival_time_s"].to_numpy()
     bounds = BUCKETS["ttft"]
-    for event in events:
-        t = event["time_s"]
+    decisions = scaling["decisions"]  # (every decision, 15 s apart, with what it read)
+    assert np.allclose(np.diff(decisions["time_s"]), 15.0) and decisions["time_s"][0] == 15.0
+    assert len(decisions["time_s"]) == len(decisions["ttft_p95"]) == len(decisions["wanted"]) > 50
+    for t, value, have, wanted in zip(decisions["time_s"], decisions["ttft_p95"], decisions["replicas"],
+                                      decisions["wanted"]):
         seen = ttft[(first < t) & (first > t - 60.0)]
         counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
-        assert event["values"]["ttft_p95"] == pytest.approx(histogram_quantile(0.95, bounds, counts), rel=1e-9)
+        expected = histogram_quantile(0.95, bounds, counts)
+        assert value == (None if expected is None else pytest.approx(expected, rel=1e-9))
+        if expected is not None and abs(expected / 0.3 - 1) > 0.1:  # (outside the tolerance: HPA's Value rule)
+            assert wanted == min(4, max(1, math.ceil(have * expected / 0.3 - 1e-9)))
+    for event in events:
+        i = decisions["time_s"].index(event["time_s"])
+        assert event["values"]["ttft_p95"] == decisions["ttft_p95"][i]
     up = events[0]
     assert up["values"]["ttft_p95"] > 0.3 * 1.1 and up["replicas"] == min(4, math.ceil(up["values"]["ttft_p95"] / 0.3))
     again = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
@@ -132,6 +141,7 @@ def test_the_cli_takes_a_latency_metric_and_pd_pools_refuse_it(tmp_path):
     scaling = json.loads((out / "summary.json").read_text())["fleet"]["autoscaling"]
     assert scaling["metric"] == "ttft_p99" and scaling["target"] == 0.5 and scaling["latency_window_s"] == 30.0
     assert "(p99 time to first token 0.5 s, cold start 120 s)" in " ".join(result.replace("│", " ").split())
+    assert scaling["decisions"]["time_s"] == [] and "at each decision" not in (out / "report.html").read_text()
     assert "a latency aims at a number of seconds" in cli_fails(
         ["replay", "traces/req400.parquet", "--autoscale", "1-2", "--autoscale-metric", "e2e_p95"])
     with pytest.raises(ConfigError, match="latency metrics \\(ttft_p95\\) scale a fleet"):
