@@ -40,8 +40,9 @@ def disaggregation_options(command):
         click.option("--prefill-autoscale", default=None, metavar="MIN-MAX[:KEY=VALUE,...]",
                      help="P/D: the prefill pool scales with its load (simkv/replay/autoscale.py), e.g. "
                           "1-4:metric=waiting,target=2; KEY: metric, target, tolerance, interval_s, cold_start_s, "
-                          "scale_down_window_s (several metrics: metric=waiting=2;kv_usage=0.7); the --autoscale-* "
-                          "and --cold-start-s flags set both pools' defaults."),
+                          "scale_down_window_s, scale_up_policy, ... (several metrics: metric=waiting=2;kv_usage=0.7; "
+                          "or the prefill replicas' own TTFT: metric=ttft_p95=0.5); the --autoscale-*, --cold-start-s "
+                          "and --scale-*-policy flags set both pools' defaults."),
         click.option("--decode-autoscale", default=None, metavar="MIN-MAX[:KEY=VALUE,...]",
                      help="P/D: the decode pool scales with its load, as --prefill-autoscale "
                           "(e.g. 2-8:metric=kv_usage,target=0.7)."),

@@ -46,7 +46,7 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics of P/D pools,
+each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics of a P/D decode pool,
 Prometheus' scrape delay, pods that fail to start.
 """
 

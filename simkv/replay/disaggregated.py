@@ -108,10 +108,11 @@ class DisaggregationSpec:
                                   "pool: MIN must be >= 1")
             if getattr(self, f"{pool}_class_replicas"):
                 raise ConfigError(f"{pool} pool: a class's own replicas are not modelled in a pool that scales")
-            if scaling.latency_targets:
-                raise ConfigError(f"{pool} pool: latency metrics ({', '.join(n for n, _ in scaling.latency_targets)}) "
-                                  "scale a fleet (--autoscale), not a P/D pool: scale it on in_flight, waiting, "
-                                  "running or kv_usage")
+            latencies = [name for name, _ in scaling.latency_targets]
+            if latencies and (pool == "decode" or any(not name.startswith("ttft_") for name in latencies)):
+                raise ConfigError(f"{pool} pool: {', '.join(latencies)}: of the latency metrics only the prefill "
+                                  "pool's time to first token is modelled (ttft_pQ, its own replicas' histogram); "
+                                  "scale the decode pool on in_flight, waiting, running or kv_usage")
 
     @property
     def class_names(self) -> list[str]:

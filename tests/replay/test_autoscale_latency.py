@@ -144,10 +144,35 @@ def test_the_cli_takes_a_latency_metric_and_pd_pools_refuse_it(tmp_path):
     assert scaling["decisions"]["time_s"] == [] and "at each decision" not in (out / "report.html").read_text()
     assert "a latency aims at a number of seconds" in cli_fails(
         ["replay", "traces/req400.parquet", "--autoscale", "1-2", "--autoscale-metric", "e2e_p95"])
-    with pytest.raises(ConfigError, match="latency metrics \\(ttft_p95\\) scale a fleet"):
-        from simkv.replay.disaggregated import DisaggregationSpec
+    from simkv.replay.disaggregated import DisaggregationSpec
 
-        DisaggregationSpec(num_decode=2, decode_autoscale=AutoscaleSpec(1, 2, metric="ttft_p95=1"))
+    for kwargs in ({"num_decode": 2, "decode_autoscale": AutoscaleSpec(1, 2, metric="ttft_p95=1")},
+                   {"num_prefill": 2, "prefill_autoscale": AutoscaleSpec(1, 2, metric="e2e_p95=1")}):
+        with pytest.raises(ConfigError, match="only the prefill pool's time to first token is modelled"):
+            DisaggregationSpec(**kwargs)
+
+
+def test_a_prefill_pool_scales_on_its_own_time_to_first_token():
+    """--prefill-autoscale 1-2:metric=ttft_p95=S: the prefill replicas' own TTFT histogram (from
+    arrival to the one token they sample: requests.parquet's prefill_end_time_s)."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    spec = DisaggregationSpec(num_prefill=2, num_decode=2, prefill_autoscale=AutoscaleSpec(
+        1, 2, metric="ttft_p95=0.2", interval_s=15, cold_start_s=30, scale_down_window_s=60))
+    result = replay(bursts(), CONFIG, disaggregation=spec)
+    scaling = result.summary["disaggregation"]["prefill"]["autoscaling"]
+    assert any(e["action"] == "up" for e in scaling["events"])
+    requests = result.requests
+    first = requests["prefill_end_time_s"].to_numpy()
+    ttft = first - requests["arrival_time_s"].to_numpy()
+    bounds = BUCKETS["ttft"]
+    decisions = scaling["decisions"]
+    assert len(decisions["time_s"]) > 20
+    for t, value in zip(decisions["time_s"], decisions["ttft_p95"]):
+        seen = ttft[(first < t) & (first > t - 60.0)]
+        counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
+        expected = histogram_quantile(0.95, bounds, counts)
+        assert value == (None if expected is None else pytest.approx(expected, rel=1e-9))
 
 
 # HPA's behavior policies (--scale-up-policy, --scale-down-policy: simkv/replay/autoscale_policy.py)
