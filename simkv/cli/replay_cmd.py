@@ -329,7 +329,7 @@ def fleet_options(command):
                      help="With --autoscale: what it scales on, as vLLM's gauges report it: in_flight (requests "
                           "running + waiting), waiting or running (vLLM's num_requests_waiting / _running), "
                           "kv_usage (kv_cache_usage_perc, 0-1); or a percentile of vLLM's latency histograms "
-                          "over the fleet, its target in seconds: ttft_pQ or e2e_pQ (e.g. ttft_p95=2); several "
+                          "over the fleet, its target in seconds: ttft_pQ, e2e_pQ or itl_pQ (e.g. ttft_p95=2); several "
                           "with their targets, e.g. waiting=5,kv_usage=0.7: the largest recommendation wins, as "
                           "HPA's [default: in_flight]."),
         click.option("--autoscale-target", type=float, default=None, metavar="N",
@@ -355,7 +355,7 @@ def fleet_options(command):
                           "pods=1/60 (one replica a minute) [default: percent=100/15: anything at once, after the "
                           "stabilisation window]."),
         click.option("--autoscale-latency-window-s", type=float, default=None, metavar="S",
-                     help="With --autoscale on a latency (ttft_pQ, e2e_pQ): the seconds of observations its "
+                     help="With --autoscale on a latency (ttft_pQ, e2e_pQ, itl_pQ): the seconds of observations its "
                           "percentile reads, the range of the Prometheus query's rate() [default: 60]."),
         click.option("--scale-up-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: replicas are started only as far as every decision over this window "

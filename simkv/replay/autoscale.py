@@ -11,8 +11,8 @@ The metrics (`metric`):
   that instant), what vLLM's `num_requests_running` + `num_requests_waiting` add up to;
 - `waiting` (5), `running` (8): vLLM's `num_requests_waiting` or `num_requests_running` alone;
 - `kv_usage` (0.5): vLLM's `kv_cache_usage_perc`, the share of the usable KV blocks in use.
-- `ttft_pQ`, `e2e_pQ` (a target in seconds, no default): the Q-th percentile of vLLM's
-  time-to-first-token or end-to-end latency histogram over the fleet's last minute
+- `ttft_pQ`, `e2e_pQ`, `itl_pQ` (a target in seconds, no default): the Q-th percentile of
+  vLLM's time-to-first-token, end-to-end or inter-token latency histogram over the fleet's last minute
   (simkv/replay/autoscale_latency.py), an HPA Value target: it wants ceil(replicas * value /
   target); with no observation in that minute it recommends nothing.
 Several metrics, each with its target (`waiting=5,kv_usage=0.7`), as an HPA with several: each
@@ -46,7 +46,8 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: GPU utilisation (DCGM's), latency metrics of a P/D decode pool,
+each slot's GPUs. Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its
+own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism,
 Prometheus' scrape delay, pods that fail to start.
 """
 
@@ -77,7 +78,8 @@ TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy")  # 
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
            "kv_usage": (0.5, "KV-cache usage")}
 GAUGES = ("running", "waiting", "kv_usage")  # (read from the engines' step logs)
-LATENCY_METRICS = "ttft_pQ, e2e_pQ"  # (a percentile of vLLM's latency histograms: simkv/replay/autoscale_latency.py)
+# a percentile of vLLM's latency histograms (simkv/replay/autoscale_latency.py)
+LATENCY_METRICS = "ttft_pQ, e2e_pQ, itl_pQ"
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,8 @@ class AutoscaleSpec:
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
         for name in ("scale_up_policy", "scale_down_policy"):
             try:  # (written as HPA would list them)
-                object.__setattr__(self, name, str(ScalingRules.parse(getattr(self, name), "--" + name.replace("_", "-"))))
+                rules = ScalingRules.parse(getattr(self, name), "--" + name.replace("_", "-"))
+                object.__setattr__(self, name, str(rules))
             except PolicyError as exc:
                 raise AutoscaleError(str(exc)) from None
         if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
@@ -264,7 +267,7 @@ class Autoscaler:
         self.changes: list[tuple[int, int]] = []  # (tick, +1 started / -1 drained or called off), for the policies
         self.policy_period = to_ticks(max(self.up_rules.longest_period_s, self.down_rules.longest_period_s))
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
-        self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ)
+        self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ, itl_pQ)
         self.engines: list = []
         self.router = None
         self.renew: set[int] = set()  # slots started anew whose engine still held blocks then (P/D pulls)
@@ -280,8 +283,10 @@ class Autoscaler:
             self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
                            for engine in engines]
         if self.spec.latency_targets:
-            self.latency = LatencyWatch({latency_metric(name)[0] for name, _ in self.spec.latency_targets},
-                                        self.spec.latency_window_s, held)
+            kinds = {latency_metric(name)[0] for name, _ in self.spec.latency_targets}
+            if "itl" in kinds and any(engine.scheduler.pipeline_gaps is not None for engine in engines):
+                raise ValueError("--autoscale-metric itl_pQ is not modelled with pipeline parallelism yet")
+            self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines)
             for engine in engines:
                 engine.latency_watch = self.latency
 

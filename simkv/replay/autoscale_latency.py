@@ -6,7 +6,13 @@ adapter computes it:
 
 - `ttft_pQ`: vLLM's `time_to_first_token_seconds`, observed when a request's first token is
   sampled (each sequence of a parallel-sampling request), from its arrival at the server;
-- `e2e_pQ`: `e2e_request_latency_seconds`, observed when a request (a sequence) finishes.
+- `e2e_pQ`: `e2e_request_latency_seconds`, observed when a request (a sequence) finishes;
+- `itl_pQ`: `inter_token_latency_seconds`, one observation per request per step that sampled
+  its next token: the gap since its previous one. Read from each replica's step log and
+  scheduler as token_gaps.parquet counts them (results.itl_samples): a step closes its
+  `num_decode_tokens` gaps of its own duration, less the steady decoders it resumed, whose gaps
+  (and every other irregular one: a preempted request's, a token after a stall) run from the end
+  of the step of the previous token to the end of the step of this one.
 
 Each observation falls into vLLM's default buckets for its histogram (an upper bound `le` it
 does not exceed); the query counts the observations of the last `window_s` seconds (the
@@ -21,8 +27,10 @@ clock for it starts once a replica is ready.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import re
+from collections import Counter
 
 from simkv.clock import TICKS_PER_SECOND
 
@@ -32,9 +40,10 @@ BUCKETS = {
              40.0, 80.0, 160.0, 640.0, 2560.0),
     "e2e": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
             960.0, 1920.0, 7680.0),
+    "itl": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 }
-HISTOGRAMS = {"ttft": "time to first token", "e2e": "end-to-end latency"}
-_NAME = re.compile(r"(ttft|e2e)_p(\d+(?:\.\d+)?)")
+HISTOGRAMS = {"ttft": "time to first token", "e2e": "end-to-end latency", "itl": "inter-token latency"}
+_NAME = re.compile(r"(ttft|e2e|itl)_p(\d+(?:\.\d+)?)")
 
 
 def latency_metric(name: str) -> tuple[str, float] | None:
@@ -68,10 +77,12 @@ class LatencyWatch:
     """The fleet's latency observations, (tick, seconds) per histogram, fed by its engines
     (ReplayEngine.latency_watch) and read by the autoscaler at its decision instants."""
 
-    def __init__(self, kinds, window_s: float, held: dict[int, int] | None = None) -> None:
+    def __init__(self, kinds, window_s: float, held: dict[int, int] | None = None, engines=()) -> None:
         self.window = max(1, math.ceil(window_s * TICKS_PER_SECOND))
-        self.samples: dict[str, list[tuple[int, float]]] = {kind: [] for kind in kinds}  # sorted by tick
+        # (tick, seconds, observations) sorted by tick
+        self.samples: dict[str, list[tuple[int, float, int]]] = {kind: [] for kind in kinds}
         self.held = held if held is not None else {}  # (scale to zero: row -> tick its replica is ready)
+        self.gaps = [StepGaps(engine) for engine in engines] if "itl" in self.samples else []
 
     def _observe(self, kind: str, tick: int, request, times: int = 1) -> None:
         samples = self.samples.get(kind)
@@ -81,9 +92,7 @@ class LatencyWatch:
         held = self.held.get(request.index)
         if held is not None:
             start = max(start, held / TICKS_PER_SECOND)
-        sample = (tick, max(0.0, tick / TICKS_PER_SECOND - start))
-        for _ in range(times):
-            bisect.insort(samples, sample)
+        bisect.insort(samples, (tick, max(0.0, tick / TICKS_PER_SECOND - start), times))
 
     def first_tokens(self, out, tick: int) -> None:
         """After step `out`'s output, at `tick`: the requests whose first token it sampled."""
@@ -102,12 +111,55 @@ class LatencyWatch:
         """The q-quantile of `kind` over the window before `tick` (None: no observation). Asked at
         ticks that never decrease: the samples before the window are dropped."""
         samples = self.samples[kind]
+        for source in self.gaps if kind == "itl" else ():  # (the gaps of the steps ended since the last query)
+            for sample in source.read_until(tick):
+                bisect.insort(samples, sample)
         first = bisect.bisect_right(samples, (tick - self.window, math.inf))
         del samples[:first]
         bounds = BUCKETS[kind]
         counts = [0] * (len(bounds) + 1)
-        for sample_tick, seconds in samples:
+        for sample_tick, seconds, times in samples:
             if sample_tick >= tick:
                 break
-            counts[bisect.bisect_left(bounds, seconds)] += 1
+            counts[bisect.bisect_left(bounds, seconds)] += times
         return histogram_quantile(q, bounds, counts)
+
+
+class StepGaps:
+    """One replica's inter-token gaps in time order, from its step log and scheduler (the
+    sources of results.itl_samples), read as its steps end."""
+
+    def __init__(self, engine) -> None:
+        self.steps, self.scheduler = engine.steps, engine.scheduler
+        self.cursor = (0, 0)  # (StepLog.ended_steps': the steps read)
+        self.resumed: Counter = Counter()  # step -> steady decoders resumed in it (their gaps are irregular)
+        self.resumed_read = 0
+        self.irregular: list[tuple[int, int]] = []  # heap of (token step, previous token step) not yet ended
+        self.irregular_read = 0
+
+    def read_until(self, tick: int) -> list[tuple[int, float, int]]:
+        """The gaps closed by the steps that ended strictly before `tick` and after the last
+        call: (tick, seconds, how many) each."""
+        sched, steps = self.scheduler, self.steps
+        resumed = sched.resumed_steps
+        self.resumed.update(resumed[self.resumed_read:])
+        self.resumed_read = len(resumed)
+        irregular = sched.irregular_gaps
+        for previous, step in irregular[self.irregular_read:]:
+            heapq.heappush(self.irregular, (step, previous))
+        self.irregular_read = len(irregular)
+        ended, self.cursor = steps.ended_steps(self.cursor, tick)
+        out = []
+        for step, end, ticks, gaps in ended:
+            gaps -= self.resumed.pop(step, 0)
+            if gaps > 0:
+                out.append((end, ticks / TICKS_PER_SECOND, gaps))
+        while self.irregular:
+            step, previous = self.irregular[0]
+            end = steps.end_tick(step)
+            if end is None or end >= tick:
+                break
+            heapq.heappop(self.irregular)
+            start = steps.end_tick(previous) if previous >= 0 else 0
+            out.append((end, (end - start) / TICKS_PER_SECOND, 1))
+        return out

@@ -108,11 +108,12 @@ class DisaggregationSpec:
                                   "pool: MIN must be >= 1")
             if getattr(self, f"{pool}_class_replicas"):
                 raise ConfigError(f"{pool} pool: a class's own replicas are not modelled in a pool that scales")
+            own = "ttft_" if pool == "prefill" else "itl_"  # (the latency each pool's replicas measure alone)
             latencies = [name for name, _ in scaling.latency_targets]
-            if latencies and (pool == "decode" or any(not name.startswith("ttft_") for name in latencies)):
-                raise ConfigError(f"{pool} pool: {', '.join(latencies)}: of the latency metrics only the prefill "
-                                  "pool's time to first token is modelled (ttft_pQ, its own replicas' histogram); "
-                                  "scale the decode pool on in_flight, waiting, running or kv_usage")
+            if any(not name.startswith(own) for name in latencies):
+                raise ConfigError(f"{pool} pool: {', '.join(latencies)}: a P/D pool scales on the latency its own "
+                                  "replicas measure: the prefill pool on its time to first token (ttft_pQ), the "
+                                  "decode pool on its inter-token latency (itl_pQ)")
 
     @property
     def class_names(self) -> list[str]:

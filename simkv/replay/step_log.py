@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right
 from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
@@ -117,6 +119,36 @@ class StepLog:
         if done == 0:  # (the first segment, not yet through its first step)
             return 0, 0, 0
         return row[12], row[13], row[2] + sum(self._alloc_counts[first:first + done])
+
+    def ended_steps(self, cursor: tuple[int, int], tick: int) -> tuple[list[tuple[int, int, int, int]], tuple[int, int]]:
+        """The steps after `cursor` (a segment, and how many of its steps were read) that ended
+        strictly before `tick`, in order: (step, end tick, ticks, num_decode_tokens) each; and
+        the cursor after them."""
+        rows = self._rows
+        seg, done = cursor
+        out = []
+        while seg < len(rows):
+            row = rows[seg]
+            start, length = row[4], row[1]
+            ended = length if start + _segment_ticks(row, length) < tick else _steps_before(row, tick - start)
+            before = _segment_ticks(row, done)
+            for j in range(done, ended):
+                after = _segment_ticks(row, j + 1)
+                out.append((row[0] + j, start + after, after - before, row[15]))
+                before = after
+            if ended < length:
+                return out, (seg, ended)
+            seg, done = seg + 1, 0
+        return out, (seg, done)
+
+    def end_tick(self, step: int) -> int | None:
+        """When step number `step` ended (None: not logged yet)."""
+        rows = self._rows
+        seg = bisect_right(rows, step, key=itemgetter(0)) - 1
+        if seg < 0 or step >= rows[seg][0] + rows[seg][1]:
+            return None
+        row = rows[seg]
+        return row[4] + _segment_ticks(row, step - row[0] + 1)
 
     def columns(self) -> dict[str, np.ndarray]:
         if self._columns is not None:

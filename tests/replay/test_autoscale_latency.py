@@ -33,7 +33,8 @@ def test_metric_names():
     assert latency_metric("ttft_p95") == ("ttft", 0.95)
     assert latency_metric("e2e_p99.9") == ("e2e", pytest.approx(0.999))
     assert latency_metric("ttft_p100") is None and latency_metric("ttft_p0") is None
-    assert latency_metric("ttft95") is None and latency_metric("itl_p95") is None
+    assert latency_metric("ttft95") is None and latency_metric("tpot_p95") is None
+    assert latency_metric("itl_p90") == ("itl", 0.9)
     spec = AutoscaleSpec(1, 4, metric="ttft_p95=2,waiting=5")
     assert spec.targets == (("ttft_p95", 2.0), ("waiting", 5.0)) and spec.latency_targets == (("ttft_p95", 2.0),)
     assert AutoscaleSpec(1, 4, metric="e2e_p90", target=30).targets == (("e2e_p90", 30.0),)
@@ -42,7 +43,7 @@ def test_metric_names():
     for kwargs, message in (
             ({"metric": "ttft_p95"}, "a latency aims at a number of seconds; give it, e.g. ttft_p95=2"),
             ({"metric": "ttft_p100=2"}, "ttft_pQ, e2e_pQ"),
-            ({"metric": "itl_p95=0.1"}, "expected one of in_flight, running, waiting, kv_usage, ttft_pQ"),
+            ({"metric": "tpot_p95=0.1"}, "expected one of in_flight, running, waiting, kv_usage, ttft_pQ"),
             ({"metric": "e2e_p95=0"}, "must be a number > 0"),
             ({"metric": "ttft_p95=2", "latency_window_s": 0}, "--autoscale-latency-window-s must be a number")):
         with pytest.raises(AutoscaleError, match=message):
@@ -148,7 +149,7 @@ def test_the_cli_takes_a_latency_metric_and_pd_pools_refuse_it(tmp_path):
 
     for kwargs in ({"num_decode": 2, "decode_autoscale": AutoscaleSpec(1, 2, metric="ttft_p95=1")},
                    {"num_prefill": 2, "prefill_autoscale": AutoscaleSpec(1, 2, metric="e2e_p95=1")}):
-        with pytest.raises(ConfigError, match="only the prefill pool's time to first token is modelled"):
+        with pytest.raises(ConfigError, match="a P/D pool scales on the latency its own replicas measure"):
             DisaggregationSpec(**kwargs)
 
 
@@ -246,3 +247,67 @@ def test_the_cli_and_pd_pools_take_policies(tmp_path):
 
     pool = parse_pool("1-3:scale_down_policy=pods=1/60;percent=10/60", {}, "--decode-autoscale")
     assert pool.scale_down_policy == "pods=1/60;percent=10/60"
+
+
+def _gap_multiset(values, weights) -> dict:
+    out: dict = {}
+    for v, w in zip(np.asarray(values, dtype=float).tolist(), np.asarray(weights).tolist()):
+        if w:
+            key = round(v, 12)
+            out[key] = out.get(key, 0) + int(w)
+    return out
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"async_scheduling": True}, {"num_gpu_blocks": 400},
+    {"speculative_method": "ngram", "num_speculative_tokens": 3}])
+def test_inter_token_gaps_read_as_steps_end_are_those_of_token_gaps_parquet(options):
+    """itl_pQ's observations (StepGaps), read a slice of time at a time, are the run's token gaps
+    (results.itl_samples, token_gaps.parquet), each read once its step has ended."""
+    from simkv.replay.autoscale_latency import StepGaps
+    from simkv.replay.results import itl_samples
+
+    config = EngineConfig.from_flat({"max_model_len": 4096, **options})
+    result = replay(bursts(), config)
+    run = result.run
+    if "num_gpu_blocks" in options:
+        assert result.summary["num_preemptions"] > 0 and run.scheduler.irregular_gaps  # (gaps across preemptions)
+    gaps = StepGaps(run)
+    read = []
+    end = int(result.summary["duration_s"] * TICKS_PER_SECOND) + 2
+    for tick in list(range(0, end, 7 * TICKS_PER_SECOND)) + [end]:
+        batch = gaps.read_until(tick)
+        assert all(t < tick for t, _, _ in batch)
+        read += batch
+    assert gaps.read_until(end + 1) == []
+    values, weights = itl_samples(run)
+    assert _gap_multiset([s for _, s, _ in read], [n for _, _, n in read]) == _gap_multiset(values, weights)
+
+
+def test_an_itl_target_reads_every_replicas_gaps_of_the_last_window():
+    from simkv.replay.autoscale_latency import StepGaps
+
+    spec = AutoscaleSpec(1, 3, metric="itl_p95=0.03", interval_s=15, cold_start_s=30, scale_down_window_s=60)
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(3, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    assert any(e["action"] == "up" for e in scaling["events"]) and any(e["action"] == "down" for e in scaling["events"])
+    samples = [s for run in result.fleet_runs for s in StepGaps(run).read_until(2**62)]
+    ticks = np.array([t for t, _, _ in samples])
+    seconds = np.array([s for _, s, _ in samples])
+    times = np.array([n for _, _, n in samples])
+    bounds = BUCKETS["itl"]
+    decisions = scaling["decisions"]
+    for t, value in zip(decisions["time_s"], decisions["itl_p95"]):
+        tick = int(t * TICKS_PER_SECOND)
+        seen = (ticks < tick) & (ticks > tick - 60 * TICKS_PER_SECOND)
+        counts = np.bincount(np.searchsorted(bounds, seconds[seen], side="left"), weights=times[seen],
+                             minlength=len(bounds) + 1).astype(int).tolist()
+        expected = histogram_quantile(0.95, bounds, counts)
+        assert value == (None if expected is None else pytest.approx(expected, rel=1e-9))
+    pd_spec = AutoscaleSpec(1, 2, metric="itl_p95=0.03")
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    DisaggregationSpec(num_decode=2, decode_autoscale=pd_spec)  # (the decode pool's own latency: taken)
+    with pytest.raises(ValueError, match="itl_pQ is not modelled with pipeline parallelism"):
+        replay(bursts(), EngineConfig.from_flat({"max_model_len": 4096, "pipeline_parallel_size": 2}),
+               fleet=FleetSpec(3, autoscale=spec))
