@@ -64,15 +64,17 @@ OPTIONS = [
                                  ["--autoscale-metric", r.choice(["waiting", "running", "kv_usage"]),
                                   "--autoscale-target", r.choice(["0.05", "1"])],
                                  ["--autoscale-metric", "waiting=1,kv_usage=0.05,in_flight=2"],
-                                 ["--autoscale-metric", r.choice(["ttft_p95=0.05", "e2e_p50=1", "ttft_p99=0.2,waiting=2"]),
+                                 ["--autoscale-metric", r.choice(["ttft_p95=0.05", "e2e_p50=1", "ttft_p99=0.2,waiting=2", "itl_p95=0.02"]),
                                   "--autoscale-latency-window-s", r.choice(["5", "60"])]]),
                       *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]]),
                       *r.choice([[], ["--scale-up-window-s", r.choice(["0", "10"])]]),
                       *r.choice([[], ["--scale-up-policy", r.choice(["pods=1/5", "percent=50/10,select=min", "disabled"])],
                                  ["--scale-down-policy", r.choice(["pods=1/5", "percent=10/20;pods=2/5", "disabled"])]])]),
     (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],
-                               ["--prefill-autoscale", "1-2:interval_s=2,cold_start_s=1,scale_down_window_s=4",
-                                "--decode-autoscale", r.choice(["1-2:target=1", "1-3:metric=kv_usage=0.05;running=2"])
+                               ["--prefill-autoscale", r.choice(["1-2", "1-2:metric=ttft_p90=0.05"])
+                                + ":interval_s=2,cold_start_s=1,scale_down_window_s=4",
+                                "--decode-autoscale", r.choice(["1-2:target=1", "1-3:metric=kv_usage=0.05;running=2",
+                                                                "1-2:metric=itl_p95=0.02"])
                                 + ",interval_s=3,cold_start_s=0,scale_down_window_s=0"]])
      + r.choice([[], ["--prefill-router", "session_affinity"]])),
     (0.08, ["-pp", "2"]),
