@@ -19,6 +19,16 @@ from tests.cli_runs import cli_fails, cli_ok
 from tests.replay.test_autoscale import CONFIG, bursts
 
 
+def _expected(q: float, kind: str, seconds, weights=None):
+    """What histogram_quantile reads from these observations in vLLM's buckets for `kind`,
+    pytest.approx'd (None: no observation)."""
+    bounds = BUCKETS[kind]
+    counts = np.bincount(np.searchsorted(bounds, np.asarray(seconds, dtype=float), side="left"), weights=weights,
+                         minlength=len(bounds) + 1).astype(int).tolist()
+    value = histogram_quantile(q, bounds, counts)
+    return None if value is None else pytest.approx(value, rel=1e-9)
+
+
 def test_histogram_quantile_interpolates_within_the_bucket_as_prometheus_does():
     bounds = (1.0, 2.0, 4.0)
     assert histogram_quantile(0.5, bounds, [2, 2, 0, 0]) == pytest.approx(1.0)  # (rank 2: the first bucket's top)
@@ -91,18 +101,15 @@ def test_a_latency_target_scales_the_fleet_as_the_requests_table_says(options):
     requests = result.requests
     first = requests["first_token_time_s"].to_numpy()
     ttft = first - requests["arrival_time_s"].to_numpy()
-    bounds = BUCKETS["ttft"]
     decisions = scaling["decisions"]  # (every decision, 15 s apart, with what it read)
     assert np.allclose(np.diff(decisions["time_s"]), 15.0) and decisions["time_s"][0] == 15.0
     assert len(decisions["time_s"]) == len(decisions["ttft_p95"]) == len(decisions["wanted"]) > 50
     for t, value, have, wanted in zip(decisions["time_s"], decisions["ttft_p95"], decisions["replicas"],
                                       decisions["wanted"]):
-        seen = ttft[(first < t) & (first > t - 60.0)]
-        counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
-        expected = histogram_quantile(0.95, bounds, counts)
-        assert value == (None if expected is None else pytest.approx(expected, rel=1e-9))
-        if expected is not None and abs(expected / 0.3 - 1) > 0.1:  # (outside the tolerance: HPA's Value rule)
-            assert wanted == min(4, max(1, math.ceil(have * expected / 0.3 - 1e-9)))
+        expected = _expected(0.95, "ttft", ttft[(first < t) & (first > t - 60.0)])
+        assert value == expected
+        if value is not None and abs(value / 0.3 - 1) > 0.1:  # (outside the tolerance: HPA's Value rule)
+            assert wanted == min(4, max(1, math.ceil(have * value / 0.3 - 1e-9)))
     for event in events:
         i = decisions["time_s"].index(event["time_s"])
         assert event["values"]["ttft_p95"] == decisions["ttft_p95"][i]
@@ -121,13 +128,10 @@ def test_e2e_latency_and_a_quiet_minute_recommend_nothing():
     requests = result.requests
     finish = requests["finish_time_s"].to_numpy()
     e2e = finish - requests["arrival_time_s"].to_numpy()
-    bounds = BUCKETS["e2e"]
     assert events
     for event in events:
         t = event["time_s"]
-        seen = e2e[(finish < t) & (finish > t - 15.0)]
-        counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
-        assert event["values"]["e2e_p90"] == pytest.approx(histogram_quantile(0.9, bounds, counts), rel=1e-9)
+        assert event["values"]["e2e_p90"] == _expected(0.9, "e2e", e2e[(finish < t) & (finish > t - 15.0)])
     scaler = Autoscaler(AutoscaleSpec(1, 3, metric="e2e_p90=5"))
     scaler.watch([], held=None)
     scaler.ready_at = [0, 0, None]
@@ -166,14 +170,10 @@ def test_a_prefill_pool_scales_on_its_own_time_to_first_token():
     requests = result.requests
     first = requests["prefill_end_time_s"].to_numpy()
     ttft = first - requests["arrival_time_s"].to_numpy()
-    bounds = BUCKETS["ttft"]
     decisions = scaling["decisions"]
     assert len(decisions["time_s"]) > 20
     for t, value in zip(decisions["time_s"], decisions["ttft_p95"]):
-        seen = ttft[(first < t) & (first > t - 60.0)]
-        counts = np.bincount(np.searchsorted(bounds, seen, side="left"), minlength=len(bounds) + 1).tolist()
-        expected = histogram_quantile(0.95, bounds, counts)
-        assert value == (None if expected is None else pytest.approx(expected, rel=1e-9))
+        assert value == _expected(0.95, "ttft", ttft[(first < t) & (first > t - 60.0)])
 
 
 # HPA's behavior policies (--scale-up-policy, --scale-down-policy: simkv/replay/autoscale_policy.py)
@@ -295,15 +295,11 @@ def test_an_itl_target_reads_every_replicas_gaps_of_the_last_window():
     ticks = np.array([t for t, _, _ in samples])
     seconds = np.array([s for _, s, _ in samples])
     times = np.array([n for _, _, n in samples])
-    bounds = BUCKETS["itl"]
     decisions = scaling["decisions"]
     for t, value in zip(decisions["time_s"], decisions["itl_p95"]):
         tick = int(t * TICKS_PER_SECOND)
         seen = (ticks < tick) & (ticks > tick - 60 * TICKS_PER_SECOND)
-        counts = np.bincount(np.searchsorted(bounds, seconds[seen], side="left"), weights=times[seen],
-                             minlength=len(bounds) + 1).astype(int).tolist()
-        expected = histogram_quantile(0.95, bounds, counts)
-        assert value == (None if expected is None else pytest.approx(expected, rel=1e-9))
+        assert value == _expected(0.95, "itl", seconds[seen], times[seen])
     pd_spec = AutoscaleSpec(1, 2, metric="itl_p95=0.03")
     from simkv.replay.disaggregated import DisaggregationSpec
 
