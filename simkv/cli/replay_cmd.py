@@ -354,6 +354,11 @@ def fleet_options(command):
                      help="With --autoscale: how fast it may shrink, as HPA's behavior.scaleDown policies, e.g. "
                           "pods=1/60 (one replica a minute) [default: percent=100/15: anything at once, after the "
                           "stabilisation window]."),
+        click.option("--autoscale-histogram-buckets", default=None, metavar="JSON",
+                     help="With --autoscale on a latency: the histograms' bucket bounds, as vLLM's "
+                          "--custom-histogram-buckets gives them, e.g. '{\"inter_token_latency\": [0.005, 0.01, "
+                          "0.015, 0.02]}' (families time_to_first_token, request_latency, inter_token_latency) "
+                          "[default: vLLM's; a --vllm-serve command's own]."),
         click.option("--autoscale-latency-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale on a latency (ttft_pQ, e2e_pQ, itl_pQ): the seconds of observations its "
                           "percentile reads, the range of the Prometheus query's rate() [default: 60]."),
@@ -371,7 +376,14 @@ def autoscale_settings(flags: dict, config_file: str | None = None) -> dict:
     the same names (None: not given)."""
     file = {k.replace("-", "_"): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
     values = {k: flags.get(k) for k in AUTOSCALE_KEYS}
-    return {k: (file.get(k) if v is None else v) for k, v in values.items()}
+    values = {k: (file.get(k) if v is None else v) for k, v in values.items()}
+    scales = values["autoscale"] is not None or any(
+        flags.get(k) is not None or file.get(k) is not None for k in ("prefill_autoscale", "decode_autoscale"))
+    if scales and values["autoscale_histogram_buckets"] is None and flags.get("vllm_serve"):
+        from simkv.cli.vllm_serve import serve_options  # (the server's own buckets: what its /metrics exports)
+
+        values["autoscale_histogram_buckets"] = serve_options(flags["vllm_serve"], True).histogram_buckets
+    return values
 
 
 def read_autoscale(flags: dict, config_file: str | None = None, pools: bool = False):

@@ -56,7 +56,7 @@ IGNORED = frozenset("""
     max_log_len enable_log_outputs enable_log_deltas enable_log_requests log_error_stack disable_log_stats
     aggregate_engine_logging enable_per_request_metrics enable_server_load_tracking logging_config log_level
     log_config_file show_hidden_metrics_for_version otlp_traces_endpoint collect_detailed_traces
-    per_request_spec_decode_metrics kv_cache_metrics kv_cache_metrics_sample custom_histogram_buckets
+    per_request_spec_decode_metrics kv_cache_metrics kv_cache_metrics_sample
     cudagraph_metrics enable_layerwise_nvtx_tracing enable_mfu_metrics enable_logging_iteration_details
     jit_monitor_mode jit_monitor_verbose kv_events_config profiler_config watchdog_config
     fail_on_environ_validation shutdown_timeout ray_workers_use_nsight
@@ -144,6 +144,7 @@ class ServeOptions:
     unmodelled: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     external_router: str | None = None  # the flag that puts the user's own router in front of the DP ranks
+    histogram_buckets: str | None = None  # --custom-histogram-buckets: what an autoscaler's latency query reads
 
     def note(self) -> str | None:
         """One line for the user on what was not carried over (None: everything was)."""
@@ -205,7 +206,7 @@ def modelled_flags() -> set[str]:
 SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "runner", "convert", "mamba_cache_mode",
                      "kv_offloading_backend", "offload_backend", "speculative_config", "spec_method", "spec_model",
                      "spec_tokens", "attention_config", "eplb_config", "data_parallel_external_lb",
-                     "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb"})
+                     "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb", "custom_histogram_buckets"})
 
 
 def _convert(flag: Flag):
@@ -290,6 +291,8 @@ def _special(flag: Flag, out: ServeOptions) -> None:
     elif name == "offload_backend":
         if value != "auto":
             out.unmodelled.append(f"{word} {value} (simkv picks as auto does: prefetch with --offload-group-size)")
+    elif name == "custom_histogram_buckets":  # (the buckets of /metrics' histograms: a latency autoscaler's)
+        out.histogram_buckets = json.dumps(json_object(value, f"vllm serve {word}"))
     elif name in ("attention_config", "eplb_config"):
         taken = "indexer_tp_shard_min_rows" if name == "attention_config" else "num_redundant_experts"
         for key, item in json_object(value, f"vllm serve {word}").items():

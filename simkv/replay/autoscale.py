@@ -53,11 +53,12 @@ Prometheus' scrape delay, pods that fail to start.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
-from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, latency_metric
+from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, custom_buckets, latency_metric
 from simkv.replay.autoscale_policy import DEFAULT_DOWN, DEFAULT_UP, PolicyError, ScalingRules
 
 
@@ -71,8 +72,9 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
             "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s",
             "autoscale_latency_window_s": "latency_window_s", "scale_up_policy": "scale_up_policy",
-            "scale_down_policy": "scale_down_policy"}
-TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy")  # (the others are numbers)
+            "scale_down_policy": "scale_down_policy", "autoscale_histogram_buckets": "histogram_buckets"}
+# (the others are numbers)
+TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets")
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
@@ -96,6 +98,7 @@ class AutoscaleSpec:
     latency_window_s: float = 60.0  # latency metrics: the range of the query's rate()
     scale_up_policy: str = DEFAULT_UP  # HPA's behavior.scaleUp policies (simkv/replay/autoscale_policy.py)
     scale_down_policy: str = DEFAULT_DOWN
+    histogram_buckets: str = ""  # latency metrics: vLLM's --custom-histogram-buckets JSON ("": its defaults)
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
 
@@ -125,6 +128,13 @@ class AutoscaleSpec:
                 object.__setattr__(self, name, str(rules))
             except PolicyError as exc:
                 raise AutoscaleError(str(exc)) from None
+        try:  # (written as compact JSON, the families in order)
+            custom_buckets(self.histogram_buckets, "--autoscale-histogram-buckets")
+            buckets = json.loads(self.histogram_buckets) if self.histogram_buckets else {}
+        except ValueError as exc:
+            raise AutoscaleError(str(exc)) from None
+        object.__setattr__(self, "histogram_buckets", json.dumps(buckets, sort_keys=True, separators=(",", ":"))
+                           if buckets else "")
         if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
             raise AutoscaleError(f"--autoscale-latency-window-s must be a number of seconds > 0, got "
                                  f"{self.latency_window_s}")
@@ -193,7 +203,8 @@ class AutoscaleSpec:
             if value is None:
                 continue
             if name in TEXT_SETTINGS:  # (a config file may list them: [waiting=5, kv_usage=0.7])
-                fields[SETTINGS[name]] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+                fields[SETTINGS[name]] = (json.dumps(value) if isinstance(value, dict) else
+                                          ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
                 continue
             try:
                 fields[SETTINGS[name]] = float(value)
@@ -209,6 +220,8 @@ class AutoscaleSpec:
                "scale_down_policy": self.scale_down_policy}
         if self.latency_targets:
             out["latency_window_s"] = self.latency_window_s
+        if self.histogram_buckets:
+            out["histogram_buckets"] = self.histogram_buckets
         return out
 
 
@@ -286,7 +299,8 @@ class Autoscaler:
             kinds = {latency_metric(name)[0] for name, _ in self.spec.latency_targets}
             if "itl" in kinds and any(engine.scheduler.pipeline_gaps is not None for engine in engines):
                 raise ValueError("--autoscale-metric itl_pQ is not modelled with pipeline parallelism yet")
-            self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines)
+            self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines,
+                                        custom_buckets(self.spec.histogram_buckets, "--autoscale-histogram-buckets"))
             for engine in engines:
                 engine.latency_watch = self.latency
 

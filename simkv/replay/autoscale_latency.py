@@ -14,8 +14,8 @@ adapter computes it:
   (and every other irregular one: a preempted request's, a token after a stall) run from the end
   of the step of the previous token to the end of the step of this one.
 
-Each observation falls into vLLM's default buckets for its histogram (an upper bound `le` it
-does not exceed); the query counts the observations of the last `window_s` seconds (the
+Each observation falls into vLLM's default buckets for its histogram (or those of
+`histogram_buckets`, vLLM's --custom-histogram-buckets: an upper bound `le` it does not exceed); the query counts the observations of the last `window_s` seconds (the
 range of `rate`), strictly before the decision instant, over every replica, and interpolates
 within the bucket that holds the quantile as `histogram_quantile` does: linearly from the
 bucket's lower bound (0 for the first), and, past the last finite bound, that bound. With no
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import json
 import math
 import re
 from collections import Counter
@@ -43,6 +44,35 @@ BUCKETS = {
     "itl": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 }
 HISTOGRAMS = {"ttft": "time to first token", "e2e": "end-to-end latency", "itl": "inter-token latency"}
+# vLLM's bucket families (--custom-histogram-buckets' keys) of these histograms, and its others
+FAMILIES = {"time_to_first_token": "ttft", "request_latency": "e2e", "inter_token_latency": "itl"}
+OTHER_FAMILIES = ("iteration_tokens", "request_params_n", "request_num_preemptions", "request_tokens",
+                  "kv_cache_residency")
+
+
+def custom_buckets(text: str, flag: str) -> dict[str, tuple[float, ...]]:
+    """vLLM's --custom-histogram-buckets JSON ({"inter_token_latency": [0.005, 0.01, ...]}) as
+    {histogram: bounds} for those the autoscaler reads, checked as vLLM checks them."""
+    try:
+        families = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not a JSON object: {exc.msg}") from None
+    if not isinstance(families, dict):
+        raise ValueError(f"{flag}: expected a JSON object of bucket families, e.g. "
+                         '{"inter_token_latency": [0.005, 0.01, 0.015, 0.02]}')
+    out = {}
+    for family, bounds in families.items():
+        if family not in FAMILIES and family not in OTHER_FAMILIES:
+            raise ValueError(f"{flag}: unknown bucket family {family!r}; known families: "
+                             f"{', '.join(sorted((*FAMILIES, *OTHER_FAMILIES)))}")
+        if not isinstance(bounds, list) or not bounds or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and b > 0 for b in bounds):
+            raise ValueError(f"{flag}: {family}: expected a non-empty list of finite bounds > 0, got {bounds!r}")
+        if any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"{flag}: {family}: bounds {bounds} must be strictly increasing")
+        if family in FAMILIES:
+            out[FAMILIES[family]] = tuple(float(b) for b in bounds)
+    return out
 _NAME = re.compile(r"(ttft|e2e|itl)_p(\d+(?:\.\d+)?)")
 
 
@@ -77,8 +107,10 @@ class LatencyWatch:
     """The fleet's latency observations, (tick, seconds) per histogram, fed by its engines
     (ReplayEngine.latency_watch) and read by the autoscaler at its decision instants."""
 
-    def __init__(self, kinds, window_s: float, held: dict[int, int] | None = None, engines=()) -> None:
+    def __init__(self, kinds, window_s: float, held: dict[int, int] | None = None, engines=(),
+                 buckets: dict[str, tuple[float, ...]] | None = None) -> None:
         self.window = max(1, math.ceil(window_s * TICKS_PER_SECOND))
+        self.buckets = BUCKETS | (buckets or {})  # (vLLM's defaults, or --custom-histogram-buckets')
         # (tick, seconds, observations) sorted by tick
         self.samples: dict[str, list[tuple[int, float, int]]] = {kind: [] for kind in kinds}
         self.held = held if held is not None else {}  # (scale to zero: row -> tick its replica is ready)
@@ -116,7 +148,7 @@ class LatencyWatch:
                 bisect.insort(samples, sample)
         first = bisect.bisect_right(samples, (tick - self.window, math.inf))
         del samples[:first]
-        bounds = BUCKETS[kind]
+        bounds = self.buckets[kind]
         counts = [0] * (len(bounds) + 1)
         for sample_tick, seconds, times in samples:
             if sample_tick >= tick:

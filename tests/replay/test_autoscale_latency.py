@@ -19,10 +19,10 @@ from tests.cli_runs import cli_fails, cli_ok
 from tests.replay.test_autoscale import CONFIG, bursts
 
 
-def _expected(q: float, kind: str, seconds, weights=None):
-    """What histogram_quantile reads from these observations in vLLM's buckets for `kind`,
-    pytest.approx'd (None: no observation)."""
-    bounds = BUCKETS[kind]
+def _expected(q: float, kind: str, seconds, weights=None, bounds=None):
+    """What histogram_quantile reads from these observations in vLLM's buckets for `kind` (or
+    `bounds`), pytest.approx'd (None: no observation)."""
+    bounds = bounds or BUCKETS[kind]
     counts = np.bincount(np.searchsorted(bounds, np.asarray(seconds, dtype=float), side="left"), weights=weights,
                          minlength=len(bounds) + 1).astype(int).tolist()
     value = histogram_quantile(q, bounds, counts)
@@ -307,3 +307,48 @@ def test_an_itl_target_reads_every_replicas_gaps_of_the_last_window():
     with pytest.raises(ValueError, match="itl_pQ is not modelled with pipeline parallelism"):
         replay(bursts(), EngineConfig.from_flat({"max_model_len": 4096, "pipeline_parallel_size": 2}),
                fleet=FleetSpec(3, autoscale=spec))
+
+
+def test_custom_buckets_as_vllm_takes_them():
+    """--autoscale-histogram-buckets (vLLM's --custom-histogram-buckets, also read from a
+    --vllm-serve command): the latency query buckets its observations there instead."""
+    fine = [0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1]
+    text = json.dumps({"inter_token_latency": fine, "iteration_tokens": [1, 8]})
+    spec = AutoscaleSpec(1, 3, metric="itl_p95=0.03", interval_s=15, cold_start_s=30, scale_down_window_s=60,
+                         histogram_buckets=text)
+    assert spec.histogram_buckets == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    assert spec.to_dict()["histogram_buckets"] == spec.histogram_buckets
+    from simkv.replay.autoscale_latency import StepGaps
+
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(3, "least_outstanding", autoscale=spec))
+    decisions = result.summary["fleet"]["autoscaling"]["decisions"]
+    samples = [s for run in result.fleet_runs for s in StepGaps(run).read_until(2**62)]
+    ticks = np.array([t for t, _, _ in samples])
+    seconds = np.array([s for _, s, _ in samples])
+    times = np.array([n for _, _, n in samples])
+    for t, value in zip(decisions["time_s"], decisions["itl_p95"]):
+        tick = int(t * TICKS_PER_SECOND)
+        seen = (ticks < tick) & (ticks > tick - 60 * TICKS_PER_SECOND)
+        assert value == _expected(0.95, "itl", seconds[seen], times[seen], bounds=tuple(fine))
+    quiet = [v for v in decisions["itl_p95"] if v is not None and v < 0.01]
+    assert quiet and len({round(v, 9) for v in quiet}) > 1  # (below 10 ms it reads the gaps, not 9.5 ms)
+    for bad, message in (("[1]", "expected a JSON object"), ('{"ttft": [1]}', "unknown bucket family 'ttft'"),
+                         ('{"request_latency": [2, 1]}', "must be strictly increasing"), ("{", "not a JSON object")):
+        with pytest.raises(AutoscaleError, match=message):
+            AutoscaleSpec(1, 2, histogram_buckets=bad)
+
+
+def test_a_vllm_serve_commands_buckets_reach_the_autoscaler(tmp_path):
+    text = json.dumps({"time_to_first_token": [0.05, 0.1, 0.2, 0.4]})
+    serve = f"vllm serve meta-llama/Meta-Llama-3-8B-Instruct --custom-histogram-buckets '{text}'"
+    out = tmp_path / "r"
+    cli_ok(["replay", "traces/req400.parquet", "--vllm-serve", serve, "--autoscale", "1-2", "--autoscale-metric",
+            "ttft_p95=1", "--out", str(out), "--quiet"])
+    scaling = json.loads((out / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert json.loads(scaling["histogram_buckets"]) == json.loads(text)
+    cli_ok(["replay", "traces/req400.parquet", "--vllm-serve", serve, "--out", str(tmp_path / "plain"), "--quiet"])
+    mine = json.dumps({"time_to_first_token": [0.5, 1.0]})
+    cli_ok(["replay", "traces/req400.parquet", "--vllm-serve", serve, "--autoscale", "1-2", "--autoscale-metric",
+            "ttft_p95=1", "--autoscale-histogram-buckets", mine, "--out", str(tmp_path / "own"), "--quiet"])
+    scaling = json.loads((tmp_path / "own" / "summary.json").read_text())["fleet"]["autoscaling"]
+    assert json.loads(scaling["histogram_buckets"]) == json.loads(mine)  # (simkv's flag over the server's)
