@@ -65,7 +65,10 @@ OPTIONS = [
                                   "--autoscale-target", r.choice(["0.05", "1"])],
                                  ["--autoscale-metric", "waiting=1,kv_usage=0.05,in_flight=2"],
                                  ["--autoscale-metric", r.choice(["ttft_p95=0.05", "e2e_p50=1", "ttft_p99=0.2,waiting=2", "itl_p95=0.02"]),
-                                  "--autoscale-latency-window-s", r.choice(["5", "60"])]]),
+                                  "--autoscale-latency-window-s", r.choice(["5", "60"]),
+                                  *r.choice([[], ["--autoscale-histogram-buckets",
+                                                  '{"inter_token_latency": [0.005, 0.01, 0.02], '
+                                                  '"time_to_first_token": [0.01, 0.1, 1]}']])]]),
                       *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]]),
                       *r.choice([[], ["--scale-up-window-s", r.choice(["0", "10"])]]),
                       *r.choice([[], ["--scale-up-policy", r.choice(["pods=1/5", "percent=50/10,select=min", "disabled"])],
