@@ -71,6 +71,7 @@ OPTIONS = [
                                                   '"time_to_first_token": [0.01, 0.1, 1]}']])]]),
                       *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]]),
                       *r.choice([[], ["--scale-up-window-s", r.choice(["0", "10"])]]),
+                      *r.choice([[], [], ["--autoscale-metrics-delay-s", r.choice(["2", "20"])]]),
                       *r.choice([[], ["--scale-up-policy", r.choice(["pods=1/5", "percent=50/10,select=min", "disabled"])],
                                  ["--scale-down-policy", r.choice(["pods=1/5", "percent=10/20;pods=2/5", "disabled"])]])]),
     (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],

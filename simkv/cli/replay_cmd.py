@@ -359,6 +359,9 @@ def fleet_options(command):
                           "--custom-histogram-buckets gives them, e.g. '{\"inter_token_latency\": [0.005, 0.01, "
                           "0.015, 0.02]}' (families time_to_first_token, request_latency, inter_token_latency) "
                           "[default: vLLM's; a --vllm-serve command's own]."),
+        click.option("--autoscale-metrics-delay-s", type=float, default=None, metavar="S",
+                     help="With --autoscale: each decision reads its metrics as they were S seconds before (a "
+                          "Prometheus scrape interval, the metrics adapter's cache) [default: 0]."),
         click.option("--autoscale-latency-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale on a latency (ttft_pQ, e2e_pQ, itl_pQ): the seconds of observations its "
                           "percentile reads, the range of the Prometheus query's rate() [default: 60]."),

@@ -18,7 +18,10 @@ The metrics (`metric`):
 Several metrics, each with its target (`waiting=5,kv_usage=0.7`), as an HPA with several: each
 recommends, and the largest recommendation wins (with none, the fleet stays as it is).
 The engine gauges are read as vLLM's engine last reported them: after its last step that ended
-strictly before that instant (StepLog.gauges_before); a replica still starting reads 0.
+strictly before that instant (StepLog.gauges_before); a replica still starting reads 0. With
+`metrics_delay_s` every metric is read as it was that long before the decision (a scrape
+interval, an adapter's cache): requests in flight from InFlightHistory, the gauges and the
+latency windows at that earlier instant.
 As HPA does, a sum within `tolerance` (10 %) of what the replicas it has aim at changes
 nothing, and its scaling policies limit how many replicas it adds or removes at once
 (`scale_up_policy`, `scale_down_policy`, HPA's behavior policies: simkv/replay/autoscale_policy.py;
@@ -47,8 +50,8 @@ for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
 each slot's GPUs. Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its
-own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism,
-Prometheus' scrape delay, pods that fail to start.
+own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism, a
+metrics delay for P/D pools, pods that fail to start.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "autoscale_interval_s": "interval_s", "cold_start_s": "cold_start_s",
             "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s",
             "autoscale_latency_window_s": "latency_window_s", "scale_up_policy": "scale_up_policy",
-            "scale_down_policy": "scale_down_policy", "autoscale_histogram_buckets": "histogram_buckets"}
+            "scale_down_policy": "scale_down_policy", "autoscale_histogram_buckets": "histogram_buckets",
+            "autoscale_metrics_delay_s": "metrics_delay_s"}
 # (the others are numbers)
 TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets")
 
@@ -99,6 +103,7 @@ class AutoscaleSpec:
     scale_up_policy: str = DEFAULT_UP  # HPA's behavior.scaleUp policies (simkv/replay/autoscale_policy.py)
     scale_down_policy: str = DEFAULT_DOWN
     histogram_buckets: str = ""  # latency metrics: vLLM's --custom-histogram-buckets JSON ("": its defaults)
+    metrics_delay_s: float = 0.0  # each metric read as it was this long before the decision (scrapes, adapters)
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
 
@@ -119,7 +124,8 @@ class AutoscaleSpec:
         if not (self.interval_s > 0 and math.isfinite(self.interval_s)):
             raise AutoscaleError(f"--autoscale-interval-s must be a number > 0, got {self.interval_s}")
         for name, value in (("--cold-start-s", self.cold_start_s), ("--scale-down-window-s", self.scale_down_window_s),
-                            ("--scale-up-window-s", self.scale_up_window_s)):
+                            ("--scale-up-window-s", self.scale_up_window_s),
+                            ("--autoscale-metrics-delay-s", self.metrics_delay_s)):
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
         for name in ("scale_up_policy", "scale_down_policy"):
@@ -222,6 +228,8 @@ class AutoscaleSpec:
             out["latency_window_s"] = self.latency_window_s
         if self.histogram_buckets:
             out["histogram_buckets"] = self.histogram_buckets
+        if self.metrics_delay_s:
+            out["metrics_delay_s"] = self.metrics_delay_s
         return out
 
 
@@ -281,6 +289,9 @@ class Autoscaler:
         self.policy_period = to_ticks(max(self.up_rules.longest_period_s, self.down_rules.longest_period_s))
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
         self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ, itl_pQ)
+        self.delay = to_ticks(spec.metrics_delay_s)
+        # (with a delay: each slot's requests in flight at any earlier instant; FleetRouting feeds it)
+        self.history = InFlightHistory(n) if self.delay else None
         self.engines: list = []
         self.router = None
         self.renew: set[int] = set()  # slots started anew whose engine still held blocks then (P/D pulls)
@@ -351,13 +362,16 @@ class Autoscaler:
     def _evaluate(self, tick: int, loads: list[int]) -> None:
         spec = self.spec
         live = [r for r, at in enumerate(self.ready_at) if at is not None and self.draining_since[r] is None]
+        seen = max(0, tick - self.delay)  # (the instant its metrics describe)
+        if self.history is not None:
+            loads = self.history.loads_before(seen)
         in_flight = sum(loads[r] for r in live)
         values = {"in_flight": in_flight}
         if self.gauges is not None:  # (a replica still starting has reported nothing: 0)
-            gauges = [self.readings(r, tick) for r in live if self.ready_at[r] <= tick]
+            gauges = [self.readings(r, seen) for r in live if self.ready_at[r] <= seen]
             values |= {name: sum(g[name] for g in gauges) for name in GAUGES}
         for name, _ in spec.latency_targets:  # (None: no observation in the window)
-            values[name] = self.latency.quantile(*latency_metric(name), tick)
+            values[name] = self.latency.quantile(*latency_metric(name), seen)
         values = {name: values[name] for name, _ in spec.targets}
         have = len(live)
         wishes = [self._recommend(values[name], target, have, per_replica=name in METRICS)
@@ -506,6 +520,36 @@ class Autoscaler:
             "decisions": self.decisions,
             "timeline": [{"time_s": t / TICKS_PER_SECOND, "ready": ready, "starting": starting}
                          for t, ready, starting in self.timeline]}
+
+
+class InFlightHistory:
+    """Each slot's requests in flight at any instant so far (a metric read with a delay): the
+    ticks it was sent requests and the ticks they finished (or were aborted) at, in order; read at
+    instants that never decrease."""
+
+    def __init__(self, n: int) -> None:
+        self.sent: list[list[int]] = [[] for _ in range(n)]
+        self.done: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.counts = [[0, 0, 0, 0] for _ in range(n)]  # sent and done read, and their indices
+
+    def routed(self, r: int, tick: int) -> None:
+        self.sent[r].append(tick)
+
+    def finished(self, r: int, tick: int, count: int) -> None:
+        self.done[r].append((tick, count))
+
+    def loads_before(self, tick: int) -> list[int]:
+        """Each slot's requests sent strictly before `tick`, less those finished strictly before."""
+        out = []
+        for sent, done, c in zip(self.sent, self.done, self.counts):
+            while c[2] < len(sent) and sent[c[2]] < tick:
+                c[0] += 1
+                c[2] += 1
+            while c[3] < len(done) and done[c[3]][0] < tick:
+                c[1] += done[c[3]][1]
+                c[3] += 1
+            out.append(c[0] - c[1])
+        return out
 
 
 def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, configs, replica_rows: list[dict]) -> dict:

@@ -37,6 +37,7 @@ class FleetRouting:
         self.trace = trace
         self.router = router
         self.autoscaler = autoscaler  # (simkv/replay/autoscale.py: which replicas are up, decided as time passes)
+        self._history = autoscaler.history if autoscaler is not None else None  # (metrics read with a delay)
         self.hold: dict[int, int] = {}  # (scale to zero: rows waiting for a replica to be ready, until when)
         n = router.num_replicas
         self.rows = rows if rows is not None else TraceRows(trace)  # the replicas' feeds read the same lists
@@ -129,12 +130,16 @@ class FleetRouting:
     def note_aborted(self, replica: int, tick: int) -> None:
         """The replica aborted a request at `tick`: it no longer counts there."""
         self._finishes[replica].append((tick, 1))
+        if self._history is not None:
+            self._history.finished(replica, tick, 1)
 
     #: Sessions: a request's finish here ends its turn (P/D's prefill pool: the decode side's does).
     finishes_turns = True
 
     def note_finished(self, replica: int, finished, tick: int) -> None:
         self._finishes[replica].append((tick, len(finished)))
+        if self._history is not None:
+            self._history.finished(replica, tick, len(finished))
         if self.sessions is not None and self.finishes_turns:
             self.turns_done(finished, tick)
 
@@ -271,6 +276,8 @@ class FleetRouting:
         r = self.router.choose(loads, hashes, block_tokens, salt, request_class, session)
         self.assignment[i] = r
         loads[r] += 1
+        if self._history is not None:
+            self._history.routed(r, tick)
         if hold is not None:
             self.hold[i] = hold
             engine = self.engines[r]

@@ -352,3 +352,42 @@ def test_a_vllm_serve_commands_buckets_reach_the_autoscaler(tmp_path):
             "ttft_p95=1", "--autoscale-histogram-buckets", mine, "--out", str(tmp_path / "own"), "--quiet"])
     scaling = json.loads((tmp_path / "own" / "summary.json").read_text())["fleet"]["autoscaling"]
     assert json.loads(scaling["histogram_buckets"]) == json.loads(mine)  # (simkv's flag over the server's)
+
+
+def test_a_metrics_delay_reads_each_metric_as_it_was_that_long_before():
+    """--autoscale-metrics-delay-s D: a decision at T reads the requests in flight and the engine
+    gauges at T - D (here recomputed from requests.parquet and steps.parquet), and the latency
+    windows end there."""
+    from tests.replay.test_autoscale import _gauges_from_steps, _ticks
+
+    spec = AutoscaleSpec(1, 4, metric="in_flight=8,waiting=4", interval_s=15, cold_start_s=30,
+                         scale_down_window_s=10_000, metrics_delay_s=20)
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    assert scaling["metrics_delay_s"] == 20.0 and not any(e["action"] == "down" for e in scaling["events"])
+    requests = result.requests
+    arrival, finish = _ticks(requests["arrival_time_s"]), _ticks(requests["finish_time_s"])
+    replica = requests["replica"].to_numpy()
+    steps = result.steps
+    decisions = scaling["decisions"]
+    first_up = next(e["time_s"] for e in scaling["events"] if e["action"] == "up")
+    assert first_up >= 75.0  # (the burst begins at 60 s: read 20 s late, seen at the 75 s sample at the soonest)
+    checked = 0
+    for t, have, in_flight, waiting in zip(decisions["time_s"], decisions["replicas"], decisions["in_flight"],
+                                           decisions["waiting"]):
+        seen = _ticks(t) - _ticks(20.0)
+        live = replica < have  # (no scale-down: the live slots are the lowest)
+        assert in_flight == int(np.sum(live & (arrival < seen) & (finish >= seen)))
+        if have == 1:  # (one replica, up all along: its gauges at T - D)
+            assert waiting == _gauges_from_steps(steps, seen)[1]
+            checked += 1
+    assert checked > 3
+    plain = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=AutoscaleSpec(
+        1, 4, metric="in_flight=8,waiting=4", interval_s=15, cold_start_s=30, scale_down_window_s=10_000)))
+    assert next(e["time_s"] for e in plain.summary["fleet"]["autoscaling"]["events"] if e["action"] == "up") < first_up
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    with pytest.raises(ConfigError, match="a metrics delay"):
+        DisaggregationSpec(num_decode=2, decode_autoscale=AutoscaleSpec(1, 2, metrics_delay_s=15))
+    with pytest.raises(AutoscaleError, match="--autoscale-metrics-delay-s must be a number of seconds >= 0"):
+        AutoscaleSpec(1, 2, metrics_delay_s=-1)
