@@ -76,7 +76,8 @@ OPTIONS = [
                                  ["--scale-down-policy", r.choice(["pods=1/5", "percent=10/20;pods=2/5", "disabled"])]])]),
     (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],
                                ["--prefill-autoscale", r.choice(["1-2", "1-2:metric=ttft_p90=0.05"])
-                                + ":interval_s=2,cold_start_s=1,scale_down_window_s=4",
+                                + ":interval_s=2,cold_start_s=1,scale_down_window_s=4"
+                                + r.choice(["", ",metrics_delay_s=3"]),
                                 "--decode-autoscale", r.choice(["1-2:target=1", "1-3:metric=kv_usage=0.05;running=2",
                                                                 "1-2:metric=itl_p95=0.02"])
                                 + ",interval_s=3,cold_start_s=0,scale_down_window_s=0"]])

@@ -50,8 +50,8 @@ for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
 each slot's GPUs. Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its
-own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism, a
-metrics delay for P/D pools, pods that fail to start.
+own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism, pods
+that fail to start.
 """
 
 from __future__ import annotations

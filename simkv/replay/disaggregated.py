@@ -108,9 +108,6 @@ class DisaggregationSpec:
                                   "pool: MIN must be >= 1")
             if getattr(self, f"{pool}_class_replicas"):
                 raise ConfigError(f"{pool} pool: a class's own replicas are not modelled in a pool that scales")
-            if scaling.metrics_delay_s:
-                raise ConfigError(f"{pool} pool: a metrics delay (--autoscale-metrics-delay-s) is modelled for a "
-                                  "fleet (--autoscale), not a P/D pool yet")
             own = "ttft_" if pool == "prefill" else "itl_"  # (the latency each pool's replicas measure alone)
             latencies = [name for name, _ in scaling.latency_targets]
             if any(not name.startswith(own) for name in latencies):

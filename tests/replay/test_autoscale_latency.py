@@ -385,9 +385,31 @@ def test_a_metrics_delay_reads_each_metric_as_it_was_that_long_before():
     plain = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=AutoscaleSpec(
         1, 4, metric="in_flight=8,waiting=4", interval_s=15, cold_start_s=30, scale_down_window_s=10_000)))
     assert next(e["time_s"] for e in plain.summary["fleet"]["autoscaling"]["events"] if e["action"] == "up") < first_up
-    from simkv.replay.disaggregated import DisaggregationSpec
-
-    with pytest.raises(ConfigError, match="a metrics delay"):
-        DisaggregationSpec(num_decode=2, decode_autoscale=AutoscaleSpec(1, 2, metrics_delay_s=15))
     with pytest.raises(AutoscaleError, match="--autoscale-metrics-delay-s must be a number of seconds >= 0"):
         AutoscaleSpec(1, 2, metrics_delay_s=-1)
+
+
+def test_pd_pools_read_their_requests_in_flight_late_too():
+    """A prefill request is in flight from its arrival to its prefill's end, a decode one from
+    its handoff to its finish: each pool's decisions read them D seconds late."""
+    from simkv.replay.disaggregated import DisaggregationSpec
+    from tests.replay.test_autoscale import _ticks
+
+    def scaling():
+        return AutoscaleSpec(1, 2, interval_s=15, cold_start_s=30, scale_down_window_s=10_000, target=4,
+                             metrics_delay_s=20)
+
+    spec = DisaggregationSpec(num_prefill=2, num_decode=2, prefill_autoscale=scaling(), decode_autoscale=scaling())
+    result = replay(bursts(), CONFIG, disaggregation=spec)
+    requests = result.requests
+    arrival, prefill_end = _ticks(requests["arrival_time_s"]), _ticks(requests["prefill_end_time_s"])
+    handoff, finish = prefill_end + _ticks(spec.handoff_ms / 1e3), _ticks(requests["finish_time_s"])
+    for pool, replica, start, end in (("prefill", requests["prefill_replica"].to_numpy(), arrival, prefill_end),
+                                      ("decode", requests["decode_replica"].to_numpy(), handoff, finish)):
+        section = result.summary["disaggregation"][pool]["autoscaling"]
+        assert section["metrics_delay_s"] == 20.0 and section["events"][0]["time_s"] >= 75.0
+        decisions = section["decisions"]
+        assert max(decisions["in_flight"]) > 8
+        for t, have, in_flight in zip(decisions["time_s"], decisions["replicas"], decisions["in_flight"]):
+            seen = _ticks(t) - _ticks(20.0)
+            assert in_flight == int(np.sum((replica < have) & (start < seen) & (end >= seen))), (pool, t)
