@@ -215,12 +215,12 @@ def _autoscaler_readings(scaling: dict, title: str) -> str:
     """Each metric as the autoscaler read it at its decisions, over what it aims at (1: on
     target; a summed gauge over its target times the replicas it had, a latency over its own),
     beside the replicas its metrics asked for."""
-    from simkv.replay.autoscale import METRICS, AutoscaleSpec
+    from simkv.replay.autoscale import METRICS, section_targets
 
     decisions = scaling["decisions"]
     times = np.asarray(decisions["time_s"], dtype=float)
     have = np.asarray(decisions["replicas"], dtype=float)
-    targets = AutoscaleSpec(1, 2, target=scaling["target"], metric=scaling.get("metric", "in_flight")).targets
+    targets = section_targets(scaling)
     series = []
     for name, target in targets:
         values = np.array([np.nan if v is None else v for v in decisions.get(name, [])], dtype=float)

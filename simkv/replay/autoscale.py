@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, field
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
-from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, custom_buckets, latency_metric
+from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, custom_buckets, latency_bounds, latency_metric
 from simkv.replay.autoscale_policy import DEFAULT_DOWN, DEFAULT_UP, PolicyError, ScalingRules
 
 
@@ -106,6 +106,10 @@ class AutoscaleSpec:
     metrics_delay_s: float = 0.0  # each metric read as it was this long before the decision (scrapes, adapters)
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
+    # the policies and the latency histograms' bounds, parsed from the texts above
+    up_rules: ScalingRules = field(init=False, default=None, compare=False, repr=False)
+    down_rules: ScalingRules = field(init=False, default=None, compare=False, repr=False)
+    bounds: dict = field(init=False, default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas < self.max_replicas:
@@ -128,19 +132,20 @@ class AutoscaleSpec:
                             ("--autoscale-metrics-delay-s", self.metrics_delay_s)):
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"{name} must be a number of seconds >= 0, got {value}")
-        for name in ("scale_up_policy", "scale_down_policy"):
+        for name, rules in (("scale_up_policy", "up_rules"), ("scale_down_policy", "down_rules")):
             try:  # (written as HPA would list them)
-                rules = ScalingRules.parse(getattr(self, name), "--" + name.replace("_", "-"))
-                object.__setattr__(self, name, str(rules))
+                parsed = ScalingRules.parse(getattr(self, name), "--" + name.replace("_", "-"))
             except PolicyError as exc:
                 raise AutoscaleError(str(exc)) from None
+            object.__setattr__(self, rules, parsed)
+            object.__setattr__(self, name, str(parsed))
         try:  # (written as compact JSON, the families in order)
-            custom_buckets(self.histogram_buckets, "--autoscale-histogram-buckets")
-            buckets = json.loads(self.histogram_buckets) if self.histogram_buckets else {}
+            buckets = custom_buckets(self.histogram_buckets, "--autoscale-histogram-buckets")
         except ValueError as exc:
             raise AutoscaleError(str(exc)) from None
         object.__setattr__(self, "histogram_buckets", json.dumps(buckets, sort_keys=True, separators=(",", ":"))
                            if buckets else "")
+        object.__setattr__(self, "bounds", latency_bounds(buckets))
         if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
             raise AutoscaleError(f"--autoscale-latency-window-s must be a number of seconds > 0, got "
                                  f"{self.latency_window_s}")
@@ -283,10 +288,8 @@ class Autoscaler:
         self.timeline: list[tuple[int, int, int]] = [(0, spec.min_replicas, 0)]  # (tick, ready, starting)
         self.held = 0  # (scale to zero: requests that waited for a slot to be ready, and how long in all)
         self.held_ticks = 0
-        self.up_rules = ScalingRules.parse(spec.scale_up_policy, "--scale-up-policy")
-        self.down_rules = ScalingRules.parse(spec.scale_down_policy, "--scale-down-policy")
         self.changes: list[tuple[int, int]] = []  # (tick, +1 started / -1 drained or called off), for the policies
-        self.policy_period = to_ticks(max(self.up_rules.longest_period_s, self.down_rules.longest_period_s))
+        self.policy_period = to_ticks(max(spec.up_rules.longest_period_s, spec.down_rules.longest_period_s))
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
         self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ, itl_pQ)
         self.delay = to_ticks(spec.metrics_delay_s)
@@ -310,8 +313,7 @@ class Autoscaler:
             kinds = {latency_metric(name)[0] for name, _ in self.spec.latency_targets}
             if "itl" in kinds and any(engine.scheduler.pipeline_gaps is not None for engine in engines):
                 raise ValueError("--autoscale-metric itl_pQ is not modelled with pipeline parallelism yet")
-            self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines,
-                                        custom_buckets(self.spec.histogram_buckets, "--autoscale-histogram-buckets"))
+            self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines, self.spec.bounds)
             for engine in engines:
                 engine.latency_watch = self.latency
 
@@ -440,7 +442,7 @@ class Autoscaler:
             recent = [delta for t, delta in self.changes if t > since]
             return sum(1 for d in recent if d > 0), sum(1 for d in recent if d < 0)
 
-        return (self.up_rules if up else self.down_rules).limit(have, changes_within, up)
+        return (self.spec.up_rules if up else self.spec.down_rules).limit(have, changes_within, up)
 
     def _start(self, r: int, tick: int, in_flight: int) -> None:
         self.changes.append((tick, +1))  # (a replica more, for HPA's scaling policies, warm or not)
@@ -530,7 +532,7 @@ class InFlightHistory:
     def __init__(self, n: int) -> None:
         self.sent: list[list[int]] = [[] for _ in range(n)]
         self.done: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        self.counts = [[0, 0, 0, 0] for _ in range(n)]  # sent and done read, and their indices
+        self.read = [[0, 0, 0] for _ in range(n)]  # sent read (so counted), done read, and done counted
 
     def routed(self, r: int, tick: int) -> None:
         self.sent[r].append(tick)
@@ -541,14 +543,13 @@ class InFlightHistory:
     def loads_before(self, tick: int) -> list[int]:
         """Each slot's requests sent strictly before `tick`, less those finished strictly before."""
         out = []
-        for sent, done, c in zip(self.sent, self.done, self.counts):
-            while c[2] < len(sent) and sent[c[2]] < tick:
-                c[0] += 1
-                c[2] += 1
-            while c[3] < len(done) and done[c[3]][0] < tick:
-                c[1] += done[c[3]][1]
-                c[3] += 1
-            out.append(c[0] - c[1])
+        for sent, done, read in zip(self.sent, self.done, self.read):
+            while read[0] < len(sent) and sent[read[0]] < tick:
+                read[0] += 1
+            while read[1] < len(done) and done[read[1]][0] < tick:
+                read[2] += done[read[1]][1]
+                read[1] += 1
+            out.append(read[0] - read[2])
         return out
 
 
@@ -566,10 +567,15 @@ def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, con
     return section
 
 
+def section_targets(section: dict) -> tuple[tuple[str, float], ...]:
+    """(metric, target) of each metric of an autoscaler's to_dict or summary section."""
+    return AutoscaleSpec(1, 2, target=section["target"], metric=section.get("metric", "in_flight")).targets
+
+
 def aims(section: dict) -> str:
     """What an autoscaler (its to_dict or summary section) aims at, e.g. '5 waiting or 30%
     KV-cache usage each', or 'p95 time to first token 2 s'."""
-    targets = AutoscaleSpec(1, 2, target=section["target"], metric=section.get("metric", "in_flight")).targets
+    targets = section_targets(section)
     each = [f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
             for name, target in targets if name in METRICS]
     latencies = []

@@ -15,8 +15,8 @@ adapter computes it:
   of the step of the previous token to the end of the step of this one.
 
 Each observation falls into vLLM's default buckets for its histogram (or those of
-`histogram_buckets`, vLLM's --custom-histogram-buckets: an upper bound `le` it does not exceed); the query counts the observations of the last `window_s` seconds (the
-range of `rate`), strictly before the decision instant, over every replica, and interpolates
+`histogram_buckets`, vLLM's --custom-histogram-buckets): the first upper bound `le` it does not
+exceed. The query counts the observations of the last `window_s` seconds (the range of `rate`), strictly before the decision instant, over every replica, and interpolates
 within the bucket that holds the quantile as `histogram_quantile` does: linearly from the
 bucket's lower bound (0 for the first), and, past the last finite bound, that bound. With no
 observation in the window the query has no value (Prometheus: NaN) and the metric recommends
@@ -50,9 +50,9 @@ OTHER_FAMILIES = ("iteration_tokens", "request_params_n", "request_num_preemptio
                   "kv_cache_residency")
 
 
-def custom_buckets(text: str, flag: str) -> dict[str, tuple[float, ...]]:
-    """vLLM's --custom-histogram-buckets JSON ({"inter_token_latency": [0.005, 0.01, ...]}) as
-    {histogram: bounds} for those the autoscaler reads, checked as vLLM checks them."""
+def custom_buckets(text: str, flag: str) -> dict[str, list[float]]:
+    """vLLM's --custom-histogram-buckets JSON ({"inter_token_latency": [0.005, 0.01, ...]}),
+    every family checked as vLLM checks it ("": none)."""
     try:
         families = json.loads(text) if text else {}
     except json.JSONDecodeError as exc:
@@ -60,7 +60,6 @@ def custom_buckets(text: str, flag: str) -> dict[str, tuple[float, ...]]:
     if not isinstance(families, dict):
         raise ValueError(f"{flag}: expected a JSON object of bucket families, e.g. "
                          '{"inter_token_latency": [0.005, 0.01, 0.015, 0.02]}')
-    out = {}
     for family, bounds in families.items():
         if family not in FAMILIES and family not in OTHER_FAMILIES:
             raise ValueError(f"{flag}: unknown bucket family {family!r}; known families: "
@@ -70,9 +69,15 @@ def custom_buckets(text: str, flag: str) -> dict[str, tuple[float, ...]]:
             raise ValueError(f"{flag}: {family}: expected a non-empty list of finite bounds > 0, got {bounds!r}")
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"{flag}: {family}: bounds {bounds} must be strictly increasing")
-        if family in FAMILIES:
-            out[FAMILIES[family]] = tuple(float(b) for b in bounds)
-    return out
+    return families
+
+
+def latency_bounds(families: dict[str, list[float]]) -> dict[str, tuple[float, ...]]:
+    """The bounds of the histograms an autoscaler reads (ttft, e2e, itl) among `families`."""
+    return {FAMILIES[family]: tuple(float(b) for b in bounds) for family, bounds in families.items()
+            if family in FAMILIES}
+
+
 _NAME = re.compile(r"(ttft|e2e|itl)_p(\d+(?:\.\d+)?)")
 
 

@@ -84,9 +84,8 @@ class ScalingRules:
                 proposals.append(start + int(value) if kind == "pods" else math.ceil(start * (1 + value / 100) - 1e-9))
             else:
                 proposals.append(start - int(value) if kind == "pods" else math.floor(start * (1 - value / 100) + 1e-9))
-        # (the largest change: for a scale-up the most replicas, for a scale-down the fewest)
-        largest = max if up else min
-        return largest(proposals) if self.select == "max" else (min if up else max)(proposals)
+        # (select max, the largest change: for a scale-up the most replicas, for a scale-down the fewest)
+        return (max if up == (self.select == "max") else min)(proposals)
 
 
 def _number(x: float) -> str:

@@ -433,14 +433,19 @@ class ReplayEngine:
             if out.offload_jobs:
                 feed.offload_jobs_started(out.offload_jobs, start, self.now)
             yield env.timeout(duration)
-            if self._client is not None:  # (vLLM takes the aborts that arrived during a step before its output)
-                self._client.expire_during_step(self.now, [out])
-            finished = sched.update_from_output(out)
-            self.steps.add_step(out, start, duration)
-            if self.latency_watch is not None:
-                self.latency_watch.first_tokens(out, self.now)
-            if finished:
-                self._record_finished(finished)
+            self._step_ended(out, start, duration)
+
+    def _step_ended(self, out, start: int, duration: int) -> None:
+        """Step `out`, from tick `start`, ended now (`duration` ticks later): the aborts that
+        arrived while it ran first (vLLM takes them before its output), then its output, logged."""
+        if self._client is not None:
+            self._client.expire_during_step(self.now, [out])
+        finished = self.scheduler.update_from_output(out)
+        self.steps.add_step(out, start, duration)
+        if self.latency_watch is not None:
+            self.latency_watch.first_tokens(out, self.now)
+        if finished:
+            self._record_finished(finished)
 
     def _retire_offloaded(self) -> bool:
         """KV offloading: requests finished and none left: vLLM's engine schedules once more at
@@ -701,14 +706,7 @@ class ReplayEngine:
         self.busy_until = end
         yield self.env.timeout(end - self.now)
         self.now = end
-        if self._client is not None:  # (the aborts that arrived while it ran come before its output)
-            self._client.expire_during_step(self.now, [out])
-        finished = self.scheduler.update_from_output(out)
-        self.steps.add_step(out, start, duration)
-        if self.latency_watch is not None:
-            self.latency_watch.first_tokens(out, self.now)
-        if finished:
-            self._record_finished(finished)
+        self._step_ended(out, start, duration)
 
     def _decode_run(self) -> tuple[int, list[Request]] | None:
         """Jump over the decode run ahead, if any: (its end tick, the requests it finished).
