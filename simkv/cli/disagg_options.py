@@ -42,7 +42,8 @@ def disaggregation_options(command):
                           "1-4:metric=waiting,target=2; KEY: metric, target, tolerance, interval_s, cold_start_s, "
                           "scale_down_window_s, scale_up_policy, ... (several metrics: metric=waiting=2;kv_usage=0.7; "
                           "or the prefill replicas' own TTFT: metric=ttft_p95=0.5); the --autoscale-*, --cold-start-s "
-                          "and --scale-*-policy flags set both pools' defaults."),
+                          "and --scale-*-policy flags set both pools' defaults, the --node-* flags the nodes both "
+                          "pools share."),
         click.option("--decode-autoscale", default=None, metavar="MIN-MAX[:KEY=VALUE,...]",
                      help="P/D: the decode pool scales with its load, as --prefill-autoscale "
                           "(e.g. 2-8:metric=kv_usage,target=0.7)."),

@@ -365,6 +365,25 @@ def fleet_options(command):
         click.option("--autoscale-latency-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale on a latency (ttft_pQ, e2e_pQ, itl_pQ): the seconds of observations its "
                           "percentile reads, the range of the Prometheus query's rate() [default: 60]."),
+        click.option("--node-gpus", type=int, default=None, metavar="G",
+                     help="With --autoscale: the replicas run on GPU nodes of G GPUs that a cluster autoscaler "
+                          "adds and removes (simkv/replay/autoscale_nodes.py); GPU-hours paid are the nodes' "
+                          "[default: not modelled: each replica's own GPUs are paid]."),
+        click.option("--node-provision-s", type=float, default=None, metavar="S",
+                     help="With --node-gpus: seconds a new node takes to join (instance, boot, GPU driver); a "
+                          "replica placed on it starts its cold start then [default: 300]."),
+        click.option("--node-unneeded-s", type=float, default=None, metavar="S",
+                     help="With --node-gpus: an empty node is removed after S seconds empty (the cluster "
+                          "autoscaler's --scale-down-unneeded-time) [default: 600]."),
+        click.option("--node-delay-after-add-s", type=float, default=None, metavar="S",
+                     help="With --node-gpus: no node is removed within S seconds of a node being added "
+                          "(--scale-down-delay-after-add) [default: 600]."),
+        click.option("--min-nodes", type=int, default=None, metavar="N",
+                     help="With --node-gpus: nodes of each GPU kind kept up from the start, empty or not (the node "
+                          "group's minimum: warm headroom) [default: 0]."),
+        click.option("--node-placement", type=click.Choice(("pack", "spread")), default=None,
+                     help="With --node-gpus: a replica goes to the fullest node it fits (pack) or the emptiest "
+                          "(spread) [default: pack]."),
         click.option("--scale-up-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: replicas are started only as far as every decision over this window "
                           "wanted more (HPA's scale-up stabilisation window: a spike shorter than it starts "

@@ -180,6 +180,12 @@ def run_report_html(run_dir: str | Path) -> str:
                                      title, "time (s)", "replicas", step=True))
             if (scaling.get("decisions") or {}).get("time_s"):  # (a replay shorter than a decision interval has none)
                 charts.append(_autoscaler_readings(scaling, title))
+    nodes = ((summary.get("fleet") or {}).get("autoscaling") or pools.get("autoscaling") or {}).get("nodes")
+    if nodes and nodes["timeline"]:  # (the GPU nodes under the replicas: what was paid)
+        points = nodes["timeline"] + [nodes["timeline"][-1] | {"time_s": summary.get("duration_s") or 0.0}]
+        charts.append(line_chart([("nodes", np.array([p["time_s"] for p in points]),
+                                   np.array([p["nodes"] for p in points]))],
+                                 f"GPU nodes ({nodes['gpus_per_node']} GPUs each)", "time (s)", "nodes", step=True))
     fin = requests[requests["status"] == "finished"]
     gaps = load_token_gaps(run_dir, steps)
     classes = summary.get("classes")
@@ -348,6 +354,10 @@ def _pool_table(pd: dict) -> str:
 
     head += "".join(f"<p>{name} pool autoscaling: {html.escape(describe(pd[name]['autoscaling']))}</p>"
                     for name in ("prefill", "decode") if pd[name].get("autoscaling"))
+    if (pd.get("autoscaling") or {}).get("nodes"):
+        from simkv.replay.autoscale_nodes import describe_nodes
+
+        head += f"<p>{html.escape(describe_nodes(pd['autoscaling']['nodes']))}</p>"
     return head + "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + rows + "</table>"
 
 

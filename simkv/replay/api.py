@@ -481,6 +481,7 @@ def _pools_autoscaling(summary: dict, routing, configs) -> None:
 
     duration = summary["duration_s"]
     gpu_hours = replicas_up = 0.0
+    nodes = None  # (the nodes under the pools that scale, shared: paid once)
     for pool, pool_routing, pool_config in (("prefill", routing.prefill, configs[0]),
                                             ("decode", routing.decode, configs[1])):
         section = summary["disaggregation"][pool]
@@ -491,10 +492,17 @@ def _pools_autoscaling(summary: dict, routing, configs) -> None:
             continue
         scaling = section["autoscaling"] = autoscaling_section(pool_routing.autoscaler, duration,
                                                                pool_routing.loads_at, [pool_config] * n,
-                                                               section["replicas"])
-        gpu_hours += scaling["gpu_hours"]
+                                                               section["replicas"], nodes=False)
+        nodes = pool_routing.autoscaler.nodes or nodes
+        gpu_hours += 0.0 if nodes is not None else scaling["gpu_hours"]
         replicas_up += scaling["mean_ready"]
-    summary["disaggregation"]["autoscaling"] = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up}
+    totals = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up}
+    if nodes is not None:  # (the replicas' GPU-hours in each pool's section; the nodes' paid here)
+        from simkv.clock import to_ticks
+
+        totals["nodes"] = nodes.section(to_ticks(duration))
+        totals["gpu_hours"] = gpu_hours + totals["nodes"]["gpu_hours"]
+    summary["disaggregation"]["autoscaling"] = totals
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:

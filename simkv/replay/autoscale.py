@@ -49,7 +49,9 @@ fixed instants on the finishes strictly before them, so the replay stays determi
 for byte.
 
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
-each slot's GPUs. Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its
+each slot's GPUs. With `node_gpus` the replicas run on GPU nodes a cluster autoscaler adds and
+removes (simkv/replay/autoscale_nodes.py): a replica that finds no room waits for a new node
+before its cold start, and `gpu_hours` is the nodes' (the replicas' own: `replica_gpu_hours`). Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its
 own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism, pods
 that fail to start.
 """
@@ -58,10 +60,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, custom_buckets, latency_bounds, latency_metric
+from simkv.replay.autoscale_nodes import PLACEMENTS, NodePool
 from simkv.replay.autoscale_policy import DEFAULT_DOWN, DEFAULT_UP, PolicyError, ScalingRules
 
 
@@ -76,9 +79,16 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s",
             "autoscale_latency_window_s": "latency_window_s", "scale_up_policy": "scale_up_policy",
             "scale_down_policy": "scale_down_policy", "autoscale_histogram_buckets": "histogram_buckets",
-            "autoscale_metrics_delay_s": "metrics_delay_s"}
+            "autoscale_metrics_delay_s": "metrics_delay_s", "node_gpus": "node_gpus",
+            "node_provision_s": "node_provision_s", "node_unneeded_s": "node_unneeded_s",
+            "node_delay_after_add_s": "node_delay_after_add_s", "min_nodes": "min_nodes",
+            "node_placement": "node_placement"}
 # (the others are numbers)
-TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets")
+TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets",
+                 "node_placement")
+# the cluster's nodes under the replicas (simkv/replay/autoscale_nodes.py): one set for both P/D pools
+NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_unneeded_s", "node_delay_after_add_s", "min_nodes",
+                 "node_placement")
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
@@ -104,6 +114,13 @@ class AutoscaleSpec:
     scale_down_policy: str = DEFAULT_DOWN
     histogram_buckets: str = ""  # latency metrics: vLLM's --custom-histogram-buckets JSON ("": its defaults)
     metrics_delay_s: float = 0.0  # each metric read as it was this long before the decision (scrapes, adapters)
+    # the GPU nodes under the replicas (simkv/replay/autoscale_nodes.py; 0 GPUs a node: not modelled)
+    node_gpus: int = 0
+    node_provision_s: float = 300.0
+    node_unneeded_s: float = 600.0  # the cluster autoscaler's --scale-down-unneeded-time
+    node_delay_after_add_s: float = 600.0  # its --scale-down-delay-after-add
+    min_nodes: int = 0  # of each GPU kind, up from the start
+    node_placement: str = "pack"
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
     # the policies and the latency histograms' bounds, parsed from the texts above
@@ -149,6 +166,33 @@ class AutoscaleSpec:
         if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
             raise AutoscaleError(f"--autoscale-latency-window-s must be a number of seconds > 0, got "
                                  f"{self.latency_window_s}")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        for name in ("node_gpus", "min_nodes"):
+            value = getattr(self, name)
+            if not (float(value).is_integer() and value >= 0):
+                raise AutoscaleError(f"--{name.replace('_', '-')} must be a whole number >= 0, got {value}")
+            object.__setattr__(self, name, int(value))
+        for name in ("node_provision_s", "node_unneeded_s", "node_delay_after_add_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise AutoscaleError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value}")
+            object.__setattr__(self, name, float(value))
+        placement = str(self.node_placement).strip().lower()
+        if placement not in PLACEMENTS:
+            raise AutoscaleError(f"--node-placement {self.node_placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        object.__setattr__(self, "node_placement", placement)
+        defaults = {f.name: f.default for f in fields(self) if f.name in NODE_SETTINGS}
+        if not self.node_gpus and self.nodes_dict(every=True) != defaults:
+            raise AutoscaleError("--node-provision-s, --node-unneeded-s, --node-delay-after-add-s, --min-nodes and "
+                                 "--node-placement describe the nodes: give --node-gpus too")
+
+    def nodes_dict(self, every: bool = False) -> dict:
+        """The node settings (none without node_gpus, unless `every`)."""
+        if not (self.node_gpus or every):
+            return {}
+        return {name: getattr(self, name) for name in NODE_SETTINGS}
 
     @property
     def latency_targets(self) -> tuple[tuple[str, float], ...]:
@@ -235,7 +279,7 @@ class AutoscaleSpec:
             out["histogram_buckets"] = self.histogram_buckets
         if self.metrics_delay_s:
             out["metrics_delay_s"] = self.metrics_delay_s
-        return out
+        return out | self.nodes_dict()
 
 
 def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
@@ -251,6 +295,9 @@ def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
         if not eq or name not in SETTINGS or not value.strip():
             raise AutoscaleError(f"{flag} {text!r}: expected MIN-MAX[:KEY=VALUE,...] with KEY one of "
                                  f"{', '.join(k.removeprefix('autoscale_') for k in SETTINGS)}, got {item!r}")
+        if name in NODE_SETTINGS:
+            raise AutoscaleError(f"{flag} {text!r}: {key}: the nodes are the cluster's, under both pools: give "
+                                 f"--{key.replace('_', '-')} for both")
         settings[name] = value.strip()
         given.add(name)
     if "autoscale_target" not in given and "=" in str(settings.get("autoscale_metric") or ""):
@@ -299,6 +346,14 @@ class Autoscaler:
         self.router = None
         self.renew: set[int] = set()  # slots started anew whose engine still held blocks then (P/D pulls)
         self.num_renewed = 0
+        # the GPU nodes under the slots (simkv/replay/autoscale_nodes.py), and the slots' keys there
+        self.nodes = NodePool(spec) if spec.node_gpus else None
+        self.pool = "fleet"
+        self.slot_gpus: list[tuple[int, str]] = []  # (GPUs, their kind) of each slot
+
+    def share_nodes(self, nodes: "NodePool", pool: str) -> None:
+        """Place this autoscaler's slots on `nodes`, shared with another pool's (P/D), as `pool`'s."""
+        self.nodes, self.pool = nodes, pool
 
     def watch(self, engines, router=None, held: dict[int, int] | None = None) -> None:
         """The replicas' engines (whose step logs the engine-gauge metrics read, whose requests
@@ -306,6 +361,12 @@ class Autoscaler:
         (which forgets what such a slot cached), and the rows held for a slot to be ready (scale
         to zero: FleetRouting.hold)."""
         self.engines, self.router = engines, router
+        if self.nodes is not None:  # (the MIN slots on the nodes up from the start)
+            self.slot_gpus = [(engine.config.hardware.num_gpus, engine.config.hardware.gpu) for engine in engines]
+            for r, (gpus, kind) in enumerate(self.slot_gpus):
+                self.nodes.check((self.pool, r), gpus, kind)
+            for r in range(self.spec.min_replicas):
+                self.nodes.place((self.pool, r), *self.slot_gpus[r], 0, initial=True)
         if any(name in GAUGES for name, _ in self.spec.targets):
             self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
                            for engine in engines]
@@ -333,6 +394,7 @@ class Autoscaler:
         arrived at `arrival` waits for them. If none is starting, the lowest slot that is down
         (or drained and done) starts now (activation); with none, the lowest still draining
         keeps its place, warm, and takes it now. `loads`: each slot's requests in flight."""
+        self._release_done(loads)
         starting = {r: at for r, at in enumerate(self.ready_at)
                     if at is not None and at > tick and self.draining_since[r] is None}
         if not starting:
@@ -363,8 +425,10 @@ class Autoscaler:
 
     def _evaluate(self, tick: int, loads: list[int]) -> None:
         spec = self.spec
+        self._release_done(loads)
         live = [r for r, at in enumerate(self.ready_at) if at is not None and self.draining_since[r] is None]
         seen = max(0, tick - self.delay)  # (the instant its metrics describe)
+        now = loads  # (what each slot has in flight now, whatever the metrics read)
         if self.history is not None:
             loads = self.history.loads_before(seen)
         in_flight = sum(loads[r] for r in live)
@@ -393,7 +457,7 @@ class Autoscaler:
             keep = max(keep, self._limit(tick, have, up=False))
         if wanted > have:
             for r in [r for r in range(spec.max_replicas) if r not in live][:wanted - have]:
-                self._start(r, tick, loads[r])
+                self._start(r, tick, now[r])
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
                                 "in_flight": in_flight, "values": values})
         elif keep < have:
@@ -403,6 +467,7 @@ class Autoscaler:
                 if self.ready_at[r] > tick:  # (called off: down at once, paid until now)
                     self.ready_at[r] = None
                     self.paid[r][-1] = (self.paid[r][-1][0], tick)
+                    self._release(r, tick)
                 else:
                     self.draining_since[r] = tick
                 self.changes.append((tick, -1))
@@ -452,9 +517,25 @@ class Autoscaler:
             return
         if drained is not None:  # (its last request finished before now: paid until then; a new pod)
             self.paid[r][-1] = (self.paid[r][-1][0], max(drained, self.last_finish[r]))
+            self._release(r, self.paid[r][-1][1])
             self._renew(r)
-        self.ready_at[r] = tick + self.cold_start
+        ready = tick if self.nodes is None else self.nodes.place((self.pool, r), *self.slot_gpus[r], tick)
+        self.ready_at[r] = ready + self.cold_start
         self.paid[r].append((tick, None))
+
+    def _release(self, r: int, tick: int) -> None:
+        """Slot `r`'s pod stopped at `tick`: its GPUs on its node are free from then."""
+        if self.nodes is not None and self.nodes.holds((self.pool, r)):
+            self.nodes.release((self.pool, r), tick)
+
+    def _release_done(self, loads: list[int]) -> None:
+        """The drained slots whose last request is done (`loads`: each slot's requests in flight
+        now) free their nodes' GPUs from their last finish, before any placement now."""
+        if self.nodes is None:
+            return
+        for r, drained in enumerate(self.draining_since):
+            if drained is not None and loads[r] == 0:
+                self._release(r, max(drained, self.last_finish[r]))
 
     def _renew(self, r: int) -> None:
         """Slot `r` starts as a new pod: its engine's caches empty
@@ -494,6 +575,8 @@ class Autoscaler:
                 drained = self.draining_since[r]
                 stop = max(drained, self.last_finish[r]) if drained is not None else end
                 spans[-1] = (spans[-1][0], min(max(stop, spans[-1][0]), end))
+                if drained is not None:
+                    self._release(r, spans[-1][1])
 
     def summary(self, end: int, gpus_per_slot: list[int], gpu_of_slot: list[str]) -> dict:
         spec = self.spec
@@ -553,10 +636,13 @@ class InFlightHistory:
         return out
 
 
-def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, configs, replica_rows: list[dict]) -> dict:
+def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, configs, replica_rows: list[dict],
+                        nodes: bool = True) -> dict:
     """After the replay (`duration_s`: its end): the autoscaler's summary section, each
     replica's paid seconds written into its row of the summary's replica table (`paid_s`).
-    `configs`: each slot's engine config (its GPUs, and which)."""
+    `configs`: each slot's engine config (its GPUs, and which). With nodes under the replicas
+    (and `nodes`: not shared with another pool's), their section, and the GPU-hours they paid
+    as the section's `gpu_hours` (the replicas' own as `replica_gpu_hours`)."""
     from simkv.studies.serving_cost import engine_gpus
 
     end = to_ticks(duration_s)
@@ -564,6 +650,11 @@ def autoscaling_section(autoscaler: Autoscaler, duration_s: float, loads_at, con
     section = autoscaler.summary(end, [engine_gpus(c) for c in configs], [c.hardware.gpu for c in configs])
     for row, paid in zip(replica_rows, section["paid_s_by_replica"]):
         row["paid_s"] = paid  # (each replica's time up or starting, paid for)
+    if autoscaler.nodes is not None and nodes:  # (what is paid is the nodes: the replicas' GPU-hours beside)
+        section["nodes"] = autoscaler.nodes.section(end)
+        section["replica_gpu_hours"] = section["gpu_hours"]
+        section["gpu_hours"] = section["nodes"]["gpu_hours"]
+        section["gpu_hours_by_gpu"] = section["nodes"]["gpu_hours_by_gpu"]
     return section
 
 
@@ -588,8 +679,9 @@ def aims(section: dict) -> str:
 
 def describe(section: dict) -> str:
     """One line for the terminal and report.html."""
+    paid = (f"{section['replica_gpu_hours']:.3f} GPU-h held by replicas, {section['gpu_hours']:.3f} paid for nodes"
+            if "replica_gpu_hours" in section else f"{section['gpu_hours']:.3f} GPU-h paid")
     return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aims(section)}, "
             f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
             f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "
-            f"{section['gpu_hours']:.3f} GPU-h paid, {section['fixed_fleet_gpu_hours']:.3f} for "
-            f"{section['max_replicas']} always up")
+            f"{paid}, {section['fixed_fleet_gpu_hours']:.3f} for {section['max_replicas']} always up")

@@ -114,6 +114,11 @@ class DisaggregationSpec:
                 raise ConfigError(f"{pool} pool: {', '.join(latencies)}: a P/D pool scales on the latency its own "
                                   "replicas measure: the prefill pool on its time to first token (ttft_pQ), the "
                                   "decode pool on its inter-token latency (itl_pQ)")
+        scaling = [s for s in (self.prefill_autoscale, self.decode_autoscale) if s is not None]
+        if len(scaling) == 2 and scaling[0].nodes_dict() != scaling[1].nodes_dict():
+            raise ConfigError("P/D pools that scale share the cluster's nodes: give them the same node settings "
+                              f"(--node-gpus and the others), got prefill {scaling[0].nodes_dict() or 'none'}, "
+                              f"decode {scaling[1].nodes_dict() or 'none'}")
 
     @property
     def class_names(self) -> list[str]:
@@ -251,6 +256,9 @@ class PDRouting:
                 from simkv.replay.autoscale import Autoscaler
 
                 scalers[pool] = Autoscaler(getattr(spec, f"{pool}_autoscale"))
+        nodes = next((scaler.nodes for scaler in scalers.values()), None)
+        for pool, scaler in scalers.items():  # (both pools on one cluster's nodes)
+            scaler.share_nodes(nodes, pool)
         # (sessions: turns paced by the prefill router, released by the decode side's finishes)
         self.prefill = PrefillRouting(trace, prefill_router, max_model_len, clients, pacing,
                                       autoscaler=scalers.get("prefill"))

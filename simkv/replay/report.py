@@ -103,6 +103,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
                 from simkv.replay.autoscale import describe
 
                 head.append((f"{pool} pool autoscaling", describe(pd[pool]["autoscaling"])))
+        if (pd.get("autoscaling") or {}).get("nodes"):
+            from simkv.replay.autoscale_nodes import describe_nodes
+
+            head.append(("nodes", describe_nodes(pd["autoscaling"]["nodes"])))
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
@@ -110,6 +114,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
             from simkv.replay.autoscale import describe
 
             head.append(("autoscaling", describe(fleet["autoscaling"])))
+            if fleet["autoscaling"].get("nodes"):
+                from simkv.replay.autoscale_nodes import describe_nodes
+
+                head.append(("nodes", describe_nodes(fleet["autoscaling"]["nodes"])))
     client = summary.get("client")
     outcomes = {"finished": summary["num_finished"], "rejected": summary["num_rejected"]}
     if client:
