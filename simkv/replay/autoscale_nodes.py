@@ -1,0 +1,182 @@
+"""The GPU nodes under an autoscaled fleet (`--node-gpus G`): what a cluster autoscaler adds and
+removes as the replicas come and go, and what is paid, which is nodes, not replicas.
+
+Each replica (a pod holding its engine's GPUs: tensor x pipeline x data-parallel) runs on one
+node of G GPUs of its GPU kind; a replica needing more than G GPUs is refused. A replica started
+by the autoscaler is placed at once, as Kubernetes' scheduler and Kubernetes' cluster autoscaler
+place a pending pod:
+- on a node that is up and has its GPUs free, `node_placement` choosing which: `pack` (the
+  fullest that fits, a MostAllocated scoring, the usual choice for GPU pools) or `spread` (the
+  emptiest, the default scheduler's LeastAllocated scoring where GPUs are what it weighs);
+- else on a node still being provisioned that fits (the cluster autoscaler counts upcoming
+  nodes), the earliest ready first;
+- else on a new node, ready `node_provision_s` later (the cloud's instance, its boot, the GPU
+  driver and device plugin: 300 s by default).
+The replica then takes its cold start (`cold_start_s`) once its node is ready. A node whose last
+replica stopped (drained and done, or called off while starting) is removed once it has been
+empty for `node_unneeded_s` (the cluster autoscaler's --scale-down-unneeded-time, 10 min), and
+never within `node_delay_after_add_s` of a node being added (--scale-down-delay-after-add,
+10 min), nor below `min_nodes` nodes of its GPU kind (the node group's minimum, kept from the
+start: warm headroom). A replica started on a node still up, empty or not, pays no provisioning.
+Replicas are never moved to free a node (vLLM pods marked not safe to evict, as inference
+servers are: only empty nodes go).
+
+The nodes up at the start are the `min_nodes` of each GPU kind and those the MIN replicas fill,
+ready at 0. A node is paid from its provisioning to its removal (or the replay's end): the
+section's `gpu_hours` multiplies by G, and `idle_gpu_share` is the part of it no replica held.
+The decisions are made at the autoscaler's instants, on its own record of each replica's end,
+so the replay stays deterministic, byte for byte. Not modelled: nodes that fail to join, spot
+reclaims, a node's image cache (a cold pull belongs in cold_start_s), consolidation that moves
+running replicas (Karpenter's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simkv.clock import TICKS_PER_SECOND, to_ticks
+
+PLACEMENTS = ("pack", "spread")
+
+
+@dataclass
+class Node:
+    kind: str  # its GPUs' name
+    gpus: int
+    start: int  # ticks: provisioning started (0 for a node up from the start)
+    ready: int
+    kept: bool = False  # one of its kind's min_nodes: never removed
+    pods: dict = field(default_factory=dict)  # replica key -> its GPUs
+    empty_since: int | None = None  # (None: holds a replica)
+    removed: int | None = None
+
+    @property
+    def free(self) -> int:
+        return self.gpus - sum(self.pods.values())
+
+
+class NodePool:
+    """The cluster's GPU nodes, shared by the autoscalers of one replay (a fleet, or both P/D
+    pools). `spec`: an AutoscaleSpec with node_gpus > 0."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+        self.gpus = spec.node_gpus
+        self.provision = to_ticks(spec.node_provision_s)
+        self.unneeded = to_ticks(spec.node_unneeded_s)
+        self.delay_after_add = to_ticks(spec.node_delay_after_add_s)
+        self.nodes: list[Node] = []
+        self.added: list[int] = []  # ticks at which nodes were added (not those up from the start)
+        self.held: dict = {}  # replica key -> (its node's index, the tick it was placed at)
+        self.held_gpu_ticks = 0  # replicas' GPUs x ticks on ready nodes, for those that stopped
+        self.waits: list[int] = []  # ticks each placed replica waited for its node to be ready
+
+    def check(self, key, gpus: int, kind: str) -> None:
+        """A replica that needs more GPUs than a node has is refused; its kind's kept nodes are
+        up from the start."""
+        if gpus > self.gpus:
+            raise ValueError(f"--node-gpus {self.gpus}: replica {key[1]} ({key[0]}) needs {gpus} {kind} GPUs; a "
+                             f"replica runs on one node here (give --node-gpus >= {gpus})")
+        while sum(1 for n in self.nodes if n.kind == kind and n.kept) < self.spec.min_nodes:
+            self.nodes.append(Node(kind, self.gpus, 0, 0, kept=True, empty_since=0))
+
+    def place(self, key, gpus: int, kind: str, tick: int, initial: bool = False) -> int:
+        """Replica `key` (pool, slot) starts at `tick`: the tick its node is ready. `initial`: one
+        of the MIN replicas, up from the start (a new node for it is ready at once)."""
+        self.collect(tick)
+        live = [(i, n) for i, n in enumerate(self.nodes) if n.removed is None and n.kind == kind and n.free >= gpus]
+        ready = [(i, n) for i, n in live if n.ready <= tick]
+        if ready:
+            sign = 1 if self.spec.node_placement == "pack" else -1
+            i, node = min(ready, key=lambda item: (sign * item[1].free, item[0]))
+        elif live:
+            i, node = min(live, key=lambda item: (item[1].ready, item[0]))
+        else:
+            node = Node(kind, self.gpus, tick, tick if initial else tick + self.provision)
+            if not initial:
+                self.added.append(tick)
+            self.nodes.append(node)
+            i = len(self.nodes) - 1
+        node.pods[key] = gpus
+        node.empty_since = None
+        self.held[key] = (i, max(tick, node.ready))  # (its GPUs held once the node is up)
+        self.waits.append(max(0, node.ready - tick))
+        return max(tick, node.ready)
+
+    def release(self, key, tick: int) -> None:
+        """Replica `key` stopped at `tick` (its last request done, or called off while starting)."""
+        i, since = self.held.pop(key)
+        node = self.nodes[i]
+        self.held_gpu_ticks += node.pods.pop(key) * max(0, tick - since)
+        if not node.pods:
+            node.empty_since = max(tick, node.ready)
+
+    def holds(self, key) -> bool:
+        return key in self.held
+
+    def _removal(self, node: Node) -> int:
+        """When an empty node goes: empty for `unneeded`, and `delay_after_add` after any add."""
+        at = node.empty_since + self.unneeded
+        for added in self.added:  # (in order: each may push the instant past the next)
+            if at - self.delay_after_add < added <= at:
+                at = added + self.delay_after_add
+        return at
+
+    def collect(self, tick: int) -> None:
+        """Remove, in the order they fall due, the empty nodes due by `tick` (a node group keeps
+        `min_nodes` of its kind)."""
+        while True:
+            due = sorted((self._removal(n), i) for i, n in enumerate(self.nodes)
+                         if n.removed is None and not n.kept and not n.pods)
+            if not due or due[0][0] > tick:
+                return
+            at, i = due[0]
+            self.nodes[i].removed = at
+
+    def section(self, end: int) -> dict:
+        """After the replay (its end at `end`): what the nodes cost and how busy they were."""
+        for key in list(self.held):  # (replicas still up: they held their GPUs to the end)
+            i, since = self.held[key]
+            self.held_gpu_ticks += self.nodes[i].pods[key] * max(0, end - since)
+        self.collect(end)
+        by_gpu: dict[str, float] = {}
+        node_ticks = 0
+        for node in self.nodes:
+            span = max(0, min(node.removed if node.removed is not None else end, end) - node.start)
+            node_ticks += span
+            by_gpu[node.kind] = by_gpu.get(node.kind, 0.0) + span * node.gpus / TICKS_PER_SECOND / 3600.0
+        changes = sorted([(n.start, 1) for n in self.nodes] + [(n.removed, -1) for n in self.nodes
+                                                                if n.removed is not None and n.removed <= end])
+        timeline, count = [], 0
+        for tick, delta in changes:
+            count += delta
+            if timeline and timeline[-1]["time_s"] == tick / TICKS_PER_SECOND:
+                timeline[-1]["nodes"] = count
+            else:
+                timeline.append({"time_s": tick / TICKS_PER_SECOND, "nodes": count})
+        gpu_ticks = node_ticks * self.gpus
+        spec = self.spec
+        waited = [w for w in self.waits if w > 0]
+        return {"gpus_per_node": self.gpus, "provision_s": spec.node_provision_s,
+                "unneeded_s": spec.node_unneeded_s, "delay_after_add_s": spec.node_delay_after_add_s,
+                "min_nodes": spec.min_nodes, "placement": spec.node_placement,
+                "nodes_at_start": sum(1 for n in self.nodes if n.start == 0 and n.ready == 0),
+                "nodes_added": len(self.added),
+                "nodes_removed": sum(1 for n in self.nodes if n.removed is not None and n.removed <= end),
+                "peak_nodes": max((entry["nodes"] for entry in timeline), default=0),
+                "mean_nodes": node_ticks / end if end > 0 else float(len(self.nodes)),
+                "gpu_hours": sum(by_gpu.values()), "gpu_hours_by_gpu": by_gpu,
+                "held_gpu_hours": self.held_gpu_ticks / TICKS_PER_SECOND / 3600.0,
+                "idle_gpu_share": 1.0 - self.held_gpu_ticks / gpu_ticks if gpu_ticks > 0 else 0.0,
+                "replicas_waiting_for_a_node": len(waited),
+                "mean_node_wait_s": sum(waited) / len(waited) / TICKS_PER_SECOND if waited else 0.0,
+                "timeline": timeline}
+
+
+def describe_nodes(section: dict) -> str:
+    """One line: the nodes and what they cost."""
+    return (f"nodes of {section['gpus_per_node']} GPUs: {section['nodes_at_start']} at the start, "
+            f"{section['nodes_added']} added (provisioned in {section['provision_s']:g} s, "
+            f"{section['replicas_waiting_for_a_node']} replicas waited for one), {section['nodes_removed']} removed, "
+            f"peak {section['peak_nodes']}; {section['gpu_hours']:.3f} GPU-h paid, "
+            f"{section['idle_gpu_share']:.0%} of it held by no replica")
