@@ -186,8 +186,9 @@ def _bytes(n: int) -> str:
 
 
 def print_report(rep: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from simkv.terminal import console as terminal_console
 
     tp = rep["tensor_parallel_size"]
     gpus = f"{rep['data_parallel_size']} x {tp}" if rep.get("data_parallel_size") else f"{tp}"
@@ -311,7 +312,7 @@ def print_report(rep: dict) -> None:
                      f"{r['max_concurrency']:,.2f}x ({r['blocks_per_request']:,})"))
     for name, value in rows:
         table.add_row(name, value)
-    console = Console()
+    console = terminal_console()
     console.print(table)
     for line in rep["startup_lines"]:
         console.print(line, highlight=False, markup=False)
@@ -510,8 +511,9 @@ def layouts_report(flags: dict, config_file: str | None, num_gpus: int) -> dict:
 
 
 def print_layouts(rep: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from simkv.terminal import console as terminal_console
 
     model = rep["model"] + (f" ({rep['quantization']})" if rep.get("quantization") else "")
     table = Table(title=f"{model} on {rep['num_gpus']} x {rep['gpu']}: KV cache by layout")
@@ -527,4 +529,4 @@ def print_layouts(rep: dict) -> None:
                       f"{row['available_kv_bytes_per_gpu'] / GIB:.1f} GiB",
                       f"{row['num_gpu_blocks']:,} ({row['block_size']:,} tokens)",
                       f"{row['kv_cache_tokens_all']:,}", f"{row['max_concurrency_all']:.2f}x")
-    Console().print(table)
+    terminal_console().print(table)

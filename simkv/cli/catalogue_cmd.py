@@ -83,10 +83,11 @@ def _count(n: int) -> str:
 
 
 def _print(out: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from simkv.terminal import console as terminal_console
+
+    console = terminal_console()
     if "models" in out:
         table = Table(title="Models (simkv/specs/models.yaml; --model also takes a Hugging Face config.json)")
         for name, justify in (("model", "left"), ("params (active)", "right"), ("layers", "right"),

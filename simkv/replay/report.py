@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from simkv.replay.results import kv_cache_groups_rows
+from simkv.terminal import console as terminal_console
 
 
 def _fmt_dist(d: dict, scale: float = 1000.0) -> str:
@@ -54,7 +55,7 @@ def _expert_exchange_rows(cfg: dict, cost: dict) -> list[tuple[str, str]]:
 
 def print_summary(summary: dict, out_dir: Path | None = None, console: Console | None = None,
                   with_report: bool = False) -> None:
-    console = console or Console()
+    console = console or terminal_console()
     cfg = summary["config"]
     table = Table(title=f"simkv replay: {summary['trace']}", show_header=False)
     table.add_column("metric", style="bold")
