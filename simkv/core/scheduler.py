@@ -162,6 +162,8 @@ class Scheduler(SteadyDecoders, AsyncScheduling, RemoteKV, SpecDecode):
         # under pipeline parallelism every token gap is timed from step ends (replay/results.py):
         # (previous token's step, token's step) -> tokens
         self.pipeline_gaps: dict[tuple[int, int], int] | None = {} if pipelined else None
+        self.pipeline_gap_log: list[tuple[int, int]] | None = None  # (the same gaps in order, for a reader
+        # that drains it as steps end: replay/autoscale_latency.py's StepGaps)
         groups = config.kv_cache_groups
         # EAGLE family and MTP without a connector: a block's key covers the token after it (the
         # K after it under multi-module MTP; vLLM's lookahead block hashes; under a connector the

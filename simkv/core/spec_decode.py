@@ -464,6 +464,7 @@ class SpecDecode:
         pipeline_gaps = self.pipeline_gaps
         by_class = [0] * len(self.decoders_by_class) if self.decoders_by_class is not None else None
         gaps_by_class = self.pipeline_gaps_by_class
+        gap_log = self.pipeline_gap_log
         for chunk in output.chunks:
             request = chunk.request
             request.num_in_flight_tokens -= chunk.num_new_tokens
@@ -498,6 +499,8 @@ class SpecDecode:
             elif pipeline_gaps is not None:  # (pipeline parallelism: every gap timed from step ends)
                 gap = (request.last_token_step, step)
                 pipeline_gaps[gap] = pipeline_gaps.get(gap, 0) + 1
+                if gap_log is not None:
+                    gap_log.append(gap)
                 emissions += 1
                 if by_class is not None:
                     by_class[request.class_code] += 1

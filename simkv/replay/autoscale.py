@@ -51,9 +51,9 @@ for byte.
 Paid replica-seconds run until the replay's end (its last step); `gpu_hours` multiplies them by
 each slot's GPUs. With `node_gpus` the replicas run on GPU nodes a cluster autoscaler adds and
 removes (simkv/replay/autoscale_nodes.py): a replica that finds no room waits for a new node
-before its cold start, and `gpu_hours` is the nodes' (the replicas' own: `replica_gpu_hours`). Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its
-own (the prefill pool's TTFT, the decode pool's ITL), ITL under pipeline parallelism, pods
-that fail to start.
+before its cold start, and `gpu_hours` is the nodes' (the replicas' own: `replica_gpu_hours`).
+Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its own (the prefill
+pool's TTFT, the decode pool's ITL), pods that fail to start.
 """
 
 from __future__ import annotations
@@ -372,8 +372,6 @@ class Autoscaler:
                            for engine in engines]
         if self.spec.latency_targets:
             kinds = {latency_metric(name)[0] for name, _ in self.spec.latency_targets}
-            if "itl" in kinds and any(engine.scheduler.pipeline_gaps is not None for engine in engines):
-                raise ValueError("--autoscale-metric itl_pQ is not modelled with pipeline parallelism yet")
             self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines, self.spec.bounds)
             for engine in engines:
                 engine.latency_watch = self.latency

@@ -173,6 +173,12 @@ class StepGaps:
         self.resumed_read = 0
         self.irregular: list[tuple[int, int]] = []  # heap of (token step, previous token step) not yet ended
         self.irregular_read = 0
+        # pipeline parallelism: every gap is timed from step ends (results.itl_samples), logged by
+        # the scheduler as each step's output arrives; (token step, previous, tokens) not yet read
+        self.pipelined = self.scheduler.pipeline_gaps is not None
+        if self.pipelined:
+            self.scheduler.pipeline_gap_log = []
+        self.pending: list[tuple[int, int, int]] = []
 
     def read_until(self, tick: int) -> list[tuple[int, float, int]]:
         """The gaps closed by the steps that ended strictly before `tick` and after the last
@@ -185,9 +191,9 @@ class StepGaps:
         for previous, step in irregular[self.irregular_read:]:
             heapq.heappush(self.irregular, (step, previous))
         self.irregular_read = len(irregular)
+        out = self._pipeline_gaps(tick) if self.pipelined else []
         ended, self.cursor = steps.ended_steps(self.cursor, tick)
-        out = []
-        for step, end, ticks, gaps in ended:
+        for step, end, ticks, gaps in ended if not self.pipelined else ():
             gaps -= self.resumed.pop(step, 0)
             if gaps > 0:
                 out.append((end, ticks / TICKS_PER_SECOND, gaps))
@@ -199,4 +205,22 @@ class StepGaps:
             heapq.heappop(self.irregular)
             start = steps.end_tick(previous) if previous >= 0 else 0
             out.append((end, (end - start) / TICKS_PER_SECOND, 1))
+        return out
+
+    def _pipeline_gaps(self, tick: int) -> list[tuple[int, float, int]]:
+        """Pipeline parallelism: the logged gaps whose token's step ended strictly before `tick`
+        (a step's duration, from its first stage's start, is no gap there)."""
+        log, steps = self.scheduler.pipeline_gap_log, self.steps
+        for (previous, step), n in Counter(log).items():
+            heapq.heappush(self.pending, (step, previous, n))
+        log.clear()
+        out = []
+        while self.pending:
+            step, previous, n = self.pending[0]
+            end = steps.end_tick(step)
+            if end is None or end >= tick:
+                break
+            heapq.heappop(self.pending)
+            start = steps.end_tick(previous) if previous >= 0 else 0
+            out.append((end, (end - start) / TICKS_PER_SECOND, n))
         return out

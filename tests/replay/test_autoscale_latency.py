@@ -304,9 +304,32 @@ def test_an_itl_target_reads_every_replicas_gaps_of_the_last_window():
     from simkv.replay.disaggregated import DisaggregationSpec
 
     DisaggregationSpec(num_decode=2, decode_autoscale=pd_spec)  # (the decode pool's own latency: taken)
-    with pytest.raises(ValueError, match="itl_pQ is not modelled with pipeline parallelism"):
-        replay(bursts(), EngineConfig.from_flat({"max_model_len": 4096, "pipeline_parallel_size": 2}),
-               fleet=FleetSpec(3, autoscale=spec))
+
+
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}])
+def test_an_itl_target_under_pipeline_stages_reads_the_gaps_between_step_ends(options):
+    """Pipeline parallelism: a token's gap is from its previous token's step end to its own
+    (results.itl_samples: P batches overlap, a step's duration is none); each decision's ITL p95
+    is that of the gaps the scheduler counted, whose token's step ended within the window."""
+    spec = AutoscaleSpec(1, 3, metric="itl_p95=0.03", interval_s=15, cold_start_s=30, scale_down_window_s=60)
+    config = EngineConfig.from_flat({"max_model_len": 4096, "pipeline_parallel_size": 2, **options})
+    result = replay(bursts(), config, fleet=FleetSpec(3, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    assert any(e["action"] == "up" for e in scaling["events"])
+    ticks, seconds, times = [], [], []
+    for run in result.fleet_runs:
+        for (previous, step), n in run.scheduler.pipeline_gaps.items():
+            end = run.steps.end_tick(step)
+            ticks.append(end)
+            seconds.append((end - (run.steps.end_tick(previous) if previous >= 0 else 0)) / TICKS_PER_SECOND)
+            times.append(n)
+    ticks, seconds, times = np.array(ticks), np.array(seconds), np.array(times)
+    decisions = scaling["decisions"]
+    assert sum(v is not None for v in decisions["itl_p95"]) > 20
+    for t, value in zip(decisions["time_s"], decisions["itl_p95"]):
+        tick = int(t * TICKS_PER_SECOND)
+        seen = (ticks < tick) & (ticks > tick - 60 * TICKS_PER_SECOND)
+        assert value == _expected(0.95, "itl", seconds[seen], times[seen])
 
 
 def test_custom_buckets_as_vllm_takes_them():
