@@ -31,6 +31,13 @@ MODELS = [  # (model, extra flags)
 ]
 
 # (probability, flags or a function of the random source giving flags)
+def _node_flags(r: random.Random) -> list[str]:
+    """The GPU nodes under replicas that scale (--node-gpus ...)."""
+    return ["--node-gpus", r.choice(["1", "2", "8"]), "--node-provision-s", r.choice(["0", "4"]),
+            "--node-unneeded-s", r.choice(["0", "5"]), "--node-delay-after-add-s", r.choice(["0", "3"]),
+            *r.choice([[], ["--min-nodes", "1"], ["--node-placement", "spread"]])]
+
+
 OPTIONS = [
     (0.3, ["--async-scheduling"]),
     (0.15, ["--no-enable-prefix-caching"]),
@@ -72,6 +79,7 @@ OPTIONS = [
                       *r.choice([[], ["--autoscale-tolerance", r.choice(["0", "0.5"])]]),
                       *r.choice([[], ["--scale-up-window-s", r.choice(["0", "10"])]]),
                       *r.choice([[], [], ["--autoscale-metrics-delay-s", r.choice(["2", "20"])]]),
+                      *r.choice([[], [], _node_flags(r)]),
                       *r.choice([[], ["--scale-up-policy", r.choice(["pods=1/5", "percent=50/10,select=min", "disabled"])],
                                  ["--scale-down-policy", r.choice(["pods=1/5", "percent=10/20;pods=2/5", "disabled"])]])]),
     (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],
@@ -80,7 +88,7 @@ OPTIONS = [
                                 + r.choice(["", ",metrics_delay_s=3"]),
                                 "--decode-autoscale", r.choice(["1-2:target=1", "1-3:metric=kv_usage=0.05;running=2",
                                                                 "1-2:metric=itl_p95=0.02"])
-                                + ",interval_s=3,cold_start_s=0,scale_down_window_s=0"]])
+                                + ",interval_s=3,cold_start_s=0,scale_down_window_s=0", *r.choice([[], _node_flags(r)])]])
      + r.choice([[], ["--prefill-router", "session_affinity"]])),
     (0.08, ["-pp", "2"]),
     (0.08, ["-dp", "2"]),

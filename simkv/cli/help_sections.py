@@ -54,7 +54,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "replicas", "router", "router_options", "replica_sets", "class_replicas", "autoscale", "autoscale_metric",
         "autoscale_target", "autoscale_tolerance", "autoscale_interval_s", "cold_start_s", "scale_down_window_s",
         "scale_up_window_s", "autoscale_latency_window_s", "scale_up_policy", "scale_down_policy",
-        "autoscale_histogram_buckets", "autoscale_metrics_delay_s", "node_gpus", "node_provision_s",
+        "autoscale_histogram_buckets", "autoscale_metrics_delay_s", "autoscale_latency_target_type", "node_gpus", "node_provision_s",
         "node_unneeded_s", "node_delay_after_add_s", "min_nodes", "node_placement",
         "prefill_replicas", "decode_replicas", "prefill_autoscale", "decode_autoscale", "prefill_sets",
         "decode_sets", "prefill_router", "decode_router", "kv_link_gbps", "kv_link_latency_ms", "handoff_ms",

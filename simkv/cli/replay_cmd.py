@@ -384,6 +384,11 @@ def fleet_options(command):
         click.option("--node-placement", type=click.Choice(("pack", "spread")), default=None,
                      help="With --node-gpus: a replica goes to the fullest node it fits (pack) or the emptiest "
                           "(spread) [default: pack]."),
+        click.option("--autoscale-latency-target-type", type=click.Choice(("Value", "AverageValue"),
+                                                                          case_sensitive=False), default=None,
+                     help="With --autoscale on a latency: HPA's Value target, ceil(replicas x value / target), or "
+                          "AverageValue, ceil(value / target) whatever the replicas (KEDA's default metricType: "
+                          "a latency read as if summed over them) [default: Value]."),
         click.option("--scale-up-window-s", type=float, default=None, metavar="S",
                      help="With --autoscale: replicas are started only as far as every decision over this window "
                           "wanted more (HPA's scale-up stabilisation window: a spike shorter than it starts "

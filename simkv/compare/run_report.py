@@ -230,7 +230,8 @@ def _autoscaler_readings(scaling: dict, title: str) -> str:
     series = []
     for name, target in targets:
         values = np.array([np.nan if v is None else v for v in decisions.get(name, [])], dtype=float)
-        aim = target * have if name in METRICS else np.full(len(values), target)
+        summed = name in METRICS or scaling.get("latency_target_type") == "AverageValue"  # (read as a sum)
+        aim = target * have if summed else np.full(len(values), target)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = values / aim
         ok = np.isfinite(ratio)

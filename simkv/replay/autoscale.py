@@ -79,13 +79,17 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "scale_down_window_s": "scale_down_window_s", "scale_up_window_s": "scale_up_window_s",
             "autoscale_latency_window_s": "latency_window_s", "scale_up_policy": "scale_up_policy",
             "scale_down_policy": "scale_down_policy", "autoscale_histogram_buckets": "histogram_buckets",
-            "autoscale_metrics_delay_s": "metrics_delay_s", "node_gpus": "node_gpus",
+            "autoscale_metrics_delay_s": "metrics_delay_s",
+            "autoscale_latency_target_type": "latency_target_type", "node_gpus": "node_gpus",
             "node_provision_s": "node_provision_s", "node_unneeded_s": "node_unneeded_s",
             "node_delay_after_add_s": "node_delay_after_add_s", "min_nodes": "min_nodes",
             "node_placement": "node_placement"}
 # (the others are numbers)
 TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets",
-                 "node_placement")
+                 "autoscale_latency_target_type", "node_placement")
+# how a latency target reads (HPA's metric target types): Value, ceil(replicas x value / target);
+# AverageValue (KEDA's default metricType), ceil(value / target) whatever the replicas
+LATENCY_TARGET_TYPES = {"value": "Value", "averagevalue": "AverageValue"}
 # the cluster's nodes under the replicas (simkv/replay/autoscale_nodes.py): one set for both P/D pools
 NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_unneeded_s", "node_delay_after_add_s", "min_nodes",
                  "node_placement")
@@ -110,6 +114,7 @@ class AutoscaleSpec:
     tolerance: float = 0.1
     scale_up_window_s: float = 0.0  # HPA's scale-up stabilisation window (0: its default)
     latency_window_s: float = 60.0  # latency metrics: the range of the query's rate()
+    latency_target_type: str = "Value"  # latency metrics: HPA's Value, or AverageValue (KEDA's default)
     scale_up_policy: str = DEFAULT_UP  # HPA's behavior.scaleUp policies (simkv/replay/autoscale_policy.py)
     scale_down_policy: str = DEFAULT_DOWN
     histogram_buckets: str = ""  # latency metrics: vLLM's --custom-histogram-buckets JSON ("": its defaults)
@@ -166,6 +171,11 @@ class AutoscaleSpec:
         if not (self.latency_window_s > 0 and math.isfinite(self.latency_window_s)):
             raise AutoscaleError(f"--autoscale-latency-window-s must be a number of seconds > 0, got "
                                  f"{self.latency_window_s}")
+        kind = LATENCY_TARGET_TYPES.get(str(self.latency_target_type).strip().lower().replace("_", ""))
+        if kind is None:
+            raise AutoscaleError(f"--autoscale-latency-target-type {self.latency_target_type!r}: expected Value or "
+                                 "AverageValue")
+        object.__setattr__(self, "latency_target_type", kind)
         self._check_nodes()
 
     def _check_nodes(self) -> None:
@@ -275,6 +285,7 @@ class AutoscaleSpec:
                "scale_down_policy": self.scale_down_policy}
         if self.latency_targets:
             out["latency_window_s"] = self.latency_window_s
+            out["latency_target_type"] = self.latency_target_type
         if self.histogram_buckets:
             out["histogram_buckets"] = self.histogram_buckets
         if self.metrics_delay_s:
@@ -438,7 +449,8 @@ class Autoscaler:
             values[name] = self.latency.quantile(*latency_metric(name), seen)
         values = {name: values[name] for name, _ in spec.targets}
         have = len(live)
-        wishes = [self._recommend(values[name], target, have, per_replica=name in METRICS)
+        average = spec.latency_target_type == "AverageValue"  # (a latency read as a sum, as KEDA's default)
+        wishes = [self._recommend(values[name], target, have, per_replica=name in METRICS or average)
                   for name, target in spec.targets if values[name] is not None]
         wanted = max(wishes) if wishes else min(spec.max_replicas, max(spec.min_replicas, have))
         self._record(tick, have, wanted, values)
@@ -668,10 +680,11 @@ def aims(section: dict) -> str:
     each = [f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
             for name, target in targets if name in METRICS]
     latencies = []
+    summed = " each (AverageValue)" if section.get("latency_target_type") == "AverageValue" else ""
     for name, target in targets:
         if name not in METRICS:
             histogram, q = latency_metric(name)
-            latencies.append(f"p{q * 100:g} {HISTOGRAMS[histogram]} {target:g} s")
+            latencies.append(f"p{q * 100:g} {HISTOGRAMS[histogram]} {target:g} s{summed}")
     return " or ".join(([" or ".join(each) + " each"] if each else []) + latencies)
 
 

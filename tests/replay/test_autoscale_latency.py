@@ -436,3 +436,36 @@ def test_pd_pools_read_their_requests_in_flight_late_too():
         for t, have, in_flight in zip(decisions["time_s"], decisions["replicas"], decisions["in_flight"]):
             seen = _ticks(t) - _ticks(20.0)
             assert in_flight == int(np.sum((replica < have) & (start < seen) & (end >= seen))), (pool, t)
+
+
+def test_an_average_value_latency_target_asks_for_value_over_target_whatever_the_replicas():
+    """--autoscale-latency-target-type AverageValue (KEDA's default metricType): HPA reads the
+    latency as a sum over the replicas: it wants ceil(value / target), within the tolerance of
+    what the replicas it has aim at."""
+    spec = AutoscaleSpec(1, 4, metric="ttft_p95=0.3", interval_s=15, cold_start_s=30, scale_down_window_s=120,
+                         latency_target_type="averagevalue")
+    assert spec.latency_target_type == "AverageValue" and spec.to_dict()["latency_target_type"] == "AverageValue"
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling = result.summary["fleet"]["autoscaling"]
+    decisions = scaling["decisions"]
+    checked = 0
+    for value, have, wanted in zip(decisions["ttft_p95"], decisions["replicas"], decisions["wanted"]):
+        if value is None:
+            continue
+        if abs(value / (0.3 * have) - 1) > 0.1:
+            assert wanted == min(4, max(1, math.ceil(value / 0.3 - 1e-9)))
+            checked += 1
+        else:
+            assert wanted == have
+    assert checked > 10
+    assert any(have > 1 for have in decisions["replicas"])
+    # p95 0.45 s with 3 replicas up: Value wants 3 x 1.5 (all 4), AverageValue 1.5 (2)
+    for kind, wanted in (("Value", 4), ("AverageValue", 2)):
+        scaler = Autoscaler(AutoscaleSpec(1, 4, metric="ttft_p95=0.3", latency_target_type=kind))
+        scaler.ready_at = [0, 0, 0, None]
+        scaler.latency = SimpleNamespace(quantile=lambda kind, q, tick: 0.45)
+        scaler._evaluate(15 * TICKS_PER_SECOND, [0] * 4)
+        assert scaler.decisions["wanted"] == [wanted]
+    assert "each (AverageValue)" in aims(scaling)
+    with pytest.raises(AutoscaleError, match="expected Value or AverageValue"):
+        AutoscaleSpec(1, 2, metric="ttft_p95=1", latency_target_type="Utilization")

@@ -193,3 +193,21 @@ def test_the_cli_takes_the_node_flags(tmp_path):
                           (["--prefill-replicas", "1", "--decode-autoscale", "1-2:node_gpus=8"],
                            "the nodes are the cluster's")):
         assert message in cli_fails(["replay", str(trace), "--max-model-len", "4096", *args])
+
+
+def test_a_sweep_grids_the_nodes(tmp_path):
+    import pyarrow.parquet as pq
+
+    from simkv.traces import write_trace
+
+    trace = tmp_path / "b.parquet"
+    write_trace(bursts(), trace)
+    cli_ok(["sweep", str(trace), "--set", "autoscale=1-4", "--set", "cold_start_s=30", "--set", "max_model_len=4096",
+            "--grid", "node_gpus=0,2,8", "--out", str(tmp_path / "s"), "--quiet"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok"] * 3
+    assert rows[0]["node_idle_share"] is None and 0 < rows[1]["node_idle_share"] < rows[2]["node_idle_share"]
+    cell = json.loads((tmp_path / "s" / "cells" / rows[2]["cell_id"] / "summary.json").read_text())
+    assert rows[2]["gpu_hours"] == cell["fleet"]["autoscaling"]["nodes"]["gpu_hours"]
+    assert rows[2]["gpu_hours"] > rows[0]["gpu_hours"]  # (an 8-GPU node paid whole from the start)
+    assert "node_idle_share" in (tmp_path / "s" / "sweep.md").read_text()
