@@ -914,6 +914,10 @@ _ENGINE_OPTIONS = [
               help="Latency SLO (vLLM's --goodput): ttft, tpot or e2el and a limit in ms, e.g. --goodput ttft:2000 "
                    "--goodput tpot:100; summary.json then counts the requests that met all of them. CLASS:KEY:MS "
                    "holds one request class (the trace's request_class) to its own limit (batch:ttft:30000).")
+@click.option("--gpu-price", "gpu_prices", multiple=True, metavar="GPU=USD",
+              help="What a GPU-hour costs, e.g. --gpu-price H100-SXM=2.49 (each GPU kind the setup runs on): "
+                   "summary.json's `cost` then prices the GPU-hours paid (an autoscaled fleet's, its nodes') per "
+                   "1M output tokens and per 1,000 requests.")
 @fleet_options
 @disaggregation_options
 @encode_options
@@ -926,11 +930,17 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
                noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
                router_options: tuple[str, ...], class_replicas: tuple[str, ...], replica_sets: tuple[str, ...],
-               **flags) -> None:
+               gpu_prices: tuple[str, ...], **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
     from simkv.replay.report import print_summary
+    from simkv.studies.serving_cost import PriceError, SetupGPUs, parse_prices, replay_cost, replay_gpu_hours
+
+    try:
+        prices = parse_prices(gpu_prices)
+    except PriceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpu-price") from None
 
     if step_noise != "none" and backend == "gpu":
         raise click.UsageError("--step-noise is for simulated replays (the gpu backend's steps vary by themselves)")
@@ -967,6 +977,14 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                                     vllm_multi_turn=vllm_multi_turn)
     if disaggregation is not None:
         check_pools(disaggregation, config)
+    if prices:
+        if backend == "gpu" or encode is not None:
+            raise click.UsageError("--gpu-price prices simulated replays without --encode-replicas (the encoder "
+                                   "pool's GPUs are not costed yet)")
+        missing = SetupGPUs.of(config, fleet, disaggregation).unpriced(prices)
+        if missing:
+            raise click.BadParameter(f"no price for {', '.join(missing)}, which this setup runs on (give "
+                                     f"{missing[0]}=USD_PER_GPU_HOUR)", param_hint="--gpu-price")
     if backend == "gpu" and (config.cache.cpu_offload_gb or config.cache.offload_group_size):
         raise click.UsageError("--cpu-offload-gb and --offload-group-size are simulated only: the gpu backend keeps "
                                "every weight on the device")
@@ -1008,6 +1026,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                                 disaggregation=disaggregation, encode=encode)
         except (ConfigError, ValueError, ReplayError) as exc:
             raise click.ClickException(str(exc)) from None
+    if prices:  # (what the traffic cost on this setup)
+        result.summary["cost"] = replay_cost(result.summary, replay_gpu_hours(result.summary, config, fleet,
+                                                                              disaggregation), prices)
     save(result, out_dir)
     requests = result.requests  # (those refused by the admission control have their own row; a retried 503 is no rejection)
     rejected = int(((requests["status"] == "rejected") & (requests["prompt_tokens"] >= config.max_model_len)).sum())

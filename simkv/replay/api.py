@@ -482,26 +482,34 @@ def _pools_autoscaling(summary: dict, routing, configs) -> None:
     duration = summary["duration_s"]
     gpu_hours = replicas_up = 0.0
     nodes = None  # (the nodes under the pools that scale, shared: paid once)
+    by_gpu: dict[str, float] = {}
     for pool, pool_routing, pool_config in (("prefill", routing.prefill, configs[0]),
                                             ("decode", routing.decode, configs[1])):
         section = summary["disaggregation"][pool]
         n = len(section["replicas"])
         if pool_routing.autoscaler is None:
-            gpu_hours += n * engine_gpus(pool_config) * duration / 3600.0
+            hours = n * engine_gpus(pool_config) * duration / 3600.0
+            gpu_hours += hours
+            by_gpu[pool_config.hardware.gpu] = by_gpu.get(pool_config.hardware.gpu, 0.0) + hours
             replicas_up += n
             continue
         scaling = section["autoscaling"] = autoscaling_section(pool_routing.autoscaler, duration,
                                                                pool_routing.loads_at, [pool_config] * n,
                                                                section["replicas"], nodes=False)
         nodes = pool_routing.autoscaler.nodes or nodes
-        gpu_hours += 0.0 if nodes is not None else scaling["gpu_hours"]
+        if nodes is None:
+            gpu_hours += scaling["gpu_hours"]
+            for gpu, hours in scaling["gpu_hours_by_gpu"].items():
+                by_gpu[gpu] = by_gpu.get(gpu, 0.0) + hours
         replicas_up += scaling["mean_ready"]
-    totals = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up}
+    totals = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up, "gpu_hours_by_gpu": by_gpu}
     if nodes is not None:  # (the replicas' GPU-hours in each pool's section; the nodes' paid here)
         from simkv.clock import to_ticks
 
         totals["nodes"] = nodes.section(to_ticks(duration))
         totals["gpu_hours"] = gpu_hours + totals["nodes"]["gpu_hours"]
+        for gpu, hours in totals["nodes"]["gpu_hours_by_gpu"].items():
+            by_gpu[gpu] = by_gpu.get(gpu, 0.0) + hours
     summary["disaggregation"]["autoscaling"] = totals
 
 

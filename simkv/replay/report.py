@@ -206,6 +206,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
         g = summary["goodput"]
         rows.append(("goodput", f"{g['request_goodput_req_s']:,.2f} req/s: {100 * g['slo_attainment']:.1f} % of "
                                 f"requests met {describe_slo(g['slo_ms'])}"))
+    if summary.get("cost"):
+        from simkv.studies.serving_cost import describe_replay_cost
+
+        rows.append(("cost", describe_replay_cost(summary["cost"])))
     rows += [
         ("wall time", f"{summary['wall_time_s']:.2f} s ({summary['num_requests'] / max(summary['wall_time_s'], 1e-9):,.0f} req/s)"),
     ]

@@ -153,3 +153,47 @@ def describe(cost: dict) -> str:
         text += (f"; at the highest rate within the SLOs: ${cost['usd_per_1k_requests']:,.4f} per 1,000 requests, "
                  f"${cost['usd_per_1m_output_tokens']:,.3f} per 1M output tokens")
     return text
+
+
+def replay_gpu_hours(summary: dict, config, fleet=None, disaggregation=None) -> dict[str, float]:
+    """The GPU-hours a replay's setup paid, per GPU kind: an autoscaled fleet's or P/D pools'
+    (their replicas', or their nodes'), else every GPU of the setup from the start to the end."""
+    scaled = (summary.get("fleet") or {}).get("autoscaling") or (summary.get("disaggregation") or {}).get("autoscaling")
+    if scaled:
+        return dict(scaled["gpu_hours_by_gpu"])
+    hours = summary["duration_s"] / 3600.0
+    return {gpu: count * hours for gpu, count in SetupGPUs.of(config, fleet, disaggregation).kinds()}
+
+
+def replay_cost(summary: dict, gpu_hours_by_gpu: dict[str, float], prices: dict[str, float]) -> dict:
+    """What a replay's traffic cost on its setup (`simkv replay --gpu-price`): the GPU-hours paid,
+    priced per kind, over the work done: the finished requests, their output tokens, and with
+    SLOs the requests that met them. PriceError names a GPU without a price."""
+    missing = [gpu for gpu in gpu_hours_by_gpu if gpu not in prices]
+    if missing:
+        raise PriceError(f"--gpu-price: no price for {', '.join(missing)}, which this setup runs on (give "
+                         f"{missing[0]}=USD_PER_GPU_HOUR)")
+    spent = sum(hours * prices[gpu] for gpu, hours in gpu_hours_by_gpu.items())
+    duration = summary["duration_s"]
+    tokens = summary["output_throughput_tok_s"] * duration
+    finished = summary["num_finished"]
+    good = (summary.get("goodput") or {}).get("num_good")
+    return {"gpu_hours": sum(gpu_hours_by_gpu.values()),
+            "kinds": [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]}
+                      for gpu, hours in gpu_hours_by_gpu.items()],
+            "usd_spent": spent, "usd_per_hour": spent / (duration / 3600.0) if duration > 0 else None,
+            "usd_per_1k_requests": spent / finished * 1e3 if finished else None,
+            "usd_per_1m_output_tokens": spent / tokens * 1e6 if tokens > 0 else None,
+            "usd_per_1k_good_requests": spent / good * 1e3 if good else None}
+
+
+def describe_replay_cost(cost: dict) -> str:
+    """One line for the terminal."""
+    kinds = " + ".join(f"{k['gpu_hours']:.3f} {k['gpu']} GPU-h at ${k['usd_per_gpu_hour']:g}" for k in cost["kinds"])
+    parts = [f"${cost['usd_spent']:,.2f} ({kinds})"]
+    for key, what, digits in (("usd_per_1m_output_tokens", "per 1M output tokens", 3),
+                              ("usd_per_1k_requests", "per 1,000 requests", 4),
+                              ("usd_per_1k_good_requests", "per 1,000 within the SLOs", 4)):
+        if cost.get(key) is not None:
+            parts.append(f"${cost[key]:,.{digits}f} {what}")
+    return "; ".join(parts)

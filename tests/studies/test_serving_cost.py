@@ -104,3 +104,40 @@ def test_goodput_price_errors(tmp_path):
     assert "unknown GPU 'H1000'" in cli_fails(["goodput", "traces/req400.parquet", *SLO, "--gpu-price", "H1000=3"])
     assert "not --pd-splits" in cli_fails(["goodput", "traces/req400.parquet", *SLO, "--pd-splits", "2",
                                            "--gpu-price", "H100-SXM=3"])
+
+
+def test_a_replay_prices_the_gpu_hours_it_paid(tmp_path):
+    """`simkv replay --gpu-price`: the setup's GPUs from start to end (a fixed fleet of mixed
+    GPUs, kind by kind), an autoscaled fleet's GPU-hours (its nodes' with --node-gpus) or P/D
+    pools', over the output tokens, the finished requests and those within the SLOs."""
+    trace = "traces/req400.parquet"
+    cli_ok(["replay", trace, "--replicas", "2", "--replica-set", "1:gpu=H200", "--gpu-price", "H100-SXM=2",
+            "--gpu-price", "H200=3", "--goodput", "ttft:2000", "--out", str(tmp_path / "f")])
+    summary = json.loads((tmp_path / "f" / "summary.json").read_text())
+    cost, hours = summary["cost"], summary["duration_s"] / 3600
+    assert [(k["gpu"], k["usd_per_gpu_hour"]) for k in cost["kinds"]] == [("H100-SXM", 2.0), ("H200", 3.0)]
+    assert cost["usd_spent"] == pytest.approx(5 * hours)
+    tokens = summary["output_throughput_tok_s"] * summary["duration_s"]
+    assert cost["usd_per_1m_output_tokens"] == pytest.approx(5 * hours / tokens * 1e6)
+    assert cost["usd_per_1k_requests"] == pytest.approx(5 * hours / summary["num_finished"] * 1e3)
+    assert cost["usd_per_1k_good_requests"] == pytest.approx(5 * hours / summary["goodput"]["num_good"] * 1e3)
+    text = cli_ok(["replay", trace, "--autoscale", "1-3", "--node-gpus", "8", "--gpu-price", "H100-SXM=2",
+                   "--out", str(tmp_path / "a")])
+    assert "per 1M output tokens" in text
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    nodes = summary["fleet"]["autoscaling"]["nodes"]
+    assert summary["cost"]["gpu_hours"] == nodes["gpu_hours"] and summary["cost"]["usd_spent"] == pytest.approx(
+        2 * nodes["gpu_hours"])
+    cli_ok(["replay", trace, "--prefill-replicas", "1", "--decode-autoscale", "1-2", "--decode-set", "gpu=H200",
+            "--gpu-price", "H100-SXM=2", "--gpu-price", "H200=3", "--out", str(tmp_path / "p")])
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    scaled = summary["disaggregation"]["autoscaling"]
+    assert scaled["gpu_hours_by_gpu"]["H100-SXM"] == pytest.approx(summary["duration_s"] / 3600)
+    assert scaled["gpu_hours_by_gpu"]["H200"] == pytest.approx(
+        summary["disaggregation"]["decode"]["autoscaling"]["gpu_hours"])
+    assert summary["cost"]["usd_spent"] == pytest.approx(2 * scaled["gpu_hours_by_gpu"]["H100-SXM"]
+                                                         + 3 * scaled["gpu_hours_by_gpu"]["H200"])
+    for args, message in ((["--gpu-price", "H200=3"], "no price for H100-SXM"),
+                          (["--gpu-price", "H100"], "expected GPU=USD_PER_GPU_HOUR"),
+                          (["--gpu-price", "H100-SXM=2", "--encode-replicas", "1"], "--encode-replicas")):
+        assert message in cli_fails(["replay", trace, *args])
