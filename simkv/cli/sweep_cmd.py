@@ -183,6 +183,10 @@ def _multi_turn_trace(command: str, fixed: dict, out_dir: str) -> str:
               help="Latency SLO judged in every cell (vLLM's --goodput: ttft, tpot or e2el and a limit in ms; "
                    "CLASS:KEY:MS for one request class); "
                    "adds the slo_attainment and goodput_req_s columns.")
+@click.option("--gpu-price", "gpu_prices", multiple=True, metavar="GPU=USD",
+              help="What a GPU-hour costs, per GPU kind (e.g. H100-SXM=2.49): adds the usd_spent and "
+                   "usd_per_1m_output_tokens columns (the GPU-hours each cell's setup paid, as simkv replay "
+                   "--gpu-price prices them); a cell on a GPU without a price is not costed.")
 @click.option("--out", "out_dir", required=True, help="Sweep folder (resumable: finished cells are kept).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), default=None,
@@ -192,13 +196,18 @@ def _multi_turn_trace(command: str, fixed: dict, out_dir: str) -> str:
 def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...], config_file: str | None,
               cost_model: str, out_dir: str, executor: str, workers: int | None, ray_address: str | None,
               quiet: bool, goodput: tuple[str, ...], vllm_serve: str | None, vllm_bench: str | None,
-              vllm_multi_turn: str | None) -> None:
+              vllm_multi_turn: str | None, gpu_prices: tuple[str, ...]) -> None:
     """Replay every TRACE under every combination of the --grid options; write DIR/sweep.parquet,
     DIR/sweep.md and DIR/plots.html. Exits 1 when a cell failed (the table is still written)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from simkv.studies.serving_cost import PriceError, parse_prices
     from simkv.sweep import SweepError, run_sweep
 
+    try:
+        prices = parse_prices(gpu_prices)
+    except PriceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpu-price") from None
     try:
         cells, swept_keys = plan(traces, grids, sets, config_file, cost_model, goodput, vllm_serve, vllm_bench,
                                  out_dir, vllm_multi_turn)
@@ -222,7 +231,8 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
             progress.update(task, advance=1, failed=failed)
 
         try:
-            result = run_sweep(cells, swept_keys, out_dir, executor, workers, ray_address, on_done, on_start)
+            result = run_sweep(cells, swept_keys, out_dir, executor, workers, ray_address, on_done, on_start,
+                               prices=prices)
         except SweepError as exc:
             raise click.ClickException(str(exc)) from None
     out = Path(out_dir)
@@ -232,6 +242,9 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
         click.echo(f"{result.num_cells} cells: {result.num_resumed} already done, {result.num_run} run{again}, "
                    f"{len(result.failed)} failed ({result.wall_time_s:.1f} s). "
                    f"Wrote {out / 'sweep.parquet'}, {out / 'sweep.md'}, {out / 'plots.html'}")
+    unpriced = sum(1 for row in result.rows if prices and row["status"] == "ok" and row.get("usd_spent") is None)
+    if unpriced:
+        click.echo(f"warning: {unpriced} cells not costed: a GPU without a --gpu-price, or encoder replicas", err=True)
     if result.failed:
         for row in result.failed:
             click.echo(f"cell {row['cell']} failed ({out / 'cells' / row['cell_id'] / 'error.txt'}): {row['error']}",

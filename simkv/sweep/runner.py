@@ -31,9 +31,12 @@ class SweepResult:
 def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, executor: str = "local",
               workers: int = 1, ray_address: str | None = None,
               on_cell_done: Callable[[dict], None] | None = None,
-              on_start: Callable[[int, int], None] | None = None) -> SweepResult:
+              on_start: Callable[[int, int], None] | None = None,
+              prices: dict[str, float] | None = None) -> SweepResult:
     """Run every cell not finished yet in `out_dir`; a failed cell is recorded and the others go on.
-    `on_start(total, resumed)` is called once, `on_cell_done(outcome)` once per cell run."""
+    `on_start(total, resumed)` is called once, `on_cell_done(outcome)` once per cell run. With
+    `prices` (USD per GPU-hour, per GPU kind) each cell's cost is priced into the table, not into
+    the cells' own records: a resumed sweep reprices them."""
     if executor not in ("local", "ray"):
         raise SweepError(f"--executor: unknown executor '{executor}'; choose local or ray")
     out = Path(out_dir)
@@ -66,10 +69,36 @@ def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, exe
             outcomes[outcome["cell_id"]] = outcome
             if on_cell_done:
                 on_cell_done(outcome)
+    if prices:
+        outcomes = {cell_id: _priced(outcome, cells, prices) for cell_id, outcome in outcomes.items()}
     rows = build_rows(cells, outcomes, swept_keys)
     write_table(out, rows, swept_keys)
     return SweepResult(rows, len(cells), resumed, len(todo), [r for r in rows if r["status"] != "ok"],
                        time.perf_counter() - t0, out, stale)
+
+
+def _priced(outcome: dict, cells: list[Cell], prices: dict[str, float]) -> dict:
+    """A finished cell's outcome with its summary's `cost` (simkv replay --gpu-price's); a cell
+    with encoder replicas, or a GPU without a price, is not costed."""
+    from simkv.config import EngineConfig
+    from simkv.studies.serving_cost import PriceError, replay_cost, replay_gpu_hours
+    from simkv.sweep.grid import ENCODE_KEYS
+    from simkv.sweep.worker import pool_specs
+
+    if outcome["status"] != "ok":
+        return outcome
+    cell = next(c for c in cells if c.cell_id == outcome["cell_id"])
+    fleet = dict(cell.fleet)
+    if fleet.get("encode_replicas"):
+        return outcome
+    fleet = {k: v for k, v in fleet.items() if k not in ENCODE_KEYS}
+    summary = outcome["summary"]
+    try:
+        hours = replay_gpu_hours(summary, EngineConfig.from_flat(dict(cell.options)), *pool_specs(fleet))
+        cost = replay_cost(summary, hours, prices)
+    except PriceError:
+        return outcome
+    return outcome | {"summary": summary | {"cost": cost}}
 
 
 def _made_with(summary: dict, cell: Cell) -> bool:

@@ -141,3 +141,30 @@ def test_a_replay_prices_the_gpu_hours_it_paid(tmp_path):
                           (["--gpu-price", "H100"], "expected GPU=USD_PER_GPU_HOUR"),
                           (["--gpu-price", "H100-SXM=2", "--encode-replicas", "1"], "--encode-replicas")):
         assert message in cli_fails(["replay", trace, *args])
+
+
+def test_a_sweep_prices_each_cell(tmp_path):
+    """`simkv sweep --gpu-price`: each cell's GPU-hours priced, a GPU without a price left
+    uncosted (and said); a resumed sweep reprices without running a cell again."""
+    import pyarrow.parquet as pq
+
+    args = ["sweep", "traces/req400.parquet", "--grid", "gpu=H100-SXM,H200", "--grid", "replicas=1,2",
+            "--out", str(tmp_path / "s"), "--quiet"]
+    cli_ok([*args, "--gpu-price", "H100-SXM=2", "--gpu-price", "H200=3"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    for row in rows:
+        cell = json.loads((tmp_path / "s" / "cells" / row["cell_id"] / "summary.json").read_text())
+        price = {"H100-SXM": 2, "H200": 3}[row["gpu"]]
+        assert row["usd_spent"] == pytest.approx(price * row["replicas"] * cell["duration_s"] / 3600)
+        tokens = cell["output_throughput_tok_s"] * cell["duration_s"]
+        assert row["usd_per_1m_output_tokens"] == pytest.approx(row["usd_spent"] / tokens * 1e6)
+        assert "cost" not in cell  # (priced in the table: a later run may price it otherwise)
+    from click.testing import CliRunner
+
+    from simkv.cli.main import main
+
+    res = CliRunner().invoke(main, [*args, "--gpu-price", "H200=6"])
+    assert res.exit_code == 0 and "2 cells not costed" in res.output
+    again = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [r["usd_spent"] is None for r in again] == [r["gpu"] == "H100-SXM" for r in again]
+    assert all(a["usd_spent"] == pytest.approx(2 * r["usd_spent"]) for a, r in zip(again, rows) if a["gpu"] == "H200")
