@@ -34,6 +34,7 @@ MODELS = [  # (model, extra flags)
 def _node_flags(r: random.Random) -> list[str]:
     """The GPU nodes under replicas that scale (--node-gpus ...)."""
     return ["--node-gpus", r.choice(["1", "2", "8"]), "--node-provision-s", r.choice(["0", "4"]),
+            "--node-image-pull-s", r.choice(["0", "3"]),
             "--node-unneeded-s", r.choice(["0", "5"]), "--node-delay-after-add-s", r.choice(["0", "3"]),
             *r.choice([[], ["--min-nodes", "1"], ["--node-placement", "spread"]])]
 

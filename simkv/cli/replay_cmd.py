@@ -372,6 +372,9 @@ def fleet_options(command):
         click.option("--node-provision-s", type=float, default=None, metavar="S",
                      help="With --node-gpus: seconds a new node takes to join (instance, boot, GPU driver); a "
                           "replica placed on it starts its cold start then [default: 300]."),
+        click.option("--node-image-pull-s", type=float, default=None, metavar="S",
+                     help="With --node-gpus: seconds to pull the server's image on a node's first replica, before "
+                          "its cold start; nodes up from the start have it [default: 0: counted in --cold-start-s]."),
         click.option("--node-unneeded-s", type=float, default=None, metavar="S",
                      help="With --node-gpus: an empty node is removed after S seconds empty (the cluster "
                           "autoscaler's --scale-down-unneeded-time) [default: 600]."),

@@ -81,7 +81,8 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "scale_down_policy": "scale_down_policy", "autoscale_histogram_buckets": "histogram_buckets",
             "autoscale_metrics_delay_s": "metrics_delay_s",
             "autoscale_latency_target_type": "latency_target_type", "node_gpus": "node_gpus",
-            "node_provision_s": "node_provision_s", "node_unneeded_s": "node_unneeded_s",
+            "node_provision_s": "node_provision_s", "node_image_pull_s": "node_image_pull_s",
+            "node_unneeded_s": "node_unneeded_s",
             "node_delay_after_add_s": "node_delay_after_add_s", "min_nodes": "min_nodes",
             "node_placement": "node_placement"}
 # (the others are numbers)
@@ -91,8 +92,8 @@ TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "au
 # AverageValue (KEDA's default metricType), ceil(value / target) whatever the replicas
 LATENCY_TARGET_TYPES = {"value": "Value", "averagevalue": "AverageValue"}
 # the cluster's nodes under the replicas (simkv/replay/autoscale_nodes.py): one set for both P/D pools
-NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_unneeded_s", "node_delay_after_add_s", "min_nodes",
-                 "node_placement")
+NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s",
+                 "min_nodes", "node_placement")
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
@@ -122,6 +123,7 @@ class AutoscaleSpec:
     # the GPU nodes under the replicas (simkv/replay/autoscale_nodes.py; 0 GPUs a node: not modelled)
     node_gpus: int = 0
     node_provision_s: float = 300.0
+    node_image_pull_s: float = 0.0  # the server's image pulled on a node's first replica (0: in the cold start)
     node_unneeded_s: float = 600.0  # the cluster autoscaler's --scale-down-unneeded-time
     node_delay_after_add_s: float = 600.0  # its --scale-down-delay-after-add
     min_nodes: int = 0  # of each GPU kind, up from the start
@@ -184,7 +186,7 @@ class AutoscaleSpec:
             if not (float(value).is_integer() and value >= 0):
                 raise AutoscaleError(f"--{name.replace('_', '-')} must be a whole number >= 0, got {value}")
             object.__setattr__(self, name, int(value))
-        for name in ("node_provision_s", "node_unneeded_s", "node_delay_after_add_s"):
+        for name in ("node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value}")
@@ -195,8 +197,8 @@ class AutoscaleSpec:
         object.__setattr__(self, "node_placement", placement)
         defaults = {f.name: f.default for f in fields(self) if f.name in NODE_SETTINGS}
         if not self.node_gpus and self.nodes_dict(every=True) != defaults:
-            raise AutoscaleError("--node-provision-s, --node-unneeded-s, --node-delay-after-add-s, --min-nodes and "
-                                 "--node-placement describe the nodes: give --node-gpus too")
+            raise AutoscaleError("--node-provision-s, --node-image-pull-s, --node-unneeded-s, --node-delay-after-add-s, "
+                                 "--min-nodes and --node-placement describe the nodes: give --node-gpus too")
 
     def nodes_dict(self, every: bool = False) -> dict:
         """The node settings (none without node_gpus, unless `every`)."""

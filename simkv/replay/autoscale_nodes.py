@@ -12,7 +12,10 @@ place a pending pod:
   nodes), the earliest ready first;
 - else on a new node, ready `node_provision_s` later (the cloud's instance, its boot, the GPU
   driver and device plugin: 300 s by default).
-The replica then takes its cold start (`cold_start_s`) once its node is ready. A node whose last
+The replica then takes its cold start (`cold_start_s`) once its node is ready, and on a node
+that has not pulled the server's image yet first the pull (`node_image_pull_s`, 0 by default:
+then counted in the cold start): replicas placed on a node while its pull runs wait for that
+pull, and the nodes up from the start have the image. A node whose last
 replica stopped (drained and done, or called off while starting) is removed once it has been
 empty for `node_unneeded_s` (the cluster autoscaler's --scale-down-unneeded-time, 10 min), and
 never within `node_delay_after_add_s` of a node being added (--scale-down-delay-after-add,
@@ -49,6 +52,7 @@ class Node:
     pods: dict = field(default_factory=dict)  # replica key -> its GPUs
     empty_since: int | None = None  # (None: holds a replica)
     removed: int | None = None
+    image_at: int | None = None  # (the tick its image is pulled by; None: never pulled)
 
     @property
     def free(self) -> int:
@@ -63,6 +67,7 @@ class NodePool:
         self.spec = spec
         self.gpus = spec.node_gpus
         self.provision = to_ticks(spec.node_provision_s)
+        self.pull = to_ticks(spec.node_image_pull_s)
         self.unneeded = to_ticks(spec.node_unneeded_s)
         self.delay_after_add = to_ticks(spec.node_delay_after_add_s)
         self.nodes: list[Node] = []
@@ -78,11 +83,12 @@ class NodePool:
             raise ValueError(f"--node-gpus {self.gpus}: replica {key[1]} ({key[0]}) needs {gpus} {kind} GPUs; a "
                              f"replica runs on one node here (give --node-gpus >= {gpus})")
         while sum(1 for n in self.nodes if n.kind == kind and n.kept) < self.spec.min_nodes:
-            self.nodes.append(Node(kind, self.gpus, 0, 0, kept=True, empty_since=0))
+            self.nodes.append(Node(kind, self.gpus, 0, 0, kept=True, empty_since=0, image_at=0))
 
     def place(self, key, gpus: int, kind: str, tick: int, initial: bool = False) -> int:
-        """Replica `key` (pool, slot) starts at `tick`: the tick its node is ready. `initial`: one
-        of the MIN replicas, up from the start (a new node for it is ready at once)."""
+        """Replica `key` (pool, slot) starts at `tick`: the tick its cold start begins on its node
+        (ready, with the image pulled). `initial`: one of the MIN replicas, up from the start (a
+        new node for it is ready at once, with the image)."""
         self.collect(tick)
         live = [(i, n) for i, n in enumerate(self.nodes) if n.removed is None and n.kind == kind and n.free >= gpus]
         ready = [(i, n) for i, n in live if n.ready <= tick]
@@ -92,7 +98,8 @@ class NodePool:
         elif live:
             i, node = min(live, key=lambda item: (item[1].ready, item[0]))
         else:
-            node = Node(kind, self.gpus, tick, tick if initial else tick + self.provision)
+            node = Node(kind, self.gpus, tick, tick if initial else tick + self.provision,
+                        image_at=tick if initial else None)
             if not initial:
                 self.added.append(tick)
             self.nodes.append(node)
@@ -100,8 +107,11 @@ class NodePool:
         node.pods[key] = gpus
         node.empty_since = None
         self.held[key] = (i, max(tick, node.ready))  # (its GPUs held once the node is up)
-        self.waits.append(max(0, node.ready - tick))
-        return max(tick, node.ready)
+        if node.image_at is None:  # (the first replica here: the kubelet pulls the image once)
+            node.image_at = max(tick, node.ready) + self.pull
+        start = max(tick, node.ready, node.image_at)
+        self.waits.append(start - tick)
+        return start
 
     def release(self, key, tick: int) -> None:
         """Replica `key` stopped at `tick` (its last request done, or called off while starting)."""
@@ -157,7 +167,7 @@ class NodePool:
         gpu_ticks = node_ticks * self.gpus
         spec = self.spec
         waited = [w for w in self.waits if w > 0]
-        return {"gpus_per_node": self.gpus, "provision_s": spec.node_provision_s,
+        return {"gpus_per_node": self.gpus, "provision_s": spec.node_provision_s, "image_pull_s": spec.node_image_pull_s,
                 "unneeded_s": spec.node_unneeded_s, "delay_after_add_s": spec.node_delay_after_add_s,
                 "min_nodes": spec.min_nodes, "placement": spec.node_placement,
                 "nodes_at_start": sum(1 for n in self.nodes if n.start == 0 and n.ready == 0),
@@ -168,7 +178,7 @@ class NodePool:
                 "gpu_hours": sum(by_gpu.values()), "gpu_hours_by_gpu": by_gpu,
                 "held_gpu_hours": self.held_gpu_ticks / TICKS_PER_SECOND / 3600.0,
                 "idle_gpu_share": 1.0 - self.held_gpu_ticks / gpu_ticks if gpu_ticks > 0 else 0.0,
-                "replicas_waiting_for_a_node": len(waited),
+                "replicas_waiting_for_a_node": len(waited),  # (to join, or to pull the image)
                 "mean_node_wait_s": sum(waited) / len(waited) / TICKS_PER_SECOND if waited else 0.0,
                 "timeline": timeline}
 

@@ -211,3 +211,28 @@ def test_a_sweep_grids_the_nodes(tmp_path):
     assert rows[2]["gpu_hours"] == cell["fleet"]["autoscaling"]["nodes"]["gpu_hours"]
     assert rows[2]["gpu_hours"] > rows[0]["gpu_hours"]  # (an 8-GPU node paid whole from the start)
     assert "node_idle_share" in (tmp_path / "s" / "sweep.md").read_text()
+
+
+def test_a_new_node_pulls_the_image_once_for_its_replicas():
+    """--node-image-pull-s: the first replica on a node that has not pulled the server's image
+    waits for the pull after the node joins; a replica placed there during the pull waits for
+    the same pull; later ones, and nodes up from the start, pull nothing."""
+    nodes = pool(node_provision_s=100, node_image_pull_s=60)
+    assert nodes.place(("fleet", 0), 2, "H100", 0, initial=True) == 0
+    assert nodes.place(("fleet", 1), 2, "H100", 10 * S) == 10 * S  # (node 0 has the image)
+    assert nodes.place(("fleet", 2), 4, "H100", 20 * S) == 20 * S  # (node 0's last 4 GPUs)
+    assert nodes.place(("fleet", 3), 4, "H100", 30 * S) == 190 * S  # (joins at 130 s, pulls until 190 s)
+    assert nodes.place(("fleet", 4), 2, "H100", 150 * S) == 190 * S  # (during the pull: the same pull)
+    assert nodes.place(("fleet", 5), 2, "H100", 200 * S) == 200 * S
+    assert nodes.waits[-3:] == [160 * S, 40 * S, 0]
+    kept = pool(node_image_pull_s=60, min_nodes=1)
+    kept.check(("fleet", 0), 1, "H100")
+    assert kept.place(("fleet", 0), 1, "H100", 5 * S) == 5 * S  # (a kept node has it: pre-pulled)
+    spec = AutoscaleSpec(1, 4, target=8, interval_s=15, cold_start_s=45, scale_down_window_s=120, node_gpus=2,
+                         node_provision_s=0, node_image_pull_s=30, node_unneeded_s=600, node_delay_after_add_s=0)
+    scaling = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec)).summary[
+        "fleet"]["autoscaling"]
+    # the first scale-up at 75 s: replica 1 on node 0 (ready at 120 s), 2 and 3 on a new node (pull, then 45 s)
+    assert [(p["time_s"], p["ready"]) for p in scaling["timeline"]][:3] == [(0.0, 1), (75.0, 1), (120.0, 2)]
+    assert (150.0, 4) in [(p["time_s"], p["ready"]) for p in scaling["timeline"]]
+    assert scaling["nodes"]["image_pull_s"] == 30.0 and scaling["nodes"]["mean_node_wait_s"] == 30.0
