@@ -82,9 +82,8 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "autoscale_metrics_delay_s": "metrics_delay_s",
             "autoscale_latency_target_type": "latency_target_type", "node_gpus": "node_gpus",
             "node_provision_s": "node_provision_s", "node_image_pull_s": "node_image_pull_s",
-            "node_unneeded_s": "node_unneeded_s",
-            "node_delay_after_add_s": "node_delay_after_add_s", "min_nodes": "min_nodes",
-            "node_placement": "node_placement"}
+            "node_unneeded_s": "node_unneeded_s", "node_delay_after_add_s": "node_delay_after_add_s",
+            "min_nodes": "min_nodes", "node_placement": "node_placement"}
 # (the others are numbers)
 TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets",
                  "autoscale_latency_target_type", "node_placement")
@@ -307,7 +306,8 @@ def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
         name = key if key in SETTINGS else f"autoscale_{key}"
         if not eq or name not in SETTINGS or not value.strip():
             raise AutoscaleError(f"{flag} {text!r}: expected MIN-MAX[:KEY=VALUE,...] with KEY one of "
-                                 f"{', '.join(k.removeprefix('autoscale_') for k in SETTINGS)}, got {item!r}")
+                                 f"{', '.join(k.removeprefix('autoscale_') for k in SETTINGS if k not in NODE_SETTINGS)}"
+                                 f", got {item!r}")
         if name in NODE_SETTINGS:
             raise AutoscaleError(f"{flag} {text!r}: {key}: the nodes are the cluster's, under both pools: give "
                                  f"--{key.replace('_', '-')} for both")
