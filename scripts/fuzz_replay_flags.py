@@ -69,7 +69,7 @@ OPTIONS = [
     (0.08, lambda r: ["--autoscale", r.choice(["0-2", "1-2", "1-3"]), "--autoscale-interval-s", r.choice(["1", "5"]),
                       "--cold-start-s", r.choice(["0", "3"]), "--scale-down-window-s", r.choice(["0", "5"]),
                       *r.choice([["--autoscale-target", r.choice(["1", "4"])],
-                                 ["--autoscale-metric", r.choice(["waiting", "running", "kv_usage"]),
+                                 ["--autoscale-metric", r.choice(["waiting", "running", "kv_usage", "gpu_util"]),
                                   "--autoscale-target", r.choice(["0.05", "1"])],
                                  ["--autoscale-metric", "waiting=1,kv_usage=0.05,in_flight=2"],
                                  ["--autoscale-metric", r.choice(["ttft_p95=0.05", "e2e_p50=1", "ttft_p99=0.2,waiting=2", "itl_p95=0.02"]),

@@ -328,13 +328,14 @@ def fleet_options(command):
         click.option("--autoscale-metric", default=None, metavar="METRIC[=TARGET],...",
                      help="With --autoscale: what it scales on, as vLLM's gauges report it: in_flight (requests "
                           "running + waiting), waiting or running (vLLM's num_requests_waiting / _running), "
-                          "kv_usage (kv_cache_usage_perc, 0-1); or a percentile of vLLM's latency histograms "
+                          "kv_usage (kv_cache_usage_perc, 0-1), gpu_util (DCGM's GPU utilisation over 30 s, 0-1); "
+                          "or a percentile of vLLM's latency histograms "
                           "over the fleet, its target in seconds: ttft_pQ, e2e_pQ or itl_pQ (e.g. ttft_p95=2); several "
                           "with their targets, e.g. waiting=5,kv_usage=0.7: the largest recommendation wins, as "
                           "HPA's [default: in_flight]."),
         click.option("--autoscale-target", type=float, default=None, metavar="N",
                      help="With --autoscale: the metric per replica it aims at: it wants ceil(sum over the "
-                          "replicas up / N) [default: in_flight 8, waiting 5, running 8, kv_usage 0.5]."),
+                          "replicas up / N) [default: in_flight 8, waiting 5, running 8, kv_usage 0.5, gpu_util 0.7]."),
         click.option("--autoscale-tolerance", type=float, default=None, metavar="F",
                      help="With --autoscale: a sum within this share of what the replicas it has aim at "
                           "changes nothing (HPA's tolerance) [default: 0.1]."),

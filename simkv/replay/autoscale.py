@@ -10,7 +10,9 @@ The metrics (`metric`):
 - `in_flight` (default, target 8): requests sent and not finished (the finishes strictly before
   that instant), what vLLM's `num_requests_running` + `num_requests_waiting` add up to;
 - `waiting` (5), `running` (8): vLLM's `num_requests_waiting` or `num_requests_running` alone;
-- `kv_usage` (0.5): vLLM's `kv_cache_usage_perc`, the share of the usable KV blocks in use.
+- `kv_usage` (0.5): vLLM's `kv_cache_usage_perc`, the share of the usable KV blocks in use;
+- `gpu_util` (0.7): DCGM's GPU utilisation, the share of the last 30 s the replica ran steps
+  (simkv/replay/autoscale_util.py).
 - `ttft_pQ`, `e2e_pQ`, `itl_pQ` (a target in seconds, no default): the Q-th percentile of
   vLLM's time-to-first-token, end-to-end or inter-token latency histogram over the fleet's last minute
   (simkv/replay/autoscale_latency.py), an HPA Value target: it wants ceil(replicas * value /
@@ -52,8 +54,8 @@ Paid replica-seconds run until the replay's end (its last step); `gpu_hours` mul
 each slot's GPUs. With `node_gpus` the replicas run on GPU nodes a cluster autoscaler adds and
 removes (simkv/replay/autoscale_nodes.py): a replica that finds no room waits for a new node
 before its cold start, and `gpu_hours` is the nodes' (the replicas' own: `replica_gpu_hours`).
-Not modelled: GPU utilisation (DCGM's), a P/D pool's latencies other than its own (the prefill
-pool's TTFT, the decode pool's ITL), pods that fail to start.
+Not modelled: a P/D pool's latencies other than its own (the prefill pool's TTFT, the decode
+pool's ITL), pods that fail to start.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from simkv.clock import TICKS_PER_SECOND, to_ticks
 from simkv.replay.autoscale_latency import HISTOGRAMS, LatencyWatch, custom_buckets, latency_bounds, latency_metric
 from simkv.replay.autoscale_nodes import PLACEMENTS, NodePool
 from simkv.replay.autoscale_policy import DEFAULT_DOWN, DEFAULT_UP, PolicyError, ScalingRules
+from simkv.replay.autoscale_util import BusyWindow
 
 
 class AutoscaleError(ValueError):
@@ -96,7 +99,8 @@ NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_image_pull_s", "node_unn
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
-           "kv_usage": (0.5, "KV-cache usage")}
+           "kv_usage": (0.5, "KV-cache usage"), "gpu_util": (0.7, "GPU utilisation")}
+SHARES = ("kv_usage", "gpu_util")  # (metrics in (0, 1], their targets too)
 GAUGES = ("running", "waiting", "kv_usage")  # (read from the engines' step logs)
 # a percentile of vLLM's latency histograms (simkv/replay/autoscale_latency.py)
 LATENCY_METRICS = "ttft_pQ, e2e_pQ, itl_pQ"
@@ -245,6 +249,9 @@ class AutoscaleSpec:
             where = f"--autoscale-metric {item}" if eq else "--autoscale-target"
             if not (target > 0 and math.isfinite(target)):
                 raise AutoscaleError(f"{where} must be a number > 0, got {target} ({name})")
+            if name == "gpu_util" and target > 1:
+                raise AutoscaleError(f"{where}: {target:g} is above 1; gpu_util aims at a share of the time, in "
+                                     "(0, 1]")
             if name == "kv_usage" and target > 1:
                 raise AutoscaleError(f"{where}: {target:g} is above 1; kv_usage aims at a share of the KV blocks, "
                                      "in (0, 1]")
@@ -351,6 +358,7 @@ class Autoscaler:
         self.changes: list[tuple[int, int]] = []  # (tick, +1 started / -1 drained or called off), for the policies
         self.policy_period = to_ticks(max(spec.up_rules.longest_period_s, spec.down_rules.longest_period_s))
         self.gauges = None  # (watch: each slot's engine gauge reader, for the metrics other than in_flight)
+        self.busy: list[BusyWindow] | None = None  # (watch: each slot's busy share, for gpu_util)
         self.latency: LatencyWatch | None = None  # (watch: the fleet's latency histograms, for ttft_pQ, e2e_pQ, itl_pQ)
         self.delay = to_ticks(spec.metrics_delay_s)
         # (with a delay: each slot's requests in flight at any earlier instant; FleetRouting feeds it)
@@ -383,6 +391,11 @@ class Autoscaler:
         if any(name in GAUGES for name, _ in self.spec.targets):
             self.gauges = [(engine.steps.gauges_before, engine.scheduler.kv_cache_manager.block_pool.num_usable_blocks)
                            for engine in engines]
+        if any(name == "gpu_util" for name, _ in self.spec.targets):
+            if any(engine.scheduler.pipeline_gaps is not None for engine in engines):
+                raise ValueError("--autoscale-metric gpu_util is not modelled with pipeline parallelism (each "
+                                 "stage's GPUs are busy in turn)")
+            self.busy = [BusyWindow(engine.steps) for engine in engines]
         if self.spec.latency_targets:
             kinds = {latency_metric(name)[0] for name, _ in self.spec.latency_targets}
             self.latency = LatencyWatch(kinds, self.spec.latency_window_s, held, engines, self.spec.bounds)
@@ -447,6 +460,8 @@ class Autoscaler:
         if self.gauges is not None:  # (a replica still starting has reported nothing: 0)
             gauges = [self.readings(r, seen) for r in live if self.ready_at[r] <= seen]
             values |= {name: sum(g[name] for g in gauges) for name in GAUGES}
+        if self.busy is not None:  # (DCGM's utilisation over its last sample period)
+            values["gpu_util"] = sum(self.busy[r].share(seen) for r in live if self.ready_at[r] <= seen)
         for name, _ in spec.latency_targets:  # (None: no observation in the window)
             values[name] = self.latency.quantile(*latency_metric(name), seen)
         values = {name: values[name] for name, _ in spec.targets}
@@ -679,7 +694,7 @@ def aims(section: dict) -> str:
     """What an autoscaler (its to_dict or summary section) aims at, e.g. '5 waiting or 30%
     KV-cache usage each', or 'p95 time to first token 2 s'."""
     targets = section_targets(section)
-    each = [f"{target:.0%} KV-cache usage" if name == "kv_usage" else f"{target:g} {METRICS[name][1]}"
+    each = [f"{target:.0%} {METRICS[name][1]}" if name in SHARES else f"{target:g} {METRICS[name][1]}"
             for name, target in targets if name in METRICS]
     latencies = []
     summed = " each (AverageValue)" if section.get("latency_target_type") == "AverageValue" else ""
