@@ -83,6 +83,10 @@ def _summary_table(summary: dict) -> str:
     if groups:
         rows.insert(1, ("model", (summary.get("config") or {}).get("model")))
         rows += kv_cache_groups_rows(groups)
+    if summary.get("cost"):  # (simkv replay --gpu-price)
+        from simkv.studies.serving_cost import describe_replay_cost
+
+        rows.append(("cost", describe_replay_cost(summary["cost"])))
     from simkv.replay.sessions import pacing_rows
 
     rows += pacing_rows(summary)

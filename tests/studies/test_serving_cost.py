@@ -124,6 +124,7 @@ def test_a_replay_prices_the_gpu_hours_it_paid(tmp_path):
     text = cli_ok(["replay", trace, "--autoscale", "1-3", "--node-gpus", "8", "--gpu-price", "H100-SXM=2",
                    "--out", str(tmp_path / "a")])
     assert "per 1M output tokens" in text
+    assert "per 1M output tokens" in (tmp_path / "a" / "report.html").read_text()
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     nodes = summary["fleet"]["autoscaling"]["nodes"]
     assert summary["cost"]["gpu_hours"] == nodes["gpu_hours"] and summary["cost"]["usd_spent"] == pytest.approx(
