@@ -449,10 +449,8 @@ class SchedulerConfig:
             raise ConfigError(f"client_retry_max_backoff_s must be > 0, got {self.client_retry_max_backoff_s}")
         if not 0 <= self.client_retry_jitter < 1:
             raise ConfigError(f"client_retry_jitter must be in [0, 1), got {self.client_retry_jitter}")
-        if self.client_max_retries and not self.has_clients:
-            raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
-                              "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
-                              "max_num_queued_tokens, whose HTTP 503s the clients retry)")
+        # (client_max_retries without what it retries: refused by the replay, which knows whether a
+        # fleet's replicas fail: simkv/replay/api.py)
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.client_max_concurrency is not None and self.client_max_concurrency < 1:

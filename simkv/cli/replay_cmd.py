@@ -511,6 +511,26 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
         raise bad(str(exc), not replica_sets and bool(sets)) from None
 
 
+def _with_failures(fleet, items: tuple[str, ...], restart_s: float | None, pools: bool):
+    """The fleet with its replicas' failures (--replica-failure, --restart-s)."""
+    from dataclasses import replace
+
+    from simkv.replay.failures import FailureError, FailureSpec
+    from simkv.replay.router import RouterError
+
+    if pools:
+        raise click.UsageError("--replica-failure fails a replica of a fleet (--replicas N): not modelled yet for P/D "
+                               "pools or encoder replicas")
+    if fleet is None or fleet.num_replicas < 2:
+        raise click.UsageError("--replica-failure fails a replica of a fleet: give --replicas 2 or more (with one, "
+                               "requests would have nowhere to go while it is down)")
+    try:
+        spec = FailureSpec.parse(items, restart_s, fleet.num_replicas)
+        return replace(fleet, failures=spec)
+    except (FailureError, RouterError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--replica-failure") from None
+
+
 def class_replica_items(class_replicas: tuple[str, ...], file: dict, config_file: str | None) -> tuple[list, bool]:
     """--class-replicas' items, else the --config file's `class_replicas` mapping ({class: "0-2" |
     3 | [0, 1]}) as items (the flags replace it whole); and whether they came from the file."""
@@ -923,6 +943,13 @@ _ENGINE_OPTIONS = [
                    "summary.json's `cost` then prices the GPU-hours paid (an autoscaled fleet's, its nodes') per "
                    "1M output tokens and per 1,000 requests.")
 @fleet_options
+@click.option("--replica-failure", "replica_failures", multiple=True, metavar="T:R",
+              help="Replica R of the fleet fails at T seconds (simkv/replay/failures.py): the requests in flight "
+                   "there are lost (retried through the router with --client-max-retries, else failed), and it "
+                   "takes none until it is back, its caches empty, --restart-s later. Repeatable.")
+@click.option("--restart-s", type=float, default=None, metavar="S",
+              help="With --replica-failure: seconds a failed replica takes to be back (its pod's restart, weights "
+                   "and CUDA graphs) [default: 120].")
 @disaggregation_options
 @encode_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
@@ -934,7 +961,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                dtype: str | None, enforce_eager: bool, calibrate_alongside: str | None, step_noise: str,
                noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
                router_options: tuple[str, ...], class_replicas: tuple[str, ...], replica_sets: tuple[str, ...],
-               gpu_prices: tuple[str, ...], **flags) -> None:
+               gpu_prices: tuple[str, ...], replica_failures: tuple[str, ...], restart_s: float | None,
+               **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -970,6 +998,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
     else:
         fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, replica_sets=replica_sets,
                            autoscale=autoscale)
+    if replica_failures or restart_s is not None:
+        fleet = _with_failures(fleet, replica_failures, restart_s, disaggregation is not None or encode is not None)
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")

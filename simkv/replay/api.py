@@ -14,7 +14,7 @@ import pandas as pd
 
 from simkv.backends.factory import make_backend
 from simkv.capacity import compute_capacity
-from simkv.config import EngineConfig
+from simkv.config import ConfigError, EngineConfig
 from simkv.replay.engine import ReplayEngine, ReplayRun
 from simkv.replay.fleet import fleet_summary, fleet_tables, run_fleet
 from simkv.replay.classes import classes_summary, missing_class, trace_labels, with_trace_columns
@@ -39,8 +39,19 @@ class FleetSpec:
     replica_sets: tuple = ()
     # AutoscaleSpec (simkv/replay/autoscale.py): num_replicas slots, as many up as the load asks for
     autoscale: object = None
+    # FailureSpec (simkv/replay/failures.py): replicas that fail and come back
+    failures: object = None
 
     def __post_init__(self) -> None:
+        if self.failures is not None:
+            if self.autoscale is not None or self.class_replicas:
+                raise RouterError("--replica-failure is not modelled yet with "
+                                  + ("--autoscale" if self.autoscale is not None else "--class-replicas"))
+            if any(r >= self.num_replicas for _, r in self.failures.failures):
+                raise RouterError(f"--replica-failure: the fleet has replicas 0-{self.num_replicas - 1}")
+            if self.num_replicas < 2:
+                raise RouterError("--replica-failure: a fleet of one replica has nowhere to send requests while it "
+                                  "is down (give --replicas 2 or more)")
         if self.autoscale is not None:
             if self.autoscale.max_replicas != self.num_replicas:
                 raise RouterError(f"--autoscale {self.autoscale.min_replicas}-{self.autoscale.max_replicas}: the "
@@ -144,6 +155,12 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     its summary's `classes`."""
     check_slo_classes(goodput, trace_labels(trace), str(getattr(trace, "source", "") or "the trace"))
     _check_class_replicas(trace, config, fleet, disaggregation, encode)
+    sc = config.scheduler
+    if sc.client_max_retries and not sc.has_clients and (fleet is None or fleet.failures is None):
+        raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
+                          "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
+                          "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure, whose "
+                          "lost requests they retry)")
     result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
                      fleet, disaggregation, encode)
     requests = result.requests = with_trace_columns(result.requests, trace)
@@ -402,16 +419,30 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         if fleet.autoscale.min_replicas == 0 and config.scheduler.has_clients:
             raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
         autoscaler = Autoscaler(fleet.autoscale)
+    failures = None
+    if fleet.failures is not None:
+        from simkv.replay.failures import FailurePlan
+
+        from simkv.replay.sessions import paces
+
+        if paces(trace, config.scheduler):
+            raise ValueError("--replica-failure is not modelled yet with paced requests (session pacing: "
+                             "--no-session-pacing replays the turns open loop; --client-max-concurrency and the "
+                             "like)")
+        failures = FailurePlan(fleet.failures)
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
         runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,
-                                  use_decode_runs, on_progress, replicas=replicas, autoscaler=autoscaler)
+                                  use_decode_runs, on_progress, replicas=replicas, autoscaler=autoscaler,
+                                  failures=failures)
         wall = time.perf_counter() - t0
         requests, steps, per_replica = fleet_tables(runs, routing, trace, frontend_latency(backends[0]))
         summary = fleet_summary(runs, routing, trace, config, backends, capacity, wall, requests, per_replica,
                                 replicas=replicas)
     if fleet.replica_sets:
         summary["fleet"]["replica_sets"] = fleet.to_dict()["replica_sets"]
+    if failures is not None:
+        summary["fleet"]["failures"] = failures.section()
     if autoscaler is not None:
         from simkv.replay.autoscale import autoscaling_section
 

@@ -52,8 +52,8 @@ from simkv.replay.fleet import ReplicaFeed, row_of
 from simkv.replay.sessions import SessionFeed, SessionPacing
 from simkv.replay.step_log import RequestLog
 
-TTFT, E2E = 0, 1  # which deadline a client missed
-_KINDS = ("ttft", "e2e")
+TTFT, E2E, FAILURE = 0, 1, 2  # which deadline a client missed (FAILURE: its replica failed, simkv/replay/failures.py)
+_KINDS = ("ttft", "e2e", "failure")
 
 
 def check_supported(trace, config: EngineConfig) -> None:
@@ -99,7 +99,7 @@ class ClientDeadlines:
         self._live: dict[int, tuple[Request, int, int]] = {}  # row -> (its attempt in flight, sent at tick, number)
         self._deadlines: list[tuple[int, int, int, int]] = []  # (tick, row, attempt number, TTFT/E2E)
         self.attempts = attempts  # per row: attempts sent (a fleet's replicas share one array)
-        self.num_abandoned = [0, 0]  # attempts given up on (and aborted), by the deadline missed
+        self.num_abandoned = [0, 0, 0]  # attempts given up on (and aborted), by the deadline missed
         self.num_aborted_after_prefill = 0  # of them, those whose whole prompt had been computed
         self.abandoned_output_tokens = 0  # tokens the engine sampled for them (delivered or not)
         self.on_timed_out = None  # (the engine's progress callback)
@@ -157,7 +157,16 @@ class ClientDeadlines:
         for kind, timeout in enumerate(self._timeouts):
             if timeout is not None:
                 heapq.heappush(self._deadlines, (tick + timeout, row, attempt, kind))
+        failure = self.next_failure(tick)
+        if failure is not None:  # (its replica fails while it is in flight: lost then)
+            heapq.heappush(self._deadlines, (failure, row, attempt, FAILURE))
         self.scheduler.add_request(request)
+
+    failure_ticks: tuple[int, ...] = ()  # (a fleet's replica that fails: when; simkv/replay/failures.py)
+
+    def next_failure(self, tick: int) -> int | None:
+        """This engine's next failure at or after `tick` (None: none)."""
+        return next((f for f in self.failure_ticks if f >= tick), None)
 
     def _refused(self, row: int, attempt: int, tick: int) -> None:
         """vLLM's front end answered HTTP 503 (simkv/replay/admission.py): the client retries it
@@ -209,7 +218,10 @@ class ClientDeadlines:
         if attempt < self.max_retries:
             self._resend(row, attempt + 1, at + self.backoff_ticks(row, attempt), now)
             return
-        self.request_log.time_out(row)
+        if kind == FAILURE:
+            self.request_log.fail(row)
+        else:
+            self.request_log.time_out(row)
         if self.on_timed_out is not None:
             self.on_timed_out(1)
 
@@ -402,6 +414,9 @@ class RoutedClients(ClientDeadlines):
                 if timeout is not None:
                     bound = tick + timeout + self.backoff_ticks(row, attempt)
                     heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
+            failure = self.next_failure(tick)
+            if failure is not None:
+                heapq.heappush(self._resend_bounds, (failure + self.backoff_ticks(row, attempt), row, attempt, FAILURE))
 
     def _finished_for_good(self, finished: list[Request], tick: int) -> None:
         """These attempts finished: their clients have them, and will not resend them."""
@@ -435,6 +450,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         super().__init__(routing, replica, trace, scheduler, request_log, config.max_model_len)
         self._init_routed(routing, config)
         self.retry_queue = routing.retry_queues[replica]
+        if routing.failures is not None:
+            self.failure_ticks = tuple(routing.failures.failure_ticks(replica))
 
     @property
     def exhausted(self) -> bool:
@@ -473,6 +490,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
                     row = entry
                     self._send(self.make_request(row), row, ticks[row], 0)
             else:
+                if self.failure_ticks:  # (sent before the replica failed, reaching it after: lost at once)
+                    self._expire(now, now)
                 return
             if sessions is not None:  # (this replica could now release the row's next turn)
                 self.release_watch.delivered(sessions, row)
@@ -503,6 +522,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
     def _give_up(self, row: int, request: Request, attempt: int, at: int, kind: int, now: int) -> None:
         routing = self.routing
         routing.note_aborted(self.replica, now)
+        if kind == FAILURE:
+            routing.failures.note_abort(self.replica, at, for_good=not request.may_resend)
         if routing.sessions is not None:
             self.release_watch.finished([request])  # (it releases nothing here now)
         super()._give_up(row, request, attempt, at, kind, now)  # (a retry: first in the router's queue)
@@ -519,17 +540,19 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
     any: paced conversations end at a time-out, and the turns they never sent are counted)."""
     paced = isinstance(pacing, SessionPacing)
     status = requests["status"].to_numpy()
-    abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E)]
+    abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E, FAILURE)]
     return {
         "ttft_timeout_s": sc.client_ttft_timeout_s, "timeout_s": sc.client_timeout_s,
         "max_retries": sc.client_max_retries, "retry_backoff_s": sc.client_retry_backoff_s,
         **({"retry_max_backoff_s": sc.client_retry_max_backoff_s, "retry_jitter": sc.client_retry_jitter}
            if sc.client_retry_max_backoff_s is not None or sc.client_retry_jitter else {}),
         "attempts": int(attempts.sum()), "retries": int(np.maximum(attempts - 1, 0).sum()),
-        "aborted": sum(abandoned), "aborted_by_deadline": dict(zip(_KINDS, abandoned)),
+        "aborted": sum(abandoned), "aborted_by_deadline": dict(zip(_KINDS, abandoned[:2] + abandoned[2:] * bool(abandoned[2]))),
         "aborted_after_prefill": sum(f.num_aborted_after_prefill for f in feeds),
         "abandoned_output_tokens": int(sum(f.abandoned_output_tokens for f in feeds)),
         "timed_out_requests": int((status == "timed_out").sum()),
+        **({"failed_requests": int((status == "failed").sum())} if abandoned[FAILURE] or (status == "failed").any()
+           else {}),
         "finished_after_retries": int(((status == "finished") & (attempts > 1)).sum()),
     } | ({"abandoned_turns": int((status == "abandoned").sum())} if paced else {})
 
@@ -541,6 +564,10 @@ def client_row(section: dict) -> tuple[str, str]:
     where = section.get("aborted_in")  # (P/D: simkv/replay/disaggregated_clients.py)
     places = (f" ({where['prefill']:,} at a prefill replica, {where['handoff']:,} in the proxy's hop, "
               f"{where['decode_queue']:,} before their pull, {where['decode']:,} after it)" if where else "")
+    if not limits and "failed_requests" in section:  # (the clients retry what a failed replica lost)
+        return ("clients", f"{section.get('failed_requests', 0):,} requests failed with their replica "
+                           f"({section['max_retries']} retries); {section['retries']:,} retries, "
+                           f"{section['finished_after_retries']:,} requests finished on one")
     return ("client time-outs", f"{section['timed_out_requests']:,} requests timed out ({', '.join(limits)}, "
                                 f"{section['max_retries']} retries); vLLM aborted {section['aborted']:,} attempts{places}; "
                                 f"{section['retries']:,} retries, {section['finished_after_retries']:,} requests "

@@ -33,10 +33,11 @@ class FleetRouting:
     """The router's side of the fleet: routes trace rows, and counts each replica's requests in flight."""
 
     def __init__(self, trace, router: Router, max_model_len: int, rows: TraceRows | None = None,
-                 clients=None, pacing=None, autoscaler=None) -> None:
+                 clients=None, pacing=None, autoscaler=None, failures=None) -> None:
         self.trace = trace
         self.router = router
         self.autoscaler = autoscaler  # (simkv/replay/autoscale.py: which replicas are up, decided as time passes)
+        self.failures = failures  # (simkv/replay/failures.py's FailurePlan: replicas down for a while)
         self._history = autoscaler.history if autoscaler is not None else None  # (metrics read with a delay)
         self.hold: dict[int, int] = {}  # (scale to zero: rows waiting for a replica to be ready, until when)
         n = router.num_replicas
@@ -267,6 +268,8 @@ class FleetRouting:
             if not up:  # (scaled to zero: it waits for the first slot to be ready)
                 up, hold = self.autoscaler.hold_slots(tick, self._arrival_ticks[i], loads)
             self.router.up = up
+        elif self.failures is not None:  # (a failed replica takes nothing until it is back)
+            self.router.up = self.failures.up(tick, self.engines, self.router)
         trace = self.trace
         hashes = trace.block_hashes(i) if self._has_hashes else None
         block_tokens = int(trace.hash_block_tokens[i]) if self._has_hashes else 0
@@ -356,9 +359,10 @@ class ReplicaFeed(ArrivalFeed):
         return np.asarray(self._arrival_list, dtype=np.float64)
 
 
-def fleet_clients(trace, config):
-    """The clients of a fleet or of data-parallel ranks, if they give up or retry (None if not)."""
-    if not config.scheduler.has_clients:
+def fleet_clients(trace, config, failures=None):
+    """The clients of a fleet or of data-parallel ranks, if they give up or retry, or lose their
+    requests with a replica that fails (None if not)."""
+    if not config.scheduler.has_clients and failures is None:
         return None
     from simkv.replay.client_timeouts import FleetClients
 
@@ -367,15 +371,17 @@ def fleet_clients(trace, config):
 
 def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router, capacity,
               use_decode_runs: bool = True, on_progress=None, prepare=None,
-              replicas: tuple[list, list] | None = None, autoscaler=None) -> tuple[list[ReplayRun], FleetRouting]:
+              replicas: tuple[list, list] | None = None, autoscaler=None,
+              failures=None) -> tuple[list[ReplayRun], FleetRouting]:
     """Replay `trace` on len(backends) replicas (one backend each) behind `router`; `prepare`:
     called with each engine before the run (an encode pool's shared store); `replicas`: each
     replica's (engine config, capacity) where they differ (FleetSpec.replica_sets); `autoscaler`:
-    which replicas are up as time passes (simkv/replay/autoscale.py)."""
+    which replicas are up as time passes (simkv/replay/autoscale.py); `failures`: replicas that
+    fail and come back (simkv/replay/failures.py's FailurePlan)."""
     env = simpy.Environment()
-    clients = fleet_clients(trace, config)
+    clients = fleet_clients(trace, config, failures)
     routing = FleetRouting(trace, router, config.max_model_len, clients=clients, pacing=config.scheduler,
-                           autoscaler=autoscaler)
+                           autoscaler=autoscaler, failures=failures)
     routing.on_reject = on_progress
 
     def feed_of(replica):

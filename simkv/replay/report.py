@@ -111,6 +111,10 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if fleet:
         decisions = ", ".join(f"{k} {v:,}" for k, v in fleet["router"]["decisions"].items())
         head.append(("replicas / router", f"{fleet['num_replicas']} / {fleet['router']['policy']} ({decisions})"))
+        if fleet.get("failures"):
+            from simkv.replay.failures import describe_failures
+
+            head.append(("replica failures", describe_failures(fleet["failures"])))
         if fleet.get("autoscaling"):
             from simkv.replay.autoscale import describe
 

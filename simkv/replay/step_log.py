@@ -226,7 +226,7 @@ class RequestLog:
     """One slot per trace row, filled when the request finishes (or is rejected). Finished
     requests are kept as a flat int64 array (9 values each) until the columns are asked for."""
 
-    STATUS_NAMES = ("unfinished", "finished", "rejected", "timed_out", "abandoned", "not_sent")
+    STATUS_NAMES = ("unfinished", "finished", "rejected", "timed_out", "abandoned", "not_sent", "failed")
 
     def __init__(self, num_requests: int, speculative: bool = False) -> None:
         self.num_requests = num_requests
@@ -235,6 +235,7 @@ class RequestLog:
         self._rejected: list[int] = []
         self._timed_out: list[int] = []  # rows whose clients gave up on their last attempt
         self._abandoned: list[int] = []  # turns never sent: an earlier turn of their session timed out
+        self._failed: list[int] = []  # rows whose last attempt was lost with its replica (simkv/replay/failures.py)
         self.last_abort_s = 0.0  # when the engine last took a client's abort (or a P/D proxy dropped one)
         # rows fanned out over data-parallel ranks: when the last sequence finished (perhaps on
         # another rank, whose steps this log does not hold)
@@ -275,14 +276,18 @@ class RequestLog:
         self._abandoned.append(index)
         self._columns = None
 
+    def fail(self, index: int) -> None:
+        self._failed.append(index)
+        self._columns = None
+
     @property
     def timed_out_rows(self) -> np.ndarray:
         return np.asarray(self._timed_out, dtype=np.int64)
 
     @property
     def status(self) -> np.ndarray:
-        """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out, 4 abandoned (STATUS_NAMES;
-        5, not sent, is the pacing's to say: `mark_not_sent`)."""
+        """Per trace row: 0 unfinished, 1 finished, 2 rejected, 3 timed out, 4 abandoned, 6 failed
+        (STATUS_NAMES; 5, not sent, is the pacing's to say: `mark_not_sent`)."""
         return self._build()[0]
 
     @property
@@ -297,6 +302,7 @@ class RequestLog:
             status[np.asarray(self._rejected, dtype=np.int64)] = 2
             status[np.asarray(self._timed_out, dtype=np.int64)] = 3
             status[np.asarray(self._abandoned, dtype=np.int64)] = 4
+            status[np.asarray(self._failed, dtype=np.int64)] = 6
             ints = {c: np.full(n, -1, dtype=np.int64) for c in REQUEST_INT_COLUMNS}
             rows = np.array(self._finished, dtype=np.int64).reshape(-1, len(REQUEST_INT_COLUMNS) + 1)
             status[rows[:, 0]] = 1

@@ -1,0 +1,128 @@
+"""Replicas that fail (`--replica-failure T:R`, `--restart-s S`): a fleet's replica R crashes at
+T seconds (the server process dies: a CUDA error, an out-of-memory kill, a lost node) and comes
+back S seconds later as a new pod, its caches empty.
+
+At T every request in flight on R, waiting or running, is lost: its client's connection drops,
+vLLM's engine with it (modelled as an abort at T: a step running then ends with its tokens
+undelivered, as when a client's deadline passes during a step; simkv/replay/
+client_timeouts.py). A client with retries left (`--client-max-retries`, the back-off of
+`--client-retry-backoff`) sends the request again through the router, as the OpenAI client
+does on a connection error; without, the request is `failed`. The router sends R nothing from T
+until it is back, and then R starts anew (ReplayEngine.start_anew: prefix cache, CPU tier,
+adapter and encoder caches empty; a prefix-aware router forgets what it sent there). Failures
+are given per replica in time order; a replica fails again only once it is back, and at every
+instant some replica is up. The GPUs stay paid (the pod restarts on its node).
+
+Modelled for a fleet of simulated replicas (`--replicas N`), fixed; not yet with an autoscaler,
+P/D pools, data-parallel ranks, encoder replicas or session pacing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simkv.clock import TICKS_PER_SECOND, to_ticks
+
+
+class FailureError(ValueError):
+    """A bad --replica-failure / --restart-s."""
+
+
+@dataclass(frozen=True)
+class FailureSpec:
+    failures: tuple[tuple[float, int], ...]  # (time_s, replica), in time order
+    restart_s: float = 120.0
+
+    @classmethod
+    def parse(cls, items, restart_s: float | None, num_replicas: int) -> "FailureSpec | None":
+        """`items`: 'T:R' texts (None or empty: no failures)."""
+        if not items:
+            if restart_s is not None:
+                raise FailureError("--restart-s: give --replica-failure T:R too")
+            return None
+        failures = []
+        for item in items:
+            when, colon, replica = str(item).partition(":")
+            try:
+                t, r = float(when), int(replica)
+            except ValueError:
+                t, r = math.nan, -1
+            if not colon or not (t >= 0 and math.isfinite(t)) or not 0 <= r < num_replicas:
+                raise FailureError(f"--replica-failure {item!r}: expected T:R, T seconds >= 0 and R a replica "
+                                   f"of the fleet's 0-{num_replicas - 1}")
+            failures.append((t, r))
+        return cls(tuple(sorted(failures, key=lambda f: (f[0], f[1]))),
+                   120.0 if restart_s is None else float(restart_s), num_replicas)
+
+    def __init__(self, failures, restart_s: float = 120.0, num_replicas: int | None = None) -> None:
+        object.__setattr__(self, "failures", tuple(failures))
+        object.__setattr__(self, "restart_s", float(restart_s))
+        if not (self.restart_s >= 1.0 and math.isfinite(self.restart_s)):
+            raise FailureError(f"--restart-s must be a number of seconds >= 1 (a pod's restart), got {restart_s}")
+        last_down: dict[int, float] = {}
+        for t, r in self.failures:
+            if t < last_down.get(r, -math.inf):
+                raise FailureError(f"--replica-failure {t:g}:{r}: replica {r} is down until "
+                                   f"{last_down[r]:g} s (it failed {self.restart_s:g} s before)")
+            last_down[r] = t + self.restart_s
+        n = num_replicas if num_replicas is not None else 1 + max(r for _, r in self.failures)
+        for t, _ in self.failures:  # (at a failure's instant, is any replica up?)
+            down = {r for t0, r in self.failures if t0 <= t < t0 + self.restart_s}
+            if len(down) >= n:
+                raise FailureError(f"--replica-failure: at {t:g} s every replica is down; the router would have "
+                                   "nowhere to send a request (not modelled)")
+
+    def to_dict(self) -> dict:
+        return {"restart_s": self.restart_s,
+                "failures": [{"time_s": t, "replica": r} for t, r in self.failures]}
+
+
+class FailurePlan:
+    """The fleet router's view of the failures: which replicas are down at an instant, and the
+    restarts to make (each replica starts anew once back, and once its engine holds nothing)."""
+
+    def __init__(self, spec: FailureSpec) -> None:
+        self.spec = spec
+        self.restart = to_ticks(spec.restart_s)
+        self.windows = [(to_ticks(t), to_ticks(t) + self.restart, r) for t, r in spec.failures]
+        self.pending: list[tuple[int, int]] = [(end, r) for _, end, r in self.windows]  # restarts not yet made
+        self.renewing: set[int] = set()  # back, but its engine not yet empty: still down
+        self.aborted = [0] * len(self.windows)  # attempts each failure aborted
+        self.failed = [0] * len(self.windows)  # of them, requests whose clients gave up for good
+
+    def failure_ticks(self, replica: int) -> list[int]:
+        return [start for start, _, r in self.windows if r == replica]
+
+    def up(self, tick: int, engines, router) -> tuple[int, ...]:
+        """The replicas that take requests at `tick`; restarts due by then are made first."""
+        while self.pending and self.pending[0][0] <= tick:
+            _, r = self.pending.pop(0)
+            self.renewing.add(r)
+            router.forget(r)
+        for r in sorted(self.renewing):
+            if engines[r].start_anew():
+                self.renewing.discard(r)
+        down = {r for start, end, r in self.windows if start <= tick < end} | self.renewing
+        up = tuple(r for r in range(len(engines)) if r not in down)
+        # (a restart whose engine still ends a step: the others are up, unless none is)
+        return up or tuple(r for r in range(len(engines)) if not any(s <= tick < e and q == r
+                                                                     for s, e, q in self.windows))
+
+    def note_abort(self, replica: int, at: int, for_good: bool) -> None:
+        """An attempt on `replica` aborted by its failure at tick `at`."""
+        i = next(i for i, (start, _, r) in enumerate(self.windows) if r == replica and start == at)
+        self.aborted[i] += 1
+        self.failed[i] += for_good
+
+    def section(self) -> dict:
+        return self.spec.to_dict() | {"failures": [
+            {"time_s": start / TICKS_PER_SECOND, "replica": r, "aborted": self.aborted[i], "failed": self.failed[i]}
+            for i, (start, _, r) in enumerate(self.windows)]}
+
+
+def describe_failures(section: dict) -> str:
+    """One line for the terminal and report.html."""
+    parts = [f"replica {f['replica']} at {f['time_s']:g} s ({f['aborted']:,} requests lost, {f['failed']:,} for good)"
+             for f in section["failures"]]
+    return f"{'; '.join(parts)}; back {section['restart_s']:g} s later"
