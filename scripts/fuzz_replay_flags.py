@@ -65,7 +65,9 @@ OPTIONS = [
         [[], ["--no-kv-offloading-prompt-only"], ["--kv-offloading-block-size", "256"]])),
     (0.12, lambda r: ["--replicas", r.choice(["2", "3"]), "--router",
                       r.choice(["round_robin", "least_outstanding", "prefix_aware", "session_affinity"])]
-     + r.choice([[], ["--replica-set", "1:gpu=H200"], ["--replica-set", "0:max_num_seqs=4,kv_cache_dtype=fp8"]])),
+     + r.choice([[], ["--replica-set", "1:gpu=H200"], ["--replica-set", "0:max_num_seqs=4,kv_cache_dtype=fp8"]])
+     + r.choice([[], [], ["--replica-failure", r.choice(["1:1", "3:0"]), "--restart-s", r.choice(["1", "4"]),
+                          *r.choice([[], ["--client-max-retries", "2"]])]])),
     (0.08, lambda r: ["--autoscale", r.choice(["0-2", "1-2", "1-3"]), "--autoscale-interval-s", r.choice(["1", "5"]),
                       "--cold-start-s", r.choice(["0", "3"]), "--scale-down-window-s", r.choice(["0", "5"]),
                       *r.choice([["--autoscale-target", r.choice(["1", "4"])],

@@ -371,7 +371,6 @@ def test_without_timeouts_outputs_are_as_before() -> None:
 @pytest.mark.parametrize("options, message", [
     (dict(client_timeout_s=0.0), "client_timeout_s must be > 0"),
     (dict(client_ttft_timeout_s=-1.0), "client_ttft_timeout_s must be > 0"),
-    (dict(client_max_retries=2), "give client_timeout_s or client_ttft_timeout_s"),
     (dict(client_timeout_s=5.0, client_max_retries=-1), "client_max_retries must be >= 0"),
     (dict(client_timeout_s=5.0, client_retry_backoff_s=-1.0), "client_retry_backoff_s must be >= 0"),
     (dict(client_timeout_s=5.0, client_retry_max_backoff_s=0.0), "client_retry_max_backoff_s must be > 0"),
@@ -380,6 +379,13 @@ def test_without_timeouts_outputs_are_as_before() -> None:
 def test_bad_client_options(options, message) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_flat(options)
+
+
+def test_retries_without_anything_to_retry_are_refused() -> None:
+    """Retries alone (no time-out, no queue limit, no replica that fails) would retry nothing:
+    the replay refuses them, naming what they retry."""
+    with pytest.raises(ConfigError, match="give client_timeout_s or client_ttft_timeout_s"):
+        _replay(_trace([(0.0, 16, 3)]), client_max_retries=2)
 
 
 def _chat(retries: int):
