@@ -47,11 +47,10 @@ class FleetSpec:
             if self.autoscale is not None or self.class_replicas:
                 raise RouterError("--replica-failure is not modelled yet with "
                                   + ("--autoscale" if self.autoscale is not None else "--class-replicas"))
-            if any(r >= self.num_replicas for _, r in self.failures.failures):
-                raise RouterError(f"--replica-failure: the fleet has replicas 0-{self.num_replicas - 1}")
             if self.num_replicas < 2:
                 raise RouterError("--replica-failure: a fleet of one replica has nowhere to send requests while it "
                                   "is down (give --replicas 2 or more)")
+            self.failures.check_fleet(self.num_replicas)
         if self.autoscale is not None:
             if self.autoscale.max_replicas != self.num_replicas:
                 raise RouterError(f"--autoscale {self.autoscale.min_replicas}-{self.autoscale.max_replicas}: the "

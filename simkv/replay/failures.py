@@ -34,9 +34,19 @@ class FailureSpec:
     failures: tuple[tuple[float, int], ...]  # (time_s, replica), in time order
     restart_s: float = 120.0
 
+    def __post_init__(self) -> None:
+        if not (self.restart_s >= 1.0 and math.isfinite(self.restart_s)):
+            raise FailureError(f"--restart-s must be a number of seconds >= 1 (a pod's restart), got {self.restart_s}")
+        last_down: dict[int, float] = {}
+        for t, r in self.failures:
+            if t < last_down.get(r, -math.inf):
+                raise FailureError(f"--replica-failure {t:g}:{r}: replica {r} is down until "
+                                   f"{last_down[r]:g} s (it failed {self.restart_s:g} s before)")
+            last_down[r] = t + self.restart_s
+
     @classmethod
     def parse(cls, items, restart_s: float | None, num_replicas: int) -> "FailureSpec | None":
-        """`items`: 'T:R' texts (None or empty: no failures)."""
+        """`items`: 'T:R' texts (None or empty: no failures), on a fleet of `num_replicas`."""
         if not items:
             if restart_s is not None:
                 raise FailureError("--restart-s: give --replica-failure T:R too")
@@ -48,28 +58,21 @@ class FailureSpec:
                 t, r = float(when), int(replica)
             except ValueError:
                 t, r = math.nan, -1
-            if not colon or not (t >= 0 and math.isfinite(t)) or not 0 <= r < num_replicas:
-                raise FailureError(f"--replica-failure {item!r}: expected T:R, T seconds >= 0 and R a replica "
-                                   f"of the fleet's 0-{num_replicas - 1}")
+            if not colon or not (t >= 0 and math.isfinite(t)) or r < 0:
+                raise FailureError(f"--replica-failure {item!r}: expected T:R, T seconds >= 0 and R a replica")
             failures.append((t, r))
-        return cls(tuple(sorted(failures, key=lambda f: (f[0], f[1]))),
-                   120.0 if restart_s is None else float(restart_s), num_replicas)
+        spec = cls(tuple(sorted(failures)), 120.0 if restart_s is None else float(restart_s))
+        spec.check_fleet(num_replicas)
+        return spec
 
-    def __init__(self, failures, restart_s: float = 120.0, num_replicas: int | None = None) -> None:
-        object.__setattr__(self, "failures", tuple(failures))
-        object.__setattr__(self, "restart_s", float(restart_s))
-        if not (self.restart_s >= 1.0 and math.isfinite(self.restart_s)):
-            raise FailureError(f"--restart-s must be a number of seconds >= 1 (a pod's restart), got {restart_s}")
-        last_down: dict[int, float] = {}
+    def check_fleet(self, num_replicas: int) -> None:
+        """Every failing replica is one of the fleet's, and at every instant one is up."""
         for t, r in self.failures:
-            if t < last_down.get(r, -math.inf):
-                raise FailureError(f"--replica-failure {t:g}:{r}: replica {r} is down until "
-                                   f"{last_down[r]:g} s (it failed {self.restart_s:g} s before)")
-            last_down[r] = t + self.restart_s
-        n = num_replicas if num_replicas is not None else 1 + max(r for _, r in self.failures)
+            if r >= num_replicas:
+                raise FailureError(f"--replica-failure {t:g}:{r}: not a replica of the fleet's 0-{num_replicas - 1}")
         for t, _ in self.failures:  # (at a failure's instant, is any replica up?)
             down = {r for t0, r in self.failures if t0 <= t < t0 + self.restart_s}
-            if len(down) >= n:
+            if len(down) >= num_replicas:
                 raise FailureError(f"--replica-failure: at {t:g} s every replica is down; the router would have "
                                    "nowhere to send a request (not modelled)")
 

@@ -86,7 +86,7 @@ def test_a_replica_back_from_a_failure_starts_with_an_empty_prefix_cache():
 
 
 def test_failures_are_checked():
-    for args, message in (((["1:5"], None, 3), "a replica of the fleet's 0-2"),
+    for args, message in (((["1:5"], None, 3), "not a replica of the fleet's 0-2"),
                           ((["10:1", "30:1"], 60, 3), "replica 1 is down until 70 s"),
                           ((["10:0", "20:1"], 60, 2), "every replica is down"),
                           ((["10:0"], 0.5, 2), "--restart-s must be a number of seconds >= 1"),
