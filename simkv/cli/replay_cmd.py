@@ -523,7 +523,7 @@ def _with_failures(fleet, items: tuple[str, ...], restart_s: float | None, pools
                                "pools or encoder replicas")
     if fleet is None or fleet.num_replicas < 2:
         raise click.UsageError("--replica-failure fails a replica of a fleet: give --replicas 2 or more (with one, "
-                               "requests would have nowhere to go while it is down)")
+                               "requests would have nowhere to go while it is down) or --autoscale")
     try:
         spec = FailureSpec.parse(items, restart_s, fleet.num_replicas)
         return replace(fleet, failures=spec)

@@ -44,13 +44,15 @@ class FleetSpec:
 
     def __post_init__(self) -> None:
         if self.failures is not None:
-            if self.autoscale is not None or self.class_replicas:
-                raise RouterError("--replica-failure is not modelled yet with "
-                                  + ("--autoscale" if self.autoscale is not None else "--class-replicas"))
-            if self.num_replicas < 2:
+            scales = self.autoscale is not None
+            if self.class_replicas:
+                raise RouterError("--replica-failure is not modelled yet with --class-replicas")
+            if scales and self.autoscale.min_replicas == 0:
+                raise RouterError("--replica-failure is not modelled yet in a fleet that scales to zero")
+            if self.num_replicas < 2 and not scales:
                 raise RouterError("--replica-failure: a fleet of one replica has nowhere to send requests while it "
                                   "is down (give --replicas 2 or more)")
-            self.failures.check_fleet(self.num_replicas)
+            self.failures.check_fleet(self.num_replicas, fixed=not scales)
         if self.autoscale is not None:
             if self.autoscale.max_replicas != self.num_replicas:
                 raise RouterError(f"--autoscale {self.autoscale.min_replicas}-{self.autoscale.max_replicas}: the "
@@ -429,6 +431,9 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
                              "--no-session-pacing replays the turns open loop; --client-max-concurrency and the "
                              "like)")
         failures = FailurePlan(fleet.failures)
+        if autoscaler is not None:  # (its slots restart in place: simkv/replay/autoscale.py's _fail)
+            autoscaler.failures = [(start, r) for start, _, r in failures.windows]
+            autoscaler.restart = failures.restart
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
         runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,

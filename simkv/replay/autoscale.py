@@ -370,6 +370,8 @@ class Autoscaler:
         # the GPU nodes under the slots (simkv/replay/autoscale_nodes.py), and the slots' keys there
         self.nodes = NodePool(spec) if spec.node_gpus else None
         self.pool = "fleet"
+        self.failures: list[tuple[int, int]] = []  # (tick, slot) of the failures still to come (simkv/replay/failures.py)
+        self.restart = 0
         self.slot_gpus: list[tuple[int, str]] = []  # (GPUs, their kind) of each slot
 
     def share_nodes(self, nodes: "NodePool", pool: str) -> None:
@@ -439,13 +441,28 @@ class Autoscaler:
     def advance(self, tick: int, loads_at) -> None:
         """Make every decision due at or before `tick`; `loads_at(t)`: each slot's requests in
         flight at t (the finishes strictly before t)."""
-        while self.next_eval <= tick:
+        failures = self.failures
+        while self.next_eval <= tick or (failures and failures[0][0] <= tick):
+            if failures and failures[0][0] <= self.next_eval:  # (a failure first, at a decision's instant too)
+                self._fail(*failures.pop(0))
+                continue
             self._evaluate(self.next_eval, loads_at(self.next_eval))
             self.next_eval += self.interval
         for r in [r for r in self.renew if self.ready_at[r] is not None and self.ready_at[r] <= tick]:
-            self.renew.discard(r)  # (started anew while its engine held blocks: ready now, before a request)
-            if self.engines[r].start_anew():
+            if self.engines[r].start_anew():  # (started anew while its engine held blocks: ready now)
+                self.renew.discard(r)
                 self.num_renewed += 1
+
+    def _fail(self, tick: int, r: int) -> None:
+        """Slot `r`'s pod fails at `tick` (simkv/replay/failures.py; its requests are lost by its
+        feed): a pod up or starting restarts in place, ready `restart` later, as a new pod; a
+        drained one just ends; a slot that is down has nothing to lose."""
+        if self.ready_at[r] is None or self.draining_since[r] is not None:
+            return
+        self.ready_at[r] = max(self.ready_at[r], tick + self.restart)
+        self._renew(r)
+        self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "failure", "replica": r})
+        self._mark(tick)
 
     def _evaluate(self, tick: int, loads: list[int]) -> None:
         spec = self.spec

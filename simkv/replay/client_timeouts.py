@@ -469,11 +469,11 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         send what the router gave this replica, in time order (a tie in row order)."""
         self._expire(now, now)
         self.routing.route_until(now)
-        queue, retries, ticks = self.queue, self.retry_queue, self._arrival_ticks
+        queue, retries, ticks, due = self.queue, self.retry_queue, self._arrival_ticks, self.routing.due
         sessions = self.routing.sessions
         while True:
             head = row_of(queue[0]) if queue else -1
-            row_due = queue and ticks[head] <= now
+            row_due = queue and due(head) <= now  # (its arrival, or when the slot it waits for is ready)
             if retries and retries[0][0] <= now and (not row_due or (retries[0][0], retries[0][1])
                                                      < (ticks[head], head)):
                 tick, row, attempt, *made = retries.popleft()

@@ -13,8 +13,13 @@ adapter and encoder caches empty; a prefix-aware router forgets what it sent the
 are given per replica in time order; a replica fails again only once it is back, and at every
 instant some replica is up. The GPUs stay paid (the pod restarts on its node).
 
-Modelled for a fleet of simulated replicas (`--replicas N`), fixed; not yet with an autoscaler,
-P/D pools, data-parallel ranks, encoder replicas or session pacing.
+In an autoscaled fleet (`--autoscale MIN-MAX`, MIN >= 1) R is a slot: a pod up or starting
+there restarts in place (ready S seconds after T, paid meanwhile, a new pod), a drained one just
+ends, and a slot that is down loses nothing; with no slot up, requests wait for the first one
+ready, as a fleet scaled to zero holds them.
+
+Modelled for fleets of simulated replicas (`--replicas N`, fixed or autoscaled); not yet for P/D
+pools, data-parallel ranks, encoder replicas or paced requests.
 """
 
 from __future__ import annotations
@@ -62,15 +67,16 @@ class FailureSpec:
                 raise FailureError(f"--replica-failure {item!r}: expected T:R, T seconds >= 0 and R a replica")
             failures.append((t, r))
         spec = cls(tuple(sorted(failures)), 120.0 if restart_s is None else float(restart_s))
-        spec.check_fleet(num_replicas)
+        spec.check_fleet(num_replicas, fixed=False)  # (the fleet checks the rest: FleetSpec)
         return spec
 
-    def check_fleet(self, num_replicas: int) -> None:
-        """Every failing replica is one of the fleet's, and at every instant one is up."""
+    def check_fleet(self, num_replicas: int, fixed: bool = True) -> None:
+        """Every failing replica is one of the fleet's, and in a `fixed` fleet one is up at every
+        instant (an autoscaled one holds requests for the first slot back, as when scaled to zero)."""
         for t, r in self.failures:
             if r >= num_replicas:
                 raise FailureError(f"--replica-failure {t:g}:{r}: not a replica of the fleet's 0-{num_replicas - 1}")
-        for t, _ in self.failures:  # (at a failure's instant, is any replica up?)
+        for t, _ in self.failures if fixed else ():  # (at a failure's instant, is any replica up?)
             down = {r for t0, r in self.failures if t0 <= t < t0 + self.restart_s}
             if len(down) >= num_replicas:
                 raise FailureError(f"--replica-failure: at {t:g} s every replica is down; the router would have "

@@ -88,17 +88,19 @@ def test_a_replica_back_from_a_failure_starts_with_an_empty_prefix_cache():
 def test_failures_are_checked():
     for args, message in (((["1:5"], None, 3), "not a replica of the fleet's 0-2"),
                           ((["10:1", "30:1"], 60, 3), "replica 1 is down until 70 s"),
-                          ((["10:0", "20:1"], 60, 2), "every replica is down"),
                           ((["10:0"], 0.5, 2), "--restart-s must be a number of seconds >= 1"),
                           (([], 30, 2), "--restart-s: give --replica-failure")):
         with pytest.raises(FailureError, match=message):
             FailureSpec.parse(*args)
     spec = FailureSpec.parse(["10:0"], None, 2)
     assert spec.restart_s == 120.0
+    with pytest.raises(FailureError, match="at 20 s every replica is down"):
+        FleetSpec(2, failures=FailureSpec.parse(["10:0", "20:1"], 60, 2))
     from simkv.replay.autoscale import AutoscaleSpec
 
-    with pytest.raises(RouterError, match="not modelled yet with --autoscale"):
-        FleetSpec(2, failures=spec, autoscale=AutoscaleSpec(1, 2))
+    with pytest.raises(RouterError, match="not modelled yet in a fleet that scales to zero"):
+        FleetSpec(2, failures=spec, autoscale=AutoscaleSpec(0, 2))
+    FleetSpec(2, failures=FailureSpec.parse(["10:0", "20:1"], 60, 2), autoscale=AutoscaleSpec(1, 2))  # (it holds)
     with pytest.raises(ConfigError, match="client_max_retries retries requests that timed out"):
         replay(bursts(), _config(client_max_retries=1), fleet=FleetSpec(2))
 
@@ -113,6 +115,29 @@ def test_the_cli_fails_a_replica(tmp_path):
                           (["--replicas", "2", "--replica-failure", "3"], "expected T:R"),
                           (["--replicas", "2", "--restart-s", "5"], "give --replica-failure"),
                           (["--prefill-replicas", "1", "--replica-failure", "3:0"], "not modelled yet for P/D"),
-                          (["--replicas", "2", "--autoscale", "1-2", "--replica-failure", "3:0"],
-                           "not modelled yet with --autoscale")):
+                          (["--autoscale", "0-2", "--replica-failure", "3:0"], "scales to zero")):
         assert message in cli_fails(["replay", "traces/req400.parquet", *args])
+
+
+def test_an_autoscaled_slot_restarts_in_place_and_requests_wait_when_none_is_up():
+    """In a fleet that scales, the failed slot's pod restarts in place: not ready until
+    `restart_s` later, then a new pod. Slot 0 fails at 90 s, while the slots the burst started at
+    75 s are still starting (ready at 105 s): with no slot up, the requests of those 15 s wait for
+    them, as a fleet scaled to zero holds its requests."""
+    from simkv.replay.autoscale import AutoscaleSpec
+
+    spec = AutoscaleSpec(1, 4, target=8, interval_s=15, cold_start_s=30, scale_down_window_s=120)
+    failures = FailureSpec.parse(["90:0"], RESTART, 4)
+    result = replay(bursts(), _config(client_max_retries=1),
+                    fleet=FleetSpec(4, "least_outstanding", autoscale=spec, failures=failures))
+    requests, scaling = result.requests, result.summary["fleet"]["autoscaling"]
+    assert {"time_s": 90.0, "action": "failure", "replica": 0} in scaling["events"]
+    waited = requests[(requests["arrival_time_s"] >= 90.0) & (requests["arrival_time_s"] < 105.0)]
+    assert len(waited) > 100 and (waited["first_scheduled_time_s"] >= 105.0).all()
+    assert scaling["held_requests"] >= len(waited)
+    on0 = requests[requests["replica"] == 0]
+    assert not ((on0["first_scheduled_time_s"] >= 90.0) & (on0["first_scheduled_time_s"] < 90.0 + RESTART)).any()
+    assert (on0["first_scheduled_time_s"] >= 90.0 + RESTART).any()  # (back, a new pod)
+    assert scaling["new_pods"] >= 1 and (requests["status"] == "finished").all()
+    lost = result.summary["fleet"]["failures"]["failures"][0]
+    assert lost["aborted"] > 0 and lost["failed"] == 0
