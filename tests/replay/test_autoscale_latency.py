@@ -53,7 +53,7 @@ def test_metric_names():
     for kwargs, message in (
             ({"metric": "ttft_p95"}, "a latency aims at a number of seconds; give it, e.g. ttft_p95=2"),
             ({"metric": "ttft_p100=2"}, "ttft_pQ, e2e_pQ"),
-            ({"metric": "tpot_p95=0.1"}, "expected one of in_flight, running, waiting, kv_usage, ttft_pQ"),
+            ({"metric": "tpot_p95=0.1"}, "expected one of in_flight, running, waiting, kv_usage, gpu_util, ttft_pQ"),
             ({"metric": "e2e_p95=0"}, "must be a number > 0"),
             ({"metric": "ttft_p95=2", "latency_window_s": 0}, "--autoscale-latency-window-s must be a number")):
         with pytest.raises(AutoscaleError, match=message):
