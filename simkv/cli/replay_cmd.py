@@ -511,8 +511,9 @@ def read_fleet(replicas: int | None, router: str | None, router_options: tuple[s
         raise bad(str(exc), not replica_sets and bool(sets)) from None
 
 
-def _with_failures(fleet, items: tuple[str, ...], restart_s: float | None, pools: bool):
-    """The fleet with its replicas' failures (--replica-failure, --restart-s)."""
+def _with_failures(fleet, items: tuple[str, ...], restart_s: float | None, pools: bool, mtbf_s: float | None = None,
+                   seed: int | None = None):
+    """The fleet with its replicas' failures (--replica-failure, --restart-s, --replica-mtbf-s)."""
     from dataclasses import replace
 
     from simkv.replay.failures import FailureError, FailureSpec
@@ -525,7 +526,7 @@ def _with_failures(fleet, items: tuple[str, ...], restart_s: float | None, pools
         raise click.UsageError("--replica-failure fails a replica of a fleet: give --replicas 2 or more (with one, "
                                "requests would have nowhere to go while it is down) or --autoscale")
     try:
-        spec = FailureSpec.parse(items, restart_s, fleet.num_replicas)
+        spec = FailureSpec.parse(items, restart_s, fleet.num_replicas, mtbf_s, seed)
         return replace(fleet, failures=spec)
     except (FailureError, RouterError) as exc:
         raise click.BadParameter(str(exc), param_hint="--replica-failure") from None
@@ -950,6 +951,11 @@ _ENGINE_OPTIONS = [
 @click.option("--restart-s", type=float, default=None, metavar="S",
               help="With --replica-failure: seconds a failed replica takes to be back (its pod's restart, weights "
                    "and CUDA graphs) [default: 120].")
+@click.option("--replica-mtbf-s", type=float, default=None, metavar="S",
+              help="Each replica also fails at random, S seconds apart on average (a Poisson process over the "
+                   "trace's arrivals), with --replica-failure's rules.")
+@click.option("--failure-seed", type=int, default=None, metavar="N",
+              help="Seed of --replica-mtbf-s' draws (same seed, same failures) [default: 0].")
 @disaggregation_options
 @encode_options
 @click.option("--no-decode-runs", is_flag=True, help="Step one by one (slower; same results).")
@@ -962,7 +968,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
                noise_seed: int, cudagraph_mode: str, goodput: tuple[str, ...], replicas: int, router: str,
                router_options: tuple[str, ...], class_replicas: tuple[str, ...], replica_sets: tuple[str, ...],
                gpu_prices: tuple[str, ...], replica_failures: tuple[str, ...], restart_s: float | None,
-               **flags) -> None:
+               replica_mtbf_s: float | None, failure_seed: int | None, **flags) -> None:
     """Replay TRACE (parquet or CSV, canonical schema) and write summary.json,
     requests.parquet and steps.parquet into --out."""
     from simkv.replay.api import replay, save
@@ -998,8 +1004,9 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
     else:
         fleet = read_fleet(replicas, router, router_options, config_file, class_replicas, replica_sets=replica_sets,
                            autoscale=autoscale)
-    if replica_failures or restart_s is not None:
-        fleet = _with_failures(fleet, replica_failures, restart_s, disaggregation is not None or encode is not None)
+    if replica_failures or restart_s is not None or replica_mtbf_s is not None or failure_seed is not None:
+        fleet = _with_failures(fleet, replica_failures, restart_s, disaggregation is not None or encode is not None,
+                               replica_mtbf_s, failure_seed)
     if fleet is not None and fleet.num_replicas > 1 and backend == "gpu":
         raise click.UsageError("--replicas: the gpu backend runs one engine on one device; simulate the fleet "
                                "with --cost-model calib.json instead")

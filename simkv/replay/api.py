@@ -430,7 +430,9 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
             raise ValueError("--replica-failure is not modelled yet with paced requests (session pacing: "
                              "--no-session-pacing replays the turns open loop; --client-max-concurrency and the "
                              "like)")
-        failures = FailurePlan(fleet.failures)
+        arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
+        span = float(arrivals.max()) if len(arrivals) else 0.0  # (random failures over the arrivals)
+        failures = FailurePlan(fleet.failures, fleet.failures.drawn(fleet.num_replicas, span, autoscaler is None))
         if autoscaler is not None:  # (its slots restart in place: simkv/replay/autoscale.py's _fail)
             autoscaler.failures = [(start, r) for start, _, r in failures.windows]
             autoscaler.restart = failures.restart

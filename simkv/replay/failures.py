@@ -13,6 +13,11 @@ adapter and encoder caches empty; a prefix-aware router forgets what it sent the
 are given per replica in time order; a replica fails again only once it is back, and at every
 instant some replica is up. The GPUs stay paid (the pod restarts on its node).
 
+With `--replica-mtbf-s M` each replica also fails at random, a Poisson process of mean gap M
+seconds (its next failure drawn once it is back) over the trace's arrivals, seeded by
+`--failure-seed`: the same seed, the same failures. A drawn failure that would leave a fixed
+fleet with no replica up, or falls while its replica is down, is left out.
+
 In an autoscaled fleet (`--autoscale MIN-MAX`, MIN >= 1) R is a slot: a pod up or starting
 there restarts in place (ready S seconds after T, paid meanwhile, a new pod), a drained one just
 ends, and a slot that is down loses nothing; with no slot up, requests wait for the first one
@@ -38,10 +43,14 @@ class FailureError(ValueError):
 class FailureSpec:
     failures: tuple[tuple[float, int], ...]  # (time_s, replica), in time order
     restart_s: float = 120.0
+    mtbf_s: float | None = None  # each replica's mean time between failures, drawn (None: only those given)
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not (self.restart_s >= 1.0 and math.isfinite(self.restart_s)):
             raise FailureError(f"--restart-s must be a number of seconds >= 1 (a pod's restart), got {self.restart_s}")
+        if self.mtbf_s is not None and not (self.mtbf_s > 0 and math.isfinite(self.mtbf_s)):
+            raise FailureError(f"--replica-mtbf-s must be a number of seconds > 0, got {self.mtbf_s}")
         last_down: dict[int, float] = {}
         for t, r in self.failures:
             if t < last_down.get(r, -math.inf):
@@ -50,11 +59,13 @@ class FailureSpec:
             last_down[r] = t + self.restart_s
 
     @classmethod
-    def parse(cls, items, restart_s: float | None, num_replicas: int) -> "FailureSpec | None":
-        """`items`: 'T:R' texts (None or empty: no failures), on a fleet of `num_replicas`."""
-        if not items:
-            if restart_s is not None:
-                raise FailureError("--restart-s: give --replica-failure T:R too")
+    def parse(cls, items, restart_s: float | None, num_replicas: int, mtbf_s: float | None = None,
+              seed: int | None = None) -> "FailureSpec | None":
+        """`items`: 'T:R' texts, on a fleet of `num_replicas`; with neither them nor `mtbf_s`, None."""
+        if not items and mtbf_s is None:
+            if restart_s is not None or seed is not None:
+                raise FailureError(f"{'--restart-s' if restart_s is not None else '--failure-seed'}: give "
+                                   "--replica-failure T:R or --replica-mtbf-s too")
             return None
         failures = []
         for item in items:
@@ -66,7 +77,8 @@ class FailureSpec:
             if not colon or not (t >= 0 and math.isfinite(t)) or r < 0:
                 raise FailureError(f"--replica-failure {item!r}: expected T:R, T seconds >= 0 and R a replica")
             failures.append((t, r))
-        spec = cls(tuple(sorted(failures)), 120.0 if restart_s is None else float(restart_s))
+        spec = cls(tuple(sorted(failures)), 120.0 if restart_s is None else float(restart_s),
+                   None if mtbf_s is None else float(mtbf_s), int(seed or 0))
         spec.check_fleet(num_replicas, fixed=False)  # (the fleet checks the rest: FleetSpec)
         return spec
 
@@ -83,18 +95,48 @@ class FailureSpec:
                                    "nowhere to send a request (not modelled)")
 
     def to_dict(self) -> dict:
-        return {"restart_s": self.restart_s,
-                "failures": [{"time_s": t, "replica": r} for t, r in self.failures]}
+        return {"restart_s": self.restart_s, "failures": [{"time_s": t, "replica": r} for t, r in self.failures]} | (
+            {"mtbf_s": self.mtbf_s, "seed": self.seed} if self.mtbf_s is not None else {})
+
+    def drawn(self, num_replicas: int, span_s: float, fixed: bool) -> tuple[tuple[float, int], ...]:
+        """The failures given and those drawn from `mtbf_s` over [0, span_s), in time order: a
+        drawn one is left out when its replica is down then, or when a `fixed` fleet would have
+        none up."""
+        if self.mtbf_s is None:
+            return self.failures
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        draws = []
+        for r in range(num_replicas):  # (each replica's own stream, drawn in replica order)
+            t = 0.0
+            while True:
+                t += float(rng.exponential(self.mtbf_s))
+                if t >= span_s:
+                    break
+                draws.append((t, r))
+                t += self.restart_s
+        kept = list(self.failures)
+        for t, r in sorted(draws):
+            down = {q for t0, q in kept if t0 <= t < t0 + self.restart_s}
+            if r in down or any(q == r and t < t0 < t + self.restart_s for t0, q in kept):
+                continue  # (down then, or a failure given falls within its restart)
+            if fixed and len(down | {r}) >= num_replicas:
+                continue
+            kept.append((t, r))
+        return tuple(sorted(kept))
 
 
 class FailurePlan:
     """The fleet router's view of the failures: which replicas are down at an instant, and the
     restarts to make (each replica starts anew once back, and once its engine holds nothing)."""
 
-    def __init__(self, spec: FailureSpec) -> None:
+    def __init__(self, spec: FailureSpec, failures: tuple[tuple[float, int], ...] | None = None) -> None:
+        """`failures`: those given and drawn (FailureSpec.drawn; None: those given)."""
         self.spec = spec
         self.restart = to_ticks(spec.restart_s)
-        self.windows = [(to_ticks(t), to_ticks(t) + self.restart, r) for t, r in spec.failures]
+        failures = spec.failures if failures is None else failures
+        self.windows = [(to_ticks(t), to_ticks(t) + self.restart, r) for t, r in failures]
         self.pending: list[tuple[int, int]] = [(end, r) for _, end, r in self.windows]  # restarts not yet made
         self.renewing: set[int] = set()  # back, but its engine not yet empty: still down
         self.aborted = [0] * len(self.windows)  # attempts each failure aborted
@@ -125,13 +167,19 @@ class FailurePlan:
         self.failed[i] += for_good
 
     def section(self) -> dict:
-        return self.spec.to_dict() | {"failures": [
+        return self.spec.to_dict() | {"given": len(self.spec.failures), "failures": [
             {"time_s": start / TICKS_PER_SECOND, "replica": r, "aborted": self.aborted[i], "failed": self.failed[i]}
             for i, (start, _, r) in enumerate(self.windows)]}
 
 
 def describe_failures(section: dict) -> str:
     """One line for the terminal and report.html."""
+    failures = section["failures"]
+    drawn = f", MTBF {section['mtbf_s']:g} s a replica" if section.get("mtbf_s") is not None else ""
+    if len(failures) > 3:
+        lost, failed = sum(f["aborted"] for f in failures), sum(f["failed"] for f in failures)
+        return (f"{len(failures)} failures{drawn} ({lost:,} requests lost, {failed:,} for good); each back "
+                f"{section['restart_s']:g} s later")
     parts = [f"replica {f['replica']} at {f['time_s']:g} s ({f['aborted']:,} requests lost, {f['failed']:,} for good)"
-             for f in section["failures"]]
-    return f"{'; '.join(parts)}; back {section['restart_s']:g} s later"
+             for f in failures] or ["none"]
+    return f"{'; '.join(parts)}{drawn}; back {section['restart_s']:g} s later"

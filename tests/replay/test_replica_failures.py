@@ -141,3 +141,32 @@ def test_an_autoscaled_slot_restarts_in_place_and_requests_wait_when_none_is_up(
     assert scaling["new_pods"] >= 1 and (requests["status"] == "finished").all()
     lost = result.summary["fleet"]["failures"]["failures"][0]
     assert lost["aborted"] > 0 and lost["failed"] == 0
+
+
+def test_failures_drawn_from_an_mtbf_are_seeded_and_keep_the_rules():
+    """--replica-mtbf-s: each replica's failures a Poisson process (mean gap M, the next drawn
+    once it is back), the same for the same seed; none falls while its replica is down, and a
+    fixed fleet always has a replica up."""
+    spec = FailureSpec.parse([], 10.0, 50, mtbf_s=1000.0, seed=7)
+    many = spec.drawn(50, 100_000.0, fixed=False)
+    assert abs(len(many) - 50 * 100_000 / 1010) < 0.1 * 50 * 100_000 / 1010
+    assert many == spec.drawn(50, 100_000.0, fixed=False)
+    assert many != FailureSpec.parse([], 10.0, 50, mtbf_s=1000.0, seed=8).drawn(50, 100_000.0, fixed=False)
+    for r in range(50):
+        times = [t for t, q in many if q == r]
+        assert all(b - a >= 10.0 for a, b in zip(times, times[1:]))
+    two = FailureSpec.parse(["50:0"], 30.0, 2, mtbf_s=40.0, seed=1)
+    drawn = two.drawn(2, 2000.0, fixed=True)
+    assert (50.0, 0) in drawn and len(drawn) > 10
+    for t, r in drawn:  # (never both down)
+        assert sum(1 for t0, _ in drawn if t0 <= t < t0 + 30.0) == 1
+    FleetSpec(2, failures=two)  # (the given failures alone are checked there)
+    result = replay(bursts(), _config(client_max_retries=2),
+                    fleet=FleetSpec(3, "least_outstanding", failures=FailureSpec.parse([], 30.0, 3, mtbf_s=200.0)))
+    section = result.summary["fleet"]["failures"]
+    assert section["mtbf_s"] == 200.0 and section["given"] == 0 and len(section["failures"]) >= 3
+    assert sum(f["aborted"] for f in section["failures"]) > 0 and (result.requests["status"] == "finished").all()
+    with pytest.raises(FailureError, match="--replica-mtbf-s must be a number of seconds > 0"):
+        FailureSpec.parse([], None, 2, mtbf_s=0.0)
+    assert "give --replica-failure T:R or --replica-mtbf-s" in cli_fails(
+        ["replay", "traces/req400.parquet", "--replicas", "2", "--failure-seed", "3"])
