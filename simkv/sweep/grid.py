@@ -27,8 +27,10 @@ ENCODE_KEYS = ("encode_replicas", "encode_router", "encode_hop_ms")
 TEXT_KEYS = ("class_replicas", "replica_sets")
 # autoscale: "MIN-MAX" (simkv/replay/autoscale.py), with its settings
 AUTOSCALE_KEYS = ("autoscale", *AUTOSCALE_SETTINGS)
+# replicas that fail (simkv/replay/failures.py): replica_failures "T:R" or "T:R;T:R", and the rest
+FAILURE_KEYS = ("replica_failures", "restart_s", "replica_mtbf_s", "failure_seed")
 FLEET_KEYS = (("replicas", "router", "cache_threshold", "balance_abs", "balance_rel") + TEXT_KEYS
-              + PD_KEYS + ENCODE_KEYS + AUTOSCALE_KEYS)
+              + PD_KEYS + ENCODE_KEYS + AUTOSCALE_KEYS + FAILURE_KEYS)
 SWEEPABLE_KEYS = ENGINE_KEYS + ("cost_model",) + COST_KEYS + FLEET_KEYS
 
 

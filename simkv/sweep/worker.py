@@ -78,7 +78,20 @@ def fleet_spec(fleet: dict | None):
     # (FleetSpec builds the Router, which checks the replicas and the router's name)
     return FleetSpec(replicas, router, RouterOptions.parse([f"{k}={v}" for k, v in options.items()]),
                      parse_class_replicas(classes.split(";")) if classes else (),
-                     parse_replica_sets(sets.split(";")) if sets else (), autoscale)
+                     parse_replica_sets(sets.split(";")) if sets else (), autoscale, failure_spec(fleet, replicas))
+
+
+def failure_spec(fleet: dict, replicas: int):
+    """A cell's failing replicas (`replica_failures` "T:R;T:R", `restart_s`, `replica_mtbf_s`,
+    `failure_seed`) as a FailureSpec (None without failures given or drawn)."""
+    from simkv.replay.failures import FailureSpec
+
+    items = [item for item in str(fleet.get("replica_failures") or "").split(";") if item.strip()]
+    mtbf, restart, seed = fleet.get("replica_mtbf_s"), fleet.get("restart_s"), fleet.get("failure_seed")
+    if not items and mtbf is None:  # (a grid's replica_failures=none cell: no failures, whatever the rest)
+        return None
+    return FailureSpec.parse(items, None if restart is None else float(restart), replicas,
+                             None if mtbf is None else float(mtbf), None if seed is None else int(seed))
 
 
 def autoscale_spec(fleet: dict):

@@ -170,3 +170,18 @@ def test_failures_drawn_from_an_mtbf_are_seeded_and_keep_the_rules():
         FailureSpec.parse([], None, 2, mtbf_s=0.0)
     assert "give --replica-failure T:R or --replica-mtbf-s" in cli_fails(
         ["replay", "traces/req400.parquet", "--replicas", "2", "--failure-seed", "3"])
+
+
+def test_a_sweep_grids_the_failures(tmp_path):
+    import pyarrow.parquet as pq
+
+    cli_ok(["sweep", "traces/req400.parquet", "--set", "replicas=3", "--set", "restart_s=5", "--set",
+            "client_ttft_timeout_s=60", "--set", "client_max_retries=1", "--grid", "replica_failures=none,2:1,2:1;3:0",
+            "--out", str(tmp_path / "s"), "--quiet"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok"] * 3
+    lost = []
+    for row in rows:
+        cell = json.loads((tmp_path / "s" / "cells" / row["cell_id"] / "summary.json").read_text())
+        lost.append([f["replica"] for f in (cell["fleet"].get("failures") or {}).get("failures", [])])
+    assert lost == [[], [1], [1, 0]]
