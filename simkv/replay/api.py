@@ -423,7 +423,6 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     failures = None
     if fleet.failures is not None:
         from simkv.replay.failures import FailurePlan
-
         from simkv.replay.sessions import paces
 
         if paces(trace, config.scheduler):

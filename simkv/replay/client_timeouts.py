@@ -547,12 +547,12 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
         **({"retry_max_backoff_s": sc.client_retry_max_backoff_s, "retry_jitter": sc.client_retry_jitter}
            if sc.client_retry_max_backoff_s is not None or sc.client_retry_jitter else {}),
         "attempts": int(attempts.sum()), "retries": int(np.maximum(attempts - 1, 0).sum()),
-        "aborted": sum(abandoned), "aborted_by_deadline": dict(zip(_KINDS, abandoned[:2] + abandoned[2:] * bool(abandoned[2]))),
+        "aborted": sum(abandoned),  # (by failures too, where a replica failed: simkv/replay/failures.py)
+        "aborted_by_deadline": {kind: n for kind, n in zip(_KINDS, abandoned) if kind != "failure" or n},
         "aborted_after_prefill": sum(f.num_aborted_after_prefill for f in feeds),
         "abandoned_output_tokens": int(sum(f.abandoned_output_tokens for f in feeds)),
         "timed_out_requests": int((status == "timed_out").sum()),
-        **({"failed_requests": int((status == "failed").sum())} if abandoned[FAILURE] or (status == "failed").any()
-           else {}),
+        **({"failed_requests": int((status == "failed").sum())} if abandoned[FAILURE] else {}),
         "finished_after_retries": int(((status == "finished") & (attempts > 1)).sum()),
     } | ({"abandoned_turns": int((status == "abandoned").sum())} if paced else {})
 
@@ -564,10 +564,11 @@ def client_row(section: dict) -> tuple[str, str]:
     where = section.get("aborted_in")  # (P/D: simkv/replay/disaggregated_clients.py)
     places = (f" ({where['prefill']:,} at a prefill replica, {where['handoff']:,} in the proxy's hop, "
               f"{where['decode_queue']:,} before their pull, {where['decode']:,} after it)" if where else "")
-    if not limits and "failed_requests" in section:  # (the clients retry what a failed replica lost)
-        return ("clients", f"{section.get('failed_requests', 0):,} requests failed with their replica "
-                           f"({section['max_retries']} retries); {section['retries']:,} retries, "
-                           f"{section['finished_after_retries']:,} requests finished on one")
+    if not limits:  # (no deadline: the clients retry the front end's 503s, or what a failed replica lost)
+        failed = (f"; {section['failed_requests']:,} requests failed with their replica"
+                  if "failed_requests" in section else "")
+        return ("clients", f"{section['retries']:,} retries (at most {section['max_retries']} a request), "
+                           f"{section['finished_after_retries']:,} requests finished on one{failed}")
     return ("client time-outs", f"{section['timed_out_requests']:,} requests timed out ({', '.join(limits)}, "
                                 f"{section['max_retries']} retries); vLLM aborted {section['aborted']:,} attempts{places}; "
                                 f"{section['retries']:,} retries, {section['finished_after_retries']:,} requests "
