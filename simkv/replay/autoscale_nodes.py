@@ -174,6 +174,10 @@ class NodePool:
                 "nodes_added": len(self.added),
                 "nodes_removed": sum(1 for n in self.nodes if n.removed is not None and n.removed <= end),
                 "peak_nodes": max((entry["nodes"] for entry in timeline), default=0),
+                # (paid to the replay's end only: an empty one among them would cost until its removal)
+                "nodes_up_at_end": sum(1 for n in self.nodes if n.removed is None or n.removed > end),
+                "empty_nodes_at_end": sum(1 for n in self.nodes if (n.removed is None or n.removed > end)
+                                          and not n.pods),
                 "mean_nodes": node_ticks / end if end > 0 else float(len(self.nodes)),
                 "gpu_hours": sum(by_gpu.values()), "gpu_hours_by_gpu": by_gpu,
                 "held_gpu_hours": self.held_gpu_ticks / TICKS_PER_SECOND / 3600.0,
@@ -189,4 +193,6 @@ def describe_nodes(section: dict) -> str:
             f"{section['nodes_added']} added (provisioned in {section['provision_s']:g} s, "
             f"{section['replicas_waiting_for_a_node']} replicas waited for one), {section['nodes_removed']} removed, "
             f"peak {section['peak_nodes']}; {section['gpu_hours']:.3f} GPU-h paid, "
-            f"{section['idle_gpu_share']:.0%} of it held by no replica")
+            f"{section['idle_gpu_share']:.0%} of it held by no replica"
+            + (f"; {section['empty_nodes_at_end']} empty at the end, paid only to it"
+               if section.get("empty_nodes_at_end") else ""))

@@ -167,7 +167,8 @@ class FailurePlan:
         self.failed[i] += for_good
 
     def section(self) -> dict:
-        return self.spec.to_dict() | {"given": len(self.spec.failures), "failures": [
+        return self.spec.to_dict() | {"given": len(self.spec.failures), "requests_lost": sum(self.aborted),
+                                      "requests_failed": sum(self.failed), "failures": [
             {"time_s": start / TICKS_PER_SECOND, "replica": r, "aborted": self.aborted[i], "failed": self.failed[i]}
             for i, (start, _, r) in enumerate(self.windows)]}
 

@@ -63,6 +63,10 @@ AUTOSCALE_METRICS: dict[str, tuple[str, ...]] = {
 # with GPU nodes under the replicas in some cell (--node-gpus): the share of the nodes' GPU-hours
 # no replica held
 NODE_METRICS: dict[str, tuple[str, ...]] = {"node_idle_share": ("fleet", "autoscaling", "nodes", "idle_gpu_share")}
+# with failing replicas in some cell (simkv/replay/failures.py): the requests they lost, and those
+# no retry saved
+FAILURE_METRICS: dict[str, tuple[str, ...]] = {"requests_lost": ("fleet", "failures", "requests_lost"),
+                                               "requests_failed": ("fleet", "failures", "requests_failed")}
 # with --gpu-price (simkv sweep): what each cell's traffic cost on its setup
 COST_METRICS: dict[str, tuple[str, ...]] = {"usd_spent": ("cost", "usd_spent"),
                                             "usd_per_1m_output_tokens": ("cost", "usd_per_1m_output_tokens")}
@@ -88,7 +92,7 @@ def metric_columns(rows: list[dict]) -> list[str]:
     """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs,
     the offloading ones only when a cell offloads)."""
     named = [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS, *AUTOSCALE_METRICS, *NODE_METRICS,
-                         *COST_METRICS) if rows and c in rows[0]]
+                         *FAILURE_METRICS, *COST_METRICS) if rows and c in rows[0]]
     return named + [c for c in (rows[0] if rows else ()) if ":" in c]
 
 
@@ -112,6 +116,8 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
     if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, (section, "autoscaling", "nodes"))
            for c in cells for section in ("fleet", "disaggregation")):
         metrics |= NODE_METRICS
+    if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("fleet", "failures")) for c in cells):
+        metrics |= FAILURE_METRICS
     if any("cost" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
         metrics |= COST_METRICS
     metrics |= _class_metrics(cells, outcomes)
@@ -181,7 +187,7 @@ def to_arrow(rows: list[dict], swept_keys: list[str]) -> pa.Table:
         elif col in swept_keys:
             typ = _key_type(values)
         elif col in METRICS or col in GOODPUT_METRICS or col in OFFLOAD_METRICS or col in AUTOSCALE_METRICS \
-                or col in NODE_METRICS or col in COST_METRICS or ":" in col:  # (":": a request class's)
+                or col in NODE_METRICS or col in FAILURE_METRICS or col in COST_METRICS or ":" in col:  # (":": a request class's)
             typ = pa.float64()
         else:
             typ = pa.string()

@@ -120,6 +120,7 @@ def test_a_node_to_provision_delays_the_replicas_and_is_paid_while_empty():
         (0.0, 1, 0), (75.0, 1, 3), (120.0, 2, 2), (255.0, 1, 0)]
     nodes = scaling["nodes"]
     assert (nodes["nodes_at_start"], nodes["nodes_added"], nodes["nodes_removed"], nodes["peak_nodes"]) == (1, 1, 1, 2)
+    assert (nodes["nodes_up_at_end"], nodes["empty_nodes_at_end"]) == (1, 0)
     assert nodes["replicas_waiting_for_a_node"] == 2 and nodes["mean_node_wait_s"] == 200.0
     assert nodes["timeline"] == [{"time_s": 0.0, "nodes": 1}, {"time_s": 75.0, "nodes": 2},
                                  {"time_s": 875.0, "nodes": 1}]  # (joined at 275 s, empty: gone 600 s later)

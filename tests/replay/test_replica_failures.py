@@ -185,3 +185,5 @@ def test_a_sweep_grids_the_failures(tmp_path):
         cell = json.loads((tmp_path / "s" / "cells" / row["cell_id"] / "summary.json").read_text())
         lost.append([f["replica"] for f in (cell["fleet"].get("failures") or {}).get("failures", [])])
     assert lost == [[], [1], [1, 0]]
+    assert rows[0]["requests_lost"] is None and 0 < rows[1]["requests_lost"] < rows[2]["requests_lost"]
+    assert rows[1]["requests_failed"] == 0  # (one retry each, after a minute's time-out at most)
