@@ -189,7 +189,8 @@ def run_report_html(run_dir: str | Path) -> str:
         points = nodes["timeline"] + [nodes["timeline"][-1] | {"time_s": summary.get("duration_s") or 0.0}]
         charts.append(line_chart([("nodes", np.array([p["time_s"] for p in points]),
                                    np.array([p["nodes"] for p in points]))],
-                                 f"GPU nodes ({nodes['gpus_per_node']} GPUs each)", "time (s)", "nodes", step=True))
+                                 f"GPU nodes ({nodes['gpus_per_node']} GPU{'s' if nodes['gpus_per_node'] != 1 else ''} "
+                                 "each)", "time (s)", "nodes", step=True))
     fin = requests[requests["status"] == "finished"]
     gaps = load_token_gaps(run_dir, steps)
     classes = summary.get("classes")

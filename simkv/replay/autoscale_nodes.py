@@ -189,7 +189,8 @@ class NodePool:
 
 def describe_nodes(section: dict) -> str:
     """One line: the nodes and what they cost."""
-    return (f"nodes of {section['gpus_per_node']} GPUs: {section['nodes_at_start']} at the start, "
+    gpus = section["gpus_per_node"]
+    return (f"nodes of {gpus} GPU{'s' if gpus != 1 else ''}: {section['nodes_at_start']} at the start, "
             f"{section['nodes_added']} added (provisioned in {section['provision_s']:g} s, "
             f"{section['replicas_waiting_for_a_node']} replicas waited for one), {section['nodes_removed']} removed, "
             f"peak {section['peak_nodes']}; {section['gpu_hours']:.3f} GPU-h paid, "
