@@ -36,7 +36,8 @@ def _node_flags(r: random.Random) -> list[str]:
     return ["--node-gpus", r.choice(["1", "2", "8"]), "--node-provision-s", r.choice(["0", "4"]),
             "--node-image-pull-s", r.choice(["0", "3"]),
             "--node-unneeded-s", r.choice(["0", "5"]), "--node-delay-after-add-s", r.choice(["0", "3"]),
-            *r.choice([[], ["--min-nodes", "1"], ["--node-placement", "spread"]])]
+            *r.choice([[], ["--min-nodes", "1"], ["--node-placement", "spread"]]),
+            *r.choice([[], [], ["--node-mtbf-s", r.choice(["5", "30"]), "--client-max-retries", "1"]])]
 
 
 OPTIONS = [

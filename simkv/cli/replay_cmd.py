@@ -385,6 +385,12 @@ def fleet_options(command):
         click.option("--min-nodes", type=int, default=None, metavar="N",
                      help="With --node-gpus: nodes of each GPU kind kept up from the start, empty or not (the node "
                           "group's minimum: warm headroom) [default: 0]."),
+        click.option("--node-mtbf-s", type=float, default=None, metavar="S",
+                     help="With --node-gpus: nodes fail (spot reclaims, lost hosts), each S seconds after it was "
+                          "made on average (drawn, seeded by --node-failure-seed): their replicas' requests are "
+                          "lost (retried with --client-max-retries) and they start again elsewhere [default: never]."),
+        click.option("--node-failure-seed", type=int, default=None, metavar="N",
+                     help="With --node-mtbf-s: the seed of its draws [default: 0]."),
         click.option("--node-placement", type=click.Choice(("pack", "spread")), default=None,
                      help="With --node-gpus: a replica goes to the fullest node it fits (pack) or the emptiest "
                           "(spread) [default: pack]."),

@@ -157,11 +157,13 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     check_slo_classes(goodput, trace_labels(trace), str(getattr(trace, "source", "") or "the trace"))
     _check_class_replicas(trace, config, fleet, disaggregation, encode)
     sc = config.scheduler
-    if sc.client_max_retries and not sc.has_clients and (fleet is None or fleet.failures is None):
+    fails = fleet is not None and (fleet.failures is not None or (fleet.autoscale is not None
+                                                                 and fleet.autoscale.node_mtbf_s is not None))
+    if sc.client_max_retries and not sc.has_clients and not fails:
         raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
                           "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
-                          "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure, whose "
-                          "lost requests they retry)")
+                          "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure or "
+                          "--node-mtbf-s, whose lost requests they retry)")
     result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
                      fleet, disaggregation, encode)
     requests = result.requests = with_trace_columns(result.requests, trace)
@@ -421,17 +423,20 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
             raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
         autoscaler = Autoscaler(fleet.autoscale)
     failures = None
-    if fleet.failures is not None:
-        from simkv.replay.failures import FailurePlan
+    nodes_fail = fleet.autoscale is not None and fleet.autoscale.node_gpus and fleet.autoscale.node_mtbf_s
+    if fleet.failures is not None or nodes_fail:
+        from simkv.replay.failures import FailurePlan, FailureSpec
         from simkv.replay.sessions import paces
 
         if paces(trace, config.scheduler):
-            raise ValueError("--replica-failure is not modelled yet with paced requests (session pacing: "
+            raise ValueError("failures (--replica-failure, --node-mtbf-s) are not modelled yet with paced requests "
+                             "(session pacing: "
                              "--no-session-pacing replays the turns open loop; --client-max-concurrency and the "
                              "like)")
         arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
         span = float(arrivals.max()) if len(arrivals) else 0.0  # (random failures over the arrivals)
-        failures = FailurePlan(fleet.failures, fleet.failures.drawn(fleet.num_replicas, span, autoscaler is None))
+        given = fleet.failures if fleet.failures is not None else FailureSpec(())  # (nodes' failures only)
+        failures = FailurePlan(given, given.drawn(fleet.num_replicas, span, autoscaler is None))
         if autoscaler is not None:  # (its slots restart in place: simkv/replay/autoscale.py's _fail)
             autoscaler.failures = [(start, r) for start, _, r in failures.windows]
             autoscaler.restart = failures.restart
@@ -446,13 +451,16 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
                                 replicas=replicas)
     if fleet.replica_sets:
         summary["fleet"]["replica_sets"] = fleet.to_dict()["replica_sets"]
-    if failures is not None:
+    if fleet.failures is not None:
         summary["fleet"]["failures"] = failures.section()
     if autoscaler is not None:
         from simkv.replay.autoscale import autoscaling_section
 
         summary["fleet"]["autoscaling"] = autoscaling_section(autoscaler, summary["duration_s"], routing.loads_at,
                                                               configs, summary["fleet"]["replicas"])
+        if nodes_fail:  # (what the nodes that failed took with them)
+            summary["fleet"]["autoscaling"]["nodes"] |= {"requests_lost": failures.node_aborted,
+                                                         "requests_failed": failures.node_failed}
     return ReplayResult(summary, requests, steps, runs[0], runs)
 
 

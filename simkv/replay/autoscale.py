@@ -86,7 +86,8 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "autoscale_latency_target_type": "latency_target_type", "node_gpus": "node_gpus",
             "node_provision_s": "node_provision_s", "node_image_pull_s": "node_image_pull_s",
             "node_unneeded_s": "node_unneeded_s", "node_delay_after_add_s": "node_delay_after_add_s",
-            "min_nodes": "min_nodes", "node_placement": "node_placement"}
+            "min_nodes": "min_nodes", "node_placement": "node_placement", "node_mtbf_s": "node_mtbf_s",
+            "node_failure_seed": "node_failure_seed"}
 # (the others are numbers)
 TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets",
                  "autoscale_latency_target_type", "node_placement")
@@ -95,7 +96,7 @@ TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "au
 LATENCY_TARGET_TYPES = {"value": "Value", "averagevalue": "AverageValue"}
 # the cluster's nodes under the replicas (simkv/replay/autoscale_nodes.py): one set for both P/D pools
 NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s",
-                 "min_nodes", "node_placement")
+                 "min_nodes", "node_placement", "node_mtbf_s", "node_failure_seed")
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
@@ -131,6 +132,8 @@ class AutoscaleSpec:
     node_delay_after_add_s: float = 600.0  # its --scale-down-delay-after-add
     min_nodes: int = 0  # of each GPU kind, up from the start
     node_placement: str = "pack"
+    node_mtbf_s: float | None = None  # nodes that fail: their mean time between failures (None: never)
+    node_failure_seed: int = 0
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
     # the policies and the latency histograms' bounds, parsed from the texts above
@@ -184,7 +187,7 @@ class AutoscaleSpec:
         self._check_nodes()
 
     def _check_nodes(self) -> None:
-        for name in ("node_gpus", "min_nodes"):
+        for name in ("node_gpus", "min_nodes", "node_failure_seed"):
             value = getattr(self, name)
             if not (float(value).is_integer() and value >= 0):
                 raise AutoscaleError(f"--{name.replace('_', '-')} must be a whole number >= 0, got {value}")
@@ -194,6 +197,12 @@ class AutoscaleSpec:
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value}")
             object.__setattr__(self, name, float(value))
+        if self.node_mtbf_s is not None:
+            if not (self.node_mtbf_s > 0 and math.isfinite(self.node_mtbf_s)):
+                raise AutoscaleError(f"--node-mtbf-s must be a number of seconds > 0, got {self.node_mtbf_s}")
+            object.__setattr__(self, "node_mtbf_s", float(self.node_mtbf_s))
+            if self.min_replicas == 0:
+                raise AutoscaleError("--node-mtbf-s is not modelled yet in a fleet that scales to zero")
         placement = str(self.node_placement).strip().lower()
         if placement not in PLACEMENTS:
             raise AutoscaleError(f"--node-placement {self.node_placement!r}: expected one of {', '.join(PLACEMENTS)}")
@@ -201,7 +210,8 @@ class AutoscaleSpec:
         defaults = {f.name: f.default for f in fields(self) if f.name in NODE_SETTINGS}
         if not self.node_gpus and self.nodes_dict(every=True) != defaults:
             raise AutoscaleError("--node-provision-s, --node-image-pull-s, --node-unneeded-s, --node-delay-after-add-s, "
-                                 "--min-nodes and --node-placement describe the nodes: give --node-gpus too")
+                                 "--min-nodes, --node-placement, --node-mtbf-s and --node-failure-seed describe the "
+                                 "nodes: give --node-gpus too")
 
     def nodes_dict(self, every: bool = False) -> dict:
         """The node settings (none without node_gpus, unless `every`)."""
@@ -371,6 +381,7 @@ class Autoscaler:
         self.nodes = NodePool(spec) if spec.node_gpus else None
         self.pool = "fleet"
         self.failures: list[tuple[int, int]] = []  # (tick, slot) of the failures still to come (simkv/replay/failures.py)
+        self.node_failed: list[list[int]] = [[] for _ in range(n)]  # (each slot's node failures so far)
         self.restart = 0
         self.slot_gpus: list[tuple[int, str]] = []  # (GPUs, their kind) of each slot
 
@@ -441,17 +452,50 @@ class Autoscaler:
     def advance(self, tick: int, loads_at) -> None:
         """Make every decision due at or before `tick`; `loads_at(t)`: each slot's requests in
         flight at t (the finishes strictly before t)."""
-        failures = self.failures
-        while self.next_eval <= tick or (failures and failures[0][0] <= tick):
-            if failures and failures[0][0] <= self.next_eval:  # (a failure first, at a decision's instant too)
+        failures, nodes = self.failures, self.nodes if self.nodes is not None and self.nodes.mtbf_s else None
+        while True:  # (in time order; at one instant failures first, a replica's before a node's)
+            events = [(self.next_eval, 2, -1)]
+            if failures:
+                events.append((failures[0][0], 0, -1))
+            upcoming = nodes.next_failure() if nodes is not None else None
+            if upcoming is not None:
+                events.append((upcoming[0], 1, upcoming[1]))
+            at, kind, node = min(events)
+            if at > tick:
+                break
+            if kind == 0:
                 self._fail(*failures.pop(0))
-                continue
-            self._evaluate(self.next_eval, loads_at(self.next_eval))
-            self.next_eval += self.interval
+            elif kind == 1:
+                self._node_fails(at, node)
+            else:
+                self._evaluate(self.next_eval, loads_at(self.next_eval))
+                self.next_eval += self.interval
         for r in [r for r in self.renew if self.ready_at[r] is not None and self.ready_at[r] <= tick]:
             if self.engines[r].start_anew():  # (started anew while its engine held blocks: ready now)
                 self.renew.discard(r)
                 self.num_renewed += 1
+
+    def _node_fails(self, tick: int, i: int) -> None:
+        """Node `i` fails at `tick` (simkv/replay/autoscale_nodes.py): its replicas' requests are
+        lost (their feeds'), a draining one ends, the others start again as new pods, placed anew."""
+        for pool, r in self.nodes.fail(i, tick):
+            self.node_failed[r].append(tick)
+            if self.draining_since[r] is not None:  # (gone with its node: paid until now)
+                self.paid[r][-1] = (self.paid[r][-1][0], tick)
+                self.ready_at[r] = self.draining_since[r] = None
+            else:  # (a new pod, from its cold start)
+                self.ready_at[r] = self.nodes.place((pool, r), *self.slot_gpus[r], tick) + self.cold_start
+                self._renew(r)
+            self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_failure", "replica": r})
+        self._mark(tick)
+
+    def node_failure_after(self, r: int, tick: int) -> int | None:
+        """The first failure, at or after `tick`, of a node under slot `r` (None: none known)."""
+        past = next((f for f in self.node_failed[r] if f >= tick), None)
+        if past is not None or self.nodes is None:
+            return past
+        ahead = self.nodes.failure_of((self.pool, r))
+        return ahead if ahead is not None and ahead >= tick else None
 
     def _fail(self, tick: int, r: int) -> None:
         """Slot `r`'s pod fails at `tick` (simkv/replay/failures.py; its requests are lost by its

@@ -28,14 +28,24 @@ The nodes up at the start are the `min_nodes` of each GPU kind and those the MIN
 ready at 0. A node is paid from its provisioning to its removal (or the replay's end): the
 section's `gpu_hours` multiplies by G, and `idle_gpu_share` is the part of it no replica held.
 The decisions are made at the autoscaler's instants, on its own record of each replica's end,
-so the replay stays deterministic, byte for byte. Not modelled: nodes that fail to join, spot
-reclaims, a node's image cache (a cold pull belongs in cold_start_s), consolidation that moves
+so the replay stays deterministic, byte for byte. Not modelled: nodes that fail to join, a
+node's image cache (a cold pull belongs in cold_start_s), consolidation that moves
 running replicas (Karpenter's).
+
+With `node_mtbf_s` nodes fail (a spot instance reclaimed, a host lost): each node, from its
+provisioning, at an instant drawn from an exponential of that mean (seeded by
+`node_failure_seed`, drawn in the order the nodes are made). The node goes at once (paid until
+then); its replicas' requests in flight are lost (simkv/replay/failures.py: retried through the
+router with --client-max-retries), a replica that was draining ends, and the others start again
+as new pods placed as above (a cold start, on a new node if none has room); a kept node is
+replaced by a new one. Not modelled: a reclaim's notice (a drain before the kill).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from simkv.clock import TICKS_PER_SECOND, to_ticks
 
@@ -53,6 +63,7 @@ class Node:
     empty_since: int | None = None  # (None: holds a replica)
     removed: int | None = None
     image_at: int | None = None  # (the tick its image is pulled by; None: never pulled)
+    fails_at: int | None = None  # (node_mtbf_s: the tick it fails)
 
     @property
     def free(self) -> int:
@@ -75,6 +86,16 @@ class NodePool:
         self.held: dict = {}  # replica key -> (its node's index, the tick it was placed at)
         self.held_gpu_ticks = 0  # replicas' GPUs x ticks on ready nodes, for those that stopped
         self.waits: list[int] = []  # ticks each placed replica waited for its node to be ready
+        self.mtbf_s = spec.node_mtbf_s  # (nodes that fail: each one's failure drawn when it is made)
+        self._rng = np.random.default_rng(spec.node_failure_seed) if self.mtbf_s else None
+        self.num_failed = 0
+
+    def _node(self, kind: str, start: int, ready: int, kept: bool = False, image_at: int | None = None) -> Node:
+        node = Node(kind, self.gpus, start, ready, kept=kept, empty_since=0 if kept else None, image_at=image_at)
+        if self._rng is not None:
+            node.fails_at = start + max(1, to_ticks(float(self._rng.exponential(self.mtbf_s))))
+        self.nodes.append(node)
+        return node
 
     def check(self, key, gpus: int, kind: str) -> None:
         """A replica that needs more GPUs than a node has is refused; its kind's kept nodes are
@@ -83,7 +104,7 @@ class NodePool:
             raise ValueError(f"--node-gpus {self.gpus}: replica {key[1]} ({key[0]}) needs {gpus} {kind} GPUs; a "
                              f"replica runs on one node here (give --node-gpus >= {gpus})")
         while sum(1 for n in self.nodes if n.kind == kind and n.kept) < self.spec.min_nodes:
-            self.nodes.append(Node(kind, self.gpus, 0, 0, kept=True, empty_since=0, image_at=0))
+            self._node(kind, 0, 0, kept=True, image_at=0)
 
     def place(self, key, gpus: int, kind: str, tick: int, initial: bool = False) -> int:
         """Replica `key` (pool, slot) starts at `tick`: the tick its cold start begins on its node
@@ -98,11 +119,10 @@ class NodePool:
         elif live:
             i, node = min(live, key=lambda item: (item[1].ready, item[0]))
         else:
-            node = Node(kind, self.gpus, tick, tick if initial else tick + self.provision,
-                        image_at=tick if initial else None)
+            node = self._node(kind, tick, tick if initial else tick + self.provision,
+                              image_at=tick if initial else None)
             if not initial:
                 self.added.append(tick)
-            self.nodes.append(node)
             i = len(self.nodes) - 1
         node.pods[key] = gpus
         node.empty_since = None
@@ -123,6 +143,32 @@ class NodePool:
 
     def holds(self, key) -> bool:
         return key in self.held
+
+    def failure_of(self, key) -> int | None:
+        """When the node under replica `key` fails (None: it holds no node, or nodes never fail)."""
+        held = self.held.get(key)
+        return self.nodes[held[0]].fails_at if held is not None else None
+
+    def next_failure(self) -> tuple[int, int] | None:
+        """(tick, node index) of the next node to fail (None: none will)."""
+        return min(((n.fails_at, i) for i, n in enumerate(self.nodes)
+                    if n.removed is None and n.fails_at is not None), default=None)
+
+    def fail(self, i: int, tick: int) -> list:
+        """Node `i` fails at `tick`: gone (a kept one replaced by a new node); the keys of the
+        replicas it held, their GPUs free."""
+        node = self.nodes[i]
+        node.removed = tick
+        self.num_failed += 1
+        keys = list(node.pods)
+        for key in keys:
+            _, since = self.held.pop(key)
+            self.held_gpu_ticks += node.pods.pop(key) * max(0, tick - since)
+        if node.kept:  # (the node group's minimum: a new node in its place)
+            node.kept = False
+            self.added.append(tick)
+            self._node(node.kind, tick, tick + self.provision, kept=True)
+        return keys
 
     def _removal(self, node: Node) -> int:
         """When an empty node goes: empty for `unneeded`, and `delay_after_add` after any add."""
@@ -170,6 +216,8 @@ class NodePool:
         return {"gpus_per_node": self.gpus, "provision_s": spec.node_provision_s, "image_pull_s": spec.node_image_pull_s,
                 "unneeded_s": spec.node_unneeded_s, "delay_after_add_s": spec.node_delay_after_add_s,
                 "min_nodes": spec.min_nodes, "placement": spec.node_placement,
+                **({"mtbf_s": spec.node_mtbf_s, "failure_seed": spec.node_failure_seed, "nodes_failed": self.num_failed}
+                   if self.mtbf_s else {}),
                 "nodes_at_start": sum(1 for n in self.nodes if n.start == 0 and n.ready == 0),
                 "nodes_added": len(self.added),
                 "nodes_removed": sum(1 for n in self.nodes if n.removed is not None and n.removed <= end),

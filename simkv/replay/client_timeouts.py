@@ -446,12 +446,22 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
     Decode runs stop before the earliest send time of a retry that any replica's clients could
     still make, since it could be routed here."""
 
+    _nodes_fail = False  # (nodes that fail under its replica: simkv/replay/autoscale_nodes.py)
+
     def __init__(self, routing, replica: int, trace, scheduler, request_log, config: EngineConfig) -> None:
         super().__init__(routing, replica, trace, scheduler, request_log, config.max_model_len)
         self._init_routed(routing, config)
         self.retry_queue = routing.retry_queues[replica]
         if routing.failures is not None:
             self.failure_ticks = tuple(routing.failures.failure_ticks(replica))
+        scaler = routing.autoscaler  # (nodes that fail under an autoscaled fleet: simkv/replay/autoscale_nodes.py)
+        self._nodes_fail = scaler is not None and scaler.nodes is not None and bool(scaler.nodes.mtbf_s)
+
+    def next_failure(self, tick: int) -> int | None:
+        """This replica's next failure at or after `tick`, its own or its node's."""
+        own = ClientDeadlines.next_failure(self, tick)
+        node = self.routing.autoscaler.node_failure_after(self.replica, tick) if self._nodes_fail else None
+        return own if node is None else node if own is None else min(own, node)
 
     @property
     def exhausted(self) -> bool:
@@ -460,7 +470,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
     def next_arrival_ticks(self) -> int | None:
         """The next send here, the next deadline here, or the next retry any replica's clients
         could send."""
-        candidates = [t for t in (super().next_arrival_ticks(), self.retry_queue[0][0] if self.retry_queue else None,
+        candidates = [t for t in (super().next_arrival_ticks(), self._retry_due(self.retry_queue[0]) if self.retry_queue
+                                  else None,
                                   self.next_deadline_ticks(), self.routing.earliest_resend()) if t is not None]
         return min(candidates) if candidates else None
 
@@ -474,8 +485,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         while True:
             head = row_of(queue[0]) if queue else -1
             row_due = queue and due(head) <= now  # (its arrival, or when the slot it waits for is ready)
-            if retries and retries[0][0] <= now and (not row_due or (retries[0][0], retries[0][1])
-                                                     < (ticks[head], head)):
+            if retries and self._retry_due(retries[0]) <= now and (not row_due or (retries[0][0], retries[0][1])
+                                                                   < (ticks[head], head)):
                 tick, row, attempt, *made = retries.popleft()
                 if made:  # (a row fanned out over data-parallel ranks: its first member, or another)
                     self._send_sequence(made[0], row, tick, attempt)
@@ -490,11 +501,16 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
                     row = entry
                     self._send(self.make_request(row), row, ticks[row], 0)
             else:
-                if self.failure_ticks:  # (sent before the replica failed, reaching it after: lost at once)
+                if self.failure_ticks or self._nodes_fail:  # (sent before a failure, reaching it after: lost)
                     self._expire(now, now)
                 return
             if sessions is not None:  # (this replica could now release the row's next turn)
                 self.release_watch.delivered(sessions, row)
+
+    def _retry_due(self, entry) -> int:
+        """When a routed retry reaches this replica: its send time, or when the slot it waits for
+        is ready (every slot down: FleetRouting.hold)."""
+        return max(entry[0], self.routing.hold.get(entry[1], entry[0]))
 
     def _send_sequence(self, request: Request, row: int, tick: int, attempt: int) -> None:
         """A sequence of a row that data-parallel ranks' router fanned out: its first member is the

@@ -115,6 +115,8 @@ class DisaggregationSpec:
                                   "replicas measure: the prefill pool on its time to first token (ttft_pQ), the "
                                   "decode pool on its inter-token latency (itl_pQ)")
         scaling = [s for s in (self.prefill_autoscale, self.decode_autoscale) if s is not None]
+        if any(s.node_mtbf_s is not None for s in scaling):
+            raise ConfigError("--node-mtbf-s (nodes that fail) is not modelled yet under P/D pools")
         if len(scaling) == 2 and scaling[0].nodes_dict() != scaling[1].nodes_dict():
             raise ConfigError("P/D pools that scale share the cluster's nodes: give them the same node settings "
                               f"(--node-gpus and the others), got prefill {scaling[0].nodes_dict() or 'none'}, "

@@ -141,6 +141,7 @@ class FailurePlan:
         self.renewing: set[int] = set()  # back, but its engine not yet empty: still down
         self.aborted = [0] * len(self.windows)  # attempts each failure aborted
         self.failed = [0] * len(self.windows)  # of them, requests whose clients gave up for good
+        self.node_aborted = self.node_failed = 0  # (likewise, lost with a node that failed)
 
     def failure_ticks(self, replica: int) -> list[int]:
         return [start for start, _, r in self.windows if r == replica]
@@ -161,14 +162,21 @@ class FailurePlan:
                                                                      for s, e, q in self.windows))
 
     def note_abort(self, replica: int, at: int, for_good: bool) -> None:
-        """An attempt on `replica` aborted by its failure at tick `at`."""
-        i = next(i for i, (start, _, r) in enumerate(self.windows) if r == replica and start == at)
+        """An attempt on `replica` aborted by its failure at tick `at` (or its node's:
+        simkv/replay/autoscale_nodes.py)."""
+        i = next((i for i, (start, _, r) in enumerate(self.windows) if r == replica and start == at), None)
+        if i is None:
+            self.node_aborted += 1
+            self.node_failed += for_good
+            return
         self.aborted[i] += 1
         self.failed[i] += for_good
 
     def section(self) -> dict:
-        return self.spec.to_dict() | {"given": len(self.spec.failures), "requests_lost": sum(self.aborted),
-                                      "requests_failed": sum(self.failed), "failures": [
+        return self.spec.to_dict() | {"given": len(self.spec.failures),
+                                      "requests_lost": sum(self.aborted) + self.node_aborted,
+                                      "requests_failed": sum(self.failed) + self.node_failed,
+                                      "lost_with_nodes": self.node_aborted, "failures": [
             {"time_s": start / TICKS_PER_SECOND, "replica": r, "aborted": self.aborted[i], "failed": self.failed[i]}
             for i, (start, _, r) in enumerate(self.windows)]}
 

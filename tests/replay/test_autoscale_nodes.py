@@ -237,3 +237,58 @@ def test_a_new_node_pulls_the_image_once_for_its_replicas():
     assert [(p["time_s"], p["ready"]) for p in scaling["timeline"]][:3] == [(0.0, 1), (75.0, 1), (120.0, 2)]
     assert (150.0, 4) in [(p["time_s"], p["ready"]) for p in scaling["timeline"]]
     assert scaling["nodes"]["image_pull_s"] == 30.0 and scaling["nodes"]["mean_node_wait_s"] == 30.0
+
+
+def test_nodes_that_fail_are_drawn_seeded_and_take_their_replicas():
+    """--node-mtbf-s: each node's failure drawn when it is made (seeded); a failed node goes at
+    once with its replicas' GPUs, and a kept node is replaced by a new one."""
+    def drawn(seed):
+        nodes = pool(node_mtbf_s=100.0, node_failure_seed=seed, min_nodes=1, node_provision_s=10)
+        nodes.check(("fleet", 0), 2, "H100")
+        nodes.place(("fleet", 0), 2, "H100", 0)
+        nodes.place(("fleet", 1), 8, "H100", 0)  # (a second node)
+        return nodes
+    a, b, c = drawn(1), drawn(1), drawn(2)
+    assert [n.fails_at for n in a.nodes] == [n.fails_at for n in b.nodes] != [n.fails_at for n in c.nodes]
+    at, i = a.next_failure()
+    assert at == min(n.fails_at for n in a.nodes)
+    held = sorted(key for key, (j, _) in a.held.items() if j == i)
+    assert a.fail(i, at) == held and a.nodes[i].removed == at and not any(a.holds(k) for k in held)
+    if i == 0:  # (the kept node: a new one in its place, joining 10 s later)
+        assert a.nodes[-1].kept and a.nodes[-1].start == at and a.nodes[-1].ready == at + 10 * S
+    assert a.section(at)["nodes_failed"] == 1
+    with pytest.raises(AutoscaleError, match="give --node-gpus too"):
+        AutoscaleSpec(1, 2, node_mtbf_s=100.0)
+    with pytest.raises(AutoscaleError, match="scales to zero"):
+        AutoscaleSpec(0, 2, node_gpus=2, node_mtbf_s=100.0)
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_failed_nodes_replicas_lose_their_requests_and_start_again(retries):
+    """Nodes of 2 GPUs failing every 200 s on average: at each node failure its replicas'
+    requests in flight are lost (failed without retries; retried and finished with one), the
+    replicas start again as new pods (none takes a request before its cold start ends), and the
+    losses add up."""
+    from simkv.config import EngineConfig as Config
+
+    spec = AutoscaleSpec(1, 4, target=8, interval_s=15, cold_start_s=20, scale_down_window_s=120, node_gpus=2,
+                         node_provision_s=30, node_mtbf_s=200.0, node_failure_seed=3)
+    config = Config.from_flat({"max_model_len": 4096, "client_max_retries": retries} if retries else
+                              {"max_model_len": 4096})
+    result = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling, requests = result.summary["fleet"]["autoscaling"], result.requests
+    failures = [(e["time_s"], e["replica"]) for e in scaling["events"] if e["action"] == "node_failure"]
+    nodes = scaling["nodes"]
+    assert len(failures) >= 2 and nodes["nodes_failed"] >= 2 and nodes["requests_lost"] > 0
+    failed = requests[requests["status"] == "failed"]
+    if retries:
+        assert nodes["requests_failed"] == 0 and (requests["status"] == "finished").all()
+    else:
+        assert len(failed) == nodes["requests_lost"] == nodes["requests_failed"]
+        for _, row in failed.iterrows():  # (each lost with the node under its replica)
+            assert any(r == row["replica"] and row["arrival_time_s"] <= t for t, r in failures)
+    for t, r in failures:  # (a new pod: its first request after its cold start at the least)
+        later = requests[(requests["replica"] == r) & (requests["first_scheduled_time_s"] > t)]
+        assert later.empty or later["first_scheduled_time_s"].min() >= t + 20.0
+    again = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    pd.testing.assert_frame_equal(requests, again.requests)
