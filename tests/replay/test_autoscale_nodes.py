@@ -261,6 +261,12 @@ def test_nodes_that_fail_are_drawn_seeded_and_take_their_replicas():
         AutoscaleSpec(1, 2, node_mtbf_s=100.0)
     with pytest.raises(AutoscaleError, match="scales to zero"):
         AutoscaleSpec(0, 2, node_gpus=2, node_mtbf_s=100.0)
+    from simkv.config import ConfigError
+    from simkv.replay.disaggregated import DisaggregationSpec
+
+    with pytest.raises(ConfigError, match="not modelled yet under P/D pools"):
+        DisaggregationSpec(num_prefill=2, num_decode=2,
+                           decode_autoscale=AutoscaleSpec(1, 2, node_gpus=2, node_mtbf_s=100.0))
 
 
 @pytest.mark.parametrize("retries", [0, 1])
