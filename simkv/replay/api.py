@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,16 @@ class FleetSpec:
                 if r in seen:
                     raise RouterError(f"--replica-set: replica {r} is in two sets")
                 seen.add(r)
+
+    @property
+    def nodes_fail(self) -> bool:
+        """The GPU nodes under its autoscaled replicas fail (node_mtbf_s)."""
+        return self.autoscale is not None and self.autoscale.node_mtbf_s is not None
+
+    @property
+    def fails(self) -> bool:
+        """Its replicas fail (--replica-failure, --replica-mtbf-s), or their nodes do."""
+        return self.failures is not None or self.nodes_fail
 
     def replica_configs(self, base: EngineConfig) -> list[EngineConfig] | None:
         """Each replica's engine config where replica sets differ (None: every replica runs `base`);
@@ -157,9 +168,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     check_slo_classes(goodput, trace_labels(trace), str(getattr(trace, "source", "") or "the trace"))
     _check_class_replicas(trace, config, fleet, disaggregation, encode)
     sc = config.scheduler
-    fails = fleet is not None and (fleet.failures is not None or (fleet.autoscale is not None
-                                                                 and fleet.autoscale.node_mtbf_s is not None))
-    if sc.client_max_retries and not sc.has_clients and not fails:
+    if sc.client_max_retries and not sc.has_clients and not (fleet is not None and fleet.fails):
         raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
                           "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
                           "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure or "
@@ -423,8 +432,7 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
             raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
         autoscaler = Autoscaler(fleet.autoscale)
     failures = None
-    nodes_fail = fleet.autoscale is not None and fleet.autoscale.node_gpus and fleet.autoscale.node_mtbf_s
-    if fleet.failures is not None or nodes_fail:
+    if fleet.fails:
         from simkv.replay.failures import FailurePlan, FailureSpec
         from simkv.replay.sessions import paces
 
@@ -437,9 +445,8 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
         span = float(arrivals.max()) if len(arrivals) else 0.0  # (random failures over the arrivals)
         given = fleet.failures if fleet.failures is not None else FailureSpec(())  # (nodes' failures only)
         failures = FailurePlan(given, given.drawn(fleet.num_replicas, span, autoscaler is None))
-        if autoscaler is not None:  # (its slots restart in place: simkv/replay/autoscale.py's _fail)
-            autoscaler.failures = [(start, r) for start, _, r in failures.windows]
-            autoscaler.restart = failures.restart
+        if autoscaler is not None:  # (its slots restart in place)
+            autoscaler.schedule_failures(failures)
     with collector_paused(pause_collector):
         t0 = time.perf_counter()
         runs, routing = run_fleet(trace, config, backends, capacity.num_gpu_blocks, router, capacity,
@@ -458,7 +465,7 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
 
         summary["fleet"]["autoscaling"] = autoscaling_section(autoscaler, summary["duration_s"], routing.loads_at,
                                                               configs, summary["fleet"]["replicas"])
-        if nodes_fail:  # (what the nodes that failed took with them)
+        if fleet.nodes_fail:  # (what the nodes that failed took with them)
             summary["fleet"]["autoscaling"]["nodes"] |= {"requests_lost": failures.node_aborted,
                                                          "requests_failed": failures.node_failed}
     return ReplayResult(summary, requests, steps, runs[0], runs)
@@ -526,7 +533,7 @@ def _pools_autoscaling(summary: dict, routing, configs) -> None:
     duration = summary["duration_s"]
     gpu_hours = replicas_up = 0.0
     nodes = None  # (the nodes under the pools that scale, shared: paid once)
-    by_gpu: dict[str, float] = {}
+    by_gpu: Counter = Counter()  # (GPU-hours per kind)
     for pool, pool_routing, pool_config in (("prefill", routing.prefill, configs[0]),
                                             ("decode", routing.decode, configs[1])):
         section = summary["disaggregation"][pool]
@@ -534,7 +541,7 @@ def _pools_autoscaling(summary: dict, routing, configs) -> None:
         if pool_routing.autoscaler is None:
             hours = n * engine_gpus(pool_config) * duration / 3600.0
             gpu_hours += hours
-            by_gpu[pool_config.hardware.gpu] = by_gpu.get(pool_config.hardware.gpu, 0.0) + hours
+            by_gpu[pool_config.hardware.gpu] += hours
             replicas_up += n
             continue
         scaling = section["autoscaling"] = autoscaling_section(pool_routing.autoscaler, duration,
@@ -543,18 +550,17 @@ def _pools_autoscaling(summary: dict, routing, configs) -> None:
         nodes = pool_routing.autoscaler.nodes or nodes
         if nodes is None:
             gpu_hours += scaling["gpu_hours"]
-            for gpu, hours in scaling["gpu_hours_by_gpu"].items():
-                by_gpu[gpu] = by_gpu.get(gpu, 0.0) + hours
+            by_gpu.update(scaling["gpu_hours_by_gpu"])
         replicas_up += scaling["mean_ready"]
-    totals = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up, "gpu_hours_by_gpu": by_gpu}
-    if nodes is not None:  # (the replicas' GPU-hours in each pool's section; the nodes' paid here)
+    paid_nodes = None  # (the replicas' GPU-hours in each pool's section; the nodes' paid here)
+    if nodes is not None:
         from simkv.clock import to_ticks
 
-        totals["nodes"] = nodes.section(to_ticks(duration))
-        totals["gpu_hours"] = gpu_hours + totals["nodes"]["gpu_hours"]
-        for gpu, hours in totals["nodes"]["gpu_hours_by_gpu"].items():
-            by_gpu[gpu] = by_gpu.get(gpu, 0.0) + hours
-    summary["disaggregation"]["autoscaling"] = totals
+        paid_nodes = nodes.section(to_ticks(duration))
+        gpu_hours += paid_nodes["gpu_hours"]
+        by_gpu.update(paid_nodes["gpu_hours_by_gpu"])
+    totals = {"gpu_hours": gpu_hours, "mean_replicas_up": replicas_up, "gpu_hours_by_gpu": dict(by_gpu)}
+    summary["disaggregation"]["autoscaling"] = totals | ({"nodes": paid_nodes} if paid_nodes is not None else {})
 
 
 def save(result: ReplayResult, out_dir: str | Path) -> None:

@@ -101,7 +101,7 @@ NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_image_pull_s", "node_unn
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
            "kv_usage": (0.5, "KV-cache usage"), "gpu_util": (0.7, "GPU utilisation")}
-SHARES = ("kv_usage", "gpu_util")  # (metrics in (0, 1], their targets too)
+SHARES = {"kv_usage": "the KV blocks", "gpu_util": "the time"}  # (metrics in (0, 1], their targets too: of what)
 GAUGES = ("running", "waiting", "kv_usage")  # (read from the engines' step logs)
 # a percentile of vLLM's latency histograms (simkv/replay/autoscale_latency.py)
 LATENCY_METRICS = "ttft_pQ, e2e_pQ, itl_pQ"
@@ -259,11 +259,8 @@ class AutoscaleSpec:
             where = f"--autoscale-metric {item}" if eq else "--autoscale-target"
             if not (target > 0 and math.isfinite(target)):
                 raise AutoscaleError(f"{where} must be a number > 0, got {target} ({name})")
-            if name == "gpu_util" and target > 1:
-                raise AutoscaleError(f"{where}: {target:g} is above 1; gpu_util aims at a share of the time, in "
-                                     "(0, 1]")
-            if name == "kv_usage" and target > 1:
-                raise AutoscaleError(f"{where}: {target:g} is above 1; kv_usage aims at a share of the KV blocks, "
+            if name in SHARES and target > 1:
+                raise AutoscaleError(f"{where}: {target:g} is above 1; {name} aims at a share of {SHARES[name]}, "
                                      "in (0, 1]")
             targets.append((name, target))
         return tuple(targets)
@@ -380,10 +377,16 @@ class Autoscaler:
         # the GPU nodes under the slots (simkv/replay/autoscale_nodes.py), and the slots' keys there
         self.nodes = NodePool(spec) if spec.node_gpus else None
         self.pool = "fleet"
-        self.failures: list[tuple[int, int]] = []  # (tick, slot) of the failures still to come (simkv/replay/failures.py)
+        self.failures: list[tuple[int, int]] = []  # (tick, slot) of the failures still to come (schedule_failures)
         self.node_failed: list[list[int]] = [[] for _ in range(n)]  # (each slot's node failures so far)
         self.restart = 0
         self.slot_gpus: list[tuple[int, str]] = []  # (GPUs, their kind) of each slot
+
+    def schedule_failures(self, plan) -> None:
+        """The slots' own failures to come (simkv/replay/failures.py's FailurePlan): each pod up or
+        starting then restarts in place, `plan.restart` ticks later (_fail)."""
+        self.failures = [(start, r) for start, _, r in plan.windows]
+        self.restart = plan.restart
 
     def share_nodes(self, nodes: "NodePool", pool: str) -> None:
         """Place this autoscaler's slots on `nodes`, shared with another pool's (P/D), as `pool`'s."""

@@ -135,11 +135,16 @@ class NodePool:
 
     def release(self, key, tick: int) -> None:
         """Replica `key` stopped at `tick` (its last request done, or called off while starting)."""
+        node = self._unhold(key, tick)
+        if not node.pods:
+            node.empty_since = max(tick, node.ready)
+
+    def _unhold(self, key, tick: int) -> Node:
+        """Replica `key` leaves its node at `tick`, its GPUs held until then counted: the node."""
         i, since = self.held.pop(key)
         node = self.nodes[i]
         self.held_gpu_ticks += node.pods.pop(key) * max(0, tick - since)
-        if not node.pods:
-            node.empty_since = max(tick, node.ready)
+        return node
 
     def holds(self, key) -> bool:
         return key in self.held
@@ -162,8 +167,7 @@ class NodePool:
         self.num_failed += 1
         keys = list(node.pods)
         for key in keys:
-            _, since = self.held.pop(key)
-            self.held_gpu_ticks += node.pods.pop(key) * max(0, tick - since)
+            self._unhold(key, tick)
         if node.kept:  # (the node group's minimum: a new node in its place)
             node.kept = False
             self.added.append(tick)
@@ -197,12 +201,14 @@ class NodePool:
         self.collect(end)
         by_gpu: dict[str, float] = {}
         node_ticks = 0
+        gone = [n.removed is not None and n.removed <= end for n in self.nodes]  # (removed by the end)
+        up_at_end = [n for n, out in zip(self.nodes, gone) if not out]
         for node in self.nodes:
             span = max(0, min(node.removed if node.removed is not None else end, end) - node.start)
             node_ticks += span
             by_gpu[node.kind] = by_gpu.get(node.kind, 0.0) + span * node.gpus / TICKS_PER_SECOND / 3600.0
-        changes = sorted([(n.start, 1) for n in self.nodes] + [(n.removed, -1) for n in self.nodes
-                                                                if n.removed is not None and n.removed <= end])
+        changes = sorted([(n.start, 1) for n in self.nodes] + [(n.removed, -1) for n, out in zip(self.nodes, gone)
+                                                                if out])
         timeline, count = [], 0
         for tick, delta in changes:
             count += delta
@@ -220,12 +226,10 @@ class NodePool:
                    if self.mtbf_s else {}),
                 "nodes_at_start": sum(1 for n in self.nodes if n.start == 0 and n.ready == 0),
                 "nodes_added": len(self.added),
-                "nodes_removed": sum(1 for n in self.nodes if n.removed is not None and n.removed <= end),
+                "nodes_removed": sum(gone),
                 "peak_nodes": max((entry["nodes"] for entry in timeline), default=0),
                 # (paid to the replay's end only: an empty one among them would cost until its removal)
-                "nodes_up_at_end": sum(1 for n in self.nodes if n.removed is None or n.removed > end),
-                "empty_nodes_at_end": sum(1 for n in self.nodes if (n.removed is None or n.removed > end)
-                                          and not n.pods),
+                "nodes_up_at_end": len(up_at_end), "empty_nodes_at_end": sum(1 for n in up_at_end if not n.pods),
                 "mean_nodes": node_ticks / end if end > 0 else float(len(self.nodes)),
                 "gpu_hours": sum(by_gpu.values()), "gpu_hours_by_gpu": by_gpu,
                 "held_gpu_hours": self.held_gpu_ticks / TICKS_PER_SECOND / 3600.0,

@@ -89,10 +89,13 @@ class FailureSpec:
             if r >= num_replicas:
                 raise FailureError(f"--replica-failure {t:g}:{r}: not a replica of the fleet's 0-{num_replicas - 1}")
         for t, _ in self.failures if fixed else ():  # (at a failure's instant, is any replica up?)
-            down = {r for t0, r in self.failures if t0 <= t < t0 + self.restart_s}
-            if len(down) >= num_replicas:
+            if len(self._down(self.failures, t)) >= num_replicas:
                 raise FailureError(f"--replica-failure: at {t:g} s every replica is down; the router would have "
                                    "nowhere to send a request (not modelled)")
+
+    def _down(self, failures, t: float) -> set[int]:
+        """The replicas that `failures` have down at `t` seconds."""
+        return {r for t0, r in failures if t0 <= t < t0 + self.restart_s}
 
     def to_dict(self) -> dict:
         return {"restart_s": self.restart_s, "failures": [{"time_s": t, "replica": r} for t, r in self.failures]} | (
@@ -118,7 +121,7 @@ class FailureSpec:
                 t += self.restart_s
         kept = list(self.failures)
         for t, r in sorted(draws):
-            down = {q for t0, q in kept if t0 <= t < t0 + self.restart_s}
+            down = self._down(kept, t)
             if r in down or any(q == r and t < t0 < t + self.restart_s for t0, q in kept):
                 continue  # (down then, or a failure given falls within its restart)
             if fixed and len(down | {r}) >= num_replicas:
@@ -155,11 +158,10 @@ class FailurePlan:
         for r in sorted(self.renewing):
             if engines[r].start_anew():
                 self.renewing.discard(r)
-        down = {r for start, end, r in self.windows if start <= tick < end} | self.renewing
-        up = tuple(r for r in range(len(engines)) if r not in down)
+        failed = {r for start, end, r in self.windows if start <= tick < end}
+        up = tuple(r for r in range(len(engines)) if r not in failed and r not in self.renewing)
         # (a restart whose engine still ends a step: the others are up, unless none is)
-        return up or tuple(r for r in range(len(engines)) if not any(s <= tick < e and q == r
-                                                                     for s, e, q in self.windows))
+        return up or tuple(r for r in range(len(engines)) if r not in failed)
 
     def note_abort(self, replica: int, at: int, for_good: bool) -> None:
         """An attempt on `replica` aborted by its failure at tick `at` (or its node's:

@@ -123,14 +123,18 @@ def paid_cost(gpu_hours_by_gpu: dict[str, float], duration_s: float, prices: dic
     no price)."""
     if any(gpu not in prices for gpu in gpu_hours_by_gpu) or not duration_s > 0:
         return None
-    spent = sum(hours * prices[gpu] for gpu, hours in gpu_hours_by_gpu.items())
+    spent, kinds = _spent(gpu_hours_by_gpu, prices)
     per_hour = spent / (duration_s / 3600.0)
     return {"gpu": "+".join(gpu_hours_by_gpu), "gpu_hours_paid": sum(gpu_hours_by_gpu.values()),
-            "replay_hours": duration_s / 3600.0, "usd_spent": spent, "usd_per_hour": per_hour,
-            "kinds": [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]}
-                      for gpu, hours in gpu_hours_by_gpu.items()],
+            "replay_hours": duration_s / 3600.0, "usd_spent": spent, "usd_per_hour": per_hour, "kinds": kinds,
             "usd_per_1k_requests": per_hour / (3600.0 * max_rate_req_s) * 1e3,
             "usd_per_1m_output_tokens": per_hour / (3600.0 * max_rate_req_s * mean_output_tokens) * 1e6}
+
+
+def _spent(gpu_hours_by_gpu: dict[str, float], prices: dict[str, float]) -> tuple[float, list[dict]]:
+    """GPU-hours priced (every kind has a price): the USD spent, and each kind's record."""
+    kinds = [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]} for gpu, hours in gpu_hours_by_gpu.items()]
+    return sum(k["gpu_hours"] * k["usd_per_gpu_hour"] for k in kinds), kinds
 
 
 def gpus_text(cost: dict) -> str:
@@ -173,15 +177,12 @@ def replay_cost(summary: dict, gpu_hours_by_gpu: dict[str, float], prices: dict[
     if missing:
         raise PriceError(f"--gpu-price: no price for {', '.join(missing)}, which this setup runs on (give "
                          f"{missing[0]}=USD_PER_GPU_HOUR)")
-    spent = sum(hours * prices[gpu] for gpu, hours in gpu_hours_by_gpu.items())
+    spent, kinds = _spent(gpu_hours_by_gpu, prices)
     duration = summary["duration_s"]
     tokens = summary["output_throughput_tok_s"] * duration
     finished = summary["num_finished"]
     good = (summary.get("goodput") or {}).get("num_good")
-    return {"gpu_hours": sum(gpu_hours_by_gpu.values()),
-            "kinds": [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]}
-                      for gpu, hours in gpu_hours_by_gpu.items()],
-            "usd_spent": spent, "usd_per_hour": spent / (duration / 3600.0) if duration > 0 else None,
+    return {"gpu_hours": sum(gpu_hours_by_gpu.values()), "kinds": kinds, "usd_spent": spent, "usd_per_hour": spent / (duration / 3600.0) if duration > 0 else None,
             "usd_per_1k_requests": spent / finished * 1e3 if finished else None,
             "usd_per_1m_output_tokens": spent / tokens * 1e6 if tokens > 0 else None,
             "usd_per_1k_good_requests": spent / good * 1e3 if good else None}
