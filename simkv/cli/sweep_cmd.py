@@ -81,7 +81,34 @@ def plan(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, ...],
             raise SweepError(f"TRACE: no such file '{trace}'")
     if len(set(map(os.path.normpath, traces))) != len(traces):
         raise SweepError("TRACE: a trace is given twice")
-    return make_cells(list(traces), grid, fixed, cost_model, slo), list(grid)
+    cells = make_cells(list(traces), grid, fixed, cost_model, slo)
+    _check_retries(cells)
+    return cells, list(grid)
+
+
+def _check_retries(cells) -> None:
+    """Clients' retries (client_max_retries) with nothing to retry in any cell are refused, as a
+    replay refuses them; beside cells that have a use for them, a cell without (a grid's
+    baseline) runs without them (simkv/sweep/worker.py)."""
+    from simkv.config import EngineConfig
+    from simkv.replay.api import retries_have_use
+    from simkv.sweep import SweepError
+    from simkv.sweep.worker import encode_spec, pool_specs
+
+    retrying = [cell for cell in cells if dict(cell.options).get("client_max_retries")]
+    for cell in retrying:
+        try:
+            config = EngineConfig.from_flat(dict(cell.options))
+            fleet = dict(cell.fleet)
+            encode_spec(fleet, config)
+            if retries_have_use(config, pool_specs(fleet)[0]):
+                return
+        except ValueError:
+            return  # (a cell that does not build says so itself when it runs)
+    if retrying:
+        raise SweepError("client_max_retries retries requests that timed out: no cell has anything to retry "
+                         "(give client_timeout_s or client_ttft_timeout_s, a queue limit, max_num_queued_reqs "
+                         "or max_num_queued_tokens, replica_failures, replica_mtbf_s or node_mtbf_s)")
 
 
 def _check_replica_classes(traces, values, read) -> None:

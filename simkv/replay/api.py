@@ -152,6 +152,12 @@ def collector_paused(pause: bool = True):
             gc.enable()
 
 
+def retries_have_use(config: EngineConfig, fleet: FleetSpec | None) -> bool:
+    """Something for the clients' retries (client_max_retries) to retry: time-outs, a queue
+    limit's HTTP 503s, or failing replicas or nodes."""
+    return config.scheduler.has_clients or (fleet is not None and fleet.fails)
+
+
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
            use_decode_runs: bool = True, on_progress=None, backend=None,
            pause_collector: bool = True, goodput: dict | None = None, fleet: FleetSpec | None = None,
@@ -168,7 +174,7 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     check_slo_classes(goodput, trace_labels(trace), str(getattr(trace, "source", "") or "the trace"))
     _check_class_replicas(trace, config, fleet, disaggregation, encode)
     sc = config.scheduler
-    if sc.client_max_retries and not sc.has_clients and not (fleet is not None and fleet.fails):
+    if sc.client_max_retries and not retries_have_use(config, fleet):
         raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
                           "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
                           "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure or "

@@ -40,6 +40,7 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
         cell = dict(task.get("fleet") or {})
         encode = encode_spec(cell, config)
         fleet, disaggregation = pool_specs(cell)
+        config = without_idle_retries(config, fleet)
         result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"),
                         fleet=fleet, disaggregation=disaggregation, encode=encode)
         summary = dict(result.summary)
@@ -52,6 +53,22 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
     except Exception as exc:  # noqa: BLE001 - any bug in one cell must not lose the others
         return {"cell_id": task["cell_id"], "status": "failed", "error": _one_line(exc),
                 "detail": traceback.format_exc()}
+
+
+def without_idle_retries(config, fleet):
+    """`config` without its clients' retries (client_max_retries) where the cell has nothing to
+    retry: a grid's baseline cell (client_timeout_s=none, replica_failures=none) beside cells
+    whose retries matter. They would change nothing there; a replay alone refuses them as a
+    likely slip (simkv/replay/api.py), and the sweep refuses them when no cell has a use for
+    them (simkv/cli/sweep_cmd.py)."""
+    import dataclasses
+
+    from simkv.replay.api import retries_have_use
+
+    sc = config.scheduler
+    if not sc.client_max_retries or retries_have_use(config, fleet):
+        return config
+    return dataclasses.replace(config, scheduler=dataclasses.replace(sc, client_max_retries=0))
 
 
 ROUTER_OPTION_KEYS = ("cache_threshold", "balance_abs", "balance_rel")  # grid keys: prefix_aware's thresholds

@@ -187,3 +187,35 @@ def test_a_sweep_grids_the_failures(tmp_path):
     assert lost == [[], [1], [1, 0]]
     assert rows[0]["requests_lost"] is None and 0 < rows[1]["requests_lost"] < rows[2]["requests_lost"]
     assert rows[1]["requests_failed"] == 0  # (one retry each, after a minute's time-out at most)
+
+
+def test_a_sweeps_failure_free_baseline_runs_without_the_retries(tmp_path):
+    """Retries set for the sweep's failing cells have nothing to retry in its replica_failures=none
+    cell: it runs as a replay without them would (a replay alone refuses them)."""
+    import pyarrow.parquet as pq
+
+    cli_ok(["sweep", "traces/req400.parquet", "--set", "replicas=2", "--set", "client_max_retries=2",
+            "--grid", "replica_failures=none,5:1", "--out", str(tmp_path / "s"), "--quiet"])
+    rows = pq.read_table(tmp_path / "s" / "sweep.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    assert rows[1]["requests_lost"] > 0 and rows[1]["requests_failed"] == 0
+    plain = replay(_trace400(), EngineConfig.from_flat({}), fleet=FleetSpec(2)).summary
+    baseline = json.loads((tmp_path / "s" / "cells" / rows[0]["cell_id"] / "summary.json").read_text())
+    assert baseline["duration_s"] == plain["duration_s"]
+    for key in ("ttft_s", "e2e_s", "fleet", "num_finished"):
+        assert baseline[key] == json.loads(json.dumps(plain[key])), key
+    assert "--replica-failure" in cli_fails(["replay", "traces/req400.parquet", "--replicas", "2",
+                                             "--client-max-retries", "2"])
+
+
+def test_a_sweep_whose_retries_have_no_use_in_any_cell_is_refused(tmp_path):
+    out = cli_fails(["sweep", "traces/req400.parquet", "--set", "replicas=2", "--set", "client_max_retries=2",
+                     "--grid", "max_num_seqs=8,16", "--out", str(tmp_path / "s"), "--quiet"])
+    assert "client_max_retries" in out and "no cell has anything to retry" in out
+    assert not (tmp_path / "s" / "sweep.parquet").exists()
+
+
+def _trace400():
+    from simkv.traces.schema import read_trace
+
+    return read_trace("traces/req400.parquet")
