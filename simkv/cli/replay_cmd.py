@@ -394,6 +394,17 @@ def fleet_options(command):
         click.option("--node-placement", type=click.Choice(("pack", "spread")), default=None,
                      help="With --node-gpus: a replica goes to the fullest node it fits (pack) or the emptiest "
                           "(spread) [default: pack]."),
+        click.option("--shutdown-timeout", "shutdown_timeout", type=float, default=None, metavar="S",
+                     help="With --autoscale: vLLM's --shutdown-timeout: a replica scaled down gets SIGTERM, takes no "
+                          "new request and ends S seconds later (after --prestop-s, within --termination-grace-s), "
+                          "losing what it still has in flight (retried with --client-max-retries); vLLM's default 0 "
+                          "loses it at once [default: not modelled: it drains to its last request]."),
+        click.option("--termination-grace-s", type=float, default=None, metavar="S",
+                     help="With --shutdown-timeout: the pod's terminationGracePeriodSeconds, after which it is "
+                          "killed whatever its drain [default: 30, Kubernetes']."),
+        click.option("--prestop-s", type=float, default=None, metavar="S",
+                     help="With --shutdown-timeout: a preStop hook's sleep before SIGTERM, while the replica still "
+                          "serves what it has [default: 0]."),
         click.option("--autoscale-latency-target-type", type=click.Choice(("Value", "AverageValue"),
                                                                           case_sensitive=False), default=None,
                      help="With --autoscale on a latency: HPA's Value target, ceil(replicas x value / target), or "
@@ -416,10 +427,14 @@ def autoscale_settings(flags: dict, config_file: str | None = None) -> dict:
     values = {k: (file.get(k) if v is None else v) for k, v in values.items()}
     scales = values["autoscale"] is not None or any(
         flags.get(k) is not None or file.get(k) is not None for k in ("prefill_autoscale", "decode_autoscale"))
-    if scales and values["autoscale_histogram_buckets"] is None and flags.get("vllm_serve"):
-        from simkv.cli.vllm_serve import serve_options  # (the server's own buckets: what its /metrics exports)
+    if scales and flags.get("vllm_serve"):  # (the server's own buckets, what its /metrics exports, and shutdown)
+        from simkv.cli.vllm_serve import serve_options
 
-        values["autoscale_histogram_buckets"] = serve_options(flags["vllm_serve"], True).histogram_buckets
+        served = serve_options(flags["vllm_serve"], True)
+        for key, value in (("autoscale_histogram_buckets", served.histogram_buckets),
+                           ("shutdown_timeout", served.shutdown_timeout)):  # (P/D pools: drains not bounded yet)
+            if values[key] is None and (key != "shutdown_timeout" or values["autoscale"] is not None):
+                values[key] = value
     return values
 
 

@@ -59,7 +59,7 @@ IGNORED = frozenset("""
     per_request_spec_decode_metrics kv_cache_metrics kv_cache_metrics_sample
     cudagraph_metrics enable_layerwise_nvtx_tracing enable_mfu_metrics enable_logging_iteration_details
     jit_monitor_mode jit_monitor_verbose kv_events_config profiler_config watchdog_config
-    fail_on_environ_validation shutdown_timeout ray_workers_use_nsight
+    fail_on_environ_validation ray_workers_use_nsight
     tokenizer tokenizer_mode tokenizer_revision skip_tokenizer_init trust_remote_code revision code_revision
     config_format hf_token seed load_format download_dir safetensors_load_strategy
     safetensors_prefetch_num_threads safetensors_prefetch_block_size model_loader_extra_config ignore_patterns
@@ -145,6 +145,7 @@ class ServeOptions:
     ignored: list[str] = field(default_factory=list)
     external_router: str | None = None  # the flag that puts the user's own router in front of the DP ranks
     histogram_buckets: str | None = None  # --custom-histogram-buckets: what an autoscaler's latency query reads
+    shutdown_timeout: float | None = None  # --shutdown-timeout: how a scale-down's replica ends (None: not given)
 
     def note(self) -> str | None:
         """One line for the user on what was not carried over (None: everything was)."""
@@ -206,7 +207,8 @@ def modelled_flags() -> set[str]:
 SPECIAL = frozenset({"model", "config", "num_gpu_blocks_override", "dtype", "runner", "convert", "mamba_cache_mode",
                      "kv_offloading_backend", "offload_backend", "speculative_config", "spec_method", "spec_model",
                      "spec_tokens", "attention_config", "eplb_config", "data_parallel_external_lb",
-                     "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb", "custom_histogram_buckets"})
+                     "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb", "custom_histogram_buckets",
+                     "shutdown_timeout"})
 
 
 def _convert(flag: Flag):
@@ -291,6 +293,11 @@ def _special(flag: Flag, out: ServeOptions) -> None:
     elif name == "offload_backend":
         if value != "auto":
             out.unmodelled.append(f"{word} {value} (simkv picks as auto does: prefetch with --offload-group-size)")
+    elif name == "shutdown_timeout":  # (a replica scaled down: simkv/replay/autoscale.py)
+        try:
+            out.shutdown_timeout = float(value)
+        except ValueError:
+            raise ServeCommandError(f"vllm serve {word} {value}: expected a number of seconds") from None
     elif name == "custom_histogram_buckets":  # (the buckets of /metrics' histograms: a latency autoscaler's)
         out.histogram_buckets = json.dumps(json_object(value, f"vllm serve {word}"))
     elif name in ("attention_config", "eplb_config"):

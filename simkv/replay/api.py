@@ -84,6 +84,12 @@ class FleetSpec:
         """Its replicas fail (--replica-failure, --replica-mtbf-s), or their nodes do."""
         return self.failures is not None or self.nodes_fail
 
+    @property
+    def loses_requests(self) -> bool:
+        """Requests in flight can be lost: its replicas or nodes fail, or a scale-down ends a
+        replica before it has drained (--shutdown-timeout)."""
+        return self.fails or (self.autoscale is not None and self.autoscale.kill_after_s is not None)
+
     def replica_configs(self, base: EngineConfig) -> list[EngineConfig] | None:
         """Each replica's engine config where replica sets differ (None: every replica runs `base`);
         ConfigError naming the set whose options do not build or change what every replica
@@ -155,7 +161,7 @@ def collector_paused(pause: bool = True):
 def retries_have_use(config: EngineConfig, fleet: FleetSpec | None) -> bool:
     """Something for the clients' retries (client_max_retries) to retry: time-outs, a queue
     limit's HTTP 503s, or failing replicas or nodes."""
-    return config.scheduler.has_clients or (fleet is not None and fleet.fails)
+    return config.scheduler.has_clients or (fleet is not None and fleet.loses_requests)
 
 
 def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_options: dict | None = None,
@@ -177,8 +183,8 @@ def replay(trace, config: EngineConfig, cost_model: str = "roofline", cost_optio
     if sc.client_max_retries and not retries_have_use(config, fleet):
         raise ConfigError("client_max_retries retries requests that timed out: give client_timeout_s or "
                           "client_ttft_timeout_s too (or a queue limit, max_num_queued_reqs or "
-                          "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure or "
-                          "--node-mtbf-s, whose lost requests they retry)")
+                          "max_num_queued_tokens, whose HTTP 503s the clients retry, or --replica-failure, "
+                          "--node-mtbf-s or --shutdown-timeout, whose lost requests they retry)")
     result = _replay(trace, config, cost_model, cost_options, use_decode_runs, on_progress, backend, pause_collector,
                      fleet, disaggregation, encode)
     requests = result.requests = with_trace_columns(result.requests, trace)
@@ -438,18 +444,19 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
             raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
         autoscaler = Autoscaler(fleet.autoscale)
     failures = None
-    if fleet.fails:
+    if fleet.loses_requests:  # (lost requests' clients: FailurePlan counts what failures lose)
         from simkv.replay.failures import FailurePlan, FailureSpec
         from simkv.replay.sessions import paces
 
         if paces(trace, config.scheduler):
-            raise ValueError("failures (--replica-failure, --node-mtbf-s) are not modelled yet with paced requests "
+            raise ValueError("failures (--replica-failure, --node-mtbf-s) and --shutdown-timeout are not modelled "
+                             "yet with paced requests "
                              "(session pacing: "
                              "--no-session-pacing replays the turns open loop; --client-max-concurrency and the "
                              "like)")
         arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
         span = float(arrivals.max()) if len(arrivals) else 0.0  # (random failures over the arrivals)
-        given = fleet.failures if fleet.failures is not None else FailureSpec(())  # (nodes' failures only)
+        given = fleet.failures if fleet.failures is not None else FailureSpec(())  # (nodes' failures, or none)
         failures = FailurePlan(given, given.drawn(fleet.num_replicas, span, autoscaler is None))
         if autoscaler is not None:  # (its slots restart in place)
             autoscaler.schedule_failures(failures)

@@ -87,7 +87,8 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "node_provision_s": "node_provision_s", "node_image_pull_s": "node_image_pull_s",
             "node_unneeded_s": "node_unneeded_s", "node_delay_after_add_s": "node_delay_after_add_s",
             "min_nodes": "min_nodes", "node_placement": "node_placement", "node_mtbf_s": "node_mtbf_s",
-            "node_failure_seed": "node_failure_seed"}
+            "node_failure_seed": "node_failure_seed", "shutdown_timeout": "shutdown_timeout_s",
+            "termination_grace_s": "termination_grace_s", "prestop_s": "prestop_s"}
 # (the others are numbers)
 TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets",
                  "autoscale_latency_target_type", "node_placement")
@@ -134,6 +135,11 @@ class AutoscaleSpec:
     node_placement: str = "pack"
     node_mtbf_s: float | None = None  # nodes that fail: their mean time between failures (None: never)
     node_failure_seed: int = 0
+    # a scale-down's end (simkv/replay/autoscale_shutdown.py): vLLM's --shutdown-timeout (None: a drain
+    # to the last request), Kubernetes' terminationGracePeriodSeconds and a preStop hook's sleep
+    shutdown_timeout_s: float | None = None
+    termination_grace_s: float = 30.0
+    prestop_s: float = 0.0
     # (metric, target) of each metric, from `metric` and `target`
     targets: tuple[tuple[str, float], ...] = field(init=False, default=(), compare=False, repr=False)
     # the policies and the latency histograms' bounds, parsed from the texts above
@@ -185,6 +191,37 @@ class AutoscaleSpec:
                                  "AverageValue")
         object.__setattr__(self, "latency_target_type", kind)
         self._check_nodes()
+        self._check_shutdown()
+
+    def _check_shutdown(self) -> None:
+        for name, flag in (("shutdown_timeout_s", "--shutdown-timeout"), ("termination_grace_s", "--termination-grace-s"),
+                           ("prestop_s", "--prestop-s")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not (value >= 0 and math.isfinite(value)):
+                raise AutoscaleError(f"{flag} must be a number of seconds >= 0, got {value}")
+            object.__setattr__(self, name, float(value))
+        if self.shutdown_timeout_s is None and (self.termination_grace_s, self.prestop_s) != (30.0, 0.0):
+            raise AutoscaleError("--termination-grace-s and --prestop-s bound a scale-down's drain: give "
+                                 "--shutdown-timeout too (vLLM's; 0 aborts what is in flight at once)")
+        if self.shutdown_timeout_s is not None and self.min_replicas == 0:
+            raise AutoscaleError("--shutdown-timeout is not modelled yet in a fleet that scales to zero")
+
+    @property
+    def kill_after_s(self) -> float | None:
+        """Seconds from a scale-down to its replica's end, whatever it still has in flight: the
+        preStop hook, then vLLM's drain, within the grace period (None: it drains to its last
+        request)."""
+        if self.shutdown_timeout_s is None:
+            return None
+        return min(self.prestop_s + self.shutdown_timeout_s, self.termination_grace_s)
+
+    def shutdown_dict(self) -> dict:
+        if self.shutdown_timeout_s is None:
+            return {}
+        return {"shutdown_timeout_s": self.shutdown_timeout_s, "termination_grace_s": self.termination_grace_s,
+                "prestop_s": self.prestop_s}
 
     def _check_nodes(self) -> None:
         for name in ("node_gpus", "min_nodes", "node_failure_seed"):
@@ -305,7 +342,7 @@ class AutoscaleSpec:
             out["histogram_buckets"] = self.histogram_buckets
         if self.metrics_delay_s:
             out["metrics_delay_s"] = self.metrics_delay_s
-        return out | self.nodes_dict()
+        return out | self.nodes_dict() | self.shutdown_dict()
 
 
 def parse_pool(text: str, defaults: dict, flag: str) -> AutoscaleSpec:
@@ -380,6 +417,11 @@ class Autoscaler:
         self.failures: list[tuple[int, int]] = []  # (tick, slot) of the failures still to come (schedule_failures)
         self.node_failed: list[list[int]] = [[] for _ in range(n)]  # (each slot's node failures so far)
         self.restart = 0
+        # a scale-down's end (--shutdown-timeout): ticks from the drain to the pod's end (None: none),
+        # each slot's end while it drains, and the attempts it lost (of them, those not retried)
+        self.kill_after = None if spec.kill_after_s is None else to_ticks(spec.kill_after_s)
+        self.kill_at: list[int | None] = [None] * n
+        self.shutdown_lost = self.shutdown_failed = 0
         self.slot_gpus: list[tuple[int, str]] = []  # (GPUs, their kind) of each slot
 
     def schedule_failures(self, plan) -> None:
@@ -547,7 +589,8 @@ class Autoscaler:
         elif keep < have:
             keep = max(keep, self._limit(tick, have, up=False))
         if wanted > have:
-            for r in [r for r in range(spec.max_replicas) if r not in live][:wanted - have]:
+            for r in [r for r in range(spec.max_replicas) if r not in live and not self._ending(r, now[r])
+                      ][:wanted - have]:
                 self._start(r, tick, now[r])
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
                                 "in_flight": in_flight, "values": values})
@@ -561,6 +604,8 @@ class Autoscaler:
                     self._release(r, tick)
                 else:
                     self.draining_since[r] = tick
+                    if self.kill_after is not None:
+                        self._shut_down(r, tick + self.kill_after)
                 self.changes.append((tick, -1))
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "down", "replicas": keep,
                                 "in_flight": in_flight, "values": values})
@@ -600,10 +645,28 @@ class Autoscaler:
 
         return (self.spec.up_rules if up else self.spec.down_rules).limit(have, changes_within, up)
 
+    def _shut_down(self, r: int, at: int) -> None:
+        """Slot `r`, draining, ends at tick `at` whatever it still has in flight: its feed loses
+        those attempts then (their clients retry them through the router, or they fail)."""
+        self.kill_at[r] = at
+        self.engines[r].feed.shutdown(at)
+
+    def _ending(self, r: int, in_flight: int) -> bool:
+        """Slot `r` got its SIGTERM and still has requests in flight (`in_flight`, those lost at its
+        end included until then): that pod cannot take requests again, nor can the slot start a
+        new one yet."""
+        return self.kill_at[r] is not None and self.draining_since[r] is not None and in_flight > 0
+
+    def note_shutdown_abort(self, for_good: bool) -> None:
+        """An attempt lost at a scale-down's end (for good: its client does not retry it)."""
+        self.shutdown_lost += 1
+        self.shutdown_failed += for_good
+
     def _start(self, r: int, tick: int, in_flight: int) -> None:
         self.changes.append((tick, +1))  # (a replica more, for HPA's scaling policies, warm or not)
         drained = self.draining_since[r]
         self.draining_since[r] = None
+        self.kill_at[r] = None
         if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)
             return
         if drained is not None:  # (its last request finished before now: paid until then; a new pod)
@@ -689,6 +752,8 @@ class Autoscaler:
             "gpu_hours": sum(s * g for s, g in zip(seconds, gpus_per_slot)) / 3600.0,
             "gpu_hours_by_gpu": by_gpu,
             "fixed_fleet_gpu_hours": duration * sum(gpus_per_slot) / 3600.0,
+            **({"shutdown_requests_lost": self.shutdown_lost, "shutdown_requests_failed": self.shutdown_failed}
+               if self.kill_after is not None else {}),
             "new_pods": self.num_renewed,  # (slots started again after a drain: their prefix caches emptied)
             "held_requests": self.held,
             "mean_hold_s": self.held_ticks / self.held / TICKS_PER_SECOND if self.held else 0.0,
@@ -776,4 +841,14 @@ def describe(section: dict) -> str:
     return (f"{section['min_replicas']}-{section['max_replicas']} replicas ({aims(section)}, "
             f"cold start {section['cold_start_s']:g} s): {section['scale_ups']} up / {section['scale_downs']} down, "
             f"{section['mean_ready']:.2f} up on average (peak {section['peak_ready']}); "
-            f"{paid}, {section['fixed_fleet_gpu_hours']:.3f} for {section['max_replicas']} always up")
+            f"{paid}, {section['fixed_fleet_gpu_hours']:.3f} for {section['max_replicas']} always up{_ends(section)}")
+
+
+def _ends(section: dict) -> str:
+    """What scale-downs' ends lost (--shutdown-timeout), as a clause of `describe`."""
+    if "shutdown_requests_lost" not in section:
+        return ""
+    drain = min(section["prestop_s"] + section["shutdown_timeout_s"], section["termination_grace_s"])
+    return (f"; each scale-down ends its replica {drain:g} s on (--shutdown-timeout "
+            f"{section['shutdown_timeout_s']:g}), {section['shutdown_requests_lost']:,} requests lost so "
+            f"({section['shutdown_requests_failed']:,} for good)")

@@ -52,8 +52,11 @@ from simkv.replay.fleet import ReplicaFeed, row_of
 from simkv.replay.sessions import SessionFeed, SessionPacing
 from simkv.replay.step_log import RequestLog
 
-TTFT, E2E, FAILURE = 0, 1, 2  # which deadline a client missed (FAILURE: its replica failed, simkv/replay/failures.py)
-_KINDS = ("ttft", "e2e", "failure")
+# which deadline a client missed (FAILURE: its replica failed, simkv/replay/failures.py; SHUTDOWN:
+# a scale-down ended its replica, simkv/replay/autoscale.py's --shutdown-timeout)
+TTFT, E2E, FAILURE, SHUTDOWN = 0, 1, 2, 3
+_KINDS = ("ttft", "e2e", "failure", "shutdown")
+_LOST = (FAILURE, SHUTDOWN)  # (lost with their replica: "failed" unless retried)
 
 
 def check_supported(trace, config: EngineConfig) -> None:
@@ -99,7 +102,7 @@ class ClientDeadlines:
         self._live: dict[int, tuple[Request, int, int]] = {}  # row -> (its attempt in flight, sent at tick, number)
         self._deadlines: list[tuple[int, int, int, int]] = []  # (tick, row, attempt number, TTFT/E2E)
         self.attempts = attempts  # per row: attempts sent (a fleet's replicas share one array)
-        self.num_abandoned = [0, 0, 0]  # attempts given up on (and aborted), by the deadline missed
+        self.num_abandoned = [0, 0, 0, 0]  # attempts given up on (and aborted), by the deadline missed
         self.num_aborted_after_prefill = 0  # of them, those whose whole prompt had been computed
         self.abandoned_output_tokens = 0  # tokens the engine sampled for them (delivered or not)
         self.on_timed_out = None  # (the engine's progress callback)
@@ -218,7 +221,7 @@ class ClientDeadlines:
         if attempt < self.max_retries:
             self._resend(row, attempt + 1, at + self.backoff_ticks(row, attempt), now)
             return
-        if kind == FAILURE:
+        if kind in _LOST:
             self.request_log.fail(row)
         else:
             self.request_log.time_out(row)
@@ -417,6 +420,22 @@ class RoutedClients(ClientDeadlines):
             failure = self.next_failure(tick)
             if failure is not None:
                 heapq.heappush(self._resend_bounds, (failure + self.backoff_ticks(row, attempt), row, attempt, FAILURE))
+        if self.shutdown_at is not None:  # (sent before its replica's end, reaching it after: lost then)
+            self._lose_at(self.shutdown_at, row, attempt, request.may_resend)
+
+    shutdown_at: int | None = None  # (its replica's end after a scale-down: simkv/replay/autoscale.py)
+
+    def shutdown(self, at: int) -> None:
+        """A scale-down ends this replica at tick `at` (the drain that vLLM's --shutdown-timeout and
+        the pod's grace period allow): the attempts still in flight then are lost, as at a failure."""
+        self.shutdown_at = at
+        for row, (request, _, attempt) in self._live.items():
+            self._lose_at(at, row, attempt, request.may_resend)
+
+    def _lose_at(self, at: int, row: int, attempt: int, may_resend: bool) -> None:
+        heapq.heappush(self._deadlines, (at, row, attempt, SHUTDOWN))
+        if may_resend:
+            heapq.heappush(self._resend_bounds, (at + self.backoff_ticks(row, attempt), row, attempt, SHUTDOWN))
 
     def _finished_for_good(self, finished: list[Request], tick: int) -> None:
         """These attempts finished: their clients have them, and will not resend them."""
@@ -501,7 +520,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
                     row = entry
                     self._send(self.make_request(row), row, ticks[row], 0)
             else:
-                if self.failure_ticks or self._nodes_fail:  # (sent before a failure, reaching it after: lost)
+                if self.failure_ticks or self._nodes_fail or self.shutdown_at is not None:  # (sent before a
+                    # failure, reaching it after: lost)
                     self._expire(now, now)
                 return
             if sessions is not None:  # (this replica could now release the row's next turn)
@@ -540,6 +560,8 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         routing.note_aborted(self.replica, now)
         if kind == FAILURE:
             routing.failures.note_abort(self.replica, at, for_good=not request.may_resend)
+        elif kind == SHUTDOWN:
+            routing.autoscaler.note_shutdown_abort(for_good=not request.may_resend)
         if routing.sessions is not None:
             self.release_watch.finished([request])  # (it releases nothing here now)
         super()._give_up(row, request, attempt, at, kind, now)  # (a retry: first in the router's queue)
@@ -556,7 +578,7 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
     any: paced conversations end at a time-out, and the turns they never sent are counted)."""
     paced = isinstance(pacing, SessionPacing)
     status = requests["status"].to_numpy()
-    abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E, FAILURE)]
+    abandoned = [sum(f.num_abandoned[k] for f in feeds) for k in (TTFT, E2E, FAILURE, SHUTDOWN)]
     return {
         "ttft_timeout_s": sc.client_ttft_timeout_s, "timeout_s": sc.client_timeout_s,
         "max_retries": sc.client_max_retries, "retry_backoff_s": sc.client_retry_backoff_s,
@@ -564,11 +586,11 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
            if sc.client_retry_max_backoff_s is not None or sc.client_retry_jitter else {}),
         "attempts": int(attempts.sum()), "retries": int(np.maximum(attempts - 1, 0).sum()),
         "aborted": sum(abandoned),  # (by failures too, where a replica failed: simkv/replay/failures.py)
-        "aborted_by_deadline": {kind: n for kind, n in zip(_KINDS, abandoned) if kind != "failure" or n},
+        "aborted_by_deadline": {kind: n for k, (kind, n) in enumerate(zip(_KINDS, abandoned)) if k not in _LOST or n},
         "aborted_after_prefill": sum(f.num_aborted_after_prefill for f in feeds),
         "abandoned_output_tokens": int(sum(f.abandoned_output_tokens for f in feeds)),
         "timed_out_requests": int((status == "timed_out").sum()),
-        **({"failed_requests": int((status == "failed").sum())} if abandoned[FAILURE] else {}),
+        **({"failed_requests": int((status == "failed").sum())} if abandoned[FAILURE] or abandoned[SHUTDOWN] else {}),
         "finished_after_retries": int(((status == "finished") & (attempts > 1)).sum()),
     } | ({"abandoned_turns": int((status == "abandoned").sum())} if paced else {})
 

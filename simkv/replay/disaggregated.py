@@ -108,6 +108,9 @@ class DisaggregationSpec:
                                   "pool: MIN must be >= 1")
             if getattr(self, f"{pool}_class_replicas"):
                 raise ConfigError(f"{pool} pool: a class's own replicas are not modelled in a pool that scales")
+            if scaling.shutdown_timeout_s is not None:
+                raise ConfigError(f"{pool} pool: --shutdown-timeout is not modelled yet for a P/D pool that scales "
+                                  "(its replicas drain to their last request)")
             own = "ttft_" if pool == "prefill" else "itl_"  # (the latency each pool's replicas measure alone)
             latencies = [name for name, _ in scaling.latency_targets]
             if any(not name.startswith(own) for name in latencies):

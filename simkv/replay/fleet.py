@@ -80,8 +80,25 @@ class FleetRouting:
             nxt = self._arrival_ticks[i] if i < len(self._arrival_ticks) else None
         if self.clients is not None and self.clients.resends:
             resend = self.clients.resends[0][0]
-            return resend if nxt is None or resend < nxt else nxt
-        return nxt
+            nxt = resend if nxt is None or resend < nxt else nxt
+        decision = self._next_decision(nxt is not None)
+        return decision if decision is not None and (nxt is None or decision < nxt) else nxt
+
+    def _next_decision(self, routing_left: bool) -> int | None:
+        """An autoscaler whose scale-downs end replicas at a deadline (--shutdown-timeout) decides
+        at its own instants, while there is anything to route or in flight: a drain's end falls
+        then, not at the next arrival (None: it decides as arrivals are routed)."""
+        if not self._decides(routing_left):
+            return None
+        return self.autoscaler.next_eval
+
+    def _decides(self, routing_left: bool) -> bool:
+        """The autoscaler decides at its own instants (_next_decision), and the replay goes on:
+        anything to route, or anything in flight."""
+        scaler = self.autoscaler
+        if scaler is None or scaler.kill_after is None or not self.engines:
+            return False
+        return routing_left or any(self.loads_at(self.engines[0].env.now))
 
     def resend(self, row: int, attempt: int, tick: int) -> None:
         """A client gave up on `row`'s attempt and sends attempt number `attempt` at `tick`."""
@@ -184,6 +201,8 @@ class FleetRouting:
                     self._wake = None
                     self._wake_idle(engines, env.now)
                     continue
+            if self._decides(not self.all_routed):
+                self.autoscaler.advance(env.now, self.loads_at)  # (its decisions due by now: _next_decision)
             self.route_until(env.now)
             self._wake_idle(engines, env.now)
         for engine in engines:

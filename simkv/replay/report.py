@@ -127,6 +127,8 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     outcomes = {"finished": summary["num_finished"], "rejected": summary["num_rejected"]}
     if client:
         outcomes["timed out"] = client["timed_out_requests"]
+        if "failed_requests" in client:  # (lost with a replica that failed or ended, and not retried)
+            outcomes["failed"] = client["failed_requests"]
         if "abandoned_turns" in client:
             outcomes["abandoned"] = client["abandoned_turns"]
     if "turns_not_sent" in summary.get("session_pacing", {}):  # (the client stopped early)
