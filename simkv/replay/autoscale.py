@@ -36,6 +36,13 @@ scale-down may remove any number). It then wants:
   300 s) has been below what it has, it drains the highest slots that are up: they take no new
   requests, finish the ones they have, and are paid for until then. A drained slot that is
   started again before its last request finishes is still warm: it takes requests at once.
+  With `shutdown_timeout_s` (vLLM's --shutdown-timeout) a drained slot's pod ends
+  min(`prestop_s` + timeout, `termination_grace_s`) after the decision (its preStop hook, then
+  vLLM's drain after SIGTERM, within Kubernetes' grace period): what it still has in flight then
+  is lost (its feed aborts it, ReplicaClientFeed.shutdown; the clients retry it through the
+  router, or it is `failed`), and until then it cannot be started again (a new pod can, once
+  the old one is gone). The autoscaler then decides at its own instants, not as arrivals are
+  routed (FleetRouting._next_decision), so that a pod ends on time.
 With `scale_up_window_s` (HPA's scale-up stabilisation window, 0 by default) it starts only as
 many as the least wish over that window asked for. A drained slot started again after its last
 request is a new pod: its engine's GPU prefix cache starts empty, and a prefix-aware router
@@ -666,7 +673,9 @@ class Autoscaler:
         self.changes.append((tick, +1))  # (a replica more, for HPA's scaling policies, warm or not)
         drained = self.draining_since[r]
         self.draining_since[r] = None
-        self.kill_at[r] = None
+        if self.kill_at[r] is not None:  # (that pod ended: this one is new)
+            self.kill_at[r] = None
+            self.engines[r].feed.reopen()
         if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)
             return
         if drained is not None:  # (its last request finished before now: paid until then; a new pod)

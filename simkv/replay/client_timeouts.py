@@ -432,6 +432,10 @@ class RoutedClients(ClientDeadlines):
         for row, (request, _, attempt) in self._live.items():
             self._lose_at(at, row, attempt, request.may_resend)
 
+    def reopen(self) -> None:
+        """A new pod in its slot takes requests: none is lost at the old one's end."""
+        self.shutdown_at = None
+
     def _lose_at(self, at: int, row: int, attempt: int, may_resend: bool) -> None:
         heapq.heappush(self._deadlines, (at, row, attempt, SHUTDOWN))
         if may_resend:

@@ -67,6 +67,10 @@ NODE_METRICS: dict[str, tuple[str, ...]] = {"node_idle_share": ("fleet", "autosc
 # no retry saved
 FAILURE_METRICS: dict[str, tuple[str, ...]] = {"requests_lost": ("fleet", "failures", "requests_lost"),
                                                "requests_failed": ("fleet", "failures", "requests_failed")}
+# with scale-downs that end their replicas in some cell (shutdown_timeout): the requests they lost
+SHUTDOWN_METRICS: dict[str, tuple[str, ...]] = {
+    "shutdown_requests_lost": ("fleet", "autoscaling", "shutdown_requests_lost"),
+    "shutdown_requests_failed": ("fleet", "autoscaling", "shutdown_requests_failed")}
 # with --gpu-price (simkv sweep): what each cell's traffic cost on its setup
 COST_METRICS: dict[str, tuple[str, ...]] = {"usd_spent": ("cost", "usd_spent"),
                                             "usd_per_1m_output_tokens": ("cost", "usd_per_1m_output_tokens")}
@@ -92,7 +96,7 @@ def metric_columns(rows: list[dict]) -> list[str]:
     """The metric columns the rows have (the goodput ones only when a cell was judged on SLOs,
     the offloading ones only when a cell offloads)."""
     named = [c for c in (*METRICS, *GOODPUT_METRICS, *OFFLOAD_METRICS, *AUTOSCALE_METRICS, *NODE_METRICS,
-                         *FAILURE_METRICS, *COST_METRICS) if rows and c in rows[0]]
+                         *FAILURE_METRICS, *SHUTDOWN_METRICS, *COST_METRICS) if rows and c in rows[0]]
     return named + [c for c in (rows[0] if rows else ()) if ":" in c]
 
 
@@ -118,6 +122,9 @@ def build_rows(cells: list[Cell], outcomes: dict[str, dict], swept_keys: list[st
         metrics |= NODE_METRICS
     if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("fleet", "failures")) for c in cells):
         metrics |= FAILURE_METRICS
+    if any(_get((outcomes.get(c.cell_id) or {}).get("summary") or {}, ("fleet", "autoscaling", "shutdown_timeout_s"))
+           is not None for c in cells):
+        metrics |= SHUTDOWN_METRICS
     if any("cost" in ((outcomes.get(c.cell_id) or {}).get("summary") or {}) for c in cells):
         metrics |= COST_METRICS
     metrics |= _class_metrics(cells, outcomes)
@@ -187,7 +194,8 @@ def to_arrow(rows: list[dict], swept_keys: list[str]) -> pa.Table:
         elif col in swept_keys:
             typ = _key_type(values)
         elif col in METRICS or col in GOODPUT_METRICS or col in OFFLOAD_METRICS or col in AUTOSCALE_METRICS \
-                or col in NODE_METRICS or col in FAILURE_METRICS or col in COST_METRICS or ":" in col:  # (":": a request class's)
+                or col in NODE_METRICS or col in FAILURE_METRICS or col in SHUTDOWN_METRICS or col in COST_METRICS \
+                or ":" in col:  # (":": a request class's)
             typ = pa.float64()
         else:
             typ = pa.string()
