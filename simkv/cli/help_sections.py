@@ -56,7 +56,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "scale_up_window_s", "autoscale_latency_window_s", "scale_up_policy", "scale_down_policy",
         "autoscale_histogram_buckets", "autoscale_metrics_delay_s", "autoscale_latency_target_type", "node_gpus",
         "node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s", "min_nodes",
-        "node_placement", "node_mtbf_s", "node_failure_seed", "shutdown_timeout", "termination_grace_s", "prestop_s", "replica_failures", "restart_s", "replica_mtbf_s", "failure_seed",
+        "node_placement", "node_mtbf_s", "node_failure_seed", "node_reclaim_notice_s", "shutdown_timeout", "termination_grace_s", "prestop_s", "replica_failures", "restart_s", "replica_mtbf_s", "failure_seed",
         "prefill_replicas", "decode_replicas", "prefill_autoscale", "decode_autoscale", "prefill_sets",
         "decode_sets", "prefill_router", "decode_router", "kv_link_gbps", "kv_link_latency_ms", "handoff_ms",
         "kv_abort_timeout_s", "encode_replicas", "encode_router", "encode_sets", "ec_store_gbs",

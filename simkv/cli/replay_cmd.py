@@ -389,6 +389,11 @@ def fleet_options(command):
                      help="With --node-gpus: nodes fail (spot reclaims, lost hosts), each S seconds after it was "
                           "made on average (drawn, seeded by --node-failure-seed): their replicas' requests are "
                           "lost (retried with --client-max-retries) and they start again elsewhere [default: never]."),
+        click.option("--node-reclaim-notice-s", type=float, default=None, metavar="S",
+                     help="With --node-mtbf-s: each failure is known S seconds before (a spot reclaim's notice: 120 "
+                          "on AWS, 30 on GCP): the node is cordoned, its replicas replaced elsewhere at once and "
+                          "each old one runs what it has until the failure (or its --shutdown-timeout) "
+                          "[default: 0: no warning]."),
         click.option("--node-failure-seed", type=int, default=None, metavar="N",
                      help="With --node-mtbf-s: the seed of its draws [default: 0]."),
         click.option("--node-placement", type=click.Choice(("pack", "spread")), default=None,

@@ -94,7 +94,8 @@ SETTINGS = {"autoscale_metric": "metric", "autoscale_target": "target", "autosca
             "node_provision_s": "node_provision_s", "node_image_pull_s": "node_image_pull_s",
             "node_unneeded_s": "node_unneeded_s", "node_delay_after_add_s": "node_delay_after_add_s",
             "min_nodes": "min_nodes", "node_placement": "node_placement", "node_mtbf_s": "node_mtbf_s",
-            "node_failure_seed": "node_failure_seed", "shutdown_timeout": "shutdown_timeout_s",
+            "node_failure_seed": "node_failure_seed", "node_reclaim_notice_s": "node_reclaim_notice_s",
+            "shutdown_timeout": "shutdown_timeout_s",
             "termination_grace_s": "termination_grace_s", "prestop_s": "prestop_s"}
 # (the others are numbers)
 TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "autoscale_histogram_buckets",
@@ -104,7 +105,7 @@ TEXT_SETTINGS = ("autoscale_metric", "scale_up_policy", "scale_down_policy", "au
 LATENCY_TARGET_TYPES = {"value": "Value", "averagevalue": "AverageValue"}
 # the cluster's nodes under the replicas (simkv/replay/autoscale_nodes.py): one set for both P/D pools
 NODE_SETTINGS = ("node_gpus", "node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s",
-                 "min_nodes", "node_placement", "node_mtbf_s", "node_failure_seed")
+                 "min_nodes", "node_placement", "node_mtbf_s", "node_failure_seed", "node_reclaim_notice_s")
 
 # Each metric: its default target per replica, and how a line names it.
 METRICS = {"in_flight": (8.0, "in flight"), "running": (8.0, "running"), "waiting": (5.0, "waiting"),
@@ -142,6 +143,7 @@ class AutoscaleSpec:
     node_placement: str = "pack"
     node_mtbf_s: float | None = None  # nodes that fail: their mean time between failures (None: never)
     node_failure_seed: int = 0
+    node_reclaim_notice_s: float = 0.0  # the warning before a node fails (a spot reclaim's: 120 s on AWS)
     # a scale-down's end (simkv/replay/autoscale_shutdown.py): vLLM's --shutdown-timeout (None: a drain
     # to the last request), Kubernetes' terminationGracePeriodSeconds and a preStop hook's sleep
     shutdown_timeout_s: float | None = None
@@ -236,7 +238,8 @@ class AutoscaleSpec:
             if not (float(value).is_integer() and value >= 0):
                 raise AutoscaleError(f"--{name.replace('_', '-')} must be a whole number >= 0, got {value}")
             object.__setattr__(self, name, int(value))
-        for name in ("node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s"):
+        for name in ("node_provision_s", "node_image_pull_s", "node_unneeded_s", "node_delay_after_add_s",
+                     "node_reclaim_notice_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise AutoscaleError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value}")
@@ -247,6 +250,8 @@ class AutoscaleSpec:
             object.__setattr__(self, "node_mtbf_s", float(self.node_mtbf_s))
             if self.min_replicas == 0:
                 raise AutoscaleError("--node-mtbf-s is not modelled yet in a fleet that scales to zero")
+        if self.node_reclaim_notice_s and self.node_mtbf_s is None:
+            raise AutoscaleError("--node-reclaim-notice-s warns of a node's failure: give --node-mtbf-s too")
         placement = str(self.node_placement).strip().lower()
         if placement not in PLACEMENTS:
             raise AutoscaleError(f"--node-placement {self.node_placement!r}: expected one of {', '.join(PLACEMENTS)}")
@@ -261,7 +266,8 @@ class AutoscaleSpec:
         """The node settings (none without node_gpus, unless `every`)."""
         if not (self.node_gpus or every):
             return {}
-        return {name: getattr(self, name) for name in NODE_SETTINGS}
+        return {name: getattr(self, name) for name in NODE_SETTINGS
+                if every or name != "node_reclaim_notice_s" or self.node_reclaim_notice_s}
 
     @property
     def latency_targets(self) -> tuple[tuple[str, float], ...]:
@@ -422,7 +428,10 @@ class Autoscaler:
         self.nodes = NodePool(spec) if spec.node_gpus else None
         self.pool = "fleet"
         self.failures: list[tuple[int, int]] = []  # (tick, slot) of the failures still to come (schedule_failures)
-        self.node_failed: list[list[int]] = [[] for _ in range(n)]  # (each slot's node failures so far)
+        # each slot's node failures so far: (the first tick a request sent to it escapes, the tick
+        # those sent before are lost)
+        self.node_failed: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.not_before = [0] * n  # (an evicted pod's end: its slot's replacement is ready after it)
         self.restart = 0
         # a scale-down's end (--shutdown-timeout): ticks from the drain to the pod's end (None: none),
         # each slot's end while it drains, and the attempts it lost (of them, those not retried)
@@ -517,6 +526,8 @@ class Autoscaler:
                 break
             if kind == 0:
                 self._fail(*failures.pop(0))
+            elif kind == 1 and nodes.due_notice(node):
+                self._node_notice(at, node)
             elif kind == 1:
                 self._node_fails(at, node)
             else:
@@ -531,19 +542,37 @@ class Autoscaler:
         """Node `i` fails at `tick` (simkv/replay/autoscale_nodes.py): its replicas' requests are
         lost (their feeds'), a draining one ends, the others start again as new pods, placed anew."""
         for pool, r in self.nodes.fail(i, tick):
-            self.node_failed[r].append(tick)
+            self.node_failed[r].append((tick + 1, tick))
             if self.draining_since[r] is not None:  # (gone with its node: paid until now)
                 self.paid[r][-1] = (self.paid[r][-1][0], tick)
                 self.ready_at[r] = self.draining_since[r] = None
             else:  # (a new pod, from its cold start)
-                self.ready_at[r] = self.nodes.place((pool, r), *self.slot_gpus[r], tick) + self.cold_start
+                placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
+                self.ready_at[r] = max(placed + self.cold_start, self.not_before[r])
                 self._renew(r)
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_failure", "replica": r})
         self._mark(tick)
 
+    def _node_notice(self, tick: int, i: int) -> None:
+        """Node `i` is warned at `tick` of its failure (simkv/replay/autoscale_nodes.py): its
+        replicas are evicted. Each ends when the node loses them (its feed loses what it still
+        runs then); one that was draining just does, the others are replaced at once by a new
+        pod placed elsewhere, ready after its cold start and not before the old one's end."""
+        loses = self.nodes.nodes[i].loses_at
+        for pool, r in self.nodes.cordon(i, tick):
+            self.node_failed[r].append((tick, loses))  # (sent from now: to its replacement)
+            self.not_before[r] = max(self.not_before[r], loses + 1)
+            if self.draining_since[r] is None:
+                placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
+                self.ready_at[r] = max(placed + self.cold_start, self.not_before[r])
+                self._renew(r)
+            self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_notice", "replica": r,
+                                "ends_s": loses / TICKS_PER_SECOND})
+        self._mark(tick)
+
     def node_failure_after(self, r: int, tick: int) -> int | None:
         """The first failure, at or after `tick`, of a node under slot `r` (None: none known)."""
-        past = next((f for f in self.node_failed[r] if f >= tick), None)
+        past = next((lost for since, lost in self.node_failed[r] if tick < since), None)
         if past is not None or self.nodes is None:
             return past
         ahead = self.nodes.failure_of((self.pool, r))
@@ -596,7 +625,7 @@ class Autoscaler:
         elif keep < have:
             keep = max(keep, self._limit(tick, have, up=False))
         if wanted > have:
-            for r in [r for r in range(spec.max_replicas) if r not in live and not self._ending(r, now[r])
+            for r in [r for r in range(spec.max_replicas) if r not in live and not self._ending(r, now[r], tick)
                       ][:wanted - have]:
                 self._start(r, tick, now[r])
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "up", "replicas": wanted,
@@ -658,11 +687,12 @@ class Autoscaler:
         self.kill_at[r] = at
         self.engines[r].feed.shutdown(at)
 
-    def _ending(self, r: int, in_flight: int) -> bool:
-        """Slot `r` got its SIGTERM and still has requests in flight (`in_flight`, those lost at its
-        end included until then): that pod cannot take requests again, nor can the slot start a
-        new one yet."""
-        return self.kill_at[r] is not None and self.draining_since[r] is not None and in_flight > 0
+    def _ending(self, r: int, in_flight: int, tick: int) -> bool:
+        """Slot `r`, draining, got its SIGTERM (a scale-down's end, or its node's notice) and still
+        has requests in flight at `tick` (`in_flight`, those lost at its end included until then):
+        that pod cannot take requests again, nor can the slot start a new one yet."""
+        ends = self.kill_at[r] is not None or self.not_before[r] > tick
+        return ends and self.draining_since[r] is not None and in_flight > 0
 
     def note_shutdown_abort(self, for_good: bool) -> None:
         """An attempt lost at a scale-down's end (for good: its client does not retry it)."""

@@ -38,7 +38,13 @@ provisioning, at an instant drawn from an exponential of that mean (seeded by
 then); its replicas' requests in flight are lost (simkv/replay/failures.py: retried through the
 router with --client-max-retries), a replica that was draining ends, and the others start again
 as new pods placed as above (a cold start, on a new node if none has room); a kept node is
-replaced by a new one. Not modelled: a reclaim's notice (a drain before the kill).
+replaced by a new one. With `node_reclaim_notice_s` N (a spot reclaim's warning: two minutes
+on AWS, 30 s on GCP and Azure) the cluster learns of the failure N seconds before it: the node is
+cordoned and its replicas evicted then, as a node termination handler does: each takes no new
+request and runs what it has until its end (a scale-down's: `shutdown_timeout_s` within the
+grace period, simkv/replay/autoscale.py; at the latest the failure), losing what is left then,
+while its replacement is placed at once elsewhere and takes requests after its cold start
+(not before the old pod's end: one engine stands for the slot).
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ class Node:
     removed: int | None = None
     image_at: int | None = None  # (the tick its image is pulled by; None: never pulled)
     fails_at: int | None = None  # (node_mtbf_s: the tick it fails)
+    notice_at: int | None = None  # (node_reclaim_notice_s: the tick it is warned of that, and cordoned)
+    loses_at: int | None = None  # (the tick its replicas lose what they still run: fails_at, or their end)
+    noticed: bool = False
 
     @property
     def free(self) -> int:
@@ -88,12 +97,19 @@ class NodePool:
         self.waits: list[int] = []  # ticks each placed replica waited for its node to be ready
         self.mtbf_s = spec.node_mtbf_s  # (nodes that fail: each one's failure drawn when it is made)
         self._rng = np.random.default_rng(spec.node_failure_seed) if self.mtbf_s else None
+        self.notice = to_ticks(spec.node_reclaim_notice_s)
+        self.kill_after = None if spec.kill_after_s is None else to_ticks(spec.kill_after_s)
         self.num_failed = 0
 
     def _node(self, kind: str, start: int, ready: int, kept: bool = False, image_at: int | None = None) -> Node:
         node = Node(kind, self.gpus, start, ready, kept=kept, empty_since=0 if kept else None, image_at=image_at)
         if self._rng is not None:
             node.fails_at = start + max(1, to_ticks(float(self._rng.exponential(self.mtbf_s))))
+            node.loses_at = node.fails_at
+            if self.notice:  # (its pods evicted at the notice: each ends as a scale-down's would, by the failure)
+                node.notice_at = max(start, node.fails_at - self.notice)
+                if self.kill_after is not None:
+                    node.loses_at = min(node.fails_at, node.notice_at + self.kill_after)
         self.nodes.append(node)
         return node
 
@@ -111,7 +127,8 @@ class NodePool:
         (ready, with the image pulled). `initial`: one of the MIN replicas, up from the start (a
         new node for it is ready at once, with the image)."""
         self.collect(tick)
-        live = [(i, n) for i, n in enumerate(self.nodes) if n.removed is None and n.kind == kind and n.free >= gpus]
+        live = [(i, n) for i, n in enumerate(self.nodes)
+                if n.removed is None and not n.noticed and n.kind == kind and n.free >= gpus]
         ready = [(i, n) for i, n in live if n.ready <= tick]
         if ready:
             sign = 1 if self.spec.node_placement == "pack" else -1
@@ -150,14 +167,33 @@ class NodePool:
         return key in self.held
 
     def failure_of(self, key) -> int | None:
-        """When the node under replica `key` fails (None: it holds no node, or nodes never fail)."""
+        """When replica `key` loses what it runs with its node's failure (None: it holds no node,
+        or nodes never fail)."""
         held = self.held.get(key)
-        return self.nodes[held[0]].fails_at if held is not None else None
+        return self.nodes[held[0]].loses_at if held is not None else None
 
     def next_failure(self) -> tuple[int, int] | None:
-        """(tick, node index) of the next node to fail (None: none will)."""
-        return min(((n.fails_at, i) for i, n in enumerate(self.nodes)
-                    if n.removed is None and n.fails_at is not None), default=None)
+        """(tick, node index) of the next node to be warned of its failure (node_reclaim_notice_s)
+        or to fail (None: none will); `noticed` tells which."""
+        return min(((n.fails_at if n.noticed or n.notice_at is None else n.notice_at, i)
+                    for i, n in enumerate(self.nodes) if n.removed is None and n.fails_at is not None), default=None)
+
+    def due_notice(self, i: int) -> bool:
+        """Node `i`'s next event (next_failure) is its notice, not its failure."""
+        node = self.nodes[i]
+        return node.notice_at is not None and not node.noticed
+
+    def cordon(self, i: int, tick: int) -> list:
+        """Node `i` is warned at `tick` that it will fail: nothing more is placed on it and its
+        replicas are evicted (to be placed elsewhere); their keys, their GPUs free."""
+        node = self.nodes[i]
+        node.noticed = True
+        keys = list(node.pods)
+        for key in keys:
+            self._unhold(key, tick)
+        if not node.pods and not node.kept:
+            node.empty_since = max(tick, node.ready)
+        return keys
 
     def fail(self, i: int, tick: int) -> list:
         """Node `i` fails at `tick`: gone (a kept one replaced by a new node); the keys of the
@@ -224,6 +260,7 @@ class NodePool:
                 "min_nodes": spec.min_nodes, "placement": spec.node_placement,
                 **({"mtbf_s": spec.node_mtbf_s, "failure_seed": spec.node_failure_seed, "nodes_failed": self.num_failed}
                    if self.mtbf_s else {}),
+                **({"reclaim_notice_s": spec.node_reclaim_notice_s} if self.notice else {}),
                 "nodes_at_start": sum(1 for n in self.nodes if n.start == 0 and n.ready == 0),
                 "nodes_added": len(self.added),
                 "nodes_removed": sum(gone),

@@ -313,7 +313,7 @@ class FleetRouting:
     @staticmethod
     def _wake_at(engine, tick: int):
         """Scale to zero: the replica a held request waits for takes it once it is ready."""
-        yield engine.env.timeout(tick - engine.env.now)
+        yield engine.env.timeout(max(0, tick - engine.env.now))  # (a retry routed late: ready already)
         if engine.idle:
             engine.wake(tick)
 

@@ -298,3 +298,54 @@ def test_a_failed_nodes_replicas_lose_their_requests_and_start_again(retries):
         assert later.empty or later["first_scheduled_time_s"].min() >= t + 20.0
     again = replay(bursts(), config, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
     pd.testing.assert_frame_equal(requests, again.requests)
+
+
+def test_a_nodes_reclaim_notice_cordons_it_and_bounds_its_replicas_end():
+    """--node-reclaim-notice-s: the node is warned that long before its failure (not before it
+    was made): nothing more is placed on it, its replicas leave it then, and they lose what they
+    run at the failure, or at a scale-down's end (--shutdown-timeout) if sooner."""
+    def drawn(**settings):
+        nodes = pool(node_mtbf_s=100.0, node_failure_seed=1, node_provision_s=10, node_reclaim_notice_s=30,
+                     **settings)
+        nodes.check(("fleet", 0), 2, "H100")
+        nodes.place(("fleet", 0), 2, "H100", 0, initial=True)
+        return nodes
+    nodes = drawn()
+    node = nodes.nodes[0]
+    assert node.notice_at == max(0, node.fails_at - 30 * S) and node.loses_at == node.fails_at
+    assert nodes.next_failure() == (node.notice_at, 0) and nodes.due_notice(0)
+    assert nodes.failure_of(("fleet", 0)) == node.fails_at
+    assert nodes.cordon(0, node.notice_at) == [("fleet", 0)] and not nodes.holds(("fleet", 0))
+    assert nodes.next_failure() == (node.fails_at, 0) and not nodes.due_notice(0)
+    nodes.place(("fleet", 0), 2, "H100", node.notice_at)  # (elsewhere: a new node)
+    assert nodes.held[("fleet", 0)][0] == 1 and nodes.nodes[1].start == node.notice_at
+    bounded = drawn(shutdown_timeout_s=5.0).nodes[0]
+    assert bounded.loses_at == min(bounded.fails_at, bounded.notice_at + 5 * S)
+    with pytest.raises(AutoscaleError, match="give --node-mtbf-s too"):
+        AutoscaleSpec(1, 2, node_gpus=2, node_reclaim_notice_s=30)
+
+
+@pytest.mark.parametrize("shutdown_timeout_s", [None, 0.0])
+def test_a_reclaim_notice_replaces_the_replicas_before_their_node_fails(shutdown_timeout_s):
+    """With a 60 s notice the evicted replicas take no request from the notice on, their
+    replacements none before their cold start nor before the old pod's end; what is lost was
+    sent before a notice, to a replica it evicted. With vLLM's default --shutdown-timeout 0 the
+    old pods end at the notice itself."""
+    spec = AutoscaleSpec(1, 4, target=8, interval_s=15, cold_start_s=20, scale_down_window_s=120, node_gpus=2,
+                         node_provision_s=30, node_mtbf_s=200.0, node_failure_seed=3, node_reclaim_notice_s=60,
+                         **({} if shutdown_timeout_s is None else {"shutdown_timeout_s": shutdown_timeout_s}))
+    result = replay(bursts(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec))
+    scaling, requests = result.summary["fleet"]["autoscaling"], result.requests
+    notices = [(e["time_s"], e["replica"], e["ends_s"]) for e in scaling["events"] if e["action"] == "node_notice"]
+    assert len(notices) >= 2 and scaling["nodes"]["reclaim_notice_s"] == 60.0
+    assert not [e for e in scaling["events"] if e["action"] == "node_failure"]  # (every replica left at its notice)
+    for t, r, ends in notices:
+        assert ends == t if shutdown_timeout_s == 0.0 else ends > t
+        later = requests[(requests["replica"] == r) & (requests["arrival_time_s"] >= t)]
+        assert later.empty or later["first_scheduled_time_s"].min() >= max(t + 20.0, ends)
+    failed = requests[requests["status"] == "failed"]
+    assert len(failed) == scaling["nodes"]["requests_lost"]
+    for _, row in failed.iterrows():
+        assert any(r == row["replica"] and row["arrival_time_s"] < t for t, r, _ in notices)
+    if shutdown_timeout_s == 0.0:
+        assert len(failed) > 0
