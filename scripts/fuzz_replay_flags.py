@@ -37,7 +37,8 @@ def _node_flags(r: random.Random) -> list[str]:
             "--node-image-pull-s", r.choice(["0", "3"]),
             "--node-unneeded-s", r.choice(["0", "5"]), "--node-delay-after-add-s", r.choice(["0", "3"]),
             *r.choice([[], ["--min-nodes", "1"], ["--node-placement", "spread"]]),
-            *r.choice([[], [], ["--node-mtbf-s", r.choice(["5", "30"]), "--client-max-retries", "1"]])]
+            *r.choice([[], [], ["--node-mtbf-s", r.choice(["5", "30"]), "--client-max-retries", "1",
+                                *r.choice([[], ["--node-reclaim-notice-s", r.choice(["2", "20"])]])]])]
 
 
 OPTIONS = [
@@ -84,6 +85,8 @@ OPTIONS = [
                       *r.choice([[], ["--scale-up-window-s", r.choice(["0", "10"])]]),
                       *r.choice([[], [], ["--autoscale-metrics-delay-s", r.choice(["2", "20"])]]),
                       *r.choice([[], [], _node_flags(r)]),
+                      *r.choice([[], [], ["--shutdown-timeout", r.choice(["0", "2"]),
+                                          *r.choice([[], ["--termination-grace-s", "1", "--prestop-s", "0.5"]])]]),
                       *r.choice([[], ["--scale-up-policy", r.choice(["pods=1/5", "percent=50/10,select=min", "disabled"])],
                                  ["--scale-down-policy", r.choice(["pods=1/5", "percent=10/20;pods=2/5", "disabled"])]])]),
     (0.12, lambda r: r.choice([["--prefill-replicas", r.choice(["1", "2"]), "--decode-replicas", "1"],

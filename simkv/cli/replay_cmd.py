@@ -1045,9 +1045,8 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
     if disaggregation is not None:
         check_pools(disaggregation, config)
     if prices:
-        if backend == "gpu" or encode is not None:
-            raise click.UsageError("--gpu-price prices simulated replays without --encode-replicas (the encoder "
-                                   "pool's GPUs are not costed yet)")
+        if backend == "gpu":
+            raise click.UsageError("--gpu-price prices simulated replays")
         missing = SetupGPUs.of(config, fleet, disaggregation).unpriced(prices)
         if missing:
             raise click.BadParameter(f"no price for {', '.join(missing)}, which this setup runs on (give "
@@ -1095,7 +1094,7 @@ def replay_cmd(trace: str, out_dir: str, config_file: str | None, vllm_bench: st
             raise click.ClickException(str(exc)) from None
     if prices:  # (what the traffic cost on this setup)
         result.summary["cost"] = replay_cost(result.summary, replay_gpu_hours(result.summary, config, fleet,
-                                                                              disaggregation), prices)
+                                                                              disaggregation, encode), prices)
     save(result, out_dir)
     requests = result.requests  # (those refused by the admission control have their own row; a retried 503 is no rejection)
     rejected = int(((requests["status"] == "rejected") & (requests["prompt_tokens"] >= config.max_model_len)).sum())

@@ -271,7 +271,7 @@ def sweep_cmd(traces: tuple[str, ...], grids: tuple[str, ...], sets: tuple[str, 
                    f"Wrote {out / 'sweep.parquet'}, {out / 'sweep.md'}, {out / 'plots.html'}")
     unpriced = sum(1 for row in result.rows if prices and row["status"] == "ok" and row.get("usd_spent") is None)
     if unpriced:
-        click.echo(f"warning: {unpriced} cells not costed: a GPU without a --gpu-price, or encoder replicas", err=True)
+        click.echo(f"warning: {unpriced} cells not costed: a GPU without a --gpu-price", err=True)
     if result.failed:
         for row in result.failed:
             click.echo(f"cell {row['cell']} failed ({out / 'cells' / row['cell_id'] / 'error.txt'}): {row['error']}",

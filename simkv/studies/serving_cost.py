@@ -159,14 +159,19 @@ def describe(cost: dict) -> str:
     return text
 
 
-def replay_gpu_hours(summary: dict, config, fleet=None, disaggregation=None) -> dict[str, float]:
+def replay_gpu_hours(summary: dict, config, fleet=None, disaggregation=None, encode=None) -> dict[str, float]:
     """The GPU-hours a replay's setup paid, per GPU kind: an autoscaled fleet's or P/D pools'
-    (their replicas', or their nodes'), else every GPU of the setup from the start to the end."""
-    scaled = (summary.get("fleet") or {}).get("autoscaling") or (summary.get("disaggregation") or {}).get("autoscaling")
-    if scaled:
-        return dict(scaled["gpu_hours_by_gpu"])
+    (their replicas', or their nodes'), else every GPU of the setup from the start to the end;
+    and an encode pool's (`encode`, an EncodeSpec: its replicas up from the start to the end)."""
     hours = summary["duration_s"] / 3600.0
-    return {gpu: count * hours for gpu, count in SetupGPUs.of(config, fleet, disaggregation).kinds()}
+    scaled = (summary.get("fleet") or {}).get("autoscaling") or (summary.get("disaggregation") or {}).get("autoscaling")
+    paid = dict(scaled["gpu_hours_by_gpu"]) if scaled else {
+        gpu: count * hours for gpu, count in SetupGPUs.of(config, fleet, disaggregation).kinds()}
+    if encode is not None:
+        encoder = encode.encode_config(config)
+        gpu = encoder.hardware.gpu
+        paid[gpu] = paid.get(gpu, 0.0) + encode.num_encode * engine_gpus(encoder) * hours
+    return paid
 
 
 def replay_cost(summary: dict, gpu_hours_by_gpu: dict[str, float], prices: dict[str, float]) -> dict:

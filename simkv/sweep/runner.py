@@ -79,22 +79,20 @@ def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, exe
 
 def _priced(outcome: dict, cells: list[Cell], prices: dict[str, float]) -> dict:
     """A finished cell's outcome with its summary's `cost` (simkv replay --gpu-price's); a cell
-    with encoder replicas, or a GPU without a price, is not costed."""
+    on a GPU without a price is not costed."""
     from simkv.config import EngineConfig
     from simkv.studies.serving_cost import PriceError, replay_cost, replay_gpu_hours
-    from simkv.sweep.grid import ENCODE_KEYS
-    from simkv.sweep.worker import pool_specs
+    from simkv.sweep.worker import encode_spec, pool_specs
 
     if outcome["status"] != "ok":
         return outcome
     cell = next(c for c in cells if c.cell_id == outcome["cell_id"])
     fleet = dict(cell.fleet)
-    if fleet.get("encode_replicas"):
-        return outcome
-    fleet = {k: v for k, v in fleet.items() if k not in ENCODE_KEYS}
     summary = outcome["summary"]
     try:
-        hours = replay_gpu_hours(summary, EngineConfig.from_flat(dict(cell.options)), *pool_specs(fleet))
+        config = EngineConfig.from_flat(dict(cell.options))
+        encode = encode_spec(fleet, config)  # (taken out of the cell's keys)
+        hours = replay_gpu_hours(summary, config, *pool_specs(fleet), encode)
         cost = replay_cost(summary, hours, prices)
     except PriceError:
         return outcome

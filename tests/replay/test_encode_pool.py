@@ -201,3 +201,20 @@ def test_a_sweep_grids_the_encode_pool(tmp_path: Path):
     pooled = frame.loc[frame["encode_replicas"] == 1, "ttft_p50_s"].item()
     alone = frame.loc[frame["encode_replicas"] == 0, "ttft_p50_s"].item()
     assert pooled > alone  # (the encode instance's step, the store and the proxy's hop come first)
+
+
+def test_gpu_prices_cost_the_encode_pool_too(tmp_path: Path):
+    """`--gpu-price` with `--encode-replicas`: the encode instances' GPUs are paid from the start to
+    the end beside the engine's, each kind at its price."""
+    path = tmp_path / "t.parquet"
+    write_trace(_trace([1, 2]), path)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["replay", str(path), "--model", "qwen2.5-vl-7b", "--max-model-len", "8192",
+                                       "--quiet", "--out", str(out), "--encode-replicas", "2", "--encode-set",
+                                       "gpu=H200", "--gpu-price", "H100-SXM=2", "--gpu-price", "H200=3"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    hours = summary["duration_s"] / 3600
+    assert {k["gpu"]: k["gpu_hours"] for k in summary["cost"]["kinds"]} == pytest.approx(
+        {"H100-SXM": hours, "H200": 2 * hours})
+    assert summary["cost"]["usd_spent"] == pytest.approx(2 * hours + 3 * 2 * hours)
