@@ -446,14 +446,6 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     failures = None
     if fleet.loses_requests:  # (lost requests' clients: FailurePlan counts what failures lose)
         from simkv.replay.failures import FailurePlan, FailureSpec
-        from simkv.replay.sessions import paces
-
-        if paces(trace, config.scheduler):
-            raise ValueError("failures (--replica-failure, --node-mtbf-s) and --shutdown-timeout are not modelled "
-                             "yet with paced requests "
-                             "(session pacing: "
-                             "--no-session-pacing replays the turns open loop; --client-max-concurrency and the "
-                             "like)")
         arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
         span = float(arrivals.max()) if len(arrivals) else 0.0  # (random failures over the arrivals)
         given = fleet.failures if fleet.failures is not None else FailureSpec(())  # (nodes' failures, or none)

@@ -24,7 +24,10 @@ ends, and a slot that is down loses nothing; with no slot up, requests wait for 
 ready, as a fleet scaled to zero holds them.
 
 Modelled for fleets of simulated replicas (`--replicas N`, fixed or autoscaled); not yet for P/D
-pools, data-parallel ranks, encoder replicas or paced requests.
+pools, data-parallel ranks or encoder replicas. Paced requests (conversations paced on their
+replies, a client's concurrency limit) are: a turn lost for good ends its conversation, as a
+time-out does, and frees its client's slot; drawn failures fall within the trace's arrival span,
+which a paced replay may outrun.
 """
 
 from __future__ import annotations

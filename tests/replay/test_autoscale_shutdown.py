@@ -139,3 +139,18 @@ def test_a_sweep_grids_the_shutdown_timeout(tmp_path):
     assert [(r["shutdown_requests_lost"], r["shutdown_requests_failed"]) for r in rows] == [
         (None, None), (direct["shutdown_requests_lost"], direct["shutdown_requests_failed"])]
     assert rows[1]["shutdown_requests_lost"] > 0
+
+
+def test_scale_down_ends_under_paced_conversations():
+    """Conversations paced on their replies: a scale-down that ends its replica at once ends the
+    conversations whose turns it lost (no retries); decode runs change no byte."""
+    from tests.replay.test_client_timeouts import _conversations
+
+    spec = AutoscaleSpec(1, 3, target=4, interval_s=5, cold_start_s=5, scale_down_window_s=10, shutdown_timeout_s=0)
+    fleet = FleetSpec(3, "least_outstanding", autoscale=spec)
+    runs = [replay(_conversations(400, 20.0), CONFIG, fleet=fleet, use_decode_runs=flag) for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    status = runs[0].requests["status"].value_counts()
+    lost = runs[0].summary["fleet"]["autoscaling"]["shutdown_requests_lost"]
+    assert lost > 0 and status["failed"] == lost and status["abandoned"] > 0
+    assert status.sum() == len(runs[0].requests)

@@ -219,3 +219,33 @@ def _trace400():
     from simkv.traces.schema import read_trace
 
     return read_trace("traces/req400.parquet")
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+@pytest.mark.parametrize("pacing", ["sessions", "concurrency"])
+def test_failures_under_paced_requests(retries, pacing):
+    """Conversations paced on their replies, or a client that keeps 24 requests in flight, on three
+    replicas two of which fail: what is lost is retried, or fails for good and ends its
+    conversation (its later turns never sent) or frees its client's slot; every row is accounted
+    for, and decode runs (which stop before any turn or retry another replica could release)
+    change no byte."""
+    from tests.replay.test_client_timeouts import _conversations
+
+    trace = _conversations(600, 20.0)
+    options = {"client_max_retries": retries} if retries else {}
+    if pacing == "concurrency":
+        options |= {"session_pacing": False, "client_max_concurrency": 24}
+    config = EngineConfig.from_flat(options)
+    fleet = FleetSpec(3, "least_outstanding", failures=FailureSpec.parse(["10:1", "20:2"], 5.0, 3))
+    runs = [replay(trace, config, fleet=fleet, use_decode_runs=flag) for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    summary, status = runs[0].summary, runs[0].requests["status"].value_counts()
+    lost = summary["fleet"]["failures"]["requests_lost"]
+    assert lost > 0 and status.sum() == len(trace)
+    if retries:
+        assert status.get("failed", 0) == 0 and summary["client"]["finished_after_retries"] > 0
+    else:
+        assert status["failed"] == lost
+    ended = status.get("abandoned", 0)
+    assert (ended > 0) == (pacing == "sessions" and not retries)
+    assert set(status.index) <= {"finished", "failed", "abandoned"}
