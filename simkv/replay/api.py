@@ -440,8 +440,6 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     if fleet.autoscale is not None:
         from simkv.replay.autoscale import Autoscaler
 
-        if fleet.autoscale.min_replicas == 0 and config.scheduler.has_clients:
-            raise ValueError("--autoscale 0-N (scale to zero) is not modelled with clients that give up or retry")
         autoscaler = Autoscaler(fleet.autoscale)
     failures = None
     if fleet.loses_requests:  # (lost requests' clients: FailurePlan counts what failures lose)

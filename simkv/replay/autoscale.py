@@ -53,7 +53,9 @@ highest that are up, so the MIN lowest slots, up from the start, always take req
 router chooses among the slots that are up (ready and not draining). With MIN 0 the fleet may
 scale to zero: a request that finds no slot up goes to the slot that will be ready first, and
 waits for it; if none is starting, it starts the lowest slot at once (KEDA's activation) and
-waits for its cold start (`held_requests`, `mean_hold_s`). Decisions are made at
+waits for its cold start (`held_requests`, `mean_hold_s`); a client whose deadline passes
+meanwhile gives up before vLLM schedules it (taken when the slot is ready; its retry is sent at
+the deadline plus its back-off, and waits too if no slot is up then). Decisions are made at
 fixed instants on the finishes strictly before them, so the replay stays deterministic, byte
 for byte.
 

@@ -524,9 +524,9 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
                     row = entry
                     self._send(self.make_request(row), row, ticks[row], 0)
             else:
-                if self.failure_ticks or self._nodes_fail or self.shutdown_at is not None:  # (sent before a
-                    # failure, reaching it after: lost)
-                    self._expire(now, now)
+                if self.failure_ticks or self._nodes_fail or self.shutdown_at is not None or self.routing.hold:
+                    self._expire(now, now)  # (sent before a failure and reaching it after: lost; held for a
+                    # cold start past its client's deadline: given up on before vLLM schedules it)
                 return
             if sessions is not None:  # (this replica could now release the row's next turn)
                 self.release_watch.delivered(sessions, row)

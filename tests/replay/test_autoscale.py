@@ -165,9 +165,30 @@ def test_a_fleet_scaled_to_zero_wakes_for_a_request_and_it_waits_the_cold_start(
     assert scaling["replica_seconds"] < 0.5 * result.summary["duration_s"]
     again = replay(trace, CONFIG, fleet=FleetSpec(2, "least_outstanding", autoscale=spec))
     pd.testing.assert_frame_equal(requests, again.requests)
-    with pytest.raises(ValueError, match="scale to zero"):
-        replay(trace, EngineConfig.from_flat({"max_model_len": 4096, "client_ttft_timeout_s": 5.0}),
-               fleet=FleetSpec(2, autoscale=spec))
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_clients_that_give_up_while_a_fleet_scaled_to_zero_starts(retries):
+    """MIN 0 and clients with a 5 s TTFT time-out: those sent early in the 20 s cold start give up
+    before any replica is ready, and vLLM never schedules them (their retries, 0.5 s later, wait
+    and give up too); those sent within 5 s of the ready instant are served. Decode runs change
+    no byte."""
+    arrivals = np.arange(0.0, 30.0, 0.5)
+    n = len(arrivals)
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": arrivals, "prompt_tokens": [500] * n,
+                                           "output_tokens": [50] * n}))
+    spec = AutoscaleSpec(0, 2, target=8, interval_s=15, cold_start_s=20, scale_down_window_s=60)
+    config = EngineConfig.from_flat({"max_model_len": 4096, "client_ttft_timeout_s": 5.0,
+                                     "client_max_retries": retries})
+    runs = [replay(trace, config, fleet=FleetSpec(2, "least_outstanding", autoscale=spec), use_decode_runs=flag)
+            for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    requests = runs[0].requests
+    gave_up = requests["arrival_time_s"] + 5.0 * (retries + 1) + 0.5 * retries <= 20.0  # (ready at 20 s)
+    assert gave_up.any() and (requests.loc[gave_up, "status"] == "timed_out").all()
+    assert requests.loc[gave_up, "first_scheduled_time_s"].isna().all()  # (never scheduled: no compute)
+    assert (requests.loc[requests["arrival_time_s"] > 15.0, "status"] == "finished").all()
+    assert runs[0].summary["client"]["timed_out_requests"] == gave_up.sum()
 
 
 def _ticks(seconds) -> np.ndarray:
