@@ -146,7 +146,7 @@ class AutoscaleSpec:
     node_mtbf_s: float | None = None  # nodes that fail: their mean time between failures (None: never)
     node_failure_seed: int = 0
     node_reclaim_notice_s: float = 0.0  # the warning before a node fails (a spot reclaim's: 120 s on AWS)
-    # a scale-down's end (simkv/replay/autoscale_shutdown.py): vLLM's --shutdown-timeout (None: a drain
+    # a scale-down's end (Autoscaler._shut_down): vLLM's --shutdown-timeout (None: a drain
     # to the last request), Kubernetes' terminationGracePeriodSeconds and a preStop hook's sleep
     shutdown_timeout_s: float | None = None
     termination_grace_s: float = 30.0
@@ -205,8 +205,8 @@ class AutoscaleSpec:
         self._check_shutdown()
 
     def _check_shutdown(self) -> None:
-        for name, flag in (("shutdown_timeout_s", "--shutdown-timeout"), ("termination_grace_s", "--termination-grace-s"),
-                           ("prestop_s", "--prestop-s")):
+        for name, flag in (("shutdown_timeout_s", "--shutdown-timeout"),
+                           ("termination_grace_s", "--termination-grace-s"), ("prestop_s", "--prestop-s")):
             value = getattr(self, name)
             if value is None:
                 continue

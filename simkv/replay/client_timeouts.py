@@ -590,11 +590,12 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
            if sc.client_retry_max_backoff_s is not None or sc.client_retry_jitter else {}),
         "attempts": int(attempts.sum()), "retries": int(np.maximum(attempts - 1, 0).sum()),
         "aborted": sum(abandoned),  # (by failures too, where a replica failed: simkv/replay/failures.py)
-        "aborted_by_deadline": {kind: n for k, (kind, n) in enumerate(zip(_KINDS, abandoned)) if k not in _LOST or n},
+        "aborted_by_deadline": {kind: n for k, (kind, n) in enumerate(zip(_KINDS, abandoned))
+                                if k not in _LOST or n},
         "aborted_after_prefill": sum(f.num_aborted_after_prefill for f in feeds),
         "abandoned_output_tokens": int(sum(f.abandoned_output_tokens for f in feeds)),
         "timed_out_requests": int((status == "timed_out").sum()),
-        **({"failed_requests": int((status == "failed").sum())} if abandoned[FAILURE] or abandoned[SHUTDOWN] else {}),
+        **({"failed_requests": int((status == "failed").sum())} if any(abandoned[k] for k in _LOST) else {}),
         "finished_after_retries": int(((status == "finished") & (attempts > 1)).sum()),
     } | ({"abandoned_turns": int((status == "abandoned").sum())} if paced else {})
 
