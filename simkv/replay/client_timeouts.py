@@ -149,23 +149,35 @@ class ClientDeadlines:
         for request in finished:
             del self._live[request.index]
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
+    def _send(self, request: Request, row: int, tick: int, attempt: int) -> list[tuple[int, int]] | None:
+        """Send attempt number `attempt` of `row` at `tick`: its deadlines (_ends), or None if the
+        front end refused it."""
         limits = self.queue_limits
         if limits is not None and not limits.admits(self.scheduler, request.num_samples):
             self._refused(row, attempt, tick)
-            return
+            return None
         request.may_resend = attempt < self.max_retries
         self._live[row] = (request, tick, attempt)
         self.attempts[row] = attempt + 1
-        for kind, timeout in enumerate(self._timeouts):
-            if timeout is not None:
-                heapq.heappush(self._deadlines, (tick + timeout, row, attempt, kind))
-        failure = self.next_failure(tick)
-        if failure is not None:  # (its replica fails while it is in flight: lost then)
-            heapq.heappush(self._deadlines, (failure, row, attempt, FAILURE))
+        ends = self._ends(tick)
+        for end, kind in ends:
+            heapq.heappush(self._deadlines, (end, row, attempt, kind))
         self.scheduler.add_request(request)
+        return ends
+
+    def _ends(self, tick: int) -> list[tuple[int, int]]:
+        """(tick, kind) of each end an attempt sent at `tick` may meet: its client's time-outs, its
+        replica's next failure, its replica's end after a scale-down (lost then)."""
+        ends = [(tick + timeout, kind) for kind, timeout in enumerate(self._timeouts) if timeout is not None]
+        failure = self.next_failure(tick)
+        if failure is not None:
+            ends.append((failure, FAILURE))
+        if self.shutdown_at is not None:
+            ends.append((self.shutdown_at, SHUTDOWN))
+        return ends
 
     failure_ticks: tuple[int, ...] = ()  # (a fleet's replica that fails: when; simkv/replay/failures.py)
+    shutdown_at: int | None = None  # (a fleet replica's end after a scale-down: simkv/replay/autoscale.py)
 
     def next_failure(self, tick: int) -> int | None:
         """This engine's next failure at or after `tick` (None: none)."""
@@ -410,20 +422,13 @@ class RoutedClients(ClientDeadlines):
             heapq.heappop(bounds)
         return None
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
-        super()._send(request, row, tick, attempt)
-        if request.may_resend:  # (counted as resendable when it was routed)
-            for kind, timeout in enumerate(self._timeouts):
-                if timeout is not None:
-                    bound = tick + timeout + self.backoff_ticks(row, attempt)
-                    heapq.heappush(self._resend_bounds, (bound, row, attempt, kind))
-            failure = self.next_failure(tick)
-            if failure is not None:
-                heapq.heappush(self._resend_bounds, (failure + self.backoff_ticks(row, attempt), row, attempt, FAILURE))
-        if self.shutdown_at is not None:  # (sent before its replica's end, reaching it after: lost then)
-            self._lose_at(self.shutdown_at, row, attempt, request.may_resend)
-
-    shutdown_at: int | None = None  # (its replica's end after a scale-down: simkv/replay/autoscale.py)
+    def _send(self, request: Request, row: int, tick: int, attempt: int) -> list[tuple[int, int]] | None:
+        ends = super()._send(request, row, tick, attempt)
+        if ends and request.may_resend:  # (counted as resendable when it was routed)
+            backoff = self.backoff_ticks(row, attempt)
+            for end, kind in ends:
+                heapq.heappush(self._resend_bounds, (end + backoff, row, attempt, kind))
+        return ends
 
     def shutdown(self, at: int) -> None:
         """A scale-down ends this replica at tick `at` (the drain that vLLM's --shutdown-timeout and
