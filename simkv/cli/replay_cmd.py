@@ -461,8 +461,8 @@ def read_autoscale(flags: dict, config_file: str | None = None, pools: bool = Fa
         return None
     try:
         return AutoscaleSpec.of(text, values)
-    except AutoscaleError as exc:
-        raise click.BadParameter(str(exc), param_hint="--autoscale") from None
+    except AutoscaleError as exc:  # (its text names the flag)
+        raise click.UsageError(str(exc)) from None
 
 
 def _pools_scale(disaggregation) -> bool:
@@ -554,8 +554,8 @@ def _with_failures(fleet, items: tuple[str, ...], restart_s: float | None, pools
     try:
         spec = FailureSpec.parse(items, restart_s, fleet.num_replicas, mtbf_s, seed)
         return replace(fleet, failures=spec)
-    except (FailureError, RouterError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--replica-failure") from None
+    except (FailureError, RouterError) as exc:  # (its text names the flag)
+        raise click.UsageError(str(exc)) from None
 
 
 def class_replica_items(class_replicas: tuple[str, ...], file: dict, config_file: str | None) -> tuple[list, bool]:

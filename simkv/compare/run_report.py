@@ -93,7 +93,7 @@ def _summary_table(summary: dict) -> str:
     if summary.get("client"):
         from simkv.replay.client_timeouts import client_row
 
-        rows.append(client_row(summary["client"]))
+        rows += filter(None, [client_row(summary["client"])])
     if summary.get("parallel_sampling"):
         from simkv.replay.results import parallel_sampling_row
 

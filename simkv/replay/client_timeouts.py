@@ -605,14 +605,17 @@ def client_section(sc, attempts: np.ndarray, requests, feeds: list[ClientDeadlin
     } | ({"abandoned_turns": int((status == "abandoned").sum())} if paced else {})
 
 
-def client_row(section: dict) -> tuple[str, str]:
-    """The report row of summary.json's `client` section (the terminal table and report.html)."""
+def client_row(section: dict) -> tuple[str, str] | None:
+    """The report row of summary.json's `client` section (the terminal table and report.html);
+    None when it says nothing (clients that neither give up nor retry, and lost nothing)."""
     limits = [f"{label} {section[key]:g} s" for label, key in (("TTFT", "ttft_timeout_s"), ("E2E", "timeout_s"))
               if section[key] is not None]
     where = section.get("aborted_in")  # (P/D: simkv/replay/disaggregated_clients.py)
     places = (f" ({where['prefill']:,} at a prefill replica, {where['handoff']:,} in the proxy's hop, "
               f"{where['decode_queue']:,} before their pull, {where['decode']:,} after it)" if where else "")
     if not limits:  # (no deadline: the clients retry the front end's 503s, or what a failed replica lost)
+        if not section["max_retries"] and "failed_requests" not in section:
+            return None
         failed = (f"; {section['failed_requests']:,} requests failed with their replica"
                   if "failed_requests" in section else "")
         return ("clients", f"{section['retries']:,} retries (at most {section['max_retries']} a request), "

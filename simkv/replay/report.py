@@ -165,7 +165,7 @@ def print_summary(summary: dict, out_dir: Path | None = None, console: Console |
     if client:
         from simkv.replay.client_timeouts import client_row
 
-        rows.append(client_row(client))
+        rows += filter(None, [client_row(client)])
     if summary.get("parallel_sampling"):
         from simkv.replay.results import parallel_sampling_row
 
