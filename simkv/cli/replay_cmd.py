@@ -400,10 +400,11 @@ def fleet_options(command):
                      help="With --node-gpus: a replica goes to the fullest node it fits (pack) or the emptiest "
                           "(spread) [default: pack]."),
         click.option("--shutdown-timeout", "shutdown_timeout", type=float, default=None, metavar="S",
-                     help="With --autoscale: vLLM's --shutdown-timeout: a replica scaled down gets SIGTERM, takes no "
-                          "new request and ends S seconds later (after --prestop-s, within --termination-grace-s), "
-                          "losing what it still has in flight (retried with --client-max-retries); vLLM's default 0 "
-                          "loses it at once [default: not modelled: it drains to its last request]."),
+                     help="With --autoscale: vLLM's --shutdown-timeout: a replica scaled down takes no new request, "
+                          "gets SIGTERM (after --prestop-s) and ends once its requests finish, at the latest S "
+                          "seconds later (within --termination-grace-s), losing what it still has in flight then "
+                          "(retried with --client-max-retries); vLLM's default 0 loses it at once [default: not "
+                          "modelled: it drains to its last request]."),
         click.option("--termination-grace-s", type=float, default=None, metavar="S",
                      help="With --shutdown-timeout: the pod's terminationGracePeriodSeconds, after which it is "
                           "killed whatever its drain [default: 30, Kubernetes']."),
