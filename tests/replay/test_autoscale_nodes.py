@@ -349,3 +349,19 @@ def test_a_reclaim_notice_replaces_the_replicas_before_their_node_fails(shutdown
         assert any(r == row["replica"] and row["arrival_time_s"] < t for t, r, _ in notices)
     if shutdown_timeout_s == 0.0:
         assert len(failed) > 0
+
+
+@pytest.mark.parametrize("notice_s, shutdown_timeout_s", [(20, None), (20, 0.0), (60, 5.0)])
+def test_decode_runs_change_no_bytes_with_reclaim_notices(notice_s, shutdown_timeout_s):
+    """Nodes warned before they fail, pods that drain or not, replicas scaling: jumping over
+    decode runs changes no request and no decision."""
+    extra = {} if shutdown_timeout_s is None else {"shutdown_timeout_s": shutdown_timeout_s}
+    spec = AutoscaleSpec(1, 3, target=8, cold_start_s=20, scale_down_window_s=60, node_gpus=2, node_provision_s=30,
+                         node_mtbf_s=150.0, node_failure_seed=2, node_reclaim_notice_s=notice_s, **extra)
+    config = EngineConfig.from_flat({"max_model_len": 4096, "client_max_retries": 1})
+    runs = [replay(bursts(), config, fleet=FleetSpec(3, "least_outstanding", autoscale=spec), use_decode_runs=flag)
+            for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    scaling = [run.summary["fleet"]["autoscaling"] for run in runs]
+    assert scaling[0]["events"] == scaling[1]["events"] and scaling[0]["nodes"]["nodes_failed"] > 0
+    assert any(e["action"] == "node_notice" for e in scaling[0]["events"])
