@@ -48,8 +48,6 @@ class FleetSpec:
             scales = self.autoscale is not None
             if self.class_replicas:
                 raise RouterError("--replica-failure is not modelled yet with --class-replicas")
-            if scales and self.autoscale.min_replicas == 0:
-                raise RouterError("--replica-failure is not modelled yet in a fleet that scales to zero")
             if self.num_replicas < 2 and not scales:
                 raise RouterError("--replica-failure: a fleet of one replica has nowhere to send requests while it "
                                   "is down (give --replicas 2 or more)")

@@ -250,8 +250,6 @@ class AutoscaleSpec:
             if not (self.node_mtbf_s > 0 and math.isfinite(self.node_mtbf_s)):
                 raise AutoscaleError(f"--node-mtbf-s must be a number of seconds > 0, got {self.node_mtbf_s}")
             object.__setattr__(self, "node_mtbf_s", float(self.node_mtbf_s))
-            if self.min_replicas == 0:
-                raise AutoscaleError("--node-mtbf-s is not modelled yet in a fleet that scales to zero")
         if self.node_reclaim_notice_s and self.node_mtbf_s is None:
             raise AutoscaleError("--node-reclaim-notice-s warns of a node's failure: give --node-mtbf-s too")
         placement = str(self.node_placement).strip().lower()
@@ -435,12 +433,29 @@ class Autoscaler:
         self.node_failed: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.not_before = [0] * n  # (an evicted pod's end: its slot's replacement is ready after it)
         self.restart = 0
+        self.on_ready_moved = None  # (FleetRouting.hold_until: the requests waiting for a slot follow its ready instant)
         # a scale-down's end (--shutdown-timeout): ticks from the drain to the pod's end (None: none),
         # each slot's end while it drains, and the attempts it lost (of them, those not retried)
         self.kill_after = None if spec.kill_after_s is None else to_ticks(spec.kill_after_s)
         self.kill_at: list[int | None] = [None] * n
         self.shutdown_lost = self.shutdown_failed = 0
         self.slot_gpus: list[tuple[int, str]] = []  # (GPUs, their kind) of each slot
+
+    @property
+    def eager(self) -> bool:
+        """It decides at its own instants (FleetRouting._next_decision): a scale-down ends its
+        replica at a deadline, or replicas and nodes fail (the requests held for a slot follow
+        its restarts as they happen)."""
+        return self.kill_after is not None or bool(self.failures) or (
+            self.nodes is not None and bool(self.nodes.mtbf_s))
+
+    def next_event(self) -> int:
+        """The tick of its next decision, failure or node failure (or notice)."""
+        at = self.next_eval
+        if self.failures:
+            at = min(at, self.failures[0][0])
+        upcoming = self.nodes.next_failure() if self.nodes is not None and self.nodes.mtbf_s else None
+        return at if upcoming is None else min(at, upcoming[0])
 
     def schedule_failures(self, plan) -> None:
         """The slots' own failures to come (simkv/replay/failures.py's FailurePlan): each pod up or
@@ -550,7 +565,7 @@ class Autoscaler:
                 self.ready_at[r] = self.draining_since[r] = None
             else:  # (a new pod, from its cold start)
                 placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
-                self.ready_at[r] = max(placed + self.cold_start, self.not_before[r])
+                self._ready_at(r, max(placed + self.cold_start, self.not_before[r]))
                 self._renew(r)
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_failure", "replica": r})
         self._mark(tick)
@@ -566,7 +581,7 @@ class Autoscaler:
             self.not_before[r] = max(self.not_before[r], loses + 1)
             if self.draining_since[r] is None:
                 placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
-                self.ready_at[r] = max(placed + self.cold_start, self.not_before[r])
+                self._ready_at(r, max(placed + self.cold_start, self.not_before[r]))
                 self._renew(r)
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_notice", "replica": r,
                                 "ends_s": loses / TICKS_PER_SECOND})
@@ -586,7 +601,7 @@ class Autoscaler:
         drained one just ends; a slot that is down has nothing to lose."""
         if self.ready_at[r] is None or self.draining_since[r] is not None:
             return
-        self.ready_at[r] = max(self.ready_at[r], tick + self.restart)
+        self._ready_at(r, max(self.ready_at[r], tick + self.restart))
         self._renew(r)
         self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "failure", "replica": r})
         self._mark(tick)
@@ -682,6 +697,12 @@ class Autoscaler:
             return sum(1 for d in recent if d > 0), sum(1 for d in recent if d < 0)
 
         return (self.spec.up_rules if up else self.spec.down_rules).limit(have, changes_within, up)
+
+    def _ready_at(self, r: int, ready: int) -> None:
+        """Slot `r`'s new pod is ready at `ready`: so are the requests held for it."""
+        self.ready_at[r] = ready
+        if self.on_ready_moved is not None:
+            self.on_ready_moved(r, ready)
 
     def _shut_down(self, r: int, at: int) -> None:
         """Slot `r`, draining, ends at tick `at` whatever it still has in flight: its feed loses

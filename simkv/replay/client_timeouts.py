@@ -149,9 +149,11 @@ class ClientDeadlines:
         for request in finished:
             del self._live[request.index]
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> list[tuple[int, int]] | None:
-        """Send attempt number `attempt` of `row` at `tick`: its deadlines (_ends), or None if the
-        front end refused it."""
+    def _send(self, request: Request, row: int, tick: int, attempt: int,
+              reached: int | None = None) -> list[tuple[int, int]] | None:
+        """Send attempt number `attempt` of `row` at `tick`, reaching the replica at `reached` (a
+        request held for a replica to be ready: then; None: at once): its deadlines (_ends), or
+        None if the front end refused it."""
         limits = self.queue_limits
         if limits is not None and not limits.admits(self.scheduler, request.num_samples):
             self._refused(row, attempt, tick)
@@ -159,17 +161,18 @@ class ClientDeadlines:
         request.may_resend = attempt < self.max_retries
         self._live[row] = (request, tick, attempt)
         self.attempts[row] = attempt + 1
-        ends = self._ends(tick)
+        ends = self._ends(tick, tick if reached is None else reached)
         for end, kind in ends:
             heapq.heappush(self._deadlines, (end, row, attempt, kind))
         self.scheduler.add_request(request)
         return ends
 
-    def _ends(self, tick: int) -> list[tuple[int, int]]:
-        """(tick, kind) of each end an attempt sent at `tick` may meet: its client's time-outs, its
-        replica's next failure, its replica's end after a scale-down (lost then)."""
+    def _ends(self, tick: int, reached: int) -> list[tuple[int, int]]:
+        """(tick, kind) of each end an attempt sent at `tick` may meet: its client's time-outs, the
+        next failure of its replica from when it reaches it, its replica's end after a scale-down
+        (lost then)."""
         ends = [(tick + timeout, kind) for kind, timeout in enumerate(self._timeouts) if timeout is not None]
-        failure = self.next_failure(tick)
+        failure = self.next_failure(reached)
         if failure is not None:
             ends.append((failure, FAILURE))
         if self.shutdown_at is not None:
@@ -422,8 +425,9 @@ class RoutedClients(ClientDeadlines):
             heapq.heappop(bounds)
         return None
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> list[tuple[int, int]] | None:
-        ends = super()._send(request, row, tick, attempt)
+    def _send(self, request: Request, row: int, tick: int, attempt: int,
+              reached: int | None = None) -> list[tuple[int, int]] | None:
+        ends = super()._send(request, row, tick, attempt, reached)
         if ends and request.may_resend:  # (counted as resendable when it was routed)
             backoff = self.backoff_ticks(row, attempt)
             for end, kind in ends:
@@ -515,11 +519,12 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
             row_due = queue and due(head) <= now  # (its arrival, or when the slot it waits for is ready)
             if retries and self._retry_due(retries[0]) <= now and (not row_due or (retries[0][0], retries[0][1])
                                                                    < (ticks[head], head)):
+                reached = self._retry_due(retries[0])
                 tick, row, attempt, *made = retries.popleft()
                 if made:  # (a row fanned out over data-parallel ranks: its first member, or another)
                     self._send_sequence(made[0], row, tick, attempt)
                 else:
-                    self._send(self.make_retry(row, attempt, tick), row, tick, attempt)
+                    self._send(self.make_retry(row, attempt, tick), row, tick, attempt, reached)
             elif row_due:
                 entry = queue.popleft()
                 if isinstance(entry, Request):
@@ -527,7 +532,7 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
                     self._send_sequence(entry, row, ticks[row], 0)
                 else:
                     row = entry
-                    self._send(self.make_request(row), row, ticks[row], 0)
+                    self._send(self.make_request(row), row, ticks[row], 0, due(row))
             else:
                 if self.failure_ticks or self._nodes_fail or self.shutdown_at is not None or self.routing.hold:
                     self._expire(now, now)  # (sent before a failure and reaching it after: lost; held for a

@@ -91,8 +91,8 @@ class _WakesAtDeadlines:
     pull or for blocks a send holds) is woken at their deadlines, as vLLM's engine, polling
     while its connector has work, takes an abort at once."""
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int) -> None:
-        super()._send(request, row, tick, attempt)
+    def _send(self, request: Request, row: int, tick: int, attempt: int, reached: int | None = None) -> None:
+        super()._send(request, row, tick, attempt, reached)
         pd = self.pd
         for timeout in self._timeouts:
             if timeout is not None and tick + timeout > pd.env.now:

@@ -18,10 +18,11 @@ seconds (its next failure drawn once it is back) over the trace's arrivals, seed
 `--failure-seed`: the same seed, the same failures. A drawn failure that would leave a fixed
 fleet with no replica up, or falls while its replica is down, is left out.
 
-In an autoscaled fleet (`--autoscale MIN-MAX`, MIN >= 1) R is a slot: a pod up or starting
-there restarts in place (ready S seconds after T, paid meanwhile, a new pod), a drained one just
-ends, and a slot that is down loses nothing; with no slot up, requests wait for the first one
-ready, as a fleet scaled to zero holds them.
+In an autoscaled fleet (`--autoscale MIN-MAX`) R is a slot: a pod up or starting there restarts
+in place (ready S seconds after T, paid meanwhile, a new pod), a drained one just ends, and a
+slot that is down loses nothing; with no slot up, requests wait for the first one ready, as a
+fleet scaled to zero holds them, and a request waiting for a slot whose pod fails before it is
+up waits for the next pod (it never reached the one that failed).
 
 Modelled for fleets of simulated replicas (`--replicas N`, fixed or autoscaled); not yet for P/D
 pools, data-parallel ranks or encoder replicas. Paced requests (conversations paced on their

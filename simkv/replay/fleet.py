@@ -85,18 +85,19 @@ class FleetRouting:
         return decision if decision is not None and (nxt is None or decision < nxt) else nxt
 
     def _next_decision(self, routing_left: bool) -> int | None:
-        """An autoscaler whose scale-downs end replicas at a deadline (--shutdown-timeout) decides
-        at its own instants, while there is anything to route or in flight: a drain's end falls
-        then, not at the next arrival (None: it decides as arrivals are routed)."""
+        """An autoscaler whose scale-downs end replicas at a deadline (--shutdown-timeout), or
+        whose replicas or nodes fail, decides at its own instants while there is anything to
+        route or in flight: a drain's end falls then, and the requests held for a slot follow its
+        restart then, not at the next arrival (None: it decides as arrivals are routed)."""
         if not self._decides(routing_left):
             return None
-        return self.autoscaler.next_eval
+        return self.autoscaler.next_event()
 
     def _decides(self, routing_left: bool) -> bool:
         """The autoscaler decides at its own instants (_next_decision), and the replay goes on:
         anything to route, or anything in flight."""
         scaler = self.autoscaler
-        if scaler is None or scaler.kill_after is None or not self.engines:
+        if scaler is None or not scaler.eager or not self.engines:
             return False
         return routing_left or any(self.loads_at(self.engines[0].env.now))
 
@@ -306,6 +307,19 @@ class FleetRouting:
             engine.env.process(self._wake_at(engine, hold))
         return r
 
+    def hold_until(self, r: int, ready: int) -> None:
+        """Slot `r`, which requests wait for (scale to zero, or every slot down), is now ready at
+        `ready` (its pod failed, or its node, before it was up): they wait until then."""
+        rows = [row_of(entry) for entry in self.queues[r]] + [entry[1] for entry in self.retry_queues[r]]
+        moved = False
+        for row in rows:
+            if self.hold.get(row, ready) < ready:
+                self.hold[row] = ready
+                moved = True
+        if moved:
+            engine = self.engines[r]
+            engine.env.process(self._wake_at(engine, ready))
+
     def due(self, row: int) -> int:
         """When a routed row reaches its replica: its arrival, or when the slot it waits for is ready."""
         return self.hold.get(row, self._arrival_ticks[row])
@@ -416,6 +430,7 @@ def run_fleet(trace, config, backends: list, num_gpu_blocks: int, router: Router
     routing.engines = engines
     if autoscaler is not None:
         autoscaler.watch(engines, router, routing.hold)
+        autoscaler.on_ready_moved = routing.hold_until
     for engine in engines if prepare is not None else ():
         prepare(engine)
     processes = [engine.start(own_arrivals=False) for engine in engines]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -12,6 +13,7 @@ from simkv.config import EngineConfig
 from simkv.replay.api import FleetSpec, replay
 from simkv.replay.autoscale import AutoscaleError, AutoscaleSpec, Autoscaler
 from simkv.replay.autoscale_nodes import NodePool
+from simkv.traces import trace_from_frame
 from tests.cli_runs import cli_fails, cli_ok
 from tests.replay.test_autoscale import bursts
 
@@ -259,8 +261,6 @@ def test_nodes_that_fail_are_drawn_seeded_and_take_their_replicas():
     assert a.section(at)["nodes_failed"] == 1
     with pytest.raises(AutoscaleError, match="give --node-gpus too"):
         AutoscaleSpec(1, 2, node_mtbf_s=100.0)
-    with pytest.raises(AutoscaleError, match="scales to zero"):
-        AutoscaleSpec(0, 2, node_gpus=2, node_mtbf_s=100.0)
     from simkv.config import ConfigError
     from simkv.replay.disaggregated import DisaggregationSpec
 
@@ -365,3 +365,24 @@ def test_decode_runs_change_no_bytes_with_reclaim_notices(notice_s, shutdown_tim
     scaling = [run.summary["fleet"]["autoscaling"] for run in runs]
     assert scaling[0]["events"] == scaling[1]["events"] and scaling[0]["nodes"]["nodes_failed"] > 0
     assert any(e["action"] == "node_notice" for e in scaling[0]["events"])
+
+
+def test_requests_held_for_a_replica_whose_node_fails_wait_for_its_next_pod():
+    """MIN 0 on one-GPU nodes that fail every 15 s on average: the first requests wait for a
+    replica whose node fails twice before it is up (at 16.1 and 20.7 s); they wait for the pod
+    placed after the second failure, ready 20 s later, and none is lost (none reached a pod that
+    failed). Decode runs change no byte."""
+    arrivals = np.arange(0.0, 6.0, 0.5)
+    n = len(arrivals)
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": arrivals, "prompt_tokens": [500] * n,
+                                           "output_tokens": [50] * n}))
+    spec = AutoscaleSpec(0, 2, target=64, cold_start_s=20, scale_down_window_s=60, node_gpus=1, node_provision_s=0,
+                         node_mtbf_s=15.0, node_failure_seed=1)
+    runs = [replay(trace, CONFIG, fleet=FleetSpec(2, "least_outstanding", autoscale=spec), use_decode_runs=flag)
+            for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    scaling, requests = runs[0].summary["fleet"]["autoscaling"], runs[0].requests
+    failures = [e["time_s"] for e in scaling["events"] if e["action"] == "node_failure"]
+    assert len(failures) == 2 and failures[-1] < 21.0
+    assert (requests["status"] == "finished").all() and scaling["nodes"]["requests_lost"] == 0
+    assert requests["first_scheduled_time_s"].min() == pytest.approx(failures[-1] + 20.0)

@@ -98,8 +98,6 @@ def test_failures_are_checked():
         FleetSpec(2, failures=FailureSpec.parse(["10:0", "20:1"], 60, 2))
     from simkv.replay.autoscale import AutoscaleSpec
 
-    with pytest.raises(RouterError, match="not modelled yet in a fleet that scales to zero"):
-        FleetSpec(2, failures=spec, autoscale=AutoscaleSpec(0, 2))
     FleetSpec(2, failures=FailureSpec.parse(["10:0", "20:1"], 60, 2), autoscale=AutoscaleSpec(1, 2))  # (it holds)
     with pytest.raises(ConfigError, match="client_max_retries retries requests that timed out"):
         replay(bursts(), _config(client_max_retries=1), fleet=FleetSpec(2))
@@ -114,8 +112,7 @@ def test_the_cli_fails_a_replica(tmp_path):
     for args, message in ((["--replica-failure", "3:0"], "give --replicas 2 or more"),
                           (["--replicas", "2", "--replica-failure", "3"], "expected T:R"),
                           (["--replicas", "2", "--restart-s", "5"], "give --replica-failure"),
-                          (["--prefill-replicas", "1", "--replica-failure", "3:0"], "not modelled yet for P/D"),
-                          (["--autoscale", "0-2", "--replica-failure", "3:0"], "scales to zero")):
+                          (["--prefill-replicas", "1", "--replica-failure", "3:0"], "not modelled yet for P/D")):
         assert message in cli_fails(["replay", "traces/req400.parquet", *args])
 
 
@@ -249,3 +246,20 @@ def test_failures_under_paced_requests(retries, pacing):
     ended = status.get("abandoned", 0)
     assert (ended > 0) == (pacing == "sessions" and not retries)
     assert set(status.index) <= {"finished", "failed", "abandoned"}
+
+
+def test_requests_held_for_a_slot_that_fails_before_it_is_ready_wait_for_its_restart():
+    """Scaled to zero, the first requests wait for slot 0's 20 s cold start; it fails at 10 s and
+    restarts 30 s later: they wait for that (none reached the pod that failed, none is lost)."""
+    from simkv.replay.autoscale import AutoscaleSpec
+
+    arrivals = np.arange(0.0, 12.0, 0.5)
+    n = len(arrivals)
+    trace = trace_from_frame(pd.DataFrame({"arrival_time_s": arrivals, "prompt_tokens": [500] * n,
+                                           "output_tokens": [50] * n}))
+    spec = AutoscaleSpec(0, 2, target=64, interval_s=15, cold_start_s=20, scale_down_window_s=60)
+    result = replay(trace, _config(), fleet=FleetSpec(2, "least_outstanding", autoscale=spec,
+                                                      failures=FailureSpec.parse(["10:0"], 30.0, 2)))
+    requests = result.requests
+    assert (requests["status"] == "finished").all() and result.summary["fleet"]["failures"]["requests_lost"] == 0
+    assert (requests["replica"] == 0).all() and requests["first_scheduled_time_s"].min() == pytest.approx(40.0)
