@@ -11,7 +11,6 @@ import pytest
 from simkv.config import ConfigError, EngineConfig
 from simkv.replay.api import FleetSpec, replay
 from simkv.replay.failures import FailureError, FailureSpec
-from simkv.replay.router import RouterError
 from simkv.traces import trace_from_frame
 from tests.cli_runs import cli_fails, cli_ok
 from tests.replay.test_autoscale import bursts
