@@ -41,8 +41,9 @@ scale-down may remove any number). It then wants:
   vLLM's drain after SIGTERM, within Kubernetes' grace period): what it still has in flight then
   is lost (its feed aborts it, ReplicaClientFeed.shutdown; the clients retry it through the
   router, or it is `failed`), and until then it cannot be started again (a new pod can, once
-  the old one is gone). The autoscaler then decides at its own instants, not as arrivals are
-  routed (FleetRouting._next_decision), so that a pod ends on time.
+  the old one is gone; scaled to zero with every pod ending, the one that ends first is
+  followed by a new pod, its cold start from that end). The autoscaler then decides at its own
+  instants, not as arrivals are routed (FleetRouting._next_decision), so that a pod ends on time.
 With `scale_up_window_s` (HPA's scale-up stabilisation window, 0 by default) it starts only as
 many as the least wish over that window asked for. A drained slot started again after its last
 request is a new pod: its engine's GPU prefix cache starts empty, and a prefix-aware router
@@ -216,8 +217,6 @@ class AutoscaleSpec:
         if self.shutdown_timeout_s is None and (self.termination_grace_s, self.prestop_s) != (30.0, 0.0):
             raise AutoscaleError("--termination-grace-s and --prestop-s bound a scale-down's drain: give "
                                  "--shutdown-timeout too (vLLM's; 0 aborts what is in flight at once)")
-        if self.shutdown_timeout_s is not None and self.min_replicas == 0:
-            raise AutoscaleError("--shutdown-timeout is not modelled yet in a fleet that scales to zero")
 
     @property
     def kill_after_s(self) -> float | None:
@@ -508,14 +507,24 @@ class Autoscaler:
         """No slot is up at `tick`: the slots that will be ready first, and when; a request that
         arrived at `arrival` waits for them. If none is starting, the lowest slot that is down
         (or drained and done) starts now (activation); with none, the lowest still draining
-        keeps its place, warm, and takes it now. `loads`: each slot's requests in flight."""
+        keeps its place, warm, and takes it now, unless its pod is ending (--shutdown-timeout, a
+        node's notice): if every one is, the slot whose pod ends first starts a new pod after
+        that end. `loads`: each slot's requests in flight."""
         self._release_done(loads)
         starting = {r: at for r, at in enumerate(self.ready_at)
                     if at is not None and at > tick and self.draining_since[r] is None}
         if not starting:
             idle = [r for r, at in enumerate(self.ready_at) if at is None or loads[r] == 0]
-            r = idle[0] if idle else min(r for r, since in enumerate(self.draining_since) if since is not None)
-            self._start(r, tick, loads[r])
+            draining = [r for r, since in enumerate(self.draining_since) if since is not None]
+            warm = [r for r in draining if not self._ending(r, loads[r], tick)]
+            if idle or warm:
+                r = (idle or warm)[0]
+                self._start(r, tick, loads[r])
+            else:  # (every pod is ending: a new one in the slot whose old one ends first, after it)
+                r = min(draining, key=lambda q: (self._end_of(q, tick), q))
+                end = self._end_of(r, tick)
+                self.not_before[r] = max(self.not_before[r], end + 1)
+                self._start(r, tick, 0, old_end=end)
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "activate", "replicas": 1,
                                 "in_flight": 0, "values": {}})
             self._mark(tick)
@@ -722,22 +731,32 @@ class Autoscaler:
         self.shutdown_lost += 1
         self.shutdown_failed += for_good
 
-    def _start(self, r: int, tick: int, in_flight: int) -> None:
+    def _start(self, r: int, tick: int, in_flight: int, old_end: int = 0) -> None:
+        """Start slot `r` at `tick`: a draining pod with `in_flight` requests takes requests again
+        (warm); else a new pod, the old one paid until its last request (or `old_end`, when it
+        ends later), its cold start from then."""
         self.changes.append((tick, +1))  # (a replica more, for HPA's scaling policies, warm or not)
         drained = self.draining_since[r]
         self.draining_since[r] = None
         if self.kill_at[r] is not None:  # (that pod ended: this one is new)
             self.kill_at[r] = None
-            self.engines[r].feed.reopen()
+            if self.engines:
+                self.engines[r].feed.reopen()
         if drained is not None and in_flight > 0:  # (still up, finishing its requests: warm)
             return
         if drained is not None:  # (its last request finished before now: paid until then; a new pod)
-            self.paid[r][-1] = (self.paid[r][-1][0], max(drained, self.last_finish[r]))
+            self.paid[r][-1] = (self.paid[r][-1][0], max(drained, self.last_finish[r], old_end))
             self._release(r, self.paid[r][-1][1])
             self._renew(r)
         ready = tick if self.nodes is None else self.nodes.place((self.pool, r), *self.slot_gpus[r], tick)
-        self.ready_at[r] = ready + self.cold_start
+        self.ready_at[r] = max(max(ready, old_end) + self.cold_start, self.not_before[r])  # (its GPUs once freed)
         self.paid[r].append((tick, None))
+
+    def _end_of(self, r: int, tick: int) -> int:
+        """When slot `r`'s pod, ending at `tick` (_ending), ends: its scale-down's deadline, or
+        its node's loss."""
+        lost = self.not_before[r] - 1 if self.not_before[r] > tick else None
+        return min(t for t in (self.kill_at[r], lost) if t is not None)
 
     def _release(self, r: int, tick: int) -> None:
         """Slot `r`'s pod stopped at `tick`: its GPUs on its node are free from then."""

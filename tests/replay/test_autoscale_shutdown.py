@@ -103,8 +103,6 @@ def test_bad_shutdown_settings_are_refused():
         AutoscaleSpec(1, 4, shutdown_timeout_s=-1)
     with pytest.raises(AutoscaleError, match="give --shutdown-timeout too"):
         AutoscaleSpec(1, 4, termination_grace_s=60)
-    with pytest.raises(AutoscaleError, match="scales to zero"):
-        AutoscaleSpec(0, 4, shutdown_timeout_s=0)
     assert "--shutdown-timeout sets the autoscaler" in cli_fails(
         ["replay", "traces/req400.parquet", "--shutdown-timeout", "0"])
     assert "not modelled yet for a P/D pool" in cli_fails(
@@ -153,4 +151,32 @@ def test_scale_down_ends_under_paced_conversations():
     status = runs[0].requests["status"].value_counts()
     lost = runs[0].summary["fleet"]["autoscaling"]["shutdown_requests_lost"]
     assert lost > 0 and status["failed"] == lost and status["abandoned"] > 0
+    assert status.sum() == len(runs[0].requests)
+
+
+def test_a_fleet_scaled_to_zero_whose_pods_are_all_ending_starts_a_new_one_after_the_first_end():
+    """Scaled to zero while both slots' pods still drain toward their ends (8 s and 12 s): a
+    request that arrives at 4 s starts a new pod in the slot that ends first, its 10 s cold start
+    from that end (its GPUs free then); the old pod is paid until its end."""
+    from simkv.clock import TICKS_PER_SECOND as S
+    from simkv.replay.autoscale import Autoscaler
+
+    scaler = Autoscaler(AutoscaleSpec(0, 2, cold_start_s=10, shutdown_timeout_s=5))
+    scaler.ready_at, scaler.draining_since = [0, 0], [3 * S, 3 * S]
+    scaler.kill_at, scaler.paid = [12 * S, 8 * S], [[(0, None)], [(0, None)]]
+    slots, ready = scaler.hold_slots(4 * S, 4 * S, loads=[2, 3])
+    assert slots == (1,) and ready == 18 * S and scaler.ready_at[1] == 18 * S
+    assert scaler.paid[1] == [(0, 8 * S), (4 * S, None)] and scaler.kill_at[1] is None
+    assert scaler.draining_since == [3 * S, None]  # (slot 0 still drains toward its end)
+
+
+def test_scale_down_ends_in_a_fleet_that_scales_to_zero():
+    """MIN 0 with vLLM's default shutdown: decode runs change no byte, every row accounted for."""
+    spec = AutoscaleSpec(0, 4, **SCALING, shutdown_timeout_s=0)
+    runs = [replay(ebb(), CONFIG, fleet=FleetSpec(4, "least_outstanding", autoscale=spec), use_decode_runs=flag)
+            for flag in (True, False)]
+    pd.testing.assert_frame_equal(runs[0].requests, runs[1].requests)
+    scaling = runs[0].summary["fleet"]["autoscaling"]
+    status = runs[0].requests["status"].value_counts()
+    assert scaling["shutdown_requests_lost"] > 0 and status["failed"] == scaling["shutdown_requests_failed"]
     assert status.sum() == len(runs[0].requests)
