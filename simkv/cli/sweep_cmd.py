@@ -90,18 +90,15 @@ def _check_retries(cells) -> None:
     """Clients' retries (client_max_retries) with nothing to retry in any cell are refused, as a
     replay refuses them; beside cells that have a use for them, a cell without (a grid's
     baseline) runs without them (simkv/sweep/worker.py)."""
-    from simkv.config import EngineConfig
     from simkv.replay.api import retries_have_use
     from simkv.sweep import SweepError
-    from simkv.sweep.worker import encode_spec, pool_specs
+    from simkv.sweep.worker import cell_specs
 
     retrying = [cell for cell in cells if dict(cell.options).get("client_max_retries")]
     for cell in retrying:
         try:
-            config = EngineConfig.from_flat(dict(cell.options))
-            fleet = dict(cell.fleet)
-            encode_spec(fleet, config)
-            if retries_have_use(config, pool_specs(fleet)[0]):
+            config, _, fleet, _ = cell_specs(cell.options, cell.fleet)
+            if retries_have_use(config, fleet):
                 return
         except ValueError:
             return  # (a cell that does not build says so itself when it runs)

@@ -442,6 +442,7 @@ def _replay_fleet(trace, config, cost_model, cost_options, use_decode_runs, on_p
     failures = None
     if fleet.loses_requests:  # (lost requests' clients: FailurePlan counts what failures lose)
         from simkv.replay.failures import FailurePlan, FailureSpec
+
         arrivals = np.asarray(trace.arrival_time_s, dtype=np.float64)
         span = float(arrivals.max()) if len(arrivals) else 0.0  # (random failures over the arrivals)
         given = fleet.failures if fleet.failures is not None else FailureSpec(())  # (nodes' failures, or none)

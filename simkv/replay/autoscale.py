@@ -450,11 +450,18 @@ class Autoscaler:
 
     def next_event(self) -> int:
         """The tick of its next decision, failure or node failure (or notice)."""
-        at = self.next_eval
+        return self._next_due()[0]
+
+    def _next_due(self) -> tuple[int, int, int]:
+        """(tick, kind, node) of what is due next, in time order, at one instant a replica's failure
+        (kind 0) before a node's failure or notice (1, `node` its index) before a decision (2)."""
+        events = [(self.next_eval, 2, -1)]
         if self.failures:
-            at = min(at, self.failures[0][0])
+            events.append((self.failures[0][0], 0, -1))
         upcoming = self.nodes.next_failure() if self.nodes is not None and self.nodes.mtbf_s else None
-        return at if upcoming is None else min(at, upcoming[0])
+        if upcoming is not None:
+            events.append((upcoming[0], 1, upcoming[1]))
+        return min(events)
 
     def schedule_failures(self, plan) -> None:
         """The slots' own failures to come (simkv/replay/failures.py's FailurePlan): each pod up or
@@ -539,20 +546,13 @@ class Autoscaler:
     def advance(self, tick: int, loads_at) -> None:
         """Make every decision due at or before `tick`; `loads_at(t)`: each slot's requests in
         flight at t (the finishes strictly before t)."""
-        failures, nodes = self.failures, self.nodes if self.nodes is not None and self.nodes.mtbf_s else None
-        while True:  # (in time order; at one instant failures first, a replica's before a node's)
-            events = [(self.next_eval, 2, -1)]
-            if failures:
-                events.append((failures[0][0], 0, -1))
-            upcoming = nodes.next_failure() if nodes is not None else None
-            if upcoming is not None:
-                events.append((upcoming[0], 1, upcoming[1]))
-            at, kind, node = min(events)
+        while True:
+            at, kind, node = self._next_due()
             if at > tick:
                 break
             if kind == 0:
-                self._fail(*failures.pop(0))
-            elif kind == 1 and nodes.due_notice(node):
+                self._fail(*self.failures.pop(0))
+            elif kind == 1 and self.nodes.due_notice(node):
                 self._node_notice(at, node)
             elif kind == 1:
                 self._node_fails(at, node)
@@ -572,10 +572,8 @@ class Autoscaler:
             if self.draining_since[r] is not None:  # (gone with its node: paid until now)
                 self.paid[r][-1] = (self.paid[r][-1][0], tick)
                 self.ready_at[r] = self.draining_since[r] = None
-            else:  # (a new pod, from its cold start)
-                placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
-                self._ready_at(r, max(placed + self.cold_start, self.not_before[r]))
-                self._renew(r)
+            else:
+                self._replace(pool, r, tick)
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_failure", "replica": r})
         self._mark(tick)
 
@@ -589,12 +587,17 @@ class Autoscaler:
             self.node_failed[r].append((tick, loses))  # (sent from now: to its replacement)
             self.not_before[r] = max(self.not_before[r], loses + 1)
             if self.draining_since[r] is None:
-                placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
-                self._ready_at(r, max(placed + self.cold_start, self.not_before[r]))
-                self._renew(r)
+                self._replace(pool, r, tick)
             self.events.append({"time_s": tick / TICKS_PER_SECOND, "action": "node_notice", "replica": r,
                                 "ends_s": loses / TICKS_PER_SECOND})
         self._mark(tick)
+
+    def _replace(self, pool: str, r: int, tick: int) -> None:
+        """Slot `r`'s pod, up or starting, gone with its node at `tick`: a new pod placed anew,
+        ready after its cold start (and not before an evicted pod's end)."""
+        placed = self.nodes.place((pool, r), *self.slot_gpus[r], tick)
+        self._ready_at(r, max(placed + self.cold_start, self.not_before[r]))
+        self._renew(r)
 
     def node_failure_after(self, r: int, tick: int) -> int | None:
         """The first failure, at or after `tick`, of a node under slot `r` (None: none known)."""

@@ -149,23 +149,25 @@ class ClientDeadlines:
         for request in finished:
             del self._live[request.index]
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int,
-              reached: int | None = None) -> list[tuple[int, int]] | None:
+    def _send(self, request: Request, row: int, tick: int, attempt: int, reached: int | None = None) -> None:
         """Send attempt number `attempt` of `row` at `tick`, reaching the replica at `reached` (a
-        request held for a replica to be ready: then; None: at once): its deadlines (_ends), or
-        None if the front end refused it."""
+        request held for a replica to be ready: then; None: at once), unless the front end
+        refuses it."""
         limits = self.queue_limits
         if limits is not None and not limits.admits(self.scheduler, request.num_samples):
             self._refused(row, attempt, tick)
-            return None
+            return
         request.may_resend = attempt < self.max_retries
         self._live[row] = (request, tick, attempt)
         self.attempts[row] = attempt + 1
-        ends = self._ends(tick, tick if reached is None else reached)
+        self._watch(self._ends(tick, tick if reached is None else reached), row, attempt, request.may_resend)
+        self.scheduler.add_request(request)
+
+    def _watch(self, ends: list[tuple[int, int]], row: int, attempt: int, may_resend: bool) -> None:
+        """The attempt's client gives up, or loses it, at each of `ends` ((tick, kind)) it has not
+        finished by."""
         for end, kind in ends:
             heapq.heappush(self._deadlines, (end, row, attempt, kind))
-        self.scheduler.add_request(request)
-        return ends
 
     def _ends(self, tick: int, reached: int) -> list[tuple[int, int]]:
         """(tick, kind) of each end an attempt sent at `tick` may meet: its client's time-outs, the
@@ -425,30 +427,25 @@ class RoutedClients(ClientDeadlines):
             heapq.heappop(bounds)
         return None
 
-    def _send(self, request: Request, row: int, tick: int, attempt: int,
-              reached: int | None = None) -> list[tuple[int, int]] | None:
-        ends = super()._send(request, row, tick, attempt, reached)
-        if ends and request.may_resend:  # (counted as resendable when it was routed)
+    def _watch(self, ends: list[tuple[int, int]], row: int, attempt: int, may_resend: bool) -> None:
+        """As one engine's clients; and a retry the attempt's client may send after each end bounds
+        the other replicas' decode runs (counted as resendable when it was routed)."""
+        super()._watch(ends, row, attempt, may_resend)
+        if may_resend:
             backoff = self.backoff_ticks(row, attempt)
             for end, kind in ends:
                 heapq.heappush(self._resend_bounds, (end + backoff, row, attempt, kind))
-        return ends
 
     def shutdown(self, at: int) -> None:
         """A scale-down ends this replica at tick `at` (the drain that vLLM's --shutdown-timeout and
         the pod's grace period allow): the attempts still in flight then are lost, as at a failure."""
         self.shutdown_at = at
         for row, (request, _, attempt) in self._live.items():
-            self._lose_at(at, row, attempt, request.may_resend)
+            self._watch([(at, SHUTDOWN)], row, attempt, request.may_resend)
 
     def reopen(self) -> None:
         """A new pod in its slot takes requests: none is lost at the old one's end."""
         self.shutdown_at = None
-
-    def _lose_at(self, at: int, row: int, attempt: int, may_resend: bool) -> None:
-        heapq.heappush(self._deadlines, (at, row, attempt, SHUTDOWN))
-        if may_resend:
-            heapq.heappush(self._resend_bounds, (at + self.backoff_ticks(row, attempt), row, attempt, SHUTDOWN))
 
     def _finished_for_good(self, finished: list[Request], tick: int) -> None:
         """These attempts finished: their clients have them, and will not resend them."""
@@ -517,9 +514,9 @@ class ReplicaClientFeed(RoutedClients, ReplicaFeed):
         while True:
             head = row_of(queue[0]) if queue else -1
             row_due = queue and due(head) <= now  # (its arrival, or when the slot it waits for is ready)
-            if retries and self._retry_due(retries[0]) <= now and (not row_due or (retries[0][0], retries[0][1])
-                                                                   < (ticks[head], head)):
-                reached = self._retry_due(retries[0])
+            reached = self._retry_due(retries[0]) if retries else None
+            if reached is not None and reached <= now and (not row_due or (retries[0][0], retries[0][1])
+                                                           < (ticks[head], head)):
                 tick, row, attempt, *made = retries.popleft()
                 if made:  # (a row fanned out over data-parallel ranks: its first member, or another)
                     self._send_sequence(made[0], row, tick, attempt)

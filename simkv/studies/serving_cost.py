@@ -133,7 +133,8 @@ def paid_cost(gpu_hours_by_gpu: dict[str, float], duration_s: float, prices: dic
 
 def _spent(gpu_hours_by_gpu: dict[str, float], prices: dict[str, float]) -> tuple[float, list[dict]]:
     """GPU-hours priced (every kind has a price): the USD spent, and each kind's record."""
-    kinds = [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]} for gpu, hours in gpu_hours_by_gpu.items()]
+    kinds = [{"gpu": gpu, "gpu_hours": hours, "usd_per_gpu_hour": prices[gpu]}
+             for gpu, hours in gpu_hours_by_gpu.items()]
     return sum(k["gpu_hours"] * k["usd_per_gpu_hour"] for k in kinds), kinds
 
 
@@ -187,7 +188,8 @@ def replay_cost(summary: dict, gpu_hours_by_gpu: dict[str, float], prices: dict[
     tokens = summary["output_throughput_tok_s"] * duration
     finished = summary["num_finished"]
     good = (summary.get("goodput") or {}).get("num_good")
-    return {"gpu_hours": sum(gpu_hours_by_gpu.values()), "kinds": kinds, "usd_spent": spent, "usd_per_hour": spent / (duration / 3600.0) if duration > 0 else None,
+    return {"gpu_hours": sum(gpu_hours_by_gpu.values()), "kinds": kinds, "usd_spent": spent,
+            "usd_per_hour": spent / (duration / 3600.0) if duration > 0 else None,
             "usd_per_1k_requests": spent / finished * 1e3 if finished else None,
             "usd_per_1m_output_tokens": spent / tokens * 1e6 if tokens > 0 else None,
             "usd_per_1k_good_requests": spent / good * 1e3 if good else None}

@@ -80,19 +80,16 @@ def run_sweep(cells: list[Cell], swept_keys: list[str], out_dir: str | Path, exe
 def _priced(outcome: dict, cells: list[Cell], prices: dict[str, float]) -> dict:
     """A finished cell's outcome with its summary's `cost` (simkv replay --gpu-price's); a cell
     on a GPU without a price is not costed."""
-    from simkv.config import EngineConfig
     from simkv.studies.serving_cost import PriceError, replay_cost, replay_gpu_hours
-    from simkv.sweep.worker import encode_spec, pool_specs
+    from simkv.sweep.worker import cell_specs
 
     if outcome["status"] != "ok":
         return outcome
     cell = next(c for c in cells if c.cell_id == outcome["cell_id"])
-    fleet = dict(cell.fleet)
     summary = outcome["summary"]
     try:
-        config = EngineConfig.from_flat(dict(cell.options))
-        encode = encode_spec(fleet, config)  # (taken out of the cell's keys)
-        hours = replay_gpu_hours(summary, config, *pool_specs(fleet), encode)
+        config, encode, fleet, disaggregation = cell_specs(cell.options, cell.fleet)
+        hours = replay_gpu_hours(summary, config, fleet, disaggregation, encode)
         cost = replay_cost(summary, hours, prices)
     except PriceError:
         return outcome

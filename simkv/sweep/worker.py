@@ -32,14 +32,10 @@ def _read(trace_path: str, trace_bytes: bytes | None):
 def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
     """Replay one cell; returns {'cell_id', 'status': 'ok', 'summary'} or {'cell_id', 'status': 'failed', 'error'}."""
     try:
-        from simkv.config import EngineConfig
         from simkv.replay.api import replay
 
-        config = EngineConfig.from_flat(task["options"])
+        config, encode, fleet, disaggregation = cell_specs(task["options"], task.get("fleet"))
         trace = _read(task["trace"], trace_bytes)
-        cell = dict(task.get("fleet") or {})
-        encode = encode_spec(cell, config)
-        fleet, disaggregation = pool_specs(cell)
         config = without_idle_retries(config, fleet)
         result = replay(trace, config, task["cost_model"], task["cost_options"], goodput=task.get("goodput"),
                         fleet=fleet, disaggregation=disaggregation, encode=encode)
@@ -53,6 +49,17 @@ def run_cell(task: dict, trace_bytes: bytes | None = None) -> dict:
     except Exception as exc:  # noqa: BLE001 - any bug in one cell must not lose the others
         return {"cell_id": task["cell_id"], "status": "failed", "error": _one_line(exc),
                 "detail": traceback.format_exc()}
+
+
+def cell_specs(options: dict, fleet: dict | None):
+    """A cell's engine config (its `options`), and its encode pool, fleet and P/D pools (from its
+    `fleet` keys): (EngineConfig, EncodeSpec | None, FleetSpec | None, DisaggregationSpec | None)."""
+    from simkv.config import EngineConfig
+
+    config = EngineConfig.from_flat(dict(options))
+    keys = dict(fleet or {})
+    encode = encode_spec(keys, config)  # (its keys taken out of the rest)
+    return (config, encode, *pool_specs(keys))
 
 
 def without_idle_retries(config, fleet):
